@@ -1,0 +1,1 @@
+"""Model code: DeepSeek-V4.1 in PyTorch (``model.deepseek_v41``)."""

@@ -1,0 +1,1 @@
+"""Shinkai's scheduler and block manager, written in Rust (``scheduler_rs._core``)."""

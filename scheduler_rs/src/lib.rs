@@ -1,0 +1,2 @@
+//! Shinkai's scheduler and block manager. This file only exports.
+mod python;

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: builds what it needs on a fresh machine, then runs every CPU test.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+. scripts/dev-env.sh
+echo "== cargo test"
+cargo test --quiet --manifest-path scheduler_rs/Cargo.toml
+echo "== stubtest"
+python -m mypy.stubtest scheduler_rs._core
+echo "== pytest"
+python -m pytest -q --durations=25 "$@"

@@ -1,0 +1,1 @@
+"""Shinkai's Python services: gateway, tokenizer, engine, worker, EPLB planner, and the CLI."""

@@ -1,0 +1,50 @@
+"""The `shinkai` command line. Each command group lives in its own module and registers itself here.
+
+A command module exposes ``register(subparsers)``; it adds its parser and sets ``func`` to a callable
+taking the parsed arguments and returning an exit code. Heavy imports stay inside those callables so
+``shinkai --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command group -> module that registers it
+COMMAND_MODULES = {
+    "bench": "services.bench.cli",
+    "model": "services.model_cli",
+    "eplb": "services.eplb.cli",
+}
+
+
+class UsageError(Exception):
+    """A bad argument or input file: reported as one line on stderr with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shinkai", description="Shinkai inference engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in COMMAND_MODULES.values():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and module_name.startswith(err.name):
+                continue  # that command group is not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        print(f"shinkai {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
