@@ -1,0 +1,55 @@
+"""Min-move slot assignment: the same placement, relabelled so that the fewest expert weights move.
+
+moe_lb depends only on which experts share a GPU, not on which GPU index holds the group nor on the slot
+order inside a GPU. So a candidate can be relabelled freely at equal quality: GPUs are matched to the
+current GPUs by an assignment problem (cost = copies that would have to be loaded), and inside each GPU an
+expert that is already there keeps its slot.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from services.eplb.layout import Layout, LayoutError
+
+
+def _loads_needed(new_group: list[int], old_group: list[int]) -> int:
+    """Copies of ``new_group`` that ``old_group`` lacks (multiset difference): weights to load."""
+    return sum((Counter(new_group) - Counter(old_group)).values())
+
+
+def _place_in_slots(new_group: list[int], old_group: list[int]) -> list[int]:
+    """``new_group`` ordered so experts already in a slot stay there; the rest fill vacated slots."""
+    remaining = Counter(new_group)
+    slots: list[int | None] = [None] * len(old_group)
+    for k, expert in enumerate(old_group):
+        if remaining[expert] > 0:
+            slots[k] = expert
+            remaining[expert] -= 1
+    incoming = iter(list(remaining.elements()))  # leftovers, in the candidate's first-seen order
+    return [e if e is not None else next(incoming) for e in slots]
+
+
+def min_move_relabel(candidate: Layout, current: Layout) -> Layout:
+    """``candidate`` with GPUs permuted and slots reordered to minimise moves from ``current``.
+
+    The result has the same expert groups per GPU as ``candidate`` (so the same moe_lb on any load) and
+    the fewest slots whose expert changes among all such relabellings.
+    """
+    if (candidate.num_slots, candidate.num_gpus, candidate.num_logical) != (
+        current.num_slots,
+        current.num_gpus,
+        current.num_logical,
+    ):
+        raise LayoutError("candidate and current layouts differ in slots, GPUs or experts")
+    new_groups = candidate.gpu_experts()
+    old_groups = current.gpu_experts()
+    cost = np.array([[_loads_needed(n, o) for o in old_groups] for n in new_groups])
+    new_idx, old_idx = linear_sum_assignment(cost)
+    placed: list[list[int]] = [[] for _ in range(current.num_gpus)]
+    for n, o in zip(new_idx, old_idx):
+        placed[o] = _place_in_slots(new_groups[n], old_groups[o])
+    return Layout(tuple(e for group in placed for e in group), current.num_gpus, current.num_logical)

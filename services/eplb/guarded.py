@@ -1,0 +1,141 @@
+"""Planning entry points: DeepInfer's policy as it runs, and the guarded planner that improves on it.
+
+DeepInfer applies whatever its greedy policy returns (walkthrough Pass 3 "When greedy makes it worse":
+1.057 → 1.114). The guarded planner builds candidates (the policy with copies spread over GPUs, and the
+current layout improved in place), polishes them by local search, relabels each to move the fewest
+experts, and applies the best only if it beats the current layout by ``threshold`` on the planning window
+and, when given, on a held-out later window. A rejected plan leaves the current layout untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from services.eplb.assignment import min_move_relabel
+from services.eplb.layout import (
+    V41_EXPERT_BYTES,
+    Layout,
+    check_load,
+    count_moves,
+    is_close,
+    moe_lb,
+    needless_colocations,
+)
+from services.eplb.policy import deepinfer_plan
+from services.eplb.search import local_search, spread_out
+
+POLICIES = ("deepinfer", "guarded")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """Knobs of the planner; the defaults are what the CLI and the service use."""
+
+    policy: str = "guarded"  # "deepinfer" (apply unchecked, as DeepInfer does) or "guarded"
+    threshold: float = 0.01  # least drop in moe_lb for a guarded plan to apply, on each scored window
+    local_search: bool = True  # polish guarded candidates with swaps and re-targeting
+    max_passes: int = 8  # local-search passes per candidate
+    expert_bytes: int = V41_EXPERT_BYTES  # weight bytes one move copies (one expert of one layer)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.threshold < 0:
+            raise ValueError(f"threshold must be ≥ 0, got {self.threshold}")
+        if self.expert_bytes < 0:
+            raise ValueError(f"expert_bytes must be ≥ 0, got {self.expert_bytes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanResult:
+    """One planning decision for one layer."""
+
+    policy: str  # which policy decided
+    layout: Layout  # the layout to run from now on: the candidate if applied, else the current one
+    candidate: Layout  # what the policy proposed (after min-move relabelling for guarded)
+    applied: bool  # whether ``layout`` is the candidate
+    moe_lb_before: float  # current layout on the planning window
+    moe_lb_candidate: float  # candidate on the planning window
+    moe_lb_after: float  # ``layout`` on the planning window
+    holdout_before: float | None  # current layout on the held-out window; None without one
+    holdout_candidate: float | None  # candidate on the held-out window; None without one
+    moves: int  # slots whose expert changes from the current layout to ``layout``
+    candidate_moves: int  # slots the candidate would change, applied or not
+    bytes_moved: int  # ``moves`` × bytes per expert
+    reason: str  # one line on why it was applied or rejected
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "applied": self.applied,
+            "reason": self.reason,
+            "moe_lb_before": self.moe_lb_before,
+            "moe_lb_candidate": self.moe_lb_candidate,
+            "moe_lb_after": self.moe_lb_after,
+            "holdout_before": self.holdout_before,
+            "holdout_candidate": self.holdout_candidate,
+            "moves": self.moves,
+            "candidate_moves": self.candidate_moves,
+            "bytes_moved": self.bytes_moved,
+            "layout": self.layout.to_dict(),
+            "candidate": self.candidate.to_dict(),
+        }
+
+
+def _guarded_candidate(load: np.ndarray, current: Layout, config: PlanConfig) -> Layout:
+    """Best of: the policy with spread copies, and the current layout improved in place; ties go to
+    fewer moves. Every candidate is spread (no needless co-location) and min-move relabelled."""
+    fresh = spread_out(deepinfer_plan(load, current.num_gpus, current.num_slots, spread=True), load)
+    incremental = spread_out(current, load)
+    options = [fresh, incremental]
+    if config.local_search:
+        options = [local_search(o, load, max_passes=config.max_passes) for o in options]
+    options = [min_move_relabel(o, current) for o in options]
+    scored = [(moe_lb(load, o), count_moves(current, o), k) for k, o in enumerate(options)]
+    best = min(scored, key=lambda s: (s[0], s[1]))
+    ties = [s for s in scored if is_close(s[0], best[0])]
+    return options[min(ties, key=lambda s: (s[1], s[2]))[2]]
+
+
+def plan(
+    load: np.ndarray, current: Layout, config: PlanConfig = PlanConfig(), holdout: np.ndarray | None = None
+) -> PlanResult:
+    """Plans one layer from a ``steps × experts`` window against the layout now in use."""
+    load = check_load(load, current.num_logical)
+    if holdout is not None:
+        holdout = check_load(holdout, current.num_logical)
+    if config.policy == "deepinfer":
+        candidate = deepinfer_plan(load, current.num_gpus, current.num_slots)
+    else:
+        candidate = _guarded_candidate(load, current, config)
+    before, after = moe_lb(load, current), moe_lb(load, candidate)
+    h_before = None if holdout is None else moe_lb(holdout, current)
+    h_after = None if holdout is None else moe_lb(holdout, candidate)
+    if config.policy == "deepinfer":
+        applied, reason = True, "deepinfer applies every plan unchecked"
+    elif before - after < config.threshold:
+        applied, reason = False, f"gain {before - after:.4f} on the window is below {config.threshold}"
+    elif h_before is not None and h_after is not None and h_before - h_after < config.threshold:
+        applied, reason = False, f"gain {h_before - h_after:.4f} on the held-out window is below {config.threshold}"
+    else:
+        applied, reason = True, f"gain {before - after:.4f} ≥ {config.threshold}"
+    layout = candidate if applied else current
+    moves = count_moves(current, layout)
+    assert config.policy == "deepinfer" or needless_colocations(candidate) == 0
+    return PlanResult(
+        policy=config.policy,
+        layout=layout,
+        candidate=candidate,
+        applied=applied,
+        moe_lb_before=before,
+        moe_lb_candidate=after,
+        moe_lb_after=moe_lb(load, layout),
+        holdout_before=h_before,
+        holdout_candidate=h_after,
+        moves=moves,
+        candidate_moves=count_moves(current, candidate),
+        bytes_moved=moves * config.expert_bytes,
+        reason=reason,
+    )

@@ -1,0 +1,122 @@
+"""DeepInfer's two-stage greedy EPLB policy (walkthrough Pass 3 "A full EPLB run").
+
+Stage A picks which experts get the redundant copies; stage B places every copy on a GPU. Both minimise
+Σ over the window's steps of a peak (the hottest single copy, then the busiest GPU), which pairs experts
+whose busy steps do not overlap. The policy plans from scratch: it never looks at the current layout.
+
+Ties are broken the way DeepInfer breaks them: the lower expert in stage A, the lower GPU in stage B, and
+slot order among copies of equal load. Scores equal up to float noise count as ties, so summing the same
+tokens in another order cannot change a plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.eplb.layout import Layout, check_load, colocation_cap, total_redundant
+
+# Relative tolerance under which two scores are a tie (float noise from reordered sums is ~1e-15).
+TIE_RTOL = 1e-9
+
+
+def _first_min(scores: np.ndarray, allowed: np.ndarray | None = None) -> int:
+    """Index of the lowest score (lowest index among ties), over ``allowed`` entries only."""
+    masked = scores if allowed is None else np.where(allowed, scores, np.inf)
+    best = masked.min()
+    tol = TIE_RTOL * max(1.0, abs(float(best)))
+    return int(np.flatnonzero(masked <= best + tol)[0])
+
+
+def _top_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: largest value, its column, and the largest value of the other columns (-inf if none)."""
+    arg = values.argmax(axis=1)
+    rows = np.arange(values.shape[0])
+    first = values[rows, arg]
+    if values.shape[1] == 1:
+        return first, arg, np.full_like(first, -np.inf)
+    rest = values.copy()
+    rest[rows, arg] = -np.inf
+    return first, arg, rest.max(axis=1)
+
+
+def stage_a(load: np.ndarray, num_slots: int) -> list[int]:
+    """Which experts get copies: the expert list in DeepInfer's slot order.
+
+    Slots 0..N-1 hold experts 0..N-1; each further slot copies the expert whose extra copy minimises
+    Σ_steps of the hottest single copy. There is no cap on copies per expert.
+    """
+    load = np.asarray(load, dtype=np.float64)
+    num_logical = load.shape[1]
+    if num_slots < num_logical:
+        raise ValueError(f"{num_slots} slots cannot hold {num_logical} experts")
+    copies = np.ones(num_logical, dtype=np.int64)
+    order = list(range(num_logical))
+    for _ in range(num_slots - num_logical):
+        per_copy = load / copies
+        first, arg, second = _top_two(per_copy)
+        # Hottest copy elsewhere when expert e gets one more copy: the top unless e is the top.
+        others = np.where(np.arange(num_logical)[None, :] == arg[:, None], second[:, None], first[:, None])
+        scores = np.maximum(others, load / (copies + 1)).sum(axis=0)
+        chosen = _first_min(scores)
+        copies[chosen] += 1
+        order.append(chosen)
+    return order
+
+
+def stage_b(
+    load: np.ndarray, slot_experts: list[int], num_gpus: int, *, spread: bool = False
+) -> tuple[int, ...]:
+    """Where each copy goes; returns ``phy2log`` with each GPU's slots in placement order.
+
+    Copies go heaviest first (Σ_steps of load per copy; ties keep slot order) to the non-full GPU that
+    minimises Σ_steps of the busiest GPU, ties to the lower GPU. ``spread=True`` is the guarded variant:
+    a GPU holding ``ceil(copies / GPUs)`` copies of an expert already is skipped while another non-full
+    GPU can take it (DeepInfer itself may stack copies of one expert on one GPU).
+    """
+    load = np.asarray(load, dtype=np.float64)
+    num_logical = load.shape[1]
+    num_slots = len(slot_experts)
+    if num_slots % num_gpus:
+        raise ValueError(f"{num_slots} slots do not divide over {num_gpus} GPUs")
+    slots_per_gpu = num_slots // num_gpus
+    experts = np.asarray(slot_experts, dtype=np.int64)
+    copies = np.bincount(experts, minlength=num_logical)
+    copy_load = (load / np.maximum(copies, 1))[:, experts]  # [step, copy]
+    order = np.argsort(-copy_load.sum(axis=0), kind="stable")
+    cap = colocation_cap(copies, num_gpus)
+
+    gpu_load = np.zeros((load.shape[0], num_gpus))
+    held = np.zeros((num_logical, num_gpus), dtype=np.int64)
+    placed: list[list[int]] = [[] for _ in range(num_gpus)]
+    for c in order:
+        expert = int(experts[c])
+        non_full = np.array([len(p) < slots_per_gpu for p in placed])
+        allowed = non_full
+        if spread:
+            roomy = non_full & (held[expert] < cap[expert])
+            allowed = roomy if roomy.any() else non_full
+        first, arg, second = _top_two(gpu_load)
+        # Busiest GPU per step if the copy lands on g: the max of g's new load and every other GPU.
+        others = np.where(np.arange(num_gpus)[None, :] == arg[:, None], second[:, None], first[:, None])
+        scores = np.maximum(others, gpu_load + copy_load[:, c : c + 1]).sum(axis=0)
+        g = _first_min(scores, allowed)
+        gpu_load[:, g] += copy_load[:, c]
+        held[expert, g] += 1
+        placed[g].append(expert)
+    return tuple(e for p in placed for e in p)
+
+
+def deepinfer_plan(load: np.ndarray, num_gpus: int, num_slots: int, *, spread: bool = False) -> Layout:
+    """Runs both stages on a ``steps × experts`` window; the layout DeepInfer would apply unchecked."""
+    load = np.asarray(load, dtype=np.float64)
+    if load.ndim != 2:
+        raise ValueError(f"load must be steps × experts, got shape {load.shape}")
+    num_logical = load.shape[1]
+    load = check_load(load, num_logical)
+    phy2log = stage_b(load, stage_a(load, num_slots), num_gpus, spread=spread)
+    return Layout(phy2log, num_gpus, num_logical)
+
+
+def num_slots_for(num_logical: int, num_gpus: int, num_redundant: int) -> int:
+    """Slots per layer after DeepInfer's rounding."""
+    return num_logical + total_redundant(num_logical, num_gpus, num_redundant)
