@@ -47,4 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m services.cli` this file is `__main__`; run the importable module instead, so the
+    # UsageError that command modules raise is the class `main` catches.
+    from services.cli import main as _main
+
+    sys.exit(_main())
