@@ -1,2 +1,13 @@
 //! Shinkai's scheduler and block manager. This file only exports.
+
+pub mod block_manager;
+pub mod config;
+pub mod errors;
+mod invariants;
+mod plan_builder;
+pub mod request;
+pub mod scheduler;
+pub mod step;
+pub mod varlen;
+
 mod python;

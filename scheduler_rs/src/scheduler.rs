@@ -1,0 +1,721 @@
+//! The scheduler: DeepInfer's step planning (walkthrough Pass 2 Thread 1, Pass 3 Threads 1–2),
+//! with its abort leak and its needless preemption fixed.
+//!
+//! The engine's loop is `schedule()` → run the plan → `update(plan, result)`. Under async
+//! scheduling the engine may plan step N+1 before updating step N: a planned step counts its rows as
+//! computed (`num_inflight_tokens`) until it is updated, and anything freed while a step that names
+//! it is in flight is released only when that step is updated (a deferred free).
+//!
+//! Pool invariant, checked by `check_invariants` after every step in tests: every held block or
+//! state slot is named by exactly as many live block tables (requests plus deferred frees) as its
+//! reference count, and free + held = total for both pools.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use crate::block_manager::BlockManager;
+use crate::config::{EngineType, PreemptionMode, SchedulerConfig};
+use crate::plan_builder::PlanBuilder;
+use crate::request::{FinishReason, Request, Status, StopRules};
+use crate::step::{RequestOutput, StepKind, StepPlan, StepResult};
+
+pub use crate::errors::SchedulerError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VoteOp {
+    /// True when every rank votes true.
+    All,
+    /// True when any rank votes true.
+    Any,
+}
+
+/// The data-parallel group's all-reduce over one boolean, supplied by the caller.
+pub trait Collective {
+    fn vote(&mut self, value: bool, op: VoteOp) -> bool;
+}
+
+/// A group of one rank needs no communication.
+pub struct SingleRank;
+
+impl Collective for SingleRank {
+    fn vote(&mut self, value: bool, _op: VoteOp) -> bool {
+        value
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_free_blocks: u32,
+    pub num_total_blocks: u32,
+    pub num_free_state_slots: u32,
+    pub num_total_state_slots: u32,
+    pub num_waiting: u32,
+    pub num_running: u32,
+    /// Decode steps since the last prompt step; vote points are multiples of the intervals.
+    pub decode_step: u64,
+    /// Planned steps not yet updated.
+    pub num_steps_in_flight: u64,
+    /// Blocks waiting for an in-flight step before they return to the free list.
+    pub num_deferred_blocks: u32,
+}
+
+/// Resources released when the step `release_after` is updated.
+#[derive(Debug, Clone)]
+struct DeferredFree {
+    release_after: u64,
+    blocks: Vec<u32>,
+    state_slot: Option<u32>,
+}
+
+/// A request chosen for this step, before the plan is built.
+struct Scheduled {
+    handle: usize,
+    num_rows: u32,
+    num_sample_rows: u32,
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    blocks: BlockManager,
+    slots: BlockManager,
+    /// Live requests (waiting or running) by handle; finished ones are removed at once.
+    slab: Vec<Option<Request>>,
+    free_handles: Vec<usize>,
+    ids: HashMap<String, usize>,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    decode_step: u64,
+    next_step_id: u64,
+    /// Steps `0..num_steps_updated` are updated; later planned ones are in flight.
+    num_steps_updated: u64,
+    deferred: Vec<DeferredFree>,
+    pending_block_copies: Vec<(u32, u32)>,
+    pending_state_copies: Vec<(u32, u32)>,
+    next_arrival: u64,
+    next_incarnation: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerError> {
+        config.validate().map_err(SchedulerError::InvalidConfig)?;
+        Ok(Scheduler {
+            blocks: BlockManager::new("block", config.num_blocks),
+            slots: BlockManager::new("state slot", config.num_state_slots),
+            config,
+            slab: Vec::new(),
+            free_handles: Vec::new(),
+            ids: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            decode_step: 0,
+            next_step_id: 0,
+            num_steps_updated: 0,
+            deferred: Vec::new(),
+            pending_block_copies: Vec::new(),
+            pending_state_copies: Vec::new(),
+            next_arrival: 0,
+            next_incarnation: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn request(&self, request_id: &str) -> Option<&Request> {
+        self.ids.get(request_id).and_then(|&h| self.slab[h].as_ref())
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_free_blocks: self.blocks.num_free(),
+            num_total_blocks: self.blocks.num_total(),
+            num_free_state_slots: self.slots.num_free(),
+            num_total_state_slots: self.slots.num_total(),
+            num_waiting: self.waiting.len() as u32,
+            num_running: self.running.len() as u32,
+            decode_step: self.decode_step,
+            num_steps_in_flight: self.next_step_id - self.num_steps_updated,
+            num_deferred_blocks: self.deferred.iter().map(|d| d.blocks.len() as u32).sum(),
+        }
+    }
+
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    pub fn state_slot_manager(&self) -> &BlockManager {
+        &self.slots
+    }
+
+    // ---- requests -------------------------------------------------------------------------
+
+    pub fn add_request(
+        &mut self,
+        request_id: String,
+        prompt: Vec<u32>,
+        stop: StopRules,
+        schedulable: bool,
+        constrained: bool,
+    ) -> Result<(), SchedulerError> {
+        if self.config.engine_type == EngineType::Decode {
+            return Err(SchedulerError::InvalidRequest(
+                "a DECODE engine takes requests only through the P/D handoff".into(),
+            ));
+        }
+        if self.ids.contains_key(&request_id) {
+            return Err(SchedulerError::DuplicateRequest(request_id));
+        }
+        self.validate_tokens(&request_id, &prompt, stop.max_tokens)?;
+        let mut req = Request::new(request_id.clone(), prompt, stop, self.next_arrival);
+        req.schedulable = schedulable;
+        req.constrained = constrained;
+        self.next_arrival += 1;
+        let handle = self.insert(req);
+        self.waiting.push_back(handle);
+        Ok(())
+    }
+
+    fn validate_tokens(&self, id: &str, prompt: &[u32], max_tokens: u32) -> Result<(), SchedulerError> {
+        let invalid = |msg: String| Err(SchedulerError::InvalidRequest(format!("request {id}: {msg}")));
+        if prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if max_tokens == 0 {
+            return invalid("max_tokens must be at least 1".into());
+        }
+        let len = prompt.len() as u64;
+        if len >= self.config.max_model_len as u64 {
+            return invalid(format!(
+                "the prompt has {len} tokens; max_model_len {} leaves no room to generate",
+                self.config.max_model_len
+            ));
+        }
+        let needed = Request::blocks_for(len as u32, self.config.block_size);
+        if needed > self.blocks.num_total() {
+            return invalid(format!(
+                "the prompt needs {needed} blocks but the pool has {}",
+                self.blocks.num_total()
+            ));
+        }
+        if let Some(vocab_size) = self.config.vocab_size {
+            if let Some(pos) = prompt.iter().position(|&t| t >= vocab_size) {
+                return invalid(format!(
+                    "token id {} at position {pos} is outside the vocabulary of {vocab_size}",
+                    prompt[pos]
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn insert(&mut self, mut req: Request) -> usize {
+        req.incarnation = self.next_incarnation;
+        self.next_incarnation += 1;
+        let id = req.request_id.clone();
+        let handle = match self.free_handles.pop() {
+            Some(h) => {
+                self.slab[h] = Some(req);
+                h
+            }
+            None => {
+                self.slab.push(Some(req));
+                self.slab.len() - 1
+            }
+        };
+        self.ids.insert(id, handle);
+        handle
+    }
+
+    fn req(&self, handle: usize) -> &Request {
+        self.slab[handle].as_ref().expect("live handle")
+    }
+
+    fn req_mut(&mut self, handle: usize) -> &mut Request {
+        self.slab[handle].as_mut().expect("live handle")
+    }
+
+    pub fn set_schedulable(&mut self, request_id: &str, schedulable: bool) -> Result<(), SchedulerError> {
+        let &handle = self
+            .ids
+            .get(request_id)
+            .ok_or_else(|| SchedulerError::UnknownRequest(request_id.to_string()))?;
+        self.req_mut(handle).schedulable = schedulable;
+        Ok(())
+    }
+
+    fn in_flight(&self, req: &Request) -> bool {
+        req.last_step_id.is_some_and(|s| s >= self.num_steps_updated)
+    }
+
+    /// Gives back a request's blocks and state slot, now or when its in-flight step is updated.
+    /// Returns the number of blocks whose release is deferred.
+    fn release(&mut self, blocks: Vec<u32>, state_slot: Option<u32>, last_step: Option<u64>) -> u32 {
+        match last_step.filter(|&s| s >= self.num_steps_updated) {
+            Some(step) => {
+                let num_deferred = blocks.len() as u32;
+                self.deferred.push(DeferredFree { release_after: step, blocks, state_slot });
+                num_deferred
+            }
+            None => {
+                for block in blocks {
+                    self.blocks.free(block).expect("a held block");
+                }
+                if let Some(slot) = state_slot {
+                    self.slots.free(slot).expect("a held state slot");
+                }
+                0
+            }
+        }
+    }
+
+    /// Removes a request from the scheduler and releases its resources exactly once.
+    fn remove(&mut self, handle: usize, reason: FinishReason, stop_token_id: Option<u32>) -> (RequestOutput, u32) {
+        let mut req = self.slab[handle].take().expect("live handle");
+        self.free_handles.push(handle);
+        self.ids.remove(&req.request_id);
+        let blocks = std::mem::take(&mut req.block_table);
+        let num_deferred = self.release(blocks, req.state_slot.take(), req.last_step_id);
+        let output = RequestOutput {
+            request_id: req.request_id,
+            token_ids: Vec::new(),
+            finish_reason: Some(reason),
+            stop_token_id,
+            num_prompt_tokens: req.num_prompt_tokens,
+            num_output_tokens: req.tokens.len() as u32 - req.num_prompt_tokens,
+        };
+        (output, num_deferred)
+    }
+
+    /// Aborts a request in any queue or phase. Returns its final output, or `None` when the id is
+    /// unknown or already finished (abort is idempotent).
+    pub fn abort(&mut self, request_id: &str) -> Option<RequestOutput> {
+        let handle = *self.ids.get(request_id)?;
+        self.waiting.retain(|&h| h != handle);
+        self.running.retain(|&h| h != handle);
+        Some(self.remove(handle, FinishReason::Abort, None).0)
+    }
+
+    /// Adds `child_id` as a copy of a request that has no step in flight: it shares the parent's
+    /// full blocks by reference count, gets a copy of the partial last block and of the state slot
+    /// (done by the worker before the next step), and waits to prefill the tokens without KV.
+    pub fn fork(&mut self, parent_id: &str, child_id: String, stop: StopRules) -> Result<(), SchedulerError> {
+        let &parent_handle = self
+            .ids
+            .get(parent_id)
+            .ok_or_else(|| SchedulerError::UnknownRequest(parent_id.to_string()))?;
+        if self.ids.contains_key(&child_id) {
+            return Err(SchedulerError::DuplicateRequest(child_id));
+        }
+        let parent = self.req(parent_handle);
+        if self.in_flight(parent) {
+            return Err(SchedulerError::InvalidState(format!(
+                "cannot fork request {parent_id} while a step that includes it is in flight"
+            )));
+        }
+        let (Some(parent_slot), false) = (parent.state_slot, parent.block_table.is_empty()) else {
+            return Err(SchedulerError::InvalidState(format!(
+                "cannot fork request {parent_id} before its prefill has started"
+            )));
+        };
+        let block_size = self.config.block_size;
+        let num_full = (parent.num_computed_tokens / block_size) as usize;
+        let has_partial = parent.num_computed_tokens % block_size != 0;
+        let num_needed = Request::blocks_for(parent.len(), block_size) as usize;
+        let num_new = num_needed - num_full;
+        if self.blocks.num_free() < num_new as u32 || self.slots.num_free() == 0 {
+            return Err(SchedulerError::InvalidState(format!(
+                "not enough free blocks or state slots to fork {parent_id}"
+            )));
+        }
+        let partial_source = has_partial.then(|| parent.block_table[num_full]);
+        let mut child = parent.clone();
+        child.request_id = child_id;
+        child.stop = stop;
+        child.status = Status::Waiting;
+        child.draft_tokens.clear();
+        child.last_step_id = None;
+        child.num_inflight_tokens = 0;
+        child.arrival = self.next_arrival;
+        self.next_arrival += 1;
+        child.block_table.truncate(num_full);
+        for &block in &child.block_table {
+            self.blocks.incref(block).expect("parent holds its blocks");
+        }
+        let fresh = self.blocks.allocate_many(num_new as u32).expect("checked free blocks");
+        if let Some(source) = partial_source {
+            self.pending_block_copies.push((source, fresh[0]));
+        }
+        child.block_table.extend(fresh);
+        let child_slot = self.slots.allocate().expect("checked free slots");
+        child.state_slot = Some(child_slot);
+        self.pending_state_copies.push((parent_slot, child_slot));
+        let handle = self.insert(child);
+        self.waiting.push_back(handle);
+        Ok(())
+    }
+
+    // ---- scheduling -----------------------------------------------------------------------
+
+    /// A rank wants prefill when its cache is at most 90% used and the head of its queue is
+    /// schedulable.
+    pub fn wants_prefill(&self) -> bool {
+        self.blocks.usage() <= self.config.prefill_max_cache_usage
+            && self.waiting.front().is_some_and(|&h| self.req(h).schedulable)
+    }
+
+    /// Plans the next step. `collective` is the group's vote; one rank passes `SingleRank`.
+    pub fn schedule(&mut self, collective: &mut dyn Collective) -> StepPlan {
+        let step_id = self.next_step_id;
+        self.next_step_id += 1;
+        let prefill = match self.config.engine_type {
+            EngineType::Prompt => Some(self.schedule_prefill()),
+            EngineType::Decode => None,
+            EngineType::Normal => self.vote_for_prefill(collective),
+        };
+        let (kind, chosen, outputs) = match prefill {
+            Some(chosen) => {
+                self.decode_step = 0;
+                (StepKind::Prefill, chosen, Vec::new())
+            }
+            None => {
+                self.decode_step += 1;
+                let (chosen, outputs) = self.schedule_decode();
+                (StepKind::Decode, chosen, outputs)
+            }
+        };
+        let mut plan = self.build_plan(step_id, kind, &chosen);
+        plan.outputs = outputs;
+        plan.block_copies = std::mem::take(&mut self.pending_block_copies);
+        plan.state_copies = std::mem::take(&mut self.pending_state_copies);
+        for s in &chosen {
+            let req = self.req_mut(s.handle);
+            req.num_inflight_tokens += s.num_rows;
+            req.last_step_id = Some(step_id);
+        }
+        plan
+    }
+
+    /// NORMAL engines: ALL points every `prefill_attempt_interval` decode steps, ANY points every
+    /// `prefill_any_attempt_interval`; a second ANY vote catches "wanted, but nobody scheduled".
+    /// Returns the prefill batch (possibly empty, when only other ranks scheduled), or `None` for a
+    /// decode step.
+    fn vote_for_prefill(&mut self, collective: &mut dyn Collective) -> Option<Vec<Scheduled>> {
+        let op = if self.decode_step % self.config.prefill_attempt_interval as u64 == 0 {
+            VoteOp::All
+        } else if self.decode_step % self.config.prefill_any_attempt_interval as u64 == 0 {
+            VoteOp::Any
+        } else {
+            return None;
+        };
+        if !collective.vote(self.wants_prefill(), op) {
+            return None;
+        }
+        // Nothing is allocated unless something is scheduled, so a failed second vote undoes nothing.
+        let chosen = self.schedule_prefill();
+        collective.vote(!chosen.is_empty(), VoteOp::Any).then_some(chosen)
+    }
+
+    fn schedule_prefill(&mut self) -> Vec<Scheduled> {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut num_seqs = self.running.len() as u32;
+        let mut chosen = Vec::new();
+        let mut finished_prefill = HashSet::new();
+        for i in 0..self.waiting.len() {
+            let handle = self.waiting[i];
+            let req = self.req(handle);
+            // An unready head blocks the queue behind it (DeepInfer's multimodal gate).
+            if !req.schedulable || num_seqs + 1 > self.config.max_num_seqs || budget == 0 {
+                break;
+            }
+            let remaining = req.num_uncomputed_prompt_tokens();
+            if remaining == 0 {
+                continue;
+            }
+            if req.block_table.is_empty() {
+                // A new prompt reserves all its blocks and its state slot on its first chunk, so
+                // it never stalls halfway for lack of blocks.
+                let needed = Request::blocks_for(req.len(), self.config.block_size);
+                if needed > self.blocks.num_free() || self.slots.num_free() == 0 {
+                    break;
+                }
+                let blocks = self.blocks.allocate_many(needed).expect("checked free blocks");
+                let slot = self.slots.allocate();
+                let req = self.req_mut(handle);
+                req.block_table = blocks;
+                req.state_slot = slot;
+            }
+            let chunk = remaining.min(budget);
+            budget -= chunk;
+            num_seqs += 1;
+            let is_last = chunk == remaining;
+            chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32 });
+            if is_last {
+                finished_prefill.insert(handle);
+            } else if self.config.engine_type == EngineType::Normal {
+                // A cut prompt ends a NORMAL step; it stays at the front of the queue.
+                break;
+            }
+        }
+        if !finished_prefill.is_empty() {
+            self.waiting.retain(|h| !finished_prefill.contains(h));
+            for s in &chosen {
+                if finished_prefill.contains(&s.handle) {
+                    self.req_mut(s.handle).status = Status::Running;
+                    self.running.push(s.handle);
+                }
+            }
+        }
+        chosen
+    }
+
+    /// Decode: running requests sorted by output length, longest first; rows are served from the
+    /// back (shortest output first). When the row being served needs blocks that are not free, the
+    /// request at the FRONT is preempted: the one with the LONGEST output, which holds the most
+    /// blocks. (DeepInfer's header comment says "shortest"; its code, like ours, takes the longest.)
+    /// Unlike DeepInfer, a row that needs no new block never causes a preemption.
+    fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestOutput>) {
+        let block_size = self.config.block_size;
+        let num_rows = 1 + self.config.nextn;
+        let mut order = std::mem::take(&mut self.running);
+        order.sort_by_key(|&h| {
+            let req = self.req(h);
+            (std::cmp::Reverse(req.num_output_tokens()), req.arrival)
+        });
+        let (mut front, mut back) = (0, order.len());
+        let mut served = HashSet::new();
+        let mut outputs = Vec::new();
+        let mut recomputed = Vec::new();
+        // Blocks of this step's victims that come back when their in-flight step is updated.
+        let mut num_coming = 0;
+        while front < back {
+            let handle = order[back - 1];
+            let req = self.req(handle);
+            let needed = Request::blocks_for(req.next_position() + num_rows, block_size);
+            let extra = needed.saturating_sub(req.block_table.len() as u32);
+            while extra > self.blocks.num_free() + num_coming && front < back {
+                let victim = order[front];
+                front += 1;
+                num_coming += self.preempt(victim, &mut outputs, &mut recomputed);
+            }
+            if front == back {
+                break; // the row's own request was the last victim
+            }
+            if extra <= self.blocks.num_free() {
+                let blocks = self.blocks.allocate_many(extra).expect("checked free blocks");
+                self.req_mut(handle).block_table.extend(blocks);
+                served.insert(handle);
+            } else {
+                num_coming -= extra; // served next step, once the victims' step is updated
+            }
+            back -= 1;
+        }
+        self.running = order[front..].to_vec();
+        for &handle in recomputed.iter().rev() {
+            self.waiting.push_front(handle);
+        }
+        let chosen = self
+            .running
+            .iter()
+            .filter(|h| served.contains(h))
+            .map(|&handle| Scheduled { handle, num_rows, num_sample_rows: num_rows })
+            .collect();
+        (chosen, outputs)
+    }
+
+    /// Preempts a running request; returns how many of its blocks come back only later.
+    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestOutput>, recomputed: &mut Vec<usize>) -> u32 {
+        let req = self.req(handle);
+        match self.config.effective_preemption_mode(req.constrained) {
+            PreemptionMode::Stop => {
+                let (output, num_deferred) = self.remove(handle, FinishReason::Preempted, None);
+                outputs.push(output);
+                num_deferred
+            }
+            PreemptionMode::Recompute => {
+                let incarnation = self.next_incarnation;
+                self.next_incarnation += 1;
+                let req = self.req_mut(handle);
+                let blocks = std::mem::take(&mut req.block_table);
+                let slot = req.state_slot.take();
+                let last_step = req.last_step_id;
+                req.num_computed_tokens = 0;
+                req.num_inflight_tokens = 0;
+                req.draft_tokens.clear();
+                req.status = Status::Waiting;
+                req.num_preemptions += 1;
+                req.incarnation = incarnation;
+                req.last_step_id = None;
+                recomputed.push(handle);
+                self.release(blocks, slot, last_step)
+            }
+        }
+    }
+
+    fn build_plan(&self, step_id: u64, kind: StepKind, chosen: &[Scheduled]) -> StepPlan {
+        let mut builder = PlanBuilder::new(&self.config, step_id, kind);
+        let mut inputs = Vec::new();
+        for s in chosen {
+            let req = self.req(s.handle);
+            inputs.clear();
+            match kind {
+                StepKind::Prefill => {
+                    let start = req.next_position() as usize;
+                    inputs.extend_from_slice(&req.tokens[start..start + s.num_rows as usize]);
+                }
+                StepKind::Decode => {
+                    inputs.push(*req.tokens.last().expect("a request has tokens"));
+                    let num_drafts = s.num_rows as usize - 1;
+                    inputs.extend(req.draft_tokens.iter().take(num_drafts));
+                    inputs.resize(s.num_rows as usize, self.config.draft_pad_token_id);
+                }
+            }
+            builder.add((s.handle, req.incarnation), req, &inputs, s.num_sample_rows);
+        }
+        builder.finish()
+    }
+
+    // ---- results --------------------------------------------------------------------------
+
+    /// Applies a step's results: commits computed positions and accepted tokens, checks stop
+    /// rules, returns the unneeded draft blocks, and releases what waited for this step.
+    pub fn update(&mut self, plan: &StepPlan, result: &StepResult) -> Result<Vec<RequestOutput>, SchedulerError> {
+        if plan.step_id != self.num_steps_updated {
+            return Err(SchedulerError::InvalidState(format!(
+                "steps must be updated in the order they were planned: expected step {}, got {}",
+                self.num_steps_updated, plan.step_id
+            )));
+        }
+        crate::invariants::validate_result(plan, result, &self.config)?;
+        self.num_steps_updated += 1;
+        let errors: HashSet<u32> = result.errors.iter().copied().collect();
+        let mut outputs = Vec::new();
+        let mut finished = HashSet::new();
+        let mut token_offset = 0;
+        let mut draft_offset = 0;
+        for (i, &(handle, incarnation)) in plan.handles.iter().enumerate() {
+            let num_tokens = result.num_tokens[i] as usize;
+            let tokens = &result.token_ids[token_offset..token_offset + num_tokens];
+            token_offset += num_tokens;
+            let drafts = match result.num_draft_tokens.get(i) {
+                Some(&n) => {
+                    draft_offset += n as usize;
+                    Some(&result.draft_token_ids[draft_offset - n as usize..draft_offset])
+                }
+                None => None,
+            };
+            // Results of a finished, aborted or recomputed incarnation are dropped.
+            let live = self.slab[handle].as_ref().is_some_and(|r| r.incarnation == incarnation);
+            if !live {
+                continue;
+            }
+            let max_model_len = self.config.max_model_len;
+            let req = self.req_mut(handle);
+            req.num_inflight_tokens -= plan.seqlens_q[i] as u32;
+            req.num_computed_tokens += match plan.kind {
+                StepKind::Prefill => plan.seqlens_q[i] as u32,
+                StepKind::Decode => num_tokens as u32,
+            };
+            if let Some(drafts) = drafts {
+                req.draft_tokens.clear();
+                req.draft_tokens.extend_from_slice(drafts);
+            }
+            let mut end = None;
+            let mut new_tokens = Vec::with_capacity(tokens.len());
+            for &token in tokens {
+                req.tokens.push(token);
+                new_tokens.push(token);
+                end = req.stop.check(token, req.num_output_tokens());
+                if end.is_none() && req.len() >= max_model_len {
+                    end = Some((FinishReason::Length, None));
+                }
+                if end.is_some() {
+                    break;
+                }
+            }
+            if end.is_none() && errors.contains(&(i as u32)) {
+                end = Some((FinishReason::Error, None));
+            }
+            let (num_prompt_tokens, num_output_tokens) = (req.num_prompt_tokens, req.num_output_tokens());
+            let request_id = req.request_id.clone();
+            match end {
+                Some((reason, stop_token_id)) => {
+                    finished.insert(handle);
+                    let (mut output, _) = self.remove(handle, reason, stop_token_id);
+                    output.token_ids = new_tokens;
+                    outputs.push(output);
+                }
+                None => {
+                    if plan.kind == StepKind::Decode {
+                        self.trim_blocks(handle);
+                    }
+                    if !new_tokens.is_empty() {
+                        outputs.push(RequestOutput {
+                            request_id,
+                            token_ids: new_tokens,
+                            finish_reason: None,
+                            stop_token_id: None,
+                            num_prompt_tokens,
+                            num_output_tokens,
+                        });
+                    }
+                }
+            }
+        }
+        if !finished.is_empty() {
+            self.running.retain(|h| !finished.contains(h));
+            self.waiting.retain(|h| !finished.contains(h));
+        }
+        self.release_deferred();
+        Ok(outputs)
+    }
+
+    /// Returns blocks reserved for drafts that were rejected: keep what the tokens and any
+    /// in-flight rows need.
+    fn trim_blocks(&mut self, handle: usize) {
+        let block_size = self.config.block_size;
+        let req = self.req(handle);
+        let keep = Request::blocks_for(req.len().max(req.next_position()), block_size) as usize;
+        if req.block_table.len() <= keep {
+            return;
+        }
+        let last_step = req.last_step_id;
+        let extra = self.req_mut(handle).block_table.split_off(keep);
+        self.release(extra, None, last_step);
+    }
+
+    fn release_deferred(&mut self) {
+        let updated = self.num_steps_updated;
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.deferred).into_iter().partition(|d| d.release_after < updated);
+        self.deferred = waiting;
+        for d in ready {
+            self.release(d.blocks, d.state_slot, None);
+        }
+    }
+
+    // ---- invariants -----------------------------------------------------------------------
+
+    /// Pool conservation and reference counts; an error names the first broken invariant.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        crate::invariants::check_pools(
+            &self.blocks,
+            &self.slots,
+            self.slab.iter().flatten().map(|r| (r.block_table.as_slice(), r.state_slot)),
+            self.deferred.iter().map(|d| (d.blocks.as_slice(), d.state_slot)),
+        )?;
+        let num_live = self.slab.iter().flatten().count();
+        if num_live != self.waiting.len() + self.running.len() || num_live != self.ids.len() {
+            return Err(format!(
+                "{num_live} live requests but {} waiting + {} running ({} ids)",
+                self.waiting.len(),
+                self.running.len(),
+                self.ids.len()
+            ));
+        }
+        Ok(())
+    }
+}
