@@ -1,0 +1,119 @@
+"""The released checkpoint layout (spec §3.11): every tensor name, its shape and storage format,
+and where it lands in ``DeepseekV41``. Name mapping lives here, outside the model modules.
+
+Formats:
+  fp8_block    float8_e4m3fn weight [R, C] + float8_e8m0fnu ``.scale`` [⌈R/32⌉, ⌈C/32⌉]
+  fp8_rowwise  float8_e4m3fn weight [R, C] + float8_e8m0fnu ``.scale`` [R, ⌈C/32⌉]   (Engram tables)
+  mxfp4        int8 weight [R, C/2] (two e2m1 per byte, even column low) + e8m0 ``.scale`` [R, ⌈C/32⌉]
+  bf16 / fp32  plain tensors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from model.deepseek_v41.config import ModelConfig
+
+Format = Literal["fp8_block", "fp8_rowwise", "mxfp4", "bf16", "fp32"]
+QUANTIZED: tuple[Format, ...] = ("fp8_block", "fp8_rowwise", "mxfp4")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # released name of the weight
+    shape: tuple[int, ...]  # logical (dequantised) shape
+    fmt: Format
+    target: str  # parameter of DeepseekV41
+    index: int | None = None  # row of a stacked parameter (routed experts)
+
+    def stored(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """On-disk tensors for this entry: name → (shape, dtype); a quantised weight brings its ``.scale``."""
+        if self.fmt == "bf16":
+            return {self.name: (self.shape, torch.bfloat16)}
+        if self.fmt == "fp32":
+            return {self.name: (self.shape, torch.float32)}
+        rows, cols = self.shape
+        scale_name = self.name.removesuffix(".weight") + ".scale"
+        col_blocks = -(-cols // 32)
+        if self.fmt == "mxfp4":
+            return {self.name: ((rows, cols // 2), torch.int8), scale_name: ((rows, col_blocks), torch.float8_e8m0fnu)}
+        scale_rows = -(-rows // 32) if self.fmt == "fp8_block" else rows
+        return {self.name: (self.shape, torch.float8_e4m3fn),
+                scale_name: ((scale_rows, col_blocks), torch.float8_e8m0fnu)}
+
+
+def tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every released text-backbone weight for ``cfg`` (no ``mtp.*``/vision keys), by name."""
+    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    n = cfg.hc_mult
+    specs: list[TensorSpec] = [
+        TensorSpec("embed.weight", (cfg.vocab_size, d), "bf16", "embed.weight"),
+        TensorSpec("norm.weight", (d,), "bf16", "norm.weight"),
+        TensorSpec("head.weight", (cfg.vocab_size, d), "bf16", "head.weight"),
+    ]
+    for i in range(cfg.num_hidden_layers):
+        p, m = f"layers.{i}.", f"layers.{i}."
+
+        def add(name: str, shape: tuple[int, ...], fmt: Format, target: str, index: int | None = None) -> None:
+            specs.append(TensorSpec(p + name, shape, fmt, m + target, index))
+
+        add("attn_norm.weight", (d,), "bf16", "attn_norm.weight")
+        add("ffn_norm.weight", (d,), "bf16", "ffn_norm.weight")
+        add("attn.wq_a.weight", (cfg.q_lora_rank, d), "fp8_block", "attn.wq_a.weight")
+        add("attn.q_norm.weight", (cfg.q_lora_rank,), "bf16", "attn.q_norm.weight")
+        add("attn.wq_b.weight", (h * hd, cfg.q_lora_rank), "fp8_block", "attn.wq_b.weight")
+        add("attn.wkv.weight", (hd, d), "fp8_block", "attn.wkv.weight")
+        add("attn.kv_norm.weight", (hd,), "bf16", "attn.kv_norm.weight")
+        add("attn.wo_a.weight", (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), "fp8_block",
+            "attn.wo_a.weight")
+        add("attn.wo_b.weight", (d, cfg.o_groups * cfg.o_lora_rank), "fp8_block", "attn.wo_b.weight")
+        add("attn.attn_sink", (h,), "fp32", "attn.attn_sink")
+        if i in cfg.kv_source_layer_ids:
+            add("attn.compressor.wkv.weight", (hd, d), "bf16", "attn.compressor.wkv.weight")
+            if cfg.ratio(i) == 2:
+                add("attn.compressor.wgate.weight", (hd, d), "bf16", "attn.compressor.wgate.weight")
+            add("attn.compressor.norm.weight", (hd,), "bf16", "attn.compressor.norm.weight")
+            add("attn.indexer.wk.weight", (cfg.index_head_dim, hd), "bf16", "attn.indexer.wk.weight")
+            add("attn.indexer.k_norm.weight", (cfg.index_head_dim,), "bf16", "attn.indexer.k_norm.weight")
+        if i in cfg.index_source_layer_ids:
+            add("attn.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8_block",
+                "attn.indexer.wq_b.weight")
+            add("attn.indexer.weights_proj.weight", (cfg.index_n_heads, d), "bf16", "attn.indexer.weights_proj.weight")
+        add("ffn.gate.weight", (e, d), "bf16", "ffn.gate_weight")
+        add("ffn.gate.bias", (e,), "fp32", "ffn.gate_bias")
+        add("ffn.gate.bias_vl", (e,), "fp32", "ffn.bias_vl")
+        for j in range(e):
+            add(f"ffn.experts.{j}.w1.weight", (inter, d), "mxfp4", "ffn.w1", j)
+            add(f"ffn.experts.{j}.w2.weight", (d, inter), "mxfp4", "ffn.w2", j)
+            add(f"ffn.experts.{j}.w3.weight", (inter, d), "mxfp4", "ffn.w3", j)
+        add("ffn.shared_experts.w1.weight", (inter, d), "fp8_block", "ffn.shared_w1")
+        add("ffn.shared_experts.w2.weight", (d, inter), "fp8_block", "ffn.shared_w2")
+        add("ffn.shared_experts.w3.weight", (inter, d), "fp8_block", "ffn.shared_w3")
+        for site in ("attn", "ffn"):
+            add(f"hc_{site}_fn", (n * (n + 2), n * d), "fp32", f"hc_{site}.fn")
+            add(f"hc_{site}_base", (n * (n + 2),), "fp32", f"hc_{site}.base")
+            add(f"hc_{site}_scale", (3,), "fp32", f"hc_{site}.scale")
+        if i in cfg.engram_layer_ids:
+            rows = cfg.engram_num_embeddings[list(cfg.engram_layer_ids).index(i)]
+            add("engram.embed.weight", (rows, cfg.engram_head_dim), "fp8_rowwise", "engram.embed.weight")
+            add("engram.wkv.weight", ((n + 1) * d, cfg.engram_hash_heads() * cfg.engram_head_dim), "fp8_block",
+                "engram.wkv.weight")
+            add("engram.q_weight", (n, d), "bf16", "engram.q_weight")
+            add("engram.k_weight", (n, d), "bf16", "engram.k_weight")
+    return {s.name: s for s in specs}
+
+
+def stored_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every on-disk tensor (weights and scales): name → (shape, dtype)."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for spec in tensor_table(cfg).values():
+        out.update(spec.stored())
+    return out
+
+
+def stored_bytes(cfg: ModelConfig) -> int:
+    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in stored_table(cfg).values())

@@ -1,0 +1,90 @@
+"""DeepSeek-V4.1 text backbone, full-sequence reference forward (spec §3.1).
+
+    e = embed[ids]; h = n copies of e [B, S, n, D]; pre = one-hot(stream 0)
+    for layer ℓ:
+        h ← Engram(h)                          (Engram layers only)
+        mixA = Mix(h; hc_attn);  a = Attn(attn_norm(Collapse(h, pre)));  h ← Expand(a, h, mixA)
+        mixF = Mix(h; hc_ffn);   f = MoE(ffn_norm(Collapse(h, mixA.pre))); h ← Expand(f, h, mixF)
+        pre ← mixF.pre
+    logits = head(norm(Collapse(h, pre)))      (the final collapse is learned, not a mean)
+
+Positions are 0..S−1 for every row (reference mode); the cached engine path comes later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.deepseek_v41.attention import Attention, SparseState
+from model.deepseek_v41.config import ModelConfig
+from model.deepseek_v41.engram import Engram, EngramHasher
+from model.deepseek_v41.mhc import HyperConnection, collapse, expand, initial_pre
+from model.deepseek_v41.moe import MoE
+from model.deepseek_v41.norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+        engram_ids = list(cfg.engram_layer_ids)
+        self.engram_index = engram_ids.index(layer) if layer in engram_ids else None
+        self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index]) if layer in engram_ids else None
+
+    def forward(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, state: SparseState,
+                engram_rows: torch.Tensor | None, live: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, SparseState]:
+        """h [B, S, n, D], pre fp32 [B, S, n] → (h, next pre, state)."""
+        if self.engram is not None:
+            h = self.engram(h, engram_rows[:, :, self.engram_index], live)
+        mix_a = self.hc_attn(h)
+        a, state = self.attn(self.attn_norm(collapse(h, pre)), positions, state)
+        h = expand(a, h, mix_a)
+        mix_f = self.hc_ffn(h)
+        f = self.ffn(self.ffn_norm(collapse(h, mix_a.pre)))
+        h = expand(f, h, mix_f)
+        return h, mix_f.pre, state
+
+
+class DeepseekV41(nn.Module):
+    """The text model. ``token_map``/``num_compressed`` (from the tokenizer) are needed iff Engram layers exist."""
+
+    def __init__(self, cfg: ModelConfig, token_map: Sequence[int] | torch.Tensor | None = None,
+                 num_compressed: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.hasher = None
+        if cfg.engram_layer_ids:
+            if token_map is None or num_compressed is None:
+                raise ValueError("a config with Engram layers needs the tokenizer's Engram token map")
+            self.hasher = EngramHasher(cfg, token_map, num_compressed)
+
+    def forward(self, ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """ids int [B, S] → logits fp32 [B, S, vocab]. ``live`` [B, S] bool marks tokens Engram may read."""
+        b, s = ids.shape
+        if s == 0:
+            raise ValueError("empty sequence")
+        positions = torch.arange(s, device=ids.device).expand(b, s)
+        e = self.embed(ids)  # [B, S, D]
+        h = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # [B, S, n, D]
+        pre = initial_pre(ids.shape, self.cfg.hc_mult, ids.device)
+        rows = self.hasher.rows(self.hasher.history(ids, live)) if self.hasher is not None else None
+        state = SparseState()
+        for block in self.layers:
+            h, pre, state = block(h, pre, positions, state, rows, live)
+        y = self.norm(collapse(h, pre))  # [B, S, D]
+        return F.linear(y.float(), self.head.weight.float())

@@ -1,0 +1,72 @@
+"""Model presets, defined in this one place.
+
+``tiny``   the built-in default: the oracle's tiny shapes (spec §5.4) with the real DeepSeek
+           vocabulary (129,280 ids, 99,092 Engram-compressed ids). Runs on CPU.
+``v41-s1`` the single-H200 benchmark shape: Flash per-layer shapes (spec §2), 40 layers, 48 routed
+           experts per layer, FP8/MXFP4 weights. Engram tables are shrunk by drawing the hash primes
+           above 3,000,000 instead of 16,000,000 (rows per table: ``ENGRAM_S1_ROWS``), about 80 GB
+           in all, so it lives only in GPU memory, created from a seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from model.deepseek_v41.config import ModelConfig, YarnScaling
+
+TINY = ModelConfig(
+    vocab_size=129280,
+    hidden_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    rope_scaling=YarnScaling(),
+    sliding_window=8,
+    compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0),
+    kv_source_layer_ids=(2, 5),
+    index_source_layer_ids=(2, 4, 5, 7),
+    candidate_source_layer_id=5,
+    candidate_topk_blocks=4,
+    candidate_block_size=2,
+    index_n_heads=8,
+    index_head_dim=32,
+    index_topk=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    swiglu_limit=1.0,
+    engram_layer_ids=(1, 4),
+    engram_num_embeddings=(240, 306),
+    engram_max_ngram_size=3,
+    engram_vocab_size=50,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_compressed_vocab_size=99092,
+    extra={"text_config": {"num_nextn_predict_layers": 0}},
+)
+
+ENGRAM_S1_VOCAB = 3_000_000
+# Σ of each layer's 24 primes drawn above ENGRAM_S1_VOCAB (checked in tests against engram_primes).
+ENGRAM_S1_ROWS = (72_004_620, 72_014_888)
+
+V41_S1 = dataclasses.replace(
+    ModelConfig(),
+    n_routed_experts=48,
+    engram_vocab_size=ENGRAM_S1_VOCAB,
+    engram_num_embeddings=ENGRAM_S1_ROWS,
+    extra={"text_config": {"num_nextn_predict_layers": 0}},
+)
+
+PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "v41-s1": V41_S1}
+GPU_ONLY = {"v41-s1"}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None

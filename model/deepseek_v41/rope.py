@@ -1,0 +1,53 @@
+"""Interleaved partial RoPE (spec §3.5).
+
+Only the trailing ``qk_rope_head_dim`` channels rotate, as adjacent pairs (2i, 2i+1) treated as
+complex numbers. Ratio-0 layers use the main base without YaRN; ratio>0 layers use the compress
+base with YaRN frequency interpolation (no cos/sin scaling, no mscale).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.deepseek_v41.config import ModelConfig
+
+
+def rope_frequencies(cfg: ModelConfig, *, compressed: bool) -> torch.Tensor:
+    """Angular frequencies ω_i, fp32 [rope_dim/2]."""
+    dim = cfg.qk_rope_head_dim
+    theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if not compressed:
+        return freqs
+    y = cfg.rope_scaling
+    # YaRN ramp bounds: the pair indices whose wavelength crosses beta_fast / beta_slow turns.
+    low = max(math.floor(dim * math.log(y.original_max_position_embeddings / (y.beta_fast * 2 * math.pi))
+                         / (2 * math.log(theta))), 0)
+    high = min(math.ceil(dim * math.log(y.original_max_position_embeddings / (y.beta_slow * 2 * math.pi))
+                         / (2 * math.log(theta))), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return freqs / y.factor * ramp + freqs * (1 - ramp)
+
+
+def rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """positions int [...] → angles fp32 [..., rope_dim/2]."""
+    return positions.float().unsqueeze(-1) * freqs
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``2·angles.shape[-1]`` channels of x.
+
+    x: [B, S, C] or [B, S, H, C]; angles: [B, S, P] (or broadcastable [S, P]). Returns x's shape and dtype.
+    ``inverse`` rotates by −angle (used to undo RoPE on the attention output).
+    """
+    rot = angles.shape[-1] * 2
+    pairs = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())  # [..., P]
+    turn = torch.polar(torch.ones_like(angles), angles)  # [B, S, P] complex
+    if x.ndim == angles.ndim + 1:
+        turn = turn.unsqueeze(-2)  # broadcast over heads
+    if inverse:
+        turn = turn.conj()
+    rotated = torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :-rot], rotated), dim=-1)
