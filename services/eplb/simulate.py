@@ -18,11 +18,16 @@ from services.eplb.layout import Layout, gpu_loads, startup_layout
 MODES = ("static", "deepinfer", "guarded")
 
 
-def replan_steps(num_steps: int, interval: int) -> list[int]:
-    """Steps before which a re-plan runs: interval // 4 (at least 1), then every ``interval``."""
+def first_replan(interval: int) -> int:
+    """Steps seen before the first re-plan: a quarter interval, at least 1."""
     if interval < 1:
         raise ValueError(f"interval must be ≥ 1, got {interval}")
-    return list(range(max(1, interval // 4), num_steps, interval))
+    return max(1, interval // 4)
+
+
+def replan_steps(num_steps: int, interval: int) -> list[int]:
+    """Steps before which a re-plan runs: ``first_replan``, then every ``interval``."""
+    return list(range(first_replan(interval), num_steps, interval))
 
 
 def zipf_drift_trace(

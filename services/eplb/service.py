@@ -1,0 +1,177 @@
+"""The EPLB planner service: load reports from NATS in, versioned layer plans to NATS out.
+
+It subscribes to ``subjects.EXPERT_LOAD``, feeds a ``Planner``, and when a re-plan is due plans every layer
+in a worker thread (so NATS pings and health checks keep being answered) and publishes each applied layer
+plan on ``subjects.EXPERT_PLAN``. Health is ``grpc.health.v1`` (service names "" and ``HEALTH_NAME``);
+metrics are Prometheus. SIGTERM drains: health turns NOT_SERVING, the subscription stops taking new
+messages, messages already received are processed (a due re-plan finishes and is published), then exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from concurrent import futures
+
+import grpc
+import prometheus_client as prom
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services import subjects
+from services.eplb.guarded import POLICIES, PlanConfig
+from services.eplb.messages import MessageError, decode_load
+from services.eplb.planner import Planner, PlannerConfig
+
+HEALTH_NAME = "shinkai.eplb.Planner"
+log = logging.getLogger("shinkai.eplb")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """Where the service listens and talks."""
+
+    planner: PlannerConfig  # what to plan and how often
+    nats_url: str = "nats://127.0.0.1:4222"  # NATS server
+    health_addr: str = "127.0.0.1:0"  # grpc.health.v1 bind address; port 0 picks a free port
+    metrics_port: int | None = None  # Prometheus /metrics port on 0.0.0.0; None: no endpoint; 0: any free
+
+
+class Metrics:
+    """The planner's Prometheus metrics, on their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        self.moe_lb = prom.Gauge("shinkai_eplb_moe_lb", "moe_lb of the layout in force on its planning window",
+                                 ["layer"], registry=self.registry)
+        self.published = prom.Counter("shinkai_eplb_plans_published", "layer plans published",
+                                      registry=self.registry)
+        self.rejected = prom.Counter("shinkai_eplb_plans_rejected", "layer candidates the guard refused",
+                                     registry=self.registry)
+        self.reports = prom.Counter("shinkai_eplb_load_reports", "load reports taken", registry=self.registry)
+        self.bad = prom.Counter("shinkai_eplb_bad_messages", "load reports dropped as malformed",
+                                registry=self.registry)
+        self.plan_seconds = prom.Histogram("shinkai_eplb_replan_seconds", "time to re-plan all layers",
+                                           registry=self.registry)
+
+
+class PlannerService:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.planner = Planner(config.planner)
+        self.metrics = Metrics()
+        self.health = health.HealthServicer()
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self._stop = asyncio.Event()
+        self._nc = None
+        self._grpc = None
+        self._http = None
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", HEALTH_NAME):
+            self.health.set(name, status)
+
+    async def _on_load(self, msg) -> None:
+        try:
+            due = self.planner.add(decode_load(msg.data))
+        except MessageError as err:
+            self.metrics.bad.inc()
+            log.warning("dropped load report on %s: %s", msg.subject, err)
+            return
+        self.metrics.reports.inc()
+        if due:
+            await self._replan()
+
+    async def _replan(self) -> None:
+        with self.metrics.plan_seconds.time():
+            outcome = await asyncio.get_running_loop().run_in_executor(None, self.planner.replan)
+        for layer, value in outcome.moe_lb.items():
+            self.metrics.moe_lb.labels(layer=str(layer)).set(value)
+        self.metrics.rejected.inc(outcome.num_rejected)
+        for message in outcome.plans:
+            await self._nc.publish(subjects.EXPERT_PLAN, message.encode())
+            self.metrics.published.inc()
+            log.info("plan v%d layer %d: moe_lb %.4f -> %.4f, %d moves", message.version, message.layer,
+                     message.moe_lb_before, message.moe_lb_after, message.moves)
+        await self._nc.flush()
+
+    async def start(self) -> None:
+        import nats
+
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self.health_port = self._grpc.add_insecure_port(self.config.health_addr)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._grpc.start()
+        if self.config.metrics_port is not None:
+            self._http, _ = prom.start_http_server(self.config.metrics_port, registry=self.metrics.registry)
+            self.metrics_port = self._http.server_port
+        self._nc = await nats.connect(self.config.nats_url, name="shinkai-eplb", max_reconnect_attempts=-1)
+        await self._nc.subscribe(subjects.EXPERT_LOAD, cb=self._on_load)
+        await self._nc.flush()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run_until_stopped(self) -> None:
+        await self._stop.wait()
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._nc.drain()  # stops new messages, finishes the handlers (and any due re-plan)
+        if self._http is not None:
+            self._http.shutdown()
+        self._grpc.stop(grace=1.0).wait()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.eplb", description=__doc__.splitlines()[0])
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--health-addr", default="127.0.0.1:0", help="grpc.health.v1 bind address (port 0: any)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0: any; default: none)")
+    p.add_argument("--num-experts", type=int, required=True, help="logical experts per layer")
+    p.add_argument("--num-gpus", type=int, required=True)
+    p.add_argument("--num-redundant", type=int, required=True)
+    p.add_argument("--num-layers", type=int, required=True)
+    p.add_argument("--num-ranks", type=int, default=1, help="engine ranks reporting each step")
+    p.add_argument("--interval", type=int, default=10_000, help="re-plan every K steps, first at K/4")
+    p.add_argument("--window", type=int, default=1_000)
+    p.add_argument("--holdout", type=int, default=0)
+    p.add_argument("--policy", choices=POLICIES, default="guarded")
+    p.add_argument("--threshold", type=float, default=0.01)
+    return p
+
+
+async def _main(args: argparse.Namespace) -> int:
+    config = ServiceConfig(
+        planner=PlannerConfig(
+            num_logical=args.num_experts, num_gpus=args.num_gpus, num_redundant=args.num_redundant,
+            num_layers=args.num_layers, num_ranks=args.num_ranks, interval=args.interval,
+            window=args.window, holdout=args.holdout,
+            plan=PlanConfig(policy=args.policy, threshold=args.threshold),
+        ),
+        nats_url=args.nats_url, health_addr=args.health_addr, metrics_port=args.metrics_port,
+    )
+    service = PlannerService(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.request_stop)
+    await service.start()
+    print(f"eplb planner ready: health port {service.health_port}, metrics port {service.metrics_port}, "
+          f"subscribed to {subjects.EXPERT_LOAD}", flush=True)
+    await service.run_until_stopped()
+    print(f"eplb planner drained: {service.planner.version} plans published", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(_main(args))
+    except ValueError as err:
+        print(f"eplb planner: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,15 @@
+"""NATS subject names, defined once for the whole project.
+
+NATS carries events and control, never token streams. Each service adds its subjects here, with the
+publisher, the subscribers and where the message format is defined, so no subject is spelt twice.
+"""
+
+from __future__ import annotations
+
+# Engines → EPLB planner. One message per engine rank per step: tokens that reached each physical expert
+# slot in every MoE layer, in the compact binary format of `services/eplb/messages.py` (versioned header).
+EXPERT_LOAD = "shinkai.eplb.load"
+
+# EPLB planner → engines. One message per applied layer plan: JSON with a monotonic `version`, the layer,
+# the logical↔physical maps, moe_lb before/after and the moves (`services/eplb/messages.py`).
+EXPERT_PLAN = "shinkai.eplb.plan"
