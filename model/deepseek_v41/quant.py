@@ -149,7 +149,10 @@ def _fp4_scale(amax: torch.Tensor, scale_format: ScaleFormat) -> torch.Tensor:
     if scale_format == "e8m0":
         return pow2_ceil(amax.clamp_min(FP4_E2M1_MAX * _MIN_NORMAL) * (1 / FP4_E2M1_MAX))
     if scale_format == "e4m3":
-        return (amax.clamp_min(FP4_E2M1_MAX * 2.0**-9) / FP4_E2M1_MAX).to(torch.float8_e4m3fn).float()
+        # A tensor divisor: CUDA turns division by a Python scalar into a reciprocal product.
+        # amax > 6·448 = 2688 gives a NaN scale, as in NeMo (normed latents stay far below).
+        divisor = amax.new_full((), FP4_E2M1_MAX)
+        return (amax.clamp_min(FP4_E2M1_MAX * 2.0**-9) / divisor).to(torch.float8_e4m3fn).float()
     raise ValueError(f"scale_format must be 'e8m0' or 'e4m3', got {scale_format!r}")
 
 
@@ -252,8 +255,9 @@ def scale_key(weight_key: str) -> str:
 
 
 def _weight_scale(amax: torch.Tensor, max_code: float) -> torch.Tensor:
-    # Division (not a reciprocal product) keeps amax = max_code·2^k on scale 2^k exactly.
-    return pow2_ceil(amax.clamp_min(max_code * _MIN_NORMAL) / max_code)
+    # True division keeps amax = max_code·2^k on scale 2^k exactly; a tensor divisor keeps it true
+    # division on CUDA too (a Python-scalar divisor becomes a reciprocal product there).
+    return pow2_ceil(amax.clamp_min(max_code * _MIN_NORMAL) / amax.new_full((), max_code))
 
 
 def _check_matrix(w: torch.Tensor, what: str) -> tuple[int, int]:

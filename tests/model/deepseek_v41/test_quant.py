@@ -197,6 +197,22 @@ def test_fake_quant_matches_nemo_bit_for_bit(shape):
     assert torch.equal(got, nemo_q.quantize_cache(xb, format="nvfp4", block_size=16))
 
 
+def test_scale_steps_match_nemo_at_their_boundaries():
+    """Block maxima placed on, and one ulp either side of, every scale step of the three formats."""
+    nemo_q = pytest.importorskip("nemo_automodel.components.models.deepseek_v41.quantization")
+    e4m3 = torch.arange(1, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    pow2 = 2.0 ** torch.arange(-20, 4.0)
+    for fmt, block, steps in (("nvfp4", 16, 6 * (e4m3[:-1] + e4m3[1:]) / 2), ("mxfp4", 32, 6 * pow2),
+                              ("fp8", 32, 448 * pow2)):
+        amax = torch.cat([steps, torch.nextafter(steps, steps * 2), torch.nextafter(steps, steps / 2)])
+        g = torch.Generator().manual_seed(block)
+        x = torch.rand(amax.numel(), block, generator=g) * amax[:, None] * 0.9
+        x[:, 3] = -amax
+        ours = {"nvfp4": Q.fake_quant_compressed_kv, "mxfp4": Q.fake_quant_indexer,
+                "fp8": lambda t: Q.fake_quant_fp8_e4m3(t, 32)}[fmt](x)
+        assert torch.equal(ours, nemo_q.quantize_cache(x, format=fmt, block_size=block)), fmt
+
+
 def test_fp4_ties_round_to_even_code_in_fake_quant():
     x = torch.zeros(1, 32)
     x[0, :8] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
