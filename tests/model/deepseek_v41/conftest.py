@@ -1,0 +1,59 @@
+"""Shared fixtures: each oracle case's checkpoint, our model and NeMo's, built once per session."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model.deepseek_v41.oracle_configs import CASES, OracleCase, finish
+
+
+@dataclasses.dataclass
+class Built:
+    case: OracleCase
+    path: Path
+    ours: torch.nn.Module
+    nemo: torch.nn.Module
+    nemo_missing: list[str]
+    nemo_unexpected: list[str]
+    ids: torch.Tensor
+
+
+def build_case(case: OracleCase, root: Path) -> Built:
+    pytest.importorskip("nemo_automodel")
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.loader import load_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+    from tests.model.deepseek_v41.oracle_harness import nemo_model, toy_tokenizer
+
+    tok = toy_tokenizer(case.cfg.vocab_size)
+    cfg = finish(case.cfg, engram_token_map(tok)[1])
+    path = write_random_checkpoint(root / case.name, cfg, case.seed, tok)
+    ours = load_checkpoint(path).model
+    nemo, missing, unexpected = nemo_model(path)
+    return Built(case, path, ours, nemo, missing, unexpected, case_ids(case))
+
+
+def case_ids(case: OracleCase) -> torch.Tensor:
+    g = torch.Generator().manual_seed(case.seed)
+    ids = torch.randint(3, case.cfg.vocab_size, (case.batch, case.seq_len), generator=g)
+    ids[:, 5] = 4  # "The" then "THE": ids the Engram map merges, inside n-grams
+    ids[:, 6] = 6
+    return ids
+
+
+@pytest.fixture(scope="session")
+def oracle_cases(tmp_path_factory) -> dict[str, Built]:
+    root = tmp_path_factory.mktemp("oracle")
+    cache: dict[str, Built] = {}
+
+    class Lazy(dict):
+        def __missing__(self, name: str) -> Built:
+            case = next(c for c in CASES if c.name == name)
+            cache[name] = built = build_case(case, root)
+            return built
+
+    return Lazy()

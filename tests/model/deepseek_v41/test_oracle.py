@@ -1,0 +1,69 @@
+"""Full-sequence logits of our model vs NeMo AutoModel 0.7.0 on the same released-format checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.deepseek_v41 import moe
+from model.deepseek_v41.safetensors_io import read_checkpoint
+from tests.model.deepseek_v41.oracle_configs import CASES
+
+pytest.importorskip("nemo_automodel")
+
+from tests.model.deepseek_v41.oracle_harness import assert_matches, run_both  # noqa: E402
+
+CASE_NAMES = [c.name for c in CASES]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_checkpoint_is_in_released_formats(oracle_cases, name):
+    tensors = read_checkpoint(oracle_cases[name].path)
+    dtypes = {k: v.dtype for k, v in tensors.items()}
+    assert dtypes["layers.0.ffn.experts.0.w1.weight"] == torch.int8  # MXFP4, two codes per byte
+    assert dtypes["layers.0.attn.wq_a.weight"] == torch.float8_e4m3fn
+    assert dtypes["layers.0.attn.wq_a.scale"] == torch.float8_e8m0fnu
+    engram_layer = oracle_cases[name].case.cfg.engram_layer_ids[0]
+    assert dtypes[f"layers.{engram_layer}.engram.embed.weight"] == torch.float8_e4m3fn
+    assert dtypes["layers.0.hc_attn_fn"] == torch.float32
+    assert dtypes["embed.weight"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_nemo_loads_strictly(oracle_cases, name):
+    built = oracle_cases[name]
+    assert built.nemo_missing == [] and built.nemo_unexpected == []
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_prompts_truncate_every_mechanism(oracle_cases, name):
+    cfg, s = oracle_cases[name].case.cfg, oracle_cases[name].case.seq_len
+    assert s > cfg.sliding_window
+    ratios = {cfg.ratio(i) for i in range(cfg.num_hidden_layers)} - {0}
+    for r in ratios:
+        assert s // r > cfg.index_topk, f"top-k never truncates for ratio {r}"
+    if 2 in ratios:
+        assert s % 2 == 1, "an odd length leaves an incomplete ratio-2 group"
+    if cfg.candidate_source_layer_id is not None:
+        entries = s // cfg.ratio(cfg.candidate_source_layer_id)
+        assert -(-entries // cfg.candidate_block_size) > cfg.candidate_topk_blocks
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_logits_match_nemo(oracle_cases, name, monkeypatch):
+    built = oracle_cases[name]
+    clamped = []
+    original = moe.clamped_swiglu
+
+    def spy(gate, up, limit):
+        clamped.append(bool((gate > limit).any() | (up.abs() > limit).any()))
+        return original(gate, up, limit)
+
+    monkeypatch.setattr(moe, "clamped_swiglu", spy)
+    ours, nemo, comparison = run_both(built.ours, built.nemo, built.ids)
+    print(f"\n{name}: max|Δ| {comparison.max_abs_diff:.3g} (all positions {comparison.max_abs_diff_all:.3g}), "
+          f"flips {len(comparison.flips)}, exempt {comparison.exempt_fraction:.1%}, "
+          f"min oracle top-k margin {comparison.min_topk_margin:.3g}, logits std {nemo.std():.3f}")
+    assert_matches(comparison, name)
+    assert any(clamped), "the SwiGLU clamps never fired"
+    assert float(nemo.std()) > 0.1, "logits are nearly constant: the random weights are too quiet"

@@ -1,0 +1,18 @@
+"""Numerical thresholds, defined once and used by every numerics test."""
+
+# Full-sequence logits vs the NeMo oracle: max |Δ| over the vocabulary at every compared position.
+LOGITS_ATOL = 1e-4
+# A quantisation bin flip is "traced" when a pre-quantisation value that rounded differently lies
+# this close (input units) to a rounding or block-scale boundary.
+FLIP_BOUNDARY_TOL = 1e-5
+# More exempted positions than this fraction means the config must be reseeded.
+MAX_EXEMPT_FRACTION = 0.10
+# Argmax must agree wherever the oracle's top-2 logit margin is at least this.
+ARGMAX_MARGIN = 1e-3
+# Oracle top-k selections (indexer entries, candidate blocks, MoE experts) with a gap below this
+# between the k-th and (k+1)-th score make the comparison depend on tie-breaking: reseed.
+TOPK_MARGIN_MIN = 1e-4
+# A switched-off mechanism must move the logits by at least this much (sensitivity tests).
+SENSITIVITY_MIN_MOVE = 1e-2
+# Prefix consistency of our own model: logits of a prefix vs the full run at the same positions.
+PREFIX_ATOL = 1e-5
