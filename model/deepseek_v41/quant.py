@@ -200,7 +200,9 @@ def dequantize_fp4_cache(packed: torch.Tensor, scale: torch.Tensor, block: int) 
     """Inverse of ``quantize_fp4_cache``; fp32 [..., 2·packed.shape[-1]]. Scale dtype picks the format."""
     values = decode_e2m1(unpack_fp4(packed))
     channels = values.shape[-1]
-    scale_f = e8m0_to_float(scale) if scale.dtype in (torch.float8_e8m0fnu,) else scale.float()
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.float8_e4m3fn):
+        raise TypeError(f"FP4 cache scales must be float8_e8m0fnu or float8_e4m3fn (view raw bytes), got {scale.dtype}")
+    scale_f = scale.float()
     return _unblock(_blocks(values, block) * scale_f.unsqueeze(-1), channels)
 
 

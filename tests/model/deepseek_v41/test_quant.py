@@ -231,6 +231,8 @@ def test_cache_byte_layouts_and_sizes():
     packed, scale = Q.quantize_fp4_cache(key, 32, "e8m0")
     assert packed.numel() // 4 + scale.numel() // 4 == 68 and scale.dtype == torch.float8_e8m0fnu
     assert torch.equal(Q.dequantize_fp4_cache(packed, scale, 32), Q.fake_quant_indexer(key))
+    with pytest.raises(TypeError, match="view raw bytes"):
+        Q.dequantize_fp4_cache(packed, scale.view(torch.uint8), 32)  # ambiguous: e8m0 or e4m3?
     win = _rand(4, 512, seed=11)
     q, scale = Q.quantize_fp8_cache(win)
     assert q.shape == (4, 512) and scale.shape == (4, 16)
