@@ -1,0 +1,151 @@
+"""Random add / schedule / update / abort / fork sequences on small pools, so preemption and chunked
+prefill happen often. After every step: pool conservation and reference counts (check_invariants);
+at the end: every added request has exactly one final output and every block is back."""
+
+from collections import Counter
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepResult
+
+EOS = 1
+VOCAB = 16
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        nextn=st.sampled_from([0, 0, 2]),
+        recompute=st.booleans(),
+        max_inflight=st.sampled_from([1, 2]),
+        num_blocks=st.integers(4, 10),
+    )
+    def setup(self, nextn, recompute, max_inflight, num_blocks):
+        mode = PreemptionMode.RECOMPUTE if recompute else PreemptionMode.STOP
+        self.config = SchedulerConfig(block_size=4, num_blocks=num_blocks, num_state_slots=4, max_num_seqs=3,
+                                      max_num_batched_tokens=6, max_model_len=40, nextn=nextn,
+                                      preemption_mode=mode, vocab_size=VOCAB, compress_ratios=[2, 1])
+        self.scheduler = Scheduler(self.config)
+        self.max_inflight = max_inflight
+        self.inflight = []
+        self.added = []
+        self.finals = Counter()
+        self.next_id = 0
+
+    def _record(self, outputs):
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.finals[output.request_id] += 1
+
+    @rule(prompt_len=st.integers(1, 14), max_tokens=st.integers(1, 24), schedulable=st.sampled_from([True, True, False]))
+    def add(self, prompt_len, max_tokens, schedulable):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        try:
+            self.scheduler.add_request(rid, [2 + i % 10 for i in range(prompt_len)], max_tokens=max_tokens,
+                                       eos_token_id=EOS, schedulable=schedulable)
+        except ValueError as err:
+            assert "blocks but the pool has" in str(err)
+            return
+        self.added.append(rid)
+
+    @rule(data=st.data())
+    def make_schedulable(self, data):
+        if self.added:
+            rid = data.draw(st.sampled_from(self.added))
+            if self.scheduler.request(rid) is not None:
+                self.scheduler.set_schedulable(rid)
+
+    @precondition(lambda self: len(self.inflight) < self.max_inflight)
+    @rule()
+    def schedule(self):
+        plan = self.scheduler.schedule()
+        self._record(plan.outputs)
+        if plan.outputs:
+            event("preempted")
+        if plan.is_prefill and 0 in plan.num_sample_rows.tolist():
+            event("prompt cut")
+        if self.scheduler.stats().num_deferred_blocks:
+            event("deferred free")
+        self.inflight.append(plan)
+
+    @precondition(lambda self: len(self.inflight) < self.max_inflight)
+    @rule(data=st.data(), num_steps=st.integers(1, 6))
+    def steps(self, data, num_steps):
+        for _ in range(num_steps):
+            self.schedule()
+            self.update(data)
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data())
+    def update(self, data):
+        plan = self.inflight.pop(0)
+        num_tokens, tokens, errors = [], [], []
+        for i, n in enumerate(plan.num_sample_rows.tolist()):
+            if data.draw(st.integers(0, 30)) == 0:
+                errors.append(i)
+                num_tokens.append(0)
+                continue
+            count = n if plan.is_prefill else data.draw(st.integers(1, n))
+            num_tokens.append(count)
+            tokens += [data.draw(st.integers(0, VOCAB - 1)) for _ in range(count)]
+        drafts = [self.config.nextn] * plan.num_requests if self.config.nextn else None
+        draft_ids = [3] * (self.config.nextn * plan.num_requests) if self.config.nextn else None
+        self._record(self.scheduler.update(plan, StepResult(num_tokens, tokens, drafts, draft_ids, errors)))
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if self.added:
+            rid = data.draw(st.sampled_from(self.added))
+            final = self.scheduler.abort(rid)
+            if final is not None:
+                assert final.finish_reason.value == "abort"
+                self._record([final])
+
+    @rule(data=st.data())
+    def fork(self, data):
+        if not self.added:
+            return
+        parent = data.draw(st.sampled_from(self.added))
+        state = self.scheduler.request(parent)
+        if state is None or state.status != "running" or self.inflight:
+            return
+        child = f"r{self.next_id}"
+        self.next_id += 1
+        try:
+            self.scheduler.fork(parent, child, max_tokens=4, eos_token_id=EOS)
+        except RuntimeError as err:
+            assert "not enough free" in str(err)
+            return
+        self.added.append(child)
+
+    @invariant()
+    def pools_are_conserved(self):
+        self.scheduler.check_invariants()
+
+    @invariant()
+    def at_most_one_final_output(self):
+        assert all(count == 1 for count in self.finals.values()), self.finals
+
+    def teardown(self):
+        # Drain: abort what is left, update what is in flight; nothing may be lost or leaked.
+        for rid in self.added:
+            final = self.scheduler.abort(rid)
+            if final is not None:
+                self._record([final])
+        while self.inflight:
+            plan = self.inflight.pop(0)
+            result = StepResult([0] * plan.num_requests, [], errors=list(range(plan.num_requests)))
+            self._record(self.scheduler.update(plan, result))
+        self.scheduler.check_invariants()
+        assert self.finals == Counter(self.added)
+        stats = self.scheduler.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.num_free_state_slots == stats.num_total_state_slots
+
+
+TestSchedulerProperties = SchedulerMachine.TestCase
+TestSchedulerProperties.settings = settings(
+    max_examples=1000, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
