@@ -180,9 +180,10 @@ def engram_token_map(tokenizer: Tokenizer | None = None) -> tuple[torch.Tensor, 
     num_ids = backend.get_vocab_size(with_added_tokens=True)
     texts = backend.decode_batch([[i] for i in range(num_ids)], skip_special_tokens=False)
     normalizer = _engram_normalizer()
-    key_to_id: dict[str, int] = {}
+    key_to_id: dict[str | None, int] = {}  # None: an id missing from the vocabulary, as in NeMo
     token_map = []
     for token_id, text in enumerate(texts):
+        key: str | None
         if "\ufffd" in text:
             key = backend.id_to_token(token_id)
         else:
