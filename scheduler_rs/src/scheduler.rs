@@ -13,12 +13,17 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::block_manager::BlockManager;
-use crate::config::{EngineType, PreemptionMode, SchedulerConfig};
+use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
 use crate::request::{FinishReason, Request, Status, StopRules};
 use crate::step::{RequestOutput, StepKind, StepPlan, StepResult};
 
 pub use crate::errors::SchedulerError;
+
+mod decode;
+mod prefill;
+#[cfg(test)]
+mod tests;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VoteOp {
@@ -397,162 +402,6 @@ impl Scheduler {
             req.last_step_id = Some(step_id);
         }
         plan
-    }
-
-    /// NORMAL engines: ALL points every `prefill_attempt_interval` decode steps, ANY points every
-    /// `prefill_any_attempt_interval`; a second ANY vote catches "wanted, but nobody scheduled".
-    /// Returns the prefill batch (possibly empty, when only other ranks scheduled), or `None` for a
-    /// decode step.
-    fn vote_for_prefill(&mut self, collective: &mut dyn Collective) -> Option<Vec<Scheduled>> {
-        let op = if self.decode_step % self.config.prefill_attempt_interval as u64 == 0 {
-            VoteOp::All
-        } else if self.decode_step % self.config.prefill_any_attempt_interval as u64 == 0 {
-            VoteOp::Any
-        } else {
-            return None;
-        };
-        if !collective.vote(self.wants_prefill(), op) {
-            return None;
-        }
-        // Nothing is allocated unless something is scheduled, so a failed second vote undoes nothing.
-        let chosen = self.schedule_prefill();
-        collective.vote(!chosen.is_empty(), VoteOp::Any).then_some(chosen)
-    }
-
-    fn schedule_prefill(&mut self) -> Vec<Scheduled> {
-        let mut budget = self.config.max_num_batched_tokens;
-        let mut num_seqs = self.running.len() as u32;
-        let mut chosen = Vec::new();
-        let mut finished_prefill = HashSet::new();
-        for i in 0..self.waiting.len() {
-            let handle = self.waiting[i];
-            let req = self.req(handle);
-            // An unready head blocks the queue behind it (DeepInfer's multimodal gate).
-            if !req.schedulable || num_seqs + 1 > self.config.max_num_seqs || budget == 0 {
-                break;
-            }
-            let remaining = req.num_uncomputed_prompt_tokens();
-            if remaining == 0 {
-                continue;
-            }
-            if req.block_table.is_empty() {
-                // A new prompt reserves all its blocks and its state slot on its first chunk, so
-                // it never stalls halfway for lack of blocks.
-                let needed = Request::blocks_for(req.len(), self.config.block_size);
-                if needed > self.blocks.num_free() || self.slots.num_free() == 0 {
-                    break;
-                }
-                let blocks = self.blocks.allocate_many(needed).expect("checked free blocks");
-                let slot = self.slots.allocate();
-                let req = self.req_mut(handle);
-                req.block_table = blocks;
-                req.state_slot = slot;
-            }
-            let chunk = remaining.min(budget);
-            budget -= chunk;
-            num_seqs += 1;
-            let is_last = chunk == remaining;
-            chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32 });
-            if is_last {
-                finished_prefill.insert(handle);
-            } else if self.config.engine_type == EngineType::Normal {
-                // A cut prompt ends a NORMAL step; it stays at the front of the queue.
-                break;
-            }
-        }
-        if !finished_prefill.is_empty() {
-            self.waiting.retain(|h| !finished_prefill.contains(h));
-            for s in &chosen {
-                if finished_prefill.contains(&s.handle) {
-                    self.req_mut(s.handle).status = Status::Running;
-                    self.running.push(s.handle);
-                }
-            }
-        }
-        chosen
-    }
-
-    /// Decode: running requests sorted by output length, longest first; rows are served from the
-    /// back (shortest output first). When the row being served needs blocks that are not free, the
-    /// request at the FRONT is preempted: the one with the LONGEST output, which holds the most
-    /// blocks. (DeepInfer's header comment says "shortest"; its code, like ours, takes the longest.)
-    /// Unlike DeepInfer, a row that needs no new block never causes a preemption.
-    fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestOutput>) {
-        let block_size = self.config.block_size;
-        let num_rows = 1 + self.config.nextn;
-        let mut order = std::mem::take(&mut self.running);
-        order.sort_by_key(|&h| {
-            let req = self.req(h);
-            (std::cmp::Reverse(req.num_output_tokens()), req.arrival)
-        });
-        let (mut front, mut back) = (0, order.len());
-        let mut served = HashSet::new();
-        let mut outputs = Vec::new();
-        let mut recomputed = Vec::new();
-        // Blocks of this step's victims that come back when their in-flight step is updated.
-        let mut num_coming = 0;
-        while front < back {
-            let handle = order[back - 1];
-            let req = self.req(handle);
-            let needed = Request::blocks_for(req.next_position() + num_rows, block_size);
-            let extra = needed.saturating_sub(req.block_table.len() as u32);
-            while extra > self.blocks.num_free() + num_coming && front < back {
-                let victim = order[front];
-                front += 1;
-                num_coming += self.preempt(victim, &mut outputs, &mut recomputed);
-            }
-            if front == back {
-                break; // the row's own request was the last victim
-            }
-            if extra <= self.blocks.num_free() {
-                let blocks = self.blocks.allocate_many(extra).expect("checked free blocks");
-                self.req_mut(handle).block_table.extend(blocks);
-                served.insert(handle);
-            } else {
-                num_coming -= extra; // served next step, once the victims' step is updated
-            }
-            back -= 1;
-        }
-        self.running = order[front..].to_vec();
-        for &handle in recomputed.iter().rev() {
-            self.waiting.push_front(handle);
-        }
-        let chosen = self
-            .running
-            .iter()
-            .filter(|h| served.contains(h))
-            .map(|&handle| Scheduled { handle, num_rows, num_sample_rows: num_rows })
-            .collect();
-        (chosen, outputs)
-    }
-
-    /// Preempts a running request; returns how many of its blocks come back only later.
-    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestOutput>, recomputed: &mut Vec<usize>) -> u32 {
-        let req = self.req(handle);
-        match self.config.effective_preemption_mode(req.constrained) {
-            PreemptionMode::Stop => {
-                let (output, num_deferred) = self.remove(handle, FinishReason::Preempted, None);
-                outputs.push(output);
-                num_deferred
-            }
-            PreemptionMode::Recompute => {
-                let incarnation = self.next_incarnation;
-                self.next_incarnation += 1;
-                let req = self.req_mut(handle);
-                let blocks = std::mem::take(&mut req.block_table);
-                let slot = req.state_slot.take();
-                let last_step = req.last_step_id;
-                req.num_computed_tokens = 0;
-                req.num_inflight_tokens = 0;
-                req.draft_tokens.clear();
-                req.status = Status::Waiting;
-                req.num_preemptions += 1;
-                req.incarnation = incarnation;
-                req.last_step_id = None;
-                recomputed.push(handle);
-                self.release(blocks, slot, last_step)
-            }
-        }
     }
 
     fn build_plan(&self, step_id: u64, kind: StepKind, chosen: &[Scheduled]) -> StepPlan {

@@ -331,3 +331,19 @@ def test_error_rows_end_only_their_request():
     outputs = scheduler.update(plan, run_step(plan, lambda r, p: 5, errors=(0,)))
     assert {(o.request_id, o.finish_reason) for o in outputs} == {("a", FinishReason.ERROR), ("b", None)}
     scheduler.check_invariants()
+
+
+def test_abort_in_flight_answers_at_once_and_frees_after_the_step():
+    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler.add_request("R", [3, 4, 5], max_tokens=8)
+    step(scheduler)
+    plan = scheduler.schedule()
+    final = scheduler.abort("R")
+    assert final.finish_reason == FinishReason.ABORT
+    scheduler.check_invariants()
+    assert scheduler.stats().num_deferred_blocks == 1
+    assert scheduler.stats().num_free_state_slots == scheduler.stats().num_total_state_slots - 1
+    assert scheduler.update(plan, run_step(plan, lambda r, p: 9)) == []  # its tokens are dropped
+    scheduler.check_invariants()
+    stats = scheduler.stats()
+    assert (stats.num_free_blocks, stats.num_free_state_slots) == (stats.num_total_blocks, stats.num_total_state_slots)

@@ -1,0 +1,93 @@
+//! Decode scheduling and preemption (walkthrough Pass 3, "When memory runs out").
+
+use std::collections::HashSet;
+
+use super::{Scheduled, Scheduler};
+use crate::config::PreemptionMode;
+use crate::request::{FinishReason, Request, Status};
+use crate::step::RequestOutput;
+
+impl Scheduler {
+    /// Decode: running requests sorted by output length, longest first; rows are served from the
+    /// back (shortest output first). When the row being served needs blocks that are not free, the
+    /// request at the FRONT is preempted: the one with the LONGEST output, which holds the most
+    /// blocks. (DeepInfer's header comment says "shortest"; its code, like ours, takes the longest.)
+    /// Unlike DeepInfer, a row that needs no new block never causes a preemption.
+    pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestOutput>) {
+        let block_size = self.config.block_size;
+        let num_rows = 1 + self.config.nextn;
+        let mut order = std::mem::take(&mut self.running);
+        order.sort_by_key(|&h| {
+            let req = self.req(h);
+            (std::cmp::Reverse(req.num_output_tokens()), req.arrival)
+        });
+        let (mut front, mut back) = (0, order.len());
+        let mut served = HashSet::new();
+        let mut outputs = Vec::new();
+        let mut recomputed = Vec::new();
+        // Blocks of this step's victims that come back when their in-flight step is updated.
+        let mut num_coming = 0;
+        while front < back {
+            let handle = order[back - 1];
+            let req = self.req(handle);
+            let needed = Request::blocks_for(req.next_position() + num_rows, block_size);
+            let extra = needed.saturating_sub(req.block_table.len() as u32);
+            while extra > self.blocks.num_free() + num_coming && front < back {
+                let victim = order[front];
+                front += 1;
+                num_coming += self.preempt(victim, &mut outputs, &mut recomputed);
+            }
+            if front == back {
+                break; // the row's own request was the last victim
+            }
+            if extra <= self.blocks.num_free() {
+                let blocks = self.blocks.allocate_many(extra).expect("checked free blocks");
+                self.req_mut(handle).block_table.extend(blocks);
+                served.insert(handle);
+            } else {
+                num_coming -= extra; // served next step, once the victims' step is updated
+            }
+            back -= 1;
+        }
+        self.running = order[front..].to_vec();
+        for &handle in recomputed.iter().rev() {
+            self.waiting.push_front(handle);
+        }
+        let chosen = self
+            .running
+            .iter()
+            .filter(|h| served.contains(h))
+            .map(|&handle| Scheduled { handle, num_rows, num_sample_rows: num_rows })
+            .collect();
+        (chosen, outputs)
+    }
+
+    /// Preempts a running request; returns how many of its blocks come back only later.
+    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestOutput>, recomputed: &mut Vec<usize>) -> u32 {
+        let req = self.req(handle);
+        match self.config.effective_preemption_mode(req.constrained) {
+            PreemptionMode::Stop => {
+                let (output, num_deferred) = self.remove(handle, FinishReason::Preempted, None);
+                outputs.push(output);
+                num_deferred
+            }
+            PreemptionMode::Recompute => {
+                let incarnation = self.next_incarnation;
+                self.next_incarnation += 1;
+                let req = self.req_mut(handle);
+                let blocks = std::mem::take(&mut req.block_table);
+                let slot = req.state_slot.take();
+                let last_step = req.last_step_id;
+                req.num_computed_tokens = 0;
+                req.num_inflight_tokens = 0;
+                req.draft_tokens.clear();
+                req.status = Status::Waiting;
+                req.num_preemptions += 1;
+                req.incarnation = incarnation;
+                req.last_step_id = None;
+                recomputed.push(handle);
+                self.release(blocks, slot, last_step)
+            }
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! Prefill scheduling and the NORMAL engine's vote (walkthrough Pass 2 Thread 1).
+
+use std::collections::HashSet;
+
+use super::{Collective, Scheduled, Scheduler, VoteOp};
+use crate::config::EngineType;
+use crate::request::{Request, Status};
+
+impl Scheduler {
+    /// NORMAL engines: ALL points every `prefill_attempt_interval` decode steps, ANY points every
+    /// `prefill_any_attempt_interval`; a second ANY vote catches "wanted, but nobody scheduled".
+    /// Returns the prefill batch (possibly empty, when only other ranks scheduled), or `None` for a
+    /// decode step.
+    pub(super) fn vote_for_prefill(&mut self, collective: &mut dyn Collective) -> Option<Vec<Scheduled>> {
+        let op = if self.decode_step % self.config.prefill_attempt_interval as u64 == 0 {
+            VoteOp::All
+        } else if self.decode_step % self.config.prefill_any_attempt_interval as u64 == 0 {
+            VoteOp::Any
+        } else {
+            return None;
+        };
+        if !collective.vote(self.wants_prefill(), op) {
+            return None;
+        }
+        // Nothing is allocated unless something is scheduled, so a failed second vote undoes nothing.
+        let chosen = self.schedule_prefill();
+        collective.vote(!chosen.is_empty(), VoteOp::Any).then_some(chosen)
+    }
+
+    pub(super) fn schedule_prefill(&mut self) -> Vec<Scheduled> {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut num_seqs = self.running.len() as u32;
+        let mut chosen = Vec::new();
+        let mut finished_prefill = HashSet::new();
+        for i in 0..self.waiting.len() {
+            let handle = self.waiting[i];
+            let req = self.req(handle);
+            // An unready head blocks the queue behind it (DeepInfer's multimodal gate).
+            if !req.schedulable || num_seqs + 1 > self.config.max_num_seqs || budget == 0 {
+                break;
+            }
+            let remaining = req.num_uncomputed_prompt_tokens();
+            if remaining == 0 {
+                continue;
+            }
+            if req.block_table.is_empty() {
+                // A new prompt reserves all its blocks and its state slot on its first chunk, so
+                // it never stalls halfway for lack of blocks.
+                let needed = Request::blocks_for(req.len(), self.config.block_size);
+                if needed > self.blocks.num_free() || self.slots.num_free() == 0 {
+                    break;
+                }
+                let blocks = self.blocks.allocate_many(needed).expect("checked free blocks");
+                let slot = self.slots.allocate();
+                let req = self.req_mut(handle);
+                req.block_table = blocks;
+                req.state_slot = slot;
+            }
+            let chunk = remaining.min(budget);
+            budget -= chunk;
+            num_seqs += 1;
+            let is_last = chunk == remaining;
+            chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32 });
+            if is_last {
+                finished_prefill.insert(handle);
+            } else if self.config.engine_type == EngineType::Normal {
+                // A cut prompt ends a NORMAL step; it stays at the front of the queue.
+                break;
+            }
+        }
+        if !finished_prefill.is_empty() {
+            self.waiting.retain(|h| !finished_prefill.contains(h));
+            for s in &chosen {
+                if finished_prefill.contains(&s.handle) {
+                    self.req_mut(s.handle).status = Status::Running;
+                    self.running.push(s.handle);
+                }
+            }
+        }
+        chosen
+    }
+}
