@@ -38,6 +38,8 @@ class _State:
         self.cap = colocation_cap(self.copies, self.num_gpus)
         self.slot_load = (self.load / self.copies)[:, self.phy2log]  # [step, slot]
         self.gpu_load = self.slot_load @ np.eye(self.num_gpus)[self.gpu]  # [step, gpu]
+        self.slot_load32 = np.ascontiguousarray(self.slot_load.T, dtype=np.float32)  # [slot, step]
+        self.gpu_load32 = np.ascontiguousarray(self.gpu_load.T, dtype=np.float32)  # [gpu, step]
 
     def score(self) -> float:
         return float(self.gpu_load.max(axis=1).sum())
@@ -53,14 +55,28 @@ class _State:
         return rest.max(axis=1) if rest.shape[1] else np.full(self.load.shape[0], -np.inf)
 
     def swap_scores(self, g: int, h: int) -> np.ndarray:
-        """``[i, j]`` Σ_steps busiest GPU after swapping the i-th slot of g with the j-th slot of h."""
-        x = self.slot_load[:, self.slots_of(g)]  # [step, i]
-        y = self.slot_load[:, self.slots_of(h)]  # [step, j]
-        delta = y[:, None, :] - x[:, :, None]  # [step, i, j]: load g gains
-        new_g = self.gpu_load[:, g, None, None] + delta
-        new_h = self.gpu_load[:, h, None, None] - delta
-        peak = np.maximum(np.maximum(new_g, new_h), self.others_max(g, h)[:, None, None])
-        return peak.sum(axis=0)
+        """``[i, j]`` Σ_steps busiest GPU after swapping the i-th slot of g with the j-th slot of h.
+
+        A float32 screen (the exact score of the chosen swap is checked in float64 by ``exact_swap``).
+        With d = y_j - x_i the load g gains, max(L_g + d, L_h - d) = (L_g + L_h) / 2 + |d + (L_g - L_h) / 2|.
+        """
+        x = self.slot_load32[self.slots_of(g)]  # [i, step]
+        y = self.slot_load32[self.slots_of(h)]  # [j, step]
+        lg, lh = self.gpu_load32[g], self.gpu_load32[h]
+        work = y[None, :, :] - x[:, None, :]  # [i, j, step]
+        work += (lg - lh) / 2
+        np.abs(work, out=work)
+        work += (lg + lh) / 2
+        np.maximum(work, self.others_max(g, h).astype(np.float32), out=work)
+        return work.sum(axis=2, dtype=np.float64)
+
+    def exact_swap(self, g: int, i: int, h: int, j: int) -> float:
+        """Σ_steps busiest GPU after that swap, in float64."""
+        d = self.slot_load[:, self.slots_of(h)[j]] - self.slot_load[:, self.slots_of(g)[i]]
+        gpu_load = self.gpu_load.copy()
+        gpu_load[:, g] += d
+        gpu_load[:, h] -= d
+        return float(gpu_load.max(axis=1).sum())
 
     def excess_change(self, g: int, h: int) -> np.ndarray:
         """``[i, j]`` change in needless co-locations from that swap (+∞ for swapping equal experts)."""
@@ -76,9 +92,21 @@ class _State:
         return change
 
     def swap(self, g: int, i: int, h: int, j: int) -> None:
+        """Swaps two slots' experts, updating the derived arrays in O(steps) (copy counts are unchanged)."""
         s, t = self.slots_of(g)[i], self.slots_of(h)[j]
-        self.phy2log[s], self.phy2log[t] = self.phy2log[t], self.phy2log[s]
-        self.refresh()
+        a, b = self.phy2log[s], self.phy2log[t]
+        self.phy2log[s], self.phy2log[t] = b, a
+        self.held[a, g] -= 1
+        self.held[a, h] += 1
+        self.held[b, h] -= 1
+        self.held[b, g] += 1
+        d = self.slot_load[:, t] - self.slot_load[:, s]  # load g gains
+        self.slot_load[:, [s, t]] = self.slot_load[:, [t, s]]
+        self.gpu_load[:, g] += d
+        self.gpu_load[:, h] -= d
+        self.slot_load32[[s, t]] = self.slot_load32[[t, s]]
+        self.gpu_load32[g] = self.gpu_load[:, g]
+        self.gpu_load32[h] = self.gpu_load[:, h]
 
 
 def _best_swap(state: _State, g: int, h: int, *, reduce_excess: bool) -> tuple[int, int, float] | None:
@@ -86,13 +114,15 @@ def _best_swap(state: _State, g: int, h: int, *, reduce_excess: bool) -> tuple[i
     otherwise, among swaps that add none and strictly lower the score."""
     scores = state.swap_scores(g, h)
     change = state.excess_change(g, h)
-    if reduce_excess:
-        scores = np.where(change < 0, scores, np.inf)
-    else:
-        limit = state.score() * (1.0 - GAIN_RTOL)
-        scores = np.where((change <= 0) & (scores < limit), scores, np.inf)
-    i, j = np.unravel_index(int(np.argmin(scores)), scores.shape)
-    return None if not np.isfinite(scores[i, j]) else (int(i), int(j), float(scores[i, j]))
+    allowed = change < 0 if reduce_excess else change <= 0
+    scores = np.where(allowed, scores, np.inf)
+    i, j = (int(k) for k in np.unravel_index(int(np.argmin(scores)), scores.shape))
+    if not np.isfinite(scores[i, j]):
+        return None
+    exact = state.exact_swap(g, i, h, j)
+    if not reduce_excess and not exact < state.score() * (1.0 - GAIN_RTOL):
+        return None
+    return i, j, exact
 
 
 def spread_out(layout: Layout, load: np.ndarray) -> Layout:

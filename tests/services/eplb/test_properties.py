@@ -1,6 +1,7 @@
 """Properties of the policy and the guarded planner on random small layers."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,3 +110,21 @@ def test_min_move_relabel_keeps_quality_and_never_moves_more(layer):
     assert abs(moe_lb(load, relabelled) - moe_lb(load, candidate)) < 1e-12
     assert count_moves(current, relabelled) <= count_moves(current, candidate)
     assert count_moves(current, min_move_relabel(current, current)) == 0
+
+
+@SETTINGS
+@given(layers(), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 3),
+                                    st.integers(0, 20)), max_size=6))
+def test_incremental_swaps_match_a_fresh_state(layer, swaps):
+    from services.eplb.search import _State
+
+    load, current = layer
+    state = _State(load.astype(np.float64), current.array().copy(), current.num_gpus)
+    for g, i, h, j in swaps:
+        g, h, i, j = g % state.num_gpus, h % state.num_gpus, i % state.slots_per_gpu, j % state.slots_per_gpu
+        if g != h:
+            state.swap(g, i, h, j)
+    fresh = _State(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
+    for name in ("held", "slot_load", "gpu_load", "slot_load32", "gpu_load32"):
+        np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
+    assert state.score() == pytest.approx(fresh.score())
