@@ -9,8 +9,9 @@ FLIP_BOUNDARY_TOL = 1e-5
 MAX_EXEMPT_FRACTION = 0.10
 # Argmax must agree wherever the oracle's top-2 logit margin is at least this.
 ARGMAX_MARGIN = 1e-3
-# Oracle top-k selections (indexer entries, candidate blocks, MoE experts) with a gap below this
-# between the k-th and (k+1)-th score make the comparison depend on tie-breaking: reseed.
+# An oracle top-k row (indexer entries, candidate blocks, MoE experts) whose k-th and (k+1)-th scores
+# are closer than this is a near tie: the selection may depend on tie-breaking or rounding noise, so
+# that position onwards is exempt, and counts towards MAX_EXEMPT_FRACTION (reseed beyond it).
 TOPK_MARGIN_MIN = 1e-4
 # A switched-off mechanism must move the logits by at least this much (sensitivity tests).
 SENSITIVITY_MIN_MOVE = 1e-2
