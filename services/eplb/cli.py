@@ -66,8 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--modes", default="static,deepinfer,guarded",
                    help="comma-separated among static, deepinfer, guarded")
     s.add_argument("--threshold", type=_non_negative_float, default=0.01)
-    s.add_argument("--holdout", type=_non_negative, default=0,
-                   help="keep the window's last N steps out of planning; guarded must improve them too")
+    s.add_argument("--holdout", type=_non_negative, default=None,
+                   help="keep the window's last N steps out of planning; guarded must improve them too "
+                        "(default: window // 4; 0 turns it off)")
     s.add_argument("--no-local-search", action="store_true")
     s.add_argument("--plot", help="save moe_lb over time and moves per re-plan as a PNG")
     s.add_argument("--output", help="write the per-mode results as JSON")
@@ -158,6 +159,8 @@ def _simulate(args: argparse.Namespace) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not modes:
         raise UsageError(f"--modes takes a comma-separated list of {', '.join(MODES)}; got {args.modes!r}")
+    if args.holdout is None:
+        args.holdout = args.window // 4
     if args.holdout >= args.window:
         raise UsageError(f"--holdout {args.holdout} must be smaller than --window {args.window}")
     if args.interval >= trace.shape[0]:

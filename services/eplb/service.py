@@ -139,7 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-ranks", type=int, default=1, help="engine ranks reporting each step")
     p.add_argument("--interval", type=int, default=10_000, help="re-plan every K steps, first at K/4")
     p.add_argument("--window", type=int, default=1_000)
-    p.add_argument("--holdout", type=int, default=0)
+    p.add_argument("--holdout", type=int, default=None,
+                   help="latest window steps kept for scoring only (default: window // 4; 0: off)")
     p.add_argument("--policy", choices=POLICIES, default="guarded")
     p.add_argument("--threshold", type=float, default=0.01)
     return p
@@ -150,7 +151,7 @@ async def _main(args: argparse.Namespace) -> int:
         planner=PlannerConfig(
             num_logical=args.num_experts, num_gpus=args.num_gpus, num_redundant=args.num_redundant,
             num_layers=args.num_layers, num_ranks=args.num_ranks, interval=args.interval,
-            window=args.window, holdout=args.holdout,
+            window=args.window, holdout=args.window // 4 if args.holdout is None else args.holdout,
             plan=PlanConfig(policy=args.policy, threshold=args.threshold),
         ),
         nats_url=args.nats_url, health_addr=args.health_addr, metrics_port=args.metrics_port,

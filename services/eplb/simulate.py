@@ -158,10 +158,14 @@ def plot_runs(runs: Sequence[ModeRun], block: int, path: str) -> None:
     for run in runs:
         color, line = styles.get(run.mode, ("black", "-"))
         xs, ys = zip(*run.series(block))
-        top.plot(xs, ys, line, color=color, lw=1.2, label=f"{run.mode} (moe_lb {run.moe_lb():.3f})")
+        top.plot(xs, ys, line, color=color, lw=1.2, label=f"{run.mode}: moe_lb {run.moe_lb():.3f} over the trace")
         if run.replans:
             bottom.plot([r.step for r in run.replans], [r.moves for r in run.replans], "o-", color=color,
                         ms=3, lw=0.8, label=f"{run.mode} ({run.total_moves} moves)")
+    replanned = [v for run in runs if run.mode != "static" for _, v in run.series(block)]
+    if replanned and any(run.mode == "static" for run in runs):
+        # Never re-planning sits far above; clip it so the re-planning modes stay readable.
+        top.set_ylim(min(1.0, min(replanned)) - 0.01, max(replanned) + 0.05)
     top.set_ylabel(f"moe_lb per {block} steps")
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
