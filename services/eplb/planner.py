@@ -131,7 +131,8 @@ class Planner:
             window = np.stack(self._windows[layer]) if self._windows[layer] else None
             if window is None:
                 continue
-            holdout = self.config.holdout if len(window) > self.config.holdout else 0
+            guarded = self.config.plan.policy == "guarded" and len(window) > self.config.holdout
+            holdout = self.config.holdout if guarded else 0
             planned, held = (window[:-holdout], window[-holdout:]) if holdout else (window, None)
             current = self.layout(layer)
             result = plan(planned, current, self.config.plan, holdout=held)

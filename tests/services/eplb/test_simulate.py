@@ -55,3 +55,11 @@ def test_on_stationary_load_a_held_out_guard_stops_churn_at_equal_balance(seed):
     assert guarded.total_moves * 5 < deepinfer.total_moves
     assert guarded.moe_lb() <= deepinfer.moe_lb() + 0.003
     assert sum(r.applied for r in guarded.replans) <= len(guarded.replans) // 4
+
+
+def test_deepinfer_mode_plans_from_the_whole_window_whatever_the_holdout():
+    trace = zipf_drift_trace(num_experts=16, num_steps=400, tokens_per_step=800, drift=0.03, seed=5)
+    common = dict(num_gpus=4, num_redundant=4, interval=50, window=40)
+    plain = run_mode(trace, "deepinfer", **common)
+    assert run_mode(trace, "deepinfer", holdout=10, **common).replans == plain.replans
+    assert run_mode(trace, "guarded", holdout=10, **common).replans != run_mode(trace, "guarded", **common).replans
