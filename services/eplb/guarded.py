@@ -139,3 +139,24 @@ def plan(
         bytes_moved=moves * config.expert_bytes,
         reason=reason,
     )
+
+
+def plan_validated(window: np.ndarray, current: Layout, config: PlanConfig = PlanConfig(),
+                   holdout_steps: int = 0) -> PlanResult:
+    """Validate, then refit: the online form of the held-out guard.
+
+    A candidate fitted on the window without its latest ``holdout_steps`` must beat the current layout on
+    those steps (a fair test: neither layout was fitted on them); only then is the plan refitted on the
+    whole window, and applied if it also passes the window guard. A candidate always looks better on the
+    steps it was fitted to, so without this, stationary load churns layouts on sampling noise. DeepInfer
+    mode, and windows no longer than ``holdout_steps``, plan once from the whole window.
+    """
+    window = check_load(window, current.num_logical)
+    if config.policy == "deepinfer" or holdout_steps <= 0 or len(window) <= holdout_steps:
+        return plan(window, current, config)
+    check = plan(window[:-holdout_steps], current, config, holdout=window[-holdout_steps:])
+    if not check.applied:
+        return check
+    final = plan(window, current, config)
+    return dataclasses.replace(final, holdout_before=check.holdout_before,
+                               holdout_candidate=check.holdout_candidate)

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from services.eplb.guarded import PlanConfig, plan
+from services.eplb.guarded import PlanConfig, plan_validated
 from services.eplb.layout import Layout, startup_layout
 from services.eplb.messages import LoadReport, MessageError, PlanMessage
 from services.eplb.simulate import first_replan
@@ -30,7 +30,7 @@ class PlannerConfig:
     num_ranks: int = 1  # engine ranks whose reports together make one step
     interval: int = 10_000  # completed steps between re-plans; the first comes at interval // 4
     window: int = 1_000  # latest completed steps each re-plan uses
-    holdout: int = 0  # of those, the latest steps kept for scoring only (0: score on the window alone)
+    holdout: int = 0  # of those, the latest steps a guarded candidate must first win on (0: none)
     plan: PlanConfig = PlanConfig()  # policy, guard threshold, local search
     max_pending_steps: int = 64  # incomplete steps kept; past that the oldest is dropped as lost
 
@@ -131,11 +131,8 @@ class Planner:
             window = np.stack(self._windows[layer]) if self._windows[layer] else None
             if window is None:
                 continue
-            guarded = self.config.plan.policy == "guarded" and len(window) > self.config.holdout
-            holdout = self.config.holdout if guarded else 0
-            planned, held = (window[:-holdout], window[-holdout:]) if holdout else (window, None)
             current = self.layout(layer)
-            result = plan(planned, current, self.config.plan, holdout=held)
+            result = plan_validated(window, current, self.config.plan, self.config.holdout)
             moe_lbs[layer] = result.moe_lb_after
             if not result.applied:
                 num_rejected += 1

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from services.eplb.guarded import PlanConfig, plan
+from services.eplb.guarded import PlanConfig, plan_validated
 from services.eplb.layout import Layout, gpu_loads, startup_layout
 
 MODES = ("static", "deepinfer", "guarded")
@@ -118,8 +118,8 @@ def run_mode(
     holdout: int = 0,
     on_replan: Callable[[], None] | None = None,
 ) -> ModeRun:
-    """Replays ``trace`` under ``mode``. ``holdout`` > 0 keeps the window's last steps out of guarded
-    planning and makes the guard score the candidate on them too (DeepInfer mode uses the whole window)."""
+    """Replays ``trace`` under ``mode``. ``holdout`` > 0 makes guarded re-plans validate on the window's
+    latest steps before refitting (``plan_validated``); DeepInfer mode ignores it."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if window < 1 or holdout < 0 or holdout >= window:
@@ -135,11 +135,7 @@ def run_mode(
     for step in points:
         _account(trace, layout, start, step, peak, mean)
         seen = trace[max(0, step - window) : step]
-        # DeepInfer plans from the whole window and checks nothing; only the guard holds steps out.
-        guarded = mode == "guarded" and holdout and len(seen) > holdout
-        cut = len(seen) - holdout if guarded else len(seen)
-        held = seen[cut:] if cut < len(seen) else None
-        result = plan(seen[:cut], layout, mode_config, holdout=held)
+        result = plan_validated(seen, layout, mode_config, holdout)
         replans.append(Replan(step, result.applied, result.moves, result.moe_lb_before, result.moe_lb_after))
         layout, start = result.layout, step
         if on_replan is not None:

@@ -108,3 +108,19 @@ def test_deepinfer_plans_from_scratch_whatever_the_current_layout():
 def test_config_rejects_unknown_policy():
     with pytest.raises(ValueError, match="policy"):
         PlanConfig(policy="random")
+
+
+def test_plan_validated_refits_on_the_whole_window_after_the_held_out_check():
+    from services.eplb.guarded import plan_validated
+
+    start = startup_layout(5, 2, 1)
+    window = np.concatenate([np.repeat(FULL_RUN, 3, axis=0), FULL_RUN])
+    result = plan_validated(window, start, GUARDED, holdout_steps=2)
+    assert result.applied and result.holdout_before == pytest.approx(1.2)
+    assert result.layout == plan(window, start, GUARDED).layout
+    # Held-out steps where the start-up layout is already balanced veto the re-plan.
+    flat = np.full((2, 5), 10)
+    vetoed = plan_validated(np.concatenate([np.repeat(FULL_RUN, 3, axis=0), flat]), start, GUARDED, 2)
+    assert not vetoed.applied and vetoed.layout == start and "held-out" in vetoed.reason
+    # DeepInfer mode plans once from everything.
+    assert plan_validated(window, start, DEEPINFER, 2) == plan(window, start, DEEPINFER)
