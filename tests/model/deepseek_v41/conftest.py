@@ -57,3 +57,20 @@ def oracle_cases(tmp_path_factory) -> dict[str, Built]:
             return built
 
     return Lazy()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """``shinkai model init --preset tiny`` output (real DeepSeek vocabulary), written once."""
+    from services.cli import main
+
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    assert main(["model", "init", "--preset", "tiny", "--out", str(out), "--seed", "5"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    from model.deepseek_v41.loader import load_checkpoint
+
+    return load_checkpoint(tiny_checkpoint)

@@ -309,3 +309,46 @@ def assert_matches(c: Comparison, label: str) -> None:
         f"(> {tol.MAX_EXEMPT_FRACTION:.0%}): the comparison is not meaningful, reseed. First: {c.flips[:3]}")
     assert c.max_abs_diff <= tol.LOGITS_ATOL, f"{label}: max |Δlogits| {c.max_abs_diff:.3g} > {tol.LOGITS_ATOL}"
     assert c.argmax_changes == 0, f"{label}: {c.argmax_changes} confident argmax changes"
+
+
+# ---------------------------------------------------------------- replaying rounding decisions
+
+
+@contextlib.contextmanager
+def replay_rounding(reference: Recording):
+    """Run our model taking the reference run's rounding decision wherever this run's value and the
+    reference's agree to FLIP_BOUNDARY_TOL and sit that close to a rounding boundary.
+
+    For comparing two runs of our own model over the same tokens (prefix vs full, later cached vs
+    full): without it, fp32 reassociation noise (~1e-6, from matmuls of different shapes) flips an
+    occasional FP8/FP4 bin and the flip, not a bug, dominates everything downstream. Calls are
+    paired in order; the reference rows must cover this run's rows ([B, rows, ...], rows ≤ reference).
+    Yields the list of snapped element counts per call (the trace).
+    """
+    snapped: list[int] = []
+    patches = [(our_attention, "fake_quant_fp8_e4m3", "fp8"), (our_compressor, "fake_quant_compressed_kv", "kv4"),
+               (our_indexer, "fake_quant_indexer", "idx4")]
+    originals = [getattr(mod, name) for mod, name, _ in patches]
+    calls = iter(reference.quant)
+
+    def wrap(fn, kind):
+        def replayed(x, *args, **kwargs):
+            out = fn(x, *args, **kwargs)
+            ref = next(calls)
+            assert ref.kind == kind, f"call order differs: {ref.kind} vs {kind}"
+            rows = x.shape[1]
+            ref_before, ref_after = ref.before[:, :rows], ref.after[:, :rows]
+            same_value = (x - ref_before).abs() <= tol.FLIP_BOUNDARY_TOL
+            near = boundary_distance(QuantCall(kind, x, out)) <= tol.FLIP_BOUNDARY_TOL
+            snap = same_value & near & (out != ref_after)
+            snapped.append(int(snap.sum()))
+            return torch.where(snap, ref_after.to(out.dtype), out)
+        return replayed
+
+    for (mod, name, kind), fn in zip(patches, originals):
+        setattr(mod, name, wrap(fn, kind))
+    try:
+        yield snapped
+    finally:
+        for (mod, name, _), fn in zip(patches, originals):
+            setattr(mod, name, fn)
