@@ -1,0 +1,93 @@
+"""``shinkai model init``: the files, the presets, determinism and the v41-s1 refusal."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from model.deepseek_v41.checkpoint import stored_bytes, tensor_table
+from model.deepseek_v41.config import load_config
+from model.deepseek_v41.init import random_checkpoint, random_value
+from model.deepseek_v41.presets import TINY, V41_S1
+from model.deepseek_v41.tokenizer import load_tokenizer
+from services.cli import main
+
+
+def test_tiny_writes_config_tokenizer_and_released_formats(tiny_checkpoint):
+    names = {p.name for p in tiny_checkpoint.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= names
+    cfg = load_config(tiny_checkpoint)
+    assert cfg == TINY
+    assert json.loads((tiny_checkpoint / "config.json").read_text())["text_config"]["vocab_size"] == 129280
+    tok = load_tokenizer(tiny_checkpoint)
+    assert tok.get_vocab_size(with_added_tokens=True) == 129280
+    assert tok.id_to_token(128799) == "<｜System｜>"
+
+
+def test_tiny_loads_and_runs(tiny_model):
+    ids = torch.tensor([[0, 128799, 19923, 128803, 1]])
+    with torch.no_grad():
+        logits = tiny_model.model(ids)
+    assert logits.shape == (1, 5, 129280) and bool(torch.isfinite(logits).all())
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
+    a = random_checkpoint(TINY, 1)
+    b = random_checkpoint(TINY, 1)
+    c = random_checkpoint(TINY, 2)
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    assert not torch.equal(a["layers.0.attn.wq_a.weight"].float(), c["layers.0.attn.wq_a.weight"].float())
+
+
+def test_random_weights_are_loud_not_the_std_002_init():
+    g = torch.Generator().manual_seed(0)
+    table = tensor_table(TINY)
+    assert float(random_value(table["layers.2.hc_attn_base"], g).std()) > 0.2
+    sink = table["layers.2.attn.attn_sink"]
+    assert torch.equal(random_value(sink, torch.Generator().manual_seed(3)),
+                       torch.randn(sink.shape, generator=torch.Generator().manual_seed(3)))  # unit variance
+    wq = random_value(table["layers.2.attn.wq_a.weight"], g)
+    assert abs(float(wq.std()) - TINY.hidden_size**-0.5) < 0.02
+    norm = random_value(table["layers.2.attn_norm.weight"], g)
+    assert abs(float(norm.mean()) - 1) < 0.1 and float(norm.std()) > 0.1
+
+
+def test_v41_s1_with_out_is_refused_with_the_reason(tmp_path, capsys):
+    assert main(["model", "init", "--preset", "v41-s1", "--out", str(tmp_path / "s1")]) == 2
+    err = capsys.readouterr().err
+    assert "GB" in err and "GPU memory" in err
+    assert not (tmp_path / "s1").exists()
+
+
+def test_v41_s1_is_flash_shaped_with_48_experts():
+    assert (V41_S1.hidden_size, V41_S1.num_hidden_layers, V41_S1.n_routed_experts) == (5120, 40, 48)
+    assert V41_S1.num_experts_per_tok == 6 and V41_S1.head_dim == 512
+    assert 75e9 < stored_bytes(V41_S1) < 90e9
+
+
+def test_unknown_preset_is_a_usage_error(tmp_path, capsys):
+    assert main(["model", "init", "--preset", "huge", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+def test_seed_changes_the_file(tmp_path):
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.safetensors_io import read_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+    from tests.model.deepseek_v41.oracle_configs import NOCAND, finish
+    from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+
+    tok = toy_tokenizer(256)
+    cfg = finish(NOCAND, engram_token_map(tok)[1])
+    digests = []
+    for i, seed in enumerate((4, 4, 5)):
+        # Tensor bytes, not file bytes: safetensors writes its metadata map in hash order.
+        tensors = read_checkpoint(write_random_checkpoint(tmp_path / f"s{i}", cfg, seed, tok))
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            h.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        digests.append(h.hexdigest())
+    assert digests[0] == digests[1] != digests[2]
