@@ -1,0 +1,1 @@
+"""The worker: model runner, caches and sampler for one GPU (or the CPU)."""
