@@ -67,3 +67,18 @@ def test_logits_match_nemo(oracle_cases, name, monkeypatch):
     assert_matches(comparison, name)
     assert any(clamped), "the SwiGLU clamps never fired"
     assert float(nemo.std()) > 0.1, "logits are nearly constant: the random weights are too quiet"
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_both_models_dequantise_to_identical_weights(oracle_cases, name):
+    """NeMo's HF adapter decodes the FP8/MXFP4 bytes itself; every weight must equal ours bit for bit."""
+    from model.deepseek_v41.checkpoint import tensor_table
+
+    built = oracle_cases[name]
+    theirs = built.nemo.state_dict_adapter.to_hf(built.nemo.state_dict())
+    ours = dict(built.ours.named_parameters())
+    table = tensor_table(built.ours.cfg)
+    assert set(theirs) == set(table)
+    for spec in table.values():
+        mine = ours[spec.target] if spec.index is None else ours[spec.target][spec.index]
+        assert torch.equal(mine.detach(), theirs[spec.name].float()), spec.name
