@@ -13,6 +13,7 @@ import sys
 
 # command group -> module that registers it
 COMMAND_MODULES = {
+    "generate": "services.engine.cli",
     "bench": "services.bench.cli",
     "model": "services.model_cli",
     "eplb": "services.eplb.cli",

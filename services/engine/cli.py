@@ -1,0 +1,41 @@
+"""`shinkai generate`: offline generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text offline with the engine")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 16)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from services.cli import UsageError
+    from services.engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        llm = LLM(model=args.model)
+        outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    for prompt, out in zip(args.prompt, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason,
+                              "logprobs": [round(x, 6) for x in out.logprobs]}))
+        else:
+            sys.stdout.write(f"{prompt}{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]\n")
+    return 0

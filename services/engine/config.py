@@ -1,0 +1,68 @@
+"""Engine defaults, in one place.
+
+- ``max_model_len``: 4,096 unless the engine is told otherwise (the tiny model's context).
+- ``DEFAULT_MAX_TOKENS``: 16, as in OpenAI's completions API.
+- ``first_n_no_eos``: 0 (DeepInfer uses 1); the forced top-k is off.
+- Logprobs are those of the processed distribution: after the bans, forced top-k, temperature, top-k
+  and top-p, renormalised (DeepInfer's choice). They are not raw-model logprobs unless no processing
+  applies.
+- ``n > 1`` is rejected with a clear error (fork-based parallel sampling comes with the services).
+- Probability mass is summed as integers, floor(p · 2³¹); a draw's position is the index of the token
+  being produced (the sampler's contract).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine replica. Pool sizes of None are derived from the others."""
+
+    # Prompt plus output tokens of one request.
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    # Tokens per paged block (DeepInfer: 128).
+    block_size: int = 128
+    # Paged blocks including the null block 0; None = room for max_num_seqs full-length requests.
+    num_blocks: int | None = None
+    # State slots including the null slot 0; None = max_num_seqs + 1.
+    num_state_slots: int | None = None
+    # Requests running or in prefill at once.
+    max_num_seqs: int = 16
+    # Prompt tokens per prefill step.
+    max_num_batched_tokens: int = 2048
+    # "stop" (end the victim with `preempted`) or "recompute" (prefill it again later).
+    preemption_mode: str = "stop"
+    # The end token is banned for a request's first this-many output tokens.
+    first_n_no_eos: int = 0
+    # Keep only the top this-many logits before any other processing; None = off.
+    forced_top_k: int | None = None
+    # Seed of the built-in preset's random weights.
+    model_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("stop", "recompute"):
+            raise ValueError(f"preemption_mode must be 'stop' or 'recompute', got {self.preemption_mode!r}")
+        if self.first_n_no_eos < 0:
+            raise ValueError("first_n_no_eos must be >= 0")
+        if self.forced_top_k is not None and self.forced_top_k < 1:
+            raise ValueError("forced_top_k must be positive or None")
+
+    def resolved_num_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return self.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+
+    def resolved_num_state_slots(self) -> int:
+        return self.num_state_slots if self.num_state_slots is not None else self.max_num_seqs + 1
+
+    def replace(self, **changes: object) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

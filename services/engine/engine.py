@@ -1,0 +1,170 @@
+"""One engine replica: the scheduler, a worker, and the step loop of three calls."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan
+from services.engine.config import EngineConfig
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.worker.sampler import SamplingRow
+from services.worker.worker import Worker, WorkerOutput
+
+
+@dataclass
+class _Request:
+    output: RequestOutput
+    params: SamplingParams
+    seed: int
+    banned: tuple[int, ...]
+    banned_with_eos: tuple[int, ...] = field(default=())
+
+
+class Engine:
+    def __init__(self, worker: Worker, config: EngineConfig, *, vocab_size: int, eos_token_id: int,
+                 compress_ratios: Sequence[int], window_size: int) -> None:
+        self.worker = worker
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        mode = PreemptionMode.RECOMPUTE if config.preemption_mode == "recompute" else PreemptionMode.STOP
+        self.scheduler = Scheduler(SchedulerConfig(
+            block_size=config.block_size,
+            num_blocks=config.resolved_num_blocks(),
+            num_state_slots=config.resolved_num_state_slots(),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            window_size=window_size,
+            compress_ratios=list(compress_ratios),
+            preemption_mode=mode,
+            vocab_size=vocab_size,
+        ))
+        self.requests: dict[str, _Request] = {}
+        self._seeds = random.SystemRandom()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises ValueError naming what is wrong; nothing is queued."""
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids)):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"{name} has an id outside the vocabulary of {self.vocab_size}")
+        total = len(prompt_token_ids) + params.resolved_max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.resolved_max_tokens}) is "
+                f"{total}, longer than the context of {self.config.max_model_len} tokens"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add_request(
+            request_id, list(prompt_token_ids), max_tokens=params.resolved_max_tokens,
+            eos_token_id=self.eos_token_id, ignore_eos=params.ignore_eos,
+            stop_token_ids=list(params.stop_token_ids),
+        )
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        banned = tuple(sorted(set(params.banned_token_ids)))
+        self.requests[request_id] = _Request(
+            RequestOutput(request_id, list(prompt_token_ids),
+                          top_logprobs=[] if params.logprobs else None),
+            params, seed, banned, tuple(sorted(set(banned) | {self.eos_token_id})),
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        final = self.scheduler.abort(request_id)
+        if final is None:
+            return None
+        return self._finish(request_id, final.finish_reason.value, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict[str, int]:
+        s = self.scheduler.stats()
+        return {
+            "free_blocks": s.num_free_blocks,
+            "total_blocks": s.num_total_blocks,
+            "free_state_slots": s.num_free_state_slots,
+            "total_state_slots": s.num_total_state_slots,
+            "num_waiting": s.num_waiting,
+            "num_running": s.num_running,
+            "decode_step": s.decode_step,
+        }
+
+    # ---- the step loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One step: schedule, execute, update. Returns the requests that gained tokens or ended."""
+        plan = self.scheduler.schedule()
+        executed = self.worker.execute(plan, self._sampling_rows(plan))
+        updates = self.scheduler.update(plan, executed.result)
+        return self._apply(plan, executed, updates)
+
+    def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
+        rows = []
+        seqlens_k = plan.seqlens_k.tolist()
+        for i, n in enumerate(plan.num_sample_rows.tolist()):
+            if n == 0:
+                continue
+            req = self.requests[plan.request_ids[i]]
+            p = req.params
+            num_out = len(req.output.token_ids)
+            for j in range(n):
+                banned = req.banned_with_eos if num_out + j < self.config.first_n_no_eos else req.banned
+                rows.append(SamplingRow(
+                    temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else -1, top_p=p.top_p,
+                    seed=req.seed, position=seqlens_k[i] - n + 1 + j, forced_top_k=self.config.forced_top_k,
+                    banned_token_ids=banned, num_logprobs=p.logprobs or 0,
+                ))
+        return rows
+
+    def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
+        changed: dict[str, RequestOutput] = {}
+        for final in plan.outputs:  # preempted while scheduling
+            changed[final.request_id] = self._finish(final.request_id, final.finish_reason.value, None)
+        # Logprobs of each request's sampled rows, in plan order.
+        sampled_logprobs: dict[str, list[int]] = {}
+        row = 0
+        for i, n in enumerate(plan.num_sample_rows.tolist()):
+            sampled_logprobs[plan.request_ids[i]] = list(range(row, row + n))
+            row += n
+        for update in updates:
+            req = self.requests.get(update.request_id)
+            if req is None:
+                continue
+            rows = sampled_logprobs.get(update.request_id, [])
+            out = req.output
+            for k, token in enumerate(update.token_ids):
+                out.token_ids.append(token)
+                if executed.sampled is not None and k < len(rows):
+                    r = rows[k]
+                    out.logprobs.append(float(executed.sampled.logprobs[r]))
+                    if out.top_logprobs is not None:
+                        n = req.params.logprobs or 0
+                        ids = executed.sampled.top_token_ids[r][:n].tolist()
+                        lps = executed.sampled.top_logprobs[r][:n].tolist()
+                        out.top_logprobs.append(list(zip(ids, lps)))
+            changed[update.request_id] = out
+            if update.finish_reason is not None:
+                changed[update.request_id] = self._finish(update.request_id, update.finish_reason.value,
+                                                          update.stop_token_id)
+        return list(changed.values())
+
+    def _finish(self, request_id: str, reason: str, stop_token_id: int | None) -> RequestOutput:
+        req = self.requests.pop(request_id)
+        req.output.finish_reason = reason
+        req.output.stop_token_id = stop_token_id
+        self.worker.release(request_id)
+        return req.output

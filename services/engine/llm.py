@@ -1,0 +1,83 @@
+"""The offline API: ``LLM(model="tiny").generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.model_source import ModelSource, load_model
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.worker.worker import ModelRunner, Worker
+
+Prompt = str | Sequence[int]
+
+
+def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
+    """The cached model runner when it is available, else the full-recompute reference runner."""
+    try:
+        from services.worker.model_runner import ModelRunner as CachedRunner
+    except ImportError:
+        from services.worker.reference_runner import ReferenceRunner
+
+        return ReferenceRunner(source.model)
+    return CachedRunner(source.model, config)  # type: ignore[call-arg]
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", runner: ModelRunner | None = None, **engine_args: object) -> None:
+        self.config = EngineConfig(**engine_args)  # type: ignore[arg-type]
+        self.source = load_model(model, seed=self.config.model_seed)
+        cfg = self.source.config
+        self.tokenizer = self.source.tokenizer
+        kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+        self.engine = Engine(
+            Worker(runner or default_runner(self.source, self.config)), self.config,
+            vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
+            compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window,
+        )
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+            bos = self.source.config.bos_token_id
+            return ids if ids[:1] == [bos] else [bos, *ids]
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
+            self.engine.validate(ids, p)
+        request_ids = [str(next(self._ids)) for _ in encoded]
+        for rid, ids, p in zip(request_ids, encoded, params_list):
+            self.engine.add_request(rid, ids, p)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generate", unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and out.request_id not in finished:
+                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                    finished[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[rid] for rid in request_ids]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()

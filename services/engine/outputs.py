@@ -1,0 +1,25 @@
+"""What `LLM.generate` returns per prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    # Logprob of each output token under the processed distribution.
+    logprobs: list[float] = field(default_factory=list)
+    # Per output token, the top-n (token id, logprob) pairs, when requested.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # "stop", "length", "abort", "preempted" or "error"; None while running.
+    finish_reason: str | None = None
+    # The end or stop token that ended the request, if one did.
+    stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
