@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
 import sys
 from concurrent import futures
+from typing import Any
 
 import grpc
 import prometheus_client as prom
@@ -67,9 +69,10 @@ class PlannerService:
         self.health_port: int | None = None
         self.metrics_port: int | None = None
         self._stop = asyncio.Event()
-        self._nc = None
-        self._grpc = None
-        self._http = None
+        # Set by start(); run_until_stopped() needs all three (the HTTP server only with a metrics port).
+        self._nc: Any = None  # nats.aio.client.Client
+        self._grpc: Any = None  # grpc.Server
+        self._http: Any = None  # wsgiref WSGIServer of the metrics endpoint
 
     def _set_health(self, status: int) -> None:
         for name in ("", HEALTH_NAME):
@@ -110,7 +113,11 @@ class PlannerService:
         if self.config.metrics_port is not None:
             self._http, _ = prom.start_http_server(self.config.metrics_port, registry=self.metrics.registry)
             self.metrics_port = self._http.server_port
-        self._nc = await nats.connect(self.config.nats_url, name="shinkai-eplb", max_reconnect_attempts=-1)
+        async def on_error(err: Exception) -> None:
+            log.warning("nats: %s", err or type(err).__name__)
+
+        self._nc = await nats.connect(self.config.nats_url, name="shinkai-eplb", max_reconnect_attempts=-1,
+                                      error_cb=on_error)
         await self._nc.subscribe(subjects.EXPERT_LOAD, cb=self._on_load)
         await self._nc.flush()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -118,18 +125,42 @@ class PlannerService:
     def request_stop(self) -> None:
         self._stop.set()
 
+    async def start_or_stop(self, timeout: float) -> bool:
+        """``start`` unless SIGTERM comes first or NATS is unreachable for ``timeout`` s; True if started."""
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({starting, stopping}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if starting.done() and starting.exception() is None:
+            return True
+        if starting.done():
+            log.error("start-up failed: %s", starting.exception())
+        else:
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                await starting
+        await self.close()
+        return False
+
     async def run_until_stopped(self) -> None:
         await self._stop.wait()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._nc.drain()  # stops new messages, finishes the handlers (and any due re-plan)
+        await self.close()
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
         if self._http is not None:
             self._http.shutdown()
-        self._grpc.stop(grace=1.0).wait()
+        if self._grpc is not None:
+            self._grpc.stop(grace=1.0).wait()
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.eplb", description=__doc__.splitlines()[0])
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach NATS at start-up")
     p.add_argument("--health-addr", default="127.0.0.1:0", help="grpc.health.v1 bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0: any; default: none)")
     p.add_argument("--num-experts", type=int, required=True, help="logical experts per layer")
@@ -160,7 +191,13 @@ async def _main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)
-    await service.start()
+    if not await service.start_or_stop(args.connect_timeout):
+        if service._stop.is_set():
+            print("eplb planner: stopped before it was ready", flush=True)
+            return 0
+        print(f"eplb planner: error: could not start with NATS at {args.nats_url} within "
+              f"{args.connect_timeout} s", file=sys.stderr)
+        return 1
     print(f"eplb planner ready: health port {service.health_port}, metrics port {service.metrics_port}, "
           f"subscribed to {subjects.EXPERT_LOAD}", flush=True)
     await service.run_until_stopped()

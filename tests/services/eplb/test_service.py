@@ -136,3 +136,34 @@ def test_counts_on_nats_lead_to_a_plan_on_time(nats_url, planner_proc):
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     assert "drained: 1 plans published" in proc.stdout.read()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_without_nats_it_gives_up_clearly_or_stops_on_sigterm():
+    args = [sys.executable, "-m", "services.eplb", "--nats-url", f"nats://127.0.0.1:{free_port()}",
+            "--num-experts", "8", "--num-gpus", "2", "--num-redundant", "2", "--num-layers", "1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(args + ["--connect-timeout", "1.5"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "could not start with NATS" in done.stderr
+
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # A failed connection attempt is logged once the SIGTERM handler is in place.
+        while "nats:" not in (line := proc.stderr.readline()):
+            assert line, "the planner exited before trying NATS"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert "stopped before it was ready" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
