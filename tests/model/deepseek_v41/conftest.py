@@ -45,6 +45,16 @@ def case_ids(case: OracleCase) -> torch.Tensor:
     return ids
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """These models are tiny: one thread is as fast, and immune to OpenMP spin-waiting when the
+    two CI cores are shared (we measured 100× slowdowns with 2 threads next to a busy process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def oracle_cases(tmp_path_factory) -> dict[str, Built]:
     root = tmp_path_factory.mktemp("oracle")

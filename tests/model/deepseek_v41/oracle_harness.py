@@ -5,9 +5,12 @@ Only tests import this (nemo and transformers never enter model/ or services/).
 The comparison (thresholds in tests/tolerances.py):
 - both models run with their fake-quantisation calls recorded (pre- and post-rounding values);
   the calls are paired in order (per layer: window K, compressed KV, index keys, index queries);
-- a pair whose rounded values differ is a bin flip; it is *traced* when the differing elements sat
-  within FLIP_BOUNDARY_TOL of a rounding boundary, and then every position at or after the flip in
-  that row is exempt; a difference that is not traced fails the comparison;
+- NeMo runs first; ours then takes NeMo's rounding decision at every element whose pre-rounding
+  value agrees with NeMo's to FLIP_BOUNDARY_TOL and lies that close to a rounding boundary (a
+  traced bin flip, counted in ``Comparison.replayed``), so fp32 noise cannot cascade;
+- any other pair whose rounded values differ is a bin flip; it is *traced* when the differing
+  elements sat within FLIP_BOUNDARY_TOL of a rounding boundary, and then every position at or after
+  the flip in that row is exempt; a difference that is not traced fails the comparison;
 - the top-k selections (indexer level 1 and 2, MoE routing) are paired too; a different choice is
   traced when the oracle's k-th and (k+1)-th scores there are closer than TOPK_MARGIN_MIN (a near
   tie), exempting that position onwards; an untraced one fails;
@@ -95,6 +98,7 @@ class QuantCall:
 class Recording:
     quant: list[QuantCall] = field(default_factory=list)
     topk: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)  # (scores, k, picks)
+    replayed: list[int] = field(default_factory=list)  # per quant call: elements given the reference's rounding
 
 
 _NEMO_KIND = {"fp8": "fp8", "nvfp4": "kv4", "mxfp4": "idx4"}
@@ -128,15 +132,35 @@ def record_nemo():
 
 
 @contextlib.contextmanager
-def record_ours():
+def record_ours(replay: Recording | None = None):
+    """Record our fake-quant calls and selections. With ``replay`` (a recording of the reference run
+    over the same tokens), take the reference's rounding decision wherever our pre-rounding value
+    and the reference's agree to FLIP_BOUNDARY_TOL and lie that close to a rounding boundary.
+
+    fp32 reassociation noise (~1e-6: other matmul shapes, thread counts or library) otherwise flips
+    an occasional FP8/FP4 bin, and the flip, not a bug, dominates everything downstream. Calls are
+    paired in order; the reference's rows must cover ours ([B, rows, ...], rows ≤ reference rows).
+    Every replayed element is a traced flip; ``Recording.replayed`` counts them per call.
+    """
     rec = Recording()
     patches = [(our_attention, "fake_quant_fp8_e4m3", "fp8"), (our_compressor, "fake_quant_compressed_kv", "kv4"),
                (our_indexer, "fake_quant_indexer", "idx4")]
     originals = [getattr(mod, name) for mod, name, _ in patches]
+    reference = iter(replay.quant) if replay is not None else None
 
     def wrap(fn, kind):
         def recorded(x, *args, **kwargs):
             out = fn(x, *args, **kwargs)
+            if reference is not None:
+                ref = next(reference, None)
+                if ref is not None and ref.kind == kind and ref.before.shape[2:] == x.shape[2:]:
+                    rows = x.shape[1]
+                    ref_before, ref_after = ref.before[:, :rows], ref.after[:, :rows]
+                    same_value = (x - ref_before).abs() <= tol.FLIP_BOUNDARY_TOL
+                    near = boundary_distance(QuantCall(kind, x, out)) <= tol.FLIP_BOUNDARY_TOL
+                    snap = same_value & near & (out != ref_after)
+                    rec.replayed.append(int(snap.sum()))
+                    out = torch.where(snap, ref_after.to(out.dtype), out)
             rec.quant.append(QuantCall(kind, x.detach().clone(), out.detach().clone()))
             return out
         return recorded
@@ -208,6 +232,7 @@ class Comparison:
     argmax_changes: int
     min_topk_margin: float
     num_quant_calls: int
+    replayed: int = 0  # traced flips aligned to the oracle's rounding (see record_ours)
 
     @property
     def exempt_fraction(self) -> float:
@@ -293,12 +318,15 @@ def compare(ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recordin
 
 
 def run_both(ours_model, nemo, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Comparison]:
+    """NeMo first (recorded), then ours replaying NeMo's near-boundary rounding decisions (traced flips)."""
     with torch.no_grad():
-        with record_ours() as rec_ours:
-            ours_logits = ours_model(ids).float()
         with record_nemo() as rec_nemo:
             nemo_logits = nemo(ids).logits.float()
-    return ours_logits, nemo_logits, compare(ours_logits, nemo_logits, rec_ours, rec_nemo, ids.shape[1])
+        with record_ours(replay=rec_nemo) as rec_ours:
+            ours_logits = ours_model(ids).float()
+    comparison = compare(ours_logits, nemo_logits, rec_ours, rec_nemo, ids.shape[1])
+    comparison.replayed = sum(rec_ours.replayed)
+    return ours_logits, nemo_logits, comparison
 
 
 def assert_matches(c: Comparison, label: str) -> None:
@@ -314,41 +342,3 @@ def assert_matches(c: Comparison, label: str) -> None:
 # ---------------------------------------------------------------- replaying rounding decisions
 
 
-@contextlib.contextmanager
-def replay_rounding(reference: Recording):
-    """Run our model taking the reference run's rounding decision wherever this run's value and the
-    reference's agree to FLIP_BOUNDARY_TOL and sit that close to a rounding boundary.
-
-    For comparing two runs of our own model over the same tokens (prefix vs full, later cached vs
-    full): without it, fp32 reassociation noise (~1e-6, from matmuls of different shapes) flips an
-    occasional FP8/FP4 bin and the flip, not a bug, dominates everything downstream. Calls are
-    paired in order; the reference rows must cover this run's rows ([B, rows, ...], rows ≤ reference).
-    Yields the list of snapped element counts per call (the trace).
-    """
-    snapped: list[int] = []
-    patches = [(our_attention, "fake_quant_fp8_e4m3", "fp8"), (our_compressor, "fake_quant_compressed_kv", "kv4"),
-               (our_indexer, "fake_quant_indexer", "idx4")]
-    originals = [getattr(mod, name) for mod, name, _ in patches]
-    calls = iter(reference.quant)
-
-    def wrap(fn, kind):
-        def replayed(x, *args, **kwargs):
-            out = fn(x, *args, **kwargs)
-            ref = next(calls)
-            assert ref.kind == kind, f"call order differs: {ref.kind} vs {kind}"
-            rows = x.shape[1]
-            ref_before, ref_after = ref.before[:, :rows], ref.after[:, :rows]
-            same_value = (x - ref_before).abs() <= tol.FLIP_BOUNDARY_TOL
-            near = boundary_distance(QuantCall(kind, x, out)) <= tol.FLIP_BOUNDARY_TOL
-            snap = same_value & near & (out != ref_after)
-            snapped.append(int(snap.sum()))
-            return torch.where(snap, ref_after.to(out.dtype), out)
-        return replayed
-
-    for (mod, name, kind), fn in zip(patches, originals):
-        setattr(mod, name, wrap(fn, kind))
-    try:
-        yield snapped
-    finally:
-        for (mod, name, _), fn in zip(patches, originals):
-            setattr(mod, name, fn)

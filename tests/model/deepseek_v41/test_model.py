@@ -8,23 +8,23 @@ import pytest
 import torch
 
 from tests import tolerances as tol
-from tests.model.deepseek_v41.oracle_harness import record_ours, replay_rounding
+from tests.model.deepseek_v41.oracle_harness import record_ours
 from tests.model.deepseek_v41.oracle_configs import CASES
 
 
 def _prefix_check(model, ids: torch.Tensor, cuts: list[int]) -> float:
     """Worst |Δ| between prefix and full-run logits, the prefix replaying the full run's rounding
-    decisions at values within FLIP_BOUNDARY_TOL of a bin edge (see ``replay_rounding``)."""
+    decisions at values within FLIP_BOUNDARY_TOL of a bin edge (see ``record_ours``)."""
     with torch.no_grad():
         with record_ours() as reference:
             full = model(ids)
         worst = 0.0
         for cut in cuts:
-            with replay_rounding(reference) as snapped:
+            with record_ours(replay=reference) as replayed:
                 prefix = model(ids[:, :cut])
             worst = max(worst, float((prefix - full[:, :cut]).abs().max()))
-            if sum(snapped):
-                print(f"\ncut {cut}: replayed {sum(snapped)} near-boundary rounding decision(s)")
+            if sum(replayed.replayed):
+                print(f"\ncut {cut}: replayed {sum(replayed.replayed)} near-boundary rounding decision(s)")
     return worst
 
 

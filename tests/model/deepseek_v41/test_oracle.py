@@ -62,7 +62,8 @@ def test_logits_match_nemo(oracle_cases, name, monkeypatch):
     monkeypatch.setattr(moe, "clamped_swiglu", spy)
     ours, nemo, comparison = run_both(built.ours, built.nemo, built.ids)
     print(f"\n{name}: max|Δ| {comparison.max_abs_diff:.3g} (all positions {comparison.max_abs_diff_all:.3g}), "
-          f"flips {len(comparison.flips)}, exempt {comparison.exempt_fraction:.1%}, "
+          f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
+          f"exempt {comparison.exempt_fraction:.1%}, "
           f"min oracle top-k margin {comparison.min_topk_margin:.3g}, logits std {nemo.std():.3f}")
     assert_matches(comparison, name)
     assert any(clamped), "the SwiGLU clamps never fired"

@@ -76,6 +76,7 @@ def test_switching_off_moves_logits_and_still_matches(oracle_cases, tmp_path, me
     logits, _, comparison = run_both(ours, nemo, built.ids)
     moved = float((logits - baseline).abs().max())
     print(f"\n{mechanism}: logits moved {moved:.3g}; vs NeMo max|Δ| {comparison.max_abs_diff:.3g}, "
-          f"flips/near ties {len(comparison.flips)}, exempt {comparison.exempt_fraction:.1%}")
+          f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
+          f"exempt {comparison.exempt_fraction:.1%}")
     assert moved >= tol.SENSITIVITY_MIN_MOVE, f"switching off {mechanism} did not move the logits ({moved:.3g})"
     assert_matches(comparison, f"{case_name} without {mechanism}")
