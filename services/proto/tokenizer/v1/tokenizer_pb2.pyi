@@ -1,0 +1,63 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("text", "add_bos")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    add_bos: bool
+    def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RenderChatRequest(_message.Message):
+    __slots__ = ("body_json",)
+    BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    body_json: str
+    def __init__(self, body_json: _Optional[str] = ...) -> None: ...
+
+class RenderChatResponse(_message.Message):
+    __slots__ = ("token_ids", "prompt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "finish")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
