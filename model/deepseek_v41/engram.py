@@ -68,7 +68,9 @@ class EngramHasher(nn.Module):
                 f"the tokenizer's Engram map has {num_compressed} compressed ids but the config says "
                 f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size} (the hash multipliers depend on it)"
             )
-        token_map = torch.as_tensor(token_map, dtype=torch.long)
+        # Hash tables are small integer data: always real CPU tensors, even when the weights are
+        # built on the meta device (move the module to run it elsewhere).
+        token_map = torch.as_tensor(token_map, dtype=torch.long, device="cpu")
         if not 0 <= cfg.engram_pad_token_id < token_map.numel():
             raise ValueError(f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the tokenizer's ids")
         self.max_ngram = cfg.engram_max_ngram_size
@@ -81,9 +83,9 @@ class EngramHasher(nn.Module):
         mults = [engram_multipliers(layer, num_compressed, self.max_ngram) for layer in cfg.engram_layer_ids]
         self.pad = int(token_map[cfg.engram_pad_token_id])
         self.register_buffer("token_map", token_map, persistent=False)  # [vocab]
-        self.register_buffer("primes", torch.tensor(primes), persistent=False)  # [L, heads]
-        self.register_buffer("offsets", torch.tensor(offsets), persistent=False)  # [L, heads]
-        self.register_buffer("multipliers", torch.tensor(mults), persistent=False)  # [L, max_ngram]
+        self.register_buffer("primes", torch.tensor(primes, device="cpu"), persistent=False)  # [L, heads]
+        self.register_buffer("offsets", torch.tensor(offsets, device="cpu"), persistent=False)  # [L, heads]
+        self.register_buffer("multipliers", torch.tensor(mults, device="cpu"), persistent=False)  # [L, max_ngram]
 
     def history(self, ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """Compressed ids of tokens p, p−1, …, p−max_ngram+1: ids [B, S] → [B, S, max_ngram].

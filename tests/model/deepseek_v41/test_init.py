@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.deepseek_v41.checkpoint import stored_bytes, tensor_table
-from model.deepseek_v41.config import load_config
+from model.deepseek_v41.config import ModelConfig, load_config
 from model.deepseek_v41.init import random_checkpoint, random_value
 from model.deepseek_v41.presets import TINY, V41_S1
 from model.deepseek_v41.tokenizer import load_tokenizer
@@ -91,3 +91,18 @@ def test_seed_changes_the_file(tmp_path):
             h.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
         digests.append(h.hexdigest())
     assert digests[0] == digests[1] != digests[2]
+
+
+@pytest.mark.parametrize("cfg", [V41_S1, ModelConfig()], ids=["v41-s1", "flash"])
+def test_large_configs_build_on_meta_and_match_the_table(cfg):
+    from model.deepseek_v41.model import DeepseekV41
+
+    token_map = torch.zeros(cfg.vocab_size, dtype=torch.long)  # a stand-in; only shapes matter here
+    with torch.device("meta"):
+        model = DeepseekV41(cfg, token_map, cfg.engram_compressed_vocab_size)
+    params = dict(model.named_parameters())
+    table = tensor_table(cfg)
+    assert set(params) == {s.target for s in table.values()}
+    for s in table.values():
+        shape = params[s.target].shape[1:] if s.index is not None else params[s.target].shape
+        assert tuple(shape) == s.shape, s.name

@@ -83,3 +83,27 @@ def test_both_models_dequantise_to_identical_weights(oracle_cases, name):
     for spec in table.values():
         mine = ours[spec.target] if spec.index is None else ours[spec.target][spec.index]
         assert torch.equal(mine.detach(), theirs[spec.name].float()), spec.name
+
+
+def test_flash_tensor_table_matches_nemo_names_and_shapes():
+    """The released Flash layout: NeMo built on the meta device, exported through its adapter."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from model.deepseek_v41.checkpoint import tensor_table
+    from model.deepseek_v41.config import ModelConfig, to_hf_dict
+    from model.deepseek_v41.tokenizer import v41_tokenizer_path
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    cfg = ModelConfig()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(v41_tokenizer_path())))
+    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
+                            dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+    with torch.device("meta"):
+        nemo = DeepseekV41ForCausalLM(DeepseekV41Config(**to_hf_dict(cfg)), backend=backend, tokenizer=tokenizer)
+    released = nemo.state_dict_adapter.to_hf(nemo.state_dict())
+    table = tensor_table(cfg)
+    assert len(table) == 47006 and set(released) == set(table)
+    assert all(tuple(released[name].shape) == spec.shape for name, spec in table.items())
