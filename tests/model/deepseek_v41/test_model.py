@@ -79,3 +79,14 @@ def test_tiny_forward_time_64_tokens(tiny_model):
         torch.set_num_threads(threads)
     print(f"\ntiny 1×64 forward on 2 threads: first {first:.3f}s, then best {min(times):.3f}s")
     assert logits.shape == (1, 64, 129280) and bool(torch.isfinite(logits).all())
+
+
+def test_model_and_services_never_import_nemo_or_transformers():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    files = [*sorted((root / "model").rglob("*.py")), root / "services" / "model_cli.py"]
+    pattern = re.compile(r"^\s*(from|import)\s+(nemo_automodel|nemo|transformers)\b", re.MULTILINE)
+    offenders = [str(f.relative_to(root)) for f in files if pattern.search(f.read_text())]
+    assert offenders == []
