@@ -1,0 +1,284 @@
+"""The asyncio face of one engine replica: a step-loop thread around `Engine`, streams per request.
+
+Invariants:
+- Only the step thread touches the `Engine` (and so `scheduler_rs`); callers on the event loop send it
+  commands through a thread-safe queue and get outputs back through per-request asyncio queues.
+- One engine step runs at a time; commands (add, abort) are applied between steps, never during one.
+- Engine request ids are made here and never repeat, so two live requests with the same client id cannot
+  collide; `abort(client_id)` ends every live request with that id.
+- A stream that is closed or cancelled before its final output aborts its request, so its blocks and
+  state slot come back.
+- Every accepted request gets exactly one final `Delta` (finish_reason set), also on shutdown ("abort")
+  and when a step raises ("error").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.engine.engine import Engine
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("shinkai.engine")
+
+DEFAULT_MAX_QUEUED = 1024
+
+
+class QueueFull(Exception):
+    """More requests are unfinished than the service accepts; retry after `retry_after_s`."""
+
+    def __init__(self, num_unfinished: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"the engine queue is full ({num_unfinished} requests unfinished); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(Exception):
+    """The service is draining and takes no new requests."""
+
+
+@dataclass
+class Delta:
+    """What one request gained in one step."""
+
+    # Tokens new since the previous delta.
+    token_ids: list[int]
+    # Logprob of each new token under the processed distribution (empty when the worker sampled none).
+    logprobs: list[float]
+    # Top-n (token id, logprob) pairs per new token, when the request asked for logprobs.
+    top_logprobs: list[list[tuple[int, float]]] | None
+    # Output tokens so far, these included.
+    num_output_tokens: int
+    # Set on the request's last delta only: "stop", "length", "abort", "preempted" or "error".
+    finish_reason: str | None = None
+    # The end or stop token that ended the request, if one did.
+    stop_token_id: int | None = None
+
+
+class RequestStream:
+    """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
+
+    def __init__(self, service: EngineService, engine_id: str, client_id: str,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.service = service
+        self.engine_id = engine_id  # unique for the service's lifetime
+        self.client_id = client_id  # the client's id; may repeat across live requests
+        self.loop = loop
+        self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        # Output tokens already delivered as deltas (written by the step thread under the service lock).
+        self.num_sent = 0
+        # The final delta was queued; no abort is needed any more.
+        self.finished = False
+        # The final delta was read.
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        delta = await self.deltas.get()
+        self._done = delta.finish_reason is not None
+        return delta
+
+    def close(self) -> None:
+        """Aborts the request unless its final delta was already queued. Idempotent."""
+        if not self.finished:
+            self.service._send(_Abort([self.engine_id]))
+
+
+@dataclass
+class _Add:
+    engine_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    engine_ids: list[str] = field(default_factory=list)
+
+
+class EngineService:
+    def __init__(self, engine: Engine, *, engine_name: str = "engine-0", max_queued: int = DEFAULT_MAX_QUEUED,
+                 idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.name = engine_name
+        # Unfinished requests (queued, waiting or running) above which `generate` raises QueueFull.
+        self.max_queued = max_queued
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.Queue[_Add | _Abort] = queue.Queue()
+        self._wake = threading.Event()
+        # engine id -> stream; written under _lock by both threads.
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        # Held by the step thread while it runs a step or applies commands; `stats` takes it too.
+        self._engine_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+        self.num_step_errors = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)
+        self._thread.start()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Takes no new requests and waits up to ``timeout_s`` for the live ones; True if all finished."""
+        self._accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.num_unfinished() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_unfinished() == 0
+
+    def stop(self) -> None:
+        """Aborts whatever is left and joins the step thread."""
+        self._accepting = False
+        with self._lock:
+            ids = list(self._streams)
+        self._send(_Abort(ids))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises ValueError naming what is wrong. Reads only the engine's fixed configuration."""
+        self.engine.validate(prompt_token_ids, params)
+
+    def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Validates and queues a request; raises ValueError, QueueFull or ShuttingDown with nothing queued.
+        Call from the event loop that will read the stream."""
+        self.validate(prompt_token_ids, params)
+        if not self._accepting:
+            raise ShuttingDown("the engine is shutting down")
+        with self._lock:
+            if len(self._streams) >= self.max_queued:
+                raise QueueFull(len(self._streams))
+            engine_id = f"{next(self._ids)}:{client_id}"
+            stream = RequestStream(self, engine_id, client_id, asyncio.get_running_loop())
+            self._streams[engine_id] = stream
+        self._send(_Add(engine_id, list(prompt_token_ids), params))
+        return stream
+
+    def abort(self, client_id: str) -> bool:
+        """Aborts every live request with this client id; False when there is none (idempotent)."""
+        with self._lock:
+            ids = [eid for eid, s in self._streams.items() if s.client_id == client_id and not s.finished]
+        if ids:
+            self._send(_Abort(ids))
+        return bool(ids)
+
+    def stats(self) -> dict[str, int]:
+        """The engine's pool and queue counts, read between steps."""
+        with self._engine_lock:
+            stats = self.engine.stats()
+        stats["num_queued"] = self._commands.qsize()
+        return stats
+
+    # ---- the step thread --------------------------------------------------------------------
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() or not self._commands.empty():
+            with self._engine_lock:
+                self._apply_commands()
+                busy = self.engine.has_unfinished()
+                if busy:
+                    self._step()
+            if not busy:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+        with self._engine_lock:  # shutdown: nothing may stay in the pools
+            while self.engine.has_unfinished():
+                self._step()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(command.engine_id, command.prompt_token_ids, command.params)
+                except Exception as err:  # validated already; a failure here is a bug, not bad input
+                    log.exception("add_request %s failed", command.engine_id)
+                    self._deliver_final(command.engine_id, "error", None, str(err))
+            else:
+                for engine_id in command.engine_ids:
+                    out = self.engine.abort(engine_id)
+                    if out is not None:
+                        self._deliver(out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self.num_step_errors += 1
+            log.exception("engine step failed; ending its requests with 'error'")
+            for engine_id in list(self.engine.requests):
+                self.engine.scheduler.abort(engine_id)
+                self.engine.requests.pop(engine_id, None)
+                self.engine.worker.release(engine_id)
+                self._deliver_final(engine_id, "error", None, None)
+            return
+        self.num_steps += 1
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                return
+            start = stream.num_sent
+            stream.num_sent = len(out.token_ids)
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+        delta = Delta(
+            token_ids=out.token_ids[start:], logprobs=out.logprobs[start:],
+            top_logprobs=out.top_logprobs[start:] if out.top_logprobs is not None else None,
+            num_output_tokens=len(out.token_ids), finish_reason=out.finish_reason,
+            stop_token_id=out.stop_token_id,
+        )
+        self._post(stream, delta)
+
+    def _deliver_final(self, engine_id: str, reason: str, stop_token_id: int | None, why: str | None) -> None:
+        with self._lock:
+            stream = self._streams.pop(engine_id, None)
+        if stream is None:
+            return
+        stream.finished = True
+        if why:
+            log.error("request %s ended with %s: %s", engine_id, reason, why)
+        self._post(stream, Delta([], [], None, stream.num_sent, finish_reason=reason, stop_token_id=stop_token_id))
+
+    @staticmethod
+    def _post(stream: RequestStream, delta: Delta) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, delta)
+        except RuntimeError:  # the reader's event loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,63 @@
+"""`shinkai serve`: the whole server in one process (HTTP + gRPC, no NATS). SIGTERM or Ctrl-C drains."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve HTTP (OpenAI) and gRPC from one process")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    p.add_argument("--http-port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="0: any free port")
+    p.add_argument("--max-queued", type=int, default=None, help="unfinished requests before 429")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
+    p.set_defaults(func=_run)
+
+
+def _config(args: argparse.Namespace):
+    from services.gateway.server import ServeConfig
+
+    engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
+                   if v is not None}
+    extra = {"max_queued": args.max_queued} if args.max_queued is not None else {}
+    return ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                       http_port=args.http_port, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
+                       engine_args=engine_args, **extra)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from services.gateway.server import Server
+
+    server = Server(_config(args))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    # One machine-readable line, then the URLs for people; `shinkai up` and tests read the first.
+    print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model}), flush=True)
+    await stop.wait()
+    print(json.dumps({"event": "draining"}), flush=True)
+    await server.stop()
+    print(json.dumps({"event": "stopped", "pools": server.engine.stats()}), flush=True)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from services.cli import UsageError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(_serve(args))
+    except ValueError as err:
+        raise UsageError(str(err)) from err

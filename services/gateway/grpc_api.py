@@ -1,0 +1,132 @@
+"""The public gRPC API, ``shinkai.v1.Shinkai``, on grpc.aio.
+
+Requests arrive as raw bytes and are parsed here, so a malformed protobuf (truncated, invalid UTF-8 in a
+string) is INVALID_ARGUMENT rather than grpc's INTERNAL "exception deserializing request". Every refusal is
+a status code from `ApiError`; a cancelled Generate stream closes its `Generation`, which aborts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from services.engine.sampling_params import SamplingParams
+from services.gateway import errors
+from services.gateway.errors import ApiError
+from services.gateway.frontend import Frontend, GenerateArgs
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+
+SERVICE = "shinkai.v1.Shinkai"
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+                  "preempted": pb.FINISH_REASON_PREEMPTED, "error": pb.FINISH_REASON_ERROR}
+
+
+def _parse(message_type, raw: bytes):
+    message = message_type()
+    try:
+        message.ParseFromString(raw)
+    except DecodeError as err:
+        raise errors.invalid(f"malformed {message_type.DESCRIPTOR.full_name}: {err}") from err
+    return message
+
+
+def _args(request: pb.GenerateRequest) -> GenerateArgs:
+    args = GenerateArgs(model=request.model or None, client_id=request.request_id or None, endpoint="grpc")
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        args.prompt_text = request.text
+    elif which == "token_ids":
+        args.prompt_token_ids = list(request.token_ids.ids)
+    elif which == "chat":
+        args.chat_body = {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages],
+                          "thinking": {"type": "enabled" if request.chat.thinking else "disabled"}}
+    else:
+        raise errors.invalid("a prompt is required: set text, token_ids or chat", "prompt")
+    s = request.sampling
+    try:
+        args.params = SamplingParams(
+            max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else -1,
+            seed=s.seed if s.HasField("seed") else None,
+            n=s.n if s.HasField("n") else 1,
+            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+        )
+    except ValueError as err:
+        raise errors.invalid(str(err)) from err
+    return args
+
+
+class ShinkaiApi:
+    def __init__(self, frontend: Frontend, is_ready: Callable[[], bool] = lambda: True) -> None:
+        self.frontend = frontend
+        self.is_ready = is_ready
+
+    async def _abort_with(self, context: grpc.aio.ServicerContext, err: ApiError) -> None:
+        await context.abort(err.kind.grpc_code, err.message, trailing_metadata=err.grpc_trailing_metadata())
+
+    async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            if not self.is_ready():
+                raise ApiError(errors.UNAVAILABLE, "the server is shutting down")
+            generation = self.frontend.start(_args(_parse(pb.GenerateRequest, raw)))
+        except ApiError as err:
+            await self._abort_with(context, err)
+            return
+        rid = generation.client_id
+        try:
+            async for piece in generation:
+                d = piece.delta
+                if d.token_ids or (piece.text and d.finish_reason is None):
+                    # On the last delta the text (with the flush) travels in the final message instead.
+                    chunk = pb.Chunk(token_ids=d.token_ids, text=piece.text if d.finish_reason is None else "",
+                                     logprobs=d.logprobs, num_prompt_tokens=generation.num_prompt_tokens,
+                                     num_output_tokens=d.num_output_tokens)
+                    for top in d.top_logprobs or []:
+                        chunk.top_logprobs.add(entries=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
+                    yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+                if d.finish_reason is not None:
+                    final = pb.Final(finish_reason=FINISH_REASONS[d.finish_reason], text=piece.text,
+                                     usage=pb.Usage(prompt_tokens=generation.num_prompt_tokens,
+                                                    completion_tokens=d.num_output_tokens))
+                    if d.stop_token_id is not None:
+                        final.stop_token_id = d.stop_token_id
+                    yield pb.GenerateResponse(request_id=rid, final=final)
+        finally:
+            generation.close()  # a no-op after the final; aborts a cancelled stream
+
+    async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            request = _parse(pb.AbortRequest, raw)
+        except ApiError as err:
+            await self._abort_with(context, err)
+            raise AssertionError("unreachable")
+        return pb.AbortResponse(found=self.frontend.abort(request.request_id))
+
+    async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return pb.ModelInfo(**self.frontend.model_info())
+
+    async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Loads:
+        loads = pb.Loads()
+        for s in self.frontend.loads():
+            loads.engines.add(engine_id=s["engine_id"], num_running=s["num_running"], num_waiting=s["num_waiting"],
+                              num_queued=s["num_queued"], num_free_blocks=s["free_blocks"],
+                              num_total_blocks=s["total_blocks"], num_free_state_slots=s["free_state_slots"],
+                              num_total_state_slots=s["total_state_slots"])
+        return loads
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Method handlers that take raw request bytes (no deserializer) and serialize protobuf responses."""
+        def ser(message) -> bytes:
+            return message.SerializeToString()
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(self.generate, response_serializer=ser),
+            "Abort": grpc.unary_unary_rpc_method_handler(self.abort, response_serializer=ser),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=ser),
+            "GetLoads": grpc.unary_unary_rpc_method_handler(self.get_loads, response_serializer=ser),
+        })

@@ -1,0 +1,191 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions and chat, each plain or SSE; models, health, metrics.
+
+Every error is an OpenAI error body with the status of its `ApiError` kind; unknown paths are 404 bodies
+too, and an unexpected exception is logged and answered 500 (a bug, never the answer to bad input).
+A streamed request whose client goes away is aborted: leaving the generator closes its `Generation`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway import errors
+from services.gateway.errors import ApiError
+from services.gateway.frontend import Frontend, Generation, Piece
+from services.gateway.openai_protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
+    parse_completion
+
+log = logging.getLogger("shinkai.gateway")
+
+
+def _json(body: dict[str, Any]) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else _json(body)}\n\n"
+
+
+class _Formatter:
+    """Builds completions or chat bodies and chunks for one request."""
+
+    def __init__(self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool) -> None:
+        self.frontend = frontend
+        self.request = request
+        self.generation = generation
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _token(self, token_id: int) -> str:
+        return self.frontend.llm.tokenizer.id_to_token(token_id) or ""
+
+    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+        if self.request.num_logprobs is None:
+            return None
+        ids = [t for p in pieces for t in p.delta.token_ids]
+        lps = [x for p in pieces for x in p.delta.logprobs]
+        tops = [x for p in pieces for x in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
+        if self.chat:
+            return {"content": [
+                {"token": self._token(t), "logprob": lp, "bytes": None,
+                 "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top]}
+                for t, lp, top in zip(ids, lps, tops)]}
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": lps,
+                "top_logprobs": [{self._token(i): v for i, v in top} for top in tops], "text_offset": []}
+
+    def usage(self, num_output_tokens: int) -> dict[str, int]:
+        n = self.generation.num_prompt_tokens
+        return {"prompt_tokens": n, "completion_tokens": num_output_tokens, "total_tokens": n + num_output_tokens}
+
+    def body(self, pieces: list[Piece]) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        final = pieces[-1].delta
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": final.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": self.id, "object": self.object, "created": self.generation.created,
+                "model": self.frontend.served_model, "choices": [choice], "usage": self.usage(final.num_output_tokens)}
+
+    def chunk(self, piece: Piece | None, first: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
+                                "created": self.generation.created, "model": self.frontend.served_model}
+        if piece is None:  # the usage chunk
+            body["choices"] = []
+            return body
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs([piece]),
+                                  "finish_reason": piece.delta.finish_reason}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if piece.text or first:
+                delta["content"] = piece.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = piece.text
+        body["choices"] = [choice]
+        return body
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}",
+                       code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(errors.TOO_LARGE, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="Shinkai", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.openai_body(), status_code=err.kind.http_status, headers=err.http_headers())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if err.status_code == 404 else None
+        body = ApiError(errors.INVALID, str(err.detail), code=code).openai_body()
+        return JSONResponse(body, status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(ApiError(errors.INTERNAL, f"internal error: {type(err).__name__}").openai_body(),
+                            status_code=500)
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        if not is_ready():
+            raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
+        body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
+        max_len = frontend.llm.config.max_model_len
+        parsed = parse_chat(body, max_len) if chat else parse_completion(body, max_len)
+        generation = frontend.start(parsed.args)
+        fmt = _Formatter(frontend, parsed, generation, chat)
+        if parsed.stream:
+            return StreamingResponse(_stream(fmt, generation, parsed.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            pieces = [piece async for piece in generation]
+        finally:
+            generation.close()
+        return JSONResponse(fmt.body(pieces))
+
+    async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            first = True
+            num_output_tokens = 0
+            async for piece in generation:
+                num_output_tokens = piece.delta.num_output_tokens
+                if piece.text or piece.delta.finish_reason is not None or first or fmt.request.num_logprobs is not None:
+                    yield _sse(fmt.chunk(piece, first))
+                    first = False
+            if include_usage:
+                yield _sse(dict(fmt.chunk(None), usage=fmt.usage(num_output_tokens)))
+            yield _sse("[DONE]")
+        finally:
+            generation.close()  # a no-op after the final delta; aborts on disconnect
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = frontend.model_info()
+        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model",
+                                            "created": int(time.time()), "owned_by": "shinkai",
+                                            "max_model_len": info["max_model_len"]}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not is_ready():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(frontend.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return app

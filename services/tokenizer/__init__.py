@@ -1,0 +1,1 @@
+"""The tokenizer: encode, chat rendering through deepseek-recipe, incremental detokenization."""

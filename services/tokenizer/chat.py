@@ -1,0 +1,43 @@
+"""Chat rendering through DeepSeek's own deepseek-recipe (V4.1 encoding), thinking on or off.
+
+Only the conversation keys of an OpenAI chat body reach the recipe (sampling fields are validated by the
+gateway, once, for both endpoints). The recipe accepts only DeepSeek's API model names, so the body is
+rendered as ``RECIPE_MODEL``; the served name was checked before. Image parts are refused: they need the
+vision tower, which comes in a later issue.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import deepseek_recipe
+
+RECIPE_MODEL = "DeepSeek-V4.1-Flash"
+# Keys of an OpenAI chat body that describe the conversation (everything else is sampling or transport).
+CONVERSATION_KEYS = ("messages", "tools", "tool_choice", "thinking", "reasoning_effort")
+
+
+class ChatError(ValueError):
+    """The messages cannot be rendered; the text says why (a 400 / INVALID_ARGUMENT)."""
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer_path: Path) -> None:
+        self._encoding = deepseek_recipe.DeepseekV41Encoding()
+        self._encoder = self._encoding.with_tokenizer(deepseek_recipe.Tokenizer.from_file(str(tokenizer_path)))
+
+    def render(self, body: dict[str, Any]) -> tuple[list[int], str]:
+        """Token ids and prompt text of an OpenAI chat body's conversation."""
+        request_body = {k: body[k] for k in CONVERSATION_KEYS if k in body}
+        request_body["model"] = RECIPE_MODEL
+        try:
+            request = deepseek_recipe.ChatCompletionRequest(json.dumps(request_body))
+            conversation = request.convert(deepseek_recipe.ConversionOptions()).conversation
+            rendered = self._encoding.render_conversation(conversation)
+        except (deepseek_recipe.ConversionError, ValueError, TypeError) as err:
+            raise ChatError(f"messages: {err}") from err
+        if rendered.image_sources:
+            raise ChatError("messages: image input needs the vision tower, which this server does not have yet")
+        return list(self._encoder.encode(conversation)), rendered.prompt
