@@ -17,6 +17,7 @@ COMMAND_MODULES = {
     "bench": "services.bench.cli",
     "model": "services.model_cli",
     "eplb": "services.eplb.cli",
+    "serve": "services.gateway.cli",
 }
 
 
