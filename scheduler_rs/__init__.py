@@ -4,40 +4,5 @@ DeepInfer's semantics with its numbers as defaults (ARCHITECTURE.md §3). The en
 ``plan = scheduler.schedule()`` → run the plan → ``scheduler.update(plan, result)``.
 """
 
-from scheduler_rs._core import (
-    BlockManager,
-    EngineType,
-    FinishReason,
-    Int32Array,
-    MtpVarlen,
-    PreemptionMode,
-    RequestOutput,
-    RequestState,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerStats,
-    StepPlan,
-    StepResult,
-    VarlenPlan,
-    graph_sizes,
-    select_graph_size,
-)
-
-__all__ = [
-    "BlockManager",
-    "EngineType",
-    "FinishReason",
-    "Int32Array",
-    "MtpVarlen",
-    "PreemptionMode",
-    "RequestOutput",
-    "RequestState",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerStats",
-    "StepPlan",
-    "StepResult",
-    "VarlenPlan",
-    "graph_sizes",
-    "select_graph_size",
-]
+from scheduler_rs._core import *  # noqa: F403 (the stub's __all__ lists the public surface)
+from scheduler_rs._core import __all__  # noqa: F401
