@@ -93,6 +93,10 @@ class Generation:
         return Piece(delta, text)
 
     def close(self) -> None:
+        """Aborts the request unless its final piece was read (a disconnect or cancel). Idempotent."""
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+            self.frontend.metrics.finished.labels(reason="abort").inc()
         self.stream.close()
 
 

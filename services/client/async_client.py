@@ -1,0 +1,78 @@
+"""asyncio gRPC client of shinkai.v1 (grpc.aio); the same surface as `ShinkaiClient`, awaited.
+
+    async with AsyncShinkaiClient("127.0.0.1:50051") as client:
+        async for delta in client.generate_stream("Hello", max_tokens=8):
+            print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.client.errors import from_rpc_error
+from services.client.messages import Completion, TextDelta, add_to, generate_request, to_delta
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from services.proto.shinkai.v1 import shinkai_pb2_grpc
+
+
+class AsyncShinkaiClient:
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
+        self.timeout = timeout  # default deadline of every call, seconds; None: none
+
+    async def __aenter__(self) -> AsyncShinkaiClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, await call.trailing_metadata()) from None
+        finally:
+            call.cancel()  # leaving early cancels the stream, which aborts the request on the server
+
+    async def generate_stream(self, prompt: Any = None, *, timeout: float | None = None,
+                              request_id: str | None = None, **kwargs: Any) -> AsyncIterator[TextDelta]:
+        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
+        async for response in self._stream(request, timeout):
+            yield to_delta(response)
+
+    async def generate(self, prompt: Any = None, *, timeout: float | None = None, request_id: str | None = None,
+                       **kwargs: Any) -> Completion:
+        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
+        completion = Completion(request.request_id, "")
+        async for response in self._stream(request, timeout):
+            add_to(completion, response)
+        return completion
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        try:
+            response = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return response.found
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        try:
+            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def loads(self, *, timeout: float | None = None) -> pb.Loads:
+        try:
+            return await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None

@@ -1,0 +1,80 @@
+"""Request building and response reading shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
+                  pb.FINISH_REASON_PREEMPTED: "preempted", pb.FINISH_REASON_ERROR: "error"}
+
+
+@dataclass
+class TextDelta:
+    """One streamed step of a generation."""
+
+    request_id: str  # the id Abort takes
+    text: str  # new text; never splits a UTF-8 character
+    token_ids: list[int]  # new tokens
+    finish_reason: str | None = None  # set on the last delta: "stop", "length", "abort", "preempted", "error"
+
+
+@dataclass
+class Completion:
+    """A whole generation."""
+
+    request_id: str
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, str]] | None = None,
+                     thinking: bool = False, model: str = "", request_id: str = "", max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                     logprobs: int | None = None) -> pb.GenerateRequest:
+    """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt and messages")
+    request = pb.GenerateRequest(model=model, request_id=request_id)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt is not None:
+        request.token_ids.ids.extend(prompt)
+    else:
+        request.chat.thinking = thinking
+        for m in messages or ():
+            request.chat.messages.add(role=m["role"], content=m["content"])
+    s = request.sampling
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed), ("logprobs", logprobs)):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop_token_ids.extend(stop_token_ids)
+    s.ignore_eos = ignore_eos
+    return request
+
+
+def to_delta(response: pb.GenerateResponse) -> TextDelta:
+    if response.WhichOneof("kind") == "final":
+        return TextDelta(response.request_id, response.final.text, [],
+                         FINISH_REASONS.get(response.final.finish_reason, "error"))
+    return TextDelta(response.request_id, response.chunk.text, list(response.chunk.token_ids))
+
+
+def add_to(completion: Completion, response: pb.GenerateResponse) -> None:
+    completion.request_id = response.request_id
+    if response.WhichOneof("kind") == "final":
+        f = response.final
+        completion.text += f.text
+        completion.finish_reason = FINISH_REASONS.get(f.finish_reason, "error")
+        completion.prompt_tokens = f.usage.prompt_tokens
+        completion.completion_tokens = f.usage.completion_tokens
+    else:
+        completion.text += response.chunk.text
+        completion.token_ids.extend(response.chunk.token_ids)

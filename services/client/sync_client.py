@@ -1,0 +1,81 @@
+"""Blocking gRPC client of shinkai.v1.
+
+    with ShinkaiClient("127.0.0.1:50051") as client:
+        for delta in client.generate_stream("Hello", max_tokens=8):
+            print(delta.text, end="", flush=True)
+
+Every failure raises a `ShinkaiError` subclass (services.client.errors). ``timeout`` (seconds) is a
+deadline for the whole call; when it passes the server aborts the request and `Timeout` is raised.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from services.client.errors import from_rpc_error
+from services.client.messages import Completion, TextDelta, add_to, generate_request, to_delta
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from services.proto.shinkai.v1 import shinkai_pb2_grpc
+
+
+class ShinkaiClient:
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
+        self.timeout = timeout  # default deadline of every call, seconds; None: none
+
+    def __enter__(self) -> ShinkaiClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateResponse]:
+        call = self.stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, call.trailing_metadata()) from None
+        finally:
+            call.cancel()  # leaving early cancels the stream, which aborts the request on the server
+
+    def generate_stream(self, prompt: Any = None, *, timeout: float | None = None, request_id: str | None = None,
+                        **kwargs: Any) -> Iterator[TextDelta]:
+        """Yields text deltas; the last has ``finish_reason``. Closing the iterator aborts the request."""
+        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
+        for response in self._stream(request, timeout):
+            yield to_delta(response)
+
+    def generate(self, prompt: Any = None, *, timeout: float | None = None, request_id: str | None = None,
+                 **kwargs: Any) -> Completion:
+        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
+        completion = Completion(request.request_id, "")
+        for response in self._stream(request, timeout):
+            add_to(completion, response)
+        return completion
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """True if a live request with this id was aborted; False if there was none (idempotent)."""
+        try:
+            return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout or self.timeout).found
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        try:
+            return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def loads(self, *, timeout: float | None = None) -> pb.Loads:
+        try:
+            return self.stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None

@@ -1,0 +1,101 @@
+"""EngineService: the step-loop thread behind per-request asyncio streams."""
+
+import asyncio
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.engine.service import EngineService, QueueFull
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("tiny")  # driven synchronously by LLM.generate, never by a service
+
+
+@pytest.fixture
+def service(llm):
+    svc = EngineService(llm.engine, max_queued=8)
+    svc.start()
+    yield svc
+    svc.stop()
+    stats = llm.engine.stats()
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["free_state_slots"] == stats["total_state_slots"]
+
+
+async def collect(stream):
+    return [d async for d in stream]
+
+
+def test_streams_match_llm_generate_for_the_same_seed(service, llm, reference):
+    prompts = [llm.encode("Hello"), llm.encode("The sea")]
+    params = [SamplingParams(max_tokens=3, seed=7), SamplingParams(max_tokens=2, temperature=0)]
+
+    async def run():
+        streams = [service.submit("same-id", p, sp) for p, sp in zip(prompts, params)]  # ids may repeat
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(run())
+    expected = reference.generate(prompts, params)
+    for deltas, out in zip(results, expected):
+        assert [t for d in deltas for t in d.token_ids] == out.token_ids
+        assert [x for d in deltas for x in d.logprobs] == pytest.approx(out.logprobs)
+        assert [d.finish_reason for d in deltas][-1] == out.finish_reason == "length"
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert deltas[-1].num_output_tokens == len(out.token_ids)
+
+
+def test_closing_a_stream_aborts_it_and_returns_its_blocks(service, llm):
+    async def run():
+        stream = service.submit("c", llm.encode("Hello"), SamplingParams(max_tokens=500, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.token_ids and first.finish_reason is None
+        stream.close()
+        for _ in range(200):
+            if service.num_unfinished() == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the closed stream's request never ended")
+
+    asyncio.run(run())
+    stats = service.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_abort_by_client_id_ends_every_live_request_with_it(service, llm):
+    async def run():
+        a = service.submit("dup", llm.encode("A"), SamplingParams(max_tokens=500, ignore_eos=True))
+        b = service.submit("dup", llm.encode("B"), SamplingParams(max_tokens=500, ignore_eos=True))
+        assert a.engine_id != b.engine_id
+        await a.__anext__()
+        assert service.abort("dup") is True
+        finals = [(await collect(s))[-1] for s in (a, b)]
+        assert service.abort("dup") is False  # idempotent: nothing live any more
+        assert service.abort("never-seen") is False
+        return finals
+
+    finals = asyncio.run(run())
+    assert [f.finish_reason for f in finals] == ["abort", "abort"]
+
+
+def test_queue_full_and_bad_input_are_refused_before_queueing(service, llm):
+    async def run():
+        streams = [service.submit(str(i), llm.encode("x"), SamplingParams(max_tokens=1)) for i in range(8)]
+        with pytest.raises(QueueFull):
+            service.submit("9", llm.encode("x"), SamplingParams(max_tokens=1))
+        with pytest.raises(ValueError, match="empty"):
+            service.submit("e", [], SamplingParams())
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            service.submit("v", [10**9], SamplingParams())
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(run())
+    assert all(r[-1].finish_reason == "length" and r[-1].num_output_tokens == 1 for r in results)

@@ -1,0 +1,94 @@
+"""shinkai.v1 over gRPC through the sync and asyncio clients: streaming, abort, timeouts, info, loads."""
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.client import AsyncShinkaiClient, ShinkaiClient, Timeout
+from services.engine import SamplingParams
+from tests.services.gateway.test_http import wait_whole
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with ShinkaiClient(served.grpc_target, timeout=60) as c:
+        yield c
+
+
+def test_stream_text_equals_llm_generate(client, reference_llm):
+    deltas = list(client.generate_stream("Hello", max_tokens=4, seed=11))
+    expected = reference_llm.generate("Hello", SamplingParams(max_tokens=4, seed=11))[0]
+    assert "".join(d.text for d in deltas) == expected.text
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    done = client.generate([0, 19923], max_tokens=2, temperature=0)
+    assert done.completion_tokens == 2 and done.prompt_tokens == 2 and done.finish_reason == "length"
+
+
+def test_chat_through_grpc_matches_http_rendering(client, served, reference_llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    done = client.generate(messages=messages, max_tokens=2, seed=4)
+    ids, _ = served.server.frontend.chat.render({"messages": messages, "thinking": {"type": "disabled"}})
+    assert ids[-1] == 128822 and done.prompt_tokens == len(ids)  # </think>: thinking off
+    assert done.text == reference_llm.generate([ids], SamplingParams(max_tokens=2, seed=4))[0].text
+
+
+def test_abort_ends_a_live_stream_and_is_idempotent(client, served):
+    stream = client.generate_stream("Hello", max_tokens=1000, ignore_eos=True, request_id="to-abort")
+    first = next(stream)
+    assert first.request_id == "to-abort" and first.finish_reason is None
+    assert client.abort("to-abort") is True
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert sum(len(d.token_ids) for d in [first, *rest]) < 1000
+    assert client.abort("to-abort") is False
+    assert client.abort("unknown-id") is False
+    wait_whole(served)
+
+
+def test_cancelled_stream_aborts_the_request(served):
+    async def run():
+        async with AsyncShinkaiClient(served.grpc_target) as c:
+            async for delta in c.generate_stream("Hello", max_tokens=1000, ignore_eos=True):
+                assert delta.finish_reason is None
+                break  # leaving the loop cancels the call
+    asyncio.run(run())
+    wait_whole(served)
+
+
+def test_timeout_raises_and_aborts(client, served):
+    with pytest.raises(Timeout):
+        client.generate("Hello", max_tokens=1000, ignore_eos=True, timeout=0.5)
+    wait_whole(served)
+
+
+def test_same_client_id_twice_does_not_collide(served):
+    with ShinkaiClient(served.grpc_target, timeout=60) as c:
+        results = [None, None]
+
+        def run(i):
+            results[i] = c.generate(f"p{i}", max_tokens=3, request_id="shared", temperature=0)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert [r.completion_tokens for r in results] == [3, 3]
+
+
+def test_model_info_loads_and_health(client, served):
+    info = client.model_info()
+    assert info.model == "tiny" and info.vocab_size == 129280 and info.max_model_len == 4096
+    loads = client.loads()
+    assert len(loads.engines) == 1 and loads.engines[0].num_total_blocks > 0
+    with grpc.insecure_channel(served.grpc_target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "shinkai.v1.Shinkai"):
+            status = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING

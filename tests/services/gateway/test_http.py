@@ -1,0 +1,114 @@
+"""The OpenAI-compatible HTTP API through the `openai` client and raw HTTP."""
+
+import json
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from services.engine import SamplingParams
+from tests.services.gateway.conftest import pools_whole
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_whole(served, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pools_whole(served.server.engine.stats()) and served.server.engine.num_unfinished() == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pools not whole: {served.server.engine.stats()}")
+
+
+def test_completion_text_equals_llm_generate(client, reference_llm):
+    resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=11)
+    expected = reference_llm.generate("Hello", SamplingParams(max_tokens=4, seed=11))[0]
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 4 and resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streamed_completion_equals_the_plain_one(client):
+    plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3)
+    chunks = list(client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_chat_plain_and_streamed(client, reference_llm, served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
+    # The prompt is deepseek-recipe's rendering: system token, the user turn, then <think>.
+    ids, _ = served.server.frontend.chat.render({"messages": messages})
+    assert ids[:2] == [0, 128799] and ids[-1] == 128821 and plain.usage.prompt_tokens == len(ids)
+    expected = reference_llm.generate([ids], SamplingParams(max_tokens=3, seed=5))[0]
+    assert plain.choices[0].message.content == expected.text
+
+
+def test_token_id_prompt_and_logprobs(client, reference_llm):
+    resp = client.completions.create(model="tiny", prompt=[0, 19923], max_tokens=2, seed=1, logprobs=2)
+    expected = reference_llm.generate([[0, 19923]], SamplingParams(max_tokens=2, seed=1, logprobs=2))[0]
+    assert resp.choices[0].logprobs.token_logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert len(resp.choices[0].logprobs.top_logprobs) == 2
+
+
+def test_models_health_metrics(client, served):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with urllib.request.urlopen(served.http_url + "/health") as r:
+        assert json.load(r) == {"status": "ok"}
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=1)
+    with urllib.request.urlopen(served.http_url + "/metrics") as r:
+        text = r.read().decode()
+    assert "shinkai_time_to_first_token_seconds_count" in text
+    assert 'shinkai_requests_finished_total{reason="length"}' in text
+    assert "shinkai_engine_free_blocks" in text
+
+
+def test_client_disconnect_mid_stream_aborts_and_returns_blocks(served):
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+                       "stream": True}).encode()
+    req = urllib.request.Request(served.http_url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    before = served.server.metrics.finished.labels(reason="abort")._value.get()
+    resp = urllib.request.urlopen(req, timeout=60)
+    assert resp.readline().startswith(b"data: ")  # the stream is live
+    resp.close()  # the client goes away
+    wait_whole(served)
+    assert served.server.metrics.finished.labels(reason="abort")._value.get() == before + 1
+
+
+def test_concurrent_streams_all_finish_with_their_token_counts(served):
+    import asyncio
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i):
+            n = 1 + i % 3
+            stream = await client.completions.create(model="tiny", prompt=f"n{i}", max_tokens=n,
+                                                     stream=True, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            chunks = [c async for c in stream]
+            return n, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(100)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert all(got == want and reason == "length" for want, got, reason in results), results
+    wait_whole(served)
