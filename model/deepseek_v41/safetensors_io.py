@@ -171,6 +171,7 @@ def write_safetensors(
     os.close(fd)
     try:
         save_file(_storable(tensors), tmp, metadata=dict(metadata or {"format": "pt"}))
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; checkpoints are read by other users (containers)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

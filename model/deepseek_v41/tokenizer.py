@@ -80,6 +80,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the file is shared like any tokenizer.json
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
