@@ -1,7 +1,9 @@
 """What HTTP and gRPC share: model check, prompt encoding, submission to an engine, detokenized streams.
 
-Both protocols turn their request into a `GenerateArgs`, call `Frontend.start` (which raises `ApiError`
-before anything is queued) and read `Piece`s from the returned `Generation` until the final one.
+Both protocols turn their request into a `GenerateArgs`, ``await Frontend.start`` (which raises `ApiError`
+before anything streams) and read `Piece`s from the returned `Generation` until the final one. The
+engine and tokenizer are backends (services/gateway/backends.py): in-process for `shinkai serve`,
+gRPC for the gateway of `shinkai up`.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
-from services.engine.service import Delta, EngineService, QueueFull, RequestStream, ShuttingDown
+from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.gateway import errors
+from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
-from services.tokenizer.chat import ChatError, ChatRenderer
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.chat import ChatError
 
 
 @dataclass
@@ -50,11 +51,21 @@ class Piece:
     text: str
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str  # the served name: the one /v1/models lists and requests must use
+    vocab_size: int
+    max_model_len: int  # prompt plus output tokens
+    bos_token_id: int
+    eos_token_id: int
+    max_num_seqs: int  # requests running at once per engine
+
+
 class Generation:
     """A started request's pieces. ``close()`` (or leaving ``async for`` early and closing) aborts it."""
 
-    def __init__(self, frontend: Frontend, stream: RequestStream, detokenizer: IncrementalDetokenizer,
-                 client_id: str, num_prompt_tokens: int, endpoint: str) -> None:
+    def __init__(self, frontend: Frontend, stream: DeltaStream, detokenizer: Detokenizer, client_id: str,
+                 num_prompt_tokens: int, endpoint: str) -> None:
         self.frontend = frontend
         self.stream = stream
         self.detokenizer = detokenizer
@@ -70,10 +81,7 @@ class Generation:
         return self
 
     async def __anext__(self) -> Piece:
-        try:
-            delta = await self.stream.__anext__()
-        except StopAsyncIteration:
-            raise
+        delta = await self.stream.__anext__()
         now = time.monotonic()
         metrics = self.frontend.metrics
         if delta.token_ids:
@@ -82,9 +90,10 @@ class Generation:
             else:
                 metrics.itl.observe((now - self._last) / len(delta.token_ids))
             self._last = now
-        text = self.detokenizer.push(delta.token_ids)
+        text = await self.detokenizer.push(delta.token_ids)
         if delta.finish_reason is not None:
-            text += self.detokenizer.finish()
+            text += await self.detokenizer.finish()
+            self.detokenizer.close()
             self.finish_reason = delta.finish_reason
             metrics.e2e.observe(now - self._start)
             metrics.finished.labels(reason=delta.finish_reason).inc()
@@ -97,49 +106,46 @@ class Generation:
         if self.finish_reason is None:
             self.finish_reason = "abort"
             self.frontend.metrics.finished.labels(reason="abort").inc()
+            self.detokenizer.close()
         self.stream.close()
 
 
 class Frontend:
-    def __init__(self, llm: LLM, engine: EngineService, served_model: str, chat: ChatRenderer | None,
+    def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
                  metrics: GatewayMetrics) -> None:
-        self.llm = llm
+        self.info = info
         self.engine = engine
-        self.served_model = served_model  # the one name /v1/models lists and requests must use
-        self.chat = chat  # None when the model's vocabulary is not DeepSeek V4.1's
+        self.tokenizer = tokenizer
         self.metrics = metrics
 
     @property
-    def vocab_size(self) -> int:
-        return self.llm.source.config.vocab_size
+    def served_model(self) -> str:
+        return self.info.model
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model:
             raise ApiError(errors.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
                            f"{self.served_model!r}", param="model", code="model_not_found")
 
-    def prompt_ids(self, args: GenerateArgs) -> list[int]:
+    async def prompt_ids(self, args: GenerateArgs) -> list[int]:
         if args.chat_body is not None:
-            if self.chat is None:
-                raise errors.invalid("chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: "
-                                     "use /v1/completions", "messages")
             try:
-                return self.chat.render(args.chat_body)[0]
+                return await self.tokenizer.render_chat(args.chat_body)
             except ChatError as err:
                 raise errors.invalid(str(err), "messages") from err
         if args.prompt_text is not None:
             if args.prompt_text == "":
                 raise errors.invalid("the prompt is empty", "prompt")
-            return self.llm.encode(args.prompt_text)
+            return await self.tokenizer.encode(args.prompt_text)
         return list(args.prompt_token_ids or [])
 
-    def start(self, args: GenerateArgs) -> Generation:
+    async def start(self, args: GenerateArgs) -> Generation:
         """Checks, encodes and queues; raises ApiError with nothing queued."""
         self.check_model(args.model)
-        ids = self.prompt_ids(args)
+        ids = await self.prompt_ids(args)
         client_id = args.client_id or f"req-{uuid.uuid4().hex}"
         try:
-            stream = self.engine.submit(client_id, ids, args.params)
+            stream = await self.engine.submit(client_id, ids, args.params)
         except ValueError as err:
             raise errors.invalid(str(err)) from err
         except QueueFull as err:
@@ -148,17 +154,10 @@ class Frontend:
         except ShuttingDown as err:
             raise ApiError(errors.UNAVAILABLE, str(err), code="shutting_down") from err
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        detok = IncrementalDetokenizer(self.llm.tokenizer)
-        return Generation(self, stream, detok, client_id, len(ids), args.endpoint)
+        return Generation(self, stream, self.tokenizer.detokenizer(), client_id, len(ids), args.endpoint)
 
-    def abort(self, client_id: str) -> bool:
-        return self.engine.abort(client_id)
+    async def abort(self, client_id: str) -> bool:
+        return await self.engine.abort(client_id)
 
-    def model_info(self) -> dict[str, int | str]:
-        cfg = self.llm.source.config
-        return {"model": self.served_model, "vocab_size": cfg.vocab_size,
-                "max_model_len": self.llm.config.max_model_len, "bos_token_id": cfg.bos_token_id,
-                "eos_token_id": cfg.eos_token_id, "max_num_seqs": self.llm.config.max_num_seqs}
-
-    def loads(self) -> list[dict[str, int | str]]:
-        return [dict(self.engine.stats(), engine_id=self.engine.name)]
+    async def loads(self) -> list[dict[str, Any]]:
+        return await self.engine.loads()

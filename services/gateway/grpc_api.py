@@ -7,6 +7,7 @@ a status code from `ApiError`; a cancelled Generate stream closes its `Generatio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -73,7 +74,7 @@ class ShinkaiApi:
         try:
             if not self.is_ready():
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down")
-            generation = self.frontend.start(_args(_parse(pb.GenerateRequest, raw)))
+            generation = await self.frontend.start(_args(_parse(pb.GenerateRequest, raw)))
         except ApiError as err:
             await self._abort_with(context, err)
             return
@@ -105,14 +106,14 @@ class ShinkaiApi:
         except ApiError as err:
             await self._abort_with(context, err)
             raise AssertionError("unreachable")
-        return pb.AbortResponse(found=self.frontend.abort(request.request_id))
+        return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        return pb.ModelInfo(**self.frontend.model_info())
+        return pb.ModelInfo(**dataclasses.asdict(self.frontend.info))
 
     async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Loads:
         loads = pb.Loads()
-        for s in self.frontend.loads():
+        for s in await self.frontend.loads():
             loads.engines.add(engine_id=s["engine_id"], num_running=s["num_running"], num_waiting=s["num_waiting"],
                               num_queued=s["num_queued"], num_free_blocks=s["free_blocks"],
                               num_total_blocks=s["total_blocks"], num_free_state_slots=s["free_state_slots"],

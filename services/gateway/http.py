@@ -45,9 +45,20 @@ class _Formatter:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
+        self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
+
+    async def resolve(self, pieces: list[Piece]) -> None:
+        """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
+        if self.request.num_logprobs is None:
+            return
+        ids = {t for p in pieces for t in p.delta.token_ids}
+        ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
+        missing = sorted(ids - self._strings.keys())
+        if missing:
+            self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
 
     def _token(self, token_id: int) -> str:
-        return self.frontend.llm.tokenizer.id_to_token(token_id) or ""
+        return self._strings.get(token_id, "")
 
     def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
         if self.request.num_logprobs is None:
@@ -135,9 +146,9 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         if not is_ready():
             raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
         body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
-        max_len = frontend.llm.config.max_model_len
+        max_len = frontend.info.max_model_len
         parsed = parse_chat(body, max_len) if chat else parse_completion(body, max_len)
-        generation = frontend.start(parsed.args)
+        generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
         if parsed.stream:
             return StreamingResponse(_stream(fmt, generation, parsed.include_usage), media_type="text/event-stream",
@@ -146,6 +157,7 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
             pieces = [piece async for piece in generation]
         finally:
             generation.close()
+        await fmt.resolve(pieces)
         return JSONResponse(fmt.body(pieces))
 
     async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -155,6 +167,7 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
             async for piece in generation:
                 num_output_tokens = piece.delta.num_output_tokens
                 if piece.text or piece.delta.finish_reason is not None or first or fmt.request.num_logprobs is not None:
+                    await fmt.resolve([piece])
                     yield _sse(fmt.chunk(piece, first))
                     first = False
             if include_usage:
@@ -173,10 +186,9 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        info = frontend.model_info()
         return {"object": "list", "data": [{"id": frontend.served_model, "object": "model",
                                             "created": int(time.time()), "owned_by": "shinkai",
-                                            "max_model_len": info["max_model_len"]}]}
+                                            "max_model_len": frontend.info.max_model_len}]}
 
     @app.get("/health")
     async def health() -> Response:

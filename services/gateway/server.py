@@ -20,7 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
 from services.engine.llm import LLM
 from services.engine.service import DEFAULT_MAX_QUEUED, EngineService
-from services.gateway.frontend import Frontend
+from services.gateway.backends import LocalEngine, LocalTokenizer
+from services.gateway.frontend import Frontend, ModelInfo
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
 from services.gateway.http import build_app
 from services.gateway.metrics import GatewayMetrics
@@ -34,23 +35,30 @@ class ServeConfig:
     model: str = "tiny"  # checkpoint directory or preset name
     served_model_name: str | None = None  # the name clients use; None: the model argument
     host: str = "127.0.0.1"  # HTTP and gRPC bind address
-    http_port: int = 8000  # 0: any free port
+    http_port: int | None = 8000  # 0: any free port; None: no HTTP (an engine process of `shinkai up`)
     grpc_port: int = 50051  # 0: any free port
     max_queued: int = DEFAULT_MAX_QUEUED  # unfinished requests before 429 / RESOURCE_EXHAUSTED
     drain_timeout_s: float = 30.0  # on stop, how long live requests may take to finish
     engine_args: dict[str, object] = field(default_factory=dict)  # EngineConfig fields
+    engine_name: str = "engine-0"  # the engine's id in loads and NATS reports
+    detokenize: bool = True  # False: streams carry token ids only (the gateway's tokenizer makes text)
 
 
 class Server:
     def __init__(self, config: ServeConfig, llm: LLM | None = None) -> None:
         self.config = config
         self.llm = llm or LLM(model=config.model, **config.engine_args)
-        self.engine = EngineService(self.llm.engine, max_queued=config.max_queued)
+        self.engine = EngineService(self.llm.engine, engine_name=config.engine_name, max_queued=config.max_queued)
         self.metrics = GatewayMetrics()
         self.metrics.watch_engine(self.engine.stats)
-        chat = ChatRenderer(v41_tokenizer_path()) if self.llm.source.config.vocab_size == V41_VOCAB_SIZE else None
-        name = config.served_model_name or config.model
-        self.frontend = Frontend(self.llm, self.engine, name, chat, self.metrics)
+        cfg = self.llm.source.config
+        chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
+        info = ModelInfo(model=config.served_model_name or config.model, vocab_size=cfg.vocab_size,
+                         max_model_len=self.llm.config.max_model_len, bos_token_id=cfg.bos_token_id,
+                         eos_token_id=cfg.eos_token_id, max_num_seqs=self.llm.config.max_num_seqs)
+        self.chat = chat
+        self.frontend = Frontend(info, LocalEngine(self.engine), LocalTokenizer(self.llm, chat, config.detokenize),
+                                 self.metrics)
         self.ready = False
         self.health = health.aio.HealthServicer()
         self.http_port: int | None = None
@@ -72,6 +80,12 @@ class Server:
         self.grpc_port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
         await self._set_health(False)
         await self._grpc.start()
+        if self.config.http_port is not None:
+            await self._start_http()
+        self.ready = True
+        await self._set_health(True)
+
+    async def _start_http(self) -> None:
         sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.http_port))
@@ -85,8 +99,6 @@ class Server:
             if self._http_task.done():
                 self._http_task.result()  # raises what uvicorn raised
             await asyncio.sleep(0.01)
-        self.ready = True
-        await self._set_health(True)
 
     async def stop(self) -> None:
         self.ready = False
@@ -96,11 +108,14 @@ class Server:
             log.warning("%d requests still live after %.0f s; aborting them", self.engine.num_unfinished(),
                         self.config.drain_timeout_s)
         self.engine.stop()  # aborts the rest; the step thread finishes every request before it exits
-        if self._uvicorn is not None:
+        if self._uvicorn is not None and self._http_task is not None:
             self._uvicorn.should_exit = True
             await self._http_task
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
 
     def urls(self) -> dict[str, str]:
-        return {"http": f"http://{self.config.host}:{self.http_port}", "grpc": f"{self.config.host}:{self.grpc_port}"}
+        urls = {"grpc": f"{self.config.host}:{self.grpc_port}"}
+        if self.http_port is not None:
+            urls["http"] = f"http://{self.config.host}:{self.http_port}"
+        return urls
