@@ -115,7 +115,7 @@ class LocalTokenizer:
         return self.chat.render(body)[0]
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [self.llm.tokenizer.id_to_token(t) or "" for t in token_ids]
+        return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
     def detokenizer(self) -> Detokenizer:
         return _LocalDetokenizer(IncrementalDetokenizer(self.llm.tokenizer)) if self.detokenize else _NoText()

@@ -1,0 +1,63 @@
+"""One engine replica as its own process (a service of `shinkai up`).
+
+It serves ``shinkai.v1.Shinkai`` over gRPC for the gateway (token ids in, token ids out; no text: the
+tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS.
+The worker runs in-process. SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
+``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+
+
+async def run(args: argparse.Namespace) -> int:
+    from services.engine.reporter import LoadReporter
+    from services.gateway.server import ServeConfig, Server
+
+    engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
+                   if v is not None}
+    server = Server(ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                                http_port=None, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
+                                engine_args=engine_args, engine_name=args.engine_id, detokenize=False))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    address = server.urls()["grpc"]
+    reporter = None
+    if args.nats_url:
+        reporter = LoadReporter(args.nats_url, args.engine_id, address, server.engine.stats)
+        await reporter.start()
+    print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
+                      "grpc_port": server.grpc_port}), flush=True)
+    await stop.wait()
+    if reporter is not None:
+        await reporter.lifecycle("draining")
+    await server.stop()
+    if reporter is not None:
+        await reporter.stop()
+    print(json.dumps({"event": "stopped", "service": "engine", "pools": server.engine.stats()}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    p = argparse.ArgumentParser(prog="python -m services.engine", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
+    p.add_argument("--nats-url", default=None, help="publish load reports and lifecycle events here")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(run(args))

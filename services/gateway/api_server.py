@@ -1,0 +1,84 @@
+"""HTTP (uvicorn + FastAPI) and gRPC (shinkai.v1 + grpc.health.v1) endpoints for one `Frontend`, on one
+asyncio loop. Shared by `shinkai serve`, an engine process (gRPC only) and the gateway process.
+
+``close_intake()`` turns health NOT_SERVING, /health 503 and new requests 503 / UNAVAILABLE; ``stop()``
+then closes the listeners (live HTTP streams get a few seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.gateway.frontend import Frontend
+from services.gateway.grpc_api import SERVICE, ShinkaiApi
+from services.gateway.http import build_app
+
+
+class ApiServer:
+    def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int) -> None:
+        self.frontend = frontend
+        self.host = host  # bind address of both listeners
+        self._want_http_port = http_port  # None: no HTTP; 0: any free port
+        self._want_grpc_port = grpc_port  # 0: any free port
+        self.ready = False  # taking new requests
+        self.health = health.aio.HealthServicer()
+        self.http_port: int | None = None  # bound ports, once started
+        self.grpc_port: int | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._http_task: asyncio.Task | None = None
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        self._grpc = grpc.aio.server()
+        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, lambda: self.ready).handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want_grpc_port}")
+        await self._set_health(False)
+        await self._grpc.start()
+        if self._want_http_port is not None:
+            await self._start_http(self._want_http_port)
+        self.ready = True
+        await self._set_health(True)
+
+    async def _start_http(self, port: int) -> None:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, port))
+        self.http_port = sock.getsockname()[1]
+        app = build_app(self.frontend, is_ready=lambda: self.ready)
+        self._uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                      timeout_graceful_shutdown=5))
+        self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the caller owns them
+        self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises what uvicorn raised
+            await asyncio.sleep(0.01)
+
+    async def close_intake(self) -> None:
+        self.ready = False
+        await self._set_health(False)
+
+    async def stop(self) -> None:
+        await self.close_intake()
+        if self._uvicorn is not None and self._http_task is not None:
+            self._uvicorn.should_exit = True
+            await self._http_task
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+
+    def urls(self) -> dict[str, str]:
+        urls = {"grpc": f"{self.host}:{self.grpc_port}"}
+        if self.http_port is not None:
+            urls["http"] = f"http://{self.host}:{self.http_port}"
+        return urls

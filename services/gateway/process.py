@@ -1,0 +1,73 @@
+"""The gateway as its own process (a service of `shinkai up`): OpenAI HTTP and shinkai.v1 gRPC in front of
+the tokenizer service and one or more engine processes, routing by their NATS load reports.
+
+    python -m services.gateway --tokenizer 127.0.0.1:P --engine engine-0=127.0.0.1:Q [--engine ...] \\
+        --nats-url nats://127.0.0.1:R --http-port 8000 --grpc-port 50051
+
+It prints one JSON ready line. SIGTERM: NOT_SERVING and 503 for new requests, live streams get
+``--drain-timeout`` seconds, then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+
+
+async def run(args: argparse.Namespace) -> int:
+    from services.gateway.api_server import ApiServer
+    from services.gateway.frontend import Frontend, ModelInfo
+    from services.gateway.metrics import GatewayMetrics
+    from services.gateway.remote import RemoteEngine, RemoteTokenizer
+    from services.gateway.router import EngineRouter
+
+    engines = []
+    for i, spec in enumerate(args.engine):
+        name, _, address = spec.rpartition("=")
+        engines.append(RemoteEngine(name or f"engine-{i}", address))
+    router = EngineRouter(engines)
+    if args.nats_url:
+        await router.subscribe(args.nats_url)
+    remote_info = await engines[0].model_info()
+    info = ModelInfo(model=remote_info.model, vocab_size=remote_info.vocab_size,
+                     max_model_len=remote_info.max_model_len, bos_token_id=remote_info.bos_token_id,
+                     eos_token_id=remote_info.eos_token_id, max_num_seqs=remote_info.max_num_seqs)
+    tokenizer = RemoteTokenizer(args.tokenizer)
+    frontend = Frontend(info, router, tokenizer, GatewayMetrics())
+    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await api.start()
+    print(json.dumps({"event": "ready", "service": "gateway", **api.urls(), "http_port": api.http_port,
+                      "grpc_port": api.grpc_port, "model": info.model, "engines": len(engines)}), flush=True)
+    await stop.wait()
+    await api.close_intake()
+    deadline = loop.time() + args.drain_timeout
+    while any(s.live for s in router.states.values()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await api.stop()
+    await router.close()
+    await tokenizer.close()
+    routed = {name: s.num_routed for name, s in router.states.items()}
+    print(json.dumps({"event": "stopped", "service": "gateway", "routed": routed}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", required=True, help="tokenizer service address host:port")
+    p.add_argument("--engine", action="append", required=True, help="[name=]host:port of an engine; repeat")
+    p.add_argument("--nats-url", default=None, help="route by the engines' load reports from here")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="0: any free port")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(run(args))

@@ -1,0 +1,171 @@
+"""gRPC forms of the gateway's backends: an engine process (shinkai.v1, token ids only) and the tokenizer
+service (tokenizer.v1). Status codes come back as the exceptions the in-process backends raise, so the
+`Frontend` treats both alike: INVALID_ARGUMENT → ValueError / ChatError, RESOURCE_EXHAUSTED → QueueFull,
+UNAVAILABLE → ShuttingDown.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from services.engine.sampling_params import SamplingParams
+from services.engine.service import Delta, QueueFull, ShuttingDown
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from services.proto.shinkai.v1 import shinkai_pb2_grpc
+from services.proto.tokenizer.v1 import tokenizer_pb2 as tpb
+from services.proto.tokenizer.v1 import tokenizer_pb2_grpc
+from services.tokenizer.chat import ChatError
+
+REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
+           pb.FINISH_REASON_PREEMPTED: "preempted", pb.FINISH_REASON_ERROR: "error"}
+
+
+def _raise_for(err: grpc.aio.AioRpcError) -> None:
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        raise ValueError(details) from None
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        raise QueueFull(0) from None
+    if code == grpc.StatusCode.UNAVAILABLE:
+        raise ShuttingDown(f"the engine is unavailable: {details}") from None
+    raise err
+
+
+def _sampling(params: SamplingParams) -> pb.SamplingParams:
+    s = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+    if params.max_tokens is not None:
+        s.max_tokens = params.max_tokens
+    if params.seed is not None:
+        s.seed = params.seed
+    if params.logprobs is not None:
+        s.logprobs = params.logprobs
+    return s
+
+
+class RemoteStream:
+    """Deltas of one Generate call; ``close()`` cancels the call, which aborts the request on the engine."""
+
+    def __init__(self, call: Any, first: pb.GenerateResponse) -> None:
+        self.call = call
+        self._first: pb.GenerateResponse | None = first  # read by submit to surface errors early
+        self._done = False
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        if self._first is not None:
+            response, self._first = self._first, None
+        else:
+            try:
+                response = await self.call.read()
+            except grpc.aio.AioRpcError as err:  # the engine went away mid-stream
+                self._done = True
+                return Delta([], [], None, 0, finish_reason="error" if err.code() != grpc.StatusCode.CANCELLED
+                             else "abort")
+            if response is grpc.aio.EOF:
+                self._done = True
+                return Delta([], [], None, 0, finish_reason="error")
+        if response.WhichOneof("kind") == "final":
+            self._done = True
+            f = response.final
+            return Delta([], [], None, f.usage.completion_tokens, finish_reason=REASONS[f.finish_reason],
+                         stop_token_id=f.stop_token_id if f.HasField("stop_token_id") else None)
+        c = response.chunk
+        tops = [[(e.token_id, e.logprob) for e in t.entries] for t in c.top_logprobs] or None
+        return Delta(list(c.token_ids), list(c.logprobs), tops, c.num_output_tokens)
+
+    def close(self) -> None:
+        if not self._done:
+            self.call.cancel()
+
+
+class RemoteEngine:
+    def __init__(self, engine_id: str, address: str) -> None:
+        self.engine_id = engine_id
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
+
+    async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> RemoteStream:
+        request = pb.GenerateRequest(request_id=client_id, token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
+                                     sampling=_sampling(params))
+        call = self.stub.Generate(request)
+        try:
+            first = await call.read()  # an error status arrives here, before anything streams
+        except grpc.aio.AioRpcError as err:
+            _raise_for(err)
+        if first is grpc.aio.EOF:
+            raise ShuttingDown(f"engine {self.engine_id} ended the stream without an answer")
+        return RemoteStream(call, first)
+
+    async def abort(self, client_id: str) -> bool:
+        return (await self.stub.Abort(pb.AbortRequest(request_id=client_id), timeout=10)).found
+
+    async def loads(self) -> list[dict[str, Any]]:
+        loads = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10)
+        return [{"engine_id": e.engine_id, "num_running": e.num_running, "num_waiting": e.num_waiting,
+                 "num_queued": e.num_queued, "free_blocks": e.num_free_blocks, "total_blocks": e.num_total_blocks,
+                 "free_state_slots": e.num_free_state_slots, "total_state_slots": e.num_total_state_slots}
+                for e in loads.engines]
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, wait_for_ready=True)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class _RemoteDetokenizer:
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
+        self.call = stub.Detokenize()
+
+    async def push(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        await self.call.write(tpb.DetokenizeRequest(token_ids=list(token_ids)))
+        return (await self.call.read()).text
+
+    async def finish(self) -> str:
+        await self.call.write(tpb.DetokenizeRequest(finish=True))
+        text = (await self.call.read()).text
+        await self.call.done_writing()
+        return text
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+class RemoteTokenizer:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+
+    async def encode(self, text: str) -> list[int]:
+        return list((await self.stub.Encode(tpb.EncodeRequest(text=text, add_bos=True), timeout=30)).token_ids)
+
+    async def render_chat(self, body: dict[str, Any]) -> list[int]:
+        try:
+            response = await self.stub.RenderChat(tpb.RenderChatRequest(body_json=json.dumps(body)), timeout=30)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ChatError(err.details() or "the chat body cannot be rendered") from None
+            raise
+        return list(response.token_ids)
+
+    async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [(await self.stub.Decode(tpb.DecodeRequest(token_ids=[t]), timeout=30)).text for t in token_ids]
+
+    def detokenizer(self) -> _RemoteDetokenizer:
+        return _RemoteDetokenizer(self.stub)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,138 @@
+"""Routes each request to the least-loaded engine, from the engines' NATS load reports.
+
+An engine's score is its last reported load (running + waiting + queued) plus the requests this gateway
+sent it since that report; the lowest score wins, ties go round robin. Engines that announced "draining" or
+"down" on the lifecycle subject get no new requests until they announce "up". Without NATS (or before the
+first report) the score is this gateway's own count of live requests per engine. Abort is broadcast: the
+gateway does not need to remember where a client id went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services import subjects
+from services.engine.sampling_params import SamplingParams
+from services.engine.service import Delta, ShuttingDown
+from services.gateway.remote import RemoteEngine, RemoteStream
+
+log = logging.getLogger("shinkai.gateway.router")
+
+
+@dataclass
+class _EngineState:
+    engine: RemoteEngine
+    reported_load: int = 0  # running + waiting + queued in the engine's latest load report
+    sent_since_report: int = 0  # requests routed to it after that report
+    live: int = 0  # requests of this gateway still streaming from it
+    accepting: bool = True  # False after a "draining" or "down" lifecycle event
+    num_routed: int = 0  # requests routed to it, ever
+
+    @property
+    def score(self) -> int:
+        return self.reported_load + self.sent_since_report
+
+
+class _CountedStream:
+    """A `RemoteStream` that gives its engine's live count back when it ends or is closed."""
+
+    def __init__(self, inner: RemoteStream, state: _EngineState) -> None:
+        self.inner = inner
+        self.state = state
+        self._counted = True
+
+    def __aiter__(self) -> _CountedStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        delta = await self.inner.__anext__()
+        if delta.finish_reason is not None:
+            self._release()
+        return delta
+
+    def _release(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.state.live -= 1
+
+    def close(self) -> None:
+        self._release()
+        self.inner.close()
+
+
+class EngineRouter:
+    def __init__(self, engines: Sequence[RemoteEngine]) -> None:
+        self.states = {e.engine_id: _EngineState(e) for e in engines}
+        self._turn = itertools.count()
+        self._nc: Any = None  # nats.aio.client.Client, when subscribed
+        self.num_reports = 0
+
+    async def subscribe(self, nats_url: str) -> None:
+        import nats
+
+        async def on_error(err: Exception) -> None:
+            log.warning("nats: %s", err or type(err).__name__)
+
+        self._nc = await nats.connect(nats_url, name="shinkai-gateway", max_reconnect_attempts=-1, error_cb=on_error)
+        await self._nc.subscribe(subjects.ENGINE_LOAD, cb=self._on_load)
+        await self._nc.subscribe(subjects.ENGINE_LIFECYCLE, cb=self._on_lifecycle)
+        await self._nc.flush()
+
+    async def _on_load(self, msg: Any) -> None:
+        try:
+            report = json.loads(msg.data)
+            state = self.states.get(report["engine_id"])
+            load = int(report["num_running"]) + int(report["num_waiting"]) + int(report["num_queued"])
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("dropped a malformed load report: %s", err)
+            return
+        if state is not None:
+            state.reported_load = load
+            state.sent_since_report = 0
+            self.num_reports += 1
+
+    async def _on_lifecycle(self, msg: Any) -> None:
+        try:
+            event = json.loads(msg.data)
+            state = self.states.get(event["engine_id"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if state is not None:
+            state.accepting = event.get("state") == "up"
+
+    def pick(self) -> _EngineState:
+        candidates = [s for s in self.states.values() if s.accepting]
+        if not candidates:
+            raise ShuttingDown("no engine is taking requests")
+        turn = next(self._turn)
+        order = {id(s): (i - turn) % len(candidates) for i, s in enumerate(candidates)}
+        return min(candidates, key=lambda s: (s.score, s.live, order[id(s)]))
+
+    async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> _CountedStream:
+        state = self.pick()
+        stream = await state.engine.submit(client_id, prompt_token_ids, params)
+        state.sent_since_report += 1
+        state.live += 1
+        state.num_routed += 1
+        return _CountedStream(stream, state)
+
+    async def abort(self, client_id: str) -> bool:
+        found = await asyncio.gather(*(s.engine.abort(client_id) for s in self.states.values()),
+                                     return_exceptions=True)
+        return any(f is True for f in found)
+
+    async def loads(self) -> list[dict[str, Any]]:
+        results = await asyncio.gather(*(s.engine.loads() for s in self.states.values()), return_exceptions=True)
+        return [load for r in results if isinstance(r, list) for load in r]
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
+        for s in self.states.values():
+            await s.engine.close()

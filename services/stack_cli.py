@@ -1,0 +1,51 @@
+"""`shinkai up` and `shinkai down`: the local stack of separate processes (services/stack.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from services.stack import StackConfig
+
+_DEFAULTS = StackConfig()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start the stack (nats, tokenizer, eplb, engines, gateway) as processes")
+    up.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
+    up.add_argument("--num-engines", type=int, default=1, help="independent engine replicas (default 1)")
+    up.add_argument("--http-port", type=int, default=_DEFAULTS.http_port, help="gateway HTTP port (0: any free)")
+    up.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port, help="gateway gRPC port (0: any free)")
+    up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free)")
+    up.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once per engine")
+    up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
+    up.set_defaults(func=_up)
+    down = subparsers.add_parser("down", help="stop the stack that `shinkai up` started, gracefully")
+    down.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir)
+    down.add_argument("--timeout", type=float, default=60.0, help="seconds each service gets to drain")
+    down.set_defaults(func=_down)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.cli import UsageError
+    from services.stack import up
+
+    if args.num_engines < 1:
+        raise UsageError("--num-engines must be at least 1")
+    config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
+                         grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
+                         max_num_seqs=args.max_num_seqs)
+    try:
+        up(config, timeout_s=args.timeout)
+    except (RuntimeError, FileNotFoundError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    print(f"logs in {args.run_dir / 'logs'}; stop with: shinkai down --run-dir {args.run_dir}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from services.stack import down
+
+    down(args.run_dir, timeout_s=args.timeout)
+    return 0

@@ -1,0 +1,141 @@
+"""The tokenizer service: ``tokenizer.v1.Tokenizer`` over gRPC, plus grpc.health.v1.
+
+``python -m services.tokenizer --model tiny --grpc-addr 127.0.0.1:0`` prints one JSON ready line with its
+port. Bad input (a chat body the recipe refuses, ids outside the vocabulary, malformed protobuf) is
+INVALID_ARGUMENT. SIGTERM stops taking calls (health NOT_SERVING) and lets live ones finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer
+
+from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, load_tokenizer, load_v41_tokenizer, v41_tokenizer_path
+from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
+from services.tokenizer.chat import ChatError, ChatRenderer
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+
+SERVICE = "tokenizer.v1.Tokenizer"
+
+
+def load_vocabulary(model: str) -> tuple[Tokenizer, int]:
+    """The model's tokenizer and BOS id: DeepSeek V4.1's for a preset, the checkpoint's own otherwise."""
+    from model.deepseek_v41.presets import PRESETS, preset
+
+    if model in PRESETS:
+        return load_v41_tokenizer(), preset(model).bos_token_id
+    from model.deepseek_v41.config import load_config
+
+    path = Path(model)
+    return load_tokenizer(path), load_config(path).bos_token_id
+
+
+class TokenizerApi:
+    def __init__(self, tokenizer: Tokenizer, bos_token_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token_id = bos_token_id
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.chat = ChatRenderer(v41_tokenizer_path()) if self.vocab_size == V41_VOCAB_SIZE else None
+
+    @staticmethod
+    async def _parse(message_type, raw: bytes, context: grpc.aio.ServicerContext):
+        message = message_type()
+        try:
+            message.ParseFromString(raw)
+        except DecodeError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message_type.DESCRIPTOR.full_name}: {err}")
+        return message
+
+    async def _check_ids(self, ids, context: grpc.aio.ServicerContext) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+
+    async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        request = await self._parse(pb.EncodeRequest, raw, context)
+        ids = self.tokenizer.encode(request.text, add_special_tokens=True).ids
+        if request.add_bos and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return pb.EncodeResponse(token_ids=ids)
+
+    async def render_chat(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RenderChatResponse:
+        request = await self._parse(pb.RenderChatRequest, raw, context)
+        if self.chat is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "chat rendering needs DeepSeek's V4.1 vocabulary")
+        try:
+            body = json.loads(request.body_json)
+            if not isinstance(body, dict):
+                raise ChatError("the chat body must be a JSON object")
+            ids, prompt = self.chat.render(body)
+        except (ValueError, ChatError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return pb.RenderChatResponse(token_ids=ids, prompt=prompt)
+
+    async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
+        request = await self._parse(pb.DecodeRequest, raw, context)
+        await self._check_ids(request.token_ids, context)
+        return pb.DecodeResponse(text=self.tokenizer.decode(list(request.token_ids),
+                                                            skip_special_tokens=request.skip_special_tokens))
+
+    async def detokenize(self, requests: AsyncIterator[bytes],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
+        detok = IncrementalDetokenizer(self.tokenizer)
+        async for raw in requests:
+            request = await self._parse(pb.DetokenizeRequest, raw, context)
+            await self._check_ids(request.token_ids, context)
+            text = detok.push(request.token_ids)
+            if request.finish:
+                text += detok.finish()
+            yield pb.DetokenizeResponse(text=text)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def ser(message) -> bytes:
+            return message.SerializeToString()
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=ser),
+            "RenderChat": grpc.unary_unary_rpc_method_handler(self.render_chat, response_serializer=ser),
+            "Decode": grpc.unary_unary_rpc_method_handler(self.decode, response_serializer=ser),
+            "Detokenize": grpc.stream_stream_rpc_method_handler(self.detokenize, response_serializer=ser),
+        })
+
+
+async def serve(model: str, grpc_addr: str) -> int:
+    tokenizer, bos = load_vocabulary(model)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((TokenizerApi(tokenizer, bos).handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(grpc_addr)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "ready", "service": "tokenizer", "grpc_port": port}), flush=True)
+    await stop.wait()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=5.0)
+    print(json.dumps({"event": "stopped", "service": "tokenizer"}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
+    p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
+    args = p.parse_args(argv)
+    return asyncio.run(serve(args.model, args.grpc_addr))
