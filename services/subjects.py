@@ -13,3 +13,12 @@ EXPERT_LOAD = "shinkai.eplb.load"
 # EPLB planner → engines. One message per applied layer plan: JSON with a monotonic `version`, the layer,
 # the logical↔physical maps, moe_lb before/after and the moves (`services/eplb/messages.py`).
 EXPERT_PLAN = "shinkai.eplb.plan"
+
+# Engines → gateways (routing) and anyone watching. One JSON message per engine every report interval and
+# after a request ends: {"engine_id", "address", "num_running", "num_waiting", "num_queued", "free_blocks",
+# "total_blocks", "free_state_slots", "total_state_slots", "time"} (`services/engine/reporter.py`).
+ENGINE_LOAD = "shinkai.engine.load"
+
+# Engines → anyone watching. JSON {"engine_id", "address", "state": "up" | "draining" | "down", "time"}
+# when an engine becomes ready, starts draining, and has stopped (`services/engine/reporter.py`).
+ENGINE_LIFECYCLE = "shinkai.engine.lifecycle"
