@@ -18,6 +18,7 @@ COMMAND_MODULES = {
     "model": "services.model_cli",
     "eplb": "services.eplb.cli",
     "serve": "services.gateway.cli",
+    "up": "services.stack_cli",  # registers `up` and `down`
 }
 
 
