@@ -35,10 +35,17 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.norm(F.linear(x, self.wkv.weight.to(x.dtype)))
         length = x.shape[1] // self.ratio * self.ratio  # an incomplete trailing group emits nothing
-        xs = x[:, :length].float()
-        values = F.linear(xs, self.wkv.weight.float()).unflatten(1, (-1, self.ratio))  # [B, G, r, hd]
-        gates = F.linear(xs, self.wgate.weight.float()).unflatten(1, (-1, self.ratio))  # [B, G, r, hd]
-        pooled = (values * gates.softmax(dim=2)).sum(dim=2).to(x.dtype)  # [B, G, hd]
+        values, gates = self.project(x[:, :length])
+        return self.pool(values.unflatten(1, (-1, self.ratio)), gates.unflatten(1, (-1, self.ratio)), x.dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio 2: per-token fp32 values and gates, x [..., D] → ([..., hd], [..., hd]) (a cache's partial group)."""
+        xs = x.float()
+        return F.linear(xs, self.wkv.weight.float()), F.linear(xs, self.wgate.weight.float())
+
+    def pool(self, values: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Ratio 2: one group's tokens [..., r, hd] (fp32 values, gates) → normed latent [..., hd] in ``dtype``."""
+        pooled = (values * gates.softmax(dim=-2)).sum(dim=-2).to(dtype)
         return self.norm(pooled)
 
 

@@ -49,8 +49,15 @@ class Indexer(nn.Module):
         x [B, S, D] attention input; q_latent [B, S, q_lora]; angles [B, S, P] at the query positions;
         keys [B, W, di]; visible [B, S] int count of visible entries. Returns fp32 [B, S, W], −∞ where hidden.
         """
-        q = self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim))  # [B, S, Hi, di]
-        q = fake_quant_indexer(apply_rope(q, angles))
+        return self.scores_quantized(fake_quant_indexer(self.query(q_latent, angles)), x, keys, visible)
+
+    def query(self, q_latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Rotated, not yet FP4-rounded queries: q_latent [..., q_lora], angles [..., P] → [..., Hi, di]."""
+        return apply_rope(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)
+
+    def scores_quantized(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor,
+                         visible: torch.Tensor) -> torch.Tensor:
+        """``scores`` from FP4-rounded queries q [B, S, Hi, di]; the other arguments as there."""
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.num_heads**-0.5)  # [B, S, Hi]
         s = torch.einsum("bshd,btd->bsht", q, keys)  # [B, S, Hi, W]
         s = (s.relu() * w.unsqueeze(-1)).sum(dim=2)  # [B, S, W]

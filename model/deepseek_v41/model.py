@@ -8,12 +8,14 @@
         pre ← mixF.pre
     logits = head(norm(Collapse(h, pre)))      (the final collapse is learned, not a mean)
 
-Positions are 0..S−1 for every row (reference mode); the cached engine path comes later.
+Positions are 0..S−1 for every row (reference mode). ``Block.run`` is the layer around its
+attention, so the cached engine (``services/worker/model_runner.py``) reuses everything but the
+attention, which it replaces with one that reads and writes the paged caches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,15 +47,29 @@ class Block(nn.Module):
                 engram_rows: torch.Tensor | None, live: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, SparseState]:
         """h [B, S, n, D], pre fp32 [B, S, n] → (h, next pre, state)."""
+        published = [state]
+
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            out, published[0] = self.attn(x, positions, published[0])
+            return out
+
+        h, pre = self.run(h, pre, attend, engram_rows, live)
+        return h, pre, published[0]
+
+    def run(self, h: torch.Tensor, pre: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+            engram_rows: torch.Tensor | None, live: torch.Tensor | None,
+            expert_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer around its attention: ``attend`` maps attn_norm output [B, S, D] → [B, S, D]
+        (the full-sequence attention, or a cached engine's). ``engram_rows`` [B, S, L, heads] for
+        every Engram layer; ``expert_counts`` int64 [E] gains this layer's routed tokens."""
         if self.engram is not None:
             h = self.engram(h, engram_rows[:, :, self.engram_index], live)
         mix_a = self.hc_attn(h)
-        a, state = self.attn(self.attn_norm(collapse(h, pre)), positions, state)
-        h = expand(a, h, mix_a)
+        h = expand(attend(self.attn_norm(collapse(h, pre))), h, mix_a)
         mix_f = self.hc_ffn(h)
-        f = self.ffn(self.ffn_norm(collapse(h, mix_a.pre)))
+        f = self.ffn(self.ffn_norm(collapse(h, mix_a.pre)), expert_counts)
         h = expand(f, h, mix_f)
-        return h, mix_f.pre, state
+        return h, mix_f.pre
 
 
 class DeepseekV41(nn.Module):

@@ -48,10 +48,13 @@ class MoE(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
         return weights, experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, D] → [B, S, D]
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, D]
         weights, experts = self.route(x)
+        if counts is not None:
+            counts += torch.bincount(experts.flatten(), minlength=counts.numel())
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in experts.unique().tolist():
             tok, slot = torch.where(experts == e)

@@ -1,0 +1,67 @@
+"""The cached model runner: executes a StepPlan against the paged blocks and state slots.
+
+One model call per step holds every row of every request (prefill chunks and decode rows alike,
+concatenated as [1, R, ...] with per-row positions and request indices). Each layer runs the
+model's own ``Block.run`` (Engram, mHC, norms, MoE) around ``CachedStep.attend``; only the sampled
+rows go through the final collapse, norm and head. Nothing recomputes a prefix: a step computes
+exactly Σ seqlen_q rows.
+
+A placeholder step (no rows; it exists so every data-parallel rank joins every collective) runs
+nothing here and counts nothing: one CPU rank has no collective to join. The fake row that routes
+nowhere arrives with expert parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model.deepseek_v41.mhc import collapse, initial_pre
+from model.deepseek_v41.model import DeepseekV41
+from scheduler_rs import StepPlan
+from services.engine.config import EngineConfig
+from services.worker.cache_engine import CacheEngine, ring_size
+from services.worker.cached_step import CachedStep, Rounding
+from services.worker.reference_runner import RunnerOutput
+from services.worker.step_batch import StepBatch
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV41, config: EngineConfig, *, nextn: int = 0,
+                 rounding: Rounding | None = None) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        device = model.embed.weight.device
+        self.cache = CacheEngine(self.cfg, config.block_size, config.resolved_num_blocks(),
+                                 config.resolved_num_state_slots(), ring_size(self.cfg, nextn), device)
+        self.rounding = rounding
+
+    def release(self, request_id: str) -> None:
+        """Nothing to drop: every per-request byte lives in the pools, which the scheduler owns.
+        A reused slot is never read before it is written (reads are bounded by positions)."""
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, all_rows: bool = False) -> RunnerOutput:
+        """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
+        with ``all_rows``, for tests), expert counts [layers, experts], rows computed."""
+        cfg, model = self.cfg, self.model
+        self.cache.copy(plan.block_copies, plan.state_copies)
+        counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long)
+        if plan.is_placeholder or plan.num_rows == 0:
+            return RunnerOutput(torch.empty(0, cfg.vocab_size), counts, 0)
+        batch = StepBatch.from_plan(plan)
+        step = CachedStep(self.cache, batch, self.rounding)
+        device = model.embed.weight.device
+        engram_rows = step.engram_rows(model.hasher).to(device) if model.hasher is not None else None
+        ids = batch.input_ids.to(device).unsqueeze(0)  # [1, R]
+        h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
+        pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
+        for block in model.layers:
+            def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
+                return step.attend(attn, x[0]).unsqueeze(0)
+
+            h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer])
+        rows = torch.arange(batch.num_rows) if all_rows else batch.sample_rows
+        y = model.norm(collapse(h[:, rows], pre[:, rows]))[0]  # [rows, D]
+        logits = F.linear(y.float(), model.head.weight.float())
+        return RunnerOutput(logits, counts, batch.num_rows)

@@ -1,0 +1,75 @@
+"""A StepPlan as the tensors the cached forward indexes with (one row per planned token).
+
+Rows of request i are contiguous, rows ``query_start[i] … query_start[i+1]−1``, at consecutive
+positions ``first[i] … seqlens_k[i]−1``; positions below ``first[i]`` are cached (rings, blocks,
+partial groups, Engram history), positions from it on are this step's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduler_rs import StepPlan
+
+
+def _long(a) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(a, np.int32).astype(np.int64))
+
+
+@dataclass
+class StepBatch:
+    request_ids: list[str]
+    input_ids: torch.Tensor  # [R]
+    positions: torch.Tensor  # [R]
+    row_requests: torch.Tensor  # [R] index into the requests
+    ring_slots: torch.Tensor  # [R] position mod ring size
+    query_start: torch.Tensor  # [N + 1]
+    first: torch.Tensor  # [N] position of each request's first row (= cached positions)
+    seqlens_k: torch.Tensor  # [N] cached + new positions
+    state_slots: torch.Tensor  # [N]
+    block_tables: torch.Tensor  # [N, width]
+    sample_rows: torch.Tensor  # [num sampled rows]
+    entry_writes: dict[int, tuple[torch.Tensor, torch.Tensor]]  # ratio → (rows, entry slots)
+
+    @property
+    def num_rows(self) -> int:
+        return self.positions.numel()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @staticmethod
+    def from_plan(plan: StepPlan) -> StepBatch:
+        n = plan.num_requests
+        query_start = _long(plan.query_start)
+        positions = _long(plan.positions)
+        seqlens_q, seqlens_k = _long(plan.seqlens_q), _long(plan.seqlens_k)
+        tables = _long(plan.block_tables).view(n, plan.block_table_width) if n else torch.zeros(0, 1, dtype=torch.long)
+        writes = {r: (_long(rows), _long(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]}
+        return StepBatch(
+            request_ids=list(plan.request_ids), input_ids=_long(plan.input_ids), positions=positions,
+            row_requests=_long(plan.row_requests), ring_slots=_long(plan.ring_slots), query_start=query_start,
+            first=seqlens_k - seqlens_q, seqlens_k=seqlens_k, state_slots=_long(plan.state_slots),
+            block_tables=tables, sample_rows=_long(plan.sample_rows), entry_writes=writes,
+        )
+
+    # ---- per-row views ---------------------------------------------------------------------
+
+    def row_first(self) -> torch.Tensor:
+        """[R] the first position of each row's request in this step."""
+        return self.first[self.row_requests]
+
+    def row_index(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row holding position ``positions[j, k]`` of request ``requests[j]`` this step; clamped into
+        range, meaningful only where the position is ≥ that request's ``first``."""
+        req = requests.view(-1, *([1] * (positions.ndim - 1)))
+        return (self.query_start[req] + positions - self.first[req]).clamp(0, max(self.num_rows - 1, 0))
+
+    def tail(self, size: int) -> torch.Tensor:
+        """Bool [R]: rows among their request's last ``size`` positions, so that writes indexed by
+        position mod ``size`` never collide within a step."""
+        return self.positions >= self.seqlens_k[self.row_requests] - size
