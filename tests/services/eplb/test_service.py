@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services import subjects
 from services.eplb.layout import startup_layout
 from services.eplb.messages import LoadReport, decode_plan
-from tests.nats_server import wait_for  # the nats_url fixture is in tests/conftest.py
 from tests.services.eplb.test_planner import FLAT, HOT, physical_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
