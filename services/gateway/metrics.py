@@ -23,6 +23,8 @@ class GatewayMetrics:
                                      registry=r)
         self.rejected = prom.Counter("shinkai_requests_rejected", "requests refused before queueing", ["reason"],
                                      registry=r)
+        self.routed = prom.Counter("shinkai_gateway_routed", "requests routed to each engine", ["engine"],
+                                   registry=r)
         self.prompt_tokens = prom.Counter("shinkai_prompt_tokens", "prompt tokens of finished requests",
                                           registry=r)
         self.generation_tokens = prom.Counter("shinkai_generation_tokens", "output tokens of finished requests",

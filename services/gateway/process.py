@@ -27,7 +27,8 @@ async def run(args: argparse.Namespace) -> int:
     for i, spec in enumerate(args.engine):
         name, _, address = spec.rpartition("=")
         engines.append(RemoteEngine(name or f"engine-{i}", address))
-    router = EngineRouter(engines)
+    metrics = GatewayMetrics()
+    router = EngineRouter(engines, on_route=lambda engine_id: metrics.routed.labels(engine=engine_id).inc())
     if args.nats_url:
         await router.subscribe(args.nats_url)
     remote_info = await engines[0].model_info()
@@ -35,7 +36,7 @@ async def run(args: argparse.Namespace) -> int:
                      max_model_len=remote_info.max_model_len, bos_token_id=remote_info.bos_token_id,
                      eos_token_id=remote_info.eos_token_id, max_num_seqs=remote_info.max_num_seqs)
     tokenizer = RemoteTokenizer(args.tokenizer)
-    frontend = Frontend(info, router, tokenizer, GatewayMetrics())
+    frontend = Frontend(info, router, tokenizer, metrics)
     api = ApiServer(frontend, args.host, args.http_port, args.grpc_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

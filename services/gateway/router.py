@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +67,9 @@ class _CountedStream:
 
 
 class EngineRouter:
-    def __init__(self, engines: Sequence[RemoteEngine]) -> None:
+    def __init__(self, engines: Sequence[RemoteEngine], on_route: Callable[[str], None] = lambda engine_id: None) -> None:
         self.states = {e.engine_id: _EngineState(e) for e in engines}
+        self.on_route = on_route  # called with the engine id of every routed request (a metric)
         self._turn = itertools.count()
         self._nc: Any = None  # nats.aio.client.Client, when subscribed
         self.num_reports = 0
@@ -120,6 +121,7 @@ class EngineRouter:
         state.sent_since_report += 1
         state.live += 1
         state.num_routed += 1
+        self.on_route(state.engine.engine_id)
         return _CountedStream(stream, state)
 
     async def abort(self, client_id: str) -> bool:
