@@ -1,0 +1,107 @@
+"""A bounded load run against a Shinkai HTTP endpoint with the openai client (SSE streaming).
+
+    python -m services.client.loadgen --url http://127.0.0.1:8000/v1 --num-requests 200 --concurrency 32
+
+Sends ``--num-requests`` completions, at most ``--concurrency`` in flight, each streaming ``--max-tokens``
+tokens (ignore_eos, so every request has the same length), and prints one JSON line: requests ok and failed,
+duration, output tokens per second, and TTFT and ITL percentiles in milliseconds. TTFT is measured from
+sending the request to the first chunk with text or tokens; ITL is the gap between consecutive chunks
+divided by the tokens they carried. Only loopback URLs are meant here; the run stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    ok: bool  # finished with the requested token count
+    ttft_s: float | None = None  # to the first token
+    itl_s: list[float] = field(default_factory=list)  # per token after the first
+    num_tokens: int = 0
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+async def one(client, model: str, prompt: str, max_tokens: int) -> Sample:
+    start = time.perf_counter()
+    sample = Sample(ok=False)
+    last = None
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                sample.num_tokens = chunk.usage.completion_tokens
+            if not chunk.choices or not chunk.choices[0].text:
+                continue
+            if last is None:
+                sample.ttft_s = now - start
+            else:
+                sample.itl_s.append(now - last)
+            last = now
+        sample.ok = sample.num_tokens == max_tokens
+        if not sample.ok:
+            sample.error = f"{sample.num_tokens} tokens of {max_tokens}"
+    except Exception as err:  # a failed request is counted, never fatal to the run
+        sample.error = f"{type(err).__name__}: {err}"
+    return sample
+
+
+async def run(url: str, model: str, num_requests: int, concurrency: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i: int) -> Sample:
+        async with gate:
+            return await one(client, model, f"Request {i}: tell me about the deep sea.", max_tokens)
+
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(gated(i) for i in range(num_requests)))
+    duration = time.perf_counter() - start
+    await client.close()
+    ttft = [s.ttft_s for s in samples if s.ttft_s is not None]
+    itl = [x for s in samples for x in s.itl_s]
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    return {
+        "url": url, "model": model, "num_requests": num_requests, "concurrency": concurrency,
+        "max_tokens": max_tokens, "ok": sum(s.ok for s in samples), "failed": sum(not s.ok for s in samples),
+        "duration_s": round(duration, 2),
+        "output_tokens_per_s": round(sum(s.num_tokens for s in samples) / duration, 1),
+        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99)),
+        "ttft_ms_mean": ms(statistics.fmean(ttft)) if ttft else None,
+        "errors": sorted({s.error for s in samples if s.error})[:5],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.client.loadgen", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the OpenAI base URL (loopback)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args(argv)
+    print(json.dumps(asyncio.run(run(args.url, args.model, args.num_requests, args.concurrency, args.max_tokens))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
