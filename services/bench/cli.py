@@ -19,9 +19,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sched.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     sched.add_argument("--baseline", help="JSON from an earlier run, to report the ratio against it")
     sched.set_defaults(func=_run_scheduler)
+    kern = targets.add_parser("kernels", help="time the Triton kernels against their rooflines and the torch ops")
+    kern.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
+    kern.add_argument("--sweep", action="store_true", help="also time a small sweep of MoE GEMM configs")
+    kern.add_argument("--json", dest="json_path", help="write the figures as JSON here")
+    kern.set_defaults(func=_run_kernels)
+    gen = targets.add_parser("generate", help="tokens/s of LLM(model='tiny').generate at several batch sizes")
+    gen.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")
+    gen.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    gen.add_argument("--block-size", type=int, default=128, help="paged block size (default 128)")
+    gen.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    gen.add_argument("--runner", choices=("cached", "reference"), default="cached",
+                     help="the cached model runner, or the full-recompute reference runner")
+    gen.add_argument("--json", dest="json_path", help="write the figures as JSON here")
+    gen.set_defaults(func=_run_generate)
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
     from services.bench import scheduler
 
     return scheduler.main(args)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from services.bench import generate
+
+    return generate.main(args)
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from services.bench import kernels
+
+    return kernels.main(args)
