@@ -1,0 +1,198 @@
+"""Plain-PyTorch reference of every kernel in this package: the test oracle and the CPU path.
+
+Each function here computes exactly what its Triton kernel computes, in the same number formats
+(fp32 accumulation, the same quantisation rules), so a kernel and its reference differ only by
+fp32 summation order and the final rounding of the output.
+
+Formats used by the MoE kernels (see ``kernels/fp8_weights.py`` for the load-time conversion):
+
+- expert weights: float8_e4m3fn [E, N, K] with one fp32 power-of-two scale per 128×128 block,
+  ``scale`` [E, N/128, K/128];
+- activations: quantised in the kernel per token and per 128 channels to e4m3 with a power-of-two
+  scale ``pow2_ceil(max(amax · (1/448), 2^-126))`` (never clips: amax / scale ≤ 448).
+
+Masked ("DeepGEMM masked") layout for decode: expert e owns slots [e, 0:counts[e]] of a fixed
+[E, capacity] grid; ``row_ids[e, j]`` is the token in slot j, ``route_w[e, j]`` its routing weight.
+Shapes stay fixed for every batch, so the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+GROUP = 128
+"""Channels per activation scale and edge of a weight scale block."""
+_INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)  # fp32(1/448), as the kernels use it
+_MIN_SCALE = 2.0**-126
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., C] → x.dtype [..., C]: weight · x / sqrt(mean(x²) + eps), all in fp32 (spec §3.2)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed).to(x.dtype)
+
+
+# ---------------------------------------------------------------- FP8 activations
+
+
+def pow2_ceil(value: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ≥ value (positive normal fp32), exactly, from the bits."""
+    bits = value.float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 255
+    has_mantissa = (bits & ((1 << 23) - 1)) != 0
+    return ((exponent + has_mantissa.to(torch.int32)) << 23).view(torch.float32)
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] (C % 128 == 0) → (e4m3 [..., C], fp32 scales [..., C/128]); x ≈ q · scale."""
+    if x.shape[-1] % GROUP:
+        raise ValueError(f"activation channels must be a multiple of {GROUP}, got {x.shape[-1]}")
+    groups = x.float().unflatten(-1, (-1, GROUP))
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = pow2_ceil((amax * _INV_FP8_MAX.to(x.device)).clamp_min(_MIN_SCALE))
+    q = (groups * (1.0 / scale)).to(torch.float8_e4m3fn)  # |·| ≤ 448: no clipping needed
+    return q.flatten(-2), scale[..., 0]
+
+
+def dequantize_act(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_act``: fp32 [..., C]."""
+    return (q.float().unflatten(-1, (-1, GROUP)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def dequantize_weight_block128(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [..., N, K] with fp32 [..., N/128, K/128] block scales → fp32 [..., N, K]."""
+    s = scale.repeat_interleave(GROUP, -2).repeat_interleave(GROUP, -1)
+    return w.float() * s
+
+
+# ---------------------------------------------------------------- MoE: routing metadata
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) · clamp(up, −L, L) in fp32 (model/deepseek_v41/moe.py)."""
+    return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(min=-limit, max=limit)
+
+
+def route_metadata(
+    experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Top-k choices → the masked layout, with device ops only (no host sync: graph-safe).
+
+    experts int [T, k] (distinct per row), weights fp32 [T, k]; ``capacity`` slots per expert
+    (default T, always enough since a token picks an expert at most once). Returns int32
+    ``counts`` [E], ``row_ids`` [E, cap], fp32 ``route_w`` [E, cap], int64 ``slot_of`` [T, k]
+    (flat slot e·cap + j of each choice), int32 ``active`` [E] (experts with tokens first, in id
+    order) and ``num_active`` [1]. Slots within an expert follow token order.
+    """
+    num_tokens, top_k = experts.shape
+    cap = num_tokens if capacity is None else capacity
+    device = experts.device
+    flat = experts.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices  # choices grouped by expert, token order kept
+    sorted_e = flat[order]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts
+    slot_in_expert = torch.arange(flat.numel(), device=device) - starts[sorted_e]
+    flat_slot = sorted_e * cap + slot_in_expert
+    row_ids = torch.zeros(num_experts * cap, dtype=torch.int32, device=device)
+    row_ids[flat_slot] = (order // top_k).to(torch.int32)
+    route_w = torch.zeros(num_experts * cap, dtype=torch.float32, device=device)
+    route_w[flat_slot] = weights.reshape(-1).float()[order]
+    slot_of = torch.empty_like(flat)
+    slot_of[order] = flat_slot
+    active = torch.sort((counts == 0).to(torch.int32), stable=True).indices.to(torch.int32)
+    return {
+        "counts": counts.to(torch.int32),
+        "row_ids": row_ids.view(num_experts, cap),
+        "route_w": route_w.view(num_experts, cap),
+        "slot_of": slot_of.view(num_tokens, top_k),
+        "active": active,
+        "num_active": (counts > 0).sum().to(torch.int32).view(1),
+    }
+
+
+# ---------------------------------------------------------------- MoE: FP8 grouped GEMM
+
+
+def moe_grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    row_ids: torch.Tensor | None = None,
+    route_w: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Masked FP8 grouped GEMM; returns ``out_dtype`` [E, cap, N_out], slots ≥ counts[e] left zero.
+
+    a: bf16/fp32 activations, [T, K] gathered through ``row_ids`` [E, cap], or [E, cap, K] when
+    ``row_ids`` is None. w: e4m3 [E, N_w, K] with fp32 block scales [E, N_w/128, K/128].
+    Plain: out = quant(a) · wᵀ (N_out = N_w). With ``swiglu_limit``: rows [0, N) of w are the gate,
+    [N, 2N) the up projection, and out = clamped_swiglu(gate, up) · route_w (N_out = N = N_w/2),
+    as the model applies the routing weight before the down projection.
+    """
+    num_experts, n_w, k = w.shape
+    cap = row_ids.shape[1] if row_ids is not None else a.shape[1]
+    n_out = n_w // 2 if swiglu_limit is not None else n_w
+    out = torch.zeros(num_experts, cap, n_out, dtype=out_dtype, device=a.device)
+    for e in range(num_experts):
+        m = int(counts[e])
+        if m == 0:
+            continue
+        rows = a[row_ids[e, :m].long()] if row_ids is not None else a[e, :m]
+        act = dequantize_act(*quantize_act(rows))  # [m, K], exactly what the MMA sees
+        acc = act @ dequantize_weight_block128(w[e], w_scale[e]).t()  # [m, N_w] fp32
+        if swiglu_limit is not None:
+            h = clamped_swiglu(acc[:, :n_out], acc[:, n_out:], swiglu_limit)
+            acc = h * route_w[e, :m, None]
+        out[e, :m] = acc.to(out_dtype)
+    return out
+
+
+def moe_combine(y: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's k expert outputs: y bf16 [E, cap, D], slot_of [T, k] → fp32 [T, D]."""
+    return y.reshape(-1, y.shape[-1])[slot_of.reshape(-1)].unflatten(0, slot_of.shape).float().sum(1)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    meta: dict[str, torch.Tensor],
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """The routed experts of one MoE layer: x [T, D] → fp32 [T, D] (shared expert not included)."""
+    h = moe_grouped_gemm(
+        x, w13, w13_scale, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"], swiglu_limit=swiglu_limit
+    )
+    y = moe_grouped_gemm(h, w2, w2_scale, meta["counts"])
+    return moe_combine(y, meta["slot_of"])
+
+
+# ---------------------------------------------------------------- MoE: router
+
+
+def moe_router(
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] → (fp32 weights [T, k], int32 experts [T, k]); model/deepseek_v41/moe.py's ``route``.
+
+    s = sqrt(softplus(x · gateᵀ)) in fp32; top-k of s + bias (lower id first among ties, best
+    first); weights = s_sel / (Σ s_sel + 1e-20) · route_scale.
+    """
+    scores = torch.sqrt(F.softplus(x.float() @ gate_weight.float().t()))
+    experts = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    picked = scores.gather(-1, experts)
+    weights = picked / (picked.sum(-1, keepdim=True) + 1e-20) * route_scale
+    return weights, experts.to(torch.int32)
