@@ -50,6 +50,10 @@ class ModelRunner:
         if plan.is_placeholder or plan.num_rows == 0:
             return RunnerOutput(torch.empty(0, cfg.vocab_size), counts, 0)
         batch = StepBatch.from_plan(plan)
+        ring = self.cache.layout.ring_size
+        if not torch.equal(batch.ring_slots, batch.positions % ring):
+            raise ValueError(f"the plan's ring slots are not position mod {ring}: the scheduler's window or nextn "
+                             "differs from the model runner's")
         step = CachedStep(self.cache, batch, self.rounding)
         device = model.embed.weight.device
         engram_rows = step.engram_rows(model.hasher).to(device) if model.hasher is not None else None

@@ -99,9 +99,11 @@ def case(name: str) -> Case:
     return _CASES[name]
 
 
-def replay(c: Case):
-    """The cached run's rounding hook: the reference's value at traced near-boundary elements."""
+def replay(c: Case, aliases: dict[str, str] | None = None):
+    """The cached run's rounding hook: the reference's value at traced near-boundary elements.
+    ``aliases`` maps extra request ids (a fork) to the request whose sequence they share."""
     batch_of = {rid: b for b, rid in enumerate(c.seqs)}
+    batch_of.update({alias: batch_of[rid] for alias, rid in (aliases or {}).items()})
 
     def hook(kind, layer, x, request_ids, index):
         call = c.calls[(layer, kind)]
@@ -250,3 +252,47 @@ def test_a_placeholder_step_runs_nothing():
     out = runner.execute(plan)
     assert out.logits.shape == (0, c.model.cfg.vocab_size) and out.num_rows_computed == 0
     assert not out.expert_counts.any()
+
+
+def test_a_fork_continues_from_copied_blocks_and_slot():
+    """Fork after prefill: the child shares full blocks, gets the partial block and the state slot
+    copied (plan.block_copies / state_copies, done before the forward), and decodes like its parent."""
+    c = case("oracle")
+    parent = "r2"  # 45 prompt tokens: 2 full 16-token blocks and a partial one
+    seq = c.seqs[parent]
+    ratios = sorted({c.model.cfg.ratio(layer) for layer in c.model.cfg.kv_source_layer_ids}, reverse=True)
+    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2,
+                                               max_model_len=128), rounding=replay(c, {"child": parent}))
+    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2,
+                                      max_num_batched_tokens=64, max_model_len=128,
+                                      window_size=c.model.cfg.sliding_window, compress_ratios=ratios))
+    sched.add_request(parent, seq[:-MAX_TOKENS], max_tokens=MAX_TOKENS, ignore_eos=True)
+    logits: dict[tuple[str, int], torch.Tensor] = {}
+    copies = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        copies += [*plan.block_copies, *plan.state_copies]
+        out = runner.execute(plan, all_rows=True)
+        for row, (pos, i) in enumerate(zip(plan.positions.tolist(), plan.row_requests.tolist())):
+            logits[(plan.request_ids[i], pos)] = out.logits[row]
+        sched.update(plan, run_step(plan, lambda rid, pos: seq[pos]))
+        if plan.is_prefill and sched.request("child") is None:
+            sched.fork(parent, "child", max_tokens=MAX_TOKENS - 1, ignore_eos=True)
+    assert len(copies) == 2  # the partial block and the state slot
+    b = list(c.seqs).index(parent)
+    start = len(seq) - MAX_TOKENS
+    child = [p for rid, p in logits if rid == "child"]
+    assert child and min(child) == start
+    for p in child:
+        assert float((logits[("child", p)] - c.reference[b, p]).abs().max()) <= tol.PREFIX_ATOL
+        assert float((logits[("child", p)] - logits[(parent, p)]).abs().max()) <= tol.PREFIX_ATOL
+
+
+def test_a_plan_for_another_ring_size_is_refused():
+    c = case("oracle")
+    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2))
+    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7,
+                                      compress_ratios=[2, 1]))
+    sched.add_request("a", list(range(3, 40)), max_tokens=2)
+    with pytest.raises(ValueError, match="not position mod 14"):
+        runner.execute(sched.schedule())
