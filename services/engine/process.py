@@ -33,8 +33,9 @@ async def run(args: argparse.Namespace) -> int:
     if args.nats_url:
         reporter = LoadReporter(args.nats_url, args.engine_id, address, server.engine.stats)
         await reporter.start()
+    runner = type(server.llm.engine.worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
-                      "grpc_port": server.grpc_port}), flush=True)
+                      "grpc_port": server.grpc_port, "runner": runner}), flush=True)
     await stop.wait()
     if reporter is not None:
         await reporter.lifecycle("draining")

@@ -43,7 +43,8 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     # One machine-readable line, then the URLs for people; `shinkai up` and tests read the first.
-    print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model}), flush=True)
+    print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model,
+                      "runner": type(server.llm.engine.worker.runner).__name__}), flush=True)
     await stop.wait()
     print(json.dumps({"event": "draining"}), flush=True)
     await server.stop()
