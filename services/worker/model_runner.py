@@ -49,6 +49,9 @@ class ModelRunner:
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long)
         if plan.is_placeholder or plan.num_rows == 0:
             return RunnerOutput(torch.empty(0, cfg.vocab_size), counts, 0)
+        if any(plan.inputs_pending.tolist()):
+            raise ValueError("the plan's inputs wait on a step in flight (async scheduling); this runner needs "
+                             "them filled in")
         batch = StepBatch.from_plan(plan)
         ring = self.cache.layout.ring_size
         if not torch.equal(batch.ring_slots, batch.positions % ring):
