@@ -151,7 +151,7 @@ def moe_grouped_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     block_m: int | None = None,
     block_n: int = 128,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
     programs_per_sm: int = 2,
 ) -> torch.Tensor:
@@ -183,6 +183,9 @@ def moe_grouped_gemm(
     out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a.device)
     if block_m is None:
         block_m = default_block_m(meta["slot_of"].numel() / num_experts)
+    if num_warps is None:  # at most 64 fp32 accumulators per thread (BLOCK_M 64 with SwiGLU spilled at 4 warps)
+        num_accumulators = 2 if swiglu_limit is not None else 1
+        num_warps = min(8, max(4, block_n * block_m * num_accumulators // (32 * 64)))
     num_work_max = num_experts * (n_out // block_n)
     grid = (_num_programs(a.device, num_work_max, programs_per_sm),)
     _moe_gemm_kernel[grid](

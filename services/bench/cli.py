@@ -19,10 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sched.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     sched.add_argument("--baseline", help="JSON from an earlier run, to report the ratio against it")
     sched.set_defaults(func=_run_scheduler)
+    from services.bench import kernels  # stdlib-only at import; torch loads when it runs
+
     kern = targets.add_parser("kernels", help="time the Triton kernels against their rooflines and the torch ops")
-    kern.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
-    kern.add_argument("--sweep", action="store_true", help="also time a small sweep of MoE GEMM configs")
-    kern.add_argument("--json", dest="json_path", help="write the figures as JSON here")
+    kernels.add_arguments(kern)
     kern.set_defaults(func=_run_kernels)
     gen = targets.add_parser("generate", help="tokens/s of LLM(model='tiny').generate at several batch sizes")
     gen.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")

@@ -1,0 +1,89 @@
+"""MoE router: sqrt-softplus scores, top-k of score + bias (lower expert id among ties), weights
+renormalised over the picks × route_scale (model/deepseek_v41/moe.py ``route``; spec §3.9).
+
+One program routes BLOCK_T tokens: the [BLOCK_T, E] logits x · gateᵀ are accumulated in fp32 over
+128-wide K steps (IEEE fp32 products, no tf32: routing must not flip on rounding), then k rounds of
+arg-max pick the experts. Reference: ``kernels.reference.moe_router``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) like torch (x itself above 20), with log1p's accuracy for very negative x."""
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    # log(u) − ((u − 1) − y)/u corrects the rounding of 1 + y (u == 1 means log1p(y) ≈ y).
+    log1p = tl.where(u == 1.0, y, tl.log(u) - ((u - 1.0) - y) / u)
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, gate_ptr, bias_ptr, weights_ptr, experts_ptr,
+    num_tokens, x_row_stride, route_scale,
+    D: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    cols = tl.arange(0, BLOCK_E)
+    e_ok = cols < E
+    offs_d = tl.arange(0, BLOCK_D)
+    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_ok = d0 + offs_d < D
+        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + d0 + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + cols[None, :] * D + d0 + offs_d[:, None],
+                    mask=e_ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+        logits += tl.dot(x, g, input_precision="ieee")
+    scores = tl.sqrt(_softplus(logits))
+    bias = tl.load(bias_ptr + cols, mask=e_ok, other=0.0).to(tl.float32)
+    # Padded expert columns can never be picked (E ≥ TOP_K is checked by the launcher).
+    biased = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(biased, axis=1, tie_break_left=True)  # lowest id among equal maxima
+        hit = cols[None, :] == best[:, None]
+        score = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        picked = tl.where(slots[None, :] == i, score[:, None], picked)
+        chosen = tl.where(slots[None, :] == i, best[:, None], chosen)
+        biased = tl.where(hit, float("-inf"), biased)
+    weights = picked / (tl.sum(picked, axis=1) + 1e-20)[:, None] * route_scale
+    out_mask = t_ok[:, None] & (slots[None, :] < TOP_K)
+    offsets = tokens[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offsets, weights, mask=out_mask)
+    tl.store(experts_ptr + offsets, chosen, mask=out_mask)
+
+
+def moe_router(
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] → (fp32 weights [T, k], int32 experts [T, k], best first); gate_weight [E, D], bias [E]."""
+    num_tokens, hidden = x.shape
+    num_experts = gate_weight.shape[0]
+    if gate_weight.shape != (num_experts, hidden) or bias.shape != (num_experts,):
+        raise ValueError(f"gate {tuple(gate_weight.shape)} / bias {tuple(bias.shape)} do not fit x {tuple(x.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, {num_experts}]")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    gate_weight = gate_weight.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    block_t = 16
+    grid = (triton.cdiv(num_tokens, block_t),)
+    _router_kernel[grid](
+        x, gate_weight, bias, weights, experts, num_tokens, x.stride(0), float(route_scale),
+        D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_D=64, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+    )
+    return weights, experts
