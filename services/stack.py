@@ -34,6 +34,7 @@ class StackConfig:
     nats_port: int = 0  # 0: any free port
     run_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "shinkai" / "stack")  # logs + PIDs
     max_num_seqs: int | None = None  # per engine; None: the engine default
+    remote_workers: bool = False  # each engine's worker in its own process (worker.v1) instead of in-process
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,17 @@ def services(config: StackConfig) -> list[Service]:
                 f"grpc:{port['eplb']}"),
     ]
     engines = []
+    sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
     for i in range(config.num_engines):
         engine_port = free_port(host)
         engines.append(f"engine-{i}={host}:{engine_port}")
         argv = [*py, "services.engine", "--model", config.model, "--engine-id", f"engine-{i}", "--host", host,
-                "--grpc-port", str(engine_port), "--nats-url", nats_url]
-        if config.max_num_seqs is not None:
-            argv += ["--max-num-seqs", str(config.max_num_seqs)]
+                "--grpc-port", str(engine_port), "--nats-url", nats_url, *sizing]
+        if config.remote_workers:
+            worker_port = free_port(host)
+            stack.append(Service(f"worker-{i}", [*py, "services.worker", "--model", config.model, "--grpc-addr",
+                                                 f"{host}:{worker_port}", *sizing], f"grpc:{worker_port}"))
+            argv += ["--worker", f"{host}:{worker_port}"]
         stack.append(Service(f"engine-{i}", argv, f"grpc:{engine_port}"))
     gateway = [*py, "services.gateway", "--tokenizer", f"{host}:{port['tokenizer']}", "--nats-url", nats_url,
                "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port)]

@@ -11,13 +11,15 @@ _DEFAULTS = StackConfig()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    up = subparsers.add_parser("up", help="start the stack (nats, tokenizer, eplb, engines, gateway) as processes")
+    up = subparsers.add_parser("up", help="start the stack (nats, tokenizer, eplb, [workers,] engines, gateway) as processes")
     up.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
     up.add_argument("--num-engines", type=int, default=1, help="independent engine replicas (default 1)")
     up.add_argument("--http-port", type=int, default=_DEFAULTS.http_port, help="gateway HTTP port (0: any free)")
     up.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port, help="gateway gRPC port (0: any free)")
     up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free)")
     up.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once per engine")
+    up.add_argument("--remote-workers", action="store_true",
+                    help="run each engine's worker as its own process (worker.v1) instead of in-process")
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.set_defaults(func=_up)
@@ -35,7 +37,7 @@ def _up(args: argparse.Namespace) -> int:
         raise UsageError("--num-engines must be at least 1")
     config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
                          grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
-                         max_num_seqs=args.max_num_seqs)
+                         max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers)
     try:
         up(config, timeout_s=args.timeout)
     except (RuntimeError, FileNotFoundError, ValueError) as err:

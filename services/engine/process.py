@@ -2,7 +2,7 @@
 
 It serves ``shinkai.v1.Shinkai`` over gRPC for the gateway (token ids in, token ids out; no text: the
 tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS.
-The worker runs in-process. SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
+The worker runs in-process, or in its own process with ``--worker ADDR``. SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
 ``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
 """
 
@@ -20,9 +20,17 @@ async def run(args: argparse.Namespace) -> int:
 
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
+    llm = None
+    if args.worker:
+        from services.engine.llm import LLM
+        from services.engine.remote_worker import RemoteWorker
+
+        remote = RemoteWorker(args.worker)
+        llm = LLM(model=args.model, worker=remote, **engine_args)
+        remote.check_model(llm.source)  # refuses a worker serving another model
     server = Server(ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                                 http_port=None, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
-                                engine_args=engine_args, engine_name=args.engine_id, detokenize=False))
+                                engine_args=engine_args, engine_name=args.engine_id, detokenize=False), llm=llm)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -33,7 +41,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.nats_url:
         reporter = LoadReporter(args.nats_url, args.engine_id, address, server.engine.stats)
         await reporter.start()
-    runner = type(server.llm.engine.worker.runner).__name__
+    worker = server.llm.engine.worker
+    runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
                       "grpc_port": server.grpc_port, "runner": runner}), flush=True)
     await stop.wait()
@@ -56,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     p.add_argument("--nats-url", default=None, help="publish load reports and lifecycle events here")
+    p.add_argument("--worker", default=None, help="host:port of a worker process (default: in-process)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)

@@ -37,7 +37,7 @@ class SamplingRow(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., position: _Optional[int] = ..., forced_top_k: _Optional[int] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "kind", "request_ids", "arrays", "sampling_rows")
+    __slots__ = ("step_id", "kind", "request_ids", "arrays", "sampling_rows", "is_prefill", "is_placeholder", "block_table_width", "entry_ratios", "graph_size", "num_padding_rows")
     class ArraysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,15 +50,27 @@ class StepPlan(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    IS_PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_RATIOS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PADDING_ROWS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     kind: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     arrays: _containers.MessageMap[str, Array]
     sampling_rows: _containers.RepeatedCompositeFieldContainer[SamplingRow]
-    def __init__(self, step_id: _Optional[int] = ..., kind: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., arrays: _Optional[_Mapping[str, Array]] = ..., sampling_rows: _Optional[_Iterable[_Union[SamplingRow, _Mapping]]] = ...) -> None: ...
+    is_prefill: bool
+    is_placeholder: bool
+    block_table_width: int
+    entry_ratios: _containers.RepeatedScalarFieldContainer[int]
+    graph_size: int
+    num_padding_rows: int
+    def __init__(self, step_id: _Optional[int] = ..., kind: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., arrays: _Optional[_Mapping[str, Array]] = ..., sampling_rows: _Optional[_Iterable[_Union[SamplingRow, _Mapping]]] = ..., is_prefill: _Optional[bool] = ..., is_placeholder: _Optional[bool] = ..., block_table_width: _Optional[int] = ..., entry_ratios: _Optional[_Iterable[int]] = ..., graph_size: _Optional[int] = ..., num_padding_rows: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("num_tokens", "token_ids", "errors", "logprobs", "top_token_ids", "top_logprobs", "expert_counts", "num_rows_computed")
+    __slots__ = ("num_tokens", "token_ids", "errors", "logprobs", "top_token_ids", "top_logprobs", "expert_counts", "num_rows_computed", "sampled", "sampled_token_ids", "sampled_errors")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +79,9 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_ERRORS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +90,10 @@ class StepResult(_message.Message):
     top_logprobs: Array
     expert_counts: Array
     num_rows_computed: int
-    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_token_ids: _Optional[_Union[Array, _Mapping]] = ..., top_logprobs: _Optional[_Union[Array, _Mapping]] = ..., expert_counts: _Optional[_Union[Array, _Mapping]] = ..., num_rows_computed: _Optional[int] = ...) -> None: ...
+    sampled: bool
+    sampled_token_ids: Array
+    sampled_errors: Array
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_token_ids: _Optional[_Union[Array, _Mapping]] = ..., top_logprobs: _Optional[_Union[Array, _Mapping]] = ..., expert_counts: _Optional[_Union[Array, _Mapping]] = ..., num_rows_computed: _Optional[int] = ..., sampled: _Optional[bool] = ..., sampled_token_ids: _Optional[_Union[Array, _Mapping]] = ..., sampled_errors: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

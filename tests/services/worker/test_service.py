@@ -1,0 +1,70 @@
+"""The worker in its own process (worker.v1) gives the same tokens and logprobs as the in-process worker,
+and an engine refuses a worker that serves different weights."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.engine.remote_worker import ModelMismatch, RemoteWorker
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.timeout(180)
+
+
+def start_worker(*extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--grpc-addr", "127.0.0.1:0", *extra],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        pytest.fail(f"worker exited: {proc.stderr.read()[-2000:]}")
+    return proc, f"127.0.0.1:{json.loads(line)['grpc_port']}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+@pytest.fixture(scope="module")
+def remote_llm():
+    proc, address = start_worker()
+    remote_worker = RemoteWorker(address)
+    llm = LLM("tiny", worker=remote_worker)
+    remote_worker.check_model(llm.source)
+    yield llm
+    remote_worker.close()
+    stop(proc)
+
+
+def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
+    prompts = ["Hello", "The deep sea is", [0, 19923, 19923, 19923]]
+    params = [SamplingParams(max_tokens=5, seed=3, logprobs=2), SamplingParams(max_tokens=4, temperature=0),
+              SamplingParams(max_tokens=3, seed=9, top_p=0.9, top_k=50)]
+    local = LLM("tiny").generate(prompts, params)
+    llm = remote_llm
+    remote = llm.generate(prompts, params)
+    for a, b in zip(local, remote):
+        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=0)
+        assert a.top_logprobs == b.top_logprobs
+    stats = llm.stats()
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_a_worker_with_other_weights_is_refused(remote_llm):
+    proc, address = start_worker("--model-seed", "1")
+    try:
+        remote_worker = RemoteWorker(address)
+        with pytest.raises(ModelMismatch, match="weights"):
+            remote_worker.check_model(remote_llm.source)  # the engine's model has seed 0
+        remote_worker.close()
+    finally:
+        stop(proc)
