@@ -27,14 +27,16 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", runner: ModelRunner | None = None, **engine_args: object) -> None:
+    def __init__(self, model: str = "tiny", runner: ModelRunner | None = None, worker: Worker | None = None,
+                 **engine_args: object) -> None:
+        """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner."""
         self.config = EngineConfig(**engine_args)  # type: ignore[arg-type]
         self.source = load_model(model, seed=self.config.model_seed)
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
         kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
         self.engine = Engine(
-            Worker(runner or default_runner(self.source, self.config)), self.config,
+            worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
             compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window,
         )
