@@ -73,7 +73,7 @@ class CachedStep:
         size = history.shape[1]
         comp = hasher.token_map[b.input_ids]  # [R]
         carried = history[b.state_slots].long()  # [N, size], read before this step's writes
-        look = b.positions.unsqueeze(-1) - torch.arange(hasher.max_ngram)  # [R, m]: p, p−1, …
+        look = b.positions.unsqueeze(-1) - torch.arange(hasher.max_ngram, device=b.device)  # [R, m]: p, p−1, …
         in_step = look >= b.row_first().unsqueeze(-1)
         tokens = torch.where(in_step, comp[b.row_index(b.row_requests, look)],
                              carried[b.row_requests.unsqueeze(-1), look % size])
@@ -110,7 +110,7 @@ class CachedStep:
         ring = self.cache.read_window(layer, b.state_slots).to(k.dtype)  # [N, ring, hd], before the writes
         tail = b.tail(ring_size)
         self.cache.write_window(layer, self.row_slots[tail], b.ring_slots[tail], k[tail])
-        pos = b.positions.unsqueeze(-1) - window + 1 + torch.arange(window)  # [R, w] ascending
+        pos = b.positions.unsqueeze(-1) - window + 1 + torch.arange(window, device=b.device)  # [R, w] ascending
         in_step = pos >= b.row_first().unsqueeze(-1)
         from_ring = b.row_requests.unsqueeze(-1) * ring_size + pos % ring_size
         from_step = b.num_requests * ring_size + b.row_index(b.row_requests, pos)
@@ -155,7 +155,7 @@ class CachedStep:
             values, gates = comp.project(x)  # [R, hd] fp32
             carried = self.cache.partial(attn.layer)[b.state_slots]  # [N, size, 2, hd], before the writes
             size = carried.shape[1]
-            members = b.positions[rows].unsqueeze(-1) - ratio + 1 + torch.arange(ratio)  # [E, r]
+            members = b.positions[rows].unsqueeze(-1) - ratio + 1 + torch.arange(ratio, device=b.device)  # [E, r]
             in_step = (members >= b.first[requests].unsqueeze(-1)).unsqueeze(-1)
             at = b.row_index(requests, members)
             old = carried[requests.unsqueeze(-1), members % size]  # [E, r, 2, hd]

@@ -46,21 +46,21 @@ class ModelRunner:
         with ``all_rows``, for tests), expert counts [layers, experts], rows computed."""
         cfg, model = self.cfg, self.model
         self.cache.copy(plan.block_copies, plan.state_copies)
-        counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long)
+        device = model.embed.weight.device
+        counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=device)
         if plan.is_placeholder or plan.num_rows == 0:
-            return RunnerOutput(torch.empty(0, cfg.vocab_size), counts, 0)
+            return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts.cpu(), 0)
         if any(plan.inputs_pending.tolist()):
             raise ValueError("the plan's inputs wait on a step in flight (async scheduling); this runner needs "
                              "them filled in")
-        batch = StepBatch.from_plan(plan)
+        batch = StepBatch.from_plan(plan, device)
         ring = self.cache.layout.ring_size
         if not torch.equal(batch.ring_slots, batch.positions % ring):
             raise ValueError(f"the plan's ring slots are not position mod {ring}: the scheduler's window or nextn "
                              "differs from the model runner's")
         step = CachedStep(self.cache, batch, self.rounding)
-        device = model.embed.weight.device
-        engram_rows = step.engram_rows(model.hasher).to(device) if model.hasher is not None else None
-        ids = batch.input_ids.to(device).unsqueeze(0)  # [1, R]
+        engram_rows = step.engram_rows(model.hasher) if model.hasher is not None else None
+        ids = batch.input_ids.unsqueeze(0)  # [1, R]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
         for block in model.layers:
@@ -68,7 +68,7 @@ class ModelRunner:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
             h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer])
-        rows = torch.arange(batch.num_rows) if all_rows else batch.sample_rows
+        rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         y = model.norm(collapse(h[:, rows], pre[:, rows]))[0]  # [rows, D]
         logits = F.linear(y.float(), model.head.weight.float())
-        return RunnerOutput(logits, counts, batch.num_rows)
+        return RunnerOutput(logits, counts.cpu(), batch.num_rows)

@@ -35,6 +35,10 @@ class StepBatch:
     entry_writes: dict[int, tuple[torch.Tensor, torch.Tensor]]  # ratio → (rows, entry slots)
 
     @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    @property
     def num_rows(self) -> int:
         return self.positions.numel()
 
@@ -43,18 +47,18 @@ class StepBatch:
         return len(self.request_ids)
 
     @staticmethod
-    def from_plan(plan: StepPlan) -> StepBatch:
+    def from_plan(plan: StepPlan, device: torch.device | str = "cpu") -> StepBatch:
+        def t(a) -> torch.Tensor:
+            return _long(a).to(device)
+
         n = plan.num_requests
-        query_start = _long(plan.query_start)
-        positions = _long(plan.positions)
-        seqlens_q, seqlens_k = _long(plan.seqlens_q), _long(plan.seqlens_k)
-        tables = _long(plan.block_tables).view(n, plan.block_table_width) if n else torch.zeros(0, 1, dtype=torch.long)
-        writes = {r: (_long(rows), _long(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]}
+        seqlens_q, seqlens_k = t(plan.seqlens_q), t(plan.seqlens_k)
         return StepBatch(
-            request_ids=list(plan.request_ids), input_ids=_long(plan.input_ids), positions=positions,
-            row_requests=_long(plan.row_requests), ring_slots=_long(plan.ring_slots), query_start=query_start,
-            first=seqlens_k - seqlens_q, seqlens_k=seqlens_k, state_slots=_long(plan.state_slots),
-            block_tables=tables, sample_rows=_long(plan.sample_rows), entry_writes=writes,
+            request_ids=list(plan.request_ids), input_ids=t(plan.input_ids), positions=t(plan.positions),
+            row_requests=t(plan.row_requests), ring_slots=t(plan.ring_slots), query_start=t(plan.query_start),
+            first=seqlens_k - seqlens_q, seqlens_k=seqlens_k, state_slots=t(plan.state_slots),
+            block_tables=t(plan.block_tables).view(n, plan.block_table_width), sample_rows=t(plan.sample_rows),
+            entry_writes={r: (t(rows), t(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]},
         )
 
     # ---- per-row views ---------------------------------------------------------------------

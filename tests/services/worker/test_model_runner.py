@@ -60,13 +60,13 @@ class Case:
     replayed: list[int] = field(default_factory=list)
 
 
-def _build(name: str) -> Case:
+def _build(name: str, device: str) -> Case:
     case = next(c for c in CASES if c.name == name)
     token_map, num = engram_token_map(toy_tokenizer(case.cfg.vocab_size))
     cfg = finish(case.cfg, num)
     model = DeepseekV41(cfg, token_map, num)
     assign_weights(model, random_checkpoint(cfg, case.seed))
-    model.eval()
+    model.eval().to(device)
     g = torch.Generator().manual_seed(case.seed)
     seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + MAX_TOKENS,), generator=g).tolist()
             for i, n in enumerate(PROMPTS)}
@@ -75,7 +75,7 @@ def _build(name: str) -> Case:
     for b, s in enumerate(fed):
         ids[b, : len(s)] = torch.tensor(s)  # right padding cannot reach earlier positions
     with torch.no_grad(), record_ours() as rec:
-        reference = model(ids)
+        reference = model(ids.to(device))
     keys = []
     for block in model.layers:
         a, layer = block.attn, block.layer
@@ -90,13 +90,13 @@ def _build(name: str) -> Case:
     return Case(model, seqs, reference, dict(zip(keys, rec.quant)), exempt)
 
 
-_CASES: dict[str, Case] = {}
+_CASES: dict[tuple[str, str], Case] = {}
 
 
-def case(name: str) -> Case:
-    if name not in _CASES:
-        _CASES[name] = _build(name)
-    return _CASES[name]
+def case(name: str, device: str = "cpu") -> Case:
+    if (name, device) not in _CASES:
+        _CASES[(name, device)] = _build(name, device)
+    return _CASES[(name, device)]
 
 
 def replay(c: Case, aliases: dict[str, str] | None = None):
@@ -107,7 +107,7 @@ def replay(c: Case, aliases: dict[str, str] | None = None):
 
     def hook(kind, layer, x, request_ids, index):
         call = c.calls[(layer, kind)]
-        rows = torch.tensor([batch_of[r] for r in request_ids], dtype=torch.long)
+        rows = torch.tensor([batch_of[r] for r in request_ids], dtype=torch.long, device=index.device)
         before = call.before[rows, index].to(x.dtype)
         near = boundary_distance(QuantCall(ROUNDING[kind][0], x, x)) <= tol.FLIP_BOUNDARY_TOL
         snap = near & ((x - before).abs() <= tol.FLIP_BOUNDARY_TOL)
@@ -185,7 +185,19 @@ def _worst(c: Case, run: Run) -> tuple[float, int]:
 @pytest.mark.parametrize("name, budget", [("oracle", 7), ("oracle", 16), ("oracle", 64), ("wide", 5),
                                           ("wide", 23), ("nocand", 11), ("nocand", 32)])
 def test_engine_equals_model(name, budget):
-    c = case(name)
+    _engine_equals_model(case(name), budget)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name, budget", [("oracle", 7), ("wide", 5), ("nocand", 32)])
+def test_engine_equals_model_on_cuda(name, budget):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _engine_equals_model(case(name, "cuda"), budget)
+
+
+def _engine_equals_model(c: Case, budget: int) -> None:
+    name = next(n for (n, _), v in _CASES.items() if v is c)
     run = drive(c, budget)
     total = sum(len(s) - 1 for s in c.seqs.values())
     worst, compared = _worst(c, run)
