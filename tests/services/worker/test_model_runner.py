@@ -123,6 +123,7 @@ def replay(c: Case, aliases: dict[str, str] | None = None):
 class Run:
     logits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     tables: dict[str, list[int]] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (first, last) position of non-initial prefill chunks
     runner: ModelRunner | None = None
 
@@ -161,6 +162,7 @@ def drive(c: Case, budget: int, corrupt=None) -> Run:
             tables = plan.block_tables.tolist()
             for i, rid in enumerate(plan.request_ids):
                 run.tables[rid] = tables[i * width : (i + 1) * width]
+                run.slots[rid] = plan.state_slots[i]
                 first, last = positions[plan.query_start[i]], positions[plan.query_start[i + 1] - 1]
                 if plan.is_prefill and first > 0:
                     run.chunks.append((first, last))
@@ -214,6 +216,12 @@ def test_pool_entries_equal_the_reference_rounding():
     c = case("oracle")
     run = drive(c, 7)
     cfg = c.model.cfg
+    ring = run.runner.cache.layout.ring_size
+    for b, (rid, s) in enumerate(c.seqs.items()):  # each ring holds its request's last ring_size positions
+        positions = torch.arange(max(0, len(s) - 1 - ring), len(s) - 1)
+        for layer in range(cfg.num_hidden_layers):
+            window = run.runner.cache.read_window(layer, torch.tensor([run.slots[rid]]))[0]
+            assert torch.equal(window[positions % ring], c.calls[(layer, "fp8")].after[b, positions])
     for layer in cfg.kv_source_layer_ids:
         ratio = cfg.ratio(layer)
         for b, rid in enumerate(c.seqs):
