@@ -8,7 +8,9 @@ then closes the listeners (live HTTP streams get a few seconds).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import grpc
 import uvicorn
@@ -17,6 +19,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
 from services.gateway.http import build_app
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that leaves SIGTERM/SIGINT to the embedding process, which drains in its own order (uvicorn's
+    own handler would close HTTP streams at once)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class ApiServer:
@@ -30,7 +41,7 @@ class ApiServer:
         self.http_port: int | None = None  # bound ports, once started
         self.grpc_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
-        self._uvicorn: uvicorn.Server | None = None
+        self._uvicorn: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
 
     async def _set_health(self, serving: bool) -> None:
@@ -56,9 +67,8 @@ class ApiServer:
         sock.bind((self.host, port))
         self.http_port = sock.getsockname()[1]
         app = build_app(self.frontend, is_ready=lambda: self.ready)
-        self._uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                      timeout_graceful_shutdown=5))
-        self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the caller owns them
+        self._uvicorn = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                timeout_graceful_shutdown=5))
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
             if self._http_task.done():

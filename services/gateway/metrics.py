@@ -13,6 +13,10 @@ import prometheus_client as prom
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _reader(stats: Callable[[], dict[str, int]], key: str) -> Callable[[], float]:
+    return lambda: float(stats()[key])
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = prom.CollectorRegistry()
@@ -42,7 +46,7 @@ class GatewayMetrics:
                                ("free_blocks", "free paged blocks"), ("total_blocks", "paged blocks"),
                                ("free_state_slots", "free state slots"), ("total_state_slots", "state slots")):
             gauge = prom.Gauge(f"shinkai_engine_{key}", help_text, registry=self.registry)
-            gauge.set_function(lambda key=key: stats()[key])
+            gauge.set_function(_reader(stats, key))
 
     def exposition(self) -> bytes:
         return prom.generate_latest(self.registry)

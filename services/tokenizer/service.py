@@ -70,9 +70,9 @@ class TokenizerApi:
 
     async def render_chat(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RenderChatResponse:
         request = await self._parse(pb.RenderChatRequest, raw, context)
-        if self.chat is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "chat rendering needs DeepSeek's V4.1 vocabulary")
         try:
+            if self.chat is None:
+                raise ChatError("chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own")
             body = json.loads(request.body_json)
             if not isinstance(body, dict):
                 raise ChatError("the chat body must be a JSON object")
