@@ -45,7 +45,7 @@ def case_ids(case: OracleCase) -> torch.Tensor:
     return ids
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def one_torch_thread():
     """These models are tiny: one thread is as fast, and immune to OpenMP spin-waiting when the
     two CI cores are shared (we measured 100× slowdowns with 2 threads next to a busy process)."""
