@@ -119,8 +119,9 @@ class EngineService:
         # engine id -> stream; written under _lock by both threads.
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
-        # Held by the step thread while it runs a step or applies commands; `stats` takes it too.
-        self._engine_lock = threading.Lock()
+        # The engine's stats as of the end of the step thread's latest iteration: readers on the event loop
+        # never wait for a step (the reference is swapped whole, so a read is never torn).
+        self._snapshot = engine.stats()
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._accepting = True
@@ -188,11 +189,8 @@ class EngineService:
         return bool(ids)
 
     def stats(self) -> dict[str, int]:
-        """The engine's pool and queue counts, read between steps."""
-        with self._engine_lock:
-            stats = self.engine.stats()
-        stats["num_queued"] = self._commands.qsize()
-        return stats
+        """The engine's pool and queue counts after the latest step (never waits for one)."""
+        return {**self._snapshot, "num_queued": self._commands.qsize()}
 
     # ---- the step thread --------------------------------------------------------------------
 
@@ -202,17 +200,17 @@ class EngineService:
 
     def _run(self) -> None:
         while not self._stop.is_set() or not self._commands.empty():
-            with self._engine_lock:
-                self._apply_commands()
-                busy = self.engine.has_unfinished()
-                if busy:
-                    self._step()
+            self._apply_commands()
+            busy = self.engine.has_unfinished()
+            if busy:
+                self._step()
+            self._snapshot = self.engine.stats()
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
-        with self._engine_lock:  # shutdown: nothing may stay in the pools
-            while self.engine.has_unfinished():
-                self._step()
+        while self.engine.has_unfinished():  # shutdown: nothing may stay in the pools
+            self._step()
+        self._snapshot = self.engine.stats()
 
     def _apply_commands(self) -> None:
         while True:
