@@ -26,53 +26,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant_fp8 import _quantize_rows, quantize_act
 from kernels.reference import GROUP
 
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step
 
 
 @triton.jit
-def _pow2_ceil(value):
-    """Smallest power of two ≥ value (positive normal fp32), exactly, from the bits."""
-    bits = value.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 255
-    has_mantissa = ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return ((exponent + has_mantissa) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """Round fp32 |v| ≤ 448 to the nearest e4m3 value, ties to even, staying in fp32.
-
-    The cast to e4m3 that follows is then exact on every backend (Triton's interpreter rounds
-    fp32 → fp8 half-up without carrying into the exponent, so it must never have to round).
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    # Normal range (|v| ≥ 2^-6): keep 3 mantissa bits, ties to even, carries into the exponent.
-    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000).to(tl.float32, bitcast=True)
-    # Subnormal range: multiples of 2^-9; adding 1.5·2^14 leaves exactly that grid (ties to even).
-    sub = (v + 24576.0) - 24576.0
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
-
-
-@triton.jit
-def _quantize_rows(a):
-    """fp32 [M, 128] → (e4m3 [M, 128], fp32 power-of-two scale [M]); |a / scale| ≤ 448 by construction."""
-    amax = tl.max(tl.abs(a), axis=1)
-    scale = _pow2_ceil(tl.maximum(amax * (1.0 / 448.0), 1.1754943508222875e-38))
-    # 1/scale is exact: negate the exponent (scale = 2^(b-127) with b in [1, 254]).
-    inv_bits = (254 - ((scale.to(tl.int32, bitcast=True) >> 23) & 255)) << 23
-    inv_scale = inv_bits.to(tl.float32, bitcast=True)
-    return _round_to_e4m3_grid(a * inv_scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, row_ids_ptr, route_w_ptr, counts_ptr, active_ptr, num_active_ptr,
-    w_ptr, w_scale_ptr, out_ptr,
+    a_ptr, a_scale_ptr, row_ids_ptr, route_w_ptr, counts_ptr, active_ptr, num_active_ptr,
+    w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
     capacity, a_row_stride, swiglu_limit,
     N_OUT: tl.constexpr, K: tl.constexpr,
-    GATHER: tl.constexpr, SWIGLU: tl.constexpr,
+    GATHER: tl.constexpr, SWIGLU: tl.constexpr, A_FP8: tl.constexpr, OUT_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NUM_N_TILES: tl.constexpr = N_OUT // BLOCK_N
@@ -104,8 +70,12 @@ def _moe_gemm_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for kb in range(K_BLOCKS):
-                a = tl.load(a_ptrs + kb * BLOCK_K, mask=m_ok[:, None], other=0.0).to(tl.float32)
-                a_q, a_scale = _quantize_rows(a)  # padded rows are 0 → code 0, any scale
+                if A_FP8:  # quantised upstream: e4m3 rows with one fp32 scale per 128 channels
+                    a_q = tl.load(a_ptrs + kb * BLOCK_K, mask=m_ok[:, None], other=0.0)
+                    a_scale = tl.load(a_scale_ptr + rows * K_BLOCKS + kb, mask=m_ok, other=1.0)
+                else:
+                    a = tl.load(a_ptrs + kb * BLOCK_K, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                    a_q, a_scale = _quantize_rows(a)  # padded rows are 0 → code 0, any scale
                 a_t = tl.trans(a_q)
                 w = tl.load(w_ptrs + kb * BLOCK_K)
                 acc += tl.dot(w, a_t) * (tl.load(scale_ptr + kb) * a_scale)[None, :]
@@ -118,8 +88,14 @@ def _moe_gemm_kernel(
                 up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
                 route_w = tl.load(route_w_ptr + slots, mask=m_ok, other=0.0)
                 acc = gate / (1.0 + tl.exp(-gate)) * up * route_w[None, :]
-            out_ptrs = out_ptr + slots[None, :] * N_OUT + (n0 + offs_n)[:, None]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+            if OUT_FP8:  # BLOCK_N == 128: this tile is exactly one scale group of each token's row
+                out_q, out_scale = _quantize_rows(tl.trans(acc))
+                out_ptrs = out_ptr + slots[:, None] * N_OUT + (n0 + offs_n)[None, :]
+                tl.store(out_ptrs, out_q, mask=m_ok[:, None])
+                tl.store(out_scale_ptr + slots * (N_OUT // BLOCK_K) + n0 // BLOCK_K, out_scale, mask=m_ok)
+            else:
+                out_ptrs = out_ptr + slots[None, :] * N_OUT + (n0 + offs_n)[:, None]
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
             m0 += BLOCK_M
         work += tl.num_programs(0)
 
@@ -140,8 +116,12 @@ def default_block_m(expected_m: float) -> int:
     return max(16, min(64, triton.next_power_of_2(int(1.5 * expected_m + 0.999))))
 
 
+Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""bf16/fp32 values (quantised inside the GEMM), or (e4m3 values, fp32 scales per 128 channels)."""
+
+
 def moe_grouped_gemm(
-    a: torch.Tensor,
+    a: Activations,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     meta: dict[str, torch.Tensor],
@@ -154,16 +134,20 @@ def moe_grouped_gemm(
     num_warps: int | None = None,
     num_stages: int = 3,
     programs_per_sm: int = 2,
-) -> torch.Tensor:
-    """Launch the masked grouped GEMM; returns ``out_dtype`` (bf16 or fp32) [E, cap, N_out].
+) -> Activations:
+    """Launch the masked grouped GEMM; returns [E, cap, N_out] in ``out_dtype`` (bf16 or fp32), or
+    with ``out_dtype=torch.float8_e4m3fn`` (SwiGLU only) the pair (e4m3 values, fp32 scales
+    [E, cap, N_out/128]) that the down projection takes as its pre-quantised input.
 
-    Slots ≥ counts[e] are not written.
-
-    a: [T, K] rows picked through ``meta["row_ids"]`` when ``gather``, else [E, cap, K]; w e4m3
+    Slots ≥ counts[e] are not written. a: [T, K] rows picked through ``meta["row_ids"]`` when
+    ``gather``, else [E, cap, K] (a pair for pre-quantised input, scales [..., K/128]); w e4m3
     [E, N_w, K]; w_scale fp32 [E, N_w/128, K/128]; meta from ``reference.route_metadata``.
     With ``swiglu_limit`` the gate/up rows are fused (N_out = N_w/2) and ``meta["route_w"]`` applied.
     Matches ``reference.moe_grouped_gemm`` on the written slots.
     """
+    a_values, a_scale = a if isinstance(a, tuple) else (a, None)
+    a_fp8 = a_scale is not None
+    out_fp8 = out_dtype == torch.float8_e4m3fn
     num_experts, n_w, k = w.shape
     capacity = meta["row_ids"].shape[1]
     n_out = n_w // 2 if swiglu_limit is not None else n_w
@@ -173,29 +157,37 @@ def moe_grouped_gemm(
         raise ValueError(f"K={k} and N={n_out} must be multiples of {GROUP}; block_n must divide {GROUP}")
     if w_scale.shape != (num_experts, n_w // GROUP, k // GROUP):
         raise ValueError(f"w_scale shape {tuple(w_scale.shape)} != {(num_experts, n_w // GROUP, k // GROUP)}")
-    if gather:
-        if a.ndim != 2 or a.shape[1] != k:
-            raise ValueError(f"gathered activations must be [T, {k}], got {tuple(a.shape)}")
-    elif a.shape != (num_experts, capacity, k):
-        raise ValueError(f"masked activations must be {(num_experts, capacity, k)}, got {tuple(a.shape)}")
-    if not (a.stride(-1) == 1 if gather else a.is_contiguous()):
-        a = a.contiguous()  # gathered rows need unit channel stride; masked slots a dense grid
-    out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a.device)
+    if out_fp8 and (swiglu_limit is None or block_n != GROUP):
+        raise ValueError(f"FP8 output is the SwiGLU epilogue's, with block_n = {GROUP}")
+    rows_shape = (a_values.shape[0], k) if gather else (num_experts, capacity, k)
+    if a_values.shape != rows_shape or (gather and a_values.ndim != 2):
+        raise ValueError(f"activations must be {rows_shape}, got {tuple(a_values.shape)}")
+    if a_fp8 and (a_values.dtype != torch.float8_e4m3fn or a_scale.shape != (*rows_shape[:-1], k // GROUP)):
+        raise ValueError("pre-quantised activations need e4m3 values and fp32 scales [..., K/128]")
+    # Rows are addressed as row · stride: every operand must be dense.
+    a_values = a_values.contiguous()
+    a_scale = a_scale.contiguous() if a_fp8 else a_values
+    if out_fp8:
+        out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a_values.device)
+        out_scale = torch.empty(num_experts, capacity, n_out // GROUP, dtype=torch.float32, device=a_values.device)
+    else:
+        out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a_values.device)
+        out_scale = out
     if block_m is None:
         block_m = default_block_m(meta["slot_of"].numel() / num_experts)
     if num_warps is None:  # at most 64 fp32 accumulators per thread (BLOCK_M 64 with SwiGLU spilled at 4 warps)
         num_accumulators = 2 if swiglu_limit is not None else 1
         num_warps = min(8, max(4, block_n * block_m * num_accumulators // (32 * 64)))
     num_work_max = num_experts * (n_out // block_n)
-    grid = (_num_programs(a.device, num_work_max, programs_per_sm),)
+    grid = (_num_programs(a_values.device, num_work_max, programs_per_sm),)
     _moe_gemm_kernel[grid](
-        a, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
-        w, w_scale, out,
-        capacity, a.stride(-2), float(swiglu_limit or 0.0),
-        N_OUT=n_out, K=k, GATHER=gather, SWIGLU=swiglu_limit is not None,
+        a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
+        w, w_scale, out, out_scale,
+        capacity, k, float(swiglu_limit or 0.0),
+        N_OUT=n_out, K=k, GATHER=gather, SWIGLU=swiglu_limit is not None, A_FP8=a_fp8, OUT_FP8=out_fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+    return (out, out_scale) if out_fp8 else out
 
 
 def moe_experts(
@@ -206,12 +198,20 @@ def moe_experts(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     swiglu_limit: float,
+    *,
+    prequantize: bool = True,
 ) -> torch.Tensor:
     """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine.
 
-    The combine (a gather-sum over each token's k slots) is plain torch for now.
+    ``prequantize``: quantise x once (``quant_fp8.quantize_act``) and hand h from the SwiGLU
+    epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
+    loops. The combine (a gather-sum over each token's k slots) is plain torch for now.
     """
-    h = moe_grouped_gemm(x, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit)
+    if prequantize:
+        h = moe_grouped_gemm(quantize_act(x), w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit,
+                             out_dtype=torch.float8_e4m3fn)
+    else:
+        h = moe_grouped_gemm(x, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit)
     y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False)
     slot_of = meta["slot_of"]
     return y.view(-1, y.shape[-1])[slot_of.reshape(-1)].view(*slot_of.shape, -1).float().sum(1)

@@ -122,7 +122,7 @@ def route_metadata(
 
 
 def moe_grouped_gemm(
-    a: torch.Tensor,
+    a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     w: torch.Tensor,
     w_scale: torch.Tensor,
     counts: torch.Tensor,
@@ -131,30 +131,39 @@ def moe_grouped_gemm(
     route_w: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked FP8 grouped GEMM; returns ``out_dtype`` [E, cap, N_out], slots ≥ counts[e] left zero.
 
-    a: bf16/fp32 activations, [T, K] gathered through ``row_ids`` [E, cap], or [E, cap, K] when
-    ``row_ids`` is None. w: e4m3 [E, N_w, K] with fp32 block scales [E, N_w/128, K/128].
+    a: bf16/fp32 activations (quantised here with ``quantize_act``) or a pre-quantised pair
+    (e4m3, fp32 scales [..., K/128]); [T, K] gathered through ``row_ids`` [E, cap], or [E, cap, K]
+    when ``row_ids`` is None. w: e4m3 [E, N_w, K] with fp32 block scales [E, N_w/128, K/128].
     Plain: out = quant(a) · wᵀ (N_out = N_w). With ``swiglu_limit``: rows [0, N) of w are the gate,
     [N, 2N) the up projection, and out = clamped_swiglu(gate, up) · route_w (N_out = N = N_w/2),
-    as the model applies the routing weight before the down projection.
+    as the model applies the routing weight before the down projection. ``out_dtype`` e4m3 returns
+    ``quantize_act`` of that fp32 result: (e4m3 [E, cap, N_out], fp32 scales [E, cap, N_out/128]).
     """
+    a_values, a_scale = a if isinstance(a, tuple) else (a, None)
     num_experts, n_w, k = w.shape
-    cap = row_ids.shape[1] if row_ids is not None else a.shape[1]
+    cap = row_ids.shape[1] if row_ids is not None else a_values.shape[1]
     n_out = n_w // 2 if swiglu_limit is not None else n_w
-    out = torch.zeros(num_experts, cap, n_out, dtype=out_dtype, device=a.device)
+    fp8_out = out_dtype == torch.float8_e4m3fn
+    out = torch.zeros(num_experts, cap, n_out, dtype=torch.float32 if fp8_out else out_dtype, device=w.device)
     for e in range(num_experts):
         m = int(counts[e])
         if m == 0:
             continue
-        rows = a[row_ids[e, :m].long()] if row_ids is not None else a[e, :m]
-        act = dequantize_act(*quantize_act(rows))  # [m, K], exactly what the MMA sees
+        pick = (lambda t: t[row_ids[e, :m].long()]) if row_ids is not None else (lambda t: t[e, :m])
+        if a_scale is None:
+            act = dequantize_act(*quantize_act(pick(a_values)))  # [m, K], exactly what the MMA sees
+        else:
+            act = dequantize_act(pick(a_values), pick(a_scale))
         acc = act @ dequantize_weight_block128(w[e], w_scale[e]).t()  # [m, N_w] fp32
         if swiglu_limit is not None:
             h = clamped_swiglu(acc[:, :n_out], acc[:, n_out:], swiglu_limit)
             acc = h * route_w[e, :m, None]
-        out[e, :m] = acc.to(out_dtype)
+        out[e, :m] = acc.to(out.dtype)
+    if fp8_out:
+        return quantize_act(out)  # empty slots: zeros → code 0
     return out
 
 
@@ -171,10 +180,17 @@ def moe_experts(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     swiglu_limit: float,
+    *,
+    prequantize: bool = True,
 ) -> torch.Tensor:
-    """The routed experts of one MoE layer: x [T, D] → fp32 [T, D] (shared expert not included)."""
+    """The routed experts of one MoE layer: x [T, D] → fp32 [T, D] (shared expert not included).
+
+    ``prequantize`` (as ``kernels.moe_grouped_gemm.moe_experts``): h goes to the down projection as
+    FP8 quantised from fp32; otherwise rounded to bf16 first (as the model's own MoE does), then FP8.
+    """
     h = moe_grouped_gemm(
-        x, w13, w13_scale, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"], swiglu_limit=swiglu_limit
+        x, w13, w13_scale, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"], swiglu_limit=swiglu_limit,
+        out_dtype=torch.float8_e4m3fn if prequantize else torch.bfloat16,
     )
     y = moe_grouped_gemm(h, w2, w2_scale, meta["counts"])
     return moe_combine(y, meta["slot_of"])

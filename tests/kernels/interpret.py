@@ -32,15 +32,29 @@ def interpreter() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = old
 
 
+SHARED = ("quant_fp8",)
+"""Modules whose jit helpers other kernels import: their interpreted copies stand in while a kernel loads."""
+
+
 def load_interpreted(name: str) -> ModuleType:
-    """A fresh copy of ``kernels.<name>`` whose ``@triton.jit`` kernels are interpreted."""
+    """A fresh copy of ``kernels.<name>`` whose ``@triton.jit`` kernels (and shared helpers) are interpreted."""
     alias = f"_interpreted_kernels_{name}"
     if alias in sys.modules:
         return sys.modules[alias]
+    shared = {f"kernels.{dep}": load_interpreted(dep) for dep in SHARED if dep != name}
     spec = importlib.util.spec_from_file_location(alias, KERNELS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    with interpreter():
-        spec.loader.exec_module(module)
+    saved = {key: sys.modules.get(key) for key in shared}
+    sys.modules.update(shared)
+    try:
+        with interpreter():
+            spec.loader.exec_module(module)
+    finally:
+        for key, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = previous
     sys.modules[alias] = module
     return module

@@ -110,6 +110,43 @@ def test_down_interpreted_matches_reference_and_skips_idle_experts():
     assert _rel(_valid(out_bf16, meta["counts"]), _valid(ref, meta["counts"])) < 1e-2  # truncating casts
 
 
+def test_quantize_act_kernel_interpreted_is_bit_exact_with_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    x = _tie_activations(19, 384, gen)
+    x[5, 128:256] = 0.0  # an all-zero group: code 0 with the smallest scale
+    with interpreter():
+        q, scale = load_interpreted("quant_fp8").quantize_act(x)
+    r_q, r_scale = reference.quantize_act(x)
+    assert torch.equal(scale, r_scale)
+    assert torch.equal(q.float(), r_q.float())  # values: the interpreter writes −0 as +0
+
+
+def test_prequantized_path_interpreted_matches_reference():
+    """x quantised once, gate/up writes h as e4m3 + scales from fp32, down reads them."""
+    gen = torch.Generator().manual_seed(9)
+    num_experts, hidden, inter, num_tokens = 5, 256, 256, 12
+    meta = _routing(num_tokens, num_experts, 2, gen)
+    w13, s13 = _weights(num_experts, 2 * inter, hidden, gen)
+    w2, s2 = _weights(num_experts, hidden, inter, gen)
+    x = _tie_activations(num_tokens, hidden, gen)
+    mg = load_interpreted("moe_grouped_gemm")
+    kwargs = dict(swiglu_limit=0.5, out_dtype=torch.float8_e4m3fn)
+    with interpreter():
+        h_q, h_s = mg.moe_grouped_gemm(mg.quantize_act(x), w13, s13, meta, gather=True, **kwargs)
+        y = mg.moe_grouped_gemm((h_q, h_s), w2, s2, meta, gather=False, out_dtype=torch.float32)
+        out = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5)
+    r_q, r_s = reference.moe_grouped_gemm(x, w13, s13, meta["counts"], row_ids=meta["row_ids"],
+                                          route_w=meta["route_w"], **kwargs)
+    counts = meta["counts"]
+    # fp32 summation order may move a value across an e4m3 rounding boundary: allow a rare code flip.
+    assert torch.equal(_valid(h_s, counts), _valid(r_s, counts))
+    flips = (_valid(h_q, counts).float() != _valid(r_q, counts).float()).float().mean()  # values: −0 == +0
+    assert flips < 0.01
+    r_y = reference.moe_grouped_gemm((r_q, r_s), w2, s2, counts, out_dtype=torch.float32)
+    assert _rel(_valid(y, counts), _valid(r_y, counts)) < 1e-2
+    assert _rel(out, reference.moe_experts(x, meta, w13, s13, w2, s2, 0.5)) < 1e-2
+
+
 def test_reference_experts_match_the_model_moe_on_converted_mxfp4_weights():
     from model.deepseek_v41.moe import MoE
     from model.deepseek_v41.presets import TINY
@@ -166,9 +203,10 @@ def test_gpu_moe_experts_match_reference_at_s1_shapes(num_tokens):
     # Hopper's FP8 MMA adds up each 128-deep step with fewer than fp32's mantissa bits (DeepSeek-V3
     # §3.3.2); the kernel promotes to fp32 every step. Measured 1.9e-4 on an H200 at T=256.
     assert _rel(_valid(h, meta["counts"]), _valid(h_ref, meta["counts"])) < 1e-3
-    out = moe_experts(x, meta, w13, s13, w2, s2, 10.0)
-    ref = reference.moe_experts(x, meta, w13, s13, w2, s2, 10.0)
-    assert torch.isfinite(out).all() and _rel(out, ref) < 5e-3
+    for prequantize in (True, False):
+        out = moe_experts(x, meta, w13, s13, w2, s2, 10.0, prequantize=prequantize)
+        ref = reference.moe_experts(x, meta, w13, s13, w2, s2, 10.0, prequantize=prequantize)
+        assert torch.isfinite(out).all() and _rel(out, ref) < 5e-3
 
 
 @pytest.mark.gpu

@@ -1,0 +1,79 @@
+"""Activation quantisation to FP8: per token and per 128 channels, e4m3 with a power-of-two scale.
+
+``quantize_act`` is the stand-alone op (x [T, C] → e4m3 [T, C], fp32 scales [T, C/128]); the jit
+helpers here are shared with the kernels that quantise inside their own loops or epilogues, so
+every path rounds the same way. Reference: ``kernels.reference.quantize_act``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import GROUP
+
+
+@triton.jit
+def _pow2_ceil(value):
+    """Smallest power of two ≥ value (positive normal fp32), exactly, from the bits."""
+    bits = value.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 255
+    has_mantissa = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((exponent + has_mantissa) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """Round fp32 |v| ≤ 448 to the nearest e4m3 value, ties to even, staying in fp32.
+
+    The cast to e4m3 that follows is then exact on every backend (Triton's interpreter rounds
+    fp32 → fp8 half-up without carrying into the exponent, so it must never have to round).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    # Normal range (|v| ≥ 2^-6): keep 3 mantissa bits, ties to even, carries into the exponent.
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000).to(tl.float32, bitcast=True)
+    # Subnormal range: multiples of 2^-9; adding 1.5·2^14 to |v| leaves exactly that grid (ties to
+    # even); the sign is put back from the bits, so tiny negatives give −0 as a cast would.
+    sub = (tl.abs(v) + 24576.0) - 24576.0
+    sub = tl.where(bits < 0, -sub, sub)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _quantize_rows(a):
+    """fp32 [M, 128] → (e4m3 [M, 128], fp32 power-of-two scale [M]); |a / scale| ≤ 448 by construction."""
+    amax = tl.max(tl.abs(a), axis=1)
+    scale = _pow2_ceil(tl.maximum(amax * (1.0 / 448.0), 1.1754943508222875e-38))
+    # 1/scale is exact: negate the exponent (scale = 2^(b-127) with b in [1, 254]).
+    inv_bits = (254 - ((scale.to(tl.int32, bitcast=True) >> 23) & 255)) << 23
+    inv_scale = inv_bits.to(tl.float32, bitcast=True)
+    return _round_to_e4m3_grid(a * inv_scale[:, None]).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, num_rows, x_row_stride,
+                         GROUPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    group = tl.program_id(1)
+    cols = group * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < num_rows
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + cols[None, :], mask=ok[:, None], other=0.0)
+    q, scale = _quantize_rows(x.to(tl.float32))
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * (GROUPS * BLOCK) + cols[None, :], q, mask=ok[:, None])
+    tl.store(s_ptr + rows.to(tl.int64) * GROUPS + group, scale, mask=ok)
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, C] (C % 128 == 0, bf16/fp32) → (e4m3 [T, C], fp32 [T, C/128]); x ≈ q · scale."""
+    num_rows, channels = x.shape
+    if channels % GROUP:
+        raise ValueError(f"channels must be a multiple of {GROUP}, got {channels}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(num_rows, channels, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(num_rows, channels // GROUP, dtype=torch.float32, device=x.device)
+    rows = 16
+    grid = (triton.cdiv(num_rows, rows), channels // GROUP)
+    _quantize_act_kernel[grid](x, q, s, num_rows, x.stride(0), GROUPS=channels // GROUP, ROWS=rows, BLOCK=GROUP)
+    return q, s
