@@ -231,3 +231,17 @@ def test_gpu_moe_experts_replay_in_a_cuda_graph_with_new_routing():
         x.copy_(torch.randn(num_tokens, d, generator=gen, device="cuda"))
         graph.replay()
         assert _rel(out, reference.moe_experts(x, meta, w13, s13, w2, s2, 10.0)) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quantize_act_matches_reference_exactly():
+    from kernels.quant_fp8 import quantize_act
+
+    gen = torch.Generator("cuda").manual_seed(2)
+    x = (torch.randn(256, 5120, generator=gen, device="cuda") * torch.rand(256, 1, generator=gen, device="cuda") * 50)
+    x = x.to(torch.bfloat16)
+    q, scale = quantize_act(x)
+    r_q, r_scale = reference.quantize_act(x)
+    assert torch.equal(scale, r_scale)
+    assert torch.equal(q.view(torch.uint8), r_q.view(torch.uint8))
