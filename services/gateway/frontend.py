@@ -142,9 +142,9 @@ class Frontend:
     async def start(self, args: GenerateArgs) -> Generation:
         """Checks, encodes and queues; raises ApiError with nothing queued."""
         self.check_model(args.model)
-        ids = await self.prompt_ids(args)
         client_id = args.client_id or f"req-{uuid.uuid4().hex}"
         try:
+            ids = await self.prompt_ids(args)
             stream = await self.engine.submit(client_id, ids, args.params)
         except ValueError as err:
             raise errors.invalid(str(err)) from err

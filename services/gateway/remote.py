@@ -144,25 +144,31 @@ class _RemoteDetokenizer:
 
 
 class RemoteTokenizer:
+    """INVALID_ARGUMENT from the service is bad input (ChatError for chat, ValueError otherwise); any other
+    failure means the service cannot answer now (ShuttingDown, a 503 / UNAVAILABLE)."""
+
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
-    async def encode(self, text: str) -> list[int]:
-        return list((await self.stub.Encode(tpb.EncodeRequest(text=text, add_bos=True), timeout=30)).token_ids)
-
-    async def render_chat(self, body: dict[str, Any]) -> list[int]:
+    async def _call(self, method: Any, request: Any, bad_input: type[ValueError] = ValueError) -> Any:
         try:
-            response = await self.stub.RenderChat(tpb.RenderChatRequest(body_json=json.dumps(body)), timeout=30)
+            return await method(request, timeout=30)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ChatError(err.details() or "the chat body cannot be rendered") from None
-            raise
-        return list(response.token_ids)
+                raise bad_input(err.details() or "the tokenizer refused the input") from None
+            raise ShuttingDown(f"the tokenizer service at {self.address} failed: {err.code().name}") from None
+
+    async def encode(self, text: str) -> list[int]:
+        return list((await self._call(self.stub.Encode, tpb.EncodeRequest(text=text, add_bos=True))).token_ids)
+
+    async def render_chat(self, body: dict[str, Any]) -> list[int]:
+        request = tpb.RenderChatRequest(body_json=json.dumps(body))
+        return list((await self._call(self.stub.RenderChat, request, ChatError)).token_ids)
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [(await self.stub.Decode(tpb.DecodeRequest(token_ids=[t]), timeout=30)).text for t in token_ids]
+        return [(await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=[t]))).text for t in token_ids]
 
     def detokenizer(self) -> _RemoteDetokenizer:
         return _RemoteDetokenizer(self.stub)
