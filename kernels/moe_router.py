@@ -2,8 +2,9 @@
 renormalised over the picks × route_scale (model/deepseek_v41/moe.py ``route``; spec §3.9).
 
 One program routes BLOCK_T tokens: the [BLOCK_T, E] logits x · gateᵀ are accumulated in fp32 over
-128-wide K steps (IEEE fp32 products, no tf32: routing must not flip on rounding), then k rounds of
-arg-max pick the experts. Reference: ``kernels.reference.moe_router``.
+BLOCK_D-wide steps, then k rounds of arg-max pick the experts. Routing must not flip on rounding, so
+the tensor cores run the 3-pass tf32 split (fp32-accurate products; exact for bf16 operands, whose 8
+significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def _router_kernel(
     for d0 in range(0, D, BLOCK_D):
         d_ok = d0 + offs_d < D
         x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + d0 + offs_d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         g = tl.load(gate_ptr + cols[None, :] * D + d0 + offs_d[:, None],
-                    mask=e_ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
-        logits += tl.dot(x, g, input_precision="ieee")
+                    mask=e_ok[None, :] & d_ok[:, None], other=0.0)
+        logits += tl.dot(x.to(tl.float32), g.to(tl.float32), input_precision="tf32x3")
     scores = tl.sqrt(_softplus(logits))
     bias = tl.load(bias_ptr + cols, mask=e_ok, other=0.0).to(tl.float32)
     # Padded expert columns can never be picked (E ≥ TOP_K is checked by the launcher).
@@ -83,7 +84,8 @@ def moe_router(
     grid = (triton.cdiv(num_tokens, block_t),)
     _router_kernel[grid](
         x, gate_weight, bias, weights, experts, num_tokens, x.stride(0), float(route_scale),
-        D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_D=64, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        D=hidden, E=num_experts, TOP_K=top_k,
+        BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_D=128, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, num_stages=3,
     )
     return weights, experts

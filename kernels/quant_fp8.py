@@ -34,9 +34,10 @@ def _round_to_e4m3_grid(v):
     # Normal range (|v| ≥ 2^-6): keep 3 mantissa bits, ties to even, carries into the exponent.
     normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000).to(tl.float32, bitcast=True)
     # Subnormal range: multiples of 2^-9; adding 1.5·2^14 to |v| leaves exactly that grid (ties to
-    # even); the sign is put back from the bits, so tiny negatives give −0 as a cast would.
-    sub = (tl.abs(v) + 24576.0) - 24576.0
-    sub = tl.where(bits < 0, -sub, sub)
+    # even). The sign bit is copied back (Triton's −x is 0 − x, which turns −0 into +0), so tiny
+    # negatives give −0 as a cast would.
+    sub_magnitude = ((tl.abs(v) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    sub = (sub_magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 

@@ -17,9 +17,11 @@ def _problem(num_tokens: int, num_experts: int, hidden: int, gen: torch.Generato
     return x, gate, bias
 
 
-def test_router_interpreted_matches_reference():
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_router_interpreted_matches_reference(gate_dtype):
     gen = torch.Generator().manual_seed(0)
     x, gate, bias = _problem(21, 12, 96, gen)
+    gate = gate.to(gate_dtype)
     x[3] = -40.0  # large negative logits: softplus → e^x, where a naive log(1 + e^x) loses it
     with interpreter():
         weights, experts = load_interpreted("moe_router").moe_router(x, gate, bias, 3, 1.5)
@@ -43,11 +45,13 @@ def test_router_interpreted_breaks_ties_towards_the_lower_id():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_tokens", [1, 256])
-def test_router_gpu_matches_reference_at_s1_shapes(num_tokens):
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_router_gpu_matches_reference_at_s1_shapes(num_tokens, gate_dtype):
     from kernels.moe_router import moe_router
 
     gen = torch.Generator("cuda").manual_seed(num_tokens)
     x, gate, bias = _problem(num_tokens, 48, 5120, gen)
+    gate = gate.to(gate_dtype)
     weights, experts = moe_router(x, gate, bias, 6, 1.5)
     r_weights, r_experts = reference.moe_router(x, gate, bias, 6, 1.5)
     assert torch.equal(experts, r_experts)
