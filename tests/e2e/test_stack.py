@@ -76,6 +76,31 @@ def test_grpc_client_stream_abort_and_bad_input(stack):
             c.generate("Hi", model="gpt-9", max_tokens=1)
 
 
+def test_100_concurrent_streams_through_the_stack(stack):
+    import asyncio
+
+    _, _, ready = stack
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i):
+            n = 1 + i % 3
+            stream = await client.completions.create(model="tiny", prompt=f"s{i}", max_tokens=n, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            chunks = [c async for c in stream]
+            return n, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(100)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert all(got == want and reason == "length" for want, got, reason in results), results
+
+
 def routed(http_url: str) -> dict[str, float]:
     with urllib.request.urlopen(http_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -86,7 +111,12 @@ def test_routing_follows_the_load_reports(stack):
     _, by_name, ready = stack
     engine0 = by_name["engine-0"]["health"].split(":")[1]
     with ShinkaiClient(ready["grpc"], timeout=60) as gateway:
-        # Control: both engines idle, so sequential requests spread over both.
+        # Control: both engines idle (and reported idle), so sequential requests spread over both.
+        deadline = time.monotonic() + 30
+        while any(e.num_running or e.num_waiting for e in gateway.loads().engines):
+            assert time.monotonic() < deadline, gateway.loads()
+            time.sleep(0.05)
+        time.sleep(1.0)  # four report intervals: the gateway's view is idle too
         before = routed(ready["http"])
         for i in range(4):
             gateway.generate(f"c{i}", max_tokens=1)
