@@ -57,7 +57,11 @@ class ApiServer:
         await self._set_health(False)
         await self._grpc.start()
         if self._want_http_port is not None:
-            await self._start_http(self._want_http_port)
+            try:
+                await self._start_http(self._want_http_port)
+            except BaseException:
+                await self._grpc.stop(None)  # nothing may outlive a failed start
+                raise
         self.ready = True
         await self._set_health(True)
 

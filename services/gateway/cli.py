@@ -62,3 +62,5 @@ def _run(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args))
     except ValueError as err:
         raise UsageError(str(err)) from err
+    except (OSError, RuntimeError) as err:  # a port in use: bind errors from uvicorn's socket or grpc
+        raise UsageError(f"cannot listen on {args.host} (HTTP {args.http_port}, gRPC {args.grpc_port}): {err}") from err

@@ -64,7 +64,11 @@ class Server:
 
     async def start(self) -> None:
         self.engine.start()
-        await self.api.start()
+        try:
+            await self.api.start()
+        except BaseException:
+            self.engine.stop()
+            raise
 
     async def stop(self) -> None:
         await self.api.close_intake()
