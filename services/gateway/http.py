@@ -7,6 +7,7 @@ A streamed request whose client goes away is aborted: leaving the generator clos
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -108,6 +109,26 @@ class _Formatter:
         return body
 
 
+async def _collect_while_connected(request: Request, generation: Generation,
+                                   poll_s: float = 0.25) -> list[Piece] | None:
+    """Every piece of a non-streamed request; None as soon as the client disconnects (then the caller's
+    ``generation.close()`` aborts it, so a vanished client does not keep the engine busy)."""
+    async def collect() -> list[Piece]:
+        return [piece async for piece in generation]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -154,9 +175,11 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
             return StreamingResponse(_stream(fmt, generation, parsed.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            pieces = [piece async for piece in generation]
+            pieces = await _collect_while_connected(request, generation)
         finally:
-            generation.close()
+            generation.close()  # a no-op after the final delta; aborts when the client left
+        if pieces is None:
+            return Response(status_code=499)  # nobody reads it: the client has gone
         await fmt.resolve(pieces)
         return JSONResponse(fmt.body(pieces))
 

@@ -90,6 +90,24 @@ def test_client_disconnect_mid_stream_aborts_and_returns_blocks(served):
     assert served.server.metrics.finished.labels(reason="abort")._value.get() == before + 1
 
 
+def test_client_disconnect_during_a_plain_request_aborts_it(served):
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(served.http_url)
+    before = served.server.metrics.finished.labels(reason="abort")._value.get()
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1000,
+                                                        "ignore_eos": True}), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while served.server.engine.num_unfinished() == 0:  # it is running
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    conn.close()  # the client goes away without reading the answer
+    wait_whole(served, timeout=20)  # 1000 tokens would take far longer
+    assert served.server.metrics.finished.labels(reason="abort")._value.get() == before + 1
+
+
 def test_concurrent_streams_all_finish_with_their_token_counts(served):
     import asyncio
 
