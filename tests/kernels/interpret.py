@@ -4,6 +4,11 @@
 kernel runs, so it cannot simply be exported for the whole test session: kernels that other test
 modules import normally (the GPU tests) must stay compiled. ``load_interpreted`` imports a private
 copy of a ``kernels`` module with the variable set; calls to it go inside ``interpreter()``.
+
+Triton's own jit helpers (``tl.max``, ``tl.sum``, ``tl.argmax`` …) are decorated once, when triton is
+first imported. This module imports triton normally first, so they are always compiled-kernel
+functions (GPU tests in the same process keep working), and ``interpreter()`` swaps interpreted
+twins in for the duration of the block.
 """
 
 from __future__ import annotations
@@ -16,16 +21,35 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 
+import triton  # noqa: F401 - first import without the interpreter: see the module docstring
+import triton.language
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+_TWINS: dict[int, InterpretedFunction] = {}
+
+
+def _stdlib_jit_functions() -> list[tuple[ModuleType, str, JITFunction]]:
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name == "triton.language" or name.startswith("triton.language."):
+            found += [(module, attr, obj) for attr, obj in vars(module).items() if isinstance(obj, JITFunction)]
+    return found
 
 
 @contextlib.contextmanager
 def interpreter() -> Iterator[None]:
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    swapped = _stdlib_jit_functions()
+    for module, attr, fn in swapped:
+        setattr(module, attr, _TWINS.setdefault(id(fn), InterpretedFunction(fn.fn)))
     try:
         yield
     finally:
+        for module, attr, fn in swapped:
+            setattr(module, attr, fn)
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
