@@ -2,8 +2,10 @@
 
 Formats (``kernels/reference.py``): weights e4m3 [E, N_w, K] with one fp32 power-of-two scale per
 128×128 block (``kernels/fp8_weights.py`` converts the checkpoint's MXFP4 experts at load time);
-activations bf16/fp32, quantised inside the kernel per token and per 128 channels to e4m3 with a
-power-of-two scale, so no separate quantisation pass and no dispatch copy of the tokens exist.
+activations e4m3 per token and per 128 channels with a power-of-two scale, either handed in
+pre-quantised (``quant_fp8.quantize_act``, or the SwiGLU epilogue's FP8 output: the default path,
+fastest on the H200 at every batch) or quantised inside the K loop from bf16/fp32. The gate/up
+GEMM gathers token rows through the slot → token map, so no dispatch copy of the tokens exists.
 
 Masked layout: expert e owns slots [e, 0:counts[e]) of a fixed [E, capacity] grid. Every shape is
 fixed per batch size and the per-expert counts live in a device tensor, so a step can be captured
@@ -15,7 +17,8 @@ Each work item reads its [BLOCK_N, K] weight slab once per BLOCK_M tokens (once,
 count ≤ BLOCK_M), computes outᵀ = W · quant(A)ᵀ (weights on the MMA's wide M side, tokens on its
 narrow N side: decode has few tokens per expert), and applies scale_w · scale_a per 128-deep step
 in fp32. With SWIGLU it also reads the matching up-projection slab (rows N..2N of W) and writes
-silu(min(g, L)) · clamp(u, −L, L) · route_w in bf16; otherwise it writes the product in bf16.
+silu(min(g, L)) · clamp(u, −L, L) · route_w in bf16, or in e4m3 + scales (a 128-wide N tile is
+one scale group of each token); otherwise it writes the product in bf16 (or fp32, for tests).
 """
 
 from __future__ import annotations
