@@ -100,7 +100,8 @@ def services(config: StackConfig) -> list[Service]:
     for i in range(config.num_engines):
         engine_port = free_port(host)
         engines.append(f"engine-{i}={host}:{engine_port}")
-        argv = [*py, "services.engine", "--model", config.model, "--engine-id", f"engine-{i}", "--host", host,
+        argv = [*py, "services.engine", "--model", config.model, "--engine-id", f"engine-{i}", "--rank", str(i),
+                "--host", host,
                 "--grpc-port", str(engine_port), "--nats-url", nats_url, *sizing]
         if config.remote_workers:
             worker_port = free_port(host)

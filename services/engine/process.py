@@ -2,7 +2,8 @@
 
 It serves ``shinkai.v1.Shinkai`` over gRPC for the gateway (token ids in, token ids out; no text: the
 tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS.
-The worker runs in-process, or in its own process with ``--worker ADDR``. SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
+The worker runs in-process, or in its own process with ``--worker ADDR``; with NATS, every step's
+expert counts also go to the EPLB planner (`services/engine/expert_loads.py`). SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
 ``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
 """
 
@@ -35,13 +36,21 @@ async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    publisher = None
+    if args.nats_url:  # wrap the worker before the server takes requests
+        from services.engine.expert_loads import ExpertLoadPublisher
+
+        publisher = ExpertLoadPublisher(server.llm.engine.worker, None, loop, args.rank)
+        server.llm.engine.worker = publisher
     await server.start()
     address = server.urls()["grpc"]
     reporter = None
     if args.nats_url:
         reporter = LoadReporter(args.nats_url, args.engine_id, address, server.engine.stats)
         await reporter.start()
-    worker = server.llm.engine.worker
+    if publisher is not None and reporter is not None:
+        publisher.nc = reporter.nc  # expert-load reports start with the next step
+    worker = publisher.worker if publisher is not None else server.llm.engine.worker
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
                       "grpc_port": server.grpc_port, "runner": runner}), flush=True)
@@ -62,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--rank", type=int, default=0, help="this engine's rank in expert-load reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     p.add_argument("--nats-url", default=None, help="publish load reports and lifecycle events here")

@@ -26,7 +26,7 @@ class LoadReporter:
         self.address = address  # its gRPC address, so a gateway can reach it
         self.stats = stats  # the engine's pool and queue counts
         self.interval_s = interval_s  # seconds between load reports
-        self._nc: Any = None  # nats.aio.client.Client
+        self.nc: Any = None  # nats.aio.client.Client, once started
         self._task: asyncio.Task | None = None
         self.num_published = 0
 
@@ -36,7 +36,7 @@ class LoadReporter:
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s", err or type(err).__name__)
 
-        self._nc = await nats.connect(self.nats_url, name=f"shinkai-{self.engine_id}", max_reconnect_attempts=-1,
+        self.nc = await nats.connect(self.nats_url, name=f"shinkai-{self.engine_id}", max_reconnect_attempts=-1,
                                       error_cb=on_error)
         await self.lifecycle("up")
         self._task = asyncio.create_task(self._loop())
@@ -50,18 +50,18 @@ class LoadReporter:
             await asyncio.sleep(self.interval_s)
 
     async def publish_load(self) -> None:
-        await self._nc.publish(subjects.ENGINE_LOAD, json.dumps(self.load_message()).encode())
+        await self.nc.publish(subjects.ENGINE_LOAD, json.dumps(self.load_message()).encode())
         self.num_published += 1
 
     async def lifecycle(self, state: str) -> None:
         message = {"engine_id": self.engine_id, "address": self.address, "state": state, "time": time.time()}
-        await self._nc.publish(subjects.ENGINE_LIFECYCLE, json.dumps(message).encode())
-        await self._nc.flush()
+        await self.nc.publish(subjects.ENGINE_LIFECYCLE, json.dumps(message).encode())
+        await self.nc.flush()
 
     async def stop(self) -> None:
         """Publishes "down" and closes the connection."""
         if self._task is not None:
             self._task.cancel()
-        if self._nc is not None and not self._nc.is_closed:
+        if self.nc is not None and not self.nc.is_closed:
             await self.lifecycle("down")
-            await self._nc.close()
+            await self.nc.close()

@@ -140,6 +140,37 @@ def test_routing_follows_the_load_reports(stack):
     assert after.get("engine-1", 0) >= 5 and after.get("engine-0", 0) <= 1, after
 
 
+def test_engines_report_expert_loads_to_the_planner_subject(stack):
+    import asyncio
+
+    import nats
+
+    from services import subjects
+    from services.eplb.messages import decode_load
+
+    state, by_name, ready = stack
+
+    async def run():
+        nc = await nats.connect(by_name["nats"]["url"])
+        reports = asyncio.Queue()
+
+        async def on_report(msg):
+            reports.put_nowait(decode_load(msg.data))
+
+        await nc.subscribe(subjects.EXPERT_LOAD, cb=on_report)
+        await nc.flush()
+        try:
+            with ShinkaiClient(ready["grpc"], timeout=60) as c:
+                await asyncio.to_thread(c.generate, "Hello", max_tokens=2)
+            return await asyncio.wait_for(reports.get(), 10)
+        finally:
+            await nc.close()
+
+    report = asyncio.run(run())
+    assert report.rank in (0, 1) and report.plan_version == 0
+    assert report.counts.shape == (8, 8) and report.counts.sum() > 0  # tiny: 8 layers × 8 routed experts
+
+
 def test_down_drains_and_pools_are_whole(stack):
     state, by_name, _ = stack
     assert down(pathlib.Path(state["config"]["run_dir"]), timeout_s=30, log=lambda *_: None) == 6

@@ -1,0 +1,50 @@
+"""An engine's expert-load reports to the EPLB planner (`subjects.EXPERT_LOAD`, `services/eplb/messages.py`).
+
+`ExpertLoadPublisher` wraps the engine's worker (composition: the same ``execute``/``release``) and, after
+every step whose runner counted tokens per expert, publishes that step's ``[layers, experts]`` counts from
+the event loop's thread. The engine applies no plans yet, so the layout is the start-up one: physical slot
+= logical expert, ``plan_version`` 0. Steps are numbered per engine from 0; publishing is best effort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from services import subjects
+from services.eplb.messages import LoadReport
+from services.worker.sampler import SamplingRow
+from services.worker.worker import WorkerOutput
+
+log = logging.getLogger("shinkai.engine.expert_loads")
+
+
+class ExpertLoadPublisher:
+    def __init__(self, worker: Any, nc: Any, loop: asyncio.AbstractEventLoop, rank: int) -> None:
+        self.worker = worker  # the wrapped worker (in-process or remote)
+        self.nc = nc  # a connected nats.aio.client.Client; None: not yet (nothing is published)
+        self.loop = loop  # the loop that owns ``nc``; execute runs on the step thread
+        self.rank = rank  # this engine's rank in the planner's reports
+        self.num_steps = 0  # steps executed, the report's step number
+        self.num_published = 0
+
+    def execute(self, plan: Any, rows: Sequence[SamplingRow]) -> WorkerOutput:
+        out = self.worker.execute(plan, rows)
+        step = self.num_steps
+        self.num_steps += 1
+        if out.expert_counts is not None and self.nc is not None:
+            report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=out.expert_counts.numpy())
+            asyncio.run_coroutine_threadsafe(self._publish(report.encode()), self.loop)
+        return out
+
+    async def _publish(self, data: bytes) -> None:
+        try:
+            await self.nc.publish(subjects.EXPERT_LOAD, data)
+            self.num_published += 1
+        except Exception as err:  # NATS down: the engine keeps serving
+            log.warning("expert-load report not published: %s", err)
+
+    def release(self, request_id: str) -> None:
+        self.worker.release(request_id)
