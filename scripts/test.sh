@@ -6,6 +6,8 @@ cd "$root"
 . scripts/dev-env.sh
 echo "== cargo test"
 cargo test --quiet --manifest-path scheduler_rs/Cargo.toml
+echo "== cargo clippy"
+cargo clippy --quiet --manifest-path scheduler_rs/Cargo.toml --all-targets -- -D warnings
 echo "== stubtest"
 python -m mypy.stubtest scheduler_rs._core
 echo "== pytest"

@@ -121,7 +121,7 @@ impl SchedulerConfig {
             return Err("num_blocks and num_state_slots must be at least 2 (id 0 is reserved)".into());
         }
         for &ratio in &self.compress_ratios {
-            if ratio == 0 || self.block_size % ratio != 0 {
+            if ratio == 0 || !self.block_size.is_multiple_of(ratio) {
                 return Err(format!(
                     "compress ratio {ratio} must be positive and divide block_size {}",
                     self.block_size

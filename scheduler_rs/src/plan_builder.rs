@@ -86,7 +86,7 @@ impl<'a> PlanBuilder<'a> {
             self.plan.row_requests.push(index);
             for writes in &mut self.plan.entry_writes {
                 let ratio = writes.ratio;
-                if (position + 1) % ratio != 0 {
+                if !(position + 1).is_multiple_of(ratio) {
                     continue;
                 }
                 let entries_per_block = block_size / ratio;
@@ -106,7 +106,7 @@ impl<'a> PlanBuilder<'a> {
         self.plan.block_tables = Vec::with_capacity(width * self.tables.len());
         for table in &self.tables {
             self.plan.block_tables.extend(table.iter().map(|&b| b as i32));
-            self.plan.block_tables.extend(std::iter::repeat(0).take(width - table.len()));
+            self.plan.block_tables.extend(std::iter::repeat_n(0, width - table.len()));
         }
         let num_rows = self.plan.positions.len() as u32;
         if num_rows == 0 {

@@ -10,18 +10,20 @@
 //! state slot is named by exactly as many live block tables (requests plus deferred frees) as its
 //! reference count, and free + held = total for both pools.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use crate::block_manager::BlockManager;
 use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
-use crate::request::{FinishReason, Request, Status, StopRules};
-use crate::step::{RequestOutput, StepKind, StepPlan, StepResult};
+use crate::request::{FinishReason, Request, StopRules};
+use crate::step::{RequestOutput, StepKind, StepPlan};
 
 pub use crate::errors::SchedulerError;
 
 mod decode;
+mod fork;
 mod prefill;
+mod update;
 #[cfg(test)]
 mod tests;
 
@@ -304,65 +306,6 @@ impl Scheduler {
         Some(self.remove(handle, FinishReason::Abort, None).0)
     }
 
-    /// Adds `child_id` as a copy of a request that has no step in flight: it shares the parent's
-    /// full blocks by reference count, gets a copy of the partial last block and of the state slot
-    /// (done by the worker before the next step), and waits to prefill the tokens without KV.
-    pub fn fork(&mut self, parent_id: &str, child_id: String, stop: StopRules) -> Result<(), SchedulerError> {
-        let &parent_handle = self
-            .ids
-            .get(parent_id)
-            .ok_or_else(|| SchedulerError::UnknownRequest(parent_id.to_string()))?;
-        if self.ids.contains_key(&child_id) {
-            return Err(SchedulerError::DuplicateRequest(child_id));
-        }
-        let parent = self.req(parent_handle);
-        if self.in_flight(parent) {
-            return Err(SchedulerError::InvalidState(format!(
-                "cannot fork request {parent_id} while a step that includes it is in flight"
-            )));
-        }
-        let (Some(parent_slot), false) = (parent.state_slot, parent.block_table.is_empty()) else {
-            return Err(SchedulerError::InvalidState(format!(
-                "cannot fork request {parent_id} before its prefill has started"
-            )));
-        };
-        let block_size = self.config.block_size;
-        let num_full = (parent.num_computed_tokens / block_size) as usize;
-        let has_partial = parent.num_computed_tokens % block_size != 0;
-        let num_needed = Request::blocks_for(parent.len(), block_size) as usize;
-        let num_new = num_needed - num_full;
-        if self.blocks.num_free() < num_new as u32 || self.slots.num_free() == 0 {
-            return Err(SchedulerError::InvalidState(format!(
-                "not enough free blocks or state slots to fork {parent_id}"
-            )));
-        }
-        let partial_source = has_partial.then(|| parent.block_table[num_full]);
-        let mut child = parent.clone();
-        child.request_id = child_id;
-        child.stop = stop;
-        child.status = Status::Waiting;
-        child.draft_tokens.clear();
-        child.last_step_id = None;
-        child.num_inflight_tokens = 0;
-        child.arrival = self.next_arrival;
-        self.next_arrival += 1;
-        child.block_table.truncate(num_full);
-        for &block in &child.block_table {
-            self.blocks.incref(block).expect("parent holds its blocks");
-        }
-        let fresh = self.blocks.allocate_many(num_new as u32).expect("checked free blocks");
-        if let Some(source) = partial_source {
-            self.pending_block_copies.push((source, fresh[0]));
-        }
-        child.block_table.extend(fresh);
-        let child_slot = self.slots.allocate().expect("checked free slots");
-        child.state_slot = Some(child_slot);
-        self.pending_state_copies.push((parent_slot, child_slot));
-        let handle = self.insert(child);
-        self.waiting.push_back(handle);
-        Ok(())
-    }
-
     // ---- scheduling -----------------------------------------------------------------------
 
     /// A rank wants prefill when its cache is at most 90% used and the head of its queue is
@@ -425,125 +368,6 @@ impl Scheduler {
             builder.add((s.handle, req.incarnation), req, &inputs, s.num_sample_rows);
         }
         builder.finish()
-    }
-
-    // ---- results --------------------------------------------------------------------------
-
-    /// Applies a step's results: commits computed positions and accepted tokens, checks stop
-    /// rules, returns the unneeded draft blocks, and releases what waited for this step.
-    pub fn update(&mut self, plan: &StepPlan, result: &StepResult) -> Result<Vec<RequestOutput>, SchedulerError> {
-        if plan.step_id != self.num_steps_updated {
-            return Err(SchedulerError::InvalidState(format!(
-                "steps must be updated in the order they were planned: expected step {}, got {}",
-                self.num_steps_updated, plan.step_id
-            )));
-        }
-        crate::invariants::validate_result(plan, result, &self.config)?;
-        self.num_steps_updated += 1;
-        let errors: HashSet<u32> = result.errors.iter().copied().collect();
-        let mut outputs = Vec::new();
-        let mut finished = HashSet::new();
-        let mut token_offset = 0;
-        let mut draft_offset = 0;
-        for (i, &(handle, incarnation)) in plan.handles.iter().enumerate() {
-            let num_tokens = result.num_tokens[i] as usize;
-            let tokens = &result.token_ids[token_offset..token_offset + num_tokens];
-            token_offset += num_tokens;
-            let drafts = match result.num_draft_tokens.get(i) {
-                Some(&n) => {
-                    draft_offset += n as usize;
-                    Some(&result.draft_token_ids[draft_offset - n as usize..draft_offset])
-                }
-                None => None,
-            };
-            // Results of a finished, aborted or recomputed incarnation are dropped.
-            let live = self.slab[handle].as_ref().is_some_and(|r| r.incarnation == incarnation);
-            if !live {
-                continue;
-            }
-            let max_model_len = self.config.max_model_len;
-            let req = self.req_mut(handle);
-            req.num_inflight_tokens -= plan.seqlens_q[i] as u32;
-            req.num_computed_tokens += match plan.kind {
-                StepKind::Prefill => plan.seqlens_q[i] as u32,
-                StepKind::Decode => num_tokens as u32,
-            };
-            if let Some(drafts) = drafts {
-                req.draft_tokens.clear();
-                req.draft_tokens.extend_from_slice(drafts);
-            }
-            let mut end = None;
-            let mut new_tokens = Vec::with_capacity(tokens.len());
-            for &token in tokens {
-                req.tokens.push(token);
-                new_tokens.push(token);
-                end = req.stop.check(token, req.num_output_tokens());
-                if end.is_none() && req.len() >= max_model_len {
-                    end = Some((FinishReason::Length, None));
-                }
-                if end.is_some() {
-                    break;
-                }
-            }
-            if end.is_none() && errors.contains(&(i as u32)) {
-                end = Some((FinishReason::Error, None));
-            }
-            let (num_prompt_tokens, num_output_tokens) = (req.num_prompt_tokens, req.num_output_tokens());
-            let request_id = req.request_id.clone();
-            match end {
-                Some((reason, stop_token_id)) => {
-                    finished.insert(handle);
-                    let (mut output, _) = self.remove(handle, reason, stop_token_id);
-                    output.token_ids = new_tokens;
-                    outputs.push(output);
-                }
-                None => {
-                    if plan.kind == StepKind::Decode {
-                        self.trim_blocks(handle);
-                    }
-                    if !new_tokens.is_empty() {
-                        outputs.push(RequestOutput {
-                            request_id,
-                            token_ids: new_tokens,
-                            finish_reason: None,
-                            stop_token_id: None,
-                            num_prompt_tokens,
-                            num_output_tokens,
-                        });
-                    }
-                }
-            }
-        }
-        if !finished.is_empty() {
-            self.running.retain(|h| !finished.contains(h));
-            self.waiting.retain(|h| !finished.contains(h));
-        }
-        self.release_deferred();
-        Ok(outputs)
-    }
-
-    /// Returns blocks reserved for drafts that were rejected: keep what the tokens and any
-    /// in-flight rows need.
-    fn trim_blocks(&mut self, handle: usize) {
-        let block_size = self.config.block_size;
-        let req = self.req(handle);
-        let keep = Request::blocks_for(req.len().max(req.next_position()), block_size) as usize;
-        if req.block_table.len() <= keep {
-            return;
-        }
-        let last_step = req.last_step_id;
-        let extra = self.req_mut(handle).block_table.split_off(keep);
-        self.release(extra, None, last_step);
-    }
-
-    fn release_deferred(&mut self) {
-        let updated = self.num_steps_updated;
-        let (ready, waiting): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.deferred).into_iter().partition(|d| d.release_after < updated);
-        self.deferred = waiting;
-        for d in ready {
-            self.release(d.blocks, d.state_slot, None);
-        }
     }
 
     // ---- invariants -----------------------------------------------------------------------

@@ -25,7 +25,7 @@ impl MtpVarlen {
         if step_cost_ms.is_empty() {
             return Err("the step-cost curve is empty".into());
         }
-        if step_cost_ms.iter().any(|&(rows, ms)| rows == 0 || !(ms > 0.0)) {
+        if step_cost_ms.iter().any(|&(rows, ms)| rows == 0 || ms.is_nan() || ms <= 0.0) {
             return Err("step-cost entries need positive rows and milliseconds".into());
         }
         step_cost_ms.sort_by_key(|&(rows, _)| rows);

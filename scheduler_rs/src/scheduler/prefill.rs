@@ -12,9 +12,9 @@ impl Scheduler {
     /// Returns the prefill batch (possibly empty, when only other ranks scheduled), or `None` for a
     /// decode step.
     pub(super) fn vote_for_prefill(&mut self, collective: &mut dyn Collective) -> Option<Vec<Scheduled>> {
-        let op = if self.decode_step % self.config.prefill_attempt_interval as u64 == 0 {
+        let op = if self.decode_step.is_multiple_of(self.config.prefill_attempt_interval as u64) {
             VoteOp::All
-        } else if self.decode_step % self.config.prefill_any_attempt_interval as u64 == 0 {
+        } else if self.decode_step.is_multiple_of(self.config.prefill_any_attempt_interval as u64) {
             VoteOp::Any
         } else {
             return None;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::step::StepResult;
 
 fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
     let mut config = SchedulerConfig::new(1);
