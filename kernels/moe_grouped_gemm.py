@@ -165,11 +165,12 @@ def moe_grouped_gemm(
     rows_shape = (a_values.shape[0], k) if gather else (num_experts, capacity, k)
     if a_values.shape != rows_shape or (gather and a_values.ndim != 2):
         raise ValueError(f"activations must be {rows_shape}, got {tuple(a_values.shape)}")
-    if a_fp8 and (a_values.dtype != torch.float8_e4m3fn or a_scale.shape != (*rows_shape[:-1], k // GROUP)):
+    scale_shape = (*rows_shape[:-1], k // GROUP)
+    if a_scale is not None and (a_values.dtype != torch.float8_e4m3fn or a_scale.shape != scale_shape):
         raise ValueError("pre-quantised activations need e4m3 values and fp32 scales [..., K/128]")
     # Rows are addressed as row · stride: every operand must be dense.
     a_values = a_values.contiguous()
-    a_scale = a_scale.contiguous() if a_fp8 else a_values
+    a_scale = a_values if a_scale is None else a_scale.contiguous()  # unread without A_FP8
     if out_fp8:
         out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a_values.device)
         out_scale = torch.empty(num_experts, capacity, n_out // GROUP, dtype=torch.float32, device=a_values.device)
@@ -216,5 +217,6 @@ def moe_experts(
     else:
         h = moe_grouped_gemm(x, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit)
     y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False)
+    assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
     slot_of = meta["slot_of"]
     return y.view(-1, y.shape[-1])[slot_of.reshape(-1)].view(*slot_of.shape, -1).float().sum(1)

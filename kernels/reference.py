@@ -152,13 +152,19 @@ def moe_grouped_gemm(
         m = int(counts[e])
         if m == 0:
             continue
-        pick = (lambda t: t[row_ids[e, :m].long()]) if row_ids is not None else (lambda t: t[e, :m])
+        rows = row_ids[e, :m].long() if row_ids is not None else None
+
+        def pick(t: torch.Tensor, e: int = e, m: int = m, rows: torch.Tensor | None = rows) -> torch.Tensor:
+            return t[rows] if rows is not None else t[e, :m]
+
         if a_scale is None:
             act = dequantize_act(*quantize_act(pick(a_values)))  # [m, K], exactly what the MMA sees
         else:
             act = dequantize_act(pick(a_values), pick(a_scale))
         acc = act @ dequantize_weight_block128(w[e], w_scale[e]).t()  # [m, N_w] fp32
         if swiglu_limit is not None:
+            if route_w is None:
+                raise ValueError("the SwiGLU epilogue applies the routing weights: pass route_w")
             h = clamped_swiglu(acc[:, :n_out], acc[:, n_out:], swiglu_limit)
             acc = h * route_w[e, :m, None]
         out[e, :m] = acc.to(out.dtype)
@@ -193,6 +199,7 @@ def moe_experts(
         out_dtype=torch.float8_e4m3fn if prequantize else torch.bfloat16,
     )
     y = moe_grouped_gemm(h, w2, w2_scale, meta["counts"])
+    assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
     return moe_combine(y, meta["slot_of"])
 
 

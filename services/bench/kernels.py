@@ -17,6 +17,10 @@ import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads only when a benchmark runs, so `--help` stays fast
+    import torch
 
 # v41-s1 (Flash per-layer shapes): hidden 5120, expert intermediate 2304, 48 experts, top-6.
 HIDDEN, INTER, EXPERTS, TOP_K, SWIGLU_LIMIT = 5120, 2304, 48, 6, 10.0
@@ -125,7 +129,7 @@ def bench_router(num_tokens: int, ceil: dict[str, float]) -> dict[str, object]:
                 "torch: the reference's ops (linear, softplus, sort)")
 
 
-def _moe_problem(num_tokens: int, gen: "object") -> dict[str, object]:
+def _moe_problem(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     import torch
 
     from kernels.reference import route_metadata
@@ -135,7 +139,7 @@ def _moe_problem(num_tokens: int, gen: "object") -> dict[str, object]:
     return route_metadata(experts, weights, EXPERTS)
 
 
-def _random_weights(n: int, k: int, gen: "object") -> tuple["object", "object"]:
+def _random_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     w = (torch.randn(EXPERTS, n, k, device=DEVICE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
@@ -143,7 +147,7 @@ def _random_weights(n: int, k: int, gen: "object") -> tuple["object", "object"]:
     return w, scale
 
 
-def _torch_grouped(a_fp8: "object", w: "object", meta: dict[str, "object"]) -> Callable[[], object]:
+def _torch_grouped(a_fp8: torch.Tensor, w: torch.Tensor, meta: dict[str, torch.Tensor]) -> Callable[[], object]:
     """``torch._scaled_grouped_mm`` on the same grouping: 2-D tokens sorted by expert × 3-D weights."""
     import torch
 
@@ -154,12 +158,12 @@ def _torch_grouped(a_fp8: "object", w: "object", meta: dict[str, "object"]) -> C
     return lambda: torch._scaled_grouped_mm(a_fp8, w_t, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
 
 
-def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: "object") -> list[dict[str, object]]:
+def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: torch.Generator) -> list[dict[str, object]]:
     """Both MoE GEMMs at one decode batch: bf16 input quantised in the GEMM's loop, and the
     pre-quantised path (x quantised once; h handed from the SwiGLU epilogue as e4m3 + scales)."""
     import torch
 
-    from kernels.moe_grouped_gemm import moe_grouped_gemm
+    from kernels.moe_grouped_gemm import Activations, moe_grouped_gemm
     from kernels.quant_fp8 import quantize_act
 
     meta = _moe_problem(num_tokens, gen)
@@ -171,6 +175,8 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: "object
     h = moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT)
     shape = f"T={num_tokens} E={EXPERTS} k={TOP_K} active={num_active}"
     rows = []
+    x_q: Activations | None
+    h_q: Activations | None
     try:
         x_q = quantize_act(x)
         h_q = moe_grouped_gemm(x_q, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT,
@@ -182,7 +188,7 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: "object
         print(f"pre-quantised path failed: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
         x_q = h_q = None
     fp8_h_bytes = picks * INTER * (1 + 4 / 128)
-    cases = (  # name, kwargs, N_w, K, activation bytes in + out
+    cases: tuple[tuple[str, dict[str, Any], int, int, float], ...] = (  # name, kwargs, N_w, K, activation bytes
         ("moe gate/up+swiglu bf16→bf16", dict(a=x, w=w13, w_scale=s13, gather=True, swiglu_limit=SWIGLU_LIMIT),
          2 * INTER, HIDDEN, num_tokens * HIDDEN * 2 + picks * INTER * 2),
         ("moe gate/up+swiglu fp8→fp8", dict(a=x_q, w=w13, w_scale=s13, gather=True, swiglu_limit=SWIGLU_LIMIT,
@@ -207,7 +213,9 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: "object
             except Exception as err:  # noqa: BLE001 - report, don't die, when the stock op refuses a shape
                 torch_times[n_w] = (None, f"torch op failed: {type(err).__name__}: {str(err)[:80]}")
         theirs, torch_note = torch_times[n_w]
-        call = lambda kw=kwargs: moe_grouped_gemm(**kw, meta=meta)  # noqa: E731
+        def call(kw: dict[str, Any] = kwargs) -> object:
+            return moe_grouped_gemm(**kw, meta=meta)
+
         row = _row(name, f"{shape} N={n_w} K={k}", _bench_replay(call), nbytes, flops, ceil, theirs, torch_note)
         eager, graph = _bench(call), _bench_graph(call)
         row.update(eager_us=eager * 1e6, graph_us=graph * 1e6, graph_tb_s=nbytes / graph / 1e12)
@@ -215,11 +223,15 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: "object
         if sweep and num_tokens in SWEEP_TOKENS and "fp8" in name:
             best, tried = None, []
             for block_m, block_n, warps, stages, per_sm in SWEEP:
-                cfg = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+                cfg: dict[str, Any] = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                                           programs_per_sm=per_sm)
                 if block_n != 128 and "fp8→fp8" in name:
                     continue  # the FP8 epilogue needs whole 128-channel groups
                 try:
-                    t = _bench_replay(lambda kw=kwargs, c=cfg: moe_grouped_gemm(**kw, meta=meta, **c))
+                    def tuned(kw: dict[str, Any] = kwargs, c: dict[str, Any] = cfg) -> object:
+                        return moe_grouped_gemm(**kw, meta=meta, **c)
+
+                    t = _bench_replay(tuned)
                 except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
                     print(f"  config {cfg} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
                     continue
@@ -245,8 +257,8 @@ def print_table(rows: list[dict[str, object]]) -> None:
     for r in rows:
         print(f"{r['kernel']:44} {r['shape']:48} {_fmt(r['us'], '7.1f')} {_fmt(r['tb_s'], '5.2f')} "
               f"{_fmt(r['tflop_s'], '7.1f')} {_fmt(r['pct_roofline'], '5.1f')} {_fmt(r['torch_us'], '8.1f')} "
-              f"{_fmt(r['speedup_vs_torch'], '7.2f')} {_fmt(r.get('eager_us'), '8.1f')} {_fmt(r.get('graph_us'), '7.1f')} "
-              f"{_fmt(r.get('graph_tb_s'), '5.2f')}")
+              f"{_fmt(r['speedup_vs_torch'], '7.2f')} {_fmt(r.get('eager_us'), '8.1f')} "
+              f"{_fmt(r.get('graph_us'), '7.1f')} {_fmt(r.get('graph_tb_s'), '5.2f')}")
     print("us: one graph replay, L2 flushed before each (the headline); eager us: plain launches, L2 flushed;"
           " b2b us: back-to-back replays, no flush")
 
