@@ -98,17 +98,17 @@ def services(config: StackConfig) -> list[Service]:
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
     for i in range(config.num_engines):
-        engine_port = free_port(host)
+        engine_port, metrics_port = free_port(host), free_port(host)
         engines.append(f"engine-{i}={host}:{engine_port}")
         argv = [*py, "services.engine", "--model", config.model, "--engine-id", f"engine-{i}", "--rank", str(i),
-                "--host", host,
-                "--grpc-port", str(engine_port), "--nats-url", nats_url, *sizing]
+                "--host", host, "--grpc-port", str(engine_port), "--metrics-port", str(metrics_port),
+                "--nats-url", nats_url, *sizing]
         if config.remote_workers:
             worker_port = free_port(host)
             stack.append(Service(f"worker-{i}", [*py, "services.worker", "--model", config.model, "--grpc-addr",
                                                  f"{host}:{worker_port}", *sizing], f"grpc:{worker_port}"))
             argv += ["--worker", f"{host}:{worker_port}"]
-        stack.append(Service(f"engine-{i}", argv, f"grpc:{engine_port}"))
+        stack.append(Service(f"engine-{i}", argv, f"grpc:{engine_port}", f"metrics http://{host}:{metrics_port}/metrics"))
     gateway = [*py, "services.gateway", "--tokenizer", f"{host}:{port['tokenizer']}", "--nats-url", nats_url,
                "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     for spec in engines:

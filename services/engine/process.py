@@ -44,6 +44,12 @@ async def run(args: argparse.Namespace) -> int:
         server.llm.engine.worker = publisher
     await server.start()
     address = server.urls()["grpc"]
+    metrics_port = None
+    if args.metrics_port is not None:
+        import prometheus_client as prom
+
+        http, _ = prom.start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
+        metrics_port = http.server_port
     reporter = None
     if args.nats_url:
         reporter = LoadReporter(args.nats_url, args.engine_id, address, server.engine.stats)
@@ -53,7 +59,7 @@ async def run(args: argparse.Namespace) -> int:
     worker = publisher.worker if publisher is not None else server.llm.engine.worker
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
-                      "grpc_port": server.grpc_port, "runner": runner}), flush=True)
+                      "grpc_port": server.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
     await stop.wait()
     if reporter is not None:
         await reporter.lifecycle("draining")
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

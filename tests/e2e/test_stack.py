@@ -47,6 +47,16 @@ def test_services_are_separate_processes(stack):
     assert by_name["eplb"]["argv"][2] == "services.eplb"
 
 
+def test_engines_export_their_pools_as_prometheus_metrics(stack):
+    _, by_name, _ = stack
+    for name in ("engine-0", "engine-1"):
+        url = by_name[name]["url"].removeprefix("metrics ")
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        assert re.search(r"^shinkai_engine_total_blocks [1-9]", text, re.M), text[:500]
+        assert "shinkai_engine_free_state_slots" in text
+
+
 def test_openai_client_through_the_gateway(stack):
     _, _, ready = stack
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
