@@ -78,7 +78,7 @@ def _moe_shape(model: str) -> tuple[int, int]:
 def services(config: StackConfig) -> list[Service]:
     """Every service of the stack, in start order. Ports of 0 are resolved to free ones here."""
     host = config.host
-    port = {name: free_port(host) for name in ("nats", "tokenizer", "eplb")}
+    port = {name: free_port(host) for name in ("nats", "tokenizer", "tokenizer_metrics", "eplb")}
     if config.nats_port:
         port["nats"] = config.nats_port
     http_port = config.http_port or free_port(host)
@@ -89,11 +89,12 @@ def services(config: StackConfig) -> list[Service]:
     stack = [
         Service("nats", [nats_server_binary(), "-a", host, "-p", str(port["nats"])], f"tcp:{port['nats']}", nats_url),
         Service("tokenizer", [*py, "services.tokenizer", "--model", config.model, "--grpc-addr",
-                              f"{host}:{port['tokenizer']}"], f"grpc:{port['tokenizer']}"),
+                              f"{host}:{port['tokenizer']}", "--metrics-port", str(port["tokenizer_metrics"])],
+                f"grpc:{port['tokenizer']}", f"metrics http://{host}:{port['tokenizer_metrics']}/metrics"),
         Service("eplb", [*py, "services.eplb", "--nats-url", nats_url, "--health-addr", f"{host}:{port['eplb']}",
                          "--num-experts", str(num_experts), "--num-gpus", "1", "--num-redundant", "0",
                          "--num-layers", str(num_layers), "--num-ranks", str(config.num_engines)],
-                f"grpc:{port['eplb']}"),
+                f"grpc:{port['eplb']}"),  # its --metrics-port binds every interface: left off in a loopback stack
     ]
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
@@ -104,9 +105,11 @@ def services(config: StackConfig) -> list[Service]:
                 "--host", host, "--grpc-port", str(engine_port), "--metrics-port", str(metrics_port),
                 "--nats-url", nats_url, *sizing]
         if config.remote_workers:
-            worker_port = free_port(host)
+            worker_port, worker_metrics = free_port(host), free_port(host)
             stack.append(Service(f"worker-{i}", [*py, "services.worker", "--model", config.model, "--grpc-addr",
-                                                 f"{host}:{worker_port}", *sizing], f"grpc:{worker_port}"))
+                                                 f"{host}:{worker_port}", "--metrics-port", str(worker_metrics),
+                                                 *sizing],
+                                 f"grpc:{worker_port}", f"metrics http://{host}:{worker_metrics}/metrics"))
             argv += ["--worker", f"{host}:{worker_port}"]
         stack.append(Service(f"engine-{i}", argv, f"grpc:{engine_port}", f"metrics http://{host}:{metrics_port}/metrics"))
     gateway = [*py, "services.gateway", "--tokenizer", f"{host}:{port['tokenizer']}", "--nats-url", nats_url,

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import prometheus_client as prom
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
@@ -41,6 +42,10 @@ def load_vocabulary(model: str) -> tuple[Tokenizer, int]:
 
 class TokenizerApi:
     def __init__(self, tokenizer: Tokenizer, bos_token_id: int) -> None:
+        self.registry = prom.CollectorRegistry()
+        # Calls by method ("Encode", "RenderChat", "Decode", "Detokenize" messages).
+        self.calls = prom.Counter("shinkai_tokenizer_calls", "tokenizer calls by method", ["method"],
+                                  registry=self.registry)
         self.tokenizer = tokenizer
         self.bos_token_id = bos_token_id
         self.vocab_size = tokenizer.get_vocab_size()
@@ -63,6 +68,7 @@ class TokenizerApi:
 
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         request = await self._parse(pb.EncodeRequest, raw, context)
+        self.calls.labels(method="Encode").inc()
         ids = self.tokenizer.encode(request.text, add_special_tokens=True).ids
         if request.add_bos and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
@@ -70,6 +76,7 @@ class TokenizerApi:
 
     async def render_chat(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RenderChatResponse:
         request = await self._parse(pb.RenderChatRequest, raw, context)
+        self.calls.labels(method="RenderChat").inc()
         try:
             if self.chat is None:
                 raise ChatError("chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own")
@@ -83,6 +90,7 @@ class TokenizerApi:
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
         request = await self._parse(pb.DecodeRequest, raw, context)
+        self.calls.labels(method="Decode").inc()
         await self._check_ids(request.token_ids, context)
         return pb.DecodeResponse(text=self.tokenizer.decode(list(request.token_ids),
                                                             skip_special_tokens=request.skip_special_tokens))
@@ -92,6 +100,7 @@ class TokenizerApi:
         detok = IncrementalDetokenizer(self.tokenizer)
         async for raw in requests:
             request = await self._parse(pb.DetokenizeRequest, raw, context)
+            self.calls.labels(method="Detokenize").inc()
             await self._check_ids(request.token_ids, context)
             text = detok.push(request.token_ids)
             if request.finish:
@@ -110,10 +119,14 @@ class TokenizerApi:
         })
 
 
-async def serve(model: str, grpc_addr: str) -> int:
+async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> int:
     tokenizer, bos = load_vocabulary(model)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((TokenizerApi(tokenizer, bos).handler(),))
+    api = TokenizerApi(tokenizer, bos)
+    server.add_generic_rpc_handlers((api.handler(),))
+    if metrics_port is not None:
+        http, _ = prom.start_http_server(metrics_port, addr=grpc_addr.rsplit(":", 1)[0], registry=api.registry)
+        metrics_port = http.server_port
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(grpc_addr)
@@ -124,7 +137,8 @@ async def serve(model: str, grpc_addr: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "service": "tokenizer", "grpc_port": port}), flush=True)
+    print(json.dumps({"event": "ready", "service": "tokenizer", "grpc_port": port, "metrics_port": metrics_port}),
+          flush=True)
     await stop.wait()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -137,5 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     args = p.parse_args(argv)
-    return asyncio.run(serve(args.model, args.grpc_addr))
+    return asyncio.run(serve(args.model, args.grpc_addr, args.metrics_port))

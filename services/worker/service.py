@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 import numpy as np
+import prometheus_client as prom
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -170,11 +171,20 @@ class WorkerApi(worker_pb2_grpc.WorkerServicer):
         self.info = pb.ModelInfo(model=model_name, config_sha256=hashes[0], weights_sha256=hashes[1],
                                  vocab_size=vocab_size)
         self._lock = threading.Lock()  # one step at a time: the runner's pools are not thread-safe
+        self.registry = prom.CollectorRegistry()
+        self.steps = prom.Counter("shinkai_worker_steps", "steps executed", registry=self.registry)
+        self.rows = prom.Counter("shinkai_worker_rows_computed", "rows the model ran", registry=self.registry)
+        self.step_seconds = prom.Histogram("shinkai_worker_step_seconds", "ExecuteStep time, decode to encode",
+                                           registry=self.registry)
 
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
-        plan, rows = decode_plan(request)
-        with self._lock:
-            return encode_output(self.worker.execute(plan, rows))
+        with self.step_seconds.time():
+            plan, rows = decode_plan(request)
+            with self._lock:
+                out = self.worker.execute(plan, rows)
+            self.steps.inc()
+            self.rows.inc(out.num_rows_computed)
+            return encode_output(out)
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         with self._lock:
@@ -197,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's; sizes the pools")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     args = p.parse_args(argv)
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
@@ -204,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     source = load_model(args.model, seed=args.model_seed)
     worker = Worker(default_runner(source, config))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerApi(worker, args.model, model_hashes(source), source.config.vocab_size), server)
+    api = WorkerApi(worker, args.model, model_hashes(source), source.config.vocab_size)
+    worker_pb2_grpc.add_WorkerServicer_to_server(api, server)
+    metrics_port = None
+    if args.metrics_port is not None:
+        http, _ = prom.start_http_server(args.metrics_port, addr=args.grpc_addr.rsplit(":", 1)[0],
+                                         registry=api.registry)
+        metrics_port = http.server_port
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(args.grpc_addr)
@@ -215,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(json.dumps({"event": "ready", "service": "worker", "grpc_port": port,
+    print(json.dumps({"event": "ready", "service": "worker", "grpc_port": port, "metrics_port": metrics_port,
                       "runner": type(worker.runner).__name__}), flush=True)
     stop.wait()
     for name in ("", SERVICE):

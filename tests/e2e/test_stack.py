@@ -47,7 +47,7 @@ def test_services_are_separate_processes(stack):
     assert by_name["eplb"]["argv"][2] == "services.eplb"
 
 
-def test_engines_export_their_pools_as_prometheus_metrics(stack):
+def test_engines_and_tokenizer_export_prometheus_metrics(stack):
     _, by_name, _ = stack
     for name in ("engine-0", "engine-1"):
         url = by_name[name]["url"].removeprefix("metrics ")
@@ -55,6 +55,8 @@ def test_engines_export_their_pools_as_prometheus_metrics(stack):
             text = r.read().decode()
         assert re.search(r"^shinkai_engine_total_blocks [1-9]", text, re.M), text[:500]
         assert "shinkai_engine_free_state_slots" in text
+    with urllib.request.urlopen(by_name["tokenizer"]["url"].removeprefix("metrics "), timeout=10) as r:
+        assert "shinkai_tokenizer_calls" in r.read().decode()
 
 
 def test_openai_client_through_the_gateway(stack):
