@@ -60,11 +60,9 @@ def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
 
 
 def test_a_worker_with_other_weights_is_refused(remote_llm):
-    proc, address = start_worker("--model-seed", "1")
-    try:
-        remote_worker = RemoteWorker(address)
-        with pytest.raises(ModelMismatch, match="weights"):
-            remote_worker.check_model(remote_llm.source)  # the engine's model has seed 0
-        remote_worker.close()
-    finally:
-        stop(proc)
+    from services.engine.model_source import load_model
+
+    other = load_model("tiny", seed=1)  # an engine whose model has other weights than the worker's (seed 0)
+    with pytest.raises(ModelMismatch, match="weights"):
+        remote_llm.engine.worker.check_model(other)
+    remote_llm.engine.worker.check_model(remote_llm.source)  # its own model passes
