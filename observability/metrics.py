@@ -1,0 +1,140 @@
+"""Every Prometheus metric name of Shinkai, defined once, and the metric sets the services register.
+
+Semantics follow vLLM's (`vllm:time_to_first_token_seconds` and friends) under the ``shinkai_`` prefix;
+the four gauges llm-d's router reads are also offered under their vLLM names. Each set registers on a
+registry its owner passes in (one per process endpoint), so tests never share a global registry.
+
+Invariants:
+- A name appears in this module only; services import the constant or the set, never spell the name.
+- Pool, queue and KV-usage gauges are read from the engine's stats at scrape time, so they are never stale.
+- A histogram's ``_count`` moves once per request that reached the point it measures (TTFT: the first
+  token; queue time: the first scheduled step; prefill: the first token; decode and e2e: the final output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import prometheus_client as prom
+
+# ---- names ---------------------------------------------------------------------------------------------
+
+# Per request, measured where the request enters the service that exposes them (gateway: HTTP/gRPC arrival).
+REQUESTS_STARTED = "shinkai_requests_started"
+REQUESTS_FINISHED = "shinkai_requests_finished"  # label reason: stop | length | abort | preempted | error
+REQUESTS_REJECTED = "shinkai_requests_rejected"
+PROMPT_TOKENS = "shinkai_prompt_tokens"
+GENERATION_TOKENS = "shinkai_generation_tokens"
+TTFT = "shinkai_time_to_first_token_seconds"
+ITL = "shinkai_inter_token_latency_seconds"
+E2E = "shinkai_e2e_request_latency_seconds"
+GATEWAY_ROUTED = "shinkai_gateway_routed"
+
+# Engine: phases of a request inside one engine (vLLM's request_queue/prefill/decode_time_seconds).
+QUEUE_TIME = "shinkai_request_queue_time_seconds"  # submitted → first scheduled step starts
+PREFILL_TIME = "shinkai_request_prefill_time_seconds"  # first scheduled step starts → first token out
+DECODE_TIME = "shinkai_request_decode_time_seconds"  # first token out → final output
+ENGINE_STEPS = "shinkai_engine_steps"  # label kind: prefill | decode | placeholder
+PLACEHOLDER_STEPS = "shinkai_engine_placeholder_steps"
+PREEMPTIONS = "shinkai_engine_preemptions"
+ABORTS = "shinkai_engine_aborts"  # label phase: waiting | prefill | decode
+KV_USAGE = "shinkai_engine_kv_usage"  # label pool: blocks | state_slots; 1 - free / total
+ENGINE_STAT_PREFIX = "shinkai_engine_"  # + num_running, num_waiting, free_blocks, total_blocks, ...
+ENGINE_STATS = (("num_running", "requests running"), ("num_waiting", "requests waiting"),
+                ("free_blocks", "free paged blocks"), ("total_blocks", "paged blocks"),
+                ("free_state_slots", "free state slots"), ("total_state_slots", "state slots"))
+
+# The llm-d router's four, under vLLM's names (label model_name, as vLLM has it).
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction in [0, 1], as vLLM reports it
+VLLM_CACHE_CONFIG = "vllm:cache_config_info"
+
+# Tokenizer, worker and EPLB planner processes.
+TOKENIZER_CALLS = "shinkai_tokenizer_calls"
+WORKER_STEPS = "shinkai_worker_steps"
+WORKER_ROWS = "shinkai_worker_rows_computed"
+WORKER_STEP_SECONDS = "shinkai_worker_step_seconds"
+MOE_LB = "shinkai_eplb_moe_lb"  # label layer; set only once the planner has expert-load data
+EPLB_PUBLISHED = "shinkai_eplb_plans_published"
+EPLB_REJECTED = "shinkai_eplb_plans_rejected"
+EPLB_REPORTS = "shinkai_eplb_load_reports"
+EPLB_BAD = "shinkai_eplb_bad_messages"
+EPLB_REPLAN_SECONDS = "shinkai_eplb_replan_seconds"
+
+# Latency buckets in seconds: the CPU reference runner is slow, a GPU is fast; cover both.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def exposition(registry: prom.CollectorRegistry) -> bytes:
+    return prom.generate_latest(registry)
+
+
+# ---- sets ----------------------------------------------------------------------------------------------
+
+
+class RequestMetrics:
+    """What a front end (gateway, `shinkai serve`, an engine's own API) sees of each request."""
+
+    def __init__(self, registry: prom.CollectorRegistry) -> None:
+        r = registry
+        self.started = prom.Counter(REQUESTS_STARTED, "requests queued to an engine", ["endpoint"], registry=r)
+        self.finished = prom.Counter(REQUESTS_FINISHED, "requests ended, by finish reason", ["reason"], registry=r)
+        self.rejected = prom.Counter(REQUESTS_REJECTED, "requests refused before queueing", ["reason"], registry=r)
+        self.routed = prom.Counter(GATEWAY_ROUTED, "requests routed to each engine", ["engine"], registry=r)
+        self.prompt_tokens = prom.Counter(PROMPT_TOKENS, "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = prom.Counter(GENERATION_TOKENS, "output tokens of finished requests", registry=r)
+        self.ttft = prom.Histogram(TTFT, "arrival to first output token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = prom.Histogram(ITL, "time between output tokens", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = prom.Histogram(E2E, "arrival to final output", buckets=LATENCY_BUCKETS, registry=r)
+
+
+def _usage(stats: Callable[[], Mapping[str, int]], pool: str) -> Callable[[], float]:
+    def read() -> float:
+        s = stats()
+        total = s[f"total_{pool}"]
+        return 1.0 - s[f"free_{pool}"] / total if total else 0.0
+    return read
+
+
+def _stat(stats: Callable[[], Mapping[str, int]], key: str) -> Callable[[], float]:
+    return lambda: float(stats()[key])
+
+
+class EngineMetrics:
+    """One engine replica: request phases, steps, preemptions, aborts, and its pools read at scrape time.
+
+    ``stats`` returns the engine's counts (`EngineService.stats`); ``cache_config`` the fixed pool sizes
+    for `vllm:cache_config_info` (its value is always 1, the information is in the labels).
+    """
+
+    def __init__(self, registry: prom.CollectorRegistry, stats: Callable[[], Mapping[str, int]], model_name: str,
+                 cache_config: Mapping[str, object]) -> None:
+        r = registry
+        self.queue_time = prom.Histogram(QUEUE_TIME, "submitted to first scheduled step", buckets=LATENCY_BUCKETS,
+                                         registry=r)
+        self.prefill_time = prom.Histogram(PREFILL_TIME, "first scheduled step to first token",
+                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = prom.Histogram(DECODE_TIME, "first token to final output", buckets=LATENCY_BUCKETS,
+                                          registry=r)
+        self.steps = prom.Counter(ENGINE_STEPS, "engine steps by kind", ["kind"], registry=r)
+        self.placeholder_steps = prom.Counter(PLACEHOLDER_STEPS, "steps run with no real rows", registry=r)
+        self.preemptions = prom.Counter(PREEMPTIONS, "requests preempted", registry=r)
+        self.aborts = prom.Counter(ABORTS, "requests aborted, by the phase they were in", ["phase"], registry=r)
+        for key, help_text in ENGINE_STATS:
+            prom.Gauge(ENGINE_STAT_PREFIX + key, help_text, registry=r).set_function(_stat(stats, key))
+        kv = prom.Gauge(KV_USAGE, "fraction of a pool in use", ["pool"], registry=r)
+        for pool in ("blocks", "state_slots"):
+            kv.labels(pool=pool).set_function(_usage(stats, pool))
+        model = {"model_name": model_name}
+        prom.Gauge(VLLM_RUNNING, "requests running (vLLM name)", list(model), registry=r).labels(
+            **model).set_function(_stat(stats, "num_running"))
+        prom.Gauge(VLLM_WAITING, "requests waiting (vLLM name)", list(model), registry=r).labels(
+            **model).set_function(_stat(stats, "num_waiting"))
+        # Either pool refuses admission when it is full, so the router sees the fuller one.
+        blocks, slots = _usage(stats, "blocks"), _usage(stats, "state_slots")
+        prom.Gauge(VLLM_KV_USAGE, "KV cache usage, the fuller pool (vLLM name)", list(model), registry=r).labels(
+            **model).set_function(lambda: max(blocks(), slots()))
+        info = {k: str(v) for k, v in cache_config.items()}
+        prom.Gauge(VLLM_CACHE_CONFIG, "cache configuration (vLLM name)", list(info), registry=r).labels(
+            **info).set(1)
