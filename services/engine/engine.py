@@ -44,6 +44,7 @@ class Engine:
             vocab_size=vocab_size,
         ))
         self.requests: dict[str, _Request] = {}
+        self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         self._seeds = random.SystemRandom()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -110,6 +111,7 @@ class Engine:
         plan = self.scheduler.schedule()
         executed = self.worker.execute(plan, self._sampling_rows(plan))
         updates = self.scheduler.update(plan, executed.result)
+        self.last_plan = plan
         return self._apply(plan, executed, updates)
 
     def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:

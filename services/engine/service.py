@@ -19,10 +19,13 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from observability import tracing
 from services.engine.engine import Engine
+from services.engine.observer import EngineObserver, RequestTimes
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 
@@ -65,8 +68,9 @@ class RequestStream:
     """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
 
     def __init__(self, service: EngineService, engine_id: str, client_id: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, times: RequestTimes) -> None:
         self.service = service
+        self.times = times  # phase boundaries, written by the step thread only
         self.engine_id = engine_id  # unique for the service's lifetime
         self.client_id = client_id  # the client's id; may repeat across live requests
         self.loop = loop
@@ -108,8 +112,10 @@ class _Abort:
 
 class EngineService:
     def __init__(self, engine: Engine, *, engine_name: str = "engine-0", max_queued: int = DEFAULT_MAX_QUEUED,
-                 idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.05, observer: EngineObserver | None = None) -> None:
         self.engine = engine
+        # Phase times, metrics and spans; its `metrics` may be set until start().
+        self.observer = observer or EngineObserver()
         self.name = engine_name
         # Unfinished requests (queued, waiting or running) above which `generate` raises QueueFull.
         self.max_queued = max_queued
@@ -175,7 +181,7 @@ class EngineService:
             if len(self._streams) >= self.max_queued:
                 raise QueueFull(len(self._streams))
             engine_id = f"{next(self._ids)}:{client_id}"
-            stream = RequestStream(self, engine_id, client_id, asyncio.get_running_loop())
+            stream = RequestStream(self, engine_id, client_id, asyncio.get_running_loop(), self.observer.submitted())
             self._streams[engine_id] = stream
         self._send(_Add(engine_id, list(prompt_token_ids), params))
         return stream
@@ -230,10 +236,18 @@ class EngineService:
                     if out is not None:
                         self._deliver(out)
 
+    def _times(self, engine_id: str) -> RequestTimes | None:
+        stream = self._streams.get(engine_id)  # one dict read: atomic; times are step-thread state
+        return stream.times if stream is not None else None
+
     def _step(self) -> None:
+        span = self.observer.step_started()
+        started = time.time_ns()
         try:
-            outputs = self.engine.step()
-        except Exception:
+            with tracing.active(span):
+                outputs = self.engine.step()
+        except Exception as err:
+            tracing.end(span, error=type(err).__name__)
             self.num_step_errors += 1
             log.exception("engine step failed; ending its requests with 'error'")
             for engine_id in list(self.engine.requests):
@@ -243,6 +257,7 @@ class EngineService:
                 self._deliver_final(engine_id, "error", None, None)
             return
         self.num_steps += 1
+        self.observer.step_finished(self.engine.last_plan, started, span, self._times)
         for out in outputs:
             self._deliver(out)
 
@@ -262,6 +277,10 @@ class EngineService:
             num_output_tokens=len(out.token_ids), finish_reason=out.finish_reason,
             stop_token_id=out.stop_token_id,
         )
+        if delta.token_ids:
+            self.observer.tokens(stream.times)
+        if out.finished:
+            self.observer.finished(stream.times, out.finish_reason or "error", len(out.token_ids))
         self._post(stream, delta)
 
     def _deliver_final(self, engine_id: str, reason: str, stop_token_id: int | None, why: str | None) -> None:
@@ -270,6 +289,7 @@ class EngineService:
         if stream is None:
             return
         stream.finished = True
+        self.observer.finished(stream.times, reason, stream.num_sent)
         if why:
             log.error("request %s ended with %s: %s", engine_id, reason, why)
         self._post(stream, Delta([], [], None, stream.num_sent, finish_reason=reason, stop_token_id=stop_token_id))
