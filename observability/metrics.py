@@ -66,18 +66,15 @@ EPLB_REPLAN_SECONDS = "shinkai_eplb_replan_seconds"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def exposition(registry: prom.CollectorRegistry) -> bytes:
-    return prom.generate_latest(registry)
-
-
 # ---- sets ----------------------------------------------------------------------------------------------
 
 
 class RequestMetrics:
-    """What a front end (gateway, `shinkai serve`, an engine's own API) sees of each request."""
+    """What a front end (gateway, `shinkai serve`, an engine's own API) sees of each request, on the
+    process endpoint's registry (a fresh one unless given; `EngineMetrics` may share it)."""
 
-    def __init__(self, registry: prom.CollectorRegistry) -> None:
-        r = registry
+    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else prom.CollectorRegistry()
         self.started = prom.Counter(REQUESTS_STARTED, "requests queued to an engine", ["endpoint"], registry=r)
         self.finished = prom.Counter(REQUESTS_FINISHED, "requests ended, by finish reason", ["reason"], registry=r)
         self.rejected = prom.Counter(REQUESTS_REJECTED, "requests refused before queueing", ["reason"], registry=r)
@@ -87,6 +84,10 @@ class RequestMetrics:
         self.ttft = prom.Histogram(TTFT, "arrival to first output token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = prom.Histogram(ITL, "time between output tokens", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = prom.Histogram(E2E, "arrival to final output", buckets=LATENCY_BUCKETS, registry=r)
+
+    def exposition(self) -> bytes:
+        """The text format of everything on the registry (engine metrics included when they share it)."""
+        return prom.generate_latest(self.registry)
 
 
 def _usage(stats: Callable[[], Mapping[str, int]], pool: str) -> Callable[[], float]:

@@ -13,12 +13,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from observability import tracing
+from observability.metrics import RequestMetrics
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.gateway import errors
 from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
 from services.gateway.errors import ApiError
-from services.gateway.metrics import GatewayMetrics
 from services.tokenizer.chat import ChatError
 
 
@@ -40,6 +41,8 @@ class GenerateArgs:
     client_id: str | None = None
     # Which API this came through (a metrics label).
     endpoint: str = "generate"
+    # The caller's trace context (W3C, from HTTP headers or gRPC metadata); None: a new trace, or tracing off.
+    trace_parent: Any = None
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Generation:
     """A started request's pieces. ``close()`` (or leaving ``async for`` early and closing) aborts it."""
 
     def __init__(self, frontend: Frontend, stream: DeltaStream, detokenizer: Detokenizer, client_id: str,
-                 num_prompt_tokens: int, endpoint: str) -> None:
+                 num_prompt_tokens: int, endpoint: str, arrival: float, span: Any = None,
+                 detokenize_span: Any = None) -> None:
         self.frontend = frontend
         self.stream = stream
         self.detokenizer = detokenizer
@@ -73,7 +77,10 @@ class Generation:
         self.num_prompt_tokens = num_prompt_tokens
         self.endpoint = endpoint
         self.created = int(time.time())
-        self._start = time.monotonic()
+        self._start = arrival  # monotonic time the request arrived: TTFT and e2e count from here
+        # The request's span and its detokenize child (None when tracing is off); both end with the final piece.
+        self.span = span
+        self.detokenize_span = detokenize_span
         self._last: float | None = None  # time of the latest token-bearing delta
         self.finish_reason: str | None = None
 
@@ -99,7 +106,14 @@ class Generation:
             metrics.finished.labels(reason=delta.finish_reason).inc()
             metrics.generation_tokens.inc(delta.num_output_tokens)
             metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            self._end_spans(delta.finish_reason, delta.num_output_tokens)
         return Piece(delta, text)
+
+    def _end_spans(self, reason: str, num_output_tokens: int) -> None:
+        tracing.end(self.detokenize_span)
+        tracing.end(self.span, {"request.finish_reason": reason, "request.output_tokens": num_output_tokens},
+                    error=reason if reason == "error" else None)
+        self.span = self.detokenize_span = None
 
     def close(self) -> None:
         """Aborts the request unless its final piece was read (a disconnect or cancel). Idempotent."""
@@ -107,12 +121,13 @@ class Generation:
             self.finish_reason = "abort"
             self.frontend.metrics.finished.labels(reason="abort").inc()
             self.detokenizer.close()
+            self._end_spans("abort", 0)
         self.stream.close()
 
 
 class Frontend:
     def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: RequestMetrics) -> None:
         self.info = info
         self.engine = engine
         self.tokenizer = tokenizer
@@ -140,21 +155,40 @@ class Frontend:
         return list(args.prompt_token_ids or [])
 
     async def start(self, args: GenerateArgs) -> Generation:
-        """Checks, encodes and queues; raises ApiError with nothing queued."""
+        """Checks, encodes and queues; raises ApiError with nothing queued. The request's span (a child of
+        ``args.trace_parent``) is current while the tokenizer and the engine are called, so they join its trace."""
+        arrival = time.monotonic()
         self.check_model(args.model)
         client_id = args.client_id or f"req-{uuid.uuid4().hex}"
+        span = tracing.start_span("request", args.trace_parent, {"request.id": client_id,
+                                                                 "request.endpoint": args.endpoint})
         try:
-            ids = await self.prompt_ids(args)
-            stream = await self.engine.submit(client_id, ids, args.params)
+            with tracing.active(span):
+                with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
+                    ids = await self.prompt_ids(args)
+                stream = await self.engine.submit(client_id, ids, args.params)
+                detokenize_span = tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) \
+                    else None
+                with tracing.active(detokenize_span):
+                    detokenizer = self.tokenizer.detokenizer()
         except ValueError as err:
+            tracing.end(span, error="invalid")
             raise errors.invalid(str(err)) from err
         except QueueFull as err:
+            tracing.end(span, error="queue_full")
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise ApiError(errors.QUEUE_FULL, str(err), code="queue_full", retry_after_s=err.retry_after_s) from err
         except ShuttingDown as err:
+            tracing.end(span, error="unavailable")
             raise ApiError(errors.UNAVAILABLE, str(err), code="shutting_down") from err
+        except BaseException:
+            tracing.end(span, error="failed")
+            raise
+        if span is not None:
+            span.set_attribute("request.prompt_tokens", len(ids))
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(self, stream, self.tokenizer.detokenizer(), client_id, len(ids), args.endpoint)
+        return Generation(self, stream, detokenizer, client_id, len(ids), args.endpoint, arrival, span,
+                          detokenize_span)
 
     async def abort(self, client_id: str) -> bool:
         return await self.engine.abort(client_id)

@@ -4,8 +4,10 @@ the tokenizer service and one or more engine processes, routing by their NATS lo
     python -m services.gateway --tokenizer 127.0.0.1:P --engine engine-0=127.0.0.1:Q [--engine ...] \\
         --nats-url nats://127.0.0.1:R --http-port 8000 --grpc-port 50051
 
-It prints one JSON ready line. SIGTERM: NOT_SERVING and 503 for new requests, live streams get
-``--drain-timeout`` seconds, then exit 0.
+It prints one JSON ready line. Health (grpc.health.v1, /health) is NOT_SERVING / 503 while no engine is
+reachable and serving (`services/gateway/engine_health.py`); ``GET /ready`` runs a real one-token generation.
+SIGTERM: NOT_SERVING and 503 for new requests, live streams get ``--drain-timeout`` seconds to finish, then
+every stream still live is ended with a final "abort" message, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import signal
 
 async def run(args: argparse.Namespace) -> int:
     from services.gateway.api_server import ApiServer
+    from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend, ModelInfo
-    from services.gateway.metrics import GatewayMetrics
+    from observability.metrics import RequestMetrics
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
 
@@ -27,7 +30,7 @@ async def run(args: argparse.Namespace) -> int:
     for i, spec in enumerate(args.engine):
         name, _, address = spec.rpartition("=")
         engines.append(RemoteEngine(name or f"engine-{i}", address))
-    metrics = GatewayMetrics()
+    metrics = RequestMetrics()
     router = EngineRouter(engines, on_route=lambda engine_id: metrics.routed.labels(engine=engine_id).inc())
     if args.nats_url:
         await router.subscribe(args.nats_url)
@@ -43,18 +46,27 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await api.start()
+    engine_health = EngineHealth(router, api.set_problem)
+    await engine_health.poll()
+    watching = asyncio.create_task(engine_health.run())
     print(json.dumps({"event": "ready", "service": "gateway", **api.urls(), "http_port": api.http_port,
                       "grpc_port": api.grpc_port, "model": info.model, "engines": len(engines)}), flush=True)
     await stop.wait()
+    watching.cancel()
     await api.close_intake()
     deadline = loop.time() + args.drain_timeout
-    while any(s.live for s in router.states.values()) and loop.time() < deadline:
+    while router.streams and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    aborted = router.abort_live()  # past the grace period: each still-live client gets a final "abort"
+    deadline = loop.time() + 5.0
+    while router.streams and loop.time() < deadline:  # until their readers have sent those finals
         await asyncio.sleep(0.05)
     await api.stop()
     await router.close()
     await tokenizer.close()
     routed = {name: s.num_routed for name, s in router.states.items()}
-    print(json.dumps({"event": "stopped", "service": "gateway", "routed": routed}), flush=True)
+    print(json.dumps({"event": "stopped", "service": "gateway", "routed": routed, "aborted_at_drain": aborted}),
+          flush=True)
     return 0
 
 

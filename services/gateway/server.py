@@ -12,12 +12,12 @@ import logging
 from dataclasses import dataclass, field
 
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
+from observability.metrics import EngineMetrics, RequestMetrics
 from services.engine.llm import LLM
 from services.engine.service import DEFAULT_MAX_QUEUED, EngineService
 from services.gateway.api_server import ApiServer
 from services.gateway.backends import LocalEngine, LocalTokenizer
 from services.gateway.frontend import Frontend, ModelInfo
-from services.gateway.metrics import GatewayMetrics
 from services.tokenizer.chat import ChatRenderer
 
 log = logging.getLogger("shinkai.serve")
@@ -42,14 +42,17 @@ class Server:
         self.config = config
         self.llm = llm or LLM(model=config.model, **config.engine_args)
         self.engine = EngineService(self.llm.engine, engine_name=config.engine_name, max_queued=config.max_queued)
-        self.metrics = GatewayMetrics()
-        self.metrics.watch_engine(self.engine.stats)
+        self.metrics = RequestMetrics()  # the endpoint's registry: request metrics, then the engine's
         cfg = self.llm.source.config
         chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
         info = ModelInfo(model=config.served_model_name or config.model, vocab_size=cfg.vocab_size,
                          max_model_len=self.llm.config.max_model_len, bos_token_id=cfg.bos_token_id,
                          eos_token_id=cfg.eos_token_id, max_num_seqs=self.llm.config.max_num_seqs)
         self.chat = chat
+        stats = self.engine.stats()
+        self.engine.observer.metrics = EngineMetrics(self.metrics.registry, self.engine.stats, info.model, {
+            "engine": config.engine_name, "block_size": self.llm.config.block_size,
+            "num_gpu_blocks": stats["total_blocks"], "num_state_slots": stats["total_state_slots"]})
         self.frontend = Frontend(info, LocalEngine(self.engine), LocalTokenizer(self.llm, chat, config.detokenize),
                                  self.metrics)
         self.api = ApiServer(self.frontend, config.host, config.http_port, config.grpc_port)
