@@ -19,6 +19,7 @@ EXPERT_PLAN = "shinkai.eplb.plan"
 # "total_blocks", "free_state_slots", "total_state_slots", "time"} (`services/engine/reporter.py`).
 ENGINE_LOAD = "shinkai.engine.load"
 
-# Engines → anyone watching. JSON {"engine_id", "address", "state": "up" | "draining" | "down", "time"}
-# when an engine becomes ready, starts draining, and has stopped (`services/engine/reporter.py`).
+# Engines → anyone watching. JSON {"engine_id", "address", "state": "up" | "unhealthy" | "draining" | "down",
+# "time"} when an engine becomes ready (or its lost worker is back), loses its worker, starts draining, and
+# has stopped (`services/engine/reporter.py`, `services/engine/process.py`). Only "up" takes requests.
 ENGINE_LIFECYCLE = "shinkai.engine.lifecycle"

@@ -5,6 +5,10 @@ tokenizer service detokenizes), grpc.health.v1, and publishes load reports and l
 The worker runs in-process, or in its own process with ``--worker ADDR``; with NATS, every step's
 expert counts also go to the EPLB planner (`services/engine/expert_loads.py`). SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
 ``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
+
+A remote worker is watched by heartbeat (`services/engine/heartbeat.py`): while it is gone the engine is
+NOT_SERVING, refuses new requests (UNAVAILABLE) and announces "unhealthy" on NATS, and the requests it held
+end with "error"; once the worker answers again and serves the same model, "up" and SERVING again.
 """
 
 from __future__ import annotations
@@ -12,7 +16,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
+
+log = logging.getLogger("shinkai.engine.process")
+
+
+async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -> None:
+    """Keeps health and lifecycle in step with the worker's heartbeat (runs until cancelled)."""
+    lost = False
+    while True:
+        await asyncio.sleep(interval_s)
+        if remote.alive != lost:
+            continue  # no change
+        if lost:
+            try:  # a restarted worker must still serve the engine's model
+                await asyncio.to_thread(remote.check_model, source, 10.0)
+            except Exception as err:
+                log.error("worker %s is back but refused: %s", remote.address, err)
+                await asyncio.sleep(1.0)
+                continue
+        lost = not lost
+        log.warning("worker %s %s", remote.address, "lost: not serving" if lost else "back: serving again")
+        await api.set_problem(f"the worker at {remote.address} is not answering" if lost else None)
+        if reporter is not None:
+            await reporter.lifecycle("unhealthy" if lost else "up")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -29,6 +57,7 @@ async def run(args: argparse.Namespace) -> int:
         remote = RemoteWorker(args.worker)
         llm = LLM(model=args.model, worker=remote, **engine_args)
         remote.check_model(llm.source)  # refuses a worker serving another model
+        remote.heartbeat.start()
     server = Server(ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                                 http_port=None, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
                                 engine_args=engine_args, engine_name=args.engine_id, detokenize=False), llm=llm)
@@ -60,7 +89,12 @@ async def run(args: argparse.Namespace) -> int:
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
                       "grpc_port": server.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
+    watch = None
+    if args.worker:
+        watch = asyncio.create_task(watch_worker(remote, llm.source, server.api, reporter))
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     if reporter is not None:
         await reporter.lifecycle("draining")
     await server.stop()
@@ -71,8 +105,6 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
-
     p = argparse.ArgumentParser(prog="python -m services.engine", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--served-model-name", default=None)

@@ -3,14 +3,21 @@ the in-process `Worker`, so `Engine` cannot tell them apart. Calls block: they r
 
 At connect time the worker's config and weight hashes must equal the engine's own model's, or
 `ModelMismatch` is raised: an engine never schedules for a different model.
+
+A step whose worker dies (the call fails) or stops answering its heartbeat (`WorkerHeartbeat`) raises
+`WorkerLost` promptly; the engine's step loop then ends that step's requests with "error". ``release``
+never raises: a worker that is gone has dropped the request's state with everything else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import logging
+
 import grpc
 
+from services.engine.heartbeat import WorkerHeartbeat
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.sampler import SamplingRow
@@ -18,6 +25,11 @@ from services.worker.service import decode_output, encode_plan, model_hashes
 from services.worker.worker import WorkerOutput
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a step's logprob arrays can be large
+log = logging.getLogger("shinkai.engine.remote_worker")
+
+
+class WorkerLost(RuntimeError):
+    """The worker failed the step, or stopped answering its heartbeat while it held one."""
 
 
 class ModelMismatch(RuntimeError):
@@ -25,13 +37,15 @@ class ModelMismatch(RuntimeError):
 
 
 class RemoteWorker:
-    def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 600.0, heartbeat_s: float = 0.5,
+                 heartbeat_timeout_s: float = 3.0) -> None:
         self.address = address
         self.timeout_s = timeout_s  # per step
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.heartbeat = WorkerHeartbeat(self.channel, address, interval_s=heartbeat_s, timeout_s=heartbeat_timeout_s)
 
     def check_model(self, source, connect_timeout_s: float = 60.0) -> pb.ModelInfo:
         """Waits for the worker, then compares its hashes with ``source``'s (a ModelSource)."""
@@ -44,11 +58,38 @@ class RemoteWorker:
                                 f"{(config_sha if what == 'config' else weights_sha)[:12]}…)")
         return info
 
+    @property
+    def alive(self) -> bool:
+        return self.heartbeat.alive
+
     def execute(self, plan, rows: Sequence[SamplingRow]) -> WorkerOutput:
-        return decode_output(self.stub.ExecuteStep(encode_plan(plan, rows), timeout=self.timeout_s))
+        if not self.heartbeat.alive:
+            raise WorkerLost(f"the worker at {self.address} is not answering its heartbeat")
+        call = self.stub.ExecuteStep.future(encode_plan(plan, rows), timeout=self.timeout_s)
+        poll_s = self.heartbeat.interval_s
+        while True:
+            try:
+                return decode_output(call.result(timeout=poll_s))
+            except grpc.FutureTimeoutError:
+                if not self.heartbeat.alive:  # died or hung holding the step: do not wait for the deadline
+                    call.cancel()
+                    raise WorkerLost(f"the worker at {self.address} stopped answering its heartbeat "
+                                     f"during step {plan.step_id}") from None
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self.heartbeat.mark_lost()  # the process is gone: refuse work until it answers again
+                raise WorkerLost(f"the worker at {self.address} failed step {plan.step_id}: "
+                                 f"{err.code().name} {err.details()}") from None
 
     def release(self, request_id: str) -> None:
-        self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=self.timeout_s)
+        if not self.heartbeat.alive:
+            return  # a lost worker dropped every request's state; do not wait on it once per request
+        try:
+            self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=min(self.timeout_s, 5.0))
+        except grpc.RpcError as err:
+            log.warning("release of %s on %s failed (%s); a lost worker has dropped it anyway",
+                        request_id, self.address, err.code().name)
 
     def close(self) -> None:
+        self.heartbeat.stop()
         self.channel.close()

@@ -16,6 +16,7 @@ from typing import Any
 from services import subjects
 
 log = logging.getLogger("shinkai.engine.reporter")
+FLUSH_TIMEOUT_S = 2.0  # the deadline of every round trip to NATS (there are no request/reply calls)
 
 
 class LoadReporter:
@@ -37,7 +38,7 @@ class LoadReporter:
             log.warning("nats: %s", err or type(err).__name__)
 
         self.nc = await nats.connect(self.nats_url, name=f"shinkai-{self.engine_id}", max_reconnect_attempts=-1,
-                                      error_cb=on_error)
+                                      error_cb=on_error, connect_timeout=FLUSH_TIMEOUT_S, reconnect_time_wait=0.5)
         await self.lifecycle("up")
         self._task = asyncio.create_task(self._loop())
 
@@ -46,7 +47,10 @@ class LoadReporter:
 
     async def _loop(self) -> None:
         while True:
-            await self.publish_load()
+            try:
+                await self.publish_load()
+            except Exception as err:  # NATS away (restarting): the next interval tries again
+                log.warning("load report not published: %s", err or type(err).__name__)
             await asyncio.sleep(self.interval_s)
 
     async def publish_load(self) -> None:
@@ -55,8 +59,11 @@ class LoadReporter:
 
     async def lifecycle(self, state: str) -> None:
         message = {"engine_id": self.engine_id, "address": self.address, "state": state, "time": time.time()}
-        await self.nc.publish(subjects.ENGINE_LIFECYCLE, json.dumps(message).encode())
-        await self.nc.flush()
+        try:
+            await self.nc.publish(subjects.ENGINE_LIFECYCLE, json.dumps(message).encode())
+            await self.nc.flush(timeout=FLUSH_TIMEOUT_S)
+        except Exception as err:  # best effort: a lifecycle event never blocks the engine
+            log.warning("lifecycle %r not confirmed by NATS: %s", state, err or type(err).__name__)
 
     async def stop(self) -> None:
         """Publishes "down" and closes the connection."""

@@ -2,7 +2,9 @@
 asyncio loop. Shared by `shinkai serve`, an engine process (gRPC only) and the gateway process.
 
 ``close_intake()`` turns health NOT_SERVING, /health 503 and new requests 503 / UNAVAILABLE; ``stop()``
-then closes the listeners (live HTTP streams get a few seconds).
+then closes the listeners (live HTTP streams get a few seconds). ``set_problem(why)`` does the same while a
+dependency is gone (a dead worker, no engine reachable) and ``set_problem(None)`` undoes it; /health names
+the problem. Invariant: SERVING ⇔ taking requests and no problem.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class ApiServer:
         self.host = host  # bind address of both listeners
         self._want_http_port = http_port  # None: no HTTP; 0: any free port
         self._want_grpc_port = grpc_port  # 0: any free port
-        self.ready = False  # taking new requests
+        self.ready = False  # taking new requests (False from close_intake on, for good)
+        self.problem: str | None = None  # a dependency that is gone, while it is gone
         self.health = health.aio.HealthServicer()
         self.http_port: int | None = None  # bound ports, once started
         self.grpc_port: int | None = None
@@ -51,7 +54,7 @@ class ApiServer:
 
     async def start(self) -> None:
         self._grpc = grpc.aio.server()
-        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, lambda: self.ready).handler(),))
+        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want_grpc_port}")
         await self._set_health(False)
@@ -70,7 +73,7 @@ class ApiServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, port))
         self.http_port = sock.getsockname()[1]
-        app = build_app(self.frontend, is_ready=lambda: self.ready)
+        app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem)
         self._uvicorn = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
                                                 timeout_graceful_shutdown=5))
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
@@ -78,6 +81,17 @@ class ApiServer:
             if self._http_task.done():
                 self._http_task.result()  # raises what uvicorn raised
             await asyncio.sleep(0.01)
+
+    def serving(self) -> bool:
+        return self.ready and self.problem is None
+
+    def health_problem(self) -> str | None:
+        """None while serving; else why not ("draining", or the dependency that is gone)."""
+        return None if self.serving() else ("draining" if not self.ready else self.problem)
+
+    async def set_problem(self, problem: str | None) -> None:
+        self.problem = problem
+        await self._set_health(self.serving())
 
     async def close_intake(self) -> None:
         self.ready = False

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway import errors
 from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, Generation, Piece
+from services.gateway.probe import probe
 from services.gateway.openai_protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
     parse_completion
 
@@ -144,7 +145,9 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True,
+              health_problem: Callable[[], str | None] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    problem = health_problem or (lambda: None if is_ready() else "draining")
     app = FastAPI(title="Shinkai", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -165,7 +168,10 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
 
     async def _generate(request: Request, chat: bool) -> Response:
         if not is_ready():
-            raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
+            why = problem()
+            if why in (None, "draining"):
+                raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
+            raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
         body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
         max_len = frontend.info.max_model_len
         parsed = parse_chat(body, max_len) if chat else parse_completion(body, max_len)
@@ -215,8 +221,19 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
 
     @app.get("/health")
     async def health() -> Response:
-        if not is_ready():
-            return JSONResponse({"status": "draining"}, status_code=503)
+        why = problem()
+        if why is not None:
+            return JSONResponse({"status": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: a real one-token generation through tokenizer-free token ids, engine and worker."""
+        why = problem()
+        if why is None:
+            why = await probe(frontend)
+        if why is not None:
+            return JSONResponse({"status": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

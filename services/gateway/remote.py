@@ -6,6 +6,7 @@ UNAVAILABLE → ShuttingDown.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -54,36 +55,49 @@ class RemoteStream:
         self.call = call
         self._first: pb.GenerateResponse | None = first  # read by submit to surface errors early
         self._done = False
+        self._cancelled = False  # close() cancelled the call: the next delta is the final "abort"
+        self._num_output_tokens = 0  # as of the latest chunk, for a final this side has to make
 
     def __aiter__(self) -> RemoteStream:
         return self
 
+    def _final(self, reason: str) -> Delta:
+        self._done = True
+        return Delta([], [], None, self._num_output_tokens, finish_reason=reason)
+
     async def __anext__(self) -> Delta:
         if self._done:
             raise StopAsyncIteration
+        if self._cancelled:
+            return self._final("abort")
         if self._first is not None:
             response, self._first = self._first, None
         else:
             try:
                 response = await self.call.read()
             except grpc.aio.AioRpcError as err:  # the engine went away mid-stream
-                self._done = True
-                return Delta([], [], None, 0, finish_reason="error" if err.code() != grpc.StatusCode.CANCELLED
-                             else "abort")
+                return self._final("error" if err.code() != grpc.StatusCode.CANCELLED else "abort")
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._cancelled or (task is not None and task.cancelling()):
+                    raise  # our reader was cancelled, not just the call
+                return self._final("abort")  # grpc.aio raises this for a call cancelled locally
             if response is grpc.aio.EOF:
-                self._done = True
-                return Delta([], [], None, 0, finish_reason="error")
+                return self._final("abort" if self._cancelled else "error")
         if response.WhichOneof("kind") == "final":
             self._done = True
             f = response.final
             return Delta([], [], None, f.usage.completion_tokens, finish_reason=REASONS[f.finish_reason],
                          stop_token_id=f.stop_token_id if f.HasField("stop_token_id") else None)
         c = response.chunk
+        self._num_output_tokens = c.num_output_tokens
         tops = [[(e.token_id, e.logprob) for e in t.entries] for t in c.top_logprobs] or None
         return Delta(list(c.token_ids), list(c.logprobs), tops, c.num_output_tokens)
 
     def close(self) -> None:
+        """Cancels the call (the engine then aborts the request); a reader still reading gets "abort"."""
         if not self._done:
+            self._cancelled = True
             self.call.cancel()
 
 

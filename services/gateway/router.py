@@ -23,6 +23,7 @@ from services.engine.service import Delta, ShuttingDown
 from services.gateway.remote import RemoteEngine, RemoteStream
 
 log = logging.getLogger("shinkai.gateway.router")
+NATS_TIMEOUT_S = 5.0  # the deadline of every round trip to NATS (there are no request/reply calls)
 
 
 @dataclass
@@ -31,7 +32,8 @@ class _EngineState:
     reported_load: int = 0  # running + waiting + queued in the engine's latest load report
     sent_since_report: int = 0  # requests routed to it after that report
     live: int = 0  # requests of this gateway still streaming from it
-    accepting: bool = True  # False after a "draining" or "down" lifecycle event
+    accepting: bool = True  # False after a "draining", "unhealthy" or "down" lifecycle event
+    healthy: bool = True  # its grpc.health.v1 answered SERVING at the latest poll (`EngineHealth`)
     num_routed: int = 0  # requests routed to it, ever
 
     @property
@@ -42,9 +44,10 @@ class _EngineState:
 class _CountedStream:
     """A `RemoteStream` that gives its engine's live count back when it ends or is closed."""
 
-    def __init__(self, inner: RemoteStream, state: _EngineState) -> None:
+    def __init__(self, inner: RemoteStream, state: _EngineState, registry: set | None = None) -> None:
         self.inner = inner
         self.state = state
+        self._registry = registry if registry is not None else set()  # the router's live streams
         self._counted = True
 
     def __aiter__(self) -> _CountedStream:
@@ -60,9 +63,15 @@ class _CountedStream:
         if self._counted:
             self._counted = False
             self.state.live -= 1
+            self._registry.discard(self)
 
     def close(self) -> None:
         self._release()
+        self.inner.close()
+
+    def abort(self) -> None:
+        """Cancels the engine call; the reader's next delta is then the final "abort" (the stream stays live
+        for the reader until it has read it)."""
         self.inner.close()
 
 
@@ -73,6 +82,7 @@ class EngineRouter:
         self._turn = itertools.count()
         self._nc: Any = None  # nats.aio.client.Client, when subscribed
         self.num_reports = 0
+        self.streams: set[_CountedStream] = set()  # routed and not yet ended or closed
 
     async def subscribe(self, nats_url: str) -> None:
         import nats
@@ -80,10 +90,11 @@ class EngineRouter:
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s", err or type(err).__name__)
 
-        self._nc = await nats.connect(nats_url, name="shinkai-gateway", max_reconnect_attempts=-1, error_cb=on_error)
+        self._nc = await nats.connect(nats_url, name="shinkai-gateway", max_reconnect_attempts=-1, error_cb=on_error,
+                                      connect_timeout=NATS_TIMEOUT_S, reconnect_time_wait=0.5)
         await self._nc.subscribe(subjects.ENGINE_LOAD, cb=self._on_load)
         await self._nc.subscribe(subjects.ENGINE_LIFECYCLE, cb=self._on_lifecycle)
-        await self._nc.flush()
+        await self._nc.flush(timeout=NATS_TIMEOUT_S)
 
     async def _on_load(self, msg: Any) -> None:
         try:
@@ -108,7 +119,7 @@ class EngineRouter:
             state.accepting = event.get("state") == "up"
 
     def pick(self) -> _EngineState:
-        candidates = [s for s in self.states.values() if s.accepting]
+        candidates = [s for s in self.states.values() if s.accepting and s.healthy]
         if not candidates:
             raise ShuttingDown("no engine is taking requests")
         turn = next(self._turn)
@@ -122,7 +133,16 @@ class EngineRouter:
         state.live += 1
         state.num_routed += 1
         self.on_route(state.engine.engine_id)
-        return _CountedStream(stream, state)
+        counted = _CountedStream(stream, state, self.streams)
+        self.streams.add(counted)
+        return counted
+
+    def abort_live(self) -> int:
+        """Ends every routed stream with a final "abort" (drain past its grace period); returns how many."""
+        live = list(self.streams)
+        for stream in live:
+            stream.abort()
+        return len(live)
 
     async def abort(self, client_id: str) -> bool:
         found = await asyncio.gather(*(s.engine.abort(client_id) for s in self.states.values()),

@@ -1,0 +1,73 @@
+"""The engine's heartbeat on its worker process: a thread that asks the worker's grpc.health.v1 every
+``interval_s`` with a deadline of ``interval_s``.
+
+Invariants:
+- The worker counts as alive while its latest SERVING answer is at most ``timeout_s`` old. A worker that
+  died holding a step (killed, or hung: SIGSTOP, a wedged device) stops answering, so the step in flight is
+  abandoned within ``timeout_s`` plus one poll, not after the step's own (long) gRPC deadline.
+- ``alive`` only reads a timestamp: the step thread may ask it as often as it likes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("shinkai.engine.heartbeat")
+
+
+class WorkerHeartbeat:
+    def __init__(self, channel: grpc.Channel, address: str, *, interval_s: float = 0.25,
+                 timeout_s: float = 1.0) -> None:
+        self.stub = health_pb2_grpc.HealthStub(channel)
+        self.address = address
+        self.interval_s = interval_s  # seconds between health checks, and each check's deadline
+        self.timeout_s = timeout_s  # no SERVING answer for this long: the worker is gone
+        self._last_ok = time.monotonic()  # counts as alive from the start (check_model waited for it)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_missed = 0  # checks that got no SERVING answer, ever
+
+    @property
+    def alive(self) -> bool:
+        return time.monotonic() - self._last_ok <= self.timeout_s
+
+    def mark_lost(self) -> None:
+        """The step call itself found the worker gone (connection refused or reset): dead until it answers."""
+        self._last_ok = float("-inf")
+
+    def beat(self) -> bool:
+        """One health check; True when the worker answered SERVING."""
+        try:
+            reply = self.stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.interval_s)
+        except grpc.RpcError:
+            self.num_missed += 1
+            return False
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            self.num_missed += 1
+            return False
+        self._last_ok = time.monotonic()
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.address}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        was_alive = True
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.beat()
+            if self.alive != was_alive:
+                was_alive = self.alive
+                log.warning("worker %s is %s", self.address, "back" if was_alive else "gone (no heartbeat)")
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
