@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from observability import tracing
 from services import subjects
 from services.eplb.messages import LoadReport
 from services.worker.sampler import SamplingRow
@@ -36,12 +37,14 @@ class ExpertLoadPublisher:
         self.num_steps += 1
         if out.expert_counts is not None and self.nc is not None:
             report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=out.expert_counts.numpy())
-            asyncio.run_coroutine_threadsafe(self._publish(report.encode()), self.loop)
+            # Taken here, on the step thread, where a traced step's span is current.
+            headers = tracing.nats_headers()
+            asyncio.run_coroutine_threadsafe(self._publish(report.encode(), headers), self.loop)
         return out
 
-    async def _publish(self, data: bytes) -> None:
+    async def _publish(self, data: bytes, headers: dict[str, str] | None = None) -> None:
         try:
-            await self.nc.publish(subjects.EXPERT_LOAD, data)
+            await self.nc.publish(subjects.EXPERT_LOAD, data, headers=headers)
             self.num_published += 1
         except Exception as err:  # NATS down: the engine keeps serving
             log.warning("expert-load report not published: %s", err)

@@ -23,6 +23,8 @@ import grpc
 import prometheus_client as prom
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from observability import metrics as names
+from observability import tracing
 from services import subjects
 from services.eplb.guarded import POLICIES, PlanConfig
 from services.eplb.messages import MessageError, decode_load
@@ -47,16 +49,16 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = prom.CollectorRegistry()
-        self.moe_lb = prom.Gauge("shinkai_eplb_moe_lb", "moe_lb of the layout in force on its planning window",
+        self.moe_lb = prom.Gauge(names.MOE_LB, "moe_lb of the layout in force on its planning window",
                                  ["layer"], registry=self.registry)
-        self.published = prom.Counter("shinkai_eplb_plans_published", "layer plans published",
+        self.published = prom.Counter(names.EPLB_PUBLISHED, "layer plans published",
                                       registry=self.registry)
-        self.rejected = prom.Counter("shinkai_eplb_plans_rejected", "layer candidates the guard refused",
+        self.rejected = prom.Counter(names.EPLB_REJECTED, "layer candidates the guard refused",
                                      registry=self.registry)
-        self.reports = prom.Counter("shinkai_eplb_load_reports", "load reports taken", registry=self.registry)
-        self.bad = prom.Counter("shinkai_eplb_bad_messages", "load reports dropped as malformed",
+        self.reports = prom.Counter(names.EPLB_REPORTS, "load reports taken", registry=self.registry)
+        self.bad = prom.Counter(names.EPLB_BAD, "load reports dropped as malformed",
                                 registry=self.registry)
-        self.plan_seconds = prom.Histogram("shinkai_eplb_replan_seconds", "time to re-plan all layers",
+        self.plan_seconds = prom.Histogram(names.EPLB_REPLAN_SECONDS, "time to re-plan all layers",
                                            registry=self.registry)
 
 
@@ -79,6 +81,13 @@ class PlannerService:
             self.health.set(name, status)
 
     async def _on_load(self, msg) -> None:
+        # A span only for reports sent from a traced engine step (their NATS headers carry its context).
+        parent = tracing.extract(msg.headers)
+        with tracing.span("eplb.load_report", parent, kind=tracing.SpanKind.CONSUMER) if parent is not None \
+                else tracing.active(None):
+            await self._take_load(msg)
+
+    async def _take_load(self, msg) -> None:
         try:
             due = self.planner.add(decode_load(msg.data))
         except MessageError as err:
@@ -187,6 +196,7 @@ async def _main(args: argparse.Namespace) -> int:
         ),
         nats_url=args.nats_url, health_addr=args.health_addr, metrics_port=args.metrics_port,
     )
+    tracing.setup("shinkai-eplb")
     service = PlannerService(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.errors import ApiError
@@ -74,7 +75,9 @@ class ShinkaiApi:
         try:
             if not self.is_ready():
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down")
-            generation = await self.frontend.start(_args(_parse(pb.GenerateRequest, raw)))
+            args = _args(_parse(pb.GenerateRequest, raw))
+            args.trace_parent = tracing.extract(context.invocation_metadata())
+            generation = await self.frontend.start(args)
         except ApiError as err:
             await self._abort_with(context, err)
             return

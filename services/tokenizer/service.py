@@ -21,6 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, load_tokenizer, load_v41_tokenizer, v41_tokenizer_path
+from observability import metrics as names
+from observability import tracing
 from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
 from services.tokenizer.chat import ChatError, ChatRenderer
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -44,7 +46,7 @@ class TokenizerApi:
     def __init__(self, tokenizer: Tokenizer, bos_token_id: int) -> None:
         self.registry = prom.CollectorRegistry()
         # Calls by method ("Encode", "RenderChat", "Decode", "Detokenize" messages).
-        self.calls = prom.Counter("shinkai_tokenizer_calls", "tokenizer calls by method", ["method"],
+        self.calls = prom.Counter(names.TOKENIZER_CALLS, "tokenizer calls by method", ["method"],
                                   registry=self.registry)
         self.tokenizer = tokenizer
         self.bos_token_id = bos_token_id
@@ -69,7 +71,8 @@ class TokenizerApi:
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         request = await self._parse(pb.EncodeRequest, raw, context)
         self.calls.labels(method="Encode").inc()
-        ids = self.tokenizer.encode(request.text, add_special_tokens=True).ids
+        with _span("tokenizer.Encode", context):
+            ids = self.tokenizer.encode(request.text, add_special_tokens=True).ids
         if request.add_bos and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return pb.EncodeResponse(token_ids=ids)
@@ -83,7 +86,8 @@ class TokenizerApi:
             body = json.loads(request.body_json)
             if not isinstance(body, dict):
                 raise ChatError("the chat body must be a JSON object")
-            ids, prompt = self.chat.render(body)
+            with _span("tokenizer.RenderChat", context):
+                ids, prompt = self.chat.render(body)
         except (ValueError, ChatError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return pb.RenderChatResponse(token_ids=ids, prompt=prompt)
@@ -98,6 +102,17 @@ class TokenizerApi:
     async def detokenize(self, requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
         detok = IncrementalDetokenizer(self.tokenizer)
+        # One span for the whole stream, never made current: a generator may be closed from another context.
+        span = tracing.start_span("tokenizer.Detokenize", tracing.extract(context.invocation_metadata()),
+                                  kind=tracing.SpanKind.SERVER)
+        try:
+            async for response in self._detokenize(detok, requests, context):
+                yield response
+        finally:
+            tracing.end(span)
+
+    async def _detokenize(self, detok: IncrementalDetokenizer, requests: AsyncIterator[bytes],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
         async for raw in requests:
             request = await self._parse(pb.DetokenizeRequest, raw, context)
             self.calls.labels(method="Detokenize").inc()
@@ -119,7 +134,13 @@ class TokenizerApi:
         })
 
 
+def _span(name: str, context: grpc.aio.ServicerContext):
+    """A server span under the caller's trace context (from the call's metadata); a no-op when tracing is off."""
+    return tracing.span(name, tracing.extract(context.invocation_metadata()), kind=tracing.SpanKind.SERVER)
+
+
 async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> int:
+    tracing.setup("shinkai-tokenizer")
     tokenizer, bos = load_vocabulary(model)
     server = grpc.aio.server()
     api = TokenizerApi(tokenizer, bos)

@@ -26,6 +26,8 @@ import prometheus_client as prom
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from observability import metrics as names
+from observability import tracing
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.sampler import SamplerOutput, SamplingRow
@@ -172,13 +174,16 @@ class WorkerApi(worker_pb2_grpc.WorkerServicer):
                                  vocab_size=vocab_size)
         self._lock = threading.Lock()  # one step at a time: the runner's pools are not thread-safe
         self.registry = prom.CollectorRegistry()
-        self.steps = prom.Counter("shinkai_worker_steps", "steps executed", registry=self.registry)
-        self.rows = prom.Counter("shinkai_worker_rows_computed", "rows the model ran", registry=self.registry)
-        self.step_seconds = prom.Histogram("shinkai_worker_step_seconds", "ExecuteStep time, decode to encode",
+        self.steps = prom.Counter(names.WORKER_STEPS, "steps executed", registry=self.registry)
+        self.rows = prom.Counter(names.WORKER_ROWS, "rows the model ran", registry=self.registry)
+        self.step_seconds = prom.Histogram(names.WORKER_STEP_SECONDS, "ExecuteStep time, decode to encode",
                                            registry=self.registry)
 
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
-        with self.step_seconds.time():
+        # A span only under a traced (sampled) engine step: untraced steps carry no context and get none.
+        parent = tracing.extract(context.invocation_metadata())
+        with self.step_seconds.time(), tracing.span("worker.execute_step", parent, kind=tracing.SpanKind.SERVER) \
+                if parent is not None else self.step_seconds.time():
             plan, rows = decode_plan(request)
             with self._lock:
                 out = self.worker.execute(plan, rows)
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
+    tracing.setup("shinkai-worker")
     config = EngineConfig(model_seed=args.model_seed, **engine_args)
     source = load_model(args.model, seed=args.model_seed)
     worker = Worker(default_runner(source, config))
