@@ -44,6 +44,9 @@ async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -
 
 
 async def run(args: argparse.Namespace) -> int:
+    from observability import tracing
+
+    tracing.setup("shinkai-engine")
     from services.engine.reporter import LoadReporter
     from services.gateway.server import ServeConfig, Server
 

@@ -17,6 +17,7 @@ import logging
 
 import grpc
 
+from observability import tracing
 from services.engine.heartbeat import WorkerHeartbeat
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
@@ -65,7 +66,8 @@ class RemoteWorker:
     def execute(self, plan, rows: Sequence[SamplingRow]) -> WorkerOutput:
         if not self.heartbeat.alive:
             raise WorkerLost(f"the worker at {self.address} is not answering its heartbeat")
-        call = self.stub.ExecuteStep.future(encode_plan(plan, rows), timeout=self.timeout_s)
+        call = self.stub.ExecuteStep.future(encode_plan(plan, rows), timeout=self.timeout_s,
+                                           metadata=tracing.grpc_metadata())  # a traced step's context
         poll_s = self.heartbeat.interval_s
         while True:
             try:

@@ -36,6 +36,9 @@ def _config(args: argparse.Namespace):
 async def _serve(args: argparse.Namespace) -> int:
     from services.gateway.server import Server
 
+    from observability import tracing
+
+    tracing.setup("shinkai")
     server = Server(_config(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

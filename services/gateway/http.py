@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from observability import tracing
 from services.gateway import errors
 from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, Generation, Piece
@@ -175,6 +176,7 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
         max_len = frontend.info.max_model_len
         parsed = parse_chat(body, max_len) if chat else parse_completion(body, max_len)
+        parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
         if parsed.stream:

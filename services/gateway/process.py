@@ -19,6 +19,9 @@ import signal
 
 
 async def run(args: argparse.Namespace) -> int:
+    from observability import tracing
+
+    tracing.setup("shinkai-gateway")
     from services.gateway.api_server import ApiServer
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend, ModelInfo

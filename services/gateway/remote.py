@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
@@ -111,7 +112,7 @@ class RemoteEngine:
     async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> RemoteStream:
         request = pb.GenerateRequest(request_id=client_id, token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
                                      sampling=_sampling(params))
-        call = self.stub.Generate(request)
+        call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
             first = await call.read()  # an error status arrives here, before anything streams
         except grpc.aio.AioRpcError as err:
@@ -139,7 +140,7 @@ class RemoteEngine:
 
 class _RemoteDetokenizer:
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self.call = stub.Detokenize()
+        self.call = stub.Detokenize(metadata=tracing.grpc_metadata())
 
     async def push(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
@@ -168,7 +169,7 @@ class RemoteTokenizer:
 
     async def _call(self, method: Any, request: Any, bad_input: type[ValueError] = ValueError) -> Any:
         try:
-            return await method(request, timeout=30)
+            return await method(request, timeout=30, metadata=tracing.grpc_metadata())
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise bad_input(err.details() or "the tokenizer refused the input") from None
