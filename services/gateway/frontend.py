@@ -95,7 +95,9 @@ class Generation:
             if self._last is None:
                 metrics.ttft.observe(now - self._start)
             else:
-                metrics.itl.observe((now - self._last) / len(delta.token_ids))
+                gap = (now - self._last) / len(delta.token_ids)
+                for _ in delta.token_ids:  # vLLM's count: one inter-token latency per token after the first
+                    metrics.itl.observe(gap)
             self._last = now
         text = await self.detokenizer.push(delta.token_ids)
         if delta.finish_reason is not None:
