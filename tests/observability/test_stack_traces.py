@@ -73,8 +73,8 @@ def test_one_request_traced_across_processes(traced_stack):
 
     def complete(spans):
         names = {(s.service, s.name) for s in spans}
-        return {("shinkai-gateway", "request"), ("shinkai-engine", "decode"), ("shinkai-tokenizer", "tokenizer.Detokenize"),
-                ("shinkai-worker", "worker.execute_step")} <= names
+        return {("shinkai-gateway", "request"), ("shinkai-engine", "decode"),
+                ("shinkai-tokenizer", "tokenizer.Detokenize"), ("shinkai-worker", "worker.execute_step")} <= names
     spans = receiver.wait_for(complete)
     (root,) = [s for s in spans if s.service == "shinkai-gateway" and s.name == "request"]
     assert root.parent_id is None
