@@ -182,8 +182,9 @@ class WorkerApi(worker_pb2_grpc.WorkerServicer):
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
         # A span only under a traced (sampled) engine step: untraced steps carry no context and get none.
         parent = tracing.extract(context.invocation_metadata())
-        with self.step_seconds.time(), tracing.span("worker.execute_step", parent, kind=tracing.SpanKind.SERVER) \
-                if parent is not None else self.step_seconds.time():
+        span = tracing.span("worker.execute_step", parent, kind=tracing.SpanKind.SERVER) if parent is not None \
+            else tracing.active(None)
+        with self.step_seconds.time(), span:
             plan, rows = decode_plan(request)
             with self._lock:
                 out = self.worker.execute(plan, rows)
