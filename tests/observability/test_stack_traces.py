@@ -1,8 +1,8 @@
 """`shinkai up` with tracing on: every process exports over real OTLP/gRPC to a receiver this test runs.
 
 One HTTP request gives spans from the gateway, the tokenizer and the engine under one trace id, with the
-parent links of the call chain; a traced engine step has the worker's span under it (its own trace), and
-each process's /metrics counts the requests sent."""
+parent links of the call chain; a traced engine step has the worker's span (gRPC metadata) and the EPLB
+planner's (NATS headers) under it, in its own trace; gateway and engine /metrics count the requests sent."""
 
 import json
 import re
@@ -74,7 +74,8 @@ def test_one_request_traced_across_processes(traced_stack):
     def complete(spans):
         names = {(s.service, s.name) for s in spans}
         return {("shinkai-gateway", "request"), ("shinkai-engine", "decode"),
-                ("shinkai-tokenizer", "tokenizer.Detokenize"), ("shinkai-worker", "worker.execute_step")} <= names
+                ("shinkai-tokenizer", "tokenizer.Detokenize"), ("shinkai-worker", "worker.execute_step"),
+                ("shinkai-eplb", "eplb.load_report")} <= names
     spans = receiver.wait_for(complete)
     (root,) = [s for s in spans if s.service == "shinkai-gateway" and s.name == "request"]
     assert root.parent_id is None
@@ -99,6 +100,9 @@ def test_one_request_traced_across_processes(traced_stack):
     assert steps and workers and all(w.parent_id in steps for w in workers)
     step = steps[workers[0].parent_id]
     assert workers[0].trace_id == step.trace_id != root.trace_id
+    # The step's expert-load report reached the planner over NATS with the step's context in its headers.
+    reports = [s for s in spans if s.name == "eplb.load_report"]
+    assert reports and all(r.parent_id in steps and r.trace_id == steps[r.parent_id].trace_id for r in reports)
     print("\n" + render(spans, root, ("request.finish_reason", "request.output_tokens")))
     print(render(spans, step, ("engine.phase", "engine.batch_size", "engine.rows", "engine.graph_size")))
 
