@@ -36,6 +36,7 @@ class StackConfig:
     run_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "shinkai" / "stack")  # logs + PIDs
     max_num_seqs: int | None = None  # per engine; None: the engine default
     remote_workers: bool = False  # each engine's worker in its own process (worker.v1) instead of in-process
+    drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,13 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     ]
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
+    drain = ["--drain-timeout", str(config.drain_timeout_s)] if config.drain_timeout_s is not None else []
     for i in range(config.num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
         argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
-                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing]
+                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *drain]
         if config.remote_workers:
             stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
                                           bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
@@ -162,7 +164,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics"))
     gateway = [*py, "services.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
                "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
-               "--grpc-port", str(at.port("gateway", "grpc"))]
+               "--grpc-port", str(at.port("gateway", "grpc")), *drain]
     for spec in engines:
         gateway += ["--engine", spec]
     stack.append(Service("gateway", gateway, f"grpc:{at.port('gateway', 'grpc')}",

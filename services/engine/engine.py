@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -109,10 +109,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step: schedule, execute, update. Returns the requests that gained tokens or ended."""
         plan = self.scheduler.schedule()
-        executed = self.worker.execute(plan, self._sampling_rows(plan))
+        try:
+            executed = self.worker.execute(plan, self._sampling_rows(plan))
+        except BaseException:
+            self._fail(plan)
+            raise
         updates = self.scheduler.update(plan, executed.result)
         self.last_plan = plan
         return self._apply(plan, executed, updates)
+
+    def _fail(self, plan: StepPlan) -> None:
+        """Closes a step the worker never finished: every planned request ends with "error" in the scheduler,
+        and the blocks whose release waited for this step come back (without this update they never would)."""
+        n = plan.num_requests
+        self.scheduler.update(plan, StepResult([0] * n, [], errors=list(range(n))))
 
     def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
         rows = []

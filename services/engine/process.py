@@ -98,6 +98,7 @@ async def run(args: argparse.Namespace) -> int:
     await stop.wait()
     if watch is not None:
         watch.cancel()
+    await server.api.close_intake()  # NOT_SERVING before "draining": a gateway's health poll agrees with it
     if reporter is not None:
         await reporter.lifecycle("draining")
     await server.stop()

@@ -66,7 +66,7 @@ class ApiServer:
                 await self._grpc.stop(None)  # nothing may outlive a failed start
                 raise
         self.ready = True
-        await self._set_health(True)
+        await self._set_health(self.serving())
 
     async def _start_http(self, port: int) -> None:
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)

@@ -47,6 +47,8 @@ class EngineHealth:
             if state.healthy != ok:
                 log.warning("engine %s is %s", name, "healthy again" if ok else "not serving")
             state.healthy = ok
+            if ok:  # SERVING means taking requests (engines close intake before announcing "draining"), so a
+                state.accepting = True  # lifecycle "up" lost while NATS was away cannot shut it out for good
         serving = any(s.healthy and s.accepting for s in self.router.states.values())
         problem = None if serving else NO_ENGINE
         if problem != self.problem:

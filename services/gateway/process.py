@@ -48,9 +48,9 @@ async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await api.start()
     engine_health = EngineHealth(router, api.set_problem)
-    await engine_health.poll()
+    await engine_health.poll()  # SERVING from the start only if an engine is
+    await api.start()
     watching = asyncio.create_task(engine_health.run())
     print(json.dumps({"event": "ready", "service": "gateway", **api.urls(), "http_port": api.http_port,
                       "grpc_port": api.grpc_port, "model": info.model, "engines": len(engines)}), flush=True)
