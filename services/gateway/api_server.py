@@ -54,7 +54,7 @@ class ApiServer:
 
     async def start(self) -> None:
         self._grpc = grpc.aio.server()
-        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving).handler(),))
+        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want_grpc_port}")
         await self._set_health(False)

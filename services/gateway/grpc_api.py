@@ -64,9 +64,11 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
 
 
 class ShinkaiApi:
-    def __init__(self, frontend: Frontend, is_ready: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, frontend: Frontend, is_ready: Callable[[], bool] = lambda: True,
+                 problem: Callable[[], str | None] = lambda: None) -> None:
         self.frontend = frontend
         self.is_ready = is_ready
+        self.problem = problem  # why it is not ready: "draining" or a dependency that is gone
 
     async def _abort_with(self, context: grpc.aio.ServicerContext, err: ApiError) -> None:
         await context.abort(err.kind.grpc_code, err.message, trailing_metadata=err.grpc_trailing_metadata())
@@ -74,7 +76,9 @@ class ShinkaiApi:
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             if not self.is_ready():
-                raise ApiError(errors.UNAVAILABLE, "the server is shutting down")
+                why = self.problem()
+                raise ApiError(errors.UNAVAILABLE, "the server is shutting down" if why in (None, "draining")
+                               else f"the server cannot serve now: {why}")
             args = _args(_parse(pb.GenerateRequest, raw))
             args.trace_parent = tracing.extract(context.invocation_metadata())
             generation = await self.frontend.start(args)

@@ -199,7 +199,7 @@ def test_killed_worker_fails_streams_promptly_and_a_restarted_one_serves(stack):
     code, body = wait_for(lambda: (r := http_status(stack.http + "/health"))[0] == 503 and r, 10, "gateway /health 503")
     assert "engine" in body["status"], body
     with ShinkaiClient(stack.grpc, timeout=30) as c:  # refused at once, not queued behind a dead worker
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable, match="no engine is reachable"):
             c.generate("while down", max_tokens=1)
     pools = assert_pools_whole(stack)
 
