@@ -219,3 +219,72 @@ def moe_router(
     picked = scores.gather(-1, experts)
     weights = picked / (picked.sum(-1, keepdim=True) + 1e-20) * route_scale
     return weights, experts.to(torch.int32)
+
+
+# ---------------------------------------------------------------- sparse decode attention
+
+
+def entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, entries_per_block: int) -> torch.Tensor:
+    """Entry ids [R, k] (−1 = none) of each row's request, with that request's block table [R, width],
+    → pool slots int32 [R, k] (block · epb + entry mod epb, the cache engine's ``entry_writes`` slots;
+    −1 stays −1). Device ops only: graph-safe."""
+    e = entries.long()
+    block = block_tables.long().gather(1, (e.clamp_min(0) // entries_per_block))
+    slots = block * entries_per_block + e.clamp_min(0) % entries_per_block
+    return torch.where(e >= 0, slots, -1).to(torch.int32)
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    window: int,
+    kv_pool: torch.Tensor,
+    selected: torch.Tensor,
+    sink: torch.Tensor,
+    freqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per row over its FP8 window ring and its selected FP4 compressed entries.
+
+    q [R, H, D] (post-RoPE); ``ring`` uint8 [slots, ring_size, D + D/32] (``CacheEngine.ring``:
+    e4m3 values then e8m0 scales per 32 channels), read at state slot ``state_slots[r]`` and ring
+    index p mod ring_size for the window positions p = pos−window+1 … pos that are ≥ 0 (the step has
+    already written this row's own K there); ``kv_pool`` uint8 [blocks, epb, D/2 + D/16]
+    (``CacheEngine.entries(layer)[0]``: packed e2m1, even channel in the low nibble, then e4m3 scales
+    per 16 channels), read at pool slots ``selected`` [R, k] (block · epb + offset, −1 = none; see
+    ``entry_slots``). One softmax over window and entries (no de-duplication: a ratio-1 layer may
+    see a token twice) with ``exp(sink[h])`` added to the denominator; then RoPE is undone on the
+    trailing 2·len(freqs) channels at angle pos · freqs. fp32 throughout; returns q.dtype [R, H, D].
+    Equals ``CachedStep.attend``'s ``sink_attention`` + ``apply_rope(inverse=True)`` (tested).
+    """
+    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
+
+    num_rows, num_heads, dim = q.shape
+    ring_size = ring.shape[1]
+    pos = positions.long()
+    win_pos = pos[:, None] - window + 1 + torch.arange(window, device=q.device)  # [R, w] ascending
+    raw = ring[state_slots.long()[:, None], win_pos % ring_size]  # [R, w, D + D/32]
+    win = dequantize_fp8_cache(raw[..., :dim].view(torch.float8_e4m3fn), raw[..., dim:].view(torch.float8_e8m0fnu))
+    epb = kv_pool.shape[1]
+    sel = selected.long()
+    ent_raw = kv_pool[sel.clamp_min(0) // epb, sel.clamp_min(0) % epb]  # [R, k, D/2 + D/16]
+    ent = dequantize_fp4_cache(ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn),
+                               COMPRESSED_KV_BLOCK)
+    keys = torch.cat((win, ent), dim=1)  # [R, w + k, D] fp32, K = V
+    allowed = torch.cat((win_pos >= 0, sel >= 0), dim=1)  # [R, w + k]
+    logits = torch.einsum("rhd,rtd->rht", q.float(), keys) * scale
+    logits = logits.masked_fill(~allowed[:, None, :], -torch.inf)
+    sink_col = sink.float().view(1, num_heads, 1).expand(num_rows, num_heads, 1)
+    probs = torch.cat((logits, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.einsum("rht,rtd->rhd", probs, keys)  # [R, H, D] fp32
+    # Undo RoPE: pairs (2i, 2i+1) of the trailing channels rotate by −pos·freqs[i].
+    rot = 2 * freqs.shape[0]
+    angles = pos.float()[:, None] * freqs.float()[None, :]  # [R, P]
+    even, odd = out[..., dim - rot :: 2], out[..., dim - rot + 1 :: 2]
+    cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+    out = out.clone()
+    out[..., dim - rot :: 2] = even * cos + odd * sin
+    out[..., dim - rot + 1 :: 2] = odd * cos - even * sin
+    return out.to(q.dtype)

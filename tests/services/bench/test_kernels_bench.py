@@ -24,7 +24,7 @@ def test_without_cuda_it_says_so_and_exits_zero(capsys):
 
 
 def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
-    for name in ("moe_grouped_gemm", "moe_router", "rmsnorm", "quant_fp8"):
+    for name in ("moe_grouped_gemm", "moe_router", "rmsnorm", "quant_fp8", "decode_attention"):
         monkeypatch.setitem(sys.modules, f"kernels.{name}", load_interpreted(name))
 
     def one_call(fn):
@@ -35,6 +35,7 @@ def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
         monkeypatch.setattr(bench, timer, one_call)
     monkeypatch.setattr(bench, "measure_bandwidth", lambda: 4e12)
     monkeypatch.setattr(bench, "measure_fp8_peak", lambda: 1e15)
+    monkeypatch.setattr(bench, "measure_bf16_peak", lambda: 5e14)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "toy")
     monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *args, **kwargs: None, raising=False)
@@ -46,6 +47,9 @@ def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "DECODE_TOKENS", (2,))
     monkeypatch.setattr(bench, "SWEEP_TOKENS", (2,))
     monkeypatch.setattr(bench, "SWEEP", bench.SWEEP[:1])
+    # Decode attention keeps the Flash head shapes (64 × 512): two rows at a 256-token context.
+    monkeypatch.setattr(bench, "ATTN_CONTEXTS", (256,))
+    monkeypatch.setattr(bench, "ATTN_SWEEP_ROWS", ())
     out = tmp_path / "k.json"
     with interpreter():
         assert bench.main(argparse.Namespace(quick=False, sweep=True, json_path=str(out))) == 0
@@ -54,6 +58,12 @@ def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
     assert kinds.count("rmsnorm") == 1 and kinds.count("moe router") == 2
     assert {"moe gate/up+swiglu fp8→fp8", "moe down fp8→bf16", "moe down bf16→bf16"} <= set(kinds)
     assert any(kind.endswith("[best of sweep]") for kind in kinds)
+    attn = next(row for row in result["rows"] if row["kernel"] == "sparse decode attention")
+    # 2 rows: q and out (2 · 64 · 512 · 2 B), 128 window rows of 528 B, 128 selected entries (only
+    # 128 are visible at 256 tokens) of 288 B + 4 B of slot, 16 B of position and state slot.
+    assert attn["us"] == pytest.approx(100.0)
+    assert attn["tb_s"] * 1e12 * 1e-4 == pytest.approx(2 * (2 * 64 * 512 * 2 + 128 * 528 + 128 * 292 + 16))
+    assert attn["mem_roofline_us"] > 0 and attn["compute_roofline_us"] > 0
     down = next(row for row in result["rows"] if row["kernel"] == "moe down fp8→bf16")
     # 100 µs for the toy sizes: bytes / time, the roofline from the stand-in ceilings.
     assert down["us"] == pytest.approx(100.0) and down["tb_s"] > 0 and down["speedup_vs_torch"] == pytest.approx(1.0)

@@ -1,0 +1,309 @@
+"""Sparse decode attention: one query per row over its FP8 window ring and its selected FP4
+compressed entries, with the attention sink and undo-RoPE (spec §3.5; the cache bytes exactly as
+``services/worker/cache_engine.py`` stores them). Reference: ``kernels.reference.sparse_decode_attention``.
+
+One key latent serves as key and value (K = V, MLA-style) and is shared by every head, so a program
+takes one row and BLOCK_H heads (all 64 of Flash by default): each key is read from HBM once per
+row, dequantised once in registers and used by all the heads as a [BLOCK_H, D] × [D, BLOCK_N] and
+a [BLOCK_H, BLOCK_N] × [BLOCK_N, D] tensor-core product (bf16 operands, fp32 accumulation, online
+softmax in fp32 with exp2).
+
+The channels are handled as (even, odd) halves throughout: an FP4 byte holds channels 2i (low
+nibble) and 2i+1 (high nibble), an FP8 window row is read as 16-bit pairs, the query is split the
+same way, and q·k = q_even·k_even + q_odd·k_odd; the output accumulates as (even, odd) halves,
+which is exactly the pairing RoPE rotates, so undo-RoPE is an elementwise epilogue.
+
+Dequantisation is exact in bf16: e4m3 (3 mantissa bits) times a power-of-two e8m0 scale, and e2m1
+(1 bit) times an e4m3 scale (≤ 5 significant bits in all), so the QK products equal the
+reference's fp32 ones for bf16 queries; the one rounding the reference lacks is P → bf16 before
+the PV product (standard flash-attention practice; ``dot_fp32=True`` keeps P in fp32, for tests).
+
+Graph-safe: shapes are fixed per batch; each row's position, state slot and selected pool slots
+are device tensors, and invalid keys (window positions < 0, selected slot −1) are masked, so rows
+with fewer keys need no host-side handling. For small batches the keys of a row are split over
+``splits`` programs (flash-decoding); a second kernel merges the partial (max, sum, accumulator)
+with the sink and applies undo-RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _e4m3_to_f32(byte):
+    """uint8 codes (any int type, 0..255) → fp32, exactly (no NaN codes occur in the caches)."""
+    return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_to_f32(nibble):
+    """4-bit e2m1 codes (int32 0..15) → fp32: {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign."""
+    mag = nibble & 7
+    normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)  # 2^(e−1) · (1 + m/2)
+    value = tl.where(mag < 2, (mag & 1).to(tl.float32) * 0.5, normal)
+    return tl.where(nibble >= 8, -value, value)
+
+
+@triton.jit
+def _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, out_row,
+            out_stride_h, HALF: tl.constexpr, ROPE_PAIRS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Normalise, undo RoPE on the trailing ROPE_PAIRS pairs (angle pos · freqs), store.
+
+    libdevice's cos/sin reduce any angle exactly (pos · freqs reaches 10^5 rad); the interpreter has
+    no libdevice and uses numpy's through tl.cos/tl.sin.
+    """
+    oe = acc_e / denom[:, None]
+    oo = acc_o / denom[:, None]
+    j = pairs - (HALF - ROPE_PAIRS)
+    is_rope = j >= 0
+    f = tl.load(freqs_ptr + tl.where(is_rope, j, 0), mask=is_rope, other=0.0)
+    angle = pos.to(tl.float32) * f  # the reference's fp32 product; 0 (cos 1, sin 0) off the rope pairs
+    if LIBDEVICE:
+        c = libdevice.cos(angle)[None, :]
+        s = libdevice.sin(angle)[None, :]
+    else:
+        c = tl.cos(angle)[None, :]
+        s = tl.sin(angle)[None, :]
+    re = oe * c + oo * s
+    ro = oo * c - oe * s
+    ptrs = out_ptr + out_row + heads[:, None].to(tl.int64) * out_stride_h + 2 * pairs[None, :]
+    tl.store(ptrs, re.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(ptrs + 1, ro.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _attend_block(q_even, q_odd, k_even, k_odd, ok, m, l, acc_e, acc_o, scale_log2e, precision: tl.constexpr):
+    """One block of keys into the online softmax: logits in log2 units, invalid keys at −inf."""
+    s = tl.dot(q_even, tl.trans(k_even), input_precision=precision)
+    s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=precision) * scale_log2e
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    p_dot = p.to(k_even.dtype)
+    acc_e = tl.dot(p_dot, k_even, acc_e * alpha[:, None], input_precision=precision)
+    acc_o = tl.dot(p_dot, k_odd, acc_o * alpha[:, None], input_precision=precision)
+    return m_new, l, acc_e, acc_o
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, ring8_ptr, ring16_ptr, slots_ptr, pos_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    num_heads, q_stride_r, q_stride_h, ring_stride_slot, ring_stride_pos,
+    pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
+    ring_size, entries_per_block, scale_log2e,
+    WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    HALF: tl.constexpr = D // 2
+    WIN_BLOCKS: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    TOTAL_BLOCKS: tl.constexpr = WIN_BLOCKS + (TOPK + BLOCK_N - 1) // BLOCK_N
+    dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
+    precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_ok = heads < num_heads
+    pairs = tl.arange(0, HALF)
+    n = tl.arange(0, BLOCK_N)
+
+    q_ptrs = q_ptr + row * q_stride_r + heads[:, None].to(tl.int64) * q_stride_h + 2 * pairs[None, :]
+    q_even = tl.load(q_ptrs, mask=h_ok[:, None], other=0.0).to(dot_ty)
+    q_odd = tl.load(q_ptrs + 1, mask=h_ok[:, None], other=0.0).to(dot_ty)
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    ring8_row = ring8_ptr + slot * ring_stride_slot
+    ring16_row = ring16_ptr + slot * (ring_stride_slot // 2)
+
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a block with no valid key keeps alpha = 1
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc_e = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc_o = tl.zeros([BLOCK_H, HALF], tl.float32)
+
+    # This program's key blocks [b0, b1): window blocks first, then entry blocks (two loops, so no
+    # branch sits inside either).
+    b0 = split * BLOCKS_PER_SPLIT
+    b1 = tl.minimum(b0 + BLOCKS_PER_SPLIT, TOTAL_BLOCKS)
+    b = b0
+    w_end = tl.minimum(b1, WIN_BLOCKS)
+    while b < w_end:
+        # Window positions pos−WINDOW+1+j, ascending; ring index p mod ring_size.
+        j = b * BLOCK_N + n
+        p = pos - WINDOW + 1 + j
+        ok = (j < WINDOW) & (p >= 0)
+        ring_idx = tl.where(ok, p % ring_size, 0)
+        # Values as 16-bit pairs (even channel in the low byte), then the e8m0 scale of the pair's
+        # 32-channel group (byte D + i // 16 of the row).
+        row16 = ring16_row + ring_idx.to(tl.int64) * (ring_stride_pos // 2)
+        pair_bits = tl.load(row16[:, None] + pairs[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        row8 = ring8_row + ring_idx.to(tl.int64) * ring_stride_pos + D
+        scale_byte = tl.load(row8[:, None] + pairs[None, :] // 16, mask=ok[:, None], other=0).to(tl.int32)
+        scale = (scale_byte << 23).to(tl.float32, bitcast=True)
+        k_even = (_e4m3_to_f32(pair_bits & 255) * scale).to(dot_ty)
+        k_odd = (_e4m3_to_f32((pair_bits >> 8) & 255) * scale).to(dot_ty)
+        m, l, acc_e, acc_o = _attend_block(q_even, q_odd, k_even, k_odd, ok, m, l, acc_e, acc_o, scale_log2e,
+                                           precision)
+        b += 1
+    b = tl.maximum(b0, WIN_BLOCKS)
+    while b < b1:
+        e = (b - WIN_BLOCKS) * BLOCK_N + n
+        ok = e < TOPK
+        sel = tl.load(sel_ptr + row * sel_stride_r + e, mask=ok, other=-1)
+        ok = ok & (sel >= 0)
+        sel = tl.where(ok, sel, 0)
+        entry = pool_ptr + (sel // entries_per_block).to(tl.int64) * pool_stride_block \
+            + (sel % entries_per_block) * pool_stride_entry
+        packed = tl.load(entry[:, None] + pairs[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        # One e4m3 scale per 16 channels = 8 pairs, after the D/2 packed bytes.
+        scale = _e4m3_to_f32(tl.load(entry[:, None] + HALF + pairs[None, :] // 8, mask=ok[:, None], other=0))
+        k_even = (_e2m1_to_f32(packed & 15) * scale).to(dot_ty)
+        k_odd = (_e2m1_to_f32(packed >> 4) * scale).to(dot_ty)
+        m, l, acc_e, acc_o = _attend_block(q_even, q_odd, k_even, k_odd, ok, m, l, acc_e, acc_o, scale_log2e,
+                                           precision)
+        b += 1
+
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        denom = l + tl.exp2(sink - m)
+        _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, row * out_stride_r,
+                out_stride_h, HALF, ROPE_PAIRS, LIBDEVICE)
+    else:
+        # Partials: acc [R, SPLITS, H, 2, HALF] (even half, odd half), (m, l) [R, SPLITS, H, 2].
+        rs = row * SPLITS + split
+        acc_ptrs = part_acc_ptr + ((rs * num_heads + heads[:, None]) * 2) * HALF + pairs[None, :]
+        tl.store(acc_ptrs, acc_e, mask=h_ok[:, None])
+        tl.store(acc_ptrs + HALF, acc_o, mask=h_ok[:, None])
+        ml_ptrs = part_ml_ptr + (rs * num_heads + heads) * 2
+        tl.store(ml_ptrs, m, mask=h_ok)
+        tl.store(ml_ptrs + 1, l, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_acc_ptr, part_ml_ptr, pos_ptr, sink_ptr, freqs_ptr, out_ptr,
+    num_heads, out_stride_r, out_stride_h,
+    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """Merge one row's SPLITS partials for BLOCK_H heads: a loop over the splits (not unrolled)."""
+    HALF: tl.constexpr = D // 2
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    pairs = tl.arange(0, HALF)
+    sp = tl.arange(0, BLOCK_S)
+    ml = part_ml_ptr + ((row * SPLITS + sp[None, :]) * num_heads + heads[:, None]) * 2  # [BLOCK_H, BLOCK_S]
+    ml_ok = h_ok[:, None] & (sp[None, :] < SPLITS)
+    m_all = tl.load(ml, mask=ml_ok, other=-1.0e30)
+    m = tl.max(m_all, axis=1)
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    denom = tl.exp2(sink - m) + tl.sum(tl.exp2(m_all - m[:, None]) * tl.load(ml + 1, mask=ml_ok, other=0.0), axis=1)
+    acc_e = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc_o = tl.zeros([BLOCK_H, HALF], tl.float32)
+    for s in range(SPLITS):
+        rs = row * SPLITS + s
+        w = tl.exp2(tl.load(part_ml_ptr + (rs * num_heads + heads) * 2, mask=h_ok, other=-1.0e30) - m)
+        acc_ptrs = part_acc_ptr + ((rs * num_heads + heads[:, None]) * 2) * HALF + pairs[None, :]
+        acc_e += w[:, None] * tl.load(acc_ptrs, mask=h_ok[:, None], other=0.0)
+        acc_o += w[:, None] * tl.load(acc_ptrs + HALF, mask=h_ok[:, None], other=0.0)
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, row * out_stride_r,
+            out_stride_h, HALF, ROPE_PAIRS, LIBDEVICE)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    window: int,
+    kv_pool: torch.Tensor,
+    selected: torch.Tensor,
+    sink: torch.Tensor,
+    freqs: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_h: int | None = None,
+    block_n: int = 32,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 1,
+    dot_fp32: bool = False,
+) -> torch.Tensor:
+    """Same arguments and result as ``kernels.reference.sparse_decode_attention``.
+
+    q [R, H, D] (last dim contiguous); ring uint8 [slots, ring_size, D + D/32] and kv_pool uint8
+    [blocks, epb, D/2 + D/16] (the cache engine's strided views, last dim contiguous); state_slots,
+    positions [R]; selected int32 [R, k] pool slots (−1 = none); sink [H] fp32; freqs [P/2] fp32.
+    ``splits`` (default: enough programs for the GPU at small batches) divides each row's key
+    blocks among programs, merged by a second kernel.
+    """
+    num_rows, num_heads, dim = q.shape
+    topk = selected.shape[1]
+    rope_pairs = freqs.shape[0]
+    if dim % 32 or dim & (dim - 1):
+        raise ValueError(f"head_dim must be a power of two ≥ 32, got {dim}")
+    if ring.shape[-1] != dim + dim // 32 or kv_pool.shape[-1] != dim // 2 + dim // 16:
+        raise ValueError(f"ring rows {ring.shape[-1]} / entries {kv_pool.shape[-1]} do not fit head_dim {dim}")
+    if ring.stride(-1) != 1 or kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q, ring and kv_pool need a contiguous last dimension")
+    if ring.stride(0) % 2 or ring.stride(1) % 2 or ring.storage_offset() % 2:
+        raise ValueError("the window ring must be 2-byte aligned (it is read as 16-bit channel pairs)")
+    ring16 = _as_int16(ring)
+    selected = selected if selected.dtype == torch.int32 else selected.to(torch.int32)
+    if selected.stride(-1) != 1:
+        selected = selected.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
+    head_blocks = triton.cdiv(num_heads, block_h)
+    total_blocks = triton.cdiv(window, block_n) + triton.cdiv(topk, block_n)
+    if splits is None:
+        splits = max(1, min(total_blocks, triton.cdiv(_num_sms(q.device), num_rows * head_blocks)))
+    per_split = triton.cdiv(total_blocks, splits)
+    splits = triton.cdiv(total_blocks, per_split)
+    if num_warps is None:
+        num_warps = 8 if block_h * dim >= 16384 else 4
+    if splits > 1:
+        part_acc = torch.empty(num_rows, splits, num_heads, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_rows, splits, num_heads, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _decode_attention_kernel[(num_rows, head_blocks, splits)](
+        q, ring, ring16, state_slots, positions, kv_pool, selected, sink, freqs, out, part_acc, part_ml,
+        num_heads, q.stride(0), q.stride(1), ring.stride(0), ring.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
+        ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
+        WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=rope_pairs, BLOCK_H=block_h, BLOCK_N=block_n,
+        SPLITS=splits, BLOCKS_PER_SPLIT=per_split, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        combine_h = 4
+        _combine_kernel[(num_rows, triton.cdiv(num_heads, combine_h))](
+            part_acc, part_ml, positions, sink, freqs, out, num_heads, out.stride(0), out.stride(1),
+            D=dim, ROPE_PAIRS=rope_pairs, SPLITS=splits, BLOCK_H=combine_h, BLOCK_S=triton.next_power_of_2(splits),
+            LIBDEVICE=q.is_cuda, num_warps=4,
+        )
+    return out
+
+
+def _as_int16(ring: torch.Tensor) -> torch.Tensor:
+    """The same bytes as int16 [slots, ring_size, row/2] (strides halved): one load per channel pair."""
+    return torch.empty(0, dtype=torch.int16, device=ring.device).set_(
+        ring.untyped_storage(), ring.storage_offset() // 2,
+        (ring.shape[0], ring.shape[1], ring.shape[2] // 2), (ring.stride(0) // 2, ring.stride(1) // 2, 1))
