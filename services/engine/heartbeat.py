@@ -27,13 +27,15 @@ class WorkerHeartbeat:
         self.address = address
         self.interval_s = interval_s  # seconds between health checks, and each check's deadline
         self.timeout_s = timeout_s  # no SERVING answer for this long: the worker is gone
-        self._last_ok = time.monotonic()  # counts as alive from the start (check_model waited for it)
+        self._last_ok = time.monotonic()  # the latest SERVING answer (-inf: a call found the worker gone)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_missed = 0  # checks that got no SERVING answer, ever
 
     @property
     def alive(self) -> bool:
+        if self._thread is None:  # not watching (yet): alive unless a call found it gone
+            return self._last_ok != float("-inf")
         return time.monotonic() - self._last_ok <= self.timeout_s
 
     def mark_lost(self) -> None:
@@ -54,6 +56,10 @@ class WorkerHeartbeat:
         return True
 
     def start(self) -> None:
+        """Starts watching (idempotent); the worker counts as alive from now until it misses ``timeout_s``."""
+        if self._thread is not None:
+            return
+        self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.address}", daemon=True)
         self._thread.start()
 

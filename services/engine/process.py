@@ -59,8 +59,7 @@ async def run(args: argparse.Namespace) -> int:
 
         remote = RemoteWorker(args.worker)
         llm = LLM(model=args.model, worker=remote, **engine_args)
-        remote.check_model(llm.source)  # refuses a worker serving another model
-        remote.heartbeat.start()
+        remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
     server = Server(ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                                 http_port=None, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
                                 engine_args=engine_args, engine_name=args.engine_id, detokenize=False), llm=llm)

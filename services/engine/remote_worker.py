@@ -57,6 +57,7 @@ class RemoteWorker:
             raise ModelMismatch(f"the worker at {self.address} serves model {info.model!r} with different {what} "
                                 f"(sha256 {getattr(info, what + '_sha256')[:12]}…, engine "
                                 f"{(config_sha if what == 'config' else weights_sha)[:12]}…)")
+        self.heartbeat.start()  # watched from the first time it is known to serve the engine's model
         return info
 
     @property
