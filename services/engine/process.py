@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> int:
                       "grpc_port": server.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
     watch = None
     if args.worker:
-        watch = asyncio.create_task(watch_worker(remote, llm.source, server.api, reporter))
+        watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
     await stop.wait()
     if watch is not None:
         watch.cancel()
