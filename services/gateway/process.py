@@ -48,7 +48,7 @@ async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine_health = EngineHealth(router, api.set_problem)
+    engine_health = EngineHealth(router, api.set_problem, tokenizer_channel=tokenizer.channel)
     await engine_health.poll()  # SERVING from the start only if an engine is
     await api.start()
     watching = asyncio.create_task(engine_health.run())

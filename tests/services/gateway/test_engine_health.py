@@ -1,0 +1,62 @@
+"""The gateway's dependency poll against real grpc.health.v1 servers: an engine answering NOT_SERVING gets
+no requests and, when it was the only one, the gateway reports "no engine"; a tokenizer that is gone is a
+problem of its own; a stopped server counts at once; everything recovers when they answer SERVING."""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.engine.service import ShuttingDown
+from services.gateway.engine_health import NO_ENGINE, NO_TOKENIZER, EngineHealth
+from services.gateway.remote import RemoteEngine
+from services.gateway.router import EngineRouter
+
+pytestmark = pytest.mark.timeout(60)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def health_server():
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.set("", SERVING)
+    return server, servicer, f"127.0.0.1:{port}"
+
+
+def test_the_poll_follows_engines_and_tokenizer():
+    async def run():
+        (s0, h0, a0), (s1, h1, a1), (st, ht, at) = [await health_server() for _ in range(3)]
+        router = EngineRouter([RemoteEngine("engine-0", a0), RemoteEngine("engine-1", a1)])
+        problems = []
+
+        async def on_change(problem):
+            problems.append(problem)
+
+        tokenizer = grpc.aio.insecure_channel(at)
+        poll = EngineHealth(router, on_change, interval_s=0.5, tokenizer_channel=tokenizer)
+        assert await poll.poll() is None and problems == []
+        await h0.set("", NOT_SERVING)  # engine-0's worker is gone
+        assert await poll.poll() is None
+        assert all(router.pick().engine.engine_id == "engine-1" for _ in range(4))
+        await s1.stop(None)  # engine-1's process is gone: no answer at all
+        assert await poll.poll() == NO_ENGINE
+        with pytest.raises(ShuttingDown):
+            router.pick()
+        await h0.set("", SERVING)
+        assert await poll.poll() is None
+        assert router.pick().engine.engine_id == "engine-0"
+        await ht.set("", NOT_SERVING)
+        assert await poll.poll() == NO_TOKENIZER
+        await ht.set("", SERVING)
+        assert await poll.poll() is None
+        assert problems == [NO_ENGINE, None, NO_TOKENIZER, None]
+        await router.close()
+        await tokenizer.close()
+        await s0.stop(None)
+        await st.stop(None)
+
+    asyncio.run(run())
