@@ -109,7 +109,7 @@ class PlannerService:
             self.metrics.published.inc()
             log.info("plan v%d layer %d: moe_lb %.4f -> %.4f, %d moves", message.version, message.layer,
                      message.moe_lb_before, message.moe_lb_after, message.moves)
-        await self._nc.flush()
+        await self._nc.flush(timeout=5)  # every NATS round trip has a deadline
 
     async def start(self) -> None:
         import nats
@@ -128,7 +128,7 @@ class PlannerService:
         self._nc = await nats.connect(self.config.nats_url, name="shinkai-eplb", max_reconnect_attempts=-1,
                                       error_cb=on_error)
         await self._nc.subscribe(subjects.EXPERT_LOAD, cb=self._on_load)
-        await self._nc.flush()
+        await self._nc.flush(timeout=5)  # every NATS round trip has a deadline
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def request_stop(self) -> None:
