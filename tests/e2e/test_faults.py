@@ -77,10 +77,16 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("faults")
-    config = StackConfig(num_engines=1, remote_workers=True, http_port=0, grpc_port=0, run_dir=run_dir,
-                         max_num_seqs=16, drain_timeout_s=DRAIN_S)
-    state = up(config, timeout_s=120, log=lambda *_: None)
+    for attempt in range(2):  # a free port can be taken by another job between `up` choosing and binding it
+        run_dir = tmp_path_factory.mktemp("faults")
+        config = StackConfig(num_engines=1, remote_workers=True, http_port=0, grpc_port=0, run_dir=run_dir,
+                             max_num_seqs=16, drain_timeout_s=DRAIN_S)
+        try:
+            state = up(config, timeout_s=120, log=lambda *_: None)
+            break
+        except RuntimeError:
+            if attempt == 1:
+                raise
     try:
         yield Stack(run_dir, state)
     finally:
