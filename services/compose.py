@@ -54,6 +54,9 @@ def _healthcheck(service: Service) -> dict[str, Any] | None:
     if kind != "grpc":
         return None  # nats: the official image has no client to probe with; dependants wait for it to start
     probe = f"from services.stack import healthy; raise SystemExit(0 if healthy('127.0.0.1', 'grpc:{port}') else 1)"
+    if service.name == "gateway":  # readiness: a real one-token generation through engine and worker
+        probe = (f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{PORTS['http']}/ready', "
+                 f"timeout=10)")  # raises (exit 1) on a 503
     return {"test": ["CMD", "python", "-c", probe], "interval": "5s", "timeout": "3s", "retries": 60,
             "start_period": "10s"}
 

@@ -63,6 +63,8 @@ def test_services_and_commands_are_the_stacks(model):
         for host in re.findall(r"(?:nats://)?([a-z][a-z0-9-]*):\d+", " ".join(s.argv)):
             assert host in services, (s.name, host)
     assert services["gateway"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    assert "/ready" in " ".join(services["gateway"]["healthcheck"]["test"])  # readiness: a real generation
+    assert all("healthcheck" in services[s.name] for s in stack if s.name != "nats")
 
 
 def test_workers_reserve_a_gpu_in_the_override(model):
