@@ -6,6 +6,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 key="$(cat "$root"/requirements/*.txt | sha256sum | cut -c1-16)"
 venv="${SHINKAI_VENV_ROOT:-$HOME/.cache/shinkai}/venv-$key"
+mkdir -p "$(dirname "$venv")"
+# One build at a time per venv: a second caller waits, then finds it complete.
+exec 9>"$venv.lock"
+flock 9
 if [ ! -f "$venv/.complete" ]; then
   py="${PYTHON:-python3.11}"
   command -v "$py" >/dev/null || py=python3
