@@ -7,6 +7,10 @@
   and top-p, renormalised (DeepInfer's choice). They are not raw-model logprobs unless no processing
   applies.
 - ``n > 1`` is rejected with a clear error (fork-based parallel sampling comes with the services).
+- ``async_scheduling``: off. When on, the engine plans step N+1 before it updates step N (one step in
+  flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
+  decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
+  logprobs are the same either way (tests/services/engine/test_async.py); nextn = 0 only.
 - Probability mass is summed as integers, floor(p · 2³¹); a draw's position is the index of the token
   being produced (the sampler's contract).
 """
@@ -44,6 +48,8 @@ class EngineConfig:
     forced_top_k: int | None = None
     # Seed of the built-in preset's random weights.
     model_seed: int = 0
+    # Plan step N+1 while step N runs (one decode step in flight); off = schedule, execute, update in turn.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -26,6 +26,9 @@ class _Request:
 class Engine:
     def __init__(self, worker: Worker, config: EngineConfig, *, vocab_size: int, eos_token_id: int,
                  compress_ratios: Sequence[int], window_size: int) -> None:
+        if config.async_scheduling and not isinstance(worker, Worker):
+            raise ValueError("async scheduling needs the in-process Worker: the remote worker's protocol does not "
+                             "carry the previous step's sampled tokens yet")
         self.worker = worker
         self.config = config
         self.vocab_size = vocab_size
@@ -45,6 +48,8 @@ class Engine:
         ))
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
+        # Async scheduling: the step planned and executed but not yet updated, with its worker output.
+        self._in_flight: tuple[StepPlan, WorkerOutput] | None = None
         self._seeds = random.SystemRandom()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -90,7 +95,7 @@ class Engine:
         return self._finish(request_id, final.finish_reason.value, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def stats(self) -> dict[str, int]:
         s = self.scheduler.stats()
@@ -108,6 +113,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule, execute, update. Returns the requests that gained tokens or ended."""
+        if self.config.async_scheduling:
+            return self._step_async()
         plan = self.scheduler.schedule()
         try:
             executed = self.worker.execute(plan, self._sampling_rows(plan))
@@ -118,21 +125,62 @@ class Engine:
         self.last_plan = plan
         return self._apply(plan, executed, updates)
 
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule N+1, execute N+1, update N: step N stays in flight while N+1 is planned, as on a GPU
+        where the CPU plans the next step while the current one runs. The scheduler counts N as fully
+        accepted (nextn = 0: it is) and defers frees until the last step naming a block is updated; the
+        worker replaces N+1's stand-in inputs by N's sampled tokens. The worker call is synchronous here,
+        so executing N+1 before updating N is the GPU's order: N+1 is queued behind N, then N is read back.
+
+        Only decode steps stay in flight. A prefill step (or one with no rows) is updated right after it
+        runs (drained), so prompts' first tokens come out at once and chunk bookkeeping stays in step."""
+        previous = self._in_flight
+        if previous is not None and not self.scheduler.has_unfinished():
+            self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
+            return self._update(*previous)
+        plan = self.scheduler.schedule()
+        try:
+            executed = self.worker.execute(plan, self._sampling_rows(plan, previous),
+                                           previous[1] if previous is not None else None)
+        except BaseException:
+            if previous is not None:
+                self._in_flight = None
+                self._update(*previous)
+            self._fail(plan)
+            raise
+        self._in_flight = None
+        outputs = self._update(*previous) if previous is not None else []
+        if plan.is_prefill or plan.num_rows == 0:
+            outputs = _merge(outputs, self._update(plan, executed))
+        else:
+            self._in_flight = (plan, executed)
+        return outputs
+
+    def _update(self, plan: StepPlan, executed: WorkerOutput) -> list[RequestOutput]:
+        updates = self.scheduler.update(plan, executed.result)
+        self.last_plan = plan
+        return self._apply(plan, executed, updates)
+
     def _fail(self, plan: StepPlan) -> None:
         """Closes a step the worker never finished: every planned request ends with "error" in the scheduler,
         and the blocks whose release waited for this step come back (without this update they never would)."""
         n = plan.num_requests
         self.scheduler.update(plan, StepResult([0] * n, [], errors=list(range(n))))
 
-    def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
+    def _sampling_rows(self, plan: StepPlan, in_flight: tuple[StepPlan, WorkerOutput] | None = None
+                       ) -> list[SamplingRow]:
         rows = []
         seqlens_k = plan.seqlens_k.tolist()
+        # Tokens of the step in flight are not in the outputs yet; counted as accepted, as the scheduler does.
+        ahead: dict[str, int] = {}
+        if in_flight is not None:
+            ahead = dict(zip(in_flight[0].request_ids, in_flight[0].num_sample_rows.tolist()))
         for i, n in enumerate(plan.num_sample_rows.tolist()):
             if n == 0:
                 continue
             req = self.requests[plan.request_ids[i]]
             p = req.params
-            num_out = len(req.output.token_ids)
+            num_out = len(req.output.token_ids) + ahead.get(plan.request_ids[i], 0)
             for j in range(n):
                 banned = req.banned_with_eos if num_out + j < self.config.first_n_no_eos else req.banned
                 rows.append(SamplingRow(
@@ -180,3 +228,9 @@ class Engine:
         req.output.stop_token_id = stop_token_id
         self.worker.release(request_id)
         return req.output
+
+
+def _merge(first: list[RequestOutput], second: list[RequestOutput]) -> list[RequestOutput]:
+    """Outputs of two updates in one call, each request once (its output object is shared)."""
+    seen = {id(o) for o in first}
+    return first + [o for o in second if id(o) not in seen]

@@ -23,7 +23,7 @@ from services.engine.config import EngineConfig
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
 from services.worker.reference_runner import RunnerOutput
-from services.worker.step_batch import StepBatch
+from services.worker.step_batch import PendingInputs, StepBatch
 
 
 class ModelRunner:
@@ -41,19 +41,23 @@ class ModelRunner:
         A reused slot is never read before it is written (reads are bounded by positions)."""
 
     @torch.no_grad()
-    def execute(self, plan: StepPlan, all_rows: bool = False) -> RunnerOutput:
+    def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
+                ) -> RunnerOutput:
         """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
-        with ``all_rows``, for tests), expert counts [layers, experts], rows computed."""
+        with ``all_rows``, for tests), expert counts [layers, experts], rows computed. A plan with
+        pending inputs (async scheduling) needs ``pending``, the previous step's sampled tokens."""
         cfg, model = self.cfg, self.model
         self.cache.copy(plan.block_copies, plan.state_copies)
         device = model.embed.weight.device
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=device)
         if plan.is_placeholder or plan.num_rows == 0:
             return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts.cpu(), 0)
-        if any(plan.inputs_pending.tolist()):
+        if pending is None and any(plan.inputs_pending.tolist()):
             raise ValueError("the plan's inputs wait on a step in flight (async scheduling); this runner needs "
                              "them filled in")
         batch = StepBatch.from_plan(plan, device)
+        if pending is not None:
+            batch.fill_pending(plan, pending)
         ring = self.cache.layout.ring_size
         if not torch.equal(batch.ring_slots, batch.positions % ring):
             raise ValueError(f"the plan's ring slots are not position mod {ring}: the scheduler's window or nextn "

@@ -20,6 +20,14 @@ def _long(a) -> torch.Tensor:
 
 
 @dataclass
+class PendingInputs:
+    """Async scheduling: the step in flight's request ids and the last token each sampled (−1 = none)."""
+
+    request_ids: list[str]
+    token_ids: torch.Tensor  # [N prev] long
+
+
+@dataclass
 class StepBatch:
     request_ids: list[str]
     input_ids: torch.Tensor  # [R]
@@ -60,6 +68,25 @@ class StepBatch:
             block_tables=t(plan.block_tables).view(n, plan.block_table_width), sample_rows=t(plan.sample_rows),
             entry_writes={r: (t(rows), t(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]},
         )
+
+    def fill_pending(self, plan: StepPlan, pending: PendingInputs) -> None:
+        """Replaces each pending request's stand-in input (its first row this step) with the token the
+        previous step sampled for it, matched by request id, not batch position. On a GPU a kernel does
+        this gather/scatter; here the same index arithmetic runs in torch."""
+        mask = _long(plan.inputs_pending).to(self.device).bool()  # [N]
+        reqs = mask.nonzero().flatten()
+        if reqs.numel() == 0:
+            return
+        where = {rid: k for k, rid in enumerate(pending.request_ids)}
+        missing = [self.request_ids[i] for i in reqs.tolist() if self.request_ids[i] not in where]
+        if missing:
+            raise ValueError(f"pending inputs of {missing} are not in the previous step")
+        src = torch.tensor([where[self.request_ids[i]] for i in reqs.tolist()], dtype=torch.long, device=self.device)
+        tokens = pending.token_ids.to(self.device)[src]
+        # A request with no token from the previous step (an error there) is dropped by the scheduler at its
+        # update; its row keeps the stand-in so the forward stays in range.
+        rows = self.query_start[reqs]
+        self.input_ids[rows] = torch.where(tokens >= 0, tokens, self.input_ids[rows])
 
     # ---- per-row views ---------------------------------------------------------------------
 
