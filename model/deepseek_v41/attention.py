@@ -97,13 +97,19 @@ class Attention(nn.Module):
             return state  # reuse the nearest index source's selection
         visible = visible_entries(positions, self.ratio)  # [B, S]
         scores = self.indexer.scores(x, q_latent, rope_angles(positions, self.freqs), state.index_keys, visible)
-        candidates = state.candidates
+        scores, candidates = self.restrict_to_candidates(scores, visible, state.candidates)
+        return dataclasses.replace(state, selected=select_entries(scores, self.index_topk), candidates=candidates)
+
+    def restrict_to_candidates(self, scores: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The candidate source picks this layer's candidate blocks; a layer that uses them masks its
+        scores outside them. Returns (scores, candidates to carry on). Shared by the cached path."""
         if self.is_candidate_source:
             candidates = candidate_mask(scores, visible, num_blocks=self.candidate_topk_blocks,
                                         block_size=self.candidate_block_size)
         elif self.uses_candidates:
             scores = scores.masked_fill(~candidates, -torch.inf)
-        return dataclasses.replace(state, selected=select_entries(scores, self.index_topk), candidates=candidates)
+        return scores, candidates
 
     def _project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         out = apply_rope(out, angles, inverse=True)  # [B, S, H, hd]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from model.deepseek_v41.attention import Attention, sink_attention
 from model.deepseek_v41.engram import EngramHasher
-from model.deepseek_v41.indexer import candidate_mask, select_entries
+from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import fake_quant_fp8_e4m3, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from services.worker.cache_engine import CacheEngine
@@ -135,12 +135,7 @@ class CachedStep:
         query = self._round("idx4q", attn.layer, attn.indexer.query(q_latent, angles), b.row_requests, b.positions)
         scores = attn.indexer.scores_quantized(fake_quant_indexer(query).unsqueeze(1), x.unsqueeze(1),
                                                sparse.keys[b.row_requests], visible)  # [R, 1, W]
-        candidates = sparse.candidates
-        if attn.is_candidate_source:
-            candidates = candidate_mask(scores, visible, num_blocks=attn.candidate_topk_blocks,
-                                        block_size=attn.candidate_block_size)
-        elif attn.uses_candidates:
-            scores = scores.masked_fill(~candidates, -torch.inf)
+        scores, candidates = attn.restrict_to_candidates(scores, visible, sparse.candidates)
         return StepSparse(ratio, sparse.kv, sparse.keys, select_entries(scores, attn.index_topk), candidates)
 
     def _compress(self, attn: Attention, x: torch.Tensor) -> None:

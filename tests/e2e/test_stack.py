@@ -15,6 +15,7 @@ import pytest
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
 from services.stack import StackConfig, down, services, up
+from tests.openai_streams import concurrent_completion_streams
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,27 +90,8 @@ def test_grpc_client_stream_abort_and_bad_input(stack):
 
 
 def test_100_concurrent_streams_through_the_stack(stack):
-    import asyncio
-
     _, _, ready = stack
-
-    async def run():
-        client = openai.AsyncOpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        async def one(i):
-            n = 1 + i % 3
-            stream = await client.completions.create(model="tiny", prompt=f"s{i}", max_tokens=n, stream=True,
-                                                     stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
-            chunks = [c async for c in stream]
-            return n, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-
-        try:
-            return await asyncio.gather(*(one(i) for i in range(100)))
-        finally:
-            await client.close()
-
-    results = asyncio.run(run())
+    results = concurrent_completion_streams(ready["http"] + "/v1")
     assert all(got == want and reason == "length" for want, got, reason in results), results
 
 

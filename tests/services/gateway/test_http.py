@@ -9,6 +9,7 @@ import pytest
 
 from services.engine import SamplingParams
 from tests.services.gateway.conftest import pools_whole
+from tests.openai_streams import concurrent_completion_streams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,24 +110,6 @@ def test_client_disconnect_during_a_plain_request_aborts_it(served):
 
 
 def test_concurrent_streams_all_finish_with_their_token_counts(served):
-    import asyncio
-
-    async def run():
-        client = openai.AsyncOpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        async def one(i):
-            n = 1 + i % 3
-            stream = await client.completions.create(model="tiny", prompt=f"n{i}", max_tokens=n,
-                                                     stream=True, stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
-            chunks = [c async for c in stream]
-            return n, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-
-        try:
-            return await asyncio.gather(*(one(i) for i in range(100)))
-        finally:
-            await client.close()
-
-    results = asyncio.run(run())
+    results = concurrent_completion_streams(served.http_url + "/v1")
     assert all(got == want and reason == "length" for want, got, reason in results), results
     wait_whole(served)
