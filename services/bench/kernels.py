@@ -38,6 +38,9 @@ ATTN_SWEEP = [  # (block_h, block_n, num_warps, num_stages); tried at ATTN_SWEEP
     (64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 16, 1), (64, 64, 16, 1), (64, 16, 8, 1),
 ]
 ATTN_SWEEP_ROWS = (64, 256)
+# Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
+# ``bench(ceil, quick, gen) -> list[row]`` built with ``_row`` (one file per kernel, like kernels/).
+EXTRA = ("indexer", "compressor", "mhc", "prefill_attention", "sampler")
 
 
 def _bench(fn: Callable[[], object]) -> float:
@@ -380,6 +383,17 @@ def bench_decode_attention(num_rows: int, context: int, ceil: dict[str, float], 
     return rows
 
 
+def _bench_module(name: str, ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
+    import importlib
+    import importlib.util
+
+    module_name = f"services.bench.kernels_{name}"
+    if importlib.util.find_spec(module_name) is None:
+        print(f"{name}: no benchmark module {module_name} yet; nothing measured")
+        return []
+    return importlib.import_module(module_name).bench(ceil, quick, gen)
+
+
 def _fmt(v: object, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -402,8 +416,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
     parser.add_argument("--sweep", action="store_true", help="also time small sweeps of MoE GEMM and decode attention configs")
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
-    parser.add_argument("--only", choices=("all", "moe", "attention"), default="all",
-                        help="attention: the sparse decode attention rows alone; moe: everything else")
+    parser.add_argument("--only", choices=("all", "moe", "attention", *EXTRA), default="all",
+                        help="attention: the sparse decode attention rows alone; moe: norm, router and MoE GEMMs; "
+                        "any other name: that kernel's module alone")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -420,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
           f"FP8 _scaled_mm 8192³: {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s  bf16 mm 8192³: "
           f"{ceil['bf16_peak'] / 1e12:.0f} TFLOP/s")
     rows: list[dict[str, object]] = []
-    if only in ("all", "moe"):
+    if only in ("all", "moe"):  # "moe" keeps its first meaning: the norm, router and grouped GEMM rows
         rows += [bench_rmsnorm(t, ceil) for t in ((16384,) if args.quick else NORM_TOKENS)]
         rows += [bench_router(t, ceil) for t in (1, 256)]
         for t in QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS:
@@ -429,6 +444,9 @@ def main(args: argparse.Namespace) -> int:
         for context in ATTN_CONTEXTS:
             for t in QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS:
                 rows += bench_decode_attention(t, context, ceil, args.sweep, gen)
+    for name in EXTRA:
+        if only in ("all", name):
+            rows += _bench_module(name, ceil, args.quick, gen)
     print_table(rows)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
