@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,10 +26,12 @@ from model.deepseek_v41.safetensors_io import write_checkpoint
 from model.deepseek_v41.tokenizer import write_tokenizer_files
 
 
-def random_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
-    """One fp32 tensor of ``spec.shape`` drawn by the rule for its name."""
-    name, shape = spec.name, spec.shape
-    noise = torch.randn(shape, generator=generator)
+def random_value(spec: TensorSpec, generator: torch.Generator, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """One fp32 tensor of ``spec.shape`` (or of ``shape``, a band of its rows) drawn by the rule for its
+    name, on the generator's device."""
+    name = spec.name
+    shape = spec.shape if shape is None else shape
+    noise = torch.randn(shape, generator=generator, device=generator.device)
     if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")) or "_scale" in name:
         return 1.0 + 0.2 * noise
     if name.endswith("attn_sink") or ".engram.embed." in name:
@@ -62,6 +66,37 @@ def random_checkpoint(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     for spec in tensor_table(cfg).values():
         out.update(stored_tensors(spec, random_value(spec, generator)))
     return out
+
+
+ROWS_PER_BAND = 1 << 20
+"""Rows drawn and quantised at once on a device: a 72M-row Engram table is drawn band by band, so
+the fp32 staging never exceeds ~1 GiB (a multiple of 32, so 32×32 FP8 blocks never straddle bands)."""
+
+
+def random_stored_on_device(cfg: ModelConfig, seed: int, device: torch.device | str,
+                            prefix: str | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The released tensors of ``cfg`` drawn directly on ``device``, one table entry at a time
+    (each dict is one weight and its scale), for models too large for host memory (v41-s1).
+
+    Each tensor draws from its own generator seeded by (seed, name), so the values do not depend on
+    which names are asked for or in what order; they differ from ``random_checkpoint``'s CPU draws.
+    Only names starting with ``prefix`` are produced when it is given (e.g. ``"layers.3."``).
+    """
+    for spec in tensor_table(cfg).values():
+        if prefix is not None and not spec.name.startswith(prefix):
+            continue
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+        rows = spec.shape[0]
+        if len(spec.shape) < 2 or rows <= ROWS_PER_BAND:
+            yield stored_tensors(spec, random_value(spec, generator))
+            continue
+        out = {key: torch.empty(shape, dtype=dtype, device=device) for key, (shape, dtype) in spec.stored().items()}
+        for r in range(0, rows, ROWS_PER_BAND):
+            band = stored_tensors(spec, random_value(spec, generator, (min(ROWS_PER_BAND, rows - r), *spec.shape[1:])))
+            for key, value in band.items():
+                start = r // 32 if spec.fmt == "fp8_block" and key != spec.name else r
+                out[key][start : start + value.shape[0]] = value
+        yield out
 
 
 def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int,

@@ -106,3 +106,27 @@ def test_large_configs_build_on_meta_and_match_the_table(cfg):
     for s in table.values():
         shape = params[s.target].shape[1:] if s.index is not None else params[s.target].shape
         assert tuple(shape) == s.shape, s.name
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def test_device_draws_are_whole_per_name_and_band_independent(monkeypatch):
+    """v41-s1's builder: every released tensor, in its format, the same whatever is asked for."""
+    from model.deepseek_v41 import init
+    from model.deepseek_v41.loader import check_tensors
+
+    whole: dict[str, torch.Tensor] = {}
+    for entry in init.random_stored_on_device(TINY, 3, "cpu"):
+        whole.update(entry)
+    check_tensors(TINY, whole)
+    monkeypatch.setattr(init, "ROWS_PER_BAND", 64)  # the Engram tables (240, 306 rows) now come in bands
+    layer4: dict[str, torch.Tensor] = {}
+    for entry in init.random_stored_on_device(TINY, 3, "cpu", prefix="layers.4."):
+        layer4.update(entry)
+    assert layer4 and all(k.startswith("layers.4.") for k in layer4)
+    assert any(".engram.embed." in k for k in layer4)
+    assert all(torch.equal(_bytes_of(layer4[k]), _bytes_of(whole[k])) for k in layer4)
+    other = next(iter(init.random_stored_on_device(TINY, 4, "cpu", prefix="layers.4.attn.wq_a")))
+    assert not torch.equal(_bytes_of(other["layers.4.attn.wq_a.weight"]), _bytes_of(whole["layers.4.attn.wq_a.weight"]))
