@@ -1,0 +1,317 @@
+"""mHC (spec §3.3): the Sinkhorn mix, collapse and expand of the n residual streams, in Triton.
+
+Semantics are ``model/deepseek_v41/mhc.py`` (``HyperConnection.forward``, ``collapse``, ``expand``);
+all mixing maths is fp32, the streams keep their dtype. Entry points, h [T, n, D] (or [..., n, D]):
+
+- ``mhc_mix(h, w, collapse_pre)``: one site's Mix of h, and optionally Collapse(h, collapse_pre) from
+  the same read of h (the model collapses with the *previous* site's pre at every site).
+- ``mhc_expand_mix(y, h, mix, w, collapse_pre)``: h' = Expand(y, h, mix), then Mix(h') and
+  optionally Collapse(h', collapse_pre), reading h and y once and writing h' once: every site
+  after the first in a layer chain is this one kernel.
+- ``collapse(h, pre)`` and ``expand(y, h, mix)`` alone (the final collapse; around Engram layers).
+
+The mix kernel tiles tokens × D: a program owns BLOCK_T tokens and a range of D tiles and loads the
+[BLOCK_T, n, BLOCK_D] stream tile once; the projection fn·v is a tl.dot (3-pass tf32, fp32-accurate)
+against fn [n(n+2) padded to ROWS·n, n·D]. At small T the D range is split over programs; their
+partial products and sums of squares go to a small fp32 buffer and a finishing kernel runs the
+epilogue (scale/bias, sigmoids, 20 Sinkhorn iterations on the n×n matrix in registers).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from model.deepseek_v41.mhc import Mix
+
+NUM_SMS_H200 = 132
+
+
+class MixWeights(NamedTuple):
+    """One site's parameters: fn fp32 [n(n+2), n·D], base fp32 [n(n+2)], scale fp32 [3]."""
+
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    iters: int
+    eps: float
+    norm_eps: float
+
+    @classmethod
+    def of(cls, hc: torch.nn.Module) -> MixWeights:
+        """From a ``model.deepseek_v41.mhc.HyperConnection``."""
+        return cls(hc.fn.detach().float(), hc.base.detach().float(), hc.scale.detach().float(), hc.iters, hc.eps,
+                   hc.norm_eps)
+
+
+class MixResult(NamedTuple):
+    mix: Mix  # of ``h``
+    h: torch.Tensor  # [T, n, D]: the streams mixed (the new streams for mhc_expand_mix)
+    x: torch.Tensor | None  # [T, D] in h.dtype: Collapse(h, collapse_pre), when asked for
+
+
+@triton.jit
+def _expand_tile(y_ptr, h_ptr, post_ptr, comb_ptr, t, s, d, t_ok, ok, y_stride, h_stride_t, h_stride_s,
+                 N: tl.constexpr, out_ty: tl.constexpr):
+    """New streams k = post_k · y + Σ_j comb[j, k] · h_j on a [BT, N, BD] tile, rounded to ``out_ty``
+    (then back to fp32: what a consumer reading the stored streams sees). t [BT,1,1], s [1,N,1], d [1,1,BD]."""
+    y = tl.load(y_ptr + t * y_stride + d, mask=ok, other=0.0).to(tl.float32)  # [BT, 1, BD]
+    post = tl.load(post_ptr + t * N + s, mask=t_ok, other=0.0)  # [BT, N, 1]
+    acc = post * y
+    mixed = tl.zeros_like(acc)
+    for j in tl.static_range(N):
+        h_j = tl.load(h_ptr + t * h_stride_t + j * h_stride_s + d, mask=ok, other=0.0).to(tl.float32)  # [BT,1,BD]
+        c_jk = tl.load(comb_ptr + t * (N * N) + j * N + s, mask=t_ok, other=0.0)  # [BT, N, 1]
+        mixed += c_jk * h_j
+    return (acc + mixed).to(out_ty).to(tl.float32)
+
+
+@triton.jit
+def _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                  norm_eps, eps, ITERS: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """m [BT, ROWS·N] = fn·v (column c = row c // N, lane c % N), sumsq [BT] = Σ v² → pre, post, comb.
+
+    Rows of the [BT, ROWS, N] view: 0 pre, 1 post, 2 … N+1 the comb matrix (row = source stream),
+    the rest padding. Padding rows are zeroed before the Sinkhorn column sums and stay 0."""
+    t = (t0 + tl.arange(0, BLOCK_T))[:, None, None]
+    r = tl.arange(0, ROWS)[None, :, None]
+    k = tl.arange(0, N)[None, None, :]
+    col = r * N + k
+    base = tl.load(base_ptr + col, mask=col < N * (N + 2), other=0.0)
+    scale = tl.load(scale_ptr + tl.minimum(r, 2))
+    inv_rms = tl.rsqrt(sumsq / k_total + norm_eps)[:, None, None]
+    logits = base + (tl.reshape(m, (BLOCK_T, ROWS, N)) * inv_rms) * scale
+    sig = tl.sigmoid(logits)
+    t_ok = t < num_tokens
+    lane = t * N + k + 0 * r  # [BT, ROWS, N]: only row 0 (pre) / row 1 (post) is stored
+    tl.store(pre_ptr + lane, sig + eps, mask=t_ok & (r == 0))
+    tl.store(post_ptr + lane, 2 * sig, mask=t_ok & (r == 1))
+    is_comb = (r >= 2) & (r < N + 2)
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    c = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + eps, 0.0)
+    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in range(ITERS - 1):
+        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    tl.store(comb_ptr + t * (N * N) + (r - 2) * N + k, c, mask=t_ok & is_comb)
+
+
+@triton.jit
+def _mix_kernel(
+    h_ptr, y_ptr, in_post_ptr, in_comb_ptr, h_out_ptr, cpre_ptr, x_ptr, fn_ptr, base_ptr, scale_ptr,
+    part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr,
+    num_tokens, dim, h_stride_t, h_stride_s, y_stride, norm_eps, eps,
+    N: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    EXPAND: tl.constexpr, COLLAPSE: tl.constexpr, ITERS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (token tiles, SPLIT). h_out [T, N, D] and x [T, D] are contiguous; part [SPLIT, T, ROWS·N]."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    t0 = pid_t * BLOCK_T
+    t1 = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t = t1[:, None, None]  # [BT, 1, 1]
+    s = tl.arange(0, N)[None, :, None]  # [1, N, 1]
+    c = tl.arange(0, ROWS * N)[:, None, None]  # [ROWS·N, 1, 1] fn rows; ≥ N(N+2) are padding
+    k_total = N * dim
+    acc = tl.zeros((BLOCK_T, ROWS * N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if COLLAPSE:
+        cpre = tl.load(cpre_ptr + t * N + s, mask=t < num_tokens, other=0.0)  # [BT, N, 1]
+    for i in range(TILES):  # constexpr trip count: the interpreter (Triton 3.6) rejects runtime bounds
+        d1 = (split * TILES + i) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d = d1[None, None, :]  # [1, 1, BD]
+        ok = (t < num_tokens) & (d < dim)
+        if EXPAND:
+            v = _expand_tile(y_ptr, h_ptr, in_post_ptr, in_comb_ptr, t, s, d, t < num_tokens, ok, y_stride, h_stride_t, h_stride_s,
+                             N, h_out_ptr.dtype.element_ty)
+            tl.store(h_out_ptr + t * k_total + s * dim + d, v.to(h_out_ptr.dtype.element_ty), mask=ok & (s < N))
+        else:
+            v = tl.load(h_ptr + t * h_stride_t + s * h_stride_s + d, mask=ok, other=0.0).to(tl.float32)
+        if COLLAPSE:
+            x = tl.sum(cpre * v, axis=1)  # [BT, BD]
+            x_ok = (t1 < num_tokens)[:, None] & (d1 < dim)[None, :]
+            tl.store(x_ptr + t1[:, None] * dim + d1[None, :], x.to(x_ptr.dtype.element_ty), mask=x_ok)
+        sumsq += tl.sum(tl.sum(v * v, axis=2), axis=1)
+        w = tl.load(fn_ptr + c * k_total + s * dim + d, mask=(c < N * (N + 2)) & (d < dim), other=0.0)
+        acc = tl.dot(tl.reshape(v, (BLOCK_T, N * BLOCK_D)), tl.trans(tl.reshape(w, (ROWS * N, N * BLOCK_D))), acc,
+                     input_precision=DOT_PRECISION)
+    if SPLIT == 1:
+        _mix_epilogue(acc, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                      norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
+    else:
+        cols = tl.arange(0, ROWS * N)[None, :]
+        row = split * num_tokens + t1
+        tl.store(part_ptr + row[:, None] * (ROWS * N) + cols, acc, mask=(t1 < num_tokens)[:, None])
+        tl.store(sq_ptr + row, sumsq, mask=t1 < num_tokens)
+
+
+@triton.jit
+def _mix_finish_kernel(
+    part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, k_total,
+    norm_eps, eps, SPLIT: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
+):
+    """Sums the SPLIT partial products of a token tile (fixed order: deterministic), then the epilogue."""
+    t0 = tl.program_id(0) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, ROWS * N)[None, :]
+    ok = t < num_tokens
+    m = tl.zeros((BLOCK_T, ROWS * N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for split in range(SPLIT):
+        row = split * num_tokens + t
+        m += tl.load(part_ptr + row[:, None] * (ROWS * N) + cols, mask=ok[:, None], other=0.0)
+        sumsq += tl.load(sq_ptr + row, mask=ok, other=0.0)
+    _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                  norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
+
+
+@triton.jit
+def _collapse_kernel(h_ptr, pre_ptr, x_ptr, num_tokens, dim, h_stride_t, h_stride_s,
+                     N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    t1 = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d1 = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t, s, d = t1[:, None, None], tl.arange(0, N)[None, :, None], d1[None, None, :]
+    ok = (t < num_tokens) & (d < dim)
+    h = tl.load(h_ptr + t * h_stride_t + s * h_stride_s + d, mask=ok, other=0.0).to(tl.float32)
+    pre = tl.load(pre_ptr + t * N + s, mask=t < num_tokens, other=0.0)
+    x = tl.sum(pre * h, axis=1)
+    x_ok = (t1 < num_tokens)[:, None] & (d1 < dim)[None, :]
+    tl.store(x_ptr + t1[:, None] * dim + d1[None, :], x.to(x_ptr.dtype.element_ty), mask=x_ok)
+
+
+@triton.jit
+def _expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, num_tokens, dim, y_stride, h_stride_t, h_stride_s,
+                   N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None].to(tl.int64)
+    s = tl.arange(0, N)[None, :, None]
+    d = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, None, :]
+    ok = (t < num_tokens) & (d < dim)
+    v = _expand_tile(y_ptr, h_ptr, post_ptr, comb_ptr, t, s, d, t < num_tokens, ok, y_stride, h_stride_t, h_stride_s, N,
+                     out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * (N * dim) + s * dim + d, v.to(out_ptr.dtype.element_ty), mask=ok & (s < N))
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def _streams(h: torch.Tensor) -> torch.Tensor:
+    """[..., n, D] → [T, n, D] without a copy where the strides allow (the model's first h has stride 0 over n)."""
+    h3 = h.reshape(-1, h.shape[-2], h.shape[-1])
+    return h3 if h3.stride(-1) == 1 else h3.contiguous()
+
+
+def _rows(y: torch.Tensor) -> torch.Tensor:
+    y2 = y.reshape(-1, y.shape[-1])
+    return y2 if y2.stride(-1) == 1 else y2.contiguous()
+
+
+def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | None) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_D, tiles per split, splits): split D until about two programs per SM."""
+    if block_t is None:
+        block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 2048 else 64
+    block_d = 64
+    num_tiles = triton.cdiv(dim, block_d)
+    if split is None:
+        split = max(1, min(num_tiles, triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
+    per = triton.cdiv(num_tiles, split)
+    return block_t, block_d, per, triton.cdiv(num_tiles, per)
+
+
+def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: MixWeights,
+                collapse_pre: torch.Tensor | None, block_t: int | None, split: int | None,
+                num_warps: int | None, dot_precision: str) -> MixResult:
+    num_tokens, n, dim = h.shape
+    if w.fn.shape != (n * (n + 2), n * dim) or w.base.shape != (n * (n + 2),) or w.scale.shape != (3,):
+        raise ValueError(f"mix weights {tuple(w.fn.shape)}, {tuple(w.base.shape)}, {tuple(w.scale.shape)} "
+                         f"do not fit n={n}, D={dim}")
+    if n & (n - 1):
+        raise ValueError(f"hc_mult must be a power of two here, got {n}")
+    rows = triton.next_power_of_2(n + 2)
+    dev = h.device
+    pre, post = (torch.empty(num_tokens, n, device=dev) for _ in range(2))
+    comb = torch.empty(num_tokens, n, n, device=dev)
+    expanding = y is not None
+    h_out = torch.empty(num_tokens, n, dim, device=dev, dtype=y.dtype) if expanding else h
+    mixed = h_out
+    x = torch.empty(num_tokens, dim, device=dev, dtype=mixed.dtype) if collapse_pre is not None else None
+    if num_tokens == 0:
+        return MixResult(Mix(pre, post, comb), h_out, x)
+    block_t, block_d, per, num_splits = _mix_config(num_tokens, dim, block_t, split)
+    part = torch.empty(num_splits if num_splits > 1 else 0, num_tokens, rows * n, device=dev)
+    sq = torch.empty(num_splits if num_splits > 1 else 0, num_tokens, device=dev)
+    fn = w.fn.contiguous()
+    dummy = pre  # stands in for pointers a variant does not read
+    grid = (triton.cdiv(num_tokens, block_t), num_splits)
+    _mix_kernel[grid](
+        h, y if expanding else dummy, mix_in.post.contiguous() if expanding else dummy,
+        mix_in.comb.contiguous() if expanding else dummy, h_out,
+        collapse_pre.reshape(num_tokens, n).float().contiguous() if x is not None else dummy,
+        x if x is not None else dummy, fn, w.base, w.scale, part, sq, pre, post, comb,
+        num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
+        N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
+        COLLAPSE=x is not None, ITERS=w.iters, DOT_PRECISION=dot_precision,
+        num_warps=num_warps or (8 if block_t >= 64 else 4),
+    )
+    if num_splits > 1:
+        finish_t = 16
+        _mix_finish_kernel[(triton.cdiv(num_tokens, finish_t),)](
+            part, sq, w.base, w.scale, pre, post, comb, num_tokens, n * dim, w.norm_eps, w.eps,
+            SPLIT=num_splits, N=n, ROWS=rows, BLOCK_T=finish_t, ITERS=w.iters, num_warps=4,
+        )
+    return MixResult(Mix(pre, post, comb), h_out, x)
+
+
+def mhc_mix(h: torch.Tensor, w: MixWeights, collapse_pre: torch.Tensor | None = None, *,
+            block_t: int | None = None, split: int | None = None, num_warps: int | None = None,
+            dot_precision: str = "tf32x3") -> MixResult:
+    """Mix(h) for one site, h [..., n, D]; with ``collapse_pre`` [..., n] also Collapse(h, collapse_pre).
+
+    Mix fields come back as [T, n] / [T, n, n] fp32 (T = the leading dims flattened); ``x`` [T, D]."""
+    return _launch_mix(_streams(h), None, None, w, collapse_pre, block_t, split, num_warps, dot_precision)
+
+
+def mhc_expand_mix(y: torch.Tensor, h: torch.Tensor, mix: Mix, w: MixWeights,
+                   collapse_pre: torch.Tensor | None = None, *, block_t: int | None = None,
+                   split: int | None = None, num_warps: int | None = None,
+                   dot_precision: str = "tf32x3") -> MixResult:
+    """h' = Expand(y, h, mix) (y [..., D], h [..., n, D], h' in y.dtype), then Mix(h') with ``w`` and,
+    with ``collapse_pre``, Collapse(h', collapse_pre): one read of y and h, one write of h'."""
+    h3 = _streams(h)
+    num_tokens, n, _ = h3.shape
+    mix_in = Mix(mix.pre, mix.post.reshape(num_tokens, n).float(), mix.comb.reshape(num_tokens, n, n).float())
+    return _launch_mix(h3, _rows(y), mix_in, w, collapse_pre, block_t, split, num_warps, dot_precision)
+
+
+def _elementwise_config(num_tokens: int, dim: int) -> tuple[int, int, tuple[int, int]]:
+    block_t = 1 if num_tokens < 64 else 4
+    block_d = 1024 if num_tokens < 64 else 512
+    return block_t, block_d, (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Σ_s pre_s · h_s: h [..., n, D], pre fp32 [..., n] → [..., D] in h.dtype."""
+    h3 = _streams(h)
+    num_tokens, n, dim = h3.shape
+    x = torch.empty(num_tokens, dim, device=h.device, dtype=h.dtype)
+    if num_tokens:
+        block_t, block_d, grid = _elementwise_config(num_tokens, dim)
+        _collapse_kernel[grid](h3, pre.reshape(num_tokens, n).float().contiguous(), x, num_tokens, dim,
+                               h3.stride(0), h3.stride(1), N=n, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return x.view(*h.shape[:-2], dim)
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, mix: Mix) -> torch.Tensor:
+    """New stream k = post_k · y + Σ_j comb[j, k] · h_j: y [..., D], h [..., n, D] → [..., n, D] in y.dtype."""
+    h3, y2 = _streams(h), _rows(y)
+    num_tokens, n, dim = h3.shape
+    out = torch.empty(num_tokens, n, dim, device=h.device, dtype=y.dtype)
+    if num_tokens:
+        block_t, block_d, grid = _elementwise_config(num_tokens, dim)
+        _expand_kernel[grid](y2, h3, mix.post.reshape(num_tokens, n).float().contiguous(),
+                             mix.comb.reshape(num_tokens, n, n).float().contiguous(), out, num_tokens, dim,
+                             y2.stride(0), h3.stride(0), h3.stride(1), N=n, BLOCK_T=block_t, BLOCK_D=block_d,
+                             num_warps=4)
+    return out.view(*h.shape)
