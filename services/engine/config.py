@@ -50,6 +50,9 @@ class EngineConfig:
     model_seed: int = 0
     # Plan step N+1 while step N runs (one decode step in flight); off = schedule, execute, update in turn.
     async_scheduling: bool = False
+    # The worker's GPU kernel backend (services/worker/kernel_backend.py): None = the torch model (CPU or GPU),
+    # "fp8" = Triton kernels with FP8 weights and activations, "fp32" = the same kernels with fp32 weights.
+    kernel_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'stop' or 'recompute', got {self.preemption_mode!r}")
         if self.first_n_no_eos < 0:
             raise ValueError("first_n_no_eos must be >= 0")
+        if self.kernel_backend not in (None, "fp8", "fp32"):
+            raise ValueError(f"kernel_backend must be None, 'fp8' or 'fp32', got {self.kernel_backend!r}")
         if self.forced_top_k is not None and self.forced_top_k < 1:
             raise ValueError("forced_top_k must be positive or None")
 

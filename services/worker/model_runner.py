@@ -9,6 +9,11 @@ exactly Σ seqlen_q rows.
 A placeholder step (no rows; it exists so every data-parallel rank joins every collective) runs
 nothing here and counts nothing: one CPU rank has no collective to join. The fake row that routes
 nowhere arrives with expert parallelism.
+
+``backend="kernels"`` (or ``EngineConfig.kernel_backend``) converts the model in place to its
+kernel-backed form (services/worker/kernel_backend.py) and wraps each step in a ``KernelStep``;
+``precision`` is "fp8" (the default) or "fp32". It needs a CUDA device unless ``kernels`` are
+interpreted copies (CPU tests).
 """
 
 from __future__ import annotations
@@ -22,16 +27,27 @@ from scheduler_rs import StepPlan
 from services.engine.config import EngineConfig
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
+from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs, StepBatch
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV41, config: EngineConfig, *, nextn: int = 0,
-                 rounding: Rounding | None = None) -> None:
+                 rounding: Rounding | None = None, backend: str | None = None, precision: str | None = None,
+                 kernels: KernelSet | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         device = model.embed.weight.device
+        self.backend = backend or ("kernels" if config.kernel_backend is not None else "torch")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        self.precision = precision or config.kernel_backend or "fp8"
+        self.kernels = None
+        if self.backend == "kernels":
+            self.kernels = kernels or KernelSet.compiled()
+            check_device(device, self.kernels)
+            self.conversion = convert_model(model, self.precision, self.kernels)
         self.cache = CacheEngine(self.cfg, config.block_size, config.resolved_num_blocks(),
                                  config.resolved_num_state_slots(), ring_size(self.cfg, nextn), device)
         self.rounding = rounding
@@ -62,7 +78,9 @@ class ModelRunner:
         if not torch.equal(batch.ring_slots, batch.positions % ring):
             raise ValueError(f"the plan's ring slots are not position mod {ring}: the scheduler's window or nextn "
                              "differs from the model runner's")
-        step = CachedStep(self.cache, batch, self.rounding)
+        step: CachedStep | KernelStep = CachedStep(self.cache, batch, self.rounding)
+        if self.kernels is not None:
+            step = KernelStep(step, self.kernels, self.precision)
         engram_rows = step.engram_rows(model.hasher) if model.hasher is not None else None
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]

@@ -1,0 +1,168 @@
+"""Kernel-backed linear layers and the set of kernel modules the worker's kernel backend calls.
+
+``KernelSet`` names the ``kernels.*`` modules a converted model calls: the compiled ones on a GPU, or
+interpreted copies (tests/kernels/interpret.py) for CPU tests, which then run inside ``interpreter()``.
+
+FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 block
+(``kernels.fp8_weights.quantize_weight_block128``), the activations are quantised per token and per
+128 channels by ``kernels.quant_fp8.quantize_act``, and the product runs on the MoE grouped GEMM
+kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Why not
+``torch._scaled_mm``: torch 2.11 does accept block-wise (1×128 activation, 128×128 weight) fp32
+scales on sm_90 with cuBLASLt ≥ 12.9 (``torch/_meta_registrations.py``, the ``BlockWise1x128,
+BlockWise128x128`` case; ``common_methods_invocations.py`` gates its samples on exactly that), but it
+needs the activation scales K-major (a transpose per call), writes bf16 only, does not run under
+the Triton interpreter (so CPU CI could not test the path) and would not share the MoE's rounding.
+Revisit it for large prefill M, where the grouped GEMM's one-expert grid is only N/128 programs.
+
+Dimensions that are not multiples of 128 (the tiny presets) are zero-padded at conversion: padded
+weight rows/columns are 0, padded activation channels are 0, so every product and every block
+amax is unchanged (exact); outputs are sliced back.
+
+``precision="fp32"`` keeps the dequantised fp32 weight and runs a plain matmul (the GEMM kernel has
+no fp32-weight mode): the same module structure, for numerics tests against the CPU reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.fp8_weights import quantize_weight_block128
+from kernels.reference import GROUP, dequantize_weight_block128
+
+PRECISIONS = ("fp8", "fp32")
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The kernel modules a converted model calls. ``interpreted``: CPU copies under Triton's
+    interpreter (no bf16 ``tl.dot`` there, so attention uses its fp32-dot option)."""
+
+    rmsnorm: ModuleType
+    quant_fp8: ModuleType
+    moe_router: ModuleType
+    moe_grouped_gemm: ModuleType
+    decode_attention: ModuleType
+    interpreted: bool = False
+
+    NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
+
+    @staticmethod
+    def compiled() -> KernelSet:
+        return KernelSet(*(importlib.import_module(f"kernels.{name}") for name in KernelSet.NAMES))
+
+
+def round_up(n: int, multiple: int = GROUP) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the last dim of x to ``size`` (no copy when it already has that size)."""
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+def pad_matrix(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., N, K] → [..., N', K'] zero-padded to multiples of 128."""
+    n, k = w.shape[-2:]
+    return F.pad(w.float(), (0, round_up(k) - k, 0, round_up(n) - n))
+
+
+def quantize_padded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """fp32 [..., N, K] → (e4m3 [..., N', K'], fp32 scales [..., N'/128, K'/128], #elements not exact)."""
+    padded = pad_matrix(w)
+    q, scale = quantize_weight_block128(padded)
+    inexact = int((dequantize_weight_block128(q, scale) != padded).sum())
+    return q, scale, inexact
+
+
+def one_expert_meta(num_tokens: int, num_experts: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``route_metadata`` of every token in every one of ``num_experts`` experts with weight 1 (slot j of
+    expert e is token j): a dense GEMM, or the G groups of a grouped projection. Device ops only."""
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    return {
+        "counts": torch.full((num_experts,), num_tokens, dtype=torch.int32, device=device),
+        "row_ids": tokens.expand(num_experts, num_tokens).contiguous(),
+        "route_w": torch.ones(num_experts, num_tokens, dtype=torch.float32, device=device),
+        "slot_of": tokens.long().view(num_tokens, 1).expand(num_tokens, num_experts).contiguous(),
+        "active": torch.arange(num_experts, dtype=torch.int32, device=device),
+        "num_active": torch.full((1,), num_experts if num_tokens else 0, dtype=torch.int32, device=device),
+    }
+
+
+class KernelLinear(nn.Module):
+    """``y = x · Wᵀ`` for W [N, K] (an nn.Linear without bias), x [..., K] → [..., N] in x.dtype."""
+
+    def __init__(self, weight: torch.Tensor, precision: str, kernels: KernelSet) -> None:
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision, self.kernels = precision, kernels
+        self.out_features, self.in_features = weight.shape
+        self.inexact = 0
+        if precision == "fp8":
+            q, scale, self.inexact = quantize_padded(weight.detach()[None])
+            self.register_buffer("w", q)  # e4m3 [1, N', K']
+            self.register_buffer("w_scale", scale)  # fp32 [1, N'/128, K'/128]
+        else:
+            self.register_buffer("w", weight.detach().float().clone())  # fp32 [N, K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.precision == "fp32":
+            return F.linear(x.float(), self.w).to(x.dtype)
+        x2 = pad_last(x.reshape(-1, self.in_features), self.w.shape[-1])  # [T, K']
+        num_tokens = x2.shape[0]
+        if num_tokens == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
+        y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
+            a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
+            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
+        return y[0, :, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, precision={self.precision}"
+
+
+class GroupedKernelLinear(nn.Module):
+    """Attention's ``wo_a``: G independent blocks W_g [R, Kg] (rows g·R … of the stored [G·R, Kg]);
+    x [..., G, Kg] → [..., G·R], the model's ``einsum("bsgi,gri->bsgr")`` flattened. FP8: the grouped
+    GEMM with G experts, every token in each (the input laid out [G, T, Kg'])."""
+
+    def __init__(self, weight: torch.Tensor, num_groups: int, precision: str, kernels: KernelSet) -> None:
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision, self.kernels, self.num_groups = precision, kernels, num_groups
+        grouped = weight.detach().float().view(num_groups, -1, weight.shape[-1])  # [G, R, Kg]
+        self.rank, self.group_features = grouped.shape[1:]
+        self.inexact = 0
+        if precision == "fp8":
+            q, scale, self.inexact = quantize_padded(grouped)
+            self.register_buffer("w", q)  # e4m3 [G, R', Kg']
+            self.register_buffer("w_scale", scale)  # fp32 [G, R'/128, Kg'/128]
+        else:
+            self.register_buffer("w", grouped.clone())  # fp32 [G, R, Kg]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-2]
+        if self.precision == "fp32":
+            return torch.einsum("...gi,gri->...gr", x.float(), self.w).flatten(-2).to(x.dtype)
+        g, k_pad = self.num_groups, self.w.shape[-1]
+        xg = pad_last(x.reshape(-1, g, self.group_features), k_pad).transpose(0, 1).contiguous()  # [G, T, Kg']
+        num_tokens = xg.shape[1]
+        if num_tokens == 0:
+            return x.new_zeros(*lead, g * self.rank)
+        q, s = self.kernels.quant_fp8.quantize_act(xg.view(g * num_tokens, k_pad))
+        a = (q.view(g, num_tokens, k_pad), s.view(g, num_tokens, -1))
+        y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
+            a, self.w, self.w_scale, one_expert_meta(num_tokens, g, x.device), gather=False,
+            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16)  # [G, T, R']
+        return y[:, :, : self.rank].transpose(0, 1).reshape(*lead, g * self.rank).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"groups={self.num_groups}, in={self.group_features}, rank={self.rank}, precision={self.precision}"

@@ -1,0 +1,100 @@
+"""Kernel-backed RMSNorm and MoE modules: drop-in replacements for ``model.deepseek_v41``'s.
+
+``KernelMoE`` routes with ``kernels.moe_router`` and runs the routed experts and the shared expert in
+one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``): the shared expert is stacked
+as expert E and every token picks it with weight 1, which is exactly the model's sum
+``routed + shared`` (the model applies no weight to the shared expert). Only the routed picks are
+added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.fp8_weights import stack_gate_up
+from kernels.reference import route_metadata
+from model.deepseek_v41.moe import MoE, clamped_swiglu
+from model.deepseek_v41.norm import RMSNorm
+from services.worker.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_padded, round_up
+
+
+class KernelRMSNorm(nn.Module):
+    """``kernels.rmsnorm`` (fp32 maths, output in x's dtype) with the model module's weight and eps."""
+
+    def __init__(self, norm: RMSNorm, kernels: KernelSet) -> None:
+        super().__init__()
+        self.eps, self.kernels = norm.eps, kernels
+        self.weight = nn.Parameter(norm.weight.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] → [..., C]
+        return self.kernels.rmsnorm.rmsnorm(x.contiguous(), self.weight, self.eps)
+
+
+class KernelMoE(nn.Module):
+    """Router ``gate_weight`` [E, D] + ``gate_bias`` [E]; experts 0..E−1 routed, expert E shared.
+
+    fp8: ``w13`` e4m3 [E+1, 2I', D'] (gate rows [0, I'), up rows [I', 2I')) and ``w2`` e4m3 [E+1, D', I'],
+    fp32 128×128 block scales, zero-padded to multiples of 128. fp32: the same stacks unpadded, fp32,
+    run as batched matmuls over the same masked layout (the GEMM kernel has no fp32-weight mode).
+    """
+
+    def __init__(self, moe: MoE, precision: str, kernels: KernelSet) -> None:
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision, self.kernels = precision, kernels
+        self.top_k, self.route_scale, self.limit = moe.top_k, moe.route_scale, moe.limit
+        self.num_experts, self.intermediate, self.hidden = moe.w1.shape
+        self.gate_weight = nn.Parameter(moe.gate_weight.detach().float().clone(), requires_grad=False)
+        self.gate_bias = nn.Parameter(moe.gate_bias.detach().float().clone(), requires_grad=False)
+        w1 = torch.cat((moe.w1.detach(), moe.shared_w1.detach()[None])).float()  # [E+1, I, D]
+        w3 = torch.cat((moe.w3.detach(), moe.shared_w3.detach()[None])).float()
+        w2 = torch.cat((moe.w2.detach(), moe.shared_w2.detach()[None])).float()  # [E+1, D, I]
+        self.inexact = 0
+        if precision == "fp8":
+            # Gate and up are padded separately, so the kernel's row split at N/2 stays gate | up.
+            q13, s13, bad13 = quantize_padded(stack_gate_up(pad_matrix(w1), pad_matrix(w3)))
+            q2, s2, bad2 = quantize_padded(w2)
+            self.inexact = bad13 + bad2
+            self.register_buffer("w13", q13)
+            self.register_buffer("w13_scale", s13)
+            self.register_buffer("w2", q2)
+            self.register_buffer("w2_scale", s2)
+        else:
+            self.register_buffer("w13", stack_gate_up(w1, w3).contiguous())  # fp32 [E+1, 2I, D]
+            self.register_buffer("w2", w2.contiguous())
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, D]
+        num_tokens = x2.shape[0]
+        weights, experts = self.kernels.moe_router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k,
+                                                              self.route_scale)  # [T, k] each
+        if counts is not None:
+            counts.scatter_add_(0, experts.flatten().long(), torch.ones_like(experts.flatten(), dtype=counts.dtype))
+        shared = torch.full((num_tokens, 1), self.num_experts, dtype=experts.dtype, device=x.device)
+        meta = route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(shared,
+                              dtype=weights.dtype)), 1), self.num_experts + 1)
+        if self.precision == "fp8":
+            xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
+            out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
+                                                            self.w2_scale, self.limit)[:, : self.hidden]
+        else:
+            out = self._experts_fp32(x2, meta)
+        return out.to(x.dtype).reshape(shape)
+
+    def _experts_fp32(self, x: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The masked layout in torch: [E+1, cap, D] gathered rows, SwiGLU · route_w, down, gather-sum → fp32 [T, D]."""
+        a = x.float()[meta["row_ids"].long()]  # [E+1, cap, D]; slots ≥ counts hold token 0, never combined
+        gate_up = torch.bmm(a, self.w13.transpose(1, 2))  # [E+1, cap, 2I]
+        h = clamped_swiglu(gate_up[..., : self.intermediate], gate_up[..., self.intermediate :], self.limit)
+        y = torch.bmm(h * meta["route_w"].unsqueeze(-1), self.w2.transpose(1, 2))  # [E+1, cap, D]
+        slot_of = meta["slot_of"]
+        return y.view(-1, y.shape[-1])[slot_of.reshape(-1)].view(*slot_of.shape, -1).sum(1)
+
+    def extra_repr(self) -> str:
+        padded = f" (padded to {round_up(self.intermediate)}/{round_up(self.hidden)})" if self.precision == "fp8" else ""
+        return f"experts={self.num_experts}+1 shared, top_k={self.top_k}, I={self.intermediate}, D={self.hidden}" \
+               f"{padded}, precision={self.precision}"

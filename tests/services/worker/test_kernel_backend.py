@@ -1,0 +1,246 @@
+"""The worker's kernel backend (services/worker/kernel_backend.py): the module swap, the FP8 linear and
+kernel MoE under Triton's interpreter on CPU, the whole engine interpreted on CPU, and on a GPU the
+engine's logits (fp32 path within tests/tolerances.py; FP8 path by KL and top-1 agreement) and a
+profiled decode step that runs the Triton kernels and none of the torch references.
+
+The model is test_model_runner.py's: a random tiny oracle config, teacher-forced requests driven by the
+real scheduler through chunked prefill and decode, compared with the full-sequence reference logits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import reference
+from model.deepseek_v41.moe import MoE
+from model.deepseek_v41.norm import RMSNorm
+from scheduler_rs import Scheduler, SchedulerConfig
+from services.engine.config import EngineConfig
+from services.worker.fp8_linear import GroupedKernelLinear, KernelLinear, KernelSet, quantize_padded
+from services.worker.kernel_backend import FP8_PROJECTIONS, convert_model
+from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
+from services.worker.model_runner import ModelRunner
+from tests import tolerances as tol
+from tests.kernels.interpret import interpreter, load_interpreted
+from tests.scheduler_rs.fake_worker import run_step
+from tests.services.worker.test_model_runner import BLOCK, MAX_TOKENS, Case, case, replay
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def interpreted() -> KernelSet:
+    return KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def converted(c: Case, precision: str, device: str = "cpu", kernels: KernelSet | None = None):
+    model = copy.deepcopy(c.model).to(device)
+    return model, convert_model(model, precision, kernels)
+
+
+def drive(c: Case, runner: ModelRunner, budget: int, on_plan=None) -> dict[tuple[str, int], torch.Tensor]:
+    """Every request of ``c`` through the scheduler and ``runner``: logits (CPU) per (request, position)."""
+    cfg, n = c.model.cfg, len(c.seqs)
+    ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
+                                      max_num_batched_tokens=budget, max_model_len=128,
+                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+    for rid, s in c.seqs.items():
+        sched.add_request(rid, s[:-MAX_TOKENS], max_tokens=MAX_TOKENS, ignore_eos=True)
+    logits = {}
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        out = (on_plan or (lambda p: runner.execute(p, all_rows=True)))(plan)
+        assert out.expert_counts.sum(1).tolist() == [plan.num_rows * cfg.num_experts_per_tok] * cfg.num_hidden_layers
+        for row, (pos, i) in enumerate(zip(plan.positions.tolist(), plan.row_requests.tolist())):
+            logits[(plan.request_ids[i], pos)] = out.logits[row].float().cpu()
+        sched.update(plan, run_step(plan, lambda rid, pos: c.seqs[rid][pos]))
+    return logits
+
+
+def runner_for(c: Case, model, budget: int, precision: str, kernels: KernelSet | None = None, rounding=None):
+    n = len(c.seqs)
+    config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
+                          max_num_batched_tokens=budget, max_model_len=128)
+    return ModelRunner(model, config, backend="kernels", precision=precision, kernels=kernels, rounding=rounding)
+
+
+def worst_delta(c: Case, logits) -> tuple[float, int]:
+    """Max |Δ| vs the reference over the positions before any oracle near tie; positions compared."""
+    worst, compared = 0.0, 0
+    for b, (rid, s) in enumerate(c.seqs.items()):
+        for pos in range(min(len(s) - 1, c.exempt_from[rid])):
+            worst = max(worst, float((logits[(rid, pos)] - c.reference[b, pos].cpu()).abs().max()))
+            compared += 1
+    return worst, compared
+
+
+def cpu_rounding(c: Case):
+    """``replay(c)`` for a runner on another device: the recorded reference lives on the CPU."""
+    hook = replay(c)
+    return lambda kind, layer, x, ids, index: hook(kind, layer, x.cpu(), ids, index.cpu()).to(x.device)
+
+
+# ---------------------------------------------------------------- CPU: conversion
+
+
+def test_conversion_swaps_every_norm_moe_and_fp8_projection():
+    c = case("oracle")
+    cfg = c.model.cfg
+    norms = sum(isinstance(m, RMSNorm) for m in c.model.modules())
+    model, done = converted(c, "fp8", kernels=interpreted())
+    assert (done.norms, done.moes, done.grouped) == (norms, cfg.num_hidden_layers, cfg.num_hidden_layers)
+    fp8_linears = sum(len(names) for m in c.model.modules() for names in [FP8_PROJECTIONS.get(type(m).__name__, ())])
+    assert done.linears == fp8_linears == sum(isinstance(m, KernelLinear) for m in model.modules())
+    assert not any(isinstance(m, (RMSNorm, MoE)) for m in model.modules())
+    assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) == norms
+    assert sum(isinstance(m, KernelMoE) for m in model.modules()) == cfg.num_hidden_layers
+    # What stays torch: the projections the checkpoint stores in bf16, and the head.
+    left = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and name != "head"})
+    assert left == ["compressor.wgate", "compressor.wkv", "indexer.weights_proj", "indexer.wk"]
+    # The random checkpoint's FP8 (32×32 scales) and MXFP4 (1×32) weights land on the 128×128 grid exactly,
+    # but for elements of a 32×32 block more than ~14 binades below its 128×128 block's largest scale,
+    # which fall below e4m3's subnormals there (2 of 1.1M here, both in a dense wkv): rounded, not exact.
+    fp8_elements = sum(b.numel() for name, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn)
+    assert done.inexact <= 1e-5 * fp8_elements
+
+
+def test_kernel_backend_on_cpu_without_interpreter_is_refused():
+    c = case("oracle")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ModelRunner(copy.deepcopy(c.model), EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2),
+                    backend="kernels")
+    with pytest.raises(ValueError, match="kernel_backend"):
+        EngineConfig(kernel_backend="fp16")
+    assert ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2)).kernels is None
+
+
+def test_padding_non_128_shapes_is_exact():
+    gen = torch.Generator().manual_seed(0)
+    # On a power-of-two grid per 32×32 block (as a dequantised checkpoint is), 2 binades apart.
+    w = torch.randint(-8, 9, (96, 64), generator=gen).float() * 2.0**-6
+    w[:32] *= 4
+    q, scale, inexact = quantize_padded(w)
+    assert q.shape == (128, 128) and scale.shape == (1, 1) and inexact == 0
+    full = reference.dequantize_weight_block128(q, scale)
+    assert torch.equal(full[:96, :64], w) and not full[96:].any() and not full[:, 64:].any()
+
+
+# ---------------------------------------------------------------- CPU: interpreted modules
+
+
+def test_fp8_linear_interpreted_matches_dequantised_reference():
+    gen = torch.Generator().manual_seed(1)
+    kernels = interpreted()
+    w = torch.randn(96, 200, generator=gen) * 0.05
+    x = torch.randn(2, 5, 200, generator=gen)
+    lin, lin32 = KernelLinear(w, "fp8", kernels), KernelLinear(w, "fp32", kernels)
+    with interpreter():
+        y = lin(x)
+    assert y.shape == (2, 5, 96) and y.dtype == torch.float32
+    wq = reference.dequantize_weight_block128(lin.w[0], lin.w_scale[0])[:96, :200]
+    xq = reference.dequantize_act(*reference.quantize_act(torch.nn.functional.pad(x, (0, 56))))[..., :200]
+    assert _rel(y, xq @ wq.t()) < 1e-5  # the kernel's own formats: fp32 summation order only
+    assert _rel(y, x @ w.t()) < 0.05  # FP8 weights and activations vs fp32
+    assert torch.equal(lin32(x), torch.nn.functional.linear(x, w))
+    # wo_a: G groups of [R, Kg]; x [..., G, Kg] → [..., G·R]
+    wo = torch.randn(2 * 16, 128, generator=gen) * 0.05
+    xg = torch.randn(7, 2, 128, generator=gen)
+    grouped = GroupedKernelLinear(wo, 2, "fp8", kernels)
+    with interpreter():
+        yg = grouped(xg)
+    ref = torch.einsum("tgi,gri->tgr", xg, wo.view(2, 16, 128)).flatten(-2)
+    assert yg.shape == (7, 32) and _rel(yg, ref) < 0.05
+    assert _rel(GroupedKernelLinear(wo, 2, "fp32", kernels)(xg), ref) < 1e-6
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp32"])
+def test_kernel_moe_interpreted_matches_model_moe(precision):
+    c = case("oracle")
+    moe = c.model.layers[3].ffn
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 13, c.model.cfg.hidden_size, generator=gen)
+    counts_ref = torch.zeros(moe.w1.shape[0], dtype=torch.long)
+    counts = torch.zeros_like(counts_ref)
+    with torch.no_grad():
+        ref = moe(x, counts_ref)
+    kmoe = KernelMoE(moe, precision, interpreted())
+    with interpreter():
+        out = kmoe(x, counts)
+    assert torch.equal(counts, counts_ref)  # same routing, counted like the model
+    if precision == "fp32":
+        assert _rel(out, ref) < 1e-5
+        return
+    # The kernels' own formats (e4m3 x and h, 128×128 weights; reference.moe_experts on the same
+    # routing with the shared expert as expert E): the down GEMM writes bf16, which the interpreter
+    # truncates (< 2^-7 relative) where torch rounds to nearest. The model: FP8 error.
+    weights, experts = reference.moe_router(x[0], moe.gate_weight, moe.gate_bias, moe.top_k, moe.route_scale)
+    shared = torch.full((13, 1), moe.w1.shape[0])
+    meta = reference.route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones(13, 1)), 1),
+                                    moe.w1.shape[0] + 1)
+    xp = torch.nn.functional.pad(x[0], (0, kmoe.w13.shape[-1] - x.shape[-1]))
+    same = reference.moe_experts(xp, meta, kmoe.w13, kmoe.w13_scale, kmoe.w2, kmoe.w2_scale, moe.limit)
+    assert _rel(out[0], same[:, : x.shape[-1]]) < 2.0**-7
+    assert _rel(out, ref) < 0.1
+
+
+# ---------------------------------------------------------------- CPU: the engine, interpreted
+
+
+def test_engine_fp32_interpreted_equals_model():
+    """The whole kernel-backed engine (fp32 weights) under the interpreter equals the reference: the
+    wiring (padding, routing + shared expert, ring/pool arguments of the decode kernel) is right."""
+    c = case("oracle")
+    kernels = interpreted()
+    runner = runner_for(c, copy.deepcopy(c.model), 64, "fp32", kernels, rounding=replay(c))
+    with interpreter():
+        logits = drive(c, runner, 64)
+    worst, compared = worst_delta(c, logits)
+    print(f"\ninterpreted fp32 kernel engine: max |Δ| {worst:.3g} over {compared} positions")
+    assert worst <= tol.PREFIX_ATOL
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _kl_report(c: Case, logits) -> dict[str, float]:
+    kls, agree, margin_rows = [], 0, 0
+    for b, (rid, s) in enumerate(c.seqs.items()):
+        for pos in range(len(s) - 1):
+            ref = c.reference[b, pos].cpu().double()
+            ours = logits[(rid, pos)].double()
+            p = ref.log_softmax(-1)
+            kls.append(float((p.exp() * (p - ours.log_softmax(-1))).sum()))
+            top2 = ref.topk(2).values
+            if float(top2[0] - top2[1]) >= 0.05:
+                margin_rows += 1
+                agree += int(ref.argmax() == ours.argmax())
+    return {"mean_kl": sum(kls) / len(kls), "max_kl": max(kls), "top1": agree / max(margin_rows, 1),
+            "margin_rows": margin_rows, "positions": len(kls)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("name", "budget"), [("oracle", 7), ("wide", 5), ("nocand", 32)])
+def test_gpu_fp32_engine_matches_cpu_reference(name, budget):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = case(name)  # CPU model and its full-sequence reference
+    model = copy.deepcopy(c.model).to("cuda")
+    logits = drive(c, runner_for(c, model, budget, "fp32", rounding=cpu_rounding(c)), budget)
+    worst, compared = worst_delta(c, logits)
+    print(f"\nGPU fp32 kernel engine {name} budget {budget}: max |Δ| {worst:.3g} over {compared} positions")
+    assert worst <= tol.LOGITS_ATOL
