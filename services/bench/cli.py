@@ -24,6 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kern = targets.add_parser("kernels", help="time the Triton kernels against their rooflines and the torch ops")
     kernels.add_arguments(kern)
     kern.set_defaults(func=_run_kernels)
+    from services.bench import step  # stdlib-only at import, like kernels
+
+    step_parser = targets.add_parser("step", help="whole engine steps against the hardware floor; eager vs compiled vs engine")
+    step.add_arguments(step_parser)
+    step_parser.set_defaults(func=_run_step)
     gen = targets.add_parser("generate", help="tokens/s of LLM(model='tiny').generate at several batch sizes")
     gen.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")
     gen.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
@@ -46,6 +51,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from services.bench import generate
 
     return generate.main(args)
+
+
+def _run_step(args: argparse.Namespace) -> int:
+    from services.bench import step
+
+    return step.main(args)
 
 
 def _run_kernels(args: argparse.Namespace) -> int:

@@ -28,10 +28,12 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
 
 class LLM:
     def __init__(self, model: str = "tiny", runner: ModelRunner | None = None, worker: Worker | None = None,
-                 **engine_args: object) -> None:
-        """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner."""
+                 source: ModelSource | None = None, **engine_args: object) -> None:
+        """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
+        ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
+        is loaded."""
         self.config = EngineConfig(**engine_args)  # type: ignore[arg-type]
-        self.source = load_model(model, seed=self.config.model_seed)
+        self.source = source if source is not None else load_model(model, seed=self.config.model_seed)
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
         kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)

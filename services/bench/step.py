@@ -1,0 +1,223 @@
+"""`shinkai bench step`: whole engine steps against the hardware floor, and the same step three ways.
+
+Sections (each measured in this run, with the ceilings re-measured first on a GPU):
+
+- decode: step time at each batch × context (``step_timing.time_decode``: real plans, prefill
+  skipped, pools filled), its floor (``floors.step_cost``), efficiency = floor / time, and a fitted
+  cost curve a + b·rows per context;
+- prefill: one chunk of N prompt tokens through the engine;
+- offline throughput with async scheduling off and on, and the GPU-busy fraction (kernel time over
+  wall time, from the profiler) at the largest batch;
+- three ways: the model's eager PyTorch path (the torch backend), the same with each layer
+  ``torch.compile``d, and the engine's backend, on the same model and steps; ratios printed.
+
+Results go to JSON (``--json``) and a Markdown table (``--markdown``); ``--baseline`` is an earlier
+JSON whose decode times give the ratio to the previous version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+QUICK = {"batches": (1, 64, 256), "contexts": (4096,), "prefill": (1024, 4096), "steps": 5}
+FULL = {"batches": (1, 16, 64, 128, 256), "contexts": (4096, 32768), "prefill": (1024, 4096, 16384, 32768), "steps": 10}
+CPU = {"batches": (1, 4), "contexts": (64,), "prefill": (32,), "steps": 3}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="preset: v41-s1 on a GPU (default there), tiny on CPU")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the first N layers (times are also reported scaled to the full depth)")
+    parser.add_argument("--backend", choices=("torch", "kernels"), default=None,
+                        help="the engine's runner backend (default: kernels on a GPU, torch on CPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
+    parser.add_argument("--no-compare", action="store_true", help="skip the eager/compiled comparison")
+    parser.add_argument("--no-async", action="store_true", help="skip the async on/off throughput run")
+    parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
+    parser.add_argument("--markdown", help="write the tables as Markdown here")
+    parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
+
+
+def _ceilings(device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    from services.bench.kernels import measure_bandwidth, measure_bf16_peak, measure_fp8_peak
+
+    return {"bandwidth": measure_bandwidth(), "fp8_peak": measure_fp8_peak(), "bf16_peak": measure_bf16_peak()}
+
+
+def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str, Any]]:
+    from services.bench.floors import step_cost
+    from services.bench.step_timing import fit_line, time_decode
+
+    rows = []
+    for context in sizes["contexts"]:
+        measured = []
+        for batch in sizes["batches"]:
+            llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
+            t = time_decode(llm.engine, llm.engine.worker.runner.cache, batch=batch, context=context,
+                            steps=sizes["steps"], vocab_size=cfg.vocab_size)
+            floor = step_cost(cfg, batch, context, prefill=False).floor(ceil) if ceil else None
+            row = {"section": "decode", "batch": batch, "context": context, "ms": t.median * 1e3,
+                   "ms_full_depth": t.median * 1e3 * full_layers / cfg.num_hidden_layers,
+                   "floor_ms": None if floor is None else floor * 1e3,
+                   "efficiency": None if floor is None else floor / t.median,
+                   "tokens_per_s": batch / t.median}
+            rows.append(row)
+            measured.append((batch, t.median))
+            print(f"decode  ctx {context:>6} batch {batch:>4}: {row['ms']:9.2f} ms"
+                  + (f"  floor {row['floor_ms']:.2f} ms  ({100 * row['efficiency']:.1f}%)" if floor else ""))
+            del llm
+        a, b = fit_line([m[0] for m in measured], [m[1] for m in measured])
+        rows.append({"section": "decode fit", "context": context, "a_ms": a * 1e3, "b_us_per_row": b * 1e6})
+        print(f"decode  ctx {context:>6}: step ≈ {a * 1e3:.2f} ms + {b * 1e6:.1f} µs · rows")
+    return rows
+
+
+def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
+    import torch
+
+    from services.bench.floors import step_cost
+    from services.bench.step_timing import _sync
+    from services.engine import SamplingParams
+
+    rows = []
+    for tokens in sizes["prefill"]:
+        llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
+        engine = llm.engine
+        device = engine.worker.runner.cache.blocks.device
+        seconds = []
+        for i in range(2):  # the first is a warm-up
+            engine.add_request(f"p{i}", torch.randint(3, cfg.vocab_size, (tokens,)).tolist(),
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+            _sync(device)
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+            while engine.has_unfinished():
+                engine.step()
+        floor = step_cost(cfg, tokens, tokens, prefill=True).floor(ceil) if ceil else None
+        rows.append({"section": "prefill", "tokens": tokens, "ms": seconds[-1] * 1e3,
+                     "floor_ms": None if floor is None else floor * 1e3,
+                     "efficiency": None if floor is None else floor / seconds[-1]})
+        print(f"prefill {tokens:>6} tokens: {seconds[-1] * 1e3:9.2f} ms" + (f"  floor {floor * 1e3:.2f} ms" if floor else ""))
+        del llm
+    return rows
+
+
+def _async_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
+    import torch
+
+    from services.engine import SamplingParams
+
+    rows = []
+    for flag in (False, True):
+        llm = build(max_num_seqs=batch, max_model_len=256, async_scheduling=flag)
+        prompts = [torch.randint(3, cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(batch)]
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        busy = None
+        t0 = time.perf_counter()
+        if torch.cuda.is_available():
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - t0
+            kernel_us = sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA")
+            busy = kernel_us * 1e-6 / wall
+        else:
+            outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        rows.append({"section": "offline", "async": flag, "batch": batch, "tokens": tokens, "seconds": wall,
+                     "tokens_per_s": tokens / wall, "gpu_busy": busy})
+        print(f"offline async={'on ' if flag else 'off'} batch {batch}: {tokens / wall:9.1f} tokens/s"
+              + (f"  GPU busy {100 * busy:.1f}%" if busy is not None else ""))
+        del llm
+    return rows
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [f"`{result['command']}` on {result['device']}, {result['date']}", ""]
+    dec = [r for r in result["rows"] if r["section"] == "decode"]
+    if dec:
+        lines += ["| context | batch | step ms | floor ms | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
+        for r in dec:
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f}"
+            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
+            lines.append(f"| {r['context']} | {r['batch']} | {r['ms']:.2f} | {floor} | {eff} | {r['tokens_per_s']:.0f} |")
+    for r in result["rows"]:
+        if r["section"] == "decode fit":
+            lines.append(f"\nfit at context {r['context']}: {r['a_ms']:.2f} ms + {r['b_us_per_row']:.1f} µs · rows")
+    return "\n".join(lines) + "\n"
+
+
+def _command(args: argparse.Namespace) -> str:
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+             if k in ("model", "layers", "backend", "quick", "no_compare", "no_async") and v not in (None, False)]
+    return " ".join(["shinkai bench step", *flags])
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.bench.step_build import builder
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = args.model or ("v41-s1" if device.type == "cuda" else "tiny")
+    backend = args.backend or ("kernels" if device.type == "cuda" else "torch")
+    sizes = QUICK if args.quick else FULL
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        sizes = CPU
+    ceil = _ceilings(device)
+    build, cfg, full_layers = builder(model, device, backend, args.layers)
+    print(f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, device "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}")
+    if ceil:
+        print(f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
+              f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)")
+    rows = _decode_section(build, cfg, sizes, ceil, full_layers)
+    rows += _prefill_section(build, cfg, sizes, ceil)
+    if not args.no_async:
+        rows += _async_section(build, cfg, max(sizes["batches"]), sizes["steps"] * 4)
+    if not args.no_compare:
+        from services.bench.step_compare import compare
+
+        rows += compare(model, device, args.layers, sizes)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "command": _command(args),
+        "model": model, "layers": cfg.num_hidden_layers, "backend": backend, "torch": torch.__version__,
+        "ceilings": {k: v for k, v in ceil.items()}, "rows": rows,
+    }
+    if args.baseline:
+        base = {(r["batch"], r["context"]): r["ms"] for r in json.loads(Path(args.baseline).read_text())["rows"]
+                if r["section"] == "decode"}
+        for r in rows:
+            if r["section"] == "decode" and (r["batch"], r["context"]) in base:
+                r["vs_baseline"] = base[(r["batch"], r["context"])] / r["ms"]
+    md = _markdown(result)
+    print(md)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="shinkai bench step")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -1,0 +1,32 @@
+"""`shinkai bench step` on CPU with the tiny model: every section runs and writes its JSON and table."""
+
+import json
+
+import pytest
+
+from model.deepseek_v41.presets import V41_S1
+from services.bench.step_build import KINDS_OF_V41, subset_config
+from services.cli import main
+
+
+def test_cpu_run_writes_json_and_markdown(tmp_path):
+    out, md = tmp_path / "step.json", tmp_path / "step.md"
+    assert main(["bench", "step", "--no-compare", "--json", str(out), "--markdown", str(md)]) == 0
+    result = json.loads(out.read_text())
+    sections = {r["section"] for r in result["rows"]}
+    assert {"decode", "decode fit", "prefill", "offline"} <= sections
+    decode = [r for r in result["rows"] if r["section"] == "decode"]
+    assert [r["batch"] for r in decode] == [1, 4] and all(r["ms"] > 0 for r in decode)
+    assert {r["async"] for r in result["rows"] if r["section"] == "offline"} == {False, True}
+    assert "| 64 | 4 |" in md.read_text()
+
+
+def test_subset_keeps_every_kind_of_v41_layer():
+    cfg = subset_config(V41_S1, KINDS_OF_V41, 40_000)
+    assert cfg.num_hidden_layers == 8
+    assert cfg.compress_ratios[:8] == (0, 0, 2, 2, 2, 1, 1, 1)
+    assert cfg.kv_source_layer_ids == (2, 4, 5) and cfg.index_source_layer_ids == (2, 4, 5, 7)
+    assert cfg.candidate_source_layer_id == 5 and cfg.uses_candidates(7)
+    assert cfg.engram_layer_ids == (1, 4) and max(cfg.engram_num_embeddings) < 1_100_000
+    with pytest.raises(ValueError):
+        subset_config(V41_S1, [3, 2])
