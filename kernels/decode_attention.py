@@ -51,16 +51,92 @@ def _e2m1_to_f32(nibble):
 
 
 @triton.jit
-def _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, out_row,
-            out_stride_h, HALF: tl.constexpr, ROPE_PAIRS: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Normalise, undo RoPE on the trailing ROPE_PAIRS pairs (angle pos · freqs), store.
+def _window_keys(codes, scale_bytes, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """codes [BLOCK_N, D] e4m3, scale_bytes [BLOCK_N, D/32] e8m0 → keys fp32 [BLOCK_N, D]."""
+    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    keys = tl.reshape(_e4m3_to_f32(codes), [BLOCK_N, D // 32, 32]) * scale[:, :, None]
+    return tl.reshape(keys, [BLOCK_N, D])
+
+
+@triton.jit
+def _entry_keys(packed, scale_bytes, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """packed [BLOCK_N, D/2] (byte i: channel 2i low nibble, 2i+1 high), scale_bytes [BLOCK_N, D/16]
+    e4m3 (one per 16 channels = 8 bytes) → keys fp32 [BLOCK_N, D]."""
+    scale = _e4m3_to_f32(scale_bytes)[:, :, None]
+    nibbles = packed.to(tl.int32)
+    lo = tl.reshape(_e2m1_to_f32(nibbles & 15), [BLOCK_N, D // 16, 8]) * scale
+    hi = tl.reshape(_e2m1_to_f32(nibbles >> 4), [BLOCK_N, D // 16, 8]) * scale
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, D])
+
+
+@triton.jit
+def _attend_block(q, k, ok, m, l, acc, scale_log2e, precision: tl.constexpr):
+    """One block of keys k [BLOCK_N, D] into the online softmax: logits in log2 units, invalid keys at −inf."""
+    s = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2e  # [BLOCK_H, BLOCK_N]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None], input_precision=precision)
+    return m_new, l, acc
+
+
+@triton.jit
+def _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, first,
+                   NUM_BLOCKS: tl.constexpr, WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+    """Window blocks first … first + NUM_BLOCKS: positions pos−WINDOW+1+j, ascending, at ring index
+    p mod ring_size; rows of D e4m3 codes then D/32 e8m0 scales."""
+    n = tl.arange(0, BLOCK_N)
+    for i in tl.range(0, NUM_BLOCKS, num_stages=NUM_STAGES):
+        j = (first + i) * BLOCK_N + n
+        p = pos - WINDOW + 1 + j
+        ok = (j < WINDOW) & (p >= 0)
+        key_row = ring_row + tl.where(ok, p % ring_size, 0) * ring_stride_pos  # [BLOCK_N]
+        codes = tl.load(key_row[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0)
+        # The D/32 scale bytes as a [BLOCK_N, 2 · D/32] load whose second half is masked off: ≥ 4 bytes
+        # per thread (8 warps, BLOCK_N 32), which makes it a cp.async the pipeliner takes.
+        c = tl.arange(0, D // 16)
+        scale_bytes = tl.load(key_row[:, None] + D + c[None, :], mask=ok[:, None] & (c < D // 32)[None, :], other=0)
+        scale_bytes = tl.split(tl.permute(tl.reshape(scale_bytes, [BLOCK_N, 2, D // 32]), [0, 2, 1]))[0]
+        k = _window_keys(codes, scale_bytes, BLOCK_N, D).to(q.dtype)
+        m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
+    return m, l, acc
+
+
+@triton.jit
+def _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block, pool_stride_entry,
+                  scale_log2e, first, NUM_BLOCKS: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+    """Selected entries first · BLOCK_N …: pool slot sel (−1 none) is entry sel mod epb of block
+    sel div epb; entries of D/2 packed e2m1 bytes then D/16 e4m3 scales."""
+    n = tl.arange(0, BLOCK_N)
+    for i in tl.range(0, NUM_BLOCKS, num_stages=NUM_STAGES):
+        e = (first + i) * BLOCK_N + n
+        sel = tl.load(sel_row + e, mask=e < TOPK, other=-1)
+        ok = sel >= 0
+        sel = tl.where(ok, sel, 0)
+        key_row = pool_ptr + (sel // entries_per_block).to(tl.int64) * pool_stride_block \
+            + (sel % entries_per_block) * pool_stride_entry  # [BLOCK_N]
+        packed = tl.load(key_row[:, None] + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0)
+        scale_bytes = tl.load(key_row[:, None] + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0)
+        k = _entry_keys(packed, scale_bytes, BLOCK_N, D).to(q.dtype)
+        m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
+    return m, l, acc
+
+
+@triton.jit
+def _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, out_row, out_stride_h,
+            BLOCK_H: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Normalise acc [BLOCK_H, D], undo RoPE on the trailing ROPE_PAIRS channel pairs (angle pos · freqs), store.
 
     libdevice's cos/sin reduce any angle exactly (pos · freqs reaches 10^5 rad); the interpreter has
     no libdevice and uses numpy's through tl.cos/tl.sin.
     """
-    oe = acc_e / denom[:, None]
-    oo = acc_o / denom[:, None]
-    j = pairs - (HALF - ROPE_PAIRS)
+    HALF: tl.constexpr = D // 2
+    oe, oo = tl.split(tl.reshape(acc / denom[:, None], [BLOCK_H, HALF, 2]))  # channels 2i, 2i + 1
+    j = tl.arange(0, HALF) - (HALF - ROPE_PAIRS)
     is_rope = j >= 0
     f = tl.load(freqs_ptr + tl.where(is_rope, j, 0), mask=is_rope, other=0.0)
     angle = pos.to(tl.float32) * f  # the reference's fp32 product; 0 (cos 1, sin 0) off the rope pairs
@@ -70,118 +146,73 @@ def _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, ou
     else:
         c = tl.cos(angle)[None, :]
         s = tl.sin(angle)[None, :]
-    re = oe * c + oo * s
-    ro = oo * c - oe * s
-    ptrs = out_ptr + out_row + heads[:, None].to(tl.int64) * out_stride_h + 2 * pairs[None, :]
-    tl.store(ptrs, re.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(ptrs + 1, ro.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-
-
-@triton.jit
-def _attend_block(q_even, q_odd, k_even, k_odd, ok, m, l, acc_e, acc_o, scale_log2e, precision: tl.constexpr):
-    """One block of keys into the online softmax: logits in log2 units, invalid keys at −inf."""
-    s = tl.dot(q_even, tl.trans(k_even), input_precision=precision)
-    s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=precision) * scale_log2e
-    s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    p_dot = p.to(k_even.dtype)
-    acc_e = tl.dot(p_dot, k_even, acc_e * alpha[:, None], input_precision=precision)
-    acc_o = tl.dot(p_dot, k_odd, acc_o * alpha[:, None], input_precision=precision)
-    return m_new, l, acc_e, acc_o
+    o = tl.reshape(tl.join(oe * c + oo * s, oo * c - oe * s), [BLOCK_H, D])
+    ptrs = out_ptr + out_row + heads[:, None].to(tl.int64) * out_stride_h + tl.arange(0, D)[None, :]
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, ring8_ptr, ring16_ptr, slots_ptr, pos_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
+    q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     num_heads, q_stride_r, q_stride_h, ring_stride_slot, ring_stride_pos,
     pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
     ring_size, entries_per_block, scale_log2e,
     WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    HALF: tl.constexpr = D // 2
     WIN_BLOCKS: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
-    TOTAL_BLOCKS: tl.constexpr = WIN_BLOCKS + (TOPK + BLOCK_N - 1) // BLOCK_N
-    dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
+    ENT_BLOCKS: tl.constexpr = (TOPK + BLOCK_N - 1) // BLOCK_N
+    WIN_SPLITS: tl.constexpr = (WIN_BLOCKS + BLOCKS_PER_SPLIT - 1) // BLOCKS_PER_SPLIT
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_ok = heads < num_heads
-    pairs = tl.arange(0, HALF)
-    n = tl.arange(0, BLOCK_N)
+    ch = tl.arange(0, D)
 
-    q_ptrs = q_ptr + row * q_stride_r + heads[:, None].to(tl.int64) * q_stride_h + 2 * pairs[None, :]
-    q_even = tl.load(q_ptrs, mask=h_ok[:, None], other=0.0).to(dot_ty)
-    q_odd = tl.load(q_ptrs + 1, mask=h_ok[:, None], other=0.0).to(dot_ty)
+    q_ptrs = q_ptr + row * q_stride_r + heads[:, None].to(tl.int64) * q_stride_h + ch[None, :]
+    q = tl.load(q_ptrs, mask=h_ok[:, None], other=0.0).to(tl.float32 if DOT_FP32 else tl.bfloat16)  # [BLOCK_H, D]
     pos = tl.load(pos_ptr + row).to(tl.int32)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    ring8_row = ring8_ptr + slot * ring_stride_slot
-    ring16_row = ring16_ptr + slot * (ring_stride_slot // 2)
+    # The row's ring: RING_ALIGN (the launcher's check) is what lets the key loads below vectorise,
+    # and what makes them eligible for cp.async (≥ 4 bytes), hence for the loop's software pipeline.
+    ring_row = ring_ptr + tl.multiple_of(tl.load(slots_ptr + row).to(tl.int64) * ring_stride_slot, RING_ALIGN)
+    sel_row = sel_ptr + row * sel_stride_r
 
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a block with no valid key keeps alpha = 1
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc_e = tl.zeros([BLOCK_H, HALF], tl.float32)
-    acc_o = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
 
-    # This program's key blocks [b0, b1): window blocks first, then entry blocks (two loops, so no
-    # branch sits inside either).
-    b0 = split * BLOCKS_PER_SPLIT
-    b1 = tl.minimum(b0 + BLOCKS_PER_SPLIT, TOTAL_BLOCKS)
-    b = b0
-    w_end = tl.minimum(b1, WIN_BLOCKS)
-    while b < w_end:
-        # Window positions pos−WINDOW+1+j, ascending; ring index p mod ring_size.
-        j = b * BLOCK_N + n
-        p = pos - WINDOW + 1 + j
-        ok = (j < WINDOW) & (p >= 0)
-        ring_idx = tl.where(ok, p % ring_size, 0)
-        # Values as 16-bit pairs (even channel in the low byte), then the e8m0 scale of the pair's
-        # 32-channel group (byte D + i // 16 of the row).
-        row16 = ring16_row + ring_idx.to(tl.int64) * (ring_stride_pos // 2)
-        pair_bits = tl.load(row16[:, None] + pairs[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        row8 = ring8_row + ring_idx.to(tl.int64) * ring_stride_pos + D
-        scale_byte = tl.load(row8[:, None] + pairs[None, :] // 16, mask=ok[:, None], other=0).to(tl.int32)
-        scale = (scale_byte << 23).to(tl.float32, bitcast=True)
-        k_even = (_e4m3_to_f32(pair_bits & 255) * scale).to(dot_ty)
-        k_odd = (_e4m3_to_f32((pair_bits >> 8) & 255) * scale).to(dot_ty)
-        m, l, acc_e, acc_o = _attend_block(q_even, q_odd, k_even, k_odd, ok, m, l, acc_e, acc_o, scale_log2e,
-                                           precision)
-        b += 1
-    b = tl.maximum(b0, WIN_BLOCKS)
-    while b < b1:
-        e = (b - WIN_BLOCKS) * BLOCK_N + n
-        ok = e < TOPK
-        sel = tl.load(sel_ptr + row * sel_stride_r + e, mask=ok, other=-1)
-        ok = ok & (sel >= 0)
-        sel = tl.where(ok, sel, 0)
-        entry = pool_ptr + (sel // entries_per_block).to(tl.int64) * pool_stride_block \
-            + (sel % entries_per_block) * pool_stride_entry
-        packed = tl.load(entry[:, None] + pairs[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        # One e4m3 scale per 16 channels = 8 pairs, after the D/2 packed bytes.
-        scale = _e4m3_to_f32(tl.load(entry[:, None] + HALF + pairs[None, :] // 8, mask=ok[:, None], other=0))
-        k_even = (_e2m1_to_f32(packed & 15) * scale).to(dot_ty)
-        k_odd = (_e2m1_to_f32(packed >> 4) * scale).to(dot_ty)
-        m, l, acc_e, acc_o = _attend_block(q_even, q_odd, k_even, k_odd, ok, m, l, acc_e, acc_o, scale_log2e,
-                                           precision)
-        b += 1
+    # Keys in blocks of BLOCK_N: the window's, then the entries'. One program takes all of them
+    # (SPLITS 1) or BLOCKS_PER_SPLIT blocks of one kind (the first WIN_SPLITS splits the window's).
+    # The loops have constexpr trip counts (blocks past the end are masked): scf.for loops, which
+    # Triton software-pipelines (block b+1's raw bytes in flight by cp.async while block b is
+    # dequantised and multiplied), and which the interpreter can run.
+    if SPLITS == 1:
+        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, 0,
+                                   WIN_BLOCKS, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
+                                  pool_stride_entry, scale_log2e, 0, ENT_BLOCKS, TOPK, D, BLOCK_N, NUM_STAGES,
+                                  precision)
+    elif split < WIN_SPLITS:
+        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e,
+                                   split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT, WINDOW, D, BLOCK_N, NUM_STAGES,
+                                   precision)
+    else:
+        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
+                                  pool_stride_entry, scale_log2e, (split - WIN_SPLITS) * BLOCKS_PER_SPLIT,
+                                  BLOCKS_PER_SPLIT, TOPK, D, BLOCK_N, NUM_STAGES, precision)
 
     if SPLITS == 1:
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         denom = l + tl.exp2(sink - m)
-        _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, row * out_stride_r,
-                out_stride_h, HALF, ROPE_PAIRS, LIBDEVICE)
+        _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, row * out_stride_r, out_stride_h,
+                BLOCK_H, D, ROPE_PAIRS, LIBDEVICE)
     else:
-        # Partials: acc [R, SPLITS, H, 2, HALF] (even half, odd half), (m, l) [R, SPLITS, H, 2].
+        # Partials: acc [R, SPLITS, H, D], (m, l) [R, SPLITS, H, 2].
         rs = row * SPLITS + split
-        acc_ptrs = part_acc_ptr + ((rs * num_heads + heads[:, None]) * 2) * HALF + pairs[None, :]
-        tl.store(acc_ptrs, acc_e, mask=h_ok[:, None])
-        tl.store(acc_ptrs + HALF, acc_o, mask=h_ok[:, None])
+        tl.store(part_acc_ptr + (rs * num_heads + heads[:, None]) * D + ch[None, :], acc, mask=h_ok[:, None])
         ml_ptrs = part_ml_ptr + (rs * num_heads + heads) * 2
         tl.store(ml_ptrs, m, mask=h_ok)
         tl.store(ml_ptrs + 1, l, mask=h_ok)
@@ -195,11 +226,10 @@ def _combine_kernel(
     BLOCK_S: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Merge one row's SPLITS partials for BLOCK_H heads: a loop over the splits (not unrolled)."""
-    HALF: tl.constexpr = D // 2
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads
-    pairs = tl.arange(0, HALF)
+    ch = tl.arange(0, D)
     sp = tl.arange(0, BLOCK_S)
     ml = part_ml_ptr + ((row * SPLITS + sp[None, :]) * num_heads + heads[:, None]) * 2  # [BLOCK_H, BLOCK_S]
     ml_ok = h_ok[:, None] & (sp[None, :] < SPLITS)
@@ -207,17 +237,15 @@ def _combine_kernel(
     m = tl.max(m_all, axis=1)
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     denom = tl.exp2(sink - m) + tl.sum(tl.exp2(m_all - m[:, None]) * tl.load(ml + 1, mask=ml_ok, other=0.0), axis=1)
-    acc_e = tl.zeros([BLOCK_H, HALF], tl.float32)
-    acc_o = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
     for s in range(SPLITS):
         rs = row * SPLITS + s
         w = tl.exp2(tl.load(part_ml_ptr + (rs * num_heads + heads) * 2, mask=h_ok, other=-1.0e30) - m)
-        acc_ptrs = part_acc_ptr + ((rs * num_heads + heads[:, None]) * 2) * HALF + pairs[None, :]
-        acc_e += w[:, None] * tl.load(acc_ptrs, mask=h_ok[:, None], other=0.0)
-        acc_o += w[:, None] * tl.load(acc_ptrs + HALF, mask=h_ok[:, None], other=0.0)
+        acc += w[:, None] * tl.load(part_acc_ptr + (rs * num_heads + heads[:, None]) * D + ch[None, :],
+                                    mask=h_ok[:, None], other=0.0)
     pos = tl.load(pos_ptr + row).to(tl.int32)
-    _finish(acc_e, acc_o, denom, pos, heads, h_ok, pairs, freqs_ptr, out_ptr, row * out_stride_r,
-            out_stride_h, HALF, ROPE_PAIRS, LIBDEVICE)
+    _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, row * out_stride_r, out_stride_h,
+            BLOCK_H, D, ROPE_PAIRS, LIBDEVICE)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -243,7 +271,7 @@ def sparse_decode_attention(
     block_n: int = 32,
     splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 1,
+    num_stages: int = 3,
     dot_fp32: bool = False,
 ) -> torch.Tensor:
     """Same arguments and result as ``kernels.reference.sparse_decode_attention``.
@@ -263,20 +291,20 @@ def sparse_decode_attention(
         raise ValueError(f"ring rows {ring.shape[-1]} / entries {kv_pool.shape[-1]} do not fit head_dim {dim}")
     if ring.stride(-1) != 1 or kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q, ring and kv_pool need a contiguous last dimension")
-    if ring.stride(0) % 2 or ring.stride(1) % 2 or ring.storage_offset() % 2:
-        raise ValueError("the window ring must be 2-byte aligned (it is read as 16-bit channel pairs)")
-    ring16 = _as_int16(ring)
     selected = selected if selected.dtype == torch.int32 else selected.to(torch.int32)
     if selected.stride(-1) != 1:
         selected = selected.contiguous()
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
-    total_blocks = triton.cdiv(window, block_n) + triton.cdiv(topk, block_n)
+    win_blocks, ent_blocks = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
+    total_blocks = win_blocks + ent_blocks
     if splits is None:
         splits = max(1, min(total_blocks, triton.cdiv(_num_sms(q.device), num_rows * head_blocks)))
     per_split = triton.cdiv(total_blocks, splits)
-    splits = triton.cdiv(total_blocks, per_split)
+    # A split takes window blocks or entry blocks, not both (each loop's trip count is a constant).
+    splits = 1 if splits == 1 else triton.cdiv(win_blocks, per_split) + triton.cdiv(ent_blocks, per_split)
+    per_split = total_blocks if splits == 1 else per_split
     if num_warps is None:
         num_warps = 8 if block_h * dim >= 16384 else 4
     if splits > 1:
@@ -285,12 +313,13 @@ def sparse_decode_attention(
     else:
         part_acc = part_ml = out  # unused
     _decode_attention_kernel[(num_rows, head_blocks, splits)](
-        q, ring, ring16, state_slots, positions, kv_pool, selected, sink, freqs, out, part_acc, part_ml,
+        q, ring, state_slots, positions, kv_pool, selected, sink, freqs, out, part_acc, part_ml,
         num_heads, q.stride(0), q.stride(1), ring.stride(0), ring.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
         ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
         WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=rope_pairs, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, BLOCKS_PER_SPLIT=per_split, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        SPLITS=splits, BLOCKS_PER_SPLIT=per_split, RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages,
+        DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         combine_h = 4
@@ -302,8 +331,10 @@ def sparse_decode_attention(
     return out
 
 
-def _as_int16(ring: torch.Tensor) -> torch.Tensor:
-    """The same bytes as int16 [slots, ring_size, row/2] (strides halved): one load per channel pair."""
-    return torch.empty(0, dtype=torch.int16, device=ring.device).set_(
-        ring.untyped_storage(), ring.storage_offset() // 2,
-        (ring.shape[0], ring.shape[1], ring.shape[2] // 2), (ring.stride(0) // 2, ring.stride(1) // 2, 1))
+def _ring_align(ring: torch.Tensor) -> int:
+    """The largest power of two ≤ 16 dividing every state slot's ring start (bytes): Flash's
+    2,916,132-byte slots give 4, so window rows load as 4-byte words (still cp.async-eligible)."""
+    align = 16
+    while ring.stride(0) % align:
+        align //= 2
+    return align

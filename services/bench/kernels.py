@@ -35,7 +35,7 @@ SWEEP_TOKENS = (128, 256)  # where the defaults fell short in the first H200 run
 # Sparse decode attention, Flash shapes: 64 heads × 512, window 128 (ring 134), top-k 512 FP4 entries.
 ATTN_CONTEXTS = (4096, 32768)
 ATTN_SWEEP = [  # (block_h, block_n, num_warps, num_stages); tried at ATTN_SWEEP_ROWS, 32K context
-    (64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 16, 1), (64, 64, 16, 1), (64, 16, 8, 1),
+    (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 4), (64, 64, 8, 3),
 ]
 ATTN_SWEEP_ROWS = (64, 256)
 # Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
@@ -290,11 +290,12 @@ def decode_attention_problem(num_rows: int, context: int, gen: torch.Generator, 
     codes = torch.randint(0, 126, (num_rows, ring, hd), **rng, dtype=torch.uint8)  # |x| ≤ 448, no NaN
     codes |= torch.randint(0, 2, codes.shape, **rng, dtype=torch.uint8) << 7
     scales = torch.randint(115, 121, (num_rows, ring, hd // 32), **rng, dtype=torch.uint8)
-    slots_pool = torch.zeros(num_rows + 1, ring * row_bytes + 64, dtype=torch.uint8, device=device)
+    # Alignment as the cache engine's: state slots 4-byte (Flash's 2,916,132 B), pool blocks 16-byte.
+    slots_pool = torch.zeros(num_rows + 1, ring * row_bytes + 68, dtype=torch.uint8, device=device)
     slots_pool[1:, : ring * row_bytes] = torch.cat((codes, scales), -1).flatten(1)
     ring_view = slots_pool[:, : ring * row_bytes].view(-1, ring, row_bytes)
-    blocks = torch.randint(0, 256, (num_blocks, epb * entry_bytes + 1000), **rng, dtype=torch.uint8)
-    kv_pool = blocks[:, 500 : 500 + epb * entry_bytes].view(-1, epb, entry_bytes)
+    blocks = torch.randint(0, 256, (num_blocks, epb * entry_bytes + 1024), **rng, dtype=torch.uint8)
+    kv_pool = blocks[:, 512 : 512 + epb * entry_bytes].view(-1, epb, entry_bytes)
     kv_pool[..., hd // 2 :] = torch.randint(24, 56, (num_blocks, epb, hd // 16), **rng, dtype=torch.uint8)
     tables = (torch.randperm(num_blocks - 1, **rng)[: num_rows * width] + 1).view(num_rows, width)
     entries = torch.rand(num_rows, context // ratio, **rng).argsort(-1)[:, : cfg.index_topk].sort(-1).values
