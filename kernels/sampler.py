@@ -1,0 +1,361 @@
+"""The fused sampler: one program per logits row draws the token of ``services.worker.sampler.Sampler``.
+
+Per row, in the CPU sampler's order: bans → -inf, top-k (the forced and the user's, as one rank limit),
+temperature, top-p on integer masses, renormalisation, then the Philox draw (or the greedy argmax) and
+the chosen token's logprob under the processed distribution. Every pass reads the row from HBM/L2 in
+id order, in chunks of ``BLOCK``; nothing is sorted:
+
+- pass 1: max, argmax (ties → lowest id), error flags (NaN, +inf, nothing finite);
+- top-k: the k-th largest value by a 4-bit radix select (8 passes of 16 pivots) on the
+  order-preserving uint32 keys, then one pass that cuts the tied tokens by id (ties → lower id);
+- sum₁ = Σ exp(s) over what top-k keeps, s = (x − max) / T;
+- top-p: the same radix select on Σ floor(exp(s)/sum₁ · 2³¹), giving the value where the nucleus ends
+  and, among its ties, the id cut;
+- sum₂ over the final set, then the masses floor(exp(s)/sum₂ · 2³¹): one pass for the total and the
+  per-chunk sums, and one chunk's cumulative sum for the drawn token (a two-level scan).
+
+The kept set is always ``key > cut_key or (key == cut_key and id < cut_id)``: a prefix of the rank order
+(logit descending, ties to the lower id), exactly the CPU sampler's stable sort.
+
+Exactness: the Philox bits, the rank order, the tie rules, the integer mass limit ceil(top_p · 2³¹) and
+the threshold (bits · total) >> 31 are bit-identical to the CPU sampler. The float softmax is not: exp
+and the order of the sum differ from torch's by a few ulp, so a mass can differ by ~p · 2⁸ units of
+2⁻³¹ and the row total by a few hundred units. A draw (or a top-p cut) can therefore differ only when
+the threshold (or ceil(top_p · 2³¹)) lies within that many units of a cumulative-mass boundary:
+about 1 draw in 10⁶–10⁷.
+
+Graph-safe: every per-row parameter is a tensor; no host synchronisation. Reference:
+``services.worker.sampler.Sampler`` (``sampling_params`` builds this kernel's tensors from its rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from services.worker.philox import DrawCase
+
+MASS_SCALE = float(1 << 31)  # a probability p is worth floor(p · 2³¹) integer units
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
+# The radix select settles RADIX_BITS key bits per pass: NUM_PIVOTS pivots, NUM_DIGITS passes per key.
+RADIX_BITS = tl.constexpr(4)
+NUM_PIVOTS = tl.constexpr(16)
+NUM_DIGITS = tl.constexpr(8)
+
+
+@triton.jit
+def _philox_bits(seed, stream):
+    """Top 31 bits of Philox4x32-10's first word; key = seed (int64 holding u64), counter = (stream, 0)."""
+    k0 = seed.to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    c0 = stream.to(tl.uint32)
+    c1 = (stream >> 32).to(tl.uint32)
+    c2 = c0 * 0  # uint32 zeros
+    c3 = c0 * 0
+    for r in tl.static_range(10):
+        if r > 0:  # Random123 bumps the key before every round after the first
+            k0 = k0 + PHILOX_W0
+            k1 = k1 + PHILOX_W1
+        hi0 = tl.umulhi(c0, PHILOX_M0)
+        lo0 = c0 * PHILOX_M0
+        hi1 = tl.umulhi(c2, PHILOX_M1)
+        lo1 = c2 * PHILOX_M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return (c0 >> 1).to(tl.int64)
+
+
+@triton.jit
+def _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS: tl.constexpr):
+    """Banned logits of one chunk, fp32 [BLOCK]: lanes past the vocabulary -inf, error rows all 0."""
+    ok = offs < num_tokens
+    x = tl.load(row_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    for b in tl.static_range(NUM_BANS):  # padding −1 matches no token
+        x = tl.where(offs == tl.load(ban_ptr + b), float("-inf"), x)
+    x = tl.where(x == 0.0, 0.0, x)  # −0 → +0: the CPU sort ranks them as ties
+    return tl.where(err & ok, 0.0, x)
+
+
+@triton.jit
+def _key(x):
+    """Order-preserving uint32 key of a non-NaN float: a < b ⇔ key(a) < key(b) (after −0 → +0)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)  # (~ breaks the interpreter)
+
+
+@triton.jit
+def _value(key):
+    """Inverse of ``_key``."""
+    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp(s, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(s)  # ~1 ulp, like torch's; the interpreter has no libdevice (numpy's exp)
+    else:
+        return tl.exp(s)
+
+
+@triton.jit
+def _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE: tl.constexpr):
+    """floor(softmax · 2³¹) as int64 of the kept tokens (0 elsewhere); one op sequence for every pass."""
+    kept = (_key(x) > cut_key) | ((_key(x) == cut_key) & (offs < cut_id))
+    e = _exp(tl.math.div_rn(x - m, temp), LIBDEVICE)
+    return tl.where(kept, tl.floor(tl.math.div_rn(e, total) * 2147483648.0).to(tl.int64), 0)
+
+
+@triton.jit
+def _sum_exp(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id,
+             NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c in range(NUM_CHUNKS):
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
+        kept = (_key(x) > cut_key) | ((_key(x) == cut_key) & (offs < cut_id))
+        acc += tl.where(kept, _exp(tl.math.div_rn(x - m, temp), LIBDEVICE), 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, target,
+            MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
+    """Largest key v with W(key ≥ v) ≥ target, W = count (MASS false) or integer mass of kept tokens.
+
+    Returns (v, found): found is false when even W(all) < target (then nothing is cut).
+    """
+    prefix = tl.zeros([], tl.uint32)
+    digits = tl.arange(0, NUM_PIVOTS).to(tl.uint32)
+    found = True
+    for p in tl.static_range(NUM_DIGITS):
+        shift = RADIX_BITS * (NUM_DIGITS - 1 - p)
+        pivots = prefix + (digits << shift)  # [16]; W(key ≥ pivots[0]) ≥ target by induction
+        acc = tl.zeros([NUM_PIVOTS], tl.int64)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
+            if MASS:
+                w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
+            else:
+                w = (offs < num_tokens).to(tl.int64)
+            key = _key(x)
+            acc += tl.sum(tl.where(key[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
+        if p == 0:
+            found = tl.max(acc, axis=0) >= target  # acc[0] = W(all)
+        # W(key ≥ pivot) falls with the pivot: the last pivot that still reaches the target.
+        j = tl.maximum(tl.sum((acc >= target).to(tl.int32), axis=0) - 1, 0)
+        prefix = prefix + (j.to(tl.uint32) << shift)
+    return prefix, found
+
+
+@triton.jit
+def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, target, v,
+              MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+              LIBDEVICE: tl.constexpr):
+    """The new (cut_key, cut_id) once ``_select`` found v: ties at v kept in id order while the weight
+    of the higher ranks stays below the target (ranks < k; mass before < ceil(top_p · 2³¹))."""
+    chunk_ids = tl.arange(0, CHUNKS_POW2)
+    ties_per_chunk = tl.zeros([CHUNKS_POW2], tl.int32)  # kept ties (an id prefix of all ties) per chunk
+    above = tl.zeros([BLOCK], tl.int64)
+    for c in range(NUM_CHUNKS):
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
+        key = _key(x)
+        kept = ((key > cut_key) | ((key == cut_key) & (offs < cut_id))) & (offs < num_tokens)
+        if MASS:
+            w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
+        else:
+            w = kept.to(tl.int64)
+        above += tl.where(key > v, w, 0)
+        n = tl.sum((kept & (key == v)).to(tl.int32), axis=0)
+        ties_per_chunk = tl.where(chunk_ids == c, n, ties_per_chunk)
+    rest = target - tl.sum(above, axis=0)  # > 0: v is the last value the target needs
+    num_ties = tl.sum(ties_per_chunk, axis=0)
+    if MASS:
+        tie_mass = tl.max(_masses(_value(v + tl.zeros([1], tl.uint32)), m, temp, total, cut_key, cut_id,
+                                  tl.zeros([1], tl.int32), LIBDEVICE), axis=0)  # > 0 when found
+        num_keep = tl.minimum((rest + tie_mass - 1) // tl.maximum(tie_mass, 1), num_ties).to(tl.int32)
+    else:
+        num_keep = rest.to(tl.int32)
+    new_id = num_tokens
+    if num_keep < num_ties:  # the id of the tie at index num_keep is the first one dropped
+        before = tl.cumsum(ties_per_chunk, axis=0)
+        chunk = tl.sum((before <= num_keep).to(tl.int32), axis=0)
+        skip = num_keep - tl.sum(tl.where(chunk_ids < chunk, ties_per_chunk, 0), axis=0)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
+        key = _key(x)
+        tie = (((key > cut_key) | ((key == cut_key) & (offs < cut_id))) & (offs < num_tokens) & (key == v))
+        index = tl.cumsum(tie.to(tl.int32), axis=0) - 1  # the tie's index within the chunk
+        new_id = tl.min(tl.where(tie & (index == skip), offs, num_tokens), axis=0)
+    new_id = tl.where(v == cut_key, tl.minimum(new_id, cut_id), new_id)
+    return v, new_id
+
+
+@triton.jit
+def _sampler_kernel(
+    logits_ptr, row_stride, num_tokens,
+    temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride,
+    token_ptr, logprob_ptr, error_ptr, case,
+    NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride  # [V] fp32 or bf16
+    ban_row = ban_ptr + row * ban_stride  # [NUM_BANS] int32, −1 padded
+    chunk_ids = tl.arange(0, CHUNKS_POW2)
+
+    # Pass 1: max and argmax of the banned logits (ties → lowest id), and the error flags.
+    no_error = num_tokens < 0
+    m = tl.full([], float("-inf"), tl.float32)
+    arg = tl.zeros([], tl.int32)
+    bad = tl.zeros([], tl.int32)
+    finite = tl.zeros([], tl.int32)
+    for c in range(NUM_CHUNKS):
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        x = _load(row_ptr, ban_row, offs, num_tokens, no_error, NUM_BANS)
+        bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0))
+        finite = tl.maximum(finite, tl.max(((x > float("-inf")) & (x < float("inf"))).to(tl.int32), axis=0))
+        chunk_max = tl.max(x, axis=0)
+        chunk_arg = tl.min(tl.where(x == chunk_max, offs, num_tokens), axis=0)
+        better = chunk_max > m  # strictly: an earlier chunk keeps a tie
+        arg = tl.where(better, chunk_arg, arg)
+        m = tl.where(better, chunk_max, m)
+    err = (bad > 0) | (finite == 0)  # error rows continue as all-zero logits, like the CPU sampler
+    m = tl.where(err, 0.0, m)
+    arg = tl.where(err, 0, arg)
+
+    t = tl.load(temp_ptr + row)
+    greedy = t == 0.0
+    # Greedy rows process their logprobs at T = 1; tiny temperatures clamp to float32's smallest normal.
+    temp = tl.where(greedy, 1.0, tl.maximum(t, 1.1754943508222875e-38))
+    rank_limit = tl.load(rank_limit_ptr + row)
+    mass_limit = tl.load(mass_limit_ptr + row)
+
+    # Kept = key > cut_key or (key == cut_key and id < cut_id); (0, V) keeps every token.
+    cut_key = tl.zeros([], tl.uint32)
+    cut_id = num_tokens
+    if (rank_limit > 0) & (rank_limit < num_tokens):
+        target = rank_limit.to(tl.int64)
+        v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target,
+                           False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+        cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target, v,
+                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+    total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
+                     NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+    if mass_limit > 0:
+        v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id, mass_limit,
+                           True, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+        if found:
+            cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id,
+                                        mass_limit, v, True, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+            total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
+                             NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+
+    token = arg
+    if not greedy:
+        # The draw: integer masses, their total and per-chunk sums, then one chunk's cumulative sum.
+        per_chunk = tl.zeros([CHUNKS_POW2], tl.int64)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            x = _load(row_ptr, ban_row, offs, num_tokens, err, NUM_BANS)
+            w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
+            per_chunk = tl.where(chunk_ids == c, tl.sum(w, axis=0), per_chunk)
+        bits = _philox_bits(tl.load(seed_ptr + row), 3 * tl.load(pos_ptr + row) + case)
+        # bits < 2³¹ and the total < 2³², so the product fits int64; threshold < total.
+        threshold = (bits * tl.sum(per_chunk, axis=0)) >> 31
+        # The token is the first id whose inclusive cumulative mass exceeds the threshold.
+        chunk = tl.sum((tl.cumsum(per_chunk, axis=0) <= threshold).to(tl.int32), axis=0)
+        before = tl.sum(tl.where(chunk_ids < chunk, per_chunk, 0), axis=0)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = _load(row_ptr, ban_row, offs, num_tokens, err, NUM_BANS)
+        cumulative = before + tl.cumsum(_masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE), axis=0)
+        token = chunk * BLOCK + tl.sum((cumulative <= threshold).to(tl.int32), axis=0)
+
+    # log_softmax of the processed row at the token: s − log Σ exp(s) (the kept max has s = 0).
+    one = tl.zeros([1], tl.int32)
+    x_tok = _load(row_ptr, ban_row, token + one, num_tokens, err, NUM_BANS)
+    s_tok = tl.sum(tl.math.div_rn(x_tok - m, temp), axis=0)
+    if LIBDEVICE:
+        log_total = libdevice.log(total)
+    else:
+        log_total = tl.log(total)
+    logprob = tl.where(err, float("-inf"), s_tok - log_total)
+    tl.store(token_ptr + row, tl.where(err, 0, token).to(tl.int64))
+    tl.store(logprob_ptr + row, logprob)
+    tl.store(error_ptr + row, err)
+
+
+@dataclass
+class SamplingParams:
+    """Per-row parameters as tensors (graph-safe: a captured step reads them in place)."""
+
+    temperature: torch.Tensor  # [R] float32; 0 = greedy
+    rank_limit: torch.Tensor  # [R] int32; min(forced top-k, top-k), 0 = off
+    mass_limit: torch.Tensor  # [R] int64; ceil(top_p · 2³¹), 0 = off (top_p = 1)
+    seed: torch.Tensor  # [R] int64; the seed mod 2⁶⁴ as two's complement
+    position: torch.Tensor  # [R] int64; the index of the token being produced
+    banned: torch.Tensor  # [R, B] int32 token ids, −1 padded (B may be 0)
+
+
+def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
+    """ceil(top_p · 2³¹) as int64, 0 where top_p = 1 (off); ``top_p`` float64 like the CPU sampler's."""
+    limit = torch.ceil(top_p.to(torch.float64) * MASS_SCALE).to(torch.int64)
+    return torch.where(top_p < 1, limit, torch.zeros_like(limit))
+
+
+def sampling_params(rows: Sequence, device: torch.device | str | None = None,
+                    num_bans: int | None = None) -> SamplingParams:
+    """Tensors for ``rows`` (``services.worker.sampler.SamplingRow``); ``num_bans`` pads the ban lists."""
+    width = max((len(r.banned_token_ids) for r in rows), default=0) if num_bans is None else num_bans
+    banned = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        if len(r.banned_token_ids) > width:
+            raise ValueError(f"row {i} bans {len(r.banned_token_ids)} tokens, more than num_bans={width}")
+        banned[i, : len(r.banned_token_ids)] = torch.tensor(r.banned_token_ids, dtype=torch.int32)
+    seeds = [(r.seed & ((1 << 64) - 1)) - ((1 << 64) if r.seed & (1 << 63) else 0) for r in rows]
+    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64)
+    return SamplingParams(
+        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32).to(device),
+        rank_limit=torch.tensor([r.rank_limit or 0 for r in rows], dtype=torch.int32).to(device),
+        mass_limit=top_p_mass_limit(top_p).to(device),
+        seed=torch.tensor(seeds, dtype=torch.int64).to(device),
+        position=torch.tensor([r.position for r in rows], dtype=torch.int64).to(device),
+        banned=banned.to(device),
+    )
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, case: DrawCase | int = DrawCase.SAMPLE,
+           block: int | None = None, num_warps: int | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [R, V] fp32/bf16 (last dim contiguous) → (token ids [R] int64, their logprobs [R] float32,
+    errors [R] bool), the CPU sampler's ``token_ids``, ``logprobs`` and ``errors``."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [R, V] with a contiguous last dim, got {tuple(logits.shape)}")
+    num_rows, num_tokens = logits.shape
+    device = logits.device
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
+    errors = torch.empty(num_rows, dtype=torch.bool, device=device)
+    if num_rows == 0:
+        return tokens, logprobs, errors
+    block = block or min(1024, triton.next_power_of_2(num_tokens))
+    chunks_pow2 = triton.next_power_of_2(triton.cdiv(num_tokens, block))
+    banned = params.banned
+    _sampler_kernel[(num_rows,)](
+        logits, logits.stride(0), num_tokens,
+        params.temperature, params.rank_limit, params.mass_limit, params.seed, params.position,
+        banned, banned.stride(0) if banned.shape[1] else 0,
+        tokens, logprobs, errors, int(case),
+        NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=triton.cdiv(num_tokens, block), CHUNKS_POW2=chunks_pow2, LIBDEVICE=logits.is_cuda,
+        num_warps=num_warps or (8 if block >= 1024 else 4),
+    )
+    return tokens, logprobs, errors

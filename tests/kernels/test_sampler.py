@@ -1,0 +1,158 @@
+"""The fused sampler kernel vs ``services.worker.sampler.Sampler``: the same draws, interpreted on CPU
+(small vocabularies) and compiled on a GPU (V = 129,280)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.worker.sampler import Sampler, SamplingRow
+from tests.kernels.interpret import interpreter, load_interpreted
+
+torch.set_num_threads(1)
+
+
+def _row(temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0, forced=None, banned=()):
+    return SamplingRow(temperature, top_k, top_p, seed, position, forced, tuple(banned), 0)
+
+
+def _mixed_rows(vocab: int, num_rows: int, gen: torch.Generator) -> list[SamplingRow]:
+    """Greedy, temperature only, top-k, top-p, both, forced top-k, bans, tiny T, negative/huge seeds."""
+    rows = []
+    for i in range(num_rows):
+        kind = i % 8
+        seed = int(torch.randint(-(2**62), 2**62, (), generator=gen)) * (3 if i % 3 == 0 else 1)
+        position = int(torch.randint(0, 100_000, (), generator=gen))
+        temperature = [0.0, 1.0, 0.7, 1.0, 1.3, 0.5, 1e-30, 2.0][kind]
+        top_k = [0, -1, 40, 0, 25, 0, 3, 1][kind] if kind != 7 else 0
+        top_p = [1.0, 1.0, 1.0, 0.9, 0.8, 0.95, 1.0, 0.3][kind]
+        forced = 60 if kind == 5 else None
+        banned = tuple(int(t) for t in torch.randint(0, vocab, (3,), generator=gen)) if kind in (1, 4) else ()
+        if kind == 0 and i % 16 == 0:
+            top_p = 0.5  # a greedy row whose logprobs come from the nucleus
+        rows.append(_row(temperature, top_k, top_p, seed, position, forced, banned))
+    return rows
+
+
+def _check(out, tokens, logprobs, errors, tol=1e-5):
+    assert torch.equal(tokens.cpu(), out.token_ids.cpu()), (tokens, out.token_ids)
+    assert torch.equal(errors.cpu(), out.errors.cpu())
+    ref = out.logprobs.cpu()
+    got = logprobs.cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    finite = torch.isfinite(ref)
+    err = (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    assert err <= tol, err
+    return err
+
+
+def _interpreted_sample(logits, rows, block, case=0):
+    k = load_interpreted("sampler")
+    with interpreter():
+        return k.sample(logits, k.sampling_params(rows), case=case, block=block)
+
+
+def test_sampler_interpreted_matches_cpu_sampler_mixed_rows():
+    gen = torch.Generator().manual_seed(0)
+    vocab, num_rows = 1500, 16
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2.5
+    logits[1::4, 7] = 12.0  # peaked rows: top-p keeps few tokens
+    rows = _mixed_rows(vocab, num_rows, gen)
+    _check(Sampler()(logits, rows), *_interpreted_sample(logits, rows, block=512))
+
+
+def test_sampler_interpreted_ties_at_the_cuts():
+    """Few distinct logit values: the top-k and top-p cuts fall inside runs of ties (lower ids first),
+    −0 and +0 tie, and bans leave -inf among kept ranks."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 700
+    logits = torch.randint(-3, 3, (8, vocab), generator=gen).float() * 0.5
+    logits[2] = torch.where(logits[2] == 0, torch.tensor(-0.0), logits[2])
+    logits[3, : vocab // 2] = -0.0
+    rows = [_row(1.0, 50, seed=3), _row(0.8, 0, 0.6, seed=4), _row(1.0, 130, 0.7, seed=5, position=2),
+            _row(1.0, 400, seed=6), _row(0.0, 10, 0.5), _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
+            _row(1.0, 690, 0.999, seed=9), _row(0.9, 2, 1.0, seed=2**63 + 5)]
+    _check(Sampler()(logits, rows), *_interpreted_sample(logits, rows, block=256))
+
+
+def test_sampler_interpreted_error_rows_and_resample_case():
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    logits[0, 5] = math.nan
+    logits[1, 9] = math.inf
+    logits[2] = -math.inf
+    logits[2, 17] = 3.0  # its only finite logit is banned
+    rows = [_row(seed=1), _row(seed=2), _row(seed=3, banned=(17,)), _row(0.6, 10, 0.9, seed=4, position=7)]
+    out = Sampler()(logits, rows)
+    tokens, logprobs, errors = _interpreted_sample(logits, rows, block=128)
+    _check(out, tokens, logprobs, errors)
+    assert errors.tolist() == [True, True, True, False]
+    # case 1 (resample) draws other bits: compare with a CPU pick from the same processed distribution.
+    from services.worker.philox import DrawCase, draw_bits
+    from services.worker.sampler import _pick
+
+    p = Sampler().process(logits[3:], rows[3:])
+    expected = _pick(p.probs, draw_bits([4], [7], DrawCase.RESAMPLE))
+    assert _interpreted_sample(logits[3:], rows[3:], block=128, case=DrawCase.RESAMPLE)[0].tolist() == expected.tolist()
+
+
+def test_sampler_interpreted_draw_ignores_batch_neighbours():
+    """A row's draw is a function of its own logits, seed and position: not of its index or companions."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 512
+    logits = torch.randn(4, vocab, generator=gen) * 2
+    rows = [_row(1.0, 0, 0.9, seed=11, position=4), _row(0.8, 30, seed=12, position=5),
+            _row(1.0, seed=13, position=6), _row(0.0)]
+    tokens, logprobs, _ = _interpreted_sample(logits, rows, block=256)
+    perm = [2, 0, 3, 1]
+    other = torch.randn(2, vocab, generator=gen) * 5
+    tokens2, logprobs2, _ = _interpreted_sample(torch.cat((logits[perm], other)),
+                                                [rows[i] for i in perm] + [_row(seed=1), _row(seed=2)], block=256)
+    assert torch.equal(tokens2[:4], tokens[perm]) and torch.equal(logprobs2[:4], logprobs[perm])
+
+
+def _gpu_problem(num_rows: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    vocab = 129280
+    logits = torch.randn(num_rows, vocab, device="cuda", generator=gen) * 2
+    # A few confident tokens per row, as a language model has: the nucleus is small for many rows.
+    hot = torch.randint(0, vocab, (num_rows, 8), device="cuda", generator=gen)
+    logits.scatter_(1, hot, torch.rand(num_rows, 8, device="cuda", generator=gen) * 12 + 4)
+    rows = _mixed_rows(vocab, num_rows, torch.Generator().manual_seed(seed))
+    return logits.to(dtype), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [1, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_gpu_matches_sampler(num_rows, dtype):
+    from kernels.sampler import sample, sampling_params
+
+    logits, rows = _gpu_problem(num_rows, dtype, num_rows)
+    out = Sampler()(logits, rows)
+    tokens, logprobs, errors = sample(logits, sampling_params(rows, "cuda"))
+    # Same fp32 maths, different exp and summation order: logprobs agree to a few ulp of log(sum).
+    _check(out, tokens, logprobs, errors, tol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
+    from kernels.sampler import sample, sampling_params
+
+    logits, rows = _gpu_problem(64, torch.float32, 7)
+    params = sampling_params(rows, "cuda")
+    sample(logits, params)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens, logprobs, errors = sample(logits, params)
+    moved = [_row(r.temperature or 1.0, r.top_k, r.top_p, r.seed, r.position + 1, r.forced_top_k, r.banned_token_ids)
+             for r in rows]
+    new = sampling_params(moved, "cuda", num_bans=params.banned.shape[1])
+    for name in ("temperature", "rank_limit", "mass_limit", "seed", "position", "banned"):
+        getattr(params, name).copy_(getattr(new, name))
+    graph.replay()
+    _check(Sampler()(logits, moved), tokens, logprobs, errors, tol=2e-5)
