@@ -136,7 +136,7 @@ class Engram(nn.Module):
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, S, n, D], rows [B, S, heads] → h + gate·value, [B, S, n, D]. Dead tokens get gate 0."""
-        emb = F.embedding(rows, self.embed.weight).flatten(-2).to(h.dtype)  # [B, S, heads·de]
+        emb = self.embed(rows).flatten(-2).to(h.dtype)  # [B, S, heads·de]; a module, so a GPU build can keep it FP8
         key, value = self.wkv(emb).split((self.n * self.d, self.d), dim=-1)
         key = key.float().unflatten(-1, (self.n, self.d))  # [B, S, n, D]
         hf = h.float()
