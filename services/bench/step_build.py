@@ -73,7 +73,10 @@ def builder(model: str, device, backend: str, layers: int | None
     from services.engine import LLM
 
     cfg = model_config(model, layers)
-    source = load_source(model, cfg, device, backend)
+    if backend == "kernels" and model in GPU_ONLY:
+        source = load_kernel_source(model, cfg, device)  # never whole in fp32
+    else:
+        source = load_source(model, cfg, device, backend)
 
     def build(**engine_args: Any) -> LLM:
         from services.worker.model_runner import ModelRunner
@@ -111,6 +114,21 @@ def load_source(model: str, cfg: ModelConfig, device, backend: str):
         net = DeepseekV41(cfg, token_map, num_compressed)
     assign_weights(net, tensors)
     return ModelSource(model, cfg, net.eval(), tokenizer)
+
+
+def load_kernel_source(model: str, cfg: ModelConfig, device):
+    """The model for ``cfg`` built layer by layer straight into the kernel backend's FP8 form."""
+    import torch
+
+    from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
+    from services.engine.model_source import ModelSource
+    from services.worker.gpu_model import build_random_kernel_model
+
+    tokenizer = load_v41_tokenizer()
+    token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
+    net = build_random_kernel_model(cfg, 0, device, "fp8",
+                                    None if token_map is None else torch.as_tensor(token_map), num_compressed)
+    return ModelSource(model, cfg, net, tokenizer)
 
 
 def _device_tensors(cfg: ModelConfig, device) -> dict:
