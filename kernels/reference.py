@@ -288,3 +288,43 @@ def sparse_decode_attention(
     out[..., dim - rot :: 2] = even * cos + odd * sin
     out[..., dim - rot + 1 :: 2] = odd * cos - even * sin
     return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------- sparse prefill attention
+
+
+def sparse_prefill_attention(
+    q: torch.Tensor,
+    step_k: tuple[torch.Tensor, torch.Tensor],
+    ring: torch.Tensor,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    first: torch.Tensor,
+    window: int,
+    kv_pool: torch.Tensor,
+    selected: torch.Tensor,
+    sink: torch.Tensor,
+    freqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The rows of a prefill chunk: ``sparse_decode_attention`` per row over a private copy of its
+    ring, into which this step's K rows (``step_k`` = ``quantize_fp8_cache`` of them, the ring's own
+    bytes) are written at the row's window positions ≥ ``first`` [R] (its request's first position
+    this step). ``ring`` is read as it was before this step's writes; a request's rows are
+    consecutive with positions ascending by one, so position p of row r's request is step row
+    r − pos[r] + p. Equals ``CachedStep.attend`` + undo-RoPE (tested); q.dtype [R, H, D].
+    """
+    values, scales = step_k
+    num_rows = q.shape[0]
+    ring_size = ring.shape[1]
+    if window >= ring_size:
+        raise ValueError(f"window {window} must be below the ring size {ring_size}")
+    rows = torch.cat((values.view(torch.uint8), scales.view(torch.uint8)), dim=-1)  # [R, D + D/32]
+    own = ring[state_slots.long()].clone()  # [R, ring, D + D/32]
+    pos = positions.long()
+    win = pos[:, None] - window + 1 + torch.arange(window, device=q.device)  # [R, w]
+    in_step = (win >= first.long()[:, None]) & (win >= 0)
+    r, j = in_step.nonzero(as_tuple=True)
+    own[r, win[r, j] % ring_size] = rows[r - pos[r] + win[r, j]]  # distinct ring indices: window < ring
+    own_slots = torch.arange(num_rows, device=q.device)
+    return sparse_decode_attention(q, own, own_slots, positions, window, kv_pool, selected, sink, freqs, scale)

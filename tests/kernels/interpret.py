@@ -56,8 +56,9 @@ def interpreter() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = old
 
 
-SHARED = ("quant_fp8",)
-"""Modules whose jit helpers other kernels import: their interpreted copies stand in while a kernel loads."""
+SHARED = ("quant_fp8", "decode_attention")
+"""Modules whose jit helpers other kernels import: their interpreted copies stand in while a kernel loads.
+In dependency order: a shared module sees the interpreted copies of those before it only."""
 
 
 def load_interpreted(name: str) -> ModuleType:
@@ -65,7 +66,8 @@ def load_interpreted(name: str) -> ModuleType:
     alias = f"_interpreted_kernels_{name}"
     if alias in sys.modules:
         return sys.modules[alias]
-    shared = {f"kernels.{dep}": load_interpreted(dep) for dep in SHARED if dep != name}
+    deps = SHARED[: SHARED.index(name)] if name in SHARED else SHARED
+    shared = {f"kernels.{dep}": load_interpreted(dep) for dep in deps}
     spec = importlib.util.spec_from_file_location(alias, KERNELS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

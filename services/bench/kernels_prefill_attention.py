@@ -1,0 +1,154 @@
+"""Sparse prefill attention (``kernels/prefill_attention.py``) at Flash shapes: one request's chunk of
+1K–32K rows ending at 4K or 32K context, against the bf16 MMA roofline, SDPA on pre-dequantised keys
+and the reference's torch ops. ``python -m services.bench.kernels --only prefill_attention``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads only when a benchmark runs
+    import torch
+
+CASES = ((1024, 4096), (4096, 4096), (1024, 32768), (4096, 32768), (16384, 32768), (32768, 32768))  # (chunk, context)
+QUICK_CASES = ((1024, 4096), (4096, 4096), (4096, 32768))
+REFERENCE_MAX_ROWS = 4096  # the reference holds every row's 640 keys in fp32: 1.3 MB per row
+SDPA_MAX_ROWS = 16384  # SDPA's gathered bf16 keys: 655 KB per row
+BLOCK_NS = (16, 32)  # tried at the largest quick case; 16 is the default (no spills at the Flash shapes)
+
+
+def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, device: str | None = None,
+                              ratio: int = 2, block_size: int = 128, num_heads: int | None = None,
+                              head_dim: int | None = None) -> dict[str, Any]:
+    """One request's prefill chunk, rows at positions context − chunk … context − 1, in the cache
+    engine's byte layout with random bytes (as ``decode_attention_problem``).
+
+    The state slot's ring holds the positions before the chunk (FP8 e4m3 without NaNs, e8m0 scales
+    2^-12…2^-7), ``step_k`` this chunk's K rows in the same format; the request's context / ratio
+    entries lie in random blocks of a pool whose blocks also hold other bytes. Row r selects
+    min(top-k, visible) ascending distinct entries, one per equal stratum of its visible entries
+    (−1 padded). ``num_heads`` / ``head_dim`` (default Flash's 64 × 512) shrink it for CPU tests.
+    """
+    import torch
+
+    from kernels.reference import entry_slots
+    from model.deepseek_v41.presets import V41_S1 as cfg
+    from model.deepseek_v41.rope import rope_frequencies
+    from services.bench.kernels import DEVICE
+    from services.worker.cache_engine import ring_size
+
+    if chunk > context:
+        raise ValueError(f"chunk {chunk} longer than its context {context}")
+    device = device or DEVICE
+    heads, hd = num_heads or cfg.num_attention_heads, head_dim or cfg.head_dim
+    ring, topk, first = ring_size(cfg), cfg.index_topk, context - chunk
+    row_bytes, entry_bytes = hd + hd // 32, hd // 2 + hd // 16
+    epb = block_size // ratio
+    width = -(-context // ratio // epb)
+    rng: dict[str, Any] = dict(device=device, generator=gen)
+
+    def fp8_rows(*shape: int) -> torch.Tensor:  # e4m3 codes without NaNs, then e8m0 scales: ring-row bytes
+        codes = torch.randint(0, 126, (*shape, hd), **rng, dtype=torch.uint8)
+        codes |= torch.randint(0, 2, codes.shape, **rng, dtype=torch.uint8) << 7
+        return torch.cat((codes, torch.randint(115, 121, (*shape, hd // 32), **rng, dtype=torch.uint8)), -1)
+
+    slots_pool = torch.zeros(2, ring * row_bytes + 64, dtype=torch.uint8, device=device)
+    slots_pool[1, : ring * row_bytes] = fp8_rows(ring).flatten()
+    ring_view = slots_pool[:, : ring * row_bytes].view(-1, ring, row_bytes)
+    step_rows = fp8_rows(chunk)
+    blocks = torch.randint(0, 256, (width + 1, epb * entry_bytes + 1000), **rng, dtype=torch.uint8)
+    kv_pool = blocks[:, 500 : 500 + epb * entry_bytes].view(-1, epb, entry_bytes)
+    kv_pool[..., hd // 2 :] = torch.randint(24, 56, (width + 1, epb, hd // 16), **rng, dtype=torch.uint8)
+    table = torch.randperm(width, **rng) + 1  # [width] the request's blocks
+
+    pos = torch.arange(first, context, device=device)
+    visible = ((pos + 1) // ratio)[:, None]  # [R, 1]
+    i = torch.arange(topk, device=device)
+    lo, hi = i * visible // topk, (i + 1) * visible // topk  # disjoint strata when visible ≥ top-k
+    strat = lo + (torch.rand(chunk, topk, **rng) * (hi - lo)).long()
+    entries = torch.where(visible >= topk, strat, torch.where(i < visible, i, -1))
+    return dict(
+        q=(torch.randn(chunk, heads, hd, **rng) * 0.05).to(torch.bfloat16),
+        step_k=(step_rows[:, :hd].contiguous().view(torch.float8_e4m3fn),
+                step_rows[:, hd:].contiguous().view(torch.float8_e8m0fnu)),
+        ring=ring_view, slots=torch.ones(chunk, device=device, dtype=torch.int64), pos=pos,
+        first=torch.full((chunk,), first, device=device, dtype=torch.int64), window=cfg.sliding_window,
+        kv_pool=kv_pool, entries=entries, selected=entry_slots(entries, table.expand(chunk, width), epb),
+        sink=torch.randn(heads, **rng), freqs=rope_frequencies(cfg, compressed=True).to(device), scale=hd**-0.5,
+    )
+
+
+def prefill_attention_args(p: dict[str, Any]) -> tuple[Any, ...]:
+    return (p["q"], p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], p["kv_pool"],
+            p["selected"], p["sink"], p["freqs"], p["scale"])
+
+
+def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator, sweep: bool) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import reference
+    from kernels.prefill_attention import sparse_prefill_attention
+    from services.bench.kernels import _bench, _bench_replay, _row
+
+    p = prefill_attention_problem(chunk, context, gen)
+    args = prefill_attention_args(p)
+    heads, hd = p["q"].shape[1], p["q"].shape[2]
+    window, topk = p["window"], p["selected"].shape[1]
+    valid = int((p["selected"] >= 0).sum()) + int(torch.clamp(p["pos"] + 1, max=window).sum())
+    flops = 4.0 * heads * hd * valid  # QK and PV over each row's valid keys
+    # Fewest bytes: q in and out (bf16), this chunk's K rows once (the windows overlap), the ring rows
+    # before it, each row's selected slots, and every distinct entry the chunk selects, once.
+    distinct = int(torch.unique(p["selected"][p["selected"] >= 0]).numel())
+    nbytes = (2 * chunk * heads * hd * 2 + (chunk + window) * (hd + hd // 32) + chunk * (topk * 4 + 24)
+              + distinct * (hd // 2 + hd // 16))
+    shape = f"chunk={chunk} ctx={context} H={heads} D={hd} w={window} k={topk}"
+    out = torch.empty_like(p["q"])
+    ours = _bench_replay(lambda: sparse_prefill_attention(*args, out=out))
+    notes, theirs = [], None
+    if chunk <= SDPA_MAX_ROWS:
+        # SDPA: each row's 640 keys already gathered and dequantised to bf16, no sink (a stock path's best case).
+        kv = torch.randn(chunk, 1, window + topk, hd, device=p["q"].device, dtype=torch.bfloat16, generator=gen)
+        qs = p["q"].unsqueeze(2)
+        try:
+            theirs = _bench_replay(lambda: F.scaled_dot_product_attention(qs, kv, kv, enable_gqa=True))
+            notes.append("torch: SDPA on gathered bf16 keys, graph replay")
+        except Exception as err:  # noqa: BLE001 - report, don't die, when SDPA refuses
+            notes.append(f"SDPA failed: {type(err).__name__}")
+        del kv
+    else:
+        notes.append(f"no torch timing above {SDPA_MAX_ROWS} rows (gathered keys too large)")
+    ref_us = None
+    if chunk <= REFERENCE_MAX_ROWS:
+        ref_us = _bench(lambda: reference.sparse_prefill_attention(*args)) * 1e6
+        notes.append(f"reference torch ops {ref_us:.0f} us")
+    row = _row("sparse prefill attention", shape, ours, nbytes, flops, ceil, theirs, "; ".join(notes),
+               peak="bf16_peak")
+    row.update(reference_us=ref_us, mem_roofline_us=nbytes / ceil["bandwidth"] * 1e6,
+               compute_roofline_us=flops / ceil["bf16_peak"] * 1e6)
+    rows = [row]
+    if sweep:
+        no_entries = (*args[:8], p["selected"][:, :0], *args[9:])
+        win_flops = 4.0 * heads * hd * int(torch.clamp(p["pos"] + 1, max=window).sum())
+        rows.append(_row("sparse prefill attention [window only]", shape, _bench_replay(
+            lambda: sparse_prefill_attention(*no_entries, out=out)), 2 * chunk * heads * hd * 2, win_flops, ceil,
+            None, "ratio-0 layer", peak="bf16_peak"))
+        for block_n in BLOCK_NS[1:]:
+            try:
+                t = _bench_replay(lambda b=block_n: sparse_prefill_attention(*args, out=out, block_n=b))
+            except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
+                row[f"block_n={block_n}"] = f"failed: {type(err).__name__}"
+                continue
+            rows.append(_row(f"sparse prefill attention [block_n={block_n}]", shape, t, nbytes, flops, ceil, theirs,
+                             "", peak="bf16_peak"))
+    return rows
+
+
+def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
+    import torch
+
+    rows: list[dict[str, object]] = []
+    for chunk, context in QUICK_CASES if quick else CASES:
+        rows += _case(chunk, context, ceil, gen, sweep=(chunk, context) == QUICK_CASES[-1])
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,216 @@
+"""Sparse prefill attention vs ``kernels.reference.sparse_prefill_attention``: the reference against the
+engine's cached attention (``CachedStep.attend``) for prefill chunks on the tiny model, the kernel
+interpreted on CPU at small shapes, and compiled on a GPU at the Flash shapes (1K and 4K-row chunks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import reference
+from model.deepseek_v41.presets import TINY
+from model.deepseek_v41.quant import quantize_fp8_cache
+from model.deepseek_v41.rope import rope_frequencies
+from services.worker.cache_engine import CacheEngine, ring_size
+from tests.kernels.interpret import interpreter, load_interpreted
+from tests.tolerances import PREFIX_ATOL
+
+BLOCK_SIZE = 16
+# (first position this step, chunk rows) per request: a fresh prompt, chunks whose first windows reach
+# into the ring, one longer than ring − window (its own ring writes would clobber keys its first rows
+# need: the ring must be read before them), and a single-row (decode-like) request.
+CHUNKS = ((5, 6), (0, 4), (20, 12), (9, 1))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _chunk_problem(cfg, layer: int, source: int, gen: torch.Generator, chunks=CHUNKS) -> dict:
+    """A step of prefill chunks in a CacheEngine: rings hold each request's positions before its chunk,
+    the pool its entries up to the end of its chunk; rows select ascending distinct visible entries
+    (every third row none, others half or all of top-k). Step K rows are random, returned pre-rounding."""
+    ratio, hd = cfg.ratio(layer) or 2, cfg.head_dim
+    ring = ring_size(cfg)
+    cache = CacheEngine(cfg, BLOCK_SIZE, num_blocks=64, num_state_slots=8, ring=ring)
+    lay = cache.layout
+    epb = lay.source(source).entries_per_block
+    num_requests = len(chunks)
+    slots = torch.randperm(7, generator=gen)[:num_requests] + 1
+    ends = [f + n for f, n in chunks]
+    width = -(-max(ends) // ratio // epb)
+    tables = (torch.randperm(63, generator=gen)[: num_requests * width] + 1).view(num_requests, width)
+    for i, (first, _) in enumerate(chunks):
+        span = torch.arange(max(0, first - ring), first)
+        cache.write_window(layer, slots[i].expand(span.numel()), span % ring, torch.randn(span.numel(), hd, generator=gen) * 2)
+        entries = torch.arange(ends[i] // ratio)
+        cache.write_entries(source, tables[i, entries // epb] * epb + entries % epb,
+                            torch.randn(entries.numel(), hd, generator=gen),
+                            torch.randn(entries.numel(), cfg.index_head_dim, generator=gen))
+    row_requests = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(chunks)])
+    pos = torch.cat([torch.arange(f, f + n) for f, n in chunks])
+    first = torch.tensor([f for f, _ in chunks])
+    topk = cfg.index_topk
+    sel = torch.full((pos.numel(), topk), -1, dtype=torch.long)
+    for r in range(pos.numel()):
+        visible = (int(pos[r]) + 1) // ratio
+        take = 0 if r % 3 == 1 else min(visible, topk if r % 3 else topk // 2)
+        sel[r, :take] = torch.randperm(visible, generator=gen)[:take].sort().values
+    return dict(cache=cache, ring=cache.ring(layer).clone(), slots=slots, tables=tables, row_requests=row_requests,
+                pos=pos, first=first, selected_entries=sel, kv_pool=cache.entries(source)[0],
+                selected=reference.entry_slots(sel, tables[row_requests], epb),
+                k=torch.randn(pos.numel(), hd, generator=gen) * 2)
+
+
+def _args(cfg, prob, q, step_k, selected=None):
+    rows = prob["row_requests"]
+    return (q, step_k, prob["ring"], prob["slots"][rows], prob["pos"], prob["first"][rows], cfg.sliding_window,
+            prob["kv_pool"], prob["selected"] if selected is None else selected, prob["sink"], prob["freqs"],
+            cfg.head_dim**-0.5)
+
+
+# ---------------------------------------------------------------- the reference is the engine's attention
+
+
+@pytest.mark.parametrize("layer", [3, 0])  # ratio 2 (source 2's entries and selection), ratio 0 (window only)
+def test_reference_equals_cached_step_attention(layer):
+    """The reference, given the ring before the step and the step's K rows as FP8 bytes, equals
+    ``CachedStep.attend`` on a step of prefill chunks, compared before the output projection."""
+    from model.deepseek_v41.attention import Attention
+    from model.deepseek_v41.rope import apply_rope, rope_angles
+    from services.worker.cached_step import CachedStep, StepSparse
+    from services.worker.step_batch import StepBatch
+
+    torch.manual_seed(0)
+    cfg, source = TINY, 2
+    gen = torch.Generator().manual_seed(layer + 1)
+    prob = _chunk_problem(cfg, layer, source, gen)
+    cache, pos, rows = prob["cache"], prob["pos"], prob["row_requests"]
+    attn = Attention(cfg, layer)
+    with torch.no_grad():
+        attn.attn_sink.copy_(torch.randn(cfg.num_attention_heads, generator=gen))
+    counts = torch.tensor([n for _, n in CHUNKS])
+    batch = StepBatch(
+        request_ids=[f"r{i}" for i in range(len(CHUNKS))], input_ids=torch.zeros(pos.numel(), dtype=torch.long),
+        positions=pos, row_requests=rows, ring_slots=pos % cache.layout.ring_size,
+        query_start=torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))), first=prob["first"],
+        seqlens_k=prob["first"] + counts, state_slots=prob["slots"], block_tables=prob["tables"],
+        sample_rows=torch.arange(pos.numel()), entry_writes={},
+    )
+    step = CachedStep(cache, batch)
+    if attn.ratio:
+        width = int((batch.seqlens_k // attn.ratio).max())
+        kv, keys = cache.read_entries(source, prob["tables"], width)
+        step.sparse = StepSparse(attn.ratio, kv, keys, prob["selected_entries"].unsqueeze(1))
+    captured = {}
+    project = attn._project_out
+
+    def capture(out, angles):
+        captured["out"] = apply_rope(out, angles, inverse=True)[:, 0]
+        return project(out, angles)
+
+    attn._project_out = capture
+    x = torch.randn(pos.numel(), cfg.hidden_size, generator=gen)
+    with torch.no_grad():
+        step.attend(attn, x)
+        angles = rope_angles(pos, attn.freqs)
+        q = apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)),
+                       angles)
+        k = apply_rope(attn.kv_norm(attn.wkv(x)), angles)
+    prob.update(sink=attn.attn_sink, freqs=attn.freqs)
+    selected = None if attn.ratio else prob["selected"][:, :0]
+    with torch.no_grad():
+        ours = reference.sparse_prefill_attention(*_args(cfg, prob, q, quantize_fp8_cache(k), selected))
+    assert ours.shape == captured["out"].shape
+    assert float((ours - captured["out"]).abs().max()) <= PREFIX_ATOL
+    assert float(captured["out"].abs().max()) > 0.1  # not trivially zero
+
+
+# ---------------------------------------------------------------- interpreted kernel
+
+
+def _tiny(seed: int, window: int = 8):
+    cfg = dataclasses.replace(TINY, index_topk=24, sliding_window=window)  # several entry blocks of 16
+    gen = torch.Generator().manual_seed(seed)
+    prob = _chunk_problem(cfg, 3, 2, gen)
+    prob["q"] = torch.randn(prob["pos"].numel(), cfg.num_attention_heads, cfg.head_dim, generator=gen)
+    prob["sink"] = torch.randn(cfg.num_attention_heads, generator=gen)
+    prob["freqs"] = rope_frequencies(cfg, compressed=True)
+    return cfg, prob
+
+
+@pytest.mark.parametrize(("window", "window_only"), [(8, False), (20, False), (8, True)])
+def test_interpreted_fp32_dots_match_reference(window, window_only):
+    """window 20: two key blocks of 16, the second straddling ring and step rows; window only: a ratio-0 layer."""
+    cfg, prob = _tiny(window, window)
+    selected = prob["selected"][:, :0] if window_only else None
+    args = _args(cfg, prob, prob["q"], quantize_fp8_cache(prob["k"]), selected)
+    ref = reference.sparse_prefill_attention(*args)
+    out = torch.full_like(ref, float("nan"))
+    with interpreter():
+        load_interpreted("prefill_attention").sparse_prefill_attention(*args, out=out, dot_fp32=True)
+    assert not out.isnan().any()
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_interpreted_bf16_in_and_out():
+    """bf16 queries in, bf16 out (the interpreter casts fp32 → bf16 by truncation: < 2^-7 relative); the
+    dots stay fp32 (bf16 tl.dot is garbage under Triton 3.6's interpreter: checked on the GPU only)."""
+    cfg, prob = _tiny(7)
+    q = prob["q"].to(torch.bfloat16)
+    step_k = quantize_fp8_cache(prob["k"])
+    ref = reference.sparse_prefill_attention(*_args(cfg, prob, q.float(), step_k))
+    with interpreter():
+        out = load_interpreted("prefill_attention").sparse_prefill_attention(*_args(cfg, prob, q, step_k),
+                                                                             dot_fp32=True)
+    assert out.dtype == torch.bfloat16
+    assert torch.all((out.float() - ref).abs() <= 2.0**-7 * ref.abs() + 1e-5)
+
+
+def test_bench_problem_builder_on_cpu():
+    """The benchmark's problem (also the GPU tests') at 4 heads × 64, an 8-row chunk of a 1,100-token
+    context, is valid input: every row takes 512 ascending distinct entries of its ≥ 546 visible ones,
+    the reference is finite and not sink-dominated, and the kernel agrees."""
+    from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
+
+    p = prefill_attention_problem(8, 1100, torch.Generator().manual_seed(0), device="cpu", num_heads=4,
+                                  head_dim=64)
+    assert bool((p["selected"] >= 0).all()) and bool((p["entries"].diff(dim=1) > 0).all())
+    args = prefill_attention_args({**p, "q": p["q"].float()})
+    ref = reference.sparse_prefill_attention(*args)
+    assert ref.isfinite().all() and float(ref.abs().mean()) > 1e-2
+    out = torch.empty_like(ref)
+    with interpreter():
+        load_interpreted("prefill_attention").sparse_prefill_attention(*args, out=out, dot_fp32=True, block_n=64)
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+# ---------------------------------------------------------------- GPU, Flash shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("chunk", "context"), [(1024, 4096), (4096, 4096), (1024, 32768)])
+def test_gpu_flash_shapes_match_reference(chunk, context):
+    from kernels.prefill_attention import sparse_prefill_attention
+    from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
+
+    p = prefill_attention_problem(chunk, context, torch.Generator("cuda").manual_seed(chunk))
+    p["selected"][-1, 100:] = -1  # a row with fewer selected entries
+    p["selected"][-2] = -1  # a row with none
+    args = prefill_attention_args(p)
+    out = torch.full_like(p["q"], float("nan"))
+    sparse_prefill_attention(*args, out=out)
+    ref32 = reference.sparse_prefill_attention(*prefill_attention_args({**p, "q": p["q"].float()}))
+    assert not out.isnan().any()
+    assert _rel(out, ref32) < 5e-3  # bf16 P in the PV product and the bf16 output: ~1e-3 relative
+    # fp32 dots and an fp32 output: only the summation order differs from the reference.
+    exact = sparse_prefill_attention(*args, dot_fp32=True, out=torch.full_like(ref32, float("nan")))
+    assert float((exact - ref32).abs().max()) <= 1e-5 * float(ref32.abs().max())
+    # A ratio-0 layer: the window alone.
+    window_only = (*args[:8], p["selected"][:, :0], *args[9:])
+    ref_w = reference.sparse_prefill_attention(*prefill_attention_args(
+        {**p, "q": p["q"].float(), "selected": p["selected"][:, :0]}))
+    assert _rel(sparse_prefill_attention(*window_only), ref_w) < 5e-3
