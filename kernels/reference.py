@@ -328,3 +328,51 @@ def sparse_prefill_attention(
     own[r, win[r, j] % ring_size] = rows[r - pos[r] + win[r, j]]  # distinct ring indices: window < ring
     own_slots = torch.arange(num_rows, device=q.device)
     return sparse_decode_attention(q, own, own_slots, positions, window, kv_pool, selected, sink, freqs, scale)
+
+
+# ---------------------------------------------------------------- indexer scoring and selection
+
+
+def indexer_select(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    key_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    width: int,
+    *,
+    index_topk: int,
+    candidates: torch.Tensor | None = None,
+    candidate_source: bool = False,
+    candidate_block_size: int = 8,
+    candidate_topk_blocks: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``kernels.indexer.indexer_select`` by the model's functions: keys gathered and dequantised as
+    ``CacheEngine.read_entries`` does, ``Indexer.scores_quantized`` (with w given directly),
+    ``Attention.restrict_to_candidates``' two cases and ``select_entries``.
+
+    q [R, Hi, di], w [R, Hi] (already times (di·Hi)^-1/2), key_pool uint8 [blocks, epb, di/2 + di/32],
+    block_tables [R, ·], positions [R]; candidates bool [R, width] (the model's entry mask) or None.
+    Returns (scores fp32 [R, width] after the candidate restriction, entries int64 [R, min(k, width)],
+    candidates bool [R, width] from the candidate source, else the ones given).
+    """
+    from types import SimpleNamespace
+
+    from model.deepseek_v41.indexer import Indexer, candidate_mask, select_entries, visible_entries
+    from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache
+
+    num_rows, num_heads, dim = q.shape
+    epb = key_pool.shape[1]
+    e = torch.arange(width, device=q.device)
+    raw = key_pool[block_tables.long()[:, e // epb], e % epb]  # [R, W, di/2 + di/32]
+    keys = dequantize_fp4_cache(raw[..., : dim // 2], raw[..., dim // 2 :].view(torch.float8_e8m0fnu), INDEXER_BLOCK)
+    visible = visible_entries(positions.long(), ratio).clamp(0, width).unsqueeze(-1)  # [R, 1]
+    given_w = SimpleNamespace(weights_proj=lambda x: x, head_dim=1.0, num_heads=1.0)  # w = weights_proj(x)·1
+    scores = Indexer.scores_quantized(given_w, q.float().unsqueeze(1), w.float().unsqueeze(1), keys, visible)
+    if candidate_source:
+        candidates = candidate_mask(scores, visible, num_blocks=candidate_topk_blocks,
+                                    block_size=candidate_block_size)[:, 0]
+    elif candidates is not None:
+        scores = scores.masked_fill(~candidates.unsqueeze(1), -torch.inf)
+    return scores[:, 0], select_entries(scores, index_topk)[:, 0], candidates

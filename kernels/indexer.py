@@ -1,0 +1,325 @@
+"""Indexer scoring and top-k selection for decode (spec §3.7; the model's ``model/deepseek_v41/indexer.py``
+``Indexer.scores_quantized`` + ``candidate_mask`` + ``select_entries``, as ``CachedStep._sparse`` and
+``Attention.restrict_to_candidates`` use them). Reference: ``kernels.reference.indexer_select``.
+
+Two kernels, one query row per request (rows of one batch share nothing, so no key is reused):
+
+1. ``_score_kernel``: score[r, j] = Σ_h relu(q[r,h]·k[j]) · w[r,h] for j < visible[r], −∞ after,
+   reading the FP4 index keys straight from the paged pool (entry j at block_tables[r, j // epb],
+   offset j % epb: 64 bytes of packed e2m1 + 4 e8m0 scales). Programs take tiles of BLOCK_N entries
+   of one row, interleaved (tile split, split + SPLITS, …) so rows shorter than the caller's width
+   balance; tiles past the visible entries only write −∞. Per 32-channel scale group g the keys'
+   e2m1 codes become e4m3 bytes by a bit shuffle (code · 2^-6, exact), then f16, and one
+   [BLOCK_N, 32] × [32, H] tensor-core product gives Σ_c code·q; the e8m0 scale multiplies that
+   [BLOCK_N, H] result (one FMA per entry, head and group instead of one per key element). The
+   query enters as q / Q_h with Q_h the power of two ≤ max|q[h]| (exact in f16 for FP4-rounded
+   queries), and Q_h moves into w (relu(Q_h·x) = Q_h·relu(x)). Products are exact and the sums
+   fp32, so scores differ from the reference's einsum by summation order only. Options: candidate
+   block mask (uint8 [R, ceil(W/CB)]) to score only inside, and the level-1 block maxima (the
+   newest visible block forced to +∞) written for the candidate source.
+2. ``_select_kernel``: per row, the k best finite scores (ties → lower index) by a bitwise binary
+   search for the k-th largest order-preserving 32-bit key over the row held in registers (one pass
+   per bit, stopping once exactly k keys are ≥ the prefix), then a compaction in ascending index
+   order (−1 padding), or a uint8 mask (the candidate blocks).
+
+Graph-safe: every size comes from the caller's width; positions and tables are device tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_GROUP = 32  # channels per e8m0 key scale (model/deepseek_v41/quant.py INDEXER_BLOCK)
+
+
+@triton.jit
+def _q_half(q_row, heads, h_ok, q_stride_h, inv_q, g, parity: tl.constexpr, dot_ty: tl.constexpr):
+    """Channels 32g + 2c + parity (c < 16) of every head, over Q_h: [16, BLOCK_H] in the dot type."""
+    c = tl.arange(0, 16)
+    ptrs = q_row + heads[None, :] * q_stride_h + (32 * g + 2 * c + parity)[:, None]
+    return (tl.load(ptrs, mask=h_ok[None, :], other=0.0).to(tl.float32) * inv_q[None, :]).to(dot_ty)
+
+
+@triton.jit
+def _group(acc, entry, ok, g, q_even, q_odd, HALF: tl.constexpr, dot_ty: tl.constexpr,
+           precision: tl.constexpr):
+    """acc [BLOCK_N, H] += scale_g · Σ_{c in group g} code · q: bytes 16g … 16g+15 of each entry."""
+    c = tl.arange(0, 16)
+    b = tl.load(entry[:, None] + 16 * g + c[None, :], mask=ok[:, None], other=0).to(tl.int32)  # [BLOCK_N, 16]
+    # e2m1 s|eem → e4m3 s|0eem|00 is the same number times 2^-6 (0.5 lands on the e4m3 subnormal 2^-7).
+    lo = (((b & 7) << 2) | ((b & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dot_ty)
+    hi = (((b >> 2) & 28) | (b & 128)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dot_ty)
+    d = tl.dot(lo, q_even, input_precision=precision)
+    d = tl.dot(hi, q_odd, d, input_precision=precision)
+    sb = tl.load(entry + HALF + g, mask=ok, other=0).to(tl.int32)
+    scale = ((sb + 6) << 23).to(tl.float32, bitcast=True)  # 2^(sb−127) · 2^6, exact (also sb = 0)
+    return acc + d * scale[:, None]
+
+
+@triton.jit
+def _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N: tl.constexpr, CB: tl.constexpr):
+    """Level-1 block scores of tile t: max of CB entries, +∞ for the newest visible block."""
+    bm = tl.max(tl.reshape(sc, [BLOCK_N // CB, CB]), axis=1)
+    bid = t * (BLOCK_N // CB) + tl.arange(0, BLOCK_N // CB)
+    newest = tl.where(vis > 0, (vis - 1) // CB, -1)  # Triton's // truncates: guard vis = 0
+    bm = tl.where(bid == newest, float("inf"), bm)
+    tl.store(blocks_ptr + blocks_row + bid, bm, mask=bid < num_blocks)
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr, w_ptr, pool_ptr, tables_ptr, pos_ptr, cand_ptr, scores_ptr, blocks_ptr,
+    num_heads, width, num_tiles, num_blocks, ratio, entries_per_block,
+    q_stride_r, q_stride_h, w_stride_r, pool_stride_block, pool_stride_entry, tables_stride_r,
+    cand_stride_r, scores_stride_r, blocks_stride_r,
+    BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CB: tl.constexpr,
+    USE_CAND: tl.constexpr, BLOCK_MAX: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    HALF: tl.constexpr = D // 2
+    GROUPS: tl.constexpr = D // 32  # e8m0 scale groups
+    dot_ty: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
+    precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # f16 operands ignore it
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads  # padded heads: q = 0 and w = 0
+    n = tl.arange(0, BLOCK_N)
+
+    # Q_h = 2^floor(log2 max|q[h]|) (1 for an all-zero or subnormal head); w' = w · Q_h.
+    q_row = q_ptr + row * q_stride_r
+    q_all = tl.load(q_row + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :], mask=h_ok[:, None],
+                    other=0.0).to(tl.float32)  # [BLOCK_H, D]
+    expo = (tl.max(tl.abs(q_all), axis=1).to(tl.int32, bitcast=True) >> 23) & 255
+    expo = tl.where(expo == 0, 127, expo)
+    q_pow2 = (expo << 23).to(tl.float32, bitcast=True)
+    inv_q = ((254 - expo) << 23).to(tl.float32, bitcast=True)
+    w = tl.load(w_ptr + row * w_stride_r + heads, mask=h_ok, other=0.0).to(tl.float32) * q_pow2  # [BLOCK_H]
+    qe0 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 0, 0, dot_ty)
+    qo0 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 0, 1, dot_ty)
+    if GROUPS > 1:
+        qe1 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 1, 0, dot_ty)
+        qo1 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 1, 1, dot_ty)
+    if GROUPS > 2:
+        qe2 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 2, 0, dot_ty)
+        qo2 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 2, 1, dot_ty)
+        qe3 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 3, 0, dot_ty)
+        qo3 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 3, 1, dot_ty)
+
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    vis = tl.minimum(tl.maximum(pos + 1, 0) // ratio, width)  # ⌊(p+1)/r⌋, within the caller's width
+    vis_tiles = tl.cdiv(vis, BLOCK_N)
+    scores_row = row * scores_stride_r
+    blocks_row = row * blocks_stride_r
+    t = split
+    while t < vis_tiles:
+        j = t * BLOCK_N + n
+        ok = j < vis
+        blk = tl.load(tables_ptr + row * tables_stride_r + j // entries_per_block, mask=ok, other=0).to(tl.int64)
+        entry = pool_ptr + blk * pool_stride_block + (j % entries_per_block) * pool_stride_entry  # [BLOCK_N]
+        acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        acc = _group(acc, entry, ok, 0, qe0, qo0, HALF, dot_ty, precision)
+        if GROUPS > 1:
+            acc = _group(acc, entry, ok, 1, qe1, qo1, HALF, dot_ty, precision)
+        if GROUPS > 2:
+            acc = _group(acc, entry, ok, 2, qe2, qo2, HALF, dot_ty, precision)
+            acc = _group(acc, entry, ok, 3, qe3, qo3, HALF, dot_ty, precision)
+        sc = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)  # [BLOCK_N]
+        sc = tl.where(sc == 0.0, 0.0, sc)  # −0 → +0: the reference's sort treats them as equal
+        sc = tl.where(ok, sc, float("-inf"))
+        if USE_CAND:
+            keep = tl.load(cand_ptr + row * cand_stride_r + j // CB, mask=ok, other=0)
+            sc = tl.where(keep != 0, sc, float("-inf"))
+        tl.store(scores_ptr + scores_row + j, sc, mask=j < width)
+        if BLOCK_MAX:
+            _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
+        t += SPLITS
+    while t < num_tiles:
+        j = t * BLOCK_N + n
+        sc = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        tl.store(scores_ptr + scores_row + j, sc, mask=j < width)
+        if BLOCK_MAX:
+            _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
+        t += SPLITS
+
+
+@triton.jit
+def _order_key(s):
+    """fp32 → uint32 with u(a) < u(b) iff a < b; −0 maps with +0 (the reference's sort ties them)."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
+    sign = tl.full([], 1, tl.uint32) << 31
+    return tl.where((bits & sign) != 0, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | sign)
+
+
+@triton.jit
+def _select_kernel(scores_ptr, out_ptr, width, k, out_width, scores_stride_r, out_stride_r,
+                   BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    scores_row = scores_ptr + row * scores_stride_r
+    out_row = out_ptr + row * out_stride_r
+    j = tl.arange(0, BLOCK_W)
+    u = _order_key(tl.load(scores_row + j, mask=j < width, other=float("-inf")))  # the row, in registers
+    neg_inf = tl.full([], 0x007FFFFF, tl.uint32)  # u(−∞)
+    kk = tl.minimum(k, tl.sum((u > neg_inf).to(tl.int32)))  # never pick a −∞ entry
+    # The largest t with #{u ≥ t} ≥ kk, bit by bit from the top; #{u ≥ t} = kk ends it early.
+    t = tl.full([], 0, tl.uint32)
+    bit = 31
+    done = 0
+    while (bit >= 0) & (done == 0):
+        cand = t | (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))
+        c = tl.sum((u >= cand).to(tl.int32))
+        t = tl.where(c >= kk, cand, t)
+        done = (c == kk).to(tl.int32)
+        bit -= 1
+    need = kk - tl.sum((u > t).to(tl.int32))  # ties at t, taken in index order
+    # Compaction in index order, a chunk at a time (the row again, from L2): keeps registers for u.
+    taken = 0
+    ties = 0
+    for c0 in range(0, BLOCK_W, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        v = _order_key(tl.load(scores_row + i, mask=i < width, other=float("-inf")))
+        eq = (v == t).to(tl.int32)
+        sel = (v > t) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
+        if MASK_OUT:
+            tl.store(out_row + i, sel.to(tl.uint8), mask=i < width)
+        else:
+            slot = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(out_row + slot, i.to(tl.int32), mask=sel)
+        taken += tl.sum(sel.to(tl.int32))
+        ties += tl.sum(eq)
+    if not MASK_OUT:
+        i = tl.arange(0, BLOCK_K)
+        tl.store(out_row + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= kk) & (i < out_width))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    key_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    width: int,
+    *,
+    candidates: torch.Tensor | None = None,
+    block_max: bool = False,
+    candidate_block_size: int = 8,
+    block_n: int = 128,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    dot_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 scores [R, width] (−∞ past ⌊(pos+1)/ratio⌋ and outside ``candidates``) and, with
+    ``block_max``, the level-1 block scores [R, ceil(width/CB)] (None otherwise).
+
+    q [R, Hi, di] FP4-rounded index queries (fp32 or bf16, last dim contiguous); w [R, Hi] fp32 (already
+    times (di·Hi)^-1/2); key_pool uint8 [num_blocks, epb, di/2 + di/32] (``CacheEngine.entries(l)[1]``);
+    block_tables [R, ≥ ceil(width/epb)] int32/int64, each row's own table; positions [R] (decode
+    position p of the row); candidates uint8/bool [R, ceil(width/CB)] block mask or None.
+    """
+    num_rows, num_heads, dim = q.shape
+    cb = candidate_block_size
+    if dim not in (32, 64, 128):
+        raise ValueError(f"index_head_dim must be 32, 64 or 128, got q {tuple(q.shape)}")
+    if key_pool.shape[-1] != dim // 2 + dim // _GROUP or key_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"key pool entries {tuple(key_pool.shape)} do not fit di {dim} (or a last dim is strided)")
+    if block_n % cb or block_n & (block_n - 1):
+        raise ValueError(f"block_n {block_n} must be a power of two and a multiple of {cb}")
+    num_tiles = triton.cdiv(width, block_n)
+    num_blocks = triton.cdiv(width, cb)
+    scores = torch.empty(num_rows, width, dtype=torch.float32, device=q.device)
+    blocks = torch.empty(num_rows, num_blocks, dtype=torch.float32, device=q.device) if block_max else None
+    cand = candidates.view(torch.uint8) if candidates is not None and candidates.dtype == torch.bool else candidates
+    if splits is None:  # about four programs per SM, at most one tile each
+        splits = max(1, min(num_tiles, triton.cdiv(4 * _num_sms(q.device), max(num_rows, 1))))
+    if num_rows == 0 or width == 0:
+        return scores, blocks
+    _score_kernel[(num_rows, splits)](
+        q, w, key_pool, block_tables, positions, scores if cand is None else cand, scores,
+        scores if blocks is None else blocks,
+        num_heads, width, num_tiles, num_blocks, ratio, key_pool.shape[1],
+        q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), block_tables.stride(0),
+        0 if cand is None else cand.stride(0), scores.stride(0), 0 if blocks is None else blocks.stride(0),
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), D=dim, BLOCK_N=block_n, SPLITS=splits, CB=cb, USE_CAND=cand is not None,
+        BLOCK_MAX=block_max, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages,
+    )
+    return scores, blocks
+
+
+def select_topk(scores: torch.Tensor, k: int, *, as_mask: bool = False, num_warps: int | None = None
+                ) -> torch.Tensor:
+    """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, min(k, W)]
+    ascending with −1 padding (``select_entries``), or with ``as_mask`` a uint8 [R, W] mask."""
+    num_rows, width = scores.shape
+    out_width = min(k, width)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if as_mask:
+        out = torch.empty(num_rows, width, dtype=torch.uint8, device=scores.device)
+    else:
+        out = torch.empty(num_rows, out_width, dtype=torch.int32, device=scores.device)
+    if num_rows == 0 or width == 0:
+        return out
+    block_w = triton.next_power_of_2(width)
+    if num_warps is None:  # ≤ 64 keys per thread
+        num_warps = min(16, max(4, block_w // 2048))
+    _select_kernel[(num_rows,)](
+        scores, out, width, k, out_width, scores.stride(0), out.stride(0),
+        BLOCK_W=block_w, CHUNK=min(block_w, 1024), BLOCK_K=triton.next_power_of_2(max(out_width, 1)), MASK_OUT=as_mask, num_warps=num_warps,
+    )
+    return out
+
+
+def indexer_select(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    key_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    width: int,
+    *,
+    index_topk: int = 512,
+    candidates: torch.Tensor | None = None,
+    candidate_source: bool = False,
+    candidate_block_size: int = 8,
+    candidate_topk_blocks: int = 2048,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One index layer's decode selection: (entries int32 [R, min(index_topk, width)] ascending, −1
+    padded; the candidate blocks to carry on, uint8 [R, ceil(width/CB)] or None).
+
+    The candidate source picks its blocks from its own (unmasked) scores and returns them; a layer
+    given ``candidates`` scores only inside them and passes them on (``Attention.restrict_to_candidates``).
+    Arguments as ``indexer_scores``; ``options`` go to it (block_n, splits, num_warps, dot_fp32).
+    """
+    if candidate_source and candidates is not None:
+        raise ValueError("the candidate source picks candidates; it does not take them")
+    scores, blocks = indexer_scores(q, w, key_pool, block_tables, positions, ratio, width, candidates=candidates,
+                                    block_max=candidate_source, candidate_block_size=candidate_block_size, **options)
+    if blocks is not None:
+        candidates = select_topk(blocks, candidate_topk_blocks, as_mask=True)
+    return select_topk(scores, index_topk), candidates
+
+
+def candidate_entries(blocks: torch.Tensor, positions: torch.Tensor, ratio: int, width: int,
+                      candidate_block_size: int = 8) -> torch.Tensor:
+    """Block mask [R, ceil(W/CB)] → the model's entry mask bool [R, W] (``candidate_mask``'s form)."""
+    visible = (positions.long() + 1).clamp_min(0) // ratio
+    entries = blocks.bool().repeat_interleave(candidate_block_size, dim=-1)[:, :width]
+    return entries & (torch.arange(width, device=blocks.device) < visible.unsqueeze(-1))
+
+
+def candidate_blocks(entries: torch.Tensor, candidate_block_size: int = 8) -> torch.Tensor:
+    """The model's entry mask bool [R, W] → a uint8 block mask [R, ceil(W/CB)] (any entry kept)."""
+    pad = -entries.shape[-1] % candidate_block_size
+    padded = torch.nn.functional.pad(entries, (0, pad))
+    return padded.unflatten(-1, (-1, candidate_block_size)).any(-1).to(torch.uint8)
