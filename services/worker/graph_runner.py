@@ -1,0 +1,113 @@
+"""CUDA graphs for decode: one captured ``StaticDecodeStep`` per row count (ARCHITECTURE.md §3).
+
+The scheduler gives every decode plan a ``graph_size``: the smallest of ``graph_sizes`` (powers of
+two up to the interval, then its multiples up to max_num_seqs × (1 + nextn)) that holds its rows.
+``GraphRunner.execute`` fills that size's static buffers from the plan and replays its graph; the
+padding rows are placeholders (null block 0 / null slot 0, no expert counted) and their logits are
+trimmed before the output. On CPU (``use_graphs=False``) the same static step runs eagerly, so CI
+tests the code a graph captures.
+
+Every other plan (prefill chunks, a prefill step mixing decode rows, a placeholder step, decode with
+drafts) goes to the wrapped ModelRunner's eager path. That is the design, not a fallback: those
+steps are long enough that launches do not dominate (or, for a placeholder, do nothing here), and
+their row counts and shapes vary too much to capture.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from scheduler_rs import StepPlan
+from services.engine.config import EngineConfig
+from services.worker.decode_step import StaticDecodeStep
+from services.worker.model_runner import ModelRunner
+from services.worker.reference_runner import RunnerOutput
+from services.worker.step_batch import PendingInputs
+
+log = logging.getLogger(__name__)
+
+
+class GraphRunner:
+    """Wraps (does not subclass) a ModelRunner: same ``execute`` contract, same cache pools.
+
+    ``attention`` picks the decode attention explicitly ("triton": kernels/decode_attention.py on
+    CUDA; "reference": its torch reference). ``use_graphs`` captures and replays CUDA graphs; without
+    it the static step runs eagerly (CPU, tests)."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, use_graphs: bool, attention: str) -> None:
+        if runner.rounding is not None:
+            raise ValueError("a rounding hook calls back into Python per op: run such a ModelRunner eagerly")
+        device = runner.model.embed.weight.device
+        if use_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on CUDA, not {device}")
+        self.runner = runner
+        self.use_graphs = use_graphs
+        self.attention = attention
+        self.max_blocks_per_request = -(-config.max_model_len // config.block_size)
+        self._steps: dict[int, StaticDecodeStep] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # graph size → its (logits, counts)
+        self._pool = None  # one memory pool shared by every graph (they never run at once)
+        self.num_replays = 0
+        self.num_eager = 0
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+    def step(self, size: int) -> StaticDecodeStep:
+        if size not in self._steps:
+            self._steps[size] = StaticDecodeStep(self.runner.model, self.runner.cache, size,
+                                                 self.max_blocks_per_request, attention=self.attention)
+        return self._steps[size]
+
+    def capture(self, sizes: list[int]) -> None:
+        """Capture the graphs of ``sizes`` now (largest first, so the smaller ones reuse its memory)."""
+        for size in sorted(sizes, reverse=True):
+            if size not in self._graphs:
+                self._capture(size)
+
+    def _capture(self, size: int) -> None:
+        step = self.step(size)
+        # Placeholder rows only: the warm-up (which really runs) writes nothing but block 0 / slot 0.
+        step.prepare_placeholders()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # first runs: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                step.run()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[size] = step.run()
+        self._graphs[size] = graph
+        log.info("captured the decode graph of %d rows", size)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
+                ) -> RunnerOutput:
+        """``ModelRunner.execute``'s result: logits of the plan's rows only (the padding trimmed)."""
+        if not StaticDecodeStep.fits(plan):
+            self.num_eager += 1
+            return self.runner.execute(plan, all_rows, pending=pending)
+        cache = self.runner.cache
+        cache.copy(plan.block_copies, plan.state_copies)
+        size = plan.graph_size
+        step = self.step(size)
+        step.prepare(plan, pending)
+        if self.use_graphs:
+            if size not in self._graphs:
+                self._capture(size)
+                step.prepare(plan, pending)  # the capture ran placeholders through the buffers
+            self._graphs[size].replay()
+            logits, counts = self._outputs[size]
+            self.num_replays += 1
+        else:
+            logits, counts = step.run()
+        n = plan.num_rows
+        rows = torch.arange(n) if all_rows else torch.tensor(plan.sample_rows.tolist(), dtype=torch.long)
+        # Indexing copies, so the next replay cannot overwrite what is returned.
+        return RunnerOutput(logits[rows.to(logits.device)], counts.cpu(), n)

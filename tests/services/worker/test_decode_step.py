@@ -1,0 +1,222 @@
+"""The static decode step (the code a CUDA graph captures) equals the eager cached runner.
+
+Two runners with their own pools execute the same plans from the real scheduler: prefill chunks
+and then ≥ 20 decode steps for five requests of different lengths (ratio-2 groups close on every
+other step, at different steps for different requests; the batch shrinks as requests finish, so
+the steps run padded to graph sizes 8, 4, 2 and 1). After every decode step the static step's
+logits equal ModelRunner's and both runners' pools hold the same bytes outside the null block 0 and
+the null slot 0. Configs (tests/model/deepseek_v41/oracle_configs.py): "oracle" has a ratio-2 and
+a ratio-1 source, Reindex layers and candidates; "nocand" two ratio-2 sources and no candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from model.deepseek_v41.rope import apply_rope, rope_angles
+from scheduler_rs import Scheduler, SchedulerConfig, StepPlan
+from services.engine.config import EngineConfig
+from services.worker import decode_step
+from services.worker.cache_engine import CacheEngine
+from services.worker.decode_step import StaticDecodeStep
+from services.worker.graph_runner import GraphRunner
+from services.worker.model_runner import ModelRunner
+from services.worker.reference_runner import RunnerOutput
+from tests import tolerances as tol
+from tests.scheduler_rs.fake_worker import run_step
+from tests.services.worker.test_model_runner import BLOCK, case
+
+PROMPTS = (9, 14, 20, 27, 33)
+MAX_TOKENS = (24, 21, 23, 22, 20)
+MAX_SEQS = 8  # graph sizes 1, 2, 4, 8: five requests run padded to 8
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False):
+    """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at) for five requests."""
+    model = case(name, device).model
+    cfg = model.cfg
+    ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+    config = EngineConfig(block_size=BLOCK, num_blocks=40, num_state_slots=MAX_SEQS + 1, max_num_seqs=MAX_SEQS,
+                          max_num_batched_tokens=64, max_model_len=MAX_LEN)
+    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=40, num_state_slots=MAX_SEQS + 1,
+                                      max_num_seqs=MAX_SEQS, max_num_batched_tokens=64, max_model_len=MAX_LEN,
+                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+    g = torch.Generator().manual_seed(7)
+    seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + m,), generator=g).tolist()
+            for i, (n, m) in enumerate(zip(PROMPTS, MAX_TOKENS))}
+    for (rid, s), n, m in zip(seqs.items(), PROMPTS, MAX_TOKENS):
+        sched.add_request(rid, s[:n], max_tokens=m, ignore_eos=True)
+    eager = ModelRunner(model, config)
+    static = GraphRunner(ModelRunner(model, config), config, use_graphs=use_graphs, attention=attention)
+    return sched, eager, static, lambda rid, pos: seqs[rid][pos]
+
+
+def pool_differences(ca: CacheEngine, cb: CacheEngine) -> tuple[int, float, bool]:
+    """(quantized elements that differ: window rings, entries; max |Δ| of the fp32 partial groups;
+    Engram histories equal), except the null block 0 and slot 0 (placeholder rows' scratch)."""
+    lay = ca.layout
+    flips = sum(int((ca.ring(layer)[1:] != cb.ring(layer)[1:]).any(-1).sum()) for layer in range(lay.num_layers))
+    partial = 0.0
+    for s in lay.sources:
+        flips += sum(int((x[1:] != y[1:]).any(-1).sum()) for x, y in zip(ca.entries(s.layer), cb.entries(s.layer)))
+        if s.partial_rows:
+            partial = max(partial, float((ca.partial(s.layer)[1:] - cb.partial(s.layer)[1:]).abs().max()))
+    return flips, partial, torch.equal(ca.engram_history()[1:], cb.engram_history()[1:])
+
+
+@dataclass
+class Summary:
+    sizes: list[int] = field(default_factory=list)  # graph size of each decode step
+    worst: float = 0.0  # max |Δ| of the logits over steps without a bin flip
+    worst_flipped: float = 0.0  # … over steps with one
+    flipped_steps: int = 0
+
+
+def _cached_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale, attention):
+    """``_attend`` in CachedStep's op order (sink_attention, then undo-RoPE in q's dtype): test glue
+    that makes the static step bit-identical to the eager one at equal row counts."""
+    from model.deepseek_v41.attention import sink_attention
+    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
+
+    dim, ring_size = q.shape[-1], ring.shape[1]
+    win_pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)  # [G, w]
+    raw = ring[state_slots[:, None], win_pos % ring_size]
+    win = dequantize_fp8_cache(raw[..., :dim].view(torch.float8_e4m3fn), raw[..., dim:].view(torch.float8_e8m0fnu))
+    sel = selected.long()
+    ent = kv_pool[sel.clamp_min(0) // kv_pool.shape[1], sel.clamp_min(0) % kv_pool.shape[1]]
+    ent = dequantize_fp4_cache(ent[..., : dim // 2], ent[..., dim // 2 :].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK)
+    keys = torch.cat((win.to(q.dtype), ent.to(q.dtype)), dim=1)
+    allowed = torch.cat((win_pos >= 0, sel >= 0), dim=1)
+    out = sink_attention(q.unsqueeze(1), keys, allowed.unsqueeze(1), sink, scale)[:, 0]
+    return apply_rope(out, rope_angles(positions, freqs), inverse=True)
+
+
+def compare_runs(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
+                 exact: bool = False) -> Summary:
+    """Eager and static runners through one whole run of the same plans.
+
+    ``exact``: the static step runs at G = the plan's rows (no padding) in CachedStep's attention
+    order, never reset: logits, counts and pools must stay bit-identical over the whole run.
+    Otherwise (graph sizes, the kernel reference's attention order): each step starts from the eager
+    runner's pools, so fp32 noise (~1e-6: other GEMM row counts, another softmax order) cannot
+    compound; where it moves a value on an FP8/FP4 rounding edge into the next bin (a quantized
+    element differing in the pools) that step's logits may move up to SENSITIVITY_MIN_MOVE (what a
+    real error at least moves), every other step's stay within PREFIX_ATOL.
+    """
+    sched, eager, static, token_at = setup(name, device, attention, use_graphs)
+    out, closes = Summary(), set()
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        if not exact:
+            static.runner.cache.blocks.copy_(eager.cache.blocks)
+            static.runner.cache.slots.copy_(eager.cache.slots)
+        want = eager.execute(plan, all_rows=True)
+        if exact and StaticDecodeStep.fits(plan):
+            step = static.step(plan.num_rows)
+            step.prepare(plan)
+            logits, counts = step.run()
+            got = RunnerOutput(logits, counts.cpu(), plan.num_rows)
+        else:
+            got = static.execute(plan, all_rows=True)
+        flips, partial, engram_equal = pool_differences(eager.cache, static.runner.cache)
+        assert engram_equal and partial <= tol.FLIP_BOUNDARY_TOL
+        if exact:
+            assert flips == 0 and partial == 0 and torch.equal(got.logits, want.logits), f"not bit-identical at {plan}"
+        if StaticDecodeStep.fits(plan):
+            out.sizes.append(plan.graph_size)
+            closes.add(tuple(sorted(plan.entry_writes(2)[0].tolist())) if 2 in plan.entry_ratios else ())
+            assert got.logits.shape == want.logits.shape == (plan.num_rows, eager.cfg.vocab_size)
+            assert torch.equal(got.expert_counts, want.expert_counts), f"expert counts differ at {plan}"
+            assert got.num_rows_computed == plan.num_rows
+            delta = float((got.logits - want.logits.to(got.logits.device)).abs().max())
+            if flips:
+                out.flipped_steps += 1
+                out.worst_flipped = max(out.worst_flipped, delta)
+            else:
+                out.worst = max(out.worst, delta)
+        sched.update(plan, run_step(plan, token_at))
+    stats = sched.stats()  # the pools conserve: every block and slot back
+    assert (stats.num_free_blocks, stats.num_free_state_slots) == (stats.num_total_blocks, stats.num_total_state_slots)
+    assert len(out.sizes) >= 20 and {8, 4, 2, 1} <= set(out.sizes), out.sizes
+    assert len(closes) > 2  # ratio-2 groups close on some steps and not others, for different rows
+    assert out.worst <= tol.PREFIX_ATOL, f"static vs eager logits: max |Δ| {out.worst:.3g} without a bin flip"
+    assert out.worst_flipped < tol.SENSITIVITY_MIN_MOVE, f"a bin flip moved the logits {out.worst_flipped:.3g}"
+    assert out.flipped_steps <= len(out.sizes) // 4, f"{out.flipped_steps} of {len(out.sizes)} steps flipped a bin"
+    return out
+
+
+@pytest.mark.parametrize("name", ["oracle", "nocand"])
+def test_static_step_equals_model_runner(name):
+    out = compare_runs(name)
+    print(f"\n{name}: {len(out.sizes)} decode steps at graph sizes {sorted(set(out.sizes))}: max |Δ| {out.worst:.3g}, "
+          f"{out.worst_flipped:.3g} on the {out.flipped_steps} steps with a bin flip")
+
+
+def test_static_step_is_bit_identical_in_the_cached_order(monkeypatch):
+    """Ring, compressor, partial groups, Engram history, indexer and selection are the eager step's
+    bit for bit: only the attention's op order and GEMM row counts differ in the runs above."""
+    monkeypatch.setattr(decode_step, "_attend", _cached_order_attend)
+    compare_runs("oracle", exact=True)
+
+
+def _decode_plan(name: str) -> tuple[StepPlan, ModelRunner]:
+    """The first decode plan of the five requests (graph size 8, three padding rows), after prefill."""
+    sched, eager, _, token_at = setup(name)
+    while True:
+        plan = sched.schedule()
+        if StaticDecodeStep.fits(plan):
+            return plan, eager
+        eager.execute(plan)
+        sched.update(plan, run_step(plan, token_at))
+
+
+def test_padding_rows_change_nothing():
+    """The same plan at 5 rows and padded to 8: same logits, same counts, same pools; the padded run
+    writes nothing outside the plan's blocks and slots but the null block 0 and slot 0."""
+    plan, runner = _decode_plan("oracle")
+    assert plan.num_rows == 5 and plan.graph_size == 8 and plan.num_padding_rows == 3
+    cache = runner.cache
+    blocks, slots = cache.blocks.clone(), cache.slots.clone()
+    results = {}
+    for size in (5, 8):
+        cache.blocks.copy_(blocks)
+        cache.slots.copy_(slots)
+        step = StaticDecodeStep(runner.model, cache, size, MAX_LEN // BLOCK, attention="reference")
+        step.prepare(plan)
+        logits, counts = step.run()
+        after = CacheEngine(runner.cfg, BLOCK, 1, 1, cache.layout.ring_size)
+        after.blocks, after.slots = cache.blocks.clone(), cache.slots.clone()
+        results[size] = (logits[:5].clone(), counts.clone(), after)
+    (l5, c5, p5), (l8, c8, p8) = results[5], results[8]
+    assert float((l5 - l8).abs().max()) <= tol.PREFIX_ATOL
+    assert torch.equal(c5, c8) and int(c8.sum()) == 5 * runner.cfg.num_experts_per_tok * runner.cfg.num_hidden_layers
+    # Equal up to GEMM row-count noise in the fp32 partial groups (no bin flips on this plan).
+    assert pool_differences(p5, p8) <= (0, tol.FLIP_BOUNDARY_TOL, True)
+    used = set(plan.block_tables.tolist()) - {0}
+    others = [b for b in range(1, blocks.shape[0]) if b not in used]
+    assert torch.equal(p8.blocks[others], blocks[others])
+    used = set(plan.state_slots.tolist())
+    others = [s for s in range(1, slots.shape[0]) if s not in used]
+    assert torch.equal(p8.slots[others], slots[others])
+
+
+def test_plans_it_does_not_fit_run_eagerly():
+    sched, eager, static, token_at = setup("oracle")
+    plan = sched.schedule()
+    assert plan.is_prefill and not StaticDecodeStep.fits(plan)
+    got = static.execute(plan)
+    assert static.num_eager == 1 and got.logits.shape[0] == plan.sample_rows.__len__()
+    with pytest.raises(ValueError, match="decode-only"):
+        static.step(8).prepare(plan)
