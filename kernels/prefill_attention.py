@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _attend_block, _entry_keys, _finish, _window_keys
+from kernels.decode_attention import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys
 
 _LOG2E = 1.4426950408889634
 
@@ -53,7 +53,8 @@ def _prefill_attention_kernel(
     pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
     ring_size, entries_per_block, scale_log2e,
     WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
@@ -68,7 +69,8 @@ def _prefill_attention_kernel(
     q = tl.load(q_ptrs, mask=h_ok[:, None], other=0.0).to(dot_ty)  # [BLOCK_H, D]
     pos = tl.load(pos_ptr + row).to(tl.int32)
     first = tl.load(first_ptr + row).to(tl.int32)
-    ring_row = ring_ptr + tl.load(slots_ptr + row).to(tl.int64) * ring_stride_slot
+    # RING_ALIGN (the launcher's check on the slot stride) lets the window loads vectorise, as in decode.
+    ring_row = ring_ptr + tl.multiple_of(tl.load(slots_ptr + row).to(tl.int64) * ring_stride_slot, RING_ALIGN)
     sel_row = sel_ptr + row * sel_stride_r
 
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: a block with no valid key keeps alpha = 1
@@ -78,7 +80,7 @@ def _prefill_attention_kernel(
     # Window positions p = pos − WINDOW + 1 + j, ascending; those before ``first`` (the request's
     # first row this step) come from the ring at p mod ring_size, the others from step row
     # r − pos + p. Per key only its row pointers differ, so one loop (one load) serves both sources.
-    for b in range(0, WINDOW, BLOCK_N):
+    for b in tl.range(0, WINDOW, BLOCK_N, num_stages=NUM_STAGES):  # constexpr trips: pipelined gathers
         j = b + n
         p = pos - WINDOW + 1 + j
         ok = (j < WINDOW) & (p >= 0)
@@ -91,18 +93,10 @@ def _prefill_attention_kernel(
         scale_bytes = tl.load(scale_row[:, None] + groups[None, :], mask=ok[:, None], other=0)
         k = _window_keys(codes, scale_bytes, BLOCK_N, D).to(dot_ty)
         m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
-    # Selected entries: one gathered FP4 row per key (selections differ per row).
-    for e0 in range(0, TOPK, BLOCK_N):
-        e = e0 + n
-        sel = tl.load(sel_row + e, mask=e < TOPK, other=-1)
-        ok = sel >= 0
-        sel = tl.where(ok, sel, 0)
-        key_row = pool_ptr + (sel // entries_per_block).to(tl.int64) * pool_stride_block \
-            + (sel % entries_per_block) * pool_stride_entry  # [BLOCK_N]
-        packed = tl.load(key_row[:, None] + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0)
-        scale_bytes = tl.load(key_row[:, None] + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0)
-        k = _entry_keys(packed, scale_bytes, BLOCK_N, D).to(dot_ty)
-        m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
+    # Selected entries: one gathered FP4 row per key (selections differ per row), as in decode.
+    m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
+                              pool_stride_entry, scale_log2e, 0, (TOPK + BLOCK_N - 1) // BLOCK_N, TOPK, D, BLOCK_N,
+                              NUM_STAGES, precision)
 
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     denom = l + tl.exp2(sink - m)
@@ -128,7 +122,7 @@ def sparse_prefill_attention(
     block_h: int | None = None,
     block_n: int = 16,
     num_warps: int | None = None,
-    num_stages: int = 1,
+    num_stages: int = 3,
     dot_fp32: bool = False,
 ) -> torch.Tensor:
     """Same arguments and result as ``kernels.reference.sparse_prefill_attention``.
@@ -170,6 +164,6 @@ def sparse_prefill_attention(
         kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
         ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
         WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=freqs.shape[0], BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )
     return out

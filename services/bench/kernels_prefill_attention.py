@@ -14,7 +14,7 @@ CASES = ((1024, 4096), (4096, 4096), (1024, 32768), (4096, 32768), (16384, 32768
 QUICK_CASES = ((1024, 4096), (4096, 4096), (4096, 32768))
 REFERENCE_MAX_ROWS = 4096  # the reference holds every row's 640 keys in fp32: 1.3 MB per row
 SDPA_MAX_ROWS = 16384  # SDPA's gathered bf16 keys: 655 KB per row
-BLOCK_NS = (16, 32)  # tried at the largest quick case; 16 is the default (no spills at the Flash shapes)
+SWEEP = ((16, 1), (32, 1), (32, 3))  # (block_n, num_stages) besides the default (16, 3, no spills), at QUICK_CASES[-1]
 
 
 def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, device: str | None = None,
@@ -133,14 +133,16 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
         rows.append(_row("sparse prefill attention [window only]", shape, _bench_replay(
             lambda: sparse_prefill_attention(*no_entries, out=out)), 2 * chunk * heads * hd * 2, win_flops, ceil,
             None, "ratio-0 layer", peak="bf16_peak"))
-        for block_n in BLOCK_NS[1:]:
+        for block_n, stages in SWEEP:
+            label = f"block_n={block_n} num_stages={stages}"
             try:
-                t = _bench_replay(lambda b=block_n: sparse_prefill_attention(*args, out=out, block_n=b))
+                t = _bench_replay(lambda b=block_n, s=stages: sparse_prefill_attention(*args, out=out, block_n=b,
+                                                                                       num_stages=s))
             except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-                row[f"block_n={block_n}"] = f"failed: {type(err).__name__}"
+                row[label] = f"failed: {type(err).__name__}"
                 continue
-            rows.append(_row(f"sparse prefill attention [block_n={block_n}]", shape, t, nbytes, flops, ceil, theirs,
-                             "", peak="bf16_peak"))
+            rows.append(_row(f"sparse prefill attention [{label}]", shape, t, nbytes, flops, ceil, theirs, "",
+                             peak="bf16_peak"))
     return rows
 
 
