@@ -23,6 +23,8 @@ function (``_index_select``, ``_compress``, ``_attend``), now in static torch.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
+from model.deepseek_v41 import quant
 from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import StepPlan
@@ -80,6 +83,7 @@ class StaticDecodeStep:
         hd = cfg.head_dim
         self._no_pool = torch.zeros(1, 1, hd // 2 + hd // 16, dtype=torch.uint8, device=device)  # ratio-0 layers
         self._no_selection = torch.zeros(num_rows, 0, dtype=torch.int32, device=device)
+        self._fp4 = _DeviceFp4(device)
 
     # ---- host side: fill the buffers -----------------------------------------------------------
 
@@ -143,7 +147,14 @@ class StaticDecodeStep:
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, self.device)  # [1, G, n]
         self.sparse = _Sparse()
-        for block in model.layers:
+        with self._fp4.installed():
+            h, pre = self._layers(h, pre, engram_rows, counts)
+        y = model.norm(collapse(h, pre))[0]  # [G, D]
+        return F.linear(y.float(), model.head.weight.float()), counts
+
+    def _layers(self, h: torch.Tensor, pre: torch.Tensor, engram_rows: torch.Tensor | None, counts: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        for block in self.model.layers:
             def attend(x: torch.Tensor, attn: Attention = block.attn) -> torch.Tensor:
                 return self._attend_layer(attn, x[0]).unsqueeze(0)
 
@@ -154,14 +165,13 @@ class StaticDecodeStep:
             finally:
                 hook.remove()
             self._count(block.ffn, ffn_input[0], counts[block.layer])
-        y = model.norm(collapse(h, pre))[0]  # [G, D]
-        return F.linear(y.float(), model.head.weight.float()), counts
+        return h, pre
 
     def _count(self, ffn: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> None:
         """counts [E] += the live rows' routed experts. Routes again through the MoE's own ``route``
         (the choices are not returned by ``forward``); placeholder rows add 0."""
         _, experts = ffn.route(x.reshape(-1, x.shape[-1]))  # [G, k]
-        counts.scatter_add_(0, experts.flatten(), self.live.long().repeat_interleave(experts.shape[1]))
+        counts.scatter_add_(0, experts.flatten(), self.live.long().unsqueeze(-1).expand(experts.shape).flatten())
 
     def _engram_rows(self) -> torch.Tensor:
         """Table rows [1, G, L, heads]; writes each row's compressed id to its slot's history
@@ -267,6 +277,40 @@ def _attend(q: torch.Tensor, ring: torch.Tensor, state_slots: torch.Tensor, posi
 
 
 # ---- glue ---------------------------------------------------------------------------------------
+
+
+class _DeviceFp4:
+    """``quant.encode_e2m1`` / ``decode_e2m1`` with their tables made once on the device.
+
+    The model's versions build the tables from Python tuples on every call: a host-to-device copy,
+    which a CUDA graph capture refuses. ``installed()`` swaps these twins into the quant module for
+    the duration of a step (every FP4 path there looks them up at call time); the maths is the
+    same op for op, which the CPU bit-identity test checks. (A fix in quant.py would retire this.)"""
+
+    def __init__(self, device: torch.device) -> None:
+        self.midpoints = torch.tensor(quant._E2M1_MIDPOINTS, device=device)  # [7] fp32
+        self.table = torch.tensor(quant._E2M1_MAGNITUDES + tuple(-m for m in quant._E2M1_MAGNITUDES),
+                                  device=device)  # [16] fp32
+
+    def encode(self, normalized: torch.Tensor) -> torch.Tensor:
+        x = normalized.float().clamp(-quant.FP4_E2M1_MAX, quant.FP4_E2M1_MAX)
+        magnitude = x.abs().contiguous()
+        lower = torch.bucketize(magnitude, self.midpoints)
+        tie = magnitude == self.midpoints[lower.clamp_max(self.midpoints.numel() - 1)]
+        index = lower + (tie & (lower % 2 == 1)).to(lower.dtype)
+        return (index | ((x < 0).to(index.dtype) << 3)).to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.table[(codes & 15).long()]
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        saved = quant.encode_e2m1, quant.decode_e2m1
+        quant.encode_e2m1, quant.decode_e2m1 = self.encode, self.decode
+        try:
+            yield
+        finally:
+            quant.encode_e2m1, quant.decode_e2m1 = saved
 
 
 def _read_keys(cache: CacheEngine, layer: int, block_tables: torch.Tensor, width: int) -> torch.Tensor:

@@ -43,24 +43,26 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False):
-    """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at) for five requests."""
+def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
+          prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS):
+    """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at, config) for one request per prompt."""
     model = case(name, device).model
     cfg = model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    config = EngineConfig(block_size=BLOCK, num_blocks=40, num_state_slots=MAX_SEQS + 1, max_num_seqs=MAX_SEQS,
+    num_blocks = max_seqs * (MAX_LEN // BLOCK) + 1
+    config = EngineConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1, max_num_seqs=max_seqs,
                           max_num_batched_tokens=64, max_model_len=MAX_LEN)
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=40, num_state_slots=MAX_SEQS + 1,
-                                      max_num_seqs=MAX_SEQS, max_num_batched_tokens=64, max_model_len=MAX_LEN,
+    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1,
+                                      max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=MAX_LEN,
                                       window_size=cfg.sliding_window, compress_ratios=ratios))
     g = torch.Generator().manual_seed(7)
     seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + m,), generator=g).tolist()
-            for i, (n, m) in enumerate(zip(PROMPTS, MAX_TOKENS))}
-    for (rid, s), n, m in zip(seqs.items(), PROMPTS, MAX_TOKENS):
+            for i, (n, m) in enumerate(zip(prompts, max_tokens))}
+    for (rid, s), n, m in zip(seqs.items(), prompts, max_tokens):
         sched.add_request(rid, s[:n], max_tokens=m, ignore_eos=True)
     eager = ModelRunner(model, config)
     static = GraphRunner(ModelRunner(model, config), config, use_graphs=use_graphs, attention=attention)
-    return sched, eager, static, lambda rid, pos: seqs[rid][pos]
+    return sched, eager, static, lambda rid, pos: seqs[rid][pos], config
 
 
 def pool_differences(ca: CacheEngine, cb: CacheEngine) -> tuple[int, float, bool]:
@@ -115,7 +117,7 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
     element differing in the pools) that step's logits may move up to SENSITIVITY_MIN_MOVE (what a
     real error at least moves), every other step's stay within PREFIX_ATOL.
     """
-    sched, eager, static, token_at = setup(name, device, attention, use_graphs)
+    sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs)
     out, closes = Summary(), set()
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -173,7 +175,7 @@ def test_static_step_is_bit_identical_in_the_cached_order(monkeypatch):
 
 def _decode_plan(name: str) -> tuple[StepPlan, ModelRunner]:
     """The first decode plan of the five requests (graph size 8, three padding rows), after prefill."""
-    sched, eager, _, token_at = setup(name)
+    sched, eager, _, token_at, _ = setup(name)
     while True:
         plan = sched.schedule()
         if StaticDecodeStep.fits(plan):
@@ -213,7 +215,7 @@ def test_padding_rows_change_nothing():
 
 
 def test_plans_it_does_not_fit_run_eagerly():
-    sched, eager, static, token_at = setup("oracle")
+    sched, eager, static, token_at, _ = setup("oracle")
     plan = sched.schedule()
     assert plan.is_prefill and not StaticDecodeStep.fits(plan)
     got = static.execute(plan)
