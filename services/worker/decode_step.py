@@ -168,9 +168,17 @@ class StaticDecodeStep:
         return h, pre
 
     def _count(self, ffn: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> None:
-        """counts [E] += the live rows' routed experts. Routes again through the MoE's own ``route``
-        (the choices are not returned by ``forward``); placeholder rows add 0."""
-        _, experts = ffn.route(x.reshape(-1, x.shape[-1]))  # [G, k]
+        """counts [E] += the live rows' routed experts; placeholder rows add 0. Routes a second time
+        (``forward`` does not return its choices): the model MoE's ``route``, or the kernel MoE's router
+        kernel (services/worker/kernel_moe.py, which has no ``route``); a row mask on the MoE would
+        retire this."""
+        x = x.reshape(-1, x.shape[-1])  # [G, D]
+        if hasattr(ffn, "route"):
+            _, experts = ffn.route(x)  # [G, k]
+        else:
+            _, experts = ffn.kernels.moe_router.moe_router(x.contiguous(), ffn.gate_weight, ffn.gate_bias, ffn.top_k,
+                                                           ffn.route_scale)
+        experts = experts.long()
         counts.scatter_add_(0, experts.flatten(), self.live.long().unsqueeze(-1).expand(experts.shape).flatten())
 
     def _engram_rows(self) -> torch.Tensor:
