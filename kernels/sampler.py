@@ -140,15 +140,28 @@ def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, 
         shift = RADIX_BITS * (NUM_DIGITS - 1 - p)
         pivots = prefix + (digits << shift)  # [16]; W(key ≥ pivots[0]) ≥ target by induction
         acc = tl.zeros([NUM_PIVOTS], tl.int64)
-        for c in range(NUM_CHUNKS):
-            offs = c * BLOCK + tl.arange(0, BLOCK)
-            x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
-            if MASS:
+        if MASS:
+            for c in range(NUM_CHUNKS):
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
                 w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
-            else:
-                w = (offs < num_tokens).to(tl.int64)
-            key = _key(x)
-            acc += tl.sum(tl.where(key[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
+                acc += tl.sum(tl.where(_key(x)[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
+        else:
+            # Counts: a histogram of this digit over the keys inside the prefix's bucket, plus the
+            # keys above the bucket (they count for every pivot).
+            hist = tl.zeros([NUM_PIVOTS], tl.int32)
+            num_above = tl.zeros([BLOCK], tl.int32)
+            for c in range(NUM_CHUNKS):
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                key = _key(_load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS))
+                ok = offs < num_tokens
+                if p > 0:
+                    bucket = prefix >> (shift + RADIX_BITS)
+                    num_above += (ok & ((key >> (shift + RADIX_BITS)) > bucket)).to(tl.int32)
+                    ok = ok & ((key >> (shift + RADIX_BITS)) == bucket)
+                hist += tl.histogram(((key >> shift) & (NUM_PIVOTS - 1)).to(tl.int32), NUM_PIVOTS, mask=ok)
+            # W(key ≥ pivot j) = above + Σ_{d ≥ j} hist[d]
+            acc = (tl.sum(num_above, axis=0) + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist).to(tl.int64)
         if p == 0:
             found = tl.max(acc, axis=0) >= target  # acc[0] = W(all)
         # W(key ≥ pivot) falls with the pivot: the last pivot that still reaches the target.

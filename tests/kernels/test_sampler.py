@@ -113,6 +113,15 @@ def test_sampler_interpreted_draw_ignores_batch_neighbours():
     assert torch.equal(tokens2[:4], tokens[perm]) and torch.equal(logprobs2[:4], logprobs[perm])
 
 
+@pytest.mark.parametrize("case", ["greedy", "top-p 0.9 T 0.7"])
+def test_sampler_bench_problem_interpreted(case):
+    """The benchmark's problem builder at a reduced vocabulary, on CPU: same draws as the CPU sampler."""
+    from services.bench.kernels_sampler import sampler_problem
+
+    logits, rows = sampler_problem(2, case, torch.Generator().manual_seed(4), device="cpu", vocab=1024)
+    _check(Sampler()(logits, rows), *_interpreted_sample(logits, rows, block=512))
+
+
 def _gpu_problem(num_rows: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     vocab = 129280
