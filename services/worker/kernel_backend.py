@@ -30,7 +30,6 @@ from torch import nn
 
 from kernels.reference import entry_slots
 from model.deepseek_v41.attention import Attention, sink_attention
-from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from model.deepseek_v41.rope import apply_rope, rope_angles
@@ -60,12 +59,17 @@ def check_device(device: torch.device, kernels: KernelSet) -> None:
                          f"got {device}; on CPU pass interpreted kernels (tests/kernels/interpret.py) explicitly")
 
 
-def convert_model(model: DeepseekV41, precision: str = "fp8", kernels: KernelSet | None = None) -> Conversion:
-    """Swap ``model``'s modules for kernel-backed ones, in place (see the module docstring)."""
+def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet | None = None) -> Conversion:
+    """Swap the modules of ``model`` (a ``DeepseekV41`` or any part of one, e.g. one ``Block``) for
+    kernel-backed ones, in place (see the module docstring). Modules already converted are left as
+    they are, so converting twice (layer by layer, then the whole model) is harmless."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     kernels = kernels or KernelSet.compiled()
-    check_device(model.embed.weight.device, kernels)
+    tensor = next(model.parameters(), None)
+    if tensor is None:
+        tensor = next(model.buffers())
+    check_device(tensor.device, kernels)
     done = Conversion()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
