@@ -154,6 +154,8 @@ def sparse_prefill_attention(
         selected = selected.contiguous()
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
+    if dot_fp32:  # fp32 q and keys in shared memory leave no room for staged key bytes (as in decode)
+        num_stages = 1
     if num_warps is None:
         num_warps = 8 if block_h * dim >= 16384 else 4
     if num_rows == 0:

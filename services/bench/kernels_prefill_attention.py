@@ -52,12 +52,13 @@ def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, de
         codes |= torch.randint(0, 2, codes.shape, **rng, dtype=torch.uint8) << 7
         return torch.cat((codes, torch.randint(115, 121, (*shape, hd // 32), **rng, dtype=torch.uint8)), -1)
 
-    slots_pool = torch.zeros(2, ring * row_bytes + 64, dtype=torch.uint8, device=device)
+    # Alignment as the cache engine's (and decode_attention_problem's): state slots 4-byte, pool blocks 16-byte.
+    slots_pool = torch.zeros(2, ring * row_bytes + 68, dtype=torch.uint8, device=device)
     slots_pool[1, : ring * row_bytes] = fp8_rows(ring).flatten()
     ring_view = slots_pool[:, : ring * row_bytes].view(-1, ring, row_bytes)
     step_rows = fp8_rows(chunk)
-    blocks = torch.randint(0, 256, (width + 1, epb * entry_bytes + 1000), **rng, dtype=torch.uint8)
-    kv_pool = blocks[:, 500 : 500 + epb * entry_bytes].view(-1, epb, entry_bytes)
+    blocks = torch.randint(0, 256, (width + 1, epb * entry_bytes + 1024), **rng, dtype=torch.uint8)
+    kv_pool = blocks[:, 512 : 512 + epb * entry_bytes].view(-1, epb, entry_bytes)
     kv_pool[..., hd // 2 :] = torch.randint(24, 56, (width + 1, epb, hd // 16), **rng, dtype=torch.uint8)
     table = torch.randperm(width, **rng) + 1  # [width] the request's blocks
 
