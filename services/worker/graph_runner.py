@@ -16,6 +16,7 @@ their row counts and shapes vary too much to capture.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class GraphRunner:
         self._steps: dict[int, StaticDecodeStep] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # graph size → its (logits, counts)
-        self._pool = None  # one memory pool shared by every graph (they never run at once)
+        self._pool: Any = None  # one memory pool shared by every graph (they never run at once)
         self.num_replays = 0
         self.num_eager = 0
 
@@ -96,6 +97,7 @@ class GraphRunner:
         cache = self.runner.cache
         cache.copy(plan.block_copies, plan.state_copies)
         size = plan.graph_size
+        assert size is not None  # fits() checked it
         step = self.step(size)
         step.prepare(plan, pending)
         if self.use_graphs:

@@ -26,7 +26,6 @@ from tests import tolerances as tol
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.test_decode_step import case, pool_differences, setup
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 # Twelve requests at max_num_seqs 16: decode steps of 12 … 1 rows run at graph sizes 16, 8, 4, 2, 1.
 PROMPTS = (9, 14, 20, 27, 33, 11, 16, 22, 25, 30, 12, 18)
 MAX_TOKENS = (24, 21, 23, 22, 20, 6, 8, 10, 12, 14, 16, 18)
