@@ -127,8 +127,8 @@ def _sum_exp(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id,
 
 @triton.jit
 def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, target,
-            MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-            LIBDEVICE: tl.constexpr):
+            MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+            SEL_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Largest key v with W(key ≥ v) ≥ target, W = count (MASS false) or integer mass of kept tokens.
 
     Returns (v, found): found is false when even W(all) < target (then nothing is cut).
@@ -141,11 +141,15 @@ def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, 
         pivots = prefix + (digits << shift)  # [16]; W(key ≥ pivots[0]) ≥ target by induction
         acc = tl.zeros([NUM_PIVOTS], tl.int64)
         if MASS:
-            for c in range(NUM_CHUNKS):
-                offs = c * BLOCK + tl.arange(0, BLOCK)
+            # [SEL_BLOCK, 16] partial sums stay in registers across the row (one cross-thread
+            # reduction per pass, not per chunk); SEL_BLOCK ≤ the threads, so ≤ 16 int64 per thread.
+            part = tl.zeros([SEL_BLOCK, NUM_PIVOTS], tl.int64)
+            for c in range(NUM_CHUNKS * (BLOCK // SEL_BLOCK)):  # SEL_BLOCK divides BLOCK
+                offs = c * SEL_BLOCK + tl.arange(0, SEL_BLOCK)
                 x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
                 w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
-                acc += tl.sum(tl.where(_key(x)[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
+                part += tl.where(_key(x)[:, None] >= pivots[None, :], w[:, None], 0)
+            acc = tl.sum(part, axis=0)
         else:
             # Counts: a histogram of this digit over the keys inside the prefix's bucket, plus the
             # keys above the bucket (they count for every pivot).
@@ -219,7 +223,8 @@ def _sampler_kernel(
     logits_ptr, row_stride, num_tokens,
     temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride,
     token_ptr, logprob_ptr, error_ptr, case,
-    NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr,
+    NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride  # [V] fp32 or bf16
@@ -259,14 +264,14 @@ def _sampler_kernel(
     if (rank_limit > 0) & (rank_limit < num_tokens):
         target = rank_limit.to(tl.int64)
         v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target,
-                           False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                           False, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
         cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target, v,
                                     False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
     total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
                      NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
     if mass_limit > 0:
         v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id, mass_limit,
-                           True, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                           True, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
         if found:
             cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id,
                                         mass_limit, v, True, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
@@ -362,13 +367,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, case: DrawCase | int = 
         return tokens, logprobs, errors
     block = block or min(1024, triton.next_power_of_2(num_tokens))
     chunks_pow2 = triton.next_power_of_2(triton.cdiv(num_tokens, block))
+    num_warps = num_warps or (8 if block >= 1024 else 4)
     banned = params.banned
     _sampler_kernel[(num_rows,)](
         logits, logits.stride(0), num_tokens,
         params.temperature, params.rank_limit, params.mass_limit, params.seed, params.position,
         banned, banned.stride(0) if banned.shape[1] else 0,
         tokens, logprobs, errors, int(case),
-        NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=triton.cdiv(num_tokens, block), CHUNKS_POW2=chunks_pow2, LIBDEVICE=logits.is_cuda,
-        num_warps=num_warps or (8 if block >= 1024 else 4),
+        NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=triton.cdiv(num_tokens, block), CHUNKS_POW2=chunks_pow2,
+        SEL_BLOCK=min(block, 32 * num_warps), LIBDEVICE=logits.is_cuda,
+        num_warps=num_warps,
     )
     return tokens, logprobs, errors
