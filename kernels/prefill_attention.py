@@ -46,15 +46,30 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _staged_entry_blocks(q, m, l, acc, sel_row, keys_ptr, keys_stride, scale_log2e, TOPK: tl.constexpr,
+                         D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+    """Selected entries already dequantised (``stage_entries``): row sel of keys [E, D] (−1 none)."""
+    n = tl.arange(0, BLOCK_N)
+    for i in tl.range(0, (TOPK + BLOCK_N - 1) // BLOCK_N, num_stages=NUM_STAGES):
+        e = i * BLOCK_N + n
+        sel = tl.load(sel_row + e, mask=e < TOPK, other=-1)
+        ok = sel >= 0
+        key_row = keys_ptr + tl.where(ok, sel, 0).to(tl.int64) * keys_stride  # [BLOCK_N]
+        k = tl.load(key_row[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
+    return m, l, acc
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr, kcode_ptr, kscale_ptr, ring_ptr, slots_ptr, pos_ptr, first_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
     out_ptr,
     num_heads, q_stride_r, q_stride_h, kcode_stride_r, kscale_stride_r, ring_stride_slot, ring_stride_pos,
     pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
-    ring_size, entries_per_block, scale_log2e,
+    ring_size, entries_per_block, scale_log2e, staged_stride,
     WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    STAGED: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
@@ -93,10 +108,15 @@ def _prefill_attention_kernel(
         scale_bytes = tl.load(scale_row[:, None] + groups[None, :], mask=ok[:, None], other=0)
         k = _window_keys(codes, scale_bytes, BLOCK_N, D).to(dot_ty)
         m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
-    # Selected entries: one gathered FP4 row per key (selections differ per row), as in decode.
-    m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                              pool_stride_entry, scale_log2e, 0, (TOPK + BLOCK_N - 1) // BLOCK_N, TOPK, D, BLOCK_N,
-                              NUM_STAGES, precision)
+    # Selected entries: one gathered row per key (selections differ per row): FP4 bytes dequantised here,
+    # as in decode, or (STAGED) bf16 rows dequantised once per step, pool_ptr then being those rows.
+    if STAGED:
+        m, l, acc = _staged_entry_blocks(q, m, l, acc, sel_row, pool_ptr, staged_stride, scale_log2e, TOPK, D,
+                                         BLOCK_N, NUM_STAGES, precision)
+    else:
+        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
+                                  pool_stride_entry, scale_log2e, 0, (TOPK + BLOCK_N - 1) // BLOCK_N, TOPK, D,
+                                  BLOCK_N, NUM_STAGES, precision)
 
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     denom = l + tl.exp2(sink - m)
@@ -120,10 +140,11 @@ def sparse_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     block_h: int | None = None,
-    block_n: int = 16,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
     dot_fp32: bool = False,
+    staged: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same arguments and result as ``kernels.reference.sparse_prefill_attention``.
 
@@ -133,14 +154,23 @@ def sparse_prefill_attention(
     first [R] (first = the position of the row's request's first row this step; a request's rows are
     consecutive, positions ascending by one); kv_pool uint8 [blocks, epb, D/2 + D/16]; selected int32
     [R, k] pool slots (−1 = none; k = 0 for window-only layers); sink [H] fp32; freqs [P/2] fp32.
+
+    ``staged`` [E, D] (bf16, or fp32 for tests): the entries dequantised once for the step
+    (``stage_entries``); ``selected`` then holds row indices into it and ``kv_pool`` is not read.
     """
     num_rows, num_heads, dim = q.shape
     k_values, k_scales = (t.view(torch.uint8) for t in step_k)
     topk = selected.shape[1]
     if dim % 32 or dim & (dim - 1):
         raise ValueError(f"head_dim must be a power of two ≥ 32, got {dim}")
-    if ring.shape[-1] != dim + dim // 32 or kv_pool.shape[-1] != dim // 2 + dim // 16:
-        raise ValueError(f"ring rows {ring.shape[-1]} / entries {kv_pool.shape[-1]} do not fit head_dim {dim}")
+    if staged is not None:
+        if staged.shape[-1] != dim or staged.stride(-1) != 1:
+            raise ValueError(f"staged entries must be [E, {dim}] with a contiguous last dim, got {list(staged.shape)}")
+        kv_pool = staged.view(-1, 1, dim)  # only its pointer and row stride are used
+    elif kv_pool.shape[-1] != dim // 2 + dim // 16:
+        raise ValueError(f"entries {kv_pool.shape[-1]} do not fit head_dim {dim}")
+    if ring.shape[-1] != dim + dim // 32:
+        raise ValueError(f"ring rows {ring.shape[-1]} do not fit head_dim {dim}")
     if k_values.shape != (num_rows, dim) or k_scales.shape != (num_rows, dim // 32):
         raise ValueError(f"step_k must be ([{num_rows}, {dim}], [{num_rows}, {dim // 32}]), got "
                          f"({list(k_values.shape)}, {list(k_scales.shape)})")
@@ -154,6 +184,8 @@ def sparse_prefill_attention(
         selected = selected.contiguous()
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
+    # 0 spills at the Flash shapes (sm_90a, 8 warps, 3 stages): BLOCK_N 16 with FP4 entries, 32 with staged ones.
+    block_n = block_n or (16 if staged is None else 32)
     if dot_fp32:  # fp32 q and keys in shared memory leave no room for staged key bytes (as in decode)
         num_stages = 1
     if num_warps is None:
@@ -164,8 +196,27 @@ def sparse_prefill_attention(
         q, k_values, k_scales, ring, state_slots, positions, first, kv_pool, selected, sink, freqs, out,
         num_heads, q.stride(0), q.stride(1), k_values.stride(0), k_scales.stride(0), ring.stride(0), ring.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
-        ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
+        ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E, 0 if staged is None else staged.stride(0),
         WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=freqs.shape[0], BLOCK_H=block_h, BLOCK_N=block_n,
-        RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages, STAGED=staged is not None, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def stage_entries(kv_pool: torch.Tensor, block_tables: torch.Tensor, entries: torch.Tensor,
+                  row_requests: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every entry of the step's requests dequantised once, for ``sparse_prefill_attention(staged=...)``.
+
+    kv_pool uint8 [blocks, epb, D/2 + D/16]; block_tables [N, width]; entries [R, k] each row's entry
+    ids (−1 none); row_requests [R]. Returns (keys ``dtype`` [N · width · epb, D], int32 [R, k] rows
+    of it). e2m1 × e4m3 has ≤ 5 significant bits, so bf16 holds the keys exactly: the same products
+    as the in-loop dequantisation. Fixed shapes, device ops: graph-safe.
+    """
+    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache
+
+    num_requests, width = block_tables.shape
+    epb, half = kv_pool.shape[1], kv_pool.shape[2] - kv_pool.shape[2] // 9  # D/2 of D/2 + D/16 bytes
+    raw = kv_pool[block_tables.long()].flatten(0, 2)  # [N · width · epb, D/2 + D/16]
+    keys = dequantize_fp4_cache(raw[:, :half], raw[:, half:].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK)
+    index = torch.where(entries >= 0, row_requests.long()[:, None] * (width * epb) + entries.long(), -1)
+    return keys.to(dtype), index.to(torch.int32)

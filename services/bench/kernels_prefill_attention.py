@@ -14,7 +14,7 @@ CASES = ((1024, 4096), (4096, 4096), (1024, 32768), (4096, 32768), (16384, 32768
 QUICK_CASES = ((1024, 4096), (4096, 4096), (4096, 32768))
 REFERENCE_MAX_ROWS = 4096  # the reference holds every row's 640 keys in fp32: 1.3 MB per row
 SDPA_MAX_ROWS = 16384  # SDPA's gathered bf16 keys: 655 KB per row
-SWEEP = ((16, 1), (32, 1), (32, 3))  # (block_n, num_stages) besides the default (16, 3, no spills), at QUICK_CASES[-1]
+SWEEP = ((16, 1), (32, 1), (32, 3))  # (block_n, num_stages) besides the default (16, 3: no spills), at QUICK_CASES[-1]
 
 
 def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, device: str | None = None,
@@ -74,7 +74,7 @@ def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, de
                 step_rows[:, hd:].contiguous().view(torch.float8_e8m0fnu)),
         ring=ring_view, slots=torch.ones(chunk, device=device, dtype=torch.int64), pos=pos,
         first=torch.full((chunk,), first, device=device, dtype=torch.int64), window=cfg.sliding_window,
-        kv_pool=kv_pool, entries=entries, selected=entry_slots(entries, table.expand(chunk, width), epb),
+        kv_pool=kv_pool, entries=entries, table=table, selected=entry_slots(entries, table.expand(chunk, width), epb),
         sink=torch.randn(heads, **rng), freqs=rope_frequencies(cfg, compressed=True).to(device), scale=hd**-0.5,
     )
 
@@ -89,7 +89,7 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     import torch.nn.functional as F
 
     from kernels import reference
-    from kernels.prefill_attention import sparse_prefill_attention
+    from kernels.prefill_attention import sparse_prefill_attention, stage_entries
     from services.bench.kernels import _bench, _bench_replay, _row
 
     p = prefill_attention_problem(chunk, context, gen)
@@ -128,6 +128,17 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     row.update(reference_us=ref_us, mem_roofline_us=nbytes / ceil["bandwidth"] * 1e6,
                compute_roofline_us=flops / ceil["bf16_peak"] * 1e6)
     rows = [row]
+    # Entries dequantised once per step (bf16 rows, gathered per row): the kernel, and the staging apart.
+    rows_of = torch.zeros_like(p["pos"])
+    staged, index = stage_entries(p["kv_pool"], p["table"][None], p["entries"], rows_of)
+    staged_args = (*args[:8], index, *args[9:])
+    t_staged = _bench_replay(lambda: sparse_prefill_attention(*staged_args, out=out, staged=staged))
+    t_stage = _bench_replay(lambda: stage_entries(p["kv_pool"], p["table"][None], p["entries"], rows_of))
+    staged_row = _row("sparse prefill attention [staged entries]", shape, t_staged, nbytes, flops, ceil, theirs,
+                      f"staging (stage_entries, torch ops) {t_stage * 1e6:.0f} us apart", peak="bf16_peak")
+    staged_row["staging_us"] = t_stage * 1e6
+    rows.append(staged_row)
+    del staged, index
     if sweep:
         no_entries = (*args[:8], p["selected"][:, :0], *args[9:])
         win_flops = 4.0 * heads * hd * int(torch.clamp(p["pos"] + 1, max=window).sum())

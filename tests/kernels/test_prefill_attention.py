@@ -155,6 +155,21 @@ def test_interpreted_fp32_dots_match_reference(window, window_only):
     assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
+def test_interpreted_staged_entries_match_reference():
+    """Entries dequantised once for the step (``stage_entries``) and gathered as rows: the same result."""
+    cfg, prob = _tiny(5)
+    module = load_interpreted("prefill_attention")
+    staged, index = module.stage_entries(prob["kv_pool"], prob["tables"], prob["selected_entries"],
+                                         prob["row_requests"], torch.float32)
+    assert bool(((index >= 0) == (prob["selected"] >= 0)).all())
+    args = _args(cfg, prob, prob["q"], quantize_fp8_cache(prob["k"]))
+    ref = reference.sparse_prefill_attention(*args)
+    out = torch.full_like(ref, float("nan"))
+    with interpreter():
+        module.sparse_prefill_attention(*args[:8], index, *args[9:], out=out, dot_fp32=True, staged=staged)
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
 def test_interpreted_bf16_in_and_out():
     """bf16 queries in, bf16 out (the interpreter casts fp32 → bf16 by truncation: < 2^-7 relative); the
     dots stay fp32 (bf16 tl.dot is garbage under Triton 3.6's interpreter: checked on the GPU only)."""
@@ -194,7 +209,7 @@ def test_bench_problem_builder_on_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("chunk", "context"), [(1024, 4096), (4096, 4096), (1024, 32768)])
 def test_gpu_flash_shapes_match_reference(chunk, context):
-    from kernels.prefill_attention import sparse_prefill_attention
+    from kernels.prefill_attention import sparse_prefill_attention, stage_entries
     from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
 
     p = prefill_attention_problem(chunk, context, torch.Generator("cuda").manual_seed(chunk))
@@ -209,6 +224,10 @@ def test_gpu_flash_shapes_match_reference(chunk, context):
     # fp32 dots and an fp32 output: only the summation order differs from the reference.
     exact = sparse_prefill_attention(*args, dot_fp32=True, out=torch.full_like(ref32, float("nan")))
     assert float((exact - ref32).abs().max()) <= 1e-5 * float(ref32.abs().max())
+    # Entries dequantised once for the step (bf16 holds them exactly) and gathered as rows.
+    staged, index = stage_entries(p["kv_pool"], p["table"][None], p["entries"], torch.zeros_like(p["pos"]))
+    index[-1, 100:], index[-2] = -1, -1
+    assert _rel(sparse_prefill_attention(*args[:8], index, *args[9:], staged=staged), ref32) < 5e-3
     # A ratio-0 layer: the window alone.
     window_only = (*args[:8], p["selected"][:, :0], *args[9:])
     ref_w = reference.sparse_prefill_attention(*prefill_attention_args(
