@@ -44,7 +44,8 @@ def _chunk_problem(cfg, layer: int, source: int, gen: torch.Generator, chunks=CH
     tables = (torch.randperm(63, generator=gen)[: num_requests * width] + 1).view(num_requests, width)
     for i, (first, _) in enumerate(chunks):
         span = torch.arange(max(0, first - ring), first)
-        cache.write_window(layer, slots[i].expand(span.numel()), span % ring, torch.randn(span.numel(), hd, generator=gen) * 2)
+        k = torch.randn(span.numel(), hd, generator=gen) * 2
+        cache.write_window(layer, slots[i].expand(span.numel()), span % ring, k)
         entries = torch.arange(ends[i] // ratio)
         cache.write_entries(source, tables[i, entries // epb] * epb + entries % epb,
                             torch.randn(entries.numel(), hd, generator=gen),
