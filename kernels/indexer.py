@@ -31,6 +31,30 @@ import torch
 import triton
 import triton.language as tl
 
+# e2m1 s|eem → e4m3 s|0eem|00 (the same number times 2^-6), four bytes at once, then two f16 pairs.
+_ASM_EVEN = tl.constexpr("""{
+.reg .b32 t, u;
+.reg .b16 l, h;
+and.b32 t, $2, 0x07070707;
+shl.b32 t, t, 2;
+and.b32 u, $2, 0x08080808;
+shl.b32 u, u, 4;
+or.b32 t, t, u;
+mov.b32 {l, h}, t;
+cvt.rn.f16x2.e4m3x2 $0, l;
+cvt.rn.f16x2.e4m3x2 $1, h;
+}""")
+_ASM_ODD = tl.constexpr("""{
+.reg .b32 t, u;
+.reg .b16 l, h;
+shr.b32 t, $2, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, $2, 0x80808080;
+or.b32 t, t, u;
+mov.b32 {l, h}, t;
+cvt.rn.f16x2.e4m3x2 $0, l;
+cvt.rn.f16x2.e4m3x2 $1, h;
+}""")
 _GROUP = 32  # channels per e8m0 key scale (model/deepseek_v41/quant.py INDEXER_BLOCK)
 
 
@@ -43,17 +67,40 @@ def _q_half(q_row, heads, h_ok, q_stride_h, inv_q, g, parity: tl.constexpr, dot_
 
 
 @triton.jit
-def _group(acc, entry, ok, g, q_even, q_odd, HALF: tl.constexpr, dot_ty: tl.constexpr,
-           precision: tl.constexpr):
-    """acc [BLOCK_N, H] += scale_g · Σ_{c in group g} code · q: bytes 16g … 16g+15 of each entry."""
-    c = tl.arange(0, 16)
-    b = tl.load(entry[:, None] + 16 * g + c[None, :], mask=ok[:, None], other=0).to(tl.int32)  # [BLOCK_N, 16]
-    # e2m1 s|eem → e4m3 s|0eem|00 is the same number times 2^-6 (0.5 lands on the e4m3 subnormal 2^-7).
-    lo = (((b & 7) << 2) | ((b & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dot_ty)
-    hi = (((b >> 2) & 28) | (b & 128)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dot_ty)
+def _group(acc, entry, ok, g, scale_bytes, q_even, q_odd, HALF: tl.constexpr, WORDS: tl.constexpr,
+           ASM: tl.constexpr, dot_ty: tl.constexpr, precision: tl.constexpr):
+    """acc [BLOCK_N, H] += scale_g · Σ_{c in group g} code · q: bytes 16g … 16g+15 of each entry.
+
+    ASM (compiled only): bytes, 4-byte aligned entries, dequantised by PTX. WORDS: ``entry`` points at
+    int32 words (4-byte aligned pool) and ``scale_bytes`` is the entry's scale word. Otherwise bytes.
+    """
+    if ASM:
+        # Four packed bytes per register straight from a 4-byte load; PTX turns them into f16 pairs.
+        ptrs = tl.multiple_of(entry[:, None] + 16 * g + tl.arange(0, 16)[None, :], [4, 4])  # 4-byte loads
+        b = tl.load(ptrs)  # u8 [BLOCK_N, 16]
+        lo = tl.inline_asm_elementwise(_ASM_EVEN, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_ASM_ODD, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        sb = tl.load(entry + HALF + g).to(tl.int32)
+    else:
+        if WORDS:
+            wd = tl.load(entry[:, None] + 4 * g + tl.arange(0, 4)[None, :])  # [BLOCK_N, 4]
+            # e2m1 s|eem → e4m3 s|0eem|00 (the same number times 2^-6; 0.5 lands on the e4m3 subnormal
+            # 2^-7), four codes per word at once: low nibbles (even channels), then high nibbles.
+            lo_w = ((wd & 0x07070707) << 2) | ((wd & 0x08080808) << 4)
+            hi_w = ((wd >> 2) & 0x1C1C1C1C) | (wd & -0x7F7F7F80)  # -0x7F7F7F80 = 0x80808080
+            shifts = 8 * tl.arange(0, 4)[None, None, :]
+            lo8 = tl.reshape((lo_w[:, :, None] >> shifts) & 255, [lo_w.shape[0], 16])  # byte 4i+k = word i, byte k
+            hi8 = tl.reshape((hi_w[:, :, None] >> shifts) & 255, [hi_w.shape[0], 16])
+            sb = (scale_bytes >> (8 * g)) & 255
+        else:
+            b = tl.load(entry[:, None] + 16 * g + tl.arange(0, 16)[None, :]).to(tl.int32)
+            lo8 = ((b & 7) << 2) | ((b & 8) << 4)
+            hi8 = ((b >> 2) & 28) | (b & 128)
+            sb = tl.load(entry + HALF + g).to(tl.int32)
+        lo = lo8.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dot_ty)
+        hi = hi8.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dot_ty)
     d = tl.dot(lo, q_even, input_precision=precision)
     d = tl.dot(hi, q_odd, d, input_precision=precision)
-    sb = tl.load(entry + HALF + g, mask=ok, other=0).to(tl.int32)
     scale = ((sb + 6) << 23).to(tl.float32, bitcast=True)  # 2^(sb−127) · 2^6, exact (also sb = 0)
     return acc + d * scale[:, None]
 
@@ -75,9 +122,10 @@ def _score_kernel(
     q_stride_r, q_stride_h, w_stride_r, pool_stride_block, pool_stride_entry, tables_stride_r,
     cand_stride_r, scores_stride_r, blocks_stride_r,
     BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CB: tl.constexpr,
-    USE_CAND: tl.constexpr, BLOCK_MAX: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_CAND: tl.constexpr, BLOCK_MAX: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    DOT_FP32: tl.constexpr, FOR_LOOPS: tl.constexpr,
 ):
-    HALF: tl.constexpr = D // 2
+    HALF: tl.constexpr = D // 2 // (4 if WORDS else 1)  # packed codes, in pool elements
     GROUPS: tl.constexpr = D // 32  # e8m0 scale groups
     dot_ty: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # f16 operands ignore it
@@ -98,6 +146,7 @@ def _score_kernel(
     w = tl.load(w_ptr + row * w_stride_r + heads, mask=h_ok, other=0.0).to(tl.float32) * q_pow2  # [BLOCK_H]
     qe0 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 0, 0, dot_ty)
     qo0 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 0, 1, dot_ty)
+    qe1, qo1, qe2, qo2, qe3, qo3 = qe0, qe0, qe0, qe0, qe0, qe0  # placeholders below GROUPS = 4
     if GROUPS > 1:
         qe1 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 1, 0, dot_ty)
         qo1 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 1, 1, dot_ty)
@@ -112,36 +161,75 @@ def _score_kernel(
     vis_tiles = tl.cdiv(vis, BLOCK_N)
     scores_row = row * scores_stride_r
     blocks_row = row * blocks_stride_r
-    t = split
-    while t < vis_tiles:
-        j = t * BLOCK_N + n
-        ok = j < vis
-        blk = tl.load(tables_ptr + row * tables_stride_r + j // entries_per_block, mask=ok, other=0).to(tl.int64)
-        entry = pool_ptr + blk * pool_stride_block + (j % entries_per_block) * pool_stride_entry  # [BLOCK_N]
-        acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-        acc = _group(acc, entry, ok, 0, qe0, qo0, HALF, dot_ty, precision)
-        if GROUPS > 1:
-            acc = _group(acc, entry, ok, 1, qe1, qo1, HALF, dot_ty, precision)
-        if GROUPS > 2:
-            acc = _group(acc, entry, ok, 2, qe2, qo2, HALF, dot_ty, precision)
-            acc = _group(acc, entry, ok, 3, qe3, qo3, HALF, dot_ty, precision)
-        sc = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)  # [BLOCK_N]
-        sc = tl.where(sc == 0.0, 0.0, sc)  # −0 → +0: the reference's sort treats them as equal
-        sc = tl.where(ok, sc, float("-inf"))
-        if USE_CAND:
-            keep = tl.load(cand_ptr + row * cand_stride_r + j // CB, mask=ok, other=0)
-            sc = tl.where(keep != 0, sc, float("-inf"))
-        tl.store(scores_ptr + scores_row + j, sc, mask=j < width)
-        if BLOCK_MAX:
-            _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
-        t += SPLITS
-    while t < num_tiles:
-        j = t * BLOCK_N + n
-        sc = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        tl.store(scores_ptr + scores_row + j, sc, mask=j < width)
-        if BLOCK_MAX:
-            _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
-        t += SPLITS
+    # Tiles split, split + SPLITS, … below vis_tiles are scored, the rest of this program's only get −∞.
+    # Compiled: for loops (Triton software-pipelines them); the interpreter needs Python ints for
+    # range bounds, so it walks the same tiles with while loops.
+    if FOR_LOOPS:
+        for t in range(split, vis_tiles, SPLITS):
+            _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, entries_per_block,
+                        pool_ptr, pool_stride_block, pool_stride_entry, cand_ptr, cand_stride_r, scores_ptr,
+                        scores_row, blocks_ptr, blocks_row, w, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
+                        BLOCK_N, BLOCK_H, HALF, GROUPS, CB, USE_CAND, BLOCK_MAX, WORDS, ASM, dot_ty, precision)
+        rest = split + SPLITS * tl.cdiv(tl.maximum(vis_tiles - split, 0), SPLITS)  # first tile past them
+        for t in range(rest, num_tiles, SPLITS):
+            _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N,
+                         CB, BLOCK_MAX)
+    else:
+        t = split
+        while t < vis_tiles:
+            _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, entries_per_block,
+                        pool_ptr, pool_stride_block, pool_stride_entry, cand_ptr, cand_stride_r, scores_ptr,
+                        scores_row, blocks_ptr, blocks_row, w, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
+                        BLOCK_N, BLOCK_H, HALF, GROUPS, CB, USE_CAND, BLOCK_MAX, WORDS, ASM, dot_ty, precision)
+            t += SPLITS
+        while t < num_tiles:
+            _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N,
+                         CB, BLOCK_MAX)
+            t += SPLITS
+
+
+@triton.jit
+def _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, entries_per_block,
+                pool_ptr, pool_stride_block, pool_stride_entry, cand_ptr, cand_stride_r, scores_ptr,
+                scores_row, blocks_ptr, blocks_row, w, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
+                BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                CB: tl.constexpr, USE_CAND: tl.constexpr, BLOCK_MAX: tl.constexpr, WORDS: tl.constexpr,
+                ASM: tl.constexpr, dot_ty: tl.constexpr, precision: tl.constexpr):
+    """Scores (and block maxima) of the BLOCK_N entries of tile t, a tile with visible entries."""
+    j = t * BLOCK_N + n
+    ok = j < vis
+    # Entries past the visible ones read block 0 (any block's bytes: their scores are masked), so
+    # the key loads need no mask.
+    blk = tl.load(tables_ptr + row * tables_stride_r + j // entries_per_block, mask=ok, other=0).to(tl.int64)
+    entry = pool_ptr + blk * pool_stride_block + (j % entries_per_block) * pool_stride_entry  # [BLOCK_N]
+    scale_word = tl.load(entry + HALF)  # WORDS: the 4 scale bytes; else unused
+    acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    acc = _group(acc, entry, ok, 0, scale_word, qe0, qo0, HALF, WORDS, ASM, dot_ty, precision)
+    if GROUPS > 1:
+        acc = _group(acc, entry, ok, 1, scale_word, qe1, qo1, HALF, WORDS, ASM, dot_ty, precision)
+    if GROUPS > 2:
+        acc = _group(acc, entry, ok, 2, scale_word, qe2, qo2, HALF, WORDS, ASM, dot_ty, precision)
+        acc = _group(acc, entry, ok, 3, scale_word, qe3, qo3, HALF, WORDS, ASM, dot_ty, precision)
+    sc = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)  # [BLOCK_N]
+    sc = tl.where(sc == 0.0, 0.0, sc)  # −0 → +0: the reference's sort treats them as equal
+    sc = tl.where(ok, sc, float("-inf"))
+    if USE_CAND:
+        keep = tl.load(cand_ptr + row * cand_stride_r + j // CB, mask=ok, other=0)
+        sc = tl.where(keep != 0, sc, float("-inf"))
+    tl.store(scores_ptr + scores_row + j, sc, mask=j < width)
+    if BLOCK_MAX:
+        _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
+
+
+@triton.jit
+def _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row,
+                 BLOCK_N: tl.constexpr, CB: tl.constexpr, BLOCK_MAX: tl.constexpr):
+    """A tile without visible entries: −∞ scores and block maxima, no key read."""
+    j = t * BLOCK_N + n
+    sc = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    tl.store(scores_ptr + scores_row + j, sc, mask=j < width)
+    if BLOCK_MAX:
+        _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
 
 
 @triton.jit
@@ -215,6 +303,7 @@ def indexer_scores(
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    asm: bool = True,
     dot_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 scores [R, width] (−∞ past ⌊(pos+1)/ratio⌋ and outside ``candidates``) and, with
@@ -233,6 +322,12 @@ def indexer_scores(
         raise ValueError(f"key pool entries {tuple(key_pool.shape)} do not fit di {dim} (or a last dim is strided)")
     if block_n % cb or block_n & (block_n - 1):
         raise ValueError(f"block_n {block_n} must be a power of two and a multiple of {cb}")
+    # Whole words when the pool allows (the cache's is: 68-byte keys in 4-byte aligned blocks).
+    aligned = (key_pool.shape[-1] % 4 == 0 and key_pool.stride(0) % 4 == 0 and key_pool.stride(1) % 4 == 0
+               and key_pool.data_ptr() % 4 == 0)
+    asm = asm and aligned and q.is_cuda and not dot_fp32
+    words = aligned and not asm
+    pool = key_pool.view(torch.int32) if words else key_pool
     num_tiles = triton.cdiv(width, block_n)
     num_blocks = triton.cdiv(width, cb)
     scores = torch.empty(num_rows, width, dtype=torch.float32, device=q.device)
@@ -243,13 +338,13 @@ def indexer_scores(
     if num_rows == 0 or width == 0:
         return scores, blocks
     _score_kernel[(num_rows, splits)](
-        q, w, key_pool, block_tables, positions, scores if cand is None else cand, scores,
+        q, w, pool, block_tables, positions, scores if cand is None else cand, scores,
         scores if blocks is None else blocks,
         num_heads, width, num_tiles, num_blocks, ratio, key_pool.shape[1],
-        q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), w.stride(0), pool.stride(0), pool.stride(1), block_tables.stride(0),
         0 if cand is None else cand.stride(0), scores.stride(0), 0 if blocks is None else blocks.stride(0),
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), D=dim, BLOCK_N=block_n, SPLITS=splits, CB=cb, USE_CAND=cand is not None,
-        BLOCK_MAX=block_max, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_MAX=block_max, WORDS=words, ASM=asm, DOT_FP32=dot_fp32, FOR_LOOPS=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )
     return scores, blocks
 
