@@ -44,19 +44,23 @@ def _args(p: dict) -> tuple:
 
 
 def _check_selection(ours: torch.Tensor, ref_sel: torch.Tensor, our_scores: torch.Tensor, ref_scores: torch.Tensor,
-                     rel_gap: float = 1e-4) -> None:
-    """Ours picks exactly what select_entries picks on our scores; the reference's pick wherever no two
-    finite reference scores of a row are closer than rel_gap (then rounding cannot reorder them)."""
+                     rel_gap: float = 1e-5, min_checked: float = 0.9) -> None:
+    """Ours picks exactly what select_entries picks on our scores, and the reference's pick in every row
+    whose k-th and (k+1)-th best finite reference scores are more than rel_gap apart (closer ones may
+    swap by fp32 summation order); at least ``min_checked`` of the rows must be such rows."""
     assert ours.shape == ref_sel.shape and ours.dtype == torch.int32
     assert torch.equal(ours.long(), select_entries(our_scores, ref_sel.shape[-1]))
     finite = ref_scores.isfinite()
     assert torch.equal(our_scores.isfinite(), finite)
     scale = float(ref_scores[finite].abs().max()) if finite.any() else 1.0
     torch.testing.assert_close(our_scores[finite], ref_scores[finite], rtol=1e-5, atol=1e-6 * scale)
+    k, checked = ref_sel.shape[-1], 0
     for r in range(ours.shape[0]):
-        s = ref_scores[r][finite[r]].sort().values
-        if s.numel() < 2 or float((s[1:] - s[:-1]).min()) > rel_gap * scale:
+        s = ref_scores[r][finite[r]].sort(descending=True).values
+        if s.numel() <= k or float(s[k - 1] - s[k]) > rel_gap * scale:
             assert torch.equal(ours[r].long(), ref_sel[r]), r
+            checked += 1
+    assert checked >= min_checked * ours.shape[0], (checked, ours.shape[0])
 
 
 # ---------------------------------------------------------------- the reference reads what the engine reads
@@ -101,7 +105,7 @@ def test_interpreted_selection_matches_reference(heads, dim, epb, ratio, context
     with interpreter():
         scores, _ = mod.indexer_scores(*_args(p), block_n=32, dot_fp32=True)
         sel = mod.select_topk(scores, topk)
-    _check_selection(sel, ref_sel, scores, ref_scores)
+    _check_selection(sel, ref_sel, scores, ref_scores, min_checked=0.6)
     assert torch.all(sel[0] == -1) and (sel[1] >= 0).sum() == (6 // ratio)
 
 
@@ -224,4 +228,20 @@ def test_gpu_flash_candidates_match_reference(num_rows, context):
     ref_scores, ref_sel, _ = reference.indexer_select(*_args(later), index_topk=512, candidates=ours)
     sel, _ = indexer_select(*_args(later), index_topk=512, candidates=cand)
     scores, _ = indexer_scores(*_args(later), candidates=cand)
+    _check_selection(sel, ref_sel, scores, ref_scores)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("options", [dict(asm=False), dict(block_n=64), dict(num_warps=8, num_stages=3),
+                                     dict(block_n=256, num_warps=8)])
+def test_gpu_flash_other_configs(options):
+    """The launcher's options (the word-load dequantisation without PTX, other tiles) give the same picks."""
+    from kernels.indexer import indexer_scores, indexer_select
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    p = indexer_problem(64, 32, 128, 128, 1, 32768, gen, device="cuda")
+    ref_scores, ref_sel, _ = reference.indexer_select(*_args(p), index_topk=512)
+    scores, _ = indexer_scores(*_args(p), **options)
+    sel, _ = indexer_select(*_args(p), index_topk=512, **options)
     _check_selection(sel, ref_sel, scores, ref_scores)
