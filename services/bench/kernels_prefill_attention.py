@@ -108,11 +108,12 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     ours = _bench_replay(lambda: sparse_prefill_attention(*args, out=out))
     notes, theirs = [], None
     if chunk <= SDPA_MAX_ROWS:
-        # SDPA: each row's 640 keys already gathered and dequantised to bf16, no sink (a stock path's best case).
+        # SDPA: each row's 640 keys already gathered and dequantised to bf16, no sink (a stock path's best
+        # case); a row's heads as its 64 queries over one key head, so no GQA expansion of the keys.
         kv = torch.randn(chunk, 1, window + topk, hd, device=p["q"].device, dtype=torch.bfloat16, generator=gen)
-        qs = p["q"].unsqueeze(2)
+        qs = p["q"].unsqueeze(1)  # [R, 1, H, D]
         try:
-            theirs = _bench_replay(lambda: F.scaled_dot_product_attention(qs, kv, kv, enable_gqa=True))
+            theirs = _bench_replay(lambda: F.scaled_dot_product_attention(qs, kv, kv))
             notes.append("torch: SDPA on gathered bf16 keys, graph replay")
         except Exception as err:  # noqa: BLE001 - report, don't die, when SDPA refuses
             notes.append(f"SDPA failed: {type(err).__name__}")
