@@ -36,6 +36,10 @@ from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 
 PRECISIONS = ("fp8", "fp32")
+LINEAR_BLOCK_M = 16
+"""Tokens per MMA tile of the one-expert GEMM: 0 spills at every Flash projection (148–210 registers at
+4 warps, scripts/compile_sm90.py); BLOCK_M 32/64 spill at some (wq_b, wo_a). Weights are re-read once
+per 16 tokens, so large-M prefill wants another GEMM (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,8 @@ class KernelLinear(nn.Module):
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
             a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
+            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16, block_m=LINEAR_BLOCK_M,
+            num_warps=4)
         return y[0, :, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -161,7 +166,8 @@ class GroupedKernelLinear(nn.Module):
         a = (q.view(g, num_tokens, k_pad), s.view(g, num_tokens, -1))
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
             a, self.w, self.w_scale, one_expert_meta(num_tokens, g, x.device), gather=False,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16)  # [G, T, R']
+            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16, block_m=LINEAR_BLOCK_M,
+            num_warps=4)  # [G, T, R']
         return y[:, :, : self.rank].transpose(0, 1).reshape(*lead, g * self.rank).to(x.dtype)
 
     def extra_repr(self) -> str:
