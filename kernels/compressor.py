@@ -6,13 +6,15 @@ reference: services/worker/cached_step.py; pools as ``CacheEngine.write_entries`
 store them). The dense projections over all rows (``Compressor.project``, ratio 1's ``wkv``) stay
 outside: they are [R, 5120] GEMMs.
 
-One program takes BLOCK_E entries (rows whose position closes a group). Channels are handled as
-(even, odd) halves, the pairing both RoPE and the FP4 packing use. The latent is made twice,
-CHUNK pairs at a time: a first pass for its sum of squares, a second that normalises, rotates,
-rounds and stores each chunk of the entry and multiplies the pre-RoPE chunk into the index-key
-accumulators (a [BLOCK_E, CHUNK] × [CHUNK, di/2] tensor-core product per (even, odd) quarter of
-``wk``), so no whole row lives in registers. Every rounding the model makes in its activation dtype
-(bf16 on the GPU) is repeated here at the same point.
+One program takes BLOCK_E (16) entries (rows whose position closes a group). The latent is made
+twice, CHUNK channels at a time: a first pass for its sum of squares, a second that normalises each
+chunk, multiplies it into the index-key accumulator (a [BLOCK_E, CHUNK] × [CHUNK, di] tensor-core
+product with a tile of ``wk``), splits it into (even, odd) channels (the pairing of both RoPE and the
+FP4 packing), rotates it (the trailing chunks only), rounds it and stores its bytes; so no whole row
+lives in registers. Every rounding the model makes in its activation dtype (bf16 on the GPU) is
+repeated here at the same point, and fp contraction is off, so the elementwise maths is the
+reference's operation for operation; what differs is summation order (norms, the wk product) and
+the exp / cos / sin implementations (libdevice on the GPU, numpy in the interpreter).
 
 Graph-safe: the grid depends on tensor shapes only and every index is read on the device. The
 partial-row writes go to programs placed before the entry programs, except one per request: when a
@@ -94,38 +96,55 @@ def _rope(xe, xo, start, freqs_ptr, pairs, NUM_PAIRS: tl.constexpr, ROPE_PAIRS: 
 
 
 @triton.jit
-def _chunk(c, v0, g0, v1, g1, ok, pairs, RATIO: tl.constexpr, ACT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Pairs c … c+CHUNK−1 of every entry's pre-norm latent, in the activation dtype, as fp32 (even, odd).
+def _chunk(c, v0, g0, v1, g1, ok, CHUNK: tl.constexpr, RATIO: tl.constexpr, ACT_BF16: tl.constexpr,
+           LIBDEVICE: tl.constexpr):
+    """Channels c … c+CHUNK−1 of every entry's pre-norm latent, in the activation dtype, as fp32 [BLOCK_E, CHUNK].
 
     Ratio 2: v0/g0, v1/g1 [BLOCK_E] point at the members' value and gate rows (step rows or partial
     rows); the gate softmax over the 2 members then Σ value·weight, as the reference's separate ops
     (fp contraction is off for this kernel). Ratio 1: v0 points at the projected row.
     """
-    even = 2 * (c + pairs)[None, :]
+    cols = c + tl.arange(0, CHUNK)[None, :]
     m = ok[:, None]
-    ve0 = tl.load(v0[:, None] + even, mask=m, other=0.0).to(tl.float32)
-    vo0 = tl.load(v0[:, None] + even + 1, mask=m, other=0.0).to(tl.float32)
+    x0 = tl.load(v0[:, None] + cols, mask=m, other=0.0).to(tl.float32)
     if RATIO == 1:
-        return ve0, vo0
-    ge0 = tl.load(g0[:, None] + even, mask=m, other=0.0)
-    go0 = tl.load(g0[:, None] + even + 1, mask=m, other=0.0)
-    ve1 = tl.load(v1[:, None] + even, mask=m, other=0.0)
-    vo1 = tl.load(v1[:, None] + even + 1, mask=m, other=0.0)
-    ge1 = tl.load(g1[:, None] + even, mask=m, other=0.0)
-    go1 = tl.load(g1[:, None] + even + 1, mask=m, other=0.0)
-    me = tl.maximum(ge0, ge1)
-    mo = tl.maximum(go0, go1)
+        return x0
+    gate0 = tl.load(g0[:, None] + cols, mask=m, other=0.0)
+    x1 = tl.load(v1[:, None] + cols, mask=m, other=0.0)
+    gate1 = tl.load(g1[:, None] + cols, mask=m, other=0.0)
+    top = tl.maximum(gate0, gate1)
     if LIBDEVICE:
-        ee0, ee1 = libdevice.exp(ge0 - me), libdevice.exp(ge1 - me)
-        eo0, eo1 = libdevice.exp(go0 - mo), libdevice.exp(go1 - mo)
+        e0 = libdevice.exp(gate0 - top)
+        e1 = libdevice.exp(gate1 - top)
     else:
-        ee0, ee1 = tl.exp(ge0 - me), tl.exp(ge1 - me)
-        eo0, eo1 = tl.exp(go0 - mo), tl.exp(go1 - mo)
-    se = ee0 + ee1
-    so = eo0 + eo1
-    pe = ve0 * tl.div_rn(ee0, se) + ve1 * tl.div_rn(ee1, se)
-    po = vo0 * tl.div_rn(eo0, so) + vo1 * tl.div_rn(eo1, so)
-    return _act(pe, ACT_BF16), _act(po, ACT_BF16)
+        e0 = tl.exp(gate0 - top)
+        e1 = tl.exp(gate1 - top)
+    total = e0 + e1
+    return _act(x0 * tl.div_rn(e0, total) + x1 * tl.div_rn(e1, total), ACT_BF16)
+
+
+@triton.jit
+def _entry_chunk(c, k, v0, g0, v1, g1, ok, inv_rms, start, kv_row, norm_w_ptr, wk_tile, freqs_ptr,
+                 ROTATE: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+                 RATIO: tl.constexpr, ACT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Channels c … c+CHUNK−1: normalise, add wk · latent into k [BLOCK_E, DI], rotate (ROTATE), round
+    to FP4 and store the packed bytes and e4m3 scales of the entries at kv_row [BLOCK_E]."""
+    dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
+    precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
+    chans = tl.arange(0, CHUNK)
+    pairs = tl.arange(0, CHUNK // 2)
+    x = _chunk(c, v0, g0, v1, g1, ok, CHUNK, RATIO, ACT_BF16, LIBDEVICE)
+    latent = _act(tl.load(norm_w_ptr + c + chans).to(tl.float32)[None, :] * (x * inv_rms), ACT_BF16)
+    k = tl.dot(latent.to(dot_ty), tl.trans(tl.load(wk_tile + c).to(dot_ty)), k, input_precision=precision)
+    xe, xo = tl.split(tl.reshape(latent, [x.shape[0], CHUNK // 2, 2]))
+    if ROTATE:
+        xe, xo = _rope(xe, xo, start, freqs_ptr, c // 2 + pairs, HD // 2, ROPE_PAIRS, LIBDEVICE)
+        xe = _act(xe, ACT_BF16)
+        xo = _act(xo, ACT_BF16)
+    packed, scale = _fp4(xe, xo, x.shape[0], CHUNK // 2, 8, True)
+    tl.store(kv_row[:, None] + (c // 2 + pairs)[None, :], packed, mask=ok[:, None])
+    tl.store(kv_row[:, None] + HD // 2 + c // 16 + tl.arange(0, CHUNK // 16)[None, :], scale, mask=ok[:, None])
+    return k
 
 
 @triton.jit
@@ -194,43 +213,31 @@ def _compress_kernel(
             g0 = v0
             v1 = v0
             g1 = v0
-        pairs = tl.arange(0, CHUNK)
 
         sum_sq = tl.zeros([BLOCK_E], tl.float32)
-        for c in range(0, HALF, CHUNK):
-            xe, xo = _chunk(c, v0, g0, v1, g1, ok, pairs, RATIO, ACT_BF16, LIBDEVICE)
-            sum_sq += tl.sum(xe * xe + xo * xo, axis=1)
+        for c in range(0, HD, CHUNK):
+            x = _chunk(c, v0, g0, v1, g1, ok, CHUNK, RATIO, ACT_BF16, LIBDEVICE)
+            sum_sq += tl.sum(x * x, axis=1)
         inv_rms = tl.rsqrt(sum_sq / HD + eps)[:, None]
 
-        dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
-        precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
-        k_e = tl.zeros([BLOCK_E, KH], tl.float32)  # index-key channels 2u
-        k_o = tl.zeros([BLOCK_E, KH], tl.float32)  # and 2u + 1
-        ku = tl.arange(0, KH)
+        k = tl.zeros([BLOCK_E, DI], tl.float32)  # wk · latent
+        chans = tl.arange(0, CHUNK)
         kv_row = kv_pool_ptr + (slot // entries_per_block) * kv_stride_block + (slot % entries_per_block) * kv_stride_entry
-        for c in range(0, HALF, CHUNK):
-            xe, xo = _chunk(c, v0, g0, v1, g1, ok, pairs, RATIO, ACT_BF16, LIBDEVICE)
-            le = _act(tl.load(norm_w_ptr + 2 * (c + pairs)).to(tl.float32)[None, :] * (xe * inv_rms), ACT_BF16)
-            lo = _act(tl.load(norm_w_ptr + 2 * (c + pairs) + 1).to(tl.float32)[None, :] * (xo * inv_rms), ACT_BF16)
-            # wk [DI, HD] as [CHUNK, KH] tiles: (key channel parity, latent channel parity).
-            w = wk_ptr + (2 * ku)[None, :].to(tl.int64) * wk_stride + 2 * (c + pairs)[:, None]
-            a_e = le.to(dot_ty)
-            a_o = lo.to(dot_ty)
-            k_e = tl.dot(a_e, tl.load(w).to(dot_ty), k_e, input_precision=precision)
-            k_e = tl.dot(a_o, tl.load(w + 1).to(dot_ty), k_e, input_precision=precision)
-            k_o = tl.dot(a_e, tl.load(w + wk_stride).to(dot_ty), k_o, input_precision=precision)
-            k_o = tl.dot(a_o, tl.load(w + wk_stride + 1).to(dot_ty), k_o, input_precision=precision)
-            re, ro = _rope(le, lo, start, freqs_ptr, c + pairs, HALF, ROPE_PAIRS, LIBDEVICE)
-            packed, scale = _fp4(_act(re, ACT_BF16), _act(ro, ACT_BF16), BLOCK_E, CHUNK, 8, True)
-            tl.store(kv_row[:, None] + (c + pairs)[None, :], packed, mask=ok[:, None])
-            tl.store(kv_row[:, None] + HALF + c // 8 + tl.arange(0, CHUNK // 8)[None, :], scale, mask=ok[:, None])
+        wk_tile = wk_ptr + tl.arange(0, DI)[:, None] * wk_stride + chans[None, :]  # [DI, CHUNK] tiles of wk [DI, HD]
+        # Chunks without rotated pairs, then those with (HD − 2·ROPE_PAIRS is a multiple of CHUNK).
+        for c in range(0, HD - 2 * ROPE_PAIRS, CHUNK):
+            k = _entry_chunk(c, k, v0, g0, v1, g1, ok, inv_rms, start, kv_row, norm_w_ptr, wk_tile, freqs_ptr,
+                             False, HD, CHUNK, ROPE_PAIRS, RATIO, ACT_BF16, DOT_FP32, LIBDEVICE)
+        for c in range(HD - 2 * ROPE_PAIRS, HD, CHUNK):
+            k = _entry_chunk(c, k, v0, g0, v1, g1, ok, inv_rms, start, kv_row, norm_w_ptr, wk_tile, freqs_ptr,
+                             True, HD, CHUNK, ROPE_PAIRS, RATIO, ACT_BF16, DOT_FP32, LIBDEVICE)
 
         # Index key: the linear's output in the activation dtype, k_norm, RoPE, FP4 with e8m0 scales.
-        k_e = _act(k_e, ACT_BF16)
-        k_o = _act(k_o, ACT_BF16)
-        inv_k = tl.rsqrt(tl.sum(k_e * k_e + k_o * k_o, axis=1) / DI + eps)[:, None]
-        k_e = _act(tl.load(k_norm_w_ptr + 2 * ku).to(tl.float32)[None, :] * (k_e * inv_k), ACT_BF16)
-        k_o = _act(tl.load(k_norm_w_ptr + 2 * ku + 1).to(tl.float32)[None, :] * (k_o * inv_k), ACT_BF16)
+        k = _act(k, ACT_BF16)
+        inv_k = tl.rsqrt(tl.sum(k * k, axis=1) / DI + eps)[:, None]
+        k = _act(tl.load(k_norm_w_ptr + tl.arange(0, DI)).to(tl.float32)[None, :] * (k * inv_k), ACT_BF16)
+        k_e, k_o = tl.split(tl.reshape(k, [BLOCK_E, KH, 2]))
+        ku = tl.arange(0, KH)
         k_e, k_o = _rope(k_e, k_o, start, freqs_ptr, ku, KH, ROPE_PAIRS, LIBDEVICE)
         packed, scale = _fp4(_act(k_e, ACT_BF16), _act(k_o, ACT_BF16), BLOCK_E, KH, 16, False)
         key_row = key_pool_ptr + (slot // entries_per_block) * key_stride_block \
@@ -269,7 +276,8 @@ def compress(
     dtype: torch.dtype | None = None,
     block_e: int = 16,
     chunk: int = 32,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    num_stages: int = 2,
     dot_fp32: bool | None = None,
 ) -> None:
     """Write the entries and index keys of this step's complete groups (and, ratio 2, the partial rows).
@@ -296,9 +304,11 @@ def compress(
         raise ValueError(f"wk must be [{di}, {hd}] with a contiguous last dim, got {tuple(wk.shape)}")
     if kv_pool.shape[-1] != hd // 2 + hd // 16 or key_pool.shape[-1] != di // 2 + di // 32:
         raise ValueError("pool entries do not fit head_dim / index_head_dim")
-    chunk = min(chunk, hd // 2)
-    if (hd // 2) % chunk or chunk % 16 or (di // 2) % 16 or (di // 2) < 16:
-        raise ValueError(f"head_dim {hd} / index_head_dim {di} do not tile by {chunk} pairs")
+    rope = 2 * freqs.shape[0]
+    while chunk > 16 and (hd - rope) % chunk:
+        chunk //= 2  # the rotated channels start on a chunk boundary (tiny: 16)
+    if hd % chunk or (hd - rope) % chunk or chunk % 16 or di % 32:
+        raise ValueError(f"head_dim {hd} (rope {rope}) / index_head_dim {di} do not tile by {chunk} channels")
     dot_fp32 = dtype == torch.float32 if dot_fp32 is None else dot_fp32
     if ratio == 1:
         src = projected if projected.stride(-1) == 1 else projected.contiguous()
@@ -325,7 +335,7 @@ def compress(
         kv_pool.shape[1], size, eps,
         RATIO=ratio, HD=hd, DI=di, ROPE_PAIRS=freqs.shape[0], BLOCK_E=block_e, CHUNK=chunk, BLOCK_R=16, COPY_C=min(128, hd),
         ACT_BF16=dtype == torch.bfloat16, DOT_FP32=dot_fp32, LIBDEVICE=kv_pool.is_cuda,
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
 
 
