@@ -49,6 +49,7 @@ PHILOX_W1 = tl.constexpr(0xBB67AE85)
 RADIX_BITS = tl.constexpr(4)
 NUM_PIVOTS = tl.constexpr(16)
 NUM_DIGITS = tl.constexpr(8)
+DRAW_GROUP = 8  # chunks per partial sum of the draw's two-level scan
 
 
 @triton.jit
@@ -224,29 +225,32 @@ def _sampler_kernel(
     temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride,
     token_ptr, logprob_ptr, error_ptr, case,
     NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride  # [V] fp32 or bf16
     ban_row = ban_ptr + row * ban_stride  # [NUM_BANS] int32, −1 padded
-    chunk_ids = tl.arange(0, CHUNKS_POW2)
 
     # Pass 1: max and argmax of the banned logits (ties → lowest id), and the error flags.
     no_error = num_tokens < 0
-    m = tl.full([], float("-inf"), tl.float32)
-    arg = tl.zeros([], tl.int32)
-    bad = tl.zeros([], tl.int32)
-    finite = tl.zeros([], tl.int32)
+    # Per-lane running values, reduced once after the loop: a lane's arg is its first id of its max
+    # (chunks go up in id order), so the lowest id among the lanes holding the row max is the argmax.
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_arg = tl.zeros([BLOCK], tl.int32)
+    lane_bad = tl.zeros([BLOCK], tl.int1)
+    lane_finite = tl.zeros([BLOCK], tl.int1)
     for c in range(NUM_CHUNKS):
         offs = c * BLOCK + tl.arange(0, BLOCK)
         x = _load(row_ptr, ban_row, offs, num_tokens, no_error, NUM_BANS)
-        bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0))
-        finite = tl.maximum(finite, tl.max(((x > float("-inf")) & (x < float("inf"))).to(tl.int32), axis=0))
-        chunk_max = tl.max(x, axis=0)
-        chunk_arg = tl.min(tl.where(x == chunk_max, offs, num_tokens), axis=0)
-        better = chunk_max > m  # strictly: an earlier chunk keeps a tie
-        arg = tl.where(better, chunk_arg, arg)
-        m = tl.where(better, chunk_max, m)
+        lane_bad = lane_bad | (x != x) | (x == float("inf"))
+        lane_finite = lane_finite | ((x > float("-inf")) & (x < float("inf")))
+        better = x > lane_max  # strictly: an earlier id keeps a tie
+        lane_arg = tl.where(better, offs, lane_arg)
+        lane_max = tl.where(better, x, lane_max)
+    m = tl.max(lane_max, axis=0)
+    arg = tl.min(tl.where(lane_max == m, lane_arg, num_tokens), axis=0)
+    bad = tl.max(lane_bad.to(tl.int32), axis=0)
+    finite = tl.max(lane_finite.to(tl.int32), axis=0)
     err = (bad > 0) | (finite == 0)  # error rows continue as all-zero logits, like the CPU sampler
     m = tl.where(err, 0.0, m)
     arg = tl.where(err, 0, arg)
@@ -280,23 +284,31 @@ def _sampler_kernel(
 
     token = arg
     if not greedy:
-        # The draw: integer masses, their total and per-chunk sums, then one chunk's cumulative sum.
-        per_chunk = tl.zeros([CHUNKS_POW2], tl.int64)
-        for c in range(NUM_CHUNKS):
-            offs = c * BLOCK + tl.arange(0, BLOCK)
-            x = _load(row_ptr, ban_row, offs, num_tokens, err, NUM_BANS)
-            w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
-            per_chunk = tl.where(chunk_ids == c, tl.sum(w, axis=0), per_chunk)
+        # The draw: integer masses, their total and per-group sums (GROUP chunks each: one
+        # cross-thread reduction per group), then the chosen group's cumulative sums chunk by chunk.
+        group_ids = tl.arange(0, GROUPS_POW2)
+        per_group = tl.zeros([GROUPS_POW2], tl.int64)
+        for g in range((NUM_CHUNKS + GROUP - 1) // GROUP):
+            acc = tl.zeros([BLOCK], tl.int64)
+            for i in range(GROUP):
+                offs = (g * GROUP + i) * BLOCK + tl.arange(0, BLOCK)
+                x = _load(row_ptr, ban_row, offs, num_tokens, err, NUM_BANS)
+                acc += _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
+            per_group = tl.where(group_ids == g, tl.sum(acc, axis=0), per_group)
         bits = _philox_bits(tl.load(seed_ptr + row), 3 * tl.load(pos_ptr + row) + case)
         # bits < 2³¹ and the total < 2³², so the product fits int64; threshold < total.
-        threshold = (bits * tl.sum(per_chunk, axis=0)) >> 31
-        # The token is the first id whose inclusive cumulative mass exceeds the threshold.
-        chunk = tl.sum((tl.cumsum(per_chunk, axis=0) <= threshold).to(tl.int32), axis=0)
-        before = tl.sum(tl.where(chunk_ids < chunk, per_chunk, 0), axis=0)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        x = _load(row_ptr, ban_row, offs, num_tokens, err, NUM_BANS)
-        cumulative = before + tl.cumsum(_masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE), axis=0)
-        token = chunk * BLOCK + tl.sum((cumulative <= threshold).to(tl.int32), axis=0)
+        threshold = (bits * tl.sum(per_group, axis=0)) >> 31
+        # The token is the first id whose inclusive cumulative mass exceeds the threshold, i.e. the
+        # number of ids whose cumulative mass is at most the threshold (all ids of earlier groups).
+        group = tl.sum((tl.cumsum(per_group, axis=0) <= threshold).to(tl.int32), axis=0)
+        running = tl.sum(tl.where(group_ids < group, per_group, 0), axis=0)
+        token = group * GROUP * BLOCK
+        for i in range(GROUP):  # ids past the vocabulary weigh 0: never at or below it
+            offs = (group * GROUP + i) * BLOCK + tl.arange(0, BLOCK)
+            x = _load(row_ptr, ban_row, offs, num_tokens, err, NUM_BANS)
+            w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
+            token += tl.sum((running + tl.cumsum(w, axis=0) <= threshold).to(tl.int32), axis=0)
+            running += tl.sum(w, axis=0)
 
     # log_softmax of the processed row at the token: s − log Σ exp(s) (the kept max has s = 0).
     one = tl.zeros([1], tl.int32)
@@ -375,7 +387,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, case: DrawCase | int = 
         banned, banned.stride(0) if banned.shape[1] else 0,
         tokens, logprobs, errors, int(case),
         NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=triton.cdiv(num_tokens, block), CHUNKS_POW2=chunks_pow2,
-        SEL_BLOCK=min(block, 32 * num_warps), LIBDEVICE=logits.is_cuda,
+        SEL_BLOCK=min(block, 32 * num_warps), GROUP=DRAW_GROUP,
+        GROUPS_POW2=triton.next_power_of_2(triton.cdiv(triton.cdiv(num_tokens, block), DRAW_GROUP)), LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,
     )
     return tokens, logprobs, errors
