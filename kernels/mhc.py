@@ -11,8 +11,9 @@ all mixing maths is fp32, the streams keep their dtype. Entry points, h [T, n, D
 - ``collapse(h, pre)`` and ``expand(y, h, mix)`` alone (the final collapse; around Engram layers).
 
 The mix kernel tiles tokens × D: a program owns BLOCK_T tokens and a range of D tiles and loads the
-[BLOCK_T, n, BLOCK_D] stream tile once; the projection fn·v is a tl.dot (3-pass tf32, fp32-accurate)
-against fn [n(n+2) padded to ROWS·n, n·D]. At small T the D range is split over programs; their
+[BLOCK_T, n, BLOCK_D] stream tile once; the projection fn·v is tf32 tl.dots, fp32-accurate: fn is split
+once (``MixWeights``) into a tf32 part and the rest, both fp32, and bf16 streams are exact in tf32, so
+v · fn_hi is exact and v · fn_lo errs by 2^-11 of a 2^-11-sized term (fp32 streams add v_lo · fn_hi). At small T the D range is split over programs; their
 partial products and sums of squares go to a small fp32 buffer and a finishing kernel runs the
 epilogue (scale/bias, sigmoids, 20 Sinkhorn iterations on the n×n matrix in registers).
 """
@@ -31,9 +32,10 @@ NUM_SMS_H200 = 132
 
 
 class MixWeights(NamedTuple):
-    """One site's parameters: fn fp32 [n(n+2), n·D], base fp32 [n(n+2)], scale fp32 [3]."""
+    """One site's parameters: fn_split fp32 [2, n(n+2), n·D] (fn = [0] + [1], [0] exact in tf32),
+    base fp32 [n(n+2)], scale fp32 [3]. Build with ``of`` or ``make``: the split is done once."""
 
-    fn: torch.Tensor
+    fn_split: torch.Tensor
     base: torch.Tensor
     scale: torch.Tensor
     iters: int
@@ -43,8 +45,15 @@ class MixWeights(NamedTuple):
     @classmethod
     def of(cls, hc: torch.nn.Module) -> MixWeights:
         """From a ``model.deepseek_v41.mhc.HyperConnection``."""
-        return cls(hc.fn.detach().float(), hc.base.detach().float(), hc.scale.detach().float(), hc.iters, hc.eps,
-                   hc.norm_eps)
+        return cls.make(hc.fn.detach(), hc.base.detach(), hc.scale.detach(), hc.iters, hc.eps, hc.norm_eps)
+
+    @classmethod
+    def make(cls, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+             norm_eps: float) -> MixWeights:
+        fn = fn.float().contiguous()
+        hi = (fn.view(torch.int32) & -8192).view(torch.float32)  # 10 mantissa bits: exact in tf32
+        return cls(torch.stack((hi, fn - hi)), base.float().contiguous(), scale.float().contiguous(), iters, eps,
+                   norm_eps)
 
 
 class MixResult(NamedTuple):
@@ -54,19 +63,14 @@ class MixResult(NamedTuple):
 
 
 @triton.jit
-def _expand_tile(y_ptr, h_ptr, post_ptr, comb_ptr, t, s, d, t_ok, ok, y_stride, h_stride_t, h_stride_s,
-                 N: tl.constexpr, out_ty: tl.constexpr):
-    """New streams k = post_k · y + Σ_j comb[j, k] · h_j on a [BT, N, BD] tile, rounded to ``out_ty``
-    (then back to fp32: what a consumer reading the stored streams sees). t [BT,1,1], s [1,N,1], d [1,1,BD]."""
-    y = tl.load(y_ptr + t * y_stride + d, mask=ok, other=0.0).to(tl.float32)  # [BT, 1, BD]
-    post = tl.load(post_ptr + t * N + s, mask=t_ok, other=0.0)  # [BT, N, 1]
-    acc = post * y
-    mixed = tl.zeros_like(acc)
-    for j in tl.static_range(N):
-        h_j = tl.load(h_ptr + t * h_stride_t + j * h_stride_s + d, mask=ok, other=0.0).to(tl.float32)  # [BT,1,BD]
-        c_jk = tl.load(comb_ptr + t * (N * N) + j * N + s, mask=t_ok, other=0.0)  # [BT, N, 1]
-        mixed += c_jk * h_j
-    return (acc + mixed).to(out_ty).to(tl.float32)
+def _expand_stream(y, h3, post_ptr, comb_ptr, t, t_ok, k, N: tl.constexpr, out_ty: tl.constexpr):
+    """New stream k = post_k · y + Σ_j comb[j, k] · h_j on a [BT, BD] tile, from y [BT, BD] and the
+    source streams h3 [BT, N, BD] (t [BT, 1] token ids), rounded to ``out_ty`` and back to fp32: what a
+    consumer of the stored streams reads."""
+    post = tl.load(post_ptr + t * N + k, mask=t_ok, other=0.0)  # [BT, 1]
+    j = tl.arange(0, N)[None, :]
+    comb = tl.load(comb_ptr + t * (N * N) + j * N + k, mask=t_ok, other=0.0)  # [BT, N]: column k
+    return (post * y + tl.sum(comb[:, :, None] * h3, axis=1)).to(out_ty).to(tl.float32)
 
 
 @triton.jit
@@ -104,47 +108,61 @@ def _mix_kernel(
     h_ptr, y_ptr, in_post_ptr, in_comb_ptr, h_out_ptr, cpre_ptr, x_ptr, fn_ptr, base_ptr, scale_ptr,
     part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr,
     num_tokens, dim, h_stride_t, h_stride_s, y_stride, norm_eps, eps,
-    N: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    EXPAND: tl.constexpr, COLLAPSE: tl.constexpr, ITERS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    N: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, EXPAND: tl.constexpr, COLLAPSE: tl.constexpr, ITERS: tl.constexpr,
+    V_EXACT: tl.constexpr,
 ):
-    """Grid (token tiles, SPLIT). h_out [T, N, D] and x [T, D] are contiguous; part [SPLIT, T, ROWS·N]."""
-    pid_t = tl.program_id(0)
+    """Grid (token tiles, SPLIT); split i owns D tiles [i·TILES, (i+1)·TILES). h_out [T, N, D] and
+    x [T, D] are contiguous; part [SPLIT, T, ROWS·N], sq [SPLIT, T]. The K = N·D projection runs one
+    stream at a time: acc += v_k [BT, BD] · fn[:, k·D + d]ᵀ [BD, ROWS·N]. V_EXACT: the streams are
+    bf16/fp16, exact in tf32."""
+    t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
-    t0 = pid_t * BLOCK_T
     t1 = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t = t1[:, None, None]  # [BT, 1, 1]
-    s = tl.arange(0, N)[None, :, None]  # [1, N, 1]
-    c = tl.arange(0, ROWS * N)[:, None, None]  # [ROWS·N, 1, 1] fn rows; ≥ N(N+2) are padding
+    t = t1[:, None]  # [BT, 1]
+    t_ok = t < num_tokens
+    c = tl.arange(0, ROWS * N)[:, None]  # [ROWS·N, 1] fn rows; ≥ N(N+2) are padding
     k_total = N * dim
     acc = tl.zeros((BLOCK_T, ROWS * N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    if COLLAPSE:
-        cpre = tl.load(cpre_ptr + t * N + s, mask=t < num_tokens, other=0.0)  # [BT, N, 1]
     for i in range(TILES):  # constexpr trip count: the interpreter (Triton 3.6) rejects runtime bounds
-        d1 = (split * TILES + i) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d = d1[None, None, :]  # [1, 1, BD]
-        ok = (t < num_tokens) & (d < dim)
+        d = ((split * TILES + i) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]  # [1, BD]
+        ok = t_ok & (d < dim)
         if EXPAND:
-            v = _expand_tile(y_ptr, h_ptr, in_post_ptr, in_comb_ptr, t, s, d, t < num_tokens, ok, y_stride, h_stride_t, h_stride_s,
-                             N, h_out_ptr.dtype.element_ty)
-            tl.store(h_out_ptr + t * k_total + s * dim + d, v.to(h_out_ptr.dtype.element_ty), mask=ok & (s < N))
-        else:
-            v = tl.load(h_ptr + t * h_stride_t + s * h_stride_s + d, mask=ok, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + t * y_stride + d, mask=ok, other=0.0).to(tl.float32)
+            h3 = tl.load(h_ptr + t[:, :, None] * h_stride_t + tl.arange(0, N)[None, :, None] * h_stride_s
+                         + d[:, None, :], mask=ok[:, None, :], other=0.0).to(tl.float32)  # [BT, N, BD]
         if COLLAPSE:
-            x = tl.sum(cpre * v, axis=1)  # [BT, BD]
-            x_ok = (t1 < num_tokens)[:, None] & (d1 < dim)[None, :]
-            tl.store(x_ptr + t1[:, None] * dim + d1[None, :], x.to(x_ptr.dtype.element_ty), mask=x_ok)
-        sumsq += tl.sum(tl.sum(v * v, axis=2), axis=1)
-        w = tl.load(fn_ptr + c * k_total + s * dim + d, mask=(c < N * (N + 2)) & (d < dim), other=0.0)
-        acc = tl.dot(tl.reshape(v, (BLOCK_T, N * BLOCK_D)), tl.trans(tl.reshape(w, (ROWS * N, N * BLOCK_D))), acc,
-                     input_precision=DOT_PRECISION)
+            x = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for k in range(N):  # a loop, not unrolled: one stream's tiles live at a time
+            if EXPAND:
+                v = _expand_stream(y, h3, in_post_ptr, in_comb_ptr, t, t_ok, k, N, h_out_ptr.dtype.element_ty)
+                tl.store(h_out_ptr + t * k_total + k * dim + d, v.to(h_out_ptr.dtype.element_ty), mask=ok)
+            else:
+                v = tl.load(h_ptr + t * h_stride_t + k * h_stride_s + d, mask=ok, other=0.0).to(tl.float32)
+            if COLLAPSE:
+                x += tl.load(cpre_ptr + t * N + k, mask=t_ok, other=0.0) * v
+            sumsq += tl.sum(v * v, axis=1)
+            w_ptr = fn_ptr + c * k_total + k * dim + d
+            w_ok = (c < N * (N + 2)) & (d < dim)
+            w_hi = tl.trans(tl.load(w_ptr, mask=w_ok, other=0.0))
+            w_lo = tl.trans(tl.load(w_ptr + N * (N + 2) * k_total, mask=w_ok, other=0.0))
+            if V_EXACT:
+                acc = tl.dot(v, w_lo, acc, input_precision="tf32")
+                acc = tl.dot(v, w_hi, acc, input_precision="tf32")
+            else:
+                v_hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                acc = tl.dot(v, w_lo, acc, input_precision="tf32")
+                acc = tl.dot(v - v_hi, w_hi, acc, input_precision="tf32")
+                acc = tl.dot(v_hi, w_hi, acc, input_precision="tf32")
+        if COLLAPSE:
+            tl.store(x_ptr + t * dim + d, x.to(x_ptr.dtype.element_ty), mask=ok)
     if SPLIT == 1:
         _mix_epilogue(acc, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
                       norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
     else:
-        cols = tl.arange(0, ROWS * N)[None, :]
         row = split * num_tokens + t1
-        tl.store(part_ptr + row[:, None] * (ROWS * N) + cols, acc, mask=(t1 < num_tokens)[:, None])
+        tl.store(part_ptr + row[:, None] * (ROWS * N) + tl.arange(0, ROWS * N)[None, :], acc, mask=t_ok)
         tl.store(sq_ptr + row, sumsq, mask=t1 < num_tokens)
 
 
@@ -185,13 +203,16 @@ def _collapse_kernel(h_ptr, pre_ptr, x_ptr, num_tokens, dim, h_stride_t, h_strid
 @triton.jit
 def _expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, num_tokens, dim, y_stride, h_stride_t, h_stride_s,
                    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None].to(tl.int64)
-    s = tl.arange(0, N)[None, :, None]
-    d = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, None, :]
-    ok = (t < num_tokens) & (d < dim)
-    v = _expand_tile(y_ptr, h_ptr, post_ptr, comb_ptr, t, s, d, t < num_tokens, ok, y_stride, h_stride_t, h_stride_s, N,
-                     out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * (N * dim) + s * dim + d, v.to(out_ptr.dtype.element_ty), mask=ok & (s < N))
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+    d = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    t_ok = t < num_tokens
+    ok = t_ok & (d < dim)
+    y = tl.load(y_ptr + t * y_stride + d, mask=ok, other=0.0).to(tl.float32)
+    h3 = tl.load(h_ptr + t[:, :, None] * h_stride_t + tl.arange(0, N)[None, :, None] * h_stride_s + d[:, None, :],
+                 mask=ok[:, None, :], other=0.0).to(tl.float32)  # [BT, N, BD]
+    for k in tl.static_range(N):
+        v = _expand_stream(y, h3, post_ptr, comb_ptr, t, t_ok, k, N, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * (N * dim) + k * dim + d, v.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------- launchers
@@ -222,10 +243,10 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
 
 def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: MixWeights,
                 collapse_pre: torch.Tensor | None, block_t: int | None, split: int | None,
-                num_warps: int | None, dot_precision: str) -> MixResult:
+                num_warps: int | None) -> MixResult:
     num_tokens, n, dim = h.shape
-    if w.fn.shape != (n * (n + 2), n * dim) or w.base.shape != (n * (n + 2),) or w.scale.shape != (3,):
-        raise ValueError(f"mix weights {tuple(w.fn.shape)}, {tuple(w.base.shape)}, {tuple(w.scale.shape)} "
+    if w.fn_split.shape != (2, n * (n + 2), n * dim) or w.base.shape != (n * (n + 2),) or w.scale.shape != (3,):
+        raise ValueError(f"mix weights {tuple(w.fn_split.shape)}, {tuple(w.base.shape)}, {tuple(w.scale.shape)} "
                          f"do not fit n={n}, D={dim}")
     if n & (n - 1):
         raise ValueError(f"hc_mult must be a power of two here, got {n}")
@@ -242,17 +263,16 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
     block_t, block_d, per, num_splits = _mix_config(num_tokens, dim, block_t, split)
     part = torch.empty(num_splits if num_splits > 1 else 0, num_tokens, rows * n, device=dev)
     sq = torch.empty(num_splits if num_splits > 1 else 0, num_tokens, device=dev)
-    fn = w.fn.contiguous()
     dummy = pre  # stands in for pointers a variant does not read
     grid = (triton.cdiv(num_tokens, block_t), num_splits)
     _mix_kernel[grid](
         h, y if expanding else dummy, mix_in.post.contiguous() if expanding else dummy,
         mix_in.comb.contiguous() if expanding else dummy, h_out,
         collapse_pre.reshape(num_tokens, n).float().contiguous() if x is not None else dummy,
-        x if x is not None else dummy, fn, w.base, w.scale, part, sq, pre, post, comb,
+        x if x is not None else dummy, w.fn_split, w.base, w.scale, part, sq, pre, post, comb,
         num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
         N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
-        COLLAPSE=x is not None, ITERS=w.iters, DOT_PRECISION=dot_precision,
+        COLLAPSE=x is not None, ITERS=w.iters, V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps or (8 if block_t >= 64 else 4),
     )
     if num_splits > 1:
@@ -265,24 +285,22 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
 
 
 def mhc_mix(h: torch.Tensor, w: MixWeights, collapse_pre: torch.Tensor | None = None, *,
-            block_t: int | None = None, split: int | None = None, num_warps: int | None = None,
-            dot_precision: str = "tf32x3") -> MixResult:
+            block_t: int | None = None, split: int | None = None, num_warps: int | None = None) -> MixResult:
     """Mix(h) for one site, h [..., n, D]; with ``collapse_pre`` [..., n] also Collapse(h, collapse_pre).
 
     Mix fields come back as [T, n] / [T, n, n] fp32 (T = the leading dims flattened); ``x`` [T, D]."""
-    return _launch_mix(_streams(h), None, None, w, collapse_pre, block_t, split, num_warps, dot_precision)
+    return _launch_mix(_streams(h), None, None, w, collapse_pre, block_t, split, num_warps)
 
 
 def mhc_expand_mix(y: torch.Tensor, h: torch.Tensor, mix: Mix, w: MixWeights,
                    collapse_pre: torch.Tensor | None = None, *, block_t: int | None = None,
-                   split: int | None = None, num_warps: int | None = None,
-                   dot_precision: str = "tf32x3") -> MixResult:
+                   split: int | None = None, num_warps: int | None = None) -> MixResult:
     """h' = Expand(y, h, mix) (y [..., D], h [..., n, D], h' in y.dtype), then Mix(h') with ``w`` and,
     with ``collapse_pre``, Collapse(h', collapse_pre): one read of y and h, one write of h'."""
     h3 = _streams(h)
     num_tokens, n, _ = h3.shape
     mix_in = Mix(mix.pre, mix.post.reshape(num_tokens, n).float(), mix.comb.reshape(num_tokens, n, n).float())
-    return _launch_mix(h3, _rows(y), mix_in, w, collapse_pre, block_t, split, num_warps, dot_precision)
+    return _launch_mix(h3, _rows(y), mix_in, w, collapse_pre, block_t, split, num_warps)
 
 
 def _elementwise_config(num_tokens: int, dim: int) -> tuple[int, int, tuple[int, int]]:

@@ -108,3 +108,84 @@ def test_mix_collapse_expand_interpreted(num_tokens, dim, dtype):
         torch.testing.assert_close(fused.x, x_f, rtol=1e-5, atol=1e-5)
     else:
         _bf16_close(fused.x, x_f)
+
+
+def test_tiny_preset_layer_chain_interpreted():
+    """Two layers' mHC as the model runs them (spec §3.1), from the first h (n stride-0 copies of the
+    embedding, [B, S, n, D]) and the one-hot initial pre, through the fused kernels, vs the module."""
+    gen = torch.Generator().manual_seed(7)
+    sites = [_site(TINY, gen) for _ in range(4)]  # attn, ffn of layer 0; attn, ffn of layer 1
+    e = torch.randn(2, 3, TINY.hidden_size, generator=gen)
+    h = e.unsqueeze(2).expand(-1, -1, TINY.hc_mult, -1)  # [B, S, n, D], stride 0 over n
+    pre = ref.initial_pre(e.shape[:2], TINY.hc_mult)
+    outs = [torch.randn(2, 3, TINY.hidden_size, generator=gen) for _ in range(4)]  # sublayer outputs
+    k = load_interpreted("mhc")
+    weights = [k.MixWeights.of(s) for s in sites]
+    with interpreter():
+        step = k.mhc_mix(h, weights[0], pre)
+        xs, mix, h_k = [step.x], step.mix, step.h
+        for i in range(1, 4):  # a sublayer's output expands the streams; the next site mixes them and
+            # collapses them with the previous site's pre (spec §3.1)
+            step = k.mhc_expand_mix(outs[i - 1], h_k, mix, weights[i], mix.pre)
+            mix, h_k = step.mix, step.h
+            xs.append(step.x)
+        h_last = k.expand(outs[3], h_k, mix)
+        y = k.collapse(h_last, mix.pre)
+    with torch.no_grad():
+        h_r, pre_r, xs_r = h, pre, []
+        for layer in range(2):
+            mix_a = sites[2 * layer](h_r)
+            xs_r.append(ref.collapse(h_r, pre_r))
+            h_r = ref.expand(outs[2 * layer], h_r, mix_a)
+            mix_f = sites[2 * layer + 1](h_r)
+            xs_r.append(ref.collapse(h_r, mix_a.pre))
+            h_r = ref.expand(outs[2 * layer + 1], h_r, mix_f)
+            pre_r = mix_f.pre
+        y_r = ref.collapse(h_r, pre_r)
+    for x, x_r in zip(xs, xs_r):
+        torch.testing.assert_close(x.view(x_r.shape), x_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_last.view(h_r.shape), h_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.view(y_r.shape), y_r, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_problem_builds_on_cpu():
+    from services.bench import kernels_mhc
+
+    p = kernels_mhc.problem(3, torch.Generator().manual_seed(0), device="cpu", hidden=64)
+    assert p["h"].shape == (3, 4, 64) and p["mix"].comb.shape == (3, 4, 4)
+    for fn in kernels_mhc.torch_ops(p).values():
+        fn()
+
+
+def _gpu_problem(num_tokens: int):
+    cfg = V41_S1
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    hc_a, hc_f = _site(cfg, gen, "cuda"), _site(cfg, gen, "cuda")
+    h = _streams(num_tokens, cfg, torch.bfloat16, gen, "cuda")
+    y = (torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    pre = torch.rand(num_tokens, cfg.hc_mult, generator=gen, device="cuda")
+    return hc_a, hc_f, h, y, pre
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_mhc_gpu_matches_module(num_tokens):
+    from kernels import mhc
+
+    hc_a, hc_f, h, y, pre = _gpu_problem(num_tokens)
+    w_a, w_f = mhc.MixWeights.of(hc_a), mhc.MixWeights.of(hc_f)
+    mix_a = _ref_mix(hc_a, h)
+    got = mhc.mhc_mix(h, w_a, pre)
+    _check_mix(got.mix, mix_a)
+    _bf16_close(got.x, _ref_collapse(h, pre))
+    h_new = _ref_expand(y, h, mix_a)
+    _bf16_close(mhc.expand(y, h, mix_a), h_new)
+    _bf16_close(mhc.collapse(h, pre), _ref_collapse(h, pre))
+    fused = mhc.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre)
+    _bf16_close(fused.h, h_new)
+    _check_mix(fused.mix, _ref_mix(hc_f, fused.h))
+    _check_mix(fused.mix, _ref_mix(hc_f, h_new), rel=1e-4)  # h' may differ from the module's by a bf16 step
+    _bf16_close(fused.x, _ref_collapse(fused.h, mix_a.pre))
+    for split in (1, 3):  # the fused epilogue and the partial-products path at every size
+        _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a)
