@@ -17,10 +17,8 @@ Two kernels, one query row per request (rows of one batch share nothing, so no k
    fp32, so scores differ from the reference's einsum by summation order only. Options: candidate
    block mask (uint8 [R, ceil(W/CB)]) to score only inside, and the level-1 block maxima (the
    newest visible block forced to +∞) written for the candidate source.
-2. ``_select_kernel``: per row, the k best finite scores (ties → lower index) by a bitwise binary
-   search for the k-th largest order-preserving 32-bit key over the row held in registers (one pass
-   per bit, stopping once exactly k keys are ≥ the prefix), then a compaction in ascending index
-   order (−1 padding), or a uint8 mask (the candidate blocks).
+2. ``kernels/indexer_topk.py``: per row, the k best finite scores with ties to the lower index, as
+   ascending indices (level 2) or a mask (level 1's candidate blocks).
 
 Graph-safe: every size comes from the caller's width; positions and tables are device tensors.
 """
@@ -30,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.indexer_topk import select_topk
 
 # e2m1 s|eem → e4m3 s|0eem|00 (the same number times 2^-6), four bytes at once, then two f16 pairs.
 _ASM_EVEN = tl.constexpr("""{
@@ -232,55 +232,6 @@ def _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_pt
         _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
 
 
-@triton.jit
-def _order_key(s):
-    """fp32 → uint32 with u(a) < u(b) iff a < b; −0 maps with +0 (the reference's sort ties them)."""
-    bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
-    sign = tl.full([], 1, tl.uint32) << 31
-    return tl.where((bits & sign) != 0, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | sign)
-
-
-@triton.jit
-def _select_kernel(scores_ptr, out_ptr, width, k, out_width, scores_stride_r, out_stride_r,
-                   BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    scores_row = scores_ptr + row * scores_stride_r
-    out_row = out_ptr + row * out_stride_r
-    j = tl.arange(0, BLOCK_W)
-    u = _order_key(tl.load(scores_row + j, mask=j < width, other=float("-inf")))  # the row, in registers
-    neg_inf = tl.full([], 0x007FFFFF, tl.uint32)  # u(−∞)
-    kk = tl.minimum(k, tl.sum((u > neg_inf).to(tl.int32)))  # never pick a −∞ entry
-    # The largest t with #{u ≥ t} ≥ kk, bit by bit from the top; #{u ≥ t} = kk ends it early.
-    t = tl.full([], 0, tl.uint32)
-    bit = 31
-    done = 0
-    while (bit >= 0) & (done == 0):
-        cand = t | (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))
-        c = tl.sum((u >= cand).to(tl.int32))
-        t = tl.where(c >= kk, cand, t)
-        done = (c == kk).to(tl.int32)
-        bit -= 1
-    need = kk - tl.sum((u > t).to(tl.int32))  # ties at t, taken in index order
-    # Compaction in index order, a chunk at a time (the row again, from L2): keeps registers for u.
-    taken = 0
-    ties = 0
-    for c0 in range(0, BLOCK_W, CHUNK):
-        i = c0 + tl.arange(0, CHUNK)
-        v = _order_key(tl.load(scores_row + i, mask=i < width, other=float("-inf")))
-        eq = (v == t).to(tl.int32)
-        sel = (v > t) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
-        if MASK_OUT:
-            tl.store(out_row + i, sel.to(tl.uint8), mask=i < width)
-        else:
-            slot = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(out_row + slot, i.to(tl.int32), mask=sel)
-        taken += tl.sum(sel.to(tl.int32))
-        ties += tl.sum(eq)
-    if not MASK_OUT:
-        i = tl.arange(0, BLOCK_K)
-        tl.store(out_row + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= kk) & (i < out_width))
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
@@ -343,34 +294,11 @@ def indexer_scores(
         num_heads, width, num_tiles, num_blocks, ratio, key_pool.shape[1],
         q.stride(0), q.stride(1), w.stride(0), pool.stride(0), pool.stride(1), block_tables.stride(0),
         0 if cand is None else cand.stride(0), scores.stride(0), 0 if blocks is None else blocks.stride(0),
-        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), D=dim, BLOCK_N=block_n, SPLITS=splits, CB=cb, USE_CAND=cand is not None,
-        BLOCK_MAX=block_max, WORDS=words, ASM=asm, DOT_FP32=dot_fp32, FOR_LOOPS=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), D=dim, BLOCK_N=block_n, SPLITS=splits, CB=cb,
+        USE_CAND=cand is not None, BLOCK_MAX=block_max, WORDS=words, ASM=asm, DOT_FP32=dot_fp32,
+        FOR_LOOPS=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )
     return scores, blocks
-
-
-def select_topk(scores: torch.Tensor, k: int, *, as_mask: bool = False, num_warps: int | None = None
-                ) -> torch.Tensor:
-    """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, min(k, W)]
-    ascending with −1 padding (``select_entries``), or with ``as_mask`` a uint8 [R, W] mask."""
-    num_rows, width = scores.shape
-    out_width = min(k, width)
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    if as_mask:
-        out = torch.empty(num_rows, width, dtype=torch.uint8, device=scores.device)
-    else:
-        out = torch.empty(num_rows, out_width, dtype=torch.int32, device=scores.device)
-    if num_rows == 0 or width == 0:
-        return out
-    block_w = triton.next_power_of_2(width)
-    if num_warps is None:  # ≤ 64 keys per thread
-        num_warps = min(16, max(4, block_w // 2048))
-    _select_kernel[(num_rows,)](
-        scores, out, width, k, out_width, scores.stride(0), out.stride(0),
-        BLOCK_W=block_w, CHUNK=min(block_w, 1024), BLOCK_K=triton.next_power_of_2(max(out_width, 1)), MASK_OUT=as_mask, num_warps=num_warps,
-    )
-    return out
 
 
 def indexer_select(

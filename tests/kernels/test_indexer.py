@@ -5,6 +5,8 @@ on CPU at small shapes, and compiled on a GPU at the V41 Flash shapes (Hi 32, di
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ def indexer_problem(num_rows: int, heads: int, dim: int, epb: int, ratio: int, c
                     device: str = "cpu", positions: torch.Tensor | None = None) -> dict:
     """Random FP4 keys written into a pool in the cache's byte layout (other bytes between blocks), each
     row with its own shuffled block table over ``context // ratio`` entries; FP4-rounded queries."""
-    rng = dict(generator=gen, device=device)
+    rng: dict[str, Any] = dict(generator=gen, device=device)
     key_bytes = dim // 2 + dim // INDEXER_BLOCK
     width = context // ratio
     per_row = -(-width // epb)

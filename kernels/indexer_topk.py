@@ -1,0 +1,92 @@
+"""Per-row top-k of fp32 scores with ties to the lower index, for the indexer (``kernels/indexer.py``):
+the set ``model/deepseek_v41/indexer.py``'s ``select_entries`` / ``candidate_mask`` keep (a stable
+descending sort's first k, −∞ never kept), as ascending int32 indices with −1 padding or a uint8 mask.
+
+One program per row holds the row in registers as order-preserving 32-bit keys and finds the k-th
+largest key t by a bitwise binary search (the largest t with #{key ≥ t} ≥ k, one counting pass per
+bit from the top, stopping as soon as exactly k keys are ≥ the prefix: ~15–20 passes on real
+scores); then a pass in index order (the row again, a chunk at a time) keeps every key > t and the
+first k − #{key > t} keys equal to t, compacted by a prefix sum. No sort, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_key(s):
+    """fp32 → uint32 with u(a) < u(b) iff a < b; −0 maps with +0 (the reference's sort ties them)."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
+    sign = tl.full([], 1, tl.uint32) << 31
+    return tl.where((bits & sign) != 0, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | sign)
+
+
+@triton.jit
+def _select_kernel(scores_ptr, out_ptr, width, k, out_width, scores_stride_r, out_stride_r,
+                   BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    scores_row = scores_ptr + row * scores_stride_r
+    out_row = out_ptr + row * out_stride_r
+    j = tl.arange(0, BLOCK_W)
+    u = _order_key(tl.load(scores_row + j, mask=j < width, other=float("-inf")))  # the row, in registers
+    neg_inf = tl.full([], 0x007FFFFF, tl.uint32)  # u(−∞)
+    kk = tl.minimum(k, tl.sum((u > neg_inf).to(tl.int32)))  # never pick a −∞ entry
+    # The largest t with #{u ≥ t} ≥ kk, bit by bit from the top; #{u ≥ t} = kk ends it early.
+    t = tl.full([], 0, tl.uint32)
+    bit = 31
+    done = 0
+    while (bit >= 0) & (done == 0):
+        cand = t | (tl.full([], 1, tl.uint32) << tl.cast(bit, tl.uint32))
+        c = tl.sum((u >= cand).to(tl.int32))
+        t = tl.where(c >= kk, cand, t)
+        done = (c == kk).to(tl.int32)
+        bit -= 1
+    need = kk - tl.sum((u > t).to(tl.int32))  # ties at t, taken in index order
+    # Compaction in index order, a chunk at a time (the row again, from L2): keeps registers for u.
+    taken = 0
+    ties = 0
+    for c0 in range(0, BLOCK_W, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        v = _order_key(tl.load(scores_row + i, mask=i < width, other=float("-inf")))
+        eq = (v == t).to(tl.int32)
+        sel = (v > t) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
+        if MASK_OUT:
+            tl.store(out_row + i, sel.to(tl.uint8), mask=i < width)
+        else:
+            slot = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(out_row + slot, i.to(tl.int32), mask=sel)
+        taken += tl.sum(sel.to(tl.int32))
+        ties += tl.sum(eq)
+    if not MASK_OUT:
+        i = tl.arange(0, BLOCK_K)
+        tl.store(out_row + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= kk) & (i < out_width))
+
+
+def select_topk(scores: torch.Tensor, k: int, *, as_mask: bool = False, num_warps: int | None = None
+                ) -> torch.Tensor:
+    """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, min(k, W)]
+    ascending with −1 padding (``select_entries``), or with ``as_mask`` a uint8 [R, W] mask."""
+    num_rows, width = scores.shape
+    out_width = min(k, width)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if as_mask:
+        out = torch.empty(num_rows, width, dtype=torch.uint8, device=scores.device)
+    else:
+        out = torch.empty(num_rows, out_width, dtype=torch.int32, device=scores.device)
+    if num_rows == 0 or width == 0:
+        return out
+    block_w = triton.next_power_of_2(width)
+    if block_w > 65536:
+        raise ValueError(f"select_topk holds a row in registers: width {width} > 65536")
+    if num_warps is None:  # ≤ 64 keys per thread (32K: 109 registers, no spills)
+        num_warps = min(16, max(4, block_w // 2048))
+    _select_kernel[(num_rows,)](
+        scores, out, width, k, out_width, scores.stride(0), out.stride(0),
+        BLOCK_W=block_w, CHUNK=min(block_w, 1024), BLOCK_K=triton.next_power_of_2(max(out_width, 1)),
+        MASK_OUT=as_mask, num_warps=num_warps,
+    )
+    return out
