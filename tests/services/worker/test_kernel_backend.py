@@ -10,6 +10,7 @@ real scheduler through chunked prefill and decode, compared with the full-sequen
 from __future__ import annotations
 
 import copy
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -357,6 +358,10 @@ def test_gpu_decode_step_runs_the_triton_kernels_and_no_torch_reference(precisio
                 out = runner.execute(plan, all_rows=True)
                 torch.cuda.synchronize()
         names.update(e.name for e in prof.events())
+        if os.environ.get("KERNEL_BACKEND_PROFILE_DIR"):  # the whole table, for a report
+            table = prof.key_averages().table(sort_by="device_time_total", row_limit=80)
+            with open(os.path.join(os.environ["KERNEL_BACKEND_PROFILE_DIR"], f"decode_{precision}.txt"), "w") as f:
+                f.write(table)
         return out
 
     drive(c, runner, 64, on_plan)
