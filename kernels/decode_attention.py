@@ -42,12 +42,12 @@ def _e4m3_to_f32(byte):
 
 
 @triton.jit
-def _e2m1_to_f32(nibble):
-    """4-bit e2m1 codes (int32 0..15) → fp32: {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign."""
-    mag = nibble & 7
-    normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)  # 2^(e−1) · (1 + m/2)
-    value = tl.where(mag < 2, (mag & 1).to(tl.float32) * 0.5, normal)
-    return tl.where(nibble >= 8, -value, value)
+def _e2m1_to_f32_scaled(nibble):
+    """4-bit e2m1 codes (int32 0..15; {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign) → fp32 value · 2^−14,
+    exactly: the bits s|ee|m placed as fp16 s|000ee|m000000000 read 2^(e−15)·(1 + m/2) for e ≥ 1 and
+    (m/2)·2^−14 for e = 0 (an fp16 subnormal); no compare or select."""
+    bits = ((nibble & 8) << 12) | ((nibble & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -62,10 +62,10 @@ def _window_keys(codes, scale_bytes, BLOCK_N: tl.constexpr, D: tl.constexpr):
 def _entry_keys(packed, scale_bytes, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """packed [BLOCK_N, D/2] (byte i: channel 2i low nibble, 2i+1 high), scale_bytes [BLOCK_N, D/16]
     e4m3 (one per 16 channels = 8 bytes) → keys fp32 [BLOCK_N, D]."""
-    scale = _e4m3_to_f32(scale_bytes)[:, :, None]
+    scale = (_e4m3_to_f32(scale_bytes) * 16384.0)[:, :, None]  # · 2^14 undoes the decode's 2^−14, exactly
     nibbles = packed.to(tl.int32)
-    lo = tl.reshape(_e2m1_to_f32(nibbles & 15), [BLOCK_N, D // 16, 8]) * scale
-    hi = tl.reshape(_e2m1_to_f32(nibbles >> 4), [BLOCK_N, D // 16, 8]) * scale
+    lo = tl.reshape(_e2m1_to_f32_scaled(nibbles & 15), [BLOCK_N, D // 16, 8]) * scale
+    hi = tl.reshape(_e2m1_to_f32_scaled(nibbles >> 4), [BLOCK_N, D // 16, 8]) * scale
     return tl.reshape(tl.join(lo, hi), [BLOCK_N, D])
 
 
@@ -160,15 +160,16 @@ def _decode_attention_kernel(
     ring_size, entries_per_block, scale_log2e,
     WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    KEYS: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     WIN_BLOCKS: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
     ENT_BLOCKS: tl.constexpr = (TOPK + BLOCK_N - 1) // BLOCK_N
-    WIN_SPLITS: tl.constexpr = (WIN_BLOCKS + BLOCKS_PER_SPLIT - 1) // BLOCKS_PER_SPLIT
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    first = tl.program_id(2) * BLOCKS_PER_SPLIT  # this split's first block of its kind of keys
+    # Partials' split index: the window's splits first, then the entries'.
+    split = tl.program_id(2) + (0 if KEYS == 1 else (WIN_BLOCKS + BLOCKS_PER_SPLIT - 1) // BLOCKS_PER_SPLIT)
     h_ok = heads < num_heads
     ch = tl.arange(0, D)
 
@@ -185,24 +186,24 @@ def _decode_attention_kernel(
     acc = tl.zeros([BLOCK_H, D], tl.float32)
 
     # Keys in blocks of BLOCK_N: the window's, then the entries'. One program takes all of them
-    # (SPLITS 1) or BLOCKS_PER_SPLIT blocks of one kind (the first WIN_SPLITS splits the window's).
+    # (KEYS 0, SPLITS 1) or BLOCKS_PER_SPLIT blocks of one kind (KEYS 1: window, 2: entries; one launch
+    # each, so no kernel holds both pipelined loops behind a branch: that spilled).
     # The loops have constexpr trip counts (blocks past the end are masked): scf.for loops, which
     # Triton software-pipelines (block b+1's raw bytes in flight by cp.async while block b is
     # dequantised and multiplied), and which the interpreter can run.
-    if SPLITS == 1:
+    if KEYS == 0:
         m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, 0,
                                    WIN_BLOCKS, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
         m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
                                   pool_stride_entry, scale_log2e, 0, ENT_BLOCKS, TOPK, D, BLOCK_N, NUM_STAGES,
                                   precision)
-    elif split < WIN_SPLITS:
-        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e,
-                                   split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT, WINDOW, D, BLOCK_N, NUM_STAGES,
-                                   precision)
+    elif KEYS == 1:
+        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, first,
+                                   BLOCKS_PER_SPLIT, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
     else:
         m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                                  pool_stride_entry, scale_log2e, (split - WIN_SPLITS) * BLOCKS_PER_SPLIT,
-                                  BLOCKS_PER_SPLIT, TOPK, D, BLOCK_N, NUM_STAGES, precision)
+                                  pool_stride_entry, scale_log2e, first, BLOCKS_PER_SPLIT, TOPK, D, BLOCK_N,
+                                  NUM_STAGES, precision)
 
     if SPLITS == 1:
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -268,7 +269,7 @@ def sparse_decode_attention(
     *,
     out: torch.Tensor | None = None,
     block_h: int | None = None,
-    block_n: int = 32,
+    block_n: int = 64,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
@@ -297,13 +298,17 @@ def sparse_decode_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
+    if dot_fp32:  # fp32 q and keys: 32-key blocks, and no shared memory left for staged key bytes
+        block_n, num_stages = min(block_n, 32), 1
     win_blocks, ent_blocks = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
     total_blocks = win_blocks + ent_blocks
     if splits is None:
         splits = max(1, min(total_blocks, triton.cdiv(_num_sms(q.device), num_rows * head_blocks)))
     per_split = triton.cdiv(total_blocks, splits)
-    # A split takes window blocks or entry blocks, not both (each loop's trip count is a constant).
-    splits = 1 if splits == 1 else triton.cdiv(win_blocks, per_split) + triton.cdiv(ent_blocks, per_split)
+    # A split takes window blocks or entry blocks, not both: (KEYS, number of splits) per launch.
+    launches = [(0, 1)] if splits == 1 else [(1, triton.cdiv(win_blocks, per_split)),
+                                             (2, triton.cdiv(ent_blocks, per_split))]
+    splits = sum(n for _, n in launches)
     per_split = total_blocks if splits == 1 else per_split
     if num_warps is None:
         num_warps = 8 if block_h * dim >= 16384 else 4
@@ -312,15 +317,19 @@ def sparse_decode_attention(
         part_ml = torch.empty(num_rows, splits, num_heads, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _decode_attention_kernel[(num_rows, head_blocks, splits)](
-        q, ring, state_slots, positions, kv_pool, selected, sink, freqs, out, part_acc, part_ml,
-        num_heads, q.stride(0), q.stride(1), ring.stride(0), ring.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
-        ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
-        WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=rope_pairs, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, BLOCKS_PER_SPLIT=per_split, RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages,
-        DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
-    )
+    for keys, num_splits in launches:
+        if num_splits == 0:
+            continue
+        _decode_attention_kernel[(num_rows, head_blocks, num_splits)](
+            q, ring, state_slots, positions, kv_pool, selected, sink, freqs, out, part_acc, part_ml,
+            num_heads, q.stride(0), q.stride(1), ring.stride(0), ring.stride(1),
+            kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
+            ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
+            WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=rope_pairs, BLOCK_H=block_h, BLOCK_N=block_n,
+            SPLITS=splits, BLOCKS_PER_SPLIT=per_split, KEYS=keys, RING_ALIGN=_ring_align(ring),
+            NUM_STAGES=num_stages, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps,
+            num_stages=num_stages,
+        )
     if splits > 1:
         combine_h = 4
         _combine_kernel[(num_rows, triton.cdiv(num_heads, combine_h))](

@@ -1,20 +1,33 @@
 """Print the compiled sparse decode attention kernels' resources (registers, spills, shared memory)
-and the MMA instructions in their PTX, at R=1 (split keys) and R=256 (one program per row); run on
-the GPU machine after the tests (``scripts/kernels-h200.sh``)."""
+and the MMA / async-copy instructions in their PTX, at R=1 (split keys) and R=256 (one program per
+row); run on the GPU machine after the tests (``scripts/kernels-h200.sh``).
+
+``--time``: also time the kernel alone (graph replay, L2 flushed, as the benchmark) at R = 1, 64, 256
+for 4K and 32K context, against the roofline with the ceilings given (the last full run's by default)
+— a short device call, without the benchmark's slow torch baselines.
+"""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import torch
 
 import kernels.decode_attention as da
-from services.bench.kernels import decode_attention_args, decode_attention_problem
+from services.bench.kernels import _bench_replay, decode_attention_args, decode_attention_problem
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out", nargs="?", help="ignored (scripts/kernels-h200.sh passes its output folder)")
+parser.add_argument("--time", action="store_true")
+parser.add_argument("--bandwidth", type=float, default=4.27e12, help="HBM bytes/s (H200 run, 21:20 UTC)")
+parser.add_argument("--bf16-peak", type=float, default=680e12, help="bf16 FLOP/s (same run)")
+args = parser.parse_args()
 
 compiled = []
 for fn in (da._decode_attention_kernel, da._combine_kernel):
-    def _record(*args, _run=fn.run, **kwargs):
-        kernel = _run(*args, **kwargs)
+    def _record(*a, _run=fn.run, **kw):
+        kernel = _run(*a, **kw)
         compiled.append(kernel)
         return kernel
 
@@ -28,3 +41,16 @@ for rows in (1, 256):
         ptx = k.asm.get("ptx", "")
         ops = sorted(set(re.findall(r"\b(wgmma\.\w+|mma\.sync\.\w+|cp\.async\.bulk\.\w+|cp\.async\.\w+)", ptx)))
         print(f"R={rows}: {k.name} regs={k.n_regs} spills={k.n_spills} shared={k.metadata.shared} ops={ops}")
+if args.time:
+    for context in (4096, 32768):
+        for rows in (1, 64, 256):
+            p = decode_attention_problem(rows, context, gen)
+            a, out = decode_attention_args(p), torch.empty_like(p["q"])
+            heads, hd = p["q"].shape[1:]
+            window, topk = p["window"], p["selected"].shape[1]
+            nbytes = rows * (2 * heads * hd * 2 + window * (hd + hd // 32) + topk * (hd // 2 + hd // 16 + 4) + 16)
+            flops = 4.0 * rows * heads * hd * (window + topk)
+            floor = max(nbytes / args.bandwidth, flops / args.bf16_peak)
+            t = _bench_replay(lambda a=a, out=out: da.sparse_decode_attention(*a, out=out))
+            print(f"R={rows} ctx={context}: {t * 1e6:.1f} us, roofline {floor * 1e6:.1f} us, "
+                  f"{100 * floor / t:.1f}% of roofline")

@@ -201,7 +201,7 @@ def test_flash_problem_builder_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("num_rows", "context"), [(1, 4096), (7, 4096), (64, 32768), (256, 4096)])
+@pytest.mark.parametrize(("num_rows", "context"), [(1, 4096), (7, 4096), (32, 4096), (64, 32768), (256, 4096)])
 def test_gpu_flash_shapes_match_reference(num_rows, context):
     from kernels.decode_attention import sparse_decode_attention
     from services.bench.kernels import decode_attention_args, decode_attention_problem
@@ -216,7 +216,21 @@ def test_gpu_flash_shapes_match_reference(num_rows, context):
     assert not out.isnan().any()
     # bf16 P in the PV product and the bf16 output: ~1e-3 relative.
     assert _rel(out, ref32) < 5e-3
-    # fp32 dots and an fp32 output: only the summation order differs from the reference.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("num_rows", "context"), [(7, 4096), (256, 4096)])
+def test_gpu_fp32_dots_match_reference_exactly(num_rows, context):
+    """fp32 dots and an fp32 output: only the summation order differs from the reference."""
+    from kernels.decode_attention import sparse_decode_attention
+    from services.bench.kernels import decode_attention_args, decode_attention_problem
+
+    p = decode_attention_problem(num_rows, context, torch.Generator("cuda").manual_seed(num_rows))
+    p["pos"][0] = 5
+    p["selected"][-1, 100:] = -1
+    args = decode_attention_args(p)
+    ref32 = reference.sparse_decode_attention(*decode_attention_args({**p, "q": p["q"].float()}))
     exact = sparse_decode_attention(*args, dot_fp32=True, out=torch.full_like(ref32, float("nan")))
     assert float((exact - ref32).abs().max()) <= 1e-5 * float(ref32.abs().max())
 
