@@ -9,7 +9,8 @@ Two kernels, one query row per request (rows of one batch share nothing, so no k
    offset j % epb: 64 bytes of packed e2m1 + 4 e8m0 scales). Programs take tiles of BLOCK_N entries
    of one row, interleaved (tile split, split + SPLITS, …) so rows shorter than the caller's width
    balance; tiles past the visible entries only write −∞. Per 32-channel scale group g the keys'
-   e2m1 codes become e4m3 bytes by a bit shuffle (code · 2^-6, exact), then f16, and one
+   e2m1 codes become e4m3 bytes by a bit shuffle (code · 2^-6, exact), then f16 (compiled: PTX on
+   4-byte loads, two cvt.f16x2.e4m3x2 per 4 bytes; the interpreter: Triton ops on int32 words), and one
    [BLOCK_N, 32] × [32, H] tensor-core product gives Σ_c code·q; the e8m0 scale multiplies that
    [BLOCK_N, H] result (one FMA per entry, head and group instead of one per key element). The
    query enters as q / Q_h with Q_h the power of two ≤ max|q[h]| (exact in f16 for FP4-rounded
@@ -263,7 +264,10 @@ def indexer_scores(
     q [R, Hi, di] FP4-rounded index queries (fp32 or bf16, last dim contiguous); w [R, Hi] fp32 (already
     times (di·Hi)^-1/2); key_pool uint8 [num_blocks, epb, di/2 + di/32] (``CacheEngine.entries(l)[1]``);
     block_tables [R, ≥ ceil(width/epb)] int32/int64, each row's own table; positions [R] (decode
-    position p of the row); candidates uint8/bool [R, ceil(width/CB)] block mask or None.
+    position p of the row); candidates uint8/bool [R, ceil(width/CB)] block mask or None (``candidate_blocks``
+    converts the model's entry mask). ``asm`` (CUDA, 4-byte aligned pools) picks the PTX dequantisation;
+    ``splits`` (default: ~4 programs per SM) programs share a row's tiles; ``dot_fp32`` (interpreter) uses
+    fp32 operands instead of f16.
     """
     num_rows, num_heads, dim = q.shape
     cb = candidate_block_size
@@ -284,6 +288,8 @@ def indexer_scores(
     scores = torch.empty(num_rows, width, dtype=torch.float32, device=q.device)
     blocks = torch.empty(num_rows, num_blocks, dtype=torch.float32, device=q.device) if block_max else None
     cand = candidates.view(torch.uint8) if candidates is not None and candidates.dtype == torch.bool else candidates
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
     if splits is None:  # about four programs per SM, at most one tile each
         splits = max(1, min(num_tiles, triton.cdiv(4 * _num_sms(q.device), max(num_rows, 1))))
     if num_rows == 0 or width == 0:

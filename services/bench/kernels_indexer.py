@@ -95,8 +95,9 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     from services.bench.kernels import _bench, _bench_replay, _row
 
     rows: list[dict[str, object]] = []
-    cases: tuple[tuple[str, int, dict[str, bool]], ...] = (("ratio 2", 2, {}), ("ratio 1", 1, {}), ("ratio 1 cand. source", 1, dict(candidate_source=True)),
-             ("ratio 1 in candidates", 1, dict(candidates=True)))
+    cases: tuple[tuple[str, int, dict[str, bool]], ...] = (
+        ("ratio 2", 2, {}), ("ratio 1", 1, {}), ("ratio 1 cand. source", 1, dict(candidate_source=True)),
+        ("ratio 1 in candidates", 1, dict(candidates=True)))
     for context in CONTEXTS:
         for num_rows in QUICK_ROWS if quick else ROWS:
             for label, ratio, extra in cases:
