@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from services.worker.philox import DrawCase
+from services.worker.sampler import SamplerOutput
 
 MASS_SCALE = float(1 << 31)  # a probability p is worth floor(p · 2³¹) integer units
 PHILOX_M0 = tl.constexpr(0xD2511F53)
@@ -220,12 +221,53 @@ def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id
 
 
 @triton.jit
+def _top_logprobs(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id, log_total, top_ids_ptr, top_lp_ptr,
+                  NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr,
+                  NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                  LIBDEVICE: tl.constexpr):
+    """The NUM_TOP best ranks (banned logit descending, ties → lower id) and their processed logprobs."""
+    all_key = tl.zeros([], tl.uint32)
+    if NUM_TOP < num_tokens:
+        v, found = _select(row_ptr, ban_ptr, num_tokens, err, m, temp, 1.0, all_key, num_tokens, NUM_TOP,
+                           False, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
+        top_key, top_id = _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, 1.0, all_key, num_tokens, NUM_TOP, v,
+                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+    else:
+        top_key = all_key
+        top_id = num_tokens
+    # Exactly NUM_TOP ids pass the cut: compact them, unordered, into the output row.
+    running = tl.zeros([], tl.int32)
+    for c in range(NUM_CHUNKS):
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        key = _key(_load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS))
+        top = ((key > top_key) | ((key == top_key) & (offs < top_id))) & (offs < num_tokens)
+        slot = running + tl.cumsum(top.to(tl.int32), axis=0) - 1
+        tl.store(top_ids_ptr + slot, offs.to(tl.int64), mask=top & (slot < NUM_TOP))
+        running += tl.sum(top.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the compacted ids are read back by other threads
+    lanes = tl.arange(0, TOP_POW2)
+    ids = tl.load(top_ids_ptr + lanes, mask=lanes < NUM_TOP, other=num_tokens).to(tl.int32)
+    x = _load(row_ptr, ban_ptr, ids, num_tokens, err, NUM_BANS)
+    key = _key(x)
+    # rank = how many of the others rank higher; padding lanes (id = V, key of -inf) rank last.
+    higher = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (ids[None, :] < ids[:, None]))
+    rank = tl.sum(higher.to(tl.int32), axis=1)
+    kept = (key > cut_key) | ((key == cut_key) & (ids < cut_id))
+    lp = tl.where(kept & (err == 0), tl.math.div_rn(x - m, temp) - log_total, float("-inf"))
+    tl.debug_barrier()  # every lane has read its id before any is overwritten
+    ok = lanes < NUM_TOP
+    tl.store(top_ids_ptr + rank, ids.to(tl.int64), mask=ok)
+    tl.store(top_lp_ptr + rank, lp, mask=ok)
+
+
+@triton.jit
 def _sampler_kernel(
     logits_ptr, row_stride, num_tokens,
     temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride,
-    token_ptr, logprob_ptr, error_ptr, case,
+    token_ptr, logprob_ptr, error_ptr, top_ids_ptr, top_lp_ptr, case,
     NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride  # [V] fp32 or bf16
@@ -311,17 +353,19 @@ def _sampler_kernel(
             running += tl.sum(w, axis=0)
 
     # log_softmax of the processed row at the token: s − log Σ exp(s) (the kept max has s = 0).
-    one = tl.zeros([1], tl.int32)
-    x_tok = _load(row_ptr, ban_row, token + one, num_tokens, err, NUM_BANS)
-    s_tok = tl.sum(tl.math.div_rn(x_tok - m, temp), axis=0)
     if LIBDEVICE:
         log_total = libdevice.log(total)
     else:
         log_total = tl.log(total)
-    logprob = tl.where(err, float("-inf"), s_tok - log_total)
+    x_tok = _load(row_ptr, ban_row, token + tl.zeros([1], tl.int32), num_tokens, err, NUM_BANS)
+    s_tok = tl.sum(tl.math.div_rn(x_tok - m, temp), axis=0)
     tl.store(token_ptr + row, tl.where(err, 0, token).to(tl.int64))
-    tl.store(logprob_ptr + row, logprob)
+    tl.store(logprob_ptr + row, tl.where(err, float("-inf"), s_tok - log_total))
     tl.store(error_ptr + row, err)
+    if NUM_TOP > 0:
+        _top_logprobs(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id, log_total,
+                      top_ids_ptr + row * NUM_TOP, top_lp_ptr + row * NUM_TOP, NUM_TOP, TOP_POW2, NUM_BANS, BLOCK,
+                      NUM_CHUNKS, CHUNKS_POW2, SEL_BLOCK, LIBDEVICE)
 
 
 @dataclass
@@ -363,32 +407,41 @@ def sampling_params(rows: Sequence, device: torch.device | str | None = None,
     )
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, case: DrawCase | int = DrawCase.SAMPLE,
-           block: int | None = None, num_warps: int | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [R, V] fp32/bf16 (last dim contiguous) → (token ids [R] int64, their logprobs [R] float32,
-    errors [R] bool), the CPU sampler's ``token_ids``, ``logprobs`` and ``errors``."""
+def sample(logits: torch.Tensor, params: SamplingParams, num_logprobs: int = 0,
+           case: DrawCase | int = DrawCase.SAMPLE, block: int | None = None, num_warps: int | None = None,
+           ) -> SamplerOutput:
+    """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.
+
+    ``num_logprobs`` is the batch's top-n width (the CPU sampler's w = min(max num_logprobs, V)); every
+    row gets that many ranks. Graph-safe: outputs are allocated here, never read back on the host.
+    """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [R, V] with a contiguous last dim, got {tuple(logits.shape)}")
     num_rows, num_tokens = logits.shape
+    width = min(num_logprobs, num_tokens)
     device = logits.device
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
-    errors = torch.empty(num_rows, dtype=torch.bool, device=device)
+    out = SamplerOutput(
+        token_ids=torch.empty(num_rows, dtype=torch.int64, device=device),
+        logprobs=torch.empty(num_rows, dtype=torch.float32, device=device),
+        top_token_ids=torch.empty(num_rows, width, dtype=torch.int64, device=device),
+        top_logprobs=torch.empty(num_rows, width, dtype=torch.float32, device=device),
+        errors=torch.empty(num_rows, dtype=torch.bool, device=device),
+    )
     if num_rows == 0:
-        return tokens, logprobs, errors
+        return out
     block = block or min(1024, triton.next_power_of_2(num_tokens))
-    chunks_pow2 = triton.next_power_of_2(triton.cdiv(num_tokens, block))
+    num_chunks = triton.cdiv(num_tokens, block)
     num_warps = num_warps or (8 if block >= 1024 else 4)
     banned = params.banned
     _sampler_kernel[(num_rows,)](
         logits, logits.stride(0), num_tokens,
         params.temperature, params.rank_limit, params.mass_limit, params.seed, params.position,
         banned, banned.stride(0) if banned.shape[1] else 0,
-        tokens, logprobs, errors, int(case),
-        NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=triton.cdiv(num_tokens, block), CHUNKS_POW2=chunks_pow2,
-        SEL_BLOCK=min(block, 32 * num_warps), GROUP=DRAW_GROUP,
-        GROUPS_POW2=triton.next_power_of_2(triton.cdiv(triton.cdiv(num_tokens, block), DRAW_GROUP)), LIBDEVICE=logits.is_cuda,
+        out.token_ids, out.logprobs, out.errors, out.top_token_ids, out.top_logprobs, int(case),
+        NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=num_chunks,
+        CHUNKS_POW2=triton.next_power_of_2(num_chunks), SEL_BLOCK=min(block, 32 * num_warps),
+        GROUP=DRAW_GROUP, GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
+        NUM_TOP=width, TOP_POW2=triton.next_power_of_2(max(width, 1)), LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,
     )
-    return tokens, logprobs, errors
+    return out

@@ -14,8 +14,8 @@ from tests.kernels.interpret import interpreter, load_interpreted
 torch.set_num_threads(1)
 
 
-def _row(temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0, forced=None, banned=()):
-    return SamplingRow(temperature, top_k, top_p, seed, position, forced, tuple(banned), 0)
+def _row(temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0, forced=None, banned=(), num_logprobs=0):
+    return SamplingRow(temperature, top_k, top_p, seed, position, forced, tuple(banned), num_logprobs)
 
 
 def _mixed_rows(vocab: int, num_rows: int, gen: torch.Generator) -> list[SamplingRow]:
@@ -32,26 +32,30 @@ def _mixed_rows(vocab: int, num_rows: int, gen: torch.Generator) -> list[Samplin
         banned = tuple(int(t) for t in torch.randint(0, vocab, (3,), generator=gen)) if kind in (1, 4) else ()
         if kind == 0 and i % 16 == 0:
             top_p = 0.5  # a greedy row whose logprobs come from the nucleus
-        rows.append(_row(temperature, top_k, top_p, seed, position, forced, banned))
+        rows.append(_row(temperature, top_k, top_p, seed, position, forced, banned, num_logprobs=5 * (i % 3 == 1)))
     return rows
 
 
-def _check(out, tokens, logprobs, errors, tol=1e-5):
-    assert torch.equal(tokens.cpu(), out.token_ids.cpu()), (tokens, out.token_ids)
-    assert torch.equal(errors.cpu(), out.errors.cpu())
-    ref = out.logprobs.cpu()
-    got = logprobs.cpu()
-    assert torch.equal(torch.isinf(got), torch.isinf(ref))
-    finite = torch.isfinite(ref)
-    err = (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
-    assert err <= tol, err
-    return err
+def _check(ref, got, tol=1e-5):
+    """Identical ids and error flags; logprobs equal up to ``tol`` (same -inf pattern)."""
+    for name in ("token_ids", "top_token_ids", "errors"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name).cpu()), (name, getattr(got, name))
+    worst = 0.0
+    for name in ("logprobs", "top_logprobs"):
+        a, b = getattr(got, name).cpu(), getattr(ref, name).cpu()
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        finite = torch.isfinite(b)
+        if finite.any():
+            worst = max(worst, (a[finite] - b[finite]).abs().max().item())
+    assert worst <= tol, worst
+    return worst
 
 
 def _interpreted_sample(logits, rows, block, case=0):
     k = load_interpreted("sampler")
+    width = max(r.num_logprobs for r in rows)
     with interpreter():
-        return k.sample(logits, k.sampling_params(rows), case=case, block=block)
+        return k.sample(logits, k.sampling_params(rows), num_logprobs=width, case=case, block=block)
 
 
 def test_sampler_interpreted_matches_cpu_sampler_mixed_rows():
@@ -60,7 +64,7 @@ def test_sampler_interpreted_matches_cpu_sampler_mixed_rows():
     logits = torch.randn(num_rows, vocab, generator=gen) * 2.5
     logits[1::4, 7] = 12.0  # peaked rows: top-p keeps few tokens
     rows = _mixed_rows(vocab, num_rows, gen)
-    _check(Sampler()(logits, rows), *_interpreted_sample(logits, rows, block=512))
+    _check(Sampler()(logits, rows), _interpreted_sample(logits, rows, block=512))
 
 
 def test_sampler_interpreted_ties_at_the_cuts():
@@ -72,9 +76,9 @@ def test_sampler_interpreted_ties_at_the_cuts():
     logits[2] = torch.where(logits[2] == 0, torch.tensor(-0.0), logits[2])
     logits[3, : vocab // 2] = -0.0
     rows = [_row(1.0, 50, seed=3), _row(0.8, 0, 0.6, seed=4), _row(1.0, 130, 0.7, seed=5, position=2),
-            _row(1.0, 400, seed=6), _row(0.0, 10, 0.5), _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
+            _row(1.0, 400, seed=6, num_logprobs=9), _row(0.0, 10, 0.5), _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
             _row(1.0, 690, 0.999, seed=9), _row(0.9, 2, 1.0, seed=2**63 + 5)]
-    _check(Sampler()(logits, rows), *_interpreted_sample(logits, rows, block=256))
+    _check(Sampler()(logits, rows), _interpreted_sample(logits, rows, block=256))
 
 
 def test_sampler_interpreted_error_rows_and_resample_case():
@@ -85,17 +89,16 @@ def test_sampler_interpreted_error_rows_and_resample_case():
     logits[2] = -math.inf
     logits[2, 17] = 3.0  # its only finite logit is banned
     rows = [_row(seed=1), _row(seed=2), _row(seed=3, banned=(17,)), _row(0.6, 10, 0.9, seed=4, position=7)]
-    out = Sampler()(logits, rows)
-    tokens, logprobs, errors = _interpreted_sample(logits, rows, block=128)
-    _check(out, tokens, logprobs, errors)
-    assert errors.tolist() == [True, True, True, False]
+    got = _interpreted_sample(logits, rows, block=128)
+    _check(Sampler()(logits, rows), got)
+    assert got.errors.tolist() == [True, True, True, False]
     # case 1 (resample) draws other bits: compare with a CPU pick from the same processed distribution.
     from services.worker.philox import DrawCase, draw_bits
     from services.worker.sampler import _pick
 
     p = Sampler().process(logits[3:], rows[3:])
     expected = _pick(p.probs, draw_bits([4], [7], DrawCase.RESAMPLE))
-    assert _interpreted_sample(logits[3:], rows[3:], block=128, case=DrawCase.RESAMPLE)[0].tolist() == expected.tolist()
+    assert _interpreted_sample(logits[3:], rows[3:], block=128, case=DrawCase.RESAMPLE).token_ids.tolist() == expected.tolist()
 
 
 def test_sampler_interpreted_draw_ignores_batch_neighbours():
@@ -105,12 +108,12 @@ def test_sampler_interpreted_draw_ignores_batch_neighbours():
     logits = torch.randn(4, vocab, generator=gen) * 2
     rows = [_row(1.0, 0, 0.9, seed=11, position=4), _row(0.8, 30, seed=12, position=5),
             _row(1.0, seed=13, position=6), _row(0.0)]
-    tokens, logprobs, _ = _interpreted_sample(logits, rows, block=256)
+    a = _interpreted_sample(logits, rows, block=256)
     perm = [2, 0, 3, 1]
     other = torch.randn(2, vocab, generator=gen) * 5
-    tokens2, logprobs2, _ = _interpreted_sample(torch.cat((logits[perm], other)),
-                                                [rows[i] for i in perm] + [_row(seed=1), _row(seed=2)], block=256)
-    assert torch.equal(tokens2[:4], tokens[perm]) and torch.equal(logprobs2[:4], logprobs[perm])
+    b = _interpreted_sample(torch.cat((logits[perm], other)),
+                            [rows[i] for i in perm] + [_row(seed=1), _row(seed=2)], block=256)
+    assert torch.equal(b.token_ids[:4], a.token_ids[perm]) and torch.equal(b.logprobs[:4], a.logprobs[perm])
 
 
 @pytest.mark.parametrize("case", ["greedy", "top-p 0.9 T 0.7"])
@@ -119,7 +122,7 @@ def test_sampler_bench_problem_interpreted(case):
     from services.bench.kernels_sampler import sampler_problem
 
     logits, rows = sampler_problem(2, case, torch.Generator().manual_seed(4), device="cpu", vocab=1024)
-    _check(Sampler()(logits, rows), *_interpreted_sample(logits, rows, block=512))
+    _check(Sampler()(logits, rows), _interpreted_sample(logits, rows, block=512))
 
 
 def _gpu_problem(num_rows: int, dtype: torch.dtype, seed: int):
@@ -142,9 +145,9 @@ def test_sampler_gpu_matches_sampler(num_rows, dtype):
 
     logits, rows = _gpu_problem(num_rows, dtype, num_rows)
     out = Sampler()(logits, rows)
-    tokens, logprobs, errors = sample(logits, sampling_params(rows, "cuda"))
+    got = sample(logits, sampling_params(rows, "cuda"), num_logprobs=max(r.num_logprobs for r in rows))
     # Same fp32 maths, different exp and summation order: logprobs agree to a few ulp of log(sum).
-    _check(out, tokens, logprobs, errors, tol=2e-5)
+    _check(out, got, tol=2e-5)
 
 
 @pytest.mark.gpu
@@ -154,14 +157,14 @@ def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
 
     logits, rows = _gpu_problem(64, torch.float32, 7)
     params = sampling_params(rows, "cuda")
-    sample(logits, params)
+    sample(logits, params, num_logprobs=5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tokens, logprobs, errors = sample(logits, params)
-    moved = [_row(r.temperature or 1.0, r.top_k, r.top_p, r.seed, r.position + 1, r.forced_top_k, r.banned_token_ids)
-             for r in rows]
+        got = sample(logits, params, num_logprobs=5)
+    moved = [_row(r.temperature or 1.0, r.top_k, r.top_p, r.seed, r.position + 1, r.forced_top_k, r.banned_token_ids,
+                  num_logprobs=5) for r in rows]
     new = sampling_params(moved, "cuda", num_bans=params.banned.shape[1])
     for name in ("temperature", "rank_limit", "mass_limit", "seed", "position", "banned"):
         getattr(params, name).copy_(getattr(new, name))
     graph.replay()
-    _check(Sampler()(logits, moved), tokens, logprobs, errors, tol=2e-5)
+    _check(Sampler()(logits, moved), got, tol=2e-5)
