@@ -1,28 +1,34 @@
-"""The fused sampler: one program per logits row draws the token of ``services.worker.sampler.Sampler``.
+"""The fused sampler: one program per logits row reproduces ``services.worker.sampler.Sampler``.
 
 Per row, in the CPU sampler's order: bans → -inf, top-k (the forced and the user's, as one rank limit),
-temperature, top-p on integer masses, renormalisation, then the Philox draw (or the greedy argmax) and
-the chosen token's logprob under the processed distribution. Every pass reads the row from HBM/L2 in
-id order, in chunks of ``BLOCK``; nothing is sorted:
+temperature, top-p on integer masses, renormalisation, then the Philox draw (or the greedy argmax),
+the chosen token's logprob and the top-n logprobs. Every pass reads the row (L2/HBM) in id order, in
+chunks of ``BLOCK``; nothing is sorted:
 
-- pass 1: max, argmax (ties → lowest id), error flags (NaN, +inf, nothing finite);
-- top-k: the k-th largest value by a 4-bit radix select (8 passes of 16 pivots) on the
-  order-preserving uint32 keys, then one pass that cuts the tied tokens by id (ties → lower id);
+- pass 1: max, argmax (ties → lowest id), error flags (NaN, +inf, nothing finite), per lane;
+- top-k: the k-th largest value by a 4-bit radix select on the order-preserving uint32 keys (8 passes,
+  each a 16-bin histogram of the digit inside the current bucket), then one pass that cuts the tied
+  tokens by id (ties → lower id);
 - sum₁ = Σ exp(s) over what top-k keeps, s = (x − max) / T;
-- top-p: the same radix select on Σ floor(exp(s)/sum₁ · 2³¹), giving the value where the nucleus ends
-  and, among its ties, the id cut;
+- top-p: the same radix select on Σ floor(exp(s)/sum₁ · 2³¹) (16 int64 pivot sums per pass), giving
+  the value where the nucleus ends and, among its ties, the id cut;
 - sum₂ over the final set, then the masses floor(exp(s)/sum₂ · 2³¹): one pass for the total and the
-  per-chunk sums, and one chunk's cumulative sum for the drawn token (a two-level scan).
+  per-group sums, and one group's cumulative sums for the drawn token (a two-level scan);
+- top-n (``num_logprobs`` > 0 for the batch): the n-th rank by the count select, the n ids compacted
+  into the output row, ranked in registers.
 
 The kept set is always ``key > cut_key or (key == cut_key and id < cut_id)``: a prefix of the rank order
 (logit descending, ties to the lower id), exactly the CPU sampler's stable sort.
 
-Exactness: the Philox bits, the rank order, the tie rules, the integer mass limit ceil(top_p · 2³¹) and
-the threshold (bits · total) >> 31 are bit-identical to the CPU sampler. The float softmax is not: exp
-and the order of the sum differ from torch's by a few ulp, so a mass can differ by ~p · 2⁸ units of
-2⁻³¹ and the row total by a few hundred units. A draw (or a top-p cut) can therefore differ only when
-the threshold (or ceil(top_p · 2³¹)) lies within that many units of a cumulative-mass boundary:
-about 1 draw in 10⁶–10⁷.
+Exactness: the Philox bits, the rank order, the tie rules, the integer mass limit ceil(top_p · 2³¹),
+the threshold (bits · total) >> 31 and the integer arithmetic after the masses are bit-identical to the
+CPU sampler. The fp32 softmax cannot be: exp and the summation order differ from torch's (CPU or CUDA)
+by a few ulp, so p differs by a relative δ ≈ 10⁻⁶ at most. Consequences, and the only ones:
+(1) a draw differs only when the threshold lies within ~δ · 2³¹ (a few hundred to ~2,000 units of 2⁻³¹)
+of the drawn token's cumulative-mass boundary: p ≈ 10⁻⁶ per draw; (2) a top-p cut moves by one rank
+when ceil(top_p · 2³¹) lies that close to the boundary's cumulative mass; the dropped/kept tail token
+then changes sum₂ by its own p, so the draw differs with probability ≈ that p and logprobs by ≈ p.
+Greedy ids, top-k cuts, top-n ids and error flags depend on comparisons of the logits only: exact.
 
 Graph-safe: every per-row parameter is a tensor; no host synchronisation. Reference:
 ``services.worker.sampler.Sampler`` (``sampling_params`` builds this kernel's tensors from its rows).
