@@ -168,7 +168,7 @@ def _compress_kernel(
     wk_stride, kv_stride_block, kv_stride_entry, key_stride_block, key_stride_entry,
     entries_per_block, partial_size, eps,
     RATIO: tl.constexpr, HD: tl.constexpr, DI: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, COPY_C: tl.constexpr,
+    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
     ACT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     HALF: tl.constexpr = HD // 2
@@ -188,7 +188,7 @@ def _compress_kernel(
         write = r_ok & (pos >= seqlen - partial_size) & ~deferred
         dst = partial_ptr + slot * partial_stride_slot + (pos % partial_size) * partial_stride_row
         _copy_rows(dst, values_ptr + r.to(tl.int64) * values_stride, gates_ptr + r.to(tl.int64) * gates_stride,
-                   partial_stride_kind, write, HD, COPY_C)
+                   partial_stride_kind, write, HD, CHUNK)
     else:
         e = (pid - num_row_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
         ok = e < num_entries
@@ -254,7 +254,7 @@ def _compress_kernel(
             defer = ok & straddles & (q < seqlen)
             q_row = qs + tl.where(defer, q - first, 0)
             _copy_rows(held, values_ptr + q_row * values_stride, gates_ptr + q_row * gates_stride,
-                       partial_stride_kind, defer, HD, COPY_C)
+                       partial_stride_kind, defer, HD, CHUNK)
 
 
 def compress(
@@ -333,7 +333,7 @@ def compress(
         src.stride(0), values.stride(0), gates.stride(0), *p_strides,
         wk.stride(0), kv_pool.stride(0), kv_pool.stride(1), key_pool.stride(0), key_pool.stride(1),
         kv_pool.shape[1], size, eps,
-        RATIO=ratio, HD=hd, DI=di, ROPE_PAIRS=freqs.shape[0], BLOCK_E=block_e, CHUNK=chunk, BLOCK_R=16, COPY_C=min(128, hd),
+        RATIO=ratio, HD=hd, DI=di, ROPE_PAIRS=freqs.shape[0], BLOCK_E=block_e, CHUNK=chunk, BLOCK_R=16,
         ACT_BF16=dtype == torch.bfloat16, DOT_FP32=dot_fp32, LIBDEVICE=kv_pool.is_cuda,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
