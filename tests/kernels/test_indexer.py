@@ -161,8 +161,10 @@ def test_interpreted_ties_go_to_the_lower_index():
     assert cand[2].nonzero().flatten().tolist() == [0, 1, 15]
 
 
-def test_select_topk_interpreted_exhaustive_ties():
-    """select_topk alone on hand-made rows: all −∞, fewer finite than k, many equal values, −0 vs +0."""
+@pytest.mark.parametrize("atomic", [True, False])
+def test_select_topk_interpreted_exhaustive_ties(atomic):
+    """select_topk alone on hand-made rows: all −∞, fewer finite than k, many equal values, −0 vs +0;
+    both compactions (atomic slots + sort, prefix sums)."""
     scores = torch.full((4, 40), -torch.inf)
     scores[1, [3, 7, 11]] = torch.tensor([1.0, -2.0, 0.5])
     scores[2, :] = torch.tensor([1.0, 2.0, 2.0, 0.0, -0.0] * 8)
@@ -170,7 +172,7 @@ def test_select_topk_interpreted_exhaustive_ties():
     scores[3, 5] = scores[3, 6] = scores[3].max()
     mod = load_interpreted("indexer")
     with interpreter():
-        sel = mod.select_topk(scores, 10)
+        sel = mod.select_topk(scores, 10, atomic=atomic)
         mask = mod.select_topk(scores, 10, as_mask=True)
     assert torch.equal(sel.long(), select_entries(scores, 10))
     ref_mask = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, select_entries(scores, 10).clamp_min(0), True)
@@ -239,7 +241,7 @@ def test_gpu_flash_candidates_match_reference(num_rows, context):
                                      dict(block_n=256, num_warps=8)])
 def test_gpu_flash_other_configs(options):
     """The launcher's options (the word-load dequantisation without PTX, other tiles) give the same picks."""
-    from kernels.indexer import indexer_scores, indexer_select
+    from kernels.indexer import indexer_scores, indexer_select, select_topk
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     p = indexer_problem(64, 32, 128, 128, 1, 32768, gen, device="cuda")
@@ -247,3 +249,4 @@ def test_gpu_flash_other_configs(options):
     scores, _ = indexer_scores(*_args(p), **options)
     sel, _ = indexer_select(*_args(p), index_topk=512, **options)
     _check_selection(sel, ref_sel, scores, ref_scores)
+    assert torch.equal(select_topk(scores, 512, atomic=False), sel)  # the prefix-sum compaction
