@@ -10,12 +10,14 @@ all mixing maths is fp32, the streams keep their dtype. Entry points, h [T, n, D
   after the first in a layer chain is this one kernel.
 - ``collapse(h, pre)`` and ``expand(y, h, mix)`` alone (the final collapse; around Engram layers).
 
-The mix kernel tiles tokens × D: a program owns BLOCK_T tokens and a range of D tiles and loads the
-[BLOCK_T, n, BLOCK_D] stream tile once; the projection fn·v is tf32 tl.dots, fp32-accurate: fn is split
-once (``MixWeights``) into a tf32 part and the rest, both fp32, and bf16 streams are exact in tf32, so
-v · fn_hi is exact and v · fn_lo errs by 2^-11 of a 2^-11-sized term (fp32 streams add v_lo · fn_hi). At small T the D range is split over programs; their
-partial products and sums of squares go to a small fp32 buffer and a finishing kernel runs the
-epilogue (scale/bias, sigmoids, 20 Sinkhorn iterations on the n×n matrix in registers).
+The mix kernel tiles tokens × D: a program owns BLOCK_T tokens and a range of D tiles, reads each
+[BLOCK_T, BLOCK_D] stream tile once (all n when expanding) and feeds the projection fn·v one stream at
+a time as tf32 tl.dots that are fp32-accurate: fn is split once (``MixWeights``) into a tf32-exact part
+and the rest, and bf16 streams are exact in tf32, so v · fn_hi is exact and v · fn_lo errs by 2^-11 of
+a 2^-11-sized term (fp32 streams add a v_lo · fn_hi pass). At small T the D range is split over
+programs; their partial products and sums of squares go to a small fp32 buffer, and a finishing
+kernel runs the epilogue (scale/bias, sigmoids, 20 Sinkhorn iterations on the n×n matrix in
+registers), in a fixed order: results do not depend on the schedule.
 """
 
 from __future__ import annotations
@@ -230,10 +232,13 @@ def _rows(y: torch.Tensor) -> torch.Tensor:
 
 
 def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | None) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_D, tiles per split, splits): split D until about two programs per SM."""
+    """(BLOCK_T, BLOCK_D, tiles per split, splits): split D until about two programs per SM.
+
+    BLOCK_D is 16: every warp holds the whole [BLOCK_D, ROWS·N] fn operand of its MMAs in registers
+    (twice: hi and lo), and wider D tiles spill with the expand fused in (sm_90a, ptxas)."""
     if block_t is None:
-        block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 2048 else 64
-    block_d = 64
+        block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 512 else 64
+    block_d = 16
     num_tiles = triton.cdiv(dim, block_d)
     if split is None:
         split = max(1, min(num_tiles, triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
@@ -273,7 +278,7 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
         num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
         N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
         COLLAPSE=x is not None, ITERS=w.iters, V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
-        num_warps=num_warps or (8 if block_t >= 64 else 4),
+        num_warps=num_warps or (4 if block_t <= 16 else 8), num_stages=2,
     )
     if num_splits > 1:
         finish_t = 16

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 HC, HIDDEN = 4, 5120
 TOKENS = (1, 64, 256, 4096, 16384)
 QUICK_TOKENS = (1, 256, 16384)
-SWEEP = [(16, None, 4), (32, None, 4), (32, None, 8), (64, None, 8), (64, 1, 8)]  # (block_t, split, num_warps)
+SWEEP = [(16, None, 4), (32, None, 8), (32, None, 4), (64, None, 8), (64, 1, 8)]  # (block_t, split, num_warps)
 
 
 def problem(num_tokens: int, gen: torch.Generator, device: str = "cuda", hidden: int = HIDDEN) -> dict[str, Any]:
