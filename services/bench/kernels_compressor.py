@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 
 ENTRIES = (1, 64, 256, 2048)
 QUICK_ENTRIES = (1, 256, 2048)
+# Launcher options also timed (full run only) at these E: the sum-of-squares pass's width (default 64;
+# 128 compiles at 255 registers, 32 is the second pass's width) and 4 warps (spills offline).
+SWEEP = [dict(sum_chunk=32), dict(sum_chunk=128), dict(num_warps=4)]
+SWEEP_ENTRIES = (64, 2048)
 BLOCK_SIZE = 128
 
 
@@ -136,6 +141,16 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             # Eager: the torch path's boolean-mask indexing (the partial rows' tail) syncs, so it cannot be a graph.
             theirs, note = _bench(lambda: run_torch(p)), "torch: CachedStep._compress after the projection, eager"
             flops = 2.0 * e * 128 * 512
-            rows.append(_row(f"compressor ratio {ratio} (pool/norm/rope/fp4 + keys)", f"E={e} hd=512 di=128 bf16",
-                             ours, problem_bytes(e, ratio), flops, ceil, theirs, note, peak="bf16_peak"))
+            name, shape = f"compressor ratio {ratio} (pool/norm/rope/fp4 + keys)", f"E={e} hd=512 di=128 bf16"
+            rows.append(_row(name, shape, ours, problem_bytes(e, ratio), flops, ceil, theirs, note, peak="bf16_peak"))
+            if quick or e not in SWEEP_ENTRIES:
+                continue
+            for options in SWEEP:
+                try:
+                    t = _bench_replay(lambda o=options: run_kernel(p, **o))
+                except Exception as err:  # noqa: BLE001 - a configuration that does not compile is skipped
+                    print(f"  compressor {options} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
+                    continue
+                rows.append(_row(f"{name} {options}", shape, t, problem_bytes(e, ratio), flops, ceil, theirs, note,
+                                 peak="bf16_peak"))
     return rows
