@@ -20,7 +20,8 @@ Graph-safe: the grid depends on tensor shapes only and every index is read on th
 partial-row writes go to programs placed before the entry programs, except one per request: when a
 ratio-2 group straddles the step (its first token is the cached position first−1), the tail row that
 lands on the same partial row ((first−1) mod size) is written by that group's program after it has
-read the row (a CTA barrier orders the two), so no read ever sees this step's write.
+read the row (a CTA barrier orders the two), so no read ever sees this step's write. This relies on
+``rows`` listing every row whose position closes a group, as the scheduler's ``entry_writes`` do.
 """
 
 from __future__ import annotations

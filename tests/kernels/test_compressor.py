@@ -187,8 +187,13 @@ def test_gpu_flash_shapes_match_cached_step(ratio, dtype):
     cfg, layer = flash_source_config(ratio), 2  # Flash shapes, one source (3 layers of rings per slot)
     decode = [(2 * i + 1 + (i % 2), 1) for i in range(40)]
     steps = [[(0, 37), (0, 8), (0, 1)] + decode, [(37, 20), (8, 9), (1, 1)] + [(f + 1, 1) for f, _ in decode]]
-    ref, ours, counted = run_both(cfg, layer, steps, seed=ratio, device="cuda", interpreted=False, dtype=dtype,
-                                  num_slots=48, max_position=128)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 wk product in IEEE fp32, as the kernel's
+    try:
+        ref, ours, counted = run_both(cfg, layer, steps, seed=ratio, device="cuda", interpreted=False, dtype=dtype,
+                                      num_slots=48, max_position=128)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     _check(ref, ours, counted)
     print(f"ratio {ratio} {dtype}: flipped codes {counted}")
 
