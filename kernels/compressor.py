@@ -223,7 +223,8 @@ def _compress_kernel(
 
         k = tl.zeros([BLOCK_E, DI], tl.float32)  # wk · latent
         chans = tl.arange(0, CHUNK)
-        kv_row = kv_pool_ptr + (slot // entries_per_block) * kv_stride_block + (slot % entries_per_block) * kv_stride_entry
+        kv_row = kv_pool_ptr + (slot // entries_per_block) * kv_stride_block \
+            + (slot % entries_per_block) * kv_stride_entry
         wk_tile = wk_ptr + tl.arange(0, DI)[:, None] * wk_stride + chans[None, :]  # [DI, CHUNK] tiles of wk [DI, HD]
         # Chunks without rotated pairs, then those with (HD − 2·ROPE_PAIRS is a multiple of CHUNK).
         for c in range(0, HD - 2 * ROPE_PAIRS, CHUNK):
@@ -337,7 +338,8 @@ def compress(
         src.stride(0), values.stride(0), gates.stride(0), *p_strides,
         wk.stride(0), kv_pool.stride(0), kv_pool.stride(1), key_pool.stride(0), key_pool.stride(1),
         kv_pool.shape[1], size, eps,
-        RATIO=ratio, HD=hd, DI=di, ROPE_PAIRS=freqs.shape[0], BLOCK_E=block_e, CHUNK=chunk, SUM_CHUNK=min(hd, sum_chunk), BLOCK_R=16,
+        RATIO=ratio, HD=hd, DI=di, ROPE_PAIRS=freqs.shape[0], BLOCK_E=block_e, CHUNK=chunk,
+        SUM_CHUNK=min(hd, sum_chunk), BLOCK_R=16,
         ACT_BF16=dtype == torch.bfloat16, DOT_FP32=dot_fp32, LIBDEVICE=kv_pool.is_cuda,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )

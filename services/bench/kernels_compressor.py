@@ -8,8 +8,8 @@ and gates (ratio 1: the bf16 projected rows), the partial rows read, ``wk`` and 
 the entries and keys written (288 + 68 bytes each) and the partial rows written. FLOPs: the wk
 product, 2 · E · 128 · 512, against the bf16 peak.
 
-The torch time is ``CachedStep._compress`` on the same inputs, eager (its boolean-mask indexing syncs): its ``Compressor.project`` returns the
-given values and gates (ratio 2); ratio 1's projection becomes an identity [512, 512] bf16 GEMM on
+The torch time is ``CachedStep._compress`` on the same inputs, eager (its boolean-mask indexing
+syncs): its ``Compressor.project`` returns the given values and gates (ratio 2); ratio 1's projection becomes an identity [512, 512] bf16 GEMM on
 the projected rows (a few µs at E = 2048, counted against torch). The cache keeps one source's
 layout (blocks of that source only, 3 layers of rings per state slot) to fit 2,048 state slots.
 """
@@ -81,8 +81,8 @@ def compressor_problem(num_entries: int, ratio: int, gen: torch.Generator, devic
     indexer.to(dtype)
     p: dict[str, Any] = dict(cache=cache, ref_cache=copy.deepcopy(cache), batch=batch, ratio=ratio, dtype=dtype)
     weights = dict(norm_weight=comp.norm.weight.detach(), wk=indexer.wk.weight.detach(),
-                   k_norm_weight=indexer.k_norm.weight.detach(), freqs=rope_frequencies(cfg, compressed=True).to(device),
-                   eps=cfg.rms_norm_eps)
+                   k_norm_weight=indexer.k_norm.weight.detach(),
+                   freqs=rope_frequencies(cfg, compressed=True).to(device), eps=cfg.rms_norm_eps)
     if ratio == 2:
         values, gates = torch.randn(n, hd, **rng), torch.randn(n, hd, **rng)
         comp.project = lambda x: (values, gates)  # the projection stays outside: given
