@@ -9,8 +9,9 @@ the entries and keys written (288 + 68 bytes each) and the partial rows written.
 product, 2 · E · 128 · 512, against the bf16 peak.
 
 The torch time is ``CachedStep._compress`` on the same inputs, eager (its boolean-mask indexing
-syncs): its ``Compressor.project`` returns the given values and gates (ratio 2); ratio 1's projection becomes an identity [512, 512] bf16 GEMM on
-the projected rows (a few µs at E = 2048, counted against torch). The cache keeps one source's
+syncs): its ``Compressor.project`` returns the given values and gates (ratio 2); ratio 1's
+projection becomes an identity [512, 512] bf16 GEMM on the projected rows (a few µs at E = 2048,
+counted against torch). The cache keeps one source's
 layout (blocks of that source only, 3 layers of rings per state slot) to fit 2,048 state slots.
 """
 
