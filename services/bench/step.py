@@ -159,7 +159,42 @@ def _markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         if r["section"] == "decode fit":
             lines.append(f"\nfit at context {r['context']}: {r['a_ms']:.2f} ms + {r['b_us_per_row']:.1f} µs · rows")
+    pre = [r for r in result["rows"] if r["section"] == "prefill"]
+    if pre:
+        lines += ["", "| prefill tokens | step ms | floor ms | % of floor |", "|---|---|---|---|"]
+        for r in pre:
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
+            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
+            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {floor} | {eff} |")
+    off = [r for r in result["rows"] if r["section"] == "offline"]
+    if off:
+        lines += ["", "| async | batch | tokens/s | GPU busy |", "|---|---|---|---|"]
+        for r in off:
+            busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
+            lines.append(f"| {'on' if r['async'] else 'off'} | {r['batch']} | {r['tokens_per_s']:.1f} | {busy} |")
+    three = [r for r in result["rows"] if r["section"] == "three ways"]
+    if three:
+        lines += ["", "| way | batch | layers | step ms | scaled to full depth |", "|---|---|---|---|---|"]
+        lines += [f"| {r['way']} | {r['batch']} | {r['layers']} | {r['ms']:.2f} | {r['ms_full_depth']:.1f} |" for r in three]
+    lines += [f"\n{r['section']}: {r['error']}" for r in result["rows"] if "error" in r]
     return "\n".join(lines) + "\n"
+
+
+def _result(args, device, model, cfg, backend, ceil, rows) -> dict[str, Any]:
+    import torch
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": _command(args),
+            "model": model, "layers": cfg.num_hidden_layers, "backend": backend, "torch": torch.__version__,
+            "ceilings": dict(ceil), "rows": rows}
+
+
+def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """After every section, so a run cut short still leaves what it measured."""
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(_markdown(result))
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -187,34 +222,41 @@ def main(args: argparse.Namespace) -> int:
     if ceil:
         print(f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
               f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)")
-    rows = _decode_section(build, cfg, sizes, ceil, full_layers)
-    rows += _prefill_section(build, cfg, sizes, ceil)
+    rows: list[dict[str, Any]] = []
+    sections = [("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
+                ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil))]
     if not args.no_async:
-        rows += _async_section(build, cfg, max(sizes["batches"]), sizes["steps"] * 4)
+        sections.append(("offline", lambda: _async_section(build, cfg, max(sizes["batches"]), sizes["steps"] * 4)))
     if not args.no_compare:
         from services.bench.step_compare import compare
 
-        rows += compare(model, device, args.layers, sizes)
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "command": _command(args),
-        "model": model, "layers": cfg.num_hidden_layers, "backend": backend, "torch": torch.__version__,
-        "ceilings": {k: v for k, v in ceil.items()}, "rows": rows,
-    }
+        def _compare() -> list[dict[str, Any]]:
+            nonlocal build  # the engine's model is dropped first: the comparison builds its own
+            build = None
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            return compare(model, device, args.layers, sizes)
+
+        sections.append(("three ways", _compare))
+    for name, run in sections:
+        try:
+            rows += run()
+        except Exception as exc:  # a section that fails is reported, and the others still run
+            print(f"{name}: FAILED: {type(exc).__name__}: {exc}")
+            rows.append({"section": f"{name} failed", "error": f"{type(exc).__name__}: {exc}"})
+        _write(args, _result(args, device, model, cfg, backend, ceil, rows))
+    result = _result(args, device, model, cfg, backend, ceil, rows)
     if args.baseline:
         base = {(r["batch"], r["context"]): r["ms"] for r in json.loads(Path(args.baseline).read_text())["rows"]
                 if r["section"] == "decode"}
         for r in rows:
             if r["section"] == "decode" and (r["batch"], r["context"]) in base:
                 r["vs_baseline"] = base[(r["batch"], r["context"])] / r["ms"]
-    md = _markdown(result)
-    print(md)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(result, indent=2))
-    if args.markdown:
-        Path(args.markdown).write_text(md)
-    return 0
+    print(_markdown(result))
+    _write(args, result)
+    return 1 if any(r["section"].endswith("failed") for r in rows) else 0
 
 
 if __name__ == "__main__":
