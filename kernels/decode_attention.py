@@ -199,11 +199,11 @@ def _decode_attention_kernel(
                                   precision)
     elif KEYS == 1:
         m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, first,
-                                   BLOCKS_PER_SPLIT, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
+                                   min(BLOCKS_PER_SPLIT, WIN_BLOCKS), WINDOW, D, BLOCK_N, NUM_STAGES, precision)
     else:
         m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                                  pool_stride_entry, scale_log2e, first, BLOCKS_PER_SPLIT, TOPK, D, BLOCK_N,
-                                  NUM_STAGES, precision)
+                                  pool_stride_entry, scale_log2e, first, min(BLOCKS_PER_SPLIT, ENT_BLOCKS), TOPK, D,
+                                  BLOCK_N, NUM_STAGES, precision)
 
     if SPLITS == 1:
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -269,7 +269,7 @@ def sparse_decode_attention(
     *,
     out: torch.Tensor | None = None,
     block_h: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
@@ -298,12 +298,18 @@ def sparse_decode_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
+    if splits is None:  # about as many 64-key blocks per SM as the batch needs, in one wave
+        total_blocks = triton.cdiv(window, block_n or 64) + triton.cdiv(topk, block_n or 64)
+        per_split = triton.cdiv(total_blocks * num_rows * head_blocks, _num_sms(q.device))
+        splits = triton.cdiv(total_blocks, per_split)
+    # 64-key blocks when a program takes a whole row; 32 when split (the entries-only kernel's
+    # pipelined loop spills at 64: 384 bytes, sm_90a ptxas)
+    block_n = block_n or (64 if splits == 1 else 32)
     if dot_fp32:  # fp32 q and keys: 32-key blocks, and no shared memory left for staged key bytes
         block_n, num_stages = min(block_n, 32), 1
     win_blocks, ent_blocks = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
     total_blocks = win_blocks + ent_blocks
-    if splits is None:
-        splits = max(1, min(total_blocks, triton.cdiv(_num_sms(q.device), num_rows * head_blocks)))
+    splits = min(splits, total_blocks)
     per_split = triton.cdiv(total_blocks, splits)
     # A split takes window blocks or entry blocks, not both: (KEYS, number of splits) per launch.
     launches = [(0, 1)] if splits == 1 else [(1, triton.cdiv(win_blocks, per_split)),

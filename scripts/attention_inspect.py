@@ -53,4 +53,15 @@ if args.time:
             floor = max(nbytes / args.bandwidth, flops / args.bf16_peak)
             t = _bench_replay(lambda a=a, out=out: da.sparse_decode_attention(*a, out=out))
             print(f"R={rows} ctx={context}: {t * 1e6:.1f} us, roofline {floor * 1e6:.1f} us, "
-                  f"{100 * floor / t:.1f}% of roofline")
+                  f"{100 * floor / t:.1f}% of roofline", flush=True)
+            if context != 32768 or rows == 1:
+                continue
+            variants = [dict(block_n=64, num_stages=2), dict(block_n=32, num_stages=3), dict(block_n=32, num_stages=4)]
+            variants += [dict(splits=1)] if rows < 132 else []
+            for kw in variants:
+                t = _bench_replay(lambda a=a, out=out, kw=kw: da.sparse_decode_attention(*a, out=out, **kw))
+                print(f"  {kw}: {t * 1e6:.1f} us", flush=True)
+            alone = {"window only": (*a[:6], p["selected"][:, :0], *a[7:]), "entries only": (*a[:4], 0, *a[5:])}
+            for label, v in alone.items():
+                t = _bench_replay(lambda v=v, out=out: da.sparse_decode_attention(*v, out=out))
+                print(f"  {label}: {t * 1e6:.1f} us", flush=True)
