@@ -298,8 +298,8 @@ def sparse_decode_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
-    if splits is None:  # about as many 64-key blocks per SM as the batch needs, in one wave
-        total_blocks = triton.cdiv(window, block_n or 64) + triton.cdiv(topk, block_n or 64)
+    if splits is None:  # as many key blocks per program as spreads the batch over the SMs in one wave
+        total_blocks = triton.cdiv(window, block_n or 32) + triton.cdiv(topk, block_n or 32)
         per_split = triton.cdiv(total_blocks * num_rows * head_blocks, _num_sms(q.device))
         splits = triton.cdiv(total_blocks, per_split)
     # 64-key blocks when a program takes a whole row; 32 when split (the entries-only kernel's
