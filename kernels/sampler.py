@@ -56,7 +56,8 @@ PHILOX_W1 = tl.constexpr(0xBB67AE85)
 RADIX_BITS = tl.constexpr(4)
 NUM_PIVOTS = tl.constexpr(16)
 NUM_DIGITS = tl.constexpr(8)
-DRAW_GROUP = 8  # chunks per partial sum of the draw's two-level scan
+DRAW_GROUP = 8  # chunks per partial sum of the two-level scans (the draw, the tie cuts)
+MAX_TOP_LOGPROBS = 64  # the top-n ranking compares n × n pairs in registers
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _sum_exp(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id,
-             NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr):
+             NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LIBDEVICE: tl.constexpr):
     acc = tl.zeros([BLOCK], tl.float32)
     for c in range(NUM_CHUNKS):
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -162,9 +163,9 @@ def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, 
             # Counts: a histogram of this digit over the keys inside the prefix's bucket, plus the
             # keys above the bucket (they count for every pivot).
             hist = tl.zeros([NUM_PIVOTS], tl.int32)
-            num_above = tl.zeros([BLOCK], tl.int32)
-            for c in range(NUM_CHUNKS):
-                offs = c * BLOCK + tl.arange(0, BLOCK)
+            num_above = tl.zeros([4 * BLOCK], tl.int32)
+            for c in range((NUM_CHUNKS + 3) // 4):  # 4 chunks per histogram: fewer block-wide combines
+                offs = c * (4 * BLOCK) + tl.arange(0, 4 * BLOCK)
                 key = _key(_load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS))
                 ok = offs < num_tokens
                 if p > 0:
@@ -184,27 +185,29 @@ def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, 
 
 @triton.jit
 def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, target, v,
-              MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-              LIBDEVICE: tl.constexpr):
+              MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+              GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr):
     """The new (cut_key, cut_id) once ``_select`` found v: ties at v kept in id order while the weight
     of the higher ranks stays below the target (ranks < k; mass before < ceil(top_p · 2³¹))."""
-    chunk_ids = tl.arange(0, CHUNKS_POW2)
-    ties_per_chunk = tl.zeros([CHUNKS_POW2], tl.int32)  # kept ties (an id prefix of all ties) per chunk
+    group_ids = tl.arange(0, GROUPS_POW2)
+    ties_per_group = tl.zeros([GROUPS_POW2], tl.int32)  # kept ties (an id prefix of all ties) per group
     above = tl.zeros([BLOCK], tl.int64)
-    for c in range(NUM_CHUNKS):
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
-        key = _key(x)
-        kept = ((key > cut_key) | ((key == cut_key) & (offs < cut_id))) & (offs < num_tokens)
-        if MASS:
-            w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
-        else:
-            w = kept.to(tl.int64)
-        above += tl.where(key > v, w, 0)
-        n = tl.sum((kept & (key == v)).to(tl.int32), axis=0)
-        ties_per_chunk = tl.where(chunk_ids == c, n, ties_per_chunk)
+    for g in range((NUM_CHUNKS + GROUP - 1) // GROUP):
+        ties = tl.zeros([BLOCK], tl.int32)
+        for i in range(GROUP):
+            offs = (g * GROUP + i) * BLOCK + tl.arange(0, BLOCK)
+            x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
+            key = _key(x)
+            kept = ((key > cut_key) | ((key == cut_key) & (offs < cut_id))) & (offs < num_tokens)
+            if MASS:
+                w = _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE)
+            else:
+                w = kept.to(tl.int64)
+            above += tl.where(key > v, w, 0)
+            ties += (kept & (key == v)).to(tl.int32)
+        ties_per_group = tl.where(group_ids == g, tl.sum(ties, axis=0), ties_per_group)
     rest = target - tl.sum(above, axis=0)  # > 0: v is the last value the target needs
-    num_ties = tl.sum(ties_per_chunk, axis=0)
+    num_ties = tl.sum(ties_per_group, axis=0)
     if MASS:
         tie_mass = tl.max(_masses(_value(v + tl.zeros([1], tl.uint32)), m, temp, total, cut_key, cut_id,
                                   tl.zeros([1], tl.int32), LIBDEVICE), axis=0)  # > 0 when found
@@ -213,15 +216,15 @@ def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id
         num_keep = rest.to(tl.int32)
     new_id = num_tokens
     if num_keep < num_ties:  # the id of the tie at index num_keep is the first one dropped
-        before = tl.cumsum(ties_per_chunk, axis=0)
-        chunk = tl.sum((before <= num_keep).to(tl.int32), axis=0)
-        skip = num_keep - tl.sum(tl.where(chunk_ids < chunk, ties_per_chunk, 0), axis=0)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        x = _load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS)
-        key = _key(x)
-        tie = (((key > cut_key) | ((key == cut_key) & (offs < cut_id))) & (offs < num_tokens) & (key == v))
-        index = tl.cumsum(tie.to(tl.int32), axis=0) - 1  # the tie's index within the chunk
-        new_id = tl.min(tl.where(tie & (index == skip), offs, num_tokens), axis=0)
+        group = tl.sum((tl.cumsum(ties_per_group, axis=0) <= num_keep).to(tl.int32), axis=0)
+        seen = tl.sum(tl.where(group_ids < group, ties_per_group, 0), axis=0)  # ties before the chunk
+        for i in range(GROUP):
+            offs = (group * GROUP + i) * BLOCK + tl.arange(0, BLOCK)
+            key = _key(_load(row_ptr, ban_ptr, offs, num_tokens, err, NUM_BANS))
+            tie = ((key > cut_key) | ((key == cut_key) & (offs < cut_id))) & (offs < num_tokens) & (key == v)
+            index = seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1  # the tie's index among all ties
+            new_id = tl.minimum(new_id, tl.min(tl.where(tie & (index == num_keep), offs, num_tokens), axis=0))
+            seen += tl.sum(tie.to(tl.int32), axis=0)
     new_id = tl.where(v == cut_key, tl.minimum(new_id, cut_id), new_id)
     return v, new_id
 
@@ -229,15 +232,15 @@ def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id
 @triton.jit
 def _top_logprobs(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id, log_total, top_ids_ptr, top_lp_ptr,
                   NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr,
-                  NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                  LIBDEVICE: tl.constexpr):
+                  NUM_CHUNKS: tl.constexpr, SEL_BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                  GROUPS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr):
     """The NUM_TOP best ranks (banned logit descending, ties → lower id) and their processed logprobs."""
     all_key = tl.zeros([], tl.uint32)
     if NUM_TOP < num_tokens:
         v, found = _select(row_ptr, ban_ptr, num_tokens, err, m, temp, 1.0, all_key, num_tokens, NUM_TOP,
                            False, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
         top_key, top_id = _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, 1.0, all_key, num_tokens, NUM_TOP, v,
-                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, GROUP, GROUPS_POW2, LIBDEVICE)
     else:
         top_key = all_key
         top_id = num_tokens
@@ -271,7 +274,7 @@ def _sampler_kernel(
     logits_ptr, row_stride, num_tokens,
     temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride,
     token_ptr, logprob_ptr, error_ptr, top_ids_ptr, top_lp_ptr, case,
-    NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, SEL_BLOCK: tl.constexpr,
     GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
@@ -318,17 +321,17 @@ def _sampler_kernel(
         v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target,
                            False, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
         cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target, v,
-                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, GROUP, GROUPS_POW2, LIBDEVICE)
     total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
-                     NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                     NUM_BANS, BLOCK, NUM_CHUNKS, LIBDEVICE)
     if mass_limit > 0:
         v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id, mass_limit,
                            True, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
         if found:
             cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id,
-                                        mass_limit, v, True, NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                                        mass_limit, v, True, NUM_BANS, BLOCK, NUM_CHUNKS, GROUP, GROUPS_POW2, LIBDEVICE)
             total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
-                             NUM_BANS, BLOCK, NUM_CHUNKS, CHUNKS_POW2, LIBDEVICE)
+                             NUM_BANS, BLOCK, NUM_CHUNKS, LIBDEVICE)
 
     token = arg
     if not greedy:
@@ -371,7 +374,7 @@ def _sampler_kernel(
     if NUM_TOP > 0:
         _top_logprobs(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id, log_total,
                       top_ids_ptr + row * NUM_TOP, top_lp_ptr + row * NUM_TOP, NUM_TOP, TOP_POW2, NUM_BANS, BLOCK,
-                      NUM_CHUNKS, CHUNKS_POW2, SEL_BLOCK, LIBDEVICE)
+                      NUM_CHUNKS, SEL_BLOCK, GROUP, GROUPS_POW2, LIBDEVICE)
 
 
 @dataclass
@@ -425,6 +428,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, num_logprobs: int = 0,
         raise ValueError(f"logits must be [R, V] with a contiguous last dim, got {tuple(logits.shape)}")
     num_rows, num_tokens = logits.shape
     width = min(num_logprobs, num_tokens)
+    if width > MAX_TOP_LOGPROBS:
+        raise ValueError(f"the kernel ranks at most {MAX_TOP_LOGPROBS} top logprobs in registers, asked {width}")
     device = logits.device
     out = SamplerOutput(
         token_ids=torch.empty(num_rows, dtype=torch.int64, device=device),
@@ -445,7 +450,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, num_logprobs: int = 0,
         banned, banned.stride(0) if banned.shape[1] else 0,
         out.token_ids, out.logprobs, out.errors, out.top_token_ids, out.top_logprobs, int(case),
         NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=num_chunks,
-        CHUNKS_POW2=triton.next_power_of_2(num_chunks), SEL_BLOCK=min(block, 32 * num_warps),
+        SEL_BLOCK=min(block, 32 * num_warps),
         GROUP=DRAW_GROUP, GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
         NUM_TOP=width, TOP_POW2=triton.next_power_of_2(max(width, 1)), LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,

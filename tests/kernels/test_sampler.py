@@ -60,7 +60,7 @@ def _interpreted_sample(logits, rows, block, case=0):
 
 def test_sampler_interpreted_matches_cpu_sampler_mixed_rows():
     gen = torch.Generator().manual_seed(0)
-    vocab, num_rows = 1500, 16
+    vocab, num_rows = 1200, 12
     logits = torch.randn(num_rows, vocab, generator=gen) * 2.5
     logits[1::4, 7] = 12.0  # peaked rows: top-p keeps few tokens
     rows = _mixed_rows(vocab, num_rows, gen)
@@ -78,7 +78,12 @@ def test_sampler_interpreted_ties_at_the_cuts():
     rows = [_row(1.0, 50, seed=3), _row(0.8, 0, 0.6, seed=4), _row(1.0, 130, 0.7, seed=5, position=2),
             _row(1.0, 400, seed=6, num_logprobs=9), _row(0.0, 10, 0.5), _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
             _row(1.0, 690, 0.999, seed=9), _row(0.9, 2, 1.0, seed=2**63 + 5)]
-    _check(Sampler()(logits, rows), _interpreted_sample(logits, rows, block=256))
+    ref = Sampler()(logits, rows)
+    _check(ref, _interpreted_sample(logits, rows, block=256))
+    # 64-wide chunks: 11 chunks in two groups of 8, so cuts and draws can land in the later group.
+    some = [1, 3, 6]
+    _check(Sampler()(logits[some], [rows[i] for i in some]),
+           _interpreted_sample(logits[some], [rows[i] for i in some], block=64))
 
 
 def test_sampler_interpreted_error_rows_and_resample_case():
