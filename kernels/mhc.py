@@ -278,7 +278,7 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
         num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
         N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
         COLLAPSE=x is not None, ITERS=w.iters, V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
-        num_warps=num_warps or (4 if block_t <= 16 else 8), num_stages=2,
+        num_warps=num_warps or (8 if block_t >= 64 or (block_t == 32 and expanding) else 4), num_stages=2,
     )
     if num_splits > 1:
         finish_t = 16

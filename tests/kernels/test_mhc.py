@@ -45,13 +45,6 @@ def _ref_expand(y: torch.Tensor, h: torch.Tensor, mix: ref.Mix) -> torch.Tensor:
     return ref.expand(y[None], h[None], ref.Mix(*(t[None] for t in mix)))[0]
 
 
-def _close(out: torch.Tensor, expect: torch.Tensor, rel: float) -> float:
-    """Max error relative to the tensor's scale; asserts it is ≤ rel (element-wise, against max |expect|)."""
-    err = float((out.float() - expect.float()).abs().max() / expect.float().abs().max().clamp_min(1e-30))
-    assert err <= rel, err
-    return err
-
-
 def _check_mix(got, expect: ref.Mix, rel: float = 1e-5) -> None:
     for name in ("pre", "post", "comb"):
         a, b = getattr(got, name), getattr(expect, name).reshape(getattr(got, name).shape)
