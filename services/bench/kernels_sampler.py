@@ -20,6 +20,10 @@ VOCAB = 129280
 ROWS = (1, 16, 64, 256)
 QUICK_ROWS = (1, 64, 256)
 CASES = {"greedy": dict(temperature=0.0, top_p=1.0), "top-p 0.9 T 0.7": dict(temperature=0.7, top_p=0.9)}
+# (block, num_warps) tried besides the launcher's default (1024, 8) on top-p rows at SWEEP_ROWS:
+# 16 warps give a lone row's program twice the threads (128 registers fit 512 threads, no spills).
+SWEEP = ((1024, 16), (512, 4))
+SWEEP_ROWS = (1, 256)
 
 
 def sampler_problem(num_rows: int, case: str, gen: torch.Generator, device: str | None = None,
@@ -43,6 +47,8 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     from kernels.sampler import sample, sampling_params
     from services.worker.sampler import Sampler
 
+    import sys
+
     out = []
     for case in CASES:
         for num_rows in QUICK_ROWS if quick else ROWS:
@@ -52,6 +58,17 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             sampler = Sampler()
             theirs = _bench(lambda: sampler(logits, rows))
             nbytes = logits.numel() * logits.element_size() + num_rows * (8 + 4 + 1)
-            out.append(_row(f"sampler {case}", f"R={num_rows} V={VOCAB} fp32", ours, nbytes, 0.0, ceil, theirs,
+            shape = f"R={num_rows} V={VOCAB} fp32"
+            out.append(_row(f"sampler {case}", shape, ours, nbytes, 0.0, ceil, theirs,
                             "torch: services.worker.sampler.Sampler on CUDA (eager; host-built parameters)"))
+            if case == "greedy" or num_rows not in SWEEP_ROWS:
+                continue
+            for block, warps in SWEEP:
+                try:
+                    t = _bench_replay(lambda b=block, w=warps: sample(logits, params, block=b, num_warps=w))
+                except Exception as err:  # noqa: BLE001 - a config that fails is reported, not fatal
+                    print(f"  sampler block={block} warps={warps} failed: {type(err).__name__}: {str(err)[:120]}",
+                          file=sys.stderr)
+                    continue
+                out.append(_row(f"sampler {case} [block={block} warps={warps}]", shape, t, nbytes, 0.0, ceil, theirs))
     return out
