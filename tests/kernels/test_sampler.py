@@ -69,15 +69,16 @@ def test_sampler_interpreted_matches_cpu_sampler_mixed_rows():
 
 def test_sampler_interpreted_ties_at_the_cuts():
     """Few distinct logit values: the top-k and top-p cuts fall inside runs of ties (lower ids first),
-    −0 and +0 tie, and bans leave -inf among kept ranks."""
+    −0 and +0 tie, and a top-k larger than the finite logits cuts inside the banned (-inf) ranks."""
     gen = torch.Generator().manual_seed(1)
     vocab = 700
     logits = torch.randint(-3, 3, (8, vocab), generator=gen).float() * 0.5
     logits[2] = torch.where(logits[2] == 0, torch.tensor(-0.0), logits[2])
     logits[3, : vocab // 2] = -0.0
     rows = [_row(1.0, 50, seed=3), _row(0.8, 0, 0.6, seed=4), _row(1.0, 130, 0.7, seed=5, position=2),
-            _row(1.0, 400, seed=6, num_logprobs=9), _row(0.0, 10, 0.5), _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
-            _row(1.0, 690, 0.999, seed=9), _row(0.9, 2, 1.0, seed=2**63 + 5)]
+            _row(1.0, 400, seed=6, num_logprobs=9), _row(0.0, 10, 0.5),
+            _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
+            _row(1.0, 690, 0.999, seed=9, banned=range(5, 16)), _row(0.9, 2, 1.0, seed=2**63 + 5)]
     ref = Sampler()(logits, rows)
     _check(ref, _interpreted_sample(logits, rows, block=256))
     # 64-wide chunks: 11 chunks in two groups of 8, so cuts and draws can land in the later group.
@@ -103,7 +104,8 @@ def test_sampler_interpreted_error_rows_and_resample_case():
 
     p = Sampler().process(logits[3:], rows[3:])
     expected = _pick(p.probs, draw_bits([4], [7], DrawCase.RESAMPLE))
-    assert _interpreted_sample(logits[3:], rows[3:], block=128, case=DrawCase.RESAMPLE).token_ids.tolist() == expected.tolist()
+    resampled = _interpreted_sample(logits[3:], rows[3:], block=128, case=DrawCase.RESAMPLE)
+    assert resampled.token_ids.tolist() == expected.tolist()
 
 
 def test_sampler_interpreted_draw_ignores_batch_neighbours():
@@ -137,7 +139,8 @@ def _gpu_problem(num_rows: int, dtype: torch.dtype, seed: int):
     # A few confident tokens per row, as a language model has: the nucleus is small for many rows.
     hot = torch.randint(0, vocab, (num_rows, 8), device="cuda", generator=gen)
     logits.scatter_(1, hot, torch.rand(num_rows, 8, device="cuda", generator=gen) * 12 + 4)
-    rows = _mixed_rows(vocab, num_rows, torch.Generator().manual_seed(seed))
+    # From kind 3 on: R = 1 is a sampled top-p 0.9 row.
+    rows = _mixed_rows(vocab, num_rows + 3, torch.Generator().manual_seed(seed))[3:]
     return logits.to(dtype), rows
 
 
