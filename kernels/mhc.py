@@ -240,8 +240,8 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
         block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 512 else 64
     block_d = 16
     num_tiles = triton.cdiv(dim, block_d)
-    if split is None:
-        split = max(1, min(num_tiles, triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
+    if split is None:  # a power of two: TILES and SPLIT are constexprs, so few compiled variants over all T
+        split = min(num_tiles, triton.next_power_of_2(triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
     per = triton.cdiv(num_tiles, split)
     return block_t, block_d, per, triton.cdiv(num_tiles, per)
 

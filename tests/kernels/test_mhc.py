@@ -57,7 +57,7 @@ def _bf16_close(out: torch.Tensor, expect: torch.Tensor) -> None:
 
 
 CASES = [(1, 64, torch.float32), (5, 128, torch.bfloat16), (3, 256, torch.float32), (33, 64, torch.float32),
-         (17, 64, torch.bfloat16)]
+         (17, 64, torch.bfloat16), (2, 80, torch.float32)]  # D 80: 5 D tiles, a partial last split below
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "dtype"), CASES)
@@ -76,11 +76,13 @@ def test_mix_collapse_expand_interpreted(num_tokens, dim, dtype):
     with interpreter():
         got = k.mhc_mix(h, w_a, pre_prev)
         split = k.mhc_mix(h, w_a, split=1)  # one program per token tile: the epilogue in the mix kernel
+        ragged = k.mhc_mix(h, w_a, split=2)  # partial products, the last split short when D tiles are odd
         x = k.collapse(h, pre_prev)
         e = k.expand(y, h, mix_a)
         fused = k.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre)
     _check_mix(got.mix, mix_a)
     _check_mix(split.mix, mix_a)
+    _check_mix(ragged.mix, mix_a)
     assert got.h is not None and split.x is None
     x_ref = _ref_collapse(h, pre_prev)
     if dtype == torch.float32:
