@@ -136,7 +136,7 @@ def _mix_kernel(
                          + d[:, None, :], mask=ok[:, None, :], other=0.0).to(tl.float32)  # [BT, N, BD]
         if COLLAPSE:
             x = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for k in range(N):  # a loop, not unrolled: one stream's tiles live at a time
+        for k in range(N):  # a loop, not tl.static_range: fewer live tiles (the fn operand dominates)
             if EXPAND:
                 v = _expand_stream(y, h3, in_post_ptr, in_comb_ptr, t, t_ok, k, N, h_out_ptr.dtype.element_ty)
                 tl.store(h_out_ptr + t * k_total + k * dim + d, v.to(h_out_ptr.dtype.element_ty), mask=ok)
