@@ -138,7 +138,7 @@ def _args(cfg, prob, q=None):
             prob["kv_pool"], prob["selected"], prob["sink"], prob["freqs"], cfg.head_dim**-0.5)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 2, 3, 64])  # 64: one block per split (one launch for both kinds)
 def test_interpreted_fp32_dots_match_reference(splits):
     cfg, prob = _tiny_problem(5, splits)
     ref = reference.sparse_decode_attention(*_args(cfg, prob))
