@@ -8,10 +8,14 @@ row, dequantised once in registers and used by all the heads as a [BLOCK_H, D] �
 a [BLOCK_H, BLOCK_N] × [BLOCK_N, D] tensor-core product (bf16 operands, fp32 accumulation, online
 softmax in fp32 with exp2).
 
-The channels are handled as (even, odd) halves throughout: an FP4 byte holds channels 2i (low
-nibble) and 2i+1 (high nibble), an FP8 window row is read as 16-bit pairs, the query is split the
-same way, and q·k = q_even·k_even + q_odd·k_odd; the output accumulates as (even, odd) halves,
-which is exactly the pairing RoPE rotates, so undo-RoPE is an elementwise epilogue.
+Keys are dequantised in natural channel order, [BLOCK_N, D]: an FP8 window row's D codes with its
+D/32 e8m0 scales broadcast over 32-channel groups, an FP4 entry's nibbles (channel 2i low, 2i+1
+high) interleaved by ``tl.join`` + reshape, scaled per 16 channels. Loads go straight from the cache
+bytes (16-byte vectors for the pool, 4-byte for Flash's 4-byte-aligned state slots: ``RING_ALIGN``),
+which is what lets Triton's software pipeliner turn them into cp.async copies one to two blocks
+ahead of their use (``num_stages``); the loops are ``tl.range`` loops with constant trip counts
+(the pipeliner handles only scf.for loops, and the interpreter only constant bounds). Undo-RoPE
+splits the output into (even, odd) channel halves in the epilogue.
 
 Dequantisation is exact in bf16: e4m3 (3 mantissa bits) times a power-of-two e8m0 scale, and e2m1
 (1 bit) times an e4m3 scale (≤ 5 significant bits in all), so the QK products equal the
@@ -20,9 +24,11 @@ the PV product (standard flash-attention practice; ``dot_fp32=True`` keeps P in 
 
 Graph-safe: shapes are fixed per batch; each row's position, state slot and selected pool slots
 are device tensors, and invalid keys (window positions < 0, selected slot −1) are masked, so rows
-with fewer keys need no host-side handling. For small batches the keys of a row are split over
-``splits`` programs (flash-decoding); a second kernel merges the partial (max, sum, accumulator)
-with the sink and applies undo-RoPE.
+with fewer keys need no host-side handling. For small batches (rows ≤ a quarter of the SMs) the
+keys of a row are split over ``splits`` programs (flash-decoding), each taking window blocks or
+entry blocks; a second kernel merges the partial (max, sum, accumulator) with the sink and applies
+undo-RoPE. The jit helpers ``_window_keys``, ``_entry_keys``, ``_attend_block`` and ``_finish`` are
+shared with ``kernels/prefill_attention.py``: keep their signatures.
 """
 
 from __future__ import annotations
