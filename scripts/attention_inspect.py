@@ -2,6 +2,12 @@
 and the MMA / async-copy instructions in their PTX, at R=1 (split keys) and R=256 (one program per
 row); run on the GPU machine after the tests (``scripts/kernels-h200.sh``).
 
+``--offline`` (no GPU): compile the kernel for sm_90a here at the Flash shapes of each launch kind,
+with the argument specialisation Triton applies on the GPU (16-divisible pointers and strides —
+without it, as in a plain ``scripts/compile_sm90.py`` call, the key loads neither vectorise nor
+pipeline and ptxas reports ~1 KB of spills that the real kernel does not have), and print ptxas's
+registers and spills.
+
 ``--time``: also time the kernel alone (graph replay, L2 flushed, as the benchmark) at R = 1, 64, 256
 for 4K and 32K context, against the roofline with the ceilings given (the last full run's by default)
 — a short device call, without the benchmark's slow torch baselines.
@@ -12,6 +18,8 @@ from __future__ import annotations
 import argparse
 import re
 
+import sys
+
 import torch
 
 import kernels.decode_attention as da
@@ -19,10 +27,36 @@ from services.bench.kernels import _bench_replay, decode_attention_args, decode_
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?", help="ignored (scripts/kernels-h200.sh passes its output folder)")
+parser.add_argument("--offline", action="store_true")
 parser.add_argument("--time", action="store_true")
-parser.add_argument("--bandwidth", type=float, default=4.27e12, help="HBM bytes/s (H200 run, 21:20 UTC)")
+parser.add_argument("--bandwidth", type=float, default=4.27e12, help="HBM bytes/s (H200 run, 21:14 UTC)")
 parser.add_argument("--bf16-peak", type=float, default=680e12, help="bf16 FLOP/s (same run)")
 args = parser.parse_args()
+
+if args.offline:
+    from triton.compiler import ASTSource
+    import triton
+
+    from scripts.compile_sm90 import TARGET, ptxas_report
+
+    fn = da._decode_attention_kernel
+    sig = dict(q_ptr="*bf16", ring_ptr="*u8", slots_ptr="*i64", pos_ptr="*i64", pool_ptr="*u8", sel_ptr="*i32",
+               sink_ptr="*fp32", freqs_ptr="*fp32", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
+               **{name: "i32" for name in fn.arg_names[11:23]}, scale_log2e="fp32")
+    # Flash: every pointer and stride but the state slot's (2,916,132 B) and the ring size (134) is 16-divisible.
+    div16 = [name for name in sig if name not in ("ring_stride_slot", "ring_size", "scale_log2e")]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
+    # (KEYS, BLOCK_N, SPLITS, BLOCKS_PER_SPLIT): whole rows, R = 8 (10 splits), R = 1 (one block each).
+    for keys, block_n, splits, per_split in ((0, 64, 1, 10), (1, 32, 10, 2), (2, 32, 10, 2), (3, 32, 20, 1)):
+        consts = dict(WINDOW=128, TOPK=512, D=512, ROPE_PAIRS=32, BLOCK_H=64, BLOCK_N=block_n, SPLITS=splits,
+                      BLOCKS_PER_SPLIT=per_split, KEYS=keys, RING_ALIGN=4, NUM_STAGES=3, DOT_FP32=False,
+                      LIBDEVICE=True)
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        kernel = triton.compile(src, target=TARGET, options={"num_warps": 8, "num_stages": 3})
+        print(f"KEYS={keys} BLOCK_N={block_n} SPLITS={splits}: shared {kernel.metadata.shared} B")
+        print(ptxas_report(kernel.asm["ptx"]))
+    sys.exit(0)
 
 compiled = []
 for fn in (da._decode_attention_kernel, da._combine_kernel):
