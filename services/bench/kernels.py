@@ -35,7 +35,7 @@ SWEEP_TOKENS = (128, 256)  # where the defaults fell short in the first H200 run
 # Sparse decode attention, Flash shapes: 64 heads × 512, window 128 (ring 134), top-k 512 FP4 entries.
 ATTN_CONTEXTS = (4096, 32768)
 ATTN_SWEEP = [  # (block_h, block_n, num_warps, num_stages); tried at ATTN_SWEEP_ROWS, 32K context
-    (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 4), (64, 64, 8, 3),
+    (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 3), (64, 32, 8, 4),
 ]
 ATTN_SWEEP_ROWS = (64, 256)
 # Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
