@@ -27,8 +27,8 @@ are device tensors, and invalid keys (window positions < 0, selected slot −1) 
 with fewer keys need no host-side handling. For small batches (rows ≤ a quarter of the SMs) the
 keys of a row are split over ``splits`` programs (flash-decoding), each taking window blocks or
 entry blocks; a second kernel merges the partial (max, sum, accumulator) with the sink and applies
-undo-RoPE. The jit helpers ``_window_keys``, ``_entry_keys``, ``_attend_block`` and ``_finish`` are
-shared with ``kernels/prefill_attention.py``: keep their signatures.
+undo-RoPE. ``_window_keys``, ``_entry_keys``, ``_entry_blocks``, ``_attend_block``, ``_finish`` and
+``_ring_align`` are shared with ``kernels/prefill_attention.py``: keep their signatures.
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def _decode_attention_kernel(
     ring_size, entries_per_block, scale_log2e,
     WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    KEYS: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    KEYS: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     WIN_BLOCKS: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
     ENT_BLOCKS: tl.constexpr = (TOPK + BLOCK_N - 1) // BLOCK_N
