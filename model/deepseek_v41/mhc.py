@@ -59,6 +59,17 @@ class HyperConnection(nn.Module):
         comb = sinkhorn(logits[..., 2 * n :].unflatten(-1, (n, n)), self.iters, self.eps)
         return Mix(pre, post, comb)
 
+    # A site's whole use of the streams goes through the module (Block.run), so a backend that swaps the
+    # module (services/worker/kernel_backend.py) swaps the collapse and expand with it.
+
+    def mix_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> tuple[Mix, torch.Tensor]:
+        """(this site's Mix of h, Collapse(h, pre)) with the previous site's ``pre``: h [B, S, n, D]."""
+        return self(h), collapse(h, pre)
+
+    def expand(self, y: torch.Tensor, h: torch.Tensor, mix: Mix) -> torch.Tensor:
+        """Expand(y, h, mix) with this site's ``mix``."""
+        return expand(y, h, mix)
+
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Σ_s pre_s · h_s: h [B, S, n, D], pre [B, S, n] → [B, S, D]."""

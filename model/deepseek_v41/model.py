@@ -24,7 +24,7 @@ from torch import nn
 from model.deepseek_v41.attention import Attention, SparseState
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.engram import Engram, EngramHasher
-from model.deepseek_v41.mhc import HyperConnection, collapse, expand, initial_pre
+from model.deepseek_v41.mhc import HyperConnection, collapse, initial_pre
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 
@@ -64,11 +64,10 @@ class Block(nn.Module):
         every Engram layer; ``expert_counts`` int64 [E] gains this layer's routed tokens."""
         if self.engram is not None:
             h = self.engram(h, engram_rows[:, :, self.engram_index], live)
-        mix_a = self.hc_attn(h)
-        h = expand(attend(self.attn_norm(collapse(h, pre))), h, mix_a)
-        mix_f = self.hc_ffn(h)
-        f = self.ffn(self.ffn_norm(collapse(h, mix_a.pre)), expert_counts)
-        h = expand(f, h, mix_f)
+        mix_a, x = self.hc_attn.mix_collapse(h, pre)
+        h = self.hc_attn.expand(attend(self.attn_norm(x)), h, mix_a)
+        mix_f, x = self.hc_ffn.mix_collapse(h, mix_a.pre)
+        h = self.hc_ffn.expand(self.ffn(self.ffn_norm(x), expert_counts), h, mix_f)
         return h, mix_f.pre
 
 
