@@ -96,6 +96,22 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+_E2M1_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(midpoints fp32 [7], code → value fp32 [16]) on ``device``, made once per device: a table
+    built per call is a host-to-device copy, which a CUDA graph capture refuses (the first call on a
+    device, which makes them, must come before any capture: a warm-up run does)."""
+    tables = _E2M1_TABLES.get(device)
+    if tables is None:
+        values = _E2M1_MAGNITUDES + tuple(-m for m in _E2M1_MAGNITUDES)  # code 8 is −0.0
+        tables = (torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=device),
+                  torch.tensor(values, dtype=torch.float32, device=device))
+        _E2M1_TABLES[device] = tables
+    return tables
+
+
 def encode_e2m1(normalized: torch.Tensor) -> torch.Tensor:
     """Round fp32 values (already divided by their scale) to 4-bit e2m1 codes, uint8 in [0, 15].
 
@@ -104,7 +120,7 @@ def encode_e2m1(normalized: torch.Tensor) -> torch.Tensor:
     """
     x = normalized.float().clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)
     magnitude = x.abs().contiguous()
-    midpoints = magnitude.new_tensor(_E2M1_MIDPOINTS)
+    midpoints = _e2m1_tables(magnitude.device)[0]
     lower = torch.bucketize(magnitude, midpoints)  # index of the level below, or at a tie
     tie = magnitude == midpoints[lower.clamp_max(len(_E2M1_MIDPOINTS) - 1)]
     index = lower + (tie & (lower % 2 == 1)).to(lower.dtype)
@@ -113,8 +129,7 @@ def encode_e2m1(normalized: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Decode e2m1 codes (uint8, low 4 bits used) to fp32; code 8 is -0.0."""
-    table = torch.tensor(_E2M1_MAGNITUDES + tuple(-m for m in _E2M1_MAGNITUDES), device=codes.device)
-    return table[(codes & 15).long()]
+    return _e2m1_tables(codes.device)[1][(codes & 15).long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

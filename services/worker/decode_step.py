@@ -17,15 +17,24 @@ MoE), so a kernel backend's swapped modules drop in unchanged. Decode makes the 
 the window ring is written first and then read whole (it holds the current row), a ratio-2 group's
 other member is always in the slot's fp32 partial rows, and the indexer scores a fixed width of
 ``max_blocks_per_request · entries per block`` entries gathered from the pool through the block
-tables, masked at each row's visible count. The three ops that want kernels each sit behind one
-function (``_index_select``, ``_compress``, ``_attend``), now in static torch.
+tables, masked at each row's visible count.
+
+``attention`` picks the path of the three ops that want kernels: "triton" runs kernels/compressor.py
+``compress``, kernels/indexer.py ``indexer_select`` (FP4 keys read straight from the pool) and
+kernels/decode_attention.py (CUDA, or interpreted copies for CPU tests); "reference" runs the static
+torch versions below (``_compress``, ``_index_select``, ``_attend``: CPU tests, bit-identity with
+CachedStep). The MoE routes placeholder rows nowhere: ``KernelMoE`` takes the live-row mask (graph-
+safe); the torch MoE, whose expert loop syncs with the host and so is never captured, runs on the
+live rows only (a prefix) and pads its output back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +43,11 @@ from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
-from model.deepseek_v41 import quant
 from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine
+from services.worker.kernel_moe import KernelMoE
 from services.worker.step_batch import PendingInputs, StepBatch
 
 ATTENTION = ("reference", "triton")  # kernels.reference.sparse_decode_attention / kernels.decode_attention
@@ -50,18 +59,35 @@ class _Sparse:
 
     ratio: int = 0
     source: int | None = None  # the KV source layer whose pool holds the entries
-    keys: torch.Tensor | None = None  # [G, W, di] fp32 index keys of every row's entries 0…W−1
+    keys: torch.Tensor | None = None  # reference: [G, W, di] fp32 index keys of every row's entries 0…W−1
     selected: torch.Tensor | None = None  # [G, ≤topk] int32 pool slots (−1 = none)
-    candidates: torch.Tensor | None = None  # [G, W] bool
+    candidates: torch.Tensor | None = None  # reference: bool [G, W] entries; triton: uint8 [G, ⌈W/CB⌉] blocks
+
+
+def step_kernels(kernels: object | None) -> SimpleNamespace:
+    """The "triton" path's modules (decode_attention, compressor, indexer) from ``kernels`` (a KernelSet:
+    the runner's, or interpreted copies for CPU tests) where it has them, else the compiled ones."""
+    interpreted = bool(getattr(kernels, "interpreted", False))
+
+    def module(name: str) -> ModuleType:
+        found = getattr(kernels, name, None)
+        if found is None and interpreted:
+            raise ValueError(f"the interpreted kernel set has no {name}: load it too (tests/kernels/interpret.py)")
+        return found if found is not None else importlib.import_module(f"kernels.{name}")
+
+    return SimpleNamespace(decode_attention=module("decode_attention"), compressor=module("compressor"),
+                           indexer=module("indexer"), interpreted=interpreted)
 
 
 class StaticDecodeStep:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, num_rows: int, max_blocks_per_request: int, *,
-                 attention: str) -> None:
+                 attention: str, kernels: object | None = None) -> None:
+        """``kernels``: a KernelSet for the "triton" path (see ``step_kernels``); unused by "reference"."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.model, self.cache, self.cfg = model, cache, model.cfg
         self.attention = attention
+        self.kernels = step_kernels(kernels) if attention == "triton" else None
         self.num_rows = num_rows
         self.max_blocks = max_blocks_per_request
         self.device = device = model.embed.weight.device
@@ -75,7 +101,7 @@ class StaticDecodeStep:
         self.state_slots = zeros(num_rows)  # [G] the row's request's slot; 0 for placeholder rows
         self.ring_slots = zeros(num_rows)  # [G] position mod ring size
         self.block_tables = zeros(num_rows, max_blocks_per_request)  # [G, B] padded with the null block 0
-        self.live = zeros(num_rows, dtype=torch.bool)  # [G] real rows (count towards experts)
+        self.live = zeros(num_rows, dtype=torch.bool)  # [G] real rows: a prefix (count towards experts)
         ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids})
         # ratio → [G] pool slot of the entry the row's group closes; 0 (the null block) for no entry.
         self.entry_slots = {r: zeros(num_rows) for r in ratios}
@@ -83,7 +109,8 @@ class StaticDecodeStep:
         hd = cfg.head_dim
         self._no_pool = torch.zeros(1, 1, hd // 2 + hd // 16, dtype=torch.uint8, device=device)  # ratio-0 layers
         self._no_selection = torch.zeros(num_rows, 0, dtype=torch.int32, device=device)
-        self._fp4 = _DeviceFp4(device)
+        self._rows = torch.arange(num_rows, device=device)  # [G]: row i is request i
+        self._query_start = torch.arange(num_rows + 1, device=device)  # [G+1]
 
     # ---- host side: fill the buffers -----------------------------------------------------------
 
@@ -108,6 +135,8 @@ class StaticDecodeStep:
         ring = self.cache.layout.ring_size
         if not torch.equal(batch.ring_slots, batch.positions % ring):
             raise ValueError(f"the plan's ring slots are not position mod {ring}")
+        if int(batch.positions.min()) < 1:  # the compressor reads position p − 1's partial row
+            raise ValueError("a decode row at position 0 (a request without a prompt)")
 
         def padded(x: torch.Tensor) -> torch.Tensor:
             return torch.cat((x, x.new_zeros(g - n, *x.shape[1:])))
@@ -147,39 +176,32 @@ class StaticDecodeStep:
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, self.device)  # [1, G, n]
         self.sparse = _Sparse()
-        with self._fp4.installed():
-            h, pre = self._layers(h, pre, engram_rows, counts)
-        y = model.norm(collapse(h, pre))[0]  # [G, D]
-        return F.linear(y.float(), model.head.weight.float()), counts
-
-    def _layers(self, h: torch.Tensor, pre: torch.Tensor, engram_rows: torch.Tensor | None, counts: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
         for block in self.model.layers:
             def attend(x: torch.Tensor, attn: Attention = block.attn) -> torch.Tensor:
                 return self._attend_layer(attn, x[0]).unsqueeze(0)
 
-            ffn_input: list[torch.Tensor] = []
-            hook = block.ffn.register_forward_pre_hook(lambda _module, args: ffn_input.append(args[0]))
-            try:  # no counts into the MoE: it would count placeholder rows (and bincount syncs)
+            with self._live_rows(block.ffn, counts[block.layer]):
                 h, pre = block.run(h, pre, attend, engram_rows, None, None)
-            finally:
-                hook.remove()
-            self._count(block.ffn, ffn_input[0], counts[block.layer])
-        return h, pre
+        y = model.norm(collapse(h, pre))[0]  # [G, D]
+        return F.linear(y.float(), model.head.weight.float()), counts
 
-    def _count(self, ffn: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> None:
-        """counts [E] += the live rows' routed experts; placeholder rows add 0. Routes a second time
-        (``forward`` does not return its choices): the model MoE's ``route``, or the kernel MoE's router
-        kernel (services/worker/kernel_moe.py, which has no ``route``); a row mask on the MoE would
-        retire this."""
-        x = x.reshape(-1, x.shape[-1])  # [G, D]
-        if hasattr(ffn, "route"):
-            _, experts = ffn.route(x)  # [G, k]
+    @contextlib.contextmanager
+    def _live_rows(self, ffn: torch.nn.Module, counts: torch.Tensor) -> Iterator[None]:
+        """``Block.run`` calls ``ffn(x, None)``, x [1, G, D]: these hooks route the live rows only and
+        count them into ``counts`` [E]. ``KernelMoE`` takes the row mask; the torch MoE runs on the
+        live prefix and its output is padded back with zeros (shapes vary: never captured)."""
+        if isinstance(ffn, KernelMoE):
+            hooks = [ffn.register_forward_pre_hook(lambda _m, args, _kw: ((args[0], counts), {"live": self.live}),
+                                                   with_kwargs=True)]
         else:
-            _, experts = ffn.kernels.moe_router.moe_router(x.contiguous(), ffn.gate_weight, ffn.gate_bias, ffn.top_k,
-                                                           ffn.route_scale)
-        experts = experts.long()
-        counts.scatter_add_(0, experts.flatten(), self.live.long().unsqueeze(-1).expand(experts.shape).flatten())
+            n, pad = self.num_live, self.num_rows - self.num_live
+            hooks = [ffn.register_forward_pre_hook(lambda _m, args: (args[0][:, :n], counts)),
+                     ffn.register_forward_hook(lambda _m, _args, out: F.pad(out, (0, 0, 0, pad)))]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _engram_rows(self) -> torch.Tensor:
         """Table rows [1, G, L, heads]; writes each row's compressed id to its slot's history
@@ -206,27 +228,71 @@ class StaticDecodeStep:
         if attn.ratio:
             self._sparse_layer(attn, x, q_latent, angles)
             pool, selected = cache.entries(self.sparse.source)[0], self.sparse.selected
-        out = _attend(q, cache.ring(layer), self.state_slots, self.positions, attn.window, pool, selected,
-                      attn.attn_sink, attn.freqs, attn.head_dim**-0.5, self.attention)  # [G, H, hd], RoPE undone
-        return attn._project_out(out.unsqueeze(1), torch.zeros_like(angles).unsqueeze(1))[:, 0]  # angle 0: identity
+        args = (q, cache.ring(layer), self.state_slots, self.positions, attn.window, pool, selected)
+        if self.kernels is not None:
+            out = self.kernels.decode_attention.sparse_decode_attention(
+                q.contiguous(), *args[1:], attn.attn_sink.float(), attn.freqs, attn.head_dim**-0.5,
+                dot_fp32=q.dtype == torch.float32 or self.kernels.interpreted)  # [G, H, hd], RoPE undone
+        else:
+            out = _attend(*args, attn.attn_sink, attn.freqs, attn.head_dim**-0.5)
+        if isinstance(attn.wo_a, torch.nn.Linear):  # the model's projection (angle 0: RoPE already undone)
+            return attn._project_out(out.unsqueeze(1), torch.zeros_like(angles).unsqueeze(1))[:, 0]
+        return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], attn.num_groups, -1)))  # the kernel backend's
 
     def _sparse_layer(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor) -> None:
         ratio, cache = attn.ratio, self.cache
         if attn.compressor is not None:
-            _compress(attn, x, cache, self.state_slots, self.positions, self.entry_slots[ratio])
-            epb = cache.layout.source(attn.layer).entries_per_block
-            keys = _read_keys(cache, attn.layer, self.block_tables, self.max_blocks * epb)
+            self._compress(attn, x)
+            keys = None
+            if self.kernels is None:
+                epb = cache.layout.source(attn.layer).entries_per_block
+                keys = _read_keys(cache, attn.layer, self.block_tables, self.max_blocks * epb)
             self.sparse = _Sparse(ratio, attn.layer, keys)
         sparse = self.sparse
         if sparse.ratio != ratio or sparse.source is None:
             raise ValueError(f"layer {attn.layer} needs a preceding KV source with ratio {ratio}")
         if attn.indexer is None:
             return  # reuse the nearest index source's selection
-        visible = (self.positions + 1) // ratio  # [G]
-        entries, candidates = _index_select(attn, x, q_latent, angles, sparse.keys, visible, sparse.candidates)
         epb = cache.layout.source(sparse.source).entries_per_block
+        if self.kernels is None:
+            visible = (self.positions + 1) // ratio  # [G]
+            entries, candidates = _index_select(attn, x, q_latent, angles, sparse.keys, visible, sparse.candidates)
+        else:
+            entries, candidates = self._index_kernel(attn, x, q_latent, angles, epb)
         sparse.selected = _entry_slots(entries, self.block_tables, epb)
         sparse.candidates = candidates
+
+    def _compress(self, attn: Attention, x: torch.Tensor) -> None:
+        """Every row's would-be group entry to its ``entry_slots`` (pool slot 0 where the row closes no
+        group) and, for ratio 2, its fp32 (value, gate) to its slot's partial rows. x [G, D]."""
+        if self.kernels is None:
+            _compress(attn, x, self.cache, self.state_slots, self.positions, self.entry_slots[attn.ratio])
+            return
+        # Each row is its own request, its first and last position this step; the kernel reads the
+        # group's other member from the partial row of p − 1, so placeholder rows (p = 0) act at p = 1
+        # (live rows have p ≥ 1: prepare checks it), all inside the null slot 0 and block 0.
+        pos = self.positions.clamp_min(1)  # [G]
+        batch = SimpleNamespace(positions=pos, row_requests=self._rows, first=pos, query_start=self._query_start,
+                                seqlens_k=pos + 1, state_slots=self.state_slots,
+                                entry_writes={attn.ratio: (self._rows, self.entry_slots[attn.ratio])})
+        options = {"dot_fp32": True} if self.kernels.interpreted else {}
+        self.kernels.compressor.compress_layer(self.cache, batch, attn, x, **options)
+
+    def _index_kernel(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
+                      entries_per_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_index_select`` by kernels/indexer.py over the same W = B · epb entries, the keys read from
+        the pool through the block tables: (entry ids int32 [G, ≤topk] ascending, −1 = none; the
+        candidate block mask uint8 [G, ⌈W/CB⌉] to carry, or None)."""
+        idx, sparse = attn.indexer, self.sparse
+        query = fake_quant_indexer(idx.query(q_latent, angles))  # [G, Hi, di]
+        w = idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)  # [G, Hi], as scores_quantized
+        entries, picked = self.kernels.indexer.indexer_select(
+            query.contiguous(), w.float(), self.cache.entries(sparse.source)[1], self.block_tables, self.positions,
+            attn.ratio, self.max_blocks * entries_per_block, index_topk=attn.index_topk,
+            candidates=sparse.candidates if attn.uses_candidates else None,
+            candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
+            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted)
+        return entries, picked if attn.is_candidate_source else sparse.candidates
 
 
 # ---- the ops that want kernels ------------------------------------------------------------------
@@ -238,7 +304,7 @@ def _index_select(attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angl
     """Indexer scores over each row's W entries, candidate blocks, top-k (model/deepseek_v41/indexer.py
     semantics, lower index first among ties). x [G, D], q_latent [G, q_lora], angles [G, P], keys
     [G, W, di], visible [G] → (entry ids [G, ≤topk] ascending, −1 = none; candidates [G, W] to carry).
-    Replaced by kernels/indexer.py (which should bound its loop by ``visible``, not W)."""
+    The "reference" path's; "triton" runs ``StaticDecodeStep._index_kernel``."""
     query = fake_quant_indexer(attn.indexer.query(q_latent, angles))  # [G, Hi, di]
     scores = attn.indexer.scores_quantized(query.unsqueeze(1), x.unsqueeze(1), keys, visible.unsqueeze(1))
     scores, candidates = attn.restrict_to_candidates(scores, visible.unsqueeze(1), candidates)  # [G, 1, W]
@@ -250,7 +316,7 @@ def _compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_slots:
     """Every row's would-be group entry (spec §3.6) to ``entry_slots`` (pool slot 0 where the row
     closes no group), and, for ratio 2, the row's fp32 (value, gate) to its slot's partial rows; the
     group's other member comes from those rows (decode: it arrived in an earlier step). x [G, D].
-    Replaced by kernels/compressor.py."""
+    The "reference" path's; "triton" runs kernels/compressor.py."""
     comp, ratio, layer = attn.compressor, attn.ratio, attn.layer
     if ratio == 1:
         latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))  # [G, hd]
@@ -268,57 +334,17 @@ def _compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_slots:
 
 
 def _attend(q: torch.Tensor, ring: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, window: int,
-            kv_pool: torch.Tensor, selected: torch.Tensor, sink: torch.Tensor, freqs: torch.Tensor, scale: float,
-            attention: str) -> torch.Tensor:
+            kv_pool: torch.Tensor, selected: torch.Tensor, sink: torch.Tensor, freqs: torch.Tensor, scale: float
+            ) -> torch.Tensor:
     """Sparse decode attention over the ring (written this step) and the selected pool slots, sink
-    and undo-RoPE; the contract of ``kernels.reference.sparse_decode_attention``. ``attention``
-    picks the implementation: "triton" is kernels/decode_attention.py ``sparse_decode_attention``
-    (CUDA; fp32 queries keep fp32 dots, as the model computes), "reference" the torch one."""
-    if attention == "triton":
-        from kernels.decode_attention import sparse_decode_attention
-
-        return sparse_decode_attention(q, ring, state_slots, positions, window, kv_pool, selected, sink.float(),
-                                       freqs, scale, dot_fp32=q.dtype == torch.float32)
+    and undo-RoPE: ``kernels.reference.sparse_decode_attention`` (the "triton" path calls
+    kernels/decode_attention.py's, same contract)."""
     from kernels.reference import sparse_decode_attention as reference
 
     return reference(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale)
 
 
 # ---- glue ---------------------------------------------------------------------------------------
-
-
-class _DeviceFp4:
-    """``quant.encode_e2m1`` / ``decode_e2m1`` with their tables made once on the device.
-
-    The model's versions build the tables from Python tuples on every call: a host-to-device copy,
-    which a CUDA graph capture refuses. ``installed()`` swaps these twins into the quant module for
-    the duration of a step (every FP4 path there looks them up at call time); the maths is the
-    same op for op, which the CPU bit-identity test checks. (A fix in quant.py would retire this.)"""
-
-    def __init__(self, device: torch.device) -> None:
-        self.midpoints = torch.tensor(quant._E2M1_MIDPOINTS, device=device)  # [7] fp32
-        self.table = torch.tensor(quant._E2M1_MAGNITUDES + tuple(-m for m in quant._E2M1_MAGNITUDES),
-                                  device=device)  # [16] fp32
-
-    def encode(self, normalized: torch.Tensor) -> torch.Tensor:
-        x = normalized.float().clamp(-quant.FP4_E2M1_MAX, quant.FP4_E2M1_MAX)
-        magnitude = x.abs().contiguous()
-        lower = torch.bucketize(magnitude, self.midpoints)
-        tie = magnitude == self.midpoints[lower.clamp_max(self.midpoints.numel() - 1)]
-        index = lower + (tie & (lower % 2 == 1)).to(lower.dtype)
-        return (index | ((x < 0).to(index.dtype) << 3)).to(torch.uint8)
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.table[(codes & 15).long()]
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        saved = quant.encode_e2m1, quant.decode_e2m1
-        quant.encode_e2m1, quant.decode_e2m1 = self.encode, self.decode
-        try:
-            yield
-        finally:
-            quant.encode_e2m1, quant.decode_e2m1 = saved
 
 
 def _read_keys(cache: CacheEngine, layer: int, block_tables: torch.Tensor, width: int) -> torch.Tensor:

@@ -33,19 +33,26 @@ log = logging.getLogger(__name__)
 class GraphRunner:
     """Wraps (does not subclass) a ModelRunner: same ``execute`` contract, same cache pools.
 
-    ``attention`` picks the decode attention explicitly ("triton": kernels/decode_attention.py on
-    CUDA; "reference": its torch reference). ``use_graphs`` captures and replays CUDA graphs; without
-    it the static step runs eagerly (CPU, tests)."""
+    ``attention`` picks the static step's compressor, indexer and decode attention explicitly
+    ("triton": the kernels/ kernels, from ``kernels`` or else the runner's kernel set where they are in
+    it, compiled otherwise; "reference": their static torch versions). ``use_graphs`` captures and
+    replays CUDA graphs; without it the static step runs eagerly (CPU, tests). Captured graphs need a
+    graph-safe MoE: the kernel backend's (``ModelRunner(backend="kernels")``)."""
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig, *, use_graphs: bool, attention: str) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, use_graphs: bool, attention: str,
+                 kernels: object | None = None) -> None:
         if runner.rounding is not None:
             raise ValueError("a rounding hook calls back into Python per op: run such a ModelRunner eagerly")
         device = runner.model.embed.weight.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on CUDA, not {device}")
+        if use_graphs and runner.kernels is None:
+            raise ValueError("CUDA graphs need the kernel backend (ModelRunner(backend='kernels')): the torch "
+                             "MoE's expert loop reads routing on the host, which a capture refuses")
         self.runner = runner
         self.use_graphs = use_graphs
         self.attention = attention
+        self.kernels = kernels if kernels is not None else runner.kernels
         self.max_blocks_per_request = -(-config.max_model_len // config.block_size)
         self._steps: dict[int, StaticDecodeStep] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -60,7 +67,8 @@ class GraphRunner:
     def step(self, size: int) -> StaticDecodeStep:
         if size not in self._steps:
             self._steps[size] = StaticDecodeStep(self.runner.model, self.runner.cache, size,
-                                                 self.max_blocks_per_request, attention=self.attention)
+                                                 self.max_blocks_per_request, attention=self.attention,
+                                                 kernels=self.kernels)
         return self._steps[size]
 
     def capture(self, sizes: list[int]) -> None:

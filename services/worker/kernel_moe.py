@@ -5,6 +5,11 @@ one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``): the sha
 as expert E and every token picks it with weight 1, which is exactly the model's sum
 ``routed + shared`` (the model applies no weight to the shared expert). Only the routed picks are
 added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
+
+``live`` (a row mask, for the static decode step's placeholder rows: services/worker/decode_step.py)
+routes the other rows nowhere: their choices go to sink experts past the stacked ones, which the
+layout then drops, so they take no slot, activate no expert, count towards nothing and come out
+as zeros. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.
 """
 
 from __future__ import annotations
@@ -65,25 +70,53 @@ class KernelMoE(nn.Module):
             self.register_buffer("w13", stack_gate_up(w1, w3).contiguous())  # fp32 [E+1, 2I, D]
             self.register_buffer("w2", w2.contiguous())
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None, live: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert.
+        ``live`` bool [B, S] (None: every row): rows outside it are routed nowhere and output zeros."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, D]
-        num_tokens = x2.shape[0]
         weights, experts = self.kernels.moe_router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k,
                                                               self.route_scale)  # [T, k] each
+        rows = None if live is None else live.reshape(-1, 1)  # [T, 1]
         if counts is not None:
-            counts.scatter_add_(0, experts.flatten().long(), torch.ones_like(experts.flatten(), dtype=counts.dtype))
-        shared = torch.full((num_tokens, 1), self.num_experts, dtype=experts.dtype, device=x.device)
-        meta = route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(shared,
-                              dtype=weights.dtype)), 1), self.num_experts + 1)
+            one = torch.ones_like(experts, dtype=counts.dtype) if rows is None else rows.to(counts.dtype).expand(
+                experts.shape)
+            counts.scatter_add_(0, experts.flatten().long(), one.flatten())
+        meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
                                                             self.w2_scale, self.limit)[:, : self.hidden]
         else:
             out = self._experts_fp32(x2, meta)
+        if rows is not None:
+            out = torch.where(rows, out, 0.0)  # the others gathered slot 0 (any bytes, even NaN)
         return out.to(x.dtype).reshape(shape)
+
+    def _layout(self, experts: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None
+                ) -> dict[str, torch.Tensor]:
+        """``route_metadata`` over E + 1 stacked experts (expert E, the shared one, picked by every row
+        with weight 1). Rows outside ``rows`` [T, 1] pick sink experts E+1 … E+k+1 instead (one each,
+        so no sink overflows its T slots); the sinks are then cut off the layout."""
+        num_stacked, num_tokens = self.num_experts + 1, experts.shape[0]
+        shared = torch.full((num_tokens, 1), self.num_experts, dtype=experts.dtype, device=experts.device)
+        choices = torch.cat((experts, shared), 1)  # [T, k+1]
+        route_w = torch.cat((weights, torch.ones_like(shared, dtype=weights.dtype)), 1)
+        if rows is None:
+            return route_metadata(choices, route_w, num_stacked)
+        sinks = torch.arange(num_stacked, num_stacked + choices.shape[1], dtype=choices.dtype, device=choices.device)
+        meta = route_metadata(torch.where(rows, choices, sinks), torch.where(rows, route_w, 0.0),
+                              num_stacked + choices.shape[1])
+        counts = meta["counts"][:num_stacked]
+        return {
+            "counts": counts,
+            "row_ids": meta["row_ids"][:num_stacked],
+            "route_w": meta["route_w"][:num_stacked],
+            "slot_of": torch.where(rows, meta["slot_of"], 0),  # the sinks' slots are gone: any slot
+            "active": torch.sort((counts == 0).to(torch.int32), stable=True).indices.to(torch.int32),
+            "num_active": (counts > 0).sum().to(torch.int32).view(1),
+        }
 
     def _experts_fp32(self, x: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         """The masked layout in torch: [E+1, cap, D] gathered rows, SwiGLU · route_w, down, gather-sum → fp32 [T, D]."""

@@ -86,7 +86,7 @@ class Summary:
     flipped_steps: int = 0
 
 
-def _cached_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale, attention):
+def _cached_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale):
     """``_attend`` in CachedStep's op order (sink_attention, then undo-RoPE in q's dtype): test glue
     that makes the static step bit-identical to the eager one at equal row counts."""
     from model.deepseek_v41.attention import sink_attention
