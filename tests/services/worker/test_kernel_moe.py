@@ -1,0 +1,81 @@
+"""KernelMoE's live-row mask (services/worker/kernel_moe.py), the static decode step's placeholder rows:
+rows outside the mask are routed nowhere (no slot, no expert, no count) and come out as zeros, and the
+live rows' outputs and counts are those of a call on the live rows alone. Interpreted on CPU (fp8: the
+grouped GEMM kernel; fp32: the torch twin of the masked layout); on a GPU the compiled kernels at a
+V41 Flash-sized layer with half the rows dead."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.worker.fp8_linear import KernelSet
+from services.worker.kernel_moe import KernelMoE
+from tests.kernels.interpret import interpreter, load_interpreted
+from tests.services.worker.test_model_runner import case
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _moe_kernels() -> KernelSet:
+    names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
+    return KernelSet(*(load_interpreted(name) for name in names), interpreted=True)
+
+
+def check_live_mask(moe: KernelMoE, x: torch.Tensor, live: torch.Tensor, tol: float) -> None:
+    """x [1, T, D], live bool [T]: masked call vs the live rows alone."""
+    num_experts = moe.num_experts
+    counts, alone_counts = (torch.zeros(num_experts, dtype=torch.long, device=x.device) for _ in range(2))
+    out = moe(x, counts, live=live)
+    alone = moe(x[:, live], alone_counts)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert torch.equal(out[:, ~live], torch.zeros_like(out[:, ~live]))
+    assert torch.equal(counts, alone_counts) and int(counts.sum()) == int(live.sum()) * moe.top_k
+    torch.testing.assert_close(out[:, live].float(), alone.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(moe(x, None, live=torch.ones_like(live)).float(), moe(x).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_dead_rows_route_nowhere_interpreted(precision):
+    model = case("oracle").model
+    kernels = _moe_kernels()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 8, model.cfg.hidden_size, generator=gen)
+    live = torch.tensor([True, True, False, True, False, True, True, False])
+    with interpreter():
+        moe = KernelMoE(copy.deepcopy(model.layers[1].ffn), precision, kernels)
+        # Row-wise maths: only the GEMMs' row counts differ (fp32: bmm over other capacities).
+        check_live_mask(moe, x, live, tol=1e-5)
+        # No live row at all (graph warm-up): every expert idle, zeros out.
+        counts = torch.zeros(moe.num_experts, dtype=torch.long)
+        out = moe(x, counts, live=torch.zeros_like(live))
+        assert int(counts.sum()) == 0 and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dead_rows_route_nowhere_flash_layer():
+    """A v41-s1 MoE layer (Flash shapes: D 5120, I 2304, top-6; 48 experts + shared), 64 rows, ~half
+    dead: the live rows equal a call on them alone up to the FP8 GEMM's per-expert row grouping."""
+    from model.deepseek_v41.moe import MoE
+    from model.deepseek_v41.presets import V41_S1
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(V41_S1)
+        with torch.no_grad():
+            for name, p in moe.named_parameters():
+                p.normal_(0.0, 0.01 if name == "gate_bias" else p.shape[-1] ** -0.5)
+        kmoe = KernelMoE(moe, "fp8", KernelSet.compiled())
+        del moe
+        x = torch.randn(1, 64, V41_S1.hidden_size, dtype=torch.bfloat16)
+        live = torch.rand(64) < 0.55
+    check_live_mask(kmoe, x, live, tol=2e-2)  # bf16 outputs: 2^-7 relative per rounding
