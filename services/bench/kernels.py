@@ -392,7 +392,14 @@ def _bench_module(name: str, ceil: dict[str, float], quick: bool, gen: torch.Gen
     if importlib.util.find_spec(module_name) is None:
         print(f"{name}: no benchmark module {module_name} yet; nothing measured")
         return []
-    return importlib.import_module(module_name).bench(ceil, quick, gen)
+    try:
+        return importlib.import_module(module_name).bench(ceil, quick, gen)
+    except Exception as exc:  # one kernel's failure is reported; the other kernels are still measured
+        import traceback
+
+        traceback.print_exc()
+        print(f"{name}: FAILED ({type(exc).__name__}: {exc}); its rows are missing")
+        return [_row(f"{name} FAILED", f"{type(exc).__name__}", float("nan"), 0.0, 0.0, ceil, None, str(exc)[:200])]
 
 
 def _fmt(v: object, spec: str) -> str:
