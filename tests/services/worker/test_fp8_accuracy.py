@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from services.bench.accuracy import TARGETS, Workload, compare, engine_config, make_prompts, measure, \
-    record_reference, report, shared_copy
+    meets_targets, record_reference, report, shared_copy, summarize
 from services.bench.step_build import load_source, model_config
 from services.worker.fp8_linear import KernelLinear
 from services.worker.kernel_backend import convert_model
@@ -68,6 +68,19 @@ def test_torch_against_itself_is_exact_and_a_perturbed_model_is_not(tiny):
     moved = compare(rec, ModelRunner(perturbed, config), SMALL)
     print(report("perturbed", moved))
     assert moved["all"]["mean_kl"] > 1e-6 and moved["decode"]["max_kl"] > 0
+
+
+def test_summary_groups_and_margin():
+    rows = {"kl": torch.tensor([0.0, 1e-3, 2e-3, 4e-3, 0.02]), "entropy": torch.full((5,), 3.0, dtype=torch.float64),
+            "margin": torch.tensor([0.01, 0.1, 0.2, 0.3, 0.04]), "agree": torch.tensor([False, True, False, True, True]),
+            "position": torch.tensor([0, 300, 600, 1500, 2100]), "decode": torch.tensor([False] * 4 + [True])}
+    s = summarize(rows)
+    assert [name for name in s if name.startswith("ctx")] == ["ctx 1-256", "ctx 257-512", "ctx 513-1024",
+                                                              "ctx 1025-2048", "ctx 2049-"]
+    assert all(s[name]["positions"] == 1 for name in s if name.startswith("ctx"))
+    assert (s["all"]["margin_rows"], s["all"]["top1"], s["all"]["top1_all"]) == (3, 2 / 3, 0.6)
+    assert s["decode"]["top1"] is None and s["decode"]["max_kl"] == pytest.approx(0.02)
+    assert s["prefill"]["mean_kl"] == pytest.approx(1.75e-3) and not meets_targets(s)
 
 
 def test_measure_fp8_copy_then_fp32_in_place_on_the_kernel_references(tiny):
