@@ -222,3 +222,44 @@ def test_plans_it_does_not_fit_run_eagerly():
     assert static.num_eager == 1 and got.logits.shape[0] == plan.sample_rows.__len__()
     with pytest.raises(ValueError, match="decode-only"):
         static.step(8).prepare(plan)
+
+
+def step_kernels_interpreted():
+    from types import SimpleNamespace
+
+    from tests.kernels.interpret import load_interpreted
+
+    return SimpleNamespace(**{name: load_interpreted(name) for name in ("decode_attention", "compressor", "indexer")},
+                           interpreted=True)
+
+
+@pytest.mark.parametrize("name", ["oracle", "nocand"])
+def test_triton_path_interpreted_equals_reference(name):
+    """The "triton" path's glue on CPU: compressor, indexer and attention kernels interpreted, one
+    decode plan padded 5 → 8 (ratio-2 groups closing for some rows), from the same pools as the
+    "reference" path: same logits (fp32 noise), counts, selections and pools but bin flips."""
+    from tests.kernels.interpret import interpreter
+
+    plan, runner = _decode_plan(name)
+    cache = runner.cache
+    blocks, slots = cache.blocks.clone(), cache.slots.clone()
+    kernels, results = step_kernels_interpreted(), {}
+    for attention in ("reference", "triton"):
+        cache.blocks.copy_(blocks)
+        cache.slots.copy_(slots)
+        step = StaticDecodeStep(runner.model, cache, 8, MAX_LEN // BLOCK, attention=attention, kernels=kernels)
+        step.prepare(plan)
+        with interpreter():
+            logits, counts = step.run()
+        after = CacheEngine(runner.cfg, BLOCK, 1, 1, cache.layout.ring_size)
+        after.blocks, after.slots = cache.blocks.clone(), cache.slots.clone()
+        results[attention] = (logits[:5].clone(), counts.clone(), after, step.sparse.selected[:5].clone())
+    (lr, cr, pr, sr), (lt, ct, pt, st) = results["reference"], results["triton"]
+    flips, partial, engram_equal = pool_differences(pr, pt)
+    delta = float((lr - lt).abs().max())
+    print(f"\n{name}: triton (interpreted) vs reference: max |Δ| logits {delta:.3g}, {flips} pool bin flips")
+    assert torch.equal(cr, ct) and engram_equal and flips <= 4
+    # A bin flip (fp32 noise at an FP4 edge: tests/kernels/test_compressor.py) moves later layers' inputs.
+    assert partial <= (tol.SENSITIVITY_MIN_MOVE if flips else tol.FLIP_BOUNDARY_TOL)
+    assert torch.equal(sr, st) or flips, "selections differ without a key bin flip"
+    assert delta <= (tol.SENSITIVITY_MIN_MOVE if flips else tol.PREFIX_ATOL)
