@@ -53,6 +53,9 @@ class EngineConfig:
     # The worker's GPU kernel backend (services/worker/kernel_backend.py): None = the torch model (CPU or GPU),
     # "fp8" = Triton kernels with FP8 weights and activations, "fp32" = the same kernels with fp32 weights.
     kernel_backend: str | None = None
+    # On a CUDA device with the kernel backend, decode steps replay captured CUDA graphs (one per graph size,
+    # services/worker/graph_runner.py); other steps run eagerly. Needs kernel_backend (the torch MoE syncs).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,6 +67,8 @@ class EngineConfig:
             raise ValueError("first_n_no_eos must be >= 0")
         if self.kernel_backend not in (None, "fp8", "fp32"):
             raise ValueError(f"kernel_backend must be None, 'fp8' or 'fp32', got {self.kernel_backend!r}")
+        if self.cuda_graphs and self.kernel_backend is None:
+            raise ValueError("cuda_graphs needs kernel_backend ('fp8' or 'fp32'): the torch MoE cannot be captured")
         if self.forced_top_k is not None and self.forced_top_k < 1:
             raise ValueError("forced_top_k must be positive or None")
 

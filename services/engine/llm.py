@@ -16,14 +16,27 @@ Prompt = str | Sequence[int]
 
 
 def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
-    """The cached model runner when it is available, else the full-recompute reference runner."""
+    """The cached model runner when it is available, else the full-recompute reference runner; with
+    ``config.cuda_graphs``, the cached runner (kernel backend) inside a GraphRunner that replays
+    captured decode graphs."""
     try:
         from services.worker.model_runner import ModelRunner as CachedRunner
     except ImportError:
         from services.worker.reference_runner import ReferenceRunner
 
+        if config.cuda_graphs:
+            raise
         return ReferenceRunner(source.model)
-    return CachedRunner(source.model, config)  # type: ignore[call-arg]
+    if not config.cuda_graphs:
+        return CachedRunner(source.model, config)  # type: ignore[call-arg]
+    device = source.model.embed.weight.device
+    if device.type != "cuda":  # before the runner converts the model in place
+        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
+                         "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
+    from services.worker.graph_runner import GraphRunner
+
+    return GraphRunner(CachedRunner(source.model, config), config, use_graphs=True,  # type: ignore[return-value]
+                       attention="triton")
 
 
 class LLM:

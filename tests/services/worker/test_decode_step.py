@@ -44,9 +44,12 @@ def one_thread():
 
 
 def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
-          prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS):
-    """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at, config) for one request per prompt."""
-    model = case(name, device).model
+          prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS,
+          model=None, backend: str | None = None):
+    """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at, config) for one request per
+    prompt; ``model`` (default: the case's) and ``backend`` go to both ModelRunners ("kernels" converts
+    the model in place: pass a copy)."""
+    model = model if model is not None else case(name, device).model
     cfg = model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     num_blocks = max_seqs * (MAX_LEN // BLOCK) + 1
@@ -60,8 +63,9 @@ def setup(name: str, device: str = "cpu", attention: str = "reference", use_grap
             for i, (n, m) in enumerate(zip(prompts, max_tokens))}
     for (rid, s), n, m in zip(seqs.items(), prompts, max_tokens):
         sched.add_request(rid, s[:n], max_tokens=m, ignore_eos=True)
-    eager = ModelRunner(model, config)
-    static = GraphRunner(ModelRunner(model, config), config, use_graphs=use_graphs, attention=attention)
+    eager = ModelRunner(model, config, backend=backend)
+    static = GraphRunner(ModelRunner(model, config, backend=backend), config, use_graphs=use_graphs,
+                         attention=attention)
     return sched, eager, static, lambda rid, pos: seqs[rid][pos], config
 
 
