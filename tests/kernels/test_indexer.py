@@ -46,23 +46,28 @@ def _args(p: dict) -> tuple:
 
 
 def _check_selection(ours: torch.Tensor, ref_sel: torch.Tensor, our_scores: torch.Tensor, ref_scores: torch.Tensor,
-                     rel_gap: float = 1e-5, min_checked: float = 0.9) -> None:
+                     rel_gap: float = 1e-5) -> None:
     """Ours picks exactly what select_entries picks on our scores, and the reference's pick in every row
-    whose k-th and (k+1)-th best finite reference scores are more than rel_gap apart (closer ones may
-    swap by fp32 summation order); at least ``min_checked`` of the rows must be such rows."""
+    whose k-th and (k+1)-th best finite reference scores are more than rel_gap apart. In the other rows
+    (close scores may swap by fp32 summation order: at 32K entries a tenth of rows have such a pair at
+    the cut) every entry picked by one side only must score within rel_gap of the reference's k-th."""
     assert ours.shape == ref_sel.shape and ours.dtype == torch.int32
     assert torch.equal(ours.long(), select_entries(our_scores, ref_sel.shape[-1]))
     finite = ref_scores.isfinite()
     assert torch.equal(our_scores.isfinite(), finite)
     scale = float(ref_scores[finite].abs().max()) if finite.any() else 1.0
     torch.testing.assert_close(our_scores[finite], ref_scores[finite], rtol=1e-5, atol=1e-6 * scale)
-    k, checked = ref_sel.shape[-1], 0
+    k = ref_sel.shape[-1]
     for r in range(ours.shape[0]):
         s = ref_scores[r][finite[r]].sort(descending=True).values
         if s.numel() <= k or float(s[k - 1] - s[k]) > rel_gap * scale:
             assert torch.equal(ours[r].long(), ref_sel[r]), r
-            checked += 1
-    assert checked >= min_checked * ours.shape[0], (checked, ours.shape[0])
+            continue
+        mine, theirs = set(ours[r].tolist()) - {-1}, set(ref_sel[r].tolist()) - {-1}
+        swapped = torch.tensor(sorted(mine ^ theirs), dtype=torch.long, device=ref_scores.device)
+        if swapped.numel():
+            gap = (ref_scores[r, swapped] - s[k - 1]).abs().max()
+            assert float(gap) <= 2 * rel_gap * scale, (r, float(gap), rel_gap * scale)
 
 
 # ---------------------------------------------------------------- the reference reads what the engine reads
@@ -107,7 +112,7 @@ def test_interpreted_selection_matches_reference(heads, dim, epb, ratio, context
     with interpreter():
         scores, _ = mod.indexer_scores(*_args(p), block_n=32, dot_fp32=True)
         sel = mod.select_topk(scores, topk)
-    _check_selection(sel, ref_sel, scores, ref_scores, min_checked=0.6)
+    _check_selection(sel, ref_sel, scores, ref_scores)
     assert torch.all(sel[0] == -1) and (sel[1] >= 0).sum() == (6 // ratio)
 
 

@@ -45,6 +45,12 @@ def _ref_expand(y: torch.Tensor, h: torch.Tensor, mix: ref.Mix) -> torch.Tensor:
     return ref.expand(y[None], h[None], ref.Mix(*(t[None] for t in mix)))[0]
 
 
+GPU_MIX_REL = 1e-4
+"""On the GPU both sides reduce 4·5120 fp32 products, in different orders (tensor-core tf32-split
+partial sums against cuBLAS fp32), and the first H200 run measured 2.6e-5 apart on pre at T = 1 with
+the forced single split: fp32 reordering noise over 20K terms (√N·2⁻²⁴·Σ|terms| ~ 1e-5), not a fault."""
+
+
 def _check_mix(got, expect: ref.Mix, rel: float = 1e-5) -> None:
     for name in ("pre", "post", "comb"):
         a, b = getattr(got, name), getattr(expect, name).reshape(getattr(got, name).shape)
@@ -182,15 +188,15 @@ def test_mhc_gpu_matches_module(num_tokens, fp32_reference_matmuls):
     w_a, w_f = mhc.MixWeights.of(hc_a), mhc.MixWeights.of(hc_f)
     mix_a = _ref_mix(hc_a, h)
     got = mhc.mhc_mix(h, w_a, pre)
-    _check_mix(got.mix, mix_a)
+    _check_mix(got.mix, mix_a, GPU_MIX_REL)
     _bf16_close(got.x, _ref_collapse(h, pre))
     h_new = _ref_expand(y, h, mix_a)
     _bf16_close(mhc.expand(y, h, mix_a), h_new)
     _bf16_close(mhc.collapse(h, pre), _ref_collapse(h, pre))
     fused = mhc.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre)
     _bf16_close(fused.h, h_new)
-    _check_mix(fused.mix, _ref_mix(hc_f, fused.h))
+    _check_mix(fused.mix, _ref_mix(hc_f, fused.h), GPU_MIX_REL)
     _check_mix(fused.mix, _ref_mix(hc_f, h_new), rel=1e-4)  # h' may differ from the module's by a bf16 step
     _bf16_close(fused.x, _ref_collapse(fused.h, mix_a.pre))
     for split in (1, 3):  # the fused epilogue and the partial-products path at every size
-        _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a)
+        _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a, GPU_MIX_REL)
