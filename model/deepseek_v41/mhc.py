@@ -70,6 +70,13 @@ class HyperConnection(nn.Module):
         """Expand(y, h, mix) with this site's ``mix``."""
         return expand(y, h, mix)
 
+    def expand_mix_collapse(self, y: torch.Tensor, h: torch.Tensor, previous: Mix
+                            ) -> tuple[torch.Tensor, Mix, torch.Tensor]:
+        """The previous site's Expand(y, h, previous), then this site's ``mix_collapse`` of the new
+        streams with the previous site's pre: (h', Mix(h'), Collapse(h', previous.pre))."""
+        h = expand(y, h, previous)
+        return (h, *self.mix_collapse(h, previous.pre))
+
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Σ_s pre_s · h_s: h [B, S, n, D], pre [B, S, n] → [B, S, D]."""

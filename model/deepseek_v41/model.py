@@ -65,8 +65,7 @@ class Block(nn.Module):
         if self.engram is not None:
             h = self.engram(h, engram_rows[:, :, self.engram_index], live)
         mix_a, x = self.hc_attn.mix_collapse(h, pre)
-        h = self.hc_attn.expand(attend(self.attn_norm(x)), h, mix_a)
-        mix_f, x = self.hc_ffn.mix_collapse(h, mix_a.pre)
+        h, mix_f, x = self.hc_ffn.expand_mix_collapse(attend(self.attn_norm(x)), h, mix_a)
         h = self.hc_ffn.expand(self.ffn(self.ffn_norm(x), expert_counts), h, mix_f)
         return h, mix_f.pre
 

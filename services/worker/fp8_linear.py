@@ -52,9 +52,17 @@ class KernelSet:
     moe_router: ModuleType
     moe_grouped_gemm: ModuleType
     decode_attention: ModuleType
+    # The step's other kernels (services/worker/kernel_step.py, kernel_sampler.py). None: that part stays
+    # torch (the FP8 test's torch-reference set); ``compiled()`` and the interpreted sets have them all.
+    compressor: ModuleType | None = None
+    indexer: ModuleType | None = None
+    prefill_attention: ModuleType | None = None
+    mhc: ModuleType | None = None
+    sampler: ModuleType | None = None
     interpreted: bool = False
 
-    NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
+    NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention", "compressor", "indexer",
+             "prefill_attention", "mhc", "sampler")
 
     @staticmethod
     def compiled() -> KernelSet:

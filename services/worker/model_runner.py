@@ -91,6 +91,7 @@ class ModelRunner:
 
             h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer])
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
-        y = model.norm(collapse(h[:, rows], pre[:, rows]))[0]  # [rows, D]
+        final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
+        y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]
         logits = F.linear(y.float(), model.head.weight.float())
         return RunnerOutput(logits, counts.cpu(), batch.num_rows)

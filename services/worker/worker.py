@@ -42,7 +42,16 @@ class WorkerOutput:
 
 class Worker:
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+        """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler
+        module for a ``backend == "kernels"`` runner (services/worker/kernel_sampler.py), else ``Sampler``."""
         self.runner = runner
+        if sampler is None and getattr(runner, "backend", "torch") == "kernels":
+            from services.worker.kernel_sampler import KernelSampler
+
+            kernels = runner.kernels  # type: ignore[attr-defined]
+            if kernels.sampler is None:
+                raise ValueError("a kernel-backend runner needs a sampler kernel in its KernelSet (or pass sampler=)")
+            sampler = KernelSampler(kernels.sampler)  # type: ignore[assignment]
         self.sampler = sampler or Sampler()
 
     def execute(self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None

@@ -23,9 +23,12 @@ from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.fp8_linear import GroupedKernelLinear, KernelLinear, KernelSet, quantize_padded
-from services.worker.kernel_backend import FP8_PROJECTIONS, convert_model
+from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
+from services.worker.kernel_sampler import KernelSampler
 from services.worker.model_runner import ModelRunner
+from services.worker.sampler import Sampler, SamplingRow
+from services.worker.worker import Worker
 from tests import tolerances as tol
 from tests.kernels.interpret import interpreter, load_interpreted
 from tests.scheduler_rs.fake_worker import run_step
@@ -78,10 +81,8 @@ def drive(c: Case, runner: ModelRunner, budget: int, on_plan=None, decode_steps:
 
 
 def runner_for(c: Case, model, budget: int, precision: str, kernels: KernelSet | None = None, rounding=None):
-    n = len(c.seqs)
-    config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                          max_num_batched_tokens=budget, max_model_len=128)
-    return ModelRunner(model, config, backend="kernels", precision=precision, kernels=kernels, rounding=rounding)
+    return ModelRunner(model, _config(c, budget), backend="kernels", precision=precision, kernels=kernels,
+                       rounding=rounding)
 
 
 def worst_delta(c: Case, logits) -> tuple[float, int]:
@@ -209,20 +210,82 @@ def test_kernel_moe_interpreted_matches_model_moe(precision):
 # ---------------------------------------------------------------- CPU: the engine, interpreted
 
 
-def test_engine_fp32_interpreted_equals_model():
-    """The whole kernel-backed engine (fp32 weights) under the interpreter equals the reference: the
-    wiring (padding, routing + shared expert, ring/pool arguments of the decode kernel) is right."""
+SMALL_PROMPTS = {"r0": 6, "r1": 5, "r2": 16}
+"""Oracle config (ratio-2 source 2, ratio-1 source and candidate source 5, Reindex 4 and 7 inside the
+candidates): at budget 10 the steps are [6, 4], [1, 9] (a one-row chunk among prefill rows), [7] (a
+chunk at position 9 that overwrites ring positions, ring 14 − window 8 = 6 back, its first rows read)
+and [1, 1, 1] (decode-only). r2 reaches 16 ratio-1 entries: past top-k 4 and the 4 candidate blocks of 2."""
+
+
+def test_engine_fp32_interpreted_equals_torch_runner():
+    """The whole kernel engine (fp32 weights, no rounding hook) under the interpreter against the torch
+    runner on the same plans: mHC, compressor, indexer (candidates included), prefill and decode
+    attention, norms, projections and MoE all on kernels, and no entry pool read back in torch."""
+    import services.worker.cache_engine as cache_engine
+
+    c = case("oracle")
+    # No rounding hook here: a value within fp32 noise of an FP8/FP4 bin edge would flip (tokens from
+    # seed 5 put one in r0 at position 4: 2.7e-5 from there on); seeds 6 and 7 have none (≤ 3.5e-6).
+    gen = torch.Generator().manual_seed(7)
+    small = Case(c.model, {rid: torch.randint(3, c.model.cfg.vocab_size, (n + MAX_TOKENS,), generator=gen).tolist()
+                           for rid, n in SMALL_PROMPTS.items()}, None, {}, {})
+    kernels = interpreted()
+    runner = runner_for(small, copy.deepcopy(c.model), 10, "fp32", kernels)
+    torch_runner = ModelRunner(c.model, _config(small, 10))
+    assert sum(isinstance(m, KernelHyperConnection) for m in runner.model.modules()) == 2 * c.model.cfg.num_hidden_layers
+    expected, shapes = {}, []
+
+    def both(plan):
+        shapes.append(plan.seqlens_q.tolist())
+        want = torch_runner.execute(plan, all_rows=True)
+        for row, (pos, i) in enumerate(zip(plan.positions.tolist(), plan.row_requests.tolist())):
+            expected[(plan.request_ids[i], pos)] = want.logits[row]
+        with interpreter(), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cache_engine.CacheEngine, "read_entries", _refuse("CacheEngine.read_entries"))
+            return runner.execute(plan, all_rows=True)
+
+    logits = drive(small, runner, 10, both, decode_steps=1)
+    assert shapes == [[6, 4], [1, 9], [7], [1, 1, 1]]
+    worst = max(float((logits[key] - expected[key]).abs().max()) for key in expected)
+    print(f"\ninterpreted fp32 kernel engine vs torch runner: max |Δ| {worst:.3g} over {len(expected)} positions")
+    assert worst <= tol.PREFIX_ATOL
+
+
+def _config(c: Case, budget: int) -> EngineConfig:
+    n = len(c.seqs)
+    return EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
+                        max_num_batched_tokens=budget, max_model_len=128)
+
+
+def _refuse(what: str):
+    def raising(*args, **kwargs):
+        raise AssertionError(f"the torch reference {what} ran in a kernel step")
+    return raising
+
+
+def test_kernel_sampler_interpreted_equals_sampler_and_is_the_workers():
+    """``KernelSampler`` gives the CPU sampler's output (greedy, top-k, top-p, bans, top-n logprobs);
+    a kernel-backend runner's Worker samples with it; a batch asking more than 64 top logprobs is refused."""
     c = case("oracle")
     kernels = interpreted()
-    runner = runner_for(c, copy.deepcopy(c.model), 56, "fp32", kernels, rounding=replay(c))
+    worker = Worker(runner_for(c, copy.deepcopy(c.model), 16, "fp32", kernels))
+    assert isinstance(worker.sampler, KernelSampler) and worker.sampler.kernel is kernels.sampler
+    assert isinstance(Worker(ModelRunner(c.model, _config(c, 16))).sampler, Sampler)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, c.model.cfg.vocab_size, generator=gen) * 3
+    rows = [SamplingRow(0.0, -1, 1.0, 1, 0, None, (), 3), SamplingRow(0.8, 20, 1.0, 2, 5, None, (7,), 0),
+            SamplingRow(1.0, -1, 0.9, 3, 9, None, (), 2), SamplingRow(1.3, 8, 0.7, 4, 1, 12, (1, 2), 1)]
     with interpreter():
-        # Budget 56: steps [37, 19], [1, 45, 9] (a one-row chunk: the kernel's row among torch prefill
-        # rows), then one decode-only step [1, 1, 1, 1].
-        logits = drive(c, runner, 56, decode_steps=1)
-    worst, compared = worst_delta(c, logits)
-    assert compared >= 100
-    print(f"\ninterpreted fp32 kernel engine: max |Δ| {worst:.3g} over {compared} positions")
-    assert worst <= tol.PREFIX_ATOL
+        got = worker.sampler(logits, rows)
+    want = Sampler()(logits, rows)
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.errors, want.errors)
+    assert torch.equal(got.top_token_ids, want.top_token_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="at most 64 top logprobs"):
+        worker.sampler(logits[:1], [SamplingRow(1.0, -1, 1.0, 1, 0, None, (), 65)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        worker.sampler(logits[:1], [SamplingRow(1.0, -1, 1.0, 1, 0, None, (999,), 0)])
 
 
 # ---------------------------------------------------------------- GPU
@@ -259,7 +322,8 @@ def test_gpu_fp32_engine_matches_cpu_reference(name, budget):
 
 def reference_kernels() -> KernelSet:
     """The kernels' torch references (kernels/reference.py) in the KernelSet's shape: the same formats
-    and the same wiring on the CPU, fast; the FP8 path's format noise floor."""
+    and the same wiring on the CPU, fast; the FP8 path's format noise floor. Compressor, indexer and mHC
+    are left out: KernelStep then compresses and selects with CachedStep's torch (the model's functions)."""
     def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
         return reference.moe_grouped_gemm(a, w, w_scale, meta["counts"], row_ids=meta["row_ids"] if gather else None,
                                           route_w=meta["route_w"], swiglu_limit=swiglu_limit, out_dtype=out_dtype)
@@ -267,10 +331,14 @@ def reference_kernels() -> KernelSet:
     def attention(*args, dot_fp32=False, **_):
         return reference.sparse_decode_attention(*args)
 
+    def prefill(*args, dot_fp32=False, **_):
+        return reference.sparse_prefill_attention(*args)
+
     return KernelSet(SimpleNamespace(rmsnorm=reference.rmsnorm), SimpleNamespace(quantize_act=reference.quantize_act),
                      SimpleNamespace(moe_router=reference.moe_router),
                      SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
-                     SimpleNamespace(sparse_decode_attention=attention), interpreted=True)
+                     SimpleNamespace(sparse_decode_attention=attention),
+                     prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill), interpreted=True)
 
 
 FP8_CASES = (("oracle", 16), ("wide", 23), ("nocand", 32))
