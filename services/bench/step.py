@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("torch", "kernels"), default=None,
                         help="the engine's runner backend (default: kernels on a GPU, torch on CPU)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="decode eagerly (default on a GPU with the kernel backend: CUDA graphs, as cuda_graphs=True)")
     parser.add_argument("--no-compare", action="store_true", help="skip the eager/compiled comparison")
     parser.add_argument("--no-async", action="store_true", help="skip the async on/off throughput run")
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
@@ -55,6 +57,7 @@ def _ceilings(device) -> dict[str, float]:
 
 def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str, Any]]:
     from services.bench.floors import step_cost
+    from services.bench.step_build import runner_cache
     from services.bench.step_timing import fit_line, time_decode
 
     rows = []
@@ -62,7 +65,7 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
         measured = []
         for batch in sizes["batches"]:
             llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
-            t = time_decode(llm.engine, llm.engine.worker.runner.cache, batch=batch, context=context,
+            t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context,
                             steps=sizes["steps"], vocab_size=cfg.vocab_size)
             floor = step_cost(cfg, batch, context, prefill=False).floor(ceil) if ceil else None
             row = {"section": "decode", "batch": batch, "context": context, "ms": t.median * 1e3,
@@ -85,6 +88,7 @@ def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
     import torch
 
     from services.bench.floors import step_cost
+    from services.bench.step_build import runner_cache
     from services.bench.step_timing import _sync
     from services.engine import SamplingParams
 
@@ -92,7 +96,7 @@ def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
     for tokens in sizes["prefill"]:
         llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
         engine = llm.engine
-        device = engine.worker.runner.cache.blocks.device
+        device = runner_cache(llm).blocks.device
         seconds = []
         for i in range(2):  # the first is a warm-up
             engine.add_request(f"p{i}", torch.randint(3, cfg.vocab_size, (tokens,)).tolist(),
@@ -199,7 +203,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def _command(args: argparse.Namespace) -> str:
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
-             if k in ("model", "layers", "backend", "quick", "no_compare", "no_async") and v not in (None, False)]
+             if k in ("model", "layers", "backend", "quick", "no_graphs", "no_compare", "no_async") and v not in (None, False)]
     return " ".join(["shinkai bench step", *flags])
 
 
@@ -216,8 +220,9 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
         sizes = CPU
     ceil = _ceilings(device)
-    build, cfg, full_layers = builder(model, device, backend, args.layers)
-    print(f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, device "
+    graphs = device.type == "cuda" and backend == "kernels" and not args.no_graphs
+    build, cfg, full_layers = builder(model, device, backend, args.layers, graphs)
+    print(f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, CUDA graphs {graphs}, device "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}")
     if ceil:
         print(f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "

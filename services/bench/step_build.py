@@ -67,9 +67,11 @@ def model_config(model: str, layers: int | None) -> ModelConfig:
     return subset_config(cfg, range(layers), SMALL_ENGRAM_VOCAB if cfg.engram_layer_ids and model in GPU_ONLY else None)
 
 
-def builder(model: str, device, backend: str, layers: int | None
+def builder(model: str, device, backend: str, layers: int | None, graphs: bool = False
             ) -> tuple[Callable[..., Any], ModelConfig, int]:
-    """(build(**engine_args) → LLM on one shared model, its config, the preset's full depth)."""
+    """(build(**engine_args) → LLM on one shared model, its config, the preset's full depth). With
+    ``graphs`` (the kernel backend on CUDA) decode steps replay captured CUDA graphs, as
+    ``EngineConfig.cuda_graphs`` makes the engine do."""
     from services.engine import LLM
 
     cfg = model_config(model, layers)
@@ -84,10 +86,21 @@ def builder(model: str, device, backend: str, layers: int | None
         config_args = {"block_size": 128, **engine_args}
         from services.engine.config import EngineConfig
 
-        runner = ModelRunner(source.model, EngineConfig(**config_args), **_runner_args(backend))
+        config = EngineConfig(**config_args)
+        runner: Any = ModelRunner(source.model, config, **_runner_args(backend))
+        if graphs:
+            from services.worker.graph_runner import GraphRunner
+
+            runner = GraphRunner(runner, config, use_graphs=True, attention="triton")
         return LLM(source=source, runner=runner, **config_args)
 
     return build, cfg, full_depth(model)
+
+
+def runner_cache(llm: Any):
+    """The pools of an LLM's runner, through a GraphRunner if there is one."""
+    runner = llm.engine.worker.runner
+    return runner.cache if hasattr(runner, "cache") else runner.runner.cache
 
 
 def _runner_args(backend: str) -> dict[str, Any]:
