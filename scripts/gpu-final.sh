@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call for a session's closing figures: the `gpu` tests file by file (each under its own
+# limit, so a slow file cannot hide the others' results), then `shinkai bench step --quick` (as its
+# module) on v41-s1 with the kernel backend. Everything lands under $OUT (or ./out).
+# Limits (seconds): FILE_TIMEOUT per test file, STEP_TIMEOUT for the step bench (0 skips it).
+set -uo pipefail
+out="${OUT:-out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+files="${TESTS:-$(grep -l 'mark.gpu' tests/kernels/test_*.py tests/services/worker/test_*.py)}"
+for f in $files; do
+    name=$(basename "$f" .py)
+    timeout "${FILE_TIMEOUT:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short -s "$f" \
+        > "$out/$name.log" 2>&1
+    echo "$name: exit $? :: $(tail -1 "$out/$name.log")"
+done | tee "$out/tests-summary.txt"
+if [ "${STEP_TIMEOUT:-300}" != 0 ]; then
+    timeout "${STEP_TIMEOUT:-300}" python3 -m services.bench.step --quick ${STEP_ARGS:-} --json "$out/step.json" \
+        --markdown "$out/step.md" 2>&1 | tee "$out/step.log" | tail -40
+fi
