@@ -29,6 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step_parser = targets.add_parser("step", help="whole engine steps against the hardware floor; eager vs compiled vs engine")
     step.add_arguments(step_parser)
     step_parser.set_defaults(func=_run_step)
+    acc = targets.add_parser("accuracy", add_help=False,
+                             help="KL and top-1 of the kernel backend (fp8, fp32) against the fp32 torch runner")
+    acc.add_argument("rest", nargs=argparse.REMAINDER)
+    acc.set_defaults(func=_run_accuracy)
     gen = targets.add_parser("generate", help="tokens/s of LLM(model='tiny').generate at several batch sizes")
     gen.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")
     gen.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
@@ -51,6 +55,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from services.bench import generate
 
     return generate.main(args)
+
+
+def _run_accuracy(args: argparse.Namespace) -> int:
+    from services.bench import accuracy
+
+    return accuracy.main(args.rest)
 
 
 def _run_step(args: argparse.Namespace) -> int:
