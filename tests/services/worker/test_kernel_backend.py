@@ -9,6 +9,7 @@ real scheduler through chunked prefill and decode, compared with the full-sequen
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from types import SimpleNamespace
@@ -217,22 +218,23 @@ chunk at position 9 that overwrites ring positions, ring 14 − window 8 = 6 bac
 and [1, 1, 1] (decode-only). r2 reaches 16 ratio-1 entries: past top-k 4 and the 4 candidate blocks of 2."""
 
 
-def test_engine_fp32_interpreted_equals_torch_runner():
-    """The whole kernel engine (fp32 weights, no rounding hook) under the interpreter against the torch
-    runner on the same plans: mHC, compressor, indexer (candidates included), prefill and decode
-    attention, norms, projections and MoE all on kernels, and no entry pool read back in torch."""
+def small_case() -> Case:
+    """The oracle model on SMALL_PROMPTS. No rounding hook with it: a value within fp32 noise of an
+    FP8/FP4 bin edge would flip (tokens from seed 5 put one in r0 at position 4: 2.7e-5 from there on
+    in the interpreter); seed 7's have none there (≤ 3.5e-6)."""
+    c = case("oracle")
+    gen = torch.Generator().manual_seed(7)
+    seqs = {rid: torch.randint(3, c.model.cfg.vocab_size, (n + MAX_TOKENS,), generator=gen).tolist()
+            for rid, n in SMALL_PROMPTS.items()}
+    return Case(c.model, seqs, None, {}, {})
+
+
+def against_torch_runner(small: Case, runner: ModelRunner, context=contextlib.nullcontext) -> float:
+    """Drive ``runner`` (every kernel; the entry pool never read back in torch) and the CPU torch runner
+    on the same plans through the first decode-only step: max |Δ| of the logits over every position."""
     import services.worker.cache_engine as cache_engine
 
-    c = case("oracle")
-    # No rounding hook here: a value within fp32 noise of an FP8/FP4 bin edge would flip (tokens from
-    # seed 5 put one in r0 at position 4: 2.7e-5 from there on); seeds 6 and 7 have none (≤ 3.5e-6).
-    gen = torch.Generator().manual_seed(7)
-    small = Case(c.model, {rid: torch.randint(3, c.model.cfg.vocab_size, (n + MAX_TOKENS,), generator=gen).tolist()
-                           for rid, n in SMALL_PROMPTS.items()}, None, {}, {})
-    kernels = interpreted()
-    runner = runner_for(small, copy.deepcopy(c.model), 10, "fp32", kernels)
-    torch_runner = ModelRunner(c.model, _config(small, 10))
-    assert sum(isinstance(m, KernelHyperConnection) for m in runner.model.modules()) == 2 * c.model.cfg.num_hidden_layers
+    torch_runner = ModelRunner(small.model, _config(small, 10))
     expected, shapes = {}, []
 
     def both(plan):
@@ -240,15 +242,26 @@ def test_engine_fp32_interpreted_equals_torch_runner():
         want = torch_runner.execute(plan, all_rows=True)
         for row, (pos, i) in enumerate(zip(plan.positions.tolist(), plan.row_requests.tolist())):
             expected[(plan.request_ids[i], pos)] = want.logits[row]
-        with interpreter(), pytest.MonkeyPatch.context() as patch:
+        with context(), pytest.MonkeyPatch.context() as patch:
             patch.setattr(cache_engine.CacheEngine, "read_entries", _refuse("CacheEngine.read_entries"))
             return runner.execute(plan, all_rows=True)
 
     logits = drive(small, runner, 10, both, decode_steps=1)
     assert shapes == [[6, 4], [1, 9], [7], [1, 1, 1]]
+    assert sum(isinstance(m, KernelHyperConnection) for m in runner.model.modules()) == 2 * len(runner.model.layers)
     worst = max(float((logits[key] - expected[key]).abs().max()) for key in expected)
-    print(f"\ninterpreted fp32 kernel engine vs torch runner: max |Δ| {worst:.3g} over {len(expected)} positions")
-    assert worst <= tol.PREFIX_ATOL
+    print(f"\nfp32 kernel engine ({runner.model.embed.weight.device}) vs torch runner: max |Δ| {worst:.3g} over "
+          f"{len(expected)} positions")
+    return worst
+
+
+def test_engine_fp32_interpreted_equals_torch_runner():
+    """The whole kernel engine (fp32 weights, no rounding hook) under the interpreter against the torch
+    runner on the same plans: mHC, compressor, indexer (candidates included), prefill and decode
+    attention, norms, projections and MoE all on kernels, and no entry pool read back in torch."""
+    small = small_case()
+    runner = runner_for(small, copy.deepcopy(small.model), 10, "fp32", interpreted())
+    assert against_torch_runner(small, runner, interpreter) <= tol.PREFIX_ATOL
 
 
 def _config(c: Case, budget: int) -> EngineConfig:
@@ -320,6 +333,17 @@ def test_gpu_fp32_engine_matches_cpu_reference(name, budget):
     assert worst <= tol.LOGITS_ATOL
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp32_engine_every_kernel_matches_torch_runner():
+    """The rounding hook above keeps compression and selection in torch; here nothing does: every kernel
+    compiled (fp32 weights) against the CPU torch runner on the same plans (the interpreted test's)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    small = small_case()
+    runner = runner_for(small, copy.deepcopy(small.model).to("cuda"), 10, "fp32")
+    assert against_torch_runner(small, runner) <= tol.LOGITS_ATOL
+
+
 def reference_kernels() -> KernelSet:
     """The kernels' torch references (kernels/reference.py) in the KernelSet's shape: the same formats
     and the same wiring on the CPU, fast; the FP8 path's format noise floor. Compressor, indexer and mHC
@@ -380,64 +404,89 @@ def test_gpu_fp8_engine_kl_and_top1_against_cpu_reference():
 
 
 REFERENCES = ("rmsnorm", "quantize_act", "dequantize_act", "moe_router", "moe_grouped_gemm", "moe_experts",
-              "moe_combine", "sparse_decode_attention", "dequantize_weight_block128")
+              "moe_combine", "sparse_decode_attention", "sparse_prefill_attention", "indexer_select",
+              "dequantize_weight_block128")
 """kernels.reference's oracles (route_metadata and entry_slots are the kernels' own graph-safe glue)."""
+
+STEP_KERNELS = {"_rmsnorm_kernel", "_router_kernel", "_compress_kernel", "_score_kernel", "_select_kernel",
+                "_mix_kernel", "_expand_kernel", "_collapse_kernel"}
+"""Every step's Triton kernels (fp32 weights: the experts and projections are torch matmuls, there is
+no fp32-weight GEMM kernel; fp8 adds ``_quantize_act_kernel`` and ``_moe_gemm_kernel``)."""
+
+
+def _refusing_patches(patch: pytest.MonkeyPatch) -> None:
+    """Every torch reference the kernel backend replaces raises if called."""
+    import model.deepseek_v41.attention as attention
+    import model.deepseek_v41.mhc as mhc
+    import services.worker.cache_engine as cache_engine
+    import services.worker.cached_step as cached_step
+    import services.worker.model_runner as model_runner
+    from model.deepseek_v41.moe import MoE as ModelMoE
+    from services.worker.sampler import Sampler as CpuSampler
+
+    for fn in REFERENCES:
+        patch.setattr(reference, fn, _refuse(f"kernels.reference.{fn}"))
+    patch.setattr(RMSNorm, "forward", _refuse("RMSNorm.forward"))
+    patch.setattr(ModelMoE, "forward", _refuse("MoE.forward"))
+    patch.setattr(attention.Attention, "_project_out", _refuse("Attention._project_out"))
+    for module in (attention, cached_step):
+        patch.setattr(module, "sink_attention", _refuse("sink_attention"))
+    patch.setattr(cached_step.CachedStep, "_compress", _refuse("CachedStep._compress"))
+    patch.setattr(cached_step.CachedStep, "_sparse", _refuse("CachedStep._sparse"))
+    patch.setattr(cache_engine.CacheEngine, "read_entries", _refuse("CacheEngine.read_entries"))
+    patch.setattr(mhc.HyperConnection, "forward", _refuse("HyperConnection.forward"))
+    for fn in ("collapse", "expand", "sinkhorn"):
+        patch.setattr(mhc, fn, _refuse(f"model mhc.{fn}"))
+    patch.setattr(model_runner, "collapse", _refuse("model mhc.collapse (final)"))
+    patch.setattr(CpuSampler, "__call__", _refuse("Sampler.__call__"))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp8", "fp32"])
-def test_gpu_decode_step_runs_the_triton_kernels_and_no_torch_reference(precision, monkeypatch):
-    """Prefill in full, then profile one decode-only step: the Triton kernels are listed by name, and the
-    torch references (kernels.reference, the model's RMSNorm / MoE / sink attention / output projection)
-    would raise if any ran."""
+def test_gpu_steps_run_the_triton_kernels_and_no_torch_reference(precision, monkeypatch):
+    """Profile the first step (prefill chunks, first position 0) and the first decode-only step, each
+    through the Worker (model runner + KernelSampler): the Triton kernels are listed by name, and the
+    torch references they replace (kernels.reference, the model's RMSNorm / MoE / mHC / sink attention /
+    output projection, CachedStep's compression and selection, the entry pool read-back, the CPU
+    sampler) would raise if any ran."""
     from torch.profiler import ProfilerActivity, profile
-
-    import model.deepseek_v41.attention as attention
-    import services.worker.cached_step as cached_step
-    import services.worker.kernel_backend as kernel_backend
-    from model.deepseek_v41.moe import MoE as ModelMoE
 
     c = case("oracle")
     runner = runner_for(c, copy.deepcopy(c.model).to("cuda"), 64, precision)
-    names: set[str] = set()
-
-    def refuse(what: str):
-        def raising(*args, **kwargs):
-            raise AssertionError(f"the torch reference {what} ran in a kernel decode step")
-        return raising
+    worker = Worker(runner)
+    assert isinstance(worker.sampler, KernelSampler)
+    names: dict[str, set[str]] = {}
 
     def on_plan(plan):
-        if names or any(n != 1 for n in plan.seqlens_q.tolist()):
+        kind = "decode" if all(n == 1 for n in plan.seqlens_q.tolist()) else "prefill"
+        if kind in names or (kind == "prefill" and plan.seqlens_k.tolist() != plan.seqlens_q.tolist()):
             return runner.execute(plan, all_rows=True)
+        rows = [SamplingRow(0.8, -1, 0.9, 7 + i, 0, None, (), 2) for i in range(sum(plan.num_sample_rows.tolist()))]
         # Warm-up: every kernel compiled before profiling. A step's pool writes depend only on its
-        # inputs, and its reads of a request's state are of positions it does not write: running the
-        # same step twice gives the same result.
-        runner.execute(plan, all_rows=True)
+        # inputs, and its reads of a request's state are of positions it does not write (a first step
+        # reads no state; a decode step's ratio-2 partial row is not its own write): running the same
+        # step again gives the same result.
+        worker.execute(plan, rows)
         with monkeypatch.context() as patch:
-            for fn in REFERENCES:
-                patch.setattr(reference, fn, refuse(f"kernels.reference.{fn}"))
-            patch.setattr(RMSNorm, "forward", refuse("RMSNorm.forward"))
-            patch.setattr(ModelMoE, "forward", refuse("MoE.forward"))
-            patch.setattr(attention.Attention, "_project_out", refuse("Attention._project_out"))
-            for module in (attention, cached_step, kernel_backend):
-                patch.setattr(module, "sink_attention", refuse("sink_attention"))
+            _refusing_patches(patch)
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                worker.execute(plan, rows)
                 out = runner.execute(plan, all_rows=True)
                 torch.cuda.synchronize()
-        names.update(e.name for e in prof.events())
+        names[kind] = {e.name for e in prof.events()}
         if os.environ.get("KERNEL_BACKEND_PROFILE_DIR"):  # the whole table, for a report
             table = prof.key_averages().table(sort_by="device_time_total", row_limit=80)
-            with open(os.path.join(os.environ["KERNEL_BACKEND_PROFILE_DIR"], f"decode_{precision}.txt"), "w") as f:
+            with open(os.path.join(os.environ["KERNEL_BACKEND_PROFILE_DIR"], f"{kind}_{precision}.txt"), "w") as f:
                 f.write(table)
         return out
 
     drive(c, runner, 64, on_plan)
-    assert names, "no decode-only step ran"
-    kernels = {"_rmsnorm_kernel", "_router_kernel", "_decode_attention_kernel"}
-    if precision == "fp8":  # fp32 weights: the experts and projections are torch matmuls (no fp32-weight GEMM kernel)
-        kernels |= {"_quantize_act_kernel", "_moe_gemm_kernel"}
-    found = {k for k in kernels if any(k in n for n in names)}
-    triton = sorted({n for n in names if n.startswith("_") and n.endswith("kernel")})
-    print(f"\n{precision} decode step kernels: {triton}")
-    assert found == kernels
+    assert set(names) == {"prefill", "decode"}, "no first prefill step or no decode-only step ran"
+    common = STEP_KERNELS | ({"_quantize_act_kernel", "_moe_gemm_kernel"} if precision == "fp8" else set())
+    expected = {"prefill": common | {"_prefill_attention_kernel"},
+                "decode": common | {"_decode_attention_kernel", "_sampler_kernel"}}
+    for kind, seen in names.items():
+        triton = sorted({n for n in seen if n.startswith("_") and n.endswith("kernel")})
+        print(f"\n{precision} {kind} step kernels: {triton}")
+        assert {k for k in expected[kind] if any(k in n for n in seen)} == expected[kind], kind
