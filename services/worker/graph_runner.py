@@ -61,6 +61,11 @@ class GraphRunner:
         self.num_replays = 0
         self.num_eager = 0
 
+    @property
+    def backend(self) -> str:
+        """The wrapped runner's ("kernels": the Worker then samples with its kernel set's sampler)."""
+        return self.runner.backend
+
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
 

@@ -55,6 +55,38 @@ def test_llm_cuda_graphs_on_cpu_is_refused():
         LLM("tiny", kernel_backend="fp8", cuda_graphs=True, max_model_len=64)
 
 
+def test_kernel_backend_static_step_interpreted():
+    """The static step on the kernel backend (every kernel interpreted on CPU, FP8): one decode plan of
+    5 rows padded to 8, from the same pools as the eager kernel-backend ModelRunner: KernelMoE routes
+    the 3 placeholder rows nowhere (counts equal), logits and pools agree."""
+    from services.worker.fp8_linear import KernelSet
+    from tests.kernels.interpret import interpreter, load_interpreted
+    from tests.services.worker.test_decode_step import BLOCK, MAX_LEN, _decode_plan
+
+    plan, torch_runner = _decode_plan("nocand")
+    assert plan.num_rows == 5 and plan.graph_size == 8
+    kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+    model = copy.deepcopy(case("nocand").model)
+    config = EngineConfig(block_size=BLOCK, num_blocks=torch_runner.cache.blocks.shape[0],
+                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8, max_model_len=MAX_LEN)
+    with interpreter():
+        eager = ModelRunner(model, config, backend="kernels", kernels=kernels)
+        static = GraphRunner(ModelRunner(model, config, backend="kernels", kernels=kernels), config, use_graphs=False,
+                             attention="triton")
+        for runner in (eager, static.runner):
+            runner.cache.blocks.copy_(torch_runner.cache.blocks)
+            runner.cache.slots.copy_(torch_runner.cache.slots)
+        want = eager.execute(plan, all_rows=True)
+        got = static.execute(plan, all_rows=True)
+    flips, partial, engram_equal = pool_differences(eager.cache, static.runner.cache)
+    delta = float((got.logits - want.logits).abs().max())
+    print(f"\nkernel backend (interpreted, fp8), 5 rows at size 8: static vs ModelRunner max |Δ| {delta:.3g}, "
+          f"{flips} pool bin flips")
+    assert static.backend == "kernels" and static.num_eager == 0
+    assert torch.equal(got.expert_counts, want.expert_counts) and engram_equal and flips == 0
+    assert partial <= tol.FLIP_BOUNDARY_TOL and delta <= tol.PREFIX_ATOL
+
+
 def _greedy(got: torch.Tensor, want: torch.Tensor) -> tuple[int, int, int]:
     """(rows whose greedy tokens agree, rows whose eager top-2 margin ≥ MARGIN, of those the agreeing)."""
     top2 = want.topk(2, dim=-1).values
