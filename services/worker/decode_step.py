@@ -12,8 +12,8 @@ the caller. A real row that closes no compressed group writes its would-be entry
 (block 0) too, so every row writes every layer and no write depends on a row's data.
 
 Per layer the step reuses the model's own modules exactly as ``CachedStep.attend`` does (wq_a,
-q_norm, wq_b, wkv, kv_norm, compressor, indexer, ``_project_out``; ``Block.run`` for Engram, mHC and
-MoE), so a kernel backend's swapped modules drop in unchanged. Decode makes the cached step simpler:
+q_norm, wq_b, wkv, kv_norm, compressor, indexer, ``_project_out`` or the kernel backend's grouped
+``wo_a``; ``Block.run`` for Engram, mHC and MoE), so a kernel backend's swapped modules drop in. Decode makes the cached step simpler:
 the window ring is written first and then read whole (it holds the current row), a ratio-2 group's
 other member is always in the slot's fp32 partial rows, and the indexer scores a fixed width of
 ``max_blocks_per_request · entries per block`` entries gathered from the pool through the block
