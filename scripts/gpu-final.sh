@@ -14,7 +14,7 @@ for f in $files; do
     timeout "${FILE_TIMEOUT:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short -s "$f" \
         > "$out/$name.log" 2>&1
     echo "$name: exit $? :: $(tail -1 "$out/$name.log")"
-done | tee "$out/tests-summary.txt"
+done | tee -a "$out/tests-summary.txt"
 if [ "${STEP_TIMEOUT:-300}" != 0 ]; then
     timeout "${STEP_TIMEOUT:-300}" python3 -m services.bench.step --quick ${STEP_ARGS:-} --json "$out/step.json" \
         --markdown "$out/step.md" 2>&1 | tee "$out/step.log" | tail -40
