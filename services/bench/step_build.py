@@ -126,6 +126,7 @@ def load_source(model: str, cfg: ModelConfig, device, backend: str):
     with torch.device(device):  # parameters are made where they live: 8 v41-s1 layers are ~60 GB in fp32
         net = DeepseekV41(cfg, token_map, num_compressed)
     assign_weights(net, tensors)
+    net.to(device)  # the Engram hasher's buffers are made on the CPU whatever the default device
     return ModelSource(model, cfg, net.eval(), tokenizer)
 
 
