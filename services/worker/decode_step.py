@@ -81,13 +81,17 @@ def step_kernels(kernels: object | None) -> SimpleNamespace:
 
 class StaticDecodeStep:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, num_rows: int, max_blocks_per_request: int, *,
-                 attention: str, kernels: object | None = None) -> None:
-        """``kernels``: a KernelSet for the "triton" path (see ``step_kernels``); unused by "reference"."""
+                 attention: str, kernels: object | None = None, fp32_dots: bool | None = None) -> None:
+        """``kernels``: a KernelSet for the "triton" path (see ``step_kernels``); unused by "reference".
+        ``fp32_dots``: the attention kernel's dot precision, as the eager ``KernelStep`` picks it
+        (precision "fp32" or interpreted kernels); None = fp32 for fp32 queries. Graph and eager steps
+        must use the same, or the FP8 path's roundings diverge between them."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.model, self.cache, self.cfg = model, cache, model.cfg
         self.attention = attention
         self.kernels = step_kernels(kernels) if attention == "triton" else None
+        self.fp32_dots = fp32_dots
         self.num_rows = num_rows
         self.max_blocks = max_blocks_per_request
         self.device = device = model.embed.weight.device
@@ -232,7 +236,7 @@ class StaticDecodeStep:
         if self.kernels is not None:
             out = self.kernels.decode_attention.sparse_decode_attention(
                 q.contiguous(), *args[1:], attn.attn_sink.float(), attn.freqs, attn.head_dim**-0.5,
-                dot_fp32=q.dtype == torch.float32 or self.kernels.interpreted)  # [G, H, hd], RoPE undone
+                dot_fp32=self._fp32_dots(q))  # [G, H, hd], RoPE undone
         else:
             out = _attend(*args, attn.attn_sink, attn.freqs, attn.head_dim**-0.5)
         if isinstance(attn.wo_a, torch.nn.Linear):  # the model's projection (angle 0: RoPE already undone)
@@ -277,6 +281,11 @@ class StaticDecodeStep:
                                 entry_writes={attn.ratio: (self._rows, self.entry_slots[attn.ratio])})
         options = {"dot_fp32": True} if self.kernels.interpreted else {}
         self.kernels.compressor.compress_layer(self.cache, batch, attn, x, **options)
+
+    def _fp32_dots(self, q: torch.Tensor) -> bool:
+        if self.kernels.interpreted:
+            return True  # no bf16 tl.dot in the interpreter
+        return q.dtype == torch.float32 if self.fp32_dots is None else self.fp32_dots
 
     def _index_kernel(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
                       entries_per_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:

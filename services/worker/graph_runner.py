@@ -69,11 +69,16 @@ class GraphRunner:
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
 
+    def _fp32_dots(self) -> bool | None:
+        """The eager kernel backend's choice (``KernelStep.fp32_dots``), so graph and eager steps agree."""
+        precision = getattr(self.runner, "precision", None)
+        return None if getattr(self.runner, "kernels", None) is None else precision == "fp32"
+
     def step(self, size: int) -> StaticDecodeStep:
         if size not in self._steps:
             self._steps[size] = StaticDecodeStep(self.runner.model, self.runner.cache, size,
                                                  self.max_blocks_per_request, attention=self.attention,
-                                                 kernels=self.kernels)
+                                                 kernels=self.kernels, fp32_dots=self._fp32_dots())
         return self._steps[size]
 
     def capture(self, sizes: list[int]) -> None:
