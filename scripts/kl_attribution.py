@@ -380,6 +380,26 @@ def table_scaling(cases, eps: tuple[float, ...]) -> None:
             print(f"{label:22} {site:10} " + " ".join(f"{k:>9.2e}" for k in kls) + f" {slope(eps, kls):>6.2f}{tail}")
 
 
+def table_tiny_noise(cases, eps: tuple[float, ...], seeds: tuple[int, ...]) -> None:
+    print("\n## 1b. The model as is, noise at fp32-rounding size (mean KL / max KL / top-1), per noise seed")
+    refs = [logits(c) for c in cases]
+    for seed in seeds:
+        for e in eps:
+            row = []
+            for site in ("attn_out", "moe_in"):
+                parts = []
+                for c, ref in zip(cases, refs):
+                    handles = hook_site(c.model, site, e)
+                    with torch.no_grad():
+                        NOISE.manual_seed(seed)
+                        parts.append(stats(ref, c.model(c.ids)[c.valid]))
+                    for hd in handles:
+                        hd.remove()
+                p = pooled(parts)
+                row.append(f"{site} {p['mean']:.2e} / {p['max']:.3f} / {p['top1']:.3f}")
+            print(f"seed {seed} ε {e:.0e}: " + "   ".join(row))
+
+
 KERNEL_ROWS = (
     ("FP8 formats (torch refs: the floor)", True, {}),
     ("  + attention q → bf16", True, {"q_bf16": True}),
@@ -505,6 +525,7 @@ def main(argv=None) -> int:
           f"vocabulary {cases[0].model.cfg.vocab_size} (ln V = {math.log(cases[0].model.cfg.vocab_size):.3f})")
     with installed():
         table_scaling(cases, EPSILONS[1:3] if args.quick else EPSILONS)
+        table_tiny_noise(cases, (1e-7, 1e-6, 1e-5), (0,) if args.quick else (0, 1))
         table_kernels(cases)
         table_init(cases, (0, 3) if args.quick else (0, 1, 2, 3, 4, 5, 6), (1.0,) if args.quick else (1.0, 4.0))
         table_flips(cases, (0, 4))
