@@ -166,6 +166,46 @@ def test_interpreted_bf16_in_and_out():
     assert torch.all((out.float() - ref).abs() <= 2.0**-7 * ref.abs() + 1e-5)
 
 
+TINY_SHAPES = (("oracle", 3, 2), ("oracle", 6, 5), ("wide", 2, 1), ("nocand", 2, 1))
+"""The FP8 engine test's tiny configs, a layer and its KV source each (H 4 / 8, rope 16 / 32, window 8 / 4 / 16)."""
+
+
+def _tiny_config_problem(name: str, layer: int, source: int, device: str = "cpu"):
+    """``_fill_cache`` for one of the tiny configs (6 rows, context 40), moved to ``device`` as the engine
+    lays it out: the ring and pool are the CacheEngine's own strided views."""
+    from tests.model.deepseek_v41.oracle_configs import CASES
+
+    cfg = {c.name: c.cfg for c in CASES}[name]
+    gen = torch.Generator().manual_seed(layer)
+    cache = CacheEngine(cfg, BLOCK_SIZE, num_blocks=64, num_state_slots=8, ring=ring_size(cfg))
+    prob = _fill_cache(cache, cfg, layer, source, 6, 40, gen)
+    prob["q"] = torch.randn(6, cfg.num_attention_heads, cfg.head_dim, generator=gen)
+    prob["sink"] = torch.randn(cfg.num_attention_heads, generator=gen)
+    prob["freqs"] = rope_frequencies(cfg, compressed=True)
+    cache.blocks, cache.slots = cache.blocks.to(device), cache.slots.to(device)
+    prob = {key: value.to(device) for key, value in prob.items()}
+    prob.update(ring=cache.ring(layer), kv_pool=cache.entries(source)[0])
+    return cfg, prob
+
+
+@pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
+def test_interpreted_bf16_dots_at_tiny_shapes_only_round_q_and_p(name, layer, source):
+    """The bf16-dot path (the FP8 engine's) run line for line under an interpreter patched for exact bf16
+    dots and round-to-nearest casts (scripts/emulate_bf16_attention.py), whole rows and split: only
+    q → bf16 and P → bf16 away from the reference (a torch emulation of exactly those)."""
+    from scripts.emulate_bf16_attention import bf16_interpreter, decode_bf16
+
+    cfg, prob = _tiny_config_problem(name, layer, source)
+    ref, emulated = reference.sparse_decode_attention(*_args(cfg, prob)), decode_bf16(*_args(cfg, prob))
+    module = load_interpreted("decode_attention")
+    for splits in (1, 3):
+        with interpreter(), bf16_interpreter():
+            out = module.sparse_decode_attention(*_args(cfg, prob), splits=splits, dot_fp32=False)
+        assert out.isfinite().all()
+        assert 3e-4 < _rel(out, ref) < 5e-3  # the bf16 path ran, and rounds like bf16
+        assert _rel(out, emulated) < 1e-3  # measured ≤ 4e-4: P rounded against a running, not a global, max
+
+
 def test_interpreted_row_without_keys_gives_zero():
     """Every window position below 0 and no selected entry: the sink takes all the weight."""
     cfg, prob = _tiny_problem(3, 11)
@@ -258,3 +298,20 @@ def test_gpu_graph_replay_with_new_indices():
     graph.replay()
     ref32 = reference.sparse_decode_attention(*decode_attention_args({**p, "q": p["q"].float()}))
     assert _rel(out, ref32) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
+def test_gpu_tiny_shapes_bf16_dots_only_round_q_and_p(name, layer, source):
+    """The FP8 engine's tiny-model decode calls compiled (split by default at 6 rows, and whole rows):
+    the bf16 path against the reference and the torch emulation of its two roundings."""
+    from kernels.decode_attention import sparse_decode_attention
+    from scripts.emulate_bf16_attention import decode_bf16
+
+    cfg, prob = _tiny_config_problem(name, layer, source, "cuda")
+    ref, emulated = reference.sparse_decode_attention(*_args(cfg, prob)), decode_bf16(*_args(cfg, prob))
+    for splits in (None, 1):
+        out = sparse_decode_attention(*_args(cfg, prob), splits=splits, out=torch.full_like(ref, float("nan")))
+        assert out.isfinite().all()
+        assert _rel(out, ref) < 5e-3 and _rel(out, emulated) < 1e-3

@@ -185,6 +185,49 @@ def test_interpreted_bf16_in_and_out():
     assert torch.all((out.float() - ref).abs() <= 2.0**-7 * ref.abs() + 1e-5)
 
 
+TINY_SHAPES = (("oracle", 3, 2), ("oracle", 6, 5), ("wide", 2, 1), ("nocand", 2, 1))
+"""The FP8 engine test's tiny configs (tests/model/deepseek_v41/oracle_configs.py), a layer and its KV
+source each: H 4 / 8 (BLOCK_H 16 masks the rest), head dim 64, rope 16 / 32, window 8 / 4 / 16, top-k 4 / 5 / 3."""
+
+
+def _tiny_config_problem(name: str, layer: int, source: int, device: str = "cpu"):
+    """``_chunk_problem`` for one of the tiny configs, on ``device``: the ring and pool are the CacheEngine's
+    own views (its strides and alignment, as the engine passes them)."""
+    from model.deepseek_v41.quant import quantize_fp8_cache
+    from tests.model.deepseek_v41.oracle_configs import CASES
+
+    cfg = {c.name: c.cfg for c in CASES}[name]
+    gen = torch.Generator().manual_seed(layer)
+    prob = _chunk_problem(cfg, layer, source, gen)
+    heads = cfg.num_attention_heads
+    prob["q"] = torch.randn(prob["pos"].numel(), heads, cfg.head_dim, generator=gen)
+    prob["sink"] = torch.randn(heads, generator=gen)
+    prob["freqs"] = rope_frequencies(cfg, compressed=bool(cfg.ratio(layer)))
+    cache = prob["cache"]
+    cache.blocks, cache.slots = cache.blocks.to(device), cache.slots.to(device)
+    prob.update({key: value.to(device) for key, value in prob.items() if isinstance(value, torch.Tensor)})
+    prob.update(ring=cache.ring(layer), kv_pool=cache.entries(source)[0])
+    return cfg, prob, quantize_fp8_cache(prob["k"])
+
+
+@pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
+def test_interpreted_bf16_dots_at_tiny_shapes_only_round_q_and_p(name, layer, source):
+    """The bf16-dot path (the FP8 engine's), run line for line under an interpreter patched for exact bf16
+    dots and round-to-nearest casts (scripts/emulate_bf16_attention.py): it differs from the fp32
+    reference only by q → bf16 and P → bf16 (a torch emulation of exactly those), at each tiny
+    config's shapes, where the Flash-shaped GPU tests do not reach (masked heads, D 64, short windows)."""
+    from scripts.emulate_bf16_attention import bf16_interpreter, prefill_bf16
+
+    cfg, prob, step_k = _tiny_config_problem(name, layer, source)
+    args = _args(cfg, prob, prob["q"], step_k)
+    ref, emulated = reference.sparse_prefill_attention(*args), prefill_bf16(*args)
+    with interpreter(), bf16_interpreter():
+        out = load_interpreted("prefill_attention").sparse_prefill_attention(*args, dot_fp32=False)
+    assert out.isfinite().all()
+    assert 3e-4 < _rel(out, ref) < 5e-3  # the bf16 path ran, and rounds like bf16
+    assert _rel(out, emulated) < 1e-3  # measured ≤ 2.3e-4: P rounded against a running, not a global, max
+
+
 def test_bench_problem_builder_on_cpu():
     """The benchmark's problem (also the GPU tests') at 4 heads × 64, an 8-row chunk of a 1,100-token
     context, is valid input: every row takes 512 ascending distinct entries of its ≥ 546 visible ones,
@@ -234,3 +277,23 @@ def test_gpu_flash_shapes_match_reference(chunk, context):
     ref_w = reference.sparse_prefill_attention(*prefill_attention_args(
         {**p, "q": p["q"].float(), "selected": p["selected"][:, :0]}))
     assert _rel(sparse_prefill_attention(*window_only), ref_w) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
+def test_gpu_tiny_shapes_bf16_dots_only_round_q_and_p(name, layer, source):
+    """The FP8 engine's tiny-model calls (BLOCK_H 16 over 4 or 8 heads, D 64, one key block, mma.sync
+    instead of wgmma) compiled: the bf16 path against the fp32 reference and against the torch
+    emulation of its two roundings; the fp32-dot path against the reference exactly."""
+    from kernels.prefill_attention import sparse_prefill_attention
+    from scripts.emulate_bf16_attention import prefill_bf16
+
+    cfg, prob, step_k = _tiny_config_problem(name, layer, source, "cuda")
+    args = _args(cfg, prob, prob["q"], step_k)
+    ref, emulated = reference.sparse_prefill_attention(*args), prefill_bf16(*args)
+    out = sparse_prefill_attention(*args, out=torch.full_like(ref, float("nan")))
+    assert out.isfinite().all()
+    assert _rel(out, ref) < 5e-3 and _rel(out, emulated) < 1e-3
+    exact = sparse_prefill_attention(*args, dot_fp32=True, out=torch.full_like(ref, float("nan")))
+    assert float((exact - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
