@@ -5,6 +5,18 @@ import pytest
 from tests.nats_server import running_nats_server
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (torch with 2 threads beside a busy process spins), restored after,
+    so later tests and the worker subprocesses they compare with run at the same thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def nats_url(tmp_path):
     """A fresh nats-server on a random loopback port for one test, stopped by PID afterwards."""

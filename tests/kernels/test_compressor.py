@@ -199,12 +199,11 @@ def test_gpu_flash_shapes_match_cached_step(ratio, dtype):
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
-def test_bench_problem_on_cpu(ratio):
+def test_bench_problem_on_cpu(ratio, one_torch_thread):
     """The benchmark's Flash-shaped decode problem (fp32 here: the interpreter truncates bf16) gives the
     same bytes through the interpreted kernel as through ``CachedStep._compress``."""
     from services.bench.kernels_compressor import compressor_problem, run_kernel, run_torch
 
-    torch.set_num_threads(1)
     p = compressor_problem(3, ratio, torch.Generator().manual_seed(ratio), device="cpu", dtype=torch.float32)
     run_torch(p)
     with interpreter():

@@ -13,7 +13,7 @@ from model.deepseek_v41 import mhc as ref
 from model.deepseek_v41.presets import TINY, V41_S1
 from tests.kernels.interpret import interpreter, load_interpreted
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _site(cfg, gen: torch.Generator, device: str = "cpu") -> ref.HyperConnection:

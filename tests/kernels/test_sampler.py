@@ -11,7 +11,7 @@ import torch
 from services.worker.sampler import Sampler, SamplingRow
 from tests.kernels.interpret import interpreter, load_interpreted
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _row(temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0, forced=None, banned=(), num_logprobs=0):

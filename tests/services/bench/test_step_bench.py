@@ -9,9 +9,9 @@ from services.bench.step_build import KINDS_OF_V41, subset_config
 from services.cli import main
 
 
-def test_cpu_run_writes_json_and_markdown(tmp_path):
+def test_cpu_run_writes_json_and_markdown(tmp_path, one_torch_thread):
     out, md = tmp_path / "step.json", tmp_path / "step.md"
-    assert main(["bench", "step", "--no-compare", "--json", str(out), "--markdown", str(md)]) == 0
+    assert main(["bench", "step", "--no-compare", "--json", str(out), "--markdown", str(md)]) == 0  # pins 1 thread
     result = json.loads(out.read_text())
     sections = {r["section"] for r in result["rows"]}
     assert {"decode", "decode fit", "prefill", "offline"} <= sections

@@ -7,8 +7,7 @@ from services.bench.step_timing import fit_line, skip_prefill, time_decode
 
 
 @pytest.fixture(scope="module")
-def llm():
-    torch.set_num_threads(1)
+def llm(one_torch_thread):
     from services.engine import LLM
 
     return LLM(model="tiny", max_num_seqs=4, max_model_len=256, block_size=16)

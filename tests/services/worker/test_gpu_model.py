@@ -13,8 +13,7 @@ from services.worker.gpu_model import Fp8RowwiseEmbedding, build_random_kernel_m
 
 
 @pytest.fixture(scope="module")
-def token_map():
-    torch.set_num_threads(1)
+def token_map(one_torch_thread):
     return engram_token_map(load_v41_tokenizer())
 
 
