@@ -17,7 +17,17 @@ Two checks (``python scripts/emulate_bf16_attention.py``, ~1–2 min on the 2-co
 2. engine: the FP8 test's three configs (tests/services/worker/test_kernel_backend.py ``FP8_CASES``)
    on its CPU floor kernel set (torch references) with the prefill and decode attention swapped for
    the interpreted kernels' bf16 path: mean KL vs the fp32 reference, to set against the floor 0.080
-   and the H200's 0.225.
+   and the H200's 0.225. ``--full`` adds a set with the compressor, the indexer (its f16-dot path) and
+   mHC interpreted too: every kernel wired with prefill attention, GEMMs left to the torch references.
+
+Measured (2026-11-29 22:15 UTC, this CPU): kernels within 1.0–4.0e-4 of the torch emulation (1.5–2.2e-3
+from the reference); engine mean KL 0.0798 floor, 0.0819 with the attention kernels' bf16 path, 0.0820
+with every kernel wired since (per config 0.0722 / 0.0975 / 0.0762): the logic of the new kernels at
+the tiny shapes does not explain the H200's 0.225.
+
+``--bisect cuda`` (H200, one call): the compiled FP8 engine with one stage at a time put back to the
+0.081 wiring (attention fp32 dots; prefill attention → torch reference; compressor + indexer → torch;
+mHC → the model's): the stage whose removal restores ~0.08 holds the GPU-only defect.
 """
 
 from __future__ import annotations
@@ -171,20 +181,30 @@ def kernel_table() -> list[dict]:
 # ---------------------------------------------------------------- 2. the FP8 engine on the CPU
 
 
+def with_attention(kernels, dot_fp32: bool, prefill=None, decode=None):
+    """``kernels`` with its prefill and decode attention (or the modules given) called with ``dot_fp32``
+    whatever KernelStep passes (it passes True for interpreted sets, which could not run bf16 dots)."""
+    # A set already wrapped here keeps its modules in ``module``: unwrap, so the last force wins.
+    prefill = prefill or getattr(kernels.prefill_attention, "module", kernels.prefill_attention)
+    decode = decode or getattr(kernels.decode_attention, "module", kernels.decode_attention)
+    forced = dot_fp32
+    return dataclasses.replace(
+        kernels,
+        decode_attention=SimpleNamespace(module=decode, sparse_decode_attention=lambda *a, dot_fp32=None, **k:
+                                         decode.sparse_decode_attention(*a, dot_fp32=forced, **k)),
+        prefill_attention=SimpleNamespace(module=prefill, sparse_prefill_attention=lambda *a, dot_fp32=None, **k:
+                                          prefill.sparse_prefill_attention(*a, dot_fp32=forced, **k)))
+
+
 def emulated_kernels():
     """The FP8 test's floor KernelSet (torch references) with prefill and decode attention replaced by
-    the interpreted kernels on their bf16-dot path (the engine passes dot_fp32=True for interpreted
-    sets: overridden here). Calls must run inside ``interpreter()`` and ``bf16_interpreter()``."""
+    the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
+    ``bf16_interpreter()``."""
     from tests.kernels.interpret import load_interpreted
     from tests.services.worker.test_kernel_backend import reference_kernels
 
-    prefill, decode = load_interpreted("prefill_attention"), load_interpreted("decode_attention")
-    return dataclasses.replace(
-        reference_kernels(),
-        decode_attention=SimpleNamespace(sparse_decode_attention=lambda *a, dot_fp32=None, **k:
-                                         decode.sparse_decode_attention(*a, dot_fp32=False, **k)),
-        prefill_attention=SimpleNamespace(sparse_prefill_attention=lambda *a, dot_fp32=None, **k:
-                                          prefill.sparse_prefill_attention(*a, dot_fp32=False, **k)))
+    return with_attention(reference_kernels(), False, load_interpreted("prefill_attention"),
+                          load_interpreted("decode_attention"))
 
 
 def every_step_kernel():
@@ -201,8 +221,36 @@ def every_step_kernel():
                                 indexer.indexer_select(*a, dot_fp32=False, **k)))
 
 
-def engine_table(names: tuple[str, ...], full: bool) -> None:
+def engine_kl(make, names: tuple[str, ...], device: str = "cpu", precision: str = "fp8") -> str:
+    """The FP8 engine on ``device`` with the KernelSet ``make()`` over FP8_CASES (of ``names``): pooled KL
+    vs the CPU fp32 reference, as test_gpu_fp8_engine_kl_and_top1_against_cpu_reference computes it."""
+    from tests.services.worker import test_kernel_backend as t
+
+    parts, start = [], time.time()
+    for name, budget in t.FP8_CASES:
+        if name not in names:
+            continue
+        c = t.case(name)
+        emulate = (lambda: contextlib.ExitStack()) if device != "cpu" else _emulating
+        with emulate():
+            model = copy.deepcopy(c.model).to(device)
+            logits = t.drive(c, t.runner_for(c, model, budget, precision, make()), budget)
+        parts.append(t._kl_report(c, logits))
+    n, margin = sum(p["positions"] for p in parts), sum(p["margin_rows"] for p in parts)
+    return (f"mean KL {sum(p['mean_kl'] * p['positions'] for p in parts) / n:.4f}  max KL "
+            f"{max(p['max_kl'] for p in parts):.3f}  top-1 {sum(p['top1'] * p['margin_rows'] for p in parts) / margin:.3f}"
+            f"  per config " + " / ".join(f"{p['mean_kl']:.4f}" for p in parts) + f"  ({time.time() - start:.0f} s)")
+
+
+@contextlib.contextmanager
+def _emulating():
     from tests.kernels.interpret import interpreter
+
+    with interpreter(), bf16_interpreter():
+        yield
+
+
+def engine_table(names: tuple[str, ...], full: bool) -> None:
     from tests.services.worker import test_kernel_backend as t
 
     sets = [("floor (torch references)", t.reference_kernels),
@@ -210,19 +258,35 @@ def engine_table(names: tuple[str, ...], full: bool) -> None:
     if full:
         sets.append(("+ compressor, indexer (f16), mHC kernels", every_step_kernel))
     for label, make in sets:
-        parts = []
-        start = time.time()
-        for name, budget in t.FP8_CASES:
-            if name not in names:
-                continue
-            c = t.case(name)
-            with interpreter(), bf16_interpreter():
-                logits = t.drive(c, t.runner_for(c, copy.deepcopy(c.model), budget, "fp8", make()), budget)
-            parts.append(t._kl_report(c, logits))
-        n, margin = sum(p["positions"] for p in parts), sum(p["margin_rows"] for p in parts)
-        print(f"{label:40s} mean KL {sum(p['mean_kl'] * p['positions'] for p in parts) / n:.4f}  max KL "
-              f"{max(p['max_kl'] for p in parts):.3f}  top-1 {sum(p['top1'] * p['margin_rows'] for p in parts) / margin:.3f}"
-              f"  per config " + " / ".join(f"{p['mean_kl']:.4f}" for p in parts) + f"  ({time.time() - start:.0f} s)")
+        print(f"{label:44s} {engine_kl(make, names)}", flush=True)
+
+
+def bisect(names: tuple[str, ...], device: str) -> None:
+    """(H200) The compiled FP8 engine with one part at a time put back to what it was at KL 0.081: a
+    stage whose removal brings the KL back to ~0.08 holds the defect. ``device`` "cpu": the same
+    plumbing on ``every_step_kernel`` (interpreted, bf16 attention emulated; slow)."""
+    from kernels import reference
+    from services.worker.fp8_linear import KernelSet
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = KernelSet.compiled if device != "cpu" else every_step_kernel
+    torch_prefill = SimpleNamespace(sparse_prefill_attention=lambda *a, dot_fp32=None, **k:
+                                    reference.sparse_prefill_attention(*a))
+    variants = [
+        ("every kernel (as shipped)", base),
+        ("attention kernels with fp32 dots", lambda: with_attention(base(), True)),
+        ("prefill attention: torch reference", lambda: dataclasses.replace(base(), prefill_attention=torch_prefill)),
+        ("compressor + indexer: torch", lambda: dataclasses.replace(base(), compressor=None, indexer=None)),
+        ("mHC: the model's", lambda: dataclasses.replace(base(), mhc=None)),
+        ("all three back (the 0.081 wiring)", lambda: dataclasses.replace(
+            base(), prefill_attention=torch_prefill, compressor=None, indexer=None, mhc=None)),
+    ]
+    for label, make in variants:
+        print(f"{device} {label:40s} {engine_kl(make, names, device)}", flush=True)
+    # Every kernel on the fp32 path, on all three configs (the GPU fp32 test without a rounding hook ran
+    # only oracle's short small_case): fp32-noise flips only, ≲ 1e-3 mean KL, unless a kernel is wrong
+    # at wide / nocand shapes or at these lengths whatever the dot precision.
+    print(f"{device} {'fp32 precision, every kernel':40s} {engine_kl(base, names, device, 'fp32')}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -230,8 +294,13 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels-only", action="store_true", help="skip the engine runs")
     parser.add_argument("--configs", default="oracle,wide,nocand")
     parser.add_argument("--full", action="store_true", help="also the compressor, indexer and mHC kernels (slow)")
+    parser.add_argument("--bisect", metavar="DEVICE", help="cuda (H200): the compiled engine with one stage at a "
+                        "time put back; cpu: its plumbing, interpreted")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.bisect:  # before any interpreted kernel runs in this process (compiled ones on the GPU)
+        bisect(tuple(args.configs.split(",")), args.bisect)
+        return 0
     print("1. kernels, bf16 path emulated: relative L2 error vs the fp32 reference, vs the torch emulation "
           "of q, P → bf16")
     for r in kernel_table():
