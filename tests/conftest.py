@@ -1,6 +1,16 @@
 """Fixtures shared across the test tree."""
 
-import pytest
+import os
+
+# One torch/OpenMP thread for the whole session and every process it starts (workers, the stack): two
+# threads beside another busy process spin and run 10–100× slower, and a subprocess at another thread
+# count than the test process sums in another order (a remote worker's logprob then differs by an ulp).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
 from tests.nats_server import running_nats_server
 
