@@ -48,7 +48,7 @@ from model.deepseek_v41.mhc import HyperConnection, Mix, sinkhorn
 from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.tokenizer import engram_token_map
-from services.bench.accuracy import MARGIN, row_stats
+from services.bench.accuracy import MARGIN, row_stats, scale_branches
 from services.worker.fp8_linear import GroupedKernelLinear, KernelSet
 from services.worker.kernel_backend import convert_model
 from tests.model.deepseek_v41.oracle_configs import CASES, finish
@@ -434,12 +434,8 @@ def table_kernels(cases) -> None:
 def scaled(model, k: int, head: float = 1.0):
     """Residual branches (attention wo_b, routed and shared w2) × 2^-k (k None: × 0), head × ``head``."""
     m = copy.deepcopy(model)
-    f = 0.0 if k is None else 2.0**-k
+    scale_branches(m, k)
     with torch.no_grad():
-        for block in m.layers:
-            block.attn.wo_b.weight.mul_(f)
-            block.ffn.w2.mul_(f)
-            block.ffn.shared_w2.mul_(f)
         m.head.weight.mul_(head)
     return m
 
