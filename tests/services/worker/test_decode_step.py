@@ -35,12 +35,7 @@ MAX_SEQS = 8  # graph sizes 1, 2, 4, 8: five requests run padded to 8
 MAX_LEN = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,

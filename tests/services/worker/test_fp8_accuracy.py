@@ -36,12 +36,7 @@ from tests.services.worker.test_kernel_backend import reference_kernels
 SMALL = Workload(prompt_lens=(37, 20, 45), decode_steps=3, budget=24, block_size=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def torch_reference_kernels():

@@ -36,12 +36,7 @@ from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.test_model_runner import BLOCK, MAX_TOKENS, Case, case, replay
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def interpreted() -> KernelSet:

@@ -17,12 +17,7 @@ from tests.kernels.interpret import interpreter, load_interpreted
 from tests.services.worker.test_model_runner import case
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _moe_kernels() -> KernelSet:

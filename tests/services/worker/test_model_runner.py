@@ -42,12 +42,7 @@ ROUNDING = {"fp8": ("fp8", fake_quant_fp8_e4m3), "kv4": ("kv4", fake_quant_compr
             "idx4k": ("idx4", fake_quant_indexer), "idx4q": ("idx4", fake_quant_indexer)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @dataclass
