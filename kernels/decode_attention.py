@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.device import num_sms
+
 _LOG2E = 1.4426950408889634
 
 
@@ -265,12 +267,6 @@ def _combine_kernel(
             BLOCK_H, D, ROPE_PAIRS, LIBDEVICE)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sparse_decode_attention(
     q: torch.Tensor,
     ring: torch.Tensor,
@@ -315,7 +311,7 @@ def sparse_decode_attention(
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
     if splits is None:
-        splits = _default_splits(window, topk, block_n or 32, num_rows * head_blocks, _num_sms(q.device))
+        splits = _default_splits(window, topk, block_n or 32, num_rows * head_blocks, num_sms(q.device, off_gpu=8))
     # 64-key blocks when a program takes a whole row; 32 when split (the entries-only kernel's
     # pipelined loop spills at 64: 384 bytes, sm_90a ptxas)
     block_n = block_n or (64 if splits == 1 else 32)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device import num_sms
 from kernels.indexer_topk import select_topk
 
 # e2m1 s|eem → e4m3 s|0eem|00 (the same number times 2^-6), four bytes at once, then two f16 pairs.
@@ -236,12 +237,6 @@ def _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_pt
         _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N, CB)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def indexer_scores(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -294,7 +289,7 @@ def indexer_scores(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     if splits is None:  # about four programs per SM, at most one tile each
-        splits = max(1, min(num_tiles, triton.cdiv(4 * _num_sms(q.device), max(num_rows, 1))))
+        splits = max(1, min(num_tiles, triton.cdiv(4 * num_sms(q.device, off_gpu=8), max(num_rows, 1))))
     if num_rows == 0 or width == 0:
         return scores, blocks
     _score_kernel[(num_rows, splits)](

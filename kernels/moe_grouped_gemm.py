@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device import num_sms
 from kernels.quant_fp8 import _quantize_rows, quantize_act
 from kernels.reference import GROUP
 
@@ -104,14 +105,8 @@ def _moe_gemm_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few programs still exercise the persistent loop
-
-
 def _num_programs(device: torch.device, num_work_max: int, programs_per_sm: int) -> int:
-    return max(1, min(num_work_max, _num_sms(device) * programs_per_sm))
+    return max(1, min(num_work_max, num_sms(device, off_gpu=4) * programs_per_sm))
 
 
 def default_block_m(expected_m: float) -> int:
