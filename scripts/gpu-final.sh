@@ -11,10 +11,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 files="${TESTS:-$(grep -l 'mark.gpu' tests/kernels/test_*.py tests/services/worker/test_*.py)}"
 for f in $files; do
     name=$(basename "$f" .py)
-    timeout "${FILE_TIMEOUT:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short -s "$f" \
-        > "$out/$name.log" 2>&1
-    echo "$name: exit $? :: $(tail -1 "$out/$name.log")"
+    # One log for every file: the device returns only a handful of files from $OUT.
+    echo "===== $name" >> "$out/tests.log"
+    timeout "${FILE_TIMEOUT:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short -s \
+        ${PYTEST_ARGS:-} "$f" > "$out/last.log" 2>&1
+    rc=$?
+    cat "$out/last.log" >> "$out/tests.log"
+    echo "$name: exit $rc :: $(tail -1 "$out/last.log")"
 done | tee -a "$out/tests-summary.txt"
+rm -f "$out/last.log"
 if [ "${STEP_TIMEOUT:-300}" != 0 ]; then
     timeout "${STEP_TIMEOUT:-300}" python3 -m services.bench.step --quick ${STEP_ARGS:-} --json "$out/step.json" \
         --markdown "$out/step.md" 2>&1 | tee "$out/step.log" | tail -40
