@@ -314,9 +314,14 @@ def sparse_decode_attention(
         splits = _default_splits(window, topk, block_n or 32, num_rows * head_blocks, num_sms(q.device, off_gpu=8))
     # 64-key blocks when a program takes a whole row; 32 when split (the entries-only kernel's
     # pipelined loop spills at 64: 384 bytes, sm_90a ptxas)
+    explicit_block_n = block_n is not None  # tests pick small blocks on purpose (interpreted)
     block_n = block_n or (64 if splits == 1 else 32)
     if dot_fp32:  # fp32 q and keys: 32-key blocks, and no shared memory left for staged key bytes
         block_n, num_stages = min(block_n, 32), 1
+    if num_warps is None:
+        num_warps = 8 if block_h * dim >= 16384 else 4
+    if not explicit_block_n:
+        block_n = entry_block_n(block_n, dim, num_warps)
     win_blocks, ent_blocks = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
     total_blocks = win_blocks + ent_blocks
     splits = min(splits, total_blocks)
@@ -330,8 +335,6 @@ def sparse_decode_attention(
         launches = [(1, triton.cdiv(win_blocks, per_split)), (2, triton.cdiv(ent_blocks, per_split))]
     splits = sum(n for _, n in launches)
     per_split = total_blocks if splits == 1 else per_split
-    if num_warps is None:
-        num_warps = 8 if block_h * dim >= 16384 else 4
     if splits > 1:
         part_acc = torch.empty(num_rows, splits, num_heads, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_rows, splits, num_heads, 2, dtype=torch.float32, device=q.device)
@@ -372,6 +375,19 @@ def _default_splits(window: int, topk: int, block_n: int, num_programs: int, num
         if programs <= num_sms:
             return triton.cdiv(win_blocks + ent_blocks, per_split)
     return 1
+
+
+def entry_block_n(block_n: int, dim: int, num_warps: int) -> int:
+    """``block_n`` raised until an FP4 entry block's scale tile [block_n, D/16] has an element per thread.
+
+    Observed on the H200 (Triton 3.6, 2026-11-29): the compiled bf16-dot path of ``_entry_blocks`` at
+    BLOCK_N 16, D 64 (a [16, 4] tile over 128 or 256 threads) gave rows 2–46% off the reference, every
+    row with a selected entry; fp32 dots, BLOCK_N 32 and the window loop were exact to bf16. The
+    interpreter (exact bf16 emulation) is right, so it is a compiled-layout defect for tiles smaller
+    than the thread count; Flash's [16, 32] tile over 256 threads is verified correct."""
+    while block_n * (dim // 16) < 32 * num_warps:
+        block_n *= 2
+    return block_n
 
 
 def _ring_align(ring: torch.Tensor) -> int:

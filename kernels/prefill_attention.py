@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys
+from kernels.decode_attention import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys, entry_block_n
 
 _LOG2E = 1.4426950408889634
 
@@ -193,11 +193,14 @@ def sparse_prefill_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     # 0 spills at the Flash shapes (sm_90a, 8 warps, 3 stages): BLOCK_N 16 with FP4 entries, 32 with staged ones.
+    explicit_block_n = block_n is not None
     block_n = block_n or (16 if staged is None else 32)
     if dot_fp32:  # fp32 q and keys in shared memory leave no room for staged key bytes (as in decode)
         num_stages = 1
     if num_warps is None:
         num_warps = 8 if block_h * dim >= 16384 else 4
+    if staged is None and not explicit_block_n:
+        block_n = entry_block_n(block_n, dim, num_warps)
     if num_rows == 0:
         return out
     _prefill_attention_kernel[(num_rows, triton.cdiv(num_heads, block_h))](

@@ -273,11 +273,12 @@ def report(label: str, summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_preset(name: str, workload: Workload, precisions: Sequence[str], device, branch_scale_log2: int = 0
-               ) -> dict[str, Any]:
+def run_preset(name: str, workload: Workload, precisions: Sequence[str], device, branch_scale_log2: int = 0,
+               kernels=None) -> dict[str, Any]:
     """Build ``name`` in fp32 on ``device`` (v41-s1: its 8-layer subset), its residual branches × 2^-N
     (``scale_branches``; 0, the default, keeps the loud random init, whose numbers are still the ones
-    reported unless asked), and measure it."""
+    reported unless asked), and measure it. ``kernels``: a KernelSet (None: the compiled kernels;
+    ``KernelSet.references()``: the same formats in torch, the FP8 format floor)."""
     import torch
 
     from services.bench.step_build import KINDS_OF_V41, load_source, model_config
@@ -291,7 +292,7 @@ def run_preset(name: str, workload: Workload, precisions: Sequence[str], device,
     print(f"\n== {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, index_topk {cfg.index_topk}, "
           f"top-{cfg.num_experts_per_tok} of {cfg.n_routed_experts} experts; prompts {list(workload.prompt_lens)}, "
           f"{workload.decode_steps} decode steps, budget {workload.budget}; residual branches × 2^-{branch_scale_log2}")
-    results = measure(source.model, workload, precisions)
+    results = measure(source.model, workload, precisions, kernels)
     del source
     torch.cuda.empty_cache()
     return results
@@ -309,13 +310,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--branch-scale-log2", type=int, default=0, metavar="N",
                         help="residual branches (attention wo_b, expert w2) × 2^-N before anything runs: a "
                         "contractive model, as trained ones are (default 0: the loud random init)")
+    parser.add_argument("--kernels", choices=("compiled", "reference"), default="compiled",
+                        help="reference: the kernels' torch references in the same formats (the FP8 format floor)")
     parser.add_argument("--json", default=None, help="write every summary to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the kernel backend needs a CUDA device")
     workload = Workload(tuple(int(n) for n in args.prompts.split(",")), args.decode_steps, args.budget)
+    from services.worker.fp8_linear import KernelSet
+
+    kernels = KernelSet.references() if args.kernels == "reference" else None
     results = {name: run_preset(name, workload, args.precisions.split(","), torch.device("cuda"),
-                                args.branch_scale_log2)
+                                args.branch_scale_log2, kernels)
                for name in args.presets.split(",")}
     if args.json:
         with open(args.json, "w") as f:

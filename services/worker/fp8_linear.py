@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,32 @@ class KernelSet:
     @staticmethod
     def compiled() -> KernelSet:
         return KernelSet(*(importlib.import_module(f"kernels.{name}") for name in KernelSet.NAMES))
+
+    @staticmethod
+    def references() -> KernelSet:
+        """The kernels' torch references (kernels/reference.py) in this shape, on any device: the FP8
+        path's formats and wiring without a Triton kernel, i.e. its format noise floor. Compressor,
+        indexer and mHC are left out: KernelStep then compresses and selects with CachedStep's torch
+        (the model's functions). ``interpreted`` (fp32 dot options) is moot for the references."""
+        from kernels import reference
+
+        def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
+            return reference.moe_grouped_gemm(a, w, w_scale, meta["counts"],
+                                              row_ids=meta["row_ids"] if gather else None, route_w=meta["route_w"],
+                                              swiglu_limit=swiglu_limit, out_dtype=out_dtype)
+
+        def attention(*args, dot_fp32=False, **_):
+            return reference.sparse_decode_attention(*args)
+
+        def prefill(*args, dot_fp32=False, **_):
+            return reference.sparse_prefill_attention(*args)
+
+        return KernelSet(SimpleNamespace(rmsnorm=reference.rmsnorm),
+                         SimpleNamespace(quantize_act=reference.quantize_act),
+                         SimpleNamespace(moe_router=reference.moe_router),
+                         SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
+                         SimpleNamespace(sparse_decode_attention=attention),
+                         prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill), interpreted=True)
 
 
 def round_up(n: int, multiple: int = GROUP) -> int:

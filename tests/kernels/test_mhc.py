@@ -196,7 +196,9 @@ def test_mhc_gpu_matches_module(num_tokens, fp32_reference_matmuls):
     fused = mhc.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre)
     _bf16_close(fused.h, h_new)
     _check_mix(fused.mix, _ref_mix(hc_f, fused.h), GPU_MIX_REL)
-    _check_mix(fused.mix, _ref_mix(hc_f, h_new), rel=1e-4)  # h' may differ from the module's by a bf16 step
+    # h' may differ from the module's by a bf16 step (one ulp, 2^-8 relative) in a few of T · 4 · hidden
+    # elements: at T 4096 one such step moved a post weight by 7.0e-4 (H200).
+    _check_mix(fused.mix, _ref_mix(hc_f, h_new), rel=2e-3)
     _bf16_close(fused.x, _ref_collapse(fused.h, mix_a.pre))
     for split in (1, 3):  # the fused epilogue and the partial-products path at every size
         _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a, GPU_MIX_REL)

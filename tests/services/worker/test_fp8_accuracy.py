@@ -17,21 +17,18 @@ import dataclasses
 import json
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels import reference
 from services.bench.accuracy import TARGETS, Workload, compare, engine_config, make_prompts, measure, \
     meets_targets, record_reference, report, row_stats, scale_branches, shared_copy, summarize
 from services.bench.step_build import load_source, model_config
-from services.worker.fp8_linear import KernelLinear
+from services.worker.fp8_linear import KernelLinear, KernelSet
 from services.worker.kernel_backend import convert_model
 from services.worker.kernel_moe import KernelMoE
 from services.worker.model_runner import ModelRunner
 from tests.services.worker import test_kernel_backend as backend_tests
-from tests.services.worker.test_kernel_backend import reference_kernels
 
 SMALL = Workload(prompt_lens=(37, 20, 45), decode_steps=3, budget=24, block_size=16)
 
@@ -40,15 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def torch_reference_kernels():
-    """test_kernel_backend's KernelSet of the kernels' torch references, with the prefill attention's
-    reference where that set leaves the slot empty (the prefill rows then still run the FP8 formats)."""
-    kernels = reference_kernels()
-    if getattr(kernels, "prefill_attention", "absent") is None:
-        def prefill(*args, dot_fp32=False, **_):
-            return reference.sparse_prefill_attention(*args)
-
-        kernels = dataclasses.replace(kernels, prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill))
-    return kernels
+    """The kernels' torch references in a KernelSet: the FP8 path's format floor."""
+    return KernelSet.references()
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +163,8 @@ def test_fp8_formats_meet_issue_8_on_a_contractive_model_and_not_on_the_loud_ini
     The pass is not a trivialised model: the reference stays far from uniform and the layers still move
     it (the KL to the embedding-only model is 40× the FP8 KL)."""
     vocab_size = backend_tests.case(backend_tests.FP8_CASES[0][0]).model.cfg.vocab_size
-    scaled = _scaled_reports(BRANCH_SCALE_LOG2, "cpu", reference_kernels())
-    loud = _scaled_reports(0, "cpu", reference_kernels())
+    scaled = _scaled_reports(BRANCH_SCALE_LOG2, "cpu", KernelSet.references())
+    loud = _scaled_reports(0, "cpu", KernelSet.references())
     print(f"\nFP8 formats, branches × 2^-{BRANCH_SCALE_LOG2}: {scaled}\nFP8 formats, loud init: {loud}")
     assert scaled["positions"] == loud["positions"] == 381
     assert scaled["mean_kl"] <= TARGETS["mean_kl"] and scaled["max_kl"] <= TARGETS["max_kl"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -340,24 +339,7 @@ def test_gpu_fp32_engine_every_kernel_matches_torch_runner():
 
 
 def reference_kernels() -> KernelSet:
-    """The kernels' torch references (kernels/reference.py) in the KernelSet's shape: the same formats
-    and the same wiring on the CPU, fast; the FP8 path's format noise floor. Compressor, indexer and mHC
-    are left out: KernelStep then compresses and selects with CachedStep's torch (the model's functions)."""
-    def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
-        return reference.moe_grouped_gemm(a, w, w_scale, meta["counts"], row_ids=meta["row_ids"] if gather else None,
-                                          route_w=meta["route_w"], swiglu_limit=swiglu_limit, out_dtype=out_dtype)
-
-    def attention(*args, dot_fp32=False, **_):
-        return reference.sparse_decode_attention(*args)
-
-    def prefill(*args, dot_fp32=False, **_):
-        return reference.sparse_prefill_attention(*args)
-
-    return KernelSet(SimpleNamespace(rmsnorm=reference.rmsnorm), SimpleNamespace(quantize_act=reference.quantize_act),
-                     SimpleNamespace(moe_router=reference.moe_router),
-                     SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
-                     SimpleNamespace(sparse_decode_attention=attention),
-                     prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill), interpreted=True)
+    return KernelSet.references()
 
 
 FP8_CASES = (("oracle", 16), ("wide", 23), ("nocand", 32))
