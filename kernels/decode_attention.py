@@ -321,7 +321,7 @@ def sparse_decode_attention(
     if num_warps is None:
         num_warps = 8 if block_h * dim >= 16384 else 4
     if not explicit_block_n:
-        block_n = entry_block_n(block_n, dim, num_warps)
+        block_n = entry_block_n(block_n, dim)
     win_blocks, ent_blocks = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
     total_blocks = win_blocks + ent_blocks
     splits = min(splits, total_blocks)
@@ -377,17 +377,16 @@ def _default_splits(window: int, topk: int, block_n: int, num_programs: int, num
     return 1
 
 
-def entry_block_n(block_n: int, dim: int, num_warps: int) -> int:
-    """``block_n`` raised until an FP4 entry block's scale tile [block_n, D/16] has an element per thread.
+def entry_block_n(block_n: int, dim: int) -> int:
+    """The default ``block_n`` for FP4 entry blocks, raised to 32 below Flash's head dim.
 
-    Observed on the H200 (Triton 3.6, 2026-11-29): the compiled bf16-dot path of ``_entry_blocks`` at
-    BLOCK_N 16, D 64 (a [16, 4] tile over 128 or 256 threads) gave rows 2–46% off the reference, every
-    row with a selected entry; fp32 dots, BLOCK_N 32 and the window loop were exact to bf16. The
-    interpreter (exact bf16 emulation) is right, so it is a compiled-layout defect for tiles smaller
-    than the thread count; Flash's [16, 32] tile over 256 threads is verified correct."""
-    while block_n * (dim // 16) < 32 * num_warps:
-        block_n *= 2
-    return block_n
+    Measured on the H200 (Triton 3.6, 2026-11-29, scripts/diag_prefill_tiny.py): the compiled bf16-dot
+    path of ``_entry_blocks`` at BLOCK_N 16 and D 64 gave rows 2–70% off the reference, every row
+    with a selected entry, at 2, 4 and 8 warps; fp32 dots, BLOCK_N 32 and the window loop were
+    right to bf16, and so is the interpreter with exact bf16 emulation: a compiled-code defect at that
+    tile. BLOCK_N 16 is verified only at D 512 (Flash, tests/kernels/test_prefill_attention.py), so
+    it is kept only there."""
+    return block_n if dim >= 512 else max(block_n, 32)
 
 
 def _ring_align(ring: torch.Tensor) -> int:

@@ -200,7 +200,7 @@ def sparse_prefill_attention(
     if num_warps is None:
         num_warps = 8 if block_h * dim >= 16384 else 4
     if staged is None and not explicit_block_n:
-        block_n = entry_block_n(block_n, dim, num_warps)
+        block_n = entry_block_n(block_n, dim)
     if num_rows == 0:
         return out
     _prefill_attention_kernel[(num_rows, triton.cdiv(num_heads, block_h))](

@@ -201,4 +201,5 @@ def test_mhc_gpu_matches_module(num_tokens, fp32_reference_matmuls):
     _check_mix(fused.mix, _ref_mix(hc_f, h_new), rel=2e-3)
     _bf16_close(fused.x, _ref_collapse(fused.h, mix_a.pre))
     for split in (1, 3):  # the fused epilogue and the partial-products path at every size
-        _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a, GPU_MIX_REL)
+        # Another fp32 summation order than the default split's: post max |Δ| 2.7e-4 at T 4096 (H200)
+        _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a, 5 * GPU_MIX_REL)
