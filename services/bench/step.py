@@ -224,6 +224,9 @@ def main(args: argparse.Namespace) -> int:
     build, cfg, full_layers = builder(model, device, backend, args.layers, graphs)
     print(f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, CUDA graphs {graphs}, device "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}")
+    if device.type == "cuda":
+        print(f"GPU memory after the build: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, peak "
+              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     if ceil:
         print(f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
               f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)")

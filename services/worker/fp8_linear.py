@@ -118,6 +118,21 @@ def quantize_padded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return q, scale, inexact
 
 
+def quantize_each(count: int, matrix) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``quantize_padded`` of the stack of ``matrix(i)`` (fp32 [N, K]) for i < count, one at a time into
+    preallocated outputs: bit-identical to quantizing the stack (the 128×128 blocks never span two
+    matrices), with one matrix's fp32 copies as the transient instead of the stack's several (a
+    v41-s1 layer's 49 experts: ~25 GB at the whole-stack peak, which its 40-layer build cannot spare)."""
+    first_q, first_scale, inexact = quantize_padded(matrix(0)[None])
+    q = torch.empty((count, *first_q.shape[1:]), dtype=first_q.dtype, device=first_q.device)
+    scale = torch.empty((count, *first_scale.shape[1:]), dtype=first_scale.dtype, device=first_scale.device)
+    q[0], scale[0] = first_q[0], first_scale[0]
+    for i in range(1, count):
+        qi, si, bad = quantize_padded(matrix(i)[None])
+        q[i], scale[i], inexact = qi[0], si[0], inexact + bad
+    return q, scale, inexact
+
+
 def one_expert_meta(num_tokens: int, num_experts: int, device: torch.device) -> dict[str, torch.Tensor]:
     """``route_metadata`` of every token in every one of ``num_experts`` experts with weight 1 (slot j of
     expert e is token j): a dense GEMM, or the G groups of a grouped projection. Device ops only."""

@@ -21,7 +21,7 @@ from kernels.fp8_weights import stack_gate_up
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
-from services.worker.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_padded, round_up
+from services.worker.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_each, round_up
 
 
 class KernelRMSNorm(nn.Module):
@@ -53,20 +53,26 @@ class KernelMoE(nn.Module):
         self.num_experts, self.intermediate, self.hidden = moe.w1.shape
         self.gate_weight = nn.Parameter(moe.gate_weight.detach().float().clone(), requires_grad=False)
         self.gate_bias = nn.Parameter(moe.gate_bias.detach().float().clone(), requires_grad=False)
-        w1 = torch.cat((moe.w1.detach(), moe.shared_w1.detach()[None])).float()  # [E+1, I, D]
-        w3 = torch.cat((moe.w3.detach(), moe.shared_w3.detach()[None])).float()
-        w2 = torch.cat((moe.w2.detach(), moe.shared_w2.detach()[None])).float()  # [E+1, D, I]
         self.inexact = 0
         if precision == "fp8":
+            # Expert by expert (E routed, then the shared one as expert E): no fp32 copy of the stack.
+            def expert(name: str, e: int) -> torch.Tensor:
+                w = getattr(moe, name)[e] if e < self.num_experts else getattr(moe, f"shared_{name}")
+                return w.detach().float()
+
             # Gate and up are padded separately, so the kernel's row split at N/2 stays gate | up.
-            q13, s13, bad13 = quantize_padded(stack_gate_up(pad_matrix(w1), pad_matrix(w3)))
-            q2, s2, bad2 = quantize_padded(w2)
+            q13, s13, bad13 = quantize_each(self.num_experts + 1, lambda e: stack_gate_up(
+                pad_matrix(expert("w1", e)), pad_matrix(expert("w3", e))))
+            q2, s2, bad2 = quantize_each(self.num_experts + 1, lambda e: expert("w2", e))
             self.inexact = bad13 + bad2
             self.register_buffer("w13", q13)
             self.register_buffer("w13_scale", s13)
             self.register_buffer("w2", q2)
             self.register_buffer("w2_scale", s2)
         else:
+            w1 = torch.cat((moe.w1.detach(), moe.shared_w1.detach()[None])).float()  # [E+1, I, D]
+            w3 = torch.cat((moe.w3.detach(), moe.shared_w3.detach()[None])).float()
+            w2 = torch.cat((moe.w2.detach(), moe.shared_w2.detach()[None])).float()  # [E+1, D, I]
             self.register_buffer("w13", stack_gate_up(w1, w3).contiguous())  # fp32 [E+1, 2I, D]
             self.register_buffer("w2", w2.contiguous())
 

@@ -22,7 +22,7 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
-from services.worker.fp8_linear import GroupedKernelLinear, KernelLinear, KernelSet, quantize_padded
+from services.worker.fp8_linear import GroupedKernelLinear, KernelLinear, KernelSet, quantize_each, quantize_padded
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_sampler import KernelSampler
@@ -142,6 +142,16 @@ def test_padding_non_128_shapes_is_exact():
     assert q.shape == (128, 128) and scale.shape == (1, 1) and inexact == 0
     full = reference.dequantize_weight_block128(q, scale)
     assert torch.equal(full[:96, :64], w) and not full[96:].any() and not full[:, 64:].any()
+
+
+def test_quantize_each_equals_quantizing_the_stack():
+    """KernelMoE quantises expert by expert (memory); the result must be the whole stack's, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    stack = torch.randn(3, 200, 136, generator=gen) * torch.tensor([1.0, 1e-3, 40.0])[:, None, None]
+    q, scale, inexact = quantize_each(3, lambda i: stack[i])
+    want_q, want_scale, want_inexact = quantize_padded(stack)
+    assert q.shape == (3, 256, 256) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale) and inexact == want_inexact > 0
 
 
 # ---------------------------------------------------------------- CPU: interpreted modules
