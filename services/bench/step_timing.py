@@ -98,17 +98,24 @@ def time_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: int,
     skip_prefill(engine)
     fill_pools(cache, seed)
     device = cache.blocks.device
-    engine.step()  # warm-up (compiles, captures a graph if the runner does)
+    ended: dict[str, str] = {}
+    for out in engine.step():  # warm-up (compiles, captures a graph if the runner does)
+        if out.finish_reason is not None:
+            ended[out.request_id] = out.finish_reason
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         _sync(device)
         t0 = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         _sync(device)
         times.append(time.perf_counter() - t0)
+        ended.update({o.request_id: o.finish_reason for o in outputs if o.finish_reason is not None})
         plan = engine.last_plan
         if plan is None or plan.is_prefill or plan.num_rows != batch:
-            raise RuntimeError(f"a timed step was not a {batch}-row decode step ({plan and plan.num_rows} rows)")
+            reasons = sorted(set(ended.values()))
+            raise RuntimeError(f"timed step {i} was not a {batch}-row decode step ({plan and plan.num_rows} rows, "
+                               f"prefill {plan and plan.is_prefill}); {len(ended)} requests ended ({reasons}); "
+                               f"{engine.stats()}")
     while engine.has_unfinished():  # drain, so the pools come back whole for the next size
         for rid in list(engine.requests):
             engine.abort(rid)
