@@ -308,11 +308,16 @@ impl Scheduler {
 
     // ---- scheduling -----------------------------------------------------------------------
 
-    /// A rank wants prefill when its cache is at most 90% used and the head of its queue is
-    /// schedulable.
+    /// A rank wants prefill when the head of its queue is schedulable and either its cache is at
+    /// most 90% used or the head is a cut prompt, which holds all its blocks from its first chunk:
+    /// its next chunk takes nothing, and the usage it holds must not keep it from finishing (a
+    /// prompt whose reservation passed 90% would otherwise wait forever behind empty decode steps).
     pub fn wants_prefill(&self) -> bool {
-        self.blocks.usage() <= self.config.prefill_max_cache_usage
-            && self.waiting.front().is_some_and(|&h| self.req(h).schedulable)
+        self.waiting.front().is_some_and(|&h| {
+            let req = self.req(h);
+            req.schedulable
+                && (!req.block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage)
+        })
     }
 
     /// Plans the next step. `collective` is the group's vote; one rank passes `SingleRank`.

@@ -51,6 +51,22 @@ fn kitchen_cut_prompt_ends_the_step() {
 }
 
 #[test]
+fn a_cut_prompt_holding_most_of_the_cache_still_finishes() {
+    // 32 of 33 blocks (97% > the 90% prefill gate) are the prompt's own from its first chunk.
+    let mut c = config(128, 34);
+    c.max_num_batched_tokens = 2048;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("P".into(), vec![5; 4096], StopRules::new(4), true, false).unwrap();
+    let (plan, _) = step(&mut s);
+    assert_eq!((plan.kind, plan.seqlens_q.clone()), (StepKind::Prefill, vec![2048]));
+    assert!(s.blocks.usage() > s.config.prefill_max_cache_usage);
+    let (plan, _) = step(&mut s);
+    assert_eq!((plan.kind, plan.seqlens_q.clone()), (StepKind::Prefill, vec![2048]));
+    let (plan, _) = step(&mut s);
+    assert_eq!((plan.kind, plan.num_rows()), (StepKind::Decode, 1));
+}
+
+#[test]
 fn abort_between_chunks_returns_all_blocks() {
     let mut c = config(128, 400);
     c.compress_ratios = vec![2, 1];
