@@ -64,9 +64,16 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
     for context in sizes["contexts"]:
         measured = []
         for batch in sizes["batches"]:
-            llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
-            t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context,
-                            steps=sizes["steps"], vocab_size=cfg.vocab_size)
+            try:  # one size failing (e.g. memory at 256 × 32K) keeps the others' rows
+                llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
+                t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context,
+                                steps=sizes["steps"], vocab_size=cfg.vocab_size)
+            except Exception as exc:
+                print(f"decode  ctx {context:>6} batch {batch:>4}: FAILED: {type(exc).__name__}: {exc}")
+                rows.append({"section": "decode failed", "batch": batch, "context": context,
+                             "error": f"{type(exc).__name__}: {exc}"})
+                llm = None
+                continue
             floor = step_cost(cfg, batch, context, prefill=False).floor(ceil) if ceil else None
             row = {"section": "decode", "batch": batch, "context": context, "ms": t.median * 1e3,
                    "ms_full_depth": t.median * 1e3 * full_layers / cfg.num_hidden_layers,

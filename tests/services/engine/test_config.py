@@ -1,0 +1,33 @@
+"""EngineConfig defaults that the scheduler's policies depend on."""
+
+import pytest
+
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepResult
+from services.engine.config import EngineConfig
+
+
+@pytest.mark.parametrize(("num_seqs", "max_model_len", "block_size"), [(64, 4117, 128), (16, 200, 16), (1, 4117, 128)])
+def test_default_blocks_admit_a_full_batch_of_full_length_prompts(num_seqs, max_model_len, block_size):
+    """With the default pool, max_num_seqs prompts of max_model_len − 21 tokens (the step bench's
+    4096 of 4117) all reach decode
+    together: the scheduler admits a new prompt only while ≤ 90% of the blocks are held, so the pool
+    needs that headroom (the H200 step bench ran 60 of 64 without it)."""
+    config = EngineConfig(max_num_seqs=num_seqs, max_model_len=max_model_len, block_size=block_size)
+    sched = Scheduler(SchedulerConfig(
+        block_size=block_size, num_blocks=config.resolved_num_blocks(),
+        num_state_slots=config.resolved_num_state_slots(), max_num_seqs=num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, window_size=128,
+        compress_ratios=[1], preemption_mode=PreemptionMode.STOP, vocab_size=1000))
+    for i in range(num_seqs):
+        sched.add_request(f"r{i}", [5] * (max_model_len - 21), max_tokens=8, eos_token_id=1, ignore_eos=True,
+                          stop_token_ids=[])
+    for _ in range(10 * num_seqs * max_model_len // config.max_num_batched_tokens + 10):
+        plan = sched.schedule()
+        if not plan.is_prefill:
+            break
+        counts = list(plan.num_sample_rows.tolist())
+        sched.update(plan, StepResult(counts, [7] * sum(counts)))
+    stats = sched.stats()
+    assert (plan.num_rows, stats.num_running, stats.num_waiting) == (num_seqs, num_seqs, 0)
+    per_request = -(-max_model_len // block_size)
+    assert config.resolved_num_blocks() <= num_seqs * per_request * 10 // 9 + 2  # headroom, not a multiple
