@@ -229,6 +229,11 @@ def shared_copy(model):
     return copy.deepcopy(model, memo)
 
 
+FORMAT_FLOOR = "fp8-torch"
+"""A ``measure`` precision: FP8 weights and activations, FP8/FP4 caches, through the kernels' torch
+references (``KernelSet.references()``): the formats' own KL, which no kernel can beat."""
+
+
 def measure(model, workload: Workload, precisions: Sequence[str] = ("fp8", "fp32"), kernels=None,
             log: Callable[[str], None] = print) -> dict[str, dict[str, dict[str, Any]]]:
     """Reference run on the torch runner, then each kernel precision replayed → {precision: summary}.
@@ -241,13 +246,18 @@ def measure(model, workload: Workload, precisions: Sequence[str] = ("fp8", "fp32
 
     if "fp32" in precisions and precisions[-1] != "fp32":
         raise ValueError("fp32 converts the model in place: it must be the last precision")
+    from services.worker.fp8_linear import KernelSet
+
     config = engine_config(workload)
     prompts = make_prompts(model.cfg.vocab_size, workload)
     rec = record_reference(ModelRunner(model, config), workload, prompts)
     results = {}
     for precision in precisions:
         target = model if precision == "fp32" else shared_copy(model)
-        runner = ModelRunner(target, config, backend="kernels", precision=precision, kernels=kernels)
+        if precision == FORMAT_FLOOR:  # the same FP8 formats through the kernels' torch references
+            runner = ModelRunner(target, config, backend="kernels", precision="fp8", kernels=KernelSet.references())
+        else:
+            runner = ModelRunner(target, config, backend="kernels", precision=precision, kernels=kernels)
         results[precision] = compare(rec, runner, workload)
         log(report(precision, results[precision]))
         del runner, target
@@ -306,22 +316,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", default="2000,1400,1000,600", help="prompt lengths in tokens")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens (prefill chunk)")
-    parser.add_argument("--precisions", default="fp8,fp32")
+    parser.add_argument("--precisions", default="fp8,fp32",
+                        help=f"comma-separated, fp32 last: fp8, fp32, {FORMAT_FLOOR} (the FP8 formats in torch)")
     parser.add_argument("--branch-scale-log2", type=int, default=0, metavar="N",
                         help="residual branches (attention wo_b, expert w2) × 2^-N before anything runs: a "
                         "contractive model, as trained ones are (default 0: the loud random init)")
-    parser.add_argument("--kernels", choices=("compiled", "reference"), default="compiled",
-                        help="reference: the kernels' torch references in the same formats (the FP8 format floor)")
     parser.add_argument("--json", default=None, help="write every summary to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the kernel backend needs a CUDA device")
     workload = Workload(tuple(int(n) for n in args.prompts.split(",")), args.decode_steps, args.budget)
-    from services.worker.fp8_linear import KernelSet
-
-    kernels = KernelSet.references() if args.kernels == "reference" else None
     results = {name: run_preset(name, workload, args.precisions.split(","), torch.device("cuda"),
-                                args.branch_scale_log2, kernels)
+                                args.branch_scale_log2)
                for name in args.presets.split(",")}
     if args.json:
         with open(args.json, "w") as f:
