@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode eagerly (default on a GPU with the kernel backend: CUDA graphs, as cuda_graphs=True)")
     parser.add_argument("--no-compare", action="store_true", help="skip the eager/compiled comparison")
     parser.add_argument("--no-async", action="store_true", help="skip the async on/off throughput run")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile decode steps at the smallest and largest batch: time per kernel")
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
@@ -124,6 +126,25 @@ def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
     return rows
 
 
+def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
+    from services.bench.step_build import runner_cache
+    from services.bench.step_profile import profile_decode
+
+    rows = []
+    context = sizes["contexts"][0]
+    for batch in sorted({min(sizes["batches"]), max(sizes["batches"])}):
+        llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
+        p = profile_decode(llm.engine, runner_cache(llm), batch=batch, context=context, steps=sizes["steps"],
+                           vocab_size=cfg.vocab_size)
+        rows.append({"section": "profile", **p})
+        print(f"profile ctx {context} batch {batch}: {p['wall_ms']:.2f} ms per step (profiled), device busy "
+              f"{p['busy_ms']:.2f} ms")
+        for k in p["kernels"]:
+            print(f"  {k['us_per_step']:10.1f} µs  ×{k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
+        del llm
+    return rows
+
+
 def _async_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
     import torch
 
@@ -187,6 +208,13 @@ def _markdown(result: dict[str, Any]) -> str:
     if three:
         lines += ["", "| way | batch | layers | step ms | scaled to full depth |", "|---|---|---|---|---|"]
         lines += [f"| {r['way']} | {r['batch']} | {r['layers']} | {r['ms']:.2f} | {r['ms_full_depth']:.1f} |" for r in three]
+    for r in result["rows"]:
+        if r["section"] == "profile":
+            lines += ["", f"decode profile, batch {r['batch']} at {r['context']}: {r['wall_ms']:.2f} ms per step "
+                      f"(profiled), device busy {r['busy_ms']:.2f} ms", "", "| µs per step | launches | kernel |",
+                      "|---|---|---|"]
+            lines += [f"| {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} | `{k['kernel'][:80]}` |"
+                      for k in r["kernels"]]
     lines += [f"\n{r['section']}: {r['error']}" for r in result["rows"] if "error" in r]
     return "\n".join(lines) + "\n"
 
@@ -210,7 +238,8 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def _command(args: argparse.Namespace) -> str:
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
-             if k in ("model", "layers", "backend", "quick", "no_graphs", "no_compare", "no_async") and v not in (None, False)]
+             if k in ("model", "layers", "backend", "quick", "no_graphs", "no_compare", "no_async", "profile")
+             and v not in (None, False)]
     return " ".join(["shinkai bench step", *flags])
 
 
@@ -240,6 +269,8 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     sections = [("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
                 ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil))]
+    if args.profile:
+        sections.append(("profile", lambda: _profile_section(build, cfg, sizes)))
     if not args.no_async:
         sections.append(("offline", lambda: _async_section(build, cfg, max(sizes["batches"]), sizes["steps"] * 4)))
     if not args.no_compare:

@@ -1,0 +1,37 @@
+"""The decode profiler: its kernel table from device events, and its run on CPU (no device events)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.bench.step_profile import kernel_table, profile_decode
+
+
+def _event(name, us, device="CUDA"):
+    return SimpleNamespace(name=name, device_time=us, device_type=SimpleNamespace(name=device))
+
+
+def test_kernel_table_sums_per_step_and_sorts():
+    events = [_event("gemm", 10.0), _event("gemm", 30.0), _event("attn", 50.0), _event("host", 99.0, "CPU"),
+              _event("idle", 0.0)]
+    rows = kernel_table(events, num_steps=2, top=5)
+    assert [r["kernel"] for r in rows] == ["attn", "gemm"]
+    assert rows[0] == {"kernel": "attn", "us_per_step": 25.0, "launches_per_step": 0.5}
+    assert rows[1]["us_per_step"] == 20.0 and rows[1]["launches_per_step"] == 1.0
+    assert kernel_table(events, num_steps=1, top=1)[0]["kernel"] == "attn"
+
+
+@pytest.fixture(scope="module")
+def llm(one_torch_thread):
+    from services.engine import LLM
+
+    return LLM(model="tiny", max_num_seqs=2, max_model_len=128, block_size=16)
+
+
+def test_profile_decode_on_cpu_runs_the_steps_and_returns_the_pools(llm):
+    out = profile_decode(llm.engine, llm.engine.worker.runner.cache, batch=2, context=30, steps=2,
+                         vocab_size=llm.source.config.vocab_size)
+    assert out["batch"] == 2 and out["wall_ms"] > 0 and out["busy_ms"] == 0 and out["kernels"] == []
+    assert llm.engine.last_plan.num_rows == 2 and not llm.engine.has_unfinished()
+    s = llm.engine.stats()
+    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
