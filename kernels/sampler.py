@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.device import upload
 from services.worker.philox import DrawCase
 from services.worker.sampler import SamplerOutput
 
@@ -406,13 +407,17 @@ def sampling_params(rows: Sequence, device: torch.device | str | None = None,
         banned[i, : len(r.banned_token_ids)] = torch.tensor(r.banned_token_ids, dtype=torch.int32)
     seeds = [(r.seed & ((1 << 64) - 1)) - ((1 << 64) if r.seed & (1 << 63) else 0) for r in rows]
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64)
+
+    def up(host: torch.Tensor) -> torch.Tensor:  # enqueued, not synchronised (kernels/device.py)
+        return host if device is None else upload(host, device)
+
     return SamplingParams(
-        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32).to(device),
-        rank_limit=torch.tensor([r.rank_limit or 0 for r in rows], dtype=torch.int32).to(device),
-        mass_limit=top_p_mass_limit(top_p).to(device),
-        seed=torch.tensor(seeds, dtype=torch.int64).to(device),
-        position=torch.tensor([r.position for r in rows], dtype=torch.int64).to(device),
-        banned=banned.to(device),
+        temperature=up(torch.tensor([r.temperature for r in rows], dtype=torch.float32)),
+        rank_limit=up(torch.tensor([r.rank_limit or 0 for r in rows], dtype=torch.int32)),
+        mass_limit=up(top_p_mass_limit(top_p)),
+        seed=up(torch.tensor(seeds, dtype=torch.int64)),
+        position=up(torch.tensor([r.position for r in rows], dtype=torch.int64)),
+        banned=up(banned),
     )
 
 

@@ -200,6 +200,10 @@ class Engine:
         for i, n in enumerate(plan.num_sample_rows.tolist()):
             sampled_logprobs[plan.request_ids[i]] = list(range(row, row + n))
             row += n
+        # One device → host copy per array for the whole step (not one per row).
+        sampled = executed.sampled
+        logprobs = sampled.logprobs.tolist() if sampled is not None else []
+        top: tuple[list, list] | None = None
         for update in updates:
             req = self.requests.get(update.request_id)
             if req is None:
@@ -208,14 +212,14 @@ class Engine:
             out = req.output
             for k, token in enumerate(update.token_ids):
                 out.token_ids.append(token)
-                if executed.sampled is not None and k < len(rows):
+                if sampled is not None and k < len(rows):
                     r = rows[k]
-                    out.logprobs.append(float(executed.sampled.logprobs[r]))
+                    out.logprobs.append(float(logprobs[r]))
                     if out.top_logprobs is not None:
+                        if top is None:
+                            top = (sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())
                         n = req.params.logprobs or 0
-                        ids = executed.sampled.top_token_ids[r][:n].tolist()
-                        lps = executed.sampled.top_logprobs[r][:n].tolist()
-                        out.top_logprobs.append(list(zip(ids, lps)))
+                        out.top_logprobs.append(list(zip(top[0][r][:n], top[1][r][:n])))
             changed[update.request_id] = out
             if update.finish_reason is not None:
                 changed[update.request_id] = self._finish(update.request_id, update.finish_reason.value,

@@ -36,7 +36,7 @@ class ExpertLoadPublisher:
         step = self.num_steps
         self.num_steps += 1
         if out.expert_counts is not None and self.nc is not None:
-            report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=out.expert_counts.numpy())
+            report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=out.expert_counts.cpu().numpy())
             # Taken here, on the step thread, where a traced step's span is current.
             headers = tracing.nats_headers()
             asyncio.run_coroutine_threadsafe(self._publish(report.encode(), headers), self.loop)

@@ -39,6 +39,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from kernels.device import upload_into
 from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.mhc import collapse, initial_pre
@@ -48,7 +49,7 @@ from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine
 from services.worker.kernel_moe import KernelMoE
-from services.worker.step_batch import PendingInputs, StepBatch
+from services.worker.step_batch import PendingInputs, StepBatch, apply_pending, check_ring_slots, pending_rows
 
 ATTENTION = ("reference", "triton")  # kernels.reference.sparse_decode_attention / kernels.decode_attention
 
@@ -133,31 +134,33 @@ class StaticDecodeStep:
             raise ValueError(f"block tables of {plan.block_table_width} > {self.max_blocks} blocks per request")
         if pending is None and any(plan.inputs_pending.tolist()):
             raise ValueError("the plan's inputs wait on a step in flight (async scheduling): pass them")
+        check_ring_slots(plan, self.cache.layout.ring_size)
         batch = StepBatch.from_plan(plan, "cpu")
-        if pending is not None:
-            batch.fill_pending(plan, pending)
-        ring = self.cache.layout.ring_size
-        if not torch.equal(batch.ring_slots, batch.positions % ring):
-            raise ValueError(f"the plan's ring slots are not position mod {ring}")
         if int(batch.positions.min()) < 1:  # the compressor reads position p − 1's partial row
             raise ValueError("a decode row at position 0 (a request without a prompt)")
 
         def padded(x: torch.Tensor) -> torch.Tensor:
             return torch.cat((x, x.new_zeros(g - n, *x.shape[1:])))
 
-        self.input_ids.copy_(padded(batch.input_ids))
-        self.positions.copy_(padded(batch.positions))
-        self.state_slots.copy_(padded(batch.state_slots))
-        self.ring_slots.copy_(padded(batch.ring_slots))
+        # Enqueued, not synchronised: the step in flight (async scheduling) may still be reading these
+        # buffers, and the copies run after it in stream order.
+        upload_into(self.input_ids, padded(batch.input_ids))
+        upload_into(self.positions, padded(batch.positions))
+        upload_into(self.state_slots, padded(batch.state_slots))
+        upload_into(self.ring_slots, padded(batch.ring_slots))
         tables = torch.zeros(g, self.max_blocks, dtype=torch.long)
         tables[:n, : plan.block_table_width] = batch.block_tables
-        self.block_tables.copy_(tables)
-        self.live.copy_(torch.arange(g) < n)
+        upload_into(self.block_tables, tables)
+        upload_into(self.live, torch.arange(g) < n)
         for ratio, buf in self.entry_slots.items():
             rows, slots = batch.entry_writes.get(ratio, (torch.zeros(0, dtype=torch.long),) * 2)
             host = torch.zeros(g, dtype=torch.long)
             host[rows] = slots
-            buf.copy_(host)
+            upload_into(buf, host)
+        if pending is not None:  # on the device, from the step in flight's tokens (never read back)
+            where = pending_rows(plan, pending)
+            if where is not None:
+                apply_pending(self.input_ids, *where, pending.token_ids)
         self.num_live = n
 
     def prepare_placeholders(self) -> None:

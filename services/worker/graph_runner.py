@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kernels.device import upload
 from scheduler_rs import StepPlan
 from services.engine.config import EngineConfig
 from services.worker.decode_step import StaticDecodeStep
@@ -129,5 +130,6 @@ class GraphRunner:
             logits, counts = step.run()
         n = plan.num_rows
         rows = torch.arange(n) if all_rows else torch.tensor(plan.sample_rows.tolist(), dtype=torch.long)
-        # Indexing copies, so the next replay cannot overwrite what is returned.
-        return RunnerOutput(logits[rows.to(logits.device)], counts.cpu(), n)
+        # Indexing copies, so the next replay cannot overwrite what is returned; nothing is read back
+        # here (the counts too stay on the device), so the host can plan the next step meanwhile.
+        return RunnerOutput(logits[upload(rows, logits.device)], counts.clone(), n)

@@ -42,8 +42,10 @@ class KernelStep:
         self.step, self.kernels, self.precision = step, kernels, precision
         b = step.b
         self.fp32_dots = precision == "fp32" or kernels.interpreted  # no bf16/f16 tl.dot in the interpreter
-        rows_per_request = b.query_start[1:] - b.query_start[:-1]  # [N]
-        self.all_decode = bool((rows_per_request == 1).all())
+        if b.decode_only is not None:  # known on the host: no device read
+            self.all_decode = b.decode_only
+        else:
+            self.all_decode = bool(((b.query_start[1:] - b.query_start[:-1]) == 1).all())
         self.ring_tail = None if self.all_decode else b.tail(step.cache.layout.ring_size)  # [R] rows written
         self.row_tables = b.block_tables[b.row_requests]  # [R, width] each row's request's table
         self.torch_sparse = step.rounding is not None or kernels.compressor is None or kernels.indexer is None

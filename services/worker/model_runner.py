@@ -29,7 +29,7 @@ from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
 from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
 from services.worker.reference_runner import RunnerOutput
-from services.worker.step_batch import PendingInputs, StepBatch
+from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slots
 
 
 class ModelRunner:
@@ -67,17 +67,14 @@ class ModelRunner:
         device = model.embed.weight.device
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=device)
         if plan.is_placeholder or plan.num_rows == 0:
-            return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts.cpu(), 0)
+            return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts, 0)
         if pending is None and any(plan.inputs_pending.tolist()):
             raise ValueError("the plan's inputs wait on a step in flight (async scheduling); this runner needs "
                              "them filled in")
+        check_ring_slots(plan, self.cache.layout.ring_size)
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
             batch.fill_pending(plan, pending)
-        ring = self.cache.layout.ring_size
-        if not torch.equal(batch.ring_slots, batch.positions % ring):
-            raise ValueError(f"the plan's ring slots are not position mod {ring}: the scheduler's window or nextn "
-                             "differs from the model runner's")
         step: CachedStep | KernelStep = CachedStep(self.cache, batch, self.rounding)
         if self.kernels is not None:
             step = KernelStep(step, self.kernels, self.precision)
@@ -94,4 +91,4 @@ class ModelRunner:
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]
         logits = F.linear(y.float(), model.head.weight.float())
-        return RunnerOutput(logits, counts.cpu(), batch.num_rows)
+        return RunnerOutput(logits, counts, batch.num_rows)  # counts stay on the device: no sync per step

@@ -39,7 +39,7 @@ _PLAN_ARRAYS = ("seqlens_q", "seqlens_k", "query_start", "state_slots", "block_t
 
 
 def to_array(a) -> pb.Array:
-    arr = np.ascontiguousarray(a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a))
+    arr = np.ascontiguousarray(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a))
     return pb.Array(dtype=arr.dtype.name, shape=list(arr.shape), data=arr.astype(arr.dtype.newbyteorder("<")).tobytes())
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.device import upload
 from scheduler_rs import StepPlan
 
 
@@ -41,6 +42,8 @@ class StepBatch:
     block_tables: torch.Tensor  # [N, width]
     sample_rows: torch.Tensor  # [num sampled rows]
     entry_writes: dict[int, tuple[torch.Tensor, torch.Tensor]]  # ratio → (rows, entry slots)
+    # Every request has exactly one row this step, known on the host (None: not known without a device read).
+    decode_only: bool | None = None
 
     @property
     def device(self) -> torch.device:
@@ -57,36 +60,26 @@ class StepBatch:
     @staticmethod
     def from_plan(plan: StepPlan, device: torch.device | str = "cpu") -> StepBatch:
         def t(a) -> torch.Tensor:
-            return _long(a).to(device)
+            return upload(_long(a), device)
 
         n = plan.num_requests
         seqlens_q, seqlens_k = t(plan.seqlens_q), t(plan.seqlens_k)
+        host_q = np.frombuffer(plan.seqlens_q, np.int32)
         return StepBatch(
             request_ids=list(plan.request_ids), input_ids=t(plan.input_ids), positions=t(plan.positions),
             row_requests=t(plan.row_requests), ring_slots=t(plan.ring_slots), query_start=t(plan.query_start),
             first=seqlens_k - seqlens_q, seqlens_k=seqlens_k, state_slots=t(plan.state_slots),
             block_tables=t(plan.block_tables).view(n, plan.block_table_width), sample_rows=t(plan.sample_rows),
             entry_writes={r: (t(rows), t(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]},
+            decode_only=bool(np.all(host_q == 1)),
         )
 
     def fill_pending(self, plan: StepPlan, pending: PendingInputs) -> None:
         """Replaces each pending request's stand-in input (its first row this step) with the token the
-        previous step sampled for it, matched by request id, not batch position. On a GPU a kernel does
-        this gather/scatter; here the same index arithmetic runs in torch."""
-        mask = _long(plan.inputs_pending).to(self.device).bool()  # [N]
-        reqs = mask.nonzero().flatten()
-        if reqs.numel() == 0:
-            return
-        where = {rid: k for k, rid in enumerate(pending.request_ids)}
-        missing = [self.request_ids[i] for i in reqs.tolist() if self.request_ids[i] not in where]
-        if missing:
-            raise ValueError(f"pending inputs of {missing} are not in the previous step")
-        src = torch.tensor([where[self.request_ids[i]] for i in reqs.tolist()], dtype=torch.long, device=self.device)
-        tokens = pending.token_ids.to(self.device)[src]
-        # A request with no token from the previous step (an error there) is dropped by the scheduler at its
-        # update; its row keeps the stand-in so the forward stays in range.
-        rows = self.query_start[reqs]
-        self.input_ids[rows] = torch.where(tokens >= 0, tokens, self.input_ids[rows])
+        previous step sampled for it, matched by request id, not batch position."""
+        where = pending_rows(plan, pending)
+        if where is not None:
+            apply_pending(self.input_ids, *where, pending.token_ids)
 
     # ---- per-row views ---------------------------------------------------------------------
 
@@ -104,3 +97,38 @@ class StepBatch:
         """Bool [R]: rows among their request's last ``size`` positions, so that writes indexed by
         position mod ``size`` never collide within a step."""
         return self.positions >= self.seqlens_k[self.row_requests] - size
+
+
+def pending_rows(plan: StepPlan, pending: PendingInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Host work of async scheduling's input fill: (rows of this step, indices into ``pending``), long
+    [P] each, for the P requests whose first input waits on the step in flight; None when none do."""
+    reqs = np.flatnonzero(np.frombuffer(plan.inputs_pending, np.int32))
+    if reqs.size == 0:
+        return None
+    where = {rid: k for k, rid in enumerate(pending.request_ids)}
+    ids = list(plan.request_ids)
+    missing = [ids[i] for i in reqs if ids[i] not in where]
+    if missing:
+        raise ValueError(f"pending inputs of {missing} are not in the previous step")
+    rows = np.frombuffer(plan.query_start, np.int32)[reqs].astype(np.int64)
+    return torch.from_numpy(rows), torch.tensor([where[ids[i]] for i in reqs], dtype=torch.long)
+
+
+def apply_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Device work of the fill: input_ids[rows] = tokens[src] where that token exists (≥ 0). A request
+    with no token from the previous step (an error there) is dropped by the scheduler at its update;
+    its row keeps the stand-in so the forward stays in range. Host indices are uploaded without a
+    sync, and ``tokens`` (the previous step's, on the device) are never read back: the step in
+    flight keeps running while this one is queued."""
+    device = input_ids.device
+    rows, src = upload(rows, device), upload(src, device)
+    picked = tokens.to(device)[src]
+    input_ids[rows] = torch.where(picked >= 0, picked, input_ids[rows])
+
+
+def check_ring_slots(plan: StepPlan, ring_size: int) -> None:
+    """The plan's ring slots are its positions mod the runner's ring (host arrays: no device read)."""
+    positions = np.frombuffer(plan.positions, np.int32)
+    if not np.array_equal(np.frombuffer(plan.ring_slots, np.int32), positions % ring_size):
+        raise ValueError(f"the plan's ring slots are not position mod {ring_size}: the scheduler's window or "
+                         "nextn differs from the model runner's")

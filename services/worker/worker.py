@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
+from kernels.device import upload
 from scheduler_rs import StepPlan, StepResult
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
@@ -21,18 +21,33 @@ class ModelRunner(Protocol):
     def release(self, request_id: str) -> None: ...
 
 
-@dataclass
 class WorkerOutput:
-    result: StepResult
-    # Aligned with `plan.sample_rows`; None when nothing was sampled.
-    sampled: SamplerOutput | None
-    # [num layers, num routed experts] token counts, when the runner counts them.
-    expert_counts: torch.Tensor | None
-    num_rows_computed: int
-    # Per planned request (plan order): its ids and the last token it sampled this step, −1 for none
-    # (a non-final chunk, an error). What async scheduling's next step reads for its pending inputs.
-    request_ids: list[str] = field(default_factory=list)
-    last_token_ids: torch.Tensor | None = None
+    """One executed step. ``result`` (what the scheduler's update takes) is read back from the device
+    on first access, not when the step is queued: with async scheduling the engine queues step N+1
+    before it reads step N, so the device runs N+1 while the host updates N and plans N+2."""
+
+    def __init__(self, result: StepResult | Callable[[], StepResult], sampled: SamplerOutput | None,
+                 expert_counts: torch.Tensor | None, num_rows_computed: int, request_ids: list[str] | None = None,
+                 last_token_ids: torch.Tensor | None = None) -> None:
+        self._result = result if isinstance(result, StepResult) else None
+        self._read = None if isinstance(result, StepResult) else result
+        # Aligned with `plan.sample_rows`; None when nothing was sampled.
+        self.sampled = sampled
+        # [num layers, num routed experts] token counts (on the runner's device), when the runner counts them.
+        self.expert_counts = expert_counts
+        self.num_rows_computed = num_rows_computed
+        # Per planned request (plan order): its ids and the last token it sampled this step, −1 for none
+        # (a non-final chunk, an error), on the device. What async scheduling's next step reads for its
+        # pending inputs.
+        self.request_ids = request_ids if request_ids is not None else []
+        self.last_token_ids = last_token_ids
+
+    @property
+    def result(self) -> StepResult:
+        if self._result is None:
+            assert self._read is not None
+            self._result, self._read = self._read(), None
+        return self._result
 
     def pending_inputs(self) -> PendingInputs:
         """This step's sampled tokens as the next step's pending inputs."""
@@ -69,23 +84,47 @@ class Worker:
             return WorkerOutput(result, None, out.expert_counts, out.num_rows_computed, request_ids,
                                 torch.full((plan.num_requests,), -1, dtype=torch.long))
         sampled = self.sampler(out.logits, rows)
-        tokens = sampled.token_ids.tolist()
-        failed = sampled.errors.tolist()
-        num_tokens, token_ids, errors, last = [], [], [], []
-        row = 0
-        for i, n in enumerate(num_sample_rows):
-            # Without drafts every sampled row is one request's one token (nextn = 0).
-            if n and any(failed[row : row + n]):
-                errors.append(i)
-                num_tokens.append(0)
-                last.append(-1)
-            else:
-                num_tokens.append(n)
-                token_ids.extend(tokens[row : row + n])
-                last.append(tokens[row + n - 1] if n else -1)
-            row += n
-        return WorkerOutput(StepResult(num_tokens, token_ids, errors=errors), sampled, out.expert_counts,
-                            out.num_rows_computed, request_ids, torch.tensor(last, dtype=torch.long))
+
+        def read_back() -> StepResult:  # the one device → host copy of a step
+            tokens = sampled.token_ids.tolist()
+            failed = sampled.errors.tolist()
+            num_tokens, token_ids, errors = [], [], []
+            row = 0
+            for i, n in enumerate(num_sample_rows):
+                # Without drafts every sampled row is one request's one token (nextn = 0).
+                if n and any(failed[row : row + n]):
+                    errors.append(i)
+                    num_tokens.append(0)
+                else:
+                    num_tokens.append(n)
+                    token_ids.extend(tokens[row : row + n])
+                row += n
+            return StepResult(num_tokens, token_ids, errors=errors)
+
+        return WorkerOutput(read_back, sampled, out.expert_counts, out.num_rows_computed, request_ids,
+                            last_tokens(sampled, num_sample_rows))
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
+
+
+def last_tokens(sampled: SamplerOutput, num_sample_rows: Sequence[int]) -> torch.Tensor:
+    """Per request, the token of its last sampled row, −1 where it sampled nothing or any of its rows
+    failed: long [N] on the sampler's device, by device ops only (indices uploaded without a sync)."""
+    device = sampled.token_ids.device
+    ends, owners, has = [], [], []
+    for i, n in enumerate(num_sample_rows):
+        owners.extend([i] * n)
+        if n:
+            has.append(i)
+            ends.append(len(owners) - 1)
+    last = torch.full((len(num_sample_rows),), -1, dtype=torch.long, device=device)
+    if not has:
+        return last
+    owner = upload(torch.tensor(owners, dtype=torch.long), device)
+    failed = torch.zeros(len(num_sample_rows), dtype=torch.long, device=device)
+    failed.scatter_add_(0, owner, sampled.errors.to(device=device, dtype=torch.long))
+    idx = upload(torch.tensor(has, dtype=torch.long), device)
+    token = sampled.token_ids[upload(torch.tensor(ends, dtype=torch.long), device)].long()
+    last[idx] = torch.where(failed[idx] > 0, torch.full_like(token, -1), token)
+    return last

@@ -252,3 +252,46 @@ def test_async_scheduling_through_the_static_step_gives_the_same_tokens():
     for (_, a), (_, b) in zip(*outputs):
         assert a == pytest.approx(b, abs=1e-5)
     assert all(n > 0 for n in replays), replays  # decode steps went through the static step both times
+
+
+@pytest.mark.gpu
+@gpu
+def test_an_async_decode_step_is_queued_without_a_host_sync():
+    """GPU busy needs the host to plan step N+1 while the device runs step N: queueing a decode step
+    (pending inputs from the step in flight, input uploads, graph replay, sampling) must not wait for
+    the device. ``torch.cuda.set_sync_debug_mode("error")`` turns any synchronising call inside
+    ``Worker.execute`` into an error; the step's read-back (``result``) comes after, as in the engine."""
+    from services.engine import LLM, SamplingParams
+
+    from services.engine.model_source import load_model
+
+    source = load_model("tiny")
+    source.model.to("cuda")
+    llm = LLM(source=source, kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, max_model_len=64,
+              max_num_seqs=4, block_size=16)
+    engine = llm.engine
+    outputs = []
+    for i in range(3):
+        engine.add_request(f"r{i}", [0, *range(5 + i, 14 + i)], SamplingParams(max_tokens=16, ignore_eos=True,
+                                                                                 seed=i, temperature=0.7))
+        outputs.append(engine.requests[f"r{i}"].output)
+    for _ in range(6):  # prefill, then decode steps (the graph of their size captured)
+        engine.step()
+    assert engine._in_flight is not None and not engine._in_flight[0].is_prefill
+    plan = engine.scheduler.schedule()
+    assert not plan.is_prefill and plan.num_rows == 3 and any(plan.inputs_pending.tolist())
+    previous = engine._in_flight
+    rows = engine._sampling_rows(plan, previous)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        executed = engine.worker.execute(plan, rows, previous[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine._in_flight = (plan, executed)
+    engine._update(*previous)
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(o.token_ids) for o in outputs] == [16] * 3
+    s = llm.stats()
+    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
