@@ -2,6 +2,7 @@
 
 Sections (each measured in this run, with the ceilings re-measured first on a GPU):
 
+- host: the host's share of a decode step at each batch, device work stubbed (``host_step``);
 - decode: step time at each batch × context (``step_timing.time_decode``: real plans, prefill
   skipped, pools filled), its floor (``floors.step_cost``), efficiency = floor / time, and a fitted
   cost curve a + b·rows per context;
@@ -126,6 +127,12 @@ def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
     return rows
 
 
+def _host_section(sizes) -> list[dict[str, Any]]:
+    from services.bench.host_step import host_section
+
+    return host_section(sizes["batches"], sizes["contexts"][0])
+
+
 def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
     from services.bench.step_build import runner_cache
     from services.bench.step_profile import profile_decode
@@ -208,6 +215,10 @@ def _markdown(result: dict[str, Any]) -> str:
     if three:
         lines += ["", "| way | batch | layers | step ms | scaled to full depth |", "|---|---|---|---|---|"]
         lines += [f"| {r['way']} | {r['batch']} | {r['layers']} | {r['ms']:.2f} | {r['ms_full_depth']:.1f} |" for r in three]
+    host = [r for r in result["rows"] if r["section"] == "host"]
+    if host:
+        lines += ["", "| host ms per decode step (device stubbed) | batch | sync | async |", "|---|---|---|---|"]
+        lines += [f"| context {r['context']} | {r['batch']} | {r['sync_ms']:.2f} | {r['async_ms']:.2f} |" for r in host]
     for r in result["rows"]:
         if r["section"] == "profile":
             lines += ["", f"decode profile, batch {r['batch']} at {r['context']}: {r['wall_ms']:.2f} ms per step "
@@ -267,7 +278,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
               f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)")
     rows: list[dict[str, Any]] = []
-    sections = [("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
+    sections = [("host", lambda: _host_section(sizes)),
+                ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
                 ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil))]
     if args.profile:
         sections.append(("profile", lambda: _profile_section(build, cfg, sizes)))

@@ -175,12 +175,13 @@ class Engine:
         ahead: dict[str, int] = {}
         if in_flight is not None:
             ahead = dict(zip(in_flight[0].request_ids, in_flight[0].num_sample_rows.tolist()))
+        request_ids = plan.request_ids  # one conversion: each access of the attribute builds a new list
         for i, n in enumerate(plan.num_sample_rows.tolist()):
             if n == 0:
                 continue
-            req = self.requests[plan.request_ids[i]]
+            req = self.requests[request_ids[i]]
             p = req.params
-            num_out = len(req.output.token_ids) + ahead.get(plan.request_ids[i], 0)
+            num_out = len(req.output.token_ids) + ahead.get(request_ids[i], 0)
             for j in range(n):
                 banned = req.banned_with_eos if num_out + j < self.config.first_n_no_eos else req.banned
                 rows.append(SamplingRow(
@@ -197,8 +198,9 @@ class Engine:
         # Logprobs of each request's sampled rows, in plan order.
         sampled_logprobs: dict[str, list[int]] = {}
         row = 0
+        request_ids = plan.request_ids  # one conversion (see _sampling_rows)
         for i, n in enumerate(plan.num_sample_rows.tolist()):
-            sampled_logprobs[plan.request_ids[i]] = list(range(row, row + n))
+            sampled_logprobs[request_ids[i]] = list(range(row, row + n))
             row += n
         # One device → host copy per array for the whole step (not one per row).
         sampled = executed.sampled
