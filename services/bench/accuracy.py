@@ -100,7 +100,8 @@ def _drive(runner, workload: Workload, prompts: dict[str, list[int]],
     while sched.has_unfinished():
         plan = sched.schedule()
         out = runner.execute(plan, all_rows=True)
-        keys = [(plan.request_ids[i], pos) for pos, i in zip(plan.positions.tolist(), plan.row_requests.tolist())]
+        ids = plan.request_ids  # one conversion (each read of the attribute builds the list)
+        keys = [(ids[i], pos) for pos, i in zip(plan.positions.tolist(), plan.row_requests.tolist())]
         on_step(keys, out.logits)
         num_tokens, token_ids = [], []
         ends, seqlens_k = plan.query_start.tolist()[1:], plan.seqlens_k.tolist()
