@@ -135,7 +135,7 @@ def _host_section(sizes) -> list[dict[str, Any]]:
 
 def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
     from services.bench.step_build import runner_cache
-    from services.bench.step_profile import profile_decode
+    from services.bench.step_profile import profile_decode, profile_prefill
 
     rows = []
     context = sizes["contexts"][0]
@@ -146,10 +146,20 @@ def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
         rows.append({"section": "profile", **p})
         print(f"profile ctx {context} batch {batch}: {p['wall_ms']:.2f} ms per step (profiled), device busy "
               f"{p['busy_ms']:.2f} ms")
-        for k in p["kernels"]:
-            print(f"  {k['us_per_step']:10.1f} µs  ×{k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
+        _print_kernels(p["kernels"])
         del llm
+    tokens = max(sizes["prefill"])
+    llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
+    p = profile_prefill(llm.engine, runner_cache(llm).blocks.device, tokens=tokens, vocab_size=cfg.vocab_size)
+    rows.append({"section": "profile", "batch": 1, "context": tokens, "prefill_tokens": tokens, **p})
+    print(f"profile prefill {tokens} tokens: {p['wall_ms']:.2f} ms (profiled), device busy {p['busy_ms']:.2f} ms")
+    _print_kernels(p["kernels"])
     return rows
+
+
+def _print_kernels(kernels: list[dict[str, Any]]) -> None:
+    for k in kernels:
+        print(f"  {k['us_per_step']:10.1f} µs  ×{k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
 
 
 def _async_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
@@ -221,7 +231,9 @@ def _markdown(result: dict[str, Any]) -> str:
         lines += [f"| context {r['context']} | {r['batch']} | {r['sync_ms']:.2f} | {r['async_ms']:.2f} |" for r in host]
     for r in result["rows"]:
         if r["section"] == "profile":
-            lines += ["", f"decode profile, batch {r['batch']} at {r['context']}: {r['wall_ms']:.2f} ms per step "
+            what = (f"prefill profile, {r['prefill_tokens']} tokens" if "prefill_tokens" in r
+                    else f"decode profile, batch {r['batch']} at {r['context']}")
+            lines += ["", f"{what}: {r['wall_ms']:.2f} ms per step "
                       f"(profiled), device busy {r['busy_ms']:.2f} ms", "", "| µs per step | launches | kernel |",
                       "|---|---|---|"]
             lines += [f"| {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} | `{k['kernel'][:80]}` |"

@@ -1,7 +1,7 @@
-"""Where a decode step's device time goes: the kernels of ``steps`` timed decode steps at one batch
-and context (``time_decode``'s setup: real plans, prefill skipped, pools filled), aggregated by kernel
-name, with the step's wall time and its floor. ``shinkai bench step --profile`` runs it after the
-decode section; the rows name the next kernel to work on."""
+"""Where a step's device time goes: the kernels of ``steps`` decode steps at one batch and context
+(``time_decode``'s setup: real plans, prefill skipped, pools filled), or of one prefill chunk,
+aggregated by kernel name, with the step's wall time. ``shinkai bench step --profile`` runs both;
+the rows name the next kernel to work on."""
 
 from __future__ import annotations
 
@@ -31,12 +31,46 @@ def kernel_table(events, num_steps: int, top: int = 20) -> list[dict[str, Any]]:
     return rows[:top]
 
 
+def _trace(device: torch.device):
+    """A profiler of the device's kernels (device activity only: host tracing would inflate the wall
+    time); on the CPU, of the host ops, so the code path runs in CPU tests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU])
+
+
+def _summary(prof, wall: float, num_steps: int) -> dict[str, Any]:
+    events = prof.events()
+    busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
+    return {"wall_ms": wall * 1e3 / num_steps, "busy_ms": busy_us * 1e-3 / num_steps,
+            "kernels": kernel_table(events, num_steps)}
+
+
+def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_size: int) -> dict[str, Any]:
+    """Profiles the one step that prefills a ``tokens``-token prompt (after a warm-up prompt); the engine's
+    max_num_batched_tokens must be ≥ ``tokens``."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    result: dict[str, Any] = {}
+    for i in range(2):
+        engine.add_request(f"profile-p{i}", torch.randint(3, vocab_size, (tokens,)).tolist(), params)
+        _sync(device)
+        with _trace(device) as prof:
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(device)
+            wall = time.perf_counter() - t0
+        if not engine.last_plan.is_prefill or engine.last_plan.num_rows != tokens:
+            raise RuntimeError(f"the profiled step was not the {tokens}-token prefill")
+        while engine.has_unfinished():
+            engine.step()
+        result = {"tokens": tokens, **_summary(prof, wall, 1)}
+    return result
+
+
 def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int,
                    vocab_size: int, seed: int = 0) -> dict[str, Any]:
     """Profiles ``steps`` decode steps after one warm-up; returns wall ms per step, device-busy ms per
     step and the kernel table. The requests are aborted afterwards (pools whole again)."""
-    from torch.profiler import ProfilerActivity, profile
-
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
@@ -46,8 +80,7 @@ def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: i
     device = cache.blocks.device
     engine.step()
     _sync(device)
-    # Device activity only (host tracing would inflate the wall time); CPU runs trace the host instead.
-    with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+    with _trace(device) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -57,7 +90,4 @@ def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: i
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    events = prof.events()
-    busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
-    return {"batch": batch, "context": context, "wall_ms": wall * 1e3 / steps,
-            "busy_ms": busy_us * 1e-3 / steps, "kernels": kernel_table(events, steps)}
+    return {"batch": batch, "context": context, **_summary(prof, wall, steps)}

@@ -11,10 +11,12 @@ from services.cli import main
 
 def test_cpu_run_writes_json_and_markdown(tmp_path, one_torch_thread):
     out, md = tmp_path / "step.json", tmp_path / "step.md"
-    assert main(["bench", "step", "--no-compare", "--json", str(out), "--markdown", str(md)]) == 0  # pins 1 thread
-    result = json.loads(out.read_text())
+    assert main(["bench", "step", "--no-compare", "--profile", "--json", str(out), "--markdown", str(md)]) == 0
+    result = json.loads(out.read_text())  # (main pins 1 thread)
     sections = {r["section"] for r in result["rows"]}
-    assert {"decode", "decode fit", "prefill", "offline"} <= sections
+    assert {"host", "decode", "decode fit", "prefill", "offline", "profile"} <= sections
+    profiles = [r for r in result["rows"] if r["section"] == "profile"]
+    assert [r["batch"] for r in profiles] == [1, 4, 1] and profiles[-1]["prefill_tokens"] == 32
     decode = [r for r in result["rows"] if r["section"] == "decode"]
     assert [r["batch"] for r in decode] == [1, 4] and all(r["ms"] > 0 for r in decode)
     assert {r["async"] for r in result["rows"] if r["section"] == "offline"} == {False, True}

@@ -35,3 +35,15 @@ def test_profile_decode_on_cpu_runs_the_steps_and_returns_the_pools(llm):
     assert llm.engine.last_plan.num_rows == 2 and not llm.engine.has_unfinished()
     s = llm.engine.stats()
     assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+
+
+def test_profile_prefill_on_cpu_times_the_one_prefill_step():
+    from services.bench.step_profile import profile_prefill
+    from services.engine import LLM
+
+    llm = LLM(model="tiny", max_num_seqs=1, max_model_len=64, block_size=16, max_num_batched_tokens=40)
+    out = profile_prefill(llm.engine, llm.engine.worker.runner.cache.blocks.device, tokens=40,
+                          vocab_size=llm.source.config.vocab_size)
+    assert out["tokens"] == 40 and out["wall_ms"] > 0 and out["kernels"] == []
+    s = llm.engine.stats()
+    assert s["free_blocks"] == s["total_blocks"] and not llm.engine.has_unfinished()
