@@ -22,7 +22,7 @@ tables, masked at each row's visible count.
 ``attention`` picks the path of the three ops that want kernels: "triton" runs kernels/compressor.py
 ``compress``, kernels/indexer.py ``indexer_select`` (FP4 keys read straight from the pool) and
 kernels/decode_attention.py (CUDA, or interpreted copies for CPU tests); "reference" runs the static
-torch versions below (``_compress``, ``_index_select``, ``_attend``: CPU tests, bit-identity with
+torch versions in decode_step_ops.py (``compress``, ``index_select``, ``attend``: CPU tests, bit-identity with
 CachedStep). The MoE routes placeholder rows nowhere: ``KernelMoE`` takes the live-row mask (graph-
 safe); the torch MoE, whose expert loop syncs with the host and so is never captured, runs on the
 live rows only (a prefix) and pads its output back.
@@ -41,14 +41,14 @@ import torch.nn.functional as F
 
 from kernels.device import upload_into
 from model.deepseek_v41.attention import Attention
-from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
-from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
+from model.deepseek_v41.quant import fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine
 from services.worker.kernel_moe import KernelMoE
+from services.worker import decode_step_ops as ops
 from services.worker.step_batch import PendingInputs, StepBatch, apply_pending, check_ring_slots, pending_rows
 
 ATTENTION = ("reference", "triton")  # kernels.reference.sparse_decode_attention / kernels.decode_attention
@@ -241,7 +241,7 @@ class StaticDecodeStep:
                 q.contiguous(), *args[1:], attn.attn_sink.float(), attn.freqs, attn.head_dim**-0.5,
                 dot_fp32=self._fp32_dots(q))  # [G, H, hd], RoPE undone
         else:
-            out = _attend(*args, attn.attn_sink, attn.freqs, attn.head_dim**-0.5)
+            out = ops.attend(*args, attn.attn_sink, attn.freqs, attn.head_dim**-0.5)
         if isinstance(attn.wo_a, torch.nn.Linear):  # the model's projection (angle 0: RoPE already undone)
             return attn._project_out(out.unsqueeze(1), torch.zeros_like(angles).unsqueeze(1))[:, 0]
         return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], attn.num_groups, -1)))  # the kernel backend's
@@ -253,7 +253,7 @@ class StaticDecodeStep:
             keys = None
             if self.kernels is None:
                 epb = cache.layout.source(attn.layer).entries_per_block
-                keys = _read_keys(cache, attn.layer, self.block_tables, self.max_blocks * epb)
+                keys = ops.read_keys(cache, attn.layer, self.block_tables, self.max_blocks * epb)
             self.sparse = _Sparse(ratio, attn.layer, keys)
         sparse = self.sparse
         if sparse.ratio != ratio or sparse.source is None:
@@ -263,17 +263,17 @@ class StaticDecodeStep:
         epb = cache.layout.source(sparse.source).entries_per_block
         if self.kernels is None:
             visible = (self.positions + 1) // ratio  # [G]
-            entries, candidates = _index_select(attn, x, q_latent, angles, sparse.keys, visible, sparse.candidates)
+            entries, candidates = ops.index_select(attn, x, q_latent, angles, sparse.keys, visible, sparse.candidates)
         else:
             entries, candidates = self._index_kernel(attn, x, q_latent, angles, epb)
-        sparse.selected = _entry_slots(entries, self.block_tables, epb)
+        sparse.selected = ops.entry_slots_of(entries, self.block_tables, epb)
         sparse.candidates = candidates
 
     def _compress(self, attn: Attention, x: torch.Tensor) -> None:
         """Every row's would-be group entry to its ``entry_slots`` (pool slot 0 where the row closes no
         group) and, for ratio 2, its fp32 (value, gate) to its slot's partial rows. x [G, D]."""
         if self.kernels is None:
-            _compress(attn, x, self.cache, self.state_slots, self.positions, self.entry_slots[attn.ratio])
+            ops.compress(attn, x, self.cache, self.state_slots, self.positions, self.entry_slots[attn.ratio])
             return
         # Each row is its own request, its first and last position this step; the kernel reads the
         # group's other member from the partial row of p − 1, so placeholder rows (p = 0) act at p = 1
@@ -305,72 +305,3 @@ class StaticDecodeStep:
             candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
             candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted)
         return entries, picked if attn.is_candidate_source else sparse.candidates
-
-
-# ---- the ops that want kernels ------------------------------------------------------------------
-
-
-def _index_select(attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
-                  keys: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Indexer scores over each row's W entries, candidate blocks, top-k (model/deepseek_v41/indexer.py
-    semantics, lower index first among ties). x [G, D], q_latent [G, q_lora], angles [G, P], keys
-    [G, W, di], visible [G] → (entry ids [G, ≤topk] ascending, −1 = none; candidates [G, W] to carry).
-    The "reference" path's; "triton" runs ``StaticDecodeStep._index_kernel``."""
-    query = fake_quant_indexer(attn.indexer.query(q_latent, angles))  # [G, Hi, di]
-    scores = attn.indexer.scores_quantized(query.unsqueeze(1), x.unsqueeze(1), keys, visible.unsqueeze(1))
-    scores, candidates = attn.restrict_to_candidates(scores, visible.unsqueeze(1), candidates)  # [G, 1, W]
-    return select_entries(scores, attn.index_topk)[:, 0], candidates
-
-
-def _compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_slots: torch.Tensor,
-              positions: torch.Tensor, entry_slots: torch.Tensor) -> None:
-    """Every row's would-be group entry (spec §3.6) to ``entry_slots`` (pool slot 0 where the row
-    closes no group), and, for ratio 2, the row's fp32 (value, gate) to its slot's partial rows; the
-    group's other member comes from those rows (decode: it arrived in an earlier step). x [G, D].
-    The "reference" path's; "triton" runs kernels/compressor.py."""
-    comp, ratio, layer = attn.compressor, attn.ratio, attn.layer
-    if ratio == 1:
-        latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))  # [G, hd]
-    else:
-        values, gates = comp.project(x)  # [G, hd] fp32
-        partial = cache.partial(layer)
-        earlier = partial[state_slots, (positions - 1) % partial.shape[1]]  # [G, 2, hd], read before the write
-        latent = comp.pool(torch.stack((earlier[:, 0], values), 1), torch.stack((earlier[:, 1], gates), 1), x.dtype)
-        cache.write_partial(layer, state_slots, positions, values, gates)
-    angles = rope_angles(positions - ratio + 1, attn.freqs)  # at the group's first token
-    idx = attn.indexer
-    kv = apply_rope(latent, angles)
-    keys = apply_rope(idx.k_norm(idx.wk(latent)), angles)
-    cache.write_entries(layer, entry_slots, kv, keys)
-
-
-def _attend(q: torch.Tensor, ring: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, window: int,
-            kv_pool: torch.Tensor, selected: torch.Tensor, sink: torch.Tensor, freqs: torch.Tensor, scale: float
-            ) -> torch.Tensor:
-    """Sparse decode attention over the ring (written this step) and the selected pool slots, sink
-    and undo-RoPE: ``kernels.reference.sparse_decode_attention`` (the "triton" path calls
-    kernels/decode_attention.py's, same contract)."""
-    from kernels.reference import sparse_decode_attention as reference
-
-    return reference(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale)
-
-
-# ---- glue ---------------------------------------------------------------------------------------
-
-
-def _read_keys(cache: CacheEngine, layer: int, block_tables: torch.Tensor, width: int) -> torch.Tensor:
-    """fp32 index keys [G, width, di] of entries 0…width−1 through each row's block table [G, B]
-    (``CacheEngine.read_entries`` without the KV half, which only the attention reads)."""
-    epb = cache.layout.source(layer).entries_per_block
-    e = torch.arange(width, device=block_tables.device)
-    raw = cache.entries(layer)[1][block_tables[:, e // epb], e % epb]  # [G, W, key bytes]
-    half = cache.layout.index_head_dim // 2
-    return dequantize_fp4_cache(raw[..., :half], raw[..., half:].view(torch.float8_e8m0fnu), INDEXER_BLOCK)
-
-
-def _entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, entries_per_block: int) -> torch.Tensor:
-    """Entry ids [G, k] (−1 = none) → int32 pool slots (``kernels.reference.entry_slots``)."""
-    from kernels.reference import entry_slots
-
-    return entry_slots(entries, block_tables, entries_per_block)

@@ -19,7 +19,7 @@ import torch
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import Scheduler, SchedulerConfig, StepPlan
 from services.engine.config import EngineConfig
-from services.worker import decode_step
+from services.worker import decode_step_ops
 from services.worker.cache_engine import CacheEngine
 from services.worker.decode_step import StaticDecodeStep
 from services.worker.graph_runner import GraphRunner
@@ -168,7 +168,7 @@ def test_static_step_equals_model_runner(name):
 def test_static_step_is_bit_identical_in_the_cached_order(monkeypatch):
     """Ring, compressor, partial groups, Engram history, indexer and selection are the eager step's
     bit for bit: only the attention's op order and GEMM row counts differ in the runs above."""
-    monkeypatch.setattr(decode_step, "_attend", _cached_order_attend)
+    monkeypatch.setattr(decode_step_ops, "attend", _cached_order_attend)
     compare_runs("oracle", exact=True)
 
 
