@@ -177,3 +177,47 @@ def test_pending_inputs_are_matched_by_request_id_not_batch_position(llm):
         engine.abort(rid)
     s = engine.stats()
     assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+
+
+def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
+    """The overlap async scheduling exists for: in the engine's order of calls, step N's tokens are read
+    back (``WorkerOutput.result``, the one device → host copy of a step) after step N+1 has been executed
+    (queued, on a GPU), never before. Recorded through the worker's own outputs."""
+    from services.worker.worker import WorkerOutput
+
+    engine = _use(llm, True)
+    events: list[tuple[str, int]] = []
+    execute = engine.worker.execute
+
+    def recording(plan, rows, previous=None):
+        out = execute(plan, rows, previous)
+        events.append(("executed", plan.step_id))
+        read = out._read
+        if read is not None:
+            def traced(step_id=plan.step_id, read=read):
+                events.append(("read", step_id))
+                return read()
+
+            out._read = traced
+        assert isinstance(out, WorkerOutput)
+        return out
+
+    engine.worker.execute = recording
+    try:
+        _run(engine, [("a", _prompt(1, 12), SamplingParams(max_tokens=8, ignore_eos=True)),
+                      ("b", _prompt(2, 30), SamplingParams(max_tokens=6, ignore_eos=True, seed=3))], {})
+    finally:
+        del engine.worker.execute
+        _use(llm, False)
+    decode_reads = [sid for kind, sid in events if kind == "read"]
+    assert len(decode_reads) >= 6
+    position = {e: i for i, e in enumerate(events)}
+    overlapped = 0
+    for sid in decode_reads:
+        later = [s for kind, s in events if kind == "executed" and s > sid]
+        if later:  # every step but the last: its successor is queued before it is read
+            nxt = min(later)
+            if position[("executed", nxt)] < position[("read", sid)]:
+                overlapped += 1
+    # Prefill steps are drained (read right after they run); every decode step with a successor overlaps.
+    assert overlapped >= 5, events
