@@ -309,10 +309,7 @@ def run_preset(name: str, workload: Workload, precisions: Sequence[str], device,
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import torch
-
-    parser = argparse.ArgumentParser(prog="shinkai bench accuracy", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presets", default="tiny,v41-s1", help="comma-separated presets (default tiny,v41-s1)")
     parser.add_argument("--prompts", default="2000,1400,1000,600", help="prompt lengths in tokens")
     parser.add_argument("--decode-steps", type=int, default=32)
@@ -323,9 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="residual branches (attention wo_b, expert w2) × 2^-N before anything runs: a "
                         "contractive model, as trained ones are (default 0: the loud random init)")
     parser.add_argument("--json", default=None, help="write every summary to this file")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
     if not torch.cuda.is_available():
-        parser.error("the kernel backend needs a CUDA device")
+        raise SystemExit("shinkai bench accuracy: the kernel backend needs a CUDA device")
     workload = Workload(tuple(int(n) for n in args.prompts.split(",")), args.decode_steps, args.budget)
     results = {name: run_preset(name, workload, args.precisions.split(","), torch.device("cuda"),
                                 args.branch_scale_log2)
@@ -334,6 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shinkai bench accuracy", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step_parser = targets.add_parser("step", help="whole engine steps against the hardware floor; eager vs compiled vs engine")
     step.add_arguments(step_parser)
     step_parser.set_defaults(func=_run_step)
-    acc = targets.add_parser("accuracy", add_help=False,
+    from services.bench import accuracy  # stdlib-only at import too
+
+    acc = targets.add_parser("accuracy",
                              help="KL and top-1 of the kernel backend (fp8, fp32) against the fp32 torch runner")
-    acc.add_argument("rest", nargs=argparse.REMAINDER)
+    accuracy.add_arguments(acc)
     acc.set_defaults(func=_run_accuracy)
     gen = targets.add_parser("generate", help="tokens/s of LLM(model='tiny').generate at several batch sizes")
     gen.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")
@@ -60,7 +62,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_accuracy(args: argparse.Namespace) -> int:
     from services.bench import accuracy
 
-    return accuracy.main(args.rest)
+    return accuracy.run(args)
 
 
 def _run_step(args: argparse.Namespace) -> int:

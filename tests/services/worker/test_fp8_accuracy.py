@@ -275,3 +275,18 @@ def test_gpu_fp8_accuracy_tiny_contrast():
     results = run_preset("tiny", Workload(), ("fp8", "fp32"), torch.device("cuda"))
     _dump("tiny", results)
     assert results["fp32"]["all"]["mean_kl"] <= results["fp8"]["all"]["mean_kl"] / 10
+
+
+def test_shinkai_bench_accuracy_parses_its_options():
+    """`shinkai bench accuracy --presets … --precisions …` reaches the harness (it once swallowed every
+    option); without CUDA it stops with a message, not a parse error."""
+    from services.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA this would run the whole measurement")
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        main(["bench", "accuracy", "--presets", "tiny", "--precisions", f"fp8,{FORMAT_FLOOR},fp32",
+              "--branch-scale-log2", "4"])
+    with pytest.raises(SystemExit) as bad:
+        main(["bench", "accuracy", "--no-such-option"])
+    assert bad.value.code == 2
