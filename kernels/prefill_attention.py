@@ -37,8 +37,8 @@ The ring must be read as it was before this step writes its own rows to it (``Ca
 first): a chunk longer than ring − w would overwrite ring positions that its first rows still need.
 
 Everything else (exact bf16 dequantisation, the online softmax with exp2, P in bf16 for the PV
-product, the sink and the undo-RoPE epilogue) is the decode kernel's, whose jit helpers this module
-imports. Graph-safe: shapes fixed per step; positions, first positions, slots and selections are
+product, the sink and the undo-RoPE epilogue) is the decode kernel's, from kernels/attention_blocks.py.
+Graph-safe: shapes fixed per step; positions, first positions, slots and selections are
 device tensors; invalid keys (negative positions, selected −1) are masked.
 """
 
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys, entry_block_n
+from kernels.attention_blocks import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys, entry_block_n
 
 _LOG2E = 1.4426950408889634
 
