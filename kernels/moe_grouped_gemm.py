@@ -40,10 +40,10 @@ BLOCK_K = GROUP  # one weight scale and one activation scale per K step
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, row_ids_ptr, route_w_ptr, counts_ptr, active_ptr, num_active_ptr,
     w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
-    capacity, a_row_stride, swiglu_limit,
+    capacity, a_row_stride, swiglu_limit, m_split,
     N_OUT: tl.constexpr, K: tl.constexpr,
     GATHER: tl.constexpr, SWIGLU: tl.constexpr, A_FP8: tl.constexpr, OUT_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_M: tl.constexpr,
 ):
     NUM_N_TILES: tl.constexpr = N_OUT // BLOCK_N
     N_W: tl.constexpr = 2 * N_OUT if SWIGLU else N_OUT
@@ -52,16 +52,29 @@ def _moe_gemm_kernel(
     UP_SCALE_OFFSET: tl.constexpr = (N_OUT // BLOCK_K) * K_BLOCKS
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
-    num_work = tl.load(num_active_ptr) * NUM_N_TILES
+    # A work item is (active expert, N tile, M part): part j takes the expert's M tiles j, j + m_split, …
+    # Parts of one slab are consecutive items, so programs running at once share its weights in L2.
+    # SPLIT_M False compiles the kernel without the split arithmetic (decode and MoE: m_split is 1).
+    if SPLIT_M:
+        num_work = tl.load(num_active_ptr) * NUM_N_TILES * m_split
+        m_step = BLOCK_M * m_split
+    else:
+        num_work = tl.load(num_active_ptr) * NUM_N_TILES
+        m_step = BLOCK_M
     # while loops over device-read bounds (the interpreter's range() wants host ints).
     work = tl.program_id(0)
     while work < num_work:
-        expert = tl.load(active_ptr + work // NUM_N_TILES).to(tl.int64)
-        n0 = (work % NUM_N_TILES) * BLOCK_N
+        if SPLIT_M:
+            slab = work // m_split
+            m0 = (work % m_split) * BLOCK_M
+        else:
+            slab = work
+            m0 = tl.full([], 0, tl.int32)
+        expert = tl.load(active_ptr + slab // NUM_N_TILES).to(tl.int64)
+        n0 = (slab % NUM_N_TILES) * BLOCK_N
         count = tl.load(counts_ptr + expert)
         w_ptrs = w_ptr + (expert * N_W + n0 + offs_n)[:, None] * K + offs_k[None, :]
         scale_ptr = w_scale_ptr + (expert * SCALE_ROWS + n0 // BLOCK_K) * K_BLOCKS
-        m0 = tl.full([], 0, tl.int32)
         while m0 < count:
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < count
@@ -100,7 +113,7 @@ def _moe_gemm_kernel(
             else:
                 out_ptrs = out_ptr + slots[None, :] * N_OUT + (n0 + offs_n)[:, None]
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
-            m0 += BLOCK_M
+            m0 += m_step
         work += tl.num_programs(0)
 
 
@@ -112,6 +125,15 @@ def _num_programs(device: torch.device, num_work_max: int, programs_per_sm: int)
 def default_block_m(expected_m: float) -> int:
     """Tokens per MMA tile: covers ~1.5× the mean tokens per expert (one weight pass for most)."""
     return max(16, min(64, triton.next_power_of_2(int(1.5 * expected_m + 0.999))))
+
+
+def default_m_split(num_slabs: int, num_m_tiles: int, num_programs: int) -> int:
+    """M parts per (expert, N tile) slab: 1 when the slabs alone fill the programs (MoE, decode: the
+    kernel as it was), else enough to fill them. A one-expert linear at prefill has only N/128 slabs
+    (wq_a 10, wkv 4 for v41: 10 of 132 SMs busy with 256 M tiles each at 4K tokens)."""
+    if num_slabs >= num_programs or num_m_tiles <= 1:
+        return 1
+    return min(num_m_tiles, triton.cdiv(num_programs, num_slabs))
 
 
 Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -132,6 +154,7 @@ def moe_grouped_gemm(
     num_warps: int | None = None,
     num_stages: int = 3,
     programs_per_sm: int = 2,
+    m_split: int | None = None,
 ) -> Activations:
     """Launch the masked grouped GEMM; returns [E, cap, N_out] in ``out_dtype`` (bf16 or fp32), or
     with ``out_dtype=torch.float8_e4m3fn`` (SwiGLU only) the pair (e4m3 values, fp32 scales
@@ -142,6 +165,10 @@ def moe_grouped_gemm(
     [E, N_w, K]; w_scale fp32 [E, N_w/128, K/128]; meta from ``reference.route_metadata``.
     With ``swiglu_limit`` the gate/up rows are fused (N_out = N_w/2) and ``meta["route_w"]`` applied.
     Matches ``reference.moe_grouped_gemm`` on the written slots.
+
+    ``m_split`` (None: ``default_m_split``) splits each expert's token tiles over that many work items;
+    every output tile is still computed by one program in the same K order, so the result does not
+    depend on it.
     """
     a_values, a_scale = a if isinstance(a, tuple) else (a, None)
     a_fp8 = a_scale is not None
@@ -178,13 +205,19 @@ def moe_grouped_gemm(
         num_accumulators = 2 if swiglu_limit is not None else 1
         num_warps = min(8, max(4, block_n * block_m * num_accumulators // (32 * 64)))
     num_work_max = num_experts * (n_out // block_n)
-    grid = (_num_programs(a_values.device, num_work_max, programs_per_sm),)
+    if m_split is None:
+        m_split = default_m_split(num_work_max, triton.cdiv(capacity, block_m),
+                                  num_sms(a_values.device, off_gpu=4) * programs_per_sm)
+    if m_split < 1:
+        raise ValueError(f"m_split must be ≥ 1, got {m_split}")
+    grid = (_num_programs(a_values.device, num_work_max * m_split, programs_per_sm),)
     _moe_gemm_kernel[grid](
         a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
         w, w_scale, out, out_scale,
-        capacity, k, float(swiglu_limit or 0.0),
+        capacity, k, float(swiglu_limit or 0.0), m_split,
         N_OUT=n_out, K=k, GATHER=gather, SWIGLU=swiglu_limit is not None, A_FP8=a_fp8, OUT_FP8=out_fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_M=m_split > 1, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return (out, out_scale) if out_fp8 else out
 

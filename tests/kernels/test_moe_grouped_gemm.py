@@ -93,6 +93,40 @@ def test_gate_up_swiglu_interpreted_matches_reference(num_tokens, block_m):
     assert _rel(_valid(out, meta["counts"]), _valid(ref, meta["counts"])) < 1e-5
 
 
+def test_m_split_gives_the_same_bits_and_fills_a_one_expert_linear():
+    """``m_split`` spreads an expert's token tiles over work items (prefill linears have too few N tiles to
+    fill the GPU): every split gives the same output bits, for the fused SwiGLU with FP8 output and for a
+    one-expert (dense linear) GEMM; the default splits only when the slabs alone cannot fill the programs."""
+    from services.worker.fp8_linear import one_expert_meta
+
+    gen = torch.Generator().manual_seed(3)
+    mg = load_interpreted("moe_grouped_gemm")
+    num_experts, hidden, inter = 4, 128, 128
+    meta = _routing(70, num_experts, 2, gen)
+    w13, s13 = _weights(num_experts, 2 * inter, hidden, gen)
+    x = _tie_activations(70, hidden, gen)
+    w, s = _weights(1, 256, 256, gen)
+    dense = torch.randn(90, 256, generator=gen)
+    with interpreter():
+        fused = [mg.moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=0.5,
+                                     out_dtype=torch.float8_e4m3fn, block_m=16, m_split=m) for m in (1, 2, 3)]
+        linear = [mg.moe_grouped_gemm(dense, w, s, one_expert_meta(90, 1, dense.device), gather=True,
+                                      out_dtype=torch.float32, block_m=16, m_split=m) for m in (1, 4, 6, 9)]
+    counts = meta["counts"]
+    want_values, want_scales = (_valid(t, counts) for t in fused[0])  # slots ≥ counts are never written
+    for values, scales in fused[1:]:
+        assert torch.equal(_valid(values, counts).view(torch.uint8), want_values.view(torch.uint8))
+        assert torch.equal(_valid(scales, counts), want_scales)
+    for out in linear[1:]:
+        assert torch.equal(out, linear[0])
+    ref = reference.moe_grouped_gemm(dense, w, s, torch.tensor([90]), row_ids=torch.arange(90)[None],
+                                     route_w=torch.ones(1, 90), out_dtype=torch.float32)
+    assert _rel(linear[0][0], ref[0]) < 1e-5
+    assert mg.default_m_split(1764, 4, 264) == 1  # MoE: the slabs fill the programs
+    assert mg.default_m_split(10, 1, 264) == 1  # decode: one M tile
+    assert mg.default_m_split(10, 256, 264) == 27 and mg.default_m_split(4, 8, 264) == 8
+
+
 def test_down_interpreted_matches_reference_and_skips_idle_experts():
     gen = torch.Generator().manual_seed(7)
     num_experts, hidden, inter = 8, 256, 256
