@@ -279,3 +279,37 @@ def test_gpu_quantize_act_matches_reference_exactly():
     r_q, r_scale = reference.quantize_act(x)
     assert torch.equal(scale, r_scale)
     assert torch.equal(q.view(torch.uint8), r_q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("num_tokens", "n", "k"), [(4096, 1280, 5120), (1024, 512, 5120)])
+def test_gpu_prefill_linear_splits_m_with_the_same_bits(num_tokens, n, k):
+    """A one-expert FP8 linear at prefill size (v41's wq_a, wkv) takes the M split by default; it gives
+    the same bits as one program per N tile, and the dequantised product's values. The time of both is
+    printed (not asserted). Not run yet (written 2026-11-29 without device time)."""
+    import time
+
+    from kernels.moe_grouped_gemm import default_m_split, moe_grouped_gemm
+    from kernels.quant_fp8 import quantize_act
+    from services.worker.fp8_linear import one_expert_meta
+
+    gen = torch.Generator("cuda").manual_seed(n)
+    w, s = _weights(1, n, k, gen)
+    x = quantize_act((torch.randn(num_tokens, k, generator=gen, device="cuda")).to(torch.bfloat16))
+    meta = one_expert_meta(num_tokens, 1, torch.device("cuda"))
+    assert default_m_split(n // 128, num_tokens // 16, 2 * torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    outs, times = {}, {}
+    for m_split in (1, None):
+        run = lambda: moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split)  # noqa: E731
+        outs[m_split] = run()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+        times[m_split] = (time.perf_counter() - t0) / 5 * 1e6
+    print(f"\nT={num_tokens} N={n} K={k}: one program per N tile {times[1]:.0f} µs, M split {times[None]:.0f} µs")
+    assert torch.equal(outs[1], outs[None])
+    dense = reference.dequantize_act(*x) @ reference.dequantize_weight_block128(w[0], s[0]).t()  # [T, n] fp32
+    assert _rel(outs[None][0].float(), dense) < 1e-2  # bf16 output
