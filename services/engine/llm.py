@@ -18,7 +18,7 @@ Prompt = str | Sequence[int]
 def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
     """The cached model runner when it is available, else the full-recompute reference runner; with
     ``config.cuda_graphs``, the cached runner (kernel backend) inside a GraphRunner that replays
-    captured decode graphs."""
+    decode graphs, every size captured here, before the first request."""
     try:
         from services.worker.model_runner import ModelRunner as CachedRunner
     except ImportError:
@@ -33,10 +33,14 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
     if device.type != "cuda":  # before the runner converts the model in place
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
                          "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
+    from scheduler_rs import graph_sizes
     from services.worker.graph_runner import GraphRunner
 
-    return GraphRunner(CachedRunner(source.model, config), config, use_graphs=True,  # type: ignore[return-value]
-                       attention="triton")
+    runner = GraphRunner(CachedRunner(source.model, config), config, use_graphs=True, attention="triton")
+    # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width)
+    # would stall the requests in it. The sizes are the scheduler's own rule (nextn = 0).
+    runner.capture(graph_sizes(config.max_num_seqs))
+    return runner  # type: ignore[return-value]
 
 
 class LLM:

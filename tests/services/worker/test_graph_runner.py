@@ -203,10 +203,14 @@ def test_llm_with_cuda_graphs_generates_as_without():
         own.model = copy.deepcopy(source.model)
         llm = LLM(source=own, kernel_backend="fp8", cuda_graphs=graphs, max_model_len=128, max_num_seqs=8,
                   block_size=16)
-        outputs[graphs] = [out.token_ids for out in llm.generate(prompts, params)]
         runner = llm.engine.worker.runner
-        if graphs:
-            assert isinstance(runner, GraphRunner) and runner.num_replays > 0 and runner._graphs
+        captured = sorted(runner._graphs) if graphs else []
+        outputs[graphs] = [out.token_ids for out in llm.generate(prompts, params)]
+        if graphs:  # every size captured at start, none during the run
+            from scheduler_rs import graph_sizes
+
+            assert captured == sorted(graph_sizes(8)) == sorted(runner._graphs)
+            assert isinstance(runner, GraphRunner) and runner.num_replays > 0
             replays = runner.num_replays
     same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
     print(f"\nLLM cuda_graphs: {replays} replays; {same}/8 greedy sequences identical to the eager engine")
