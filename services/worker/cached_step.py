@@ -124,7 +124,7 @@ class CachedStep:
         b, sparse, ratio = self.b, self.sparse, attn.ratio
         if attn.compressor is not None:
             self._compress(attn, x)
-            width = int((b.seqlens_k // ratio).max())
+            width = b.max_entries(ratio)
             kv, keys = self.cache.read_entries(attn.layer, b.block_tables, width)
             sparse = StepSparse(ratio, kv.to(x.dtype), keys.to(x.dtype))
         if sparse.ratio != ratio or sparse.kv is None:

@@ -93,7 +93,7 @@ class KernelStep:
         if attn.compressor is not None:
             self.kernels.compressor.compress_layer(step.cache, b, attn, x, dot_fp32=self.fp32_dots or None)
             self.source, self.ratio, self.candidates = attn.layer, ratio, None
-            self.width = int((b.seqlens_k // ratio).max())  # host sync: the eager backend's fixed width
+            self.width = b.max_entries(ratio)  # the eager backend's width (a host fact: no sync)
         if self.ratio != ratio or self.source is None:
             raise ValueError(f"layer {attn.layer} needs a preceding KV source with ratio {ratio}")
         if attn.indexer is None:

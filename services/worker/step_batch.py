@@ -42,8 +42,10 @@ class StepBatch:
     block_tables: torch.Tensor  # [N, width]
     sample_rows: torch.Tensor  # [num sampled rows]
     entry_writes: dict[int, tuple[torch.Tensor, torch.Tensor]]  # ratio → (rows, entry slots)
-    # Every request has exactly one row this step, known on the host (None: not known without a device read).
+    # Host facts of the plan (None: not known without a device read): every request has exactly one row
+    # this step; the longest request's seqlen_k.
     decode_only: bool | None = None
+    max_seqlen_k: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -72,6 +74,7 @@ class StepBatch:
             block_tables=t(plan.block_tables).view(n, plan.block_table_width), sample_rows=t(plan.sample_rows),
             entry_writes={r: (t(rows), t(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]},
             decode_only=bool(np.all(host_q == 1)),
+            max_seqlen_k=int(np.frombuffer(plan.seqlens_k, np.int32).max(initial=0)),
         )
 
     def fill_pending(self, plan: StepPlan, pending: PendingInputs) -> None:
@@ -82,6 +85,13 @@ class StepBatch:
             apply_pending(self.input_ids, *where, pending.token_ids)
 
     # ---- per-row views ---------------------------------------------------------------------
+
+    def max_entries(self, ratio: int) -> int:
+        """The most compressed entries any request has at ``ratio`` (max of seqlen_k // ratio), from the
+        host fact when known: no device read."""
+        if self.max_seqlen_k is not None:
+            return self.max_seqlen_k // ratio
+        return int((self.seqlens_k // ratio).max())
 
     def row_first(self) -> torch.Tensor:
         """[R] the first position of each row's request in this step."""
