@@ -7,6 +7,10 @@ set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried by scripts/device-prep.sh's instructions
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="$PWD:/tmp/site"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 files="${TESTS:-$(grep -l 'mark.gpu' tests/kernels/test_*.py tests/services/worker/test_*.py)}"
 for f in $files; do
