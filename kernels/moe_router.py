@@ -5,6 +5,10 @@ One program routes BLOCK_T tokens: the [BLOCK_T, E] logits x · gateᵀ are accu
 BLOCK_D-wide steps, then k rounds of arg-max pick the experts. Routing must not flip on rounding, so
 the tensor cores run the 3-pass tf32 split (fp32-accurate products; exact for bf16 operands, whose 8
 significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
+
+With few token tiles (decode: one program at T ≤ 16 read the whole fp32 gate, 983 KB at v41, alone:
+54 µs on the H200) the D range is split over ``split`` programs per tile, whose partial logits go to
+an fp32 buffer; a finishing kernel adds them in split order (deterministic) and routes. Graph-safe.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.device import num_sms
 
 
 @triton.jit
@@ -25,25 +31,9 @@ def _softplus(x):
 
 
 @triton.jit
-def _router_kernel(
-    x_ptr, gate_ptr, bias_ptr, weights_ptr, experts_ptr,
-    num_tokens, x_row_stride, route_scale,
-    D: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tokens < num_tokens
-    cols = tl.arange(0, BLOCK_E)
-    e_ok = cols < E
-    offs_d = tl.arange(0, BLOCK_D)
-    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d_ok = d0 + offs_d < D
-        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + d0 + offs_d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        g = tl.load(gate_ptr + cols[None, :] * D + d0 + offs_d[:, None],
-                    mask=e_ok[None, :] & d_ok[:, None], other=0.0)
-        logits += tl.dot(x.to(tl.float32), g.to(tl.float32), input_precision="tf32x3")
+def _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, weights_ptr, experts_ptr, route_scale,
+           TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Logits [BLOCK_T, BLOCK_E] fp32 → the picks and their renormalised weights, stored."""
     scores = tl.sqrt(_softplus(logits))
     bias = tl.load(bias_ptr + cols, mask=e_ok, other=0.0).to(tl.float32)
     # Padded expert columns can never be picked (E ≥ TOP_K is checked by the launcher).
@@ -65,10 +55,81 @@ def _router_kernel(
     tl.store(experts_ptr + offsets, chosen, mask=out_mask)
 
 
+@triton.jit
+def _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, d_first,
+            D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+            TILES: tl.constexpr):
+    """x · gateᵀ over D tiles d_first … d_first + TILES − 1, fp32 [BLOCK_T, BLOCK_E]."""
+    offs_d = tl.arange(0, BLOCK_D)
+    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for i in range(TILES):  # constexpr trip count (the interpreter wants host ints)
+        d0 = (d_first + i) * BLOCK_D
+        d_ok = d0 + offs_d < D
+        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + d0 + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        g = tl.load(gate_ptr + cols[None, :] * D + d0 + offs_d[:, None],
+                    mask=e_ok[None, :] & d_ok[:, None], other=0.0)
+        logits += tl.dot(x.to(tl.float32), g.to(tl.float32), input_precision="tf32x3")
+    return logits
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, gate_ptr, bias_ptr, weights_ptr, experts_ptr, part_ptr,
+    num_tokens, x_row_stride, route_scale,
+    D: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (token tiles, SPLIT). SPLIT 1: logits and routing in one program; else this split's
+    partial logits to part [SPLIT, T, BLOCK_E] (``_router_finish_kernel`` routes)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    cols = tl.arange(0, BLOCK_E)
+    e_ok = cols < E
+    split = tl.program_id(1)
+    logits = _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, split * TILES,
+                     D, BLOCK_T, BLOCK_E, BLOCK_D, TILES)
+    if SPLIT == 1:
+        _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, weights_ptr, experts_ptr, route_scale,
+               TOP_K, BLOCK_T, BLOCK_K)
+    else:
+        rows = (split * num_tokens + tokens).to(tl.int64)
+        tl.store(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], logits, mask=t_ok[:, None])
+
+
+@triton.jit
+def _router_finish_kernel(
+    part_ptr, bias_ptr, weights_ptr, experts_ptr, num_tokens, route_scale,
+    E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    cols = tl.arange(0, BLOCK_E)
+    e_ok = cols < E
+    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for split in range(SPLIT):  # split order: the sum does not depend on the schedule
+        rows = (split * num_tokens + tokens).to(tl.int64)
+        logits += tl.load(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], mask=t_ok[:, None], other=0.0)
+    _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, weights_ptr, experts_ptr, route_scale,
+           TOP_K, BLOCK_T, BLOCK_K)
+
+
+def default_split(num_token_tiles: int, num_d_tiles: int, num_programs: int) -> int:
+    """D splits per token tile: enough programs for about ``num_programs``, each with ≥ 2 D tiles
+    (a split also costs a partial-logits round trip and a finishing launch)."""
+    if num_token_tiles >= num_programs // 2:
+        return 1
+    return max(1, min(num_d_tiles // 2, num_programs // num_token_tiles))
+
+
 def moe_router(
-    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
+    split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] → (fp32 weights [T, k], int32 experts [T, k], best first); gate_weight [E, D], bias [E]."""
+    """x [T, D] → (fp32 weights [T, k], int32 experts [T, k], best first); gate_weight [E, D], bias [E].
+    ``split``: programs per token tile over D (None: ``default_split``; 1: one program per tile)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if gate_weight.shape != (num_experts, hidden) or bias.shape != (num_experts,):
@@ -80,12 +141,23 @@ def moe_router(
     gate_weight = gate_weight.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
-    block_t = 16
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _router_kernel[grid](
-        x, gate_weight, bias, weights, experts, num_tokens, x.stride(0), float(route_scale),
-        D=hidden, E=num_experts, TOP_K=top_k,
-        BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_D=128, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, num_stages=3,
+    block_t, block_d = 16, 128
+    block_e, block_k = max(16, triton.next_power_of_2(num_experts)), triton.next_power_of_2(top_k)
+    num_t_tiles, num_d_tiles = triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_d)
+    if split is None:
+        split = default_split(num_t_tiles, num_d_tiles, num_sms(x.device, off_gpu=8))
+    split = max(1, min(split, num_d_tiles))
+    tiles = triton.cdiv(num_d_tiles, split)  # the last split may run past D: masked
+    part = torch.empty(split if split > 1 else 0, num_tokens, block_e, dtype=torch.float32, device=x.device)
+    _router_kernel[(num_t_tiles, split)](
+        x, gate_weight, bias, weights, experts, part, num_tokens, x.stride(0), float(route_scale),
+        D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d,
+        BLOCK_K=block_k, TILES=tiles, SPLIT=split, num_warps=4, num_stages=3,
     )
+    if split > 1:
+        _router_finish_kernel[(num_t_tiles,)](
+            part, bias, weights, experts, num_tokens, float(route_scale),
+            E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT=split,
+            num_warps=4,
+        )
     return weights, experts

@@ -30,6 +30,22 @@ def test_router_interpreted_matches_reference(gate_dtype):
     torch.testing.assert_close(weights, r_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_router_split_over_d_matches_reference_at_every_split():
+    """Decode has one token tile: the D range is split over programs and a finishing kernel adds the
+    partial logits in split order. Every split (and the default) routes like the reference."""
+    gen = torch.Generator().manual_seed(2)
+    x, gate, bias = _problem(5, 12, 640, gen)  # 5 D tiles of 128
+    mr = load_interpreted("moe_router")
+    r_weights, r_experts = reference.moe_router(x, gate, bias, 3, 1.5)
+    with interpreter():
+        runs = {split: mr.moe_router(x, gate, bias, 3, 1.5, split=split) for split in (1, 2, 3, 5, None)}
+    for split, (weights, experts) in runs.items():
+        assert torch.equal(experts, r_experts), split
+        torch.testing.assert_close(weights, r_weights, rtol=1e-5, atol=1e-6)
+    assert mr.default_split(1, 40, 132) == 20 and mr.default_split(16, 40, 132) == 8
+    assert mr.default_split(66, 40, 132) == 1 and mr.default_split(1, 1, 132) == 1
+
+
 def test_router_interpreted_breaks_ties_towards_the_lower_id():
     gen = torch.Generator().manual_seed(1)
     x, gate, bias = _problem(4, 8, 64, gen)
