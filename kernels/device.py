@@ -19,7 +19,7 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     is the step in flight, which then cannot overlap the host's planning. A pinned copy is only
     enqueued; the caching host allocator keeps the pinned block until the copy has run."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
@@ -27,7 +27,7 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def upload_into(buffer: torch.Tensor, host: torch.Tensor) -> None:
     """``buffer.copy_(host)`` for a host tensor, enqueued like ``upload`` (stream-ordered after
     whatever still reads ``buffer``)."""
-    if buffer.device.type != "cuda":
+    if buffer.device.type != "cuda" or host.device.type != "cpu":
         buffer.copy_(host)
     else:
         buffer.copy_(host.pin_memory(), non_blocking=True)
