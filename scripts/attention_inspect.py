@@ -23,7 +23,8 @@ import sys
 import torch
 
 import kernels.decode_attention as da
-from services.bench.kernels import _bench_replay, decode_attention_args, decode_attention_problem
+from services.bench.kernels import _bench_replay
+from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?", help="ignored (scripts/kernels-h200.sh passes its output folder)")

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.bench.step_report import markdown
+
 QUICK = {"batches": (1, 64, 256), "contexts": (4096,), "prefill": (1024, 4096), "steps": 5}
 FULL = {"batches": (1, 16, 64, 128, 256), "contexts": (4096, 32768), "prefill": (1024, 4096, 16384, 32768), "steps": 10}
 CPU = {"batches": (1, 4), "contexts": (64,), "prefill": (32,), "steps": 3}
@@ -195,52 +197,6 @@ def _async_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _markdown(result: dict[str, Any]) -> str:
-    lines = [f"`{result['command']}` on {result['device']}, {result['date']}", ""]
-    dec = [r for r in result["rows"] if r["section"] == "decode"]
-    if dec:
-        lines += ["| context | batch | step ms | floor ms | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
-        for r in dec:
-            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f}"
-            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
-            lines.append(f"| {r['context']} | {r['batch']} | {r['ms']:.2f} | {floor} | {eff} | {r['tokens_per_s']:.0f} |")
-    for r in result["rows"]:
-        if r["section"] == "decode fit":
-            lines.append(f"\nfit at context {r['context']}: {r['a_ms']:.2f} ms + {r['b_us_per_row']:.1f} µs · rows")
-    pre = [r for r in result["rows"] if r["section"] == "prefill"]
-    if pre:
-        lines += ["", "| prefill tokens | step ms | floor ms | % of floor |", "|---|---|---|---|"]
-        for r in pre:
-            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
-            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
-            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {floor} | {eff} |")
-    off = [r for r in result["rows"] if r["section"] == "offline"]
-    if off:
-        lines += ["", "| async | batch | tokens/s | GPU busy |", "|---|---|---|---|"]
-        for r in off:
-            busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
-            lines.append(f"| {'on' if r['async'] else 'off'} | {r['batch']} | {r['tokens_per_s']:.1f} | {busy} |")
-    three = [r for r in result["rows"] if r["section"] == "three ways"]
-    if three:
-        lines += ["", "| way | batch | layers | step ms | scaled to full depth |", "|---|---|---|---|---|"]
-        lines += [f"| {r['way']} | {r['batch']} | {r['layers']} | {r['ms']:.2f} | {r['ms_full_depth']:.1f} |" for r in three]
-    host = [r for r in result["rows"] if r["section"] == "host"]
-    if host:
-        lines += ["", "| host ms per decode step (device stubbed) | batch | sync | async |", "|---|---|---|---|"]
-        lines += [f"| context {r['context']} | {r['batch']} | {r['sync_ms']:.2f} | {r['async_ms']:.2f} |" for r in host]
-    for r in result["rows"]:
-        if r["section"] == "profile":
-            what = (f"prefill profile, {r['prefill_tokens']} tokens" if "prefill_tokens" in r
-                    else f"decode profile, batch {r['batch']} at {r['context']}")
-            lines += ["", f"{what}: {r['wall_ms']:.2f} ms per step "
-                      f"(profiled), device busy {r['busy_ms']:.2f} ms", "", "| µs per step | launches | kernel |",
-                      "|---|---|---|"]
-            lines += [f"| {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} | `{k['kernel'][:80]}` |"
-                      for k in r["kernels"]]
-    lines += [f"\n{r['section']}: {r['error']}" for r in result["rows"] if "error" in r]
-    return "\n".join(lines) + "\n"
-
-
 def _result(args, device, model, cfg, backend, ceil, rows) -> dict[str, Any]:
     import torch
 
@@ -255,7 +211,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     if args.markdown:
-        Path(args.markdown).write_text(_markdown(result))
+        Path(args.markdown).write_text(markdown(result))
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -323,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
         for r in rows:
             if r["section"] == "decode" and (r["batch"], r["context"]) in base:
                 r["vs_baseline"] = base[(r["batch"], r["context"])] / r["ms"]
-    print(_markdown(result))
+    print(markdown(result))
     _write(args, result)
     return 1 if any(r["section"].endswith("failed") for r in rows) else 0
 

@@ -49,7 +49,9 @@ def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "SWEEP", bench.SWEEP[:1])
     # Decode attention keeps the Flash head shapes (64 × 512): two rows at a 256-token context.
     monkeypatch.setattr(bench, "ATTN_CONTEXTS", (256,))
-    monkeypatch.setattr(bench, "ATTN_SWEEP_ROWS", ())
+    from services.bench import kernels_decode_attention
+
+    monkeypatch.setattr(kernels_decode_attention, "ATTN_SWEEP_ROWS", ())
     monkeypatch.setattr(bench, "EXTRA", ())  # the other kernels' bench modules have their own CPU tests
     out = tmp_path / "k.json"
     with interpreter():

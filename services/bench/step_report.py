@@ -1,0 +1,52 @@
+"""`shinkai bench step`'s Markdown: one table per section that ran, then any section's error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of a ``shinkai bench step`` result (``step._result``), one per section that ran."""
+    lines = [f"`{result['command']}` on {result['device']}, {result['date']}", ""]
+    dec = [r for r in result["rows"] if r["section"] == "decode"]
+    if dec:
+        lines += ["| context | batch | step ms | floor ms | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
+        for r in dec:
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f}"
+            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
+            lines.append(f"| {r['context']} | {r['batch']} | {r['ms']:.2f} | {floor} | {eff} | {r['tokens_per_s']:.0f} |")
+    for r in result["rows"]:
+        if r["section"] == "decode fit":
+            lines.append(f"\nfit at context {r['context']}: {r['a_ms']:.2f} ms + {r['b_us_per_row']:.1f} µs · rows")
+    pre = [r for r in result["rows"] if r["section"] == "prefill"]
+    if pre:
+        lines += ["", "| prefill tokens | step ms | floor ms | % of floor |", "|---|---|---|---|"]
+        for r in pre:
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
+            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
+            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {floor} | {eff} |")
+    off = [r for r in result["rows"] if r["section"] == "offline"]
+    if off:
+        lines += ["", "| async | batch | tokens/s | GPU busy |", "|---|---|---|---|"]
+        for r in off:
+            busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
+            lines.append(f"| {'on' if r['async'] else 'off'} | {r['batch']} | {r['tokens_per_s']:.1f} | {busy} |")
+    three = [r for r in result["rows"] if r["section"] == "three ways"]
+    if three:
+        lines += ["", "| way | batch | layers | step ms | scaled to full depth |", "|---|---|---|---|---|"]
+        lines += [f"| {r['way']} | {r['batch']} | {r['layers']} | {r['ms']:.2f} | {r['ms_full_depth']:.1f} |" for r in three]
+    host = [r for r in result["rows"] if r["section"] == "host"]
+    if host:
+        lines += ["", "| host ms per decode step (device stubbed) | batch | sync | async |", "|---|---|---|---|"]
+        lines += [f"| context {r['context']} | {r['batch']} | {r['sync_ms']:.2f} | {r['async_ms']:.2f} |" for r in host]
+    for r in result["rows"]:
+        if r["section"] == "profile":
+            what = (f"prefill profile, {r['prefill_tokens']} tokens" if "prefill_tokens" in r
+                    else f"decode profile, batch {r['batch']} at {r['context']}")
+            lines += ["", f"{what}: {r['wall_ms']:.2f} ms per step "
+                      f"(profiled), device busy {r['busy_ms']:.2f} ms", "", "| µs per step | launches | kernel |",
+                      "|---|---|---|"]
+            lines += [f"| {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} | `{k['kernel'][:80]}` |"
+                      for k in r["kernels"]]
+    lines += [f"\n{r['section']}: {r['error']}" for r in result["rows"] if "error" in r]
+    return "\n".join(lines) + "\n"
