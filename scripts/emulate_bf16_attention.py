@@ -201,9 +201,9 @@ def emulated_kernels():
     the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
     ``bf16_interpreter()``."""
     from tests.kernels.interpret import load_interpreted
-    from tests.services.worker.test_kernel_backend import reference_kernels
+    from services.worker.fp8_linear import KernelSet
 
-    return with_attention(reference_kernels(), False, load_interpreted("prefill_attention"),
+    return with_attention(KernelSet.references(), False, load_interpreted("prefill_attention"),
                           load_interpreted("decode_attention"))
 
 
@@ -251,9 +251,9 @@ def _emulating():
 
 
 def engine_table(names: tuple[str, ...], full: bool) -> None:
-    from tests.services.worker import test_kernel_backend as t
+    from services.worker.fp8_linear import KernelSet
 
-    sets = [("floor (torch references)", t.reference_kernels),
+    sets = [("floor (torch references)", KernelSet.references),
             ("floor + attention kernels, bf16 path", emulated_kernels)]
     if full:
         sets.append(("+ compressor, indexer (f16), mHC kernels", every_step_kernel))

@@ -168,7 +168,7 @@ def _act_sites(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_kernels() -> KernelSet:
-    """tests/services/worker/test_kernel_backend.py's ``reference_kernels`` (the FP8 floor), with
+    """``KernelSet.references()`` (the FP8 floor) without the attention slots, with
     ``quantize_act`` looked up at call time so ACT switches it."""
     def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
         return reference.moe_grouped_gemm(a, w, w_scale, meta["counts"], row_ids=meta["row_ids"] if gather else None,
@@ -494,7 +494,7 @@ def gpu_dots(device: str = "cuda") -> None:
             for name, budget in t.FP8_CASES:
                 c = t.case(name)
                 model = copy.deepcopy(c.model).to(device)
-                kernels = t.reference_kernels() if device == "cpu" else None
+                kernels = KernelSet.references() if device == "cpu" else None
                 parts.append(t._kl_report(c, t.drive(c, t.runner_for(c, model, budget, precision, kernels), budget)))
         n, rows = sum(p["positions"] for p in parts), sum(p["margin_rows"] for p in parts)
         mean = sum(p["mean_kl"] * p["positions"] for p in parts) / n

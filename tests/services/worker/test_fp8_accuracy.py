@@ -36,11 +36,6 @@ SMALL = Workload(prompt_lens=(37, 20, 45), decode_steps=3, budget=24, block_size
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-def torch_reference_kernels():
-    """The kernels' torch references in a KernelSet: the FP8 path's format floor."""
-    return KernelSet.references()
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return load_source("tiny", model_config("tiny", None), "cpu", "torch").model
@@ -92,12 +87,12 @@ def test_measure_fp8_copy_then_fp32_in_place_on_the_kernel_references(tiny):
     # The FP8 conversion of a shared copy leaves the original's modules (and tensors) as they were.
     twin = shared_copy(model)
     assert twin.embed.weight is embed and twin.layers[0].ffn.w1 is model.layers[0].ffn.w1
-    convert_model(twin, "fp8", torch_reference_kernels())
+    convert_model(twin, "fp8", KernelSet.references())
     assert any(isinstance(m, KernelLinear) for m in twin.modules())
     assert not any(isinstance(m, (KernelLinear, KernelMoE)) for m in model.modules())
     del twin
 
-    results = measure(model, SMALL, ("fp8", FORMAT_FLOOR, "fp32"), kernels=torch_reference_kernels())
+    results = measure(model, SMALL, ("fp8", FORMAT_FLOOR, "fp32"), kernels=KernelSet.references())
     fp8, fp32 = results["fp8"]["all"], results["fp32"]["all"]
     assert results[FORMAT_FLOOR]["all"] == fp8  # the named floor is the reference set, here also passed as kernels
     assert fp8["positions"] == fp32["positions"] == sum(SMALL.prompt_lens) + len(SMALL.prompt_lens) * SMALL.decode_steps

@@ -348,10 +348,6 @@ def test_gpu_fp32_engine_every_kernel_matches_torch_runner():
     assert against_torch_runner(small, runner) <= tol.LOGITS_ATOL
 
 
-def reference_kernels() -> KernelSet:
-    return KernelSet.references()
-
-
 FP8_CASES = (("oracle", 16), ("wide", 23), ("nocand", 32))
 
 
@@ -381,7 +377,7 @@ def test_gpu_fp8_engine_kl_and_top1_against_cpu_reference():
     blocks, MoE routing and cache rounding turn small perturbations into discrete flips). So the
     kernels are held to that format floor: no worse than twice its KL, top-1 within 10 points."""
     gpu_fp8 = _fp8_reports("cuda", None)
-    floor = _fp8_reports("cpu", reference_kernels())
+    floor = _fp8_reports("cpu", KernelSet.references())
     print(f"\nGPU fp8 kernel engine: {gpu_fp8}\nCPU FP8-format floor (torch references): {floor}")
     print(f"issue 8 targets met: mean KL ≤ 1e-3 {gpu_fp8['mean_kl'] <= 1e-3}, max KL ≤ 1e-2 "
           f"{gpu_fp8['max_kl'] <= 1e-2}, top-1 ≥ 0.99 {gpu_fp8['top1'] >= 0.99}")
