@@ -47,6 +47,7 @@ from model.deepseek_v41.quant import fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine
+from services.worker.kernel_head import head_logits
 from services.worker.kernel_moe import KernelMoE
 from services.worker import decode_step_ops as ops
 from services.worker.step_batch import PendingInputs, StepBatch, apply_pending, check_ring_slots, pending_rows
@@ -190,7 +191,7 @@ class StaticDecodeStep:
             with self._live_rows(block.ffn, counts[block.layer]):
                 h, pre = block.run(h, pre, attend, engram_rows, None, None)
         y = model.norm(collapse(h, pre))[0]  # [G, D]
-        return F.linear(y.float(), model.head.weight.float()), counts
+        return head_logits(model.head, y), counts
 
     @contextlib.contextmanager
     def _live_rows(self, ffn: torch.nn.Module, counts: torch.Tensor) -> Iterator[None]:

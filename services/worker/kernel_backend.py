@@ -15,8 +15,11 @@ its step is ``KernelStep`` (services/worker/kernel_step.py), its sampler ``Kerne
   (``mhc_mix``), the attention expand fused with the FFN site's Mix + collapse (``mhc_expand_mix``),
   and the FFN expand.
 
+With ``precision="fp8"``, the output head → ``KernelHead`` (services/worker/kernel_head.py: its bf16
+weight read as bf16, fp32 logits) when its weight is exact in bf16, as the checkpoint's is.
+
 Left as torch: the projections the checkpoint stores in bf16 (compressor ``wkv``/``wgate``, indexer
-``wk``/``weights_proj``, the router gate's fp32 logits are the router kernel's, the head), which
+``wk``/``weights_proj``, the router gate's fp32 logits are the router kernel's), which
 would not be exact in e4m3; the compressor kernel reads ``wk`` and the norms' weights itself
 (kernels/compressor.py ``compress_layer``).
 """
@@ -33,6 +36,7 @@ from model.deepseek_v41.mhc import HyperConnection, Mix
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
+from services.worker.kernel_head import KernelHead, exact_in_bf16
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_step import KernelStep
 
@@ -86,6 +90,9 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
             elif isinstance(parent, Attention) and name == "wo_a" and isinstance(child, nn.Linear):
                 new = GroupedKernelLinear(child.weight, parent.num_groups, precision, kernels)
                 done.grouped += 1
+            elif (precision == "fp8" and name == "head" and type(parent).__name__ == "DeepseekV41"
+                  and isinstance(child, nn.Linear) and exact_in_bf16(child.weight)):
+                new = KernelHead(child.weight)
             elif isinstance(child, nn.Linear) and name in FP8_PROJECTIONS.get(type(parent).__name__, ()):
                 new, done.linears = KernelLinear(child.weight, precision, kernels), done.linears + 1
             if new is not None:

@@ -19,7 +19,6 @@ interpreted copies (CPU tests).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
@@ -28,6 +27,7 @@ from services.engine.config import EngineConfig
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
 from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
+from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slots
 
@@ -90,5 +90,5 @@ class ModelRunner:
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]
-        logits = F.linear(y.float(), model.head.weight.float())
+        logits = head_logits(model.head, y)
         return RunnerOutput(logits, counts, batch.num_rows)  # counts stay on the device: no sync per step

@@ -63,7 +63,8 @@ def _bf16_close(out: torch.Tensor, expect: torch.Tensor) -> None:
 
 
 CASES = [(1, 64, torch.float32), (5, 128, torch.bfloat16), (3, 256, torch.float32), (33, 64, torch.float32),
-         (17, 64, torch.bfloat16), (2, 80, torch.float32)]  # D 80: 5 D tiles, a partial last split below
+         (17, 64, torch.bfloat16), (2, 80, torch.float32),  # D 80: 5 D tiles, a partial last split below
+         (1, 4112, torch.float32)]  # 257 splits at T 1: the finish sums three blocks of 128, the last one partial
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "dtype"), CASES)

@@ -24,6 +24,7 @@ from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.fp8_linear import GroupedKernelLinear, KernelLinear, KernelSet, quantize_each, quantize_padded
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
+from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_sampler import KernelSampler
 from services.worker.model_runner import ModelRunner
@@ -112,9 +113,10 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     assert not any(isinstance(m, (RMSNorm, MoE)) for m in model.modules())
     assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) == norms
     assert sum(isinstance(m, KernelMoE) for m in model.modules()) == cfg.num_hidden_layers
-    # What stays torch: the projections the checkpoint stores in bf16, and the head.
+    # What stays torch: the projections the checkpoint stores in bf16. The head's bf16 weight is read as bf16.
+    assert isinstance(model.head, KernelHead) and model.head.weight.dtype == torch.bfloat16
     left = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name, m in model.named_modules()
-                   if isinstance(m, nn.Linear) and name != "head"})
+                   if isinstance(m, nn.Linear)})
     assert left == ["compressor.wgate", "compressor.wkv", "indexer.weights_proj", "indexer.wk"]
     # The random checkpoint's FP8 (32×32 scales) and MXFP4 (1×32) weights land on the 128×128 grid exactly,
     # but for elements of a 32×32 block more than ~14 binades below its 128×128 block's largest scale,
