@@ -3,7 +3,8 @@
 1. eager: the model's own PyTorch modules (the torch backend's cached runner), fp32 weights;
 2. compiled: the same, with every layer's modules around attention (``torch.compile`` of the MoE,
    the hyper-connection mixes, the norms, Engram) and the attention's projections compiled;
-3. engine: the kernel backend (FP8 weights, Triton kernels) on the same model, converted in place.
+3. engine: the kernel backend (FP8 weights, Triton kernels) on the same model, converted in place,
+   its decode steps replaying CUDA graphs on a GPU, as the engine serves.
 
 v41-s1's 40 fp32 layers do not fit in GPU memory, so the comparison runs on the 8-layer subset with
 one layer of every kind (``step_build.KINDS_OF_V41``) and also reports times scaled to 40 layers.
@@ -54,9 +55,15 @@ def compare(model: str, device, layers: int | None, sizes: dict[str, Any]) -> li
 
     def run(label: str, batch: int, **runner_args: Any) -> dict[str, Any]:
         args = {"block_size": 128, "max_num_seqs": batch, "max_model_len": context + sizes["steps"] + 16}
-        runner = ModelRunner(source.model, EngineConfig(**args), **runner_args)
+        config = EngineConfig(**args)
+        runner = ModelRunner(source.model, config, **runner_args)
+        cache = runner.cache
+        if label == "engine" and device.type == "cuda":  # the engine as it serves: decode replays CUDA graphs
+            from services.worker.graph_runner import GraphRunner
+
+            runner = GraphRunner(runner, config, use_graphs=True, attention="triton")
         llm = LLM(source=source, runner=runner, **args)
-        t = time_decode(llm.engine, runner.cache, batch=batch, context=context, steps=sizes["steps"],
+        t = time_decode(llm.engine, cache, batch=batch, context=context, steps=sizes["steps"],
                         vocab_size=cfg.vocab_size)
         print(f"three ways  {label:9} batch {batch:>4}: {t.median * 1e3:9.2f} ms "
               f"({t.median * 1e3 * scale:.1f} ms scaled to {full_depth(model)} layers)")

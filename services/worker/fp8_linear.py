@@ -36,10 +36,13 @@ from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 
 PRECISIONS = ("fp8", "fp32")
-LINEAR_BLOCK_M = 16
-"""Tokens per MMA tile of the one-expert GEMM: 0 spills at every Flash projection (148–210 registers at
-4 warps, scripts/compile_sm90.py); BLOCK_M 32/64 spill at some (wq_b, wo_a). Weights are re-read once
-per 16 tokens, so large-M prefill wants another GEMM (see the module docstring)."""
+def linear_block_m(num_tokens: int) -> int:
+    """Tokens per MMA tile of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
+    weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
+    summed over v41's projections (H200, 2026-11-30, ``scripts/tune_linear.py``; wq_b at 4K tokens
+    1426 → 867 µs, wo_b 2155 → 1227 µs). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
+    BLOCK_M 64 spills at 4 warps."""
+    return 16 if num_tokens <= 256 else 32
 
 
 @dataclass(frozen=True)
@@ -174,8 +177,8 @@ class KernelLinear(nn.Module):
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
             a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16, block_m=LINEAR_BLOCK_M,
-            num_warps=4)
+            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
+            block_m=linear_block_m(num_tokens), num_warps=4)
         return y[0, :, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -215,8 +218,8 @@ class GroupedKernelLinear(nn.Module):
         a = (q.view(g, num_tokens, k_pad), s.view(g, num_tokens, -1))
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
             a, self.w, self.w_scale, one_expert_meta(num_tokens, g, x.device), gather=False,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16, block_m=LINEAR_BLOCK_M,
-            num_warps=4)  # [G, T, R']
+            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
+            block_m=linear_block_m(num_tokens), num_warps=4)  # [G, T, R']
         return y[:, :, : self.rank].transpose(0, 1).reshape(*lead, g * self.rank).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -22,7 +22,8 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
-from services.worker.fp8_linear import GroupedKernelLinear, KernelLinear, KernelSet, quantize_each, quantize_padded
+from services.worker.fp8_linear import (GroupedKernelLinear, KernelLinear, KernelSet, linear_block_m, quantize_each,
+                                        quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
@@ -173,6 +174,13 @@ def test_fp8_linear_interpreted_matches_dequantised_reference():
     assert _rel(y, xq @ wq.t()) < 1e-5  # the kernel's own formats: fp32 summation order only
     assert _rel(y, x @ w.t()) < 0.05  # FP8 weights and activations vs fp32
     assert torch.equal(lin32(x), torch.nn.functional.linear(x, w))
+    # Above 256 tokens (prefill) the tile is 32 tokens: the same rows, bit for bit, as 16-token tiles.
+    assert (linear_block_m(256), linear_block_m(300)) == (16, 32)
+    x_long = torch.randn(300, 200, generator=gen)
+    with interpreter():
+        y_long = lin(x_long)
+        y_rows = torch.cat([lin(x_long[i:i + 100]) for i in range(0, 300, 100)])  # 16-token tiles
+    assert torch.equal(y_long, y_rows)
     # wo_a: G groups of [R, Kg]; x [..., G, Kg] → [..., G·R]
     wo = torch.randn(2 * 16, 128, generator=gen) * 0.05
     xg = torch.randn(7, 2, 128, generator=gen)
