@@ -32,3 +32,19 @@ def test_subset_keeps_every_kind_of_v41_layer():
     assert cfg.engram_layer_ids == (1, 4) and max(cfg.engram_num_embeddings) < 1_100_000
     with pytest.raises(ValueError):
         subset_config(V41_S1, [3, 2])
+
+
+def test_sizes_from_the_command_line_replace_the_modes(tmp_path, one_torch_thread):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--no-compare", "--no-async", "--batches", "2", "--contexts", "48",
+                 "--prefill-tokens", "16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows if r["section"] == "decode"] == [(2, 48)]
+    assert [r["tokens"] for r in rows if r["section"] == "prefill"] == [16]
+    assert "--batches 2" in json.loads(out.read_text())["command"]
+
+
+@pytest.mark.parametrize("bad", [["--batches", "1,x"], ["--contexts", "0"]])
+def test_bad_sizes_are_refused_with_a_message(bad, capsys):
+    with pytest.raises(SystemExit, match="comma-separated integers|must be positive"):
+        main(["bench", "step", "--no-compare", "--no-async", *bad])
