@@ -108,6 +108,8 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
             print(f"decode  ctx {context:>6} batch {batch:>4}: {row['ms']:9.2f} ms"
                   + (f"  floor {row['floor_ms']:.2f} ms  ({100 * row['efficiency']:.1f}%)" if floor else ""))
             del llm
+        if len({m[0] for m in measured}) < 2:  # a line needs two batch sizes
+            continue
         a, b = fit_line([m[0] for m in measured], [m[1] for m in measured])
         rows.append({"section": "decode fit", "context": context, "a_ms": a * 1e3, "b_us_per_row": b * 1e6})
         print(f"decode  ctx {context:>6}: step ≈ {a * 1e3:.2f} ms + {b * 1e6:.1f} µs · rows")

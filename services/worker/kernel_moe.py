@@ -36,6 +36,13 @@ class KernelRMSNorm(nn.Module):
         return self.kernels.rmsnorm.rmsnorm(x.contiguous(), self.weight, self.eps)
 
 
+MOE_MAX_TOKENS = 8192
+"""Tokens per pass of ``KernelMoE``: the masked layout gives each of the E+1 experts T slots, so one
+32K-token prefill step needed [49, 32768, 5120] bf16 (16 GB) for the down GEMM's output plus a 2.2 GB
+gather for the combine, and ran out of memory beside v41-s1's 110 GB of weights (H200, 2026-11-30).
+Every token's output depends only on its own row, so passes of this many tokens give the same values."""
+
+
 class KernelMoE(nn.Module):
     """Router ``gate_weight`` [E, D] + ``gate_bias`` [E]; experts 0..E−1 routed, expert E shared.
 
@@ -82,6 +89,12 @@ class KernelMoE(nn.Module):
         ``live`` bool [B, S] (None: every row): rows outside it are routed nowhere and output zeros."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, D]
+        if x2.shape[0] > MOE_MAX_TOKENS:
+            rows2 = None if live is None else live.reshape(-1)
+            parts = [self.forward(x2[i:i + MOE_MAX_TOKENS], counts,
+                                  None if rows2 is None else rows2[i:i + MOE_MAX_TOKENS])
+                     for i in range(0, x2.shape[0], MOE_MAX_TOKENS)]
+            return torch.cat(parts).reshape(shape)
         weights, experts = self.kernels.moe_router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k,
                                                               self.route_scale)  # [T, k] each
         rows = None if live is None else live.reshape(-1, 1)  # [T, 1]

@@ -40,6 +40,7 @@ def test_sizes_from_the_command_line_replace_the_modes(tmp_path, one_torch_threa
                  "--prefill-tokens", "16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows if r["section"] == "decode"] == [(2, 48)]
+    assert not any(r["section"] == "decode fit" for r in rows)  # one batch size: no line to fit
     assert [r["tokens"] for r in rows if r["section"] == "prefill"] == [16]
     assert "--batches 2" in json.loads(out.read_text())["command"]
 

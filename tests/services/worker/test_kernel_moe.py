@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.worker.fp8_linear import KernelSet
+from services.worker import kernel_moe
 from services.worker.kernel_moe import KernelMoE
 from tests.kernels.interpret import interpreter, load_interpreted
 from tests.services.worker.test_model_runner import case
@@ -53,6 +54,32 @@ def test_dead_rows_route_nowhere_interpreted(precision):
         counts = torch.zeros(moe.num_experts, dtype=torch.long)
         out = moe(x, counts, live=torch.zeros_like(live))
         assert int(counts.sum()) == 0 and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_long_steps_run_in_passes_with_the_same_rows(precision, monkeypatch):
+    """Above MOE_MAX_TOKENS the tokens go through in passes (prefill memory): the same outputs and
+    counts as one pass, with and without a live mask."""
+    model = case("oracle").model
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 8, model.cfg.hidden_size, generator=gen)
+    live = torch.tensor([True, False, True, True, False, True, True, True])
+    with interpreter():
+        moe = KernelMoE(copy.deepcopy(model.layers[1].ffn), precision, _moe_kernels())
+        results = []
+        for max_tokens in (8, 3):  # one pass; passes of 3, 3 and 2 tokens
+            monkeypatch.setattr(kernel_moe, "MOE_MAX_TOKENS", max_tokens)
+            counts = torch.zeros(moe.num_experts, dtype=torch.long)
+            masked_counts = torch.zeros(moe.num_experts, dtype=torch.long)
+            results.append((moe(x, counts), counts, moe(x, masked_counts, live=live), masked_counts))
+    (one, one_counts, one_masked, one_masked_counts), (passes, counts, masked, masked_counts) = results
+    assert passes.shape == x.shape and torch.equal(counts, one_counts)
+    assert torch.equal(masked_counts, one_masked_counts) and int(masked_counts.sum()) == 6 * moe.top_k
+    # fp8: the kernel's rows are independent; fp32: bmm over other capacities may reorder sums.
+    tol = 0.0 if precision == "fp8" else 1e-5
+    torch.testing.assert_close(passes, one, rtol=tol, atol=tol)
+    torch.testing.assert_close(masked, one_masked, rtol=tol, atol=tol)
+    assert torch.equal(masked[:, ~live], torch.zeros_like(masked[:, ~live]))
 
 
 @pytest.mark.gpu
