@@ -22,8 +22,8 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
-from services.worker.fp8_linear import (GroupedKernelLinear, KernelLinear, KernelSet, linear_block_m, quantize_each,
-                                        quantize_padded)
+from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLinear, KernelLinear, KernelSet,
+                                        linear_block_m, one_expert_meta, quantize_each, quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
@@ -158,6 +158,16 @@ def test_quantize_each_equals_quantizing_the_stack():
 
 
 # ---------------------------------------------------------------- CPU: interpreted modules
+
+
+def test_one_expert_meta_is_built_once_per_decode_size():
+    cpu = torch.device("cpu")
+    meta = one_expert_meta(5, 2, cpu)
+    assert one_expert_meta(5, 2, cpu) is meta and one_expert_meta(5, 3, cpu) is not meta
+    big = META_CACHE_MAX_TOKENS + 1
+    assert one_expert_meta(big, 1, cpu) is not one_expert_meta(big, 1, cpu)  # prefill sizes: never kept
+    assert meta["row_ids"].tolist() == [list(range(5))] * 2 and meta["counts"].tolist() == [5, 5]
+    assert meta["slot_of"].tolist() == [[t, t] for t in range(5)] and meta["num_active"].tolist() == [2]
 
 
 def test_fp8_linear_interpreted_matches_dequantised_reference():
