@@ -36,7 +36,7 @@ import model.deepseek_v41.attention as our_attention  # noqa: E402
 import model.deepseek_v41.compressor as our_compressor  # noqa: E402
 import model.deepseek_v41.indexer as our_indexer  # noqa: E402
 import model.deepseek_v41.moe as our_moe  # noqa: E402
-from model.deepseek_v41 import quant  # noqa: E402
+from model.deepseek_v41 import quant, quant_boundary  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 
 # NeMo wraps the clamped SwiGLU in torch.compile(max_autotune): minutes of CPU compile per shape and
@@ -185,10 +185,10 @@ def record_ours(replay: Recording | None = None):
 
 def boundary_distance(call: QuantCall) -> torch.Tensor:
     if call.kind == "fp8":
-        return quant.fp8_boundary_distance(call.before, quant.FP8_CACHE_BLOCK)
+        return quant_boundary.fp8_boundary_distance(call.before, quant.FP8_CACHE_BLOCK)
     if call.kind == "kv4":
-        return quant.fp4_boundary_distance(call.before, quant.COMPRESSED_KV_BLOCK, "e4m3")
-    return quant.fp4_boundary_distance(call.before, quant.INDEXER_BLOCK, "e8m0")
+        return quant_boundary.fp4_boundary_distance(call.before, quant.COMPRESSED_KV_BLOCK, "e4m3")
+    return quant_boundary.fp4_boundary_distance(call.before, quant.INDEXER_BLOCK, "e8m0")
 
 
 def topk_margins(rec: Recording, batch: int, seq_len: int) -> tuple[float, list[tuple[int, int, float]]]:
