@@ -21,9 +21,8 @@ import torch
 from model.deepseek_v41.compressor import Compressor
 from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.presets import TINY
-from model.deepseek_v41.quant import (
-    COMPRESSED_KV_BLOCK, INDEXER_BLOCK, fp4_boundary_distance, quantize_fp4_cache, unpack_fp4,
-)
+from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, INDEXER_BLOCK, quantize_fp4_cache, unpack_fp4
+from model.deepseek_v41.quant_boundary import fp4_boundary_distance
 from model.deepseek_v41.rope import rope_frequencies
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep
