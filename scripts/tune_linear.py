@@ -5,6 +5,8 @@ counts and tile configs, on the GPU: which BLOCK_M / warps each token count want
 
 Weights are random e4m3 with unit scales (timing only); activations are pre-quantised as
 ``KernelLinear`` hands them in. Prints µs, TB/s of weight bytes, TFLOP/s per config and the best.
+Launches run back to back: below ~1K tokens this times the host (H200, 2026-11-30: ~50–100 µs per
+call at any T ≤ 256); ``shinkai bench kernels --only decode_gemms`` times those sizes as graph replays.
 """
 
 from __future__ import annotations
@@ -16,26 +18,10 @@ import torch
 
 from kernels import moe_grouped_gemm as gg
 from kernels.quant_fp8 import quantize_act
-from model.deepseek_v41.model import Block
-from services.bench.step_build import model_config
-from services.worker.fp8_linear import one_expert_meta, round_up
-from services.worker.kernel_backend import FP8_PROJECTIONS
+from services.bench.kernels_decode_gemms import projection_shapes
+from services.worker.fp8_linear import one_expert_meta
 
 CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))  # (BLOCK_M, num_warps)
-
-
-def shapes() -> dict[str, tuple[int, int]]:
-    """Distinct (N, K) of the FP8 projections over v41-s1's layer kinds, padded to 128."""
-    cfg = model_config("v41-s1", None)
-    out: dict[str, tuple[int, int]] = {}
-    for layer in (0, 2, 3):
-        with torch.device("meta"):
-            block = Block(cfg, layer)
-        for mod in block.modules():
-            for name in FP8_PROJECTIONS.get(type(mod).__name__, ()):
-                w = getattr(mod, name).weight
-                out.setdefault(f"{type(mod).__name__}.{name}", (round_up(w.shape[0]), round_up(w.shape[1])))
-    return out
 
 
 def time_us(fn, reps: int = 20) -> float:
@@ -57,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for label, (n, k) in shapes().items():
+    for label, (n, k) in projection_shapes().items():
         w = torch.randn(1, n, k, device=dev).clamp(-8, 8).to(torch.float8_e4m3fn)
         w_scale = torch.ones(1, n // 128, k // 128, device=dev)
         for m in (int(t) for t in args.tokens.split(",")):

@@ -36,7 +36,7 @@ SWEEP_TOKENS = (128, 256)  # where the defaults fell short in the first H200 run
 ATTN_CONTEXTS = (4096, 32768)
 # Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
 # ``bench(ceil, quick, gen) -> list[row]`` built with ``_row`` (one file per kernel, like kernels/).
-EXTRA = ("indexer", "compressor", "mhc", "prefill_attention", "sampler")
+EXTRA = ("indexer", "compressor", "mhc", "prefill_attention", "sampler", "decode_gemms")
 
 
 def _bench(fn: Callable[[], object]) -> float:
