@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels.device import num_sms
+from kernels.moe_layout import MAX_TOKENS as LAYOUT_MAX_TOKENS  # noqa: F401 - re-exported: KernelMoE
+from kernels.moe_layout import moe_layout  # noqa: F401 - re-exported: the step's layout after routing
 
 
 @triton.jit

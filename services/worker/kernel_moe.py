@@ -10,6 +10,8 @@ added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
 routes the other rows nowhere: their choices go to sink experts past the stacked ones, which the
 layout then drops, so they take no slot, activate no expert, count towards nothing and come out
 as zeros. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.
+Up to ``LAYOUT_MAX_TOKENS`` rows the layout and the counts are one launch (``kernels/moe_layout.py``);
+``_layout`` is the same layout in torch (bigger steps, and kernel sets without it).
 """
 
 from __future__ import annotations
@@ -98,11 +100,16 @@ class KernelMoE(nn.Module):
         weights, experts = self.kernels.moe_router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k,
                                                               self.route_scale)  # [T, k] each
         rows = None if live is None else live.reshape(-1, 1)  # [T, 1]
-        if counts is not None:
-            one = torch.ones_like(experts, dtype=counts.dtype) if rows is None else rows.to(counts.dtype).expand(
-                experts.shape)
-            counts.scatter_add_(0, experts.flatten().long(), one.flatten())
-        meta = self._layout(experts, weights, rows)
+        layout = getattr(self.kernels.moe_router, "moe_layout", None)
+        if layout is not None and x2.shape[0] <= self.kernels.moe_router.LAYOUT_MAX_TOKENS:
+            # One launch for the layout and the counts (kernels/moe_layout.py): the same bytes as below.
+            meta = layout(experts, weights, self.num_experts, None if rows is None else rows.reshape(-1), counts)
+        else:
+            if counts is not None:
+                one = torch.ones_like(experts, dtype=counts.dtype) if rows is None else rows.to(
+                    counts.dtype).expand(experts.shape)
+                counts.scatter_add_(0, experts.flatten().long(), one.flatten())
+            meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,

@@ -56,6 +56,27 @@ def test_dead_rows_route_nowhere_interpreted(precision):
         assert int(counts.sum()) == 0 and torch.equal(out, torch.zeros_like(out))
 
 
+def test_decode_sizes_take_the_layout_kernel_and_match_the_torch_layout(monkeypatch):
+    """Up to LAYOUT_MAX_TOKENS the layout is kernels/moe_layout.py's one launch; the torch layout gives
+    the same outputs and counts (a kernel set without ``moe_layout``, e.g. the references, takes it)."""
+    model = case("oracle").model
+    x = torch.randn(1, 9, model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    live = torch.tensor([True, False, True, True, True, False, True, True, True])
+    with interpreter():
+        moe = KernelMoE(copy.deepcopy(model.layers[1].ffn), "fp8", _moe_kernels())
+        results = []
+        for kernel in (True, False):
+            if kernel:
+                monkeypatch.setattr(KernelMoE, "_layout", lambda *a: pytest.fail("took the torch layout"))
+            else:
+                monkeypatch.undo()
+                monkeypatch.setattr(moe.kernels.moe_router, "LAYOUT_MAX_TOKENS", 0)
+            counts = torch.zeros(moe.num_experts, dtype=torch.long)
+            results.append((moe(x, counts, live=live), counts))
+    (out_k, counts_k), (out_t, counts_t) = results
+    assert torch.equal(out_k, out_t) and torch.equal(counts_k, counts_t) and int(counts_k.sum()) == 7 * moe.top_k
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_long_steps_run_in_passes_with_the_same_rows(precision, monkeypatch):
     """Above MOE_MAX_TOKENS the tokens go through in passes (prefill memory): the same outputs and
