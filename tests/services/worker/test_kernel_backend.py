@@ -411,8 +411,8 @@ REFERENCES = ("rmsnorm", "quantize_act", "dequantize_act", "moe_router", "moe_gr
               "dequantize_weight_block128")
 """kernels.reference's oracles (route_metadata and entry_slots are the kernels' own graph-safe glue)."""
 
-STEP_KERNELS = {"_rmsnorm_kernel", "_router_kernel", "_compress_kernel", "_score_kernel", "_select_kernel",
-                "_mix_kernel", "_expand_kernel", "_collapse_kernel"}
+STEP_KERNELS = {"_rmsnorm_kernel", "_router_kernel", "_layout_kernel", "_compress_kernel", "_score_kernel",
+                "_select_kernel", "_mix_kernel", "_expand_kernel", "_collapse_kernel"}
 """Every step's Triton kernels (fp32 weights: the experts and projections are torch matmuls, there is
 no fp32-weight GEMM kernel; fp8 adds ``_quantize_act_kernel`` and ``_moe_gemm_kernel``)."""
 
