@@ -31,7 +31,9 @@ above, yet a window key serves w rows and an entry many of the chunk's rows. Off
 per 16 window keys and 899 per 16 FP4 entries (65 HGMMA each), against 610 per 16 / 749 per 32
 entries when ``stage_entries`` has dequantised the step's entries once to bf16 (exact) and the loop
 only gathers rows (``staged=``: 3.5× the bytes per key, from a set of context/ratio rows that
-stays in L2, e.g. 16 MB at 32K). Staged is opt-in until the H200 bench row confirms it.
+stays in L2, e.g. 16 MB at 32K). The H200 kernel bench measured staged at 1.9–2.0× the in-loop
+dequantisation (docs/performance.md); the engine stages when a step's requests hold at most
+``services/worker/kernel_step.STAGE_MAX_ENTRIES`` entries at the source.
 
 The ring must be read as it was before this step writes its own rows to it (``CachedStep`` reads it
 first): a chunk longer than ring − w would overwrite ring positions that its first rows still need.
@@ -217,18 +219,29 @@ def sparse_prefill_attention(
 
 def stage_entries(kv_pool: torch.Tensor, block_tables: torch.Tensor, entries: torch.Tensor,
                   row_requests: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every entry of the step's requests dequantised once, for ``sparse_prefill_attention(staged=...)``.
+    """Every entry of the step's requests dequantised once, for ``sparse_prefill_attention(staged=...)``:
+    (``stage_keys``, ``stage_rows``).
 
     kv_pool uint8 [blocks, epb, D/2 + D/16]; block_tables [N, width]; entries [R, k] each row's entry
     ids (−1 none); row_requests [R]. Returns (keys ``dtype`` [N · width · epb, D], int32 [R, k] rows
     of it). e2m1 × e4m3 has ≤ 5 significant bits, so bf16 holds the keys exactly: the same products
     as the in-loop dequantisation. Fixed shapes, device ops: graph-safe.
     """
+    keys = stage_keys(kv_pool, block_tables, dtype)
+    return keys, stage_rows(entries, row_requests, block_tables.shape[1] * kv_pool.shape[1])
+
+
+def stage_keys(kv_pool: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The entries of ``block_tables`` [N, width]'s blocks dequantised: ``dtype`` [N · width · epb, D]."""
     from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache
 
-    num_requests, width = block_tables.shape
-    epb, half = kv_pool.shape[1], kv_pool.shape[2] - kv_pool.shape[2] // 9  # D/2 of D/2 + D/16 bytes
+    half = kv_pool.shape[2] - kv_pool.shape[2] // 9  # D/2 of D/2 + D/16 bytes
     raw = kv_pool[block_tables.long()].flatten(0, 2)  # [N · width · epb, D/2 + D/16]
     keys = dequantize_fp4_cache(raw[:, :half], raw[:, half:].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK)
-    index = torch.where(entries >= 0, row_requests.long()[:, None] * (width * epb) + entries.long(), -1)
-    return keys.to(dtype), index.to(torch.int32)
+    return keys.to(dtype)
+
+
+def stage_rows(entries: torch.Tensor, row_requests: torch.Tensor, entries_per_request: int) -> torch.Tensor:
+    """Entry ids [R, k] (−1 none) of each row's request → int32 rows of ``stage_keys``' output."""
+    index = torch.where(entries >= 0, row_requests.long()[:, None] * entries_per_request + entries.long(), -1)
+    return index.to(torch.int32)

@@ -34,6 +34,14 @@ from services.worker.cached_step import CachedStep
 from services.worker.fp8_linear import KernelSet
 
 
+STAGE_MAX_ENTRIES = 1 << 16
+"""Prefill attention reads compressed entries dequantised once per step (``stage_entries``) when the
+step's requests hold at most this many at the source (64 MB of bf16 keys at head_dim 512, plus the
+dequantisation's transient): 1.9–2.0× faster than dequantising in the loop at 1K–4K-token chunks
+(H200 kernel bench, docs/performance.md). Above it (many long requests in one mixed step) the loop
+dequantises, as before."""
+
+
 class KernelStep:
     """Composition: the wrapped ``CachedStep`` keeps the batch, pools and rounding hook (and, on the
     torch sparse path, its ``StepSparse``); ``engram_rows`` is its own."""
@@ -56,6 +64,8 @@ class KernelStep:
         self.selected: torch.Tensor | None = None  # [R, ≤topk] entry ids ascending, −1 = none
         self.candidates: torch.Tensor | None = None  # uint8 [R, ceil(W / CB)] candidate blocks
         self._no_entries: torch.Tensor | None = None
+        self._stage_keys: torch.Tensor | None = None  # _staged's keys, of the source _stage_source
+        self._stage_source: int | None = None
 
     def engram_rows(self, hasher):
         return self.step.engram_rows(hasher)
@@ -137,7 +147,31 @@ class KernelStep:
         """Rows of prefill chunks (and one-row requests among them) over the rings as before this step
         and this step's K rows (their FP8 bytes, as the rings will hold them): [R, H, hd], RoPE undone."""
         step, b = self.step, self.step.b
-        pool, selected = self._entries(attn, q.device)
+        staged = self._staged(attn)
+        if staged is None:
+            pool, selected = self._entries(attn, q.device)
+        else:
+            pool, selected = staged
         return self.kernels.prefill_attention.sparse_prefill_attention(
             q, quantize_fp8_cache(k), step.cache.ring(attn.layer), step.row_slots, b.positions, b.row_first(),
-            attn.window, pool, selected, attn.attn_sink, attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots)
+            attn.window, pool, selected, attn.attn_sink, attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots,
+            staged=None if staged is None else pool)
+
+    def _staged(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys [E, hd], rows of them int32 [R, k]): the entries this step's requests can select at the
+        current source, dequantised once per source (``stage_keys``; exact in bf16) and shared by the
+        layers that read it; None when staging does not apply (window-only layers, the torch sparse
+        path, kernel sets without it, or more than STAGE_MAX_ENTRIES entries to dequantise)."""
+        module = self.kernels.prefill_attention
+        if not attn.ratio or self.torch_sparse or not hasattr(module, "stage_keys") or self.selected is None:
+            return None
+        b, cache = self.step.b, self.step.cache
+        epb = cache.layout.source(self.source).entries_per_block
+        tables = b.block_tables[:, : -(-self.width // epb)]  # [N, blocks holding entries 0 … W−1]
+        if not self.width or tables.numel() * epb > STAGE_MAX_ENTRIES:
+            return None
+        if self._stage_source != self.source:  # the source's entries are final once it has compressed
+            dtype = torch.float32 if self.fp32_dots else torch.bfloat16
+            self._stage_keys = module.stage_keys(cache.entries(self.source)[0], tables, dtype)
+            self._stage_source = self.source
+        return self._stage_keys, module.stage_rows(self.selected, b.row_requests, tables.shape[1] * epb)

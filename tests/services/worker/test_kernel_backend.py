@@ -288,6 +288,32 @@ def test_engine_fp32_interpreted_equals_torch_runner():
     assert against_torch_runner(small, runner, interpreter) <= tol.PREFIX_ATOL
 
 
+def test_staged_prefill_entries_are_taken_and_change_nothing(monkeypatch):
+    """Prefill attention on entries dequantised once per source (``KernelStep._staged``) is taken at
+    these sizes, and each of its outputs equals the in-loop dequantisation's on the same inputs (fp32
+    keys under the interpreter: the same products; the online softmax's key blocks differ). Checked
+    per call: the tiny model's logits barely depend on its compressed entries."""
+    from services.worker import kernel_step
+
+    small = small_case()
+    original = kernel_step.KernelStep._prefill
+    errors: list[float] = []
+
+    def both_ways(self, attn, q, k):
+        out = original(self, attn, q, k)
+        if self._staged(attn) is not None:
+            with monkeypatch.context() as m:
+                m.setattr(kernel_step, "STAGE_MAX_ENTRIES", 0)
+                errors.append(_rel(out, original(self, attn, q, k)))
+        return out
+
+    monkeypatch.setattr(kernel_step.KernelStep, "_prefill", both_ways)
+    runner = runner_for(small, copy.deepcopy(small.model), 10, "fp32", interpreted())
+    with interpreter():
+        drive(small, runner, 10)
+    assert len(errors) >= 12 and max(errors) < 1e-6, errors  # two prefill steps × six compressed layers
+
+
 def _config(c: Case, budget: int) -> EngineConfig:
     n = len(c.seqs)
     return EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
