@@ -43,11 +43,24 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) 
     ``inverse`` rotates by −angle (used to undo RoPE on the attention output).
     """
     rot = angles.shape[-1] * 2
+    return torch.cat((x[..., :-rot], _rotated(x, angles, inverse)), dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in place: only the rotated channels are written (a query's 64 of 512 per head,
+    where ``apply_rope`` copies all 512). Returns x."""
+    rot = angles.shape[-1] * 2
+    x[..., -rot:] = _rotated(x, angles, False)
+    return x
+
+
+def _rotated(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The last 2P channels of x rotated, in x's dtype: [..., 2P]."""
+    rot = angles.shape[-1] * 2
     pairs = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())  # [..., P]
     turn = torch.polar(torch.ones_like(angles), angles)  # [B, S, P] complex
     if x.ndim == angles.ndim + 1:
         turn = turn.unsqueeze(-2)  # broadcast over heads
     if inverse:
         turn = turn.conj()
-    rotated = torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :-rot], rotated), dim=-1)
+    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)

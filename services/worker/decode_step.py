@@ -44,7 +44,7 @@ from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.quant import fake_quant_indexer
-from model.deepseek_v41.rope import apply_rope, rope_angles
+from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_angles
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine
 from services.worker.kernel_head import head_logits
@@ -229,7 +229,7 @@ class StaticDecodeStep:
         layer, cache = attn.layer, self.cache
         angles = rope_angles(self.positions, attn.freqs)  # [G, P]
         q_latent = attn.q_norm(attn.wq_a(x))  # [G, q_lora]
-        q = apply_rope(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [G, H, hd]
+        q = apply_rope_(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [G, H, hd]
         k = apply_rope(attn.kv_norm(attn.wkv(x)), angles)  # [G, hd]
         cache.write_window(layer, self.state_slots, self.ring_slots, k)  # the ring now holds the row itself
         pool, selected = self._no_pool, self._no_selection

@@ -29,7 +29,7 @@ import torch
 from kernels.reference import entry_slots
 from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.quant import fake_quant_indexer, quantize_fp8_cache
-from model.deepseek_v41.rope import apply_rope, rope_angles
+from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_angles
 from services.worker.cached_step import CachedStep
 from services.worker.fp8_linear import KernelSet
 
@@ -75,7 +75,7 @@ class KernelStep:
         step, b, layer = self.step, self.step.b, attn.layer
         angles = rope_angles(b.positions, attn.freqs)  # [R, P]
         q_latent = attn.q_norm(attn.wq_a(x))  # [R, q_lora]
-        q = apply_rope(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [R, H, hd]
+        q = apply_rope_(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [R, H, hd]
         k = step._round("fp8", layer, apply_rope(attn.kv_norm(attn.wkv(x)), angles), b.row_requests, b.positions)
         if attn.ratio:
             self._sparse(attn, x, q_latent, angles)
