@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from kernels.device import num_sms
+from kernels.fp8_splitk import MAX_TOKENS as SPLITK_MAX_TOKENS  # noqa: F401 - re-exported: KernelLinear
+from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 - re-exported: KernelLinear
 from kernels.quant_fp8 import _quantize_rows, quantize_act
 from kernels.reference import GROUP
 

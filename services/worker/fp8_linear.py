@@ -198,11 +198,16 @@ class KernelLinear(nn.Module):
         if num_tokens == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
-        y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
-            a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
-            block_m=linear_block_m(num_tokens), num_warps=4)
-        return y[0, :, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+        gemm = self.kernels.moe_grouped_gemm
+        out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        if (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS
+                and gemm.worth_splitting(self.w.shape[1], x.device)):
+            # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py).
+            y = gemm.fp8_linear_splitk(a, self.w, self.w_scale, out_dtype=out_dtype)  # [T, N']
+        else:
+            y = gemm.moe_grouped_gemm(a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
+                                      out_dtype=out_dtype, block_m=linear_block_m(num_tokens), num_warps=4)[0]
+        return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, precision={self.precision}"

@@ -184,6 +184,15 @@ def test_fp8_linear_interpreted_matches_dequantised_reference():
     assert _rel(y, xq @ wq.t()) < 1e-5  # the kernel's own formats: fp32 summation order only
     assert _rel(y, x @ w.t()) < 0.05  # FP8 weights and activations vs fp32
     assert torch.equal(lin32(x), torch.nn.functional.linear(x, w))
+    # Up to 16 rows on a projection with few N tiles, the split-K kernel runs, not the grouped GEMM.
+    calls = []
+    grouped = kernels.moe_grouped_gemm.moe_grouped_gemm
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels.moe_grouped_gemm, "moe_grouped_gemm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+        with interpreter():
+            assert torch.equal(lin(x), y)
+            lin(torch.randn(17, 200, generator=gen))
+    assert calls == [1]  # only the 17-row call
     # Above 256 tokens (prefill) the tile is 32 tokens: the same rows, bit for bit, as 16-token tiles.
     assert (linear_block_m(256), linear_block_m(300)) == (16, 32)
     x_long = torch.randn(300, 200, generator=gen)

@@ -1,0 +1,79 @@
+"""kernels/fp8_splitk.py: the split-K FP8 linear against the dequantised product, the one-pass grouped
+GEMM, and itself at other batch sizes (a row's result must not depend on the batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.fp8_weights import quantize_weight_block128
+from services.worker.fp8_linear import one_expert_meta
+from tests.kernels.interpret import interpreter, load_interpreted
+
+
+def _problem(num_tokens: int, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w, w_scale = quantize_weight_block128(torch.randn(n, k, generator=gen) * 0.05)
+    x = torch.randn(num_tokens, k, generator=gen)
+    return x, w, w_scale
+
+
+@pytest.mark.parametrize(("num_tokens", "n", "k"), [(1, 256, 640), (5, 128, 512), (16, 256, 384), (3, 128 * 140, 1024)])
+def test_splitk_equals_the_dequantised_product_and_the_grouped_gemm(num_tokens, n, k):
+    sk, gg, quant = (load_interpreted(m) for m in ("fp8_splitk", "moe_grouped_gemm", "quant_fp8"))
+    x, w, w_scale = _problem(num_tokens, n, k, seed=num_tokens)
+    with interpreter():
+        a = quant.quantize_act(x)
+        got = sk.fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32)
+        one_pass = gg.moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(num_tokens, 1, x.device),
+                                       gather=True, out_dtype=torch.float32, block_m=16)[0]
+    splits, per = sk.num_splits(n, k, x.device)  # as on a 132-SM GPU
+    assert splits > 1 and splits * per == k // 128
+    if n == 128 * 140:
+        assert (splits, per) == (2, 4)  # 8 K blocks, at most 4 splits for 140 N tiles, never 2 per split
+    exact = reference.dequantize_act(*a).double() @ reference.dequantize_weight_block128(w, w_scale).double().t()
+    assert got.shape == (num_tokens, n) and got.dtype == torch.float32
+    scale = float(exact.abs().max())
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * scale
+    assert float((got - one_pass).abs().max()) <= 1e-5 * scale  # the same products, summed in another order
+
+
+def test_a_rows_result_does_not_depend_on_the_batch():
+    sk, quant = load_interpreted("fp8_splitk"), load_interpreted("quant_fp8")
+    x, w, w_scale = _problem(9, 256, 512, seed=3)
+    with interpreter():
+        a = quant.quantize_act(x)
+        batch = sk.fp8_linear_splitk(a, w, w_scale)
+        alone = torch.cat([sk.fp8_linear_splitk((a[0][i:i + 1], a[1][i:i + 1]), w, w_scale) for i in range(9)])
+    assert batch.dtype == torch.bfloat16 and torch.equal(batch, alone)
+
+
+def test_refuses_what_it_does_not_do():
+    sk, quant = load_interpreted("fp8_splitk"), load_interpreted("quant_fp8")
+    x, w, w_scale = _problem(17, 128, 256, seed=0)
+    with interpreter():
+        a = quant.quantize_act(x)
+    with pytest.raises(ValueError, match="at most 16"):
+        sk.fp8_linear_splitk(a, w, w_scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        sk.fp8_linear_splitk((a[0][:2], a[1][:2]), w[:, :128], w_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("n", "k"), [(1280, 5120), (512, 5120), (5120, 8192)])  # v41 wq_a, wkv, wo_b
+def test_gpu_splitk_at_v41_projection_shapes(n, k):
+    from kernels.fp8_splitk import fp8_linear_splitk
+    from kernels.moe_grouped_gemm import moe_grouped_gemm
+    from kernels.quant_fp8 import quantize_act
+
+    x, w, w_scale = _problem(16, n, k, seed=n)
+    x, w, w_scale = x.cuda(), w.cuda(), w_scale.cuda()
+    a = quantize_act(x)
+    got = fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32)
+    one_pass = moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(16, 1, x.device), gather=True,
+                                out_dtype=torch.float32, block_m=16)[0]
+    assert float((got - one_pass).abs().max()) <= 1e-5 * float(one_pass.abs().max())
+    alone = torch.cat([fp8_linear_splitk((a[0][i:i + 1], a[1][i:i + 1]), w, w_scale) for i in range(16)])
+    assert torch.equal(fp8_linear_splitk(a, w, w_scale), alone)
