@@ -114,15 +114,16 @@ def decode_bf16(q, ring, state_slots, positions, window, kv_pool, selected, sink
 
 
 def prefill_bf16(*args):
-    """``reference.sparse_prefill_attention`` with ``decode_bf16``'s roundings."""
-    from kernels import reference
+    """``reference.sparse_prefill_attention`` with ``decode_bf16``'s roundings (it calls the decode
+    reference through its own module, ``kernels.reference_attention``)."""
+    from kernels import reference_attention
 
-    saved = reference.sparse_decode_attention
-    reference.sparse_decode_attention = decode_bf16
+    saved = reference_attention.sparse_decode_attention
+    reference_attention.sparse_decode_attention = decode_bf16
     try:
-        return reference.sparse_prefill_attention(*args)
+        return reference_attention.sparse_prefill_attention(*args)
     finally:
-        reference.sparse_decode_attention = saved
+        reference_attention.sparse_decode_attention = saved
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
