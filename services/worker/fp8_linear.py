@@ -36,6 +36,8 @@ from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 
 PRECISIONS = ("fp8", "fp32")
+
+
 def linear_block_m(num_tokens: int) -> int:
     """Tokens per MMA tile of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
     weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
