@@ -32,7 +32,7 @@ def _layout_kernel(
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr, LIVE: tl.constexpr, COUNT: tl.constexpr,
 ):
-    """experts int [T, TOP_K], weights fp32 [T, TOP_K], live int8 [T] (LIVE); outputs for E + 1 stacked
+    """experts int [T, TOP_K], weights fp32 [T, TOP_K], live bool [T] (LIVE); outputs for E + 1 stacked
     experts: counts int32 [E+1], row_ids int32 / route_w fp32 [E+1, T], slot_of int64 [T, TOP_K+1],
     active int32 [E+1], num_active int32 [1]; COUNT: expert_counts int64 [E] += routed live picks."""
     STACKED: tl.constexpr = NUM_EXPERTS + 1
@@ -114,7 +114,7 @@ def moe_layout(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, l
     block_t = max(1, min(16, 8192 // (k_pad * e_pad)))  # [BLOCK_T, K_PAD, E_PAD] ≤ 8K: 64 per thread
     _layout_kernel[(1,)](
         experts.contiguous(), weights.float().contiguous(),
-        live.to(torch.int8).contiguous() if live is not None else out["counts"],
+        live.contiguous() if live is not None else out["counts"],  # bool: loaded as i1, no conversion launch
         out["counts"], out["row_ids"], out["route_w"], out["slot_of"], out["active"], out["num_active"],
         expert_counts if expert_counts is not None else out["counts"], num_tokens,
         NUM_EXPERTS=num_experts, TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_FILL=1024,
