@@ -100,6 +100,26 @@ def measure_fp8_peak(size: int = 8192) -> float:
     return 2 * size**3 / seconds
 
 
+def sweep_configs(name: str, configs: list[dict[str, Any]], run: Callable[[dict[str, Any]], object]
+                  ) -> tuple[list[dict[str, Any]], tuple[float, dict[str, Any]] | None]:
+    """Each launcher config timed as ``run(config)`` by graph replay: (every one tried, with its µs; the
+    best as (seconds, config), or None). A config that fails (e.g. does not compile) is reported on
+    stderr and skipped."""
+    tried: list[dict[str, Any]] = []
+    best: tuple[float, dict[str, Any]] | None = None
+    for cfg in configs:
+        try:
+            t = _bench_replay(lambda c=cfg: run(c))
+        except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"  {name + ' ' if name else ''}config {cfg} failed: {type(err).__name__}: {str(err)[:120]}",
+                  file=sys.stderr)
+            continue
+        tried.append({**cfg, "us": t * 1e6})
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return tried, best
+
+
 def _row(name: str, shape: str, seconds: float, nbytes: float, flops: float, ceil: dict[str, float],
          torch_seconds: float | None, note: str = "", peak: str = "fp8_peak") -> dict[str, object]:
     roofline = max(nbytes / ceil["bandwidth"], flops / ceil[peak])
@@ -154,11 +174,14 @@ def _moe_problem(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tenso
     return route_metadata(experts, weights, EXPERTS)
 
 
-def _random_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_weights(n: int, k: int, gen: torch.Generator, num_experts: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 weights [E, n, k] (E = ``EXPERTS`` unless given) and power-of-two block scales."""
     import torch
 
-    w = (torch.randn(EXPERTS, n, k, device=DEVICE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
-    scale = torch.exp2(torch.randint(-9, -5, (EXPERTS, n // 128, k // 128), device=DEVICE, generator=gen).float())
+    num_experts = EXPERTS if num_experts is None else num_experts
+    w = (torch.randn(num_experts, n, k, device=DEVICE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    scale = torch.exp2(torch.randint(-9, -5, (num_experts, n // 128, k // 128), device=DEVICE, generator=gen).float())
     return w, scale
 
 
@@ -236,23 +259,10 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: torch.G
         row.update(eager_us=eager * 1e6, graph_us=graph * 1e6, graph_tb_s=nbytes / graph / 1e12)
         rows.append(row)
         if sweep and num_tokens in SWEEP_TOKENS and "fp8" in name:
-            best, tried = None, []
-            for block_m, block_n, warps, stages, per_sm in SWEEP:
-                cfg: dict[str, Any] = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                           programs_per_sm=per_sm)
-                if block_n != 128 and "fp8→fp8" in name:
-                    continue  # the FP8 epilogue needs whole 128-channel groups
-                try:
-                    def tuned(kw: dict[str, Any] = kwargs, c: dict[str, Any] = cfg) -> object:
-                        return moe_grouped_gemm(**kw, meta=meta, **c)
-
-                    t = _bench_replay(tuned)
-                except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-                    print(f"  config {cfg} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-                    continue
-                tried.append({**cfg, "us": t * 1e6})
-                if best is None or t < best[0]:
-                    best = (t, cfg)
+            configs = [dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+                       for block_m, block_n, warps, stages, per_sm in SWEEP
+                       if block_n == 128 or "fp8→fp8" not in name]  # the FP8 epilogue needs whole 128-channel groups
+            tried, best = sweep_configs("", configs, lambda c, kw=kwargs: moe_grouped_gemm(**kw, meta=meta, **c))
             row["sweep"] = tried
             if best is not None:
                 rows.append(_row(name + " [best of sweep]", f"{shape} N={n_w} K={k}", best[0], nbytes, flops, ceil,

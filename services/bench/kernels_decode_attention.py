@@ -107,20 +107,9 @@ def bench_decode_attention(num_rows: int, context: int, ceil: dict[str, float], 
     row["graph_tb_s"] = nbytes / row["graph_us"] / 1e6
     rows = [row]
     if sweep and num_rows in ATTN_SWEEP_ROWS and context == base.ATTN_CONTEXTS[-1]:
-        tried, best = [], None
-        for block_h, block_n, warps, stages in ATTN_SWEEP:
-            cfg = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
-            try:
-                def tuned(c: dict[str, Any] = cfg) -> object:
-                    return sparse_decode_attention(*args, out=out, **c)
-
-                t = base._bench_replay(tuned)
-            except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"  config {cfg} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-                continue
-            tried.append({**cfg, "us": t * 1e6})
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        configs = [dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
+                   for block_h, block_n, warps, stages in ATTN_SWEEP]
+        tried, best = base.sweep_configs("", configs, lambda c: sparse_decode_attention(*args, out=out, **c))
         # Where the time goes: the window alone (128 FP8 keys), the entries alone (512 FP4 keys).
         alone = {"window only": (*args[:6], p["selected"][:, :0], *args[7:]),
                  "entries only": (*args[:4], 0, *args[5:])}

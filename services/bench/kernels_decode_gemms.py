@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import triton
 
-from services.bench.kernels import DEVICE, EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _bench_replay, _row
+from services.bench.kernels import (DEVICE, EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _bench_replay, _random_weights,
+                                    _row)
 
 if TYPE_CHECKING:
     import torch
@@ -47,14 +48,6 @@ def projection_shapes() -> dict[str, tuple[int, int]]:
     return out
 
 
-def _weights(num_experts: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch
-
-    w = (torch.randn(num_experts, n, k, device=DEVICE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
-    scale = torch.exp2(torch.randint(-9, -5, (num_experts, n // 128, k // 128), device=DEVICE, generator=gen).float())
-    return w, scale
-
-
 def _layer_meta(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """``KernelMoE._layout`` without a live mask: uniform top-6 of 48, plus the shared expert 48."""
     import torch
@@ -76,8 +69,8 @@ def bench_moe_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generato
 
     meta = _layer_meta(num_tokens, gen)
     num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
-    w13, s13 = _weights(num_stacked, 2 * INTER, HIDDEN, gen)
-    w2, s2 = _weights(num_stacked, HIDDEN, INTER, gen)
+    w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
+    w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
     x_q = quantize_act(torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen))
     block_m = default_block_m(meta["slot_of"].numel() / num_stacked)
     tiles = triton.cdiv(num_tokens, block_m)  # the shared expert's M tiles
@@ -113,7 +106,7 @@ def bench_projections(num_tokens: int, ceil: dict[str, float], gen: torch.Genera
     rows = []
     meta = one_expert_meta(num_tokens, 1, torch.device(DEVICE))
     for label, (n, k) in projection_shapes().items():
-        w, s = _weights(1, n, k, gen)
+        w, s = _random_weights(n, k, gen, 1)
         a = quantize_act(torch.randn(num_tokens, k, device=DEVICE, dtype=torch.bfloat16, generator=gen))
         nbytes = n * k + (n // 128) * (k // 128) * 4 + num_tokens * (k + 2 * n)
         for block_m in (16, 32):

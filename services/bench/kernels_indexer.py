@@ -64,21 +64,9 @@ def _sweep(p: dict[str, Any], kw: dict[str, Any], row: dict[str, object], nbytes
     import sys
 
     from kernels.indexer import indexer_select
-    from services.bench.kernels import _bench_replay, _row
+    from services.bench.kernels import _row, sweep_configs
 
-    tried, best = [], None
-    for options in SWEEP:
-        def call(o: dict[str, Any] = options) -> object:
-            return indexer_select(*_args(p), **{**kw, **o})
-
-        try:
-            t = _bench_replay(call)
-        except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"  indexer config {options} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-            continue
-        tried.append({**options, "us": t * 1e6})
-        if best is None or t < best[0]:
-            best = (t, options)
+    tried, best = sweep_configs("indexer", list(SWEEP), lambda o: indexer_select(*_args(p), **{**kw, **o}))
     row["sweep"] = tried
     print(f"  indexer sweep {shape}: {tried}", file=sys.stderr)
     if best is None:

@@ -107,20 +107,11 @@ def _sweep(num_tokens: int, p: dict[str, Any], nbytes: float, flops: float, ceil
            shape: str) -> list[dict[str, object]]:
     """expand + mix + collapse under a few (block_t, split, num_warps); the best as its own row."""
     from kernels import mhc
-    from services.bench.kernels import _bench_replay, _row
+    from services.bench.kernels import _row, sweep_configs
 
-    tried, best = [], None
-    for block_t, split, warps in SWEEP:
-        cfg = dict(block_t=block_t, split=split, num_warps=warps)
-        try:
-            t = _bench_replay(lambda c=cfg: mhc.mhc_expand_mix(p["y"], p["h"], p["mix"], p["weights"][1],
-                                                                p["mix"].pre, **c))
-        except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"  mhc config {cfg} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-            continue
-        tried.append({**cfg, "us": t * 1e6})
-        if best is None or t < best[0]:
-            best = (t, cfg)
+    configs = [dict(block_t=block_t, split=split, num_warps=warps) for block_t, split, warps in SWEEP]
+    tried, best = sweep_configs("mhc", configs, lambda c: mhc.mhc_expand_mix(p["y"], p["h"], p["mix"], p["weights"][1],
+                                                                           p["mix"].pre, **c))
     print(f"  mhc T={num_tokens}: sweep {tried}", file=sys.stderr)
     if best is None:
         return []

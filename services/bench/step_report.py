@@ -5,6 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 
+def _floor_cells(r: dict[str, Any], floor_spec: str) -> str:
+    """A row's floor and % of floor cells ("-" where no floor was measured)."""
+    floor = "-" if r["floor_ms"] is None else format(r["floor_ms"], floor_spec)
+    eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
+    return f"{floor} | {eff}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The tables of a ``shinkai bench step`` result (``step._result``), one per section that ran."""
     lines = [f"`{result['command']}` on {result['device']}, {result['date']}", ""]
@@ -12,9 +19,8 @@ def markdown(result: dict[str, Any]) -> str:
     if dec:
         lines += ["| context | batch | step ms | floor ms | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
         for r in dec:
-            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f}"
-            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
-            lines.append(f"| {r['context']} | {r['batch']} | {r['ms']:.2f} | {floor} | {eff} | {r['tokens_per_s']:.0f} |")
+            lines.append(f"| {r['context']} | {r['batch']} | {r['ms']:.2f} | {_floor_cells(r, '.2f')} | "
+                         f"{r['tokens_per_s']:.0f} |")
     for r in result["rows"]:
         if r["section"] == "decode fit":
             lines.append(f"\nfit at context {r['context']}: {r['a_ms']:.2f} ms + {r['b_us_per_row']:.1f} µs · rows")
@@ -22,9 +28,7 @@ def markdown(result: dict[str, Any]) -> str:
     if pre:
         lines += ["", "| prefill tokens | step ms | floor ms | % of floor |", "|---|---|---|---|"]
         for r in pre:
-            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
-            eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}"
-            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {floor} | {eff} |")
+            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {_floor_cells(r, '.1f')} |")
     off = [r for r in result["rows"] if r["section"] == "offline"]
     if off:
         lines += ["", "| async | batch | tokens/s | GPU busy |", "|---|---|---|---|"]

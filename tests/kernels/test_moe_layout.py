@@ -3,10 +3,12 @@ over the stacked experts): every output equal, bit for bit, with and without a l
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from kernels.reference import route_metadata
+from services.worker.kernel_moe import KernelMoE
 from tests.kernels.interpret import interpreter, load_interpreted
 
 
@@ -18,26 +20,14 @@ def _choices(num_tokens: int, num_experts: int, top_k: int, seed: int, device: s
 
 
 def torch_layout(experts, weights, num_experts, live):
-    """KernelMoE._layout's torch path (shared expert stacked last; dead rows to sinks, then cut), and
-    the counts its forward adds: the specification the kernel must reproduce."""
-    num_tokens, top_k = experts.shape
-    stacked = num_experts + 1
-    shared = torch.full((num_tokens, 1), num_experts, dtype=experts.dtype, device=experts.device)
-    choices = torch.cat((experts, shared), 1)
-    route_w = torch.cat((weights, torch.ones_like(weights[:, :1])), 1)
+    """``KernelMoE``'s torch path: its ``_layout`` (shared expert stacked last; dead rows to sinks, then
+    cut) and the counts its forward adds, the specification the kernel must reproduce."""
+    rows = None if live is None else live.reshape(-1, 1)
+    meta = KernelMoE._layout(SimpleNamespace(num_experts=num_experts), experts, weights, rows)
+    picks = torch.ones_like(experts, dtype=torch.long) if rows is None else rows.long().expand(experts.shape)
     counts = torch.zeros(num_experts, dtype=torch.long, device=experts.device)
-    if live is None:
-        counts.scatter_add_(0, experts.flatten().long(), torch.ones_like(experts.flatten(), dtype=torch.long))
-        return route_metadata(choices, route_w, stacked), counts
-    rows = live.reshape(-1, 1)
-    counts.scatter_add_(0, experts.flatten().long(), rows.long().expand(experts.shape).flatten())
-    sinks = torch.arange(stacked, stacked + choices.shape[1], dtype=choices.dtype, device=experts.device)
-    meta = route_metadata(torch.where(rows, choices, sinks), torch.where(rows, route_w, 0.0), stacked + top_k + 1)
-    c = meta["counts"][:stacked]
-    return {"counts": c, "row_ids": meta["row_ids"][:stacked], "route_w": meta["route_w"][:stacked],
-            "slot_of": torch.where(rows, meta["slot_of"], 0),
-            "active": torch.sort((c == 0).to(torch.int32), stable=True).indices.to(torch.int32),
-            "num_active": (c > 0).sum().to(torch.int32).view(1)}, counts
+    counts.scatter_add_(0, experts.flatten().long(), picks.flatten())
+    return meta, counts
 
 
 def _check(got, got_counts, want, want_counts):

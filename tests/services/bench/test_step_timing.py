@@ -1,7 +1,6 @@
 """The step-timing harness on CPU with the tiny model: real plans, skipped prefill, whole pools after."""
 
 import pytest
-import torch
 
 from services.bench.step_timing import fit_line, skip_prefill, time_decode
 
