@@ -47,6 +47,7 @@ from triton.language.extra import libdevice
 from kernels.device import upload
 from kernels.sampler_select import (
     _cut_ties,
+    _key,
     _load,
     _masses,
     _select,
@@ -89,7 +90,7 @@ def _philox_bits(seed, stream):
 @triton.jit
 def _sampler_kernel(
     logits_ptr, row_stride, num_tokens,
-    temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride,
+    temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride, forced_ptr,
     token_ptr, logprob_ptr, error_ptr, top_ids_ptr, top_lp_ptr, case,
     NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, SEL_BLOCK: tl.constexpr,
     GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr,
@@ -178,13 +179,17 @@ def _sampler_kernel(
             token += tl.sum((running + tl.cumsum(w, axis=0) <= threshold).to(tl.int32), axis=0)
             running += tl.sum(w, axis=0)
 
+    # A forced token replaces the draw; its logprob is the processed row's, −inf where it was not kept.
+    forced = tl.load(forced_ptr + row)
+    token = tl.where(forced >= 0, forced.to(token.dtype), token)
     # log_softmax of the processed row at the token: s − log Σ exp(s) (the kept max has s = 0).
     if LIBDEVICE:
         log_total = libdevice.log(total)
     else:
         log_total = tl.log(total)
     x_tok = _load(row_ptr, ban_row, token + tl.zeros([1], tl.int32), num_tokens, err, NUM_BANS)
-    s_tok = tl.sum(tl.math.div_rn(x_tok - m, temp), axis=0)
+    kept_tok = (_key(x_tok) > cut_key) | ((_key(x_tok) == cut_key) & (token < cut_id))
+    s_tok = tl.sum(tl.where(kept_tok, tl.math.div_rn(x_tok - m, temp), float("-inf")), axis=0)
     tl.store(token_ptr + row, tl.where(err, 0, token).to(tl.int64))
     tl.store(logprob_ptr + row, tl.where(err, float("-inf"), s_tok - log_total))
     tl.store(error_ptr + row, err)
@@ -204,6 +209,7 @@ class SamplingParams:
     seed: torch.Tensor  # [R] int64; the seed mod 2⁶⁴ as two's complement
     position: torch.Tensor  # [R] int64; the index of the token being produced
     banned: torch.Tensor  # [R, B] int32 token ids, −1 padded (B may be 0)
+    forced: torch.Tensor  # [R] int64; the token output instead of the draw, −1 = draw
 
 
 def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
@@ -234,6 +240,8 @@ def sampling_params(rows: Sequence, device: torch.device | str | None = None,
         seed=up(torch.tensor(seeds, dtype=torch.int64)),
         position=up(torch.tensor([r.position for r in rows], dtype=torch.int64)),
         banned=up(banned),
+        forced=up(torch.tensor([-1 if r.forced_token_id is None else r.forced_token_id for r in rows],
+                               dtype=torch.int64)),
     )
 
 
@@ -268,7 +276,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, num_logprobs: int = 0,
     _sampler_kernel[(num_rows,)](
         logits, logits.stride(0), num_tokens,
         params.temperature, params.rank_limit, params.mass_limit, params.seed, params.position,
-        banned, banned.stride(0) if banned.shape[1] else 0,
+        banned, banned.stride(0) if banned.shape[1] else 0, params.forced,
         out.token_ids, out.logprobs, out.errors, out.top_token_ids, out.top_logprobs, int(case),
         NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=num_chunks,
         SEL_BLOCK=min(block, 32 * num_warps),

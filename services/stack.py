@@ -36,6 +36,7 @@ class StackConfig:
     run_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "shinkai" / "stack")  # logs + PIDs
     max_num_seqs: int | None = None  # per engine; None: the engine default
     remote_workers: bool = False  # each engine's worker in its own process (worker.v1) instead of in-process
+    batch_invariant: bool = False  # engines and workers in batch-invariant mode (EngineConfig.batch_invariant)
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
 
 
@@ -148,6 +149,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     ]
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
+    sizing += ["--batch-invariant"] if config.batch_invariant else []
     drain = ["--drain-timeout", str(config.drain_timeout_s)] if config.drain_timeout_s is not None else []
     for i in range(config.num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"

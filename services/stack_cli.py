@@ -20,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once per engine")
     up.add_argument("--remote-workers", action="store_true",
                     help="run each engine's worker as its own process (worker.v1) instead of in-process")
+    up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.set_defaults(func=_up)
@@ -37,7 +38,8 @@ def _up(args: argparse.Namespace) -> int:
         raise UsageError("--num-engines must be at least 1")
     config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
                          grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
-                         max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers)
+                         max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
+                         batch_invariant=args.batch_invariant)
     try:
         up(config, timeout_s=args.timeout)
     except (RuntimeError, FileNotFoundError, ValueError) as err:

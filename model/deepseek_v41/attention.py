@@ -17,8 +17,10 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from model import batch_invariant
 from model.deepseek_v41.compressor import Compressor, compressed_entries, group_positions
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.indexer import Indexer, candidate_mask, select_entries, selection_mask, visible_entries
@@ -73,14 +75,38 @@ class Attention(nn.Module):
         q_latent = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
         q = apply_rope(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)  # [B, S, H, hd]
         kv = fake_quant_fp8_e4m3(apply_rope(self.kv_norm(self.wkv(x)), angles))  # [B, S, hd]
-        allowed = window_mask(positions, self.window)  # [B, S, S]
         if self.ratio:
             state = self._sparse(x, positions, q_latent, state)
+        if batch_invariant.active():
+            out = self._attend_per_query(q, kv, state)
+            return self._project_out(out, angles), state
+        allowed = window_mask(positions, self.window)  # [B, S, S]
+        if self.ratio:
             width = state.compressed_kv.shape[1]
             kv = torch.cat((kv, state.compressed_kv), dim=1)  # [B, S + W, hd]
             allowed = torch.cat((allowed, selection_mask(state.selected, width)), dim=-1)
         out = sink_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)  # [B, S, H, hd]
         return self._project_out(out, angles), state
+
+    def _attend_per_query(self, q: torch.Tensor, kv: torch.Tensor, state: SparseState) -> torch.Tensor:
+        """``sink_attention`` with every query's keys gathered in the cached engine's layout (window
+        p−w+1 … p, then ``index_topk`` selected entries, −1 padded): each query reduces over the same keys
+        in the same order at any sequence length (model/batch_invariant.py). q [B, S, H, hd] → same."""
+        b, s, hd = kv.shape
+        pos = torch.arange(s, device=kv.device).unsqueeze(-1) - self.window + 1 + torch.arange(self.window,
+                                                                                              device=kv.device)
+        keys = kv[:, pos.clamp_min(0)]  # [B, S, w, hd]
+        allowed = (pos >= 0).expand(b, s, self.window)
+        if self.ratio:
+            sel = F.pad(state.selected, (0, self.index_topk - state.selected.shape[-1]), value=-1)  # [B, S, k]
+            entries = state.compressed_kv
+            picked = entries[torch.arange(b, device=kv.device).view(b, 1, 1), sel.clamp_min(0)] if \
+                entries.shape[1] else entries.new_zeros(b, s, self.index_topk, hd)
+            keys = torch.cat((keys, picked.to(keys.dtype)), dim=2)
+            allowed = torch.cat((allowed, sel >= 0), dim=-1)
+        out = sink_attention(q.flatten(0, 1).unsqueeze(1), keys.flatten(0, 1), allowed.flatten(0, 1).unsqueeze(1),
+                             self.attn_sink, self.head_dim**-0.5)  # [B·S, 1, H, hd]
+        return out.view(b, s, *out.shape[2:])
 
     def _sparse(self, x: torch.Tensor, positions: torch.Tensor, q_latent: torch.Tensor,
                 state: SparseState) -> SparseState:

@@ -2,7 +2,9 @@
 
 Router: s = sqrt(softplus(gate · x)) in fp32; the top-k of s + bias selects experts (the bias
 never weights them); weights = s_sel / Σ s_sel · routed_scale. Each expert (and the always-on
-shared expert) is SwiGLU with clamps: w2(silu(min(w1 x, L)) ⊙ clamp(w3 x, −L, L)).
+shared expert) is SwiGLU with clamps: w2(silu(min(w1 x, L)) ⊙ clamp(w3 x, −L, L)). A token's output
+sums in fp32, shared expert first, then its routed experts in top-k order: the order every backend
+uses, so no combine depends on which other tokens chose an expert.
 """
 
 from __future__ import annotations
@@ -55,13 +57,17 @@ class MoE(nn.Module):
         weights, experts = self.route(x)
         if counts is not None:
             counts += torch.bincount(experts.flatten(), minlength=counts.numel())
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        shared = clamped_swiglu(F.linear(x, self.shared_w1), F.linear(x, self.shared_w3), self.limit).to(x.dtype)
+        routed = torch.zeros(*experts.shape, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, k, D]
         for e in experts.unique().tolist():
             tok, slot = torch.where(experts == e)
             xe = x[tok]  # [t, D]
             act = clamped_swiglu(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.limit)  # [t, I]
             act = (act * weights[tok, slot, None]).to(x.dtype)
-            out.index_add_(0, tok, (act @ self.w2[e].t()).float())
-        shared = clamped_swiglu(F.linear(x, self.shared_w1), F.linear(x, self.shared_w3), self.limit).to(x.dtype)
-        out = out.to(x.dtype) + F.linear(shared, self.shared_w2)
+            routed[tok, slot] = (act @ self.w2[e].t()).float()
+        # The combine, in fp32 and one fixed order: the shared expert, then the routed ones in top-k order.
+        out = F.linear(shared, self.shared_w2).float()
+        for j in range(experts.shape[-1]):
+            out = out + routed[:, j]
+        out = out.to(x.dtype)
         return out.reshape(shape)

@@ -16,6 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=_run)
 
@@ -27,7 +28,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
-        llm = LLM(model=args.model)
+        llm = LLM(model=args.model, batch_invariant=args.batch_invariant)
         outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
     except ValueError as err:
         raise UsageError(str(err)) from err

@@ -56,6 +56,10 @@ class EngineConfig:
     # On a CUDA device with the kernel backend, decode steps replay captured CUDA graphs (one per graph size,
     # services/worker/graph_runner.py); other steps run eagerly. Needs kernel_backend (the torch MoE syncs).
     cuda_graphs: bool = False
+    # Every per-row result independent of the other rows in the step and of the row's place
+    # (model/batch_invariant.py on the torch path): the same request gives bit-identical tokens and
+    # logprobs alone, in any batch, chunked at any budget, with async scheduling on or off.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

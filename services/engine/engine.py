@@ -61,7 +61,8 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids)):
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids),
+                          ("forced_token_ids", params.forced_token_ids)):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"{name} has an id outside the vocabulary of {self.vocab_size}")
         total = len(prompt_token_ids) + params.resolved_max_tokens
@@ -188,6 +189,7 @@ class Engine:
                     temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else -1, top_p=p.top_p,
                     seed=req.seed, position=seqlens_k[i] - n + 1 + j, forced_top_k=self.config.forced_top_k,
                     banned_token_ids=banned, num_logprobs=p.logprobs or 0,
+                    forced_token_id=p.forced_token_ids[num_out + j] if num_out + j < len(p.forced_token_ids) else None,
                 ))
         return rows
 

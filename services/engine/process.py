@@ -52,6 +52,8 @@ async def run(args: argparse.Namespace) -> int:
 
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
+    if args.batch_invariant:
+        engine_args["batch_invariant"] = True
     llm = None
     if args.worker:
         from services.engine.llm import LLM
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help="host:port of a worker process (default: in-process)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     args = p.parse_args(argv)

@@ -30,6 +30,10 @@ class SamplingParams:
     logprobs: int | None = None
     # Never sampled.
     banned_token_ids: tuple[int, ...] = field(default=())
+    # Output token i is forced_token_ids[i] instead of a draw (DeepInfer's golden tokens), for as many
+    # tokens as the tuple holds; sampling resumes after it. Each forced token still reports its logprob
+    # (and the top logprobs) under the processed distribution: -inf where the processing dropped it.
+    forced_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or self.max_tokens < 1):
@@ -48,6 +52,7 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
+        object.__setattr__(self, "forced_token_ids", tuple(self.forced_token_ids))
 
     @property
     def resolved_max_tokens(self) -> int:

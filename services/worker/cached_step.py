@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model import batch_invariant
 from model.deepseek_v41.attention import Attention, sink_attention
 from model.deepseek_v41.engram import EngramHasher
 from model.deepseek_v41.indexer import select_entries
@@ -96,6 +97,9 @@ class CachedStep:
         if attn.ratio:
             self.sparse = self._sparse(attn, x, q_latent, angles)
             sel = self.sparse.selected[:, 0]  # [R, k]
+            if batch_invariant.active() and sel.shape[1] < attn.index_topk:
+                # The key count must not follow the batch's longest request (model/batch_invariant.py).
+                sel = F.pad(sel, (0, attn.index_topk - sel.shape[1]), value=-1)
             width = self.sparse.kv.shape[1]
             flat = self.sparse.kv.flatten(0, 1)  # [N·W, hd]
             picked = flat[(b.row_requests.unsqueeze(-1) * width + sel).clamp_min(0)] if flat.numel() else \

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from model.batch_invariant import batch_invariant
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
@@ -51,17 +52,22 @@ class ModelRunner:
         self.cache = CacheEngine(self.cfg, config.block_size, config.resolved_num_blocks(),
                                  config.resolved_num_state_slots(), ring_size(self.cfg, nextn), device)
         self.rounding = rounding
+        # The torch path's mode; the kernel backend takes its batch-invariant configuration at conversion.
+        self.batch_invariant = config.batch_invariant and self.backend == "torch"
 
     def release(self, request_id: str) -> None:
         """Nothing to drop: every per-request byte lives in the pools, which the scheduler owns.
         A reused slot is never read before it is written (reads are bounded by positions)."""
 
-    @torch.no_grad()
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
                 ) -> RunnerOutput:
         """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
         with ``all_rows``, for tests), expert counts [layers, experts], rows computed. A plan with
         pending inputs (async scheduling) needs ``pending``, the previous step's sampled tokens."""
+        with torch.no_grad(), batch_invariant(self.batch_invariant):
+            return self._execute(plan, all_rows, pending)
+
+    def _execute(self, plan: StepPlan, all_rows: bool, pending: PendingInputs | None) -> RunnerOutput:
         cfg, model = self.cfg, self.model
         self.cache.copy(plan.block_copies, plan.state_copies)
         device = model.embed.weight.device

@@ -9,7 +9,8 @@ Pipeline per row, in DeepInfer's order (walkthrough, "The sampling pipeline, in 
 5. top-p: keep the most likely tokens until their mass reaches at least ``top_p``;
 6. renormalise (softmax over what is kept);
 7. logprobs of that processed distribution;
-8. draw (or argmax when greedy).
+8. draw (or argmax when greedy), unless the row forces its token (``forced_token_id``): then that token,
+   with its logprob under the same processed distribution.
 
 Invariants:
 
@@ -66,6 +67,8 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...]
     # Top-n logprobs to return; 0 returns only the chosen token's.
     num_logprobs: int
+    # The token to output instead of the draw (its logprob still under the processed distribution); None = draw.
+    forced_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -80,6 +83,8 @@ class SamplingRow:
             raise ValueError(f"forced_top_k must be positive or None, got {self.forced_top_k}")
         if self.num_logprobs < 0:
             raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs}")
+        if self.forced_token_id is not None and self.forced_token_id < 0:
+            raise ValueError(f"forced_token_id must be >= 0 or None, got {self.forced_token_id}")
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
 
     @property
@@ -186,7 +191,14 @@ class Sampler:
         bits = draw_bits([r.seed for r in rows], [r.position for r in rows], DrawCase.SAMPLE, device)
         drawn = _pick(p.probs, bits)
         greedy = torch.tensor([r.temperature == 0 for r in rows], dtype=torch.bool, device=device)
-        tokens = torch.where(greedy, torch.argmax(p.banned, dim=-1), drawn).masked_fill(p.errors, 0)
+        tokens = torch.where(greedy, torch.argmax(p.banned, dim=-1), drawn)
+        forced = [(i, r.forced_token_id) for i, r in enumerate(rows) if r.forced_token_id is not None]
+        if forced:
+            if any(t >= vocab_size for _, t in forced):
+                raise ValueError(f"a forced token id is outside the vocabulary [0, {vocab_size})")
+            index, ids = zip(*forced)
+            tokens[torch.tensor(index, device=device)] = torch.tensor(ids, dtype=tokens.dtype, device=device)
+        tokens = tokens.masked_fill(p.errors, 0)
         chosen = p.logprobs.gather(1, tokens.unsqueeze(-1)).squeeze(-1).masked_fill(p.errors, -math.inf)
         if width > 0:
             top_ids = p.order[:, :width].contiguous()  # a copy: the full [n, V] order is freed

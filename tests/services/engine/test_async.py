@@ -12,7 +12,9 @@ from services.engine.engine import Engine
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="tiny", block_size=16, max_num_batched_tokens=64, max_num_seqs=16)
+    # Batch-invariant: a request that ended at step N still has its (dropped) row in N+1 with async on, so
+    # the two runs' batches differ; in this mode that cannot move a bit (model/batch_invariant.py).
+    return LLM(model="tiny", block_size=16, max_num_batched_tokens=64, max_num_seqs=16, batch_invariant=True)
 
 
 def _prompt(seed, n):
@@ -78,14 +80,7 @@ def test_async_on_and_off_give_identical_tokens_and_logprobs(llm, sampling):
     sync, asyn = results[False], results[True]
     for k in range(6):
         (tokens, lps, tops, reason), (a_tokens, a_lps, a_tops, a_reason) = sync[f"s{k}"], asyn[f"a{k}"]
-        assert (a_tokens, a_reason) == (tokens, reason)
-        # Logprobs to float rounding: a request that ended at step N still has its (dropped) row in N+1, so
-        # the batches' row counts differ and CPU matmuls round differently (as across batches in test_llm).
-        assert a_lps == pytest.approx(lps, abs=1e-5)
-        if tops is not None:
-            assert [[t for t, _ in row] for row in a_tops] == [[t for t, _ in row] for row in tops]
-            assert [v for row in a_tops for _, v in row] == pytest.approx([v for row in tops for _, v in row],
-                                                                          abs=1e-5)
+        assert (a_tokens, a_reason, a_lps, a_tops) == (tokens, reason, lps, tops)
     reasons = [sync[f"s{k}"][3] for k in range(6)]
     assert reasons == ["length", "length", "length", "stop", "length", "abort"]
     assert sync["s3"][0][-1] == stop and len(sync["s3"][0]) <= 4

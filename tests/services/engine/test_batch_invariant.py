@@ -1,0 +1,111 @@
+"""Batch-invariant mode on CPU (the tiny model): DeepInfer's test with ``==`` (walkthrough Pass 3, "When
+the same prompt must give the same answer"), chunked prefill at several budgets, and forced tokens.
+
+Every comparison is Python ``==`` on floats: the mode's promise is bits, not closeness."""
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.llm import default_runner
+
+NUM_PROMPTS = 16
+NUM_TOKENS = 16
+
+
+@pytest.fixture(autouse=True)
+def pools_checked_after_every_step(monkeypatch):
+    step = Engine.step
+
+    def checked(self):
+        outputs = step(self)
+        self.scheduler.check_invariants()
+        return outputs
+
+    monkeypatch.setattr(Engine, "step", checked)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 129_000, (n,), generator=g).tolist()
+
+
+def _answer(out) -> tuple:
+    return out.token_ids, out.logprobs, out.top_logprobs
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A 48-token prefill budget splits the longer prompts across steps, and mixes prompts in one step.
+    return LLM(model="tiny", block_size=16, max_num_batched_tokens=48, max_num_seqs=NUM_PROMPTS,
+               batch_invariant=True)
+
+
+def test_a_batch_and_each_prompt_alone_forced_to_its_tokens_are_equal(llm):
+    prompts = [_prompt(k, 5 + 7 * k) for k in range(NUM_PROMPTS)]  # 5 … 110 tokens
+    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k,
+                             ignore_eos=True) for k in range(NUM_PROMPTS)]
+    batch = llm.generate(prompts, params)
+    for k, (prompt, p, together) in enumerate(zip(prompts, params, batch)):
+        assert len(together.token_ids) == NUM_TOKENS
+        forced = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5,
+                                seed=7 + k, ignore_eos=True, forced_token_ids=tuple(together.token_ids))
+        alone = llm.generate(prompt, forced)[0]
+        assert _answer(alone) == _answer(together), f"prompt {k} differs alone"
+    s = llm.stats()
+    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+
+
+class _LogitsRecorder:
+    """The runner, with every sampled row's logits recorded per request id."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def execute(self, plan, *args, **kwargs):
+        out = self.runner.execute(plan, *args, **kwargs)
+        row = 0
+        for rid, n in zip(plan.request_ids, plan.num_sample_rows.tolist()):
+            self.logits.setdefault(rid, []).extend(out.logits[row : row + n].clone())
+            row += n
+        return out
+
+    def release(self, request_id):
+        self.runner.release(request_id)
+
+
+@pytest.mark.parametrize("budget", [16, 40, 256])
+def test_chunked_prefill_at_any_budget_gives_equal_logits(llm, budget):
+    """The same two requests at three prefill budgets (one chunk, or many, beside the other request):
+    every sampled row's logits are equal under ``==`` to the 256-token budget's."""
+    prompts = [_prompt(50, 100), _prompt(51, 37)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    results = {}
+    for b in sorted({budget, 256}):
+        args = dict(block_size=16, max_num_batched_tokens=b, max_num_seqs=4, batch_invariant=True)
+        recorder = _LogitsRecorder(default_runner(llm.source, EngineConfig(**args)))
+        run = LLM(model="tiny", source=llm.source, runner=recorder, **args)
+        outs = run.generate(prompts, params)
+        results[b] = [torch.stack(recorder.logits[o.request_id]) for o in outs]
+    for mine, full in zip(results[budget], results[256]):
+        assert torch.equal(mine, full)
+
+
+def test_forced_tokens_are_output_with_their_processed_logprobs(llm):
+    prompt = _prompt(3, 20)
+    free = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    forced_ids = (free.top_logprobs[0][2][0], free.token_ids[1], 17)  # the 3rd-ranked token first
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True,
+                                              forced_token_ids=forced_ids))[0]
+    assert tuple(out.token_ids[:3]) == forced_ids
+    assert out.logprobs[0] == free.top_logprobs[0][2][1]  # its logprob where it ranked 3rd
+    assert out.top_logprobs[0] == free.top_logprobs[0]
+    assert out.token_ids[3] == max(out.top_logprobs[3], key=lambda t: (t[1], -t[0]))[0]  # greedy resumes
+
+
+def test_forced_token_outside_the_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="forced_token_ids"):
+        llm.generate(_prompt(4, 8), SamplingParams(max_tokens=2, forced_token_ids=(200_000,)))
