@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", help="decode batch sizes, comma-separated (replaces the mode's)")
     parser.add_argument("--contexts", help="decode context lengths, comma-separated (replaces the mode's)")
     parser.add_argument("--prefill-tokens", help="prefill chunk sizes, comma-separated (replaces the mode's)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also time decode and a prefill step with the batch-invariant mode on, beside it off")
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
@@ -243,6 +245,10 @@ def main(args: argparse.Namespace) -> int:
     sections = [("host", lambda: _host_section(sizes)),
                 ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
                 ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil))]
+    if args.batch_invariant:
+        from services.bench.step_invariant import batch_invariant_section
+
+        sections.append(("batch-invariant", lambda: batch_invariant_section(build, cfg, sizes)))
     if args.profile:
         sections.append(("profile", lambda: _profile_section(build, cfg, sizes)))
     if not args.no_async:

@@ -35,6 +35,11 @@ def markdown(result: dict[str, Any]) -> str:
         for r in off:
             busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
             lines.append(f"| {'on' if r['async'] else 'off'} | {r['batch']} | {r['tokens_per_s']:.1f} | {busy} |")
+    inv = [r for r in result["rows"] if r["section"] == "batch-invariant"]
+    if inv:
+        lines += ["", "| batch-invariant | size | step ms, off | step ms, on | cost |", "|---|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r.get('batch', r.get('tokens'))} | {r['ms_off']:.2f} | {r['ms_on']:.2f} | "
+                  f"{100 * r['cost']:+.0f}% |" for r in inv]
     three = [r for r in result["rows"] if r["section"] == "three ways"]
     if three:
         lines += ["", "| way | batch | layers | step ms | scaled to full depth |", "|---|---|---|---|---|"]

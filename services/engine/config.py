@@ -73,6 +73,9 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be None, 'fp8' or 'fp32', got {self.kernel_backend!r}")
         if self.cuda_graphs and self.kernel_backend is None:
             raise ValueError("cuda_graphs needs kernel_backend ('fp8' or 'fp32'): the torch MoE cannot be captured")
+        if self.batch_invariant and self.kernel_backend is not None:
+            raise ValueError("batch_invariant runs on the torch path only: the kernel backend's fixed-tile "
+                             "configuration is not built yet (leave kernel_backend None)")
         if self.forced_top_k is not None and self.forced_top_k < 1:
             raise ValueError("forced_top_k must be positive or None")
 

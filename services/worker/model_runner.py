@@ -52,8 +52,10 @@ class ModelRunner:
         self.cache = CacheEngine(self.cfg, config.block_size, config.resolved_num_blocks(),
                                  config.resolved_num_state_slots(), ring_size(self.cfg, nextn), device)
         self.rounding = rounding
-        # The torch path's mode; the kernel backend takes its batch-invariant configuration at conversion.
-        self.batch_invariant = config.batch_invariant and self.backend == "torch"
+        if config.batch_invariant and self.backend != "torch":
+            raise ValueError("batch_invariant runs on the torch backend only (model/batch_invariant.py); the "
+                             "kernel backend's fixed-tile configuration is not built yet")
+        self.batch_invariant = config.batch_invariant
 
     def release(self, request_id: str) -> None:
         """Nothing to drop: every per-request byte lives in the pools, which the scheduler owns.

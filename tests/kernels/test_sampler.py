@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -176,3 +177,15 @@ def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
         getattr(params, name).copy_(getattr(new, name))
     graph.replay()
     _check(Sampler()(logits, moved), got, tol=2e-5)
+
+
+def test_sampler_interpreted_forced_tokens_match_cpu_sampler():
+    gen = torch.Generator().manual_seed(3)
+    vocab, num_rows = 700, 8
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2.5
+    rows = [dataclasses.replace(r, forced_token_id=[5, None, 699, 0][i % 4], num_logprobs=3)
+            for i, r in enumerate(_mixed_rows(vocab, num_rows, gen))]
+    ref = Sampler()(logits, rows)
+    assert ref.token_ids[0::4].tolist() == [5, 5] and ref.token_ids[2::4].tolist() == [699, 699]
+    assert torch.isinf(ref.logprobs).any()  # some forced token lies outside its row's kept set
+    _check(ref, _interpreted_sample(logits, rows, block=256))

@@ -109,3 +109,23 @@ def test_forced_tokens_are_output_with_their_processed_logprobs(llm):
 def test_forced_token_outside_the_vocabulary_is_refused(llm):
     with pytest.raises(ValueError, match="forced_token_ids"):
         llm.generate(_prompt(4, 8), SamplingParams(max_tokens=2, forced_token_ids=(200_000,)))
+
+
+@pytest.mark.parametrize("threads, capability", [(1, "default"), (2, "avx2")])
+def test_the_mode_holds_under_other_thread_counts_and_cpu_capabilities(threads, capability):
+    """The probe in a fresh process (both settings are read at torch's import); the in-process tests above
+    cover this machine's own defaults."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-m", "tests.services.engine.batch_invariant_probe"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["capability"] == capability.upper()
+    assert result["alone_equal"] == [True] * 4 and result["prefix_equal"]

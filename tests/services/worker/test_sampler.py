@@ -1,5 +1,6 @@
 """The sampler: the walkthrough's worked examples, each processing step, integer mass, errors, determinism."""
 
+import dataclasses
 import math
 import random
 
@@ -374,3 +375,26 @@ def test_gpu_tokens_equal_cpu_tokens():
     # Softmax rounding may differ across devices; tokens agree unless a draw lands within that rounding.
     assert gpu.token_ids.cpu().tolist() == cpu.token_ids.tolist()
     assert torch.allclose(gpu.logprobs.cpu(), cpu.logprobs, atol=1e-4)  # 1.3e-5 seen on an H200
+
+
+def test_a_forced_token_replaces_the_draw_and_keeps_its_processed_logprob():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 4)
+    rows = [row(top_p=0.8, forced_token_id=1, num_logprobs=2), row(top_p=0.8, forced_token_id=4),
+            row(temperature=0.0, forced_token_id=2), row(top_p=0.8, banned_token_ids=(1,), forced_token_id=1)]
+    free = SAMPLER(logits, [dataclasses.replace(r, forced_token_id=None) for r in rows])
+    out = SAMPLER(logits, rows)
+    assert out.token_ids.tolist() == [1, 4, 2, 1]
+    p = SAMPLER.process(logits, rows)
+    assert out.logprobs[0] == p.logprobs[0, 1] and math.isfinite(out.logprobs[0])
+    assert out.logprobs[1] == -math.inf  # top-p 0.8 dropped token 4: forced anyway, at its logprob
+    assert out.logprobs[2] == p.logprobs[2, 2]
+    assert out.logprobs[3] == -math.inf  # banned, then forced
+    assert torch.equal(out.top_token_ids, free.top_token_ids) and torch.equal(out.top_logprobs, free.top_logprobs)
+    assert not out.errors.any()
+
+
+def test_a_forced_token_outside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="forced token id"):
+        SAMPLER(torch.zeros(1, 5), [row(forced_token_id=5)])
+    with pytest.raises(ValueError, match="forced_token_id"):
+        row(forced_token_id=-1)
