@@ -7,6 +7,7 @@ batch's tokens) under ``==``, and whether a chunked prefill's logits equal a who
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -19,6 +20,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def main() -> None:
+    # torch caps its pool at the cores it sees; OMP_NUM_THREADS above that is honoured here on purpose.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     llm = LLM(model="tiny", block_size=16, max_num_batched_tokens=32, max_num_seqs=4, batch_invariant=True)
     prompts = [_prompt(k, 9 + 13 * k) for k in range(4)]
     params = [SamplingParams(max_tokens=6, temperature=1.0, top_p=0.7, logprobs=5, seed=k, ignore_eos=True)
