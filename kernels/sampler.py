@@ -53,8 +53,8 @@ from kernels.sampler_select import (
     _sum_exp,
     _top_logprobs,
 )
-from services.worker.philox import DrawCase
-from services.worker.sampler import SamplerOutput
+from kernels.philox import DrawCase
+from kernels.sampler_output import SamplerOutput
 
 MASS_SCALE = float(1 << 31)  # a probability p is worth floor(p · 2³¹) integer units
 PHILOX_M0 = tl.constexpr(0xD2511F53)

@@ -15,7 +15,8 @@ from types import ModuleType
 
 import torch
 
-from services.worker.sampler import SamplerOutput, SamplingRow
+from kernels.sampler_output import SamplerOutput
+from services.worker.sampler import SamplingRow
 
 
 class KernelSampler:

@@ -8,10 +8,11 @@ from typing import Protocol
 import torch
 
 from kernels.device import upload
+from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
-from services.worker.sampler import Sampler, SamplerOutput, SamplingRow
+from services.worker.sampler import Sampler, SamplingRow
 
 
 class ModelRunner(Protocol):

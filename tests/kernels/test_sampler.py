@@ -99,7 +99,7 @@ def test_sampler_interpreted_error_rows_and_resample_case():
     _check(Sampler()(logits, rows), got)
     assert got.errors.tolist() == [True, True, True, False]
     # case 1 (resample) draws other bits: compare with a CPU pick from the same processed distribution.
-    from services.worker.philox import DrawCase, draw_bits
+    from kernels.philox import DrawCase, draw_bits
     from services.worker.sampler import _pick
 
     p = Sampler().process(logits[3:], rows[3:])
