@@ -23,9 +23,9 @@ import torch
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
-from services.engine.config import EngineConfig
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
+from services.worker.config import WorkerConfig
 from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
 from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
@@ -33,7 +33,7 @@ from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slot
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV41, config: EngineConfig, *, nextn: int = 0,
+    def __init__(self, model: DeepseekV41, config: WorkerConfig, *, nextn: int = 0,
                  rounding: Rounding | None = None, backend: str | None = None, precision: str | None = None,
                  kernels: KernelSet | None = None) -> None:
         self.model = model
@@ -48,8 +48,8 @@ class ModelRunner:
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
             self.conversion = convert_model(model, self.precision, self.kernels)
-        self.cache = CacheEngine(self.cfg, config.block_size, config.resolved_num_blocks(),
-                                 config.resolved_num_state_slots(), ring_size(self.cfg, nextn), device)
+        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
+                                 config.num_state_slots, ring_size(self.cfg, nextn), device)
         self.rounding = rounding
 
     def release(self, request_id: str) -> None:
