@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import triton
 
-from services.bench.kernels import (DEVICE, EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _bench_replay, _random_weights,
-                                    _row)
+from services.bench.kernel_timing import DEVICE, _bench_replay, _row
+from services.bench.kernels import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 
 if TYPE_CHECKING:
     import torch

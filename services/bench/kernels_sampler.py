@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.bench.kernels import DEVICE, _bench, _bench_replay, _row
+from services.bench.kernel_timing import DEVICE, _bench, _bench_replay, _row
 
 if TYPE_CHECKING:
     import torch
