@@ -7,7 +7,7 @@ them, each beside the variant that would replace it (the choice waits on these r
   finish last. The variant splits every expert's M tiles over work items (``m_split`` = the tile count;
   items past an expert's count exit at once): the same bits, and a balanced tail.
 - the attention and indexer projections (one-expert GEMMs) at BLOCK_M 16, the decode tile, against
-  32, the prefill tile (``fp8_linear.linear_block_m``). ``scripts/tune_linear.py`` timed launches back to
+  32, the prefill tile (``fp8_linear.linear_block_m``). ``scripts/diagnostics/tune_linear.py`` timed launches back to
   back and measured the host at these sizes; these rows are graph replays.
 """
 
