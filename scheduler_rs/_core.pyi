@@ -1,4 +1,4 @@
-"""Shinkai's scheduler and block manager (Rust). DeepInfer's semantics; see ARCHITECTURE.md §3.
+"""Shinkai's scheduler and block manager (Rust). DeepInfer's semantics; see docs/architecture.md, "The step loop".
 
 The engine loop is ``plan = scheduler.schedule()`` → run it → ``scheduler.update(plan, result)``.
 """

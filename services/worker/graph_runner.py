@@ -1,4 +1,4 @@
-"""CUDA graphs for decode: one captured ``StaticDecodeStep`` per row count (ARCHITECTURE.md §3).
+"""CUDA graphs for decode: one captured ``StaticDecodeStep`` per row count (docs/architecture.md, "The step loop").
 
 The scheduler gives every decode plan a ``graph_size``: the smallest of ``graph_sizes`` (powers of
 two up to the interval, then its multiples up to max_num_seqs × (1 + nextn)) that holds its rows.
