@@ -10,12 +10,12 @@ from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.worker.worker import ModelRunner, Worker
+from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
 
 
-def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
+def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     """The cached model runner when it is available, else the full-recompute reference runner; with
     ``config.cuda_graphs``, the cached runner (kernel backend) inside a GraphRunner that replays
     decode graphs, every size captured here, before the first request."""
@@ -45,7 +45,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", runner: ModelRunner | None = None, worker: Worker | None = None,
+    def __init__(self, model: str = "tiny", runner: Runner | None = None, worker: Worker | None = None,
                  source: ModelSource | None = None, **engine_args: object) -> None:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
