@@ -33,6 +33,7 @@ from tests import tolerances as tol
 from tests.model.deepseek_v41.oracle_configs import CASES, finish
 from tests.model.deepseek_v41.oracle_harness import QuantCall, boundary_distance, record_ours, toy_tokenizer, \
     topk_margins
+from tests.scheduler_rs.configs import scheduler_config
 from tests.scheduler_rs.fake_worker import run_step
 
 BLOCK = 16
@@ -261,7 +262,7 @@ def test_corrupting_one_block_changes_later_logits_of_its_request_only():
 def test_a_placeholder_step_runs_nothing():
     c = case("oracle")
     runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config())
-    plan = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8,
+    plan = Scheduler(scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8,
                                      compress_ratios=[2, 1])).schedule()
     assert plan.is_placeholder
     out = runner.execute(plan)
@@ -306,7 +307,7 @@ def test_a_fork_continues_from_copied_blocks_and_slot():
 def test_a_plan_for_another_ring_size_is_refused():
     c = case("oracle")
     runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config())
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7,
+    sched = Scheduler(scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7,
                                       compress_ratios=[2, 1]))
     sched.add_request("a", list(range(3, 40)), max_tokens=2)
     with pytest.raises(ValueError, match="not position mod 14"):
