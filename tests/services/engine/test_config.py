@@ -40,3 +40,11 @@ def test_the_scheduler_takes_every_size_from_engine_config():
     got, config = llm.engine.scheduler.config, llm.config
     assert (got.block_size, got.num_blocks, got.num_state_slots, got.max_num_seqs, got.max_num_batched_tokens,
             got.max_model_len) == (16, config.resolved_num_blocks(), config.resolved_num_state_slots(), 3, 48, 96)
+
+
+def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
+    from services.worker.config import WorkerConfig
+
+    config = EngineConfig(block_size=16, max_num_seqs=3, max_model_len=96, kernel_backend="fp8")
+    assert config.worker_config() == WorkerConfig(block_size=16, num_blocks=config.resolved_num_blocks(),
+                                                  num_state_slots=4, max_model_len=96, kernel_backend="fp8")
