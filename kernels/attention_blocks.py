@@ -131,12 +131,12 @@ def _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, out_row, out_strid
 def entry_block_n(block_n: int, dim: int) -> int:
     """The default ``block_n`` for FP4 entry blocks, raised to 32 below Flash's head dim.
 
-    Measured on the H200 (Triton 3.6, 2026-11-29, scripts/diag_prefill_tiny.py): the compiled bf16-dot
-    path of ``_entry_blocks`` at BLOCK_N 16 and D 64 gave rows 2–70% off the reference, every row
-    with a selected entry, at 2, 4 and 8 warps; fp32 dots, BLOCK_N 32 and the window loop were
-    right to bf16, and so is the interpreter with exact bf16 emulation: a compiled-code defect at that
-    tile. BLOCK_N 16 is verified only at D 512 (Flash, tests/kernels/test_prefill_attention.py), so
-    it is kept only there."""
+    On the H200 (Triton 3.6) the compiled bf16-dot path of ``_entry_blocks`` at BLOCK_N 16 and D 64 is
+    wrong for every row with a selected entry, at 2, 4 and 8 warps, while fp32 dots, BLOCK_N 32 and the
+    window loop are right to bf16, and so is the interpreter with exact bf16 emulation: a compiled-code
+    defect at that tile (docs/performance.md, the prefill attention defect; tests/kernels/diag_prefill_tiny.py).
+    BLOCK_N 16 is verified only at D 512 (Flash, tests/kernels/test_prefill_attention.py), so it is kept
+    only there."""
     return block_n if dim >= 512 else max(block_n, 32)
 
 

@@ -254,9 +254,9 @@ def sparse_decode_attention(
 
 
 def _default_splits(window: int, topk: int, block_n: int, num_programs: int, num_sms: int) -> int:
-    """Splits per row: 1 unless the rows fill at most a quarter of the SMs (R = 64 measured 70 µs whole
-    against 86 µs split, 21:13 UTC); else the fewest blocks per split that keep every program in one
-    wave (R = 1: 20 one-block splits, 31 µs)."""
+    """Splits per row: 1 unless the rows fill at most a quarter of the SMs (above that, whole rows beat
+    splits on the H200: docs/kernel-notes.md, sparse decode attention); else the fewest blocks per split
+    that keep every program in one wave (R = 1: 20 one-block splits)."""
     win_blocks, ent_blocks = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
     if 4 * num_programs > num_sms:
         return 1

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import FP8_MAX, GROUP, dequantize_weight_block128, pow2_ceil
-from model.deepseek_v41.quant import dequantize_fp8_block, dequantize_mxfp4
+from kernels.reference import GROUP, dequantize_weight_block128
+from model.deepseek_v41.quant import FP8_E4M3_MAX, dequantize_fp8_block, dequantize_mxfp4, pow2_ceil
 
 
 def quantize_weight_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +27,8 @@ def quantize_weight_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     tiles = w.float().unflatten(-1, (-1, GROUP)).unflatten(-3, (-1, GROUP))  # [..., nb, 128, kb, 128]
     amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
     # True division, so amax = 448·2^j keeps scale 2^j (as model/deepseek_v41/quant.py).
-    scale = pow2_ceil(amax.clamp_min(FP8_MAX * 2.0**-126) / amax.new_full((), FP8_MAX))
-    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = pow2_ceil(amax.clamp_min(FP8_E4M3_MAX * 2.0**-126) / amax.new_full((), FP8_E4M3_MAX))
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2).flatten(-3, -2), scale
 
 

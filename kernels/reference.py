@@ -9,7 +9,8 @@ Formats used by the MoE kernels (see ``kernels/fp8_weights.py`` for the load-tim
 - expert weights: float8_e4m3fn [E, N, K] with one fp32 power-of-two scale per 128×128 block,
   ``scale`` [E, N/128, K/128];
 - activations: quantised in the kernel per token and per 128 channels to e4m3 with a power-of-two
-  scale ``pow2_ceil(max(amax · (1/448), 2^-126))`` (never clips: amax / scale ≤ 448).
+  scale ``pow2_ceil(max(amax · (1/448), 2^-126))`` (never clips: amax / scale ≤ 448); ``pow2_ceil`` and
+  the e4m3 maximum are the model's (``model/deepseek_v41/quant.py``), the one definition of the formats.
 
 Masked ("DeepGEMM masked") layout for decode: expert e owns slots [e, 0:counts[e]] of a fixed
 [E, capacity] grid; ``row_ids[e, j]`` is the token in slot j, ``route_w[e, j]`` its routing weight.
@@ -23,10 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_MAX = 448.0
+from model.deepseek_v41.quant import FP8_E4M3_MAX, pow2_ceil
+
 GROUP = 128
 """Channels per activation scale and edge of a weight scale block."""
-_INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)  # fp32(1/448), as the kernels use it
+_INV_FP8_MAX = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)  # fp32(1/448), as the kernels use it
 _MIN_SCALE = 2.0**-126
 
 # The attention side's references (re-exported: callers use ``reference.<name>``).
@@ -46,14 +48,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- FP8 activations
-
-
-def pow2_ceil(value: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two ≥ value (positive normal fp32), exactly, from the bits."""
-    bits = value.float().contiguous().view(torch.int32)
-    exponent = (bits >> 23) & 255
-    has_mantissa = (bits & ((1 << 23) - 1)) != 0
-    return ((exponent + has_mantissa.to(torch.int32)) << 23).view(torch.float32)
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ then changes sum₂ by its own p, so the draw differs with probability ≈ that 
 Greedy ids, top-k cuts, top-n ids and error flags depend on comparisons of the logits only: exact.
 
 Graph-safe: every per-row parameter is a tensor; no host synchronisation. Reference:
-``services.worker.sampler.Sampler`` (``sampling_params`` builds this kernel's tensors from its rows).
+``services.worker.sampler.Sampler`` (``sampling_tensors`` builds this kernel's tensors from its rows).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from kernels.sampler_select import (
     _sum_exp,
     _top_logprobs,
 )
-from services.worker.philox import DrawCase
-from services.worker.sampler import SamplerOutput
+from kernels.philox import DrawCase
+from kernels.sampler_output import SamplerOutput
 
 MASS_SCALE = float(1 << 31)  # a probability p is worth floor(p · 2³¹) integer units
 PHILOX_M0 = tl.constexpr(0xD2511F53)
@@ -200,7 +200,7 @@ def _sampler_kernel(
 
 
 @dataclass
-class SamplingParams:
+class SamplingTensors:
     """Per-row parameters as tensors (graph-safe: a captured step reads them in place)."""
 
     temperature: torch.Tensor  # [R] float32; 0 = greedy
@@ -218,8 +218,8 @@ def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(top_p < 1, limit, torch.zeros_like(limit))
 
 
-def sampling_params(rows: Sequence, device: torch.device | str | None = None,
-                    num_bans: int | None = None) -> SamplingParams:
+def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
+                    num_bans: int | None = None) -> SamplingTensors:
     """Tensors for ``rows`` (``services.worker.sampler.SamplingRow``); ``num_bans`` pads the ban lists."""
     width = max((len(r.banned_token_ids) for r in rows), default=0) if num_bans is None else num_bans
     banned = torch.full((len(rows), width), -1, dtype=torch.int32)
@@ -233,7 +233,7 @@ def sampling_params(rows: Sequence, device: torch.device | str | None = None,
     def up(host: torch.Tensor) -> torch.Tensor:  # enqueued, not synchronised (kernels/device.py)
         return host if device is None else upload(host, device)
 
-    return SamplingParams(
+    return SamplingTensors(
         temperature=up(torch.tensor([r.temperature for r in rows], dtype=torch.float32)),
         rank_limit=up(torch.tensor([r.rank_limit or 0 for r in rows], dtype=torch.int32)),
         mass_limit=up(top_p_mass_limit(top_p)),
@@ -245,7 +245,7 @@ def sampling_params(rows: Sequence, device: torch.device | str | None = None,
     )
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, num_logprobs: int = 0,
+def sample(logits: torch.Tensor, params: SamplingTensors, num_logprobs: int = 0,
            case: DrawCase | int = DrawCase.SAMPLE, block: int | None = None, num_warps: int | None = None,
            ) -> SamplerOutput:
     """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.

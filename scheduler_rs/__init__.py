@@ -1,6 +1,6 @@
 """Shinkai's scheduler and block manager, written in Rust (``scheduler_rs._core``).
 
-DeepInfer's semantics with its numbers as defaults (ARCHITECTURE.md §3). The engine loop is
+DeepInfer's semantics with its numbers as defaults (docs/architecture.md, "The step loop"). The engine loop is
 ``plan = scheduler.schedule()`` → run the plan → ``scheduler.update(plan, result)``.
 """
 

@@ -1,4 +1,4 @@
-"""Shinkai's scheduler and block manager (Rust). DeepInfer's semantics; see ARCHITECTURE.md §3.
+"""Shinkai's scheduler and block manager (Rust). DeepInfer's semantics; see docs/architecture.md, "The step loop".
 
 The engine loop is ``plan = scheduler.schedule()`` → run it → ``scheduler.update(plan, result)``.
 """
@@ -55,20 +55,21 @@ class Int32Array:
 
 @final
 class SchedulerConfig:
-    """Scheduler settings. Pool sizes include the null id 0. The vote intervals default to 1 for one
-    rank and to DeepInfer's 70 (ALL) / 100 (ANY) for several."""
+    """Scheduler settings. Pool sizes include the null id 0. The six sizes are required: their
+    user-facing defaults are ``EngineConfig``'s (services/engine/config.py), which passes every one.
+    The vote intervals default to 1 for one rank and to DeepInfer's 70 (ALL) / 100 (ANY) for several."""
 
     def __new__(
         cls,
         *,
+        block_size: int,
+        num_blocks: int,
+        num_state_slots: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
         num_ranks: int = 1,
         engine_type: EngineType = ...,
-        block_size: int = 128,
-        num_blocks: int = 4096,
-        num_state_slots: int = 257,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 32768,
-        max_model_len: int = 1048576,
         nextn: int = 0,
         window_size: int = 128,
         compress_ratios: Sequence[int] = ...,

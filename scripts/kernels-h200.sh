@@ -3,7 +3,7 @@
 # device needs none of the other commands' dependencies), then the compiled kernel's resources.
 # Writes under $OUT (or ./out): pytest log, bench log and JSON. Usage: bash scripts/kernels-h200.sh [bench args]
 # TESTS (default: every kernel test file) and INSPECT (default: both inspect scripts) narrow a run, e.g.
-# TESTS=tests/kernels/test_decode_attention.py INSPECT=scripts/attention_inspect.py bash scripts/kernels-h200.sh --only attention
+# TESTS=tests/kernels/test_decode_attention.py INSPECT=scripts/diagnostics/attention_inspect.py bash scripts/kernels-h200.sh --only attention
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -13,6 +13,6 @@ tests="${TESTS:-tests/kernels/test_rmsnorm.py tests/kernels/test_moe_grouped_gem
 # shellcheck disable=SC2086 # a list of paths
 python3 -m pytest -q -m gpu -p no:cacheprovider $tests 2>&1 | tee "$out/pytest.log" | tail -30
 python3 -m services.bench.kernels --json "$out/kernels.json" "$@" 2>&1 | tee "$out/bench.log"
-for script in ${INSPECT:-scripts/kernels_inspect.py scripts/attention_inspect.py}; do
+for script in ${INSPECT:-scripts/diagnostics/kernels_inspect.py scripts/diagnostics/attention_inspect.py}; do
     python3 "$script" "$out" 2>&1 | tee -a "$out/inspect.log" | tail -5
 done

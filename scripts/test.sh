@@ -10,5 +10,7 @@ echo "== cargo clippy"
 cargo clippy --quiet --manifest-path scheduler_rs/Cargo.toml --all-targets -- -D warnings
 echo "== stubtest"
 python -m mypy.stubtest scheduler_rs._core
+echo "== import contract (pyproject.toml [tool.importlinter])"
+lint-imports --no-cache
 echo "== pytest"
 python -m pytest -q --durations=25 "$@"

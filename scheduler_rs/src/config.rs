@@ -1,4 +1,6 @@
-//! Scheduler configuration, with DeepInfer's numbers as defaults.
+//! Scheduler configuration: DeepInfer's policy numbers as defaults; the pool sizes and batch limits
+//! (`Limits`) have none here. Their user-facing defaults are `EngineConfig`'s
+//! (`services/engine/config.py`), and the engine passes every one.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineType {
@@ -57,19 +59,41 @@ pub struct SchedulerConfig {
 /// Rollback room in the window ring: DeepInfer clamps the backtracking allowance to at least 6.
 pub const MIN_RING_SPARE: u32 = 6;
 
+/// The pool sizes and batch limits, always given by the caller (no defaults in the scheduler).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub num_state_slots: u32,
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub max_model_len: u32,
+}
+
+/// The sizes the Rust unit tests are written against.
+#[cfg(test)]
+pub const TEST_LIMITS: Limits = Limits {
+    block_size: 128,
+    num_blocks: 4096,
+    num_state_slots: 257,
+    max_num_seqs: 256,
+    max_num_batched_tokens: 32_768,
+    max_model_len: 1 << 20,
+};
+
 impl SchedulerConfig {
-    /// Defaults for `num_ranks` data-parallel ranks: one rank attempts prefill at every step, so a
-    /// waiting prompt starts at the next step instead of up to 70 decode steps later.
-    pub fn new(num_ranks: u32) -> Self {
+    /// `limits` with the policy defaults for `num_ranks` data-parallel ranks: one rank attempts prefill
+    /// at every step, so a waiting prompt starts at the next step instead of up to 70 decode steps later.
+    pub fn new(num_ranks: u32, limits: Limits) -> Self {
         let (all, any) = if num_ranks <= 1 { (1, 1) } else { (70, 100) };
         SchedulerConfig {
             engine_type: EngineType::Normal,
-            block_size: 128,
-            num_blocks: 4096,
-            num_state_slots: 257,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 32_768,
-            max_model_len: 1 << 20,
+            block_size: limits.block_size,
+            num_blocks: limits.num_blocks,
+            num_state_slots: limits.num_state_slots,
+            max_num_seqs: limits.max_num_seqs,
+            max_num_batched_tokens: limits.max_num_batched_tokens,
+            max_model_len: limits.max_model_len,
             nextn: 0,
             window_size: 128,
             compress_ratios: vec![2, 1],
@@ -141,7 +165,7 @@ mod tests {
 
     #[test]
     fn ring_of_134_for_nextn_up_to_5() {
-        let mut config = SchedulerConfig::new(1);
+        let mut config = SchedulerConfig::new(1, TEST_LIMITS);
         assert_eq!(config.ring_size(), 134);
         config.nextn = 5;
         assert_eq!(config.ring_size(), 134);
@@ -152,14 +176,14 @@ mod tests {
 
     #[test]
     fn vote_intervals_depend_on_the_number_of_ranks() {
-        assert_eq!(SchedulerConfig::new(1).prefill_attempt_interval, 1);
-        let multi = SchedulerConfig::new(8);
+        assert_eq!(SchedulerConfig::new(1, TEST_LIMITS).prefill_attempt_interval, 1);
+        let multi = SchedulerConfig::new(8, TEST_LIMITS);
         assert_eq!((multi.prefill_attempt_interval, multi.prefill_any_attempt_interval), (70, 100));
     }
 
     #[test]
     fn decode_engines_and_grammars_always_stop() {
-        let mut config = SchedulerConfig::new(1);
+        let mut config = SchedulerConfig::new(1, TEST_LIMITS);
         config.preemption_mode = PreemptionMode::Recompute;
         assert_eq!(config.effective_preemption_mode(false), PreemptionMode::Recompute);
         assert_eq!(config.effective_preemption_mode(true), PreemptionMode::Stop);
@@ -169,7 +193,7 @@ mod tests {
 
     #[test]
     fn rejects_a_ratio_that_does_not_divide_the_block() {
-        let mut config = SchedulerConfig::new(1);
+        let mut config = SchedulerConfig::new(1, TEST_LIMITS);
         config.compress_ratios = vec![3];
         assert!(config.validate().unwrap_err().contains("compress ratio 3"));
     }

@@ -128,13 +128,14 @@ impl<'a> PlanBuilder<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TEST_LIMITS;
     use crate::request::StopRules;
 
     #[test]
     fn decode_row_writes_the_walkthrough_entries() {
         // r1's first decode row at position 16,389: a C2 entry 8,194 in table entry 128 at offset 2,
         // and a C1 entry 16,389 in table entry 128 at offset 5.
-        let config = SchedulerConfig::new(1);
+        let config = SchedulerConfig::new(1, TEST_LIMITS);
         let mut req = Request::new("r1".into(), vec![7; 16_390], StopRules::new(10), 0);
         req.num_computed_tokens = 16_389;
         req.block_table = (1..=129).collect();
@@ -157,7 +158,7 @@ mod tests {
 
     #[test]
     fn empty_plan_is_a_placeholder() {
-        let config = SchedulerConfig::new(1);
+        let config = SchedulerConfig::new(1, TEST_LIMITS);
         let plan = PlanBuilder::new(&config, 0, StepKind::Prefill).finish();
         assert!(plan.is_placeholder);
         assert_eq!(plan.num_padding_rows, 1);

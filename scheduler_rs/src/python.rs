@@ -9,7 +9,9 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::block_manager::BlockManager as CoreBlockManager;
-use crate::config::{EngineType as CoreEngineType, PreemptionMode as CorePreemptionMode, SchedulerConfig as CoreConfig};
+use crate::config::{
+    EngineType as CoreEngineType, Limits, PreemptionMode as CorePreemptionMode, SchedulerConfig as CoreConfig,
+};
 use crate::errors::SchedulerError;
 use crate::request::{FinishReason as CoreFinishReason, Request, Status, StopRules};
 use crate::scheduler::{Collective, Scheduler as CoreScheduler, SchedulerStats as CoreStats, VoteOp};
@@ -238,21 +240,21 @@ pub struct SchedulerConfig {
 #[pymethods]
 impl SchedulerConfig {
     #[new]
-    #[pyo3(signature = (*, num_ranks=1, engine_type=EngineType::Normal, block_size=128, num_blocks=4096,
-        num_state_slots=257, max_num_seqs=256, max_num_batched_tokens=32768, max_model_len=1048576,
-        nextn=0, window_size=128, compress_ratios=vec![2, 1], preemption_mode=PreemptionMode::Stop,
+    // The six sizes are required: their user-facing defaults are `EngineConfig`'s.
+    #[pyo3(signature = (*, block_size, num_blocks, num_state_slots, max_num_seqs, max_num_batched_tokens,
+        max_model_len, num_ranks=1, engine_type=EngineType::Normal, nextn=0, window_size=128, compress_ratios=vec![2, 1], preemption_mode=PreemptionMode::Stop,
         prefill_attempt_interval=None, prefill_any_attempt_interval=None, prefill_max_cache_usage=0.9,
         cuda_graph_interval=8, vocab_size=None, draft_pad_token_id=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_ranks: u32,
-        engine_type: EngineType,
         block_size: u32,
         num_blocks: u32,
         num_state_slots: u32,
         max_num_seqs: u32,
         max_num_batched_tokens: u32,
         max_model_len: u32,
+        num_ranks: u32,
+        engine_type: EngineType,
         nextn: u32,
         window_size: u32,
         compress_ratios: Vec<u32>,
@@ -264,14 +266,16 @@ impl SchedulerConfig {
         vocab_size: Option<u32>,
         draft_pad_token_id: u32,
     ) -> PyResult<Self> {
-        let mut c = CoreConfig::new(num_ranks);
+        let limits = Limits {
+            block_size,
+            num_blocks,
+            num_state_slots,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+        };
+        let mut c = CoreConfig::new(num_ranks, limits);
         c.engine_type = engine_type.into();
-        c.block_size = block_size;
-        c.num_blocks = num_blocks;
-        c.num_state_slots = num_state_slots;
-        c.max_num_seqs = max_num_seqs;
-        c.max_num_batched_tokens = max_num_batched_tokens;
-        c.max_model_len = max_model_len;
         c.nextn = nextn;
         c.window_size = window_size;
         c.compress_ratios = compress_ratios;

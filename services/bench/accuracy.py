@@ -249,7 +249,7 @@ def measure(model, workload: Workload, precisions: Sequence[str] = ("fp8", "fp32
         raise ValueError("fp32 converts the model in place: it must be the last precision")
     from services.worker.fp8_linear import KernelSet
 
-    config = engine_config(workload)
+    config = engine_config(workload).worker_config()
     prompts = make_prompts(model.cfg.vocab_size, workload)
     rec = record_reference(ModelRunner(model, config), workload, prompts)
     results = {}

@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
+from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from services.worker.reference_runner import RunnerOutput
-from services.worker.sampler import SamplerOutput, SamplingRow
+from services.worker.sampler import SamplingRow
 from services.worker.step_batch import PendingInputs, StepBatch
 from services.worker.worker import Worker
 

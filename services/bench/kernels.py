@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.bench import kernel_timing as timing
+
 if TYPE_CHECKING:  # torch loads only when a benchmark runs, so `--help` stays fast
     import torch
 
@@ -27,109 +29,13 @@ HIDDEN, INTER, EXPERTS, TOP_K, SWIGLU_LIMIT = 5120, 2304, 48, 6, 10.0
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
 QUICK_DECODE_TOKENS = (1, 64, 256)
 NORM_TOKENS = (256, 4096, 16384)
-DEVICE = "cuda"
 SWEEP = [  # (block_m, block_n, num_warps, num_stages, programs_per_sm); None = the launcher's default
     (None, 128, 8, 3, 2), (32, 128, None, 3, 2), (None, 128, None, 4, 1), (None, 64, None, 3, 4),
 ]
 SWEEP_TOKENS = (128, 256)  # where the defaults fell short in the first H200 run
-# Sparse decode attention, Flash shapes: 64 heads × 512, window 128 (ring 134), top-k 512 FP4 entries.
-ATTN_CONTEXTS = (4096, 32768)
 # Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
-# ``bench(ceil, quick, gen) -> list[row]`` built with ``_row`` (one file per kernel, like kernels/).
+# ``bench(ceil, quick, gen) -> list[row]`` built with ``kernel_timing._row`` (one file per kernel, like kernels/).
 EXTRA = ("indexer", "compressor", "mhc", "prefill_attention", "sampler", "decode_gemms")
-
-
-def _bench(fn: Callable[[], object]) -> float:
-    """Median seconds per call of ``fn`` (eager launches), the L2 flushed before each call."""
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e-3
-
-
-def _bench_replay(fn: Callable[[], object]) -> float:
-    """Median seconds per replay of a CUDA graph holding one call, the L2 flushed before each replay.
-
-    Decode runs from graphs, so this leaves out the Python launch cost that dominates eager
-    timing of a ~20 µs kernel, while still reading the weights from HBM, not from the L2 cache.
-    """
-    import torch
-
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _bench(graph.replay)
-
-
-def _bench_graph(fn: Callable[[], object]) -> float:
-    """Median seconds per call replaying a CUDA graph of back-to-back calls (no L2 flush)."""
-    import triton
-
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")) * 1e-3
-
-
-def measure_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device copy, counting bytes read plus bytes written."""
-    import torch
-
-    src = torch.randn(2**29, device=DEVICE)  # 2 GiB of fp32
-    dst = torch.empty_like(src)
-    seconds = _bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / seconds
-
-
-def measure_bf16_peak(size: int = 8192) -> float:
-    """FLOP/s of a bf16 size³ ``torch.mm`` on random data (the decode attention's MMA type)."""
-    import torch
-
-    a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
-    seconds = _bench(lambda: torch.mm(a, b))
-    return 2 * size**3 / seconds
-
-
-def measure_fp8_peak(size: int = 8192) -> float:
-    """FLOP/s of an e4m3 size³ ``torch._scaled_mm`` (tensor-wise scales, bf16 out) on random data."""
-    import torch
-
-    a = torch.randn(size, size, device=DEVICE).to(torch.float8_e4m3fn)
-    b = torch.randn(size, size, device=DEVICE).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
-    one = torch.ones((), device=DEVICE)
-    seconds = _bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
-    return 2 * size**3 / seconds
-
-
-def sweep_configs(name: str, configs: list[dict[str, Any]], run: Callable[[dict[str, Any]], object]
-                  ) -> tuple[list[dict[str, Any]], tuple[float, dict[str, Any]] | None]:
-    """Each launcher config timed as ``run(config)`` by graph replay: (every one tried, with its µs; the
-    best as (seconds, config), or None). A config that fails (e.g. does not compile) is reported on
-    stderr and skipped."""
-    tried: list[dict[str, Any]] = []
-    best: tuple[float, dict[str, Any]] | None = None
-    for cfg in configs:
-        try:
-            t = _bench_replay(lambda c=cfg: run(c))
-        except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"  {name + ' ' if name else ''}config {cfg} failed: {type(err).__name__}: {str(err)[:120]}",
-                  file=sys.stderr)
-            continue
-        tried.append({**cfg, "us": t * 1e6})
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    return tried, best
-
-
-def _row(name: str, shape: str, seconds: float, nbytes: float, flops: float, ceil: dict[str, float],
-         torch_seconds: float | None, note: str = "", peak: str = "fp8_peak") -> dict[str, object]:
-    roofline = max(nbytes / ceil["bandwidth"], flops / ceil[peak])
-    return {
-        "kernel": name, "shape": shape, "us": seconds * 1e6, "tb_s": nbytes / seconds / 1e12,
-        "tflop_s": flops / seconds / 1e12, "roofline_us": roofline * 1e6, "pct_roofline": 100 * roofline / seconds,
-        "torch_us": None if torch_seconds is None else torch_seconds * 1e6,
-        "torch_tb_s": None if torch_seconds is None else nbytes / torch_seconds / 1e12,
-        "speedup_vs_torch": None if torch_seconds is None else torch_seconds / seconds, "note": note,
-    }
 
 
 def bench_rmsnorm(num_tokens: int, ceil: dict[str, float]) -> dict[str, object]:
@@ -138,13 +44,13 @@ def bench_rmsnorm(num_tokens: int, ceil: dict[str, float]) -> dict[str, object]:
 
     from kernels.rmsnorm import rmsnorm
 
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
-    w = torch.randn(HIDDEN, device=DEVICE)
+    x = torch.randn(num_tokens, HIDDEN, device=timing.DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(HIDDEN, device=timing.DEVICE)
     w_bf16 = w.to(x.dtype)
-    ours = _bench_replay(lambda: rmsnorm(x, w, 1e-20))
-    theirs = _bench_replay(lambda: F.rms_norm(x, (HIDDEN,), w_bf16, 1e-20))
+    ours = timing._bench_replay(lambda: rmsnorm(x, w, 1e-20))
+    theirs = timing._bench_replay(lambda: F.rms_norm(x, (HIDDEN,), w_bf16, 1e-20))
     nbytes = 2 * x.numel() * x.element_size() + w.numel() * 4
-    return _row("rmsnorm", f"T={num_tokens} C={HIDDEN} bf16", ours, nbytes, 0.0, ceil, theirs, "torch: F.rms_norm")
+    return timing._row("rmsnorm", f"T={num_tokens} C={HIDDEN} bf16", ours, nbytes, 0.0, ceil, theirs, "torch: F.rms_norm")
 
 
 def bench_router(num_tokens: int, ceil: dict[str, float]) -> dict[str, object]:
@@ -153,14 +59,14 @@ def bench_router(num_tokens: int, ceil: dict[str, float]) -> dict[str, object]:
     from kernels import reference
     from kernels.moe_router import moe_router
 
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
-    gate = (torch.randn(EXPERTS, HIDDEN, device=DEVICE) * 0.02).to(torch.bfloat16)
-    bias = torch.randn(EXPERTS, device=DEVICE) * 0.1
-    ours = _bench_replay(lambda: moe_router(x, gate, bias, TOP_K, 1.5))
-    theirs = _bench_replay(lambda: reference.moe_router(x, gate, bias, TOP_K, 1.5))
+    x = torch.randn(num_tokens, HIDDEN, device=timing.DEVICE, dtype=torch.bfloat16)
+    gate = (torch.randn(EXPERTS, HIDDEN, device=timing.DEVICE) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(EXPERTS, device=timing.DEVICE) * 0.1
+    ours = timing._bench_replay(lambda: moe_router(x, gate, bias, TOP_K, 1.5))
+    theirs = timing._bench_replay(lambda: reference.moe_router(x, gate, bias, TOP_K, 1.5))
     nbytes = x.numel() * 2 + gate.numel() * 2 + bias.numel() * 4 + num_tokens * TOP_K * 8
     # fp32 IEEE logits run on the CUDA cores, not the FP8 units: the roofline here is bytes only.
-    return _row("moe router", f"T={num_tokens} E={EXPERTS} k={TOP_K} D={HIDDEN}", ours, nbytes, 0.0, ceil, theirs,
+    return timing._row("moe router", f"T={num_tokens} E={EXPERTS} k={TOP_K} D={HIDDEN}", ours, nbytes, 0.0, ceil, theirs,
                 "torch: the reference's ops (linear, softplus, sort)")
 
 
@@ -169,8 +75,8 @@ def _moe_problem(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tenso
 
     from kernels.reference import route_metadata
 
-    experts = torch.rand(num_tokens, EXPERTS, device=DEVICE, generator=gen).argsort(-1)[:, :TOP_K]
-    weights = torch.rand(num_tokens, TOP_K, device=DEVICE, generator=gen)
+    experts = torch.rand(num_tokens, EXPERTS, device=timing.DEVICE, generator=gen).argsort(-1)[:, :TOP_K]
+    weights = torch.rand(num_tokens, TOP_K, device=timing.DEVICE, generator=gen)
     return route_metadata(experts, weights, EXPERTS)
 
 
@@ -180,8 +86,8 @@ def _random_weights(n: int, k: int, gen: torch.Generator, num_experts: int | Non
     import torch
 
     num_experts = EXPERTS if num_experts is None else num_experts
-    w = (torch.randn(num_experts, n, k, device=DEVICE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
-    scale = torch.exp2(torch.randint(-9, -5, (num_experts, n // 128, k // 128), device=DEVICE, generator=gen).float())
+    w = (torch.randn(num_experts, n, k, device=timing.DEVICE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    scale = torch.exp2(torch.randint(-9, -5, (num_experts, n // 128, k // 128), device=timing.DEVICE, generator=gen).float())
     return w, scale
 
 
@@ -190,8 +96,8 @@ def _torch_grouped(a_fp8: torch.Tensor, w: torch.Tensor, meta: dict[str, torch.T
     import torch
 
     offs = torch.cumsum(meta["counts"], 0).to(torch.int32)
-    scale_a = torch.ones(a_fp8.shape[0], device=DEVICE)
-    scale_b = torch.ones(w.shape[0], w.shape[1], device=DEVICE)
+    scale_a = torch.ones(a_fp8.shape[0], device=timing.DEVICE)
+    scale_b = torch.ones(w.shape[0], w.shape[1], device=timing.DEVICE)
     w_t = w.transpose(1, 2)  # [E, K, N], column-major per expert
     return lambda: torch._scaled_grouped_mm(a_fp8, w_t, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
 
@@ -207,7 +113,7 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: torch.G
     meta = _moe_problem(num_tokens, gen)
     num_active = int(meta["num_active"])
     picks = num_tokens * TOP_K
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(num_tokens, HIDDEN, device=timing.DEVICE, dtype=torch.bfloat16, generator=gen)
     w13, s13 = _random_weights(2 * INTER, HIDDEN, gen)
     w2, s2 = _random_weights(HIDDEN, INTER, gen)
     h = moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT)
@@ -219,8 +125,8 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: torch.G
         x_q = quantize_act(x)
         h_q = moe_grouped_gemm(x_q, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT,
                                out_dtype=torch.float8_e4m3fn)
-        rows.append(_row("act quant (x → e4m3 1×128)", f"T={num_tokens} C={HIDDEN}",
-                         _bench_replay(lambda: quantize_act(x)), num_tokens * HIDDEN * 3 + num_tokens * HIDDEN // 32,
+        rows.append(timing._row("act quant (x → e4m3 1×128)", f"T={num_tokens} C={HIDDEN}",
+                         timing._bench_replay(lambda: quantize_act(x)), num_tokens * HIDDEN * 3 + num_tokens * HIDDEN // 32,
                          0.0, ceil, None))
     except Exception as err:  # noqa: BLE001 - keep the bf16 rows when the FP8-input path breaks
         print(f"pre-quantised path failed: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
@@ -244,9 +150,9 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: torch.G
         nbytes = num_active * (n_w * k + (n_w // 128) * (k // 128) * 4) + act_bytes
         flops = 2.0 * picks * n_w * k
         if n_w not in torch_times:
-            a_sorted = torch.randn(picks, k, device=DEVICE, generator=gen).to(torch.float8_e4m3fn)
+            a_sorted = torch.randn(picks, k, device=timing.DEVICE, generator=gen).to(torch.float8_e4m3fn)
             try:
-                torch_times[n_w] = (_bench_replay(_torch_grouped(a_sorted, kwargs["w"], meta)),
+                torch_times[n_w] = (timing._bench_replay(_torch_grouped(a_sorted, kwargs["w"], meta)),
                                     "torch: _scaled_grouped_mm rowwise (no SwiGLU, no quant), graph replay")
             except Exception as err:  # noqa: BLE001 - report, don't die, when the stock op refuses a shape
                 torch_times[n_w] = (None, f"torch op failed: {type(err).__name__}: {str(err)[:80]}")
@@ -254,18 +160,18 @@ def bench_moe(num_tokens: int, ceil: dict[str, float], sweep: bool, gen: torch.G
         def call(kw: dict[str, Any] = kwargs) -> object:
             return moe_grouped_gemm(**kw, meta=meta)
 
-        row = _row(name, f"{shape} N={n_w} K={k}", _bench_replay(call), nbytes, flops, ceil, theirs, torch_note)
-        eager, graph = _bench(call), _bench_graph(call)
+        row = timing._row(name, f"{shape} N={n_w} K={k}", timing._bench_replay(call), nbytes, flops, ceil, theirs, torch_note)
+        eager, graph = timing._bench(call), timing._bench_graph(call)
         row.update(eager_us=eager * 1e6, graph_us=graph * 1e6, graph_tb_s=nbytes / graph / 1e12)
         rows.append(row)
         if sweep and num_tokens in SWEEP_TOKENS and "fp8" in name:
             configs = [dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
                        for block_m, block_n, warps, stages, per_sm in SWEEP
                        if block_n == 128 or "fp8→fp8" not in name]  # the FP8 epilogue needs whole 128-channel groups
-            tried, best = sweep_configs("", configs, lambda c, kw=kwargs: moe_grouped_gemm(**kw, meta=meta, **c))
+            tried, best = timing.sweep_configs("", configs, lambda c, kw=kwargs: moe_grouped_gemm(**kw, meta=meta, **c))
             row["sweep"] = tried
             if best is not None:
-                rows.append(_row(name + " [best of sweep]", f"{shape} N={n_w} K={k}", best[0], nbytes, flops, ceil,
+                rows.append(timing._row(name + " [best of sweep]", f"{shape} N={n_w} K={k}", best[0], nbytes, flops, ceil,
                                  theirs, str(best[1])))
     return rows
 
@@ -285,7 +191,7 @@ def _bench_module(name: str, ceil: dict[str, float], quick: bool, gen: torch.Gen
 
         traceback.print_exc()
         print(f"{name}: FAILED ({type(exc).__name__}: {exc}); its rows are missing")
-        return [_row(f"{name} FAILED", f"{type(exc).__name__}", float("nan"), 0.0, 0.0, ceil, None, str(exc)[:200])]
+        return [timing._row(f"{name} FAILED", f"{type(exc).__name__}", float("nan"), 0.0, 0.0, ceil, None, str(exc)[:200])]
 
 
 def _fmt(v: object, spec: str) -> str:
@@ -322,9 +228,9 @@ def main(args: argparse.Namespace) -> int:
         print("shinkai bench kernels: no CUDA device here; the kernel benchmarks need a GPU. Nothing was measured.")
         return 0
     torch.manual_seed(0)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    gen = torch.Generator(device=timing.DEVICE).manual_seed(0)
     only = getattr(args, "only", "all")
-    ceil = {"bandwidth": measure_bandwidth(), "fp8_peak": measure_fp8_peak(), "bf16_peak": measure_bf16_peak()}
+    ceil = {"bandwidth": timing.measure_bandwidth(), "fp8_peak": timing.measure_fp8_peak(), "bf16_peak": timing.measure_bf16_peak()}
     print(f"device: {torch.cuda.get_device_name()}  HBM copy: {ceil['bandwidth'] / 1e12:.2f} TB/s  "
           f"FP8 _scaled_mm 8192³: {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s  bf16 mm 8192³: "
           f"{ceil['bf16_peak'] / 1e12:.0f} TFLOP/s")
@@ -335,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
         for t in QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS:
             rows += bench_moe(t, ceil, args.sweep, gen)
     if only in ("all", "attention"):
-        from services.bench.kernels_decode_attention import bench_decode_attention
+        from services.bench.kernels_decode_attention import ATTN_CONTEXTS, bench_decode_attention
 
         for context in ATTN_CONTEXTS:
             for t in QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS:

@@ -132,7 +132,7 @@ def problem_bytes(num_entries: int, ratio: int, hd: int = 512, di: int = 128) ->
 
 
 def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
-    from services.bench.kernels import _bench, _bench_replay, _row
+    from services.bench.kernel_timing import _bench, _bench_replay, _row
 
     rows = []
     for ratio in (2, 1):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from services.bench import kernels as base  # its timers, device and ceilings rows (tests patch them there)
+from services.bench import kernel_timing as timing  # read at call time: tests replace its timers and device
 
 if TYPE_CHECKING:
     import torch
 
+# Flash shapes: 64 heads × 512, window 128 (ring 134), top-k 512 FP4 entries; these contexts.
+ATTN_CONTEXTS = (4096, 32768)
 ATTN_SWEEP = [  # (block_h, block_n, num_warps, num_stages); tried at ATTN_SWEEP_ROWS, 32K context
     (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 3), (64, 32, 8, 4),
 ]
@@ -34,7 +36,7 @@ def decode_attention_problem(num_rows: int, context: int, gen: torch.Generator, 
     from model.deepseek_v41.rope import rope_frequencies
     from services.worker.cache_engine import ring_size
 
-    device = device or base.DEVICE
+    device = device or timing.DEVICE
     hd, ring = cfg.head_dim, ring_size(cfg)
     row_bytes, entry_bytes = hd + hd // 32, hd // 2 + hd // 16
     epb = block_size // ratio
@@ -88,40 +90,40 @@ def bench_decode_attention(num_rows: int, context: int, ceil: dict[str, float], 
     nbytes = num_rows * (2 * heads * hd * 2 + window * (hd + hd // 32) + topk * (hd // 2 + hd // 16 + 4) + 16)
     flops = 4.0 * num_rows * heads * hd * keys  # QK and PV, 2 FLOP per multiply-add each
     shape = f"R={num_rows} ctx={context} H={heads} D={hd} w={window} k={topk}"
-    ours = base._bench_replay(lambda: sparse_decode_attention(*args, out=out))
-    theirs_ref = base._bench(lambda: reference.sparse_decode_attention(*args))
+    ours = timing._bench_replay(lambda: sparse_decode_attention(*args, out=out))
+    theirs_ref = timing._bench(lambda: reference.sparse_decode_attention(*args))
     # SDPA: keys already dequantised to bf16 (what a stock path would hold), boolean mask, no sink.
-    kv = torch.randn(num_rows, 1, keys, hd, device=base.DEVICE, dtype=torch.bfloat16, generator=gen)
-    mask = torch.ones(num_rows, 1, 1, keys, device=base.DEVICE, dtype=torch.bool)
+    kv = torch.randn(num_rows, 1, keys, hd, device=timing.DEVICE, dtype=torch.bfloat16, generator=gen)
+    mask = torch.ones(num_rows, 1, 1, keys, device=timing.DEVICE, dtype=torch.bool)
     qs = p["q"].unsqueeze(2)
     try:
-        theirs = base._bench_replay(lambda: F.scaled_dot_product_attention(qs, kv, kv, attn_mask=mask, enable_gqa=True))
+        theirs = timing._bench_replay(lambda: F.scaled_dot_product_attention(qs, kv, kv, attn_mask=mask, enable_gqa=True))
         torch_note = f"torch: SDPA on bf16 keys, graph replay; the reference's torch ops: {theirs_ref * 1e6:.0f} us"
     except Exception as err:  # noqa: BLE001 - report, don't die, when SDPA refuses
         theirs, torch_note = theirs_ref, f"torch: the reference's ops (SDPA failed: {type(err).__name__})"
-    row = base._row("sparse decode attention", shape, ours, nbytes, flops, ceil, theirs, torch_note, peak="bf16_peak")
+    row = timing._row("sparse decode attention", shape, ours, nbytes, flops, ceil, theirs, torch_note, peak="bf16_peak")
     mem_floor = nbytes / ceil["bandwidth"]
     row.update(mem_roofline_us=mem_floor * 1e6, pct_mem_roofline=100 * mem_floor / ours,
                compute_roofline_us=flops / ceil["bf16_peak"] * 1e6, reference_us=theirs_ref * 1e6,
-               graph_us=base._bench_graph(lambda: sparse_decode_attention(*args, out=out)) * 1e6)
+               graph_us=timing._bench_graph(lambda: sparse_decode_attention(*args, out=out)) * 1e6)
     row["graph_tb_s"] = nbytes / row["graph_us"] / 1e6
     rows = [row]
-    if sweep and num_rows in ATTN_SWEEP_ROWS and context == base.ATTN_CONTEXTS[-1]:
+    if sweep and num_rows in ATTN_SWEEP_ROWS and context == ATTN_CONTEXTS[-1]:
         configs = [dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
                    for block_h, block_n, warps, stages in ATTN_SWEEP]
-        tried, best = base.sweep_configs("", configs, lambda c: sparse_decode_attention(*args, out=out, **c))
+        tried, best = timing.sweep_configs("", configs, lambda c: sparse_decode_attention(*args, out=out, **c))
         # Where the time goes: the window alone (128 FP8 keys), the entries alone (512 FP4 keys).
         alone = {"window only": (*args[:6], p["selected"][:, :0], *args[7:]),
                  "entries only": (*args[:4], 0, *args[5:])}
         for label, variant in alone.items():
             try:
-                row[f"{label} us"] = base._bench_replay(lambda a=variant: sparse_decode_attention(*a, out=out)) * 1e6
+                row[f"{label} us"] = timing._bench_replay(lambda a=variant: sparse_decode_attention(*a, out=out)) * 1e6
             except Exception as err:  # noqa: BLE001
                 print(f"  {label} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
         print(f"  R={num_rows}: sweep {tried}; window only {row.get('window only us')}, "
               f"entries only {row.get('entries only us')} us", file=sys.stderr)
         row["sweep"] = tried
         if best is not None:
-            rows.append(base._row("sparse decode attention [best of sweep]", shape, best[0], nbytes, flops, ceil, theirs,
+            rows.append(timing._row("sparse decode attention [best of sweep]", shape, best[0], nbytes, flops, ceil, theirs,
                              str(best[1]), peak="bf16_peak"))
     return rows

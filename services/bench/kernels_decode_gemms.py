@@ -7,7 +7,7 @@ them, each beside the variant that would replace it (the choice waits on these r
   finish last. The variant splits every expert's M tiles over work items (``m_split`` = the tile count;
   items past an expert's count exit at once): the same bits, and a balanced tail.
 - the attention and indexer projections (one-expert GEMMs) at BLOCK_M 16, the decode tile, against
-  32, the prefill tile (``fp8_linear.linear_block_m``). ``scripts/tune_linear.py`` timed launches back to
+  32, the prefill tile (``fp8_linear.linear_block_m``). ``scripts/diagnostics/tune_linear.py`` timed launches back to
   back and measured the host at these sizes; these rows are graph replays.
 """
 
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import triton
 
-from services.bench.kernels import (DEVICE, EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _bench_replay, _random_weights,
-                                    _row)
+from services.bench.kernel_timing import DEVICE, _bench_replay, _row
+from services.bench.kernels import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 
 if TYPE_CHECKING:
     import torch

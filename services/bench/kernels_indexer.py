@@ -64,7 +64,7 @@ def _sweep(p: dict[str, Any], kw: dict[str, Any], row: dict[str, object], nbytes
     import sys
 
     from kernels.indexer import indexer_select
-    from services.bench.kernels import _row, sweep_configs
+    from services.bench.kernel_timing import _row, sweep_configs
 
     tried, best = sweep_configs("indexer", list(SWEEP), lambda o: indexer_select(*_args(p), **{**kw, **o}))
     row["sweep"] = tried
@@ -80,7 +80,7 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
 
     from kernels import reference
     from kernels.indexer import candidate_entries, indexer_scores, indexer_select, select_topk
-    from services.bench.kernels import _bench, _bench_replay, _row
+    from services.bench.kernel_timing import _bench, _bench_replay, _row
 
     rows: list[dict[str, object]] = []
     cases: tuple[tuple[str, int, dict[str, bool]], ...] = (

@@ -67,7 +67,7 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     import torch
 
     from kernels import mhc
-    from services.bench.kernels import _bench_replay, _row
+    from services.bench.kernel_timing import _bench_replay, _row
 
     ceil = {**ceil, "tf32_peak": ceil["bf16_peak"] / 2}
     rows = []
@@ -107,7 +107,7 @@ def _sweep(num_tokens: int, p: dict[str, Any], nbytes: float, flops: float, ceil
            shape: str) -> list[dict[str, object]]:
     """expand + mix + collapse under a few (block_t, split, num_warps); the best as its own row."""
     from kernels import mhc
-    from services.bench.kernels import _row, sweep_configs
+    from services.bench.kernel_timing import _row, sweep_configs
 
     configs = [dict(block_t=block_t, split=split, num_warps=warps) for block_t, split, warps in SWEEP]
     tried, best = sweep_configs("mhc", configs, lambda c: mhc.mhc_expand_mix(p["y"], p["h"], p["mix"], p["weights"][1],

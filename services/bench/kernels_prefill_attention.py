@@ -34,7 +34,7 @@ def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, de
     from kernels.reference import entry_slots
     from model.deepseek_v41.presets import V41_S1 as cfg
     from model.deepseek_v41.rope import rope_frequencies
-    from services.bench.kernels import DEVICE
+    from services.bench.kernel_timing import DEVICE
     from services.worker.cache_engine import ring_size
 
     if chunk > context:
@@ -90,7 +90,7 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
 
     from kernels import reference
     from kernels.prefill_attention import sparse_prefill_attention, stage_entries
-    from services.bench.kernels import _bench, _bench_replay, _row
+    from services.bench.kernel_timing import _bench, _bench_replay, _row
 
     p = prefill_attention_problem(chunk, context, gen)
     args = prefill_attention_args(p)

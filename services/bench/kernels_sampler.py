@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.bench.kernels import DEVICE, _bench, _bench_replay, _row
+from services.bench.kernel_timing import DEVICE, _bench, _bench_replay, _row
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +44,7 @@ def sampler_problem(num_rows: int, case: str, gen: torch.Generator, device: str 
 
 
 def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
-    from kernels.sampler import sample, sampling_params
+    from kernels.sampler import sample, sampling_tensors
     from services.worker.sampler import Sampler
 
     import sys
@@ -53,7 +53,7 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     for case in CASES:
         for num_rows in QUICK_ROWS if quick else ROWS:
             logits, rows = sampler_problem(num_rows, case, gen)
-            params = sampling_params(rows, DEVICE)
+            params = sampling_tensors(rows, DEVICE)
             ours = _bench_replay(lambda: sample(logits, params))
             sampler = Sampler()
             theirs = _bench(lambda: sampler(logits, rows))

@@ -21,7 +21,8 @@ KITCHEN = (("A", 6), ("B", 5), ("C", 4))
 
 def kitchen_table() -> list[str]:
     """The walkthrough's A/B/C kitchen with an 8-token budget, one line per step."""
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8))
+    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, num_state_slots=8, max_num_seqs=256,
+                                          max_num_batched_tokens=8, max_model_len=1 << 20))
     eos = 1
     words = {50: '"and"', 51: '"slept"', 52: '"."', eos: "the end token"}
     a_tokens = {6: 50, 7: 51, 8: 52, 9: eos}
@@ -64,6 +65,8 @@ def time_steps(num_requests: int, nextn: int, context: int, num_steps: int) -> d
         num_blocks=num_requests * blocks_per_request + 1,
         num_state_slots=num_requests + 1,
         max_num_seqs=num_requests,
+        max_num_batched_tokens=32768,
+        max_model_len=1 << 20,
         nextn=nextn,
         prefill_max_cache_usage=1.0,
     )

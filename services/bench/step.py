@@ -75,7 +75,7 @@ def _override(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 def _ceilings(device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
-    from services.bench.kernels import measure_bandwidth, measure_bf16_peak, measure_fp8_peak
+    from services.bench.kernel_timing import measure_bandwidth, measure_bf16_peak, measure_fp8_peak
 
     return {"bandwidth": measure_bandwidth(), "fp8_peak": measure_fp8_peak(), "bf16_peak": measure_bf16_peak()}
 

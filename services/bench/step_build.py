@@ -86,7 +86,7 @@ def builder(model: str, device, backend: str, layers: int | None, graphs: bool =
         config_args = {"block_size": 128, **engine_args}
         from services.engine.config import EngineConfig
 
-        config = EngineConfig(**config_args)
+        config = EngineConfig(**config_args).worker_config()
         runner: Any = ModelRunner(source.model, config, **_runner_args(backend))
         if graphs:
             from services.worker.graph_runner import GraphRunner

@@ -55,7 +55,7 @@ def compare(model: str, device, layers: int | None, sizes: dict[str, Any]) -> li
 
     def run(label: str, batch: int, **runner_args: Any) -> dict[str, Any]:
         args = {"block_size": 128, "max_num_seqs": batch, "max_model_len": context + sizes["steps"] + 16}
-        config = EngineConfig(**args)
+        config = EngineConfig(**args).worker_config()
         runner = ModelRunner(source.model, config, **runner_args)
         cache = runner.cache
         if label == "engine" and device.type == "cuda":  # the engine as it serves: decode replays CUDA graphs

@@ -9,10 +9,10 @@
 """
 
 from services.client.async_client import AsyncShinkaiClient
-from services.client.errors import (Cancelled, InvalidArgument, ModelNotFound, QueueFull, ShinkaiError, Timeout,
-                                    Unavailable)
+from services.client.errors import (Cancelled, InvalidArgument, ModelNotFound, ResourceExhausted, ShinkaiError,
+                                    Timeout, Unavailable)
 from services.client.messages import Completion, TextDelta
 from services.client.sync_client import ShinkaiClient
 
-__all__ = ["AsyncShinkaiClient", "Cancelled", "Completion", "InvalidArgument", "ModelNotFound", "QueueFull",
+__all__ = ["AsyncShinkaiClient", "Cancelled", "Completion", "InvalidArgument", "ModelNotFound", "ResourceExhausted",
            "ShinkaiClient", "ShinkaiError", "TextDelta", "Timeout", "Unavailable"]

@@ -24,8 +24,8 @@ class ModelNotFound(ShinkaiError):
     """The server does not serve the requested model."""
 
 
-class QueueFull(ShinkaiError):
-    """The server's queue is full; retry after ``retry_after_s``."""
+class ResourceExhausted(ShinkaiError):
+    """The server's queue is full (RESOURCE_EXHAUSTED; HTTP 429); retry after ``retry_after_s``."""
 
 
 class Unavailable(ShinkaiError):
@@ -43,7 +43,7 @@ class Cancelled(ShinkaiError):
 _BY_CODE: dict[grpc.StatusCode, type[ShinkaiError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: ModelNotFound,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: QueueFull,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
     grpc.StatusCode.CANCELLED: Cancelled,

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from services.worker.config import WorkerConfig
+
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -95,3 +97,9 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    def worker_config(self) -> WorkerConfig:
+        """The worker's share of this configuration, pool sizes resolved."""
+        return WorkerConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
+                            num_state_slots=self.resolved_num_state_slots(), max_model_len=self.max_model_len,
+                            kernel_backend=self.kernel_backend, batch_invariant=self.batch_invariant)

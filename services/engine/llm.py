@@ -10,12 +10,12 @@ from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.worker.worker import ModelRunner, Worker
+from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
 
 
-def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
+def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     """The cached model runner when it is available, else the full-recompute reference runner; with
     ``config.cuda_graphs``, the cached runner (kernel backend) inside a GraphRunner that replays
     decode graphs, every size captured here, before the first request."""
@@ -28,7 +28,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
             raise
         return ReferenceRunner(source.model)
     if not config.cuda_graphs:
-        return CachedRunner(source.model, config)  # type: ignore[call-arg]
+        return CachedRunner(source.model, config.worker_config())  # type: ignore[call-arg]
     device = source.model.embed.weight.device
     if device.type != "cuda":  # before the runner converts the model in place
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
@@ -36,7 +36,8 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
     from scheduler_rs import graph_sizes
     from services.worker.graph_runner import GraphRunner
 
-    runner = GraphRunner(CachedRunner(source.model, config), config, use_graphs=True, attention="triton")
+    worker_config = config.worker_config()
+    runner = GraphRunner(CachedRunner(source.model, worker_config), worker_config, use_graphs=True, attention="triton")
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width)
     # would stall the requests in it. The sizes are the scheduler's own rule (nextn = 0).
     runner.capture(graph_sizes(config.max_num_seqs))
@@ -44,7 +45,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> ModelRunner:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", runner: ModelRunner | None = None, worker: Worker | None = None,
+    def __init__(self, model: str = "tiny", runner: Runner | None = None, worker: Worker | None = None,
                  source: ModelSource | None = None, **engine_args: object) -> None:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``

@@ -22,6 +22,54 @@ import signal
 log = logging.getLogger("shinkai.engine.process")
 
 
+class EngineEndpoint:
+    """One engine's shinkai.v1 gRPC endpoint (no HTTP, token ids only): the engine service behind the
+    API's frontend. ``stop()`` drains as `shinkai serve` does: intake closed, live requests get
+    ``drain_timeout_s``, the rest aborted, so the pools are whole when the engine thread exits."""
+
+    def __init__(self, llm, *, engine_name: str, host: str, grpc_port: int, drain_timeout_s: float,
+                 served_model_name: str) -> None:
+        from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
+        from observability.metrics import EngineMetrics, RequestMetrics
+        from services.engine.service import EngineService
+        from services.gateway.api_server import ApiServer
+        from services.gateway.backends import LocalEngine, LocalTokenizer
+        from services.gateway.frontend import Frontend, ModelInfo
+        from services.tokenizer.chat import ChatRenderer
+
+        self.llm = llm
+        self.drain_timeout_s = drain_timeout_s
+        self.engine = EngineService(llm.engine, engine_name=engine_name)
+        self.metrics = RequestMetrics()  # the endpoint's registry: request metrics, then the engine's
+        cfg = llm.source.config
+        chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
+        info = ModelInfo(model=served_model_name, vocab_size=cfg.vocab_size, max_model_len=llm.config.max_model_len,
+                         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                         max_num_seqs=llm.config.max_num_seqs)
+        stats = self.engine.stats()
+        self.engine.observer.metrics = EngineMetrics(self.metrics.registry, self.engine.stats, info.model, {
+            "engine": engine_name, "block_size": llm.config.block_size,
+            "num_gpu_blocks": stats["total_blocks"], "num_state_slots": stats["total_state_slots"]})
+        frontend = Frontend(info, LocalEngine(self.engine), LocalTokenizer(llm, chat, detokenize=False), self.metrics)
+        self.api = ApiServer(frontend, host, None, grpc_port)
+
+    async def start(self) -> None:
+        self.engine.start()
+        try:
+            await self.api.start()
+        except BaseException:
+            self.engine.stop()
+            raise
+
+    async def stop(self) -> None:
+        await self.api.close_intake()
+        if not await self.engine.drain(self.drain_timeout_s):
+            log.warning("%d requests still live after %.0f s; aborting them", self.engine.num_unfinished(),
+                        self.drain_timeout_s)
+        self.engine.stop()  # aborts the rest; the step thread finishes every request before it exits
+        await self.api.stop()
+
+
 async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -> None:
     """Keeps health and lifecycle in step with the worker's heartbeat (runs until cancelled)."""
     lost = False
@@ -47,24 +95,23 @@ async def run(args: argparse.Namespace) -> int:
     from observability import tracing
 
     tracing.setup("shinkai-engine")
+    from services.engine.llm import LLM
     from services.engine.reporter import LoadReporter
-    from services.gateway.server import ServeConfig, Server
 
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
     if args.batch_invariant:
         engine_args["batch_invariant"] = True
-    llm = None
     if args.worker:
-        from services.engine.llm import LLM
         from services.engine.remote_worker import RemoteWorker
 
         remote = RemoteWorker(args.worker)
         llm = LLM(model=args.model, worker=remote, **engine_args)
         remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
-    server = Server(ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                                http_port=None, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
-                                engine_args=engine_args, engine_name=args.engine_id, detokenize=False), llm=llm)
+    else:
+        llm = LLM(model=args.model, **engine_args)
+    server = EngineEndpoint(llm, engine_name=args.engine_id, host=args.host, grpc_port=args.grpc_port,
+                            drain_timeout_s=args.drain_timeout, served_model_name=args.served_model_name or args.model)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,7 +123,7 @@ async def run(args: argparse.Namespace) -> int:
         publisher = ExpertLoadPublisher(server.llm.engine.worker, None, loop, args.rank)
         server.llm.engine.worker = publisher
     await server.start()
-    address = server.urls()["grpc"]
+    address = server.api.urls()["grpc"]
     metrics_port = None
     if args.metrics_port is not None:
         import prometheus_client as prom
@@ -92,7 +139,7 @@ async def run(args: argparse.Namespace) -> int:
     worker = publisher.worker if publisher is not None else server.llm.engine.worker
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
-                      "grpc_port": server.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
+                      "grpc_port": server.api.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
     watch = None
     if args.worker:
         watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))

@@ -41,8 +41,8 @@ PRECISIONS = ("fp8", "fp32")
 def linear_block_m(num_tokens: int) -> int:
     """Tokens per MMA tile of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
     weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
-    summed over v41's projections (H200, 2026-11-30, ``scripts/tune_linear.py``; wq_b at 4K tokens
-    1426 → 867 µs, wo_b 2155 → 1227 µs). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
+    summed over v41's projections (H200, ``scripts/diagnostics/tune_linear.py``; docs/performance.md has the
+    table). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
     BLOCK_M 64 spills at 4 warps."""
     return 16 if num_tokens <= 256 else 32
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode: one captured ``StaticDecodeStep`` per row count (ARCHITECTURE.md §3).
+"""CUDA graphs for decode: one captured ``StaticDecodeStep`` per row count (docs/architecture.md, "The step loop").
 
 The scheduler gives every decode plan a ``graph_size``: the smallest of ``graph_sizes`` (powers of
 two up to the interval, then its multiples up to max_num_seqs × (1 + nextn)) that holds its rows.
@@ -22,7 +22,7 @@ import torch
 
 from kernels.device import upload
 from scheduler_rs import StepPlan
-from services.engine.config import EngineConfig
+from services.worker.config import WorkerConfig
 from services.worker.decode_step import StaticDecodeStep
 from services.worker.model_runner import ModelRunner
 from services.worker.reference_runner import RunnerOutput
@@ -40,7 +40,7 @@ class GraphRunner:
     replays CUDA graphs; without it the static step runs eagerly (CPU, tests). Captured graphs need a
     graph-safe MoE: the kernel backend's (``ModelRunner(backend="kernels")``)."""
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig, *, use_graphs: bool, attention: str,
+    def __init__(self, runner: ModelRunner, config: WorkerConfig, *, use_graphs: bool, attention: str,
                  kernels: object | None = None) -> None:
         if runner.rounding is not None:
             raise ValueError("a rounding hook calls back into Python per op: run such a ModelRunner eagerly")

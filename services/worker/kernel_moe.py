@@ -41,7 +41,7 @@ class KernelRMSNorm(nn.Module):
 MOE_MAX_TOKENS = 8192
 """Tokens per pass of ``KernelMoE``: the masked layout gives each of the E+1 experts T slots, so one
 32K-token prefill step needed [49, 32768, 5120] bf16 (16 GB) for the down GEMM's output plus a 2.2 GB
-gather for the combine, and ran out of memory beside v41-s1's 110 GB of weights (H200, 2026-11-30).
+gather for the combine, and ran out of memory beside v41-s1's 110 GB of weights (H200; docs/performance.md).
 Every token's output depends only on its own row, so passes of this many tokens give the same values."""
 
 

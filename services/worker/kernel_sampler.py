@@ -15,7 +15,8 @@ from types import ModuleType
 
 import torch
 
-from services.worker.sampler import SamplerOutput, SamplingRow
+from kernels.sampler_output import SamplerOutput
+from services.worker.sampler import SamplingRow
 
 
 class KernelSampler:
@@ -39,6 +40,6 @@ class KernelSampler:
         if width > self.kernel.MAX_TOP_LOGPROBS:
             raise ValueError(f"the sampling kernel returns at most {self.kernel.MAX_TOP_LOGPROBS} top logprobs, "
                              f"a row asks for {width}")
-        params = self.kernel.sampling_params(rows, logits.device)
+        params = self.kernel.sampling_tensors(rows, logits.device)
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         return self.kernel.sample(logits, params, width)

@@ -24,9 +24,9 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
-from services.engine.config import EngineConfig
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
+from services.worker.config import WorkerConfig
 from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
 from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
@@ -34,7 +34,7 @@ from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slot
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV41, config: EngineConfig, *, nextn: int = 0,
+    def __init__(self, model: DeepseekV41, config: WorkerConfig, *, nextn: int = 0,
                  rounding: Rounding | None = None, backend: str | None = None, precision: str | None = None,
                  kernels: KernelSet | None = None) -> None:
         self.model = model
@@ -49,8 +49,8 @@ class ModelRunner:
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
             self.conversion = convert_model(model, self.precision, self.kernels)
-        self.cache = CacheEngine(self.cfg, config.block_size, config.resolved_num_blocks(),
-                                 config.resolved_num_state_slots(), ring_size(self.cfg, nextn), device)
+        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
+                                 config.num_state_slots, ring_size(self.cfg, nextn), device)
         self.rounding = rounding
         if config.batch_invariant and self.backend != "torch":
             raise ValueError("batch_invariant runs on the torch backend only (model/batch_invariant.py); the "

@@ -20,7 +20,7 @@ Invariants:
   outputs are therefore independent of its batch companions, its row index and the batch size.
 - Probability mass is integers: mass = floor(p · 2³¹) (int64), summed in int64, so sums are exact in any
   order. Top-p keeps rank r iff the integer mass of ranks < r is below top_p · 2³¹.
-- The draw: ``bits`` in [0, 2³¹) from Philox (see ``philox.py``) stands for u = bits / 2³¹. With
+- The draw: ``bits`` in [0, 2³¹) from Philox (see ``kernels/philox.py``) stands for u = bits / 2³¹. With
   ``total`` the row's actual integer mass (not 2³¹, so the last token stays reachable), the threshold is
   ``(bits · total) >> 31`` = floor(u · total), and the token is the first id, in id order, whose inclusive
   cumulative mass exceeds it. A token of mass 0 is never picked.
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.philox import DRAW_BITS, DrawCase, bits_of_uniform, draw_bits, uniform_of_bits
+from kernels.philox import DRAW_BITS, DrawCase, bits_of_uniform, draw_bits, uniform_of_bits
+from kernels.sampler_output import SamplerOutput
 
 # Probability mass unit: a probability p is worth floor(p · 2**MASS_BITS) integer units.
 MASS_BITS = 31
@@ -96,23 +97,6 @@ class SamplingRow:
     @property
     def needs_ranking(self) -> bool:
         return self.rank_limit is not None or self.top_p < 1 or self.num_logprobs > 0
-
-
-@dataclass
-class SamplerOutput:
-    """One entry per input row, in input order.
-
-    ``top_*`` are dense [n, w] with w = min(max num_logprobs, vocab): row i's first
-    ``rows[i].num_logprobs`` columns are its answer, best first, ties to the lower id; the columns after
-    those are the next ranks (real tokens and logprobs, never padding) and the caller slices them off.
-    Tokens outside the kept set have logprob -inf. Error rows get ids from rank order and -inf.
-    """
-
-    token_ids: torch.Tensor  # [n] int64
-    logprobs: torch.Tensor  # [n] float32, the chosen token's, under the processed distribution
-    top_token_ids: torch.Tensor  # [n, w] int64
-    top_logprobs: torch.Tensor  # [n, w] float32
-    errors: torch.Tensor  # [n] bool: every token masked (or a NaN/+inf logit) → end with `error`
 
 
 def integer_masses(probs: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,12 @@ import prometheus_client as prom
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kernels.sampler_output import SamplerOutput
 from observability import metrics as names
 from observability import tracing
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
-from services.worker.sampler import SamplerOutput, SamplingRow
+from services.worker.sampler import SamplingRow
 from services.worker.worker import WorkerOutput
 
 SERVICE = "worker.v1.Worker"

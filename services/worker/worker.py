@@ -8,13 +8,16 @@ from typing import Protocol
 import torch
 
 from kernels.device import upload
+from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
-from services.worker.sampler import Sampler, SamplerOutput, SamplingRow
+from services.worker.sampler import Sampler, SamplingRow
 
 
-class ModelRunner(Protocol):
+class Runner(Protocol):
+    """What a Worker runs: ModelRunner, GraphRunner, ReferenceRunner, or a test's stand-in."""
+
     def execute(self, plan: StepPlan) -> RunnerOutput: ...
     # A runner that takes async plans also accepts ``pending=PendingInputs`` (see ModelRunner).
 
@@ -56,7 +59,7 @@ class WorkerOutput:
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler
         module for a ``backend == "kernels"`` runner (services/worker/kernel_sampler.py), else ``Sampler``."""
         self.runner = runner

@@ -191,9 +191,9 @@ def _tiny_config_problem(name: str, layer: int, source: int, device: str = "cpu"
 @pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
 def test_interpreted_bf16_dots_at_tiny_shapes_only_round_q_and_p(name, layer, source):
     """The bf16-dot path (the FP8 engine's) run line for line under an interpreter patched for exact bf16
-    dots and round-to-nearest casts (scripts/emulate_bf16_attention.py), whole rows and split: only
+    dots and round-to-nearest casts (tests/kernels/bf16_emulation.py), whole rows and split: only
     q → bf16 and P → bf16 away from the reference (a torch emulation of exactly those)."""
-    from scripts.emulate_bf16_attention import bf16_interpreter, decode_bf16
+    from tests.kernels.bf16_emulation import bf16_interpreter, decode_bf16
 
     cfg, prob = _tiny_config_problem(name, layer, source)
     ref, emulated = reference.sparse_decode_attention(*_args(cfg, prob)), decode_bf16(*_args(cfg, prob))
@@ -307,7 +307,7 @@ def test_gpu_tiny_shapes_bf16_dots_only_round_q_and_p(name, layer, source):
     """The FP8 engine's tiny-model decode calls compiled (split by default at 6 rows, and whole rows):
     the bf16 path against the reference and the torch emulation of its two roundings."""
     from kernels.decode_attention import sparse_decode_attention
-    from scripts.emulate_bf16_attention import decode_bf16
+    from tests.kernels.bf16_emulation import decode_bf16
 
     cfg, prob = _tiny_config_problem(name, layer, source, "cuda")
     ref, emulated = reference.sparse_decode_attention(*_args(cfg, prob)), decode_bf16(*_args(cfg, prob))

@@ -213,10 +213,10 @@ def _tiny_config_problem(name: str, layer: int, source: int, device: str = "cpu"
 @pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
 def test_interpreted_bf16_dots_at_tiny_shapes_only_round_q_and_p(name, layer, source):
     """The bf16-dot path (the FP8 engine's), run line for line under an interpreter patched for exact bf16
-    dots and round-to-nearest casts (scripts/emulate_bf16_attention.py): it differs from the fp32
+    dots and round-to-nearest casts (tests/kernels/bf16_emulation.py): it differs from the fp32
     reference only by q → bf16 and P → bf16 (a torch emulation of exactly those), at each tiny
     config's shapes, where the Flash-shaped GPU tests do not reach (masked heads, D 64, short windows)."""
-    from scripts.emulate_bf16_attention import bf16_interpreter, prefill_bf16
+    from tests.kernels.bf16_emulation import bf16_interpreter, prefill_bf16
 
     cfg, prob, step_k = _tiny_config_problem(name, layer, source)
     args = _args(cfg, prob, prob["q"], step_k)
@@ -287,7 +287,7 @@ def test_gpu_tiny_shapes_bf16_dots_only_round_q_and_p(name, layer, source):
     instead of wgmma) compiled: the bf16 path against the fp32 reference and against the torch
     emulation of its two roundings; the fp32-dot path against the reference exactly."""
     from kernels.prefill_attention import sparse_prefill_attention
-    from scripts.emulate_bf16_attention import prefill_bf16
+    from tests.kernels.bf16_emulation import prefill_bf16
 
     cfg, prob, step_k = _tiny_config_problem(name, layer, source, "cuda")
     args = _args(cfg, prob, prob["q"], step_k)

@@ -56,7 +56,7 @@ def _interpreted_sample(logits, rows, block, case=0):
     k = load_interpreted("sampler")
     width = max(r.num_logprobs for r in rows)
     with interpreter():
-        return k.sample(logits, k.sampling_params(rows), num_logprobs=width, case=case, block=block)
+        return k.sample(logits, k.sampling_tensors(rows), num_logprobs=width, case=case, block=block)
 
 
 def test_sampler_interpreted_matches_cpu_sampler_mixed_rows():
@@ -100,7 +100,7 @@ def test_sampler_interpreted_error_rows_and_resample_case():
     _check(Sampler()(logits, rows), got)
     assert got.errors.tolist() == [True, True, True, False]
     # case 1 (resample) draws other bits: compare with a CPU pick from the same processed distribution.
-    from services.worker.philox import DrawCase, draw_bits
+    from kernels.philox import DrawCase, draw_bits
     from services.worker.sampler import _pick
 
     p = Sampler().process(logits[3:], rows[3:])
@@ -150,11 +150,11 @@ def _gpu_problem(num_rows: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("num_rows", [1, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampler_gpu_matches_sampler(num_rows, dtype):
-    from kernels.sampler import sample, sampling_params
+    from kernels.sampler import sample, sampling_tensors
 
     logits, rows = _gpu_problem(num_rows, dtype, num_rows)
     out = Sampler()(logits, rows)
-    got = sample(logits, sampling_params(rows, "cuda"), num_logprobs=max(r.num_logprobs for r in rows))
+    got = sample(logits, sampling_tensors(rows, "cuda"), num_logprobs=max(r.num_logprobs for r in rows))
     # Same fp32 maths, different exp and summation order: logprobs agree to a few ulp of log(sum).
     _check(out, got, tol=2e-5)
 
@@ -162,17 +162,17 @@ def test_sampler_gpu_matches_sampler(num_rows, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
-    from kernels.sampler import sample, sampling_params
+    from kernels.sampler import sample, sampling_tensors
 
     logits, rows = _gpu_problem(64, torch.float32, 7)
-    params = sampling_params(rows, "cuda")
+    params = sampling_tensors(rows, "cuda")
     sample(logits, params, num_logprobs=5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = sample(logits, params, num_logprobs=5)
     moved = [_row(r.temperature or 1.0, r.top_k, r.top_p, r.seed, r.position + 1, r.forced_top_k, r.banned_token_ids,
                   num_logprobs=5) for r in rows]
-    new = sampling_params(moved, "cuda", num_bans=params.banned.shape[1])
+    new = sampling_tensors(moved, "cuda", num_bans=params.banned.shape[1])
     for name in ("temperature", "rank_limit", "mass_limit", "seed", "position", "banned"):
         getattr(params, name).copy_(getattr(new, name))
     graph.replay()

@@ -2,7 +2,8 @@
 
 import pytest
 
-from scheduler_rs import EngineType, FinishReason, PreemptionMode, Scheduler, SchedulerConfig, StepResult
+from scheduler_rs import EngineType, FinishReason, PreemptionMode, Scheduler, StepResult
+from tests.scheduler_rs.configs import scheduler_config
 
 from .fake_worker import run_step
 
@@ -19,7 +20,7 @@ def step(scheduler, token_at=lambda rid, pos: 100 + pos, **kwargs):
 def test_kitchen_step_table():
     # Pass 0: A = 6 tokens, B = 5, C = 4, an 8-token prefill budget; A generates "and", "slept",
     # ".", then the end token.
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8))
     for rid, n in (("A", 6), ("B", 5), ("C", 4)):
         scheduler.add_request(rid, list(range(10, 10 + n)), max_tokens=16, eos_token_id=EOS)
     a_output = {6: 50, 7: 51, 8: 52, 9: EOS}  # position -> token: "and", "slept", ".", end
@@ -41,7 +42,7 @@ def test_kitchen_step_table():
 
 
 def test_kitchen_a_finishes_with_stop_and_frees_everything():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8))
     scheduler.add_request("A", list(range(10, 16)), max_tokens=16, eos_token_id=EOS)
     finals = []
     for pos_token in (50, 51, 52, EOS):
@@ -55,7 +56,7 @@ def test_kitchen_a_finishes_with_stop_and_frees_everything():
 
 
 def test_prompt_engine_fills_the_step_like_normal_when_the_budget_is_spent():
-    config = SchedulerConfig(engine_type=EngineType.PROMPT, block_size=4, num_blocks=64, num_state_slots=8,
+    config = scheduler_config(engine_type=EngineType.PROMPT, block_size=4, num_blocks=64, num_state_slots=8,
                              max_num_batched_tokens=8)
     scheduler = Scheduler(config)
     for rid, n in (("A", 6), ("B", 5), ("C", 4)):
@@ -68,13 +69,13 @@ def test_prompt_engine_fills_the_step_like_normal_when_the_budget_is_spent():
 
 
 def test_decode_engine_refuses_prompts():
-    scheduler = Scheduler(SchedulerConfig(engine_type=EngineType.DECODE))
+    scheduler = Scheduler(scheduler_config(engine_type=EngineType.DECODE))
     with pytest.raises(ValueError, match="P/D handoff"):
         scheduler.add_request("x", [1, 2], max_tokens=1)
 
 
 def test_drawer_fork_shares_full_blocks_and_copies_the_partial_one():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4, window_size=3))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4, window_size=3))
     scheduler.add_request("A", list(range(10, 16)), max_tokens=8)
     step(scheduler)  # prefill: positions 0-5 in two blocks
     parent = scheduler.request("A")
@@ -101,7 +102,7 @@ def test_drawer_fork_shares_full_blocks_and_copies_the_partial_one():
 
 
 def test_fifty_thousand_token_prompt_aborted_between_chunks_returns_every_block():
-    scheduler = Scheduler(SchedulerConfig(num_blocks=400, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(num_blocks=400, num_state_slots=4))
     scheduler.add_request("P", [5] * 50_000, max_tokens=16)
     plan, outputs = step(scheduler)
     assert plan.seqlens_q.tolist() == [32_768] and outputs == []
@@ -119,7 +120,7 @@ def test_fifty_thousand_token_prompt_aborted_between_chunks_returns_every_block(
 
 
 def test_abort_a_running_request_yields_a_final_output():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("R", [3, 4, 5], max_tokens=8)
     step(scheduler)
     step(scheduler)
@@ -132,7 +133,7 @@ def _grow(target_outputs: dict[str, int]) -> Scheduler:
     """Requests with one-token prompts reaching the given output counts together, in a pool of
     one-token blocks sized so the free list is empty at the end."""
     num_held = sum(target_outputs.values())  # each holds num_computed = outputs blocks
-    scheduler = Scheduler(SchedulerConfig(block_size=1, compress_ratios=[1], num_blocks=num_held + 1, num_state_slots=8,
+    scheduler = Scheduler(scheduler_config(block_size=1, compress_ratios=[1], num_blocks=num_held + 1, num_state_slots=8,
                                           prefill_max_cache_usage=1.0))
     longest = max(target_outputs, key=target_outputs.get)
     a_total = target_outputs[longest]
@@ -168,7 +169,7 @@ def test_preemption_takes_the_longest_output_when_a_row_needs_a_block():
 
 def test_no_preemption_when_the_free_list_is_empty_but_no_row_needs_a_block():
     # DeepInfer preempts whenever the free list is empty; ours only when a row needs a block.
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=3, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=3, num_state_slots=4))
     scheduler.add_request("X", [3, 4, 5], max_tokens=8)
     scheduler.add_request("Y", [3, 4, 5], max_tokens=8)
     step(scheduler)
@@ -181,7 +182,7 @@ def test_no_preemption_when_the_free_list_is_empty_but_no_row_needs_a_block():
 
 
 def test_recompute_preemption_prefills_the_victim_again():
-    config = SchedulerConfig(block_size=4, num_blocks=3, num_state_slots=4, preemption_mode=PreemptionMode.RECOMPUTE)
+    config = scheduler_config(block_size=4, num_blocks=3, num_state_slots=4, preemption_mode=PreemptionMode.RECOMPUTE)
     scheduler = Scheduler(config)
     scheduler.add_request("X", [3, 4, 5], max_tokens=3)
     scheduler.add_request("Y", [3, 4, 5], max_tokens=3)
@@ -195,7 +196,7 @@ def test_recompute_preemption_prefills_the_victim_again():
 
 
 def test_grammar_requests_always_stop():
-    config = SchedulerConfig(block_size=4, num_blocks=3, num_state_slots=4, preemption_mode=PreemptionMode.RECOMPUTE)
+    config = scheduler_config(block_size=4, num_blocks=3, num_state_slots=4, preemption_mode=PreemptionMode.RECOMPUTE)
     scheduler = Scheduler(config)
     scheduler.add_request("X", [3, 4, 5], max_tokens=3, constrained=True)
     scheduler.add_request("Y", [3, 4, 5], max_tokens=3)
@@ -210,7 +211,7 @@ def test_several_ranks_wait_seventy_placeholder_steps_for_an_unready_head():
     def vote(value, op):
         return value if op == "all" else value or False
 
-    scheduler = Scheduler(SchedulerConfig(num_ranks=8, block_size=4, num_blocks=16, num_state_slots=4), vote)
+    scheduler = Scheduler(scheduler_config(num_ranks=8, block_size=4, num_blocks=16, num_state_slots=4), vote)
     scheduler.add_request("r1", [3, 4, 5], max_tokens=4, schedulable=False)
     kinds = []
     for i in range(71):
@@ -223,7 +224,7 @@ def test_several_ranks_wait_seventy_placeholder_steps_for_an_unready_head():
 
 
 def test_one_rank_prefills_at_the_next_step():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("r1", [3, 4, 5], max_tokens=8)
     step(scheduler)
     step(scheduler)
@@ -233,7 +234,7 @@ def test_one_rank_prefills_at_the_next_step():
 
 
 def test_unschedulable_head_blocks_the_queue():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("img", [3, 4], max_tokens=2, schedulable=False)
     scheduler.add_request("txt", [3, 4], max_tokens=2)
     plan, _ = step(scheduler)
@@ -241,7 +242,7 @@ def test_unschedulable_head_blocks_the_queue():
 
 
 def test_ring_of_134_and_position_2004():
-    config = SchedulerConfig(nextn=5, num_blocks=64, num_state_slots=4)
+    config = scheduler_config(nextn=5, num_blocks=64, num_state_slots=4)
     assert config.ring_size == 134
     scheduler = Scheduler(config)
     scheduler.add_request("R", [3] * 2004, max_tokens=8)
@@ -254,7 +255,7 @@ def test_ring_of_134_and_position_2004():
 
 def test_speculative_bookkeeping_commits_accepted_drafts_and_returns_blocks():
     # Pass 3 "The verifier rejects draft 3 of 5": 6 rows, 2 drafts accepted plus the sampled token.
-    config = SchedulerConfig(block_size=4, nextn=5, num_blocks=32, num_state_slots=4)
+    config = scheduler_config(block_size=4, nextn=5, num_blocks=32, num_state_slots=4)
     scheduler = Scheduler(config)
     scheduler.add_request("R", [3] * 7, max_tokens=50)
     step(scheduler, nextn=5)  # prefill 0..6, first token at 7
@@ -272,7 +273,7 @@ def test_speculative_bookkeeping_commits_accepted_drafts_and_returns_blocks():
 
 
 def test_async_plans_count_in_flight_rows_and_defer_frees():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=32, num_state_slots=4))
     scheduler.add_request("R", [3, 4, 5], max_tokens=3, eos_token_id=EOS)
     step(scheduler)
     first = scheduler.schedule()
@@ -291,7 +292,7 @@ def test_async_plans_count_in_flight_rows_and_defer_frees():
 
 
 def test_graph_padding_for_37_rows():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=256, num_state_slots=64, max_num_seqs=48))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=256, num_state_slots=64, max_num_seqs=48))
     for i in range(37):
         scheduler.add_request(f"r{i}", [3, 4], max_tokens=8)
     step(scheduler)
@@ -300,7 +301,7 @@ def test_graph_padding_for_37_rows():
 
 
 def test_bad_requests_get_clear_errors():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=8, num_state_slots=4, max_model_len=16, vocab_size=100))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=8, num_state_slots=4, max_model_len=16, vocab_size=100))
     scheduler.add_request("a", [1], max_tokens=1)
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request("a", [1], max_tokens=1)
@@ -315,7 +316,7 @@ def test_bad_requests_get_clear_errors():
     with pytest.raises(KeyError):
         scheduler.set_schedulable("nope")
     with pytest.raises(ValueError, match="compress ratio 3"):
-        SchedulerConfig(compress_ratios=[3])
+        scheduler_config(compress_ratios=[3])
     plan = scheduler.schedule()
     with pytest.raises(ValueError, match="token counts"):
         scheduler.update(plan, StepResult([], []))
@@ -324,7 +325,7 @@ def test_bad_requests_get_clear_errors():
 
 
 def test_error_rows_end_only_their_request():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("a", [3, 4], max_tokens=4)
     scheduler.add_request("b", [3, 4], max_tokens=4)
     plan = scheduler.schedule()
@@ -334,7 +335,7 @@ def test_error_rows_end_only_their_request():
 
 
 def test_abort_in_flight_answers_at_once_and_frees_after_the_step():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("R", [3, 4, 5], max_tokens=8)
     step(scheduler)
     plan = scheduler.schedule()

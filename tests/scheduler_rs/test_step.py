@@ -1,7 +1,8 @@
 import numpy as np
 import torch
 
-from scheduler_rs import Scheduler, SchedulerConfig, graph_sizes, select_graph_size
+from scheduler_rs import Scheduler, graph_sizes, select_graph_size
+from tests.scheduler_rs.configs import scheduler_config
 
 
 def test_graph_sizes_for_24_and_384_rows():
@@ -11,11 +12,11 @@ def test_graph_sizes_for_24_and_384_rows():
     assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
     assert select_graph_size(sizes, 37) == 40
     assert select_graph_size(sizes, 385) is None
-    assert SchedulerConfig(max_num_seqs=4, nextn=5).graph_sizes == [1, 2, 4, 8, 16, 24]
+    assert scheduler_config(max_num_seqs=4, nextn=5).graph_sizes == [1, 2, 4, 8, 16, 24]
 
 
 def test_plan_arrays_are_buffers_without_copies():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("a", [5, 6, 7, 8, 9], max_tokens=2)
     scheduler.add_request("b", [5, 6], max_tokens=2)
     plan = scheduler.schedule()
@@ -31,7 +32,7 @@ def test_plan_arrays_are_buffers_without_copies():
 
 
 def test_entry_writes_follow_the_compress_ratio():
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, num_state_slots=4, compress_ratios=[2, 1]))
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4, compress_ratios=[2, 1]))
     scheduler.add_request("a", list(range(10, 16)), max_tokens=2)
     plan = scheduler.schedule()
     table = scheduler.request("a").block_table

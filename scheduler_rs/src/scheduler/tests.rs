@@ -1,8 +1,9 @@
 use super::*;
+use crate::config::TEST_LIMITS;
 use crate::step::StepResult;
 
 fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
-    let mut config = SchedulerConfig::new(1);
+    let mut config = SchedulerConfig::new(1, TEST_LIMITS);
     config.block_size = block_size;
     config.num_blocks = num_blocks;
     config.num_state_slots = 8;
@@ -125,7 +126,7 @@ impl Collective for OtherRanksNeverReady {
 
 #[test]
 fn all_points_come_every_seventy_decode_steps() {
-    let mut c = SchedulerConfig::new(8);
+    let mut c = SchedulerConfig::new(8, TEST_LIMITS);
     c.compress_ratios = vec![1];
     let mut s = Scheduler::new(c).unwrap();
     s.add_request("R".into(), vec![5; 3], StopRules::new(8), true, false).unwrap();

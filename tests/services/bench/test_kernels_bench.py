@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
+from services.bench import kernel_timing as timing
 from services.bench import kernels as bench
+from services.bench import kernels_decode_attention
 from tests.kernels.interpret import interpreter, load_interpreted
 
 
@@ -32,14 +34,14 @@ def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
         return 1e-4
 
     for timer in ("_bench", "_bench_graph", "_bench_replay"):
-        monkeypatch.setattr(bench, timer, one_call)
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(bench, "measure_fp8_peak", lambda: 1e15)
-    monkeypatch.setattr(bench, "measure_bf16_peak", lambda: 5e14)
+        monkeypatch.setattr(timing, timer, one_call)
+    monkeypatch.setattr(timing, "measure_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(timing, "measure_fp8_peak", lambda: 1e15)
+    monkeypatch.setattr(timing, "measure_bf16_peak", lambda: 5e14)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "toy")
     monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *args, **kwargs: None, raising=False)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "HIDDEN", 256)
     monkeypatch.setattr(bench, "INTER", 128)
     monkeypatch.setattr(bench, "EXPERTS", 8)
@@ -48,9 +50,7 @@ def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "SWEEP_TOKENS", (2,))
     monkeypatch.setattr(bench, "SWEEP", bench.SWEEP[:1])
     # Decode attention keeps the Flash head shapes (64 × 512): two rows at a 256-token context.
-    monkeypatch.setattr(bench, "ATTN_CONTEXTS", (256,))
-    from services.bench import kernels_decode_attention
-
+    monkeypatch.setattr(kernels_decode_attention, "ATTN_CONTEXTS", (256,))
     monkeypatch.setattr(kernels_decode_attention, "ATTN_SWEEP_ROWS", ())
     monkeypatch.setattr(bench, "EXTRA", ())  # the other kernels' bench modules have their own CPU tests
     out = tmp_path / "k.json"

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from services.bench import kernels as bench
+from services.bench import kernel_timing as timing
 from services.bench import kernels_decode_gemms as gemms
 from tests.kernels.interpret import interpreter, load_interpreted
 
@@ -24,7 +24,7 @@ def test_every_row_at_toy_sizes_and_the_variants_agree_bit_for_bit(monkeypatch):
         return 1e-4
 
     monkeypatch.setattr(gemms, "_bench_replay", one_call)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")  # the shared weight maker's
+    monkeypatch.setattr(timing, "DEVICE", "cpu")  # the shared weight maker's
     for name, value in (("DEVICE", "cpu"), ("HIDDEN", 256), ("INTER", 128), ("EXPERTS", 16), ("TOP_K", 2)):
         monkeypatch.setattr(gemms, name, value)
     monkeypatch.setattr(gemms, "projection_shapes", lambda: {"toy.wq": (256, 128), "toy.wo": (128, 256)})

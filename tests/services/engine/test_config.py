@@ -31,3 +31,20 @@ def test_default_blocks_admit_a_full_batch_of_full_length_prompts(num_seqs, max_
     assert (plan.num_rows, stats.num_running, stats.num_waiting) == (num_seqs, num_seqs, 0)
     per_request = -(-max_model_len // block_size)
     assert config.resolved_num_blocks() <= num_seqs * per_request * 10 // 9 + 2  # headroom, not a multiple
+
+
+def test_the_scheduler_takes_every_size_from_engine_config():
+    from services.engine import LLM
+
+    llm = LLM("tiny", block_size=16, max_num_seqs=3, max_num_batched_tokens=48, max_model_len=96)
+    got, config = llm.engine.scheduler.config, llm.config
+    assert (got.block_size, got.num_blocks, got.num_state_slots, got.max_num_seqs, got.max_num_batched_tokens,
+            got.max_model_len) == (16, config.resolved_num_blocks(), config.resolved_num_state_slots(), 3, 48, 96)
+
+
+def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
+    from services.worker.config import WorkerConfig
+
+    config = EngineConfig(block_size=16, max_num_seqs=3, max_model_len=96, kernel_backend="fp8")
+    assert config.worker_config() == WorkerConfig(block_size=16, num_blocks=config.resolved_num_blocks(),
+                                                  num_state_slots=4, max_model_len=96, kernel_backend="fp8")

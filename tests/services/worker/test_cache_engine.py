@@ -8,8 +8,8 @@ import torch
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.quant import fake_quant_compressed_kv, fake_quant_fp8_e4m3, fake_quant_indexer
-from scheduler_rs import SchedulerConfig
 from services.worker.cache_engine import CacheEngine, CacheLayout, cache_bytes, ring_size
+from tests.scheduler_rs.configs import scheduler_config
 
 FLASH = ModelConfig()
 
@@ -27,9 +27,9 @@ def test_flash_bytes_per_block_and_slot():
 
 
 def test_tiny_bytes_and_the_ring_matches_the_scheduler():
-    assert ring_size(TINY) == SchedulerConfig(window_size=TINY.sliding_window).ring_size == 14
-    assert ring_size(FLASH) == SchedulerConfig(window_size=128).ring_size == 134
-    assert ring_size(FLASH, nextn=5) == SchedulerConfig(window_size=128, nextn=5).ring_size
+    assert ring_size(TINY) == scheduler_config(window_size=TINY.sliding_window).ring_size == 14
+    assert ring_size(FLASH) == scheduler_config(window_size=128).ring_size == 134
+    assert ring_size(FLASH, nextn=5) == scheduler_config(window_size=128, nextn=5).ring_size
     per_block, per_slot = cache_bytes(TINY, 16)
     # head_dim 64: 32 + 4 = 36 B; index_head_dim 32: 16 + 1 = 17 B; ratio-2 source 8 per block, ratio-1 16.
     assert per_block == 8 * 53 + 16 * 53

@@ -49,7 +49,7 @@ def setup(name: str, device: str = "cpu", attention: str = "reference", use_grap
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     num_blocks = max_seqs * (MAX_LEN // BLOCK) + 1
     config = EngineConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=64, max_model_len=MAX_LEN)
+                          max_num_batched_tokens=64, max_model_len=MAX_LEN).worker_config()
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1,
                                       max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=MAX_LEN,
                                       window_size=cfg.sliding_window, compress_ratios=ratios))

@@ -42,7 +42,7 @@ def tiny():
 
 
 def test_torch_against_itself_is_exact_and_a_perturbed_model_is_not(tiny):
-    config = engine_config(SMALL)
+    config = engine_config(SMALL).worker_config()
     prompts = make_prompts(tiny.cfg.vocab_size, SMALL)
     rec = record_reference(ModelRunner(tiny, config), SMALL, prompts)
     for rid, p in prompts.items():

@@ -32,7 +32,7 @@ MARGIN = 0.05  # greedy tokens must agree where the eager runner's top-2 logit m
 
 def test_graphs_need_cuda_the_kernel_backend_and_no_rounding_hook():
     model = case("oracle").model
-    config = EngineConfig(block_size=16, max_model_len=64, max_num_seqs=2)
+    config = EngineConfig(block_size=16, max_model_len=64, max_num_seqs=2).worker_config()
     with pytest.raises(ValueError, match="CUDA graphs need the model on CUDA"):
         GraphRunner(ModelRunner(model, config), config, use_graphs=True, attention="reference")
     with pytest.raises(ValueError, match="rounding hook"):
@@ -68,7 +68,8 @@ def test_kernel_backend_static_step_interpreted():
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
     model = copy.deepcopy(case("nocand").model)
     config = EngineConfig(block_size=BLOCK, num_blocks=torch_runner.cache.blocks.shape[0],
-                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8, max_model_len=MAX_LEN)
+                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8,
+                          max_model_len=MAX_LEN).worker_config()
     with interpreter():
         eager = ModelRunner(model, config, backend="kernels", kernels=kernels)
         static = GraphRunner(ModelRunner(model, config, backend="kernels", kernels=kernels), config, use_graphs=False,
@@ -235,7 +236,7 @@ def test_async_scheduling_through_the_static_step_gives_the_same_tokens():
     source = LLM("tiny").source
     outputs, replays = [], []
     for flag in (False, True):
-        config = EngineConfig(block_size=16, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
+        config = EngineConfig(block_size=16, max_num_seqs=4, max_model_len=128, async_scheduling=flag).worker_config()
         runner = GraphRunner(ModelRunner(source.model, config), config, use_graphs=False, attention="reference")
         calls: list[int] = []
         execute = runner.execute

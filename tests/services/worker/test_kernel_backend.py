@@ -22,6 +22,7 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
+from services.worker.config import WorkerConfig
 from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLinear, KernelLinear, KernelSet,
                                         linear_block_m, one_expert_meta, quantize_each, quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
@@ -129,11 +130,12 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
 def test_kernel_backend_on_cpu_without_interpreter_is_refused():
     c = case("oracle")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        ModelRunner(copy.deepcopy(c.model), EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2),
-                    backend="kernels")
+        ModelRunner(copy.deepcopy(c.model), EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2)
+                    .worker_config(), backend="kernels")
     with pytest.raises(ValueError, match="kernel_backend"):
         EngineConfig(kernel_backend="fp16")
-    assert ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2)).kernels is None
+    config = EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config()
+    assert ModelRunner(c.model, config).kernels is None
 
 
 def test_padding_non_128_shapes_is_exact():
@@ -323,10 +325,10 @@ def test_staged_prefill_entries_are_taken_and_change_nothing(monkeypatch):
     assert len(errors) >= 12 and max(errors) < 1e-6, errors  # two prefill steps × six compressed layers
 
 
-def _config(c: Case, budget: int) -> EngineConfig:
+def _config(c: Case, budget: int) -> WorkerConfig:
     n = len(c.seqs)
     return EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                        max_num_batched_tokens=budget, max_model_len=128)
+                        max_num_batched_tokens=budget, max_model_len=128).worker_config()
 
 
 def _refuse(what: str):

@@ -34,6 +34,7 @@ from tests import tolerances as tol
 from tests.model.deepseek_v41.oracle_configs import CASES, finish
 from tests.model.deepseek_v41.oracle_harness import QuantCall, boundary_distance, record_ours, toy_tokenizer, \
     topk_margins
+from tests.scheduler_rs.configs import scheduler_config
 from tests.scheduler_rs.fake_worker import run_step
 
 BLOCK = 16
@@ -129,7 +130,8 @@ def drive(c: Case, budget: int, corrupt=None, batch_invariant: bool = False) -> 
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     n = len(c.seqs)
     config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                          max_num_batched_tokens=budget, max_model_len=128, batch_invariant=batch_invariant)
+                          max_num_batched_tokens=budget, max_model_len=128,
+                          batch_invariant=batch_invariant).worker_config()
     runner = ModelRunner(c.model, config, rounding=None if batch_invariant else replay(c))
     c.replayed.clear()
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
@@ -278,8 +280,8 @@ def test_corrupting_one_block_changes_later_logits_of_its_request_only():
 
 def test_a_placeholder_step_runs_nothing():
     c = case("oracle")
-    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2))
-    plan = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8,
+    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config())
+    plan = Scheduler(scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8,
                                      compress_ratios=[2, 1])).schedule()
     assert plan.is_placeholder
     out = runner.execute(plan)
@@ -294,8 +296,8 @@ def test_a_fork_continues_from_copied_blocks_and_slot():
     parent = "r2"  # 45 prompt tokens: 2 full 16-token blocks and a partial one
     seq = c.seqs[parent]
     ratios = sorted({c.model.cfg.ratio(layer) for layer in c.model.cfg.kv_source_layer_ids}, reverse=True)
-    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2,
-                                               max_model_len=128), rounding=replay(c, {"child": parent}))
+    config = EngineConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2, max_model_len=128)
+    runner = ModelRunner(c.model, config.worker_config(), rounding=replay(c, {"child": parent}))
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2,
                                       max_num_batched_tokens=64, max_model_len=128,
                                       window_size=c.model.cfg.sliding_window, compress_ratios=ratios))
@@ -323,8 +325,8 @@ def test_a_fork_continues_from_copied_blocks_and_slot():
 
 def test_a_plan_for_another_ring_size_is_refused():
     c = case("oracle")
-    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2))
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7,
+    runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config())
+    sched = Scheduler(scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7,
                                       compress_ratios=[2, 1]))
     sched.add_request("a", list(range(3, 40)), max_tokens=2)
     with pytest.raises(ValueError, match="not position mod 14"):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from services.worker.philox import DrawCase, bits_of_uniform, draw_bits
+from kernels.philox import DrawCase, bits_of_uniform, draw_bits
 from services.worker.sampler import (
     Sampler,
     SamplingRow,

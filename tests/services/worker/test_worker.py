@@ -2,8 +2,8 @@
 
 import torch
 
+from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepResult
-from services.worker.sampler import SamplerOutput
 from services.worker.worker import WorkerOutput, last_tokens
 
 

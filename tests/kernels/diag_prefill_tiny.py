@@ -8,7 +8,7 @@ import torch
 
 from kernels import reference
 from kernels.prefill_attention import sparse_prefill_attention
-from scripts.emulate_bf16_attention import prefill_bf16
+from tests.kernels.bf16_emulation import prefill_bf16
 from tests.kernels.test_prefill_attention import TINY_SHAPES, _args, _tiny_config_problem
 
 

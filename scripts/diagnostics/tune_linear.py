@@ -1,7 +1,7 @@
 """Time the one-expert FP8 GEMM (``KernelLinear``'s path) at v41-s1's projection shapes over token
 counts and tile configs, on the GPU: which BLOCK_M / warps each token count wants.
 
-    python scripts/tune_linear.py [--tokens 1,64,256,1024,4096] [--json out.json]
+    python scripts/diagnostics/tune_linear.py [--tokens 1,64,256,1024,4096] [--json out.json]
 
 Weights are random e4m3 with unit scales (timing only); activations are pre-quantised as
 ``KernelLinear`` hands them in. Prints µs, TB/s of weight bytes, TFLOP/s per config and the best.

@@ -23,7 +23,7 @@ import sys
 import torch
 
 import kernels.decode_attention as da
-from services.bench.kernels import _bench_replay
+from services.bench.kernel_timing import _bench_replay
 from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
 
 parser = argparse.ArgumentParser()

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from services.worker.philox import (
+from kernels.philox import (
     DrawCase,
     bits_of_uniform,
     draw_bits,

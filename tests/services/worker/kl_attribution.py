@@ -22,7 +22,7 @@ Tables:
     by 2^-k (exact in FP8): fp32 vs FP8 formats, with the reference's entropy and margins and how far
     the layers move the output at all (KL to the embedding-only model).
 
-Run: python scripts/kl_attribution.py [--quick]   (torch pinned to one thread; a few minutes)
+Run: python -m tests.services.worker.kl_attribution [--quick]   (torch pinned to one thread; a few minutes)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ fp32, as on the tensor cores, which accumulate in fp32) and fp32 → bf16 casts 
 (as compiled code does). The kernels then run their OWN bf16 path, line for line (masks, casts, P
 rounding, loop bounds), on CPU tensors; only the summation order of the dots differs from the GPU.
 
-Two checks (``python scripts/emulate_bf16_attention.py``, ~1–2 min on the 2-core dev machine):
+Two checks (``python -m tests.kernels.bf16_emulation``, ~1–2 min on the 2-core dev machine):
 
 1. kernel: ``sparse_prefill_attention`` and ``sparse_decode_attention`` with ``dot_fp32=False`` at each
    tiny config's attention shapes (oracle: 4 heads, rope 16, window 8, top-k 4; wide: 8 heads, rope
