@@ -8,6 +8,7 @@ gRPC for the gateway of `shinkai up`.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ from services.gateway import errors
 from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
 from services.gateway.errors import ApiError
 from services.tokenizer.chat import ChatError
+
+
+# What a masked token's logprob (-inf: outside top-k / top-p) reads as in every response, HTTP and gRPC, as in
+# vLLM: JSON has no infinities, and `JSON.parse` refuses the `-Infinity` Python would write.
+MASKED_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MASKED_LOGPROB
 
 
 @dataclass
@@ -127,6 +137,23 @@ class Generation:
         self.stream.close()
 
 
+# Sampling fields whose name begins the engine's ValueError messages about them.
+_PARAMS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
+
+
+def _param_of(message: str, args: GenerateArgs) -> str | None:
+    """The request field an engine or tokenizer refusal is about: engine messages begin with the field's
+    name, or with "the prompt" / "token id" when the prompt is at fault."""
+    first = message.split(" ", 1)[0]
+    if first in _PARAMS:
+        return first
+    if first == "banned_token_ids":
+        return "logit_bias"
+    if message.startswith(("the prompt", "token id", "prompt")):
+        return "messages" if args.chat_body is not None else "prompt"
+    return None
+
+
 class Frontend:
     def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
                  metrics: RequestMetrics) -> None:
@@ -145,15 +172,21 @@ class Frontend:
                            f"{self.served_model!r}", param="model", code="model_not_found")
 
     async def prompt_ids(self, args: GenerateArgs) -> list[int]:
+        """The prompt's ids. Text and chat are refused (400) as soon as their length proves them over the
+        tokens the context leaves after max_tokens: from their bytes before encoding, else after."""
+        budget = self.info.max_model_len - args.params.resolved_max_tokens
         if args.chat_body is not None:
             try:
-                return await self.tokenizer.render_chat(args.chat_body)
+                return await self.tokenizer.render_chat(args.chat_body, budget)
             except ChatError as err:
                 raise errors.invalid(str(err), "messages") from err
         if args.prompt_text is not None:
             if args.prompt_text == "":
                 raise errors.invalid("the prompt is empty", "prompt")
-            return await self.tokenizer.encode(args.prompt_text)
+            try:
+                return await self.tokenizer.encode(args.prompt_text, budget)
+            except ValueError as err:
+                raise errors.invalid(str(err), "prompt") from err
         return list(args.prompt_token_ids or [])
 
     async def start(self, args: GenerateArgs) -> Generation:
@@ -175,7 +208,7 @@ class Frontend:
                     detokenizer = self.tokenizer.detokenizer()
         except ValueError as err:
             tracing.end(span, error="invalid")
-            raise errors.invalid(str(err)) from err
+            raise errors.invalid(str(err), _param_of(str(err), args)) from err
         except QueueFull as err:
             tracing.end(span, error="queue_full")
             self.metrics.rejected.labels(reason="queue_full").inc()

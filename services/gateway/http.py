@@ -22,16 +22,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from observability import tracing
 from services.gateway import errors
 from services.gateway.errors import ApiError
-from services.gateway.frontend import Frontend, Generation, Piece
+from services.gateway.frontend import Frontend, Generation, Piece, finite_logprob
 from services.gateway.probe import probe
 from services.gateway.openai_protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
     parse_completion
 
 log = logging.getLogger("shinkai.gateway")
+# POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
+JSON_TYPE = "application/json"
 
 
 def _json(body: dict[str, Any]) -> str:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    # allow_nan=False: a non-finite number is a bug that must fail loudly, never a response JSON.parse refuses.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _sse(body: dict[str, Any] | str) -> str:
@@ -67,8 +70,9 @@ class _Formatter:
         if self.request.num_logprobs is None:
             return None
         ids = [t for p in pieces for t in p.delta.token_ids]
-        lps = [x for p in pieces for x in p.delta.logprobs]
-        tops = [x for p in pieces for x in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
+        lps = [finite_logprob(x) for p in pieces for x in p.delta.logprobs]
+        tops = [[(i, finite_logprob(v)) for i, v in top]
+                for p in pieces for top in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
         if self.chat:
             return {"content": [
                 {"token": self._token(t), "logprob": lp, "bytes": None,
@@ -157,9 +161,9 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if err.status_code == 404 else None
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
         body = ApiError(errors.INVALID, str(err.detail), code=code).openai_body()
-        return JSONResponse(body, status_code=err.status_code)
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)  # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, err: Exception) -> JSONResponse:
@@ -173,9 +177,14 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
             if why in (None, "draining"):
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
             raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != JSON_TYPE:
+            raise ApiError(errors.UNSUPPORTED_MEDIA, f"Content-Type must be {JSON_TYPE}, got "
+                           f"{media_type or 'none'}", code="unsupported_media_type")
         body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
-        max_len = frontend.info.max_model_len
-        parsed = parse_chat(body, max_len) if chat else parse_completion(body, max_len)
+        info = frontend.info
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
