@@ -18,6 +18,7 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.gateway.auth import Keys
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
 from services.gateway.http import build_app
@@ -33,8 +34,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 class ApiServer:
-    def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int) -> None:
+    def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int,
+                 keys: Keys | None = None) -> None:
         self.frontend = frontend
+        self.keys = keys or Keys()  # API keys for HTTP and gRPC; none: open
         self.host = host  # bind address of both listeners
         self._want_http_port = http_port  # None: no HTTP; 0: any free port
         self._want_grpc_port = grpc_port  # 0: any free port
@@ -54,7 +57,8 @@ class ApiServer:
 
     async def start(self) -> None:
         self._grpc = grpc.aio.server()
-        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem).handler(),))
+        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem,
+                                                                  self.keys).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want_grpc_port}")
         await self._set_health(False)
@@ -73,7 +77,7 @@ class ApiServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, port))
         self.http_port = sock.getsockname()[1]
-        app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem)
+        app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem, keys=self.keys)
         self._uvicorn = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
                                                 timeout_graceful_shutdown=5))
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))

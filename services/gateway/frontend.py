@@ -53,6 +53,8 @@ class GenerateArgs:
     endpoint: str = "generate"
     # The caller's trace context (W3C, from HTTP headers or gRPC metadata); None: a new trace, or tracing off.
     trace_parent: Any = None
+    # The caller's API-key namespace (services/gateway/auth.py); None: authentication is off.
+    owner: str | None = None
 
 
 @dataclass
@@ -137,6 +139,11 @@ class Generation:
         self.stream.close()
 
 
+def scoped(client_id: str, owner: str | None) -> str:
+    """The id the engines know a request by: the client's id inside its key's namespace, when keys are on."""
+    return client_id if owner is None else f"{owner}/{client_id}"
+
+
 # Sampling fields whose name begins the engine's ValueError messages about them.
 _PARAMS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
 
@@ -195,13 +202,14 @@ class Frontend:
         arrival = time.monotonic()
         self.check_model(args.model)
         client_id = args.client_id or f"req-{uuid.uuid4().hex}"
+        engine_id = scoped(client_id, args.owner)
         span = tracing.start_span("request", args.trace_parent, {"request.id": client_id,
                                                                  "request.endpoint": args.endpoint})
         try:
             with tracing.active(span):
                 with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
                     ids = await self.prompt_ids(args)
-                stream = await self.engine.submit(client_id, ids, args.params)
+                stream = await self.engine.submit(engine_id, ids, args.params)
                 detokenize_span = tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) \
                     else None
                 with tracing.active(detokenize_span):
@@ -225,8 +233,9 @@ class Frontend:
         return Generation(self, stream, detokenizer, client_id, len(ids), args.endpoint, arrival, span,
                           detokenize_span)
 
-    async def abort(self, client_id: str) -> bool:
-        return await self.engine.abort(client_id)
+    async def abort(self, client_id: str, owner: str | None = None) -> bool:
+        """Aborts the caller's live requests with this id; another key's requests are out of its reach."""
+        return await self.engine.abort(scoped(client_id, owner))
 
     async def loads(self) -> list[dict[str, Any]]:
         return await self.engine.loads()

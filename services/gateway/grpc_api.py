@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
+from services.gateway.auth import Keys, grpc_authorization
 from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, GenerateArgs, finite_logprob
 from services.gateway.json_body import DEFAULT_MAX_BODY_BYTES
@@ -111,8 +112,9 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
 
 class ShinkaiApi:
     def __init__(self, frontend: Frontend, is_ready: Callable[[], bool] = lambda: True,
-                 problem: Callable[[], str | None] = lambda: None) -> None:
+                 problem: Callable[[], str | None] = lambda: None, keys: Keys | None = None) -> None:
         self.frontend = frontend
+        self.keys = keys or Keys()  # API keys; none: open
         self.is_ready = is_ready
         self.problem = problem  # why it is not ready: "draining" or a dependency that is gone
 
@@ -125,9 +127,11 @@ class ShinkaiApi:
                 why = self.problem()
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down" if why in (None, "draining")
                                else f"the server cannot serve now: {why}")
+            owner = self.keys.check(grpc_authorization(context))
             request = _parse(pb.GenerateRequest, raw)
             check_caps(request, self.frontend.info.max_model_len)
             args = _args(request)
+            args.owner = owner
             args.trace_parent = tracing.extract(context.invocation_metadata())
             generation = await self.frontend.start(args)
         except ApiError as err:
@@ -159,17 +163,26 @@ class ShinkaiApi:
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
+            owner = self.keys.check(grpc_authorization(context))
             request = _parse(pb.AbortRequest, raw)
             _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
         except ApiError as err:
             await self._abort_with(context, err)
             raise AssertionError("unreachable")
-        return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
+        return pb.AbortResponse(found=await self.frontend.abort(request.request_id, owner))
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.keys.check(grpc_authorization(context))
+        except ApiError as err:
+            await self._abort_with(context, err)
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._authorize(context)
         return pb.ModelInfo(**dataclasses.asdict(self.frontend.info))
 
     async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Loads:
+        await self._authorize(context)
         loads = pb.Loads()
         for s in await self.frontend.loads():
             loads.engines.add(engine_id=s["engine_id"], num_running=s["num_running"], num_waiting=s["num_waiting"],

@@ -21,8 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from observability import tracing
 from services.gateway import errors
+from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, Generation, Piece, finite_logprob
+from services.gateway.openapi import openapi_schema
 from services.gateway.probe import probe
 from services.gateway.openai_protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
     parse_completion
@@ -151,13 +153,18 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True,
               health_problem: Callable[[], str | None] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keys: Keys | None = None) -> FastAPI:
+    keys = keys or Keys()
     problem = health_problem or (lambda: None if is_ready() else "draining")
-    app = FastAPI(title="Shinkai", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Shinkai", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_schema(frontend.info)  # type: ignore[method-assign]  # bodies are parsed by hand
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(err.openai_body(), status_code=err.kind.http_status, headers=err.http_headers())
+        headers = err.http_headers()
+        if err.kind.http_status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(err.openai_body(), status_code=err.kind.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -172,6 +179,7 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
                             status_code=500)
 
     async def _generate(request: Request, chat: bool) -> Response:
+        owner = keys.check(request.headers.get("authorization"))
         if not is_ready():
             why = problem()
             if why in (None, "draining"):
@@ -186,6 +194,7 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         parse = parse_chat if chat else parse_completion
         parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
+        parsed.args.owner = owner
         generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
         if parsed.stream:
@@ -225,7 +234,8 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         return await _generate(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": frontend.served_model, "object": "model",
                                             "created": int(time.time()), "owned_by": "shinkai",
                                             "max_model_len": frontend.info.max_model_len}]}

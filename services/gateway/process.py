@@ -23,6 +23,7 @@ async def run(args: argparse.Namespace) -> int:
 
     tracing.setup("shinkai-gateway")
     from services.gateway.api_server import ApiServer
+    from services.gateway.auth import Keys
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend, ModelInfo
     from observability.metrics import RequestMetrics
@@ -43,7 +44,7 @@ async def run(args: argparse.Namespace) -> int:
                      eos_token_id=remote_info.eos_token_id, max_num_seqs=remote_info.max_num_seqs)
     tokenizer = RemoteTokenizer(args.tokenizer)
     frontend = Frontend(info, router, tokenizer, metrics)
-    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port)
+    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=8000, help="0: any free port")
     p.add_argument("--grpc-port", type=int, default=50051, help="0: any free port")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="key callers must send (repeatable; default: $SHINKAI_API_KEY; none: open)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

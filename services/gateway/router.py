@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services import subjects
+from services import nats_auth, subjects
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, ShuttingDown
 from services.gateway.remote import RemoteEngine, RemoteStream
@@ -91,7 +91,7 @@ class EngineRouter:
             log.warning("nats: %s", err or type(err).__name__)
 
         self._nc = await nats.connect(nats_url, name="shinkai-gateway", max_reconnect_attempts=-1, error_cb=on_error,
-                                      connect_timeout=NATS_TIMEOUT_S, reconnect_time_wait=0.5)
+                                      connect_timeout=NATS_TIMEOUT_S, reconnect_time_wait=0.5, **nats_auth.connect_options())
         await self._nc.subscribe(subjects.ENGINE_LOAD, cb=self._on_load)
         await self._nc.subscribe(subjects.ENGINE_LIFECYCLE, cb=self._on_lifecycle)
         await self._nc.flush(timeout=NATS_TIMEOUT_S)

@@ -8,13 +8,17 @@ Invariants:
 - `EncodePool` encodes with ``encode_batch``, which releases the GIL, on worker threads: the event loop
   (which answers grpc.health.v1 and every other call) is never held by an encoding. Prompts over
   ``SMALL_PROMPT_BYTES`` share ``num_large`` threads and queue behind each other there, so a client sending
-  large prompts cannot occupy the lane that short prompts use.
+  large prompts cannot occupy the lane that short prompts use. The large lane's threads run at a lower CPU
+  priority (nice +`LARGE_LANE_NICENESS`), so on a busy machine short prompts and the loop get the cores first.
+- Encodings run on the lane's own thread: ``TOKENIZERS_PARALLELISM`` is off in a process that makes a pool
+  (otherwise the tokenizer hands a batch to its own thread pool, outside the lanes and their priorities).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +26,14 @@ from tokenizers import Tokenizer
 
 # Prompts up to this many bytes use the small lane; anything longer, the large one.
 SMALL_PROMPT_BYTES = 16 * 1024
+LARGE_LANE_NICENESS = 10  # added to the large lane threads' nice value (Linux: per thread)
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LARGE_LANE_NICENESS)
+    except OSError:  # not permitted here: the lane still runs, at the default priority
+        pass
 
 
 def _byte_level_alphabet() -> set[str]:
@@ -84,7 +96,8 @@ class EncodePool:
         self.tokenizer = tokenizer
         num_threads = num_threads or os.cpu_count() or 2
         self.num_large = max(1, num_threads - 1)  # threads for prompts over SMALL_PROMPT_BYTES
-        self._large = ThreadPoolExecutor(self.num_large, thread_name_prefix="encode-large")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self._large = ThreadPoolExecutor(self.num_large, thread_name_prefix="encode-large", initializer=_lower_priority)
         self._small = ThreadPoolExecutor(max(1, num_threads - self.num_large), thread_name_prefix="encode-small")
         self.token_bytes = max_token_bytes(tokenizer)
 

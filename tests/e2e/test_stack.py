@@ -145,7 +145,7 @@ def test_engines_report_expert_loads_to_the_planner_subject(stack):
     state, by_name, ready = stack
 
     async def run():
-        nc = await nats.connect(by_name["nats"]["url"])
+        nc = await nats.connect(by_name["nats"]["url"], token=state["nats_token"])
         reports = asyncio.Queue()
 
         async def on_report(msg):
