@@ -58,7 +58,9 @@ class OpenAIRequest:
 def _warn_unknown(body: dict[str, Any], endpoint: str) -> None:
     unknown = sorted(set(body) - KNOWN_FIELDS[endpoint])
     if unknown:
-        log.warning("ignoring unknown fields of a %s request: %s", endpoint, ", ".join(unknown[:20]))
+        # repr, each cut to 64 characters: a client's field names cannot forge log lines or flood the log
+        log.warning("ignoring %d unknown fields of a %s request: %s", len(unknown), endpoint,
+                    ", ".join(repr(name[:64]) for name in unknown[:10]))
 
 
 def _field(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any, what: str) -> Any:
