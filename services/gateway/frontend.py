@@ -168,6 +168,7 @@ class Frontend:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        metrics.model_name = info.model  # the vLLM names' label
 
     @property
     def served_model(self) -> str:

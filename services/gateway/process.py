@@ -26,7 +26,7 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.auth import Keys
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend, ModelInfo
-    from observability.metrics import RequestMetrics
+    from observability.metrics import EngineLoadsCollector, RequestMetrics
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
 
@@ -42,6 +42,9 @@ async def run(args: argparse.Namespace) -> int:
     info = ModelInfo(model=remote_info.model, vocab_size=remote_info.vocab_size,
                      max_model_len=remote_info.max_model_len, bos_token_id=remote_info.bos_token_id,
                      eos_token_id=remote_info.eos_token_id, max_num_seqs=remote_info.max_num_seqs)
+    # vLLM's gauge names, summed over the engines' load reports, where vLLM clients look (this /metrics).
+    metrics.registry.register(EngineLoadsCollector(
+        lambda: [s.report for s in router.states.values() if s.report is not None], info.model))
     tokenizer = RemoteTokenizer(args.tokenizer)
     frontend = Frontend(info, router, tokenizer, metrics)
     api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key))

@@ -35,6 +35,7 @@ class _EngineState:
     accepting: bool = True  # False after a "draining", "unhealthy" or "down" lifecycle event
     healthy: bool = True  # its grpc.health.v1 answered SERVING at the latest poll (`EngineHealth`)
     num_routed: int = 0  # requests routed to it, ever
+    report: dict[str, Any] | None = None  # its latest load report (EngineService.stats and more); None: none yet
 
     @property
     def score(self) -> int:
@@ -105,6 +106,7 @@ class EngineRouter:
             log.warning("dropped a malformed load report: %s", err)
             return
         if state is not None:
+            state.report = report
             state.reported_load = load
             state.sent_since_report = 0
             self.num_reports += 1
