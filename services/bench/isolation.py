@@ -27,11 +27,12 @@ NORMAL = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 
 DEFAULT_ATTACK_BYTES = 500_000
 
 
-def post(url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 60) -> int:
+def post(url: str, body: dict[str, Any] | bytes, api_key: str | None = None, timeout: float = 60) -> int:
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
@@ -84,11 +85,12 @@ def measure(url: str, model: str = "tiny", seconds: float = 10.0, num_attackers:
     idle = _normal_phase(url, model, seconds, api_key)
     stop = threading.Event()
     attack_codes: Counter = Counter()
-    text = attack_text(attack_bytes)
+    # Encoded once: the attackers share this process (and its GIL) with the measured client.
+    body = json.dumps({"model": model, "prompt": attack_text(attack_bytes), "max_tokens": 1}).encode()
 
     def attack() -> None:
         while not stop.is_set():
-            attack_codes[post(url, {"model": model, "prompt": text, "max_tokens": 1}, api_key)] += 1
+            attack_codes[post(url, body, api_key)] += 1
 
     attackers = [threading.Thread(target=attack, daemon=True) for _ in range(num_attackers)]
     for t in attackers:
