@@ -23,8 +23,11 @@ from services.proto.shinkai.v1 import shinkai_pb2_grpc
 
 
 class ShinkaiClient:
-    def __init__(self, target: str, *, timeout: float | None = None, api_key: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, *, timeout: float | None = None, api_key: str | None = None,
+                 tls_root_certificates: bytes | None = None) -> None:
+        # TLS when the server has --ssl-certfile: these PEM roots (b"": the system's) verify it.
+        self.channel = grpc.insecure_channel(target) if tls_root_certificates is None else \
+            grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_root_certificates or None))
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
         self.timeout = timeout  # default deadline of every call, seconds; None: none
         # Sent with every call: the server's --api-key (None: none sent).

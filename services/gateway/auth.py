@@ -81,3 +81,10 @@ def grpc_authorization(context: grpc.aio.ServicerContext) -> str | None:
         if key == "authorization":
             return value
     return None
+
+
+def tls_files(certfile: str | None, keyfile: str | None) -> tuple[str, str] | None:
+    """--ssl-certfile / --ssl-keyfile as a pair: both or neither (ValueError, a usage error, otherwise)."""
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
+    return (certfile, keyfile) if certfile is not None and keyfile is not None else None

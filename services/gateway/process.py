@@ -23,7 +23,7 @@ async def run(args: argparse.Namespace) -> int:
 
     tracing.setup("shinkai-gateway")
     from services.gateway.api_server import ApiServer
-    from services.gateway.auth import Keys
+    from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend, ModelInfo
     from observability.metrics import EngineLoadsCollector, RequestMetrics
@@ -47,7 +47,8 @@ async def run(args: argparse.Namespace) -> int:
         lambda: [s.report for s in router.states.values() if s.report is not None], info.model))
     tokenizer = RemoteTokenizer(args.tokenizer)
     frontend = Frontend(info, router, tokenizer, metrics)
-    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key))
+    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key),
+                    tls_files(args.ssl_certfile, args.ssl_keyfile))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--api-key", action="append", default=None,
                    help="key callers must send (repeatable; default: $SHINKAI_API_KEY; none: open)")
+    p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
+    p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

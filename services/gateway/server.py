@@ -37,6 +37,7 @@ class ServeConfig:
     engine_name: str = "engine-0"  # the engine's id in loads and NATS reports
     detokenize: bool = True  # False: streams carry token ids only (the gateway's tokenizer makes text)
     api_keys: tuple[str, ...] = ()  # keys HTTP and gRPC callers must send (services/gateway/auth.py); (): open
+    tls: tuple[str, str] | None = None  # (certificate, key) PEM files: HTTPS and TLS gRPC; None: plaintext
 
 
 class Server:
@@ -58,7 +59,7 @@ class Server:
         self.frontend = Frontend(info, LocalEngine(self.engine), LocalTokenizer(self.llm, chat, config.detokenize),
                                  self.metrics)
         self.api = ApiServer(self.frontend, config.host, config.http_port, config.grpc_port,
-                             Keys(config.api_keys))
+                             Keys(config.api_keys), config.tls)
 
     @property
     def http_port(self) -> int | None:
