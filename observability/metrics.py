@@ -49,6 +49,12 @@ VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction in [0, 1], as vLLM reports it
 VLLM_CACHE_CONFIG = "vllm:cache_config_info"
+# What vLLM clients (aiperf, dashboards) read from a front end, beside the shinkai_ names of the same samples.
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
+VLLM_ITL = "vllm:inter_token_latency_seconds"
+VLLM_E2E = "vllm:e2e_request_latency_seconds"
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
 
 # Tokenizer, worker and EPLB planner processes.
 TOKENIZER_CALLS = "shinkai_tokenizer_calls"
@@ -69,21 +75,50 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 # ---- sets ----------------------------------------------------------------------------------------------
 
 
+class _Both:
+    """One sample recorded under its shinkai_ name and its vLLM name (labelled with the served model)."""
+
+    def __init__(self, own: prom.Histogram | prom.Counter, vllm: prom.Histogram | prom.Counter,
+                 metrics: RequestMetrics) -> None:
+        self.own, self.vllm, self.metrics = own, vllm, metrics
+
+    def observe(self, value: float) -> None:
+        self.own.observe(value)
+        self.vllm.labels(model_name=self.metrics.model_name).observe(value)
+
+    def inc(self, value: float = 1) -> None:
+        self.own.inc(value)
+        self.vllm.labels(model_name=self.metrics.model_name).inc(value)
+
+
 class RequestMetrics:
     """What a front end (gateway, `shinkai serve`, an engine's own API) sees of each request, on the
-    process endpoint's registry (a fresh one unless given; `EngineMetrics` may share it)."""
+    process endpoint's registry (a fresh one unless given; `EngineMetrics` may share it). Latencies and token
+    counts are also exported under vLLM's names, where vLLM clients look."""
 
     def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else prom.CollectorRegistry()
+        self.model_name = ""  # the vLLM names' model_name label; the front end sets the served name
         self.started = prom.Counter(REQUESTS_STARTED, "requests queued to an engine", ["endpoint"], registry=r)
         self.finished = prom.Counter(REQUESTS_FINISHED, "requests ended, by finish reason", ["reason"], registry=r)
         self.rejected = prom.Counter(REQUESTS_REJECTED, "requests refused before queueing", ["reason"], registry=r)
         self.routed = prom.Counter(GATEWAY_ROUTED, "requests routed to each engine", ["engine"], registry=r)
-        self.prompt_tokens = prom.Counter(PROMPT_TOKENS, "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = prom.Counter(GENERATION_TOKENS, "output tokens of finished requests", registry=r)
-        self.ttft = prom.Histogram(TTFT, "arrival to first output token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = prom.Histogram(ITL, "time between output tokens", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = prom.Histogram(E2E, "arrival to final output", buckets=LATENCY_BUCKETS, registry=r)
+        model = ["model_name"]
+
+        def counter(name: str, vllm_name: str, help_text: str) -> _Both:
+            return _Both(prom.Counter(name, help_text, registry=r),
+                         prom.Counter(vllm_name, help_text + " (vLLM name)", model, registry=r), self)
+
+        def histogram(name: str, vllm_name: str, help_text: str) -> _Both:
+            return _Both(prom.Histogram(name, help_text, buckets=LATENCY_BUCKETS, registry=r),
+                         prom.Histogram(vllm_name, help_text + " (vLLM name)", model, buckets=LATENCY_BUCKETS,
+                                        registry=r), self)
+
+        self.prompt_tokens = counter(PROMPT_TOKENS, VLLM_PROMPT_TOKENS, "prompt tokens of finished requests")
+        self.generation_tokens = counter(GENERATION_TOKENS, VLLM_GENERATION_TOKENS, "output tokens of finished requests")
+        self.ttft = histogram(TTFT, VLLM_TTFT, "arrival to first output token")
+        self.itl = histogram(ITL, VLLM_ITL, "time between output tokens")
+        self.e2e = histogram(E2E, VLLM_E2E, "arrival to final output")
 
     def exposition(self) -> bytes:
         """The text format of everything on the registry (engine metrics included when they share it)."""
@@ -139,3 +174,34 @@ class EngineMetrics:
         info = {k: str(v) for k, v in cache_config.items()}
         prom.Gauge(VLLM_CACHE_CONFIG, "cache configuration (vLLM name)", list(info), registry=r).labels(
             **info).set(1)
+
+
+class EngineLoadsCollector:
+    """The gateway's view of its engines under vLLM's gauge names, summed over engines from their latest
+    load reports (`reports` returns one `EngineService.stats` dict per engine that has reported):
+    running and waiting are sums; KV usage is the fuller pool's used fraction of all engines' capacity."""
+
+    def __init__(self, reports: Callable[[], list[Mapping[str, int]]], model_name: str) -> None:
+        self.reports = reports
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        reports = self.reports()
+        def total(key: str) -> float:
+            return float(sum(r.get(key, 0) for r in reports))
+
+        usage = 0.0
+        for pool in ("blocks", "state_slots"):
+            capacity = total(f"total_{pool}")
+            if capacity:
+                usage = max(usage, 1.0 - total(f"free_{pool}") / capacity)
+        for name, help_text, value in ((VLLM_RUNNING, "requests running, all engines (vLLM name)",
+                                        total("num_running")),
+                                       (VLLM_WAITING, "requests waiting, all engines (vLLM name)",
+                                        total("num_waiting") + total("num_queued")),
+                                       (VLLM_KV_USAGE, "KV cache usage, all engines (vLLM name)", usage)):
+            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -18,9 +18,11 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
+
+from services import nats_auth
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,7 +233,12 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     state: dict = {"config": {k: str(v) for k, v in asdict(config).items()}, "services": []}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # NATS credentials for this stack: every service gets the token in its environment (services/nats_auth.py).
+    env[nats_auth.TOKEN_ENV] = token = nats_auth.new_token()
+    nats_config = nats_auth.write_config(config.run_dir / "nats.conf")
     for service in services(config):
+        if service.name == "nats":
+            service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
         log_path = logs / f"{service.name}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(service.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
@@ -246,7 +253,7 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
                 raise RuntimeError(f"{service.name} {why}; see {log_path}")
             time.sleep(0.1)
         log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
-    return state
+    return {**state, "nats_token": token}  # returned to the caller, never written to stack.json
 
 
 def down(run_dir: Path, timeout_s: float = 60.0, log=print) -> int:

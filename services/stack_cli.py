@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from services.stack import StackConfig
@@ -20,9 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once per engine")
     up.add_argument("--remote-workers", action="store_true",
                     help="run each engine's worker as its own process (worker.v1) instead of in-process")
-    up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
+    up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
+    up.add_argument("--api-key", default=None, help="key the gateway requires (HTTP Bearer, gRPC metadata); "
+                    "passed in its environment (default: $SHINKAI_API_KEY; none: open)")
     up.set_defaults(func=_up)
     down = subparsers.add_parser("down", help="stop the stack that `shinkai up` started, gracefully")
     down.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir)
@@ -40,6 +43,8 @@ def _up(args: argparse.Namespace) -> int:
                          grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
                          max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
                          batch_invariant=args.batch_invariant)
+    if args.api_key:
+        os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:
         up(config, timeout_s=args.timeout)
     except (RuntimeError, FileNotFoundError, ValueError) as err:

@@ -221,12 +221,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "any other name: that kernel's module alone")
 
 
+NOTHING_MEASURED = 3  # exit code of a run that measured nothing (no GPU, or no benchmark selected)
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("shinkai bench kernels: no CUDA device here; the kernel benchmarks need a GPU. Nothing was measured.")
-        return 0
+    if not torch.cuda.is_available():  # a run that measured nothing must not read as a success
+        print("shinkai bench kernels: no CUDA device here; the kernel benchmarks need a GPU. Nothing was measured.",
+              file=sys.stderr)
+        return NOTHING_MEASURED
     torch.manual_seed(0)
     gen = torch.Generator(device=timing.DEVICE).manual_seed(0)
     only = getattr(args, "only", "all")
@@ -249,6 +253,9 @@ def main(args: argparse.Namespace) -> int:
     for name in EXTRA:
         if only in ("all", name):
             rows += _bench_module(name, ceil, args.quick, gen)
+    if not rows:
+        print(f"shinkai bench kernels: --only {only} selected no benchmark. Nothing was measured.", file=sys.stderr)
+        return NOTHING_MEASURED
     print_table(rows)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -9,10 +9,11 @@
 """
 
 from services.client.async_client import AsyncShinkaiClient
-from services.client.errors import (Cancelled, InvalidArgument, ModelNotFound, ResourceExhausted, ShinkaiError,
-                                    Timeout, Unavailable)
+from services.client.errors import (Cancelled, InvalidArgument, MessageTooLarge, ModelNotFound, QueueFull,
+                                    ResourceExhausted, ShinkaiError, Timeout, Unauthenticated, Unavailable)
 from services.client.messages import Completion, TextDelta
 from services.client.sync_client import ShinkaiClient
 
-__all__ = ["AsyncShinkaiClient", "Cancelled", "Completion", "InvalidArgument", "ModelNotFound", "ResourceExhausted",
-           "ShinkaiClient", "ShinkaiError", "TextDelta", "Timeout", "Unavailable"]
+__all__ = ["AsyncShinkaiClient", "Cancelled", "Completion", "InvalidArgument", "MessageTooLarge", "ModelNotFound",
+           "QueueFull", "ResourceExhausted", "ShinkaiClient", "ShinkaiError", "TextDelta", "Timeout", "Unauthenticated",
+           "Unavailable"]

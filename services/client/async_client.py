@@ -20,10 +20,15 @@ from services.proto.shinkai.v1 import shinkai_pb2_grpc
 
 
 class AsyncShinkaiClient:
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, *, timeout: float | None = None, api_key: str | None = None,
+                 tls_root_certificates: bytes | None = None) -> None:
+        # TLS when the server has --ssl-certfile: these PEM roots (b"": the system's) verify it.
+        self.channel = grpc.aio.insecure_channel(target) if tls_root_certificates is None else \
+            grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(tls_root_certificates or None))
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
         self.timeout = timeout  # default deadline of every call, seconds; None: none
+        # Sent with every call: the server's --api-key (None: none sent).
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     async def __aenter__(self) -> AsyncShinkaiClient:
         return self
@@ -35,7 +40,8 @@ class AsyncShinkaiClient:
         await self.channel.close()
 
     async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        call = self.stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        call = self.stub.Generate(request,
+            timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
         try:
             async for response in call:
                 yield response
@@ -60,19 +66,22 @@ class AsyncShinkaiClient:
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         try:
-            response = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout or self.timeout)
+            response = await self.stub.Abort(pb.AbortRequest(request_id=request_id),
+                timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return response.found
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         try:
-            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
+            return await self.stub.GetModelInfo(pb.GetModelInfoRequest(),
+                timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     async def loads(self, *, timeout: float | None = None) -> pb.Loads:
         try:
-            return await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout or self.timeout)
+            return await self.stub.GetLoads(pb.GetLoadsRequest(),
+                timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

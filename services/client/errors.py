@@ -24,8 +24,21 @@ class ModelNotFound(ShinkaiError):
     """The server does not serve the requested model."""
 
 
+class QueueFull(ShinkaiError):
+    """The server's queue is full; retry after ``retry_after_s``."""
+
+
+class MessageTooLarge(ShinkaiError):
+    """A request or response over gRPC's message-size limit (RESOURCE_EXHAUSTED without retry-after): retrying
+    the same call fails the same way."""
+
+
 class ResourceExhausted(ShinkaiError):
-    """The server's queue is full (RESOURCE_EXHAUSTED; HTTP 429); retry after ``retry_after_s``."""
+    """RESOURCE_EXHAUSTED for another reason than a full queue or the message size."""
+
+
+class Unauthenticated(ShinkaiError):
+    """No API key, or the wrong one (the server runs with --api-key)."""
 
 
 class Unavailable(ShinkaiError):
@@ -43,7 +56,7 @@ class Cancelled(ShinkaiError):
 _BY_CODE: dict[grpc.StatusCode, type[ShinkaiError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: ModelNotFound,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
     grpc.StatusCode.CANCELLED: Cancelled,
@@ -57,4 +70,10 @@ def from_rpc_error(err: grpc.RpcError, trailing: tuple | None = None) -> Shinkai
     for key, value in trailing or ():
         if key == "retry-after":
             retry_after = float(value)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # Only a full queue sends retry-after; grpc's own message-size refusal says "larger than max".
+        if retry_after is not None:
+            return QueueFull(code, details, retry_after)
+        kind = MessageTooLarge if "larger than max" in details else ResourceExhausted
+        return kind(code, details)
     return _BY_CODE.get(code, ShinkaiError)(code, details, retry_after)

@@ -23,10 +23,15 @@ from services.proto.shinkai.v1 import shinkai_pb2_grpc
 
 
 class ShinkaiClient:
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, *, timeout: float | None = None, api_key: str | None = None,
+                 tls_root_certificates: bytes | None = None) -> None:
+        # TLS when the server has --ssl-certfile: these PEM roots (b"": the system's) verify it.
+        self.channel = grpc.insecure_channel(target) if tls_root_certificates is None else \
+            grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_root_certificates or None))
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
         self.timeout = timeout  # default deadline of every call, seconds; None: none
+        # Sent with every call: the server's --api-key (None: none sent).
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> ShinkaiClient:
         return self
@@ -38,7 +43,8 @@ class ShinkaiClient:
         self.channel.close()
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateResponse]:
-        call = self.stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        call = self.stub.Generate(request,
+            timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
         try:
             yield from call
         except grpc.RpcError as err:
@@ -64,18 +70,20 @@ class ShinkaiClient:
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """True if a live request with this id was aborted; False if there was none (idempotent)."""
         try:
-            return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout or self.timeout).found
+            return self.stub.Abort(pb.AbortRequest(request_id=request_id),
+                timeout=timeout or self.timeout, metadata=self.metadata).found
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         try:
-            return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
+            return self.stub.GetModelInfo(pb.GetModelInfoRequest(),
+                timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     def loads(self, *, timeout: float | None = None) -> pb.Loads:
         try:
-            return self.stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout or self.timeout)
+            return self.stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

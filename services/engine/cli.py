@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
+    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=_run)
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help="host:port of a worker process (default: in-process)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
+    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     args = p.parse_args(argv)

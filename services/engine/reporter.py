@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services import subjects
+from services import nats_auth, subjects
 
 log = logging.getLogger("shinkai.engine.reporter")
 FLUSH_TIMEOUT_S = 2.0  # the deadline of every round trip to NATS (there are no request/reply calls)
@@ -38,7 +38,8 @@ class LoadReporter:
             log.warning("nats: %s", err or type(err).__name__)
 
         self.nc = await nats.connect(self.nats_url, name=f"shinkai-{self.engine_id}", max_reconnect_attempts=-1,
-                                      error_cb=on_error, connect_timeout=FLUSH_TIMEOUT_S, reconnect_time_wait=0.5)
+                                      error_cb=on_error, connect_timeout=FLUSH_TIMEOUT_S, reconnect_time_wait=0.5,
+                                      **nats_auth.connect_options())
         await self.lifecycle("up")
         self._task = asyncio.create_task(self._loop())
 

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from observability import metrics as names
 from observability import tracing
-from services import subjects
+from services import nats_auth, subjects
 from services.eplb.guarded import POLICIES, PlanConfig
 from services.eplb.messages import MessageError, decode_load
 from services.eplb.planner import Planner, PlannerConfig
@@ -126,7 +126,7 @@ class PlannerService:
             log.warning("nats: %s", err or type(err).__name__)
 
         self._nc = await nats.connect(self.config.nats_url, name="shinkai-eplb", max_reconnect_attempts=-1,
-                                      error_cb=on_error)
+                                      error_cb=on_error, **nats_auth.connect_options())
         await self._nc.subscribe(subjects.EXPERT_LOAD, cb=self._on_load)
         await self._nc.flush(timeout=5)  # every NATS round trip has a deadline
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

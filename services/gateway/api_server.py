@@ -18,6 +18,7 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.gateway.auth import Keys
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
 from services.gateway.http import build_app
@@ -33,8 +34,11 @@ class _Uvicorn(uvicorn.Server):
 
 
 class ApiServer:
-    def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int) -> None:
+    def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int,
+                 keys: Keys | None = None, tls: tuple[str, str] | None = None) -> None:
         self.frontend = frontend
+        self.tls = tls  # (certificate file, key file), both PEM: HTTPS and TLS gRPC; None: plaintext
+        self.keys = keys or Keys()  # API keys for HTTP and gRPC; none: open
         self.host = host  # bind address of both listeners
         self._want_http_port = http_port  # None: no HTTP; 0: any free port
         self._want_grpc_port = grpc_port  # 0: any free port
@@ -54,9 +58,15 @@ class ApiServer:
 
     async def start(self) -> None:
         self._grpc = grpc.aio.server()
-        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem).handler(),))
+        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem,
+                                                                  self.keys).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want_grpc_port}")
+        address = f"{self.host}:{self._want_grpc_port}"
+        if self.tls is not None:
+            cert, key = (open(path, "rb").read() for path in self.tls)
+            self.grpc_port = self._grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(address)
         await self._set_health(False)
         await self._grpc.start()
         if self._want_http_port is not None:
@@ -73,9 +83,10 @@ class ApiServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, port))
         self.http_port = sock.getsockname()[1]
-        app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem)
+        app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem, keys=self.keys)
+        tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls is not None else {}
         self._uvicorn = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                timeout_graceful_shutdown=5))
+                                                timeout_graceful_shutdown=5, **tls))
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
             if self._http_task.done():
@@ -108,5 +119,5 @@ class ApiServer:
     def urls(self) -> dict[str, str]:
         urls = {"grpc": f"{self.host}:{self.grpc_port}"}
         if self.http_port is not None:
-            urls["http"] = f"http://{self.host}:{self.http_port}"
+            urls["http"] = f"{'https' if self.tls else 'http'}://{self.host}:{self.http_port}"
         return urls

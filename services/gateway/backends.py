@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, EngineService
+from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -45,9 +46,12 @@ class Detokenizer(Protocol):
 
 
 class TokenizerBackend(Protocol):
-    async def encode(self, text: str) -> list[int]: ...
+    """``max_tokens``: the most tokens the prompt may have (None: no limit); past it, ValueError (ChatError for
+    chat), decided from the text's bytes alone when they prove it (services/tokenizer/budget.py)."""
 
-    async def render_chat(self, body: dict[str, Any]) -> list[int]: ...
+    async def encode(self, text: str, max_tokens: int | None = None) -> list[int]: ...
+
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]: ...
 
     def detokenizer(self) -> Detokenizer: ...
 
@@ -104,15 +108,30 @@ class LocalTokenizer:
         self.llm = llm
         self.chat = chat
         self.detokenize = detokenize  # False: streams carry no text
+        # Encoding off the event loop that serves HTTP, gRPC and health (services/tokenizer/budget.py).
+        self.pool = EncodePool(llm.tokenizer)
 
-    async def encode(self, text: str) -> list[int]:
-        return self.llm.encode(text)
+    async def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        ids = await self.pool.encode(text, max_tokens)
+        bos = self.llm.source.config.bos_token_id
+        ids = ids if ids[:1] == [bos] else [bos, *ids]  # as LLM.encode
+        check_tokens(len(ids), max_tokens)
+        return ids
 
-    async def render_chat(self, body: dict[str, Any]) -> list[int]:
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
         if self.chat is None:
             raise ChatError("chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: "
                             "use /v1/completions")
-        return self.chat.render(body)[0]
+        num_bytes = chat_content_bytes(body)
+        try:
+            check_bytes(num_bytes, max_tokens, self.pool.token_bytes)
+            ids = (await self.pool.run(num_bytes, self.chat.render, body))[0]
+            check_tokens(len(ids), max_tokens)
+        except ChatError:
+            raise
+        except ValueError as err:
+            raise ChatError(str(err)) from err
+        return ids
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]

@@ -19,11 +19,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
+    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="key HTTP (Authorization: Bearer) and gRPC callers must send; repeat for several "
+                        "(default: $SHINKAI_API_KEY, comma-separated; none: open)")
+    p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
+    p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     p.set_defaults(func=_run)
 
 
 def _config(args: argparse.Namespace):
+    from services.gateway.auth import Keys, tls_files
     from services.gateway.server import ServeConfig
 
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
@@ -31,6 +37,8 @@ def _config(args: argparse.Namespace):
     if args.batch_invariant:
         engine_args["batch_invariant"] = True
     extra = {"max_queued": args.max_queued} if args.max_queued is not None else {}
+    extra["api_keys"] = Keys.parse(args.api_key)
+    extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)
     return ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                        http_port=args.http_port, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
                        engine_args=engine_args, **extra)

@@ -22,6 +22,7 @@ class ErrorKind:
 INVALID = ErrorKind(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error")
 NOT_FOUND = ErrorKind(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error")
 TOO_LARGE = ErrorKind(413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error")
+UNSUPPORTED_MEDIA = ErrorKind(415, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error")
 QUEUE_FULL = ErrorKind(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error")
 UNAVAILABLE = ErrorKind(503, grpc.StatusCode.UNAVAILABLE, "service_unavailable")
 INTERNAL = ErrorKind(500, grpc.StatusCode.INTERNAL, "internal_error")

@@ -8,6 +8,7 @@ gRPC for the gateway of `shinkai up`.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ from services.gateway import errors
 from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
 from services.gateway.errors import ApiError
 from services.tokenizer.chat import ChatError
+
+
+# What a masked token's logprob (-inf: outside top-k / top-p) reads as in every response, HTTP and gRPC, as in
+# vLLM: JSON has no infinities, and `JSON.parse` refuses the `-Infinity` Python would write.
+MASKED_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MASKED_LOGPROB
 
 
 @dataclass
@@ -43,6 +53,8 @@ class GenerateArgs:
     endpoint: str = "generate"
     # The caller's trace context (W3C, from HTTP headers or gRPC metadata); None: a new trace, or tracing off.
     trace_parent: Any = None
+    # The caller's API-key namespace (services/gateway/auth.py); None: authentication is off.
+    owner: str | None = None
 
 
 @dataclass
@@ -127,6 +139,28 @@ class Generation:
         self.stream.close()
 
 
+def scoped(client_id: str, owner: str | None) -> str:
+    """The id the engines know a request by: the client's id inside its key's namespace, when keys are on."""
+    return client_id if owner is None else f"{owner}/{client_id}"
+
+
+# Sampling fields whose name begins the engine's ValueError messages about them.
+_PARAMS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
+
+
+def _param_of(message: str, args: GenerateArgs) -> str | None:
+    """The request field an engine or tokenizer refusal is about: engine messages begin with the field's
+    name, or with "the prompt" / "token id" when the prompt is at fault."""
+    first = message.split(" ", 1)[0]
+    if first in _PARAMS:
+        return first
+    if first == "banned_token_ids":
+        return "logit_bias"
+    if message.startswith(("the prompt", "token id", "prompt")):
+        return "messages" if args.chat_body is not None else "prompt"
+    return None
+
+
 class Frontend:
     def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
                  metrics: RequestMetrics) -> None:
@@ -134,6 +168,7 @@ class Frontend:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        metrics.model_name = info.model  # the vLLM names' label
 
     @property
     def served_model(self) -> str:
@@ -145,15 +180,21 @@ class Frontend:
                            f"{self.served_model!r}", param="model", code="model_not_found")
 
     async def prompt_ids(self, args: GenerateArgs) -> list[int]:
+        """The prompt's ids. Text and chat are refused (400) as soon as their length proves them over the
+        tokens the context leaves after max_tokens: from their bytes before encoding, else after."""
+        budget = self.info.max_model_len - args.params.resolved_max_tokens
         if args.chat_body is not None:
             try:
-                return await self.tokenizer.render_chat(args.chat_body)
+                return await self.tokenizer.render_chat(args.chat_body, budget)
             except ChatError as err:
                 raise errors.invalid(str(err), "messages") from err
         if args.prompt_text is not None:
             if args.prompt_text == "":
                 raise errors.invalid("the prompt is empty", "prompt")
-            return await self.tokenizer.encode(args.prompt_text)
+            try:
+                return await self.tokenizer.encode(args.prompt_text, budget)
+            except ValueError as err:
+                raise errors.invalid(str(err), "prompt") from err
         return list(args.prompt_token_ids or [])
 
     async def start(self, args: GenerateArgs) -> Generation:
@@ -162,20 +203,21 @@ class Frontend:
         arrival = time.monotonic()
         self.check_model(args.model)
         client_id = args.client_id or f"req-{uuid.uuid4().hex}"
+        engine_id = scoped(client_id, args.owner)
         span = tracing.start_span("request", args.trace_parent, {"request.id": client_id,
                                                                  "request.endpoint": args.endpoint})
         try:
             with tracing.active(span):
                 with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
                     ids = await self.prompt_ids(args)
-                stream = await self.engine.submit(client_id, ids, args.params)
+                stream = await self.engine.submit(engine_id, ids, args.params)
                 detokenize_span = tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) \
                     else None
                 with tracing.active(detokenize_span):
                     detokenizer = self.tokenizer.detokenizer()
         except ValueError as err:
             tracing.end(span, error="invalid")
-            raise errors.invalid(str(err)) from err
+            raise errors.invalid(str(err), _param_of(str(err), args)) from err
         except QueueFull as err:
             tracing.end(span, error="queue_full")
             self.metrics.rejected.labels(reason="queue_full").inc()
@@ -192,8 +234,9 @@ class Frontend:
         return Generation(self, stream, detokenizer, client_id, len(ids), args.endpoint, arrival, span,
                           detokenize_span)
 
-    async def abort(self, client_id: str) -> bool:
-        return await self.engine.abort(client_id)
+    async def abort(self, client_id: str, owner: str | None = None) -> bool:
+        """Aborts the caller's live requests with this id; another key's requests are out of its reach."""
+        return await self.engine.abort(scoped(client_id, owner))
 
     async def loads(self) -> list[dict[str, Any]]:
         return await self.engine.loads()

@@ -8,6 +8,7 @@ a status code from `ApiError`; a cancelled Generate stream closes its `Generatio
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -16,11 +17,22 @@ from google.protobuf.message import DecodeError
 from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
+from services.gateway.auth import Keys, grpc_authorization
 from services.gateway.errors import ApiError
-from services.gateway.frontend import Frontend, GenerateArgs
+from services.gateway.frontend import Frontend, GenerateArgs, finite_logprob
+from services.gateway.json_body import DEFAULT_MAX_BODY_BYTES
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
 SERVICE = "shinkai.v1.Shinkai"
+# Caps on every string and repeated field of a request (INVALID_ARGUMENT naming the field past them). The
+# request id comes back in every streamed message, so its cap also bounds what a stream repeats.
+MAX_ID_BYTES = 256  # request_id, model
+MAX_TEXT_BYTES = DEFAULT_MAX_BODY_BYTES  # text, and all chat contents together: the HTTP body limit
+MAX_CHAT_MESSAGES = 4096  # chat.messages
+MAX_ROLE_BYTES = 32  # chat.messages[].role
+MAX_STOP_TOKEN_IDS = 1024  # sampling.stop_token_ids
+MAX_LOGIT_BIAS_ENTRIES = 1024  # sampling.logit_bias, as vLLM's default
+
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
                   "preempted": pb.FINISH_REASON_PREEMPTED, "error": pb.FINISH_REASON_ERROR}
 
@@ -32,6 +44,41 @@ def _parse(message_type, raw: bytes):
     except DecodeError as err:
         raise errors.invalid(f"malformed {message_type.DESCRIPTOR.full_name}: {err}") from err
     return message
+
+
+def _cap(name: str, size: int, limit: int, unit: str = "bytes") -> None:
+    if size > limit:
+        raise errors.invalid(f"{name} is {size} {unit}, over the limit of {limit}", name)
+
+
+def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
+    """INVALID_ARGUMENT naming the first field over its cap; token_ids is capped by the context."""
+    _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
+    _cap("model", len(request.model.encode()), MAX_ID_BYTES)
+    _cap("text", len(request.text.encode()), MAX_TEXT_BYTES)
+    _cap("token_ids", len(request.token_ids.ids), max_model_len, "ids (the context)")
+    _cap("chat.messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")
+    for i, m in enumerate(request.chat.messages):
+        _cap(f"chat.messages[{i}].role", len(m.role.encode()), MAX_ROLE_BYTES)
+    _cap("chat.messages[].content", sum(len(m.content.encode()) for m in request.chat.messages), MAX_TEXT_BYTES)
+    _cap("sampling.stop_token_ids", len(request.sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
+    _cap("sampling.logit_bias", len(request.sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
+
+
+def _banned(logit_bias) -> tuple[int, ...]:
+    """Token ids that logit_bias bans (-100); any value but -100 and 0 is refused (the sampler adds no biases)."""
+    banned = []
+    for token_id, value in sorted(logit_bias.items()):
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise errors.invalid(f"sampling.logit_bias[{token_id}] must be a number from -100 to 100, got {value}",
+                                 "sampling.logit_bias")
+        if value <= -100:
+            banned.append(token_id)
+        elif value != 0:
+            raise errors.invalid(f"sampling.logit_bias[{token_id}] = {value} is not supported yet: only -100 "
+                                 "(a ban) and 0 are served", "sampling.logit_bias")
+    return tuple(banned)
+
 
 
 def _args(request: pb.GenerateRequest) -> GenerateArgs:
@@ -56,7 +103,7 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
             seed=s.seed if s.HasField("seed") else None,
             n=s.n if s.HasField("n") else 1,
             stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs if s.HasField("logprobs") else None,
+            logprobs=s.logprobs if s.HasField("logprobs") else None, banned_token_ids=_banned(s.logit_bias),
         )
     except ValueError as err:
         raise errors.invalid(str(err)) from err
@@ -65,8 +112,9 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
 
 class ShinkaiApi:
     def __init__(self, frontend: Frontend, is_ready: Callable[[], bool] = lambda: True,
-                 problem: Callable[[], str | None] = lambda: None) -> None:
+                 problem: Callable[[], str | None] = lambda: None, keys: Keys | None = None) -> None:
         self.frontend = frontend
+        self.keys = keys or Keys()  # API keys; none: open
         self.is_ready = is_ready
         self.problem = problem  # why it is not ready: "draining" or a dependency that is gone
 
@@ -79,7 +127,11 @@ class ShinkaiApi:
                 why = self.problem()
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down" if why in (None, "draining")
                                else f"the server cannot serve now: {why}")
-            args = _args(_parse(pb.GenerateRequest, raw))
+            owner = self.keys.check(grpc_authorization(context))
+            request = _parse(pb.GenerateRequest, raw)
+            check_caps(request, self.frontend.info.max_model_len)
+            args = _args(request)
+            args.owner = owner
             args.trace_parent = tracing.extract(context.invocation_metadata())
             generation = await self.frontend.start(args)
         except ApiError as err:
@@ -92,10 +144,12 @@ class ShinkaiApi:
                 if d.token_ids or (piece.text and d.finish_reason is None):
                     # On the last delta the text (with the flush) travels in the final message instead.
                     chunk = pb.Chunk(token_ids=d.token_ids, text=piece.text if d.finish_reason is None else "",
-                                     logprobs=d.logprobs, num_prompt_tokens=generation.num_prompt_tokens,
+                                     logprobs=[finite_logprob(x) for x in d.logprobs],
+                                     num_prompt_tokens=generation.num_prompt_tokens,
                                      num_output_tokens=d.num_output_tokens)
                     for top in d.top_logprobs or []:
-                        chunk.top_logprobs.add(entries=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
+                        chunk.top_logprobs.add(entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v))
+                                                   for i, v in top])
                     yield pb.GenerateResponse(request_id=rid, chunk=chunk)
                 if d.finish_reason is not None:
                     final = pb.Final(finish_reason=FINISH_REASONS[d.finish_reason], text=piece.text,
@@ -109,16 +163,26 @@ class ShinkaiApi:
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
+            owner = self.keys.check(grpc_authorization(context))
             request = _parse(pb.AbortRequest, raw)
+            _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
         except ApiError as err:
             await self._abort_with(context, err)
             raise AssertionError("unreachable")
-        return pb.AbortResponse(found=await self.frontend.abort(request.request_id))
+        return pb.AbortResponse(found=await self.frontend.abort(request.request_id, owner))
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.keys.check(grpc_authorization(context))
+        except ApiError as err:
+            await self._abort_with(context, err)
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._authorize(context)
         return pb.ModelInfo(**dataclasses.asdict(self.frontend.info))
 
     async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Loads:
+        await self._authorize(context)
         loads = pb.Loads()
         for s in await self.frontend.loads():
             loads.engines.add(engine_id=s["engine_id"], num_running=s["num_running"], num_waiting=s["num_waiting"],

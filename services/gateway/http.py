@@ -21,17 +21,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from observability import tracing
 from services.gateway import errors
+from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
-from services.gateway.frontend import Frontend, Generation, Piece
+from services.gateway.frontend import Frontend, Generation, Piece, finite_logprob
+from services.gateway.openapi import openapi_schema
 from services.gateway.probe import probe
 from services.gateway.openai_protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
     parse_completion
 
 log = logging.getLogger("shinkai.gateway")
+# POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
+JSON_TYPE = "application/json"
 
 
 def _json(body: dict[str, Any]) -> str:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    # allow_nan=False: a non-finite number is a bug that must fail loudly, never a response JSON.parse refuses.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _sse(body: dict[str, Any] | str) -> str:
@@ -67,8 +72,9 @@ class _Formatter:
         if self.request.num_logprobs is None:
             return None
         ids = [t for p in pieces for t in p.delta.token_ids]
-        lps = [x for p in pieces for x in p.delta.logprobs]
-        tops = [x for p in pieces for x in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
+        lps = [finite_logprob(x) for p in pieces for x in p.delta.logprobs]
+        tops = [[(i, finite_logprob(v)) for i, v in top]
+                for p in pieces for top in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
         if self.chat:
             return {"content": [
                 {"token": self._token(t), "logprob": lp, "bytes": None,
@@ -147,19 +153,24 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True,
               health_problem: Callable[[], str | None] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keys: Keys | None = None) -> FastAPI:
+    keys = keys or Keys()
     problem = health_problem or (lambda: None if is_ready() else "draining")
-    app = FastAPI(title="Shinkai", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Shinkai", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_schema(frontend.info)  # type: ignore[method-assign]  # bodies are parsed by hand
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(err.openai_body(), status_code=err.kind.http_status, headers=err.http_headers())
+        headers = err.http_headers()
+        if err.kind.http_status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(err.openai_body(), status_code=err.kind.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if err.status_code == 404 else None
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
         body = ApiError(errors.INVALID, str(err.detail), code=code).openai_body()
-        return JSONResponse(body, status_code=err.status_code)
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)  # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, err: Exception) -> JSONResponse:
@@ -168,15 +179,22 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
                             status_code=500)
 
     async def _generate(request: Request, chat: bool) -> Response:
+        owner = keys.check(request.headers.get("authorization"))
         if not is_ready():
             why = problem()
             if why in (None, "draining"):
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
             raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != JSON_TYPE:
+            raise ApiError(errors.UNSUPPORTED_MEDIA, f"Content-Type must be {JSON_TYPE}, got "
+                           f"{media_type or 'none'}", code="unsupported_media_type")
         body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
-        max_len = frontend.info.max_model_len
-        parsed = parse_chat(body, max_len) if chat else parse_completion(body, max_len)
+        info = frontend.info
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
+        parsed.args.owner = owner
         generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
         if parsed.stream:
@@ -216,7 +234,8 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         return await _generate(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": frontend.served_model, "object": "model",
                                             "created": int(time.time()), "owned_by": "shinkai",
                                             "max_model_len": frontend.info.max_model_len}]}

@@ -23,9 +23,10 @@ async def run(args: argparse.Namespace) -> int:
 
     tracing.setup("shinkai-gateway")
     from services.gateway.api_server import ApiServer
+    from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend, ModelInfo
-    from observability.metrics import RequestMetrics
+    from observability.metrics import EngineLoadsCollector, RequestMetrics
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
 
@@ -41,9 +42,13 @@ async def run(args: argparse.Namespace) -> int:
     info = ModelInfo(model=remote_info.model, vocab_size=remote_info.vocab_size,
                      max_model_len=remote_info.max_model_len, bos_token_id=remote_info.bos_token_id,
                      eos_token_id=remote_info.eos_token_id, max_num_seqs=remote_info.max_num_seqs)
+    # vLLM's gauge names, summed over the engines' load reports, where vLLM clients look (this /metrics).
+    metrics.registry.register(EngineLoadsCollector(
+        lambda: [s.report for s in router.states.values() if s.report is not None], info.model))
     tokenizer = RemoteTokenizer(args.tokenizer)
     frontend = Frontend(info, router, tokenizer, metrics)
-    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port)
+    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key),
+                    tls_files(args.ssl_certfile, args.ssl_keyfile))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=8000, help="0: any free port")
     p.add_argument("--grpc-port", type=int, default=50051, help="0: any free port")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="key callers must send (repeatable; default: $SHINKAI_API_KEY; none: open)")
+    p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
+    p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

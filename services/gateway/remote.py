@@ -46,6 +46,8 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
         s.seed = params.seed
     if params.logprobs is not None:
         s.logprobs = params.logprobs
+    for token_id in params.banned_token_ids:
+        s.logit_bias[token_id] = -100.0  # a ban: services/gateway/grpc_api.py `_banned` reads it back
     return s
 
 
@@ -175,11 +177,12 @@ class RemoteTokenizer:
                 raise bad_input(err.details() or "the tokenizer refused the input") from None
             raise ShuttingDown(f"the tokenizer service at {self.address} failed: {err.code().name}") from None
 
-    async def encode(self, text: str) -> list[int]:
-        return list((await self._call(self.stub.Encode, tpb.EncodeRequest(text=text, add_bos=True))).token_ids)
+    async def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        request = tpb.EncodeRequest(text=text, add_bos=True, max_tokens=max_tokens)
+        return list((await self._call(self.stub.Encode, request)).token_ids)
 
-    async def render_chat(self, body: dict[str, Any]) -> list[int]:
-        request = tpb.RenderChatRequest(body_json=json.dumps(body))
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+        request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens)
         return list((await self._call(self.stub.RenderChat, request, ChatError)).token_ids)
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services import subjects
+from services import nats_auth, subjects
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, ShuttingDown
 from services.gateway.remote import RemoteEngine, RemoteStream
@@ -35,6 +35,7 @@ class _EngineState:
     accepting: bool = True  # False after a "draining", "unhealthy" or "down" lifecycle event
     healthy: bool = True  # its grpc.health.v1 answered SERVING at the latest poll (`EngineHealth`)
     num_routed: int = 0  # requests routed to it, ever
+    report: dict[str, Any] | None = None  # its latest load report (EngineService.stats and more); None: none yet
 
     @property
     def score(self) -> int:
@@ -91,7 +92,7 @@ class EngineRouter:
             log.warning("nats: %s", err or type(err).__name__)
 
         self._nc = await nats.connect(nats_url, name="shinkai-gateway", max_reconnect_attempts=-1, error_cb=on_error,
-                                      connect_timeout=NATS_TIMEOUT_S, reconnect_time_wait=0.5)
+                                      connect_timeout=NATS_TIMEOUT_S, reconnect_time_wait=0.5, **nats_auth.connect_options())
         await self._nc.subscribe(subjects.ENGINE_LOAD, cb=self._on_load)
         await self._nc.subscribe(subjects.ENGINE_LIFECYCLE, cb=self._on_lifecycle)
         await self._nc.flush(timeout=NATS_TIMEOUT_S)
@@ -105,6 +106,7 @@ class EngineRouter:
             log.warning("dropped a malformed load report: %s", err)
             return
         if state is not None:
+            state.report = report
             state.reported_load = load
             state.sent_since_report = 0
             self.num_reports += 1

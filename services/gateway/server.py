@@ -16,6 +16,7 @@ from observability.metrics import EngineMetrics, RequestMetrics
 from services.engine.llm import LLM
 from services.engine.service import DEFAULT_MAX_QUEUED, EngineService
 from services.gateway.api_server import ApiServer
+from services.gateway.auth import Keys
 from services.gateway.backends import LocalEngine, LocalTokenizer
 from services.gateway.frontend import Frontend, ModelInfo
 from services.tokenizer.chat import ChatRenderer
@@ -35,6 +36,8 @@ class ServeConfig:
     engine_args: dict[str, object] = field(default_factory=dict)  # EngineConfig fields
     engine_name: str = "engine-0"  # the engine's id in loads and NATS reports
     detokenize: bool = True  # False: streams carry token ids only (the gateway's tokenizer makes text)
+    api_keys: tuple[str, ...] = ()  # keys HTTP and gRPC callers must send (services/gateway/auth.py); (): open
+    tls: tuple[str, str] | None = None  # (certificate, key) PEM files: HTTPS and TLS gRPC; None: plaintext
 
 
 class Server:
@@ -55,7 +58,8 @@ class Server:
             "num_gpu_blocks": stats["total_blocks"], "num_state_slots": stats["total_state_slots"]})
         self.frontend = Frontend(info, LocalEngine(self.engine), LocalTokenizer(self.llm, chat, config.detokenize),
                                  self.metrics)
-        self.api = ApiServer(self.frontend, config.host, config.http_port, config.grpc_port)
+        self.api = ApiServer(self.frontend, config.host, config.http_port, config.grpc_port,
+                             Keys(config.api_keys), config.tls)
 
     @property
     def http_port(self) -> int | None:

@@ -24,6 +24,7 @@ from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, load_tokenizer, load_v4
 from observability import metrics as names
 from observability import tracing
 from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
+from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -52,6 +53,8 @@ class TokenizerApi:
         self.bos_token_id = bos_token_id
         self.vocab_size = tokenizer.get_vocab_size()
         self.chat = ChatRenderer(v41_tokenizer_path()) if self.vocab_size == V41_VOCAB_SIZE else None
+        # Encoding and chat rendering run here, never on the event loop that answers health and other calls.
+        self.pool = EncodePool(tokenizer)
 
     @staticmethod
     async def _parse(message_type, raw: bytes, context: grpc.aio.ServicerContext):
@@ -71,10 +74,15 @@ class TokenizerApi:
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         request = await self._parse(pb.EncodeRequest, raw, context)
         self.calls.labels(method="Encode").inc()
-        with _span("tokenizer.Encode", context):
-            ids = self.tokenizer.encode(request.text, add_special_tokens=True).ids
-        if request.add_bos and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
+        budget = request.max_tokens if request.HasField("max_tokens") else None
+        try:
+            with _span("tokenizer.Encode", context):
+                ids = await self.pool.encode(request.text, budget)
+            if request.add_bos and ids[:1] != [self.bos_token_id]:
+                ids = [self.bos_token_id, *ids]
+            check_tokens(len(ids), budget)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return pb.EncodeResponse(token_ids=ids)
 
     async def render_chat(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RenderChatResponse:
@@ -86,10 +94,14 @@ class TokenizerApi:
             body = json.loads(request.body_json)
             if not isinstance(body, dict):
                 raise ChatError("the chat body must be a JSON object")
+            budget = request.max_tokens if request.HasField("max_tokens") else None
+            num_bytes = chat_content_bytes(body)
+            check_bytes(num_bytes, budget, self.pool.token_bytes)
             with _span("tokenizer.RenderChat", context):
-                ids, prompt = self.chat.render(body)
-        except (ValueError, ChatError) as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                ids, prompt = await self.pool.run(num_bytes, self.chat.render, body)
+            check_tokens(len(ids), budget)
+        except (ValueError, ChatError, RecursionError) as err:  # RecursionError: a body nested past the parser
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err) or "the chat body is nested too deeply")
         return pb.RenderChatResponse(token_ids=ids, prompt=prompt)
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:

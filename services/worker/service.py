@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engine's too)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's; sizes the pools")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/accuracy.md; slower)")
+    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     args = p.parse_args(argv)

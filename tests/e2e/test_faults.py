@@ -61,7 +61,7 @@ class Stack:
         """Starts ``name`` again with its recorded command (plus ``extra``), and records the new PID so
         `down` stops it."""
         s = self.by_name[name]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), SHINKAI_NATS_TOKEN=self.state["nats_token"])
         with open(s["log"], "ab") as log:
             proc = subprocess.Popen([*s["argv"], *extra], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)

