@@ -4,8 +4,8 @@ Stage A picks which experts get the redundant copies; stage B places every copy 
 Σ over the window's steps of a peak (the hottest single copy, then the busiest GPU), which pairs experts
 whose busy steps do not overlap. The policy plans from scratch: it never looks at the current layout.
 
-Ties are broken the way DeepInfer breaks them: the lower expert in stage A, the lower GPU in stage B, and
-slot order among copies of equal load. Scores equal up to float noise count as ties, so summing the same
+Stage A works on the window's summed load; stage B scores every step. Ties: in stage A the expert with more
+total load, then the lower index; in stage B the lower GPU, and slot order among copies of equal load. Scores equal up to float noise count as ties, so summing the same
 tokens in another order cannot change a plan.
 """
 
@@ -42,22 +42,23 @@ def _top_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def stage_a(load: np.ndarray, num_slots: int) -> list[int]:
     """Which experts get copies: the expert list in DeepInfer's slot order.
 
-    Slots 0..N-1 hold experts 0..N-1; each further slot copies the expert whose extra copy minimises
-    Σ_steps of the hottest single copy. There is no cap on copies per expert.
+    Slots 0..N-1 hold experts 0..N-1; each further slot copies "whichever expert still has the hottest
+    single copy" (walkthrough Pass 3): the largest Σ_steps load / copies. Ties go to the expert with more
+    total load (so a cold expert never wins a tie against a hot one), then to the lower index. There is no
+    cap on copies per expert.
     """
     load = np.asarray(load, dtype=np.float64)
     num_logical = load.shape[1]
     if num_slots < num_logical:
         raise ValueError(f"{num_slots} slots cannot hold {num_logical} experts")
+    totals = load.sum(axis=0)
     copies = np.ones(num_logical, dtype=np.int64)
     order = list(range(num_logical))
     for _ in range(num_slots - num_logical):
-        per_copy = load / copies
-        first, arg, second = _top_two(per_copy)
-        # Hottest copy elsewhere when expert e gets one more copy: the top unless e is the top.
-        others = np.where(np.arange(num_logical)[None, :] == arg[:, None], second[:, None], first[:, None])
-        scores = np.maximum(others, load / (copies + 1)).sum(axis=0)
-        chosen = _first_min(scores)
+        per_copy = totals / copies
+        best = float(per_copy.max())
+        tied = np.flatnonzero(per_copy >= best - TIE_RTOL * max(1.0, abs(best)))
+        chosen = int(tied[np.argmax(totals[tied])])  # argmax takes the lowest index among equal totals
         copies[chosen] += 1
         order.append(chosen)
     return order
