@@ -16,9 +16,11 @@ from scipy.optimize import linear_sum_assignment
 from services.eplb.layout import Layout, LayoutError
 
 
-def _loads_needed(new_group: list[int], old_group: list[int]) -> int:
-    """Copies of ``new_group`` that ``old_group`` lacks (multiset difference): weights to load."""
-    return sum((Counter(new_group) - Counter(old_group)).values())
+def _loads_needed(new: Layout, old: Layout) -> np.ndarray:
+    """``[new GPU, old GPU]`` copies of the new GPU's experts that the old GPU lacks (multiset difference):
+    the weights to load if the new group took the old GPU's place."""
+    new_counts, old_counts = new.counts_per_gpu().T, old.counts_per_gpu().T  # [gpu, expert]
+    return np.maximum(new_counts[:, None, :] - old_counts[None, :, :], 0).sum(axis=2)
 
 
 def _place_in_slots(new_group: list[int], old_group: list[int]) -> list[int]:
@@ -47,8 +49,7 @@ def min_move_relabel(candidate: Layout, current: Layout) -> Layout:
         raise LayoutError("candidate and current layouts differ in slots, GPUs or experts")
     new_groups = candidate.gpu_experts()
     old_groups = current.gpu_experts()
-    cost = np.array([[_loads_needed(n, o) for o in old_groups] for n in new_groups])
-    new_idx, old_idx = linear_sum_assignment(cost)
+    new_idx, old_idx = linear_sum_assignment(_loads_needed(candidate, current))
     placed: list[list[int]] = [[] for _ in range(current.num_gpus)]
     for n, o in zip(new_idx, old_idx):
         placed[o] = _place_in_slots(new_groups[n], old_groups[o])

@@ -1,0 +1,111 @@
+"""The guarded planner's optimiser: the fewest moves among layouts within a tolerance of the best found.
+
+Candidates come from every policy (DeepInfer's with copies spread over GPUs, DeepSeek's reference) and
+from the current layout. Each start is relabelled to move the fewest experts from the current layout,
+stripped of needless co-locations, and improved by local search; every layout the search passes through
+is a candidate, so a short search path is a cheap plan. The optimiser returns the layout with the fewest
+moves whose moe_lb is within ``tolerance`` of the lowest moe_lb seen, and the (moe_lb, moves) trade-off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from services.eplb.assignment import min_move_relabel
+from services.eplb.deepseek import deepseek_plan
+from services.eplb.layout import Layout, count_moves, gpu_loads, needless_colocations
+from services.eplb.policy import deepinfer_plan
+from services.eplb.search import local_search_path, spread_out
+from services.eplb.search_state import proxy_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One candidate layout the optimiser saw."""
+
+    source: str  # where it came from: "current", "deepinfer", "deepseek", with "+search" after local search
+    phy2log: tuple[int, ...]  # the candidate's slots (a valid layout of the current layout's shape)
+    moe_lb: float  # on the planning window
+    moves: int  # slots whose expert differs from the current layout
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "moe_lb": self.moe_lb, "moves": self.moves}
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """What the optimiser tries."""
+
+    tolerance: float  # moe_lb above the best found that is still worth saving moves for
+    local_search: bool  # improve every start by local search
+    max_passes: int  # local-search passes per start
+    num_groups: int  # DeepSeek's expert groups (1: its global policy)
+    num_nodes: int  # DeepSeek's nodes (1: its global policy)
+
+
+def _moe_lb(load: np.ndarray, layout: Layout, mean_sum: float) -> float:
+    return float(gpu_loads(load, layout).max(axis=1).sum()) / mean_sum if mean_sum > 0 else 1.0
+
+
+def _starts(load: np.ndarray, current: Layout, config: SearchConfig) -> list[tuple[str, Layout]]:
+    """(source, layout) of each start, relabelled against ``current``, before removing co-locations."""
+    num_gpus, num_slots = current.num_gpus, current.num_slots
+    fresh = [
+        ("deepinfer", deepinfer_plan(proxy_rows(load), num_gpus, num_slots, spread=True)),
+        ("deepseek", deepseek_plan(load, num_gpus, num_slots, num_groups=config.num_groups,
+                                   num_nodes=config.num_nodes)),
+    ]
+    return [("current", current)] + [(name, min_move_relabel(layout, current)) for name, layout in fresh]
+
+
+def candidates(load: np.ndarray, current: Layout, config: SearchConfig) -> list[Point]:
+    """Every candidate: each start (when free of needless co-locations), its spread-out form, and each
+    layout along its local-search path. Duplicates (same slots) are kept once, first source wins."""
+    mean_sum = float(load.sum()) / current.num_gpus
+    points: list[Point] = []
+    seen: set[tuple[int, ...]] = set()
+
+    old = current.array()
+
+    def add(source: str, phy2log: tuple[int, ...], value: float) -> None:
+        if phy2log in seen:
+            return
+        seen.add(phy2log)
+        moves = int(np.count_nonzero(old != np.asarray(phy2log)))
+        points.append(Point(source, phy2log, value, moves))
+
+    for source, start in _starts(load, current, config):
+        if needless_colocations(start) == 0:
+            add(source, start.phy2log, _moe_lb(load, start, mean_sum))
+        spread = spread_out(start, load)
+        add(source, spread.phy2log, _moe_lb(load, spread, mean_sum))
+        if config.local_search:
+            for phy2log, score in local_search_path(spread, load, max_passes=config.max_passes)[1:]:
+                add(f"{source}+search", phy2log, score / mean_sum if mean_sum > 0 else 1.0)
+    return points
+
+
+def choose(points: list[Point], current: Layout, tolerance: float) -> tuple[Point, Layout]:
+    """The fewest moves among points within ``tolerance`` of the lowest moe_lb (then lower moe_lb, then
+    candidate order), and its layout relabelled once more to move the fewest experts. Every point is free
+    of needless co-locations (``candidates`` keeps no other)."""
+    best = min(p.moe_lb for p in points)
+    eligible = [p for p in points if p.moe_lb <= best + tolerance]
+    chosen = min(eligible, key=lambda p: (p.moves, p.moe_lb))
+    layout = Layout(chosen.phy2log, current.num_gpus, current.num_logical)
+    relabelled = min_move_relabel(layout, current)
+    moves = count_moves(current, relabelled)
+    if moves < chosen.moves:
+        return dataclasses.replace(chosen, phy2log=relabelled.phy2log, moves=moves), relabelled
+    return chosen, layout
+
+
+def tradeoff(points: list[Point]) -> list[Point]:
+    """The Pareto front: each point with lower moe_lb than every point with no more moves, by moves."""
+    front: list[Point] = []
+    for p in sorted(points, key=lambda p: (p.moves, p.moe_lb)):
+        if not front or p.moe_lb < front[-1].moe_lb:
+            front.append(p)
+    return front
