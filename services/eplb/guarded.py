@@ -36,7 +36,7 @@ class PlanConfig:
 
     policy: str = "guarded"  # "deepinfer" or "deepseek" (apply unchecked, as they do) or "guarded"
     threshold: float = 0.01  # least drop in moe_lb for a guarded plan to apply, on each scored window
-    tolerance: float = 0.005  # guarded: moe_lb above the best found that is still worth saving moves for
+    tolerance: float = 0.002  # guarded: moe_lb above the best found that is still worth saving moves for
     num_groups: int = 1  # DeepSeek's expert groups; hierarchical when num_nodes divides it
     num_nodes: int = 1  # DeepSeek's nodes; 1 with 1 group is its global policy
     local_search: bool = True  # polish guarded candidates with swaps and re-targeting

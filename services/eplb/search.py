@@ -52,7 +52,9 @@ def _improving_swap(state: SearchState, g: int, base: float) -> bool:
     partners = np.argsort(state.pgpu.sum(axis=0), kind="stable")
     partners = partners[partners != g][:NUM_PARTNERS]
     scores, change = state.swap_table(g, partners)
-    scores = np.where(change <= 0, scores, np.inf)
+    # Only swaps the proxy sees as strict improvements are checked (on a short window the proxy is exact).
+    proxy_base = state.proxy_score()
+    scores = np.where((change <= 0) & (scores < proxy_base * (1.0 - GAIN_RTOL)), scores, np.inf)
     order = np.argsort(scores.ravel(), kind="stable")[:NUM_CHECKED]
     for flat in order:
         k, i, j = (int(v) for v in np.unravel_index(int(flat), scores.shape))
@@ -85,7 +87,8 @@ def local_search_path(layout: Layout, load: np.ndarray, *, max_passes: int = 8,
     to its result (last).
 
     A pass visits each GPU that is busiest at some step, most often busiest first, and applies the best
-    improving swap between it and any other GPU; then one re-targeting. It stops after a pass that changed
+    improving swap between it and another GPU, repeatedly (at most once per partner GPU); then one
+    re-targeting. It stops after a pass that changed
     nothing or after ``max_passes``. Each layout in the list scores strictly below the one before.
     """
     state = _state(layout, load)
@@ -96,7 +99,9 @@ def local_search_path(layout: Layout, load: np.ndarray, *, max_passes: int = 8,
         for g in np.argsort(-peak_counts, kind="stable"):
             if peak_counts[g] == 0:
                 break
-            if state.num_gpus > 1 and _improving_swap(state, int(g), state.score()):
+            for _ in range(min(state.num_gpus - 1, NUM_PARTNERS)):
+                if not _improving_swap(state, int(g), state.score()):
+                    break
                 path.append((tuple(state.phy2log.tolist()), state.score()))
                 changed = True
         if num_targets > 0 and _retarget(state, num_targets, state.score()):

@@ -62,6 +62,11 @@ class SearchState:
         self.pslot = (self.proxy / self.copies)[:, self.phy2log]  # [row, slot]
         self.pgpu = self.pslot.reshape(shape).sum(axis=2)  # [row, gpu]
         self._top = None
+        self._ptop = None
+
+    def proxy_score(self) -> float:
+        """Σ_rows busiest GPU on the proxy window."""
+        return float(self.pgpu.max(axis=1).sum())
 
     def score(self) -> float:
         """Σ_steps busiest GPU on the exact window."""
@@ -98,7 +103,9 @@ class SearchState:
         x = self.pslot[:, self.slots_of(g)].T  # [i, row]
         y = self.pslot.T.reshape(self.num_gpus, s, -1)[partners]  # [k, j, row]
         lg, lh = self.pgpu[:, g], self.pgpu.T[partners]  # [row], [k, row]
-        vals, idx = _top3(self.pgpu)
+        if self._ptop is None:
+            self._ptop = _top3(self.pgpu)
+        vals, idx = self._ptop
         others = self.others(vals[None], idx[None], g, partners[:, None])  # [k, row]
         work = y[:, None, :, :] - x[None, :, None, :]  # [h, i, j, row]
         work += ((lg[None, :] - lh) / 2)[:, None, None, :]
@@ -147,7 +154,7 @@ class SearchState:
             slots[:, [s, t]] = slots[:, [t, s]]
             gpus[:, g] += d
             gpus[:, h] -= d
-        self._top = None
+        self._top = self._ptop = None
 
     def retarget_table(self, targets: np.ndarray, num_sources: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Proxy scores of re-pointing one redundant copy (slot s, expert a with ≥ 2 copies) at a target b.

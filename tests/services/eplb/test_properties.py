@@ -49,7 +49,7 @@ def assert_maps_consistent(layout: Layout) -> None:
 
 
 @SETTINGS
-@given(layers(), st.sampled_from(["deepinfer", "guarded"]))
+@given(layers(), st.sampled_from(["deepinfer", "deepseek", "guarded"]))
 def test_maps_are_consistent(layer, policy):
     load, current = layer
     result = plan(load, current, PlanConfig(policy=policy))
@@ -82,7 +82,7 @@ def test_guarded_is_never_worse_than_current_on_its_window(layer, threshold):
 
 
 @SETTINGS
-@given(layers(), st.sampled_from(["deepinfer", "guarded"]))
+@given(layers(), st.sampled_from(["deepinfer", "deepseek", "guarded"]))
 def test_plans_are_deterministic(layer, policy):
     load, current = layer
     first = plan(load, current, PlanConfig(policy=policy))
@@ -116,15 +116,15 @@ def test_min_move_relabel_keeps_quality_and_never_moves_more(layer):
 @given(layers(), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 3),
                                     st.integers(0, 20)), max_size=6))
 def test_incremental_swaps_match_a_fresh_state(layer, swaps):
-    from services.eplb.search import _State
+    from services.eplb.search_state import SearchState
 
     load, current = layer
-    state = _State(load.astype(np.float64), current.array().copy(), current.num_gpus)
+    state = SearchState(load.astype(np.float64), current.array().copy(), current.num_gpus)
     for g, i, h, j in swaps:
         g, h, i, j = g % state.num_gpus, h % state.num_gpus, i % state.slots_per_gpu, j % state.slots_per_gpu
         if g != h:
             state.swap(g, i, h, j)
-    fresh = _State(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
-    for name in ("held", "slot_load", "gpu_load", "slot_load32", "gpu_load32"):
+    fresh = SearchState(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
+    for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu"):
         np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
     assert state.score() == pytest.approx(fresh.score())
