@@ -35,6 +35,28 @@ def _place_in_slots(new_group: list[int], old_group: list[int]) -> list[int]:
     return [e if e is not None else next(incoming) for e in slots]
 
 
+def gpu_matching(candidate: Layout, current: Layout) -> np.ndarray:
+    """``[candidate GPU]`` the current GPU it should replace: the assignment with the fewest loads."""
+    new_idx, old_idx = linear_sum_assignment(_loads_needed(candidate, current))
+    matching = np.empty(candidate.num_gpus, dtype=np.int64)
+    matching[new_idx] = old_idx
+    return matching
+
+
+def group_counts(phy2log: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
+    """``[gpu, expert]`` copies of each expert on each GPU of a GPU-major ``phy2log``."""
+    counts = np.zeros((num_gpus, num_logical), dtype=np.int64)
+    np.add.at(counts, (np.arange(len(phy2log)) // (len(phy2log) // num_gpus), phy2log), 1)
+    return counts
+
+
+def moves_under(phy2log: np.ndarray, matched_counts: np.ndarray) -> int:
+    """Loads needed when GPU g of ``phy2log`` replaces the GPU whose counts are ``matched_counts[g]``
+    and experts already there keep their slots: the moves of that relabelling."""
+    counts = group_counts(phy2log, *matched_counts.shape)
+    return int(np.maximum(counts - matched_counts, 0).sum())
+
+
 def min_move_relabel(candidate: Layout, current: Layout) -> Layout:
     """``candidate`` with GPUs permuted and slots reordered to minimise moves from ``current``.
 
@@ -49,8 +71,7 @@ def min_move_relabel(candidate: Layout, current: Layout) -> Layout:
         raise LayoutError("candidate and current layouts differ in slots, GPUs or experts")
     new_groups = candidate.gpu_experts()
     old_groups = current.gpu_experts()
-    new_idx, old_idx = linear_sum_assignment(_loads_needed(candidate, current))
     placed: list[list[int]] = [[] for _ in range(current.num_gpus)]
-    for n, o in zip(new_idx, old_idx):
+    for n, o in enumerate(gpu_matching(candidate, current)):
         placed[o] = _place_in_slots(new_groups[n], old_groups[o])
     return Layout(tuple(e for group in placed for e in group), current.num_gpus, current.num_logical)

@@ -1,9 +1,11 @@
 """The guarded planner's optimiser: the fewest moves among layouts within a tolerance of the best found.
 
 Candidates come from every policy (DeepInfer's with copies spread over GPUs, DeepSeek's reference) and
-from the current layout. Each start is relabelled to move the fewest experts from the current layout,
-stripped of needless co-locations, and improved by local search; every layout the search passes through
-is a candidate, so a short search path is a cheap plan. The optimiser returns the layout with the fewest
+from the current layout. Each start is relabelled to move the fewest experts from the current layout and
+is a candidate as it is; its form without needless co-locations is another, and local search improves
+that one. Every layout the search passes through is a candidate, so a short search path is a cheap plan.
+Co-located copies of one expert do not change moe_lb under the even split, so a start that has them (the
+reference often does) is not excluded: undoing a few swaps from it must stay a few moves. The optimiser returns the layout with the fewest
 moves whose moe_lb is within ``tolerance`` of the lowest moe_lb seen, and the (moe_lb, moves) trade-off.
 """
 
@@ -13,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from services.eplb.assignment import min_move_relabel
+from services.eplb.assignment import group_counts, gpu_matching, min_move_relabel, moves_under
 from services.eplb.deepseek import deepseek_plan
 from services.eplb.layout import Layout, count_moves, gpu_loads, needless_colocations
 from services.eplb.policy import deepinfer_plan
@@ -25,10 +27,10 @@ from services.eplb.search_state import proxy_rows
 class Point:
     """One candidate layout the optimiser saw."""
 
-    source: str  # where it came from: "current", "deepinfer", "deepseek", with "+search" after local search
-    phy2log: tuple[int, ...]  # the candidate's slots (a valid layout of the current layout's shape)
+    source: str  # where it came from: "current", "deepinfer", "deepseek", with "+spread" / "+search"
+    phy2log: tuple[int, ...]  # the candidate's slots, in its start's GPU order (moe_lb ignores the order)
     moe_lb: float  # on the planning window
-    moves: int  # slots whose expert differs from the current layout
+    moves: int  # experts to load after matching its GPUs to the current ones as its start's are matched
 
     def to_dict(self) -> dict:
         return {"source": self.source, "moe_lb": self.moe_lb, "moves": self.moves}
@@ -50,37 +52,38 @@ def _moe_lb(load: np.ndarray, layout: Layout, mean_sum: float) -> float:
 
 
 def _starts(load: np.ndarray, current: Layout, config: SearchConfig) -> list[tuple[str, Layout]]:
-    """(source, layout) of each start, relabelled against ``current``, before removing co-locations."""
+    """(source, layout) of each start, as its policy returns it (not relabelled, so that the searches from
+    the policies' plans do not depend on the current layout: planning the result again finds the same)."""
     num_gpus, num_slots = current.num_gpus, current.num_slots
-    fresh = [
+    return [
+        ("current", current),
         ("deepinfer", deepinfer_plan(proxy_rows(load), num_gpus, num_slots, spread=True)),
         ("deepseek", deepseek_plan(load, num_gpus, num_slots, num_groups=config.num_groups,
                                    num_nodes=config.num_nodes)),
     ]
-    return [("current", current)] + [(name, min_move_relabel(layout, current)) for name, layout in fresh]
 
 
 def candidates(load: np.ndarray, current: Layout, config: SearchConfig) -> list[Point]:
-    """Every candidate: each start (when free of needless co-locations), its spread-out form, and each
-    layout along its local-search path. Duplicates (same slots) are kept once, first source wins."""
+    """Every candidate: each start, its spread-out form, and each layout along the local-search path from
+    that form. Duplicates (same slots) are kept once, first source wins. Only starts and their "+spread"
+    forms may hold needless co-locations (local search never adds one)."""
     mean_sum = float(load.sum()) / current.num_gpus
+    current_counts = group_counts(current.array(), current.num_gpus, current.num_logical)
     points: list[Point] = []
     seen: set[tuple[int, ...]] = set()
 
-    old = current.array()
-
-    def add(source: str, phy2log: tuple[int, ...], value: float) -> None:
-        if phy2log in seen:
-            return
-        seen.add(phy2log)
-        moves = int(np.count_nonzero(old != np.asarray(phy2log)))
-        points.append(Point(source, phy2log, value, moves))
-
     for source, start in _starts(load, current, config):
-        if needless_colocations(start) == 0:
-            add(source, start.phy2log, _moe_lb(load, start, mean_sum))
-        spread = spread_out(start, load)
-        add(source, spread.phy2log, _moe_lb(load, spread, mean_sum))
+        matched = current_counts[gpu_matching(start, current)]
+
+        def add(name: str, phy2log: tuple[int, ...], value: float) -> None:
+            if phy2log in seen:
+                return
+            seen.add(phy2log)
+            points.append(Point(name, phy2log, value, moves_under(np.asarray(phy2log), matched)))
+
+        add(source, start.phy2log, _moe_lb(load, start, mean_sum))
+        spread = spread_out(start, load) if needless_colocations(start) else start
+        add(f"{source}+spread", spread.phy2log, _moe_lb(load, spread, mean_sum))
         if config.local_search:
             for phy2log, score in local_search_path(spread, load, max_passes=config.max_passes)[1:]:
                 add(f"{source}+search", phy2log, score / mean_sum if mean_sum > 0 else 1.0)
@@ -89,17 +92,12 @@ def candidates(load: np.ndarray, current: Layout, config: SearchConfig) -> list[
 
 def choose(points: list[Point], current: Layout, tolerance: float) -> tuple[Point, Layout]:
     """The fewest moves among points within ``tolerance`` of the lowest moe_lb (then lower moe_lb, then
-    candidate order), and its layout relabelled once more to move the fewest experts. Every point is free
-    of needless co-locations (``candidates`` keeps no other)."""
+    candidate order), and its layout relabelled once more to move the fewest experts."""
     best = min(p.moe_lb for p in points)
     eligible = [p for p in points if p.moe_lb <= best + tolerance]
     chosen = min(eligible, key=lambda p: (p.moves, p.moe_lb))
-    layout = Layout(chosen.phy2log, current.num_gpus, current.num_logical)
-    relabelled = min_move_relabel(layout, current)
-    moves = count_moves(current, relabelled)
-    if moves < chosen.moves:
-        return dataclasses.replace(chosen, phy2log=relabelled.phy2log, moves=moves), relabelled
-    return chosen, layout
+    layout = min_move_relabel(Layout(chosen.phy2log, current.num_gpus, current.num_logical), current)
+    return dataclasses.replace(chosen, phy2log=layout.phy2log, moves=count_moves(current, layout)), layout
 
 
 def tradeoff(points: list[Point]) -> list[Point]:
