@@ -19,8 +19,15 @@ from services.eplb.layout import Layout, LayoutError
 def _loads_needed(new: Layout, old: Layout) -> np.ndarray:
     """``[new GPU, old GPU]`` copies of the new GPU's experts that the old GPU lacks (multiset difference):
     the weights to load if the new group took the old GPU's place."""
-    new_counts, old_counts = new.counts_per_gpu().T, old.counts_per_gpu().T  # [gpu, expert]
-    return np.maximum(new_counts[:, None, :] - old_counts[None, :, :], 0).sum(axis=2)
+    # loads = slots - overlap, overlap[n, o] = Σ_e min(new copies of e on n, old copies of e on o); only
+    # the (GPU, expert) pairs present in the new layout contribute.
+    new_counts = group_counts(new.array(), new.num_gpus, new.num_logical)
+    old_counts = group_counts(old.array(), old.num_gpus, old.num_logical)
+    gpu, expert = np.nonzero(new_counts)
+    per_pair = np.minimum(new_counts[gpu, expert][None, :], old_counts[:, expert])  # [old gpu, pair]
+    overlap = np.zeros((new.num_gpus, old.num_gpus), dtype=np.int64)
+    np.add.at(overlap, gpu, per_pair.T)
+    return new.slots_per_gpu - overlap
 
 
 def _place_in_slots(new_group: list[int], old_group: list[int]) -> list[int]:

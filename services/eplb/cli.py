@@ -3,6 +3,7 @@
     shinkai eplb plan --load FILE --num-gpus G --num-redundant R [--current LAYOUT.json]
                       [--policy deepinfer|deepseek|guarded] [--output PLAN.json]
     shinkai eplb simulate --trace FILE --interval K --window W [--plot PNG] [--output RESULT.json]
+    shinkai eplb compare [--per-shape 40] [--window]   (guarded against DeepSeek's reference)
     shinkai eplb trace --num-experts E --steps T --output FILE   (drifting Zipf, for simulate)
 """
 
@@ -12,6 +13,7 @@ import argparse
 import json
 import math
 import pathlib
+import time
 
 from services.cli import UsageError
 
@@ -101,6 +103,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     s.set_defaults(func=_simulate)
 
+    c = commands.add_parser("compare", help="guarded against DeepSeek's reference policy on seeded loads")
+    c.add_argument("--per-shape", type=_positive, default=40, help="seeded loads per shape (default 40)")
+    c.add_argument("--window", action="store_true",
+                   help="score on the 8-step windows (default: on their sum, the reference's own input)")
+    c.add_argument("--threshold", type=_non_negative_float, default=0.01)
+    c.add_argument("--tolerance", type=_non_negative_float, default=0.002)
+    c.set_defaults(func=_compare)
+
     t = commands.add_parser("trace", help="write a drifting-Zipf load trace for simulate")
     t.add_argument("--num-experts", type=_positive, required=True)
     t.add_argument("--steps", type=_positive, required=True)
@@ -162,7 +172,9 @@ def _plan(args: argparse.Namespace) -> int:
         local_search=not args.no_local_search,
         expert_bytes=V41_EXPERT_BYTES if args.expert_bytes is None else args.expert_bytes,
     )
+    began_wall, began_cpu = time.perf_counter(), time.process_time()
     result = plan(load, current, config, holdout=holdout)
+    wall, cpu = time.perf_counter() - began_wall, time.process_time() - began_cpu
     verdict = "applied" if result.applied else "rejected"
     print(f"policy {result.policy}: {load.shape[0]} steps, {num_logical} experts, {current.num_gpus} GPUs × "
           f"{current.slots_per_gpu} slots ({current.num_slots - num_logical} redundant)")
@@ -177,6 +189,7 @@ def _plan(args: argparse.Namespace) -> int:
               f"{args.tolerance} of the best, from {result.source}):")
         for point in result.tradeoff:
             print(f"  moe_lb {point.moe_lb:.4f}  moves {point.moves:>5}  {point.source}")
+    print(f"planned in {wall:.2f} s ({cpu:.2f} s CPU)")
     if current.num_slots <= 64:
         for g, experts in enumerate(result.layout.gpu_experts()):
             print(f"  GPU{g}: {experts}")
@@ -245,6 +258,25 @@ def _simulate(args: argparse.Namespace) -> int:
                            series=run.series(max(1, args.interval // 4))) for run in runs],
         })
         print(f"wrote {args.output}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from services.eplb.compare import NUM_STEPS, SHAPES, compare_shape
+    from services.eplb.guarded import PlanConfig
+
+    config = PlanConfig(threshold=args.threshold, tolerance=args.tolerance)
+    scored = f"{NUM_STEPS}-step windows" if args.window else "the summed load"
+    print(f"{args.per_shape} seeded loads per shape (uniform, Zipf, one-hot), from the start-up layout, "
+          f"scored on {scored}")
+    print(f"{'shape':<12} {'reference':>9} {'guarded':>8} {'≤1.01×':>7} {'worse':>5} {'better':>6} "
+          f"{'worst':>6} {'ref moves':>9} {'moves':>6} {'cpu/plan':>8}")
+    for shape in SHAPES:
+        s = compare_shape(shape, args.per_shape, summed=not args.window, config=config)
+        e, g, r = s.shape
+        print(f"{f'{e}/{g}/{r}':<12} {s.reference_mean:>9.4f} {s.guarded_mean:>8.4f} {s.within_1pct:>7.0%} "
+              f"{s.num_worse:>5} {s.num_better:>6} {s.worst_ratio:>6.4f} {s.reference_moves:>9.1f} "
+              f"{s.guarded_moves:>6.1f} {s.guarded_cpu_s:>7.3f}s")
     return 0
 
 

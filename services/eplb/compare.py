@@ -71,3 +71,50 @@ def cases(per_shape: int, shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> 
 def load_digest(summed: np.ndarray) -> str:
     """sha256 of a summed load as int64: ties golden outputs to the exact load they were made from."""
     return hashlib.sha256(np.ascontiguousarray(np.asarray(summed, dtype=np.int64)).tobytes()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeSummary:
+    """Guarded against the reference over one shape's cases (both planned from the start-up layout)."""
+
+    shape: tuple[int, int, int]  # (experts, GPUs, requested redundant copies)
+    num_cases: int  # seeded loads
+    reference_mean: float  # mean moe_lb of the reference's plans
+    guarded_mean: float  # mean moe_lb of the guarded planner's layouts
+    within_1pct: float  # share of cases with guarded ≤ 1.01 × reference
+    num_worse: int  # cases where guarded is above the reference (beyond 1e-9 relative)
+    num_better: int  # cases where guarded is below the reference (beyond 1e-9 relative)
+    worst_ratio: float  # largest guarded / reference
+    reference_moves: float  # mean slots the reference's plan changes from the start-up layout
+    guarded_moves: float  # mean slots the guarded plan changes
+    guarded_cpu_s: float  # mean CPU seconds per guarded plan
+
+
+def compare_shape(shape: tuple[int, int, int], per_shape: int, *, summed: bool, config) -> ShapeSummary:
+    """Runs ``per_shape`` seeded cases of one shape; ``summed`` scores on the window's sum (one row)."""
+    import time
+
+    from services.eplb.deepseek import deepseek_plan
+    from services.eplb.guarded import plan
+    from services.eplb.layout import count_moves, moe_lb, startup_layout
+
+    ours, theirs, our_moves, their_moves, cpu = [], [], [], [], 0.0
+    for case in cases(per_shape, (shape,)):
+        load = case.window().astype(np.float64)
+        if summed:
+            load = load.sum(axis=0)[None, :]
+        start = startup_layout(case.num_experts, case.num_gpus, case.num_redundant)
+        reference = deepseek_plan(load, start.num_gpus, start.num_slots)
+        began = time.process_time()
+        result = plan(load, start, config)
+        cpu += time.process_time() - began
+        ours.append(result.moe_lb_after)
+        our_moves.append(result.moves)
+        theirs.append(moe_lb(load, reference))
+        their_moves.append(count_moves(start, reference))
+    ours_a, theirs_a = np.array(ours), np.array(theirs)
+    ratio = ours_a / theirs_a
+    return ShapeSummary(shape, per_shape, float(theirs_a.mean()), float(ours_a.mean()),
+                        float(np.mean(ratio <= 1.01)), int(np.sum(ratio > 1 + 1e-9)),
+                        int(np.sum(ratio < 1 - 1e-9)), float(ratio.max()), float(np.mean(their_moves)),
+                        float(np.mean(our_moves)), cpu / per_shape)

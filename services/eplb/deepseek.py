@@ -37,12 +37,14 @@ def _pack(weights: np.ndarray, num_packs: int) -> list[list[int]]:
     if per_pack == 1:
         return [[i] for i in range(num_items)]
     order = np.argsort(-weights, kind="stable")
-    totals = [np.float32(0.0)] * num_packs
+    totals = np.zeros(num_packs, dtype=np.float32)  # float32 sums, added in placement order
+    open_totals = totals.copy()  # totals, with +inf for full packs
     packs: list[list[int]] = [[] for _ in range(num_packs)]
     for item in order:
-        pack = min((p for p in range(num_packs) if len(packs[p]) < per_pack), key=totals.__getitem__)
+        pack = int(np.argmin(open_totals))  # the first lightest pack with room
         packs[pack].append(int(item))
-        totals[pack] = np.float32(totals[pack] + weights[item])
+        totals[pack] += weights[item]
+        open_totals[pack] = np.inf if len(packs[pack]) == per_pack else totals[pack]
     return packs
 
 

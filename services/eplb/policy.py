@@ -89,9 +89,10 @@ def stage_b(
     gpu_load = np.zeros((load.shape[0], num_gpus))
     held = np.zeros((num_logical, num_gpus), dtype=np.int64)
     placed: list[list[int]] = [[] for _ in range(num_gpus)]
+    filled = np.zeros(num_gpus, dtype=np.int64)
     for c in order:
         expert = int(experts[c])
-        non_full = np.array([len(p) < slots_per_gpu for p in placed])
+        non_full = filled < slots_per_gpu
         allowed = non_full
         if spread:
             roomy = non_full & (held[expert] < cap[expert])
@@ -103,6 +104,7 @@ def stage_b(
         g = _first_min(scores, allowed)
         gpu_load[:, g] += copy_load[:, c]
         held[expert, g] += 1
+        filled[g] += 1
         placed[g].append(expert)
     return tuple(e for p in placed for e in p)
 

@@ -60,12 +60,15 @@ def test_maps_are_consistent(layer, policy):
 
 @SETTINGS
 @given(layers())
-def test_guarded_never_colocates_needlessly(layer):
+def test_guarded_adds_needless_colocations_only_by_taking_a_start_as_it_is(layer):
+    # Co-located copies do not change moe_lb, so a policy's plan or the current layout that has them is a
+    # candidate as it is; local search never adds one.
     load, current = layer
     result = plan(load, current, PlanConfig())
-    assert needless_colocations(result.candidate) == 0
-    if result.applied:
-        assert needless_colocations(result.layout) == 0
+    if needless_colocations(result.candidate) > 0:
+        assert result.source in ("current", "deepinfer", "deepseek")
+    if result.source.endswith("+search") or result.source.endswith("+spread"):
+        assert needless_colocations(result.candidate) == 0
 
 
 @SETTINGS
@@ -113,6 +116,20 @@ def test_min_move_relabel_keeps_quality_and_never_moves_more(layer):
 
 
 @SETTINGS
+@given(layers(), st.integers(1, 5))
+def test_the_proxy_window_keeps_each_gpus_total(layer, repeat):
+    # Long windows are ranked on summed blocks of steps; every block sum keeps the GPU totals.
+    from services.eplb.search_state import PROXY_ROWS, SearchState
+
+    load, current = layer
+    long = np.repeat(load, PROXY_ROWS * repeat, axis=0).astype(np.float64)
+    state = SearchState(long, current.array(), current.num_gpus)
+    assert state.proxy.shape[0] == min(PROXY_ROWS, len(long))
+    np.testing.assert_allclose(state.pgpu.sum(axis=0), state.gpu_load.sum(axis=0), rtol=1e-12, atol=1e-9)
+    assert state.score() == pytest.approx(float(state.gpu_load.max(axis=1).sum()))
+
+
+@SETTINGS
 @given(layers(), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 3),
                                     st.integers(0, 20)), max_size=6))
 def test_incremental_swaps_match_a_fresh_state(layer, swaps):
@@ -125,6 +142,7 @@ def test_incremental_swaps_match_a_fresh_state(layer, swaps):
         if g != h:
             state.swap(g, i, h, j)
     fresh = SearchState(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
+    assert (state.pgpu.sum(axis=0) == pytest.approx(state.gpu_load.sum(axis=0)))
     for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu"):
         np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
     assert state.score() == pytest.approx(fresh.score())
