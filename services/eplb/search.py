@@ -38,9 +38,8 @@ def spread_out(layout: Layout, load: np.ndarray) -> Layout:
     state = _state(layout, load)
     while state.excess() > 0:
         g = int(np.argwhere(state.held > state.cap[:, None])[0][1])
-        partners = np.arange(state.num_gpus)
-        scores, change = state.swap_table(g, partners)
-        scores = np.where(change < 0, scores, np.inf)
+        partners = np.delete(np.arange(state.num_gpus), g)
+        scores = np.where(state.swap_change(g, partners) < 0, state.swap_table(g, partners), np.inf)
         k, i, j = np.unravel_index(int(np.argmin(scores)), scores.shape)
         state.swap(g, int(i), int(partners[k]), int(j))
     return _layout(state, layout)
@@ -51,16 +50,18 @@ def _improving_swap(state: SearchState, g: int, base: float) -> bool:
     co-location and strictly lowers the exact score; False when none does."""
     partners = np.argsort(state.pgpu.sum(axis=0), kind="stable")
     partners = partners[partners != g][:NUM_PARTNERS]
-    scores, change = state.swap_table(g, partners)
+    scores = state.swap_table(g, partners)
     # Only swaps the proxy sees as strict improvements are checked (on a short window the proxy is exact).
-    proxy_base = state.proxy_score()
-    scores = np.where((change <= 0) & (scores < proxy_base * (1.0 - GAIN_RTOL)), scores, np.inf)
-    order = np.argsort(scores.ravel(), kind="stable")[:NUM_CHECKED]
-    for flat in order:
+    bound = state.proxy_score() * (1.0 - GAIN_RTOL)
+    checked = 0
+    for flat in np.argsort(scores.ravel(), kind="stable"):
         k, i, j = (int(v) for v in np.unravel_index(int(flat), scores.shape))
-        if not np.isfinite(scores[k, i, j]):
+        if not scores[k, i, j] < bound or checked == NUM_CHECKED:
             break
         h = int(partners[k])
+        if state.one_swap_change(g, i, h, j) > 0:
+            continue
+        checked += 1
         if state.exact_swap(g, i, h, j) < base * (1.0 - GAIN_RTOL):
             state.swap(g, i, h, j)
             return True

@@ -61,6 +61,7 @@ class SearchState:
         self.gpu_load = self.slot_load.reshape(shape).sum(axis=2)  # [step, gpu]
         self.pslot = (self.proxy / self.copies)[:, self.phy2log]  # [row, slot]
         self.pgpu = self.pslot.reshape(shape).sum(axis=2)  # [row, gpu]
+        self.pslot_by_gpu = np.ascontiguousarray(self.pslot.T).reshape(self.num_gpus, self.slots_per_gpu, -1)
         self._top = None
         self._ptop = None
 
@@ -91,40 +92,52 @@ class SearchState:
     def slots_of(self, g: int) -> np.ndarray:
         return np.arange(g * self.slots_per_gpu, (g + 1) * self.slots_per_gpu)
 
-    def swap_table(self, g: int, partners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def swap_table(self, g: int, partners: np.ndarray) -> np.ndarray:
         """``[k, i, j]`` proxy Σ_rows busiest GPU after swapping slot i of g with slot j of GPU
-        ``partners[k]``, and the change in needless co-locations (+inf where the swap is meaningless:
-        the partner is g, or the experts are equal).
+        ``partners[k]`` (g itself must not be a partner).
 
         With d = y_j - x_i the load g gains, max(L_g + d, L_h - d) = (L_g + L_h) / 2 + |d + (L_g - L_h) / 2|;
         the rest of the GPUs contribute the largest of the top three loads that is neither g nor h.
         """
         s = self.slots_per_gpu
-        x = self.pslot[:, self.slots_of(g)].T  # [i, row]
-        y = self.pslot.T.reshape(self.num_gpus, s, -1)[partners]  # [k, j, row]
+        x = self.pslot[:, g * s : (g + 1) * s].T  # [i, row]
+        y = self.pslot_by_gpu[partners]  # [k, j, row]
         lg, lh = self.pgpu[:, g], self.pgpu.T[partners]  # [row], [k, row]
         if self._ptop is None:
             self._ptop = _top3(self.pgpu)
         vals, idx = self._ptop
         others = self.others(vals[None], idx[None], g, partners[:, None])  # [k, row]
-        work = y[:, None, :, :] - x[None, :, None, :]  # [h, i, j, row]
+        work = y[:, None, :, :] - x[None, :, None, :]  # [k, i, j, row]
         work += ((lg[None, :] - lh) / 2)[:, None, None, :]
         np.abs(work, out=work)
         work += ((lg[None, :] + lh) / 2)[:, None, None, :]
         np.maximum(work, others[:, None, None, :], out=work)
-        scores = work.sum(axis=3)
-        a = self.phy2log[self.slots_of(g)]  # [i]
+        return work.sum(axis=3)
+
+    def swap_change(self, g: int, partners: np.ndarray) -> np.ndarray:
+        """``[k, i, j]`` change in needless co-locations from the swaps of ``swap_table`` (+inf where the
+        swap is meaningless: the partner is g, or the experts are equal)."""
+        s = self.slots_per_gpu
+        a = self.phy2log[g * s : (g + 1) * s]  # [i]
         b = self.phy2log.reshape(self.num_gpus, s)[partners]  # [k, j]
-        ga = partners
         change = (
             -(self.held[a, g] > self.cap[a]).astype(np.float64)[None, :, None]
-            + (self.held[a][:, ga].T >= self.cap[a][None, :])[:, :, None]
-            - (self.held[b, ga[:, None]] > self.cap[b])[:, None, :]
+            + (self.held[a][:, partners].T >= self.cap[a][None, :])[:, :, None]
+            - (self.held[b, partners[:, None]] > self.cap[b])[:, None, :]
             + (self.held[b, g] >= self.cap[b])[:, None, :]
         )
         change[a[None, :, None] == b[:, None, :]] = np.inf
         change[partners == g] = np.inf
-        return scores, change
+        return change
+
+    def one_swap_change(self, g: int, i: int, h: int, j: int) -> float:
+        """``swap_change`` of one swap."""
+        a, b = self.phy2log[g * self.slots_per_gpu + i], self.phy2log[h * self.slots_per_gpu + j]
+        if a == b or g == h:
+            return np.inf
+        held, cap = self.held, self.cap
+        return float(-int(held[a, g] > cap[a]) + int(held[a, h] >= cap[a]) - int(held[b, h] > cap[b])
+                     + int(held[b, g] >= cap[b]))
 
     def exact_swap(self, g: int, i: int, h: int, j: int) -> float:
         """Σ_steps busiest GPU after that swap, on the exact window."""
@@ -154,6 +167,9 @@ class SearchState:
             slots[:, [s, t]] = slots[:, [t, s]]
             gpus[:, g] += d
             gpus[:, h] -= d
+        by_gpu = self.pslot_by_gpu  # [gpu, slot in gpu, row]: a view kept in step with pslot
+        k, m = s % self.slots_per_gpu, t % self.slots_per_gpu
+        by_gpu[g, k], by_gpu[h, m] = self.pslot[:, s], self.pslot[:, t]
         self._top = self._ptop = None
 
     def retarget_table(self, targets: np.ndarray, num_sources: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

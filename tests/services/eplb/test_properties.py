@@ -143,6 +143,6 @@ def test_incremental_swaps_match_a_fresh_state(layer, swaps):
             state.swap(g, i, h, j)
     fresh = SearchState(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
     assert (state.pgpu.sum(axis=0) == pytest.approx(state.gpu_load.sum(axis=0)))
-    for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu"):
+    for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu", "pslot_by_gpu"):
         np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
     assert state.score() == pytest.approx(fresh.score())
