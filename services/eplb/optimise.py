@@ -57,7 +57,7 @@ def _starts(load: np.ndarray, current: Layout, config: SearchConfig) -> list[tup
     num_gpus, num_slots = current.num_gpus, current.num_slots
     return [
         ("current", current),
-        ("deepinfer", deepinfer_plan(proxy_rows(load), num_gpus, num_slots, spread=True)),
+        ("deepinfer", deepinfer_plan(load, num_gpus, num_slots, spread=True)),
         ("deepseek", deepseek_plan(load, num_gpus, num_slots, num_groups=config.num_groups,
                                    num_nodes=config.num_nodes)),
     ]

@@ -27,18 +27,6 @@ def _first_min(scores: np.ndarray, allowed: np.ndarray | None = None) -> int:
     return int(np.flatnonzero(masked <= best + tol)[0])
 
 
-def _top_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: largest value, its column, and the largest value of the other columns (-inf if none)."""
-    arg = values.argmax(axis=1)
-    rows = np.arange(values.shape[0])
-    first = values[rows, arg]
-    if values.shape[1] == 1:
-        return first, arg, np.full_like(first, -np.inf)
-    rest = values.copy()
-    rest[rows, arg] = -np.inf
-    return first, arg, rest.max(axis=1)
-
-
 def stage_a(load: np.ndarray, num_slots: int) -> list[int]:
     """Which experts get copies: the expert list in DeepInfer's slot order.
 
@@ -86,7 +74,15 @@ def stage_b(
     order = np.argsort(-copy_load.sum(axis=0), kind="stable")
     cap = colocation_cap(copies, num_gpus)
 
-    gpu_load = np.zeros((load.shape[0], num_gpus))
+    num_steps = load.shape[0]
+    gpu_load = np.zeros((num_steps, num_gpus))
+    # Per step: the busiest GPU's load, its index, and the largest load of the other GPUs. Kept in step
+    # as copies land (a GPU's load only grows); ties between GPUs make ``first == second``, so the scores
+    # do not depend on which of them ``arg`` names.
+    first, arg, second = np.zeros(num_steps), np.zeros(num_steps, dtype=np.int64), np.zeros(num_steps)
+    if num_gpus == 1:
+        second[:] = -np.inf
+    gpus = np.arange(num_gpus)[None, :]
     held = np.zeros((num_logical, num_gpus), dtype=np.int64)
     placed: list[list[int]] = [[] for _ in range(num_gpus)]
     filled = np.zeros(num_gpus, dtype=np.int64)
@@ -97,12 +93,17 @@ def stage_b(
         if spread:
             roomy = non_full & (held[expert] < cap[expert])
             allowed = roomy if roomy.any() else non_full
-        first, arg, second = _top_two(gpu_load)
         # Busiest GPU per step if the copy lands on g: the max of g's new load and every other GPU.
-        others = np.where(np.arange(num_gpus)[None, :] == arg[:, None], second[:, None], first[:, None])
+        others = np.where(gpus == arg[:, None], second[:, None], first[:, None])
         scores = np.maximum(others, gpu_load + copy_load[:, c : c + 1]).sum(axis=0)
         g = _first_min(scores, allowed)
         gpu_load[:, g] += copy_load[:, c]
+        grown = gpu_load[:, g]
+        was_top = arg == g
+        overtakes = ~was_top & (grown > first)
+        second = np.where(overtakes, first, np.where(was_top, second, np.maximum(second, grown)))
+        first = np.where(was_top | overtakes, grown, first)
+        arg = np.where(overtakes, g, arg)
         held[expert, g] += 1
         filled[g] += 1
         placed[g].append(expert)
