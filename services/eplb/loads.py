@@ -65,11 +65,12 @@ def read_load(path: str | pathlib.Path) -> np.ndarray:
         raise LoadFileError(f"{path}: no such file")
     if path.suffix == ".npy":
         try:
-            data: object = np.load(path, allow_pickle=False)
+            array = np.load(path, allow_pickle=False)
         except (ValueError, OSError) as err:
             raise LoadFileError(f"{path}: not a readable .npy array ({err})") from None
-        if data.dtype.kind not in "iuf":
-            raise LoadFileError(f"{path}: token counts must be numbers, got dtype {data.dtype}")
+        if array.dtype.kind not in "iuf":
+            raise LoadFileError(f"{path}: token counts must be numbers, got dtype {array.dtype}")
+        data: object = array
     elif path.suffix == ".json":
         data = _rows_from_json(path)
     else:

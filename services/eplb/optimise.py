@@ -1,12 +1,14 @@
 """The guarded planner's optimiser: the fewest moves among layouts within a tolerance of the best found.
 
-Candidates come from every policy (DeepInfer's with copies spread over GPUs, DeepSeek's reference) and
-from the current layout. Each start is relabelled to move the fewest experts from the current layout and
-is a candidate as it is; its form without needless co-locations is another, and local search improves
-that one. Every layout the search passes through is a candidate, so a short search path is a cheap plan.
-Co-located copies of one expert do not change moe_lb under the even split, so a start that has them (the
-reference often does) is not excluded: undoing a few swaps from it must stay a few moves. The optimiser returns the layout with the fewest
-moves whose moe_lb is within ``tolerance`` of the lowest moe_lb seen, and the (moe_lb, moves) trade-off.
+Starts come from every policy (DeepInfer's with copies spread over GPUs, DeepSeek's reference) and from
+the current layout. Each start is a candidate as it is, and so is its form without needless
+co-locations; local search improves that form, and every layout on its path is a candidate, so a short
+path is a cheap plan. Co-located copies of one expert do not change moe_lb under the even split, so a
+start that has them (the reference often does) is not excluded: undoing a few swaps from it stays a few
+moves. A policy's start keeps the policy's GPU order, so its search does not depend on the current
+layout; a candidate's moves are counted after matching its start's GPUs to the current ones.
+``choose`` returns the fewest moves within ``tolerance`` of the lowest moe_lb seen; ``tradeoff`` the
+(moe_lb, moves) Pareto front.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from services.eplb.deepseek import deepseek_plan
 from services.eplb.layout import Layout, count_moves, gpu_loads, needless_colocations
 from services.eplb.policy import deepinfer_plan
 from services.eplb.search import local_search_path, spread_out
-from services.eplb.search_state import proxy_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """DeepInfer's two-stage greedy EPLB policy (walkthrough Pass 3 "A full EPLB run").
 
-Stage A picks which experts get the redundant copies; stage B places every copy on a GPU. Both minimise
-Σ over the window's steps of a peak (the hottest single copy, then the busiest GPU), which pairs experts
-whose busy steps do not overlap. The policy plans from scratch: it never looks at the current layout.
+Stage A picks which experts get the redundant copies: one at a time, the expert whose single copy is
+hottest over the window's summed load. Stage B places every copy on a GPU, minimising Σ over the
+window's steps of the busiest GPU, which pairs experts whose busy steps do not overlap. The policy plans
+from scratch: it never looks at the current layout.
 
-Stage A works on the window's summed load; stage B scores every step. Ties: in stage A the expert with more
-total load, then the lower index; in stage B the lower GPU, and slot order among copies of equal load. Scores equal up to float noise count as ties, so summing the same
+Ties: in stage A the expert with more total load, then the lower index; in stage B the lower GPU, and
+slot order among copies of equal load. Scores equal up to float noise count as ties, so summing the same
 tokens in another order cannot change a plan.
 """
 

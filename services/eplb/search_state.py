@@ -62,8 +62,8 @@ class SearchState:
         self.pslot = (self.proxy / self.copies)[:, self.phy2log]  # [row, slot]
         self.pgpu = self.pslot.reshape(shape).sum(axis=2)  # [row, gpu]
         self.pslot_by_gpu = np.ascontiguousarray(self.pslot.T).reshape(self.num_gpus, self.slots_per_gpu, -1)
-        self._top = None
-        self._ptop = None
+        self._top: tuple[np.ndarray, np.ndarray] | None = None  # exact busiest load and GPU per step
+        self._ptop: tuple[np.ndarray, np.ndarray] | None = None  # proxy top-three loads and GPUs per row
 
     def proxy_score(self) -> float:
         """Σ_rows busiest GPU on the proxy window."""
