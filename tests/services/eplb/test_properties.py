@@ -146,3 +146,16 @@ def test_incremental_swaps_match_a_fresh_state(layer, swaps):
     for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu", "pslot_by_gpu"):
         np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
     assert state.score() == pytest.approx(fresh.score())
+
+
+@SETTINGS
+@given(layers(), st.sampled_from([0.0, 0.002, 0.05]))
+def test_guarded_pick_is_within_the_tolerance_of_every_policys_plan(layer, tolerance):
+    from services.eplb.deepseek import deepseek_plan
+
+    load, current = layer
+    result = plan(load, current, PlanConfig(tolerance=tolerance))
+    for policy_plan in (deepinfer_plan(load, current.num_gpus, current.num_slots, spread=True),
+                        deepseek_plan(load, current.num_gpus, current.num_slots)):
+        assert result.moe_lb_candidate <= moe_lb(load, policy_plan) + tolerance + 1e-12
+    assert result.moe_lb_candidate <= min(p.moe_lb for p in result.tradeoff) + tolerance + 1e-12
