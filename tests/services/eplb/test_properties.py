@@ -159,3 +159,13 @@ def test_guarded_pick_is_within_the_tolerance_of_every_policys_plan(layer, toler
                         deepseek_plan(load, current.num_gpus, current.num_slots)):
         assert result.moe_lb_candidate <= moe_lb(load, policy_plan) + tolerance + 1e-12
     assert result.moe_lb_candidate <= min(p.moe_lb for p in result.tradeoff) + tolerance + 1e-12
+
+
+@SETTINGS
+@given(layers(), st.sampled_from([0.0, 0.002, 0.01]))
+def test_planning_its_own_output_again_applies_nothing(layer, threshold):
+    load, current = layer
+    config = PlanConfig(threshold=threshold)
+    first = plan(load, current, config)
+    again = plan(load, first.layout, config)
+    assert not again.applied and again.moves == 0, again.reason
