@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 
 import numpy as np
+
+from services.eplb.deepseek import deepseek_plan
+from services.eplb.guarded import PlanConfig, plan
+from services.eplb.layout import count_moves, moe_lb, startup_layout
 
 LOAD_KINDS = ("uniform", "zipf", "onehot")
 
@@ -90,14 +95,9 @@ class ShapeSummary:
     guarded_cpu_s: float  # mean CPU seconds per guarded plan
 
 
-def compare_shape(shape: tuple[int, int, int], per_shape: int, *, summed: bool, config) -> ShapeSummary:
+def compare_shape(shape: tuple[int, int, int], per_shape: int, *, summed: bool,
+                  config: PlanConfig) -> ShapeSummary:
     """Runs ``per_shape`` seeded cases of one shape; ``summed`` scores on the window's sum (one row)."""
-    import time
-
-    from services.eplb.deepseek import deepseek_plan
-    from services.eplb.guarded import plan
-    from services.eplb.layout import count_moves, moe_lb, startup_layout
-
     ours, theirs, our_moves, their_moves, cpu = [], [], [], [], 0.0
     for case in cases(per_shape, (shape,)):
         load = case.window().astype(np.float64)
