@@ -29,15 +29,28 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shinkai", description="Shinkai inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in COMMAND_MODULES.values():
+    for command, module_name in COMMAND_MODULES.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
             if err.name is not None and module_name.startswith(err.name):
                 continue  # that command group is not built yet
-            raise
+            # A dependency is missing (the Rust extension before it is built): the other groups still work.
+            _register_unavailable(subparsers, command, err)
+            continue
         module.register(subparsers)
     return parser
+
+
+def _register_unavailable(subparsers: argparse._SubParsersAction, command: str, err: ModuleNotFoundError) -> None:
+    def unavailable(_args: argparse.Namespace) -> int:
+        raise UsageError(f"needs {err.name}, which is not importable ({err}); build it with `. scripts/dev-env.sh`")
+
+    # No option prefix: every argument lands in "rest", so the missing dependency is the error reported.
+    parser = subparsers.add_parser(command, help=f"unavailable: needs {err.name}", add_help=False,
+                                   prefix_chars="\x00")
+    parser.add_argument("rest", nargs="*")
+    parser.set_defaults(func=unavailable)
 
 
 def main(argv: list[str] | None = None) -> int:

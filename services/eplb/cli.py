@@ -1,8 +1,9 @@
 """`shinkai eplb`: plan a layout from recorded loads, replay a trace under each mode, make a test trace.
 
     shinkai eplb plan --load FILE --num-gpus G --num-redundant R [--current LAYOUT.json]
-                      [--policy deepinfer|guarded] [--output PLAN.json]
+                      [--policy deepinfer|deepseek|guarded] [--output PLAN.json]
     shinkai eplb simulate --trace FILE --interval K --window W [--plot PNG] [--output RESULT.json]
+    shinkai eplb compare [--per-shape 40] [--window]   (guarded against DeepSeek's reference)
     shinkai eplb trace --num-experts E --steps T --output FILE   (drifting Zipf, for simulate)
 """
 
@@ -10,29 +11,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import time
 
 from services.cli import UsageError
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+# Largest count (GPUs, experts, copies, steps, groups, nodes) the CLI accepts: far beyond any real layer,
+# small enough that no derived array overflows memory.
+MAX_COUNT = 1 << 20
+
+
+def _integer(text: str, minimum: int, maximum: int = MAX_COUNT) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not minimum <= value <= maximum:
+        raise argparse.ArgumentTypeError(f"must be ≥ {minimum} and ≤ {maximum}, got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
-    return value
+    return _integer(text, 0)
+
+
+def _byte_count(text: str) -> int:
+    return _integer(text, 0, 1 << 50)
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text}")
     return value
 
 
@@ -47,12 +66,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="at least this many extra copies (rounded up so slots divide by GPUs)")
     p.add_argument("--current", help="layout now in use (JSON with phy2log and num_gpus, or a plan); "
                                      "default: the start-up layout")
-    p.add_argument("--policy", choices=("deepinfer", "guarded"), default="guarded")
+    p.add_argument("--policy", choices=("deepinfer", "deepseek", "guarded"), default="guarded",
+                   help="deepinfer / deepseek: apply that policy unchecked; guarded (default): fewest moves "
+                        "within --tolerance of the best layout found, applied only if it gains --threshold")
     p.add_argument("--threshold", type=_non_negative_float, default=0.01,
                    help="least drop in moe_lb for a guarded plan to apply (default 0.01)")
+    p.add_argument("--tolerance", type=_non_negative_float, default=0.002,
+                   help="guarded: moe_lb above the best found worth accepting to move fewer experts "
+                        "(default 0.002)")
+    p.add_argument("--num-groups", type=_positive, default=1,
+                   help="deepseek: expert groups; hierarchical when --num-nodes divides it (default 1)")
+    p.add_argument("--num-nodes", type=_positive, default=1, help="deepseek: server nodes (default 1)")
     p.add_argument("--holdout", help="a later load window (same format) the guarded plan must also improve")
     p.add_argument("--no-local-search", action="store_true", help="skip the guarded local-search pass")
-    p.add_argument("--expert-bytes", type=_non_negative, default=None,
+    p.add_argument("--expert-bytes", type=_byte_count, default=None,
                    help="weight bytes per expert copy (default: DeepSeek-V4.1 MXFP4, 18,800,640)")
     p.add_argument("--output", help="write the plan as JSON here")
     p.set_defaults(func=_plan)
@@ -63,9 +90,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--window", type=_positive, required=True, help="plan from the last W steps")
     s.add_argument("--num-gpus", type=_positive, default=8)
     s.add_argument("--num-redundant", type=_non_negative, default=8)
-    s.add_argument("--modes", default="static,deepinfer,guarded",
-                   help="comma-separated among static, deepinfer, guarded")
+    s.add_argument("--modes", default="static,deepinfer,deepseek,guarded",
+                   help="comma-separated among static, deepinfer, deepseek, guarded")
     s.add_argument("--threshold", type=_non_negative_float, default=0.01)
+    s.add_argument("--tolerance", type=_non_negative_float, default=0.002)
     s.add_argument("--holdout", type=_non_negative, default=None,
                    help="keep the window's last N steps out of planning; guarded must improve them too "
                         "(default: window // 4; 0 turns it off)")
@@ -75,14 +103,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     s.set_defaults(func=_simulate)
 
+    c = commands.add_parser("compare", help="guarded against DeepSeek's reference policy on seeded loads")
+    c.add_argument("--per-shape", type=_positive, default=40, help="seeded loads per shape (default 40)")
+    c.add_argument("--window", action="store_true",
+                   help="score on the 8-step windows (default: on their sum, the reference's own input)")
+    c.add_argument("--threshold", type=_non_negative_float, default=0.01)
+    c.add_argument("--tolerance", type=_non_negative_float, default=0.002)
+    c.set_defaults(func=_compare)
+
     t = commands.add_parser("trace", help="write a drifting-Zipf load trace for simulate")
     t.add_argument("--num-experts", type=_positive, required=True)
     t.add_argument("--steps", type=_positive, required=True)
-    t.add_argument("--tokens-per-step", type=_non_negative, default=4096)
+    t.add_argument("--tokens-per-step", type=lambda text: _integer(text, 0, 1 << 40), default=4096)
     t.add_argument("--exponent", type=_non_negative_float, default=1.0, help="Zipf exponent")
     t.add_argument("--drift", type=_non_negative_float, default=0.03,
                    help="random-walk step of each expert's log-popularity per step")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_non_negative, default=0)
     t.add_argument("--output", required=True, help=".npy, .csv or .json")
     t.set_defaults(func=_trace)
 
@@ -104,6 +140,7 @@ def _write_json(path: str, data: object) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from services.eplb.deepseek import DeepSeekShapeError, check_shape
     from services.eplb.guarded import PlanConfig, plan
     from services.eplb.layout import V41_EXPERT_BYTES, LayoutError, startup_layout
     from services.eplb.loads import LoadFileError, read_layout
@@ -113,6 +150,9 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         startup = startup_layout(num_logical, args.num_gpus, args.num_redundant)
         current = startup if args.current is None else read_layout(args.current, num_logical, args.num_gpus)
+        check_shape(num_logical, startup.num_slots, args.num_gpus, args.num_groups, args.num_nodes)
+    except DeepSeekShapeError as err:
+        raise UsageError(f"--num-groups {args.num_groups} / --num-nodes {args.num_nodes}: {err}") from None
     except (LayoutError, LoadFileError) as err:
         raise UsageError(str(err)) from None
     if current.num_slots != startup.num_slots:
@@ -126,10 +166,15 @@ def _plan(args: argparse.Namespace) -> int:
     config = PlanConfig(
         policy=args.policy,
         threshold=args.threshold,
+        tolerance=args.tolerance,
+        num_groups=args.num_groups,
+        num_nodes=args.num_nodes,
         local_search=not args.no_local_search,
         expert_bytes=V41_EXPERT_BYTES if args.expert_bytes is None else args.expert_bytes,
     )
+    began_wall, began_cpu = time.perf_counter(), time.process_time()
     result = plan(load, current, config, holdout=holdout)
+    wall, cpu = time.perf_counter() - began_wall, time.process_time() - began_cpu
     verdict = "applied" if result.applied else "rejected"
     print(f"policy {result.policy}: {load.shape[0]} steps, {num_logical} experts, {current.num_gpus} GPUs × "
           f"{current.slots_per_gpu} slots ({current.num_slots - num_logical} redundant)")
@@ -139,6 +184,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"held-out window: current {result.holdout_before:.4f}, candidate {result.holdout_candidate:.4f}")
     print(f"moe_lb after {result.moe_lb_after:.4f}; moves {result.moves} "
           f"({result.bytes_moved / 1e6:.1f} MB); the candidate alone would move {result.candidate_moves}")
+    if result.tradeoff:
+        print(f"trade-off seen (fewest moves at each moe_lb; the pick is the fewest moves within "
+              f"{args.tolerance} of the best, from {result.source}):")
+        for point in result.tradeoff:
+            print(f"  moe_lb {point.moe_lb:.4f}  moves {point.moves:>5}  {point.source}")
+    print(f"planned in {wall:.2f} s ({cpu:.2f} s CPU)")
     if current.num_slots <= 64:
         for g, experts in enumerate(result.layout.gpu_experts()):
             print(f"  GPU{g}: {experts}")
@@ -165,7 +216,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--holdout {args.holdout} must be smaller than --window {args.window}")
     if args.interval >= trace.shape[0]:
         raise UsageError(f"--interval {args.interval} must be shorter than the trace ({trace.shape[0]} steps)")
-    config = PlanConfig(threshold=args.threshold, local_search=not args.no_local_search)
+    config = PlanConfig(threshold=args.threshold, tolerance=args.tolerance,
+                        local_search=not args.no_local_search)
     points = replan_steps(trace.shape[0], args.interval)
     total = len(points) * sum(m != "static" for m in modes)
     runs = []
@@ -206,6 +258,25 @@ def _simulate(args: argparse.Namespace) -> int:
                            series=run.series(max(1, args.interval // 4))) for run in runs],
         })
         print(f"wrote {args.output}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from services.eplb.compare import NUM_STEPS, SHAPES, compare_shape
+    from services.eplb.guarded import PlanConfig
+
+    config = PlanConfig(threshold=args.threshold, tolerance=args.tolerance)
+    scored = f"{NUM_STEPS}-step windows" if args.window else "the summed load"
+    print(f"{args.per_shape} seeded loads per shape (uniform, Zipf, one-hot), from the start-up layout, "
+          f"scored on {scored}")
+    print(f"{'shape':<12} {'reference':>9} {'guarded':>8} {'≤1.01×':>7} {'worse':>5} {'better':>6} "
+          f"{'worst':>6} {'ref moves':>9} {'moves':>6} {'cpu/plan':>8}")
+    for shape in SHAPES:
+        s = compare_shape(shape, args.per_shape, summed=not args.window, config=config)
+        e, g, r = s.shape
+        print(f"{f'{e}/{g}/{r}':<12} {s.reference_mean:>9.4f} {s.guarded_mean:>8.4f} {s.within_1pct:>7.0%} "
+              f"{s.num_worse:>5} {s.num_better:>6} {s.worst_ratio:>6.4f} {s.reference_moves:>9.1f} "
+              f"{s.guarded_moves:>6.1f} {s.guarded_cpu_s:>7.3f}s")
     return 0
 
 

@@ -107,20 +107,56 @@ class Layout:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Layout":
-        """Reads ``to_dict`` output (or a plan, whose ``layout`` key holds it). Redundant keys are checked."""
-        if "layout" in data and isinstance(data["layout"], dict):
+    def from_dict(cls, data: dict, num_logical: int | None = None) -> "Layout":
+        """Reads ``to_dict`` output (or a plan, whose ``layout`` key holds it), strictly: counts and expert
+        ids must be JSON integers (not strings, booleans or fractions), and redundant keys must agree.
+        ``num_logical`` is the expected expert count when the data does not name one."""
+        if not isinstance(data, dict):
+            raise LayoutError("a layout is an object with 'phy2log' and 'num_gpus'")
+        if isinstance(data.get("layout"), dict):
             data = data["layout"]
-        try:
-            phy2log = [int(e) for e in data["phy2log"]]
-            num_gpus = int(data["num_gpus"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise LayoutError(f"a layout needs integer 'phy2log' and 'num_gpus' ({err})") from None
-        num_logical = int(data.get("num_logical", max(phy2log, default=-1) + 1))
+        if "phy2log" not in data or "num_gpus" not in data:
+            raise LayoutError("a layout needs 'phy2log' and 'num_gpus'")
+        phy2log = _int_list(data["phy2log"], "'phy2log'")
+        num_gpus = _int_value(data["num_gpus"], "'num_gpus'", minimum=1)
+        if "num_logical" in data:
+            num_logical = _int_value(data["num_logical"], "'num_logical'", minimum=1)
+        elif num_logical is None:
+            num_logical = max(phy2log, default=-1) + 1
+        if num_logical > len(phy2log):
+            raise LayoutError(f"{num_logical} experts cannot fit in {len(phy2log)} slots")
+        for slot, expert in enumerate(phy2log):
+            if not 0 <= expert < num_logical:
+                raise LayoutError(f"'phy2log' slot {slot} names expert {expert}, outside 0..{num_logical - 1}")
         layout = cls(tuple(phy2log), num_gpus, num_logical)
-        if "log2phy" in data and [list(map(int, s)) for s in data["log2phy"]] != layout.log2phy():
-            raise LayoutError("'log2phy' disagrees with 'phy2log'")
+        if "slots_per_gpu" in data and _int_value(data["slots_per_gpu"], "'slots_per_gpu'") != layout.slots_per_gpu:
+            raise LayoutError(f"'slots_per_gpu' disagrees with {layout.num_slots} slots over {num_gpus} GPUs")
+        if "log2phy" in data:
+            value = data["log2phy"]
+            if not isinstance(value, list):
+                raise LayoutError(f"'log2phy' must be a list of slot lists, got {type(value).__name__}")
+            if [_int_list(v, f"'log2phy'[{e}]") for e, v in enumerate(value)] != layout.log2phy():
+                raise LayoutError("'log2phy' disagrees with 'phy2log'")
+        if "gpus" in data:
+            value = data["gpus"]
+            if not isinstance(value, list) or [_int_list(v, "'gpus' entry") for v in value] != layout.gpu_experts():
+                raise LayoutError("'gpus' disagrees with 'phy2log'")
         return layout
+
+
+def _int_value(value: object, what: str, minimum: int = 0) -> int:
+    """A JSON integer ≥ ``minimum``; strings, booleans, fractions and other types are errors."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{what} must be an integer, got {value!r}")
+    if value < minimum:
+        raise LayoutError(f"{what} must be ≥ {minimum}, got {value}")
+    return value
+
+
+def _int_list(value: object, what: str) -> list[int]:
+    if not isinstance(value, list):
+        raise LayoutError(f"{what} must be a list of integers, got {type(value).__name__}")
+    return [_int_value(v, f"{what} entry {k}") for k, v in enumerate(value)]
 
 
 def startup_layout(num_logical: int, num_gpus: int, num_redundant: int) -> Layout:

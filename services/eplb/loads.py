@@ -32,6 +32,12 @@ def _rows_from_json(path: pathlib.Path) -> object:
         if "load" not in data:
             raise LoadFileError(f"{path}: a JSON object needs a 'load' key holding steps × experts rows")
         data = data["load"]
+    if not isinstance(data, list) or not all(isinstance(row, list) for row in data):
+        raise LoadFileError(f"{path}: expected steps × experts (2-D): a list of rows of numbers")
+    for step, row in enumerate(data):
+        for expert, value in enumerate(row):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise LoadFileError(f"{path}: step {step}, expert {expert}: {value!r} is not a number")
     return data
 
 
@@ -59,15 +65,20 @@ def read_load(path: str | pathlib.Path) -> np.ndarray:
         raise LoadFileError(f"{path}: no such file")
     if path.suffix == ".npy":
         try:
-            data: object = np.load(path, allow_pickle=False)
+            array = np.load(path, allow_pickle=False)
         except (ValueError, OSError) as err:
             raise LoadFileError(f"{path}: not a readable .npy array ({err})") from None
+        if array.dtype.kind not in "iuf":
+            raise LoadFileError(f"{path}: token counts must be numbers, got dtype {array.dtype}")
+        data: object = array
     elif path.suffix == ".json":
         data = _rows_from_json(path)
     else:
         data = _rows_from_csv(path)
     try:
         load = np.asarray(data, dtype=np.float64)
+    except OverflowError:
+        raise LoadFileError(f"{path}: a token count is too large for float64") from None
     except (TypeError, ValueError):
         raise LoadFileError(f"{path}: rows must all be numbers of one length (steps × experts)") from None
     return check_load_array(load, str(path))
@@ -83,6 +94,10 @@ def check_load_array(load: np.ndarray, source: str) -> np.ndarray:
     if (load < 0).any():
         step, expert = np.argwhere(load < 0)[0]
         raise LoadFileError(f"{source}: negative token count at step {step}, expert {expert}")
+    with np.errstate(over="ignore"):
+        overflow = not np.isfinite(load.sum())
+    if overflow:
+        raise LoadFileError(f"{source}: token counts too large: their sum overflows float64")
     return load
 
 
@@ -98,7 +113,7 @@ def read_layout(path: str | pathlib.Path, num_logical: int, num_gpus: int) -> La
     if not isinstance(data, dict):
         raise LoadFileError(f"{path}: a layout is a JSON object with 'phy2log' and 'num_gpus'")
     try:
-        layout = Layout.from_dict(data)
+        layout = Layout.from_dict(data, num_logical)
     except LayoutError as err:
         raise LoadFileError(f"{path}: {err}") from None
     if layout.num_gpus != num_gpus:

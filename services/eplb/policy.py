@@ -1,10 +1,11 @@
 """DeepInfer's two-stage greedy EPLB policy (walkthrough Pass 3 "A full EPLB run").
 
-Stage A picks which experts get the redundant copies; stage B places every copy on a GPU. Both minimise
-Σ over the window's steps of a peak (the hottest single copy, then the busiest GPU), which pairs experts
-whose busy steps do not overlap. The policy plans from scratch: it never looks at the current layout.
+Stage A picks which experts get the redundant copies: one at a time, the expert whose single copy is
+hottest over the window's summed load. Stage B places every copy on a GPU, minimising Σ over the
+window's steps of the busiest GPU, which pairs experts whose busy steps do not overlap. The policy plans
+from scratch: it never looks at the current layout.
 
-Ties are broken the way DeepInfer breaks them: the lower expert in stage A, the lower GPU in stage B, and
+Ties: in stage A the expert with more total load, then the lower index; in stage B the lower GPU, and
 slot order among copies of equal load. Scores equal up to float noise count as ties, so summing the same
 tokens in another order cannot change a plan.
 """
@@ -27,37 +28,26 @@ def _first_min(scores: np.ndarray, allowed: np.ndarray | None = None) -> int:
     return int(np.flatnonzero(masked <= best + tol)[0])
 
 
-def _top_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: largest value, its column, and the largest value of the other columns (-inf if none)."""
-    arg = values.argmax(axis=1)
-    rows = np.arange(values.shape[0])
-    first = values[rows, arg]
-    if values.shape[1] == 1:
-        return first, arg, np.full_like(first, -np.inf)
-    rest = values.copy()
-    rest[rows, arg] = -np.inf
-    return first, arg, rest.max(axis=1)
-
-
 def stage_a(load: np.ndarray, num_slots: int) -> list[int]:
     """Which experts get copies: the expert list in DeepInfer's slot order.
 
-    Slots 0..N-1 hold experts 0..N-1; each further slot copies the expert whose extra copy minimises
-    Σ_steps of the hottest single copy. There is no cap on copies per expert.
+    Slots 0..N-1 hold experts 0..N-1; each further slot copies "whichever expert still has the hottest
+    single copy" (walkthrough Pass 3): the largest Σ_steps load / copies. Ties go to the expert with more
+    total load (so a cold expert never wins a tie against a hot one), then to the lower index. There is no
+    cap on copies per expert.
     """
     load = np.asarray(load, dtype=np.float64)
     num_logical = load.shape[1]
     if num_slots < num_logical:
         raise ValueError(f"{num_slots} slots cannot hold {num_logical} experts")
+    totals = load.sum(axis=0)
     copies = np.ones(num_logical, dtype=np.int64)
     order = list(range(num_logical))
     for _ in range(num_slots - num_logical):
-        per_copy = load / copies
-        first, arg, second = _top_two(per_copy)
-        # Hottest copy elsewhere when expert e gets one more copy: the top unless e is the top.
-        others = np.where(np.arange(num_logical)[None, :] == arg[:, None], second[:, None], first[:, None])
-        scores = np.maximum(others, load / (copies + 1)).sum(axis=0)
-        chosen = _first_min(scores)
+        per_copy = totals / copies
+        best = float(per_copy.max())
+        tied = np.flatnonzero(per_copy >= best - TIE_RTOL * max(1.0, abs(best)))
+        chosen = int(tied[np.argmax(totals[tied])])  # argmax takes the lowest index among equal totals
         copies[chosen] += 1
         order.append(chosen)
     return order
@@ -85,23 +75,38 @@ def stage_b(
     order = np.argsort(-copy_load.sum(axis=0), kind="stable")
     cap = colocation_cap(copies, num_gpus)
 
-    gpu_load = np.zeros((load.shape[0], num_gpus))
+    num_steps = load.shape[0]
+    gpu_load = np.zeros((num_steps, num_gpus))
+    # Per step: the busiest GPU's load, its index, and the largest load of the other GPUs. Kept in step
+    # as copies land (a GPU's load only grows); ties between GPUs make ``first == second``, so the scores
+    # do not depend on which of them ``arg`` names.
+    first, arg, second = np.zeros(num_steps), np.zeros(num_steps, dtype=np.int64), np.zeros(num_steps)
+    if num_gpus == 1:
+        second[:] = -np.inf
+    gpus = np.arange(num_gpus)[None, :]
     held = np.zeros((num_logical, num_gpus), dtype=np.int64)
     placed: list[list[int]] = [[] for _ in range(num_gpus)]
+    filled = np.zeros(num_gpus, dtype=np.int64)
     for c in order:
         expert = int(experts[c])
-        non_full = np.array([len(p) < slots_per_gpu for p in placed])
+        non_full = filled < slots_per_gpu
         allowed = non_full
         if spread:
             roomy = non_full & (held[expert] < cap[expert])
             allowed = roomy if roomy.any() else non_full
-        first, arg, second = _top_two(gpu_load)
         # Busiest GPU per step if the copy lands on g: the max of g's new load and every other GPU.
-        others = np.where(np.arange(num_gpus)[None, :] == arg[:, None], second[:, None], first[:, None])
+        others = np.where(gpus == arg[:, None], second[:, None], first[:, None])
         scores = np.maximum(others, gpu_load + copy_load[:, c : c + 1]).sum(axis=0)
         g = _first_min(scores, allowed)
         gpu_load[:, g] += copy_load[:, c]
+        grown = gpu_load[:, g]
+        was_top = arg == g
+        overtakes = ~was_top & (grown > first)
+        second = np.where(overtakes, first, np.where(was_top, second, np.maximum(second, grown)))
+        first = np.where(was_top | overtakes, grown, first)
+        arg = np.where(overtakes, g, arg)
         held[expert, g] += 1
+        filled[g] += 1
         placed[g].append(expert)
     return tuple(e for p in placed for e in p)
 

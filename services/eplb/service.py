@@ -183,6 +183,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="latest window steps kept for scoring only (default: window // 4; 0: off)")
     p.add_argument("--policy", choices=POLICIES, default="guarded")
     p.add_argument("--threshold", type=float, default=0.01)
+    p.add_argument("--tolerance", type=float, default=0.002,
+                   help="guarded: moe_lb above the best found worth accepting to move fewer experts")
     return p
 
 
@@ -192,7 +194,7 @@ async def _main(args: argparse.Namespace) -> int:
             num_logical=args.num_experts, num_gpus=args.num_gpus, num_redundant=args.num_redundant,
             num_layers=args.num_layers, num_ranks=args.num_ranks, interval=args.interval,
             window=args.window, holdout=args.window // 4 if args.holdout is None else args.holdout,
-            plan=PlanConfig(policy=args.policy, threshold=args.threshold),
+            plan=PlanConfig(policy=args.policy, threshold=args.threshold, tolerance=args.tolerance),
         ),
         nats_url=args.nats_url, health_addr=args.health_addr, metrics_port=args.metrics_port,
     )

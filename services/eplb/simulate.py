@@ -15,7 +15,7 @@ import numpy as np
 from services.eplb.guarded import PlanConfig, plan_validated
 from services.eplb.layout import Layout, gpu_loads, startup_layout
 
-MODES = ("static", "deepinfer", "guarded")
+MODES = ("static", "deepinfer", "deepseek", "guarded")
 
 
 def first_replan(interval: int) -> int:
@@ -71,7 +71,7 @@ class Replan:
 class ModeRun:
     """One mode's replay of a trace."""
 
-    mode: str  # "static", "deepinfer" or "guarded"
+    mode: str  # one of MODES
     peak: np.ndarray  # [step] busiest GPU's tokens under the layout in force
     mean: np.ndarray  # [step] mean GPU tokens (the same for every mode)
     replans: list[Replan]  # in step order; empty for "static"
@@ -119,7 +119,7 @@ def run_mode(
     on_replan: Callable[[], None] | None = None,
 ) -> ModeRun:
     """Replays ``trace`` under ``mode``. ``holdout`` > 0 makes guarded re-plans validate on the window's
-    latest steps before refitting (``plan_validated``); DeepInfer mode ignores it."""
+    latest steps before refitting (``plan_validated``); DeepInfer and DeepSeek modes ignore it."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if window < 1 or holdout < 0 or holdout >= window:
@@ -152,7 +152,8 @@ def plot_runs(runs: Sequence[ModeRun], block: int, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 5.0), sharex=True, height_ratios=(3, 2))
-    styles = {"static": ("tab:gray", "-"), "deepinfer": ("tab:red", "-"), "guarded": ("tab:blue", "-")}
+    styles = {"static": ("tab:gray", "-"), "deepinfer": ("tab:red", "-"), "deepseek": ("tab:green", "-"),
+              "guarded": ("tab:blue", "-")}
     for run in runs:
         color, line = styles.get(run.mode, ("black", "-"))
         xs, ys = zip(*run.series(block))

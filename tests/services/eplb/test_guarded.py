@@ -18,13 +18,14 @@ def groups(layout: Layout) -> list[list[int]]:
     return sorted(sorted(g) for g in layout.gpu_experts())
 
 
-def test_full_run_guarded_applies_the_1_05_plan_with_fewer_moves():
+def test_full_run_guarded_applies_a_1_05_plan_with_fewer_moves():
     start = startup_layout(5, 2, 1)
     result = plan(FULL_RUN, start, GUARDED)
     assert result.applied
     assert result.moe_lb_before == pytest.approx(1.20)
     assert result.moe_lb_after == pytest.approx(1.05)
-    assert groups(result.layout) == [[0, 1, 3], [0, 2, 4]]
+    # DeepInfer's groups, or one swap of e1 and e3 from the start-up layout: both give 105 / 105.
+    assert groups(result.layout) in ([[0, 1, 3], [0, 2, 4]], [[0, 1, 4], [0, 2, 3]])
     # DeepInfer writes slots in placement order and moves 4; relabelled, the same plan moves 2.
     assert plan(FULL_RUN, start, DEEPINFER).moves == 4
     assert result.moves == 2

@@ -101,3 +101,28 @@ def test_maps_agree():
 def test_layout_rejects_a_missing_expert():
     with pytest.raises(LayoutError, match="no slot"):
         Layout((0, 0, 1, 1), 2, 3)
+
+
+def test_stage_a_breaks_ties_by_total_load_then_index():
+    # After e1's first copy both copies carry 100: the tie goes to e1, whose total (200) is larger.
+    assert stage_a(np.array([[100, 200]]), 4) == [0, 1, 1, 1]
+    # Equal totals: the lower index.
+    assert stage_a(np.array([[100, 100]]), 3) == [0, 1, 0]
+
+
+def test_stage_a_spreads_copies_over_the_hottest_experts_of_a_uniform_load():
+    # The old scoring tied every candidate here and piled the copies onto expert 0.
+    copies = np.bincount(stage_a(np.ones((4, 256)), 320), minlength=256)
+    assert copies.tolist() == [2] * 64 + [1] * 192
+    rng = np.random.default_rng(0)
+    load = rng.multinomial(16384, np.full(256, 1 / 256), size=8)
+    copies = np.bincount(stage_a(load, 320), minlength=256)
+    assert copies.max() == 2
+    assert set(np.flatnonzero(copies == 2)) == set(np.argsort(-load.sum(axis=0), kind="stable")[:64])
+
+
+def test_minimal_case_from_the_issue_gives_1_32():
+    load = np.array([[1, 100, 100, 1]])
+    plan = deepinfer_plan(load, 4, 8)
+    assert plan.copies().tolist() == [1, 3, 3, 1]
+    assert moe_lb(load, plan) == pytest.approx((200 / 3) / (202 / 4))

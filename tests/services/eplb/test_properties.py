@@ -49,7 +49,7 @@ def assert_maps_consistent(layout: Layout) -> None:
 
 
 @SETTINGS
-@given(layers(), st.sampled_from(["deepinfer", "guarded"]))
+@given(layers(), st.sampled_from(["deepinfer", "deepseek", "guarded"]))
 def test_maps_are_consistent(layer, policy):
     load, current = layer
     result = plan(load, current, PlanConfig(policy=policy))
@@ -60,12 +60,15 @@ def test_maps_are_consistent(layer, policy):
 
 @SETTINGS
 @given(layers())
-def test_guarded_never_colocates_needlessly(layer):
+def test_guarded_adds_needless_colocations_only_by_taking_a_start_as_it_is(layer):
+    # Co-located copies do not change moe_lb, so a policy's plan or the current layout that has them is a
+    # candidate as it is; local search never adds one.
     load, current = layer
     result = plan(load, current, PlanConfig())
-    assert needless_colocations(result.candidate) == 0
-    if result.applied:
-        assert needless_colocations(result.layout) == 0
+    if needless_colocations(result.candidate) > 0:
+        assert result.source in ("current", "deepinfer", "deepseek")
+    if result.source.endswith("+search") or result.source.endswith("+spread"):
+        assert needless_colocations(result.candidate) == 0
 
 
 @SETTINGS
@@ -82,7 +85,7 @@ def test_guarded_is_never_worse_than_current_on_its_window(layer, threshold):
 
 
 @SETTINGS
-@given(layers(), st.sampled_from(["deepinfer", "guarded"]))
+@given(layers(), st.sampled_from(["deepinfer", "deepseek", "guarded"]))
 def test_plans_are_deterministic(layer, policy):
     load, current = layer
     first = plan(load, current, PlanConfig(policy=policy))
@@ -113,18 +116,56 @@ def test_min_move_relabel_keeps_quality_and_never_moves_more(layer):
 
 
 @SETTINGS
+@given(layers(), st.integers(1, 5))
+def test_the_proxy_window_keeps_each_gpus_total(layer, repeat):
+    # Long windows are ranked on summed blocks of steps; every block sum keeps the GPU totals.
+    from services.eplb.search_state import PROXY_ROWS, SearchState
+
+    load, current = layer
+    long = np.repeat(load, PROXY_ROWS * repeat, axis=0).astype(np.float64)
+    state = SearchState(long, current.array(), current.num_gpus)
+    assert state.proxy.shape[0] == min(PROXY_ROWS, len(long))
+    np.testing.assert_allclose(state.pgpu.sum(axis=0), state.gpu_load.sum(axis=0), rtol=1e-12, atol=1e-9)
+    assert state.score() == pytest.approx(float(state.gpu_load.max(axis=1).sum()))
+
+
+@SETTINGS
 @given(layers(), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 3),
                                     st.integers(0, 20)), max_size=6))
 def test_incremental_swaps_match_a_fresh_state(layer, swaps):
-    from services.eplb.search import _State
+    from services.eplb.search_state import SearchState
 
     load, current = layer
-    state = _State(load.astype(np.float64), current.array().copy(), current.num_gpus)
+    state = SearchState(load.astype(np.float64), current.array().copy(), current.num_gpus)
     for g, i, h, j in swaps:
         g, h, i, j = g % state.num_gpus, h % state.num_gpus, i % state.slots_per_gpu, j % state.slots_per_gpu
         if g != h:
             state.swap(g, i, h, j)
-    fresh = _State(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
-    for name in ("held", "slot_load", "gpu_load", "slot_load32", "gpu_load32"):
+    fresh = SearchState(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
+    assert (state.pgpu.sum(axis=0) == pytest.approx(state.gpu_load.sum(axis=0)))
+    for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu", "pslot_by_gpu"):
         np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
     assert state.score() == pytest.approx(fresh.score())
+
+
+@SETTINGS
+@given(layers(), st.sampled_from([0.0, 0.002, 0.05]))
+def test_guarded_pick_is_within_the_tolerance_of_every_policys_plan(layer, tolerance):
+    from services.eplb.deepseek import deepseek_plan
+
+    load, current = layer
+    result = plan(load, current, PlanConfig(tolerance=tolerance))
+    for policy_plan in (deepinfer_plan(load, current.num_gpus, current.num_slots, spread=True),
+                        deepseek_plan(load, current.num_gpus, current.num_slots)):
+        assert result.moe_lb_candidate <= moe_lb(load, policy_plan) + tolerance + 1e-12
+    assert result.moe_lb_candidate <= min(p.moe_lb for p in result.tradeoff) + tolerance + 1e-12
+
+
+@SETTINGS
+@given(layers(), st.sampled_from([0.0, 0.002, 0.01]))
+def test_planning_its_own_output_again_applies_nothing(layer, threshold):
+    load, current = layer
+    config = PlanConfig(threshold=threshold)
+    first = plan(load, current, config)
+    again = plan(load, first.layout, config)
+    assert not again.applied and again.moves == 0, again.reason
