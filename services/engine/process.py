@@ -52,6 +52,10 @@ async def run(args: argparse.Namespace) -> int:
 
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
+    from services.engine.device import device_args
+
+    if not args.worker:  # a remote worker owns the device; this process then never touches it
+        engine_args.update(device_args(args))
     llm = None
     if args.worker:
         from services.engine.llm import LLM
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
+    from services.engine.device import add_device_arguments
+
+    add_device_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

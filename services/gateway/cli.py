@@ -19,6 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
+    from services.engine.device import add_device_arguments
+
+    add_device_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -27,6 +30,9 @@ def _config(args: argparse.Namespace):
 
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
+    from services.engine.device import device_args
+
+    engine_args.update(device_args(args))
     extra = {"max_queued": args.max_queued} if args.max_queued is not None else {}
     return ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                        http_port=args.http_port, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,

@@ -214,12 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
+    from services.engine.device import add_device_arguments, device_args, device_engine_args
+
+    add_device_arguments(p)
     args = p.parse_args(argv)
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
     tracing.setup("shinkai-worker")
-    config = EngineConfig(model_seed=args.model_seed, **engine_args)
-    source = load_model(args.model, seed=args.model_seed)
+    # The worker owns the device. Its pools follow the engine's sizing rule (not gpu_memory_utilization), so
+    # the engine's scheduler and these pools agree on the block count.
+    config = EngineConfig(model_seed=args.model_seed, **device_engine_args({**engine_args, **device_args(args)}))
+    source = load_model(args.model, seed=args.model_seed, device=config.device or "cpu",
+                        load_format=config.load_format, precision=config.kernel_backend)
     worker = Worker(default_runner(source, config))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     api = WorkerApi(worker, args.model, model_hashes(source), source.config.vocab_size)
