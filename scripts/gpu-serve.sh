@@ -45,7 +45,7 @@ memwatch() {  # peak host RSS (all processes) and GPU memory, sampled every seco
     echo $!
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-note "{\"what\": \"commit\", \"sha\": \"$(git rev-parse HEAD 2>/dev/null || echo unknown)\", \"date\": \"$(date -u +%FT%TZ)\"}"
+note "{\"what\": \"commit\", \"sha\": \"${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}\", \"date\": \"$(date -u +%FT%TZ)\"}"
 
 if [ "${PHASE:-checkpoint}" = checkpoint ]; then
     ckpt=/tmp/v41-s1-part
