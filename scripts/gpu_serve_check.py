@@ -71,6 +71,8 @@ def offline(args: argparse.Namespace) -> dict:
         equal = [g.text == r["text"] for g, r in zip(got, served["rows"])]
         out["greedy_equal"] = all(equal)
         out["greedy"] = [{"http": r["text"], "offline": g.text} for g, r in zip(got, served["rows"]) if g.text != r["text"]]
+    if args.greedy_only:
+        return out
     prompts = [prompt_ids(i, args.prompt_tokens) for i in range(args.num_requests)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU: a smoke run
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     o.add_argument("--decode-steps", type=int, default=20)
     o.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    o.add_argument("--greedy-only", action="store_true", help="only the greedy comparison (no throughput, no decode)")
     for q in (h, o):
         q.add_argument("--prompt-tokens", type=int, default=512)
         q.add_argument("--max-tokens", type=int, default=128)
