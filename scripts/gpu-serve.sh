@@ -69,7 +69,12 @@ if [ "${PHASE:-checkpoint}" = checkpoint ]; then
         | grep -v "it/s\]" | tail -20
 fi
 
-if [ "${PHASE:-checkpoint}" = dummy ]; then
+if [ "${PHASE:-checkpoint}" = dummy ]; then  # one full-depth build serves, then runs offline and bench step
+    timeout "${DUMMY_TIMEOUT:-540}" python3 scripts/gpu_serve_check.py served --model v41-s1 --load-format dummy \
+        --num-requests 64 --batches 1,16,64 --out "$out/served-dummy.json" 2>&1 | grep -v "it/s\]" | tail -40
+fi
+
+if [ "${PHASE:-checkpoint}" = dummy-up ]; then  # the same through `shinkai up` (two full-depth builds)
     ready_wait --model v41-s1 --load-format dummy --max-num-seqs 64 --max-model-len 1024 --gpu-memory-utilization 0.9
     timeout 60 python3 scripts/gpu_serve_check.py http --url "http://127.0.0.1:$port/v1" --model v41-s1 \
         --out "$out/http-dummy.json" | tail -c 1500

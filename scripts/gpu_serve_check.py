@@ -1,4 +1,4 @@
-"""The two Python halves of scripts/gpu-serve.sh.
+"""The Python halves of scripts/gpu-serve.sh.
 
     python scripts/gpu_serve_check.py http --url URL --model NAME --out FILE
         greedy completions through the openai client, plain and streamed (they must agree), saved with
@@ -6,9 +6,13 @@
     python scripts/gpu_serve_check.py offline --model M [--load-format dummy] --greedy FILE --out FILE
         the same prompts through ``LLM.generate`` in this process (greedy equality with the HTTP run),
         then ``LLM.generate`` throughput on the load generator's prompts, then the decode step that
-        ``shinkai bench step`` times (``services/bench/step_timing.time_decode``) on the same model.
+        ``shinkai bench step`` times (``services/bench/step_timing.time_decode``) on the same model;
+    python scripts/gpu_serve_check.py served --model M [--load-format dummy] --out FILE
+        one build for all of it: the engine serves HTTP from this process (``shinkai serve``'s Server)
+        while the http half and the load generator (concurrency 1, 16, 64) run as processes against it,
+        then the same engine does the offline half.
 
-Both print and write one JSON object.
+Each prints and writes one JSON object.
 """
 
 from __future__ import annotations
@@ -41,18 +45,22 @@ def http(args: argparse.Namespace) -> dict:
         plain = client.completions.create(**kwargs)
         streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
         rows.append({"prompt": prompt, "text": plain.choices[0].text, "streamed_equal": streamed == plain.choices[0].text,
-                     "completion_tokens": plain.usage.completion_tokens})
+                     "completion_tokens": plain.usage.completion_tokens,
+                     "finish_reason": plain.choices[0].finish_reason})
     return {"url": args.url, "model": args.model, "max_tokens": args.max_tokens, "rows": rows,
-            "streamed_equal": all(r["streamed_equal"] for r in rows)}
+            "streamed_equal": all(r["streamed_equal"] for r in rows),
+            "all_complete": all(r["completion_tokens"] == args.max_tokens for r in rows)}
 
 
 def offline(args: argparse.Namespace) -> dict:
-    import gc
+    llm, out = build(args)
+    return measure(llm, out, args)
 
-    import torch
 
-    from services.client.loadgen import prompt_ids
-    from services.engine import LLM, SamplingParams
+def build(args: argparse.Namespace):
+    """The engine ``LLM(model=...)`` builds on this device (CUDA: FP8 kernels, graphs, async, pools from
+    --gpu-memory-utilization), and the first figures."""
+    from services.engine import LLM
 
     out: dict = {"model": args.model, "load_format": args.load_format}
     max_model_len = args.prompt_tokens + args.max_tokens + 64
@@ -61,6 +69,19 @@ def offline(args: argparse.Namespace) -> dict:
               max_model_len=max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
     out["ready_s"] = round(time.perf_counter() - t0, 1)
     out["pools"] = None if llm.pool_plan is None else llm.pool_plan.describe(max_model_len)
+    print(json.dumps(out), flush=True)
+    return llm, out
+
+
+def measure(llm, out: dict, args: argparse.Namespace) -> dict:
+    """Greedy equality with the HTTP half's file, offline throughput, then bench step's decode timing."""
+    import gc
+
+    import torch
+
+    from services.client.loadgen import prompt_ids
+    from services.engine import SamplingParams
+
     runner = llm.engine.worker.runner
     out["runner"] = type(runner).__name__
     if args.greedy:
@@ -92,6 +113,47 @@ def offline(args: argparse.Namespace) -> dict:
     torch.cuda.empty_cache()
     out["decode"] = decode_steps(source, args)
     return out
+
+
+def served(args: argparse.Namespace) -> dict:
+    """One build for every figure: the engine serves HTTP in this process (``shinkai serve``'s Server, the
+    gateway and engine code of the stack), the HTTP half and the load generator run as separate processes
+    against it; then the same engine runs ``LLM.generate`` (greedy, offline) and bench step's decode."""
+    import asyncio
+    import subprocess
+
+    from services.gateway.server import ServeConfig, Server
+
+    llm, out = build(args)
+    here = str(Path(__file__).resolve())
+    http_out = str(Path(args.out).with_name("http-" + Path(args.out).name))
+
+    async def serve() -> list[dict]:
+        server = Server(ServeConfig(model=args.model, http_port=args.port, grpc_port=0), llm=llm)
+        await server.start()
+        url = server.urls()["http"] + "/v1"
+        loads = []
+        try:
+            steps = [[sys.executable, here, "http", "--url", url, "--model", args.model, "--out", http_out,
+                      "--prompt-tokens", str(args.prompt_tokens)]]
+            for c in args.concurrency:
+                steps.append([sys.executable, "-m", "services.client.loadgen", "--url", url, "--model", args.model,
+                              "--num-requests", str(4 if c == 1 else 2 * c), "--concurrency", str(c),
+                              "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens)])
+            for argv in steps:
+                proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE)
+                stdout, _ = await proc.communicate()
+                last = stdout.decode().strip().splitlines()[-1] if stdout.strip() else "{}"
+                print(last[-2000:], flush=True)
+                if argv[1] == "-m":
+                    loads.append(json.loads(last))
+        finally:
+            await server.stop()
+        return loads
+
+    out["served"] = asyncio.run(serve())
+    args.greedy = http_out
+    return measure(llm, out, args)
 
 
 def decode_steps(source, args: argparse.Namespace) -> list[dict]:
@@ -130,23 +192,27 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("http")
     h.add_argument("--url", required=True)
     h.add_argument("--model", required=True)
+    sv = sub.add_parser("served")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     o = sub.add_parser("offline")
-    o.add_argument("--model", required=True)
-    o.add_argument("--load-format", default="auto")
-    o.add_argument("--greedy", default=None, help="the http half's output: its prompts are generated again")
-    o.add_argument("--num-requests", type=int, default=64)
-    o.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    o.add_argument("--decode-steps", type=int, default=20)
-    o.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    o.add_argument("--greedy-only", action="store_true", help="only the greedy comparison (no throughput, no decode)")
-    for q in (h, o):
+    for q in (sv, o):
+        q.add_argument("--model", required=True)
+        q.add_argument("--load-format", default="auto")
+        q.add_argument("--greedy", default=None, help="the http half's output: its prompts are generated again")
+        q.add_argument("--num-requests", type=int, default=64)
+        q.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+        q.add_argument("--decode-steps", type=int, default=20)
+        q.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        q.add_argument("--greedy-only", action="store_true", help="only the greedy comparison")
+    for q in (h, sv, o):
         q.add_argument("--prompt-tokens", type=int, default=512)
         q.add_argument("--max-tokens", type=int, default=128)
         q.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.what == "http":
         args.max_tokens = min(args.max_tokens, 16)
-    result = http(args) if args.what == "http" else offline(args)
+    result = {"http": http, "served": served, "offline": offline}[args.what](args)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
     return 0
