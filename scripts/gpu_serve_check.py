@@ -138,7 +138,7 @@ def served(args: argparse.Namespace) -> dict:
                       "--prompt-tokens", str(args.prompt_tokens)]]
             for c in args.concurrency:
                 steps.append([sys.executable, "-m", "services.client.loadgen", "--url", url, "--model", args.model,
-                              "--num-requests", str(4 if c == 1 else 2 * c), "--concurrency", str(c),
+                              "--num-requests", str(max(3, min(2 * c, 64))), "--concurrency", str(c),
                               "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens)])
             for argv in steps:
                 proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE)
