@@ -163,7 +163,8 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *drain,
-                *([] if config.remote_workers else device)]
+                *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
+                  else device)]
         if config.remote_workers:
             stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
                                           bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),

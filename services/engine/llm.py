@@ -57,8 +57,11 @@ class LLM:
         self.config = EngineConfig(**engine_args)  # type: ignore[arg-type]
         self.pool_plan = None  # the PoolPlan when the pools were sized from gpu_memory_utilization
         if source is None:
+            # With a remote worker the weights are its own: this process loads config and tokenizer only
+            # (and so never touches the device).
             source = load_model(model, seed=self.config.model_seed, device=self.config.device or "cpu",
-                                load_format=self.config.load_format, precision=self.config.kernel_backend)
+                                load_format=self.config.load_format, precision=self.config.kernel_backend,
+                                weights=worker is None)
         self.source = source
         if builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None:
             from services.engine.pool_sizing import size_pools

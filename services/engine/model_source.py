@@ -16,14 +16,35 @@ from model.deepseek_v41.tokenizer import engram_token_map, load_tokenizer, load_
 
 @dataclass
 class ModelSource:
-    name: str
+    name: str  # the preset name or checkpoint directory it came from
     config: ModelConfig
-    model: DeepseekV41
+    model: DeepseekV41 | None  # None: weights not loaded here (an engine whose remote worker holds them)
     tokenizer: Tokenizer
+    # What fixes the weights without reading them (weights_identity); None: only the weights themselves
+    # tell (services/worker/service.py model_hashes then hashes their bytes).
+    weights_id: str | None = None
+
+
+def weights_identity(model: str, seed: int, load_format: str) -> str:
+    """What determines a model's weights, computed from headers only: a preset or ``dummy`` by its seed,
+    a checkpoint by every stored tensor's name, dtype, shape and offsets and each file's size (the
+    safetensors headers). Engine and worker compare it to agree on the model without the weights' bytes."""
+    import hashlib
+
+    if model in PRESETS or load_format == "dummy":
+        return f"random {model if model in PRESETS else 'dummy'} seed {seed}"
+    from model.deepseek_v41.safetensors_io import checkpoint_files
+
+    h = hashlib.sha256()
+    for file in sorted(set(checkpoint_files(model).values())):
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            h.update(f"{file.name}|{file.stat().st_size}|".encode() + f.read(length))
+    return f"checkpoint {h.hexdigest()}"
 
 
 def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str = "auto",
-               precision: str | None = None) -> ModelSource:
+               precision: str | None = None, weights: bool = True) -> ModelSource:
     """``model`` is a checkpoint directory or a preset name; a preset's weights come from ``seed``.
 
     On CPU (and on CUDA with ``precision`` None, the torch model) the model is built in fp32, as
@@ -35,6 +56,11 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
     path = Path(model)
     if model not in PRESETS and not path.is_dir():
         raise ValueError(f"model {model!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+    identity = weights_identity(model, seed, load_format)
+    if not weights:  # config, tokenizer and identity only: the weights live in a remote worker
+        if model in PRESETS:
+            return ModelSource(model, preset(model), None, load_v41_tokenizer(), identity)
+        return ModelSource(str(path), load_config(path), None, load_tokenizer(path), identity)
     kernel_form = device.startswith("cuda") and precision is not None
     if model in PRESETS or load_format == "dummy":
         if model in PRESETS:
@@ -42,7 +68,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
         else:
             cfg, tokenizer = load_config(path), load_tokenizer(path)
         if kernel_form:
-            return _random_kernel_source(model, cfg, tokenizer, seed, device, precision)  # type: ignore[arg-type]
+            return _random_kernel_source(model, cfg, tokenizer, seed, device, precision, identity)  # type: ignore[arg-type]
         if model in GPU_ONLY:
             raise ValueError(f"preset {model!r} is built in GPU memory only, in the kernel backend's form "
                              f"(device cuda with the kernel backend); this engine runs on {device}")
@@ -53,18 +79,18 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
         token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
         net = DeepseekV41(cfg, token_map, num_compressed)
         assign_weights(net, tensors)
-        return ModelSource(model, cfg, net.eval().to(device), tokenizer)
+        return ModelSource(model, cfg, net.eval().to(device), tokenizer, identity)
     if kernel_form:
         from services.worker.weight_loader import load_kernel_model
 
         net, tokenizer, _ = load_kernel_model(path, device, precision)  # type: ignore[arg-type]
-        return ModelSource(str(path), net.cfg, net, tokenizer)
+        return ModelSource(str(path), net.cfg, net, tokenizer, identity)
     loaded = load_checkpoint(path)
-    return ModelSource(str(path), loaded.config, loaded.model.to(device), load_tokenizer(path))
+    return ModelSource(str(path), loaded.config, loaded.model.to(device), load_tokenizer(path), identity)
 
 
 def _random_kernel_source(name: str, cfg: ModelConfig, tokenizer: Tokenizer, seed: int, device: str,
-                          precision: str) -> ModelSource:
+                          precision: str, identity: str) -> ModelSource:
     import torch
 
     from services.worker.gpu_model import build_random_kernel_model
@@ -72,4 +98,4 @@ def _random_kernel_source(name: str, cfg: ModelConfig, tokenizer: Tokenizer, see
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
     net = build_random_kernel_model(cfg, seed, device, precision,
                                     None if token_map is None else torch.as_tensor(token_map), num_compressed)
-    return ModelSource(name, cfg, net, tokenizer)
+    return ModelSource(name, cfg, net, tokenizer, identity)

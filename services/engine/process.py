@@ -54,8 +54,10 @@ async def run(args: argparse.Namespace) -> int:
                    if v is not None}
     from services.engine.device import device_args
 
-    if not args.worker:  # a remote worker owns the device; this process then never touches it
-        engine_args.update(device_args(args))
+    given = device_args(args)
+    if args.worker:  # a remote worker owns the device and the weights; only their identity matters here
+        given = {k: v for k, v in given.items() if k == "load_format"}
+    engine_args.update(given)
     llm = None
     if args.worker:
         from services.engine.llm import LLM
