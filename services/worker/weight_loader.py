@@ -55,6 +55,7 @@ class LoadReport:
     peak_host_bytes: int  # the process's peak resident set size (ru_maxrss) at the end
     peak_device_bytes: int | None  # torch.cuda.max_memory_allocated at the end; None off CUDA
     num_parts: int  # embed, norm, head and the layers
+    num_inexact: int  # FP8 weight elements not exact in e4m3 at 128×128 scales (rounded; kernels/fp8_weights.py)
 
     @property
     def gb_per_s(self) -> float:
@@ -63,7 +64,8 @@ class LoadReport:
     def describe(self) -> str:
         device = "" if self.peak_device_bytes is None else f", peak GPU {self.peak_device_bytes / 2**30:.1f} GiB"
         return (f"loaded {self.num_bytes / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gb_per_s:.2f} GB/s), "
-                f"peak host RSS {self.peak_host_bytes / 2**30:.1f} GiB{device}")
+                f"peak host RSS {self.peak_host_bytes / 2**30:.1f} GiB{device}; {self.num_inexact} FP8 weight "
+                "elements not exact at 128×128")
 
 
 class CheckpointReader:
@@ -176,13 +178,20 @@ def load_kernel_model(path: str | Path, device: torch.device | str, precision: s
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     num_parts = 3 + cfg.num_hidden_layers
+    inexact = [0]
+
+    def placed(prefix: str, conversion) -> None:
+        bar.update(1)
+        inexact[0] += getattr(conversion, "inexact", 0)
+
     with _progress(num_parts, f"load {path.name}") as bar:
         model = build_kernel_model(cfg, lambda prefix: reader.read(prefix, device), device, precision, token_map,
-                                   num_compressed, kernels, convert, on_part=lambda _: bar.update(1))
+                                   num_compressed, kernels, convert, on_part=placed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report = LoadReport(reader.num_bytes, time.perf_counter() - start,
                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, num_parts)
+                        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, num_parts,
+                        inexact[0])
     log.info("%s: %s", path, report.describe())
     return model, tokenizer, report

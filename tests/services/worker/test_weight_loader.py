@@ -18,7 +18,7 @@ from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
 from services.cli import main
 from services.worker import weight_loader
 from services.worker.fp8_linear import KernelSet
-from services.worker.gpu_model import build_random_kernel_model
+from services.worker.gpu_model import _draw, build_kernel_model
 from services.worker.weight_loader import CheckpointReader, check_checkpoint, load_kernel_model
 
 SEED = 7
@@ -47,12 +47,15 @@ def test_sharded_init_writes_one_part_per_shard_with_an_index(sharded):
 
 
 def test_device_form_equals_the_random_build(sharded):
-    """The loader and the random v41-s1 build (same seed) give the same converted modules, byte for byte:
-    same names, dtypes, shapes and bytes of every parameter and buffer."""
+    """The loader and the random v41-s1 build (same seed, as build_random_kernel_model draws it) give the
+    same converted modules, byte for byte: same names, dtypes, shapes and bytes of every parameter and
+    buffer."""
     kernels = KernelSet.references()
     loaded, _, report = load_kernel_model(sharded, "cpu", "fp8", kernels)
     tm, nc = engram_token_map(load_v41_tokenizer())
-    built = build_random_kernel_model(TINY, SEED, "cpu", "fp8", torch.as_tensor(tm), nc, kernels)
+    conversions = []
+    built = build_kernel_model(TINY, lambda prefix: _draw(TINY, SEED, torch.device("cpu"), prefix), "cpu", "fp8",
+                               torch.as_tensor(tm), nc, kernels, on_part=lambda _, done: conversions.append(done))
     a, b = _state(loaded), _state(built)
     assert list(a) == list(b)
     assert any(".moe." in k or "ffn." in k for k in a) and any("weight_fp8" in k for k in a)
@@ -65,6 +68,9 @@ def test_device_form_equals_the_random_build(sharded):
     assert report.num_bytes == sum(p.stat().st_size for p in sharded.glob("model-*.safetensors")) - sum(
         8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in sharded.glob("model-*.safetensors"))
     assert report.gb_per_s > 0 and report.peak_device_bytes is None
+    # The conversions' own count of FP8 elements rounded at 128×128, summed over the layers.
+    assert report.num_inexact == sum(c.inexact for c in conversions if c is not None)
+    assert sum(c is not None for c in conversions) == TINY.num_hidden_layers
 
 
 def test_large_tensors_are_copied_in_bands(sharded, monkeypatch):
