@@ -258,7 +258,8 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
 
 
 def _last_error(log_path: Path) -> str:
-    """": " + the log's last line naming an error (a traceback's final line), or "" when there is none."""
+    """The log's last line naming an error (a traceback's final one) as ": LINE", to end a message with;
+    empty when there is none."""
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
