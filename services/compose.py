@@ -37,6 +37,11 @@ NATS_TOKEN = {nats_auth.TOKEN_ENV: f"${{{nats_auth.TOKEN_ENV}:?set {nats_auth.TO
 NETWORKS = {"internal": {"internal": True}, "public": {}}
 # The configuration the compose file describes: one engine with its worker in its own container.
 CONFIG = StackConfig(model="tiny", num_engines=1, remote_workers=True, max_num_seqs=16)
+# What `-f compose.gpu.yaml` makes of it: the worker owns a GPU and serves v41-s1 at full depth in the kernel
+# backend's form (random weights drawn on the device; for a checkpoint, mount it under ./models and set the
+# worker's and engine's --model to /models/DIR), pools sized to 90% of the GPU's memory.
+GPU_CONFIG = StackConfig(model="v41-s1", num_engines=1, remote_workers=True, max_num_seqs=64,
+                         device_args=(("device", "cuda"), ("gpu_memory_utilization", 0.9), ("load_format", "dummy")))
 
 
 class ContainerPlacement:
@@ -121,11 +126,22 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
     return {"name": "shinkai", "services": out, "networks": NETWORKS}
 
 
-def gpu_override(config: StackConfig = CONFIG) -> dict[str, Any]:
-    """`compose.gpu.yaml`: one GPU reserved for each worker (`-f compose.yaml -f compose.gpu.yaml`)."""
-    gpu = {"deploy": {"resources": {"reservations": {"devices": [
-        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]}}}}
-    return {"services": {s.name: gpu for s in stack_services(config) if s.name.startswith("worker-")}}
+def gpu_override(config: StackConfig = CONFIG, gpu_config: StackConfig = GPU_CONFIG) -> dict[str, Any]:
+    """`compose.gpu.yaml` (`-f compose.yaml -f compose.gpu.yaml`): every command that ``gpu_config`` changes
+    (the worker's device flags, the model everywhere), and one GPU reserved for each worker, the only
+    process that touches it (the engine then loads no weights)."""
+    base = {s.name: s.argv for s in stack_services(config)}
+    out: dict[str, Any] = {}
+    for s in stack_services(gpu_config):
+        service: dict[str, Any] = {}
+        if base.get(s.name) != s.argv:
+            service["command"] = s.argv
+        if s.name.startswith("worker-"):
+            service["deploy"] = {"resources": {"reservations": {"devices": [
+                {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]}}}
+        if service:
+            out[s.name] = service
+    return {"services": out}
 
 
 def scrape_targets(config: StackConfig = CONFIG) -> dict[str, list[str]]:

@@ -37,6 +37,10 @@ class StackConfig:
     nats_port: int = 0  # 0: any free port
     run_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "shinkai" / "stack")  # logs + PIDs
     max_num_seqs: int | None = None  # per engine; None: the engine default
+    max_model_len: int | None = None  # prompt plus output tokens per request; None: the engine default
+    # EngineConfig device fields passed to each engine (or its remote worker) as flags: device,
+    # enforce_eager, async_scheduling, gpu_memory_utilization, load_format (services/engine/device.py).
+    device_args: tuple[tuple[str, object], ...] = ()
     remote_workers: bool = False  # each engine's worker in its own process (worker.v1) instead of in-process
     batch_invariant: bool = False  # engines and workers in batch-invariant mode (EngineConfig.batch_invariant)
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
@@ -151,18 +155,24 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     ]
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
+    sizing += ["--max-model-len", str(config.max_model_len)] if config.max_model_len is not None else []
     sizing += ["--batch-invariant"] if config.batch_invariant else []
+    from services.engine.device import device_argv
+
+    device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)
     drain = ["--drain-timeout", str(config.drain_timeout_s)] if config.drain_timeout_s is not None else []
     for i in range(config.num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
         argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
-                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *drain]
+                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *drain,
+                *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
+                  else device)]
         if config.remote_workers:
             stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
                                           bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
-                                          *sizing],
+                                          *sizing, *device],
                                  f"grpc:{at.port(worker, 'grpc')}", f"metrics http://{at.reach(worker, 'metrics')}/metrics"))
             argv += ["--worker", at.reach(worker, "grpc")]
         stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics"))
@@ -250,10 +260,21 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
             if proc.poll() is not None or time.monotonic() > deadline:
                 why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
                 down(config.run_dir, log=lambda *_: None)
-                raise RuntimeError(f"{service.name} {why}; see {log_path}")
+                raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
             time.sleep(0.1)
         log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
     return {**state, "nats_token": token}  # returned to the caller, never written to stack.json
+
+
+def _last_error(log_path: Path) -> str:
+    """The log's last line naming an error (a traceback's final one) as ": LINE", to end a message with;
+    empty when there is none."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    found = next((line for line in reversed(lines) if "Error" in line or "error:" in line), None)
+    return f": {found.strip()[:500]}" if found else ""
 
 
 def down(run_dir: Path, timeout_s: float = 60.0, log=print) -> int:

@@ -19,6 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port, help="gateway gRPC port (0: any free)")
     up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free)")
     up.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once per engine")
+    up.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens per request")
+    from services.engine.device import add_device_arguments
+
+    add_device_arguments(up)
     up.add_argument("--remote-workers", action="store_true",
                     help="run each engine's worker as its own process (worker.v1) instead of in-process")
     up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
@@ -39,13 +43,20 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.num_engines < 1:
         raise UsageError("--num-engines must be at least 1")
+    from services.engine.device import device_args
+
     config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
                          grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
                          max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
+                         max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
                          batch_invariant=args.batch_invariant)
     if args.api_key:
         os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:
+        if Path(args.model).is_dir() and args.load_format != "dummy":
+            from services.worker.weight_loader import check_checkpoint
+
+            check_checkpoint(args.model)  # headers only: a damaged checkpoint fails before any process starts
         up(config, timeout_s=args.timeout)
     except (RuntimeError, FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from err

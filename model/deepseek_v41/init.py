@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from model.deepseek_v41.checkpoint import TensorSpec, tensor_table
 from model.deepseek_v41.config import ModelConfig, to_hf_dict
 from model.deepseek_v41.presets import GPU_ONLY, preset
 from model.deepseek_v41.quant import quantize_weight
-from model.deepseek_v41.safetensors_io import write_checkpoint
+from model.deepseek_v41.safetensors_io import write_checkpoint, write_index, write_safetensors
 from model.deepseek_v41.tokenizer import write_tokenizer_files
 
 
@@ -110,14 +111,79 @@ def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int,
     return out
 
 
-def init_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """``shinkai model init``: a random checkpoint of a named preset."""
-    cfg = preset(name)
-    if name in GPU_ONLY:
-        from model.deepseek_v41.checkpoint import stored_bytes
+def checkpoint_parts(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    """Name prefixes per shard of the sharded layout: embed, norm and head first, then one layer each."""
+    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers))]
 
-        raise ValueError(
-            f"preset {name!r} is {stored_bytes(cfg) / 1e9:.0f} GB of weights; it is created from a seed directly "
-            "in GPU memory and never written to disk, so --out is refused"
-        )
-    return write_random_checkpoint(out_dir, cfg, seed)
+
+def write_sharded_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
+                             tokenizer: Tokenizer | None = None, log=None) -> Path:
+    """Write a random checkpoint directory in the released sharded layout (``model-0000X-of-0000N.safetensors``
+    plus ``model.safetensors.index.json``), one part per shard, drawn on ``device`` by
+    ``random_stored_on_device`` (so it holds the same bytes as that build from ``seed``). Host memory
+    holds one part at a time."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_files(out, tokenizer)
+    (out / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=2))
+    parts = checkpoint_parts(cfg)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, prefixes in enumerate(parts, start=1):
+        tensors: dict[str, torch.Tensor] = {}
+        for prefix in prefixes:
+            for entry in random_stored_on_device(cfg, seed, device, prefix=prefix):
+                tensors.update(entry)
+        shard = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+        write_safetensors(tensors, out / shard, {"format": "pt", "seed": str(seed)})
+        weight_map.update({name: shard for name in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+        if log is not None:
+            log(f"wrote {shard} ({prefixes[0]}…)")
+    write_index(out, weight_map, total)
+    return out
+
+
+def init_preset(name: str, out_dir: str | Path, seed: int = 0, num_layers: int | None = None,
+                device: torch.device | str | None = None, log=None) -> Path:
+    """``shinkai model init``: a random checkpoint of a named preset, or of its first ``num_layers`` layers.
+
+    ``tiny`` at full depth is written as one ``model.safetensors`` drawn on the CPU (``random_checkpoint``);
+    GPU presets, and any preset cut to ``num_layers``, in the sharded layout drawn on ``device`` (default:
+    cuda when available, else cpu)."""
+    cfg = preset(name)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_hidden_layers:
+            raise ValueError(f"--num-layers must be between 1 and {cfg.num_hidden_layers} for {name!r}, "
+                             f"got {num_layers}")
+        cfg = first_layers(cfg, num_layers)
+    elif name not in GPU_ONLY:
+        return write_random_checkpoint(out_dir, cfg, seed)
+    from model.deepseek_v41.checkpoint import stored_bytes
+
+    need = stored_bytes(cfg)
+    existing = next((p for p in [Path(out_dir), *Path(out_dir).absolute().parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise ValueError(f"preset {name!r} with {cfg.num_hidden_layers} layers is {need / 1e9:.1f} GB of weights but "
+                         f"{existing} has {free / 1e9:.1f} GB free; write fewer layers with --num-layers")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return write_sharded_checkpoint(out_dir, cfg, seed, device, log=log)
+
+
+def first_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
+    """``cfg`` cut to its first ``num_layers`` layers, each keeping its role (ratio, sources, Engram table)."""
+    import dataclasses
+
+    keep = range(num_layers)
+    engram = [(i, rows) for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if i in keep]
+    candidate = cfg.candidate_source_layer_id if cfg.candidate_source_layer_id in keep else None
+    return dataclasses.replace(
+        cfg, num_hidden_layers=num_layers,
+        compress_ratios=tuple(cfg.ratio(i) for i in keep) + tuple(cfg.compress_ratios[cfg.num_hidden_layers:]),
+        kv_source_layer_ids=tuple(i for i in cfg.kv_source_layer_ids if i in keep),
+        index_source_layer_ids=tuple(i for i in cfg.index_source_layer_ids if i in keep),
+        candidate_source_layer_id=candidate,
+        engram_layer_ids=tuple(i for i, _ in engram), engram_num_embeddings=tuple(rows for _, rows in engram))

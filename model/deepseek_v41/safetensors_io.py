@@ -41,9 +41,47 @@ class CheckpointError(ValueError):
     """A checkpoint file or directory cannot be read; the message names the path and the problem."""
 
 
+_ITEM_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "BF16": 2, "F16": 2,
+               "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
+
+
+def _bad_tensor(path: Path) -> str | None:
+    """The first tensor whose header entry cannot be right (offsets that disagree with its shape and dtype,
+    or that run past the file), to name it in the error; None when none can be named. Diagnosis only:
+    safetensors has already refused the file."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 0 < length < 100_000_000 else None
+        data_bytes = path.stat().st_size - 8 - length
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    for name, entry in header.items():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            numel = 1
+            for d in entry["shape"]:
+                numel *= d
+            expected = numel * _ITEM_BYTES.get(entry["dtype"], 0)
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {name}: malformed header entry"
+        if end - begin != expected:
+            return f"tensor {name}: offsets [{begin}, {end}) hold {end - begin} bytes, its shape and dtype need {expected}"
+        if end > data_bytes:
+            return f"tensor {name}: offsets [{begin}, {end}) run past the {data_bytes} data bytes in the file"
+    return None
+
+
 def _rephrase(path: Path, error: Exception) -> CheckpointError:
     text = str(error)
     hint = next((h for k, h in _HINTS.items() if k in text), "unreadable safetensors file")
+    bad = _bad_tensor(path)
+    if bad is not None:
+        hint = f"{hint}; {bad}"
     try:
         size = f"{path.stat().st_size} bytes"
     except OSError:
@@ -203,9 +241,14 @@ def write_checkpoint(
         written.append(write_safetensors(group, shard, metadata))
         weight_map.update({name: shard.name for name in group})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    index_path = out / INDEX_FILE
+    return written + [write_index(out, weight_map, total)]
+
+
+def write_index(out_dir: str | os.PathLike[str], weight_map: Mapping[str, str], total_size: int) -> Path:
+    """Write ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``) atomically."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    index_path = Path(out_dir) / INDEX_FILE
     tmp = index_path.with_name(f".{INDEX_FILE}.tmp")
     tmp.write_text(json.dumps(index, indent=2))
     os.replace(tmp, index_path)
-    return written + [index_path]
+    return index_path

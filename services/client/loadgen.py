@@ -35,7 +35,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-async def one(client, model: str, prompt: str, max_tokens: int) -> Sample:
+async def one(client, model: str, prompt: str | list[int], max_tokens: int) -> Sample:
     start = time.perf_counter()
     sample = Sample(ok=False)
     last = None
@@ -62,7 +62,15 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> Sample:
     return sample
 
 
-async def run(url: str, model: str, num_requests: int, concurrency: int, max_tokens: int) -> dict:
+def prompt_ids(i: int, num_tokens: int, vocab_size: int = 100_000) -> list[int]:
+    """Request ``i``'s prompt of ``num_tokens`` token ids, the same on every call (offline runs reuse it):
+    ids in [1000, vocab_size), distinct across requests so no two prompts share a prefix."""
+    return [1000 + (7919 * i + 104_729 * j + j * j) % (vocab_size - 1000) for j in range(num_tokens)]
+
+
+async def run(url: str, model: str, num_requests: int, concurrency: int, max_tokens: int,
+              prompt_tokens: int | None = None) -> dict:
+    """``prompt_tokens`` None: a short text prompt per request; else ``prompt_ids(i, prompt_tokens)``."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
@@ -70,7 +78,9 @@ async def run(url: str, model: str, num_requests: int, concurrency: int, max_tok
 
     async def gated(i: int) -> Sample:
         async with gate:
-            return await one(client, model, f"Request {i}: tell me about the deep sea.", max_tokens)
+            prompt = (f"Request {i}: tell me about the deep sea." if prompt_tokens is None
+                      else prompt_ids(i, prompt_tokens))
+            return await one(client, model, prompt, max_tokens)
 
     start = time.perf_counter()
     samples = await asyncio.gather(*(gated(i) for i in range(num_requests)))
@@ -81,7 +91,7 @@ async def run(url: str, model: str, num_requests: int, concurrency: int, max_tok
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     return {
         "url": url, "model": model, "num_requests": num_requests, "concurrency": concurrency,
-        "max_tokens": max_tokens, "ok": sum(s.ok for s in samples), "failed": sum(not s.ok for s in samples),
+        "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "ok": sum(s.ok for s in samples), "failed": sum(not s.ok for s in samples),
         "duration_s": round(duration, 2),
         "output_tokens_per_s": round(sum(s.num_tokens for s in samples) / duration, 1),
         "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
@@ -98,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="prompts of this many token ids (prompt_ids) instead of a short text")
     args = p.parse_args(argv)
-    print(json.dumps(asyncio.run(run(args.url, args.model, args.num_requests, args.concurrency, args.max_tokens))))
+    print(json.dumps(asyncio.run(run(args.url, args.model, args.num_requests, args.concurrency, args.max_tokens,
+                                     args.prompt_tokens))))
     return 0
 
 

@@ -18,6 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
+    from services.engine.device import add_device_arguments
+
+    add_device_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -28,7 +32,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
-        llm = LLM(model=args.model, batch_invariant=args.batch_invariant)
+        from services.engine.device import device_args
+
+        sizing = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
+        llm = LLM(model=args.model, **sizing, **device_args(args),
+                  batch_invariant=args.batch_invariant)
         outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
     except ValueError as err:
         raise UsageError(str(err)) from err

@@ -50,6 +50,18 @@ class EngineConfig:
     forced_top_k: int | None = None
     # Seed of the built-in preset's random weights.
     model_seed: int = 0
+    # Where the model runs: "cpu", "cuda" or "cuda:N"; None = not resolved here (LLM resolves it: cuda when
+    # available, else cpu; services/engine/device.py, which also makes the kernel backend, CUDA graphs and
+    # async scheduling the CUDA defaults).
+    device: str | None = None
+    # Never capture CUDA graphs, even where they are the default (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    # Fraction of the GPU's memory the engine may hold (model, activations, pools); on CUDA, with num_blocks
+    # None, the block pool is sized from it after one profiled step (services/engine/pool_sizing.py).
+    gpu_memory_utilization: float = 0.9
+    # "auto": the checkpoint's weights (a preset's from model_seed); "dummy": random weights for the model's
+    # config drawn from model_seed on the device, nothing read from the checkpoint's tensors (vLLM's name).
+    load_format: str = "auto"
     # Plan step N+1 while step N runs (one decode step in flight); off = schedule, execute, update in turn.
     async_scheduling: bool = False
     # The worker's GPU kernel backend (services/worker/kernel_backend.py): None = the torch model (CPU or GPU),
@@ -76,10 +88,16 @@ class EngineConfig:
         if self.cuda_graphs and self.kernel_backend is None:
             raise ValueError("cuda_graphs needs kernel_backend ('fp8' or 'fp32'): the torch MoE cannot be captured")
         if self.batch_invariant and self.kernel_backend is not None:
-            raise ValueError("batch_invariant runs on the torch path only: the kernel backend's fixed-tile "
-                             "configuration is not built yet (leave kernel_backend None)")
+            raise ValueError("batch_invariant is built for the CPU's torch path only so far (docs/batch-invariance.md): "
+                             "run it with --device cpu, or leave kernel_backend None")
         if self.forced_top_k is not None and self.forced_top_k < 1:
             raise ValueError("forced_top_k must be positive or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.enforce_eager and self.cuda_graphs:
+            raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
 
     def resolved_num_blocks(self) -> int:
         """The null block, plus room for max_num_seqs full-length requests admitted one after another

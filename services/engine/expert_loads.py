@@ -30,17 +30,33 @@ class ExpertLoadPublisher:
         self.rank = rank  # this engine's rank in the planner's reports
         self.num_steps = 0  # steps executed, the report's step number
         self.num_published = 0
+        self._held: tuple[int, Any] | None = None  # (step, counts on the device) not yet published
 
-    def execute(self, plan: Any, rows: Sequence[SamplingRow]) -> WorkerOutput:
-        out = self.worker.execute(plan, rows)
-        step = self.num_steps
+    def execute(self, plan: Any, rows: Sequence[SamplingRow], *previous: WorkerOutput | None) -> WorkerOutput:
+        """The wrapped worker's step. An async engine passes ``previous`` (the step in flight, or None): then
+        this step's counts are held and published at the next call, after that step is queued, so reading
+        them back never makes the host wait on the device (the engine reads that step then anyway); the
+        counts of an async busy period's last step go out with the next step."""
+        out = self.worker.execute(plan, rows, *previous)
+        self._publish_held()
+        if out.expert_counts is not None:
+            self._held = (self.num_steps, out.expert_counts)
         self.num_steps += 1
-        if out.expert_counts is not None and self.nc is not None:
-            report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=out.expert_counts.cpu().numpy())
-            # Taken here, on the step thread, where a traced step's span is current.
-            headers = tracing.nats_headers()
-            asyncio.run_coroutine_threadsafe(self._publish(report.encode(), headers), self.loop)
+        if not previous:  # a synchronous engine: this step has been read back already
+            self._publish_held()
         return out
+
+    def _publish_held(self) -> None:
+        if self._held is None:
+            return
+        step, counts = self._held
+        self._held = None
+        if self.nc is None:
+            return
+        report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=counts.cpu().numpy())
+        # Taken here, on the step thread, where a traced step's span is current.
+        headers = tracing.nats_headers()
+        asyncio.run_coroutine_threadsafe(self._publish(report.encode(), headers), self.loop)
 
     async def _publish(self, data: bytes, headers: dict[str, str] | None = None) -> None:
         try:

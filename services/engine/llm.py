@@ -50,8 +50,24 @@ class LLM:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
         is loaded."""
+        builds_model = source is None and runner is None and worker is None
+        if builds_model:  # the device and, on CUDA, the fast path's defaults (services/engine/device.py)
+            from services.engine.device import device_engine_args
+
+            engine_args = device_engine_args(engine_args)
         self.config = EngineConfig(**engine_args)  # type: ignore[arg-type]
-        self.source = source if source is not None else load_model(model, seed=self.config.model_seed)
+        self.pool_plan = None  # the PoolPlan when the pools were sized from gpu_memory_utilization
+        if source is None:
+            # With a remote worker the weights are its own: this process loads config and tokenizer only
+            # (and so never touches the device).
+            source = load_model(model, seed=self.config.model_seed, device=self.config.device or "cpu",
+                                load_format=self.config.load_format, precision=self.config.kernel_backend,
+                                weights=worker is None)
+        self.source = source
+        if builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None:
+            from services.engine.pool_sizing import size_pools
+
+            self.config, self.pool_plan = size_pools(self.source, self.config)
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
         kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)

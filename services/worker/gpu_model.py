@@ -13,6 +13,8 @@ same arithmetic as ``dequantize_fp8_rowwise`` (so the values equal the fp32 tabl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -69,7 +71,20 @@ def build_random_kernel_model(cfg: ModelConfig, seed: int, device: torch.device 
     """A kernel-backed model with random released weights drawn on ``device`` (see the module docstring).
     ``convert=False`` stops before the kernel conversion: the torch model (tests compare it with the
     whole-model build)."""
+    device = torch.device(device)
+    return build_kernel_model(cfg, lambda prefix: _draw(cfg, seed, device, prefix), device, precision, token_map,
+                              num_compressed, kernels, convert)
 
+
+def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.Tensor]], device: torch.device | str,
+                       precision: str = "fp8", token_map: torch.Tensor | None = None,
+                       num_compressed: int | None = None, kernels=None, convert: bool = True,
+                       on_part: Callable[[str, object], None] | None = None) -> DeepseekV41:
+    """The kernel-backed model built part by part: ``fetch(prefix)`` gives the released tensors whose names
+    start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …), already on ``device``
+    (drawn from a seed, or read from a checkpoint: services/worker/weight_loader.py). ``on_part(prefix,
+    conversion)`` is called after each part is placed, with the layer's ``Conversion`` (how many FP8 weight
+    elements were not exact at 128×128) or None. The fetched tensors are dropped before the next part."""
     device = torch.device(device)
     if cfg.engram_layer_ids and (token_map is None or num_compressed is None):
         raise ValueError("a config with Engram layers needs the tokenizer's Engram token map")
@@ -81,10 +96,12 @@ def build_random_kernel_model(cfg: ModelConfig, seed: int, device: torch.device 
         model.hasher = EngramHasher(cfg, token_map, num_compressed).to(device)  # real buffers, made off meta
     for name in ("embed", "norm", "head"):
         getattr(model, name).to_empty(device=device)
-        _assign(model, _draw(cfg, seed, device, f"{name}."), cfg, f"{name}.")
+        _assign(model, fetch(f"{name}."), cfg, f"{name}.")
+        if on_part is not None:
+            on_part(f"{name}.", None)
     for block in model.layers:
         prefix = f"layers.{block.layer}."
-        tensors = _draw(cfg, seed, device, prefix)
+        tensors = fetch(prefix)
         table = None
         if block.engram is not None:
             name = f"{prefix}engram.embed.weight"
@@ -96,10 +113,13 @@ def build_random_kernel_model(cfg: ModelConfig, seed: int, device: torch.device 
         block.attn.freqs = rope_frequencies(cfg, compressed=block.attn.ratio > 0).to(device)
         _assign(model, tensors, cfg, prefix)
         del tensors
+        done = None
         if convert:
             from services.worker.kernel_backend import convert_model
 
-            convert_model(block, precision, kernels)
+            done = convert_model(block, precision, kernels)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if on_part is not None:
+            on_part(prefix, done)
     return model.eval()

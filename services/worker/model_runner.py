@@ -52,9 +52,9 @@ class ModelRunner:
         self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
                                  config.num_state_slots, ring_size(self.cfg, nextn), device)
         self.rounding = rounding
-        if config.batch_invariant and self.backend != "torch":
-            raise ValueError("batch_invariant runs on the torch backend only (model/batch_invariant.py); the "
-                             "kernel backend's fixed-tile configuration is not built yet")
+        if config.batch_invariant and (self.backend != "torch" or device.type != "cpu"):
+            raise ValueError("batch_invariant is built for the CPU's torch path only so far (docs/batch-invariance.md): "
+                             f"this runner is the {self.backend} backend on {device}; run it with --device cpu")
         self.batch_invariant = config.batch_invariant
 
     def release(self, request_id: str) -> None:

@@ -158,8 +158,13 @@ def decode_output(msg: pb.StepResult) -> WorkerOutput:
 
 
 def model_hashes(source) -> tuple[str, str]:
-    """(config sha256, weights sha256): the weights' names, dtypes, shapes and bytes, in name order."""
+    """(config sha256, weights sha256). The weights' hash is that of ``source.weights_id`` (what fixes them:
+    a seed, or a checkpoint's headers; model_source.weights_identity) when it has one, so neither side
+    reads a large model's bytes and an engine without the weights can compare; else it hashes the
+    weights' names, dtypes, shapes and bytes, in name order."""
     config = hashlib.sha256(json.dumps(asdict(source.config), sort_keys=True, default=str).encode()).hexdigest()
+    if getattr(source, "weights_id", None) is not None:
+        return config, hashlib.sha256(source.weights_id.encode()).hexdigest()
     h = hashlib.sha256()
     for name, tensor in sorted(source.model.state_dict().items()):
         t = tensor.detach().contiguous().cpu()
@@ -216,13 +221,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
+    from services.engine.device import add_device_arguments, device_args, device_engine_args
+
+    add_device_arguments(p)
     args = p.parse_args(argv)
     engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                    if v is not None}
     tracing.setup("shinkai-worker")
-    config = EngineConfig(model_seed=args.model_seed, batch_invariant=args.batch_invariant, **engine_args)
-    source = load_model(args.model, seed=args.model_seed)
+    # The worker owns the device. Its pools follow the engine's sizing rule, so the engine's scheduler and
+    # these pools agree on the block count; gpu_memory_utilization is then a cap it checks, not a size.
+    config = EngineConfig(model_seed=args.model_seed, batch_invariant=args.batch_invariant,
+                          **device_engine_args({**engine_args, **device_args(args)}))
+    source = load_model(args.model, seed=args.model_seed, device=config.device or "cpu",
+                        load_format=config.load_format, precision=config.kernel_backend)
     worker = Worker(default_runner(source, config))
+    if str(config.device).startswith("cuda"):  # the engine's pool rule must fit the memory this worker may hold
+        total = torch.cuda.get_device_properties(config.device).total_memory
+        if torch.cuda.memory_reserved(config.device) > total * config.gpu_memory_utilization:
+            raise SystemExit(f"model, pools and graphs hold {torch.cuda.memory_reserved(config.device) / 2**30:.1f} "
+                             f"GiB, over --gpu-memory-utilization {config.gpu_memory_utilization} of "
+                             f"{total / 2**30:.1f} GiB: lower --max-num-seqs or --max-model-len")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     api = WorkerApi(worker, args.model, model_hashes(source), source.config.vocab_size)
     worker_pb2_grpc.add_WorkerServicer_to_server(api, server)

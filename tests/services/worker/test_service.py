@@ -66,3 +66,9 @@ def test_a_worker_with_other_weights_is_refused(remote_llm):
     with pytest.raises(ModelMismatch, match="weights"):
         remote_llm.engine.worker.check_model(other)
     remote_llm.engine.worker.check_model(remote_llm.source)  # its own model passes
+
+
+def test_an_engine_with_a_remote_worker_loads_no_weights(remote_llm):
+    """The worker owns the weights: the engine holds config, tokenizer and the weights' identity only."""
+    assert remote_llm.source.model is None
+    assert remote_llm.source.weights_id == "random tiny seed 0"

@@ -1,0 +1,100 @@
+"""Size the block pool from ``gpu_memory_utilization`` (vLLM's rule), before the graphs are captured.
+
+On CUDA, with ``num_blocks`` unset, the engine runs one profiled step first: a throwaway eager engine on
+the same model, with pools just large enough, prefills the longest chunk the scheduler can plan
+(``min(max_num_batched_tokens, max_model_len − 1)`` tokens, the largest activation). Its peak allocated
+memory, less those probe pools, plus what lives outside torch's allocator (CUDA context, cuBLAS and
+Triton workspaces), is what the engine needs besides its pools. The block pool gets what is left of
+``total × gpu_memory_utilization`` after the state slots and ``GRAPH_RESERVE_BYTES`` for the decode
+graphs' memory pool (captured afterwards, on the final pools' addresses).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+from services.engine.config import EngineConfig
+
+log = logging.getLogger("shinkai.engine.pools")
+
+GRAPH_RESERVE_BYTES = 2 << 30
+"""Kept free for the CUDA graphs' shared memory pool (decode activations at the largest graph size)."""
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The pools one engine gets and what they were sized from (all bytes)."""
+
+    num_blocks: int  # paged blocks, the null block included
+    num_state_slots: int  # state slots, the null slot included
+    block_bytes: int  # one block
+    slot_bytes: int  # one state slot
+    model_bytes: int  # the model's parameters and buffers on the device
+    peak_step_bytes: int  # the profiled step's peak besides its pools (model included)
+    budget_bytes: int  # total × gpu_memory_utilization
+    block_size: int  # tokens per block
+
+    @property
+    def max_tokens(self) -> int:
+        """Token positions the block pool holds across all requests (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def describe(self, max_model_len: int) -> str:
+        return (f"model {self.model_bytes / 2**30:.1f} GiB, profiled step peak {self.peak_step_bytes / 2**30:.1f} GiB "
+                f"of a {self.budget_bytes / 2**30:.1f} GiB budget; pools: {self.num_blocks} blocks "
+                f"({self.num_blocks * self.block_bytes / 2**30:.2f} GiB, {self.max_tokens} tokens), "
+                f"{self.num_state_slots} state slots ({self.num_state_slots * self.slot_bytes / 2**30:.2f} GiB); "
+                f"longest context that fits: {min(max_model_len, self.max_tokens)} tokens")
+
+
+def plan_blocks(budget_bytes: int, peak_step_bytes: int, block_bytes: int, slot_bytes: int, num_state_slots: int,
+                graph_reserve_bytes: int = GRAPH_RESERVE_BYTES) -> int:
+    """Blocks that fit in what the budget leaves (may be ≤ 0: the caller refuses)."""
+    free = budget_bytes - peak_step_bytes - num_state_slots * slot_bytes - graph_reserve_bytes
+    return free // block_bytes
+
+
+def size_pools(source, config: EngineConfig) -> tuple[EngineConfig, PoolPlan]:
+    """``config`` with ``num_blocks`` set from the profiled step (see the module docstring)."""
+    import torch
+
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+    from services.worker.cache_engine import cache_bytes
+
+    device = torch.device(config.device or "cuda")
+    cfg = source.config
+    block_bytes, slot_bytes = cache_bytes(cfg, config.block_size)
+    num_slots = config.resolved_num_state_slots()
+    prompt_len = min(config.max_num_batched_tokens, config.max_model_len - 1)
+    probe_blocks = -(-(prompt_len + 1) // config.block_size) + 1
+    probe = config.replace(num_blocks=probe_blocks, num_state_slots=2, max_num_seqs=1, cuda_graphs=False,
+                           async_scheduling=False)
+    model_bytes = sum(t.numel() * t.element_size() for t in [*source.model.parameters(), *source.model.buffers()])
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    llm = LLM(source=source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__})
+    prompt = [cfg.bos_token_id, *((100 + i) % cfg.vocab_size for i in range(prompt_len - 1))]
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - probe_blocks * block_bytes - 2 * slot_bytes
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))  # context, workspaces: not torch's
+    budget = int(total * config.gpu_memory_utilization)
+    num_blocks = plan_blocks(budget, peak + outside, block_bytes, slot_bytes, num_slots)
+    needed = -(-config.max_model_len // config.block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(f"not enough GPU memory for one request of max_model_len={config.max_model_len}: "
+                         f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB budget, the model and one step "
+                         f"take {(peak + outside) / 2**30:.1f} GiB, leaving room for {max(num_blocks, 0)} blocks "
+                         f"of the {needed} needed; raise --gpu-memory-utilization or lower --max-model-len")
+    plan = PoolPlan(num_blocks, num_slots, block_bytes, slot_bytes, model_bytes, peak + outside, budget,
+                    config.block_size)
+    log.info("%s", plan.describe(config.max_model_len))
+    return config.replace(num_blocks=num_blocks), plan

@@ -1,0 +1,78 @@
+"""Device selection: `--device` parsing and its defaults (the fast path on CUDA, each part with an off
+switch), the flags' round trip through a command line, and the pool sizing arithmetic."""
+
+import argparse
+
+import pytest
+
+from services.engine import device as device_mod
+from services.engine.config import EngineConfig
+from services.engine.device import add_device_arguments, device_args, device_argv, device_engine_args, resolve_device
+from services.engine.pool_sizing import PoolPlan, plan_blocks
+
+
+def test_default_is_cpu_without_cuda_and_cuda_is_refused_there(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(None) == "cpu"
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda:0")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cpu:1", "CUDA", ""])
+def test_malformed_devices_are_named(bad):
+    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
+        resolve_device(bad)
+
+
+def test_cpu_keeps_the_torch_model(monkeypatch):
+    args = device_engine_args({"device": "cpu", "max_num_seqs": 4})
+    assert args == {"device": "cpu", "max_num_seqs": 4}
+    config = EngineConfig(**args)
+    assert config.kernel_backend is None and not config.cuda_graphs and not config.async_scheduling
+
+
+def test_cuda_defaults_are_the_fast_path_each_with_an_off_switch(monkeypatch):
+    monkeypatch.setattr(device_mod, "resolve_device", lambda d: d or "cuda")
+    assert device_engine_args({}) == {"device": "cuda", "kernel_backend": "fp8", "async_scheduling": True,
+                                      "cuda_graphs": True}
+    eager = EngineConfig(**device_engine_args({"enforce_eager": True}))
+    assert eager.kernel_backend == "fp8" and not eager.cuda_graphs and eager.enforce_eager
+    sync = device_engine_args({"device": "cuda:1", "async_scheduling": False})
+    assert sync["async_scheduling"] is False and sync["device"] == "cuda:1"
+    torch_model = device_engine_args({"kernel_backend": None})
+    assert torch_model["kernel_backend"] is None and torch_model["cuda_graphs"] is False
+
+
+def test_flags_round_trip_through_a_command_line():
+    parser = argparse.ArgumentParser()
+    add_device_arguments(parser)
+    assert device_args(parser.parse_args([])) == {}
+    given = parser.parse_args(["--device", "cuda:0", "--enforce-eager", "--no-async-scheduling",
+                               "--gpu-memory-utilization", "0.8", "--load-format", "dummy"])
+    values = device_args(given)
+    assert values == {"device": "cuda:0", "enforce_eager": True, "async_scheduling": False,
+                      "gpu_memory_utilization": 0.8, "load_format": "dummy"}
+    assert device_args(parser.parse_args(device_argv(values))) == values
+
+
+@pytest.mark.parametrize("bad, match", [({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+                                        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                                        ({"load_format": "pt"}, "load_format"),
+                                        ({"enforce_eager": True, "cuda_graphs": True, "kernel_backend": "fp8"},
+                                         "contradict")])
+def test_bad_engine_fields_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**bad)
+
+
+def test_pool_plan_gives_the_blocks_that_fit():
+    gib = 2**30
+    # 100 GiB budget, 80 GiB model + step, 17 slots of 1 MiB, 2 GiB graph reserve: 18 GiB − 17 MiB of blocks.
+    blocks = plan_blocks(100 * gib, 80 * gib, 2**20, 2**20, 17)
+    assert blocks == 18 * 1024 - 17
+    assert plan_blocks(10 * gib, 9 * gib, 2**20, 2**20, 17) < 0  # the caller refuses this
+    plan = PoolPlan(blocks, 17, 2**20, 2**20, 70 * gib, 80 * gib, 100 * gib, 128)
+    assert plan.max_tokens == (blocks - 1) * 128
+    assert f"longest context that fits: {4096} tokens" in plan.describe(4096)

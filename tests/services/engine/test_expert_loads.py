@@ -1,0 +1,51 @@
+"""ExpertLoadPublisher under both engine modes: a synchronous engine's step is published at once; an async
+engine's (which passes the step in flight) is published after the next step is queued, and the wrapped
+worker gets the step in flight."""
+
+import asyncio
+
+import numpy as np
+import torch
+
+from services.engine import expert_loads
+from services.engine.expert_loads import ExpertLoadPublisher
+from services.eplb.messages import decode_load
+
+
+class FakeWorker:
+    def __init__(self):
+        self.calls = []
+
+    def execute(self, plan, rows, *previous):
+        self.calls.append(previous)
+        step = len(self.calls)
+        return type("Out", (), {"expert_counts": torch.full((2, 3), step)})()
+
+
+def _publisher(monkeypatch):
+    sent = []
+
+    def capture(published, loop):  # _publish below is a plain function: it has already recorded the report
+        return None
+
+    publisher = ExpertLoadPublisher(FakeWorker(), object(), asyncio.new_event_loop(), rank=1)
+    monkeypatch.setattr(expert_loads.asyncio, "run_coroutine_threadsafe", capture)
+    monkeypatch.setattr(publisher, "_publish", lambda data, headers=None: sent.append(decode_load(data)))
+    return publisher, sent
+
+
+def test_a_synchronous_engine_publishes_each_step_at_once(monkeypatch):
+    publisher, sent = _publisher(monkeypatch)
+    publisher.execute("plan", [])
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
+    publisher.execute("plan", [])
+    assert [r.step for r in sent] == [0, 1] and publisher.worker.calls == [(), ()]
+
+
+def test_an_async_engine_step_is_published_after_the_next_is_queued(monkeypatch):
+    publisher, sent = _publisher(monkeypatch)
+    first = publisher.execute("plan", [], None)
+    assert sent == [] and publisher.worker.calls == [(None,)]
+    publisher.execute("plan", [], first)
+    assert publisher.worker.calls[1] == (first,)
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1) and sent[0].rank == 1

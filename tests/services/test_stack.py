@@ -1,0 +1,15 @@
+"""The launcher's failure message: a service that dies while `up` waits for it is reported with its log's
+last error line, so a bad checkpoint or flag reads in the terminal, not only in the log."""
+
+from services.stack import _last_error
+
+
+def test_the_last_error_line_of_a_log_ends_the_message(tmp_path):
+    log = tmp_path / "engine-0.log"
+    log.write_text("INFO starting\nTraceback (most recent call last):\n  File x\n"
+                   "model.deepseek_v41.safetensors_io.CheckpointError: /m/model-00002.safetensors: truncated\n"
+                   "INFO bye\n")
+    assert _last_error(log) == ": model.deepseek_v41.safetensors_io.CheckpointError: /m/model-00002.safetensors: truncated"
+    log.write_text("INFO all fine\n")
+    assert _last_error(log) == ""
+    assert _last_error(tmp_path / "absent.log") == ""
