@@ -67,7 +67,9 @@ class LLM:
         if builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None:
             from services.engine.pool_sizing import size_pools
 
-            self.config, self.pool_plan = size_pools(self.source, self.config)
+            self.config, self.pool_plan = size_pools(
+                self.source, self.config,
+                lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}))
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
         kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)

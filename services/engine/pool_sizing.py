@@ -56,11 +56,11 @@ def plan_blocks(budget_bytes: int, peak_step_bytes: int, block_bytes: int, slot_
     return free // block_bytes
 
 
-def size_pools(source, config: EngineConfig) -> tuple[EngineConfig, PoolPlan]:
-    """``config`` with ``num_blocks`` set from the profiled step (see the module docstring)."""
+def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig, PoolPlan]:
+    """``config`` with ``num_blocks`` set from the profiled step (see the module docstring). ``probe_engine``
+    builds the throwaway engine (an ``LLM``) on ``source`` from an EngineConfig."""
     import torch
 
-    from services.engine.llm import LLM
     from services.engine.sampling_params import SamplingParams
     from services.worker.cache_engine import cache_bytes
 
@@ -76,7 +76,7 @@ def size_pools(source, config: EngineConfig) -> tuple[EngineConfig, PoolPlan]:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    llm = LLM(source=source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__})
+    llm = probe_engine(probe)
     prompt = [cfg.bos_token_id, *((100 + i) % cfg.vocab_size for i in range(prompt_len - 1))]
     llm.generate([prompt], SamplingParams(max_tokens=1))
     torch.cuda.synchronize(device)
