@@ -11,7 +11,7 @@ export LD_LIBRARY_PATH="$(python -c 'import sysconfig; print(sysconfig.get_confi
 export PYO3_PYTHON="$venv/bin/python"
 # The extension is rebuilt only when a Rust source or manifest is newer than it, or it does not import
 # with this venv's Python (each `scripts/shinkai.sh` call would otherwise pay maturin's 1-2 s).
-so="$(ls "$root"/scheduler_rs/_core*.so 2>/dev/null | head -n 1)"
+so="$(ls "$root"/scheduler_rs/_core*.so 2>/dev/null | head -n 1 || true)"  # none yet in a fresh clone (pipefail)
 if [ -z "$so" ] || [ -n "$(find "$root/scheduler_rs/src" "$root/scheduler_rs/Cargo.toml" "$root/Cargo.toml" \
     "$root/Cargo.lock" -newer "$so" -print -quit 2>/dev/null)" ] \
     || ! (cd "$root" && python -c "import scheduler_rs._core" 2>/dev/null); then
