@@ -62,7 +62,8 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids),
-                          ("forced_token_ids", params.forced_token_ids)):
+                          ("forced_token_ids", params.forced_token_ids),
+                          ("logit_bias", tuple(t for t, _ in params.logit_bias))):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"{name} has an id outside the vocabulary of {self.vocab_size}")
         total = len(prompt_token_ids) + params.resolved_max_tokens
@@ -190,6 +191,7 @@ class Engine:
                     seed=req.seed, position=seqlens_k[i] - n + 1 + j, forced_top_k=self.config.forced_top_k,
                     banned_token_ids=banned, num_logprobs=p.logprobs or 0,
                     forced_token_id=p.forced_token_ids[num_out + j] if num_out + j < len(p.forced_token_ids) else None,
+                    logit_bias=p.logit_bias,
                 ))
         return rows
 

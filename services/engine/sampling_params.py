@@ -34,6 +34,9 @@ class SamplingParams:
     # tokens as the tuple holds; sampling resumes after it. Each forced token still reports its logprob
     # (and the top logprobs) under the processed distribution: -inf where the processing dropped it.
     forced_token_ids: tuple[int, ...] = field(default=())
+    # (token id, bias) pairs added to the logits before every other step (OpenAI's logit_bias, -100 to 100);
+    # a dict is accepted and kept as pairs sorted by id. A ban is exact only through banned_token_ids.
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or self.max_tokens < 1):
@@ -53,6 +56,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
         object.__setattr__(self, "forced_token_ids", tuple(self.forced_token_ids))
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((int(t), float(v)) for t, v in pairs))
+        for token_id, value in bias:
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                raise ValueError(f"logit_bias[{token_id}] must be a number from -100 to 100, got {value}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias if v != 0))
 
     @property
     def resolved_max_tokens(self) -> int:

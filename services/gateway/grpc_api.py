@@ -65,9 +65,9 @@ def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
     _cap("sampling.logit_bias", len(request.sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
 
 
-def _banned(logit_bias) -> tuple[int, ...]:
-    """Token ids that logit_bias bans (-100); any value but -100 and 0 is refused (the sampler adds no biases)."""
-    banned = []
+def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
+    """(the token ids logit_bias bans (-100, exactly), the other biases, added to their logits)."""
+    banned, added = [], {}
     for token_id, value in sorted(logit_bias.items()):
         if not (math.isfinite(value) and -100 <= value <= 100):
             raise errors.invalid(f"sampling.logit_bias[{token_id}] must be a number from -100 to 100, got {value}",
@@ -75,9 +75,8 @@ def _banned(logit_bias) -> tuple[int, ...]:
         if value <= -100:
             banned.append(token_id)
         elif value != 0:
-            raise errors.invalid(f"sampling.logit_bias[{token_id}] = {value} is not supported yet: only -100 "
-                                 "(a ban) and 0 are served", "sampling.logit_bias")
-    return tuple(banned)
+            added[token_id] = float(value)
+    return tuple(banned), added
 
 
 
@@ -94,6 +93,7 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
     else:
         raise errors.invalid("a prompt is required: set text, token_ids or chat", "prompt")
     s = request.sampling
+    banned, bias = _logit_bias(s.logit_bias)
     try:
         args.params = SamplingParams(
             max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
@@ -103,7 +103,8 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
             seed=s.seed if s.HasField("seed") else None,
             n=s.n if s.HasField("n") else 1,
             stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs if s.HasField("logprobs") else None, banned_token_ids=_banned(s.logit_bias),
+            logprobs=s.logprobs if s.HasField("logprobs") else None, banned_token_ids=banned,
+            logit_bias=bias,
         )
     except ValueError as err:
         raise errors.invalid(str(err)) from err

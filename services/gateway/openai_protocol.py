@@ -42,7 +42,7 @@ KNOWN_FIELDS = {
 # Known OpenAI parameters that are refused (400 naming them) until they are implemented; docs/serving.md lists
 # them. Each is refused only when set to something other than its no-op value.
 UNSUPPORTED = ("response_format other than text", "best_of > 1", "n > 1", "echo", "suffix", "stop strings",
-               "frequency_penalty / presence_penalty other than 0", "logit_bias other than -100 (a ban) or 0")
+               "frequency_penalty / presence_penalty other than 0")
 
 
 @dataclass
@@ -84,14 +84,14 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
-def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[int, ...]:
-    """The token ids logit_bias bans. OpenAI's values run from -100 to 100 and -100 means a ban; the sampler
-    adds no other biases yet, so any value other than 0 (a no-op) or -100 is refused, never ignored."""
+def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int, ...], dict[int, float]]:
+    """(the token ids logit_bias bans, the other biases). OpenAI's values run from -100 to 100; -100 bans the
+    token exactly (the sampler's ban list), any other value is added to its logit."""
     bias = _field(body, "logit_bias", (dict,), {}, "an object mapping token ids to numbers")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise errors.invalid(f"logit_bias has {len(bias)} entries, over the limit of {MAX_LOGIT_BIAS_ENTRIES}",
                              "logit_bias")
-    banned = []
+    banned, added = [], {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.lstrip("-").isdigit() and len(key) <= 19):
             raise errors.invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
@@ -105,9 +105,8 @@ def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[int, ...]
         if value <= LOGIT_BIAS_BAN:
             banned.append(token_id)
         elif value != 0:
-            raise errors.invalid(f"logit_bias[{key}] = {value} is not supported yet: only -100 (a ban) and 0 "
-                                 "are served", "logit_bias")
-    return tuple(sorted(banned))
+            added[token_id] = float(value)
+    return tuple(sorted(banned)), added
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -148,11 +147,12 @@ def _sampling(body: dict[str, Any], max_tokens_key: str, num_logprobs: int | Non
     for token_id in stop_token_ids:
         if not _INT64[0] <= token_id <= _INT64[1]:
             raise errors.invalid(f"stop_token_ids holds {token_id}, outside any vocabulary", "stop_token_ids")
+    banned, bias = _logit_bias(body, vocab_size)
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
             stop_token_ids=tuple(stop_token_ids), ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"),
-            logprobs=num_logprobs, banned_token_ids=_logit_bias(body, vocab_size),
+            logprobs=num_logprobs, banned_token_ids=banned, logit_bias=bias,
         )
     except ValueError as err:  # SamplingParams' messages start with the field's name
         raise errors.invalid(str(err), str(err).split(" ", 1)[0]) from err

@@ -46,8 +46,10 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
         s.seed = params.seed
     if params.logprobs is not None:
         s.logprobs = params.logprobs
+    for token_id, value in params.logit_bias:
+        s.logit_bias[token_id] = value
     for token_id in params.banned_token_ids:
-        s.logit_bias[token_id] = -100.0  # a ban: services/gateway/grpc_api.py `_banned` reads it back
+        s.logit_bias[token_id] = -100.0  # a ban: services/gateway/grpc_api.py `_logit_bias` reads it back
     return s
 
 

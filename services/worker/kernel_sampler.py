@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from kernels.sampler_output import SamplerOutput
-from services.worker.sampler import SamplingRow
+from services.worker.sampler import SamplingRow, with_logit_bias
 
 
 class KernelSampler:
@@ -41,5 +41,7 @@ class KernelSampler:
             raise ValueError(f"the sampling kernel returns at most {self.kernel.MAX_TOP_LOGPROBS} top logprobs, "
                              f"a row asks for {width}")
         params = self.kernel.sampling_tensors(rows, logits.device)
+        if any(r.logit_bias for r in rows):  # added before the kernel, in fp32, as the CPU sampler adds them
+            logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         return self.kernel.sample(logits, params, width)

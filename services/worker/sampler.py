@@ -2,6 +2,7 @@
 
 Pipeline per row, in DeepInfer's order (walkthrough, "The sampling pipeline, in order"):
 
+0. logit bias: each row's ``logit_bias`` added to its logits (fp32);
 1. bans: ``banned_token_ids`` (the blacklist, plus the end token while the first-n ban applies) → -inf;
 2. forced top-k: keep the ``forced_top_k`` highest logits;
 3. temperature: ``(logit - max) / T``; T = 0 is greedy and processes the logprobs at T = 1 (below);
@@ -70,6 +71,8 @@ class SamplingRow:
     num_logprobs: int
     # The token to output instead of the draw (its logprob still under the processed distribution); None = draw.
     forced_token_id: int | None = None
+    # (token id, bias) pairs added to the row's logits before the bans (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -87,6 +90,9 @@ class SamplingRow:
         if self.forced_token_id is not None and self.forced_token_id < 0:
             raise ValueError(f"forced_token_id must be >= 0 or None, got {self.forced_token_id}")
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in self.logit_bias))
+        if any(t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
+            raise ValueError(f"logit_bias needs token ids >= 0 and finite values, got {self.logit_bias}")
 
     @property
     def rank_limit(self) -> int | None:
@@ -97,6 +103,23 @@ class SamplingRow:
     @property
     def needs_ranking(self) -> bool:
         return self.rank_limit is not None or self.top_p < 1 or self.num_logprobs > 0
+
+
+def with_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """fp32 logits [n, V] with each row's ``logit_bias`` added, in place when ``x`` is already fp32 and
+    owned by the caller; one fp32 add per biased element, so both samplers read the same values."""
+    row_ids, token_ids, values = [], [], []
+    for i, row in enumerate(rows):
+        for t, v in row.logit_bias:
+            if t >= x.shape[1]:
+                raise ValueError(f"row {i}: logit_bias token id {t} is outside the vocabulary [0, {x.shape[1]})")
+            row_ids.append(i)
+            token_ids.append(t)
+            values.append(v)
+    if row_ids:
+        index = (torch.tensor(row_ids, device=x.device), torch.tensor(token_ids, device=x.device))
+        x[index] = x[index] + torch.tensor(values, dtype=torch.float32, device=x.device)
+    return x
 
 
 def integer_masses(probs: torch.Tensor) -> torch.Tensor:
@@ -196,7 +219,7 @@ class Sampler:
         _check_shape(logits, rows)
         vocab_size = logits.shape[1]
         device = logits.device
-        x = logits.to(torch.float32, copy=True)
+        x = with_logit_bias(logits.to(torch.float32, copy=True), rows)
         self._ban(x, rows)
         errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
         # Error rows go through the pipeline as all-zero logits; the caller overwrites their outputs.

@@ -110,6 +110,10 @@ def encode_plan(plan, rows: Sequence[SamplingRow]) -> pb.StepPlan:
                                     num_logprobs=r.num_logprobs, top_k=r.top_k)
         if r.forced_top_k is not None:
             row.forced_top_k = r.forced_top_k
+        if r.forced_token_id is not None:
+            row.forced_token_id = r.forced_token_id
+        row.logit_bias_ids.extend(t for t, _ in r.logit_bias)
+        row.logit_bias_values.extend(v for _, v in r.logit_bias)
     return msg
 
 
@@ -124,7 +128,9 @@ def decode_plan(msg: pb.StepPlan) -> tuple[PlanView, list[SamplingRow]]:
                     num_padding_rows=msg.num_padding_rows, arrays=arrays, entries=entries, **pairs)
     rows = [SamplingRow(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed, position=r.position,
                         forced_top_k=r.forced_top_k if r.HasField("forced_top_k") else None,
-                        banned_token_ids=tuple(r.banned_token_ids), num_logprobs=r.num_logprobs)
+                        banned_token_ids=tuple(r.banned_token_ids), num_logprobs=r.num_logprobs,
+                        forced_token_id=r.forced_token_id if r.HasField("forced_token_id") else None,
+                        logit_bias=tuple(zip(r.logit_bias_ids, r.logit_bias_values)))
             for r in msg.sampling_rows]
     return view, rows
 

@@ -189,3 +189,18 @@ def test_sampler_interpreted_forced_tokens_match_cpu_sampler():
     assert ref.token_ids[0::4].tolist() == [5, 5] and ref.token_ids[2::4].tolist() == [699, 699]
     assert torch.isinf(ref.logprobs).any()  # some forced token lies outside its row's kept set
     _check(ref, _interpreted_sample(logits, rows, block=256))
+
+
+def test_kernel_sampler_interpreted_adds_logit_bias_as_the_cpu_sampler_does():
+    from services.worker.kernel_sampler import KernelSampler
+
+    gen = torch.Generator().manual_seed(4)
+    vocab, num_rows = 600, 6
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2.0
+    rows = [dataclasses.replace(r, logit_bias=((7, 30.0), (i, -3.5)), num_logprobs=2)
+            for i, r in enumerate(_mixed_rows(vocab, num_rows, gen))]
+    ref = Sampler()(logits, rows)
+    with interpreter():
+        got = KernelSampler(load_interpreted("sampler"))(logits, rows)
+    _check(ref, got)
+    assert (ref.top_token_ids[:, 0] == 7).all()  # +30 puts token 7 first in every row

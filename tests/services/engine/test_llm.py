@@ -143,3 +143,16 @@ def test_preemption_through_llm(mode):
     else:
         assert reasons == ["length"] * 3
     _pools_whole(small)
+
+
+def test_logit_bias_pairs_are_checked_and_kept_sorted():
+    assert SamplingParams(logit_bias={9: 1.5, 3: -2, 4: 0}).logit_bias == ((3, -2.0), (9, 1.5))  # 0 is a no-op
+    for bad, match in (({5: 101.0}, "-100 to 100"), ({5: float("nan")}, "-100 to 100"), (((5, 1.0), (5, 2.0)), "twice")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(logit_bias=bad)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_before_queueing(llm):
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([1, 2], SamplingParams(max_tokens=1, logit_bias={200_000: 1.0}))
+    _pools_whole(llm)

@@ -131,7 +131,6 @@ UNSUPPORTED = [
     ({"stop": "x"}, "stop"),
     ({"suffix": "tail"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"5": 3}}, "logit_bias"),
 ]
 
 
@@ -165,6 +164,24 @@ def test_logit_bias_ban_is_applied(served, reference_llm):
     code, reply, _ = post(served.http_url, "/v1/completions", {**body, "logit_bias": {str(greedy): -100}})
     assert code == 200
     assert reply["choices"][0]["logprobs"]["tokens"][0] != first
+
+
+def test_logit_bias_adds_to_the_logits(served, reference_llm):
+    """A +100 bias on a token the model ranks low makes it the greedy pick; its logprob is that of the
+    biased distribution, equal to the offline engine's with the same bias."""
+    prompt = [0, 5, 6]
+    low = reference_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=20))[0]
+    target = low.top_logprobs[0][-1][0]  # the 20th-ranked token
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+            "logit_bias": {str(target): 100}}
+    code, reply, _ = post(served.http_url, "/v1/completions", body)
+    assert code == 200
+    want = reference_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                           logit_bias={target: 100.0}))[0]
+    assert want.token_ids == [target]
+    assert reply["choices"][0]["logprobs"]["tokens"][0] == reference_llm.tokenizer.decode(
+        [target], skip_special_tokens=False)
+    assert reply["choices"][0]["logprobs"]["token_logprobs"][0] == want.logprobs[0]
 
 
 @pytest.mark.parametrize("bias,word", [({"999999": -100}, "vocabulary"), ({"x": -100}, "token ids"),

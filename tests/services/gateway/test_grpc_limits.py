@@ -69,7 +69,10 @@ def test_logit_bias_over_grpc(served):
     request.sampling.logit_bias[first] = -100
     banned = [r for r in generate(served.grpc_target, request) if r.HasField("chunk")][0].chunk.token_ids[0]
     assert banned != first
-    request.sampling.logit_bias[first] = 2.5
+    request.sampling.logit_bias[first] = 0
+    request.sampling.logit_bias[banned] = 100  # added to its logit: greedy takes it however it ranked
+    assert [r for r in generate(served.grpc_target, request) if r.HasField("chunk")][0].chunk.token_ids[0] == banned
+    request.sampling.logit_bias[first] = 100.5
     err = refusal(served.grpc_target, request)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logit_bias" in err.details()
 

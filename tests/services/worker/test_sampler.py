@@ -398,3 +398,18 @@ def test_a_forced_token_outside_the_vocabulary_is_refused():
         SAMPLER(torch.zeros(1, 5), [row(forced_token_id=5)])
     with pytest.raises(ValueError, match="forced_token_id"):
         row(forced_token_id=-1)
+
+
+def test_logit_bias_is_added_before_the_bans_and_the_rest_of_the_pipeline():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    rows = [row(temperature=0.0, logit_bias=((4, 5.0),), num_logprobs=2),
+            row(temperature=0.0, logit_bias=((4, 5.0),), banned_token_ids=(4,)),
+            row(top_k=2, logit_bias=((0, -2.5), (3, 2.5)), num_logprobs=2)]
+    out = SAMPLER(logits, rows)
+    assert out.token_ids[:2].tolist() == [4, 0]  # biased to the top; a ban still wins
+    biased = logits.clone()
+    biased[0, 4] += 5.0
+    assert out.logprobs[0] == torch.log_softmax(biased[0], -1)[4]
+    assert out.top_token_ids[2].tolist() == [3, 1]  # biased row [0.5, 2, 1, 2.5, -1]
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        SAMPLER(torch.zeros(1, 5), [row(logit_bias=((5, 1.0),))])

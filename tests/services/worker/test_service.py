@@ -45,9 +45,10 @@ def remote_llm():
 
 
 def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
-    prompts = ["Hello", "The deep sea is", [0, 19923, 19923, 19923]]
+    prompts = ["Hello", "The deep sea is", [0, 19923, 19923, 19923], "Forced"]
     params = [SamplingParams(max_tokens=5, seed=3, logprobs=2), SamplingParams(max_tokens=4, temperature=0),
-              SamplingParams(max_tokens=3, seed=9, top_p=0.9, top_k=50)]
+              SamplingParams(max_tokens=3, seed=9, top_p=0.9, top_k=50),
+              SamplingParams(max_tokens=3, seed=4, logprobs=1, forced_token_ids=(7, 8), logit_bias={9: 40.0, 10: -2.0})]
     local = LLM("tiny").generate(prompts, params)
     llm = remote_llm
     remote = llm.generate(prompts, params)
@@ -55,6 +56,7 @@ def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
         assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=0)
         assert a.top_logprobs == b.top_logprobs
+    assert remote[3].token_ids == [7, 8, 9]  # forced twice, then the +40 bias: both crossed the protocol
     stats = llm.stats()
     assert stats["free_blocks"] == stats["total_blocks"]
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%services/proto/worker/v1/worker.proto\x12\tworker.v1\"3\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xcb\x01\n\x0bSamplingRow\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08position\x18\x05 \x01(\x03\x12\x19\n\x0c\x66orced_top_k\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x10\x62\x61nned_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0cnum_logprobs\x18\x08 \x01(\rB\x08\n\x06_top_kB\x0f\n\r_forced_top_k\"\xfe\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12/\n\x06\x61rrays\x18\x04 \x03(\x0b\x32\x1f.worker.v1.StepPlan.ArraysEntry\x12-\n\rsampling_rows\x18\x05 \x03(\x0b\x32\x16.worker.v1.SamplingRow\x12\x12\n\nis_prefill\x18\x06 \x01(\x08\x12\x16\n\x0eis_placeholder\x18\x07 \x01(\x08\x12\x19\n\x11\x62lock_table_width\x18\x08 \x01(\r\x12\x14\n\x0c\x65ntry_ratios\x18\t \x03(\r\x12\x17\n\ngraph_size\x18\n \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10num_padding_rows\x18\x0b \x01(\r\x1a?\n\x0b\x41rraysEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1f\n\x05value\x18\x02 \x01(\x0b\x32\x10.worker.v1.Array:\x02\x38\x01\x42\r\n\x0b_graph_size\"\xe4\x02\n\nStepResult\x12\x12\n\nnum_tokens\x18\x01 \x03(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\x05\x12\"\n\x08logprobs\x18\x04 \x01(\x0b\x32\x10.worker.v1.Array\x12\'\n\rtop_token_ids\x18\x05 \x01(\x0b\x32\x10.worker.v1.Array\x12&\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x10.worker.v1.Array\x12\'\n\rexpert_counts\x18\x07 \x01(\x0b\x32\x10.worker.v1.Array\x12\x19\n\x11num_rows_computed\x18\x08 \x01(\r\x12\x0f\n\x07sampled\x18\t \x01(\x08\x12+\n\x11sampled_token_ids\x18\n \x01(\x0b\x32\x10.worker.v1.Array\x12(\n\x0esampled_errors\x18\x0b \x01(\x0b\x32\x10.worker.v1.Array\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x15\n\x13GetModelInfoRequest\"]\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rconfig_sha256\x18\x02 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r2\xcb\x01\n\x06Worker\x12\x39\n\x0b\x45xecuteStep\x12\x13.worker.v1.StepPlan\x1a\x15.worker.v1.StepResult\x12@\n\x07Release\x12\x19.worker.v1.ReleaseRequest\x1a\x1a.worker.v1.ReleaseResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.worker.v1.GetModelInfoRequest\x1a\x14.worker.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%services/proto/worker/v1/worker.proto\x12\tworker.v1\"3\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb0\x02\n\x0bSamplingRow\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08position\x18\x05 \x01(\x03\x12\x19\n\x0c\x66orced_top_k\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x10\x62\x61nned_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0cnum_logprobs\x18\x08 \x01(\r\x12\x1c\n\x0f\x66orced_token_id\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0elogit_bias_ids\x18\n \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\x42\x08\n\x06_top_kB\x0f\n\r_forced_top_kB\x12\n\x10_forced_token_id\"\xfe\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12/\n\x06\x61rrays\x18\x04 \x03(\x0b\x32\x1f.worker.v1.StepPlan.ArraysEntry\x12-\n\rsampling_rows\x18\x05 \x03(\x0b\x32\x16.worker.v1.SamplingRow\x12\x12\n\nis_prefill\x18\x06 \x01(\x08\x12\x16\n\x0eis_placeholder\x18\x07 \x01(\x08\x12\x19\n\x11\x62lock_table_width\x18\x08 \x01(\r\x12\x14\n\x0c\x65ntry_ratios\x18\t \x03(\r\x12\x17\n\ngraph_size\x18\n \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10num_padding_rows\x18\x0b \x01(\r\x1a?\n\x0b\x41rraysEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1f\n\x05value\x18\x02 \x01(\x0b\x32\x10.worker.v1.Array:\x02\x38\x01\x42\r\n\x0b_graph_size\"\xe4\x02\n\nStepResult\x12\x12\n\nnum_tokens\x18\x01 \x03(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\x05\x12\"\n\x08logprobs\x18\x04 \x01(\x0b\x32\x10.worker.v1.Array\x12\'\n\rtop_token_ids\x18\x05 \x01(\x0b\x32\x10.worker.v1.Array\x12&\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x10.worker.v1.Array\x12\'\n\rexpert_counts\x18\x07 \x01(\x0b\x32\x10.worker.v1.Array\x12\x19\n\x11num_rows_computed\x18\x08 \x01(\r\x12\x0f\n\x07sampled\x18\t \x01(\x08\x12+\n\x11sampled_token_ids\x18\n \x01(\x0b\x32\x10.worker.v1.Array\x12(\n\x0esampled_errors\x18\x0b \x01(\x0b\x32\x10.worker.v1.Array\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x15\n\x13GetModelInfoRequest\"]\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rconfig_sha256\x18\x02 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r2\xcb\x01\n\x06Worker\x12\x39\n\x0b\x45xecuteStep\x12\x13.worker.v1.StepPlan\x1a\x15.worker.v1.StepResult\x12@\n\x07Release\x12\x19.worker.v1.ReleaseRequest\x1a\x1a.worker.v1.ReleaseResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.worker.v1.GetModelInfoRequest\x1a\x14.worker.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARRAY']._serialized_start=52
   _globals['_ARRAY']._serialized_end=103
   _globals['_SAMPLINGROW']._serialized_start=106
-  _globals['_SAMPLINGROW']._serialized_end=309
-  _globals['_STEPPLAN']._serialized_start=312
-  _globals['_STEPPLAN']._serialized_end=694
-  _globals['_STEPPLAN_ARRAYSENTRY']._serialized_start=616
-  _globals['_STEPPLAN_ARRAYSENTRY']._serialized_end=679
-  _globals['_STEPRESULT']._serialized_start=697
-  _globals['_STEPRESULT']._serialized_end=1053
-  _globals['_RELEASEREQUEST']._serialized_start=1055
-  _globals['_RELEASEREQUEST']._serialized_end=1091
-  _globals['_RELEASERESPONSE']._serialized_start=1093
-  _globals['_RELEASERESPONSE']._serialized_end=1110
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1112
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1133
-  _globals['_MODELINFO']._serialized_start=1135
-  _globals['_MODELINFO']._serialized_end=1228
-  _globals['_WORKER']._serialized_start=1231
-  _globals['_WORKER']._serialized_end=1434
+  _globals['_SAMPLINGROW']._serialized_end=410
+  _globals['_STEPPLAN']._serialized_start=413
+  _globals['_STEPPLAN']._serialized_end=795
+  _globals['_STEPPLAN_ARRAYSENTRY']._serialized_start=717
+  _globals['_STEPPLAN_ARRAYSENTRY']._serialized_end=780
+  _globals['_STEPRESULT']._serialized_start=798
+  _globals['_STEPRESULT']._serialized_end=1154
+  _globals['_RELEASEREQUEST']._serialized_start=1156
+  _globals['_RELEASEREQUEST']._serialized_end=1192
+  _globals['_RELEASERESPONSE']._serialized_start=1194
+  _globals['_RELEASERESPONSE']._serialized_end=1211
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1213
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1234
+  _globals['_MODELINFO']._serialized_start=1236
+  _globals['_MODELINFO']._serialized_end=1329
+  _globals['_WORKER']._serialized_start=1332
+  _globals['_WORKER']._serialized_end=1535
 # @@protoc_insertion_point(module_scope)

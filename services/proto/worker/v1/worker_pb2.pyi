@@ -17,7 +17,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingRow(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "position", "forced_top_k", "banned_token_ids", "num_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "position", "forced_top_k", "banned_token_ids", "num_logprobs", "forced_token_id", "logit_bias_ids", "logit_bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,9 @@ class SamplingRow(_message.Message):
     FORCED_TOP_K_FIELD_NUMBER: _ClassVar[int]
     BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -34,7 +37,10 @@ class SamplingRow(_message.Message):
     forced_top_k: int
     banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., position: _Optional[int] = ..., forced_top_k: _Optional[int] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
+    forced_token_id: int
+    logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., position: _Optional[int] = ..., forced_top_k: _Optional[int] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ..., forced_token_id: _Optional[int] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "kind", "request_ids", "arrays", "sampling_rows", "is_prefill", "is_placeholder", "block_table_width", "entry_ratios", "graph_size", "num_padding_rows")
