@@ -8,23 +8,13 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.engine import Engine
 from services.engine.llm import default_runner
 
 NUM_PROMPTS = 16
 NUM_TOKENS = 16
 
 
-@pytest.fixture(autouse=True)
-def pools_checked_after_every_step(monkeypatch):
-    step = Engine.step
-
-    def checked(self):
-        outputs = step(self)
-        self.scheduler.check_invariants()
-        return outputs
-
-    monkeypatch.setattr(Engine, "step", checked)
+pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # conftest.py
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -6,22 +6,11 @@ import torch
 
 from services.engine import LLM, SamplingParams
 
-from services.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def pools_checked_after_every_step(monkeypatch):
-    """Pool conservation and reference counts must hold after every engine step of every test."""
-    step = Engine.step
-
-    def checked(self):
-        outputs = step(self)
-        self.scheduler.check_invariants()
-        return outputs
-
-    monkeypatch.setattr(Engine, "step", checked)
+pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # conftest.py
 
 
 @pytest.fixture(scope="module")
