@@ -6,7 +6,6 @@ import torch
 
 from services.engine import LLM, SamplingParams
 
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
