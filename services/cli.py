@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"shinkai {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # a parser that registered, then a command needing what is not built
+        if err.name is None or not err.name.startswith("scheduler_rs"):
+            raise
+        print(f"shinkai {args.command}: error: needs {err.name}, which is not importable ({err}); build it with "
+              "`. scripts/dev-env.sh`", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -221,6 +221,6 @@ def test_eplb_works_without_the_rust_extension(tmp_path):
     eplb = subprocess.run([sys.executable, "-c", prelude, "eplb", "plan", "--load", str(load), "--num-gpus",
                            "4", "--num-redundant", "4", "--policy", "deepseek"], capture_output=True, text=True)
     assert eplb.returncode == 0 and "candidate 1.3201" in eplb.stdout, eplb.stderr
-    generate = subprocess.run([sys.executable, "-c", prelude, "generate", "--model", "x"], capture_output=True,
-                              text=True)
+    generate = subprocess.run([sys.executable, "-c", prelude, "generate", "--model", "x", "--prompt", "Hi"],
+                              capture_output=True, text=True)
     assert generate.returncode == 2 and "needs scheduler_rs" in generate.stderr, generate.stderr
