@@ -20,7 +20,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     ``config.cuda_graphs``, the cached runner (kernel backend) inside a GraphRunner that replays
     decode graphs, every size captured here, before the first request."""
     try:
-        from services.worker.model_runner import ModelRunner as CachedRunner
+        from services.worker.model_runner import ModelRunner
     except ImportError:
         from services.worker.reference_runner import ReferenceRunner
 
@@ -28,7 +28,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
             raise
         return ReferenceRunner(source.model)
     if not config.cuda_graphs:
-        return CachedRunner(source.model, config.worker_config())  # type: ignore[call-arg]
+        return ModelRunner(source.model, config.worker_config())  # type: ignore[call-arg]
     device = source.model.embed.weight.device
     if device.type != "cuda":  # before the runner converts the model in place
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
@@ -37,7 +37,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     from services.worker.graph_runner import GraphRunner
 
     worker_config = config.worker_config()
-    runner = GraphRunner(CachedRunner(source.model, worker_config), worker_config, use_graphs=True, attention="triton")
+    runner = GraphRunner(ModelRunner(source.model, worker_config), worker_config, use_graphs=True, attention="triton")
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width)
     # would stall the requests in it. The sizes are the scheduler's own rule (nextn = 0).
     runner.capture(graph_sizes(config.max_num_seqs))
