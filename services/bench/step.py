@@ -23,7 +23,6 @@ import datetime
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -119,30 +118,16 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
 
 
 def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
-    import torch
-
     from services.bench.floors import step_cost
     from services.bench.step_build import runner_cache
-    from services.bench.step_timing import _sync
-    from services.engine import SamplingParams
+    from services.bench.step_timing import time_prompt_step
 
     rows = []
     for tokens in sizes["prefill"]:
         seconds = []
         try:  # one size failing (e.g. memory at 32K) keeps the others' rows
             llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
-            engine = llm.engine
-            device = runner_cache(llm).blocks.device
-            for i in range(2):  # the first is a warm-up
-                engine.add_request(f"p{i}", torch.randint(3, cfg.vocab_size, (tokens,)).tolist(),
-                                   SamplingParams(max_tokens=1, ignore_eos=True))
-                _sync(device)
-                t0 = time.perf_counter()
-                engine.step()
-                _sync(device)
-                seconds.append(time.perf_counter() - t0)
-                while engine.has_unfinished():
-                    engine.step()
+            seconds.append(time_prompt_step(llm.engine, runner_cache(llm).blocks.device, tokens, cfg.vocab_size))
         except Exception as exc:
             print(f"prefill {tokens:>6} tokens: FAILED: {type(exc).__name__}: {exc}")
             rows.append({"section": "prefill failed", "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"})

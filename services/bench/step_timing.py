@@ -135,6 +135,23 @@ def time_prefill(run_chunk: Callable[[], object], device: torch.device, repeats:
     return out
 
 
+def time_prompt_step(engine: Engine, device: torch.device, tokens: int, vocab_size: int) -> float:
+    """Seconds of the step that prefills one random ``tokens``-token prompt whole, after an untimed one of the
+    same size (compiles); each request then runs to its end, so the pools come back whole."""
+    seconds = 0.0
+    for i in range(2):
+        engine.add_request(f"p{i}", torch.randint(3, vocab_size, (tokens,)).tolist(),
+                           SamplingParams(max_tokens=1, ignore_eos=True))
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        while engine.has_unfinished():
+            engine.step()
+    return seconds
+
+
 def fit_line(rows: list[int], seconds: list[float]) -> tuple[float, float]:
     """Least-squares a + b·rows."""
     n = len(rows)
