@@ -72,21 +72,31 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: SparseState) -> tuple[torch.Tensor, SparseState]:
         """x [B, S, D] (attn_norm output), positions [B, S] = 0..S−1 → ([B, S, D], state for later layers)."""
         angles = rope_angles(positions, self.freqs)  # [B, S, P]
-        q_latent = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
-        q = apply_rope(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)  # [B, S, H, hd]
-        kv = fake_quant_fp8_e4m3(apply_rope(self.kv_norm(self.wkv(x)), angles))  # [B, S, hd]
+        q_latent, q = self.queries(x, angles)
+        kv = self.window_kv(x, angles)  # [B, S, hd]
         if self.ratio:
             state = self._sparse(x, positions, q_latent, state)
         if batch_invariant.active():
             out = self._attend_per_query(q, kv, state)
-            return self._project_out(out, angles), state
+            return self.project_out(out, angles), state
         allowed = window_mask(positions, self.window)  # [B, S, S]
         if self.ratio:
             width = state.compressed_kv.shape[1]
             kv = torch.cat((kv, state.compressed_kv), dim=1)  # [B, S + W, hd]
             allowed = torch.cat((allowed, selection_mask(state.selected, width)), dim=-1)
         out = sink_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)  # [B, S, H, hd]
-        return self._project_out(out, angles), state
+        return self.project_out(out, angles), state
+
+    def queries(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, D], angles [B, S, P] → (q latent [B, S, q_lora], rotated queries [B, S, H, hd])."""
+        q_latent = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
+        q = apply_rope(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)  # [B, S, H, hd]
+        return q_latent, q
+
+    def window_kv(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """The K=V latent of ``x`` as the window cache holds it: kv_norm(wkv x), rotated, FP8-rounded.
+        x [B, S, D], angles [B, S, P] → [B, S, hd]."""
+        return fake_quant_fp8_e4m3(apply_rope(self.kv_norm(self.wkv(x)), angles))
 
     def _attend_per_query(self, q: torch.Tensor, kv: torch.Tensor, state: SparseState) -> torch.Tensor:
         """``sink_attention`` with every query's keys gathered in the cached engine's layout (window
@@ -137,12 +147,16 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~candidates, -torch.inf)
         return scores, candidates
 
-    def _project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    def project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Undo RoPE on the attended values and apply wo_a (per group), wo_b: [B, S, H, hd] → [B, S, D]."""
         out = apply_rope(out, angles, inverse=True)  # [B, S, H, hd]
         grouped = out.reshape(*out.shape[:2], self.num_groups, -1)  # [B, S, G, H/G·hd]
         w = self.wo_a.weight.view(self.num_groups, -1, grouped.shape[-1])  # [G, R, H/G·hd]
         low = torch.einsum("bsgi,gri->bsgr", grouped, w)  # [B, S, G, R]
         return self.wo_b(low.flatten(2))  # [B, S, D]
+
+    # The earlier name, still called by the cached engine's attention steps (services/worker).
+    _project_out = project_out
 
 
 def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -46,65 +46,105 @@ class TensorSpec:
 
 
 def tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every released text-backbone weight for ``cfg`` (no ``mtp.*``/vision keys), by name."""
-    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-    n = cfg.hc_mult
+    """Every released weight for ``cfg`` by name, in init order: the text backbone, then the DSpark draft
+    (``mtp.*``, after every backbone tensor so that adding it leaves the backbone's random draws alone)."""
+    specs = text_specs(cfg) + draft_specs(cfg)
+    return {s.name: s for s in specs}
+
+
+def text_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """The text backbone's tensors: embed, norm, head, then each layer."""
+    d = cfg.hidden_size
     specs: list[TensorSpec] = [
         TensorSpec("embed.weight", (cfg.vocab_size, d), "bf16", "embed.weight"),
         TensorSpec("norm.weight", (d,), "bf16", "norm.weight"),
         TensorSpec("head.weight", (cfg.vocab_size, d), "bf16", "head.weight"),
     ]
     for i in range(cfg.num_hidden_layers):
-        p, m = f"layers.{i}.", f"layers.{i}."
+        specs += layer_specs(cfg, i, f"layers.{i}.", f"layers.{i}.", cfg.n_routed_experts)
+    return specs
 
-        def add(name: str, shape: tuple[int, ...], fmt: Format, target: str, index: int | None = None) -> None:
-            specs.append(TensorSpec(p + name, shape, fmt, m + target, index))
 
-        add("attn_norm.weight", (d,), "bf16", "attn_norm.weight")
-        add("ffn_norm.weight", (d,), "bf16", "ffn_norm.weight")
-        add("attn.wq_a.weight", (cfg.q_lora_rank, d), "fp8_block", "attn.wq_a.weight")
-        add("attn.q_norm.weight", (cfg.q_lora_rank,), "bf16", "attn.q_norm.weight")
-        add("attn.wq_b.weight", (h * hd, cfg.q_lora_rank), "fp8_block", "attn.wq_b.weight")
-        add("attn.wkv.weight", (hd, d), "fp8_block", "attn.wkv.weight")
-        add("attn.kv_norm.weight", (hd,), "bf16", "attn.kv_norm.weight")
-        add("attn.wo_a.weight", (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), "fp8_block",
-            "attn.wo_a.weight")
-        add("attn.wo_b.weight", (d, cfg.o_groups * cfg.o_lora_rank), "fp8_block", "attn.wo_b.weight")
-        add("attn.attn_sink", (h,), "fp32", "attn.attn_sink")
-        if i in cfg.kv_source_layer_ids:
-            add("attn.compressor.wkv.weight", (hd, d), "bf16", "attn.compressor.wkv.weight")
-            if cfg.ratio(i) == 2:
-                add("attn.compressor.wgate.weight", (hd, d), "bf16", "attn.compressor.wgate.weight")
-            add("attn.compressor.norm.weight", (hd,), "bf16", "attn.compressor.norm.weight")
-            add("attn.indexer.wk.weight", (cfg.index_head_dim, hd), "bf16", "attn.indexer.wk.weight")
-            add("attn.indexer.k_norm.weight", (cfg.index_head_dim,), "bf16", "attn.indexer.k_norm.weight")
-        if i in cfg.index_source_layer_ids:
-            add("attn.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8_block",
-                "attn.indexer.wq_b.weight")
-            add("attn.indexer.weights_proj.weight", (cfg.index_n_heads, d), "bf16", "attn.indexer.weights_proj.weight")
-        add("ffn.gate.weight", (e, d), "bf16", "ffn.gate_weight")
-        add("ffn.gate.bias", (e,), "fp32", "ffn.gate_bias")
-        add("ffn.gate.bias_vl", (e,), "fp32", "ffn.bias_vl")
-        for j in range(e):
-            add(f"ffn.experts.{j}.w1.weight", (inter, d), "mxfp4", "ffn.w1", j)
-            add(f"ffn.experts.{j}.w2.weight", (d, inter), "mxfp4", "ffn.w2", j)
-            add(f"ffn.experts.{j}.w3.weight", (inter, d), "mxfp4", "ffn.w3", j)
-        add("ffn.shared_experts.w1.weight", (inter, d), "fp8_block", "ffn.shared_w1")
-        add("ffn.shared_experts.w2.weight", (d, inter), "fp8_block", "ffn.shared_w2")
-        add("ffn.shared_experts.w3.weight", (inter, d), "fp8_block", "ffn.shared_w3")
-        for site in ("attn", "ffn"):
-            add(f"hc_{site}_fn", (n * (n + 2), n * d), "fp32", f"hc_{site}.fn")
-            add(f"hc_{site}_base", (n * (n + 2),), "fp32", f"hc_{site}.base")
-            add(f"hc_{site}_scale", (3,), "fp32", f"hc_{site}.scale")
-        if i in cfg.engram_layer_ids:
-            rows = cfg.engram_num_embeddings[list(cfg.engram_layer_ids).index(i)]
-            add("engram.embed.weight", (rows, cfg.engram_head_dim), "fp8_rowwise", "engram.embed.weight")
-            add("engram.wkv.weight", ((n + 1) * d, cfg.engram_hash_heads() * cfg.engram_head_dim), "fp8_block",
-                "engram.wkv.weight")
-            add("engram.q_weight", (n, d), "bf16", "engram.q_weight")
-            add("engram.k_weight", (n, d), "bf16", "engram.k_weight")
-    return {s.name: s for s in specs}
+def draft_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """The DSpark draft's tensors (spec §3.12): ``mtp.k.*`` per stage, like a ratio-0 backbone layer with
+    the draft's expert count; ``main_proj``/``main_norm`` on stage 0; the final norm, the Markov head and
+    the confidence head on the last stage. Targets are under ``DeepseekV41.draft``."""
+    stages = cfg.num_nextn_predict_layers
+    d, rank = cfg.hidden_size, cfg.dspark_markov_rank
+    specs: list[TensorSpec] = []
+    for k in range(stages):
+        p, t = f"mtp.{k}.", "draft."
+        specs += layer_specs(cfg, cfg.num_hidden_layers + k, p, f"{t}stages.{k}.", cfg.dspark_n_routed_experts)
+        if k == 0:
+            specs += [TensorSpec(p + "main_proj.weight", (d, d * len(cfg.dspark_target_layer_ids)), "fp8_block",
+                                 t + "main_proj.weight"),
+                      TensorSpec(p + "main_norm.weight", (d,), "bf16", t + "main_norm.weight")]
+        if k == stages - 1:
+            specs += [TensorSpec(p + "norm.weight", (d,), "bf16", t + "norm.weight"),
+                      TensorSpec(p + "markov_head.embed.weight", (cfg.vocab_size, rank), "bf16",
+                                 t + "markov_embed.weight"),
+                      TensorSpec(p + "markov_head.head.weight", (cfg.vocab_size, rank), "bf16",
+                                 t + "markov_head.weight"),
+                      TensorSpec(p + "confidence_head.proj.weight", (1, d + rank), "fp32",
+                                 t + "confidence_proj.weight")]
+    return specs
+
+
+def layer_specs(cfg: ModelConfig, i: int, p: str, m: str, num_experts: int) -> list[TensorSpec]:
+    """One layer's tensors named under ``p`` with targets under ``m``: backbone layer or draft stage ``i``
+    (its schedule index: ratio, sources and Engram come from ``cfg`` at ``i``)."""
+    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    inter = cfg.moe_intermediate_size
+    n = cfg.hc_mult
+    specs: list[TensorSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], fmt: Format, target: str, index: int | None = None) -> None:
+        specs.append(TensorSpec(p + name, shape, fmt, m + target, index))
+
+    add("attn_norm.weight", (d,), "bf16", "attn_norm.weight")
+    add("ffn_norm.weight", (d,), "bf16", "ffn_norm.weight")
+    add("attn.wq_a.weight", (cfg.q_lora_rank, d), "fp8_block", "attn.wq_a.weight")
+    add("attn.q_norm.weight", (cfg.q_lora_rank,), "bf16", "attn.q_norm.weight")
+    add("attn.wq_b.weight", (h * hd, cfg.q_lora_rank), "fp8_block", "attn.wq_b.weight")
+    add("attn.wkv.weight", (hd, d), "fp8_block", "attn.wkv.weight")
+    add("attn.kv_norm.weight", (hd,), "bf16", "attn.kv_norm.weight")
+    add("attn.wo_a.weight", (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), "fp8_block",
+        "attn.wo_a.weight")
+    add("attn.wo_b.weight", (d, cfg.o_groups * cfg.o_lora_rank), "fp8_block", "attn.wo_b.weight")
+    add("attn.attn_sink", (h,), "fp32", "attn.attn_sink")
+    if i in cfg.kv_source_layer_ids:
+        add("attn.compressor.wkv.weight", (hd, d), "bf16", "attn.compressor.wkv.weight")
+        if cfg.ratio(i) == 2:
+            add("attn.compressor.wgate.weight", (hd, d), "bf16", "attn.compressor.wgate.weight")
+        add("attn.compressor.norm.weight", (hd,), "bf16", "attn.compressor.norm.weight")
+        add("attn.indexer.wk.weight", (cfg.index_head_dim, hd), "bf16", "attn.indexer.wk.weight")
+        add("attn.indexer.k_norm.weight", (cfg.index_head_dim,), "bf16", "attn.indexer.k_norm.weight")
+    if i in cfg.index_source_layer_ids:
+        add("attn.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8_block",
+            "attn.indexer.wq_b.weight")
+        add("attn.indexer.weights_proj.weight", (cfg.index_n_heads, d), "bf16", "attn.indexer.weights_proj.weight")
+    add("ffn.gate.weight", (num_experts, d), "bf16", "ffn.gate_weight")
+    add("ffn.gate.bias", (num_experts,), "fp32", "ffn.gate_bias")
+    add("ffn.gate.bias_vl", (num_experts,), "fp32", "ffn.bias_vl")
+    for j in range(num_experts):
+        add(f"ffn.experts.{j}.w1.weight", (inter, d), "mxfp4", "ffn.w1", j)
+        add(f"ffn.experts.{j}.w2.weight", (d, inter), "mxfp4", "ffn.w2", j)
+        add(f"ffn.experts.{j}.w3.weight", (inter, d), "mxfp4", "ffn.w3", j)
+    add("ffn.shared_experts.w1.weight", (inter, d), "fp8_block", "ffn.shared_w1")
+    add("ffn.shared_experts.w2.weight", (d, inter), "fp8_block", "ffn.shared_w2")
+    add("ffn.shared_experts.w3.weight", (inter, d), "fp8_block", "ffn.shared_w3")
+    for site in ("attn", "ffn"):
+        add(f"hc_{site}_fn", (n * (n + 2), n * d), "fp32", f"hc_{site}.fn")
+        add(f"hc_{site}_base", (n * (n + 2),), "fp32", f"hc_{site}.base")
+        add(f"hc_{site}_scale", (3,), "fp32", f"hc_{site}.scale")
+    if i in cfg.engram_layer_ids:
+        rows = cfg.engram_num_embeddings[list(cfg.engram_layer_ids).index(i)]
+        add("engram.embed.weight", (rows, cfg.engram_head_dim), "fp8_rowwise", "engram.embed.weight")
+        add("engram.wkv.weight", ((n + 1) * d, cfg.engram_hash_heads() * cfg.engram_head_dim), "fp8_block",
+            "engram.wkv.weight")
+        add("engram.q_weight", (n, d), "bf16", "engram.q_weight")
+        add("engram.k_weight", (n, d), "bf16", "engram.k_weight")
+    return specs
 
 
 def stored_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -1,8 +1,8 @@
 """DeepSeek-V4.1 text configuration (spec §2), read from the composite HF ``config.json``.
 
-The checkpoint's ``config.json`` holds ``text_config`` (the backbone), ``vision_config`` and
-``quantization_config``. Only ``text_config`` shapes the text model; the vision tower and the
-DSpark draft come later, so their fields are kept but not used.
+The checkpoint's ``config.json`` holds ``text_config`` (the backbone and the DSpark draft),
+``vision_config`` and ``quantization_config``. Only ``text_config`` shapes the model; the vision
+tower comes later, so its fields are kept but not used.
 
 Values the references do not implement, or implement differently from each other, are rejected
 with a ``ValueError`` naming the field, rather than silently computing something else.
@@ -78,6 +78,15 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
+    # DSpark draft (spec §3.12): stages ``mtp.0..`` after the backbone's layers (ratio-0 entries in
+    # compress_ratios); 0 stages = no draft.
+    num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 5  # draft positions per block: the anchor then noise tokens
+    dspark_noise_token_id: int = 128799  # the token in every non-anchor slot of a block
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)  # layers whose attention-input streams are tapped
+    dspark_markov_rank: int = 256  # rank of the Markov head's token-transition bias
+    dspark_n_routed_experts: int = 128  # routed experts in each draft stage's MoE
+    dspark_num_experts_per_tok: int = 3
     # Fields the text backbone does not read, carried so a config round-trips.
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -146,6 +155,7 @@ def validate(cfg: ModelConfig) -> None:
         raise ValueError(f"swiglu_limit must be finite and positive, got {cfg.swiglu_limit!r}")
     _validate_schedule(cfg)
     _validate_engram(cfg)
+    _validate_draft(cfg)
 
 
 def _validate_schedule(cfg: ModelConfig) -> None:
@@ -195,6 +205,29 @@ def _validate_engram(cfg: ModelConfig) -> None:
         raise ValueError(f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the vocabulary")
     for rows in cfg.engram_num_embeddings:
         _positive_int("engram_num_embeddings entry", rows)
+
+
+def _validate_draft(cfg: ModelConfig) -> None:
+    stages = cfg.num_nextn_predict_layers
+    if type(stages) is not int or stages < 0:
+        raise ValueError(f"num_nextn_predict_layers must be a non-negative integer, got {stages!r}")
+    if not stages:
+        return
+    for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"):
+        _positive_int(name, getattr(cfg, name))
+    n = cfg.num_hidden_layers
+    ratios = cfg.compress_ratios[n:n + stages]
+    if len(ratios) < stages or any(ratios):
+        raise ValueError(f"compress_ratios needs {stages} ratio-0 entries after the {n} backbone layers for the "
+                         f"DSpark stages, got {list(ratios)}")
+    ids = list(cfg.dspark_target_layer_ids)
+    if not ids or ids != sorted(set(ids)) or any(type(i) is not int or not 0 <= i < n for i in ids):
+        raise ValueError(f"dspark_target_layer_ids={ids} must be strictly increasing layer ids below "
+                         f"num_hidden_layers={n}")
+    if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
+        raise ValueError(f"dspark_noise_token_id={cfg.dspark_noise_token_id} is outside the vocabulary")
+    if not 2 <= cfg.dspark_num_experts_per_tok <= cfg.dspark_n_routed_experts:
+        raise ValueError("dspark_num_experts_per_tok must be at least 2 and at most dspark_n_routed_experts")
 
 
 # ---- reading and writing config.json ---------------------------------------------------------

@@ -112,8 +112,10 @@ def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int,
 
 
 def checkpoint_parts(cfg: ModelConfig) -> list[tuple[str, ...]]:
-    """Name prefixes per shard of the sharded layout: embed, norm and head first, then one layer each."""
-    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers))]
+    """Name prefixes per shard of the sharded layout: embed, norm and head first, then one layer each, then
+    the DSpark draft when the config has one."""
+    draft = [("mtp.",)] if cfg.num_nextn_predict_layers else []
+    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers)), *draft]
 
 
 def write_sharded_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
@@ -174,7 +176,8 @@ def init_preset(name: str, out_dir: str | Path, seed: int = 0, num_layers: int |
 
 
 def first_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
-    """``cfg`` cut to its first ``num_layers`` layers, each keeping its role (ratio, sources, Engram table)."""
+    """``cfg`` cut to its first ``num_layers`` layers, each keeping its role (ratio, sources, Engram table);
+    the DSpark draft stays only if every layer it taps stays."""
     import dataclasses
 
     keep = range(num_layers)
@@ -186,4 +189,5 @@ def first_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
         kv_source_layer_ids=tuple(i for i in cfg.kv_source_layer_ids if i in keep),
         index_source_layer_ids=tuple(i for i in cfg.index_source_layer_ids if i in keep),
         candidate_source_layer_id=candidate,
-        engram_layer_ids=tuple(i for i, _ in engram), engram_num_embeddings=tuple(rows for _, rows in engram))
+        engram_layer_ids=tuple(i for i, _ in engram), engram_num_embeddings=tuple(rows for _, rows in engram),
+        num_nextn_predict_layers=cfg.num_nextn_predict_layers if max(cfg.dspark_target_layer_ids) < num_layers else 0)

@@ -7,67 +7,31 @@
         mixF = Mix(h; hc_ffn);   f = MoE(ffn_norm(Collapse(h, mixA.pre))); h ← Expand(f, h, mixF)
         pre ← mixF.pre
     logits = head(norm(Collapse(h, pre)))      (the final collapse is learned, not a mean)
+    taps = concat over dspark_target_layer_ids of mean_streams(h entering that layer's attention mixer)
 
-Positions are 0..S−1 for every row (reference mode). ``Block.run`` is the layer around its
+Positions are 0..S−1 for every row (reference mode). The DSpark draft (``draft``, model/deepseek_v41/
+dspark.py) reads ``taps``, and shares ``embed`` and ``head``. ``Block.run`` is the layer around its
 attention, so the cached engine (``services/worker/model_runner.py``) reuses everything but the
 attention, which it replaces with one that reads and writes the paged caches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.deepseek_v41.attention import Attention, SparseState
+from model.deepseek_v41.attention import SparseState
+from model.deepseek_v41.block import Block
 from model.deepseek_v41.config import ModelConfig
-from model.deepseek_v41.engram import Engram, EngramHasher
-from model.deepseek_v41.mhc import HyperConnection, collapse, initial_pre
-from model.deepseek_v41.moe import MoE
+from model.deepseek_v41.dspark import DSpark
+from model.deepseek_v41.engram import EngramHasher
+from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.norm import RMSNorm
 
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn = MoE(cfg)
-        self.hc_attn = HyperConnection(cfg)
-        self.hc_ffn = HyperConnection(cfg)
-        engram_ids = list(cfg.engram_layer_ids)
-        self.engram_index = engram_ids.index(layer) if layer in engram_ids else None
-        self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index]) if layer in engram_ids else None
-
-    def forward(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, state: SparseState,
-                engram_rows: torch.Tensor | None, live: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, SparseState]:
-        """h [B, S, n, D], pre fp32 [B, S, n] → (h, next pre, state)."""
-        published = [state]
-
-        def attend(x: torch.Tensor) -> torch.Tensor:
-            out, published[0] = self.attn(x, positions, published[0])
-            return out
-
-        h, pre = self.run(h, pre, attend, engram_rows, live)
-        return h, pre, published[0]
-
-    def run(self, h: torch.Tensor, pre: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-            engram_rows: torch.Tensor | None, live: torch.Tensor | None,
-            expert_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer around its attention: ``attend`` maps attn_norm output [B, S, D] → [B, S, D]
-        (the full-sequence attention, or a cached engine's). ``engram_rows`` [B, S, L, heads] for
-        every Engram layer; ``expert_counts`` int64 [E] gains this layer's routed tokens."""
-        if self.engram is not None:
-            h = self.engram(h, engram_rows[:, :, self.engram_index], live)
-        mix_a, x = self.hc_attn.mix_collapse(h, pre)
-        h, mix_f, x = self.hc_ffn.expand_mix_collapse(attend(self.attn_norm(x)), h, mix_a)
-        h = self.hc_ffn.expand(self.ffn(self.ffn_norm(x), expert_counts), h, mix_f)
-        return h, mix_f.pre
+__all__ = ["Block", "DeepseekV41"]
 
 
 class DeepseekV41(nn.Module):
@@ -86,9 +50,16 @@ class DeepseekV41(nn.Module):
             if token_map is None or num_compressed is None:
                 raise ValueError("a config with Engram layers needs the tokenizer's Engram token map")
             self.hasher = EngramHasher(cfg, token_map, num_compressed)
+        self.draft = DSpark(cfg) if cfg.num_nextn_predict_layers else None
 
     def forward(self, ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """ids int [B, S] → logits fp32 [B, S, vocab]. ``live`` [B, S] bool marks tokens Engram may read."""
+        return self.forward_with_taps(ids, live, with_taps=False)[0]
+
+    def forward_with_taps(self, ids: torch.Tensor, live: torch.Tensor | None = None, *, with_taps: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids int [B, S] → (logits fp32 [B, S, vocab], the draft's target features fp32 [B, S, T·D] for
+        the T = len(dspark_target_layer_ids) tapped layers, or None without ``with_taps``)."""
         b, s = ids.shape
         if s == 0:
             raise ValueError("empty sequence")
@@ -98,7 +69,9 @@ class DeepseekV41(nn.Module):
         pre = initial_pre(ids.shape, self.cfg.hc_mult, ids.device)
         rows = self.hasher.rows(self.hasher.history(ids, live)) if self.hasher is not None else None
         state = SparseState()
+        taps: list[torch.Tensor] = []
+        tapped = set(self.cfg.dspark_target_layer_ids) if with_taps else set()
         for block in self.layers:
-            h, pre, state = block(h, pre, positions, state, rows, live)
+            h, pre, state = block(h, pre, positions, state, rows, live, taps if block.layer in tapped else None)
         y = self.norm(collapse(h, pre))  # [B, S, D]
-        return F.linear(y.float(), self.head.weight.float())
+        return F.linear(y.float(), self.head.weight.float()), torch.cat(taps, dim=-1) if taps else None

@@ -1,7 +1,8 @@
 """Model presets, defined in this one place.
 
 ``tiny``   the built-in default: the oracle's tiny shapes (spec §5.4) with the real DeepSeek
-           vocabulary (129,280 ids, 99,092 Engram-compressed ids). Runs on CPU.
+           vocabulary (129,280 ids, 99,092 Engram-compressed ids) and a 3-stage DSpark draft
+           tapping layers 5–7. Runs on CPU.
 ``v41-s1`` the single-H200 benchmark shape: Flash per-layer shapes (spec §2), 40 layers, 48 routed
            experts per layer, FP8/MXFP4 weights. Engram tables are shrunk by drawing the hash primes
            above 3,000,000 instead of 16,000,000 (rows per table: ``ENGRAM_S1_ROWS``), about 80 GB
@@ -26,7 +27,7 @@ TINY = ModelConfig(
     o_lora_rank=16,
     rope_scaling=YarnScaling(),
     sliding_window=8,
-    compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0),
+    compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0),
     kv_source_layer_ids=(2, 5),
     index_source_layer_ids=(2, 4, 5, 7),
     candidate_source_layer_id=5,
@@ -46,7 +47,13 @@ TINY = ModelConfig(
     engram_n_heads=2,
     engram_head_dim=32,
     engram_compressed_vocab_size=99092,
-    extra={"text_config": {"num_nextn_predict_layers": 0}},
+    # The draft's tensors come after every backbone tensor in the init order, so the backbone's
+    # random weights (and outputs) are those of the draft-less tiny preset.
+    num_nextn_predict_layers=3,
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=8,
+    dspark_num_experts_per_tok=3,
 )
 
 ENGRAM_S1_VOCAB = 3_000_000
@@ -58,7 +65,7 @@ V41_S1 = dataclasses.replace(
     n_routed_experts=48,
     engram_vocab_size=ENGRAM_S1_VOCAB,
     engram_num_embeddings=ENGRAM_S1_ROWS,
-    extra={"text_config": {"num_nextn_predict_layers": 0}},
+    num_nextn_predict_layers=0,
 )
 
 PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "v41-s1": V41_S1}

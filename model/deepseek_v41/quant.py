@@ -245,6 +245,9 @@ def fake_quant_indexer(x: torch.Tensor) -> torch.Tensor:
 _QUANTIZED_KEY = re.compile(
     r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
     r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|engram\.(?:embed|wkv))\.weight"
+    # DSpark stages (NeMo's draft adapter): the same projections plus main_proj.
+    r"|mtp\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|main_proj|ffn\.(?:shared_experts|experts\.\d+)\.w[123])"
+    r"\.weight"
 )
 
 WeightFormat = Literal["fp8_block", "fp8_rowwise", "mxfp4"]
@@ -254,7 +257,7 @@ def weight_format(key: str) -> WeightFormat | None:
     """Storage format of a released checkpoint key, or None for BF16/FP32 tensors.
 
     Same key set as NeMo's adapter: routed experts → "mxfp4", ``engram.embed`` → "fp8_rowwise",
-    the other quantised projections → "fp8_block". ``mtp.*`` (DSpark) keys are not covered.
+    the other quantised projections → "fp8_block"; ``mtp.*`` (DSpark) keys as NeMo's draft adapter.
     """
     if not _QUANTIZED_KEY.fullmatch(key):
         return None

@@ -31,7 +31,7 @@ def projection_shapes() -> dict[str, tuple[int, int]]:
     """Distinct (N, K) of v41-s1's FP8 projections over its layer kinds, padded to 128."""
     import torch
 
-    from model.deepseek_v41.model import Block
+    from model.deepseek_v41.block import Block
     from services.bench.step_build import model_config
     from services.worker.fp8_linear import round_up
     from services.worker.kernel_backend import FP8_PROJECTIONS

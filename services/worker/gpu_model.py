@@ -81,7 +81,7 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
                        num_compressed: int | None = None, kernels=None, convert: bool = True,
                        on_part: Callable[[str, object], None] | None = None) -> DeepseekV41:
     """The kernel-backed model built part by part: ``fetch(prefix)`` gives the released tensors whose names
-    start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …), already on ``device``
+    start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …, then "mtp." for a draft), already on ``device``
     (drawn from a seed, or read from a checkpoint: services/worker/weight_loader.py). ``on_part(prefix,
     conversion)`` is called after each part is placed, with the layer's ``Conversion`` (how many FP8 weight
     elements were not exact at 128×128) or None. The fetched tensors are dropped before the next part."""
@@ -122,4 +122,11 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
             torch.cuda.empty_cache()
         if on_part is not None:
             on_part(prefix, done)
+    if model.draft is not None:  # the DSpark draft stays a torch module (its kernels come later)
+        model.draft.to_empty(device=device)
+        for stage in model.draft.stages:
+            stage.attn.freqs = rope_frequencies(cfg, compressed=False).to(device)
+        _assign(model, fetch("mtp."), cfg, "mtp.")
+        if on_part is not None:
+            on_part("mtp.", None)
     return model.eval()

@@ -78,7 +78,12 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
         tensor = next(model.buffers())
     check_device(tensor.device, kernels)
     done = Conversion()
+    # The DSpark draft stays a torch module: the draft's kernels are not written yet.
+    draft = getattr(model, "draft", None)
+    torch_only = set(draft.modules()) if isinstance(draft, nn.Module) else set()
     for parent in list(model.modules()):
+        if parent in torch_only:
+            continue
         for name, child in list(parent.named_children()):
             new: nn.Module | None = None
             if isinstance(child, RMSNorm):

@@ -1,7 +1,8 @@
 """Load a checkpoint directory straight into the kernel backend's device form (the GPU loader).
 
 The released tensors (spec §3.11: FP8 with 32×32 e8m0 scales, MXFP4 experts, FP8 row-wise Engram
-tables, bf16/fp32) are read one part at a time — embed, norm, head, then each layer — through
+tables, bf16/fp32) are read one part at a time — embed, norm, head, each layer, then the DSpark draft
+(``mtp.*``, part of ``checkpoint.stored_table`` when the config has draft stages) — through
 ``safetensors.safe_open`` memory maps, moved to the device, placed and converted there by
 ``build_kernel_model`` (services/worker/gpu_model.py, the same code the random v41-s1 build runs), and
 dropped before the next part. The whole model never exists in fp32, nor on the host.
@@ -54,7 +55,7 @@ class LoadReport:
     seconds: float  # wall time from the header checks to the last converted layer
     peak_host_bytes: int  # the process's peak resident set size (ru_maxrss) at the end
     peak_device_bytes: int | None  # torch.cuda.max_memory_allocated at the end; None off CUDA
-    num_parts: int  # embed, norm, head and the layers
+    num_parts: int  # embed, norm, head, the layers and the draft
     num_inexact: int  # FP8 weight elements not exact in e4m3 at 128×128 scales (rounded; kernels/fp8_weights.py)
 
     @property
@@ -177,7 +178,7 @@ def load_kernel_model(path: str | Path, device: torch.device | str, precision: s
     reader = CheckpointReader(path, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    num_parts = 3 + cfg.num_hidden_layers
+    num_parts = 3 + cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)  # + the draft, "mtp."
     inexact = [0]
 
     def placed(prefix: str, conversion) -> None:

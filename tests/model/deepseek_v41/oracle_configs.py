@@ -42,7 +42,7 @@ def _base(**kw) -> ModelConfig:
         sliding_window=8, index_n_heads=8, index_head_dim=32, index_topk=4, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=32, swiglu_limit=1.0, engram_max_ngram_size=3,
         engram_vocab_size=50, engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=1,
-        extra={"text_config": {"num_nextn_predict_layers": 0, "dspark_noise_token_id": 254}},
+        num_nextn_predict_layers=0, dspark_noise_token_id=254,
     )
     defaults.update(kw)
     return ModelConfig(**defaults)

@@ -109,8 +109,8 @@ def test_bad_json_and_missing_file_are_clear(tmp_path):
 
 def test_unknown_fields_are_kept_for_the_round_trip():
     data = composite()
-    data["text_config"]["dspark_block_size"] = 5
+    data["text_config"]["future_field"] = 5
     data["quantization_config"] = {"weight_block_size": [32, 32]}
     out = to_hf_dict(from_hf_dict(copy.deepcopy(data)))
-    assert out["text_config"]["dspark_block_size"] == 5
+    assert out["text_config"]["future_field"] == 5
     assert out["quantization_config"] == {"weight_block_size": [32, 32]}

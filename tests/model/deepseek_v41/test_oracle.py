@@ -104,6 +104,27 @@ def test_flash_tensor_table_matches_nemo_names_and_shapes():
     with torch.device("meta"):
         nemo = DeepseekV41ForCausalLM(DeepseekV41Config(**to_hf_dict(cfg)), backend=backend, tokenizer=tokenizer)
     released = nemo.state_dict_adapter.to_hf(nemo.state_dict())
-    table = tensor_table(cfg)
+    table = {name: spec for name, spec in tensor_table(cfg).items() if not name.startswith("mtp.")}
     assert len(table) == 47006 and set(released) == set(table)
     assert all(tuple(released[name].shape) == spec.shape for name, spec in table.items())
+
+
+def test_flash_draft_table_matches_nemo_dspark_names_and_shapes():
+    """The released ``mtp.*`` layout: NeMo's DSpark module built on the meta device, exported through its
+    adapter (which also names the target's embed and head, shared with the backbone)."""
+    from model.deepseek_v41.checkpoint import draft_specs
+    from model.deepseek_v41.config import ModelConfig, to_hf_dict
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+
+    cfg = ModelConfig()
+    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
+                            dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+    with torch.device("meta"):
+        text = DeepseekV41Config(**to_hf_dict(cfg)).text_config
+        nemo = DeepseekV41DSparkModel(text, backend, num_anchors=1, enable_confidence_head=True)
+    released = nemo.state_dict_adapter.to_hf(nemo.state_dict())
+    draft = {spec.name: spec for spec in draft_specs(cfg)}
+    assert set(released) - set(draft) == {"embed.weight", "head.weight"} and set(draft) <= set(released)
+    assert all(tuple(released[name].shape) == spec.shape for name, spec in draft.items())
