@@ -79,3 +79,17 @@ CASES = [
     OracleCase("wide", WIDE, seed=3, seq_len=45),
     OracleCase("nocand", NOCAND, seed=33, seq_len=61),
 ]
+
+# DSpark draft cases (test_dspark_oracle.py): the backbone of a case above plus draft stages.
+# oracle-draft  3 stages tapping 5, 6, 7; blocks of 5; 8 draft experts, top-3; Markov rank 16
+# wide-draft    2 stages tapping 2 and 6 (not the last layers); blocks of 4; window 4; 6 experts, top-2
+DRAFT_CASES = [
+    OracleCase("oracle-draft", dataclasses.replace(
+        ORACLE, compress_ratios=ORACLE.compress_ratios + (0, 0), num_nextn_predict_layers=3,
+        dspark_target_layer_ids=(5, 6, 7), dspark_block_size=5, dspark_markov_rank=16,
+        dspark_n_routed_experts=8, dspark_num_experts_per_tok=3), seed=8, seq_len=49),
+    OracleCase("wide-draft", dataclasses.replace(
+        WIDE, compress_ratios=WIDE.compress_ratios + (0,), num_nextn_predict_layers=2, dspark_target_layer_ids=(2, 6),
+        dspark_block_size=4, dspark_markov_rank=32, dspark_n_routed_experts=6, dspark_num_experts_per_tok=2),
+        seed=3, seq_len=45),
+]
