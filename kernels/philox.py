@@ -103,6 +103,36 @@ def draw_bits(
     return out[:, 0] >> (32 - DRAW_BITS)
 
 
+COUPLING_WORD = 1
+"""Counter word 3 of ``draw_bits_per_token``'s draws; ``draw_bits`` uses 0, so the two never share a counter."""
+
+
+def draw_bits_per_token(
+    seeds: Sequence[int] | torch.Tensor,
+    positions: Sequence[int] | torch.Tensor,
+    vocab_size: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """One draw per row and token id: int64 [n, vocab_size] in [0, 2³¹), a pure function of
+    (seed, 3 × position + SAMPLE, token id), for position-keyed coupling (the deterministic speculative
+    mode's Gumbel noise). Counter = (stream low, stream high, token id, ``COUPLING_WORD``)."""
+    if not isinstance(seeds, torch.Tensor):  # any Python int, mod 2**64, held as its two's-complement int64
+        seeds = [(s & ((1 << 64) - 1)) - ((1 << 64) if s & (1 << 63) else 0) for s in (int(s) for s in seeds)]
+    seeds = torch.as_tensor(seeds, dtype=torch.int64, device=device).reshape(-1)
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=seeds.device).reshape(-1)
+    if seeds.shape != positions.shape:
+        raise ValueError(f"{seeds.numel()} seeds but {positions.numel()} positions")
+    if bool((positions < 0).any()) or bool((positions >= 1 << 60).any()):
+        raise ValueError("a draw's position must be in [0, 2**60)")
+    stream = 3 * positions + int(DrawCase.SAMPLE)  # < 2**62: fits int64
+    key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [n, 1, 2] (two's complement)
+    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    counter = torch.stack(torch.broadcast_tensors(
+        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
+        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [n, V, 4]
+    return philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
+
+
 def bits_of_uniform(u: float) -> int:
     """The draw bits that stand for the uniform ``u`` in [0, 1): floor(u · 2³¹).
 

@@ -162,7 +162,7 @@ def accept_draft(target_logprob: torch.Tensor, draft_logprob: torch.Tensor, bits
     """Speculative decoding's coin (walkthrough, "Accepting a draft"): accept iff u < exp(min(t - d, 0)).
 
     ``bits`` come from ``draw_bits(..., DrawCase.ACCEPT)``; u = bits / 2³¹. A draft outside the kept set
-    has t = -inf and always fails. Unused until speculative decoding lands.
+    has t = -inf and always fails. Speculative verification (services/worker/verifier.py) calls it.
     """
     ratio = torch.exp(torch.clamp(target_logprob.to(torch.float64) - draft_logprob.to(torch.float64), max=0.0))
     return uniform_of_bits(bits) < ratio

@@ -9,6 +9,7 @@ from kernels.philox import (
     DrawCase,
     bits_of_uniform,
     draw_bits,
+    draw_bits_per_token,
     philox4x32,
     stream_of,
     uniform_of_bits,
@@ -137,3 +138,17 @@ def test_gpu_draws_equal_cpu_draws():
     positions = [rng.getrandbits(30) for _ in range(1000)]
     for case in DrawCase:
         assert draw_bits(seeds, positions, case, "cuda").tolist() == draw_bits(seeds, positions, case).tolist()
+
+
+def test_per_token_draws_have_their_own_counter_word_and_follow_the_layout():
+    seeds, positions = [5, -1, 2**64 - 1, 2**63 + 7], [16_389, 3, 3, 0]
+    bits = draw_bits_per_token(seeds, positions, 7)
+    for i, (seed, position) in enumerate(zip(seeds, positions)):
+        seed %= 1 << 64
+        stream = 3 * position
+        for v in range(7):
+            out = reference_philox((stream & 0xFFFFFFFF, stream >> 32, v, 1), (seed & 0xFFFFFFFF, seed >> 32))
+            assert int(bits[i, v]) == out[0] >> 1
+    assert torch.equal(bits[1], bits[2])  # -1 and 2**64 - 1 are the same seed
+    # Word 3 = 1 keeps them apart from the sampler's draws (word 3 = 0), even for token 0.
+    assert int(bits[0, 0]) != reference_draw(5, 16_389, 0)

@@ -1,0 +1,193 @@
+"""Speculative verification: which of a request's drafts the target accepts, and the token after them.
+
+A request that verifies k drafts has 1 + k target rows. Row j (j = 0..k) holds the target's processed
+distribution p_j (``Sampler.process``: bans, temperature, top-k, top-p) for the token at position P + j,
+where P is the position of the request's next token; draft j is the token the draft proposed for
+position P + j, drawn from its own processed distribution q_j. The request emits its accepted drafts
+and then one target token: 1 to k + 1 tokens per step.
+
+Invariants, both modes:
+- A draft counts only if every earlier draft of the request passed (accepted drafts are a prefix).
+- Every random draw is keyed by (seed, position, case) (kernels/philox.py), never by row or batch.
+- Temperature 0: draft j is accepted exactly when it equals argmax p_j (ties to the lowest id), and the
+  token after the accepted drafts is the argmax of its row.
+
+``"rejection"`` (speculative sampling; the walkthrough's "Accepting a draft"):
+
+    draft j   accepted iff u(seed, P + j, ACCEPT) < exp(min(log p_j(d_j) − log q_j(d_j), 0))
+    first rejected j: the token ~ norm(max(p_j − q_j, 0)) with the bits of (seed, P + j, RESAMPLE)
+    all accepted:     the token ~ p_k with the bits of (seed, P + k, SAMPLE)
+
+  Emitted tokens are distributed as the target's, but which tokens come out depends on how many drafts
+  were verified. Drafts draw with their own key (seed + DRAFT_SEED_OFFSET), independent of the target's.
+
+``"deterministic"`` (position-keyed Gumbel-max coupling):
+
+    G_x(v)             = Gumbel noise of draw_bits_per_token(seed, x)[v]: one vector per position
+    target's token at x = argmax_v log p_x(v) + G_x(v)     an exact sample of p_x
+    draft's token at x  = argmax_v log q_x(v) + G_x(v)     the same noise
+    draft j accepted iff it equals the target's token at P + j; the token after the accepted drafts is
+    the target's token at its position
+
+  Every emitted token is the target's own sample at its position given the prefix, so a seeded request's
+  tokens do not depend on how many drafts are verified for it, on its batch, or on timing. The price:
+  a draft passes with probability Σ_v 1 / Σ_w max(p_w / p_v, q_w / q_v) instead of Σ_v min(p_v, q_v)
+  (docs/speculative.md has both, measured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.philox import DrawCase, draw_bits, draw_bits_per_token
+from services.worker.sampler import accept_draft, integer_masses, sample_from_bits
+
+SPEC_SAMPLING = ("rejection", "deterministic")
+DRAFT_SEED_OFFSET = 1_000_000_007  # the draft's key is seed + this (DeepInfer's offset), mod 2**64
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome for N requests that verified up to K drafts each."""
+
+    num_accepted: torch.Tensor  # int64 [N]: drafts accepted, a prefix of the request's drafts
+    tokens: torch.Tensor  # int64 [N, K + 1]: columns 0 … num_accepted are emitted (the accepted drafts, then
+    #                       the target's token); later columns are not emitted
+
+
+def _positions(positions: Sequence[int] | torch.Tensor, n: int, width: int) -> torch.Tensor:
+    return torch.as_tensor(positions, dtype=torch.int64).view(n, 1) + torch.arange(width)  # [N, width]
+
+
+def _draw(seeds: Sequence[int], positions: torch.Tensor, case: DrawCase, device: torch.device) -> torch.Tensor:
+    """Bits for every (request, column): seeds [N], positions [N, W] → [N, W]."""
+    n, w = positions.shape
+    flat_seeds = [s for s in seeds for _ in range(w)]
+    return draw_bits(flat_seeds, positions.flatten().tolist(), case, device).view(n, w)
+
+
+def _verified(num_drafts: Sequence[int] | torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    """Bool [N, K]: draft j of request i is verified (j < num_drafts[i]); None = all K."""
+    if num_drafts is None:
+        return torch.ones(n, k, dtype=torch.bool)
+    counts = torch.as_tensor(num_drafts, dtype=torch.int64).view(n, 1)
+    if bool((counts < 0).any()) or bool((counts > k).any()):
+        raise ValueError(f"num_drafts must be in [0, {k}], got {counts.flatten().tolist()}")
+    return torch.arange(k) < counts
+
+
+def _prefix(passed: torch.Tensor) -> torch.Tensor:
+    """Drafts accepted: the length of the leading run of passes. passed bool [N, K] → int64 [N]."""
+    return passed.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+
+
+def _passes_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, coin_bits: torch.Tensor) -> torch.Tensor:
+    """The accept coin of every draft: [N, K] probabilities of the drafts → bool [N, K]."""
+    return accept_draft(target_probs.log(), draft_probs.log(), coin_bits)
+
+
+def _passes_coupled(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """A coupled draft passes iff it is the target's own token at its position: [N, K] → bool [N, K]."""
+    return drafts == target_tokens
+
+
+def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
+                     seeds: Sequence[int], positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor,
+                     num_drafts: Sequence[int] | torch.Tensor | None = None) -> Verdict:
+    """target_probs [N, K+1, V], draft_probs [N, K, V], drafts int64 [N, K]; one seed, first position P and
+    greedy flag per request; ``num_drafts`` [N] verifies only each request's first drafts (None: all K)."""
+    n, width, _ = target_probs.shape
+    k = width - 1
+    device = target_probs.device
+    greedy = torch.as_tensor(greedy, dtype=torch.bool).view(n)
+    pos = _positions(positions, n, width)  # [N, K+1]
+    verified = _verified(num_drafts, n, k)
+    num_accepted = torch.zeros(n, dtype=torch.int64)
+    if k:
+        index = drafts.unsqueeze(-1)
+        t = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [N, K]
+        d = draft_probs.gather(-1, index).squeeze(-1)
+        sampled = _passes_rejection(t, d, _draw(seeds, pos[:, :k], DrawCase.ACCEPT, device))
+        exact = drafts == target_probs[:, :k].argmax(-1)
+        num_accepted = _prefix(torch.where(greedy.unsqueeze(-1), exact, sampled) & verified)
+    rows = torch.arange(n)
+    last = target_probs[rows, num_accepted]  # [N, V]: the row whose token follows the accepted drafts
+    rejected = num_accepted < verified.sum(-1)
+    dist = last
+    if k:
+        residual = (last - draft_probs[rows, num_accepted.clamp(max=k - 1)]).clamp_min(0)
+        # A rejection needs p(d) < q(d), so p exceeds q somewhere; a residual whose integer mass rounds to
+        # zero (p ≈ q to 2⁻³¹) falls back to p.
+        usable = rejected & (integer_masses(residual).sum(-1) > 0)
+        dist = torch.where(usable.unsqueeze(-1), residual, last)
+    at = (pos[:, :1] + num_accepted.unsqueeze(-1))  # [N, 1]
+    bits = torch.where(rejected, _draw(seeds, at, DrawCase.RESAMPLE, device)[:, 0],
+                       _draw(seeds, at, DrawCase.SAMPLE, device)[:, 0])
+    token = torch.where(greedy, last.argmax(-1), sample_from_bits(dist, bits))
+    tokens = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
+    tokens[rows, num_accepted] = token
+    return Verdict(num_accepted, tokens)
+
+
+def gumbel_noise(seeds: Sequence[int], positions: Sequence[int] | torch.Tensor, vocab_size: int,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """G [n, V] float64: −log(−log u) with u = (bits + ½) / 2³¹ ∈ (0, 1), keyed by (seed, position, token)."""
+    bits = draw_bits_per_token(seeds, positions, vocab_size, device)
+    u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
+    return -torch.log(-torch.log(u))
+
+
+def coupled_tokens(logprobs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int] | torch.Tensor,
+                   greedy: torch.Tensor) -> torch.Tensor:
+    """argmax_v logprobs[v] + G(seed, position)[v] per row (argmax alone for greedy rows): logprobs [n, V]
+    of a processed distribution (dropped tokens −inf) → int64 [n]. Ties go to the lowest id."""
+    noisy = logprobs.to(torch.float64) + gumbel_noise(seeds, positions, logprobs.shape[-1], logprobs.device)
+    return torch.where(torch.as_tensor(greedy, dtype=torch.bool), logprobs.argmax(-1), noisy.argmax(-1))
+
+
+def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, seeds: Sequence[int],
+                         positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor,
+                         num_drafts: Sequence[int] | torch.Tensor | None = None) -> Verdict:
+    """target_logprobs [N, K+1, V], drafts int64 [N, K] (drawn by ``coupled_tokens`` from the draft's
+    processed logprobs with the same seeds and positions); arguments otherwise as ``verify_rejection``."""
+    n, width, _ = target_logprobs.shape
+    k = width - 1
+    greedy = torch.as_tensor(greedy, dtype=torch.bool).view(n)
+    pos = _positions(positions, n, width)
+    target = coupled_tokens(target_logprobs.flatten(0, 1), [s for s in seeds for _ in range(width)], pos.flatten(),
+                            greedy.repeat_interleave(width)).view(n, width)  # the target's token at each position
+    num_accepted = _prefix(_passes_coupled(drafts, target[:, :k]) & _verified(num_drafts, n, k))
+    return Verdict(num_accepted, target)
+
+
+def draft_tokens(spec_sampling: str, probs: torch.Tensor, logprobs: torch.Tensor, seeds: Sequence[int],
+                 positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """The draft's token per row from its processed distribution (probs, logprobs [n, V]) at ``positions`` [n]:
+    "rejection" draws with the draft's own key, "deterministic" couples to the target's noise."""
+    greedy = torch.as_tensor(greedy, dtype=torch.bool)
+    if spec_sampling == "deterministic":
+        return coupled_tokens(logprobs, seeds, positions, greedy)
+    if spec_sampling != "rejection":
+        raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
+    keys = [(s + DRAFT_SEED_OFFSET) % (1 << 64) for s in seeds]
+    bits = draw_bits(keys, torch.as_tensor(positions).flatten().tolist(), DrawCase.SAMPLE, probs.device)
+    return torch.where(greedy, probs.argmax(-1), sample_from_bits(probs, bits))
+
+
+def coupling_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Probability that the Gumbel-coupled samples of p and q [V] agree: Σ_v 1 / Σ_w max(p_w/p_v, q_w/q_v)
+    over the v both can take (the event is a Gumbel-max over c_w = max(log p_w − log p_v, log q_w − log q_v))."""
+    total = 0.0
+    for v in torch.nonzero((p > 0) & (q > 0)).flatten().tolist():
+        ratio = torch.maximum(p.double() / float(p[v]), q.double() / float(q[v]))
+        total += 1.0 / float(ratio.sum())
+    return total
+
+
+def rejection_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Probability that rejection sampling accepts a draft from q under the target p: Σ_v min(p_v, q_v)."""
+    return float(torch.minimum(p.double(), q.double()).sum())
+
