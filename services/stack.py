@@ -43,6 +43,8 @@ class StackConfig:
     device_args: tuple[tuple[str, object], ...] = ()
     remote_workers: bool = False  # each engine's worker in its own process (worker.v1) instead of in-process
     batch_invariant: bool = False  # engines and workers in batch-invariant mode (EngineConfig.batch_invariant)
+    num_speculative_tokens: int = 0  # DSpark drafts per request and step (EngineConfig.num_speculative_tokens)
+    spec_sampling: str = "rejection"  # EngineConfig.spec_sampling
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
 
 
@@ -157,6 +159,8 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
     sizing += ["--max-model-len", str(config.max_model_len)] if config.max_model_len is not None else []
     sizing += ["--batch-invariant"] if config.batch_invariant else []
+    spec = ["--num-speculative-tokens", str(config.num_speculative_tokens), "--spec-sampling",
+            config.spec_sampling] if config.num_speculative_tokens else []  # the engine's (in-process worker)
     from services.engine.device import device_argv
 
     device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)
@@ -166,7 +170,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         engines.append(f"{name}={at.reach(name, 'grpc')}")
         argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
-                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *drain,
+                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
                   else device)]
         if config.remote_workers:

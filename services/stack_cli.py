@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--remote-workers", action="store_true",
                     help="run each engine's worker as its own process (worker.v1) instead of in-process")
     up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    from services.engine.config import add_speculative_arguments
+
+    add_speculative_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.add_argument("--api-key", default=None, help="key the gateway requires (HTTP Bearer, gRPC metadata); "
@@ -43,13 +46,17 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.num_engines < 1:
         raise UsageError("--num-engines must be at least 1")
+    if args.num_speculative_tokens and args.remote_workers:
+        raise UsageError("--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
+                         "carry drafts yet; drop --remote-workers")
     from services.engine.device import device_args
 
     config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
                          grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
                          max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
                          max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
-                         batch_invariant=args.batch_invariant)
+                         batch_invariant=args.batch_invariant, num_speculative_tokens=args.num_speculative_tokens,
+                         spec_sampling=args.spec_sampling)
     if args.api_key:
         os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:

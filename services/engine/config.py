@@ -11,6 +11,8 @@
   flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
   decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
   logprobs are the same either way (tests/services/engine/test_async.py); nextn = 0 only.
+- ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
+  request (fixed, 1 + n rows each) on the torch path, synchronously; ``spec_sampling`` "rejection".
 - Probability mass is summed as integers, floor(p · 2³¹); a draw's position is the index of the token
   being produced (the sampler's contract).
 """
@@ -74,6 +76,12 @@ class EngineConfig:
     # (model/batch_invariant.py on the torch path): the same request gives bit-identical tokens and
     # logprobs alone, in any batch, chunked at any budget, with async scheduling on or off.
     batch_invariant: bool = False
+    # Speculative decoding with the model's DSpark draft (docs/speculative.md): drafts verified per request
+    # and step, 0 = off (at most the draft's block size).
+    num_speculative_tokens: int = 0
+    # How drafts are accepted: "rejection" (speculative sampling) or "deterministic" (position-keyed
+    # coupling: a seeded request's tokens do not depend on how many drafts were verified).
+    spec_sampling: str = "rejection"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -96,6 +104,13 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.spec_sampling not in ("rejection", "deterministic"):
+            raise ValueError(f"spec_sampling must be 'rejection' or 'deterministic', got {self.spec_sampling!r}")
+        if self.num_speculative_tokens and (self.async_scheduling or self.kernel_backend is not None):
+            raise ValueError("speculative decoding runs on the torch path with async scheduling off so far "
+                             "(docs/speculative.md): leave kernel_backend None and async_scheduling False")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
 
@@ -121,3 +136,19 @@ class EngineConfig:
         return WorkerConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
                             num_state_slots=self.resolved_num_state_slots(), max_model_len=self.max_model_len,
                             kernel_backend=self.kernel_backend, batch_invariant=self.batch_invariant)
+
+
+def add_speculative_arguments(parser) -> None:
+    """``--num-speculative-tokens`` and ``--spec-sampling``, the same on generate, serve, up and the engine."""
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="DSpark drafts verified per request and step (0: off; docs/speculative.md)")
+    parser.add_argument("--spec-sampling", choices=("rejection", "deterministic"), default="rejection",
+                        help="how drafts are accepted: rejection sampling, or position-keyed coupling whose "
+                             "seeded tokens do not depend on the drafts (default: rejection)")
+
+
+def speculative_args(args) -> dict[str, object]:
+    """The engine arguments the flags of ``add_speculative_arguments`` set (none when speculation is off)."""
+    if not args.num_speculative_tokens:
+        return {}
+    return {"num_speculative_tokens": args.num_speculative_tokens, "spec_sampling": args.spec_sampling}

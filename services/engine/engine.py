@@ -45,6 +45,7 @@ class Engine:
             compress_ratios=list(compress_ratios),
             preemption_mode=mode,
             vocab_size=vocab_size,
+            nextn=config.num_speculative_tokens,
         ))
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
@@ -66,6 +67,9 @@ class Engine:
                           ("logit_bias", tuple(t for t, _ in params.logit_bias))):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"{name} has an id outside the vocabulary of {self.vocab_size}")
+        if params.forced_token_ids and self.config.num_speculative_tokens:
+            raise ValueError("forced_token_ids cannot be combined with speculative decoding yet "
+                             "(num_speculative_tokens > 0)")
         total = len(prompt_token_ids) + params.resolved_max_tokens
         if total > self.config.max_model_len:
             raise ValueError(

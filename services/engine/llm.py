@@ -28,7 +28,8 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
             raise
         return ReferenceRunner(source.model)
     if not config.cuda_graphs:
-        return ModelRunner(source.model, config.worker_config())  # type: ignore[call-arg]
+        return ModelRunner(source.model, config.worker_config(), nextn=config.num_speculative_tokens,
+                           with_taps=config.num_speculative_tokens > 0)  # type: ignore[call-arg]
     device = source.model.embed.weight.device
     if device.type != "cuda":  # before the runner converts the model in place
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
@@ -73,6 +74,14 @@ class LLM:
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
         kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+        if worker is not None and self.config.num_speculative_tokens and getattr(worker, "speculator", None) is None:
+            raise ValueError("num_speculative_tokens needs the in-process worker with a speculator: a remote "
+                             "worker's protocol does not carry drafts yet")
+        if worker is None and self.config.num_speculative_tokens:
+            from services.worker.speculator import Speculator
+
+            worker = Worker(runner or default_runner(self.source, self.config), speculator=Speculator(
+                self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling))
         self.engine = Engine(
             worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,

@@ -108,6 +108,9 @@ async def run(args: argparse.Namespace) -> int:
     if args.worker:  # a remote worker owns the device and the weights; only their identity matters here
         given = {k: v for k, v in given.items() if k == "load_format"}
     engine_args.update(given)
+    from services.engine.config import speculative_args
+
+    engine_args.update(speculative_args(args))
     llm = None
     if args.worker:
         from services.engine.remote_worker import RemoteWorker
@@ -178,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
+    from services.engine.config import add_speculative_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
+    add_speculative_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

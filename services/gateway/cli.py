@@ -25,9 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: $SHINKAI_API_KEY, comma-separated; none: open)")
     p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
+    from services.engine.config import add_speculative_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
+    add_speculative_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -42,6 +44,9 @@ def _config(args: argparse.Namespace):
     from services.engine.device import device_args
 
     engine_args.update(device_args(args))
+    from services.engine.config import speculative_args
+
+    engine_args.update(speculative_args(args))
     extra = {"max_queued": args.max_queued} if args.max_queued is not None else {}
     extra["api_keys"] = Keys.parse(args.api_key)
     extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)

@@ -36,8 +36,10 @@ from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slot
 class ModelRunner:
     def __init__(self, model: DeepseekV41, config: WorkerConfig, *, nextn: int = 0,
                  rounding: Rounding | None = None, backend: str | None = None, precision: str | None = None,
-                 kernels: KernelSet | None = None) -> None:
+                 kernels: KernelSet | None = None, with_taps: bool = False) -> None:
+        """``with_taps``: every step also returns each row's DSpark target features (``RunnerOutput.taps``)."""
         self.model = model
+        self.with_taps = with_taps
         self.cfg = model.cfg
         device = model.embed.weight.device
         self.backend = backend or ("kernels" if config.kernel_backend is not None else "torch")
@@ -90,13 +92,17 @@ class ModelRunner:
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
+        taps: list[torch.Tensor] = []
+        tapped = set(cfg.dspark_target_layer_ids) if self.with_taps else set()
         for block in model.layers:
             def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
-            h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer])
+            h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer],
+                               taps=taps if block.layer in tapped else None)
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]
         logits = head_logits(model.head, y)
-        return RunnerOutput(logits, counts, batch.num_rows)  # counts stay on the device: no sync per step
+        # counts stay on the device: no sync per step
+        return RunnerOutput(logits, counts, batch.num_rows, torch.cat(taps, dim=-1)[0] if taps else None)

@@ -21,6 +21,9 @@ class RunnerOutput:
     expert_counts: torch.Tensor | None = None
     # Rows the model ran (Σ seqlen_q for a cached runner).
     num_rows_computed: int = 0
+    # [num rows, T·D] fp32, every row in plan row order: the DSpark draft's target features, when the runner
+    # taps them (a runner built for speculative decoding); None otherwise.
+    taps: torch.Tensor | None = None
 
 
 class ReferenceRunner:

@@ -13,6 +13,7 @@ from scheduler_rs import StepPlan, StepResult
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
 from services.worker.sampler import Sampler, SamplingRow
+from services.worker.speculator import Speculator
 
 
 class Runner(Protocol):
@@ -59,10 +60,12 @@ class WorkerOutput:
 
 
 class Worker:
-    def __init__(self, runner: Runner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler | None = None, speculator: Speculator | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler
-        module for a ``backend == "kernels"`` runner (services/worker/kernel_sampler.py), else ``Sampler``."""
+        module for a ``backend == "kernels"`` runner (services/worker/kernel_sampler.py), else ``Sampler``.
+        ``speculator`` (speculative decoding) verifies and proposes drafts; its runner must return taps."""
         self.runner = runner
+        self.speculator = speculator
         if sampler is None and getattr(runner, "backend", "torch") == "kernels":
             from services.worker.kernel_sampler import KernelSampler
 
@@ -82,6 +85,11 @@ class Worker:
             out = self.runner.execute(plan)
         num_sample_rows = plan.num_sample_rows.tolist()
         request_ids = list(plan.request_ids)
+        if self.speculator is not None and plan.num_rows and not plan.is_placeholder:
+            if out.taps is None:
+                raise ValueError("speculative decoding needs a runner that returns the draft's taps (with_taps=True)")
+            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.sampler)
+            return WorkerOutput(result, sampled, out.expert_counts, out.num_rows_computed, request_ids)
         if not rows:
             result = StepResult([0] * plan.num_requests, [])
             return WorkerOutput(result, None, out.expert_counts, out.num_rows_computed, request_ids,
@@ -109,6 +117,8 @@ class Worker:
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
 
 def last_tokens(sampled: SamplerOutput, num_sample_rows: Sequence[int]) -> torch.Tensor:

@@ -48,3 +48,22 @@ def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
     config = EngineConfig(block_size=16, max_num_seqs=3, max_model_len=96, kernel_backend="fp8")
     assert config.worker_config() == WorkerConfig(block_size=16, num_blocks=config.resolved_num_blocks(),
                                                   num_state_slots=4, max_model_len=96, kernel_backend="fp8")
+
+
+def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands():
+    import argparse
+
+    from services.engine.config import add_speculative_arguments, speculative_args
+
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0"):
+        EngineConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="spec_sampling must be"):
+        EngineConfig(spec_sampling="greedy")
+    with pytest.raises(ValueError, match="async scheduling off"):
+        EngineConfig(num_speculative_tokens=2, async_scheduling=True)
+    p = argparse.ArgumentParser()
+    add_speculative_arguments(p)
+    assert speculative_args(p.parse_args([])) == {}
+    args = p.parse_args(["--num-speculative-tokens", "3", "--spec-sampling", "deterministic"])
+    assert speculative_args(args) == {"num_speculative_tokens": 3, "spec_sampling": "deterministic"}
+    assert EngineConfig(**speculative_args(args)).num_speculative_tokens == 3

@@ -1,0 +1,167 @@
+"""The speculator: the worker's DSpark side. Per step it verifies each request's drafts
+(services/worker/verifier.py), grows each request's draft context with the target features of the
+positions the target now holds, and proposes the request's next drafts with the DSpark draft.
+
+Per request, between steps: ``contexts[id]`` (the draft's K=V state, ``DraftContext``) holds the
+target features of every position before the request's newest token (the anchor); ``drafts[id]`` are
+the drafts proposed for the anchor's next positions, which the scheduler feeds back as the inputs of
+the request's next rows (row 0: the anchor, row j: draft j − 1), with their processed draft
+distributions (``draft_probs[id]``, what rejection sampling reads).
+
+A decode request has 1 + nextn rows; row j is the target's distribution for position P + j (P = the
+position after the anchor) and its input sits at P − 1 + j. After verification accepts a drafts, the
+request emits a + 1 tokens; rows 0 … a had inputs the target accepts, so their features enter the
+context (positions P − 1 … P − 1 + a), the new anchor is the last emitted token at P + a, and the
+draft proposes from there. A prompt chunk's rows all enter the context; its last chunk samples row 0
+(no drafts yet) and proposes. Rejected rows' features never enter the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels.sampler_output import SamplerOutput
+from model.deepseek_v41.dspark import DraftContext
+from model.deepseek_v41.model import DeepseekV41
+from scheduler_rs import StepPlan, StepResult
+from services.worker.sampler import Sampler, SamplingRow
+from services.worker.verifier import SPEC_SAMPLING, draft_tokens, verify_deterministic, verify_rejection
+
+
+RewriteDrafts = Callable[[str, int, list[int]], list[int]]
+"""(request id, anchor position, the draft's tokens) → the tokens to verify next step instead (tests: random
+weights accept almost no draft, so tests propose known tokens to exercise acceptance)."""
+
+
+class Speculator:
+    def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
+                 rewrite_drafts: RewriteDrafts | None = None) -> None:
+        if model.draft is None:
+            raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
+                             "in its config); this one has none")
+        if not 1 <= num_speculative_tokens <= model.cfg.dspark_block_size:
+            raise ValueError(f"num_speculative_tokens must be between 1 and the draft's block size "
+                             f"{model.cfg.dspark_block_size}, got {num_speculative_tokens}")
+        if spec_sampling not in SPEC_SAMPLING:
+            raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
+        self.model = model
+        self.nextn = num_speculative_tokens
+        self.spec_sampling = spec_sampling
+        self.contexts: dict[str, DraftContext] = {}
+        self.drafts: dict[str, list[int]] = {}
+        self.draft_probs: dict[str, torch.Tensor] = {}  # [nextn, V] processed draft distributions
+        self.rewrite_drafts = rewrite_drafts
+        self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
+        self.num_drafts_accepted = 0
+
+    def release(self, request_id: str) -> None:
+        for table in (self.contexts, self.drafts, self.draft_probs):
+            table.pop(request_id, None)
+
+    @torch.no_grad()
+    def step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
+             sampler: Sampler) -> tuple[SamplerOutput, StepResult]:
+        """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]."""
+        positions = plan.positions.tolist()
+        row_requests = plan.row_requests.tolist()
+        request_ids = list(plan.request_ids)
+        num_sample_rows = plan.num_sample_rows.tolist()
+        plan_rows: list[list[int]] = [[] for _ in request_ids]
+        for r, i in enumerate(row_requests):
+            plan_rows[i].append(r)
+        processed = sampler.process(logits, rows)
+        chosen = [0] * len(rows)  # the token every sampled row reports (emitted or not)
+        num_tokens, token_ids, errors, anchors = [], [], [], []
+        start = 0
+        for i, rid in enumerate(request_ids):
+            n = num_sample_rows[i]
+            mine = plan_rows[i]
+            if mine and positions[mine[0]] == 0:  # a prompt from its start (again, after a recompute)
+                self.release(rid)
+            context = self.contexts.setdefault(rid, DraftContext.empty(self.model.draft, 1, taps.device))
+            if n == 0:  # a prompt chunk that is not the last: its features only
+                self._append(context, taps[mine], positions[mine[0]])
+                num_tokens.append(0)
+                continue
+            span = slice(start, start + n)
+            start += n
+            if bool(processed.errors[span].any()):
+                errors.append(i)
+                num_tokens.append(0)
+                continue
+            emitted = self._verify(rid, rows[span], processed.probs[span], processed.logprobs[span])
+            chosen[span.start : span.start + len(emitted)] = emitted
+            accepted_rows = mine[: len(emitted)] if n > 1 else mine  # decode: rows 0 … a; prefill: the chunk
+            self._append(context, taps[accepted_rows], positions[accepted_rows[0]])
+            num_tokens.append(len(emitted))
+            token_ids.extend(emitted)
+            anchors.append((i, rid, emitted[-1], rows[span.stop - 1]))
+        num_drafts = [0] * len(request_ids)
+        draft_ids: list[int] = []
+        for i, drafts in self._propose(anchors, sampler):
+            num_drafts[i] = len(drafts)
+        for i, rid in enumerate(request_ids):
+            draft_ids.extend(self.drafts.get(rid, [])[: num_drafts[i]])
+        forced = [dataclasses.replace(row, forced_token_id=t) for row, t in zip(rows, chosen)]
+        sampled = sampler(logits, forced)  # logprobs and top-n of each row's token, under its processed distribution
+        return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors)
+
+    def _append(self, context: DraftContext, taps: torch.Tensor, first_position: int) -> None:
+        if int(context.next_position) != first_position:
+            raise RuntimeError(f"draft context holds positions up to {int(context.next_position) - 1} but the "
+                               f"target's rows start at {first_position}")
+        context.append(self.model.draft, taps.unsqueeze(0))
+
+    def _verify(self, rid: str, rows: Sequence[SamplingRow], probs: torch.Tensor, logprobs: torch.Tensor
+                ) -> list[int]:
+        """One request's emitted tokens: its accepted drafts, then the target's token."""
+        drafts = self.drafts.pop(rid, [])[: len(rows) - 1]
+        k = len(rows) - 1
+        padded = torch.tensor(drafts + [0] * (k - len(drafts)), dtype=torch.int64).view(1, k)
+        greedy = torch.tensor([rows[0].temperature == 0])
+        seeds, first = [rows[0].seed], [rows[0].position]
+        if self.spec_sampling == "rejection":
+            q = self.draft_probs.pop(rid, None)
+            q = torch.zeros(k, probs.shape[-1]) if q is None else q[:k]
+            v = verify_rejection(probs.unsqueeze(0), q.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
+        else:
+            v = verify_deterministic(logprobs.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
+        self.num_drafts_verified += len(drafts)
+        self.num_drafts_accepted += int(v.num_accepted[0])
+        return v.tokens[0, : int(v.num_accepted[0]) + 1].tolist()
+
+    def _propose(self, anchors: list[tuple[int, str, int, SamplingRow]], sampler: Sampler
+                 ) -> list[tuple[int, list[int]]]:
+        """Drafts for every request that emitted tokens: one batched draft call. Returns (request index, drafts)."""
+        if not anchors:
+            return []
+        draft, model = self.model.draft, self.model
+        contexts = [self.contexts[rid] for _, rid, _, _ in anchors]
+        batch = DraftContext([torch.cat([c.kv[k] for c in contexts]) for k in range(len(draft.stages))],
+                             torch.cat([c.positions for c in contexts]), torch.cat([c.next_position for c in contexts]))
+        tokens = torch.tensor([t for _, _, t, _ in anchors], dtype=torch.int64)
+        blocks = draft.blocks_from_context(batch, tokens, model.embed, model.head)
+        starts = [int(c.next_position) for c in contexts]  # the anchors' positions
+        probs: list[torch.Tensor] = []
+
+        def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:  # logits [B, 1, V] → tokens [B, 1]
+            rows = [dataclasses.replace(row, position=s + 1 + slot, forced_token_id=None, num_logprobs=0)
+                    for (_, _, _, row), s in zip(anchors, starts)]
+            p = sampler.process(logits[:, 0], rows)
+            probs.append(p.probs)
+            picked = draft_tokens(self.spec_sampling, p.probs, p.logprobs, [r.seed for r in rows],
+                                  [r.position for r in rows], torch.tensor([r.temperature == 0 for r in rows]))
+            return picked.unsqueeze(1)
+
+        drafts, _ = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
+        out = []
+        for b, (i, rid, _, _) in enumerate(anchors):
+            self.drafts[rid] = drafts[b, 0, : self.nextn].tolist()
+            if self.rewrite_drafts is not None:
+                self.drafts[rid] = list(self.rewrite_drafts(rid, starts[b], self.drafts[rid]))[: self.nextn]
+            self.draft_probs[rid] = torch.stack([p[b] for p in probs[: self.nextn]])
+            out.append((i, self.drafts[rid]))
+        return out

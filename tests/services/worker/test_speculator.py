@@ -1,0 +1,113 @@
+"""Speculative decoding through the engine on the CPU cached path (batch-invariant mode): greedy tokens
+and logprobs with drafts equal those without, in both sampling modes; the deterministic mode's seeded
+tokens do not depend on how many drafts are verified, on which drafts, or on the batch.
+
+The model: the oracle-draft tiny config (vocabulary 256, so a step takes milliseconds). Its random
+draft accepts almost nothing, so most runs rewrite the drafts to the reference continuation with every
+third token wrong: acceptance, partial acceptance and rejection all happen (the counters say so).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.worker.model_runner import ModelRunner
+from services.worker.speculator import Speculator
+from services.worker.worker import Worker
+from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
+from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+
+CASE = DRAFT_CASES[0]
+NEXTN = CASE.cfg.dspark_block_size
+ENGINE = dict(device="cpu", batch_invariant=True, max_model_len=96, block_size=8, max_num_seqs=8)
+PROMPTS = [[0, *range(3, 3 + n)] for n in (5, 13, 2)]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+    from services.engine.model_source import load_model
+
+    tok = toy_tokenizer(CASE.cfg.vocab_size)
+    cfg = finish(CASE.cfg, engram_token_map(tok)[1])
+    path = write_random_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", cfg, CASE.seed, tok)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(str(path))
+    torch.set_num_threads(threads)
+
+
+def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None):
+    """(outputs, speculator or None)."""
+    if not nextn:
+        return LLM(source=source, **ENGINE).generate(prompts, params), None
+    llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling)
+    probe = LLM(source=source, **llm_args)  # only for its resolved worker config
+    runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
+    speculator = Speculator(source.model, nextn, spec_sampling, rewrite)
+    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **llm_args)
+    return llm.generate(prompts, params), speculator
+
+
+def known_drafts(reference, prompts=PROMPTS):
+    """Drafts = the reference continuation, every third one wrong. Request ids are "0", "1", … in prompt order."""
+    def rewrite(rid: str, anchor: int, drafts: list[int]) -> list[int]:
+        i = int(rid)
+        out = reference[i]
+        first = anchor + 1 - len(prompts[i])  # output index of the token at anchor + 1
+        proposal = []
+        for j, d in enumerate(drafts):
+            k = first + j
+            token = out[k] if 0 <= k < len(out) else d
+            proposal.append((token + 1) % 256 if (anchor + j) % 3 == 0 else token)
+        return proposal
+    return rewrite
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_off(source):
+    return generate(source, GREEDY)[0]
+
+
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off, mode):
+    reference = [o.token_ids for o in greedy_off]
+    outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference))
+    assert [o.token_ids for o in outs] == reference
+    assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
+    # Acceptance happened, and so did rejection: both paths ran.
+    assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+    print(f"\n{mode}: accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified} drafts")
+
+
+def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    base, _ = generate(source, params, nextn=1, spec_sampling="deterministic")  # the model's own draft
+    tokens = [o.token_ids for o in base]
+    known, spec = generate(source, params, nextn=NEXTN, spec_sampling="deterministic", rewrite=known_drafts(tokens))
+    assert [o.token_ids for o in known] == tokens
+    assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+    order = [2, 0, 1]  # another batch order, 3 drafts each
+    prompts = [PROMPTS[i] for i in order]
+    shuffled, _ = generate(source, [params[i] for i in order], prompts=prompts, nextn=3,
+                           spec_sampling="deterministic", rewrite=known_drafts([tokens[i] for i in order], prompts))
+    assert [o.token_ids for o in shuffled] == [tokens[i] for i in order]
+    alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN, spec_sampling="deterministic")
+    assert alone[0].token_ids == tokens[1]
+
+
+def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(source, monkeypatch):
+    monkeypatch.setitem(ENGINE, "batch_invariant", False)  # not needed here, and slower
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3, ignore_eos=True)
+    outs, spec = generate(source, params, nextn=NEXTN)
+    assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason == "length" for o in outs)
+    assert spec.num_drafts_verified > 0
+    assert spec.contexts == {} and spec.drafts == {}  # every finished request's draft state is released
