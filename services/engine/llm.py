@@ -81,7 +81,8 @@ class LLM:
             from services.worker.speculator import Speculator
 
             worker = Worker(runner or default_runner(self.source, self.config), speculator=Speculator(
-                self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling))
+                self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
+                batch_invariant=self.config.batch_invariant))
         self.engine = Engine(
             worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,

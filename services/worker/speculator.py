@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.sampler_output import SamplerOutput
+from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
@@ -38,7 +39,9 @@ weights accept almost no draft, so tests propose known tokens to exercise accept
 
 class Speculator:
     def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
-                 rewrite_drafts: RewriteDrafts | None = None) -> None:
+                 rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False) -> None:
+        """``batch_invariant``: the draft runs in the batch-invariant mode too (model/batch_invariant.py), so a
+        request's drafts, and with rejection sampling its tokens, do not depend on its batch."""
         if model.draft is None:
             raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
                              "in its config); this one has none")
@@ -54,6 +57,7 @@ class Speculator:
         self.drafts: dict[str, list[int]] = {}
         self.draft_probs: dict[str, torch.Tensor] = {}  # [nextn, V] processed draft distributions
         self.rewrite_drafts = rewrite_drafts
+        self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
 
@@ -61,10 +65,14 @@ class Speculator:
         for table in (self.contexts, self.drafts, self.draft_probs):
             table.pop(request_id, None)
 
-    @torch.no_grad()
     def step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
              sampler: Sampler) -> tuple[SamplerOutput, StepResult]:
         """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]."""
+        with torch.no_grad(), batch_invariant(self.batch_invariant):
+            return self._step(plan, rows, logits, taps, sampler)
+
+    def _step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
+              sampler: Sampler) -> tuple[SamplerOutput, StepResult]:
         positions = plan.positions.tolist()
         row_requests = plan.row_requests.tolist()
         request_ids = list(plan.request_ids)
@@ -81,7 +89,9 @@ class Speculator:
             mine = plan_rows[i]
             if mine and positions[mine[0]] == 0:  # a prompt from its start (again, after a recompute)
                 self.release(rid)
-            context = self.contexts.setdefault(rid, DraftContext.empty(self.model.draft, 1, taps.device))
+            if rid not in self.contexts:
+                self.contexts[rid] = DraftContext.empty(self.model.draft, 1, taps.device)
+            context = self.contexts[rid]
             if n == 0:  # a prompt chunk that is not the last: its features only
                 self._append(context, taps[mine], positions[mine[0]])
                 num_tokens.append(0)

@@ -48,7 +48,7 @@ def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection"
     llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling)
     probe = LLM(source=source, **llm_args)  # only for its resolved worker config
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
-    speculator = Speculator(source.model, nextn, spec_sampling, rewrite)
+    speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"])
     llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **llm_args)
     return llm.generate(prompts, params), speculator
 
@@ -102,6 +102,17 @@ def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
     assert [o.token_ids for o in shuffled] == [tokens[i] for i in order]
     alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN, spec_sampling="deterministic")
     assert alone[0].token_ids == tokens[1]
+
+
+def test_rejection_mode_seeded_tokens_do_not_depend_on_the_batch(source):
+    """Rejection sampling reads the draft's distributions (the coin and the residual), so the draft runs in
+    the batch-invariant mode too: a request gives the same tokens alone and in a batch."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    batch, spec = generate(source, params, nextn=NEXTN)
+    alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN)
+    assert alone[0].token_ids == batch[1].token_ids and alone[0].logprobs == batch[1].logprobs
+    assert spec.num_drafts_verified > 0
 
 
 def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(source, monkeypatch):
