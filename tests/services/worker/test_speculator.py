@@ -122,3 +122,21 @@ def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(s
     assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason == "length" for o in outs)
     assert spec.num_drafts_verified > 0
     assert spec.contexts == {} and spec.drafts == {}  # every finished request's draft state is released
+
+
+def test_greedy_under_recompute_preemption_and_at_the_context_limit(source, greedy_off):
+    """A pool too small for three requests' drafts forces recompute preemptions (a prompt from position 0
+    again: the request's draft state restarts); the last request runs to max_model_len. Tokens still equal
+    speculation off, and every block and slot comes back."""
+    small = dict(ENGINE, max_model_len=len(PROMPTS[1]) + MAX_TOKENS, block_size=4, num_blocks=12,
+                 preemption_mode="recompute")
+    probe = LLM(source=source, **small, num_speculative_tokens=NEXTN)
+    runner = ModelRunner(source.model, probe.config.worker_config(), nextn=NEXTN, with_taps=True)
+    speculator = Speculator(source.model, NEXTN, batch_invariant=True,
+                            rewrite_drafts=known_drafts([o.token_ids for o in greedy_off]))
+    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **small, num_speculative_tokens=NEXTN)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
+    stats = llm.stats()
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["free_state_slots"] == stats["total_state_slots"]
+    assert speculator.num_drafts_accepted > 0
