@@ -13,3 +13,17 @@ def test_the_last_error_line_of_a_log_ends_the_message(tmp_path):
     log.write_text("INFO all fine\n")
     assert _last_error(log) == ""
     assert _last_error(tmp_path / "absent.log") == ""
+
+
+def test_speculative_flags_reach_the_engines_only():
+    from services.stack import StackConfig, services
+
+    stack = services(StackConfig(model="tiny", num_engines=2, num_speculative_tokens=4, spec_sampling="deterministic",
+                                 remote_workers=True))
+    engines = [s for s in stack if s.name.startswith("engine-")]
+    assert len(engines) == 2
+    for engine in engines:
+        i = engine.argv.index("--num-speculative-tokens")
+        assert engine.argv[i + 1 : i + 4] == ["4", "--spec-sampling", "deterministic"]
+    assert all("--num-speculative-tokens" not in s.argv for s in stack if not s.name.startswith("engine-"))
+    assert all("--num-speculative-tokens" not in s.argv for s in services(StackConfig(model="tiny")))
