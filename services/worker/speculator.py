@@ -130,12 +130,13 @@ class Speculator:
         """One request's emitted tokens: its accepted drafts, then the target's token."""
         drafts = self.drafts.pop(rid, [])[: len(rows) - 1]
         k = len(rows) - 1
-        padded = torch.tensor(drafts + [0] * (k - len(drafts)), dtype=torch.int64).view(1, k)
-        greedy = torch.tensor([rows[0].temperature == 0])
+        device = probs.device
+        padded = torch.tensor(drafts + [0] * (k - len(drafts)), dtype=torch.int64, device=device).view(1, k)
+        greedy = torch.tensor([rows[0].temperature == 0], device=device)
         seeds, first = [rows[0].seed], [rows[0].position]
         if self.spec_sampling == "rejection":
             q = self.draft_probs.pop(rid, None)
-            q = torch.zeros(k, probs.shape[-1]) if q is None else q[:k]
+            q = torch.zeros(k, probs.shape[-1], device=device) if q is None else q[:k]
             v = verify_rejection(probs.unsqueeze(0), q.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
         else:
             v = verify_deterministic(logprobs.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
@@ -152,7 +153,8 @@ class Speculator:
         contexts = [self.contexts[rid] for _, rid, _, _ in anchors]
         batch = DraftContext([torch.cat([c.kv[k] for c in contexts]) for k in range(len(draft.stages))],
                              torch.cat([c.positions for c in contexts]), torch.cat([c.next_position for c in contexts]))
-        tokens = torch.tensor([t for _, _, t, _ in anchors], dtype=torch.int64)
+        device = batch.positions.device
+        tokens = torch.tensor([t for _, _, t, _ in anchors], dtype=torch.int64, device=device)
         blocks = draft.blocks_from_context(batch, tokens, model.embed, model.head)
         starts = [int(c.next_position) for c in contexts]  # the anchors' positions
         probs: list[torch.Tensor] = []
@@ -163,7 +165,8 @@ class Speculator:
             p = sampler.process(logits[:, 0], rows)
             probs.append(p.probs)
             picked = draft_tokens(self.spec_sampling, p.probs, p.logprobs, [r.seed for r in rows],
-                                  [r.position for r in rows], torch.tensor([r.temperature == 0 for r in rows]))
+                                  [r.position for r in rows],
+                                  torch.tensor([r.temperature == 0 for r in rows], device=device))
             return picked.unsqueeze(1)
 
         drafts, _ = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]

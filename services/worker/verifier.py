@@ -58,8 +58,9 @@ class Verdict:
     #                       the target's token); later columns are not emitted
 
 
-def _positions(positions: Sequence[int] | torch.Tensor, n: int, width: int) -> torch.Tensor:
-    return torch.as_tensor(positions, dtype=torch.int64).view(n, 1) + torch.arange(width)  # [N, width]
+def _positions(positions: Sequence[int] | torch.Tensor, n: int, width: int, device: torch.device) -> torch.Tensor:
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=device).view(n, 1)
+    return positions + torch.arange(width, device=device)  # [N, width]
 
 
 def _draw(seeds: Sequence[int], positions: torch.Tensor, case: DrawCase, device: torch.device) -> torch.Tensor:
@@ -69,14 +70,14 @@ def _draw(seeds: Sequence[int], positions: torch.Tensor, case: DrawCase, device:
     return draw_bits(flat_seeds, positions.flatten().tolist(), case, device).view(n, w)
 
 
-def _verified(num_drafts: Sequence[int] | torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+def _verified(num_drafts: Sequence[int] | torch.Tensor | None, n: int, k: int, device: torch.device) -> torch.Tensor:
     """Bool [N, K]: draft j of request i is verified (j < num_drafts[i]); None = all K."""
     if num_drafts is None:
-        return torch.ones(n, k, dtype=torch.bool)
-    counts = torch.as_tensor(num_drafts, dtype=torch.int64).view(n, 1)
+        return torch.ones(n, k, dtype=torch.bool, device=device)
+    counts = torch.as_tensor(num_drafts, dtype=torch.int64, device=device).view(n, 1)
     if bool((counts < 0).any()) or bool((counts > k).any()):
         raise ValueError(f"num_drafts must be in [0, {k}], got {counts.flatten().tolist()}")
-    return torch.arange(k) < counts
+    return torch.arange(k, device=device) < counts
 
 
 def _prefix(passed: torch.Tensor) -> torch.Tensor:
@@ -102,10 +103,11 @@ def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     n, width, _ = target_probs.shape
     k = width - 1
     device = target_probs.device
-    greedy = torch.as_tensor(greedy, dtype=torch.bool).view(n)
-    pos = _positions(positions, n, width)  # [N, K+1]
-    verified = _verified(num_drafts, n, k)
-    num_accepted = torch.zeros(n, dtype=torch.int64)
+    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=device).view(n)
+    drafts = drafts.to(device)
+    pos = _positions(positions, n, width, device)  # [N, K+1]
+    verified = _verified(num_drafts, n, k, device)
+    num_accepted = torch.zeros(n, dtype=torch.int64, device=device)
     if k:
         index = drafts.unsqueeze(-1)
         t = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [N, K]
@@ -113,7 +115,7 @@ def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
         sampled = _passes_rejection(t, d, _draw(seeds, pos[:, :k], DrawCase.ACCEPT, device))
         exact = drafts == target_probs[:, :k].argmax(-1)
         num_accepted = _prefix(torch.where(greedy.unsqueeze(-1), exact, sampled) & verified)
-    rows = torch.arange(n)
+    rows = torch.arange(n, device=device)
     last = target_probs[rows, num_accepted]  # [N, V]: the row whose token follows the accepted drafts
     rejected = num_accepted < verified.sum(-1)
     dist = last
@@ -145,7 +147,8 @@ def coupled_tokens(logprobs: torch.Tensor, seeds: Sequence[int], positions: Sequ
     """argmax_v logprobs[v] + G(seed, position)[v] per row (argmax alone for greedy rows): logprobs [n, V]
     of a processed distribution (dropped tokens −inf) → int64 [n]. Ties go to the lowest id."""
     noisy = logprobs.to(torch.float64) + gumbel_noise(seeds, positions, logprobs.shape[-1], logprobs.device)
-    return torch.where(torch.as_tensor(greedy, dtype=torch.bool), logprobs.argmax(-1), noisy.argmax(-1))
+    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=logprobs.device)
+    return torch.where(greedy, logprobs.argmax(-1), noisy.argmax(-1))
 
 
 def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, seeds: Sequence[int],
@@ -155,11 +158,12 @@ def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, se
     processed logprobs with the same seeds and positions); arguments otherwise as ``verify_rejection``."""
     n, width, _ = target_logprobs.shape
     k = width - 1
-    greedy = torch.as_tensor(greedy, dtype=torch.bool).view(n)
-    pos = _positions(positions, n, width)
+    device = target_logprobs.device
+    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=device).view(n)
+    pos = _positions(positions, n, width, device)
     target = coupled_tokens(target_logprobs.flatten(0, 1), [s for s in seeds for _ in range(width)], pos.flatten(),
                             greedy.repeat_interleave(width)).view(n, width)  # the target's token at each position
-    num_accepted = _prefix(_passes_coupled(drafts, target[:, :k]) & _verified(num_drafts, n, k))
+    num_accepted = _prefix(_passes_coupled(drafts.to(device), target[:, :k]) & _verified(num_drafts, n, k, device))
     return Verdict(num_accepted, target)
 
 
@@ -167,7 +171,7 @@ def draft_tokens(spec_sampling: str, probs: torch.Tensor, logprobs: torch.Tensor
                  positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """The draft's token per row from its processed distribution (probs, logprobs [n, V]) at ``positions`` [n]:
     "rejection" draws with the draft's own key, "deterministic" couples to the target's noise."""
-    greedy = torch.as_tensor(greedy, dtype=torch.bool)
+    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=probs.device)
     if spec_sampling == "deterministic":
         return coupled_tokens(logprobs, seeds, positions, greedy)
     if spec_sampling != "rejection":
