@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import invariance
 from kernels.attention_blocks import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys, entry_block_n
 
 _LOG2E = 1.4426950408889634
@@ -195,6 +196,8 @@ def sparse_prefill_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     # 0 spills at the Flash shapes (sm_90a, 8 warps, 3 stages): BLOCK_N 16 with FP4 entries, 32 with staged ones.
+    if invariance.active() and block_n is None:  # decode attention's key blocks (kernels/invariance.py)
+        block_n = invariance.ATTENTION_BLOCK_N
     explicit_block_n = block_n is not None
     block_n = block_n or (16 if staged is None else 32)
     if dot_fp32:  # fp32 q and keys in shared memory leave no room for staged key bytes (as in decode)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import invariance
 from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 
@@ -39,11 +40,13 @@ PRECISIONS = ("fp8", "fp32")
 
 
 def linear_block_m(num_tokens: int) -> int:
-    """Tokens per MMA tile of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
+    """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
     weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
     summed over v41's projections (H200, ``scripts/diagnostics/tune_linear.py``; docs/performance.md has the
     table). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
     BLOCK_M 64 spills at 4 warps."""
+    if invariance.active():
+        return invariance.BLOCK_M
     return 16 if num_tokens <= 256 else 32
 
 
@@ -202,9 +205,10 @@ class KernelLinear(nn.Module):
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-        if (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS
+        if (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
                 and gemm.worth_splitting(self.w.shape[1], x.device)):
-            # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py).
+            # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py);
+            # not in the batch-invariant mode, where the batch must not choose the kernel.
             y = gemm.fp8_linear_splitk(a, self.w, self.w_scale, out_dtype=out_dtype)  # [T, N']
         else:
             y = gemm.moe_grouped_gemm(a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,

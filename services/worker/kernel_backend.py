@@ -15,6 +15,9 @@ its step is ``KernelStep`` (services/worker/kernel_step.py), its sampler ``Kerne
   (``mhc_mix``), the attention expand fused with the FFN site's Mix + collapse (``mhc_expand_mix``),
   and the FFN expand.
 
+The indexer's ``weights_proj`` and each ``Engram`` → ``RowTiledLinear`` / ``RowTiledEngram``
+(services/worker/row_tiled.py): the same torch maths, on fixed row tiles in the batch-invariant mode.
+
 With ``precision="fp8"``, the output head → ``KernelHead`` (services/worker/kernel_head.py: its bf16
 weight read as bf16, fp32 logits) when its weight is exact in bf16, as the checkpoint's is.
 
@@ -32,6 +35,8 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.attention import Attention
+from model.deepseek_v41.engram import Engram
+from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.mhc import HyperConnection, Mix
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
@@ -39,6 +44,7 @@ from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLi
 from services.worker.kernel_head import KernelHead, exact_in_bf16
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_step import KernelStep
+from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 
 __all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "KernelStep", "check_device",
            "convert_model"]
@@ -95,6 +101,10 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
                 new = KernelHead(child.weight)
             elif isinstance(child, nn.Linear) and name in FP8_PROJECTIONS.get(type(parent).__name__, ()):
                 new, done.linears = KernelLinear(child.weight, precision, kernels), done.linears + 1
+            elif isinstance(parent, Indexer) and name == "weights_proj" and isinstance(child, nn.Linear):
+                new = RowTiledLinear(child)
+            elif isinstance(child, Engram) and not isinstance(parent, RowTiledEngram):
+                new = RowTiledEngram(child)
             if new is not None:
                 done.inexact += getattr(new, "inexact", 0)
                 setattr(parent, name, new)

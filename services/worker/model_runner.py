@@ -18,8 +18,11 @@ interpreted copies (CPU tests).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from kernels import invariance
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
@@ -52,9 +55,9 @@ class ModelRunner:
         self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
                                  config.num_state_slots, ring_size(self.cfg, nextn), device)
         self.rounding = rounding
-        if config.batch_invariant and (self.backend != "torch" or device.type != "cpu"):
-            raise ValueError("batch_invariant is built for the CPU's torch path only so far (docs/batch-invariance.md): "
-                             f"this runner is the {self.backend} backend on {device}; run it with --device cpu")
+        if config.batch_invariant and self.backend == "torch" and device.type != "cpu":
+            raise ValueError("batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "
+                             f"this runner is the torch backend on {device}; pass kernel_backend 'fp8' or 'fp32'")
         self.batch_invariant = config.batch_invariant
 
     def release(self, request_id: str) -> None:
@@ -66,8 +69,16 @@ class ModelRunner:
         """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
         with ``all_rows``, for tests), expert counts [layers, experts], rows computed. A plan with
         pending inputs (async scheduling) needs ``pending``, the previous step's sampled tokens."""
-        with torch.no_grad(), batch_invariant(self.batch_invariant):
+        with torch.no_grad(), self.invariant():
             return self._execute(plan, all_rows, pending)
+
+    def invariant(self) -> contextlib.AbstractContextManager[None]:
+        """The batch-invariant mode's context for this runner's steps (nothing when it is off): the CPU
+        torch maths (model/batch_invariant.py) on the torch backend, fixed launch configurations
+        (kernels/invariance.py) on the kernel backend."""
+        if not self.batch_invariant:
+            return contextlib.nullcontext()
+        return batch_invariant() if self.kernels is None else invariance.fixed_configs()
 
     def _execute(self, plan: StepPlan, all_rows: bool, pending: PendingInputs | None) -> RunnerOutput:
         cfg, model = self.cfg, self.model

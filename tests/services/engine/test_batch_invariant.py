@@ -119,3 +119,32 @@ def test_the_mode_holds_under_other_thread_counts_and_cpu_capabilities(threads, 
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["capability"] == capability.upper()
     assert result["alone_equal"] == [True] * 4 and result["prefix_equal"]
+
+
+# ---------------------------------------------------------------- CUDA: the kernel backend's form of the mode
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_gpu_batch_and_each_prompt_alone_are_equal_with_graphs_eager_and_async_off():
+    """The tiny model on the FP8 kernel backend: the walkthrough's test (a batch, then each prompt alone
+    forced to its tokens) with CUDA graphs and async scheduling on (the CUDA defaults), and the same
+    batch with graphs off (eager decode steps) and with async scheduling off: all ``==``."""
+    prompts = [_prompt(k, 5 + 7 * k) for k in range(NUM_PROMPTS)]
+    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k,
+                             ignore_eos=True) for k in range(NUM_PROMPTS)]
+    args = dict(model="tiny", device="cuda", block_size=16, max_num_batched_tokens=48, max_num_seqs=NUM_PROMPTS,
+                num_blocks=256, num_state_slots=NUM_PROMPTS + 1, max_model_len=256, batch_invariant=True)
+    llm = LLM(**args)
+    assert llm.config.kernel_backend == "fp8" and llm.config.cuda_graphs and llm.config.async_scheduling
+    batch = llm.generate(prompts, params)
+    for k, (prompt, together) in enumerate(zip(prompts, batch)):
+        forced = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=7 + k,
+                                ignore_eos=True, forced_token_ids=tuple(together.token_ids))
+        assert _answer(llm.generate(prompt, forced)[0]) == _answer(together), f"prompt {k} differs alone"
+    resolved = {f: getattr(llm.config, f) for f in llm.config.__dataclass_fields__}  # the CUDA defaults
+    for switch in ({"enforce_eager": True, "cuda_graphs": False}, {"async_scheduling": False}):
+        other = LLM(source=llm.source, **{**resolved, **switch}).generate(prompts, params)
+        assert [_answer(o) for o in other] == [_answer(o) for o in batch], f"{switch} differs"

@@ -30,6 +30,7 @@ from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_sampler import KernelSampler
 from services.worker.model_runner import ModelRunner
+from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 from services.worker.sampler import Sampler, SamplingRow
 from services.worker.worker import Worker
 from tests import tolerances as tol
@@ -119,7 +120,10 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     assert isinstance(model.head, KernelHead) and model.head.weight.dtype == torch.bfloat16
     left = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name, m in model.named_modules()
                    if isinstance(m, nn.Linear)})
-    assert left == ["compressor.wgate", "compressor.wkv", "indexer.weights_proj", "indexer.wk"]
+    assert left == ["compressor.wgate", "compressor.wkv", "indexer.wk", "weights_proj.linear"]
+    # Row-wise torch modules run on fixed row tiles in the batch-invariant mode (services/worker/row_tiled.py).
+    assert sum(isinstance(m, RowTiledEngram) for m in model.modules()) == len(cfg.engram_layer_ids)
+    assert all(isinstance(m.weights_proj, RowTiledLinear) for m in model.modules() if type(m).__name__ == "Indexer")
     # The random checkpoint's FP8 (32×32 scales) and MXFP4 (1×32) weights land on the 128×128 grid exactly,
     # but for elements of a 32×32 block more than ~14 binades below its 128×128 block's largest scale,
     # which fall below e4m3's subnormals there (2 of 1.1M here, both in a dense wkv): rounded, not exact.
