@@ -17,7 +17,8 @@ from kernels import invariance
 from services.worker.fp8_linear import linear_block_m
 from services.worker.model_runner import ModelRunner
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def cuda(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def test_launch_choices_do_not_follow_the_batch_in_the_mode():

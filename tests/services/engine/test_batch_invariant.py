@@ -124,7 +124,8 @@ def test_the_mode_holds_under_other_thread_counts_and_cpu_capabilities(threads, 
 # ---------------------------------------------------------------- CUDA: the kernel backend's form of the mode
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def cuda(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @cuda
