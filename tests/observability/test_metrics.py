@@ -69,10 +69,10 @@ def test_counts_match_the_requests_sent(served):
     model = {"model_name": "tiny"}
     assert _get(after, names.VLLM_RUNNING, **model) == _get(after, names.ENGINE_STAT_PREFIX + "num_running") == 0
     assert _get(after, names.VLLM_WAITING, **model) == 0
-    assert _get(after, names.ENGINE_STAT_PREFIX + "total_blocks") == stats["total_blocks"] > 0
+    assert _get(after, names.ENGINE_STAT_PREFIX + "total_blocks") == stats.total_blocks > 0
     assert _get(after, names.KV_USAGE, pool="blocks") == _get(after, names.VLLM_KV_USAGE, **model) == 0.0
     info = [labels for (name, labels) in after if name == names.VLLM_CACHE_CONFIG]
-    assert len(info) == 1 and dict(info[0])["num_gpu_blocks"] == str(stats["total_blocks"])
+    assert len(info) == 1 and dict(info[0])["num_gpu_blocks"] == str(stats.total_blocks)
     assert _get(after, names.VLLM_CACHE_CONFIG, **dict(info[0])) == 1.0
 
 
@@ -84,7 +84,7 @@ def test_the_vllm_names_are_the_ones_llm_d_reads():
 def test_kv_usage_moves_while_a_request_runs(served):
     _wait_idle(served)
     with ShinkaiClient(served.grpc_target, timeout=60) as c:
-        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, request_id="obs-abort")
+        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, client_request_id="obs-abort")
         assert next(stream).finish_reason is None
         time.sleep(0.1)
         during = _samples(served.http_url)
