@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.engine", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--replica", default="engine-0", help="this engine instance's name in loads, reports and metrics")
+    p.add_argument("--replica", default="engine-0", help="this engine instance's name in loads, reports, metrics")
     p.add_argument("--rank", type=int, default=0, help="this engine's rank in expert-load reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")

@@ -119,8 +119,8 @@ class RemoteEngine:
 
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
                      params: SamplingParams) -> RemoteStream:
-        request = pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id, token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
-                                     sampling=_sampling(params))
+        request = pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id,
+                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params))
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
             first = await call.read()  # an error status arrives here, before anything streams

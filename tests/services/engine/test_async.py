@@ -45,13 +45,15 @@ def _run(engine: Engine, requests, abort_after: dict[str, int]) -> dict[str, tup
                 done[out.request_id] = out
         engine.scheduler.check_invariants()
         for request_id, n in abort_after.items():
-            if request_id not in done and request_id in engine.requests and len(engine.requests[request_id].output.token_ids) >= n:
+            live = engine.requests.get(request_id) if request_id not in done else None
+            if live is not None and len(live.output.token_ids) >= n:
                 done[request_id] = engine.abort(request_id)
                 engine.scheduler.check_invariants()
     s = engine.stats()
     assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
     assert s.num_waiting == s.num_running == 0
-    return {request_id: (out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason) for request_id, out in done.items()}
+    return {request_id: (out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason)
+            for request_id, out in done.items()}
 
 
 def _mixed(tag: str, sampling: dict, stop: int | None):

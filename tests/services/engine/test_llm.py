@@ -114,7 +114,8 @@ def test_abort_waiting_between_chunks_and_running(llm):
     while engine.scheduler.request("run") is not None and not engine.scheduler.request("run").token_ids[10:]:
         engine.step()
     finals["run"] = engine.abort("run")
-    assert {request_id: o.finish_reason for request_id, o in finals.items()} == {"long": "abort", "wait": "abort", "run": "abort"}
+    assert {request_id: o.finish_reason for request_id, o in finals.items()} == {
+        "long": "abort", "wait": "abort", "run": "abort"}
     assert engine.abort("run") is None
     _pools_whole(llm)
 
