@@ -164,7 +164,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     for i in range(config.num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
-        argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
+        argv = [*py, "services.engine", "--model", config.model, "--replica", name, "--rank", str(i),
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers

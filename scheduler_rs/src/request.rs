@@ -80,6 +80,7 @@ impl StopRules {
 
 #[derive(Debug, Clone)]
 pub struct Request {
+    /// The request's unique id, made by the gateway and used unchanged by every layer and rank.
     pub request_id: String,
     /// Prompt followed by the accepted output tokens.
     pub tokens: Vec<u32>,

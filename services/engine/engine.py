@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
+from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.stats import EngineStats
 from services.worker.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 
@@ -94,22 +96,16 @@ class Engine:
         final = self.scheduler.abort(request_id)
         if final is None:
             return None
-        return self._finish(request_id, final.finish_reason.value, None)
+        return self._finish(request_id, FinishReason.of(final.finish_reason), None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         s = self.scheduler.stats()
-        return {
-            "free_blocks": s.num_free_blocks,
-            "total_blocks": s.num_total_blocks,
-            "free_state_slots": s.num_free_state_slots,
-            "total_state_slots": s.num_total_state_slots,
-            "num_waiting": s.num_waiting,
-            "num_running": s.num_running,
-            "decode_step": s.decode_step,
-        }
+        return EngineStats(free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks,
+                           free_state_slots=s.num_free_state_slots, total_state_slots=s.num_total_state_slots,
+                           num_waiting=s.num_waiting, num_running=s.num_running, decode_step=s.decode_step)
 
     # ---- the step loop ----------------------------------------------------------------------
 
@@ -198,7 +194,7 @@ class Engine:
     def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
         changed: dict[str, RequestOutput] = {}
         for final in plan.outputs:  # preempted while scheduling
-            changed[final.request_id] = self._finish(final.request_id, final.finish_reason.value, None)
+            changed[final.request_id] = self._finish(final.request_id, FinishReason.of(final.finish_reason), None)
         # Logprobs of each request's sampled rows, in plan order.
         sampled_logprobs: dict[str, list[int]] = {}
         row = 0
@@ -228,11 +224,11 @@ class Engine:
                         out.top_logprobs.append(list(zip(top[0][r][:n], top[1][r][:n])))
             changed[update.request_id] = out
             if update.finish_reason is not None:
-                changed[update.request_id] = self._finish(update.request_id, update.finish_reason.value,
+                changed[update.request_id] = self._finish(update.request_id, FinishReason.of(update.finish_reason),
                                                           update.stop_token_id)
         return list(changed.values())
 
-    def _finish(self, request_id: str, reason: str, stop_token_id: int | None) -> RequestOutput:
+    def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         req = self.requests.pop(request_id)
         req.output.finish_reason = reason
         req.output.stop_token_id = stop_token_id

@@ -10,6 +10,7 @@ from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.stats import EngineStats
 from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
@@ -100,8 +101,8 @@ class LLM:
         for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
             self.engine.validate(ids, p)
         request_ids = [str(next(self._ids)) for _ in encoded]
-        for rid, ids, p in zip(request_ids, encoded, params_list):
-            self.engine.add_request(rid, ids, p)
+        for request_id, ids, p in zip(request_ids, encoded, params_list):
+            self.engine.add_request(request_id, ids, p)
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
@@ -117,7 +118,7 @@ class LLM:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [finished[rid] for rid in request_ids]
+        return [finished[request_id] for request_id in request_ids]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()

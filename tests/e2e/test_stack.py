@@ -76,7 +76,7 @@ def test_openai_client_through_the_gateway(stack):
 def test_grpc_client_stream_abort_and_bad_input(stack):
     _, _, ready = stack
     with ShinkaiClient(ready["grpc"], timeout=60) as c:
-        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, request_id="stack-abort")
+        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, client_request_id="stack-abort")
         assert next(stream).finish_reason is None
         assert c.abort("stack-abort") is True
         assert list(stream)[-1].finish_reason == "abort"
@@ -118,7 +118,7 @@ def test_routing_follows_the_load_reports(stack):
         assert control.get("engine-0", 0) >= 1 and control.get("engine-1", 0) >= 1, control
         # Load engine-0 directly (not through the gateway), wait for its reports to say so, then route.
         with ShinkaiClient(f"127.0.0.1:{engine0}", timeout=60) as direct:
-            streams = [direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, request_id=f"load{i}")
+            streams = [direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, client_request_id=f"load{i}")
                        for i in range(4)]
             for s in streams:
                 next(s)

@@ -45,7 +45,7 @@ def test_a_batch_and_each_prompt_alone_forced_to_its_tokens_are_equal(llm):
         alone = llm.generate(prompt, forced)[0]
         assert _answer(alone) == _answer(together), f"prompt {k} differs alone"
     s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
 
 
 class _LogitsRecorder:
@@ -58,8 +58,8 @@ class _LogitsRecorder:
     def execute(self, plan, *args, **kwargs):
         out = self.runner.execute(plan, *args, **kwargs)
         row = 0
-        for rid, n in zip(plan.request_ids, plan.num_sample_rows.tolist()):
-            self.logits.setdefault(rid, []).extend(out.logits[row : row + n].clone())
+        for request_id, n in zip(plan.request_ids, plan.num_sample_rows.tolist()):
+            self.logits.setdefault(request_id, []).extend(out.logits[row : row + n].clone())
             row += n
         return out
 

@@ -35,7 +35,12 @@ def test_finish_reasons_match_the_scheduler():
     from scheduler_rs import FinishReason
     from services.proto.shinkai.v1 import shinkai_pb2
 
-    for name in ("STOP", "LENGTH", "ABORT", "PREEMPTED", "ERROR"):
+    from services.engine.finish_reason import FinishReason as EngineFinishReason
+
+    names = ("STOP", "LENGTH", "ABORT", "PREEMPTED", "ERROR")
+    assert [r.name for r in EngineFinishReason] == list(names)
+    for name in names:
         rust = getattr(FinishReason, name)
         assert shinkai_pb2.FinishReason.Value(f"FINISH_REASON_{name}") == int(rust) + 1, name
         assert rust.value == name.lower()
+        assert EngineFinishReason.of(rust) is EngineFinishReason[name] == rust.value  # a str: JSON stays the same

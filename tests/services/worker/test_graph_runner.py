@@ -250,7 +250,7 @@ def test_async_scheduling_through_the_static_step_gives_the_same_tokens():
         outputs.append([(o.token_ids, o.logprobs) for o in outs])
         replays.append(len(calls) - runner.num_eager)  # steps the static step ran
         s = llm.stats()
-        assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+        assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
     # Tokens are identical; logprobs may differ in the last bit, because async runs one extra (dead) row
     # for a request that finished in the step in flight, so a step's graph size (its matmul row count) differs.
     assert [t for t, _ in outputs[0]] == [t for t, _ in outputs[1]]
@@ -299,4 +299,4 @@ def test_an_async_decode_step_is_queued_without_a_host_sync():
         engine.step()
     assert [len(o.token_ids) for o in outputs] == [16] * 3
     s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
