@@ -41,7 +41,7 @@ def main() -> int:
 
     def params(seed: int, forced: tuple[int, ...] | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=0.7, logprobs=5, seed=seed,
-                              ignore_eos=True, forced_token_ids=forced)
+                              ignore_eos=True, forced_token_ids=forced or ())
 
     t0 = time.perf_counter()
     batch = llm.generate(prompts, [params(1000 + k) for k in range(args.num_prompts)])
