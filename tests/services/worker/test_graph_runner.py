@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig
-from services.worker.static_decode_step import StaticDecodeStep
 from services.worker.graph_runner import GraphRunner
 from services.worker.model_runner import ModelRunner
+from services.worker.static_decode_step import StaticDecodeStep
 from tests import tolerances as tol
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.test_static_decode_step import case, pool_differences, setup

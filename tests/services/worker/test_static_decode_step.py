@@ -21,10 +21,10 @@ from scheduler_rs import Scheduler, SchedulerConfig, StepPlan
 from services.engine.config import EngineConfig
 from services.worker import attention_backend_graph
 from services.worker.cache_engine import CacheEngine
-from services.worker.static_decode_step import StaticDecodeStep
 from services.worker.graph_runner import GraphRunner
 from services.worker.model_runner import ModelRunner
 from services.worker.reference_runner import RunnerOutput
+from services.worker.static_decode_step import StaticDecodeStep
 from tests import tolerances as tol
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.test_model_runner import BLOCK, case
