@@ -85,7 +85,7 @@ class Summary:
     flipped_steps: int = 0
 
 
-def _cached_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale):
+def _torch_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale):
     """``static_attend`` in TorchAttention's op order (sink_attention, then undo-RoPE in q's dtype): test glue
     that makes the static step bit-identical to the eager one at equal row counts."""
     from model.deepseek_v41.attention import sink_attention
@@ -165,10 +165,10 @@ def test_static_step_equals_model_runner(name):
           f"{out.worst_flipped:.3g} on the {out.flipped_steps} steps with a bin flip")
 
 
-def test_static_step_is_bit_identical_in_the_cached_order(monkeypatch):
+def test_static_step_is_bit_identical_in_the_torch_order(monkeypatch):
     """Ring, compressor, partial groups, Engram history, indexer and selection are the eager step's
     bit for bit: only the attention's op order and GEMM row counts differ in the runs above."""
-    monkeypatch.setattr(attention_backend_graph, "static_attend", _cached_order_attend)
+    monkeypatch.setattr(attention_backend_graph, "static_attend", _torch_order_attend)
     compare_runs("oracle", exact=True)
 
 
