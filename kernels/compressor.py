@@ -1,8 +1,8 @@
 """The KV source's compressor after its projection, fused: gather a group's members (this step's rows
 or the state slot's fp32 partial rows), pool (ratio 2), RMSNorm, RoPE, FP4 and the write of the
 compressed-KV entry; the index key ``k_norm(wk · latent)`` with RoPE and FP4; and the partial-row
-writes (spec §3.6–3.7). Semantics, bytes and state are those of ``CachedStep._compress`` (the
-reference: services/worker/cached_step.py; pools as ``CacheEngine.write_entries`` / ``write_partial``
+writes (spec §3.6–3.7). Semantics, bytes and state are those of ``TorchAttention.write_groups`` (the
+reference: services/worker/attention_backend_torch.py; pools as ``CacheEngine.write_entries`` / ``write_partial``
 store them). The dense projections over all rows (``Compressor.project``, ratio 1's ``wkv``) stay
 outside: they are [R, 5120] GEMMs.
 
@@ -347,7 +347,7 @@ def compress(
 
 
 def compress_layer(cache, batch, attn, x: torch.Tensor, **kwargs) -> None:
-    """Drop-in for ``CachedStep._compress(attn, x)`` (without its ``rounding`` hook): the projections
+    """Drop-in for ``TorchAttention.write_groups(attn, x)`` (without its ``rounding`` hook): the projections
     in torch (on fixed row tiles in the batch-invariant mode: ``invariance.by_rows``), the rest in the
     kernel. x [R, D] is the attention input (attn_norm output)."""
     import torch.nn.functional as F

@@ -1,6 +1,6 @@
 """Sparse prefill attention: the rows of a prefill chunk over their sliding window (FP8 ring rows before
 the chunk, this step's own FP8 K rows inside it) and their selected FP4 compressed entries, with the
-attention sink and undo-RoPE (spec §3.5; ``CachedStep.attend`` for every row of a step). Reference:
+attention sink and undo-RoPE (spec §3.5; ``TorchAttention.attend`` for every row of a step). Reference:
 ``kernels.reference.sparse_prefill_attention``.
 
 Design. One program takes one query row and BLOCK_H heads (all 64 of Flash): the heads fill the MMA's
@@ -33,9 +33,9 @@ entries when ``stage_entries`` has dequantised the step's entries once to bf16 (
 only gathers rows (``staged=``: 3.5× the bytes per key, from a set of context/ratio rows that
 stays in L2, e.g. 16 MB at 32K). The H200 kernel bench measured staged at 1.9–2.0× the in-loop
 dequantisation (docs/performance.md); the engine stages when a step's requests hold at most
-``services/worker/kernel_step.STAGE_MAX_ENTRIES`` entries at the source.
+``services/worker/attention_backend_triton.STAGE_MAX_ENTRIES`` entries at the source.
 
-The ring must be read as it was before this step writes its own rows to it (``CachedStep`` reads it
+The ring must be read as it was before this step writes its own rows to it (``TorchAttention`` reads it
 first): a chunk longer than ring − w would overwrite ring positions that its first rows still need.
 
 Everything else (exact bf16 dequantisation, the online softmax with exp2, P in bf16 for the PV

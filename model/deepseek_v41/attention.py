@@ -79,14 +79,14 @@ class Attention(nn.Module):
             state = self._sparse(x, positions, q_latent, state)
         if batch_invariant.active():
             out = self._attend_per_query(q, kv, state)
-            return self._project_out(out, angles), state
+            return self.project_out(out, angles), state
         allowed = window_mask(positions, self.window)  # [B, S, S]
         if self.ratio:
             width = state.compressed_kv.shape[1]
             kv = torch.cat((kv, state.compressed_kv), dim=1)  # [B, S + W, hd]
             allowed = torch.cat((allowed, selection_mask(state.selected, width)), dim=-1)
         out = sink_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)  # [B, S, H, hd]
-        return self._project_out(out, angles), state
+        return self.project_out(out, angles), state
 
     def _attend_per_query(self, q: torch.Tensor, kv: torch.Tensor, state: SparseState) -> torch.Tensor:
         """``sink_attention`` with every query's keys gathered in the cached engine's layout (window
@@ -137,7 +137,9 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~candidates, -torch.inf)
         return scores, candidates
 
-    def _project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    def project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, S, H, hd] (RoPE still applied at ``angles`` [B, S, P]) → [B, S, D]: RoPE
+        undone, the grouped low-rank ``wo_a``, then ``wo_b``. Public: the engine's cached step ends with it."""
         out = apply_rope(out, angles, inverse=True)  # [B, S, H, hd]
         grouped = out.reshape(*out.shape[:2], self.num_groups, -1)  # [B, S, G, H/G·hd]
         w = self.wo_a.weight.view(self.num_groups, -1, grouped.shape[-1])  # [G, R, H/G·hd]

@@ -60,8 +60,8 @@ class KernelSet:
     moe_router: ModuleType
     moe_grouped_gemm: ModuleType
     decode_attention: ModuleType
-    # The step's other kernels (services/worker/kernel_step.py, kernel_sampler.py). None: that part stays
-    # torch (the FP8 test's torch-reference set); ``compiled()`` and the interpreted sets have them all.
+    # The step's other kernels (services/worker/attention_backend_triton.py, kernel_sampler.py). None: that
+    # part stays torch (the FP8 test's torch-reference set); ``compiled()`` and the interpreted sets have them all.
     compressor: ModuleType | None = None
     indexer: ModuleType | None = None
     prefill_attention: ModuleType | None = None
@@ -80,7 +80,7 @@ class KernelSet:
     def references() -> KernelSet:
         """The kernels' torch references (kernels/reference.py) in this shape, on any device: the FP8
         path's formats and wiring without a Triton kernel, i.e. its format noise floor. Compressor,
-        indexer and mHC are left out: KernelStep then compresses and selects with CachedStep's torch
+        indexer and mHC are left out: TritonAttention then compresses and selects with TorchAttention
         (the model's functions). ``interpreted`` (fp32 dot options) is moot for the references."""
         from kernels import reference
 

@@ -23,7 +23,7 @@ import torch
 from kernels.device import upload
 from scheduler_rs import StepPlan
 from services.worker.config import WorkerConfig
-from services.worker.decode_step import StaticDecodeStep
+from services.worker.static_decode_step import StaticDecodeStep
 from services.worker.model_runner import ModelRunner
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
@@ -71,7 +71,7 @@ class GraphRunner:
         self.runner.release(request_id)
 
     def _fp32_dots(self) -> bool | None:
-        """The eager kernel backend's choice (``KernelStep.fp32_dots``), so graph and eager steps agree."""
+        """The eager kernel backend's choice (``TritonAttention.fp32_dots``), so graph and eager steps agree."""
         precision = getattr(self.runner, "precision", None)
         return None if getattr(self.runner, "kernels", None) is None else precision == "fp32"
 

@@ -1,6 +1,6 @@
 """The worker's GPU kernel backend: the model's modules swapped for kernel-backed ones (composition);
-its step is ``KernelStep`` (services/worker/kernel_step.py), its sampler ``KernelSampler``
-(services/worker/kernel_sampler.py).
+its attention backend is ``TritonAttention`` (services/worker/attention_backend_triton.py), its sampler
+``KernelSampler`` (services/worker/kernel_sampler.py).
 
 ``convert_model(model, precision)`` replaces, in place:
 
@@ -43,11 +43,9 @@ from model.deepseek_v41.norm import RMSNorm
 from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
 from services.worker.kernel_head import KernelHead, exact_in_bf16
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
-from services.worker.kernel_step import KernelStep
 from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 
-__all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "KernelStep", "check_device",
-           "convert_model"]
+__all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "check_device", "convert_model"]
 
 BACKENDS = ("torch", "kernels")
 FP8_PROJECTIONS = {"Attention": ("wq_a", "wq_b", "wkv", "wo_b"), "Indexer": ("wq_b",), "Engram": ("wkv",)}

@@ -7,7 +7,7 @@ as expert E and every token picks it with weight 1, which is exactly the model's
 expert first, then the routed picks in top-k order, in fp32, as the model does. Only the routed picks are
 added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
 
-``live`` (a row mask, for the static decode step's placeholder rows: services/worker/decode_step.py)
+``live`` (a row mask, for the static decode step's placeholder rows: services/worker/static_decode_step.py)
 routes the other rows nowhere: their choices go to sink experts past the stacked ones, which the
 layout then drops, so they take no slot, activate no expert, count towards nothing and come out
 as zeros. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.

@@ -2,7 +2,7 @@
 
 One model call per step holds every row of every request (prefill chunks and decode rows alike,
 concatenated as [1, R, ...] with per-row positions and request indices). Each layer runs the
-model's own ``Block.run`` (Engram, mHC, norms, MoE) around ``CachedStep.attend``; only the sampled
+model's own ``Block.run`` (Engram, mHC, norms, MoE) around ``AttentionStep.attend``; only the sampled
 rows go through the final collapse, norm and head. Nothing recomputes a prefix: a step computes
 exactly Σ seqlen_q rows.
 
@@ -11,7 +11,8 @@ nothing here and counts nothing: one CPU rank has no collective to join. The fak
 nowhere arrives with expert parallelism.
 
 ``backend="kernels"`` (or ``EngineConfig.kernel_backend``) converts the model in place to its
-kernel-backed form (services/worker/kernel_backend.py) and wraps each step in a ``KernelStep``;
+kernel-backed form (services/worker/kernel_backend.py) and runs each step's attention on the
+``TritonAttention`` backend (the ``TorchAttention`` one otherwise: services/worker/attention_step.py);
 ``precision`` is "fp8" (the default) or "fp32". It needs a CUDA device unless ``kernels`` are
 interpreted copies (CPU tests).
 """
@@ -28,9 +29,13 @@ from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine, ring_size
-from services.worker.cached_step import CachedStep, Rounding
+from services.worker.attention_backend import AttentionBackend, Rounding, StepRounding
+from services.worker.attention_backend_torch import TorchAttention
+from services.worker.attention_backend_triton import TritonAttention
+from services.worker.attention_step import AttentionStep
 from services.worker.config import WorkerConfig
-from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
+from services.worker.engram_rows import engram_rows
+from services.worker.kernel_backend import BACKENDS, KernelSet, check_device, convert_model
 from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slots
@@ -94,10 +99,11 @@ class ModelRunner:
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
             batch.fill_pending(plan, pending)
-        step: CachedStep | KernelStep = CachedStep(self.cache, batch, self.rounding)
-        if self.kernels is not None:
-            step = KernelStep(step, self.kernels, self.precision)
-        engram_rows = step.engram_rows(model.hasher) if model.hasher is not None else None
+        rounding = StepRounding(self.rounding, batch.request_ids)
+        backend: AttentionBackend = TorchAttention(self.cache, batch, rounding) if self.kernels is None else \
+            TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)
+        step = AttentionStep(backend, batch.positions, batch.row_requests, rounding)
+        engram = engram_rows(self.cache, batch, model.hasher) if model.hasher is not None else None
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
@@ -105,7 +111,7 @@ class ModelRunner:
             def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
-            h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer])
+            h, pre = block.run(h, pre, attend, engram, None, counts[block.layer])
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]
