@@ -44,6 +44,18 @@ class PreparedImage:
 
 def open_image(data: bytes, limits: ImageLimits) -> Image.Image:
     """The decoded RGB image; ImageInputError for empty, oversized, corrupt, truncated or unsupported input."""
+    image = _open_header(data, limits)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
+        raise ImageInputError(f"the {image.format} image is corrupt or truncated: {err}") from None
+    return image.convert("RGB")
+
+
+def _open_header(data: bytes, limits: ImageLimits) -> Image.Image:
+    """The image opened lazily (header read, pixels not), its bytes, format and pixel count checked."""
     if not data:
         raise ImageInputError("the image is empty")
     if len(data) > limits.max_bytes:
@@ -58,13 +70,17 @@ def open_image(data: bytes, limits: ImageLimits) -> Image.Image:
     if width * height > limits.max_pixels:
         raise ImageInputError(f"the image is {width}x{height} = {width * height} pixels, over the limit of "
                               f"{limits.max_pixels}")
+    return image
+
+
+def peek_grid(data: bytes, vcfg: VisionConfig, limits: ImageLimits) -> ImageGrid:
+    """The image's size plan from its header alone (no pixel decode): what the placeholder expansion needs.
+    Refuses what ``open_image`` refuses, except damage past the header (``prepare_image`` finds that)."""
+    image = _open_header(data, limits)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
-        raise ImageInputError(f"the {image.format} image is corrupt or truncated: {err}") from None
-    return image.convert("RGB")
+        return plan_image_grid(image.width, image.height, vcfg)
+    except ValueError as err:
+        raise ImageInputError(str(err)) from None
 
 
 def prepare_image(data: bytes, vcfg: VisionConfig, limits: ImageLimits) -> PreparedImage:
