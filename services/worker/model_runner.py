@@ -27,6 +27,7 @@ from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.cached_step import CachedStep, Rounding
 from services.worker.config import WorkerConfig
+from services.worker.image_inputs import ImageInputs
 from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
 from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
@@ -56,10 +57,20 @@ class ModelRunner:
             raise ValueError("batch_invariant is built for the CPU's torch path only so far (docs/batch-invariance.md): "
                              f"this runner is the {self.backend} backend on {device}; run it with --device cpu")
         self.batch_invariant = config.batch_invariant
+        # Image embeddings per request (services/worker/image_inputs.py); None: a text-only model.
+        self.images = ImageInputs(self.cfg.vision.image_token_id) if self.cfg.vision is not None else None
+
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
+        """The embeddings [P, D] of the P image placeholders of a request's prompt, before it is scheduled."""
+        if self.images is None:
+            raise ValueError("this model has no vision tower: it takes no image embeddings")
+        self.images.put(request_id, prompt_token_ids, rows)
 
     def release(self, request_id: str) -> None:
-        """Nothing to drop: every per-request byte lives in the pools, which the scheduler owns.
-        A reused slot is never read before it is written (reads are bounded by positions)."""
+        """Drops the request's image embeddings. Every other per-request byte lives in the pools, which
+        the scheduler owns; a reused slot is never read before it is written (reads are bounded by positions)."""
+        if self.images is not None:
+            self.images.release(request_id)
 
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
                 ) -> RunnerOutput:
@@ -88,13 +99,20 @@ class ModelRunner:
             step = KernelStep(step, self.kernels, self.precision)
         engram_rows = step.engram_rows(model.hasher) if model.hasher is not None else None
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
-        h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
+        image_rows = None
+        if self.images is not None:
+            _, image_rows = self.images.step_rows(batch.request_ids, batch.input_ids, batch.positions,
+                                                  batch.row_requests)
+        # The embedding step: placeholder rows take their image embeddings (image: [1, R] bool or None).
+        e, image = model.embed_inputs(ids, None if image_rows is None else image_rows.to(device))
+        h = e.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
+        live = None if image is None else ~image  # image tokens are dead for Engram's gate
         for block in model.layers:
             def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
-            h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer])
+            h, pre = block.run(h, pre, attend, engram_rows, live, counts[block.layer], image=image)
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]
