@@ -99,13 +99,15 @@ class DeepseekV41(nn.Module):
             self.hasher = EngramHasher(cfg, token_map, num_compressed)
         self.encoder = ImageEncoder(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
 
-    def embed_inputs(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def embed_inputs(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
+                     image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids int [B, S] → (embeddings [B, S, D], image mask [B, S] bool or None when no position is an
-        image placeholder). ``image_rows`` [P, D]: the span embeddings for the P placeholder positions, in
-        row-major (b, s) order; exactly as many as there are placeholders."""
+        image position). ``image_rows`` [P, D]: the span embeddings of the P image positions, in row-major
+        (b, s) order; exactly as many as there are. The image positions are ``image`` [B, S] bool when given
+        (a cached engine's prompt positions), else every position holding the placeholder id."""
         e = self.embed(ids)  # [B, S, D]
-        image = None if self.cfg.vision is None else ids == self.cfg.vision.image_token_id
+        if image is None:
+            image = None if self.cfg.vision is None else ids == self.cfg.vision.image_token_id
         num_placeholders = 0 if image is None else int(image.sum())
         num_rows = 0 if image_rows is None else image_rows.shape[0]
         if num_rows != num_placeholders:

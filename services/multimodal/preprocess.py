@@ -21,8 +21,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from model.deepseek_v41.image_grid import ImageGrid, plan_image_grid
 from model.deepseek_v41.vision_config import VisionConfig
 
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-"""Pillow format names accepted; an animated GIF or WebP gives its first frame."""
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+"""Pillow format names accepted (the ones deepseek-recipe accepts); an animated GIF or WebP gives its first frame."""
 
 
 class ImageInputError(ValueError):
@@ -33,6 +33,7 @@ class ImageInputError(ValueError):
 class ImageLimits:
     max_bytes: int = 20 * 2**20  # encoded bytes of one image
     max_pixels: int = 50_000_000  # width × height as decoded (before any resize)
+    max_images: int = 8  # images in one request
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 
 A request's prompt holds its images' placeholder spans; ``put`` stores, per request, the span
 embeddings of every placeholder position in prompt order ([P, D], the multimodal service's spans
-concatenated). At a step, a row whose input id is the placeholder takes the embedding of its
+concatenated). At a step, a row at one of those prompt positions takes the embedding of its
 request's k-th placeholder, k = how many placeholders precede its position in the prompt: so a
 prefill chunk that starts or ends inside a span takes exactly its part, and a recomputed (preempted)
-prompt takes the same rows again. ``release`` drops a request's embeddings when it ends.
+prompt takes the same rows again. Image rows are found by prompt position, never by id alone: a
+placeholder id anywhere else (sampled by a random model) is a text row. ``release`` drops a request's
+embeddings when it ends.
 """
 
 from __future__ import annotations
@@ -44,20 +46,16 @@ class ImageInputs:
     def step_rows(self, request_ids: list[str], input_ids: torch.Tensor, positions: torch.Tensor,
                   row_requests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For a step's rows (input ids, positions, request index of each, all [R]) → (image mask [R] bool,
-        the placeholder rows' embeddings [n, D] in row order, or None when no row is a placeholder)."""
-        image = input_ids == self.image_token_id
-        if not bool(image.any()):
-            return image, None
+        the image rows' embeddings [n, D] in row order, or None when no row is an image position)."""
+        image = torch.zeros_like(input_ids, dtype=torch.bool)
         out = []
-        for row in torch.nonzero(image).flatten().tolist():
-            request_id = request_ids[int(row_requests[row])]
-            entry = self._requests.get(request_id)
+        for row in torch.nonzero(input_ids == self.image_token_id).flatten().tolist():
+            entry = self._requests.get(request_ids[int(row_requests[row])])
             if entry is None:
-                raise ValueError(f"request {request_id!r} has an image placeholder but no image embeddings")
+                continue
             position = int(positions[row])
             k = int(torch.searchsorted(entry.positions, position))
-            if k >= entry.positions.numel() or int(entry.positions[k]) != position:
-                raise ValueError(f"request {request_id!r}: position {position} was not a placeholder when its "
-                                 "embeddings were stored")
-            out.append(entry.rows[k])
-        return image, torch.stack(out)
+            if k < entry.positions.numel() and int(entry.positions[k]) == position:
+                image[row] = True
+                out.append(entry.rows[k])
+        return image, torch.stack(out) if out else None

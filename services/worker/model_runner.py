@@ -99,12 +99,13 @@ class ModelRunner:
             step = KernelStep(step, self.kernels, self.precision)
         engram_rows = step.engram_rows(model.hasher) if model.hasher is not None else None
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
-        image_rows = None
+        image_mask = image_rows = None
         if self.images is not None:
-            _, image_rows = self.images.step_rows(batch.request_ids, batch.input_ids, batch.positions,
-                                                  batch.row_requests)
-        # The embedding step: placeholder rows take their image embeddings (image: [1, R] bool or None).
-        e, image = model.embed_inputs(ids, None if image_rows is None else image_rows.to(device))
+            image_mask, image_rows = self.images.step_rows(batch.request_ids, batch.input_ids, batch.positions,
+                                                           batch.row_requests)
+        # The embedding step: image rows take their embeddings (image: [1, R] bool, or None without any).
+        e, image = model.embed_inputs(ids, None if image_rows is None else image_rows.to(device),
+                                      None if image_rows is None else image_mask.to(device).unsqueeze(0))
         h = e.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
         live = None if image is None else ~image  # image tokens are dead for Engram's gate
