@@ -143,9 +143,9 @@ class LLM:
             self.engine.validate(ids, p)
         request_ids = [str(next(self._ids)) for _ in encoded]
         for rid, ids, p, rows in zip(request_ids, encoded, params_list, images):
+            self.engine.add_request(rid, ids, p, ready=rows is None)
             if rows is not None:
-                self.engine.worker.set_images(rid, ids, rows)
-            self.engine.add_request(rid, ids, p)
+                self.engine.provide_images(rid, rows)
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
