@@ -165,3 +165,19 @@ def test_an_image_alone_equals_it_in_a_batch_of_8(tiny_model):
             first = encoder(patches[: GRIDS[0][0] * GRIDS[0][1]], [GRIDS[0]])[0]
             last = encoder(patches[-GRIDS[-1][0] * GRIDS[-1][1]:], [GRIDS[-1]])[0]
     assert torch.equal(first, batch[0]) and torch.equal(last, batch[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_encoder_on_cuda_equals_the_cpu_one(tiny_model):
+    """The tower's torch path on the GPU (the multimodal service's --device cuda): fp32 without TF32."""
+    from tests import tolerances as tol
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    encoder = tiny_model.model.encoder
+    patches = patches_for(GRIDS)
+    with torch.no_grad():
+        cpu = encoder(patches, GRIDS)
+        gpu = [span.cpu() for span in encoder.to("cuda")(patches.cuda(), GRIDS)]
+    encoder.to("cpu")
+    assert max(float((a - b).abs().max()) for a, b in zip(cpu, gpu)) <= tol.VISION_ATOL

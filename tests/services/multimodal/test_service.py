@@ -157,3 +157,18 @@ def test_the_process_starts_healthy_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_checkpoint_directory_gives_the_presets_tower(tmp_path, tiny_encoder):
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.presets import TINY
+
+    path = write_random_checkpoint(tmp_path / "tiny", TINY, 0)
+    cfg, encoder = load_encoder(str(path))
+    _, preset_encoder = tiny_encoder  # the preset drawn from the same seed
+    assert cfg == TINY
+    theirs = dict(preset_encoder.named_parameters())
+    for name, value in encoder.named_parameters():
+        assert torch.equal(value, theirs[name]), name
+    with pytest.raises(ValueError, match="neither a checkpoint directory nor a preset"):
+        load_encoder(str(tmp_path / "missing"))
