@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from services.engine import SamplingParams
 from services.engine.image_prompt import expand_images
 from tests.services.engine.test_llm_chat import GREEDY, ask, data_url
 
 pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # conftest.py
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model="tiny", block_size=16, max_num_batched_tokens=64, max_num_seqs=8, batch_invariant=True)
+@pytest.fixture
+def llm(chat_llm):
+    return chat_llm
 
 
 def test_a_text_request_after_an_unready_image_request_runs_first(llm):

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from model.deepseek_v41.vision import span_length
-from services.engine import LLM, SamplingParams
+from services.engine import SamplingParams
 from services.engine.image_prompt import expand_images
 from services.multimodal.preprocess import ImageInputError, ImageLimits, prepare_image
 
@@ -34,9 +34,9 @@ def ask(*urls: str, text: str = "What is in the picture?") -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model="tiny", block_size=16, max_num_batched_tokens=24, max_num_seqs=8, batch_invariant=True)
+@pytest.fixture
+def llm(chat_llm):
+    return chat_llm
 
 
 def _pools_whole(llm):

@@ -1,21 +1,17 @@
 """The multimodal service over gRPC: spans equal the tower's own, the cache answers repeats, concurrent
 images share tower calls, bad input is INVALID_ARGUMENT naming the problem while the service keeps
-serving, and ``python -m services.multimodal`` starts healthy and stops on SIGTERM."""
+serving; the tower from a checkpoint directory is the preset's. (The process itself starts healthy, exports
+its metrics and stops on SIGTERM in tests/e2e/test_stack.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import io
-import json
-import signal
-import subprocess
-import sys
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from observability import metrics as names
@@ -23,7 +19,6 @@ from services.multimodal.encoder_source import load_encoder
 from services.multimodal.preprocess import ImageLimits, prepare_image
 from services.multimodal.service import GRPC_OPTIONS, MultimodalApi
 from services.proto.multimodal.v1 import multimodal_pb2 as pb
-from services.stack import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 ENCODE, PLAN = "/multimodal.v1.Multimodal/Encode", "/multimodal.v1.Multimodal/Plan"
@@ -140,23 +135,6 @@ def test_bad_images_are_invalid_argument_and_the_service_keeps_serving(tiny_enco
         assert __import__("re").search(pattern, error[1]), error[1]
     assert replies[-2][1][0] == grpc.StatusCode.INVALID_ARGUMENT
     assert replies[-1][0] is not None and replies[-1][0].plan.num_tokens > 0
-
-
-def test_the_process_starts_healthy_and_stops_on_sigterm():
-    proc = subprocess.Popen([sys.executable, "-m", "services.multimodal", "--model", "tiny", "--grpc-addr",
-                             "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        ready = json.loads(proc.stdout.readline())
-        assert ready["event"] == "ready" and ready["service"] == "multimodal"
-        with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-            assert status.status == health_pb2.HealthCheckResponse.SERVING
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_checkpoint_directory_gives_the_presets_tower(tmp_path, tiny_encoder):
