@@ -99,7 +99,10 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"no live request {request_id!r}")
-        self.worker.set_images(request_id, req.output.prompt_token_ids, rows)
+        set_images = getattr(self.worker, "set_images", None)
+        if set_images is None:  # worker.v1 does not carry embeddings yet
+            raise ValueError(f"{type(self.worker).__name__} takes no image embeddings")
+        set_images(request_id, req.output.prompt_token_ids, rows)
         self.scheduler.set_schedulable(request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
