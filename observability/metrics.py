@@ -68,6 +68,10 @@ EPLB_REJECTED = "shinkai_eplb_plans_rejected"
 EPLB_REPORTS = "shinkai_eplb_load_reports"
 EPLB_BAD = "shinkai_eplb_bad_messages"
 EPLB_REPLAN_SECONDS = "shinkai_eplb_replan_seconds"
+MULTIMODAL_IMAGES_ENCODED = "shinkai_multimodal_images_encoded"  # images the vision tower ran on (cache misses)
+MULTIMODAL_ENCODE_SECONDS = "shinkai_multimodal_encode_seconds"  # per tower batch: preprocessed images → spans
+MULTIMODAL_BATCH_IMAGES = "shinkai_multimodal_batch_images"  # images per tower batch
+MULTIMODAL_CACHE_HITS = "shinkai_multimodal_cache_hits"  # Encode calls answered from the content-hash cache
 
 # Latency buckets in seconds: the CPU reference runner is slow, a GPU is fast; cover both.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

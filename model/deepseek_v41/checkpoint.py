@@ -46,7 +46,8 @@ class TensorSpec:
 
 
 def tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every released text-backbone weight for ``cfg`` (no ``mtp.*``/vision keys), by name."""
+    """Every released weight for ``cfg`` (no ``mtp.*`` keys), by name, in draw order: the text backbone,
+    then the vision tower when ``cfg.vision`` is set (appended, so text-only tensors draw the same)."""
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     n = cfg.hc_mult
@@ -104,7 +105,42 @@ def tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
                 "engram.wkv.weight")
             add("engram.q_weight", (n, d), "bf16", "engram.q_weight")
             add("engram.k_weight", (n, d), "bf16", "engram.k_weight")
+    specs.extend(vision_specs(cfg))
     return {s.name: s for s in specs}
+
+
+def vision_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """``vision.*``, ``aligner.*`` and ``image_{start,end,newline}`` (NeMo's released names), landing in
+    ``DeepseekV41.encoder``. Linear weights and biases BF16; the vision RMSNorm gains FP32, as NeMo keeps them."""
+    v = cfg.vision
+    if v is None:
+        return []
+    w, d, r = v.hidden_size, cfg.hidden_size, v.downsample_ratio
+    specs: list[TensorSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], fmt: Format = "bf16") -> None:
+        specs.append(TensorSpec(name, shape, fmt, "encoder." + name))
+
+    add("vision.patch_embed.proj.weight", (w, 3 * v.patch_size**2))
+    add("vision.patch_embed.proj.bias", (w,))
+    for i in range(v.num_hidden_layers):
+        p = f"vision.blocks.{i}."
+        add(p + "norm1.weight", (w,), "fp32")
+        add(p + "attn.wqkv.weight", (3 * w, w))
+        add(p + "attn.wqkv.bias", (3 * w,))
+        add(p + "attn.wo.weight", (w, w))
+        add(p + "attn.wo.bias", (w,))
+        add(p + "norm2.weight", (w,), "fp32")
+        add(p + "mlp.w1.weight", (2 * v.intermediate_size, w))
+        add(p + "mlp.w2.weight", (w, v.intermediate_size))
+    add("vision.norm.weight", (w,), "fp32")
+    add("aligner.w1.weight", (d, w * r * r))
+    add("aligner.w1.bias", (d,))
+    add("aligner.w2.weight", (d, d))
+    add("aligner.w2.bias", (d,))
+    for name in ("image_start", "image_end", "image_newline"):
+        add(name, (d,))
+    return specs
 
 
 def stored_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

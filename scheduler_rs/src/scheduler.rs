@@ -308,15 +308,14 @@ impl Scheduler {
 
     // ---- scheduling -----------------------------------------------------------------------
 
-    /// A rank wants prefill when the head of its queue is schedulable and either its cache is at
-    /// most 90% used or the head is a cut prompt, which holds all its blocks from its first chunk:
-    /// its next chunk takes nothing, and the usage it holds must not keep it from finishing (a
-    /// prompt whose reservation passed 90% would otherwise wait forever behind empty decode steps).
+    /// A rank wants prefill when the first schedulable request of its queue (unready ones are
+    /// skipped: the multimodal gate) exists and either its cache is at most 90% used or that request
+    /// is a cut prompt, which holds all its blocks from its first chunk: its next chunk takes nothing,
+    /// and the usage it holds must not keep it from finishing (a prompt whose reservation passed 90%
+    /// would otherwise wait forever behind empty decode steps).
     pub fn wants_prefill(&self) -> bool {
-        self.waiting.front().is_some_and(|&h| {
-            let req = self.req(h);
-            req.schedulable
-                && (!req.block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage)
+        self.waiting.iter().find(|&&h| self.req(h).schedulable).is_some_and(|&h| {
+            !self.req(h).block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage
         })
     }
 

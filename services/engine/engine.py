@@ -75,14 +75,17 @@ class Engine:
                 f"{total}, longer than the context of {self.config.max_model_len} tokens"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    ready: bool = True) -> None:
+        """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
+        readiness gate); requests behind it in the queue are scheduled meanwhile."""
         self.validate(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add_request(
             request_id, list(prompt_token_ids), max_tokens=params.resolved_max_tokens,
             eos_token_id=self.eos_token_id, ignore_eos=params.ignore_eos,
-            stop_token_ids=list(params.stop_token_ids),
+            stop_token_ids=list(params.stop_token_ids), schedulable=ready,
         )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         banned = tuple(sorted(set(params.banned_token_ids)))
@@ -91,6 +94,18 @@ class Engine:
                           top_logprobs=[] if params.logprobs else None),
             params, seed, banned, tuple(sorted(set(banned) | {self.eos_token_id})),
         )
+
+    def provide_images(self, request_id: str, rows) -> None:
+        """A waiting request's image embeddings [P, D] (its P placeholders, in prompt order) have arrived:
+        the worker takes them and the request becomes schedulable."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"no live request {request_id!r}")
+        set_images = getattr(self.worker, "set_images", None)
+        if set_images is None:  # worker.v1 does not carry embeddings yet
+            raise ValueError(f"{type(self.worker).__name__} takes no image embeddings")
+        set_images(request_id, req.output.prompt_token_ids, rows)
+        self.scheduler.set_schedulable(request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         final = self.scheduler.abort(request_id)

@@ -35,6 +35,7 @@ from services.worker.attention_backend_triton import TritonAttention
 from services.worker.attention_step import AttentionStep
 from services.worker.config import WorkerConfig
 from services.worker.engram_rows import engram_rows
+from services.worker.image_inputs import ImageInputs
 from services.worker.kernel_backend import BACKENDS, KernelSet, check_device, convert_model
 from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
@@ -64,10 +65,22 @@ class ModelRunner:
             raise ValueError("batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "
                              f"this runner is the torch backend on {device}; pass kernel_backend 'fp8' or 'fp32'")
         self.batch_invariant = config.batch_invariant
+        # Image embeddings per request (services/worker/image_inputs.py); None: a text-only model.
+        self.images = ImageInputs(self.cfg.vision.image_token_id) if self.cfg.vision is not None else None
+
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
+        """The embeddings [P, D] of the P image placeholders of a request's prompt, before it is scheduled."""
+        if self.images is None:
+            raise ValueError("this model has no vision tower: it takes no image embeddings")
+        if self.kernels is not None:  # KernelMoE routes without the image mask (bias_vl) so far
+            raise ValueError("the kernel backend does not take images yet; run image requests on the torch backend")
+        self.images.put(request_id, prompt_token_ids, rows)
 
     def release(self, request_id: str) -> None:
-        """Nothing to drop: every per-request byte lives in the pools, which the scheduler owns.
-        A reused slot is never read before it is written (reads are bounded by positions)."""
+        """Drops the request's image embeddings. Every other per-request byte lives in the pools, which
+        the scheduler owns; a reused slot is never read before it is written (reads are bounded by positions)."""
+        if self.images is not None:
+            self.images.release(request_id)
 
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
                 ) -> RunnerOutput:
@@ -105,13 +118,21 @@ class ModelRunner:
         step = AttentionStep(backend, batch.positions, batch.row_requests, rounding)
         engram = engram_rows(self.cache, batch, model.hasher) if model.hasher is not None else None
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
-        h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
+        image_mask = image_rows = None
+        if self.images is not None:
+            image_mask, image_rows = self.images.step_rows(batch.request_ids, batch.input_ids, batch.positions,
+                                                           batch.row_requests)
+        # The embedding step: image rows take their embeddings (image: [1, R] bool, or None without any).
+        e, image = model.embed_inputs(ids, None if image_rows is None else image_rows.to(device),
+                                      None if image_rows is None else image_mask.to(device).unsqueeze(0))
+        h = e.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
+        live = None if image is None else ~image  # image tokens are dead for Engram's gate
         for block in model.layers:
             def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
-            h, pre = block.run(h, pre, attend, engram, None, counts[block.layer])
+            h, pre = block.run(h, pre, attend, engram, live, counts[block.layer], image=image)
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]

@@ -233,10 +233,24 @@ def test_one_rank_prefills_at_the_next_step():
     assert (plan.kind, plan.request_ids) == ("prefill", ["r2"])
 
 
-def test_unschedulable_head_blocks_the_queue():
+def test_an_unschedulable_head_is_skipped_and_keeps_its_place():
     scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("img", [3, 4], max_tokens=2, schedulable=False)
     scheduler.add_request("txt", [3, 4], max_tokens=2)
+    plan, _ = step(scheduler)
+    assert (plan.kind, plan.request_ids) == ("prefill", ["txt"]) and scheduler.stats().num_waiting == 1
+    plan, _ = step(scheduler)
+    assert (plan.kind, plan.request_ids) == ("decode", ["txt"])  # img still waits, holding nothing
+    assert scheduler.request("img").block_table == [] and scheduler.stats().num_waiting == 1
+    scheduler.set_schedulable("img")
+    plan, _ = step(scheduler)
+    assert (plan.kind, plan.request_ids) == ("prefill", ["img"])
+
+
+def test_only_unschedulable_requests_waiting_is_no_prefill():
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler.add_request("img", [3, 4], max_tokens=2, schedulable=False)
+    scheduler.add_request("img2", [3, 4, 5], max_tokens=2, schedulable=False)
     plan, _ = step(scheduler)
     assert plan.is_placeholder and scheduler.stats().num_waiting == 2
 

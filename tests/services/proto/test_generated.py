@@ -7,7 +7,7 @@ from services.proto import generate
 
 def test_every_proto_has_committed_code():
     protos = generate.proto_files()
-    assert {p.parts[2] for p in protos} == {"shinkai", "tokenizer", "worker"}
+    assert {p.parts[2] for p in protos} == {"multimodal", "shinkai", "tokenizer", "worker"}
     for proto in protos:
         for path in generate.generated_files(proto):
             assert (generate.ROOT / path).is_file(), f"{path} is not generated: run python -m services.proto.generate"

@@ -40,9 +40,11 @@ def _state(model) -> dict[str, torch.Tensor]:
 def test_sharded_init_writes_one_part_per_shard_with_an_index(sharded):
     index = json.loads((sharded / INDEX_FILE).read_text())
     shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
-    assert shards == [f"model-{i:05d}-of-00009.safetensors" for i in range(1, 10)]
+    assert shards == [f"model-{i:05d}-of-00010.safetensors" for i in range(1, 11)]  # the vision tower last
     assert set(index["weight_map"].values()) == set(shards)
-    assert index["weight_map"]["layers.3.attn.wq_a.weight"] == "model-00005-of-00009.safetensors"
+    assert index["weight_map"]["layers.3.attn.wq_a.weight"] == "model-00005-of-00010.safetensors"
+    assert index["weight_map"]["image_newline"] == index["weight_map"]["vision.norm.weight"] == \
+        "model-00010-of-00010.safetensors"
     assert load_config(sharded) == TINY
 
 
@@ -64,7 +66,8 @@ def test_device_form_equals_the_random_build(sharded):
         assert torch.equal(a[name].view(torch.uint8) if a[name].dtype.is_floating_point else a[name],
                            b[name].view(torch.uint8) if b[name].dtype.is_floating_point else b[name]), name
     assert type(loaded.layers[2].ffn).__name__ == "KernelMoE"
-    assert report.num_parts == 3 + TINY.num_hidden_layers
+    assert report.num_parts == 3 + TINY.num_hidden_layers + 3  # vision., aligner., image_
+    assert any(k.startswith("encoder.vision.blocks.") for k in a)
     assert report.num_bytes == sum(p.stat().st_size for p in sharded.glob("model-*.safetensors")) - sum(
         8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in sharded.glob("model-*.safetensors"))
     assert report.gb_per_s > 0 and report.peak_device_bytes is None
@@ -87,7 +90,7 @@ def test_large_tensors_are_copied_in_bands(sharded, monkeypatch):
 
 # ---------------------------------------------------------------- damage
 
-SHARD = "model-00004-of-00009.safetensors"  # layers.2
+SHARD = "model-00004-of-00010.safetensors"  # layers.2
 
 
 def _copy(src, dst):
