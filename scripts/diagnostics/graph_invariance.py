@@ -2,9 +2,9 @@
 
 The same 16 prompts (sampled, 5 top logprobs) through three runners on one model, each in the mode:
 the static decode step replayed from CUDA graphs, the same static step run eagerly, and the eager
-``KernelStep``. Prints which pairs give ``==`` answers and the first differing prompt and position, so a
+eager step (``TritonAttention``). Prints which pairs give ``==`` answers and the first differing prompt and position, so a
 difference is placed either in the capture (graph vs static eager) or in the step's code (static
-eager vs KernelStep).
+eager vs the eager step).
 
     python3 scripts/diagnostics/graph_invariance.py
 """
@@ -37,7 +37,7 @@ def main() -> int:
             runner.capture(graph_sizes(config.max_num_seqs))
         return runner
 
-    runners = {"graphs": graphs(True), "static_eager": graphs(False), "kernel_step": ModelRunner(model, worker_config)}
+    runners = {"graphs": graphs(True), "static_eager": graphs(False), "eager_step": ModelRunner(model, worker_config)}
     prompts = [torch.randint(3, 120_000, (5 + 7 * k,), generator=torch.Generator().manual_seed(k)).tolist()
                for k in range(16)]
     params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k, ignore_eos=True)
@@ -55,7 +55,7 @@ def main() -> int:
         return None
 
     result = {f"{a} vs {b}": first(answers[a], answers[b])
-              for a, b in (("graphs", "static_eager"), ("static_eager", "kernel_step"), ("graphs", "kernel_step"))}
+              for a, b in (("graphs", "static_eager"), ("static_eager", "eager_step"), ("graphs", "eager_step"))}
     print(json.dumps(result), flush=True)
     return 0
 
