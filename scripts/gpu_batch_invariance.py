@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 
@@ -38,6 +39,7 @@ def main() -> int:
                  "config": {f: getattr(llm.config, f) for f in ("kernel_backend", "cuda_graphs", "async_scheduling",
                                                                 "max_num_batched_tokens", "batch_invariant")},
                  "build_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(out), file=sys.stderr, flush=True)
 
     def params(seed: int, forced: tuple[int, ...] | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=0.7, logprobs=5, seed=seed,
@@ -46,6 +48,7 @@ def main() -> int:
     t0 = time.perf_counter()
     batch = llm.generate(prompts, [params(1000 + k) for k in range(args.num_prompts)])
     out["batch_s"] = round(time.perf_counter() - t0, 1)
+    print(f"batch done in {out['batch_s']} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     differ = []
     for k, (prompt, together) in enumerate(zip(prompts, batch)):
@@ -54,6 +57,7 @@ def main() -> int:
                   "top_logprobs": (alone.top_logprobs, together.top_logprobs)}
         bad = {name: next(i for i, (a, b) in enumerate(zip(*pair)) if a != b)
                for name, pair in fields.items() if pair[0] != pair[1]}
+        print(f"prompt {k} alone: {'differs ' + str(bad) if bad else 'equal'}", file=sys.stderr, flush=True)
         if bad:
             i = min(bad.values())
             differ.append({"prompt": k, "first_index": bad, "alone": alone.logprobs[i], "batch": together.logprobs[i]})
