@@ -48,6 +48,9 @@ class StaticDecodeStep:
         self.model, self.cache, self.cfg = model, cache, model.cfg
         self.attention = attention
         self.kernels = step_kernels(kernels) if attention == "triton" else None
+        # The final collapse as the eager runner takes it: the kernel set's mHC when it has one.
+        mhc = getattr(kernels, "mhc", None)
+        self.collapse = collapse if mhc is None else mhc.collapse
         self.fp32_dots = fp32_dots
         self.device = model.embed.weight.device
         self.rows = StaticBatch(self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device)
@@ -89,7 +92,7 @@ class StaticDecodeStep:
 
             with self._live_rows(block.ffn, counts[block.layer]):
                 h, pre = block.run(h, pre, attend, engram, None, None)
-        y = model.norm(collapse(h, pre))[0]  # [G, D]
+        y = model.norm(self.collapse(h, pre))[0]  # [G, D]
         return head_logits(model.head, y), counts
 
     @contextlib.contextmanager

@@ -38,7 +38,7 @@ def test_a_text_request_after_an_unready_image_request_runs_first(llm):
     while engine.has_unfinished():
         finals.update({out.request_id: out for out in engine.step() if out.finished})
     assert finals["img"].token_ids == expected and finals["img"].finish_reason == "length"
-    assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
+    assert engine.stats().free_blocks == engine.stats().total_blocks
 
 
 def test_an_unready_request_aborts_and_providing_after_it_is_refused(llm):
@@ -50,4 +50,4 @@ def test_an_unready_request_aborts_and_providing_after_it_is_refused(llm):
     with pytest.raises(ValueError, match="no live request 'gone'"):
         engine.provide_images("gone", None)
     s = engine.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["num_waiting"] == 0
+    assert s.free_blocks == s.total_blocks and s.num_waiting == 0

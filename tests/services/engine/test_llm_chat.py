@@ -41,8 +41,8 @@ def llm(chat_llm):
 
 def _pools_whole(llm):
     s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
-    assert s["num_waiting"] == s["num_running"] == 0
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
+    assert s.num_waiting == s.num_running == 0
 
 
 def test_chat_with_an_image_follows_the_full_forward_exactly(llm):
