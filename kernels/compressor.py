@@ -1,8 +1,8 @@
 """The KV source's compressor after its projection, fused: gather a group's members (this step's rows
 or the state slot's fp32 partial rows), pool (ratio 2), RMSNorm, RoPE, FP4 and the write of the
 compressed-KV entry; the index key ``k_norm(wk · latent)`` with RoPE and FP4; and the partial-row
-writes (spec §3.6–3.7). Semantics, bytes and state are those of ``CachedStep._compress`` (the
-reference: services/worker/cached_step.py; pools as ``CacheEngine.write_entries`` / ``write_partial``
+writes (spec §3.6–3.7). Semantics, bytes and state are those of ``TorchAttention.write_groups`` (the
+reference: services/worker/attention_backend_torch.py; pools as ``CacheEngine.write_entries`` / ``write_partial``
 store them). The dense projections over all rows (``Compressor.project``, ratio 1's ``wkv``) stay
 outside: they are [R, 5120] GEMMs.
 
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels import invariance
 from kernels.quant_fp8 import _pow2_ceil, _round_to_e4m3_grid
 
 
@@ -346,8 +347,9 @@ def compress(
 
 
 def compress_layer(cache, batch, attn, x: torch.Tensor, **kwargs) -> None:
-    """Drop-in for ``CachedStep._compress(attn, x)`` (without its ``rounding`` hook): the projections
-    in torch, the rest in the kernel. x [R, D] is the attention input (attn_norm output)."""
+    """Drop-in for ``TorchAttention.write_groups(attn, x)`` (without its ``rounding`` hook): the projections
+    in torch (on fixed row tiles in the batch-invariant mode: ``invariance.by_rows``), the rest in the
+    kernel. x [R, D] is the attention input (attn_norm output)."""
     import torch.nn.functional as F
 
     comp, idx, ratio = attn.compressor, attn.indexer, attn.ratio
@@ -356,9 +358,10 @@ def compress_layer(cache, batch, attn, x: torch.Tensor, **kwargs) -> None:
     common = dict(norm_weight=comp.norm.weight, wk=idx.wk.weight, k_norm_weight=idx.k_norm.weight,
                   freqs=attn.freqs, eps=comp.norm.eps, **kwargs)
     if ratio == 1:
-        projected = F.linear(x[rows], comp.wkv.weight.to(x.dtype))  # [E, hd], as the reference
+        projected = invariance.by_rows(lambda picked: F.linear(picked, comp.wkv.weight.to(x.dtype)),
+                                       x[rows])  # [E, hd], as the reference
         compress(batch, rows, slots, kv_pool, key_pool, projected=projected, **common)
     else:
-        values, gates = comp.project(x)  # [R, hd] fp32
+        values, gates = invariance.by_rows(comp.project, x)  # [R, hd] fp32
         compress(batch, rows, slots, kv_pool, key_pool, values=values, gates=gates,
                  partial=cache.partial(attn.layer), dtype=x.dtype, **common)

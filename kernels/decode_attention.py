@@ -44,6 +44,7 @@ from kernels.attention_blocks import (
     _window_blocks,
     entry_block_n,
 )
+from kernels import invariance
 from kernels.device import num_sms
 
 _LOG2E = 1.4426950408889634
@@ -200,6 +201,9 @@ def sparse_decode_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
+    if invariance.active():  # one program per row, prefill attention's key blocks (kernels/invariance.py)
+        splits = 1 if splits is None else splits
+        block_n = invariance.ATTENTION_BLOCK_N if block_n is None else block_n
     if splits is None:
         splits = _default_splits(window, topk, block_n or 32, num_rows * head_blocks, num_sms(q.device, off_gpu=8))
     # 64-key blocks when a program takes a whole row; 32 when split (the entries-only kernel's

@@ -1,5 +1,5 @@
 """Indexer scoring and top-k selection for decode (spec §3.7; the model's ``model/deepseek_v41/indexer.py``
-``Indexer.scores_quantized`` + ``candidate_mask`` + ``select_entries``, as ``CachedStep._sparse`` and
+``Indexer.scores_quantized`` + ``candidate_mask`` + ``select_entries``, as ``TorchAttention.select`` and
 ``Attention.restrict_to_candidates`` use them). Reference: ``kernels.reference.indexer_select``.
 
 Two kernels, one query row per request (rows of one batch share nothing, so no key is reused):

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import invariance
 from kernels.mhc_streams import _expand_stream, _rows, _streams, collapse, expand  # noqa: F401 - re-exported
 from model.deepseek_v41.mhc import Mix
 
@@ -192,10 +193,13 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
 
     BLOCK_D is 16: every warp holds the whole [BLOCK_D, ROWS·N] fn operand of its MMAs in registers
     (twice: hi and lo), and wider D tiles spill with the expand fused in (sm_90a, ptxas)."""
+    fixed = invariance.active()  # tiles and splits from D only (kernels/invariance.py)
     if block_t is None:
-        block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 512 else 64
+        block_t = invariance.BLOCK_M if fixed else 16 if num_tokens <= 16 else 32 if num_tokens <= 512 else 64
     block_d = 16
     num_tiles = triton.cdiv(dim, block_d)
+    if split is None and fixed:
+        split = min(num_tiles, invariance.MIX_SPLITS)
     if split is None:  # a power of two: TILES and SPLIT are constexprs, so few compiled variants over all T
         split = min(num_tiles, triton.next_power_of_2(triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
     per = triton.cdiv(num_tiles, split)

@@ -29,9 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import invariance
 from kernels.device import num_sms
 from kernels.fp8_splitk import MAX_TOKENS as SPLITK_MAX_TOKENS  # noqa: F401 - re-exported: KernelLinear
 from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 - re-exported: KernelLinear
+from kernels.moe_combine import moe_combine
 from kernels.quant_fp8 import _quantize_rows, quantize_act
 from kernels.reference import GROUP
 
@@ -201,6 +203,8 @@ def moe_grouped_gemm(
     else:
         out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a_values.device)
         out_scale = out
+    if block_m is None and invariance.active():
+        block_m = invariance.BLOCK_M  # not the load per expert (kernels/invariance.py)
     if block_m is None:
         block_m = default_block_m(meta["slot_of"].numel() / num_experts)
     if num_warps is None:  # at most 64 fp32 accumulators per thread (BLOCK_M 64 with SwiGLU spilled at 4 warps)
@@ -234,12 +238,14 @@ def moe_experts(
     swiglu_limit: float,
     *,
     prequantize: bool = True,
+    shared_last: bool = False,
 ) -> torch.Tensor:
     """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine.
 
     ``prequantize``: quantise x once (``quant_fp8.quantize_act``) and hand h from the SwiGLU
     epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
-    loops. The combine (a gather-sum over each token's k slots) is plain torch for now.
+    loops. The combine is ``kernels.moe_combine`` (``shared_last``: the last column of ``slot_of`` is
+    the shared expert, summed first).
     """
     if prequantize:
         h = moe_grouped_gemm(quantize_act(x), w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit,
@@ -248,5 +254,4 @@ def moe_experts(
         h = moe_grouped_gemm(x, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit)
     y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False)
     assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
-    slot_of = meta["slot_of"]
-    return y.view(-1, y.shape[-1])[slot_of.reshape(-1)].view(*slot_of.shape, -1).float().sum(1)
+    return moe_combine(y, meta["slot_of"], shared_last)

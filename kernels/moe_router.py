@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import invariance
 from kernels.device import num_sms
 from kernels.moe_layout import MAX_TOKENS as LAYOUT_MAX_TOKENS  # noqa: F401 - re-exported: KernelMoE
 from kernels.moe_layout import moe_layout  # noqa: F401 - re-exported: the step's layout after routing
@@ -146,6 +147,8 @@ def moe_router(
     block_t, block_d = 16, 128
     block_e, block_k = max(16, triton.next_power_of_2(num_experts)), triton.next_power_of_2(top_k)
     num_t_tiles, num_d_tiles = triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_d)
+    if split is None and invariance.active():
+        split = invariance.ROUTER_SPLITS  # a function of nothing in the batch (kernels/invariance.py)
     if split is None:
         split = default_split(num_t_tiles, num_d_tiles, num_sms(x.device, off_gpu=8))
     split = max(1, min(split, num_d_tiles))

@@ -1,6 +1,6 @@
 """Sparse prefill attention: the rows of a prefill chunk over their sliding window (FP8 ring rows before
 the chunk, this step's own FP8 K rows inside it) and their selected FP4 compressed entries, with the
-attention sink and undo-RoPE (spec §3.5; ``CachedStep.attend`` for every row of a step). Reference:
+attention sink and undo-RoPE (spec §3.5; ``TorchAttention.attend`` for every row of a step). Reference:
 ``kernels.reference.sparse_prefill_attention``.
 
 Design. One program takes one query row and BLOCK_H heads (all 64 of Flash): the heads fill the MMA's
@@ -33,9 +33,9 @@ entries when ``stage_entries`` has dequantised the step's entries once to bf16 (
 only gathers rows (``staged=``: 3.5× the bytes per key, from a set of context/ratio rows that
 stays in L2, e.g. 16 MB at 32K). The H200 kernel bench measured staged at 1.9–2.0× the in-loop
 dequantisation (docs/performance.md); the engine stages when a step's requests hold at most
-``services/worker/kernel_step.STAGE_MAX_ENTRIES`` entries at the source.
+``services/worker/attention_backend_triton.STAGE_MAX_ENTRIES`` entries at the source.
 
-The ring must be read as it was before this step writes its own rows to it (``CachedStep`` reads it
+The ring must be read as it was before this step writes its own rows to it (``TorchAttention`` reads it
 first): a chunk longer than ring − w would overwrite ring positions that its first rows still need.
 
 Everything else (exact bf16 dequantisation, the online softmax with exp2, P in bf16 for the PV
@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import invariance
 from kernels.attention_blocks import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys, entry_block_n
 
 _LOG2E = 1.4426950408889634
@@ -195,6 +196,8 @@ def sparse_prefill_attention(
     out = torch.empty_like(q) if out is None else out
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
     # 0 spills at the Flash shapes (sm_90a, 8 warps, 3 stages): BLOCK_N 16 with FP4 entries, 32 with staged ones.
+    if invariance.active() and block_n is None:  # decode attention's key blocks (kernels/invariance.py)
+        block_n = invariance.ATTENTION_BLOCK_N
     explicit_block_n = block_n is not None
     block_n = block_n or (16 if staged is None else 32)
     if dot_fp32:  # fp32 q and keys in shared memory leave no room for staged key bytes (as in decode)

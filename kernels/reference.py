@@ -174,9 +174,15 @@ def moe_grouped_gemm(
     return out
 
 
-def moe_combine(y: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
-    """Σ over each token's k expert outputs: y bf16 [E, cap, D], slot_of [T, k] → fp32 [T, D]."""
-    return y.reshape(-1, y.shape[-1])[slot_of.reshape(-1)].unflatten(0, slot_of.shape).float().sum(1)
+def moe_combine(y: torch.Tensor, slot_of: torch.Tensor, shared_last: bool = False) -> torch.Tensor:
+    """Σ over each token's k expert outputs in fp32: y [E, cap, D], slot_of [T, k] → fp32 [T, D]. The
+    columns in order, or with ``shared_last`` the last one (the shared expert) first, then the others."""
+    rows = y.reshape(-1, y.shape[-1])
+    order = [slot_of.shape[1] - 1, *range(slot_of.shape[1] - 1)] if shared_last else range(slot_of.shape[1])
+    out = torch.zeros(slot_of.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
+    for j in order:
+        out = out + rows[slot_of[:, j]].float()
+    return out
 
 
 def moe_experts(
@@ -189,6 +195,7 @@ def moe_experts(
     swiglu_limit: float,
     *,
     prequantize: bool = True,
+    shared_last: bool = False,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer: x [T, D] → fp32 [T, D] (shared expert not included).
 
@@ -201,7 +208,7 @@ def moe_experts(
     )
     y = moe_grouped_gemm(h, w2, w2_scale, meta["counts"])
     assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
-    return moe_combine(y, meta["slot_of"])
+    return moe_combine(y, meta["slot_of"], shared_last)
 
 
 # ---------------------------------------------------------------- MoE: router

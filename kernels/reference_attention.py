@@ -44,7 +44,7 @@ def sparse_decode_attention(
     ``entry_slots``). One softmax over window and entries (no de-duplication: a ratio-1 layer may
     see a token twice) with ``exp(sink[h])`` added to the denominator; then RoPE is undone on the
     trailing 2·len(freqs) channels at angle pos · freqs. fp32 throughout; returns q.dtype [R, H, D].
-    Equals ``CachedStep.attend``'s ``sink_attention`` + ``apply_rope(inverse=True)`` (tested).
+    Equals ``TorchAttention.attend``'s ``sink_attention`` + ``apply_rope(inverse=True)`` (tested).
     """
     from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
 
@@ -99,7 +99,7 @@ def sparse_prefill_attention(
     bytes) are written at the row's window positions ≥ ``first`` [R] (its request's first position
     this step). ``ring`` is read as it was before this step's writes; a request's rows are
     consecutive with positions ascending by one, so position p of row r's request is step row
-    r − pos[r] + p. Equals ``CachedStep.attend`` + undo-RoPE (tested); q.dtype [R, H, D].
+    r − pos[r] + p. Equals ``TorchAttention.attend`` + undo-RoPE (tested); q.dtype [R, H, D].
     """
     values, scales = step_k
     num_rows = q.shape[0]

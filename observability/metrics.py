@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import prometheus_client as prom
 
@@ -67,6 +68,10 @@ EPLB_REJECTED = "shinkai_eplb_plans_rejected"
 EPLB_REPORTS = "shinkai_eplb_load_reports"
 EPLB_BAD = "shinkai_eplb_bad_messages"
 EPLB_REPLAN_SECONDS = "shinkai_eplb_replan_seconds"
+MULTIMODAL_IMAGES_ENCODED = "shinkai_multimodal_images_encoded"  # images the vision tower ran on (cache misses)
+MULTIMODAL_ENCODE_SECONDS = "shinkai_multimodal_encode_seconds"  # per tower batch: preprocessed images → spans
+MULTIMODAL_BATCH_IMAGES = "shinkai_multimodal_batch_images"  # images per tower batch
+MULTIMODAL_CACHE_HITS = "shinkai_multimodal_cache_hits"  # Encode calls answered from the content-hash cache
 
 # Latency buckets in seconds: the CPU reference runner is slow, a GPU is fast; cover both.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -125,26 +130,27 @@ class RequestMetrics:
         return prom.generate_latest(self.registry)
 
 
-def _usage(stats: Callable[[], Mapping[str, int]], pool: str) -> Callable[[], float]:
+def _usage(stats: Callable[[], Any], pool: str) -> Callable[[], float]:
     def read() -> float:
         s = stats()
-        total = s[f"total_{pool}"]
-        return 1.0 - s[f"free_{pool}"] / total if total else 0.0
+        total = getattr(s, f"total_{pool}")
+        return 1.0 - getattr(s, f"free_{pool}") / total if total else 0.0
     return read
 
 
-def _stat(stats: Callable[[], Mapping[str, int]], key: str) -> Callable[[], float]:
-    return lambda: float(stats()[key])
+def _stat(stats: Callable[[], Any], key: str) -> Callable[[], float]:
+    return lambda: float(getattr(stats(), key))
 
 
 class EngineMetrics:
     """One engine replica: request phases, steps, preemptions, aborts, and its pools read at scrape time.
 
-    ``stats`` returns the engine's counts (`EngineService.stats`); ``cache_config`` the fixed pool sizes
+    ``stats`` returns the engine's counts (an `EngineStats`: services/engine/stats.py, read by attribute name,
+    since this package imports nothing from services); ``cache_config`` the fixed pool sizes
     for `vllm:cache_config_info` (its value is always 1, the information is in the labels).
     """
 
-    def __init__(self, registry: prom.CollectorRegistry, stats: Callable[[], Mapping[str, int]], model_name: str,
+    def __init__(self, registry: prom.CollectorRegistry, stats: Callable[[], Any], model_name: str,
                  cache_config: Mapping[str, object]) -> None:
         r = registry
         self.queue_time = prom.Histogram(QUEUE_TIME, "submitted to first scheduled step", buckets=LATENCY_BUCKETS,
@@ -178,10 +184,10 @@ class EngineMetrics:
 
 class EngineLoadsCollector:
     """The gateway's view of its engines under vLLM's gauge names, summed over engines from their latest
-    load reports (`reports` returns one `EngineService.stats` dict per engine that has reported):
+    load reports (`reports` returns one `EngineStats` per engine that has reported):
     running and waiting are sums; KV usage is the fuller pool's used fraction of all engines' capacity."""
 
-    def __init__(self, reports: Callable[[], list[Mapping[str, int]]], model_name: str) -> None:
+    def __init__(self, reports: Callable[[], list[Any]], model_name: str) -> None:
         self.reports = reports
         self.model_name = model_name
 
@@ -190,7 +196,7 @@ class EngineLoadsCollector:
 
         reports = self.reports()
         def total(key: str) -> float:
-            return float(sum(r.get(key, 0) for r in reports))
+            return float(sum(getattr(r, key) for r in reports))
 
         usage = 0.0
         for pool in ("blocks", "state_slots"):

@@ -200,7 +200,7 @@ class StepPlan:
     @property
     def state_copies(self) -> list[tuple[int, int]]: ...
     @property
-    def outputs(self) -> list[RequestOutput]:
+    def outputs(self) -> list[RequestUpdate]:
         """Final outputs decided while scheduling (preemption in ``stop`` mode)."""
 
 @final
@@ -227,7 +227,10 @@ class StepResult:
     def errors(self) -> list[int]: ...
 
 @final
-class RequestOutput:
+class RequestUpdate:
+    """The tokens one request gained in a step, and its end if it ended (the engine folds these into its
+    ``RequestOutput``)."""
+
     @property
     def request_id(self) -> str: ...
     @property
@@ -313,8 +316,8 @@ class Scheduler:
     ) -> None: ...
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None: ...
     def schedule(self) -> StepPlan: ...
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]: ...
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]: ...
+    def abort(self, request_id: str) -> RequestUpdate | None:
         """The final ``abort`` output, or None for an unknown or finished id (idempotent)."""
     def fork(
         self,
@@ -361,7 +364,7 @@ __all__ = [
     "Int32Array",
     "MtpVarlen",
     "PreemptionMode",
-    "RequestOutput",
+    "RequestUpdate",
     "RequestState",
     "Scheduler",
     "SchedulerConfig",

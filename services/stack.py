@@ -73,17 +73,15 @@ def nats_server_binary() -> str:
     return found
 
 
-def _moe_shape(model: str) -> tuple[int, int]:
-    """(routed experts, layers) of the model, for the EPLB planner."""
+def _model_config(model: str):
+    """The ModelConfig of a preset name or checkpoint directory (its config.json only)."""
     from model.deepseek_v41.presets import PRESETS, preset
 
     if model in PRESETS:
-        cfg = preset(model)
-    else:
-        from model.deepseek_v41.config import load_config
+        return preset(model)
+    from model.deepseek_v41.config import load_config
 
-        cfg = load_config(Path(model))
-    return cfg.n_routed_experts, cfg.num_hidden_layers
+    return load_config(Path(model))
 
 
 class Placement(Protocol):
@@ -139,7 +137,8 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     at = placement or LocalPlacement.for_config(config)
     nats_url = f"nats://{at.reach('nats', 'client')}"
     py = at.python
-    num_experts, num_layers = _moe_shape(config.model)
+    cfg = _model_config(config.model)
+    num_experts, num_layers = cfg.n_routed_experts, cfg.num_hidden_layers  # for the EPLB planner
 
     def bind(name: str, what: str) -> str:
         return f"{at.bind_host(name)}:{at.port(name, what)}"
@@ -150,6 +149,14 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                               "--metrics-port", str(at.port("tokenizer", "metrics"))],
                 f"grpc:{at.port('tokenizer', 'grpc')}",
                 f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics"),
+    ]
+    if cfg.vision is not None:  # the vision tower's own process (services/multimodal)
+        stack.append(Service("multimodal", [*py, "services.multimodal", "--model", config.model, "--grpc-addr",
+                                            bind("multimodal", "grpc"), "--metrics-port",
+                                            str(at.port("multimodal", "metrics"))],
+                             f"grpc:{at.port('multimodal', 'grpc')}",
+                             f"metrics http://{at.reach('multimodal', 'metrics')}/metrics"))
+    stack += [
         Service("eplb", [*py, "services.eplb", "--nats-url", nats_url, "--health-addr", bind("eplb", "grpc"),
                          "--num-experts", str(num_experts), "--num-gpus", "1", "--num-redundant", "0",
                          "--num-layers", str(num_layers), "--num-ranks", str(config.num_engines)],
@@ -168,7 +175,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     for i in range(config.num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
-        argv = [*py, "services.engine", "--model", config.model, "--engine-id", name, "--rank", str(i),
+        argv = [*py, "services.engine", "--model", config.model, "--replica", name, "--rank", str(i),
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers

@@ -15,11 +15,11 @@ EXPERT_LOAD = "shinkai.eplb.load"
 EXPERT_PLAN = "shinkai.eplb.plan"
 
 # Engines → gateways (routing) and anyone watching. One JSON message per engine every report interval and
-# after a request ends: {"engine_id", "address", "num_running", "num_waiting", "num_queued", "free_blocks",
-# "total_blocks", "free_state_slots", "total_state_slots", "time"} (`services/engine/reporter.py`).
+# after a request ends: {"replica", "address", each field of `EngineStats` (services/engine/stats.py: the pool
+# and queue counts), "time"} (`services/engine/reporter.py`).
 ENGINE_LOAD = "shinkai.engine.load"
 
-# Engines → anyone watching. JSON {"engine_id", "address", "state": "up" | "unhealthy" | "draining" | "down",
+# Engines → anyone watching. JSON {"replica", "address", "state": "up" | "unhealthy" | "draining" | "down",
 # "time"} when an engine becomes ready (or its lost worker is back), loses its worker, starts draining, and
 # has stopped (`services/engine/reporter.py`, `services/engine/process.py`). Only "up" takes requests.
 ENGINE_LIFECYCLE = "shinkai.engine.lifecycle"

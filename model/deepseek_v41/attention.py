@@ -148,15 +148,13 @@ class Attention(nn.Module):
         return scores, candidates
 
     def project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """Undo RoPE on the attended values and apply wo_a (per group), wo_b: [B, S, H, hd] → [B, S, D]."""
+        """Attention output [B, S, H, hd] (RoPE still applied at ``angles`` [B, S, P]) → [B, S, D]: RoPE
+        undone, the grouped low-rank ``wo_a``, then ``wo_b``. Public: the engine's cached step ends with it."""
         out = apply_rope(out, angles, inverse=True)  # [B, S, H, hd]
         grouped = out.reshape(*out.shape[:2], self.num_groups, -1)  # [B, S, G, H/G·hd]
         w = self.wo_a.weight.view(self.num_groups, -1, grouped.shape[-1])  # [G, R, H/G·hd]
         low = torch.einsum("bsgi,gri->bsgr", grouped, w)  # [B, S, G, R]
         return self.wo_b(low.flatten(2))  # [B, S, D]
-
-    # The earlier name, still called by the cached engine's attention steps (services/worker).
-    _project_out = project_out
 
 
 def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:

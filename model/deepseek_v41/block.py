@@ -37,32 +37,37 @@ class Block(nn.Module):
         self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index]) if layer in engram_ids else None
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, state: SparseState,
-                engram_rows: torch.Tensor | None, live: torch.Tensor | None,
+                engram_rows: torch.Tensor | None, live: torch.Tensor | None, image: torch.Tensor | None = None,
                 taps: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, SparseState]:
-        """h [B, S, n, D], pre fp32 [B, S, n] → (h, next pre, state); ``taps`` as in ``run``."""
+        """h [B, S, n, D], pre fp32 [B, S, n] → (h, next pre, state); ``image`` [B, S] bool marks image-span
+        tokens; ``taps`` as in ``run``."""
         published = [state]
 
         def attend(x: torch.Tensor) -> torch.Tensor:
             out, published[0] = self.attn(x, positions, published[0])
             return out
 
-        h, pre = self.run(h, pre, attend, engram_rows, live, taps=taps)
+        h, pre = self.run(h, pre, attend, engram_rows, live, image=image, taps=taps)
         return h, pre, published[0]
 
     def run(self, h: torch.Tensor, pre: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
             engram_rows: torch.Tensor | None, live: torch.Tensor | None,
-            expert_counts: torch.Tensor | None = None, taps: list[torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            expert_counts: torch.Tensor | None = None, image: torch.Tensor | None = None,
+            taps: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer around its attention: ``attend`` maps attn_norm output [B, S, D] → [B, S, D]
         (the full-sequence attention, or a cached engine's). ``engram_rows`` [B, S, L, heads] for
-        every Engram layer; ``expert_counts`` int64 [E] gains this layer's routed tokens; ``taps``, when
-        given, gains the mean over streams of the streams entering the attention mixer (after Engram),
-        fp32 [B, S, D]: the DSpark draft's target feature (spec §3.12)."""
+        every Engram layer; ``expert_counts`` int64 [E] gains this layer's routed tokens; ``image``
+        [B, S] bool (None: none) routes those tokens with ``bias_vl``. Dead tokens are not ``live``.
+        ``taps``, when given, gains the mean over streams of the streams entering the attention mixer
+        (after Engram), fp32 [B, S, D]: the DSpark draft's target feature (spec §3.12)."""
         if self.engram is not None:
             h = self.engram(h, engram_rows[:, :, self.engram_index], live)
         if taps is not None:
             taps.append(h.float().mean(2))
         mix_a, x = self.hc_attn.mix_collapse(h, pre)
         h, mix_f, x = self.hc_ffn.expand_mix_collapse(attend(self.attn_norm(x)), h, mix_a)
-        h = self.hc_ffn.expand(self.ffn(self.ffn_norm(x), expert_counts), h, mix_f)
+        # ``image`` only when some token is one: other ffn backends (KernelMoE) take (x, counts).
+        f = self.ffn(self.ffn_norm(x), expert_counts) if image is None else \
+            self.ffn(self.ffn_norm(x), expert_counts, image=image)
+        h = self.hc_ffn.expand(f, h, mix_f)
         return h, mix_f.pre

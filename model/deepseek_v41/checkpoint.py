@@ -47,8 +47,9 @@ class TensorSpec:
 
 def tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Every released weight for ``cfg`` by name, in init order: the text backbone, then the DSpark draft
-    (``mtp.*``, after every backbone tensor so that adding it leaves the backbone's random draws alone)."""
-    specs = text_specs(cfg) + draft_specs(cfg)
+    (``mtp.*``), then the vision tower when ``cfg.vision`` is set. Each part is appended after the ones
+    before it, so adding it leaves their random draws alone."""
+    specs = text_specs(cfg) + draft_specs(cfg) + vision_specs(cfg)
     return {s.name: s for s in specs}
 
 
@@ -144,6 +145,40 @@ def layer_specs(cfg: ModelConfig, i: int, p: str, m: str, num_experts: int) -> l
             "engram.wkv.weight")
         add("engram.q_weight", (n, d), "bf16", "engram.q_weight")
         add("engram.k_weight", (n, d), "bf16", "engram.k_weight")
+    return specs
+
+
+def vision_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """``vision.*``, ``aligner.*`` and ``image_{start,end,newline}`` (NeMo's released names), landing in
+    ``DeepseekV41.encoder``. Linear weights and biases BF16; the vision RMSNorm gains FP32, as NeMo keeps them."""
+    v = cfg.vision
+    if v is None:
+        return []
+    w, d, r = v.hidden_size, cfg.hidden_size, v.downsample_ratio
+    specs: list[TensorSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], fmt: Format = "bf16") -> None:
+        specs.append(TensorSpec(name, shape, fmt, "encoder." + name))
+
+    add("vision.patch_embed.proj.weight", (w, 3 * v.patch_size**2))
+    add("vision.patch_embed.proj.bias", (w,))
+    for i in range(v.num_hidden_layers):
+        p = f"vision.blocks.{i}."
+        add(p + "norm1.weight", (w,), "fp32")
+        add(p + "attn.wqkv.weight", (3 * w, w))
+        add(p + "attn.wqkv.bias", (3 * w,))
+        add(p + "attn.wo.weight", (w, w))
+        add(p + "attn.wo.bias", (w,))
+        add(p + "norm2.weight", (w,), "fp32")
+        add(p + "mlp.w1.weight", (2 * v.intermediate_size, w))
+        add(p + "mlp.w2.weight", (w, v.intermediate_size))
+    add("vision.norm.weight", (w,), "fp32")
+    add("aligner.w1.weight", (d, w * r * r))
+    add("aligner.w1.bias", (d,))
+    add("aligner.w2.weight", (d, d))
+    add("aligner.w2.bias", (d,))
+    for name in ("image_start", "image_end", "image_newline"):
+        add(name, (d,))
     return specs
 
 

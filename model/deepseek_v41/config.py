@@ -1,8 +1,8 @@
 """DeepSeek-V4.1 text configuration (spec §2), read from the composite HF ``config.json``.
 
 The checkpoint's ``config.json`` holds ``text_config`` (the backbone and the DSpark draft),
-``vision_config`` and ``quantization_config``. Only ``text_config`` shapes the model; the vision
-tower comes later, so its fields are kept but not used.
+``vision_config`` and ``quantization_config``. ``text_config`` shapes the backbone and the draft,
+``vision_config`` the vision tower (``ModelConfig.vision``, see ``vision_config.py``).
 
 Values the references do not implement, or implement differently from each other, are rejected
 with a ``ValueError`` naming the field, rather than silently computing something else.
@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from model.deepseek_v41.vision_config import VisionConfig, vision_from_hf, vision_to_hf
 
 # The released config key for the Engram pad token is unknown (spec §7.2); both spellings are read.
 ENGRAM_PAD_KEYS = ("engram_pad_token_id", "engram_pad_id")
@@ -87,6 +89,7 @@ class ModelConfig:
     dspark_markov_rank: int = 256  # rank of the Markov head's token-transition bias
     dspark_n_routed_experts: int = 128  # routed experts in each draft stage's MoE
     dspark_num_experts_per_tok: int = 3
+    vision: VisionConfig | None = None  # the vision tower and image sizing; None: text only
     # Fields the text backbone does not read, carried so a config round-trips.
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -156,6 +159,8 @@ def validate(cfg: ModelConfig) -> None:
     _validate_schedule(cfg)
     _validate_engram(cfg)
     _validate_draft(cfg)
+    if cfg.vision is not None and not 0 <= cfg.vision.image_token_id < cfg.vocab_size:
+        raise ValueError(f"image_token_id={cfg.vision.image_token_id} is outside the vocabulary")
 
 
 def _validate_schedule(cfg: ModelConfig) -> None:
@@ -256,7 +261,7 @@ def from_hf_dict(data: dict[str, Any]) -> ModelConfig:
     if len(set(pads.values())) > 1:
         raise ValueError(f"conflicting Engram pad keys {pads}")
     kwargs: dict[str, Any] = {}
-    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra", "rope_scaling"}
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra", "rope_scaling", "vision"}
     for name in names:
         if name in text:
             value = text[name]
@@ -266,7 +271,9 @@ def from_hf_dict(data: dict[str, Any]) -> ModelConfig:
     if kwargs.get("candidate_source_layer_id") == -1:
         kwargs["candidate_source_layer_id"] = None
     kwargs["rope_scaling"] = _yarn(text.get("rope_scaling"))
-    extra = {k: v for k, v in data.items() if k != "text_config"}
+    kwargs["vision"] = vision = vision_from_hf(data)
+    read_elsewhere = {"text_config"} | ({"vision_config", "image_token_id"} if vision is not None else set())
+    extra = {k: v for k, v in data.items() if k not in read_elsewhere}
     extra["text_config"] = {k: v for k, v in text.items() if k not in names and k not in ENGRAM_PAD_KEYS}
     return ModelConfig(**kwargs, extra=extra)
 
@@ -293,7 +300,8 @@ def _yarn(raw: dict[str, Any] | None) -> YarnScaling:
 
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """Composite HF config dict (the layout NeMo's ``DeepseekV41Config`` reads), fp32 dtype."""
-    text = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("extra", "rope_scaling")}
+    text = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in ("extra", "rope_scaling", "vision")}
     text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
     text["candidate_source_layer_id"] = -1 if cfg.candidate_source_layer_id is None else cfg.candidate_source_layer_id
     text["rope_scaling"] = {"rope_type": "yarn", **dataclasses.asdict(cfg.rope_scaling)}
@@ -306,7 +314,10 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     out.setdefault("architectures", ["DeepseekV41ForCausalLM"])
     out.setdefault("model_type", "deepseek_v41")
     out.setdefault("dtype", "float32")
-    out.setdefault("vision_config", {"num_hidden_layers": 0})
+    if cfg.vision is not None:
+        out.update(vision_to_hf(cfg.vision))
+    else:
+        out.setdefault("vision_config", {"num_hidden_layers": 0})
     out.setdefault("bos_token_id", cfg.bos_token_id)
     out.setdefault("eos_token_id", cfg.eos_token_id)
     out.setdefault("pad_token_id", cfg.pad_token_id)

@@ -58,8 +58,14 @@ def engram_multipliers(layer: int, compressed_vocab: int, max_ngram: int) -> lis
     return [int(v) * 2 + 1 for v in draws]
 
 
+DEAD = -1
+"""The compressed id of a token Engram never reads (image span, padding): it blocks every look-back through it."""
+
+
 class EngramHasher(nn.Module):
-    """Token ids → table rows for every Engram layer. ``token_map`` maps token id → compressed id."""
+    """Token ids → table rows for every Engram layer. ``token_map`` maps token id → compressed id, and the
+    image placeholder (with a vision tower) to DEAD: every image-span token is dead for Engram, whether
+    the look-back comes from ``history`` or from a cached engine's carried compressed ids."""
 
     def __init__(self, cfg: ModelConfig, token_map: Sequence[int] | torch.Tensor, num_compressed: int) -> None:
         super().__init__()
@@ -70,7 +76,9 @@ class EngramHasher(nn.Module):
             )
         # Hash tables are small integer data: always real CPU tensors, even when the weights are
         # built on the meta device (move the module to run it elsewhere).
-        token_map = torch.as_tensor(token_map, dtype=torch.long, device="cpu")
+        token_map = torch.as_tensor(token_map, dtype=torch.long, device="cpu").clone()
+        if cfg.vision is not None:
+            token_map[cfg.vision.image_token_id] = DEAD
         if not 0 <= cfg.engram_pad_token_id < token_map.numel():
             raise ValueError(f"engram_pad_token_id={cfg.engram_pad_token_id} is outside the tokenizer's ids")
         self.max_ngram = cfg.engram_max_ngram_size
@@ -97,7 +105,7 @@ class EngramHasher(nn.Module):
             raise ValueError(f"token id outside the tokenizer's {self.token_map.numel()} ids")
         comp = self.token_map[ids]
         if live is not None:
-            comp = torch.where(live, comp, -1)
+            comp = torch.where(live, comp, DEAD)
         s = ids.shape[-1]
         pos = torch.arange(s, device=ids.device)
         blocked = torch.zeros_like(comp, dtype=torch.bool)
@@ -105,12 +113,15 @@ class EngramHasher(nn.Module):
         for shift in range(self.max_ngram):
             src = pos - shift
             tok = comp[..., src.clamp_min(0)]
-            blocked = blocked | (src < 0) | (tok == -1)
+            blocked = blocked | (src < 0) | (tok == DEAD)
             slots.append(torch.where(blocked, self.pad, tok))
         return torch.stack(slots, dim=-1)
 
     def rows(self, history: torch.Tensor) -> torch.Tensor:
-        """history [B, S, max_ngram] → table rows [B, S, L, (max_ngram−1)·n_heads] for every Engram layer."""
+        """history [B, S, max_ngram] → table rows [B, S, L, (max_ngram−1)·n_heads] for every Engram layer.
+        A DEAD slot (a cached engine's carried history) and every older one read as the pad's id."""
+        dead = (history == DEAD).int().cummax(dim=-1).values.bool()  # [B, S, max_ngram]
+        history = torch.where(dead, self.pad, history)
         products = history.unsqueeze(-2) * self.multipliers  # [B, S, L, max_ngram]; int64, cannot overflow
         value = products[..., 0]
         out = []

@@ -33,7 +33,7 @@ def random_value(spec: TensorSpec, generator: torch.Generator, shape: tuple[int,
     name = spec.name
     shape = spec.shape if shape is None else shape
     noise = torch.randn(shape, generator=generator, device=generator.device)
-    if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")) or "_scale" in name:
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "q_weight", "k_weight")) or "_scale" in name:
         return 1.0 + 0.2 * noise
     if name.endswith("attn_sink") or ".engram.embed." in name:
         return noise
@@ -113,9 +113,11 @@ def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int,
 
 def checkpoint_parts(cfg: ModelConfig) -> list[tuple[str, ...]]:
     """Name prefixes per shard of the sharded layout: embed, norm and head first, then one layer each, then
-    the DSpark draft when the config has one."""
+    the DSpark draft and the vision tower, each when the config has one (the table's order)."""
     draft = [("mtp.",)] if cfg.num_nextn_predict_layers else []
-    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers)), *draft]
+    vision = [("vision.", "aligner.", "image_")] if cfg.vision is not None else []
+    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers)), *draft,
+            *vision]
 
 
 def write_sharded_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from model.deepseek_v41.checkpoint import QUANTIZED, tensor_table
+from model.deepseek_v41.checkpoint import QUANTIZED, tensor_table, vision_specs
 from model.deepseek_v41.config import ModelConfig, load_config
 from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.quant import dequantize_weight
 from model.deepseek_v41.safetensors_io import CheckpointError, read_checkpoint
 from model.deepseek_v41.tokenizer import engram_token_map, load_tokenizer
+from model.deepseek_v41.vision import ImageEncoder
 
 
 @dataclass
@@ -69,6 +70,42 @@ def assign_weights(model: DeepseekV41, tensors: dict[str, torch.Tensor]
     if unfilled:
         raise CheckpointError(f"model parameters without a checkpoint tensor: {sorted(unfilled)[:5]}")
     return quantized
+
+
+def load_image_encoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> ImageEncoder:
+    """The vision tower alone (fp32, eval) from released tensors holding at least ``vision_specs(cfg)``'s,
+    each checked for shape and dtype; the multimodal service runs it without the backbone."""
+    if cfg.vision is None:
+        raise CheckpointError("this model has no vision tower (vision_config.num_hidden_layers is 0)")
+    encoder = ImageEncoder(cfg.vision, cfg.hidden_size)
+    params = dict(encoder.named_parameters())
+    with torch.no_grad():
+        for spec in vision_specs(cfg):
+            (shape, dtype), = spec.stored().values()
+            stored = tensors.get(spec.name)
+            if stored is None:
+                raise CheckpointError(f"checkpoint is missing tensor {spec.name}")
+            if tuple(stored.shape) != shape or stored.dtype != dtype:
+                raise CheckpointError(f"tensor {spec.name} is {list(stored.shape)} {stored.dtype}, expected "
+                                      f"{list(shape)} {dtype}")
+            params[spec.target.removeprefix("encoder.")].copy_(stored.float())
+    return encoder.eval()
+
+
+def read_image_encoder(path: str | Path) -> ImageEncoder:
+    """``load_image_encoder`` from a checkpoint directory, reading only the vision tensors."""
+    from safetensors import safe_open
+
+    from model.deepseek_v41.safetensors_io import checkpoint_files
+
+    cfg = load_config(path)
+    files = checkpoint_files(path)
+    tensors = {}
+    for spec in vision_specs(cfg) if cfg.vision is not None else []:
+        if spec.name in files:
+            with safe_open(str(files[spec.name]), framework="pt") as f:
+                tensors[spec.name] = f.get_tensor(spec.name)
+    return load_image_encoder(cfg, tensors)
 
 
 def load_checkpoint(path: str | Path) -> LoadedCheckpoint:

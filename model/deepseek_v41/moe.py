@@ -34,7 +34,7 @@ class MoE(nn.Module):
         self.limit = cfg.swiglu_limit
         self.gate_weight = nn.Parameter(torch.zeros(e, d))
         self.gate_bias = nn.Parameter(torch.zeros(e))
-        self.bias_vl = nn.Parameter(torch.zeros(e))  # selection bias for image tokens (vision comes later)
+        self.bias_vl = nn.Parameter(torch.zeros(e))  # selection bias for image-span tokens
         self.w1 = nn.Parameter(torch.zeros(e, i, d))
         self.w2 = nn.Parameter(torch.zeros(e, d, i))
         self.w3 = nn.Parameter(torch.zeros(e, i, d))
@@ -42,19 +42,25 @@ class MoE(nn.Module):
         self.shared_w2 = nn.Parameter(torch.zeros(d, i))
         self.shared_w3 = nn.Parameter(torch.zeros(i, d))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] → (weights fp32 [T, k], expert ids [T, k]); ties go to the lower expert id."""
+    def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] → (weights fp32 [T, k], expert ids [T, k]); ties go to the lower expert id.
+        ``image`` [T] bool: those tokens select with ``bias_vl`` instead of ``gate_bias``."""
         scores = torch.sqrt(F.softplus(F.linear(x.float(), self.gate_weight.float())))  # [T, E]
-        experts = top_indices(scores + self.gate_bias.float(), self.top_k)  # [T, k]
+        bias = self.gate_bias.float()
+        if image is not None:
+            bias = torch.where(image.unsqueeze(-1), self.bias_vl.float(), bias)  # [T, E]
+        experts = top_indices(scores + bias, self.top_k)  # [T, k]
         weights = scores.gather(-1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
         return weights, experts
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
+                image: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert;
+        ``image`` [B, S] bool marks image-span tokens (None: none)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, D]
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, None if image is None else image.reshape(-1))
         if counts is not None:
             counts += torch.bincount(experts.flatten(), minlength=counts.numel())
         shared = clamped_swiglu(F.linear(x, self.shared_w1), F.linear(x, self.shared_w3), self.limit).to(x.dtype)

@@ -1,8 +1,9 @@
 """Model presets, defined in this one place.
 
 ``tiny``   the built-in default: the oracle's tiny shapes (spec §5.4) with the real DeepSeek
-           vocabulary (129,280 ids, 99,092 Engram-compressed ids) and a 3-stage DSpark draft
-           tapping layers 5–7. Runs on CPU.
+           vocabulary (129,280 ids, 99,092 Engram-compressed ids), a 3-stage DSpark draft tapping
+           layers 5–7, and a 2-block vision tower with the released patch 14 and downsample 3 but a
+           64-token image budget. Runs on CPU.
 ``v41-s1`` the single-H200 benchmark shape: Flash per-layer shapes (spec §2), 40 layers, 48 routed
            experts per layer, FP8/MXFP4 weights. Engram tables are shrunk by drawing the hash primes
            above 3,000,000 instead of 16,000,000 (rows per table: ``ENGRAM_S1_ROWS``), about 80 GB
@@ -14,6 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 from model.deepseek_v41.config import ModelConfig, YarnScaling
+from model.deepseek_v41.vision_config import VisionConfig
+
+# Small enough for CPU tests: a 64-token span budget is at most 7 × 7 image tokens (21 × 21 patches),
+# and images below 42 × 42 pixels (one image token) are scaled up to it.
+TINY_VISION = VisionConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
+                           max_image_tokens=64, min_pixels=42 * 42)
 
 TINY = ModelConfig(
     vocab_size=129280,
@@ -54,6 +61,9 @@ TINY = ModelConfig(
     dspark_markov_rank=16,
     dspark_n_routed_experts=8,
     dspark_num_experts_per_tok=3,
+    # The vision tower's tensors come last (after the draft's), so the text and draft weights are
+    # those of the tower-less preset.
+    vision=TINY_VISION,
 )
 
 ENGRAM_S1_VOCAB = 3_000_000

@@ -15,7 +15,7 @@ use crate::config::{
 use crate::errors::SchedulerError;
 use crate::request::{FinishReason as CoreFinishReason, Request, Status, StopRules};
 use crate::scheduler::{Collective, Scheduler as CoreScheduler, SchedulerStats as CoreStats, VoteOp};
-use crate::step::{self, RequestOutput as CoreOutput, StepKind, StepPlan as CorePlan, StepResult as CoreResult};
+use crate::step::{self, RequestUpdate as CoreUpdate, StepKind, StepPlan as CorePlan, StepResult as CoreResult};
 use crate::varlen::{MtpVarlen as CoreVarlen, VarlenChoice};
 
 impl From<SchedulerError> for PyErr {
@@ -547,8 +547,8 @@ impl StepPlan {
     }
     /// Final outputs decided while scheduling (preemption in `stop` mode).
     #[getter]
-    fn outputs(&self) -> Vec<RequestOutput> {
-        self.inner.outputs.iter().cloned().map(RequestOutput::from).collect()
+    fn outputs(&self) -> Vec<RequestUpdate> {
+        self.inner.outputs.iter().cloned().map(RequestUpdate::from).collect()
     }
     fn __repr__(&self) -> String {
         format!(
@@ -617,7 +617,7 @@ impl StepResult {
 }
 
 #[pyclass(frozen, get_all, module = "scheduler_rs._core")]
-pub struct RequestOutput {
+pub struct RequestUpdate {
     request_id: String,
     token_ids: Vec<u32>,
     finish_reason: Option<FinishReason>,
@@ -626,9 +626,9 @@ pub struct RequestOutput {
     num_output_tokens: u32,
 }
 
-impl From<CoreOutput> for RequestOutput {
-    fn from(o: CoreOutput) -> Self {
-        RequestOutput {
+impl From<CoreUpdate> for RequestUpdate {
+    fn from(o: CoreUpdate) -> Self {
+        RequestUpdate {
             request_id: o.request_id,
             token_ids: o.token_ids,
             finish_reason: o.finish_reason.map(Into::into),
@@ -640,14 +640,14 @@ impl From<CoreOutput> for RequestOutput {
 }
 
 #[pymethods]
-impl RequestOutput {
+impl RequestUpdate {
     #[getter]
     fn finished(&self) -> bool {
         self.finish_reason.is_some()
     }
     fn __repr__(&self) -> String {
         format!(
-            "RequestOutput(request_id={:?}, token_ids={:?}, finish_reason={:?})",
+            "RequestUpdate(request_id={:?}, token_ids={:?}, finish_reason={:?})",
             self.request_id,
             self.token_ids,
             self.finish_reason.map(|r| CoreFinishReason::from(r).as_str())
@@ -800,13 +800,13 @@ impl Scheduler {
         }
     }
 
-    fn update(&mut self, plan: &StepPlan, result: &StepResult) -> PyResult<Vec<RequestOutput>> {
+    fn update(&mut self, plan: &StepPlan, result: &StepResult) -> PyResult<Vec<RequestUpdate>> {
         let outputs = self.inner.update(&plan.inner, &result.inner)?;
-        Ok(outputs.into_iter().map(RequestOutput::from).collect())
+        Ok(outputs.into_iter().map(RequestUpdate::from).collect())
     }
 
-    fn abort(&mut self, request_id: &str) -> Option<RequestOutput> {
-        self.inner.abort(request_id).map(RequestOutput::from)
+    fn abort(&mut self, request_id: &str) -> Option<RequestUpdate> {
+        self.inner.abort(request_id).map(RequestUpdate::from)
     }
 
     #[pyo3(signature = (parent_id, child_id, *, max_tokens, eos_token_id=None, ignore_eos=false,
@@ -907,7 +907,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockManager>()?;
     m.add_class::<StepPlan>()?;
     m.add_class::<StepResult>()?;
-    m.add_class::<RequestOutput>()?;
+    m.add_class::<RequestUpdate>()?;
     m.add_class::<RequestState>()?;
     m.add_class::<SchedulerStats>()?;
     m.add_class::<Scheduler>()?;

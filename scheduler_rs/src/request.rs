@@ -80,6 +80,7 @@ impl StopRules {
 
 #[derive(Debug, Clone)]
 pub struct Request {
+    /// The request's unique id, made by the gateway and used unchanged by every layer and rank.
     pub request_id: String,
     /// Prompt followed by the accepted output tokens.
     pub tokens: Vec<u32>,
@@ -98,7 +99,7 @@ pub struct Request {
     pub status: Status,
     pub stop: StopRules,
     /// False until its inputs are ready (the multimodal gate); a waiting request that is not
-    /// schedulable blocks the queue behind it.
+    /// schedulable is skipped by prefill scheduling and keeps its place in the queue.
     pub schedulable: bool,
     /// Grammar-constrained: a grammar's state cannot be replayed, so preemption always stops it.
     pub constrained: bool,

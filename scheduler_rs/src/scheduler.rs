@@ -16,7 +16,7 @@ use crate::block_manager::BlockManager;
 use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
 use crate::request::{FinishReason, Request, StopRules};
-use crate::step::{RequestOutput, StepKind, StepPlan};
+use crate::step::{RequestUpdate, StepKind, StepPlan};
 
 pub use crate::errors::SchedulerError;
 
@@ -280,13 +280,13 @@ impl Scheduler {
     }
 
     /// Removes a request from the scheduler and releases its resources exactly once.
-    fn remove(&mut self, handle: usize, reason: FinishReason, stop_token_id: Option<u32>) -> (RequestOutput, u32) {
+    fn remove(&mut self, handle: usize, reason: FinishReason, stop_token_id: Option<u32>) -> (RequestUpdate, u32) {
         let mut req = self.slab[handle].take().expect("live handle");
         self.free_handles.push(handle);
         self.ids.remove(&req.request_id);
         let blocks = std::mem::take(&mut req.block_table);
         let num_deferred = self.release(blocks, req.state_slot.take(), req.last_step_id);
-        let output = RequestOutput {
+        let output = RequestUpdate {
             request_id: req.request_id,
             token_ids: Vec::new(),
             finish_reason: Some(reason),
@@ -299,7 +299,7 @@ impl Scheduler {
 
     /// Aborts a request in any queue or phase. Returns its final output, or `None` when the id is
     /// unknown or already finished (abort is idempotent).
-    pub fn abort(&mut self, request_id: &str) -> Option<RequestOutput> {
+    pub fn abort(&mut self, request_id: &str) -> Option<RequestUpdate> {
         let handle = *self.ids.get(request_id)?;
         self.waiting.retain(|&h| h != handle);
         self.running.retain(|&h| h != handle);
@@ -308,15 +308,14 @@ impl Scheduler {
 
     // ---- scheduling -----------------------------------------------------------------------
 
-    /// A rank wants prefill when the head of its queue is schedulable and either its cache is at
-    /// most 90% used or the head is a cut prompt, which holds all its blocks from its first chunk:
-    /// its next chunk takes nothing, and the usage it holds must not keep it from finishing (a
-    /// prompt whose reservation passed 90% would otherwise wait forever behind empty decode steps).
+    /// A rank wants prefill when the first schedulable request of its queue (unready ones are
+    /// skipped: the multimodal gate) exists and either its cache is at most 90% used or that request
+    /// is a cut prompt, which holds all its blocks from its first chunk: its next chunk takes nothing,
+    /// and the usage it holds must not keep it from finishing (a prompt whose reservation passed 90%
+    /// would otherwise wait forever behind empty decode steps).
     pub fn wants_prefill(&self) -> bool {
-        self.waiting.front().is_some_and(|&h| {
-            let req = self.req(h);
-            req.schedulable
-                && (!req.block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage)
+        self.waiting.iter().find(|&&h| self.req(h).schedulable).is_some_and(|&h| {
+            !self.req(h).block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage
         })
     }
 

@@ -1,6 +1,6 @@
 //! The contracts between the scheduler and the worker: `StepPlan` (what to run this step, as flat
 //! arrays ready to become tensors) and `StepResult` (what the step produced), plus the per-request
-//! `RequestOutput` and the CUDA graph sizes.
+//! `RequestUpdate` and the CUDA graph sizes.
 
 use crate::request::FinishReason;
 
@@ -71,7 +71,7 @@ pub struct StepPlan {
     /// (source, destination) state-slot copies to do before the forward (fork).
     pub state_copies: Vec<(u32, u32)>,
     /// Final outputs decided while scheduling (preemption in `stop` mode).
-    pub outputs: Vec<RequestOutput>,
+    pub outputs: Vec<RequestUpdate>,
     /// (slab handle, incarnation) of each request, so results reach the same incarnation only.
     pub(crate) handles: Vec<(usize, u64)>,
 }
@@ -101,9 +101,10 @@ pub struct StepResult {
     pub errors: Vec<u32>,
 }
 
-/// The tokens one request gained in a step, and its end if it ended.
+/// The tokens one request gained in a step, and its end if it ended. (The engine folds these into its
+/// `RequestOutput`, which holds a request's whole output.)
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestOutput {
+pub struct RequestUpdate {
     pub request_id: String,
     pub token_ids: Vec<u32>,
     pub finish_reason: Option<FinishReason>,

@@ -95,8 +95,8 @@ def _drive(runner, workload: Workload, prompts: dict[str, list[int]],
     from scheduler_rs import StepResult
 
     sched = _scheduler(runner.cfg, workload)
-    for rid, prompt in prompts.items():
-        sched.add_request(rid, prompt, max_tokens=workload.decode_steps + 1, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        sched.add_request(request_id, prompt, max_tokens=workload.decode_steps + 1, ignore_eos=True)
     while sched.has_unfinished():
         plan = sched.schedule()
         out = runner.execute(plan, all_rows=True)
@@ -105,24 +105,24 @@ def _drive(runner, workload: Workload, prompts: dict[str, list[int]],
         on_step(keys, out.logits)
         num_tokens, token_ids = [], []
         ends, seqlens_k = plan.query_start.tolist()[1:], plan.seqlens_k.tolist()
-        for i, (rid, n) in enumerate(zip(plan.request_ids, plan.num_sample_rows.tolist())):
+        for i, (request_id, n) in enumerate(zip(plan.request_ids, plan.num_sample_rows.tolist())):
             assert n <= 1, "one sampled row per request (no drafts)"
             num_tokens.append(n)
             if n:  # the request's last row predicts the token at seqlens_k
                 last = ends[i] - 1
-                assert keys[last] == (rid, seqlens_k[i] - 1)
-                token_ids.append(choose(rid, seqlens_k[i], out.logits[last]))
+                assert keys[last] == (request_id, seqlens_k[i] - 1)
+                token_ids.append(choose(request_id, seqlens_k[i], out.logits[last]))
         sched.update(plan, StepResult(num_tokens, token_ids))
 
 
 def record_reference(runner, workload: Workload, prompts: dict[str, list[int]]) -> Recording:
     """Greedy decode on ``runner``, every row's logits kept (on the runner's device)."""
-    rec = Recording(prompts, {rid: list(p) for rid, p in prompts.items()})
+    rec = Recording(prompts, {request_id: list(p) for request_id, p in prompts.items()})
 
-    def choose(rid: str, pos: int, row) -> int:
+    def choose(request_id: str, pos: int, row) -> int:
         token = int(row.argmax())
-        assert len(rec.seqs[rid]) == pos
-        rec.seqs[rid].append(token)
+        assert len(rec.seqs[request_id]) == pos
+        rec.seqs[request_id].append(token)
         return token
 
     _drive(runner, workload, prompts, choose, lambda keys, logits: rec.steps.append((keys, logits)))
@@ -160,10 +160,10 @@ def compare(rec: Recording, runner, workload: Workload) -> dict[str, dict[str, A
         assert keys == ref_keys, "the replayed plan differs from the reference's"
         stats = row_stats(ref_logits, logits)
         stats["position"] = torch.tensor([pos for _, pos in keys])
-        stats["decode"] = torch.tensor([pos >= len(rec.prompts[rid]) for rid, pos in keys])
+        stats["decode"] = torch.tensor([pos >= len(rec.prompts[request_id]) for request_id, pos in keys])
         parts.append(stats)
 
-    _drive(runner, workload, rec.prompts, lambda rid, pos, row: rec.seqs[rid][pos], on_step)
+    _drive(runner, workload, rec.prompts, lambda request_id, pos, row: rec.seqs[request_id][pos], on_step)
     assert next(steps, None) is None, "the replay ran fewer steps than the reference"
     return summarize({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
 

@@ -8,7 +8,7 @@ and gates (ratio 1: the bf16 projected rows), the partial rows read, ``wk`` and 
 the entries and keys written (288 + 68 bytes each) and the partial rows written. FLOPs: the wk
 product, 2 · E · 128 · 512, against the bf16 peak.
 
-The torch time is ``CachedStep._compress`` on the same inputs, eager (its boolean-mask indexing
+The torch time is ``TorchAttention.write_groups`` on the same inputs, eager (its boolean-mask indexing
 syncs): its ``Compressor.project`` returns the given values and gates (ratio 2); ratio 1's
 projection becomes an identity [512, 512] bf16 GEMM on the projected rows (a few µs at E = 2048,
 counted against torch). The cache keeps one source's
@@ -47,7 +47,7 @@ def flash_source_config(ratio: int) -> Any:
 def compressor_problem(num_entries: int, ratio: int, gen: torch.Generator, device: str = "cuda",
                        dtype: Any = None) -> dict[str, Any]:
     """E decode requests at random positions (< 64K; odd for ratio 2), each with its own state slot and
-    block; the inputs of ``compress`` and of ``CachedStep._compress`` on two identical caches."""
+    block; the inputs of ``compress`` and of ``TorchAttention.write_groups`` on two identical caches."""
     import torch
     from torch import nn
 
@@ -114,10 +114,10 @@ def run_kernel(p: dict[str, Any], compress: Any = None, **kwargs: Any) -> None:
 def run_torch(p: dict[str, Any]) -> None:
     import torch
 
-    from services.worker.cached_step import CachedStep
+    from services.worker.attention_backend_torch import TorchAttention
 
     with torch.no_grad():
-        CachedStep(p["ref_cache"], p["batch"])._compress(p["attn"], p["x"])
+        TorchAttention(p["ref_cache"], p["batch"]).write_groups(p["attn"], p["x"])
 
 
 def problem_bytes(num_entries: int, ratio: int, hd: int = 512, di: int = 128) -> float:
@@ -140,7 +140,7 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             p = compressor_problem(e, ratio, gen)
             ours = _bench_replay(lambda: run_kernel(p))
             # Eager: the torch path's boolean-mask indexing (the partial rows' tail) syncs, so it cannot be a graph.
-            theirs, note = _bench(lambda: run_torch(p)), "torch: CachedStep._compress after the projection, eager"
+            theirs, note = _bench(lambda: run_torch(p)), "torch: TorchAttention.write_groups after the projection, eager"
             flops = 2.0 * e * 128 * 512
             name, shape = f"compressor ratio {ratio} (pool/norm/rope/fp4 + keys)", f"E={e} hd=512 di=128 bf16"
             rows.append(_row(name, shape, ours, problem_bytes(e, ratio), flops, ceil, theirs, note, peak="bf16_peak"))

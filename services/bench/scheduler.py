@@ -26,25 +26,25 @@ def kitchen_table() -> list[str]:
     eos = 1
     words = {50: '"and"', 51: '"slept"', 52: '"."', eos: "the end token"}
     a_tokens = {6: 50, 7: 51, 8: 52, 9: eos}
-    for rid, n in KITCHEN:
-        scheduler.add_request(rid, list(range(10, 10 + n)), max_tokens=16, eos_token_id=eos)
+    for request_id, n in KITCHEN:
+        scheduler.add_request(request_id, list(range(10, 10 + n)), max_tokens=16, eos_token_id=eos)
     lines = []
     for number in range(1, 7):
         plan = scheduler.schedule()
         starts = plan.query_start.tolist()
         positions = plan.positions.tolist()
         tokens, counts = [], []
-        for i, rid in enumerate(plan.request_ids):
+        for i, request_id in enumerate(plan.request_ids):
             n = plan.num_sample_rows.tolist()[i]
             counts.append(n)
             if n:
                 position = plan.seqlens_k.tolist()[i]
-                tokens.append(a_tokens[position] if rid == "A" else 60 + position)
+                tokens.append(a_tokens[position] if request_id == "A" else 60 + position)
         outputs = scheduler.update(plan, StepResult(counts, tokens))
         if plan.is_prefill:
             rows = "  ".join(
-                f"{rid}[{positions[starts[i]]}..{positions[starts[i + 1] - 1]}]"
-                for i, rid in enumerate(plan.request_ids)
+                f"{request_id}[{positions[starts[i]]}..{positions[starts[i + 1] - 1]}]"
+                for i, request_id in enumerate(plan.request_ids)
             )
         else:
             rows = "  ".join(plan.request_ids)

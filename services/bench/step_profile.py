@@ -86,8 +86,8 @@ def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: i
             engine.step()
         _sync(device)
         wall = time.perf_counter() - t0
-    for rid in list(engine.requests):
-        engine.abort(rid)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
     return {"batch": batch, "context": context, **_summary(prof, wall, steps)}

@@ -117,8 +117,8 @@ def time_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: int,
                                f"prefill {plan and plan.is_prefill}); {len(ended)} requests ended ({reasons}); "
                                f"{engine.stats()}")
     while engine.has_unfinished():  # drain, so the pools come back whole for the next size
-        for rid in list(engine.requests):
-            engine.abort(rid)
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
         if engine.has_unfinished():
             engine.step()
     return StepTimes(batch, context, times)

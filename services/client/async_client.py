@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,22 +50,22 @@ class AsyncShinkaiClient:
             call.cancel()  # leaving early cancels the stream, which aborts the request on the server
 
     async def generate_stream(self, prompt: Any = None, *, timeout: float | None = None,
-                              request_id: str | None = None, **kwargs: Any) -> AsyncIterator[TextDelta]:
-        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
+                              client_request_id: str | None = None, **kwargs: Any) -> AsyncIterator[TextDelta]:
+        request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
         async for response in self._stream(request, timeout):
             yield to_delta(response)
 
-    async def generate(self, prompt: Any = None, *, timeout: float | None = None, request_id: str | None = None,
-                       **kwargs: Any) -> Completion:
-        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
-        completion = Completion(request.request_id, "")
+    async def generate(self, prompt: Any = None, *, timeout: float | None = None,
+                       client_request_id: str | None = None, **kwargs: Any) -> Completion:
+        request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
+        completion = Completion("", request.client_request_id, "")
         async for response in self._stream(request, timeout):
             add_to(completion, response)
         return completion
 
-    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+    async def abort(self, client_request_id: str, *, timeout: float | None = None) -> bool:
         try:
-            response = await self.stub.Abort(pb.AbortRequest(request_id=request_id),
+            response = await self.stub.Abort(pb.AbortRequest(client_request_id=client_request_id),
                 timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

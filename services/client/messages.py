@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +16,8 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 class TextDelta:
     """One streamed step of a generation."""
 
-    request_id: str  # the id Abort takes
+    request_id: str  # the request's unique id, as the server made it
+    client_request_id: str  # the id Abort takes
     text: str  # new text; never splits a UTF-8 character
     token_ids: list[int]  # new tokens
     finish_reason: str | None = None  # set on the last delta: "stop", "length", "abort", "preempted", "error"
@@ -25,7 +27,8 @@ class TextDelta:
 class Completion:
     """A whole generation."""
 
-    request_id: str
+    request_id: str  # the request's unique id, as the server made it ("" until its first response)
+    client_request_id: str  # the id Abort takes
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -34,14 +37,16 @@ class Completion:
 
 
 def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, str]] | None = None,
-                     thinking: bool = False, model: str = "", request_id: str = "", max_tokens: int | None = None,
+                     thinking: bool = False, model: str = "", client_request_id: str | None = None,
+                     max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                      logprobs: int | None = None) -> pb.GenerateRequest:
-    """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat)."""
+    """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat). Without a ``client_request_id``
+    one is made here, so the caller can abort before the first response."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
-    request = pb.GenerateRequest(model=model, request_id=request_id)
+    request = pb.GenerateRequest(model=model, client_request_id=client_request_id or f"req-{uuid.uuid4().hex}")
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt is not None:
@@ -62,13 +67,15 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
 
 def to_delta(response: pb.GenerateResponse) -> TextDelta:
     if response.WhichOneof("kind") == "final":
-        return TextDelta(response.request_id, response.final.text, [],
+        return TextDelta(response.request_id, response.client_request_id, response.final.text, [],
                          FINISH_REASONS.get(response.final.finish_reason, "error"))
-    return TextDelta(response.request_id, response.chunk.text, list(response.chunk.token_ids))
+    return TextDelta(response.request_id, response.client_request_id, response.chunk.text,
+                     list(response.chunk.token_ids))
 
 
 def add_to(completion: Completion, response: pb.GenerateResponse) -> None:
     completion.request_id = response.request_id
+    completion.client_request_id = response.client_request_id
     if response.WhichOneof("kind") == "final":
         f = response.final
         completion.text += f.text

@@ -10,7 +10,6 @@ deadline for the whole call; when it passes the server aborts the request and `T
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,25 +51,25 @@ class ShinkaiClient:
         finally:
             call.cancel()  # leaving early cancels the stream, which aborts the request on the server
 
-    def generate_stream(self, prompt: Any = None, *, timeout: float | None = None, request_id: str | None = None,
-                        **kwargs: Any) -> Iterator[TextDelta]:
+    def generate_stream(self, prompt: Any = None, *, timeout: float | None = None,
+                        client_request_id: str | None = None, **kwargs: Any) -> Iterator[TextDelta]:
         """Yields text deltas; the last has ``finish_reason``. Closing the iterator aborts the request."""
-        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
+        request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
         for response in self._stream(request, timeout):
             yield to_delta(response)
 
-    def generate(self, prompt: Any = None, *, timeout: float | None = None, request_id: str | None = None,
-                 **kwargs: Any) -> Completion:
-        request = generate_request(prompt, request_id=request_id or f"req-{uuid.uuid4().hex}", **kwargs)
-        completion = Completion(request.request_id, "")
+    def generate(self, prompt: Any = None, *, timeout: float | None = None,
+                 client_request_id: str | None = None, **kwargs: Any) -> Completion:
+        request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
+        completion = Completion("", request.client_request_id, "")
         for response in self._stream(request, timeout):
             add_to(completion, response)
         return completion
 
-    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
-        """True if a live request with this id was aborted; False if there was none (idempotent)."""
+    def abort(self, client_request_id: str, *, timeout: float | None = None) -> bool:
+        """True if a live request with this client_request_id was aborted; False if there was none (idempotent)."""
         try:
-            return self.stub.Abort(pb.AbortRequest(request_id=request_id),
+            return self.stub.Abort(pb.AbortRequest(client_request_id=client_request_id),
                 timeout=timeout or self.timeout, metadata=self.metadata).found
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

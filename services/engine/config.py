@@ -73,8 +73,9 @@ class EngineConfig:
     # services/worker/graph_runner.py); other steps run eagerly. Needs kernel_backend (the torch MoE syncs).
     cuda_graphs: bool = False
     # Every per-row result independent of the other rows in the step and of the row's place
-    # (model/batch_invariant.py on the torch path): the same request gives bit-identical tokens and
-    # logprobs alone, in any batch, chunked at any budget, with async scheduling on or off.
+    # (model/batch_invariant.py on the CPU's torch path; kernels/invariance.py on the kernel backend):
+    # the same request gives bit-identical tokens and logprobs alone, in any batch, with async
+    # scheduling on or off, and (CPU) chunked at any budget.
     batch_invariant: bool = False
     # Speculative decoding with the model's DSpark draft (docs/speculative.md): drafts verified per request
     # and step, 0 = off (at most the draft's block size).
@@ -95,9 +96,6 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be None, 'fp8' or 'fp32', got {self.kernel_backend!r}")
         if self.cuda_graphs and self.kernel_backend is None:
             raise ValueError("cuda_graphs needs kernel_backend ('fp8' or 'fp32'): the torch MoE cannot be captured")
-        if self.batch_invariant and self.kernel_backend is not None:
-            raise ValueError("batch_invariant is built for the CPU's torch path only so far (docs/batch-invariance.md): "
-                             "run it with --device cpu, or leave kernel_backend None")
         if self.forced_top_k is not None and self.forced_top_k < 1:
             raise ValueError("forced_top_k must be positive or None")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

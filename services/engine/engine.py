@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
+from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.stats import EngineStats
 from services.worker.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 
@@ -77,14 +79,17 @@ class Engine:
                 f"{total}, longer than the context of {self.config.max_model_len} tokens"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    ready: bool = True) -> None:
+        """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
+        readiness gate); requests behind it in the queue are scheduled meanwhile."""
         self.validate(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add_request(
             request_id, list(prompt_token_ids), max_tokens=params.resolved_max_tokens,
             eos_token_id=self.eos_token_id, ignore_eos=params.ignore_eos,
-            stop_token_ids=list(params.stop_token_ids),
+            stop_token_ids=list(params.stop_token_ids), schedulable=ready,
         )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         banned = tuple(sorted(set(params.banned_token_ids)))
@@ -94,26 +99,32 @@ class Engine:
             params, seed, banned, tuple(sorted(set(banned) | {self.eos_token_id})),
         )
 
+    def provide_images(self, request_id: str, rows) -> None:
+        """A waiting request's image embeddings [P, D] (its P placeholders, in prompt order) have arrived:
+        the worker takes them and the request becomes schedulable."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"no live request {request_id!r}")
+        set_images = getattr(self.worker, "set_images", None)
+        if set_images is None:  # worker.v1 does not carry embeddings yet
+            raise ValueError(f"{type(self.worker).__name__} takes no image embeddings")
+        set_images(request_id, req.output.prompt_token_ids, rows)
+        self.scheduler.set_schedulable(request_id)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         final = self.scheduler.abort(request_id)
         if final is None:
             return None
-        return self._finish(request_id, final.finish_reason.value, None)
+        return self._finish(request_id, FinishReason.of(final.finish_reason), None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         s = self.scheduler.stats()
-        return {
-            "free_blocks": s.num_free_blocks,
-            "total_blocks": s.num_total_blocks,
-            "free_state_slots": s.num_free_state_slots,
-            "total_state_slots": s.num_total_state_slots,
-            "num_waiting": s.num_waiting,
-            "num_running": s.num_running,
-            "decode_step": s.decode_step,
-        }
+        return EngineStats(free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks,
+                           free_state_slots=s.num_free_state_slots, total_state_slots=s.num_total_state_slots,
+                           num_waiting=s.num_waiting, num_running=s.num_running, decode_step=s.decode_step)
 
     # ---- the step loop ----------------------------------------------------------------------
 
@@ -202,7 +213,7 @@ class Engine:
     def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
         changed: dict[str, RequestOutput] = {}
         for final in plan.outputs:  # preempted while scheduling
-            changed[final.request_id] = self._finish(final.request_id, final.finish_reason.value, None)
+            changed[final.request_id] = self._finish(final.request_id, FinishReason.of(final.finish_reason), None)
         # Logprobs of each request's sampled rows, in plan order.
         sampled_logprobs: dict[str, list[int]] = {}
         row = 0
@@ -232,11 +243,11 @@ class Engine:
                         out.top_logprobs.append(list(zip(top[0][r][:n], top[1][r][:n])))
             changed[update.request_id] = out
             if update.finish_reason is not None:
-                changed[update.request_id] = self._finish(update.request_id, update.finish_reason.value,
+                changed[update.request_id] = self._finish(update.request_id, FinishReason.of(update.finish_reason),
                                                           update.stop_token_id)
         return list(changed.values())
 
-    def _finish(self, request_id: str, reason: str, stop_token_id: int | None) -> RequestOutput:
+    def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         req = self.requests.pop(request_id)
         req.output.finish_reason = reason
         req.output.stop_token_id = stop_token_id

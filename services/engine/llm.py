@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
+
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.stats import EngineStats
 from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
@@ -89,6 +92,7 @@ class LLM:
             compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window,
         )
         self._ids = itertools.count()
+        self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -107,11 +111,52 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
+        vision = self.source.config.vision
+        if vision is not None and any(vision.image_token_id in ids for ids in encoded):
+            raise ValueError(f"a prompt holds the image placeholder id {vision.image_token_id} without an image; "
+                             "send images as image_url parts through LLM.chat")
+        return self._run(encoded, params_list, [None] * len(encoded), use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             **chat_options: object) -> list[RequestOutput]:
+        """OpenAI-style chat ``messages`` (one conversation, or a list of them) rendered by deepseek-recipe,
+        ``image_url`` parts included (data URLs, or http(s) fetched with a size limit and timeout); the
+        images run through the model's vision tower here. ``chat_options`` are the body's other conversation
+        keys (``thinking``, ``reasoning_effort``, ``tools``, ``tool_choice``)."""
+        from services.engine.image_prompt import expand_images
+        from services.tokenizer.chat import IMAGE_PLACEHOLDER, ChatRenderer
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(conversations)
+        if len(params_list) != len(conversations):
+            raise ValueError(f"{len(params_list)} sampling params for {len(conversations)} conversations")
+        if self._chat is None:
+            from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
+
+            if self.tokenizer.get_vocab_size() != V41_VOCAB_SIZE:
+                raise ValueError("LLM.chat renders with DeepSeek's V4.1 vocabulary; this model has its own")
+            self._chat = ChatRenderer(v41_tokenizer_path())
+        placeholder = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+        encoded, images = [], []
+        for conversation in conversations:
+            ids, _, urls = self._chat.render_images({"messages": list(conversation), **chat_options})
+            ids, rows = expand_images(ids, urls, placeholder, self.source.model)  # type: ignore[arg-type]
+            encoded.append(ids)
+            images.append(rows)
+        return self._run(encoded, params_list, images, use_tqdm)
+
+    def _run(self, encoded: list[list[int]], params_list: list[SamplingParams],
+             images: list[torch.Tensor | None], use_tqdm: bool) -> list[RequestOutput]:
+        """Queues every prompt (``images``: each one's placeholder embeddings or None) and steps until all end."""
         for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
             self.engine.validate(ids, p)
         request_ids = [str(next(self._ids)) for _ in encoded]
-        for rid, ids, p in zip(request_ids, encoded, params_list):
-            self.engine.add_request(rid, ids, p)
+        for request_id, ids, p, rows in zip(request_ids, encoded, params_list, images):
+            self.engine.add_request(request_id, ids, p, ready=rows is None)
+            if rows is not None:
+                self.engine.provide_images(request_id, rows)
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
@@ -127,7 +172,7 @@ class LLM:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [finished[rid] for rid in request_ids]
+        return [finished[request_id] for request_id in request_ids]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()

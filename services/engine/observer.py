@@ -22,6 +22,7 @@ from typing import Any
 
 from observability import tracing
 from observability.metrics import EngineMetrics
+from services.engine.finish_reason import FinishReason
 
 
 @dataclass(slots=True)
@@ -76,15 +77,15 @@ class EngineObserver:
         if self.metrics is not None and t.scheduled:
             self.metrics.prefill_time.observe((t.first_token - t.scheduled) / 1e9)
 
-    def finished(self, t: RequestTimes, reason: str, num_output_tokens: int) -> None:
+    def finished(self, t: RequestTimes, reason: FinishReason, num_output_tokens: int) -> None:
         now = time.time_ns()
         m = self.metrics
         if m is not None:
             if t.first_token:
                 m.decode_time.observe((now - t.first_token) / 1e9)
-            if reason == "preempted":
+            if reason == FinishReason.PREEMPTED:
                 m.preemptions.inc()
-            if reason == "abort":
+            if reason == FinishReason.ABORT:
                 m.aborts.labels(phase="decode" if t.first_token else "prefill" if t.scheduled else "waiting").inc()
         if t.parent is None:
             return
@@ -94,4 +95,4 @@ class EngineObserver:
             tracing.record("prefill", t.parent, t.scheduled, t.first_token or now)
         if t.first_token:
             tracing.record("decode", t.parent, t.first_token, now, {"request.output_tokens": num_output_tokens,
-                                                                    "request.finish_reason": reason})
+                                                                    "request.finish_reason": str(reason)})

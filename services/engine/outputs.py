@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.finish_reason import FinishReason
+
 
 @dataclass
 class RequestOutput:
+    # The request's unique id (`LLM.generate` numbers its prompts; a server gets the gateway's id).
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -15,8 +18,8 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     # Per output token, the top-n (token id, logprob) pairs, when requested.
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    # "stop", "length", "abort", "preempted" or "error"; None while running.
-    finish_reason: str | None = None
+    # Why the request ended; None while running.
+    finish_reason: FinishReason | None = None
     # The end or stop token that ended the request, if one did.
     stop_token_id: int | None = None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -23,51 +24,32 @@ log = logging.getLogger("shinkai.engine.process")
 
 
 class EngineEndpoint:
-    """One engine's shinkai.v1 gRPC endpoint (no HTTP, token ids only): the engine service behind the
-    API's frontend. ``stop()`` drains as `shinkai serve` does: intake closed, live requests get
-    ``drain_timeout_s``, the rest aborted, so the pools are whole when the engine thread exits."""
+    """One engine's shinkai.v1 gRPC endpoint (no HTTP, token ids only) for a gateway: the `ServedEngine`
+    behind the API's frontend, which takes the gateway's request ids. ``stop()`` drains as `shinkai serve`
+    does (`ServedEngine.stop`)."""
 
-    def __init__(self, llm, *, engine_name: str, host: str, grpc_port: int, drain_timeout_s: float,
+    def __init__(self, llm, *, replica: str, host: str, grpc_port: int, drain_timeout_s: float,
                  served_model_name: str) -> None:
-        from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
-        from observability.metrics import EngineMetrics, RequestMetrics
-        from services.engine.service import EngineService
+        from services.engine.served_engine import ServedEngine
         from services.gateway.api_server import ApiServer
         from services.gateway.backends import LocalEngine, LocalTokenizer
-        from services.gateway.frontend import Frontend, ModelInfo
-        from services.tokenizer.chat import ChatRenderer
+        from services.gateway.frontend import Frontend
 
         self.llm = llm
         self.drain_timeout_s = drain_timeout_s
-        self.engine = EngineService(llm.engine, engine_name=engine_name)
-        self.metrics = RequestMetrics()  # the endpoint's registry: request metrics, then the engine's
-        cfg = llm.source.config
-        chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
-        info = ModelInfo(model=served_model_name, vocab_size=cfg.vocab_size, max_model_len=llm.config.max_model_len,
-                         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                         max_num_seqs=llm.config.max_num_seqs)
-        stats = self.engine.stats()
-        self.engine.observer.metrics = EngineMetrics(self.metrics.registry, self.engine.stats, info.model, {
-            "engine": engine_name, "block_size": llm.config.block_size,
-            "num_gpu_blocks": stats["total_blocks"], "num_state_slots": stats["total_state_slots"]})
-        frontend = Frontend(info, LocalEngine(self.engine), LocalTokenizer(llm, chat, detokenize=False), self.metrics)
+        self.served = ServedEngine(llm, served_model_name=served_model_name, replica=replica)
+        self.engine = self.served.service
+        self.metrics = self.served.metrics
+        frontend = Frontend(self.served.info, LocalEngine(self.engine),
+                            LocalTokenizer(llm, self.served.chat, detokenize=False), self.metrics,
+                            takes_request_ids=True)
         self.api = ApiServer(frontend, host, None, grpc_port)
 
     async def start(self) -> None:
-        self.engine.start()
-        try:
-            await self.api.start()
-        except BaseException:
-            self.engine.stop()
-            raise
+        await self.served.start(self.api)
 
     async def stop(self) -> None:
-        await self.api.close_intake()
-        if not await self.engine.drain(self.drain_timeout_s):
-            log.warning("%d requests still live after %.0f s; aborting them", self.engine.num_unfinished(),
-                        self.drain_timeout_s)
-        self.engine.stop()  # aborts the rest; the step thread finishes every request before it exits
-        await self.api.stop()
+        await self.served.stop(self.api, self.drain_timeout_s)
 
 
 async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -> None:
@@ -120,7 +102,7 @@ async def run(args: argparse.Namespace) -> int:
         remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
     else:
         llm = LLM(model=args.model, **engine_args)
-    server = EngineEndpoint(llm, engine_name=args.engine_id, host=args.host, grpc_port=args.grpc_port,
+    server = EngineEndpoint(llm, replica=args.replica, host=args.host, grpc_port=args.grpc_port,
                             drain_timeout_s=args.drain_timeout, served_model_name=args.served_model_name or args.model)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -142,13 +124,13 @@ async def run(args: argparse.Namespace) -> int:
         metrics_port = http.server_port
     reporter = None
     if args.nats_url:
-        reporter = LoadReporter(args.nats_url, args.engine_id, address, server.engine.stats)
+        reporter = LoadReporter(args.nats_url, args.replica, address, server.engine.stats)
         await reporter.start()
     if publisher is not None and reporter is not None:
         publisher.nc = reporter.nc  # expert-load reports start with the next step
     worker = publisher.worker if publisher is not None else server.llm.engine.worker
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
-    print(json.dumps({"event": "ready", "service": "engine", "engine_id": args.engine_id, "grpc": address,
+    print(json.dumps({"event": "ready", "service": "engine", "replica": args.replica, "grpc": address,
                       "grpc_port": server.api.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
     watch = None
     if args.worker:
@@ -162,7 +144,8 @@ async def run(args: argparse.Namespace) -> int:
     await server.stop()
     if reporter is not None:
         await reporter.stop()
-    print(json.dumps({"event": "stopped", "service": "engine", "pools": server.engine.stats()}), flush=True)
+    print(json.dumps({"event": "stopped", "service": "engine", "pools": dataclasses.asdict(server.engine.stats())}),
+          flush=True)
     return 0
 
 
@@ -170,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.engine", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--replica", default="engine-0", help="this engine instance's name in loads, reports, metrics")
     p.add_argument("--rank", type=int, default=0, help="this engine's rank in expert-load reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")

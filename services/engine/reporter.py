@@ -7,6 +7,7 @@ NATS connection never stops the engine: publishing is best effort, and nats-py r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -14,16 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 from services import nats_auth, subjects
+from services.engine.stats import EngineStats
 
 log = logging.getLogger("shinkai.engine.reporter")
 FLUSH_TIMEOUT_S = 2.0  # the deadline of every round trip to NATS (there are no request/reply calls)
 
 
 class LoadReporter:
-    def __init__(self, nats_url: str, engine_id: str, address: str, stats: Callable[[], dict[str, int]],
+    def __init__(self, nats_url: str, replica: str, address: str, stats: Callable[[], EngineStats],
                  interval_s: float = 0.25) -> None:
         self.nats_url = nats_url
-        self.engine_id = engine_id  # the engine's name in every message
+        self.replica = replica  # the engine's name in every message
         self.address = address  # its gRPC address, so a gateway can reach it
         self.stats = stats  # the engine's pool and queue counts
         self.interval_s = interval_s  # seconds between load reports
@@ -37,14 +39,15 @@ class LoadReporter:
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s", err or type(err).__name__)
 
-        self.nc = await nats.connect(self.nats_url, name=f"shinkai-{self.engine_id}", max_reconnect_attempts=-1,
+        self.nc = await nats.connect(self.nats_url, name=f"shinkai-{self.replica}", max_reconnect_attempts=-1,
                                       error_cb=on_error, connect_timeout=FLUSH_TIMEOUT_S, reconnect_time_wait=0.5,
                                       **nats_auth.connect_options())
         await self.lifecycle("up")
         self._task = asyncio.create_task(self._loop())
 
     def load_message(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "address": self.address, **self.stats(), "time": time.time()}
+        return {"replica": self.replica, "address": self.address, **dataclasses.asdict(self.stats()),
+                "time": time.time()}
 
     async def _loop(self) -> None:
         while True:
@@ -59,7 +62,7 @@ class LoadReporter:
         self.num_published += 1
 
     async def lifecycle(self, state: str) -> None:
-        message = {"engine_id": self.engine_id, "address": self.address, "state": state, "time": time.time()}
+        message = {"replica": self.replica, "address": self.address, "state": state, "time": time.time()}
         try:
             await self.nc.publish(subjects.ENGINE_LIFECYCLE, json.dumps(message).encode())
             await self.nc.flush(timeout=FLUSH_TIMEOUT_S)

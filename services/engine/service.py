@@ -4,8 +4,9 @@ Invariants:
 - Only the step thread touches the `Engine` (and so `scheduler_rs`); callers on the event loop send it
   commands through a thread-safe queue and get outputs back through per-request asyncio queues.
 - One engine step runs at a time; commands (add, abort) are applied between steps, never during one.
-- Engine request ids are made here and never repeat, so two live requests with the same client id cannot
-  collide; `abort(client_id)` ends every live request with that id.
+- A request is known by its `request_id` (the gateway's, unique), unchanged down to the scheduler; a second
+  live request with the same `request_id` is refused. `abort(client_request_id)` ends every live request
+  with that client id (clients may reuse theirs).
 - A stream that is closed or cancelled before its final output aborts its request, so its blocks and
   state slot come back.
 - Every accepted request gets exactly one final `Delta` (finish_reason set), also on shutdown ("abort")
@@ -15,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,9 +26,11 @@ from dataclasses import dataclass, field
 
 from observability import tracing
 from services.engine.engine import Engine
+from services.engine.finish_reason import FinishReason
 from services.engine.observer import EngineObserver, RequestTimes
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.stats import EngineStats
 
 log = logging.getLogger("shinkai.engine")
 
@@ -58,8 +61,8 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] | None
     # Output tokens so far, these included.
     num_output_tokens: int
-    # Set on the request's last delta only: "stop", "length", "abort", "preempted" or "error".
-    finish_reason: str | None = None
+    # Set on the request's last delta only.
+    finish_reason: FinishReason | None = None
     # The end or stop token that ended the request, if one did.
     stop_token_id: int | None = None
 
@@ -67,12 +70,12 @@ class Delta:
 class RequestStream:
     """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
 
-    def __init__(self, service: EngineService, engine_id: str, client_id: str,
+    def __init__(self, service: EngineService, request_id: str, client_request_id: str,
                  loop: asyncio.AbstractEventLoop, times: RequestTimes) -> None:
         self.service = service
         self.times = times  # phase boundaries, written by the step thread only
-        self.engine_id = engine_id  # unique for the service's lifetime
-        self.client_id = client_id  # the client's id; may repeat across live requests
+        self.request_id = request_id  # unique among the live requests; the scheduler's id for it
+        self.client_request_id = client_request_id  # the client's id; may repeat across live requests
         self.loop = loop
         self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
         # Output tokens already delivered as deltas (written by the step thread under the service lock).
@@ -95,40 +98,39 @@ class RequestStream:
     def close(self) -> None:
         """Aborts the request unless its final delta was already queued. Idempotent."""
         if not self.finished:
-            self.service._send(_Abort([self.engine_id]))
+            self.service._send(_Abort([self.request_id]))
 
 
 @dataclass
 class _Add:
-    engine_id: str
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
 @dataclass
 class _Abort:
-    engine_ids: list[str] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
 
 
 class EngineService:
-    def __init__(self, engine: Engine, *, engine_name: str = "engine-0", max_queued: int = DEFAULT_MAX_QUEUED,
+    def __init__(self, engine: Engine, *, replica: str = "engine-0", max_queued: int = DEFAULT_MAX_QUEUED,
                  idle_wait_s: float = 0.05, observer: EngineObserver | None = None) -> None:
         self.engine = engine
         # Phase times, metrics and spans; its `metrics` may be set until start().
         self.observer = observer or EngineObserver()
-        self.name = engine_name
+        self.replica = replica  # this engine instance's name in loads, load reports and metrics
         # Unfinished requests (queued, waiting or running) above which `generate` raises QueueFull.
         self.max_queued = max_queued
         self._idle_wait_s = idle_wait_s
         self._commands: queue.Queue[_Add | _Abort] = queue.Queue()
         self._wake = threading.Event()
-        # engine id -> stream; written under _lock by both threads.
+        # request id -> stream; written under _lock by both threads.
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         # The engine's stats as of the end of the step thread's latest iteration: readers on the event loop
         # never wait for a step (the reference is swapped whole, so a read is never torn).
         self._snapshot = engine.stats()
-        self._ids = itertools.count()
         self._stop = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
@@ -138,7 +140,7 @@ class EngineService:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"{self.name}-steps", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{self.replica}-steps", daemon=True)
         self._thread.start()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -171,32 +173,36 @@ class EngineService:
         """Raises ValueError naming what is wrong. Reads only the engine's fixed configuration."""
         self.engine.validate(prompt_token_ids, params)
 
-    def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Validates and queues a request; raises ValueError, QueueFull or ShuttingDown with nothing queued.
-        Call from the event loop that will read the stream."""
+    def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
+               params: SamplingParams) -> RequestStream:
+        """Validates and queues a request; raises ValueError (also for a ``request_id`` already live),
+        QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream."""
         self.validate(prompt_token_ids, params)
         if not self._accepting:
             raise ShuttingDown("the engine is shutting down")
         with self._lock:
             if len(self._streams) >= self.max_queued:
                 raise QueueFull(len(self._streams))
-            engine_id = f"{next(self._ids)}:{client_id}"
-            stream = RequestStream(self, engine_id, client_id, asyncio.get_running_loop(), self.observer.submitted())
-            self._streams[engine_id] = stream
-        self._send(_Add(engine_id, list(prompt_token_ids), params))
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            stream = RequestStream(self, request_id, client_request_id, asyncio.get_running_loop(),
+                                   self.observer.submitted())
+            self._streams[request_id] = stream
+        self._send(_Add(request_id, list(prompt_token_ids), params))
         return stream
 
-    def abort(self, client_id: str) -> bool:
+    def abort(self, client_request_id: str) -> bool:
         """Aborts every live request with this client id; False when there is none (idempotent)."""
         with self._lock:
-            ids = [eid for eid, s in self._streams.items() if s.client_id == client_id and not s.finished]
+            ids = [request_id for request_id, s in self._streams.items()
+                   if s.client_request_id == client_request_id and not s.finished]
         if ids:
             self._send(_Abort(ids))
         return bool(ids)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         """The engine's pool and queue counts after the latest step (never waits for one)."""
-        return {**self._snapshot, "num_queued": self._commands.qsize()}
+        return dataclasses.replace(self._snapshot, num_queued=self._commands.qsize())
 
     # ---- the step thread --------------------------------------------------------------------
 
@@ -226,18 +232,18 @@ class EngineService:
                 return
             if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(command.engine_id, command.prompt_token_ids, command.params)
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
                 except Exception as err:  # validated already; a failure here is a bug, not bad input
-                    log.exception("add_request %s failed", command.engine_id)
-                    self._deliver_final(command.engine_id, "error", None, str(err))
+                    log.exception("add_request %s failed", command.request_id)
+                    self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
             else:
-                for engine_id in command.engine_ids:
-                    out = self.engine.abort(engine_id)
+                for request_id in command.request_ids:
+                    out = self.engine.abort(request_id)
                     if out is not None:
                         self._deliver(out)
 
-    def _times(self, engine_id: str) -> RequestTimes | None:
-        stream = self._streams.get(engine_id)  # one dict read: atomic; times are step-thread state
+    def _times(self, request_id: str) -> RequestTimes | None:
+        stream = self._streams.get(request_id)  # one dict read: atomic; times are step-thread state
         return stream.times if stream is not None else None
 
     def _step(self) -> None:
@@ -250,11 +256,11 @@ class EngineService:
             tracing.end(span, error=type(err).__name__)
             self.num_step_errors += 1
             log.exception("engine step failed; ending its requests with 'error'")
-            for engine_id in list(self.engine.requests):
-                self.engine.scheduler.abort(engine_id)
-                self.engine.requests.pop(engine_id, None)
-                self.engine.worker.release(engine_id)
-                self._deliver_final(engine_id, "error", None, None)
+            for request_id in list(self.engine.requests):
+                self.engine.scheduler.abort(request_id)
+                self.engine.requests.pop(request_id, None)
+                self.engine.worker.release(request_id)
+                self._deliver_final(request_id, FinishReason.ERROR, None, None)
             return
         self.num_steps += 1
         self.observer.step_finished(self.engine.last_plan, started, span, self._times)
@@ -280,18 +286,19 @@ class EngineService:
         if delta.token_ids:
             self.observer.tokens(stream.times)
         if out.finished:
-            self.observer.finished(stream.times, out.finish_reason or "error", len(out.token_ids))
+            self.observer.finished(stream.times, out.finish_reason or FinishReason.ERROR, len(out.token_ids))
         self._post(stream, delta)
 
-    def _deliver_final(self, engine_id: str, reason: str, stop_token_id: int | None, why: str | None) -> None:
+    def _deliver_final(self, request_id: str, reason: FinishReason, stop_token_id: int | None,
+                       why: str | None) -> None:
         with self._lock:
-            stream = self._streams.pop(engine_id, None)
+            stream = self._streams.pop(request_id, None)
         if stream is None:
             return
         stream.finished = True
         self.observer.finished(stream.times, reason, stream.num_sent)
         if why:
-            log.error("request %s ended with %s: %s", engine_id, reason, why)
+            log.error("request %s ended with %s: %s", request_id, reason, why)
         self._post(stream, Delta([], [], None, stream.num_sent, finish_reason=reason, stop_token_id=stop_token_id))
 
     @staticmethod

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, EngineService
+from services.engine.stats import EngineStats
 from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -30,11 +31,12 @@ class DeltaStream(Protocol):
 
 
 class EngineBackend(Protocol):
-    async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> DeltaStream: ...
+    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams) -> DeltaStream: ...
 
-    async def abort(self, client_id: str) -> bool: ...
+    async def abort(self, client_request_id: str) -> bool: ...
 
-    async def loads(self) -> list[dict[str, Any]]: ...
+    async def loads(self) -> dict[str, EngineStats]: ...  # replica -> its counts
 
 
 class Detokenizer(Protocol):
@@ -64,14 +66,15 @@ class LocalEngine:
     def __init__(self, service: EngineService) -> None:
         self.service = service
 
-    async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> DeltaStream:
-        return self.service.submit(client_id, prompt_token_ids, params)
+    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams) -> DeltaStream:
+        return self.service.submit(request_id, client_request_id, prompt_token_ids, params)
 
-    async def abort(self, client_id: str) -> bool:
-        return self.service.abort(client_id)
+    async def abort(self, client_request_id: str) -> bool:
+        return self.service.abort(client_request_id)
 
-    async def loads(self) -> list[dict[str, Any]]:
-        return [dict(self.service.stats(), engine_id=self.service.name)]
+    async def loads(self) -> dict[str, EngineStats]:
+        return {self.service.replica: self.service.stats()}
 
 
 class _LocalDetokenizer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 
@@ -73,7 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
     await stop.wait()
     print(json.dumps({"event": "draining"}), flush=True)
     await server.stop()
-    print(json.dumps({"event": "stopped", "pools": server.engine.stats()}), flush=True)
+    print(json.dumps({"event": "stopped", "pools": dataclasses.asdict(server.engine.stats())}), flush=True)
     return 0
 
 

@@ -16,8 +16,11 @@ from typing import Any
 
 from observability import tracing
 from observability.metrics import RequestMetrics
+from services.engine.finish_reason import FinishReason
+from services.engine.model_info import ModelInfo
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
+from services.engine.stats import EngineStats
 from services.gateway import errors
 from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
 from services.gateway.errors import ApiError
@@ -47,8 +50,10 @@ class GenerateArgs:
     chat_body: dict[str, Any] | None = None
     # Validated sampling parameters.
     params: SamplingParams = SamplingParams()
-    # The client's request id; None: one is made.
-    client_id: str | None = None
+    # The client's name for the request (Abort takes it); None: the request_id.
+    client_request_id: str | None = None
+    # The request's unique id, when a gateway made it and forwarded the request here; None: made here.
+    request_id: str | None = None
     # Which API this came through (a metrics label).
     endpoint: str = "generate"
     # The caller's trace context (W3C, from HTTP headers or gRPC metadata); None: a new trace, or tracing off.
@@ -66,26 +71,17 @@ class Piece:
     text: str
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str  # the served name: the one /v1/models lists and requests must use
-    vocab_size: int
-    max_model_len: int  # prompt plus output tokens
-    bos_token_id: int
-    eos_token_id: int
-    max_num_seqs: int  # requests running at once per engine
-
-
 class Generation:
     """A started request's pieces. ``close()`` (or leaving ``async for`` early and closing) aborts it."""
 
-    def __init__(self, frontend: Frontend, stream: DeltaStream, detokenizer: Detokenizer, client_id: str,
-                 num_prompt_tokens: int, endpoint: str, arrival: float, span: Any = None,
+    def __init__(self, frontend: Frontend, stream: DeltaStream, detokenizer: Detokenizer, request_id: str,
+                 client_request_id: str, num_prompt_tokens: int, endpoint: str, arrival: float, span: Any = None,
                  detokenize_span: Any = None) -> None:
         self.frontend = frontend
         self.stream = stream
         self.detokenizer = detokenizer
-        self.client_id = client_id  # the id Abort takes
+        self.request_id = request_id  # unique: the engine and the scheduler know the request by it
+        self.client_request_id = client_request_id  # the id Abort takes (the request_id when the client gave none)
         self.num_prompt_tokens = num_prompt_tokens
         self.endpoint = endpoint
         self.created = int(time.time())
@@ -94,7 +90,7 @@ class Generation:
         self.span = span
         self.detokenize_span = detokenize_span
         self._last: float | None = None  # time of the latest token-bearing delta
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     def __aiter__(self) -> Generation:
         return self
@@ -123,25 +119,25 @@ class Generation:
             self._end_spans(delta.finish_reason, delta.num_output_tokens)
         return Piece(delta, text)
 
-    def _end_spans(self, reason: str, num_output_tokens: int) -> None:
+    def _end_spans(self, reason: FinishReason, num_output_tokens: int) -> None:
         tracing.end(self.detokenize_span)
-        tracing.end(self.span, {"request.finish_reason": reason, "request.output_tokens": num_output_tokens},
-                    error=reason if reason == "error" else None)
+        tracing.end(self.span, {"request.finish_reason": str(reason), "request.output_tokens": num_output_tokens},
+                    error=reason if reason == FinishReason.ERROR else None)
         self.span = self.detokenize_span = None
 
     def close(self) -> None:
         """Aborts the request unless its final piece was read (a disconnect or cancel). Idempotent."""
         if self.finish_reason is None:
-            self.finish_reason = "abort"
-            self.frontend.metrics.finished.labels(reason="abort").inc()
+            self.finish_reason = FinishReason.ABORT
+            self.frontend.metrics.finished.labels(reason=FinishReason.ABORT).inc()
             self.detokenizer.close()
-            self._end_spans("abort", 0)
+            self._end_spans(FinishReason.ABORT, 0)
         self.stream.close()
 
 
-def scoped(client_id: str, owner: str | None) -> str:
-    """The id the engines know a request by: the client's id inside its key's namespace, when keys are on."""
-    return client_id if owner is None else f"{owner}/{client_id}"
+def scoped(client_request_id: str, owner: str | None) -> str:
+    """The client_request_id the engines know: the client's inside its key's namespace, when keys are on."""
+    return client_request_id if owner is None else f"{owner}/{client_request_id}"
 
 
 # Sampling fields whose name begins the engine's ValueError messages about them.
@@ -163,11 +159,14 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
 
 class Frontend:
     def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
-                 metrics: RequestMetrics) -> None:
+                 metrics: RequestMetrics, takes_request_ids: bool = False) -> None:
         self.info = info
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        # True behind a gateway (an engine process): a request may bring the gateway's request_id. False: this
+        # front end makes every request_id, and a request that brings one is refused.
+        self.takes_request_ids = takes_request_ids
         metrics.model_name = info.model  # the vLLM names' label
 
     @property
@@ -202,15 +201,20 @@ class Frontend:
         ``args.trace_parent``) is current while the tokenizer and the engine are called, so they join its trace."""
         arrival = time.monotonic()
         self.check_model(args.model)
-        client_id = args.client_id or f"req-{uuid.uuid4().hex}"
-        engine_id = scoped(client_id, args.owner)
-        span = tracing.start_span("request", args.trace_parent, {"request.id": client_id,
-                                                                 "request.endpoint": args.endpoint})
+        if args.request_id is not None and not self.takes_request_ids:
+            raise errors.invalid("request_id is made by the server; name a request with client_request_id",
+                                 "request_id")
+        request_id = args.request_id or f"req-{uuid.uuid4().hex}"
+        client_request_id = args.client_request_id or request_id
+        span = tracing.start_span("request", args.trace_parent, {
+            "request.id": request_id, "request.client_request_id": client_request_id,
+            "request.endpoint": args.endpoint})
         try:
             with tracing.active(span):
                 with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
                     ids = await self.prompt_ids(args)
-                stream = await self.engine.submit(engine_id, ids, args.params)
+                stream = await self.engine.submit(request_id, scoped(client_request_id, args.owner), ids,
+                                                  args.params)
                 detokenize_span = tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) \
                     else None
                 with tracing.active(detokenize_span):
@@ -231,12 +235,12 @@ class Frontend:
         if span is not None:
             span.set_attribute("request.prompt_tokens", len(ids))
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(self, stream, detokenizer, client_id, len(ids), args.endpoint, arrival, span,
-                          detokenize_span)
+        return Generation(self, stream, detokenizer, request_id, client_request_id, len(ids), args.endpoint,
+                          arrival, span, detokenize_span)
 
-    async def abort(self, client_id: str, owner: str | None = None) -> bool:
-        """Aborts the caller's live requests with this id; another key's requests are out of its reach."""
-        return await self.engine.abort(scoped(client_id, owner))
+    async def abort(self, client_request_id: str, owner: str | None = None) -> bool:
+        """Aborts the caller's live requests with this client_request_id; another key's are out of its reach."""
+        return await self.engine.abort(scoped(client_request_id, owner))
 
-    async def loads(self) -> list[dict[str, Any]]:
+    async def loads(self) -> dict[str, EngineStats]:
         return await self.engine.loads()

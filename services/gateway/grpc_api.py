@@ -15,6 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from observability import tracing
+from services.engine.finish_reason import FinishReason
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.auth import Keys, grpc_authorization
@@ -26,15 +27,16 @@ from services.proto.shinkai.v1 import shinkai_pb2 as pb
 SERVICE = "shinkai.v1.Shinkai"
 # Caps on every string and repeated field of a request (INVALID_ARGUMENT naming the field past them). The
 # request id comes back in every streamed message, so its cap also bounds what a stream repeats.
-MAX_ID_BYTES = 256  # request_id, model
+MAX_ID_BYTES = 256  # client_request_id, request_id, model
 MAX_TEXT_BYTES = DEFAULT_MAX_BODY_BYTES  # text, and all chat contents together: the HTTP body limit
 MAX_CHAT_MESSAGES = 4096  # chat.messages
 MAX_ROLE_BYTES = 32  # chat.messages[].role
 MAX_STOP_TOKEN_IDS = 1024  # sampling.stop_token_ids
 MAX_LOGIT_BIAS_ENTRIES = 1024  # sampling.logit_bias, as vLLM's default
 
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
-                  "preempted": pb.FINISH_REASON_PREEMPTED, "error": pb.FINISH_REASON_ERROR}
+FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                  FinishReason.ABORT: pb.FINISH_REASON_ABORT, FinishReason.PREEMPTED: pb.FINISH_REASON_PREEMPTED,
+                  FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 
 
 def _parse(message_type, raw: bytes):
@@ -53,6 +55,7 @@ def _cap(name: str, size: int, limit: int, unit: str = "bytes") -> None:
 
 def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
     """INVALID_ARGUMENT naming the first field over its cap; token_ids is capped by the context."""
+    _cap("client_request_id", len(request.client_request_id.encode()), MAX_ID_BYTES)
     _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
     _cap("model", len(request.model.encode()), MAX_ID_BYTES)
     _cap("text", len(request.text.encode()), MAX_TEXT_BYTES)
@@ -81,7 +84,8 @@ def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
 
 
 def _args(request: pb.GenerateRequest) -> GenerateArgs:
-    args = GenerateArgs(model=request.model or None, client_id=request.request_id or None, endpoint="grpc")
+    args = GenerateArgs(model=request.model or None, client_request_id=request.client_request_id or None,
+                        request_id=request.request_id or None, endpoint="grpc")
     which = request.WhichOneof("prompt")
     if which == "text":
         args.prompt_text = request.text
@@ -138,7 +142,7 @@ class ShinkaiApi:
         except ApiError as err:
             await self._abort_with(context, err)
             return
-        rid = generation.client_id
+        ids = {"request_id": generation.request_id, "client_request_id": generation.client_request_id}
         try:
             async for piece in generation:
                 d = piece.delta
@@ -151,14 +155,14 @@ class ShinkaiApi:
                     for top in d.top_logprobs or []:
                         chunk.top_logprobs.add(entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v))
                                                    for i, v in top])
-                    yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+                    yield pb.GenerateResponse(**ids, chunk=chunk)
                 if d.finish_reason is not None:
                     final = pb.Final(finish_reason=FINISH_REASONS[d.finish_reason], text=piece.text,
                                      usage=pb.Usage(prompt_tokens=generation.num_prompt_tokens,
                                                     completion_tokens=d.num_output_tokens))
                     if d.stop_token_id is not None:
                         final.stop_token_id = d.stop_token_id
-                    yield pb.GenerateResponse(request_id=rid, final=final)
+                    yield pb.GenerateResponse(**ids, final=final)
         finally:
             generation.close()  # a no-op after the final; aborts a cancelled stream
 
@@ -166,11 +170,11 @@ class ShinkaiApi:
         try:
             owner = self.keys.check(grpc_authorization(context))
             request = _parse(pb.AbortRequest, raw)
-            _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
+            _cap("client_request_id", len(request.client_request_id.encode()), MAX_ID_BYTES)
         except ApiError as err:
             await self._abort_with(context, err)
             raise AssertionError("unreachable")
-        return pb.AbortResponse(found=await self.frontend.abort(request.request_id, owner))
+        return pb.AbortResponse(found=await self.frontend.abort(request.client_request_id, owner))
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -185,11 +189,11 @@ class ShinkaiApi:
     async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Loads:
         await self._authorize(context)
         loads = pb.Loads()
-        for s in await self.frontend.loads():
-            loads.engines.add(engine_id=s["engine_id"], num_running=s["num_running"], num_waiting=s["num_waiting"],
-                              num_queued=s["num_queued"], num_free_blocks=s["free_blocks"],
-                              num_total_blocks=s["total_blocks"], num_free_state_slots=s["free_state_slots"],
-                              num_total_state_slots=s["total_state_slots"])
+        for replica, s in (await self.frontend.loads()).items():
+            loads.engines.add(replica=replica, num_running=s.num_running, num_waiting=s.num_waiting,
+                              num_queued=s.num_queued, num_free_blocks=s.free_blocks,
+                              num_total_blocks=s.total_blocks, num_free_state_slots=s.free_state_slots,
+                              num_total_state_slots=s.total_state_slots, decode_step=s.decode_step)
         return loads
 
     def handler(self) -> grpc.GenericRpcHandler:

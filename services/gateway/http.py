@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -51,7 +50,7 @@ class _Formatter:
         self.request = request
         self.generation = generation
         self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}"  # as vLLM: the request's id inside
         self.object = "chat.completion" if chat else "text_completion"
         self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
 

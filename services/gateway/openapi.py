@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.frontend import ModelInfo
+from services.engine.model_info import ModelInfo
 from services.gateway.openai_protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

@@ -25,7 +25,8 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.api_server import ApiServer
     from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
-    from services.gateway.frontend import Frontend, ModelInfo
+    from services.engine.model_info import ModelInfo
+    from services.gateway.frontend import Frontend
     from observability.metrics import EngineLoadsCollector, RequestMetrics
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
@@ -35,7 +36,7 @@ async def run(args: argparse.Namespace) -> int:
         name, _, address = spec.rpartition("=")
         engines.append(RemoteEngine(name or f"engine-{i}", address))
     metrics = RequestMetrics()
-    router = EngineRouter(engines, on_route=lambda engine_id: metrics.routed.labels(engine=engine_id).inc())
+    router = EngineRouter(engines, on_route=lambda replica: metrics.routed.labels(engine=replica).inc())
     if args.nats_url:
         await router.subscribe(args.nats_url)
     remote_info = await engines[0].model_info()

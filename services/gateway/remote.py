@@ -15,15 +15,18 @@ import grpc
 
 from observability import tracing
 from services.engine.sampling_params import SamplingParams
+from services.engine.finish_reason import FinishReason
 from services.engine.service import Delta, QueueFull, ShuttingDown
+from services.engine.stats import EngineStats
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from services.proto.shinkai.v1 import shinkai_pb2_grpc
 from services.proto.tokenizer.v1 import tokenizer_pb2 as tpb
 from services.proto.tokenizer.v1 import tokenizer_pb2_grpc
 from services.tokenizer.chat import ChatError
 
-REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
-           pb.FINISH_REASON_PREEMPTED: "preempted", pb.FINISH_REASON_ERROR: "error"}
+REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+           pb.FINISH_REASON_ABORT: FinishReason.ABORT, pb.FINISH_REASON_PREEMPTED: FinishReason.PREEMPTED,
+           pb.FINISH_REASON_ERROR: FinishReason.ERROR}
 
 
 def _raise_for(err: grpc.aio.AioRpcError) -> None:
@@ -66,7 +69,7 @@ class RemoteStream:
     def __aiter__(self) -> RemoteStream:
         return self
 
-    def _final(self, reason: str) -> Delta:
+    def _final(self, reason: FinishReason) -> Delta:
         self._done = True
         return Delta([], [], None, self._num_output_tokens, finish_reason=reason)
 
@@ -74,21 +77,22 @@ class RemoteStream:
         if self._done:
             raise StopAsyncIteration
         if self._cancelled:
-            return self._final("abort")
+            return self._final(FinishReason.ABORT)
         if self._first is not None:
             response, self._first = self._first, None
         else:
             try:
                 response = await self.call.read()
             except grpc.aio.AioRpcError as err:  # the engine went away mid-stream
-                return self._final("error" if err.code() != grpc.StatusCode.CANCELLED else "abort")
+                return self._final(FinishReason.ERROR if err.code() != grpc.StatusCode.CANCELLED
+                                   else FinishReason.ABORT)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not self._cancelled or (task is not None and task.cancelling()):
                     raise  # our reader was cancelled, not just the call
-                return self._final("abort")  # grpc.aio raises this for a call cancelled locally
+                return self._final(FinishReason.ABORT)  # grpc.aio raises this for a call cancelled locally
             if response is grpc.aio.EOF:
-                return self._final("abort" if self._cancelled else "error")
+                return self._final(FinishReason.ABORT if self._cancelled else FinishReason.ERROR)
         if response.WhichOneof("kind") == "final":
             self._done = True
             f = response.final
@@ -107,33 +111,36 @@ class RemoteStream:
 
 
 class RemoteEngine:
-    def __init__(self, engine_id: str, address: str) -> None:
-        self.engine_id = engine_id
+    def __init__(self, replica: str, address: str) -> None:
+        self.replica = replica  # the engine instance's name
         self.address = address
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
 
-    async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> RemoteStream:
-        request = pb.GenerateRequest(request_id=client_id, token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
-                                     sampling=_sampling(params))
+    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams) -> RemoteStream:
+        request = pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id,
+                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params))
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
             first = await call.read()  # an error status arrives here, before anything streams
         except grpc.aio.AioRpcError as err:
             _raise_for(err)
         if first is grpc.aio.EOF:
-            raise ShuttingDown(f"engine {self.engine_id} ended the stream without an answer")
+            raise ShuttingDown(f"engine {self.replica} ended the stream without an answer")
         return RemoteStream(call, first)
 
-    async def abort(self, client_id: str) -> bool:
-        return (await self.stub.Abort(pb.AbortRequest(request_id=client_id), timeout=10)).found
+    async def abort(self, client_request_id: str) -> bool:
+        return (await self.stub.Abort(pb.AbortRequest(client_request_id=client_request_id), timeout=10)).found
 
-    async def loads(self) -> list[dict[str, Any]]:
+    async def loads(self) -> dict[str, EngineStats]:
         loads = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10)
-        return [{"engine_id": e.engine_id, "num_running": e.num_running, "num_waiting": e.num_waiting,
-                 "num_queued": e.num_queued, "free_blocks": e.num_free_blocks, "total_blocks": e.num_total_blocks,
-                 "free_state_slots": e.num_free_state_slots, "total_state_slots": e.num_total_state_slots}
-                for e in loads.engines]
+        return {e.replica: EngineStats(free_blocks=e.num_free_blocks, total_blocks=e.num_total_blocks,
+                                       free_state_slots=e.num_free_state_slots,
+                                       total_state_slots=e.num_total_state_slots, num_waiting=e.num_waiting,
+                                       num_running=e.num_running, decode_step=e.decode_step,
+                                       num_queued=e.num_queued)
+                for e in loads.engines}
 
     async def model_info(self) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, wait_for_ready=True)

@@ -4,7 +4,7 @@ An engine's score is its last reported load (running + waiting + queued) plus th
 sent it since that report; the lowest score wins, ties go round robin. Engines that announced "draining" or
 "down" on the lifecycle subject get no new requests until they announce "up". Without NATS (or before the
 first report) the score is this gateway's own count of live requests per engine. Abort is broadcast: the
-gateway does not need to remember where a client id went.
+gateway does not need to remember where a client request id went.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import itertools
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from services import nats_auth, subjects
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, ShuttingDown
+from services.engine.stats import EngineStats
 from services.gateway.remote import RemoteEngine, RemoteStream
 
 log = logging.getLogger("shinkai.gateway.router")
@@ -35,7 +36,7 @@ class _EngineState:
     accepting: bool = True  # False after a "draining", "unhealthy" or "down" lifecycle event
     healthy: bool = True  # its grpc.health.v1 answered SERVING at the latest poll (`EngineHealth`)
     num_routed: int = 0  # requests routed to it, ever
-    report: dict[str, Any] | None = None  # its latest load report (EngineService.stats and more); None: none yet
+    report: EngineStats | None = None  # the counts of its latest load report; None: none yet
 
     @property
     def score(self) -> int:
@@ -77,9 +78,9 @@ class _CountedStream:
 
 
 class EngineRouter:
-    def __init__(self, engines: Sequence[RemoteEngine], on_route: Callable[[str], None] = lambda engine_id: None) -> None:
-        self.states = {e.engine_id: _EngineState(e) for e in engines}
-        self.on_route = on_route  # called with the engine id of every routed request (a metric)
+    def __init__(self, engines: Sequence[RemoteEngine], on_route: Callable[[str], None] = lambda replica: None) -> None:
+        self.states = {e.replica: _EngineState(e) for e in engines}
+        self.on_route = on_route  # called with the replica of every routed request (a metric)
         self._turn = itertools.count()
         self._nc: Any = None  # nats.aio.client.Client, when subscribed
         self.num_reports = 0
@@ -99,9 +100,10 @@ class EngineRouter:
 
     async def _on_load(self, msg: Any) -> None:
         try:
-            report = json.loads(msg.data)
-            state = self.states.get(report["engine_id"])
-            load = int(report["num_running"]) + int(report["num_waiting"]) + int(report["num_queued"])
+            message = json.loads(msg.data)
+            state = self.states.get(message["replica"])
+            report = EngineStats(**{f.name: int(message[f.name]) for f in fields(EngineStats)})
+            load = report.num_running + report.num_waiting + report.num_queued
         except (ValueError, KeyError, TypeError) as err:
             log.warning("dropped a malformed load report: %s", err)
             return
@@ -114,7 +116,7 @@ class EngineRouter:
     async def _on_lifecycle(self, msg: Any) -> None:
         try:
             event = json.loads(msg.data)
-            state = self.states.get(event["engine_id"])
+            state = self.states.get(event["replica"])
         except (ValueError, KeyError, TypeError):
             return
         if state is not None:
@@ -128,13 +130,14 @@ class EngineRouter:
         order = {id(s): (i - turn) % len(candidates) for i, s in enumerate(candidates)}
         return min(candidates, key=lambda s: (s.score, s.live, order[id(s)]))
 
-    async def submit(self, client_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> _CountedStream:
+    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams) -> _CountedStream:
         state = self.pick()
-        stream = await state.engine.submit(client_id, prompt_token_ids, params)
+        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params)
         state.sent_since_report += 1
         state.live += 1
         state.num_routed += 1
-        self.on_route(state.engine.engine_id)
+        self.on_route(state.engine.replica)
         counted = _CountedStream(stream, state, self.streams)
         self.streams.add(counted)
         return counted
@@ -146,14 +149,14 @@ class EngineRouter:
             stream.abort()
         return len(live)
 
-    async def abort(self, client_id: str) -> bool:
-        found = await asyncio.gather(*(s.engine.abort(client_id) for s in self.states.values()),
+    async def abort(self, client_request_id: str) -> bool:
+        found = await asyncio.gather(*(s.engine.abort(client_request_id) for s in self.states.values()),
                                      return_exceptions=True)
         return any(f is True for f in found)
 
-    async def loads(self) -> list[dict[str, Any]]:
+    async def loads(self) -> dict[str, EngineStats]:
         results = await asyncio.gather(*(s.engine.loads() for s in self.states.values()), return_exceptions=True)
-        return [load for r in results if isinstance(r, list) for load in r]
+        return {replica: stats for r in results if isinstance(r, dict) for replica, stats in r.items()}
 
     async def close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:

@@ -2,8 +2,9 @@
 
 Only the conversation keys of an OpenAI chat body reach the recipe (sampling fields are validated by the
 gateway, once, for both endpoints). The recipe accepts only DeepSeek's API model names, so the body is
-rendered as ``RECIPE_MODEL``; the served name was checked before. Image parts are refused: they need the
-vision tower, which comes in a later issue.
+rendered as ``RECIPE_MODEL``; the served name was checked before. ``render`` refuses image parts (the
+served path does not take images yet); ``render_images`` returns the image URLs in placeholder order, each
+image one ``IMAGE_PLACEHOLDER`` token in the ids, for the caller to expand to its span (LLM.chat).
 """
 
 from __future__ import annotations
@@ -23,13 +24,25 @@ class ChatError(ValueError):
     """The messages cannot be rendered; the text says why (a 400 / INVALID_ARGUMENT)."""
 
 
+IMAGE_PLACEHOLDER = "<｜image｜>"  # the recipe's one token per image in a rendered prompt (id 129279)
+
+
 class ChatRenderer:
     def __init__(self, tokenizer_path: Path) -> None:
         self._encoding = deepseek_recipe.DeepseekV41Encoding()
-        self._encoder = self._encoding.with_tokenizer(deepseek_recipe.Tokenizer.from_file(str(tokenizer_path)))
+        tokenizer = deepseek_recipe.Tokenizer.from_file(str(tokenizer_path))
+        self._encoder = self._encoding.with_tokenizer(tokenizer)
 
     def render(self, body: dict[str, Any]) -> tuple[list[int], str]:
         """Token ids and prompt text of an OpenAI chat body's conversation."""
+        ids, prompt, images = self.render_images(body)
+        if images:
+            raise ChatError("messages: image input is not served yet (the vision tower runs offline, in LLM.chat)")
+        return ids, prompt
+
+    def render_images(self, body: dict[str, Any]) -> tuple[list[int], str, list[str]]:
+        """Token ids, prompt text and the image URLs (data or external; the recipe refuses other forms,
+        ``file:`` among them) of an OpenAI chat body's conversation, images in placeholder order."""
         request_body = {k: body[k] for k in CONVERSATION_KEYS if k in body}
         request_body["model"] = RECIPE_MODEL
         try:
@@ -38,6 +51,5 @@ class ChatRenderer:
             rendered = self._encoding.render_conversation(conversation)
         except (deepseek_recipe.ConversionError, ValueError, TypeError) as err:
             raise ChatError(f"messages: {err}") from err
-        if rendered.image_sources:
-            raise ChatError("messages: image input needs the vision tower, which this server does not have yet")
-        return list(self._encoder.encode(conversation)), rendered.prompt
+        images = [source.data_url if source.kind == "data_url" else source.url for source in rendered.image_sources]
+        return list(self._encoder.encode(conversation)), rendered.prompt, images

@@ -25,7 +25,8 @@ class WorkerConfig:
     max_model_len: int
     # None = the torch model; "fp8" or "fp32" = the Triton kernel backend (services/worker/kernel_backend.py).
     kernel_backend: str | None = None
-    # Every per-row result independent of the step's other rows (model/batch_invariant.py; torch path only).
+    # Every per-row result independent of the step's other rows (model/batch_invariant.py on the CPU torch
+    # path, kernels/invariance.py on the kernel backend).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

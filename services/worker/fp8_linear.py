@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import invariance
 from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 
@@ -39,11 +40,13 @@ PRECISIONS = ("fp8", "fp32")
 
 
 def linear_block_m(num_tokens: int) -> int:
-    """Tokens per MMA tile of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
+    """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
     weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
     summed over v41's projections (H200, ``scripts/diagnostics/tune_linear.py``; docs/performance.md has the
     table). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
     BLOCK_M 64 spills at 4 warps."""
+    if invariance.active():
+        return invariance.BLOCK_M
     return 16 if num_tokens <= 256 else 32
 
 
@@ -57,8 +60,8 @@ class KernelSet:
     moe_router: ModuleType
     moe_grouped_gemm: ModuleType
     decode_attention: ModuleType
-    # The step's other kernels (services/worker/kernel_step.py, kernel_sampler.py). None: that part stays
-    # torch (the FP8 test's torch-reference set); ``compiled()`` and the interpreted sets have them all.
+    # The step's other kernels (services/worker/attention_backend_triton.py, kernel_sampler.py). None: that
+    # part stays torch (the FP8 test's torch-reference set); ``compiled()`` and the interpreted sets have them all.
     compressor: ModuleType | None = None
     indexer: ModuleType | None = None
     prefill_attention: ModuleType | None = None
@@ -77,7 +80,7 @@ class KernelSet:
     def references() -> KernelSet:
         """The kernels' torch references (kernels/reference.py) in this shape, on any device: the FP8
         path's formats and wiring without a Triton kernel, i.e. its format noise floor. Compressor,
-        indexer and mHC are left out: KernelStep then compresses and selects with CachedStep's torch
+        indexer and mHC are left out: TritonAttention then compresses and selects with TorchAttention
         (the model's functions). ``interpreted`` (fp32 dot options) is moot for the references."""
         from kernels import reference
 
@@ -202,9 +205,10 @@ class KernelLinear(nn.Module):
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-        if (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS
+        if (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
                 and gemm.worth_splitting(self.w.shape[1], x.device)):
-            # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py).
+            # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py);
+            # not in the batch-invariant mode, where the batch must not choose the kernel.
             y = gemm.fp8_linear_splitk(a, self.w, self.w_scale, out_dtype=out_dtype)  # [T, N']
         else:
             y = gemm.moe_grouped_gemm(a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,

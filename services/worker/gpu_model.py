@@ -41,6 +41,10 @@ class Fp8RowwiseEmbedding(nn.Module):
         return values.view(*rows.shape, values.shape[-1])
 
 
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
+"""The name prefixes of the vision tower's parts, read after the layers and the draft."""
+
+
 def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str) -> None:
     """Fill the parameters under ``prefix`` from released tensors (dequantised, as ``assign_weights``)."""
     params = dict(model.named_parameters())
@@ -81,7 +85,8 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
                        num_compressed: int | None = None, kernels=None, convert: bool = True,
                        on_part: Callable[[str, object], None] | None = None) -> DeepseekV41:
     """The kernel-backed model built part by part: ``fetch(prefix)`` gives the released tensors whose names
-    start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …, then "mtp." for a draft), already on ``device``
+    start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …, then "mtp." for a draft, then
+    ``VISION_PREFIXES`` when the config has a vision tower), already on ``device``
     (drawn from a seed, or read from a checkpoint: services/worker/weight_loader.py). ``on_part(prefix,
     conversion)`` is called after each part is placed, with the layer's ``Conversion`` (how many FP8 weight
     elements were not exact at 128×128) or None. The fetched tensors are dropped before the next part."""
@@ -129,4 +134,10 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
         _assign(model, fetch("mtp."), cfg, "mtp.")
         if on_part is not None:
             on_part("mtp.", None)
+    if model.encoder is not None:  # the vision tower stays torch (the multimodal service runs it)
+        model.encoder.to_empty(device=device)
+        for prefix in VISION_PREFIXES:
+            _assign(model, fetch(prefix), cfg, prefix)
+            if on_part is not None:
+                on_part(prefix, None)
     return model.eval()

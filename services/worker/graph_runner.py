@@ -23,7 +23,7 @@ import torch
 from kernels.device import upload
 from scheduler_rs import StepPlan
 from services.worker.config import WorkerConfig
-from services.worker.decode_step import StaticDecodeStep
+from services.worker.static_decode_step import StaticDecodeStep
 from services.worker.model_runner import ModelRunner
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
@@ -71,7 +71,7 @@ class GraphRunner:
         self.runner.release(request_id)
 
     def _fp32_dots(self) -> bool | None:
-        """The eager kernel backend's choice (``KernelStep.fp32_dots``), so graph and eager steps agree."""
+        """The eager kernel backend's choice (``TritonAttention.fp32_dots``), so graph and eager steps agree."""
         precision = getattr(self.runner, "precision", None)
         return None if getattr(self.runner, "kernels", None) is None else precision == "fp32"
 
@@ -89,6 +89,10 @@ class GraphRunner:
                 self._capture(size)
 
     def _capture(self, size: int) -> None:
+        with self.runner.invariant():  # the launch choices a capture records are the mode's
+            self._capture_in_mode(size)
+
+    def _capture_in_mode(self, size: int) -> None:
         step = self.step(size)
         # Placeholder rows only: the warm-up (which really runs) writes nothing but block 0 / slot 0.
         step.prepare_placeholders()
@@ -127,7 +131,8 @@ class GraphRunner:
             logits, counts = self._outputs[size]
             self.num_replays += 1
         else:
-            logits, counts = step.run()
+            with self.runner.invariant():
+                logits, counts = step.run()
         n = plan.num_rows
         rows = torch.arange(n) if all_rows else torch.tensor(plan.sample_rows.tolist(), dtype=torch.long)
         # Indexing copies, so the next replay cannot overwrite what is returned; nothing is read back

@@ -1,6 +1,6 @@
 """The worker's GPU kernel backend: the model's modules swapped for kernel-backed ones (composition);
-its step is ``KernelStep`` (services/worker/kernel_step.py), its sampler ``KernelSampler``
-(services/worker/kernel_sampler.py).
+its attention backend is ``TritonAttention`` (services/worker/attention_backend_triton.py), its sampler
+``KernelSampler`` (services/worker/kernel_sampler.py).
 
 ``convert_model(model, precision)`` replaces, in place:
 
@@ -14,6 +14,9 @@ its step is ``KernelStep`` (services/worker/kernel_step.py), its sampler ``Kerne
   has ``mhc``: per layer ``Block.run`` makes three mHC launches, the attention site's Mix + collapse
   (``mhc_mix``), the attention expand fused with the FFN site's Mix + collapse (``mhc_expand_mix``),
   and the FFN expand.
+
+The indexer's ``weights_proj`` and each ``Engram`` → ``RowTiledLinear`` / ``RowTiledEngram``
+(services/worker/row_tiled.py): the same torch maths, on fixed row tiles in the batch-invariant mode.
 
 With ``precision="fp8"``, the output head → ``KernelHead`` (services/worker/kernel_head.py: its bf16
 weight read as bf16, fp32 logits) when its weight is exact in bf16, as the checkpoint's is.
@@ -32,16 +35,17 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.attention import Attention
+from model.deepseek_v41.engram import Engram
+from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.mhc import HyperConnection, Mix
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
 from services.worker.kernel_head import KernelHead, exact_in_bf16
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
-from services.worker.kernel_step import KernelStep
+from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 
-__all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "KernelStep", "check_device",
-           "convert_model"]
+__all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "check_device", "convert_model"]
 
 BACKENDS = ("torch", "kernels")
 FP8_PROJECTIONS = {"Attention": ("wq_a", "wq_b", "wkv", "wo_b"), "Indexer": ("wq_b",), "Engram": ("wkv",)}
@@ -100,6 +104,10 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
                 new = KernelHead(child.weight)
             elif isinstance(child, nn.Linear) and name in FP8_PROJECTIONS.get(type(parent).__name__, ()):
                 new, done.linears = KernelLinear(child.weight, precision, kernels), done.linears + 1
+            elif isinstance(parent, Indexer) and name == "weights_proj" and isinstance(child, nn.Linear):
+                new = RowTiledLinear(child)
+            elif isinstance(child, Engram) and not isinstance(parent, RowTiledEngram):
+                new = RowTiledEngram(child)
             if new is not None:
                 done.inexact += getattr(new, "inexact", 0)
                 setattr(parent, name, new)

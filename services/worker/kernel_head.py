@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import invariance
+
 
 def exact_in_bf16(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 or torch.equal(weight.to(torch.bfloat16).float(), weight.float())
@@ -32,9 +34,13 @@ class KernelHead(nn.Module):
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())  # [vocab, D]
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:  # [..., D] → fp32 [..., vocab]
-        if y.device.type != "cuda":
-            return F.linear(y.float(), self.weight.float())
         y2 = y.reshape(-1, y.shape[-1])  # [G, D]
+        out = invariance.by_rows(self._logits, y2)  # fixed-row GEMM calls in the batch-invariant mode
+        return out.view(*y.shape[:-1], out.shape[-1])
+
+    def _logits(self, y2: torch.Tensor) -> torch.Tensor:  # [G, D] → fp32 [G, vocab]
+        if y2.device.type != "cuda":
+            return F.linear(y2.float(), self.weight.float())
         if y2.dtype == torch.bfloat16:
             out = torch.mm(y2, self.weight.t(), out_dtype=torch.float32)
         else:
@@ -43,7 +49,7 @@ class KernelHead(nn.Module):
             lo = (x - hi.float()).to(torch.bfloat16)
             both = torch.mm(torch.cat([hi, lo]), self.weight.t(), out_dtype=torch.float32)  # [2G, vocab]
             out = both[: x.shape[0]] + both[x.shape[0]:]
-        return out.view(*y.shape[:-1], out.shape[-1])
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bf16 weight, fp32 logits"
@@ -53,4 +59,6 @@ def head_logits(head: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """fp32 logits of y [..., D]: the kernel head's, or the model's fp32 product for an nn.Linear."""
     if isinstance(head, KernelHead):
         return head(y)
-    return F.linear(y.float(), head.weight.float())
+    y2 = y.reshape(-1, y.shape[-1])
+    out = invariance.by_rows(lambda rows: F.linear(rows.float(), head.weight.float()), y2)
+    return out.view(*y.shape[:-1], out.shape[-1])

@@ -3,10 +3,11 @@
 ``KernelMoE`` routes with ``kernels.moe_router`` and runs the routed experts and the shared expert in
 one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``): the shared expert is stacked
 as expert E and every token picks it with weight 1, which is exactly the model's sum
-``routed + shared`` (the model applies no weight to the shared expert). Only the routed picks are
+``shared + routed`` (the model applies no weight to the shared expert); the combine adds the shared
+expert first, then the routed picks in top-k order, in fp32, as the model does. Only the routed picks are
 added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
 
-``live`` (a row mask, for the static decode step's placeholder rows: services/worker/decode_step.py)
+``live`` (a row mask, for the static decode step's placeholder rows: services/worker/static_decode_step.py)
 routes the other rows nowhere: their choices go to sink experts past the stacked ones, which the
 layout then drops, so they take no slot, activate no expert, count towards nothing and come out
 as zeros. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from kernels.fp8_weights import stack_gate_up
+from kernels import reference
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
@@ -113,7 +115,7 @@ class KernelMoE(nn.Module):
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
-                                                            self.w2_scale, self.limit)[:, : self.hidden]
+                                                            self.w2_scale, self.limit, shared_last=True)[:, : self.hidden]
         else:
             out = self._experts_fp32(x2, meta)
         if rows is not None:
@@ -150,8 +152,7 @@ class KernelMoE(nn.Module):
         gate_up = torch.bmm(a, self.w13.transpose(1, 2))  # [E+1, cap, 2I]
         h = clamped_swiglu(gate_up[..., : self.intermediate], gate_up[..., self.intermediate :], self.limit)
         y = torch.bmm(h * meta["route_w"].unsqueeze(-1), self.w2.transpose(1, 2))  # [E+1, cap, D]
-        slot_of = meta["slot_of"]
-        return y.view(-1, y.shape[-1])[slot_of.reshape(-1)].view(*slot_of.shape, -1).sum(1)
+        return reference.moe_combine(y, meta["slot_of"], shared_last=True)
 
     def extra_repr(self) -> str:
         padded = f" (padded to {round_up(self.intermediate)}/{round_up(self.hidden)})" if self.precision == "fp8" else ""

@@ -2,7 +2,7 @@
 
 One model call per step holds every row of every request (prefill chunks and decode rows alike,
 concatenated as [1, R, ...] with per-row positions and request indices). Each layer runs the
-model's own ``Block.run`` (Engram, mHC, norms, MoE) around ``CachedStep.attend``; only the sampled
+model's own ``Block.run`` (Engram, mHC, norms, MoE) around ``AttentionStep.attend``; only the sampled
 rows go through the final collapse, norm and head. Nothing recomputes a prefix: a step computes
 exactly Σ seqlen_q rows.
 
@@ -11,23 +11,32 @@ nothing here and counts nothing: one CPU rank has no collective to join. The fak
 nowhere arrives with expert parallelism.
 
 ``backend="kernels"`` (or ``EngineConfig.kernel_backend``) converts the model in place to its
-kernel-backed form (services/worker/kernel_backend.py) and wraps each step in a ``KernelStep``;
+kernel-backed form (services/worker/kernel_backend.py) and runs each step's attention on the
+``TritonAttention`` backend (the ``TorchAttention`` one otherwise: services/worker/attention_step.py);
 ``precision`` is "fp8" (the default) or "fp32". It needs a CUDA device unless ``kernels`` are
 interpreted copies (CPU tests).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from kernels import invariance
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine, ring_size
-from services.worker.cached_step import CachedStep, Rounding
+from services.worker.attention_backend import AttentionBackend, Rounding, StepRounding
+from services.worker.attention_backend_torch import TorchAttention
+from services.worker.attention_backend_triton import TritonAttention
+from services.worker.attention_step import AttentionStep
 from services.worker.config import WorkerConfig
-from services.worker.kernel_backend import BACKENDS, KernelSet, KernelStep, check_device, convert_model
+from services.worker.engram_rows import engram_rows
+from services.worker.image_inputs import ImageInputs
+from services.worker.kernel_backend import BACKENDS, KernelSet, check_device, convert_model
 from services.worker.kernel_head import head_logits
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slots
@@ -54,22 +63,42 @@ class ModelRunner:
         self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
                                  config.num_state_slots, ring_size(self.cfg, nextn), device)
         self.rounding = rounding
-        if config.batch_invariant and (self.backend != "torch" or device.type != "cpu"):
-            raise ValueError("batch_invariant is built for the CPU's torch path only so far (docs/batch-invariance.md): "
-                             f"this runner is the {self.backend} backend on {device}; run it with --device cpu")
+        if config.batch_invariant and self.backend == "torch" and device.type != "cpu":
+            raise ValueError("batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "
+                             f"this runner is the torch backend on {device}; pass kernel_backend 'fp8' or 'fp32'")
         self.batch_invariant = config.batch_invariant
+        # Image embeddings per request (services/worker/image_inputs.py); None: a text-only model.
+        self.images = ImageInputs(self.cfg.vision.image_token_id) if self.cfg.vision is not None else None
+
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
+        """The embeddings [P, D] of the P image placeholders of a request's prompt, before it is scheduled."""
+        if self.images is None:
+            raise ValueError("this model has no vision tower: it takes no image embeddings")
+        if self.kernels is not None:  # KernelMoE routes without the image mask (bias_vl) so far
+            raise ValueError("the kernel backend does not take images yet; run image requests on the torch backend")
+        self.images.put(request_id, prompt_token_ids, rows)
 
     def release(self, request_id: str) -> None:
-        """Nothing to drop: every per-request byte lives in the pools, which the scheduler owns.
-        A reused slot is never read before it is written (reads are bounded by positions)."""
+        """Drops the request's image embeddings. Every other per-request byte lives in the pools, which
+        the scheduler owns; a reused slot is never read before it is written (reads are bounded by positions)."""
+        if self.images is not None:
+            self.images.release(request_id)
 
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
                 ) -> RunnerOutput:
         """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
         with ``all_rows``, for tests), expert counts [layers, experts], rows computed. A plan with
         pending inputs (async scheduling) needs ``pending``, the previous step's sampled tokens."""
-        with torch.no_grad(), batch_invariant(self.batch_invariant):
+        with torch.no_grad(), self.invariant():
             return self._execute(plan, all_rows, pending)
+
+    def invariant(self) -> contextlib.AbstractContextManager[None]:
+        """The batch-invariant mode's context for this runner's steps (nothing when it is off): the CPU
+        torch maths (model/batch_invariant.py) on the torch backend, fixed launch configurations
+        (kernels/invariance.py) on the kernel backend."""
+        if not self.batch_invariant:
+            return contextlib.nullcontext()
+        return batch_invariant() if self.kernels is None else invariance.fixed_configs()
 
     def _execute(self, plan: StepPlan, all_rows: bool, pending: PendingInputs | None) -> RunnerOutput:
         cfg, model = self.cfg, self.model
@@ -85,20 +114,29 @@ class ModelRunner:
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
             batch.fill_pending(plan, pending)
-        step: CachedStep | KernelStep = CachedStep(self.cache, batch, self.rounding)
-        if self.kernels is not None:
-            step = KernelStep(step, self.kernels, self.precision)
-        engram_rows = step.engram_rows(model.hasher) if model.hasher is not None else None
+        rounding = StepRounding(self.rounding, batch.request_ids)
+        backend: AttentionBackend = TorchAttention(self.cache, batch, rounding) if self.kernels is None else \
+            TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)
+        step = AttentionStep(backend, batch.positions, batch.row_requests, rounding)
+        engram = engram_rows(self.cache, batch, model.hasher) if model.hasher is not None else None
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
-        h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
+        image_mask = image_rows = None
+        if self.images is not None:
+            image_mask, image_rows = self.images.step_rows(batch.request_ids, batch.input_ids, batch.positions,
+                                                           batch.row_requests)
+        # The embedding step: image rows take their embeddings (image: [1, R] bool, or None without any).
+        e, image = model.embed_inputs(ids, None if image_rows is None else image_rows.to(device),
+                                      None if image_rows is None else image_mask.to(device).unsqueeze(0))
+        h = e.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
         taps: list[torch.Tensor] = []
         tapped = set(cfg.dspark_target_layer_ids) if self.with_taps else set()
+        live = None if image is None else ~image  # image tokens are dead for Engram's gate
         for block in model.layers:
             def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
-            h, pre = block.run(h, pre, attend, engram_rows, None, counts[block.layer],
+            h, pre = block.run(h, pre, attend, engram, live, counts[block.layer], image=image,
                                taps=taps if block.layer in tapped else None)
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse

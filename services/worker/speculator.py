@@ -84,14 +84,14 @@ class Speculator:
         chosen = [0] * len(rows)  # the token every sampled row reports (emitted or not)
         num_tokens, token_ids, errors, anchors = [], [], [], []
         start = 0
-        for i, rid in enumerate(request_ids):
+        for i, request_id in enumerate(request_ids):
             n = num_sample_rows[i]
             mine = plan_rows[i]
             if mine and positions[mine[0]] == 0:  # a prompt from its start (again, after a recompute)
-                self.release(rid)
-            if rid not in self.contexts:
-                self.contexts[rid] = DraftContext.empty(self.model.draft, 1, taps.device)
-            context = self.contexts[rid]
+                self.release(request_id)
+            if request_id not in self.contexts:
+                self.contexts[request_id] = DraftContext.empty(self.model.draft, 1, taps.device)
+            context = self.contexts[request_id]
             if n == 0:  # a prompt chunk that is not the last: its features only
                 self._append(context, taps[mine], positions[mine[0]])
                 num_tokens.append(0)
@@ -102,19 +102,19 @@ class Speculator:
                 errors.append(i)
                 num_tokens.append(0)
                 continue
-            emitted = self._verify(rid, rows[span], processed.probs[span], processed.logprobs[span])
+            emitted = self._verify(request_id, rows[span], processed.probs[span], processed.logprobs[span])
             chosen[span.start : span.start + len(emitted)] = emitted
             accepted_rows = mine[: len(emitted)] if n > 1 else mine  # decode: rows 0 … a; prefill: the chunk
             self._append(context, taps[accepted_rows], positions[accepted_rows[0]])
             num_tokens.append(len(emitted))
             token_ids.extend(emitted)
-            anchors.append((i, rid, emitted[-1], rows[span.stop - 1]))
+            anchors.append((i, request_id, emitted[-1], rows[span.stop - 1]))
         num_drafts = [0] * len(request_ids)
         draft_ids: list[int] = []
         for i, drafts in self._propose(anchors, sampler):
             num_drafts[i] = len(drafts)
-        for i, rid in enumerate(request_ids):
-            draft_ids.extend(self.drafts.get(rid, [])[: num_drafts[i]])
+        for i, request_id in enumerate(request_ids):
+            draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
         forced = [dataclasses.replace(row, forced_token_id=t) for row, t in zip(rows, chosen)]
         sampled = sampler(logits, forced)  # logprobs and top-n of each row's token, under its processed distribution
         return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors)
@@ -125,17 +125,17 @@ class Speculator:
                                f"target's rows start at {first_position}")
         context.append(self.model.draft, taps.unsqueeze(0))
 
-    def _verify(self, rid: str, rows: Sequence[SamplingRow], probs: torch.Tensor, logprobs: torch.Tensor
+    def _verify(self, request_id: str, rows: Sequence[SamplingRow], probs: torch.Tensor, logprobs: torch.Tensor
                 ) -> list[int]:
         """One request's emitted tokens: its accepted drafts, then the target's token."""
-        drafts = self.drafts.pop(rid, [])[: len(rows) - 1]
+        drafts = self.drafts.pop(request_id, [])[: len(rows) - 1]
         k = len(rows) - 1
         device = probs.device
         padded = torch.tensor(drafts + [0] * (k - len(drafts)), dtype=torch.int64, device=device).view(1, k)
         greedy = torch.tensor([rows[0].temperature == 0], device=device)
         seeds, first = [rows[0].seed], [rows[0].position]
         if self.spec_sampling == "rejection":
-            q = self.draft_probs.pop(rid, None)
+            q = self.draft_probs.pop(request_id, None)
             q = torch.zeros(k, probs.shape[-1], device=device) if q is None else q[:k]
             v = verify_rejection(probs.unsqueeze(0), q.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
         else:
@@ -150,7 +150,7 @@ class Speculator:
         if not anchors:
             return []
         draft, model = self.model.draft, self.model
-        contexts = [self.contexts[rid] for _, rid, _, _ in anchors]
+        contexts = [self.contexts[request_id] for _, request_id, _, _ in anchors]
         batch = DraftContext([torch.cat([c.kv[k] for c in contexts]) for k in range(len(draft.stages))],
                              torch.cat([c.positions for c in contexts]), torch.cat([c.next_position for c in contexts]))
         device = batch.positions.device
@@ -171,10 +171,11 @@ class Speculator:
 
         drafts, _ = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
         out = []
-        for b, (i, rid, _, _) in enumerate(anchors):
-            self.drafts[rid] = drafts[b, 0, : self.nextn].tolist()
+        for b, (i, request_id, _, _) in enumerate(anchors):
+            self.drafts[request_id] = drafts[b, 0, : self.nextn].tolist()
             if self.rewrite_drafts is not None:
-                self.drafts[rid] = list(self.rewrite_drafts(rid, starts[b], self.drafts[rid]))[: self.nextn]
-            self.draft_probs[rid] = torch.stack([p[b] for p in probs[: self.nextn]])
-            out.append((i, self.drafts[rid]))
+                rewritten = self.rewrite_drafts(request_id, starts[b], self.drafts[request_id])
+                self.drafts[request_id] = list(rewritten)[: self.nextn]
+            self.draft_probs[request_id] = torch.stack([p[b] for p in probs[: self.nextn]])
+            out.append((i, self.drafts[request_id]))
         return out

@@ -115,7 +115,7 @@ def pending_rows(plan: StepPlan, pending: PendingInputs) -> tuple[torch.Tensor, 
     reqs = np.flatnonzero(np.frombuffer(plan.inputs_pending, np.int32))
     if reqs.size == 0:
         return None
-    where = {rid: k for k, rid in enumerate(pending.request_ids)}
+    where = {request_id: k for k, request_id in enumerate(pending.request_ids)}
     ids = list(plan.request_ids)
     missing = [ids[i] for i in reqs if ids[i] not in where]
     if missing:

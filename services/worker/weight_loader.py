@@ -55,7 +55,7 @@ class LoadReport:
     seconds: float  # wall time from the header checks to the last converted layer
     peak_host_bytes: int  # the process's peak resident set size (ru_maxrss) at the end
     peak_device_bytes: int | None  # torch.cuda.max_memory_allocated at the end; None off CUDA
-    num_parts: int  # embed, norm, head, the layers and the draft
+    num_parts: int  # embed, norm, head, the layers, the draft and the vision tower's parts
     num_inexact: int  # FP8 weight elements not exact in e4m3 at 128×128 scales (rounded; kernels/fp8_weights.py)
 
     @property
@@ -164,7 +164,7 @@ def load_kernel_model(path: str | Path, device: torch.device | str, precision: s
                       convert: bool = True):
     """(model, tokenizer, report): the checkpoint directory ``path`` loaded into the kernel backend's
     form on ``device`` (``convert=False``: placed but not converted, for tests)."""
-    from services.worker.gpu_model import build_kernel_model
+    from services.worker.gpu_model import VISION_PREFIXES, build_kernel_model
 
     path = Path(path)
     device = torch.device(device)
@@ -178,7 +178,8 @@ def load_kernel_model(path: str | Path, device: torch.device | str, precision: s
     reader = CheckpointReader(path, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    num_parts = 3 + cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)  # + the draft, "mtp."
+    num_parts = (3 + cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)  # + the draft, "mtp."
+                 + (len(VISION_PREFIXES) if cfg.vision is not None else 0))
     inexact = [0]
 
     def placed(prefix: str, conversion) -> None:

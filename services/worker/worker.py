@@ -115,6 +115,14 @@ class Worker:
         return WorkerOutput(read_back, sampled, out.expert_counts, out.num_rows_computed, request_ids,
                             last_tokens(sampled, num_sample_rows))
 
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
+        """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/image_inputs.py),
+        given before the request is first scheduled; ValueError when the runner takes no images."""
+        set_images = getattr(self.runner, "set_images", None)
+        if set_images is None:
+            raise ValueError(f"{type(self.runner).__name__} takes no image embeddings")
+        set_images(request_id, prompt_token_ids, rows)
+
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
         if self.speculator is not None:

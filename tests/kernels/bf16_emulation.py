@@ -184,7 +184,7 @@ def kernel_table() -> list[dict]:
 
 def with_attention(kernels, dot_fp32: bool, prefill=None, decode=None):
     """``kernels`` with its prefill and decode attention (or the modules given) called with ``dot_fp32``
-    whatever KernelStep passes (it passes True for interpreted sets, which could not run bf16 dots)."""
+    whatever TritonAttention passes (it passes True for interpreted sets, which could not run bf16 dots)."""
     # A set already wrapped here keeps its modules in ``module``: unwrap, so the last force wins.
     prefill = prefill or getattr(kernels.prefill_attention, "module", kernels.prefill_attention)
     decode = decode or getattr(kernels.decode_attention, "module", kernels.decode_attention)
@@ -210,7 +210,7 @@ def emulated_kernels():
 
 def every_step_kernel():
     """``emulated_kernels`` plus the other kernels wired with prefill attention, interpreted: compressor
-    (fp32 dots for fp32 models, as compiled), indexer on its f16-dot path (the GPU's: KernelStep passes
+    (fp32 dots for fp32 models, as compiled), indexer on its f16-dot path (the GPU's: TritonAttention passes
     dot_fp32 only for interpreted sets; its PTX dequantisation needs 4-byte aligned keys, and the tiny
     models' 17-byte index keys take the byte path on the GPU too) and mHC. GEMMs, norms, router: torch."""
     from tests.kernels.interpret import load_interpreted

@@ -1,4 +1,4 @@
-"""Fused compressor kernel vs ``CachedStep._compress`` (the engine's own path): the pool bytes it writes
+"""Fused compressor kernel vs ``TorchAttention.write_groups`` (the engine's own path): the pool bytes it writes
 (compressed-KV entries, index keys) and the fp32 partial rows, interpreted on CPU at the tiny shapes
 for ratio 2 (layer 2) and ratio 1 (layer 5), over steps whose ratio-2 groups straddle the steps; and
 compiled on a GPU at the Flash shapes (head_dim 512, index_head_dim 128, rope 64), fp32 and bf16.
@@ -25,7 +25,8 @@ from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, INDEXER_BLOCK, quantiz
 from model.deepseek_v41.quant_boundary import fp4_boundary_distance
 from model.deepseek_v41.rope import rope_frequencies
 from services.worker.cache_engine import CacheEngine, ring_size
-from services.worker.cached_step import CachedStep
+from services.worker.attention_backend import StepRounding
+from services.worker.attention_backend_torch import TorchAttention
 from services.worker.step_batch import StepBatch
 from tests.kernels.interpret import interpreter, load_interpreted
 
@@ -117,7 +118,7 @@ def run_both(cfg, layer, steps, x_scale: float = 1.0, seed: int = 0, device: str
             return values
 
         with torch.no_grad():
-            CachedStep(ref_cache, batch, rounding=capture)._compress(attn, x)
+            TorchAttention(ref_cache, batch, StepRounding(capture, batch.request_ids)).write_groups(attn, x)
             if interpreted:
                 with interpreter():
                     module.compress_layer(ours_cache, batch, attn, x)
@@ -154,13 +155,13 @@ RATIO2_STEPS = [
 ]
 
 
-def test_interpreted_ratio2_matches_cached_step():
+def test_interpreted_ratio2_matches_torch_attention():
     ref, ours, counted = run_both(TINY, 2, RATIO2_STEPS)
     _check(ref, ours, counted)
     assert counted["kv"][1] > 1000 and counted["keys"][1] > 500  # the steps made entries
 
 
-def test_interpreted_ratio1_matches_cached_step():
+def test_interpreted_ratio1_matches_torch_attention():
     ref, ours, counted = run_both(TINY, 5, [[(0, 3), (0, 1), (0, 20)], [(3, 1), (1, 4), (20, 1)]], seed=1)
     _check(ref, ours, counted)
 
@@ -180,7 +181,7 @@ def test_interpreted_large_values_and_straddle_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [2, 1])
-def test_gpu_flash_shapes_match_cached_step(ratio, dtype):
+def test_gpu_flash_shapes_match_torch_attention(ratio, dtype):
     from services.bench.kernels_compressor import flash_source_config
 
     cfg, layer = flash_source_config(ratio), 2  # Flash shapes, one source (3 layers of rings per slot)
@@ -200,7 +201,7 @@ def test_gpu_flash_shapes_match_cached_step(ratio, dtype):
 @pytest.mark.parametrize("ratio", [2, 1])
 def test_bench_problem_on_cpu(ratio, one_torch_thread):
     """The benchmark's Flash-shaped decode problem (fp32 here: the interpreter truncates bf16) gives the
-    same bytes through the interpreted kernel as through ``CachedStep._compress``."""
+    same bytes through the interpreted kernel as through ``TorchAttention.write_groups``."""
     from services.bench.kernels_compressor import compressor_problem, run_kernel, run_torch
 
     p = compressor_problem(3, ratio, torch.Generator().manual_seed(ratio), device="cpu", dtype=torch.float32)
@@ -215,9 +216,9 @@ def test_bench_problem_on_cpu(ratio, one_torch_thread):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ratio", [2, 1])
-def test_gpu_graph_replay_matches_cached_step(ratio):
+def test_gpu_graph_replay_matches_torch_attention(ratio):
     """The benchmark's decode problem (E = 300, bf16), the kernel captured in a CUDA graph and replayed:
-    the same bytes as ``CachedStep._compress`` up to bin-edge flips (≤ 1 per 10^4 bytes)."""
+    the same bytes as ``TorchAttention.write_groups`` up to bin-edge flips (≤ 1 per 10^4 bytes)."""
     from services.bench.kernels_compressor import compressor_problem, run_kernel, run_torch
 
     p = compressor_problem(300, ratio, torch.Generator("cuda").manual_seed(ratio))

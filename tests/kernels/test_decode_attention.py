@@ -1,5 +1,5 @@
 """Sparse decode attention vs ``kernels.reference.sparse_decode_attention``: the reference against the
-engine's cached attention (``CachedStep.attend``) on the tiny model, the kernel interpreted on CPU at
+engine's cached attention (``AttentionStep.attend`` on the torch backend) on the tiny model, the kernel interpreted on CPU at
 small shapes, and compiled on a GPU at the Flash shapes (64 heads × 512, ring 134, top-k 512)."""
 
 from __future__ import annotations
@@ -67,12 +67,13 @@ def _fill_cache(cache: CacheEngine, cfg, layer: int, source: int, num_rows: int,
 # ---------------------------------------------------------------- the reference is the engine's attention
 
 
-def test_reference_equals_cached_step_attention():
-    """The reference on the packed cache bytes equals ``CachedStep.attend`` (tiny, ratio-2 layer 3, which
+def test_reference_equals_torch_attention():
+    """The reference on the packed cache bytes equals ``AttentionStep.attend`` on the torch backend (tiny, ratio-2 layer 3, which
     reuses source 2's entries and layer 2's selection), compared before the output projection."""
     from model.deepseek_v41.attention import Attention
     from model.deepseek_v41.rope import apply_rope, rope_angles
-    from services.worker.cached_step import CachedStep, StepSparse
+    from services.worker.attention_backend_torch import StepSparse, TorchAttention
+    from services.worker.attention_step import AttentionStep
     from services.worker.step_batch import StepBatch
 
     torch.manual_seed(0)
@@ -93,18 +94,19 @@ def test_reference_equals_cached_step_attention():
         query_start=torch.arange(num_rows + 1), first=pos.clone(), seqlens_k=pos + 1, state_slots=prob["slots"],
         block_tables=prob["tables"], sample_rows=torch.arange(num_rows), entry_writes={},
     )
-    step = CachedStep(cache, batch)
+    backend = TorchAttention(cache, batch)
+    step = AttentionStep(backend, batch.positions, batch.row_requests)
     width = int(((pos + 1) // cfg.ratio(layer)).max())
     kv, keys = cache.read_entries(source, prob["tables"], width)
-    step.sparse = StepSparse(cfg.ratio(layer), kv, keys, prob["selected_entries"].unsqueeze(1))
+    backend.sparse = StepSparse(cfg.ratio(layer), kv, keys, prob["selected_entries"].unsqueeze(1))
     captured = {}
-    project = attn._project_out
+    project = attn.project_out
 
     def capture(out, angles):
         captured["out"] = apply_rope(out, angles, inverse=True)[:, 0]
         return project(out, angles)
 
-    attn._project_out = capture
+    attn.project_out = capture
     x = torch.randn(num_rows, cfg.hidden_size, generator=gen)
     with torch.no_grad():
         step.attend(attn, x)

@@ -1,5 +1,5 @@
 """Sparse prefill attention vs ``kernels.reference.sparse_prefill_attention``: the reference against the
-engine's cached attention (``CachedStep.attend``) for prefill chunks on the tiny model, the kernel
+engine's cached attention (``AttentionStep.attend`` on the torch backend) for prefill chunks on the tiny model, the kernel
 interpreted on CPU at small shapes, and compiled on a GPU at the Flash shapes (1K and 4K-row chunks)."""
 
 from __future__ import annotations
@@ -76,12 +76,13 @@ def _args(cfg, prob, q, step_k, selected=None):
 
 
 @pytest.mark.parametrize("layer", [3, 0])  # ratio 2 (source 2's entries and selection), ratio 0 (window only)
-def test_reference_equals_cached_step_attention(layer):
+def test_reference_equals_torch_attention(layer):
     """The reference, given the ring before the step and the step's K rows as FP8 bytes, equals
-    ``CachedStep.attend`` on a step of prefill chunks, compared before the output projection."""
+    ``AttentionStep.attend`` on the torch backend on a step of prefill chunks, compared before the output projection."""
     from model.deepseek_v41.attention import Attention
     from model.deepseek_v41.rope import apply_rope, rope_angles
-    from services.worker.cached_step import CachedStep, StepSparse
+    from services.worker.attention_backend_torch import StepSparse, TorchAttention
+    from services.worker.attention_step import AttentionStep
     from services.worker.step_batch import StepBatch
 
     torch.manual_seed(0)
@@ -100,19 +101,20 @@ def test_reference_equals_cached_step_attention(layer):
         seqlens_k=prob["first"] + counts, state_slots=prob["slots"], block_tables=prob["tables"],
         sample_rows=torch.arange(pos.numel()), entry_writes={},
     )
-    step = CachedStep(cache, batch)
+    backend = TorchAttention(cache, batch)
+    step = AttentionStep(backend, batch.positions, batch.row_requests)
     if attn.ratio:
         width = int((batch.seqlens_k // attn.ratio).max())
         kv, keys = cache.read_entries(source, prob["tables"], width)
-        step.sparse = StepSparse(attn.ratio, kv, keys, prob["selected_entries"].unsqueeze(1))
+        backend.sparse = StepSparse(attn.ratio, kv, keys, prob["selected_entries"].unsqueeze(1))
     captured = {}
-    project = attn._project_out
+    project = attn.project_out
 
     def capture(out, angles):
         captured["out"] = apply_rope(out, angles, inverse=True)[:, 0]
         return project(out, angles)
 
-    attn._project_out = capture
+    attn.project_out = capture
     x = torch.randn(pos.numel(), cfg.hidden_size, generator=gen)
     with torch.no_grad():
         step.attend(attn, x)

@@ -12,7 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import observability.metrics as names
 from observability.metrics import EngineMetrics
 from services.client import ShinkaiClient
+from services.engine.finish_reason import FinishReason
 from services.engine.observer import EngineObserver, RequestTimes
+from services.engine.stats import EngineStats
 
 NUM_REQUESTS = 3
 MAX_TOKENS = 4
@@ -69,10 +71,10 @@ def test_counts_match_the_requests_sent(served):
     model = {"model_name": "tiny"}
     assert _get(after, names.VLLM_RUNNING, **model) == _get(after, names.ENGINE_STAT_PREFIX + "num_running") == 0
     assert _get(after, names.VLLM_WAITING, **model) == 0
-    assert _get(after, names.ENGINE_STAT_PREFIX + "total_blocks") == stats["total_blocks"] > 0
+    assert _get(after, names.ENGINE_STAT_PREFIX + "total_blocks") == stats.total_blocks > 0
     assert _get(after, names.KV_USAGE, pool="blocks") == _get(after, names.VLLM_KV_USAGE, **model) == 0.0
     info = [labels for (name, labels) in after if name == names.VLLM_CACHE_CONFIG]
-    assert len(info) == 1 and dict(info[0])["num_gpu_blocks"] == str(stats["total_blocks"])
+    assert len(info) == 1 and dict(info[0])["num_gpu_blocks"] == str(stats.total_blocks)
     assert _get(after, names.VLLM_CACHE_CONFIG, **dict(info[0])) == 1.0
 
 
@@ -84,7 +86,7 @@ def test_the_vllm_names_are_the_ones_llm_d_reads():
 def test_kv_usage_moves_while_a_request_runs(served):
     _wait_idle(served)
     with ShinkaiClient(served.grpc_target, timeout=60) as c:
-        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, request_id="obs-abort")
+        stream = c.generate_stream("Hello", max_tokens=1000, ignore_eos=True, client_request_id="obs-abort")
         assert next(stream).finish_reason is None
         time.sleep(0.1)
         during = _samples(served.http_url)
@@ -102,12 +104,12 @@ def test_kv_usage_moves_while_a_request_runs(served):
 @pytest.mark.parametrize("scheduled, first_token, phase", [(0, 0, "waiting"), (1, 0, "prefill"), (1, 1, "decode")])
 def test_aborts_are_counted_once_by_phase(scheduled, first_token, phase):
     registry = prom.CollectorRegistry()
-    stats = {"num_running": 0, "num_waiting": 0, "free_blocks": 9, "total_blocks": 10, "free_state_slots": 3,
-             "total_state_slots": 4}
+    stats = EngineStats(free_blocks=9, total_blocks=10, free_state_slots=3, total_state_slots=4, num_waiting=0,
+                        num_running=0, decode_step=0)
     observer = EngineObserver(EngineMetrics(registry, lambda: stats, "m", {"block_size": 128}))
     t = RequestTimes(submitted=1, scheduled=scheduled, first_token=first_token)
-    observer.finished(t, "abort", 0)
-    observer.finished(RequestTimes(submitted=1), "preempted", 0)
+    observer.finished(t, FinishReason.ABORT, 0)
+    observer.finished(RequestTimes(submitted=1), FinishReason.PREEMPTED, 0)
     got = {p: registry.get_sample_value(names.ABORTS + "_total", {"phase": p}) or 0.0
            for p in ("waiting", "prefill", "decode")}
     assert got == {p: 1.0 if p == phase else 0.0 for p in got}
@@ -120,10 +122,10 @@ def test_aborts_are_counted_once_by_phase(scheduled, first_token, phase):
 def test_engine_loads_collector_sums_engines_under_vllm_names():
     from observability.metrics import EngineLoadsCollector
 
-    reports = [{"num_running": 2, "num_waiting": 1, "num_queued": 1, "free_blocks": 30, "total_blocks": 40,
-                "free_state_slots": 3, "total_state_slots": 4},
-               {"num_running": 3, "num_waiting": 0, "num_queued": 0, "free_blocks": 40, "total_blocks": 40,
-                "free_state_slots": 1, "total_state_slots": 4}]
+    reports = [EngineStats(num_running=2, num_waiting=1, num_queued=1, free_blocks=30, total_blocks=40,
+                           free_state_slots=3, total_state_slots=4, decode_step=0),
+               EngineStats(num_running=3, num_waiting=0, num_queued=0, free_blocks=40, total_blocks=40,
+                           free_state_slots=1, total_state_slots=4, decode_step=0)]
     registry = prom.CollectorRegistry()
     registry.register(EngineLoadsCollector(lambda: reports, "tiny"))
     value = lambda name: registry.get_sample_value(name, {"model_name": "tiny"})  # noqa: E731

@@ -10,7 +10,7 @@ from .fake_worker import run_step
 EOS = 1
 
 
-def step(scheduler, token_at=lambda rid, pos: 100 + pos, **kwargs):
+def step(scheduler, token_at=lambda request_id, pos: 100 + pos, **kwargs):
     plan = scheduler.schedule()
     outputs = scheduler.update(plan, run_step(plan, token_at, **kwargs))
     scheduler.check_invariants()
@@ -21,10 +21,10 @@ def test_kitchen_step_table():
     # Pass 0: A = 6 tokens, B = 5, C = 4, an 8-token prefill budget; A generates "and", "slept",
     # ".", then the end token.
     scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8))
-    for rid, n in (("A", 6), ("B", 5), ("C", 4)):
-        scheduler.add_request(rid, list(range(10, 10 + n)), max_tokens=16, eos_token_id=EOS)
+    for request_id, n in (("A", 6), ("B", 5), ("C", 4)):
+        scheduler.add_request(request_id, list(range(10, 10 + n)), max_tokens=16, eos_token_id=EOS)
     a_output = {6: 50, 7: 51, 8: 52, 9: EOS}  # position -> token: "and", "slept", ".", end
-    token_at = lambda rid, pos: a_output[pos] if rid == "A" else 60 + pos
+    token_at = lambda request_id, pos: a_output[pos] if request_id == "A" else 60 + pos
     table = []
     for _ in range(6):
         plan, outputs = step(scheduler, token_at)
@@ -46,7 +46,7 @@ def test_kitchen_a_finishes_with_stop_and_frees_everything():
     scheduler.add_request("A", list(range(10, 16)), max_tokens=16, eos_token_id=EOS)
     finals = []
     for pos_token in (50, 51, 52, EOS):
-        _, outputs = step(scheduler, lambda rid, pos, t=pos_token: t)
+        _, outputs = step(scheduler, lambda request_id, pos, t=pos_token: t)
         finals += [o for o in outputs if o.finished]
     assert [(o.request_id, o.finish_reason, o.stop_token_id, o.num_output_tokens) for o in finals] == [
         ("A", FinishReason.STOP, EOS, 4)
@@ -59,8 +59,8 @@ def test_prompt_engine_fills_the_step_like_normal_when_the_budget_is_spent():
     config = scheduler_config(engine_type=EngineType.PROMPT, block_size=4, num_blocks=64, num_state_slots=8,
                              max_num_batched_tokens=8)
     scheduler = Scheduler(config)
-    for rid, n in (("A", 6), ("B", 5), ("C", 4)):
-        scheduler.add_request(rid, list(range(10, 10 + n)), max_tokens=4)
+    for request_id, n in (("A", 6), ("B", 5), ("C", 4)):
+        scheduler.add_request(request_id, list(range(10, 10 + n)), max_tokens=4)
     kinds = [step(scheduler)[0] for _ in range(3)]
     assert [(p.kind, p.request_ids) for p in kinds] == [
         ("prefill", ["A", "B"]), ("prefill", ["B", "C"]), ("prefill", [])
@@ -138,15 +138,15 @@ def _grow(target_outputs: dict[str, int]) -> Scheduler:
     longest = max(target_outputs, key=target_outputs.get)
     a_total = target_outputs[longest]
     # A request added when the longest has k outputs ends with k - 1 + its own count offset.
-    start_at = {rid: a_total - n + 1 for rid, n in target_outputs.items() if rid != longest}
+    start_at = {request_id: a_total - n + 1 for request_id, n in target_outputs.items() if request_id != longest}
     scheduler.add_request(longest, [3], max_tokens=10_000, ignore_eos=True)
     while True:
         state = scheduler.request(longest)
         produced = len(state.token_ids) - 1 if state else 0
-        for rid, k in list(start_at.items()):
+        for request_id, k in list(start_at.items()):
             if produced == k:
-                scheduler.add_request(rid, [3], max_tokens=10_000, ignore_eos=True)
-                del start_at[rid]
+                scheduler.add_request(request_id, [3], max_tokens=10_000, ignore_eos=True)
+                del start_at[request_id]
         if produced == a_total:
             break
         plan, _ = step(scheduler)
@@ -157,13 +157,13 @@ def _grow(target_outputs: dict[str, int]) -> Scheduler:
 def test_preemption_takes_the_longest_output_when_a_row_needs_a_block():
     # Pass 3: outputs A 3,000, B 1,200, C 400, D 50 and no free block.
     scheduler = _grow({"A": 3000, "B": 1200, "C": 400, "D": 50})
-    assert {rid: len(scheduler.request(rid).token_ids) - 1 for rid in "ABCD"} == {
+    assert {request_id: len(scheduler.request(request_id).token_ids) - 1 for request_id in "ABCD"} == {
         "A": 3000, "B": 1200, "C": 400, "D": 50}
     assert scheduler.stats().num_free_blocks == 0
     plan = scheduler.schedule()
     assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("A", FinishReason.PREEMPTED)]
     assert plan.request_ids == ["B", "C", "D"]
-    scheduler.update(plan, run_step(plan, lambda rid, pos: 9))
+    scheduler.update(plan, run_step(plan, lambda request_id, pos: 9))
     scheduler.check_invariants()
 
 
@@ -233,10 +233,24 @@ def test_one_rank_prefills_at_the_next_step():
     assert (plan.kind, plan.request_ids) == ("prefill", ["r2"])
 
 
-def test_unschedulable_head_blocks_the_queue():
+def test_an_unschedulable_head_is_skipped_and_keeps_its_place():
     scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
     scheduler.add_request("img", [3, 4], max_tokens=2, schedulable=False)
     scheduler.add_request("txt", [3, 4], max_tokens=2)
+    plan, _ = step(scheduler)
+    assert (plan.kind, plan.request_ids) == ("prefill", ["txt"]) and scheduler.stats().num_waiting == 1
+    plan, _ = step(scheduler)
+    assert (plan.kind, plan.request_ids) == ("decode", ["txt"])  # img still waits, holding nothing
+    assert scheduler.request("img").block_table == [] and scheduler.stats().num_waiting == 1
+    scheduler.set_schedulable("img")
+    plan, _ = step(scheduler)
+    assert (plan.kind, plan.request_ids) == ("prefill", ["img"])
+
+
+def test_only_unschedulable_requests_waiting_is_no_prefill():
+    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=16, num_state_slots=4))
+    scheduler.add_request("img", [3, 4], max_tokens=2, schedulable=False)
+    scheduler.add_request("img2", [3, 4, 5], max_tokens=2, schedulable=False)
     plan, _ = step(scheduler)
     assert plan.is_placeholder and scheduler.stats().num_waiting == 2
 
@@ -265,7 +279,7 @@ def test_speculative_bookkeeping_commits_accepted_drafts_and_returns_blocks():
     assert plan.positions.tolist() == list(range(7, 13))
     assert scheduler.request("R").num_inflight_tokens == 6
     assert len(scheduler.request("R").block_table) == 4  # positions up to 12
-    scheduler.update(plan, run_step(plan, lambda rid, pos: 40, num_accepted=lambda rid, d: 2, nextn=5))
+    scheduler.update(plan, run_step(plan, lambda request_id, pos: 40, num_accepted=lambda request_id, d: 2, nextn=5))
     scheduler.check_invariants()
     state = scheduler.request("R")
     assert (state.num_computed_tokens, len(state.token_ids), state.num_inflight_tokens) == (10, 11, 0)

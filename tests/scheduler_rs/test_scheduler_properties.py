@@ -40,22 +40,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prompt_len=st.integers(1, 14), max_tokens=st.integers(1, 24), schedulable=st.sampled_from([True, True, False]))
     def add(self, prompt_len, max_tokens, schedulable):
-        rid = f"r{self.next_id}"
+        request_id = f"r{self.next_id}"
         self.next_id += 1
         try:
-            self.scheduler.add_request(rid, [2 + i % 10 for i in range(prompt_len)], max_tokens=max_tokens,
+            self.scheduler.add_request(request_id, [2 + i % 10 for i in range(prompt_len)], max_tokens=max_tokens,
                                        eos_token_id=EOS, schedulable=schedulable)
         except ValueError as err:
             assert "blocks but the pool has" in str(err)
             return
-        self.added.append(rid)
+        self.added.append(request_id)
 
     @rule(data=st.data())
     def make_schedulable(self, data):
         if self.added:
-            rid = data.draw(st.sampled_from(self.added))
-            if self.scheduler.request(rid) is not None:
-                self.scheduler.set_schedulable(rid)
+            request_id = data.draw(st.sampled_from(self.added))
+            if self.scheduler.request(request_id) is not None:
+                self.scheduler.set_schedulable(request_id)
 
     @precondition(lambda self: len(self.inflight) < self.max_inflight)
     @rule()
@@ -97,8 +97,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         if self.added:
-            rid = data.draw(st.sampled_from(self.added))
-            final = self.scheduler.abort(rid)
+            request_id = data.draw(st.sampled_from(self.added))
+            final = self.scheduler.abort(request_id)
             if final is not None:
                 assert final.finish_reason.value == "abort"
                 self._record([final])
@@ -130,8 +130,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         # Drain: abort what is left, update what is in flight; nothing may be lost or leaked.
-        for rid in self.added:
-            final = self.scheduler.abort(rid)
+        for request_id in self.added:
+            final = self.scheduler.abort(request_id)
             if final is not None:
                 self._record([final])
         while self.inflight:

@@ -17,7 +17,7 @@ from services.stack import LocalPlacement, StackConfig, nats_server_binary, serv
 from tests.nats_server import wait_for
 
 pytestmark = pytest.mark.timeout(60)
-FORGED_DOWN = json.dumps({"engine_id": "engine-0", "state": "down"}).encode()
+FORGED_DOWN = json.dumps({"replica": "engine-0", "state": "down"}).encode()
 
 
 @pytest.fixture

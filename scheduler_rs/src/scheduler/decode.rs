@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use super::{Scheduled, Scheduler};
 use crate::config::PreemptionMode;
 use crate::request::{FinishReason, Request, Status};
-use crate::step::RequestOutput;
+use crate::step::RequestUpdate;
 
 impl Scheduler {
     /// Decode: running requests sorted by output length, longest first; rows are served from the
@@ -13,7 +13,7 @@ impl Scheduler {
     /// request at the FRONT is preempted: the one with the LONGEST output, which holds the most
     /// blocks. (DeepInfer's header comment says "shortest"; its code, like ours, takes the longest.)
     /// Unlike DeepInfer, a row that needs no new block never causes a preemption.
-    pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestOutput>) {
+    pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestUpdate>) {
         let block_size = self.config.block_size;
         let num_rows = 1 + self.config.nextn;
         let mut order = std::mem::take(&mut self.running);
@@ -63,7 +63,7 @@ impl Scheduler {
     }
 
     /// Preempts a running request; returns how many of its blocks come back only later.
-    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestOutput>, recomputed: &mut Vec<usize>) -> u32 {
+    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestUpdate>, recomputed: &mut Vec<usize>) -> u32 {
         let req = self.req(handle);
         match self.config.effective_preemption_mode(req.constrained) {
             PreemptionMode::Stop => {

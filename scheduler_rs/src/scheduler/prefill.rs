@@ -35,8 +35,12 @@ impl Scheduler {
         for i in 0..self.waiting.len() {
             let handle = self.waiting[i];
             let req = self.req(handle);
-            // An unready head blocks the queue behind it (DeepInfer's multimodal gate).
-            if !req.schedulable || num_seqs + 1 > self.config.max_num_seqs || budget == 0 {
+            // The multimodal gate: a request whose inputs (image embeddings) have not arrived is
+            // skipped, keeping its place, so it never holds up the ready requests behind it.
+            if !req.schedulable {
+                continue;
+            }
+            if num_seqs + 1 > self.config.max_num_seqs || budget == 0 {
                 break;
             }
             let remaining = req.num_uncomputed_prompt_tokens();

@@ -27,7 +27,7 @@ fn result_for(plan: &StepPlan) -> StepResult {
     result
 }
 
-fn step(s: &mut Scheduler) -> (StepPlan, Vec<RequestOutput>) {
+fn step(s: &mut Scheduler) -> (StepPlan, Vec<RequestUpdate>) {
     let plan = s.schedule(&mut SingleRank);
     let outputs = s.update(&plan, &result_for(&plan)).unwrap();
     s.check_invariants().unwrap();

@@ -5,14 +5,14 @@ use std::collections::HashSet;
 use super::Scheduler;
 use crate::errors::SchedulerError;
 use crate::request::{FinishReason, Request};
-use crate::step::{RequestOutput, StepKind, StepPlan, StepResult};
+use crate::step::{RequestUpdate, StepKind, StepPlan, StepResult};
 
 impl Scheduler {
     // ---- results --------------------------------------------------------------------------
 
     /// Applies a step's results: commits computed positions and accepted tokens, checks stop
     /// rules, returns the unneeded draft blocks, and releases what waited for this step.
-    pub fn update(&mut self, plan: &StepPlan, result: &StepResult) -> Result<Vec<RequestOutput>, SchedulerError> {
+    pub fn update(&mut self, plan: &StepPlan, result: &StepResult) -> Result<Vec<RequestUpdate>, SchedulerError> {
         if plan.step_id != self.num_steps_updated {
             return Err(SchedulerError::InvalidState(format!(
                 "steps must be updated in the order they were planned: expected step {}, got {}",
@@ -83,7 +83,7 @@ impl Scheduler {
                         self.trim_blocks(handle);
                     }
                     if !new_tokens.is_empty() {
-                        outputs.push(RequestOutput {
+                        outputs.push(RequestUpdate {
                             request_id,
                             token_ids: new_tokens,
                             finish_reason: None,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model.deepseek_v41.oracle_configs import CASES, OracleCase, finish
+from tests.model.deepseek_v41.oracle_configs import CASES, VISION_CASES, OracleCase, VisionCase, finish
 
 
 @dataclasses.dataclass
@@ -42,7 +42,25 @@ def case_ids(case: OracleCase) -> torch.Tensor:
     ids = torch.randint(3, case.cfg.vocab_size, (case.batch, case.seq_len), generator=g)
     ids[:, 5] = 4  # "The" then "THE": ids the Engram map merges, inside n-grams
     ids[:, 6] = 6
+    if isinstance(case, VisionCase):
+        ids[ids == case.cfg.vision.image_token_id] = 3  # placeholders only inside the image spans
+        for row, span in enumerate(image_span_kinds(case)):
+            ids[row, case.image_at : case.image_at + len(span)] = case.cfg.vision.image_token_id
     return ids
+
+
+def image_span_kinds(case: VisionCase) -> list[list[int]]:
+    """Per batch row, the kinds (start, image, newline, end) of its image span's positions."""
+    from model.deepseek_v41.vision import span_kinds, span_rows_cols
+
+    return [span_kinds(*span_rows_cols(grid, case.cfg.vision.downsample_ratio)) for grid in case.grids]
+
+
+def image_patches(case: VisionCase) -> torch.Tensor:
+    """Every row's image as normalised patches [Σ h·w, 3, p, p] in [-1, 1], rows in order."""
+    p = case.cfg.vision.patch_size
+    n = sum(h * w for h, w in case.grids)
+    return torch.rand(n, 3, p, p, generator=torch.Generator().manual_seed(case.seed)) * 2 - 1
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -62,7 +80,7 @@ def oracle_cases(tmp_path_factory) -> dict[str, Built]:
 
     class Lazy(dict):
         def __missing__(self, name: str) -> Built:
-            case = next(c for c in CASES if c.name == name)
+            case = next(c for c in CASES + VISION_CASES if c.name == name)
             cache[name] = built = build_case(case, root)
             return built
 

@@ -11,6 +11,8 @@ wide       C2 source at layer 1 and C1 source/candidate source at 3; 8 heads in 
            compressed ones; Engram on 0 and 5 with 4-grams × 3 heads; 3 of 6 experts; window 4
 nocand     no candidate source; two C2 sources (1, 3) each with a reuse layer; 16 indexer heads;
            top-k 3; window 16; Engram on one layer (2-grams only)
+vision-a   oracle's backbone with a 2-block tower (patch 14, downsample 3), one image per row
+vision-b   nocand's backbone with a 3-block tower (patch 8, downsample 2, 3 heads, rope 100)
 =========  ======================================================================================
 
 Every prompt is long enough that the window, top-k, pooling (odd lengths leave a trailing
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from model.deepseek_v41.config import ModelConfig, YarnScaling
 from model.deepseek_v41.engram import engram_primes
+from model.deepseek_v41.vision_config import VisionConfig
 
 
 @dataclass(frozen=True)
@@ -92,4 +95,26 @@ DRAFT_CASES = [
         WIDE, compress_ratios=WIDE.compress_ratios + (0,), num_nextn_predict_layers=2, dspark_target_layer_ids=(2, 6),
         dspark_block_size=4, dspark_markov_rank=32, dspark_n_routed_experts=6, dspark_num_experts_per_tok=2),
         seed=3, seq_len=45),
+]
+
+
+@dataclass(frozen=True)
+class VisionCase(OracleCase):
+    grids: tuple[tuple[int, int], ...] = ()  # one image per batch row: its ViT patch grid (h, w)
+    image_at: int = 0  # position of the image span's first placeholder in every row
+
+
+# Two towers: the released patch 14 and downsample 3 (grids leaving partial 3×3 cells), and patch 8 with
+# downsample 2, 3 heads of 16 and another rope base, on a different backbone. The placeholder id is an
+# ordinary word of the toy vocabulary, as 129264 is of the real one.
+VISION_A = dataclasses.replace(ORACLE, vision=VisionConfig(
+    num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48, max_image_tokens=64,
+    min_pixels=42 * 42, image_token_id=250))
+VISION_B = dataclasses.replace(NOCAND, vision=VisionConfig(
+    num_hidden_layers=3, hidden_size=48, num_attention_heads=3, intermediate_size=40, patch_size=8, rope_theta=100.0,
+    downsample_ratio=2, max_image_tokens=64, min_pixels=16 * 16, image_token_id=251))
+
+VISION_CASES = [
+    VisionCase("vision-a", VISION_A, seed=11, seq_len=41, grids=((5, 7), (7, 4)), image_at=9),
+    VisionCase("vision-b", VISION_B, seed=12, seq_len=43, grids=((5, 7), (4, 6)), image_at=6),
 ]

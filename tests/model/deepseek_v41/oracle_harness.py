@@ -317,13 +317,15 @@ def compare(ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recordin
     )
 
 
-def run_both(ours_model, nemo, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Comparison]:
-    """NeMo first (recorded), then ours replaying NeMo's near-boundary rounding decisions (traced flips)."""
+def run_both(ours_model, nemo, ids: torch.Tensor, ours_kwargs: dict | None = None, nemo_kwargs: dict | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, Comparison]:
+    """NeMo first (recorded), then ours replaying NeMo's near-boundary rounding decisions (traced flips).
+    The kwargs go to each model's forward (images: ours ``image_rows``, NeMo's ``pixel_values`` …)."""
     with torch.no_grad():
         with record_nemo() as rec_nemo:
-            nemo_logits = nemo(ids).logits.float()
+            nemo_logits = nemo(ids, **(nemo_kwargs or {})).logits.float()
         with record_ours(replay=rec_nemo) as rec_ours:
-            ours_logits = ours_model(ids).float()
+            ours_logits = ours_model(ids, **(ours_kwargs or {})).float()
     comparison = compare(ours_logits, nemo_logits, rec_ours, rec_nemo, ids.shape[1])
     comparison.replayed = sum(rec_ours.replayed)
     return ours_logits, nemo_logits, comparison

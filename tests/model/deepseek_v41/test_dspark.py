@@ -9,19 +9,22 @@ import pytest
 import torch
 
 from model.batch_invariant import batch_invariant
-from model.deepseek_v41.checkpoint import draft_specs, tensor_table, text_specs
+from model.deepseek_v41.checkpoint import draft_specs, tensor_table, text_specs, vision_specs
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.init import random_checkpoint
 from model.deepseek_v41.presets import TINY
 
-NO_DRAFT = dataclasses.replace(TINY, num_nextn_predict_layers=0)
+# The text backbone alone: no draft, no vision tower.
+NO_DRAFT = dataclasses.replace(TINY, num_nextn_predict_layers=0, vision=None)
 
 
 def test_draft_tensors_come_after_every_backbone_tensor_and_leave_its_draws_alone():
     table = list(tensor_table(TINY))
     text = [s.name for s in text_specs(TINY)]
-    assert table[: len(text)] == text and table == list(tensor_table(NO_DRAFT)) + [s.name for s in draft_specs(TINY)]
-    assert all(name.startswith("mtp.") for name in table[len(text):])
+    draft = [s.name for s in draft_specs(TINY)]
+    assert table[: len(text)] == text and table == list(tensor_table(NO_DRAFT)) + draft + [
+        s.name for s in vision_specs(TINY)]  # the vision tower after the draft
+    assert draft and all(name.startswith("mtp.") for name in table[len(text) : len(text) + len(draft)])
     old, new = random_checkpoint(NO_DRAFT, 5), random_checkpoint(TINY, 5)
     assert set(old) < set(new)
     for name, value in old.items():

@@ -3,7 +3,7 @@ import dataclasses
 import torch
 
 from model.deepseek_v41.config import ModelConfig
-from model.deepseek_v41.engram import EngramHasher, engram_multipliers, engram_primes
+from model.deepseek_v41.engram import DEAD, EngramHasher, engram_multipliers, engram_primes
 from model.deepseek_v41.presets import ENGRAM_S1_ROWS, TINY, V41_S1
 
 
@@ -27,7 +27,8 @@ def test_tiny_and_s1_tables_are_exactly_their_primes():
 
 
 def _hasher() -> EngramHasher:
-    cfg = dataclasses.replace(TINY, vocab_size=16, engram_compressed_vocab_size=8, num_nextn_predict_layers=0)
+    cfg = dataclasses.replace(TINY, vocab_size=16, engram_compressed_vocab_size=8, num_nextn_predict_layers=0,
+                              vision=None)
     token_map = torch.arange(16) % 8  # ids t and t+8 share a compressed id
     return EngramHasher(cfg, token_map, 8)
 
@@ -43,6 +44,22 @@ def test_history_pads_before_the_start_and_through_dead_tokens():
     hist = h.history(ids, live)
     assert hist[0, 3].tolist() == [6, pad, pad]  # the dead token and everything older are pad
     assert hist[0, 4].tolist() == [7, 6, pad]
+
+
+def test_the_image_placeholder_is_dead_and_a_carried_dead_slot_blocks_older_ones():
+    """With a vision tower the placeholder's compressed id is DEAD, so a cached engine's carried history
+    (slots p, p−1, …; a DEAD slot inside) hashes as the full forward's history does."""
+    cfg = dataclasses.replace(TINY, vocab_size=16, engram_compressed_vocab_size=8, num_nextn_predict_layers=0,
+                              vision=dataclasses.replace(TINY.vision, image_token_id=12))
+    h = EngramHasher(cfg, torch.arange(16) % 8, 8)
+    assert int(h.token_map[12]) == DEAD and int(h.token_map[4]) == 4
+    ids = torch.tensor([[3, 12, 12, 5, 6]])
+    full = h.history(ids)
+    assert full[0, 3].tolist() == [5, h.pad, h.pad] and full[0, 4].tolist() == [6, 5, h.pad]
+    carried = torch.tensor([[[5, DEAD, DEAD], [6, 5, DEAD], [DEAD, 3, 7]]])  # as a cached engine reads them
+    expected = torch.tensor([[[5, h.pad, h.pad], [6, 5, h.pad], [h.pad, h.pad, h.pad]]])
+    assert torch.equal(h.rows(carried), h.rows(expected))
+    assert torch.equal(h.rows(full), h.rows(full.clone()))
 
 
 def test_rows_depend_on_compressed_ids_and_stay_in_their_bucket():

@@ -26,4 +26,4 @@ def test_the_stubbed_engine_generates_and_returns_every_block():
     assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]
     assert all(o.token_ids == [7] * 5 for o in outputs)
     s = engine.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots

@@ -34,7 +34,7 @@ def test_profile_decode_on_cpu_runs_the_steps_and_returns_the_pools(llm):
     assert out["batch"] == 2 and out["wall_ms"] > 0 and out["busy_ms"] == 0 and out["kernels"] == []
     assert llm.engine.last_plan.num_rows == 2 and not llm.engine.has_unfinished()
     s = llm.engine.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
 
 
 def test_profile_prefill_on_cpu_times_the_one_prefill_step():
@@ -46,4 +46,4 @@ def test_profile_prefill_on_cpu_times_the_one_prefill_step():
                           vocab_size=llm.source.config.vocab_size)
     assert out["tokens"] == 40 and out["wall_ms"] > 0 and out["kernels"] == []
     s = llm.engine.stats()
-    assert s["free_blocks"] == s["total_blocks"] and not llm.engine.has_unfinished()
+    assert s.free_blocks == s.total_blocks and not llm.engine.has_unfinished()

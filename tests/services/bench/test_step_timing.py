@@ -14,7 +14,7 @@ def llm(one_torch_thread):
 
 def _pools_whole(engine) -> bool:
     s = engine.stats()
-    return s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    return s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
 
 
 def test_decode_steps_are_timed_at_the_asked_batch_and_the_pools_come_back(llm):

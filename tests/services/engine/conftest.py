@@ -16,3 +16,12 @@ def pools_checked_after_every_step(monkeypatch):
         return outputs
 
     monkeypatch.setattr(Engine, "step", checked)
+
+
+@pytest.fixture(scope="session")
+def chat_llm():
+    """The tiny model (it has a vision tower) in batch-invariant mode, for the image tests: greedy tokens
+    then equal the full forward's exactly."""
+    from services.engine import LLM
+
+    return LLM(model="tiny", block_size=16, max_num_batched_tokens=24, max_num_seqs=8, batch_invariant=True)

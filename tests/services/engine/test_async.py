@@ -36,22 +36,24 @@ def _use(llm, async_scheduling: bool) -> Engine:
 def _run(engine: Engine, requests, abort_after: dict[str, int]) -> dict[str, tuple]:
     """Runs the requests to the end, checking the scheduler after every step; aborts a request once it
     has ``abort_after[id]`` tokens. Returns id → (tokens, logprobs, top logprobs, finish reason)."""
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
         engine.scheduler.check_invariants()
-        for rid, n in abort_after.items():
-            if rid not in done and rid in engine.requests and len(engine.requests[rid].output.token_ids) >= n:
-                done[rid] = engine.abort(rid)
+        for request_id, n in abort_after.items():
+            live = engine.requests.get(request_id) if request_id not in done else None
+            if live is not None and len(live.output.token_ids) >= n:
+                done[request_id] = engine.abort(request_id)
                 engine.scheduler.check_invariants()
     s = engine.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
-    assert s["num_waiting"] == s["num_running"] == 0
-    return {rid: (out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason) for rid, out in done.items()}
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
+    assert s.num_waiting == s.num_running == 0
+    return {request_id: (out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason)
+            for request_id, out in done.items()}
 
 
 def _mixed(tag: str, sampling: dict, stop: int | None):
@@ -129,7 +131,7 @@ def test_async_plans_the_next_decode_step_before_updating_the_one_in_flight(llm)
     assert updated == sorted(updated)  # updates in plan order
     assert calls[:2] == [("schedule", calls[0][1], "prefill"), ("update", calls[0][1], "prefill")]  # drained
     s = engine.stats()
-    assert s["free_blocks"] == s["total_blocks"]
+    assert s.free_blocks == s.total_blocks
 
 
 def test_runner_still_refuses_pending_inputs_without_the_previous_tokens(llm):
@@ -147,15 +149,15 @@ def test_runner_still_refuses_pending_inputs_without_the_previous_tokens(llm):
     engine.abort("r1")
     assert not engine.has_unfinished()
     s = engine.stats()
-    assert s["free_blocks"] == s["total_blocks"]
+    assert s.free_blocks == s.total_blocks
 
 
 def test_pending_inputs_are_matched_by_request_id_not_batch_position(llm):
     from services.worker.step_batch import PendingInputs, StepBatch
 
     engine = llm.engine
-    for rid, n in (("x", 5), ("y", 9)):
-        engine.add_request(rid, _prompt(n, n), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    for request_id, n in (("x", 5), ("y", 9)):
+        engine.add_request(request_id, _prompt(n, n), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     first = engine.scheduler.schedule()
     engine.scheduler.update(first, engine.worker.execute(first, engine._sampling_rows(first)).result)
     n = engine.scheduler.schedule()
@@ -168,10 +170,10 @@ def test_pending_inputs_are_matched_by_request_id_not_batch_position(llm):
     assert batch.input_ids[batch.query_start[:-1]].tolist() == [token[r] for r in order]
     engine.scheduler.update(n, _all_fives(n))
     engine.scheduler.update(n1, _all_fives(n1))
-    for rid in ("x", "y"):
-        engine.abort(rid)
+    for request_id in ("x", "y"):
+        engine.abort(request_id)
     s = engine.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
 
 
 def test_a_step_is_read_back_only_after_the_next_is_queued(llm):

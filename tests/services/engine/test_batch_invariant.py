@@ -45,7 +45,7 @@ def test_a_batch_and_each_prompt_alone_forced_to_its_tokens_are_equal(llm):
         alone = llm.generate(prompt, forced)[0]
         assert _answer(alone) == _answer(together), f"prompt {k} differs alone"
     s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
 
 
 class _LogitsRecorder:
@@ -58,8 +58,8 @@ class _LogitsRecorder:
     def execute(self, plan, *args, **kwargs):
         out = self.runner.execute(plan, *args, **kwargs)
         row = 0
-        for rid, n in zip(plan.request_ids, plan.num_sample_rows.tolist()):
-            self.logits.setdefault(rid, []).extend(out.logits[row : row + n].clone())
+        for request_id, n in zip(plan.request_ids, plan.num_sample_rows.tolist()):
+            self.logits.setdefault(request_id, []).extend(out.logits[row : row + n].clone())
             row += n
         return out
 
@@ -119,3 +119,33 @@ def test_the_mode_holds_under_other_thread_counts_and_cpu_capabilities(threads, 
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["capability"] == capability.upper()
     assert result["alone_equal"] == [True] * 4 and result["prefix_equal"]
+
+
+# ---------------------------------------------------------------- CUDA: the kernel backend's form of the mode
+
+
+def cuda(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@cuda
+def test_gpu_batch_and_each_prompt_alone_are_equal_with_graphs_eager_and_async_off():
+    """The tiny model on the FP8 kernel backend: the walkthrough's test (a batch, then each prompt alone
+    forced to its tokens) with CUDA graphs and async scheduling on (the CUDA defaults), and the same
+    batch with graphs off (eager decode steps) and with async scheduling off: all ``==``."""
+    prompts = [_prompt(k, 5 + 7 * k) for k in range(NUM_PROMPTS)]
+    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k,
+                             ignore_eos=True) for k in range(NUM_PROMPTS)]
+    args = dict(model="tiny", device="cuda", block_size=16, max_num_batched_tokens=48, max_num_seqs=NUM_PROMPTS,
+                num_blocks=256, num_state_slots=NUM_PROMPTS + 1, max_model_len=256, batch_invariant=True)
+    llm = LLM(**args)
+    assert llm.config.kernel_backend == "fp8" and llm.config.cuda_graphs and llm.config.async_scheduling
+    batch = llm.generate(prompts, params)
+    for k, (prompt, together) in enumerate(zip(prompts, batch)):
+        forced = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=7 + k,
+                                ignore_eos=True, forced_token_ids=tuple(together.token_ids))
+        assert _answer(llm.generate(prompt, forced)[0]) == _answer(together), f"prompt {k} differs alone"
+    resolved = {f: getattr(llm.config, f) for f in llm.config.__dataclass_fields__}  # the CUDA defaults
+    for switch in ({"enforce_eager": True, "cuda_graphs": False}, {"async_scheduling": False}):
+        other = LLM(source=llm.source, **{**resolved, **switch}).generate(prompts, params)
+        assert [_answer(o) for o in other] == [_answer(o) for o in batch], f"{switch} differs"

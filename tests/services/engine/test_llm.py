@@ -19,8 +19,8 @@ def llm():
 
 def _pools_whole(llm):
     s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
-    assert s["num_waiting"] == s["num_running"] == 0
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
+    assert s.num_waiting == s.num_running == 0
     llm.engine.scheduler.check_invariants()
 
 
@@ -114,7 +114,8 @@ def test_abort_waiting_between_chunks_and_running(llm):
     while engine.scheduler.request("run") is not None and not engine.scheduler.request("run").token_ids[10:]:
         engine.step()
     finals["run"] = engine.abort("run")
-    assert {rid: o.finish_reason for rid, o in finals.items()} == {"long": "abort", "wait": "abort", "run": "abort"}
+    assert {request_id: o.finish_reason for request_id, o in finals.items()} == {
+        "long": "abort", "wait": "abort", "run": "abort"}
     assert engine.abort("run") is None
     _pools_whole(llm)
 

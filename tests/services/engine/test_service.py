@@ -27,7 +27,7 @@ def service(llm):
     yield svc
     svc.stop()
     stats = llm.engine.stats()
-    assert stats["free_blocks"] == stats["total_blocks"] and stats["free_state_slots"] == stats["total_state_slots"]
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
 
 
 async def collect(stream):
@@ -39,7 +39,8 @@ def test_streams_match_llm_generate_for_the_same_seed(service, llm, reference):
     params = [SamplingParams(max_tokens=3, seed=7), SamplingParams(max_tokens=2, temperature=0)]
 
     async def run():
-        streams = [service.submit("same-id", p, sp) for p, sp in zip(prompts, params)]  # ids may repeat
+        # Client request ids may repeat; request ids are unique.
+        streams = [service.submit(f"r{i}", "same-id", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         return await asyncio.gather(*(collect(s) for s in streams))
 
     results = asyncio.run(run())
@@ -54,27 +55,27 @@ def test_streams_match_llm_generate_for_the_same_seed(service, llm, reference):
 
 def test_closing_a_stream_aborts_it_and_returns_its_blocks(service, llm):
     async def run():
-        stream = service.submit("c", llm.encode("Hello"), SamplingParams(max_tokens=500, ignore_eos=True))
+        stream = service.submit("c", "c", llm.encode("Hello"), SamplingParams(max_tokens=500, ignore_eos=True))
         first = await stream.__anext__()
         assert first.token_ids and first.finish_reason is None
         stream.close()
         for _ in range(200):
             stats = service.stats()  # a snapshot taken after the step thread's latest iteration
-            if service.num_unfinished() == 0 and stats["free_blocks"] == stats["total_blocks"]:
+            if service.num_unfinished() == 0 and stats.free_blocks == stats.total_blocks:
                 return stats
             await asyncio.sleep(0.05)
         raise AssertionError(f"the closed stream's request never ended: {service.stats()}")
 
     stats = asyncio.run(run())
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["free_state_slots"] == stats["total_state_slots"]
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.free_state_slots == stats.total_state_slots
 
 
-def test_abort_by_client_id_ends_every_live_request_with_it(service, llm):
+def test_abort_by_client_request_id_ends_every_live_request_with_it(service, llm):
     async def run():
-        a = service.submit("dup", llm.encode("A"), SamplingParams(max_tokens=500, ignore_eos=True))
-        b = service.submit("dup", llm.encode("B"), SamplingParams(max_tokens=500, ignore_eos=True))
-        assert a.engine_id != b.engine_id
+        a = service.submit("a", "dup", llm.encode("A"), SamplingParams(max_tokens=500, ignore_eos=True))
+        b = service.submit("b", "dup", llm.encode("B"), SamplingParams(max_tokens=500, ignore_eos=True))
+        assert a.request_id != b.request_id
         await a.__anext__()
         assert service.abort("dup") is True
         finals = [(await collect(s))[-1] for s in (a, b)]
@@ -86,15 +87,27 @@ def test_abort_by_client_id_ends_every_live_request_with_it(service, llm):
     assert [f.finish_reason for f in finals] == ["abort", "abort"]
 
 
+def test_a_request_id_already_live_is_refused(service, llm):
+    async def run():
+        live = service.submit("gw-1", "a", llm.encode("A"), SamplingParams(max_tokens=500, ignore_eos=True))
+        with pytest.raises(ValueError, match="request id 'gw-1' is already in use"):
+            service.submit("gw-1", "b", llm.encode("B"), SamplingParams(max_tokens=1))
+        assert service.num_unfinished() == 1  # nothing of the refused one was queued
+        live.close()
+        return await collect(live)
+
+    assert asyncio.run(run())[-1].finish_reason == "abort"
+
+
 def test_queue_full_and_bad_input_are_refused_before_queueing(service, llm):
     async def run():
-        streams = [service.submit(str(i), llm.encode("x"), SamplingParams(max_tokens=1)) for i in range(8)]
+        streams = [service.submit(str(i), str(i), llm.encode("x"), SamplingParams(max_tokens=1)) for i in range(8)]
         with pytest.raises(QueueFull):
-            service.submit("9", llm.encode("x"), SamplingParams(max_tokens=1))
+            service.submit("9", "9", llm.encode("x"), SamplingParams(max_tokens=1))
         with pytest.raises(ValueError, match="empty"):
-            service.submit("e", [], SamplingParams())
+            service.submit("e", "e", [], SamplingParams())
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            service.submit("v", [10**9], SamplingParams())
+            service.submit("v", "v", [10**9], SamplingParams())
         return await asyncio.gather(*(collect(s) for s in streams))
 
     results = asyncio.run(run())

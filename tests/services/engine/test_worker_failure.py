@@ -40,7 +40,7 @@ def test_a_failed_step_ends_every_request_with_error_and_leaks_nothing():
     long = SamplingParams(max_tokens=200, ignore_eos=True)
 
     async def run():
-        streams = [service.submit(f"r{i}", llm.encode(f"Hello {i}"), long) for i in range(6)]
+        streams = [service.submit(f"r{i}", f"r{i}", llm.encode(f"Hello {i}"), long) for i in range(6)]
         for s in streams:  # all running: each has produced a token
             assert (await s.__anext__()).finish_reason is None
         worker.broken = True
@@ -50,7 +50,7 @@ def test_a_failed_step_ends_every_request_with_error_and_leaks_nothing():
             finals.append(deltas[-1].finish_reason)
             assert all(d.finish_reason is None for d in deltas[:-1])
         worker.broken = False
-        again = [d async for d in service.submit("after", llm.encode("Hi"), SamplingParams(max_tokens=3))]
+        again = [d async for d in service.submit("after", "after", llm.encode("Hi"), SamplingParams(max_tokens=3))]
         return finals, again[-1].finish_reason
 
     try:
@@ -60,6 +60,6 @@ def test_a_failed_step_ends_every_request_with_error_and_leaks_nothing():
     assert finals == ["error"] * 6 and worker.num_failed >= 1
     assert after == "length"
     stats = llm.engine.stats()
-    assert stats["free_blocks"] == stats["total_blocks"], stats
-    assert stats["free_state_slots"] == stats["total_state_slots"], stats
+    assert stats.free_blocks == stats.total_blocks, stats
+    assert stats.free_state_slots == stats.total_state_slots, stats
     llm.engine.scheduler.check_invariants()

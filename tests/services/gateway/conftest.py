@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from services.engine import LLM
+from services.engine.stats import EngineStats
 from services.gateway.server import ServeConfig, Server
 
 
@@ -45,9 +46,9 @@ class ServerThread:
         return self.server.urls()["grpc"]
 
 
-def pools_whole(stats: dict[str, int]) -> bool:
-    return (stats["free_blocks"] == stats["total_blocks"] and stats["free_state_slots"] == stats["total_state_slots"]
-            and stats["num_running"] == stats["num_waiting"] == 0)
+def pools_whole(stats: EngineStats) -> bool:
+    return (stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
+            and stats.num_running == stats.num_waiting == 0)
 
 
 @pytest.fixture(scope="package")

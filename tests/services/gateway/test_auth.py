@@ -84,7 +84,7 @@ def test_abort_reaches_only_the_callers_own_requests(keyed):
         finals = {}
 
         def run(name, client):
-            for delta in client.generate_stream("Hi", request_id="shared", max_tokens=3000, ignore_eos=True):
+            for delta in client.generate_stream("Hi", client_request_id="shared", max_tokens=3000, ignore_eos=True):
                 started[name].set()
                 if delta.finish_reason is not None:
                     finals[name] = delta.finish_reason

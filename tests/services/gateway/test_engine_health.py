@@ -41,14 +41,14 @@ def test_the_poll_follows_engines_and_tokenizer():
         assert await poll.poll() is None and problems == []
         await h0.set("", NOT_SERVING)  # engine-0's worker is gone
         assert await poll.poll() is None
-        assert all(router.pick().engine.engine_id == "engine-1" for _ in range(4))
+        assert all(router.pick().engine.replica == "engine-1" for _ in range(4))
         await s1.stop(None)  # engine-1's process is gone: no answer at all
         assert await poll.poll() == NO_ENGINE
         with pytest.raises(ShuttingDown):
             router.pick()
         await h0.set("", SERVING)
         assert await poll.poll() is None
-        assert router.pick().engine.engine_id == "engine-0"
+        assert router.pick().engine.replica == "engine-0"
         await ht.set("", NOT_SERVING)
         assert await poll.poll() == NO_TOKENIZER
         await ht.set("", SERVING)

@@ -9,6 +9,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client import AsyncShinkaiClient, ShinkaiClient, Timeout
 from services.engine import SamplingParams
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from tests.services.gateway.test_grpc_limits import generate, refusal
 from tests.services.gateway.test_http import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,9 +41,9 @@ def test_chat_through_grpc_matches_http_rendering(client, served, reference_llm)
 
 
 def test_abort_ends_a_live_stream_and_is_idempotent(client, served):
-    stream = client.generate_stream("Hello", max_tokens=1000, ignore_eos=True, request_id="to-abort")
+    stream = client.generate_stream("Hello", max_tokens=1000, ignore_eos=True, client_request_id="to-abort")
     first = next(stream)
-    assert first.request_id == "to-abort" and first.finish_reason is None
+    assert first.client_request_id == "to-abort" and first.finish_reason is None
     assert client.abort("to-abort") is True
     rest = list(stream)
     assert rest[-1].finish_reason == "abort"
@@ -67,12 +69,12 @@ def test_timeout_raises_and_aborts(client, served):
     wait_whole(served)
 
 
-def test_same_client_id_twice_does_not_collide(served):
+def test_same_client_request_id_twice_does_not_collide(served):
     with ShinkaiClient(served.grpc_target, timeout=60) as c:
         results = [None, None]
 
         def run(i):
-            results[i] = c.generate(f"p{i}", max_tokens=3, request_id="shared", temperature=0)
+            results[i] = c.generate(f"p{i}", max_tokens=3, client_request_id="shared", temperature=0)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
@@ -82,11 +84,28 @@ def test_same_client_id_twice_does_not_collide(served):
     assert [r.completion_tokens for r in results] == [3, 3]
 
 
+def test_the_server_makes_the_request_id_and_echoes_the_client_request_id(client, served):
+    done = client.generate("Hi", max_tokens=1, client_request_id="mine")
+    assert done.client_request_id == "mine" and done.request_id.startswith("req-")
+    # Without a client_request_id (a raw request: the clients always send one), the request_id stands in.
+    responses = generate(served.grpc_target, pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=1)))
+    ids = {(r.request_id, r.client_request_id) for r in responses}
+    assert len(ids) == 1 and next(iter(ids))[0] == next(iter(ids))[1] != ""
+
+
+def test_a_client_cannot_choose_the_request_id(served):
+    request = pb.GenerateRequest(text="Hi", request_id="mine", sampling=pb.SamplingParams(max_tokens=1))
+    err = refusal(served.grpc_target, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("request_id is made by the server; name a request with client_request_id")
+
+
 def test_model_info_loads_and_health(client, served):
     info = client.model_info()
     assert info.model == "tiny" and info.vocab_size == 129280 and info.max_model_len == 4096
     loads = client.loads()
     assert len(loads.engines) == 1 and loads.engines[0].num_total_blocks > 0
+    assert loads.engines[0].replica == served.server.config.replica == "engine-0"
     with grpc.insecure_channel(served.grpc_target) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for name in ("", "shinkai.v1.Shinkai"):

@@ -29,11 +29,12 @@ def refusal(target: str, request: pb.GenerateRequest) -> grpc.RpcError:
     return info.value
 
 
-def test_a_long_request_id_is_refused_before_anything_streams(served):
-    err = refusal(served.grpc_target, generate_request("Hi", max_tokens=64, request_id="x" * (3 << 20)))
+def test_a_long_client_request_id_is_refused_before_anything_streams(served):
+    err = refusal(served.grpc_target, generate_request("Hi", max_tokens=64, client_request_id="x" * (3 << 20)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details().startswith("request_id is 3145728 bytes, over the limit of 256")
-    assert len(generate(served.grpc_target, generate_request("Hi", max_tokens=1, request_id="x" * MAX_ID_BYTES))) >= 1
+    assert err.details().startswith("client_request_id is 3145728 bytes, over the limit of 256")
+    at_cap = generate_request("Hi", max_tokens=1, client_request_id="x" * MAX_ID_BYTES)
+    assert len(generate(served.grpc_target, at_cap)) >= 1
 
 
 def big_chat() -> pb.GenerateRequest:
@@ -55,12 +56,12 @@ def test_every_field_has_a_cap_named_in_the_refusal(served, build, field):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(f"{field} is "), err.details()
 
 
-def test_abort_request_id_is_capped(served):
+def test_abort_client_request_id_is_capped(served):
     with grpc.insecure_channel(served.grpc_target) as ch:
         abort = ch.unary_unary("/shinkai.v1.Shinkai/Abort", request_serializer=pb.AbortRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as info:
-            abort(pb.AbortRequest(request_id="y" * 1000), timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in info.value.details()
+            abort(pb.AbortRequest(client_request_id="y" * 1000), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "client_request_id" in info.value.details()
 
 
 def test_logit_bias_over_grpc(served):

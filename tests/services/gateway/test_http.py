@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API through the `openai` client and raw HTTP."""
 
 import json
+import re
 import time
 import urllib.request
 
@@ -34,6 +35,12 @@ def test_completion_text_equals_llm_generate(client, reference_llm):
     assert resp.choices[0].text == expected.text
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 4 and resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_the_response_id_carries_the_request_id(client):
+    ids = [client.completions.create(model="tiny", prompt="Hi", max_tokens=1).id for _ in range(2)]
+    assert all(re.fullmatch(r"cmpl-req-[0-9a-f]{32}", i) for i in ids), ids  # "cmpl-" + the gateway's request_id
+    assert ids[0] != ids[1]
 
 
 def test_streamed_completion_equals_the_plain_one(client):

@@ -28,7 +28,7 @@ def test_unreachable_tokenizer_and_engine_are_unavailable():
             with pytest.raises(ShuttingDown):
                 await tokenizer.render_chat({"messages": [{"role": "user", "content": "Hi"}]})
             with pytest.raises(ShuttingDown):
-                await engine.submit("r", [0, 1], SamplingParams(max_tokens=1))
+                await engine.submit("r", "r", [0, 1], SamplingParams(max_tokens=1))
         finally:
             await tokenizer.close()
             await engine.close()

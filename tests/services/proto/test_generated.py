@@ -7,7 +7,7 @@ from services.proto import generate
 
 def test_every_proto_has_committed_code():
     protos = generate.proto_files()
-    assert {p.parts[2] for p in protos} == {"shinkai", "tokenizer", "worker"}
+    assert {p.parts[2] for p in protos} == {"multimodal", "shinkai", "tokenizer", "worker"}
     for proto in protos:
         for path in generate.generated_files(proto):
             assert (generate.ROOT / path).is_file(), f"{path} is not generated: run python -m services.proto.generate"
@@ -35,7 +35,12 @@ def test_finish_reasons_match_the_scheduler():
     from scheduler_rs import FinishReason
     from services.proto.shinkai.v1 import shinkai_pb2
 
-    for name in ("STOP", "LENGTH", "ABORT", "PREEMPTED", "ERROR"):
+    from services.engine.finish_reason import FinishReason as EngineFinishReason
+
+    names = ("STOP", "LENGTH", "ABORT", "PREEMPTED", "ERROR")
+    assert [r.name for r in EngineFinishReason] == list(names)
+    for name in names:
         rust = getattr(FinishReason, name)
         assert shinkai_pb2.FinishReason.Value(f"FINISH_REASON_{name}") == int(rust) + 1, name
         assert rust.value == name.lower()
+        assert EngineFinishReason.of(rust) is EngineFinishReason[name] == rust.value  # a str: JSON stays the same

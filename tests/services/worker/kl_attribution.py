@@ -181,7 +181,7 @@ def reference_kernels() -> KernelSet:
                      SimpleNamespace(), interpreted=True)
 
 
-def _project_out(self, out, angles):  # Attention._project_out with a converted (grouped) wo_a
+def _project_out(self, out, angles):  # Attention.project_out with a converted (grouped) wo_a
     out = attention_mod.apply_rope(out, angles, inverse=True)
     grouped = out.reshape(*out.shape[:2], self.num_groups, -1)
     if isinstance(self.wo_a, GroupedKernelLinear):
@@ -297,7 +297,7 @@ def installed() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     for obj, name, value in (
         (reference, "quantize_act", _act_sites),  # moe_grouped_gemm's own quantisations look it up at call time
-        (Attention, "_project_out", _project_out),
+        (Attention, "project_out", _project_out),
         (attention_mod, "sink_attention", sink_attention),
         (Indexer, "scores_quantized", _scores_f16),
         (HyperConnection, "forward", _hc_tf32),
@@ -475,14 +475,14 @@ def table_flips(cases, ks: tuple[int, ...]) -> None:
 def gpu_dots(device: str = "cuda") -> None:
     """On an H200: the GPU kernel engine's KL on the FP8 test's three configs (tests/services/worker/
     test_kernel_backend.py ``FP8_CASES``, its CPU fp32 reference) with the attention kernels' dot
-    precision forced (KernelStep.fp32_dots): fp8 as shipped (bf16 q, P), fp8 with fp32 dots, fp32
+    precision forced (TritonAttention.fp32_dots): fp8 as shipped (bf16 q, P), fp8 with fp32 dots, fp32
     with bf16 dots. Expected from the torch emulation (table 2): ≈ 0.08, ≈ 0.08 and ≈ 0.02.
     ``device`` "cpu" runs the plumbing on the torch-reference kernel set (no dots to force)."""
-    from services.worker.kernel_step import KernelStep
+    from services.worker.attention_backend_triton import TritonAttention
     from tests.services.worker import test_kernel_backend as t
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    init = KernelStep.__init__
+    init = TritonAttention.__init__
     for precision, force in (("fp8", None), ("fp8", True), ("fp32", False), ("fp32", None)):
         def forced(self, *a, force=force, **k):
             init(self, *a, **k)
@@ -490,7 +490,7 @@ def gpu_dots(device: str = "cuda") -> None:
                 self.fp32_dots = force
 
         parts = []
-        with patched(KernelStep, "__init__", forced):
+        with patched(TritonAttention, "__init__", forced):
             for name, budget in t.FP8_CASES:
                 c = t.case(name)
                 model = copy.deepcopy(c.model).to(device)

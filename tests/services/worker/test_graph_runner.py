@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig
-from services.worker.decode_step import StaticDecodeStep
 from services.worker.graph_runner import GraphRunner
 from services.worker.model_runner import ModelRunner
+from services.worker.static_decode_step import StaticDecodeStep
 from tests import tolerances as tol
 from tests.scheduler_rs.fake_worker import run_step
-from tests.services.worker.test_decode_step import case, pool_differences, setup
+from tests.services.worker.test_static_decode_step import case, pool_differences, setup
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -61,7 +61,7 @@ def test_kernel_backend_static_step_interpreted():
     the 3 placeholder rows nowhere (counts equal), logits and pools agree."""
     from services.worker.fp8_linear import KernelSet
     from tests.kernels.interpret import interpreter, load_interpreted
-    from tests.services.worker.test_decode_step import BLOCK, MAX_LEN, _decode_plan
+    from tests.services.worker.test_static_decode_step import BLOCK, MAX_LEN, _decode_plan
 
     plan, torch_runner = _decode_plan("nocand")
     assert plan.num_rows == 5 and plan.graph_size == 8
@@ -250,7 +250,7 @@ def test_async_scheduling_through_the_static_step_gives_the_same_tokens():
         outputs.append([(o.token_ids, o.logprobs) for o in outs])
         replays.append(len(calls) - runner.num_eager)  # steps the static step ran
         s = llm.stats()
-        assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+        assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
     # Tokens are identical; logprobs may differ in the last bit, because async runs one extra (dead) row
     # for a request that finished in the step in flight, so a step's graph size (its matmul row count) differs.
     assert [t for t, _ in outputs[0]] == [t for t, _ in outputs[1]]
@@ -299,4 +299,4 @@ def test_an_async_decode_step_is_queued_without_a_host_sync():
         engine.step()
     assert [len(o.token_ids) for o in outputs] == [16] * 3
     s = llm.stats()
-    assert s["free_blocks"] == s["total_blocks"] and s["free_state_slots"] == s["total_state_slots"]
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots

@@ -30,6 +30,7 @@ from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_sampler import KernelSampler
 from services.worker.model_runner import ModelRunner
+from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 from services.worker.sampler import Sampler, SamplingRow
 from services.worker.worker import Worker
 from tests import tolerances as tol
@@ -119,7 +120,10 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     assert isinstance(model.head, KernelHead) and model.head.weight.dtype == torch.bfloat16
     left = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name, m in model.named_modules()
                    if isinstance(m, nn.Linear)})
-    assert left == ["compressor.wgate", "compressor.wkv", "indexer.weights_proj", "indexer.wk"]
+    assert left == ["compressor.wgate", "compressor.wkv", "indexer.wk", "weights_proj.linear"]
+    # Row-wise torch modules run on fixed row tiles in the batch-invariant mode (services/worker/row_tiled.py).
+    assert sum(isinstance(m, RowTiledEngram) for m in model.modules()) == len(cfg.engram_layer_ids)
+    assert all(isinstance(m.weights_proj, RowTiledLinear) for m in model.modules() if type(m).__name__ == "Indexer")
     # The random checkpoint's FP8 (32×32 scales) and MXFP4 (1×32) weights land on the 128×128 grid exactly,
     # but for elements of a 32×32 block more than ~14 binades below its 128×128 block's largest scale,
     # which fall below e4m3's subnormals there (2 of 1.1M here, both in a dense wkv): rounded, not exact.
@@ -300,25 +304,25 @@ def test_engine_fp32_interpreted_equals_torch_runner():
 
 
 def test_staged_prefill_entries_are_taken_and_change_nothing(monkeypatch):
-    """Prefill attention on entries dequantised once per source (``KernelStep._staged``) is taken at
+    """Prefill attention on entries dequantised once per source (``TritonAttention._staged``) is taken at
     these sizes, and each of its outputs equals the in-loop dequantisation's on the same inputs (fp32
     keys under the interpreter: the same products; the online softmax's key blocks differ). Checked
     per call: the tiny model's logits barely depend on its compressed entries."""
-    from services.worker import kernel_step
+    from services.worker import attention_backend_triton as triton_backend
 
     small = small_case()
-    original = kernel_step.KernelStep._prefill
+    original = triton_backend.TritonAttention._prefill
     errors: list[float] = []
 
     def both_ways(self, attn, q, k):
         out = original(self, attn, q, k)
         if self._staged(attn) is not None:
             with monkeypatch.context() as m:
-                m.setattr(kernel_step, "STAGE_MAX_ENTRIES", 0)
+                m.setattr(triton_backend, "STAGE_MAX_ENTRIES", 0)
                 errors.append(_rel(out, original(self, attn, q, k)))
         return out
 
-    monkeypatch.setattr(kernel_step.KernelStep, "_prefill", both_ways)
+    monkeypatch.setattr(triton_backend.TritonAttention, "_prefill", both_ways)
     runner = runner_for(small, copy.deepcopy(small.model), 10, "fp32", interpreted())
     with interpreter():
         drive(small, runner, 10)
@@ -459,7 +463,7 @@ def _refusing_patches(patch: pytest.MonkeyPatch) -> None:
     import model.deepseek_v41.attention as attention
     import model.deepseek_v41.mhc as mhc
     import services.worker.cache_engine as cache_engine
-    import services.worker.cached_step as cached_step
+    import services.worker.attention_backend_torch as torch_backend
     import services.worker.model_runner as model_runner
     from model.deepseek_v41.moe import MoE as ModelMoE
     from services.worker.sampler import Sampler as CpuSampler
@@ -468,11 +472,11 @@ def _refusing_patches(patch: pytest.MonkeyPatch) -> None:
         patch.setattr(reference, fn, _refuse(f"kernels.reference.{fn}"))
     patch.setattr(RMSNorm, "forward", _refuse("RMSNorm.forward"))
     patch.setattr(ModelMoE, "forward", _refuse("MoE.forward"))
-    patch.setattr(attention.Attention, "_project_out", _refuse("Attention._project_out"))
-    for module in (attention, cached_step):
+    patch.setattr(attention.Attention, "project_out", _refuse("Attention.project_out"))
+    for module in (attention, torch_backend):
         patch.setattr(module, "sink_attention", _refuse("sink_attention"))
-    patch.setattr(cached_step.CachedStep, "_compress", _refuse("CachedStep._compress"))
-    patch.setattr(cached_step.CachedStep, "_sparse", _refuse("CachedStep._sparse"))
+    for method in ("compress", "write_groups", "select"):
+        patch.setattr(torch_backend.TorchAttention, method, _refuse(f"TorchAttention.{method}"))
     patch.setattr(cache_engine.CacheEngine, "read_entries", _refuse("CacheEngine.read_entries"))
     patch.setattr(mhc.HyperConnection, "forward", _refuse("HyperConnection.forward"))
     for fn in ("collapse", "expand", "sinkhorn"):
@@ -488,7 +492,7 @@ def test_gpu_steps_run_the_triton_kernels_and_no_torch_reference(precision, monk
     """Profile the first step (prefill chunks, first position 0) and the first decode-only step, each
     through the Worker (model runner + KernelSampler): the Triton kernels are listed by name, and the
     torch references they replace (kernels.reference, the model's RMSNorm / MoE / mHC / sink attention /
-    output projection, CachedStep's compression and selection, the entry pool read-back, the CPU
+    output projection, TorchAttention's compression and selection, the entry pool read-back, the CPU
     sampler) would raise if any ran."""
     from torch.profiler import ProfilerActivity, profile
 

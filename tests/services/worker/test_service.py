@@ -58,7 +58,7 @@ def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
         assert a.top_logprobs == b.top_logprobs
     assert remote[3].token_ids == [7, 8, 9]  # forced twice, then the +40 bias: both crossed the protocol
     stats = llm.stats()
-    assert stats["free_blocks"] == stats["total_blocks"]
+    assert stats.free_blocks == stats.total_blocks
 
 
 def test_a_worker_with_other_weights_is_refused(remote_llm):

@@ -55,8 +55,8 @@ def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection"
 
 def known_drafts(reference, prompts=PROMPTS):
     """Drafts = the reference continuation, every third one wrong. Request ids are "0", "1", … in prompt order."""
-    def rewrite(rid: str, anchor: int, drafts: list[int]) -> list[int]:
-        i = int(rid)
+    def rewrite(request_id: str, anchor: int, drafts: list[int]) -> list[int]:
+        i = int(request_id)
         out = reference[i]
         first = anchor + 1 - len(prompts[i])  # output index of the token at anchor + 1
         proposal = []
@@ -138,7 +138,7 @@ def test_greedy_under_recompute_preemption_and_at_the_context_limit(source, gree
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
     stats = llm.stats()
-    assert stats["free_blocks"] == stats["total_blocks"] and stats["free_state_slots"] == stats["total_state_slots"]
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
     assert speculator.num_drafts_accepted > 0
 
 
@@ -158,7 +158,7 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
     stats = llm.stats()
-    assert stats["free_blocks"] == stats["total_blocks"]
+    assert stats.free_blocks == stats.total_blocks
     spec = llm.engine.worker.speculator
     assert spec.num_drafts_verified > 0 and spec.contexts == {}
     same = sum(a.token_ids == b.token_ids for a, b in zip(off, outs))

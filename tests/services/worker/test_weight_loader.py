@@ -40,10 +40,13 @@ def _state(model) -> dict[str, torch.Tensor]:
 def test_sharded_init_writes_one_part_per_shard_with_an_index(sharded):
     index = json.loads((sharded / INDEX_FILE).read_text())
     shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
-    assert shards == [f"model-{i:05d}-of-00010.safetensors" for i in range(1, 11)]  # the last: the draft
-    assert index["weight_map"]["mtp.0.main_proj.weight"] == "model-00010-of-00010.safetensors"
+    # embed/norm/head, 8 layers, the draft, the vision tower last
+    assert shards == [f"model-{i:05d}-of-00011.safetensors" for i in range(1, 12)]
+    assert index["weight_map"]["mtp.0.main_proj.weight"] == "model-00010-of-00011.safetensors"
     assert set(index["weight_map"].values()) == set(shards)
-    assert index["weight_map"]["layers.3.attn.wq_a.weight"] == "model-00005-of-00010.safetensors"
+    assert index["weight_map"]["layers.3.attn.wq_a.weight"] == "model-00005-of-00011.safetensors"
+    assert index["weight_map"]["image_newline"] == index["weight_map"]["vision.norm.weight"] == \
+        "model-00011-of-00011.safetensors"
     assert load_config(sharded) == TINY
 
 
@@ -65,7 +68,8 @@ def test_device_form_equals_the_random_build(sharded):
         assert torch.equal(a[name].view(torch.uint8) if a[name].dtype.is_floating_point else a[name],
                            b[name].view(torch.uint8) if b[name].dtype.is_floating_point else b[name]), name
     assert type(loaded.layers[2].ffn).__name__ == "KernelMoE"
-    assert report.num_parts == 3 + TINY.num_hidden_layers + 1  # + the draft
+    assert report.num_parts == 3 + TINY.num_hidden_layers + 1 + 3  # + the draft, vision., aligner., image_
+    assert any(k.startswith("encoder.vision.blocks.") for k in a)
     assert report.num_bytes == sum(p.stat().st_size for p in sharded.glob("model-*.safetensors")) - sum(
         8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in sharded.glob("model-*.safetensors"))
     assert report.gb_per_s > 0 and report.peak_device_bytes is None
@@ -88,7 +92,7 @@ def test_large_tensors_are_copied_in_bands(sharded, monkeypatch):
 
 # ---------------------------------------------------------------- damage
 
-SHARD = "model-00004-of-00010.safetensors"  # layers.2
+SHARD = "model-00004-of-00011.safetensors"  # layers.2
 
 
 def _copy(src, dst):

@@ -76,20 +76,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_request_id", "model", "text", "token_ids", "chat", "sampling", "request_id")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    client_request_id: str
     model: str
     text: str
     token_ids: TokenIds
     chat: ChatMessages
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, client_request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -142,20 +144,22 @@ class Final(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "chunk", "final")
+    __slots__ = ("client_request_id", "request_id", "chunk", "final")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    client_request_id: str
     request_id: str
     chunk: Chunk
     final: Final
-    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_request_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("client_request_id",)
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    client_request_id: str
+    def __init__(self, client_request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -188,8 +192,8 @@ class GetLoadsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "num_running", "num_waiting", "num_queued", "num_free_blocks", "num_total_blocks", "num_free_state_slots", "num_total_state_slots")
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("replica", "num_running", "num_waiting", "num_queued", "num_free_blocks", "num_total_blocks", "num_free_state_slots", "num_total_state_slots", "decode_step")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -197,7 +201,8 @@ class EngineLoad(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
+    DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    replica: str
     num_running: int
     num_waiting: int
     num_queued: int
@@ -205,7 +210,8 @@ class EngineLoad(_message.Message):
     num_total_blocks: int
     num_free_state_slots: int
     num_total_state_slots: int
-    def __init__(self, engine_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_state_slots: _Optional[int] = ..., num_total_state_slots: _Optional[int] = ...) -> None: ...
+    decode_step: int
+    def __init__(self, replica: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_state_slots: _Optional[int] = ..., num_total_state_slots: _Optional[int] = ..., decode_step: _Optional[int] = ...) -> None: ...
 
 class Loads(_message.Message):
     __slots__ = ("engines",)

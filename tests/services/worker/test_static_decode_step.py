@@ -19,12 +19,12 @@ import torch
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import Scheduler, SchedulerConfig, StepPlan
 from services.engine.config import EngineConfig
-from services.worker import decode_step_ops
+from services.worker import attention_backend_graph
 from services.worker.cache_engine import CacheEngine
-from services.worker.decode_step import StaticDecodeStep
 from services.worker.graph_runner import GraphRunner
 from services.worker.model_runner import ModelRunner
 from services.worker.reference_runner import RunnerOutput
+from services.worker.static_decode_step import StaticDecodeStep
 from tests import tolerances as tol
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.test_model_runner import BLOCK, case
@@ -85,8 +85,8 @@ class Summary:
     flipped_steps: int = 0
 
 
-def _cached_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale):
-    """``_attend`` in CachedStep's op order (sink_attention, then undo-RoPE in q's dtype): test glue
+def _torch_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale):
+    """``static_attend`` in TorchAttention's op order (sink_attention, then undo-RoPE in q's dtype): test glue
     that makes the static step bit-identical to the eager one at equal row counts."""
     from model.deepseek_v41.attention import sink_attention
     from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
@@ -108,7 +108,7 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
                  exact: bool = False) -> Summary:
     """Eager and static runners through one whole run of the same plans.
 
-    ``exact``: the static step runs at G = the plan's rows (no padding) in CachedStep's attention
+    ``exact``: the static step runs at G = the plan's rows (no padding) in TorchAttention's attention
     order, never reset: logits, counts and pools must stay bit-identical over the whole run.
     Otherwise (graph sizes, the kernel reference's attention order): each step starts from the eager
     runner's pools, so fp32 noise (~1e-6: other GEMM row counts, another softmax order) cannot
@@ -165,10 +165,10 @@ def test_static_step_equals_model_runner(name):
           f"{out.worst_flipped:.3g} on the {out.flipped_steps} steps with a bin flip")
 
 
-def test_static_step_is_bit_identical_in_the_cached_order(monkeypatch):
+def test_static_step_is_bit_identical_in_the_torch_order(monkeypatch):
     """Ring, compressor, partial groups, Engram history, indexer and selection are the eager step's
     bit for bit: only the attention's op order and GEMM row counts differ in the runs above."""
-    monkeypatch.setattr(decode_step_ops, "attend", _cached_order_attend)
+    monkeypatch.setattr(attention_backend_graph, "static_attend", _torch_order_attend)
     compare_runs("oracle", exact=True)
 
 
@@ -252,7 +252,7 @@ def test_triton_path_interpreted_equals_reference(name):
             logits, counts = step.run()
         after = CacheEngine(runner.cfg, BLOCK, 1, 1, cache.layout.ring_size)
         after.blocks, after.slots = cache.blocks.clone(), cache.slots.clone()
-        results[attention] = (logits[:5].clone(), counts.clone(), after, step.sparse.selected[:5].clone())
+        results[attention] = (logits[:5].clone(), counts.clone(), after, step.backend.sparse.selected[:5].clone())
     (lr, cr, pr, sr), (lt, ct, pt, st) = results["reference"], results["triton"]
     flips, partial, engram_equal = pool_differences(pr, pt)
     delta = float((lr - lt).abs().max())

@@ -1,25 +1,21 @@
-"""The kernel backend's step: ``CachedStep``'s attention with the compressor, indexer and attention
-in Triton (kernels/compressor.py, indexer.py, decode_attention.py, prefill_attention.py), reading the
-packed pools directly: no step of this backend dequantises the entry pool (``read_entries``).
+"""The kernel backend of ``AttentionStep``: any step's rows, with the compressor, indexer and attention in
+Triton (kernels/compressor.py, indexer.py, decode_attention.py, prefill_attention.py), reading the packed
+pools directly: no step of this backend dequantises the entry pool (``read_entries``).
 
-Per attention layer, as ``CachedStep.attend``:
-
-- projections through the converted modules (services/worker/kernel_backend.py); the window K is
-  rounded by the ``rounding`` hook first, as there;
 - compressed layers: a KV source writes this step's complete groups with ``compress_layer`` (then the
-  pool holds every entry a row may select); an index source selects with ``indexer_select`` from
-  the FP4 index keys in the pool (the candidate source picks the candidate blocks that the layers
-  using candidates score inside); a layer without an indexer reuses the nearest selection;
+  pool holds every entry a row may select); an index source selects with ``indexer_select`` from the
+  FP4 index keys in the pool (the candidate source picks the candidate blocks that the layers using
+  candidates score inside); a layer without an indexer reuses the nearest selection;
 - attention: a decode-only step (one row per request) writes the rows' K to the window rings, then
   ``sparse_decode_attention`` reads ring and pool; any other step runs every row, decode rows
   included, through ``sparse_prefill_attention`` on the rings as they were before the step, then
   writes the rings (a chunk may overwrite ring positions its own first rows still read).
 
-The ``rounding`` hook (the oracle harness's, tests only) rewrites the pre-rounding compressed entries,
-index keys and index queries, which the fused kernels never expose: with a hook set, compression and
-selection stay ``CachedStep._sparse`` in torch (including its ``read_entries``); attention stays on the
-kernels. A ``KernelSet`` without compressor or indexer modules (the FP8 test's torch-reference set)
-takes the same torch path.
+A rounding hook (the oracle harness's, tests only) rewrites the pre-rounding compressed entries, index
+keys and index queries, which the fused kernels never expose: with a hook set, compression and
+selection stay ``TorchAttention``'s (including its ``read_entries``); attention stays on the kernels. A
+``KernelSet`` without compressor or indexer modules (the FP8 test's torch-reference set) takes the same
+torch path.
 """
 
 from __future__ import annotations
@@ -29,10 +25,11 @@ import torch
 from kernels.reference import entry_slots
 from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.quant import fake_quant_indexer, quantize_fp8_cache
-from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_angles
-from services.worker.cached_step import CachedStep
+from services.worker.attention_backend import StepRounding
+from services.worker.attention_backend_torch import TorchAttention
+from services.worker.cache_engine import CacheEngine
 from services.worker.fp8_linear import KernelSet
-
+from services.worker.step_batch import StepBatch
 
 STAGE_MAX_ENTRIES = 1 << 16
 """Prefill attention reads compressed entries dequantised once per step (``stage_entries``) when the
@@ -42,21 +39,25 @@ dequantisation's transient): 1.9–2.0× faster than dequantising in the loop at
 dequantises, as before."""
 
 
-class KernelStep:
-    """Composition: the wrapped ``CachedStep`` keeps the batch, pools and rounding hook (and, on the
-    torch sparse path, its ``StepSparse``); ``engram_rows`` is its own."""
+class TritonAttention:
+    undoes_rope = True  # the attention kernels' contract
 
-    def __init__(self, step: CachedStep, kernels: KernelSet, precision: str) -> None:
-        self.step, self.kernels, self.precision = step, kernels, precision
-        b = step.b
+    def __init__(self, cache: CacheEngine, batch: StepBatch, kernels: KernelSet, precision: str,
+                 rounding: StepRounding | None = None) -> None:
+        self.cache, self.b, self.kernels = cache, batch, kernels
         self.fp32_dots = precision == "fp32" or kernels.interpreted  # no bf16/f16 tl.dot in the interpreter
+        b = batch
         if b.decode_only is not None:  # known on the host: no device read
             self.all_decode = b.decode_only
         else:
             self.all_decode = bool(((b.query_start[1:] - b.query_start[:-1]) == 1).all())
-        self.ring_tail = None if self.all_decode else b.tail(step.cache.layout.ring_size)  # [R] rows written
+        self.row_slots = b.state_slots[b.row_requests]  # [R]
+        self.ring_tail = None if self.all_decode else b.tail(cache.layout.ring_size)  # [R] rows written
         self.row_tables = b.block_tables[b.row_requests]  # [R, width] each row's request's table
-        self.torch_sparse = step.rounding is not None or kernels.compressor is None or kernels.indexer is None
+        rounding = rounding or StepRounding()
+        # The torch path of compression and selection (see the module docstring), or None.
+        self.torch_sparse = TorchAttention(cache, batch, rounding) if (
+            rounding.active or kernels.compressor is None or kernels.indexer is None) else None
         # What the nearest KV / index sources published (spec §3.4):
         self.source: int | None = None  # the KV source layer whose pool the following layers read
         self.ratio = 0
@@ -67,43 +68,24 @@ class KernelStep:
         self._stage_keys: torch.Tensor | None = None  # _staged's keys, of the source _stage_source
         self._stage_source: int | None = None
 
-    def engram_rows(self, hasher):
-        return self.step.engram_rows(hasher)
-
-    def attend(self, attn: Attention, x: torch.Tensor) -> torch.Tensor:
-        """x [R, D] (attn_norm output) → [R, D]; CachedStep.attend's maths."""
-        step, b, layer = self.step, self.step.b, attn.layer
-        angles = rope_angles(b.positions, attn.freqs)  # [R, P]
-        q_latent = attn.q_norm(attn.wq_a(x))  # [R, q_lora]
-        q = apply_rope_(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [R, H, hd]
-        k = step._round("fp8", layer, apply_rope(attn.kv_norm(attn.wkv(x)), angles), b.row_requests, b.positions)
-        if attn.ratio:
-            self._sparse(attn, x, q_latent, angles)
-        if self.all_decode:
-            step.cache.write_window(layer, step.row_slots, b.ring_slots, k)  # every row is its request's last
-            out = self._decode(attn, q.contiguous())
-        else:
-            out = self._prefill(attn, q.contiguous(), k)  # reads the rings before this step's writes
-            tail = self.ring_tail
-            step.cache.write_window(layer, step.row_slots[tail], b.ring_slots[tail], k[tail])
-        grouped = out.reshape(out.shape[0], attn.num_groups, -1)  # [R, G, H/G·hd], RoPE undone
-        return attn.wo_b(attn.wo_a(grouped))  # [R, D]
-
     # ---- compressed entries and selection ------------------------------------------------------
 
-    def _sparse(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor) -> None:
-        """Updates source / ratio / width / selected / candidates for this compressed layer."""
-        step, b, ratio = self.step, self.step.b, attn.ratio
-        if self.torch_sparse:
-            step.sparse = step._sparse(attn, x, q_latent, angles)
-            if attn.compressor is not None:
-                self.source = attn.layer
-            self.selected = step.sparse.selected[:, 0]  # [R, k]
+    def compress(self, attn: Attention, x: torch.Tensor) -> None:
+        if self.torch_sparse is not None:
+            self.torch_sparse.compress(attn, x)
+            self.source = attn.layer
             return
-        if attn.compressor is not None:
-            self.kernels.compressor.compress_layer(step.cache, b, attn, x, dot_fp32=self.fp32_dots or None)
-            self.source, self.ratio, self.candidates = attn.layer, ratio, None
-            self.width = b.max_entries(ratio)  # the eager backend's width (a host fact: no sync)
+        self.kernels.compressor.compress_layer(self.cache, self.b, attn, x, dot_fp32=self.fp32_dots or None)
+        self.source, self.ratio, self.candidates = attn.layer, attn.ratio, None
+        self.width = self.b.max_entries(attn.ratio)  # the eager backend's width (a host fact: no sync)
+
+    def select(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor) -> None:
+        """Updates selected / candidates for this compressed layer."""
+        b, ratio = self.b, attn.ratio
+        if self.torch_sparse is not None:
+            self.torch_sparse.select(attn, x, q_latent, angles)
+            self.selected = self.torch_sparse.sparse.selected[:, 0]  # [R, k]
+            return
         if self.ratio != ratio or self.source is None:
             raise ValueError(f"layer {attn.layer} needs a preceding KV source with ratio {ratio}")
         if attn.indexer is None:
@@ -111,10 +93,10 @@ class KernelStep:
         if attn.uses_candidates and not attn.is_candidate_source and self.candidates is None:
             raise ValueError(f"layer {attn.layer} uses candidates but no candidate source precedes it")
         idx = attn.indexer
-        query = fake_quant_indexer(idx.query(q_latent, angles))  # [R, Hi, di], as CachedStep._sparse
+        query = fake_quant_indexer(idx.query(q_latent, angles))  # [R, Hi, di], as TorchAttention.select
         w = (idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)).float()  # [R, Hi], scores_quantized's
         selected, candidates = self.kernels.indexer.indexer_select(
-            query, w, step.cache.entries(self.source)[1], self.row_tables, b.positions, ratio, self.width,
+            query, w, self.cache.entries(self.source)[1], self.row_tables, b.positions, ratio, self.width,
             index_topk=attn.index_topk, candidates=self.candidates if attn.uses_candidates else None,
             candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
             candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted)
@@ -125,35 +107,45 @@ class KernelStep:
     def _entries(self, attn: Attention, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed-KV pool, selected pool slots int32 [R, k]) for this layer; an empty selection
         and a one-entry dummy pool for window-only layers."""
-        cache = self.step.cache
+        cache = self.cache
         if attn.ratio:
             epb = cache.layout.source(self.source).entries_per_block
             return cache.entries(self.source)[0], entry_slots(self.selected, self.row_tables, epb)
         if self._no_entries is None:
             self._no_entries = torch.zeros(1, 1, cache.layout.kv_entry_bytes, dtype=torch.uint8, device=device)
-        return self._no_entries, torch.empty(self.step.b.num_rows, 0, dtype=torch.int32, device=device)
+        return self._no_entries, torch.empty(self.b.num_rows, 0, dtype=torch.int32, device=device)
 
     # ---- attention --------------------------------------------------------------------------------
 
+    def attend(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        b, layer = self.b, attn.layer
+        if self.all_decode:
+            self.cache.write_window(layer, self.row_slots, b.ring_slots, k)  # every row is its request's last
+            return self._decode(attn, q.contiguous())
+        out = self._prefill(attn, q.contiguous(), k)  # reads the rings before this step's writes
+        tail = self.ring_tail
+        self.cache.write_window(layer, self.row_slots[tail], b.ring_slots[tail], k[tail])
+        return out
+
     def _decode(self, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         """Every row is a decode row and the rings already hold it: [R, H, hd], RoPE undone."""
-        step, b = self.step, self.step.b
+        b = self.b
         pool, selected = self._entries(attn, q.device)
         return self.kernels.decode_attention.sparse_decode_attention(
-            q, step.cache.ring(attn.layer), step.row_slots, b.positions, attn.window, pool, selected,
+            q, self.cache.ring(attn.layer), self.row_slots, b.positions, attn.window, pool, selected,
             attn.attn_sink, attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots)
 
     def _prefill(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Rows of prefill chunks (and one-row requests among them) over the rings as before this step
         and this step's K rows (their FP8 bytes, as the rings will hold them): [R, H, hd], RoPE undone."""
-        step, b = self.step, self.step.b
+        b = self.b
         staged = self._staged(attn)
         if staged is None:
             pool, selected = self._entries(attn, q.device)
         else:
             pool, selected = staged
         return self.kernels.prefill_attention.sparse_prefill_attention(
-            q, quantize_fp8_cache(k), step.cache.ring(attn.layer), step.row_slots, b.positions, b.row_first(),
+            q, quantize_fp8_cache(k), self.cache.ring(attn.layer), self.row_slots, b.positions, b.row_first(),
             attn.window, pool, selected, attn.attn_sink, attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots,
             staged=None if staged is None else pool)
 
@@ -163,9 +155,10 @@ class KernelStep:
         layers that read it; None when staging does not apply (window-only layers, the torch sparse
         path, kernel sets without it, or more than STAGE_MAX_ENTRIES entries to dequantise)."""
         module = self.kernels.prefill_attention
-        if not attn.ratio or self.torch_sparse or not hasattr(module, "stage_keys") or self.selected is None:
+        if not attn.ratio or self.torch_sparse is not None or not hasattr(module, "stage_keys") or \
+                self.selected is None:
             return None
-        b, cache = self.step.b, self.step.cache
+        b, cache = self.b, self.cache
         epb = cache.layout.source(self.source).entries_per_block
         tables = b.block_tables[:, : -(-self.width // epb)]  # [N, blocks holding entries 0 … W−1]
         if not self.width or tables.numel() * epb > STAGE_MAX_ENTRIES:

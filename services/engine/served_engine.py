@@ -1,0 +1,69 @@
+"""One engine made ready to serve an API: what `shinkai serve` (services/gateway/server.py) and an engine
+process (services/engine/process.py) share.
+
+Both put a `Frontend` and an `ApiServer` in front of it; this module builds the part behind them and owns the
+order in which they start and stop, so the two servers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
+from observability.metrics import EngineMetrics, RequestMetrics
+from services.engine.llm import LLM
+from services.engine.model_info import ModelInfo
+from services.engine.service import DEFAULT_MAX_QUEUED, EngineService
+from services.tokenizer.chat import ChatRenderer
+
+log = logging.getLogger("shinkai.engine.served")
+
+
+class Api(Protocol):
+    """The listeners in front of the engine (`services.gateway.api_server.ApiServer`)."""
+
+    async def start(self) -> None: ...
+
+    async def close_intake(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class ServedEngine:
+    """``llm``'s engine behind an `EngineService`, with what an API needs to describe and watch it."""
+
+    def __init__(self, llm: LLM, *, served_model_name: str, replica: str,
+                 max_queued: int = DEFAULT_MAX_QUEUED) -> None:
+        self.llm = llm
+        self.service = EngineService(llm.engine, replica=replica, max_queued=max_queued)
+        self.metrics = RequestMetrics()  # the endpoint's registry: request metrics, then the engine's
+        cfg = llm.source.config
+        # The renderer encodes with the V4.1 tokenizer, so only a model with that vocabulary renders chat.
+        self.chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
+        self.info = ModelInfo(model=served_model_name, vocab_size=cfg.vocab_size,
+                              max_model_len=llm.config.max_model_len, bos_token_id=cfg.bos_token_id,
+                              eos_token_id=cfg.eos_token_id, max_num_seqs=llm.config.max_num_seqs)
+        stats = self.service.stats()
+        self.service.observer.metrics = EngineMetrics(self.metrics.registry, self.service.stats, self.info.model, {
+            "engine": replica, "block_size": llm.config.block_size,
+            "num_gpu_blocks": stats.total_blocks, "num_state_slots": stats.total_state_slots})
+
+    async def start(self, api: Api) -> None:
+        """Starts the step thread, then the listeners; a failed start leaves no thread behind."""
+        self.service.start()
+        try:
+            await api.start()
+        except BaseException:
+            self.service.stop()
+            raise
+
+    async def stop(self, api: Api, drain_timeout_s: float) -> None:
+        """Intake closed, live requests get ``drain_timeout_s``, the rest aborted, so the pools are whole when
+        the step thread exits; then the listeners close."""
+        await api.close_intake()
+        if not await self.service.drain(drain_timeout_s):
+            log.warning("%d requests still live after %.0f s; aborting them", self.service.num_unfinished(),
+                        drain_timeout_s)
+        self.service.stop()  # aborts the rest; the step thread finishes every request before it exits
+        await api.stop()

@@ -1,0 +1,1 @@
+"""The multimodal service: image bytes → placeholder-span embeddings from the vision tower."""

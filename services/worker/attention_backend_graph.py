@@ -1,0 +1,205 @@
+"""The graph-safe decode backend of ``AttentionStep``: G static rows (a ``StaticBatch``, one row per
+request), device-only ops and no data-dependent shape, so a CUDA graph captures it.
+
+Decode makes the flow simpler than ``TorchAttention``'s: the window ring is written first and then
+read whole (it holds the current row), a ratio-2 group's other member is always in the slot's fp32
+partial rows, and the indexer scores a fixed width of ``max_blocks · entries per block`` entries
+gathered from the pool through the block tables, masked at each row's visible count.
+
+Two forms of the three ops: with ``kernels`` (the "triton" path) kernels/compressor.py
+``compress_layer``, kernels/indexer.py ``indexer_select`` (FP4 keys read straight from the pool) and
+kernels/decode_attention.py (CUDA, or interpreted copies for CPU tests); without (the "reference"
+path) the static torch ops below (``static_compress``, ``static_index_select``, ``static_attend``:
+CPU tests, bit-identity with ``TorchAttention``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from model.deepseek_v41.attention import Attention
+from model.deepseek_v41.indexer import select_entries
+from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
+from model.deepseek_v41.rope import apply_rope, rope_angles
+from services.worker.cache_engine import CacheEngine
+from services.worker.static_batch import StaticBatch
+
+ATTENTION = ("reference", "triton")  # the static torch ops / the kernels
+
+
+@dataclass
+class StaticSparse:
+    """What the nearest KV / index source published this step (spec §3.4), over the G rows."""
+
+    ratio: int = 0
+    source: int | None = None  # the KV source layer whose pool holds the entries
+    keys: torch.Tensor | None = None  # reference: [G, W, di] fp32 index keys of every row's entries 0…W−1
+    selected: torch.Tensor | None = None  # [G, ≤topk] int32 pool slots (−1 = none)
+    candidates: torch.Tensor | None = None  # reference: bool [G, W] entries; triton: uint8 [G, ⌈W/CB⌉] blocks
+
+
+def step_kernels(kernels: object | None) -> SimpleNamespace:
+    """The "triton" path's modules (decode_attention, compressor, indexer) from ``kernels`` (a KernelSet:
+    the runner's, or interpreted copies for CPU tests) where it has them, else the compiled ones."""
+    interpreted = bool(getattr(kernels, "interpreted", False))
+
+    def module(name: str) -> ModuleType:
+        found = getattr(kernels, name, None)
+        if found is None and interpreted:
+            raise ValueError(f"the interpreted kernel set has no {name}: load it too (tests/kernels/interpret.py)")
+        return found if found is not None else importlib.import_module(f"kernels.{name}")
+
+    return SimpleNamespace(decode_attention=module("decode_attention"), compressor=module("compressor"),
+                           indexer=module("indexer"), interpreted=interpreted)
+
+
+class GraphAttention:
+    undoes_rope = True  # both forms undo it (the decode attention kernel's contract)
+
+    def __init__(self, cache: CacheEngine, rows: StaticBatch, kernels: SimpleNamespace | None,
+                 fp32_dots: bool | None) -> None:
+        """``kernels``: ``step_kernels``' modules for the "triton" path, None for "reference".
+        ``fp32_dots``: the attention kernel's dot precision, as the eager ``TritonAttention`` picks it
+        (precision "fp32" or interpreted kernels); None = fp32 for fp32 queries."""
+        self.cache, self.rows, self.kernels, self.fp32_dots = cache, rows, kernels, fp32_dots
+        self.sparse = StaticSparse()
+        hd = cache.layout.head_dim
+        self._no_pool = torch.zeros(1, 1, hd // 2 + hd // 16, dtype=torch.uint8, device=rows.device)  # ratio 0
+        self._no_selection = torch.zeros(rows.num_rows, 0, dtype=torch.int32, device=rows.device)
+
+    def reset(self) -> None:
+        """Forget what the previous run's KV and index sources published (a run starts at layer 0)."""
+        self.sparse = StaticSparse()
+
+    def compress(self, attn: Attention, x: torch.Tensor) -> None:
+        """Every row's would-be group entry to its ``entry_slots`` (pool slot 0 where the row closes no
+        group) and, for ratio 2, its fp32 (value, gate) to its slot's partial rows. x [G, D]."""
+        r, cache = self.rows, self.cache
+        keys = None
+        if self.kernels is None:
+            static_compress(attn, x, cache, r.state_slots, r.positions, r.entry_slots[attn.ratio])
+            epb = cache.layout.source(attn.layer).entries_per_block
+            keys = read_keys(cache, attn.layer, r.block_tables, r.max_blocks * epb)
+        else:
+            # Each row is its own request, its first and last position this step; the kernel reads the
+            # group's other member from the partial row of p − 1, so placeholder rows (p = 0) act at p = 1
+            # (live rows have p ≥ 1: prepare checks it), all inside the null slot 0 and block 0.
+            pos = r.positions.clamp_min(1)  # [G]
+            batch = SimpleNamespace(positions=pos, row_requests=r.rows, first=pos, query_start=r.query_start,
+                                    seqlens_k=pos + 1, state_slots=r.state_slots,
+                                    entry_writes={attn.ratio: (r.rows, r.entry_slots[attn.ratio])})
+            options = {"dot_fp32": True} if self.kernels.interpreted else {}
+            self.kernels.compressor.compress_layer(cache, batch, attn, x, **options)
+        self.sparse = StaticSparse(attn.ratio, attn.layer, keys)
+
+    def select(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor) -> None:
+        ratio, sparse, r = attn.ratio, self.sparse, self.rows
+        if sparse.ratio != ratio or sparse.source is None:
+            raise ValueError(f"layer {attn.layer} needs a preceding KV source with ratio {ratio}")
+        if attn.indexer is None:
+            return  # reuse the nearest index source's selection
+        epb = self.cache.layout.source(sparse.source).entries_per_block
+        if self.kernels is None:
+            visible = (r.positions + 1) // ratio  # [G]
+            entries, candidates = static_index_select(attn, x, q_latent, angles, sparse.keys, visible,
+                                                      sparse.candidates)
+        else:
+            entries, candidates = self._index_kernel(attn, x, q_latent, angles, epb)
+        sparse.selected = reference.entry_slots(entries, r.block_tables, epb)  # int32 pool slots
+        sparse.candidates = candidates
+
+    def attend(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        r, cache = self.rows, self.cache
+        cache.write_window(attn.layer, r.state_slots, r.ring_slots, k)  # the ring now holds the row itself
+        pool, selected = self._no_pool, self._no_selection
+        if attn.ratio:
+            pool, selected = cache.entries(self.sparse.source)[0], self.sparse.selected
+        args = (q, cache.ring(attn.layer), r.state_slots, r.positions, attn.window, pool, selected)
+        if self.kernels is None:
+            return static_attend(*args, attn.attn_sink, attn.freqs, attn.head_dim**-0.5)
+        return self.kernels.decode_attention.sparse_decode_attention(
+            q.contiguous(), *args[1:], attn.attn_sink.float(), attn.freqs, attn.head_dim**-0.5,
+            dot_fp32=self._fp32_dots(q))  # [G, H, hd], RoPE undone
+
+    def _fp32_dots(self, q: torch.Tensor) -> bool:
+        if self.kernels.interpreted:
+            return True  # no bf16 tl.dot in the interpreter
+        return q.dtype == torch.float32 if self.fp32_dots is None else self.fp32_dots
+
+    def _index_kernel(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
+                      entries_per_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``static_index_select`` by kernels/indexer.py over the same W = B · epb entries, the keys read
+        from the pool through the block tables: (entry ids int32 [G, ≤topk] ascending, −1 = none; the
+        candidate block mask uint8 [G, ⌈W/CB⌉] to carry, or None)."""
+        idx, sparse, r = attn.indexer, self.sparse, self.rows
+        query = fake_quant_indexer(idx.query(q_latent, angles))  # [G, Hi, di]
+        w = idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)  # [G, Hi], as scores_quantized
+        entries, picked = self.kernels.indexer.indexer_select(
+            query.contiguous(), w.float(), self.cache.entries(sparse.source)[1], r.block_tables, r.positions,
+            attn.ratio, r.max_blocks * entries_per_block, index_topk=attn.index_topk,
+            candidates=sparse.candidates if attn.uses_candidates else None,
+            candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
+            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted)
+        return entries, picked if attn.is_candidate_source else sparse.candidates
+
+
+# ---- the "reference" path's static torch ops, over the G rows ----------------------------------------
+
+
+def static_index_select(attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
+                        keys: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Indexer scores over each row's W entries, candidate blocks, top-k (model/deepseek_v41/indexer.py
+    semantics, lower index first among ties). x [G, D], q_latent [G, q_lora], angles [G, P], keys
+    [G, W, di], visible [G] → (entry ids [G, ≤topk] ascending, −1 = none; candidates [G, W] to carry)."""
+    query = fake_quant_indexer(attn.indexer.query(q_latent, angles))  # [G, Hi, di]
+    scores = attn.indexer.scores_quantized(query.unsqueeze(1), x.unsqueeze(1), keys, visible.unsqueeze(1))
+    scores, candidates = attn.restrict_to_candidates(scores, visible.unsqueeze(1), candidates)  # [G, 1, W]
+    return select_entries(scores, attn.index_topk)[:, 0], candidates
+
+
+def static_compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_slots: torch.Tensor,
+                    positions: torch.Tensor, entry_slots: torch.Tensor) -> None:
+    """Every row's would-be group entry (spec §3.6) to ``entry_slots`` (pool slot 0 where the row
+    closes no group), and, for ratio 2, the row's fp32 (value, gate) to its slot's partial rows; the
+    group's other member comes from those rows (decode: it arrived in an earlier step). x [G, D]."""
+    comp, ratio, layer = attn.compressor, attn.ratio, attn.layer
+    if ratio == 1:
+        latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))  # [G, hd]
+    else:
+        values, gates = comp.project(x)  # [G, hd] fp32
+        partial = cache.partial(layer)
+        earlier = partial[state_slots, (positions - 1) % partial.shape[1]]  # [G, 2, hd], read before the write
+        latent = comp.pool(torch.stack((earlier[:, 0], values), 1), torch.stack((earlier[:, 1], gates), 1), x.dtype)
+        cache.write_partial(layer, state_slots, positions, values, gates)
+    angles = rope_angles(positions - ratio + 1, attn.freqs)  # at the group's first token
+    idx = attn.indexer
+    kv = apply_rope(latent, angles)
+    keys = apply_rope(idx.k_norm(idx.wk(latent)), angles)
+    cache.write_entries(layer, entry_slots, kv, keys)
+
+
+def static_attend(q: torch.Tensor, ring: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor,
+                  window: int, kv_pool: torch.Tensor, selected: torch.Tensor, sink: torch.Tensor, freqs: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Sparse decode attention over the ring (written this step) and the selected pool slots, sink
+    and undo-RoPE: ``kernels.reference.sparse_decode_attention`` (the "triton" path calls
+    kernels/decode_attention.py's, same contract)."""
+    return reference.sparse_decode_attention(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs,
+                                             scale)
+
+
+def read_keys(cache: CacheEngine, layer: int, block_tables: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 index keys [G, width, di] of entries 0…width−1 through each row's block table [G, B]
+    (``CacheEngine.read_entries`` without the KV half, which only the attention reads)."""
+    epb = cache.layout.source(layer).entries_per_block
+    e = torch.arange(width, device=block_tables.device)
+    raw = cache.entries(layer)[1][block_tables[:, e // epb], e % epb]  # [G, W, key bytes]
+    half = cache.layout.index_head_dim // 2
+    return dequantize_fp4_cache(raw[..., :half], raw[..., half:].view(torch.float8_e8m0fnu), INDEXER_BLOCK)

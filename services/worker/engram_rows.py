@@ -1,0 +1,47 @@
+"""Engram's table rows for a step's rows, from the state slots' compressed-id history (spec §3.8).
+
+A row at position p hashes the compressed ids of positions p, p−1, …, p−max_ngram+1: those from this
+step's rows are computed here, the earlier ones are read from the slot's history (read before this
+step writes it; writes keep only each request's last ``size`` positions, so a position-mod-size
+index never collides within one step). Positions before the start take the pad's id.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.deepseek_v41.engram import EngramHasher
+from services.worker.cache_engine import CacheEngine
+from services.worker.step_batch import StepBatch
+
+
+def engram_rows(cache: CacheEngine, batch: StepBatch, hasher: EngramHasher) -> torch.Tensor:
+    """Table rows [1, R, L, heads] of every row of ``batch``; writes the rows' compressed ids to the history."""
+    b, history = batch, cache.engram_history()
+    size = history.shape[1]
+    comp = hasher.token_map[b.input_ids]  # [R]
+    carried = history[b.state_slots].long()  # [N, size], read before this step's writes
+    look = b.positions.unsqueeze(-1) - torch.arange(hasher.max_ngram, device=b.device)  # [R, m]: p, p−1, …
+    in_step = look >= b.row_first().unsqueeze(-1)
+    tokens = torch.where(in_step, comp[b.row_index(b.row_requests, look)],
+                         carried[b.row_requests.unsqueeze(-1), look % size])
+    tokens = torch.where(look >= 0, tokens, hasher.pad)  # before the start: the pad's id
+    tail = b.tail(size)
+    history[b.state_slots[b.row_requests][tail], b.positions[tail] % size] = comp[tail].to(torch.int32)
+    return hasher.rows(tokens.unsqueeze(0))
+
+
+def static_engram_rows(cache: CacheEngine, hasher: EngramHasher, input_ids: torch.Tensor, positions: torch.Tensor,
+                       state_slots: torch.Tensor) -> torch.Tensor:
+    """``engram_rows`` for G static decode rows, one per request (only position p itself is this step's),
+    with device ops and fixed shapes only (graph-safe): input_ids, positions, state_slots [G] →
+    [1, G, L, heads]."""
+    history = cache.engram_history()
+    size = history.shape[1]
+    comp = hasher.token_map[input_ids]  # [G]
+    look = positions.unsqueeze(-1) - torch.arange(hasher.max_ngram, device=positions.device)  # [G, m]: p, p−1, …
+    carried = history[state_slots.unsqueeze(-1), look % size].long()  # read before the write below
+    tokens = torch.cat((comp.unsqueeze(-1), carried[:, 1:]), dim=1)
+    tokens = torch.where(look >= 0, tokens, hasher.pad)  # before the start: the pad's id
+    history[state_slots, positions % size] = comp.to(torch.int32)
+    return hasher.rows(tokens.unsqueeze(0))
