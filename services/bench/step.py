@@ -197,7 +197,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 def _command(args: argparse.Namespace) -> str:
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
              if k in ("model", "layers", "backend", "quick", "no_graphs", "no_compare", "no_async", "profile",
-                      "batches", "contexts", "prefill_tokens")
+                      "batches", "contexts", "prefill_tokens", "batch_invariant")
              and v not in (None, False)]
     return " ".join(["shinkai bench step", *flags])
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from kernels.fp8_weights import stack_gate_up
-from kernels import reference
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
@@ -152,7 +151,11 @@ class KernelMoE(nn.Module):
         gate_up = torch.bmm(a, self.w13.transpose(1, 2))  # [E+1, cap, 2I]
         h = clamped_swiglu(gate_up[..., : self.intermediate], gate_up[..., self.intermediate :], self.limit)
         y = torch.bmm(h * meta["route_w"].unsqueeze(-1), self.w2.transpose(1, 2))  # [E+1, cap, D]
-        return reference.moe_combine(y, meta["slot_of"], shared_last=True)
+        rows, slot_of = y.view(-1, y.shape[-1]), meta["slot_of"]
+        out = torch.zeros_like(rows[: slot_of.shape[0]])
+        for j in (slot_of.shape[1] - 1, *range(slot_of.shape[1] - 1)):  # the shared expert first, then top-k order
+            out = out + rows[slot_of[:, j]]
+        return out
 
     def extra_repr(self) -> str:
         padded = f" (padded to {round_up(self.intermediate)}/{round_up(self.hidden)})" if self.precision == "fp8" else ""
