@@ -135,6 +135,10 @@ class Generation:
         self.stream.close()
 
 
+MAX_ID_BYTES = 256
+"""The longest client_request_id, request_id or model name either API takes (UTF-8 bytes)."""
+
+
 def scoped(client_request_id: str, owner: str | None) -> str:
     """The client_request_id the engines know: the client's inside its key's namespace, when keys are on."""
     return client_request_id if owner is None else f"{owner}/{client_request_id}"

@@ -20,14 +20,13 @@ from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.auth import Keys, grpc_authorization
 from services.gateway.errors import ApiError
-from services.gateway.frontend import Frontend, GenerateArgs, finite_logprob
+from services.gateway.frontend import MAX_ID_BYTES, Frontend, GenerateArgs, finite_logprob
 from services.gateway.json_body import DEFAULT_MAX_BODY_BYTES
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
 SERVICE = "shinkai.v1.Shinkai"
 # Caps on every string and repeated field of a request (INVALID_ARGUMENT naming the field past them). The
 # request id comes back in every streamed message, so its cap also bounds what a stream repeats.
-MAX_ID_BYTES = 256  # client_request_id, request_id, model
 MAX_TEXT_BYTES = DEFAULT_MAX_BODY_BYTES  # text, and all chat contents together: the HTTP body limit
 MAX_CHAT_MESSAGES = 4096  # chat.messages
 MAX_ROLE_BYTES = 32  # chat.messages[].role

@@ -22,7 +22,7 @@ from observability import tracing
 from services.gateway import errors
 from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
-from services.gateway.frontend import Frontend, Generation, Piece, finite_logprob
+from services.gateway.frontend import MAX_ID_BYTES, Frontend, Generation, Piece, finite_logprob
 from services.gateway.openapi import openapi_schema
 from services.gateway.probe import probe
 from services.gateway.openai_protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
@@ -194,11 +194,13 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         parsed.args.owner = owner
+        parsed.args.client_request_id = _client_request_id(request)
         generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
+        id_header = {"X-Request-Id": generation.client_request_id}  # as vLLM: the caller's id, else the request's
         if parsed.stream:
             return StreamingResponse(_stream(fmt, generation, parsed.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **id_header})
         try:
             pieces = await _collect_while_connected(request, generation)
         finally:
@@ -206,7 +208,17 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         if pieces is None:
             return Response(status_code=499)  # nobody reads it: the client has gone
         await fmt.resolve(pieces)
-        return JSONResponse(fmt.body(pieces))
+        return JSONResponse(fmt.body(pieces), headers=id_header)
+
+    def _client_request_id(request: Request) -> str | None:
+        """The caller's own id for the request (the X-Request-Id header, which Abort then takes), or None."""
+        given = request.headers.get("x-request-id")
+        if given is None:
+            return None
+        if not given or len(given.encode()) > MAX_ID_BYTES:
+            raise errors.invalid(f"X-Request-Id is {len(given.encode())} bytes; it must be 1 to {MAX_ID_BYTES}",
+                                 "X-Request-Id")
+        return given
 
     async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
         try:

@@ -43,6 +43,20 @@ def test_the_response_id_carries_the_request_id(client):
     assert ids[0] != ids[1]
 
 
+def test_x_request_id_names_the_request_and_comes_back(client):
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1,
+                                                      extra_headers={"X-Request-Id": "my-run-7"})
+    assert raw.headers["x-request-id"] == "my-run-7"
+    assert re.fullmatch(r"cmpl-req-[0-9a-f]{32}", raw.parse().id)  # the request_id stays the gateway's
+    plain = client.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1)
+    assert plain.headers["x-request-id"] == plain.parse().id.removeprefix("cmpl-")  # none given: the request_id
+    with client.completions.with_streaming_response.create(model="tiny", prompt="Hi", max_tokens=1, stream=True,
+                                                            extra_headers={"X-Request-Id": "s-1"}) as streamed:
+        assert streamed.headers["x-request-id"] == "s-1"
+    with pytest.raises(openai.BadRequestError, match="X-Request-Id is 257 bytes"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "x" * 257})
+
+
 def test_streamed_completion_equals_the_plain_one(client):
     plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3)
     chunks = list(client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3, stream=True,
