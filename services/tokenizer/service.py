@@ -10,19 +10,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import prometheus_client as prom
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, load_tokenizer, load_v41_tokenizer, v41_tokenizer_path
 from observability import metrics as names
 from observability import tracing
+from services.grpc_host import serve_until_signalled
 from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
 from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer
@@ -157,27 +156,8 @@ async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> 
     server = grpc.aio.server()
     api = TokenizerApi(tokenizer, bos)
     server.add_generic_rpc_handlers((api.handler(),))
-    if metrics_port is not None:
-        http, _ = prom.start_http_server(metrics_port, addr=grpc_addr.rsplit(":", 1)[0], registry=api.registry)
-        metrics_port = http.server_port
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(grpc_addr)
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "service": "tokenizer", "grpc_port": port, "metrics_port": metrics_port}),
-          flush=True)
-    await stop.wait()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=5.0)
-    print(json.dumps({"event": "stopped", "service": "tokenizer"}), flush=True)
-    return 0
+    return await serve_until_signalled(server, service="tokenizer", health_name=SERVICE, grpc_addr=grpc_addr,
+                                       metrics_port=metrics_port, registry=api.registry)
 
 
 def main(argv: list[str] | None = None) -> int:
