@@ -326,7 +326,8 @@ def test_a_fork_continues_from_copied_blocks_and_slot():
     assert child and min(child) == start
     reference = reference_in_mode(c)
     for p in child:
-        assert torch.equal(logits[("child", p)], reference[b, p]) and torch.equal(logits[("child", p)], logits[(parent, p)])
+        assert torch.equal(logits[("child", p)], reference[b, p])
+        assert torch.equal(logits[("child", p)], logits[(parent, p)])
 
 
 def test_a_plan_for_another_ring_size_is_refused():
