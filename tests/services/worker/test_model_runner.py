@@ -81,7 +81,7 @@ def _build(name: str, device: str) -> Case:
         keys += [(layer, "idx4q")] if a.ratio and a.indexer is not None else []
     assert [ROUNDING[k][0] for _, k in keys] == [c.kind for c in rec.quant]
     exempt = {rid: len(s) for rid, s in zip(seqs, fed)}
-    for b, pos, _ in topk_margins(rec, *ids.shape)[1]:
+    for b, pos, _ in topk_margins(rec, *ids.shape, margin=tol.SAME_MODEL_TOPK_MARGIN_MIN)[1]:
         rid = f"r{b}"
         exempt[rid] = min(exempt[rid], pos)
     return Case(model, seqs, reference, dict(zip(keys, rec.quant)), exempt)
