@@ -12,6 +12,7 @@ import torch
 from model.deepseek_v41 import mhc as ref
 from model.deepseek_v41.presets import TINY, V41_S1
 from tests.kernels.interpret import interpreter, load_interpreted
+from tests.tolerances import BF16_CAST_REL, FP32_REORDER_REL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,7 +52,7 @@ partial sums against cuBLAS fp32), and the first H200 run measured 2.6e-5 apart 
 the forced single split: fp32 reordering noise over 20K terms (√N·2⁻²⁴·Σ|terms| ~ 1e-5), not a fault."""
 
 
-def _check_mix(got, expect: ref.Mix, rel: float = 1e-5) -> None:
+def _check_mix(got, expect: ref.Mix, rel: float = FP32_REORDER_REL) -> None:
     for name in ("pre", "post", "comb"):
         a, b = getattr(got, name), getattr(expect, name).reshape(getattr(got, name).shape)
         assert torch.allclose(a, b, rtol=rel, atol=rel), (name, float((a - b).abs().max()))
@@ -59,7 +60,7 @@ def _check_mix(got, expect: ref.Mix, rel: float = 1e-5) -> None:
 
 def _bf16_close(out: torch.Tensor, expect: torch.Tensor) -> None:
     # fp32 maths in a different order, then one rounding: at most one bf16 step apart (2^-8 relative).
-    assert torch.all((out.float() - expect.float()).abs() <= 2.0**-7 * expect.float().abs() + 1e-5)
+    assert torch.all((out.float() - expect.float()).abs() <= BF16_CAST_REL * expect.float().abs() + 1e-5)
 
 
 CASES = [(1, 64, torch.float32), (5, 128, torch.bfloat16), (3, 256, torch.float32), (33, 64, torch.float32),
@@ -93,10 +94,10 @@ def test_mix_collapse_expand_interpreted(num_tokens, dim, dtype):
     assert got.h is not None and split.x is None
     x_ref = _ref_collapse(h, pre_prev)
     if dtype == torch.float32:
-        torch.testing.assert_close(got.x, x_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(x, x_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(e, h_new, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(fused.h, h_new, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.x, x_ref, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
+        torch.testing.assert_close(x, x_ref, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
+        torch.testing.assert_close(e, h_new, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
+        torch.testing.assert_close(fused.h, h_new, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
     else:
         for out, expect in ((got.x, x_ref), (x, x_ref), (e, h_new), (fused.h, h_new)):
             assert out.dtype == dtype
@@ -108,7 +109,7 @@ def test_mix_collapse_expand_interpreted(num_tokens, dim, dtype):
         _check_mix(fused.mix, mix_f)
     x_f = _ref_collapse(fused.h, mix_a.pre)
     if dtype == torch.float32:
-        torch.testing.assert_close(fused.x, x_f, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.x, x_f, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
     else:
         _bf16_close(fused.x, x_f)
 
@@ -146,9 +147,9 @@ def test_tiny_preset_layer_chain_interpreted():
             pre_r = mix_f.pre
         y_r = ref.collapse(h_r, pre_r)
     for x, x_r in zip(xs, xs_r):
-        torch.testing.assert_close(x.view(x_r.shape), x_r, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(h_last.view(h_r.shape), h_r, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y.view(y_r.shape), y_r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.view(x_r.shape), x_r, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
+    torch.testing.assert_close(h_last.view(h_r.shape), h_r, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
+    torch.testing.assert_close(y.view(y_r.shape), y_r, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
 
 
 def test_bench_problem_builds_on_cpu():

@@ -7,6 +7,7 @@ import torch
 
 from kernels import reference
 from tests.kernels.interpret import interpreter, load_interpreted
+from tests.tolerances import BF16_CAST_REL, FP32_REORDER_REL
 
 
 @pytest.mark.parametrize(
@@ -21,7 +22,7 @@ def test_rmsnorm_interpreted_matches_reference(rows, channels, dtype):
     ref = reference.rmsnorm(x, w, 1e-20)
     assert y.dtype == dtype and y.shape == x.shape
     # The interpreter casts fp32 → bf16 by truncation: allow one bf16 ulp (2^-7 relative).
-    tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    tol = BF16_CAST_REL if dtype == torch.bfloat16 else FP32_REORDER_REL
     assert torch.all((y.float() - ref.float()).abs() <= tol * ref.float().abs() + 1e-6)
 
 
@@ -33,7 +34,7 @@ def test_rmsnorm_interpreted_strided_rows_and_zero_row():
     w = torch.randn(200, generator=gen)
     with interpreter():
         y = load_interpreted("rmsnorm").rmsnorm(x, w, 1e-20)
-    torch.testing.assert_close(y, reference.rmsnorm(x, w, 1e-20), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, reference.rmsnorm(x, w, 1e-20), rtol=FP32_REORDER_REL, atol=1e-6)
     assert torch.all(y[3] == 0)
 
 
@@ -49,4 +50,4 @@ def test_rmsnorm_gpu_matches_reference(rows):
     rmsnorm(x, w, 1e-20, out=y)
     ref = reference.rmsnorm(x, w, 1e-20)
     # Same fp32 maths, different summation order: at most one bf16 rounding step apart.
-    assert torch.all((y.float() - ref.float()).abs() <= 2.0**-7 * ref.float().abs() + 1e-6)
+    assert torch.all((y.float() - ref.float()).abs() <= BF16_CAST_REL * ref.float().abs() + 1e-6)

@@ -191,10 +191,11 @@ def boundary_distance(call: QuantCall) -> torch.Tensor:
     return quant_boundary.fp4_boundary_distance(call.before, quant.INDEXER_BLOCK, "e8m0")
 
 
-def topk_margins(rec: Recording, batch: int, seq_len: int) -> tuple[float, list[tuple[int, int, float]]]:
+def topk_margins(rec: Recording, batch: int, seq_len: int, margin: float = tol.TOPK_MARGIN_MIN
+                 ) -> tuple[float, list[tuple[int, int, float]]]:
     """Gaps between the k-th and (k+1)-th value of every recorded top-k row.
 
-    Returns the smallest gap (∞ if none) and the near ties [(row, position, gap)] below TOPK_MARGIN_MIN.
+    Returns the smallest gap (∞ if none) and the near ties [(row, position, gap)] below ``margin``.
     Rows are [B, S, ·] (indexer entries, candidate blocks) or [B·S, ·] (MoE routing).
     """
     smallest, ties = float("inf"), []
@@ -207,7 +208,7 @@ def topk_margins(rec: Recording, batch: int, seq_len: int) -> tuple[float, list[
         gap = torch.where(torch.isfinite(kth) & torch.isfinite(nxt), kth - nxt, torch.full_like(kth, float("inf")))
         gap = gap.reshape(batch, seq_len)
         smallest = min(smallest, float(gap.min()))
-        for b, s in zip(*torch.where(gap < tol.TOPK_MARGIN_MIN)):
+        for b, s in zip(*torch.where(gap < margin)):
             ties.append((int(b), int(s), float(gap[b, s])))
     return smallest, ties
 

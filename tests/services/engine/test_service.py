@@ -10,14 +10,16 @@ from services.engine.service import EngineService, QueueFull
 pytestmark = pytest.mark.timeout(120)
 
 
+# Batch-invariant mode (docs/batch-invariance.md): the service's step loop batches the streams in other
+# steps than LLM.generate does, and in this mode that cannot move a bit, so logprobs compare under ==.
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny")
+    return LLM("tiny", batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return LLM("tiny")  # driven synchronously by LLM.generate, never by a service
+    return LLM("tiny", batch_invariant=True)  # driven synchronously by LLM.generate, never by a service
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def test_streams_match_llm_generate_for_the_same_seed(service, llm, reference):
     expected = reference.generate(prompts, params)
     for deltas, out in zip(results, expected):
         assert [t for d in deltas for t in d.token_ids] == out.token_ids
-        assert [x for d in deltas for x in d.logprobs] == pytest.approx(out.logprobs)
+        assert [x for d in deltas for x in d.logprobs] == out.logprobs
         assert [d.finish_reason for d in deltas][-1] == out.finish_reason == "length"
         assert all(d.finish_reason is None for d in deltas[:-1])
         assert deltas[-1].num_output_tokens == len(out.token_ids)

@@ -51,10 +51,13 @@ def pools_whole(stats: EngineStats) -> bool:
             and stats.num_running == stats.num_waiting == 0)
 
 
+# Both engines in batch-invariant mode (docs/batch-invariance.md): the server batches a request with whatever
+# else is in flight, LLM.generate runs it alone, and in this mode that cannot move a bit, so texts and
+# logprobs compare under ==.
 @pytest.fixture(scope="package")
 def served():
-    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, max_queued=300,
-                                      drain_timeout_s=10, engine_args={"max_num_seqs": 32})).start()
+    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, max_queued=300, drain_timeout_s=10,
+                                      engine_args={"max_num_seqs": 32, "batch_invariant": True})).start()
     yield thread
     thread.stop()
     assert pools_whole(thread.server.engine.stats())
@@ -63,4 +66,4 @@ def served():
 @pytest.fixture(scope="package")
 def reference_llm():
     """A second tiny model with the same weights, driven only by LLM.generate."""
-    return LLM("tiny", max_num_seqs=32)
+    return LLM("tiny", max_num_seqs=32, batch_invariant=True)

@@ -35,9 +35,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def remote_llm():
-    proc, address = start_worker()
+    # Batch-invariant mode in both processes: outside it, the same plans at the same thread count may differ in
+    # the last bit across processes (at several threads the BLAS's split is not promised to repeat).
+    proc, address = start_worker("--batch-invariant")
     remote_worker = RemoteWorker(address)
-    llm = LLM("tiny", worker=remote_worker)
+    llm = LLM("tiny", worker=remote_worker, batch_invariant=True)
     remote_worker.check_model(llm.source)
     yield llm
     remote_worker.close()
@@ -49,12 +51,12 @@ def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
     params = [SamplingParams(max_tokens=5, seed=3, logprobs=2), SamplingParams(max_tokens=4, temperature=0),
               SamplingParams(max_tokens=3, seed=9, top_p=0.9, top_k=50),
               SamplingParams(max_tokens=3, seed=4, logprobs=1, forced_token_ids=(7, 8), logit_bias={9: 40.0, 10: -2.0})]
-    local = LLM("tiny").generate(prompts, params)
+    local = LLM("tiny", batch_invariant=True).generate(prompts, params)
     llm = remote_llm
     remote = llm.generate(prompts, params)
     for a, b in zip(local, remote):
         assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
-        assert a.logprobs == pytest.approx(b.logprobs, abs=0)
+        assert a.logprobs == b.logprobs
         assert a.top_logprobs == b.top_logprobs
     assert remote[3].token_ids == [7, 8, 9]  # forced twice, then the +40 bias: both crossed the protocol
     stats = llm.stats()
