@@ -23,6 +23,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=50)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--profile-alone", type=int, default=0, metavar="N",
+                   help="profile the first N alone runs (cProfile, top functions by own time to stderr)")
     args = p.parse_args()
 
     import torch
@@ -49,22 +51,39 @@ def main() -> int:
     batch = llm.generate(prompts, [params(1000 + k) for k in range(args.num_prompts)])
     out["batch_s"] = round(time.perf_counter() - t0, 1)
     print(f"batch done in {out['batch_s']} s", file=sys.stderr, flush=True)
+    runner = llm.engine.worker.runner
+
+    def counters() -> tuple[int, int]:
+        return getattr(runner, "num_replays", 0), getattr(runner, "num_eager", 0)
+
     t0 = time.perf_counter()
     differ = []
     for k, (prompt, together) in enumerate(zip(prompts, batch)):
-        alone = llm.generate(prompt, params(7 + k, tuple(together.token_ids)))[0]
+        t_prompt, (replays, eager) = time.perf_counter(), counters()
+        if k < args.profile_alone:
+            import cProfile
+            import pstats
+
+            with cProfile.Profile() as prof:
+                alone = llm.generate(prompt, params(7 + k, tuple(together.token_ids)))[0]
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        else:
+            alone = llm.generate(prompt, params(7 + k, tuple(together.token_ids)))[0]
+        timing = (f"{time.perf_counter() - t_prompt:.2f} s, {counters()[0] - replays} replays, "
+                  f"{counters()[1] - eager} eager steps")
         fields = {"token_ids": (alone.token_ids, together.token_ids), "logprobs": (alone.logprobs, together.logprobs),
                   "top_logprobs": (alone.top_logprobs, together.top_logprobs)}
         bad = {name: next(i for i, (a, b) in enumerate(zip(*pair)) if a != b)
                for name, pair in fields.items() if pair[0] != pair[1]}
-        print(f"prompt {k} alone: {'differs ' + str(bad) if bad else 'equal'}", file=sys.stderr, flush=True)
+        print(f"prompt {k} ({len(prompt)} tokens) alone: {'differs ' + str(bad) if bad else 'equal'} ({timing})",
+              file=sys.stderr, flush=True)
         if bad:
             i = min(bad.values())
             differ.append({"prompt": k, "first_index": bad, "alone": alone.logprobs[i], "batch": together.logprobs[i]})
     out["alone_s"] = round(time.perf_counter() - t0, 1)
     out["equal"] = args.num_prompts - len(differ)
     out["differ"] = differ[:8]
-    out["graph_replays"] = getattr(llm.engine.worker.runner, "num_replays", None)
+    out["graph_replays"], out["eager_steps"] = counters()
     print(json.dumps(out), flush=True)
     return 0 if not differ else 1
 
