@@ -62,13 +62,16 @@ if [ "${PHASE:-checkpoint}" = checkpoint ]; then
     dd if="$big" of=/dev/null bs=64M count=64 iflag=direct 2>&1 | tail -1 | tee -a "$out/dd.txt"
     sync; echo 3 > /proc/sys/vm/drop_caches && note '{"what": "page_cache", "dropped": true}'
     pid=$(memwatch load)
-    ready_wait --model "$ckpt" --max-num-seqs 16 --max-model-len 1024 --gpu-memory-utilization 0.9
+    # The batch-invariant mode on both halves: greedy tokens are then == whatever each side's pools, graph
+    # sizes and attention splits (the default mode's fp32 sums differ with max_model_len, and random
+    # weights turn that into different tokens).
+    ready_wait --model "$ckpt" --max-num-seqs 16 --max-model-len 1024 --gpu-memory-utilization 0.9 --batch-invariant
     kill "$pid"
     timeout 120 python3 scripts/gpu_serve_check.py http --url "http://127.0.0.1:$port/v1" --model "$ckpt" \
         --out "$out/http-checkpoint.json" | tail -c 1500
     stop checkpoint
     timeout 240 python3 scripts/gpu_serve_check.py offline --model "$ckpt" --greedy "$out/http-checkpoint.json" \
-        --num-requests 16 --greedy-only --out "$out/offline-checkpoint.json" 2>&1 \
+        --num-requests 16 --max-tokens 448 --greedy-only --batch-invariant --out "$out/offline-checkpoint.json" 2>&1 \
         | grep -v "it/s\]" | tail -20
 fi
 

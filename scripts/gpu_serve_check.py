@@ -66,7 +66,8 @@ def build(args: argparse.Namespace):
     max_model_len = args.prompt_tokens + args.max_tokens + 64
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=args.num_requests,
-              max_model_len=max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+              max_model_len=max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              batch_invariant=args.batch_invariant)
     out["ready_s"] = round(time.perf_counter() - t0, 1)
     out["pools"] = None if llm.pool_plan is None else llm.pool_plan.describe(max_model_len)
     print(json.dumps(out), flush=True)
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--decode-steps", type=int, default=20)
         q.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         q.add_argument("--greedy-only", action="store_true", help="only the greedy comparison")
+        q.add_argument("--batch-invariant", action="store_true",
+                       help="the batch-invariant mode (the served half must run it too for == tokens)")
     for q in (h, sv, o):
         q.add_argument("--prompt-tokens", type=int, default=512)
         q.add_argument("--max-tokens", type=int, default=128)
