@@ -25,9 +25,19 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--profile-alone", type=int, default=0, metavar="N",
                    help="profile the first N alone runs (cProfile, top functions by own time to stderr)")
+    p.add_argument("--log-compiles", action="store_true",
+                   help="print every Triton compile (kernel, constexprs, argument specialisation) to stderr")
     args = p.parse_args()
 
     import torch
+
+    if args.log_compiles:
+        from triton import knobs
+
+        def log_compile(*, repr: str, **_: object) -> None:  # Triton calls it before compiling; None: compile
+            print(f"compile {repr}", file=sys.stderr, flush=True)
+
+        knobs.runtime.jit_cache_hook = log_compile
 
     from services.engine import LLM, SamplingParams
 
