@@ -6,13 +6,11 @@ interpreted copies (tests/kernels/interpret.py) for CPU tests, which then run in
 FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 block
 (``kernels.fp8_weights.quantize_weight_block128``), the activations are quantised per token and per
 128 channels by ``kernels.quant_fp8.quantize_act``, and the product runs on the MoE grouped GEMM
-kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Why not
-``torch._scaled_mm``: torch 2.11 does accept block-wise (1×128 activation, 128×128 weight) fp32
-scales on sm_90 with cuBLASLt ≥ 12.9 (``torch/_meta_registrations.py``, the ``BlockWise1x128,
-BlockWise128x128`` case; ``common_methods_invocations.py`` gates its samples on exactly that), but it
-needs the activation scales K-major (a transpose per call), writes bf16 only, does not run under
-the Triton interpreter (so CPU CI could not test the path) and would not share the MoE's rounding.
-Revisit it for large prefill M, where the grouped GEMM's one-expert grid is only N/128 programs.
+kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Prefill's products
+of ``block_scaled_gemm.MIN_TOKENS`` rows or more take cuBLASLt's block-scaled GEMM instead
+(services/worker/block_scaled_gemm.py: the same operands and scales, bf16 out, Hopper tiles), where the
+grouped GEMM's one-expert grid is only N/128 programs wide; decode, the batch-invariant mode, fp32
+activations and the interpreter stay on the Triton GEMM.
 
 Dimensions that are not multiples of 128 (the tiny presets) are zero-padded at conversion: padded
 weight rows/columns are 0, padded activation channels are 0, so every product and every block
@@ -35,6 +33,7 @@ from torch import nn
 from kernels import invariance
 from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
+from services.worker import block_scaled_gemm
 
 PRECISIONS = ("fp8", "fp32")
 
@@ -188,6 +187,7 @@ class KernelLinear(nn.Module):
         self.precision, self.kernels = precision, kernels
         self.out_features, self.in_features = weight.shape
         self.inexact = 0
+        self.scale_b: torch.Tensor | None = None  # w_scale in cuBLASLt's layout, made on first use per device
         if precision == "fp8":
             q, scale, self.inexact = quantize_padded(weight.detach()[None])
             self.register_buffer("w", q)  # e4m3 [1, N', K']
@@ -205,7 +205,11 @@ class KernelLinear(nn.Module):
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-        if (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
+        if self._block_scaled(num_tokens, x):
+            if self.scale_b is None or self.scale_b.device != self.w.device:
+                self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
+            y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b)  # bf16 [T, N']
+        elif (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
                 and gemm.worth_splitting(self.w.shape[1], x.device)):
             # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py);
             # not in the batch-invariant mode, where the batch must not choose the kernel.
@@ -214,6 +218,11 @@ class KernelLinear(nn.Module):
             y = gemm.moe_grouped_gemm(a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
                                       out_dtype=out_dtype, block_m=linear_block_m(num_tokens), num_warps=4)[0]
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _block_scaled(self, num_tokens: int, x: torch.Tensor) -> bool:
+        """Prefill's bf16 rows on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM."""
+        return (num_tokens >= block_scaled_gemm.MIN_TOKENS and x.dtype == torch.bfloat16 and not invariance.active()
+                and not self.kernels.interpreted and block_scaled_gemm.available(x.device))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, precision={self.precision}"

@@ -1,0 +1,101 @@
+"""Prefill's dense FP8 products through cuBLASLt's block-scaled GEMM (``torch.nn.functional.scaled_mm``).
+
+The operands are the Triton one-expert GEMM's (services/worker/fp8_linear.py): e4m3 activations with one
+power-of-two scale per token and 128 channels (``kernels.quant_fp8.quantize_act``), and the e4m3 weight
+with one power-of-two scale per 128×128 block. Both GEMMs scale each 128-deep partial product by
+``a_scale · w_scale`` and sum the partials in fp32, so they differ only in summation order and in where
+the bf16 output is rounded from. What this one brings: Hopper GEMM tiles with TMA and warp
+specialisation, 577–1,187 TFLOP/s on the H200 at v41-s1's projections with 1K–16K tokens, against
+280–400 for the Triton GEMM (``shinkai bench kernels --only prefill_gemms`` measures both side by side).
+
+Layouts cuBLASLt takes on sm_90 (an error message names the expected shape or strides):
+- ``mat_a``: e4m3 [M, K], row-major; ``scale_a``: fp32 [M, K/128], M-major (strides (1, M));
+- ``mat_b``: the weight [N, K] passed as ``w.t()`` ([K, N], column-major);
+- ``scale_b``: fp32 [K_blocks, N/128] with strides (1, K_blocks), K_blocks = K/128 rounded up to a
+  multiple of 4 (the rows past K/128 hold 1.0 and meet no data);
+- the output is bf16 only.
+
+It is used outside the batch-invariant mode (where the kernel must not depend on the batch), for bf16
+activations with at least ``MIN_TOKENS`` rows, on a device where ``available`` holds: compute
+capability 9.x, a torch with the block-wise recipes, and a first product on that device that agrees
+with the dequantised fp32 product.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import GROUP, dequantize_weight_block128
+
+log = logging.getLogger(__name__)
+
+MIN_TOKENS = 1024
+"""Rows from which prefill takes this GEMM: the smallest M of the H200 measurements (1,024 × 32,768 × 1,280:
+577 against the Triton GEMM's ~300 TFLOP/s). Decode's rows (≤ 256, graph-captured) stay on Triton."""
+
+PROBE_REL = 2.0**-7
+"""The probe's bound, relative Frobenius error of the bf16 output against the fp32 product of the same
+e4m3 operands and scales: the output's one round-to-nearest cast is ≤ 2^-9 relative (RMS about 1.7e-3 on
+random data); summation order and the tensor cores' accumulation inside a 128-deep block are far below
+it. A wrong scale layout is off by factors of 2 or more."""
+
+_AVAILABLE: dict[torch.device, bool] = {}
+
+
+def scale_b(w_scale: torch.Tensor) -> torch.Tensor:
+    """The weight's block scales fp32 [N/128, K/128] → cuBLASLt's [K_blocks, N/128] with strides (1, K_blocks)."""
+    nb, kb = w_scale.shape
+    k_blocks = -(-kb // 4) * 4
+    padded = torch.ones(nb, k_blocks, dtype=torch.float32, device=w_scale.device)
+    padded[:, :kb] = w_scale
+    return padded.t()
+
+
+def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor) -> torch.Tensor:
+    """(e4m3 [M, K], fp32 [M, K/128]) · (e4m3 [N, K])ᵀ with ``scale_b(w_scale)`` → bf16 [M, N]."""
+    q, s = a
+    recipe_a, recipe_b = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    return F.scaled_mm(q, w.t(), s.t().contiguous().t(), recipe_a, w_scale_b, recipe_b, output_dtype=torch.bfloat16)
+
+
+def available(device: torch.device) -> bool:
+    """Whether ``matmul`` runs and agrees on ``device`` (probed once per device, logged once)."""
+    device = torch.device(device)
+    if device not in _AVAILABLE:
+        _AVAILABLE[device] = _probe(device)
+    return _AVAILABLE[device]
+
+
+def _probe(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    if not hasattr(F, "scaled_mm") or not hasattr(F.ScalingType, "BlockWise128x128"):
+        log.info("torch %s has no block-wise scaled_mm: prefill's FP8 products stay on Triton", torch.__version__)
+        return False
+    from kernels.fp8_weights import quantize_weight_block128
+    from kernels.quant_fp8 import quantize_act
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    m, n, k = 256, 384, 640  # K/128 = 5: the scale_b padding to a multiple of 4 is exercised
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device=device, generator=gen) * torch.logspace(-3, 3, k // GROUP, base=2.0,
+                                                                       device=device).repeat_interleave(GROUP)
+    wq, ws = quantize_weight_block128(w)
+    a = quantize_act(x)
+    exact = (a[0].float() * a[1].repeat_interleave(GROUP, dim=1)) @ dequantize_weight_block128(wq, ws).t()
+    try:
+        got = matmul(a, wq, scale_b(ws)).float()
+    except (RuntimeError, NotImplementedError) as err:
+        log.warning("block-scaled scaled_mm failed on %s (%s): prefill's FP8 products stay on Triton", device, err)
+        return False
+    rel = float((got - exact).norm() / exact.norm())
+    if not rel <= PROBE_REL:
+        log.warning("block-scaled scaled_mm disagrees on %s (relative error %.3g > %.3g): prefill's FP8 products "
+                    "stay on Triton", device, rel, PROBE_REL)
+        return False
+    log.info("prefill's FP8 products from %d rows: cuBLASLt block-scaled GEMM (probe relative error %.2g)",
+             MIN_TOKENS, rel)
+    return True

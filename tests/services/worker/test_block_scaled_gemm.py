@@ -1,0 +1,85 @@
+"""services/worker/block_scaled_gemm.py: cuBLASLt's block-scaled GEMM for prefill's dense FP8 products.
+
+On CPU: the weight scales' cuBLASLt layout, and that nothing but a Hopper GPU takes the path. On an H200
+(``gpu``): the probe passes, the product agrees with the fp32 product of the same e4m3 operands and scales
+as closely as the Triton GEMM does, and ``KernelLinear`` takes it from ``MIN_TOKENS`` rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.reference import GROUP, dequantize_weight_block128
+from services.worker import block_scaled_gemm
+from services.worker.block_scaled_gemm import PROBE_REL
+
+
+def test_scale_b_is_k_major_padded_to_four_k_blocks_with_ones():
+    w_scale = torch.exp2(torch.randint(-9, 3, (3, 5)).float())  # N/128 = 3, K/128 = 5 → K_blocks 8
+    s = block_scaled_gemm.scale_b(w_scale)
+    assert s.shape == (8, 3) and s.stride() == (1, 8)
+    assert torch.equal(s[:5], w_scale.t()) and torch.equal(s[5:], torch.ones(3, 3))
+    even = block_scaled_gemm.scale_b(w_scale[:, :4])  # K/128 = 4: no padding
+    assert even.shape == (4, 3) and even.stride() == (1, 4) and torch.equal(even, w_scale[:, :4].t())
+
+
+def test_only_a_hopper_gpu_takes_the_path():
+    assert block_scaled_gemm.available(torch.device("cpu")) is False
+
+
+HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="needs a compute capability 9.x GPU (H100/H200)")
+
+
+def _exact(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 product of the dequantised operands: what both GEMMs compute up to order and the bf16 cast."""
+    return (a[0].float() * a[1].repeat_interleave(GROUP, dim=1)) @ dequantize_weight_block128(w, w_scale).t()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("n,k", [(1280, 5120), (32768, 1280), (5120, 8192)])  # v41-s1's wq_a, wq_b, wo_b
+def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_does(n, k):
+    from kernels.fp8_weights import quantize_weight_block128
+    from kernels.moe_grouped_gemm import moe_grouped_gemm
+    from kernels.quant_fp8 import quantize_act
+    from services.worker.fp8_linear import one_expert_meta
+
+    dev = torch.device("cuda")
+    assert block_scaled_gemm.available(dev)
+    gen = torch.Generator(device=dev).manual_seed(n + k)
+    m = 1024
+    w, w_scale = quantize_weight_block128(torch.randn(n, k, device=dev, generator=gen) * 0.02)
+    a = quantize_act(torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16))
+    exact = _exact(a, w, w_scale)
+    cublas = block_scaled_gemm.matmul(a, w, block_scaled_gemm.scale_b(w_scale))
+    triton = moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(m, 1, dev), gather=True, block_m=32,
+                              num_warps=4)[0]
+    print(f"\nM {m} N {n} K {k}: cuBLASLt {_rel(cublas, exact):.3g}, Triton {_rel(triton, exact):.3g} "
+          f"(relative to the exact product), between them {_rel(cublas, triton.float()):.3g}")
+    assert cublas.dtype == torch.bfloat16 and cublas.shape == (m, n)
+    assert _rel(cublas, exact) <= PROBE_REL and _rel(triton, exact) <= PROBE_REL
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkeypatch):
+    from services.worker.fp8_linear import KernelLinear, KernelSet
+
+    dev = torch.device("cuda")
+    calls = []
+    real = block_scaled_gemm.matmul
+    monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *args: calls.append(1) or real(*args))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layer = KernelLinear(torch.randn(1536, 5120, device=dev, generator=gen) * 0.02, "fp8", KernelSet.compiled())
+    x = torch.randn(block_scaled_gemm.MIN_TOKENS, 5120, device=dev, generator=gen).to(torch.bfloat16)
+    big = layer(x)  # MIN_TOKENS rows: cuBLASLt
+    assert len(calls) == 1
+    small = layer(x[:-1])  # one row fewer: the Triton GEMM
+    assert len(calls) == 1
+    assert _rel(big[:-1], small.float()) <= 2 * PROBE_REL  # two bf16 roundings of nearly the same fp32 value
+    assert layer(x.float()).dtype == torch.float32 and len(calls) == 1  # fp32 activations stay on Triton
