@@ -22,21 +22,21 @@ from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from services.proto.shinkai.v1 import shinkai_pb2_grpc
 from services.proto.tokenizer.v1 import tokenizer_pb2 as tpb
 from services.proto.tokenizer.v1 import tokenizer_pb2_grpc
-from services.tokenizer.chat import ChatError
+from services.tokenizer.chat import ChatError, RenderedChat
 
 REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            pb.FINISH_REASON_ABORT: FinishReason.ABORT, pb.FINISH_REASON_PREEMPTED: FinishReason.PREEMPTED,
            pb.FINISH_REASON_ERROR: FinishReason.ERROR}
 
 
-def _raise_for(err: grpc.aio.AioRpcError) -> None:
+def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise ValueError(details) from None
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         raise QueueFull(0) from None
-    if code == grpc.StatusCode.UNAVAILABLE:
-        raise ShuttingDown(f"the engine is unavailable: {details}") from None
+    if code == grpc.StatusCode.UNAVAILABLE:  # draining, its worker gone, or the multimodal service down
+        raise ShuttingDown(f"engine {replica} cannot serve the request: {details}") from None
     raise err
 
 
@@ -118,14 +118,15 @@ class RemoteEngine:
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
 
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> RemoteStream:
+                     params: SamplingParams, images: Sequence[bytes] = ()) -> RemoteStream:
         request = pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id,
-                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params))
+                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params),
+                                     images=list(images))
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
             first = await call.read()  # an error status arrives here, before anything streams
         except grpc.aio.AioRpcError as err:
-            _raise_for(err)
+            _raise_for(err, self.replica)
         if first is grpc.aio.EOF:
             raise ShuttingDown(f"engine {self.replica} ended the stream without an answer")
         return RemoteStream(call, first)
@@ -190,9 +191,10 @@ class RemoteTokenizer:
         request = tpb.EncodeRequest(text=text, add_bos=True, max_tokens=max_tokens)
         return list((await self._call(self.stub.Encode, request)).token_ids)
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
         request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens)
-        return list((await self._call(self.stub.RenderChat, request, ChatError)).token_ids)
+        reply = await self._call(self.stub.RenderChat, request, ChatError)
+        return RenderedChat(list(reply.token_ids), reply.prompt, list(reply.image_urls))
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [(await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=[t]))).text for t in token_ids]

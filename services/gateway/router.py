@@ -131,9 +131,9 @@ class EngineRouter:
         return min(candidates, key=lambda s: (s.score, s.live, order[id(s)]))
 
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> _CountedStream:
+                     params: SamplingParams, images: Sequence[bytes] = ()) -> _CountedStream:
         state = self.pick()
-        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params)
+        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params, images)
         state.sent_since_report += 1
         state.live += 1
         state.num_routed += 1
