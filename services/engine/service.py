@@ -78,6 +78,7 @@ class RequestStream:
         self.times = times  # phase boundaries, written by the step thread only
         self.request_id = request_id  # unique among the live requests; the scheduler's id for it
         self.client_request_id = client_request_id  # the client's id; may repeat across live requests
+        self.num_prompt_tokens = 0  # the prompt as queued (each image's span expanded), set by submit
         self.loop = loop
         self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
         # Output tokens already delivered as deltas (written by the step thread under the service lock).
@@ -197,6 +198,7 @@ class EngineService:
                 raise ValueError(f"request id {request_id!r} is already in use")
             stream = RequestStream(self, request_id, client_request_id, asyncio.get_running_loop(),
                                    self.observer.submitted())
+            stream.num_prompt_tokens = len(prompt_token_ids)
             self._streams[request_id] = stream
         self._send(_Add(request_id, list(prompt_token_ids), params, ready))
         return stream

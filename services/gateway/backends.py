@@ -26,6 +26,8 @@ from services.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 class DeltaStream(Protocol):
+    num_prompt_tokens: int  # the prompt as the engine queued it (each image's span expanded)
+
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 
     async def __anext__(self) -> Delta: ...

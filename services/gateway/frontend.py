@@ -14,6 +14,7 @@ readiness gate meanwhile; services/engine/image_prompt.py).
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -168,14 +169,14 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
         return "logit_bias"
     if message.startswith(("the prompt", "token id", "prompt")):
         return "messages" if args.chat_body is not None else "prompt"
-    if message.startswith(_IMAGE_MESSAGES):
+    if _IMAGE_MESSAGE.match(message):
         return "messages"
     return None
 
 
 # How refusals of a request's images begin (services/multimodal/preprocess.py, image_fetch.py and
 # services/engine/image_prompt.py): they are about the chat's image parts.
-_IMAGE_MESSAGES = ("the image", "image", "this model has no vision tower")
+_IMAGE_MESSAGE = re.compile(r"the (\w+ )?image|image|\d+ images|this model has no vision tower|this engine takes no images")
 
 
 class Frontend:
@@ -268,11 +269,12 @@ class Frontend:
         except BaseException:
             tracing.end(span, error="failed")
             raise
+        num_prompt_tokens = stream.num_prompt_tokens  # image spans expanded: the engine's count
         if span is not None:
-            span.set_attribute("request.prompt_tokens", len(ids))
+            span.set_attribute("request.prompt_tokens", num_prompt_tokens)
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(self, stream, detokenizer, request_id, client_request_id, len(ids), args.endpoint,
-                          arrival, span, detokenize_span)
+        return Generation(self, stream, detokenizer, request_id, client_request_id, num_prompt_tokens,
+                          args.endpoint, arrival, span, detokenize_span)
 
     async def abort(self, client_request_id: str, owner: str | None = None) -> bool:
         """Aborts the caller's live requests with this client_request_id; another key's are out of its reach."""

@@ -65,6 +65,9 @@ class RemoteStream:
         self._done = False
         self._cancelled = False  # close() cancelled the call: the next delta is the final "abort"
         self._num_output_tokens = 0  # as of the latest chunk, for a final this side has to make
+        # The prompt as the engine queued it (image spans expanded): every chunk and the final carry it.
+        self.num_prompt_tokens = (first.chunk.num_prompt_tokens if first.WhichOneof("kind") == "chunk"
+                                  else first.final.usage.prompt_tokens)
 
     def __aiter__(self) -> RemoteStream:
         return self

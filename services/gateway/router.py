@@ -52,6 +52,10 @@ class _CountedStream:
         self._registry = registry if registry is not None else set()  # the router's live streams
         self._counted = True
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.inner.num_prompt_tokens
+
     def __aiter__(self) -> _CountedStream:
         return self
 

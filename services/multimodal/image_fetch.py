@@ -43,7 +43,7 @@ def fetch_image(url: str, max_bytes: int, timeout_s: float = 10.0, allow_private
             while len(data) <= max_bytes:
                 if time.monotonic() > deadline:
                     raise ImageInputError(f"image_url {_short(url)} took over {timeout_s:g} s to fetch")
-                chunk = reply.read(min(READ_BYTES, max_bytes + 1 - len(data)))
+                chunk = reply.read1(min(READ_BYTES, max_bytes + 1 - len(data)))  # what has arrived: no waiting for more
                 if not chunk:
                     break
                 data += chunk
