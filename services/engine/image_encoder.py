@@ -8,8 +8,8 @@ included, means the service cannot answer now (`ImageEncoderUnavailable`, a 503)
 
 from __future__ import annotations
 
-import numpy as np
 import grpc
+import numpy as np
 import torch
 
 from observability import tracing

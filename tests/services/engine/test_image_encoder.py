@@ -14,12 +14,18 @@ from services.engine.image_encoder import InProcessEncoder, MultimodalClient
 from services.engine.image_prompt import ImageEncoderUnavailable
 from services.multimodal.preprocess import ImageInputError
 from services.multimodal.service import GRPC_OPTIONS, MultimodalApi
-from tests.services.multimodal.test_service import png, tiny_encoder  # noqa: F401 - a fixture
+from services.multimodal.encoder_source import load_encoder
+from tests.services.multimodal.test_service import png
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_remote_spans_equal_the_in_process_api(tiny_encoder):  # noqa: F811
+@pytest.fixture(scope="module")
+def tiny_encoder():
+    return load_encoder("tiny", 0)
+
+
+def test_remote_spans_equal_the_in_process_api(tiny_encoder):
     cfg, encoder = tiny_encoder
     image = png(100, 80, seed=4)
 
