@@ -16,8 +16,10 @@ import grpc
 from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.engine.finish_reason import FinishReason
+from services.engine.image_prompt import ImageEncoderUnavailable
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
+from services.gateway.errors import ERROR_CODE_KEY
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from services.proto.shinkai.v1 import shinkai_pb2_grpc
 from services.proto.tokenizer.v1 import tokenizer_pb2 as tpb
@@ -31,6 +33,8 @@ REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: Fi
 
 def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
     code, details = err.code(), err.details() or ""
+    if dict(err.trailing_metadata() or ()).get(ERROR_CODE_KEY) == "multimodal_unavailable":
+        raise ImageEncoderUnavailable(details) from None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise ValueError(details) from None
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

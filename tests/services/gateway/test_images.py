@@ -23,9 +23,11 @@ from services.engine import SamplingParams
 from services.engine.image_encoder import MultimodalClient
 from services.engine.image_prompt import ImagePrompts
 from services.gateway import errors
+from services.gateway.api_server import ApiServer
 from services.gateway.backends import LocalEngine
 from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, GenerateArgs
+from services.gateway.remote import RemoteEngine
 from tests.services.gateway.conftest import pools_whole
 from tests.services.gateway.test_http import wait_whole
 
@@ -157,22 +159,35 @@ def test_a_failed_encode_leaves_nothing_queued(served, openai_client):
     assert pools_whole(served.server.engine.stats())
 
 
-def test_a_multimodal_service_that_is_down_is_a_503(served, reference_llm):
+@pytest.mark.parametrize("hop", ["in-process", "through an engine endpoint"])
+def test_a_multimodal_service_that_is_down_is_a_503(served, hop):
+    """Its engine's frontend answers 503 ``multimodal_unavailable``; a gateway in front of that engine (over
+    shinkai.v1, as in `shinkai up`) answers the same code and message."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening
         server = served.server
         images = server.served.images
 
-        async def start():  # on the server's loop, where its grpc.aio channel must live
+        async def start():  # on the server's loop, where the grpc.aio channels must live
             client = MultimodalClient(f"127.0.0.1:{port}", timeout_s=30)
             down = LocalEngine(server.engine, ImagePrompts(images.vision, images.placeholder_id, client))
-            frontend = Frontend(server.frontend.info, down, server.frontend.tokenizer, server.metrics)
+            frontend = Frontend(server.frontend.info, down, server.frontend.tokenizer, server.metrics,
+                                takes_request_ids=True)
+            endpoint = remote = None
+            if hop != "in-process":
+                endpoint = ApiServer(frontend, "127.0.0.1", None, 0)
+                await endpoint.start()
+                remote = RemoteEngine("engine-down", f"127.0.0.1:{endpoint.grpc_port}")
+                frontend = Frontend(server.frontend.info, remote, server.frontend.tokenizer, server.metrics)
             args = GenerateArgs(model=None, chat_body={"messages": ask(data_url(encoded(60, 60)))}, params=GREEDY)
             try:
                 await frontend.start(args)
             finally:
                 await client.close()
+                if endpoint is not None:
+                    await remote.close()
+                    await endpoint.stop()
 
         with pytest.raises(ApiError) as caught:
             asyncio.run_coroutine_threadsafe(start(), served.loop).result(60)
