@@ -85,11 +85,12 @@ class ImagePrompts:
     queued (cheap: image headers only), ``embeddings`` while it waits."""
 
     def __init__(self, vision: VisionConfig | None, placeholder_id: int | None, encoder: ImageEncoder | None,
-                 limits: ImageLimits = ImageLimits()) -> None:
+                 limits: ImageLimits = ImageLimits(), refusal: str | None = None) -> None:
         self.vision = vision  # the served model's tower config; None: it has none, images are refused
         self.placeholder_id = placeholder_id  # the recipe's image token id in rendered prompts
         self.encoder = encoder  # None: images are refused (no tower, or a worker that cannot take them)
         self.limits = limits
+        self.refusal = refusal  # why a model with a tower takes no images here (encoder None)
 
     def expand(self, ids: Sequence[int], images: Sequence[bytes]) -> tuple[list[int], list[ImageGrid]]:
         """(the prompt with each placeholder expanded to its image's span, each image's grid). ValueError
@@ -97,8 +98,7 @@ class ImagePrompts:
         if self.vision is None or self.placeholder_id is None:
             raise ValueError(NO_TOWER)
         if self.encoder is None:
-            raise ValueError("this engine takes no images: its worker is remote, and worker.v1 does not carry "
-                             "image embeddings yet")
+            raise ValueError(self.refusal or "this engine takes no images")
         check_count(len(images), self.limits)
         grids = [peek_grid(image, self.vision, self.limits) for image in images]
         ids = expand_placeholders(ids, self.placeholder_id, self.vision.image_token_id,

@@ -44,10 +44,10 @@ class ServedEngine:
         cfg = llm.source.config
         # The renderer encodes with the V4.1 tokenizer, so only a model with that vocabulary renders chat.
         self.chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
-        # Images need a tower and a worker that takes embeddings (worker.v1 does not carry them yet).
-        takes_images = cfg.vision is not None and getattr(llm.engine.worker, "set_images", None) is not None
+        refusal = _image_refusal(llm)
         self.images = ImagePrompts(cfg.vision, llm.tokenizer.token_to_id(IMAGE_PLACEHOLDER),
-                                   (image_encoder or _own_tower(llm)) if takes_images else None)
+                                   (image_encoder or _own_tower(llm)) if cfg.vision is not None and refusal is None
+                                   else None, refusal=refusal)
         self.info = ModelInfo(model=served_model_name, vocab_size=cfg.vocab_size,
                               max_model_len=llm.config.max_model_len, bos_token_id=cfg.bos_token_id,
                               eos_token_id=cfg.eos_token_id, max_num_seqs=llm.config.max_num_seqs)
@@ -74,6 +74,16 @@ class ServedEngine:
                         drain_timeout_s)
         self.service.stop()  # aborts the rest; the step thread finishes every request before it exits
         await api.stop()
+
+
+def _image_refusal(llm: LLM) -> str | None:
+    """Why this engine cannot run image requests although its model may have a tower; None: it can."""
+    if getattr(llm.engine.worker, "set_images", None) is None:
+        return "this engine takes no images: its worker is remote, and worker.v1 does not carry image embeddings yet"
+    if llm.config.kernel_backend:
+        return ("this engine takes no images: the kernel backend's MoE does not route image tokens (bias_vl) yet; "
+                "serve images on the torch backend")
+    return None
 
 
 def _own_tower(llm: LLM) -> ImageEncoder:

@@ -51,8 +51,8 @@ def test_refusals_name_the_problem():
     image = png(60, 60)
     with pytest.raises(ValueError, match="no vision tower"):
         ImagePrompts(None, PLACEHOLDER, _Rows()).expand([PLACEHOLDER], [image])
-    with pytest.raises(ValueError, match="worker is remote"):
-        ImagePrompts(VISION, PLACEHOLDER, None).expand([PLACEHOLDER], [image])
+    with pytest.raises(ValueError, match="the reason given"):
+        ImagePrompts(VISION, PLACEHOLDER, None, refusal="the reason given").expand([PLACEHOLDER], [image])
     prompts = ImagePrompts(VISION, PLACEHOLDER, _Rows(), ImageLimits(max_images=2, max_pixels=50 * 50))
     with pytest.raises(ImageInputError, match="3 images in one request, over the limit of 2"):
         prompts.expand([PLACEHOLDER] * 3, [image] * 3)
@@ -70,3 +70,21 @@ def test_an_encoder_serving_another_model_is_unavailable_not_bad_input():
     _, grids = prompts.expand([PLACEHOLDER], [image])
     with pytest.raises(ImageEncoderUnavailable, match="returned 3 embeddings for image 0"):
         asyncio.run(prompts.embeddings([image], grids))
+
+
+def test_a_served_engine_whose_worker_takes_no_embeddings_refuses_images_up_front():
+    """A remote worker (worker.v1 carries no embeddings): refused before anything is queued, not after."""
+    from services.engine import LLM
+    from services.engine.served_engine import ServedEngine
+
+    class _RemoteLike:
+        def execute(self, *args):
+            raise AssertionError("never stepped")
+
+        def release(self, request_id):
+            pass
+
+    served = ServedEngine(LLM("tiny", worker=_RemoteLike()), served_model_name="tiny", replica="engine-0")
+    assert served.images.vision is not None and served.images.encoder is None
+    with pytest.raises(ValueError, match="worker is remote, and worker.v1 does not carry image embeddings"):
+        served.images.expand([PLACEHOLDER], [png(60, 60)])
