@@ -48,7 +48,8 @@ def check_count(num_images: int, limits: ImageLimits) -> None:
 
 
 def expand_images(ids: list[int], urls: list[str], placeholder_id: int, model: DeepseekV41,
-                  limits: ImageLimits = ImageLimits(), allow_private: bool = True) -> tuple[list[int], torch.Tensor | None]:
+                  limits: ImageLimits = ImageLimits(),
+                  allow_private: bool = True) -> tuple[list[int], torch.Tensor | None]:
     """(prompt ids with every image's span in place of its placeholder, span rows [P, D] or None without
     images). ImageInputError names a bad image or URL; ValueError when the model has no vision tower.
     ``allow_private``: offline, the caller is the operator, so URLs may name private addresses."""

@@ -176,7 +176,8 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
 
 # How refusals of a request's images begin (services/multimodal/preprocess.py, image_fetch.py and
 # services/engine/image_prompt.py): they are about the chat's image parts.
-_IMAGE_MESSAGE = re.compile(r"the (\w+ )?image|image|\d+ images|this model has no vision tower|this engine takes no images")
+_IMAGE_MESSAGE = re.compile(r"the (\w+ )?image|image|\d+ images|this model has no vision tower|"
+                            r"this engine takes no images")
 
 
 class Frontend:

@@ -47,10 +47,10 @@ def fetch_image(url: str, max_bytes: int, timeout_s: float = 10.0, allow_private
                 if not chunk:
                     break
                 data += chunk
-    except _Refused as err:
+    except RefusedAddress as err:
         raise ImageInputError(f"image_url {_short(url)} is refused: {err}") from None
     except urllib.error.URLError as err:
-        if isinstance(err.reason, _Refused):
+        if isinstance(err.reason, RefusedAddress):
             raise ImageInputError(f"image_url {_short(url)} is refused: {err.reason}") from None
         raise ImageInputError(f"image_url {_short(url)} could not be fetched: {err.reason}") from None
     except (OSError, ValueError, http.client.HTTPException) as err:
@@ -62,12 +62,12 @@ def fetch_image(url: str, max_bytes: int, timeout_s: float = 10.0, allow_private
     return data
 
 
-class _Refused(OSError):
+class RefusedAddress(OSError):
     """An address the SSRF rule refuses (an OSError so urllib passes it through as a URLError's reason)."""
 
 
 def public_address(host: str, port: int) -> str:
-    """The first address ``host`` resolves to, when every one of them is global; else _Refused."""
+    """The first address ``host`` resolves to, when every one of them is global; else RefusedAddress."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
@@ -78,8 +78,9 @@ def public_address(host: str, port: int) -> str:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         if not ip.is_global or ip.is_multicast:
-            raise _Refused(f"{host!r} resolves to {address}, a private, loopback, link-local, multicast or reserved "
-                           "address (the server refuses those unless started with --allow-private-image-urls)")
+            raise RefusedAddress(f"{host!r} resolves to {address}, a private, loopback, link-local, multicast or "
+                                 "reserved address (the server refuses those unless started with "
+                                 "--allow-private-image-urls)")
     return addresses[0]
 
 

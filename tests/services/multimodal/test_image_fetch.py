@@ -11,7 +11,7 @@ import time
 import pytest
 
 from services.multimodal import image_fetch
-from services.multimodal.image_fetch import fetch_image, public_address
+from services.multimodal.image_fetch import RefusedAddress, fetch_image, public_address
 from services.multimodal.preprocess import ImageInputError
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,14 +91,14 @@ def test_every_redirect_hop_is_checked(server, monkeypatch):
 def test_private_loopback_link_local_and_multicast_addresses_are_refused(address, monkeypatch):
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", (address, 80))])
-    with pytest.raises(image_fetch._Refused, match=address):
+    with pytest.raises(RefusedAddress, match=address):
         public_address("example.test", 80)
 
 
 def test_a_host_with_one_private_address_among_public_ones_is_refused(monkeypatch):
     infos = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 80)) for a in ("93.184.216.34", "10.0.0.1")]
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: infos)
-    with pytest.raises(image_fetch._Refused, match="10.0.0.1"):
+    with pytest.raises(RefusedAddress, match="10.0.0.1"):
         public_address("example.test", 80)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: infos[:1])
     assert public_address("example.test", 80) == "93.184.216.34"
