@@ -73,12 +73,12 @@ class RequestStream:
     """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
 
     def __init__(self, service: EngineService, request_id: str, client_request_id: str,
-                 loop: asyncio.AbstractEventLoop, times: RequestTimes) -> None:
+                 loop: asyncio.AbstractEventLoop, times: RequestTimes, num_prompt_tokens: int = 0) -> None:
         self.service = service
         self.times = times  # phase boundaries, written by the step thread only
         self.request_id = request_id  # unique among the live requests; the scheduler's id for it
         self.client_request_id = client_request_id  # the client's id; may repeat across live requests
-        self.num_prompt_tokens = 0  # the prompt as queued (each image's span expanded), set by submit
+        self.num_prompt_tokens = num_prompt_tokens  # the prompt as queued (each image's span expanded)
         self.loop = loop
         self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
         # Output tokens already delivered as deltas (written by the step thread under the service lock).
@@ -197,8 +197,7 @@ class EngineService:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             stream = RequestStream(self, request_id, client_request_id, asyncio.get_running_loop(),
-                                   self.observer.submitted())
-            stream.num_prompt_tokens = len(prompt_token_ids)
+                                   self.observer.submitted(), len(prompt_token_ids))
             self._streams[request_id] = stream
         self._send(_Add(request_id, list(prompt_token_ids), params, ready))
         return stream
