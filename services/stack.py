@@ -46,6 +46,7 @@ class StackConfig:
     num_speculative_tokens: int = 0  # DSpark drafts per request and step (EngineConfig.num_speculative_tokens)
     spec_sampling: str = "rejection"  # EngineConfig.spec_sampling
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
+    allow_private_image_urls: bool = False  # the gateway fetches image URLs resolving to private addresses too
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
                   else device)]
+        if cfg.vision is not None and not config.remote_workers:  # worker.v1 does not carry embeddings yet
+            argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
             stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
                                           bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
@@ -189,7 +192,8 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics"))
     gateway = [*py, "services.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
                "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
-               "--grpc-port", str(at.port("gateway", "grpc")), *drain]
+               "--grpc-port", str(at.port("gateway", "grpc")), *drain,
+               *(["--allow-private-image-urls"] if config.allow_private_image_urls else [])]
     for spec in engines:
         gateway += ["--engine", spec]
     stack.append(Service("gateway", gateway, f"grpc:{at.port('gateway', 'grpc')}",

@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_device_arguments(up)
     up.add_argument("--remote-workers", action="store_true",
                     help="run each engine's worker as its own process (worker.v1) instead of in-process")
+    up.add_argument("--allow-private-image-urls", action="store_true",
+                    help="the gateway fetches image URLs that resolve to private, loopback or link-local addresses")
     up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     from services.engine.config import add_speculative_arguments
 
@@ -56,7 +58,7 @@ def _up(args: argparse.Namespace) -> int:
                          max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
                          max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
                          batch_invariant=args.batch_invariant, num_speculative_tokens=args.num_speculative_tokens,
-                         spec_sampling=args.spec_sampling)
+                         spec_sampling=args.spec_sampling, allow_private_image_urls=args.allow_private_image_urls)
     if args.api_key:
         os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
@@ -36,7 +37,7 @@ class Completion:
     completion_tokens: int = 0
 
 
-def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, str]] | None = None,
+def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
                      thinking: bool = False, model: str = "", client_request_id: str | None = None,
                      max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -54,7 +55,15 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
     else:
         request.chat.thinking = thinking
         for m in messages or ():
-            request.chat.messages.add(role=m["role"], content=m["content"])
+            if isinstance(m["content"], str):
+                request.chat.messages.add(role=m["role"], content=m["content"])
+            else:  # OpenAI content parts: text and image_url
+                message = request.chat.messages.add(role=m["role"])
+                for part in m["content"]:
+                    if part["type"] == "image_url":
+                        message.parts.add(image_url=part["image_url"]["url"])
+                    else:
+                        message.parts.add(text=part["text"])
     s = request.sampling
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("logprobs", logprobs)):

@@ -67,3 +67,7 @@ class ExpertLoadPublisher:
 
     def release(self, request_id: str) -> None:
         self.worker.release(request_id)
+
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows: Any) -> None:
+        """The wrapped worker's (Engine.provide_images): image embeddings pass through untouched."""
+        self.worker.set_images(request_id, prompt_token_ids, rows)

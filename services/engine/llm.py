@@ -141,8 +141,9 @@ class LLM:
         placeholder = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
         encoded, images = [], []
         for conversation in conversations:
-            ids, _, urls = self._chat.render_images({"messages": list(conversation), **chat_options})
-            ids, rows = expand_images(ids, urls, placeholder, self.source.model)  # type: ignore[arg-type]
+            rendered = self._chat.render({"messages": list(conversation), **chat_options})
+            ids, rows = expand_images(rendered.token_ids, rendered.image_urls, placeholder,
+                                      self.source.model)  # type: ignore[arg-type]
             encoded.append(ids)
             images.append(rows)
         return self._run(encoded, params_list, images, use_tqdm)

@@ -29,7 +29,7 @@ class EngineEndpoint:
     does (`ServedEngine.stop`)."""
 
     def __init__(self, llm, *, replica: str, host: str, grpc_port: int, drain_timeout_s: float,
-                 served_model_name: str) -> None:
+                 served_model_name: str, image_encoder=None) -> None:
         from services.engine.served_engine import ServedEngine
         from services.gateway.api_server import ApiServer
         from services.gateway.backends import LocalEngine, LocalTokenizer
@@ -37,13 +37,17 @@ class EngineEndpoint:
 
         self.llm = llm
         self.drain_timeout_s = drain_timeout_s
-        self.served = ServedEngine(llm, served_model_name=served_model_name, replica=replica)
+        self.served = ServedEngine(llm, served_model_name=served_model_name, replica=replica,
+                                   image_encoder=image_encoder)
         self.engine = self.served.service
         self.metrics = self.served.metrics
-        frontend = Frontend(self.served.info, LocalEngine(self.engine),
+        frontend = Frontend(self.served.info, LocalEngine(self.engine, self.served.images),
                             LocalTokenizer(llm, self.served.chat, detokenize=False), self.metrics,
                             takes_request_ids=True)
-        self.api = ApiServer(frontend, host, None, grpc_port)
+        # A gateway forwards a chat's images as bytes: up to max_images of max_bytes each, with the prompt.
+        limits = self.served.images.limits
+        self.api = ApiServer(frontend, host, None, grpc_port,
+                             max_receive_bytes=limits.max_images * limits.max_bytes + 16 * 2**20)
 
     async def start(self) -> None:
         await self.served.start(self.api)
@@ -102,8 +106,14 @@ async def run(args: argparse.Namespace) -> int:
         remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
     else:
         llm = LLM(model=args.model, **engine_args)
+    image_encoder = None
+    if args.multimodal:
+        from services.engine.image_encoder import MultimodalClient
+
+        image_encoder = MultimodalClient(args.multimodal)
     server = EngineEndpoint(llm, replica=args.replica, host=args.host, grpc_port=args.grpc_port,
-                            drain_timeout_s=args.drain_timeout, served_model_name=args.served_model_name or args.model)
+                            drain_timeout_s=args.drain_timeout, served_model_name=args.served_model_name or args.model,
+                            image_encoder=image_encoder)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     p.add_argument("--nats-url", default=None, help="publish load reports and lifecycle events here")
     p.add_argument("--worker", default=None, help="host:port of a worker process (default: in-process)")
+    p.add_argument("--multimodal", default=None,
+                   help="host:port of the multimodal service that encodes images (default: the model's own tower "
+                        "in this process)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")

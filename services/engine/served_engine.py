@@ -12,10 +12,11 @@ from typing import Protocol
 
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
 from observability.metrics import EngineMetrics, RequestMetrics
+from services.engine.image_prompt import ImageEncoder, ImagePrompts
 from services.engine.llm import LLM
 from services.engine.model_info import ModelInfo
 from services.engine.service import DEFAULT_MAX_QUEUED, EngineService
-from services.tokenizer.chat import ChatRenderer
+from services.tokenizer.chat import IMAGE_PLACEHOLDER, ChatRenderer
 
 log = logging.getLogger("shinkai.engine.served")
 
@@ -34,13 +35,19 @@ class ServedEngine:
     """``llm``'s engine behind an `EngineService`, with what an API needs to describe and watch it."""
 
     def __init__(self, llm: LLM, *, served_model_name: str, replica: str,
-                 max_queued: int = DEFAULT_MAX_QUEUED) -> None:
+                 max_queued: int = DEFAULT_MAX_QUEUED, image_encoder: ImageEncoder | None = None) -> None:
+        """``image_encoder``: where image requests are encoded (the multimodal service); None: the model's own
+        tower in this process, when it has one and the worker is in-process."""
         self.llm = llm
         self.service = EngineService(llm.engine, replica=replica, max_queued=max_queued)
         self.metrics = RequestMetrics()  # the endpoint's registry: request metrics, then the engine's
         cfg = llm.source.config
         # The renderer encodes with the V4.1 tokenizer, so only a model with that vocabulary renders chat.
         self.chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
+        refusal = _image_refusal(llm)
+        self.images = ImagePrompts(cfg.vision, llm.tokenizer.token_to_id(IMAGE_PLACEHOLDER),
+                                   (image_encoder or _own_tower(llm)) if cfg.vision is not None and refusal is None
+                                   else None, refusal=refusal)
         self.info = ModelInfo(model=served_model_name, vocab_size=cfg.vocab_size,
                               max_model_len=llm.config.max_model_len, bos_token_id=cfg.bos_token_id,
                               eos_token_id=cfg.eos_token_id, max_num_seqs=llm.config.max_num_seqs)
@@ -67,3 +74,21 @@ class ServedEngine:
                         drain_timeout_s)
         self.service.stop()  # aborts the rest; the step thread finishes every request before it exits
         await api.stop()
+
+
+def _image_refusal(llm: LLM) -> str | None:
+    """Why this engine cannot run image requests although its model may have a tower; None: it can."""
+    if getattr(llm.engine.worker, "set_images", None) is None:
+        return "this engine takes no images: its worker is remote, and worker.v1 does not carry image embeddings yet"
+    if llm.config.kernel_backend:
+        return ("this engine takes no images: the kernel backend's MoE does not route image tokens (bias_vl) yet; "
+                "serve images on the torch backend")
+    return None
+
+
+def _own_tower(llm: LLM) -> ImageEncoder:
+    """The model's vision tower behind an in-process `MultimodalApi` (its cache and batching, no gRPC)."""
+    from services.engine.image_encoder import InProcessEncoder
+    from services.multimodal.service import MultimodalApi
+
+    return InProcessEncoder(MultimodalApi(llm.source.config, llm.source.model.encoder))

@@ -11,6 +11,8 @@ Invariants:
   state slot come back.
 - Every accepted request gets exactly one final `Delta` (finish_reason set), also on shutdown ("abort")
   and when a step raises ("error").
+- A request submitted with ``ready=False`` (its images are being encoded) waits in the scheduler holding
+  nothing until ``provide_images``; requests behind it keep running (the readiness gate).
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ class RequestStream:
     """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
 
     def __init__(self, service: EngineService, request_id: str, client_request_id: str,
-                 loop: asyncio.AbstractEventLoop, times: RequestTimes) -> None:
+                 loop: asyncio.AbstractEventLoop, times: RequestTimes, num_prompt_tokens: int = 0) -> None:
         self.service = service
         self.times = times  # phase boundaries, written by the step thread only
         self.request_id = request_id  # unique among the live requests; the scheduler's id for it
         self.client_request_id = client_request_id  # the client's id; may repeat across live requests
+        self.num_prompt_tokens = num_prompt_tokens  # the prompt as queued (each image's span expanded)
         self.loop = loop
         self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
         # Output tokens already delivered as deltas (written by the step thread under the service lock).
@@ -106,6 +109,13 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    ready: bool = True  # False: waits for its images (`_Images`)
+
+
+@dataclass
+class _Images:
+    request_id: str
+    rows: object  # torch.Tensor [P, D]: the embeddings of the prompt's P image positions, in order
 
 
 @dataclass
@@ -123,7 +133,7 @@ class EngineService:
         # Unfinished requests (queued, waiting or running) above which `generate` raises QueueFull.
         self.max_queued = max_queued
         self._idle_wait_s = idle_wait_s
-        self._commands: queue.Queue[_Add | _Abort] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Images | _Abort] = queue.Queue()
         self._wake = threading.Event()
         # request id -> stream; written under _lock by both threads.
         self._streams: dict[str, RequestStream] = {}
@@ -174,9 +184,10 @@ class EngineService:
         self.engine.validate(prompt_token_ids, params)
 
     def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-               params: SamplingParams) -> RequestStream:
+               params: SamplingParams, ready: bool = True) -> RequestStream:
         """Validates and queues a request; raises ValueError (also for a ``request_id`` already live),
-        QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream."""
+        QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream.
+        ``ready=False``: the request waits for ``provide_images`` (or ends when its stream is closed)."""
         self.validate(prompt_token_ids, params)
         if not self._accepting:
             raise ShuttingDown("the engine is shutting down")
@@ -186,10 +197,15 @@ class EngineService:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             stream = RequestStream(self, request_id, client_request_id, asyncio.get_running_loop(),
-                                   self.observer.submitted())
+                                   self.observer.submitted(), len(prompt_token_ids))
             self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params))
+        self._send(_Add(request_id, list(prompt_token_ids), params, ready))
         return stream
+
+    def provide_images(self, request_id: str, rows) -> None:
+        """The image embeddings [P, D] of a request submitted with ``ready=False``; it becomes schedulable.
+        A request aborted meanwhile ignores them."""
+        self._send(_Images(request_id, rows))
 
     def abort(self, client_request_id: str) -> bool:
         """Aborts every live request with this client id; False when there is none (idempotent)."""
@@ -206,7 +222,7 @@ class EngineService:
 
     # ---- the step thread --------------------------------------------------------------------
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Images | _Abort) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -232,10 +248,21 @@ class EngineService:
                 return
             if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            ready=command.ready)
                 except Exception as err:  # validated already; a failure here is a bug, not bad input
                     log.exception("add_request %s failed", command.request_id)
                     self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
+            elif isinstance(command, _Images):
+                if command.request_id not in self.engine.requests:
+                    continue  # aborted while its images were encoded
+                try:
+                    self.engine.provide_images(command.request_id, command.rows)
+                except Exception as err:  # the worker refused the embeddings (e.g. the kernel backend)
+                    log.exception("provide_images %s failed", command.request_id)
+                    out = self.engine.abort(command.request_id)
+                    if out is not None:
+                        self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
             else:
                 for request_id in command.request_ids:
                     out = self.engine.abort(request_id)

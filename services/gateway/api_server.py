@@ -35,8 +35,11 @@ class _Uvicorn(uvicorn.Server):
 
 class ApiServer:
     def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int,
-                 keys: Keys | None = None, tls: tuple[str, str] | None = None) -> None:
+                 keys: Keys | None = None, tls: tuple[str, str] | None = None,
+                 max_receive_bytes: int | None = None) -> None:
         self.frontend = frontend
+        # The largest gRPC request taken; None: grpc's default (4 MiB). An engine process takes a chat's images.
+        self.max_receive_bytes = max_receive_bytes
         self.tls = tls  # (certificate file, key file), both PEM: HTTPS and TLS gRPC; None: plaintext
         self.keys = keys or Keys()  # API keys for HTTP and gRPC; none: open
         self.host = host  # bind address of both listeners
@@ -57,7 +60,8 @@ class ApiServer:
             await self.health.set(name, status)
 
     async def start(self) -> None:
-        self._grpc = grpc.aio.server()
+        options = [("grpc.max_receive_message_length", self.max_receive_bytes)] if self.max_receive_bytes else []
+        self._grpc = grpc.aio.server(options=options)
         self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem,
                                                                   self.keys).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)

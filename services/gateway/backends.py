@@ -1,9 +1,11 @@
 """The two things a `Frontend` talks to, and their in-process forms (used by `shinkai serve`).
 
-- An *engine backend* queues token-id prompts and streams `Delta`s: ``await submit(...)`` raises
-  ValueError (bad input), QueueFull or ShuttingDown before anything streams; the returned stream is an
-  async iterator of deltas ending with the final one, whose ``close()`` aborts the request if it is live.
-- A *tokenizer backend* encodes text, renders chat bodies and makes per-request detokenizers.
+- An *engine backend* queues token-id prompts (with the encoded images of their image placeholders) and
+  streams `Delta`s: ``await submit(...)`` raises ValueError (bad input), QueueFull, ShuttingDown or
+  ImageEncoderUnavailable before anything streams; the returned stream is an async iterator of deltas
+  ending with the final one, whose ``close()`` aborts the request if it is live.
+- A *tokenizer backend* encodes text, renders chat bodies (ids and image URLs) and makes per-request
+  detokenizers.
 
 Remote forms (gRPC to engine and tokenizer processes) live in `services/gateway/remote.py`.
 """
@@ -13,16 +15,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
+from services.engine.image_prompt import ImagePrompts
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, EngineService
 from services.engine.stats import EngineStats
 from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
-from services.tokenizer.chat import ChatError, ChatRenderer
+from services.tokenizer.chat import ChatError, ChatRenderer, RenderedChat
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 class DeltaStream(Protocol):
+    num_prompt_tokens: int  # the prompt as the engine queued it (each image's span expanded)
+
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 
     async def __anext__(self) -> Delta: ...
@@ -32,7 +37,7 @@ class DeltaStream(Protocol):
 
 class EngineBackend(Protocol):
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> DeltaStream: ...
+                     params: SamplingParams, images: Sequence[bytes] = ()) -> DeltaStream: ...
 
     async def abort(self, client_request_id: str) -> bool: ...
 
@@ -53,7 +58,7 @@ class TokenizerBackend(Protocol):
 
     async def encode(self, text: str, max_tokens: int | None = None) -> list[int]: ...
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]: ...
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat: ...
 
     def detokenizer(self) -> Detokenizer: ...
 
@@ -61,14 +66,29 @@ class TokenizerBackend(Protocol):
 
 
 class LocalEngine:
-    """An `EngineService` in this process."""
+    """An `EngineService` in this process; ``images`` plans and encodes image requests (None: refused)."""
 
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: EngineService, images: ImagePrompts | None = None) -> None:
         self.service = service
+        self.images = images
 
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> DeltaStream:
-        return self.service.submit(request_id, client_request_id, prompt_token_ids, params)
+                     params: SamplingParams, images: Sequence[bytes] = ()) -> DeltaStream:
+        """With images: the prompt is expanded and queued unready, and this waits for the embeddings (the
+        request holds nothing meanwhile and other requests run); a failed encode, or a caller cancelled
+        meanwhile, aborts the queued request before the error propagates, so nothing leaks."""
+        if not images:
+            return self.service.submit(request_id, client_request_id, prompt_token_ids, params)
+        prompts = self.images or ImagePrompts(None, None, None)
+        ids, grids = prompts.expand(prompt_token_ids, images)
+        stream = self.service.submit(request_id, client_request_id, ids, params, ready=False)
+        try:
+            rows = await prompts.embeddings(images, grids)
+        except BaseException:
+            stream.close()
+            raise
+        self.service.provide_images(request_id, rows)
+        return stream
 
     async def abort(self, client_request_id: str) -> bool:
         return self.service.abort(client_request_id)
@@ -121,20 +141,20 @@ class LocalTokenizer:
         check_tokens(len(ids), max_tokens)
         return ids
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
         if self.chat is None:
             raise ChatError("chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: "
                             "use /v1/completions")
         num_bytes = chat_content_bytes(body)
         try:
             check_bytes(num_bytes, max_tokens, self.pool.token_bytes)
-            ids = (await self.pool.run(num_bytes, self.chat.render, body))[0]
-            check_tokens(len(ids), max_tokens)
+            rendered = await self.pool.run(num_bytes, self.chat.render, body)
+            check_tokens(len(rendered.token_ids), max_tokens)
         except ChatError:
             raise
         except ValueError as err:
             raise ChatError(str(err)) from err
-        return ids
+        return rendered
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]

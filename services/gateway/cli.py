@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: $SHINKAI_API_KEY, comma-separated; none: open)")
     p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
+    p.add_argument("--allow-private-image-urls", action="store_true",
+                   help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)")
     from services.engine.config import add_speculative_arguments
     from services.engine.device import add_device_arguments
 
@@ -51,6 +53,7 @@ def _config(args: argparse.Namespace):
     extra = {"max_queued": args.max_queued} if args.max_queued is not None else {}
     extra["api_keys"] = Keys.parse(args.api_key)
     extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)
+    extra["allow_private_image_urls"] = args.allow_private_image_urls
     return ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                        http_port=args.http_port, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
                        engine_args=engine_args, **extra)

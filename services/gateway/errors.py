@@ -28,6 +28,9 @@ UNAVAILABLE = ErrorKind(503, grpc.StatusCode.UNAVAILABLE, "service_unavailable")
 INTERNAL = ErrorKind(500, grpc.StatusCode.INTERNAL, "internal_error")
 
 
+ERROR_CODE_KEY = "error-code"  # gRPC trailing metadata: the ApiError's code
+
+
 class ApiError(Exception):
     def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None,
                  retry_after_s: int | None = None) -> None:
@@ -49,7 +52,10 @@ class ApiError(Exception):
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
     def grpc_trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("retry-after", str(self.retry_after_s)),) if self.retry_after_s is not None else ()
+        """"retry-after" (seconds) when set, and "error-code" (the OpenAI body's code) when set, so a gateway
+        in front of an engine passes the code on."""
+        metadata = (("retry-after", str(self.retry_after_s)),) if self.retry_after_s is not None else ()
+        return metadata + ((ERROR_CODE_KEY, self.code),) if self.code is not None else metadata
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

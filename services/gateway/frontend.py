@@ -4,19 +4,26 @@ Both protocols turn their request into a `GenerateArgs`, ``await Frontend.start`
 before anything streams) and read `Piece`s from the returned `Generation` until the final one. The
 engine and tokenizer are backends (services/gateway/backends.py): in-process for `shinkai serve`,
 gRPC for the gateway of `shinkai up`.
+
+Images: the tokenizer renders a chat's ``image_url`` parts as one placeholder each and returns their URLs;
+the `ImageFetcher` turns them into bytes here (the gateway's job: it is the process facing the network), and
+the engine gets ids and bytes (it plans the spans, has them encoded and holds the request behind the
+readiness gate meanwhile; services/engine/image_prompt.py).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from observability import tracing
 from observability.metrics import RequestMetrics
 from services.engine.finish_reason import FinishReason
+from services.engine.image_prompt import ImageEncoderUnavailable
 from services.engine.model_info import ModelInfo
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
@@ -24,6 +31,7 @@ from services.engine.stats import EngineStats
 from services.gateway import errors
 from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
 from services.gateway.errors import ApiError
+from services.gateway.image_fetcher import ImageFetcher
 from services.tokenizer.chat import ChatError
 
 
@@ -60,6 +68,9 @@ class GenerateArgs:
     trace_parent: Any = None
     # The caller's API-key namespace (services/gateway/auth.py); None: authentication is off.
     owner: str | None = None
+    # Encoded images for the image placeholders of prompt_token_ids, when a gateway forwarded a chat with
+    # images here (takes_request_ids); empty otherwise.
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -158,16 +169,27 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
         return "logit_bias"
     if message.startswith(("the prompt", "token id", "prompt")):
         return "messages" if args.chat_body is not None else "prompt"
+    if _IMAGE_MESSAGE.match(message):
+        return "messages"
     return None
+
+
+# How refusals of a request's images begin (services/multimodal/preprocess.py, image_fetch.py and
+# services/engine/image_prompt.py): they are about the chat's image parts.
+_IMAGE_MESSAGE = re.compile(r"the (\w+ )?image|image|\d+ images|this model has no vision tower|"
+                            r"this engine takes no images")
 
 
 class Frontend:
     def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
-                 metrics: RequestMetrics, takes_request_ids: bool = False) -> None:
+                 metrics: RequestMetrics, takes_request_ids: bool = False,
+                 image_fetcher: ImageFetcher | None = None) -> None:
         self.info = info
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        # Turns a chat's image URLs into bytes (data URLs decoded, http(s) fetched under the SSRF rule).
+        self.image_fetcher = image_fetcher or ImageFetcher()
         # True behind a gateway (an engine process): a request may bring the gateway's request_id. False: this
         # front end makes every request_id, and a request that brings one is refused.
         self.takes_request_ids = takes_request_ids
@@ -182,23 +204,26 @@ class Frontend:
             raise ApiError(errors.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
                            f"{self.served_model!r}", param="model", code="model_not_found")
 
-    async def prompt_ids(self, args: GenerateArgs) -> list[int]:
-        """The prompt's ids. Text and chat are refused (400) as soon as their length proves them over the
-        tokens the context leaves after max_tokens: from their bytes before encoding, else after."""
+    async def prompt(self, args: GenerateArgs) -> tuple[list[int], list[str]]:
+        """The prompt's ids and its chat's image URLs (one recipe placeholder each in the ids, in order).
+        Text and chat are refused (400) as soon as their length proves them over the tokens the context
+        leaves after max_tokens: from their bytes before encoding, else after (images counted as their one
+        placeholder here; the engine checks the expanded prompt)."""
         budget = self.info.max_model_len - args.params.resolved_max_tokens
         if args.chat_body is not None:
             try:
-                return await self.tokenizer.render_chat(args.chat_body, budget)
+                rendered = await self.tokenizer.render_chat(args.chat_body, budget)
             except ChatError as err:
                 raise errors.invalid(str(err), "messages") from err
+            return rendered.token_ids, rendered.image_urls
         if args.prompt_text is not None:
             if args.prompt_text == "":
                 raise errors.invalid("the prompt is empty", "prompt")
             try:
-                return await self.tokenizer.encode(args.prompt_text, budget)
+                return await self.tokenizer.encode(args.prompt_text, budget), []
             except ValueError as err:
                 raise errors.invalid(str(err), "prompt") from err
-        return list(args.prompt_token_ids or [])
+        return list(args.prompt_token_ids or []), []
 
     async def start(self, args: GenerateArgs) -> Generation:
         """Checks, encodes and queues; raises ApiError with nothing queued. The request's span (a child of
@@ -208,6 +233,8 @@ class Frontend:
         if args.request_id is not None and not self.takes_request_ids:
             raise errors.invalid("request_id is made by the server; name a request with client_request_id",
                                  "request_id")
+        if args.images and not self.takes_request_ids:
+            raise errors.invalid("images travel as image_url parts of a chat's messages", "images")
         request_id = args.request_id or f"req-{uuid.uuid4().hex}"
         client_request_id = args.client_request_id or request_id
         span = tracing.start_span("request", args.trace_parent, {
@@ -216,9 +243,13 @@ class Frontend:
         try:
             with tracing.active(span):
                 with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
-                    ids = await self.prompt_ids(args)
+                    ids, urls = await self.prompt(args)
+                images = args.images
+                if urls:
+                    with tracing.span("fetch_images"):
+                        images = await self.image_fetcher.fetch(urls)
                 stream = await self.engine.submit(request_id, scoped(client_request_id, args.owner), ids,
-                                                  args.params)
+                                                  args.params, images)
                 detokenize_span = tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) \
                     else None
                 with tracing.active(detokenize_span):
@@ -226,6 +257,9 @@ class Frontend:
         except ValueError as err:
             tracing.end(span, error="invalid")
             raise errors.invalid(str(err), _param_of(str(err), args)) from err
+        except ImageEncoderUnavailable as err:
+            tracing.end(span, error="unavailable")
+            raise ApiError(errors.UNAVAILABLE, str(err), code="multimodal_unavailable") from err
         except QueueFull as err:
             tracing.end(span, error="queue_full")
             self.metrics.rejected.labels(reason="queue_full").inc()
@@ -236,11 +270,12 @@ class Frontend:
         except BaseException:
             tracing.end(span, error="failed")
             raise
+        num_prompt_tokens = stream.num_prompt_tokens  # image spans expanded: the engine's count
         if span is not None:
-            span.set_attribute("request.prompt_tokens", len(ids))
+            span.set_attribute("request.prompt_tokens", num_prompt_tokens)
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(self, stream, detokenizer, request_id, client_request_id, len(ids), args.endpoint,
-                          arrival, span, detokenize_span)
+        return Generation(self, stream, detokenizer, request_id, client_request_id, num_prompt_tokens,
+                          args.endpoint, arrival, span, detokenize_span)
 
     async def abort(self, client_request_id: str, owner: str | None = None) -> bool:
         """Aborts the caller's live requests with this client_request_id; another key's are out of its reach."""

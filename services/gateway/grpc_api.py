@@ -62,9 +62,33 @@ def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
     _cap("chat.messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")
     for i, m in enumerate(request.chat.messages):
         _cap(f"chat.messages[{i}].role", len(m.role.encode()), MAX_ROLE_BYTES)
-    _cap("chat.messages[].content", sum(len(m.content.encode()) for m in request.chat.messages), MAX_TEXT_BYTES)
+    _cap("chat.messages[].content", sum(_content_bytes(m) for m in request.chat.messages), MAX_TEXT_BYTES)
     _cap("sampling.stop_token_ids", len(request.sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     _cap("sampling.logit_bias", len(request.sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
+
+
+def _content_bytes(message: pb.ChatMessage) -> int:
+    """Bytes of a message's text and image URLs."""
+    return len(message.content.encode()) + sum(len(getattr(part, part.WhichOneof("kind") or "text").encode())
+                                               for part in message.parts)
+
+
+def _content(i: int, message: pb.ChatMessage) -> str | list[dict]:
+    """A message's OpenAI content: its text, or its parts as OpenAI content parts."""
+    if not message.parts:
+        return message.content
+    if message.content:
+        raise errors.invalid(f"chat.messages[{i}] sets both content and parts; set one", "chat.messages")
+    parts: list[dict] = []
+    for j, part in enumerate(message.parts):
+        kind = part.WhichOneof("kind")
+        if kind == "text":
+            parts.append({"type": "text", "text": part.text})
+        elif kind == "image_url":
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            raise errors.invalid(f"chat.messages[{i}].parts[{j}] is empty: set text or image_url", "chat.messages")
+    return parts
 
 
 def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
@@ -91,10 +115,15 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
     elif which == "token_ids":
         args.prompt_token_ids = list(request.token_ids.ids)
     elif which == "chat":
-        args.chat_body = {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages],
+        args.chat_body = {"messages": [{"role": m.role, "content": _content(i, m)}
+                                       for i, m in enumerate(request.chat.messages)],
                           "thinking": {"type": "enabled" if request.chat.thinking else "disabled"}}
     else:
         raise errors.invalid("a prompt is required: set text, token_ids or chat", "prompt")
+    if request.images and which != "token_ids":
+        raise errors.invalid("images go with token_ids (a gateway forwarding a chat); a client sends them as "
+                             "chat image_url parts", "images")
+    args.images = list(request.images)
     s = request.sampling
     banned, bias = _logit_bias(s.logit_bias)
     try:

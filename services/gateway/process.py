@@ -27,6 +27,7 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.engine_health import EngineHealth
     from services.engine.model_info import ModelInfo
     from services.gateway.frontend import Frontend
+    from services.gateway.image_fetcher import ImageFetcher
     from observability.metrics import EngineLoadsCollector, RequestMetrics
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
@@ -47,7 +48,8 @@ async def run(args: argparse.Namespace) -> int:
     metrics.registry.register(EngineLoadsCollector(
         lambda: [s.report for s in router.states.values() if s.report is not None], info.model))
     tokenizer = RemoteTokenizer(args.tokenizer)
-    frontend = Frontend(info, router, tokenizer, metrics)
+    frontend = Frontend(info, router, tokenizer, metrics, image_fetcher=ImageFetcher(
+        timeout_s=args.image_fetch_timeout, allow_private=args.allow_private_image_urls))
     api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key),
                     tls_files(args.ssl_certfile, args.ssl_keyfile))
     stop = asyncio.Event()
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="key callers must send (repeatable; default: $SHINKAI_API_KEY; none: open)")
     p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
+    p.add_argument("--allow-private-image-urls", action="store_true",
+                   help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)")
+    p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) image URL")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

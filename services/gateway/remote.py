@@ -16,27 +16,31 @@ import grpc
 from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.engine.finish_reason import FinishReason
+from services.engine.image_prompt import ImageEncoderUnavailable
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
+from services.gateway.errors import ERROR_CODE_KEY
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from services.proto.shinkai.v1 import shinkai_pb2_grpc
 from services.proto.tokenizer.v1 import tokenizer_pb2 as tpb
 from services.proto.tokenizer.v1 import tokenizer_pb2_grpc
-from services.tokenizer.chat import ChatError
+from services.tokenizer.chat import ChatError, RenderedChat
 
 REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            pb.FINISH_REASON_ABORT: FinishReason.ABORT, pb.FINISH_REASON_PREEMPTED: FinishReason.PREEMPTED,
            pb.FINISH_REASON_ERROR: FinishReason.ERROR}
 
 
-def _raise_for(err: grpc.aio.AioRpcError) -> None:
+def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
     code, details = err.code(), err.details() or ""
+    if dict(err.trailing_metadata() or ()).get(ERROR_CODE_KEY) == "multimodal_unavailable":
+        raise ImageEncoderUnavailable(details) from None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise ValueError(details) from None
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         raise QueueFull(0) from None
-    if code == grpc.StatusCode.UNAVAILABLE:
-        raise ShuttingDown(f"the engine is unavailable: {details}") from None
+    if code == grpc.StatusCode.UNAVAILABLE:  # draining, its worker gone, or the multimodal service down
+        raise ShuttingDown(f"engine {replica} cannot serve the request: {details}") from None
     raise err
 
 
@@ -65,6 +69,9 @@ class RemoteStream:
         self._done = False
         self._cancelled = False  # close() cancelled the call: the next delta is the final "abort"
         self._num_output_tokens = 0  # as of the latest chunk, for a final this side has to make
+        # The prompt as the engine queued it (image spans expanded): every chunk and the final carry it.
+        self.num_prompt_tokens = (first.chunk.num_prompt_tokens if first.WhichOneof("kind") == "chunk"
+                                  else first.final.usage.prompt_tokens)
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -118,14 +125,15 @@ class RemoteEngine:
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
 
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> RemoteStream:
+                     params: SamplingParams, images: Sequence[bytes] = ()) -> RemoteStream:
         request = pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id,
-                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params))
+                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params),
+                                     images=list(images))
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
             first = await call.read()  # an error status arrives here, before anything streams
         except grpc.aio.AioRpcError as err:
-            _raise_for(err)
+            _raise_for(err, self.replica)
         if first is grpc.aio.EOF:
             raise ShuttingDown(f"engine {self.replica} ended the stream without an answer")
         return RemoteStream(call, first)
@@ -190,9 +198,10 @@ class RemoteTokenizer:
         request = tpb.EncodeRequest(text=text, add_bos=True, max_tokens=max_tokens)
         return list((await self._call(self.stub.Encode, request)).token_ids)
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
         request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens)
-        return list((await self._call(self.stub.RenderChat, request, ChatError)).token_ids)
+        reply = await self._call(self.stub.RenderChat, request, ChatError)
+        return RenderedChat(list(reply.token_ids), reply.prompt, list(reply.image_urls))
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [(await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=[t]))).text for t in token_ids]

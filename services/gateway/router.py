@@ -52,6 +52,10 @@ class _CountedStream:
         self._registry = registry if registry is not None else set()  # the router's live streams
         self._counted = True
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.inner.num_prompt_tokens
+
     def __aiter__(self) -> _CountedStream:
         return self
 
@@ -131,9 +135,9 @@ class EngineRouter:
         return min(candidates, key=lambda s: (s.score, s.live, order[id(s)]))
 
     async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams) -> _CountedStream:
+                     params: SamplingParams, images: Sequence[bytes] = ()) -> _CountedStream:
         state = self.pick()
-        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params)
+        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params, images)
         state.sent_since_report += 1
         state.live += 1
         state.num_routed += 1

@@ -17,6 +17,7 @@ from services.gateway.api_server import ApiServer
 from services.gateway.auth import Keys
 from services.gateway.backends import LocalEngine, LocalTokenizer
 from services.gateway.frontend import Frontend
+from services.gateway.image_fetcher import ImageFetcher
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ServeConfig:
     detokenize: bool = True  # False: streams carry token ids only (the gateway's tokenizer makes text)
     api_keys: tuple[str, ...] = ()  # keys HTTP and gRPC callers must send (services/gateway/auth.py); (): open
     tls: tuple[str, str] | None = None  # (certificate, key) PEM files: HTTPS and TLS gRPC; None: plaintext
+    allow_private_image_urls: bool = False  # image URLs may resolve to private / loopback addresses (the SSRF rule off)
 
 
 class Server:
@@ -44,8 +46,9 @@ class Server:
         self.engine = self.served.service
         self.metrics = self.served.metrics
         self.chat = self.served.chat
-        self.frontend = Frontend(self.served.info, LocalEngine(self.engine),
-                                 LocalTokenizer(self.llm, self.chat, config.detokenize), self.metrics)
+        self.frontend = Frontend(self.served.info, LocalEngine(self.engine, self.served.images),
+                                 LocalTokenizer(self.llm, self.chat, config.detokenize), self.metrics,
+                                 image_fetcher=ImageFetcher(allow_private=config.allow_private_image_urls))
         self.api = ApiServer(self.frontend, config.host, config.http_port, config.grpc_port,
                              Keys(config.api_keys), config.tls)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 import grpc
 import prometheus_client as prom
@@ -30,6 +31,9 @@ from services.multimodal.preprocess import ImageInputError, ImageLimits, Prepare
 from services.proto.multimodal.v1 import multimodal_pb2 as pb
 
 SERVICE = "multimodal.v1.Multimodal"
+# A test-only fault: seconds every Encode waits before encoding (the readiness gate's tests make encodes slow
+# with it). The --encode-delay-s flag's default; unset: 0.
+ENCODE_DELAY_ENV = "SHINKAI_MULTIMODAL_ENCODE_DELAY_S"
 MAX_MESSAGE_BYTES = 64 * 2**20  # a released span is at most 1,024 × 5,120 fp32 = 20 MiB
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
@@ -42,7 +46,7 @@ def plan_message(grid: ImageGrid) -> pb.PlanResponse:
 
 class MultimodalApi:
     def __init__(self, cfg: ModelConfig, encoder: ImageEncoder, limits: ImageLimits = ImageLimits(),
-                 cache_bytes: int = 256 * 2**20, max_batch_images: int = 8) -> None:
+                 cache_bytes: int = 256 * 2**20, max_batch_images: int = 8, encode_delay_s: float = 0.0) -> None:
         if cfg.vision is None:
             raise ValueError("the model has no vision tower")
         self.cfg, self.vcfg, self.encoder, self.limits = cfg, cfg.vision, encoder, limits
@@ -58,6 +62,7 @@ class MultimodalApi:
         self.cache = EmbeddingCache(cache_bytes)
         self.batcher = EncodeBatcher(self.run_tower, max_batch_images, on_batch=self._batch_done)
         self._in_flight: dict[str, asyncio.Future] = {}  # content hash → the encode every caller awaits
+        self.encode_delay_s = encode_delay_s  # a test-only fault: each encode waits this long first
 
     def run_tower(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """One tower call over a batch of images → their spans [num_tokens, D] fp32 (a worker thread)."""
@@ -74,6 +79,8 @@ class MultimodalApi:
 
     async def encoded(self, data: bytes) -> tuple[EncodedImage, bool, str]:
         """(span and grid, whether the cache answered, content hash); ImageInputError for bad bytes."""
+        if self.encode_delay_s:
+            await asyncio.sleep(self.encode_delay_s)
         key = content_hash(data)
         hit = self.cache.get(key)
         if hit is not None:
@@ -156,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mb", type=int, default=256, help="embedding cache size in MiB (by content hash)")
     p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes, help="encoded bytes per image")
     p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels, help="decoded pixels per image")
+    p.add_argument("--encode-delay-s", type=float, default=float(os.environ.get(ENCODE_DELAY_ENV, "0")),
+                   help=f"test-only fault: seconds each Encode waits first (default: ${ENCODE_DELAY_ENV} or 0)")
     args = p.parse_args(argv)
     tracing.setup("shinkai-multimodal")
     cfg, encoder = load_encoder(args.model, args.model_seed)
     api = MultimodalApi(cfg, encoder.to(args.device), ImageLimits(args.max_image_bytes, args.max_image_pixels),
-                        args.cache_mb * 2**20, args.max_batch_images)
+                        args.cache_mb * 2**20, args.max_batch_images, args.encode_delay_s)
     return asyncio.run(serve(api, args.grpc_addr, args.metrics_port))

@@ -2,14 +2,15 @@
 
 Only the conversation keys of an OpenAI chat body reach the recipe (sampling fields are validated by the
 gateway, once, for both endpoints). The recipe accepts only DeepSeek's API model names, so the body is
-rendered as ``RECIPE_MODEL``; the served name was checked before. ``render`` refuses image parts (the
-served path does not take images yet); ``render_images`` returns the image URLs in placeholder order, each
-image one ``IMAGE_PLACEHOLDER`` token in the ids, for the caller to expand to its span (LLM.chat).
+rendered as ``RECIPE_MODEL``; the served name was checked before. ``render`` returns the image URLs in
+placeholder order, each image one ``IMAGE_PLACEHOLDER`` token in the ids, for the engine to expand to its
+span (services/engine/image_prompt.py).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +28,22 @@ class ChatError(ValueError):
 IMAGE_PLACEHOLDER = "<｜image｜>"  # the recipe's one token per image in a rendered prompt (id 129279)
 
 
+@dataclass
+class RenderedChat:
+    """A chat body rendered for the model."""
+
+    token_ids: list[int]  # the prompt, each image one IMAGE_PLACEHOLDER token
+    prompt: str = ""  # the prompt's text
+    image_urls: list[str] = field(default_factory=list)  # data or http(s) URLs, in placeholder order
+
+
 class ChatRenderer:
     def __init__(self, tokenizer_path: Path) -> None:
         self._encoding = deepseek_recipe.DeepseekV41Encoding()
         tokenizer = deepseek_recipe.Tokenizer.from_file(str(tokenizer_path))
         self._encoder = self._encoding.with_tokenizer(tokenizer)
 
-    def render(self, body: dict[str, Any]) -> tuple[list[int], str]:
-        """Token ids and prompt text of an OpenAI chat body's conversation."""
-        ids, prompt, images = self.render_images(body)
-        if images:
-            raise ChatError("messages: image input is not served yet (the vision tower runs offline, in LLM.chat)")
-        return ids, prompt
-
-    def render_images(self, body: dict[str, Any]) -> tuple[list[int], str, list[str]]:
+    def render(self, body: dict[str, Any]) -> RenderedChat:
         """Token ids, prompt text and the image URLs (data or external; the recipe refuses other forms,
         ``file:`` among them) of an OpenAI chat body's conversation, images in placeholder order."""
         request_body = {k: body[k] for k in CONVERSATION_KEYS if k in body}
@@ -52,4 +55,4 @@ class ChatRenderer:
         except (deepseek_recipe.ConversionError, ValueError, TypeError) as err:
             raise ChatError(f"messages: {err}") from err
         images = [source.data_url if source.kind == "data_url" else source.url for source in rendered.image_sources]
-        return list(self._encoder.encode(conversation)), rendered.prompt, images
+        return RenderedChat(list(self._encoder.encode(conversation)), rendered.prompt, images)

@@ -97,11 +97,12 @@ class TokenizerApi:
             num_bytes = chat_content_bytes(body)
             check_bytes(num_bytes, budget, self.pool.token_bytes)
             with _span("tokenizer.RenderChat", context):
-                ids, prompt = await self.pool.run(num_bytes, self.chat.render, body)
-            check_tokens(len(ids), budget)
+                rendered = await self.pool.run(num_bytes, self.chat.render, body)
+            check_tokens(len(rendered.token_ids), budget)
         except (ValueError, ChatError, RecursionError) as err:  # RecursionError: a body nested past the parser
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err) or "the chat body is nested too deeply")
-        return pb.RenderChatResponse(token_ids=ids, prompt=prompt)
+        return pb.RenderChatResponse(token_ids=rendered.token_ids, prompt=rendered.prompt,
+                                     image_urls=rendered.image_urls)
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
         request = await self._parse(pb.DecodeRequest, raw, context)

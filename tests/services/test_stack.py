@@ -27,3 +27,18 @@ def test_speculative_flags_reach_the_engines_only():
         assert engine.argv[i + 1 : i + 4] == ["4", "--spec-sampling", "deterministic"]
     assert all("--num-speculative-tokens" not in s.argv for s in stack if not s.name.startswith("engine-"))
     assert all("--num-speculative-tokens" not in s.argv for s in services(StackConfig(model="tiny")))
+
+
+def test_engines_reach_the_multimodal_service_and_the_ssrf_flag_reaches_the_gateway():
+    from services.stack import StackConfig, services
+
+    stack = {s.name: s for s in services(StackConfig(model="tiny", num_engines=2, allow_private_image_urls=True))}
+    address = f"127.0.0.1:{stack['multimodal'].health.split(':')[1]}"
+    for name in ("engine-0", "engine-1"):
+        argv = stack[name].argv
+        assert argv[argv.index("--multimodal") + 1] == address
+    assert "--allow-private-image-urls" in stack["gateway"].argv
+    plain = {s.name: s for s in services(StackConfig(model="tiny"))}
+    assert "--allow-private-image-urls" not in plain["gateway"].argv
+    remote = services(StackConfig(model="tiny", remote_workers=True))  # worker.v1 carries no embeddings yet
+    assert all("--multimodal" not in s.argv for s in remote)

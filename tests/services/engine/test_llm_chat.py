@@ -54,7 +54,7 @@ def test_chat_with_an_image_follows_the_full_forward_exactly(llm):
     assert prompt.count(vision.image_token_id) == span_length(grid.rows, grid.cols) == 10
     first = prompt.index(vision.image_token_id)
     assert prompt[first : first + 10] == [vision.image_token_id] * 10  # one contiguous span
-    ids, rows = expand_images(llm._chat.render_images({"messages": ask(url)})[0], [url],
+    ids, rows = expand_images(llm._chat.render({"messages": ask(url)}).token_ids, [url],
                               llm.tokenizer.token_to_id("<｜image｜>"), model)
     assert ids == prompt and rows.shape == (10, llm.source.config.hidden_size)
     from model.batch_invariant import batch_invariant

@@ -41,8 +41,8 @@ HTTP_ROWS = [
     ("unknown model", {**OK, "model": "gpt-9"}, 404, "gpt-9"),
     ("missing model", {"prompt": "Hi"}, 400, "model"),
     ("chat without messages", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("chat with an image", {"model": "tiny", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "vision"),
+    ("chat with an image that is not one", {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "supported format"),
     ("chat with a bad role", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "robot"),
 ]
 

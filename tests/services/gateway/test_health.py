@@ -58,6 +58,8 @@ def test_a_dependency_problem_is_503_not_serving_and_unavailable(served):
 
 
 class _FailingStream:
+    num_prompt_tokens = 1
+
     def __aiter__(self):
         return self
 

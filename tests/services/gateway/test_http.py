@@ -74,7 +74,7 @@ def test_chat_plain_and_streamed(client, reference_llm, served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
     # The prompt is deepseek-recipe's rendering: system token, the user turn, then <think>.
-    ids, _ = served.server.chat.render({"messages": messages})
+    ids = served.server.chat.render({"messages": messages}).token_ids
     assert ids[:2] == [0, 128799] and ids[-1] == 128821 and plain.usage.prompt_tokens == len(ids)
     expected = reference_llm.generate([ids], SamplingParams(max_tokens=3, seed=5))[0]
     assert plain.choices[0].message.content == expected.text

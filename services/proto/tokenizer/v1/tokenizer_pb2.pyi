@@ -31,12 +31,14 @@ class RenderChatRequest(_message.Message):
     def __init__(self, body_json: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
-    __slots__ = ("token_ids", "prompt")
+    __slots__ = ("token_ids", "prompt", "image_urls")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_URLS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ...) -> None: ...
+    image_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., image_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("token_ids", "skip_special_tokens")
