@@ -1,0 +1,69 @@
+"""The MoE token exchange of one rank: dispatch (rows to the ranks that hold their experts) and combine
+(the experts' outputs back), each an ``all_to_all_single`` with split sizes on the exchange group.
+
+Per MoE layer and step every rank makes the same four calls in the same order, whatever it holds (a
+placeholder step sends and receives nothing but still calls): the split sizes, the rows, the rows'
+(slot, weight) pairs, and the outputs back. Rows travel as their raw bits (bf16 as int16), so nothing is
+rounded on the way. On a CUDA group (NCCL) the split sizes are read back to the host once per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_CARRIER = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@dataclass
+class Dispatched:
+    """What one rank received for its experts in one layer, and the split sizes to send it back."""
+
+    rows: torch.Tensor  # [M, D] hidden rows, the senders' dtype
+    slots: torch.Tensor  # [M] long, this rank's local slot for each row
+    weights: torch.Tensor  # [M] fp32, each row's route weight
+    send_counts: list[int]  # rows this rank sent to each rank (its combine receives these back)
+    recv_counts: list[int]  # rows this rank received from each rank (its combine sends these back)
+
+
+class Exchange:
+    def __init__(self, group: dist.ProcessGroup, world_size: int) -> None:
+        self.group = group
+        self.world_size = world_size
+        # Seconds spent inside this rank's exchange calls since the last take_seconds() (bench step).
+        self.seconds = 0.0
+
+    def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        carrier = _CARRIER.get(send.dtype)
+        wire = send.contiguous() if carrier is None else send.contiguous().view(carrier)
+        out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
+        dist.all_to_all_single(out, wire, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                               group=self.group)
+        return out if carrier is None else out.view(send.dtype)
+
+    def dispatch(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+                 ) -> Dispatched:
+        """``rows`` [P, D], ``dest`` [P] (ranks, ascending: rows grouped by destination), ``slots`` [P] local
+        slots on the destination, ``weights`` [P] fp32."""
+        start = time.perf_counter()
+        send = torch.bincount(dest, minlength=self.world_size)  # [W]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        # (slot, weight bits) as one int64 pair per row.
+        meta = torch.stack([slots.long(), weights.float().contiguous().view(torch.int32).long()], dim=1)  # [P, 2]
+        got_rows = self._all_to_all(rows, send_counts, recv_counts)
+        got_meta = self._all_to_all(meta, send_counts, recv_counts)
+        got_weights = got_meta[:, 1].to(torch.int32).view(torch.float32)
+        self.seconds += time.perf_counter() - start
+        return Dispatched(got_rows, got_meta[:, 0], got_weights, send_counts, recv_counts)
+
+    def combine(self, outputs: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """The experts' outputs [M, D] for ``dispatched``'s rows → [P, D], in the order this rank sent."""
+        start = time.perf_counter()
+        back = self._all_to_all(outputs, dispatched.recv_counts, dispatched.send_counts)
+        self.seconds += time.perf_counter() - start
+        return back
