@@ -38,7 +38,7 @@ class RankSpec:
     load: Callable[[str], ModelSource]  # device → the model (each rank loads its own copy)
     init_method: str  # the group's rendezvous, "file://…" or "tcp://host:port"
     device: str  # "cpu", or "cuda" (rank r runs on cuda:r)
-    num_threads: int | None = None  # torch CPU threads per rank; None = the host's cores over the ranks
+    num_threads: int | None = None  # torch CPU threads per rank; None = OMP_NUM_THREADS, else the cores over the ranks
 
     def rank_device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else self.device
@@ -64,7 +64,8 @@ def build_rank(rank: int, spec: RankSpec) -> RankEngine:
             raise ValueError(f"{world} ranks need {world} GPUs (NCCL puts one rank on a GPU); "
                              f"{torch.cuda.device_count()} are visible")
         torch.cuda.set_device(device)
-    torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 1) // world))
+    threads = spec.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // world
+    torch.set_num_threads(max(1, threads))
     groups = init_rank_groups(rank, world, spec.init_method, device, spec.config.rank_timeout_s)
     source = spec.load(device)
     model, cfg = source.model, source.config
