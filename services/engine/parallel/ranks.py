@@ -84,7 +84,11 @@ class Ranks:
                                f"answer {kind!r} within {timeout_s} s")
                 continue
             if message == "error":
-                self._fail(f"data-parallel rank {rank} failed:\n{payload}")
+                time.sleep(POLL_S)  # a peer's loss often shows first as this rank's failed collective
+                lost = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes)
+                        if r != rank and not p.is_alive()]
+                self._fail(f"data-parallel rank {rank} failed{' (' + ', '.join(lost) + ')' if lost else ''}:\n"
+                           f"{payload}")
             if message != kind:
                 self._fail(f"data-parallel rank {rank} sent {message!r} while the group waited for {kind!r}")
             got[rank] = payload
