@@ -3,7 +3,7 @@
 
 Per MoE layer and step every rank makes the same four calls in the same order, whatever it holds (a
 placeholder step sends and receives nothing but still calls): the split sizes, the rows, the rows'
-(slot, weight) pairs, and the outputs back. Rows travel as their raw bits (bf16 as int16), so nothing is
+(slot, weight) pairs, and the outputs back. Rows travel as their raw bits (bf16 as bytes), so nothing is
 rounded on the way. On a CUDA group (NCCL) the split sizes are read back to the host once per layer.
 """
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_CARRIER = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+# Dtypes gloo cannot carry travel as their bytes (gloo has no int16 or bf16 all-to-all).
+_CARRIER = {torch.bfloat16: torch.uint8, torch.float16: torch.uint8}
 
 
 @dataclass

@@ -13,7 +13,7 @@ from services.engine.llm import LLM
 from services.engine.model_source import load_model
 from services.engine.parallel.rank import RankSpec, build_rank
 from services.engine.sampling_params import SamplingParams
-from tests.services.engine.parallel.ranks_harness import run_ranks
+from tests.ranks_harness import run_ranks
 
 
 class Recorder:
