@@ -172,3 +172,20 @@ def speculative_args(args) -> dict[str, object]:
     if not args.num_speculative_tokens:
         return {}
     return {"num_speculative_tokens": args.num_speculative_tokens, "spec_sampling": args.spec_sampling}
+
+
+def add_parallel_arguments(parser) -> None:
+    """``--data-parallel-size`` (alias ``--dp``) and ``--num-redundant-experts`` (docs/parallelism.md)."""
+    parser.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int, default=1,
+                        help="rank processes in lockstep, each with its own scheduler and caches, the routed "
+                             "experts spread over them (default 1: one process)")
+    parser.add_argument("--num-redundant-experts", type=int, default=0,
+                        help="at least this many extra expert copies over the ranks, rounded up so every rank "
+                             "holds the same number of slots (default 0)")
+
+
+def parallel_args(args) -> dict[str, object]:
+    """The engine arguments the flags of ``add_parallel_arguments`` set (none for one process)."""
+    if args.data_parallel_size == 1:
+        return {}
+    return {"data_parallel_size": args.data_parallel_size, "num_redundant_experts": args.num_redundant_experts}
