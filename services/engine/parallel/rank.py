@@ -101,16 +101,21 @@ def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], Sam
 
 def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
     """A rank process: builds the rank, reports ("ready", rank), then serves commands until None:
-    ("generate", requests) → ("done", rank, outputs). Any failure is reported as ("error", rank, text)
-    and ends the process with code 1."""
+    ("generate", requests) → ("done", rank, outputs); ("call", (fn, args)) → ("done", rank, fn(rank, *args))
+    for a module-level ``fn`` that every rank runs in lockstep (benchmarks). Any failure is reported as
+    ("error", rank, text) and ends the process with code 1."""
     try:
         built = build_rank(rank, spec)
         results.put(("ready", rank, None))
         while (command := commands.get()) is not None:
             kind, payload = command
-            if kind != "generate":
+            if kind == "generate":
+                results.put(("done", rank, run_to_completion(built, payload)))
+            elif kind == "call":
+                fn, args = payload
+                results.put(("done", rank, fn(built, *args)))
+            else:
                 raise ValueError(f"unknown rank command {kind!r}")
-            results.put(("done", rank, run_to_completion(built, payload)))
     except BaseException:  # noqa: BLE001 - reported to the driver, which stops the group
         results.put(("error", rank, traceback.format_exc()))
         results.close()

@@ -68,6 +68,15 @@ class Ranks:
         outputs = {o.request_id: o for part in self._gather("done", None) for o in part}
         return [outputs[request_id] for request_id, _, _ in requests]
 
+    def call(self, fn, *args) -> list:
+        """``fn(rank_engine, *args)`` on every rank at once (a module-level function, so it crosses the spawn);
+        the results by rank."""
+        if self._closed:
+            raise RuntimeError("this data-parallel group is stopped")
+        for command in self._commands:
+            command.put(("call", (fn, args)))
+        return self._gather("done", None)
+
     def _gather(self, kind: str, timeout_s: float | None) -> list:
         """One ``kind`` message from every rank, by rank; stops the group and raises on a lost rank."""
         got: dict[int, object] = {}
