@@ -221,4 +221,7 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
     def stats(self) -> EngineStats:
+        if self.ranks is not None:
+            raise ValueError("a data-parallel LLM's pools live in its rank processes; their stats are not "
+                             "gathered yet")
         return self.engine.stats()

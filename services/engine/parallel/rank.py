@@ -16,15 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
+from model.deepseek_v41.model import DeepseekV41
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource
 from services.engine.outputs import RequestOutput
 from services.engine.parallel.vote import HostVote
 from services.engine.sampling_params import SamplingParams
+from services.eplb.layout import Layout
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel.ep_moe import ExpertParallel, shard_experts
 from services.worker.parallel.exchange import Exchange
+from services.worker.parallel.expert_moves import apply_layouts
 from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
 from services.worker.worker import Worker
@@ -53,6 +56,13 @@ class RankEngine:
     vote: HostVote
     parallel: ExpertParallel
     engine: Engine
+    model: DeepseekV41  # this rank's model, its MoE layers sharded
+
+
+def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
+    """Between steps, on every rank at once (``Ranks.call``): move to EPLB ``layouts`` (one per layer) over
+    the moves group; the next step routes by them. Returns the experts this rank received from peers."""
+    return apply_layouts(rank.model, rank.parallel, layouts, rank.groups.moves)
 
 
 def build_rank(rank: int, spec: RankSpec) -> RankEngine:
@@ -81,7 +91,7 @@ def build_rank(rank: int, spec: RankSpec) -> RankEngine:
     kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     engine = Engine(Worker(runner), config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                     compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
-    return RankEngine(rank, groups, vote, parallel, engine)
+    return RankEngine(rank, groups, vote, parallel, engine, model)
 
 
 def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]]

@@ -38,8 +38,10 @@ class ExpertParallel:
         self.exchange = exchange
         self.slots = slots  # one per layer
         self.routes_nothing = False  # True during a placeholder step
-        # [layers, slots per rank] int64: pairs received per local physical slot, since the last take.
-        self.slot_counts = torch.zeros(len(slots), slots[0].slots_per_rank, dtype=torch.long)
+        # [layers, slots per rank] int64 on the slots' device (no sync per layer): pairs received per local
+        # physical slot, since the last take.
+        self.slot_counts = torch.zeros(len(slots), slots[0].slots_per_rank, dtype=torch.long,
+                                       device=slots[0].table.device)
 
     @contextlib.contextmanager
     def placeholder(self) -> Iterator[None]:
@@ -110,7 +112,7 @@ class ExpertParallelMoE(nn.Module):
         out = torch.zeros(rows.shape[0], rows.shape[-1], dtype=dtype, device=rows.device)
         if rows.shape[0] == 0:
             return out
-        self.parallel.slot_counts[self.layer] += torch.bincount(slots, minlength=self.parallel.slot_counts.shape[1]).cpu()
+        self.parallel.slot_counts[self.layer] += torch.bincount(slots, minlength=self.parallel.slot_counts.shape[1])
         for s in slots.unique().tolist():
             (idx,) = torch.where(slots == s)
             xe = rows[idx]  # [t, D]

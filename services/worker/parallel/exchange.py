@@ -30,6 +30,17 @@ class Dispatched:
     recv_counts: list[int]  # rows this rank received from each rank (its combine sends these back)
 
 
+def all_to_all_rows(group: dist.ProcessGroup, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+                    ) -> torch.Tensor:
+    """``send`` [N, ...] whose first ``send_counts[r]`` rows (in rank order) go to rank r → the rows received,
+    ``recv_counts[r]`` from rank r, in rank order; bit for bit (2-byte floats travel as bytes)."""
+    carrier = _CARRIER.get(send.dtype)
+    wire = send.contiguous() if carrier is None else send.contiguous().view(carrier)
+    out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
+    dist.all_to_all_single(out, wire, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
+    return out if carrier is None else out.view(send.dtype)
+
+
 class Exchange:
     def __init__(self, group: dist.ProcessGroup, world_size: int) -> None:
         self.group = group
@@ -38,12 +49,7 @@ class Exchange:
         self.seconds = 0.0
 
     def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-        carrier = _CARRIER.get(send.dtype)
-        wire = send.contiguous() if carrier is None else send.contiguous().view(carrier)
-        out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
-        dist.all_to_all_single(out, wire, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                               group=self.group)
-        return out if carrier is None else out.view(send.dtype)
+        return all_to_all_rows(self.group, send, send_counts, recv_counts)
 
     def dispatch(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
                  ) -> Dispatched:

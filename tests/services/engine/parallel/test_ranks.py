@@ -12,9 +12,13 @@ import time
 
 import pytest
 
+from model.deepseek_v41.presets import TINY
 from services.engine.llm import LLM
+from services.engine.model_source import load_model
+from services.engine.parallel.rank import apply_expert_layouts
 from services.engine.parallel.ranks import spread_by_load
 from services.engine.sampling_params import SamplingParams
+from services.eplb.layout import Layout
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
@@ -22,6 +26,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 # decodes: no prompt waits 70 decode steps for the next vote point (tests/.../test_lockstep.py shows those).
 ENGINE = dict(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16,
               device="cpu")
+
+
+# Two ranks at start-up: rank 0 holds experts 0-3, rank 1 experts 4-7. After the move (10 slots, 5 a rank):
+# rank 0 holds 7, 0, 3, 3, 5 (0 and 3 its own, 3 twice; 7 and 5 from rank 1) and rank 1 holds 6, 1, 2, 4, 0
+# (6 and 4 its own; 1, 2 and 0 from rank 0).
+MOVED = Layout((7, 0, 3, 3, 5, 6, 1, 2, 4, 0), num_gpus=2, num_logical=8)
+
+
+def _expert_weights(rank) -> list[tuple]:
+    """On a rank: each layer's kept (w1, w3, w2) as numpy arrays, slot order."""
+    return [tuple(getattr(block.ffn.moe, n).detach().numpy().copy() for n in ("w1", "w3", "w2"))
+            for block in rank.model.layers]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +67,19 @@ def test_two_ranks_equal_one_process(two_ranks, one_process):
     # Bad input is refused before anything is queued, and the group keeps serving.
     with pytest.raises(ValueError, match="outside the vocabulary"):
         two_ranks.generate([[5, 10**7]], GREEDY)
-    # A second call: ids continue, unique across ranks. (Its prefill waits for the next ALL point: the
-    # first call left decode_step a few steps past 0, and ALL points come every 70 decode steps.)
+    # An EPLB layout applied between steps (MOVED): experts cross both ways, 0 and 3 get a second copy.
+    received = two_ranks.ranks.call(apply_expert_layouts, [MOVED] * TINY.num_hidden_layers)
+    assert received == [TINY.num_hidden_layers * 2, TINY.num_hidden_layers * 3]  # peer copies per rank
+    full = load_model("tiny", 0).model
+    for rank, layers in enumerate(two_ranks.ranks.call(_expert_weights)):
+        for layer, (w1, w3, w2) in enumerate(layers):
+            moe = full.layers[layer].ffn
+            experts = list(MOVED.phy2log[rank * 5 : rank * 5 + 5])
+            for got, want in ((w1, moe.w1), (w3, moe.w3), (w2, moe.w2)):  # byte for byte
+                assert got.tobytes() == want[experts].detach().numpy().tobytes()
+    # A second call, on the moved experts: the same tokens; ids continue, unique across ranks. (Its
+    # prefill waits for the next ALL point: the first call left decode_step a few steps past 0, and ALL
+    # points come every 70 decode steps.)
     again = two_ranks.generate(PROMPTS[:2], GREEDY)
     assert [o.request_id for o in again] == [str(len(PROMPTS)), str(len(PROMPTS) + 1)]
     assert [o.token_ids for o in again] == one_process[:2]
