@@ -53,7 +53,12 @@ def main(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         raise SystemExit("bench step --dp runs on CPU so far (the NCCL exchange has not run on GPUs here)")
     model = args.model or "tiny"
-    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 4)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 4)
+    except ValueError:
+        raise SystemExit(f"--batches: expected comma-separated integers, got {args.batches!r}") from None
+    if any(b <= 0 for b in batches):
+        raise SystemExit(f"--batches: sizes must be positive, got {args.batches!r}")
     steps = 8
     config = EngineConfig(data_parallel_size=args.dp, max_num_seqs=max(batches), max_model_len=PROMPT_TOKENS + steps + 16,
                           max_num_batched_tokens=max(batches) * PROMPT_TOKENS, block_size=16, device="cpu",
