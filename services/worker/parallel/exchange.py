@@ -26,18 +26,18 @@ class Dispatched:
     rows: torch.Tensor  # [M, D] hidden rows, the senders' dtype
     slots: torch.Tensor  # [M] long, this rank's local slot for each row
     weights: torch.Tensor  # [M] fp32, each row's route weight
-    send_counts: list[int]  # rows this rank sent to each rank (its combine receives these back)
-    recv_counts: list[int]  # rows this rank received from each rank (its combine sends these back)
+    num_sent: list[int]  # rows this rank sent to each rank (its combine receives these back)
+    num_received: list[int]  # rows this rank received from each rank (its combine sends these back)
 
 
-def all_to_all_rows(group: dist.ProcessGroup, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+def all_to_all_rows(group: dist.ProcessGroup, send: torch.Tensor, num_sent: list[int], num_received: list[int]
                     ) -> torch.Tensor:
-    """``send`` [N, ...] whose first ``send_counts[r]`` rows (in rank order) go to rank r → the rows received,
-    ``recv_counts[r]`` from rank r, in rank order; bit for bit (2-byte floats travel as bytes)."""
+    """``send`` [N, ...] whose first ``num_sent[r]`` rows (in rank order) go to rank r → the rows received,
+    ``num_received[r]`` from rank r, in rank order; bit for bit (2-byte floats travel as bytes)."""
     carrier = _CARRIER.get(send.dtype)
     wire = send.contiguous() if carrier is None else send.contiguous().view(carrier)
-    out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
-    dist.all_to_all_single(out, wire, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
+    out = wire.new_empty((sum(num_received), *wire.shape[1:]))
+    dist.all_to_all_single(out, wire, output_split_sizes=num_received, input_split_sizes=num_sent, group=group)
     return out if carrier is None else out.view(send.dtype)
 
 
@@ -45,11 +45,8 @@ class Exchange:
     def __init__(self, group: dist.ProcessGroup, world_size: int) -> None:
         self.group = group
         self.world_size = world_size
-        # Seconds spent inside this rank's exchange calls since the last take_seconds() (bench step).
+        # Seconds spent inside this rank's exchange calls, cumulative (bench step --dp takes differences).
         self.seconds = 0.0
-
-    def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-        return all_to_all_rows(self.group, send, send_counts, recv_counts)
 
     def dispatch(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
                  ) -> Dispatched:
@@ -59,18 +56,18 @@ class Exchange:
         send = torch.bincount(dest, minlength=self.world_size)  # [W]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        send_counts, recv_counts = send.tolist(), recv.tolist()
+        num_sent, num_received = send.tolist(), recv.tolist()
         # (slot, weight bits) as one int64 pair per row.
         meta = torch.stack([slots.long(), weights.float().contiguous().view(torch.int32).long()], dim=1)  # [P, 2]
-        got_rows = self._all_to_all(rows, send_counts, recv_counts)
-        got_meta = self._all_to_all(meta, send_counts, recv_counts)
+        got_rows = all_to_all_rows(self.group, rows, num_sent, num_received)
+        got_meta = all_to_all_rows(self.group, meta, num_sent, num_received)
         got_weights = got_meta[:, 1].to(torch.int32).view(torch.float32)
         self.seconds += time.perf_counter() - start
-        return Dispatched(got_rows, got_meta[:, 0], got_weights, send_counts, recv_counts)
+        return Dispatched(got_rows, got_meta[:, 0], got_weights, num_sent, num_received)
 
     def combine(self, outputs: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """The experts' outputs [M, D] for ``dispatched``'s rows → [P, D], in the order this rank sent."""
         start = time.perf_counter()
-        back = self._all_to_all(outputs, dispatched.recv_counts, dispatched.send_counts)
+        back = all_to_all_rows(self.group, outputs, dispatched.num_received, dispatched.num_sent)
         self.seconds += time.perf_counter() - start
         return back

@@ -65,15 +65,15 @@ def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, ne
         return torch.cat([moe.w1[k].reshape(-1), moe.w3[k].reshape(-1), moe.w2[k].reshape(-1)])
 
     s = new.slots_per_gpu
-    send_rows, send_counts = [], []
+    send_rows, num_sent = [], []
     for d in range(new.num_gpus):  # to each peer, the experts of its new slots this rank provides, in slot order
         picks = [new.phy2log[d * s + k] for k in range(s) if d != me and plan[d][k] == me]
         send_rows += [row(e) for e in picks]
-        send_counts.append(len(picks))
-    recv_counts = [0 if r == me else sum(1 for src in plan[me] if src == r) for r in range(new.num_gpus)]
+        num_sent.append(len(picks))
+    num_received = [0 if r == me else sum(1 for src in plan[me] if src == r) for r in range(new.num_gpus)]
     width = sum(int(torch.Size(sh).numel()) for sh in shapes)
     send = torch.stack(send_rows) if send_rows else moe.w1.new_empty((0, width))
-    got = all_to_all_rows(group, send, send_counts, recv_counts)
+    got = all_to_all_rows(group, send, num_sent, num_received)
     # Received rows come by source rank, each source's in slot order.
     order = sorted((plan[me][k], k) for k in range(s) if plan[me][k] != me)
     incoming = {k: got[i] for i, (_, k) in enumerate(order)}
