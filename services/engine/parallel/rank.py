@@ -10,6 +10,7 @@ in the same order: the scheduler's votes at vote points, then four exchanges per
 from __future__ import annotations
 
 import os
+import queue
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ from services.worker.parallel.expert_moves import apply_layouts
 from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
 from services.worker.worker import Worker
+
+
+# Seconds between a waiting rank's checks that its driver process is still there.
+PARENT_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -114,10 +119,19 @@ def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
     ("generate", requests) → ("done", rank, outputs); ("call", (fn, args)) → ("done", rank, fn(rank, *args))
     for a module-level ``fn`` that every rank runs in lockstep (benchmarks). Any failure is reported as
     ("error", rank, text) and ends the process with code 1."""
+    parent = os.getppid()
     try:
         built = build_rank(rank, spec)
         results.put(("ready", rank, None))
-        while (command := commands.get()) is not None:
+        while True:
+            try:
+                command = commands.get(timeout=PARENT_POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # the driver is gone (even killed): no rank outlives it
+                    break
+                continue
+            if command is None:
+                break
             kind, payload = command
             if kind == "generate":
                 results.put(("done", rank, run_to_completion(built, payload)))
