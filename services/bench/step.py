@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel ranks: time their lockstep decode steps and the expert exchange's "
+                             "share instead (CPU, services/bench/step_parallel.py)")
 
 
 def _override(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -203,6 +206,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.dp > 1:
+        from services.bench.step_parallel import main as parallel_main
+
+        return parallel_main(args)
     import torch
 
     from services.bench.step_build import builder

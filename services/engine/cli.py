@@ -19,11 +19,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
-    from services.engine.config import add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
     add_speculative_arguments(p)
+    add_parallel_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -37,11 +38,14 @@ def _run(args: argparse.Namespace) -> int:
         from services.engine.device import device_args
 
         sizing = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
-        from services.engine.config import speculative_args
+        from services.engine.config import parallel_args, speculative_args
 
-        llm = LLM(model=args.model, **sizing, **device_args(args), **speculative_args(args),
+        llm = LLM(model=args.model, **sizing, **device_args(args), **speculative_args(args), **parallel_args(args),
                   batch_invariant=args.batch_invariant)
-        outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+        try:
+            outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+        finally:
+            llm.close()
     except ValueError as err:
         raise UsageError(str(err)) from err
     for prompt, out in zip(args.prompt, outputs):

@@ -83,6 +83,14 @@ class EngineConfig:
     # How drafts are accepted: "rejection" (speculative sampling) or "deterministic" (position-keyed
     # coupling: a seeded request's tokens do not depend on how many drafts were verified).
     spec_sampling: str = "rejection"
+    # Data-parallel ranks (docs/parallelism.md): N rank processes, each with its own scheduler, worker and
+    # caches, in lockstep; their routed experts spread over the ranks (expert parallelism). 1 = one process.
+    data_parallel_size: int = 1
+    # At least this many extra copies of routed experts over the ranks, rounded up so every rank holds
+    # the same number of slots (DeepInfer's rounding); copies go to experts 0, 1, 2, … at start-up.
+    num_redundant_experts: int = 0
+    # Seconds any collective between ranks may wait for a peer before the rank fails with an error.
+    rank_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -111,6 +119,20 @@ class EngineConfig:
                              "(docs/speculative.md): leave kernel_backend None and async_scheduling False")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if not self.rank_timeout_s > 0:
+            raise ValueError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
+        if self.data_parallel_size > 1:
+            unsupported = [name for name, on in (("kernel_backend", self.kernel_backend is not None),
+                                                 ("cuda_graphs", self.cuda_graphs),
+                                                 ("async_scheduling", self.async_scheduling),
+                                                 ("num_speculative_tokens", self.num_speculative_tokens > 0)) if on]
+            if unsupported:
+                raise ValueError(f"data_parallel_size > 1 runs the torch MoE synchronously so far "
+                                 f"(docs/parallelism.md): turn off {', '.join(unsupported)}")
 
     def resolved_num_blocks(self) -> int:
         """The null block, plus room for max_num_seqs full-length requests admitted one after another
@@ -150,3 +172,20 @@ def speculative_args(args) -> dict[str, object]:
     if not args.num_speculative_tokens:
         return {}
     return {"num_speculative_tokens": args.num_speculative_tokens, "spec_sampling": args.spec_sampling}
+
+
+def add_parallel_arguments(parser) -> None:
+    """``--data-parallel-size`` (alias ``--dp``) and ``--num-redundant-experts`` (docs/parallelism.md)."""
+    parser.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int, default=1,
+                        help="rank processes in lockstep, each with its own scheduler and caches, the routed "
+                             "experts spread over them (default 1: one process)")
+    parser.add_argument("--num-redundant-experts", type=int, default=0,
+                        help="at least this many extra expert copies over the ranks, rounded up so every rank "
+                             "holds the same number of slots (default 0)")
+
+
+def parallel_args(args) -> dict[str, object]:
+    """The engine arguments the flags of ``add_parallel_arguments`` set (none for one process)."""
+    if args.data_parallel_size == 1:
+        return {}
+    return {"data_parallel_size": args.data_parallel_size, "num_redundant_experts": args.num_redundant_experts}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
@@ -27,7 +27,13 @@ class _Request:
 
 class Engine:
     def __init__(self, worker: Worker, config: EngineConfig, *, vocab_size: int, eos_token_id: int,
-                 compress_ratios: Sequence[int], window_size: int) -> None:
+                 compress_ratios: Sequence[int], window_size: int,
+                 vote: Callable[[bool, str], bool] | None = None) -> None:
+        """``vote``: the data-parallel group's all-reduce of one bool ("all" or "any"), needed when
+        ``config.data_parallel_size`` > 1 (services/engine/parallel/vote.py)."""
+        if (vote is None) != (config.data_parallel_size == 1):
+            raise ValueError("an engine of a data-parallel group needs its group's vote, and only such an engine "
+                             f"takes one (data_parallel_size {config.data_parallel_size})")
         if config.async_scheduling and not isinstance(worker, Worker):
             raise ValueError("async scheduling needs the in-process Worker: the remote worker's protocol does not "
                              "carry the previous step's sampled tokens yet")
@@ -48,7 +54,8 @@ class Engine:
             preemption_mode=mode,
             vocab_size=vocab_size,
             nextn=config.num_speculative_tokens,
-        ))
+            num_ranks=config.data_parallel_size,
+        ), vote)
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.
@@ -59,25 +66,7 @@ class Engine:
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong; nothing is queued."""
-        if len(prompt_token_ids) == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids),
-                          ("forced_token_ids", params.forced_token_ids),
-                          ("logit_bias", tuple(t for t, _ in params.logit_bias))):
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"{name} has an id outside the vocabulary of {self.vocab_size}")
-        if params.forced_token_ids and self.config.num_speculative_tokens:
-            raise ValueError("forced_token_ids cannot be combined with speculative decoding yet "
-                             "(num_speculative_tokens > 0)")
-        total = len(prompt_token_ids) + params.resolved_max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.resolved_max_tokens}) is "
-                f"{total}, longer than the context of {self.config.max_model_len} tokens"
-            )
+        validate_request(prompt_token_ids, params, self.vocab_size, self.config)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     ready: bool = True) -> None:
@@ -259,3 +248,27 @@ def _merge(first: list[RequestOutput], second: list[RequestOutput]) -> list[Requ
     """Outputs of two updates in one call, each request once (its output object is shared)."""
     seen = {id(o) for o in first}
     return first + [o for o in second if id(o) not in seen]
+
+
+def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int,
+                     config: EngineConfig) -> None:
+    """Raises ValueError naming what is wrong with a request for an engine of this vocabulary and config."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids),
+                      ("forced_token_ids", params.forced_token_ids),
+                      ("logit_bias", tuple(t for t, _ in params.logit_bias))):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"{name} has an id outside the vocabulary of {vocab_size}")
+    if params.forced_token_ids and config.num_speculative_tokens:
+        raise ValueError("forced_token_ids cannot be combined with speculative decoding yet "
+                         "(num_speculative_tokens > 0)")
+    total = len(prompt_token_ids) + params.resolved_max_tokens
+    if total > config.max_model_len:
+        raise ValueError(
+            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.resolved_max_tokens}) is "
+            f"{total}, longer than the context of {config.max_model_len} tokens"
+        )

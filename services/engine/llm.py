@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.engine import Engine
+from services.engine.engine import Engine, validate_request
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -54,6 +54,13 @@ class LLM:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
         is loaded."""
+        self.ranks = None  # the data-parallel group's driver (services/engine/parallel/ranks.py), with dp > 1
+        if int(engine_args.get("data_parallel_size", 1)) > 1:  # type: ignore[call-overload]
+            if source is not None or runner is not None or worker is not None:
+                raise ValueError("data_parallel_size > 1 starts its own rank processes, each loading the model: "
+                                 "pass model=, not source=, runner= or worker=")
+            self._start_ranks(model, engine_args)
+            return
         builds_model = source is None and runner is None and worker is None
         if builds_model:  # the device and, on CUDA, the fast path's defaults (services/engine/device.py)
             from services.engine.device import device_engine_args
@@ -93,6 +100,37 @@ class LLM:
         )
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
+
+    def _start_ranks(self, model: str, engine_args: dict[str, object]) -> None:
+        """One process per rank, each with its engine and its share of the experts; this process keeps only
+        the config and tokenizer. The fast path's CUDA defaults (kernel backend, graphs, async) do not
+        apply: the ranks run the torch MoE synchronously (docs/parallelism.md)."""
+        from functools import partial
+
+        from services.engine.device import resolve_device
+        from services.engine.parallel.rank import RankSpec
+        from services.engine.parallel.ranks import Ranks
+
+        args = {"kernel_backend": None, "async_scheduling": False, "cuda_graphs": False, **engine_args}
+        device = resolve_device(args.get("device"))  # type: ignore[arg-type]
+        if device.startswith("cuda") and args.get("device") is None:
+            device = "cuda"
+        if device.startswith("cuda:"):
+            raise ValueError(f"with data_parallel_size > 1 rank r runs on cuda:r; pass device='cuda', not {device!r}")
+        self.config = EngineConfig(**{**args, "device": device})  # type: ignore[arg-type]
+        self.pool_plan = None
+        self.source = load_model(model, seed=self.config.model_seed, load_format=self.config.load_format,
+                                 weights=False)
+        self.tokenizer = self.source.tokenizer
+        self._ids = itertools.count()
+        self._chat = None
+        load = partial(load_model, model, self.config.model_seed, load_format=self.config.load_format)
+        self.ranks = Ranks(RankSpec(self.config, load, "", device))
+
+    def close(self) -> None:
+        """Stops the rank processes of a data-parallel LLM (nothing to stop otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -152,8 +190,16 @@ class LLM:
              images: list[torch.Tensor | None], use_tqdm: bool) -> list[RequestOutput]:
         """Queues every prompt (``images``: each one's placeholder embeddings or None) and steps until all end."""
         for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
-            self.engine.validate(ids, p)
-        request_ids = [str(next(self._ids)) for _ in encoded]
+            validate_request(ids, p, self.source.config.vocab_size, self.config)
+        request_ids = [str(next(self._ids)) for _ in encoded]  # unique across ranks: one counter here
+        if self.ranks is not None:
+            if any(rows is not None for rows in images):
+                raise ValueError("images do not reach data-parallel ranks yet; run LLM.chat with images at "
+                                 "data_parallel_size 1")
+            outputs = self.ranks.generate(list(zip(request_ids, encoded, params_list)))
+            for out in outputs:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            return outputs
         for request_id, ids, p, rows in zip(request_ids, encoded, params_list, images):
             self.engine.add_request(request_id, ids, p, ready=rows is None)
             if rows is not None:
@@ -176,4 +222,7 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
     def stats(self) -> EngineStats:
+        if self.ranks is not None:
+            raise ValueError("a data-parallel LLM's pools live in its rank processes; their stats are not "
+                             "gathered yet")
         return self.engine.stats()

@@ -7,8 +7,9 @@ rows go through the final collapse, norm and head. Nothing recomputes a prefix: 
 exactly Σ seqlen_q rows.
 
 A placeholder step (no rows; it exists so every data-parallel rank joins every collective) runs
-nothing here and counts nothing: one CPU rank has no collective to join. The fake row that routes
-nowhere arrives with expert parallelism.
+nothing and counts nothing on a single rank, which has no collective to join. With expert parallelism
+(``expert_parallel``, services/worker/parallel/) it runs one fake row on block 0 that routes to no expert
+(services/worker/parallel/placeholder.py), so the rank makes every call of the step's exchanges.
 
 ``backend="kernels"`` (or ``EngineConfig.kernel_backend``) converts the model in place to its
 kernel-backed form (services/worker/kernel_backend.py) and runs each step's attention on the
@@ -38,6 +39,8 @@ from services.worker.engram_rows import engram_rows
 from services.worker.image_inputs import ImageInputs
 from services.worker.kernel_backend import BACKENDS, KernelSet, check_device, convert_model
 from services.worker.kernel_head import head_logits
+from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.parallel.placeholder import placeholder_batch
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slots
 
@@ -45,8 +48,11 @@ from services.worker.step_batch import PendingInputs, StepBatch, check_ring_slot
 class ModelRunner:
     def __init__(self, model: DeepseekV41, config: WorkerConfig, *, nextn: int = 0,
                  rounding: Rounding | None = None, backend: str | None = None, precision: str | None = None,
-                 kernels: KernelSet | None = None, with_taps: bool = False) -> None:
-        """``with_taps``: every step also returns each row's DSpark target features (``RunnerOutput.taps``)."""
+                 kernels: KernelSet | None = None, with_taps: bool = False,
+                 expert_parallel: ExpertParallel | None = None) -> None:
+        """``with_taps``: every step also returns each row's DSpark target features (``RunnerOutput.taps``);
+        ``expert_parallel``: the model's MoE layers are already sharded over ranks (``shard_experts``)."""
+        self.expert_parallel = expert_parallel
         self.model = model
         self.with_taps = with_taps
         self.cfg = model.cfg
@@ -106,6 +112,10 @@ class ModelRunner:
         device = model.embed.weight.device
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=device)
         if plan.is_placeholder or plan.num_rows == 0:
+            if self.expert_parallel is None:
+                return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts, 0)
+            with self.expert_parallel.placeholder():
+                self._forward(placeholder_batch(plan.entry_ratios, device), all_rows=False, counts=counts)
             return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts, 0)
         if pending is None and any(plan.inputs_pending.tolist()):
             raise ValueError("the plan's inputs wait on a step in flight (async scheduling); this runner needs "
@@ -114,6 +124,11 @@ class ModelRunner:
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
             batch.fill_pending(plan, pending)
+        return self._forward(batch, all_rows, counts)
+
+    def _forward(self, batch: StepBatch, all_rows: bool, counts: torch.Tensor) -> RunnerOutput:
+        cfg, model = self.cfg, self.model
+        device = model.embed.weight.device
         rounding = StepRounding(self.rounding, batch.request_ids)
         backend: AttentionBackend = TorchAttention(self.cache, batch, rounding) if self.kernels is None else \
             TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)

@@ -67,3 +67,22 @@ def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands()
     args = p.parse_args(["--num-speculative-tokens", "3", "--spec-sampling", "deterministic"])
     assert speculative_args(args) == {"num_speculative_tokens": 3, "spec_sampling": "deterministic"}
     assert EngineConfig(**speculative_args(args)).num_speculative_tokens == 3
+
+
+def test_data_parallel_flags_and_what_ranks_do_not_run_yet():
+    import argparse
+
+    from services.engine.config import add_parallel_arguments, parallel_args
+
+    parser = argparse.ArgumentParser()
+    add_parallel_arguments(parser)
+    assert parallel_args(parser.parse_args([])) == {}
+    assert parallel_args(parser.parse_args(["--dp", "4", "--num-redundant-experts", "2"])) == {
+        "data_parallel_size": 4, "num_redundant_experts": 2}
+    assert parser.parse_args(["--data-parallel-size", "2"]).data_parallel_size == 2
+    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+        EngineConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="turn off kernel_backend, async_scheduling"):
+        EngineConfig(data_parallel_size=2, kernel_backend="fp8", async_scheduling=True)
+    with pytest.raises(ValueError, match="rank_timeout_s"):
+        EngineConfig(rank_timeout_s=0)

@@ -1,0 +1,148 @@
+"""One data-parallel rank: its process groups, its engine (scheduler, worker, caches) with the routed
+experts sharded over the group, and the loop that steps it in lockstep with the other ranks.
+
+Every rank steps the same number of times: before each step the group votes whether any rank has work
+left, and a rank with nothing to do runs a placeholder step (its scheduler's empty plan, which the runner
+turns into one fake row that routes to no expert). Inside a step every rank makes the same collectives
+in the same order: the scheduler's votes at vote points, then four exchanges per MoE layer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from model.deepseek_v41.model import DeepseekV41
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.model_source import ModelSource
+from services.engine.outputs import RequestOutput
+from services.engine.parallel.vote import HostVote
+from services.engine.sampling_params import SamplingParams
+from services.eplb.layout import Layout
+from services.worker.model_runner import ModelRunner
+from services.worker.parallel.ep_moe import ExpertParallel, shard_experts
+from services.worker.parallel.exchange import Exchange
+from services.worker.parallel.expert_moves import apply_layouts
+from services.worker.parallel.expert_slots import ExpertSlots
+from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
+from services.worker.worker import Worker
+
+
+# Seconds between a waiting rank's checks that its driver process is still there.
+PARENT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs, the same for every rank (picklable: it crosses a spawn)."""
+
+    config: EngineConfig  # the engine's knobs; data_parallel_size is the group's size
+    load: Callable[[str], ModelSource]  # device → the model (each rank loads its own copy)
+    init_method: str  # the group's rendezvous, "file://…" or "tcp://host:port"
+    device: str  # "cpu", or "cuda" (rank r runs on cuda:r)
+    num_threads: int | None = None  # torch CPU threads per rank; None = OMP_NUM_THREADS, else the cores over the ranks
+
+    def rank_device(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.device == "cuda" else self.device
+
+
+@dataclass
+class RankEngine:
+    """A built rank: its groups, vote, expert parallelism and engine."""
+
+    rank: int
+    groups: RankGroups
+    vote: HostVote
+    parallel: ExpertParallel
+    engine: Engine
+    model: DeepseekV41  # this rank's model, its MoE layers sharded
+
+
+def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
+    """Between steps, on every rank at once (``Ranks.call``): move to EPLB ``layouts`` (one per layer) over
+    the moves group; the next step routes by them. Returns the experts this rank received from peers."""
+    return apply_layouts(rank.model, rank.parallel, layouts, rank.groups.moves)
+
+
+def build_rank(rank: int, spec: RankSpec) -> RankEngine:
+    """Joins the group and builds this rank's engine; every rank of the group calls it."""
+    world = spec.config.data_parallel_size
+    device = spec.rank_device(rank)
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"{world} ranks need {world} GPUs (NCCL puts one rank on a GPU); "
+                             f"{torch.cuda.device_count()} are visible")
+        torch.cuda.set_device(device)
+    threads = spec.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // world
+    torch.set_num_threads(max(1, threads))
+    groups = init_rank_groups(rank, world, spec.init_method, device, spec.config.rank_timeout_s)
+    source = spec.load(device)
+    model, cfg = source.model, source.config
+    if model is None:
+        raise ValueError("a rank needs the model's weights")
+    slots = [ExpertSlots.startup(cfg.n_routed_experts, world, spec.config.num_redundant_experts, rank, device)
+             for _ in range(cfg.num_hidden_layers)]
+    parallel = ExpertParallel(Exchange(groups.exchange, world), slots)
+    shard_experts(model, parallel)
+    config = spec.config.replace(device=device)
+    runner = ModelRunner(model, config.worker_config(), expert_parallel=parallel)
+    vote = HostVote(groups.vote)
+    kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+    engine = Engine(Worker(runner), config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
+                    compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
+    return RankEngine(rank, groups, vote, parallel, engine, model)
+
+
+def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]]
+                      ) -> list[RequestOutput]:
+    """Queues this rank's share (possibly none) and steps in lockstep until no rank has work left;
+    returns this rank's finished outputs."""
+    engine = rank.engine
+    for request_id, ids, params in requests:
+        engine.add_request(request_id, ids, params)
+    finished: dict[str, RequestOutput] = {}
+    while rank.vote.any_rank(engine.has_unfinished()):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return list(finished.values())
+
+
+def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
+    """A rank process: builds the rank, reports ("ready", rank), then serves commands until None:
+    ("generate", requests) → ("done", rank, outputs); ("call", (fn, args)) → ("done", rank, fn(rank, *args))
+    for a module-level ``fn`` that every rank runs in lockstep (benchmarks). Any failure is reported as
+    ("error", rank, text) and ends the process with code 1."""
+    parent = os.getppid()
+    try:
+        built = build_rank(rank, spec)
+        results.put(("ready", rank, None))
+        while True:
+            try:
+                command = commands.get(timeout=PARENT_POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # the driver is gone (even killed): no rank outlives it
+                    break
+                continue
+            if command is None:
+                break
+            kind, payload = command
+            if kind == "generate":
+                results.put(("done", rank, run_to_completion(built, payload)))
+            elif kind == "call":
+                fn, args = payload
+                results.put(("done", rank, fn(built, *args)))
+            else:
+                raise ValueError(f"unknown rank command {kind!r}")
+    except BaseException:  # noqa: BLE001 - reported to the driver, which stops the group
+        results.put(("error", rank, traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    close_rank_groups()

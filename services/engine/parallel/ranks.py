@@ -1,0 +1,130 @@
+"""The driver of a data-parallel group: starts one process per rank, spreads requests over them by load,
+gathers their outputs, and stops the whole group when any rank is lost.
+
+Requests are assigned in order, each to the rank with the least work so far (prompt plus max tokens;
+ties to the lower rank). Their ids are the caller's, unique across the group. A rank that dies or reports
+an error ends the call with a ``RuntimeError`` naming it; the other ranks, blocked in a collective with
+the lost one, fail within ``rank_timeout_s`` (gloo fails at once on a closed connection) and every rank
+process is stopped, so none is left behind.
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from services.engine.outputs import RequestOutput
+from services.engine.parallel.rank import RankSpec, rank_main
+from services.engine.sampling_params import SamplingParams
+
+Request = tuple[str, list[int], SamplingParams]
+# Seconds between checks that every rank process is alive while waiting for results.
+POLL_S = 0.2
+
+
+def spread_by_load(requests: list[Request], world_size: int) -> list[list[Request]]:
+    """Each request, in order, to the rank with the least assigned tokens (prompt + max tokens)."""
+    loads = [0] * world_size
+    shares: list[list[Request]] = [[] for _ in range(world_size)]
+    for request in requests:
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        shares[r].append(request)
+        loads[r] += len(request[1]) + request[2].resolved_max_tokens
+    return shares
+
+
+class Ranks:
+    def __init__(self, spec_without_rendezvous: RankSpec, start_timeout_s: float = 600.0) -> None:
+        """Starts the ranks and waits until every one has built its engine (or raises)."""
+        self.world_size = spec_without_rendezvous.config.data_parallel_size
+        self._dir = tempfile.TemporaryDirectory(prefix="shinkai-ranks-")
+        rendezvous = Path(self._dir.name) / "rendezvous"
+        spec = RankSpec(spec_without_rendezvous.config, spec_without_rendezvous.load, f"file://{rendezvous}",
+                        spec_without_rendezvous.device, spec_without_rendezvous.num_threads)
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._commands = [ctx.Queue() for _ in range(self.world_size)]
+        self.processes = [ctx.Process(target=rank_main, args=(r, spec, self._commands[r], self._results),
+                                      name=f"shinkai-rank-{r}", daemon=True) for r in range(self.world_size)]
+        self._closed = False
+        for p in self.processes:
+            p.start()
+        self._gather("ready", start_timeout_s)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]  # type: ignore[misc]
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Runs every request to completion across the group; outputs in the order of ``requests``."""
+        if self._closed:
+            raise RuntimeError("this data-parallel group is stopped")
+        for command, share in zip(self._commands, spread_by_load(requests, self.world_size)):
+            command.put(("generate", share))
+        outputs = {o.request_id: o for part in self._gather("done", None) for o in part}
+        return [outputs[request_id] for request_id, _, _ in requests]
+
+    def call(self, fn, *args) -> list:
+        """``fn(rank_engine, *args)`` on every rank at once (a module-level function, so it crosses the spawn);
+        the results by rank."""
+        if self._closed:
+            raise RuntimeError("this data-parallel group is stopped")
+        for command in self._commands:
+            command.put(("call", (fn, args)))
+        return self._gather("done", None)
+
+    def _gather(self, kind: str, timeout_s: float | None) -> list:
+        """One ``kind`` message from every rank, by rank; stops the group and raises on a lost rank."""
+        got: dict[int, object] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(got) < self.world_size:
+            try:
+                message, rank, payload = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                lost = [(r, p.exitcode) for r, p in enumerate(self.processes) if r not in got and not p.is_alive()]
+                if lost:
+                    self._fail(f"data-parallel rank {lost[0][0]} exited with code {lost[0][1]}")
+                if deadline is not None and time.monotonic() > deadline:
+                    self._fail(f"data-parallel ranks {sorted(set(range(self.world_size)) - set(got))} did not "
+                               f"answer {kind!r} within {timeout_s} s")
+                continue
+            if message == "error":
+                time.sleep(POLL_S)  # a peer's loss often shows first as this rank's failed collective
+                lost = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes)
+                        if r != rank and not p.is_alive()]
+                self._fail(f"data-parallel rank {rank} failed{' (' + ', '.join(lost) + ')' if lost else ''}:\n"
+                           f"{payload}")
+            if message != kind:
+                self._fail(f"data-parallel rank {rank} sent {message!r} while the group waited for {kind!r}")
+            got[rank] = payload
+        return [got[r] for r in range(self.world_size)]
+
+    def _fail(self, reason: str) -> None:
+        self.close(graceful=False)
+        raise RuntimeError(f"{reason}; the data-parallel group is stopped")
+
+    def close(self, graceful: bool = True) -> None:
+        """Stops every rank process (asking first when ``graceful``); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if graceful:
+            for command in self._commands:
+                command.put(None)
+            for p in self.processes:
+                p.join(timeout=10)
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        self._dir.cleanup()
+
+    def __del__(self) -> None:
+        try:
+            self.close(graceful=False)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,88 @@
+"""Applying an EPLB layout: every rank moves the expert weights its new slots need, over the moves group.
+
+Every rank holds the old and the new layout of each layer, so all compute the same plan without talking:
+new slot ``k`` of rank ``d`` holds logical expert ``e``; it is filled from ``d``'s own old slots when ``d``
+already holds ``e``, else from the lowest rank that does (a peer copy). The copies of one layer are one
+``all_to_all_single`` on the moves group, each expert's ``w1 | w3 | w2`` flattened into one row, in
+(destination, slot) order on the sender, so the receiver knows where each row goes. The call is collective:
+every rank applies the same layouts at the same step boundary (between steps), and the new layout takes
+effect for the next step on all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.deepseek_v41.model import DeepseekV41
+from services.eplb.layout import Layout
+from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
+from services.worker.parallel.exchange import all_to_all_rows
+from services.worker.parallel.expert_slots import ExpertSlots
+
+
+def move_plan(old: Layout, new: Layout) -> list[list[int]]:
+    """``[rank][new slot]`` → the rank whose old slots provide that slot's expert."""
+    if (old.num_gpus, old.num_logical) != (new.num_gpus, new.num_logical):
+        raise ValueError(f"a layout over {new.num_gpus} ranks and {new.num_logical} experts cannot replace one over "
+                         f"{old.num_gpus} ranks and {old.num_logical} experts")
+    holders = [sorted({slot // old.slots_per_gpu for slot in slots}) for slots in old.log2phy()]
+    plan = []
+    for d in range(new.num_gpus):
+        experts = new.phy2log[d * new.slots_per_gpu : (d + 1) * new.slots_per_gpu]
+        plan.append([d if d in holders[e] else holders[e][0] for e in experts])
+    return plan
+
+
+def apply_layouts(model: DeepseekV41, parallel: ExpertParallel, layouts: list[Layout],
+                  group: torch.distributed.ProcessGroup) -> int:
+    """Moves this rank's expert weights to ``layouts`` (one per layer) and switches the gate to them.
+    Returns the number of experts this rank received from peers."""
+    if len(layouts) != len(parallel.slots):
+        raise ValueError(f"{len(layouts)} layouts for {len(parallel.slots)} layers")
+    received = 0
+    for layer, new in enumerate(layouts):
+        ffn = model.layers[layer].ffn
+        if not isinstance(ffn, ExpertParallelMoE):
+            raise ValueError(f"layer {layer} is not expert-parallel")
+        received += _move_layer(ffn, parallel, layer, new, group)
+    parallel.take_slot_counts()
+    parallel.slot_counts = torch.zeros(len(layouts), parallel.slots[0].slots_per_rank, dtype=torch.long,
+                                       device=parallel.slot_counts.device)
+    return received
+
+
+def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, new: Layout,
+                group: torch.distributed.ProcessGroup) -> int:
+    old_slots = parallel.slots[layer]
+    old, me, moe = old_slots.layout, old_slots.rank, ffn.moe
+    plan = move_plan(old, new)
+    where = {e: k for k, e in reversed(list(enumerate(old_slots.local_experts)))}  # expert → an old local slot
+    shapes = [moe.w1.shape[1:], moe.w3.shape[1:], moe.w2.shape[1:]]
+
+    def row(e: int) -> torch.Tensor:
+        k = where[e]
+        return torch.cat([moe.w1[k].reshape(-1), moe.w3[k].reshape(-1), moe.w2[k].reshape(-1)])
+
+    s = new.slots_per_gpu
+    send_rows, num_sent = [], []
+    for d in range(new.num_gpus):  # to each peer, the experts of its new slots this rank provides, in slot order
+        picks = [new.phy2log[d * s + k] for k in range(s) if d != me and plan[d][k] == me]
+        send_rows += [row(e) for e in picks]
+        num_sent.append(len(picks))
+    num_received = [0 if r == me else sum(1 for src in plan[me] if src == r) for r in range(new.num_gpus)]
+    width = sum(int(torch.Size(sh).numel()) for sh in shapes)
+    send = torch.stack(send_rows) if send_rows else moe.w1.new_empty((0, width))
+    got = all_to_all_rows(group, send, num_sent, num_received)
+    # Received rows come by source rank, each source's in slot order.
+    order = sorted((plan[me][k], k) for k in range(s) if plan[me][k] != me)
+    incoming = {k: got[i] for i, (_, k) in enumerate(order)}
+    mine = [new.phy2log[me * s + k] for k in range(s)]
+    rows = [incoming[k] if k in incoming else row(e) for k, e in enumerate(mine)]
+    sizes = [int(torch.Size(sh).numel()) for sh in shapes]
+    for i, name in enumerate(("w1", "w3", "w2")):
+        start = sum(sizes[:i])
+        stacked = torch.stack([r[start : start + sizes[i]].reshape(shapes[i]) for r in rows])
+        setattr(moe, name, nn.Parameter(stacked, requires_grad=False))
+    parallel.slots[layer] = ExpertSlots(new, me, old_slots.table.device)
+    return len(incoming)
