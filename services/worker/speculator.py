@@ -56,13 +56,16 @@ class Speculator:
         self.contexts: dict[str, DraftContext] = {}
         self.drafts: dict[str, list[int]] = {}
         self.draft_probs: dict[str, torch.Tensor] = {}  # [nextn, V] processed draft distributions
+        # Per draft, the confidence head's chance that it passes with every earlier draft (σ, multiplied
+        # along the block): what varlen verification ranks drafts by.
+        self.confidences: dict[str, list[float]] = {}
         self.rewrite_drafts = rewrite_drafts
         self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
 
     def release(self, request_id: str) -> None:
-        for table in (self.contexts, self.drafts, self.draft_probs):
+        for table in (self.contexts, self.drafts, self.draft_probs, self.confidences):
             table.pop(request_id, None)
 
     def step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
@@ -111,13 +114,16 @@ class Speculator:
             anchors.append((i, request_id, emitted[-1], rows[span.stop - 1]))
         num_drafts = [0] * len(request_ids)
         draft_ids: list[int] = []
+        confidences: list[float] = []
         for i, drafts in self._propose(anchors, sampler):
             num_drafts[i] = len(drafts)
         for i, request_id in enumerate(request_ids):
             draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
+            confidences.extend(self.confidences.get(request_id, [])[: num_drafts[i]])
         forced = [dataclasses.replace(row, forced_token_id=t) for row, t in zip(rows, chosen)]
         sampled = sampler(logits, forced)  # logprobs and top-n of each row's token, under its processed distribution
-        return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors)
+        return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors,
+                                   draft_confidences=confidences)
 
     def _append(self, context: DraftContext, taps: torch.Tensor, first_position: int) -> None:
         if int(context.next_position) != first_position:
@@ -169,7 +175,10 @@ class Speculator:
                                   torch.tensor([r.temperature == 0 for r in rows], device=device))
             return picked.unsqueeze(1)
 
-        drafts, _ = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
+        drafts, heads = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
+        # The chance that draft j passes with every draft before it: σ of each slot's confidence logit,
+        # multiplied along the block ([B, nextn]; non-increasing along each row).
+        confidence = torch.sigmoid(heads.confidence_logits[:, 0, : self.nextn]).cumprod(dim=-1).tolist()
         out = []
         for b, (i, request_id, _, _) in enumerate(anchors):
             self.drafts[request_id] = drafts[b, 0, : self.nextn].tolist()
@@ -177,5 +186,6 @@ class Speculator:
                 rewritten = self.rewrite_drafts(request_id, starts[b], self.drafts[request_id])
                 self.drafts[request_id] = list(rewritten)[: self.nextn]
             self.draft_probs[request_id] = torch.stack([p[b] for p in probs[: self.nextn]])
+            self.confidences[request_id] = confidence[b][: len(self.drafts[request_id])]
             out.append((i, self.drafts[request_id]))
         return out

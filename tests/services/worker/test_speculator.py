@@ -41,16 +41,41 @@ def source(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None):
-    """(outputs, speculator or None)."""
+def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None, curve=None,
+             decode_rows=None, **engine_args):
+    """(outputs, speculator or None). ``curve``: varlen on, with this step-cost curve (rows → ms);
+    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``)."""
     if not nextn:
-        return LLM(source=source, **ENGINE).generate(prompts, params), None
-    llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling)
+        return LLM(source=source, **ENGINE, **engine_args).generate(prompts, params), None
+    llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling, **engine_args)
+    if curve is not None:
+        llm_args.update(spec_varlen=True, spec_step_cost_ms=tuple(curve.items()))
     probe = LLM(source=source, **llm_args)  # only for its resolved worker config
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
     speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"])
-    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **llm_args)
+    worker = Worker(runner, speculator=speculator)
+    if decode_rows is not None:
+        execute = worker.execute
+
+        def recording(plan, rows, previous=None):
+            if not plan.is_prefill:
+                decode_rows.extend(plan.seqlens_q.tolist())
+            return execute(plan, rows, previous)
+
+        worker.execute = recording
+    llm = LLM(source=source, worker=worker, **llm_args)
     return llm.generate(prompts, params), speculator
+
+
+def line(fixed_ms: float, per_row_ms: float, max_rows: int = 16 * (1 + NEXTN)) -> dict[int, float]:
+    """A step-cost curve over every row count: fixed_ms + per_row_ms · rows."""
+    return {rows: fixed_ms + per_row_ms * rows for rows in range(1, max_rows + 1)}
+
+
+# Varlen curves. STEEP: a draft is worth its row only when its confidence beats about 0.1 ms × the batch's
+# tokens per ms, so most requests verify few drafts or none; FLAT: rows are almost free, so nearly every
+# draft is verified. The perturbed-curve test runs both.
+STEEP, FLAT = line(1.0, 0.1), line(10.0, 0.001)
 
 
 def known_drafts(reference, prompts=PROMPTS):
@@ -76,15 +101,23 @@ def greedy_off(source):
     return generate(source, GREEDY)[0]
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off, mode):
+def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off, mode, varlen):
     reference = [o.token_ids for o in greedy_off]
-    outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference))
+    rows: list[int] = []
+    outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference),
+                          curve=line(1.0, 0.02) if varlen else None, decode_rows=rows)
     assert [o.token_ids for o in outs] == reference
     assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
     # Acceptance happened, and so did rejection: both paths ran.
     assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
-    print(f"\n{mode}: accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified} drafts")
+    if varlen:  # varlen really chose: some requests verified fewer drafts than others
+        assert len(set(rows)) > 1 and max(rows) > 1, rows
+    else:
+        assert set(rows) == {1 + NEXTN}
+    print(f"\n{mode} {'varlen' if varlen else 'fixed'}: accepted {spec.num_drafts_accepted} of "
+          f"{spec.num_drafts_verified} drafts; rows per request and step {sorted(set(rows))}")
 
 
 def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
@@ -102,6 +135,57 @@ def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
     assert [o.token_ids for o in shuffled] == [tokens[i] for i in order]
     alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN, spec_sampling="deterministic")
     assert alone[0].token_ids == tokens[1]
+
+
+BATCH = [[0, *range(3 + i, 5 + i + (5 * i) % 13)] for i in range(16)]  # 16 prompts of 3 to 15 tokens
+
+
+def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or_cost_curve(source):
+    """The issue's "Seeded, deterministic mode" Done-when, on the CPU (async scheduling with drafts is not
+    built, so only its "off" case runs): with varlen on, a seeded request's tokens are the same alone, in a
+    batch of 16 in three orders, and under a perturbed cost curve, while varlen verifies different drafts
+    in each. The known drafts (the tokens of the first run, every third one wrong) make acceptance happen."""
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=500 + i, ignore_eos=True) for i in range(16)]
+    run = dict(nextn=NEXTN, spec_sampling="deterministic", max_num_seqs=16)
+    base_rows: list[int] = []
+    base, _ = generate(source, params, prompts=BATCH, curve=STEEP, decode_rows=base_rows, **run)
+    tokens = [o.token_ids for o in base]
+    assert len({tuple(t) for t in tokens}) == 16
+    seen_rows = {tuple(base_rows)}
+    for order in (list(range(16)), list(range(15, -1, -1)), [(5 * i + 3) % 16 for i in range(16)]):
+        for curve in (STEEP, FLAT) if order == list(range(16)) else (STEEP,):
+            prompts = [BATCH[i] for i in order]
+            rows: list[int] = []
+            outs, spec = generate(source, [params[i] for i in order], prompts=prompts, curve=curve, decode_rows=rows,
+                                  rewrite=known_drafts([tokens[i] for i in order], prompts), **run)
+            assert [o.token_ids for o in outs] == [tokens[i] for i in order]
+            assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+            seen_rows.add(tuple(rows))
+            if curve is FLAT:
+                flat_rows = rows
+    for i in (0, 7):
+        alone, _ = generate(source, [params[i]], prompts=[BATCH[i]], curve=STEEP, **run)
+        assert alone[0].token_ids == tokens[i]
+    # Varlen chose differently across the runs, and the flat curve verified more drafts than the steep one.
+    assert len(seen_rows) > 2
+    assert sum(flat_rows) / len(flat_rows) > sum(base_rows) / len(base_rows) + 1
+    print(f"\nmean rows per request and step: steep {sum(base_rows) / len(base_rows):.2f}, "
+          f"flat {sum(flat_rows) / len(flat_rows):.2f}")
+
+
+def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source):
+    """No curve given: the engine measures its decode steps (services/engine/step_cost.py) and varlen uses
+    the fit; every request finishes and the pools come back."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=40 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    llm = LLM(source=source, **dict(ENGINE, batch_invariant=False), num_speculative_tokens=NEXTN,
+              spec_sampling="deterministic", spec_varlen=True)
+    llm.engine.step_cost.refit_interval = 2  # a fit within the run's few decode steps
+    outs = llm.generate(PROMPTS, params)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert llm.engine.step_cost.curve() is not None
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
 
 
 def test_rejection_mode_seeded_tokens_do_not_depend_on_the_batch(source):
