@@ -60,8 +60,8 @@ class ModelRunner:
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
             self.conversion = convert_model(model, self.precision, self.kernels)
-        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
-                                 config.num_state_slots, ring_size(self.cfg, nextn), device)
+        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks, config.num_state_slots,
+                                 ring_size(self.cfg, nextn), device, draft=with_taps)
         self.rounding = rounding
         if config.batch_invariant and self.backend == "torch" and device.type != "cpu":
             raise ValueError("batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "

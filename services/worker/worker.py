@@ -88,7 +88,11 @@ class Worker:
         if self.speculator is not None and plan.num_rows and not plan.is_placeholder:
             if out.taps is None:
                 raise ValueError("speculative decoding needs a runner that returns the draft's taps (with_taps=True)")
-            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.sampler)
+            cache = getattr(self.runner, "cache", None)
+            if cache is None:
+                raise ValueError("speculative decoding needs the cached runner: the draft's rings live in its "
+                                 "CacheEngine's state slots")
+            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.sampler, cache)
             return WorkerOutput(result, sampled, out.expert_counts, out.num_rows_computed, request_ids)
         if not rows:
             result = StepResult([0] * plan.num_requests, [])

@@ -152,20 +152,20 @@ def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or
     tokens = [o.token_ids for o in base]
     assert len({tuple(t) for t in tokens}) == 16
     seen_rows = {tuple(base_rows)}
-    for order in (list(range(16)), list(range(15, -1, -1)), [(5 * i + 3) % 16 for i in range(16)]):
-        for curve in (STEEP, FLAT) if order == list(range(16)) else (STEEP,):
-            prompts = [BATCH[i] for i in order]
-            rows: list[int] = []
-            outs, spec = generate(source, [params[i] for i in order], prompts=prompts, curve=curve, decode_rows=rows,
-                                  rewrite=known_drafts([tokens[i] for i in order], prompts), **run)
-            assert [o.token_ids for o in outs] == [tokens[i] for i in order]
-            assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
-            seen_rows.add(tuple(rows))
-            if curve is FLAT:
-                flat_rows = rows
-    for i in (0, 7):
-        alone, _ = generate(source, [params[i]], prompts=[BATCH[i]], curve=STEEP, **run)
-        assert alone[0].token_ids == tokens[i]
+    # Three orders (the first also under the perturbed, flat curve), with known drafts: acceptance happens.
+    orders = (list(range(16)), list(range(15, -1, -1)), [(5 * i + 3) % 16 for i in range(16)])
+    for order, curve in zip(orders, (FLAT, STEEP, STEEP)):
+        prompts = [BATCH[i] for i in order]
+        rows: list[int] = []
+        outs, spec = generate(source, [params[i] for i in order], prompts=prompts, curve=curve, decode_rows=rows,
+                              rewrite=known_drafts([tokens[i] for i in order], prompts), **run)
+        assert [o.token_ids for o in outs] == [tokens[i] for i in order]
+        assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+        seen_rows.add(tuple(rows))
+        if curve is FLAT:
+            flat_rows = rows
+    alone, _ = generate(source, [params[7]], prompts=[BATCH[7]], curve=STEEP, **run)
+    assert alone[0].token_ids == tokens[7]
     # Varlen chose differently across the runs, and the flat curve verified more drafts than the steep one.
     assert len(seen_rows) > 2
     assert sum(flat_rows) / len(flat_rows) > sum(base_rows) / len(base_rows) + 1
@@ -205,25 +205,54 @@ def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(s
     outs, spec = generate(source, params, nextn=NEXTN)
     assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason == "length" for o in outs)
     assert spec.num_drafts_verified > 0
-    assert spec.contexts == {} and spec.drafts == {}  # every finished request's draft state is released
+    assert spec.next_positions == {} and spec.drafts == {}  # every finished request's draft state is released
 
 
-def test_greedy_under_recompute_preemption_and_at_the_context_limit(source, greedy_off):
-    """A pool too small for three requests' drafts forces recompute preemptions (a prompt from position 0
-    again: the request's draft state restarts); the last request runs to max_model_len. Tokens still equal
-    speculation off, and every block and slot comes back."""
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_scheduler_bookkeeping_and_pools_hold_after_every_step_with_drafts_and_preemption(source, greedy_off, varlen):
+    """The scheduler's speculative bookkeeping, driven by real steps: after every step (pools too small for
+    three requests' drafts, so recompute preemptions happen) the pools are conserved, nothing is in flight,
+    the accepted count is committed (computed = tokens − 1: every token but the newest has KV), no block past
+    the tokens is kept (rejected and unverified drafts' blocks came back), each running request's draft rings
+    (in its state slot) hold exactly its positions before the newest token, and the window ring keeps
+    nextn + 1 positions of backtracking room. The last request runs to max_model_len. Greedy tokens still equal
+    speculation off."""
     small = dict(ENGINE, max_model_len=len(PROMPTS[1]) + MAX_TOKENS, block_size=4, num_blocks=12,
-                 preemption_mode="recompute")
-    probe = LLM(source=source, **small, num_speculative_tokens=NEXTN)
+                 preemption_mode="recompute", num_speculative_tokens=NEXTN)
+    if varlen:
+        small.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
+    probe = LLM(source=source, **small)
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=NEXTN, with_taps=True)
     speculator = Speculator(source.model, NEXTN, batch_invariant=True,
                             rewrite_drafts=known_drafts([o.token_ids for o in greedy_off]))
-    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **small, num_speculative_tokens=NEXTN)
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
+    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **small)
+    scheduler = llm.engine.scheduler
+    assert runner.cache.layout.ring_size == scheduler.config.ring_size >= CASE.cfg.sliding_window + NEXTN + 1
+    for i, prompt in enumerate(PROMPTS):
+        llm.engine.add_request(str(i), prompt, GREEDY)
+    outputs, num_preemptions, num_steps = {}, 0, 0
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            outputs[out.request_id] = out
+        num_steps += 1
+        scheduler.check_invariants()
+        live = {str(i): scheduler.request(str(i)) for i in range(len(PROMPTS)) if scheduler.request(str(i))}
+        assert set(speculator.next_positions) <= set(live) and set(speculator.drafts) <= set(live)
+        for request_id, state in live.items():
+            num_preemptions = max(num_preemptions, state.num_preemptions)
+            assert state.num_inflight_tokens == 0
+            assert len(state.block_table) <= -(-len(state.token_ids) // 4)
+            assert len(state.draft_token_ids) <= NEXTN
+            if state.status == "running":
+                assert state.num_computed_tokens == len(state.token_ids) - 1
+                assert speculator.next_positions[request_id] == state.num_computed_tokens
+    assert num_preemptions > 0 and speculator.num_drafts_accepted > 0
+    assert [outputs[str(i)].token_ids for i in range(len(PROMPTS))] == [o.token_ids for o in greedy_off]
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
-    assert speculator.num_drafts_accepted > 0
+    assert speculator.next_positions == {} and speculator.drafts == {}
+    print(f"\n{'varlen' if varlen else 'fixed'}: {num_steps} steps, up to {num_preemptions} preemptions of a "
+          f"request, accepted {speculator.num_drafts_accepted} of {speculator.num_drafts_verified}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -244,7 +273,7 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks
     spec = llm.engine.worker.speculator
-    assert spec.num_drafts_verified > 0 and spec.contexts == {}
+    assert spec.num_drafts_verified > 0 and spec.next_positions == {}
     same = sum(a.token_ids == b.token_ids for a, b in zip(off, outs))
     print(f"\n{mode} on {torch.cuda.get_device_name()}: greedy equal to speculation off for {same} of {len(outs)} "
           f"requests; accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified}")
