@@ -58,6 +58,7 @@ class Engine:
             self.scheduler.set_step_cost(dict(config.spec_step_cost_ms))
         elif config.spec_varlen:
             self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
+            self.scheduler.set_step_cost(self.step_cost.curve())
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.

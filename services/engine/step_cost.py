@@ -9,7 +9,8 @@ gives the scheduler a curve over every graph size:
   with b ≥ 0 (a step never gets cheaper with more rows) and every value at least ``MIN_STEP_MS``;
 - one size measured: ms proportional to rows (no fixed cost), the pessimistic reading: varlen then drops
   the least likely drafts, so the steps that follow measure a second size;
-- none: no curve (the scheduler verifies every proposed draft).
+- none yet: flat (1 ms at every size), so every draft with a chance of passing is verified and the
+  first steps measure the largest sizes; a draft with confidence 0 adds no expected token and gets no row.
 
 The curve depends on timing, so varlen's row counts do; the tokens of the deterministic mode and of
 greedy decoding do not (docs/speculative.md).
@@ -45,11 +46,11 @@ class StepCostMeter:
         self.num_steps += 1
         return self.num_steps % self.refit_interval == 0
 
-    def curve(self) -> dict[int, float] | None:
-        """Milliseconds per graph size, or None before any decode step."""
+    def curve(self) -> dict[int, float]:
+        """Milliseconds per graph size."""
         means = {size: self._total_ms[size] / self._count[size] for size in self._total_ms}
         if not means:
-            return None
+            return {s: 1.0 for s in self.graph_sizes}
         if len(means) == 1:
             ((size, ms),) = means.items()
             return {s: max(ms * s / size, MIN_STEP_MS) for s in self.graph_sizes}

@@ -32,6 +32,7 @@ from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
 from services.worker.cache_engine import CacheEngine
+from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import Sampler, SamplingRow
 from services.worker.verifier import SPEC_SAMPLING, draft_tokens, verify_deterministic, verify_rejection
 
@@ -43,9 +44,11 @@ weights accept almost no draft, so tests propose known tokens to exercise accept
 
 class Speculator:
     def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
-                 rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False) -> None:
+                 rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False,
+                 forced_acceptance: ForcedAcceptance | None = None) -> None:
         """``batch_invariant``: the draft runs in the batch-invariant mode too (model/batch_invariant.py), so a
-        request's drafts, and with rejection sampling its tokens, do not depend on its batch."""
+        request's drafts, and with rejection sampling its tokens, do not depend on its batch.
+        ``forced_acceptance``: the benchmark switch (services/worker/forced_acceptance.py); greedy only."""
         if model.draft is None:
             raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
                              "in its config); this one has none")
@@ -66,6 +69,7 @@ class Speculator:
         # along the block): what varlen verification ranks drafts by.
         self.confidences: dict[str, list[float]] = {}
         self.rewrite_drafts = rewrite_drafts
+        self.forced_acceptance = forced_acceptance
         self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
@@ -166,6 +170,12 @@ class Speculator:
         else:
             v = verify_deterministic(logprobs.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
         self.num_drafts_verified += len(drafts)
+        if self.forced_acceptance is not None:  # the benchmark's verdict replaces the verifier's
+            if not bool(greedy[0]):
+                raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
+            m = self.forced_acceptance.num_accepted(len(drafts))
+            self.num_drafts_accepted += m
+            return drafts[:m] + [int(probs[m].argmax())]
         self.num_drafts_accepted += int(v.num_accepted[0])
         return v.tokens[0, : int(v.num_accepted[0]) + 1].tolist()
 
@@ -209,5 +219,7 @@ class Speculator:
                 self.drafts[request_id] = list(rewritten)[: self.nextn]
             self.draft_probs[request_id] = torch.stack([p[b] for p in probs[: self.nextn]])
             self.confidences[request_id] = confidence[b][: len(self.drafts[request_id])]
+            if self.forced_acceptance is not None:
+                self.confidences[request_id] = self.forced_acceptance.confidences(len(self.drafts[request_id]))
             out.append((i, self.drafts[request_id]))
         return out

@@ -1,5 +1,5 @@
 """The measured step-cost curve of varlen verification: a line through the per-size means once two sizes
-are measured, proportional to rows with one, none before any decode step."""
+are measured, proportional to rows with one, flat before any decode step."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from services.engine.step_cost import MIN_STEP_MS, StepCostMeter
 SIZES = [1, 2, 4, 8, 16, 24]
 
 
-def test_no_curve_before_a_step_and_a_refit_every_interval():
+def test_flat_before_a_step_and_a_refit_every_interval():
     meter = StepCostMeter(SIZES, refit_interval=3)
-    assert meter.curve() is None
+    assert meter.curve() == {s: 1.0 for s in SIZES}
     assert [meter.record(8, 5.0) for _ in range(6)] == [False, False, True, False, False, True]
 
 
