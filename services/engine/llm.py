@@ -83,9 +83,12 @@ class LLM:
         if worker is None and self.config.num_speculative_tokens:
             from services.worker.speculator import Speculator
 
+            # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the
+            # draft runs plain torch (greedy and deterministic-mode tokens do not depend on the draft's rounding).
+            on_cpu = self.source.model.embed.weight.device.type == "cpu"
             worker = Worker(runner or default_runner(self.source, self.config), speculator=Speculator(
                 self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
-                batch_invariant=self.config.batch_invariant))
+                batch_invariant=self.config.batch_invariant and on_cpu))
         self.engine = Engine(
             worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,

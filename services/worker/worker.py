@@ -74,6 +74,9 @@ class Worker:
                 raise ValueError("a kernel-backend runner needs a sampler kernel in its KernelSet (or pass sampler=)")
             sampler = KernelSampler(kernels.sampler)  # type: ignore[assignment]
         self.sampler = sampler or Sampler()
+        # The speculator verifies on the torch Sampler's processed distributions (``Sampler.process``), which the
+        # fused sampling kernel does not expose: on the kernel backend it gets its own torch Sampler.
+        self.spec_sampler = self.sampler if isinstance(self.sampler, Sampler) else Sampler()
 
     def execute(self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None
                 ) -> WorkerOutput:
@@ -92,7 +95,7 @@ class Worker:
             if cache is None:
                 raise ValueError("speculative decoding needs the cached runner: the draft's rings live in its "
                                  "CacheEngine's state slots")
-            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.sampler, cache)
+            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.spec_sampler, cache)
             return WorkerOutput(result, sampled, out.expert_counts, out.num_rows_computed, request_ids)
         if not rows:
             result = StepResult([0] * plan.num_requests, [])

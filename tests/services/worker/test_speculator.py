@@ -277,3 +277,35 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
     same = sum(a.token_ids == b.token_ids for a, b in zip(off, outs))
     print(f"\n{mode} on {torch.cuda.get_device_name()}: greedy equal to speculation off for {same} of {len(outs)} "
           f"requests; accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source, precision):
+    """The kernel backend (eager, batch-invariant launch configurations: kernels/invariance.py), fixed and
+    varlen: greedy tokens with drafts equal tokens without, as on the CPU. Decode steps with drafts run every
+    row through the prefill attention kernel, steps without through the decode kernel, so this also checks
+    that both kernels give a row the same logits' argmax. Known drafts make acceptance happen."""
+    from services.engine.model_source import load_model
+
+    args = dict(device="cuda", kernel_backend=precision, cuda_graphs=False, async_scheduling=False,
+                batch_invariant=True, max_model_len=96, block_size=8, max_num_seqs=8, num_blocks=64)
+    off = LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS, GREEDY)
+    reference = [o.token_ids for o in off]
+    for varlen in (False, True):
+        gpu = load_model(source.name, device="cuda")  # each runner converts its model in place
+        spec_args = dict(args, num_speculative_tokens=NEXTN)
+        if varlen:
+            spec_args.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
+        probe = LLM(source=gpu, **spec_args)
+        runner = ModelRunner(gpu.model, probe.config.worker_config(), nextn=NEXTN, with_taps=True)
+        speculator = Speculator(gpu.model, NEXTN, rewrite_drafts=known_drafts(reference))
+        llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **spec_args)
+        outs = llm.generate(PROMPTS, GREEDY)
+        print(f"\n{precision} {'varlen' if varlen else 'fixed'}: accepted {speculator.num_drafts_accepted} of "
+              f"{speculator.num_drafts_verified}; equal for {sum(o.token_ids == r for o, r in zip(outs, reference))} "
+              f"of {len(outs)}")
+        assert [o.token_ids for o in outs] == reference
+        assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
+        stats = llm.stats()
+        assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
