@@ -49,7 +49,7 @@ def device_engine_args(engine_args: dict[str, object]) -> dict[str, object]:
     if str(out["device"]).startswith("cuda"):
         speculative = bool(out.get("num_speculative_tokens"))
         for key, value in CUDA_DEFAULTS.items():
-            # Speculative decoding runs synchronously (EngineConfig): async is not its default.
+            # Speculative decoding's async path (the seqlen fix-up) is CPU-tested only so far: not its default.
             out.setdefault(key, False if speculative and key == "async_scheduling" else value)
         if "cuda_graphs" not in out:  # nor are graphs: decode steps with drafts run eagerly
             out["cuda_graphs"] = out["kernel_backend"] is not None and not out.get("enforce_eager", False) \

@@ -160,8 +160,9 @@ class Engine:
     def _step_async(self) -> list[RequestOutput]:
         """Schedule N+1, execute N+1, update N: step N stays in flight while N+1 is planned, as on a GPU
         where the CPU plans the next step while the current one runs. The scheduler counts N as fully
-        accepted (nextn = 0: it is) and defers frees until the last step naming a block is updated; the
-        worker replaces N+1's stand-in inputs by N's sampled tokens. The worker call is synchronous here,
+        accepted and defers frees until the last step naming a block is updated; the worker replaces N+1's
+        stand-in inputs by N's sampled tokens and, with drafts, by N's new drafts, and moves N+1's rows down
+        by the rows N rejected (the seqlen fix-up, ``StepBatch.fix_positions``). The worker call is synchronous here,
         so executing N+1 before updating N is the GPU's order: N+1 is queued behind N, then N is read back.
 
         Only decode steps stay in flight. A prefill step (or one with no rows) is updated right after it

@@ -113,7 +113,7 @@ class ModelRunner:
         check_ring_slots(plan, self.cache.layout.ring_size)
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
-            batch.fill_pending(plan, pending)
+            batch.fill_pending(plan, pending, self.cache.layout.ring_size, self.cache.layout.block_size)
         rounding = StepRounding(self.rounding, batch.request_ids)
         backend: AttentionBackend = TorchAttention(self.cache, batch, rounding) if self.kernels is None else \
             TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)

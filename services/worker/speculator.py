@@ -79,18 +79,20 @@ class Speculator:
             table.pop(request_id, None)
 
     def step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
-             sampler: Sampler, cache: CacheEngine) -> tuple[SamplerOutput, StepResult]:
+             sampler: Sampler, cache: CacheEngine, positions: Sequence[int] | None = None
+             ) -> tuple[SamplerOutput, StepResult]:
         """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]; ``cache``:
-        the runner's, built with the draft's rings."""
+        the runner's, built with the draft's rings; ``positions``: the rows' positions after async scheduling's
+        fix-up (default: the plan's)."""
         if cache.layout.draft_stages != len(self.model.draft.stages):
             raise ValueError(f"the cache holds {cache.layout.draft_stages} draft rings but the draft has "
                              f"{len(self.model.draft.stages)} stages: build the runner with nextn > 0")
         with torch.no_grad(), batch_invariant(self.batch_invariant):
-            return self._step(plan, rows, logits, taps, sampler, cache)
+            return self._step(plan, rows, logits, taps, sampler, cache,
+                              list(positions) if positions is not None else plan.positions.tolist())
 
     def _step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
-              sampler: Sampler, cache: CacheEngine) -> tuple[SamplerOutput, StepResult]:
-        positions = plan.positions.tolist()
+              sampler: Sampler, cache: CacheEngine, positions: list[int]) -> tuple[SamplerOutput, StepResult]:
         row_requests = plan.row_requests.tolist()
         request_ids = list(plan.request_ids)
         num_sample_rows = plan.num_sample_rows.tolist()

@@ -173,6 +173,31 @@ def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or
           f"flat {sum(flat_rows) / len(flat_rows):.2f}")
 
 
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_async_scheduling_with_drafts_gives_the_same_tokens(source, greedy_off, mode):
+    """Async scheduling with drafts (the seqlen fix-up: step N+1 is planned counting N's rows as accepted; the
+    worker moves N+1's rows down by N's rejected rows and feeds N's new drafts in). Fixed and varlen, the
+    tokens equal the synchronous run's: greedy (both modes) equals speculation off, and seeded deterministic
+    tokens equal the synchronous varlen run's. A wrong fix-up would also trip the speculator's check that the
+    draft context continues exactly at each step's first row."""
+    reference = [o.token_ids for o in greedy_off]
+    for curve in (None, line(1.0, 0.02)):
+        outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference),
+                              curve=curve, async_scheduling=True)
+        assert [o.token_ids for o in outs] == reference
+        assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
+        assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+    if mode == "deterministic":
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=300 + i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        sync, _ = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=STEEP)
+        tokens = [o.token_ids for o in sync]
+        outs, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=FLAT,
+                              rewrite=known_drafts(tokens), async_scheduling=True)
+        assert [o.token_ids for o in outs] == tokens
+        assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+
+
 def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source):
     """No curve given: the engine measures its decode steps (services/engine/step_cost.py) and varlen uses
     the fit; every request finishes and the pools come back."""
@@ -282,27 +307,29 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source, precision):
-    """The kernel backend (eager, batch-invariant launch configurations: kernels/invariance.py), fixed and
-    varlen: greedy tokens with drafts equal tokens without, as on the CPU. Decode steps with drafts run every
-    row through the prefill attention kernel, steps without through the decode kernel, so this also checks
-    that both kernels give a row the same logits' argmax. Known drafts make acceptance happen."""
+    """The kernel backend (eager, batch-invariant launch configurations: kernels/invariance.py), fixed, varlen
+    and varlen with async scheduling: greedy tokens with drafts equal tokens without, as on the CPU. Decode
+    steps with drafts run every row through the prefill attention kernel, steps without through the decode
+    kernel, so this also checks that both kernels give a row the same logits' argmax. Known drafts make
+    acceptance happen."""
+    from services.engine.config import EngineConfig
     from services.engine.model_source import load_model
 
     args = dict(device="cuda", kernel_backend=precision, cuda_graphs=False, async_scheduling=False,
                 batch_invariant=True, max_model_len=96, block_size=8, max_num_seqs=8, num_blocks=64)
     off = LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS, GREEDY)
     reference = [o.token_ids for o in off]
-    for varlen in (False, True):
+    for varlen, async_scheduling in ((False, False), (True, False), (True, True)):
         gpu = load_model(source.name, device="cuda")  # each runner converts its model in place
-        spec_args = dict(args, num_speculative_tokens=NEXTN)
+        spec_args = dict(args, num_speculative_tokens=NEXTN, async_scheduling=async_scheduling)
         if varlen:
             spec_args.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
-        probe = LLM(source=gpu, **spec_args)
-        runner = ModelRunner(gpu.model, probe.config.worker_config(), nextn=NEXTN, with_taps=True)
+        runner = ModelRunner(gpu.model, EngineConfig(**spec_args).worker_config(), nextn=NEXTN, with_taps=True)
         speculator = Speculator(gpu.model, NEXTN, rewrite_drafts=known_drafts(reference))
         llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **spec_args)
         outs = llm.generate(PROMPTS, GREEDY)
-        print(f"\n{precision} {'varlen' if varlen else 'fixed'}: accepted {speculator.num_drafts_accepted} of "
+        name = ("varlen" if varlen else "fixed") + (" async" if async_scheduling else "")
+        print(f"\n{precision} {name}: accepted {speculator.num_drafts_accepted} of "
               f"{speculator.num_drafts_verified}; equal for {sum(o.token_ids == r for o, r in zip(outs, reference))} "
               f"of {len(outs)}")
         assert [o.token_ids for o in outs] == reference
