@@ -10,8 +10,9 @@ the step-cost curve measured from the engine's own decode steps) and every a. Ea
 total tokens/s over the wall time (prefill included), decode-only tokens/s, and per request (total /
 batch, as every request runs the whole time).
 
-Speculation runs on the torch path, synchronously (no kernel backend, no CUDA graphs: docs/speculative.md),
-so "off" runs there too, for a like-for-like ratio. Stdlib-only at import (the CLI registers it); torch
+Every case runs synchronously on the same path, "off" included, for a like-for-like ratio: the torch model
+by default, or the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: only decode
+steps that verify no draft replay one; the others run eagerly). Stdlib-only at import (the CLI registers it); torch
 loads when it runs.
 """
 
@@ -27,8 +28,8 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
     """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``."""
     from services.engine import LLM
     from services.engine.config import EngineConfig
+    from services.engine.llm import default_runner
     from services.worker.forced_acceptance import ForcedAcceptance
-    from services.worker.model_runner import ModelRunner
     from services.worker.speculator import Speculator
     from services.worker.worker import Worker
 
@@ -36,7 +37,7 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
         return LLM(source=source, **engine_args)
     args = dict(engine_args, num_speculative_tokens=nextn, spec_varlen=varlen)
     config = EngineConfig(**args)
-    runner = ModelRunner(source.model, config.worker_config(), nextn=nextn, with_taps=True)
+    runner = default_runner(source, config)  # the cached runner with the draft's taps (in a GraphRunner with graphs)
     speculator = Speculator(source.model, nextn, batch_invariant=config.batch_invariant,
                             forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0))
     return LLM(source=source, worker=Worker(runner, speculator=speculator), **args)
@@ -52,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     source = load_model(args.model, device=device)
     nextn = args.num_speculative_tokens
-    engine_args = dict(device=device, kernel_backend=None, cuda_graphs=False, async_scheduling=False,
+    engine_args = dict(device=device, kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
+                       async_scheduling=False,
                        max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.max_tokens + nextn + 8,
                        block_size=args.block_size)
     cases = [("off", None)] + [(mode, a) for mode in args.modes for a in args.acceptance]
@@ -80,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     machine = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
-               "model": args.model, "torch": torch.__version__, "torch_threads": args.threads}
+               "model": args.model, "torch": torch.__version__, "torch_threads": args.threads,
+               "kernel_backend": args.kernel_backend, "cuda_graphs": args.cuda_graphs}
     print(f"machine: {machine}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
@@ -99,5 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--block-size", type=int, default=128, help="paged block size (default 128)")
+    p.add_argument("--kernel-backend", choices=("fp8", "fp32"),
+                   help="the Triton kernel backend (default: the torch model)")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode (needs --kernel-backend)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the figures as JSON here")

@@ -13,8 +13,9 @@
   logprobs are the same either way (tests/services/engine/test_async.py), with drafts too (the worker's
   seqlen fix-up; tests/services/worker/test_speculator.py).
 - ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
-  request (fixed, 1 + n rows each), eagerly (torch model or kernel backend, no CUDA graphs), with
-  or without async scheduling; ``spec_sampling`` "rejection";
+  request (fixed, 1 + n rows each) on the torch model or the kernel backend, with or without async
+  scheduling; with CUDA graphs, only decode steps that verify no draft replay one (the others run
+  eagerly); ``spec_sampling`` "rejection";
   ``spec_varlen`` off (on: the scheduler picks each request's drafts from their confidences and the
   step-cost curve, measured from the engine's decode steps unless ``spec_step_cost_ms`` gives one).
 - Probability mass is summed as integers, floor(p · 2³¹); a draw's position is the index of the token
@@ -117,9 +118,6 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.spec_sampling not in ("rejection", "deterministic"):
             raise ValueError(f"spec_sampling must be 'rejection' or 'deterministic', got {self.spec_sampling!r}")
-        if self.num_speculative_tokens and self.cuda_graphs:
-            raise ValueError("speculative decoding runs eagerly so far (docs/speculative.md): set cuda_graphs=False "
-                             "(--enforce-eager)")
         if self.num_speculative_tokens and self.async_scheduling and self.first_n_no_eos:
             raise ValueError("first_n_no_eos with speculative decoding needs async_scheduling off: the end-token ban "
                              "counts the step in flight's tokens, which drafts make unknown until it is read")

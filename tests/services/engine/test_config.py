@@ -59,8 +59,7 @@ def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands()
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="spec_sampling must be"):
         EngineConfig(spec_sampling="greedy")
-    with pytest.raises(ValueError, match="runs eagerly so far"):
-        EngineConfig(num_speculative_tokens=2, kernel_backend="fp8", cuda_graphs=True)
+    assert EngineConfig(num_speculative_tokens=2, kernel_backend="fp8", cuda_graphs=True).cuda_graphs
     with pytest.raises(ValueError, match="first_n_no_eos with speculative decoding needs async_scheduling off"):
         EngineConfig(num_speculative_tokens=2, async_scheduling=True, first_n_no_eos=1)
     assert EngineConfig(num_speculative_tokens=2, async_scheduling=True).async_scheduling
