@@ -45,6 +45,7 @@ class StackConfig:
     batch_invariant: bool = False  # engines and workers in batch-invariant mode (EngineConfig.batch_invariant)
     num_speculative_tokens: int = 0  # DSpark drafts per request and step (EngineConfig.num_speculative_tokens)
     spec_sampling: str = "rejection"  # EngineConfig.spec_sampling
+    spec_varlen: bool = False  # EngineConfig.spec_varlen
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
     allow_private_image_urls: bool = False  # the gateway fetches image URLs resolving to private addresses too
 
@@ -169,6 +170,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     sizing += ["--batch-invariant"] if config.batch_invariant else []
     spec = ["--num-speculative-tokens", str(config.num_speculative_tokens), "--spec-sampling",
             config.spec_sampling] if config.num_speculative_tokens else []  # the engine's (in-process worker)
+    spec += ["--spec-varlen"] if config.num_speculative_tokens and config.spec_varlen else []
     from services.engine.device import device_argv
 
     device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)

@@ -48,6 +48,8 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.num_engines < 1:
         raise UsageError("--num-engines must be at least 1")
+    if args.spec_varlen and not args.num_speculative_tokens:
+        raise UsageError("--spec-varlen needs --num-speculative-tokens > 0")
     if args.num_speculative_tokens and args.remote_workers:
         raise UsageError("--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
                          "carry drafts yet; drop --remote-workers")
@@ -58,7 +60,8 @@ def _up(args: argparse.Namespace) -> int:
                          max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
                          max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
                          batch_invariant=args.batch_invariant, num_speculative_tokens=args.num_speculative_tokens,
-                         spec_sampling=args.spec_sampling, allow_private_image_urls=args.allow_private_image_urls)
+                         spec_sampling=args.spec_sampling, spec_varlen=args.spec_varlen,
+                         allow_private_image_urls=args.allow_private_image_urls)
     if args.api_key:
         os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:

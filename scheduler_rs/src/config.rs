@@ -35,8 +35,12 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: u32,
     /// Prompt plus output tokens of one request.
     pub max_model_len: u32,
-    /// Draft tokens verified per decode step (fixed-length verification).
+    /// Draft tokens a decode step may verify per request (all of them in fixed-length verification).
     pub nextn: u32,
+    /// Variable-length verification: each decode step checks, per request, the prefix of its drafts
+    /// that `MtpVarlen` chooses from the drafts' confidences and the step-cost curve
+    /// (`Scheduler::set_step_cost`); off: every request checks `nextn` rows of drafts (pad rows before any).
+    pub spec_varlen: bool,
     /// Sliding-window length; the ring adds `max(6, nextn + 1)` positions for rollback.
     pub window_size: u32,
     /// Compress ratios of the paged KV sources (V4.1 Flash: 2 and 1); each must divide the block.
@@ -95,6 +99,7 @@ impl SchedulerConfig {
             max_num_batched_tokens: limits.max_num_batched_tokens,
             max_model_len: limits.max_model_len,
             nextn: 0,
+            spec_varlen: false,
             window_size: 128,
             compress_ratios: vec![2, 1],
             preemption_mode: PreemptionMode::Stop,
@@ -151,6 +156,9 @@ impl SchedulerConfig {
                     self.block_size
                 ));
             }
+        }
+        if self.spec_varlen && self.nextn == 0 {
+            return Err("spec_varlen needs drafts to verify (nextn > 0)".into());
         }
         if !(0.0..=1.0).contains(&self.prefill_max_cache_usage) {
             return Err("prefill_max_cache_usage must be in [0, 1]".into());

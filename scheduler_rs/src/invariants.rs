@@ -36,6 +36,9 @@ pub fn validate_result(plan: &StepPlan, result: &StepResult, config: &SchedulerC
     if let Some(&e) = result.errors.iter().find(|&&e| e as usize >= num_requests) {
         return bad(format!("error index {e} is out of range"));
     }
+    if result.num_draft_tokens.is_empty() && !result.draft_confidences.is_empty() {
+        return bad("draft confidences without draft counts".into());
+    }
     if !result.num_draft_tokens.is_empty() {
         if result.num_draft_tokens.len() != num_requests {
             return bad(format!("{} draft counts for {num_requests} requests", result.num_draft_tokens.len()));
@@ -46,6 +49,12 @@ pub fn validate_result(plan: &StepPlan, result: &StepResult, config: &SchedulerC
         let num_drafts: usize = result.num_draft_tokens.iter().map(|&n| n as usize).sum();
         if num_drafts != result.draft_token_ids.len() {
             return bad(format!("draft counts sum to {num_drafts} but {} draft ids", result.draft_token_ids.len()));
+        }
+        if !result.draft_confidences.is_empty() && result.draft_confidences.len() != num_drafts {
+            return bad(format!("{} draft confidences for {num_drafts} drafts", result.draft_confidences.len()));
+        }
+        if let Some(c) = result.draft_confidences.iter().find(|c| !(0.0..=1.0).contains(*c)) {
+            return bad(format!("draft confidence {c} is not in [0, 1]"));
         }
     }
     if let Some(vocab_size) = config.vocab_size {

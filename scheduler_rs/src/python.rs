@@ -244,7 +244,7 @@ impl SchedulerConfig {
     #[pyo3(signature = (*, block_size, num_blocks, num_state_slots, max_num_seqs, max_num_batched_tokens,
         max_model_len, num_ranks=1, engine_type=EngineType::Normal, nextn=0, window_size=128, compress_ratios=vec![2, 1], preemption_mode=PreemptionMode::Stop,
         prefill_attempt_interval=None, prefill_any_attempt_interval=None, prefill_max_cache_usage=0.9,
-        cuda_graph_interval=8, vocab_size=None, draft_pad_token_id=0))]
+        cuda_graph_interval=8, vocab_size=None, draft_pad_token_id=0, spec_varlen=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_size: u32,
@@ -265,6 +265,7 @@ impl SchedulerConfig {
         cuda_graph_interval: u32,
         vocab_size: Option<u32>,
         draft_pad_token_id: u32,
+        spec_varlen: bool,
     ) -> PyResult<Self> {
         let limits = Limits {
             block_size,
@@ -286,6 +287,7 @@ impl SchedulerConfig {
         c.cuda_graph_interval = cuda_graph_interval;
         c.vocab_size = vocab_size;
         c.draft_pad_token_id = draft_pad_token_id;
+        c.spec_varlen = spec_varlen;
         c.validate().map_err(SchedulerError::InvalidConfig)?;
         Ok(SchedulerConfig { inner: c })
     }
@@ -353,6 +355,10 @@ impl SchedulerConfig {
     #[getter]
     fn vocab_size(&self) -> Option<u32> {
         self.inner.vocab_size
+    }
+    #[getter]
+    fn spec_varlen(&self) -> bool {
+        self.inner.spec_varlen
     }
     #[getter]
     fn draft_pad_token_id(&self) -> u32 {
@@ -577,19 +583,22 @@ impl From<CoreResult> for StepResult {
 #[pymethods]
 impl StepResult {
     #[new]
-    #[pyo3(signature = (num_tokens, token_ids, num_draft_tokens=None, draft_token_ids=None, errors=None))]
+    #[pyo3(signature = (num_tokens, token_ids, num_draft_tokens=None, draft_token_ids=None, errors=None,
+        draft_confidences=None))]
     fn new(
         num_tokens: Vec<u32>,
         token_ids: Vec<u32>,
         num_draft_tokens: Option<Vec<u32>>,
         draft_token_ids: Option<Vec<u32>>,
         errors: Option<Vec<u32>>,
+        draft_confidences: Option<Vec<f64>>,
     ) -> Self {
         CoreResult {
             num_tokens,
             token_ids,
             num_draft_tokens: num_draft_tokens.unwrap_or_default(),
             draft_token_ids: draft_token_ids.unwrap_or_default(),
+            draft_confidences: draft_confidences.unwrap_or_default(),
             errors: errors.unwrap_or_default(),
         }
         .into()
@@ -609,6 +618,10 @@ impl StepResult {
     #[getter]
     fn draft_token_ids(&self) -> Vec<u32> {
         self.inner.draft_token_ids.clone()
+    }
+    #[getter]
+    fn draft_confidences(&self) -> Vec<f64> {
+        self.inner.draft_confidences.clone()
     }
     #[getter]
     fn errors(&self) -> Vec<u32> {
@@ -822,6 +835,12 @@ impl Scheduler {
     ) -> PyResult<()> {
         let stop = StopRules { max_tokens, eos_token_id, ignore_eos, stop_token_ids };
         Ok(self.inner.fork(parent_id, child_id, stop)?)
+    }
+
+    /// Varlen verification's step-cost curve: rows → step milliseconds, plus the sampler's per step.
+    #[pyo3(signature = (step_cost_ms, sampler_ms=0.0))]
+    fn set_step_cost(&mut self, step_cost_ms: std::collections::BTreeMap<u32, f64>, sampler_ms: f64) -> PyResult<()> {
+        Ok(self.inner.set_step_cost(step_cost_ms.into_iter().collect(), sampler_ms)?)
     }
 
     fn request(&self, request_id: &str) -> Option<RequestState> {

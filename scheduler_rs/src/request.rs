@@ -93,6 +93,9 @@ pub struct Request {
     pub num_inflight_tokens: u32,
     /// Proposed tokens to verify after the newest token, from the last updated step.
     pub draft_tokens: Vec<u32>,
+    /// Each draft's chance of passing with all before it (`StepResult::draft_confidences`); empty when
+    /// the worker gave none.
+    pub draft_confidences: Vec<f64>,
     /// Paged blocks, in position order. Covers every position a planned step may write.
     pub block_table: Vec<u32>,
     pub state_slot: Option<u32>,
@@ -122,6 +125,7 @@ impl Request {
             num_computed_tokens: 0,
             num_inflight_tokens: 0,
             draft_tokens: Vec::new(),
+            draft_confidences: Vec::new(),
             block_table: Vec::new(),
             state_slot: None,
             status: Status::Waiting,

@@ -17,6 +17,7 @@ use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
 use crate::request::{FinishReason, Request, StopRules};
 use crate::step::{RequestUpdate, StepKind, StepPlan};
+use crate::varlen::MtpVarlen;
 
 pub use crate::errors::SchedulerError;
 
@@ -99,6 +100,8 @@ pub struct Scheduler {
     pending_state_copies: Vec<(u32, u32)>,
     next_arrival: u64,
     next_incarnation: u64,
+    /// Varlen verification's step-cost curve (`set_step_cost`); None until the engine gives one.
+    varlen: Option<MtpVarlen>,
 }
 
 impl Scheduler {
@@ -121,11 +124,22 @@ impl Scheduler {
             pending_state_copies: Vec::new(),
             next_arrival: 0,
             next_incarnation: 0,
+            varlen: None,
         })
     }
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// The step-cost curve varlen verification ranks drafts against: (rows, step milliseconds) per
+    /// measured graph size, plus the sampler's milliseconds per step. Replaces the previous curve.
+    pub fn set_step_cost(&mut self, step_cost_ms: Vec<(u32, f64)>, sampler_ms: f64) -> Result<(), SchedulerError> {
+        if !self.config.spec_varlen {
+            return Err(SchedulerError::InvalidConfig("a step-cost curve needs spec_varlen".into()));
+        }
+        self.varlen = Some(MtpVarlen::new(step_cost_ms, sampler_ms).map_err(SchedulerError::InvalidConfig)?);
+        Ok(())
     }
 
     pub fn request(&self, request_id: &str) -> Option<&Request> {

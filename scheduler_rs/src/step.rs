@@ -87,7 +87,7 @@ impl StepPlan {
 }
 
 /// What a step produced, per request of its plan, in plan order.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepResult {
     /// Tokens produced per request: 0 for a prompt chunk that is not the last, otherwise the
     /// accepted drafts plus one sampled token (1 ≤ n ≤ sampled rows).
@@ -97,6 +97,10 @@ pub struct StepResult {
     /// New drafts per request for its next step (empty when there is no draft model).
     pub num_draft_tokens: Vec<u32>,
     pub draft_token_ids: Vec<u32>,
+    /// Per draft (aligned with `draft_token_ids`), the draft's chance of being accepted together with
+    /// every earlier draft of its request, in [0, 1] (the confidence head's σ, multiplied along the
+    /// request); empty when the worker gives none (varlen then counts every draft as certain).
+    pub draft_confidences: Vec<f64>,
     /// Request indices that cannot go on (every token masked): they end with `error`.
     pub errors: Vec<u32>,
 }

@@ -25,8 +25,11 @@ impl MtpVarlen {
         if step_cost_ms.is_empty() {
             return Err("the step-cost curve is empty".into());
         }
-        if step_cost_ms.iter().any(|&(rows, ms)| rows == 0 || ms.is_nan() || ms <= 0.0) {
+        if step_cost_ms.iter().any(|&(rows, ms)| rows == 0 || !ms.is_finite() || ms <= 0.0) {
             return Err("step-cost entries need positive rows and milliseconds".into());
+        }
+        if !sampler_ms.is_finite() || sampler_ms < 0.0 {
+            return Err(format!("sampler_ms must be finite and non-negative, got {sampler_ms}"));
         }
         step_cost_ms.sort_by_key(|&(rows, _)| rows);
         Ok(MtpVarlen { step_cost_ms, sampler_ms })

@@ -45,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="the cached model runner, or the full-recompute reference runner")
     gen.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     gen.set_defaults(func=_run_generate)
+    spec = targets.add_parser("speculative", help="tokens/s with DSpark drafts at forced acceptance rates vs off")
+    from services.bench import speculative
+
+    speculative.add_arguments(spec)
+    spec.set_defaults(func=_run_speculative)
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
@@ -57,6 +62,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from services.bench import generate
 
     return generate.main(args)
+
+
+def _run_speculative(args: argparse.Namespace) -> int:
+    from services.bench import speculative
+
+    return speculative.main(args)
 
 
 def _run_accuracy(args: argparse.Namespace) -> int:

@@ -10,9 +10,14 @@
 - ``async_scheduling``: off. When on, the engine plans step N+1 before it updates step N (one step in
   flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
   decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
-  logprobs are the same either way (tests/services/engine/test_async.py); nextn = 0 only.
+  logprobs are the same either way (tests/services/engine/test_async.py), with drafts too (the worker's
+  seqlen fix-up; tests/services/worker/test_speculator.py).
 - ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
-  request (fixed, 1 + n rows each) on the torch path, synchronously; ``spec_sampling`` "rejection".
+  request (fixed, 1 + n rows each) on the torch model or the kernel backend, with or without async
+  scheduling; with CUDA graphs, only decode steps that verify no draft replay one (the others run
+  eagerly); ``spec_sampling`` "rejection";
+  ``spec_varlen`` off (on: the scheduler picks each request's drafts from their confidences and the
+  step-cost curve, measured from the engine's decode steps unless ``spec_step_cost_ms`` gives one).
 - Probability mass is summed as integers, floor(p · 2³¹); a draw's position is the index of the token
   being produced (the sampler's contract).
 """
@@ -91,6 +96,13 @@ class EngineConfig:
     num_redundant_experts: int = 0
     # Seconds any collective between ranks may wait for a peer before the rank fails with an error.
     rank_timeout_s: float = 60.0
+    # Variable-length verification (scheduler_rs MtpVarlen): each decode step verifies, per request, the
+    # prefix of its drafts worth its rows, ranked by the draft's confidence head against the step-cost
+    # curve; off: every request verifies num_speculative_tokens drafts.
+    spec_varlen: bool = False
+    # Varlen's step-cost curve as ((rows, milliseconds), ...) pairs; None = measured from the engine's own
+    # decode steps (services/engine/step_cost.py).
+    spec_step_cost_ms: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -114,9 +126,18 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.spec_sampling not in ("rejection", "deterministic"):
             raise ValueError(f"spec_sampling must be 'rejection' or 'deterministic', got {self.spec_sampling!r}")
-        if self.num_speculative_tokens and (self.async_scheduling or self.kernel_backend is not None):
-            raise ValueError("speculative decoding runs on the torch path with async scheduling off so far "
-                             "(docs/speculative.md): leave kernel_backend None and async_scheduling False")
+        if self.num_speculative_tokens and self.async_scheduling and self.first_n_no_eos:
+            raise ValueError("first_n_no_eos with speculative decoding needs async_scheduling off: the end-token ban "
+                             "counts the step in flight's tokens, which drafts make unknown until it is read")
+        if self.spec_varlen and not self.num_speculative_tokens:
+            raise ValueError("spec_varlen needs num_speculative_tokens > 0: it chooses how many drafts to verify")
+        if self.spec_step_cost_ms is not None and not self.spec_varlen:
+            raise ValueError("spec_step_cost_ms is varlen's step-cost curve: set spec_varlen=True with it")
+        if self.spec_step_cost_ms is not None and (
+                not self.spec_step_cost_ms
+                or any(rows < 1 or not ms > 0 or ms == float("inf") for rows, ms in self.spec_step_cost_ms)):
+            raise ValueError("spec_step_cost_ms needs (rows ≥ 1, finite milliseconds > 0) pairs, got "
+                             f"{self.spec_step_cost_ms!r}")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
         if self.data_parallel_size < 1:
@@ -159,19 +180,24 @@ class EngineConfig:
 
 
 def add_speculative_arguments(parser) -> None:
-    """``--num-speculative-tokens`` and ``--spec-sampling``, the same on generate, serve, up and the engine."""
+    """``--num-speculative-tokens``, ``--spec-sampling`` and ``--spec-varlen``, the same on generate, serve, up
+    and the engine."""
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="DSpark drafts verified per request and step (0: off; docs/speculative.md)")
     parser.add_argument("--spec-sampling", choices=("rejection", "deterministic"), default="rejection",
                         help="how drafts are accepted: rejection sampling, or position-keyed coupling whose "
                              "seeded tokens do not depend on the drafts (default: rejection)")
+    parser.add_argument("--spec-varlen", action="store_true",
+                        help="variable-length verification: per request, verify the drafts worth their rows, "
+                             "ranked by the draft's confidence against the measured step-cost curve")
 
 
 def speculative_args(args) -> dict[str, object]:
     """The engine arguments the flags of ``add_speculative_arguments`` set (none when speculation is off)."""
     if not args.num_speculative_tokens:
-        return {}
-    return {"num_speculative_tokens": args.num_speculative_tokens, "spec_sampling": args.spec_sampling}
+        return {"spec_varlen": True} if args.spec_varlen else {}  # EngineConfig refuses it, naming the flag's field
+    return {"num_speculative_tokens": args.num_speculative_tokens, "spec_sampling": args.spec_sampling,
+            "spec_varlen": args.spec_varlen}
 
 
 def add_parallel_arguments(parser) -> None:

@@ -47,10 +47,13 @@ def device_engine_args(engine_args: dict[str, object]) -> dict[str, object]:
     out = dict(engine_args)
     out["device"] = resolve_device(out.get("device"))  # type: ignore[arg-type]
     if str(out["device"]).startswith("cuda"):
+        speculative = bool(out.get("num_speculative_tokens"))
         for key, value in CUDA_DEFAULTS.items():
-            out.setdefault(key, value)
-        if "cuda_graphs" not in out:
-            out["cuda_graphs"] = out["kernel_backend"] is not None and not out.get("enforce_eager", False)
+            # Speculative decoding's async path (the seqlen fix-up) is CPU-tested only so far: not its default.
+            out.setdefault(key, False if speculative and key == "async_scheduling" else value)
+        if "cuda_graphs" not in out:  # nor are graphs (they replay only steps verifying no draft; GPU-untested)
+            out["cuda_graphs"] = out["kernel_backend"] is not None and not out.get("enforce_eager", False) \
+                and not speculative
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
+from services.engine.step_cost import StepCostMeter
 from services.worker.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 
@@ -54,8 +56,16 @@ class Engine:
             preemption_mode=mode,
             vocab_size=vocab_size,
             nextn=config.num_speculative_tokens,
+            spec_varlen=config.spec_varlen,
             num_ranks=config.data_parallel_size,
         ), vote)
+        # Varlen verification's step-cost curve: given, or measured from decode steps (None otherwise).
+        self.step_cost: StepCostMeter | None = None
+        if config.spec_step_cost_ms is not None:
+            self.scheduler.set_step_cost(dict(config.spec_step_cost_ms))
+        elif config.spec_varlen:
+            self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
+            self.scheduler.set_step_cost(self.step_cost.curve())
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.
@@ -122,20 +132,26 @@ class Engine:
         if self.config.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
+        start = time.perf_counter()
         try:
             executed = self.worker.execute(plan, self._sampling_rows(plan))
+            result = executed.result  # read back: the step is over
         except BaseException:
             self._fail(plan)
             raise
-        updates = self.scheduler.update(plan, executed.result)
+        if self.step_cost is not None and plan.graph_size is not None and not plan.is_prefill:
+            if self.step_cost.record(plan.graph_size, 1e3 * (time.perf_counter() - start)):
+                self.scheduler.set_step_cost(self.step_cost.curve())
+        updates = self.scheduler.update(plan, result)
         self.last_plan = plan
         return self._apply(plan, executed, updates)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule N+1, execute N+1, update N: step N stays in flight while N+1 is planned, as on a GPU
         where the CPU plans the next step while the current one runs. The scheduler counts N as fully
-        accepted (nextn = 0: it is) and defers frees until the last step naming a block is updated; the
-        worker replaces N+1's stand-in inputs by N's sampled tokens. The worker call is synchronous here,
+        accepted and defers frees until the last step naming a block is updated; the worker replaces N+1's
+        stand-in inputs by N's sampled tokens and, with drafts, by N's new drafts, and moves N+1's rows down
+        by the rows N rejected (the seqlen fix-up, ``StepBatch.fix_positions``). The worker call is synchronous here,
         so executing N+1 before updating N is the GPU's order: N+1 is queued behind N, then N is read back.
 
         Only decode steps stay in flight. A prefill step (or one with no rows) is updated right after it

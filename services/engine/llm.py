@@ -37,14 +37,19 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     if device.type != "cuda":  # before the runner converts the model in place
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
                          "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
-    from scheduler_rs import graph_sizes
+    from scheduler_rs import graph_sizes, select_graph_size
     from services.worker.graph_runner import GraphRunner
 
     worker_config = config.worker_config()
-    runner = GraphRunner(ModelRunner(source.model, worker_config), worker_config, use_graphs=True, attention="triton")
+    nextn = config.num_speculative_tokens
+    inner = ModelRunner(source.model, worker_config, nextn=nextn, with_taps=nextn > 0)  # type: ignore[call-arg]
+    runner = GraphRunner(inner, worker_config, use_graphs=True, attention="triton")
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width)
-    # would stall the requests in it. The sizes are the scheduler's own rule (nextn = 0).
-    runner.capture(graph_sizes(config.max_num_seqs))
+    # would stall the requests in it. The sizes are the scheduler's own rule, which counts rows
+    # (max_num_seqs × (1 + nextn) at most); graphs run decode steps of one row per request (with drafts:
+    # the steps where no draft is verified), so the sizes up to the one that holds max_num_seqs rows.
+    sizes = graph_sizes(config.max_num_seqs * (1 + nextn))
+    runner.capture([s for s in sizes if s <= select_graph_size(sizes, config.max_num_seqs)])
     return runner  # type: ignore[return-value]
 
 
@@ -90,9 +95,12 @@ class LLM:
         if worker is None and self.config.num_speculative_tokens:
             from services.worker.speculator import Speculator
 
+            # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the
+            # draft runs plain torch (greedy and deterministic-mode tokens do not depend on the draft's rounding).
+            on_cpu = self.source.model.embed.weight.device.type == "cpu"
             worker = Worker(runner or default_runner(self.source, self.config), speculator=Speculator(
                 self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
-                batch_invariant=self.config.batch_invariant))
+                batch_invariant=self.config.batch_invariant and on_cpu))
         self.engine = Engine(
             worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,

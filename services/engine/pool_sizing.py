@@ -66,7 +66,7 @@ def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig
 
     device = torch.device(config.device or "cuda")
     cfg = source.config
-    block_bytes, slot_bytes = cache_bytes(cfg, config.block_size)
+    block_bytes, slot_bytes = cache_bytes(cfg, config.block_size, config.num_speculative_tokens)
     num_slots = config.resolved_num_state_slots()
     prompt_len = min(config.max_num_batched_tokens, config.max_model_len - 1)
     probe_blocks = -(-(prompt_len + 1) // config.block_size) + 1

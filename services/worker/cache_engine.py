@@ -19,6 +19,10 @@ so no part ever shifts and a rejected draft only dirties entries that are rewrit
     per ratio-2     partial group: (ratio − 1 + spare) rows of fp32 (value, gate), 2·head_dim·4 bytes
     KV source       each (spare = ring_size − window, the window ring's backtracking room)
     Engram          (max_ngram − 1 + spare) compressed token ids, int32
+    DSpark draft    per stage, the draft's context K=V of the last W (= window) positions, fp32
+    (with drafts)   [W, head_dim] at column position mod W; only accepted positions are written, in
+                    order, so it needs no backtracking room: a block anchored at A reads A − W … A − 1,
+                    every one of them (≥ 0) written by the slot's request since its prompt's start
 
 The number of emitted groups is not stored: it is ⌊position / ratio⌋, and the plan carries positions.
 ``dequantize(quantize(x))`` equals the model's fake quantisation bit for bit (``quant.py``), so a read
@@ -80,10 +84,14 @@ class CacheLayout:
     ring_offset: int  # layer ℓ's ring starts at ring_offset + ℓ · ring_size · window_bytes
     engram_history: int  # compressed ids kept; 0 without Engram
     engram_offset: int
+    draft_stages: int  # DSpark stages whose context K=V a slot holds; 0 without speculative decoding
+    draft_window: int  # positions of the draft's context ring (the sliding window W)
+    draft_offset: int  # byte offset of the draft's rings inside a state slot
     bytes_per_slot: int
 
     @staticmethod
-    def build(cfg: ModelConfig, block_size: int, ring: int) -> CacheLayout:
+    def build(cfg: ModelConfig, block_size: int, ring: int, draft: bool = False) -> CacheLayout:
+        """``draft``: state slots also hold the DSpark draft's context K=V (speculative decoding)."""
         hd, di = cfg.head_dim, cfg.index_head_dim
         kv_entry = hd // 2 + _ceil_div(hd, COMPRESSED_KV_BLOCK)
         key = di // 2 + _ceil_div(di, INDEXER_BLOCK)
@@ -106,8 +114,12 @@ class CacheLayout:
             block_offset += epb * (kv_entry + key)
             slot_offset += rows * 2 * hd * 4
         history = cfg.engram_max_ngram_size - 1 + spare if cfg.engram_layer_ids else 0
+        draft_stages = cfg.num_nextn_predict_layers if draft else 0
+        draft_offset = slot_offset + history * 4
+        draft_bytes = draft_stages * cfg.sliding_window * hd * 4
         return CacheLayout(block_size, ring, hd, di, kv_entry, key, window, tuple(sources), block_offset,
-                           num_layers, 0, history, slot_offset, slot_offset + history * 4)
+                           num_layers, 0, history, slot_offset, draft_stages, cfg.sliding_window, draft_offset,
+                           draft_offset + draft_bytes)
 
     def source(self, layer: int) -> SourceLayout:
         return next(s for s in self.sources if s.layer == layer)
@@ -118,12 +130,15 @@ class CacheLayout:
         return (f"{self.bytes_per_block:,} bytes per {self.block_size}-token block ({parts}; "
                 f"{self.bytes_per_block / self.block_size:g} per token); {self.bytes_per_slot:,} bytes per state "
                 f"slot ({self.num_layers} rings × {self.ring_size} × {self.window_bytes} + {partial:,} partial "
-                f"groups + {self.engram_history * 4} Engram history)")
+                f"groups + {self.engram_history * 4} Engram history"
+                + (f" + {self.draft_stages} draft rings × {self.draft_window} × {self.head_dim * 4}"
+                   if self.draft_stages else "") + ")")
 
 
 def cache_bytes(cfg: ModelConfig, block_size: int, nextn: int = 0) -> tuple[int, int]:
-    """(bytes per block, bytes per state slot) for any config. Flash at 128: (113,920, 2,916,132)."""
-    layout = CacheLayout.build(cfg, block_size, ring_size(cfg, nextn))
+    """(bytes per block, bytes per state slot) for any config; ``nextn`` > 0 (speculative decoding) adds the
+    draft's rings to a slot. Flash at 128: (113,920, 2,916,132)."""
+    layout = CacheLayout.build(cfg, block_size, ring_size(cfg, nextn), draft=nextn > 0)
     return layout.bytes_per_block, layout.bytes_per_slot
 
 
@@ -135,8 +150,9 @@ class CacheEngine:
     """Both pools plus typed reads and writes. Index arguments are int64 tensors of equal length."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, num_state_slots: int,
-                 ring: int, device: torch.device | str = "cpu") -> None:
-        self.layout = CacheLayout.build(cfg, block_size, ring)
+                 ring: int, device: torch.device | str = "cpu", draft: bool = False) -> None:
+        """``draft``: state slots also hold the DSpark draft's context rings (``draft_ring``)."""
+        self.layout = CacheLayout.build(cfg, block_size, ring, draft)
         self.blocks = torch.zeros(num_blocks, self.layout.bytes_per_block, dtype=torch.uint8, device=device)
         self.slots = torch.zeros(num_state_slots, self.layout.bytes_per_slot, dtype=torch.uint8, device=device)
         log.info("cache: %s; %d blocks (%.1f MB), %d state slots (%.1f MB)", self.layout.describe(), num_blocks,
@@ -221,6 +237,36 @@ class CacheEngine:
         """int32 [num_state_slots, engram_history]: the compressed id of position p at column p mod size."""
         lay = self.layout
         return self.slots[:, lay.engram_offset : lay.engram_offset + lay.engram_history * 4].view(torch.int32)
+
+    # ---- the DSpark draft's context K=V --------------------------------------------------------
+
+    def draft_ring(self, stage: int) -> torch.Tensor:
+        """fp32 [num_state_slots, W, head_dim]: draft stage ``stage``'s context K=V of position p at column p mod W."""
+        lay = self.layout
+        if not 0 <= stage < lay.draft_stages:
+            raise ValueError(f"draft stage {stage} is not in this cache's {lay.draft_stages} draft rings")
+        size = lay.draft_window * lay.head_dim * 4
+        return self._slot_view(lay.draft_offset + stage * size, lay.draft_window, lay.head_dim * 4).view(torch.float32)
+
+    def write_draft(self, slot: int, first_position: int, kv: list[torch.Tensor]) -> None:
+        """The draft's context K=V of positions first_position … + N − 1 of the request in ``slot``: one
+        [N, head_dim] per stage. Only the last W of them can ever be read, so only those are written."""
+        w = self.layout.draft_window
+        num = kv[0].shape[0]
+        keep = min(num, w)
+        columns = torch.arange(first_position + num - keep, first_position + num, device=self.slots.device) % w
+        for stage, values in enumerate(kv):
+            self.draft_ring(stage)[slot, columns] = values[num - keep :].float()
+
+    def read_draft(self, slots: torch.Tensor, next_positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The draft's window for blocks anchored at ``next_positions`` (int64 [B]) of the requests in ``slots``
+        (int64 [B]): (per stage fp32 [B, W, head_dim], positions int64 [B, W] oldest first, −1 before position 0;
+        the slots of those columns hold stale values that the draft's attention masks)."""
+        w = self.layout.draft_window
+        positions = next_positions.unsqueeze(1) - w + torch.arange(w, device=slots.device)  # [B, W]
+        columns = positions % w
+        kv = [self.draft_ring(stage)[slots.unsqueeze(1), columns] for stage in range(self.layout.draft_stages)]
+        return kv, torch.where(positions >= 0, positions, torch.full_like(positions, -1))
 
     # ---- fork ---------------------------------------------------------------------------------
 

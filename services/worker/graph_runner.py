@@ -8,7 +8,9 @@ trimmed before the output. On CPU (``use_graphs=False``) the same static step ru
 tests the code a graph captures.
 
 Every other plan (prefill chunks, a prefill step mixing decode rows, a placeholder step, decode with
-drafts) goes to the wrapped ModelRunner's eager path. That is the design, not a fallback: those
+drafts, or one whose inputs wait on a step with drafts) goes to the wrapped ModelRunner's eager path.
+With speculative decoding the static step also returns the draft's taps, so a decode step in which no
+draft is verified (varlen at low confidence) replays a graph. That is the design, not a fallback: those
 steps are long enough that launches do not dominate (or, for a placeholder, do nothing here), and
 their row counts and shapes vary too much to capture.
 """
@@ -22,6 +24,7 @@ import torch
 
 from kernels.device import upload
 from scheduler_rs import StepPlan
+from services.worker.cache_engine import CacheEngine
 from services.worker.config import WorkerConfig
 from services.worker.static_decode_step import StaticDecodeStep
 from services.worker.model_runner import ModelRunner
@@ -57,7 +60,8 @@ class GraphRunner:
         self.max_blocks_per_request = -(-config.max_model_len // config.block_size)
         self._steps: dict[int, StaticDecodeStep] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # graph size → its (logits, counts)
+        # graph size → its (logits, counts, taps or None)
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self._pool: Any = None  # one memory pool shared by every graph (they never run at once)
         self.num_replays = 0
         self.num_eager = 0
@@ -66,6 +70,11 @@ class GraphRunner:
     def backend(self) -> str:
         """The wrapped runner's ("kernels": the Worker then samples with its kernel set's sampler)."""
         return self.runner.backend
+
+    @property
+    def cache(self) -> CacheEngine:
+        """The wrapped runner's pools (the speculator reads and writes the draft's rings there)."""
+        return self.runner.cache
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
@@ -79,7 +88,8 @@ class GraphRunner:
         if size not in self._steps:
             self._steps[size] = StaticDecodeStep(self.runner.model, self.runner.cache, size,
                                                  self.max_blocks_per_request, attention=self.attention,
-                                                 kernels=self.kernels, fp32_dots=self._fp32_dots())
+                                                 kernels=self.kernels, fp32_dots=self._fp32_dots(),
+                                                 with_taps=self.runner.with_taps)
         return self._steps[size]
 
     def capture(self, sizes: list[int]) -> None:
@@ -114,7 +124,10 @@ class GraphRunner:
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
                 ) -> RunnerOutput:
         """``ModelRunner.execute``'s result: logits of the plan's rows only (the padding trimmed)."""
-        if not StaticDecodeStep.fits(plan):
+        # Speculative decoding under async scheduling: a step whose inputs wait on a step with drafts needs
+        # the seqlen fix-up (StepBatch.fix_positions), which the static buffers do not do: eager.
+        after_drafts = pending is not None and pending.num_rejected is not None
+        if not StaticDecodeStep.fits(plan) or after_drafts:
             self.num_eager += 1
             return self.runner.execute(plan, all_rows, pending=pending)
         cache = self.runner.cache
@@ -128,13 +141,14 @@ class GraphRunner:
                 self._capture(size)
                 step.prepare(plan, pending)  # the capture ran placeholders through the buffers
             self._graphs[size].replay()
-            logits, counts = self._outputs[size]
+            logits, counts, taps = self._outputs[size]
             self.num_replays += 1
         else:
             with self.runner.invariant():
-                logits, counts = step.run()
+                logits, counts, taps = step.run()
         n = plan.num_rows
         rows = torch.arange(n) if all_rows else torch.tensor(plan.sample_rows.tolist(), dtype=torch.long)
         # Indexing copies, so the next replay cannot overwrite what is returned; nothing is read back
         # here (the counts too stay on the device), so the host can plan the next step meanwhile.
-        return RunnerOutput(logits[upload(rows, logits.device)], counts.clone(), n)
+        return RunnerOutput(logits[upload(rows, logits.device)], counts.clone(), n,
+                            taps[:n].clone() if taps is not None else None)

@@ -66,8 +66,8 @@ class ModelRunner:
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
             self.conversion = convert_model(model, self.precision, self.kernels)
-        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks,
-                                 config.num_state_slots, ring_size(self.cfg, nextn), device)
+        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks, config.num_state_slots,
+                                 ring_size(self.cfg, nextn), device, draft=with_taps)
         self.rounding = rounding
         if config.batch_invariant and self.backend == "torch" and device.type != "cpu":
             raise ValueError("batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "
@@ -123,7 +123,7 @@ class ModelRunner:
         check_ring_slots(plan, self.cache.layout.ring_size)
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
-            batch.fill_pending(plan, pending)
+            batch.fill_pending(plan, pending, self.cache.layout.ring_size, self.cache.layout.block_size)
         return self._forward(batch, all_rows, counts)
 
     def _forward(self, batch: StepBatch, all_rows: bool, counts: torch.Tensor) -> RunnerOutput:

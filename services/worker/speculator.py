@@ -1,19 +1,22 @@
 """The speculator: the worker's DSpark side. Per step it verifies each request's drafts
-(services/worker/verifier.py), grows each request's draft context with the target features of the
-positions the target now holds, and proposes the request's next drafts with the DSpark draft.
+(services/worker/verifier.py), writes the draft's context K=V of the positions the target now holds into
+the request's state slot (``CacheEngine.write_draft``: the draft's rings live in the state-slot pool, so
+the scheduler's slot accounting covers them and a freed slot frees them), and proposes the request's next
+drafts with the DSpark draft.
 
-Per request, between steps: ``contexts[id]`` (the draft's K=V state, ``DraftContext``) holds the
-target features of every position before the request's newest token (the anchor); ``drafts[id]`` are
-the drafts proposed for the anchor's next positions, which the scheduler feeds back as the inputs of
-the request's next rows (row 0: the anchor, row j: draft j − 1), with their processed draft
-distributions (``draft_probs[id]``, what rejection sampling reads).
+Per request, between steps: the draft rings of its state slot hold the context K=V of every position
+before its newest token (the anchor), ``next_positions[id]`` is the anchor's position; ``drafts[id]`` are
+the drafts proposed for the anchor's next positions, which the scheduler feeds back as the inputs of the
+request's next rows (row 0: the anchor, row j: draft j − 1), with their processed draft distributions
+(``draft_probs[id]``, what rejection sampling reads) and their confidences (what varlen ranks).
 
-A decode request has 1 + nextn rows; row j is the target's distribution for position P + j (P = the
-position after the anchor) and its input sits at P − 1 + j. After verification accepts a drafts, the
-request emits a + 1 tokens; rows 0 … a had inputs the target accepts, so their features enter the
-context (positions P − 1 … P − 1 + a), the new anchor is the last emitted token at P + a, and the
-draft proposes from there. A prompt chunk's rows all enter the context; its last chunk samples row 0
-(no drafts yet) and proposes. Rejected rows' features never enter the context.
+A decode request has 1 + k rows (k ≤ nextn: fixed, or what varlen chose); row j is the target's
+distribution for position P + j (P = the position after the anchor) and its input sits at P − 1 + j.
+After verification accepts a drafts, the request emits a + 1 tokens; rows 0 … a had inputs the target
+accepts, so their features enter the context (positions P − 1 … P − 1 + a), the new anchor is the last
+emitted token at P + a, and the draft proposes from there. A prompt chunk's rows all enter the context;
+its last chunk samples row 0 (no drafts yet) and proposes. Rejected rows' features never enter the
+context, so the draft's rings need no backtracking room.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
+from services.worker.cache_engine import CacheEngine
+from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import Sampler, SamplingRow
 from services.worker.verifier import SPEC_SAMPLING, draft_tokens, verify_deterministic, verify_rejection
 
@@ -39,9 +44,11 @@ weights accept almost no draft, so tests propose known tokens to exercise accept
 
 class Speculator:
     def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
-                 rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False) -> None:
+                 rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False,
+                 forced_acceptance: ForcedAcceptance | None = None) -> None:
         """``batch_invariant``: the draft runs in the batch-invariant mode too (model/batch_invariant.py), so a
-        request's drafts, and with rejection sampling its tokens, do not depend on its batch."""
+        request's drafts, and with rejection sampling its tokens, do not depend on its batch.
+        ``forced_acceptance``: the benchmark switch (services/worker/forced_acceptance.py); greedy only."""
         if model.draft is None:
             raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
                              "in its config); this one has none")
@@ -53,30 +60,43 @@ class Speculator:
         self.model = model
         self.nextn = num_speculative_tokens
         self.spec_sampling = spec_sampling
-        self.contexts: dict[str, DraftContext] = {}
+        # Per request: the position its next context entry (and its anchor) takes; its draft rings are in its
+        # state slot.
+        self.next_positions: dict[str, int] = {}
         self.drafts: dict[str, list[int]] = {}
         self.draft_probs: dict[str, torch.Tensor] = {}  # [nextn, V] processed draft distributions
+        # Per draft, the confidence head's chance that it passes with every earlier draft (σ, multiplied
+        # along the block): what varlen verification ranks drafts by.
+        self.confidences: dict[str, list[float]] = {}
         self.rewrite_drafts = rewrite_drafts
+        self.forced_acceptance = forced_acceptance
         self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
 
     def release(self, request_id: str) -> None:
-        for table in (self.contexts, self.drafts, self.draft_probs):
+        for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
             table.pop(request_id, None)
 
     def step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
-             sampler: Sampler) -> tuple[SamplerOutput, StepResult]:
-        """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]."""
+             sampler: Sampler, cache: CacheEngine, positions: Sequence[int] | None = None
+             ) -> tuple[SamplerOutput, StepResult]:
+        """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]; ``cache``:
+        the runner's, built with the draft's rings; ``positions``: the rows' positions after async scheduling's
+        fix-up (default: the plan's)."""
+        if cache.layout.draft_stages != len(self.model.draft.stages):
+            raise ValueError(f"the cache holds {cache.layout.draft_stages} draft rings but the draft has "
+                             f"{len(self.model.draft.stages)} stages: build the runner with nextn > 0")
         with torch.no_grad(), batch_invariant(self.batch_invariant):
-            return self._step(plan, rows, logits, taps, sampler)
+            return self._step(plan, rows, logits, taps, sampler, cache,
+                              list(positions) if positions is not None else plan.positions.tolist())
 
     def _step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
-              sampler: Sampler) -> tuple[SamplerOutput, StepResult]:
-        positions = plan.positions.tolist()
+              sampler: Sampler, cache: CacheEngine, positions: list[int]) -> tuple[SamplerOutput, StepResult]:
         row_requests = plan.row_requests.tolist()
         request_ids = list(plan.request_ids)
         num_sample_rows = plan.num_sample_rows.tolist()
+        state_slots = plan.state_slots.tolist()
         plan_rows: list[list[int]] = [[] for _ in request_ids]
         for r, i in enumerate(row_requests):
             plan_rows[i].append(r)
@@ -89,11 +109,9 @@ class Speculator:
             mine = plan_rows[i]
             if mine and positions[mine[0]] == 0:  # a prompt from its start (again, after a recompute)
                 self.release(request_id)
-            if request_id not in self.contexts:
-                self.contexts[request_id] = DraftContext.empty(self.model.draft, 1, taps.device)
-            context = self.contexts[request_id]
+            slot = state_slots[i]
             if n == 0:  # a prompt chunk that is not the last: its features only
-                self._append(context, taps[mine], positions[mine[0]])
+                self._append(cache, request_id, slot, taps[mine], positions[mine[0]])
                 num_tokens.append(0)
                 continue
             span = slice(start, start + n)
@@ -105,25 +123,38 @@ class Speculator:
             emitted = self._verify(request_id, rows[span], processed.probs[span], processed.logprobs[span])
             chosen[span.start : span.start + len(emitted)] = emitted
             accepted_rows = mine[: len(emitted)] if n > 1 else mine  # decode: rows 0 … a; prefill: the chunk
-            self._append(context, taps[accepted_rows], positions[accepted_rows[0]])
+            self._append(cache, request_id, slot, taps[accepted_rows], positions[accepted_rows[0]])
             num_tokens.append(len(emitted))
             token_ids.extend(emitted)
-            anchors.append((i, request_id, emitted[-1], rows[span.stop - 1]))
+            anchors.append((i, request_id, emitted[-1], rows[span.stop - 1], slot))
         num_drafts = [0] * len(request_ids)
         draft_ids: list[int] = []
-        for i, drafts in self._propose(anchors, sampler):
+        confidences: list[float] = []
+        for i, drafts in self._propose(anchors, sampler, cache):
             num_drafts[i] = len(drafts)
         for i, request_id in enumerate(request_ids):
             draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
+            confidences.extend(self.confidences.get(request_id, [])[: num_drafts[i]])
         forced = [dataclasses.replace(row, forced_token_id=t) for row, t in zip(rows, chosen)]
         sampled = sampler(logits, forced)  # logprobs and top-n of each row's token, under its processed distribution
-        return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors)
+        return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors,
+                                   draft_confidences=confidences)
 
-    def _append(self, context: DraftContext, taps: torch.Tensor, first_position: int) -> None:
-        if int(context.next_position) != first_position:
-            raise RuntimeError(f"draft context holds positions up to {int(context.next_position) - 1} but the "
-                               f"target's rows start at {first_position}")
-        context.append(self.model.draft, taps.unsqueeze(0))
+    def _append(self, cache: CacheEngine, request_id: str, slot: int, taps: torch.Tensor, first_position: int
+                ) -> None:
+        """The draft's context K=V of the target's accepted rows (taps [N, T·D] at first_position …) into the
+        request's state slot. The positions must continue the request's context exactly."""
+        next_position = self.next_positions.get(request_id, 0)
+        if next_position != first_position:
+            raise RuntimeError(f"the draft context of {request_id} holds positions up to {next_position - 1} but "
+                               f"the target's rows start at {first_position}")
+        draft = self.model.draft
+        num = taps.shape[0]
+        positions = torch.arange(first_position, first_position + num, device=taps.device).unsqueeze(0)  # [1, N]
+        ctx = draft.context(taps.unsqueeze(0))  # [1, N, D]
+        kv = [draft.context_kv(k, ctx, positions)[0] for k in range(len(draft.stages))]  # per stage [N, hd]
+        cache.write_draft(slot, first_position, kv)
+        self.next_positions[request_id] = first_position + num
 
     def _verify(self, request_id: str, rows: Sequence[SamplingRow], probs: torch.Tensor, logprobs: torch.Tensor
                 ) -> list[int]:
@@ -141,27 +172,36 @@ class Speculator:
         else:
             v = verify_deterministic(logprobs.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
         self.num_drafts_verified += len(drafts)
+        if self.forced_acceptance is not None:  # the benchmark's verdict replaces the verifier's
+            if not bool(greedy[0]):
+                raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
+            m = self.forced_acceptance.num_accepted(len(drafts))
+            self.num_drafts_accepted += m
+            return drafts[:m] + [int(probs[m].argmax())]
         self.num_drafts_accepted += int(v.num_accepted[0])
         return v.tokens[0, : int(v.num_accepted[0]) + 1].tolist()
 
-    def _propose(self, anchors: list[tuple[int, str, int, SamplingRow]], sampler: Sampler
+    def _propose(self, anchors: list[tuple[int, str, int, SamplingRow, int]], sampler: Sampler, cache: CacheEngine
                  ) -> list[tuple[int, list[int]]]:
-        """Drafts for every request that emitted tokens: one batched draft call. Returns (request index, drafts)."""
+        """Drafts for every request that emitted tokens: one batched draft call over their state slots' draft
+        rings. anchors: (request index, id, anchor token, its last sampling row, state slot). Returns
+        (request index, drafts)."""
         if not anchors:
             return []
         draft, model = self.model.draft, self.model
-        contexts = [self.contexts[request_id] for _, request_id, _, _ in anchors]
-        batch = DraftContext([torch.cat([c.kv[k] for c in contexts]) for k in range(len(draft.stages))],
-                             torch.cat([c.positions for c in contexts]), torch.cat([c.next_position for c in contexts]))
-        device = batch.positions.device
-        tokens = torch.tensor([t for _, _, t, _ in anchors], dtype=torch.int64, device=device)
+        device = model.embed.weight.device
+        starts = [self.next_positions[request_id] for _, request_id, _, _, _ in anchors]  # the anchors' positions
+        next_positions = torch.tensor(starts, dtype=torch.int64, device=device)
+        slots = torch.tensor([slot for *_, slot in anchors], dtype=torch.int64, device=device)
+        kv, positions = cache.read_draft(slots, next_positions)
+        batch = DraftContext(kv, positions, next_positions)
+        tokens = torch.tensor([t for _, _, t, _, _ in anchors], dtype=torch.int64, device=device)
         blocks = draft.blocks_from_context(batch, tokens, model.embed, model.head)
-        starts = [int(c.next_position) for c in contexts]  # the anchors' positions
         probs: list[torch.Tensor] = []
 
         def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:  # logits [B, 1, V] → tokens [B, 1]
             rows = [dataclasses.replace(row, position=s + 1 + slot, forced_token_id=None, num_logprobs=0)
-                    for (_, _, _, row), s in zip(anchors, starts)]
+                    for (_, _, _, row, _), s in zip(anchors, starts)]
             p = sampler.process(logits[:, 0], rows)
             probs.append(p.probs)
             picked = draft_tokens(self.spec_sampling, p.probs, p.logprobs, [r.seed for r in rows],
@@ -169,13 +209,19 @@ class Speculator:
                                   torch.tensor([r.temperature == 0 for r in rows], device=device))
             return picked.unsqueeze(1)
 
-        drafts, _ = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
+        drafts, heads = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
+        # The chance that draft j passes with every draft before it: σ of each slot's confidence logit,
+        # multiplied along the block ([B, nextn]; non-increasing along each row).
+        confidence = torch.sigmoid(heads.confidence_logits[:, 0, : self.nextn]).cumprod(dim=-1).tolist()
         out = []
-        for b, (i, request_id, _, _) in enumerate(anchors):
+        for b, (i, request_id, _, _, _) in enumerate(anchors):
             self.drafts[request_id] = drafts[b, 0, : self.nextn].tolist()
             if self.rewrite_drafts is not None:
                 rewritten = self.rewrite_drafts(request_id, starts[b], self.drafts[request_id])
                 self.drafts[request_id] = list(rewritten)[: self.nextn]
             self.draft_probs[request_id] = torch.stack([p[b] for p in probs[: self.nextn]])
+            self.confidences[request_id] = confidence[b][: len(self.drafts[request_id])]
+            if self.forced_acceptance is not None:
+                self.confidences[request_id] = self.forced_acceptance.confidences(len(self.drafts[request_id]))
             out.append((i, self.drafts[request_id]))
         return out

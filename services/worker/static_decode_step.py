@@ -38,11 +38,13 @@ from services.worker.step_batch import PendingInputs
 
 class StaticDecodeStep:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, num_rows: int, max_blocks_per_request: int, *,
-                 attention: str, kernels: object | None = None, fp32_dots: bool | None = None) -> None:
+                 attention: str, kernels: object | None = None, fp32_dots: bool | None = None,
+                 with_taps: bool = False) -> None:
         """``kernels``: a KernelSet for the "triton" path (see ``step_kernels``); unused by "reference".
         ``fp32_dots``: the attention kernel's dot precision, as the eager ``TritonAttention`` picks it
         (precision "fp32" or interpreted kernels); None = fp32 for fp32 queries. Graph and eager steps
-        must use the same, or the FP8 path's roundings diverge between them."""
+        must use the same, or the FP8 path's roundings diverge between them. ``with_taps``: ``run`` also
+        returns every row's DSpark target features (speculative decoding), as ``ModelRunner`` does."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.model, self.cache, self.cfg = model, cache, model.cfg
@@ -53,6 +55,7 @@ class StaticDecodeStep:
         self.collapse = collapse if mhc is None else mhc.collapse
         self.fp32_dots = fp32_dots
         self.device = model.embed.weight.device
+        self.tapped = set(self.cfg.dspark_target_layer_ids) if with_taps else set()
         self.rows = StaticBatch(self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device)
         self.backend = GraphAttention(cache, self.rows, self.kernels, fp32_dots)  # holds what a run's sources publish
         self.step = AttentionStep(self.backend, self.rows.positions, self.rows.rows)
@@ -75,8 +78,9 @@ class StaticDecodeStep:
         self.rows.prepare_placeholders()
 
     @torch.no_grad()
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers → (logits fp32 [G, vocab], expert counts int64 [layers, experts] of the live rows)."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Buffers → (logits fp32 [G, vocab], expert counts int64 [layers, experts] of the live rows, and with
+        taps the DSpark target features fp32 [G, T·D], else None)."""
         cfg, model, r = self.cfg, self.model, self.rows
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=self.device)
         engram = None
@@ -86,14 +90,16 @@ class StaticDecodeStep:
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, self.device)  # [1, G, n]
         self.backend.reset()
+        taps: list[torch.Tensor] = []
         for block in self.model.layers:
             def attend(x: torch.Tensor, attn: Attention = block.attn) -> torch.Tensor:
                 return self.step.attend(attn, x[0]).unsqueeze(0)
 
             with self._live_rows(block.ffn, counts[block.layer]):
-                h, pre = block.run(h, pre, attend, engram, None, None)
+                h, pre = block.run(h, pre, attend, engram, None, None,
+                                   taps=taps if block.layer in self.tapped else None)
         y = model.norm(self.collapse(h, pre))[0]  # [G, D]
-        return head_logits(model.head, y), counts
+        return head_logits(model.head, y), counts, torch.cat(taps, dim=-1)[0] if taps else None
 
     @contextlib.contextmanager
     def _live_rows(self, ffn: torch.nn.Module, counts: torch.Tensor) -> Iterator[None]:

@@ -22,10 +22,15 @@ def _long(a) -> torch.Tensor:
 
 @dataclass
 class PendingInputs:
-    """Async scheduling: the step in flight's request ids and the last token each sampled (−1 = none)."""
+    """Async scheduling: the step in flight's request ids and the last token each sampled (−1 = none).
+    With speculative decoding also each request's new drafts and how many of its rows that step did not
+    accept: the scheduler planned the next step counting every row as accepted, so the next step's rows
+    of that request sit that many positions too far, and its draft rows hold stale drafts."""
 
     request_ids: list[str]
     token_ids: torch.Tensor  # [N prev] long
+    drafts: list[list[int]] | None = None  # per previous request: the drafts it proposed (None: no drafts)
+    num_rejected: list[int] | None = None  # per previous request: its rows minus the tokens it emitted
 
 
 @dataclass
@@ -77,12 +82,49 @@ class StepBatch:
             max_seqlen_k=int(np.frombuffer(plan.seqlens_k, np.int32).max(initial=0)),
         )
 
-    def fill_pending(self, plan: StepPlan, pending: PendingInputs) -> None:
+    def fill_pending(self, plan: StepPlan, pending: PendingInputs, ring_size: int | None = None,
+                     block_size: int | None = None) -> None:
         """Replaces each pending request's stand-in input (its first row this step) with the token the
-        previous step sampled for it, matched by request id, not batch position."""
+        previous step sampled for it, matched by request id, not batch position. With drafts, also the
+        seqlen fix-up (``fix_positions``, which needs the cache's ring and block sizes): its draft rows take
+        the new drafts, and its rows move down by the rows the previous step rejected."""
         where = pending_rows(plan, pending)
-        if where is not None:
-            apply_pending(self.input_ids, *where, pending.token_ids)
+        if where is None:
+            return
+        apply_pending(self.input_ids, *where, pending.token_ids)
+        if pending.drafts is not None:
+            if ring_size is None or block_size is None:
+                raise ValueError("pending inputs with drafts need the ring and block sizes for the seqlen fix-up")
+            self.fix_positions(plan, pending, ring_size, block_size)
+
+    def fix_positions(self, plan: StepPlan, pending: PendingInputs, ring_size: int, block_size: int) -> None:
+        """Speculative decoding under async scheduling: per pending request i with s_i rejected rows in the
+        previous step (``pending_shifts``), every position-derived array moves down by s_i (positions, ring
+        slots, first, seqlens_k, and which rows complete a compressed entry, with their slots from the block
+        table); rows 1 … of the request take its new drafts (a row past them keeps its stand-in, which the
+        speculator does not count as a draft)."""
+        where = {request_id: k for k, request_id in enumerate(pending.request_ids)}
+        starts = np.frombuffer(plan.query_start, np.int32)
+        pending_mask = np.frombuffer(plan.inputs_pending, np.int32)
+        for i, request_id in enumerate(self.request_ids):
+            drafts = pending.drafts[where[request_id]] if pending_mask[i] else []
+            drafts = drafts[: int(starts[i + 1] - starts[i]) - 1]
+            if drafts:
+                first_row = int(starts[i]) + 1
+                self.input_ids[first_row : first_row + len(drafts)] = torch.tensor(drafts, dtype=torch.long,
+                                                                                   device=self.device)
+        shift = upload(torch.tensor(pending_shifts(plan, pending), dtype=torch.long), self.device)
+        self.positions = self.positions - shift[self.row_requests]
+        self.ring_slots = self.positions % ring_size
+        self.first = self.first - shift
+        self.seqlens_k = self.seqlens_k - shift
+        self.max_seqlen_k = None
+        for ratio in list(self.entry_writes):
+            epb = block_size // ratio
+            rows = torch.nonzero((self.positions + 1) % ratio == 0).flatten()
+            entry = self.positions[rows] // ratio
+            blocks = self.block_tables[self.row_requests[rows], entry // epb]
+            self.entry_writes[ratio] = (rows, blocks * epb + entry % epb)
 
     # ---- per-row views ---------------------------------------------------------------------
 
@@ -122,6 +164,17 @@ def pending_rows(plan: StepPlan, pending: PendingInputs) -> tuple[torch.Tensor, 
         raise ValueError(f"pending inputs of {missing} are not in the previous step")
     rows = np.frombuffer(plan.query_start, np.int32)[reqs].astype(np.int64)
     return torch.from_numpy(rows), torch.tensor([where[ids[i]] for i in reqs], dtype=torch.long)
+
+
+def pending_shifts(plan: StepPlan, pending: PendingInputs) -> list[int]:
+    """Per request of ``plan``: how many positions its rows sit too far (the rows its in-flight step did not
+    accept; 0 without drafts or when its inputs do not wait on that step)."""
+    if pending.num_rejected is None:
+        return [0] * plan.num_requests
+    where = {request_id: k for k, request_id in enumerate(pending.request_ids)}
+    pending_mask = np.frombuffer(plan.inputs_pending, np.int32)
+    return [pending.num_rejected[where[request_id]] if pending_mask[i] else 0
+            for i, request_id in enumerate(plan.request_ids)]
 
 
 def apply_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -11,7 +12,7 @@ from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
 from services.worker.reference_runner import RunnerOutput
-from services.worker.step_batch import PendingInputs
+from services.worker.step_batch import PendingInputs, pending_shifts
 from services.worker.sampler import Sampler, SamplingRow
 from services.worker.speculator import Speculator
 
@@ -32,7 +33,7 @@ class WorkerOutput:
 
     def __init__(self, result: StepResult | Callable[[], StepResult], sampled: SamplerOutput | None,
                  expert_counts: torch.Tensor | None, num_rows_computed: int, request_ids: list[str] | None = None,
-                 last_token_ids: torch.Tensor | None = None) -> None:
+                 last_token_ids: torch.Tensor | None = None, pending: PendingInputs | None = None) -> None:
         self._result = result if isinstance(result, StepResult) else None
         self._read = None if isinstance(result, StepResult) else result
         # Aligned with `plan.sample_rows`; None when nothing was sampled.
@@ -45,6 +46,9 @@ class WorkerOutput:
         # pending inputs.
         self.request_ids = request_ids if request_ids is not None else []
         self.last_token_ids = last_token_ids
+        # Speculative decoding: the next step's pending inputs, drafts and rejected rows included (built with
+        # the step's result, which the speculator reads back on the host anyway).
+        self._pending = pending
 
     @property
     def result(self) -> StepResult:
@@ -55,6 +59,8 @@ class WorkerOutput:
 
     def pending_inputs(self) -> PendingInputs:
         """This step's sampled tokens as the next step's pending inputs."""
+        if self._pending is not None:
+            return self._pending
         tokens = self.last_token_ids if self.last_token_ids is not None else torch.full((len(self.request_ids),), -1)
         return PendingInputs(self.request_ids, tokens)
 
@@ -74,13 +80,17 @@ class Worker:
                 raise ValueError("a kernel-backend runner needs a sampler kernel in its KernelSet (or pass sampler=)")
             sampler = KernelSampler(kernels.sampler)  # type: ignore[assignment]
         self.sampler = sampler or Sampler()
+        # The speculator verifies on the torch Sampler's processed distributions (``Sampler.process``), which the
+        # fused sampling kernel does not expose: on the kernel backend it gets its own torch Sampler.
+        self.spec_sampler = self.sampler if isinstance(self.sampler, Sampler) else Sampler()
 
     def execute(self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None
                 ) -> WorkerOutput:
         """``rows`` has one entry per sampled row, in ``plan.sample_rows`` order. ``previous`` (async
         scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs."""
-        if previous is not None and any(plan.inputs_pending.tolist()):
-            out = self.runner.execute(plan, pending=previous.pending_inputs())  # type: ignore[call-arg]
+        pending = previous.pending_inputs() if previous is not None and any(plan.inputs_pending.tolist()) else None
+        if pending is not None:
+            out = self.runner.execute(plan, pending=pending)  # type: ignore[call-arg]
         else:
             out = self.runner.execute(plan)
         num_sample_rows = plan.num_sample_rows.tolist()
@@ -88,8 +98,17 @@ class Worker:
         if self.speculator is not None and plan.num_rows and not plan.is_placeholder:
             if out.taps is None:
                 raise ValueError("speculative decoding needs a runner that returns the draft's taps (with_taps=True)")
-            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.sampler)
-            return WorkerOutput(result, sampled, out.expert_counts, out.num_rows_computed, request_ids)
+            cache = getattr(self.runner, "cache", None)
+            if cache is None:
+                raise ValueError("speculative decoding needs the cached runner: the draft's rings live in its "
+                                 "CacheEngine's state slots")
+            positions = None
+            if pending is not None and pending.num_rejected is not None:  # async: the seqlen fix-up's host side
+                positions, rows = shifted(plan, rows, pending_shifts(plan, pending))
+            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.spec_sampler, cache,
+                                                   positions)
+            return WorkerOutput(result, sampled, out.expert_counts, out.num_rows_computed, request_ids,
+                                pending=speculative_pending(plan, result))
         if not rows:
             result = StepResult([0] * plan.num_requests, [])
             return WorkerOutput(result, None, out.expert_counts, out.num_rows_computed, request_ids,
@@ -127,6 +146,32 @@ class Worker:
         self.runner.release(request_id)
         if self.speculator is not None:
             self.speculator.release(request_id)
+
+
+def shifted(plan: StepPlan, rows: Sequence[SamplingRow], shifts: Sequence[int]
+            ) -> tuple[list[int], list[SamplingRow]]:
+    """Async scheduling with drafts: the plan's row positions and its sampling rows' positions, each moved down
+    by its request's shift (the rows its step in flight rejected), so every draw keeps its position's key."""
+    row_requests = plan.row_requests.tolist()
+    positions = [p - shifts[i] for p, i in zip(plan.positions.tolist(), row_requests)]
+    owners = [row_requests[r] for r in plan.sample_rows.tolist()]
+    return positions, [dataclasses.replace(row, position=row.position - shifts[i]) for row, i in zip(rows, owners)]
+
+
+def speculative_pending(plan: StepPlan, result: StepResult) -> PendingInputs:
+    """What a step with drafts hands the next one under async scheduling: per request its last emitted token
+    (−1: none), its new drafts, and its rows the target did not accept (rows − tokens emitted; 0 for a prompt
+    chunk, whose rows are all accepted)."""
+    tokens, drafts, num_rejected = [], [], []
+    emitted, proposed = 0, 0
+    num_drafts = result.num_draft_tokens or [0] * plan.num_requests
+    token_ids, draft_ids = result.token_ids, result.draft_token_ids
+    for i, (n, q, k) in enumerate(zip(result.num_tokens, plan.seqlens_q.tolist(), num_drafts)):
+        tokens.append(token_ids[emitted + n - 1] if n else -1)
+        drafts.append(draft_ids[proposed : proposed + k])
+        num_rejected.append(0 if plan.is_prefill else q - n)
+        emitted, proposed = emitted + n, proposed + k
+    return PendingInputs(list(plan.request_ids), torch.tensor(tokens, dtype=torch.long), drafts, num_rejected)
 
 
 def last_tokens(sampled: SamplerOutput, num_sample_rows: Sequence[int]) -> torch.Tensor:

@@ -19,12 +19,13 @@ def test_speculative_flags_reach_the_engines_only():
     from services.stack import StackConfig, services
 
     stack = services(StackConfig(model="tiny", num_engines=2, num_speculative_tokens=4, spec_sampling="deterministic",
-                                 remote_workers=True))
+                                 spec_varlen=True, remote_workers=True))
     engines = [s for s in stack if s.name.startswith("engine-")]
     assert len(engines) == 2
     for engine in engines:
         i = engine.argv.index("--num-speculative-tokens")
-        assert engine.argv[i + 1 : i + 4] == ["4", "--spec-sampling", "deterministic"]
+        assert engine.argv[i + 1 : i + 5] == ["4", "--spec-sampling", "deterministic", "--spec-varlen"]
+    assert all("--spec-varlen" not in s.argv for s in stack if not s.name.startswith("engine-"))
     assert all("--num-speculative-tokens" not in s.argv for s in stack if not s.name.startswith("engine-"))
     assert all("--num-speculative-tokens" not in s.argv for s in services(StackConfig(model="tiny")))
 

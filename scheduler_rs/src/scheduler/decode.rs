@@ -1,6 +1,6 @@
 //! Decode scheduling and preemption (walkthrough Pass 3, "When memory runs out").
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use super::{Scheduled, Scheduler};
 use crate::config::PreemptionMode;
@@ -15,12 +15,12 @@ impl Scheduler {
     /// Unlike DeepInfer, a row that needs no new block never causes a preemption.
     pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestUpdate>) {
         let block_size = self.config.block_size;
-        let num_rows = 1 + self.config.nextn;
         let mut order = std::mem::take(&mut self.running);
         order.sort_by_key(|&h| {
             let req = self.req(h);
             (std::cmp::Reverse(req.num_output_tokens()), req.arrival)
         });
+        let rows = self.decode_rows(&order);
         let (mut front, mut back) = (0, order.len());
         let mut served = HashSet::new();
         let mut outputs = Vec::new();
@@ -30,7 +30,7 @@ impl Scheduler {
         while front < back {
             let handle = order[back - 1];
             let req = self.req(handle);
-            let needed = Request::blocks_for(req.next_position() + num_rows, block_size);
+            let needed = Request::blocks_for(req.next_position() + rows[&handle], block_size);
             let extra = needed.saturating_sub(req.block_table.len() as u32);
             while extra > self.blocks.num_free() + num_coming && front < back {
                 let victim = order[front];
@@ -57,9 +57,33 @@ impl Scheduler {
             .running
             .iter()
             .filter(|h| served.contains(h))
-            .map(|&handle| Scheduled { handle, num_rows, num_sample_rows: num_rows })
+            .map(|&handle| Scheduled { handle, num_rows: rows[&handle], num_sample_rows: rows[&handle] })
             .collect();
         (chosen, outputs)
+    }
+
+    /// Rows per running request: 1 + the drafts it verifies. Fixed: `nextn` (pad rows stand in for
+    /// drafts not proposed yet). Varlen: the prefix of its proposed drafts that `MtpVarlen` picks over
+    /// the whole batch (ranked by confidence; a draft without a confidence counts as certain), or all
+    /// of them while there is no step-cost curve or the batch exceeds the curve's largest size.
+    fn decode_rows(&self, order: &[usize]) -> HashMap<usize, u32> {
+        let nextn = self.config.nextn as usize;
+        if !self.config.spec_varlen {
+            return order.iter().map(|&h| (h, 1 + nextn as u32)).collect();
+        }
+        let confidences: Vec<Vec<f64>> = order
+            .iter()
+            .map(|&h| {
+                let req = self.req(h);
+                let n = req.draft_tokens.len().min(nextn);
+                (0..n).map(|j| req.draft_confidences.get(j).copied().unwrap_or(1.0)).collect()
+            })
+            .collect();
+        let num_drafts = match self.varlen.as_ref().map(|v| v.choose(&confidences)) {
+            Some(Ok(choice)) => choice.num_drafts,
+            _ => confidences.iter().map(|c| c.len() as u32).collect(),
+        };
+        order.iter().zip(num_drafts).map(|(&h, n)| (h, 1 + n)).collect()
     }
 
     /// Preempts a running request; returns how many of its blocks come back only later.
@@ -81,6 +105,7 @@ impl Scheduler {
                 req.num_computed_tokens = 0;
                 req.num_inflight_tokens = 0;
                 req.draft_tokens.clear();
+                req.draft_confidences.clear();
                 req.status = Status::Waiting;
                 req.num_preemptions += 1;
                 req.incarnation = incarnation;

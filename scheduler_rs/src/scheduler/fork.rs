@@ -43,6 +43,7 @@ impl Scheduler {
         child.stop = stop;
         child.status = Status::Waiting;
         child.draft_tokens.clear();
+        child.draft_confidences.clear();
         child.last_step_id = None;
         child.num_inflight_tokens = 0;
         child.arrival = self.next_arrival;

@@ -1,3 +1,5 @@
+use std::collections::HashSet;
+
 use super::*;
 use crate::config::TEST_LIMITS;
 use crate::step::StepResult;
@@ -141,4 +143,138 @@ fn all_points_come_every_seventy_decode_steps() {
         }
     }
     assert_eq!(first_prefill, Some(100));
+}
+
+/// Decode results for speculation: request i accepts `accepted[i]` of its drafts and proposes
+/// `nextn` new ones with the given per-request confidences (already multiplied along the request).
+fn spec_result(plan: &StepPlan, accepted: &[u32], nextn: u32, confidences: &[Vec<f64>]) -> StepResult {
+    let mut result = StepResult::default();
+    for i in 0..plan.num_requests() {
+        let rows = plan.num_sample_rows[i] as u32;
+        let n = match plan.kind {
+            StepKind::Prefill => rows,
+            StepKind::Decode => 1 + accepted[i].min(rows - 1),
+        };
+        result.num_tokens.push(n);
+        result.token_ids.extend((0..n).map(|j| 100 + j));
+        if rows > 0 {
+            result.num_draft_tokens.push(nextn);
+            result.draft_token_ids.extend((0..nextn).map(|j| 200 + j));
+            result.draft_confidences.extend_from_slice(&confidences[i]);
+        } else {
+            result.num_draft_tokens.push(0);
+        }
+    }
+    result
+}
+
+fn varlen_scheduler(nextn: u32) -> Scheduler {
+    let mut c = config(4, 64);
+    c.nextn = nextn;
+    c.spec_varlen = true;
+    Scheduler::new(c).unwrap()
+}
+
+#[test]
+fn varlen_gives_the_walkthrough_rows_w_w_x_w() {
+    // W, X, Y and Z with 3 drafts each and the walkthrough's confidences and cost curve: 8 rows,
+    // W checks 3 drafts, X 1, Y and Z none.
+    let wxyz = vec![vec![0.95, 0.90, 0.80], vec![0.85, 0.60, 0.30], vec![0.50, 0.20, 0.10], vec![0.30, 0.10, 0.05]];
+    let mut s = varlen_scheduler(3);
+    s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 12.0)], 0.4).unwrap();
+    for id in ["W", "X", "Y", "Z"] {
+        s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    }
+    let prefill = s.schedule(&mut SingleRank);
+    s.update(&prefill, &spec_result(&prefill, &[0; 4], 3, &wxyz)).unwrap();
+    let plan = s.schedule(&mut SingleRank);
+    assert_eq!(plan.kind, StepKind::Decode);
+    let rows: Vec<(String, i32)> = plan.request_ids.iter().cloned().zip(plan.seqlens_q.iter().copied()).collect();
+    let rows: HashMap<String, i32> = rows.into_iter().collect();
+    assert_eq!((rows["W"], rows["X"], rows["Y"], rows["Z"]), (4, 2, 1, 1));
+    assert_eq!(plan.num_rows(), 8);
+    assert_eq!((plan.graph_size, plan.num_padding_rows), (Some(8), 0));
+    // W's rows are its newest token and its 3 drafts; Y's only its newest token.
+    let w = plan.request_ids.iter().position(|r| r == "W").unwrap();
+    let start = plan.query_start[w] as usize;
+    assert_eq!(&plan.input_ids[start..start + 4], &[100, 200, 201, 202]);
+    // A cheaper 16-row graph: every draft is checked.
+    s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 10.4)], 0.4).unwrap();
+    s.update(&plan, &spec_result(&plan, &[3, 1, 0, 0], 3, &wxyz)).unwrap();
+    s.check_invariants().unwrap();
+    let plan = s.schedule(&mut SingleRank);
+    assert_eq!(plan.seqlens_q, vec![4, 4, 4, 4]);
+    assert_eq!(plan.graph_size, Some(16));
+}
+
+#[test]
+fn varlen_without_a_curve_checks_the_proposed_drafts_only() {
+    let mut s = varlen_scheduler(3);
+    s.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    s.add_request("B".into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    let prefill = s.schedule(&mut SingleRank);
+    let mut result = spec_result(&prefill, &[0, 0], 3, &[vec![0.5; 3], vec![0.5; 3]]);
+    // B proposed one draft only, and no confidences came (varlen counts its draft as certain).
+    result.num_draft_tokens = vec![3, 1];
+    result.draft_token_ids.truncate(4);
+    result.draft_confidences.clear();
+    s.update(&prefill, &result).unwrap();
+    let plan = s.schedule(&mut SingleRank);
+    assert_eq!(plan.seqlens_q, vec![4, 2]);
+}
+
+#[test]
+fn varlen_rows_return_their_blocks_and_conserve_the_pools() {
+    // Blocks of 4 tokens: rows that go unverified or get rejected never keep a block past the update.
+    let mut s = varlen_scheduler(5);
+    s.set_step_cost(vec![(1, 1.0), (2, 1.05), (4, 1.1), (8, 3.0), (12, 5.0)], 0.0).unwrap();
+    for id in ["A", "B"] {
+        s.add_request(id.into(), vec![5; 3], StopRules::new(30), true, false).unwrap();
+    }
+    let confidences = vec![vec![0.9, 0.8, 0.7, 0.6, 0.5], vec![0.4, 0.2, 0.1, 0.05, 0.01]];
+    let mut plan = s.schedule(&mut SingleRank);
+    let mut seen_rows = HashSet::new();
+    for step in 0..12 {
+        let accepted = [step % 3, 1];
+        s.update(&plan, &spec_result(&plan, &accepted, 5, &confidences)).unwrap();
+        s.check_invariants().unwrap();
+        for id in ["A", "B"] {
+            if let Some(req) = s.request(id) {
+                let needed = Request::blocks_for(req.len().max(req.next_position()), 4) as usize;
+                assert!(req.block_table.len() <= needed, "{id} keeps a block past what its tokens need");
+            }
+        }
+        if !s.has_unfinished() {
+            break;
+        }
+        plan = s.schedule(&mut SingleRank);
+        seen_rows.extend(plan.seqlens_q.iter().copied());
+    }
+    assert!(seen_rows.len() > 1, "varlen gave every request the same rows: {seen_rows:?}");
+    assert!(!seen_rows.contains(&6), "a 6-row request would mean the costly drafts were checked");
+}
+
+#[test]
+fn a_step_cost_curve_needs_varlen_and_sane_numbers() {
+    let mut s = Scheduler::new(config(4, 16)).unwrap();
+    assert!(s.set_step_cost(vec![(1, 1.0)], 0.0).is_err());
+    let mut s = varlen_scheduler(2);
+    assert!(s.set_step_cost(vec![(1, f64::NAN)], 0.0).is_err());
+    assert!(s.set_step_cost(vec![(1, 1.0)], -1.0).is_err());
+    let mut c = config(4, 16);
+    c.spec_varlen = true;
+    assert!(Scheduler::new(c).is_err(), "varlen without drafts is refused");
+}
+
+#[test]
+fn bad_draft_confidences_are_refused_before_anything_changes() {
+    let mut s = varlen_scheduler(2);
+    s.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    let plan = s.schedule(&mut SingleRank);
+    let mut result = spec_result(&plan, &[0], 2, &[vec![0.5, 1.5]]);
+    assert!(s.update(&plan, &result).is_err());
+    result.draft_confidences = vec![0.5];
+    assert!(s.update(&plan, &result).is_err());
+    result.draft_confidences = vec![0.5, 0.25];
+    s.update(&plan, &result).unwrap();
 }

@@ -26,6 +26,7 @@ impl Scheduler {
         let mut finished = HashSet::new();
         let mut token_offset = 0;
         let mut draft_offset = 0;
+        let has_confidences = !result.draft_confidences.is_empty();
         for (i, &(handle, incarnation)) in plan.handles.iter().enumerate() {
             let num_tokens = result.num_tokens[i] as usize;
             let tokens = &result.token_ids[token_offset..token_offset + num_tokens];
@@ -33,7 +34,7 @@ impl Scheduler {
             let drafts = match result.num_draft_tokens.get(i) {
                 Some(&n) => {
                     draft_offset += n as usize;
-                    Some(&result.draft_token_ids[draft_offset - n as usize..draft_offset])
+                    Some(draft_offset - n as usize..draft_offset)
                 }
                 None => None,
             };
@@ -51,7 +52,11 @@ impl Scheduler {
             };
             if let Some(drafts) = drafts {
                 req.draft_tokens.clear();
-                req.draft_tokens.extend_from_slice(drafts);
+                req.draft_tokens.extend_from_slice(&result.draft_token_ids[drafts.clone()]);
+                req.draft_confidences.clear();
+                if has_confidences {
+                    req.draft_confidences.extend_from_slice(&result.draft_confidences[drafts]);
+                }
             }
             let mut end = None;
             let mut new_tokens = Vec::with_capacity(tokens.len());

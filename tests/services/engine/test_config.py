@@ -59,14 +59,25 @@ def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands()
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="spec_sampling must be"):
         EngineConfig(spec_sampling="greedy")
-    with pytest.raises(ValueError, match="async scheduling off"):
-        EngineConfig(num_speculative_tokens=2, async_scheduling=True)
+    assert EngineConfig(num_speculative_tokens=2, kernel_backend="fp8", cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValueError, match="first_n_no_eos with speculative decoding needs async_scheduling off"):
+        EngineConfig(num_speculative_tokens=2, async_scheduling=True, first_n_no_eos=1)
+    assert EngineConfig(num_speculative_tokens=2, async_scheduling=True).async_scheduling
     p = argparse.ArgumentParser()
     add_speculative_arguments(p)
     assert speculative_args(p.parse_args([])) == {}
     args = p.parse_args(["--num-speculative-tokens", "3", "--spec-sampling", "deterministic"])
-    assert speculative_args(args) == {"num_speculative_tokens": 3, "spec_sampling": "deterministic"}
+    assert speculative_args(args) == {"num_speculative_tokens": 3, "spec_sampling": "deterministic",
+                                      "spec_varlen": False}
     assert EngineConfig(**speculative_args(args)).num_speculative_tokens == 3
+    varlen = speculative_args(p.parse_args(["--num-speculative-tokens", "3", "--spec-varlen"]))
+    assert EngineConfig(**varlen).spec_varlen
+    with pytest.raises(ValueError, match="spec_varlen needs num_speculative_tokens > 0"):
+        EngineConfig(**speculative_args(p.parse_args(["--spec-varlen"])))
+    with pytest.raises(ValueError, match="set spec_varlen=True"):
+        EngineConfig(num_speculative_tokens=2, spec_step_cost_ms=((1, 1.0),))
+    with pytest.raises(ValueError, match="spec_step_cost_ms needs"):
+        EngineConfig(num_speculative_tokens=2, spec_varlen=True, spec_step_cost_ms=((1, 0.0),))
 
 
 def test_data_parallel_flags_and_what_ranks_do_not_run_yet():

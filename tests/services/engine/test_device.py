@@ -43,6 +43,10 @@ def test_cuda_defaults_are_the_fast_path_each_with_an_off_switch(monkeypatch):
     assert sync["async_scheduling"] is False and sync["device"] == "cuda:1"
     torch_model = device_engine_args({"kernel_backend": None})
     assert torch_model["kernel_backend"] is None and torch_model["cuda_graphs"] is False
+    # Speculative decoding runs eagerly and synchronously: the kernel backend stays, graphs and async do not.
+    spec = device_engine_args({"num_speculative_tokens": 3})
+    assert (spec["kernel_backend"], spec["async_scheduling"], spec["cuda_graphs"]) == ("fp8", False, False)
+    assert EngineConfig(**spec).num_speculative_tokens == 3
 
 
 def test_flags_round_trip_through_a_command_line():

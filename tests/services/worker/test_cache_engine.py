@@ -89,3 +89,44 @@ def test_fork_copies_blocks_and_slots():
     cache.slots[1] = 9
     cache.copy([(1, 3)], [(1, 2)])
     assert torch.equal(cache.blocks[3], cache.blocks[1]) and torch.equal(cache.slots[2], cache.slots[1])
+
+
+def test_the_draft_rings_live_in_the_state_slots_only_with_speculation():
+    """With drafts, a state slot also holds each DSpark stage's context K=V ring (W fp32 rows): the slot
+    pool, and so the scheduler's slot accounting, covers the draft's state. Without, nothing changes."""
+    stages, w, hd = TINY.num_nextn_predict_layers, TINY.sliding_window, TINY.head_dim
+    assert stages > 0
+    _, plain = cache_bytes(TINY, 16)
+    per_block, with_draft = cache_bytes(TINY, 16, nextn=3)
+    assert per_block == cache_bytes(TINY, 16)[0]
+    assert with_draft == plain + stages * w * hd * 4
+    with pytest.raises(ValueError, match="draft stage 0 is not in this cache's 0 draft rings"):
+        CacheEngine(TINY, 16, num_blocks=4, num_state_slots=3, ring=14).draft_ring(0)
+
+
+def test_draft_ring_round_trip_window_and_isolation():
+    g = torch.Generator().manual_seed(1)
+    stages, w, hd = TINY.num_nextn_predict_layers, TINY.sliding_window, TINY.head_dim
+    cache = CacheEngine(TINY, 16, num_blocks=4, num_state_slots=4, ring=14, draft=True)
+    other = cache.slots[3].clone()
+    # Slot 1: positions 0 … w + 2 in two writes (the second wraps the ring); slot 2: positions 0 … 2.
+    values = [torch.randn(w + 3, hd, generator=g) for _ in range(stages)]
+    cache.write_draft(1, 0, [v[:5] for v in values])
+    cache.write_draft(1, 5, [v[5:] for v in values])
+    short = [torch.randn(3, hd, generator=g) for _ in range(stages)]
+    cache.write_draft(2, 0, short)
+    kv, positions = cache.read_draft(torch.tensor([1, 2]), torch.tensor([w + 3, 3]))
+    assert positions[0].tolist() == list(range(3, w + 3))
+    assert positions[1].tolist() == [-1] * (w - 3) + [0, 1, 2]
+    for k in range(stages):
+        assert torch.equal(kv[k][0], values[k][3:])  # the last w positions, oldest first
+        assert torch.equal(kv[k][1][w - 3 :], short[k])
+    assert torch.equal(cache.slots[3], other)  # no other slot was touched
+    # Nothing else in a slot overlaps the draft's rings.
+    cache.slots[1, : cache.layout.draft_offset] = 5
+    cache.write_draft(1, w + 3, [torch.full((w, hd), 7.0) for _ in range(stages)])
+    assert bool((cache.slots[1, : cache.layout.draft_offset] == 5).all())
+    assert cache.layout.draft_offset + stages * w * hd * 4 == cache.layout.bytes_per_slot
+    # A fork's state copy carries the draft's rings.
+    cache.copy([], [(1, 3)])
+    assert torch.equal(cache.draft_ring(0)[3], cache.draft_ring(0)[1])

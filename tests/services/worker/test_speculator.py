@@ -41,16 +41,41 @@ def source(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None):
-    """(outputs, speculator or None)."""
+def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None, curve=None,
+             decode_rows=None, **engine_args):
+    """(outputs, speculator or None). ``curve``: varlen on, with this step-cost curve (rows → ms);
+    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``)."""
     if not nextn:
-        return LLM(source=source, **ENGINE).generate(prompts, params), None
-    llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling)
+        return LLM(source=source, **ENGINE, **engine_args).generate(prompts, params), None
+    llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling, **engine_args)
+    if curve is not None:
+        llm_args.update(spec_varlen=True, spec_step_cost_ms=tuple(curve.items()))
     probe = LLM(source=source, **llm_args)  # only for its resolved worker config
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
     speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"])
-    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **llm_args)
+    worker = Worker(runner, speculator=speculator)
+    if decode_rows is not None:
+        execute = worker.execute
+
+        def recording(plan, rows, previous=None):
+            if not plan.is_prefill:
+                decode_rows.extend(plan.seqlens_q.tolist())
+            return execute(plan, rows, previous)
+
+        worker.execute = recording
+    llm = LLM(source=source, worker=worker, **llm_args)
     return llm.generate(prompts, params), speculator
+
+
+def line(fixed_ms: float, per_row_ms: float, max_rows: int = 16 * (1 + NEXTN)) -> dict[int, float]:
+    """A step-cost curve over every row count: fixed_ms + per_row_ms · rows."""
+    return {rows: fixed_ms + per_row_ms * rows for rows in range(1, max_rows + 1)}
+
+
+# Varlen curves. STEEP: a draft is worth its row only when its confidence beats about 0.1 ms × the batch's
+# tokens per ms, so most requests verify few drafts or none; FLAT: rows are almost free, so nearly every
+# draft is verified. The perturbed-curve test runs both.
+STEEP, FLAT = line(1.0, 0.1), line(10.0, 0.001)
 
 
 def known_drafts(reference, prompts=PROMPTS):
@@ -76,15 +101,23 @@ def greedy_off(source):
     return generate(source, GREEDY)[0]
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off, mode):
+def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off, mode, varlen):
     reference = [o.token_ids for o in greedy_off]
-    outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference))
+    rows: list[int] = []
+    outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference),
+                          curve=line(1.0, 0.02) if varlen else None, decode_rows=rows)
     assert [o.token_ids for o in outs] == reference
     assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
     # Acceptance happened, and so did rejection: both paths ran.
     assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
-    print(f"\n{mode}: accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified} drafts")
+    if varlen:  # varlen really chose: some requests verified fewer drafts than others
+        assert len(set(rows)) > 1 and max(rows) > 1, rows
+    else:
+        assert set(rows) == {1 + NEXTN}
+    print(f"\n{mode} {'varlen' if varlen else 'fixed'}: accepted {spec.num_drafts_accepted} of "
+          f"{spec.num_drafts_verified} drafts; rows per request and step {sorted(set(rows))}")
 
 
 def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
@@ -104,6 +137,82 @@ def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
     assert alone[0].token_ids == tokens[1]
 
 
+BATCH = [[0, *range(3 + i, 5 + i + (5 * i) % 13)] for i in range(16)]  # 16 prompts of 3 to 15 tokens
+
+
+def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or_cost_curve(source):
+    """The issue's "Seeded, deterministic mode" Done-when, on the CPU (async scheduling with drafts is not
+    built, so only its "off" case runs): with varlen on, a seeded request's tokens are the same alone, in a
+    batch of 16 in three orders, and under a perturbed cost curve, while varlen verifies different drafts
+    in each. The known drafts (the tokens of the first run, every third one wrong) make acceptance happen."""
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=500 + i, ignore_eos=True) for i in range(16)]
+    run = dict(nextn=NEXTN, spec_sampling="deterministic", max_num_seqs=16)
+    base_rows: list[int] = []
+    base, _ = generate(source, params, prompts=BATCH, curve=STEEP, decode_rows=base_rows, **run)
+    tokens = [o.token_ids for o in base]
+    assert len({tuple(t) for t in tokens}) == 16
+    seen_rows = {tuple(base_rows)}
+    # Three orders (the first also under the perturbed, flat curve), with known drafts: acceptance happens.
+    orders = (list(range(16)), list(range(15, -1, -1)), [(5 * i + 3) % 16 for i in range(16)])
+    for order, curve in zip(orders, (FLAT, STEEP, STEEP)):
+        prompts = [BATCH[i] for i in order]
+        rows: list[int] = []
+        outs, spec = generate(source, [params[i] for i in order], prompts=prompts, curve=curve, decode_rows=rows,
+                              rewrite=known_drafts([tokens[i] for i in order], prompts), **run)
+        assert [o.token_ids for o in outs] == [tokens[i] for i in order]
+        assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+        seen_rows.add(tuple(rows))
+        if curve is FLAT:
+            flat_rows = rows
+    alone, _ = generate(source, [params[7]], prompts=[BATCH[7]], curve=STEEP, **run)
+    assert alone[0].token_ids == tokens[7]
+    # Varlen chose differently across the runs, and the flat curve verified more drafts than the steep one.
+    assert len(seen_rows) > 2
+    assert sum(flat_rows) / len(flat_rows) > sum(base_rows) / len(base_rows) + 1
+    print(f"\nmean rows per request and step: steep {sum(base_rows) / len(base_rows):.2f}, "
+          f"flat {sum(flat_rows) / len(flat_rows):.2f}")
+
+
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_async_scheduling_with_drafts_gives_the_same_tokens(source, greedy_off, mode):
+    """Async scheduling with drafts (the seqlen fix-up: step N+1 is planned counting N's rows as accepted; the
+    worker moves N+1's rows down by N's rejected rows and feeds N's new drafts in). Fixed and varlen, the
+    tokens equal the synchronous run's: greedy (both modes) equals speculation off, and seeded deterministic
+    tokens equal the synchronous varlen run's. A wrong fix-up would also trip the speculator's check that the
+    draft context continues exactly at each step's first row."""
+    reference = [o.token_ids for o in greedy_off]
+    for curve in (None, line(1.0, 0.02)):
+        outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference),
+                              curve=curve, async_scheduling=True)
+        assert [o.token_ids for o in outs] == reference
+        assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
+        assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+    if mode == "deterministic":
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=300 + i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        sync, _ = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=STEEP)
+        tokens = [o.token_ids for o in sync]
+        outs, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=FLAT,
+                              rewrite=known_drafts(tokens), async_scheduling=True)
+        assert [o.token_ids for o in outs] == tokens
+        assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
+
+
+def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source):
+    """No curve given: the engine measures its decode steps (services/engine/step_cost.py) and varlen uses
+    the fit; every request finishes and the pools come back."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=40 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    llm = LLM(source=source, **dict(ENGINE, batch_invariant=False), num_speculative_tokens=NEXTN,
+              spec_sampling="deterministic", spec_varlen=True)
+    llm.engine.step_cost.refit_interval = 2  # a fit within the run's few decode steps
+    outs = llm.generate(PROMPTS, params)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert llm.engine.step_cost.num_steps > 0 and len(set(llm.engine.step_cost.curve().values())) > 1  # measured
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
+
+
 def test_rejection_mode_seeded_tokens_do_not_depend_on_the_batch(source):
     """Rejection sampling reads the draft's distributions (the coin and the residual), so the draft runs in
     the batch-invariant mode too: a request gives the same tokens alone and in a batch."""
@@ -121,25 +230,84 @@ def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(s
     outs, spec = generate(source, params, nextn=NEXTN)
     assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason == "length" for o in outs)
     assert spec.num_drafts_verified > 0
-    assert spec.contexts == {} and spec.drafts == {}  # every finished request's draft state is released
+    assert spec.next_positions == {} and spec.drafts == {}  # every finished request's draft state is released
 
 
-def test_greedy_under_recompute_preemption_and_at_the_context_limit(source, greedy_off):
-    """A pool too small for three requests' drafts forces recompute preemptions (a prompt from position 0
-    again: the request's draft state restarts); the last request runs to max_model_len. Tokens still equal
-    speculation off, and every block and slot comes back."""
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_scheduler_bookkeeping_and_pools_hold_after_every_step_with_drafts_and_preemption(source, greedy_off, varlen):
+    """The scheduler's speculative bookkeeping, driven by real steps: after every step (pools too small for
+    three requests' drafts, so recompute preemptions happen) the pools are conserved, nothing is in flight,
+    the accepted count is committed (computed = tokens − 1: every token but the newest has KV), no block past
+    the tokens is kept (rejected and unverified drafts' blocks came back), each running request's draft rings
+    (in its state slot) hold exactly its positions before the newest token, and the window ring keeps
+    nextn + 1 positions of backtracking room. The last request runs to max_model_len. Greedy tokens still equal
+    speculation off."""
     small = dict(ENGINE, max_model_len=len(PROMPTS[1]) + MAX_TOKENS, block_size=4, num_blocks=12,
-                 preemption_mode="recompute")
-    probe = LLM(source=source, **small, num_speculative_tokens=NEXTN)
+                 preemption_mode="recompute", num_speculative_tokens=NEXTN)
+    if varlen:
+        small.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
+    probe = LLM(source=source, **small)
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=NEXTN, with_taps=True)
     speculator = Speculator(source.model, NEXTN, batch_invariant=True,
                             rewrite_drafts=known_drafts([o.token_ids for o in greedy_off]))
-    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **small, num_speculative_tokens=NEXTN)
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
+    llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **small)
+    scheduler = llm.engine.scheduler
+    assert runner.cache.layout.ring_size == scheduler.config.ring_size >= CASE.cfg.sliding_window + NEXTN + 1
+    for i, prompt in enumerate(PROMPTS):
+        llm.engine.add_request(str(i), prompt, GREEDY)
+    outputs, num_preemptions, num_steps = {}, 0, 0
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            outputs[out.request_id] = out
+        num_steps += 1
+        scheduler.check_invariants()
+        live = {str(i): scheduler.request(str(i)) for i in range(len(PROMPTS)) if scheduler.request(str(i))}
+        assert set(speculator.next_positions) <= set(live) and set(speculator.drafts) <= set(live)
+        for request_id, state in live.items():
+            num_preemptions = max(num_preemptions, state.num_preemptions)
+            assert state.num_inflight_tokens == 0
+            assert len(state.block_table) <= -(-len(state.token_ids) // 4)
+            assert len(state.draft_token_ids) <= NEXTN
+            if state.status == "running":
+                assert state.num_computed_tokens == len(state.token_ids) - 1
+                assert speculator.next_positions[request_id] == state.num_computed_tokens
+    assert num_preemptions > 0 and speculator.num_drafts_accepted > 0
+    assert [outputs[str(i)].token_ids for i in range(len(PROMPTS))] == [o.token_ids for o in greedy_off]
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
-    assert speculator.num_drafts_accepted > 0
+    assert speculator.next_positions == {} and speculator.drafts == {}
+    print(f"\n{'varlen' if varlen else 'fixed'}: {num_steps} steps, up to {num_preemptions} preemptions of a "
+          f"request, accepted {speculator.num_drafts_accepted} of {speculator.num_drafts_verified}")
+
+
+def test_decode_steps_that_verify_no_draft_run_the_static_graph_step(source, greedy_off, monkeypatch):
+    """CUDA graphs with drafts: the GraphRunner's static step (run eagerly here, ``use_graphs=False``: the code a
+    graph captures) also returns the draft's taps, so a decode step in which varlen verifies no draft (forced
+    acceptance 0: every confidence is 0) runs it instead of the eager path. In the batch-invariant mode with
+    the eager attention order the static step is bit-identical to the eager one, so greedy tokens and
+    logprobs equal speculation off."""
+    from services.engine.config import EngineConfig
+    from services.worker import attention_backend_graph
+    from services.worker.forced_acceptance import ForcedAcceptance
+    from services.worker.graph_runner import GraphRunner
+    from tests.services.worker.test_static_decode_step import _torch_order_attend
+
+    monkeypatch.setattr(attention_backend_graph, "static_attend", _torch_order_attend)
+    args = dict(ENGINE, num_speculative_tokens=NEXTN, spec_varlen=True)
+    config = EngineConfig(**args).worker_config()
+    runner = GraphRunner(ModelRunner(source.model, config, nextn=NEXTN, with_taps=True), config, use_graphs=False,
+                         attention="reference")
+    speculator = Speculator(source.model, NEXTN, batch_invariant=True, forced_acceptance=ForcedAcceptance(0.0))
+    worker = Worker(runner, speculator=speculator)
+    plans = []
+    execute = worker.execute
+    worker.execute = lambda plan, rows, previous=None: plans.append(plan) or execute(plan, rows, previous)
+    outs = LLM(source=source, worker=worker, **args).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
+    assert speculator.num_drafts_verified == 0
+    num_decode = sum(not p.is_prefill for p in plans)
+    assert num_decode > 0 and runner.num_eager == len(plans) - num_decode  # every decode step ran the static step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -160,7 +328,65 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks
     spec = llm.engine.worker.speculator
-    assert spec.num_drafts_verified > 0 and spec.contexts == {}
+    assert spec.num_drafts_verified > 0 and spec.next_positions == {}
     same = sum(a.token_ids == b.token_ids for a, b in zip(off, outs))
     print(f"\n{mode} on {torch.cuda.get_device_name()}: greedy equal to speculation off for {same} of {len(outs)} "
           f"requests; accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source, precision):
+    """The kernel backend (eager, batch-invariant launch configurations: kernels/invariance.py), fixed, varlen
+    and varlen with async scheduling: greedy tokens with drafts equal tokens without, as on the CPU. Decode
+    steps with drafts run every row through the prefill attention kernel, steps without through the decode
+    kernel, so this also checks that both kernels give a row the same logits' argmax. Known drafts make
+    acceptance happen."""
+    from services.engine.config import EngineConfig
+    from services.engine.model_source import load_model
+
+    args = dict(device="cuda", kernel_backend=precision, cuda_graphs=False, async_scheduling=False,
+                batch_invariant=True, max_model_len=96, block_size=8, max_num_seqs=8, num_blocks=64)
+    off = LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS, GREEDY)
+    reference = [o.token_ids for o in off]
+    for varlen, async_scheduling in ((False, False), (True, False), (True, True)):
+        gpu = load_model(source.name, device="cuda")  # each runner converts its model in place
+        spec_args = dict(args, num_speculative_tokens=NEXTN, async_scheduling=async_scheduling)
+        if varlen:
+            spec_args.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
+        runner = ModelRunner(gpu.model, EngineConfig(**spec_args).worker_config(), nextn=NEXTN, with_taps=True)
+        speculator = Speculator(gpu.model, NEXTN, rewrite_drafts=known_drafts(reference))
+        llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **spec_args)
+        outs = llm.generate(PROMPTS, GREEDY)
+        name = ("varlen" if varlen else "fixed") + (" async" if async_scheduling else "")
+        print(f"\n{precision} {name}: accepted {speculator.num_drafts_accepted} of "
+              f"{speculator.num_drafts_verified}; equal for {sum(o.token_ids == r for o, r in zip(outs, reference))} "
+              f"of {len(outs)}")
+        assert [o.token_ids for o in outs] == reference
+        assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
+        stats = llm.stats()
+        assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_decode_steps_that_verify_no_draft(source):
+    """CUDA graphs with drafts on the FP8 kernel backend (``default_runner`` captures the scheduler's row-counting
+    sizes up to max_num_seqs): with forced acceptance 0 varlen verifies no draft, so decode steps replay
+    graphs (with the draft's taps) and every request finishes with the pools whole."""
+    from services.engine.config import EngineConfig
+    from services.engine.llm import default_runner
+    from services.engine.model_source import load_model
+    from services.worker.forced_acceptance import ForcedAcceptance
+
+    gpu = load_model(source.name, device="cuda")
+    args = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, async_scheduling=False, max_model_len=96,
+                block_size=8, max_num_seqs=8, num_blocks=64, num_speculative_tokens=NEXTN, spec_varlen=True)
+    runner = default_runner(gpu, EngineConfig(**args))
+    speculator = Speculator(gpu.model, NEXTN, forced_acceptance=ForcedAcceptance(0.0))
+    llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **args)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert runner.num_replays > 0 and speculator.num_drafts_verified == 0
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
+    print(f"\n{runner.num_replays} graph replays, {runner.num_eager} eager steps")

@@ -11,6 +11,9 @@ a ratio-1 source, Reindex layers and candidates; "nocand" two ratio-2 sources an
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -41,10 +44,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
           prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS,
-          model=None, backend: str | None = None):
+          model=None, backend: str | None = None, with_taps: bool = False):
     """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at, config) for one request per
-    prompt; ``model`` (default: the case's) and ``backend`` go to both ModelRunners ("kernels" converts
-    the model in place: pass a copy)."""
+    prompt; ``model`` (default: the case's), ``backend`` and ``with_taps`` go to both ModelRunners
+    ("kernels" converts the model in place: pass a copy)."""
     model = model if model is not None else case(name, device).model
     cfg = model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
@@ -59,9 +62,9 @@ def setup(name: str, device: str = "cpu", attention: str = "reference", use_grap
             for i, (n, m) in enumerate(zip(prompts, max_tokens))}
     for (rid, s), n, m in zip(seqs.items(), prompts, max_tokens):
         sched.add_request(rid, s[:n], max_tokens=m, ignore_eos=True)
-    eager = ModelRunner(model, config, backend=backend)
-    static = GraphRunner(ModelRunner(model, config, backend=backend), config, use_graphs=use_graphs,
-                         attention=attention)
+    eager = ModelRunner(model, config, backend=backend, with_taps=with_taps)
+    static = GraphRunner(ModelRunner(model, config, backend=backend, with_taps=with_taps), config,
+                         use_graphs=use_graphs, attention=attention)
     return sched, eager, static, lambda rid, pos: seqs[rid][pos], config
 
 
@@ -106,7 +109,7 @@ def _torch_order_attend(q, ring, state_slots, positions, window, kv_pool, select
 
 
 def compare_runs(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
-                 exact: bool = False) -> Summary:
+                 exact: bool = False, with_taps: bool = False, model=None) -> Summary:
     """Eager and static runners through one whole run of the same plans.
 
     ``exact``: the static step runs at G = the plan's rows (no padding) in TorchAttention's attention
@@ -117,7 +120,7 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
     element differing in the pools) that step's logits may move up to SENSITIVITY_MIN_MOVE (what a
     real error at least moves), every other step's stay within PREFIX_ATOL.
     """
-    sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs)
+    sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs, with_taps=with_taps, model=model)
     out, closes = Summary(), set()
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -128,10 +131,12 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
         if exact and StaticDecodeStep.fits(plan):
             step = static.step(plan.num_rows)
             step.prepare(plan)
-            logits, counts = step.run()
-            got = RunnerOutput(logits, counts.cpu(), plan.num_rows)
+            logits, counts, taps = step.run()
+            got = RunnerOutput(logits, counts.cpu(), plan.num_rows, taps)
         else:
             got = static.execute(plan, all_rows=True)
+        if with_taps:  # the DSpark target features the speculator reads (speculative decoding on graphs)
+            assert got.taps is not None and torch.equal(got.taps, want.taps), f"taps differ at {plan}"
         flips, partial, engram_equal = pool_differences(eager.cache, static.runner.cache)
         assert engram_equal and partial <= tol.FLIP_BOUNDARY_TOL
         if exact:
@@ -170,7 +175,11 @@ def test_static_step_is_bit_identical_in_the_torch_order(monkeypatch):
     """Ring, compressor, partial groups, Engram history, indexer and selection are the eager step's
     bit for bit: only the attention's op order and GEMM row counts differ in the runs above."""
     monkeypatch.setattr(attention_backend_graph, "static_attend", _torch_order_attend)
-    compare_runs("oracle", exact=True)
+    # The DSpark target features too (speculative decoding's decode steps without drafts replay graphs): the
+    # case has no draft, so its copy taps three of its own layers.
+    model = copy.deepcopy(case("oracle").model)
+    model.cfg = dataclasses.replace(model.cfg, dspark_target_layer_ids=(2, 5, 7))
+    compare_runs("oracle", exact=True, with_taps=True, model=model)
 
 
 def _decode_plan(name: str) -> tuple[StepPlan, ModelRunner]:
@@ -198,7 +207,7 @@ def test_padding_rows_change_nothing():
         step = StaticDecodeStep(runner.model, cache, size, MAX_LEN // BLOCK, attention="reference")
         step.prepare(plan)
         with batch_invariant():  # the padded GEMM row count cannot move a bit (docs/batch-invariance.md)
-            logits, counts = step.run()
+            logits, counts, _ = step.run()
         after = CacheEngine(runner.cfg, BLOCK, 1, 1, cache.layout.ring_size)
         after.blocks, after.slots = cache.blocks.clone(), cache.slots.clone()
         results[size] = (logits[:5].clone(), counts.clone(), after)
@@ -250,7 +259,7 @@ def test_triton_path_interpreted_equals_reference(name):
         step = StaticDecodeStep(runner.model, cache, 8, MAX_LEN // BLOCK, attention=attention, kernels=kernels)
         step.prepare(plan)
         with interpreter():
-            logits, counts = step.run()
+            logits, counts, _ = step.run()
         after = CacheEngine(runner.cfg, BLOCK, 1, 1, cache.layout.ring_size)
         after.blocks, after.slots = cache.blocks.clone(), cache.slots.clone()
         results[attention] = (logits[:5].clone(), counts.clone(), after, step.backend.sparse.selected[:5].clone())

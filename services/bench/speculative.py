@@ -1,0 +1,109 @@
+"""Speculative decoding's speed: tokens/s with the DSpark draft against speculation off, at forced
+acceptance rates (issue 20's GPU table; ``shinkai bench speculative``).
+
+Random weights accept almost no draft, so each draft is accepted independently with probability a
+(services/worker/forced_acceptance.py); the target still verifies every draft row and the draft still
+proposes every block, so the step costs are real. Per batch size: speculation off, then for every mode
+(fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and
+the step-cost curve measured from the engine's own decode steps) and every a. Each run is greedy with
+``ignore_eos`` (every request makes exactly ``max_tokens`` tokens) through ``generate.run_batch``:
+total tokens/s over the wall time (prefill included), decode-only tokens/s, and per request (total /
+batch, as every request runs the whole time).
+
+Every case runs synchronously on the same path, "off" included, for a like-for-like ratio: the torch model
+by default, or the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: only decode
+steps that verify no draft replay one; the others run eagerly). Stdlib-only at import (the CLI registers it); torch
+loads when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+
+def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float | None):
+    """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``."""
+    from services.engine import LLM
+    from services.engine.config import EngineConfig
+    from services.engine.llm import default_runner
+    from services.worker.forced_acceptance import ForcedAcceptance
+    from services.worker.speculator import Speculator
+    from services.worker.worker import Worker
+
+    if not nextn:
+        return LLM(source=source, **engine_args)
+    args = dict(engine_args, num_speculative_tokens=nextn, spec_varlen=varlen)
+    config = EngineConfig(**args)
+    runner = default_runner(source, config)  # the cached runner with the draft's taps (in a GraphRunner with graphs)
+    speculator = Speculator(source.model, nextn, batch_invariant=config.batch_invariant,
+                            forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0))
+    return LLM(source=source, worker=Worker(runner, speculator=speculator), **args)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from services.bench.generate import run_batch
+    from services.engine.model_source import load_model
+
+    torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    source = load_model(args.model, device=device)
+    nextn = args.num_speculative_tokens
+    engine_args = dict(device=device, kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
+                       async_scheduling=False,
+                       max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.max_tokens + nextn + 8,
+                       block_size=args.block_size)
+    cases = [("off", None)] + [(mode, a) for mode in args.modes for a in args.acceptance]
+    results = []
+    for batch in args.batch:
+        off_tps = None
+        for mode, a in cases:
+            llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", a)
+            run_batch(llm, 1, args.prompt_len, 4, seed=99)  # warm-up (and varlen's first step times)
+            r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
+            spec = getattr(llm.engine.worker, "speculator", None)
+            r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,
+                     tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
+                     drafts_verified=spec.num_drafts_verified if spec else 0,
+                     drafts_accepted=spec.num_drafts_accepted if spec else 0)
+            if mode == "off":
+                off_tps = r["tokens_per_s"]
+            r["speedup_vs_off"] = round(r["tokens_per_s"] / off_tps, 3)
+            results.append(r)
+            a_text = "" if a is None else f" a={a:<4}"
+            print(f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
+                  f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
+                  f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}")
+            del llm
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    machine = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+               "model": args.model, "torch": torch.__version__, "torch_threads": args.threads,
+               "kernel_backend": args.kernel_backend, "cuda_graphs": args.cuda_graphs}
+    print(f"machine: {machine}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset or checkpoint (default tiny)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="batch sizes (default 1 16 64)")
+    p.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0],
+                   help="forced per-draft acceptance probabilities a (default 0 0.5 0.8 1)")
+    p.add_argument("--modes", nargs="+", choices=("fixed", "varlen"), default=["fixed", "varlen"],
+                   help="verification modes (default fixed varlen)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request (default 5)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--block-size", type=int, default=128, help="paged block size (default 128)")
+    p.add_argument("--kernel-backend", choices=("fp8", "fp32"),
+                   help="the Triton kernel backend (default: the torch model)")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode (needs --kernel-backend)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--json", dest="json_path", help="write the figures as JSON here")

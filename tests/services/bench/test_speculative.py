@@ -1,0 +1,50 @@
+"""`shinkai bench speculative` on the CPU, small: every case runs, forced acceptance is what the counters say
+(a = 1: every verified draft accepted; a = 0: none), and varlen at a = 0 verifies no draft once its
+step-cost curve is measured. Speeds are printed, never asserted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from services.bench import speculative
+from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
+from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+
+
+def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys):
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+
+    case = DRAFT_CASES[0]
+    tok = toy_tokenizer(case.cfg.vocab_size)
+    path = write_random_checkpoint(tmp_path / "ckpt", finish(case.cfg, engram_token_map(tok)[1]), case.seed, tok)
+    parser = argparse.ArgumentParser()
+    speculative.add_arguments(parser)
+    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--batch", "3", "--acceptance", "0",
+                              "1", "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8",
+                              "--json", str(tmp_path / "spec.json")])
+    threads = torch.get_num_threads()
+    try:
+        assert speculative.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((tmp_path / "spec.json").read_text())["results"]
+    assert [(r["batch"], r["mode"], r["acceptance"]) for r in results] == [
+        (3, m, a) for m, a in [("off", None), ("fixed", 0.0), ("fixed", 1.0), ("varlen", 0.0),
+                                                ("varlen", 1.0)]]
+    for r in results:
+        assert r["output_tokens"] == r["batch"] * 8
+        if r["mode"] == "off":
+            assert r["drafts_verified"] == 0 and r["speedup_vs_off"] == 1.0
+        elif r["acceptance"] == 1.0:
+            assert r["drafts_accepted"] == r["drafts_verified"] > 0
+        else:
+            assert r["drafts_accepted"] == 0
+            if r["mode"] == "fixed":
+                assert r["drafts_verified"] > 0
+    # Varlen at a = 0: the forced chances are 0, so no draft is worth a row: it verifies none at all.
+    assert all(r["drafts_verified"] == 0 for r in results if r["mode"] == "varlen" and r["acceptance"] == 0.0)
+    print(capsys.readouterr().out)
