@@ -9,6 +9,7 @@ that ignored the mask would pick other experts for most image tokens and the che
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -39,9 +40,15 @@ def interpreted() -> KernelSet:
 
 @pytest.fixture(scope="module")
 def vision_model() -> DeepseekV41:
+    """vision-a's tower and layers, cut to 4 layers with each kind once (sliding window only; Engram with
+    ratio-2 entries; ratio-1 entries with the indexer and candidates; sliding window), so every kernel of
+    a step runs under the interpreter in half of the 8-layer model's time."""
     case = VISION_CASES[0]
     token_map, num = engram_token_map(toy_tokenizer(case.cfg.vocab_size))
-    cfg = finish(case.cfg, num)
+    cfg = dataclasses.replace(case.cfg, num_hidden_layers=4, compress_ratios=(0, 2, 1, 0, 0),
+                              kv_source_layer_ids=(1, 2), index_source_layer_ids=(1, 2), candidate_source_layer_id=2,
+                              engram_layer_ids=(1,), engram_num_embeddings=(1,))
+    cfg = finish(cfg, num)
     model = DeepseekV41(cfg, token_map, num)
     assign_weights(model, random_checkpoint(cfg, case.seed))
     return model.eval()
