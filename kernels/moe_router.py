@@ -2,7 +2,9 @@
 renormalised over the picks × route_scale (model/deepseek_v41/moe.py ``route``; spec §3.9).
 
 One program routes BLOCK_T tokens: the [BLOCK_T, E] logits x · gateᵀ are accumulated in fp32 over
-BLOCK_D-wide steps, then k rounds of arg-max pick the experts. Routing must not flip on rounding, so
+BLOCK_D-wide steps, then k rounds of arg-max pick the experts. With an image mask (``image`` [T] bool),
+the marked tokens select with ``bias_vl`` instead of ``bias`` (image-span tokens; moe.py ``route``);
+without one the kernel is compiled as before (``HAS_IMAGE`` constexpr), so text routing is unchanged. Routing must not flip on rounding, so
 the tensor cores run the 3-pass tf32 split (fp32-accurate products; exact for bf16 operands, whose 8
 significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
 
@@ -34,13 +36,21 @@ def _softplus(x):
 
 
 @triton.jit
-def _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, weights_ptr, experts_ptr, route_scale,
-           TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Logits [BLOCK_T, BLOCK_E] fp32 → the picks and their renormalised weights, stored."""
+def _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
+           route_scale, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+           HAS_IMAGE: tl.constexpr):
+    """Logits [BLOCK_T, BLOCK_E] fp32 → the picks and their renormalised weights, stored. HAS_IMAGE:
+    tokens whose ``image`` byte is nonzero add ``bias_vl`` instead of ``bias``."""
     scores = tl.sqrt(_softplus(logits))
     bias = tl.load(bias_ptr + cols, mask=e_ok, other=0.0).to(tl.float32)
+    if HAS_IMAGE:
+        bias_vl = tl.load(bias_vl_ptr + cols, mask=e_ok, other=0.0).to(tl.float32)
+        image = tl.load(image_ptr + tokens, mask=t_ok, other=0) != 0
+        biased = scores + tl.where(image[:, None], bias_vl[None, :], bias[None, :])
+    else:
+        biased = scores + bias[None, :]
     # Padded expert columns can never be picked (E ≥ TOP_K is checked by the launcher).
-    biased = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))
+    biased = tl.where(e_ok[None, :], biased, float("-inf"))
     slots = tl.arange(0, BLOCK_K)
     picked = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
@@ -78,11 +88,11 @@ def _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, d_first,
 
 @triton.jit
 def _router_kernel(
-    x_ptr, gate_ptr, bias_ptr, weights_ptr, experts_ptr, part_ptr,
+    x_ptr, gate_ptr, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr, part_ptr,
     num_tokens, x_row_stride, route_scale,
     D: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILES: tl.constexpr, SPLIT: tl.constexpr,
+    TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_IMAGE: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT). SPLIT 1: logits and routing in one program; else this split's
     partial logits to part [SPLIT, T, BLOCK_E] (``_router_finish_kernel`` routes)."""
@@ -94,8 +104,8 @@ def _router_kernel(
     logits = _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, split * TILES,
                      D, BLOCK_T, BLOCK_E, BLOCK_D, TILES)
     if SPLIT == 1:
-        _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, weights_ptr, experts_ptr, route_scale,
-               TOP_K, BLOCK_T, BLOCK_K)
+        _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
+               route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
     else:
         rows = (split * num_tokens + tokens).to(tl.int64)
         tl.store(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], logits, mask=t_ok[:, None])
@@ -103,9 +113,9 @@ def _router_kernel(
 
 @triton.jit
 def _router_finish_kernel(
-    part_ptr, bias_ptr, weights_ptr, experts_ptr, num_tokens, route_scale,
+    part_ptr, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr, num_tokens, route_scale,
     E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_IMAGE: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
@@ -115,8 +125,8 @@ def _router_finish_kernel(
     for split in range(SPLIT):  # split order: the sum does not depend on the schedule
         rows = (split * num_tokens + tokens).to(tl.int64)
         logits += tl.load(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], mask=t_ok[:, None], other=0.0)
-    _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, weights_ptr, experts_ptr, route_scale,
-           TOP_K, BLOCK_T, BLOCK_K)
+    _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
+           route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
 
 
 def default_split(num_token_tiles: int, num_d_tiles: int, num_programs: int) -> int:
@@ -129,14 +139,24 @@ def default_split(num_token_tiles: int, num_d_tiles: int, num_programs: int) -> 
 
 def moe_router(
     x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
-    split: int | None = None,
+    split: int | None = None, bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (fp32 weights [T, k], int32 experts [T, k], best first); gate_weight [E, D], bias [E].
-    ``split``: programs per token tile over D (None: ``default_split``; 1: one program per tile)."""
+    ``split``: programs per token tile over D (None: ``default_split``; 1: one program per tile).
+    ``image`` bool [T] with ``bias_vl`` [E] (both or neither): the marked tokens select with ``bias_vl``."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if gate_weight.shape != (num_experts, hidden) or bias.shape != (num_experts,):
         raise ValueError(f"gate {tuple(gate_weight.shape)} / bias {tuple(bias.shape)} do not fit x {tuple(x.shape)}")
+    if (image is None) != (bias_vl is None):
+        raise ValueError("image and bias_vl go together: pass both or neither")
+    if image is not None and (image.shape != (num_tokens,) or image.dtype != torch.bool
+                              or bias_vl.shape != (num_experts,)):
+        raise ValueError(f"image {tuple(image.shape)} {image.dtype} / bias_vl {tuple(bias_vl.shape)} do not fit "
+                         f"x {tuple(x.shape)} and {num_experts} experts (image must be bool [T])")
+    has_image = image is not None
+    image_bytes = image.contiguous().view(torch.uint8) if has_image else bias  # unread without HAS_IMAGE
+    bias_vl = bias_vl if has_image else bias
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, {num_experts}]")
     if x.stride(-1) != 1:
@@ -155,14 +175,14 @@ def moe_router(
     tiles = triton.cdiv(num_d_tiles, split)  # the last split may run past D: masked
     part = torch.empty(split if split > 1 else 0, num_tokens, block_e, dtype=torch.float32, device=x.device)
     _router_kernel[(num_t_tiles, split)](
-        x, gate_weight, bias, weights, experts, part, num_tokens, x.stride(0), float(route_scale),
-        D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d,
-        BLOCK_K=block_k, TILES=tiles, SPLIT=split, num_warps=4, num_stages=3,
+        x, gate_weight, bias, bias_vl, image_bytes, weights, experts, part, num_tokens, x.stride(0),
+        float(route_scale), D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_D=block_d, BLOCK_K=block_k, TILES=tiles, SPLIT=split, HAS_IMAGE=has_image, num_warps=4, num_stages=3,
     )
     if split > 1:
         _router_finish_kernel[(num_t_tiles,)](
-            part, bias, weights, experts, num_tokens, float(route_scale),
+            part, bias, bias_vl, image_bytes, weights, experts, num_tokens, float(route_scale),
             E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT=split,
-            num_warps=4,
+            HAS_IMAGE=has_image, num_warps=4,
         )
     return weights, experts

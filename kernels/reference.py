@@ -215,14 +215,18 @@ def moe_experts(
 
 
 def moe_router(
-    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
+    bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (fp32 weights [T, k], int32 experts [T, k]); model/deepseek_v41/moe.py's ``route``.
 
     s = sqrt(softplus(x · gateᵀ)) in fp32; top-k of s + bias (lower id first among ties, best
-    first); weights = s_sel / (Σ s_sel + 1e-20) · route_scale.
+    first); weights = s_sel / (Σ s_sel + 1e-20) · route_scale. ``image`` bool [T] with ``bias_vl`` [E]:
+    those tokens add ``bias_vl`` instead.
     """
     scores = torch.sqrt(F.softplus(x.float() @ gate_weight.float().t()))
+    if image is not None:
+        bias = torch.where(image.unsqueeze(-1), bias_vl.float(), bias.float())  # [T, E]
     experts = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
     picked = scores.gather(-1, experts)
     weights = picked / (picked.sum(-1, keepdim=True) + 1e-20) * route_scale

@@ -183,7 +183,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
                   else device)]
-        if cfg.vision is not None and not config.remote_workers:  # worker.v1 does not carry embeddings yet
+        if cfg.vision is not None:  # the engine encodes there; a remote worker takes the rows by worker.v1 SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
             stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",

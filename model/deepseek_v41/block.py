@@ -66,7 +66,7 @@ class Block(nn.Module):
             taps.append(h.float().mean(2))
         mix_a, x = self.hc_attn.mix_collapse(h, pre)
         h, mix_f, x = self.hc_ffn.expand_mix_collapse(attend(self.attn_norm(x)), h, mix_a)
-        # ``image`` only when some token is one: other ffn backends (KernelMoE) take (x, counts).
+        # ``image`` only when some token is one (MoE and KernelMoE take it): a text step calls the ffn as before.
         f = self.ffn(self.ffn_norm(x), expert_counts) if image is None else \
             self.ffn(self.ffn_norm(x), expert_counts, image=image)
         h = self.hc_ffn.expand(f, h, mix_f)

@@ -105,7 +105,7 @@ class Engine:
         if req is None:
             raise ValueError(f"no live request {request_id!r}")
         set_images = getattr(self.worker, "set_images", None)
-        if set_images is None:  # worker.v1 does not carry embeddings yet
+        if set_images is None:  # a worker that takes no images (in-process and worker.v1 workers both do)
             raise ValueError(f"{type(self.worker).__name__} takes no image embeddings")
         set_images(request_id, req.output.prompt_token_ids, rows)
         self.scheduler.set_schedulable(request_id)

@@ -22,10 +22,9 @@ from services.engine.heartbeat import WorkerHeartbeat
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.sampler import SamplingRow
-from services.worker.service import decode_output, encode_plan, model_hashes
+from services.worker.service import MAX_MESSAGE_BYTES, decode_output, encode_plan, model_hashes, tensor_to_array
 from services.worker.worker import WorkerOutput
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a step's logprob arrays can be large
 log = logging.getLogger("shinkai.engine.remote_worker")
 
 
@@ -83,6 +82,21 @@ class RemoteWorker:
                     self.heartbeat.mark_lost()  # the process is gone: refuse work until it answers again
                 raise WorkerLost(f"the worker at {self.address} failed step {plan.step_id}: "
                                  f"{err.code().name} {err.details()}") from None
+
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows) -> None:
+        """``Worker.set_images`` over worker.v1: rows [P, D] float32 or bfloat16 travel as their bytes.
+        ValueError when the worker refuses them (INVALID_ARGUMENT); WorkerLost when it cannot be reached."""
+        if not self.heartbeat.alive:
+            raise WorkerLost(f"the worker at {self.address} is not answering its heartbeat")
+        request = pb.SetImagesRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                      rows=tensor_to_array(rows))
+        try:
+            self.stub.SetImages(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(f"the worker at {self.address} refused the image rows: {err.details()}") from None
+            raise WorkerLost(f"the worker at {self.address} failed SetImages for {request_id}: "
+                             f"{err.code().name} {err.details()}") from None
 
     def release(self, request_id: str) -> None:
         if not self.heartbeat.alive:

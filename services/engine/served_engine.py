@@ -44,7 +44,7 @@ class ServedEngine:
         cfg = llm.source.config
         # The renderer encodes with the V4.1 tokenizer, so only a model with that vocabulary renders chat.
         self.chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
-        refusal = _image_refusal(llm)
+        refusal = _image_refusal(llm, image_encoder)
         self.images = ImagePrompts(cfg.vision, llm.tokenizer.token_to_id(IMAGE_PLACEHOLDER),
                                    (image_encoder or _own_tower(llm)) if cfg.vision is not None and refusal is None
                                    else None, refusal=refusal)
@@ -76,13 +76,16 @@ class ServedEngine:
         await api.stop()
 
 
-def _image_refusal(llm: LLM) -> str | None:
-    """Why this engine cannot run image requests although its model may have a tower; None: it can."""
+def _image_refusal(llm: LLM, image_encoder: ImageEncoder | None) -> str | None:
+    """Why this engine cannot run image requests although its model may have a tower; None: it can. Every
+    backend and worker kind takes image rows (the kernel router's ``bias_vl``, worker.v1 ``SetImages``);
+    what can be missing is a worker without ``set_images``, or any encoder at all: an engine whose remote
+    worker holds the weights has no tower of its own, so it needs the multimodal service."""
     if getattr(llm.engine.worker, "set_images", None) is None:
-        return "this engine takes no images: its worker is remote, and worker.v1 does not carry image embeddings yet"
-    if llm.config.kernel_backend:
-        return ("this engine takes no images: the kernel backend's MoE does not route image tokens (bias_vl) yet; "
-                "serve images on the torch backend")
+        return f"this engine takes no images: its worker ({type(llm.engine.worker).__name__}) takes no image embeddings"
+    if image_encoder is None and llm.source.model is None:
+        return ("this engine takes no images: its worker is remote (the weights are there, not here) and it has no "
+                "multimodal service to encode them; start it with --multimodal HOST:PORT")
     return None
 
 

@@ -10,7 +10,9 @@ added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
 ``live`` (a row mask, for the static decode step's placeholder rows: services/worker/static_decode_step.py)
 routes the other rows nowhere: their choices go to sink experts past the stacked ones, which the
 layout then drops, so they take no slot, activate no expert, count towards nothing and come out
-as zeros. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.
+as zeros. ``image`` (a row mask of image-span tokens) has those rows select their experts with the
+gate's ``bias_vl`` instead of ``gate_bias``, as the model's MoE does; without it the router runs exactly
+as for text. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.
 Up to ``LAYOUT_MAX_TOKENS`` rows the layout and the counts are one launch (``kernels/moe_layout.py``);
 ``_layout`` is the same layout in torch (bigger steps, and kernel sets without it).
 """
@@ -47,7 +49,8 @@ Every token's output depends only on its own row, so passes of this many tokens 
 
 
 class KernelMoE(nn.Module):
-    """Router ``gate_weight`` [E, D] + ``gate_bias`` [E]; experts 0..E−1 routed, expert E shared.
+    """Router ``gate_weight`` [E, D] + ``gate_bias`` [E] (``bias_vl`` [E] for image-span tokens); experts
+    0..E−1 routed, expert E shared.
 
     fp8: ``w13`` e4m3 [E+1, 2I', D'] (gate rows [0, I'), up rows [I', 2I')) and ``w2`` e4m3 [E+1, D', I'],
     fp32 128×128 block scales, zero-padded to multiples of 128. fp32: the same stacks unpadded, fp32,
@@ -63,6 +66,7 @@ class KernelMoE(nn.Module):
         self.num_experts, self.intermediate, self.hidden = moe.w1.shape
         self.gate_weight = nn.Parameter(moe.gate_weight.detach().float().clone(), requires_grad=False)
         self.gate_bias = nn.Parameter(moe.gate_bias.detach().float().clone(), requires_grad=False)
+        self.bias_vl = nn.Parameter(moe.bias_vl.detach().float().clone(), requires_grad=False)
         self.inexact = 0
         if precision == "fp8":
             # Expert by expert (E routed, then the shared one as expert E): no fp32 copy of the stack.
@@ -86,20 +90,24 @@ class KernelMoE(nn.Module):
             self.register_buffer("w13", stack_gate_up(w1, w3).contiguous())  # fp32 [E+1, 2I, D]
             self.register_buffer("w2", w2.contiguous())
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None, live: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None, live: torch.Tensor | None = None,
+                image: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert.
-        ``live`` bool [B, S] (None: every row): rows outside it are routed nowhere and output zeros."""
+        ``live`` bool [B, S] (None: every row): rows outside it are routed nowhere and output zeros.
+        ``image`` bool [B, S] (None: none) marks image-span tokens, which select with ``bias_vl``."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, D]
         if x2.shape[0] > MOE_MAX_TOKENS:
             rows2 = None if live is None else live.reshape(-1)
+            image2 = None if image is None else image.reshape(-1)
             parts = [self.forward(x2[i:i + MOE_MAX_TOKENS], counts,
-                                  None if rows2 is None else rows2[i:i + MOE_MAX_TOKENS])
+                                  None if rows2 is None else rows2[i:i + MOE_MAX_TOKENS],
+                                  None if image2 is None else image2[i:i + MOE_MAX_TOKENS])
                      for i in range(0, x2.shape[0], MOE_MAX_TOKENS)]
             return torch.cat(parts).reshape(shape)
+        vl = {} if image is None else {"bias_vl": self.bias_vl, "image": image.reshape(-1)}
         weights, experts = self.kernels.moe_router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k,
-                                                              self.route_scale)  # [T, k] each
+                                                              self.route_scale, **vl)  # [T, k] each
         rows = None if live is None else live.reshape(-1, 1)  # [T, 1]
         layout = getattr(self.kernels.moe_router, "moe_layout", None)
         if layout is not None and x2.shape[0] <= self.kernels.moe_router.LAYOUT_MAX_TOKENS:

@@ -80,8 +80,6 @@ class ModelRunner:
         """The embeddings [P, D] of the P image placeholders of a request's prompt, before it is scheduled."""
         if self.images is None:
             raise ValueError("this model has no vision tower: it takes no image embeddings")
-        if self.kernels is not None:  # KernelMoE routes without the image mask (bias_vl) so far
-            raise ValueError("the kernel backend does not take images yet; run image requests on the torch backend")
         self.images.put(request_id, prompt_token_ids, rows)
 
     def release(self, request_id: str) -> None:

@@ -2,7 +2,8 @@
 
 ``python -m services.worker --model tiny --grpc-addr 127.0.0.1:0`` builds (or loads) the model itself from
 the same ``--model`` and ``--model-seed`` as the engine, owns the runner's pools, and prints one JSON ready
-line. ``GetModelInfo`` answers hashes of the config and of every weight tensor; the engine compares them
+line. ``SetImages`` takes a request's image embeddings (float32 or bfloat16 bytes with their shape) before
+the request is scheduled, as the in-process ``Worker.set_images`` does. ``GetModelInfo`` answers hashes of the config and of every weight tensor; the engine compares them
 with its own at connect time, so an engine never drives a different model.
 
 The codec turns a scheduler ``StepPlan`` into the proto (every array as raw int32 bytes with dtype and
@@ -35,6 +36,10 @@ from services.worker.sampler import SamplingRow
 from services.worker.worker import WorkerOutput
 
 SERVICE = "worker.v1.Worker"
+MAX_MESSAGE_BYTES = 256 * 2**20
+"""Both ends' gRPC message limit (sent and received). The largest messages: a step's logprob arrays, and
+``SetImages``: at most 8 images × 1,024 image tokens × hidden 5,120 (v41) × 4 bytes = 160 MiB of fp32 rows
+(80 MiB bf16), plus the prompt's ids."""
 _PLAN_ARRAYS = ("seqlens_q", "seqlens_k", "query_start", "state_slots", "block_tables", "inputs_pending",
                 "input_ids", "positions", "ring_slots", "row_requests", "sample_rows", "num_sample_rows")
 
@@ -46,6 +51,30 @@ def to_array(a) -> pb.Array:
 
 def from_array(msg: pb.Array) -> np.ndarray:
     return np.frombuffer(msg.data, dtype=np.dtype(msg.dtype).newbyteorder("<")).reshape(tuple(msg.shape))
+
+
+def tensor_to_array(t: torch.Tensor) -> pb.Array:
+    """A float32 or bfloat16 tensor's bytes, shape and dtype name (bf16 has no numpy dtype: its 2 raw bytes)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return pb.Array(dtype="bfloat16", shape=list(t.shape), data=t.view(torch.int16).numpy().astype("<i2").tobytes())
+    if t.dtype != torch.float32:
+        raise ValueError(f"image rows must be float32 or bfloat16, got {t.dtype}")
+    return to_array(t)
+
+
+def array_to_tensor(msg: pb.Array) -> torch.Tensor:
+    """``tensor_to_array``'s inverse; ValueError when the bytes do not fit the shape."""
+    itemsize = {"bfloat16": 2, "float32": 4}.get(msg.dtype)
+    if itemsize is None:
+        raise ValueError(f"image rows must be float32 or bfloat16, got {msg.dtype!r}")
+    shape = tuple(msg.shape)
+    if len(msg.data) != int(np.prod(shape, dtype=np.int64)) * itemsize:
+        raise ValueError(f"{len(msg.data)} bytes do not hold a {msg.dtype} array of shape {shape}")
+    if msg.dtype == "float32":
+        return torch.from_numpy(from_array(msg).copy())
+    raw = np.frombuffer(msg.data, dtype="<i2").reshape(shape).copy()
+    return torch.from_numpy(raw).view(torch.bfloat16)
 
 
 def _int32(a) -> np.ndarray:
@@ -212,6 +241,15 @@ class WorkerApi(worker_pb2_grpc.WorkerServicer):
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
 
+    def SetImages(self, request: pb.SetImagesRequest, context) -> pb.SetImagesResponse:
+        try:
+            rows = array_to_tensor(request.rows)
+            with self._lock:
+                self.worker.set_images(request.request_id, list(request.prompt_token_ids), rows)
+        except ValueError as err:  # rows that do not fit the prompt, or a model without a tower
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return pb.SetImagesResponse()
+
 
 def main(argv: list[str] | None = None) -> int:
     from services.engine.config import EngineConfig
@@ -247,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"model, pools and graphs hold {torch.cuda.memory_reserved(config.device) / 2**30:.1f} "
                              f"GiB, over --gpu-memory-utilization {config.gpu_memory_utilization} of "
                              f"{total / 2**30:.1f} GiB: lower --max-num-seqs or --max-model-len")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     api = WorkerApi(worker, args.model, model_hashes(source), source.config.vocab_size)
     worker_pb2_grpc.add_WorkerServicer_to_server(api, server)
     metrics_port = None

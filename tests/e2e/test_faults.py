@@ -1,5 +1,6 @@
-"""Faults and soak against `shinkai up` with a remote worker (nats, tokenizer, eplb, worker-0, engine-0,
-gateway as separate processes), each under load and bounded in time, in this order on one stack:
+"""Faults and soak against `shinkai up` with a remote worker (nats, tokenizer, eplb, multimodal, worker-0,
+engine-0, gateway as separate processes), each under load and bounded in time, in this order on one stack
+(after one image chat served through the remote worker):
 
 1. soak: SOAK_CONCURRENCY streams kept in flight for SOAK_S seconds: zero failures, one terminal message
    per request sent;
@@ -144,6 +145,25 @@ async def stream_final(client: AsyncShinkaiClient, prompt: str, max_tokens: int,
     finally:
         if first is not None:
             first.set()  # never leave a waiter hanging on a stream that failed before its first delta
+
+
+def test_an_image_chat_is_served_through_the_remote_worker(stack):
+    """The engine has --multimodal (stack.py, remote workers too): the image is encoded by the multimodal
+    service and its rows reach worker-0 by worker.v1 SetImages. Exact equality with the in-process worker is
+    tests/services/worker/test_service.py's (batch-invariant mode; this stack is not)."""
+    from services.engine import LLM, SamplingParams
+    from tests.services.gateway.test_images import ask, data_url, encoded
+
+    assert "--multimodal" in stack.by_name["engine-0"]["argv"] and "--worker" in stack.by_name["engine-0"]["argv"]
+    messages = ask(data_url(encoded(100, 80, seed=1)))
+    client = openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    expected = LLM("tiny").chat(messages, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # the expanded image span
+    assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("length", "stop")
+    with urllib.request.urlopen(stack.by_name["multimodal"]["url"].removeprefix("metrics "), timeout=10) as r:
+        assert re.search(r"^shinkai_multimodal_images_encoded_total [1-9]", r.read().decode(), re.M)
+    report("image_through_remote_worker", prompt_tokens=reply.usage.prompt_tokens, **assert_pools_whole(stack))
 
 
 def test_soak_streams_lose_nothing(stack):

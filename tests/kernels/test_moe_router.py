@@ -47,6 +47,45 @@ def test_router_split_over_d_matches_reference_at_every_split():
     assert mr.default_split(66, 40, 132) == 1 and mr.default_split(1, 1, 132) == 1
 
 
+def _image_reference(x, gate, bias, bias_vl, image, top_k, route_scale):
+    """The model's own route (model/deepseek_v41/moe.py), image tokens selecting with ``bias_vl``."""
+    from model.deepseek_v41.moe import MoE
+
+    moe = MoE.__new__(MoE)
+    torch.nn.Module.__init__(moe)
+    moe.top_k, moe.route_scale = top_k, route_scale
+    moe.gate_weight, moe.gate_bias, moe.bias_vl = (torch.nn.Parameter(t) for t in (gate, bias, bias_vl))
+    with torch.no_grad():
+        return moe.route(x, image)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_router_interpreted_with_an_image_mask_selects_like_the_model(split):
+    """Image tokens select with ``bias_vl`` (a bias far from the text one, so their picks change), text
+    tokens in the same tile with the gate bias: the kernel's picks are the model's exactly, in one program
+    and split over D; without a mask the kernel's output is unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    x, gate, bias = _problem(21, 12, 384, gen)
+    bias_vl = torch.randn(12, generator=gen) * 2.0
+    image = torch.zeros(21, dtype=torch.bool)
+    image[[0, 4, 5, 6, 17, 20]] = True
+    mr = load_interpreted("moe_router")
+    with interpreter():
+        weights, experts = mr.moe_router(x, gate, bias, 3, 1.5, split=split, bias_vl=bias_vl, image=image)
+        text_w, text_e = mr.moe_router(x, gate, bias, 3, 1.5, split=split)
+    r_weights, r_experts = _image_reference(x, gate, bias, bias_vl, image, 3, 1.5)
+    assert torch.equal(experts.long(), r_experts)
+    torch.testing.assert_close(weights, r_weights, rtol=FP32_REORDER_REL, atol=1e-6)
+    assert not torch.equal(experts[image], text_e[image])  # the mask changed the image tokens' picks
+    assert torch.equal(experts[~image], text_e[~image]) and torch.equal(weights[~image], text_w[~image])
+    t_weights, t_experts = reference.moe_router(x, gate, bias, 3, 1.5)
+    assert torch.equal(text_e, t_experts)
+    with pytest.raises(ValueError, match="both or neither"):
+        mr.moe_router(x, gate, bias, 3, 1.5, image=image)
+    with pytest.raises(ValueError, match="must be bool"):
+        mr.moe_router(x, gate, bias, 3, 1.5, bias_vl=bias_vl, image=image.to(torch.int32))
+
+
 def test_router_interpreted_breaks_ties_towards_the_lower_id():
     gen = torch.Generator().manual_seed(1)
     x, gate, bias = _problem(4, 8, 64, gen)
@@ -72,4 +111,21 @@ def test_router_gpu_matches_reference_at_s1_shapes(num_tokens, gate_dtype):
     weights, experts = moe_router(x, gate, bias, 6, 1.5)
     r_weights, r_experts = reference.moe_router(x, gate, bias, 6, 1.5)
     assert torch.equal(experts, r_experts)
+    torch.testing.assert_close(weights, r_weights, rtol=FP32_REORDER_REL, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 256])
+def test_router_gpu_with_an_image_mask_selects_like_the_model(num_tokens):
+    from kernels.moe_router import moe_router
+
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    x, gate, bias = _problem(num_tokens, 48, 5120, gen)
+    bias_vl = torch.randn(48, generator=gen, device="cuda")
+    image = torch.rand(num_tokens, generator=gen, device="cuda") < 0.5
+    image[0] = True
+    weights, experts = moe_router(x, gate, bias, 6, 1.5, bias_vl=bias_vl, image=image)
+    r_weights, r_experts = _image_reference(x, gate, bias, bias_vl, image, 6, 1.5)
+    assert torch.equal(experts.long(), r_experts)
     torch.testing.assert_close(weights, r_weights, rtol=FP32_REORDER_REL, atol=1e-6)

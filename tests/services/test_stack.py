@@ -41,5 +41,9 @@ def test_engines_reach_the_multimodal_service_and_the_ssrf_flag_reaches_the_gate
     assert "--allow-private-image-urls" in stack["gateway"].argv
     plain = {s.name: s for s in services(StackConfig(model="tiny"))}
     assert "--allow-private-image-urls" not in plain["gateway"].argv
-    remote = services(StackConfig(model="tiny", remote_workers=True))  # worker.v1 carries no embeddings yet
-    assert all("--multimodal" not in s.argv for s in remote)
+    # Remote workers too: the engine encodes there, and its worker takes the rows by worker.v1 SetImages.
+    remote = {s.name: s for s in services(StackConfig(model="tiny", remote_workers=True))}
+    argv = remote["engine-0"].argv
+    assert "--worker" in argv and argv[argv.index("--multimodal") + 1] == \
+        f"127.0.0.1:{remote['multimodal'].health.split(':')[1]}"
+    assert "--multimodal" not in remote["worker-0"].argv

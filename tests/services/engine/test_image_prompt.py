@@ -73,7 +73,7 @@ def test_an_encoder_serving_another_model_is_unavailable_not_bad_input():
 
 
 def test_a_served_engine_whose_worker_takes_no_embeddings_refuses_images_up_front():
-    """A remote worker (worker.v1 carries no embeddings): refused before anything is queued, not after."""
+    """A worker without ``set_images``: refused before anything is queued, not after."""
     from services.engine import LLM
     from services.engine.served_engine import ServedEngine
 
@@ -86,5 +86,27 @@ def test_a_served_engine_whose_worker_takes_no_embeddings_refuses_images_up_fron
 
     served = ServedEngine(LLM("tiny", worker=_RemoteLike()), served_model_name="tiny", replica="engine-0")
     assert served.images.vision is not None and served.images.encoder is None
-    with pytest.raises(ValueError, match="worker is remote, and worker.v1 does not carry image embeddings"):
+    with pytest.raises(ValueError, match=r"its worker \(_RemoteLike\) takes no image embeddings"):
+        served.images.expand([PLACEHOLDER], [png(60, 60)])
+
+
+def test_a_served_engine_with_a_remote_worker_and_no_encoder_refuses_images_up_front():
+    """A remote worker holds the weights, so the engine has no tower of its own: without a multimodal
+    service it refuses images up front, naming the flag."""
+    from services.engine import LLM
+    from services.engine.served_engine import ServedEngine
+
+    class _Remote:
+        def execute(self, *args):
+            raise AssertionError("never stepped")
+
+        def release(self, request_id):
+            pass
+
+        def set_images(self, request_id, prompt_token_ids, rows):
+            raise AssertionError("never given rows")
+
+    served = ServedEngine(LLM("tiny", worker=_Remote()), served_model_name="tiny", replica="engine-0")
+    assert served.llm.source.model is None and served.images.encoder is None
+    with pytest.raises(ValueError, match="no multimodal service.*--multimodal"):
         served.images.expand([PLACEHOLDER], [png(60, 60)])

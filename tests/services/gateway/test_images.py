@@ -199,26 +199,26 @@ def test_a_multimodal_service_that_is_down_is_a_503(served, hop):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.timeout(600)
-def test_on_cuda_images_run_on_the_torch_backend_and_are_refused_up_front_on_the_kernel_backend():
+def test_on_cuda_images_run_on_the_torch_backend_and_on_the_kernel_backend():
+    """The served image chat on CUDA equals ``LLM.chat`` with the same engine arguments, on the torch backend
+    and on the CUDA default, the FP8 kernel backend (its router selects image tokens' experts with
+    ``bias_vl``; batch-invariant mode, so the one served request and the offline one give the same bits)."""
     from services.engine import LLM
     from services.gateway.server import ServeConfig
     from tests.services.gateway.conftest import ServerThread
 
     messages = ask(data_url(encoded(100, 80, seed=1)))
-    # Fixed pools: three engines share the GPU in this process (unset, each would size itself to the GPU).
+    # Fixed pools: engines share the GPU in this process (unset, each would size itself to the GPU).
     torch_args = {"device": "cuda", "kernel_backend": None, "num_blocks": 512}
-    expected = LLM("tiny", **torch_args).chat(messages, GREEDY)[0]
-    for engine_args in (torch_args, {"device": "cuda", "num_blocks": 512}):  # the CUDA default: the kernel backend
+    kernel_args = {"device": "cuda", "num_blocks": 512, "batch_invariant": True}  # the CUDA default: kernels
+    for engine_args in (torch_args, kernel_args):
+        expected = LLM("tiny", **engine_args).chat(messages, GREEDY)[0]
         thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, engine_args=engine_args)).start()
         try:
             client = openai.OpenAI(base_url=thread.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            if engine_args is torch_args:
-                reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
-                assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
-                assert reply.choices[0].message.content == expected.text
-            else:
-                with pytest.raises(openai.BadRequestError, match="kernel backend"):
-                    client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+            reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+            assert reply.usage.prompt_tokens == len(expected.prompt_token_ids), engine_args
+            assert reply.choices[0].message.content == expected.text, engine_args
         finally:
             thread.stop()
         assert pools_whole(thread.server.engine.stats())

@@ -126,3 +126,17 @@ class ModelInfo(_message.Message):
     weights_sha256: str
     vocab_size: int
     def __init__(self, model: _Optional[str] = ..., config_sha256: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class SetImagesRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "rows")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rows: Array
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+
+class SetImagesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.SetImages = channel.unary_unary(
+                '/worker.v1.Worker/SetImages',
+                request_serializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.SetImagesRequest.SerializeToString,
+                response_deserializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.SetImagesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -73,6 +78,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetImages(self, request, context):
+        """A request's image embeddings, before it is first scheduled (the engine's readiness gate holds it
+        until this returns). INVALID_ARGUMENT: the rows do not fit the prompt's placeholders, or the
+        worker's model takes no images.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +104,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
                     response_serializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
+            ),
+            'SetImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetImages,
+                    request_deserializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.SetImagesRequest.FromString,
+                    response_serializer=services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.SetImagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +192,33 @@ class Worker:
             '/worker.v1.Worker/GetModelInfo',
             services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
             services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/worker.v1.Worker/SetImages',
+            services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.SetImagesRequest.SerializeToString,
+            services_dot_proto_dot_worker_dot_v1_dot_worker__pb2.SetImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
