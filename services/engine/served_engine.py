@@ -78,6 +78,8 @@ class ServedEngine:
 
 def _image_refusal(llm: LLM) -> str | None:
     """Why this engine cannot run image requests although its model may have a tower; None: it can."""
+    if llm.config.data_parallel_size > 1:
+        return "this engine takes no images: a data-parallel rank does not run image prompts yet"
     if getattr(llm.engine.worker, "set_images", None) is None:
         return "this engine takes no images: its worker is remote, and worker.v1 does not carry image embeddings yet"
     if llm.config.kernel_backend:
