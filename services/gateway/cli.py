@@ -28,11 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     p.add_argument("--allow-private-image-urls", action="store_true",
                    help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)")
-    from services.engine.config import add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
     add_speculative_arguments(p)
+    add_parallel_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -86,6 +87,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from services.cli import UsageError
 
+    if args.data_parallel_size != 1:  # ranks are processes of their own, each an engine endpoint
+        raise UsageError("shinkai serve is one process; --dp N serves N rank processes behind one gateway: "
+                         "run `shinkai up --dp N` (docs/parallelism.md)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return asyncio.run(_serve(args))
