@@ -82,14 +82,16 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
     stack = stack_services(config)
     out: dict[str, Any] = {}
     started: list[str] = []
+    groups = {s.name: s.group for s in stack}
     for s in stack:
         if s.name == "nats":
             out["nats"] = {"image": NATS_IMAGE, "command": s.argv, "environment": dict(NATS_TOKEN),
                            "volumes": [f"./nats.conf:{NATS_CONFIG}:ro"], "networks": ["internal"]}
         else:
-            # Every service after nats waits for all before it to be healthy, as `shinkai up` does.
+            # Every service after nats waits for all before it to be healthy, as `shinkai up` does, except the
+            # other members of its group (a data-parallel group's ranks wait for each other at the rendezvous).
             depends = {name: {"condition": "service_started" if name == "nats" else "service_healthy"}
-                       for name in started}
+                       for name in started if s.group is None or groups.get(name) != s.group}
             service: dict[str, Any] = {
                 "image": IMAGE, "build": {"context": "..", "dockerfile": "deploy/Dockerfile"}, "command": s.argv,
                 "environment": {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317",
@@ -99,6 +101,8 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
                 "stop_grace_period": "40s",  # the services' own drain timeout is 30 s; then SIGKILL
                 "restart": "unless-stopped",
             }
+            if s.group is not None:  # ranks meet across containers: gloo on the network, not loopback
+                service["environment"]["GLOO_SOCKET_IFNAME"] = "eth0"
             if s.name == "gateway":
                 service["ports"] = [f"{PORTS['http']}:{PORTS['http']}", f"{PORTS['grpc']}:{PORTS['grpc']}"]
                 service["networks"] = ["internal", "public"]
