@@ -1,7 +1,7 @@
 """`shinkai up --dp 2`: two rank processes, each an engine endpoint, behind one gateway (one group for the
-module, CPU, gloo, tiny). Greedy replies through HTTP in the batch-invariant mode equal one process's with
-==; an idle group does not spin; a rank killed mid-generation ends every in-flight stream with "error",
-takes the whole group to NOT_SERVING, and `down` leaves no process behind."""
+module, CPU, gloo, tiny). An idle group does not spin; a rank killed mid-generation ends every in-flight
+stream with "error", takes the whole group to NOT_SERVING, and `down` leaves no process behind. Greedy
+replies through HTTP equal one process's in tests/services/gateway/test_rank_server.py (`serve --dp 2`)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.engine import LLM, SamplingParams
 from services.stack import StackConfig, down, healthy, up
 
 pytestmark = pytest.mark.timeout(300)
 
 SIZING = dict(max_num_seqs=4, max_model_len=128)
-PROMPTS = ["The deep sea is", "Hello"]
 # A rank's CPU seconds over this much idle wall time (seconds).
 IDLE_S = 3.0
 
@@ -65,28 +63,6 @@ def test_an_idle_group_does_not_spin(group):
     used = [_cpu_s(p) - b for p, b in zip(pids, before)]
     # Idle ranks vote once per idle_wait_s (0.05 s): far below a tenth of a core; a spinning loop uses ~1.
     assert all(u < 0.1 * IDLE_S for u in used), used
-
-
-def test_greedy_through_http_equals_one_process(group):
-    """Both prompts at once, so the router puts one on each rank (the gateway routes by load)."""
-    _, _, _, client = group
-    replies: dict[str, object] = {}
-
-    def ask(prompt):
-        replies[prompt] = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
-                                                    logprobs=1, extra_body={"ignore_eos": True})
-
-    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    llm = LLM("tiny", batch_invariant=True, **SIZING)
-    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, expected):
-        choice = replies[prompt].choices[0]
-        assert choice.text == out.text
-        assert choice.logprobs.token_logprobs == pytest.approx(out.logprobs, abs=0)
 
 
 def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
