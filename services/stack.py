@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 class StackConfig:
     model: str = "tiny"  # checkpoint directory or preset name
     num_engines: int = 1  # independent engine replicas
+    data_parallel_size: int = 1  # >1: the engine is this many ranks in lockstep, one process each (EP MoE)
+    num_redundant_experts: int = 0  # extra expert copies over the ranks (EngineConfig.num_redundant_experts)
     host: str = "127.0.0.1"  # every service binds here (loopback)
     http_port: int = 8000  # the gateway's OpenAI HTTP port; 0: any free port
     grpc_port: int = 50051  # the gateway's shinkai.v1 port; 0: any free port
@@ -56,6 +58,7 @@ class Service:
     argv: list[str]  # the command line
     health: str  # "grpc:<port>" (grpc.health.v1 SERVING) or "tcp:<port>" (accepts connections)
     url: str | None = None  # what `up` prints for people, if anything
+    group: str | None = None  # services started and stopped together (a data-parallel group's ranks); None: alone
 
 
 def free_port(host: str) -> int:
@@ -152,16 +155,18 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 f"grpc:{at.port('tokenizer', 'grpc')}",
                 f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics"),
     ]
-    if cfg.vision is not None:  # the vision tower's own process (services/multimodal)
+    ranks = config.data_parallel_size > 1
+    if cfg.vision is not None and not ranks:  # the vision tower's own process; ranks take no images yet
         stack.append(Service("multimodal", [*py, "services.multimodal", "--model", config.model, "--grpc-addr",
                                             bind("multimodal", "grpc"), "--metrics-port",
                                             str(at.port("multimodal", "metrics"))],
                              f"grpc:{at.port('multimodal', 'grpc')}",
                              f"metrics http://{at.reach('multimodal', 'metrics')}/metrics"))
+    num_engines = config.data_parallel_size if ranks else config.num_engines  # engine processes
     stack += [
         Service("eplb", [*py, "services.eplb", "--nats-url", nats_url, "--health-addr", bind("eplb", "grpc"),
                          "--num-experts", str(num_experts), "--num-gpus", "1", "--num-redundant", "0",
-                         "--num-layers", str(num_layers), "--num-ranks", str(config.num_engines)],
+                         "--num-layers", str(num_layers), "--num-ranks", str(num_engines)],
                 f"grpc:{at.port('eplb', 'grpc')}"),  # its --metrics-port binds every interface: left off
     ]
     engines = []
@@ -175,15 +180,22 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
 
     device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)
     drain = ["--drain-timeout", str(config.drain_timeout_s)] if config.drain_timeout_s is not None else []
-    for i in range(config.num_engines):
+    if ranks and (config.num_engines != 1 or config.remote_workers):
+        raise ValueError("a data-parallel group is the stack's one engine, its workers in-process: "
+                         "with --dp > 1 leave --num-engines at 1 and drop --remote-workers")
+    for i in range(num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
-        argv = [*py, "services.engine", "--model", config.model, "--replica", name, "--rank", str(i),
+        # Each rank is an engine endpoint of its own (the gateway routes over them by load); rank 0 hosts the
+        # group's rendezvous (services/engine/parallel/served_rank.py).
+        group = ["--dp", str(config.data_parallel_size), "--num-redundant-experts", str(config.num_redundant_experts),
+                 "--dp-rank", str(i), "--dp-rendezvous", f"tcp://{at.reach('engine-0', 'rendezvous')}"] if ranks else []
+        argv = [*py, "services.engine", "--model", config.model, "--replica", name, "--rank", str(i), *group,
                 "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
                   else device)]
-        if cfg.vision is not None:  # the engine encodes there; a remote worker takes the rows by worker.v1 SetImages
+        if cfg.vision is not None and not ranks:  # encoded here; a remote worker takes the rows by SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
             stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
@@ -191,7 +203,8 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                                           *sizing, *device],
                                  f"grpc:{at.port(worker, 'grpc')}", f"metrics http://{at.reach(worker, 'metrics')}/metrics"))
             argv += ["--worker", at.reach(worker, "grpc")]
-        stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics"))
+        stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics",
+                             "ranks" if ranks else None))
     gateway = [*py, "services.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
                "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
                "--grpc-port", str(at.port("gateway", "grpc")), *drain,
@@ -263,24 +276,40 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
     # NATS credentials for this stack: every service gets the token in its environment (services/nats_auth.py).
     env[nats_auth.TOKEN_ENV] = token = nats_auth.new_token()
     nats_config = nats_auth.write_config(config.run_dir / "nats.conf")
-    for service in services(config):
-        if service.name == "nats":
-            service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
-        log_path = logs / f"{service.name}.log"
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(service.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        state["services"].append({**asdict(service), "pid": proc.pid, "log": str(log_path)})
-        state_file.write_text(json.dumps(state, indent=1))
+    for batch in _batches(services(config)):  # a group's members start together: they wait for each other
+        started = []
+        for service in batch:
+            if service.name == "nats":
+                service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
+            log_path = logs / f"{service.name}.log"
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(service.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            state["services"].append({**asdict(service), "pid": proc.pid, "log": str(log_path)})
+            state_file.write_text(json.dumps(state, indent=1))
+            started.append((service, proc, log_path))
         deadline = time.monotonic() + timeout_s
-        while not healthy(config.host, service.health):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
-                down(config.run_dir, log=lambda *_: None)
-                raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
-            time.sleep(0.1)
-        log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
+        for service, proc, log_path in started:
+            while not healthy(config.host, service.health):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
+                    down(config.run_dir, log=lambda *_: None)
+                    raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
+                time.sleep(0.1)
+            log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
     return {**state, "nats_token": token}  # returned to the caller, never written to stack.json
+
+
+def _batches(items: list, group_of=lambda service: service.group) -> list[list]:
+    """Consecutive items (services, or their recorded states) of one group together; the rest alone."""
+    batches: list[list] = []
+    for item in items:
+        group = group_of(item)
+        if group is not None and batches and group_of(batches[-1][0]) == group:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches
 
 
 def _last_error(log_path: Path) -> str:
@@ -302,19 +331,20 @@ def down(run_dir: Path, timeout_s: float = 60.0, log=print) -> int:
         return 0
     state = json.loads(state_file.read_text())
     num_running = 0
-    for s in reversed(state["services"]):
-        pid, argv = s["pid"], s["argv"]
-        if not _alive_as(pid, argv):
-            continue
-        num_running += 1
-        os.kill(pid, signal.SIGTERM)
+    for batch in reversed(_batches(state["services"], lambda s: s.get("group"))):
+        running = [s for s in batch if _alive_as(s["pid"], s["argv"])]
+        for s in running:  # a group's members together: each drains only once all of them are stopping
+            os.kill(s["pid"], signal.SIGTERM)
+        num_running += len(running)
         deadline = time.monotonic() + timeout_s
-        while _alive_as(pid, argv) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive_as(pid, argv):
-            os.kill(pid, signal.SIGKILL)
-            log(f"{s['name']:<10} pid {pid:<7} killed after {timeout_s} s")
-        else:
-            log(f"{s['name']:<10} pid {pid:<7} stopped")
+        for s in running:
+            pid, argv = s["pid"], s["argv"]
+            while _alive_as(pid, argv) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive_as(pid, argv):
+                os.kill(pid, signal.SIGKILL)
+                log(f"{s['name']:<10} pid {pid:<7} killed after {timeout_s} s")
+            else:
+                log(f"{s['name']:<10} pid {pid:<7} stopped")
     state_file.unlink()
     return num_running

@@ -28,9 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--allow-private-image-urls", action="store_true",
                     help="the gateway fetches image URLs that resolve to private, loopback or link-local addresses")
     up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    from services.engine.config import add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments
 
     add_speculative_arguments(up)
+    add_parallel_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.add_argument("--api-key", default=None, help="key the gateway requires (HTTP Bearer, gRPC metadata); "
@@ -50,6 +51,8 @@ def _up(args: argparse.Namespace) -> int:
         raise UsageError("--num-engines must be at least 1")
     if args.spec_varlen and not args.num_speculative_tokens:
         raise UsageError("--spec-varlen needs --num-speculative-tokens > 0")
+    if args.data_parallel_size < 1:
+        raise UsageError("--dp must be at least 1")
     if args.num_speculative_tokens and args.remote_workers:
         raise UsageError("--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
                          "carry drafts yet; drop --remote-workers")
@@ -61,7 +64,8 @@ def _up(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
                          batch_invariant=args.batch_invariant, num_speculative_tokens=args.num_speculative_tokens,
                          spec_sampling=args.spec_sampling, spec_varlen=args.spec_varlen,
-                         allow_private_image_urls=args.allow_private_image_urls)
+                         allow_private_image_urls=args.allow_private_image_urls,
+                         data_parallel_size=args.data_parallel_size, num_redundant_experts=args.num_redundant_experts)
     if args.api_key:
         os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:

@@ -41,6 +41,7 @@ class Engine:
                              "carry the previous step's sampled tokens yet")
         self.worker = worker
         self.config = config
+        self.vote = vote  # the data-parallel group's vote; None for one process
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         mode = PreemptionMode.RECOMPUTE if config.preemption_mode == "recompute" else PreemptionMode.STOP

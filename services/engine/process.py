@@ -77,6 +77,17 @@ async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -
             await reporter.lifecycle("unhealthy" if lost else "up")
 
 
+async def watch_group(service, api, reporter, interval_s: float = 0.1) -> None:
+    """NOT_SERVING and "unhealthy" on NATS, for good, once this rank's data-parallel group is lost (runs until
+    it is, or until cancelled)."""
+    while service.group_failure is None:
+        await asyncio.sleep(interval_s)
+    log.error("data-parallel group lost: not serving: %s", service.group_failure)
+    await api.set_problem(f"this engine's data-parallel group is lost: {service.group_failure}")
+    if reporter is not None:
+        await reporter.lifecycle("unhealthy")
+
+
 async def run(args: argparse.Namespace) -> int:
     from observability import tracing
 
@@ -98,7 +109,15 @@ async def run(args: argparse.Namespace) -> int:
 
     engine_args.update(speculative_args(args))
     llm = None
-    if args.worker:
+    from services.engine.config import parallel_args
+
+    if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
+        from services.engine.parallel.served_rank import start_rank
+
+        if args.worker:
+            raise SystemExit("--data-parallel-size > 1 runs each rank's worker in-process: drop --worker")
+        llm = start_rank(args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)})
+    elif args.worker:
         from services.engine.remote_worker import RemoteWorker
 
         remote = RemoteWorker(args.worker)
@@ -145,6 +164,8 @@ async def run(args: argparse.Namespace) -> int:
     watch = None
     if args.worker:
         watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
+    elif args.data_parallel_size > 1:
+        watch = asyncio.create_task(watch_group(server.engine, server.api, reporter))
     await stop.wait()
     if watch is not None:
         watch.cancel()
@@ -177,11 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
-    from services.engine.config import add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
     add_speculative_arguments(p)
+    add_parallel_arguments(p)
+    p.add_argument("--dp-rank", type=int, default=0, help="this engine's rank in its data-parallel group")
+    p.add_argument("--dp-rendezvous", default=None,
+                   help="tcp://host:port where the group's ranks meet (rank 0 listens there); needed with --dp > 1")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

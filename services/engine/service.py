@@ -13,6 +13,10 @@ Invariants:
   and when a step raises ("error").
 - A request submitted with ``ready=False`` (its images are being encoded) waits in the scheduler holding
   nothing until ``provide_images``; requests behind it keep running (the readiness gate).
+- An engine of a data-parallel group (``engine.vote`` set) steps in lockstep with the other ranks: it steps
+  while any rank has work, and leaves the loop only when every rank is stopping with none
+  (services/engine/parallel/served_rank.py). Any failure in a step or vote breaks the group for good:
+  ``group_failure`` says why, every live request ends with "error" and new ones are refused.
 """
 
 from __future__ import annotations
@@ -144,6 +148,8 @@ class EngineService:
         self._stop = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
+        self._vote = engine.vote  # the data-parallel group's vote (lockstep); None for one process
+        self.group_failure: str | None = None  # why this rank's data-parallel group broke; None while whole
         self.num_steps = 0
         self.num_step_errors = 0
 
@@ -189,6 +195,8 @@ class EngineService:
         QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream.
         ``ready=False``: the request waits for ``provide_images`` (or ends when its stream is closed)."""
         self.validate(prompt_token_ids, params)
+        if self.group_failure is not None:
+            raise ShuttingDown(f"this engine's data-parallel group is lost: {self.group_failure}")
         if not self._accepting:
             raise ShuttingDown("the engine is shutting down")
         with self._lock:
@@ -227,6 +235,9 @@ class EngineService:
         self._wake.set()
 
     def _run(self) -> None:
+        if self._vote is not None:
+            self._run_lockstep()
+            return
         while not self._stop.is_set() or not self._commands.empty():
             self._apply_commands()
             busy = self.engine.has_unfinished()
@@ -234,11 +245,58 @@ class EngineService:
                 self._step()
             self._snapshot = self.engine.stats()
             if not busy:
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
+                self._wait()
         while self.engine.has_unfinished():  # shutdown: nothing may stay in the pools
             self._step()
         self._snapshot = self.engine.stats()
+
+    def _wait(self) -> None:
+        self._wake.wait(self._idle_wait_s)
+        self._wake.clear()
+
+    def _run_lockstep(self) -> None:
+        """The step loop of a data-parallel rank: every rank steps while any has work (idle ones run
+        placeholder steps); while none has, each waits for a request or ``idle_wait_s`` between votes, and
+        the loop ends when every rank is stopping. Every rank makes the same votes in the same order."""
+        vote = self._vote
+        try:
+            while True:
+                self._apply_commands()
+                stopping = self._stop.is_set() and self._commands.empty()
+                busy = vote.any_rank(self.engine.has_unfinished())
+                if busy:
+                    self._step()
+                self._snapshot = self.engine.stats()
+                if not busy:
+                    if vote(stopping, "all"):
+                        return
+                    self._wait()
+        except Exception as err:  # noqa: BLE001 - a lost peer, a failed collective or step: the group is over
+            log.exception("the data-parallel group is lost; ending every request with 'error'")
+            self._lose_group(f"{type(err).__name__}: {err}".splitlines()[0][:300])
+        while not self._stop.is_set() or not self._commands.empty():  # refuse whatever still arrives
+            self._apply_commands()
+            self._end_all("the data-parallel group is lost")
+            self._wait()
+
+    def _lose_group(self, why: str) -> None:
+        self.group_failure = why
+        self._end_all(why)
+        from services.worker.parallel.groups import close_rank_groups
+
+        try:
+            close_rank_groups()  # the peers' next collective fails at once instead of at rank_timeout_s
+        except Exception:  # noqa: BLE001 - already broken; leaving is best effort
+            log.warning("leaving the broken data-parallel group failed", exc_info=True)
+        self._snapshot = self.engine.stats()
+
+    def _end_all(self, why: str) -> None:
+        """Ends every request the engine holds with "error" and gives back its blocks and state slot."""
+        for request_id in list(self.engine.requests):
+            self.engine.scheduler.abort(request_id)
+            self.engine.requests.pop(request_id, None)
+            self.engine.worker.release(request_id)
+            self._deliver_final(request_id, FinishReason.ERROR, None, why)
 
     def _apply_commands(self) -> None:
         while True:
@@ -282,12 +340,10 @@ class EngineService:
         except Exception as err:
             tracing.end(span, error=type(err).__name__)
             self.num_step_errors += 1
+            if self._vote is not None:
+                raise  # a rank's failed step leaves its peers mid-collective: the group is lost
             log.exception("engine step failed; ending its requests with 'error'")
-            for request_id in list(self.engine.requests):
-                self.engine.scheduler.abort(request_id)
-                self.engine.requests.pop(request_id, None)
-                self.engine.worker.release(request_id)
-                self._deliver_final(request_id, FinishReason.ERROR, None, None)
+            self._end_all("")
             return
         self.num_steps += 1
         self.observer.step_finished(self.engine.last_plan, started, span, self._times)

@@ -28,11 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     p.add_argument("--allow-private-image-urls", action="store_true",
                    help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)")
-    from services.engine.config import add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
     add_speculative_arguments(p)
+    add_parallel_arguments(p)
     p.set_defaults(func=_run)
 
 
@@ -59,12 +60,50 @@ def _config(args: argparse.Namespace):
                        engine_args=engine_args, **extra)
 
 
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags each rank process of `serve --dp N` gets (services/engine/process.py)."""
+    from services.engine.config import speculative_args
+    from services.engine.device import device_args, device_argv
+
+    if speculative_args(args):
+        raise ValueError("--num-speculative-tokens does not run with data-parallel ranks yet; drop it or --dp")
+    argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args))]
+    argv += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else []
+    argv += ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
+    return argv + (["--batch-invariant"] if args.batch_invariant else [])
+
+
+async def _serve_ranks(args: argparse.Namespace) -> int:
+    """`serve --dp N`: the ranks as child processes, this process their gateway (services/gateway/rank_server.py)."""
+    from services.gateway.rank_group import RankGroup
+    from services.gateway.rank_server import RankServer
+
+    config = _config(args)
+    argv = _rank_argv(args)
+    server = RankServer(config, RankGroup(args.model, args.data_parallel_size, args.num_redundant_experts,
+                                          args.host, argv))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model,
+                      "ranks": [p.pid for p in server.group.processes]}), flush=True)
+    await stop.wait()
+    print(json.dumps({"event": "draining"}), flush=True)
+    codes = await server.stop()
+    print(json.dumps({"event": "stopped", "rank_exit_codes": codes}), flush=True)
+    return 0
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from services.gateway.server import Server
 
     from observability import tracing
 
     tracing.setup("shinkai")
+    if args.data_parallel_size > 1:
+        return await _serve_ranks(args)
     server = Server(_config(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,6 +125,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from services.cli import UsageError
 
+    if args.data_parallel_size < 1:
+        raise UsageError("--dp must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return asyncio.run(_serve(args))

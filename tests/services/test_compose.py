@@ -167,3 +167,20 @@ def test_only_the_gateway_is_published_and_internal_ports_stay_internal(model):
     for s in stack_services():  # every Shinkai service and nats get the token, from the environment only
         assert services[s.name]["environment"]["SHINKAI_NATS_TOKEN"] == TOKEN, s.name
         assert TOKEN not in " ".join(services[s.name]["command"])
+
+
+def test_a_data_parallel_group_in_compose_starts_together_and_meets_over_the_network(tmp_path):
+    from services.compose import HEADER, compose, to_yaml
+    from services.stack import StackConfig
+
+    out = compose(StackConfig(model="tiny", data_parallel_size=2, max_num_seqs=16))
+    ranks = [out["services"][f"engine-{r}"] for r in range(2)]
+    assert "engine-0" not in ranks[1]["depends_on"] and "eplb" in ranks[1]["depends_on"]  # never each other
+    assert {"engine-0", "engine-1"} <= set(out["services"]["gateway"]["depends_on"])
+    assert all(r["environment"]["GLOO_SOCKET_IFNAME"] == "eth0" for r in ranks)
+    assert "tcp://engine-0:29500" in ranks[1]["command"]
+    assert "GLOO_SOCKET_IFNAME" not in compose()["services"]["engine-0"]["environment"]
+    path = tmp_path / "compose.yaml"
+    path.write_text(HEADER + to_yaml(out) + "\n")
+    done = compose_config(path)
+    assert done.returncode == 0, done.stderr

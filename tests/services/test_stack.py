@@ -47,3 +47,36 @@ def test_engines_reach_the_multimodal_service_and_the_ssrf_flag_reaches_the_gate
     assert "--worker" in argv and argv[argv.index("--multimodal") + 1] == \
         f"127.0.0.1:{remote['multimodal'].health.split(':')[1]}"
     assert "--multimodal" not in remote["worker-0"].argv
+
+
+def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rendezvous():
+    import pytest
+
+    from services.engine.process import main as engine_main
+    from services.stack import StackConfig, _batches, services
+
+    stack = services(StackConfig(model="tiny", data_parallel_size=3, num_redundant_experts=2, batch_invariant=True))
+    assert [s.name for s in stack] == ["nats", "tokenizer", "eplb", "engine-0", "engine-1", "engine-2", "gateway"]
+    ranks = [s for s in stack if s.group == "ranks"]
+    assert [s.name for s in ranks] == ["engine-0", "engine-1", "engine-2"]
+    rendezvous = {s.argv[s.argv.index("--dp-rendezvous") + 1] for s in ranks}
+    assert len(rendezvous) == 1 and rendezvous.pop().startswith("tcp://127.0.0.1:")
+    for r, s in enumerate(ranks):
+        argv = s.argv
+        assert argv[argv.index("--dp-rank") + 1] == str(r) and argv[argv.index("--dp") + 1] == "3"
+        assert argv[argv.index("--num-redundant-experts") + 1] == "2"
+        assert "--multimodal" not in argv and "--batch-invariant" in argv
+    gateway = stack[-1].argv
+    assert [gateway[i + 1].split("=")[0] for i, a in enumerate(gateway) if a == "--engine"] == [s.name for s in ranks]
+    eplb = stack[2].argv
+    assert eplb[eplb.index("--num-ranks") + 1] == "3"
+    # up starts (and down stops) a group's members together: they wait for each other at the rendezvous.
+    assert [[s.name for s in batch] for batch in _batches(stack)][3:] == [["engine-0", "engine-1", "engine-2"],
+                                                                          ["gateway"]]
+    assert all(s.group is None for s in services(StackConfig(model="tiny", num_engines=2)))
+    with pytest.raises(ValueError, match="--num-engines at 1"):
+        services(StackConfig(model="tiny", num_engines=2, data_parallel_size=2))
+    with pytest.raises(ValueError, match="drop --remote-workers"):
+        services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2))
+    with pytest.raises(SystemExit, match="drop --worker"):  # refused before any group is joined
+        engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "tcp://127.0.0.1:1"])

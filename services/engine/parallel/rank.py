@@ -62,6 +62,7 @@ class RankEngine:
     parallel: ExpertParallel
     engine: Engine
     model: DeepseekV41  # this rank's model, its MoE layers sharded
+    source: ModelSource  # what the rank loaded: config and tokenizer beside ``model``
 
 
 def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
@@ -96,7 +97,7 @@ def build_rank(rank: int, spec: RankSpec) -> RankEngine:
     kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     engine = Engine(Worker(runner), config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                     compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
-    return RankEngine(rank, groups, vote, parallel, engine, model)
+    return RankEngine(rank, groups, vote, parallel, engine, model, source)
 
 
 def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]]

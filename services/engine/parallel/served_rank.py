@@ -1,0 +1,64 @@
+"""One data-parallel rank as a served engine (`python -m services.engine --dp N --dp-rank R`).
+
+Each rank of a served group is its own engine endpoint: its own gRPC port, registered with the gateway like
+any replica, so the gateway's router spreads requests over the ranks by load (NATS load reports) and its
+request ids, unique across the gateway, stay unique across the ranks. The ranks meet at a ``tcp://``
+rendezvous (rank 0 hosts it) and then step in lockstep inside `EngineService`'s step loop:
+
+- before each step every rank votes whether any rank has work (`HostVote.any_rank`); if one has, every rank
+  steps, the idle ones with placeholder steps, so the exchanges and the scheduler's votes line up;
+- when no rank has work, nobody steps: each rank waits for a request (or ``idle_wait_s``), then votes again,
+  so an idle group costs one small all-reduce per rank per ``idle_wait_s``, not a spinning core;
+- a rank stops only when every rank is stopping and none has work (a second, ALL vote while idle), so
+  `shinkai down`'s SIGTERM to the whole group drains every rank before any leaves.
+
+A lost rank breaks the group for good: a survivor's next collective fails (at once on a closed connection,
+else within ``rank_timeout_s``), its live requests end with "error", it leaves the group so the others fail
+at once too, and it reports NOT_SERVING until it is stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.model_source import ModelSource, load_model
+from services.engine.parallel.rank import RankEngine, RankSpec, build_rank
+
+
+@dataclass
+class RankLLM:
+    """A served rank in the shape `ServedEngine` reads from an `LLM`: its engine, config and model source."""
+
+    rank: RankEngine
+    config: EngineConfig  # this rank's (device resolved); data_parallel_size is the group's size
+    source: ModelSource  # this rank's model (its MoE layers sharded), config and tokenizer
+
+    @property
+    def engine(self) -> Engine:
+        return self.rank.engine
+
+    @property
+    def tokenizer(self):
+        return self.source.tokenizer
+
+
+def start_rank(model: str, rank: int, rendezvous: str, engine_args: dict[str, object]) -> RankLLM:
+    """Joins the group at ``rendezvous`` ("tcp://host:port", rank 0 listens there) as ``rank`` and builds
+    this rank's engine; returns once every rank of the group has joined. The fast path's CUDA defaults
+    (kernel backend, graphs, async) do not apply to ranks (docs/parallelism.md)."""
+    config = EngineConfig(**{"kernel_backend": None, "async_scheduling": False, "cuda_graphs": False,
+                             **engine_args})  # type: ignore[arg-type]
+    world = config.data_parallel_size
+    if world < 2:
+        raise ValueError(f"a served rank belongs to a group of at least 2 ranks, not {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"--dp-rank {rank} is outside a group of {world} ranks")
+    if not rendezvous.startswith("tcp://"):
+        raise ValueError(f"a served group meets at a tcp://host:port rendezvous, not {rendezvous!r}")
+    device = "cuda" if str(config.device or "cpu").startswith("cuda") else "cpu"
+    load = partial(load_model, model, config.model_seed, load_format=config.load_format)
+    built = build_rank(rank, RankSpec(config, load, rendezvous, device))
+    return RankLLM(built, built.engine.config, built.source)

@@ -1,0 +1,106 @@
+"""`shinkai up --dp 2`: two rank processes, each an engine endpoint, behind one gateway (one group for the
+module, CPU, gloo, tiny). An idle group does not spin; a rank killed mid-generation ends every in-flight
+stream with "error", takes the whole group to NOT_SERVING, and `down` leaves no process behind. Greedy
+replies through HTTP equal one process's in tests/services/gateway/test_rank_server.py (`serve --dp 2`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.stack import StackConfig, down, healthy, up
+
+pytestmark = pytest.mark.timeout(300)
+
+SIZING = dict(max_num_seqs=4, max_model_len=128)
+# A rank's CPU seconds over this much idle wall time (seconds).
+IDLE_S = 3.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of ``pid`` (/proc/PID/stat fields 14 and 15)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("dp-stack")
+    config = StackConfig(data_parallel_size=2, http_port=0, grpc_port=0, run_dir=run_dir, batch_invariant=True,
+                         drain_timeout_s=5.0, **SIZING)
+    state = up(config, timeout_s=180, log=lambda *_: None)
+    by_name = {s["name"]: s for s in state["services"]}
+    ready = json.loads(open(by_name["gateway"]["log"]).readline())
+    client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield state, by_name, ready, client
+    finally:
+        down(run_dir, timeout_s=30, log=lambda *_: None)
+
+
+def test_an_idle_group_does_not_spin(group):
+    _, by_name, _, _ = group
+    pids = [by_name[f"engine-{r}"]["pid"] for r in range(2)]
+    before = [_cpu_s(p) for p in pids]
+    time.sleep(IDLE_S)
+    used = [_cpu_s(p) - b for p, b in zip(pids, before)]
+    # Idle ranks vote once per idle_wait_s (0.05 s): far below a tenth of a core; a spinning loop uses ~1.
+    assert all(u < 0.1 * IDLE_S for u in used), used
+
+
+def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
+    state, by_name, ready, client = group
+    results: dict[int, list] = {}
+    first_token = [threading.Event() for _ in range(2)]
+
+    def stream(i):
+        reasons = []
+        for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=100, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                first_token[i].set()
+                reasons.append(chunk.choices[0].finish_reason)
+        results[i] = reasons
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for event in first_token:
+        assert event.wait(120), "no stream produced a token"
+    os.kill(by_name["engine-1"]["pid"], signal.SIGKILL)
+    lost_at = time.monotonic()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a stream hung after its rank group was lost"
+    assert time.monotonic() - lost_at < 30  # gloo fails at once on the closed connection
+    for reasons in results.values():  # tokens, then one final "error" (ignore_eos: nothing else ends them)
+        assert reasons[-1] == "error" and all(r is None for r in reasons[:-1]), reasons
+    deadline = time.monotonic() + 10
+    while healthy("127.0.0.1", by_name["engine-0"]["health"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not healthy("127.0.0.1", by_name["engine-0"]["health"])  # the survivor: NOT_SERVING
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(ready["http"] + "/ready", timeout=10)
+    assert err.value.code == 503
+    with pytest.raises(openai.APIStatusError) as refused:  # a new request: refused, never queued
+        client.completions.create(model="tiny", prompt="after", max_tokens=2)
+    assert refused.value.status_code == 503
+    down(Path(state["config"]["run_dir"]), timeout_s=30, log=lambda *_: None)
+    assert [s["name"] for s in state["services"] if _alive(s["pid"])] == []
