@@ -177,35 +177,54 @@ class HostEngramTable(nn.Module):
         self.staged: dict[str, torch.Tensor] = {}  # name → device [n, ...]: the rows of the last stage
         self._pinned: dict[str, torch.Tensor] = {}  # name → pinned CPU [capacity, ...] (CUDA only)
         self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffers
+        self._ready: torch.cuda.Event | None = None  # an eager stage's copy, not yet waited for
+        self._stream: torch.cuda.Stream | None = None  # the eager stages' copy stream (CUDA)
 
     def stage(self, rows: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> None:
         """Gather ``rows`` (global ids, flattened: n of them) from the host and start their copy to the
-        device: into ``out`` (persistent device buffers [≥ n, ...], the graph path) or into new tensors."""
+        device: into ``out`` (persistent device buffers [≥ n, ...], the graph path: the copy is queued on
+        the current stream, before the replay) or into new tensors (eager: on a copy stream, so it
+        overlaps the layers before the Engram layer; the forward waits for it)."""
         flat = rows.reshape(-1).cpu()  # the ids come from the device's Engram history: one read-back
         n = flat.numel()
         cuda = self.device.type == "cuda"
-        if cuda and self._copied is not None:
-            self._copied.synchronize()  # the pinned buffers' previous copy is done before they are refilled
         staged = {}
-        for name, table in self.host.items():
-            dst = table.new_empty((n, *table.shape[1:]), device=self.device) if out is None else out[name][:n]
-            if not cuda:
+        if not cuda:
+            for name, table in self.host.items():
+                dst = table.new_empty((n, *table.shape[1:])) if out is None else out[name][:n]
                 torch.index_select(table, 0, flat, out=dst)  # on the CPU the gather is the copy
-            else:
-                pinned = self._pinned.get(name)
-                if pinned is None or pinned.shape[0] < n:
-                    pinned = torch.empty((n, *table.shape[1:]), dtype=table.dtype, pin_memory=True)
-                    self._pinned[name] = pinned
-                torch.index_select(table, 0, flat, out=pinned[:n])
+                staged[name] = dst
+            self.staged = staged
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffers' previous copy is done before they are refilled
+        current = torch.cuda.current_stream(self.device)
+        if out is None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(current)  # the new buffers' memory is free on the compute stream too
+        stream = current if out is not None else self._stream
+        for name, table in self.host.items():
+            pinned = self._pinned.get(name)
+            if pinned is None or pinned.shape[0] < n:
+                pinned = torch.empty((n, *table.shape[1:]), dtype=table.dtype, pin_memory=True)
+                self._pinned[name] = pinned
+            torch.index_select(table, 0, flat, out=pinned[:n])
+            dst = torch.empty((n, *table.shape[1:]), dtype=table.dtype, device=self.device) if out is None \
+                else out[name][:n]
+            with torch.cuda.stream(stream):
                 dst.copy_(pinned[:n], non_blocking=True)
             staged[name] = dst
-        if cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copied = torch.cuda.Event()
+        self._copied.record(stream)
+        self._ready = self._copied if out is None else None
         self.staged = staged
 
     def forward(self, local: torch.Tensor) -> torch.Tensor:
         """Device ops only (graph-safe): the original module's forward over the staged rows."""
+        if self._ready is not None:  # an eager stage's copy stream: the compute stream waits for it here
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ready = None
         return torch.func.functional_call(self.shell[0], self.staged, (local,))
 
 
