@@ -256,8 +256,9 @@ class EngramHost:
     def stage(self, rows: torch.Tensor, out: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
         """rows [B, S, L, heads] (every Engram layer's global ids, ``engram_rows``): each table stages its
         layer's rows; returns the local ids [B, S, L, heads] the blocks then read in their place."""
-        for i, table in enumerate(self.tables):
-            table.stage(rows[..., i, :], None if out is None else out[i])
+        with torch.profiler.record_function("engram_host.stage"):  # a row in a profile of the step's host work
+            for i, table in enumerate(self.tables):
+                table.stage(rows[..., i, :], None if out is None else out[i])
         return local_rows(rows.shape, rows.device)
 
     def static_buffers(self, num_rows: int) -> list[dict[str, torch.Tensor]]:
