@@ -50,12 +50,11 @@ def _runners(model, config, device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_host_tables_equal_worker_tables_eager_and_static(device):
-    before = _segments()
     sched, eager, _, token_at, config = setup("oracle", device)
     assert eager.model.cfg.engram_layer_ids, "the case must have Engram layers"
     held, host = _runners(eager.model, config, device)
-    assert host.runner.engram_host is not None
-    assert len(_segments() - before) == 1  # one segment, named per model
+    segment = host.runner.engram_host.segment
+    assert os.path.basename(segment.path) in _segments()  # one segment, named per model
     num_static = 0
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -68,11 +67,10 @@ def test_host_tables_equal_worker_tables_eager_and_static(device):
     assert num_static >= 20 and host.num_eager > 0  # both paths ran: prefill eager, decode static
     assert host.num_replays == (num_static if device == "cuda" else 0)
     host.runner.engram_host.close()
-    assert _segments() == before  # its last user closed: no /dev/shm leak
+    assert not os.path.exists(segment.path)  # its last user closed: no /dev/shm leak
 
 
 def test_llm_generate_equal_tokens_with_engram_on_host():
-    before = _segments()
     kw = dict(model="tiny", block_size=16, max_num_batched_tokens=32, max_num_seqs=4, batch_invariant=True)
     held, host = LLM(**kw), LLM(engram_on_host=True, **kw)
     assert host.source.model.cfg.engram_layer_ids
@@ -82,7 +80,7 @@ def test_llm_generate_equal_tokens_with_engram_on_host():
     want, got = held.generate(prompts, params), host.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
-    assert len(_segments() - before) == 1
+    assert any(name.startswith("shinkai-engram-") for name in _segments())
 
 
 _CHILD = textwrap.dedent("""
