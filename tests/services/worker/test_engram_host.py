@@ -80,7 +80,11 @@ def test_llm_generate_equal_tokens_with_engram_on_host():
     want, got = held.generate(prompts, params), host.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
-    assert any(name.startswith("shinkai-engram-") for name in _segments())
+    host_tables = host.engine.worker.runner.engram_host
+    assert host_tables is not None and os.path.basename(host_tables.segment.path) in _segments()
+    host.close()
+    host_tables.close()  # (the finalizer at exit would too)
+    assert not os.path.exists(host_tables.segment.path)
 
 
 _CHILD = textwrap.dedent("""
