@@ -37,7 +37,7 @@ from model.deepseek_v41.engram import Engram
 
 SHM_DIR = "/dev/shm"
 _MAGIC = b"SHKENGRM"
-_HEADER = 64  # magic (8), ready flag (8), payload bytes (8), then zeros
+_HEADER = 64  # magic (8), layout version 1 (8), segment bytes (8), then zeros
 _ALIGN = 4096
 
 
