@@ -45,6 +45,7 @@ class StackConfig:
     device_args: tuple[tuple[str, object], ...] = ()
     remote_workers: bool = False  # each engine's worker in its own process (worker.v1) instead of in-process
     batch_invariant: bool = False  # engines and workers in batch-invariant mode (EngineConfig.batch_invariant)
+    engram_on_host: bool = False  # Engram tables in host shared memory (EngineConfig.engram_on_host)
     num_speculative_tokens: int = 0  # DSpark drafts per request and step (EngineConfig.num_speculative_tokens)
     spec_sampling: str = "rejection"  # EngineConfig.spec_sampling
     spec_varlen: bool = False  # EngineConfig.spec_varlen
@@ -173,6 +174,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
     sizing += ["--max-model-len", str(config.max_model_len)] if config.max_model_len is not None else []
     sizing += ["--batch-invariant"] if config.batch_invariant else []
+    sizing += ["--engram-on-host"] if config.engram_on_host else []
     spec = ["--num-speculative-tokens", str(config.num_speculative_tokens), "--spec-sampling",
             config.spec_sampling] if config.num_speculative_tokens else []  # the engine's (in-process worker)
     spec += ["--spec-varlen"] if config.num_speculative_tokens and config.spec_varlen else []

@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--allow-private-image-urls", action="store_true",
                     help="the gateway fetches image URLs that resolve to private, loopback or link-local addresses")
     up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    up.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
 
     add_speculative_arguments(up)
@@ -62,7 +63,8 @@ def _up(args: argparse.Namespace) -> int:
                          grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
                          max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
                          max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
-                         batch_invariant=args.batch_invariant, num_speculative_tokens=args.num_speculative_tokens,
+                         batch_invariant=args.batch_invariant, engram_on_host=args.engram_on_host,
+                         num_speculative_tokens=args.num_speculative_tokens,
                          spec_sampling=args.spec_sampling, spec_varlen=args.spec_varlen,
                          allow_private_image_urls=args.allow_private_image_urls,
                          data_parallel_size=args.data_parallel_size, num_redundant_experts=args.num_redundant_experts)

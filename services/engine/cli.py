@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
@@ -41,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
         from services.engine.config import parallel_args, speculative_args
 
         llm = LLM(model=args.model, **sizing, **device_args(args), **speculative_args(args), **parallel_args(args),
-                  batch_invariant=args.batch_invariant)
+                  batch_invariant=args.batch_invariant, engram_on_host=args.engram_on_host)
         try:
             outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
         finally:

@@ -82,6 +82,9 @@ class EngineConfig:
     # the same request gives bit-identical tokens and logprobs alone, in any batch, with async
     # scheduling on or off, and (CPU) chunked at any budget.
     batch_invariant: bool = False
+    # Engram tables in host shared memory (one copy per host, mapped by every rank), each step's rows
+    # gathered into a pinned buffer and copied to the device (services/worker/engram_host.py).
+    engram_on_host: bool = False
     # Speculative decoding with the model's DSpark draft (docs/speculative.md): drafts verified per request
     # and step, 0 = off (at most the draft's block size).
     num_speculative_tokens: int = 0
@@ -176,7 +179,8 @@ class EngineConfig:
         """The worker's share of this configuration, pool sizes resolved."""
         return WorkerConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
                             num_state_slots=self.resolved_num_state_slots(), max_model_len=self.max_model_len,
-                            kernel_backend=self.kernel_backend, batch_invariant=self.batch_invariant)
+                            kernel_backend=self.kernel_backend, batch_invariant=self.batch_invariant,
+                            engram_on_host=self.engram_on_host)
 
 
 def add_speculative_arguments(parser) -> None:

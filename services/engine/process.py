@@ -99,6 +99,8 @@ async def run(args: argparse.Namespace) -> int:
                    if v is not None}
     if args.batch_invariant:
         engine_args["batch_invariant"] = True
+    if args.engram_on_host:
+        engine_args["engram_on_host"] = True
     from services.engine.device import device_args
 
     given = device_args(args)
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     from services.engine.config import add_parallel_arguments, add_speculative_arguments

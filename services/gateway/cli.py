@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
     p.add_argument("--api-key", action="append", default=None,
                    help="key HTTP (Authorization: Bearer) and gRPC callers must send; repeat for several "
                         "(default: $SHINKAI_API_KEY, comma-separated; none: open)")
@@ -45,6 +46,8 @@ def _config(args: argparse.Namespace):
                    if v is not None}
     if args.batch_invariant:
         engine_args["batch_invariant"] = True
+    if args.engram_on_host:
+        engine_args["engram_on_host"] = True
     from services.engine.device import device_args
 
     engine_args.update(device_args(args))
@@ -70,6 +73,7 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args))]
     argv += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else []
     argv += ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
+    argv += ["--engram-on-host"] if args.engram_on_host else []
     return argv + (["--batch-invariant"] if args.batch_invariant else [])
 
 

@@ -28,6 +28,9 @@ class WorkerConfig:
     # Every per-row result independent of the step's other rows (model/batch_invariant.py on the CPU torch
     # path, kernels/invariance.py on the kernel backend).
     batch_invariant: bool = False
+    # Engram tables in host shared memory, one copy per host that every rank maps; a step copies only its
+    # rows to the device (services/worker/engram_host.py).
+    engram_on_host: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "num_state_slots", "max_model_len"):

@@ -89,7 +89,8 @@ class GraphRunner:
             self._steps[size] = StaticDecodeStep(self.runner.model, self.runner.cache, size,
                                                  self.max_blocks_per_request, attention=self.attention,
                                                  kernels=self.kernels, fp32_dots=self._fp32_dots(),
-                                                 with_taps=self.runner.with_taps)
+                                                 with_taps=self.runner.with_taps,
+                                                 engram_host=self.runner.engram_host)
         return self._steps[size]
 
     def capture(self, sizes: list[int]) -> None:

@@ -35,6 +35,7 @@ from services.worker.attention_backend_torch import TorchAttention
 from services.worker.attention_backend_triton import TritonAttention
 from services.worker.attention_step import AttentionStep
 from services.worker.config import WorkerConfig
+from services.worker.engram_host import EngramHost
 from services.worker.engram_rows import engram_rows
 from services.worker.image_inputs import ImageInputs
 from services.worker.kernel_backend import BACKENDS, KernelSet, check_device, convert_model
@@ -66,6 +67,8 @@ class ModelRunner:
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
             self.conversion = convert_model(model, self.precision, self.kernels)
+        # The Engram tables in host shared memory, a step's rows staged to the device (engram_on_host).
+        self.engram_host = EngramHost.of_model(model) if config.engram_on_host else None
         self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks, config.num_state_slots,
                                  ring_size(self.cfg, nextn), device, draft=with_taps)
         self.rounding = rounding
@@ -132,6 +135,8 @@ class ModelRunner:
             TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)
         step = AttentionStep(backend, batch.positions, batch.row_requests, rounding)
         engram = engram_rows(self.cache, batch, model.hasher) if model.hasher is not None else None
+        if engram is not None and self.engram_host is not None:
+            engram = self.engram_host.stage(engram)  # as early as the rows are known: the copy overlaps the layers before
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
         image_mask = image_rows = None
         if self.images is not None:

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's; sizes the pools")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     from services.engine.device import add_device_arguments, device_args, device_engine_args
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     # The worker owns the device. Its pools follow the engine's sizing rule, so the engine's scheduler and
     # these pools agree on the block count; gpu_memory_utilization is then a cap it checks, not a size.
     config = EngineConfig(model_seed=args.model_seed, batch_invariant=args.batch_invariant,
+                          engram_on_host=args.engram_on_host,
                           **device_engine_args({**engine_args, **device_args(args)}))
     source = load_model(args.model, seed=args.model_seed, device=config.device or "cpu",
                         load_format=config.load_format, precision=config.kernel_backend)

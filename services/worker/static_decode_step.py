@@ -29,6 +29,7 @@ from scheduler_rs import StepPlan
 from services.worker.attention_backend_graph import ATTENTION, GraphAttention, step_kernels
 from services.worker.attention_step import AttentionStep
 from services.worker.cache_engine import CacheEngine
+from services.worker.engram_host import EngramHost, local_rows
 from services.worker.engram_rows import static_engram_rows
 from services.worker.kernel_head import head_logits
 from services.worker.kernel_moe import KernelMoE
@@ -39,12 +40,15 @@ from services.worker.step_batch import PendingInputs
 class StaticDecodeStep:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, num_rows: int, max_blocks_per_request: int, *,
                  attention: str, kernels: object | None = None, fp32_dots: bool | None = None,
-                 with_taps: bool = False) -> None:
+                 with_taps: bool = False, engram_host: EngramHost | None = None) -> None:
         """``kernels``: a KernelSet for the "triton" path (see ``step_kernels``); unused by "reference".
         ``fp32_dots``: the attention kernel's dot precision, as the eager ``TritonAttention`` picks it
         (precision "fp32" or interpreted kernels); None = fp32 for fp32 queries. Graph and eager steps
         must use the same, or the FP8 path's roundings diverge between them. ``with_taps``: ``run`` also
-        returns every row's DSpark target features (speculative decoding), as ``ModelRunner`` does."""
+        returns every row's DSpark target features (speculative decoding), as ``ModelRunner`` does.
+        ``engram_host``: the Engram tables live on the host (services/worker/engram_host.py): ``prepare``
+        computes the rows and stages them into this step's persistent device buffers, so ``run`` (what a
+        graph captures) reads only those buffers and does no host work."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.model, self.cache, self.cfg = model, cache, model.cfg
@@ -59,6 +63,14 @@ class StaticDecodeStep:
         self.rows = StaticBatch(self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device)
         self.backend = GraphAttention(cache, self.rows, self.kernels, fp32_dots)  # holds what a run's sources publish
         self.step = AttentionStep(self.backend, self.rows.positions, self.rows.rows)
+        self.engram_host = engram_host
+        self.engram_local: torch.Tensor | None = None  # [1, G, L, heads]: the staged rows' places (host tables)
+        self.engram_buffers: list[dict[str, torch.Tensor]] | None = None  # per table: name → device [G·heads, ...]
+        if engram_host is not None and model.hasher is not None:
+            heads = self.cfg.engram_hash_heads()
+            shape = torch.Size((1, num_rows, len(self.cfg.engram_layer_ids), heads))
+            self.engram_local = local_rows(shape, self.device)
+            self.engram_buffers = engram_host.static_buffers(num_rows * heads)
 
     @property
     def num_rows(self) -> int:
@@ -72,10 +84,22 @@ class StaticDecodeStep:
     def prepare(self, plan: StepPlan, pending: PendingInputs | None = None) -> None:
         """Fill the buffers from ``plan`` (host work; before a replay). Rows past the plan's are placeholders."""
         self.rows.prepare(plan, pending)
+        self._stage_engram()
 
     def prepare_placeholders(self) -> None:
         """Every row a placeholder (graph warm-up and capture): the step then touches only block 0 / slot 0."""
         self.rows.prepare_placeholders()
+        self._stage_engram()
+
+    def _stage_engram(self) -> None:
+        """Host tables: this step's Engram rows (writing the history, as ``run`` does otherwise), gathered on
+        the host and copied into the persistent buffers a replay reads."""
+        if self.engram_buffers is None:
+            return
+        r = self.rows
+        with torch.no_grad():
+            rows = static_engram_rows(self.cache, self.model.hasher, r.input_ids, r.positions, r.state_slots)
+            self.engram_host.stage(rows, self.engram_buffers)
 
     @torch.no_grad()
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -83,8 +107,8 @@ class StaticDecodeStep:
         taps the DSpark target features fp32 [G, T·D], else None)."""
         cfg, model, r = self.cfg, self.model, self.rows
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=self.device)
-        engram = None
-        if model.hasher is not None:
+        engram = self.engram_local  # host tables: staged by prepare
+        if model.hasher is not None and engram is None:
             engram = static_engram_rows(self.cache, model.hasher, r.input_ids, r.positions, r.state_slots)
         ids = r.input_ids.unsqueeze(0)  # [1, G]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]

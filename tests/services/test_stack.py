@@ -80,3 +80,20 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
         services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2))
     with pytest.raises(SystemExit, match="drop --worker"):  # refused before any group is joined
         engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "tcp://127.0.0.1:1"])
+
+
+def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks():
+    import argparse
+
+    from services.gateway.cli import _config, _rank_argv, register
+    from services.stack import StackConfig, services
+
+    stack = services(StackConfig(model="tiny", num_engines=2, remote_workers=True, engram_on_host=True))
+    processes = [s for s in stack if s.name.startswith(("engine", "worker"))]
+    assert len(processes) == 4 and all("--engram-on-host" in s.argv for s in processes)
+    assert not any("--engram-on-host" in s.argv for s in services(StackConfig(model="tiny", remote_workers=True)))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--dp", "2", "--engram-on-host"])
+    assert "--engram-on-host" in _rank_argv(args)  # each rank process of serve --dp
+    assert _config(parser.parse_args(["serve", "--engram-on-host"])).engine_args["engram_on_host"] is True
