@@ -85,8 +85,17 @@ def _steps(by_name) -> dict[str, float]:
     return counts
 
 
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after.keys() | before.keys() if after.get(k, 0) != before.get(k, 0)}
+def _steps_since(by_name, before: dict[str, float], expected: dict[str, float]) -> dict[str, float]:
+    """The steps run since ``before``, by kind (kinds that ran none left out). A rank counts a step after
+    it delivered its tokens, so this reads again until the count is ``expected`` or 10 s have passed."""
+    deadline = time.monotonic() + 10
+    while True:
+        after = _steps(by_name)
+        changed = {k: after.get(k, 0) - before.get(k, 0) for k in after.keys() | before.keys()}
+        changed = {k: n for k, n in changed.items() if n}
+        if changed == expected or time.monotonic() > deadline:
+            return changed
+        time.sleep(0.1)
 
 
 def test_a_lone_request_on_an_idle_group_starts_at_once_and_ready_answers(group):
@@ -97,14 +106,16 @@ def test_a_lone_request_on_an_idle_group_starts_at_once_and_ready_answers(group)
     before = _steps(by_name)
     with urllib.request.urlopen(ready["http"] + "/ready", timeout=30) as answer:  # a one-token probe
         assert answer.status == 200
+    expected = {"prefill": 1, "placeholder": 1}
+    assert _steps_since(by_name, before, expected) == expected
     after_probe = _steps(by_name)
-    assert _delta(after_probe, before) == {"prefill": 1, "placeholder": 1}
     # A second lone request: the probe left decode_step at 0, an ALL point that the other rank would fail;
     # the group's idle vote makes it an ANY point. Two tokens: one prompt step and one decode step.
     reply = client.completions.create(model="tiny", prompt="lone", max_tokens=2, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length"
-    assert _delta(_steps(by_name), after_probe) == {"prefill": 1, "decode": 1, "placeholder": 2}
+    expected = {"prefill": 1, "decode": 1, "placeholder": 2}
+    assert _steps_since(by_name, after_probe, expected) == expected
 
 
 def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
@@ -115,8 +126,7 @@ def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
     def stream(i):
         reasons = []
         for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
-                                               stream=True,
-                                               extra_body={"ignore_eos": True}):
+                                               stream=True, extra_body={"ignore_eos": True}):
             if chunk.choices:
                 first_token[i].set()
                 reasons.append(chunk.choices[0].finish_reason)
