@@ -804,6 +804,11 @@ impl Scheduler {
         Ok(self.inner.set_schedulable(request_id, schedulable)?)
     }
 
+    /// The group's work-left vote found no rank with work: the next schedule() votes at an ANY point.
+    fn mark_group_idle(&mut self) {
+        self.inner.mark_group_idle();
+    }
+
     fn schedule(&mut self, py: Python<'_>) -> PyResult<StepPlan> {
         let mut collective = PyCollective { py, vote: self.vote.as_ref(), error: None };
         let plan = self.inner.schedule(&mut collective);

@@ -92,6 +92,9 @@ pub struct Scheduler {
     waiting: VecDeque<usize>,
     running: Vec<usize>,
     decode_step: u64,
+    /// The group's last work-left vote found no rank with work (`mark_group_idle`); the next
+    /// NORMAL vote is an ANY point. Cleared by that vote.
+    group_idle: bool,
     next_step_id: u64,
     /// Steps `0..num_steps_updated` are updated; later planned ones are in flight.
     num_steps_updated: u64,
@@ -117,6 +120,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             decode_step: 0,
+            group_idle: false,
             next_step_id: 0,
             num_steps_updated: 0,
             deferred: Vec::new(),

@@ -257,7 +257,9 @@ class EngineService:
     def _run_lockstep(self) -> None:
         """The step loop of a data-parallel rank: every rank steps while any has work (idle ones run
         placeholder steps); while none has, each waits for a request or ``idle_wait_s`` between votes, and
-        the loop ends when every rank is stopping. Every rank makes the same votes in the same order."""
+        the loop ends when every rank is stopping. Every rank makes the same votes in the same order.
+        A work-left vote that finds no rank with work marks the group idle in every rank's scheduler, so
+        the first step after it votes at an ANY point: a lone request prefills at once."""
         vote = self._vote
         try:
             while True:
@@ -268,6 +270,7 @@ class EngineService:
                     self._step()
                 self._snapshot = self.engine.stats()
                 if not busy:
+                    self.engine.scheduler.mark_group_idle()
                     if vote(stopping, "all"):
                         return
                     self._wait()

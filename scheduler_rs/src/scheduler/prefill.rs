@@ -9,10 +9,16 @@ use crate::request::{Request, Status};
 impl Scheduler {
     /// NORMAL engines: ALL points every `prefill_attempt_interval` decode steps, ANY points every
     /// `prefill_any_attempt_interval`; a second ANY vote catches "wanted, but nobody scheduled".
+    /// The first step after the group was idle (`mark_group_idle`) is an ANY point: no rank has a
+    /// decode to protect, so a lone rank's new prompt starts at once instead of waiting out placeholder
+    /// steps. Every rank saw the same work-left vote, so every rank takes the same kind of vote.
     /// Returns the prefill batch (possibly empty, when only other ranks scheduled), or `None` for a
     /// decode step.
     pub(super) fn vote_for_prefill(&mut self, collective: &mut dyn Collective) -> Option<Vec<Scheduled>> {
-        let op = if self.decode_step.is_multiple_of(self.config.prefill_attempt_interval as u64) {
+        let after_idle = std::mem::take(&mut self.group_idle);
+        let op = if after_idle {
+            VoteOp::Any
+        } else if self.decode_step.is_multiple_of(self.config.prefill_attempt_interval as u64) {
             VoteOp::All
         } else if self.decode_step.is_multiple_of(self.config.prefill_any_attempt_interval as u64) {
             VoteOp::Any
@@ -25,6 +31,12 @@ impl Scheduler {
         // Nothing is allocated unless something is scheduled, so a failed second vote undoes nothing.
         let chosen = self.schedule_prefill();
         collective.vote(!chosen.is_empty(), VoteOp::Any).then_some(chosen)
+    }
+
+    /// Records that the group's work-left vote found no rank with work (every rank skipped the step):
+    /// the next `schedule()` votes at an ANY point. Idempotent; the next `schedule()` clears it.
+    pub fn mark_group_idle(&mut self) {
+        self.group_idle = true;
     }
 
     pub(super) fn schedule_prefill(&mut self) -> Vec<Scheduled> {

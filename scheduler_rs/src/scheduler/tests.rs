@@ -278,3 +278,53 @@ fn bad_draft_confidences_are_refused_before_anything_changes() {
     result.draft_confidences = vec![0.5, 0.25];
     s.update(&plan, &result).unwrap();
 }
+
+/// Two ranks' votes when only this rank ever has work (ALL is false, ANY is this rank's value),
+/// recording each vote's op.
+struct LoneRank {
+    ops: Vec<VoteOp>,
+}
+
+impl Collective for LoneRank {
+    fn vote(&mut self, value: bool, op: VoteOp) -> bool {
+        self.ops.push(op);
+        OtherRanksNeverReady.vote(value, op)
+    }
+}
+
+#[test]
+fn a_lone_prompt_on_an_idle_group_prefills_at_once() {
+    let mut c = SchedulerConfig::new(8, TEST_LIMITS);
+    c.compress_ratios = vec![1];
+    let mut s = Scheduler::new(c).unwrap();
+    let mut votes = LoneRank { ops: Vec::new() };
+    // A first request runs to completion; decode_step rests between vote points (the served case: after
+    // a short request it rests at that request's number of decode steps).
+    s.add_request("R".into(), vec![5; 3], StopRules::new(3), true, false).unwrap();
+    s.mark_group_idle();
+    let mut kinds = Vec::new();
+    while s.has_unfinished() {
+        let plan = s.schedule(&mut votes);
+        s.update(&plan, &result_for(&plan)).unwrap();
+        s.check_invariants().unwrap();
+        kinds.push(plan.kind);
+    }
+    assert_eq!(kinds, vec![StepKind::Prefill, StepKind::Decode, StepKind::Decode]);
+    assert_eq!(s.stats().decode_step, 2);
+    // Without the mark, decode step 2 is no vote point: a lone prompt would decode (wait) here.
+    // The group votes that no rank has work, then a lone prompt arrives: its step is an ANY point.
+    s.mark_group_idle();
+    s.add_request("S".into(), vec![6; 3], StopRules::new(8), true, false).unwrap();
+    votes.ops.clear();
+    let plan = s.schedule(&mut votes);
+    assert_eq!((plan.kind, votes.ops.clone()), (StepKind::Prefill, vec![VoteOp::Any, VoteOp::Any]));
+    s.update(&plan, &result_for(&plan)).unwrap();
+    // The mark is used once: with S decoding the group is busy, and decode_step 0 is an ALL point that
+    // the other rank fails, so the next prompt waits while S decodes (DeepInfer's schedule).
+    s.add_request("U".into(), vec![8; 3], StopRules::new(2), true, false).unwrap();
+    votes.ops.clear();
+    let plan = s.schedule(&mut votes);
+    assert_eq!((plan.kind, votes.ops.clone()), (StepKind::Decode, vec![VoteOp::All]));
+    s.update(&plan, &result_for(&plan)).unwrap();
+    s.check_invariants().unwrap();
+}

@@ -103,7 +103,8 @@ def build_rank(rank: int, spec: RankSpec) -> RankEngine:
 def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]]
                       ) -> list[RequestOutput]:
     """Queues this rank's share (possibly none) and steps in lockstep until no rank has work left;
-    returns this rank's finished outputs."""
+    returns this rank's finished outputs. The last vote found no rank with work, so the group is marked
+    idle: the next call's first step votes at an ANY point and a lone prompt prefills at once."""
     engine = rank.engine
     for request_id, ids, params in requests:
         engine.add_request(request_id, ids, params)
@@ -112,6 +113,7 @@ def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], Sam
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+    engine.scheduler.mark_group_idle()
     return list(finished.values())
 
 

@@ -77,9 +77,9 @@ def test_two_ranks_equal_one_process(two_ranks, one_process):
             experts = list(MOVED.phy2log[rank * 5 : rank * 5 + 5])
             for got, want in ((w1, moe.w1), (w3, moe.w3), (w2, moe.w2)):  # byte for byte
                 assert got.tobytes() == want[experts].detach().numpy().tobytes()
-    # A second call, on the moved experts: the same tokens; ids continue, unique across ranks. (Its
-    # prefill waits for the next ALL point: the first call left decode_step a few steps past 0, and ALL
-    # points come every 70 decode steps.)
+    # A second call, on the moved experts: the same tokens; ids continue, unique across ranks. (The first
+    # call ended on a work-left vote that found every rank idle, so this call's first step is an ANY point
+    # and its prompts prefill at once, though decode_step rests a few steps past 0.)
     again = two_ranks.generate(PROMPTS[:2], GREEDY)
     assert [o.request_id for o in again] == [str(len(PROMPTS)), str(len(PROMPTS) + 1)]
     assert [o.token_ids for o in again] == one_process[:2]

@@ -1,5 +1,6 @@
 """`shinkai up --dp 2`: two rank processes, each an engine endpoint, behind one gateway (one group for the
-module, CPU, gloo, tiny). An idle group does not spin; a rank killed mid-generation ends every in-flight
+module, CPU, gloo, tiny). An idle group does not spin; a lone request on it starts at its first step, so
+`/ready`'s one-token probe answers 200; a rank killed mid-generation ends every in-flight
 stream with "error", takes the whole group to NOT_SERVING, and `down` leaves no process behind. Greedy
 replies through HTTP equal one process's in tests/services/gateway/test_rank_server.py (`serve --dp 2`)."""
 
@@ -16,12 +17,19 @@ from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from observability.metrics import ENGINE_STEPS
 from services.stack import StackConfig, down, healthy, up
 
 pytestmark = pytest.mark.timeout(300)
 
-SIZING = dict(max_num_seqs=4, max_model_len=128)
+SIZING = dict(max_num_seqs=4, max_model_len=256)
+# The killed-rank test's stream length. Two streams sent at once usually reach the idle group in the same
+# idle wait and prefill together; when the second comes a step late it waits for the next vote point that
+# passes for a lone rank, the ANY point, at most 100 decode steps away (prefill_any_attempt_interval).
+# The first stream must still be running then, with 100 steps to spare.
+NUM_STREAM_TOKENS = 200
 # A rank's CPU seconds over this much idle wall time (seconds).
 IDLE_S = 3.0
 
@@ -65,6 +73,52 @@ def test_an_idle_group_does_not_spin(group):
     assert all(u < 0.1 * IDLE_S for u in used), used
 
 
+def _steps(by_name) -> dict[str, float]:
+    """Steps run so far by kind ("prefill", "decode", "placeholder"), summed over both ranks' /metrics."""
+    counts: dict[str, float] = {}
+    for r in range(2):
+        url = by_name[f"engine-{r}"]["url"].split()[-1]  # "metrics http://host:port/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == f"{ENGINE_STEPS}_total":
+                    counts[sample.labels["kind"]] = counts.get(sample.labels["kind"], 0) + sample.value
+    return counts
+
+
+def _steps_since(by_name, before: dict[str, float], expected: dict[str, float]) -> dict[str, float]:
+    """The steps run since ``before``, by kind (kinds that ran none left out). A rank counts a step after
+    it delivered its tokens, so this reads again until the count is ``expected`` or 10 s have passed."""
+    deadline = time.monotonic() + 10
+    while True:
+        after = _steps(by_name)
+        changed = {k: after.get(k, 0) - before.get(k, 0) for k in after.keys() | before.keys()}
+        changed = {k: n for k, n in changed.items() if n}
+        if changed == expected or time.monotonic() > deadline:
+            return changed
+        time.sleep(0.1)
+
+
+def test_a_lone_request_on_an_idle_group_starts_at_once_and_ready_answers(group):
+    # The group is idle, so the first step after a lone request arrives is an ANY point: its rank prefills
+    # at once and the other runs one empty prompt step alongside (a placeholder). Before, the lone request
+    # waited for the ALL point at 70 (failed: the other rank wants nothing) and the ANY point at 100.
+    _, by_name, ready, client = group
+    before = _steps(by_name)
+    with urllib.request.urlopen(ready["http"] + "/ready", timeout=30) as answer:  # a one-token probe
+        assert answer.status == 200
+    expected = {"prefill": 1, "placeholder": 1}
+    assert _steps_since(by_name, before, expected) == expected
+    after_probe = _steps(by_name)
+    # A second lone request: the probe left decode_step at 0, an ALL point that the other rank would fail;
+    # the group's idle vote makes it an ANY point. Two tokens: one prompt step and one decode step.
+    reply = client.completions.create(model="tiny", prompt="lone", max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    expected = {"prefill": 1, "decode": 1, "placeholder": 2}
+    assert _steps_since(by_name, after_probe, expected) == expected
+
+
 def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
     state, by_name, ready, client = group
     results: dict[int, list] = {}
@@ -72,8 +126,8 @@ def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
 
     def stream(i):
         reasons = []
-        for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=100, stream=True,
-                                               extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
+                                               stream=True, extra_body={"ignore_eos": True}):
             if chunk.choices:
                 first_token[i].set()
                 reasons.append(chunk.choices[0].finish_reason)
@@ -103,4 +157,9 @@ def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
         client.completions.create(model="tiny", prompt="after", max_tokens=2)
     assert refused.value.status_code == 503
     down(Path(state["config"]["run_dir"]), timeout_s=30, log=lambda *_: None)
+    # `down` counts a process stopped once its command line is gone, which happens while it exits (its
+    # memory released) and before /proc shows it a zombie: give such an exit a moment to complete.
+    deadline = time.monotonic() + 5
+    while any(_alive(s["pid"]) for s in state["services"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert [s["name"] for s in state["services"] if _alive(s["pid"])] == []
