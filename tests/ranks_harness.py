@@ -10,6 +10,15 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _entry(target, rank: int, world_size: int, rendezvous: str, args: tuple, results) -> None:
     try:
         results.put((rank, "ok", target(rank, world_size, rendezvous, *args)))

@@ -77,6 +77,15 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--batch-invariant"] if args.batch_invariant else [])
 
 
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets: serving drains once it is set."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 async def _serve_ranks(args: argparse.Namespace) -> int:
     """`serve --dp N`: the ranks as child processes, this process their gateway (services/gateway/rank_server.py)."""
     from services.gateway.rank_group import RankGroup
@@ -86,10 +95,7 @@ async def _serve_ranks(args: argparse.Namespace) -> int:
     argv = _rank_argv(args)
     server = RankServer(config, RankGroup(args.model, args.data_parallel_size, args.num_redundant_experts,
                                           args.host, argv))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     await server.start()
     print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model,
                       "ranks": [p.pid for p in server.group.processes]}), flush=True)
@@ -109,10 +115,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return await _serve_ranks(args)
     server = Server(_config(args))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     await server.start()
     # One machine-readable line, then the URLs for people; `shinkai up` and tests read the first.
     print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model,

@@ -16,19 +16,12 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from services.stack import ROOT
+from tests.ranks_harness import alive
 
 pytestmark = pytest.mark.timeout(300)
 
 SIZING = dict(max_num_seqs=4, max_model_len=128)
 PROMPTS = ["The deep sea is", "Hello"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ def serve_ranks(tmp_path_factory):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     for pid in ready["ranks"]:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -79,10 +72,10 @@ def test_greedy_through_http_equals_one_process(serve_ranks):
 
 def test_no_rank_outlives_a_killed_server(serve_ranks):
     proc, ready = serve_ranks
-    assert all(_alive(pid) for pid in ready["ranks"])
+    assert all(alive(pid) for pid in ready["ranks"])
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     deadline = time.monotonic() + 30  # SIGTERM from the kernel (PDEATHSIG), then each rank's drain
-    while any(_alive(pid) for pid in ready["ranks"]) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in ready["ranks"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [pid for pid in ready["ranks"] if _alive(pid)] == []
+    assert [pid for pid in ready["ranks"] if alive(pid)] == []

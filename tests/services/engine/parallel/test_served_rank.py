@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from observability.metrics import ENGINE_STEPS
 from services.stack import StackConfig, down, healthy, up
+from tests.ranks_harness import alive
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,14 +33,6 @@ SIZING = dict(max_num_seqs=4, max_model_len=256)
 NUM_STREAM_TOKENS = 200
 # A rank's CPU seconds over this much idle wall time (seconds).
 IDLE_S = 3.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _cpu_s(pid: int) -> float:
@@ -160,6 +153,6 @@ def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
     # `down` counts a process stopped once its command line is gone, which happens while it exits (its
     # memory released) and before /proc shows it a zombie: give such an exit a moment to complete.
     deadline = time.monotonic() + 5
-    while any(_alive(s["pid"]) for s in state["services"]) and time.monotonic() < deadline:
+    while any(alive(s["pid"]) for s in state["services"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [s["name"] for s in state["services"] if _alive(s["pid"])] == []
+    assert [s["name"] for s in state["services"] if alive(s["pid"])] == []
