@@ -6,6 +6,9 @@ Invariants:
   variable, not the value), so with the variable set the server refuses every connection without it.
 - Every Shinkai NATS client connects with `connect_options()`, which carries the same token.
 - Without the variable set (a plain `nats-server` in tests) clients connect without credentials.
+- A token is a letter and hex digits: nats-server parses the variable's value as a config value, so a token
+  that starts with ``-`` (as ``secrets.token_urlsafe`` gives one time in 64) is read as a number and the
+  server refuses its whole config. A token set for compose must follow the same rule.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ CONFIG = f"authorization {{ token: ${TOKEN_ENV} }}\n"
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits, as ``t`` and 64 hex digits (a value nats-server's config reads as a string)."""
+    return "t" + secrets.token_hex(32)
 
 
 def connect_options() -> dict[str, str]:

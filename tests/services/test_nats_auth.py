@@ -77,3 +77,19 @@ def test_no_token_travels_on_a_command_line(authed_nats):
     argvs = [" ".join(s.argv) for s in services(StackConfig(http_port=0, grpc_port=0), LocalPlacement("127.0.0.1"))]
     assert argvs and not any(token in a for a in argvs)
     assert "$" + nats_auth.TOKEN_ENV in nats_auth.CONFIG and token not in nats_auth.CONFIG
+
+
+def test_every_token_is_a_string_to_nats_server(tmp_path):
+    """The server reads the variable's value as a config value: one that starts with ``-`` is parsed as a
+    number and the whole config is refused (``up`` then failed about once in 64 starts). Tokens start with a
+    letter and hold only hex digits after it."""
+    conf = nats_auth.write_config(tmp_path / "nats.conf")
+
+    def valid(token: str) -> bool:
+        return subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, timeout=30,
+                              env={nats_auth.TOKEN_ENV: token}).returncode == 0
+
+    assert not valid("-r" + "a" * 40)  # what token_urlsafe gave when a CI run's stack would not start
+    tokens = [nats_auth.new_token() for _ in range(1000)]
+    assert all(re.fullmatch(r"t[0-9a-f]{64}", t) for t in tokens) and len(set(tokens)) == 1000
+    assert all(valid(t) for t in tokens[:5])
