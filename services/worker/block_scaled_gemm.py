@@ -4,7 +4,7 @@ The operands are the Triton one-expert GEMM's (services/worker/fp8_linear.py): e
 power-of-two scale per token and 128 channels (``kernels.quant_fp8.quantize_act``), and the e4m3 weight
 with one power-of-two scale per 128×128 block. Both GEMMs scale each 128-deep partial product by
 ``a_scale · w_scale`` and sum the partials in fp32, so they differ only in summation order and in where
-the bf16 output is rounded from. What this one brings: Hopper GEMM tiles with TMA and warp
+the output is rounded from. What this one brings: Hopper GEMM tiles with TMA and warp
 specialisation, 577–1,187 TFLOP/s on the H200 at v41-s1's projections with 1K–16K tokens, against
 280–400 for the Triton GEMM (``shinkai bench kernels --only prefill_gemms`` measures both side by side).
 
@@ -13,10 +13,11 @@ Layouts cuBLASLt takes on sm_90 (an error message names the expected shape or st
 - ``mat_b``: the weight [N, K] passed as ``w.t()`` ([K, N], column-major);
 - ``scale_b``: fp32 [K_blocks, N/128] with strides (1, K_blocks), K_blocks = K/128 rounded up to a
   multiple of 4 (the rows past K/128 hold 1.0 and meet no data);
-- the output is bf16 only.
+- the output is bf16 or fp32 (``out_dtype``; each probed on its own).
 
-It is used outside the batch-invariant mode (where the kernel must not depend on the batch), for bf16
-activations with at least ``MIN_TOKENS`` rows, on a device where ``available`` holds: compute
+It is used outside the batch-invariant mode (where the kernel must not depend on the batch), for bf16 or
+fp32 activations (the output takes their dtype) with at least ``MIN_TOKENS`` rows, on a device where
+``available(device, dtype)`` holds: compute
 capability 9.x, a torch with the block-wise recipes, and a first product on that device that agrees
 with the dequantised fp32 product.
 """
@@ -37,12 +38,14 @@ MIN_TOKENS = 1024
 577 against the Triton GEMM's ~300 TFLOP/s). Decode's rows (≤ 256, graph-captured) stay on Triton."""
 
 PROBE_REL = 2.0**-7
-"""The probe's bound, relative Frobenius error of the bf16 output against the fp32 product of the same
-e4m3 operands and scales: the output's one round-to-nearest cast is ≤ 2^-9 relative (RMS about 1.7e-3 on
+"""The probe's bound, relative Frobenius error of the output against the fp32 product of the same e4m3
+operands and scales: a bf16 output's one round-to-nearest cast is ≤ 2^-9 relative (RMS about 1.7e-3 on
 random data); summation order and the tensor cores' accumulation inside a 128-deep block are far below
-it. A wrong scale layout is off by factors of 2 or more."""
+it (an fp32 output has only those). A wrong scale layout is off by factors of 2 or more."""
 
-_AVAILABLE: dict[torch.device, bool] = {}
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+_AVAILABLE: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def scale_b(w_scale: torch.Tensor) -> torch.Tensor:
@@ -54,22 +57,27 @@ def scale_b(w_scale: torch.Tensor) -> torch.Tensor:
     return padded.t()
 
 
-def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor) -> torch.Tensor:
-    """(e4m3 [M, K], fp32 [M, K/128]) · (e4m3 [N, K])ᵀ with ``scale_b(w_scale)`` → bf16 [M, N]."""
+def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(e4m3 [M, K], fp32 [M, K/128]) · (e4m3 [N, K])ᵀ with ``scale_b(w_scale)`` → ``out_dtype`` [M, N]."""
     q, s = a
     recipe_a, recipe_b = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
-    return F.scaled_mm(q, w.t(), s.t().contiguous().t(), recipe_a, w_scale_b, recipe_b, output_dtype=torch.bfloat16)
+    return F.scaled_mm(q, w.t(), s.t().contiguous().t(), recipe_a, w_scale_b, recipe_b, output_dtype=out_dtype)
 
 
-def available(device: torch.device) -> bool:
-    """Whether ``matmul`` runs and agrees on ``device`` (probed once per device, logged once)."""
+def available(device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``matmul`` runs and agrees on ``device`` with ``out_dtype`` output (probed once per device and
+    dtype, logged once)."""
     device = torch.device(device)
-    if device not in _AVAILABLE:
-        _AVAILABLE[device] = _probe(device)
-    return _AVAILABLE[device]
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:N" name one device: one probe
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, out_dtype)
+    if key not in _AVAILABLE:
+        _AVAILABLE[key] = out_dtype in OUT_DTYPES and _probe(device, out_dtype)
+    return _AVAILABLE[key]
 
 
-def _probe(device: torch.device) -> bool:
+def _probe(device: torch.device, out_dtype: torch.dtype) -> bool:
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     if not hasattr(F, "scaled_mm") or not hasattr(F.ScalingType, "BlockWise128x128"):
@@ -87,15 +95,16 @@ def _probe(device: torch.device) -> bool:
     a = quantize_act(x)
     exact = (a[0].float() * a[1].repeat_interleave(GROUP, dim=1)) @ dequantize_weight_block128(wq, ws).t()
     try:
-        got = matmul(a, wq, scale_b(ws)).float()
+        got = matmul(a, wq, scale_b(ws), out_dtype)
     except (RuntimeError, NotImplementedError) as err:
-        log.warning("block-scaled scaled_mm failed on %s (%s): prefill's FP8 products stay on Triton", device, err)
+        log.warning("block-scaled scaled_mm with %s output failed on %s (%s): those FP8 products stay on Triton",
+                    out_dtype, device, err)
         return False
-    rel = float((got - exact).norm() / exact.norm())
-    if not rel <= PROBE_REL:
-        log.warning("block-scaled scaled_mm disagrees on %s (relative error %.3g > %.3g): prefill's FP8 products "
-                    "stay on Triton", device, rel, PROBE_REL)
+    rel = float((got.float() - exact).norm() / exact.norm())
+    if got.dtype != out_dtype or not rel <= PROBE_REL:
+        log.warning("block-scaled scaled_mm with %s output disagrees on %s (%s, relative error %.3g > %.3g): "
+                    "those FP8 products stay on Triton", out_dtype, device, got.dtype, rel, PROBE_REL)
         return False
-    log.info("prefill's FP8 products from %d rows: cuBLASLt block-scaled GEMM (probe relative error %.2g)",
-             MIN_TOKENS, rel)
+    log.info("prefill's FP8 products with %s output from %d rows: cuBLASLt block-scaled GEMM (probe relative "
+             "error %.2g)", out_dtype, MIN_TOKENS, rel)
     return True

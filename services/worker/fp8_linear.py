@@ -8,9 +8,9 @@ FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 blo
 128 channels by ``kernels.quant_fp8.quantize_act``, and the product runs on the MoE grouped GEMM
 kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Prefill's products
 of ``block_scaled_gemm.MIN_TOKENS`` rows or more take cuBLASLt's block-scaled GEMM instead
-(services/worker/block_scaled_gemm.py: the same operands and scales, bf16 out, Hopper tiles), where the
-grouped GEMM's one-expert grid is only N/128 programs wide; decode, the batch-invariant mode, fp32
-activations and the interpreter stay on the Triton GEMM.
+(services/worker/block_scaled_gemm.py: the same operands and scales, the output in the activations'
+dtype, Hopper tiles), where the grouped GEMM's one-expert grid is only N/128 programs wide; decode, the
+batch-invariant mode and the interpreter stay on the Triton GEMM.
 
 Dimensions that are not multiples of 128 (the tiny presets) are zero-padded at conversion: padded
 weight rows/columns are 0, padded activation channels are 0, so every product and every block
@@ -208,7 +208,7 @@ class KernelLinear(nn.Module):
         if self._block_scaled(num_tokens, x):
             if self.scale_b is None or self.scale_b.device != self.w.device:
                 self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
-            y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b)  # bf16 [T, N']
+            y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b, out_dtype)  # [T, N']
         elif (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
                 and gemm.worth_splitting(self.w.shape[1], x.device)):
             # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py);
@@ -220,9 +220,12 @@ class KernelLinear(nn.Module):
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def _block_scaled(self, num_tokens: int, x: torch.Tensor) -> bool:
-        """Prefill's bf16 rows on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM."""
-        return (num_tokens >= block_scaled_gemm.MIN_TOKENS and x.dtype == torch.bfloat16 and not invariance.active()
-                and not self.kernels.interpreted and block_scaled_gemm.available(x.device))
+        """Prefill's rows on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM, with the
+        output in the activations' dtype (bf16 or fp32) where the device's probe for that dtype passed."""
+        out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        return (num_tokens >= block_scaled_gemm.MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
+                and not invariance.active() and not self.kernels.interpreted
+                and block_scaled_gemm.available(x.device, out_dtype))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, precision={self.precision}"

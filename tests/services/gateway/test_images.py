@@ -197,6 +197,7 @@ def test_a_multimodal_service_that_is_down_is_a_503(served, hop):
     wait_whole(served)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.timeout(600)
 def test_on_cuda_images_run_on_the_torch_backend_and_on_the_kernel_backend():

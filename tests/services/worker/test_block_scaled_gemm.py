@@ -42,8 +42,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @HOPPER
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1280, 5120), (32768, 1280), (5120, 8192)])  # v41-s1's wq_a, wq_b, wo_b
-def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_does(n, k):
+def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_does(n, k, out_dtype):
     from kernels.fp8_weights import quantize_weight_block128
     from kernels.moe_grouped_gemm import moe_grouped_gemm
     from kernels.quant_fp8 import quantize_act
@@ -56,12 +57,12 @@ def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_
     w, w_scale = quantize_weight_block128(torch.randn(n, k, device=dev, generator=gen) * 0.02)
     a = quantize_act(torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16))
     exact = _exact(a, w, w_scale)
-    cublas = block_scaled_gemm.matmul(a, w, block_scaled_gemm.scale_b(w_scale))
+    cublas = block_scaled_gemm.matmul(a, w, block_scaled_gemm.scale_b(w_scale), out_dtype)
     triton = moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(m, 1, dev), gather=True, block_m=32,
-                              num_warps=4)[0]
-    print(f"\nM {m} N {n} K {k}: cuBLASLt {_rel(cublas, exact):.3g}, Triton {_rel(triton, exact):.3g} "
+                              num_warps=4, out_dtype=out_dtype)[0]
+    print(f"\n{out_dtype} M {m} N {n} K {k}: cuBLASLt {_rel(cublas, exact):.3g}, Triton {_rel(triton, exact):.3g} "
           f"(relative to the exact product), between them {_rel(cublas, triton.float()):.3g}")
-    assert cublas.dtype == torch.bfloat16 and cublas.shape == (m, n)
+    assert cublas.dtype == out_dtype and cublas.shape == (m, n)
     assert _rel(cublas, exact) <= PROBE_REL and _rel(triton, exact) <= PROBE_REL
 
 
@@ -71,6 +72,7 @@ def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkey
     from services.worker.fp8_linear import KernelLinear, KernelSet
 
     dev = torch.device("cuda")
+    assert block_scaled_gemm.available(dev)  # probed here, so the probe's own product is not counted below
     calls = []
     real = block_scaled_gemm.matmul
     monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *args: calls.append(1) or real(*args))
@@ -82,4 +84,7 @@ def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkey
     small = layer(x[:-1])  # one row fewer: the Triton GEMM
     assert len(calls) == 1
     assert _rel(big[:-1], small.float()) <= 2 * PROBE_REL  # two bf16 roundings of nearly the same fp32 value
-    assert layer(x.float()).dtype == torch.float32 and len(calls) == 1  # fp32 activations stay on Triton
+    assert block_scaled_gemm.available(dev, torch.float32)
+    wide = layer(x.float())  # fp32 activations: cuBLASLt with fp32 output
+    assert wide.dtype == torch.float32 and len(calls) == 2
+    assert _rel(big, wide) <= PROBE_REL  # the bf16 output is the fp32 one rounded, up to summation order

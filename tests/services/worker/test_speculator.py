@@ -310,6 +310,7 @@ def test_decode_steps_that_verify_no_draft_run_the_static_graph_step(source, gre
     assert num_decode > 0 and runner.num_eager == len(plans) - num_decode  # every decode step ran the static step
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
 def test_speculation_runs_on_the_gpu_torch_path(source, mode):
@@ -334,6 +335,7 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
           f"requests; accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified}")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source, precision):
@@ -368,6 +370,7 @@ def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source,
         assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_replay_decode_steps_that_verify_no_draft(source):
     """CUDA graphs with drafts on the FP8 kernel backend (``default_runner`` captures the scheduler's row-counting
