@@ -76,6 +76,11 @@ class GraphRunner:
         """The wrapped runner's pools (the speculator reads and writes the draft's rings there)."""
         return self.runner.cache
 
+    def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
+        """The wrapped runner's: image placeholders are prompt rows, and prompt rows (prefill plans) always
+        run on its eager path; a decode row is a generated token, never an image."""
+        self.runner.set_images(request_id, prompt_token_ids, rows)
+
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
 

@@ -72,7 +72,8 @@ def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkey
     from services.worker.fp8_linear import KernelLinear, KernelSet
 
     dev = torch.device("cuda")
-    assert block_scaled_gemm.available(dev)  # probed here, so the probe's own product is not counted below
+    # Probed here, so the probes' own products are not counted below.
+    assert block_scaled_gemm.available(dev) and block_scaled_gemm.available(dev, torch.float32)
     calls = []
     real = block_scaled_gemm.matmul
     monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *args: calls.append(1) or real(*args))
@@ -84,7 +85,6 @@ def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkey
     small = layer(x[:-1])  # one row fewer: the Triton GEMM
     assert len(calls) == 1
     assert _rel(big[:-1], small.float()) <= 2 * PROBE_REL  # two bf16 roundings of nearly the same fp32 value
-    assert block_scaled_gemm.available(dev, torch.float32)
     wide = layer(x.float())  # fp32 activations: cuBLASLt with fp32 output
     assert wide.dtype == torch.float32 and len(calls) == 2
     assert _rel(big, wide) <= PROBE_REL  # the bf16 output is the fp32 one rounded, up to summation order
