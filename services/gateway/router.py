@@ -40,7 +40,9 @@ class _EngineState:
 
     @property
     def score(self) -> int:
-        return self.reported_load + self.sent_since_report
+        """The reported load plus what was sent since; before any report (or without NATS), the live count:
+        ``sent_since_report`` only grows until a report resets it, so alone it would never fall."""
+        return self.live if self.report is None else self.reported_load + self.sent_since_report
 
 
 class _CountedStream:

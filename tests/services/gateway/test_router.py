@@ -59,3 +59,51 @@ def test_reports_and_lifecycle_steer_the_router(nats_url):
             await router.close()
 
     asyncio.run(run())
+
+
+class _Stream:
+    """A stand-in for a `RemoteStream`: one final delta, then the end."""
+
+    num_prompt_tokens = 1
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from services.engine.service import Delta
+
+        if self.done:
+            raise StopAsyncIteration
+        self.done = True
+        return Delta(token_ids=[1], logprobs=[], top_logprobs=None, num_output_tokens=1, finish_reason="length")
+
+    def close(self) -> None:
+        self.done = True
+
+
+def test_without_nats_the_score_is_the_live_count_and_falls_when_a_stream_ends(monkeypatch):
+    """No load reports: a finished request no longer counts. One engine holds a long request while the other
+    serves two short ones; the next request goes to the idle engine (counting every request ever sent, the
+    idle one scores 2 against 1 and the busy engine would get it)."""
+    async def submit(*args, **kwargs):
+        return _Stream()
+
+    async def run():
+        engines = [RemoteEngine("engine-0", "127.0.0.1:1"), RemoteEngine("engine-1", "127.0.0.1:2")]
+        for engine in engines:
+            monkeypatch.setattr(engine, "submit", submit)
+        router = EngineRouter(engines)
+        long = await router.submit("r0", "c0", [1], None)  # never read: stays live
+        for i in (1, 2):
+            short = await router.submit(f"r{i}", f"c{i}", [1], None)
+            assert short.state is not long.state
+            async for _ in short:
+                pass
+        assert long.state.score == 1 and short.state.score == 0
+        nxt = await router.submit("r3", "c3", [1], None)
+        assert nxt.state is short.state
+
+    asyncio.run(run())
