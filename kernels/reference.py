@@ -33,7 +33,7 @@ _MIN_SCALE = 2.0**-126
 
 # The attention side's references (re-exported: callers use ``reference.<name>``).
 from kernels.reference_attention import (  # noqa: E402, F401
-    entry_slots, indexer_select, sparse_decode_attention, sparse_prefill_attention,
+    decode_keys, entry_slots, indexer_select, sparse_decode_attention, sparse_prefill_attention,
 )
 
 

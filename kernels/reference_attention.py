@@ -21,6 +21,26 @@ def entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, entries_per_b
     return torch.where(e >= 0, slots, -1).to(torch.int32)
 
 
+def decode_keys(dim: int, ring: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, window: int,
+                kv_pool: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's keys as ``sparse_decode_attention`` reads them (same arguments; ``dim`` = D):
+    (fp32 [R, w + k, D]: the window positions pos−w+1 … pos in order, then the ``selected`` entries in
+    their order, dequantised; bool [R, w + k]: position ≥ 0, slot ≠ −1)."""
+    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
+
+    ring_size = ring.shape[1]
+    pos = positions.long()
+    win_pos = pos[:, None] - window + 1 + torch.arange(window, device=ring.device)  # [R, w] ascending
+    raw = ring[state_slots.long()[:, None], win_pos % ring_size]  # [R, w, D + D/32]
+    win = dequantize_fp8_cache(raw[..., :dim].view(torch.float8_e4m3fn), raw[..., dim:].view(torch.float8_e8m0fnu))
+    epb = kv_pool.shape[1]
+    sel = selected.long()
+    ent_raw = kv_pool[sel.clamp_min(0) // epb, sel.clamp_min(0) % epb]  # [R, k, D/2 + D/16]
+    ent = dequantize_fp4_cache(ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn),
+                               COMPRESSED_KV_BLOCK)
+    return torch.cat((win, ent), dim=1), torch.cat((win_pos >= 0, sel >= 0), dim=1)
+
+
 def sparse_decode_attention(
     q: torch.Tensor,
     ring: torch.Tensor,
@@ -44,23 +64,12 @@ def sparse_decode_attention(
     ``entry_slots``). One softmax over window and entries (no de-duplication: a ratio-1 layer may
     see a token twice) with ``exp(sink[h])`` added to the denominator; then RoPE is undone on the
     trailing 2·len(freqs) channels at angle pos · freqs. fp32 throughout; returns q.dtype [R, H, D].
-    Equals ``TorchAttention.attend``'s ``sink_attention`` + ``apply_rope(inverse=True)`` (tested).
+    Equals ``TorchAttention.attend``'s ``sink_attention`` + ``apply_rope(inverse=True)`` up to fp32 order
+    (tested): its cos/sin undo-RoPE rounds otherwise than the model's ``torch.polar`` complex product.
     """
-    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
-
     num_rows, num_heads, dim = q.shape
-    ring_size = ring.shape[1]
+    keys, allowed = decode_keys(dim, ring, state_slots, positions, window, kv_pool, selected)  # K = V
     pos = positions.long()
-    win_pos = pos[:, None] - window + 1 + torch.arange(window, device=q.device)  # [R, w] ascending
-    raw = ring[state_slots.long()[:, None], win_pos % ring_size]  # [R, w, D + D/32]
-    win = dequantize_fp8_cache(raw[..., :dim].view(torch.float8_e4m3fn), raw[..., dim:].view(torch.float8_e8m0fnu))
-    epb = kv_pool.shape[1]
-    sel = selected.long()
-    ent_raw = kv_pool[sel.clamp_min(0) // epb, sel.clamp_min(0) % epb]  # [R, k, D/2 + D/16]
-    ent = dequantize_fp4_cache(ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn),
-                               COMPRESSED_KV_BLOCK)
-    keys = torch.cat((win, ent), dim=1)  # [R, w + k, D] fp32, K = V
-    allowed = torch.cat((win_pos >= 0, sel >= 0), dim=1)  # [R, w + k]
     logits = torch.einsum("rhd,rtd->rht", q.float(), keys) * scale
     logits = logits.masked_fill(~allowed[:, None, :], -torch.inf)
     sink_col = sink.float().view(1, num_heads, 1).expand(num_rows, num_heads, 1)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from model.deepseek_v41.attention import Attention
+from model.deepseek_v41.attention import Attention, sink_attention
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
@@ -189,10 +189,15 @@ def static_attend(q: torch.Tensor, ring: torch.Tensor, state_slots: torch.Tensor
                   window: int, kv_pool: torch.Tensor, selected: torch.Tensor, sink: torch.Tensor, freqs: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """Sparse decode attention over the ring (written this step) and the selected pool slots, sink
-    and undo-RoPE: ``kernels.reference.sparse_decode_attention`` (the "triton" path calls
-    kernels/decode_attention.py's, same contract)."""
-    return reference.sparse_decode_attention(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs,
-                                             scale)
+    and undo-RoPE: ``kernels.reference.sparse_decode_attention``'s contract (the "triton" path calls
+    kernels/decode_attention.py's), computed in ``TorchAttention``'s ops: the same keys in the same
+    order, the model's ``sink_attention``, then the model's undo-RoPE (``apply_rope``, which
+    ``AttentionStep.project_out`` applies after ``TorchAttention``). So a decode row's output is the
+    eager step's bit for bit; the kernel reference's cos/sin undo-RoPE rounds otherwise (up to 1 ulp),
+    which the batch-invariant mode's ``==`` with the full forward does not allow."""
+    keys, allowed = reference.decode_keys(q.shape[-1], ring, state_slots, positions, window, kv_pool, selected)
+    out = sink_attention(q.unsqueeze(1), keys.to(q.dtype), allowed.unsqueeze(1), sink, scale)[:, 0]  # [G, H, hd]
+    return apply_rope(out, rope_angles(positions, freqs), inverse=True)
 
 
 def read_keys(cache: CacheEngine, layer: int, block_tables: torch.Tensor, width: int) -> torch.Tensor:

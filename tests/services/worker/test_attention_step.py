@@ -2,9 +2,10 @@
 
 The backends' numbers are tested where they run whole steps: the torch backend against the
 full-sequence model (test_model_runner.py), the kernel backend against it and the torch runner
-(test_kernel_backend.py), the graph-safe decode form against the eager runner, bit for bit in the
-torch order (test_static_decode_step.py). Here: the flow itself, its output projection, the source
-check, and the rule that no worker module calls into another object's private methods.
+(test_kernel_backend.py), the graph-safe decode form against the eager runner, bit for bit at equal
+row counts and in the batch-invariant mode (test_static_decode_step.py). Here: the flow itself, its
+output projection, the source check, and the rule that no worker module calls into another object's
+private methods.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from model.deepseek_v41.tokenizer import engram_token_map
 from model.deepseek_v41.vision import span_length, span_rows_cols
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
+from services.worker.graph_runner import GraphRunner
 from services.worker.image_inputs import ImageInputs
 from services.worker.model_runner import ModelRunner
 from tests.model.deepseek_v41.oracle_configs import VISION_CASES, finish
@@ -69,8 +70,10 @@ def prompts(model: DeepseekV41) -> dict[str, tuple[list[int], list[tuple[int, in
     }
 
 
-@pytest.mark.parametrize("budget", [7, 64])
-def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model, budget):
+@pytest.mark.parametrize("budget,graphs", [(7, False), (64, False), (7, True)])
+def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model, budget, graphs):
+    """``graphs``: the runner wrapped in a GraphRunner (its static decode step run eagerly, as on CPU), which
+    takes the images for the wrapped runner."""
     model, cfg = vision_model, vision_model.cfg
     requests = prompts(model)
     spans = {}
@@ -85,6 +88,7 @@ def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model,
     config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
                           max_num_batched_tokens=budget, max_model_len=128, batch_invariant=True).worker_config()
     runner = ModelRunner(model, config)
+    outer = GraphRunner(runner, config, use_graphs=False, attention="reference") if graphs else runner
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
                                       max_num_batched_tokens=budget, max_model_len=128,
@@ -92,12 +96,13 @@ def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model,
     for rid, (seq, _) in requests.items():
         prompt = seq[:-MAX_TOKENS]
         if rid in spans:
-            runner.set_images(rid, prompt, spans[rid])
+            outer.set_images(rid, prompt, spans[rid])
         sched.add_request(rid, prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
-    logits, cut_inside_a_span = {}, False
+    logits, cut_inside_a_span, num_steps = {}, False, 0
     while sched.has_unfinished():
         plan = sched.schedule()
-        out = runner.execute(plan, all_rows=True)
+        num_steps += 1
+        out = outer.execute(plan, all_rows=True)
         positions, owners = plan.positions.tolist(), plan.row_requests.tolist()
         for row, (pos, i) in enumerate(zip(positions, owners)):
             logits[(plan.request_ids[i], pos)] = out.logits[row]
@@ -113,6 +118,7 @@ def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model,
             reference = model(ids, image_rows=spans.get(rid))[0]
         for pos in range(len(seq) - 1):
             assert torch.equal(logits[(rid, pos)], reference[pos]), f"{rid} position {pos}"
-        runner.release(rid)
+        outer.release(rid)
+    assert not graphs or outer.num_eager < num_steps  # decode steps ran the static step
     assert runner.images is not None and not any(rid in runner.images for rid in requests)
     assert cut_inside_a_span == (budget < 64)

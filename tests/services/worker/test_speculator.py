@@ -280,19 +280,15 @@ def test_scheduler_bookkeeping_and_pools_hold_after_every_step_with_drafts_and_p
           f"request, accepted {speculator.num_drafts_accepted} of {speculator.num_drafts_verified}")
 
 
-def test_decode_steps_that_verify_no_draft_run_the_static_graph_step(source, greedy_off, monkeypatch):
+def test_decode_steps_that_verify_no_draft_run_the_static_graph_step(source, greedy_off):
     """CUDA graphs with drafts: the GraphRunner's static step (run eagerly here, ``use_graphs=False``: the code a
     graph captures) also returns the draft's taps, so a decode step in which varlen verifies no draft (forced
-    acceptance 0: every confidence is 0) runs it instead of the eager path. In the batch-invariant mode with
-    the eager attention order the static step is bit-identical to the eager one, so greedy tokens and
-    logprobs equal speculation off."""
+    acceptance 0: every confidence is 0) runs it instead of the eager path. In the batch-invariant mode the
+    static step is bit-identical to the eager one, so greedy tokens and logprobs equal speculation off."""
     from services.engine.config import EngineConfig
-    from services.worker import attention_backend_graph
     from services.worker.forced_acceptance import ForcedAcceptance
     from services.worker.graph_runner import GraphRunner
-    from tests.services.worker.test_static_decode_step import _torch_order_attend
 
-    monkeypatch.setattr(attention_backend_graph, "static_attend", _torch_order_attend)
     args = dict(ENGINE, num_speculative_tokens=NEXTN, spec_varlen=True)
     config = EngineConfig(**args).worker_config()
     runner = GraphRunner(ModelRunner(source.model, config, nextn=NEXTN, with_taps=True), config, use_graphs=False,

@@ -20,10 +20,8 @@ import pytest
 import torch
 
 from model.batch_invariant import batch_invariant
-from model.deepseek_v41.rope import apply_rope, rope_angles
 from scheduler_rs import Scheduler, SchedulerConfig, StepPlan
 from services.engine.config import EngineConfig
-from services.worker import attention_backend_graph
 from services.worker.cache_engine import CacheEngine
 from services.worker.graph_runner import GraphRunner
 from services.worker.model_runner import ModelRunner
@@ -44,16 +42,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
           prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS,
-          model=None, backend: str | None = None, with_taps: bool = False):
+          model=None, backend: str | None = None, with_taps: bool = False, batch_invariant: bool = False):
     """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at, config) for one request per
-    prompt; ``model`` (default: the case's), ``backend`` and ``with_taps`` go to both ModelRunners
-    ("kernels" converts the model in place: pass a copy)."""
+    prompt; ``model`` (default: the case's), ``backend``, ``with_taps`` and ``batch_invariant`` (the
+    config's) go to both ModelRunners ("kernels" converts the model in place: pass a copy)."""
     model = model if model is not None else case(name, device).model
     cfg = model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     num_blocks = max_seqs * (MAX_LEN // BLOCK) + 1
     config = EngineConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=64, max_model_len=MAX_LEN).worker_config()
+                          max_num_batched_tokens=64, max_model_len=MAX_LEN,
+                          batch_invariant=batch_invariant).worker_config()
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1,
                                       max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=MAX_LEN,
                                       window_size=cfg.sliding_window, compress_ratios=ratios))
@@ -89,38 +88,21 @@ class Summary:
     flipped_steps: int = 0
 
 
-def _torch_order_attend(q, ring, state_slots, positions, window, kv_pool, selected, sink, freqs, scale):
-    """``static_attend`` in TorchAttention's op order (sink_attention, then undo-RoPE in q's dtype): test glue
-    that makes the static step bit-identical to the eager one at equal row counts."""
-    from model.deepseek_v41.attention import sink_attention
-    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache
-
-    dim, ring_size = q.shape[-1], ring.shape[1]
-    win_pos = positions[:, None] - window + 1 + torch.arange(window, device=q.device)  # [G, w]
-    raw = ring[state_slots[:, None], win_pos % ring_size]
-    win = dequantize_fp8_cache(raw[..., :dim].view(torch.float8_e4m3fn), raw[..., dim:].view(torch.float8_e8m0fnu))
-    sel = selected.long()
-    ent = kv_pool[sel.clamp_min(0) // kv_pool.shape[1], sel.clamp_min(0) % kv_pool.shape[1]]
-    ent = dequantize_fp4_cache(ent[..., : dim // 2], ent[..., dim // 2 :].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK)
-    keys = torch.cat((win.to(q.dtype), ent.to(q.dtype)), dim=1)
-    allowed = torch.cat((win_pos >= 0, sel >= 0), dim=1)
-    out = sink_attention(q.unsqueeze(1), keys, allowed.unsqueeze(1), sink, scale)[:, 0]
-    return apply_rope(out, rope_angles(positions, freqs), inverse=True)
-
-
 def compare_runs(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
-                 exact: bool = False, with_taps: bool = False, model=None) -> Summary:
+                 exact: bool = False, with_taps: bool = False, model=None, invariant: bool = False) -> Summary:
     """Eager and static runners through one whole run of the same plans.
 
-    ``exact``: the static step runs at G = the plan's rows (no padding) in TorchAttention's attention
-    order, never reset: logits, counts and pools must stay bit-identical over the whole run.
-    Otherwise (graph sizes, the kernel reference's attention order): each step starts from the eager
+    ``exact``: never reset: logits, counts and pools must stay bit-identical over the whole run; the
+    static step runs at G = the plan's rows (no padding), or with ``invariant`` (both runners in the
+    batch-invariant mode, where the row count cannot move a bit) at the plan's graph size.
+    Otherwise (graph sizes; on the "triton" path the kernels' attention order): each step starts from the eager
     runner's pools, so fp32 noise (~1e-6: other GEMM row counts, another softmax order) cannot
     compound; where it moves a value on an FP8/FP4 rounding edge into the next bin (a quantized
     element differing in the pools) that step's logits may move up to SENSITIVITY_MIN_MOVE (what a
     real error at least moves), every other step's stay within PREFIX_ATOL.
     """
-    sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs, with_taps=with_taps, model=model)
+    sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs, with_taps=with_taps, model=model,
+                                              batch_invariant=invariant)
     out, closes = Summary(), set()
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -128,7 +110,7 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
             static.runner.cache.blocks.copy_(eager.cache.blocks)
             static.runner.cache.slots.copy_(eager.cache.slots)
         want = eager.execute(plan, all_rows=True)
-        if exact and StaticDecodeStep.fits(plan):
+        if exact and not invariant and StaticDecodeStep.fits(plan):
             step = static.step(plan.num_rows)
             step.prepare(plan)
             logits, counts, taps = step.run()
@@ -171,15 +153,24 @@ def test_static_step_equals_model_runner(name):
           f"{out.worst_flipped:.3g} on the {out.flipped_steps} steps with a bin flip")
 
 
-def test_static_step_is_bit_identical_in_the_torch_order(monkeypatch):
-    """Ring, compressor, partial groups, Engram history, indexer and selection are the eager step's
-    bit for bit: only the attention's op order and GEMM row counts differ in the runs above."""
-    monkeypatch.setattr(attention_backend_graph, "static_attend", _torch_order_attend)
+def test_static_step_is_bit_identical_at_equal_row_counts():
+    """Ring, compressor, partial groups, Engram history, indexer, selection and attention (its undo-RoPE
+    included: ``static_attend`` runs TorchAttention's ops) are the eager step's bit for bit: only GEMM row
+    counts differ in the runs above."""
     # The DSpark target features too (speculative decoding's decode steps without drafts replay graphs): the
     # case has no draft, so its copy taps three of its own layers.
     model = copy.deepcopy(case("oracle").model)
     model.cfg = dataclasses.replace(model.cfg, dspark_target_layer_ids=(2, 5, 7))
     compare_runs("oracle", exact=True, with_taps=True, model=model)
+
+
+def test_static_step_equals_model_runner_exactly_in_batch_invariant_mode():
+    """The mode's promise (docs/batch-invariance.md): the static step padded to graph sizes 8, 4, 2 and 1
+    gives the eager step's logits, counts and pools bit for bit over the whole run, never reset. A decode
+    row's attention output is undone from RoPE at a nonzero angle in every layer, so an undo-RoPE that
+    rounds otherwise than the eager step's (the kernel reference's cos/sin pairs against the model's
+    ``torch.polar`` product: 1 ulp) fails here from the first decode step."""
+    compare_runs("oracle", exact=True, invariant=True)
 
 
 def _decode_plan(name: str) -> tuple[StepPlan, ModelRunner]:
