@@ -1,6 +1,9 @@
 """`shinkai bench step`'s offline section: the same prompts generated with async scheduling off and
 on, tokens/s from an unprofiled run, and the GPU-busy fraction (kernel time from a profiled rerun over
-the unprofiled wall time)."""
+the unprofiled wall time). ``decode_busy`` is the busy fraction of the decode steps alone: on the
+profiled run's device timeline, from the end of the last prefill attention kernel to the end of the
+last kernel, the union of kernel intervals over that window (prefill steps run eagerly and are not what
+async scheduling overlaps)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
         # Warm-up on the same prompts: the prefill chunks' shapes compile here, not in the timed run
         # (a one-prompt warm-up left them to the first timed run: 12.7 s against 5.5 s profiled, H200).
         llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-        busy = kernel_s = profiled_wall = None
+        busy = kernel_s = profiled_wall = decode_busy = None
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)  # tokens/s without the profiler's overhead
         wall = time.perf_counter() - t0
@@ -35,14 +38,39 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 llm.generate(prompts, params)
             profiled_wall = time.perf_counter() - t1
-            kernel_s = 1e-6 * sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA")
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            kernel_s = 1e-6 * sum(e.device_time for e in kernels)
             busy = min(1.0, kernel_s / wall)
+            decode_busy = decode_window_busy(
+                [(e.time_range.start, e.time_range.end, e.name) for e in kernels])
         tokens = sum(len(o.token_ids) for o in outs)
         rows.append({"section": "offline", "async": flag, "batch": batch, "tokens": tokens, "seconds": wall,
-                     "tokens_per_s": tokens / wall, "gpu_busy": busy, "kernel_s": kernel_s,
+                     "tokens_per_s": tokens / wall, "gpu_busy": busy, "kernel_s": kernel_s, "decode_busy": decode_busy,
                      "profiled_seconds": profiled_wall})
         print(f"offline async={'on ' if flag else 'off'} batch {batch}: {tokens / wall:9.1f} tokens/s"
               + (f"  GPU busy {100 * busy:.1f}% (kernels {kernel_s:.2f} s, wall {wall:.2f} s, profiled wall "
-                 f"{profiled_wall:.2f} s)" if busy is not None else ""))
+                 f"{profiled_wall:.2f} s)" if busy is not None else "")
+              + (f", decode steps busy {100 * decode_busy:.1f}%" if decode_busy is not None else ""))
         del llm
     return rows
+
+
+def decode_window_busy(kernels: list[tuple[float, float, str]], prefill_kernel: str = "_prefill_attention_kernel"
+                       ) -> float | None:
+    """Busy fraction of the window after the last ``prefill_kernel`` ends: kernels as (start, end, name) on
+    one clock; overlapping kernels (several streams) count once. None when no kernel runs after it."""
+    prefill_ends = [end for _, end, name in kernels if name == prefill_kernel]
+    start = max(prefill_ends) if prefill_ends else min((s for s, _, _ in kernels), default=None)
+    after = sorted((max(s, start), e) for s, e, _ in kernels if start is not None and e > start)
+    if not after:
+        return None
+    busy, cur_start, cur_end = 0.0, after[0][0], after[0][1]
+    for s, e in after[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    window = cur_end - start
+    return busy / window if window > 0 else None

@@ -31,10 +31,12 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {_floor_cells(r, '.1f')} |")
     off = [r for r in result["rows"] if r["section"] == "offline"]
     if off:
-        lines += ["", "| async | batch | tokens/s | GPU busy |", "|---|---|---|---|"]
+        lines += ["", "| async | batch | tokens/s | GPU busy | GPU busy, decode steps |", "|---|---|---|---|---|"]
         for r in off:
             busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
-            lines.append(f"| {'on' if r['async'] else 'off'} | {r['batch']} | {r['tokens_per_s']:.1f} | {busy} |")
+            decode = "-" if r.get("decode_busy") is None else f"{100 * r['decode_busy']:.1f}%"
+            lines.append(f"| {'on' if r['async'] else 'off'} | {r['batch']} | {r['tokens_per_s']:.1f} | {busy} | "
+                         f"{decode} |")
     inv = [r for r in result["rows"] if r["section"] == "batch-invariant"]
     if inv:
         lines += ["", "| batch-invariant | size | step ms, off | step ms, on | cost |", "|---|---|---|---|---|"]
