@@ -49,12 +49,13 @@ _AVAILABLE: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def scale_b(w_scale: torch.Tensor) -> torch.Tensor:
-    """The weight's block scales fp32 [N/128, K/128] → cuBLASLt's [K_blocks, N/128] with strides (1, K_blocks)."""
-    nb, kb = w_scale.shape
+    """The weight's block scales fp32 [..., N/128, K/128] → cuBLASLt's [..., K_blocks, N/128], each matrix with
+    strides (1, K_blocks) (a stack of experts' scales: ``scale_b(s)[e]`` is ``scale_b(s[e])``)."""
+    *lead, nb, kb = w_scale.shape
     k_blocks = -(-kb // 4) * 4
-    padded = torch.ones(nb, k_blocks, dtype=torch.float32, device=w_scale.device)
-    padded[:, :kb] = w_scale
-    return padded.t()
+    padded = torch.ones(*lead, nb, k_blocks, dtype=torch.float32, device=w_scale.device)
+    padded[..., :kb] = w_scale
+    return padded.transpose(-1, -2)
 
 
 def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor,
