@@ -1,0 +1,76 @@
+"""A prefill MoE layer's experts (`shinkai bench kernels --only prefill_moe`): v41-s1's 48 routed experts
+(top-6, uniform random routing) plus the shared expert, at 1K–16K tokens, both ways ``KernelMoE`` can run
+them on the same layout, operands and scales:
+
+- the grouped Triton GEMM pair (``kernels.moe_grouped_gemm.moe_experts``, the shared expert in its own
+  launches, split over M);
+- expert by expert through cuBLASLt's block-scaled GEMM (services/worker/block_scaled_experts.py), with its
+  one host read of the counts, its gathers, the torch SwiGLU and h's quantisation.
+
+Each row times x's quantisation, both products, the epilogue and the combine (the router and the layout are
+shared and left out). Timed eagerly with the L2 flushed, as prefill runs. A row of the cuBLASLt path is
+measured at every size, even where ``block_scaled_experts.applies`` keeps the engine on Triton (below
+``MIN_ROWS_PER_EXPERT`` routed rows per expert): these rows are what that threshold should follow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from services.bench.kernel_timing import DEVICE, _bench, _row
+from services.bench.kernels import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
+from services.bench.kernels_decode_gemms import layer_meta
+
+if TYPE_CHECKING:
+    import torch
+
+TOKENS = (1024, 4096, 16384)
+QUICK_TOKENS = (1024, 4096)
+
+
+def bench_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) -> list[dict[str, Any]]:
+    import torch
+
+    from kernels.moe_combine import moe_combine
+    from kernels.moe_grouped_gemm import moe_experts
+    from kernels.quant_fp8 import quantize_act
+    from services.worker import block_scaled_experts, block_scaled_gemm
+
+    num_stacked = EXPERTS + 1
+    meta = layer_meta(num_tokens, gen)
+    w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
+    w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    picks = num_tokens * (TOP_K + 1)
+    active = int(meta["num_active"])
+    weight_bytes = active * (2 * INTER * HIDDEN + HIDDEN * INTER) * (1 + 4 / 128**2)
+    nbytes = weight_bytes + num_tokens * HIDDEN * (2 + 4) + picks * (INTER + HIDDEN * 2)
+    flops = 2.0 * picks * (2 * INTER * HIDDEN + HIDDEN * INTER)
+    shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
+
+    def triton_call() -> object:
+        return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
+
+    triton_s = _bench(triton_call)
+    taken = block_scaled_experts.applies(num_tokens, TOP_K, EXPERTS, torch.device(DEVICE), False)
+    rows = [_row("prefill moe layer [grouped Triton]" + ("" if taken else " (engine)"), shape, triton_s, nbytes,
+                 flops, ceil, None, "gate/up + down + combine, shared expert apart")]
+    if block_scaled_gemm.available(torch.device(DEVICE), torch.float32) and block_scaled_gemm.available(
+            torch.device(DEVICE), torch.bfloat16):
+        scale_b13, scale_b2 = block_scaled_gemm.scale_b(s13), block_scaled_gemm.scale_b(s2)
+
+        def cublas_call() -> object:
+            return block_scaled_experts.experts(x, meta, w13, scale_b13, w2, scale_b2, SWIGLU_LIMIT, quantize_act,
+                                                moe_combine)
+
+        seconds = _bench(cublas_call)
+        rows.append(_row("prefill moe layer [cuBLASLt per expert]" + (" (engine)" if taken else ""), shape, seconds,
+                         nbytes, flops, ceil, None, f"{triton_s / seconds:.2f}x the grouped Triton pair"))
+    return rows
+
+
+def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for t in QUICK_TOKENS if quick else TOKENS:
+        rows += bench_layer(t, ceil, gen)
+    return rows
