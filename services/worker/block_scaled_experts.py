@@ -14,8 +14,9 @@ code that such a difference moves across a rounding boundary.
 Per expert, because torch has no block-scaled grouped GEMM on sm_90 (``F.scaled_grouped_mm`` found no
 implementation: shared/reference/h200-fp8-gemm-notes.md) and the experts' weights differ, so their rows
 cannot share one matrix. Each expert's rows are made contiguous (one gather of all active experts' rows, in
-expert order), so a launch reads a plain [count, K] block; the down outputs stay compact ([Σ counts, D'],
-``slot_of`` remapped to it), a seventh of the masked layout's [E+1, T, D'] at v41-s1 (top-6 + shared of 49).
+expert order, each expert's rows padded to a multiple of ``block_scaled_gemm.ROW_ALIGN``), so a launch reads a
+plain [count, K] block; the down outputs stay compact ([Σ counts, D'] plus the pads, ``slot_of`` remapped to
+it), a seventh of the masked layout's [E+1, T, D'] at v41-s1 (top-6 + shared of 49).
 
 The cost: one host read of the per-expert counts per layer (the launch sizes), which waits for the layer's
 queued work and leaves the GPU idle while the first launches are issued; and four launches per active
@@ -56,20 +57,19 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, s
     last). w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows) and w2 e4m3 [E+1, D', I'], with their scales in
     cuBLASLt's layout (``block_scaled_gemm.scale_b`` of the stacks). ``quantize_act`` and ``combine`` are the
     kernel set's (``quant_fp8.quantize_act``, ``moe_combine`` with the shared expert last). Rows routed nowhere
-    (``slot_of`` 0) get any value; the caller masks them."""
+    (``slot_of`` 0) get any value; the caller masks them. Peak extra memory: the fp32 gate/up output twice
+    (the per-expert pieces and their concatenation), 2·R·2I'·4 bytes, 2.1 GB at 8,192 v41-s1 tokens
+    (``MOE_MAX_TOKENS``), against the grouped path's 4.1 GB masked bf16 down output."""
     num_stacked, capacity = meta["row_ids"].shape
-    counts = meta["counts"].tolist()  # the one host read
-    spans, start = [], 0  # (expert, its compact rows)
-    for e, count in enumerate(counts):
-        if count:
-            spans.append((e, slice(start, start + count)))
-            start += count
-    if not spans:  # no live row: nothing routed, nothing to combine
+    counts = meta["counts"].cpu()  # the one host read
+    if not bool(counts.any()):  # no live row: nothing routed, nothing to combine
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    rows = torch.cat([meta["row_ids"][e, : r.stop - r.start] for e, r in spans]).long()  # [R] token of each row
-    route_w = torch.cat([meta["route_w"][e, : r.stop - r.start] for e, r in spans])  # [R]
+    rows, starts, spans = _compact_rows(counts, capacity)
+    flat = rows.to(x.device)
+    tokens = meta["row_ids"].reshape(-1)[flat].long()  # [R] the token of each compact row
+    route_w = meta["route_w"].reshape(-1)[flat]  # [R]
     x_q, x_s = quantize_act(x)
-    x_q, x_s = x_q[rows], x_s[rows]  # [R, D'], [R, D'/128]: each expert's rows contiguous
+    x_q, x_s = x_q[tokens], x_s[tokens]  # [R, D'], [R, D'/128]: each expert's rows contiguous
     gate_up = torch.cat([block_scaled_gemm.matmul((x_q[r], x_s[r]), w13[e], scale_b13[e], torch.float32)
                          for e, r in spans])  # fp32 [R, 2I']
     inter = gate_up.shape[1] // 2
@@ -77,9 +77,22 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, s
     del gate_up
     y = torch.cat([block_scaled_gemm.matmul((h_q[r], h_s[r]), w2[e], scale_b2[e], torch.bfloat16)
                    for e, r in spans])  # bf16 [R, D']
-    starts = torch.zeros(num_stacked, dtype=torch.int64)
-    for e, r in spans:
-        starts[e] = r.start
     slot_of = meta["slot_of"]  # [T, k+1] flat masked slots e·capacity + j → compact rows start[e] + j
     compact = starts.to(x.device)[slot_of // capacity] + slot_of % capacity
     return combine(y, compact, True)
+
+
+def _compact_rows(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, slice]]]:
+    """Host counts int [E+1] → (flat masked slots int64 [R] of the compact rows, each active expert's first
+    compact row int64 [E+1], [(expert, its compact rows)]). An expert's span is its count rounded up to
+    ``block_scaled_gemm.ROW_ALIGN`` rows (cuBLASLt's row multiple, so ``matmul`` copies nothing); the pad rows
+    repeat the expert's slot 0, and nothing reads their outputs."""
+    counts = counts.long()
+    align = block_scaled_gemm.ROW_ALIGN
+    spans_len = (counts + align - 1) // align * align  # [E+1]
+    starts = torch.cumsum(spans_len, 0) - spans_len
+    expert = torch.repeat_interleave(torch.arange(counts.numel()), spans_len)  # [R]
+    j = torch.arange(expert.numel()) - starts[expert]  # place in the span
+    rows = expert * capacity + torch.where(j < counts[expert], j, 0)
+    spans = [(e, slice(int(starts[e]), int(starts[e] + spans_len[e]))) for e in range(counts.numel()) if counts[e]]
+    return rows, starts, spans

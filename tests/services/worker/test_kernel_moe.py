@@ -192,7 +192,8 @@ def _compiled_like_kernels() -> KernelSet:
 
 def test_prefill_steps_take_the_block_scaled_experts_and_agree_with_the_grouped_path(emulated_cublas):
     """From MIN_TOKENS rows (and MIN_ROWS_PER_EXPERT per expert) each active expert's gate/up and down products
-    go through ``block_scaled_gemm.matmul`` on its own rows (the shared expert on all of them); the output and
+    go through ``block_scaled_gemm.matmul`` on its own rows, padded to ``ROW_ALIGN`` (the shared expert on all of
+    them); the output and
     the counts agree with the grouped Triton path's. Dead rows take no rows and come out as zeros."""
     model = case("oracle").model
     gen = torch.Generator().manual_seed(7)
@@ -212,6 +213,8 @@ def test_prefill_steps_take_the_block_scaled_experts_and_agree_with_the_grouped_
     assert len(emulated_cublas) == len(calls)  # the grouped path made no call
     routed = torch.bincount(picks.flatten().long(), minlength=moe.num_experts)
     per_expert = [int(n) for n in routed if n] + [int(live.sum())]  # active routed experts in id order, then shared
+    align = block_scaled_gemm.ROW_ALIGN  # each expert's rows padded to cuBLASLt's row multiple
+    per_expert = [-(-n // align) * align for n in per_expert]
     assert calls == per_expert + per_expert  # gate/up for each, then down for each
     assert torch.equal(counts, grouped_counts) and torch.equal(counts, routed)
     assert torch.equal(got[:, ~live], torch.zeros_like(got[:, ~live]))
