@@ -64,7 +64,7 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, s
     counts = meta["counts"].cpu()  # the one host read
     if not bool(counts.any()):  # no live row: nothing routed, nothing to combine
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    rows, starts, spans = _compact_rows(counts, capacity)
+    rows, starts, spans = compact_rows(counts, capacity)
     flat = rows.to(x.device)
     tokens = meta["row_ids"].reshape(-1)[flat].long()  # [R] the token of each compact row
     route_w = meta["route_w"].reshape(-1)[flat]  # [R]
@@ -82,7 +82,7 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, s
     return combine(y, compact, True)
 
 
-def _compact_rows(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, slice]]]:
+def compact_rows(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, slice]]]:
     """Host counts int [E+1] → (flat masked slots int64 [R] of the compact rows, each active expert's first
     compact row int64 [E+1], [(expert, its compact rows)]). An expert's span is its count rounded up to
     ``block_scaled_gemm.ROW_ALIGN`` rows (cuBLASLt's row multiple, so ``matmul`` copies nothing); the pad rows

@@ -391,3 +391,32 @@ def test_shared_launch_with_no_live_row_does_nothing_interpreted():
     assert bool((h == 7.0).all())
     with pytest.raises(ValueError, match="out must be"):
         mg.moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=0.5, out_dtype=torch.float32, out=h[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_shared_expert_apart_replays_in_a_cuda_graph_with_the_one_launch_bits():
+    """v41-s1's layer at decode batch 256 (BLOCK_M 64: the shared expert spans 4 M tiles, so it is launched
+    apart): captured once, replayed with new routing and tokens, every replay equal to the one-launch layer
+    computed eagerly on the same inputs."""
+    from kernels.moe_grouped_gemm import default_block_m, moe_experts, shared_apart
+
+    gen = torch.Generator("cuda").manual_seed(14)
+    e, d, i, num_tokens = S1["num_experts"], S1["hidden"], S1["inter"], 256
+    w13, s13 = _weights(e + 1, 2 * i, d, gen)
+    w2, s2 = _weights(e + 1, d, i, gen)
+    x = torch.randn(num_tokens, d, generator=gen, device="cuda").to(torch.bfloat16)
+    meta = _shared_routing(num_tokens, e, S1["top_k"], gen)
+    assert shared_apart(num_tokens, default_block_m(meta["slot_of"].numel() / (e + 1)))
+    moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)
+    for _ in range(2):
+        fresh = _shared_routing(num_tokens, e, S1["top_k"], gen)
+        for key, value in fresh.items():
+            meta[key].copy_(value)
+        x.copy_(torch.randn(num_tokens, d, generator=gen, device="cuda"))
+        graph.replay()
+        one = moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True, shared_launch=False)
+        assert torch.equal(out, one)
