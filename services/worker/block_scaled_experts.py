@@ -36,7 +36,11 @@ MIN_ROWS_PER_EXPERT = 512
 From the H200 notes' loops of 48 block-scaled GEMMs: 411 TFLOP/s at 512 rows per expert for the gate/up
 shape (K 5120) and 203 for a down-like shape (K 2048), against ~290 for the grouped Triton GEMM in the 4K
 prefill profile; at 128 rows per expert (v41-s1's 1K prefill) the gate/up loop ran at 100 TFLOP/s, a
-third of the grouped GEMM's. ``shinkai bench kernels --only prefill_moe`` measures both paths at 1K–16K."""
+third of the grouped GEMM's. That ~290 was measured with the shared expert stacked, whose 64 M tiles per
+work item at 4K tokens formed the launch's tail; with it launched apart (kernels/moe_grouped_gemm.py) the
+grouped path should run faster, so at 512 rows the two paths are expected to be close, and cuBLASLt ahead
+from ~1,000 rows per expert. ``shinkai bench kernels --only prefill_moe`` measures both (whole layer and
+each product) at 1K–16K tokens: this threshold should follow its rows."""
 
 
 def applies(num_tokens: int, top_k: int, num_experts: int, device: torch.device, interpreted: bool) -> bool:
