@@ -88,10 +88,10 @@ def bench_products(num_tokens: int, meta: dict[str, torch.Tensor], gate_up: tupl
     flat = flat.to(x.device)
     tokens = meta["row_ids"].reshape(-1)[flat].long()
     x_q, x_s = quantize_act(x)
-    a = (x_q[tokens], x_s[tokens])
+    a = (x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens])  # e4m3 gathered as bytes
     # One random h for both down products: the masked layout's, and its slots gathered into compact rows.
     h_masked = quantize_act(torch.randn(num_stacked * num_tokens, INTER, device=x.device, dtype=torch.bfloat16))
-    h = (h_masked[0][flat], h_masked[1][flat])
+    h = (h_masked[0].view(torch.uint8)[flat].view(h_masked[0].dtype), h_masked[1][flat])
     h_masked = (h_masked[0].view(num_stacked, num_tokens, INTER), h_masked[1].view(num_stacked, num_tokens, -1))
     block_m = default_block_m(picks / num_stacked)
     routed, shared = split_shared(meta)

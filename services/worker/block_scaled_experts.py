@@ -73,7 +73,8 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, s
     tokens = meta["row_ids"].reshape(-1)[flat].long()  # [R] the token of each compact row
     route_w = meta["route_w"].reshape(-1)[flat]  # [R]
     x_q, x_s = quantize_act(x)
-    x_q, x_s = x_q[tokens], x_s[tokens]  # [R, D'], [R, D'/128]: each expert's rows contiguous
+    # [R, D'], [R, D'/128]: each expert's rows contiguous (e4m3 gathered as bytes: every index kernel has them)
+    x_q, x_s = x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens]
     gate_up = torch.cat([block_scaled_gemm.matmul((x_q[r], x_s[r]), w13[e], scale_b13[e], torch.float32)
                          for e, r in spans])  # fp32 [R, 2I']
     inter = gate_up.shape[1] // 2

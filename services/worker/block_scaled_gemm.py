@@ -73,7 +73,7 @@ def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: tor
     num_rows = q.shape[0]
     pad = -num_rows % ROW_ALIGN
     if pad:
-        q = torch.cat((q, q.new_zeros(pad, q.shape[1])))
+        q = torch.cat((q.view(torch.uint8), q.new_zeros(pad, q.shape[1], dtype=torch.uint8))).view(q.dtype)  # 0: e4m3 0
         s = torch.cat((s, s.new_ones(pad, s.shape[1])))
     recipe_a, recipe_b = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
     out = F.scaled_mm(q, w.t(), s.t().contiguous().t(), recipe_a, w_scale_b, recipe_b, output_dtype=out_dtype)
