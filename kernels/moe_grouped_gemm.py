@@ -159,6 +159,7 @@ def moe_grouped_gemm(
     num_stages: int = 3,
     programs_per_sm: int = 2,
     m_split: int | None = None,
+    out: Activations | None = None,
 ) -> Activations:
     """Launch the masked grouped GEMM; returns [E, cap, N_out] in ``out_dtype`` (bf16 or fp32), or
     with ``out_dtype=torch.float8_e4m3fn`` (SwiGLU only) the pair (e4m3 values, fp32 scales
@@ -172,7 +173,8 @@ def moe_grouped_gemm(
 
     ``m_split`` (None: ``default_m_split``) splits each expert's token tiles over that many work items;
     every output tile is still computed by one program in the same K order, so the result does not
-    depend on it.
+    depend on it. ``out`` (None: allocated here) is where the output goes, of the shape and dtype returned
+    (the pair for e4m3 output), e.g. a slice of a bigger stack (``moe_experts``' shared expert).
     """
     a_values, a_scale = a if isinstance(a, tuple) else (a, None)
     a_fp8 = a_scale is not None
@@ -197,12 +199,13 @@ def moe_grouped_gemm(
     # Rows are addressed as row · stride: every operand must be dense.
     a_values = a_values.contiguous()
     a_scale = a_values if a_scale is None else a_scale.contiguous()  # unread without A_FP8
-    if out_fp8:
-        out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a_values.device)
-        out_scale = torch.empty(num_experts, capacity, n_out // GROUP, dtype=torch.float32, device=a_values.device)
-    else:
-        out = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=a_values.device)
-        out_scale = out
+    if out is None:
+        out = empty_output(num_experts, capacity, n_out, out_dtype, a_values.device)
+    out_values, out_scale = out if isinstance(out, tuple) else (out, out)  # out_scale unread without OUT_FP8
+    if (isinstance(out, tuple) != out_fp8 or out_values.shape != (num_experts, capacity, n_out)
+            or out_values.dtype != out_dtype or not out_values.is_contiguous() or not out_scale.is_contiguous()):
+        raise ValueError(f"out must be dense {out_dtype} [{num_experts}, {capacity}, {n_out}], "
+                         f"got {out_values.dtype} {tuple(out_values.shape)}")
     if block_m is None and invariance.active():
         block_m = invariance.BLOCK_M  # not the load per expert (kernels/invariance.py)
     if block_m is None:
@@ -219,13 +222,23 @@ def moe_grouped_gemm(
     grid = (_num_programs(a_values.device, num_work_max * m_split, programs_per_sm),)
     _moe_gemm_kernel[grid](
         a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
-        w, w_scale, out, out_scale,
+        w, w_scale, out_values, out_scale,
         capacity, k, float(swiglu_limit or 0.0), m_split,
         N_OUT=n_out, K=k, GATHER=gather, SWIGLU=swiglu_limit is not None, A_FP8=a_fp8, OUT_FP8=out_fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_M=m_split > 1, num_warps=num_warps,
         num_stages=num_stages,
     )
-    return (out, out_scale) if out_fp8 else out
+    return out
+
+
+def empty_output(num_experts: int, capacity: int, n_out: int, out_dtype: torch.dtype, device: torch.device
+                 ) -> Activations:
+    """An unwritten [E, cap, N_out] output of ``moe_grouped_gemm``: ``out_dtype`` values, or for e4m3 the pair
+    (values, fp32 scales [E, cap, N_out/128])."""
+    values = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=device)
+    if out_dtype != torch.float8_e4m3fn:
+        return values
+    return values, torch.empty(num_experts, capacity, n_out // GROUP, dtype=torch.float32, device=device)
 
 
 def moe_experts(
@@ -239,6 +252,7 @@ def moe_experts(
     *,
     prequantize: bool = True,
     shared_last: bool = False,
+    shared_launch: bool | None = None,
 ) -> torch.Tensor:
     """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine.
 
@@ -246,12 +260,76 @@ def moe_experts(
     epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
     loops. The combine is ``kernels.moe_combine`` (``shared_last``: the last column of ``slot_of`` is
     the shared expert, summed first).
+
+    ``shared_last`` also says that the last stacked expert is the shared one, picked by every live row
+    (``KernelMoE``'s layout). Where its rows span more than one M tile it gets its own launch of each GEMM
+    (``shared_apart``): in the one launch it was the last work item of every N tile and walked all its M
+    tiles serially while the routed experts held a tile or two each (a v41-s1 decode step of 256 rows:
+    4 BLOCK_M-64 tiles against the routed experts' one), the launch's tail. Both launches write one
+    output stack with the same tile size, so every slot's bits are those of the one launch.
+    ``shared_launch`` (with ``shared_last``) overrides that choice (None: ``shared_apart``'s).
     """
-    if prequantize:
-        h = moe_grouped_gemm(quantize_act(x), w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit,
-                             out_dtype=torch.float8_e4m3fn)
-    else:
-        h = moe_grouped_gemm(x, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit)
-    y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False)
-    assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
+    num_stacked = w13.shape[0]
+    block_m = invariance.BLOCK_M if invariance.active() else default_block_m(meta["slot_of"].numel() / num_stacked)
+    h_dtype = torch.float8_e4m3fn if prequantize else torch.bfloat16
+    a = quantize_act(x) if prequantize else x
+    if shared_launch is None:
+        shared_launch = shared_apart(meta["row_ids"].shape[1], block_m)
+    if not (shared_last and shared_launch):
+        h = moe_grouped_gemm(a, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit, out_dtype=h_dtype,
+                             block_m=block_m)
+        y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False, block_m=block_m)
+        assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
+        return moe_combine(y, meta["slot_of"], shared_last)
+    routed, shared = split_shared(meta)
+    capacity = meta["row_ids"].shape[1]
+    h = empty_output(num_stacked, capacity, w13.shape[1] // 2, h_dtype, x.device)
+    y = empty_output(num_stacked, capacity, w2.shape[1], torch.bfloat16, x.device)
+    for part, experts in ((routed, slice(0, -1)), (shared, slice(-1, None))):
+        h_part = _experts_of(h, experts)
+        moe_grouped_gemm(a, w13[experts], w13_scale[experts], part, gather=True, swiglu_limit=swiglu_limit,
+                         out_dtype=h_dtype, block_m=block_m, out=h_part)
+        moe_grouped_gemm(h_part, w2[experts], w2_scale[experts], part, gather=False, block_m=block_m,
+                         out=_experts_of(y, experts))
+    assert isinstance(y, torch.Tensor)
     return moe_combine(y, meta["slot_of"], shared_last)
+
+
+def shared_apart(capacity: int, block_m: int) -> bool:
+    """Whether ``moe_experts`` gives the shared expert (``capacity`` rows at most) its own launches: when they
+    span more than one M tile. A lone tile is a routed expert's share of the work, and its own launch of
+    N/128 programs would only add a launch (decode at batch 1: 36 programs reading 24 MB)."""
+    return capacity > block_m
+
+
+def split_shared(meta: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The routed experts' and the shared expert's launch metadata, for weight stacks sliced to [:-1] and [-1:].
+
+    Routed: the same layout, one active expert fewer. Experts with rows are listed first in id order and the
+    shared expert, the last id, has rows when any row is live, so it is the last active one; when no row is
+    live, no expert has rows and −1 active experts is no work as 0 is. Shared: the layout's last expert
+    alone (its counts, row ids, routing weights), one active expert, index 0 of the sliced stack."""
+    one = _one_active(meta["counts"].device)
+    routed = dict(meta, num_active=meta["num_active"] - 1)
+    shared = dict(meta, counts=meta["counts"][-1:], row_ids=meta["row_ids"][-1:], route_w=meta["route_w"][-1:],
+                  active=one[:1], num_active=one[1:])
+    return routed, shared
+
+
+def _experts_of(out: Activations, experts: slice) -> Activations:
+    """The stacked experts ``experts`` of an output (both halves of the e4m3 pair): views, dense."""
+    return (out[0][experts], out[1][experts]) if isinstance(out, tuple) else out[experts]
+
+
+_ONE_ACTIVE: dict[torch.device, torch.Tensor] = {}
+
+
+def _one_active(device: torch.device) -> torch.Tensor:
+    """int32 [0, 1]: ``active`` ([:1]) and ``num_active`` ([1:]) of a launch over one expert. Kept per device
+    when made outside a CUDA graph capture; one made during a capture holds its values only in replays, so it
+    is made anew there (one arange in the graph)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(2, dtype=torch.int32, device=device)
+    if device not in _ONE_ACTIVE:
+        _ONE_ACTIVE[device] = torch.arange(2, dtype=torch.int32, device=device)
+    return _ONE_ACTIVE[device]

@@ -6,6 +6,8 @@ them, each beside the variant that would replace it (the choice waits on these r
   6T/48, so with one work item per (expert, N tile) its items walk cdiv(T, BLOCK_M) M tiles each and
   finish last. The variant splits every expert's M tiles over work items (``m_split`` = the tile count;
   items past an expert's count exit at once): the same bits, and a balanced tail.
+- the whole MoE layer with the shared expert stacked against its own launches (``moe_experts``' choice
+  where its rows span more than one M tile).
 - the attention and indexer projections (one-expert GEMMs) at BLOCK_M 16, the decode tile, against
   32, the prefill tile (``fp8_linear.linear_block_m``). ``scripts/diagnostics/tune_linear.py`` timed launches back to
   back and measured the host at these sizes; these rows are graph replays.
@@ -48,7 +50,7 @@ def projection_shapes() -> dict[str, tuple[int, int]]:
     return out
 
 
-def _layer_meta(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def layer_meta(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """``KernelMoE._layout`` without a live mask: uniform top-6 of 48, plus the shared expert 48."""
     import torch
 
@@ -67,7 +69,7 @@ def bench_moe_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generato
     from kernels.moe_grouped_gemm import default_block_m, moe_grouped_gemm
     from kernels.quant_fp8 import quantize_act
 
-    meta = _layer_meta(num_tokens, gen)
+    meta = layer_meta(num_tokens, gen)
     num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
     w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
     w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
@@ -93,6 +95,22 @@ def bench_moe_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generato
             label = f"{name} [m_split {m_split}]" + (" (engine)" if m_split == 1 else "")
             rows.append(_row(label, shape, _bench_replay(call), nbytes, flops, ceil, None,
                              "the engine's launch" if m_split == 1 else "every expert's M tiles split over items"))
+    # The whole layer (x's quantisation, both GEMMs, the combine) with the shared expert stacked, and in its
+    # own launches split over M, the engine's choice from more than one M tile (kernels/moe_grouped_gemm.py).
+    from kernels.moe_grouped_gemm import moe_experts, shared_apart
+
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    nbytes = active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6 + picks * (INTER + HIDDEN * 2)
+    flops = 2.0 * picks * 3 * INTER * HIDDEN
+    engine = shared_apart(num_tokens, block_m)
+    for apart in (False, True):
+        def layer(a: bool = apart) -> object:
+            return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True, shared_launch=a)
+
+        label = f"moe layer experts+combine [shared {'apart' if apart else 'stacked'}]" + (
+            " (engine)" if apart == engine else "")
+        rows.append(_row(label, f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} BM={block_m}", _bench_replay(layer),
+                         nbytes, flops, ceil, None, "the shared expert's own launches" if apart else "one launch each"))
     return rows
 
 

@@ -49,20 +49,35 @@ _AVAILABLE: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def scale_b(w_scale: torch.Tensor) -> torch.Tensor:
-    """The weight's block scales fp32 [N/128, K/128] → cuBLASLt's [K_blocks, N/128] with strides (1, K_blocks)."""
-    nb, kb = w_scale.shape
+    """The weight's block scales fp32 [..., N/128, K/128] → cuBLASLt's [..., K_blocks, N/128], each matrix with
+    strides (1, K_blocks) (a stack of experts' scales: ``scale_b(s)[e]`` is ``scale_b(s[e])``)."""
+    *lead, nb, kb = w_scale.shape
     k_blocks = -(-kb // 4) * 4
-    padded = torch.ones(nb, k_blocks, dtype=torch.float32, device=w_scale.device)
-    padded[:, :kb] = w_scale
-    return padded.t()
+    padded = torch.ones(*lead, nb, k_blocks, dtype=torch.float32, device=w_scale.device)
+    padded[..., :kb] = w_scale
+    return padded.transpose(-1, -2)
+
+
+ROW_ALIGN = 4
+"""``matmul`` hands cuBLASLt a multiple of this many rows: scale_a is M-major, so its columns start every
+M floats, and a cuBLAS user reports that cuBLAS wants M a multiple of 4 there (16-byte aligned columns, as
+scale_b's K_blocks are padded to 4); the GPU test at M = 1,030 checks the padded call."""
 
 
 def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(e4m3 [M, K], fp32 [M, K/128]) · (e4m3 [N, K])ᵀ with ``scale_b(w_scale)`` → ``out_dtype`` [M, N]."""
+    """(e4m3 [M, K], fp32 [M, K/128]) · (e4m3 [N, K])ᵀ with ``scale_b(w_scale)`` → ``out_dtype`` [M, N].
+    M not a multiple of ``ROW_ALIGN`` is padded with zero rows (scale 1), and the output cut back: a copy
+    of the activations that callers avoid by passing aligned row counts (block_scaled_experts.py)."""
     q, s = a
+    num_rows = q.shape[0]
+    pad = -num_rows % ROW_ALIGN
+    if pad:
+        q = torch.cat((q.view(torch.uint8), q.new_zeros(pad, q.shape[1], dtype=torch.uint8))).view(q.dtype)  # 0: e4m3 0
+        s = torch.cat((s, s.new_ones(pad, s.shape[1])))
     recipe_a, recipe_b = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
-    return F.scaled_mm(q, w.t(), s.t().contiguous().t(), recipe_a, w_scale_b, recipe_b, output_dtype=out_dtype)
+    out = F.scaled_mm(q, w.t(), s.t().contiguous().t(), recipe_a, w_scale_b, recipe_b, output_dtype=out_dtype)
+    return out[:num_rows] if pad else out
 
 
 def available(device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> bool:

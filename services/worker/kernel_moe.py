@@ -1,8 +1,10 @@
 """Kernel-backed RMSNorm and MoE modules: drop-in replacements for ``model.deepseek_v41``'s.
 
 ``KernelMoE`` routes with ``kernels.moe_router`` and runs the routed experts and the shared expert in
-one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``): the shared expert is stacked
-as expert E and every token picks it with weight 1, which is exactly the model's sum
+one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``; the shared expert in launches of
+its own where its rows span several M tiles), or, for big eager prefill steps, expert by expert through
+cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when). The
+shared expert is stacked as expert E and every token picks it with weight 1, which is exactly the model's sum
 ``shared + routed`` (the model applies no weight to the shared expert); the combine adds the shared
 expert first, then the routed picks in top-k order, in fp32, as the model does. Only the routed picks are
 added to ``counts``, as ``model/deepseek_v41/moe.py`` does.
@@ -12,7 +14,8 @@ routes the other rows nowhere: their choices go to sink experts past the stacked
 layout then drops, so they take no slot, activate no expert, count towards nothing and come out
 as zeros. ``image`` (a row mask of image-span tokens) has those rows select their experts with the
 gate's ``bias_vl`` instead of ``gate_bias``, as the model's MoE does; without it the router runs exactly
-as for text. Device ops only, so a CUDA graph captures it with the mask's values left to each replay.
+as for text. Device ops only on the grouped path (the block-scaled one reads the expert counts on the
+host, and is eager only), so a CUDA graph captures it with the mask's values left to each replay.
 Up to ``LAYOUT_MAX_TOKENS`` rows the layout and the counts are one launch (``kernels/moe_layout.py``);
 ``_layout`` is the same layout in torch (bigger steps, and kernel sets without it).
 """
@@ -26,6 +29,7 @@ from kernels.fp8_weights import stack_gate_up
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
+from services.worker import block_scaled_experts, block_scaled_gemm
 from services.worker.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_each, round_up
 
 
@@ -68,6 +72,7 @@ class KernelMoE(nn.Module):
         self.gate_bias = nn.Parameter(moe.gate_bias.detach().float().clone(), requires_grad=False)
         self.bias_vl = nn.Parameter(moe.bias_vl.detach().float().clone(), requires_grad=False)
         self.inexact = 0
+        self.scale_b: tuple[torch.Tensor, torch.Tensor] | None = None  # w13/w2 scales in cuBLASLt's layout
         if precision == "fp8":
             # Expert by expert (E routed, then the shared one as expert E): no fp32 copy of the stack.
             def expert(name: str, e: int) -> torch.Tensor:
@@ -121,13 +126,28 @@ class KernelMoE(nn.Module):
             meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
-            out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
-                                                            self.w2_scale, self.limit, shared_last=True)[:, : self.hidden]
+            if block_scaled_experts.applies(xp.shape[0], self.top_k, self.num_experts, xp.device,
+                                            self.kernels.interpreted):
+                scale_b13, scale_b2 = self._scale_b()
+                out = block_scaled_experts.experts(xp, meta, self.w13, scale_b13, self.w2, scale_b2, self.limit,
+                                                   self.kernels.quant_fp8.quantize_act,
+                                                   self.kernels.moe_grouped_gemm.moe_combine)
+            else:
+                out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
+                                                                self.w2_scale, self.limit, shared_last=True)
+            out = out[:, : self.hidden]
         else:
             out = self._experts_fp32(x2, meta)
         if rows is not None:
             out = torch.where(rows, out, 0.0)  # the others gathered slot 0 (any bytes, even NaN)
         return out.to(x.dtype).reshape(shape)
+
+    def _scale_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The w13 and w2 block scales in cuBLASLt's layout (``block_scaled_gemm.scale_b``), made on first use
+        on the weights' device."""
+        if self.scale_b is None or self.scale_b[0].device != self.w13.device:
+            self.scale_b = (block_scaled_gemm.scale_b(self.w13_scale), block_scaled_gemm.scale_b(self.w2_scale))
+        return self.scale_b
 
     def _layout(self, experts: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None
                 ) -> dict[str, torch.Tensor]:

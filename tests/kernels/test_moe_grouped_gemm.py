@@ -327,3 +327,96 @@ def test_gpu_prefill_linear_splits_m_with_the_same_bits(num_tokens, n, k):
     assert torch.equal(outs[1], outs[None])
     dense = reference.dequantize_act(*x) @ reference.dequantize_weight_block128(w[0], s[0]).t()  # [T, n] fp32
     assert _rel(outs[None][0].float(), dense) < BF16_TRUNC_REL  # bf16 output (rounded to nearest on the GPU)
+
+
+def _shared_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator):
+    """``KernelMoE``'s layout: each token's top-k of the routed experts, then the shared one (id num_experts,
+    weight 1), over num_experts + 1 stacked experts."""
+    experts = torch.rand(num_tokens, num_experts, generator=gen, device=gen.device).argsort(-1)[:, :top_k]
+    weights = torch.rand(num_tokens, top_k, generator=gen, device=gen.device)
+    shared = torch.full((num_tokens, 1), num_experts, dtype=experts.dtype, device=gen.device)
+    return reference.route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(weights[:, :1])), 1),
+                                    num_experts + 1)
+
+
+@pytest.mark.parametrize("prequantize", [True, False])
+def test_shared_expert_in_its_own_launches_gives_the_one_launch_bits_interpreted(prequantize, monkeypatch):
+    """40 tokens over 8 routed experts (top-1) and the shared one: BLOCK_M 16 (about 9 rows per expert), so the
+    shared expert spans 3 M tiles and ``moe_experts`` launches it apart, split over M (3 items per N tile);
+    the output equals the one launch's bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    num_experts, hidden, inter, num_tokens = 8, 128, 128, 40
+    meta = _shared_routing(num_tokens, num_experts, 1, gen)
+    w13, s13 = _weights(num_experts + 1, 2 * inter, hidden, gen)
+    w2, s2 = _weights(num_experts + 1, hidden, inter, gen)
+    x = (torch.randn(num_tokens, hidden, generator=gen) * 2).to(torch.bfloat16)
+    mg = load_interpreted("moe_grouped_gemm")
+    assert mg.default_block_m(meta["slot_of"].numel() / (num_experts + 1)) == 16 and mg.shared_apart(num_tokens, 16)
+    launches = []
+    real = mg.moe_grouped_gemm
+    monkeypatch.setattr(mg, "moe_grouped_gemm", lambda *a, **kw: launches.append(kw["w"].shape[0] if "w" in kw
+                                                                                   else a[1].shape[0]) or real(*a, **kw))
+    with interpreter():
+        apart = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5, prequantize=prequantize, shared_last=True)
+        assert launches == [num_experts, num_experts, 1, 1]  # routed gate/up and down, then the shared ones
+        one = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5, prequantize=prequantize, shared_last=True,
+                             shared_launch=False)
+    assert launches[4:] == [num_experts + 1, num_experts + 1]
+    assert torch.equal(apart, one)
+    if prequantize:  # and both are the layer: test_prequantized_path_interpreted_matches_reference's bound
+        ref = reference.moe_experts(x, meta, w13, s13, w2, s2, 0.5, shared_last=True)
+        assert _rel(apart, ref) < BF16_TRUNC_REL
+
+
+def test_shared_launch_with_no_live_row_does_nothing_interpreted():
+    """No token routed (graph warm-up: every row dead, so no expert has rows and ``num_active`` is 0): the
+    routed launch's −1 active experts and the shared launch's empty expert write nothing."""
+    gen = torch.Generator().manual_seed(13)
+    num_experts, hidden, inter, num_tokens = 8, 128, 128, 40
+    meta = _shared_routing(num_tokens, num_experts, 1, gen)
+    meta = dict(meta, counts=torch.zeros_like(meta["counts"]), num_active=torch.zeros_like(meta["num_active"]))
+    w13, s13 = _weights(num_experts + 1, 2 * inter, hidden, gen)
+    w2, s2 = _weights(num_experts + 1, hidden, inter, gen)
+    mg = load_interpreted("moe_grouped_gemm")
+    routed, shared = mg.split_shared(meta)
+    assert int(routed["num_active"]) == -1 and shared["active"].tolist() == [0] and shared["num_active"].tolist() == [1]
+    with interpreter():
+        h = mg.empty_output(num_experts + 1, num_tokens, inter, torch.float32, torch.device("cpu"))
+        h.fill_(7.0)
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        mg.moe_grouped_gemm(x, w13[:-1], s13[:-1], routed, gather=True, swiglu_limit=0.5, out_dtype=torch.float32,
+                            block_m=16, out=h[:-1])
+        mg.moe_grouped_gemm(x, w13[-1:], s13[-1:], shared, gather=True, swiglu_limit=0.5, out_dtype=torch.float32,
+                            block_m=16, out=h[-1:])
+    assert bool((h == 7.0).all())
+    with pytest.raises(ValueError, match="out must be"):
+        mg.moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=0.5, out_dtype=torch.float32, out=h[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_shared_expert_apart_replays_in_a_cuda_graph_with_the_one_launch_bits():
+    """v41-s1's layer at decode batch 256 (BLOCK_M 64: the shared expert spans 4 M tiles, so it is launched
+    apart): captured once, replayed with new routing and tokens, every replay equal to the one-launch layer
+    computed eagerly on the same inputs."""
+    from kernels.moe_grouped_gemm import default_block_m, moe_experts, shared_apart
+
+    gen = torch.Generator("cuda").manual_seed(14)
+    e, d, i, num_tokens = S1["num_experts"], S1["hidden"], S1["inter"], 256
+    w13, s13 = _weights(e + 1, 2 * i, d, gen)
+    w2, s2 = _weights(e + 1, d, i, gen)
+    x = torch.randn(num_tokens, d, generator=gen, device="cuda").to(torch.bfloat16)
+    meta = _shared_routing(num_tokens, e, S1["top_k"], gen)
+    assert shared_apart(num_tokens, default_block_m(meta["slot_of"].numel() / (e + 1)))
+    moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)
+    for _ in range(2):
+        fresh = _shared_routing(num_tokens, e, S1["top_k"], gen)
+        for key, value in fresh.items():
+            meta[key].copy_(value)
+        x.copy_(torch.randn(num_tokens, d, generator=gen, device="cuda"))
+        graph.replay()
+        one = moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True, shared_launch=False)
+        assert torch.equal(out, one)

@@ -37,12 +37,15 @@ def test_every_row_at_toy_sizes_and_the_variants_agree_bit_for_bit(monkeypatch):
     assert kinds[:2] == ["moe layer gate/up+swiglu fp8→fp8 [m_split 1] (engine)",
                          "moe layer gate/up+swiglu fp8→fp8 [m_split 3]"]
     assert kinds[2:4] == ["moe layer down fp8→bf16 [m_split 1] (engine)", "moe layer down fp8→bf16 [m_split 3]"]
-    assert kinds[4:6] == ["projection toy.wq [BLOCK_M 16] (engine)", "projection toy.wq [BLOCK_M 32]"]
-    assert len(rows) == 8 and all(r["us"] == 100.0 and r["tb_s"] > 0 for r in rows)
+    assert kinds[4:6] == ["moe layer experts+combine [shared stacked]", "moe layer experts+combine [shared apart] (engine)"]
+    assert kinds[6:8] == ["projection toy.wq [BLOCK_M 16] (engine)", "projection toy.wq [BLOCK_M 32]"]
+    assert len(rows) == 10 and all(r["us"] == 100.0 and r["tb_s"] > 0 for r in rows)
     # Each pair of variants writes the same values. Slots past an expert's count are never written
     # (uninitialised), so the MoE outputs compare on the written slots: those with a token in them.
-    assert len(outputs) == 8
-    written = gemms._layer_meta(40, torch.Generator().manual_seed(0))  # the same draws as the bench's
+    assert len(outputs) == 10
+    assert torch.equal(outputs[4], outputs[5])  # the whole layer: the shared expert apart gives the same bits
+    outputs = outputs[:4] + outputs[6:]
+    written = gemms.layer_meta(40, torch.Generator().manual_seed(0))  # the same draws as the bench's
     mask = torch.arange(40)[None, :] < written["counts"][:, None]  # [E+1, cap]
     for first, second in (outputs[0:2], outputs[2:4]):
         assert torch.equal(first[mask].float(), second[mask].float())

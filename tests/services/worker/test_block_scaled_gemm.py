@@ -12,6 +12,7 @@ import torch
 from kernels.reference import GROUP, dequantize_weight_block128
 from services.worker import block_scaled_gemm
 from services.worker.block_scaled_gemm import PROBE_REL
+from tests.tolerances import FP32_REORDER_REL
 
 
 def test_scale_b_is_k_major_padded_to_four_k_blocks_with_ones():
@@ -21,6 +22,30 @@ def test_scale_b_is_k_major_padded_to_four_k_blocks_with_ones():
     assert torch.equal(s[:5], w_scale.t()) and torch.equal(s[5:], torch.ones(3, 3))
     even = block_scaled_gemm.scale_b(w_scale[:, :4])  # K/128 = 4: no padding
     assert even.shape == (4, 3) and even.stride() == (1, 4) and torch.equal(even, w_scale[:, :4].t())
+
+
+def test_matmul_hands_cublas_a_multiple_of_four_rows_and_cuts_the_output_back(monkeypatch):
+    """Row counts that are not a multiple of ``ROW_ALIGN`` are padded with zero rows (scale 1) for the call
+    (``F.scaled_mm`` replaced by a CPU product that checks the operands' layouts) and the pad rows dropped."""
+    seen = []
+
+    def scaled_mm(q, w_t, s, recipe_a, w_scale_b, recipe_b, output_dtype):
+        assert s.stride() == (1, q.shape[0]) and w_scale_b.stride() == (1, w_scale_b.shape[0])
+        seen.append(q.shape[0])
+        return ((q.float() * s.repeat_interleave(GROUP, dim=1)) @ w_t.float()).to(output_dtype)
+
+    monkeypatch.setattr(block_scaled_gemm.F, "scaled_mm", scaled_mm)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 384, generator=gen).to(torch.float8_e4m3fn)
+    w_scale_b = block_scaled_gemm.scale_b(torch.ones(2, 3))
+    for m in (8, 7, 5):
+        q = torch.randn(m, 384, generator=gen).to(torch.float8_e4m3fn)
+        s = torch.exp2(torch.randint(-3, 3, (m, 3), generator=gen).float())
+        out = block_scaled_gemm.matmul((q, s), w, w_scale_b, torch.float32)
+        assert out.shape == (m, 256) and out.is_contiguous()
+        want = (q.float() * s.repeat_interleave(GROUP, dim=1)) @ w.float().t()
+        assert _rel(out, want) <= FP32_REORDER_REL  # the same product over more rows: at most reordered
+    assert seen == [8, 8, 8]
 
 
 def test_only_a_hopper_gpu_takes_the_path():
@@ -44,7 +69,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @HOPPER
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1280, 5120), (32768, 1280), (5120, 8192)])  # v41-s1's wq_a, wq_b, wo_b
-def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_does(n, k, out_dtype):
+@pytest.mark.parametrize("m", [1024, 1030])  # 1,030: padded to 1,032 rows for cuBLASLt (ROW_ALIGN)
+def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_does(m, n, k, out_dtype):
     from kernels.fp8_weights import quantize_weight_block128
     from kernels.moe_grouped_gemm import moe_grouped_gemm
     from kernels.quant_fp8 import quantize_act
@@ -53,7 +79,6 @@ def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_
     dev = torch.device("cuda")
     assert block_scaled_gemm.available(dev)
     gen = torch.Generator(device=dev).manual_seed(n + k)
-    m = 1024
     w, w_scale = quantize_weight_block128(torch.randn(n, k, device=dev, generator=gen) * 0.02)
     a = quantize_act(torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16))
     exact = _exact(a, w, w_scale)

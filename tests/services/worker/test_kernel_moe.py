@@ -26,7 +26,9 @@ from model.deepseek_v41.vision import span_length, span_rows_cols
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.fp8_linear import KernelSet
-from services.worker import kernel_moe
+from kernels import invariance
+from kernels.reference import GROUP, dequantize_weight_block128
+from services.worker import block_scaled_experts, block_scaled_gemm, kernel_moe
 from services.worker.kernel_moe import KernelMoE
 from services.worker.model_runner import ModelRunner
 from tests import tolerances
@@ -97,6 +99,22 @@ def test_decode_sizes_take_the_layout_kernel_and_match_the_torch_layout(monkeypa
     assert torch.equal(out_k, out_t) and torch.equal(counts_k, counts_t) and int(counts_k.sum()) == 7 * moe.top_k
 
 
+def test_the_shared_experts_own_launches_give_the_same_bits_with_dead_rows(monkeypatch):
+    """``moe_experts`` launching the shared expert apart (forced here at 8 rows) or stacked: the same bits,
+    with dead rows and with every row dead (no active expert: the routed launch's count is −1)."""
+    model = case("oracle").model
+    x = torch.randn(1, 8, model.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    live = torch.tensor([True, False, True, True, False, True, True, True])
+    with interpreter():
+        moe = KernelMoE(copy.deepcopy(model.layers[1].ffn), "fp8", _moe_kernels())
+        results = []
+        for apart in (True, False):
+            monkeypatch.setattr(moe.kernels.moe_grouped_gemm, "shared_apart", lambda *a, apart=apart: apart)
+            results.append((moe(x, live=live), moe(x, live=torch.zeros_like(live))))
+    (apart, apart_dead), (one, one_dead) = results
+    assert torch.equal(apart, one) and torch.equal(apart_dead, torch.zeros_like(x)) and torch.equal(one_dead, apart_dead)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_long_steps_run_in_passes_with_the_same_rows(precision, monkeypatch):
     """Above MOE_MAX_TOKENS the tokens go through in passes (prefill memory): the same outputs and
@@ -140,6 +158,124 @@ def test_dead_rows_route_nowhere_flash_layer():
         x = torch.randn(1, 64, V41_S1.hidden_size, dtype=torch.bfloat16)
         live = torch.rand(64) < 0.55
     check_live_mask(kmoe, x, live, tol=2e-2)  # bf16 outputs: 2^-7 relative per rounding
+
+
+# ---------------------------------------------------------------- prefill experts through cuBLASLt
+
+
+def _emulated_matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``block_scaled_gemm.matmul`` on the CPU: the fp32 product of the dequantised operands (what cuBLASLt
+    computes, up to summation order), in ``out_dtype``; the weight scales read back from cuBLASLt's layout."""
+    q, s = a
+    w_scale = w_scale_b.t()[:, : w.shape[1] // GROUP]  # [K_blocks, N/128] → [N/128, K/128]
+    return ((q.float() * s.repeat_interleave(GROUP, dim=1)) @ dequantize_weight_block128(w, w_scale).t()).to(out_dtype)
+
+
+@pytest.fixture
+def emulated_cublas(monkeypatch) -> list[int]:
+    """The block-scaled path on the CPU: ``available`` holds, ``matmul`` is the emulation (its calls counted),
+    and the thresholds are 8 tokens and 1 routed row per expert, so the tiny layer's steps take it."""
+    calls: list[int] = []
+    monkeypatch.setattr(block_scaled_gemm, "available", lambda device, out_dtype=torch.bfloat16: True)
+    monkeypatch.setattr(block_scaled_gemm, "matmul", lambda a, *rest: calls.append(a[0].shape[0]) or _emulated_matmul(a, *rest))
+    monkeypatch.setattr(block_scaled_gemm, "MIN_TOKENS", 8)
+    monkeypatch.setattr(block_scaled_experts, "MIN_ROWS_PER_EXPERT", 1)
+    return calls
+
+
+def _compiled_like_kernels() -> KernelSet:
+    """The interpreted kernels as a compiled set (``interpreted`` False): the cuBLASLt path's dispatch sees a
+    GPU's kernel set, and its quantisation and combine run interpreted."""
+    return dataclasses.replace(_moe_kernels(), interpreted=False)
+
+
+def test_prefill_steps_take_the_block_scaled_experts_and_agree_with_the_grouped_path(emulated_cublas):
+    """From MIN_TOKENS rows (and MIN_ROWS_PER_EXPERT per expert) each active expert's gate/up and down products
+    go through ``block_scaled_gemm.matmul`` on its own rows, padded to ``ROW_ALIGN`` (the shared expert on all of
+    them); the output and
+    the counts agree with the grouped Triton path's. Dead rows take no rows and come out as zeros."""
+    model = case("oracle").model
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 12, model.cfg.hidden_size, generator=gen)
+    live = torch.ones(12, dtype=torch.bool)
+    live[[2, 9]] = False
+    with interpreter():
+        moe = KernelMoE(copy.deepcopy(model.layers[1].ffn), "fp8", _compiled_like_kernels())
+        counts = torch.zeros(moe.num_experts, dtype=torch.long)
+        got = moe(x, counts, live=live)
+        calls = list(emulated_cublas)
+        block_scaled_gemm.MIN_TOKENS = 13  # one row short: the grouped path
+        grouped_counts = torch.zeros_like(counts)
+        want = moe(x, grouped_counts, live=live)
+        picks = moe.kernels.moe_router.moe_router(x[0, live].contiguous(), moe.gate_weight, moe.gate_bias, moe.top_k,
+                                                  moe.route_scale)[1]
+    assert len(emulated_cublas) == len(calls)  # the grouped path made no call
+    routed = torch.bincount(picks.flatten().long(), minlength=moe.num_experts)
+    per_expert = [int(n) for n in routed if n] + [int(live.sum())]  # active routed experts in id order, then shared
+    align = block_scaled_gemm.ROW_ALIGN  # each expert's rows padded to cuBLASLt's row multiple
+    per_expert = [-(-n // align) * align for n in per_expert]
+    assert calls == per_expert + per_expert  # gate/up for each, then down for each
+    assert torch.equal(counts, grouped_counts) and torch.equal(counts, routed)
+    assert torch.equal(got[:, ~live], torch.zeros_like(got[:, ~live]))
+    # Both paths: the same e4m3 operands and scales, fp32 products; they differ in summation order, silu's
+    # formula and the bf16 cast of the down output (the interpreter truncates, the emulation rounds to
+    # nearest: one ulp at most, the BF16_TRUNC_REL derivation), and so in the rare e4m3 code of h that moves.
+    rel = _rel(got, want)
+    print(f"\nblock-scaled experts (emulated) vs the grouped Triton path: relative error {rel:.3g}")
+    assert rel <= tolerances.BF16_TRUNC_REL
+
+
+def test_the_block_scaled_experts_stay_out_of_the_mode_the_interpreter_and_small_steps(emulated_cublas):
+    model = case("oracle").model
+    x = torch.randn(1, 12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    ffn = model.layers[1].ffn
+    with interpreter():
+        KernelMoE(copy.deepcopy(ffn), "fp8", _moe_kernels())(x)  # the interpreted set
+        with invariance.fixed_configs():  # the batch-invariant mode
+            KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
+        block_scaled_experts.MIN_ROWS_PER_EXPERT = 12 * 6  # more rows per expert than the step has
+        KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
+        assert emulated_cublas == []
+        block_scaled_experts.MIN_ROWS_PER_EXPERT = 1
+        KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
+    assert emulated_cublas  # the same step outside all three takes it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a compute capability 9.x GPU (H100/H200)")
+def test_gpu_block_scaled_experts_agree_with_the_grouped_path_on_a_flash_layer(monkeypatch):
+    """A v41-s1 MoE layer (D 5120, I 2304, 48 experts top-6 + shared) at 4,096 tokens, 512 routed rows per
+    expert: cuBLASLt's path is taken (two products per active expert) and agrees with the grouped Triton
+    path. Bound: each down output is cast to bf16 by both (round to nearest, ≤ 2^-8 relative each); Hopper's
+    FP8 MMA sums each 128-deep step in fewer bits than fp32 (1.9e-4 relative measured, test_moe_grouped_gemm),
+    which moves an e4m3 code of h where it lies that close to a rounding boundary: PROBE_REL (2^-7) per path,
+    test_block_scaled_gemm's bound against the exact product, twice for the two paths."""
+    from model.deepseek_v41.moe import MoE
+    from model.deepseek_v41.presets import V41_S1
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(V41_S1)
+        with torch.no_grad():
+            for name, p in moe.named_parameters():
+                p.normal_(0.0, 0.01 if name == "gate_bias" else p.shape[-1] ** -0.5)
+        kmoe = KernelMoE(moe, "fp8", KernelSet.compiled())
+        del moe
+        x = torch.randn(1, 4096, V41_S1.hidden_size, dtype=torch.bfloat16)
+    assert block_scaled_experts.applies(4096, kmoe.top_k, kmoe.num_experts, x.device, False)
+    calls = []
+    real = block_scaled_gemm.matmul
+    monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *a: calls.append(1) or real(*a))
+    counts = torch.zeros(kmoe.num_experts, dtype=torch.long, device="cuda")
+    got = kmoe(x, counts)
+    assert len(calls) == 2 * (int((counts > 0).sum()) + 1)
+    monkeypatch.setattr(block_scaled_experts, "applies", lambda *a: False)
+    want = kmoe(x)
+    rel = _rel(got, want)
+    print(f"\nv41-s1 MoE layer, 4096 tokens: cuBLASLt per expert vs grouped Triton, relative error {rel:.3g}")
+    assert rel <= 2 * block_scaled_gemm.PROBE_REL
 
 
 # ---------------------------------------------------------------- the image mask (bias_vl)
