@@ -1,0 +1,157 @@
+"""Live EPLB on ``LLM(data_parallel_size=2)`` (gloo, tiny, batch-invariant): a layout submitted mid-generation
+moves in the background and takes effect at one step boundary agreed by both ranks, even when the ranks
+receive it at different steps; greedy tokens equal one process's; the moved slots hold the checkpoint's
+bytes; a plan of another shape is refused and the next one still applies; a planner's plan from recorded
+receiving-side counts predicts the moe_lb of the replayed load exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.deepseek_v41.presets import TINY
+from services.engine.llm import LLM
+from services.engine.model_source import load_model
+from services.engine.parallel.live_plans import PlanIntake, slot_load_report, update_from_plan
+from services.engine.parallel.rank import run_to_completion
+from services.engine.parallel.ranks import spread_by_load
+from services.engine.sampling_params import SamplingParams
+from services.eplb.guarded import PlanConfig
+from services.eplb.layout import Layout, peak_sum, startup_layout
+from services.eplb.messages import decode_plan
+from services.eplb.planner import Planner, PlannerConfig
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+ENGINE = dict(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16,
+              device="cpu")
+LAYERS = TINY.num_hidden_layers
+# Start-up: rank 0 holds experts 0-3, rank 1 experts 4-7. MOVED (10 slots, 5 a rank) moves experts both ways
+# and gives 0 and 3 a second copy; SWAPPED then trades rank 0's 7 and 5 for rank 1's 4 and 1.
+MOVED = Layout((7, 0, 3, 3, 5, 6, 1, 2, 4, 0), num_gpus=2, num_logical=8)
+SWAPPED = Layout((4, 0, 3, 3, 1, 6, 7, 2, 5, 0), num_gpus=2, num_logical=8)
+
+
+def _expert_weights(rank) -> list[tuple[bytes, bytes, bytes]]:
+    """On a rank: each layer's (w1, w3, w2) bytes, slot order."""
+    return [tuple(getattr(block.ffn.moe, n).detach().numpy().tobytes() for n in ("w1", "w3", "w2"))
+            for block in rank.model.layers]
+
+
+def _switches(rank) -> tuple[int, list[tuple[int, int]]]:
+    return rank.live.version, list(rank.live.switches)
+
+
+def _record(rank, requests) -> list:
+    """On a rank: runs its share of ``requests`` and reports each step's receiving-side slot counts."""
+    share = spread_by_load(requests, rank.groups.world_size)[rank.rank]
+    rank.parallel.take_slot_counts()  # only this call's steps
+    reports = []
+
+    def take() -> None:
+        reports.append(slot_load_report(rank.parallel, rank.rank, len(reports), rank.live.version))
+
+    run_to_completion(rank, share, on_step=take)
+    return reports
+
+
+def _assert_checkpoint_bytes(llm: LLM, layouts: list[Layout]) -> None:
+    full = load_model("tiny", 0).model
+    for rank, layers in enumerate(llm.ranks.call(_expert_weights)):
+        for layer, got in enumerate(layers):
+            s = layouts[layer].slots_per_gpu
+            experts = list(layouts[layer].phy2log[rank * s : (rank + 1) * s])
+            moe = full.layers[layer].ffn
+            assert got == tuple(w[experts].detach().numpy().tobytes() for w in (moe.w1, moe.w3, moe.w2))
+
+
+def _logical(reports_by_rank: list, layer: int, layout: Layout) -> np.ndarray:
+    """[step, logical expert] load of ``layer`` from every rank's slot counts under ``layout``."""
+    load = np.zeros((len(reports_by_rank[0]), layout.num_logical), dtype=np.int64)
+    for reports in reports_by_rank:
+        for step, report in enumerate(reports):
+            np.add.at(load[step], layout.array(), report.counts[layer])
+    return load
+
+
+@pytest.fixture(scope="module")
+def one_process(one_torch_thread):
+    return [o.token_ids for o in LLM("tiny", **ENGINE).generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    llm = LLM("tiny", data_parallel_size=2, num_redundant_experts=2, rank_timeout_s=20.0, **ENGINE)
+    yield llm
+    llm.close()
+
+
+def test_a_layout_applied_mid_generation_switches_at_one_step_and_keeps_tokens(two_ranks, one_process):
+    ranks = two_ranks.ranks
+    # Rank 0 gets the layout before step 1, rank 1 before step 3: the moves start once both have it.
+    version = ranks.submit_layouts({layer: MOVED for layer in range(LAYERS)}, at_step=[1, 3])
+    outputs = ranks.generate([(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in outputs] == one_process
+    (v0, log0), (v1, log1) = ranks.call(_switches)
+    assert v0 == v1 == version
+    assert log0 == log1  # the same boundary on every rank
+    (_, boundary), = log0
+    # Boundaries of the call: one before each step and the last (no work); the switch came with steps left.
+    num_steps = max(len(t) for t in one_process) + 1
+    assert 3 < boundary < num_steps - 1, (boundary, num_steps)
+    _assert_checkpoint_bytes(two_ranks, [MOVED] * LAYERS)
+
+
+def test_a_plan_of_another_shape_is_refused_and_the_next_applies(two_ranks, one_process, caplog):
+    ranks = two_ranks.ranks
+    before = ranks.call(_switches)[0][0]
+    bad = ranks.submit_layouts({0: startup_layout(8, 4, 0)})  # 4 ranks: refused on both, version used up
+    good = ranks.submit_layouts({layer: SWAPPED for layer in range(LAYERS)}, at_step=2)
+    assert bad == before + 1 and good == bad + 1
+    outputs = ranks.generate([(str(100 + i), p, GREEDY) for i, p in enumerate(PROMPTS[:3])])
+    assert [o.token_ids for o in outputs] == one_process[:3]
+    assert ranks.settle_layouts() == [good, good]
+    _assert_checkpoint_bytes(two_ranks, [SWAPPED] * LAYERS)
+    # Bad bytes on the plan subject are refused without touching the ranks' versions.
+    assert not PlanIntake(None).take(b"{not json")  # type: ignore[arg-type]
+
+
+def test_moe_lb_of_the_replayed_load_equals_the_plans_prediction(one_torch_thread):
+    # No redundant copies, so every pair goes to its expert's one slot and the plan's even split is exact.
+    llm = LLM("tiny", data_parallel_size=2, rank_timeout_s=20.0, **ENGINE)
+    try:
+        ranks = llm.ranks
+        skewed = [[5, 5, 5, 5, 5, 5], [5, 5, 5], [6, 5, 5, 5], [5, 5], [5, 6, 5, 6, 5], [5]]
+        requests = [(str(i), p, GREEDY) for i, p in enumerate(skewed)]
+        recorded = ranks.call(_record, requests)
+        num_steps = len(recorded[0])
+        planner = Planner(PlannerConfig(num_logical=8, num_gpus=2, num_redundant=0, num_layers=LAYERS, num_ranks=2,
+                                        interval=10**6, window=num_steps, plan=PlanConfig(threshold=0.0)))
+        for reports in recorded:
+            for report in reports:
+                planner.add(report)
+        assert planner.num_completed == num_steps
+        start = startup_layout(8, 2, 0)
+        outcome = planner.replan()
+        plans = [decode_plan(m.encode()) for m in outcome.plans]  # as they travel over NATS
+        assert plans, "the skewed load leaves the start-up layout in force on every layer"
+        for plan in plans:
+            assert ranks.submit_layouts(update_from_plan(plan).layouts) == plan.version
+        assert ranks.settle_layouts() == [plans[-1].version] * 2
+        layouts = [planner.layout(layer) for layer in range(LAYERS)]
+        _assert_checkpoint_bytes(llm, layouts)
+        replayed = ranks.call(_record, [(str(100 + i), p, GREEDY) for i, p in enumerate(skewed)])
+        assert len(replayed[0]) == num_steps
+        for layer in range(LAYERS):
+            # [step, gpu]: the pairs that arrived at each rank's slots (the receiving side).
+            got = np.stack([np.array([r.counts[layer, rank * 4 : rank * 4 + 4].sum() for r in replayed[rank]])
+                            for rank in range(2)], axis=1).astype(np.float64)
+            # The replay routed the same logical load, step by step (batch-invariant and deterministic).
+            np.testing.assert_array_equal(_logical(replayed, layer, layouts[layer]), _logical(recorded, layer, start))
+            lb = peak_sum(got) / (float(got.sum()) / 2)
+            predicted = [p.moe_lb_after for p in plans if p.layer == layer]
+            if predicted:
+                assert lb == predicted[-1], (layer, lb, predicted)
+            assert lb == outcome.moe_lb[layer]
+    finally:
+        llm.close()
