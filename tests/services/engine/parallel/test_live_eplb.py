@@ -23,13 +23,15 @@ from services.eplb.planner import Planner, PlannerConfig
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+SHORT = SamplingParams(temperature=0.0, max_tokens=4)
 ENGINE = dict(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16,
               device="cpu")
 LAYERS = TINY.num_hidden_layers
-# Start-up: rank 0 holds experts 0-3, rank 1 experts 4-7. MOVED (10 slots, 5 a rank) moves experts both ways
-# and gives 0 and 3 a second copy; SWAPPED then trades rank 0's 7 and 5 for rank 1's 4 and 1.
-MOVED = Layout((7, 0, 3, 3, 5, 6, 1, 2, 4, 0), num_gpus=2, num_logical=8)
-SWAPPED = Layout((4, 0, 3, 3, 1, 6, 7, 2, 5, 0), num_gpus=2, num_logical=8)
+# No redundant copies (so the moe_lb prediction is exact, below): 8 slots, 4 a rank. Start-up: rank 0 holds
+# experts 0-3, rank 1 experts 4-7. MOVED moves 1 and 2 to rank 1 and 5 and 7 to rank 0, in new slot orders;
+# SWAPPED then trades rank 0's 7 and 5 for rank 1's 4 and 1. (Copies moving and added: test_ranks.py.)
+MOVED = Layout((7, 0, 3, 5, 6, 1, 2, 4), num_gpus=2, num_logical=8)
+SWAPPED = Layout((4, 0, 3, 1, 6, 7, 2, 5), num_gpus=2, num_logical=8)
 
 
 def _expert_weights(rank) -> list[tuple[bytes, bytes, bytes]]:
@@ -39,7 +41,12 @@ def _expert_weights(rank) -> list[tuple[bytes, bytes, bytes]]:
 
 
 def _switches(rank) -> tuple[int, list[tuple[int, int]]]:
+    """On a rank: the version in force and the (version, boundary) log of its switches."""
     return rank.live.version, list(rank.live.switches)
+
+
+def _num_boundaries(rank) -> int:
+    return rank.live.num_boundaries
 
 
 def _record(rank, requests) -> list:
@@ -81,24 +88,65 @@ def one_process(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    llm = LLM("tiny", data_parallel_size=2, num_redundant_experts=2, rank_timeout_s=20.0, **ENGINE)
+    llm = LLM("tiny", data_parallel_size=2, rank_timeout_s=20.0, **ENGINE)
     yield llm
     llm.close()
+
+
+def test_moe_lb_of_the_replayed_load_equals_the_plans_prediction(two_ranks):
+    # First on the group: the planner starts from the start-up layout, as the ranks do. No redundant copies,
+    # so every pair goes to its expert's one slot and the plan's even split over copies is exact.
+    llm = two_ranks
+    ranks = llm.ranks
+    assert ranks.call(_switches) == [(0, [])] * 2, "this test runs first on the group"
+    skewed = [[5, 5, 5, 5, 5, 5], [5, 5, 5], [6, 5, 5, 5], [5, 5], [5, 6, 5, 6, 5], [5]]
+    requests = [(str(i), p, SHORT) for i, p in enumerate(skewed)]
+    recorded = ranks.call(_record, requests)
+    num_steps = len(recorded[0])
+    planner = Planner(PlannerConfig(num_logical=8, num_gpus=2, num_redundant=0, num_layers=LAYERS, num_ranks=2,
+                                    interval=10**6, window=num_steps, plan=PlanConfig(threshold=0.0)))
+    for reports in recorded:
+        for report in reports:
+            planner.add(report)
+    assert planner.num_completed == num_steps
+    start = startup_layout(8, 2, 0)
+    outcome = planner.replan()
+    plans = [decode_plan(m.encode()) for m in outcome.plans]  # as they travel over NATS
+    assert plans, "the skewed load leaves the start-up layout in force on every layer"
+    for plan in plans:
+        assert ranks.submit_layouts(update_from_plan(plan).layouts) == plan.version
+    assert ranks.settle_layouts() == [plans[-1].version] * 2
+    layouts = [planner.layout(layer) for layer in range(LAYERS)]
+    _assert_checkpoint_bytes(llm, layouts)
+    replayed = ranks.call(_record, [(str(100 + i), p, SHORT) for i, p in enumerate(skewed)])
+    assert len(replayed[0]) == num_steps
+    for layer in range(LAYERS):
+        # [step, gpu]: the pairs that arrived at each rank's slots (the receiving side).
+        got = np.stack([np.array([r.counts[layer, rank * 4 : rank * 4 + 4].sum() for r in replayed[rank]])
+                        for rank in range(2)], axis=1).astype(np.float64)
+        # The replay routed the same logical load, step by step (batch-invariant and deterministic).
+        np.testing.assert_array_equal(_logical(replayed, layer, layouts[layer]), _logical(recorded, layer, start))
+        lb = peak_sum(got) / (float(got.sum()) / 2)
+        predicted = [p.moe_lb_after for p in plans if p.layer == layer]
+        if predicted:
+            assert lb == predicted[-1], (layer, lb, predicted)
+        assert lb == outcome.moe_lb[layer]
 
 
 def test_a_layout_applied_mid_generation_switches_at_one_step_and_keeps_tokens(two_ranks, one_process):
     ranks = two_ranks.ranks
     # Rank 0 gets the layout before step 1, rank 1 before step 3: the moves start once both have it.
     version = ranks.submit_layouts({layer: MOVED for layer in range(LAYERS)}, at_step=[1, 3])
+    first, _ = ranks.call(_num_boundaries)
     outputs = ranks.generate([(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
     assert [o.token_ids for o in outputs] == one_process
     (v0, log0), (v1, log1) = ranks.call(_switches)
     assert v0 == v1 == version
     assert log0 == log1  # the same boundary on every rank
-    (_, boundary), = log0
+    (boundary,) = [b for v, b in log0 if v == version]
     # Boundaries of the call: one before each step and the last (no work); the switch came with steps left.
     num_steps = max(len(t) for t in one_process) + 1
-    assert 3 < boundary < num_steps - 1, (boundary, num_steps)
+    assert 3 < boundary - first < num_steps - 1, (boundary - first, num_steps)
     _assert_checkpoint_bytes(two_ranks, [MOVED] * LAYERS)
 
 
@@ -114,44 +162,3 @@ def test_a_plan_of_another_shape_is_refused_and_the_next_applies(two_ranks, one_
     _assert_checkpoint_bytes(two_ranks, [SWAPPED] * LAYERS)
     # Bad bytes on the plan subject are refused without touching the ranks' versions.
     assert not PlanIntake(None).take(b"{not json")  # type: ignore[arg-type]
-
-
-def test_moe_lb_of_the_replayed_load_equals_the_plans_prediction(one_torch_thread):
-    # No redundant copies, so every pair goes to its expert's one slot and the plan's even split is exact.
-    llm = LLM("tiny", data_parallel_size=2, rank_timeout_s=20.0, **ENGINE)
-    try:
-        ranks = llm.ranks
-        skewed = [[5, 5, 5, 5, 5, 5], [5, 5, 5], [6, 5, 5, 5], [5, 5], [5, 6, 5, 6, 5], [5]]
-        requests = [(str(i), p, GREEDY) for i, p in enumerate(skewed)]
-        recorded = ranks.call(_record, requests)
-        num_steps = len(recorded[0])
-        planner = Planner(PlannerConfig(num_logical=8, num_gpus=2, num_redundant=0, num_layers=LAYERS, num_ranks=2,
-                                        interval=10**6, window=num_steps, plan=PlanConfig(threshold=0.0)))
-        for reports in recorded:
-            for report in reports:
-                planner.add(report)
-        assert planner.num_completed == num_steps
-        start = startup_layout(8, 2, 0)
-        outcome = planner.replan()
-        plans = [decode_plan(m.encode()) for m in outcome.plans]  # as they travel over NATS
-        assert plans, "the skewed load leaves the start-up layout in force on every layer"
-        for plan in plans:
-            assert ranks.submit_layouts(update_from_plan(plan).layouts) == plan.version
-        assert ranks.settle_layouts() == [plans[-1].version] * 2
-        layouts = [planner.layout(layer) for layer in range(LAYERS)]
-        _assert_checkpoint_bytes(llm, layouts)
-        replayed = ranks.call(_record, [(str(100 + i), p, GREEDY) for i, p in enumerate(skewed)])
-        assert len(replayed[0]) == num_steps
-        for layer in range(LAYERS):
-            # [step, gpu]: the pairs that arrived at each rank's slots (the receiving side).
-            got = np.stack([np.array([r.counts[layer, rank * 4 : rank * 4 + 4].sum() for r in replayed[rank]])
-                            for rank in range(2)], axis=1).astype(np.float64)
-            # The replay routed the same logical load, step by step (batch-invariant and deterministic).
-            np.testing.assert_array_equal(_logical(replayed, layer, layouts[layer]), _logical(recorded, layer, start))
-            lb = peak_sum(got) / (float(got.sum()) / 2)
-            predicted = [p.moe_lb_after for p in plans if p.layer == layer]
-            if predicted:
-                assert lb == predicted[-1], (layer, lb, predicted)
-            assert lb == outcome.moe_lb[layer]
-    finally:
-        llm.close()
