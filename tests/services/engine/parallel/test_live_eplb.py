@@ -6,6 +6,9 @@ receiving-side counts predicts the moe_lb of the replayed load exactly."""
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import numpy as np
 import pytest
 
@@ -47,6 +50,27 @@ def _switches(rank) -> tuple[int, list[tuple[int, int]]]:
 
 def _num_boundaries(rank) -> int:
     return rank.live.num_boundaries
+
+
+def _slow_moves(rank, slow_rank: int, delay_s: float) -> None:
+    """On a rank: from now on ``slow_rank``'s mover takes ``delay_s`` longer after each update's last layer
+    (every layer's copies are collective, so a delay before would hold both movers back alike): its moves
+    finish steps after its peer's. ``delay_s`` 0 restores the module's function."""
+    from services.worker.parallel import expert_moves, live_layouts
+
+    if rank.rank != slow_rank or delay_s == 0:
+        live_layouts.moved_weights = expert_moves.moved_weights
+        return
+
+    calls = itertools.count(1)
+
+    def slow(*args):
+        out = expert_moves.moved_weights(*args)
+        if next(calls) % LAYERS == 0:  # the tests' updates move every layer
+            time.sleep(delay_s)
+        return out
+
+    live_layouts.moved_weights = slow
 
 
 def _record(rank, requests) -> list:
@@ -135,14 +159,19 @@ def test_moe_lb_of_the_replayed_load_equals_the_plans_prediction(two_ranks):
 
 def test_a_layout_applied_mid_generation_switches_at_one_step_and_keeps_tokens(two_ranks, one_process):
     ranks = two_ranks.ranks
-    # Rank 0 gets the layout before step 1, rank 1 before step 3: the moves start once both have it.
+    # Rank 0 gets the layout before step 1, rank 1 before step 3: the moves start once both have it. Rank 1's
+    # moves then finish a few steps after rank 0's (a slow mover): the switch must wait for them on both.
     version = ranks.submit_layouts({layer: MOVED for layer in range(LAYERS)}, at_step=[1, 3])
     first, _ = ranks.call(_num_boundaries)
-    outputs = ranks.generate([(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
-    assert [o.token_ids for o in outputs] == one_process
+    ranks.call(_slow_moves, 1, 1.0)
+    try:
+        outputs = ranks.generate([(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
+    finally:
+        ranks.call(_slow_moves, 1, 0.0)
     (v0, log0), (v1, log1) = ranks.call(_switches)
     assert v0 == v1 == version
     assert log0 == log1  # the same boundary on every rank
+    assert [o.token_ids for o in outputs] == one_process
     (boundary,) = [b for v, b in log0 if v == version]
     # Boundaries of the call: one before each step and the last (no work); the switch came with steps left.
     num_steps = max(len(t) for t in one_process) + 1
