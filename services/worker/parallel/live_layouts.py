@@ -160,6 +160,8 @@ class LiveLayouts:
     def _put_in_force(self, layer: int, layout: Layout, weights: Weights) -> None:
         moe = self.moes[layer].moe
         for name, w in zip(("w1", "w3", "w2"), weights):
+            if w.is_cuda:  # made on the mover's stream, read on this one: freed only after this one's use
+                w.record_stream(torch.cuda.current_stream(w.device))
             setattr(moe, name, nn.Parameter(w, requires_grad=False))
         self.parallel.slots[layer] = ExpertSlots(layout, self.rank, self.parallel.slots[layer].table.device)
         self.parallel.slot_counts[layer].zero_()
