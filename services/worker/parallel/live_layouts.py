@@ -145,12 +145,15 @@ class LiveLayouts:
         self.agreed = agreed
         switched = []
         for version in range(self.version + 1, agreed.staged + 1):
-            for layer, layout, weights in self._done.pop(version):
+            staged = self._done.pop(version)
+            for layer, layout, weights in staged:
                 self._put_in_force(layer, layout, weights)
             with self._lock:
                 self._updates.pop(version, None)
             self.version = version
             self.switches.append((version, boundary))
+            log.info("EPLB version %d in force from boundary %d: layers %s moved", version, boundary,
+                     [layer for layer, _, _ in staged])  # [] for a refused plan
             switched.append(version)
         for version in range(self._started + 1, agreed.received + 1):
             self._work.put(self._updates[version])
