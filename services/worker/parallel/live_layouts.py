@@ -193,7 +193,10 @@ class LiveLayouts:
 
     def _move(self) -> None:
         device = self.parallel.slot_counts.device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = None
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's collectives and tensors on the rank's GPU
+            stream = torch.cuda.Stream(device)
         while True:
             update = self._work.get()
             if update is None:
