@@ -62,7 +62,7 @@ def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, ne
     return received
 
 
-def moved_weights(old: Layout, me: int, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], new: Layout,
+def moved_weights(old: Layout, me: int, weights: tuple[torch.Tensor, ...], new: Layout,
                   group: torch.distributed.ProcessGroup) -> tuple[tuple[torch.Tensor, ...], int]:
     """Rank ``me``'s expert weights under ``new``: ``weights`` = this rank's (w1 [S, I, D], w3 [S, I, D],
     w2 [S, D, I]) in ``old``'s slot order → new tensors in ``new``'s slot order (``weights`` untouched), and

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ from services.worker.parallel.expert_slots import ExpertSlots
 
 log = logging.getLogger("shinkai.worker.live_layouts")
 
-Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # one layer's (w1, w3, w2) on this rank, slot order
+Weights = tuple[torch.Tensor, ...]  # one layer's (w1, w3, w2) on this rank, slot order
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class LiveLayouts:
         self.agreed = agreed
         switched = []
         for version in range(self.version + 1, agreed.staged + 1):
+            start = time.perf_counter()
             staged = self._done.pop(version)
             for layer, layout, weights in staged:
                 self._put_in_force(layer, layout, weights)
@@ -152,8 +154,8 @@ class LiveLayouts:
                 self._updates.pop(version, None)
             self.version = version
             self.switches.append((version, boundary))
-            log.info("EPLB version %d in force from boundary %d: layers %s moved", version, boundary,
-                     [layer for layer, _, _ in staged])  # [] for a refused plan
+            log.info("EPLB version %d in force from boundary %d: layers %s moved, switched in %.3f ms", version,
+                     boundary, [layer for layer, _, _ in staged], 1e3 * (time.perf_counter() - start))
             switched.append(version)
         for version in range(self._started + 1, agreed.received + 1):
             self._work.put(self._updates[version])
