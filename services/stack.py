@@ -166,7 +166,9 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
     num_engines = config.data_parallel_size if ranks else config.num_engines  # engine processes
     stack += [
         Service("eplb", [*py, "services.eplb", "--nats-url", nats_url, "--health-addr", bind("eplb", "grpc"),
-                         "--num-experts", str(num_experts), "--num-gpus", "1", "--num-redundant", "0",
+                         "--num-experts", str(num_experts),  # a group's ranks apply its plans live
+                         "--num-gpus", str(config.data_parallel_size if ranks else 1),
+                         "--num-redundant", str(config.num_redundant_experts if ranks else 0),
                          "--num-layers", str(num_layers), "--num-ranks", str(num_engines)],
                 f"grpc:{at.port('eplb', 'grpc')}"),  # its --metrics-port binds every interface: left off
     ]

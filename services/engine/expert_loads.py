@@ -2,15 +2,17 @@
 
 `ExpertLoadPublisher` wraps the engine's worker (composition: the same ``execute``/``release``) and, after
 every step whose runner counted tokens per expert, publishes that step's ``[layers, experts]`` counts from
-the event loop's thread. The engine applies no plans yet, so the layout is the start-up one: physical slot
-= logical expert, ``plan_version`` 0. Steps are numbered per engine from 0; publishing is best effort.
+the event loop's thread. A single engine applies no plans, so the layout is the start-up one: physical slot
+= logical expert, ``plan_version`` 0. A data-parallel rank passes ``report`` instead: its receiving side's
+counts per physical slot with the plan version in force (services/engine/parallel/live_plans.py), taken
+after each (synchronous) step. Steps are numbered per engine from 0; publishing is best effort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from observability import tracing
@@ -23,7 +25,8 @@ log = logging.getLogger("shinkai.engine.expert_loads")
 
 
 class ExpertLoadPublisher:
-    def __init__(self, worker: Any, nc: Any, loop: asyncio.AbstractEventLoop, rank: int) -> None:
+    def __init__(self, worker: Any, nc: Any, loop: asyncio.AbstractEventLoop, rank: int,
+                 report: Callable[[int], LoadReport] | None = None) -> None:
         self.worker = worker  # the wrapped worker (in-process or remote)
         self.nc = nc  # a connected nats.aio.client.Client; None: not yet (nothing is published)
         self.loop = loop  # the loop that owns ``nc``; execute runs on the step thread
@@ -31,6 +34,7 @@ class ExpertLoadPublisher:
         self.num_steps = 0  # steps executed, the report's step number
         self.num_published = 0
         self._held: tuple[int, Any] | None = None  # (step, counts on the device) not yet published
+        self.report = report  # step → that step's report, taken after it (a rank); None: the runner's counts
 
     def execute(self, plan: Any, rows: Sequence[SamplingRow], *previous: WorkerOutput | None) -> WorkerOutput:
         """The wrapped worker's step. An async engine passes ``previous`` (the step in flight, or None): then
@@ -38,6 +42,11 @@ class ExpertLoadPublisher:
         them back never makes the host wait on the device (the engine reads that step then anyway); the
         counts of an async busy period's last step go out with the next step."""
         out = self.worker.execute(plan, rows, *previous)
+        if self.report is not None:  # a data-parallel rank: synchronous, its step is over
+            report = self.report(self.num_steps)
+            self.num_steps += 1
+            self._send(report)
+            return out
         self._publish_held()
         if out.expert_counts is not None:
             self._held = (self.num_steps, out.expert_counts)
@@ -53,7 +62,11 @@ class ExpertLoadPublisher:
         self._held = None
         if self.nc is None:
             return
-        report = LoadReport(rank=self.rank, step=step, plan_version=0, counts=counts.cpu().numpy())
+        self._send(LoadReport(rank=self.rank, step=step, plan_version=0, counts=counts.cpu().numpy()))
+
+    def _send(self, report: LoadReport) -> None:
+        if self.nc is None:
+            return
         # Taken here, on the step thread, where a traced step's span is current.
         headers = tracing.nats_headers()
         asyncio.run_coroutine_threadsafe(self._publish(report.encode(), headers), self.loop)

@@ -3,7 +3,8 @@
 It serves ``shinkai.v1.Shinkai`` over gRPC for the gateway (token ids in, token ids out; no text: the
 tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS.
 The worker runs in-process, or in its own process with ``--worker ADDR``; with NATS, every step's
-expert counts also go to the EPLB planner (`services/engine/expert_loads.py`). SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
+expert counts also go to the EPLB planner (`services/engine/expert_loads.py`); a data-parallel rank also
+takes the planner's plans and applies them live (`services/engine/parallel/live_plans.py`). SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
 ``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
 
 A remote worker is watched by heartbeat (`services/engine/heartbeat.py`): while it is gone the engine is
@@ -143,7 +144,13 @@ async def run(args: argparse.Namespace) -> int:
     if args.nats_url:  # wrap the worker before the server takes requests
         from services.engine.expert_loads import ExpertLoadPublisher
 
-        publisher = ExpertLoadPublisher(server.llm.engine.worker, None, loop, args.rank)
+        report = None
+        if args.data_parallel_size > 1:  # the receiving side's slot counts, under the plan version in force
+            from services.engine.parallel.live_plans import slot_load_report
+
+            rank = llm.rank
+            report = lambda step: slot_load_report(rank.parallel, rank.rank, step, rank.live.version)  # noqa: E731
+        publisher = ExpertLoadPublisher(server.llm.engine.worker, None, loop, args.rank, report)
         server.llm.engine.worker = publisher
     await server.start()
     address = server.api.urls()["grpc"]
@@ -159,6 +166,10 @@ async def run(args: argparse.Namespace) -> int:
         await reporter.start()
     if publisher is not None and reporter is not None:
         publisher.nc = reporter.nc  # expert-load reports start with the next step
+    if reporter is not None and args.data_parallel_size > 1:  # the planner's plans, applied live
+        from services.engine.parallel.live_plans import PlanIntake
+
+        await PlanIntake(llm.rank.live).subscribe(reporter.nc)
     worker = publisher.worker if publisher is not None else server.llm.engine.worker
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
     print(json.dumps({"event": "ready", "service": "engine", "replica": args.replica, "grpc": address,

@@ -70,6 +70,8 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
     assert [gateway[i + 1].split("=")[0] for i, a in enumerate(gateway) if a == "--engine"] == [s.name for s in ranks]
     eplb = stack[2].argv
     assert eplb[eplb.index("--num-ranks") + 1] == "3"
+    # The planner plans for the group it serves: 3 ranks, 8 experts + 2 copies rounded up to 12 slots.
+    assert eplb[eplb.index("--num-gpus") + 1] == "3" and eplb[eplb.index("--num-redundant") + 1] == "2"
     # up starts (and down stops) a group's members together: they wait for each other at the rendezvous.
     assert [[s.name for s in batch] for batch in _batches(stack)][3:] == [["engine-0", "engine-1", "engine-2"],
                                                                           ["gateway"]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +31,15 @@ from services.worker.parallel.ep_moe import ExpertParallel, shard_experts
 from services.worker.parallel.exchange import Exchange
 from services.worker.parallel.expert_moves import apply_layouts
 from services.worker.parallel.expert_slots import ExpertSlots
+from services.worker.parallel.live_layouts import LayoutUpdate, LiveLayouts
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
 from services.worker.worker import Worker
 
 
 # Seconds between a waiting rank's checks that its driver process is still there.
 PARENT_POLL_S = 1.0
+# Seconds between idle boundary votes while live EPLB moves finish between calls.
+SETTLE_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,31 @@ class RankEngine:
     engine: Engine
     model: DeepseekV41  # this rank's model, its MoE layers sharded
     source: ModelSource  # what the rank loaded: config and tokenizer beside ``model``
+    live: LiveLayouts  # EPLB layouts applied live (its boundary is the work-left vote)
 
 
 def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
     """Between steps, on every rank at once (``Ranks.call``): move to EPLB ``layouts`` (one per layer) over
     the moves group; the next step routes by them. Returns the experts this rank received from peers."""
-    return apply_layouts(rank.model, rank.parallel, layouts, rank.groups.moves)
+    rank.live.resync()  # refuses while live versions are on their way (before anything moves)
+    received = apply_layouts(rank.model, rank.parallel, layouts, rank.groups.moves)
+    rank.live.resync()
+    return received
+
+
+def settle_live_layouts(rank: RankEngine, timeout_s: float) -> int:
+    """Between calls, on every rank at once (``Ranks.call``): idle boundary votes until every version the
+    group has received is in force; returns the version in force. Every rank leaves at the same vote (the
+    condition reads only agreed values)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rank.vote.any_rank(False)
+        if rank.live.settled:
+            return rank.live.version
+        if time.monotonic() > deadline:  # the group's agreed values: every rank raises at the same vote
+            raise TimeoutError(f"EPLB version {rank.live.agreed.received} not in force within {timeout_s} s "
+                               f"(in force: {rank.live.version}; mover: {rank.live.error or 'working'})")
+        time.sleep(SETTLE_POLL_S)
 
 
 def build_rank(rank: int, spec: RankSpec) -> RankEngine:
@@ -97,29 +120,47 @@ def build_rank(rank: int, spec: RankSpec) -> RankEngine:
     kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     engine = Engine(Worker(runner), config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                     compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
-    return RankEngine(rank, groups, vote, parallel, engine, model, source)
+    vote.live = LiveLayouts([block.ffn for block in model.layers], parallel, groups.moves)
+    return RankEngine(rank, groups, vote, parallel, engine, model, source, vote.live)
 
 
-def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]]
-                      ) -> list[RequestOutput]:
+def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]],
+                      updates_at: dict[int, list[LayoutUpdate]] | None = None,
+                      on_step: Callable[[], None] | None = None) -> list[RequestOutput]:
     """Queues this rank's share (possibly none) and steps in lockstep until no rank has work left;
     returns this rank's finished outputs. The last vote found no rank with work, so the group is marked
-    idle: the next call's first step votes at an ANY point and a lone prompt prefills at once."""
+    idle: the next call's first step votes at an ANY point and a lone prompt prefills at once.
+    ``updates_at``: k → live EPLB updates this rank receives just before the call's k-th boundary (the
+    work-left vote before step k); those due after the last are received at the end, for the next boundary.
+    ``on_step``: called after each step (e.g. to take that step's slot counts)."""
     engine = rank.engine
     for request_id, ids, params in requests:
         engine.add_request(request_id, ids, params)
     finished: dict[str, RequestOutput] = {}
-    while rank.vote.any_rank(engine.has_unfinished()):
+    pending = sorted((updates_at or {}).items())
+    boundary = 0
+    while True:
+        while pending and pending[0][0] <= boundary:
+            for update in pending.pop(0)[1]:
+                rank.live.receive(update)
+        boundary += 1
+        if not rank.vote.any_rank(engine.has_unfinished()):
+            break
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+        if on_step is not None:
+            on_step()
+    for _, updates in pending:  # due after the group's last step: taken at the next boundary
+        for update in updates:
+            rank.live.receive(update)
     engine.scheduler.mark_group_idle()
     return list(finished.values())
 
 
 def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
     """A rank process: builds the rank, reports ("ready", rank), then serves commands until None:
-    ("generate", requests) → ("done", rank, outputs); ("call", (fn, args)) → ("done", rank, fn(rank, *args))
+    ("generate", (requests, updates_at)) → ("done", rank, outputs); ("call", (fn, args)) → ("done", rank, fn(rank, *args))
     for a module-level ``fn`` that every rank runs in lockstep (benchmarks). Any failure is reported as
     ("error", rank, text) and ends the process with code 1."""
     parent = os.getppid()
@@ -134,10 +175,11 @@ def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
                     break
                 continue
             if command is None:
+                built.live.close()
                 break
             kind, payload = command
             if kind == "generate":
-                results.put(("done", rank, run_to_completion(built, payload)))
+                results.put(("done", rank, run_to_completion(built, *payload)))
             elif kind == "call":
                 fn, args = payload
                 results.put(("done", rank, fn(built, *args)))

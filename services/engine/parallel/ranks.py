@@ -18,8 +18,10 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from services.engine.outputs import RequestOutput
-from services.engine.parallel.rank import RankSpec, rank_main
+from services.engine.parallel.rank import RankSpec, rank_main, settle_live_layouts
 from services.engine.sampling_params import SamplingParams
+from services.eplb.layout import Layout
+from services.worker.parallel.live_layouts import LayoutUpdate
 
 Request = tuple[str, list[int], SamplingParams]
 # Seconds between checks that every rank process is alive while waiting for results.
@@ -51,6 +53,9 @@ class Ranks:
         self.processes = [ctx.Process(target=rank_main, args=(r, spec, self._commands[r], self._results),
                                       name=f"shinkai-rank-{r}", daemon=True) for r in range(self.world_size)]
         self._closed = False
+        self.num_layout_versions = 0  # live EPLB versions submitted (submit_layouts)
+        # Per rank: boundary of the next generate call → updates that rank receives there.
+        self._updates_at: list[dict[int, list[LayoutUpdate]]] = [{} for _ in range(self.world_size)]
         for p in self.processes:
             p.start()
         self._gather("ready", start_timeout_s)
@@ -63,10 +68,34 @@ class Ranks:
         """Runs every request to completion across the group; outputs in the order of ``requests``."""
         if self._closed:
             raise RuntimeError("this data-parallel group is stopped")
-        for command, share in zip(self._commands, spread_by_load(requests, self.world_size)):
-            command.put(("generate", share))
+        shares = spread_by_load(requests, self.world_size)
+        for command, share, updates_at in zip(self._commands, shares, self._updates_at):
+            command.put(("generate", (share, updates_at)))
+        self._updates_at = [{} for _ in range(self.world_size)]
         outputs = {o.request_id: o for part in self._gather("done", None) for o in part}
         return [outputs[request_id] for request_id, _, _ in requests]
+
+    def submit_layouts(self, layouts: dict[int, Layout], at_step: int | list[int] = 0) -> int:
+        """Live EPLB: ``layouts`` (layer → new layout) reach the ranks during the next ``generate`` call,
+        just before its step ``at_step`` (one step for all, or one per rank; a step past the call's end:
+        at its end). The moves run in the background and the layouts take effect at the first step
+        boundary where every rank has them staged (services/worker/parallel/live_layouts.py). Returns the
+        update's version."""
+        steps = [at_step] * self.world_size if isinstance(at_step, int) else list(at_step)
+        if len(steps) != self.world_size or any(k < 0 for k in steps):
+            raise ValueError(f"at_step must be a step ≥ 0 or one per rank ({self.world_size}), got {at_step!r}")
+        self.num_layout_versions += 1
+        update = LayoutUpdate(self.num_layout_versions, dict(layouts))
+        for r, k in enumerate(steps):
+            self._updates_at[r].setdefault(k, []).append(update)
+        return update.version
+
+    def settle_layouts(self, timeout_s: float = 60.0) -> list[int]:
+        """Between calls: delivers submitted layouts and waits (idle boundary votes) until every one is in
+        force; the version in force, by rank."""
+        if any(self._updates_at):
+            self.generate([])
+        return self.call(settle_live_layouts, timeout_s)
 
     def call(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` on every rank at once (a module-level function, so it crosses the spawn);

@@ -54,15 +54,28 @@ def apply_layouts(model: DeepseekV41, parallel: ExpertParallel, layouts: list[La
 
 def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, new: Layout,
                 group: torch.distributed.ProcessGroup) -> int:
-    old_slots = parallel.slots[layer]
-    old, me, moe = old_slots.layout, old_slots.rank, ffn.moe
+    old_slots, moe = parallel.slots[layer], ffn.moe
+    weights, received = moved_weights(old_slots.layout, old_slots.rank, (moe.w1, moe.w3, moe.w2), new, group)
+    for name, w in zip(("w1", "w3", "w2"), weights):
+        setattr(moe, name, nn.Parameter(w, requires_grad=False))
+    parallel.slots[layer] = ExpertSlots(new, old_slots.rank, old_slots.table.device)
+    return received
+
+
+def moved_weights(old: Layout, me: int, weights: tuple[torch.Tensor, ...], new: Layout,
+                  group: torch.distributed.ProcessGroup) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Rank ``me``'s expert weights under ``new``: ``weights`` = this rank's (w1 [S, I, D], w3 [S, I, D],
+    w2 [S, D, I]) in ``old``'s slot order → new tensors in ``new``'s slot order (``weights`` untouched), and
+    the number of experts received from peers. Collective on ``group``: every rank calls it with the same
+    ``old`` and ``new``."""
     plan = move_plan(old, new)
-    where = {e: k for k, e in reversed(list(enumerate(old_slots.local_experts)))}  # expert → an old local slot
-    shapes = [moe.w1.shape[1:], moe.w3.shape[1:], moe.w2.shape[1:]]
+    local = list(old.phy2log[me * old.slots_per_gpu : (me + 1) * old.slots_per_gpu])
+    where = {e: k for k, e in reversed(list(enumerate(local)))}  # expert → an old local slot
+    shapes = [w.shape[1:] for w in weights]
 
     def row(e: int) -> torch.Tensor:
         k = where[e]
-        return torch.cat([moe.w1[k].reshape(-1), moe.w3[k].reshape(-1), moe.w2[k].reshape(-1)])
+        return torch.cat([w[k].reshape(-1) for w in weights])
 
     s = new.slots_per_gpu
     send_rows, num_sent = [], []
@@ -71,18 +84,16 @@ def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, ne
         send_rows += [row(e) for e in picks]
         num_sent.append(len(picks))
     num_received = [0 if r == me else sum(1 for src in plan[me] if src == r) for r in range(new.num_gpus)]
-    width = sum(int(torch.Size(sh).numel()) for sh in shapes)
-    send = torch.stack(send_rows) if send_rows else moe.w1.new_empty((0, width))
+    sizes = [int(torch.Size(sh).numel()) for sh in shapes]
+    send = torch.stack(send_rows) if send_rows else weights[0].new_empty((0, sum(sizes)))
     got = all_to_all_rows(group, send, num_sent, num_received)
     # Received rows come by source rank, each source's in slot order.
     order = sorted((plan[me][k], k) for k in range(s) if plan[me][k] != me)
     incoming = {k: got[i] for i, (_, k) in enumerate(order)}
     mine = [new.phy2log[me * s + k] for k in range(s)]
     rows = [incoming[k] if k in incoming else row(e) for k, e in enumerate(mine)]
-    sizes = [int(torch.Size(sh).numel()) for sh in shapes]
-    for i, name in enumerate(("w1", "w3", "w2")):
+    out = []
+    for i in range(len(weights)):
         start = sum(sizes[:i])
-        stacked = torch.stack([r[start : start + sizes[i]].reshape(shapes[i]) for r in rows])
-        setattr(moe, name, nn.Parameter(stacked, requires_grad=False))
-    parallel.slots[layer] = ExpertSlots(new, me, old_slots.table.device)
-    return len(incoming)
+        out.append(torch.stack([r[start : start + sizes[i]].reshape(shapes[i]) for r in rows]))
+    return tuple(out), len(incoming)

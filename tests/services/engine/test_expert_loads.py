@@ -49,3 +49,15 @@ def test_an_async_engine_step_is_published_after_the_next_is_queued(monkeypatch)
     publisher.execute("plan", [], first)
     assert publisher.worker.calls[1] == (first,)
     assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1) and sent[0].rank == 1
+
+
+def test_a_rank_publishes_its_own_report_of_each_step(monkeypatch):
+    from services.eplb.messages import LoadReport
+
+    publisher, sent = _publisher(monkeypatch)
+    publisher.report = lambda step: LoadReport(rank=1, step=step, plan_version=3,
+                                               counts=np.full((2, 4), 10 + step, dtype=np.int64))
+    publisher.execute("plan", [])
+    publisher.execute("plan", [])
+    assert [(r.step, r.plan_version) for r in sent] == [(0, 3), (1, 3)]
+    assert np.all(sent[1].counts == 11)  # the report's slot counts, not the runner's logical ones

@@ -1,6 +1,7 @@
 """`shinkai up --dp 2`: two rank processes, each an engine endpoint, behind one gateway (one group for the
 module, CPU, gloo, tiny). An idle group does not spin; a lone request on it starts at its first step, so
-`/ready`'s one-token probe answers 200; a rank killed mid-generation ends every in-flight
+`/ready`'s one-token probe answers 200; plans published on the planner's subject switch both ranks at one
+boundary (a plan for 4 ranks refused on both, by name); a rank killed mid-generation ends every in-flight
 stream with "error", takes the whole group to NOT_SERVING, and `down` leaves no process behind. Greedy
 replies through HTTP equal one process's in tests/services/gateway/test_rank_server.py (`serve --dp 2`)."""
 
@@ -20,6 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from observability.metrics import ENGINE_STEPS
+from services.eplb.layout import Layout, startup_layout
+from services.eplb.messages import PlanMessage
+from services.subjects import EXPERT_PLAN
 from services.stack import StackConfig, down, healthy, up
 from tests.ranks_harness import alive
 
@@ -110,6 +114,53 @@ def test_a_lone_request_on_an_idle_group_starts_at_once_and_ready_answers(group)
     assert reply.choices[0].finish_reason == "length"
     expected = {"prefill": 1, "decode": 1, "placeholder": 2}
     assert _steps_since(by_name, after_probe, expected) == expected
+
+
+def _publish(url: str, token: str, messages: list[bytes]) -> None:
+    import asyncio
+
+    import nats
+
+    async def send() -> None:
+        nc = await nats.connect(url, token=token)
+        for data in messages:
+            await nc.publish(EXPERT_PLAN, data)
+        await nc.flush(timeout=5)
+        await nc.close()
+
+    asyncio.run(send())
+
+
+def _switch_lines(by_name) -> list[list[str]]:
+    """Each rank's live-EPLB log lines so far."""
+    return [[line.strip() for line in open(by_name[f"engine-{r}"]["log"]) if "EPLB" in line] for r in range(2)]
+
+
+def test_plans_from_nats_switch_both_ranks_at_one_boundary(group):
+    # The planner's subject, as the planner would publish: v1 moves experts of layer 0 across the ranks, v2
+    # is for 4 ranks (refused on both, by name). Greedy text is the same before and after the move.
+    state, by_name, _, client = group
+    before = client.completions.create(model="tiny", prompt="moved", max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    moved = Layout((7, 0, 3, 5, 6, 1, 2, 4), num_gpus=2, num_logical=8)
+    plans = [PlanMessage(1, 0, 0, moved, 1.2, 1.1, 4, 0), PlanMessage(2, 1, 0, startup_layout(8, 4, 0), 1.2, 1.1, 4, 0)]
+    _publish(by_name["nats"]["url"], state["nats_token"], [p.encode() for p in plans])
+    deadline = time.monotonic() + 20  # an idle group's boundary votes come every idle_wait_s
+    while time.monotonic() < deadline:
+        lines = _switch_lines(by_name)
+        if all(any("version 2 in force" in line for line in rank) for rank in lines):
+            break
+        time.sleep(0.1)
+    # "version V in force from boundary B: layers [...] moved" (the switch's own time left out)
+    switched = [[line.split("EPLB ", 1)[1].split(", switched")[0] for line in rank if "in force" in line]
+                for rank in lines]
+    assert switched[0] == switched[1] and len(switched[0]) == 2, switched  # the same boundaries on both
+    for rank in lines:
+        assert any("EPLB plan version 2 refused: layer 1's layout has 4 ranks, this group has 2" in line
+                   for line in rank), rank
+    after = client.completions.create(model="tiny", prompt="moved", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert after == before
 
 
 def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
