@@ -31,16 +31,13 @@ from kernels import invariance
 from model.deepseek_v41.moe import clamped_swiglu
 from services.worker import block_scaled_gemm
 
-MIN_ROWS_PER_EXPERT = 512
+MIN_ROWS_PER_EXPERT = 2048
 """Mean routed rows per expert from which the path is taken (and ``block_scaled_gemm.MIN_TOKENS`` tokens).
-From the H200 notes' loops of 48 block-scaled GEMMs: 411 TFLOP/s at 512 rows per expert for the gate/up
-shape (K 5120) and 203 for a down-like shape (K 2048), against ~290 for the grouped Triton GEMM in the 4K
-prefill profile; at 128 rows per expert (v41-s1's 1K prefill) the gate/up loop ran at 100 TFLOP/s, a
-third of the grouped GEMM's. That ~290 was measured with the shared expert stacked, whose 64 M tiles per
-work item at 4K tokens formed the launch's tail; with it launched apart (kernels/moe_grouped_gemm.py) the
-grouped path should run faster, so at 512 rows the two paths are expected to be close, and cuBLASLt ahead
-from ~1,000 rows per expert. ``shinkai bench kernels --only prefill_moe`` measures both (whole layer and
-each product) at 1K–16K tokens: this threshold should follow its rows."""
+Measured on the H200 (``shinkai bench kernels --only prefill_moe``, v41-s1's layer, 48 + 1 experts, top 6):
+at 512 rows per expert (4K tokens) the per-expert layer took 11.2 ms against the grouped Triton GEMM's
+5.35 ms (gate/up 3.08 against 3.44 ms, but down 4.21 against 1.79 ms); at 2,048 rows (16K tokens) 17.4
+against 20.8 ms (gate/up 5.67 against 13.2 ms, down 2.99 against 7.38 ms; the rest of the 17.4 ms is the
+per-layer count read, gathers and SwiGLU). So the path starts at the measured win, 2,048 rows."""
 
 
 def applies(num_tokens: int, top_k: int, num_experts: int, device: torch.device, interpreted: bool) -> bool:
