@@ -280,6 +280,26 @@ def test_scheduler_bookkeeping_and_pools_hold_after_every_step_with_drafts_and_p
           f"request, accepted {speculator.num_drafts_accepted} of {speculator.num_drafts_verified}")
 
 
+def test_the_draft_does_not_run_where_no_draft_could_be_verified(source, greedy_off, monkeypatch):
+    """Varlen on a given curve proportional to rows (a step of R rows costs R ms): even certain drafts do not
+    raise the tokens per millisecond, so the scheduler's plans say ``propose_drafts`` 0, the draft never
+    runs (its context is still written), every step has one row per request, and greedy tokens and
+    logprobs equal speculation off. On a curve with a fixed cost the same requests propose again."""
+    calls = []
+    propose = type(source.model.draft).propose
+    monkeypatch.setattr(type(source.model.draft), "propose",
+                        lambda self, *a, **k: calls.append(1) or propose(self, *a, **k))
+    rows: list[int] = []
+    outs, speculator = generate(source, GREEDY, nextn=NEXTN, curve=line(0.0, 1.0), decode_rows=rows)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
+    assert calls == [] and speculator.num_drafts_verified == 0 and set(rows) == {1}
+    assert speculator.num_proposals_skipped > 0 and speculator.next_positions == {}
+    outs, speculator = generate(source, GREEDY, nextn=NEXTN, curve=line(1.0, 0.02), decode_rows=rows)
+    assert calls and speculator.num_proposals_skipped == 0 and speculator.num_drafts_verified > 0
+    print(f"\nproportional curve: the draft ran 0 times; fixed-cost curve: {len(calls)} times")
+
+
 @pytest.mark.parametrize("varlen, async_scheduling", [(False, False), (True, True)], ids=["fixed", "varlen-async"])
 def test_verify_steps_run_the_static_graph_step(source, greedy_off, monkeypatch, varlen, async_scheduling):
     """CUDA graphs with drafts: every decode step, verify steps included, runs the GraphRunner's static step (run
