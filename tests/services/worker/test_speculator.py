@@ -208,7 +208,9 @@ def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source):
     llm.engine.step_cost.refit_interval = 2  # a fit within the run's few decode steps
     outs = llm.generate(PROMPTS, params)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
-    assert llm.engine.step_cost.num_steps > 0 and len(set(llm.engine.step_cost.curve().values())) > 1  # measured
+    # Measured: two or more graph sizes timed (the fit's slope may clamp to 0 on a loaded machine, so its values
+    # need not differ).
+    assert llm.engine.step_cost.num_steps > 0 and llm.engine.step_cost.measured
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
 
