@@ -193,6 +193,11 @@ class StepPlan:
     @property
     def num_sample_rows(self) -> Int32Array: ...
     @property
+    def propose_drafts(self) -> Int32Array:
+        """Per request: 1 where the worker proposes drafts after this step; 0 where none could be verified
+        next (varlen on a curve where even certain drafts do not pay at this batch size), or without
+        speculative decoding."""
+    @property
     def entry_ratios(self) -> list[int]: ...
     def entry_writes(self, ratio: int) -> tuple[Int32Array, Int32Array]:
         """(rows, slots) of the compressed entries of ``ratio`` written this step."""
@@ -341,8 +346,11 @@ class Scheduler:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = ...,
     ) -> None: ...
-    def set_step_cost(self, step_cost_ms: Mapping[int, float], sampler_ms: float = 0.0) -> None:
-        """Varlen verification's step-cost curve: rows → step milliseconds, plus the sampler's per step."""
+    def set_step_cost(self, step_cost_ms: Mapping[int, float], sampler_ms: float = 0.0, measured: bool = True
+                      ) -> None:
+        """Varlen verification's step-cost curve: rows → step milliseconds, plus the sampler's per step.
+        ``measured``: measured (or given), not a guess; only such a curve stops the draft from proposing
+        (``StepPlan.propose_drafts``)."""
     def request(self, request_id: str) -> RequestState | None: ...
     def stats(self) -> SchedulerStats: ...
     def wants_prefill(self) -> bool: ...

@@ -39,6 +39,7 @@ impl<'a> PlanBuilder<'a> {
                 entry_writes,
                 sample_rows: Vec::new(),
                 num_sample_rows: Vec::new(),
+                propose_drafts: Vec::new(),
                 graph_size: None,
                 num_padding_rows: 0,
                 block_copies: Vec::new(),
@@ -75,6 +76,7 @@ impl<'a> PlanBuilder<'a> {
         self.plan.state_slots.push(req.state_slot.unwrap_or(0) as i32);
         self.plan.inputs_pending.push((req.num_inflight_tokens > 0) as i32);
         self.plan.num_sample_rows.push(num_sample_rows as i32);
+        self.plan.propose_drafts.push(i32::from(self.config.nextn > 0));
         self.tables.push(table);
 
         for (offset, &token) in input_ids.iter().enumerate() {

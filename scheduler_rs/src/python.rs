@@ -520,6 +520,10 @@ impl StepPlan {
     fn num_sample_rows(&self, py: Python<'_>) -> PyResult<Py<Int32Array>> {
         array(py, &self.inner.num_sample_rows)
     }
+    #[getter]
+    fn propose_drafts(&self, py: Python<'_>) -> PyResult<Py<Int32Array>> {
+        array(py, &self.inner.propose_drafts)
+    }
     /// Compress ratios with entry writes, in config order.
     #[getter]
     fn entry_ratios(&self) -> Vec<u32> {
@@ -843,9 +847,15 @@ impl Scheduler {
     }
 
     /// Varlen verification's step-cost curve: rows → step milliseconds, plus the sampler's per step.
-    #[pyo3(signature = (step_cost_ms, sampler_ms=0.0))]
-    fn set_step_cost(&mut self, step_cost_ms: std::collections::BTreeMap<u32, f64>, sampler_ms: f64) -> PyResult<()> {
-        Ok(self.inner.set_step_cost(step_cost_ms.into_iter().collect(), sampler_ms)?)
+    /// `measured`: measured (or given), not a guess; only such a curve stops the draft from proposing.
+    #[pyo3(signature = (step_cost_ms, sampler_ms=0.0, measured=true))]
+    fn set_step_cost(
+        &mut self,
+        step_cost_ms: std::collections::BTreeMap<u32, f64>,
+        sampler_ms: f64,
+        measured: bool,
+    ) -> PyResult<()> {
+        Ok(self.inner.set_step_cost(step_cost_ms.into_iter().collect(), sampler_ms, measured)?)
     }
 
     fn request(&self, request_id: &str) -> Option<RequestState> {

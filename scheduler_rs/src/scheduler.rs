@@ -105,6 +105,8 @@ pub struct Scheduler {
     next_incarnation: u64,
     /// Varlen verification's step-cost curve (`set_step_cost`); None until the engine gives one.
     varlen: Option<MtpVarlen>,
+    /// The curve is measured, not a guess (`set_step_cost`).
+    step_cost_measured: bool,
 }
 
 impl Scheduler {
@@ -129,6 +131,7 @@ impl Scheduler {
             next_arrival: 0,
             next_incarnation: 0,
             varlen: None,
+            step_cost_measured: false,
         })
     }
 
@@ -138,11 +141,20 @@ impl Scheduler {
 
     /// The step-cost curve varlen verification ranks drafts against: (rows, step milliseconds) per
     /// measured graph size, plus the sampler's milliseconds per step. Replaces the previous curve.
-    pub fn set_step_cost(&mut self, step_cost_ms: Vec<(u32, f64)>, sampler_ms: f64) -> Result<(), SchedulerError> {
+    /// `measured`: the curve comes from measurements (or the user), not a guess; only a measured curve
+    /// may stop the draft from proposing (`drafts_can_pay`), since a guess that stopped it could never
+    /// be corrected by the steps that follow.
+    pub fn set_step_cost(
+        &mut self,
+        step_cost_ms: Vec<(u32, f64)>,
+        sampler_ms: f64,
+        measured: bool,
+    ) -> Result<(), SchedulerError> {
         if !self.config.spec_varlen {
             return Err(SchedulerError::InvalidConfig("a step-cost curve needs spec_varlen".into()));
         }
         self.varlen = Some(MtpVarlen::new(step_cost_ms, sampler_ms).map_err(SchedulerError::InvalidConfig)?);
+        self.step_cost_measured = measured;
         Ok(())
     }
 
@@ -358,6 +370,9 @@ impl Scheduler {
             }
         };
         let mut plan = self.build_plan(step_id, kind, &chosen);
+        if !self.drafts_can_pay(self.running.len().max(chosen.len())) {
+            plan.propose_drafts.fill(0);
+        }
         plan.outputs = outputs;
         plan.block_copies = std::mem::take(&mut self.pending_block_copies);
         plan.state_copies = std::mem::take(&mut self.pending_state_copies);

@@ -62,6 +62,10 @@ pub struct StepPlan {
     /// Sampled rows per request: 0 for a prompt chunk that is not the last, 1 for a last chunk,
     /// 1 + drafts in decode.
     pub num_sample_rows: Vec<i32>,
+    /// Per request: 1 where the worker proposes drafts after this step, 0 where no draft it proposed
+    /// could be verified next (speculative decoding; 0 throughout without it). See
+    /// `Scheduler::drafts_can_pay`.
+    pub propose_drafts: Vec<i32>,
     /// The CUDA graph this step fits (decode only): the smallest captured size ≥ rows.
     pub graph_size: Option<u32>,
     /// Placeholder rows the worker appends (to fill the graph, or the one row of a placeholder step).

@@ -10,10 +10,10 @@ the step-cost curve measured from the engine's own decode steps) and every a. Ea
 total tokens/s over the wall time (prefill included), decode-only tokens/s, and per request (total /
 batch, as every request runs the whole time).
 
-Every case runs synchronously on the same path, "off" included, for a like-for-like ratio: the torch model
-by default, or the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: only decode
-steps that verify no draft replay one; the others run eagerly). Stdlib-only at import (the CLI registers it); torch
-loads when it runs.
+Every case runs on the same path, "off" included, for a like-for-like ratio: the torch model by default, or
+the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: every decode step, verify steps
+included, replays one; every row-counting size is captured when each case's engine is built), synchronously
+unless ``--async-scheduling``. Stdlib-only at import (the CLI registers it); torch loads when it runs.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     source = load_model(args.model, device=device)
     nextn = args.num_speculative_tokens
     engine_args = dict(device=device, kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
-                       async_scheduling=False,
+                       async_scheduling=args.async_scheduling,
                        max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.max_tokens + nextn + 8,
                        block_size=args.block_size)
     cases = [("off", None)] + [(mode, a) for mode in args.modes for a in args.acceptance]
@@ -105,5 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", choices=("fp8", "fp32"),
                    help="the Triton kernel backend (default: the torch model)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode (needs --kernel-backend)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan step N+1 while step N runs (off by default with speculation)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the figures as JSON here")
+
+
+if __name__ == "__main__":  # python -m services.bench.speculative (the same as `shinkai bench speculative`)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

@@ -14,8 +14,8 @@
   seqlen fix-up; tests/services/worker/test_speculator.py).
 - ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
   request (fixed, 1 + n rows each) on the torch model or the kernel backend, with or without async
-  scheduling; with CUDA graphs, only decode steps that verify no draft replay one (the others run
-  eagerly); ``spec_sampling`` "rejection";
+  scheduling; with CUDA graphs every decode step replays one, verify steps included (graph sizes count
+  rows); ``spec_sampling`` "rejection";
   ``spec_varlen`` off (on: the scheduler picks each request's drafts from their confidences and the
   step-cost curve, measured from the engine's decode steps unless ``spec_step_cost_ms`` gives one).
 - Probability mass is summed as integers, floor(p · 2³¹); a draw's position is the index of the token

@@ -51,7 +51,7 @@ def device_engine_args(engine_args: dict[str, object]) -> dict[str, object]:
         for key, value in CUDA_DEFAULTS.items():
             # Speculative decoding's async path (the seqlen fix-up) is CPU-tested only so far: not its default.
             out.setdefault(key, False if speculative and key == "async_scheduling" else value)
-        if "cuda_graphs" not in out:  # nor are graphs (they replay only steps verifying no draft; GPU-untested)
+        if "cuda_graphs" not in out:  # nor are graphs with drafts (CPU-tested static verify steps; GPU-untested)
             out["cuda_graphs"] = out["kernel_backend"] is not None and not out.get("enforce_eager", False) \
                 and not speculative
     return out

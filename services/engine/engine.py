@@ -66,7 +66,7 @@ class Engine:
             self.scheduler.set_step_cost(dict(config.spec_step_cost_ms))
         elif config.spec_varlen:
             self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
-            self.scheduler.set_step_cost(self.step_cost.curve())
+            self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured)
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.
@@ -142,7 +142,7 @@ class Engine:
             raise
         if self.step_cost is not None and plan.graph_size is not None and not plan.is_prefill:
             if self.step_cost.record(plan.graph_size, 1e3 * (time.perf_counter() - start)):
-                self.scheduler.set_step_cost(self.step_cost.curve())
+                self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured)
         updates = self.scheduler.update(plan, result)
         self.last_plan = plan
         return self._apply(plan, executed, updates)

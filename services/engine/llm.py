@@ -37,7 +37,7 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     if device.type != "cuda":  # before the runner converts the model in place
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
                          "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
-    from scheduler_rs import graph_sizes, select_graph_size
+    from scheduler_rs import graph_sizes
     from services.worker.graph_runner import GraphRunner
 
     worker_config = config.worker_config()
@@ -46,10 +46,8 @@ def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
     runner = GraphRunner(inner, worker_config, use_graphs=True, attention="triton")
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width)
     # would stall the requests in it. The sizes are the scheduler's own rule, which counts rows
-    # (max_num_seqs × (1 + nextn) at most); graphs run decode steps of one row per request (with drafts:
-    # the steps where no draft is verified), so the sizes up to the one that holds max_num_seqs rows.
-    sizes = graph_sizes(config.max_num_seqs * (1 + nextn))
-    runner.capture([s for s in sizes if s <= select_graph_size(sizes, config.max_num_seqs)])
+    # (max_num_seqs × (1 + nextn) at most: verify steps replay graphs too).
+    runner.capture(graph_sizes(config.max_num_seqs * (1 + nextn)))
     return runner  # type: ignore[return-value]
 
 

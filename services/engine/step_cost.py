@@ -46,6 +46,12 @@ class StepCostMeter:
         self.num_steps += 1
         return self.num_steps % self.refit_interval == 0
 
+    @property
+    def measured(self) -> bool:
+        """Two or more sizes measured: the curve is a fit, not a guess (flat, or proportional from one size),
+        so the scheduler may let it stop the draft from proposing (``StepPlan.propose_drafts``)."""
+        return len(self._count) >= 2
+
     def curve(self) -> dict[int, float]:
         """Milliseconds per graph size."""
         means = {size: self._total_ms[size] / self._count[size] for size in self._total_ms}

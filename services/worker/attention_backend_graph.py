@@ -1,10 +1,15 @@
-"""The graph-safe decode backend of ``AttentionStep``: G static rows (a ``StaticBatch``, one row per
-request), device-only ops and no data-dependent shape, so a CUDA graph captures it.
+"""The graph-safe decode backend of ``AttentionStep``: G static rows (a ``StaticBatch``: one row per
+request, or 1 + the drafts verified), device-only ops and no data-dependent shape, so a CUDA graph
+captures it.
 
-Decode makes the flow simpler than ``TorchAttention``'s: the window ring is written first and then
-read whole (it holds the current row), a ratio-2 group's other member is always in the slot's fp32
-partial rows, and the indexer scores a fixed width of ``max_blocks · entries per block`` entries
-gathered from the pool through the block tables, masked at each row's visible count.
+Decode makes the flow simpler than ``TorchAttention``'s: every row's K is written to the window ring
+first and then each row reads its own window from it (the ring holds ≥ window + 1 + nextn positions,
+so a request's later rows never overwrite what its earlier rows read, and an earlier row never sees a
+later one: it reads positions ≤ its own); a ratio-2 group's other member is the previous row of the
+same request when that position is in this step, else the slot's fp32 partial row; and the indexer
+scores a fixed width of ``max_blocks · entries per block`` entries gathered from the pool through the
+block tables, masked at each row's visible count (so an entry a later row of the request closes this
+step is invisible to the earlier rows).
 
 Two forms of the three ops: with ``kernels`` (the "triton" path) kernels/compressor.py
 ``compress_layer``, kernels/indexer.py ``indexer_select`` (FP4 keys read straight from the pool) and
@@ -72,6 +77,7 @@ class GraphAttention:
         hd = cache.layout.head_dim
         self._no_pool = torch.zeros(1, 1, hd // 2 + hd // 16, dtype=torch.uint8, device=rows.device)  # ratio 0
         self._no_selection = torch.zeros(rows.num_rows, 0, dtype=torch.int32, device=rows.device)
+        self._all_rows = torch.arange(rows.num_rows, device=rows.device)  # every row writes its would-be entry
 
     def reset(self) -> None:
         """Forget what the previous run's KV and index sources published (a run starts at layer 0)."""
@@ -83,17 +89,18 @@ class GraphAttention:
         r, cache = self.rows, self.cache
         keys = None
         if self.kernels is None:
-            static_compress(attn, x, cache, r.state_slots, r.positions, r.entry_slots[attn.ratio])
+            static_compress(attn, x, cache, r.state_slots, r.positions, r.entry_slots[attn.ratio], r.row_first,
+                            r.row_seqlens_k)
             epb = cache.layout.source(attn.layer).entries_per_block
             keys = read_keys(cache, attn.layer, r.block_tables, r.max_blocks * epb)
         else:
-            # Each row is its own request, its first and last position this step; the kernel reads the
-            # group's other member from the partial row of p − 1, so placeholder rows (p = 0) act at p = 1
-            # (live rows have p ≥ 1: prepare checks it), all inside the null slot 0 and block 0.
-            pos = r.positions.clamp_min(1)  # [G]
-            batch = SimpleNamespace(positions=pos, row_requests=r.rows, first=pos, query_start=r.query_start,
-                                    seqlens_k=pos + 1, state_slots=r.state_slots,
-                                    entry_writes={attn.ratio: (r.rows, r.entry_slots[attn.ratio])})
+            # The static batch's requests (placeholder rows each their own). The kernel reads a group's
+            # member before ``first`` from the partial row of p − 1, so placeholder rows (p = 0) act at
+            # p = 1 (live rows have p ≥ 1: prepare checks it), all inside the null slot 0 and block 0.
+            batch = SimpleNamespace(positions=r.positions.clamp_min(1), row_requests=r.row_requests,
+                                    first=r.first.clamp_min(1), query_start=r.query_start,
+                                    seqlens_k=r.seqlens_k.clamp_min(2), state_slots=r.request_slots,
+                                    entry_writes={attn.ratio: (self._all_rows, r.entry_slots[attn.ratio])})
             options = {"dot_fp32": True} if self.kernels.interpreted else {}
             self.kernels.compressor.compress_layer(cache, batch, attn, x, **options)
         self.sparse = StaticSparse(attn.ratio, attn.layer, keys)
@@ -165,19 +172,29 @@ def static_index_select(attn: Attention, x: torch.Tensor, q_latent: torch.Tensor
 
 
 def static_compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_slots: torch.Tensor,
-                    positions: torch.Tensor, entry_slots: torch.Tensor) -> None:
+                    positions: torch.Tensor, entry_slots: torch.Tensor, first: torch.Tensor,
+                    seqlens_k: torch.Tensor) -> None:
     """Every row's would-be group entry (spec §3.6) to ``entry_slots`` (pool slot 0 where the row
-    closes no group), and, for ratio 2, the row's fp32 (value, gate) to its slot's partial rows; the
-    group's other member comes from those rows (decode: it arrived in an earlier step). x [G, D]."""
+    closes no group), and, for ratio 2, the row's fp32 (value, gate) to its slot's partial rows. The
+    group's other member (position p − 1) is the previous row's when p − 1 ≥ the request's ``first``
+    (a verify step's later rows), else the slot's partial row, read before this step's writes, as
+    ``TorchAttention.write_groups`` orders them; only rows among their request's last ``size``
+    positions write partial rows (the others the null slot 0), so writes never collide. x [G, D];
+    state_slots, positions, first, seqlens_k [G] (the row's request's)."""
     comp, ratio, layer = attn.compressor, attn.ratio, attn.layer
     if ratio == 1:
         latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))  # [G, hd]
     else:
         values, gates = comp.project(x)  # [G, hd] fp32
         partial = cache.partial(layer)
-        earlier = partial[state_slots, (positions - 1) % partial.shape[1]]  # [G, 2, hd], read before the write
-        latent = comp.pool(torch.stack((earlier[:, 0], values), 1), torch.stack((earlier[:, 1], gates), 1), x.dtype)
-        cache.write_partial(layer, state_slots, positions, values, gates)
+        size = partial.shape[1]
+        earlier = partial[state_slots, (positions - 1) % size]  # [G, 2, hd], read before the write
+        in_step = (positions - 1 >= first).unsqueeze(-1)  # [G, 1]: p − 1 is the previous row (never for row 0)
+        earlier_values = torch.where(in_step, values.roll(1, 0), earlier[:, 0])
+        earlier_gates = torch.where(in_step, gates.roll(1, 0), earlier[:, 1])
+        latent = comp.pool(torch.stack((earlier_values, values), 1), torch.stack((earlier_gates, gates), 1), x.dtype)
+        tail = positions >= seqlens_k - size
+        cache.write_partial(layer, torch.where(tail, state_slots, 0), positions, values, gates)
     angles = rope_angles(positions - ratio + 1, attn.freqs)  # at the group's first token
     idx = attn.indexer
     kv = apply_rope(latent, angles)

@@ -32,16 +32,22 @@ def engram_rows(cache: CacheEngine, batch: StepBatch, hasher: EngramHasher) -> t
 
 
 def static_engram_rows(cache: CacheEngine, hasher: EngramHasher, input_ids: torch.Tensor, positions: torch.Tensor,
-                       state_slots: torch.Tensor) -> torch.Tensor:
-    """``engram_rows`` for G static decode rows, one per request (only position p itself is this step's),
-    with device ops and fixed shapes only (graph-safe): input_ids, positions, state_slots [G] →
-    [1, G, L, heads]."""
+                       state_slots: torch.Tensor, first: torch.Tensor, seqlens_k: torch.Tensor) -> torch.Tensor:
+    """``engram_rows`` for G static decode rows with device ops and fixed shapes only (graph-safe). A
+    request's rows are contiguous at consecutive positions (one row, or 1 + the drafts verified), so the
+    row holding an in-step position q ≥ first of row i's request is row i − (p_i − q). Only rows among
+    their request's last ``size`` positions write the history; the others write the null slot 0, as
+    placeholder rows do. input_ids, positions, state_slots (the row's request's), first and seqlens_k
+    (its request's, per row) [G] → [1, G, L, heads]."""
     history = cache.engram_history()
     size = history.shape[1]
     comp = hasher.token_map[input_ids]  # [G]
-    look = positions.unsqueeze(-1) - torch.arange(hasher.max_ngram, device=positions.device)  # [G, m]: p, p−1, …
+    back = torch.arange(hasher.max_ngram, device=positions.device)  # [m]
+    look = positions.unsqueeze(-1) - back  # [G, m]: p, p−1, …
     carried = history[state_slots.unsqueeze(-1), look % size].long()  # read before the write below
-    tokens = torch.cat((comp.unsqueeze(-1), carried[:, 1:]), dim=1)
+    rows = (torch.arange(positions.shape[0], device=positions.device).unsqueeze(-1) - back).clamp_min(0)  # [G, m]
+    tokens = torch.where(look >= first.unsqueeze(-1), comp[rows], carried)
     tokens = torch.where(look >= 0, tokens, hasher.pad)  # before the start: the pad's id
-    history[state_slots, positions % size] = comp.to(torch.int32)
+    tail = positions >= seqlens_k - size
+    history[torch.where(tail, state_slots, 0), positions % size] = comp.to(torch.int32)
     return hasher.rows(tokens.unsqueeze(0))

@@ -7,12 +7,16 @@ padding rows are placeholders (null block 0 / null slot 0, no expert counted) an
 trimmed before the output. On CPU (``use_graphs=False``) the same static step runs eagerly, so CI
 tests the code a graph captures.
 
-Every other plan (prefill chunks, a prefill step mixing decode rows, a placeholder step, decode with
-drafts, or one whose inputs wait on a step with drafts) goes to the wrapped ModelRunner's eager path.
-With speculative decoding the static step also returns the draft's taps, so a decode step in which no
-draft is verified (varlen at low confidence) replays a graph. That is the design, not a fallback: those
-steps are long enough that launches do not dominate (or, for a placeholder, do nothing here), and
-their row counts and shapes vary too much to capture.
+With speculative decoding a decode plan has 1 + the drafts verified rows per request, and graph sizes
+count rows, so verify steps replay graphs too (the static step orders a request's ring, partial-group
+and Engram writes within the step as the eager runner does) and return the draft's taps. Under async
+scheduling a step whose inputs wait on a step with drafts gets the seqlen fix-up on the host before
+its buffers are filled (the rejected counts and drafts are host lists).
+
+Every other plan (prefill chunks, a prefill step mixing decode rows, a placeholder step) goes to the
+wrapped ModelRunner's eager path. That is the design, not a fallback: those steps are long enough that
+launches do not dominate (or, for a placeholder, do nothing here), and their row counts and shapes vary
+too much to capture.
 """
 
 from __future__ import annotations
@@ -130,10 +134,7 @@ class GraphRunner:
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
                 ) -> RunnerOutput:
         """``ModelRunner.execute``'s result: logits of the plan's rows only (the padding trimmed)."""
-        # Speculative decoding under async scheduling: a step whose inputs wait on a step with drafts needs
-        # the seqlen fix-up (StepBatch.fix_positions), which the static buffers do not do: eager.
-        after_drafts = pending is not None and pending.num_rejected is not None
-        if not StaticDecodeStep.fits(plan) or after_drafts:
+        if not StaticDecodeStep.fits(plan):
             self.num_eager += 1
             return self.runner.execute(plan, all_rows, pending=pending)
         cache = self.runner.cache

@@ -6,7 +6,8 @@ its attention backend is ``TritonAttention`` (services/worker/attention_backend_
 
 - every ``RMSNorm`` → ``KernelRMSNorm`` (``kernels.rmsnorm``);
 - every ``MoE`` → ``KernelMoE`` (``kernels.moe_router`` + ``kernels.moe_grouped_gemm.moe_experts``,
-  the shared expert stacked as one more expert);
+  the shared expert stacked as one more expert), the DSpark draft's stages' too (the only draft modules
+  converted: the rest of the draft stays torch);
 - the projections stored FP8 in the checkpoint (attention ``wq_a``, ``wq_b``, ``wkv``, ``wo_b``;
   indexer ``wq_b``; Engram ``wkv``) → ``KernelLinear``, and attention's grouped ``wo_a`` →
   ``GroupedKernelLinear`` (services/worker/fp8_linear.py);
@@ -58,6 +59,7 @@ class Conversion:
 
     norms: int = 0
     moes: int = 0
+    draft_moes: int = 0  # of the moes, the DSpark draft's stages' (the only draft modules converted)
     linears: int = 0
     grouped: int = 0
     mhc_sites: int = 0
@@ -82,9 +84,17 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
         tensor = next(model.buffers())
     check_device(tensor.device, kernels)
     done = Conversion()
-    # The DSpark draft stays a torch module: the draft's kernels are not written yet.
+    # The DSpark draft stays torch (its attention calls the model's projections and grouped ``wo_a`` itself:
+    # the draft's attention kernels are not written yet), except its stages' MoE: the torch MoE's expert loop
+    # reads routing on the host and launches per active expert, once per stage and step; ``KernelMoE`` is a
+    # fixed handful of launches with no host read.
     draft = getattr(model, "draft", None)
     torch_only = set(draft.modules()) if isinstance(draft, nn.Module) else set()
+    for stage in getattr(draft, "stages", ()):
+        if isinstance(stage.ffn, MoE):
+            stage.ffn = KernelMoE(stage.ffn, precision, kernels)
+            done.moes, done.draft_moes = done.moes + 1, done.draft_moes + 1
+            done.inexact += getattr(stage.ffn, "inexact", 0)
     for parent in list(model.modules()):
         if parent in torch_only:
             continue

@@ -41,7 +41,8 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 ``SetImages``: at most 8 images × 1,024 image tokens × hidden 5,120 (v41) × 4 bytes = 160 MiB of fp32 rows
 (80 MiB bf16), plus the prompt's ids."""
 _PLAN_ARRAYS = ("seqlens_q", "seqlens_k", "query_start", "state_slots", "block_tables", "inputs_pending",
-                "input_ids", "positions", "ring_slots", "row_requests", "sample_rows", "num_sample_rows")
+                "input_ids", "positions", "ring_slots", "row_requests", "sample_rows", "num_sample_rows",
+                "propose_drafts")
 
 
 def to_array(a) -> pb.Array:

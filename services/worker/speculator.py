@@ -16,7 +16,9 @@ After verification accepts a drafts, the request emits a + 1 tokens; rows 0 … 
 accepts, so their features enter the context (positions P − 1 … P − 1 + a), the new anchor is the last
 emitted token at P + a, and the draft proposes from there. A prompt chunk's rows all enter the context;
 its last chunk samples row 0 (no drafts yet) and proposes. Rejected rows' features never enter the
-context, so the draft's rings need no backtracking room.
+context, so the draft's rings need no backtracking room. Where the plan's ``propose_drafts`` is 0 (varlen on
+a step-cost curve where even certain drafts would not pay: none could be verified), the request's context is
+still written but the draft does not run for it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Speculator:
         self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
+        self.num_proposals_skipped = 0  # requests' proposals the plan said no step could verify
 
     def release(self, request_id: str) -> None:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
@@ -97,6 +100,7 @@ class Speculator:
         request_ids = list(plan.request_ids)
         num_sample_rows = plan.num_sample_rows.tolist()
         state_slots = plan.state_slots.tolist()
+        propose = plan.propose_drafts.tolist()  # 0: no draft proposed now could be verified next step
         plan_rows: list[list[int]] = [[] for _ in request_ids]
         for r, i in enumerate(row_requests):
             plan_rows[i].append(r)
@@ -126,7 +130,12 @@ class Speculator:
             self._append(cache, request_id, slot, taps[accepted_rows], positions[accepted_rows[0]])
             num_tokens.append(len(emitted))
             token_ids.extend(emitted)
-            anchors.append((i, request_id, emitted[-1], rows[span.stop - 1], slot))
+            if propose[i]:
+                anchors.append((i, request_id, emitted[-1], rows[span.stop - 1], slot))
+            else:  # its context is written (above), so a later step proposes from it as usual
+                self.num_proposals_skipped += 1
+                for table in (self.drafts, self.draft_probs, self.confidences):
+                    table.pop(request_id, None)
         num_drafts = [0] * len(request_ids)
         draft_ids: list[int] = []
         confidences: list[float] = []

@@ -1,7 +1,10 @@
 """The persistent input buffers of a static decode step of G rows: what a CUDA graph reads.
 
-``prepare(plan)`` (host work allowed) fills them from a decode-only StepPlan (nextn = 0: one row per
-request, row i = request i) and pads rows n … G−1 with placeholder rows. Placeholder rows sit at
+``prepare(plan)`` (host work allowed) fills them from a decode StepPlan of n ≤ G rows: one row per
+request, or with speculative decoding 1 + the drafts verified (a request's rows contiguous, at
+consecutive positions, as in a StepBatch), and pads rows n … G−1 with placeholder rows, each its own
+request. Request-level arrays are sized G too (a plan has at most as many requests as rows), so the
+shapes never depend on how rows split into requests. Placeholder rows sit at
 position 0 of state slot 0 with an all-zero block table: every write they do lands in the null state
 slot 0 or the null block 0 (id 0 is never handed out by either pool: see
 scheduler_rs/src/block_manager.rs), and they count towards no expert. A real row that closes no
@@ -21,10 +24,11 @@ from services.worker.step_batch import PendingInputs, StepBatch, apply_pending, 
 
 class StaticBatch:
     def __init__(self, cfg: ModelConfig, num_rows: int, max_blocks_per_request: int, ring_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, block_size: int | None = None) -> None:
         self.num_rows = num_rows  # G
         self.max_blocks = max_blocks_per_request  # B, the block tables' width
         self.ring_size = ring_size  # the cache's ring: plans' ring slots must be position mod it
+        self.block_size = block_size  # the cache's block: async fix-ups after drafts recompute entry slots
         self.device = device
 
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -33,47 +37,72 @@ class StaticBatch:
         self.input_ids = zeros(num_rows)  # [G]
         self.positions = zeros(num_rows)  # [G]
         self.state_slots = zeros(num_rows)  # [G] the row's request's slot; 0 for placeholder rows
+        self.row_requests = zeros(num_rows)  # [G] the row's request (real ones first, then one per placeholder)
         self.ring_slots = zeros(num_rows)  # [G] position mod ring size
         self.block_tables = zeros(num_rows, max_blocks_per_request)  # [G, B] padded with the null block 0
         self.live = zeros(num_rows, dtype=torch.bool)  # [G] real rows: a prefix (count towards experts)
         ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids})
         # ratio → [G] pool slot of the entry the row's group closes; 0 (the null block) for no entry.
         self.entry_slots = {r: zeros(num_rows) for r in ratios}
-        self.rows = torch.arange(num_rows, device=device)  # [G]: row i is request i
-        self.query_start = torch.arange(num_rows + 1, device=device)  # [G+1]
+        # Per request (G entries; those past the real and placeholder requests are never indexed):
+        self.query_start = torch.arange(num_rows + 1, device=device)  # [G+1] the request's first row
+        self.first = zeros(num_rows)  # [G] the request's first position this step (positions below are cached)
+        self.seqlens_k = torch.ones(num_rows, dtype=torch.long, device=device)  # [G] its last position + 1
+        self.request_slots = zeros(num_rows)  # [G] its state slot
+        # Per row, gathered from the request's (kept so the graph reads them without an index op):
+        self.row_first = zeros(num_rows)  # [G] first[row_requests]
+        self.row_seqlens_k = torch.ones(num_rows, dtype=torch.long, device=device)  # [G] seqlens_k[row_requests]
         self.num_live = 0  # host copy of the real rows, for trimming
 
     @staticmethod
     def fits(plan: StepPlan) -> bool:
-        """A decode-only plan with rows: one row per request (no drafts), a graph size chosen."""
+        """A decode plan with rows (1 + the drafts verified per request), a graph size chosen."""
         return (not plan.is_prefill and not plan.is_placeholder and plan.graph_size is not None
-                and plan.num_rows > 0 and plan.num_rows == plan.num_requests)
+                and plan.num_rows > 0)
 
     def prepare(self, plan: StepPlan, pending: PendingInputs | None = None) -> None:
         """Fill the buffers from ``plan`` (host work; before a replay). Rows past the plan's are placeholders."""
         n, g = plan.num_rows, self.num_rows
         if not self.fits(plan) or n > g:
-            raise ValueError(f"not a decode-only plan of ≤ {g} rows (one per request): {plan}")
+            raise ValueError(f"not a decode plan of ≤ {g} rows: {plan}")
         if plan.block_table_width > self.max_blocks:
             raise ValueError(f"block tables of {plan.block_table_width} > {self.max_blocks} blocks per request")
         if pending is None and any(plan.inputs_pending.tolist()):
             raise ValueError("the plan's inputs wait on a step in flight (async scheduling): pass them")
         check_ring_slots(plan, self.ring_size)
         batch = StepBatch.from_plan(plan, "cpu")
+        if pending is not None and pending.drafts is not None:
+            # After a step with drafts (async scheduling): the seqlen fix-up, on the host batch (the drafts
+            # and rejected counts are host lists); only the first rows' tokens stay on the device (below).
+            if self.block_size is None:
+                raise ValueError("pending inputs with drafts need the cache's block size for the seqlen fix-up")
+            batch.fix_positions(plan, pending, self.ring_size, self.block_size)
         if int(batch.positions.min()) < 1:  # the compressor reads position p − 1's partial row
             raise ValueError("a decode row at position 0 (a request without a prompt)")
 
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat((x, x.new_zeros(g - n, *x.shape[1:])))
+        def padded(x: torch.Tensor, fill: int = 0) -> torch.Tensor:
+            return torch.cat((x, x.new_full((g - len(x), *x.shape[1:]), fill)))
 
+        m = plan.num_requests
+        placeholders = torch.arange(m, m + g - n)  # placeholder row n + j is request m + j
+        row_requests = torch.cat((batch.row_requests, placeholders))
+        query_start = torch.cat((batch.query_start, torch.arange(n + 1, g + 1), torch.full((n - m,), g)))
+        first, seqlens_k = padded(batch.first), padded(batch.seqlens_k, 1)
         # Enqueued, not synchronised: the step in flight (async scheduling) may still be reading these
         # buffers, and the copies run after it in stream order.
         upload_into(self.input_ids, padded(batch.input_ids))
         upload_into(self.positions, padded(batch.positions))
-        upload_into(self.state_slots, padded(batch.state_slots))
+        upload_into(self.state_slots, padded(batch.state_slots[batch.row_requests]))
+        upload_into(self.row_requests, row_requests)
         upload_into(self.ring_slots, padded(batch.ring_slots))
+        upload_into(self.query_start, query_start)
+        upload_into(self.first, first)
+        upload_into(self.seqlens_k, seqlens_k)
+        upload_into(self.request_slots, padded(batch.state_slots))
+        upload_into(self.row_first, first[row_requests])
+        upload_into(self.row_seqlens_k, seqlens_k[row_requests])
         tables = torch.zeros(g, self.max_blocks, dtype=torch.long)
-        tables[:n, : plan.block_table_width] = batch.block_tables
+        tables[:n, : plan.block_table_width] = batch.block_tables[batch.row_requests]
         upload_into(self.block_tables, tables)
         upload_into(self.live, torch.arange(g) < n)
         for ratio, buf in self.entry_slots.items():
@@ -90,7 +119,11 @@ class StaticBatch:
     def prepare_placeholders(self) -> None:
         """Every row a placeholder (graph warm-up and capture): the step then touches only block 0 / slot 0."""
         for buf in (self.input_ids, self.positions, self.state_slots, self.ring_slots, self.block_tables,
-                    *self.entry_slots.values()):
+                    self.first, self.request_slots, self.row_first, *self.entry_slots.values()):
             buf.zero_()
+        for buf in (self.seqlens_k, self.row_seqlens_k):
+            buf.fill_(1)
+        self.row_requests.copy_(torch.arange(self.num_rows))
+        self.query_start.copy_(torch.arange(self.num_rows + 1))
         self.live.zero_()
         self.num_live = 0

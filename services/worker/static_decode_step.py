@@ -60,9 +60,10 @@ class StaticDecodeStep:
         self.fp32_dots = fp32_dots
         self.device = model.embed.weight.device
         self.tapped = set(self.cfg.dspark_target_layer_ids) if with_taps else set()
-        self.rows = StaticBatch(self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device)
+        self.rows = StaticBatch(self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device,
+                                cache.layout.block_size)
         self.backend = GraphAttention(cache, self.rows, self.kernels, fp32_dots)  # holds what a run's sources publish
-        self.step = AttentionStep(self.backend, self.rows.positions, self.rows.rows)
+        self.step = AttentionStep(self.backend, self.rows.positions, self.rows.row_requests)
         self.engram_host = engram_host
         self.engram_local: torch.Tensor | None = None  # [1, G, L, heads]: the staged rows' places (host tables)
         self.engram_buffers: list[dict[str, torch.Tensor]] | None = None  # per table: name → device [G·heads, ...]
@@ -78,7 +79,7 @@ class StaticDecodeStep:
 
     @staticmethod
     def fits(plan: StepPlan) -> bool:
-        """A decode-only plan with rows: one row per request (no drafts), a graph size chosen."""
+        """A decode plan with rows (1 + the drafts verified per request), a graph size chosen."""
         return StaticBatch.fits(plan)
 
     def prepare(self, plan: StepPlan, pending: PendingInputs | None = None) -> None:
@@ -98,7 +99,8 @@ class StaticDecodeStep:
             return
         r = self.rows
         with torch.no_grad():
-            rows = static_engram_rows(self.cache, self.model.hasher, r.input_ids, r.positions, r.state_slots)
+            rows = static_engram_rows(self.cache, self.model.hasher, r.input_ids, r.positions, r.state_slots,
+                                      r.row_first, r.row_seqlens_k)
             self.engram_host.stage(rows, self.engram_buffers)
 
     @torch.no_grad()
@@ -109,7 +111,8 @@ class StaticDecodeStep:
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=self.device)
         engram = self.engram_local  # host tables: staged by prepare
         if model.hasher is not None and engram is None:
-            engram = static_engram_rows(self.cache, model.hasher, r.input_ids, r.positions, r.state_slots)
+            engram = static_engram_rows(self.cache, model.hasher, r.input_ids, r.positions, r.state_slots, r.row_first,
+                                        r.row_seqlens_k)
         ids = r.input_ids.unsqueeze(0)  # [1, G]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, self.device)  # [1, G, n]

@@ -86,6 +86,24 @@ impl Scheduler {
         order.iter().zip(num_drafts).map(|(&h, n)| (h, 1 + n)).collect()
     }
 
+    /// Whether drafts proposed for a decode batch of `num_requests` requests can be verified: always,
+    /// except with varlen and a step-cost curve on which even drafts sure to pass (confidence 1) do
+    /// not raise the expected tokens per millisecond at that batch size. Then `MtpVarlen` verifies
+    /// none whatever the draft's confidences (each is ≤ 1, so every prefix's expected tokens are ≤
+    /// those of certain drafts, and its choice needs a strictly higher rate), and the worker skips
+    /// the draft (`StepPlan::propose_drafts`). A batch past the curve verifies every draft, and a
+    /// guessed curve (`set_step_cost(.., measured = false)`) never stops the draft: true.
+    pub(crate) fn drafts_can_pay(&self, num_requests: usize) -> bool {
+        let nextn = self.config.nextn as usize;
+        if nextn == 0 || !self.config.spec_varlen || !self.step_cost_measured || num_requests == 0 {
+            return nextn > 0;
+        }
+        match self.varlen.as_ref().map(|v| v.choose(&vec![vec![1.0; nextn]; num_requests])) {
+            Some(Ok(choice)) => choice.num_rows > num_requests as u32,
+            _ => true,
+        }
+    }
+
     /// Preempts a running request; returns how many of its blocks come back only later.
     fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestUpdate>, recomputed: &mut Vec<usize>) -> u32 {
         let req = self.req(handle);

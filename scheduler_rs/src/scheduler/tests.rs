@@ -181,7 +181,7 @@ fn varlen_gives_the_walkthrough_rows_w_w_x_w() {
     // W checks 3 drafts, X 1, Y and Z none.
     let wxyz = vec![vec![0.95, 0.90, 0.80], vec![0.85, 0.60, 0.30], vec![0.50, 0.20, 0.10], vec![0.30, 0.10, 0.05]];
     let mut s = varlen_scheduler(3);
-    s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 12.0)], 0.4).unwrap();
+    s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 12.0)], 0.4, true).unwrap();
     for id in ["W", "X", "Y", "Z"] {
         s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
     }
@@ -199,7 +199,7 @@ fn varlen_gives_the_walkthrough_rows_w_w_x_w() {
     let start = plan.query_start[w] as usize;
     assert_eq!(&plan.input_ids[start..start + 4], &[100, 200, 201, 202]);
     // A cheaper 16-row graph: every draft is checked.
-    s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 10.4)], 0.4).unwrap();
+    s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 10.4)], 0.4, true).unwrap();
     s.update(&plan, &spec_result(&plan, &[3, 1, 0, 0], 3, &wxyz)).unwrap();
     s.check_invariants().unwrap();
     let plan = s.schedule(&mut SingleRank);
@@ -224,10 +224,49 @@ fn varlen_without_a_curve_checks_the_proposed_drafts_only() {
 }
 
 #[test]
+fn drafts_are_proposed_only_where_varlen_could_verify_them() {
+    // Without a curve every draft is verified: propose. A curve proportional to rows (a step of
+    // R rows costs R ms) makes even certain drafts pay nothing (N + k tokens in N + k ms against N
+    // in N): no draft could be verified, so none is proposed; a flat curve makes them pay again.
+    let mut s = varlen_scheduler(3);
+    for id in ["A", "B"] {
+        s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    }
+    let prefill = s.schedule(&mut SingleRank);
+    assert_eq!(prefill.propose_drafts, vec![1, 1]);
+    s.update(&prefill, &spec_result(&prefill, &[0, 0], 3, &[vec![0.5; 3], vec![0.5; 3]])).unwrap();
+    let proportional: Vec<(u32, f64)> = (1..=8).map(|rows| (rows, rows as f64)).collect();
+    // A guessed curve (the meter's reading of one measured size) never stops the draft.
+    s.set_step_cost(proportional.clone(), 0.0, false).unwrap();
+    assert!(s.drafts_can_pay(2));
+    s.set_step_cost(proportional, 0.0, true).unwrap();
+    let plan = s.schedule(&mut SingleRank);
+    assert_eq!(plan.propose_drafts, vec![0, 0]);
+    assert_eq!(plan.seqlens_q, vec![1, 1], "varlen verifies none of the drafts already proposed, either");
+    // The worker proposed nothing after that step.
+    let mut result = spec_result(&plan, &[0, 0], 0, &[vec![], vec![]]);
+    result.num_draft_tokens = vec![0, 0];
+    s.update(&plan, &result).unwrap();
+    s.set_step_cost((1..=8).map(|rows| (rows, 10.0 + 0.01 * rows as f64)).collect(), 0.0, true).unwrap();
+    let plan = s.schedule(&mut SingleRank);
+    assert_eq!((plan.propose_drafts.clone(), plan.seqlens_q.clone()), (vec![1, 1], vec![1, 1]));
+    s.check_invariants().unwrap();
+    // Fixed mode and no speculation: always, and never.
+    let mut c = config(4, 64);
+    c.nextn = 3;
+    let mut fixed = Scheduler::new(c).unwrap();
+    fixed.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    assert_eq!(fixed.schedule(&mut SingleRank).propose_drafts, vec![1]);
+    let mut off = Scheduler::new(config(4, 64)).unwrap();
+    off.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false).unwrap();
+    assert_eq!(off.schedule(&mut SingleRank).propose_drafts, vec![0]);
+}
+
+#[test]
 fn varlen_rows_return_their_blocks_and_conserve_the_pools() {
     // Blocks of 4 tokens: rows that go unverified or get rejected never keep a block past the update.
     let mut s = varlen_scheduler(5);
-    s.set_step_cost(vec![(1, 1.0), (2, 1.05), (4, 1.1), (8, 3.0), (12, 5.0)], 0.0).unwrap();
+    s.set_step_cost(vec![(1, 1.0), (2, 1.05), (4, 1.1), (8, 3.0), (12, 5.0)], 0.0, true).unwrap();
     for id in ["A", "B"] {
         s.add_request(id.into(), vec![5; 3], StopRules::new(30), true, false).unwrap();
     }
@@ -257,10 +296,10 @@ fn varlen_rows_return_their_blocks_and_conserve_the_pools() {
 #[test]
 fn a_step_cost_curve_needs_varlen_and_sane_numbers() {
     let mut s = Scheduler::new(config(4, 16)).unwrap();
-    assert!(s.set_step_cost(vec![(1, 1.0)], 0.0).is_err());
+    assert!(s.set_step_cost(vec![(1, 1.0)], 0.0, true).is_err());
     let mut s = varlen_scheduler(2);
-    assert!(s.set_step_cost(vec![(1, f64::NAN)], 0.0).is_err());
-    assert!(s.set_step_cost(vec![(1, 1.0)], -1.0).is_err());
+    assert!(s.set_step_cost(vec![(1, f64::NAN)], 0.0, true).is_err());
+    assert!(s.set_step_cost(vec![(1, 1.0)], -1.0, true).is_err());
     let mut c = config(4, 16);
     c.spec_varlen = true;
     assert!(Scheduler::new(c).is_err(), "varlen without drafts is refused");

@@ -12,7 +12,7 @@ SIZES = [1, 2, 4, 8, 16, 24]
 
 def test_flat_before_a_step_and_a_refit_every_interval():
     meter = StepCostMeter(SIZES, refit_interval=3)
-    assert meter.curve() == {s: 1.0 for s in SIZES}
+    assert meter.curve() == {s: 1.0 for s in SIZES} and not meter.measured  # a guess
     assert [meter.record(8, 5.0) for _ in range(6)] == [False, False, True, False, False, True]
 
 
@@ -21,6 +21,7 @@ def test_one_size_gives_a_curve_proportional_to_rows():
     meter.record(8, 4.0)
     meter.record(8, 6.0)  # mean 5 ms at 8 rows
     assert meter.curve() == {s: 5.0 * s / 8 for s in SIZES}
+    assert not meter.measured  # a guess: it must not stop the draft (StepPlan.propose_drafts)
 
 
 def test_two_sizes_fit_the_line_through_the_means():
@@ -28,6 +29,7 @@ def test_two_sizes_fit_the_line_through_the_means():
     for size, ms in ((4, 7.0), (4, 9.0), (16, 14.0), (24, 18.0)):  # means: 8 at 4, 14 at 16, 18 at 24
         meter.record(size, ms)
     curve = meter.curve()
+    assert meter.measured
     # Least squares through (4, 8), (16, 14), (24, 18): b = 0.5, a = 6.
     assert curve == pytest.approx({s: 6.0 + 0.5 * s for s in SIZES})
 

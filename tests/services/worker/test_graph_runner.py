@@ -150,6 +150,52 @@ def test_graph_replays_equal_the_eager_static_step_and_model_runner(name):
     assert median <= 1e-3 and flipped <= len(sizes) // 4 and count_steps <= len(sizes) // 4
 
 
+@pytest.mark.parametrize("name", ["oracle", "nocand"])
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.gpu
+@gpu
+def test_graph_replays_of_verify_steps_equal_the_eager_static_step(name):
+    """Speculative decoding's verify steps (``verify_result``: 1 … 4 rows per request, mixed, groups closing
+    inside a request's rows), kernel backend, FP8, every row-counting size captured: each replay equals the
+    same static step run eagerly bit for bit (logits, counts, pools), so the compressor kernel's in-step
+    group members and partial-row writes are ordered the same under a graph; against the eager ModelRunner
+    greedy tokens agree where its top-2 margin is ≥ MARGIN; the pools conserve after every step."""
+    from scheduler_rs import graph_sizes
+    from tests.services.worker.test_static_decode_step import verify_result
+
+    nextn = 3
+    model = copy.deepcopy(case(name, "cuda").model)
+    sched, eager, graphs, token_at, config = setup(name, "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8,
+                                                   model=model, backend="kernels", nextn=nextn)
+    static = GraphRunner(ModelRunner(model, config, backend="kernels", nextn=nextn), config, use_graphs=False,
+                         attention="triton")
+    graphs.capture(graph_sizes(8 * (1 + nextn)))
+    sizes, rows, sure, sure_agree, step = [], 0, 0, 0, 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        for other in (graphs, static):
+            other.runner.cache.blocks.copy_(eager.cache.blocks)
+            other.runner.cache.slots.copy_(eager.cache.slots)
+        want = eager.execute(plan, all_rows=True)
+        got = graphs.execute(plan, all_rows=True)
+        same = static.execute(plan, all_rows=True)
+        if StaticDecodeStep.fits(plan):
+            sizes.append(plan.graph_size)
+            assert torch.equal(got.logits, same.logits) and torch.equal(got.expert_counts, same.expert_counts)
+            assert pool_differences(graphs.runner.cache, static.runner.cache) == (0, 0.0, True)
+            _, s, sa = _greedy(got.logits, want.logits)
+            rows, sure, sure_agree = rows + plan.num_rows, sure + s, sure_agree + sa
+        sched.update(plan, verify_result(plan, token_at, step, nextn))
+        sched.check_invariants()
+        step += 1
+    stats = sched.stats()
+    print(f"\n{name} verify steps: {graphs.num_replays} replays at sizes {sorted(set(sizes))}; greedy agrees with "
+          f"the eager ModelRunner on {sure_agree}/{sure} rows with margin ≥ {MARGIN} ({rows} rows)")
+    assert (stats.num_free_blocks, stats.num_free_state_slots) == (stats.num_total_blocks, stats.num_total_state_slots)
+    assert graphs.num_replays == len(sizes) >= 8 and max(sizes) > 8
+    assert sure_agree >= 0.97 * sure and sure >= rows // 2
+
+
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.gpu
 @gpu

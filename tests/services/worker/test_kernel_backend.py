@@ -249,6 +249,44 @@ def test_kernel_moe_interpreted_matches_model_moe(precision):
     assert _rel(out, ref) < 0.1
 
 
+def test_the_drafts_stages_take_the_kernel_moe_and_draft_the_same_block():
+    """The DSpark draft's stages' MoE → ``KernelMoE`` (its torch expert loop reads routing on the host per
+    stage and step); every other draft module stays torch. At fp32 the converted draft's block (stage
+    streams, hidden, logits) from the same context and anchors equals the torch draft's within fp32
+    reordering, and its drafts are the same tokens."""
+    from model.deepseek_v41.dspark import DraftContext
+    from model.deepseek_v41.model import DeepseekV41
+    from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
+
+    cfg = DRAFT_CASES[0].cfg
+    cfg = finish(cfg, cfg.vocab_size)
+    torch.manual_seed(3)
+    model = DeepseekV41(cfg, list(range(cfg.vocab_size)), cfg.vocab_size)  # identity Engram map (unused here)
+    for p in model.parameters():  # small random weights (an untrained draft's scale)
+        torch.nn.init.normal_(p, std=0.05)
+    twin = copy.deepcopy(model)
+    done = convert_model(twin, "fp32", interpreted())
+    stages = len(model.draft.stages)
+    assert done.draft_moes == stages and done.moes == cfg.num_hidden_layers + stages
+    assert all(isinstance(s.ffn, KernelMoE) for s in twin.draft.stages)
+    others = [m for s in twin.draft.stages for m in s.modules() if not isinstance(m, KernelMoE)]
+    assert not any(isinstance(m, (KernelRMSNorm, KernelLinear, KernelHyperConnection)) for m in others)
+    gen = torch.Generator().manual_seed(4)
+    taps = torch.randn(3, 6, len(cfg.dspark_target_layer_ids) * cfg.hidden_size, generator=gen)
+    anchors = torch.randint(3, cfg.vocab_size, (3,), generator=gen)
+    blocks = {}
+    with torch.no_grad(), interpreter():
+        for name, m in (("torch", model), ("kernels", twin)):
+            ctx = DraftContext.empty(m.draft, 3)
+            ctx.append(m.draft, taps)
+            blocks[name] = m.draft.blocks_from_context(ctx, anchors, m.embed, m.head)
+    want, got = blocks["torch"], blocks["kernels"]
+    for a, b in zip(want.streams, got.streams):
+        assert _rel(b, a) < tol.FP32_REORDER_REL
+    assert _rel(got.logits, want.logits) < tol.FP32_REORDER_REL
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+
+
 # ---------------------------------------------------------------- CPU: the engine, interpreted
 
 

@@ -7,6 +7,10 @@ the steps run padded to graph sizes 8, 4, 2 and 1). After every decode step the 
 logits equal ModelRunner's and both runners' pools hold the same bytes outside the null block 0 and
 the null slot 0. Configs (tests/model/deepseek_v41/oracle_configs.py): "oracle" has a ratio-2 and
 a ratio-1 source, Reindex layers and candidates; "nocand" two ratio-2 sources and no candidates.
+
+Speculative decoding's verify steps (``nextn`` > 0): the fake worker (``verify_result``) accepts and
+proposes varying numbers of drafts, so a step's requests have 1 … 1 + nextn rows each, mixed; the
+rings wrap and ratio-2 groups close and straddle inside a request's rows.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 import torch
 
 from model.batch_invariant import batch_invariant
-from scheduler_rs import Scheduler, SchedulerConfig, StepPlan
+from scheduler_rs import Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
 from services.worker.cache_engine import CacheEngine
 from services.worker.graph_runner import GraphRunner
@@ -42,10 +46,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
           prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS,
-          model=None, backend: str | None = None, with_taps: bool = False, batch_invariant: bool = False):
+          model=None, backend: str | None = None, with_taps: bool = False, batch_invariant: bool = False,
+          nextn: int = 0):
     """(scheduler, eager ModelRunner, GraphRunner on its own pools, token_at, config) for one request per
-    prompt; ``model`` (default: the case's), ``backend``, ``with_taps`` and ``batch_invariant`` (the
-    config's) go to both ModelRunners ("kernels" converts the model in place: pass a copy)."""
+    prompt; ``model`` (default: the case's), ``backend``, ``with_taps``, ``batch_invariant`` (the config's)
+    and ``nextn`` (drafts verified per step at most: the ring's size) go to both ModelRunners ("kernels"
+    converts the model in place: pass a copy)."""
     model = model if model is not None else case(name, device).model
     cfg = model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
@@ -55,14 +61,15 @@ def setup(name: str, device: str = "cpu", attention: str = "reference", use_grap
                           batch_invariant=batch_invariant).worker_config()
     sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1,
                                       max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=MAX_LEN,
-                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+                                      window_size=cfg.sliding_window, compress_ratios=ratios, nextn=nextn,
+                                      spec_varlen=nextn > 0))  # no cost curve: every proposed draft verified
     g = torch.Generator().manual_seed(7)
-    seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + m,), generator=g).tolist()
+    seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + m + nextn,), generator=g).tolist()  # drafts overshoot
             for i, (n, m) in enumerate(zip(prompts, max_tokens))}
     for (rid, s), n, m in zip(seqs.items(), prompts, max_tokens):
         sched.add_request(rid, s[:n], max_tokens=m, ignore_eos=True)
-    eager = ModelRunner(model, config, backend=backend, with_taps=with_taps)
-    static = GraphRunner(ModelRunner(model, config, backend=backend, with_taps=with_taps), config,
+    eager = ModelRunner(model, config, backend=backend, with_taps=with_taps, nextn=nextn)
+    static = GraphRunner(ModelRunner(model, config, backend=backend, with_taps=with_taps, nextn=nextn), config,
                          use_graphs=use_graphs, attention=attention)
     return sched, eager, static, lambda rid, pos: seqs[rid][pos], config
 
@@ -80,16 +87,58 @@ def pool_differences(ca: CacheEngine, cb: CacheEngine) -> tuple[int, float, bool
     return flips, partial, torch.equal(ca.engram_history()[1:], cb.engram_history()[1:])
 
 
+def verify_result(plan: StepPlan, token_at, step: int, nextn: int) -> StepResult:
+    """The fake worker of a verify step: request i of the plan accepts (i + step) mod (drafts + 1) of
+    the drafts it verifies and proposes (i + 2·step) mod (nextn + 1) new ones, so rows per request vary
+    over 1 … 1 + nextn, within a step and across steps (an input row's token does not matter here)."""
+    num_tokens, token_ids, num_drafts, draft_ids = [], [], [], []
+    seqlens_k, sampled = plan.seqlens_k.tolist(), plan.num_sample_rows.tolist()
+    for i, request_id in enumerate(plan.request_ids):
+        if plan.is_prefill:
+            n, first = sampled[i], seqlens_k[i]
+        else:
+            n, first = 1 + (i + step) % sampled[i], seqlens_k[i] - sampled[i] + 1
+        num_tokens.append(n)
+        token_ids.extend(token_at(request_id, first + j) for j in range(n))
+        d = (i + 2 * step) % (nextn + 1)
+        num_drafts.append(d)
+        draft_ids.extend(3 + (13 * j + step) % 200 for j in range(d))
+    return StepResult(num_tokens, token_ids, num_drafts, draft_ids)
+
+
+@dataclass
+class VerifyRows:
+    """What the verify steps of a run covered."""
+
+    rows_per_request: set[int] = field(default_factory=set)  # every request's row count seen
+    mixed_steps: int = 0  # steps with requests of one row and requests of several
+    closes_inside: int = 0  # ratio-2 groups closed by a request's later row (both members in the step)
+    wrapped_inside: int = 0  # requests whose rows this step span a ring wrap (position mod ring restarts)
+
+
+def verify_rows(plan: StepPlan, ring_size: int, seen: VerifyRows) -> None:
+    starts, positions = plan.query_start.tolist(), plan.positions.tolist()
+    closing = set(plan.entry_writes(2)[0].tolist()) if 2 in plan.entry_ratios else set()
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    seen.rows_per_request.update(counts)
+    seen.mixed_steps += min(counts) == 1 < max(counts)
+    for a, b in zip(starts, starts[1:]):
+        seen.closes_inside += len(closing & set(range(a + 1, b)))
+        seen.wrapped_inside += any(positions[r] % ring_size == 0 for r in range(a + 1, b))
+
+
 @dataclass
 class Summary:
     sizes: list[int] = field(default_factory=list)  # graph size of each decode step
     worst: float = 0.0  # max |Δ| of the logits over steps without a bin flip
     worst_flipped: float = 0.0  # … over steps with one
     flipped_steps: int = 0
+    verify: VerifyRows = field(default_factory=VerifyRows)  # with nextn
 
 
 def compare_runs(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
-                 exact: bool = False, with_taps: bool = False, model=None, invariant: bool = False) -> Summary:
+                 exact: bool = False, with_taps: bool = False, model=None, invariant: bool = False,
+                 nextn: int = 0) -> Summary:
     """Eager and static runners through one whole run of the same plans.
 
     ``exact``: never reset: logits, counts and pools must stay bit-identical over the whole run; the
@@ -99,11 +148,12 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
     runner's pools, so fp32 noise (~1e-6: other GEMM row counts, another softmax order) cannot
     compound; where it moves a value on an FP8/FP4 rounding edge into the next bin (a quantized
     element differing in the pools) that step's logits may move up to SENSITIVITY_MIN_MOVE (what a
-    real error at least moves), every other step's stay within PREFIX_ATOL.
+    real error at least moves), every other step's stay within PREFIX_ATOL. ``nextn``: verify steps
+    (``verify_result``); the scheduler's pool and queue invariants are checked after every step.
     """
     sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs, with_taps=with_taps, model=model,
-                                              batch_invariant=invariant)
-    out, closes = Summary(), set()
+                                              batch_invariant=invariant, nextn=nextn)
+    out, closes, step_index = Summary(), set(), 0
     while sched.has_unfinished():
         plan = sched.schedule()
         if not exact:
@@ -135,10 +185,22 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
                 out.worst_flipped = max(out.worst_flipped, delta)
             else:
                 out.worst = max(out.worst, delta)
-        sched.update(plan, run_step(plan, token_at))
+        if nextn:
+            if StaticDecodeStep.fits(plan):
+                verify_rows(plan, eager.cache.layout.ring_size, out.verify)
+            sched.update(plan, verify_result(plan, token_at, step_index, nextn))
+            sched.check_invariants()
+        else:
+            sched.update(plan, run_step(plan, token_at))
+        step_index += 1
     stats = sched.stats()  # the pools conserve: every block and slot back
     assert (stats.num_free_blocks, stats.num_free_state_slots) == (stats.num_total_blocks, stats.num_total_state_slots)
-    assert len(out.sizes) >= 20 and {8, 4, 2, 1} <= set(out.sizes), out.sizes
+    if nextn:  # the verify-step cases the brief names, each seen
+        v = out.verify
+        assert v.rows_per_request == set(range(1, nextn + 2)) and v.mixed_steps and v.closes_inside and \
+            v.wrapped_inside, v
+    else:
+        assert len(out.sizes) >= 20 and {8, 4, 2, 1} <= set(out.sizes), out.sizes
     assert len(closes) > 2  # ratio-2 groups close on some steps and not others, for different rows
     assert out.worst <= tol.PREFIX_ATOL, f"static vs eager logits: max |Δ| {out.worst:.3g} without a bin flip"
     assert out.worst_flipped < tol.SENSITIVITY_MIN_MOVE, f"a bin flip moved the logits {out.worst_flipped:.3g}"
@@ -171,6 +233,17 @@ def test_static_step_equals_model_runner_exactly_in_batch_invariant_mode():
     rounds otherwise than the eager step's (the kernel reference's cos/sin pairs against the model's
     ``torch.polar`` product: 1 ulp) fails here from the first decode step."""
     compare_runs("oracle", exact=True, invariant=True)
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["unpadded", "graph-size"])
+def test_verify_steps_are_bit_identical(invariant):
+    """Speculative decoding's verify steps in the static step: 1 … 4 rows per request, mixed, ring wraps and
+    ratio-2 groups closing inside a request's rows; logits, counts, taps and pools == the eager step's over
+    the whole run, at the plan's rows and padded to its graph size (batch-invariant mode)."""
+    model = copy.deepcopy(case("oracle").model)
+    model.cfg = dataclasses.replace(model.cfg, dspark_target_layer_ids=(2, 5, 7))
+    out = compare_runs("oracle", exact=True, with_taps=True, model=model, nextn=3, invariant=invariant)
+    print(f"\n{len(out.sizes)} verify steps at graph sizes {sorted(set(out.sizes))}: {out.verify}")
 
 
 def _decode_plan(name: str) -> tuple[StepPlan, ModelRunner]:
@@ -220,7 +293,7 @@ def test_plans_it_does_not_fit_run_eagerly():
     assert plan.is_prefill and not StaticDecodeStep.fits(plan)
     got = static.execute(plan)
     assert static.num_eager == 1 and got.logits.shape[0] == plan.sample_rows.__len__()
-    with pytest.raises(ValueError, match="decode-only"):
+    with pytest.raises(ValueError, match="not a decode plan"):
         static.step(8).prepare(plan)
 
 
