@@ -182,9 +182,12 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
 
     device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)
     drain = ["--drain-timeout", str(config.drain_timeout_s)] if config.drain_timeout_s is not None else []
-    if ranks and (config.num_engines != 1 or config.remote_workers):
-        raise ValueError("a data-parallel group is the stack's one engine, its workers in-process: "
-                         "with --dp > 1 leave --num-engines at 1 and drop --remote-workers")
+    if ranks and config.num_engines != 1:
+        raise ValueError("a data-parallel group is the stack's one engine: with --dp > 1 leave --num-engines at 1")
+    # A group's worker processes start together before its engines (the workers meet at worker-0's rendezvous
+    # for the exchange, and each engine connects to its worker); the engines meet at engine-0's for the votes.
+    group_workers: list[Service] = []
+    group_engines: list[Service] = []
     for i in range(num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
@@ -200,13 +203,27 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         if cfg.vision is not None and not ranks:  # encoded here; a remote worker takes the rows by SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
-            stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
-                                          bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
-                                          *sizing, *device],
-                                 f"grpc:{at.port(worker, 'grpc')}", f"metrics http://{at.reach(worker, 'metrics')}/metrics"))
+            worker_group = ["--dp", str(config.data_parallel_size), "--num-redundant-experts",
+                            str(config.num_redundant_experts), "--dp-rank", str(i), "--dp-rendezvous",
+                            f"tcp://{at.reach('worker-0', 'rendezvous')}"] if ranks else []
+            service = Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
+                                       bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
+                                       *sizing, *device, *worker_group],
+                              f"grpc:{at.port(worker, 'grpc')}",
+                              f"metrics http://{at.reach(worker, 'metrics')}/metrics",
+                              "worker-ranks" if ranks else None)
+            if ranks:
+                group_workers.append(service)
+            else:
+                stack.append(service)
             argv += ["--worker", at.reach(worker, "grpc")]
-        stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics",
-                             "ranks" if ranks else None))
+        engine = Service(name, argv, f"grpc:{at.port(name, 'grpc')}",
+                         f"metrics http://{at.reach(name, 'metrics')}/metrics", "ranks" if ranks else None)
+        if ranks:
+            group_engines.append(engine)
+        else:
+            stack.append(engine)
+    stack += group_workers + group_engines
     gateway = [*py, "services.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
                "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
                "--grpc-port", str(at.port("gateway", "grpc")), *drain,

@@ -116,9 +116,15 @@ async def run(args: argparse.Namespace) -> int:
     if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
         from services.engine.parallel.served_rank import start_rank
 
-        if args.worker:
-            raise SystemExit("--data-parallel-size > 1 runs each rank's worker in-process: drop --worker")
-        llm = start_rank(args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)})
+        remote = None
+        if args.worker:  # the rank's worker process: it joined the workers' group for the exchange
+            from services.engine.remote_worker import RemoteWorker
+
+            remote = RemoteWorker(args.worker)
+        llm = start_rank(args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)},
+                         remote)
+        if remote is not None:
+            remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
     elif args.worker:
         from services.engine.remote_worker import RemoteWorker
 
@@ -164,10 +170,10 @@ async def run(args: argparse.Namespace) -> int:
     print(json.dumps({"event": "ready", "service": "engine", "replica": args.replica, "grpc": address,
                       "grpc_port": server.api.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
     watch = None
-    if args.worker:
-        watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
-    elif args.data_parallel_size > 1:
+    if args.data_parallel_size > 1:  # a rank's lost worker fails its next step, which loses the group for good
         watch = asyncio.create_task(watch_group(server.engine, server.api, reporter))
+    elif args.worker:
+        watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
     await stop.wait()
     if watch is not None:
         watch.cancel()

@@ -54,6 +54,7 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
 
     from services.engine.process import main as engine_main
     from services.stack import StackConfig, _batches, services
+    from services.worker.service import main as worker_main
 
     stack = services(StackConfig(model="tiny", data_parallel_size=3, num_redundant_experts=2, batch_invariant=True))
     assert [s.name for s in stack] == ["nats", "tokenizer", "eplb", "engine-0", "engine-1", "engine-2", "gateway"]
@@ -76,10 +77,23 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
     assert all(s.group is None for s in services(StackConfig(model="tiny", num_engines=2)))
     with pytest.raises(ValueError, match="--num-engines at 1"):
         services(StackConfig(model="tiny", num_engines=2, data_parallel_size=2))
-    with pytest.raises(ValueError, match="drop --remote-workers"):
-        services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2))
-    with pytest.raises(SystemExit, match="drop --worker"):  # refused before any group is joined
-        engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "tcp://127.0.0.1:1"])
+    # With worker processes: the workers start together first and meet at their own rendezvous (the token
+    # exchange); each engine drives its worker and the engines meet at theirs (the votes).
+    remote = services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2, batch_invariant=True))
+    assert [[s.name for s in batch] for batch in _batches(remote)][3:] == [["worker-0", "worker-1"],
+                                                                           ["engine-0", "engine-1"], ["gateway"]]
+    by_name = {s.name: s.argv for s in remote}
+    meets = {name: argv[argv.index("--dp-rendezvous") + 1] for name, argv in by_name.items()
+             if "--dp-rendezvous" in argv}
+    assert meets["worker-0"] == meets["worker-1"] != meets["engine-0"] == meets["engine-1"]
+    for r in range(2):
+        worker, engine = by_name[f"worker-{r}"], by_name[f"engine-{r}"]
+        assert worker[worker.index("--dp-rank") + 1] == engine[engine.index("--dp-rank") + 1] == str(r)
+        assert engine[engine.index("--worker") + 1].endswith(worker[worker.index("--grpc-addr") + 1].split(":")[1])
+    with pytest.raises(ValueError, match="a tcp://host:port rendezvous"):  # refused before any group is joined
+        engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "nowhere"])
+    with pytest.raises(SystemExit, match="needs --dp-rendezvous tcp://host:port"):  # before the model is loaded
+        worker_main(["--dp", "2", "--dp-rendezvous", "nowhere"])
 
 
 def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks():
