@@ -157,7 +157,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics"),
     ]
     ranks = config.data_parallel_size > 1
-    if cfg.vision is not None and not ranks:  # the vision tower's own process; ranks take no images yet
+    if cfg.vision is not None:  # the vision tower's own process
         stack.append(Service("multimodal", [*py, "services.multimodal", "--model", config.model, "--grpc-addr",
                                             bind("multimodal", "grpc"), "--metrics-port",
                                             str(at.port("multimodal", "metrics"))],
@@ -200,7 +200,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
                   else device)]
-        if cfg.vision is not None and not ranks:  # encoded here; a remote worker takes the rows by SetImages
+        if cfg.vision is not None:  # encoded here; a remote worker takes the rows by SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
             worker_group = ["--dp", str(config.data_parallel_size), "--num-redundant-experts",

@@ -57,7 +57,8 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
     from services.worker.service import main as worker_main
 
     stack = services(StackConfig(model="tiny", data_parallel_size=3, num_redundant_experts=2, batch_invariant=True))
-    assert [s.name for s in stack] == ["nats", "tokenizer", "eplb", "engine-0", "engine-1", "engine-2", "gateway"]
+    assert [s.name for s in stack] == ["nats", "tokenizer", "multimodal", "eplb", "engine-0", "engine-1", "engine-2",
+                                       "gateway"]
     ranks = [s for s in stack if s.group == "ranks"]
     assert [s.name for s in ranks] == ["engine-0", "engine-1", "engine-2"]
     rendezvous = {s.argv[s.argv.index("--dp-rendezvous") + 1] for s in ranks}
@@ -66,13 +67,13 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
         argv = s.argv
         assert argv[argv.index("--dp-rank") + 1] == str(r) and argv[argv.index("--dp") + 1] == "3"
         assert argv[argv.index("--num-redundant-experts") + 1] == "2"
-        assert "--multimodal" not in argv and "--batch-invariant" in argv
+        assert "--multimodal" in argv and "--batch-invariant" in argv  # each rank's images: the tower's process
     gateway = stack[-1].argv
     assert [gateway[i + 1].split("=")[0] for i, a in enumerate(gateway) if a == "--engine"] == [s.name for s in ranks]
-    eplb = stack[2].argv
+    eplb = stack[3].argv
     assert eplb[eplb.index("--num-ranks") + 1] == "3"
     # up starts (and down stops) a group's members together: they wait for each other at the rendezvous.
-    assert [[s.name for s in batch] for batch in _batches(stack)][3:] == [["engine-0", "engine-1", "engine-2"],
+    assert [[s.name for s in batch] for batch in _batches(stack)][4:] == [["engine-0", "engine-1", "engine-2"],
                                                                           ["gateway"]]
     assert all(s.group is None for s in services(StackConfig(model="tiny", num_engines=2)))
     with pytest.raises(ValueError, match="--num-engines at 1"):
@@ -80,7 +81,7 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
     # With worker processes: the workers start together first and meet at their own rendezvous (the token
     # exchange); each engine drives its worker and the engines meet at theirs (the votes).
     remote = services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2, batch_invariant=True))
-    assert [[s.name for s in batch] for batch in _batches(remote)][3:] == [["worker-0", "worker-1"],
+    assert [[s.name for s in batch] for batch in _batches(remote)][4:] == [["worker-0", "worker-1"],
                                                                            ["engine-0", "engine-1"], ["gateway"]]
     by_name = {s.name: s.argv for s in remote}
     meets = {name: argv[argv.index("--dp-rendezvous") + 1] for name, argv in by_name.items()

@@ -66,6 +66,15 @@ class RankEngine:
     source: ModelSource  # what the rank loaded: config and tokenizer beside ``model``
 
 
+def rank_engine_args(engine_args: dict[str, object], device: str) -> dict[str, object]:
+    """``engine_args`` with a rank's defaults where not given: the torch MoE (no kernel backend and no CUDA
+    graphs: expert parallelism shards the torch MoE), and async scheduling as one process on ``device`` has
+    it (services/engine/device.py: on for CUDA without drafts, off on the CPU)."""
+    speculative = bool(engine_args.get("num_speculative_tokens"))
+    return {"kernel_backend": None, "cuda_graphs": False,
+            "async_scheduling": str(device).startswith("cuda") and not speculative, **engine_args}
+
+
 def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
     """Between steps, on every rank at once (``Ranks.call``): move to EPLB ``layouts`` (one per layer) over
     the moves group; the next step routes by them. Returns the experts this rank received from peers."""

@@ -29,7 +29,7 @@ from functools import partial
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
-from services.engine.parallel.rank import RankSpec, build_rank, group_engine
+from services.engine.parallel.rank import RankSpec, build_rank, group_engine, rank_engine_args
 from services.engine.parallel.vote import HostVote
 from services.engine.remote_worker import RemoteWorker
 from services.worker.parallel.groups import init_rank_groups
@@ -50,11 +50,10 @@ class RankLLM:
 
 
 def rank_config(engine_args: dict[str, object], remote: bool) -> EngineConfig:
-    """A rank's configuration: the fast path's CUDA defaults (kernel backend, graphs) do not apply to ranks
-    (docs/parallelism.md); async scheduling is off unless asked for, and always with a worker process (its
-    protocol does not carry the previous step's sampled tokens)."""
-    config = EngineConfig(**{"kernel_backend": None, "async_scheduling": False, "cuda_graphs": False,
-                             **engine_args})  # type: ignore[arg-type]
+    """A rank's configuration with a rank's defaults (`rank_engine_args`); async scheduling always off with a
+    worker process (its protocol does not carry the previous step's sampled tokens)."""
+    device = "cpu" if remote else str(engine_args.get("device") or "cpu")
+    config = EngineConfig(**rank_engine_args(engine_args, device))  # type: ignore[arg-type]
     return config.replace(async_scheduling=False) if remote else config
 
 

@@ -160,12 +160,15 @@ def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
 
 def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_group(tmp_path):
     """`up --dp 2 --remote-workers`: each rank's worker is a process of its own; the workers exchange tokens,
-    the engines vote. Greedy replies equal one process's with == (batch-invariant mode); a worker killed
-    mid-stream ends both ranks' streams with "error", and `down` leaves no process behind."""
+    the engines vote. Greedy replies, text and images (encoded by the multimodal service, the rows sent to
+    the rank's worker), equal one process's with == (batch-invariant mode); a worker killed mid-stream ends
+    both ranks' streams with "error", and `down` leaves no process behind."""
     from services.engine import LLM, SamplingParams
+    from tests.services.gateway.test_images import GREEDY, ask, data_url, encoded
 
+    sizing = dict(SIZING, max_model_len=4096)  # room for a chat's image prompt
     config = StackConfig(data_parallel_size=2, remote_workers=True, http_port=0, grpc_port=0, run_dir=tmp_path,
-                         batch_invariant=True, drain_timeout_s=5.0, **SIZING)
+                         batch_invariant=True, drain_timeout_s=5.0, **sizing)
     state = up(config, timeout_s=180, log=lambda *_: None)
     try:
         by_name = {s["name"]: s for s in state["services"]}
@@ -184,21 +187,36 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
         prompts = ["The deep sea is", "Hello"]
         replies: dict[str, object] = {}
 
-        def ask(prompt):
+        def complete(prompt):
             replies[prompt] = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                                                         logprobs=1, extra_body={"ignore_eos": True})
 
-        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        threads = [threading.Thread(target=complete, args=(p,)) for p in prompts]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        llm = LLM("tiny", batch_invariant=True, **SIZING)
+        llm = LLM("tiny", batch_invariant=True, **sizing)
         expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         for prompt, out in zip(prompts, expected):
             choice = replies[prompt].choices[0]
             assert choice.text == out.text
             assert choice.logprobs.token_logprobs == pytest.approx(out.logprobs, abs=0)
+        chats = [ask(data_url(encoded(32, 28, seed=s))) for s in (1, 2)]  # two at once: both ranks, by load
+        answers: dict[int, object] = {}
+
+        def chat(i):
+            answers[i] = client.chat.completions.create(model="tiny", messages=chats[i], max_tokens=4, temperature=0)
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, messages in enumerate(chats):
+            out = llm.chat(messages, GREEDY)[0]
+            assert answers[i].usage.prompt_tokens == len(out.prompt_token_ids)  # the expanded image span
+            assert answers[i].choices[0].message.content == out.text
 
         results: dict[int, list] = {}
         first_token = [threading.Event() for _ in range(2)]
