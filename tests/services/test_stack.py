@@ -111,4 +111,9 @@ def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks(
     register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--dp", "2", "--engram-on-host"])
     assert "--engram-on-host" in _rank_argv(args)  # each rank process of serve --dp
+    args = parser.parse_args(["serve", "--dp", "2", "--num-speculative-tokens", "2", "--spec-sampling",
+                              "deterministic", "--spec-varlen"])
+    argv = _rank_argv(args)  # speculative decoding runs with ranks
+    assert argv[argv.index("--num-speculative-tokens") + 1] == "2" and "--spec-varlen" in argv
+    assert argv[argv.index("--spec-sampling") + 1] == "deterministic"
     assert _config(parser.parse_args(["serve", "--engram-on-host"])).engine_args["engram_on_host"] is True
