@@ -1,6 +1,9 @@
 """A rank's engine with the features one process has (gloo, CPU, tiny, batch-invariant mode): async
 scheduling and speculative decoding (fixed and varlen, rejection and deterministic) give the tokens of one
-process, in one group of 2 ranks that builds an engine per configuration on the same process groups."""
+process, in one group of 2 ranks that builds an engine per configuration on the same process groups.
+Greedy: dp 2 with async, and with fixed drafts, == one process without either. Seeded: the deterministic
+mode's tokens with varlen and async on dp 2 == one process's with one draft (they depend on neither the
+drafts verified nor the batch, tests/services/worker/test_speculator.py)."""
 
 from __future__ import annotations
 
@@ -35,11 +38,10 @@ CURVE = tuple((rows, 1.0 + 0.1 * rows) for rows in range(1, 4 * (1 + NEXTN) + 1)
 # feature is tests/services/engine/parallel/test_ranks.py's).
 RUNS = {
     "async": ({"async_scheduling": True}, GREEDY),
-    "spec-rejection": ({"num_speculative_tokens": NEXTN}, GREEDY),
-    "spec-varlen-deterministic": ({"num_speculative_tokens": NEXTN, "spec_sampling": "deterministic",
-                                   "spec_varlen": True, "spec_step_cost_ms": CURVE}, GREEDY),
-    "spec-async-seeded": ({"num_speculative_tokens": NEXTN, "spec_sampling": "deterministic",
-                           "async_scheduling": True}, SEEDED),
+    "spec-fixed-rejection": ({"num_speculative_tokens": NEXTN}, GREEDY),
+    "spec-varlen-deterministic-async-seeded": ({"num_speculative_tokens": NEXTN, "spec_sampling": "deterministic",
+                                                "spec_varlen": True, "spec_step_cost_ms": CURVE,
+                                                "async_scheduling": True}, SEEDED),
 }
 
 
