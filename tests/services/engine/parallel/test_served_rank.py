@@ -206,7 +206,8 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
         answers: dict[int, object] = {}
 
         def chat(i):
-            answers[i] = client.chat.completions.create(model="tiny", messages=chats[i], max_tokens=4, temperature=0)
+            answers[i] = client.chat.completions.create(model="tiny", messages=chats[i], max_tokens=4, temperature=0,
+                                                        logprobs=True)
 
         threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
         for t in threads:
@@ -217,6 +218,7 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
             out = llm.chat(messages, GREEDY)[0]
             assert answers[i].usage.prompt_tokens == len(out.prompt_token_ids)  # the expanded image span
             assert answers[i].choices[0].message.content == out.text
+            assert [t.logprob for t in answers[i].choices[0].logprobs.content] == pytest.approx(out.logprobs, abs=0)
 
         results: dict[int, list] = {}
         first_token = [threading.Event() for _ in range(2)]
