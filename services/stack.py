@@ -157,7 +157,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics"),
     ]
     ranks = config.data_parallel_size > 1
-    if cfg.vision is not None and not ranks:  # the vision tower's own process; ranks take no images yet
+    if cfg.vision is not None:  # the vision tower's own process
         stack.append(Service("multimodal", [*py, "services.multimodal", "--model", config.model, "--grpc-addr",
                                             bind("multimodal", "grpc"), "--metrics-port",
                                             str(at.port("multimodal", "metrics"))],
@@ -184,9 +184,12 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
 
     device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)
     drain = ["--drain-timeout", str(config.drain_timeout_s)] if config.drain_timeout_s is not None else []
-    if ranks and (config.num_engines != 1 or config.remote_workers):
-        raise ValueError("a data-parallel group is the stack's one engine, its workers in-process: "
-                         "with --dp > 1 leave --num-engines at 1 and drop --remote-workers")
+    if ranks and config.num_engines != 1:
+        raise ValueError("a data-parallel group is the stack's one engine: with --dp > 1 leave --num-engines at 1")
+    # A group's worker processes start together before its engines (the workers meet at worker-0's rendezvous
+    # for the exchange, and each engine connects to its worker); the engines meet at engine-0's for the votes.
+    group_workers: list[Service] = []
+    group_engines: list[Service] = []
     for i in range(num_engines):
         name, worker = f"engine-{i}", f"worker-{i}"
         engines.append(f"{name}={at.reach(name, 'grpc')}")
@@ -199,16 +202,30 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
                 *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
                   else device)]
-        if cfg.vision is not None and not ranks:  # encoded here; a remote worker takes the rows by SetImages
+        if cfg.vision is not None:  # encoded here; a remote worker takes the rows by SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
-            stack.append(Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
-                                          bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
-                                          *sizing, *device],
-                                 f"grpc:{at.port(worker, 'grpc')}", f"metrics http://{at.reach(worker, 'metrics')}/metrics"))
+            worker_group = ["--dp", str(config.data_parallel_size), "--num-redundant-experts",
+                            str(config.num_redundant_experts), "--dp-rank", str(i), "--dp-rendezvous",
+                            f"tcp://{at.reach('worker-0', 'rendezvous')}"] if ranks else []
+            service = Service(worker, [*py, "services.worker", "--model", config.model, "--grpc-addr",
+                                       bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
+                                       *sizing, *device, *worker_group],
+                              f"grpc:{at.port(worker, 'grpc')}",
+                              f"metrics http://{at.reach(worker, 'metrics')}/metrics",
+                              "worker-ranks" if ranks else None)
+            if ranks:
+                group_workers.append(service)
+            else:
+                stack.append(service)
             argv += ["--worker", at.reach(worker, "grpc")]
-        stack.append(Service(name, argv, f"grpc:{at.port(name, 'grpc')}", f"metrics http://{at.reach(name, 'metrics')}/metrics",
-                             "ranks" if ranks else None))
+        engine = Service(name, argv, f"grpc:{at.port(name, 'grpc')}",
+                         f"metrics http://{at.reach(name, 'metrics')}/metrics", "ranks" if ranks else None)
+        if ranks:
+            group_engines.append(engine)
+        else:
+            stack.append(engine)
+    stack += group_workers + group_engines
     gateway = [*py, "services.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
                "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
                "--grpc-port", str(at.port("gateway", "grpc")), *drain,

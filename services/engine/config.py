@@ -151,11 +151,9 @@ class EngineConfig:
             raise ValueError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
         if self.data_parallel_size > 1:
             unsupported = [name for name, on in (("kernel_backend", self.kernel_backend is not None),
-                                                 ("cuda_graphs", self.cuda_graphs),
-                                                 ("async_scheduling", self.async_scheduling),
-                                                 ("num_speculative_tokens", self.num_speculative_tokens > 0)) if on]
+                                                 ("cuda_graphs", self.cuda_graphs)) if on]
             if unsupported:
-                raise ValueError(f"data_parallel_size > 1 runs the torch MoE synchronously so far "
+                raise ValueError(f"data_parallel_size > 1 runs the torch MoE so far "
                                  f"(docs/parallelism.md): turn off {', '.join(unsupported)}")
 
     def resolved_num_blocks(self) -> int:

@@ -158,9 +158,11 @@ class Engine:
         Only decode steps stay in flight. A prefill step (or one with no rows) is updated right after it
         runs (drained), so prompts' first tokens come out at once and chunk bookkeeping stays in step."""
         previous = self._in_flight
-        if previous is not None and not self.scheduler.has_unfinished():
+        if previous is not None and not self.scheduler.has_unfinished() and self.vote is None:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
             return self._update(*previous)
+        # A rank of a data-parallel group plans even then: its empty plan is a placeholder step, so the rank
+        # joins the step's votes and exchanges like every other rank, and the step in flight is updated after it.
         plan = self.scheduler.schedule()
         try:
             executed = self.worker.execute(plan, self._sampling_rows(plan, previous),

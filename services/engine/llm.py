@@ -109,18 +109,18 @@ class LLM:
 
     def _start_ranks(self, model: str, engine_args: dict[str, object]) -> None:
         """One process per rank, each with its engine and its share of the experts; this process keeps only
-        the config and tokenizer. The fast path's CUDA defaults (kernel backend, graphs, async) do not
-        apply: the ranks run the torch MoE synchronously (docs/parallelism.md)."""
+        the config and tokenizer. The ranks run the torch MoE (no kernel backend, no CUDA graphs); async
+        scheduling defaults as for one process (`rank_engine_args`, docs/parallelism.md)."""
         from functools import partial
 
         from services.engine.device import resolve_device
-        from services.engine.parallel.rank import RankSpec
+        from services.engine.parallel.rank import RankSpec, rank_engine_args
         from services.engine.parallel.ranks import Ranks
 
-        args = {"kernel_backend": None, "async_scheduling": False, "cuda_graphs": False, **engine_args}
-        device = resolve_device(args.get("device"))  # type: ignore[arg-type]
-        if device.startswith("cuda") and args.get("device") is None:
+        device = resolve_device(engine_args.get("device"))  # type: ignore[arg-type]
+        if device.startswith("cuda") and engine_args.get("device") is None:
             device = "cuda"
+        args = rank_engine_args(engine_args, device)
         if device.startswith("cuda:"):
             raise ValueError(f"with data_parallel_size > 1 rank r runs on cuda:r; pass device='cuda', not {device!r}")
         self.config = EngineConfig(**{**args, "device": device})  # type: ignore[arg-type]

@@ -117,9 +117,15 @@ async def run(args: argparse.Namespace) -> int:
     if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
         from services.engine.parallel.served_rank import start_rank
 
-        if args.worker:
-            raise SystemExit("--data-parallel-size > 1 runs each rank's worker in-process: drop --worker")
-        llm = start_rank(args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)})
+        remote = None
+        if args.worker:  # the rank's worker process: it joined the workers' group for the exchange
+            from services.engine.remote_worker import RemoteWorker
+
+            remote = RemoteWorker(args.worker)
+        llm = start_rank(args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)},
+                         remote)
+        if remote is not None:
+            remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
     elif args.worker:
         from services.engine.remote_worker import RemoteWorker
 
@@ -145,7 +151,8 @@ async def run(args: argparse.Namespace) -> int:
         from services.engine.expert_loads import ExpertLoadPublisher
 
         report = None
-        if args.data_parallel_size > 1:  # the receiving side's slot counts, under the plan version in force
+        if args.data_parallel_size > 1 and llm.rank is not None:  # the receiving side's slot counts, under the
+            # plan version in force
             from services.engine.parallel.live_plans import slot_load_report
 
             rank = llm.rank
@@ -166,7 +173,8 @@ async def run(args: argparse.Namespace) -> int:
         await reporter.start()
     if publisher is not None and reporter is not None:
         publisher.nc = reporter.nc  # expert-load reports start with the next step
-    if reporter is not None and args.data_parallel_size > 1:  # the planner's plans, applied live
+    if reporter is not None and args.data_parallel_size > 1 and llm.rank is not None:  # the planner's plans,
+        # applied live (with a worker process the weights are there: not built, docs/parallelism.md)
         from services.engine.parallel.live_plans import PlanIntake
 
         await PlanIntake(llm.rank.live).subscribe(reporter.nc)
@@ -175,10 +183,10 @@ async def run(args: argparse.Namespace) -> int:
     print(json.dumps({"event": "ready", "service": "engine", "replica": args.replica, "grpc": address,
                       "grpc_port": server.api.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
     watch = None
-    if args.worker:
-        watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
-    elif args.data_parallel_size > 1:
+    if args.data_parallel_size > 1:  # a rank's lost worker fails its next step, which loses the group for good
         watch = asyncio.create_task(watch_group(server.engine, server.api, reporter))
+    elif args.worker:
+        watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
     await stop.wait()
     if watch is not None:
         watch.cancel()

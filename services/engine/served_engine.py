@@ -81,8 +81,6 @@ def _image_refusal(llm: LLM, image_encoder: ImageEncoder | None) -> str | None:
     backend and worker kind takes image rows (the kernel router's ``bias_vl``, worker.v1 ``SetImages``);
     what can be missing is a worker without ``set_images``, or any encoder at all: an engine whose remote
     worker holds the weights has no tower of its own, so it needs the multimodal service."""
-    if llm.config.data_parallel_size > 1:
-        return "this engine takes no images: a data-parallel rank does not run image prompts yet"
     if getattr(llm.engine.worker, "set_images", None) is None:
         return f"this engine takes no images: its worker ({type(llm.engine.worker).__name__}) takes no image embeddings"
     if image_encoder is None and llm.source.model is None:

@@ -15,8 +15,9 @@ Invariants:
   nothing until ``provide_images``; requests behind it keep running (the readiness gate).
 - An engine of a data-parallel group (``engine.vote`` set) steps in lockstep with the other ranks: it steps
   while any rank has work, and leaves the loop only when every rank is stopping with none
-  (services/engine/parallel/served_rank.py). Any failure in a step or vote breaks the group for good:
-  ``group_failure`` says why, every live request ends with "error" and new ones are refused.
+  (services/engine/parallel/served_rank.py; the loop: services/engine/parallel/lockstep_loop.py). Any
+  failure in a step or vote breaks the group for good: ``group_failure`` says why, every live request ends
+  with "error" and new ones are refused.
 """
 
 from __future__ import annotations
@@ -255,43 +256,21 @@ class EngineService:
         self._wake.clear()
 
     def _run_lockstep(self) -> None:
-        """The step loop of a data-parallel rank: every rank steps while any has work (idle ones run
-        placeholder steps); while none has, each waits for a request or ``idle_wait_s`` between votes, and
-        the loop ends when every rank is stopping. Every rank makes the same votes in the same order.
-        A work-left vote that finds no rank with work marks the group idle in every rank's scheduler, so
-        the first step after it votes at an ANY point: a lone request prefills at once."""
-        vote = self._vote
-        try:
-            while True:
-                self._apply_commands()
-                stopping = self._stop.is_set() and self._commands.empty()
-                busy = vote.any_rank(self.engine.has_unfinished())
-                if busy:
-                    self._step()
-                self._snapshot = self.engine.stats()
-                if not busy:
-                    self.engine.scheduler.mark_group_idle()
-                    if vote(stopping, "all"):
-                        return
-                    self._wait()
-        except Exception as err:  # noqa: BLE001 - a lost peer, a failed collective or step: the group is over
-            log.exception("the data-parallel group is lost; ending every request with 'error'")
-            self._lose_group(f"{type(err).__name__}: {err}".splitlines()[0][:300])
-        while not self._stop.is_set() or not self._commands.empty():  # refuse whatever still arrives
-            self._apply_commands()
-            self._end_all("the data-parallel group is lost")
-            self._wait()
+        from services.engine.parallel.lockstep_loop import LockstepLoop, ServiceSteps
+
+        LockstepLoop(self.engine, self._vote, ServiceSteps(
+            apply_commands=self._apply_commands, step=self._step, publish=self._publish, wait=self._wait,
+            stopping=self._stopping, lose=self._lose_group, end_all=self._end_all)).run()
+
+    def _publish(self) -> None:
+        self._snapshot = self.engine.stats()
+
+    def _stopping(self) -> bool:
+        return self._stop.is_set() and self._commands.empty()
 
     def _lose_group(self, why: str) -> None:
         self.group_failure = why
         self._end_all(why)
-        from services.worker.parallel.groups import close_rank_groups
-
-        try:
-            close_rank_groups()  # the peers' next collective fails at once instead of at rank_timeout_s
-        except Exception:  # noqa: BLE001 - already broken; leaving is best effort
-            log.warning("leaving the broken data-parallel group failed", exc_info=True)
-        self._snapshot = self.engine.stats()
 
     def _end_all(self, why: str) -> None:
         """Ends every request the engine holds with "error" and gives back its blocks and state slot."""

@@ -65,12 +65,12 @@ def _config(args: argparse.Namespace):
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags each rank process of `serve --dp N` gets (services/engine/process.py)."""
-    from services.engine.config import speculative_args
     from services.engine.device import device_args, device_argv
 
-    if speculative_args(args):
-        raise ValueError("--num-speculative-tokens does not run with data-parallel ranks yet; drop it or --dp")
     argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args))]
+    if args.num_speculative_tokens:  # each rank verifies its own requests' drafts (docs/parallelism.md)
+        argv += ["--num-speculative-tokens", str(args.num_speculative_tokens), "--spec-sampling", args.spec_sampling]
+    argv += ["--spec-varlen"] if args.spec_varlen else []  # without drafts: the rank's config refuses it by name
     argv += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else []
     argv += ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
     argv += ["--engram-on-host"] if args.engram_on_host else []

@@ -54,9 +54,11 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
 
     from services.engine.process import main as engine_main
     from services.stack import StackConfig, _batches, services
+    from services.worker.service import main as worker_main
 
     stack = services(StackConfig(model="tiny", data_parallel_size=3, num_redundant_experts=2, batch_invariant=True))
-    assert [s.name for s in stack] == ["nats", "tokenizer", "eplb", "engine-0", "engine-1", "engine-2", "gateway"]
+    assert [s.name for s in stack] == ["nats", "tokenizer", "multimodal", "eplb", "engine-0", "engine-1", "engine-2",
+                                       "gateway"]
     ranks = [s for s in stack if s.group == "ranks"]
     assert [s.name for s in ranks] == ["engine-0", "engine-1", "engine-2"]
     rendezvous = {s.argv[s.argv.index("--dp-rendezvous") + 1] for s in ranks}
@@ -65,23 +67,36 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
         argv = s.argv
         assert argv[argv.index("--dp-rank") + 1] == str(r) and argv[argv.index("--dp") + 1] == "3"
         assert argv[argv.index("--num-redundant-experts") + 1] == "2"
-        assert "--multimodal" not in argv and "--batch-invariant" in argv
+        assert "--multimodal" in argv and "--batch-invariant" in argv  # each rank's images: the tower's process
     gateway = stack[-1].argv
     assert [gateway[i + 1].split("=")[0] for i, a in enumerate(gateway) if a == "--engine"] == [s.name for s in ranks]
-    eplb = stack[2].argv
+    eplb = stack[3].argv
     assert eplb[eplb.index("--num-ranks") + 1] == "3"
     # The planner plans for the group it serves: 3 ranks, 8 experts + 2 copies rounded up to 12 slots.
     assert eplb[eplb.index("--num-gpus") + 1] == "3" and eplb[eplb.index("--num-redundant") + 1] == "2"
     # up starts (and down stops) a group's members together: they wait for each other at the rendezvous.
-    assert [[s.name for s in batch] for batch in _batches(stack)][3:] == [["engine-0", "engine-1", "engine-2"],
+    assert [[s.name for s in batch] for batch in _batches(stack)][4:] == [["engine-0", "engine-1", "engine-2"],
                                                                           ["gateway"]]
     assert all(s.group is None for s in services(StackConfig(model="tiny", num_engines=2)))
     with pytest.raises(ValueError, match="--num-engines at 1"):
         services(StackConfig(model="tiny", num_engines=2, data_parallel_size=2))
-    with pytest.raises(ValueError, match="drop --remote-workers"):
-        services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2))
-    with pytest.raises(SystemExit, match="drop --worker"):  # refused before any group is joined
-        engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "tcp://127.0.0.1:1"])
+    # With worker processes: the workers start together first and meet at their own rendezvous (the token
+    # exchange); each engine drives its worker and the engines meet at theirs (the votes).
+    remote = services(StackConfig(model="tiny", remote_workers=True, data_parallel_size=2, batch_invariant=True))
+    assert [[s.name for s in batch] for batch in _batches(remote)][4:] == [["worker-0", "worker-1"],
+                                                                           ["engine-0", "engine-1"], ["gateway"]]
+    by_name = {s.name: s.argv for s in remote}
+    meets = {name: argv[argv.index("--dp-rendezvous") + 1] for name, argv in by_name.items()
+             if "--dp-rendezvous" in argv}
+    assert meets["worker-0"] == meets["worker-1"] != meets["engine-0"] == meets["engine-1"]
+    for r in range(2):
+        worker, engine = by_name[f"worker-{r}"], by_name[f"engine-{r}"]
+        assert worker[worker.index("--dp-rank") + 1] == engine[engine.index("--dp-rank") + 1] == str(r)
+        assert engine[engine.index("--worker") + 1].endswith(worker[worker.index("--grpc-addr") + 1].split(":")[1])
+    with pytest.raises(ValueError, match="a tcp://host:port rendezvous"):  # refused before any group is joined
+        engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "nowhere"])
+    with pytest.raises(SystemExit, match="needs --dp-rendezvous tcp://host:port"):  # before the model is loaded
+        worker_main(["--dp", "2", "--dp-rendezvous", "nowhere"])
 
 
 def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks():
@@ -98,4 +113,9 @@ def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks(
     register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--dp", "2", "--engram-on-host"])
     assert "--engram-on-host" in _rank_argv(args)  # each rank process of serve --dp
+    args = parser.parse_args(["serve", "--dp", "2", "--num-speculative-tokens", "2", "--spec-sampling",
+                              "deterministic", "--spec-varlen"])
+    argv = _rank_argv(args)  # speculative decoding runs with ranks
+    assert argv[argv.index("--num-speculative-tokens") + 1] == "2" and "--spec-varlen" in argv
+    assert argv[argv.index("--spec-sampling") + 1] == "deterministic"
     assert _config(parser.parse_args(["serve", "--engram-on-host"])).engine_args["engram_on_host"] is True

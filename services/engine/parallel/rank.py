@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.model import DeepseekV41
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
@@ -27,12 +28,12 @@ from services.engine.parallel.vote import HostVote
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout
 from services.worker.model_runner import ModelRunner
-from services.worker.parallel.ep_moe import ExpertParallel, shard_experts
-from services.worker.parallel.exchange import Exchange
+from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_moves import apply_layouts
-from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.live_layouts import LayoutUpdate, LiveLayouts
+from services.worker.parallel.rank_experts import shard_over_group
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
+from services.worker.speculator import Speculator
 from services.worker.worker import Worker
 
 
@@ -70,6 +71,15 @@ class RankEngine:
     live: LiveLayouts  # EPLB layouts applied live (its boundary is the work-left vote)
 
 
+def rank_engine_args(engine_args: dict[str, object], device: str) -> dict[str, object]:
+    """``engine_args`` with a rank's defaults where not given: the torch MoE (no kernel backend and no CUDA
+    graphs: expert parallelism shards the torch MoE), and async scheduling as one process on ``device`` has
+    it (services/engine/device.py: on for CUDA without drafts, off on the CPU)."""
+    speculative = bool(engine_args.get("num_speculative_tokens"))
+    return {"kernel_backend": None, "cuda_graphs": False,
+            "async_scheduling": str(device).startswith("cuda") and not speculative, **engine_args}
+
+
 def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
     """Between steps, on every rank at once (``Ranks.call``): move to EPLB ``layouts`` (one per layer) over
     the moves group; the next step routes by them. Returns the experts this rank received from peers."""
@@ -94,8 +104,11 @@ def settle_live_layouts(rank: RankEngine, timeout_s: float) -> int:
         time.sleep(SETTLE_POLL_S)
 
 
-def build_rank(rank: int, spec: RankSpec) -> RankEngine:
-    """Joins the group and builds this rank's engine; every rank of the group calls it."""
+def build_rank(rank: int, spec: RankSpec, groups: RankGroups | None = None) -> RankEngine:
+    """Joins the group (unless ``groups``, already joined, is given) and builds this rank's engine; every
+    rank of the group calls it. With speculative decoding the worker verifies and proposes drafts: the
+    verified rows are rows of the step like any other (they cross the exchange), and the DSpark draft,
+    whose MoE is not sharded, runs on this rank alone."""
     world = spec.config.data_parallel_size
     device = spec.rank_device(rank)
     if device.startswith("cuda"):
@@ -105,23 +118,34 @@ def build_rank(rank: int, spec: RankSpec) -> RankEngine:
         torch.cuda.set_device(device)
     threads = spec.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // world
     torch.set_num_threads(max(1, threads))
-    groups = init_rank_groups(rank, world, spec.init_method, device, spec.config.rank_timeout_s)
+    if groups is None:
+        groups = init_rank_groups(rank, world, spec.init_method, device, spec.config.rank_timeout_s)
     source = spec.load(device)
     model, cfg = source.model, source.config
     if model is None:
         raise ValueError("a rank needs the model's weights")
-    slots = [ExpertSlots.startup(cfg.n_routed_experts, world, spec.config.num_redundant_experts, rank, device)
-             for _ in range(cfg.num_hidden_layers)]
-    parallel = ExpertParallel(Exchange(groups.exchange, world), slots)
-    shard_experts(model, parallel)
+    parallel = shard_over_group(model, groups, spec.config.num_redundant_experts, device)
     config = spec.config.replace(device=device)
-    runner = ModelRunner(model, config.worker_config(), expert_parallel=parallel)
+    nextn = config.num_speculative_tokens
+    runner = ModelRunner(model, config.worker_config(), nextn=nextn, with_taps=nextn > 0,
+                         expert_parallel=parallel)
+    speculator = None
+    if nextn:
+        # The draft's batch-invariant maths is the CPU torch mode, as for one process (services/engine/llm.py).
+        speculator = Speculator(model, nextn, config.spec_sampling,
+                                batch_invariant=config.batch_invariant and not device.startswith("cuda"))
     vote = HostVote(groups.vote)
-    kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    engine = Engine(Worker(runner), config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
-                    compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
+    engine = group_engine(Worker(runner, speculator=speculator), config, cfg, vote)
     vote.live = LiveLayouts([block.ffn for block in model.layers], parallel, groups.moves)
     return RankEngine(rank, groups, vote, parallel, engine, model, source, vote.live)
+
+
+def group_engine(worker, config: EngineConfig, cfg: ModelConfig, vote: HostVote) -> Engine:
+    """A rank's engine around its ``worker`` (in-process, or a worker process's `RemoteWorker`), voting
+    with the group through ``vote``."""
+    kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+    return Engine(worker, config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
+                  compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
 
 
 def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]],

@@ -12,6 +12,10 @@ rendezvous (rank 0 hosts it) and then step in lockstep inside `EngineService`'s 
 - a rank stops only when every rank is stopping and none has work (a second, ALL vote while idle), so
   `shinkai down`'s SIGTERM to the whole group drains every rank before any leaves.
 
+With ``--worker`` each rank's worker is a process of its own (`python -m services.worker --dp N --dp-rank R`):
+the engines meet at their rendezvous and vote; the workers meet at theirs and exchange tokens, each holding
+its share of the experts. A worker that loses a peer fails its step, so its engine's step fails too.
+
 A lost rank breaks the group for good: a survivor's next collective fails (at once on a closed connection,
 else within ``rank_timeout_s``), its live requests end with "error", it leaves the group so the others fail
 at once too, and it reports NOT_SERVING until it is stopped.
@@ -25,32 +29,46 @@ from functools import partial
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
-from services.engine.parallel.rank import RankEngine, RankSpec, build_rank
+from services.engine.parallel.rank import RankEngine, RankSpec, build_rank, group_engine, rank_engine_args
+from services.engine.parallel.vote import HostVote
+from services.engine.remote_worker import RemoteWorker
+from services.worker.parallel.groups import init_rank_groups
 
 
 @dataclass
 class RankLLM:
     """A served rank in the shape `ServedEngine` reads from an `LLM`: its engine, config and model source."""
 
-    rank: RankEngine
+    engine: Engine  # this rank's engine, voting with the group
     config: EngineConfig  # this rank's (device resolved); data_parallel_size is the group's size
-    source: ModelSource  # this rank's model (its MoE layers sharded), config and tokenizer
-
-    @property
-    def engine(self) -> Engine:
-        return self.rank.engine
+    source: ModelSource  # this rank's model (its MoE layers sharded; no weights with a worker process), config
+    # and tokenizer
+    rank: RankEngine | None = None  # the in-process rank (its expert slots and live EPLB layouts); None with a
+    # worker process, which holds the weights
 
     @property
     def tokenizer(self):
         return self.source.tokenizer
 
 
-def start_rank(model: str, rank: int, rendezvous: str, engine_args: dict[str, object]) -> RankLLM:
+def rank_config(engine_args: dict[str, object], remote: bool) -> EngineConfig:
+    """A rank's configuration with a rank's defaults (`rank_engine_args`); async scheduling always off with a
+    worker process (its protocol does not carry the previous step's sampled tokens)."""
+    device = "cpu" if remote else str(engine_args.get("device") or "cpu")
+    config = EngineConfig(**rank_engine_args(engine_args, device))  # type: ignore[arg-type]
+    return config.replace(async_scheduling=False) if remote else config
+
+
+def start_rank(model: str, rank: int, rendezvous: str, engine_args: dict[str, object],
+               worker: RemoteWorker | None = None) -> RankLLM:
     """Joins the group at ``rendezvous`` ("tcp://host:port", rank 0 listens there) as ``rank`` and builds
-    this rank's engine; returns once every rank of the group has joined. The fast path's CUDA defaults
-    (kernel backend, graphs, async) do not apply to ranks (docs/parallelism.md)."""
-    config = EngineConfig(**{"kernel_backend": None, "async_scheduling": False, "cuda_graphs": False,
-                             **engine_args})  # type: ignore[arg-type]
+    this rank's engine; returns once every rank of the group has joined.
+
+    ``worker``: this rank's worker process (``python -m services.worker --dp N --dp-rank R``), which holds
+    the sharded weights and joins the workers' own group for the token exchange: the engines' group here
+    carries only the votes ("the engine votes and its worker exchanges"), so this process needs no device
+    and loads no weights."""
+    config = rank_config(engine_args, worker is not None)
     world = config.data_parallel_size
     if world < 2:
         raise ValueError(f"a served rank belongs to a group of at least 2 ranks, not {world}")
@@ -58,7 +76,13 @@ def start_rank(model: str, rank: int, rendezvous: str, engine_args: dict[str, ob
         raise ValueError(f"--dp-rank {rank} is outside a group of {world} ranks")
     if not rendezvous.startswith("tcp://"):
         raise ValueError(f"a served group meets at a tcp://host:port rendezvous, not {rendezvous!r}")
+    if worker is not None:
+        source = load_model(model, config.model_seed, load_format=config.load_format, weights=False)
+        # The engines' group: its vote group is the one this process uses (its exchange and moves groups,
+        # gloo on the host, stay idle: the workers exchange among themselves).
+        groups = init_rank_groups(rank, world, rendezvous, "cpu", config.rank_timeout_s)
+        return RankLLM(group_engine(worker, config, source.config, HostVote(groups.vote)), config, source)
     device = "cuda" if str(config.device or "cpu").startswith("cuda") else "cpu"
     load = partial(load_model, model, config.model_seed, load_format=config.load_format)
     built = build_rank(rank, RankSpec(config, load, rendezvous, device))
-    return RankLLM(built, built.engine.config, built.source)
+    return RankLLM(built.engine, built.engine.config, built.source, built)

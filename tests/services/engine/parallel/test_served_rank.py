@@ -207,3 +207,100 @@ def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
     while any(alive(s["pid"]) for s in state["services"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [s["name"] for s in state["services"] if alive(s["pid"])] == []
+
+
+def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_group(tmp_path):
+    """`up --dp 2 --remote-workers`: each rank's worker is a process of its own; the workers exchange tokens,
+    the engines vote. Greedy replies, text and images (encoded by the multimodal service, the rows sent to
+    the rank's worker), equal one process's with == (batch-invariant mode); a worker killed mid-stream ends
+    both ranks' streams with "error", and `down` leaves no process behind."""
+    from services.engine import LLM, SamplingParams
+    from tests.services.gateway.test_images import GREEDY, ask, data_url, encoded
+
+    sizing = dict(SIZING, max_model_len=4096)  # room for a chat's image prompt
+    config = StackConfig(data_parallel_size=2, remote_workers=True, http_port=0, grpc_port=0, run_dir=tmp_path,
+                         batch_invariant=True, drain_timeout_s=5.0, **sizing)
+    state = up(config, timeout_s=180, log=lambda *_: None)
+    try:
+        by_name = {s["name"]: s for s in state["services"]}
+        held = []
+        for r in range(2):  # the engines drive their workers: no weights, no runner of their own
+            ready_line = json.loads(open(by_name[f"engine-{r}"]["log"]).readline())
+            assert ready_line["runner"].startswith("remote worker")
+            worker_line = json.loads(open(by_name[f"worker-{r}"]["log"]).readline())
+            assert worker_line["dp_rank"] == r
+            held.append(worker_line["experts"])
+        # Each worker holds half of tiny's 8 routed experts (no redundancy): the others are its peer's, so
+        # every token whose picks include them crosses the workers' exchange.
+        assert sorted(held[0] + held[1]) == list(range(8)) and len(held[0]) == len(held[1]) == 4
+        ready = json.loads(open(by_name["gateway"]["log"]).readline())
+        client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = ["The deep sea is", "Hello"]
+        replies: dict[str, object] = {}
+
+        def complete(prompt):
+            replies[prompt] = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                                        logprobs=1, extra_body={"ignore_eos": True})
+
+        threads = [threading.Thread(target=complete, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        llm = LLM("tiny", batch_invariant=True, **sizing)
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        for prompt, out in zip(prompts, expected):
+            choice = replies[prompt].choices[0]
+            assert choice.text == out.text
+            assert choice.logprobs.token_logprobs == pytest.approx(out.logprobs, abs=0)
+        chats = [ask(data_url(encoded(32, 28, seed=s))) for s in (1, 2)]  # two at once: both ranks, by load
+        answers: dict[int, object] = {}
+
+        def chat(i):
+            answers[i] = client.chat.completions.create(model="tiny", messages=chats[i], max_tokens=4, temperature=0,
+                                                        logprobs=True)
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, messages in enumerate(chats):
+            out = llm.chat(messages, GREEDY)[0]
+            assert answers[i].usage.prompt_tokens == len(out.prompt_token_ids)  # the expanded image span
+            assert answers[i].choices[0].message.content == out.text
+            assert [t.logprob for t in answers[i].choices[0].logprobs.content] == pytest.approx(out.logprobs, abs=0)
+
+        results: dict[int, list] = {}
+        first_token = [threading.Event() for _ in range(2)]
+
+        def stream(i):
+            reasons = []
+            for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices:
+                    first_token[i].set()
+                    reasons.append(chunk.choices[0].finish_reason)
+            results[i] = reasons
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for event in first_token:
+            assert event.wait(120), "no stream produced a token"
+        os.kill(by_name["worker-1"]["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a stream hung after a rank's worker was lost"
+        for reasons in results.values():
+            assert reasons[-1] == "error" and all(r is None for r in reasons[:-1]), reasons
+        deadline = time.monotonic() + 10
+        while healthy("127.0.0.1", by_name["engine-0"]["health"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not healthy("127.0.0.1", by_name["engine-0"]["health"])  # the other rank: NOT_SERVING
+    finally:
+        down(tmp_path, timeout_s=30, log=lambda *_: None)
+    deadline = time.monotonic() + 5
+    while any(alive(s["pid"]) for s in state["services"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [s["name"] for s in state["services"] if alive(s["pid"])] == []
