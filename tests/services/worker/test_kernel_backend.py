@@ -24,7 +24,8 @@ from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.config import WorkerConfig
 from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLinear, KernelLinear, KernelSet,
-                                        linear_block_m, one_expert_meta, quantize_each, quantize_padded)
+                                        group_rows_meta, linear_block_m, one_expert_meta, quantize_each,
+                                        quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
@@ -221,6 +222,17 @@ def test_fp8_linear_interpreted_matches_dequantised_reference():
         yg = grouped(xg)
     ref = torch.einsum("tgi,gri->tgr", xg, wo.view(2, 16, 128)).flatten(-2)
     assert yg.shape == (7, 32) and _rel(yg, ref) < tol.FP8_LINEAR_REL
+    # Group g's rows are gathered from x's [T·G, Kg] rows in place: the same bits as the transposed
+    # [G, T, Kg] copy's GEMM (per-row quantisation, the same products in the same K order).
+    with interpreter():
+        q, s = kernels.quant_fp8.quantize_act(xg.transpose(0, 1).reshape(14, 128))
+        copied = kernels.moe_grouped_gemm.moe_grouped_gemm((q.view(2, 7, 128), s.view(2, 7, 1)), grouped.w,
+                                                           grouped.w_scale, one_expert_meta(7, 2, xg.device),
+                                                           gather=False, out_dtype=torch.float32, block_m=16,
+                                                           num_warps=4)
+    assert torch.equal(yg, copied[:, :, :16].transpose(0, 1).reshape(7, 32))
+    meta = group_rows_meta(3, 2, xg.device)
+    assert meta["row_ids"].tolist() == [[0, 2, 4], [1, 3, 5]] and group_rows_meta(3, 2, xg.device) is meta
     # fp32 torch on both sides over K = 128: two orders differ by ≈ √(2K)·u32 = 9.5e-7 relative.
     assert _rel(GroupedKernelLinear(wo, 2, "fp32", kernels)(xg), ref) < 1e-6
 
