@@ -4,9 +4,17 @@ with 128×128 block scales, e4m3 activations with one scale per 128 channels, ``
 At T ≤ 16 a projection with few 128-wide N tiles gives the grouped GEMM few programs: v41's wq_a has
 10 and wkv 4 on 132 SMs, each streaming all of K (0.07 TB/s on the H200 for wq_a at T = 1, where HBM
 gives 4.25). Here program (n tile, split) streams K blocks [split·KB, (split+1)·KB) and writes an fp32
-partial product; a second launch adds the partials in split order and casts. The split count depends
-on N and K only (never on T), so a row's result does not depend on the rest of the batch; the order
-of the sum differs from the grouped GEMM's one pass (fp32 rounding apart, the same products).
+partial product. The last of an N tile's programs to finish adds the tile's partials in split order
+and casts (``one_launch``; else a second launch does, in the same order, with the same bits). The split
+count depends on N and K only (never on T), so a row's result does not depend on the rest of the
+batch; the order of the sum differs from the grouped GEMM's one pass (fp32 rounding apart, the same
+products).
+
+Which program is last is decided by a per-N-tile ticket counter (an integer atomic, acquire-release at
+GPU scope): only *who* sums depends on timing, never the order of the sum, so the result is the same
+bits on every run. The last program puts the counter back to 0, so counters are 0 between launches
+(and graph replays); they are per device and size, and the launches on a device are assumed to run
+one at a time (one compute stream), as the worker's do.
 """
 
 from __future__ import annotations
@@ -26,11 +34,12 @@ MAX_TOKENS = 16
 
 
 @triton.jit
-def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, num_tokens, a_row_stride,
+def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, out_ptr, ticket_ptr, num_tokens, a_row_stride,
                    N: tl.constexpr, K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr):
     """part [SPLIT, T, N] fp32: split s's product over its BLOCKS_PER_SPLIT K blocks (which divide
-    K/128: no split is short, so no K mask), in K order."""
+    K/128: no split is short, so no K mask), in K order. SUM: the N tile's last program also writes
+    out [T, N] = Σ_s part[s] in split order (``_sum_splits_kernel``'s sum), ticket [N/BLOCK_N] int32."""
     K_BLOCKS: tl.constexpr = K // BLOCK_K
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
@@ -49,6 +58,19 @@ def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, num_tokens,
         acc += tl.dot(w, tl.trans(a_q)) * (w_scale * a_scale)[None, :]
     rows = (split * num_tokens + offs_m).to(tl.int64)
     tl.store(part_ptr + rows[None, :] * N + (n0 + offs_n)[:, None], acc, mask=m_ok[None, :])
+    if SUM:
+        # Every thread's partial is stored before the ticket is taken (the barrier), and released with it;
+        # the last program's acquire makes all SPLIT partials visible to it (read from L2: ".cg").
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                at = (s * num_tokens + offs_m).to(tl.int64)[None, :] * N + (n0 + offs_n)[:, None]
+                total += tl.load(part_ptr + at, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + (n0 + offs_n)[:, None],
+                     total.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+            tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
 @triton.jit
@@ -60,6 +82,18 @@ def _sum_splits_kernel(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.c
     for s in tl.static_range(SPLIT):
         total += tl.load(part_ptr + s * size + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+"""Per (device, N tiles): the ticket counters, zero between launches. Never freed: a captured graph
+reads them by address."""
+
+
+def _tickets(device: torch.device, n_tiles: int) -> torch.Tensor:
+    key = (torch.device(device), n_tiles)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 
 
 def num_splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -78,9 +112,10 @@ def worth_splitting(n: int, device: torch.device) -> bool:
 
 
 def fp8_linear_splitk(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.bfloat16, *, one_launch: bool = True) -> torch.Tensor:
     """a = (e4m3 [T, K], fp32 scales [T, K/128]) with T ≤ MAX_TOKENS; w e4m3 [N, K] (or [1, N, K]), w_scale
-    fp32 [N/128, K/128] (or [1, …]) → [T, N] in ``out_dtype``. K and N multiples of 128."""
+    fp32 [N/128, K/128] (or [1, …]) → [T, N] in ``out_dtype``. K and N multiples of 128. ``one_launch``
+    False: the partials summed by a second launch (the same bits; kept to test and time against)."""
     a_q, a_scale = a
     w, w_scale = w.reshape(w.shape[-2], w.shape[-1]), w_scale.reshape(w_scale.shape[-2], w_scale.shape[-1])
     num_tokens, k = a_q.shape
@@ -99,9 +134,11 @@ def fp8_linear_splitk(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_s
     part = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=a_q.device)
     a_q, a_scale = a_q.contiguous(), a_scale.contiguous()
     _splitk_kernel[(n // BLOCK_N, splits)](
-        a_q, a_scale, w, w_scale, part, num_tokens, a_q.stride(0),
-        N=n, K=k, BLOCKS_PER_SPLIT=per, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        a_q, a_scale, w, w_scale, part, out, _tickets(a_q.device, n // BLOCK_N), num_tokens, a_q.stride(0),
+        N=n, K=k, BLOCKS_PER_SPLIT=per, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits, SUM=one_launch,
+        num_warps=4, num_stages=3,
     )
-    size = num_tokens * n
-    _sum_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, SPLIT=splits, BLOCK=1024, num_warps=4)
+    if not one_launch:
+        size = num_tokens * n
+        _sum_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, SPLIT=splits, BLOCK=1024, num_warps=4)
     return out

@@ -163,16 +163,22 @@ def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
                            vocab_size=cfg.vocab_size)
         rows.append({"section": "profile", **p})
         print(f"profile ctx {context} batch {batch}: {p['wall_ms']:.2f} ms per step (profiled), device busy "
-              f"{p['busy_ms']:.2f} ms")
+              f"{p['busy_ms']:.2f} ms; {_launches(p)}")
         _print_kernels(p["kernels"])
         del llm
     tokens = max(sizes["prefill"])
     llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
     p = profile_prefill(llm.engine, runner_cache(llm).blocks.device, tokens=tokens, vocab_size=cfg.vocab_size)
     rows.append({"section": "profile", "batch": 1, "context": tokens, "prefill_tokens": tokens, **p})
-    print(f"profile prefill {tokens} tokens: {p['wall_ms']:.2f} ms (profiled), device busy {p['busy_ms']:.2f} ms")
+    print(f"profile prefill {tokens} tokens: {p['wall_ms']:.2f} ms (profiled), device busy {p['busy_ms']:.2f} ms; "
+          f"{_launches(p)}")
     _print_kernels(p["kernels"])
     return rows
+
+
+def _launches(p: dict[str, Any]) -> str:
+    return (f"{p['launches_per_step']:.0f} kernel launches per step, {p['kernel_ms']:.2f} ms in kernels, "
+            f"{p['copies_per_step']:.0f} copies/fills {p['copy_ms']:.2f} ms")
 
 
 def _print_kernels(kernels: list[dict[str, Any]]) -> None:

@@ -31,6 +31,27 @@ def kernel_table(events, num_steps: int, top: int = 20) -> list[dict[str, Any]]:
     return rows[:top]
 
 
+COPY_PREFIXES = ("Memcpy", "Memset")
+"""Device events the profiler names for copies and fills (cudaMemcpy/cudaMemset), not kernel launches."""
+
+
+def launch_totals(events, num_steps: int) -> dict[str, float]:
+    """Device events → per step: kernel launches and their summed device time (every kernel, not only the
+    table's top rows; issue 21's launch count), and the copies/fills beside them. Zero-time events are
+    left out, as in ``kernel_table``."""
+    kernels = copies = 0
+    kernel_us = copy_us = 0.0
+    for e in events:
+        if e.device_type.name != "CUDA" or e.device_time <= 0:
+            continue
+        if e.name.startswith(COPY_PREFIXES):
+            copies, copy_us = copies + 1, copy_us + e.device_time
+        else:
+            kernels, kernel_us = kernels + 1, kernel_us + e.device_time
+    return {"launches_per_step": kernels / num_steps, "kernel_ms": kernel_us * 1e-3 / num_steps,
+            "copies_per_step": copies / num_steps, "copy_ms": copy_us * 1e-3 / num_steps}
+
+
 def _trace(device: torch.device):
     """A profiler of the device's kernels (device activity only: host tracing would inflate the wall
     time); on the CPU, of the host ops, so the code path runs in CPU tests."""
@@ -43,7 +64,7 @@ def _summary(prof, wall: float, num_steps: int) -> dict[str, Any]:
     events = prof.events()
     busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
     return {"wall_ms": wall * 1e3 / num_steps, "busy_ms": busy_us * 1e-3 / num_steps,
-            "kernels": kernel_table(events, num_steps)}
+            **launch_totals(events, num_steps), "kernels": kernel_table(events, num_steps)}
 
 
 def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_size: int) -> dict[str, Any]:

@@ -12,6 +12,14 @@ def _floor_cells(r: dict[str, Any], floor_spec: str) -> str:
     return f"{floor} | {eff}"
 
 
+def _launch_totals(r: dict[str, Any]) -> str:
+    """The profile's totals over every kernel; rows from JSON written before they were recorded have none."""
+    if "launches_per_step" not in r:
+        return ""
+    return (f"; {r['launches_per_step']:.0f} kernel launches per step, {r['kernel_ms']:.2f} ms in kernels, "
+            f"{r['copies_per_step']:.0f} copies/fills {r['copy_ms']:.2f} ms")
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The tables of a ``shinkai bench step`` result (``step._result``), one per section that ran."""
     lines = [f"`{result['command']}` on {result['device']}, {result['date']}", ""]
@@ -55,7 +63,7 @@ def markdown(result: dict[str, Any]) -> str:
             what = (f"prefill profile, {r['prefill_tokens']} tokens" if "prefill_tokens" in r
                     else f"decode profile, batch {r['batch']} at {r['context']}")
             lines += ["", f"{what}: {r['wall_ms']:.2f} ms per step "
-                      f"(profiled), device busy {r['busy_ms']:.2f} ms", "", "| µs per step | launches | kernel |",
+                      f"(profiled), device busy {r['busy_ms']:.2f} ms{_launch_totals(r)}", "", "| µs per step | launches | kernel |",
                       "|---|---|---|"]
             lines += [f"| {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} | `{k['kernel'][:80]}` |"
                       for k in r["kernels"]]

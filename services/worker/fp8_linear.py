@@ -34,6 +34,7 @@ from kernels import invariance
 from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 from services.worker import block_scaled_gemm
+from services.worker.fp8_handoff import Fp8Handoff
 
 PRECISIONS = ("fp8", "fp32")
 
@@ -172,6 +173,26 @@ def one_expert_meta(num_tokens: int, num_experts: int, device: torch.device) -> 
     return meta
 
 
+_GROUP_ROWS_CACHE: dict[tuple[int, int, torch.device], dict[str, torch.Tensor]] = {}
+
+
+def group_rows_meta(num_tokens: int, num_groups: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``one_expert_meta(num_tokens, num_groups)`` but slot j of group g reads row j·G + g: the G groups of
+    x [T, G, Kg] gathered in place from its [T·G, Kg] view (no [G, T, Kg] transposed copy). Cached as
+    ``one_expert_meta`` is, up to ``META_CACHE_MAX_TOKENS`` tokens."""
+    key = (num_tokens, num_groups, torch.device(device))
+    meta = _GROUP_ROWS_CACHE.get(key)
+    if meta is not None:
+        return meta
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    groups = torch.arange(num_groups, dtype=torch.int32, device=device)
+    meta = {**one_expert_meta(num_tokens, num_groups, device),
+            "row_ids": (tokens[None, :] * num_groups + groups[:, None]).contiguous()}  # [G, T]
+    if num_tokens <= META_CACHE_MAX_TOKENS and not _capturing(device):
+        _GROUP_ROWS_CACHE[key] = meta
+    return meta
+
+
 def _capturing(device: torch.device) -> bool:
     """Tensors made inside a CUDA graph capture live in its private pool: not kept past it."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -180,11 +201,13 @@ def _capturing(device: torch.device) -> bool:
 class KernelLinear(nn.Module):
     """``y = x · Wᵀ`` for W [N, K] (an nn.Linear without bias), x [..., K] → [..., N] in x.dtype."""
 
-    def __init__(self, weight: torch.Tensor, precision: str, kernels: KernelSet) -> None:
+    def __init__(self, weight: torch.Tensor, precision: str, kernels: KernelSet,
+                 handoff: Fp8Handoff | None = None) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision, self.kernels = precision, kernels
+        self.handoff = handoff  # where a quantizing norm feeding this projection leaves x's quantisation
         self.out_features, self.in_features = weight.shape
         self.inexact = 0
         self.scale_b: torch.Tensor | None = None  # w_scale in cuBLASLt's layout, made on first use per device
@@ -202,7 +225,10 @@ class KernelLinear(nn.Module):
         num_tokens = x2.shape[0]
         if num_tokens == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
+        # x's quantisation from the norm that made x (services/worker/fp8_handoff.py), or quantised here.
+        a = self.handoff.take(x, self.w.shape[-1]) if self.handoff is not None else None
+        if a is None:
+            a = self.kernels.quant_fp8.quantize_act(x2.contiguous())  # (e4m3 [T, K'], fp32 [T, K'/128])
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         if self._block_scaled(num_tokens, x):
@@ -234,7 +260,7 @@ class KernelLinear(nn.Module):
 class GroupedKernelLinear(nn.Module):
     """Attention's ``wo_a``: G independent blocks W_g [R, Kg] (rows g·R … of the stored [G·R, Kg]);
     x [..., G, Kg] → [..., G·R], the model's ``einsum("bsgi,gri->bsgr")`` flattened. FP8: the grouped
-    GEMM with G experts, every token in each (the input laid out [G, T, Kg'])."""
+    GEMM with G experts, every token in each (group g's rows gathered from the input's [T·G, Kg'] rows)."""
 
     def __init__(self, weight: torch.Tensor, num_groups: int, precision: str, kernels: KernelSet) -> None:
         super().__init__()
@@ -256,14 +282,15 @@ class GroupedKernelLinear(nn.Module):
         if self.precision == "fp32":
             return torch.einsum("...gi,gri->...gr", x.float(), self.w).flatten(-2).to(x.dtype)
         g, k_pad = self.num_groups, self.w.shape[-1]
-        xg = pad_last(x.reshape(-1, g, self.group_features), k_pad).transpose(0, 1).contiguous()  # [G, T, Kg']
-        num_tokens = xg.shape[1]
+        xg = pad_last(x.reshape(-1, g, self.group_features), k_pad)  # [T, G, Kg']
+        num_tokens = xg.shape[0]
         if num_tokens == 0:
             return x.new_zeros(*lead, g * self.rank)
-        q, s = self.kernels.quant_fp8.quantize_act(xg.view(g * num_tokens, k_pad))
-        a = (q.view(g, num_tokens, k_pad), s.view(g, num_tokens, -1))
+        # Quantisation is per row of 128 channels, so the rows' order does not change a row's values: quantise
+        # the [T·G, Kg'] rows in place and let the GEMM gather group g's rows (j·G + g).
+        a = self.kernels.quant_fp8.quantize_act(xg.reshape(num_tokens * g, k_pad))
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
-            a, self.w, self.w_scale, one_expert_meta(num_tokens, g, x.device), gather=False,
+            a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True,
             out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
             block_m=linear_block_m(num_tokens), num_warps=4)  # [G, T, R']
         return y[:, :, : self.rank].transpose(0, 1).reshape(*lead, g * self.rank).to(x.dtype)

@@ -50,6 +50,22 @@ def test_a_rows_result_does_not_depend_on_the_batch():
     assert batch.dtype == torch.bfloat16 and torch.equal(batch, alone)
 
 
+@pytest.mark.parametrize(("num_tokens", "n", "k"), [(1, 256, 640), (5, 128, 512), (16, 384, 1024)])
+def test_the_last_program_sums_in_split_order_with_the_second_launchs_bits(num_tokens, n, k):
+    """One launch (each N tile's last program adds the partials) against the partials added by a second
+    launch: the same order, so the same bits, in fp32 and bf16; the ticket counters are 0 again after."""
+    sk, quant = load_interpreted("fp8_splitk"), load_interpreted("quant_fp8")
+    x, w, w_scale = _problem(num_tokens, n, k, seed=k)
+    with interpreter():
+        a = quant.quantize_act(x)
+        for dtype in (torch.float32, torch.bfloat16):
+            one = sk.fp8_linear_splitk(a, w, w_scale, out_dtype=dtype)
+            two = sk.fp8_linear_splitk(a, w, w_scale, out_dtype=dtype, one_launch=False)
+            assert torch.equal(one.view(torch.uint8), two.view(torch.uint8))
+    assert sk.num_splits(n, k, x.device)[0] > 1
+    assert all(int(t.abs().sum()) == 0 for t in sk._TICKETS.values())
+
+
 def test_refuses_what_it_does_not_do():
     sk, quant = load_interpreted("fp8_splitk"), load_interpreted("quant_fp8")
     x, w, w_scale = _problem(17, 128, 256, seed=0)
@@ -78,3 +94,7 @@ def test_gpu_splitk_at_v41_projection_shapes(n, k):
     assert float((got - one_pass).abs().max()) <= FP32_REORDER_REL * float(one_pass.abs().max())
     alone = torch.cat([fp8_linear_splitk((a[0][i:i + 1], a[1][i:i + 1]), w, w_scale) for i in range(16)])
     assert torch.equal(fp8_linear_splitk(a, w, w_scale), alone)
+    # One launch (the last program of an N tile sums) against two: the same bits, every run.
+    two = fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32, one_launch=False)
+    for _ in range(20):
+        assert torch.equal(fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32), two)

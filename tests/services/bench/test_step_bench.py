@@ -17,6 +17,8 @@ def test_cpu_run_writes_json_and_markdown(tmp_path, one_torch_thread):
     assert {"host", "decode", "decode fit", "prefill", "offline", "profile"} <= sections
     profiles = [r for r in result["rows"] if r["section"] == "profile"]
     assert [r["batch"] for r in profiles] == [1, 4, 1] and profiles[-1]["prefill_tokens"] == 32
+    assert all(r["launches_per_step"] == 0 and r["kernel_ms"] == 0 for r in profiles)  # no device events on CPU
+    assert "0 kernel launches per step" in md.read_text()
     decode = [r for r in result["rows"] if r["section"] == "decode"]
     assert [r["batch"] for r in decode] == [1, 4] and all(r["ms"] > 0 for r in decode)
     assert {r["async"] for r in result["rows"] if r["section"] == "offline"} == {False, True}

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.bench.step_profile import kernel_table, profile_decode
+from services.bench.step_profile import kernel_table, launch_totals, profile_decode
 
 
 def _event(name, us, device="CUDA"):
@@ -21,6 +21,15 @@ def test_kernel_table_sums_per_step_and_sorts():
     assert kernel_table(events, num_steps=1, top=1)[0]["kernel"] == "attn"
 
 
+def test_launch_totals_count_every_kernel_and_keep_copies_apart():
+    # 25 distinct kernels: more than the table's top 20, all counted.
+    events = [_event(f"k{i}", 2.0) for i in range(25)] + [_event("k0", 4.0), _event("Memcpy HtoD (Pageable -> Device)", 3.0),
+                                                           _event("Memset (Device)", 1.0), _event("host", 99.0, "CPU"),
+                                                           _event("idle", 0.0)]
+    totals = launch_totals(events, num_steps=2)
+    assert totals == pytest.approx({"launches_per_step": 13.0, "kernel_ms": 0.027, "copies_per_step": 1.0, "copy_ms": 0.002})
+
+
 @pytest.fixture(scope="module")
 def llm(one_torch_thread):
     from services.engine import LLM
@@ -32,6 +41,7 @@ def test_profile_decode_on_cpu_runs_the_steps_and_returns_the_pools(llm):
     out = profile_decode(llm.engine, llm.engine.worker.runner.cache, batch=2, context=30, steps=2,
                          vocab_size=llm.source.config.vocab_size)
     assert out["batch"] == 2 and out["wall_ms"] > 0 and out["busy_ms"] == 0 and out["kernels"] == []
+    assert out["launches_per_step"] == 0 and out["kernel_ms"] == 0
     assert llm.engine.last_plan.num_rows == 2 and not llm.engine.has_unfinished()
     s = llm.engine.stats()
     assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots

@@ -24,10 +24,12 @@ from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.config import WorkerConfig
 from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLinear, KernelLinear, KernelSet,
-                                        linear_block_m, one_expert_meta, quantize_each, quantize_padded)
+                                        group_rows_meta, linear_block_m, one_expert_meta, quantize_each,
+                                        quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
+from services.worker.quantizing_norm import QuantizingRMSNorm
 from services.worker.kernel_sampler import KernelSampler
 from services.worker.model_runner import ModelRunner
 from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
@@ -114,7 +116,13 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     fp8_linears = sum(len(names) for m in c.model.modules() for names in [FP8_PROJECTIONS.get(type(m).__name__, ())])
     assert done.linears == fp8_linears == sum(isinstance(m, KernelLinear) for m in model.modules())
     assert not any(isinstance(m, (RMSNorm, MoE)) for m in model.modules())
-    assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) == norms
+    # The norms feeding FP8 projections quantise their output in the same launch: attn_norm and q_norm per layer.
+    quantizing = sum(isinstance(m, QuantizingRMSNorm) for m in model.modules())
+    assert quantizing == 2 * cfg.num_hidden_layers
+    assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) + quantizing == norms
+    assert {m.site for m in model.modules() if isinstance(m, QuantizingRMSNorm)} == {"attn_norm", "q_norm"}
+    handoffs = {id(m.handoff) for m in model.modules() if isinstance(m, (QuantizingRMSNorm, KernelLinear))}
+    assert len(handoffs) == 1  # one conversion, one handoff between its norms and projections
     assert sum(isinstance(m, KernelMoE) for m in model.modules()) == cfg.num_hidden_layers
     # What stays torch: the projections the checkpoint stores in bf16. The head's bf16 weight is read as bf16.
     assert isinstance(model.head, KernelHead) and model.head.weight.dtype == torch.bfloat16
@@ -214,6 +222,17 @@ def test_fp8_linear_interpreted_matches_dequantised_reference():
         yg = grouped(xg)
     ref = torch.einsum("tgi,gri->tgr", xg, wo.view(2, 16, 128)).flatten(-2)
     assert yg.shape == (7, 32) and _rel(yg, ref) < tol.FP8_LINEAR_REL
+    # Group g's rows are gathered from x's [T·G, Kg] rows in place: the same bits as the transposed
+    # [G, T, Kg] copy's GEMM (per-row quantisation, the same products in the same K order).
+    with interpreter():
+        q, s = kernels.quant_fp8.quantize_act(xg.transpose(0, 1).reshape(14, 128))
+        copied = kernels.moe_grouped_gemm.moe_grouped_gemm((q.view(2, 7, 128), s.view(2, 7, 1)), grouped.w,
+                                                           grouped.w_scale, one_expert_meta(7, 2, xg.device),
+                                                           gather=False, out_dtype=torch.float32, block_m=16,
+                                                           num_warps=4)
+    assert torch.equal(yg, copied[:, :, :16].transpose(0, 1).reshape(7, 32))
+    meta = group_rows_meta(3, 2, xg.device)
+    assert meta["row_ids"].tolist() == [[0, 2, 4], [1, 3, 5]] and group_rows_meta(3, 2, xg.device) is meta
     # fp32 torch on both sides over K = 128: two orders differ by ≈ √(2K)·u32 = 9.5e-7 relative.
     assert _rel(GroupedKernelLinear(wo, 2, "fp32", kernels)(xg), ref) < 1e-6
 
@@ -571,7 +590,8 @@ def test_gpu_steps_run_the_triton_kernels_and_no_torch_reference(precision, monk
 
     drive(c, runner, 64, on_plan)
     assert set(names) == {"prefill", "decode"}, "no first prefill step or no decode-only step ran"
-    common = STEP_KERNELS | ({"_quantize_act_kernel", "_moe_gemm_kernel"} if precision == "fp8" else set())
+    common = STEP_KERNELS | ({"_quantize_act_kernel", "_moe_gemm_kernel", "_rmsnorm_quant_kernel"}
+                             if precision == "fp8" else set())
     expected = {"prefill": common | {"_prefill_attention_kernel"},
                 "decode": common | {"_decode_attention_kernel", "_sampler_kernel"}}
     for kind, seen in names.items():
