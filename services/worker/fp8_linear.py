@@ -34,7 +34,6 @@ from kernels import invariance
 from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import GROUP, dequantize_weight_block128
 from services.worker import block_scaled_gemm
-from services.worker.fp8_handoff import Fp8Handoff
 
 PRECISIONS = ("fp8", "fp32")
 
@@ -201,13 +200,11 @@ def _capturing(device: torch.device) -> bool:
 class KernelLinear(nn.Module):
     """``y = x · Wᵀ`` for W [N, K] (an nn.Linear without bias), x [..., K] → [..., N] in x.dtype."""
 
-    def __init__(self, weight: torch.Tensor, precision: str, kernels: KernelSet,
-                 handoff: Fp8Handoff | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, precision: str, kernels: KernelSet) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision, self.kernels = precision, kernels
-        self.handoff = handoff  # where a quantizing norm feeding this projection leaves x's quantisation
         self.out_features, self.in_features = weight.shape
         self.inexact = 0
         self.scale_b: torch.Tensor | None = None  # w_scale in cuBLASLt's layout, made on first use per device
@@ -225,10 +222,7 @@ class KernelLinear(nn.Module):
         num_tokens = x2.shape[0]
         if num_tokens == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        # x's quantisation from the norm that made x (services/worker/fp8_handoff.py), or quantised here.
-        a = self.handoff.take(x, self.w.shape[-1]) if self.handoff is not None else None
-        if a is None:
-            a = self.kernels.quant_fp8.quantize_act(x2.contiguous())  # (e4m3 [T, K'], fp32 [T, K'/128])
+        a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         if self._block_scaled(num_tokens, x):

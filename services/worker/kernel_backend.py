@@ -4,10 +4,7 @@ its attention backend is ``TritonAttention`` (services/worker/attention_backend_
 
 ``convert_model(model, precision)`` replaces, in place:
 
-- every ``RMSNorm`` → ``KernelRMSNorm`` (``kernels.rmsnorm``), but the two that feed FP8 projections (a
-  block's ``attn_norm``, attention's ``q_norm``) → ``QuantizingRMSNorm`` where the kernel set has
-  ``rmsnorm_quant``: the norm and its output's FP8 quantisation in one launch, handed to the projections
-  through the model's ``Fp8Handoff`` (services/worker/fp8_handoff.py);
+- every ``RMSNorm`` → ``KernelRMSNorm`` (``kernels.rmsnorm``);
 - every ``MoE`` → ``KernelMoE`` (``kernels.moe_router`` + ``kernels.moe_grouped_gemm.moe_experts``,
   the shared expert stacked as one more expert), the DSpark draft's stages' too (the only draft modules
   converted: the rest of the draft stays torch);
@@ -39,17 +36,14 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.attention import Attention
-from model.deepseek_v41.block import Block
 from model.deepseek_v41.engram import Engram
 from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.mhc import HyperConnection, Mix
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
-from services.worker.fp8_handoff import Fp8Handoff
 from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
 from services.worker.kernel_head import KernelHead, exact_in_bf16
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
-from services.worker.quantizing_norm import QuantizingRMSNorm
 from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 
 __all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "check_device", "convert_model"]
@@ -57,9 +51,6 @@ __all__ = ["BACKENDS", "Conversion", "KernelHyperConnection", "KernelSet", "chec
 BACKENDS = ("torch", "kernels")
 FP8_PROJECTIONS = {"Attention": ("wq_a", "wq_b", "wkv", "wo_b"), "Indexer": ("wq_b",), "Engram": ("wkv",)}
 """Per module class, the nn.Linear children whose checkpoint weights are FP8 (checkpoint.py's fp8_block)."""
-QUANTIZING_NORMS = {(Block, "attn_norm"): "attn_norm", (Attention, "q_norm"): "q_norm"}
-"""(parent class, child name) of the norms whose output only FP8 projections quantise → their handoff site:
-attn_norm feeds wq_a and wkv, q_norm feeds wq_b and the indexer's wq_b."""
 
 
 @dataclass
@@ -93,8 +84,6 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
         tensor = next(model.buffers())
     check_device(tensor.device, kernels)
     done = Conversion()
-    handoff = Fp8Handoff()  # shared by this conversion's quantizing norms and FP8 linears
-    fuse_norms = precision == "fp8" and hasattr(kernels.rmsnorm, "rmsnorm_quant")
     # The DSpark draft stays torch (its attention calls the model's projections and grouped ``wo_a`` itself:
     # the draft's attention kernels are not written yet), except its stages' MoE: the torch MoE's expert loop
     # reads routing on the host and launches per active expert, once per stage and step; ``KernelMoE`` is a
@@ -111,10 +100,7 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
             continue
         for name, child in list(parent.named_children()):
             new: nn.Module | None = None
-            site = QUANTIZING_NORMS.get((type(parent), name))
-            if isinstance(child, RMSNorm) and fuse_norms and site is not None:
-                new, done.norms = QuantizingRMSNorm(child, kernels, handoff, site), done.norms + 1
-            elif isinstance(child, RMSNorm):
+            if isinstance(child, RMSNorm):
                 new, done.norms = KernelRMSNorm(child, kernels), done.norms + 1
             elif isinstance(child, HyperConnection) and kernels.mhc is not None:
                 new, done.mhc_sites = KernelHyperConnection(child, kernels), done.mhc_sites + 1
@@ -127,7 +113,7 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
                   and isinstance(child, nn.Linear) and exact_in_bf16(child.weight)):
                 new = KernelHead(child.weight)
             elif isinstance(child, nn.Linear) and name in FP8_PROJECTIONS.get(type(parent).__name__, ()):
-                new, done.linears = KernelLinear(child.weight, precision, kernels, handoff), done.linears + 1
+                new, done.linears = KernelLinear(child.weight, precision, kernels), done.linears + 1
             elif isinstance(parent, Indexer) and name == "weights_proj" and isinstance(child, nn.Linear):
                 new = RowTiledLinear(child)
             elif isinstance(child, Engram) and not isinstance(parent, RowTiledEngram):

@@ -29,7 +29,6 @@ from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLine
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
-from services.worker.quantizing_norm import QuantizingRMSNorm
 from services.worker.kernel_sampler import KernelSampler
 from services.worker.model_runner import ModelRunner
 from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
@@ -116,13 +115,7 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     fp8_linears = sum(len(names) for m in c.model.modules() for names in [FP8_PROJECTIONS.get(type(m).__name__, ())])
     assert done.linears == fp8_linears == sum(isinstance(m, KernelLinear) for m in model.modules())
     assert not any(isinstance(m, (RMSNorm, MoE)) for m in model.modules())
-    # The norms feeding FP8 projections quantise their output in the same launch: attn_norm and q_norm per layer.
-    quantizing = sum(isinstance(m, QuantizingRMSNorm) for m in model.modules())
-    assert quantizing == 2 * cfg.num_hidden_layers
-    assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) + quantizing == norms
-    assert {m.site for m in model.modules() if isinstance(m, QuantizingRMSNorm)} == {"attn_norm", "q_norm"}
-    handoffs = {id(m.handoff) for m in model.modules() if isinstance(m, (QuantizingRMSNorm, KernelLinear))}
-    assert len(handoffs) == 1  # one conversion, one handoff between its norms and projections
+    assert sum(isinstance(m, KernelRMSNorm) for m in model.modules()) == norms
     assert sum(isinstance(m, KernelMoE) for m in model.modules()) == cfg.num_hidden_layers
     # What stays torch: the projections the checkpoint stores in bf16. The head's bf16 weight is read as bf16.
     assert isinstance(model.head, KernelHead) and model.head.weight.dtype == torch.bfloat16
@@ -590,8 +583,7 @@ def test_gpu_steps_run_the_triton_kernels_and_no_torch_reference(precision, monk
 
     drive(c, runner, 64, on_plan)
     assert set(names) == {"prefill", "decode"}, "no first prefill step or no decode-only step ran"
-    common = STEP_KERNELS | ({"_quantize_act_kernel", "_moe_gemm_kernel", "_rmsnorm_quant_kernel"}
-                             if precision == "fp8" else set())
+    common = STEP_KERNELS | ({"_quantize_act_kernel", "_moe_gemm_kernel"} if precision == "fp8" else set())
     expected = {"prefill": common | {"_prefill_attention_kernel"},
                 "decode": common | {"_decode_attention_kernel", "_sampler_kernel"}}
     for kind, seen in names.items():
