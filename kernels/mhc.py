@@ -18,10 +18,7 @@ and the rest, and bf16 streams are exact in tf32, so v · fn_hi is exact and v �
 a 2^-11-sized term (fp32 streams add a v_lo · fn_hi pass). At small T the D range is split over
 programs; their partial products and sums of squares go to a small fp32 buffer, and a finishing
 kernel runs the epilogue (scale/bias, sigmoids, 20 Sinkhorn iterations on the n×n matrix in
-registers), in a fixed order: results do not depend on the schedule. At up to ``FINISH_MAX_TOKENS``
-tokens (decode's smallest batches) the token tile's last split program runs that same finish itself
-(chosen by an integer ticket, as ``kernels/fp8_splitk.py``; only who finishes depends on timing, not
-the order of the sums), one launch instead of two with the same bits; outside the batch-invariant mode.
+registers), in a fixed order: results do not depend on the schedule.
 """
 
 from __future__ import annotations
@@ -37,9 +34,6 @@ from kernels.mhc_streams import _expand_stream, _rows, _streams, collapse, expan
 from model.deepseek_v41.mhc import Mix
 
 NUM_SMS_H200 = 132
-FINISH_MAX_TOKENS = 4
-"""Up to this many tokens, the mix kernel's last program finishes (one token after another: at T = 1 it
-replaces a whole launch; above, the separate finish's one program per token is the faster tail)."""
 
 
 class MixWeights(NamedTuple):
@@ -106,18 +100,16 @@ def _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_pt
 @triton.jit
 def _mix_kernel(
     h_ptr, y_ptr, in_post_ptr, in_comb_ptr, h_out_ptr, cpre_ptr, x_ptr, fn_ptr, base_ptr, scale_ptr,
-    part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr, ticket_ptr,
+    part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr,
     num_tokens, dim, h_stride_t, h_stride_s, y_stride, norm_eps, eps,
     N: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, EXPAND: tl.constexpr, COLLAPSE: tl.constexpr, ITERS: tl.constexpr,
-    V_EXACT: tl.constexpr, FINISH: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    V_EXACT: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT); split i owns D tiles [i·TILES, (i+1)·TILES). h_out [T, N, D] and
     x [T, D] are contiguous; part [SPLIT, T, ROWS·N], sq [SPLIT, T]. The K = N·D projection runs one
     stream at a time: acc += v_k [BT, BD] · fn[:, k·D + d]ᵀ [BD, ROWS·N]. V_EXACT: the streams are
-    bf16/fp16, exact in tf32. FINISH (SPLIT > 1): the token tile's last program to take a ticket
-    (ticket [token tiles] int32, 0 between launches) runs ``_finish`` for each of its tokens, as
-    ``_mix_finish_kernel`` with one token per program would."""
+    bf16/fp16, exact in tf32."""
     t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
     t1 = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -166,41 +158,6 @@ def _mix_kernel(
         row = split * num_tokens + t1
         tl.store(part_ptr + row[:, None] * (ROWS * N) + tl.arange(0, ROWS * N)[None, :], acc, mask=t_ok)
         tl.store(sq_ptr + row, sumsq, mask=t1 < num_tokens)
-        if FINISH:
-            # Every thread's partials stored before the ticket (the barrier), released with it; the last
-            # program's acquire makes all SPLIT programs' partials visible to it.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                for i in range(BLOCK_T):  # constexpr trip count (the interpreter rejects runtime bounds)
-                    if t0 + i < num_tokens:
-                        _finish(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t0 + i,
-                                num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, 1, ITERS)
-                tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
-
-
-@triton.jit
-def _finish(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t0, num_tokens, k_total,
-            norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
-            BLOCK_T: tl.constexpr, ITERS: tl.constexpr):
-    """Sums the SPLIT partial products of tokens [t0, t0 + BLOCK_T), SPLIT_BLOCK splits per load (a tree
-    sum of each block, blocks in order: a fixed order for a given SPLIT_BLOCK, so deterministic), then
-    the epilogue. One load per block, not per split: at T = 1 the split count is 320 (D 5120), and a
-    chain of 320 dependent loads took 64 µs per launch on the H200. Loads from L2 (".cg"): in the mix
-    kernel the partials were written by other programs of the same launch."""
-    t = t0 + tl.arange(0, BLOCK_T)  # [BT]
-    s = tl.arange(0, SPLIT_BLOCK)[:, None]  # [SB, 1]
-    cols = tl.arange(0, ROWS * N)[None, None, :]  # [1, 1, ROWS·N]
-    m = tl.zeros((BLOCK_T, ROWS * N), dtype=tl.float32)
-    sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for s0 in range(0, SPLIT, SPLIT_BLOCK):  # constexpr bounds (the interpreter rejects runtime ones)
-        row = (s0 + s) * num_tokens + t[None, :]  # [SB, BT]
-        ok = (s0 + s < SPLIT) & (t[None, :] < num_tokens)
-        m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0,
-                            cache_modifier=".cg"), axis=0)
-        sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-    _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                  norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
 
 
 @triton.jit
@@ -209,9 +166,23 @@ def _mix_finish_kernel(
     norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
 ):
-    """``_finish`` of the token tile ``program_id``."""
-    _finish(part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0) * BLOCK_T,
-            num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, BLOCK_T, ITERS)
+    """Sums the SPLIT partial products of a token tile, SPLIT_BLOCK splits per load (a tree sum of
+    each block, blocks in order: a fixed order for a given launch, so deterministic), then the
+    epilogue. One load per block, not per split: at T = 1 the split count is 320 (D 5120), and a
+    chain of 320 dependent loads took 64 µs per launch on the H200."""
+    t0 = tl.program_id(0) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)  # [BT]
+    s = tl.arange(0, SPLIT_BLOCK)[:, None]  # [SB, 1]
+    cols = tl.arange(0, ROWS * N)[None, None, :]  # [1, 1, ROWS·N]
+    m = tl.zeros((BLOCK_T, ROWS * N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s0 in range(0, SPLIT, SPLIT_BLOCK):  # constexpr bounds (the interpreter rejects runtime ones)
+        row = (s0 + s) * num_tokens + t[None, :]  # [SB, BT]
+        ok = (s0 + s < SPLIT) & (t[None, :] < num_tokens)
+        m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0), axis=0)
+        sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
+    _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                  norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
 
 
 # ---------------------------------------------------------------- launchers
@@ -233,18 +204,6 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
         split = min(num_tiles, triton.next_power_of_2(triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
     per = triton.cdiv(num_tiles, split)
     return block_t, block_d, per, triton.cdiv(num_tiles, per)
-
-
-_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-"""Per (device, token tiles): the finish's ticket counters, zero between launches. Never freed: a
-captured graph reads them by address. Launches on a device run one at a time (one compute stream)."""
-
-
-def _tickets(device: torch.device, num_tiles: int) -> torch.Tensor:
-    key = (torch.device(device), num_tiles)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(num_tiles, dtype=torch.int32, device=device)
-    return _TICKETS[key]
 
 
 def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: MixWeights,
@@ -271,26 +230,25 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
     sq = torch.empty(num_splits if num_splits > 1 else 0, num_tokens, device=dev)
     dummy = pre  # stands in for pointers a variant does not read
     grid = (triton.cdiv(num_tokens, block_t), num_splits)
-    # The finish: one token per program (T programs: 16-token tiles gave T = 256 only 16, 23 µs on the
-    # H200); about 4K partial values per load: [SPLIT_BLOCK, 1, ROWS·N] (32 per thread at 4 warps).
-    split_block = min(triton.next_power_of_2(num_splits), max(1, 4096 // (rows * n)))
-    finish_in_mix = num_splits > 1 and num_tokens <= FINISH_MAX_TOKENS and not invariance.active()
     _mix_kernel[grid](
         h, y if expanding else dummy, mix_in.post.contiguous() if expanding else dummy,
         mix_in.comb.contiguous() if expanding else dummy, h_out,
         collapse_pre.reshape(num_tokens, n).float().contiguous() if x is not None else dummy,
         x if x is not None else dummy, w.fn_split, w.base, w.scale, part, sq, pre, post, comb,
-        _tickets(dev, grid[0]) if finish_in_mix else dummy,
         num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
         N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
         COLLAPSE=x is not None, ITERS=w.iters, V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
-        FINISH=finish_in_mix, SPLIT_BLOCK=split_block,
         num_warps=num_warps or (8 if block_t >= 64 or (block_t == 32 and expanding) else 4), num_stages=2,
     )
-    if num_splits > 1 and not finish_in_mix:
-        _mix_finish_kernel[(num_tokens,)](
+    if num_splits > 1:
+        # One token per program (T programs: 16-token tiles gave T = 256 only 16, 23 µs on the H200);
+        # about 4K partial values per load: [SPLIT_BLOCK, 1, ROWS·N] (32 per thread at 4 warps).
+        finish_t = 1
+        split_block = min(triton.next_power_of_2(num_splits), max(1, 4096 // (finish_t * rows * n)))
+        _mix_finish_kernel[(triton.cdiv(num_tokens, finish_t),)](
             part, sq, w.base, w.scale, pre, post, comb, num_tokens, n * dim, w.norm_eps, w.eps,
-            SPLIT=num_splits, SPLIT_BLOCK=split_block, N=n, ROWS=rows, BLOCK_T=1, ITERS=w.iters, num_warps=4,
+            SPLIT=num_splits, SPLIT_BLOCK=split_block, N=n, ROWS=rows, BLOCK_T=finish_t, ITERS=w.iters,
+            num_warps=4,
         )
     return MixResult(Mix(pre, post, comb), h_out, x)
 

@@ -152,41 +152,6 @@ def test_tiny_preset_layer_chain_interpreted():
     torch.testing.assert_close(y.view(y_r.shape), y_r, rtol=FP32_REORDER_REL, atol=FP32_REORDER_REL)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def _same_bits(a, b) -> bool:
-    return all(torch.equal(_bits(getattr(a.mix, f)), _bits(getattr(b.mix, f))) for f in ("pre", "post", "comb")) \
-        and torch.equal(_bits(a.h), _bits(b.h)) and (a.x is None or torch.equal(_bits(a.x), _bits(b.x)))
-
-
-# (Many split blocks at T 1 — CASES' D 4112 — run through the same _finish in the test above, now in the
-# mix kernel: 2 minutes interpreted, too slow to repeat both ways here.)
-@pytest.mark.parametrize(("num_tokens", "dim", "dtype"), [(1, 64, torch.float32), (3, 256, torch.bfloat16),
-                                                          (2, 80, torch.float32)])
-def test_the_mix_kernels_last_program_finishes_with_the_finish_kernels_bits(num_tokens, dim, dtype, monkeypatch):
-    """Up to FINISH_MAX_TOKENS tokens the token tile's last split program sums the partials and runs the
-    epilogue: the same bits as the separate finish launch, for Mix alone and Expand → Mix → Collapse;
-    the ticket counters are 0 again after each launch."""
-    cfg = dataclasses.replace(TINY, hidden_size=dim)
-    gen = torch.Generator().manual_seed(num_tokens + dim)
-    hc = _site(cfg, gen)
-    h = _streams(num_tokens, cfg, dtype, gen)
-    y = (torch.randn(num_tokens, dim, generator=gen) * 2).to(dtype)
-    pre = torch.rand(num_tokens, cfg.hc_mult, generator=gen)
-    k = load_interpreted("mhc")
-    w = k.MixWeights.of(hc)
-    mix_in = _ref_mix(hc, h)
-    assert num_tokens <= k.FINISH_MAX_TOKENS
-    with interpreter():
-        one = [k.mhc_mix(h, w, pre), k.mhc_expand_mix(y, h, mix_in, w, pre), k.mhc_mix(h, w, split=3)]
-        monkeypatch.setattr(k, "FINISH_MAX_TOKENS", 0)
-        two = [k.mhc_mix(h, w, pre), k.mhc_expand_mix(y, h, mix_in, w, pre), k.mhc_mix(h, w, split=3)]
-    assert all(_same_bits(a, b) for a, b in zip(one, two))
-    assert k._TICKETS and all(int(t.abs().sum()) == 0 for t in k._TICKETS.values())
-
-
 def test_bench_problem_builds_on_cpu():
     from services.bench import kernels_mhc
 
@@ -237,14 +202,6 @@ def test_mhc_gpu_matches_module(num_tokens, fp32_reference_matmuls):
     # elements: at T 4096 one such step moved a post weight by 7.0e-4 (H200).
     _check_mix(fused.mix, _ref_mix(hc_f, h_new), rel=2e-3)
     _bf16_close(fused.x, _ref_collapse(fused.h, mix_a.pre))
-    if num_tokens <= mhc.FINISH_MAX_TOKENS:  # the last split program finishes: the finish launch's bits
-        monkeypatch = pytest.MonkeyPatch()
-        one = mhc.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre)
-        monkeypatch.setattr(mhc, "FINISH_MAX_TOKENS", 0)
-        two = mhc.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre)
-        monkeypatch.undo()
-        assert _same_bits(one, two) and _same_bits(one, fused)
-        assert all(_same_bits(mhc.mhc_expand_mix(y, h, mix_a, w_f, mix_a.pre), one) for _ in range(20))
     for split in (1, 3):  # the fused epilogue and the partial-products path at every size
         # Another fp32 summation order than the default split's: post max |Δ| 2.7e-4 at T 4096 (H200)
         _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a, 5 * GPU_MIX_REL)
