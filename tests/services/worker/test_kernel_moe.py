@@ -264,6 +264,7 @@ def test_gpu_block_scaled_experts_agree_with_the_grouped_path_on_a_flash_layer(m
         kmoe = KernelMoE(moe, "fp8", KernelSet.compiled())
         del moe
         x = torch.randn(1, 4096, V41_S1.hidden_size, dtype=torch.bfloat16)
+    monkeypatch.setattr(block_scaled_experts, "MIN_ROWS_PER_EXPERT", 512)  # the path at 4K (the engine's is 16K)
     assert block_scaled_experts.applies(4096, kmoe.top_k, kmoe.num_experts, x.device, False)
     calls = []
     real = block_scaled_gemm.matmul
