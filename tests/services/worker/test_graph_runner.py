@@ -116,16 +116,9 @@ def test_graph_replays_equal_the_eager_static_step_and_model_runner(name):
     rows = agree = sure = sure_agree = 0
     while sched.has_unfinished():
         plan = sched.schedule()
-        for other in (graphs, static):
-            other.runner.cache.blocks.copy_(eager.cache.blocks)
-            other.runner.cache.slots.copy_(eager.cache.slots)
-        want = eager.execute(plan, all_rows=True)
-        got = graphs.execute(plan, all_rows=True)
-        same = static.execute(plan, all_rows=True)
+        want, got = run_three(plan, eager, graphs, static)
         if StaticDecodeStep.fits(plan):
             sizes.append(plan.graph_size)
-            assert torch.equal(got.logits, same.logits) and torch.equal(got.expert_counts, same.expert_counts)
-            assert pool_differences(graphs.runner.cache, static.runner.cache) == (0, 0.0, True)
             count_steps += int(not torch.equal(got.expert_counts, want.expert_counts))
             flips, _, engram_equal = pool_differences(eager.cache, graphs.runner.cache)
             assert engram_equal
@@ -173,16 +166,9 @@ def test_graph_replays_of_verify_steps_equal_the_eager_static_step(name):
     sizes, rows, sure, sure_agree, step = [], 0, 0, 0, 0
     while sched.has_unfinished():
         plan = sched.schedule()
-        for other in (graphs, static):
-            other.runner.cache.blocks.copy_(eager.cache.blocks)
-            other.runner.cache.slots.copy_(eager.cache.slots)
-        want = eager.execute(plan, all_rows=True)
-        got = graphs.execute(plan, all_rows=True)
-        same = static.execute(plan, all_rows=True)
+        want, got = run_three(plan, eager, graphs, static)
         if StaticDecodeStep.fits(plan):
             sizes.append(plan.graph_size)
-            assert torch.equal(got.logits, same.logits) and torch.equal(got.expert_counts, same.expert_counts)
-            assert pool_differences(graphs.runner.cache, static.runner.cache) == (0, 0.0, True)
             _, s, sa = _greedy(got.logits, want.logits)
             rows, sure, sure_agree = rows + plan.num_rows, sure + s, sure_agree + sa
         sched.update(plan, verify_result(plan, token_at, step, nextn))
@@ -351,3 +337,19 @@ def test_an_async_decode_step_is_queued_without_a_host_sync():
     assert [len(o.token_ids) for o in outputs] == [16] * 3
     s = llm.stats()
     assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
+
+
+def run_three(plan, eager, graphs: GraphRunner, static: GraphRunner):
+    """One plan on the eager runner, the graph runner and the same static step run eagerly, the last two from
+    the eager runner's pools; for a static plan, graph replay == eager static step bit for bit (logits,
+    counts, pools). Returns (eager output, graph output)."""
+    for other in (graphs, static):
+        other.runner.cache.blocks.copy_(eager.cache.blocks)
+        other.runner.cache.slots.copy_(eager.cache.slots)
+    want = eager.execute(plan, all_rows=True)
+    got = graphs.execute(plan, all_rows=True)
+    same = static.execute(plan, all_rows=True)
+    if StaticDecodeStep.fits(plan):
+        assert torch.equal(got.logits, same.logits) and torch.equal(got.expert_counts, same.expert_counts)
+        assert pool_differences(graphs.runner.cache, static.runner.cache) == (0, 0.0, True)
+    return want, got

@@ -144,17 +144,10 @@ def test_long_steps_run_in_passes_with_the_same_rows(precision, monkeypatch):
 def test_dead_rows_route_nowhere_flash_layer():
     """A v41-s1 MoE layer (Flash shapes: D 5120, I 2304, top-6; 48 experts + shared), 64 rows, ~half
     dead: the live rows equal a call on them alone up to the FP8 GEMM's per-expert row grouping."""
-    from model.deepseek_v41.moe import MoE
     from model.deepseek_v41.presets import V41_S1
 
-    torch.manual_seed(0)
+    kmoe = flash_kernel_moe()
     with torch.device("cuda"):
-        moe = MoE(V41_S1)
-        with torch.no_grad():
-            for name, p in moe.named_parameters():
-                p.normal_(0.0, 0.01 if name == "gate_bias" else p.shape[-1] ** -0.5)
-        kmoe = KernelMoE(moe, "fp8", KernelSet.compiled())
-        del moe
         x = torch.randn(1, 64, V41_S1.hidden_size, dtype=torch.bfloat16)
         live = torch.rand(64) < 0.55
     check_live_mask(kmoe, x, live, tol=2e-2)  # bf16 outputs: 2^-7 relative per rounding
@@ -252,17 +245,10 @@ def test_gpu_block_scaled_experts_agree_with_the_grouped_path_on_a_flash_layer(m
     FP8 MMA sums each 128-deep step in fewer bits than fp32 (1.9e-4 relative measured, test_moe_grouped_gemm),
     which moves an e4m3 code of h where it lies that close to a rounding boundary: PROBE_REL (2^-7) per path,
     test_block_scaled_gemm's bound against the exact product, twice for the two paths."""
-    from model.deepseek_v41.moe import MoE
     from model.deepseek_v41.presets import V41_S1
 
-    torch.manual_seed(0)
+    kmoe = flash_kernel_moe()
     with torch.device("cuda"):
-        moe = MoE(V41_S1)
-        with torch.no_grad():
-            for name, p in moe.named_parameters():
-                p.normal_(0.0, 0.01 if name == "gate_bias" else p.shape[-1] ** -0.5)
-        kmoe = KernelMoE(moe, "fp8", KernelSet.compiled())
-        del moe
         x = torch.randn(1, 4096, V41_S1.hidden_size, dtype=torch.bfloat16)
     monkeypatch.setattr(block_scaled_experts, "MIN_ROWS_PER_EXPERT", 512)  # the path at 4K (the engine's is 16K)
     assert block_scaled_experts.applies(4096, kmoe.top_k, kmoe.num_experts, x.device, False)
@@ -425,3 +411,17 @@ def test_fp8_kernel_engine_with_an_image_is_batch_invariant_and_within_the_fp8_f
     print(f"\nfp8 kernel engine with an image vs the torch backend: mean KL {mean:.3g}, max {worst:.3g}; "
           f"FP8-format floor {floor_mean:.3g}, {floor_worst:.3g}")
     assert mean <= max(1e-3, 2 * floor_mean) and worst <= max(1e-2, 2 * floor_worst)
+
+
+def flash_kernel_moe() -> KernelMoE:
+    """A v41-s1 MoE layer on CUDA with random weights (seed 0, the gate bias small), converted to FP8 kernels."""
+    from model.deepseek_v41.moe import MoE
+    from model.deepseek_v41.presets import V41_S1
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(V41_S1)
+        with torch.no_grad():
+            for name, p in moe.named_parameters():
+                p.normal_(0.0, 0.01 if name == "gate_bias" else p.shape[-1] ** -0.5)
+        return KernelMoE(moe, "fp8", KernelSet.compiled())

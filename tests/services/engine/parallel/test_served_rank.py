@@ -165,35 +165,7 @@ def test_plans_from_nats_switch_both_ranks_at_one_boundary(group):
 
 def test_a_killed_rank_ends_streams_with_error_and_down_leaves_nothing(group):
     state, by_name, ready, client = group
-    results: dict[int, list] = {}
-    first_token = [threading.Event() for _ in range(2)]
-
-    def stream(i):
-        reasons = []
-        for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
-                                               stream=True, extra_body={"ignore_eos": True}):
-            if chunk.choices:
-                first_token[i].set()
-                reasons.append(chunk.choices[0].finish_reason)
-        results[i] = reasons
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for event in first_token:
-        assert event.wait(120), "no stream produced a token"
-    os.kill(by_name["engine-1"]["pid"], signal.SIGKILL)
-    lost_at = time.monotonic()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a stream hung after its rank group was lost"
-    assert time.monotonic() - lost_at < 30  # gloo fails at once on the closed connection
-    for reasons in results.values():  # tokens, then one final "error" (ignore_eos: nothing else ends them)
-        assert reasons[-1] == "error" and all(r is None for r in reasons[:-1]), reasons
-    deadline = time.monotonic() + 10
-    while healthy("127.0.0.1", by_name["engine-0"]["health"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not healthy("127.0.0.1", by_name["engine-0"]["health"])  # the survivor: NOT_SERVING
+    assert kill_mid_streams(client, by_name, "engine-1") < 30  # gloo fails at once on the closed connection
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(ready["http"] + "/ready", timeout=10)
     assert err.value.code == 503
@@ -271,36 +243,46 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
             assert answers[i].choices[0].message.content == out.text
             assert [t.logprob for t in answers[i].choices[0].logprobs.content] == pytest.approx(out.logprobs, abs=0)
 
-        results: dict[int, list] = {}
-        first_token = [threading.Event() for _ in range(2)]
-
-        def stream(i):
-            reasons = []
-            for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
-                                                   stream=True, extra_body={"ignore_eos": True}):
-                if chunk.choices:
-                    first_token[i].set()
-                    reasons.append(chunk.choices[0].finish_reason)
-            results[i] = reasons
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for event in first_token:
-            assert event.wait(120), "no stream produced a token"
-        os.kill(by_name["worker-1"]["pid"], signal.SIGKILL)
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a stream hung after a rank's worker was lost"
-        for reasons in results.values():
-            assert reasons[-1] == "error" and all(r is None for r in reasons[:-1]), reasons
-        deadline = time.monotonic() + 10
-        while healthy("127.0.0.1", by_name["engine-0"]["health"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not healthy("127.0.0.1", by_name["engine-0"]["health"])  # the other rank: NOT_SERVING
+        kill_mid_streams(client, by_name, "worker-1")
     finally:
         down(tmp_path, timeout_s=30, log=lambda *_: None)
     deadline = time.monotonic() + 5
     while any(alive(s["pid"]) for s in state["services"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [s["name"] for s in state["services"] if alive(s["pid"])] == []
+
+
+def kill_mid_streams(client, by_name: dict, victim: str) -> float:
+    """Two streams get their first tokens, then ``victim`` (a rank or a rank's worker) is SIGKILLed: both end,
+    each with tokens then one final "error" (ignore_eos: nothing else ends them), and engine-0 (the surviving
+    rank) turns NOT_SERVING. Returns the seconds from the kill to both streams' end."""
+    results: dict[int, list] = {}
+    first_token = [threading.Event() for _ in range(2)]
+
+    def stream(i):
+        reasons = []
+        for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                first_token[i].set()
+                reasons.append(chunk.choices[0].finish_reason)
+        results[i] = reasons
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for event in first_token:
+        assert event.wait(120), "no stream produced a token"
+    os.kill(by_name[victim]["pid"], signal.SIGKILL)
+    lost_at = time.monotonic()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), f"a stream hung after {victim} was lost"
+    seconds = time.monotonic() - lost_at
+    for reasons in results.values():
+        assert reasons[-1] == "error" and all(r is None for r in reasons[:-1]), reasons
+    deadline = time.monotonic() + 10
+    while healthy("127.0.0.1", by_name["engine-0"]["health"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not healthy("127.0.0.1", by_name["engine-0"]["health"])  # the survivor: NOT_SERVING
+    return seconds
