@@ -62,6 +62,7 @@ class ProposalInputs:
     bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf; None: none
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L]; None: none
     needs_ranking: bool  # some row has a rank limit or top-p, so the loop sorts (host-known, fixed per batch)
+    all_greedy: bool  # every row is greedy, so the loop draws nothing (host-known, fixed per batch)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
@@ -91,11 +92,12 @@ class ProposalInputs:
             for i, t, *_ in entries:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"row {i}: {kind} token id {t} is outside the vocabulary [0, {vocab_size})")
+        needs_ranking = any(r.rank_limit is not None or r.top_p < 1 for r in rows)
+        all_greedy = all(r.temperature == 0 for r in rows)
         ints, temperatures = _to_device(ints, device), _to_device(temperatures, device)
         return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
-                   ints[:, 6], ints[:, 7].bool(),
-                   None if draft_bits is None else _to_device(draft_bits, device),
-                   _index(bans, device), _bias(bias, device), any(r.rank_limit is not None or r.top_p < 1 for r in rows))
+                   ints[:, 6], ints[:, 7].bool(), None if draft_bits is None else _to_device(draft_bits, device),
+                   _index(bans, device), _bias(bias, device), needs_ranking, all_greedy)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -165,7 +167,9 @@ def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: i
     def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:  # logits [B, 1, V] → tokens [B, 1]
         p, logp = process(logits[:, 0], inputs)
         probs.append(p)
-        if inputs.draft_bits is not None:  # rejection: the draft's own key
+        if inputs.all_greedy:  # each mode's argmax, as below
+            picked = (p if inputs.draft_bits is not None else logp).argmax(-1)
+        elif inputs.draft_bits is not None:  # rejection: the draft's own key
             drawn = pick_from_bits(p, inputs.draft_bits[:, slot])
             picked = torch.where(inputs.greedy, p.argmax(-1), drawn)
         else:  # deterministic: the target's noise at the same position

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from kernels.sampler_output import SamplerOutput
 from model.batch_invariant import batch_invariant
@@ -39,6 +40,9 @@ from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import Sampler, SamplingRow
 from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
+
+PROPOSE_RANGES = ("draft.stages", "draft.slots")
+"""Profiler ranges of a proposal: the draft's window read and stages; the per-slot loop."""
 
 RewriteDrafts = Callable[[str, int, list[int]], list[int]]
 """(request id, anchor position, the draft's tokens) → the tokens to verify next step instead (tests: random
@@ -204,10 +208,13 @@ class Speculator:
         inputs = ProposalInputs.build([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
                                       [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size,
                                       self.spec_sampling, model.embed.weight.device)
-        kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
-        context = DraftContext(kv, positions, inputs.anchor_positions)
-        blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
-        proposal = propose(draft, blocks, inputs, self.nextn)
+        # The profiler ranges name the proposal's parts for services/bench/draft_proposal.py.
+        with record_function(PROPOSE_RANGES[0]):
+            kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
+            context = DraftContext(kv, positions, inputs.anchor_positions)
+            blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
+        with record_function(PROPOSE_RANGES[1]):
+            proposal = propose(draft, blocks, inputs, self.nextn)
         # The proposal's one host read: drafts and confidences together (token ids and fp32 values are exact
         # in fp64).
         read = torch.cat((proposal.drafts.to(torch.float64), proposal.confidences.to(torch.float64)), dim=1).tolist()

@@ -32,6 +32,7 @@ ROWS = [row(temperature=0.0), row(0.9, seed=7), row(1.3, top_k=5, seed=-3), row(
         row(1.0, forced_top_k=20, top_p=0.5, banned=(1, 2, 3), bias=((4, 2.5), (9, -1.0)), seed=123),
         row(2.0, top_k=0, seed=99, bias=((7, 4.0),), num_logprobs=3), row(0.0, top_k=3, banned=(0,))]
 STARTS = [4, 17, 0, 40, 9, 63, 2]
+GREEDY = [dataclasses.replace(r, temperature=0.0) for r in ROWS]  # the loop draws nothing
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +47,16 @@ def setup():
     return draft, blocks, tokens
 
 
-def host_driven(draft, blocks, tokens, nextn, mode):
+def host_driven(draft, blocks, tokens, nextn, mode, rows=ROWS):
     """The speculator's loop before: rows rebuilt per slot, ``Sampler.process``, ``draft_tokens``."""
     probs = []
 
     def choose(logits, slot):
-        rows = [dataclasses.replace(r, position=s + 1 + slot, num_logprobs=0) for r, s in zip(ROWS, STARTS)]
-        p = Sampler().process(logits[:, 0], rows)
+        at = [dataclasses.replace(r, position=s + 1 + slot, num_logprobs=0) for r, s in zip(rows, STARTS)]
+        p = Sampler().process(logits[:, 0], at)
         probs.append(p.probs)
-        return draft_tokens(mode, p.probs, p.logprobs, [r.seed for r in rows], [r.position for r in rows],
-                            torch.tensor([r.temperature == 0 for r in rows])).unsqueeze(1)
+        return draft_tokens(mode, p.probs, p.logprobs, [r.seed for r in at], [r.position for r in at],
+                            torch.tensor([r.temperature == 0 for r in at])).unsqueeze(1)
 
     drafts, heads = draft.propose(blocks, tokens.unsqueeze(1), choose)
     confidences = torch.sigmoid(heads.confidence_logits[:, 0, :nextn]).cumprod(dim=-1)
@@ -77,13 +78,14 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("rows", [ROWS, GREEDY], ids=["mixed", "greedy"])
 @pytest.mark.parametrize("nextn", [CFG.dspark_block_size, 2])
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_device_proposal_equals_the_host_driven_loop_and_reads_nothing_back(setup, mode, nextn):
+def test_device_proposal_equals_the_host_driven_loop_and_reads_nothing_back(setup, mode, nextn, rows):
     draft, blocks, tokens = setup
     with torch.no_grad(), batch_invariant():
-        want = host_driven(draft, blocks, tokens, nextn, mode)
-        inputs = ProposalInputs.build(ROWS, tokens.tolist(), STARTS, list(range(len(ROWS))), nextn, V, mode,
+        want = host_driven(draft, blocks, tokens, nextn, mode, rows)
+        inputs = ProposalInputs.build(rows, tokens.tolist(), STARTS, list(range(len(rows))), nextn, V, mode,
                                       torch.device("cpu"))
         with HostReads() as counter:
             got = propose(draft, blocks, inputs, nextn)
@@ -91,7 +93,7 @@ def test_device_proposal_equals_the_host_driven_loop_and_reads_nothing_back(setu
     assert torch.equal(got.drafts, want[0])
     assert torch.equal(got.probs, want[1])
     assert torch.equal(got.confidences, want[2])
-    assert got.drafts.shape == (len(ROWS), nextn) and got.probs.shape == (len(ROWS), nextn, V)
+    assert got.drafts.shape == (len(rows), nextn) and got.probs.shape == (len(rows), nextn, V)
     # The rows differ, so a proposal that ignored them (or their draws) would not match.
     assert len(set(map(tuple, got.drafts.tolist()))) > 1
 
@@ -116,3 +118,27 @@ def test_coupling_noise_is_the_verifiers_gumbel_noise():
 def test_a_token_id_outside_the_vocabulary_is_refused(bad):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         ProposalInputs.build([bad], [0], [3], [0], 2, V, "rejection", torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_on_cuda_the_proposal_never_waits_for_the_device_and_equals_the_host_driven_loop(setup, mode):
+    """CUDA's sync debug mode raises on any op that waits for the device (a read, a blocking copy)."""
+    draft, blocks, tokens = setup
+    draft = draft.cuda()
+    blocks = DraftBlocks([], blocks.hidden.cuda(), blocks.logits.cuda())
+    nextn = CFG.dspark_block_size
+    with torch.no_grad():
+        want = host_driven(draft, blocks, tokens.cuda(), nextn, mode)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inputs = ProposalInputs.build(ROWS, tokens.tolist(), STARTS, list(range(len(ROWS))), nextn, V, mode,
+                                          torch.device("cuda"))
+            got = propose(draft, blocks, inputs, nextn)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # Row-wise ops on the same rows (sorting and softmax per row), so the bits match on the device too.
+    assert torch.equal(got.drafts, want[0]) and torch.equal(got.probs, want[1])
+    assert torch.equal(got.confidences, want[2])
