@@ -5,8 +5,8 @@ step proposes) and counts, per proposal (``Speculator``'s propose, from the anch
 
 - aten ops: top-level dispatcher calls (an op that another op calls is not counted again); on a GPU each is
   one kernel launch or more, so at batch 1 their count, not their arithmetic, sets the proposal's time;
-  split into the draft's window read and stages, the per-slot loop, and the rest (the profiler ranges
-  ``speculator.PROPOSE_RANGES``);
+  split into the inputs (built on the host: their ops run on the CPU, then one copy per tensor), the draft's
+  window read and stages, and the per-slot loop (the profiler ranges ``speculator.PROPOSE_RANGES``);
 - host reads of tensors (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``nonzero``, ``cpu``), by call
   site: on CUDA each waits for the device (a sync);
 - tensors built from Python data (``torch.tensor`` / ``as_tensor`` of lists): on CUDA a blocking copy each,
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
             ops[part] += 1
         if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"):
             launches[part] += 1
-    num = sum(1 for e in ranges if e.name == PROPOSE_RANGES[0])
+    num = sum(1 for e in ranges if e.name == PROPOSE_RANGES[1])
     per = {part: round(ops[part] / num, 1) for part in PROPOSE_RANGES}
     result = {
         "proposals": num, "batch": args.batch, "device": device, "spec_sampling": args.spec_sampling,

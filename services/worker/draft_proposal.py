@@ -58,7 +58,8 @@ class ProposalInputs:
     rank_limits: torch.Tensor  # int64 [B]: tokens the top-k and forced top-k keep (V: no limit)
     top_p_limits: torch.Tensor  # int64 [B]: ceil(top_p · 2³¹), the mass before a kept token stays below it
     nucleus: torch.Tensor  # bool [B]: top_p < 1 (only these rows apply the top-p mask)
-    draft_bits: torch.Tensor | None  # int64 [B, nextn]: rejection mode's draft draws; None when deterministic
+    spec_sampling: str  # "rejection": the draft draws with its own key; "deterministic": the coupled noise
+    draft_bits: torch.Tensor | None  # int64 [B, nextn]: rejection mode's draft draws; None: deterministic or all greedy
     bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf; None: none
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L]; None: none
     needs_ranking: bool  # some row has a rank limit or top-p, so the loop sorts (host-known, fixed per batch)
@@ -81,8 +82,9 @@ class ProposalInputs:
                             dtype=torch.int64).view(b, 8)
         temperatures = torch.tensor([max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows],
                                     dtype=torch.float32)
+        all_greedy = all(r.temperature == 0 for r in rows)
         draft_bits = None
-        if spec_sampling == "rejection":
+        if spec_sampling == "rejection" and not all_greedy:
             keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(nextn)]
             draft_bits = draw_bits(keys, [p + 1 + j for p in anchor_positions for j in range(nextn)],
                                    DrawCase.SAMPLE, "cpu").view(b, nextn)
@@ -93,10 +95,10 @@ class ProposalInputs:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"row {i}: {kind} token id {t} is outside the vocabulary [0, {vocab_size})")
         needs_ranking = any(r.rank_limit is not None or r.top_p < 1 for r in rows)
-        all_greedy = all(r.temperature == 0 for r in rows)
         ints, temperatures = _to_device(ints, device), _to_device(temperatures, device)
         return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
-                   ints[:, 6], ints[:, 7].bool(), None if draft_bits is None else _to_device(draft_bits, device),
+                   ints[:, 6], ints[:, 7].bool(), spec_sampling,
+                   None if draft_bits is None else _to_device(draft_bits, device),
                    _index(bans, device), _bias(bias, device), needs_ranking, all_greedy)
 
 
@@ -168,7 +170,7 @@ def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: i
         p, logp = process(logits[:, 0], inputs)
         probs.append(p)
         if inputs.all_greedy:  # each mode's argmax, as below
-            picked = (p if inputs.draft_bits is not None else logp).argmax(-1)
+            picked = (p if inputs.spec_sampling == "rejection" else logp).argmax(-1)
         elif inputs.draft_bits is not None:  # rejection: the draft's own key
             drawn = pick_from_bits(p, inputs.draft_bits[:, slot])
             picked = torch.where(inputs.greedy, p.argmax(-1), drawn)

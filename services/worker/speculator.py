@@ -41,8 +41,9 @@ from services.worker.sampler import Sampler, SamplingRow
 from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
 
-PROPOSE_RANGES = ("draft.stages", "draft.slots")
-"""Profiler ranges of a proposal: the draft's window read and stages; the per-slot loop."""
+PROPOSE_RANGES = ("draft.inputs", "draft.stages", "draft.slots")
+"""Profiler ranges of a proposal: its inputs built on the host and copied; the draft's window read and
+stages; the per-slot loop."""
 
 RewriteDrafts = Callable[[str, int, list[int]], list[int]]
 """(request id, anchor position, the draft's tokens) → the tokens to verify next step instead (tests: random
@@ -205,15 +206,16 @@ class Speculator:
             return []
         draft, model = self.model.draft, self.model
         starts = [self.next_positions[request_id] for _, request_id, _, _, _ in anchors]  # the anchors' positions
-        inputs = ProposalInputs.build([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
-                                      [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size,
-                                      self.spec_sampling, model.embed.weight.device)
         # The profiler ranges name the proposal's parts for services/bench/draft_proposal.py.
         with record_function(PROPOSE_RANGES[0]):
+            inputs = ProposalInputs.build([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
+                                          [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size,
+                                          self.spec_sampling, model.embed.weight.device)
+        with record_function(PROPOSE_RANGES[1]):
             kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
             context = DraftContext(kv, positions, inputs.anchor_positions)
             blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
-        with record_function(PROPOSE_RANGES[1]):
+        with record_function(PROPOSE_RANGES[2]):
             proposal = propose(draft, blocks, inputs, self.nextn)
         # The proposal's one host read: drafts and confidences together (token ids and fp32 values are exact
         # in fp64).

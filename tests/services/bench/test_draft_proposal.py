@@ -33,7 +33,7 @@ def test_the_proposal_reads_once_and_its_ops_are_counted(tmp_path, capsys):
         torch.set_num_threads(threads)
     counts = json.loads((tmp_path / "counts.json").read_text())
     assert counts["proposals"] > 0
-    assert all(counts["aten_ops_per_proposal"][part] > 0 for part in ("draft.stages", "draft.slots"))
+    assert all(counts["aten_ops_per_proposal"][part] > 0 for part in ("draft.inputs", "draft.stages", "draft.slots"))
     reads = {site: n for site, n in counts["host_reads_per_proposal"].items() if "moe.py" not in site}
     assert len(reads) == 1 and next(iter(reads)).startswith("tolist @ speculator.py") and set(reads.values()) == {1}
     # Built from Python data on the host only (then copied non-blocking): the inputs and rejection's draws.
