@@ -5,6 +5,7 @@ speculator ran before), in both sampling modes, for every kind of sampling row, 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import math
 
@@ -126,7 +127,7 @@ def test_a_token_id_outside_the_vocabulary_is_refused(bad):
 def test_on_cuda_the_proposal_never_waits_for_the_device_and_equals_the_host_driven_loop(setup, mode):
     """CUDA's sync debug mode raises on any op that waits for the device (a read, a blocking copy)."""
     draft, blocks, tokens = setup
-    draft = draft.cuda()
+    draft = copy.deepcopy(draft).cuda()  # the module's CPU draft stays where it is
     blocks = DraftBlocks([], blocks.hidden.cuda(), blocks.logits.cuda())
     nextn = CFG.dspark_block_size
     with torch.no_grad():
