@@ -158,13 +158,15 @@ class DSpark(nn.Module):
         return DraftHeads(logits, conf)
 
     def propose(self, blocks: DraftBlocks, anchor_tokens: torch.Tensor,
-                choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, DraftHeads]:
-        """Semi-AR drafting of every slot: ``choose(logits fp32 [B, A, V], slot) → tokens [B, A]`` (argmax,
-        or a sampler keyed by position). anchor_tokens [B, A] → (drafts [B, A, bs], heads with each
-        slot's prev = the previous draft)."""
+                choose: Callable[[torch.Tensor, int], torch.Tensor], num_slots: int | None = None
+                ) -> tuple[torch.Tensor, DraftHeads]:
+        """Semi-AR drafting of the first ``num_slots`` slots (None: all bs): ``choose(logits fp32 [B, A, V],
+        slot) → tokens [B, A]`` (argmax, or a sampler keyed by position). anchor_tokens [B, A] → (drafts
+        [B, A, num_slots], heads with each slot's prev = the previous draft). A slot reads only the slots
+        before it, so the first slots do not depend on how many are drafted."""
         prev = anchor_tokens
         drafts, logits, conf = [], [], []
-        for j in range(self.block_size):
+        for j in range(self.block_size if num_slots is None else num_slots):
             one = DraftBlocks([], blocks.hidden[:, :, j : j + 1], blocks.logits[:, :, j : j + 1])
             out = self.heads(one, prev.unsqueeze(-1))
             prev = choose(out.logits[:, :, 0], j)

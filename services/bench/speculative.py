@@ -24,7 +24,8 @@ import platform
 from pathlib import Path
 
 
-def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float | None):
+def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float | None,
+          spec_sampling: str = "rejection"):
     """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``."""
     from services.engine import LLM
     from services.engine.config import EngineConfig
@@ -35,10 +36,10 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
 
     if not nextn:
         return LLM(source=source, **engine_args)
-    args = dict(engine_args, num_speculative_tokens=nextn, spec_varlen=varlen)
+    args = dict(engine_args, num_speculative_tokens=nextn, spec_varlen=varlen, spec_sampling=spec_sampling)
     config = EngineConfig(**args)
     runner = default_runner(source, config)  # the cached runner with the draft's taps (in a GraphRunner with graphs)
-    speculator = Speculator(source.model, nextn, batch_invariant=config.batch_invariant,
+    speculator = Speculator(source.model, nextn, spec_sampling, batch_invariant=config.batch_invariant,
                             forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0))
     return LLM(source=source, worker=Worker(runner, speculator=speculator), **args)
 

@@ -127,7 +127,10 @@ def integer_masses(probs: torch.Tensor) -> torch.Tensor:
     return torch.floor(probs.to(torch.float64) * float(1 << MASS_BITS)).to(torch.int64)
 
 
-def _pick(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def pick_from_bits(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_from_bits` without its checks, so without host reads: the caller guarantees what they
+    check (finite nonnegative probs [n, V] whose integer mass is in (0, 2³²), bits [n] in [0, 2³¹)), as a
+    softmax's output over any vocabulary below 2³¹ has."""
     masses = integer_masses(probs)
     cumulative = torch.cumsum(masses, dim=-1)
     total = cumulative[:, -1:]
@@ -148,7 +151,7 @@ def sample_from_bits(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     total = integer_masses(probs).sum(dim=-1)
     if bool((total <= 0).any()) or bool((total >= 1 << 32).any()):
         raise ValueError("every row's integer mass must be in (0, 2**32): probabilities summing to about 1")
-    return _pick(probs, bits)
+    return pick_from_bits(probs, bits)
 
 
 def sample_from_uniform(probs: torch.Tensor, u: float | Sequence[float]) -> torch.Tensor:
@@ -196,7 +199,7 @@ class Sampler:
         p = self.process(logits, rows, rank_all=width > 0)
         device = logits.device
         bits = draw_bits([r.seed for r in rows], [r.position for r in rows], DrawCase.SAMPLE, device)
-        drawn = _pick(p.probs, bits)
+        drawn = pick_from_bits(p.probs, bits)
         greedy = torch.tensor([r.temperature == 0 for r in rows], dtype=torch.bool, device=device)
         tokens = torch.where(greedy, torch.argmax(p.banned, dim=-1), drawn)
         forced = [(i, r.forced_token_id) for i, r in enumerate(rows) if r.forced_token_id is not None]

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from kernels.sampler_output import SamplerOutput
 from model.batch_invariant import batch_invariant
@@ -34,10 +35,15 @@ from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
 from services.worker.cache_engine import CacheEngine
+from services.worker.draft_proposal import ProposalInputs, propose
 from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import Sampler, SamplingRow
-from services.worker.verifier import SPEC_SAMPLING, draft_tokens, verify_deterministic, verify_rejection
+from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
+
+PROPOSE_RANGES = ("draft.inputs", "draft.stages", "draft.slots")
+"""Profiler ranges of a proposal: its inputs built on the host and copied; the draft's window read and
+stages; the per-slot loop."""
 
 RewriteDrafts = Callable[[str, int, list[int]], list[int]]
 """(request id, anchor position, the draft's tokens) → the tokens to verify next step instead (tests: random
@@ -139,7 +145,7 @@ class Speculator:
         num_drafts = [0] * len(request_ids)
         draft_ids: list[int] = []
         confidences: list[float] = []
-        for i, drafts in self._propose(anchors, sampler, cache):
+        for i, drafts in self._propose(anchors, cache):
             num_drafts[i] = len(drafts)
         for i, request_id in enumerate(request_ids):
             draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
@@ -190,46 +196,38 @@ class Speculator:
         self.num_drafts_accepted += int(v.num_accepted[0])
         return v.tokens[0, : int(v.num_accepted[0]) + 1].tolist()
 
-    def _propose(self, anchors: list[tuple[int, str, int, SamplingRow, int]], sampler: Sampler, cache: CacheEngine
+    def _propose(self, anchors: list[tuple[int, str, int, SamplingRow, int]], cache: CacheEngine
                  ) -> list[tuple[int, list[int]]]:
         """Drafts for every request that emitted tokens: one batched draft call over their state slots' draft
-        rings. anchors: (request index, id, anchor token, its last sampling row, state slot). Returns
+        rings, device work only (services/worker/draft_proposal.py) but for one read of the drafts and
+        confidences. anchors: (request index, id, anchor token, its last sampling row, state slot). Returns
         (request index, drafts)."""
         if not anchors:
             return []
         draft, model = self.model.draft, self.model
-        device = model.embed.weight.device
         starts = [self.next_positions[request_id] for _, request_id, _, _, _ in anchors]  # the anchors' positions
-        next_positions = torch.tensor(starts, dtype=torch.int64, device=device)
-        slots = torch.tensor([slot for *_, slot in anchors], dtype=torch.int64, device=device)
-        kv, positions = cache.read_draft(slots, next_positions)
-        batch = DraftContext(kv, positions, next_positions)
-        tokens = torch.tensor([t for _, _, t, _, _ in anchors], dtype=torch.int64, device=device)
-        blocks = draft.blocks_from_context(batch, tokens, model.embed, model.head)
-        probs: list[torch.Tensor] = []
-
-        def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:  # logits [B, 1, V] → tokens [B, 1]
-            rows = [dataclasses.replace(row, position=s + 1 + slot, forced_token_id=None, num_logprobs=0)
-                    for (_, _, _, row, _), s in zip(anchors, starts)]
-            p = sampler.process(logits[:, 0], rows)
-            probs.append(p.probs)
-            picked = draft_tokens(self.spec_sampling, p.probs, p.logprobs, [r.seed for r in rows],
-                                  [r.position for r in rows],
-                                  torch.tensor([r.temperature == 0 for r in rows], device=device))
-            return picked.unsqueeze(1)
-
-        drafts, heads = draft.propose(blocks, tokens.unsqueeze(1), choose)  # [B, 1, bs]
-        # The chance that draft j passes with every draft before it: σ of each slot's confidence logit,
-        # multiplied along the block ([B, nextn]; non-increasing along each row).
-        confidence = torch.sigmoid(heads.confidence_logits[:, 0, : self.nextn]).cumprod(dim=-1).tolist()
+        # The profiler ranges name the proposal's parts for services/bench/draft_proposal.py.
+        with record_function(PROPOSE_RANGES[0]):
+            inputs = ProposalInputs.build([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
+                                          [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size,
+                                          self.spec_sampling, model.embed.weight.device)
+        with record_function(PROPOSE_RANGES[1]):
+            kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
+            context = DraftContext(kv, positions, inputs.anchor_positions)
+            blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
+        with record_function(PROPOSE_RANGES[2]):
+            proposal = propose(draft, blocks, inputs, self.nextn)
+        # The proposal's one host read: drafts and confidences together (token ids and fp32 values are exact
+        # in fp64).
+        read = torch.cat((proposal.drafts.to(torch.float64), proposal.confidences.to(torch.float64)), dim=1).tolist()
         out = []
         for b, (i, request_id, _, _, _) in enumerate(anchors):
-            self.drafts[request_id] = drafts[b, 0, : self.nextn].tolist()
+            self.drafts[request_id] = [int(t) for t in read[b][: self.nextn]]
             if self.rewrite_drafts is not None:
                 rewritten = self.rewrite_drafts(request_id, starts[b], self.drafts[request_id])
                 self.drafts[request_id] = list(rewritten)[: self.nextn]
-            self.draft_probs[request_id] = torch.stack([p[b] for p in probs[: self.nextn]])
-            self.confidences[request_id] = confidence[b][: len(self.drafts[request_id])]
+            self.draft_probs[request_id] = proposal.probs[b]
+            self.confidences[request_id] = read[b][self.nextn :][: len(self.drafts[request_id])]
             if self.forced_acceptance is not None:
                 self.confidences[request_id] = self.forced_acceptance.confidences(len(self.drafts[request_id]))
             out.append((i, self.drafts[request_id]))

@@ -106,10 +106,10 @@ def test_sampler_interpreted_error_rows_and_resample_case():
     assert got.errors.tolist() == [True, True, True, False]
     # case 1 (resample) draws other bits: compare with a CPU pick from the same processed distribution.
     from kernels.philox import DrawCase, draw_bits
-    from services.worker.sampler import _pick
+    from services.worker.sampler import pick_from_bits
 
     p = Sampler().process(logits[3:], rows[3:])
-    expected = _pick(p.probs, draw_bits([4], [7], DrawCase.RESAMPLE))
+    expected = pick_from_bits(p.probs, draw_bits([4], [7], DrawCase.RESAMPLE))
     resampled = _interpreted_sample(logits[3:], rows[3:], block=128, case=DrawCase.RESAMPLE)
     assert resampled.token_ids.tolist() == expected.tolist()
 

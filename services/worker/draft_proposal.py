@@ -1,0 +1,184 @@
+"""The DSpark draft's proposal as device work only: after the stages, the per-slot loop (the head, the Markov
+head, the sampling pipeline, the draw keyed by (seed, position), the confidences) on fixed-shape tensors,
+with no read of a device tensor on the host.
+
+Everything that depends on the host (the rows' sampling parameters, the anchors, the rejection mode's draft
+draws) is known before the draft runs, so ``ProposalInputs.build`` packs it once per proposal into a few
+host tensors that reach the device in one non-blocking copy each (pinned on CUDA); the loop reads only those.
+What comes back (``Proposal``) stays on the device; the speculator reads drafts and confidences once.
+
+Invariant (tested ``==`` in the batch-invariant mode): for the same blocks, anchors and rows, the drafts,
+their processed distributions and the confidences equal the host-driven path's (``Sampler.process`` and
+``verifier.draft_tokens`` per slot), in both ``spec_sampling`` modes:
+
+- ``process`` is ``Sampler.process`` with every row treated alike: a row without a rank limit gets the
+  limit V (ranks < V keeps every token, as the pipeline's all-true mask), a row without top-p keeps its
+  logits (a ``where`` on the row's flag, never the mask at p = 1, which could drop a token of mass 0);
+  every op is per row, so a row's values do not depend on which other rows share the call.
+- rejection: the draft's bits at (seed + DRAFT_SEED_OFFSET, position) are ``draw_bits``'s own, drawn on the
+  host for every slot at once; ``pick_from_bits`` is ``sample_from_bits`` less its checks, which a softmax
+  output always passes.
+- deterministic: the Gumbel noise is ``draw_bits_per_token``'s counter layout (kernels/philox.py) on
+  device positions (its host-side position check is replaced by the caller's positions, all ≥ 0 here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.philox import COUPLING_WORD, DRAW_BITS, MASK32, DrawCase, draw_bits, philox4x32
+from model.deepseek_v41.dspark import DraftBlocks, DSpark
+from services.worker.sampler import MASS_BITS, SamplingRow, integer_masses, pick_from_bits
+from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """B requests' drafts, on the device."""
+
+    drafts: torch.Tensor  # int64 [B, nextn]: draft j is the token proposed for anchor position + 1 + j
+    probs: torch.Tensor  # fp32 [B, nextn, V]: the processed draft distribution each draft came from
+    confidences: torch.Tensor  # fp32 [B, nextn]: σ(confidence logit) multiplied along the block (non-increasing)
+
+
+@dataclass(frozen=True)
+class ProposalInputs:
+    """The host side of one proposal, on the device. One row per request."""
+
+    anchor_tokens: torch.Tensor  # int64 [B]: the last emitted token, the block's slot-0 input
+    anchor_positions: torch.Tensor  # int64 [B]: the anchor's position (slot j drafts position + 1 + j)
+    state_slots: torch.Tensor  # int64 [B]: the request's state slot (its draft rings)
+    seeds: torch.Tensor  # int64 [B]: the row's seed mod 2⁶⁴, two's complement
+    greedy: torch.Tensor  # bool [B]: temperature 0 (argmax, ties to the lowest id)
+    temperatures: torch.Tensor  # fp32 [B]: the pipeline's divisor (1 for greedy, ≥ float32 tiny otherwise)
+    rank_limits: torch.Tensor  # int64 [B]: tokens the top-k and forced top-k keep (V: no limit)
+    top_p_limits: torch.Tensor  # int64 [B]: ceil(top_p · 2³¹), the mass before a kept token stays below it
+    nucleus: torch.Tensor  # bool [B]: top_p < 1 (only these rows apply the top-p mask)
+    spec_sampling: str  # "rejection": the draft draws with its own key; "deterministic": the coupled noise
+    draft_bits: torch.Tensor | None  # int64 [B, nextn]: rejection mode's draft draws; None: deterministic or all greedy
+    bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf; None: none
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L]; None: none
+    needs_ranking: bool  # some row has a rank limit or top-p, so the loop sorts (host-known, fixed per batch)
+    all_greedy: bool  # every row is greedy, so the loop draws nothing (host-known, fixed per batch)
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
+              state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, device: torch.device
+              ) -> ProposalInputs:
+        """From host data only: per request its last sampling row, anchor token and position, state slot."""
+        if spec_sampling not in SPEC_SAMPLING:
+            raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
+        b = len(rows)
+        seeds = [(r.seed & ((1 << 64) - 1)) - ((1 << 64) if r.seed & (1 << 63) else 0) for r in rows]
+        tiny = torch.finfo(torch.float32).tiny
+        ints = torch.tensor([[t, p, slot, s, int(r.temperature == 0),
+                              r.rank_limit if r.rank_limit is not None else vocab_size,
+                              math.ceil(r.top_p * (1 << MASS_BITS)), int(r.top_p < 1)]
+                             for r, t, p, slot, s in zip(rows, anchor_tokens, anchor_positions, state_slots, seeds)],
+                            dtype=torch.int64).view(b, 8)
+        temperatures = torch.tensor([max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows],
+                                    dtype=torch.float32)
+        all_greedy = all(r.temperature == 0 for r in rows)
+        draft_bits = None
+        if spec_sampling == "rejection" and not all_greedy:
+            keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(nextn)]
+            draft_bits = draw_bits(keys, [p + 1 + j for p in anchor_positions for j in range(nextn)],
+                                   DrawCase.SAMPLE, "cpu").view(b, nextn)
+        bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+        bias = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
+        for kind, entries in (("banned", bans), ("logit_bias", bias)):
+            for i, t, *_ in entries:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"row {i}: {kind} token id {t} is outside the vocabulary [0, {vocab_size})")
+        needs_ranking = any(r.rank_limit is not None or r.top_p < 1 for r in rows)
+        ints, temperatures = _to_device(ints, device), _to_device(temperatures, device)
+        return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
+                   ints[:, 6], ints[:, 7].bool(), spec_sampling,
+                   None if draft_bits is None else _to_device(draft_bits, device),
+                   _index(bans, device), _bias(bias, device), needs_ranking, all_greedy)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device`` without waiting for the device (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not pairs:
+        return None
+    t = _to_device(torch.tensor(pairs, dtype=torch.int64), device)
+    return t[:, 0], t[:, 1]
+
+
+def _bias(triples: list[tuple[int, int, float]], device: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if not triples:
+        return None
+    index = _index([(i, t) for i, t, _ in triples], device)
+    return index[0], index[1], _to_device(torch.tensor([v for *_, v in triples], dtype=torch.float32), device)
+
+
+def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Sampler.process``'s probs and logprobs (fp32 [B, V]) for logits [B, V], without host reads."""
+    vocab_size = logits.shape[1]
+    x = logits.to(torch.float32, copy=True)
+    if inputs.bias is not None:
+        rows, tokens, values = inputs.bias
+        x[rows, tokens] = x[rows, tokens] + values
+    if inputs.bans is not None:
+        x[inputs.bans] = -math.inf
+    errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
+    x = x.masked_fill(errors.unsqueeze(-1), 0.0)  # error rows: all-zero logits, as the pipeline's
+    scaled = (x - x.amax(dim=-1, keepdim=True)) / inputs.temperatures.unsqueeze(-1)
+    if inputs.needs_ranking:
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices  # [B, V]
+        ranks = torch.arange(vocab_size, device=x.device).expand_as(order)
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, ranks < inputs.rank_limits.unsqueeze(-1))
+        scaled = scaled.masked_fill(~keep, -math.inf)
+        masses = integer_masses(torch.softmax(scaled, dim=-1)).gather(1, order)
+        mass_before = torch.cumsum(masses, dim=-1) - masses
+        kept = torch.zeros_like(keep).scatter_(1, order, mass_before < inputs.top_p_limits.unsqueeze(-1))
+        scaled = torch.where(inputs.nucleus.unsqueeze(-1), scaled.masked_fill(~kept, -math.inf), scaled)
+    return torch.softmax(scaled, dim=-1), torch.log_softmax(scaled, dim=-1)
+
+
+def coupling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``verifier.gumbel_noise`` (fp64 [B, V]) for device seeds and positions int64 [B] (positions ≥ 0)."""
+    stream = 3 * positions + int(DrawCase.SAMPLE)
+    key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [B, 1, 2]
+    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    counter = torch.stack(torch.broadcast_tensors(
+        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
+        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [B, V, 4]
+    bits = philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
+    u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
+    return -torch.log(-torch.log(u))
+
+
+def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: int) -> Proposal:
+    """Drafts for one block per request: blocks from ``DSpark.blocks_from_context`` (A = 1) at the inputs'
+    anchors; ``nextn`` ≤ the block size slots."""
+    probs: list[torch.Tensor] = []
+
+    def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:  # logits [B, 1, V] → tokens [B, 1]
+        p, logp = process(logits[:, 0], inputs)
+        probs.append(p)
+        if inputs.all_greedy:  # each mode's argmax, as below
+            picked = (p if inputs.spec_sampling == "rejection" else logp).argmax(-1)
+        elif inputs.draft_bits is not None:  # rejection: the draft's own key
+            drawn = pick_from_bits(p, inputs.draft_bits[:, slot])
+            picked = torch.where(inputs.greedy, p.argmax(-1), drawn)
+        else:  # deterministic: the target's noise at the same position
+            noise = coupling_noise(inputs.seeds, inputs.anchor_positions + 1 + slot, logp.shape[-1])
+            picked = torch.where(inputs.greedy, logp.argmax(-1), (logp.to(torch.float64) + noise).argmax(-1))
+        return picked.unsqueeze(1)
+
+    drafts, heads = draft.propose(blocks, inputs.anchor_tokens.unsqueeze(1), choose, num_slots=nextn)  # [B, 1, nextn]
+    confidences = torch.sigmoid(heads.confidence_logits[:, 0, :nextn]).cumprod(dim=-1)
+    return Proposal(drafts[:, 0, :nextn], torch.stack(probs, dim=1), confidences)
