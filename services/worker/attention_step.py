@@ -60,11 +60,12 @@ class AttentionStep:
         return self.project_out(attn, out, angles)
 
     def project_out(self, attn: Attention, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """out [R, H, hd] (RoPE undone iff the backend ``undoes_rope``), angles [R, P] (RoPE turns,
-        complex) → [R, D]."""
+        """out [R, H, hd] (RoPE undone iff the backend ``undoes_rope``), angles [R, P] (fp32, or
+        their turns: ``rope_turns``) → [R, D]."""
         if isinstance(attn.wo_a, nn.Linear):  # the model's projection (angle 0 where RoPE is already undone)
-            # Turns of angle 0 are polar(1, 0) = 1 + 0i exactly, as the model computes them from zeros.
-            rotated = torch.ones_like(angles) if self.backend.undoes_rope else angles
+            # Angle 0 where RoPE is undone; as turns, polar(1, 0) = 1 + 0i exactly, what the model makes of 0.
+            none = torch.ones_like if angles.is_complex() else torch.zeros_like
+            rotated = none(angles) if self.backend.undoes_rope else angles
             return attn.project_out(out.unsqueeze(1), rotated.unsqueeze(1))[:, 0]
         if not self.backend.undoes_rope:
             out = apply_rope(out, angles, inverse=True)
