@@ -89,9 +89,9 @@ def pow2_ceil(value: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_from_pow2(scale: torch.Tensor) -> torch.Tensor:
-    """Encode exact fp32 powers of two in [2^-126, 2^127] as ``float8_e8m0fnu`` (byte = biased exponent)."""
-    byte = (scale.float().contiguous().view(torch.int32) >> 23) & 255
-    return byte.to(torch.uint8).view(torch.float8_e8m0fnu)
+    """Encode exact fp32 powers of two in [2^-126, 2^127] as ``float8_e8m0fnu`` (byte = biased exponent).
+    The cast to uint8 keeps the low 8 bits (an integer conversion is modular), which ``& 255`` kept."""
+    return (scale.float().contiguous().view(torch.int32) >> 23).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
