@@ -1,9 +1,13 @@
 """The torch ops of one static decode step (the code a CUDA graph captures), counted on CPU by name and line.
 
-Each leaf aten op that moves data (elementwise, index, fill, copy, cat, arange, GEMMs...) is one kernel
+Each aten op that reaches the dispatcher (a ``TorchDispatchMode``: after autograd and the implicit
+decompositions) and moves data (elementwise, index, fill, copy, cat, arange, GEMMs...) is one kernel
 launch on CUDA; views (view, unsqueeze, expand, slice, ...) and allocations (empty) launch nothing and are
-not counted. Triton kernels run interpreted here: their launches are counted by kernel name, and the torch
-ops the interpreter runs inside them are not counted (on the GPU they are one launch each).
+not counted. ``scalar_tensor`` (a Python scalar operand wrapped on the host) is counted though it
+launches nothing on CUDA. Triton kernels run interpreted here: their launches are counted by kernel name,
+and the torch ops the interpreter runs inside them are not (on the GPU each is one launch). The tiny
+case's dims are not multiples of 128, so its ``pad_last`` / ``_blocks`` pads (``constant_pad_nd``) have
+no counterpart at v41-s1's dims.
 
 The step is the tiny test case's first decode plan (5 rows padded to graph size 8) on the kernel backend
 ("kernels": FP8 linears, KernelMoE, the kernel head and mHC) with ``attention="triton"`` (the GPU step's
@@ -25,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# Leaf aten ops that launch nothing on CUDA: views, metadata and allocations.
+# Aten ops that launch nothing on CUDA: views, metadata and allocations.
 NO_LAUNCH = frozenset("""
 aten::view aten::_unsafe_view aten::unsqueeze aten::squeeze aten::expand aten::slice aten::select aten::as_strided
 aten::t aten::transpose aten::permute aten::view_as_complex aten::view_as_real aten::unflatten aten::flatten
