@@ -65,6 +65,9 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(h))
         self.register_buffer("freqs", rope_frequencies(cfg, compressed=self.ratio > 0), persistent=False)
+        # Which frequency set ``freqs`` holds (the compress base with YaRN, or the main base): layers with
+        # equal keys have equal freqs, so a step computes their RoPE turns once (AttentionStep).
+        self.rope_key = self.ratio > 0
         is_kv_source = layer in cfg.kv_source_layer_ids
         self.compressor = Compressor(cfg, self.ratio) if is_kv_source else None
         self.indexer = Indexer(cfg, owns_keys=is_kv_source) if layer in cfg.index_source_layer_ids else None

@@ -36,10 +36,18 @@ def rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return positions.float().unsqueeze(-1) * freqs
 
 
+def rope_turns(angles: torch.Tensor) -> torch.Tensor:
+    """angles fp32 [..., P] → the unit complex numbers e^{iθ} complex64 [..., P] that ``apply_rope``
+    multiplies by. Every ``apply_rope`` taking angles computes exactly these, so passing the turns in place
+    of the angles gives the same bits; a step computes them once per frequency set, not once per layer."""
+    return torch.polar(torch.ones_like(angles), angles)
+
+
 def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2·angles.shape[-1]`` channels of x.
 
-    x: [B, S, C] or [B, S, H, C]; angles: [B, S, P] (or broadcastable [S, P]). Returns x's shape and dtype.
+    x: [B, S, C] or [B, S, H, C]; angles: fp32 [B, S, P] (or broadcastable [S, P]), or their turns
+    (``rope_turns``: complex, same shape). Returns x's shape and dtype.
     ``inverse`` rotates by −angle (used to undo RoPE on the attention output).
     """
     rot = angles.shape[-1] * 2
@@ -58,7 +66,7 @@ def _rotated(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> torch.Tens
     """The last 2P channels of x rotated, in x's dtype: [..., 2P]."""
     rot = angles.shape[-1] * 2
     pairs = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())  # [..., P]
-    turn = torch.polar(torch.ones_like(angles), angles)  # [B, S, P] complex
+    turn = angles if angles.is_complex() else rope_turns(angles)  # [B, S, P] complex
     if x.ndim == angles.ndim + 1:
         turn = turn.unsqueeze(-2)  # broadcast over heads
     if inverse:

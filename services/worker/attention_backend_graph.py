@@ -78,10 +78,14 @@ class GraphAttention:
         self._no_pool = torch.zeros(1, 1, hd // 2 + hd // 16, dtype=torch.uint8, device=rows.device)  # ratio 0
         self._no_selection = torch.zeros(rows.num_rows, 0, dtype=torch.int32, device=rows.device)
         self._all_rows = torch.arange(rows.num_rows, device=rows.device)  # every row writes its would-be entry
+        # The compressor kernel's clamped row buffers (see ``compress``): the same for every KV source layer,
+        # so the first one of a run computes them. None until then.
+        self._compress_rows: dict[str, torch.Tensor] | None = None
 
     def reset(self) -> None:
         """Forget what the previous run's KV and index sources published (a run starts at layer 0)."""
         self.sparse = StaticSparse()
+        self._compress_rows = None
 
     def compress(self, attn: Attention, x: torch.Tensor) -> None:
         """Every row's would-be group entry to its ``entry_slots`` (pool slot 0 where the row closes no
@@ -97,9 +101,11 @@ class GraphAttention:
             # The static batch's requests (placeholder rows each their own). The kernel reads a group's
             # member before ``first`` from the partial row of p − 1, so placeholder rows (p = 0) act at
             # p = 1 (live rows have p ≥ 1: prepare checks it), all inside the null slot 0 and block 0.
-            batch = SimpleNamespace(positions=r.positions.clamp_min(1), row_requests=r.row_requests,
-                                    first=r.first.clamp_min(1), query_start=r.query_start,
-                                    seqlens_k=r.seqlens_k.clamp_min(2), state_slots=r.request_slots,
+            if self._compress_rows is None:
+                self._compress_rows = dict(positions=r.positions.clamp_min(1), first=r.first.clamp_min(1),
+                                           seqlens_k=r.seqlens_k.clamp_min(2))
+            batch = SimpleNamespace(**self._compress_rows, row_requests=r.row_requests, query_start=r.query_start,
+                                    state_slots=r.request_slots,
                                     entry_writes={attn.ratio: (self._all_rows, r.entry_slots[attn.ratio])})
             options = {"dot_fp32": True} if self.kernels.interpreted else {}
             self.kernels.compressor.compress_layer(cache, batch, attn, x, **options)

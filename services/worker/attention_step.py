@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.attention import Attention
-from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_angles
+from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_angles, rope_turns
 from services.worker.attention_backend import AttentionBackend, StepRounding
 
 
@@ -34,10 +34,20 @@ class AttentionStep:
         self.positions = positions  # [R] each row's position
         self.row_requests = row_requests  # [R] each row's request (index into the step's requests)
         self.rounding = rounding or StepRounding()
+        # Attention.rope_key → the rows' RoPE turns complex [R, P], computed by the first layer of that
+        # frequency set (they depend on the positions and freqs only). Valid for one step: ``reset`` forgets
+        # them when the positions change.
+        self._turns: dict[bool, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """A new step (a static step reuses one AttentionStep over refilled position buffers)."""
+        self._turns = {}
 
     def attend(self, attn: Attention, x: torch.Tensor) -> torch.Tensor:
         """x [R, D] (attn_norm output) → [R, D]."""
-        angles = rope_angles(self.positions, attn.freqs)  # [R, P]
+        angles = self._turns.get(attn.rope_key)  # [R, P] complex: the turns stand in for the angles
+        if angles is None:
+            angles = self._turns[attn.rope_key] = rope_turns(rope_angles(self.positions, attn.freqs))
         q_latent = attn.q_norm(attn.wq_a(x))  # [R, q_lora]
         q = apply_rope_(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [R, H, hd]
         k = self.rounding("fp8", attn.layer, apply_rope(attn.kv_norm(attn.wkv(x)), angles), self.row_requests,
@@ -50,9 +60,12 @@ class AttentionStep:
         return self.project_out(attn, out, angles)
 
     def project_out(self, attn: Attention, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """out [R, H, hd] (RoPE undone iff the backend ``undoes_rope``), angles [R, P] → [R, D]."""
+        """out [R, H, hd] (RoPE undone iff the backend ``undoes_rope``), angles [R, P] (fp32, or
+        their turns: ``rope_turns``) → [R, D]."""
         if isinstance(attn.wo_a, nn.Linear):  # the model's projection (angle 0 where RoPE is already undone)
-            rotated = torch.zeros_like(angles) if self.backend.undoes_rope else angles
+            # Angle 0 where RoPE is undone; as turns, polar(1, 0) = 1 + 0i exactly, what the model makes of 0.
+            none = torch.ones_like if angles.is_complex() else torch.zeros_like
+            rotated = none(angles) if self.backend.undoes_rope else angles
             return attn.project_out(out.unsqueeze(1), rotated.unsqueeze(1))[:, 0]
         if not self.backend.undoes_rope:
             out = apply_rope(out, angles, inverse=True)

@@ -42,7 +42,7 @@ class KernelRMSNorm(nn.Module):
         self.weight = nn.Parameter(norm.weight.detach().float().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] → [..., C]
-        return self.kernels.rmsnorm.rmsnorm(x.contiguous(), self.weight, self.eps)
+        return self.kernels.rmsnorm.rmsnorm(x, self.weight, self.eps)  # it reads rows at their stride
 
 
 MOE_MAX_TOKENS = 8192

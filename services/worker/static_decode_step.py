@@ -117,6 +117,7 @@ class StaticDecodeStep:
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, self.device)  # [1, G, n]
         self.backend.reset()
+        self.step.reset()
         taps: list[torch.Tensor] = []
         for block in self.model.layers:
             def attend(x: torch.Tensor, attn: Attention = block.attn) -> torch.Tensor:

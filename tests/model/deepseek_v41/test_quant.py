@@ -42,6 +42,23 @@ def test_pack_fp4_even_index_in_low_nibble():
         Q.pack_fp4(torch.zeros(3, dtype=torch.uint8))
 
 
+def test_scale_codecs_have_the_bits_of_their_longer_forms():
+    """The 2-op form gives the 7-op form's bits (exponent + has-mantissa, shifted back) for every sign and
+    exponent, with mantissas 0, 1, all ones and 4,093 random ones: 2.1M bit patterns, NaN and inf included."""
+    g = torch.Generator().manual_seed(0)
+    mantissas = torch.cat((torch.tensor([0, 1, (1 << 23) - 1]), torch.randint(0, 1 << 23, (4093,), generator=g)))
+    exponents = torch.arange(256)
+    bits = (exponents[:, None] << 23 | mantissas[None, :]).flatten()
+    bits = torch.cat((bits, bits | (1 << 31))).to(torch.int32)  # both signs
+    exponent, has_mantissa = (bits >> 23) & 255, (bits & ((1 << 23) - 1)) != 0
+    want = (exponent + has_mantissa.to(torch.int32)) << 23
+    assert torch.equal(_bits(Q.pow2_ceil(bits.view(torch.float32))), want)
+    assert _bits(Q.pow2_ceil(torch.tensor([float("nan")]))).item() == _bits(torch.tensor([-0.0])).item()
+    # e8m0_from_pow2 drops ``& 255`` before its uint8 cast: the same bytes for every pattern (sign set too).
+    floats = bits.view(torch.float32)
+    assert torch.equal(Q.e8m0_from_pow2(floats).view(torch.uint8), ((bits >> 23) & 255).to(torch.uint8))
+
+
 def test_pow2_ceil_is_exact_at_powers_of_two():
     x = torch.tensor([1.0, 1.0000001, 0.75, 2.0**-126, 3.0 * 2**-20, 2.0**100])
     assert Q.pow2_ceil(x).tolist() == [1.0, 2.0, 1.0, 2.0**-126, 2.0**-18, 2.0**100]

@@ -1,11 +1,12 @@
-"""rope.py: the in-place rotation writes what ``apply_rope`` returns, and only the rotated channels."""
+"""rope.py: the in-place rotation writes what ``apply_rope`` returns, and only the rotated channels; turns
+in place of angles give the same bits."""
 
 import math
 
 import pytest
 import torch
 
-from model.deepseek_v41.rope import apply_rope, apply_rope_
+from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_turns
 from tests.tolerances import U_BF16, U_FP32
 
 
@@ -26,3 +27,19 @@ def test_in_place_rotation_equals_apply_rope(dtype, shape):
     u = U_BF16 if dtype == torch.bfloat16 else 5 * U_FP32
     back = apply_rope(y, angles, inverse=True).float()
     assert float((back - x.float()).abs().max()) <= 2 * math.sqrt(2) * u * float(x.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_turns_in_place_of_angles_give_the_same_bits(dtype, inverse):
+    """A step passes ``rope_turns(angles)`` (computed once per frequency set) where layers passed angles."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 32, generator=gen).to(dtype)
+    angles = torch.rand(5, 4, generator=gen) * 1000
+    turns = rope_turns(angles)
+    assert turns.is_complex() and turns.shape == angles.shape
+    assert torch.equal(apply_rope(x, turns, inverse=inverse), apply_rope(x, angles, inverse=inverse))
+    assert torch.equal(apply_rope_(x.clone(), turns), apply_rope_(x.clone(), angles))
+    assert not torch.equal(apply_rope(x, turns), apply_rope(x, turns, inverse=True))  # the turns do rotate
+    # The turns of angle 0 are exactly 1 + 0i (what AttentionStep passes where RoPE is already undone).
+    assert torch.equal(rope_turns(torch.zeros(5, 4)), torch.ones(5, 4, dtype=torch.complex64))

@@ -18,7 +18,7 @@ import torch
 
 from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.presets import TINY
-from model.deepseek_v41.rope import apply_rope, rope_angles
+from model.deepseek_v41.rope import apply_rope, rope_angles, rope_turns
 from services.worker.attention_backend import StepRounding
 from services.worker.attention_backend_graph import GraphAttention
 from services.worker.attention_backend_torch import TorchAttention
@@ -81,8 +81,9 @@ def test_each_layer_compresses_if_a_source_selects_if_compressed_then_attends():
     assert seen == [("fp8", attn.layer, ["a", "a", "a", "b", "c"], [3, 4, 5, 9, 0]) for attn in layers]
 
 
+@pytest.mark.parametrize("turns", [False, True], ids=["angles", "turns"])  # what ``attend`` passes: turns
 @pytest.mark.parametrize("layer", [0, 2])  # window-only, compressed
-def test_project_out_of_rope_undone_output_equals_the_models(layer):
+def test_project_out_of_rope_undone_output_equals_the_models(layer, turns):
     """A backend that undoes RoPE itself (the kernels) and one that leaves it to the step (torch) give
     the same projection: the step projects with angle 0 where RoPE is already undone."""
     attn = _layers()[layer]
@@ -90,9 +91,10 @@ def test_project_out_of_rope_undone_output_equals_the_models(layer):
     angles = rope_angles(positions, attn.freqs)
     out = torch.randn(len(positions), attn.num_heads, attn.head_dim)
     undone = apply_rope(out, angles, inverse=True)
+    given = rope_turns(angles) if turns else angles
     with torch.no_grad():
-        ours = AttentionStep(Recording(undoes_rope=True), positions, positions).project_out(attn, undone, angles)
-        model = AttentionStep(Recording(undoes_rope=False), positions, positions).project_out(attn, out, angles)
+        ours = AttentionStep(Recording(undoes_rope=True), positions, positions).project_out(attn, undone, given)
+        model = AttentionStep(Recording(undoes_rope=False), positions, positions).project_out(attn, out, given)
         direct = attn.project_out(out.unsqueeze(1), angles.unsqueeze(1))[:, 0]
     assert torch.equal(model, direct)
     assert torch.equal(ours, model)

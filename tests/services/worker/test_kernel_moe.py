@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -411,6 +412,26 @@ def test_fp8_kernel_engine_with_an_image_is_batch_invariant_and_within_the_fp8_f
     print(f"\nfp8 kernel engine with an image vs the torch backend: mean KL {mean:.3g}, max {worst:.3g}; "
           f"FP8-format floor {floor_mean:.3g}, {floor_worst:.3g}")
     assert mean <= max(1e-3, 2 * floor_mean) and worst <= max(1e-2, 2 * floor_worst)
+
+
+def test_rmsnorm_of_strided_rows_equals_that_of_their_copy():
+    """``KernelRMSNorm`` hands the kernel rows at their stride (no contiguous copy first: one launch fewer per
+    strided input in the decode step): the same bits as on the rows' contiguous copy, fp32 and bf16."""
+    from model.deepseek_v41.norm import RMSNorm
+    from services.worker.kernel_moe import KernelRMSNorm
+
+    norm = RMSNorm(48, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=torch.Generator().manual_seed(1)) + 0.5)
+    kernels = SimpleNamespace(rmsnorm=load_interpreted("rmsnorm"))
+    module = KernelRMSNorm(norm, kernels)
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = torch.randn(3, 5, 2, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+        x = wide[:, :, 1]  # [3, 5, 48]: rows 96 elements apart
+        assert not x.is_contiguous()
+        with interpreter(), torch.no_grad():
+            got, want = module(x), module(x.contiguous())
+        assert got.shape == x.shape and got.dtype == dtype and torch.equal(got, want)
 
 
 def flash_kernel_moe() -> KernelMoE:

@@ -336,3 +336,40 @@ def test_triton_path_interpreted_equals_reference(name):
     assert partial <= (tol.SENSITIVITY_MIN_MOVE if flips else tol.FLIP_BOUNDARY_TOL)
     assert torch.equal(sr, st) or flips, "selections differ without a key bin flip"
     assert delta <= (tol.SENSITIVITY_MIN_MOVE if flips else tol.PREFIX_ATOL)
+
+
+class _Forgetful(dict):
+    """An AttentionStep turn cache that keeps nothing: every layer computes its own RoPE turns (as before
+    the cache)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_rope_turns_once_per_frequency_set_change_no_bit(monkeypatch):
+    """Fewer glue launches (issue 21): a step computes the RoPE turns once per frequency set (2 in the oracle
+    case: main and compress base), not once per layer; its logits, counts and pools (null block and slot
+    included) are == to every layer computing its own, in the batch-invariant mode, padded 5 → 8."""
+    import services.worker.attention_step as attention_step
+
+    plan, runner = _decode_plan("oracle")
+    cache, layers = runner.cache, runner.model.layers
+    blocks, slots = cache.blocks.clone(), cache.slots.clone()
+    computed: list[int] = []
+    turns = attention_step.rope_turns
+    monkeypatch.setattr(attention_step, "rope_turns", lambda angles: computed.append(1) or turns(angles))
+    results = {}
+    for per_layer in (True, False):
+        cache.blocks.copy_(blocks)
+        cache.slots.copy_(slots)
+        step = StaticDecodeStep(runner.model, cache, 8, MAX_LEN // BLOCK, attention="reference")
+        step.prepare(plan)
+        if per_layer:
+            monkeypatch.setattr(step.step, "reset", lambda s=step.step: setattr(s, "_turns", _Forgetful()))
+        computed.clear()
+        with batch_invariant():
+            logits, counts, _ = step.run()
+        results[per_layer] = (logits.clone(), counts.clone(), cache.blocks.clone(), cache.slots.clone(), len(computed))
+    (l0, c0, b0, s0, n0), (l1, c1, b1, s1, n1) = results[True], results[False]
+    assert torch.equal(l0, l1) and torch.equal(c0, c1) and torch.equal(b0, b1) and torch.equal(s0, s1)
+    assert n0 == len(layers) and n1 == len({block.attn.rope_key for block in layers}) == 2
