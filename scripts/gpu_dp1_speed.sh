@@ -5,12 +5,7 @@
 #   rm -rf parent && mkdir parent && git archive d088b4c | tar -x -C parent && cp scheduler_rs/_core.abi3.so parent/scheduler_rs/
 # (the extension's API only grew since d088b4c). Results land in $OUT (or ./out).
 set -uo pipefail
-out="${OUT:-out}"; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-site=/tmp/site
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl
-fi
+. scripts/device_env.sh
 args="--layers ${LAYERS:-8} --no-compare --no-async --batches 1,64,256 --prefill-tokens 1024"
 for i in 1 2; do
     (cd parent && PYTHONPATH="$PWD:$site" timeout 150 python3 -m services.bench.step $args --json "$out/parent$i.json" \

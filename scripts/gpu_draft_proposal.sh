@@ -5,12 +5,7 @@
 # and batch-1 tokens/s with 5 drafts against the earlier run (docs/speculative-h200-2026-12-02-b1.json).
 # Results land in $OUT (or ./out).
 set -uo pipefail
-out="${OUT:-out}"; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-site=/tmp/site
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl
-fi
+. scripts/device_env.sh
 export PYTHONPATH="$PWD:$site"
 timeout 300 python3 -m pytest -q -m gpu tests/services/worker/test_draft_proposal.py tests/services/worker/test_speculator.py \
     > "$out/gpu-tests.log" 2>&1
