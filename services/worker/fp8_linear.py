@@ -225,7 +225,7 @@ class KernelLinear(nn.Module):
         a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-        if self._block_scaled(num_tokens, x):
+        if self._block_scaled(num_tokens, x, out_dtype):
             if self.scale_b is None or self.scale_b.device != self.w.device:
                 self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
             y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b, out_dtype)  # [T, N']
@@ -239,10 +239,9 @@ class KernelLinear(nn.Module):
                                       out_dtype=out_dtype, block_m=linear_block_m(num_tokens), num_warps=4)[0]
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _block_scaled(self, num_tokens: int, x: torch.Tensor) -> bool:
+    def _block_scaled(self, num_tokens: int, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
         """Prefill's rows on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM, with the
         output in the activations' dtype (bf16 or fp32) where the device's probe for that dtype passed."""
-        out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         return (num_tokens >= block_scaled_gemm.MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
                 and not invariance.active() and not self.kernels.interpreted
                 and block_scaled_gemm.available(x.device, out_dtype))

@@ -10,17 +10,10 @@ import json
 import torch
 
 from services.bench import speculative
-from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
-from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 
 
-def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys):
-    from model.deepseek_v41.init import write_random_checkpoint
-    from model.deepseek_v41.tokenizer import engram_token_map
-
-    case = DRAFT_CASES[0]
-    tok = toy_tokenizer(case.cfg.vocab_size)
-    path = write_random_checkpoint(tmp_path / "ckpt", finish(case.cfg, engram_token_map(tok)[1]), case.seed, tok)
+def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_checkpoint):
+    path = draft_checkpoint
     parser = argparse.ArgumentParser()
     speculative.add_arguments(parser)
     args = parser.parse_args(["--model", str(path), "--device", "cpu", "--batch", "3", "--acceptance", "0",
