@@ -269,3 +269,29 @@ def test_no_host_read_of_a_step_after_the_next_is_queued(llm):
         _use(llm, False)
     assert len(out["r1"][0]) == 8 and len(out["r1"][2]) == 8 and len(marked) >= 6 * 3
     assert late_reads == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
+    """The GPU form of the test above: CUDA's sync debug mode raises on every operation that waits for the
+    stream (``tolist``/``item``/``cpu`` of a device tensor, a pageable upload, a stream synchronise). With
+    async scheduling and decode graphs no decode step may do one: step N is read through its host copy's
+    event, which waits for N alone. Prefill steps (eager, drained) run before the mode is set."""
+    llm = LLM(model="tiny", device="cuda", block_size=16, max_num_seqs=8)  # CUDA defaults: fp8, graphs, async
+    engine = llm.engine
+    assert engine.config.async_scheduling and engine.config.cuda_graphs
+    for i in range(8):
+        engine.add_request(f"g{i}", _prompt(i, 20), SamplingParams(max_tokens=12, ignore_eos=True, seed=i,
+                                                                  temperature=0.8, logprobs=2 if i % 2 else None))
+    while engine.last_plan is None or engine.last_plan.is_prefill:  # the first decode step is updated
+        engine.step()
+    done = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished():
+            done += [o for o in engine.step() if o.finished]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sorted(len(o.token_ids) for o in done) == [12] * 8
+    s = engine.stats()
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
