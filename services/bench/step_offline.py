@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20, help="tokens generated per request")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly on a GPU")
+    parser.add_argument("--json", dest="json_path", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     import torch
 
@@ -109,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     graphs = cuda and not args.no_graphs
     build, cfg, _ = builder(model, torch.device("cuda" if cuda else "cpu"), backend, args.layers, graphs)
     print(f"model {model} ({cfg.num_hidden_layers} layers), backend {backend}, CUDA graphs {graphs}")
-    offline_section(build, cfg, args.batch, args.steps)
+    rows = offline_section(build, cfg, args.batch, args.steps)
+    if args.json_path:
+        import json
+        from pathlib import Path
+
+        Path(args.json_path).write_text(json.dumps({"model": model, "layers": cfg.num_hidden_layers, "graphs": graphs,
+                                                    "rows": rows}, indent=2))
     return 0
 
 

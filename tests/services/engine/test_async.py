@@ -280,18 +280,22 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
     llm = LLM(model="tiny", device="cuda", block_size=16, max_num_seqs=8)  # CUDA defaults: fp8, graphs, async
     engine = llm.engine
     assert engine.config.async_scheduling and engine.config.cuda_graphs
-    for i in range(8):
-        engine.add_request(f"g{i}", _prompt(i, 20), SamplingParams(max_tokens=12, ignore_eos=True, seed=i,
-                                                                  temperature=0.8, logprobs=2 if i % 2 else None))
+    prompts = [_prompt(i, 20) for i in range(8)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, temperature=0.8, logprobs=2 if i % 2 else None)
+              for i in range(8)]
+    first = llm.generate(prompts, params)  # every kernel compiled and tuned before the mode is set
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"g{i}", prompt, p)
     while engine.last_plan is None or engine.last_plan.is_prefill:  # the first decode step is updated
         engine.step()
-    done = []
+    done = {}
     torch.cuda.set_sync_debug_mode("error")
     try:
         while engine.has_unfinished():
-            done += [o for o in engine.step() if o.finished]
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert sorted(len(o.token_ids) for o in done) == [12] * 8
+    assert [(done[f"g{i}"].token_ids, done[f"g{i}"].logprobs) for i in range(8)] == \
+        [(o.token_ids, o.logprobs) for o in first]  # the same seeds give the same tokens
     s = engine.stats()
     assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
