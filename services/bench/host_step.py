@@ -14,6 +14,7 @@ import torch
 
 from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan
+from services.bench.step_phases import StepPhases, describe
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
@@ -53,8 +54,10 @@ class HostOnlySampler:
 
 
 def host_step_ms(batch: int, *, context: int = 4096, steps: int = 30, async_scheduling: bool = True,
-                 vocab_size: int = 129280, num_layers: int = 40, num_experts: int = 48) -> float:
-    """Median host ms per decode step of ``batch`` requests at ``context`` (prefill steps untimed)."""
+                 vocab_size: int = 129280, num_layers: int = 40, num_experts: int = 48,
+                 phases: StepPhases | None = None) -> float:
+    """Median host ms per decode step of ``batch`` requests at ``context`` (prefill steps untimed);
+    ``phases``, when given, also records the timed steps' split by phase."""
     config = EngineConfig(max_num_seqs=batch, max_model_len=context + steps + 64, block_size=128,
                           async_scheduling=async_scheduling)
     engine = Engine(Worker(HostOnlyRunner(num_layers, num_experts), HostOnlySampler()), config,
@@ -65,19 +68,27 @@ def host_step_ms(batch: int, *, context: int = 4096, steps: int = 30, async_sche
     while engine.last_plan is None or engine.last_plan.is_prefill or engine.last_plan.num_rows != batch:
         engine.step()
     times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    if phases is not None:
+        phases.attach(engine)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        if phases is not None:
+            phases.detach()
     return statistics.median(times) * 1e3
 
 
 def host_section(batches, context: int) -> list[dict[str, Any]]:
     rows = []
     for batch in batches:
-        ms = {flag: host_step_ms(batch, context=context, async_scheduling=flag) for flag in (False, True)}
+        split = {flag: StepPhases() for flag in (False, True)}
+        ms = {flag: host_step_ms(batch, context=context, async_scheduling=flag, phases=split[flag])
+              for flag in (False, True)}
         rows.append({"section": "host", "batch": batch, "context": context, "sync_ms": ms[False],
-                     "async_ms": ms[True]})
+                     "async_ms": ms[True], "async_phases_ms": split[True].summary()})
         print(f"host    ctx {context:>6} batch {batch:>4}: {ms[False]:.2f} ms per decode step "
-              f"(async {ms[True]:.2f} ms), device work stubbed")
+              f"(async {ms[True]:.2f} ms), device work stubbed; async by phase: {describe(split[True].summary())}")
     return rows

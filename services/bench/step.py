@@ -2,13 +2,15 @@
 
 Sections (each measured in this run, with the ceilings re-measured first on a GPU):
 
-- host: the host's share of a decode step at each batch, device work stubbed (``host_step``);
+- host: the host's share of a decode step at each batch, device work stubbed (``host_step``), with async
+  scheduling's split by phase (``step_phases``);
 - decode: step time at each batch × context (``step_timing.time_decode``: real plans, prefill
   skipped, pools filled), its floor (``floors.step_cost``), efficiency = floor / time, and a fitted
   cost curve a + b·rows per context;
 - prefill: one chunk of N prompt tokens through the engine;
-- offline throughput with async scheduling off and on (unprofiled), and the GPU-busy fraction (kernel
-  time over wall time of a second, profiled run of the same work) at the largest batch;
+- offline throughput with async scheduling off and on (unprofiled, with its host ms per decode step by
+  phase), and the GPU-busy fraction (kernel time over wall time of a second, profiled run of the same work)
+  at the largest batch; alone: ``python -m services.bench.step_offline``;
 - three ways: the model's eager PyTorch path (the torch backend), the same with each layer
   ``torch.compile``d, and the engine's backend, on the same model and steps; ratios printed.
 

@@ -1,14 +1,18 @@
 """`shinkai bench step`'s offline section: the same prompts generated with async scheduling off and
-on, tokens/s from an unprofiled run, and the GPU-busy fraction (kernel time from a profiled rerun over
-the unprofiled wall time). ``decode_busy`` is the busy fraction of the decode steps alone: on the
+on, tokens/s from an unprofiled run (with its host ms per decode step by phase, ``step_phases``), and
+the GPU-busy fraction (kernel time from a profiled rerun over the unprofiled wall time). ``decode_busy`` is the busy fraction of the decode steps alone: on the
 profiled run's device timeline, from the end of the last prefill attention kernel to the end of the
 last kernel, the union of kernel intervals over that window (prefill steps run eagerly and are not what
 async scheduling overlaps)."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from typing import Any
+
+from services.bench.step_phases import StepPhases, describe
 
 
 def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
@@ -26,9 +30,15 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
         # (a one-prompt warm-up left them to the first timed run: 12.7 s against 5.5 s profiled, H200).
         llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
         busy = kernel_s = profiled_wall = decode_busy = None
+        phases = StepPhases()  # host ms per decode step by phase (microseconds of clock overhead per step)
+        phases.attach(llm.engine)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)  # tokens/s without the profiler's overhead
+        try:
+            outs = llm.generate(prompts, params)  # tokens/s without the profiler's overhead
+        finally:
+            phases.detach()
         wall = time.perf_counter() - t0
+        split = phases.summary()
         if torch.cuda.is_available():
             # Kernel time from a second, profiled run of the same work (the same kernels), over the
             # unprofiled run's wall time: the profiler slows the host, not the device.
@@ -46,11 +56,13 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
         tokens = sum(len(o.token_ids) for o in outs)
         rows.append({"section": "offline", "async": flag, "batch": batch, "tokens": tokens, "seconds": wall,
                      "tokens_per_s": tokens / wall, "gpu_busy": busy, "kernel_s": kernel_s, "decode_busy": decode_busy,
-                     "profiled_seconds": profiled_wall})
+                     "profiled_seconds": profiled_wall, "host_ms": split})
         print(f"offline async={'on ' if flag else 'off'} batch {batch}: {tokens / wall:9.1f} tokens/s"
               + (f"  GPU busy {100 * busy:.1f}% (kernels {kernel_s:.2f} s, wall {wall:.2f} s, profiled wall "
                  f"{profiled_wall:.2f} s)" if busy is not None else "")
               + (f", decode steps busy {100 * decode_busy:.1f}%" if decode_busy is not None else ""))
+        if split:
+            print(f"        host ms per decode step (median of {len(phases.samples)}): {describe(split)}")
         del llm
     return rows
 
@@ -74,3 +86,39 @@ def decode_window_busy(kernels: list[tuple[float, float, str]], prefill_kernel: 
     busy += cur_end - cur_start
     window = cur_end - start
     return busy / window if window > 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The offline rows of `shinkai bench step` alone (async off and on, phases, and on a GPU the busy share)."""
+    parser = argparse.ArgumentParser(prog="python -m services.bench.step_offline")
+    parser.add_argument("--model", default=None, help="preset: v41-s1 on a GPU (default there), tiny on CPU")
+    parser.add_argument("--layers", type=int, default=None, help="keep this many layers (bench step's subsets)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20, help="tokens generated per request")
+    parser.add_argument("--no-graphs", action="store_true", help="decode eagerly on a GPU")
+    parser.add_argument("--json", dest="json_path", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    import torch
+
+    from services.bench.step_build import builder
+
+    cuda = torch.cuda.is_available()
+    model = args.model or ("v41-s1" if cuda else "tiny")
+    backend = "kernels" if cuda else "torch"
+    if not cuda:
+        torch.set_num_threads(1)
+    graphs = cuda and not args.no_graphs
+    build, cfg, _ = builder(model, torch.device("cuda" if cuda else "cpu"), backend, args.layers, graphs)
+    print(f"model {model} ({cfg.num_hidden_layers} layers), backend {backend}, CUDA graphs {graphs}")
+    rows = offline_section(build, cfg, args.batch, args.steps)
+    if args.json_path:
+        import json
+        from pathlib import Path
+
+        Path(args.json_path).write_text(json.dumps({"model": model, "layers": cfg.num_hidden_layers, "graphs": graphs,
+                                                    "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -229,8 +229,9 @@ class Engine:
         for i, n in enumerate(plan.num_sample_rows.tolist()):
             sampled_logprobs[request_ids[i]] = list(range(row, row + n))
             row += n
-        # One device → host copy per array for the whole step (not one per row).
-        sampled = executed.sampled
+        # One device → host copy per array for the whole step (not one per row), queued with the step: on a
+        # GPU a read of the device tensors here would wait for the step queued after this one.
+        sampled = executed.sampled_on_host()
         logprobs = sampled.logprobs.tolist() if sampled is not None else []
         top: tuple[list, list] | None = None
         for update in updates:

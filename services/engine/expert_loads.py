@@ -18,6 +18,7 @@ from typing import Any
 from observability import tracing
 from services import subjects
 from services.eplb.messages import LoadReport
+from services.worker.host_copy import HostCopy
 from services.worker.sampler import SamplingRow
 from services.worker.worker import WorkerOutput
 
@@ -33,7 +34,9 @@ class ExpertLoadPublisher:
         self.rank = rank  # this engine's rank in the planner's reports
         self.num_steps = 0  # steps executed, the report's step number
         self.num_published = 0
-        self._held: tuple[int, Any] | None = None  # (step, counts on the device) not yet published
+        # (step, its counts' host copy, queued with the step) not yet published: reading the device counts
+        # after the next step is queued would wait for that step too (services/worker/host_copy.py).
+        self._held: tuple[int, HostCopy] | None = None
         self.report = report  # step → that step's report, taken after it (a rank); None: the runner's counts
 
     def execute(self, plan: Any, rows: Sequence[SamplingRow], *previous: WorkerOutput | None) -> WorkerOutput:
@@ -49,7 +52,7 @@ class ExpertLoadPublisher:
             return out
         self._publish_held()
         if out.expert_counts is not None:
-            self._held = (self.num_steps, out.expert_counts)
+            self._held = (self.num_steps, HostCopy([out.expert_counts]))
         self.num_steps += 1
         if not previous:  # a synchronous engine: this step has been read back already
             self._publish_held()
@@ -58,11 +61,11 @@ class ExpertLoadPublisher:
     def _publish_held(self) -> None:
         if self._held is None:
             return
-        step, counts = self._held
+        step, copy = self._held
         self._held = None
         if self.nc is None:
             return
-        self._send(LoadReport(rank=self.rank, step=step, plan_version=0, counts=counts.cpu().numpy()))
+        self._send(LoadReport(rank=self.rank, step=step, plan_version=0, counts=copy.get()[0].numpy()))
 
     def _send(self, report: LoadReport) -> None:
         if self.nc is None:

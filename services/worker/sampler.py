@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.device import upload
 from kernels.philox import DRAW_BITS, DrawCase, bits_of_uniform, draw_bits, uniform_of_bits
 from kernels.sampler_output import SamplerOutput
 
@@ -116,9 +117,9 @@ def with_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
             row_ids.append(i)
             token_ids.append(t)
             values.append(v)
-    if row_ids:
-        index = (torch.tensor(row_ids, device=x.device), torch.tensor(token_ids, device=x.device))
-        x[index] = x[index] + torch.tensor(values, dtype=torch.float32, device=x.device)
+    if row_ids:  # uploaded without a sync: a list built on a GPU waits for the step in flight (async scheduling)
+        index = (upload(torch.tensor(row_ids), x.device), upload(torch.tensor(token_ids), x.device))
+        x[index] = x[index] + upload(torch.tensor(values, dtype=torch.float32), x.device)
     return x
 
 

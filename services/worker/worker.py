@@ -11,6 +11,7 @@ import torch
 from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
+from services.worker.host_copy import HostCopy, host_sampled, sampled_copy
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs, pending_shifts
 from services.worker.sampler import Sampler, SamplingRow
@@ -29,15 +30,20 @@ class Runner(Protocol):
 class WorkerOutput:
     """One executed step. ``result`` (what the scheduler's update takes) is read back from the device
     on first access, not when the step is queued: with async scheduling the engine queues step N+1
-    before it reads step N, so the device runs N+1 while the host updates N and plans N+2."""
+    before it reads step N, so the device runs N+1 while the host updates N and plans N+2. Every host
+    read of the step's samples goes through ``host`` (services/worker/host_copy.py), whose copies are
+    queued when the step is, so reading step N never waits for step N+1."""
 
     def __init__(self, result: StepResult | Callable[[], StepResult], sampled: SamplerOutput | None,
                  expert_counts: torch.Tensor | None, num_rows_computed: int, request_ids: list[str] | None = None,
-                 last_token_ids: torch.Tensor | None = None, pending: PendingInputs | None = None) -> None:
+                 last_token_ids: torch.Tensor | None = None, pending: PendingInputs | None = None,
+                 host: HostCopy | None = None) -> None:
         self._result = result if isinstance(result, StepResult) else None
         self._read = None if isinstance(result, StepResult) else result
-        # Aligned with `plan.sample_rows`; None when nothing was sampled.
+        # Aligned with `plan.sample_rows`, on the runner's device; None when nothing was sampled.
         self.sampled = sampled
+        # ``sampled``'s host copy (``sampled_copy``), queued with the step: given, or made here.
+        self.host = host if host is not None or sampled is None else sampled_copy(sampled)
         # [num layers, num routed experts] token counts (on the runner's device), when the runner counts them.
         self.expert_counts = expert_counts
         self.num_rows_computed = num_rows_computed
@@ -56,6 +62,10 @@ class WorkerOutput:
             assert self._read is not None
             self._result, self._read = self._read(), None
         return self._result
+
+    def sampled_on_host(self) -> SamplerOutput | None:
+        """``sampled`` on the host (waits for this step's copies, not for any step queued after it)."""
+        return None if self.host is None else host_sampled(self.host)
 
     def pending_inputs(self) -> PendingInputs:
         """This step's sampled tokens as the next step's pending inputs."""
@@ -114,10 +124,12 @@ class Worker:
             return WorkerOutput(result, None, out.expert_counts, out.num_rows_computed, request_ids,
                                 torch.full((plan.num_requests,), -1, dtype=torch.long))
         sampled = self.sampler(out.logits, rows)
+        host = sampled_copy(sampled)  # queued now, before the engine queues the next step
 
-        def read_back() -> StepResult:  # the one device → host copy of a step
-            tokens = sampled.token_ids.tolist()
-            failed = sampled.errors.tolist()
+        def read_back() -> StepResult:  # the one device → host copy of a step, waited for here
+            on_host = host_sampled(host)
+            tokens = on_host.token_ids.tolist()
+            failed = on_host.errors.tolist()
             num_tokens, token_ids, errors = [], [], []
             row = 0
             for i, n in enumerate(num_sample_rows):
@@ -132,7 +144,7 @@ class Worker:
             return StepResult(num_tokens, token_ids, errors=errors)
 
         return WorkerOutput(read_back, sampled, out.expert_counts, out.num_rows_computed, request_ids,
-                            last_tokens(sampled, num_sample_rows))
+                            last_tokens(sampled, num_sample_rows), host=host)
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
         """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/image_inputs.py),

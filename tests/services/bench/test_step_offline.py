@@ -22,3 +22,18 @@ def test_without_prefill_the_window_is_the_whole_timeline_and_empty_is_none():
     assert decode_window_busy([(10, 20, "a"), (30, 50, "b")]) == pytest.approx(30 / 40, abs=0, rel=1e-12)
     assert decode_window_busy([(0, 10, "_prefill_attention_kernel")]) is None
     assert decode_window_busy([]) is None
+
+
+def test_the_offline_rows_run_alone_with_host_ms_by_phase(tmp_path):
+    import json
+
+    from services.bench.step_offline import main
+    from services.bench.step_phases import PHASES
+
+    out = tmp_path / "offline.json"
+    assert main(["--batch", "2", "--steps", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["async"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["tokens"] == 2 * 3
+        assert set(r["host_ms"]) == {*PHASES, "total"} and r["host_ms"]["launch"] > 0

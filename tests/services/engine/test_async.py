@@ -218,3 +218,84 @@ def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
                 overlapped += 1
     # Prefill steps are drained (read right after they run); every decode step with a successor overlaps.
     assert overlapped >= 5, events
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+
+
+def test_no_host_read_of_a_step_after_the_next_is_queued(llm):
+    """What makes the overlap real on a GPU: a host read of a device tensor (``tolist``, ``item``, ``cpu``…)
+    waits for everything queued on the stream, so reading step N's samples after step N+1 is queued waits
+    for N+1 too, and the device idles while the host updates N and plans N+2. Every tensor a step's worker
+    output holds (samples, last tokens, expert counts) is marked when the next step's ``execute`` starts;
+    no host read may touch a marked tensor's storage after that (reads go through the copies queued with
+    the step, services/worker/host_copy.py)."""
+    from torch.overrides import TorchFunctionMode
+
+    engine = _use(llm, True)
+    held: list[torch.Tensor] = []  # kept alive, so no storage of a marked tensor is reused
+    marked: set[int] = set()
+    current: list[torch.Tensor] = []
+    late_reads: list[str] = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in HOST_READS and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].untyped_storage().data_ptr() in marked:
+                late_reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    execute = engine.worker.execute
+
+    def recording(plan, rows, previous=None):
+        marked.update(t.untyped_storage().data_ptr() for t in current if t.numel())
+        current.clear()
+        out = execute(plan, rows, previous)
+        s = out.sampled
+        tensors = [out.last_token_ids, out.expert_counts] + ([] if s is None else [
+            s.token_ids, s.logprobs, s.top_token_ids, s.top_logprobs, s.errors])
+        current.extend(t for t in tensors if t is not None)
+        held.extend(current)
+        return out
+
+    engine.worker.execute = recording
+    try:
+        with Reads():
+            out = _run(engine, [("r1", _prompt(1, 12), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)),
+                                ("r2", _prompt(2, 30), SamplingParams(max_tokens=6, ignore_eos=True, seed=3))], {})
+    finally:
+        del engine.worker.execute
+        _use(llm, False)
+    assert len(out["r1"][0]) == 8 and len(out["r1"][2]) == 8 and len(marked) >= 6 * 3
+    assert late_reads == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
+    """The GPU form of the test above: CUDA's sync debug mode raises on every operation that waits for the
+    stream (``tolist``/``item``/``cpu`` of a device tensor, a pageable upload, a stream synchronise). With
+    async scheduling and decode graphs no decode step may do one: step N is read through its host copy's
+    event, which waits for N alone. Prefill steps (eager, drained) run before the mode is set."""
+    llm = LLM(model="tiny", device="cuda", block_size=16, max_num_seqs=8)  # CUDA defaults: fp8, graphs, async
+    engine = llm.engine
+    assert engine.config.async_scheduling and engine.config.cuda_graphs
+    prompts = [_prompt(i, 20) for i in range(8)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, temperature=0.8, logprobs=2 if i % 2 else None)
+              for i in range(8)]
+    first = llm.generate(prompts, params)  # every kernel compiled and tuned before the mode is set
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"g{i}", prompt, p)
+    while engine.last_plan is None or engine.last_plan.is_prefill:  # the first decode step is updated
+        engine.step()
+    done = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [(done[f"g{i}"].token_ids, done[f"g{i}"].logprobs) for i in range(8)] == \
+        [(o.token_ids, o.logprobs) for o in first]  # the same seeds give the same tokens
+    s = engine.stats()
+    assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots

@@ -61,3 +61,26 @@ def test_a_rank_publishes_its_own_report_of_each_step(monkeypatch):
     publisher.execute("plan", [])
     assert [(r.step, r.plan_version) for r in sent] == [(0, 3), (1, 3)]
     assert np.all(sent[1].counts == 11)  # the report's slot counts, not the runner's logical ones
+
+
+def test_an_async_step_counts_are_not_read_after_the_next_is_queued(monkeypatch):
+    """On a GPU a host read of step N's device counts after step N+1 is queued waits for N+1: the publisher
+    reads the host copy queued with step N instead (services/worker/host_copy.py)."""
+    from torch.overrides import TorchFunctionMode
+
+    publisher, sent = _publisher(monkeypatch)
+    first = publisher.execute("plan", [], None)
+    step_counts = first.expert_counts.untyped_storage().data_ptr()
+    reads = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("cpu", "numpy", "tolist", "item") and args \
+                    and isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() == step_counts:
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        publisher.execute("plan", [], first)
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
+    assert reads == []

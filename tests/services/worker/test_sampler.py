@@ -406,6 +406,28 @@ def test_a_forced_token_replaces_the_draw_and_keeps_its_processed_logprob():
     assert not out.errors.any()
 
 
+def test_logit_bias_builds_no_list_on_the_device():
+    """``torch.tensor(list, device=cuda)`` is a pageable copy that waits for the stream, i.e. for the step in
+    flight under async scheduling: the bias's indices and values are built on the host and uploaded."""
+    from torch.overrides import TorchFunctionMode
+
+    from services.worker.sampler import with_logit_bias
+
+    built_on_device = []
+
+    class Builds(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
+                built_on_device.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2, 5)
+    with Builds():
+        with_logit_bias(x, [row(logit_bias=((4, 5.0),)), row(logit_bias=((0, -1.0), (2, 2.0)))])
+    assert x.tolist() == [[0, 0, 0, 0, 5.0], [-1.0, 0, 2.0, 0, 0]]
+    assert built_on_device == []
+
+
 def test_a_forced_token_outside_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="forced token id"):
         SAMPLER(torch.zeros(1, 5), [row(forced_token_id=5)])
