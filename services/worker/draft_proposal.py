@@ -60,8 +60,10 @@ class ProposalInputs:
     nucleus: torch.Tensor  # bool [B]: top_p < 1 (only these rows apply the top-p mask)
     spec_sampling: str  # "rejection": the draft draws with its own key; "deterministic": the coupled noise
     draft_bits: torch.Tensor | None  # int64 [B, nextn]: rejection mode's draft draws; None: deterministic or all greedy
-    bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf; None: none
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L]; None: none
+    bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf (token id V:
+    #                                                  a padding entry, no effect); None: none
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L] (token id V:
+    #                                                               padding); None: none
     needs_ranking: bool  # some row has a rank limit or top-p, so the loop sorts (host-known, fixed per batch)
     all_greedy: bool  # every row is greedy, so the loop draws nothing (host-known, fixed per batch)
 
@@ -70,6 +72,37 @@ class ProposalInputs:
               state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, device: torch.device
               ) -> ProposalInputs:
         """From host data only: per request its last sampling row, anchor token and position, state slot."""
+        host = HostInputs.pack(rows, anchor_tokens, anchor_positions, state_slots, nextn, vocab_size, spec_sampling)
+        ints, temperatures = _to_device(host.ints, device), _to_device(host.temperatures, device)
+        bans = None if host.bans.shape[0] == 0 else _to_device(host.bans, device)
+        bias = None if host.bias_index.shape[0] == 0 else (_to_device(host.bias_index, device),
+                                                          _to_device(host.bias_values, device))
+        return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
+                   ints[:, 6], ints[:, 7].bool(), spec_sampling,
+                   None if host.draft_bits is None else _to_device(host.draft_bits, device),
+                   None if bans is None else (bans[:, 0], bans[:, 1]),
+                   None if bias is None else (bias[0][:, 0], bias[0][:, 1], bias[1]),
+                   host.needs_ranking, host.all_greedy)
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    """``ProposalInputs`` on the host, before the copy: what the eager path uploads as is and the static
+    proposal (services/worker/static_draft_proposal.py) copies into its fixed-shape buffers."""
+
+    ints: torch.Tensor  # int64 [B, 8]: anchor token, anchor position, state slot, seed, greedy, rank limit,
+    #                     top-p mass limit, nucleus (ProposalInputs' fields of the same names, in this order)
+    temperatures: torch.Tensor  # fp32 [B]
+    draft_bits: torch.Tensor | None  # int64 [B, nextn]; None: deterministic mode or every row greedy
+    bans: torch.Tensor  # int64 [M, 2]: (row, token id), set to −inf
+    bias_index: torch.Tensor  # int64 [L, 2]: (row, token id)
+    bias_values: torch.Tensor  # fp32 [L]: added to the logit there
+    needs_ranking: bool  # some row has a rank limit or top-p
+    all_greedy: bool  # every row is greedy
+
+    @classmethod
+    def pack(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
+             state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str) -> HostInputs:
         if spec_sampling not in SPEC_SAMPLING:
             raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
         b = len(rows)
@@ -95,11 +128,9 @@ class ProposalInputs:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"row {i}: {kind} token id {t} is outside the vocabulary [0, {vocab_size})")
         needs_ranking = any(r.rank_limit is not None or r.top_p < 1 for r in rows)
-        ints, temperatures = _to_device(ints, device), _to_device(temperatures, device)
-        return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
-                   ints[:, 6], ints[:, 7].bool(), spec_sampling,
-                   None if draft_bits is None else _to_device(draft_bits, device),
-                   _index(bans, device), _bias(bias, device), needs_ranking, all_greedy)
+        return cls(ints, temperatures, draft_bits, torch.tensor(bans, dtype=torch.int64).view(-1, 2),
+                   torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.int64).view(-1, 2),
+                   torch.tensor([v for *_, v in bias], dtype=torch.float32), needs_ranking, all_greedy)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -109,30 +140,25 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not pairs:
-        return None
-    t = _to_device(torch.tensor(pairs, dtype=torch.int64), device)
-    return t[:, 0], t[:, 1]
-
-
-def _bias(triples: list[tuple[int, int, float]], device: torch.device
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    if not triples:
-        return None
-    index = _index([(i, t) for i, t, _ in triples], device)
-    return index[0], index[1], _to_device(torch.tensor([v for *_, v in triples], dtype=torch.float32), device)
-
-
 def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``Sampler.process``'s probs and logprobs (fp32 [B, V]) for logits [B, V], without host reads."""
     vocab_size = logits.shape[1]
     x = logits.to(torch.float32, copy=True)
+    # Bias and bans go through [B, V + 1] planes (column V: where a static proposal's padding entries point,
+    # sliced off), built by index_put_ with tensor values and applied with where / masked_fill: none of these
+    # waits for the device (a scalar index_put_ does), and a shape fixed per batch is what a graph captures.
     if inputs.bias is not None:
         rows, tokens, values = inputs.bias
-        x[rows, tokens] = x[rows, tokens] + values
+        plane = (x.shape[0], vocab_size + 1)
+        shift = x.new_zeros(plane).index_put_((rows, tokens), values)[:, :vocab_size]
+        has = torch.zeros(plane, dtype=torch.bool, device=x.device).index_put_(
+            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
+        x = torch.where(has, x + shift, x)  # the biased logits: x + value exactly; the rest untouched
     if inputs.bans is not None:
-        x[inputs.bans] = -math.inf
+        rows, tokens = inputs.bans
+        banned = torch.zeros((x.shape[0], vocab_size + 1), dtype=torch.bool, device=x.device).index_put_(
+            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
+        x = x.masked_fill(banned, -math.inf)
     errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
     x = x.masked_fill(errors.unsqueeze(-1), 0.0)  # error rows: all-zero logits, as the pipeline's
     scaled = (x - x.amax(dim=-1, keepdim=True)) / inputs.temperatures.unsqueeze(-1)
