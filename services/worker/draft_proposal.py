@@ -73,6 +73,11 @@ class ProposalInputs:
               ) -> ProposalInputs:
         """From host data only: per request its last sampling row, anchor token and position, state slot."""
         host = HostInputs.pack(rows, anchor_tokens, anchor_positions, state_slots, nextn, vocab_size, spec_sampling)
+        return cls.upload(host, spec_sampling, device)
+
+    @classmethod
+    def upload(cls, host: HostInputs, spec_sampling: str, device: torch.device) -> ProposalInputs:
+        """``host``'s tensors on ``device``, one non-blocking copy each (pinned on CUDA)."""
         ints, temperatures = _to_device(host.ints, device), _to_device(host.temperatures, device)
         bans = None if host.bans.shape[0] == 0 else _to_device(host.bans, device)
         bias = None if host.bias_index.shape[0] == 0 else (_to_device(host.bias_index, device),

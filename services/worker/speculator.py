@@ -35,9 +35,10 @@ from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
 from services.worker.cache_engine import CacheEngine
-from services.worker.draft_proposal import ProposalInputs, propose
+from services.worker.draft_proposal import HostInputs, ProposalInputs, propose
 from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import Sampler, SamplingRow
+from services.worker.static_draft_proposal import DraftGraphs
 from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
 
@@ -53,10 +54,14 @@ weights accept almost no draft, so tests propose known tokens to exercise accept
 class Speculator:
     def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
                  rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False,
-                 forced_acceptance: ForcedAcceptance | None = None) -> None:
+                 forced_acceptance: ForcedAcceptance | None = None, cuda_graphs: bool = False,
+                 static_proposal: bool | None = None) -> None:
         """``batch_invariant``: the draft runs in the batch-invariant mode too (model/batch_invariant.py), so a
         request's drafts, and with rejection sampling its tokens, do not depend on its batch.
-        ``forced_acceptance``: the benchmark switch (services/worker/forced_acceptance.py); greedy only."""
+        ``forced_acceptance``: the benchmark switch (services/worker/forced_acceptance.py); greedy only.
+        ``cuda_graphs``: the proposal (window read, stages, slot loop) replays a CUDA graph per batch bucket
+        (services/worker/static_draft_proposal.py); ``static_proposal`` (default: ``cuda_graphs``) runs that
+        static proposal, eagerly without graphs (CPU tests of what a graph captures)."""
         if model.draft is None:
             raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
                              "in its config); this one has none")
@@ -82,6 +87,11 @@ class Speculator:
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
         self.num_proposals_skipped = 0  # requests' proposals the plan said no step could verify
+        static = cuda_graphs if static_proposal is None else static_proposal
+        if cuda_graphs and not static:
+            raise ValueError("cuda_graphs captures the static proposal: static_proposal=False contradicts it")
+        self.draft_graphs = (DraftGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static
+                             else None)
 
     def release(self, request_id: str) -> None:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
@@ -208,15 +218,25 @@ class Speculator:
         starts = [self.next_positions[request_id] for _, request_id, _, _, _ in anchors]  # the anchors' positions
         # The profiler ranges name the proposal's parts for services/bench/draft_proposal.py.
         with record_function(PROPOSE_RANGES[0]):
-            inputs = ProposalInputs.build([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
-                                          [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size,
-                                          self.spec_sampling, model.embed.weight.device)
-        with record_function(PROPOSE_RANGES[1]):
-            kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
-            context = DraftContext(kv, positions, inputs.anchor_positions)
-            blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
-        with record_function(PROPOSE_RANGES[2]):
-            proposal = propose(draft, blocks, inputs, self.nextn)
+            host = HostInputs.pack([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
+                                   [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size, self.spec_sampling)
+            if self.draft_graphs is None:
+                inputs = ProposalInputs.upload(host, self.spec_sampling, model.embed.weight.device)
+        if self.draft_graphs is not None:  # the window read, stages and slot loop in one static proposal
+            with record_function(PROPOSE_RANGES[1]):
+                proposal = self.draft_graphs.propose(host, cache)
+        else:
+            with record_function(PROPOSE_RANGES[1]):
+                kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
+                context = DraftContext(kv, positions, inputs.anchor_positions)
+                blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
+            with record_function(PROPOSE_RANGES[2]):
+                proposal = propose(draft, blocks, inputs, self.nextn)
+        # Only rejection sampling reads the draft's distributions; a graph's are its output buffers, which the
+        # next replay overwrites, so they are copied.
+        probs = None
+        if self.spec_sampling == "rejection":
+            probs = proposal.probs.clone() if self.draft_graphs is not None else proposal.probs
         # The proposal's one host read: drafts and confidences together (token ids and fp32 values are exact
         # in fp64).
         read = torch.cat((proposal.drafts.to(torch.float64), proposal.confidences.to(torch.float64)), dim=1).tolist()
@@ -226,7 +246,8 @@ class Speculator:
             if self.rewrite_drafts is not None:
                 rewritten = self.rewrite_drafts(request_id, starts[b], self.drafts[request_id])
                 self.drafts[request_id] = list(rewritten)[: self.nextn]
-            self.draft_probs[request_id] = proposal.probs[b]
+            if probs is not None:
+                self.draft_probs[request_id] = probs[b]
             self.confidences[request_id] = read[b][self.nextn :][: len(self.drafts[request_id])]
             if self.forced_acceptance is not None:
                 self.confidences[request_id] = self.forced_acceptance.confidences(len(self.drafts[request_id]))

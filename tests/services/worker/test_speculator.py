@@ -42,9 +42,10 @@ def source(tmp_path_factory):
 
 
 def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None, curve=None,
-             decode_rows=None, **engine_args):
+             decode_rows=None, static_proposal=False, **engine_args):
     """(outputs, speculator or None). ``curve``: varlen on, with this step-cost curve (rows → ms);
-    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``)."""
+    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``);
+    ``static_proposal``: the draft proposes through the static proposal (what a CUDA graph captures), eagerly."""
     if not nextn:
         return LLM(source=source, **ENGINE, **engine_args).generate(prompts, params), None
     llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling, **engine_args)
@@ -52,7 +53,8 @@ def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection"
         llm_args.update(spec_varlen=True, spec_step_cost_ms=tuple(curve.items()))
     probe = LLM(source=source, **llm_args)  # only for its resolved worker config
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
-    speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"])
+    speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"],
+                            static_proposal=static_proposal)
     worker = Worker(runner, speculator=speculator)
     if decode_rows is not None:
         execute = worker.execute
@@ -224,6 +226,21 @@ def test_rejection_mode_seeded_tokens_do_not_depend_on_the_batch(source):
     alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN)
     assert alone[0].token_ids == batch[1].token_ids and alone[0].logprobs == batch[1].logprobs
     assert spec.num_drafts_verified > 0
+
+
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_the_static_proposal_gives_the_eager_proposals_seeded_tokens(source, mode):
+    """The static proposal (bucketed, padded: services/worker/static_draft_proposal.py) in the engine loop, with
+    the model's own drafts and seeded sampling (rejection reads the draft's distributions): the same tokens and
+    logprobs as the eager proposal, with varlen choosing per request, so its drafts and confidences agree too."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    curve = line(1.0, 0.02)
+    want, _ = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=curve)
+    got, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=curve, static_proposal=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert spec.draft_graphs is not None and len(spec.draft_graphs.static) > 0 and spec.num_drafts_verified > 0
 
 
 def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(source, monkeypatch):
