@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.philox import COUPLING_WORD, DRAW_BITS, MASK32, DrawCase, draw_bits, philox4x32
+from kernels.device import upload
+from kernels.philox import DrawCase, draw_bits
 from model.deepseek_v41.dspark import DraftBlocks, DSpark
 from services.worker.sampler import MASS_BITS, SamplingRow, integer_masses, pick_from_bits
-from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING
+from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING, coupling_noise
 
 
 @dataclass(frozen=True)
@@ -76,18 +77,38 @@ class ProposalInputs:
         return cls.upload(host, spec_sampling, device)
 
     @classmethod
-    def upload(cls, host: HostInputs, spec_sampling: str, device: torch.device) -> ProposalInputs:
-        """``host``'s tensors on ``device``, one non-blocking copy each (pinned on CUDA)."""
+    def upload(cls, host: HostInputs, spec_sampling: str, device: torch.device, anchors: DeviceAnchors | None = None
+               ) -> ProposalInputs:
+        """``host``'s tensors on ``device``, one non-blocking copy each (pinned on CUDA); ``anchors``: the
+        anchors known only on the device, replacing the host's tokens and advancing its positions."""
         ints, temperatures = _to_device(host.ints, device), _to_device(host.temperatures, device)
+        draft_bits = None if host.draft_bits is None else _to_device(host.draft_bits, device)
+        anchor_tokens, anchor_positions = ints[:, 0], ints[:, 1]
+        if anchors is not None:
+            anchor_tokens, anchor_positions = anchors.tokens, anchor_positions + anchors.advance
+        if draft_bits is not None:
+            draft_bits = draft_bits[:, 0] if anchors is None else anchors.pick(draft_bits)
         bans = None if host.bans.shape[0] == 0 else _to_device(host.bans, device)
         bias = None if host.bias_index.shape[0] == 0 else (_to_device(host.bias_index, device),
                                                           _to_device(host.bias_values, device))
-        return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
-                   ints[:, 6], ints[:, 7].bool(), spec_sampling,
-                   None if host.draft_bits is None else _to_device(host.draft_bits, device),
+        return cls(anchor_tokens, anchor_positions, ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
+                   ints[:, 6], ints[:, 7].bool(), spec_sampling, draft_bits,
                    None if bans is None else (bans[:, 0], bans[:, 1]),
                    None if bias is None else (bias[0][:, 0], bias[0][:, 1], bias[1]),
                    host.needs_ranking, host.all_greedy)
+
+
+@dataclass(frozen=True)
+class DeviceAnchors:
+    """Anchors that depend on the step's verification, on the device (so the host need not read it first)."""
+
+    tokens: torch.Tensor  # int64 [B]: the anchor tokens (the last emitted tokens)
+    advance: torch.Tensor  # int64 [B] in [0, C): the anchor sits this many positions after the host's anchor position
+
+    def pick(self, candidates: torch.Tensor) -> torch.Tensor:
+        """The rejection draws of each row's anchor: candidates int64 [B, C, nextn] → [B, nextn]."""
+        index = self.advance.view(-1, 1, 1).expand(-1, 1, candidates.shape[2])
+        return candidates.gather(1, index)[:, 0]
 
 
 @dataclass(frozen=True)
@@ -98,7 +119,9 @@ class HostInputs:
     ints: torch.Tensor  # int64 [B, 8]: anchor token, anchor position, state slot, seed, greedy, rank limit,
     #                     top-p mass limit, nucleus (ProposalInputs' fields of the same names, in this order)
     temperatures: torch.Tensor  # fp32 [B]
-    draft_bits: torch.Tensor | None  # int64 [B, nextn]; None: deterministic mode or every row greedy
+    draft_bits: torch.Tensor | None  # int64 [B, C, nextn]: the draws for an anchor at anchor position + c (C
+    #                                  candidates: the anchor can advance by what the device accepts); None:
+    #                                  deterministic mode or every row greedy
     bans: torch.Tensor  # int64 [M, 2]: (row, token id), set to −inf
     bias_index: torch.Tensor  # int64 [L, 2]: (row, token id)
     bias_values: torch.Tensor  # fp32 [L]: added to the logit there
@@ -107,7 +130,9 @@ class HostInputs:
 
     @classmethod
     def pack(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
-             state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str) -> HostInputs:
+             state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, num_candidates: int = 1
+             ) -> HostInputs:
+        """``num_candidates``: C, the anchor positions each row's draws are drawn for (see ``draft_bits``)."""
         if spec_sampling not in SPEC_SAMPLING:
             raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
         b = len(rows)
@@ -123,9 +148,10 @@ class HostInputs:
         all_greedy = all(r.temperature == 0 for r in rows)
         draft_bits = None
         if spec_sampling == "rejection" and not all_greedy:
-            keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(nextn)]
-            draft_bits = draw_bits(keys, [p + 1 + j for p in anchor_positions for j in range(nextn)],
-                                   DrawCase.SAMPLE, "cpu").view(b, nextn)
+            c = num_candidates
+            keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(c * nextn)]
+            draft_bits = draw_bits(keys, [p + a + 1 + j for p in anchor_positions for a in range(c) for j in range(nextn)],
+                                   DrawCase.SAMPLE, "cpu").view(b, c, nextn)
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         bias = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
         for kind, entries in (("banned", bans), ("logit_bias", bias)):
@@ -138,11 +164,7 @@ class HostInputs:
                    torch.tensor([v for *_, v in bias], dtype=torch.float32), needs_ranking, all_greedy)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on ``device`` without waiting for the device (pinned, non-blocking on CUDA)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+_to_device = upload  # a host tensor's copy on the device without waiting for the device
 
 
 def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,19 +199,6 @@ def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor,
         kept = torch.zeros_like(keep).scatter_(1, order, mass_before < inputs.top_p_limits.unsqueeze(-1))
         scaled = torch.where(inputs.nucleus.unsqueeze(-1), scaled.masked_fill(~kept, -math.inf), scaled)
     return torch.softmax(scaled, dim=-1), torch.log_softmax(scaled, dim=-1)
-
-
-def coupling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``verifier.gumbel_noise`` (fp64 [B, V]) for device seeds and positions int64 [B] (positions ≥ 0)."""
-    stream = 3 * positions + int(DrawCase.SAMPLE)
-    key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [B, 1, 2]
-    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    counter = torch.stack(torch.broadcast_tensors(
-        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
-        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [B, V, 4]
-    bits = philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
-    u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
-    return -torch.log(-torch.log(u))
 
 
 def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: int) -> Proposal:

@@ -30,7 +30,8 @@ import torch
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from services.worker.cache_engine import CacheEngine
-from services.worker.draft_proposal import HostInputs, Proposal, ProposalInputs, propose
+from kernels.device import upload, upload_into
+from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.sampler import MASS_BITS
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,10 @@ class StaticDraftProposal:
         row = torch.tensor([0, 0, 0, 0, 1, self.vocab_size, 1 << MASS_BITS, 0], dtype=torch.int64)
         return row.expand(self.key.num_rows, 8).clone()
 
-    def fill(self, host: HostInputs | None) -> None:
+    def fill(self, host: HostInputs | None, anchors: DeviceAnchors | None = None) -> None:
         """Copy ``host``'s rows into the buffers (None: every row a placeholder); the rest are placeholders.
-        Host tensors are built whole, then copied once each (pinned and non-blocking on CUDA)."""
+        Host tensors are built whole, then copied once each (pinned and non-blocking on CUDA). ``anchors``:
+        the device's anchors of the first rows, copied over the host's (device copies, stream-ordered)."""
         key = self.key
         ints, temperatures = self.placeholder_ints(), torch.ones(key.num_rows, dtype=torch.float32)
         bans = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bans, 2).clone()
@@ -100,13 +102,19 @@ class StaticDraftProposal:
             bans[: host.bans.shape[0]] = host.bans
             bias_index[: host.bias_index.shape[0]] = host.bias_index
             bias_values[: host.bias_values.shape[0]] = host.bias_values
-            if bits is not None:
-                bits[:n] = host.draft_bits
+            if bits is not None and anchors is None:
+                bits[:n] = host.draft_bits[:, 0]
         for buffer, value in ((self.ints, ints), (self.temperatures, temperatures), (self.bans, bans),
                               (self.bias_index, bias_index), (self.bias_values, bias_values),
                               (self.draft_bits, bits)):
             if buffer is not None and buffer.numel():
-                _copy_in(buffer, value)
+                upload_into(buffer, value)
+        if host is not None and anchors is not None:
+            n = host.ints.shape[0]
+            self.ints[:n, 0].copy_(anchors.tokens)
+            self.ints[:n, 1].add_(anchors.advance)
+            if self.draft_bits is not None:
+                self.draft_bits[:n].copy_(anchors.pick(upload(host.draft_bits, self.draft_bits.device)))
 
     def run(self) -> Proposal:
         """Buffers → the proposal of all G rows (drafts [G, nextn], probs [G, nextn, V], confidences)."""
@@ -121,12 +129,6 @@ class StaticDraftProposal:
         blocks = draft.blocks_from_context(DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens,
                                            model.embed, model.head)
         return propose(draft, blocks, inputs, self.nextn)
-
-
-def _copy_in(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    if buffer.device.type == "cuda":
-        value = value.pin_memory()
-    buffer.copy_(value, non_blocking=buffer.device.type == "cuda")
 
 
 class DraftGraphs:
@@ -144,9 +146,9 @@ class DraftGraphs:
         self._pool: Any = None  # one memory pool shared by every draft graph (they never run at once)
         self.num_replays = 0
 
-    def propose(self, host: HostInputs, cache: CacheEngine) -> Proposal:
-        """The first ``len(host)`` rows of the bucket's proposal. With graphs, the tensors are views of the graph's
-        output buffers, valid until the next replay of that key."""
+    def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
+        """The first ``len(host)`` rows of the bucket's proposal (``anchors``: see ``StaticDraftProposal.fill``).
+        With graphs, the tensors are views of the graph's output buffers, valid until the next replay of that key."""
         if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
             self.static.clear(), self.graphs.clear(), self.outputs.clear()
             self.cache = cache
@@ -156,7 +158,7 @@ class DraftGraphs:
             static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling)
         if self.use_graphs and key not in self.graphs:
             self._capture(static)
-        static.fill(host)
+        static.fill(host, anchors)
         if self.use_graphs:
             self.graphs[key].replay()
             self.num_replays += 1
