@@ -2,10 +2,13 @@
 head, the sampling pipeline, the draw keyed by (seed, position), the confidences) on fixed-shape tensors,
 with no read of a device tensor on the host.
 
-Everything that depends on the host (the rows' sampling parameters, the anchors, the rejection mode's draft
-draws) is known before the draft runs, so ``ProposalInputs.build`` packs it once per proposal into a few
-host tensors that reach the device in one non-blocking copy each (pinned on CUDA); the loop reads only those.
-What comes back (``Proposal``) stays on the device; the speculator reads drafts and confidences once.
+Everything that depends on the host (the rows' sampling parameters, the rejection mode's draft draws) is
+known before the draft runs, so ``HostInputs.pack`` packs it once per proposal into a few host tensors that
+reach the device in one non-blocking copy each (pinned on CUDA); the loop reads only those. The anchors may
+come from the device instead (``DeviceAnchors``: the token after the drafts the step accepted, known only
+there), with the draws drawn for every position the anchor can take. What comes back (``Proposal``) stays
+on the device; the speculator reads drafts and confidences once, in the step's one read. The static
+proposal (services/worker/static_draft_proposal.py) runs this same code on fixed-shape buffers.
 
 Invariant (tested ``==`` in the batch-invariant mode): for the same blocks, anchors and rows, the drafts,
 their processed distributions and the confidences equal the host-driven path's (``Sampler.process`` and
@@ -18,8 +21,9 @@ their processed distributions and the confidences equal the host-driven path's (
 - rejection: the draft's bits at (seed + DRAFT_SEED_OFFSET, position) are ``draw_bits``'s own, drawn on the
   host for every slot at once; ``pick_from_bits`` is ``sample_from_bits`` less its checks, which a softmax
   output always passes.
-- deterministic: the Gumbel noise is ``draw_bits_per_token``'s counter layout (kernels/philox.py) on
-  device positions (its host-side position check is replaced by the caller's positions, all ≥ 0 here).
+- deterministic: the Gumbel noise is ``verifier.coupling_noise``, ``draw_bits_per_token``'s counter layout
+  (kernels/philox.py) on device positions (its host-side position check is replaced by the caller's
+  positions, all ≥ 0 here).
 """
 
 from __future__ import annotations
@@ -150,8 +154,8 @@ class HostInputs:
         if spec_sampling == "rejection" and not all_greedy:
             c = num_candidates
             keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(c * nextn)]
-            draft_bits = draw_bits(keys, [p + a + 1 + j for p in anchor_positions for a in range(c) for j in range(nextn)],
-                                   DrawCase.SAMPLE, "cpu").view(b, c, nextn)
+            positions = [p + a + 1 + j for p in anchor_positions for a in range(c) for j in range(nextn)]
+            draft_bits = draw_bits(keys, positions, DrawCase.SAMPLE, "cpu").view(b, c, nextn)
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         bias = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
         for kind, entries in (("banned", bans), ("logit_bias", bias)):

@@ -19,6 +19,12 @@ its last chunk samples row 0 (no drafts yet) and proposes. Rejected rows' featur
 context, so the draft's rings need no backtracking room. Where the plan's ``propose_drafts`` is 0 (varlen on
 a step-cost curve where even certain drafts would not pay: none could be verified), the request's context is
 still written but the draft does not run for it.
+
+A step reads the device once: every request's verification runs at once on the device, the accepted rows'
+context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
+values), the proposal starts from the anchors the device holds, and one read brings back the verdicts with
+the next drafts and confidences. With ``cuda_graphs`` the proposal replays a graph per batch bucket
+(services/worker/static_draft_proposal.py).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify
 
 PROPOSE_RANGES = ("draft.inputs", "draft.stages", "draft.slots")
 """Profiler ranges of a proposal: its inputs built on the host and copied; the draft's window read and
-stages; the per-slot loop."""
+stages; the per-slot loop. The static proposal's buffer fill and replay (or eager run) are all "draft.stages"."""
 
 RewriteDrafts = Callable[[str, int, list[int]], list[int]]
 """(request id, anchor position, the draft's tokens) → the tokens to verify next step instead (tests: random
