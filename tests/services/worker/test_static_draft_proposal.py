@@ -105,7 +105,8 @@ def test_inputs_of_another_key_are_refused(setup):
 def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode):
     """The same model (its draft's MoE on KernelMoE, which a capture needs) and cache, the same buffers' values:
     replaying the captured graph gives the eager run's bits, for two batches in a row (the second replay reads
-    the refilled buffers, not what the capture saw)."""
+    the refilled buffers, not what the capture saw). The second fill and replay run under CUDA's sync debug
+    mode "error" (the first captures, which synchronises)."""
     from services.worker.fp8_linear import KernelSet
     from services.worker.kernel_moe import KernelMoE
 
@@ -124,10 +125,15 @@ def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode):
     graphed = DraftGraphs(model, NEXTN, mode, use_graphs=True)
     plain = DraftGraphs(model, NEXTN, mode, use_graphs=False)
     with torch.no_grad():
-        for rows, starts in ((ROWS, STARTS), (list(reversed(ROWS[:5])), [9, 1, 0, 33, 70])):
+        for batch, (rows, starts) in enumerate(((ROWS, STARTS), (list(reversed(ROWS[:5])), [9, 1, 0, 33, 70]))):
             b = len(rows)
             host = HostInputs.pack(rows, list(range(b)), starts, list(range(1, b + 1)), NEXTN, V, mode)
-            got = graphed.propose(host, cache)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if batch else "default")
+            try:
+                got = graphed.propose(host, cache)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
             got = [t.clone() for t in (got.drafts, got.probs, got.confidences)]
             want = plain.propose(host, cache)
             assert torch.equal(got[0], want.drafts) and torch.equal(got[1], want.probs)
