@@ -7,13 +7,17 @@ step proposes) and counts, per proposal (``Speculator``'s propose, from the anch
   one kernel launch or more, so at batch 1 their count, not their arithmetic, sets the proposal's time;
   split into the inputs (built on the host: their ops run on the CPU, then one copy per tensor), the draft's
   window read and stages, and the per-slot loop (the profiler ranges ``speculator.PROPOSE_RANGES``);
+and per speculative step (``Speculator.step``: the verification, the draft's context writes, the proposal):
+
 - host reads of tensors (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``nonzero``, ``cpu``), by call
   site: on CUDA each waits for the device (a sync);
-- tensors built from Python data (``torch.tensor`` / ``as_tensor`` of lists): on CUDA a blocking copy each,
-  unless built on the host and copied non-blocking, as the proposal's inputs are.
+- tensors built from Python data straight onto a device (``torch.tensor`` / ``as_tensor`` of lists with a
+  ``device`` other than "cpu"): on CUDA a blocking copy each (the step builds its tensors on the host and
+  copies them non-blocking instead).
 
-On CUDA it also counts the kernel launches under the ranges. Times are not reported: the counters slow every
-call; ``services/bench/speculative.py`` measures tokens/s. Stdlib-only at import; torch loads when it runs.
+On CUDA it also counts the kernel launches under the ranges (a replayed graph, ``--cuda-graphs``, is one
+launch). Times are not reported: the counters slow every call; ``services/bench/speculative.py`` measures
+tokens/s. Stdlib-only at import; torch loads when it runs.
 """
 
 from __future__ import annotations
@@ -26,16 +30,18 @@ from pathlib import Path
 
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu")
 BUILDS = ("tensor", "as_tensor")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+"""Runtime calls that start device work: a kernel each, or a whole captured graph (the static proposal)."""
 
 
-def _in_proposal() -> str | None:
-    """The call site (file:line in the repository) of a torch call made inside ``Speculator._propose``."""
+def _in_step() -> str | None:
+    """The call site (file:line in the repository) of a torch call made inside ``Speculator._step``."""
     frame, site = sys._getframe(2), None
     while frame is not None:
         name = frame.f_code.co_filename
         if site is None and "/torch/" not in name and name != __file__ and not name.endswith("batch_invariant.py"):
             site = f"{Path(name).name}:{frame.f_lineno}"
-        if frame.f_code.co_name == "_propose" and name.endswith("speculator.py"):
+        if frame.f_code.co_name == "_step" and name.endswith("speculator.py"):
             return site
         frame = frame.f_back
     return None
@@ -58,8 +64,9 @@ def main(args: argparse.Namespace) -> int:
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
-            if name in READS or (name in BUILDS and args and not isinstance(args[0], torch.Tensor)):
-                site = _in_proposal()
+            onto_device = (kwargs or {}).get("device") not in (None, "cpu")
+            if name in READS or (name in BUILDS and onto_device and args and not isinstance(args[0], torch.Tensor)):
+                site = _in_step()
                 if site is not None:
                     (self.reads if name in READS else self.builds)[f"{name} @ {site}"] += 1
             return func(*args, **(kwargs or {}))
@@ -69,14 +76,24 @@ def main(args: argparse.Namespace) -> int:
     source = load_model(args.model, device=device)
     engine_args = dict(device=device, kernel_backend=args.kernel_backend, max_num_seqs=args.batch,
                        max_model_len=args.prompt_len + args.max_tokens + args.num_speculative_tokens + 8,
-                       block_size=16, batch_invariant=args.batch_invariant)
-    llm = build(source, engine_args, args.num_speculative_tokens, False, args.acceptance, args.spec_sampling)
+                       block_size=16, batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
+    llm = build(source, engine_args, args.num_speculative_tokens, False, args.acceptance, args.spec_sampling,
+                args.static_proposal or None)
     prompts = [[1] + [3 + (7 * i + j) % 200 for j in range(args.prompt_len - 1)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    # Warm-up at the batch: the draft's graph of its bucket is captured here, not in the counted run.
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    speculator = llm.engine.worker.speculator
+    steps, step = [0], speculator.step
+
+    def counted_step(*step_args, **step_kwargs):  # this instance's steps, for the per-step counts
+        steps[0] += 1
+        return step(*step_args, **step_kwargs)
+
+    speculator.step = counted_step
     with Counter() as counter, torch.profiler.profile(activities=activities, acc_events=True) as prof:
         llm.generate(prompts, params)
     ranges = [e for e in prof.events() if e.name in PROPOSE_RANGES]
@@ -92,16 +109,18 @@ def main(args: argparse.Namespace) -> int:
             continue
         if e.name.startswith("aten::") and not any(n.startswith("aten::") for n in chain):
             ops[part] += 1
-        if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"):
+        if e.name in LAUNCHES:
             launches[part] += 1
     num = sum(1 for e in ranges if e.name == PROPOSE_RANGES[1])
     per = {part: round(ops[part] / num, 1) for part in PROPOSE_RANGES}
     result = {
         "proposals": num, "batch": args.batch, "device": device, "spec_sampling": args.spec_sampling,
+        "proposal": "graphs" if args.cuda_graphs else "static" if args.static_proposal else "eager",
         "aten_ops_per_proposal": per,
         "kernel_launches_per_proposal": {part: round(launches[part] / num, 1) for part in PROPOSE_RANGES},
-        "host_reads_per_proposal": {k: round(v / num, 2) for k, v in sorted(counter.reads.items())},
-        "host_builds_per_proposal": {k: round(v / num, 2) for k, v in sorted(counter.builds.items())},
+        "steps": steps[0],
+        "host_reads_per_step": {k: round(v / steps[0], 2) for k, v in sorted(counter.reads.items())},
+        "device_builds_per_step": {k: round(v / steps[0], 2) for k, v in sorted(counter.builds.items())},
     }
     print(json.dumps(result, indent=2))
     if args.json_path:
@@ -121,6 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (default 8)")
     p.add_argument("--kernel-backend", choices=("fp8", "fp32"), help="the kernel backend (default: the torch model)")
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA graphs for decode and the draft's proposal (needs --kernel-backend)")
+    p.add_argument("--static-proposal", action="store_true",
+                   help="the static proposal (what a graph captures) run eagerly: its ops on the CPU")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the counts here")
 

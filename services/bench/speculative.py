@@ -25,8 +25,10 @@ from pathlib import Path
 
 
 def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float | None,
-          spec_sampling: str = "rejection"):
-    """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``."""
+          spec_sampling: str = "rejection", static_proposal: bool | None = None):
+    """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``; the draft's
+    proposal replays CUDA graphs with ``cuda_graphs`` (``static_proposal``: the static proposal, see
+    ``Speculator``)."""
     from services.engine import LLM
     from services.engine.config import EngineConfig
     from services.engine.llm import default_runner
@@ -40,7 +42,8 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
     config = EngineConfig(**args)
     runner = default_runner(source, config)  # the cached runner with the draft's taps (in a GraphRunner with graphs)
     speculator = Speculator(source.model, nextn, spec_sampling, batch_invariant=config.batch_invariant,
-                            forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0))
+                            forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0),
+                            cuda_graphs=config.cuda_graphs, static_proposal=static_proposal)
     return LLM(source=source, worker=Worker(runner, speculator=speculator), **args)
 
 
@@ -64,7 +67,8 @@ def main(args: argparse.Namespace) -> int:
         off_tps = None
         for mode, a in cases:
             llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", a)
-            run_batch(llm, 1, args.prompt_len, 4, seed=99)  # warm-up (and varlen's first step times)
+            # Warm-up at the batch (CUDA graphs of its sizes captured, the draft's lazily; varlen's first step times).
+            run_batch(llm, batch, args.prompt_len, 4, seed=99)
             r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
             spec = getattr(llm.engine.worker, "speculator", None)
             r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,

@@ -98,7 +98,7 @@ class LLM:
             on_cpu = self.source.model.embed.weight.device.type == "cpu"
             worker = Worker(runner or default_runner(self.source, self.config), speculator=Speculator(
                 self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
-                batch_invariant=self.config.batch_invariant and on_cpu))
+                batch_invariant=self.config.batch_invariant and on_cpu, cuda_graphs=self.config.cuda_graphs))
         self.engine = Engine(
             worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,

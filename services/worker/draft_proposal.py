@@ -2,10 +2,13 @@
 head, the sampling pipeline, the draw keyed by (seed, position), the confidences) on fixed-shape tensors,
 with no read of a device tensor on the host.
 
-Everything that depends on the host (the rows' sampling parameters, the anchors, the rejection mode's draft
-draws) is known before the draft runs, so ``ProposalInputs.build`` packs it once per proposal into a few
-host tensors that reach the device in one non-blocking copy each (pinned on CUDA); the loop reads only those.
-What comes back (``Proposal``) stays on the device; the speculator reads drafts and confidences once.
+Everything that depends on the host (the rows' sampling parameters, the rejection mode's draft draws) is
+known before the draft runs, so ``HostInputs.pack`` packs it once per proposal into a few host tensors that
+reach the device in one non-blocking copy each (pinned on CUDA); the loop reads only those. The anchors may
+come from the device instead (``DeviceAnchors``: the token after the drafts the step accepted, known only
+there), with the draws drawn for every position the anchor can take. What comes back (``Proposal``) stays
+on the device; the speculator reads drafts and confidences once, in the step's one read. The static
+proposal (services/worker/static_draft_proposal.py) runs this same code on fixed-shape buffers.
 
 Invariant (tested ``==`` in the batch-invariant mode): for the same blocks, anchors and rows, the drafts,
 their processed distributions and the confidences equal the host-driven path's (``Sampler.process`` and
@@ -18,8 +21,9 @@ their processed distributions and the confidences equal the host-driven path's (
 - rejection: the draft's bits at (seed + DRAFT_SEED_OFFSET, position) are ``draw_bits``'s own, drawn on the
   host for every slot at once; ``pick_from_bits`` is ``sample_from_bits`` less its checks, which a softmax
   output always passes.
-- deterministic: the Gumbel noise is ``draw_bits_per_token``'s counter layout (kernels/philox.py) on
-  device positions (its host-side position check is replaced by the caller's positions, all ≥ 0 here).
+- deterministic: the Gumbel noise is ``verifier.coupling_noise``, ``draw_bits_per_token``'s counter layout
+  (kernels/philox.py) on device positions (its host-side position check is replaced by the caller's
+  positions, all ≥ 0 here).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.philox import COUPLING_WORD, DRAW_BITS, MASK32, DrawCase, draw_bits, philox4x32
+from kernels.device import upload
+from kernels.philox import DrawCase, draw_bits
 from model.deepseek_v41.dspark import DraftBlocks, DSpark
 from services.worker.sampler import MASS_BITS, SamplingRow, integer_masses, pick_from_bits
-from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING
+from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING, coupling_noise
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,10 @@ class ProposalInputs:
     nucleus: torch.Tensor  # bool [B]: top_p < 1 (only these rows apply the top-p mask)
     spec_sampling: str  # "rejection": the draft draws with its own key; "deterministic": the coupled noise
     draft_bits: torch.Tensor | None  # int64 [B, nextn]: rejection mode's draft draws; None: deterministic or all greedy
-    bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf; None: none
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L]; None: none
+    bans: tuple[torch.Tensor, torch.Tensor] | None  # (row, token id) int64 [M] each, set to −inf (token id V:
+    #                                                  a padding entry, no effect); None: none
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L] (token id V:
+    #                                                               padding); None: none
     needs_ranking: bool  # some row has a rank limit or top-p, so the loop sorts (host-known, fixed per batch)
     all_greedy: bool  # every row is greedy, so the loop draws nothing (host-known, fixed per batch)
 
@@ -70,6 +77,66 @@ class ProposalInputs:
               state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, device: torch.device
               ) -> ProposalInputs:
         """From host data only: per request its last sampling row, anchor token and position, state slot."""
+        host = HostInputs.pack(rows, anchor_tokens, anchor_positions, state_slots, nextn, vocab_size, spec_sampling)
+        return cls.upload(host, spec_sampling, device)
+
+    @classmethod
+    def upload(cls, host: HostInputs, spec_sampling: str, device: torch.device, anchors: DeviceAnchors | None = None
+               ) -> ProposalInputs:
+        """``host``'s tensors on ``device``, one non-blocking copy each (pinned on CUDA); ``anchors``: the
+        anchors known only on the device, replacing the host's tokens and advancing its positions."""
+        ints, temperatures = _to_device(host.ints, device), _to_device(host.temperatures, device)
+        draft_bits = None if host.draft_bits is None else _to_device(host.draft_bits, device)
+        anchor_tokens, anchor_positions = ints[:, 0], ints[:, 1]
+        if anchors is not None:
+            anchor_tokens, anchor_positions = anchors.tokens, anchor_positions + anchors.advance
+        if draft_bits is not None:
+            draft_bits = draft_bits[:, 0] if anchors is None else anchors.pick(draft_bits)
+        bans = None if host.bans.shape[0] == 0 else _to_device(host.bans, device)
+        bias = None if host.bias_index.shape[0] == 0 else (_to_device(host.bias_index, device),
+                                                          _to_device(host.bias_values, device))
+        return cls(anchor_tokens, anchor_positions, ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
+                   ints[:, 6], ints[:, 7].bool(), spec_sampling, draft_bits,
+                   None if bans is None else (bans[:, 0], bans[:, 1]),
+                   None if bias is None else (bias[0][:, 0], bias[0][:, 1], bias[1]),
+                   host.needs_ranking, host.all_greedy)
+
+
+@dataclass(frozen=True)
+class DeviceAnchors:
+    """Anchors that depend on the step's verification, on the device (so the host need not read it first)."""
+
+    tokens: torch.Tensor  # int64 [B]: the anchor tokens (the last emitted tokens)
+    advance: torch.Tensor  # int64 [B] in [0, C): the anchor sits this many positions after the host's anchor position
+
+    def pick(self, candidates: torch.Tensor) -> torch.Tensor:
+        """The rejection draws of each row's anchor: candidates int64 [B, C, nextn] → [B, nextn]."""
+        index = self.advance.view(-1, 1, 1).expand(-1, 1, candidates.shape[2])
+        return candidates.gather(1, index)[:, 0]
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    """``ProposalInputs`` on the host, before the copy: what the eager path uploads as is and the static
+    proposal (services/worker/static_draft_proposal.py) copies into its fixed-shape buffers."""
+
+    ints: torch.Tensor  # int64 [B, 8]: anchor token, anchor position, state slot, seed, greedy, rank limit,
+    #                     top-p mass limit, nucleus (ProposalInputs' fields of the same names, in this order)
+    temperatures: torch.Tensor  # fp32 [B]
+    draft_bits: torch.Tensor | None  # int64 [B, C, nextn]: the draws for an anchor at anchor position + c (C
+    #                                  candidates: the anchor can advance by what the device accepts); None:
+    #                                  deterministic mode or every row greedy
+    bans: torch.Tensor  # int64 [M, 2]: (row, token id), set to −inf
+    bias_index: torch.Tensor  # int64 [L, 2]: (row, token id)
+    bias_values: torch.Tensor  # fp32 [L]: added to the logit there
+    needs_ranking: bool  # some row has a rank limit or top-p
+    all_greedy: bool  # every row is greedy
+
+    @classmethod
+    def pack(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
+             state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, num_candidates: int = 1
+             ) -> HostInputs:
+        """``num_candidates``: C, the anchor positions each row's draws are drawn for (see ``draft_bits``)."""
         if spec_sampling not in SPEC_SAMPLING:
             raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
         b = len(rows)
@@ -85,9 +152,10 @@ class ProposalInputs:
         all_greedy = all(r.temperature == 0 for r in rows)
         draft_bits = None
         if spec_sampling == "rejection" and not all_greedy:
-            keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(nextn)]
-            draft_bits = draw_bits(keys, [p + 1 + j for p in anchor_positions for j in range(nextn)],
-                                   DrawCase.SAMPLE, "cpu").view(b, nextn)
+            c = num_candidates
+            keys = [(r.seed + DRAFT_SEED_OFFSET) % (1 << 64) for r in rows for _ in range(c * nextn)]
+            positions = [p + a + 1 + j for p in anchor_positions for a in range(c) for j in range(nextn)]
+            draft_bits = draw_bits(keys, positions, DrawCase.SAMPLE, "cpu").view(b, c, nextn)
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         bias = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
         for kind, entries in (("banned", bans), ("logit_bias", bias)):
@@ -95,44 +163,33 @@ class ProposalInputs:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"row {i}: {kind} token id {t} is outside the vocabulary [0, {vocab_size})")
         needs_ranking = any(r.rank_limit is not None or r.top_p < 1 for r in rows)
-        ints, temperatures = _to_device(ints, device), _to_device(temperatures, device)
-        return cls(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
-                   ints[:, 6], ints[:, 7].bool(), spec_sampling,
-                   None if draft_bits is None else _to_device(draft_bits, device),
-                   _index(bans, device), _bias(bias, device), needs_ranking, all_greedy)
+        return cls(ints, temperatures, draft_bits, torch.tensor(bans, dtype=torch.int64).view(-1, 2),
+                   torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.int64).view(-1, 2),
+                   torch.tensor([v for *_, v in bias], dtype=torch.float32), needs_ranking, all_greedy)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on ``device`` without waiting for the device (pinned, non-blocking on CUDA)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not pairs:
-        return None
-    t = _to_device(torch.tensor(pairs, dtype=torch.int64), device)
-    return t[:, 0], t[:, 1]
-
-
-def _bias(triples: list[tuple[int, int, float]], device: torch.device
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    if not triples:
-        return None
-    index = _index([(i, t) for i, t, _ in triples], device)
-    return index[0], index[1], _to_device(torch.tensor([v for *_, v in triples], dtype=torch.float32), device)
+_to_device = upload  # a host tensor's copy on the device without waiting for the device
 
 
 def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``Sampler.process``'s probs and logprobs (fp32 [B, V]) for logits [B, V], without host reads."""
     vocab_size = logits.shape[1]
     x = logits.to(torch.float32, copy=True)
+    # Bias and bans go through [B, V + 1] planes (column V: where a static proposal's padding entries point,
+    # sliced off), built by index_put_ with tensor values and applied with where / masked_fill: none of these
+    # waits for the device (a scalar index_put_ does), and a shape fixed per batch is what a graph captures.
     if inputs.bias is not None:
         rows, tokens, values = inputs.bias
-        x[rows, tokens] = x[rows, tokens] + values
+        plane = (x.shape[0], vocab_size + 1)
+        shift = x.new_zeros(plane).index_put_((rows, tokens), values)[:, :vocab_size]
+        has = torch.zeros(plane, dtype=torch.bool, device=x.device).index_put_(
+            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
+        x = torch.where(has, x + shift, x)  # the biased logits: x + value exactly; the rest untouched
     if inputs.bans is not None:
-        x[inputs.bans] = -math.inf
+        rows, tokens = inputs.bans
+        banned = torch.zeros((x.shape[0], vocab_size + 1), dtype=torch.bool, device=x.device).index_put_(
+            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
+        x = x.masked_fill(banned, -math.inf)
     errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
     x = x.masked_fill(errors.unsqueeze(-1), 0.0)  # error rows: all-zero logits, as the pipeline's
     scaled = (x - x.amax(dim=-1, keepdim=True)) / inputs.temperatures.unsqueeze(-1)
@@ -146,19 +203,6 @@ def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor,
         kept = torch.zeros_like(keep).scatter_(1, order, mass_before < inputs.top_p_limits.unsqueeze(-1))
         scaled = torch.where(inputs.nucleus.unsqueeze(-1), scaled.masked_fill(~kept, -math.inf), scaled)
     return torch.softmax(scaled, dim=-1), torch.log_softmax(scaled, dim=-1)
-
-
-def coupling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``verifier.gumbel_noise`` (fp64 [B, V]) for device seeds and positions int64 [B] (positions ≥ 0)."""
-    stream = 3 * positions + int(DrawCase.SAMPLE)
-    key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [B, 1, 2]
-    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    counter = torch.stack(torch.broadcast_tensors(
-        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
-        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [B, V, 4]
-    bits = philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
-    u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
-    return -torch.log(-torch.log(u))
 
 
 def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: int) -> Proposal:

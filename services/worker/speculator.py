@@ -19,6 +19,12 @@ its last chunk samples row 0 (no drafts yet) and proposes. Rejected rows' featur
 context, so the draft's rings need no backtracking room. Where the plan's ``propose_drafts`` is 0 (varlen on
 a step-cost curve where even certain drafts would not pay: none could be verified), the request's context is
 still written but the draft does not run for it.
+
+A step reads the device once: every request's verification runs at once on the device, the accepted rows'
+context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
+values), the proposal starts from the anchors the device holds, and one read brings back the verdicts with
+the next drafts and confidences. With ``cuda_graphs`` the proposal replays a graph per batch bucket
+(services/worker/static_draft_proposal.py).
 """
 
 from __future__ import annotations
@@ -34,16 +40,19 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
+from services.worker.accepted_context import DeviceVerdict, Sampling, write_context
 from services.worker.cache_engine import CacheEngine
-from services.worker.draft_proposal import ProposalInputs, propose
+from kernels.device import upload
+from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.forced_acceptance import ForcedAcceptance
-from services.worker.sampler import Sampler, SamplingRow
+from services.worker.sampler import ProcessedLogits, Sampler, SamplingRow
+from services.worker.static_draft_proposal import DraftGraphs
 from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
 
 PROPOSE_RANGES = ("draft.inputs", "draft.stages", "draft.slots")
 """Profiler ranges of a proposal: its inputs built on the host and copied; the draft's window read and
-stages; the per-slot loop."""
+stages; the per-slot loop. The static proposal's buffer fill and replay (or eager run) are all "draft.stages"."""
 
 RewriteDrafts = Callable[[str, int, list[int]], list[int]]
 """(request id, anchor position, the draft's tokens) → the tokens to verify next step instead (tests: random
@@ -53,10 +62,14 @@ weights accept almost no draft, so tests propose known tokens to exercise accept
 class Speculator:
     def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
                  rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False,
-                 forced_acceptance: ForcedAcceptance | None = None) -> None:
+                 forced_acceptance: ForcedAcceptance | None = None, cuda_graphs: bool = False,
+                 static_proposal: bool | None = None) -> None:
         """``batch_invariant``: the draft runs in the batch-invariant mode too (model/batch_invariant.py), so a
         request's drafts, and with rejection sampling its tokens, do not depend on its batch.
-        ``forced_acceptance``: the benchmark switch (services/worker/forced_acceptance.py); greedy only."""
+        ``forced_acceptance``: the benchmark switch (services/worker/forced_acceptance.py); greedy only.
+        ``cuda_graphs``: the proposal (window read, stages, slot loop) replays a CUDA graph per batch bucket
+        (services/worker/static_draft_proposal.py); ``static_proposal`` (default: ``cuda_graphs``) runs that
+        static proposal, eagerly without graphs (CPU tests of what a graph captures)."""
         if model.draft is None:
             raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
                              "in its config); this one has none")
@@ -82,6 +95,11 @@ class Speculator:
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
         self.num_proposals_skipped = 0  # requests' proposals the plan said no step could verify
+        static = cuda_graphs if static_proposal is None else static_proposal
+        if cuda_graphs and not static:
+            raise ValueError("cuda_graphs captures the static proposal: static_proposal=False contradicts it")
+        self.draft_graphs = (DraftGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static
+                             else None)
 
     def release(self, request_id: str) -> None:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
@@ -111,42 +129,60 @@ class Speculator:
         for r, i in enumerate(row_requests):
             plan_rows[i].append(r)
         processed = sampler.process(logits, rows)
-        chosen = [0] * len(rows)  # the token every sampled row reports (emitted or not)
-        num_tokens, token_ids, errors, anchors = [], [], [], []
+        sampling: list[Sampling] = []
         start = 0
         for i, request_id in enumerate(request_ids):
-            n = num_sample_rows[i]
-            mine = plan_rows[i]
+            n, mine = num_sample_rows[i], plan_rows[i]
             if mine and positions[mine[0]] == 0:  # a prompt from its start (again, after a recompute)
                 self.release(request_id)
-            slot = state_slots[i]
             if n == 0:  # a prompt chunk that is not the last: its features only
-                self._append(cache, request_id, slot, taps[mine], positions[mine[0]])
-                num_tokens.append(0)
+                self._append(cache, request_id, state_slots[i], taps[_rows(mine)], positions[mine[0]])
                 continue
-            span = slice(start, start + n)
+            self._check_continues(request_id, positions[mine[0]])
+            sampling.append(Sampling(i, request_id, slice(start, start + n), mine, state_slots[i], positions[mine[0]],
+                                     self.drafts.get(request_id, [])[: n - 1]))
             start += n
-            if bool(processed.errors[span].any()):
-                errors.append(i)
-                num_tokens.append(0)
+        verdict = self._verify(sampling, rows, processed)
+        proposing = [r for r, s in enumerate(sampling) if propose[s.index]]
+        proposal = None
+        if verdict is not None:
+            write_context(self.model.draft, sampling, verdict, taps, cache)
+            proposal = self._propose(sampling, proposing, verdict, rows, cache)
+        # The step's one host read: per sampling request its error flag, accepted count and tokens, then the
+        # proposal's drafts and confidences (token ids and fp32 values are exact in fp64).
+        pieces = [] if verdict is None else [verdict.errors, verdict.num_accepted, verdict.tokens]
+        if proposal is not None:
+            pieces += [proposal.drafts, proposal.confidences]
+        read = torch.cat([t.flatten().to(torch.float64) for t in pieces]).tolist() if pieces else []
+        num_r, width = len(sampling), 0 if verdict is None else verdict.tokens.shape[1]
+        failed, accepted = read[:num_r], read[num_r : 2 * num_r]
+        tokens = read[2 * num_r : 2 * num_r + num_r * width]
+        drafted = read[2 * num_r + num_r * width :]
+        num_tokens = [0] * len(request_ids)
+        chosen = [0] * len(rows)  # the token every sampled row reports (emitted or not)
+        token_ids, errors = [], []
+        for r, s in enumerate(sampling):
+            if failed[r]:
+                errors.append(s.index)
                 continue
-            emitted = self._verify(request_id, rows[span], processed.probs[span], processed.logprobs[span])
-            chosen[span.start : span.start + len(emitted)] = emitted
-            accepted_rows = mine[: len(emitted)] if n > 1 else mine  # decode: rows 0 … a; prefill: the chunk
-            self._append(cache, request_id, slot, taps[accepted_rows], positions[accepted_rows[0]])
-            num_tokens.append(len(emitted))
+            a = int(accepted[r])
+            emitted = [int(t) for t in tokens[r * width : r * width + a + 1]]
+            chosen[s.span.start : s.span.start + len(emitted)] = emitted
+            num_tokens[s.index] = len(emitted)
             token_ids.extend(emitted)
-            if propose[i]:
-                anchors.append((i, request_id, emitted[-1], rows[span.stop - 1], slot))
-            else:  # its context is written (above), so a later step proposes from it as usual
+            self.num_drafts_verified += len(s.drafts)
+            self.num_drafts_accepted += a
+            self.next_positions[s.request_id] = s.first + (len(s.rows) if s.num_rows == 1 else a + 1)
+            for table in (self.drafts, self.draft_probs, self.confidences):
+                table.pop(s.request_id, None)
+            if not propose[s.index]:  # its context is written, so a later step proposes from it as usual
                 self.num_proposals_skipped += 1
-                for table in (self.drafts, self.draft_probs, self.confidences):
-                    table.pop(request_id, None)
         num_drafts = [0] * len(request_ids)
+        for b, r in enumerate(proposing):
+            if not failed[r]:
+                num_drafts[sampling[r].index] = self._keep(sampling[r].request_id, proposal, b, drafted)
         draft_ids: list[int] = []
         confidences: list[float] = []
-        for i, drafts in self._propose(anchors, cache):
-            num_drafts[i] = len(drafts)
         for i, request_id in enumerate(request_ids):
             draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
             confidences.extend(self.confidences.get(request_id, [])[: num_drafts[i]])
@@ -155,14 +191,17 @@ class Speculator:
         return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors,
                                    draft_confidences=confidences)
 
-    def _append(self, cache: CacheEngine, request_id: str, slot: int, taps: torch.Tensor, first_position: int
-                ) -> None:
-        """The draft's context K=V of the target's accepted rows (taps [N, T·D] at first_position …) into the
-        request's state slot. The positions must continue the request's context exactly."""
+    def _check_continues(self, request_id: str, first_position: int) -> None:
         next_position = self.next_positions.get(request_id, 0)
         if next_position != first_position:
             raise RuntimeError(f"the draft context of {request_id} holds positions up to {next_position - 1} but "
                                f"the target's rows start at {first_position}")
+
+    def _append(self, cache: CacheEngine, request_id: str, slot: int, taps: torch.Tensor, first_position: int
+                ) -> None:
+        """The draft's context K=V of a prompt chunk's rows (taps [N, T·D] at first_position …) into the
+        request's state slot. The positions must continue the request's context exactly."""
+        self._check_continues(request_id, first_position)
         draft = self.model.draft
         num = taps.shape[0]
         positions = torch.arange(first_position, first_position + num, device=taps.device).unsqueeze(0)  # [1, N]
@@ -171,64 +210,102 @@ class Speculator:
         cache.write_draft(slot, first_position, kv)
         self.next_positions[request_id] = first_position + num
 
-    def _verify(self, request_id: str, rows: Sequence[SamplingRow], probs: torch.Tensor, logprobs: torch.Tensor
-                ) -> list[int]:
-        """One request's emitted tokens: its accepted drafts, then the target's token."""
-        drafts = self.drafts.pop(request_id, [])[: len(rows) - 1]
-        k = len(rows) - 1
-        device = probs.device
-        padded = torch.tensor(drafts + [0] * (k - len(drafts)), dtype=torch.int64, device=device).view(1, k)
-        greedy = torch.tensor([rows[0].temperature == 0], device=device)
-        seeds, first = [rows[0].seed], [rows[0].position]
-        if self.spec_sampling == "rejection":
-            q = self.draft_probs.pop(request_id, None)
-            q = torch.zeros(k, probs.shape[-1], device=device) if q is None else q[:k]
-            v = verify_rejection(probs.unsqueeze(0), q.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
-        else:
-            v = verify_deterministic(logprobs.unsqueeze(0), padded, seeds, first, greedy, [len(drafts)])
-        self.num_drafts_verified += len(drafts)
+    def _verify(self, sampling: list[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits
+                ) -> DeviceVerdict | None:
+        """Every sampling request's verdict at once, on the device (services/worker/verifier.py). Requests pad to
+        the widest (their last row repeated; drafts past their own are not verified)."""
+        if not sampling:
+            return None
+        device = processed.probs.device
+        width = max(s.num_rows for s in sampling)  # K + 1
+        index = upload(torch.tensor([[s.span.start + min(j, s.num_rows - 1) for j in range(width)] for s in sampling],
+                                    dtype=torch.int64), device)  # [R, K + 1]
+        probs = processed.probs[index]  # [R, K + 1, V]
+        errors = processed.errors[index].any(-1)  # [R]
+        drafts = upload(torch.tensor([s.drafts + [0] * (width - 1 - len(s.drafts)) for s in sampling],
+                                     dtype=torch.int64).view(len(sampling), width - 1), device)
+        firsts = [rows[s.span.start] for s in sampling]
         if self.forced_acceptance is not None:  # the benchmark's verdict replaces the verifier's
-            if not bool(greedy[0]):
+            if any(row.temperature != 0 for row in firsts):
                 raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
-            m = self.forced_acceptance.num_accepted(len(drafts))
-            self.num_drafts_accepted += m
-            return drafts[:m] + [int(probs[m].argmax())]
-        self.num_drafts_accepted += int(v.num_accepted[0])
-        return v.tokens[0, : int(v.num_accepted[0]) + 1].tolist()
+            num_accepted = upload(torch.tensor([self.forced_acceptance.num_accepted(len(s.drafts)) for s in sampling],
+                                               dtype=torch.int64), device)
+            at = torch.arange(len(sampling), device=device)
+            tokens = torch.cat((drafts, drafts.new_zeros(len(sampling), 1)), dim=1)
+            tokens[at, num_accepted] = probs[at, num_accepted].argmax(-1)
+            return DeviceVerdict(errors, num_accepted, tokens)
+        greedy = upload(torch.tensor([row.temperature == 0 for row in firsts]), device)
+        seeds, positions = [row.seed for row in firsts], [row.position for row in firsts]
+        num_drafts = [len(s.drafts) for s in sampling]
+        if self.spec_sampling == "rejection":
+            q = torch.stack([self._draft_probs(s.request_id, width - 1, probs.shape[-1], device) for s in sampling])
+            v = verify_rejection(probs, q, drafts, seeds, positions, greedy, num_drafts)
+        else:
+            v = verify_deterministic(processed.logprobs[index], drafts, seeds, positions, greedy, num_drafts)
+        return DeviceVerdict(errors, v.num_accepted, v.tokens)
 
-    def _propose(self, anchors: list[tuple[int, str, int, SamplingRow, int]], cache: CacheEngine
-                 ) -> list[tuple[int, list[int]]]:
-        """Drafts for every request that emitted tokens: one batched draft call over their state slots' draft
-        rings, device work only (services/worker/draft_proposal.py) but for one read of the drafts and
-        confidences. anchors: (request index, id, anchor token, its last sampling row, state slot). Returns
-        (request index, drafts)."""
-        if not anchors:
-            return []
-        draft, model = self.model.draft, self.model
-        starts = [self.next_positions[request_id] for _, request_id, _, _, _ in anchors]  # the anchors' positions
+    def _draft_probs(self, request_id: str, k: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """fp32 [k, V]: the request's draft distributions of its first k drafts (zeros where it has none)."""
+        q = self.draft_probs.get(request_id)
+        if q is None:
+            return torch.zeros(k, vocab_size, device=device)
+        return torch.cat((q[:k], q.new_zeros(max(k - q.shape[0], 0), vocab_size)))
+
+    def _propose(self, sampling: list[Sampling], proposing: list[int], verdict: DeviceVerdict,
+                 rows: Sequence[SamplingRow], cache: CacheEngine) -> Proposal | None:
+        """Drafts for the sampling requests ``proposing`` (indices into ``sampling``): one batched draft call over
+        their state slots' draft rings, device work only (services/worker/draft_proposal.py). Each anchor (the
+        last emitted token, after the accepted drafts) is known only on the device: the host gives the position
+        before any accepted draft and the rejection draws of every position the anchor can take."""
+        if not proposing:
+            return None
+        model = self.model
+        device = model.embed.weight.device
+        picked = upload(torch.tensor(proposing, dtype=torch.int64), device)
+        advance = verdict.num_accepted[picked]
+        anchors = DeviceAnchors(verdict.tokens[picked, advance], advance)
+        chosen = [sampling[r] for r in proposing]
+        # The anchor's position when no draft is accepted: after a prompt chunk's rows, or the one decode row.
+        base = [s.first + (len(s.rows) if s.num_rows == 1 else 1) for s in chosen]
         # The profiler ranges name the proposal's parts for services/bench/draft_proposal.py.
         with record_function(PROPOSE_RANGES[0]):
-            inputs = ProposalInputs.build([row for *_, row, _ in anchors], [t for _, _, t, _, _ in anchors], starts,
-                                          [slot for *_, slot in anchors], self.nextn, model.cfg.vocab_size,
-                                          self.spec_sampling, model.embed.weight.device)
+            host = HostInputs.pack([rows[s.span.stop - 1] for s in chosen], [0] * len(chosen), base,
+                                   [s.slot for s in chosen], self.nextn, model.cfg.vocab_size, self.spec_sampling,
+                                   num_candidates=max(s.num_rows for s in chosen))
+            if self.draft_graphs is None:
+                inputs = ProposalInputs.upload(host, self.spec_sampling, device, anchors)
+        if self.draft_graphs is not None:  # the window read, stages and slot loop in one static proposal
+            with record_function(PROPOSE_RANGES[1]):
+                return self.draft_graphs.propose(host, cache, anchors)
+        draft = model.draft
         with record_function(PROPOSE_RANGES[1]):
             kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
             context = DraftContext(kv, positions, inputs.anchor_positions)
             blocks = draft.blocks_from_context(context, inputs.anchor_tokens, model.embed, model.head)
         with record_function(PROPOSE_RANGES[2]):
-            proposal = propose(draft, blocks, inputs, self.nextn)
-        # The proposal's one host read: drafts and confidences together (token ids and fp32 values are exact
-        # in fp64).
-        read = torch.cat((proposal.drafts.to(torch.float64), proposal.confidences.to(torch.float64)), dim=1).tolist()
-        out = []
-        for b, (i, request_id, _, _, _) in enumerate(anchors):
-            self.drafts[request_id] = [int(t) for t in read[b][: self.nextn]]
-            if self.rewrite_drafts is not None:
-                rewritten = self.rewrite_drafts(request_id, starts[b], self.drafts[request_id])
-                self.drafts[request_id] = list(rewritten)[: self.nextn]
-            self.draft_probs[request_id] = proposal.probs[b]
-            self.confidences[request_id] = read[b][self.nextn :][: len(self.drafts[request_id])]
-            if self.forced_acceptance is not None:
-                self.confidences[request_id] = self.forced_acceptance.confidences(len(self.drafts[request_id]))
-            out.append((i, self.drafts[request_id]))
-        return out
+            return propose(draft, blocks, inputs, self.nextn)
+
+    def _keep(self, request_id: str, proposal: Proposal, b: int, read: list[float]) -> int:
+        """Row ``b`` of the proposal, read back (``read``: drafts [B, nextn] then confidences, flat), as the
+        request's drafts for its next step; returns how many."""
+        num = proposal.drafts.shape[0] * self.nextn
+        drafts = [int(t) for t in read[b * self.nextn : (b + 1) * self.nextn]]
+        if self.rewrite_drafts is not None:
+            drafts = list(self.rewrite_drafts(request_id, self.next_positions[request_id], drafts))[: self.nextn]
+        self.drafts[request_id] = drafts
+        # Only rejection sampling reads the draft's distributions; a graph's are its output buffers, which the
+        # next replay overwrites, so they are copied.
+        if self.spec_sampling == "rejection":
+            self.draft_probs[request_id] = (proposal.probs[b].clone() if self.draft_graphs is not None
+                                            else proposal.probs[b])
+        self.confidences[request_id] = read[num + b * self.nextn : num + (b + 1) * self.nextn][: len(drafts)]
+        if self.forced_acceptance is not None:
+            self.confidences[request_id] = self.forced_acceptance.confidences(len(drafts))
+        return len(drafts)
+
+
+def _rows(rows: list[int]) -> slice | list[int]:
+    """A plan's rows of one request as a slice where contiguous (indexing with a list copies it to the device)."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return rows

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.philox import DrawCase, draw_bits, draw_bits_per_token
-from services.worker.sampler import accept_draft, integer_masses, sample_from_bits
+from kernels.device import upload
+from kernels.philox import COUPLING_WORD, DRAW_BITS, MASK32, DrawCase, draw_bits, draw_bits_per_token, philox4x32
+from services.worker.sampler import accept_draft, integer_masses, pick_from_bits, sample_from_bits
 
 SPEC_SAMPLING = ("rejection", "deterministic")
 DRAFT_SEED_OFFSET = 1_000_000_007  # the draft's key is seed + this (DeepInfer's offset), mod 2**64
@@ -58,22 +59,42 @@ class Verdict:
     #                       the target's token); later columns are not emitted
 
 
-def _positions(positions: Sequence[int] | torch.Tensor, n: int, width: int, device: torch.device) -> torch.Tensor:
-    positions = torch.as_tensor(positions, dtype=torch.int64, device=device).view(n, 1)
-    return positions + torch.arange(width, device=device)  # [N, width]
+def _positions(positions: Sequence[int] | torch.Tensor, n: int, width: int) -> list[list[int]]:
+    """Host positions [N][width]: P + j per request (a device tensor is read once; host lists are not)."""
+    first = positions.flatten().tolist() if isinstance(positions, torch.Tensor) else list(positions)
+    if len(first) != n:
+        raise ValueError(f"{n} requests but {len(first)} first positions")
+    if any(not 0 <= p < (1 << 60) - width for p in first):
+        raise ValueError(f"a draw's position must be in [0, 2**60), got first positions {first}")
+    return [[p + j for j in range(width)] for p in first]
 
 
-def _draw(seeds: Sequence[int], positions: torch.Tensor, case: DrawCase, device: torch.device) -> torch.Tensor:
-    """Bits for every (request, column): seeds [N], positions [N, W] → [N, W]."""
-    n, w = positions.shape
+def _draw(seeds: Sequence[int], positions: list[list[int]], case: DrawCase, device: torch.device) -> torch.Tensor:
+    """Bits for every (request, column): seeds [N], host positions [N][W] → int64 [N, W] on ``device``, drawn
+    on the host and copied without waiting for the device."""
+    n, w = len(positions), len(positions[0]) if positions else 0
     flat_seeds = [s for s in seeds for _ in range(w)]
-    return draw_bits(flat_seeds, positions.flatten().tolist(), case, device).view(n, w)
+    bits = draw_bits(flat_seeds, [p for row in positions for p in row], case, "cpu").view(n, w)
+    return upload(bits, device)
+
+
+def _on(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device``: a tensor as is (cast), host values copied without waiting for the device."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=dtype)
+    return upload(torch.tensor(list(values), dtype=dtype), device)
 
 
 def _verified(num_drafts: Sequence[int] | torch.Tensor | None, n: int, k: int, device: torch.device) -> torch.Tensor:
-    """Bool [N, K]: draft j of request i is verified (j < num_drafts[i]); None = all K."""
+    """Bool [N, K]: draft j of request i is verified (j < num_drafts[i]); None = all K. Host counts are
+    checked on the host; a tensor's are read back to check them."""
     if num_drafts is None:
         return torch.ones(n, k, dtype=torch.bool, device=device)
+    if not isinstance(num_drafts, torch.Tensor):
+        counts = list(num_drafts)
+        if any(not 0 <= c <= k for c in counts):
+            raise ValueError(f"num_drafts must be in [0, {k}], got {counts}")
+        return upload(torch.arange(k) < torch.tensor(counts, dtype=torch.int64).view(n, 1), device)
     counts = torch.as_tensor(num_drafts, dtype=torch.int64, device=device).view(n, 1)
     if bool((counts < 0).any()) or bool((counts > k).any()):
         raise ValueError(f"num_drafts must be in [0, {k}], got {counts.flatten().tolist()}")
@@ -103,16 +124,16 @@ def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     n, width, _ = target_probs.shape
     k = width - 1
     device = target_probs.device
-    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=device).view(n)
+    greedy = _on(greedy, torch.bool, device).view(n)
     drafts = drafts.to(device)
-    pos = _positions(positions, n, width, device)  # [N, K+1]
+    pos = _positions(positions, n, width)  # host [N][K+1]
     verified = _verified(num_drafts, n, k, device)
     num_accepted = torch.zeros(n, dtype=torch.int64, device=device)
     if k:
         index = drafts.unsqueeze(-1)
         t = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [N, K]
         d = draft_probs.gather(-1, index).squeeze(-1)
-        sampled = _passes_rejection(t, d, _draw(seeds, pos[:, :k], DrawCase.ACCEPT, device))
+        sampled = _passes_rejection(t, d, _draw(seeds, [p[:k] for p in pos], DrawCase.ACCEPT, device))
         exact = drafts == target_probs[:, :k].argmax(-1)
         num_accepted = _prefix(torch.where(greedy.unsqueeze(-1), exact, sampled) & verified)
     rows = torch.arange(n, device=device)
@@ -125,10 +146,13 @@ def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
         # zero (p ≈ q to 2⁻³¹) falls back to p.
         usable = rejected & (integer_masses(residual).sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, last)
-    at = (pos[:, :1] + num_accepted.unsqueeze(-1))  # [N, 1]
-    bits = torch.where(rejected, _draw(seeds, at, DrawCase.RESAMPLE, device)[:, 0],
-                       _draw(seeds, at, DrawCase.SAMPLE, device)[:, 0])
-    token = torch.where(greedy, last.argmax(-1), sample_from_bits(dist, bits))
+    # The draw at P + num_accepted: every column's drawn on the host, the accepted count's picked on the device.
+    at = num_accepted.unsqueeze(-1)  # [N, 1]
+    bits = torch.where(rejected, _draw(seeds, pos, DrawCase.RESAMPLE, device).gather(1, at)[:, 0],
+                       _draw(seeds, pos, DrawCase.SAMPLE, device).gather(1, at)[:, 0])
+    # dist is a softmax row, or a residual of finite nonnegative values whose integer mass is > 0 (usable) and
+    # below the row's: what pick_from_bits needs, so sample_from_bits' host checks are not needed.
+    token = torch.where(greedy, last.argmax(-1), pick_from_bits(dist, bits))
     tokens = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     tokens[rows, num_accepted] = token
     return Verdict(num_accepted, tokens)
@@ -159,12 +183,36 @@ def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, se
     n, width, _ = target_logprobs.shape
     k = width - 1
     device = target_logprobs.device
-    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=device).view(n)
-    pos = _positions(positions, n, width, device)
-    target = coupled_tokens(target_logprobs.flatten(0, 1), [s for s in seeds for _ in range(width)], pos.flatten(),
-                            greedy.repeat_interleave(width)).view(n, width)  # the target's token at each position
+    greedy = _on(greedy, torch.bool, device).view(n)
+    pos = _on([p for row in _positions(positions, n, width) for p in row], torch.int64, device)  # [N·(K+1)]
+    signed = _on([_signed(s) for s in seeds for _ in range(width)], torch.int64, device)
+    logprobs = target_logprobs.flatten(0, 1)  # [N·(K+1), V]
+    noisy = logprobs.to(torch.float64) + coupling_noise(signed, pos, logprobs.shape[-1])
+    flat_greedy = greedy.unsqueeze(1).expand(n, width).flatten()
+    # coupled_tokens' values without its host checks: the target's token at each position [N, K+1]
+    target = torch.where(flat_greedy, logprobs.argmax(-1), noisy.argmax(-1)).view(n, width)
     num_accepted = _prefix(_passes_coupled(drafts.to(device), target[:, :k]) & _verified(num_drafts, n, k, device))
     return Verdict(num_accepted, target)
+
+
+def _signed(seed: int) -> int:
+    """A seed mod 2⁶⁴ as its two's-complement int64."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed & (1 << 63) else seed
+
+
+def coupling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``gumbel_noise`` (fp64 [B, V]) for device seeds (two's-complement int64) and positions int64 [B]
+    (positions ≥ 0, the caller's guarantee): ``draw_bits_per_token``'s counter layout without its host check."""
+    stream = 3 * positions + int(DrawCase.SAMPLE)
+    key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [B, 1, 2]
+    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    counter = torch.stack(torch.broadcast_tensors(
+        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
+        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [B, V, 4]
+    bits = philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
+    u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
+    return -torch.log(-torch.log(u))
 
 
 def draft_tokens(spec_sampling: str, probs: torch.Tensor, logprobs: torch.Tensor, seeds: Sequence[int],

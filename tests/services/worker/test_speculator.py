@@ -9,8 +9,13 @@ third token wrong: acceptance, partial acceptance and rejection all happen (the 
 
 from __future__ import annotations
 
+import collections
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from services.engine import LLM, SamplingParams
 from services.worker.model_runner import ModelRunner
@@ -42,9 +47,10 @@ def source(tmp_path_factory):
 
 
 def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None, curve=None,
-             decode_rows=None, **engine_args):
+             decode_rows=None, static_proposal=False, **engine_args):
     """(outputs, speculator or None). ``curve``: varlen on, with this step-cost curve (rows → ms);
-    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``)."""
+    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``);
+    ``static_proposal``: the draft proposes through the static proposal (what a CUDA graph captures), eagerly."""
     if not nextn:
         return LLM(source=source, **ENGINE, **engine_args).generate(prompts, params), None
     llm_args = dict(ENGINE, num_speculative_tokens=nextn, spec_sampling=spec_sampling, **engine_args)
@@ -52,7 +58,8 @@ def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection"
         llm_args.update(spec_varlen=True, spec_step_cost_ms=tuple(curve.items()))
     probe = LLM(source=source, **llm_args)  # only for its resolved worker config
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
-    speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"])
+    speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"],
+                            static_proposal=static_proposal)
     worker = Worker(runner, speculator=speculator)
     if decode_rows is not None:
         execute = worker.execute
@@ -224,6 +231,69 @@ def test_rejection_mode_seeded_tokens_do_not_depend_on_the_batch(source):
     alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN)
     assert alone[0].token_ids == batch[1].token_ids and alone[0].logprobs == batch[1].logprobs
     assert spec.num_drafts_verified > 0
+
+
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_the_static_proposal_gives_the_eager_proposals_seeded_tokens(source, mode):
+    """The static proposal (bucketed, padded: services/worker/static_draft_proposal.py) in the engine loop, with
+    the model's own drafts and seeded sampling (rejection reads the draft's distributions): the same tokens and
+    logprobs as the eager proposal, with varlen choosing per request, so its drafts and confidences agree too."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    curve = line(1.0, 0.02)
+    want, _ = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=curve)
+    got, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=curve, static_proposal=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert spec.draft_graphs is not None and len(spec.draft_graphs.static) > 0 and spec.num_drafts_verified > 0
+
+
+SPECULATIVE_FILES = ("speculator.py", "verifier.py", "draft_proposal.py", "static_draft_proposal.py",
+                     "accepted_context.py")
+
+
+class DeviceReads(TorchFunctionMode):
+    """Host reads of tensors (a sync each on CUDA) made by the speculative step's own code, by call site."""
+
+    NAMES = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            frame = sys._getframe(1)
+            while frame is not None and ("/torch/" in frame.f_code.co_filename
+                                         or frame.f_code.co_filename.endswith("batch_invariant.py")):
+                frame = frame.f_back
+            name = Path(frame.f_code.co_filename).name if frame is not None else ""
+            if name in SPECULATIVE_FILES:
+                self.reads[f"{func.__name__} @ {name}:{frame.f_lineno}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, static_proposal", [("rejection", False), ("deterministic", True)])
+def test_a_speculative_step_reads_the_device_once(source, monkeypatch, mode, static_proposal):
+    """Verification (every request at once), the draft's context writes and the proposal run on the device; a
+    step reads back once: the verdicts with the next drafts and confidences (the sampler's own read-back is
+    the worker's). Seeded sampling, the model's own drafts, varlen choosing per request."""
+    steps = []
+    step = Speculator.step
+
+    def counting(self, *args, **kwargs):
+        steps.append(1)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Speculator, "step", counting)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    with DeviceReads() as counter:
+        _, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=line(1.0, 0.02),
+                           static_proposal=static_proposal)
+    assert spec.num_drafts_verified > 0
+    (site, num), = counter.reads.items()  # one call site: the step's read
+    assert site.startswith("tolist @ speculator.py") and 0 < num <= len(steps), (counter.reads, len(steps))
 
 
 def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(source, monkeypatch):
@@ -409,8 +479,9 @@ def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source,
 def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
     """CUDA graphs with drafts on the FP8 kernel backend, batch-invariant (``default_runner`` captures every
     row-counting size up to max_num_seqs × (1 + nextn)): every decode step, verify steps included, replays a
-    graph (prefill steps run eagerly), greedy tokens with known drafts equal speculation off without graphs,
-    and every request finishes with the pools whole."""
+    graph (prefill steps run eagerly), so does every proposal of the draft (a graph per batch bucket), greedy
+    tokens with known drafts equal speculation off without graphs, and every request finishes with the pools
+    whole."""
     from services.engine.config import EngineConfig
     from services.engine.llm import default_runner
     from services.engine.model_source import load_model
@@ -424,7 +495,7 @@ def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
     if varlen:
         spec_args.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
     runner = default_runner(gpu, EngineConfig(**spec_args))
-    speculator = Speculator(gpu.model, NEXTN, rewrite_drafts=known_drafts(reference))
+    speculator = Speculator(gpu.model, NEXTN, rewrite_drafts=known_drafts(reference), cuda_graphs=True)
     llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **spec_args)
     outs = llm.generate(PROMPTS, GREEDY)
     print(f"\n{runner.num_replays} graph replays, {runner.num_eager} eager steps; accepted "
@@ -432,6 +503,7 @@ def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
           f"{sum(o.token_ids == r for o, r in zip(outs, reference))} of {len(outs)}")
     assert [o.token_ids for o in outs] == reference
     assert runner.num_replays > 0 and runner.num_eager <= len(PROMPTS)  # prefill steps only
+    assert speculator.draft_graphs.num_replays > 0  # the draft's proposals replayed their graphs too
     assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots

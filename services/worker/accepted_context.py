@@ -1,0 +1,79 @@
+"""The draft's context of the rows a speculative step accepts, written on the device before the host knows
+how many were accepted (services/worker/speculator.py reads the step back once, after the proposal).
+
+Per request that samples (``Sampling``), the verdict (``DeviceVerdict``, on the device) says how many of its
+drafts passed; ``write_context`` then writes the draft's context K=V of its accepted rows into its state slot's
+rings, as ``CacheEngine.write_draft`` of those rows would: each candidate row is computed, and the ring keeps
+the new value where the verdict accepts the row, its old value elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.device import upload
+from model.deepseek_v41.dspark import DSpark
+from services.worker.cache_engine import CacheEngine
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request that samples this step (a decode request, or a prompt's last chunk), from the plan."""
+
+    index: int  # its index in the plan's requests
+    request_id: str
+    span: slice  # its sampled rows in the step's sampling rows (and logits)
+    rows: list[int]  # its rows in the plan
+    slot: int  # its state slot
+    first: int  # the position of its first row
+    drafts: list[int]  # the drafts its rows 1 … verify (fewer than the rows − 1 when it had fewer)
+
+    @property
+    def num_rows(self) -> int:
+        """Sampled rows: 1 + the drafts verified."""
+        return self.span.stop - self.span.start
+
+
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """Every sampling request's verification, on the device, read back once with the proposal."""
+
+    errors: torch.Tensor  # bool [R]: some row's logits were not finite (the request fails, emits nothing)
+    num_accepted: torch.Tensor  # int64 [R]: drafts accepted
+    tokens: torch.Tensor  # int64 [R, K + 1]: columns 0 … num_accepted are emitted
+
+
+def write_context(draft: DSpark, sampling: list[Sampling], verdict: DeviceVerdict, taps: torch.Tensor,
+                  cache: CacheEngine) -> None:
+    """The draft's context K=V of every sampling request's accepted rows into its state slot's rings, on the
+    device: every candidate row is computed, and written where the verdict keeps it (a decode request's
+    rows 0 … a, a last prompt chunk's rows (its last W: all a ring holds), nothing for an error), the
+    ring's old value elsewhere. Rows of one request W or more apart share a column, so they go in passes
+    of W rows, in order, and the last kept row wins, as in ``CacheEngine.write_draft``."""
+    w = cache.layout.draft_window
+    entries = []  # (sampling index, offset j in the request's rows, plan row, kept whatever the verdict)
+    for r, s in enumerate(sampling):
+        whole = s.num_rows == 1  # a last prompt chunk (or a decode row without drafts): every row is accepted
+        offsets = range(max(len(s.rows) - w, 0), len(s.rows)) if whole else range(len(s.rows))
+        entries.extend((r, j, s.rows[j], whole) for j in offsets)
+    device = taps.device
+    host = torch.tensor([(r, j, row, sampling[r].first + j, sampling[r].slot, whole)
+                         for r, j, row, whole in entries], dtype=torch.int64)
+    t = upload(host, device)
+    positions = t[:, 3]
+    ctx = draft.context(taps[t[:, 2]].unsqueeze(0))  # [1, N, D]
+    kv = [draft.context_kv(k, ctx, positions.unsqueeze(0))[0].float() for k in range(len(draft.stages))]
+    keep = ((t[:, 1] <= verdict.num_accepted[t[:, 0]]) | t[:, 5].bool()) & ~verdict.errors[t[:, 0]]  # [N]
+    slots, columns = t[:, 4], positions % w
+    passes: dict[int, list[int]] = {}  # pass → its entries
+    for e, (_, j, _, _) in enumerate(entries):
+        passes.setdefault(j // w, []).append(e)
+    for p in sorted(passes):
+        sel = upload(torch.tensor(passes[p], dtype=torch.int64), device)
+        for k, values in enumerate(kv):
+            ring = cache.draft_ring(k)
+            old = ring[slots[sel], columns[sel]]
+            ring[slots[sel], columns[sel]] = torch.where(keep[sel].unsqueeze(-1), values[sel], old)
+

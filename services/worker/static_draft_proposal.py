@@ -1,0 +1,185 @@
+"""The DSpark proposal with static shapes: what a CUDA graph captures, one graph per batch-size bucket.
+
+``StaticDraftProposal`` owns fixed-shape device buffers for G rows (a power-of-two bucket): the inputs
+``HostInputs`` packs (services/worker/draft_proposal.py), padded with placeholder rows, and the bans and
+logit bias as fixed-capacity (row, token) lists whose padding entries point at column V, which ``process``
+slices off. ``run()`` goes from those buffers to a ``Proposal`` with the same code as the eager path (the
+window read of ``CacheEngine.read_draft``, ``DSpark.blocks_from_context``'s stages, ``propose``'s slot loop):
+device ops on fixed shapes, no host read, so a graph replays it with the buffers' values left to each replay.
+
+A placeholder row is greedy, unlimited, unbiased, seed 0, anchor token 0 at position 0 in the null state slot
+0: its window is empty (every column before position 0, masked), it draws nothing, and every op of the
+proposal is per row (the stages' projections, attention and the MoE in the batch-invariant mode, the slot
+loop's pipeline), so a placeholder cannot change a real row. The host-known choices that pick the code path
+(``needs_ranking``, ``all_greedy``) and the capacities are part of the graph's key (``ProposalKey``); a
+placeholder row has neither a limit nor a temperature, so padding never changes them.
+
+``DraftGraphs`` keeps one ``StaticDraftProposal`` per key, fills it and replays its graph (``use_graphs``) or
+runs it eagerly (CPU, tests: the code a graph captures). Graph outputs are the graph's own buffers: the
+caller reads what it needs before the next replay (the speculator copies the rejection mode's distributions).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from model.deepseek_v41.dspark import DraftContext
+from model.deepseek_v41.model import DeepseekV41
+from services.worker.cache_engine import CacheEngine
+from kernels.device import upload, upload_into
+from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
+from services.worker.sampler import MASS_BITS
+
+log = logging.getLogger(__name__)
+
+MIN_CAPACITY = 16
+"""The smallest ban or bias list a graph holds (then powers of two), so a few entries share one graph."""
+
+
+def bucket(num: int, smallest: int = 1) -> int:
+    """The power of two ≥ max(num, smallest)."""
+    return 1 << (max(num, smallest) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ProposalKey:
+    """What fixes a static proposal's shapes and code path."""
+
+    num_rows: int  # G: the bucket (a power of two ≥ the batch)
+    needs_ranking: bool  # the slot loop sorts (some row has a rank limit or top-p)
+    all_greedy: bool  # the slot loop draws nothing
+    num_bans: int  # the ban list's capacity (0: no bans)
+    num_bias: int  # the bias list's capacity (0: no bias)
+
+    @classmethod
+    def of(cls, host: HostInputs) -> ProposalKey:
+        bans, bias = host.bans.shape[0], host.bias_index.shape[0]
+        return cls(bucket(host.ints.shape[0]), host.needs_ranking, host.all_greedy,
+                   bucket(bans, MIN_CAPACITY) if bans else 0, bucket(bias, MIN_CAPACITY) if bias else 0)
+
+
+class StaticDraftProposal:
+    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str
+                 ) -> None:
+        if model.draft is None:
+            raise ValueError("a static proposal needs a model with a DSpark draft")
+        self.model, self.cache, self.key, self.nextn = model, cache, key, nextn
+        self.spec_sampling = spec_sampling
+        g, device = key.num_rows, model.embed.weight.device
+        self.vocab_size = model.cfg.vocab_size
+        self.ints = torch.zeros(g, 8, dtype=torch.int64, device=device)  # HostInputs.ints' columns
+        self.temperatures = torch.ones(g, dtype=torch.float32, device=device)
+        self.draft_bits = (torch.zeros(g, nextn, dtype=torch.int64, device=device)
+                           if spec_sampling == "rejection" and not key.all_greedy else None)
+        self.bans = torch.zeros(key.num_bans, 2, dtype=torch.int64, device=device)  # (row, token id)
+        self.bias_index = torch.zeros(key.num_bias, 2, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(key.num_bias, dtype=torch.float32, device=device)
+
+    def placeholder_ints(self) -> torch.Tensor:
+        """int64 [G, 8]: every row a placeholder (see the module docstring)."""
+        row = torch.tensor([0, 0, 0, 0, 1, self.vocab_size, 1 << MASS_BITS, 0], dtype=torch.int64)
+        return row.expand(self.key.num_rows, 8).clone()
+
+    def fill(self, host: HostInputs | None, anchors: DeviceAnchors | None = None) -> None:
+        """Copy ``host``'s rows into the buffers (None: every row a placeholder); the rest are placeholders.
+        Host tensors are built whole, then copied once each (pinned and non-blocking on CUDA). ``anchors``:
+        the device's anchors of the first rows, copied over the host's (device copies, stream-ordered)."""
+        key = self.key
+        ints, temperatures = self.placeholder_ints(), torch.ones(key.num_rows, dtype=torch.float32)
+        bans = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bans, 2).clone()
+        bias_index = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bias, 2).clone()
+        bias_values = torch.zeros(key.num_bias, dtype=torch.float32)
+        bits = None if self.draft_bits is None else torch.zeros(self.draft_bits.shape, dtype=torch.int64)
+        if host is not None:
+            if ProposalKey.of(host) != key:
+                raise ValueError(f"inputs of key {ProposalKey.of(host)} do not fit the static proposal of {key}")
+            n = host.ints.shape[0]
+            ints[:n], temperatures[:n] = host.ints, host.temperatures
+            bans[: host.bans.shape[0]] = host.bans
+            bias_index[: host.bias_index.shape[0]] = host.bias_index
+            bias_values[: host.bias_values.shape[0]] = host.bias_values
+            if bits is not None and anchors is None:
+                bits[:n] = host.draft_bits[:, 0]
+        for buffer, value in ((self.ints, ints), (self.temperatures, temperatures), (self.bans, bans),
+                              (self.bias_index, bias_index), (self.bias_values, bias_values),
+                              (self.draft_bits, bits)):
+            if buffer is not None and buffer.numel():
+                upload_into(buffer, value)
+        if host is not None and anchors is not None:
+            n = host.ints.shape[0]
+            self.ints[:n, 0].copy_(anchors.tokens)
+            self.ints[:n, 1].add_(anchors.advance)
+            if self.draft_bits is not None:
+                self.draft_bits[:n].copy_(anchors.pick(upload(host.draft_bits, self.draft_bits.device)))
+
+    def run(self) -> Proposal:
+        """Buffers → the proposal of all G rows (drafts [G, nextn], probs [G, nextn, V], confidences)."""
+        ints, key = self.ints, self.key
+        inputs = ProposalInputs(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), self.temperatures,
+                                ints[:, 5], ints[:, 6], ints[:, 7].bool(), self.spec_sampling, self.draft_bits,
+                                (self.bans[:, 0], self.bans[:, 1]) if key.num_bans else None,
+                                (self.bias_index[:, 0], self.bias_index[:, 1], self.bias_values)
+                                if key.num_bias else None, key.needs_ranking, key.all_greedy)
+        draft, model = self.model.draft, self.model
+        kv, positions = self.cache.read_draft(inputs.state_slots, inputs.anchor_positions)
+        blocks = draft.blocks_from_context(DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens,
+                                           model.embed, model.head)
+        return propose(draft, blocks, inputs, self.nextn)
+
+
+class DraftGraphs:
+    """Static proposals per ``ProposalKey``, replayed from CUDA graphs (``use_graphs``) or run eagerly."""
+
+    def __init__(self, model: DeepseekV41, nextn: int, spec_sampling: str, use_graphs: bool) -> None:
+        device = model.embed.weight.device
+        if use_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on CUDA, not {device}")
+        self.model, self.nextn, self.spec_sampling, self.use_graphs = model, nextn, spec_sampling, use_graphs
+        self.cache: CacheEngine | None = None  # the pools the static proposals read (a graph holds their tensors)
+        self.static: dict[ProposalKey, StaticDraftProposal] = {}
+        self.graphs: dict[ProposalKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[ProposalKey, Proposal] = {}
+        self._pool: Any = None  # one memory pool shared by every draft graph (they never run at once)
+        self.num_replays = 0
+
+    def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
+        """The first ``len(host)`` rows of the bucket's proposal (``anchors``: see ``StaticDraftProposal.fill``).
+        With graphs, the tensors are views of the graph's output buffers, valid until the next replay of that key."""
+        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
+            self.static.clear(), self.graphs.clear(), self.outputs.clear()
+            self.cache = cache
+        key = ProposalKey.of(host)
+        static = self.static.get(key)
+        if static is None:
+            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling)
+        if self.use_graphs and key not in self.graphs:
+            self._capture(static)
+        static.fill(host, anchors)
+        if self.use_graphs:
+            self.graphs[key].replay()
+            self.num_replays += 1
+            out = self.outputs[key]
+        else:
+            out = static.run()
+        n = host.ints.shape[0]
+        return Proposal(out.drafts[:n], out.probs[:n], out.confidences[:n])
+
+    def _capture(self, static: StaticDraftProposal) -> None:
+        static.fill(None)  # placeholders only: the warm-up really runs, and reads only the null slot
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # first runs: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                static.run()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[static.key] = static.run()
+        self.graphs[static.key] = graph
+        log.info("captured the draft proposal graph of %s", static.key)
