@@ -4,8 +4,7 @@ make a 400's body or a gRPC status megabytes long."""
 import pytest
 
 from model.deepseek_v41.tokenizer import v41_tokenizer_path
-from services.tokenizer.chat import ChatError, ChatRenderer
-MAX_ECHO_CHARS, MAX_ERROR_CHARS, bounded = 48, 400, None
+from services.tokenizer.chat import MAX_ECHO_CHARS, MAX_ERROR_CHARS, ChatError, ChatRenderer, bounded
 
 
 @pytest.fixture(scope="module")
