@@ -105,13 +105,13 @@ class EncodePool:
         return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     async def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """The text's ids (special tokens on, no BOS added); ValueError past ``max_tokens`` tokens."""
+        """The text's ids (special tokens on, no BOS added); ValueError when its bytes prove it over
+        ``max_tokens`` tokens. The caller checks the prompt it makes of the ids (`check_tokens` after adding
+        BOS), so a refusal counts the prompt's tokens as its usage would."""
         num_bytes = len(text.encode())
         check_bytes(num_bytes, max_tokens, self.token_bytes)
         pool = self._small if num_bytes <= SMALL_PROMPT_BYTES else self._large
-        ids = await asyncio.get_running_loop().run_in_executor(pool, self._encode, text)
-        check_tokens(len(ids), max_tokens)
-        return ids
+        return await asyncio.get_running_loop().run_in_executor(pool, self._encode, text)
 
     async def run(self, num_bytes: int, fn: Any, *args: Any) -> Any:
         """Runs other tokenizer work (chat rendering) in the lane its input size picks."""

@@ -10,6 +10,7 @@ span (services/engine/image_prompt.py).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,24 @@ CONVERSATION_KEYS = ("messages", "tools", "tool_choice", "thinking", "reasoning_
 
 class ChatError(ValueError):
     """The messages cannot be rendered; the text says why (a 400 / INVALID_ARGUMENT)."""
+
+
+MAX_ECHO_CHARS = 48  # characters of one input value that a refusal quotes
+MAX_ERROR_CHARS = 400  # characters of a refusal's whole text
+_QUOTED = re.compile(r'(["`])([^"`]{%d,})\1' % (MAX_ECHO_CHARS + 1))
+
+
+def bounded(message: str) -> str:
+    """The recipe's refusal with every quoted input value cut to ``MAX_ECHO_CHARS`` and the whole text to
+    ``MAX_ERROR_CHARS`` (its head and tail kept). The recipe quotes a value it cannot parse whole, and that
+    value can be a data URL of megabytes (an ``image_url`` given as a bare string): the refusal must still
+    fit a 400's body and a gRPC status's details, which a peer refuses past its metadata limit (8 KiB by
+    default: the gateway then saw RESOURCE_EXHAUSTED, not INVALID_ARGUMENT)."""
+    message = _QUOTED.sub(lambda m: f"{m[1]}{m[2][:MAX_ECHO_CHARS]}…{m[1]} ({len(m[2])} characters)", message)
+    if len(message) > MAX_ERROR_CHARS:
+        half = (MAX_ERROR_CHARS - 3) // 2
+        message = f"{message[:half]} … {message[-half:]}"
+    return message
 
 
 IMAGE_PLACEHOLDER = "<｜image｜>"  # the recipe's one token per image in a rendered prompt (id 129279)
@@ -53,6 +72,6 @@ class ChatRenderer:
             conversation = request.convert(deepseek_recipe.ConversionOptions()).conversation
             rendered = self._encoding.render_conversation(conversation)
         except (deepseek_recipe.ConversionError, ValueError, TypeError) as err:
-            raise ChatError(f"messages: {err}") from err
+            raise ChatError(bounded(f"messages: {err}")) from err
         images = [source.data_url if source.kind == "data_url" else source.url for source in rendered.image_sources]
         return RenderedChat(list(self._encoder.encode(conversation)), rendered.prompt, images)

@@ -150,6 +150,34 @@ def test_too_many_images_is_a_400(served, openai_client):
         openai_client.chat.completions.create(model="tiny", messages=ask(*[small] * 9), max_tokens=1)
 
 
+def test_a_chat_whose_image_span_passes_the_context_is_a_400_naming_count_and_limit(served, openai_client,
+                                                                                    reference_llm):
+    """The gateway's budget counts the image as its one placeholder, so this chat passes it; the engine checks
+    the expanded prompt (LLM.chat's count) and refuses it by name over HTTP and gRPC, leaving nothing queued."""
+    messages = ask(data_url(encoded(32, 28, seed=1)))
+    num_prompt = len(reference_llm.chat(messages, GREEDY)[0].prompt_token_ids)
+    max_model_len = served.server.frontend.info.max_model_len
+    max_tokens = max_model_len - num_prompt + 1  # the rendered prompt (≤ num_prompt − 1 tokens) fits; one over
+    message = (rf"the prompt \({num_prompt} tokens\) plus max_tokens \({max_tokens}\) is {max_model_len + 1}, "
+               rf"longer than the context of {max_model_len} tokens")
+    with pytest.raises(openai.BadRequestError, match=message) as caught:
+        openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens)
+    assert caught.value.body["param"] == "messages"
+    with ShinkaiClient(served.grpc_target, timeout=60) as client:
+        with pytest.raises(InvalidArgument, match=message):
+            client.generate(messages=messages, max_tokens=max_tokens, thinking=True)
+    wait_whole(served)
+
+
+def test_a_bare_string_image_url_is_a_short_400(served, openai_client):
+    """OpenAI's image_url is an object; the recipe refuses a bare string, quoting it: the 400 cuts the value."""
+    url = data_url(encoded(100, 80))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": url}]}]
+    with pytest.raises(openai.BadRequestError, match="expected struct ChatCompletionImageUrl") as caught:
+        openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert len(caught.value.body["message"]) < 1000 < len(url)
+
+
 def test_a_failed_encode_leaves_nothing_queued(served, openai_client):
     """The truncated image passes the header plan, so the request is queued unready before the encode fails:
     it must leave the scheduler with its pools whole."""

@@ -1,0 +1,65 @@
+"""The tokenizer service over gRPC (the gateway's `RemoteTokenizer`, as in `shinkai up`): a chat's image counts
+as its one placeholder against the budget, however long its data URL's text; that text sent as a prompt is
+refused by its token count (the "the prompt is 2613 tokens" a stack once answered an image chat with came from
+there, not from the image's span); a refusal quoting a megabyte value is still INVALID_ARGUMENT."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.gateway.remote import RemoteTokenizer
+from services.stack import ROOT
+from services.tokenizer.chat import IMAGE_PLACEHOLDER, ChatError
+from tests.services.engine.test_llm_chat import ask, data_url
+
+pytestmark = pytest.mark.timeout(120)
+BUDGET = 256 - 4  # max_model_len 256 less max_tokens 4: what the gateway passes
+
+
+@pytest.fixture(scope="module")
+def address():
+    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--model", "tiny", "--grpc-addr",
+                             "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        yield f"127.0.0.1:{json.loads(proc.stdout.readline())['grpc_port']}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def call(address: str, method: str, *args):
+    async def run():
+        tokenizer = RemoteTokenizer(address)
+        try:
+            return await getattr(tokenizer, method)(*args)
+        finally:
+            await tokenizer.close()
+
+    return asyncio.run(run())
+
+
+def test_an_image_counts_as_its_placeholder_and_its_url_as_text_is_refused_by_its_tokens(address):
+    url = data_url(32, 28, seed=1)  # the served-ranks test's image: 3,734 characters of base64
+    placeholder = call(address, "encode", IMAGE_PLACEHOLDER)[-1]
+    rendered = call(address, "render_chat", {"messages": ask(url)}, BUDGET)
+    assert rendered.token_ids.count(placeholder) == 1 and rendered.image_urls == [url]
+    assert len(rendered.token_ids) < 40  # the text, the template and one placeholder
+    num_url_tokens = len(call(address, "encode", url))
+    assert num_url_tokens > BUDGET
+    with pytest.raises(ValueError, match=f"^the prompt is {num_url_tokens} tokens, over the {BUDGET} tokens"):
+        call(address, "encode", url, BUDGET)
+    as_text = {"messages": [{"role": "user", "content": [{"type": "text", "text": url}]}]}
+    with pytest.raises(ChatError, match=f"tokens, over the {BUDGET} tokens the context leaves"):
+        call(address, "render_chat", as_text, BUDGET)
+
+
+def test_a_refusal_quoting_a_long_value_is_invalid_argument_not_a_failed_service(address):
+    """The recipe quotes a bare-string image_url whole; past the client's metadata limit (8 KiB) the status
+    arrived as RESOURCE_EXHAUSTED, which the gateway answers as a 503 (the service failed)."""
+    url = "data:image/png;base64," + "A" * 200_000
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": url}]}]}
+    with pytest.raises(ChatError, match=r'expected struct ChatCompletionImageUrl'):
+        call(address, "render_chat", body, BUDGET)
