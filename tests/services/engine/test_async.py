@@ -286,8 +286,16 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
     first = llm.generate(prompts, params)  # every kernel compiled and tuned before the mode is set
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"g{i}", prompt, p)
-    while engine.last_plan is None or engine.last_plan.is_prefill:  # the first decode step is updated
+    # Every request prefilled and decoding: the scheduler may put a prefill step between decode steps while
+    # prompts still wait, and prefill steps run eager (and read the device).
+    for _ in range(len(prompts) + 2):
+        plan = engine.last_plan
+        if plan is not None and not plan.is_prefill and plan.graph_size is not None \
+                and plan.num_requests == len(prompts):
+            break
         engine.step()
+    else:
+        pytest.fail(f"no graph decode step of every request after the prefills: {engine.last_plan}")
     done = {}
     torch.cuda.set_sync_debug_mode("error")
     try:
