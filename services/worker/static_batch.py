@@ -31,27 +31,42 @@ class StaticBatch:
         self.block_size = block_size  # the cache's block: async fix-ups after drafts recompute entry slots
         self.device = device
 
-        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(num_rows)  # [G]
-        self.positions = zeros(num_rows)  # [G]
-        self.state_slots = zeros(num_rows)  # [G] the row's request's slot; 0 for placeholder rows
-        self.row_requests = zeros(num_rows)  # [G] the row's request (real ones first, then one per placeholder)
-        self.ring_slots = zeros(num_rows)  # [G] position mod ring size
-        self.block_tables = zeros(num_rows, max_blocks_per_request)  # [G, B] padded with the null block 0
-        self.live = zeros(num_rows, dtype=torch.bool)  # [G] real rows: a prefix (count towards experts)
         ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids})
+        g, b = num_rows, max_blocks_per_request
+        # Every int64 buffer is a view of one arena, so ``prepare`` fills one host tensor of the same
+        # layout and uploads it in one copy (one pin, one enqueue) instead of one per buffer.
+        sizes = {"input_ids": g, "positions": g, "state_slots": g, "row_requests": g, "ring_slots": g,
+                 "block_tables": g * b, "query_start": g + 1, "first": g, "seqlens_k": g, "request_slots": g,
+                 "row_first": g, "row_seqlens_k": g, **{f"entry_slots_{r}": g for r in ratios}}
+        self._offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes.items():
+            self._offsets[name] = (start, start + size)
+            start += size
+        self.arena = torch.zeros(start, dtype=torch.long, device=device)  # every buffer below, packed
+
+        def view(name: str) -> torch.Tensor:
+            lo, hi = self._offsets[name]
+            return self.arena[lo:hi]
+
+        self.input_ids = view("input_ids")  # [G]
+        self.positions = view("positions")  # [G]
+        self.state_slots = view("state_slots")  # [G] the row's request's slot; 0 for placeholder rows
+        self.row_requests = view("row_requests")  # [G] the row's request (real ones first, then one per placeholder)
+        self.ring_slots = view("ring_slots")  # [G] position mod ring size
+        self.block_tables = view("block_tables").view(g, b)  # [G, B] padded with the null block 0
+        self.live = torch.zeros(g, dtype=torch.bool, device=device)  # [G] real rows: a prefix (count towards experts)
         # ratio → [G] pool slot of the entry the row's group closes; 0 (the null block) for no entry.
-        self.entry_slots = {r: zeros(num_rows) for r in ratios}
+        self.entry_slots = {r: view(f"entry_slots_{r}") for r in ratios}
         # Per request (G entries; those past the real and placeholder requests are never indexed):
-        self.query_start = torch.arange(num_rows + 1, device=device)  # [G+1] the request's first row
-        self.first = zeros(num_rows)  # [G] the request's first position this step (positions below are cached)
-        self.seqlens_k = torch.ones(num_rows, dtype=torch.long, device=device)  # [G] its last position + 1
-        self.request_slots = zeros(num_rows)  # [G] its state slot
+        self.query_start = view("query_start")  # [G+1] the request's first row
+        self.first = view("first")  # [G] the request's first position this step (positions below are cached)
+        self.seqlens_k = view("seqlens_k")  # [G] its last position + 1
+        self.request_slots = view("request_slots")  # [G] its state slot
         # Per row, gathered from the request's (kept so the graph reads them without an index op):
-        self.row_first = zeros(num_rows)  # [G] first[row_requests]
-        self.row_seqlens_k = torch.ones(num_rows, dtype=torch.long, device=device)  # [G] seqlens_k[row_requests]
+        self.row_first = view("row_first")  # [G] first[row_requests]
+        self.row_seqlens_k = view("row_seqlens_k")  # [G] seqlens_k[row_requests]
+        self.prepare_placeholders()
         self.num_live = 0  # host copy of the real rows, for trimming
 
     @staticmethod
@@ -88,28 +103,32 @@ class StaticBatch:
         row_requests = torch.cat((batch.row_requests, placeholders))
         query_start = torch.cat((batch.query_start, torch.arange(n + 1, g + 1), torch.full((n - m,), g)))
         first, seqlens_k = padded(batch.first), padded(batch.seqlens_k, 1)
+        host = torch.zeros_like(self.arena, device="cpu")
+
+        def fill(name: str, values: torch.Tensor) -> None:
+            lo, hi = self._offsets[name]
+            host[lo:hi] = values.reshape(-1)
+
+        fill("input_ids", padded(batch.input_ids))
+        fill("positions", padded(batch.positions))
+        fill("state_slots", padded(batch.state_slots[batch.row_requests]))
+        fill("row_requests", row_requests)
+        fill("ring_slots", padded(batch.ring_slots))
+        fill("query_start", query_start)
+        fill("first", first)
+        fill("seqlens_k", seqlens_k)
+        fill("request_slots", padded(batch.state_slots))
+        fill("row_first", first[row_requests])
+        fill("row_seqlens_k", seqlens_k[row_requests])
+        tables = host[slice(*self._offsets["block_tables"])].view(g, self.max_blocks)  # zeros: the null block
+        tables[:n, : plan.block_table_width] = batch.block_tables[batch.row_requests]
+        for ratio in self.entry_slots:
+            rows, slots = batch.entry_writes.get(ratio, (torch.zeros(0, dtype=torch.long),) * 2)
+            host[self._offsets[f"entry_slots_{ratio}"][0] + rows] = slots
         # Enqueued, not synchronised: the step in flight (async scheduling) may still be reading these
         # buffers, and the copies run after it in stream order.
-        upload_into(self.input_ids, padded(batch.input_ids))
-        upload_into(self.positions, padded(batch.positions))
-        upload_into(self.state_slots, padded(batch.state_slots[batch.row_requests]))
-        upload_into(self.row_requests, row_requests)
-        upload_into(self.ring_slots, padded(batch.ring_slots))
-        upload_into(self.query_start, query_start)
-        upload_into(self.first, first)
-        upload_into(self.seqlens_k, seqlens_k)
-        upload_into(self.request_slots, padded(batch.state_slots))
-        upload_into(self.row_first, first[row_requests])
-        upload_into(self.row_seqlens_k, seqlens_k[row_requests])
-        tables = torch.zeros(g, self.max_blocks, dtype=torch.long)
-        tables[:n, : plan.block_table_width] = batch.block_tables[batch.row_requests]
-        upload_into(self.block_tables, tables)
+        upload_into(self.arena, host)
         upload_into(self.live, torch.arange(g) < n)
-        for ratio, buf in self.entry_slots.items():
-            rows, slots = batch.entry_writes.get(ratio, (torch.zeros(0, dtype=torch.long),) * 2)
-            host = torch.zeros(g, dtype=torch.long)
-            host[rows] = slots
-            upload_into(buf, host)
         if pending is not None:  # on the device, from the step in flight's tokens (never read back)
             where = pending_rows(plan, pending)
             if where is not None:
