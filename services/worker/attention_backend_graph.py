@@ -63,7 +63,8 @@ def step_kernels(kernels: object | None) -> SimpleNamespace:
 
     return SimpleNamespace(decode_attention=module("decode_attention"), compressor=module("compressor"),
                            indexer=module("indexer"), window_write=module("window_write"),
-                           indexer_quant=module("indexer_quant"), interpreted=interpreted)
+                           indexer_quant=module("indexer_quant"), entry_slots=module("entry_slots"),
+                           interpreted=interpreted)
 
 
 class GraphAttention:
@@ -126,7 +127,8 @@ class GraphAttention:
                                                       sparse.candidates)
         else:
             entries, candidates = self._index_kernel(attn, x, q_latent, angles, epb)
-        sparse.selected = reference.entry_slots(entries, r.block_tables, epb)  # int32 pool slots
+        slots_of = reference if self.kernels is None else self.kernels.entry_slots  # the same slots
+        sparse.selected = slots_of.entry_slots(entries, r.block_tables, epb)  # int32 pool slots
         sparse.candidates = candidates
 
     def attend(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

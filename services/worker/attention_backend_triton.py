@@ -114,7 +114,9 @@ class TritonAttention:
         cache = self.cache
         if attn.ratio:
             epb = cache.layout.source(self.source).entries_per_block
-            return cache.entries(self.source)[0], entry_slots(self.selected, self.row_tables, epb)
+            slots_of = self.kernels.entry_slots  # the same slots as kernels.reference's, in one launch
+            slots = (entry_slots if slots_of is None else slots_of.entry_slots)(self.selected, self.row_tables, epb)
+            return cache.entries(self.source)[0], slots
         if self._no_entries is None:
             self._no_entries = torch.zeros(1, 1, cache.layout.kv_entry_bytes, dtype=torch.uint8, device=device)
         return self._no_entries, torch.empty(self.b.num_rows, 0, dtype=torch.int32, device=device)

@@ -18,7 +18,8 @@ def _window_k(num_rows: int, head_dim: int, dtype: torch.dtype, gen: torch.Gener
     floor), a block whose amax is 448·2^k exactly and one just above."""
     bits = torch.randint(0x3F000000, 0x40800000, (num_rows, head_dim), generator=gen, dtype=torch.int32)
     x = (bits & ~0x7FFFF).view(torch.float32) * torch.where(torch.rand(num_rows, head_dim, generator=gen) < 0.5, -1, 1)
-    x = x * 2.0 ** torch.randint(-40, 40, (num_rows, head_dim // 32, 1), generator=gen).float().repeat_interleave(32, 1)[..., 0]
+    exponents = torch.randint(-40, 40, (num_rows, head_dim // 32), generator=gen).float()
+    x = x * 2.0 ** exponents.repeat_interleave(32, 1)  # one scale per 32-channel block
     x[0, :32] = 0.0
     x[0, 32:64] = torch.linspace(-2.0**-28, 2.0**-28, 32)  # the 1e-4 floor scale: e4m3 subnormals and −0
     x[1, :32] = torch.linspace(-2.0**-14, 2.0**-14, 32)  # amax < 1e-4: the floor scale

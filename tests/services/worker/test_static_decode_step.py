@@ -303,7 +303,7 @@ def step_kernels_interpreted():
     from tests.kernels.interpret import load_interpreted
 
     return SimpleNamespace(**{name: load_interpreted(name) for name in ("decode_attention", "compressor", "indexer",
-                                                                    "window_write", "indexer_quant")},
+                                                                    "window_write", "indexer_quant", "entry_slots")},
                            interpreted=True)
 
 
