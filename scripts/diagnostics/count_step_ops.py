@@ -64,6 +64,15 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()  # (op, site) → launches
         self.triton: collections.Counter = collections.Counter()  # kernel → launches
         self.inside_triton = 0  # > 0 while an interpreted kernel runs
+        self.active = False  # inside ``with counter``: launches outside it (a warm-up run) are not counted
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = f"aten::{func.__name__.split('.')[0]}"
@@ -72,13 +81,14 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def mark_triton_launches(self) -> None:
-        """Wrap the interpreter's launch: each one counts once, and the ops inside it none."""
+        """Wrap the interpreter's launch (for the whole process): each one inside ``with counter`` counts
+        once, and the ops inside it none."""
         from triton.runtime.interpreter import InterpretedFunction
 
         run, counter = InterpretedFunction.run, self
 
         def counted(self, *args, **kwargs):
-            counter.triton[self.fn.__name__] += not counter.inside_triton
+            counter.triton[self.fn.__name__] += counter.active and not counter.inside_triton
             counter.inside_triton += 1
             try:
                 return run(self, *args, **kwargs)

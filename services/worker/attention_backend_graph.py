@@ -12,8 +12,9 @@ block tables, masked at each row's visible count (so an entry a later row of the
 step is invisible to the earlier rows).
 
 Two forms of the three ops: with ``kernels`` (the "triton" path) kernels/compressor.py
-``compress_layer``, kernels/indexer.py ``indexer_select`` (FP4 keys read straight from the pool) and
-kernels/decode_attention.py (CUDA, or interpreted copies for CPU tests); without (the "reference"
+``compress_layer``, kernels/indexer.py ``indexer_select`` (FP4 keys read straight from the pool, the
+query rounded by kernels/indexer_quant.py) and kernels/decode_attention.py (the window K written by
+kernels/window_write.py) (CUDA, or interpreted copies for CPU tests); without (the "reference"
 path) the static torch ops below (``static_compress``, ``static_index_select``, ``static_attend``:
 CPU tests, bit-identity with ``TorchAttention``).
 """
@@ -61,7 +62,9 @@ def step_kernels(kernels: object | None) -> SimpleNamespace:
         return found if found is not None else importlib.import_module(f"kernels.{name}")
 
     return SimpleNamespace(decode_attention=module("decode_attention"), compressor=module("compressor"),
-                           indexer=module("indexer"), interpreted=interpreted)
+                           indexer=module("indexer"), window_write=module("window_write"),
+                           indexer_quant=module("indexer_quant"), entry_slots=module("entry_slots"),
+                           interpreted=interpreted)
 
 
 class GraphAttention:
@@ -124,12 +127,17 @@ class GraphAttention:
                                                       sparse.candidates)
         else:
             entries, candidates = self._index_kernel(attn, x, q_latent, angles, epb)
-        sparse.selected = reference.entry_slots(entries, r.block_tables, epb)  # int32 pool slots
+        slots_of = reference if self.kernels is None else self.kernels.entry_slots  # the same slots
+        sparse.selected = slots_of.entry_slots(entries, r.block_tables, epb)  # int32 pool slots
         sparse.candidates = candidates
 
     def attend(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         r, cache = self.rows, self.cache
-        cache.write_window(attn.layer, r.state_slots, r.ring_slots, k)  # the ring now holds the row itself
+        # The ring now holds the row itself: the kernel writes the bytes of CacheEngine.write_window.
+        if self.kernels is None:
+            cache.write_window(attn.layer, r.state_slots, r.ring_slots, k)
+        else:
+            self.kernels.window_write.write_window(cache.ring(attn.layer), r.state_slots, r.ring_slots, k)
         pool, selected = self._no_pool, self._no_selection
         if attn.ratio:
             pool, selected = cache.entries(self.sparse.source)[0], self.sparse.selected
@@ -151,7 +159,7 @@ class GraphAttention:
         from the pool through the block tables: (entry ids int32 [G, ≤topk] ascending, −1 = none; the
         candidate block mask uint8 [G, ⌈W/CB⌉] to carry, or None)."""
         idx, sparse, r = attn.indexer, self.sparse, self.rows
-        query = fake_quant_indexer(idx.query(q_latent, angles))  # [G, Hi, di]
+        query = self.kernels.indexer_quant.fake_quant_indexer(idx.query(q_latent, angles))  # [G, Hi, di], == quant's
         w = idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)  # [G, Hi], as scores_quantized
         entries, picked = self.kernels.indexer.indexer_select(
             query.contiguous(), w.float(), self.cache.entries(sparse.source)[1], r.block_tables, r.positions,

@@ -1,6 +1,7 @@
 """The kernel backend of ``AttentionStep``: any step's rows, with the compressor, indexer and attention in
-Triton (kernels/compressor.py, indexer.py, decode_attention.py, prefill_attention.py), reading the packed
-pools directly: no step of this backend dequantises the entry pool (``read_entries``).
+Triton (kernels/compressor.py, indexer.py, decode_attention.py, prefill_attention.py; the window-K write
+and the index query's FP4 rounding by window_write.py and indexer_quant.py where the kernel set has them),
+reading the packed pools directly: no step of this backend dequantises the entry pool (``read_entries``).
 
 - compressed layers: a KV source writes this step's complete groups with ``compress_layer`` (then the
   pool holds every entry a row may select); an index source selects with ``indexer_select`` from the
@@ -93,7 +94,10 @@ class TritonAttention:
         if attn.uses_candidates and not attn.is_candidate_source and self.candidates is None:
             raise ValueError(f"layer {attn.layer} uses candidates but no candidate source precedes it")
         idx = attn.indexer
-        query = fake_quant_indexer(idx.query(q_latent, angles))  # [R, Hi, di], as TorchAttention.select
+        query = idx.query(q_latent, angles)  # [R, Hi, di]
+        quant = self.kernels.indexer_quant
+        # FP4-rounded as TorchAttention.select rounds it (the kernel's bits are the same).
+        query = fake_quant_indexer(query) if quant is None else quant.fake_quant_indexer(query)
         w = (idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)).float()  # [R, Hi], scores_quantized's
         selected, candidates = self.kernels.indexer.indexer_select(
             query, w, self.cache.entries(self.source)[1], self.row_tables, b.positions, ratio, self.width,
@@ -110,7 +114,9 @@ class TritonAttention:
         cache = self.cache
         if attn.ratio:
             epb = cache.layout.source(self.source).entries_per_block
-            return cache.entries(self.source)[0], entry_slots(self.selected, self.row_tables, epb)
+            slots_of = self.kernels.entry_slots  # the same slots as kernels.reference's, in one launch
+            slots = (entry_slots if slots_of is None else slots_of.entry_slots)(self.selected, self.row_tables, epb)
+            return cache.entries(self.source)[0], slots
         if self._no_entries is None:
             self._no_entries = torch.zeros(1, 1, cache.layout.kv_entry_bytes, dtype=torch.uint8, device=device)
         return self._no_entries, torch.empty(self.b.num_rows, 0, dtype=torch.int32, device=device)
@@ -120,12 +126,19 @@ class TritonAttention:
     def attend(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         b, layer = self.b, attn.layer
         if self.all_decode:
-            self.cache.write_window(layer, self.row_slots, b.ring_slots, k)  # every row is its request's last
+            self._write_window(layer, self.row_slots, b.ring_slots, k)  # every row is its request's last
             return self._decode(attn, q.contiguous())
         out = self._prefill(attn, q.contiguous(), k)  # reads the rings before this step's writes
         tail = self.ring_tail
-        self.cache.write_window(layer, self.row_slots[tail], b.ring_slots[tail], k[tail])
+        self._write_window(layer, self.row_slots[tail], b.ring_slots[tail], k[tail])
         return out
+
+    def _write_window(self, layer: int, slots: torch.Tensor, ring_slots: torch.Tensor, k: torch.Tensor) -> None:
+        """``CacheEngine.write_window``, by the kernel set's window_write where it has one (the same bytes)."""
+        if self.kernels.window_write is None:
+            self.cache.write_window(layer, slots, ring_slots, k)
+        else:
+            self.kernels.window_write.write_window(self.cache.ring(layer), slots, ring_slots, k)
 
     def _decode(self, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         """Every row is a decode row and the rings already hold it: [R, H, hd], RoPE undone."""

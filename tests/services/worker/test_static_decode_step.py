@@ -302,7 +302,8 @@ def step_kernels_interpreted():
 
     from tests.kernels.interpret import load_interpreted
 
-    return SimpleNamespace(**{name: load_interpreted(name) for name in ("decode_attention", "compressor", "indexer")},
+    return SimpleNamespace(**{name: load_interpreted(name) for name in ("decode_attention", "compressor", "indexer",
+                                                                    "window_write", "indexer_quant", "entry_slots")},
                            interpreted=True)
 
 
