@@ -59,7 +59,7 @@ def requested() -> bool:
 def module():
     """``deep_gemm``, imported once, or None where it is not installed (or fails to load)."""
     try:
-        import deep_gemm
+        import deep_gemm  # type: ignore[import-not-found]  # built by scripts/gpu_deepgemm.sh
     except Exception as err:  # an ImportError, or the extension's own init failing (no CUDA home, …)
         log.info("deep_gemm does not import (%s): the MoE GEMMs stay on Triton", err)
         return None
@@ -100,8 +100,9 @@ def _probe(device: torch.device) -> tuple[float, float]:
 
     gen = torch.Generator(device=device).manual_seed(0)
     num_experts, n, k, capacity = 3, 256, 384, 80
-    w, w_scale = zip(*(quantize_weight_block128(torch.randn(n, k, device=device, generator=gen)) for _ in range(3)))
-    w, w_scale = torch.stack(w), torch.stack(w_scale)  # [3, N, K], [3, N/128, K/128]
+    pairs = [quantize_weight_block128(torch.randn(n, k, device=device, generator=gen)) for _ in range(num_experts)]
+    w = torch.stack([p[0] for p in pairs])  # [3, N, K]
+    w_scale = torch.stack([p[1] for p in pairs])  # [3, N/128, K/128]
     a = quantize_act(torch.randn(num_experts, capacity, k, device=device, generator=gen))
     counts = torch.tensor([capacity, 0, 17], dtype=torch.int32)
     exact = exact_grouped(a, w, w_scale)  # [3, cap, N]
@@ -123,8 +124,8 @@ def exact_grouped(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale
     return torch.bmm(a_f, dequantize_weight_block128(w, w_scale).transpose(1, 2))
 
 
-def contiguous_rows(counts: torch.Tensor, capacity: int, align: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                torch.Tensor]:
+def contiguous_rows(counts: torch.Tensor, capacity: int,
+                    align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host counts int [G] of a masked layout with ``capacity`` slots per expert → (flat masked slots int64 [M]
     of the contiguous rows, ``m_indices`` int32 [M], each expert's first contiguous row int64 [G]).
 

@@ -31,12 +31,17 @@ if ! python3 -c "import wheel.bdist_wheel" 2>/dev/null; then  # setup.py imports
     echo "from setuptools.command.bdist_wheel import bdist_wheel  # noqa" > "$shim/wheel/bdist_wheel.py"
     touch "$shim/wheel/__init__.py"
 fi
+if ! python3 -c "import packaging.version" 2>/dev/null; then  # setup.py imports it; torch vendors a copy
+    mkdir -p "$shim/packaging"; touch "$shim/packaging/__init__.py"
+    echo "from torch._vendor.packaging.version import *  # noqa" > "$shim/packaging/version.py"
+fi
+python3 -c "import setuptools; print('setuptools', setuptools.__version__)" || say "no setuptools: the g++ build follows"
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DG_USE_LOCAL_VERSION=0
 say "building deep_gemm._C with setup.py"
 ( cd "$build" && PYTHONPATH="$shim" timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
 if ! ls "$build"/deep_gemm/_C*.so >/dev/null 2>&1; then
     say "setup.py build failed; its last 60 lines:"; tail -60 "$out/build.log"
-    say "building deep_gemm._C with g++ directly (c++20)"
+    say "building deep_gemm._C with g++ directly (c++17, as setup.py)"
     flags=$(python3 - <<'EOF'
 import sysconfig, torch
 from torch.utils import cpp_extension as ce
@@ -48,7 +53,7 @@ EOF
 )
     so="$build/deep_gemm/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
     # shellcheck disable=SC2086 # a list of flags
-    ( cd "$build" && timeout 240 g++ -std=c++20 -O3 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations \
+    ( cd "$build" && timeout 240 g++ -std=c++17 -O3 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations \
         -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C $flags \
         -I"$CUDA_HOME/include" -I"$CUDA_HOME/include/cccl" -Ideep_gemm/include -Ithird-party/cutlass/include \
         -Ithird-party/fmt/include csrc/python_api.cpp -o "$so" -L"$CUDA_HOME/lib64" \

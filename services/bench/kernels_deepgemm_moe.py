@@ -48,7 +48,8 @@ def _layer_check(x: torch.Tensor, meta: dict, weights: tuple, deep: torch.Tensor
     """The layer against the torch reference: DeepGEMM's and Triton's relative errors, and the verdict."""
     from kernels import reference
 
-    want = reference.moe_experts(x, meta, *weights, SWIGLU_LIMIT, shared_last=True)
+    w13, s13, w2, s2 = weights
+    want = reference.moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
     deep_rel, triton_rel = _rel(deep, want), _rel(triton_out, want)
     verdict = "ok" if deep_rel <= LAYER_REL else "ACCURACY FAIL"
     return f"layer vs reference: DeepGEMM {deep_rel:.2e}, Triton {triton_rel:.2e} ({verdict} ≤ {LAYER_REL})"
@@ -119,7 +120,7 @@ def _deep_products(num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: 
     from kernels import deepgemm_moe
     from kernels.quant_fp8 import quantize_act
 
-    num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
+    picks = num_tokens * (TOP_K + 1)
     counts = meta["counts"].cpu()
     flat, m_indices, starts = deepgemm_moe.contiguous_rows(counts, num_tokens, deepgemm_moe.alignment())
     flat, m_indices = flat.to(DEVICE), m_indices.to(DEVICE)
@@ -185,7 +186,8 @@ def bench_decode(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, 
     used = torch.arange(num_tokens, device=DEVICE) < meta["counts"].unsqueeze(1)
     rows_idx = torch.where(used, meta["row_ids"], 0).long()
     a = (x_q[0].view(torch.uint8)[rows_idx].view(x_q[0].dtype), x_q[1][rows_idx])
-    h = quantize_act(torch.randn(num_stacked, num_tokens, INTER, device=DEVICE, dtype=torch.bfloat16))
+    h_q, h_s = quantize_act(torch.randn(num_stacked * num_tokens, INTER, device=DEVICE, dtype=torch.bfloat16))
+    h = (h_q.view(num_stacked, num_tokens, INTER), h_s.view(num_stacked, num_tokens, -1))
     expected = max(1, picks // num_stacked)
     for name, (w, s), operand, n, k, triton_kw in (
             ("gate/up", (w13, s13), a, 2 * INTER, HIDDEN,

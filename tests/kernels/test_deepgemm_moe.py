@@ -28,7 +28,8 @@ def fake_deep_gemm(align: int = 4) -> SimpleNamespace:
         for e in m_indices.unique().tolist():
             if e >= 0:
                 r = m_indices == e
-                d[r] = deepgemm_moe.exact_grouped((a[0][r][None], a[1][r][None]), b[0][e:e + 1], b[1][e:e + 1])[0].to(d.dtype)
+                rows = (a[0][r][None], a[1][r][None])
+                d[r] = deepgemm_moe.exact_grouped(rows, b[0][e:e + 1], b[1][e:e + 1])[0].to(d.dtype)
 
     def masked(a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
         assert disable_ue8m0_cast and masked_m.dtype == torch.int32 and expected_m >= 1
@@ -74,7 +75,8 @@ def _layer(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: in
     stacked = num_experts + 1
 
     def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [quantize_weight_block128(torch.randn(n, k, device=device, generator=gen) * 0.1) for _ in range(stacked)]
+        pairs = [quantize_weight_block128(torch.randn(n, k, device=device, generator=gen) * 0.1)
+                 for _ in range(stacked)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     experts = torch.rand(num_tokens, num_experts, device=device, generator=gen).argsort(-1)[:, :top_k]
@@ -128,7 +130,8 @@ def test_only_the_flag_asks_for_it_and_a_cpu_never_has_it(monkeypatch):
 
 
 def _has_deep_gemm() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and deepgemm_moe.module() is not None
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return hopper and deepgemm_moe.module() is not None
 
 
 DEEP_GEMM = pytest.mark.skipif(not _has_deep_gemm(), reason="needs a Hopper GPU with deep_gemm installed")
