@@ -38,7 +38,9 @@ fi
 python3 -c "import setuptools; print('setuptools', setuptools.__version__)" || say "no setuptools: the g++ build follows"
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DG_USE_LOCAL_VERSION=0
 say "building deep_gemm._C with setup.py"
-( cd "$build" && PYTHONPATH="$shim" timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
+# -include cuda_fp8.h: the host compile sizes device structs holding __nv_fp8_e4m3 (layout/mqa_logits.cuh), and a
+# syntax-only g++ check of csrc/python_api.cpp against pip's CUDA 13 headers found that type incomplete there.
+( cd "$build" && CFLAGS="-include cuda_fp8.h" PYTHONPATH="$shim" timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
 if ! ls "$build"/deep_gemm/_C*.so >/dev/null 2>&1; then
     say "setup.py build failed; its last 60 lines:"; tail -60 "$out/build.log"
     say "building deep_gemm._C with g++ directly (c++17, as setup.py)"
@@ -54,7 +56,7 @@ EOF
     so="$build/deep_gemm/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
     # shellcheck disable=SC2086 # a list of flags
     ( cd "$build" && timeout 240 g++ -std=c++17 -O3 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations \
-        -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C $flags \
+        -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -include cuda_fp8.h $flags \
         -I"$CUDA_HOME/include" -I"$CUDA_HOME/include/cccl" -Ideep_gemm/include -Ithird-party/cutlass/include \
         -Ithird-party/fmt/include csrc/python_api.cpp -o "$so" -L"$CUDA_HOME/lib64" \
         -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda -lcudart -lnvrtc ) >> "$out/build.log" 2>&1 \
