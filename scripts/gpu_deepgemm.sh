@@ -26,21 +26,14 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 build=/tmp/deepgemm; rm -rf "$build"; cp -r "$src" "$build"
 ln -sfn "$build/third-party/cutlass/include/cute" "$build/deep_gemm/include/cute"     # as develop.sh links them
 ln -sfn "$build/third-party/cutlass/include/cutlass" "$build/deep_gemm/include/cutlass"
-shim=/tmp/deepgemm-shim; mkdir -p "$shim/wheel"
-if ! python3 -c "import wheel.bdist_wheel" 2>/dev/null; then  # setup.py imports it; setuptools ≥ 70.1 has it
-    echo "from setuptools.command.bdist_wheel import bdist_wheel  # noqa" > "$shim/wheel/bdist_wheel.py"
-    touch "$shim/wheel/__init__.py"
-fi
-if ! python3 -c "import packaging.version" 2>/dev/null; then  # setup.py imports it; torch vendors a copy
-    mkdir -p "$shim/packaging"; touch "$shim/packaging/__init__.py"
-    echo "from torch._vendor.packaging.version import *  # noqa" > "$shim/packaging/version.py"
-fi
-python3 -c "import setuptools; print('setuptools', setuptools.__version__)" || say "no setuptools: the g++ build follows"
+# setup.py imports wheel.bdist_wheel and packaging: setuptools vendors both (checked with setuptools 81).
+python3 -c "import setuptools, wheel.bdist_wheel, packaging.version; print('setuptools', setuptools.__version__)" \
+    || say "setuptools, wheel or packaging missing: expect the g++ build"
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DG_USE_LOCAL_VERSION=0
 say "building deep_gemm._C with setup.py"
 # -include cuda_fp8.h: the host compile sizes device structs holding __nv_fp8_e4m3 (layout/mqa_logits.cuh), and a
 # syntax-only g++ check of csrc/python_api.cpp against pip's CUDA 13 headers found that type incomplete there.
-( cd "$build" && CFLAGS="-include cuda_fp8.h" PYTHONPATH="$shim" timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
+( cd "$build" && CFLAGS="-include cuda_fp8.h" timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
 if ! ls "$build"/deep_gemm/_C*.so >/dev/null 2>&1; then
     say "setup.py build failed; its last 60 lines:"; tail -60 "$out/build.log"
     say "building deep_gemm._C with g++ directly (c++17, as setup.py)"
