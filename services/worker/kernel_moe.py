@@ -3,7 +3,9 @@
 ``KernelMoE`` routes with ``kernels.moe_router`` and runs the routed experts and the shared expert in
 one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``; the shared expert in launches of
 its own where its rows span several M tiles), or, for big eager prefill steps, expert by expert through
-cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when). The
+cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when), or, asked
+for with ``SHINKAI_MOE_GEMM=deepgemm`` where ``deep_gemm`` is installed and its probe passes, through DeepGEMM's
+grouped FP8 GEMMs (kernels/deepgemm_moe.py; not the default: docs/performance.md has the measurements). The
 shared expert is stacked as expert E and every token picks it with weight 1, which is exactly the model's sum
 ``shared + routed`` (the model applies no weight to the shared expert); the combine adds the shared
 expert first, then the routed picks in top-k order, in fp32, as the model does. Only the routed picks are
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import deepgemm_moe, invariance
 from kernels.fp8_weights import stack_gate_up
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
@@ -126,7 +129,12 @@ class KernelMoE(nn.Module):
             meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
-            if block_scaled_experts.applies(xp.shape[0], self.top_k, self.num_experts, xp.device,
+            if self._deepgemm(xp.device):
+                capturing = xp.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                out = deepgemm_moe.experts(xp, meta, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit,
+                                           self.kernels.quant_fp8.quantize_act,
+                                           self.kernels.moe_grouped_gemm.moe_combine, masked=capturing)
+            elif block_scaled_experts.applies(xp.shape[0], self.top_k, self.num_experts, xp.device,
                                             self.kernels.interpreted):
                 scale_b13, scale_b2 = self._scale_b()
                 out = block_scaled_experts.experts(xp, meta, self.w13, scale_b13, self.w2, scale_b2, self.limit,
@@ -141,6 +149,13 @@ class KernelMoE(nn.Module):
         if rows is not None:
             out = torch.where(rows, out, 0.0)  # the others gathered slot 0 (any bytes, even NaN)
         return out.to(x.dtype).reshape(shape)
+
+    def _deepgemm(self, device: torch.device) -> bool:
+        """Whether the experts run on DeepGEMM (kernels/deepgemm_moe.py): asked for by ``SHINKAI_MOE_GEMM=deepgemm``,
+        compiled kernels, outside the batch-invariant mode (its tiles follow M), and its probe passed on
+        ``device``. Its masked layout under CUDA-graph capture, else its contiguous one (one host read)."""
+        return (deepgemm_moe.requested() and not self.kernels.interpreted and not invariance.active()
+                and deepgemm_moe.available(device))
 
     def _scale_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The w13 and w2 block scales in cuBLASLt's layout (``block_scaled_gemm.scale_b``), made on first use

@@ -236,6 +236,46 @@ def test_the_block_scaled_experts_stay_out_of_the_mode_the_interpreter_and_small
     assert emulated_cublas  # the same step outside all three takes it
 
 
+# ---------------------------------------------------------------- experts through DeepGEMM (behind its flag)
+
+
+def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypatch):
+    """With ``SHINKAI_MOE_GEMM=deepgemm`` and a passing probe, a compiled-like kernel set's fp8 experts run
+    through ``kernels.deepgemm_moe`` (a torch stand-in for ``deep_gemm`` here) and agree with the grouped Triton
+    path; without the flag, in the batch-invariant mode, or with the interpreted set they stay on Triton.
+    Dead rows come out as zeros either way."""
+    from kernels import deepgemm_moe
+    from tests.kernels.test_deepgemm_moe import fake_deep_gemm
+
+    calls: list[bool] = []
+    real = deepgemm_moe.experts
+    monkeypatch.setattr(deepgemm_moe, "module", lambda: fake_deep_gemm(4))
+    monkeypatch.setattr(deepgemm_moe, "available", lambda device: True)
+    monkeypatch.setattr(deepgemm_moe, "experts", lambda *a, **kw: calls.append(kw["masked"]) or real(*a, **kw))
+    monkeypatch.setattr(block_scaled_experts, "applies", lambda *a: False)
+    model = case("oracle").model
+    x = torch.randn(1, 12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    live = torch.ones(12, dtype=torch.bool)
+    live[[3, 7]] = False
+    ffn = model.layers[1].ffn
+    with interpreter():
+        monkeypatch.delenv(deepgemm_moe.ENV, raising=False)
+        want = KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x, live=live)
+        monkeypatch.setenv(deepgemm_moe.ENV, "deepgemm")
+        KernelMoE(copy.deepcopy(ffn), "fp8", _moe_kernels())(x)  # the interpreted set
+        with invariance.fixed_configs():  # the batch-invariant mode
+            KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
+        assert calls == []
+        got = KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x, live=live)
+    assert calls == [False]  # eager: the contiguous layout
+    assert torch.equal(got[:, ~live], torch.zeros_like(got[:, ~live]))
+    # The same e4m3 operands; DeepGEMM's path rounds gate/up to bf16 before the SwiGLU (Triton's epilogue keeps
+    # fp32), moving the rare e4m3 code of h, and writes bf16 down outputs: within one FP8 cast's error.
+    rel = _rel(got, want)
+    print(f"\nDeepGEMM path (stand-in) vs the grouped Triton path: relative error {rel:.3g}")
+    assert rel <= tolerances.FP8_LINEAR_REL
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a compute capability 9.x GPU (H100/H200)")

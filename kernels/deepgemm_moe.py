@@ -1,0 +1,213 @@
+"""A MoE layer's experts through DeepGEMM's grouped FP8 GEMMs (github.com/deepseek-ai/DeepGEMM, its sm_90 "1D2D"
+kernels, JIT-compiled with nvcc on first use), taken by ``KernelMoE`` only with ``SHINKAI_MOE_GEMM=deepgemm`` and a
+passing probe (``available``); otherwise the Triton grouped GEMM (``kernels.moe_grouped_gemm``) stays.
+
+Formats: DeepGEMM's sm_90 FP8 GEMM takes the kernels' own. Activations e4m3 [M, K] with one fp32 scale per token
+and 128 channels ([M, K/128] row-major, as ``quant_fp8.quantize_act`` writes them: DeepGEMM moves them into its
+TMA-aligned column-major layout itself); weights e4m3 [G, N, K] with fp32 128×128 block scales [G, N/128, K/128],
+as ``KernelMoE`` holds its stacks (the checkpoint's 32×32 scales are converted at load, kernels/fp8_weights.py);
+the output is bf16. The scales are powers of two already, so DeepGEMM's UE8M0 rounding (and packing, sm_100's
+format) is switched off (``disable_ue8m0_cast``).
+
+Two layouts of the stacked experts (``KernelMoE``'s E routed + the shared one as expert E):
+
+- contiguous (prefill, ``contiguous_rows``): each expert's rows one after another, each span padded to DeepGEMM's
+  M alignment (its block M), with ``m_indices`` int32 per row: the expert, −1 on pad rows. The spans follow the
+  per-expert counts, read on the host once per layer (as the cuBLASLt path does), so this is eager only.
+- masked (decode, ``masked=True``): the masked layout's [E+1, cap, K] grid itself, gathered from the token rows
+  through ``row_ids`` (DeepGEMM reads A by TMA, with no row gather), ``masked_m`` = the device counts. Every shape
+  is fixed per batch size: a CUDA graph can capture it once the kernels are compiled.
+
+Between the products the SwiGLU runs in torch on DeepGEMM's bf16 gate/up output (the Triton epilogue applies it
+to fp32 accumulators, the cuBLASLt path to fp32 output: the bf16 rounding, ≤ 2^-9 relative, is far below h's
+e4m3 step of 2^-4, but it moves the rare e4m3 code across a rounding boundary), then h is quantised per token and
+128 channels; the down product is bf16, and the combine is the same kernel in the same order. DeepGEMM's tile
+choice follows M, so the path is not batch-invariant: ``KernelMoE`` does not take it in that mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from kernels.reference import GROUP, clamped_swiglu, dequantize_weight_block128
+
+log = logging.getLogger(__name__)
+
+ENV = "SHINKAI_MOE_GEMM"
+"""``SHINKAI_MOE_GEMM=deepgemm`` asks ``KernelMoE`` for this path; unset (or any other value) keeps Triton."""
+
+PROBE_REL = 2.0**-7
+"""The probe's bound, relative Frobenius error of the bf16 output against the fp32 product of the same e4m3
+operands and scales: the bf16 cast is ≤ 2^-9 relative (RMS about 1.7e-3 on random data); summation order inside
+the fp32 accumulation is far below it. A wrong scale layout or a wrong expert is off by factors of 2 or more."""
+
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Combine = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def requested() -> bool:
+    """Whether the environment asks for DeepGEMM's MoE GEMMs."""
+    return os.environ.get(ENV, "").strip().lower() == "deepgemm"
+
+
+@functools.cache
+def module():
+    """``deep_gemm``, imported once, or None where it is not installed (or fails to load)."""
+    try:
+        import deep_gemm  # type: ignore[import-not-found]  # built by scripts/gpu_deepgemm.sh
+    except Exception as err:  # an ImportError, or the extension's own init failing (no CUDA home, …)
+        log.info("deep_gemm does not import (%s): the MoE GEMMs stay on Triton", err)
+        return None
+    return deep_gemm
+
+
+def alignment() -> int:
+    """DeepGEMM's row alignment of the contiguous layout's spans (its block M for the grouped kernel)."""
+    return int(module().get_mk_alignment_for_contiguous_layout())
+
+
+@functools.cache
+def available(device: torch.device) -> bool:
+    """Whether ``deep_gemm`` imports and both grouped GEMMs agree with the exact product on ``device`` (a Hopper
+    GPU), probed once per device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return available(torch.device("cuda", torch.cuda.current_device()))
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9 or module() is None:
+        return False
+    try:
+        rel = _probe(device)
+    except (RuntimeError, AssertionError) as err:  # a JIT compile failure or a rejected layout
+        log.warning("DeepGEMM's grouped GEMM failed on %s (%s): the MoE GEMMs stay on Triton", device, err)
+        return False
+    if not max(rel) <= PROBE_REL:
+        log.warning("DeepGEMM's grouped GEMM disagrees on %s (relative errors %s > %.3g): the MoE GEMMs stay on "
+                    "Triton", device, rel, PROBE_REL)
+        return False
+    log.info("MoE GEMMs: DeepGEMM (probe relative errors contiguous %.2g, masked %.2g)", *rel)
+    return True
+
+
+def _probe(device: torch.device) -> tuple[float, float]:
+    """Relative errors of the contiguous and masked GEMMs on 3 experts of uneven counts (one empty)."""
+    from kernels.fp8_weights import quantize_weight_block128
+    from kernels.reference import quantize_act
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_experts, n, k, capacity = 3, 256, 384, 80
+    pairs = [quantize_weight_block128(torch.randn(n, k, device=device, generator=gen)) for _ in range(num_experts)]
+    w = torch.stack([p[0] for p in pairs])  # [3, N, K]
+    w_scale = torch.stack([p[1] for p in pairs])  # [3, N/128, K/128]
+    a = quantize_act(torch.randn(num_experts, capacity, k, device=device, generator=gen))
+    counts = torch.tensor([capacity, 0, 17], dtype=torch.int32)
+    exact = exact_grouped(a, w, w_scale)  # [3, cap, N]
+    masked = grouped_masked(a, w, w_scale, counts.to(device), capacity)
+    flat, m_indices, starts = contiguous_rows(counts, capacity, alignment())
+    flat, m_indices = flat.to(device), m_indices.to(device)
+    contiguous = grouped_contiguous((a[0].flatten(0, 1)[flat], a[1].flatten(0, 1)[flat]), w, w_scale, m_indices)
+    rows = [(e, starts[e].item(), c) for e, c in enumerate(counts.tolist()) if c]
+    want = torch.cat([exact[e, :c] for e, _, c in rows])
+    got_c = torch.cat([contiguous[s:s + c] for e, s, c in rows]).float()
+    got_m = torch.cat([masked[e, :c] for e, _, c in rows]).float()
+    return float((got_c - want).norm() / want.norm()), float((got_m - want).norm() / want.norm())
+
+
+def exact_grouped(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [G, M, N] product of the dequantised operands a (e4m3 [G, M, K], fp32 [G, M, K/128]) and w (e4m3
+    [G, N, K], fp32 [G, N/128, K/128]): what the grouped GEMMs compute up to summation order and the bf16 cast."""
+    a_f = (a[0].float().unflatten(-1, (-1, GROUP)) * a[1].unsqueeze(-1)).flatten(-2)
+    return torch.bmm(a_f, dequantize_weight_block128(w, w_scale).transpose(1, 2))
+
+
+def contiguous_rows(counts: torch.Tensor, capacity: int,
+                    align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host counts int [G] of a masked layout with ``capacity`` slots per expert → (flat masked slots int64 [M]
+    of the contiguous rows, ``m_indices`` int32 [M], each expert's first contiguous row int64 [G]).
+
+    Expert e's span is rows [starts[e], starts[e] + ⌈counts[e]/align⌉·align): its slots 0 … counts[e]−1 in order,
+    then pad rows, which repeat the expert's slot 0 (any finite row: DeepGEMM skips no row inside a block, and
+    nothing reads their outputs) and have ``m_indices`` −1. M = Σ spans, a multiple of ``align``."""
+    counts = counts.long().cpu()
+    if (counts < 0).any() or (counts > capacity).any():
+        raise ValueError(f"counts must lie in [0, {capacity}], got {counts.tolist()}")
+    spans = (counts + align - 1) // align * align  # [G]
+    starts = torch.cumsum(spans, 0) - spans
+    expert = torch.repeat_interleave(torch.arange(counts.numel()), spans)  # [M]
+    j = torch.arange(expert.numel()) - starts[expert]  # place in the span
+    real = j < counts[expert]
+    flat = expert * capacity + torch.where(real, j, 0)
+    m_indices = torch.where(real, expert, -1).to(torch.int32)
+    return flat, m_indices, starts
+
+
+def contiguous_slots(slot_of: torch.Tensor, starts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``slot_of`` int [T, k] flat masked slots e·capacity + j → contiguous rows starts[e] + j (same shape)."""
+    return starts.to(slot_of.device)[slot_of // capacity] + slot_of % capacity
+
+
+def grouped_contiguous(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
+                       m_indices: torch.Tensor) -> torch.Tensor:
+    """a (e4m3 [M, K], fp32 [M, K/128]) rows of ``contiguous_rows``' layout, w e4m3 [G, N, K] with fp32 [G, N/128,
+    K/128] scales, ``m_indices`` int32 [M] → bf16 [M, N]: row r times w[m_indices[r]] (pad rows: any value)."""
+    out = torch.empty(a[0].shape[0], w.shape[1], dtype=torch.bfloat16, device=a[0].device)
+    module().m_grouped_fp8_gemm_nt_contiguous((a[0].contiguous(), a[1].contiguous()), (w, w_scale), out,
+                                              m_indices.contiguous(), disable_ue8m0_cast=True)
+    return out
+
+
+def grouped_masked(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
+                   masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
+    """a (e4m3 [G, cap, K], fp32 [G, cap, K/128]), w e4m3 [G, N, K] with fp32 [G, N/128, K/128] scales,
+    ``masked_m`` int32 [G] (device: rows per expert) → bf16 [G, cap, N], rows ≥ masked_m[g] unwritten.
+    ``expected_m`` (rows per expert on average, a host int) only steers DeepGEMM's tile choice."""
+    out = torch.empty(*a[0].shape[:2], w.shape[1], dtype=torch.bfloat16, device=a[0].device)
+    module().m_grouped_fp8_gemm_nt_masked((a[0].contiguous(), a[1].contiguous()), (w, w_scale), out,
+                                          masked_m.to(torch.int32).contiguous(), max(1, int(expected_m)),
+                                          disable_ue8m0_cast=True)
+    return out
+
+
+def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
+            w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float, quantize_act: Quantize, combine: Combine,
+            *, masked: bool) -> torch.Tensor:
+    """x [T, D'] → fp32 [T, D'], every stacked expert of ``meta`` (``KernelMoE``'s layout, the shared expert last),
+    as ``kernels.moe_grouped_gemm.moe_experts`` computes it. w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows),
+    w2 e4m3 [E+1, D', I'], fp32 128×128 block scales. ``quantize_act`` and ``combine`` are the kernel set's.
+    ``masked``: the masked layout (device counts, graph-safe); else the contiguous one (one host read)."""
+    num_stacked, capacity = meta["row_ids"].shape
+    x_q, x_s = quantize_act(x)  # [T, D'], [T, D'/128]
+    if masked:
+        counts = meta["counts"]
+        # Slots ≥ counts are unwritten (any bytes): they gather token 0 and weigh 0, and nothing combines them.
+        used = torch.arange(capacity, device=x.device) < counts.unsqueeze(1)  # [E+1, cap]
+        rows = torch.where(used, meta["row_ids"], 0).long()
+        a = (x_q.view(torch.uint8)[rows].view(x_q.dtype), x_s[rows])  # e4m3 gathered as bytes
+        route_w = torch.where(used, meta["route_w"], 0.0)  # [E+1, cap]
+        expected = max(1, meta["slot_of"].numel() // num_stacked)
+        gate_up = grouped_masked(a, w13, w13_scale, counts, expected)  # bf16 [E+1, cap, 2I']
+    else:
+        counts = meta["counts"].cpu()  # the one host read
+        if not bool(counts.any()):  # no live row: nothing routed, nothing to combine
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat, m_indices, starts = contiguous_rows(counts, capacity, alignment())
+        flat, m_indices = flat.to(x.device), m_indices.to(x.device)
+        tokens = meta["row_ids"].reshape(-1)[flat].long()  # [M] the token of each contiguous row
+        a = (x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens])
+        route_w = meta["route_w"].reshape(-1)[flat]  # [M]
+        gate_up = grouped_contiguous(a, w13, w13_scale, m_indices)  # bf16 [M, 2I']
+    inter = gate_up.shape[-1] // 2
+    h = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], swiglu_limit) * route_w.unsqueeze(-1)
+    del gate_up
+    h_q, h_s = quantize_act(h.reshape(-1, inter))
+    del h
+    if masked:
+        y = grouped_masked((h_q.view(num_stacked, capacity, inter), h_s.view(num_stacked, capacity, -1)), w2,
+                           w2_scale, counts, expected)  # bf16 [E+1, cap, D']
+        return combine(y, meta["slot_of"], True)
+    y = grouped_contiguous((h_q, h_s), w2, w2_scale, m_indices)  # bf16 [M, D']
+    return combine(y, contiguous_slots(meta["slot_of"], starts, capacity), True)

@@ -1,0 +1,255 @@
+"""`shinkai bench kernels --only deepgemm_moe`: v41-s1's MoE experts (48 routed, top-6, plus the shared expert)
+through DeepGEMM's grouped FP8 GEMMs (kernels/deepgemm_moe.py) beside the paths ``KernelMoE`` runs today, on the
+same FP8 operands and scales:
+
+- prefill, 1K/4K/16K tokens, DeepGEMM's contiguous layout: the whole layer (x's quantisation, both products, the
+  torch SwiGLU, h's quantisation, the combine; DeepGEMM's one host read of the counts included) against the
+  grouped Triton pair and the cuBLASLt per-expert loop, then each DeepGEMM product alone on gathered rows, beside
+  ``kernels_prefill_moe.bench_products``' Triton and cuBLASLt rows. Eager, L2 flushed, as prefill runs.
+- decode, 64/256 rows, DeepGEMM's masked layout: the layer and each product as graph replays, against the
+  Triton layer and its gate/up and down launches.
+
+Every size also checks DeepGEMM against the exact fp32 product of the same operands (each product: relative
+Frobenius error, bar ``deepgemm_moe.PROBE_REL``) and the whole layer against ``kernels.reference.moe_experts``
+(bar ``LAYER_REL``, with the Triton layer's own error beside it); the rows' notes carry the figures and a
+failed check is marked ``ACCURACY FAIL``. Sizes run in order of interest (4K prefill first) and stop at
+``DEADLINE_S`` seconds after the first, so that one device call always finishes and reports what it measured.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from services.bench.kernel_timing import DEVICE, _bench, _bench_replay, _row
+from services.bench.kernels import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
+from services.bench.kernels_decode_gemms import layer_meta
+
+if TYPE_CHECKING:
+    import torch
+
+CASES = (("prefill", 4096), ("prefill", 16384), ("decode", 256), ("prefill", 1024), ("decode", 64))
+QUICK_CASES = (("prefill", 4096), ("decode", 256))
+DEADLINE_S = float(os.environ.get("SHINKAI_DEEPGEMM_BENCH_S", "330"))
+"""Seconds after which no further size starts (DeepGEMM compiles each new kernel with nvcc on first use)."""
+LAYER_REL = 0.05
+"""The layer check's bar, tests/tolerances.py's FP8_LINEAR_REL (services import nothing from tests): the layer
+differs from the reference by h's e4m3 codes that the bf16 gate/up moves, at most one e4m3 cast's RMS error
+(3.25%), plus bf16 casts far below it."""
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def _layer_check(x: torch.Tensor, meta: dict, weights: tuple, deep: torch.Tensor, triton_out: torch.Tensor
+                 ) -> str:
+    """The layer against the torch reference: DeepGEMM's and Triton's relative errors, and the verdict."""
+    from kernels import reference
+
+    w13, s13, w2, s2 = weights
+    want = reference.moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
+    deep_rel, triton_rel = _rel(deep, want), _rel(triton_out, want)
+    verdict = "ok" if deep_rel <= LAYER_REL else "ACCURACY FAIL"
+    return f"layer vs reference: DeepGEMM {deep_rel:.2e}, Triton {triton_rel:.2e} ({verdict} ≤ {LAYER_REL})"
+
+
+def _product_check(got: torch.Tensor, want: torch.Tensor) -> str:
+    from kernels.deepgemm_moe import PROBE_REL
+
+    rel = _rel(got, want)
+    return f"vs exact {rel:.2e} ({'ok' if rel <= PROBE_REL else 'ACCURACY FAIL'} ≤ {PROBE_REL:.2e})"
+
+
+def bench_prefill(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, check: bool) -> list[dict[str, Any]]:
+    import torch
+
+    from kernels import deepgemm_moe
+    from kernels.moe_combine import moe_combine
+    from kernels.moe_grouped_gemm import moe_experts
+    from kernels.quant_fp8 import quantize_act
+    from services.bench.kernels_prefill_moe import bench_products
+    from services.worker import block_scaled_experts, block_scaled_gemm
+
+    num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
+    meta = layer_meta(num_tokens, gen)
+    w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
+    w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    active = int(meta["num_active"])
+    nbytes = active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6 + picks * (INTER + HIDDEN * 2)
+    flops = 2.0 * picks * 3 * INTER * HIDDEN
+    shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
+
+    def deep_layer() -> torch.Tensor:
+        return deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act, moe_combine, masked=False)
+
+    def triton_layer() -> torch.Tensor:
+        return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
+
+    t0 = time.perf_counter()
+    deep_out = deep_layer()  # the JIT compiles here
+    torch.cuda.synchronize()
+    print(f"  DeepGEMM contiguous layer, first call (nvcc JIT): {time.perf_counter() - t0:.1f} s", flush=True)
+    note = _layer_check(x, meta, (w13, s13, w2, s2), deep_out, triton_layer()) if check else "layer not checked"
+    deep_s, triton_s = _bench(deep_layer), _bench(triton_layer)
+    rows = [_row("prefill moe layer [DeepGEMM contiguous]", shape, deep_s, nbytes, flops, ceil, None,
+                 f"{triton_s / deep_s:.2f}x the grouped Triton pair; {note}"),
+            _row("prefill moe layer [grouped Triton]", shape, triton_s, nbytes, flops, ceil, None, "")]
+    cublas = (block_scaled_gemm.available(torch.device(DEVICE), torch.float32)
+              and block_scaled_gemm.available(torch.device(DEVICE), torch.bfloat16))
+    if cublas:
+        scale_b13, scale_b2 = block_scaled_gemm.scale_b(s13), block_scaled_gemm.scale_b(s2)
+        cublas_s = _bench(lambda: block_scaled_experts.experts(x, meta, w13, scale_b13, w2, scale_b2, SWIGLU_LIMIT,
+                                                               quantize_act, moe_combine))
+        rows.append(_row("prefill moe layer [cuBLASLt per expert]", shape, cublas_s, nbytes, flops, ceil, None,
+                         f"{cublas_s / deep_s:.2f}x DeepGEMM's time"))
+    rows += _deep_products(num_tokens, meta, (w13, s13), (w2, s2), x, ceil)
+    if cublas:
+        rows += bench_products(num_tokens, meta, (w13, s13, scale_b13), (w2, s2, scale_b2), x, ceil)
+    return rows
+
+
+def _deep_products(num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: torch.Tensor,
+                   ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """Each DeepGEMM product alone on rows already gathered into the contiguous layout (bf16 output), each
+    checked against the exact product of its rows' experts."""
+    import torch
+
+    from kernels import deepgemm_moe
+    from kernels.quant_fp8 import quantize_act
+
+    picks = num_tokens * (TOP_K + 1)
+    counts = meta["counts"].cpu()
+    flat, m_indices, starts = deepgemm_moe.contiguous_rows(counts, num_tokens, deepgemm_moe.alignment())
+    flat, m_indices = flat.to(DEVICE), m_indices.to(DEVICE)
+    x_q, x_s = quantize_act(x)
+    tokens = meta["row_ids"].reshape(-1)[flat].long()
+    a = (x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens])
+    h = quantize_act(torch.randn(flat.numel(), INTER, device=DEVICE, dtype=torch.bfloat16))
+    rows = []
+    shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} M={flat.numel()}"
+    for name, (w, s), operand, n, k in (("gate/up", gate_up, a, 2 * INTER, HIDDEN), ("down", down, h, HIDDEN, INTER)):
+        def call(w: torch.Tensor = w, s: torch.Tensor = s, operand: tuple = operand) -> torch.Tensor:
+            return deepgemm_moe.grouped_contiguous(operand, w, s, m_indices)
+
+        got = call()
+        e = int(torch.argmax(counts))  # the busiest expert (the shared one): its rows checked exactly
+        span = slice(int(starts[e]), int(starts[e]) + int(counts[e]))
+        want = deepgemm_moe.exact_grouped((operand[0][span][None], operand[1][span][None]), w[e:e + 1], s[e:e + 1])[0]
+        flops = 2.0 * picks * n * k
+        nbytes = int(meta["num_active"]) * n * k + picks * (k + 2 * n)
+        rows.append(_row(f"prefill moe {name} [DeepGEMM contiguous]", f"{shape} N={n} K={k}", _bench(call), nbytes,
+                         flops, ceil, None, f"bf16 out, expert {e} {_product_check(got[span], want)}"))
+    return rows
+
+
+def bench_decode(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, check: bool) -> list[dict[str, Any]]:
+    import torch
+
+    from kernels import deepgemm_moe
+    from kernels.moe_combine import moe_combine
+    from kernels.moe_grouped_gemm import moe_experts
+    from kernels.quant_fp8 import quantize_act
+
+    num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
+    meta = layer_meta(num_tokens, gen)
+    w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
+    w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    active = int(meta["num_active"])
+    nbytes = active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6 + picks * (INTER + HIDDEN * 2)
+    flops = 2.0 * picks * 3 * INTER * HIDDEN
+    shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
+
+    def deep_layer() -> torch.Tensor:
+        return deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act, moe_combine, masked=True)
+
+    def triton_layer() -> torch.Tensor:
+        return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
+
+    t0 = time.perf_counter()
+    deep_out = deep_layer()
+    torch.cuda.synchronize()
+    print(f"  DeepGEMM masked layer, first call (nvcc JIT): {time.perf_counter() - t0:.1f} s", flush=True)
+    note = _layer_check(x, meta, (w13, s13, w2, s2), deep_out, triton_layer()) if check else "layer not checked"
+    deep_s, how = _replay_or_eager(deep_layer)
+    triton_s = _bench_replay(triton_layer)
+    rows = [_row("decode moe layer [DeepGEMM masked]", shape, deep_s, nbytes, flops, ceil, None,
+                 f"{how}; {triton_s / deep_s:.2f}x the Triton layer; {note}"),
+            _row("decode moe layer [grouped Triton] (engine)", shape, triton_s, nbytes, flops, ceil, None, "graph")]
+    # Each product alone: DeepGEMM on the gathered [E+1, T, K] grid against the Triton launch as the engine makes it.
+    from kernels.moe_grouped_gemm import moe_grouped_gemm
+
+    x_q = quantize_act(x)
+    used = torch.arange(num_tokens, device=DEVICE) < meta["counts"].unsqueeze(1)
+    rows_idx = torch.where(used, meta["row_ids"], 0).long()
+    a = (x_q[0].view(torch.uint8)[rows_idx].view(x_q[0].dtype), x_q[1][rows_idx])
+    h_q, h_s = quantize_act(torch.randn(num_stacked * num_tokens, INTER, device=DEVICE, dtype=torch.bfloat16))
+    h = (h_q.view(num_stacked, num_tokens, INTER), h_s.view(num_stacked, num_tokens, -1))
+    expected = max(1, picks // num_stacked)
+    for name, (w, s), operand, n, k, triton_kw in (
+            ("gate/up", (w13, s13), a, 2 * INTER, HIDDEN,
+             dict(a=x_q, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn)),
+            ("down", (w2, s2), h, HIDDEN, INTER, dict(a=h, gather=False))):
+        def call(w: torch.Tensor = w, s: torch.Tensor = s, operand: tuple = operand) -> torch.Tensor:
+            return deepgemm_moe.grouped_masked(operand, w, s, meta["counts"], expected)
+
+        def triton_call(w: torch.Tensor = w, s: torch.Tensor = s, kw: dict = triton_kw) -> object:
+            return moe_grouped_gemm(w=w, w_scale=s, meta=meta, **kw)
+
+        got = call()
+        e = num_stacked - 1  # the shared expert: every row
+        want = deepgemm_moe.exact_grouped((operand[0][e:e + 1], operand[1][e:e + 1]), w[e:e + 1], s[e:e + 1])[0]
+        flops = 2.0 * picks * n * k
+        nbytes_p = active * n * k + picks * (k + 2 * n)
+        deep_s, how = _replay_or_eager(call)
+        triton_s = _bench_replay(triton_call)
+        rows.append(_row(f"decode moe {name} [DeepGEMM masked]", f"{shape} N={n} K={k}", deep_s, nbytes_p, flops, ceil,
+                         None, f"{how}; {triton_s / deep_s:.2f}x Triton's; bf16 out, expert {e} "
+                         f"{_product_check(got[e], want)}"))
+        rows.append(_row(f"decode moe {name} [grouped Triton] (engine)", f"{shape} N={n} K={k}", triton_s, nbytes_p,
+                         flops, ceil, None, "graph" + (", SwiGLU epilogue, e4m3 out" if name == "gate/up" else "")))
+    return rows
+
+
+def _replay_or_eager(fn) -> tuple[float, str]:
+    """Graph-replay seconds, or eager seconds where the capture fails (the note says which)."""
+    try:
+        return _bench_replay(fn), "graph"
+    except RuntimeError as err:
+        print(f"  capture failed ({err}); timed eagerly", flush=True)
+        return _bench(fn), "EAGER (capture failed)"
+
+
+def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, Any]]:
+    import torch
+
+    from kernels import deepgemm_moe
+
+    if not deepgemm_moe.available(torch.device(DEVICE)):
+        print("deepgemm_moe: deep_gemm is not installed or its probe failed here (scripts/gpu_deepgemm.sh builds it); "
+              "nothing measured", flush=True)
+        return []
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for kind, num_tokens in QUICK_CASES if quick else CASES:
+        if time.perf_counter() - start > DEADLINE_S:
+            print(f"deepgemm_moe: {kind} {num_tokens} skipped (past {DEADLINE_S:.0f} s)", flush=True)
+            continue
+        print(f"deepgemm_moe: {kind} {num_tokens} tokens", flush=True)
+        run = bench_prefill if kind == "prefill" else bench_decode
+        try:
+            got = run(num_tokens, ceil, gen, check=num_tokens <= 4096)
+            for r in got:  # as they come: a call cut short still leaves them in its log
+                print(f"  {r['kernel']:44} {r['us']:9.1f} us {r['tflop_s']:7.1f} TFLOP/s  {r['note']}", flush=True)
+            rows += got
+        except Exception as exc:  # one size's failure is reported; the others are still measured
+            import traceback
+
+            traceback.print_exc()
+            rows.append(_row(f"deepgemm_moe {kind} {num_tokens} FAILED", type(exc).__name__, float("nan"), 0.0, 0.0,
+                             ceil, None, str(exc)[:300]))
+        torch.cuda.empty_cache()
+    return rows
