@@ -145,6 +145,7 @@ class DraftGraphs:
         self.outputs: dict[ProposalKey, Proposal] = {}
         self._pool: Any = None  # one memory pool shared by every draft graph (they never run at once)
         self.num_replays = 0
+        self.num_captures = 0  # graphs captured over its life (one per key and cache: more means re-captures)
 
     def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
         """The first ``len(host)`` rows of the bucket's proposal (``anchors``: see ``StaticDraftProposal.fill``).
@@ -182,4 +183,5 @@ class DraftGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.outputs[static.key] = static.run()
         self.graphs[static.key] = graph
+        self.num_captures += 1
         log.info("captured the draft proposal graph of %s", static.key)

@@ -38,6 +38,16 @@ def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_che
             assert r["drafts_accepted"] == 0
             if r["mode"] == "fixed":
                 assert r["drafts_verified"] > 0
+        # Where a step's time goes: every field present; the CPU runner (no GraphRunner) has no graph counters.
+        assert r["worker_steps"] > 0 and r["worker_ms_per_step"] > 0
+        assert r["eager_steps"] is None and r["graph_replays"] is None
+        if r["mode"] == "off":
+            assert r["spec_ms_per_step"] is None and r["draft_graph_captures"] is None
+        else:
+            assert r["spec_steps"] == r["worker_steps"]  # every step of the timed run went through the speculator
+            ms = r["spec_ms_per_step"]
+            assert set(ms) == {"sample", "verify", "propose", "read", "other", "total"} and ms["total"] > 0
+            assert r["draft_graph_captures"] is None  # the eager proposal: no DraftGraphs
     # Varlen at a = 0: the forced chances are 0, so no draft is worth a row: it verifies none at all.
     assert all(r["drafts_verified"] == 0 for r in results if r["mode"] == "varlen" and r["acceptance"] == 0.0)
     print(capsys.readouterr().out)
