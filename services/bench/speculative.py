@@ -14,6 +14,15 @@ Every case runs on the same path, "off" included, for a like-for-like ratio: the
 the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: every decode step, verify steps
 included, replays one; every row-counting size is captured when each case's engine is built), synchronously
 unless ``--async-scheduling``. Stdlib-only at import (the CLI registers it); torch loads when it runs.
+
+Each row also says where a step's time goes (issue 20: every step with drafts cost about 5x a step without):
+``eager_steps`` and ``graph_replays`` of the timed run (the GraphRunner's: a decode step outside a captured size
+runs eagerly), ``draft_graph_captures`` in all and ``draft_graph_captures_timed`` inside the timed run (a capture
+there means the warm-up saw another ``ProposalKey``; ``draft_keys`` and ``draft_keys_timed``: the keys the static
+proposal has seen, in all and first inside the timed run, also without graphs, ``--static-proposal``), the worker's host ms per step (``worker_ms_per_step``:
+``Worker.execute``, the runner's launch or eager run, the sampler, and with drafts the speculator, whose one read
+waits for the device), and with drafts the speculator's host ms per step by phase (``spec_ms_per_step``,
+services/worker/spec_timings.py). All are host ``perf_counter`` times around the existing calls; no sync is added.
 """
 
 from __future__ import annotations
@@ -28,12 +37,13 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
           spec_sampling: str = "rejection", static_proposal: bool | None = None):
     """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``; the draft's
     proposal replays CUDA graphs with ``cuda_graphs`` (``static_proposal``: the static proposal, see
-    ``Speculator``)."""
+    ``Speculator``), captured here for every bucket up to max_num_seqs (greedy requests: the benchmark's)."""
     from services.engine import LLM
     from services.engine.config import EngineConfig
     from services.engine.llm import default_runner
     from services.worker.forced_acceptance import ForcedAcceptance
     from services.worker.speculator import Speculator
+    from services.worker.static_draft_proposal import ProposalKey
     from services.worker.worker import Worker
 
     if not nextn:
@@ -44,7 +54,52 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
     speculator = Speculator(source.model, nextn, spec_sampling, batch_invariant=config.batch_invariant,
                             forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0),
                             cuda_graphs=config.cuda_graphs, static_proposal=static_proposal)
+    if speculator.draft_graphs is not None:  # every key a greedy batch can ask for, captured before any timing
+        speculator.draft_graphs.prepare(runner.cache, ProposalKey.buckets(config.max_num_seqs))
     return LLM(source=source, worker=Worker(runner, speculator=speculator), **args)
+
+
+def counters(llm) -> dict:
+    """The worker's step counters now (None where its runner or speculator has none)."""
+    worker = llm.engine.worker
+    runner, spec = getattr(worker, "runner", None), getattr(worker, "speculator", None)
+    graphs = getattr(spec, "draft_graphs", None)
+    return {"eager_steps": getattr(runner, "num_eager", None), "graph_replays": getattr(runner, "num_replays", None),
+            "draft_graph_captures": getattr(graphs, "num_captures", None),
+            "draft_keys": None if graphs is None else len(graphs.static)}
+
+
+def timed_worker(llm) -> list[float]:
+    """Wraps the worker's ``execute`` (an instance attribute over the method) to add each call's host seconds to
+    the returned list."""
+    import time
+
+    worker = llm.engine.worker
+    execute, seconds = worker.execute, []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    worker.execute = timed
+    return seconds
+
+
+def step_counters(before: dict, after: dict, worker_s: list[float]) -> dict:
+    """The benchmark row's step fields (see the module docstring) from ``counters`` around the timed run."""
+    def delta(name: str):
+        return None if after[name] is None else after[name] - before[name]
+
+    out = {"worker_steps": len(worker_s),
+           "worker_ms_per_step": round(1000 * sum(worker_s) / len(worker_s), 3) if worker_s else None,
+           "eager_steps": delta("eager_steps"), "graph_replays": delta("graph_replays"),
+           "draft_graph_captures": after["draft_graph_captures"],
+           "draft_graph_captures_timed": delta("draft_graph_captures"),
+           "draft_keys": after["draft_keys"], "draft_keys_timed": delta("draft_keys")}
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,15 +121,23 @@ def main(args: argparse.Namespace) -> int:
     for batch in args.batch:
         off_tps = None
         for mode, a in cases:
-            llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", a)
+            llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", a,
+                        static_proposal=args.static_proposal or None)
             # Warm-up at the batch (CUDA graphs of its sizes captured, the draft's lazily; varlen's first step times).
             run_batch(llm, batch, args.prompt_len, 4, seed=99)
+            before = counters(llm)
+            worker_s = timed_worker(llm)
+            if getattr(llm.engine.worker, "speculator", None) is not None:
+                llm.engine.worker.speculator.timings.reset()  # the phase times of the timed run only
             r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
+            r.update(step_counters(before, counters(llm), worker_s))
             spec = getattr(llm.engine.worker, "speculator", None)
             r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,
                      tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
                      drafts_verified=spec.num_drafts_verified if spec else 0,
-                     drafts_accepted=spec.num_drafts_accepted if spec else 0)
+                     drafts_accepted=spec.num_drafts_accepted if spec else 0,
+                     spec_steps=spec.timings.num_steps if spec else 0,
+                     spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
             if mode == "off":
                 off_tps = r["tokens_per_s"]
             r["speedup_vs_off"] = round(r["tokens_per_s"] / off_tps, 3)
@@ -83,6 +146,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
                   f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
                   f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}")
+            print(f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
+                  f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
+                  f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
+                  f"({r['draft_keys_timed']} new in it); "
+                  f"speculator host ms/step {r['spec_ms_per_step']}")
             del llm
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -110,6 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", choices=("fp8", "fp32"),
                    help="the Triton kernel backend (default: the torch model)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode (needs --kernel-backend)")
+    p.add_argument("--static-proposal", action="store_true",
+                   help="the draft proposes through the static proposal (what --cuda-graphs captures), eagerly "
+                        "without graphs (default: with --cuda-graphs only)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan step N+1 while step N runs (off by default with speculation)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

@@ -4,18 +4,22 @@ how many were accepted (services/worker/speculator.py reads the step back once, 
 Per request that samples (``Sampling``), the verdict (``DeviceVerdict``, on the device) says how many of its
 drafts passed; ``write_context`` then writes the draft's context K=V of its accepted rows into its state slot's
 rings, as ``CacheEngine.write_draft`` of those rows would: each candidate row is computed, and the ring keeps
-the new value where the verdict accepts the row, its old value elsewhere.
+the new value where the verdict accepts the row, its old value elsewhere. ``emitted_output`` gives the step's
+sampler output (each row's token, logprob and top-n) from the verdict and the processed distributions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kernels.device import upload
+from kernels.sampler_output import SamplerOutput
 from model.deepseek_v41.dspark import DSpark
 from services.worker.cache_engine import CacheEngine
+from services.worker.sampler import ProcessedLogits
 
 
 @dataclass(frozen=True)
@@ -77,3 +81,30 @@ def write_context(draft: DSpark, sampling: list[Sampling], verdict: DeviceVerdic
             old = ring[slots[sel], columns[sel]]
             ring[slots[sel], columns[sel]] = torch.where(keep[sel].unsqueeze(-1), values[sel], old)
 
+
+
+def emitted_output(processed: ProcessedLogits, verdict: DeviceVerdict | None, sampling: list[Sampling],
+                   num_top: int) -> SamplerOutput:
+    """The step's sampler output, by device ops on the verification's own processed distributions: each sampled
+    row's token (a request's emitted tokens on its first rows; 0 on the rest, and on every row of an error
+    request) with its logprob, and the top ``num_top`` (``processed`` ranked every row when ``num_top`` > 0).
+    What ``Sampler.__call__`` returns for the same rows with those tokens forced, without its second pass over
+    the logits or its draws. ``sampling``'s spans cover the rows in order."""
+    p = processed
+    num_rows, device = p.logprobs.shape[0], p.logprobs.device
+    owners = [(r, j) for r, s in enumerate(sampling) for j in range(s.num_rows)]  # per row: (request, offset)
+    if len(owners) != num_rows:
+        raise ValueError(f"the sampling requests' spans cover {len(owners)} rows, the logits have {num_rows}")
+    if verdict is None or not owners:
+        tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    else:
+        t = upload(torch.tensor(owners, dtype=torch.int64), device)  # [N, 2]
+        r, j = t[:, 0], t[:, 1]
+        emitted = (j <= verdict.num_accepted[r]) & ~verdict.errors[r]  # [N]
+        tokens = torch.where(emitted, verdict.tokens[r, j], 0)
+    # An error row's request is an error request (the verdict's errors are its rows' any), so its token is 0.
+    chosen = p.logprobs.gather(1, tokens.unsqueeze(-1)).squeeze(-1).masked_fill(p.errors, -math.inf)
+    top_ids = (p.order[:, :num_top].contiguous() if num_top > 0
+               else torch.empty(num_rows, 0, dtype=torch.int64, device=device))
+    top_logprobs = p.logprobs.gather(1, top_ids).masked_fill(p.errors.unsqueeze(-1), -math.inf)
+    return SamplerOutput(tokens, chosen, top_ids, top_logprobs, p.errors)

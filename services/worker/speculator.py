@@ -24,12 +24,14 @@ A step reads the device once: every request's verification runs at once on the d
 context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
 values), the proposal starts from the anchors the device holds, and one read brings back the verdicts with
 the next drafts and confidences. With ``cuda_graphs`` the proposal replays a graph per batch bucket
-(services/worker/static_draft_proposal.py).
+(services/worker/static_draft_proposal.py). The logits are processed once: the verdicts and the step's sampler
+output (each row's token, logprob and top-n: ``accepted_context.emitted_output``) both read those
+distributions. ``timings`` keeps the host time of each phase (services/worker/spec_timings.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,12 +42,13 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
-from services.worker.accepted_context import DeviceVerdict, Sampling, write_context
+from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.cache_engine import CacheEngine
 from kernels.device import upload
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import ProcessedLogits, Sampler, SamplingRow
+from services.worker.spec_timings import SpecTimings
 from services.worker.static_draft_proposal import DraftGraphs
 from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
@@ -95,6 +98,7 @@ class Speculator:
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
         self.num_proposals_skipped = 0  # requests' proposals the plan said no step could verify
+        self.timings = SpecTimings()  # host time per phase of ``step`` (the benchmark's split)
         static = cuda_graphs if static_proposal is None else static_proposal
         if cuda_graphs and not static:
             raise ValueError("cuda_graphs captures the static proposal: static_proposal=False contradicts it")
@@ -120,6 +124,8 @@ class Speculator:
 
     def _step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
               sampler: Sampler, cache: CacheEngine, positions: list[int]) -> tuple[SamplerOutput, StepResult]:
+        timings, since = self.timings, time.perf_counter()
+        timings.num_steps += 1
         row_requests = plan.row_requests.tolist()
         request_ids = list(plan.request_ids)
         num_sample_rows = plan.num_sample_rows.tolist()
@@ -128,7 +134,12 @@ class Speculator:
         plan_rows: list[list[int]] = [[] for _ in request_ids]
         for r, i in enumerate(row_requests):
             plan_rows[i].append(r)
-        processed = sampler.process(logits, rows)
+        since = timings.add("other", since)
+        # Ranked for top-n when any row asks for logprobs (the sampler's own choice); the distributions do not
+        # depend on it.
+        num_top = min(max((r.num_logprobs for r in rows), default=0), logits.shape[1])
+        processed = sampler.process(logits, rows, rank_all=num_top > 0)
+        since = timings.add("sample", since)
         sampling: list[Sampling] = []
         start = 0
         for i, request_id in enumerate(request_ids):
@@ -142,24 +153,32 @@ class Speculator:
             sampling.append(Sampling(i, request_id, slice(start, start + n), mine, state_slots[i], positions[mine[0]],
                                      self.drafts.get(request_id, [])[: n - 1]))
             start += n
+        since = timings.add("other", since)
         verdict = self._verify(sampling, rows, processed)
         proposing = [r for r, s in enumerate(sampling) if propose[s.index]]
         proposal = None
         if verdict is not None:
             write_context(self.model.draft, sampling, verdict, taps, cache)
+        since = timings.add("verify", since)
+        if verdict is not None:
             proposal = self._propose(sampling, proposing, verdict, rows, cache)
+            since = timings.add("propose", since)
+        # Every row's token (the emitted ones; 0 elsewhere) with its logprob and top-n under the processed
+        # distributions, by device ops queued before the read.
+        sampled = emitted_output(processed, verdict, sampling, num_top)
+        since = timings.add("sample", since)
         # The step's one host read: per sampling request its error flag, accepted count and tokens, then the
         # proposal's drafts and confidences (token ids and fp32 values are exact in fp64).
         pieces = [] if verdict is None else [verdict.errors, verdict.num_accepted, verdict.tokens]
         if proposal is not None:
             pieces += [proposal.drafts, proposal.confidences]
         read = torch.cat([t.flatten().to(torch.float64) for t in pieces]).tolist() if pieces else []
+        since = timings.add("read", since)
         num_r, width = len(sampling), 0 if verdict is None else verdict.tokens.shape[1]
         failed, accepted = read[:num_r], read[num_r : 2 * num_r]
         tokens = read[2 * num_r : 2 * num_r + num_r * width]
         drafted = read[2 * num_r + num_r * width :]
         num_tokens = [0] * len(request_ids)
-        chosen = [0] * len(rows)  # the token every sampled row reports (emitted or not)
         token_ids, errors = [], []
         for r, s in enumerate(sampling):
             if failed[r]:
@@ -167,7 +186,6 @@ class Speculator:
                 continue
             a = int(accepted[r])
             emitted = [int(t) for t in tokens[r * width : r * width + a + 1]]
-            chosen[s.span.start : s.span.start + len(emitted)] = emitted
             num_tokens[s.index] = len(emitted)
             token_ids.extend(emitted)
             self.num_drafts_verified += len(s.drafts)
@@ -186,8 +204,7 @@ class Speculator:
         for i, request_id in enumerate(request_ids):
             draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
             confidences.extend(self.confidences.get(request_id, [])[: num_drafts[i]])
-        forced = [dataclasses.replace(row, forced_token_id=t) for row, t in zip(rows, chosen)]
-        sampled = sampler(logits, forced)  # logprobs and top-n of each row's token, under its processed distribution
+        timings.add("other", since)
         return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors,
                                    draft_confidences=confidences)
 

@@ -61,6 +61,12 @@ class ProposalKey:
         return cls(bucket(host.ints.shape[0]), host.needs_ranking, host.all_greedy,
                    bucket(bans, MIN_CAPACITY) if bans else 0, bucket(bias, MIN_CAPACITY) if bias else 0)
 
+    @classmethod
+    def buckets(cls, max_rows: int, needs_ranking: bool = False, all_greedy: bool = True) -> list[ProposalKey]:
+        """The keys of every bucket up to ``max_rows`` rows, without bans or bias: all a batch of up to
+        ``max_rows`` such requests can ask for (fewer requests propose as they finish, in smaller buckets)."""
+        return [cls(1 << i, needs_ranking, all_greedy, 0, 0) for i in range(bucket(max_rows).bit_length())]
+
 
 class StaticDraftProposal:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str
@@ -145,19 +151,13 @@ class DraftGraphs:
         self.outputs: dict[ProposalKey, Proposal] = {}
         self._pool: Any = None  # one memory pool shared by every draft graph (they never run at once)
         self.num_replays = 0
+        self.num_captures = 0  # graphs captured over its life (one per key and cache: more means re-captures)
 
     def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
         """The first ``len(host)`` rows of the bucket's proposal (``anchors``: see ``StaticDraftProposal.fill``).
         With graphs, the tensors are views of the graph's output buffers, valid until the next replay of that key."""
-        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
-            self.static.clear(), self.graphs.clear(), self.outputs.clear()
-            self.cache = cache
         key = ProposalKey.of(host)
-        static = self.static.get(key)
-        if static is None:
-            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling)
-        if self.use_graphs and key not in self.graphs:
-            self._capture(static)
+        static = self._static(cache, key)
         static.fill(host, anchors)
         if self.use_graphs:
             self.graphs[key].replay()
@@ -167,6 +167,24 @@ class DraftGraphs:
             out = static.run()
         n = host.ints.shape[0]
         return Proposal(out.drafts[:n], out.probs[:n], out.confidences[:n])
+
+    def prepare(self, cache: CacheEngine, keys: list[ProposalKey]) -> None:
+        """Builds the static proposals of ``keys`` now and, with graphs, captures them (largest first, so the
+        smaller ones reuse its memory), so that no live step of those keys captures."""
+        for key in sorted(keys, key=lambda k: k.num_rows, reverse=True):
+            self._static(cache, key)
+
+    def _static(self, cache: CacheEngine, key: ProposalKey) -> StaticDraftProposal:
+        """The static proposal of ``key`` on ``cache``'s pools, built and (with graphs) captured on first use."""
+        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
+            self.static.clear(), self.graphs.clear(), self.outputs.clear()
+            self.cache = cache
+        static = self.static.get(key)
+        if static is None:
+            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling)
+        if self.use_graphs and key not in self.graphs:
+            self._capture(static)
+        return static
 
     def _capture(self, static: StaticDraftProposal) -> None:
         static.fill(None)  # placeholders only: the warm-up really runs, and reads only the null slot
@@ -182,4 +200,5 @@ class DraftGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.outputs[static.key] = static.run()
         self.graphs[static.key] = graph
+        self.num_captures += 1
         log.info("captured the draft proposal graph of %s", static.key)

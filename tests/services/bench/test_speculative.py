@@ -38,6 +38,35 @@ def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_che
             assert r["drafts_accepted"] == 0
             if r["mode"] == "fixed":
                 assert r["drafts_verified"] > 0
+        # Where a step's time goes: every field present; the CPU runner (no GraphRunner) has no graph counters.
+        assert r["worker_steps"] > 0 and r["worker_ms_per_step"] > 0
+        assert r["eager_steps"] is None and r["graph_replays"] is None
+        if r["mode"] == "off":
+            assert r["spec_ms_per_step"] is None and r["draft_graph_captures"] is None
+        else:
+            assert r["spec_steps"] == r["worker_steps"]  # every step of the timed run went through the speculator
+            ms = r["spec_ms_per_step"]
+            assert set(ms) == {"sample", "verify", "propose", "read", "other", "total"} and ms["total"] > 0
+            assert r["draft_graph_captures"] is None  # the eager proposal: no DraftGraphs
     # Varlen at a = 0: the forced chances are 0, so no draft is worth a row: it verifies none at all.
     assert all(r["drafts_verified"] == 0 for r in results if r["mode"] == "varlen" and r["acceptance"] == 0.0)
     print(capsys.readouterr().out)
+
+
+def test_the_static_proposal_sees_no_new_key_in_the_timed_run(tmp_path):
+    """With the static proposal (what ``--cuda-graphs`` captures) every greedy bucket up to the batch is built
+    before the warm-up, so the timed run never builds (on a GPU: captures) one; a = 0.8 ends requests at different
+    steps, so fewer of them propose at the end."""
+    parser = argparse.ArgumentParser()
+    speculative.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--batch", "3", "--acceptance", "0.8", "--modes", "fixed",
+                              "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8", "--static-proposal",
+                              "--json", str(tmp_path / "spec.json")])
+    threads = torch.get_num_threads()
+    try:
+        assert speculative.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    off, fixed = json.loads((tmp_path / "spec.json").read_text())["results"]
+    assert off["draft_keys"] is None and (fixed["draft_keys"], fixed["draft_keys_timed"]) == (3, 0)  # 1, 2 and 4
+    assert fixed["draft_graph_captures"] == 0  # no graphs on the CPU

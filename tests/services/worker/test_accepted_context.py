@@ -1,7 +1,7 @@
 """``write_context`` (the draft's context of a step's accepted rows, written on the device before the host reads
 the verdict) leaves the draft rings exactly as ``CacheEngine.write_draft`` of each request's accepted rows does:
 a decode request's rows 0 … a, a last prompt chunk's rows (longer than the ring), no row of an error request,
-and the other columns untouched."""
+and the other columns untouched. ``emitted_output`` is the sampler's output with the emitted tokens forced."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import torch
 
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DSpark
-from services.worker.accepted_context import DeviceVerdict, Sampling, write_context
+import dataclasses
+import math
+
+from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.cache_engine import CacheEngine, ring_size
+from services.worker.sampler import Sampler, SamplingRow
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 
 
@@ -52,3 +56,34 @@ def test_the_device_write_equals_write_draft_of_the_accepted_rows(case):
     for k in range(len(draft.stages)):
         assert torch.equal(got.draft_ring(k), want.draft_ring(k)), k
     assert w in (8, 4)
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 3])
+def test_the_emitted_output_equals_the_sampler_with_the_emitted_tokens_forced(num_logprobs):
+    """Rows of 4 requests (3 + 1 + 2 + 3 sampled rows): partly accepted, a lone row, fully accepted, and an error
+    request (a NaN logit in one row). Every field equals ``Sampler.__call__`` over the same logits with each
+    row's token forced (the emitted tokens, 0 elsewhere), which the speculator called before."""
+    torch.manual_seed(0)
+    vocab, spans = 50, [3, 1, 2, 3]
+    logits = torch.randn(sum(spans), vocab)
+    logits[7, 4] = math.nan  # the last request's second row
+    rows = [SamplingRow(temperature=[0.0, 0.7, 0.0, 1.0][i], top_k=[0, 5, 0, 0][i], top_p=1.0, seed=5, position=10 + r,
+                        forced_top_k=None, banned_token_ids=(3,), num_logprobs=num_logprobs)
+            for i, n in enumerate(spans) for r in range(n)]
+    sampling, start = [], 0
+    for i, n in enumerate(spans):
+        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(start, start + n)), i, 0, [1] * (n - 1)))
+        start += n
+    tokens = torch.randint(0, vocab, (4, 3))
+    verdict = DeviceVerdict(torch.tensor([False, False, False, True]), torch.tensor([1, 0, 1, 2]), tokens)
+    sampler = Sampler()
+    processed = sampler.process(logits, rows, rank_all=num_logprobs > 0)
+    got = emitted_output(processed, verdict, sampling, num_logprobs)
+    forced = [0] * len(rows)
+    for s, a, error in zip(sampling, [1, 0, 1, 2], [False, False, False, True]):
+        if not error:
+            forced[s.span.start : s.span.start + a + 1] = tokens[s.index, : a + 1].tolist()
+    want = sampler(logits, [dataclasses.replace(row, forced_token_id=t) for row, t in zip(rows, forced)])
+    assert forced[:3] == tokens[0, :2].tolist() + [0] and forced[6:] == [0, 0, 0]
+    for field in dataclasses.fields(want):
+        assert torch.equal(getattr(got, field.name), getattr(want, field.name)), field.name

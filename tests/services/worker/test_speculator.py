@@ -296,6 +296,33 @@ def test_a_speculative_step_reads_the_device_once(source, monkeypatch, mode, sta
     assert site.startswith("tolist @ speculator.py") and 0 < num <= len(steps), (counter.reads, len(steps))
 
 
+def test_a_speculative_step_processes_the_logits_once_and_never_runs_the_sampler(source, greedy_off, monkeypatch):
+    """The step's sampler output (tokens, logprobs, top-n) comes from the verification's processed distributions
+    (``emitted_output``), not from a second pass of the sampler with its draws; greedy logprobs still equal
+    speculation off."""
+    from services.worker.sampler import Sampler
+
+    calls = {"process": 0, "call": 0}
+    process = Sampler.process
+
+    def counting_process(self, *args, **kwargs):
+        calls["process"] += 1
+        return process(self, *args, **kwargs)
+
+    def refused(self, *args, **kwargs):
+        calls["call"] += 1
+        raise AssertionError("the speculative step ran the whole sampler")
+
+    monkeypatch.setattr(Sampler, "process", counting_process)
+    monkeypatch.setattr(Sampler, "__call__", refused)
+    reference = [o.token_ids for o in greedy_off]
+    outs, spec = generate(source, GREEDY, nextn=NEXTN, rewrite=known_drafts(reference), static_proposal=True)
+    assert [o.token_ids for o in outs] == reference
+    assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
+    assert calls == {"process": spec.timings.num_steps, "call": 0} and spec.num_drafts_accepted > 0
+    assert set(spec.timings.seconds) == {"sample", "verify", "propose", "read", "other"}
+
+
 def test_rejection_mode_seeded_run_with_the_models_own_draft_ends_and_releases(source, monkeypatch):
     monkeypatch.setitem(ENGINE, "batch_invariant", False)  # not needed here, and slower
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3, ignore_eos=True)
@@ -504,6 +531,8 @@ def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
     assert [o.token_ids for o in outs] == reference
     assert runner.num_replays > 0 and runner.num_eager <= len(PROMPTS)  # prefill steps only
     assert speculator.draft_graphs.num_replays > 0  # the draft's proposals replayed their graphs too
+    graphs = speculator.draft_graphs  # one capture per key: a key that changed per step would re-capture
+    assert graphs.num_captures == len(graphs.graphs), (graphs.num_captures, list(graphs.graphs))
     assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots

@@ -90,6 +90,23 @@ def test_a_refill_with_other_rows_of_the_same_key_replaces_every_input(setup):
     assert torch.equal(got.confidences, want.confidences)
 
 
+def test_prepared_buckets_serve_every_greedy_batch_without_a_new_static_proposal(setup):
+    """``prepare`` with the greedy buckets up to 5 rows builds (with graphs: captures) 1, 2, 4 and 8 before any
+    step; greedy batches of 1 to 5 rows then reuse those, so no capture can happen inside a timed run."""
+    model, cache = setup
+    keys = ProposalKey.buckets(5)
+    assert [k.num_rows for k in keys] == [1, 2, 4, 8] and all(k.all_greedy and not k.needs_ranking for k in keys)
+    with torch.no_grad(), batch_invariant():
+        graphs = DraftGraphs(model, NEXTN, "rejection", use_graphs=False)
+        graphs.prepare(cache, keys)
+        prepared = dict(graphs.static)
+        for n in range(1, 6):
+            rows = [row(0.0, seed=i) for i in range(n)]  # greedy, unranked, unbanned: the benchmark's
+            graphs.propose(HostInputs.pack(rows, list(range(n)), STARTS[:n], list(range(1, n + 1)), NEXTN, V,
+                                           "rejection"), cache)
+    assert graphs.static == prepared and set(prepared) == set(keys)
+
+
 def test_inputs_of_another_key_are_refused(setup):
     model, cache = setup
     host = HostInputs.pack(ROWS[:2], [1, 2], [3, 4], [1, 2], NEXTN, V, "rejection")
