@@ -428,6 +428,32 @@ def test_logit_bias_builds_no_list_on_the_device():
     assert built_on_device == []
 
 
+def test_the_sampler_builds_no_list_on_the_device():
+    """Every per-row parameter of ``Sampler`` (the speculative path's sampler on a GPU) is built on the host
+    and uploaded without a sync: draw bits, greedy flags, forced tokens, the ranked rows, rank and top-p
+    limits, temperatures, bans, bias. A list built with ``device=`` is a blocking copy on CUDA."""
+    from torch.overrides import TorchFunctionMode
+
+    built_on_device = []
+
+    class Builds(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
+                built_on_device.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    rows = [row(temperature=0.0), row(top_k=2, seed=3), row(top_p=0.6, position=4, banned_token_ids=(1,)),
+            row(forced_top_k=3, forced_token_id=2, num_logprobs=2), row(logit_bias=((0, 1.5),), seed=-9)]
+    logits = torch.randn(len(rows), 6, generator=torch.Generator().manual_seed(0))
+    expected = SAMPLER(logits, rows)
+    with Builds():
+        got = SAMPLER(logits, rows)
+        sample_from_uniform(torch.full((2, 4), 0.25), [0.1, 0.9])
+    assert built_on_device == []
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
 def test_a_forced_token_outside_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="forced token id"):
         SAMPLER(torch.zeros(1, 5), [row(forced_token_id=5)])
