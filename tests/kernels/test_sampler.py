@@ -246,6 +246,26 @@ def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
     _check(Sampler()(logits, moved), got, tol=2e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_gpu_parameters_and_draws_never_synchronise_the_stream():
+    """``sampling_tensors(rows, "cuda")`` and the kernel under sync debug mode "error": the parameters are
+    uploaded without a sync (a list built on the device would be a blocking copy); the same draws."""
+    from kernels.sampler import sample, sampling_tensors
+
+    rows = _mixed_rows(129_280, 64, torch.Generator().manual_seed(11))
+    logits = (torch.randn(64, 129_280, generator=torch.Generator().manual_seed(12)) * 3).cuda()
+    expected = sample(logits, sampling_tensors(rows, "cuda"), num_logprobs=5)  # the warm-up and compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = sample(logits, sampling_tensors(rows, "cuda"), num_logprobs=5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
 def test_sampler_interpreted_forced_tokens_match_cpu_sampler():
     gen = torch.Generator().manual_seed(3)
     vocab, num_rows = 700, 8

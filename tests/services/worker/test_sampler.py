@@ -390,6 +390,25 @@ def test_gpu_tokens_equal_cpu_tokens():
     assert torch.allclose(gpu.logprobs.cpu(), cpu.logprobs, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_sampler_never_synchronises_the_stream():
+    """The speculative path's sampler on a GPU: no host read and no blocking copy (sync debug mode raises on
+    either), bans, bias and forced tokens included; the same outputs as without the debug mode."""
+    logits = (torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(5)) * 4).cuda()
+    rows = [dataclasses.replace(r, forced_token_id=7 if i % 5 == 2 else None,
+                                logit_bias=((11, 2.5),) if i % 4 == 1 else ()) for i, r in enumerate(mixed_rows())]
+    expected = SAMPLER(logits, rows)  # also the warm-up: first calls may synchronise while they initialise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = SAMPLER(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
 def test_a_forced_token_replaces_the_draw_and_keeps_its_processed_logprob():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 4)
     rows = [row(top_p=0.8, forced_token_id=1, num_logprobs=2), row(top_p=0.8, forced_token_id=4),
