@@ -242,7 +242,7 @@ def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
     seeds = [s & mask64 for s in (r.seed for r in rows)]
     seeds = [s - (1 << 64) if s & sign else s for s in seeds]
     # min(forced top-k, top-k) over those set (top_k <= 0 and forced_top_k None are off), 0 = off.
-    rank_limits = [(k if f is None or 0 < k < f else f) if k > 0 else (f or 0)
+    rank_limits = [(k if f is None or k < f else f) if k > 0 else (f or 0)
                    for k, f in ((r.top_k, r.forced_top_k) for r in rows)]
     mass_limits = [math.ceil(p * MASS_SCALE) if p < 1 else 0 for p in (r.top_p for r in rows)]
     forced = [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
@@ -256,7 +256,7 @@ def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
         mass_limit=up(torch.tensor(mass_limits, dtype=torch.int64)),
         seed=up(torch.tensor(seeds, dtype=torch.int64)),
         position=up(torch.tensor([r.position for r in rows], dtype=torch.int64)),
-        banned=up(banned.reshape(num_rows, width)),
+        banned=up(banned),
         forced=up(torch.tensor(forced, dtype=torch.int64)),
     )
 
