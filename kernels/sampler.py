@@ -36,6 +36,7 @@ Graph-safe: every per-row parameter is a tensor; no host synchronisation. Refere
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -220,28 +221,43 @@ def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
 
 def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
                     num_bans: int | None = None) -> SamplingTensors:
-    """Tensors for ``rows`` (``services.worker.sampler.SamplingRow``); ``num_bans`` pads the ban lists."""
-    width = max((len(r.banned_token_ids) for r in rows), default=0) if num_bans is None else num_bans
-    banned = torch.full((len(rows), width), -1, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        if len(r.banned_token_ids) > width:
-            raise ValueError(f"row {i} bans {len(r.banned_token_ids)} tokens, more than num_bans={width}")
-        banned[i, : len(r.banned_token_ids)] = torch.tensor(r.banned_token_ids, dtype=torch.int32)
-    seeds = [(r.seed & ((1 << 64) - 1)) - ((1 << 64) if r.seed & (1 << 63) else 0) for r in rows]
-    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64)
+    """Tensors for ``rows`` (``services.worker.sampler.SamplingRow``); ``num_bans`` pads the ban lists.
+
+    Host work per step, so per row only list comprehensions over plain attributes: one ``torch.tensor`` per
+    parameter (none per row), the ban table only when a row bans, and each tensor uploaded without a sync.
+    ceil(top_p · 2³¹) in Python floats is ``top_p_mass_limit``'s float64 product: scaling by 2³¹ is exact.
+    """
+    num_rows = len(rows)
+    ban_lists = [r.banned_token_ids for r in rows]
+    longest = max(map(len, ban_lists), default=0)
+    width = longest if num_bans is None else num_bans
+    if longest > width:
+        i = next(i for i, b in enumerate(ban_lists) if len(b) > width)
+        raise ValueError(f"row {i} bans {len(ban_lists[i])} tokens, more than num_bans={width}")
+    if longest == 0:
+        banned = torch.full((num_rows, width), -1, dtype=torch.int32)
+    else:  # one build of the padded table
+        banned = torch.tensor([list(b) + [-1] * (width - len(b)) for b in ban_lists], dtype=torch.int32)
+    mask64, sign = (1 << 64) - 1, 1 << 63
+    seeds = [s & mask64 for s in (r.seed for r in rows)]
+    seeds = [s - (1 << 64) if s & sign else s for s in seeds]
+    # min(forced top-k, top-k) over those set (top_k <= 0 and forced_top_k None are off), 0 = off.
+    rank_limits = [(k if f is None or k < f else f) if k > 0 else (f or 0)
+                   for k, f in ((r.top_k, r.forced_top_k) for r in rows)]
+    mass_limits = [math.ceil(p * MASS_SCALE) if p < 1 else 0 for p in (r.top_p for r in rows)]
+    forced = [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
 
     def up(host: torch.Tensor) -> torch.Tensor:  # enqueued, not synchronised (kernels/device.py)
         return host if device is None else upload(host, device)
 
     return SamplingTensors(
         temperature=up(torch.tensor([r.temperature for r in rows], dtype=torch.float32)),
-        rank_limit=up(torch.tensor([r.rank_limit or 0 for r in rows], dtype=torch.int32)),
-        mass_limit=up(top_p_mass_limit(top_p)),
+        rank_limit=up(torch.tensor(rank_limits, dtype=torch.int32)),
+        mass_limit=up(torch.tensor(mass_limits, dtype=torch.int64)),
         seed=up(torch.tensor(seeds, dtype=torch.int64)),
         position=up(torch.tensor([r.position for r in rows], dtype=torch.int64)),
         banned=up(banned),
-        forced=up(torch.tensor([-1 if r.forced_token_id is None else r.forced_token_id for r in rows],
-                               dtype=torch.int64)),
+        forced=up(torch.tensor(forced, dtype=torch.int64)),
     )
 
 

@@ -118,9 +118,15 @@ def with_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
             token_ids.append(t)
             values.append(v)
     if row_ids:  # uploaded without a sync: a list built on a GPU waits for the step in flight (async scheduling)
-        index = (upload(torch.tensor(row_ids), x.device), upload(torch.tensor(token_ids), x.device))
-        x[index] = x[index] + upload(torch.tensor(values, dtype=torch.float32), x.device)
+        index = (host_built(row_ids, torch.int64, x.device), host_built(token_ids, torch.int64, x.device))
+        x[index] = x[index] + host_built(values, torch.float32, x.device)
     return x
+
+
+def host_built(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` built on the host and uploaded without a sync:
+    a list built straight on a GPU is a pageable copy that waits for the stream (the step in flight)."""
+    return upload(torch.tensor(values, dtype=dtype), device)
 
 
 def integer_masses(probs: torch.Tensor) -> torch.Tensor:
@@ -158,7 +164,7 @@ def sample_from_bits(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def sample_from_uniform(probs: torch.Tensor, u: float | Sequence[float]) -> torch.Tensor:
     """:func:`sample_from_bits` with the draws given as uniforms in [0, 1) (bits = floor(u · 2³¹))."""
     uniforms = [u] * probs.shape[0] if isinstance(u, (int, float)) else list(u)
-    bits = torch.tensor([bits_of_uniform(x) for x in uniforms], dtype=torch.int64, device=probs.device)
+    bits = host_built([bits_of_uniform(x) for x in uniforms], torch.int64, probs.device)
     return sample_from_bits(probs, bits)
 
 
@@ -199,16 +205,17 @@ class Sampler:
         # With any top-n requested every row is ranked, so top_* are in rank order for all rows.
         p = self.process(logits, rows, rank_all=width > 0)
         device = logits.device
-        bits = draw_bits([r.seed for r in rows], [r.position for r in rows], DrawCase.SAMPLE, device)
+        # Philox on the host (integer ops: the device's bits exactly), uploaded without a sync.
+        bits = upload(draw_bits([r.seed for r in rows], [r.position for r in rows], DrawCase.SAMPLE), device)
         drawn = pick_from_bits(p.probs, bits)
-        greedy = torch.tensor([r.temperature == 0 for r in rows], dtype=torch.bool, device=device)
+        greedy = host_built([r.temperature == 0 for r in rows], torch.bool, device)
         tokens = torch.where(greedy, torch.argmax(p.banned, dim=-1), drawn)
         forced = [(i, r.forced_token_id) for i, r in enumerate(rows) if r.forced_token_id is not None]
         if forced:
             if any(t >= vocab_size for _, t in forced):
                 raise ValueError(f"a forced token id is outside the vocabulary [0, {vocab_size})")
             index, ids = zip(*forced)
-            tokens[torch.tensor(index, device=device)] = torch.tensor(ids, dtype=tokens.dtype, device=device)
+            tokens[host_built(index, torch.int64, device)] = host_built(ids, tokens.dtype, device)
         tokens = tokens.masked_fill(p.errors, 0)
         chosen = p.logprobs.gather(1, tokens.unsqueeze(-1)).squeeze(-1).masked_fill(p.errors, -math.inf)
         if width > 0:
@@ -230,14 +237,14 @@ class Sampler:
         x = x.masked_fill(errors.unsqueeze(-1), 0.0)
 
         ranked = [i for i, r in enumerate(rows) if rank_all or r.needs_ranking]
-        ranked_idx = torch.tensor(ranked, dtype=torch.int64, device=device)
+        ranked_idx = host_built(ranked, torch.int64, device)
         order = torch.sort(x[ranked_idx], dim=-1, descending=True, stable=True).indices  # [m, V]
 
         keep = torch.ones_like(x, dtype=torch.bool)
         limited = [j for j, i in enumerate(ranked) if rows[i].rank_limit is not None]
         if limited:
-            j_idx = torch.tensor(limited, dtype=torch.int64, device=device)
-            limits = torch.tensor([rows[ranked[j]].rank_limit for j in limited], dtype=torch.int64, device=device)
+            j_idx = host_built(limited, torch.int64, device)
+            limits = host_built([rows[ranked[j]].rank_limit for j in limited], torch.int64, device)
             sub_order = order[j_idx]
             ranks = torch.arange(vocab_size, device=device).expand_as(sub_order)
             keep_sorted = ranks < limits.unsqueeze(-1)
@@ -246,8 +253,8 @@ class Sampler:
         # Greedy rows process their logprobs at T = 1; tiny temperatures are clamped to float32's
         # smallest normal so that the max logit's 0 / T stays 0 (never 0 / 0).
         tiny = torch.finfo(torch.float32).tiny
-        temperatures = torch.tensor([max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows],
-                                    dtype=torch.float32, device=device)
+        temperatures = host_built([max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows],
+                                  torch.float32, device)
         scaled = (x - x.amax(dim=-1, keepdim=True)) / temperatures.unsqueeze(-1)
         scaled = scaled.masked_fill(~keep, -math.inf)
         self._top_p(scaled, rows, ranked, ranked_idx, order)
@@ -266,7 +273,7 @@ class Sampler:
                 row_ids.append(i)
                 token_ids.append(t)
         if row_ids:
-            x[torch.tensor(row_ids, device=x.device), torch.tensor(token_ids, device=x.device)] = -math.inf
+            x[host_built(row_ids, torch.int64, x.device), host_built(token_ids, torch.int64, x.device)] = -math.inf
 
     @staticmethod
     def _top_p(scaled: torch.Tensor, rows: Sequence[SamplingRow], ranked: list[int],
@@ -276,15 +283,15 @@ class Sampler:
         if not nucleus:
             return
         device = scaled.device
-        j_idx = torch.tensor(nucleus, dtype=torch.int64, device=device)
+        j_idx = host_built(nucleus, torch.int64, device)
         row_idx = ranked_idx[j_idx]
         sub_order = order[j_idx]
         sub = scaled[row_idx]
         masses = integer_masses(torch.softmax(sub, dim=-1)).gather(1, sub_order)
         mass_before = torch.cumsum(masses, dim=-1) - masses
         # mass_before < top_p · 2³¹ ⇔ mass_before < ceil(top_p · 2³¹) for integers; rank 0 is always kept.
-        limits = torch.tensor([math.ceil(rows[ranked[j]].top_p * (1 << MASS_BITS)) for j in nucleus],
-                              dtype=torch.int64, device=device)
+        limits = host_built([math.ceil(rows[ranked[j]].top_p * (1 << MASS_BITS)) for j in nucleus],
+                            torch.int64, device)
         keep_sorted = mass_before < limits.unsqueeze(-1)
         keep = torch.zeros_like(keep_sorted).scatter_(1, sub_order, keep_sorted)
         scaled[row_idx] = sub.masked_fill(~keep, -math.inf)

@@ -57,6 +57,68 @@ def _check(ref, got, tol=1e-5):
     return worst
 
 
+class _Builds:
+    """Counts ``torch.tensor`` builds from Python data (the host cost that grows with the rows)."""
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        counts = self.counts = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") == "tensor":
+                    counts.append(1)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __call__(self, fn) -> int:
+        self.counts.clear()
+        with self.mode:
+            fn()
+        return len(self.counts)
+
+
+@pytest.mark.parametrize("banned", [(), (3, 9)])
+def test_sampling_tensors_build_one_tensor_per_parameter_not_one_per_row(banned):
+    """The per-step host work may not grow a torch call per row (it did: one ban tensor per row, even for
+    rows that ban nothing): the same builds for 1 row as for 64, at most one per parameter."""
+    from kernels.sampler import SamplingTensors, sampling_tensors
+
+    def rows(n):
+        return [_row(0.7, 50 * (i % 2), 0.9, seed=i, position=i, banned=banned) for i in range(n)]
+
+    builds = _Builds()
+    one, many = builds(lambda: sampling_tensors(rows(1))), builds(lambda: sampling_tensors(rows(64)))
+    assert one == many <= len(dataclasses.fields(SamplingTensors)), (one, many)
+
+
+def test_sampling_tensors_hold_each_rows_parameters():
+    """Every field against ``SamplingRow``'s own definitions: the rank limit property, ceil(top_p · 2³¹) in
+    float64 (``top_p_mass_limit``), the seed mod 2⁶⁴ as two's complement, bans −1 padded to num_bans."""
+    from kernels.sampler import sampling_tensors, top_p_mass_limit
+
+    gen = torch.Generator().manual_seed(7)
+    rows = _mixed_rows(100, 24, gen) + [_row(seed=-1), _row(seed=2**64 - 1), _row(seed=2**64 + 5, top_p=1e-9),
+                                        _row(top_k=5, forced=None, top_p=0.999999), _row(top_k=-1, forced=None)]
+    rows = [dataclasses.replace(r, forced_top_k=[None, 1, 4, 80][i % 4], forced_token_id=[None, 0, 99][i % 3])
+            for i, r in enumerate(rows)]
+    got = sampling_tensors(rows, num_bans=5)
+    assert got.temperature.dtype == torch.float32 and got.rank_limit.dtype == torch.int32
+    assert got.temperature.tolist() == torch.tensor([r.temperature for r in rows], dtype=torch.float32).tolist()
+    assert got.rank_limit.tolist() == [r.rank_limit or 0 for r in rows]
+    assert torch.equal(got.mass_limit, top_p_mass_limit(torch.tensor([r.top_p for r in rows], dtype=torch.float64)))
+    assert got.seed.tolist() == [(r.seed % 2**64) - 2**64 * (r.seed % 2**64 >= 2**63) for r in rows]
+    assert got.position.tolist() == [r.position for r in rows]
+    assert got.banned.tolist() == [list(r.banned_token_ids) + [-1] * (5 - len(r.banned_token_ids)) for r in rows]
+    assert got.forced.tolist() == [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
+    assert sampling_tensors(rows).banned.shape == (len(rows), 3)
+    assert sampling_tensors(rows[2:4]).banned.shape == (2, 0)
+    with pytest.raises(ValueError, match="row 1 bans 3 tokens, more than num_bans=2"):
+        sampling_tensors(rows, num_bans=2)
+
+
 def _interpreted_sample(logits, rows, block, case=0):
     k = load_interpreted("sampler")
     width = max(r.num_logprobs for r in rows)
@@ -182,6 +244,26 @@ def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
         getattr(params, name).copy_(getattr(new, name))
     graph.replay()
     _check(Sampler()(logits, moved), got, tol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_gpu_parameters_and_draws_never_synchronise_the_stream():
+    """``sampling_tensors(rows, "cuda")`` and the kernel under sync debug mode "error": the parameters are
+    uploaded without a sync (a list built on the device would be a blocking copy); the same draws."""
+    from kernels.sampler import sample, sampling_tensors
+
+    rows = _mixed_rows(129_280, 64, torch.Generator().manual_seed(11))
+    logits = (torch.randn(64, 129_280, generator=torch.Generator().manual_seed(12)) * 3).cuda()
+    expected = sample(logits, sampling_tensors(rows, "cuda"), num_logprobs=5)  # the warm-up and compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = sample(logits, sampling_tensors(rows, "cuda"), num_logprobs=5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
 def test_sampler_interpreted_forced_tokens_match_cpu_sampler():

@@ -390,6 +390,25 @@ def test_gpu_tokens_equal_cpu_tokens():
     assert torch.allclose(gpu.logprobs.cpu(), cpu.logprobs, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_sampler_never_synchronises_the_stream():
+    """The speculative path's sampler on a GPU: no host read and no blocking copy (sync debug mode raises on
+    either), bans, bias and forced tokens included; the same outputs as without the debug mode."""
+    logits = (torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(5)) * 4).cuda()
+    rows = [dataclasses.replace(r, forced_token_id=7 if i % 5 == 2 else None,
+                                logit_bias=((11, 2.5),) if i % 4 == 1 else ()) for i, r in enumerate(mixed_rows())]
+    expected = SAMPLER(logits, rows)  # also the warm-up: first calls may synchronise while they initialise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = SAMPLER(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
 def test_a_forced_token_replaces_the_draw_and_keeps_its_processed_logprob():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 4)
     rows = [row(top_p=0.8, forced_token_id=1, num_logprobs=2), row(top_p=0.8, forced_token_id=4),
@@ -426,6 +445,32 @@ def test_logit_bias_builds_no_list_on_the_device():
         with_logit_bias(x, [row(logit_bias=((4, 5.0),)), row(logit_bias=((0, -1.0), (2, 2.0)))])
     assert x.tolist() == [[0, 0, 0, 0, 5.0], [-1.0, 0, 2.0, 0, 0]]
     assert built_on_device == []
+
+
+def test_the_sampler_builds_no_list_on_the_device():
+    """Every per-row parameter of ``Sampler`` (the speculative path's sampler on a GPU) is built on the host
+    and uploaded without a sync: draw bits, greedy flags, forced tokens, the ranked rows, rank and top-p
+    limits, temperatures, bans, bias. A list built with ``device=`` is a blocking copy on CUDA."""
+    from torch.overrides import TorchFunctionMode
+
+    built_on_device = []
+
+    class Builds(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
+                built_on_device.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    rows = [row(temperature=0.0), row(top_k=2, seed=3), row(top_p=0.6, position=4, banned_token_ids=(1,)),
+            row(forced_top_k=3, forced_token_id=2, num_logprobs=2), row(logit_bias=((0, 1.5),), seed=-9)]
+    logits = torch.randn(len(rows), 6, generator=torch.Generator().manual_seed(0))
+    expected = SAMPLER(logits, rows)
+    with Builds():
+        got = SAMPLER(logits, rows)
+        sample_from_uniform(torch.full((2, 4), 0.25), [0.1, 0.9])
+    assert built_on_device == []
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
 def test_a_forced_token_outside_the_vocabulary_is_refused():
