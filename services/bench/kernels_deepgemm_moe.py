@@ -62,37 +62,57 @@ def _product_check(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"vs exact {rel:.2e} ({'ok' if rel <= PROBE_REL else 'ACCURACY FAIL'} ≤ {PROBE_REL:.2e})"
 
 
+class _LayerCase:
+    """One size's routed layer on random FP8 operands: its routing, weights, input, traffic and work, the
+    DeepGEMM layer in the given layout and the grouped Triton layer, and DeepGEMM's first (JIT) call's output."""
+
+    def __init__(self, num_tokens: int, gen: torch.Generator, masked: bool) -> None:
+        import torch
+
+        from kernels import deepgemm_moe
+        from kernels.moe_combine import moe_combine
+        from kernels.moe_grouped_gemm import moe_experts
+        from kernels.quant_fp8 import quantize_act
+
+        self.num_stacked, self.picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
+        self.meta = meta = layer_meta(num_tokens, gen)
+        self.weights = w13, s13, w2, s2 = (*_random_weights(2 * INTER, HIDDEN, gen, self.num_stacked),
+                                           *_random_weights(HIDDEN, INTER, gen, self.num_stacked))
+        self.x = x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        self.active = int(meta["num_active"])
+        self.nbytes = (self.active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6
+                       + self.picks * (INTER + HIDDEN * 2))
+        self.flops = 2.0 * self.picks * 3 * INTER * HIDDEN
+        self.shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
+        self.deep_layer = lambda: deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act,
+                                                       moe_combine, masked=masked)
+        self.triton_layer = lambda: moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
+        t0 = time.perf_counter()
+        self.deep_out = self.deep_layer()  # the JIT compiles here
+        torch.cuda.synchronize()
+        layout = "masked" if masked else "contiguous"
+        print(f"  DeepGEMM {layout} layer, first call (nvcc JIT): {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def check(self, check: bool) -> str:
+        """The layer check's note (or that it was skipped at this size)."""
+        if not check:
+            return "layer not checked"
+        return _layer_check(self.x, self.meta, self.weights, self.deep_out, self.triton_layer())
+
+
 def bench_prefill(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, check: bool) -> list[dict[str, Any]]:
     import torch
 
-    from kernels import deepgemm_moe
     from kernels.moe_combine import moe_combine
-    from kernels.moe_grouped_gemm import moe_experts
     from kernels.quant_fp8 import quantize_act
     from services.bench.kernels_prefill_moe import bench_products
     from services.worker import block_scaled_experts, block_scaled_gemm
 
-    num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
-    meta = layer_meta(num_tokens, gen)
-    w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
-    w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    active = int(meta["num_active"])
-    nbytes = active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6 + picks * (INTER + HIDDEN * 2)
-    flops = 2.0 * picks * 3 * INTER * HIDDEN
-    shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
-
-    def deep_layer() -> torch.Tensor:
-        return deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act, moe_combine, masked=False)
-
-    def triton_layer() -> torch.Tensor:
-        return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
-
-    t0 = time.perf_counter()
-    deep_out = deep_layer()  # the JIT compiles here
-    torch.cuda.synchronize()
-    print(f"  DeepGEMM contiguous layer, first call (nvcc JIT): {time.perf_counter() - t0:.1f} s", flush=True)
-    note = _layer_check(x, meta, (w13, s13, w2, s2), deep_out, triton_layer()) if check else "layer not checked"
+    case = _LayerCase(num_tokens, gen, masked=False)
+    meta, x, (w13, s13, w2, s2) = case.meta, case.x, case.weights
+    shape, nbytes, flops = case.shape, case.nbytes, case.flops
+    deep_layer, triton_layer = case.deep_layer, case.triton_layer
+    note = case.check(check)
     deep_s, triton_s = _bench(deep_layer), _bench(triton_layer)
     rows = [_row("prefill moe layer [DeepGEMM contiguous]", shape, deep_s, nbytes, flops, ceil, None,
                  f"{triton_s / deep_s:.2f}x the grouped Triton pair; {note}"),
@@ -149,31 +169,14 @@ def bench_decode(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, 
     import torch
 
     from kernels import deepgemm_moe
-    from kernels.moe_combine import moe_combine
-    from kernels.moe_grouped_gemm import moe_experts
     from kernels.quant_fp8 import quantize_act
 
-    num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
-    meta = layer_meta(num_tokens, gen)
-    w13, s13 = _random_weights(2 * INTER, HIDDEN, gen, num_stacked)
-    w2, s2 = _random_weights(HIDDEN, INTER, gen, num_stacked)
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    active = int(meta["num_active"])
-    nbytes = active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6 + picks * (INTER + HIDDEN * 2)
-    flops = 2.0 * picks * 3 * INTER * HIDDEN
-    shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
-
-    def deep_layer() -> torch.Tensor:
-        return deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act, moe_combine, masked=True)
-
-    def triton_layer() -> torch.Tensor:
-        return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
-
-    t0 = time.perf_counter()
-    deep_out = deep_layer()
-    torch.cuda.synchronize()
-    print(f"  DeepGEMM masked layer, first call (nvcc JIT): {time.perf_counter() - t0:.1f} s", flush=True)
-    note = _layer_check(x, meta, (w13, s13, w2, s2), deep_out, triton_layer()) if check else "layer not checked"
+    case = _LayerCase(num_tokens, gen, masked=True)
+    meta, x, (w13, s13, w2, s2) = case.meta, case.x, case.weights
+    shape, nbytes, flops = case.shape, case.nbytes, case.flops
+    num_stacked, picks, active = case.num_stacked, case.picks, case.active
+    deep_layer, triton_layer = case.deep_layer, case.triton_layer
+    note = case.check(check)
     deep_s, how = _replay_or_eager(deep_layer)
     triton_s = _bench_replay(triton_layer)
     rows = [_row("decode moe layer [DeepGEMM masked]", shape, deep_s, nbytes, flops, ceil, None,

@@ -425,23 +425,38 @@ def test_a_forced_token_replaces_the_draw_and_keeps_its_processed_logprob():
     assert not out.errors.any()
 
 
+class DeviceBuilds:
+    """A torch function mode recording every ``torch.tensor``/``as_tensor`` given ``device=`` (a list built on
+    the device: on CUDA a pageable copy that waits for the stream); entering it returns the record."""
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        built: list[str] = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
+                    built.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.built, self.mode = built, Mode()
+
+    def __enter__(self) -> list[str]:
+        self.mode.__enter__()
+        return self.built
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
+
+
 def test_logit_bias_builds_no_list_on_the_device():
     """``torch.tensor(list, device=cuda)`` is a pageable copy that waits for the stream, i.e. for the step in
     flight under async scheduling: the bias's indices and values are built on the host and uploaded."""
-    from torch.overrides import TorchFunctionMode
-
     from services.worker.sampler import with_logit_bias
 
-    built_on_device = []
-
-    class Builds(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
-                built_on_device.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     x = torch.zeros(2, 5)
-    with Builds():
+    with DeviceBuilds() as built_on_device:
         with_logit_bias(x, [row(logit_bias=((4, 5.0),)), row(logit_bias=((0, -1.0), (2, 2.0)))])
     assert x.tolist() == [[0, 0, 0, 0, 5.0], [-1.0, 0, 2.0, 0, 0]]
     assert built_on_device == []
@@ -451,21 +466,11 @@ def test_the_sampler_builds_no_list_on_the_device():
     """Every per-row parameter of ``Sampler`` (the speculative path's sampler on a GPU) is built on the host
     and uploaded without a sync: draw bits, greedy flags, forced tokens, the ranked rows, rank and top-p
     limits, temperatures, bans, bias. A list built with ``device=`` is a blocking copy on CUDA."""
-    from torch.overrides import TorchFunctionMode
-
-    built_on_device = []
-
-    class Builds(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
-                built_on_device.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     rows = [row(temperature=0.0), row(top_k=2, seed=3), row(top_p=0.6, position=4, banned_token_ids=(1,)),
             row(forced_top_k=3, forced_token_id=2, num_logprobs=2), row(logit_bias=((0, 1.5),), seed=-9)]
     logits = torch.randn(len(rows), 6, generator=torch.Generator().manual_seed(0))
     expected = SAMPLER(logits, rows)
-    with Builds():
+    with DeviceBuilds() as built_on_device:
         got = SAMPLER(logits, rows)
         sample_from_uniform(torch.full((2, 4), 0.25), [0.1, 0.9])
     assert built_on_device == []
