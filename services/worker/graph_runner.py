@@ -31,6 +31,7 @@ from scheduler_rs import StepPlan
 from services.worker.cache_engine import CacheEngine
 from services.worker.config import WorkerConfig
 from services.worker.static_decode_step import StaticDecodeStep
+from services.worker.graph_capture import capture_graph
 from services.worker.model_runner import ModelRunner
 from services.worker.reference_runner import RunnerOutput
 from services.worker.step_batch import PendingInputs
@@ -116,17 +117,7 @@ class GraphRunner:
         step = self.step(size)
         # Placeholder rows only: the warm-up (which really runs) writes nothing but block 0 / slot 0.
         step.prepare_placeholders()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # first runs: Triton compiles, cuBLAS picks its kernels
-            for _ in range(2):
-                step.run()
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._outputs[size] = step.run()
+        graph, self._outputs[size], self._pool = capture_graph(step.run, self._pool)
         self._graphs[size] = graph
         log.info("captured the decode graph of %d rows", size)
 

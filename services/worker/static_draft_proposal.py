@@ -31,6 +31,7 @@ from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from services.worker.cache_engine import CacheEngine
 from kernels.device import upload, upload_into
+from services.worker.graph_capture import capture_graph
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.sampler import MASS_BITS
 
@@ -188,17 +189,7 @@ class DraftGraphs:
 
     def _capture(self, static: StaticDraftProposal) -> None:
         static.fill(None)  # placeholders only: the warm-up really runs, and reads only the null slot
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # first runs: Triton compiles, cuBLAS picks its kernels
-            for _ in range(2):
-                static.run()
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[static.key] = static.run()
+        graph, self.outputs[static.key], self._pool = capture_graph(static.run, self._pool)
         self.graphs[static.key] = graph
         self.num_captures += 1
         log.info("captured the draft proposal graph of %s", static.key)
