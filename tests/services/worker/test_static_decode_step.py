@@ -401,7 +401,8 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
             return out if live is None else torch.where(live.unsqueeze(-1), out, 0.0)
 
         monkeypatch.setattr(rope, "_views_as_complex", lambda pairs: False)
-        monkeypatch.setattr(graph, "index_weights", lambda idx, x: ((idx.weights_proj(x) * idx.weight_scale).float(), 1.0))
+        monkeypatch.setattr(graph, "index_weights",
+                            lambda idx, x: ((idx.weights_proj(x) * idx.weight_scale).float(), 1.0))
         monkeypatch.setattr(kernels.moe_grouped_gemm, "moe_experts", experts_then_where)
 
     results = []
