@@ -122,7 +122,7 @@ def _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N: tl.const
 
 @triton.jit
 def _score_kernel(
-    q_ptr, w_ptr, pool_ptr, tables_ptr, pos_ptr, cand_ptr, scores_ptr, blocks_ptr,
+    q_ptr, w_ptr, pool_ptr, tables_ptr, pos_ptr, cand_ptr, scores_ptr, blocks_ptr, w_scale,
     num_heads, width, num_tiles, num_blocks, ratio, entries_per_block,
     q_stride_r, q_stride_h, w_stride_r, pool_stride_block, pool_stride_entry, tables_stride_r,
     cand_stride_r, scores_stride_r, blocks_stride_r,
@@ -148,7 +148,9 @@ def _score_kernel(
     expo = tl.where(expo == 0, 127, expo)
     q_pow2 = (expo << 23).to(tl.float32, bitcast=True)
     inv_q = ((254 - expo) << 23).to(tl.float32, bitcast=True)
-    w = tl.load(w_ptr + row * w_stride_r + heads, mask=h_ok, other=0.0).to(tl.float32) * q_pow2  # [BLOCK_H]
+    # (w · w_scale) rounds in fp32 as torch's ``w * w_scale`` (an fp32 tensor times a scalar cast to fp32).
+    w = tl.load(w_ptr + row * w_stride_r + heads, mask=h_ok, other=0.0).to(tl.float32) * w_scale
+    w = w * q_pow2  # [BLOCK_H]
     qe0 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 0, 0, dot_ty)
     qo0 = _q_half(q_row, heads, h_ok, q_stride_h, inv_q, 0, 1, dot_ty)
     qe1, qo1, qe2, qo2, qe3, qo3 = qe0, qe0, qe0, qe0, qe0, qe0  # placeholders below GROUPS = 4
@@ -255,12 +257,14 @@ def indexer_scores(
     num_stages: int = 2,
     asm: bool = True,
     dot_fp32: bool = False,
+    w_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 scores [R, width] (−∞ past ⌊(pos+1)/ratio⌋ and outside ``candidates``) and, with
     ``block_max``, the level-1 block scores [R, ceil(width/CB)] (None otherwise).
 
-    q [R, Hi, di] FP4-rounded index queries (fp32 or bf16, last dim contiguous); w [R, Hi] fp32 (already
-    times (di·Hi)^-1/2); key_pool uint8 [num_blocks, epb, di/2 + di/32] (``CacheEngine.entries(l)[1]``);
+    q [R, Hi, di] FP4-rounded index queries (fp32 or bf16, last dim contiguous); w [R, Hi] fp32, times
+    (di·Hi)^-1/2 already or by ``w_scale`` here (the kernel's fp32 ``w * w_scale``: the bits of torch's, one
+    launch fewer); key_pool uint8 [num_blocks, epb, di/2 + di/32] (``CacheEngine.entries(l)[1]``);
     block_tables [R, ≥ ceil(width/epb)] int32/int64, each row's own table; positions [R] (decode
     position p of the row); candidates uint8/bool [R, ceil(width/CB)] block mask or None (``candidate_blocks``
     converts the model's entry mask). ``asm`` (CUDA, 4-byte aligned pools) picks the PTX dequantisation;
@@ -269,6 +273,8 @@ def indexer_scores(
     """
     num_rows, num_heads, dim = q.shape
     cb = candidate_block_size
+    if w_scale != 1.0 and w.dtype != torch.float32:
+        raise ValueError(f"w_scale needs w in float32 (torch's product rounds in w's dtype), got {w.dtype}")
     if dim not in (32, 64, 128):
         raise ValueError(f"index_head_dim must be 32, 64 or 128, got q {tuple(q.shape)}")
     if key_pool.shape[-1] != dim // 2 + dim // _GROUP or key_pool.stride(-1) != 1 or q.stride(-1) != 1:
@@ -294,7 +300,7 @@ def indexer_scores(
         return scores, blocks
     _score_kernel[(num_rows, splits)](
         q, w, pool, block_tables, positions, scores if cand is None else cand, scores,
-        scores if blocks is None else blocks,
+        scores if blocks is None else blocks, float(w_scale),
         num_heads, width, num_tiles, num_blocks, ratio, key_pool.shape[1],
         q.stride(0), q.stride(1), w.stride(0), pool.stride(0), pool.stride(1), block_tables.stride(0),
         0 if cand is None else cand.stride(0), scores.stride(0), 0 if blocks is None else blocks.stride(0),
@@ -326,7 +332,7 @@ def indexer_select(
 
     The candidate source picks its blocks from its own (unmasked) scores and returns them; a layer
     given ``candidates`` scores only inside them and passes them on (``Attention.restrict_to_candidates``).
-    Arguments as ``indexer_scores``; ``options`` go to it (block_n, splits, num_warps, dot_fp32).
+    Arguments as ``indexer_scores``; ``options`` go to it (block_n, splits, num_warps, dot_fp32, w_scale).
     """
     if candidate_source and candidates is not None:
         raise ValueError("the candidate source picks candidates; it does not take them")

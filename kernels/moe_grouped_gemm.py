@@ -253,8 +253,11 @@ def moe_experts(
     prequantize: bool = True,
     shared_last: bool = False,
     shared_launch: bool | None = None,
+    live: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine.
+    """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine
+    (``live`` and ``width`` go to it: +0.0 in the rows outside ``live``, only the first ``width`` columns).
 
     ``prequantize``: quantise x once (``quant_fp8.quantize_act``) and hand h from the SwiGLU
     epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
@@ -280,7 +283,7 @@ def moe_experts(
                              block_m=block_m)
         y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False, block_m=block_m)
         assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
-        return moe_combine(y, meta["slot_of"], shared_last)
+        return moe_combine(y, meta["slot_of"], shared_last, live=live, width=width)
     routed, shared = split_shared(meta)
     capacity = meta["row_ids"].shape[1]
     h = empty_output(num_stacked, capacity, w13.shape[1] // 2, h_dtype, x.device)
@@ -292,7 +295,7 @@ def moe_experts(
         moe_grouped_gemm(h_part, w2[experts], w2_scale[experts], part, gather=False, block_m=block_m,
                          out=_experts_of(y, experts))
     assert isinstance(y, torch.Tensor)
-    return moe_combine(y, meta["slot_of"], shared_last)
+    return moe_combine(y, meta["slot_of"], shared_last, live=live, width=width)
 
 
 def shared_apart(capacity: int, block_m: int) -> bool:

@@ -174,15 +174,18 @@ def moe_grouped_gemm(
     return out
 
 
-def moe_combine(y: torch.Tensor, slot_of: torch.Tensor, shared_last: bool = False) -> torch.Tensor:
-    """Σ over each token's k expert outputs in fp32: y [E, cap, D], slot_of [T, k] → fp32 [T, D]. The
-    columns in order, or with ``shared_last`` the last one (the shared expert) first, then the others."""
+def moe_combine(y: torch.Tensor, slot_of: torch.Tensor, shared_last: bool = False, *,
+                live: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+    """Σ over each token's k expert outputs in fp32: y [E, cap, D], slot_of [T, k] → fp32 [T, width]. The
+    columns in order, or with ``shared_last`` the last one (the shared expert) first, then the others;
+    +0.0 in the rows outside ``live`` bool [T] (None: every row); the first ``width`` columns (None: D)."""
     rows = y.reshape(-1, y.shape[-1])
     order = [slot_of.shape[1] - 1, *range(slot_of.shape[1] - 1)] if shared_last else range(slot_of.shape[1])
     out = torch.zeros(slot_of.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
     for j in order:
         out = out + rows[slot_of[:, j]].float()
-    return out
+    out = out[:, :width]
+    return out if live is None else torch.where(live.unsqueeze(-1), out, 0.0)
 
 
 def moe_experts(
@@ -196,8 +199,11 @@ def moe_experts(
     *,
     prequantize: bool = True,
     shared_last: bool = False,
+    live: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """The routed experts of one MoE layer: x [T, D] → fp32 [T, D] (shared expert not included).
+    """The routed experts of one MoE layer: x [T, D] → fp32 [T, D] (shared expert not included); ``live`` and
+    ``width`` as ``moe_combine``'s.
 
     ``prequantize`` (as ``kernels.moe_grouped_gemm.moe_experts``): h goes to the down projection as
     FP8 quantised from fp32; otherwise rounded to bf16 first (as the model's own MoE does), then FP8.
@@ -208,7 +214,7 @@ def moe_experts(
     )
     y = moe_grouped_gemm(h, w2, w2_scale, meta["counts"])
     assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
-    return moe_combine(y, meta["slot_of"], shared_last)
+    return moe_combine(y, meta["slot_of"], shared_last, live=live, width=width)
 
 
 # ---------------------------------------------------------------- MoE: router

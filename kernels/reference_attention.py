@@ -164,7 +164,7 @@ def indexer_select(
     raw = key_pool[block_tables.long()[:, e // epb], e % epb]  # [R, W, di/2 + di/32]
     keys = dequantize_fp4_cache(raw[..., : dim // 2], raw[..., dim // 2 :].view(torch.float8_e8m0fnu), INDEXER_BLOCK)
     visible = visible_entries(positions.long(), ratio).clamp(0, width).unsqueeze(-1)  # [R, 1]
-    given_w = SimpleNamespace(weights_proj=lambda x: x, head_dim=1.0, num_heads=1.0)  # w = weights_proj(x)·1
+    given_w = SimpleNamespace(weights_proj=lambda x: x, weight_scale=1.0)  # w = weights_proj(x)·1
     scores = Indexer.scores_quantized(given_w, q.float().unsqueeze(1), w.float().unsqueeze(1), keys, visible)
     if candidate_source:
         candidates = candidate_mask(scores, visible, num_blocks=candidate_topk_blocks,

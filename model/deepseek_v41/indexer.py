@@ -23,7 +23,7 @@ from torch import nn
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.norm import RMSNorm
 from model.deepseek_v41.quant import fake_quant_indexer
-from model.deepseek_v41.rope import apply_rope
+from model.deepseek_v41.rope import apply_rope, apply_rope_
 
 
 class Indexer(nn.Module):
@@ -37,6 +37,11 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
         self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False) if owns_keys else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if owns_keys else None
+
+    @property
+    def weight_scale(self) -> float:
+        """(di·Hi)^-1/2, the factor on ``weights_proj``'s head weights."""
+        return self.head_dim**-0.5 * self.num_heads**-0.5
 
     def keys(self, latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """Index keys from the pre-RoPE compressed latent: [B, G, hd] → FP4-rounded [B, G, di]."""
@@ -53,12 +58,13 @@ class Indexer(nn.Module):
 
     def query(self, q_latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """Rotated, not yet FP4-rounded queries: q_latent [..., q_lora], angles [..., P] → [..., Hi, di]."""
-        return apply_rope(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)
+        # In place: wq_b's output is this call's own tensor (``apply_rope_`` writes apply_rope's bits).
+        return apply_rope_(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)
 
     def scores_quantized(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor,
                          visible: torch.Tensor) -> torch.Tensor:
         """``scores`` from FP4-rounded queries q [B, S, Hi, di]; the other arguments as there."""
-        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.num_heads**-0.5)  # [B, S, Hi]
+        w = self.weights_proj(x) * self.weight_scale  # [B, S, Hi]
         s = torch.einsum("bshd,btd->bsht", q, keys)  # [B, S, Hi, W]
         s = (s.relu() * w.unsqueeze(-1)).sum(dim=2)  # [B, S, W]
         hidden = torch.arange(keys.shape[1], device=x.device) >= visible.unsqueeze(-1)

@@ -56,19 +56,41 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) 
 
 def apply_rope_(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """``apply_rope`` in place: only the rotated channels are written (a query's 64 of 512 per head,
-    where ``apply_rope`` copies all 512). Returns x."""
+    where ``apply_rope`` copies all 512). Returns x.
+
+    An fp32 x whose rotated channels view as complex pairs is rotated by one in-place complex multiply of
+    that view: the same products as ``_rotated``'s ``pairs * turn`` (an elementwise op: each output is
+    computed from the same two inputs, whatever the layout), written where ``_rotated``'s result would be
+    copied to."""
     rot = angles.shape[-1] * 2
-    x[..., -rot:] = _rotated(x, angles, False)
+    pairs = x[..., -rot:].unflatten(-1, (-1, 2))  # [..., P, 2] view of x
+    if x.dtype == torch.float32 and _views_as_complex(pairs):
+        torch.view_as_complex(pairs).mul_(_turns(x, angles, False))
+    else:
+        x[..., -rot:] = _rotated(x, angles, False)
     return x
 
 
-def _rotated(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """The last 2P channels of x rotated, in x's dtype: [..., 2P]."""
-    rot = angles.shape[-1] * 2
-    pairs = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())  # [..., P]
+def _views_as_complex(pairs: torch.Tensor) -> bool:
+    """Whether ``torch.view_as_complex`` accepts pairs [..., P, 2] as it is: the pair's two floats adjacent,
+    and every other stride and the storage offset even (whole complex elements)."""
+    return (pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0
+            and all(s % 2 == 0 for s in pairs.stride()[:-1]))
+
+
+def _turns(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The turns that rotate x's pairs: complex [B, S, P], or [B, S, 1, P] over x's heads."""
     turn = angles if angles.is_complex() else rope_turns(angles)  # [B, S, P] complex
     if x.ndim == angles.ndim + 1:
         turn = turn.unsqueeze(-2)  # broadcast over heads
-    if inverse:
-        turn = turn.conj()
-    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
+    return turn.conj() if inverse else turn
+
+
+def _rotated(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The last 2P channels of x rotated, in x's dtype: [..., 2P]. The pairs are read where they lie (no
+    copy) when they view as complex; the multiply is elementwise, so the layout does not change its bits."""
+    rot = angles.shape[-1] * 2
+    pairs = x[..., -rot:].float().unflatten(-1, (-1, 2))  # [..., P, 2]
+    if not _views_as_complex(pairs):
+        pairs = pairs.contiguous()
+    return torch.view_as_real(torch.view_as_complex(pairs) * _turns(x, angles, inverse)).flatten(-2).to(x.dtype)

@@ -160,7 +160,19 @@ def main() -> int:
     print(f"\n| torch op | site | launches |\n|---|---|---|")
     for (name, site), n in by_site.most_common(args.top):
         print(f"| {name} | {site} | {n} |")
+    print("\n| function (every op and line in it) | torch ops |\n|---|---|")
+    for function, n in _by_function(by_site).most_common(args.top):
+        print(f"| {function} | {n} |")
     return 0
+
+
+def _by_function(by_site: collections.Counter) -> collections.Counter:
+    """The by-site counts summed per innermost repository function ('path func'): where to look first."""
+    out: collections.Counter = collections.Counter()
+    for (_, site), n in by_site.items():
+        path_line, _, func = site.partition(" ")
+        out[f"{path_line.rsplit(':', 1)[0]} {func}".strip()] += n
+    return out
 
 
 class _null:

@@ -33,6 +33,7 @@ from model.deepseek_v41.attention import Attention, sink_attention
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
+from services.worker.attention_backend_triton import index_weights
 from services.worker.cache_engine import CacheEngine
 from services.worker.static_batch import StaticBatch
 
@@ -160,13 +161,13 @@ class GraphAttention:
         candidate block mask uint8 [G, ⌈W/CB⌉] to carry, or None)."""
         idx, sparse, r = attn.indexer, self.sparse, self.rows
         query = self.kernels.indexer_quant.fake_quant_indexer(idx.query(q_latent, angles))  # [G, Hi, di], == quant's
-        w = idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)  # [G, Hi], as scores_quantized
+        w, w_scale = index_weights(idx, x)  # [G, Hi]
         entries, picked = self.kernels.indexer.indexer_select(
-            query.contiguous(), w.float(), self.cache.entries(sparse.source)[1], r.block_tables, r.positions,
+            query.contiguous(), w, self.cache.entries(sparse.source)[1], r.block_tables, r.positions,
             attn.ratio, r.max_blocks * entries_per_block, index_topk=attn.index_topk,
             candidates=sparse.candidates if attn.uses_candidates else None,
             candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
-            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted)
+            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted, w_scale=w_scale)
         return entries, picked if attn.is_candidate_source else sparse.candidates
 
 

@@ -25,12 +25,24 @@ import torch
 
 from kernels.reference import entry_slots
 from model.deepseek_v41.attention import Attention
+from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.quant import fake_quant_indexer, quantize_fp8_cache
 from services.worker.attention_backend import StepRounding
 from services.worker.attention_backend_torch import TorchAttention
 from services.worker.cache_engine import CacheEngine
 from services.worker.fp8_linear import KernelSet
 from services.worker.step_batch import StepBatch
+
+
+def index_weights(idx: Indexer, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(w, w_scale) for ``kernels.indexer.indexer_select``: fp32 head weights ``weights_proj(x)`` [R, Hi] with
+    ``scores_quantized``'s scale left for the kernel to multiply as it loads w (its fp32 product has torch's
+    bits: one launch fewer), or, where ``weights_proj`` returns another dtype (its product rounds in that
+    dtype), torch's product in fp32 and w_scale 1."""
+    w = idx.weights_proj(x)  # [R, Hi]
+    if w.dtype == torch.float32:
+        return w, idx.weight_scale
+    return (w * idx.weight_scale).float(), 1.0
 
 STAGE_MAX_ENTRIES = 1 << 16
 """Prefill attention reads compressed entries dequantised once per step (``stage_entries``) when the
@@ -98,12 +110,12 @@ class TritonAttention:
         quant = self.kernels.indexer_quant
         # FP4-rounded as TorchAttention.select rounds it (the kernel's bits are the same).
         query = fake_quant_indexer(query) if quant is None else quant.fake_quant_indexer(query)
-        w = (idx.weights_proj(x) * (idx.head_dim**-0.5 * idx.num_heads**-0.5)).float()  # [R, Hi], scores_quantized's
+        w, w_scale = index_weights(idx, x)  # [R, Hi]
         selected, candidates = self.kernels.indexer.indexer_select(
             query, w, self.cache.entries(self.source)[1], self.row_tables, b.positions, ratio, self.width,
             index_topk=attn.index_topk, candidates=self.candidates if attn.uses_candidates else None,
             candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
-            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted)
+            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted, w_scale=w_scale)
         self.selected = selected
         if attn.is_candidate_source:
             self.candidates = candidates

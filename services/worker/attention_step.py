@@ -50,7 +50,7 @@ class AttentionStep:
             angles = self._turns[attn.rope_key] = rope_turns(rope_angles(self.positions, attn.freqs))
         q_latent = attn.q_norm(attn.wq_a(x))  # [R, q_lora]
         q = apply_rope_(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [R, H, hd]
-        k = self.rounding("fp8", attn.layer, apply_rope(attn.kv_norm(attn.wkv(x)), angles), self.row_requests,
+        k = self.rounding("fp8", attn.layer, apply_rope_(attn.kv_norm(attn.wkv(x)), angles), self.row_requests,
                           self.positions)  # [R, hd]
         if attn.ratio:
             if attn.compressor is not None:

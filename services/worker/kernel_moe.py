@@ -141,8 +141,12 @@ class KernelMoE(nn.Module):
                                                    self.kernels.quant_fp8.quantize_act,
                                                    self.kernels.moe_grouped_gemm.moe_combine)
             else:
+                # The combine writes [T, D] and +0.0 in the dead rows: the where below, in the same launch.
                 out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
-                                                                self.w2_scale, self.limit, shared_last=True)
+                                                                self.w2_scale, self.limit, shared_last=True,
+                                                                live=None if rows is None else rows.reshape(-1),
+                                                                width=self.hidden)
+                rows = None
             out = out[:, : self.hidden]
         else:
             out = self._experts_fp32(x2, meta)

@@ -167,6 +167,35 @@ def test_interpreted_ties_go_to_the_lower_index():
     assert cand[2].nonzero().flatten().tolist() == [0, 1, 15]
 
 
+def _scaled_args_match(mod, p: dict, scale: float, **kw) -> None:
+    """``w_scale`` folded into the kernel gives the bits of scoring torch's ``w * scale``: scores, block
+    maxima and selection ``==``."""
+    args, scaled = _args(p), _args({**p, "w": p["w"] * scale})
+    want = mod.indexer_scores(*scaled, block_max=True, candidate_block_size=4, **kw)
+    got = mod.indexer_scores(*args, block_max=True, candidate_block_size=4, w_scale=scale, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    sel = mod.indexer_select(*args, index_topk=8, candidate_source=True, candidate_block_size=4,
+                             candidate_topk_blocks=3, w_scale=scale, **kw)
+    ref = mod.indexer_select(*scaled, index_topk=8, candidate_source=True, candidate_block_size=4,
+                             candidate_topk_blocks=3, **kw)
+    assert torch.equal(sel[0], ref[0]) and torch.equal(sel[1], ref[1])
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(8, 32), (16, 128), (4, 64)])
+def test_interpreted_w_scale_equals_torch_scaled_w(heads, dim):
+    """The indexer's (di·Hi)^-1/2 multiplied as the kernel loads w is torch's fp32 ``w * scale``, bit for
+    bit (a scale that is not a power of two, so the product rounds; w's signs and a zero w included)."""
+    gen = torch.Generator().manual_seed(heads + dim)
+    p = indexer_problem(4, heads, dim, 4, 1, 64, gen)
+    p["w"][0, ::2] *= -1
+    p["w"][1, 0] = 0.0
+    mod = load_interpreted("indexer")
+    with interpreter():
+        _scaled_args_match(mod, p, dim**-0.5 * heads**-0.5, block_n=16, dot_fp32=True)
+        with pytest.raises(ValueError, match="w_scale"):
+            mod.indexer_scores(*_args({**p, "w": p["w"].bfloat16()}), w_scale=0.5, block_n=16, dot_fp32=True)
+
+
 @pytest.mark.parametrize("atomic", [True, False])
 def test_select_topk_interpreted_exhaustive_ties(atomic):
     """select_topk alone on hand-made rows: all −∞, fewer finite than k, many equal values, −0 vs +0;
@@ -256,3 +285,16 @@ def test_gpu_flash_other_configs(options):
     sel, _ = indexer_select(*_args(p), index_topk=512, **options)
     _check_selection(sel, ref_sel, scores, ref_scores)
     assert torch.equal(select_topk(scores, 512, atomic=False), sel)  # the prefix-sum compaction
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_rows", [1, 64])
+def test_gpu_w_scale_equals_torch_scaled_w(num_rows):
+    """Compiled: the kernel's ``w * w_scale`` has the bits of torch's CUDA fp32 ``w * scale`` (Flash's
+    Hi 32, di 128)."""
+    import kernels.indexer as mod
+
+    gen = torch.Generator(device="cuda").manual_seed(num_rows)
+    p = indexer_problem(num_rows, 32, 128, 64, 2, 4096, gen, device="cuda")
+    _scaled_args_match(mod, p, 128**-0.5 * 32**-0.5)

@@ -374,3 +374,49 @@ def test_rope_turns_once_per_frequency_set_change_no_bit(monkeypatch):
     (l0, c0, b0, s0, n0), (l1, c1, b1, s1, n1) = results[True], results[False]
     assert torch.equal(l0, l1) and torch.equal(c0, c1) and torch.equal(b0, b1) and torch.equal(s0, s1)
     assert n0 == len(layers) and n1 == len({block.attn.rope_key for block in layers}) == 2
+
+
+@pytest.mark.slow  # two interpreted kernel-backend steps: about 50 s on one core
+def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
+    """Fewer glue launches (issue 21), on the GPU step's code (kernel backend, "triton" attention, every
+    kernel interpreted, padded 5 → 8): RoPE reading its pairs in place, the index weights' scale inside the
+    indexer kernel and the MoE combine writing the dead rows' zeros give logits, counts and pools == to
+    their torch forms (the pairs copied, torch's ``w * scale``, ``torch.where`` after the combine)."""
+    import model.deepseek_v41.rope as rope
+    import services.worker.attention_backend_graph as graph
+    from services.worker.fp8_linear import KernelSet
+    from tests.kernels.interpret import interpreter, load_interpreted
+
+    plan, torch_runner = _decode_plan("oracle")
+    kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+    model = copy.deepcopy(case("oracle").model)
+    config = EngineConfig(block_size=BLOCK, num_blocks=torch_runner.cache.blocks.shape[0],
+                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8,
+                          max_model_len=MAX_LEN).worker_config()
+    combine_experts = kernels.moe_grouped_gemm.moe_experts
+
+    def torch_forms() -> None:
+        def experts_then_where(*args, live=None, width=None, **kw):
+            out = combine_experts(*args, **kw)[:, :width]
+            return out if live is None else torch.where(live.unsqueeze(-1), out, 0.0)
+
+        monkeypatch.setattr(rope, "_views_as_complex", lambda pairs: False)
+        monkeypatch.setattr(graph, "index_weights",
+                            lambda idx, x: ((idx.weights_proj(x) * idx.weight_scale).float(), 1.0))
+        monkeypatch.setattr(kernels.moe_grouped_gemm, "moe_experts", experts_then_where)
+
+    results = []
+    with interpreter():
+        runner = ModelRunner(model, config, backend="kernels", kernels=kernels)
+        static = GraphRunner(runner, config, use_graphs=False, attention="triton", kernels=kernels)
+        for before in (False, True):
+            if before:
+                torch_forms()
+            runner.cache.blocks.copy_(torch_runner.cache.blocks)
+            runner.cache.slots.copy_(torch_runner.cache.slots)
+            step = static.step(plan.graph_size)
+            step.prepare(plan)
+            logits, counts, _ = step.run()
+            results.append((logits.clone(), counts.clone(), runner.cache.blocks.clone(), runner.cache.slots.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert torch.isfinite(results[0][0][:5]).all()
