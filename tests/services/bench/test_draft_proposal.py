@@ -5,26 +5,17 @@ here); the speculative code builds nothing from Python data straight onto the de
 
 from __future__ import annotations
 
-import argparse
 import json
 
-import torch
-
 from services.bench import draft_proposal
+from tests.services.bench.conftest import run_main
 
 
 def test_the_proposal_reads_once_and_its_ops_are_counted(tmp_path, capsys, draft_checkpoint):
     path = draft_checkpoint
-    parser = argparse.ArgumentParser()
-    draft_proposal.add_arguments(parser)
-    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--batch", "2", "--max-tokens", "3",
+    run_main(draft_proposal, ["--model", str(path), "--device", "cpu", "--batch", "2", "--max-tokens", "3",
                               "--prompt-len", "6", "--batch-invariant",
                               "--json", str(tmp_path / "counts.json")])
-    threads = torch.get_num_threads()
-    try:
-        assert draft_proposal.main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
     counts = json.loads((tmp_path / "counts.json").read_text())
     assert counts["proposals"] > 0
     assert all(counts["aten_ops_per_proposal"][part] > 0 for part in ("draft.inputs", "draft.stages", "draft.slots"))

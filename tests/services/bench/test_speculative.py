@@ -4,26 +4,17 @@ step-cost curve is measured. Speeds are printed, never asserted."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
-import torch
-
 from services.bench import speculative
+from tests.services.bench.conftest import run_main
 
 
 def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_checkpoint):
     path = draft_checkpoint
-    parser = argparse.ArgumentParser()
-    speculative.add_arguments(parser)
-    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--batch", "3", "--acceptance", "0",
-                              "1", "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8",
-                              "--json", str(tmp_path / "spec.json")])
-    threads = torch.get_num_threads()
-    try:
-        assert speculative.main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
+    run_main(speculative, ["--model", str(path), "--device", "cpu", "--batch", "3", "--acceptance", "0",
+                           "1", "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8",
+                           "--json", str(tmp_path / "spec.json")])
     results = json.loads((tmp_path / "spec.json").read_text())["results"]
     assert [(r["batch"], r["mode"], r["acceptance"]) for r in results] == [
         (3, m, a) for m, a in [("off", None), ("fixed", 0.0), ("fixed", 1.0), ("varlen", 0.0),
@@ -57,16 +48,9 @@ def test_the_static_proposal_sees_no_new_key_in_the_timed_run(tmp_path):
     """With the static proposal (what ``--cuda-graphs`` captures) every greedy bucket up to the batch is built
     before the warm-up, so the timed run never builds (on a GPU: captures) one; a = 0.8 ends requests at different
     steps, so fewer of them propose at the end."""
-    parser = argparse.ArgumentParser()
-    speculative.add_arguments(parser)
-    args = parser.parse_args(["--device", "cpu", "--batch", "3", "--acceptance", "0.8", "--modes", "fixed",
-                              "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8", "--static-proposal",
-                              "--json", str(tmp_path / "spec.json")])
-    threads = torch.get_num_threads()
-    try:
-        assert speculative.main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
+    run_main(speculative, ["--device", "cpu", "--batch", "3", "--acceptance", "0.8", "--modes", "fixed",
+                           "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8", "--static-proposal",
+                           "--json", str(tmp_path / "spec.json")])
     off, fixed = json.loads((tmp_path / "spec.json").read_text())["results"]
     assert off["draft_keys"] is None and (fixed["draft_keys"], fixed["draft_keys_timed"]) == (3, 0)  # 1, 2 and 4
     assert fixed["draft_graph_captures"] == 0  # no graphs on the CPU
