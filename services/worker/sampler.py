@@ -273,7 +273,10 @@ class Sampler:
                 row_ids.append(i)
                 token_ids.append(t)
         if row_ids:
-            x[host_built(row_ids, torch.int64, x.device), host_built(token_ids, torch.int64, x.device)] = -math.inf
+            # A Python scalar would be copied from pageable memory (a stream sync on CUDA); a filled
+            # 0-d device tensor is one kernel.
+            x.index_put_((host_built(row_ids, torch.int64, x.device), host_built(token_ids, torch.int64, x.device)),
+                         x.new_full((), -math.inf))
 
     @staticmethod
     def _top_p(scaled: torch.Tensor, rows: Sequence[SamplingRow], ranked: list[int],

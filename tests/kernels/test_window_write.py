@@ -22,7 +22,7 @@ def _window_k(num_rows: int, head_dim: int, dtype: torch.dtype, gen: torch.Gener
     x = x * 2.0 ** exponents.repeat_interleave(32, 1)  # one scale per 32-channel block
     x[0, :32] = 0.0
     x[0, 32:64] = torch.linspace(-2.0**-28, 2.0**-28, 32)  # the 1e-4 floor scale: e4m3 subnormals and −0
-    x[1, :32] = torch.linspace(-2.0**-14, 2.0**-14, 32)  # amax < 1e-4: the floor scale
+    x[min(1, num_rows - 1), :32] = torch.linspace(-2.0**-14, 2.0**-14, 32)  # amax < 1e-4: the floor scale
     x[-1, :32] = torch.linspace(-448.0, 448.0, 32) * 2.0**5  # amax = 448·2^5
     x[-1, 32:64] = torch.linspace(-1.0, 1.0, 32) * 448.0 * (1 + 2.0**-23) * 2.0**-7  # just above 448·2^-7
     return x.to(dtype)
