@@ -26,8 +26,10 @@ def engram_rows(cache: CacheEngine, batch: StepBatch, hasher: EngramHasher) -> t
     tokens = torch.where(in_step, comp[b.row_index(b.row_requests, look)],
                          carried[b.row_requests.unsqueeze(-1), look % size])
     tokens = torch.where(look >= 0, tokens, hasher.pad)  # before the start: the pad's id
-    tail = b.tail(size)
-    history[b.state_slots[b.row_requests][tail], b.positions[tail] % size] = comp[tail].to(torch.int32)
+    # Rows outside their request's last ``size`` positions write the null slot 0 (a boolean-mask index
+    # would read the mask's count back to the host: a stream sync on CUDA).
+    slots = torch.where(b.tail(size), b.state_slots[b.row_requests], 0)
+    history[slots, b.positions % size] = comp.to(torch.int32)
     return hasher.rows(tokens.unsqueeze(0))
 
 
