@@ -1,7 +1,8 @@
 """Issue 23's one-rank check: 150-step decode medians of v41-s1 (kernels, CUDA graphs) at a few batch
-sizes and contexts, for whichever tree is first on PYTHONPATH (HEAD, or the pre-EP parent/). Uses only
+sizes and contexts, and medians of repeated whole-prompt prefill steps (the bench's single prefill
+sample moved by ±25% run to run), for whichever tree is first on PYTHONPATH (HEAD, or the pre-EP parent/). Uses only
 ``step_build.builder`` and ``step_timing.time_decode``, which both trees have, so the same script times
-both. Prints one line per size: ``tree ctx batch median_ms p10_ms p90_ms``.
+both. Prints one line per size: ``tree ctx batch median_ms p10_ms p90_ms`` (``prefill tokens ...``).
 
     PYTHONPATH=parent:$site python3 scripts/dp1_decode_median.py --tree parent
 """
@@ -14,7 +15,13 @@ import statistics
 import torch
 
 from services.bench.step_build import builder, runner_cache
-from services.bench.step_timing import time_decode
+from services.bench.step_timing import time_decode, time_prompt_step
+
+
+def _line(tree: str, label: str, seconds: list[float]) -> str:
+    ms = sorted(s * 1e3 for s in seconds)
+    p10, p90 = ms[len(ms) // 10], ms[(len(ms) * 9) // 10]
+    return f"{tree:>7} {label} median {statistics.median(ms):.3f} ms p10 {p10:.3f} p90 {p90:.3f}"
 
 
 def main() -> None:
@@ -26,18 +33,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--prefill-tokens", default="1024,4096", help="'' for none")
+    parser.add_argument("--prefill-repeats", type=int, default=10)
     args = parser.parse_args()
     cuda = args.device == "cuda"  # CPU: the torch backend, a smoke run of the script itself
     build, cfg, _ = builder(args.model, torch.device(args.device), "kernels" if cuda else "torch", args.layers, cuda)
-    for context in map(int, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
+    for tokens in [int(t) for t in args.prefill_tokens.split(",") if t]:
+        llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
+        device = runner_cache(llm).blocks.device
+        seconds = [time_prompt_step(llm.engine, device, tokens, cfg.vocab_size) for _ in range(args.prefill_repeats)]
+        print(_line(args.tree, f"prefill {tokens:>6} tokens", seconds), flush=True)
+        del llm
+    for context in [int(c) for c in args.contexts.split(",") if c]:
+        for batch in [int(b) for b in args.batches.split(",") if b]:
             llm = build(max_num_seqs=batch, max_model_len=context + args.steps + 16)
             t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context, steps=args.steps,
                             vocab_size=cfg.vocab_size)
-            ms = sorted(s * 1e3 for s in t.seconds)
-            p10, p90 = ms[len(ms) // 10], ms[(len(ms) * 9) // 10]
-            print(f"{args.tree:>7} ctx {context:>6} batch {batch:>4} median {statistics.median(ms):.3f} ms "
-                  f"p10 {p10:.3f} p90 {p90:.3f}", flush=True)
+            print(_line(args.tree, f"ctx {context:>6} batch {batch:>4}", t.seconds), flush=True)
             del llm
             torch.cuda.empty_cache()
 
