@@ -65,7 +65,10 @@ class TritonAttention:
         else:
             self.all_decode = bool(((b.query_start[1:] - b.query_start[:-1]) == 1).all())
         self.row_slots = b.state_slots[b.row_requests]  # [R]
-        self.ring_tail = None if self.all_decode else b.tail(cache.layout.ring_size)  # [R] rows written
+        # [R] the ring slot each row writes: its own where it is among its request's last ring_size positions,
+        # the null slot 0 otherwise (a boolean-mask selection would read its count back: a stream sync per use).
+        self.ring_write_slots = None if self.all_decode else torch.where(
+            b.tail(cache.layout.ring_size), self.row_slots, 0)
         self.row_tables = b.block_tables[b.row_requests]  # [R, width] each row's request's table
         rounding = rounding or StepRounding()
         # The torch path of compression and selection (see the module docstring), or None.
@@ -141,8 +144,7 @@ class TritonAttention:
             self._write_window(layer, self.row_slots, b.ring_slots, k)  # every row is its request's last
             return self._decode(attn, q.contiguous())
         out = self._prefill(attn, q.contiguous(), k)  # reads the rings before this step's writes
-        tail = self.ring_tail
-        self._write_window(layer, self.row_slots[tail], b.ring_slots[tail], k[tail])
+        self._write_window(layer, self.ring_write_slots, b.ring_slots, k)
         return out
 
     def _write_window(self, layer: int, slots: torch.Tensor, ring_slots: torch.Tensor, k: torch.Tensor) -> None:
