@@ -297,10 +297,15 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
     else:
         pytest.fail(f"no graph decode step of every request after the prefills: {engine.last_plan}")
     done = {}
+    graphs = engine.worker.runner  # a GraphRunner: counts the steps that ran eagerly
+    num_eager = graphs.num_eager
     torch.cuda.set_sync_debug_mode("error")
     try:
         while engine.has_unfinished():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
+    except RuntimeError as err:  # name the step, so a failure says which path synchronised
+        raise AssertionError(f"a step synchronised; the last plan {engine.last_plan}, "
+                             f"{graphs.num_eager - num_eager} eager steps since the mode was set") from err
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [(done[f"g{i}"].token_ids, done[f"g{i}"].logprobs) for i in range(8)] == \
