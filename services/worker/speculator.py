@@ -114,13 +114,15 @@ class Speculator:
         ``spec_sampling``."""
         return "forced" if self.forced_acceptance is not None else self.spec_sampling
 
-    def prepare_graphs(self, cache: CacheEngine, max_num_seqs: int) -> None:
-        """Builds (with ``cuda_graphs``: captures) the static proposals and verifies of every bucket up to
-        ``max_num_seqs`` requests without bans or bias, so no live step of those keys captures."""
+    def prepare_graphs(self, cache: CacheEngine, max_num_seqs: int, greedy_only: bool = False) -> None:
+        """Builds (with ``cuda_graphs``: captures) the static proposals (without bans or bias; ``greedy_only``:
+        all-greedy batches only) and verifies of every bucket up to ``max_num_seqs`` requests, so no live step of
+        those keys captures."""
         if self.draft_graphs is None or self.verify_graphs is None:
             return
-        self.draft_graphs.prepare(cache, ProposalKey.buckets(max_num_seqs)
-                                  + ProposalKey.buckets(max_num_seqs, all_greedy=False))
+        keys = ProposalKey.buckets(max_num_seqs)
+        self.draft_graphs.prepare(cache, keys if greedy_only else keys + ProposalKey.buckets(max_num_seqs,
+                                                                                            all_greedy=False))
         self.verify_graphs.prepare(cache, VerifyKey.buckets(max_num_seqs, self.nextn, cache.layout.draft_window,
                                                             self.verify_mode))
 
