@@ -154,6 +154,22 @@ def test_the_static_context_writes_equal_write_context(case):
     assert torch.equal(got.slots, want.slots)
 
 
+def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch):
+    """The engine loop with the static proposal and verify (rejection: the draft distributions' copies too,
+    seeded rows, the model's own drafts, varlen): the one host read per step is the speculator's ``tolist``;
+    static_verify.py reads nothing."""
+    import tests.services.worker.test_speculator as speculator_tests
+
+    monkeypatch.setattr(speculator_tests, "SPECULATIVE_FILES", speculator_tests.SPECULATIVE_FILES + ("static_verify.py",))
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(3)]
+    with speculator_tests.DeviceReads() as counter:
+        _, spec = generate(source, params, prompts=PROMPTS[:3], nextn=NEXTN, spec_sampling="rejection",
+                           curve=line(1.0, 0.02), static_proposal=True)
+    assert spec.verify_graphs is not None and len(spec.verify_graphs.static) > 0 and spec.num_drafts_verified > 0
+    (site, num), = counter.reads.items()
+    assert site.startswith("tolist @ speculator.py") and 0 < num, counter.reads
+
+
 def test_device_draws_equal_the_host_draws():
     from kernels.philox import DrawCase, draw_bits
     from services.worker.verifier import signed_seed
