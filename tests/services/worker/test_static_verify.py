@@ -242,3 +242,27 @@ def test_on_cuda_the_graph_replay_equals_the_eager_run_without_a_sync(mode):
             assert graphs.num_replays == (2 if use_graphs else 0)
     for want, got in zip(*results):
         assert torch.equal(want, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_cuda_llm_captures_every_verify_and_draft_bucket_ahead(source):
+    """``LLM`` with ``cuda_graphs`` and drafts captures its buckets when built: a run of batches 3 then 1 captures
+    nothing more, replays verify and draft graphs, and gives speculation off's greedy tokens."""
+    from services.engine import LLM
+    from services.engine.model_source import load_model
+
+    args = dict(device="cuda", kernel_backend="fp8", batch_invariant=True, max_model_len=96, block_size=8,
+                max_num_seqs=4, num_blocks=64)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS[:3],
+                                                                                                     greedy)]
+    llm = LLM(source=load_model(source.name, device="cuda"), cuda_graphs=True, num_speculative_tokens=NEXTN, **args)
+    spec = llm.engine.worker.speculator
+    captures = (spec.verify_graphs.num_captures, spec.draft_graphs.num_captures)
+    assert captures[0] == len(VerifyKey.buckets(4, NEXTN, source.model.cfg.sliding_window, "rejection"))
+    got = [o.token_ids for o in llm.generate(PROMPTS[:3], greedy)] + [o.token_ids for o in llm.generate(PROMPTS[:1],
+                                                                                                          greedy)]
+    assert (spec.verify_graphs.num_captures, spec.draft_graphs.num_captures) == captures
+    assert spec.verify_graphs.num_replays > 0 and spec.draft_graphs.num_replays > 0
+    assert got == want + want[:1]
