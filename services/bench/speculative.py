@@ -20,7 +20,8 @@ Each row also says where a step's time goes (issue 20: every step with drafts co
 runs eagerly), ``draft_graph_captures`` in all and ``draft_graph_captures_timed`` inside the timed run (a capture
 there means the warm-up saw another ``ProposalKey``; ``draft_keys`` and ``draft_keys_timed``: the keys the static
 proposal has seen, in all and first inside the timed run, also without graphs, ``--static-proposal``),
-``verify_graph_captures``/``verify_keys`` and their ``_timed`` the same for the static verify (services/worker/static_verify.py),
+``verify_graph_captures``/``verify_keys`` and their ``_timed`` the same for the static verify
+(services/worker/static_verify.py),
 the worker's host ms per step (``worker_ms_per_step``:
 ``Worker.execute``, the runner's launch or eager run, the sampler, and with drafts the speculator, whose one read
 waits for the device), and with drafts the speculator's host ms per step by phase (``spec_ms_per_step``,

@@ -41,7 +41,8 @@ from services.worker.cache_engine import CacheEngine
 from services.worker.graph_capture import capture_graph
 from services.worker.sampler import ProcessedLogits, SamplingRow
 from services.worker.static_draft_proposal import bucket
-from services.worker.verifier import SPEC_SAMPLING, deterministic_verdict, device_draws, rejection_verdict, signed_seed
+from services.worker.verifier import (SPEC_SAMPLING, deterministic_verdict, device_draws, rejection_verdict,
+                                      signed_seed)
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class StaticVerify:
                 raise ValueError(f"a draw's position must be in [0, 2**60), got {first_row.position}")
             entries = _entries(s, self.window)
             if len(entries) > m or s.num_rows > 1 + nextn:
-                raise ValueError(f"a request of {s.num_rows} sampled rows and {len(entries)} entries does not fit {key}")
+                raise ValueError(f"a request of {s.num_rows} sampled rows and {len(entries)} entries does not fit "
+                                 f"{key}")
             entry_rows[r * m : r * m + len(entries)] = [s.rows[j] for j in entries]
             table[r] = [s.span.start, s.num_rows, len(s.drafts), signed_seed(first_row.seed),
                         int(first_row.temperature == 0), first_row.position, s.slot, s.first, int(s.num_rows == 1),

@@ -160,7 +160,8 @@ def rejection_verdict(target_probs: torch.Tensor, draft_probs: torch.Tensor, dra
         usable = rejected & (integer_masses(residual).sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, last)
     # The draw at P + num_accepted: every column's drawn, the accepted count's picked on the device.
-    bits = torch.where(rejected, draws[DrawCase.RESAMPLE].gather(1, at)[:, 0], draws[DrawCase.SAMPLE].gather(1, at)[:, 0])
+    bits = torch.where(rejected, draws[DrawCase.RESAMPLE].gather(1, at)[:, 0],
+                       draws[DrawCase.SAMPLE].gather(1, at)[:, 0])
     # dist is a softmax row, or a residual of finite nonnegative values whose integer mass is > 0 (usable) and
     # below the row's: what pick_from_bits needs, so sample_from_bits' host checks are not needed.
     token = torch.where(greedy, last.argmax(-1), pick_from_bits(dist, bits))

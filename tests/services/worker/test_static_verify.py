@@ -13,19 +13,16 @@ import pytest
 import torch
 from torch import nn
 
+import services.worker.speculator as speculator_module
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DSpark
-from services.worker.accepted_context import DeviceVerdict, Sampling, write_context
-from services.worker.cache_engine import CacheEngine, ring_size
-from services.worker.sampler import SamplingRow
-from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
-
-import services.worker.speculator as speculator_module
 from services.engine import SamplingParams
-from services.worker.accepted_context import emitted_output
-from services.worker.sampler import Sampler
+from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
+from services.worker.cache_engine import CacheEngine, ring_size
+from services.worker.sampler import Sampler, SamplingRow
 from services.worker.static_verify import StaticVerify, VerifyGraphs, VerifyKey
-from services.worker.verifier import device_draws
+from services.worker.verifier import device_draws, signed_seed
+from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 from tests.services.worker.test_speculator import NEXTN, generate, known_drafts, line, source  # noqa: F401
 
 PROMPTS = [[0, *range(3, 3 + n)] for n in (5, 13, 2, 9, 4)]
@@ -119,7 +116,8 @@ def test_the_static_context_writes_equal_write_context(case):
     static verify: the rings equal ``write_context`` of the same verdict, every pass of W entries included."""
     cfg = case.cfg
     torch.manual_seed(0)
-    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval(), embed=nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval(),
+                                  embed=nn.Embedding(cfg.vocab_size, cfg.hidden_size))
     nextn = cfg.dspark_block_size
     requests = [(1 + nextn, 1 + nextn, 20, 1, 2, False), (1 + nextn, 1 + nextn, 3, 2, nextn, False),
                 (1 + nextn, 1 + nextn, 50, 3, nextn - 1, False), (13, 1, 0, 4, 0, False), (1, 1, 40, 5, 0, False),
@@ -160,7 +158,8 @@ def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch
     static_verify.py reads nothing."""
     import tests.services.worker.test_speculator as speculator_tests
 
-    monkeypatch.setattr(speculator_tests, "SPECULATIVE_FILES", speculator_tests.SPECULATIVE_FILES + ("static_verify.py",))
+    files = speculator_tests.SPECULATIVE_FILES + ("static_verify.py",)
+    monkeypatch.setattr(speculator_tests, "SPECULATIVE_FILES", files)
     params = [SamplingParams(max_tokens=6, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(3)]
     with speculator_tests.DeviceReads() as counter:
         _, spec = generate(source, params, prompts=PROMPTS[:3], nextn=NEXTN, spec_sampling="rejection",
@@ -172,7 +171,6 @@ def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch
 
 def test_device_draws_equal_the_host_draws():
     from kernels.philox import DrawCase, draw_bits
-    from services.worker.verifier import signed_seed
 
     seeds = [0, 7, (1 << 64) - 1, 1 << 63, 123456789012345]
     positions = [[p + j for j in range(4)] for p in (0, 5, 1 << 40, 99, (1 << 59) + 3)]
@@ -189,8 +187,10 @@ def test_placeholders_write_only_the_null_slot(source):
     cache.slots.copy_(torch.randint(0, 256, cache.slots.shape, dtype=torch.uint8))
     before = cache.slots.clone()
     graphs = VerifyGraphs(source.model, NEXTN, use_graphs=False)
-    for key in VerifyKey.buckets(2, NEXTN, cache.layout.draft_window, "rejection"):
-        static = graphs._static(cache, key)
+    keys = VerifyKey.buckets(2, NEXTN, cache.layout.draft_window, "rejection")
+    graphs.prepare(cache, keys)
+    for key in keys:
+        static = graphs.static[key]
         static.fill((), (), None, None)
         static.run()
     assert torch.equal(cache.slots[1:], before[1:])
@@ -206,7 +206,8 @@ def test_on_cuda_the_graph_replay_equals_the_eager_run_without_a_sync(mode):
     cfg = DRAFT_CASES[0].cfg
     v, w, nextn = cfg.vocab_size, cfg.sliding_window, cfg.dspark_block_size
     torch.manual_seed(0)
-    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval().cuda(), embed=nn.Embedding(v, cfg.hidden_size).cuda())
+    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval().cuda(),
+                                  embed=nn.Embedding(v, cfg.hidden_size).cuda())
     spans, plan_rows = [1 + nextn, 1, 1], [1 + nextn, 1, w + 3]
     sampling, start, row = [], 0, 0
     for i, (n, num_plan) in enumerate(zip(spans, plan_rows)):
