@@ -123,8 +123,7 @@ class Speculator:
         keys = ProposalKey.buckets(max_num_seqs)
         self.draft_graphs.prepare(cache, keys if greedy_only else keys + ProposalKey.buckets(max_num_seqs,
                                                                                             all_greedy=False))
-        self.verify_graphs.prepare(cache, VerifyKey.buckets(max_num_seqs, self.nextn, cache.layout.draft_window,
-                                                            self.verify_mode))
+        self.verify_graphs.prepare(cache, VerifyKey.buckets(max_num_seqs, self.verify_mode))
 
     def release(self, request_id: str) -> None:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
@@ -175,8 +174,12 @@ class Speculator:
                                      self.drafts.get(request_id, [])[: n - 1]))
             start += n
         since = timings.add("other", since)
-        if self.verify_graphs is not None and sampling:  # the verify half in one static verify (a graph)
-            verdict, sampled = self._static_verify(sampling, rows, processed, taps, cache, num_top)
+        # The verify half in one static verify (a graph) where the step's requests fit one (not a prefill step's
+        # last prompt chunk longer than the static verify's entries).
+        key = (VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode)
+               if self.verify_graphs is not None and sampling else None)
+        if key is not None:
+            verdict, sampled = self._static_verify(key, sampling, rows, processed, taps, cache, num_top)
             since = timings.add("verify", since)
         else:
             verdict = self._verify(sampling, rows, processed)
@@ -286,8 +289,9 @@ class Speculator:
             v = verify_deterministic(processed.logprobs[index], drafts, seeds, positions, greedy, num_drafts)
         return DeviceVerdict(errors, v.num_accepted, v.tokens)
 
-    def _static_verify(self, sampling: list[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits,
-                       taps: torch.Tensor, cache: CacheEngine, num_top: int) -> tuple[DeviceVerdict, SamplerOutput]:
+    def _static_verify(self, key: VerifyKey, sampling: list[Sampling], rows: Sequence[SamplingRow],
+                       processed: ProcessedLogits, taps: torch.Tensor, cache: CacheEngine, num_top: int
+                       ) -> tuple[DeviceVerdict, SamplerOutput]:
         """``_verify``, ``write_context`` and ``emitted_output`` as one static verify of the step's bucket
         (services/worker/static_verify.py): the same verdicts, context writes and sampled rows."""
         forced = None
@@ -295,7 +299,6 @@ class Speculator:
             if any(rows[s.span.start].temperature != 0 for s in sampling):
                 raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
             forced = [self.forced_acceptance.num_accepted(len(s.drafts)) for s in sampling]
-        key = VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode)
         draft_probs = ([self.draft_probs.get(s.request_id) for s in sampling] if key.mode == "rejection" else [])
         out = self.verify_graphs.verify(key, cache, sampling, rows, processed, taps, draft_probs, forced)
         num_r, num_rows = len(sampling), processed.logprobs.shape[0]

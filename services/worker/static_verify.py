@@ -1,7 +1,9 @@
 """A speculative step's verify half with static shapes: what a CUDA graph captures, one graph per bucket.
 
 ``StaticVerify`` owns fixed-shape device buffers for R requests (a power-of-two bucket) of up to 1 + nextn
-sampled rows and M context entries each, and ``run()`` goes from them to what the step reads back and what
+sampled rows and M = bucket(1 + nextn) context entries each (a decode request's rows; a last prompt chunk
+writes its last min(rows, W), which fits only where W ≤ M: a step with a longer one, a prefill step, takes
+the eager path, as the runner does), and ``run()`` goes from them to what the step reads back and what
 the proposal starts from: the verification (services/worker/verifier.py's ``rejection_verdict`` or
 ``deterministic_verdict``, or the benchmark's forced counts), every sampled row's emitted token and its
 logprob (``accepted_context.emitted_output``'s values), and the draft's context K=V of the accepted rows
@@ -55,31 +57,29 @@ NUM_COLUMNS = 12  # then the drafts, nextn columns
 _PLACEHOLDER = (0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)
 
 
+def num_entries(nextn: int) -> int:
+    """M: the context entries a static verify holds per request."""
+    return bucket(1 + nextn)
+
+
 @dataclass(frozen=True)
 class VerifyKey:
     """What fixes a static verify's shapes and code path."""
 
     num_requests: int  # R: the bucket (a power of two ≥ the sampling requests)
-    num_entries: int  # M: context entries per request (decode steps: bucket(1 + nextn); with a prompt's last
-    #                   chunk or a lone row: bucket(max(W, 1 + nextn)))
     mode: str  # one of MODES
 
-    @staticmethod
-    def entry_buckets(nextn: int, window: int) -> tuple[int, int]:
-        """(a decode step's M, a step with a last prompt chunk's M)."""
-        return bucket(1 + nextn), bucket(max(window, 1 + nextn))
+    @classmethod
+    def of(cls, sampling: Sequence[Sampling], nextn: int, window: int, mode: str) -> VerifyKey | None:
+        """The key of a step's sampling requests; None where one writes more entries than M (the eager path)."""
+        if any(len(_entries(s, window)) > num_entries(nextn) for s in sampling):
+            return None
+        return cls(bucket(len(sampling)), mode)
 
     @classmethod
-    def of(cls, sampling: Sequence[Sampling], nextn: int, window: int, mode: str) -> VerifyKey:
-        small, large = cls.entry_buckets(nextn, window)
-        most = max(_entries(s, window).stop - _entries(s, window).start for s in sampling)
-        return cls(bucket(len(sampling)), small if most <= small else large, mode)
-
-    @classmethod
-    def buckets(cls, max_requests: int, nextn: int, window: int, mode: str) -> list[VerifyKey]:
+    def buckets(cls, max_requests: int, mode: str) -> list[VerifyKey]:
         """Every key a batch of up to ``max_requests`` can ask for."""
-        return [cls(1 << i, m, mode) for i in range(bucket(max_requests).bit_length())
-                for m in sorted(set(cls.entry_buckets(nextn, window)))]
+        return [cls(1 << i, mode) for i in range(bucket(max_requests).bit_length())]
 
 
 def _entries(s: Sampling, window: int) -> range:
@@ -99,32 +99,43 @@ class VerifyOutput:
 
 
 class StaticVerify:
-    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: VerifyKey, nextn: int) -> None:
+    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: VerifyKey, nextn: int,
+                 share: StaticVerify | None = None) -> None:
+        """``share``: a static verify of as many requests or more whose input buffers this one uses the first
+        rows of (static verifies never run at once, and each fill rewrites what its run reads)."""
         if model.draft is None:
             raise ValueError("a static verify needs a model with a DSpark draft")
         if key.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {key.mode!r}")
+        if share is not None and (share.key.num_requests < key.num_requests or share.key.mode != key.mode):
+            raise ValueError(f"the static verify of {key} cannot share the buffers of {share.key}")
         self.model, self.cache, self.key, self.nextn = model, cache, key, nextn
-        r, m, width = key.num_requests, key.num_entries, 1 + nextn
+        r, m, width = key.num_requests, num_entries(nextn), 1 + nextn
         device, v = model.embed.weight.device, model.cfg.vocab_size
         self.num_rows = r * width  # the sampled-row capacity
-        self.window = cache.layout.draft_window
+        self.num_entries, self.window = m, cache.layout.draft_window
         # One packed int64 upload: the entries' plan rows [R·M], then the requests' table [R, NUM_COLUMNS + nextn].
         self.packed = torch.zeros(r * m + r * (NUM_COLUMNS + nextn), dtype=torch.int64, device=device)
         self.entry_rows = self.packed[: r * m]
         self.table = self.packed[r * m :].view(r, NUM_COLUMNS + nextn)
-        self.probs = torch.zeros(self.num_rows, v, dtype=torch.float32, device=device)
-        self.logprobs = torch.zeros(self.num_rows, v, dtype=torch.float32, device=device)
-        self.errors = torch.zeros(self.num_rows, dtype=torch.bool, device=device)
         proj = model.draft.main_proj.weight  # the taps' projection: the taps buffer takes its width and dtype
-        self.taps = torch.zeros(r * m, proj.shape[1], dtype=proj.dtype, device=device)
-        self.draft_probs = (torch.zeros(r, nextn, v, dtype=torch.float32, device=device)
-                            if key.mode == "rejection" else None)
+
+        def buffer(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+            if share is not None:
+                return getattr(share, name)[: shape[0]]
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.probs = buffer((self.num_rows, v), torch.float32, "probs")  # the step's processed distributions
+        self.logprobs = buffer((self.num_rows, v), torch.float32, "logprobs")
+        self.errors = buffer((self.num_rows,), torch.bool, "errors")
+        self.taps = buffer((r * m, proj.shape[1]), proj.dtype, "taps")  # the entries' taps
+        self.draft_probs = (buffer((r, nextn, v), torch.float32, "draft_probs") if key.mode == "rejection"
+                            else None)  # rejection: each request's draft distributions
 
     def pack(self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], forced: Sequence[int] | None
              ) -> torch.Tensor:
         """The packed host tensor of ``sampling`` (empty: every request a placeholder)."""
-        key, nextn, m = self.key, self.nextn, self.key.num_entries
+        key, nextn, m = self.key, self.nextn, self.num_entries
         if len(sampling) > key.num_requests:
             raise ValueError(f"{len(sampling)} requests do not fit the static verify of {key}")
         entry_rows = [0] * (key.num_requests * m)
@@ -158,6 +169,9 @@ class StaticVerify:
             self.logprobs[:n].copy_(processed.logprobs)
             self.errors[:n].copy_(processed.errors)
         if taps is not None:
+            if taps.dtype != self.taps.dtype or taps.shape[1] != self.taps.shape[1]:
+                raise ValueError(f"taps {taps.dtype} [.., {taps.shape[1]}] do not fit the draft's projection "
+                                 f"{self.taps.dtype} [.., {self.taps.shape[1]}]")
             torch.index_select(taps, 0, self.entry_rows, out=self.taps)
         if self.draft_probs is not None:
             for r, q in enumerate(draft_probs):
@@ -207,7 +221,7 @@ class StaticVerify:
     def _write_context(self, num_accepted: torch.Tensor, errors: torch.Tensor) -> None:
         """The draft's context K=V of every entry the verdict keeps, the ring's old value elsewhere; entries W or
         more apart go in passes of W, in order, so the last kept one wins (``accepted_context.write_context``)."""
-        t, m, w = self.table, self.key.num_entries, self.window
+        t, m, w = self.table, self.num_entries, self.window
         draft = self.model.draft
         e = torch.arange(m, device=t.device)
         offsets = t[:, J0].unsqueeze(1) + e  # [R, M]: the entry's row offset j in its request
@@ -258,8 +272,9 @@ class VerifyGraphs:
         return self.outputs[key]
 
     def prepare(self, cache: CacheEngine, keys: list[VerifyKey]) -> None:
-        """Builds (and with graphs captures) the static verifies of ``keys`` now, largest first."""
-        for key in sorted(keys, key=lambda k: k.num_requests * k.num_entries, reverse=True):
+        """Builds (and with graphs captures) the static verifies of ``keys`` now, largest first (the smaller ones
+        share its input buffers and graph memory)."""
+        for key in sorted(keys, key=lambda k: k.num_requests, reverse=True):
             self._static(cache, key)
 
     def _static(self, cache: CacheEngine, key: VerifyKey) -> StaticVerify:
@@ -268,7 +283,10 @@ class VerifyGraphs:
             self.cache = cache
         static = self.static.get(key)
         if static is None:
-            static = self.static[key] = StaticVerify(self.model, cache, key, self.nextn)
+            share = max(self.static.values(), key=lambda s: s.key.num_requests, default=None)
+            if share is not None and share.key.num_requests < key.num_requests:
+                share = None  # a larger bucket than any so far: its own buffers, which later smaller ones share
+            static = self.static[key] = StaticVerify(self.model, cache, key, self.nextn, share)
         if self.use_graphs and key not in self.graphs:
             static.fill((), (), None, None)  # placeholders only: the warm-up really runs, and writes only slot 0
             graph, self.outputs[key], self._pool = capture_graph(static.run, self._pool)

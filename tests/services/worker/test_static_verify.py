@@ -2,7 +2,7 @@
 step through the engine loop: every step's verdicts (errors, accepted counts, emitted tokens), the draft rings
 ``write_context`` leaves (the whole state-slot pool, ``==``), and each sampled row's token, logprob and top-n
 (``emitted_output``). Both verifier modes, fixed and varlen, with requests finishing at different steps so the
-batch shrinks through several buckets, and a prompt longer than the draft's window (the large entry bucket).
+batch shrinks through several buckets, and a last prompt chunk longer than the draft's window.
 On CUDA: its graph replay equals the eager run, with no sync (``set_sync_debug_mode("error")``)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Compare:
 
     def __init__(self, monkeypatch, mode: str) -> None:
         self.mode, self.num_steps, self.keys, self.num_accepted = mode, 0, set(), 0
-        self.speculator = None
+        self.speculator = self.graphs = None
         self.processed = self.rows = None
         process, write_context = Sampler.process, speculator_module.write_context
 
@@ -66,10 +66,12 @@ class Compare:
         eager = cache.slots.clone()
         cache.slots.copy_(before)
         key = VerifyKey.of(sampling, spec.nextn, cache.layout.draft_window, self.mode)
-        static = StaticVerify(spec.model, cache, key, spec.nextn)
+        assert key is not None  # this config's window fits the static verify's entries: every step checks
+        if self.graphs is None:  # every bucket up to 8 shares the largest's buffers, stale rows included
+            self.graphs = VerifyGraphs(spec.model, spec.nextn, use_graphs=False)
+            self.graphs.prepare(cache, VerifyKey.buckets(8, self.mode))
         draft_probs = [spec.draft_probs.get(s.request_id) for s in sampling] if self.mode == "rejection" else []
-        static.fill(sampling, self.rows, processed, taps, draft_probs)
-        out = static.run()
+        out = self.graphs.verify(key, cache, sampling, self.rows, processed, taps, draft_probs)
         got_rings = cache.slots.clone()
         cache.slots.copy_(eager)  # the run goes on from the eager path's rings
         num_r, num_rows = len(sampling), processed.logprobs.shape[0]
@@ -148,7 +150,7 @@ def test_the_static_context_writes_equal_write_context(case):
         write_context(model.draft, sampling, verdict, taps, want)
     assert verdict.errors.tolist() == [e for *_, e in requests]
     assert verdict.num_accepted.tolist() == [a for *_, a, _ in requests]
-    assert key.num_entries > cfg.sliding_window or case is DRAFT_CASES[0]  # window-4: passes of W entries
+    assert static.num_entries > cfg.sliding_window or case is DRAFT_CASES[0]  # window-4: passes of W entries
     assert torch.equal(got.slots, want.slots)
 
 
@@ -169,6 +171,15 @@ def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch
     assert site.startswith("tolist @ speculator.py") and 0 < num, counter.reads
 
 
+def test_a_step_whose_entries_do_not_fit_has_no_key():
+    """A last prompt chunk writes its last min(rows, W) entries; more than bucket(1 + nextn) takes the eager path."""
+    chunk = Sampling(0, "0", slice(0, 1), list(range(20)), 1, 0, [])
+    decode = Sampling(1, "1", slice(1, 5), list(range(20, 24)), 2, 30, [4, 5, 6])
+    assert VerifyKey.of([decode, chunk], 3, 16, "rejection") is None
+    assert VerifyKey.of([decode, chunk], 3, 4, "rejection") == VerifyKey(2, "rejection")
+    assert VerifyKey.of([decode], 3, 16, "deterministic") == VerifyKey(1, "deterministic")
+
+
 def test_device_draws_equal_the_host_draws():
     from kernels.philox import DrawCase, draw_bits
 
@@ -187,7 +198,7 @@ def test_placeholders_write_only_the_null_slot(source):
     cache.slots.copy_(torch.randint(0, 256, cache.slots.shape, dtype=torch.uint8))
     before = cache.slots.clone()
     graphs = VerifyGraphs(source.model, NEXTN, use_graphs=False)
-    keys = VerifyKey.buckets(2, NEXTN, cache.layout.draft_window, "rejection")
+    keys = VerifyKey.buckets(2, "rejection")
     graphs.prepare(cache, keys)
     for key in keys:
         static = graphs.static[key]
@@ -261,7 +272,7 @@ def test_on_cuda_llm_captures_every_verify_and_draft_bucket_ahead(source):
     llm = LLM(source=load_model(source.name, device="cuda"), cuda_graphs=True, num_speculative_tokens=NEXTN, **args)
     spec = llm.engine.worker.speculator
     captures = (spec.verify_graphs.num_captures, spec.draft_graphs.num_captures)
-    assert captures[0] == len(VerifyKey.buckets(4, NEXTN, source.model.cfg.sliding_window, "rejection"))
+    assert captures[0] == len(VerifyKey.buckets(4, "rejection"))
     got = [o.token_ids for o in llm.generate(PROMPTS[:3], greedy)] + [o.token_ids for o in llm.generate(PROMPTS[:1],
                                                                                                           greedy)]
     assert (spec.verify_graphs.num_captures, spec.draft_graphs.num_captures) == captures
