@@ -171,6 +171,22 @@ def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch
     assert site.startswith("tolist @ speculator.py") and 0 < num, counter.reads
 
 
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_prepare_graphs_builds_every_bucket_ahead(source, greedy_only):
+    """``Speculator.prepare_graphs`` (what ``LLM`` calls with ``cuda_graphs``, the bench with ``greedy_only``):
+    every verify bucket up to the batch and the draft's buckets without bans or bias, all sharing the largest
+    verify's buffers."""
+    cfg = source.model.cfg
+    cache = CacheEngine(cfg, 8, num_blocks=2, num_state_slots=6, ring=ring_size(cfg), draft=True)
+    spec = speculator_module.Speculator(source.model, NEXTN, "deterministic", static_proposal=True)
+    spec.prepare_graphs(cache, 5, greedy_only=greedy_only)
+    assert set(spec.verify_graphs.static) == {VerifyKey(g, "deterministic") for g in (1, 2, 4, 8)}
+    largest = spec.verify_graphs.static[VerifyKey(8, "deterministic")]
+    assert all(s.probs.data_ptr() == largest.probs.data_ptr() for s in spec.verify_graphs.static.values())
+    draft_keys = {(k.num_rows, k.all_greedy) for k in spec.draft_graphs.static}
+    assert draft_keys == {(g, greedy) for g in (1, 2, 4, 8) for greedy in ((True,) if greedy_only else (True, False))}
+
+
 def test_a_step_whose_entries_do_not_fit_has_no_key():
     """A last prompt chunk writes its last min(rows, W) entries; more than bucket(1 + nextn) takes the eager path."""
     chunk = Sampling(0, "0", slice(0, 1), list(range(20)), 1, 0, [])
