@@ -1,11 +1,12 @@
 """Eager aten ops per speculative step outside the CUDA graphs, by phase (issue 20: where a step's time goes).
 
-On the CPU, tiny, the GraphRunner's static decode step and the static draft proposal run eagerly
-(``use_graphs=False``: the code the graphs capture); ops inside ``StaticDecodeStep.run`` and
-``StaticDraftProposal.run`` are what one replay each does on the GPU, every other non-view op is an eager op
-there (a launch, or host work on a host tensor). Forced acceptance, greedy, batch 1 by default.
+On the CPU, tiny, the GraphRunner's static decode step, the static verify and the static draft proposal run
+eagerly (``use_graphs=False``: the code the graphs capture); ops inside ``StaticDecodeStep.run``,
+``StaticVerify.run`` and ``StaticDraftProposal.run`` are what one replay each does on the GPU, every other
+non-view op is an eager op there (a launch, or host work on a host tensor). Forced acceptance, greedy, batch 1
+by default; ``--eager-verify`` runs the verify half eagerly instead (verifier, write_context, emitted_output).
 
-    python scripts/spec_step_ops.py [--batch 1] [--acceptance 0] [--max-tokens 16]
+    python scripts/spec_step_ops.py [--batch 1] [--acceptance 0] [--max-tokens 16] [--eager-verify]
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from services.worker.sampler import Sampler
 from services.worker.speculator import Speculator
 from services.worker.static_decode_step import StaticDecodeStep
 from services.worker.static_draft_proposal import StaticDraftProposal
+from services.worker.static_verify import StaticVerify
 from services.worker.worker import Worker
 
 VIEWS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "t", "permute", "expand", "detach",
          "alias", "lift_fresh", "as_strided", "transpose", "split", "unbind", "_reshape_alias", "split_with_sizes",
          "chunk", "unflatten", "reshape", "flatten", "narrow", "diagonal", "real", "empty"}
 """Ops that make no kernel launch (views, metadata, uninitialised allocation)."""
-GRAPHS = ("graph: decode step", "graph: draft proposal")
+GRAPHS = ("graph: decode step", "graph: draft proposal", "graph: verify")
 
 
 class Phases(TorchDispatchMode):
@@ -72,6 +74,7 @@ def main() -> None:
     p.add_argument("--acceptance", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--eager-verify", action="store_true", help="the verify half eagerly (no static verify)")
     args = p.parse_args()
     torch.set_num_threads(1)
     source = load_model("tiny", device="cpu")
@@ -82,6 +85,8 @@ def main() -> None:
     runner = GraphRunner(ModelRunner(source.model, config, nextn=nextn, with_taps=True), config, use_graphs=False,
                          attention="reference")
     spec = Speculator(source.model, nextn, forced_acceptance=ForcedAcceptance(args.acceptance), static_proposal=True)
+    if args.eager_verify:
+        spec.verify_graphs = None
     worker = Worker(runner, speculator=spec)
     llm = LLM(source=source, worker=worker, **engine_args)
     run_batch(llm, args.batch, 8, 4, seed=99)  # warm-up
@@ -89,8 +94,10 @@ def main() -> None:
     phases.wrap(runner, "execute", "runner (outside its graph)")
     phases.wrap(StaticDecodeStep, "run", GRAPHS[0])
     phases.wrap(StaticDraftProposal, "run", GRAPHS[1])
+    phases.wrap(StaticVerify, "run", GRAPHS[2])
     phases.wrap(Sampler, "process", "sampler process")
     phases.wrap(spec, "_verify", "verify")
+    phases.wrap(spec, "_static_verify", "verify (outside its graph)")
     phases.wrap(speculator_module, "write_context", "write_context")
     if hasattr(speculator_module, "emitted_output"):
         phases.wrap(speculator_module, "emitted_output", "emitted_output")

@@ -19,7 +19,10 @@ Each row also says where a step's time goes (issue 20: every step with drafts co
 ``eager_steps`` and ``graph_replays`` of the timed run (the GraphRunner's: a decode step outside a captured size
 runs eagerly), ``draft_graph_captures`` in all and ``draft_graph_captures_timed`` inside the timed run (a capture
 there means the warm-up saw another ``ProposalKey``; ``draft_keys`` and ``draft_keys_timed``: the keys the static
-proposal has seen, in all and first inside the timed run, also without graphs, ``--static-proposal``), the worker's host ms per step (``worker_ms_per_step``:
+proposal has seen, in all and first inside the timed run, also without graphs, ``--static-proposal``),
+``verify_graph_captures``/``verify_keys`` and their ``_timed`` the same for the static verify
+(services/worker/static_verify.py),
+the worker's host ms per step (``worker_ms_per_step``:
 ``Worker.execute``, the runner's launch or eager run, the sampler, and with drafts the speculator, whose one read
 waits for the device), and with drafts the speculator's host ms per step by phase (``spec_ms_per_step``,
 services/worker/spec_timings.py). All are host ``perf_counter`` times around the existing calls; no sync is added.
@@ -43,7 +46,6 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
     from services.engine.llm import default_runner
     from services.worker.forced_acceptance import ForcedAcceptance
     from services.worker.speculator import Speculator
-    from services.worker.static_draft_proposal import ProposalKey
     from services.worker.worker import Worker
 
     if not nextn:
@@ -54,8 +56,8 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
     speculator = Speculator(source.model, nextn, spec_sampling, batch_invariant=config.batch_invariant,
                             forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0),
                             cuda_graphs=config.cuda_graphs, static_proposal=static_proposal)
-    if speculator.draft_graphs is not None:  # every key a greedy batch can ask for, captured before any timing
-        speculator.draft_graphs.prepare(runner.cache, ProposalKey.buckets(config.max_num_seqs))
+    # every draft key a greedy batch can ask for and every verify key, captured before any timing
+    speculator.prepare_graphs(runner.cache, config.max_num_seqs, greedy_only=True)
     return LLM(source=source, worker=Worker(runner, speculator=speculator), **args)
 
 
@@ -63,10 +65,12 @@ def counters(llm) -> dict:
     """The worker's step counters now (None where its runner or speculator has none)."""
     worker = llm.engine.worker
     runner, spec = getattr(worker, "runner", None), getattr(worker, "speculator", None)
-    graphs = getattr(spec, "draft_graphs", None)
+    graphs, verifies = getattr(spec, "draft_graphs", None), getattr(spec, "verify_graphs", None)
     return {"eager_steps": getattr(runner, "num_eager", None), "graph_replays": getattr(runner, "num_replays", None),
             "draft_graph_captures": getattr(graphs, "num_captures", None),
-            "draft_keys": None if graphs is None else len(graphs.static)}
+            "draft_keys": None if graphs is None else len(graphs.static),
+            "verify_graph_captures": getattr(verifies, "num_captures", None),
+            "verify_keys": None if verifies is None else len(verifies.static)}
 
 
 def timed_worker(llm) -> list[float]:
@@ -98,7 +102,10 @@ def step_counters(before: dict, after: dict, worker_s: list[float]) -> dict:
            "eager_steps": delta("eager_steps"), "graph_replays": delta("graph_replays"),
            "draft_graph_captures": after["draft_graph_captures"],
            "draft_graph_captures_timed": delta("draft_graph_captures"),
-           "draft_keys": after["draft_keys"], "draft_keys_timed": delta("draft_keys")}
+           "draft_keys": after["draft_keys"], "draft_keys_timed": delta("draft_keys"),
+           "verify_graph_captures": after["verify_graph_captures"],
+           "verify_graph_captures_timed": delta("verify_graph_captures"),
+           "verify_keys": after["verify_keys"], "verify_keys_timed": delta("verify_keys")}
     return out
 
 
@@ -149,7 +156,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
                   f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
                   f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
-                  f"({r['draft_keys_timed']} new in it); "
+                  f"({r['draft_keys_timed']} new in it); verify graph captures {r['verify_graph_captures']} "
+                  f"({r['verify_graph_captures_timed']} in the timed run), keys {r['verify_keys']} "
+                  f"({r['verify_keys_timed']} new in it); "
                   f"speculator host ms/step {r['spec_ms_per_step']}")
             del llm
             if device.startswith("cuda"):

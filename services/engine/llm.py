@@ -96,9 +96,12 @@ class LLM:
             # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the
             # draft runs plain torch (greedy and deterministic-mode tokens do not depend on the draft's rounding).
             on_cpu = self.source.model.embed.weight.device.type == "cpu"
-            worker = Worker(runner or default_runner(self.source, self.config), speculator=Speculator(
-                self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
-                batch_invariant=self.config.batch_invariant and on_cpu, cuda_graphs=self.config.cuda_graphs))
+            speculator = Speculator(self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
+                                    batch_invariant=self.config.batch_invariant and on_cpu,
+                                    cuda_graphs=self.config.cuda_graphs)
+            worker = Worker(runner or default_runner(self.source, self.config), speculator=speculator)
+            if self.config.cuda_graphs:  # every bucket's draft and verify graphs now, so no live step captures
+                speculator.prepare_graphs(worker.runner.cache, self.config.max_num_seqs)
         self.engine = Engine(
             worker or Worker(runner or default_runner(self.source, self.config)), self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,

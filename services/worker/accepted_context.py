@@ -104,6 +104,14 @@ def emitted_output(processed: ProcessedLogits, verdict: DeviceVerdict | None, sa
         tokens = torch.where(emitted, verdict.tokens[r, j], 0)
     # An error row's request is an error request (the verdict's errors are its rows' any), so its token is 0.
     chosen = p.logprobs.gather(1, tokens.unsqueeze(-1)).squeeze(-1).masked_fill(p.errors, -math.inf)
+    return with_top(p, tokens, chosen, num_top)
+
+
+def with_top(processed: ProcessedLogits, tokens: torch.Tensor, chosen: torch.Tensor, num_top: int) -> SamplerOutput:
+    """The sampler output of the rows' ``tokens`` [N] and their logprobs ``chosen`` [N], with the top ``num_top``
+    of the processed distributions (``processed`` ranked every row when ``num_top`` > 0)."""
+    p = processed
+    num_rows, device = p.logprobs.shape[0], p.logprobs.device
     top_ids = (p.order[:, :num_top].contiguous() if num_top > 0
                else torch.empty(num_rows, 0, dtype=torch.int64, device=device))
     top_logprobs = p.logprobs.gather(1, top_ids).masked_fill(p.errors.unsqueeze(-1), -math.inf)

@@ -24,7 +24,8 @@ A step reads the device once: every request's verification runs at once on the d
 context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
 values), the proposal starts from the anchors the device holds, and one read brings back the verdicts with
 the next drafts and confidences. With ``cuda_graphs`` the proposal replays a graph per batch bucket
-(services/worker/static_draft_proposal.py). The logits are processed once: the verdicts and the step's sampler
+(services/worker/static_draft_proposal.py), and so does the verify half (the verification, the context writes
+and the emitted rows: services/worker/static_verify.py) where the step's requests fit one. The logits are processed once: the verdicts and the step's sampler
 output (each row's token, logprob and top-n: ``accepted_context.emitted_output``) both read those
 distributions. ``timings`` keeps the host time of each phase (services/worker/spec_timings.py).
 """
@@ -42,14 +43,15 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
-from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
+from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, with_top, write_context
 from services.worker.cache_engine import CacheEngine
 from kernels.device import upload
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import ProcessedLogits, Sampler, SamplingRow
 from services.worker.spec_timings import SpecTimings
-from services.worker.static_draft_proposal import DraftGraphs
+from services.worker.static_draft_proposal import DraftGraphs, ProposalKey
+from services.worker.static_verify import VerifyGraphs, VerifyKey
 from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
 
 
@@ -104,6 +106,25 @@ class Speculator:
             raise ValueError("cuda_graphs captures the static proposal: static_proposal=False contradicts it")
         self.draft_graphs = (DraftGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static
                              else None)
+        # The verify half (verification, emitted output, context writes) in a graph per bucket, with the proposal.
+        self.verify_graphs = VerifyGraphs(model, num_speculative_tokens, cuda_graphs) if static else None
+
+    @property
+    def verify_mode(self) -> str:
+        """The static verify's mode (services/worker/static_verify.py): the benchmark's forced counts, or
+        ``spec_sampling``."""
+        return "forced" if self.forced_acceptance is not None else self.spec_sampling
+
+    def prepare_graphs(self, cache: CacheEngine, max_num_seqs: int, greedy_only: bool = False) -> None:
+        """Builds (with ``cuda_graphs``: captures) the static proposals (without bans or bias; ``greedy_only``:
+        all-greedy batches only) and verifies of every bucket up to ``max_num_seqs`` requests, so no live step of
+        those keys captures."""
+        if self.draft_graphs is None or self.verify_graphs is None:
+            return
+        keys = ProposalKey.buckets(max_num_seqs)
+        self.draft_graphs.prepare(cache, keys if greedy_only else keys + ProposalKey.buckets(max_num_seqs,
+                                                                                            all_greedy=False))
+        self.verify_graphs.prepare(cache, VerifyKey.buckets(max_num_seqs, self.verify_mode))
 
     def release(self, request_id: str) -> None:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
@@ -154,19 +175,27 @@ class Speculator:
                                      self.drafts.get(request_id, [])[: n - 1]))
             start += n
         since = timings.add("other", since)
-        verdict = self._verify(sampling, rows, processed)
+        # The verify half in one static verify (a graph) where the step's requests fit one (not a prefill step's
+        # last prompt chunk longer than the static verify's entries).
+        key = (VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode)
+               if self.verify_graphs is not None and sampling else None)
+        if key is not None:
+            verdict, sampled = self._static_verify(key, sampling, rows, processed, taps, cache, num_top)
+            since = timings.add("verify", since)
+        else:
+            verdict = self._verify(sampling, rows, processed)
+            if verdict is not None:
+                write_context(self.model.draft, sampling, verdict, taps, cache)
+            since = timings.add("verify", since)
+            # Every row's token (the emitted ones; 0 elsewhere) with its logprob and top-n under the processed
+            # distributions, by device ops queued before the read.
+            sampled = emitted_output(processed, verdict, sampling, num_top)
+            since = timings.add("sample", since)
         proposing = [r for r, s in enumerate(sampling) if propose[s.index]]
         proposal = None
         if verdict is not None:
-            write_context(self.model.draft, sampling, verdict, taps, cache)
-        since = timings.add("verify", since)
-        if verdict is not None:
             proposal = self._propose(sampling, proposing, verdict, rows, cache)
             since = timings.add("propose", since)
-        # Every row's token (the emitted ones; 0 elsewhere) with its logprob and top-n under the processed
-        # distributions, by device ops queued before the read.
-        sampled = emitted_output(processed, verdict, sampling, num_top)
-        since = timings.add("sample", since)
         # The step's one host read: per sampling request its error flag, accepted count and tokens, then the
         # proposal's drafts and confidences (token ids and fp32 values are exact in fp64).
         pieces = [] if verdict is None else [verdict.errors, verdict.num_accepted, verdict.tokens]
@@ -260,6 +289,25 @@ class Speculator:
         else:
             v = verify_deterministic(processed.logprobs[index], drafts, seeds, positions, greedy, num_drafts)
         return DeviceVerdict(errors, v.num_accepted, v.tokens)
+
+    def _static_verify(self, key: VerifyKey, sampling: list[Sampling], rows: Sequence[SamplingRow],
+                       processed: ProcessedLogits, taps: torch.Tensor, cache: CacheEngine, num_top: int
+                       ) -> tuple[DeviceVerdict, SamplerOutput]:
+        """``_verify``, ``write_context`` and ``emitted_output`` as one static verify of the step's bucket
+        (services/worker/static_verify.py): the same verdicts, context writes and sampled rows."""
+        forced = None
+        if self.forced_acceptance is not None:
+            if any(rows[s.span.start].temperature != 0 for s in sampling):
+                raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
+            forced = [self.forced_acceptance.num_accepted(len(s.drafts)) for s in sampling]
+        draft_probs = ([self.draft_probs.get(s.request_id) for s in sampling] if key.mode == "rejection" else [])
+        out = self.verify_graphs.verify(key, cache, sampling, rows, processed, taps, draft_probs, forced)
+        num_r, num_rows = len(sampling), processed.logprobs.shape[0]
+        v = out.verdict
+        verdict = DeviceVerdict(v.errors[:num_r], v.num_accepted[:num_r], v.tokens[:num_r])
+        # The rows' tokens and logprobs outlive the next replay (the engine may copy them later), so copied.
+        sampled = with_top(processed, out.tokens[:num_rows].clone(), out.logprobs[:num_rows].clone(), num_top)
+        return verdict, sampled
 
     def _draft_probs(self, request_id: str, k: int, vocab_size: int, device: torch.device) -> torch.Tensor:
         """fp32 [k, V]: the request's draft distributions of its first k drafts (zeros where it has none)."""

@@ -125,37 +125,59 @@ def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     k = width - 1
     device = target_probs.device
     greedy = _on(greedy, torch.bool, device).view(n)
-    drafts = drafts.to(device)
     pos = _positions(positions, n, width)  # host [N][K+1]
-    verified = _verified(num_drafts, n, k, device)
-    num_accepted = torch.zeros(n, dtype=torch.int64, device=device)
+    draws = {case: _draw(seeds, [p[:k] for p in pos] if case == DrawCase.ACCEPT else pos, case, device)
+             for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)}
+    return rejection_verdict(target_probs, draft_probs, drafts.to(device), greedy, _verified(num_drafts, n, k, device),
+                             draws)
+
+
+def rejection_verdict(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
+                      greedy: torch.Tensor, verified: torch.Tensor, draws: dict[DrawCase, torch.Tensor]) -> Verdict:
+    """``verify_rejection`` on the device, with no host read and fixed shapes (what a CUDA graph captures):
+    target_probs [N, K+1, V], draft_probs [N, K, V], drafts int64 [N, K], greedy bool [N], verified bool [N, K];
+    ``draws`` int64 per case, ACCEPT [N, K] (columns P … P+K−1), RESAMPLE and SAMPLE [N, K+1] (P … P+K)."""
+    n, width, _ = target_probs.shape
+    k = width - 1
+    num_accepted = torch.zeros(n, dtype=torch.int64, device=target_probs.device)
     if k:
         index = drafts.unsqueeze(-1)
         t = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [N, K]
         d = draft_probs.gather(-1, index).squeeze(-1)
-        sampled = _passes_rejection(t, d, _draw(seeds, [p[:k] for p in pos], DrawCase.ACCEPT, device))
+        sampled = _passes_rejection(t, d, draws[DrawCase.ACCEPT])
         exact = drafts == target_probs[:, :k].argmax(-1)
         num_accepted = _prefix(torch.where(greedy.unsqueeze(-1), exact, sampled) & verified)
-    rows = torch.arange(n, device=device)
-    last = target_probs[rows, num_accepted]  # [N, V]: the row whose token follows the accepted drafts
+    at = num_accepted.unsqueeze(-1)  # [N, 1]
+    last = target_probs.gather(1, at.unsqueeze(-1).expand(n, 1, target_probs.shape[2]))[:, 0]  # [N, V]: the row
+    #                                                            whose token follows the accepted drafts
     rejected = num_accepted < verified.sum(-1)
     dist = last
     if k:
-        residual = (last - draft_probs[rows, num_accepted.clamp(max=k - 1)]).clamp_min(0)
+        q_at = at.clamp(max=k - 1).unsqueeze(-1).expand(n, 1, draft_probs.shape[2])
+        residual = (last - draft_probs.gather(1, q_at)[:, 0]).clamp_min(0)
         # A rejection needs p(d) < q(d), so p exceeds q somewhere; a residual whose integer mass rounds to
         # zero (p ≈ q to 2⁻³¹) falls back to p.
         usable = rejected & (integer_masses(residual).sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, last)
-    # The draw at P + num_accepted: every column's drawn on the host, the accepted count's picked on the device.
-    at = num_accepted.unsqueeze(-1)  # [N, 1]
-    bits = torch.where(rejected, _draw(seeds, pos, DrawCase.RESAMPLE, device).gather(1, at)[:, 0],
-                       _draw(seeds, pos, DrawCase.SAMPLE, device).gather(1, at)[:, 0])
+    # The draw at P + num_accepted: every column's drawn, the accepted count's picked on the device.
+    bits = torch.where(rejected, draws[DrawCase.RESAMPLE].gather(1, at)[:, 0],
+                       draws[DrawCase.SAMPLE].gather(1, at)[:, 0])
     # dist is a softmax row, or a residual of finite nonnegative values whose integer mass is > 0 (usable) and
     # below the row's: what pick_from_bits needs, so sample_from_bits' host checks are not needed.
     token = torch.where(greedy, last.argmax(-1), pick_from_bits(dist, bits))
-    tokens = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
-    tokens[rows, num_accepted] = token
+    tokens = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1).scatter(1, at, token.unsqueeze(-1))
     return Verdict(num_accepted, tokens)
+
+
+def device_draws(seeds: torch.Tensor, positions: torch.Tensor, case: DrawCase) -> torch.Tensor:
+    """``draw_bits`` on the device: seeds int64 [N] (two's complement), positions int64 [N, W] (in [0, 2⁶⁰), the
+    caller's guarantee) → int64 [N, W], the same counter layout (stream low, stream high, 0, 0) without its
+    host loop or checks."""
+    stream = 3 * positions + int(case)  # [N, W] < 2⁶²
+    key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [N, 1, 2]
+    zero = torch.zeros_like(stream)
+    counter = torch.stack((stream & MASK32, stream >> 32, zero, zero), dim=-1)  # [N, W, 4]
+    return philox4x32(counter, key.expand(*stream.shape, 2))[..., 0] >> (32 - DRAW_BITS)
 
 
 def gumbel_noise(seeds: Sequence[int], positions: Sequence[int] | torch.Tensor, vocab_size: int,
@@ -184,18 +206,30 @@ def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, se
     k = width - 1
     device = target_logprobs.device
     greedy = _on(greedy, torch.bool, device).view(n)
-    pos = _on([p for row in _positions(positions, n, width) for p in row], torch.int64, device)  # [N·(K+1)]
-    signed = _on([_signed(s) for s in seeds for _ in range(width)], torch.int64, device)
+    pos = _on(_positions(positions, n, width), torch.int64, device)  # [N, K+1]
+    signed = _on([signed_seed(s) for s in seeds], torch.int64, device)
+    return deterministic_verdict(target_logprobs, drafts.to(device), signed, pos, greedy,
+                                 _verified(num_drafts, n, k, device))
+
+
+def deterministic_verdict(target_logprobs: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor,
+                          positions: torch.Tensor, greedy: torch.Tensor, verified: torch.Tensor) -> Verdict:
+    """``verify_deterministic`` on the device, with no host read and fixed shapes: target_logprobs [N, K+1, V],
+    drafts int64 [N, K], seeds int64 [N] (two's complement), positions int64 [N, K+1] (P + j, ≥ 0), greedy
+    bool [N], verified bool [N, K]."""
+    n, width, _ = target_logprobs.shape
+    k = width - 1
     logprobs = target_logprobs.flatten(0, 1)  # [N·(K+1), V]
-    noisy = logprobs.to(torch.float64) + coupling_noise(signed, pos, logprobs.shape[-1])
+    signed = seeds.unsqueeze(1).expand(n, width).flatten()
+    noisy = logprobs.to(torch.float64) + coupling_noise(signed, positions.flatten(), logprobs.shape[-1])
     flat_greedy = greedy.unsqueeze(1).expand(n, width).flatten()
     # coupled_tokens' values without its host checks: the target's token at each position [N, K+1]
     target = torch.where(flat_greedy, logprobs.argmax(-1), noisy.argmax(-1)).view(n, width)
-    num_accepted = _prefix(_passes_coupled(drafts.to(device), target[:, :k]) & _verified(num_drafts, n, k, device))
+    num_accepted = _prefix(_passes_coupled(drafts, target[:, :k]) & verified)
     return Verdict(num_accepted, target)
 
 
-def _signed(seed: int) -> int:
+def signed_seed(seed: int) -> int:
     """A seed mod 2⁶⁴ as its two's-complement int64."""
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed & (1 << 63) else seed
