@@ -45,6 +45,10 @@ MAX_TOKENS = BLOCK_M
 """Slots per expert (the layout's capacity) up to which ``worth_splitting_experts`` picks this path: one M tile."""
 ITEMS_PER_SM = 4
 """Work items aimed at per SM at the routing width's active experts (fp8_splitk's figure)."""
+PROGRAMS_PER_SM = {False: 4, True: 2}
+"""Persistent programs per SM, plain and with SwiGLU: as many as fit in shared memory at 3 stages (228 KB on
+the H200): a stage holds a 128×128 e4m3 weight tile (two with SwiGLU) and a 16×128 activation tile, 18 KB
+(34 KB), so 4 (2) programs' stages fit."""
 
 
 @triton.jit
@@ -218,7 +222,8 @@ def moe_grouped_gemm_splitk(
     rows_shape = (a_values.shape[0], k) if gather else (num_experts, capacity, k)
     if a_values.shape != rows_shape or (gather and a_values.ndim != 2):
         raise ValueError(f"activations must be {rows_shape}, got {tuple(a_values.shape)}")
-    if a_scale is not None and (a_values.dtype != torch.float8_e4m3fn or a_scale.shape != (*rows_shape[:-1], k // GROUP)):
+    scale_shape = (*rows_shape[:-1], k // GROUP)
+    if a_scale is not None and (a_values.dtype != torch.float8_e4m3fn or a_scale.shape != scale_shape):
         raise ValueError("pre-quantised activations need e4m3 values and fp32 scales [..., K/128]")
     k_blocks = k // BLOCK_K
     if splits is None:
@@ -239,7 +244,8 @@ def moe_grouped_gemm_splitk(
     elif partials.shape != part_shape or partials.dtype != torch.float32 or not partials.is_contiguous():
         raise ValueError(f"partials must be dense fp32 {part_shape}, got {partials.dtype} {tuple(partials.shape)}")
     num_tiles = n_out // BLOCK_N
-    grid = (max(1, min(num_experts * num_tiles * splits, ITEMS_PER_SM * num_sms(device, off_gpu=4))),)
+    programs_per_sm = PROGRAMS_PER_SM[swiglu_limit is not None]
+    grid = (max(1, min(num_experts * num_tiles * splits, programs_per_sm * num_sms(device, off_gpu=4))),)
     _moe_splitk_kernel[grid](
         a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
         w, w_scale, partials, values, out_scale, tickets(device, num_experts * num_tiles),

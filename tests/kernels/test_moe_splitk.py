@@ -8,9 +8,9 @@ sums are grouped: ((p_0 + p_1) + …) against Σ_s (Σ_{kb in s} p_kb). Two orde
 most the rounding of the partial sums, ≤ (K/128)·u32·Σ|p_kb| in the worst case and ≈ √(K/128)·u32·S as a
 random walk: FP32_REORDER_REL (derived there for reductions of up to 8,192 terms) bounds it with room at
 K/128 ≤ 64. Through the clamped SwiGLU, h = silu(min(g, L))·clamp(u)·w moves by at most
-w·(max|silu'|·|u|·|Δg| + |silu(g)|·|Δu|) ≤ w·(1.1 + 1)·S·ε·S, with S = max(|g|, |u|) and ε·S the pre-activation
-bound (|silu(g)| ≤ |g|, |silu'| ≤ 1.1): ``_swiglu_bound``. A bf16 or e4m3 output rounds two values that
-close to the same code or to neighbours: one code step at most.
+w·(max|silu'|·|u|·|Δg| + |silu(g)|·|Δu|) ≤ w·(1.1 + 1)·S·ε·S, with S = max(|g|, |u|) and ε·S the
+pre-activation bound (|silu(g)| ≤ |g|, |silu'| ≤ 1.1): ``_swiglu_bound``. A bf16 or e4m3 output rounds two
+values that close to the same code or to neighbours: one code step at most.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def _written(out: torch.Tensor, meta: dict) -> torch.Tensor:
 def _swiglu_bound(a, w, s, meta) -> float:
     """|Δh| bound of the module docstring: 2.1 · max w_route · S · (FP32_REORDER_REL · S)."""
     pre = reference.moe_grouped_gemm(a, w, s, meta["counts"], row_ids=meta["row_ids"], out_dtype=torch.float32)
+    assert isinstance(pre, torch.Tensor)
     big = float(_written(pre, meta).abs().max())
     return 2.1 * float(meta["route_w"].max()) * big * FP32_REORDER_REL * big
 
@@ -221,7 +222,7 @@ S1 = dict(num_experts=48, hidden=5120, inter=2304, top_k=6)
 def test_gpu_splitk_at_s1_expert_shapes(num_tokens):
     """v41-s1's 48 routed experts + the shared one (stacked last, every row picks it): each GEMM against the
     one pass (the reordering bound) and the reference, the layer against the reference, the same bits on
-    20 runs and in a graph replay, the counters back at 0."""
+    20 runs, for each row alone and in a graph replay, the counters back at 0."""
     from kernels.moe_grouped_gemm import moe_experts, moe_grouped_gemm
     from kernels.moe_splitk import _TICKETS, moe_experts_splitk, moe_grouped_gemm_splitk, worth_splitting_experts
     from kernels.quant_fp8 import quantize_act
@@ -264,6 +265,10 @@ def test_gpu_splitk_at_s1_expert_shapes(num_tokens):
     assert torch.isfinite(out).all() and rel < 5e-3  # the one pass's layer bound (test_moe_grouped_gemm.py)
     for _ in range(20):
         assert torch.equal(moe_experts_splitk(x, meta, w13, s13, w2, s2, 10.0, shared_last=True), out)
+    for t in range(num_tokens):  # a row alone gives its bits in the batch
+        alone = reference.route_metadata(picks[t:t + 1], weights[t:t + 1], e)
+        row = moe_experts_splitk(x[t:t + 1], alone, w13, s13, w2, s2, 10.0, shared_last=True)
+        assert torch.equal(row, out[t:t + 1])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = moe_experts_splitk(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)
