@@ -45,10 +45,10 @@ MAX_TOKENS = BLOCK_M
 """Slots per expert (the layout's capacity) up to which ``worth_splitting_experts`` picks this path: one M tile."""
 ITEMS_PER_SM = 4
 """Work items aimed at per SM at the routing width's active experts (fp8_splitk's figure)."""
-PROGRAMS_PER_SM = {False: 4, True: 2}
-"""Persistent programs per SM, plain and with SwiGLU: as many as fit in shared memory at 3 stages (228 KB on
-the H200): a stage holds a 128×128 e4m3 weight tile (two with SwiGLU) and a 16×128 activation tile, 18 KB
-(34 KB), so 4 (2) programs' stages fit."""
+PROGRAMS_PER_SM = {False: 3, True: 2}
+"""Persistent programs per SM, plain and with SwiGLU: as many as the registers hold at once. ptxas for sm_90a
+(scripts/compile_sm90.py, 4 warps, v41-s1 shapes): the down GEMM with e4m3 input uses 159 registers a thread
+(3 programs of 128 threads in 64K), the SwiGLU GEMM 255 (2), as the one pass does (146 and 255)."""
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 expert stacked last, which every row picks) through the one-pass grouped GEMM as ``KernelMoE`` runs it
 (``moe_grouped_gemm.moe_experts``) and through the split-K variant (``kernels/moe_splitk.py``), on the same FP8
 operands, at batch 1, 16 and 64: the whole layer (x's quantisation, gate/up + SwiGLU with e4m3 output, down,
-the combine) and each GEMM alone, as graph replays with the L2 flushed (decode runs from graphs).
+the combine) and each GEMM alone, as graph replays with the L2 flushed (decode runs from graphs). Each GEMM is
+also timed at every other split count that divides K/128 (the data for ``moe_splitk.num_splits``' rule).
 
 Each row's TB/s is that of the weight bytes alone (e4m3 values and fp32 block scales of the active experts,
 each read once): the MoE decode GEMMs' floor is reading them at HBM speed. Each size also checks the split-K
@@ -94,7 +95,16 @@ def bench_size(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
         rows.append(_row(f"moe {name} [one pass] (engine)", gemm_shape, one_s, nbytes, flops, ceil, None,
                          f"graph, block_m {block_m}"))
         rows.append(_row(f"moe {name} [split-K]", gemm_shape, split_s, nbytes, flops, ceil, None,
-                         f"{one_s / split_s:.2f}x the one pass; {splits[0]} splits of {splits[1]} K blocks"))
+                         f"{one_s / split_s:.2f}x the one pass; {splits[0]} splits of {splits[1]} K blocks "
+                         "(the rule's)"))
+        k_blocks = k // 128
+        for other in (s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and s != splits[0]):
+            def swept(kw: dict = kw, other: int = other) -> object:
+                return moe_grouped_gemm_splitk(meta=meta, splits=other, **kw)
+
+            other_s = _bench_replay(swept)
+            rows.append(_row(f"moe {name} [split-K ×{other}]", gemm_shape, other_s, nbytes, flops, ceil, None,
+                             f"{one_s / other_s:.2f}x the one pass; {other} splits of {k_blocks // other} K blocks"))
     return rows
 
 

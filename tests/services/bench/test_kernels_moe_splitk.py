@@ -35,18 +35,20 @@ def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
     ceil = {"bandwidth": 4e12, "fp8_peak": 1e15, "bf16_peak": 5e14}
     with interpreter():
         rows = bench.bench(ceil, False, torch.Generator().manual_seed(0))
+    # Toy gate/up: K 256, 2 blocks, the rule's 2 splits then the other divisor, 1; down: K 128, one split only.
     per_size = ["moe layer [one pass] (engine)", "moe layer [split-K]",
                 "moe gate/up+swiglu fp8→fp8 [one pass] (engine)", "moe gate/up+swiglu fp8→fp8 [split-K]",
+                "moe gate/up+swiglu fp8→fp8 [split-K ×1]",
                 "moe down fp8→bf16 [one pass] (engine)", "moe down fp8→bf16 [split-K]"]
     assert [r["kernel"] for r in rows] == per_size * 2
     notes = [r["note"] for r in rows]
     assert "FAIL" not in " ".join(notes) and sum("(one pass" in n and "ok ≤" in n for n in notes) == 2
-    assert "rule: split-K" in notes[1] and "rule: one pass" in notes[7]  # batch 20 > moe_splitk.MAX_TOKENS
+    assert "rule: split-K" in notes[1] and "rule: one pass" in notes[8]  # batch 20 > moe_splitk.MAX_TOKENS
     assert all(r["us"] == 1000.0 for r in rows)
     # TB/s of the weight bytes alone: the layer reads 3·I·D e4m3 (+ scales) per active expert.
     active = int(rows[0]["shape"].split("active=")[1])
     assert rows[0]["tb_s"] == active * 3 * 128 * 256 * (1 + 4 / 128**2) / 1e-3 / 1e12
     # The layer pairs compute the same layer (the split-K one within the checked bound of the one pass).
-    for first in (0, 6):
+    for first in (0, 7):  # 7 timed calls a size: 2 layers, 3 gate/up, 2 down
         one, split = outputs[first], outputs[first + 1]
         assert isinstance(one, torch.Tensor) and float((split - one).norm() / one.norm()) <= bench.LAYER_REL
