@@ -69,6 +69,7 @@ def _moe_splitk_kernel(
     UP_SCALE_OFFSET: tl.constexpr = (N_OUT // BLOCK_K) * K_BLOCKS
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
+    split_stride = part_split_stride.to(tl.int64)  # s · stride passes 2^31 at 40 splits of a 49 × 256-slot grid
     # Item (active expert, N tile, split); a tile's splits are consecutive items, so they finish close
     # together and the last one reads the partials while they are still in L2.
     num_work = tl.load(num_active_ptr) * NUM_N_TILES * SPLIT
@@ -82,7 +83,7 @@ def _moe_splitk_kernel(
         count = tl.load(counts_ptr + expert)
         w_ptrs = w_ptr + (expert * N_W + n0 + offs_n)[:, None] * K + offs_k[None, :]
         scale_ptr = w_scale_ptr + (expert * SCALE_ROWS + n0 // BLOCK_K) * K_BLOCKS
-        part_at = part_ptr + split.to(tl.int64) * part_split_stride + (n0 + offs_n)[:, None]
+        part_at = part_ptr + split * split_stride + (n0 + offs_n)[:, None]
         kb0 = split * BLOCKS_PER_SPLIT
         m0 = tl.full([], 0, tl.int32)
         while m0 < count:
@@ -131,9 +132,9 @@ def _moe_splitk_kernel(
                 acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):  # split order: the sum's order never depends on timing
-                    acc += tl.load(at + s * part_split_stride, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
+                    acc += tl.load(at + s * split_stride, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
                     if SWIGLU:
-                        acc_up += tl.load(at + s * part_split_stride + N_OUT, mask=m_ok[None, :], other=0.0,
+                        acc_up += tl.load(at + s * split_stride + N_OUT, mask=m_ok[None, :], other=0.0,
                                           cache_modifier=".cg")
                 # The one pass's epilogue (kernels/moe_grouped_gemm.py), on the summed tile.
                 if SWIGLU:
