@@ -34,7 +34,7 @@ from kernels.device import num_sms
 from kernels.fp8_splitk import MAX_TOKENS as SPLITK_MAX_TOKENS  # noqa: F401 - re-exported: KernelLinear
 from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 - re-exported: KernelLinear
 from kernels.moe_combine import moe_combine
-from kernels.quant_fp8 import _quantize_rows, quantize_act
+from kernels.quant_fp8 import IN_GEMM_MAX_ROWS, _quantize_rows, quantize_act
 from kernels.reference import GROUP
 
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step
@@ -259,8 +259,9 @@ def moe_experts(
     """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine
     (``live`` and ``width`` go to it: +0.0 in the rows outside ``live``, only the first ``width`` columns).
 
-    ``prequantize``: quantise x once (``quant_fp8.quantize_act``) and hand h from the SwiGLU
-    epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
+    ``prequantize``: quantise x once (``quant_fp8.quantize_act``; up to ``quant_fp8.IN_GEMM_MAX_ROWS`` rows
+    the gate/up GEMM does it in its loop instead, the same bits without the launch) and hand h from the
+    SwiGLU epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
     loops. The combine is ``kernels.moe_combine`` (``shared_last``: the last column of ``slot_of`` is
     the shared expert, summed first).
 
@@ -275,7 +276,7 @@ def moe_experts(
     num_stacked = w13.shape[0]
     block_m = invariance.BLOCK_M if invariance.active() else default_block_m(meta["slot_of"].numel() / num_stacked)
     h_dtype = torch.float8_e4m3fn if prequantize else torch.bfloat16
-    a = quantize_act(x) if prequantize else x
+    a = quantize_act(x) if prequantize and x.shape[0] > IN_GEMM_MAX_ROWS else x
     if shared_launch is None:
         shared_launch = shared_apart(meta["row_ids"].shape[1], block_m)
     if not (shared_last and shared_launch):

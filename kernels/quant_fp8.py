@@ -13,6 +13,13 @@ import triton.language as tl
 
 from kernels.reference import GROUP
 
+IN_GEMM_MAX_ROWS = 16
+"""Up to this many rows (decode's one 16-row MMA tile) the FP8 GEMMs take bf16/fp32 activations and quantise
+them in their K loops with ``_quantize_rows`` (``quantize_act``'s rounding: the same e4m3 values and scales,
+so the same product bits), which saves ``quantize_act``'s launch. Each N tile quantises the rows again: at one
+M tile, one [16, 128] block per K step beside the [128, 128] weight block it multiplies. Above it the rows
+are quantised once by ``quantize_act`` for every N tile (and cuBLASLt's block-scaled GEMM takes only that)."""
+
 
 @triton.jit
 def _pow2_ceil(value):
