@@ -10,7 +10,9 @@ significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
 
 With few token tiles (decode: one program at T ≤ 16 read the whole fp32 gate, 983 KB at v41, alone:
 54 µs on the H200) the D range is split over ``split`` programs per tile, whose partial logits go to
-an fp32 buffer; a finishing kernel adds them in split order (deterministic) and routes. Graph-safe.
+an fp32 buffer; the tile's last program to finish (a ticket, kernels/tickets.py) adds them in split order
+(deterministic) and routes, in the same launch (``one_launch``; else a finishing kernel does, with the same
+code and so the same bits). Graph-safe.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kernels import invariance
 from kernels.device import num_sms
 from kernels.moe_layout import MAX_TOKENS as LAYOUT_MAX_TOKENS  # noqa: F401 - re-exported: KernelMoE
 from kernels.moe_layout import moe_layout  # noqa: F401 - re-exported: the step's layout after routing
+from kernels.tickets import tickets
 
 
 @triton.jit
@@ -87,15 +90,32 @@ def _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, d_first,
 
 
 @triton.jit
+def _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_E: tl.constexpr, FROM_L2: tl.constexpr):
+    """Σ_s part[s] over a token tile, fp32 [BLOCK_T, BLOCK_E], in split order: the sum does not depend on
+    the schedule. FROM_L2: read at L2 (".cg"), for partials other programs of this launch wrote."""
+    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for split in range(SPLIT):
+        rows = (split * num_tokens + tokens).to(tl.int64)
+        ptrs = part_ptr + rows[:, None] * BLOCK_E + cols[None, :]
+        if FROM_L2:
+            logits += tl.load(ptrs, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            logits += tl.load(ptrs, mask=t_ok[:, None], other=0.0)
+    return logits
+
+
+@triton.jit
 def _router_kernel(
-    x_ptr, gate_ptr, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr, part_ptr,
+    x_ptr, gate_ptr, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr, part_ptr, ticket_ptr,
     num_tokens, x_row_stride, route_scale,
     D: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_IMAGE: tl.constexpr,
+    TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_IMAGE: tl.constexpr, FINISH: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT). SPLIT 1: logits and routing in one program; else this split's
-    partial logits to part [SPLIT, T, BLOCK_E] (``_router_finish_kernel`` routes)."""
+    partial logits to part [SPLIT, T, BLOCK_E], and with FINISH the tile's last program (ticket
+    [token tiles] int32) sums them and routes (else ``_router_finish_kernel`` does: the same code)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
     cols = tl.arange(0, BLOCK_E)
@@ -109,6 +129,16 @@ def _router_kernel(
     else:
         rows = (split * num_tokens + tokens).to(tl.int64)
         tl.store(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], logits, mask=t_ok[:, None])
+        if FINISH:
+            # Every thread's partials are stored before the ticket is taken (the barrier), and released with
+            # it; the last program's acquire makes all SPLIT partials visible to it (kernels/tickets.py).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                total = _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT, BLOCK_T, BLOCK_E, True)
+                _route(total, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr,
+                       experts_ptr, route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
+                tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
 @triton.jit
@@ -121,10 +151,7 @@ def _router_finish_kernel(
     t_ok = tokens < num_tokens
     cols = tl.arange(0, BLOCK_E)
     e_ok = cols < E
-    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for split in range(SPLIT):  # split order: the sum does not depend on the schedule
-        rows = (split * num_tokens + tokens).to(tl.int64)
-        logits += tl.load(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], mask=t_ok[:, None], other=0.0)
+    logits = _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT, BLOCK_T, BLOCK_E, False)
     _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
            route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
 
@@ -140,9 +167,11 @@ def default_split(num_token_tiles: int, num_d_tiles: int, num_programs: int) -> 
 def moe_router(
     x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
     split: int | None = None, bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None,
+    *, one_launch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (fp32 weights [T, k], int32 experts [T, k], best first); gate_weight [E, D], bias [E].
     ``split``: programs per token tile over D (None: ``default_split``; 1: one program per tile).
+    ``one_launch`` False: split partials routed by a second launch (the same bits; kept to test against).
     ``image`` bool [T] with ``bias_vl`` [E] (both or neither): the marked tokens select with ``bias_vl``."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -174,12 +203,14 @@ def moe_router(
     split = max(1, min(split, num_d_tiles))
     tiles = triton.cdiv(num_d_tiles, split)  # the last split may run past D: masked
     part = torch.empty(split if split > 1 else 0, num_tokens, block_e, dtype=torch.float32, device=x.device)
+    ticket = tickets("moe_router", x.device, num_t_tiles) if split > 1 and one_launch else part  # unread else
     _router_kernel[(num_t_tiles, split)](
-        x, gate_weight, bias, bias_vl, image_bytes, weights, experts, part, num_tokens, x.stride(0),
+        x, gate_weight, bias, bias_vl, image_bytes, weights, experts, part, ticket, num_tokens, x.stride(0),
         float(route_scale), D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_D=block_d, BLOCK_K=block_k, TILES=tiles, SPLIT=split, HAS_IMAGE=has_image, num_warps=4, num_stages=3,
+        BLOCK_D=block_d, BLOCK_K=block_k, TILES=tiles, SPLIT=split, HAS_IMAGE=has_image, FINISH=one_launch,
+        num_warps=4, num_stages=3,
     )
-    if split > 1:
+    if split > 1 and not one_launch:
         _router_finish_kernel[(num_t_tiles,)](
             part, bias, bias_vl, image_bytes, weights, experts, num_tokens, float(route_scale),
             E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT=split,

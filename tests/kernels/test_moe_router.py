@@ -47,6 +47,32 @@ def test_router_split_over_d_matches_reference_at_every_split():
     assert mr.default_split(66, 40, 132) == 1 and mr.default_split(1, 1, 132) == 1
 
 
+@pytest.mark.parametrize("num_tokens", [1, 21])
+@pytest.mark.parametrize("with_image", [False, True])
+def test_router_finishing_in_the_last_program_gives_the_second_launchs_bits(num_tokens, with_image):
+    """The split partials summed and routed by the token tile's last program (one launch) against the same
+    code in a finishing launch: the same weights' bits and experts, and every ticket counter 0 after."""
+    from kernels import tickets
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, gate, bias = _problem(num_tokens, 12, 640, gen)
+    vl = {}
+    if with_image:
+        vl = {"bias_vl": torch.randn(12, generator=gen), "image": torch.rand(num_tokens, generator=gen) < 0.5}
+    mr = load_interpreted("moe_router")
+    launches = []
+    with interpreter():
+        for split in (2, 5):
+            two = mr.moe_router(x, gate, bias, 3, 1.5, split=split, one_launch=False, **vl)
+            # Another x first: the partial buffer a later call may be given then holds its partials, not x's,
+            # so a program that routed before every split's partial was in would show.
+            mr.moe_router(-x, gate, bias, 3, 1.5, split=split, **vl)
+            one = mr.moe_router(x, gate, bias, 3, 1.5, split=split, **vl)
+            assert torch.equal(one[0].view(torch.int32), two[0].view(torch.int32)) and torch.equal(one[1], two[1])
+            launches.append(len(tickets._TICKETS))
+    assert launches[-1] >= 1 and tickets.all_zero()
+
+
 def _image_reference(x, gate, bias, bias_vl, image, top_k, route_scale):
     """The model's own route (model/deepseek_v41/moe.py), image tokens selecting with ``bias_vl``."""
     from model.deepseek_v41.moe import MoE
@@ -112,6 +138,11 @@ def test_router_gpu_matches_reference_at_s1_shapes(num_tokens, gate_dtype):
     r_weights, r_experts = reference.moe_router(x, gate, bias, 6, 1.5)
     assert torch.equal(experts, r_experts)
     torch.testing.assert_close(weights, r_weights, rtol=FP32_REORDER_REL, atol=1e-6)
+    # The last program's finish (one launch) against the finishing launch: the same bits, every run.
+    two = moe_router(x, gate, bias, 6, 1.5, one_launch=False)
+    for _ in range(20):
+        one = moe_router(x, gate, bias, 6, 1.5)
+        assert torch.equal(one[0].view(torch.int32), two[0].view(torch.int32)) and torch.equal(one[1], two[1])
 
 
 @pytest.mark.gpu
