@@ -77,7 +77,7 @@ def _ranged(x: torch.Tensor, seed: int) -> torch.Tensor:
     return blocks.view(x.shape)
 
 
-@pytest.mark.parametrize(("num_tokens", "n", "k"), [(1, 256, 640), (7, 128, 512), (16, 384, 1024)])
+@pytest.mark.parametrize(("num_tokens", "n", "k"), [(1, 256, 640), (7, 128, 512), (16, 256, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantising_in_the_loop_gives_quantize_acts_bits(num_tokens, n, k, dtype):
     """bf16/fp32 rows quantised inside the kernel (no ``quantize_act`` launch) against the rows quantised by
