@@ -299,11 +299,14 @@ class GroupedKernelLinear(nn.Module):
         # the [T·G, Kg'] rows in place (or, at decode, in the GEMM's loop) and let the GEMM gather group g's
         # rows (j·G + g).
         a = activations(self.kernels, xg.reshape(num_tokens * g, k_pad), num_tokens)
+        out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        # The GEMM writes group g's row t at [t, g] of a [T, G, R'] buffer (through its [G, T, R'] view), so the
+        # [T, G·R] result is a view where R' = R: no transposing copy after it.
+        out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=x.device).transpose(0, 1)
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
-            a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
-            block_m=linear_block_m(num_tokens), num_warps=4)  # [G, T, R']
-        return y[:, :, : self.rank].transpose(0, 1).reshape(*lead, g * self.rank).to(x.dtype)
+            a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True, out_dtype=out_dtype,
+            block_m=linear_block_m(num_tokens), num_warps=4, out=out)  # [G, T, R']
+        return y.transpose(0, 1)[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"groups={self.num_groups}, in={self.group_features}, rank={self.rank}, precision={self.precision}"

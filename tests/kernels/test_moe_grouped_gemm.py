@@ -466,6 +466,32 @@ def test_one_expert_gemm_quantises_in_its_loop_with_quantize_acts_bits_interpret
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_output_rows_at_a_transposed_views_strides_hold_the_dense_outputs_bits_interpreted(num_tokens):
+    """``GroupedKernelLinear``'s output: the GEMM writes group g's row t into a [T, G, R] buffer through its
+    [G, T, R] view, bit for bit the dense [G, T, R] output transposed (one M tile, and three with m_split);
+    the buffer's other bytes (R past N) untouched."""
+    from services.worker.fp8_linear import group_rows_meta
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    groups = 3
+    x = _tie_activations(num_tokens * groups, 128, gen)
+    w, s = _weights(groups, 256, 128, gen)
+    meta = group_rows_meta(num_tokens, groups, x.device)
+    mg = load_interpreted("moe_grouped_gemm")
+    with interpreter():
+        for m_split in (1, 3):
+            dense = mg.moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split)  # [G, T, N]
+            buf = torch.full((num_tokens, groups, 384), 7.0, dtype=torch.bfloat16)
+            got = mg.moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split,
+                                      out=buf[:, :, :256].transpose(0, 1))
+            assert got.data_ptr() == buf.data_ptr()
+            assert torch.equal(buf[:, :, :256].view(torch.int16), dense.transpose(0, 1).view(torch.int16))
+            assert bool((buf[:, :, 256:] == 7.0).all())
+    with pytest.raises(ValueError, match="dense channels"):
+        mg.moe_grouped_gemm(x, w, s, meta, gather=True, out=buf[:, :, :256].transpose(0, 2).transpose(1, 2))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_tokens", [1, 16])
