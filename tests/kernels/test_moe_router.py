@@ -73,6 +73,34 @@ def test_router_finishing_in_the_last_program_gives_the_second_launchs_bits(num_
     assert launches[-1] >= 1 and tickets.all_zero()
 
 
+@pytest.mark.parametrize(("num_tokens", "split"), [(1, None), (5, 1), (16, 3), (21, 2)])
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_router_layout_gives_the_router_then_layout_bytes(num_tokens, split, one_launch):
+    """``moe_router_layout`` (the layout in the routing program up to one 16-row tile, its own launch above)
+    against ``moe_router`` then ``moe_layout``: weights, experts, every metadata tensor and the expert counts
+    the same bytes, with dead rows and without; buffers handed on hold another x's layout first."""
+    gen = torch.Generator().manual_seed(num_tokens + 7)
+    x, gate, bias = _problem(num_tokens, 12, 640, gen)
+    live = torch.rand(num_tokens, generator=gen) < 0.7
+    live[0] = True
+    mr = load_interpreted("moe_router")
+    with interpreter():
+        for rows in (None, live):
+            counts, counts_ref = torch.arange(12), torch.arange(12)
+            mr.moe_router_layout(-x, gate, bias, 3, 1.5, None, None, split=split, one_launch=one_launch)
+            weights, experts, meta = mr.moe_router_layout(x, gate, bias, 3, 1.5, rows, counts, split=split,
+                                                          one_launch=one_launch)
+            r_weights, r_experts = mr.moe_router(x, gate, bias, 3, 1.5, split=split)
+            r_meta = mr.moe_layout(r_experts, r_weights, 12, rows, counts_ref)
+            assert torch.equal(weights.view(torch.int32), r_weights.view(torch.int32))
+            assert torch.equal(experts, r_experts) and torch.equal(counts, counts_ref)
+            assert meta.keys() == r_meta.keys()
+            for key in meta:
+                assert meta[key].dtype == r_meta[key].dtype and torch.equal(meta[key], r_meta[key]), key
+    with pytest.raises(ValueError, match="live must be bool"):
+        mr.moe_router_layout(x, gate, bias, 3, 1.5, live.int())
+
+
 def _image_reference(x, gate, bias, bias_vl, image, top_k, route_scale):
     """The model's own route (model/deepseek_v41/moe.py), image tokens selecting with ``bias_vl``."""
     from model.deepseek_v41.moe import MoE
@@ -160,3 +188,25 @@ def test_router_gpu_with_an_image_mask_selects_like_the_model(num_tokens):
     r_weights, r_experts = _image_reference(x, gate, bias, bias_vl, image, 6, 1.5)
     assert torch.equal(experts.long(), r_experts)
     torch.testing.assert_close(weights, r_weights, rtol=FP32_REORDER_REL, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_router_layout_gpu_gives_the_router_then_layout_bytes(num_tokens):
+    """At the v41-s1 router (48 experts, D 5120, top-6): the layout in the routing program (T ≤ 16) or its
+    own launch (64) against ``moe_router`` then ``moe_layout``, bytes equal, every run."""
+    from kernels.moe_router import moe_layout, moe_router, moe_router_layout
+
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    x, gate, bias = _problem(num_tokens, 48, 5120, gen)
+    live = torch.rand(num_tokens, generator=gen, device="cuda") < 0.7
+    live[0] = True
+    counts_ref = torch.zeros(48, dtype=torch.int64, device="cuda")
+    r_weights, r_experts = moe_router(x, gate, bias, 6, 1.5)
+    r_meta = moe_layout(r_experts, r_weights, 48, live, counts_ref)
+    for _ in range(10):
+        counts = torch.zeros(48, dtype=torch.int64, device="cuda")
+        weights, experts, meta = moe_router_layout(x, gate, bias, 6, 1.5, live, counts)
+        assert torch.equal(weights.view(torch.int32), r_weights.view(torch.int32)) and torch.equal(experts, r_experts)
+        assert torch.equal(counts, counts_ref) and all(torch.equal(meta[key], r_meta[key]) for key in r_meta)

@@ -383,7 +383,8 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     indexer kernel and the MoE combine writing the dead rows' zeros give logits, counts and pools == to
     their torch forms (the pairs copied, torch's ``w * scale``, ``torch.where`` after the combine); and the
     launches folded into neighbours (the activations quantised inside the FP8 GEMMs, the router's split
-    finished by its last program) == to their own launches (``quantize_act`` first, the finishing kernel)."""
+    finished by its last program, the MoE layout in the router's launch) == to their own launches
+    (``quantize_act`` first, the finishing kernel, ``moe_layout``)."""
     import functools
 
     import model.deepseek_v41.rope as rope
@@ -413,6 +414,7 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
         monkeypatch.setattr(kernels.moe_grouped_gemm, "IN_GEMM_MAX_ROWS", 0)
         monkeypatch.setattr(kernels.moe_router, "moe_router",
                             functools.partial(kernels.moe_router.moe_router, one_launch=False))
+        monkeypatch.delattr(kernels.moe_router, "moe_router_layout")  # the layout's own launch
 
     quantized = []
     quantize_act = kernels.quant_fp8.quantize_act
