@@ -225,7 +225,7 @@ def _one_launch_equals_two(k, h, y, mix_in, w_a, w_f, pre, split):
 
 
 @pytest.mark.parametrize(("dim", "dtype", "split"), [(64, torch.float32, 2), (80, torch.bfloat16, None),
-                                                     (256, torch.float32, 3)])
+                                                     (128, torch.float32, 3)])
 def test_one_token_mix_finished_in_its_launch_gives_the_finishing_kernels_bits_interpreted(dim, dtype, split):
     """At one token the split mix's last program finishes (``FINISH_IN_MIX_MAX_TOKENS``): the same bits as
     the finishing kernel, and every ticket counter is 0 after. (Both sum through ``_finish``: the many-block
