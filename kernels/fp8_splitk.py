@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import num_sms
+from kernels.quant_fp8 import _quantize_rows
 
 BLOCK_N = 128
 BLOCK_K = 128
@@ -36,8 +37,11 @@ MAX_TOKENS = 16
 @triton.jit
 def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, out_ptr, ticket_ptr, num_tokens, a_row_stride,
                    N: tl.constexpr, K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr):
-    """part [SPLIT, T, N] fp32: split s's product over its BLOCKS_PER_SPLIT K blocks (which divide
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr,
+                   A_FP8: tl.constexpr):
+    """A_FP8: a is e4m3 with fp32 scales [T, K/128]; else a is bf16/fp32, each 128-channel block quantised
+    here by ``quant_fp8._quantize_rows`` (``quantize_act``'s rounding: the same e4m3 values and scales).
+    part [SPLIT, T, N] fp32: split s's product over its BLOCKS_PER_SPLIT K blocks (which divide
     K/128: no split is short, so no K mask), in K order. SUM: the N tile's last program also writes
     out [T, N] = Σ_s part[s] in split order (``_sum_splits_kernel``'s sum), ticket [N/BLOCK_N] int32."""
     K_BLOCKS: tl.constexpr = K // BLOCK_K
@@ -50,9 +54,12 @@ def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, out_ptr, ti
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for i in range(BLOCKS_PER_SPLIT):
         kb = split * BLOCKS_PER_SPLIT + i
-        a_q = tl.load(a_ptr + offs_m[:, None] * a_row_stride + kb * BLOCK_K + offs_k[None, :], mask=m_ok[:, None],
-                      other=0.0)
-        a_scale = tl.load(a_scale_ptr + offs_m * K_BLOCKS + kb, mask=m_ok, other=0.0)
+        a_ptrs = a_ptr + offs_m[:, None] * a_row_stride + kb * BLOCK_K + offs_k[None, :]
+        if A_FP8:
+            a_q = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            a_scale = tl.load(a_scale_ptr + offs_m * K_BLOCKS + kb, mask=m_ok, other=0.0)
+        else:  # rows past T read 0: code 0 (their scale is never stored)
+            a_q, a_scale = _quantize_rows(tl.load(a_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32))
         w = tl.load(w_ptr + (n0 + offs_n)[:, None] * K + kb * BLOCK_K + offs_k[None, :])
         w_scale = tl.load(w_scale_ptr + (n0 // BLOCK_K) * K_BLOCKS + kb)
         acc += tl.dot(w, tl.trans(a_q)) * (w_scale * a_scale)[None, :]
@@ -111,12 +118,15 @@ def worth_splitting(n: int, device: torch.device) -> bool:
     return n // BLOCK_N < num_sms(device, off_gpu=132)
 
 
-def fp8_linear_splitk(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_linear_splitk(a: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype = torch.bfloat16, *, one_launch: bool = True) -> torch.Tensor:
-    """a = (e4m3 [T, K], fp32 scales [T, K/128]) with T ≤ MAX_TOKENS; w e4m3 [N, K] (or [1, N, K]), w_scale
-    fp32 [N/128, K/128] (or [1, …]) → [T, N] in ``out_dtype``. K and N multiples of 128. ``one_launch``
-    False: the partials summed by a second launch (the same bits; kept to test and time against)."""
-    a_q, a_scale = a
+    """a = (e4m3 [T, K], fp32 scales [T, K/128]), or bf16/fp32 [T, K] quantised inside the kernel as
+    ``quant_fp8.quantize_act`` would (the same bits, without its launch), with T ≤ MAX_TOKENS; w e4m3 [N, K]
+    (or [1, N, K]), w_scale fp32 [N/128, K/128] (or [1, …]) → [T, N] in ``out_dtype``. K and N multiples of
+    128. ``one_launch`` False: the partials summed by a second launch (the same bits; kept to test and time
+    against)."""
+    a_fp8 = isinstance(a, tuple)
+    a_q, a_scale = a if a_fp8 else (a, None)
     w, w_scale = w.reshape(w.shape[-2], w.shape[-1]), w_scale.reshape(w_scale.shape[-2], w_scale.shape[-1])
     num_tokens, k = a_q.shape
     n = w.shape[0]
@@ -125,17 +135,22 @@ def fp8_linear_splitk(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_s
     if w.shape[1] != k or k % BLOCK_K or n % BLOCK_N or w_scale.shape != (n // BLOCK_N, k // BLOCK_K):
         raise ValueError(f"weights {tuple(w.shape)} / scales {tuple(w_scale.shape)} do not fit activations "
                          f"{tuple(a_q.shape)} (multiples of 128)")
-    if a_scale.shape != (num_tokens, k // BLOCK_K):
-        raise ValueError(f"activation scales must be [{num_tokens}, {k // BLOCK_K}], got {tuple(a_scale.shape)}")
+    if a_fp8 and (a_q.dtype != torch.float8_e4m3fn or a_scale.shape != (num_tokens, k // BLOCK_K)):
+        raise ValueError(f"pre-quantised activations need e4m3 values and scales [{num_tokens}, {k // BLOCK_K}], "
+                         f"got {a_q.dtype}, {tuple(a_scale.shape)}")
+    if not a_fp8 and a_q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"activations must be bf16/fp32 or an (e4m3, scales) pair, got {a_q.dtype}")
     out = torch.empty(num_tokens, n, dtype=out_dtype, device=a_q.device)
     if num_tokens == 0:
         return out
     splits, per = num_splits(n, k, a_q.device)
     part = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=a_q.device)
-    a_q, a_scale = a_q.contiguous(), a_scale.contiguous()
+    a_q = a_q.contiguous()
+    a_scale = a_q if a_scale is None else a_scale.contiguous()  # unread without A_FP8
     _splitk_kernel[(n // BLOCK_N, splits)](
         a_q, a_scale, w, w_scale, part, out, _tickets(a_q.device, n // BLOCK_N), num_tokens, a_q.stride(0),
         N=n, K=k, BLOCKS_PER_SPLIT=per, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits, SUM=one_launch,
+        A_FP8=a_fp8,
         num_warps=4, num_stages=3,
     )
     if not one_launch:

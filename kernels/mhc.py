@@ -18,7 +18,8 @@ and the rest, and bf16 streams are exact in tf32, so v · fn_hi is exact and v �
 a 2^-11-sized term (fp32 streams add a v_lo · fn_hi pass). At small T the D range is split over
 programs; their partial products and sums of squares go to a small fp32 buffer, and a finishing
 kernel runs the epilogue (scale/bias, sigmoids, 20 Sinkhorn iterations on the n×n matrix in
-registers), in a fixed order: results do not depend on the schedule.
+registers), in a fixed order: results do not depend on the schedule. At one token (decode at batch 1) the
+mix launch's last program finishes instead (a ticket, kernels/tickets.py), with the same code: the same bits.
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ import triton.language as tl
 
 from kernels import invariance
 from kernels.mhc_streams import _expand_stream, _rows, _streams, collapse, expand  # noqa: F401 - re-exported
+from kernels.tickets import tickets
 from model.deepseek_v41.mhc import Mix
 
 NUM_SMS_H200 = 132
+FINISH_IN_MIX_MAX_TOKENS = 1
+"""Up to this many tokens the split mix is finished inside its own launch by the last program, one token
+after another; above it the finishing kernel's one-token programs run side by side. At T = 1 the one
+launch does the same work in the same order with one launch fewer; each further token adds a serial
+finish (three loads and the Sinkhorn iterations) against the launch it saves, unmeasured."""
 
 
 class MixWeights(NamedTuple):
@@ -100,16 +107,18 @@ def _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_pt
 @triton.jit
 def _mix_kernel(
     h_ptr, y_ptr, in_post_ptr, in_comb_ptr, h_out_ptr, cpre_ptr, x_ptr, fn_ptr, base_ptr, scale_ptr,
-    part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr,
+    part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr, ticket_ptr,
     num_tokens, dim, h_stride_t, h_stride_s, y_stride, norm_eps, eps,
     N: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, EXPAND: tl.constexpr, COLLAPSE: tl.constexpr, ITERS: tl.constexpr,
-    V_EXACT: tl.constexpr,
+    V_EXACT: tl.constexpr, FINISH: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT); split i owns D tiles [i·TILES, (i+1)·TILES). h_out [T, N, D] and
     x [T, D] are contiguous; part [SPLIT, T, ROWS·N], sq [SPLIT, T]. The K = N·D projection runs one
     stream at a time: acc += v_k [BT, BD] · fn[:, k·D + d]ᵀ [BD, ROWS·N]. V_EXACT: the streams are
-    bf16/fp16, exact in tf32."""
+    bf16/fp16, exact in tf32. FINISH (SPLIT > 1): the tile's last program to store its partials (ticket
+    [token tiles] int32, kernels/tickets.py) runs ``_finish`` one token at a time, as ``_mix_finish_kernel``'s
+    one-token programs do (else that kernel does, in a second launch)."""
     t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
     t1 = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -158,19 +167,26 @@ def _mix_kernel(
         row = split * num_tokens + t1
         tl.store(part_ptr + row[:, None] * (ROWS * N) + tl.arange(0, ROWS * N)[None, :], acc, mask=t_ok)
         tl.store(sq_ptr + row, sumsq, mask=t1 < num_tokens)
+        if FINISH:
+            # Every thread's partials are stored before the ticket is taken (the barrier), and released with
+            # it; the last program's acquire makes all SPLIT programs' partials visible to it.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                for i in range(BLOCK_T):
+                    if t0 + i < num_tokens:
+                        _finish(part_ptr, sq_ptr, t0 + i, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                                num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, 1, ITERS, True)
+                tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
 @triton.jit
-def _mix_finish_kernel(
-    part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, k_total,
-    norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
-):
-    """Sums the SPLIT partial products of a token tile, SPLIT_BLOCK splits per load (a tree sum of
-    each block, blocks in order: a fixed order for a given launch, so deterministic), then the
-    epilogue. One load per block, not per split: at T = 1 the split count is 320 (D 5120), and a
-    chain of 320 dependent loads took 64 µs per launch on the H200."""
-    t0 = tl.program_id(0) * BLOCK_T
+def _finish(part_ptr, sq_ptr, t0, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, k_total,
+            norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
+            BLOCK_T: tl.constexpr, ITERS: tl.constexpr, FROM_L2: tl.constexpr):
+    """Sums the SPLIT partial products of tokens t0 … t0 + BLOCK_T − 1, SPLIT_BLOCK splits per load (a tree
+    sum of each block, blocks in order: a fixed order for a given shape and warp count, so deterministic),
+    then the epilogue. FROM_L2: read at L2 (".cg"), for partials other programs of this launch wrote."""
     t = t0 + tl.arange(0, BLOCK_T)  # [BT]
     s = tl.arange(0, SPLIT_BLOCK)[:, None]  # [SB, 1]
     cols = tl.arange(0, ROWS * N)[None, None, :]  # [1, 1, ROWS·N]
@@ -179,10 +195,28 @@ def _mix_finish_kernel(
     for s0 in range(0, SPLIT, SPLIT_BLOCK):  # constexpr bounds (the interpreter rejects runtime ones)
         row = (s0 + s) * num_tokens + t[None, :]  # [SB, BT]
         ok = (s0 + s < SPLIT) & (t[None, :] < num_tokens)
-        m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0), axis=0)
-        sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
+        if FROM_L2:
+            m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0,
+                                cache_modifier=".cg"), axis=0)
+            sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        else:
+            m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0),
+                        axis=0)
+            sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
     _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
                   norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
+
+
+@triton.jit
+def _mix_finish_kernel(
+    part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, k_total,
+    norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
+):
+    """``_finish`` of a token tile per program. One load per block, not per split: at T = 1 the split
+    count is 320 (D 5120), and a chain of 320 dependent loads took 64 µs per launch on the H200."""
+    _finish(part_ptr, sq_ptr, tl.program_id(0) * BLOCK_T, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+            num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, BLOCK_T, ITERS, False)
 
 
 # ---------------------------------------------------------------- launchers
@@ -208,7 +242,7 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
 
 def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: MixWeights,
                 collapse_pre: torch.Tensor | None, block_t: int | None, split: int | None,
-                num_warps: int | None) -> MixResult:
+                num_warps: int | None, one_launch: bool) -> MixResult:
     num_tokens, n, dim = h.shape
     if w.fn_split.shape != (2, n * (n + 2), n * dim) or w.base.shape != (n * (n + 2),) or w.scale.shape != (3,):
         raise ValueError(f"mix weights {tuple(w.fn_split.shape)}, {tuple(w.base.shape)}, {tuple(w.scale.shape)} "
@@ -230,21 +264,26 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
     sq = torch.empty(num_splits if num_splits > 1 else 0, num_tokens, device=dev)
     dummy = pre  # stands in for pointers a variant does not read
     grid = (triton.cdiv(num_tokens, block_t), num_splits)
+    num_warps = num_warps or (8 if block_t >= 64 or (block_t == 32 and expanding) else 4)
+    # One token per finishing program (T programs: 16-token tiles gave T = 256 only 16, 23 µs on the H200);
+    # about 4K partial values per load: [SPLIT_BLOCK, 1, ROWS·N] (32 per thread at 4 warps).
+    split_block = min(triton.next_power_of_2(num_splits), max(1, 4096 // (rows * n)))
+    # In the mix launch (its last program, one token at a time) up to FINISH_IN_MIX_MAX_TOKENS tokens, at the
+    # finishing kernel's 4 warps (the same shapes and warps: the same sums); else a launch of its own.
+    finish_here = num_splits > 1 and num_tokens <= FINISH_IN_MIX_MAX_TOKENS and num_warps == 4 and one_launch
+    ticket = tickets("mhc_mix", dev, grid[0]) if finish_here else dummy
     _mix_kernel[grid](
         h, y if expanding else dummy, mix_in.post.contiguous() if expanding else dummy,
         mix_in.comb.contiguous() if expanding else dummy, h_out,
         collapse_pre.reshape(num_tokens, n).float().contiguous() if x is not None else dummy,
-        x if x is not None else dummy, w.fn_split, w.base, w.scale, part, sq, pre, post, comb,
+        x if x is not None else dummy, w.fn_split, w.base, w.scale, part, sq, pre, post, comb, ticket,
         num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
         N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
         COLLAPSE=x is not None, ITERS=w.iters, V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
-        num_warps=num_warps or (8 if block_t >= 64 or (block_t == 32 and expanding) else 4), num_stages=2,
+        FINISH=finish_here, SPLIT_BLOCK=split_block, num_warps=num_warps, num_stages=2,
     )
-    if num_splits > 1:
-        # One token per program (T programs: 16-token tiles gave T = 256 only 16, 23 µs on the H200);
-        # about 4K partial values per load: [SPLIT_BLOCK, 1, ROWS·N] (32 per thread at 4 warps).
+    if num_splits > 1 and not finish_here:
         finish_t = 1
-        split_block = min(triton.next_power_of_2(num_splits), max(1, 4096 // (finish_t * rows * n)))
         _mix_finish_kernel[(triton.cdiv(num_tokens, finish_t),)](
             part, sq, w.base, w.scale, pre, post, comb, num_tokens, n * dim, w.norm_eps, w.eps,
             SPLIT=num_splits, SPLIT_BLOCK=split_block, N=n, ROWS=rows, BLOCK_T=finish_t, ITERS=w.iters,
@@ -254,19 +293,21 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
 
 
 def mhc_mix(h: torch.Tensor, w: MixWeights, collapse_pre: torch.Tensor | None = None, *,
-            block_t: int | None = None, split: int | None = None, num_warps: int | None = None) -> MixResult:
+            block_t: int | None = None, split: int | None = None, num_warps: int | None = None,
+            one_launch: bool = True) -> MixResult:
     """Mix(h) for one site, h [..., n, D]; with ``collapse_pre`` [..., n] also Collapse(h, collapse_pre).
 
-    Mix fields come back as [T, n] / [T, n, n] fp32 (T = the leading dims flattened); ``x`` [T, D]."""
-    return _launch_mix(_streams(h), None, None, w, collapse_pre, block_t, split, num_warps)
+    Mix fields come back as [T, n] / [T, n, n] fp32 (T = the leading dims flattened); ``x`` [T, D].
+    ``one_launch`` False: the split partials always finished by ``_mix_finish_kernel`` (kept to test against)."""
+    return _launch_mix(_streams(h), None, None, w, collapse_pre, block_t, split, num_warps, one_launch)
 
 
 def mhc_expand_mix(y: torch.Tensor, h: torch.Tensor, mix: Mix, w: MixWeights,
                    collapse_pre: torch.Tensor | None = None, *, block_t: int | None = None,
-                   split: int | None = None, num_warps: int | None = None) -> MixResult:
+                   split: int | None = None, num_warps: int | None = None, one_launch: bool = True) -> MixResult:
     """h' = Expand(y, h, mix) (y [..., D], h [..., n, D], h' in y.dtype), then Mix(h') with ``w`` and,
     with ``collapse_pre``, Collapse(h', collapse_pre): one read of y and h, one write of h'."""
     h3 = _streams(h)
     num_tokens, n, _ = h3.shape
     mix_in = Mix(mix.pre, mix.post.reshape(num_tokens, n).float(), mix.comb.reshape(num_tokens, n, n).float())
-    return _launch_mix(h3, _rows(y), mix_in, w, collapse_pre, block_t, split, num_warps)
+    return _launch_mix(h3, _rows(y), mix_in, w, collapse_pre, block_t, split, num_warps, one_launch)

@@ -34,7 +34,7 @@ from kernels.device import num_sms
 from kernels.fp8_splitk import MAX_TOKENS as SPLITK_MAX_TOKENS  # noqa: F401 - re-exported: KernelLinear
 from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 - re-exported: KernelLinear
 from kernels.moe_combine import moe_combine
-from kernels.quant_fp8 import _quantize_rows, quantize_act
+from kernels.quant_fp8 import IN_GEMM_MAX_ROWS, _quantize_rows, quantize_act
 from kernels.reference import GROUP
 
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step
@@ -44,7 +44,7 @@ BLOCK_K = GROUP  # one weight scale and one activation scale per K step
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, row_ids_ptr, route_w_ptr, counts_ptr, active_ptr, num_active_ptr,
     w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
-    capacity, a_row_stride, swiglu_limit, m_split,
+    capacity, a_row_stride, swiglu_limit, m_split, out_stride_e, out_stride_m,
     N_OUT: tl.constexpr, K: tl.constexpr,
     GATHER: tl.constexpr, SWIGLU: tl.constexpr, A_FP8: tl.constexpr, OUT_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_M: tl.constexpr,
@@ -115,7 +115,10 @@ def _moe_gemm_kernel(
                 tl.store(out_ptrs, out_q, mask=m_ok[:, None])
                 tl.store(out_scale_ptr + slots * (N_OUT // BLOCK_K) + n0 // BLOCK_K, out_scale, mask=m_ok)
             else:
-                out_ptrs = out_ptr + slots[None, :] * N_OUT + (n0 + offs_n)[:, None]
+                # Row (expert, m) at expert · out_stride_e + m · out_stride_m: slots · N_OUT for a dense
+                # [E, cap, N_out] output, or a transposed view's rows (GroupedKernelLinear's [T, G, R]).
+                out_rows = expert * out_stride_e + offs_m.to(tl.int64) * out_stride_m
+                out_ptrs = out_ptr + out_rows[None, :] + (n0 + offs_n)[:, None]
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
             m0 += m_step
         work += tl.num_programs(0)
@@ -174,7 +177,8 @@ def moe_grouped_gemm(
     ``m_split`` (None: ``default_m_split``) splits each expert's token tiles over that many work items;
     every output tile is still computed by one program in the same K order, so the result does not
     depend on it. ``out`` (None: allocated here) is where the output goes, of the shape and dtype returned
-    (the pair for e4m3 output), e.g. a slice of a bigger stack (``moe_experts``' shared expert).
+    (the pair for e4m3 output), e.g. a slice of a bigger stack (``moe_experts``' shared expert), or for bf16/fp32
+    any view whose channels are dense (``GroupedKernelLinear``'s [T, G, R] buffer seen as [G, T, R]).
     """
     a_values, a_scale = a if isinstance(a, tuple) else (a, None)
     a_fp8 = a_scale is not None
@@ -202,10 +206,12 @@ def moe_grouped_gemm(
     if out is None:
         out = empty_output(num_experts, capacity, n_out, out_dtype, a_values.device)
     out_values, out_scale = out if isinstance(out, tuple) else (out, out)  # out_scale unread without OUT_FP8
+    # bf16/fp32 output rows may sit at any row strides (channels dense); the e4m3 pair is dense.
+    dense = out_values.is_contiguous() and out_scale.is_contiguous() if out_fp8 else out_values.stride(-1) == 1
     if (isinstance(out, tuple) != out_fp8 or out_values.shape != (num_experts, capacity, n_out)
-            or out_values.dtype != out_dtype or not out_values.is_contiguous() or not out_scale.is_contiguous()):
-        raise ValueError(f"out must be dense {out_dtype} [{num_experts}, {capacity}, {n_out}], "
-                         f"got {out_values.dtype} {tuple(out_values.shape)}")
+            or out_values.dtype != out_dtype or not dense):
+        raise ValueError(f"out must be {out_dtype} [{num_experts}, {capacity}, {n_out}] (dense channels; the "
+                         f"e4m3 pair dense), got {out_values.dtype} {tuple(out_values.shape)}")
     if block_m is None and invariance.active():
         block_m = invariance.BLOCK_M  # not the load per expert (kernels/invariance.py)
     if block_m is None:
@@ -223,7 +229,7 @@ def moe_grouped_gemm(
     _moe_gemm_kernel[grid](
         a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
         w, w_scale, out_values, out_scale,
-        capacity, k, float(swiglu_limit or 0.0), m_split,
+        capacity, k, float(swiglu_limit or 0.0), m_split, out_values.stride(0), out_values.stride(1),
         N_OUT=n_out, K=k, GATHER=gather, SWIGLU=swiglu_limit is not None, A_FP8=a_fp8, OUT_FP8=out_fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_M=m_split > 1, num_warps=num_warps,
         num_stages=num_stages,
@@ -259,8 +265,9 @@ def moe_experts(
     """Routed experts of one layer: x [T, D] → fp32 [T, D]; gate/up+SwiGLU, down, then the combine
     (``live`` and ``width`` go to it: +0.0 in the rows outside ``live``, only the first ``width`` columns).
 
-    ``prequantize``: quantise x once (``quant_fp8.quantize_act``) and hand h from the SwiGLU
-    epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
+    ``prequantize``: quantise x once (``quant_fp8.quantize_act``; up to ``quant_fp8.IN_GEMM_MAX_ROWS`` rows
+    the gate/up GEMM does it in its loop instead, the same bits without the launch) and hand h from the
+    SwiGLU epilogue to the down GEMM as e4m3 + scales; otherwise both GEMMs quantise bf16 input in their
     loops. The combine is ``kernels.moe_combine`` (``shared_last``: the last column of ``slot_of`` is
     the shared expert, summed first).
 
@@ -275,7 +282,7 @@ def moe_experts(
     num_stacked = w13.shape[0]
     block_m = invariance.BLOCK_M if invariance.active() else default_block_m(meta["slot_of"].numel() / num_stacked)
     h_dtype = torch.float8_e4m3fn if prequantize else torch.bfloat16
-    a = quantize_act(x) if prequantize else x
+    a = quantize_act(x) if prequantize and x.shape[0] > IN_GEMM_MAX_ROWS else x
     if shared_launch is None:
         shared_launch = shared_apart(meta["row_ids"].shape[1], block_m)
     if not (shared_last and shared_launch):

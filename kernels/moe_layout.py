@@ -26,7 +26,7 @@ MAX_TOKENS = 1024
 
 
 @triton.jit
-def _layout_kernel(
+def _layout(
     experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr,
     num_active_ptr, expert_counts_ptr, num_tokens,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
@@ -34,7 +34,8 @@ def _layout_kernel(
 ):
     """experts int [T, TOP_K], weights fp32 [T, TOP_K], live bool [T] (LIVE); outputs for E + 1 stacked
     experts: counts int32 [E+1], row_ids int32 / route_w fp32 [E+1, T], slot_of int64 [T, TOP_K+1],
-    active int32 [E+1], num_active int32 [1]; COUNT: expert_counts int64 [E] += routed live picks."""
+    active int32 [E+1], num_active int32 [1]; COUNT: expert_counts int64 [E] += routed live picks.
+    The whole layout in the calling program (``_layout_kernel``'s one, or the router's: kernels/moe_router.py)."""
     STACKED: tl.constexpr = NUM_EXPERTS + 1
     SHARED: tl.constexpr = NUM_EXPERTS
     # Unused slots are 0 in the reference: clear the grid, then (after the barrier) write the picks.
@@ -90,6 +91,37 @@ def _layout_kernel(
         tl.store(expert_counts_ptr + cols, old + carry.to(tl.int64), mask=routed)
 
 
+@triton.jit
+def _layout_kernel(
+    experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr,
+    num_active_ptr, expert_counts_ptr, num_tokens,
+    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr, LIVE: tl.constexpr, COUNT: tl.constexpr,
+):
+    _layout(experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr,
+            num_active_ptr, expert_counts_ptr, num_tokens, NUM_EXPERTS, TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_FILL,
+            LIVE, COUNT)
+
+
+def layout_outputs(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``moe_layout``'s unwritten outputs (``route_metadata``'s keys) over num_experts + 1 stacked experts."""
+    stacked = num_experts + 1
+    return {
+        "counts": torch.empty(stacked, dtype=torch.int32, device=device),
+        "row_ids": torch.empty(stacked, num_tokens, dtype=torch.int32, device=device),
+        "route_w": torch.empty(stacked, num_tokens, dtype=torch.float32, device=device),
+        "slot_of": torch.empty(num_tokens, top_k + 1, dtype=torch.int64, device=device),
+        "active": torch.empty(stacked, dtype=torch.int32, device=device),
+        "num_active": torch.empty(1, dtype=torch.int32, device=device),
+    }
+
+
+def layout_block_t(top_k: int, num_experts: int) -> int:
+    """Rows per tile of the layout's walk: [BLOCK_T, K_PAD, E_PAD] ≤ 8K, 64 per thread at 4 warps."""
+    k_pad, e_pad = triton.next_power_of_2(top_k), triton.next_power_of_2(num_experts + 1)
+    return max(1, min(16, 8192 // (k_pad * e_pad)))
+
+
 def moe_layout(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, live: torch.Tensor | None = None,
                expert_counts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``route_metadata`` of the router's choices (experts int [T, k] distinct per row, weights fp32
@@ -101,17 +133,9 @@ def moe_layout(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, l
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} differ")
     if num_tokens > MAX_TOKENS:
         raise ValueError(f"{num_tokens} tokens: moe_layout is for decode steps of at most {MAX_TOKENS}")
-    device, stacked = experts.device, num_experts + 1
-    out = {
-        "counts": torch.empty(stacked, dtype=torch.int32, device=device),
-        "row_ids": torch.empty(stacked, num_tokens, dtype=torch.int32, device=device),
-        "route_w": torch.empty(stacked, num_tokens, dtype=torch.float32, device=device),
-        "slot_of": torch.empty(num_tokens, top_k + 1, dtype=torch.int64, device=device),
-        "active": torch.empty(stacked, dtype=torch.int32, device=device),
-        "num_active": torch.empty(1, dtype=torch.int32, device=device),
-    }
-    k_pad, e_pad = triton.next_power_of_2(top_k), triton.next_power_of_2(stacked)
-    block_t = max(1, min(16, 8192 // (k_pad * e_pad)))  # [BLOCK_T, K_PAD, E_PAD] ≤ 8K: 64 per thread
+    out = layout_outputs(num_tokens, top_k, num_experts, experts.device)
+    k_pad, e_pad = triton.next_power_of_2(top_k), triton.next_power_of_2(num_experts + 1)
+    block_t = layout_block_t(top_k, num_experts)
     _layout_kernel[(1,)](
         experts.contiguous(), weights.float().contiguous(),
         live.contiguous() if live is not None else out["counts"],  # bool: loaded as i1, no conversion launch

@@ -7,11 +7,23 @@ every path rounds the same way. Reference: ``kernels.reference.quantize_act``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.reference import GROUP
+
+IN_GEMM_MAX_ROWS = int(os.environ.get("SHINKAI_IN_GEMM_MAX_ROWS", "16"))
+"""Up to this many rows (decode's one 16-row MMA tile) the FP8 GEMMs take bf16/fp32 activations and quantise
+them in their K loops with ``_quantize_rows`` (``quantize_act``'s rounding: the same e4m3 values and scales,
+so the same product bits), which saves ``quantize_act``'s launch. Each N tile quantises the rows again: at one
+M tile, one [16, 128] block per K step beside the [128, 128] weight block it multiplies. Above it the rows
+are quantised once by ``quantize_act`` for every N tile (and cuBLASLt's block-scaled GEMM takes only that).
+The cost is registers (ptxas sm_90a, 4 warps: split-K wq_a 139 → 239, wo_b 116 → 255 with 20 bytes spilled;
+the one-expert wq_b GEMM 168 → 254); ``SHINKAI_IN_GEMM_MAX_ROWS=0`` (read at import) turns it off, to time
+both on the device."""
 
 
 @triton.jit

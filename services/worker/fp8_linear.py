@@ -32,6 +32,7 @@ from torch import nn
 
 from kernels import invariance
 from kernels.fp8_weights import quantize_weight_block128
+from kernels.quant_fp8 import IN_GEMM_MAX_ROWS
 from kernels.reference import GROUP, dequantize_weight_block128
 from services.worker import block_scaled_gemm
 
@@ -196,6 +197,17 @@ def group_rows_meta(num_tokens: int, num_groups: int, device: torch.device) -> d
     return meta
 
 
+def activations(kernels: KernelSet, x: torch.Tensor, num_tokens: int
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What a linear's GEMM takes for x [R, K] (K % 128 == 0, dense), of which each expert (the one
+    projection, or each group of a grouped one) reads ``num_tokens`` rows: x itself, quantised inside the
+    GEMM, when num_tokens ≤ ``quant_fp8.IN_GEMM_MAX_ROWS`` (decode); else ``quantize_act``'s (e4m3, scales)
+    pair, quantised once for every N tile (prefill, and cuBLASLt's block-scaled GEMM, which takes only it)."""
+    if num_tokens <= IN_GEMM_MAX_ROWS:
+        return x
+    return kernels.quant_fp8.quantize_act(x)
+
+
 def _capturing(device: torch.device) -> bool:
     """Tensors made inside a CUDA graph capture live in its private pool: not kept past it."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -226,9 +238,9 @@ class KernelLinear(nn.Module):
         num_tokens = x2.shape[0]
         if num_tokens == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        a = self.kernels.quant_fp8.quantize_act(x2.contiguous())
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        a = activations(self.kernels, x2.contiguous(), num_tokens)
         if self._block_scaled(num_tokens, x, out_dtype):
             if self.scale_b is None or self.scale_b.device != self.w.device:
                 self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
@@ -284,13 +296,17 @@ class GroupedKernelLinear(nn.Module):
         if num_tokens == 0:
             return x.new_zeros(*lead, g * self.rank)
         # Quantisation is per row of 128 channels, so the rows' order does not change a row's values: quantise
-        # the [T·G, Kg'] rows in place and let the GEMM gather group g's rows (j·G + g).
-        a = self.kernels.quant_fp8.quantize_act(xg.reshape(num_tokens * g, k_pad))
+        # the [T·G, Kg'] rows in place (or, at decode, in the GEMM's loop) and let the GEMM gather group g's
+        # rows (j·G + g).
+        a = activations(self.kernels, xg.reshape(num_tokens * g, k_pad), num_tokens)
+        out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        # The GEMM writes group g's row t at [t, g] of a [T, G, R'] buffer (through its [G, T, R'] view), so the
+        # [T, G·R] result is a view where R' = R: no transposing copy after it.
+        out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=x.device).transpose(0, 1)
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
-            a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True,
-            out_dtype=torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
-            block_m=linear_block_m(num_tokens), num_warps=4)  # [G, T, R']
-        return y[:, :, : self.rank].transpose(0, 1).reshape(*lead, g * self.rank).to(x.dtype)
+            a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True, out_dtype=out_dtype,
+            block_m=linear_block_m(num_tokens), num_warps=4, out=out)  # [G, T, R']
+        return y.transpose(0, 1)[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"groups={self.num_groups}, in={self.group_features}, rank={self.rank}, precision={self.precision}"

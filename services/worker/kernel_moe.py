@@ -18,7 +18,8 @@ as zeros. ``image`` (a row mask of image-span tokens) has those rows select thei
 gate's ``bias_vl`` instead of ``gate_bias``, as the model's MoE does; without it the router runs exactly
 as for text. Device ops only on the grouped path (the block-scaled one reads the expert counts on the
 host, and is eager only), so a CUDA graph captures it with the mask's values left to each replay.
-Up to ``LAYOUT_MAX_TOKENS`` rows the layout and the counts are one launch (``kernels/moe_layout.py``);
+Up to ``LAYOUT_MAX_TOKENS`` rows the layout and the counts are one launch (``kernels/moe_layout.py``), and
+up to one router tile (16 rows) they are part of the router's launch (``moe_router.moe_router_layout``);
 ``_layout`` is the same layout in torch (bigger steps, and kernel sets without it).
 """
 
@@ -114,19 +115,26 @@ class KernelMoE(nn.Module):
                      for i in range(0, x2.shape[0], MOE_MAX_TOKENS)]
             return torch.cat(parts).reshape(shape)
         vl = {} if image is None else {"bias_vl": self.bias_vl, "image": image.reshape(-1)}
-        weights, experts = self.kernels.moe_router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k,
-                                                              self.route_scale, **vl)  # [T, k] each
+        router = self.kernels.moe_router
         rows = None if live is None else live.reshape(-1, 1)  # [T, 1]
-        layout = getattr(self.kernels.moe_router, "moe_layout", None)
-        if layout is not None and x2.shape[0] <= self.kernels.moe_router.LAYOUT_MAX_TOKENS:
-            # One launch for the layout and the counts (kernels/moe_layout.py): the same bytes as below.
-            meta = layout(experts, weights, self.num_experts, None if rows is None else rows.reshape(-1), counts)
+        if hasattr(router, "moe_router_layout") and x2.shape[0] <= router.LAYOUT_MAX_TOKENS:
+            # Routing, then the layout and the counts (kernels/moe_layout.py: the same bytes as ``_layout``): in
+            # the router's launch up to one token tile, else in a launch of their own.
+            weights, experts, meta = router.moe_router_layout(
+                x2, self.gate_weight, self.gate_bias, self.top_k, self.route_scale,
+                None if rows is None else rows.reshape(-1), counts, **vl)  # weights, experts [T, k]
         else:
-            if counts is not None:
-                one = torch.ones_like(experts, dtype=counts.dtype) if rows is None else rows.to(
-                    counts.dtype).expand(experts.shape)
-                counts.scatter_add_(0, experts.flatten().long(), one.flatten())
-            meta = self._layout(experts, weights, rows)
+            weights, experts = router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k, self.route_scale,
+                                                 **vl)  # [T, k] each
+            layout = getattr(router, "moe_layout", None)
+            if layout is not None and x2.shape[0] <= router.LAYOUT_MAX_TOKENS:
+                meta = layout(experts, weights, self.num_experts, None if rows is None else rows.reshape(-1), counts)
+            else:
+                if counts is not None:
+                    one = torch.ones_like(experts, dtype=counts.dtype) if rows is None else rows.to(
+                        counts.dtype).expand(experts.shape)
+                    counts.scatter_add_(0, experts.flatten().long(), one.flatten())
+                meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             if self._deepgemm(xp.device):

@@ -66,6 +66,37 @@ def test_the_last_program_sums_in_split_order_with_the_second_launchs_bits(num_t
     assert all(int(t.abs().sum()) == 0 for t in sk._TICKETS.values())
 
 
+def _ranged(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x with each 128-channel block scaled by its own power of two in [2^-30, 2^30] (every block its own
+    activation scale), block 1 of row 0 all zeros (the scale floor) and a few e4m3 ties (4-bit mantissas)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = x.view(x.shape[0], -1, 128)
+    blocks = blocks * torch.exp2(torch.randint(-30, 31, (*blocks.shape[:2], 1), generator=gen).float())
+    blocks[0, min(1, blocks.shape[1] - 1)] = 0.0
+    blocks[-1, 0, :8] = torch.tensor([1.0625, 1.1875, -3.375, 448.0, 449.0, 2.0 ** -9 * 1.5, -(2.0 ** -10), 17.0])
+    return blocks.view(x.shape)
+
+
+@pytest.mark.parametrize(("num_tokens", "n", "k"), [(1, 256, 640), (7, 128, 512), (16, 256, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantising_in_the_loop_gives_quantize_acts_bits(num_tokens, n, k, dtype):
+    """bf16/fp32 rows quantised inside the kernel (no ``quantize_act`` launch) against the rows quantised by
+    ``quantize_act`` first: the same e4m3 codes and scales, so the same output bits, in one launch or two."""
+    sk, quant = load_interpreted("fp8_splitk"), load_interpreted("quant_fp8")
+    x, w, w_scale = _problem(num_tokens, n, k, seed=k + num_tokens)
+    x = _ranged(x, seed=n).to(dtype)
+    with interpreter():
+        for one_launch in (True, False):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                want = sk.fp8_linear_splitk(quant.quantize_act(x), w, w_scale, out_dtype=out_dtype,
+                                            one_launch=one_launch)
+                got = sk.fp8_linear_splitk(x, w, w_scale, out_dtype=out_dtype, one_launch=one_launch)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        strided = torch.cat((x, x), 1)[:, k:]  # rows at stride 2K: copied dense first
+        assert torch.equal(sk.fp8_linear_splitk(strided, w, w_scale, out_dtype=torch.float32),
+                           sk.fp8_linear_splitk(quant.quantize_act(x), w, w_scale, out_dtype=torch.float32))
+
+
 def test_refuses_what_it_does_not_do():
     sk, quant = load_interpreted("fp8_splitk"), load_interpreted("quant_fp8")
     x, w, w_scale = _problem(17, 128, 256, seed=0)
@@ -75,6 +106,10 @@ def test_refuses_what_it_does_not_do():
         sk.fp8_linear_splitk(a, w, w_scale)
     with pytest.raises(ValueError, match="do not fit"):
         sk.fp8_linear_splitk((a[0][:2], a[1][:2]), w[:, :128], w_scale)
+    with pytest.raises(ValueError, match="pre-quantised activations"):
+        sk.fp8_linear_splitk((a[0][:2], a[1][:2, :1]), w, w_scale)
+    with pytest.raises(ValueError, match="bf16/fp32"):
+        sk.fp8_linear_splitk(a[0][:2], w, w_scale)  # e4m3 values without their scales
 
 
 @pytest.mark.gpu
@@ -98,3 +133,19 @@ def test_gpu_splitk_at_v41_projection_shapes(n, k):
     two = fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32, one_launch=False)
     for _ in range(20):
         assert torch.equal(fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32), two)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("n", "k"), [(1280, 5120), (512, 5120), (5120, 8192)])  # v41 wq_a, wkv, wo_b
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_gpu_quantising_in_the_loop_gives_quantize_acts_bits(n, k, num_tokens):
+    from kernels.fp8_splitk import fp8_linear_splitk
+    from kernels.quant_fp8 import quantize_act
+
+    x, w, w_scale = _problem(num_tokens, n, k, seed=k)
+    x, w, w_scale = _ranged(x, seed=n).to(torch.bfloat16).cuda(), w.cuda(), w_scale.cuda()
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = fp8_linear_splitk(quantize_act(x), w, w_scale, out_dtype=out_dtype)
+        got = fp8_linear_splitk(x, w, w_scale, out_dtype=out_dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

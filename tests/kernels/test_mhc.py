@@ -205,3 +205,56 @@ def test_mhc_gpu_matches_module(num_tokens, fp32_reference_matmuls):
     for split in (1, 3):  # the fused epilogue and the partial-products path at every size
         # Another fp32 summation order than the default split's: post max |Δ| 2.7e-4 at T 4096 (H200)
         _check_mix(mhc.mhc_mix(h, w_a, split=split).mix, mix_a, 5 * GPU_MIX_REL)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _one_launch_equals_two(k, h, y, mix_in, w_a, w_f, pre, split):
+    """mhc_mix and mhc_expand_mix with the split finished in the mix launch (one token) and by the finishing
+    kernel: every output's bits equal. Another h first, so a partial buffer handed on holds stale values."""
+    k.mhc_mix(-h, w_a, pre, split=split)
+    pairs = [(k.mhc_mix(h, w_a, pre, split=split), k.mhc_mix(h, w_a, pre, split=split, one_launch=False))]
+    k.mhc_expand_mix(-y, h, mix_in, w_f, pre, split=split)
+    pairs.append((k.mhc_expand_mix(y, h, mix_in, w_f, pre, split=split),
+                  k.mhc_expand_mix(y, h, mix_in, w_f, pre, split=split, one_launch=False)))
+    for one, two in pairs:
+        assert all(_same_bits(a, b) for a, b in zip(one.mix, two.mix))
+        assert _same_bits(one.h, two.h) and _same_bits(one.x, two.x)
+
+
+@pytest.mark.parametrize(("dim", "dtype", "split"), [(64, torch.float32, 2), (80, torch.bfloat16, None),
+                                                     (128, torch.float32, 3)])
+def test_one_token_mix_finished_in_its_launch_gives_the_finishing_kernels_bits_interpreted(dim, dtype, split):
+    """At one token the split mix's last program finishes (``FINISH_IN_MIX_MAX_TOKENS``): the same bits as
+    the finishing kernel, and every ticket counter is 0 after. (Both sum through ``_finish``: the many-block
+    sums of D 4112 are test_mix_collapse_expand_interpreted's, and take a minute here.)"""
+    from kernels import tickets
+
+    cfg = dataclasses.replace(TINY, hidden_size=dim)
+    gen = torch.Generator().manual_seed(dim)
+    hc_a, hc_f = _site(cfg, gen), _site(cfg, gen)
+    h = _streams(1, cfg, dtype, gen)
+    y = (torch.randn(1, dim, generator=gen) * 2).to(dtype)
+    pre = torch.rand(1, cfg.hc_mult, generator=gen)
+    k = load_interpreted("mhc")
+    assert k.FINISH_IN_MIX_MAX_TOKENS >= 1
+    w_a, w_f = k.MixWeights.of(hc_a), k.MixWeights.of(hc_f)
+    with interpreter():
+        mix_in = k.mhc_mix(h, w_a).mix
+        _one_launch_equals_two(k, h, y, mix_in, w_a, w_f, pre, split)
+    assert any(key[0] == "mhc_mix" for key in tickets._TICKETS) and tickets.all_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mhc_gpu_one_token_finished_in_its_launch_gives_the_finishing_kernels_bits():
+    from kernels import mhc, tickets
+
+    hc_a, hc_f, h, y, pre = _gpu_problem(1)
+    w_a, w_f = mhc.MixWeights.of(hc_a), mhc.MixWeights.of(hc_f)
+    mix_in = mhc.mhc_mix(h, w_a).mix
+    for _ in range(20):  # who finishes depends on timing; the bits must not
+        _one_launch_equals_two(mhc, h, y, mix_in, w_a, w_f, pre, None)
+    assert tickets.all_zero()

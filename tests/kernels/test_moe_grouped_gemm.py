@@ -420,3 +420,100 @@ def test_gpu_shared_expert_apart_replays_in_a_cuda_graph_with_the_one_launch_bit
         graph.replay()
         one = moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True, shared_launch=False)
         assert torch.equal(out, one)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_decode_rows_quantised_in_the_gate_up_loop_give_the_prequantised_bits_interpreted(num_tokens, monkeypatch):
+    """Up to ``quant_fp8.IN_GEMM_MAX_ROWS`` rows ``moe_experts`` hands x to the gate/up GEMM unquantised and
+    the GEMM quantises it in its K loop (no ``quantize_act`` launch): the same e4m3 codes and scales, so the
+    layer's output bits equal those of x quantised first (the threshold patched below every row count)."""
+    gen = torch.Generator().manual_seed(num_tokens + 20)
+    num_experts, hidden, inter = 6, 256, 128
+    meta = _shared_routing(num_tokens, num_experts, 2, gen)
+    w13, s13 = _weights(num_experts + 1, 2 * inter, hidden, gen)
+    w2, s2 = _weights(num_experts + 1, hidden, inter, gen)
+    x = _tie_activations(num_tokens, hidden, gen)
+    x[:, 128:] *= 2.0 ** -20  # the second block its own scale
+    mg = load_interpreted("moe_grouped_gemm")
+    launches = []
+    real = mg.quantize_act
+    monkeypatch.setattr(mg, "quantize_act", lambda a: launches.append(a.shape) or real(a))
+    with interpreter():
+        fused = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5, shared_last=True)
+        assert launches == []
+        monkeypatch.setattr(mg, "IN_GEMM_MAX_ROWS", 0)
+        first = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5, shared_last=True)
+        assert launches == [x.shape]
+    assert torch.equal(fused.view(torch.int32), first.view(torch.int32))
+
+
+def test_one_expert_gemm_quantises_in_its_loop_with_quantize_acts_bits_interpreted():
+    """A decode linear's one-expert GEMM (``KernelLinear`` above the split-K sizes, ``GroupedKernelLinear``)
+    given bf16 rows: the output bits of the rows quantised by ``quantize_act`` first, plain and gathered."""
+    from services.worker.fp8_linear import group_rows_meta, one_expert_meta
+
+    gen = torch.Generator().manual_seed(31)
+    x = _tie_activations(12, 384, gen)
+    x[:, 256:] *= 2.0 ** 24
+    w, s = _weights(1, 256, 384, gen)
+    wg, sg = _weights(3, 128, 128, gen)
+    mg, quant = load_interpreted("moe_grouped_gemm"), load_interpreted("quant_fp8")
+    with interpreter():
+        for a, w_, s_, meta in ((x, w, s, one_expert_meta(12, 1, x.device)),
+                                (x.view(36, 128), wg, sg, group_rows_meta(12, 3, x.device))):
+            got = mg.moe_grouped_gemm(a, w_, s_, meta, gather=True, block_m=16)
+            want = mg.moe_grouped_gemm(quant.quantize_act(a), w_, s_, meta, gather=True, block_m=16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_output_rows_at_a_transposed_views_strides_hold_the_dense_outputs_bits_interpreted(num_tokens):
+    """``GroupedKernelLinear``'s output: the GEMM writes group g's row t into a [T, G, R] buffer through its
+    [G, T, R] view, bit for bit the dense [G, T, R] output transposed (one M tile, and three with m_split);
+    the buffer's other bytes (R past N) untouched."""
+    from services.worker.fp8_linear import group_rows_meta
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    groups = 3
+    x = _tie_activations(num_tokens * groups, 128, gen)
+    w, s = _weights(groups, 256, 128, gen)
+    meta = group_rows_meta(num_tokens, groups, x.device)
+    mg = load_interpreted("moe_grouped_gemm")
+    with interpreter():
+        for m_split in (1, 3):
+            dense = mg.moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split)  # [G, T, N]
+            buf = torch.full((num_tokens, groups, 384), 7.0, dtype=torch.bfloat16)
+            got = mg.moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split,
+                                      out=buf[:, :, :256].transpose(0, 1))
+            assert got.data_ptr() == buf.data_ptr()
+            assert torch.equal(buf[:, :, :256].view(torch.int16), dense.transpose(0, 1).view(torch.int16))
+            assert bool((buf[:, :, 256:] == 7.0).all())
+    with pytest.raises(ValueError, match="dense channels"):
+        mg.moe_grouped_gemm(x, w, s, meta, gather=True, out=buf[:, :, :256].transpose(0, 2).transpose(1, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_gpu_decode_rows_quantised_in_the_gemm_loop_give_the_prequantised_bits(num_tokens, monkeypatch):
+    """At the v41-s1 MoE and wq_b shapes: x quantised inside the GEMMs against ``quantize_act`` first, `==`."""
+    import kernels.moe_grouped_gemm as mg
+    from kernels.quant_fp8 import quantize_act
+    from services.worker.fp8_linear import one_expert_meta
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    num_experts, hidden, inter = 48, 5120, 2304  # v41-s1: 48 routed + the shared one
+    meta = _shared_routing(num_tokens, num_experts, 6, gen)
+    w13, s13 = _weights(num_experts + 1, 2 * inter, hidden, gen)
+    w2, s2 = _weights(num_experts + 1, hidden, inter, gen)
+    x = (torch.randn(num_tokens, hidden, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    fused = mg.moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)
+    monkeypatch.setattr(mg, "IN_GEMM_MAX_ROWS", 0)
+    first = mg.moe_experts(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)
+    assert torch.equal(fused.view(torch.int32), first.view(torch.int32))
+    wq, sq = _weights(1, 32768, 1280, gen)  # wq_b: 256 N tiles, the one-expert GEMM (not split-K)
+    xq = (torch.randn(num_tokens, 1280, generator=gen, device="cuda")).to(torch.bfloat16)
+    meta1 = one_expert_meta(num_tokens, 1, x.device)
+    got = mg.moe_grouped_gemm(xq, wq, sq, meta1, gather=True, block_m=16, num_warps=4)
+    want = mg.moe_grouped_gemm(quantize_act(xq), wq, sq, meta1, gather=True, block_m=16, num_warps=4)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -381,9 +381,15 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     """Fewer glue launches (issue 21), on the GPU step's code (kernel backend, "triton" attention, every
     kernel interpreted, padded 5 → 8): RoPE reading its pairs in place, the index weights' scale inside the
     indexer kernel and the MoE combine writing the dead rows' zeros give logits, counts and pools == to
-    their torch forms (the pairs copied, torch's ``w * scale``, ``torch.where`` after the combine)."""
+    their torch forms (the pairs copied, torch's ``w * scale``, ``torch.where`` after the combine); and the
+    launches folded into neighbours (the activations quantised inside the FP8 GEMMs, the router's split
+    finished by its last program, the MoE layout in the router's launch) == to their own launches
+    (``quantize_act`` first, the finishing kernel, ``moe_layout``)."""
+    import functools
+
     import model.deepseek_v41.rope as rope
     import services.worker.attention_backend_graph as graph
+    import services.worker.fp8_linear as fp8_linear
     from services.worker.fp8_linear import KernelSet
     from tests.kernels.interpret import interpreter, load_interpreted
 
@@ -404,7 +410,15 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
         monkeypatch.setattr(graph, "index_weights",
                             lambda idx, x: ((idx.weights_proj(x) * idx.weight_scale).float(), 1.0))
         monkeypatch.setattr(kernels.moe_grouped_gemm, "moe_experts", experts_then_where)
+        monkeypatch.setattr(fp8_linear, "IN_GEMM_MAX_ROWS", 0)
+        monkeypatch.setattr(kernels.moe_grouped_gemm, "IN_GEMM_MAX_ROWS", 0)
+        monkeypatch.setattr(kernels.moe_router, "moe_router",
+                            functools.partial(kernels.moe_router.moe_router, one_launch=False))
+        monkeypatch.delattr(kernels.moe_router, "moe_router_layout")  # the layout's own launch
 
+    quantized = []
+    quantize_act = kernels.quant_fp8.quantize_act
+    monkeypatch.setattr(kernels.quant_fp8, "quantize_act", lambda x: quantized.append(x.shape) or quantize_act(x))
     results = []
     with interpreter():
         runner = ModelRunner(model, config, backend="kernels", kernels=kernels)
@@ -418,5 +432,8 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
             step.prepare(plan)
             logits, counts, _ = step.run()
             results.append((logits.clone(), counts.clone(), runner.cache.blocks.clone(), runner.cache.slots.clone()))
+            if not before:
+                assert quantized == []  # every linear's 8 rows quantised inside its GEMM
+    assert quantized  # ... and by quantize_act in the torch forms' run
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert torch.isfinite(results[0][0][:5]).all()
