@@ -5,7 +5,9 @@ one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``; the shar
 its own where its rows span several M tiles), or, for big eager prefill steps, expert by expert through
 cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when), or, asked
 for with ``SHINKAI_MOE_GEMM=deepgemm`` where ``deep_gemm`` is installed and its probe passes, through DeepGEMM's
-grouped FP8 GEMMs (kernels/deepgemm_moe.py; not the default: docs/performance.md has the measurements). The
+grouped FP8 GEMMs (kernels/deepgemm_moe.py; not the default: docs/performance.md has the measurements); with
+``SHINKAI_MOE_SPLITK=1``, decode's few rows take the K-split grouped GEMM where its shape rule says
+(kernels/moe_splitk.py; not the default until timed). Both flags are read when the module is built. The
 shared expert is stacked as expert E and every token picks it with weight 1, which is exactly the model's sum
 ``shared + routed`` (the model applies no weight to the shared expert); the combine adds the shared
 expert first, then the routed picks in top-k order, in fp32, as the model does. Only the routed picks are
@@ -24,6 +26,8 @@ up to one router tile (16 rows) they are part of the router's launch (``moe_rout
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -76,6 +80,7 @@ class KernelMoE(nn.Module):
         self.gate_bias = nn.Parameter(moe.gate_bias.detach().float().clone(), requires_grad=False)
         self.bias_vl = nn.Parameter(moe.bias_vl.detach().float().clone(), requires_grad=False)
         self.inexact = 0
+        self.splitk = os.environ.get("SHINKAI_MOE_SPLITK", "0") == "1"  # K-split experts at decode (opt-in)
         self.scale_b: tuple[torch.Tensor, torch.Tensor] | None = None  # w13/w2 scales in cuBLASLt's layout
         if precision == "fp8":
             # Expert by expert (E routed, then the shared one as expert E): no fp32 copy of the stack.
@@ -150,10 +155,11 @@ class KernelMoE(nn.Module):
                                                    self.kernels.moe_grouped_gemm.moe_combine)
             else:
                 # The combine writes [T, D] and +0.0 in the dead rows: the where below, in the same launch.
-                out = self.kernels.moe_grouped_gemm.moe_experts(xp, meta, self.w13, self.w13_scale, self.w2,
-                                                                self.w2_scale, self.limit, shared_last=True,
-                                                                live=None if rows is None else rows.reshape(-1),
-                                                                width=self.hidden)
+                gemm = self.kernels.moe_grouped_gemm
+                split = self.splitk and gemm.worth_splitting_experts(meta, self.w13, self.w2)
+                out = (gemm.moe_experts_splitk if split else gemm.moe_experts)(
+                    xp, meta, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit, shared_last=True,
+                    live=None if rows is None else rows.reshape(-1), width=self.hidden)
                 rows = None
             out = out[:, : self.hidden]
         else:

@@ -57,7 +57,7 @@ def interpreter() -> Iterator[None]:
 
 
 SHARED = ("quant_fp8", "attention_blocks", "indexer_topk", "sampler_select", "mhc_streams", "moe_layout", "fp8_splitk",
-          "moe_combine")
+          "moe_combine", "moe_splitk")
 """Modules whose jit helpers other kernels import: their interpreted copies stand in while a kernel loads.
 In dependency order: a shared module sees the interpreted copies of those before it only."""
 

@@ -116,6 +116,29 @@ def test_the_shared_experts_own_launches_give_the_same_bits_with_dead_rows(monke
     assert torch.equal(apart, one) and torch.equal(apart_dead, torch.zeros_like(x)) and torch.equal(one_dead, apart_dead)
 
 
+def test_the_splitk_flag_takes_the_split_k_experts_where_the_rule_says_with_the_one_pass_bits(monkeypatch):
+    """``SHINKAI_MOE_SPLITK=1`` (read when the module is built) sends decode to ``moe_experts_splitk`` where
+    ``worth_splitting_experts`` says (kernels/moe_splitk.py), and only then. The oracle layer's K is one 128
+    block: one split, whose sum 0 + p_0 is the one pass's bits, dead rows and all; the rule itself (shapes,
+    the batch-invariant mode) is tested in tests/kernels/test_moe_splitk.py."""
+    model = case("oracle").model
+    x = torch.randn(1, 8, model.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    live = torch.tensor([True, False, True, True, False, True, True, True])
+    with interpreter():
+        off = KernelMoE(copy.deepcopy(model.layers[1].ffn), "fp8", _moe_kernels())
+        monkeypatch.setenv("SHINKAI_MOE_SPLITK", "1")
+        on = KernelMoE(copy.deepcopy(model.layers[1].ffn), "fp8", _moe_kernels())
+        assert (off.splitk, on.splitk) == (False, True)
+        gemm = on.kernels.moe_grouped_gemm
+        layout = {"row_ids": torch.empty(on.num_experts + 1, 8), "slot_of": torch.empty(8, on.top_k + 1)}
+        assert not gemm.worth_splitting_experts(layout, on.w13, on.w2)  # one K block: nothing to split
+        one = off(x, live=live)
+        monkeypatch.setattr(gemm, "worth_splitting_experts", lambda *a: True)
+        monkeypatch.setattr(gemm, "moe_experts", lambda *a, **k: pytest.fail("took the one pass"))
+        split = on(x, live=live)
+    assert torch.equal(split, one)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_long_steps_run_in_passes_with_the_same_rows(precision, monkeypatch):
     """Above MOE_MAX_TOKENS the tokens go through in passes (prefill memory): the same outputs and
