@@ -33,18 +33,10 @@ from services.worker.cache_engine import CacheEngine
 from kernels.device import upload, upload_into
 from services.worker.graph_capture import capture_graph
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
+from services.worker.device_sampling import MIN_CAPACITY, bucket
 from services.worker.sampler import MASS_BITS
 
 log = logging.getLogger(__name__)
-
-MIN_CAPACITY = 16
-"""The smallest ban or bias list a graph holds (then powers of two), so a few entries share one graph."""
-
-
-def bucket(num: int, smallest: int = 1) -> int:
-    """The power of two ≥ max(num, smallest)."""
-    return 1 << (max(num, smallest) - 1).bit_length()
-
 
 @dataclass(frozen=True)
 class ProposalKey:
