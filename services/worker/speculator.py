@@ -92,7 +92,9 @@ class Speculator:
         # state slot.
         self.next_positions: dict[str, int] = {}
         self.drafts: dict[str, list[int]] = {}
-        self.draft_probs: dict[str, torch.Tensor] = {}  # [nextn, V] processed draft distributions
+        # [nextn, V] processed draft distributions (the eager proposal's; the static proposal leaves them per state
+        # slot in DraftGraphs.slot_probs, where the verify reads them).
+        self.draft_probs: dict[str, torch.Tensor] = {}
         # Per draft, the confidence head's chance that it passes with every earlier draft (σ, multiplied
         # along the block): what varlen verification ranks drafts by.
         self.confidences: dict[str, list[float]] = {}
@@ -109,7 +111,10 @@ class Speculator:
         self.draft_graphs = (DraftGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static
                              else None)
         # The verify half (verification, emitted output, context writes) in a graph per bucket, with the proposal.
-        self.verify_graphs = VerifyGraphs(model, num_speculative_tokens, cuda_graphs) if static else None
+        # Rejection mode: the static proposal leaves each slot's draft distributions where the static verify reads.
+        slot_probs = (self.draft_graphs.slot_probs if self.draft_graphs is not None and spec_sampling == "rejection"
+                      else None)
+        self.verify_graphs = VerifyGraphs(model, num_speculative_tokens, cuda_graphs, slot_probs) if static else None
 
     @property
     def verify_mode(self) -> str:
@@ -190,7 +195,7 @@ class Speculator:
             verdict, sampled = self._static_verify(key, sampling, rows, processed, logits, taps, cache, num_top, forced)
             since = timings.add("verify", since)
         else:
-            verdict = self._verify(sampling, rows, processed, forced)
+            verdict = self._verify(sampling, rows, processed, forced, cache)
             if verdict is not None:
                 write_context(self.model.draft, sampling, verdict, taps, cache)
             since = timings.add("verify", since)
@@ -264,8 +269,12 @@ class Speculator:
         self.next_positions[request_id] = first_position + num
 
     def _verify(self, sampling: list[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits,
-                forced: list[int] | None) -> DeviceVerdict | None:
-        return eager_verdict(sampling, rows, processed, self.spec_sampling, forced, self.draft_probs)
+                forced: list[int] | None, cache: CacheEngine) -> DeviceVerdict | None:
+        draft_probs = self.draft_probs
+        if self.verify_graphs is not None and self.verify_graphs.slot_probs is not None:  # views of the slots' rows
+            slot_probs = self.verify_graphs.slot_probs(cache)
+            draft_probs = {s.request_id: slot_probs[s.slot] for s in sampling if s.drafts}
+        return eager_verdict(sampling, rows, processed, self.spec_sampling, forced, draft_probs)
 
     def _static_verify(self, key: VerifyKey, sampling: list[Sampling], rows: Sequence[SamplingRow],
                        processed: ProcessedLogits | None, logits: torch.Tensor, taps: torch.Tensor, cache: CacheEngine,
@@ -315,11 +324,9 @@ class Speculator:
         if self.rewrite_drafts is not None:
             drafts = list(self.rewrite_drafts(request_id, self.next_positions[request_id], drafts))[: self.nextn]
         self.drafts[request_id] = drafts
-        # Only rejection sampling reads the draft's distributions; a graph's are its output buffers, which the
-        # next replay overwrites, so they are copied.
-        if self.spec_sampling == "rejection":
-            self.draft_probs[request_id] = (proposal.probs[b].clone() if self.draft_graphs is not None
-                                            else proposal.probs[b])
+        # Only rejection sampling reads the draft's distributions; the static proposal's are in its per-slot buffer.
+        if self.spec_sampling == "rejection" and self.draft_graphs is None:
+            self.draft_probs[request_id] = proposal.probs[b]
         self.confidences[request_id] = read[num + b * self.nextn : num + (b + 1) * self.nextn][: len(drafts)]
         if self.forced_acceptance is not None:
             self.confidences[request_id] = self.forced_acceptance.confidences(len(drafts))

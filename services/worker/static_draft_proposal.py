@@ -16,7 +16,8 @@ placeholder row has neither a limit nor a temperature, so padding never changes 
 
 ``DraftGraphs`` keeps one ``StaticDraftProposal`` per key, fills it and replays its graph (``use_graphs``) or
 runs it eagerly (CPU, tests: the code a graph captures). Graph outputs are the graph's own buffers: the
-caller reads what it needs before the next replay (the speculator copies the rejection mode's distributions).
+caller reads what it needs before the next replay. Rejection mode's draft distributions also go, inside the run,
+to a per-state-slot buffer (``DraftGraphs.slot_probs``) that the next step's static verify reads: no copy per request.
 """
 
 from __future__ import annotations
@@ -62,12 +63,14 @@ class ProposalKey:
 
 
 class StaticDraftProposal:
-    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str
-                 ) -> None:
+    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str,
+                 slot_probs: torch.Tensor | None = None) -> None:
+        """``slot_probs``: fp32 [state slots, nextn, V]; the run writes each row's draft distributions at its state
+        slot there (placeholders at the null slot 0), where the next step's static verify reads them."""
         if model.draft is None:
             raise ValueError("a static proposal needs a model with a DSpark draft")
         self.model, self.cache, self.key, self.nextn = model, cache, key, nextn
-        self.spec_sampling = spec_sampling
+        self.spec_sampling, self.slot_probs = spec_sampling, slot_probs
         g, device = key.num_rows, model.embed.weight.device
         self.vocab_size = model.cfg.vocab_size
         self.ints = torch.zeros(g, 8, dtype=torch.int64, device=device)  # HostInputs.ints' columns
@@ -127,7 +130,10 @@ class StaticDraftProposal:
         kv, positions = self.cache.read_draft(inputs.state_slots, inputs.anchor_positions)
         blocks = draft.blocks_from_context(DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens,
                                            model.embed, model.head)
-        return propose(draft, blocks, inputs, self.nextn)
+        proposal = propose(draft, blocks, inputs, self.nextn)
+        if self.slot_probs is not None:  # real rows have distinct slots; placeholders all write the null slot
+            self.slot_probs.index_copy_(0, inputs.state_slots, proposal.probs)
+        return proposal
 
 
 class DraftGraphs:
@@ -143,8 +149,21 @@ class DraftGraphs:
         self.graphs: dict[ProposalKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[ProposalKey, Proposal] = {}
         self._pool: Any = None  # one memory pool shared by every draft graph (they never run at once)
+        self._slot_probs: torch.Tensor | None = None  # rejection: per state slot its latest draft distributions
         self.num_replays = 0
         self.num_captures = 0  # graphs captured over its life (one per key and cache: more means re-captures)
+
+    def slot_probs(self, cache: CacheEngine) -> torch.Tensor:
+        """Rejection mode: fp32 [state slots, nextn, V] of ``cache``, each state slot's draft distributions of its
+        request's latest proposal (rows of slots that proposed nothing since are stale: their drafts are not
+        verified). The static proposals write it; the static verify (and the speculator's eager verify) read it."""
+        if self.spec_sampling != "rejection":
+            raise ValueError("only rejection sampling reads the draft's distributions")
+        self._use(cache)
+        if self._slot_probs is None:
+            self._slot_probs = torch.zeros(cache.slots.shape[0], self.nextn, self.model.cfg.vocab_size,
+                                           dtype=torch.float32, device=cache.slots.device)
+        return self._slot_probs
 
     def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
         """The first ``len(host)`` rows of the bucket's proposal (``anchors``: see ``StaticDraftProposal.fill``).
@@ -169,15 +188,20 @@ class DraftGraphs:
 
     def _static(self, cache: CacheEngine, key: ProposalKey) -> StaticDraftProposal:
         """The static proposal of ``key`` on ``cache``'s pools, built and (with graphs) captured on first use."""
-        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
-            self.static.clear(), self.graphs.clear(), self.outputs.clear()
-            self.cache = cache
+        self._use(cache)
         static = self.static.get(key)
         if static is None:
-            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling)
+            slot_probs = self.slot_probs(cache) if self.spec_sampling == "rejection" else None
+            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling,
+                                                            slot_probs)
         if self.use_graphs and key not in self.graphs:
             self._capture(static)
         return static
+
+    def _use(self, cache: CacheEngine) -> None:
+        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
+            self.static.clear(), self.graphs.clear(), self.outputs.clear()
+            self.cache, self._slot_probs = cache, None
 
     def _capture(self, static: StaticDraftProposal) -> None:
         static.fill(None)  # placeholders only: the warm-up really runs, and reads only the null slot

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,9 +106,12 @@ class VerifyOutput:
 
 class StaticVerify:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, key: VerifyKey, nextn: int,
-                 share: StaticVerify | None = None) -> None:
+                 share: StaticVerify | None = None, slot_probs: torch.Tensor | None = None) -> None:
         """``share``: a static verify of as many requests or more whose input buffers this one uses the first
-        rows of (static verifies never run at once, and each fill rewrites what its run reads)."""
+        rows of (static verifies never run at once, and each fill rewrites what its run reads). ``slot_probs``
+        (rejection mode): fp32 [state slots, nextn, V], each state slot's latest draft distributions, which the
+        static proposal writes (``DraftGraphs.slot_probs``); the run reads its requests' slots there, so nothing
+        is copied per request (None: ``fill`` copies each request's in)."""
         if model.draft is None:
             raise ValueError("a static verify needs a model with a DSpark draft")
         if key.mode not in MODES:
@@ -143,8 +146,10 @@ class StaticVerify:
         else:  # the step's logits, processed by the run
             self.logits = buffer((self.num_rows, v), torch.float32, "logits")
         self.taps = buffer((r * m, proj.shape[1]), proj.dtype, "taps")  # the entries' taps
-        self.draft_probs = (buffer((r, nextn, v), torch.float32, "draft_probs") if key.mode == "rejection"
-                            else None)  # rejection: each request's draft distributions
+        self.slot_probs = slot_probs if key.mode == "rejection" else None
+        self.draft_probs = (buffer((r, nextn, v), torch.float32, "draft_probs")
+                            if key.mode == "rejection" and slot_probs is None
+                            else None)  # rejection: each request's draft distributions, copied in
 
     def pack(self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], forced: Sequence[int] | None
              ) -> torch.Tensor:
@@ -227,7 +232,8 @@ class StaticVerify:
         if key.mode == "rejection":
             draws = {case: device_draws(seeds, positions[:, :k] if case == DrawCase.ACCEPT else positions, case)
                      for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)}
-            v = rejection_verdict(probs, self.draft_probs, drafts, greedy, verified, draws)
+            q = self.draft_probs if self.slot_probs is None else self.slot_probs[t[:, SLOT]]  # [R, K, V]
+            v = rejection_verdict(probs, q, drafts, greedy, verified, draws)
             num_accepted, tokens = v.num_accepted, v.tokens
         elif key.mode == "deterministic":
             v = deterministic_verdict(all_logprobs[index], drafts, seeds, positions, greedy, verified)
@@ -276,11 +282,13 @@ class StaticVerify:
 class VerifyGraphs:
     """Static verifies per ``VerifyKey``, replayed from CUDA graphs (``use_graphs``) or run eagerly."""
 
-    def __init__(self, model: DeepseekV41, nextn: int, use_graphs: bool) -> None:
+    def __init__(self, model: DeepseekV41, nextn: int, use_graphs: bool,
+                 slot_probs: Callable[[CacheEngine], torch.Tensor] | None = None) -> None:
+        """``slot_probs``: a cache's per-slot draft distributions (see ``StaticVerify``), read by rejection keys."""
         device = model.embed.weight.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on CUDA, not {device}")
-        self.model, self.nextn, self.use_graphs = model, nextn, use_graphs
+        self.model, self.nextn, self.use_graphs, self.slot_probs = model, nextn, use_graphs, slot_probs
         self.cache: CacheEngine | None = None  # the pools the static verifies write (a graph holds their tensors)
         self.static: dict[VerifyKey, StaticVerify] = {}
         self.graphs: dict[VerifyKey, torch.cuda.CUDAGraph] = {}
@@ -319,7 +327,8 @@ class VerifyGraphs:
                         key=lambda s: s.key.num_requests, default=None)
             if share is not None and share.key.num_requests < key.num_requests:
                 share = None  # a larger bucket than any so far: its own buffers, which later smaller ones share
-            static = self.static[key] = StaticVerify(self.model, cache, key, self.nextn, share)
+            slot_probs = self.slot_probs(cache) if self.slot_probs is not None and key.mode == "rejection" else None
+            static = self.static[key] = StaticVerify(self.model, cache, key, self.nextn, share, slot_probs)
         if self.use_graphs and key not in self.graphs:
             static.fill((), (), None, None)  # placeholders only: the warm-up really runs, and writes only slot 0
             graph, self.outputs[key], self._pool = capture_graph(static.run, self._pool)

@@ -75,7 +75,9 @@ def static_verify(graphs: VerifyGraphs, key: VerifyKey, sampling: Sequence[Sampl
     """``eager_verdict``, ``write_context`` and ``emitted_output`` as one static verify of the step's bucket: the
     same verdicts, context writes and sampled rows. ``processed``: the step's processing (a key without
     ``sampling``); with one, the run processes ``logits`` itself and ``processed`` is None."""
-    kept = [draft_probs.get(s.request_id) for s in sampling] if key.mode == "rejection" else []
+    # Rejection: each request's draft distributions copied in, unless the run reads them from the slots' buffer.
+    kept = ([draft_probs.get(s.request_id) for s in sampling] if key.mode == "rejection" and graphs.slot_probs is None
+            else [])
     out = graphs.verify(key, cache, sampling, rows, processed, taps, kept, forced,
                         logits if key.sampling is not None else None)
     num_r, num_rows = len(sampling), logits.shape[0]
