@@ -213,7 +213,10 @@ class Speculator:
         pieces = [] if verdict is None else [verdict.errors, verdict.num_accepted, verdict.tokens]
         if proposal is not None:
             pieces += [proposal.drafts, proposal.confidences]
-        read = torch.cat([t.flatten().to(torch.float64) for t in pieces]).tolist() if pieces else []
+        # One cat into an fp64 buffer: each piece converted exactly (bools, ids < 2⁵³, fp32), one op for all.
+        flat = [t.flatten() for t in pieces]
+        read = (torch.cat(flat, out=flat[0].new_empty(sum(t.numel() for t in flat), dtype=torch.float64)).tolist()
+                if pieces else [])
         since = timings.add("read", since)
         num_r, width = len(sampling), 0 if verdict is None else verdict.tokens.shape[1]
         failed, accepted = read[:num_r], read[num_r : 2 * num_r]

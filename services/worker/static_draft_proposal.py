@@ -34,7 +34,7 @@ from services.worker.cache_engine import CacheEngine
 from kernels.device import upload, upload_into
 from services.worker.graph_capture import capture_graph
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
-from services.worker.device_sampling import MIN_CAPACITY, bucket
+from services.worker.device_sampling import MIN_CAPACITY, bucket, float32_bits, float32_of_bits
 from services.worker.sampler import MASS_BITS
 
 log = logging.getLogger(__name__)
@@ -73,46 +73,51 @@ class StaticDraftProposal:
         self.spec_sampling, self.slot_probs = spec_sampling, slot_probs
         g, device = key.num_rows, model.embed.weight.device
         self.vocab_size = model.cfg.vocab_size
-        self.ints = torch.zeros(g, 8, dtype=torch.int64, device=device)  # HostInputs.ints' columns
-        self.temperatures = torch.ones(g, dtype=torch.float32, device=device)
-        self.draft_bits = (torch.zeros(g, nextn, dtype=torch.int64, device=device)
-                           if spec_sampling == "rejection" and not key.all_greedy else None)
-        self.bans = torch.zeros(key.num_bans, 2, dtype=torch.int64, device=device)  # (row, token id)
-        self.bias_index = torch.zeros(key.num_bias, 2, dtype=torch.int64, device=device)
-        self.bias_values = torch.zeros(key.num_bias, dtype=torch.float32, device=device)
+        with_bits = spec_sampling == "rejection" and not key.all_greedy
+        # One packed int64 buffer, filled by one upload: HostInputs.ints' columns [G, 8], the temperatures' float32
+        # bits [G], the bans [num_bans, 2] (row, token id), the bias [num_bias, 3] (row, token id, value's float32
+        # bits), then (rejection, not all greedy) the draft draws [G, nextn].
+        sizes = (g * 8, g, 2 * key.num_bans, 3 * key.num_bias, g * nextn if with_bits else 0)
+        self.packed = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        ints, temperature_bits, bans, bias, bits = torch.split(self.packed, sizes)
+        self.ints = ints.view(g, 8)
+        self.temperature_bits = temperature_bits
+        self.bans, self.bias = bans.view(-1, 2), bias.view(-1, 3)
+        self.draft_bits = bits.view(g, nextn) if with_bits else None
 
-    def placeholder_ints(self) -> torch.Tensor:
-        """int64 [G, 8]: every row a placeholder (see the module docstring)."""
-        row = torch.tensor([0, 0, 0, 0, 1, self.vocab_size, 1 << MASS_BITS, 0], dtype=torch.int64)
-        return row.expand(self.key.num_rows, 8).clone()
+    def placeholder_ints(self) -> list[int]:
+        """A placeholder row's HostInputs.ints columns (see the module docstring)."""
+        return [0, 0, 0, 0, 1, self.vocab_size, 1 << MASS_BITS, 0]
 
     def fill(self, host: HostInputs | None, anchors: DeviceAnchors | None = None) -> None:
-        """Copy ``host``'s rows into the buffers (None: every row a placeholder); the rest are placeholders.
-        Host tensors are built whole, then copied once each (pinned and non-blocking on CUDA). ``anchors``:
-        the device's anchors of the first rows, copied over the host's (device copies, stream-ordered)."""
-        key = self.key
-        ints, temperatures = self.placeholder_ints(), torch.ones(key.num_rows, dtype=torch.float32)
-        bans = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bans, 2).clone()
-        bias_index = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bias, 2).clone()
-        bias_values = torch.zeros(key.num_bias, dtype=torch.float32)
-        bits = None if self.draft_bits is None else torch.zeros(self.draft_bits.shape, dtype=torch.int64)
+        """Copy ``host``'s rows into the buffers (None: every row a placeholder); the rest are placeholders, and
+        the ban and bias lists are padded with entries at token V (no effect). One host tensor, built whole, then
+        one copy (pinned and non-blocking on CUDA). ``anchors``: the device's anchors of the first rows, copied
+        over the host's (device copies, stream-ordered)."""
+        key, g, v = self.key, self.key.num_rows, self.vocab_size
+        n = 0
+        flat: list[int] = []
         if host is not None:
             if ProposalKey.of(host) != key:
                 raise ValueError(f"inputs of key {ProposalKey.of(host)} do not fit the static proposal of {key}")
             n = host.ints.shape[0]
-            ints[:n], temperatures[:n] = host.ints, host.temperatures
-            bans[: host.bans.shape[0]] = host.bans
-            bias_index[: host.bias_index.shape[0]] = host.bias_index
-            bias_values[: host.bias_values.shape[0]] = host.bias_values
-            if bits is not None and anchors is None:
-                bits[:n] = host.draft_bits[:, 0]
-        for buffer, value in ((self.ints, ints), (self.temperatures, temperatures), (self.bans, bans),
-                              (self.bias_index, bias_index), (self.bias_values, bias_values),
-                              (self.draft_bits, bits)):
-            if buffer is not None and buffer.numel():
-                upload_into(buffer, value)
+            flat += host.ints.flatten().tolist()
+        flat += self.placeholder_ints() * (g - n)
+        flat += [float32_bits(t) for t in (host.temperatures.tolist() if host is not None else [])]
+        flat += [float32_bits(1.0)] * (g - n)
+        bans = host.bans.tolist() if host is not None else []
+        flat += [c for entry in bans for c in entry] + [0, v] * (key.num_bans - len(bans))
+        bias = ([(i, t, float32_bits(x)) for (i, t), x in zip(host.bias_index.tolist(), host.bias_values.tolist())]
+                if host is not None else [])
+        flat += [c for entry in bias for c in entry] + [0, v, 0] * (key.num_bias - len(bias))
+        if self.draft_bits is not None:
+            if host is not None and anchors is None:
+                flat += host.draft_bits[:, 0].flatten().tolist()
+            else:
+                flat += [0] * (n * self.nextn)
+            flat += [0] * ((g - n) * self.nextn)
+        upload_into(self.packed, torch.tensor(flat, dtype=torch.int64))
         if host is not None and anchors is not None:
-            n = host.ints.shape[0]
             self.ints[:n, 0].copy_(anchors.tokens)
             self.ints[:n, 1].add_(anchors.advance)
             if self.draft_bits is not None:
@@ -121,10 +126,11 @@ class StaticDraftProposal:
     def run(self) -> Proposal:
         """Buffers → the proposal of all G rows (drafts [G, nextn], probs [G, nextn, V], confidences)."""
         ints, key = self.ints, self.key
-        inputs = ProposalInputs(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), self.temperatures,
-                                ints[:, 5], ints[:, 6], ints[:, 7].bool(), self.spec_sampling, self.draft_bits,
+        inputs = ProposalInputs(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(),
+                                float32_of_bits(self.temperature_bits), ints[:, 5], ints[:, 6], ints[:, 7].bool(),
+                                self.spec_sampling, self.draft_bits,
                                 (self.bans[:, 0], self.bans[:, 1]) if key.num_bans else None,
-                                (self.bias_index[:, 0], self.bias_index[:, 1], self.bias_values)
+                                (self.bias[:, 0], self.bias[:, 1], float32_of_bits(self.bias[:, 2]))
                                 if key.num_bias else None, key.needs_ranking, key.all_greedy)
         draft, model = self.model.draft, self.model
         kv, positions = self.cache.read_draft(inputs.state_slots, inputs.anchor_positions)
