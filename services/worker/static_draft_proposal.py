@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from model.deepseek_v41.dspark import DraftContext
@@ -96,23 +97,24 @@ class StaticDraftProposal:
         over the host's (device copies, stream-ordered)."""
         key, g, v = self.key, self.key.num_rows, self.vocab_size
         n = 0
-        flat: list[int] = []
+        ints: list[int] = []
+        temperature_bits: list[int] = []
+        bans: list[int] = []
+        bias: list[int] = []
         if host is not None:
             if ProposalKey.of(host) != key:
                 raise ValueError(f"inputs of key {ProposalKey.of(host)} do not fit the static proposal of {key}")
+            # HostInputs are host tensors: ``numpy()`` views them (and refuses a device tensor), no device read.
             n = host.ints.shape[0]
-            flat += host.ints.flatten().tolist()
-        flat += self.placeholder_ints() * (g - n)
-        flat += [float32_bits(t) for t in (host.temperatures.tolist() if host is not None else [])]
-        flat += [float32_bits(1.0)] * (g - n)
-        bans = host.bans.tolist() if host is not None else []
-        flat += [c for entry in bans for c in entry] + [0, v] * (key.num_bans - len(bans))
-        bias = ([(i, t, float32_bits(x)) for (i, t), x in zip(host.bias_index.tolist(), host.bias_values.tolist())]
-                if host is not None else [])
-        flat += [c for entry in bias for c in entry] + [0, v, 0] * (key.num_bias - len(bias))
+            ints = host.ints.numpy().ravel().tolist()
+            temperature_bits = host.temperatures.numpy().view(np.int32).tolist()
+            bans = host.bans.numpy().ravel().tolist()
+            bias = np.column_stack((host.bias_index.numpy(), host.bias_values.numpy().view(np.int32))).ravel().tolist()
+        flat = ints + self.placeholder_ints() * (g - n) + temperature_bits + [float32_bits(1.0)] * (g - n)
+        flat += bans + [0, v] * (key.num_bans - len(bans) // 2) + bias + [0, v, 0] * (key.num_bias - len(bias) // 3)
         if self.draft_bits is not None:
             if host is not None and anchors is None:
-                flat += host.draft_bits[:, 0].flatten().tolist()
+                flat += host.draft_bits[:, 0].numpy().ravel().tolist()
             else:
                 flat += [0] * (n * self.nextn)
             flat += [0] * ((g - n) * self.nextn)
