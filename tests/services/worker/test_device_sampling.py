@@ -29,7 +29,7 @@ ROWS = [
     row(temperature=0.7, top_k=5),
     row(temperature=1.3, top_p=0.8),
     row(temperature=0.5, top_k=20, top_p=0.6, forced_top_k=9),
-    row(temperature=1e-30),  # below float32's tiny: clamped
+    row(temperature=1e-50),  # rounds to float32 0: clamped to float32 tiny (else the max logit would be 0 / 0)
     row(banned_token_ids=(3, 4, 50), logit_bias=((7, 2.5), (3, 1.0), (96, -4.25))),
     row(temperature=0.9, top_p=0.95, logit_bias=((0, 100.0),)),
     row(banned_token_ids=tuple(range(VOCAB))),  # nothing left: an error row
