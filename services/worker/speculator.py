@@ -24,10 +24,13 @@ A step reads the device once: every request's verification runs at once on the d
 context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
 values), the proposal starts from the anchors the device holds, and one read brings back the verdicts with
 the next drafts and confidences. With ``cuda_graphs`` the proposal replays a graph per batch bucket
-(services/worker/static_draft_proposal.py), and so does the verify half (the verification, the context writes
-and the emitted rows: services/worker/static_verify.py) where the step's requests fit one. The logits are processed once: the verdicts and the step's sampler
-output (each row's token, logprob and top-n: ``accepted_context.emitted_output``) both read those
-distributions. ``timings`` keeps the host time of each phase (services/worker/spec_timings.py).
+(services/worker/static_draft_proposal.py), and so does the verify half (the processing of the logits where
+the rows fit a ``device_sampling.SamplingKey``, the verification, the context writes and the emitted rows:
+services/worker/static_verify.py, glued here by services/worker/verify_half.py) where the step's requests fit
+one; rejection mode's draft distributions stay in a per-state-slot buffer between the two graphs. The logits
+are processed once: the verdicts and the step's sampler output (each row's token, logprob and top-n:
+``accepted_context.emitted_output``) both read those distributions. ``timings`` keeps the host time of each
+phase (services/worker/spec_timings.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ the proposal starts from: the verification (services/worker/verifier.py's ``reje
 logprob (``accepted_context.emitted_output``'s values), and the draft's context K=V of the accepted rows
 written into the state slots' rings (``accepted_context.write_context``'s writes). The buffers are filled
 by one packed int64 upload plus device copies of the step's processed distributions, taps and (rejection)
-draft distributions; ``run`` reads nothing on the host, indexes with no boolean mask and writes no Python
+draft distributions. Where the key has a ``SamplingKey`` (services/worker/device_sampling.py), the upload also
+holds the rows' sampling parameters, the fill copies the step's logits instead, and the run processes them
+(``device_sampling.process``, ``==`` ``Sampler.process``); where it is built with ``slot_probs``, rejection
+reads the draft distributions from the static proposal's per-state-slot buffer by each request's slot; ``run`` reads nothing on the host, indexes with no boolean mask and writes no Python
 scalar into a device tensor, so a graph replays it with the buffers' values left to each replay.
 
 Layout: request r verifies width = 1 + nextn columns (its rows past its own repeat its last row, its drafts
