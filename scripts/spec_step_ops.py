@@ -4,9 +4,10 @@ On the CPU, tiny, the GraphRunner's static decode step, the static verify and th
 eagerly (``use_graphs=False``: the code the graphs capture); ops inside ``StaticDecodeStep.run``,
 ``StaticVerify.run`` and ``StaticDraftProposal.run`` are what one replay each does on the GPU, every other
 non-view op is an eager op there (a launch, or host work on a host tensor). Forced acceptance, greedy, batch 1
-by default; ``--eager-verify`` runs the verify half eagerly instead (verifier, write_context, emitted_output).
+by default (``--spec-sampling``: a verifier instead, with the draft's own drafts); ``--eager-verify`` runs the verify half eagerly instead (verifier, write_context, emitted_output).
 
     python scripts/spec_step_ops.py [--batch 1] [--acceptance 0] [--max-tokens 16] [--eager-verify]
+        [--spec-sampling forced|rejection|deterministic] [--op-names]
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ class Phases(TorchDispatchMode):
         super().__init__()
         self.phase = "other"
         self.ops: collections.Counter = collections.Counter()
+        self.names: collections.Counter = collections.Counter()  # (phase, op name) → count
         self.seconds: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] not in VIEWS:
+        name = func.__name__.split(".")[0]
+        if name not in VIEWS:
             self.ops[self.phase] += 1
+            self.names[self.phase, name] += 1
         return func(*args, **(kwargs or {}))
 
     def wrap(self, owner, name: str, phase: str) -> None:
@@ -75,6 +79,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--eager-verify", action="store_true", help="the verify half eagerly (no static verify)")
+    p.add_argument("--spec-sampling", choices=("forced", "rejection", "deterministic"), default="forced",
+                   help="forced: the benchmark's acceptance (--acceptance); else that verifier with the draft's own "
+                        "drafts (greedy rows)")
+    p.add_argument("--op-names", action="store_true", help="also list each phase's ops by name")
     args = p.parse_args()
     torch.set_num_threads(1)
     source = load_model("tiny", device="cpu")
@@ -84,7 +92,9 @@ def main() -> None:
     config = EngineConfig(**engine_args).worker_config()
     runner = GraphRunner(ModelRunner(source.model, config, nextn=nextn, with_taps=True), config, use_graphs=False,
                          attention="reference")
-    spec = Speculator(source.model, nextn, forced_acceptance=ForcedAcceptance(args.acceptance), static_proposal=True)
+    forced = args.spec_sampling == "forced"
+    spec = Speculator(source.model, nextn, "rejection" if forced else args.spec_sampling,
+                      forced_acceptance=ForcedAcceptance(args.acceptance) if forced else None, static_proposal=True)
     if args.eager_verify:
         spec.verify_graphs = None
     worker = Worker(runner, speculator=spec)
@@ -119,6 +129,10 @@ def main() -> None:
           f"{sorted(k.num_rows for k in spec.draft_graphs.static)}")
     for phase, num in phases.ops.most_common():
         print(f"{phase:>28}: {num / n:8.1f} ops/step  ({1000 * phases.seconds[phase] / n:7.2f} CPU ms/step, nested phases included)")
+    if args.op_names:
+        for (phase, name), num in sorted(phases.names.items(), key=lambda item: (item[0][0], -item[1])):
+            if phase not in GRAPHS and not phase.startswith("runner"):
+                print(f"    {phase:>28} {name:>24}: {num / n:6.1f}")
     outside = sum(v for k, v in phases.ops.items() if k not in GRAPHS and not k.startswith("runner"))
     print(f"speculative step, eager ops outside the graphs (runner excluded): {outside / n:.1f} per step")
 

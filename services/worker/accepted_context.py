@@ -112,7 +112,10 @@ def with_top(processed: ProcessedLogits, tokens: torch.Tensor, chosen: torch.Ten
     of the processed distributions (``processed`` ranked every row when ``num_top`` > 0)."""
     p = processed
     num_rows, device = p.logprobs.shape[0], p.logprobs.device
-    top_ids = (p.order[:, :num_top].contiguous() if num_top > 0
-               else torch.empty(num_rows, 0, dtype=torch.int64, device=device))
+    if num_top == 0:  # empty: no gather or mask to launch
+        top_ids = torch.empty(num_rows, 0, dtype=torch.int64, device=device)
+        return SamplerOutput(tokens, chosen, top_ids, torch.empty(num_rows, 0, dtype=p.logprobs.dtype, device=device),
+                             p.errors)
+    top_ids = p.order[:, :num_top].contiguous()
     top_logprobs = p.logprobs.gather(1, top_ids).masked_fill(p.errors.unsqueeze(-1), -math.inf)
     return SamplerOutput(tokens, chosen, top_ids, top_logprobs, p.errors)

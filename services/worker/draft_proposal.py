@@ -37,7 +37,9 @@ import torch
 from kernels.device import upload
 from kernels.philox import DrawCase, draw_bits
 from model.deepseek_v41.dspark import DraftBlocks, DSpark
-from services.worker.sampler import MASS_BITS, SamplingRow, integer_masses, pick_from_bits
+from services.worker.device_sampling import DeviceSampling
+from services.worker.device_sampling import process as device_process
+from services.worker.sampler import MASS_BITS, SamplingRow, pick_from_bits
 from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING, coupling_noise
 
 
@@ -172,37 +174,11 @@ _to_device = upload  # a host tensor's copy on the device without waiting for th
 
 
 def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Sampler.process``'s probs and logprobs (fp32 [B, V]) for logits [B, V], without host reads."""
-    vocab_size = logits.shape[1]
-    x = logits.to(torch.float32, copy=True)
-    # Bias and bans go through [B, V + 1] planes (column V: where a static proposal's padding entries point,
-    # sliced off), built by index_put_ with tensor values and applied with where / masked_fill: none of these
-    # waits for the device (a scalar index_put_ does), and a shape fixed per batch is what a graph captures.
-    if inputs.bias is not None:
-        rows, tokens, values = inputs.bias
-        plane = (x.shape[0], vocab_size + 1)
-        shift = x.new_zeros(plane).index_put_((rows, tokens), values)[:, :vocab_size]
-        has = torch.zeros(plane, dtype=torch.bool, device=x.device).index_put_(
-            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
-        x = torch.where(has, x + shift, x)  # the biased logits: x + value exactly; the rest untouched
-    if inputs.bans is not None:
-        rows, tokens = inputs.bans
-        banned = torch.zeros((x.shape[0], vocab_size + 1), dtype=torch.bool, device=x.device).index_put_(
-            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
-        x = x.masked_fill(banned, -math.inf)
-    errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
-    x = x.masked_fill(errors.unsqueeze(-1), 0.0)  # error rows: all-zero logits, as the pipeline's
-    scaled = (x - x.amax(dim=-1, keepdim=True)) / inputs.temperatures.unsqueeze(-1)
-    if inputs.needs_ranking:
-        order = torch.sort(x, dim=-1, descending=True, stable=True).indices  # [B, V]
-        ranks = torch.arange(vocab_size, device=x.device).expand_as(order)
-        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, ranks < inputs.rank_limits.unsqueeze(-1))
-        scaled = scaled.masked_fill(~keep, -math.inf)
-        masses = integer_masses(torch.softmax(scaled, dim=-1)).gather(1, order)
-        mass_before = torch.cumsum(masses, dim=-1) - masses
-        kept = torch.zeros_like(keep).scatter_(1, order, mass_before < inputs.top_p_limits.unsqueeze(-1))
-        scaled = torch.where(inputs.nucleus.unsqueeze(-1), scaled.masked_fill(~kept, -math.inf), scaled)
-    return torch.softmax(scaled, dim=-1), torch.log_softmax(scaled, dim=-1)
+    """``Sampler.process``'s probs and logprobs (fp32 [B, V]) for logits [B, V], without host reads
+    (services/worker/device_sampling.py)."""
+    p = device_process(logits, DeviceSampling(inputs.temperatures, inputs.rank_limits, inputs.top_p_limits,
+                                              inputs.nucleus, inputs.bans, inputs.bias, inputs.needs_ranking))
+    return p.probs, p.logprobs
 
 
 def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: int) -> Proposal:

@@ -24,10 +24,13 @@ A step reads the device once: every request's verification runs at once on the d
 context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
 values), the proposal starts from the anchors the device holds, and one read brings back the verdicts with
 the next drafts and confidences. With ``cuda_graphs`` the proposal replays a graph per batch bucket
-(services/worker/static_draft_proposal.py), and so does the verify half (the verification, the context writes
-and the emitted rows: services/worker/static_verify.py) where the step's requests fit one. The logits are processed once: the verdicts and the step's sampler
-output (each row's token, logprob and top-n: ``accepted_context.emitted_output``) both read those
-distributions. ``timings`` keeps the host time of each phase (services/worker/spec_timings.py).
+(services/worker/static_draft_proposal.py), and so does the verify half (the processing of the logits where
+the rows fit a ``device_sampling.SamplingKey``, the verification, the context writes and the emitted rows:
+services/worker/static_verify.py, glued here by services/worker/verify_half.py) where the step's requests fit
+one; rejection mode's draft distributions stay in a per-state-slot buffer between the two graphs. The logits
+are processed once: the verdicts and the step's sampler output (each row's token, logprob and top-n:
+``accepted_context.emitted_output``) both read those distributions. ``timings`` keeps the host time of each
+phase (services/worker/spec_timings.py).
 """
 
 from __future__ import annotations
@@ -43,16 +46,18 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
-from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, with_top, write_context
+from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.cache_engine import CacheEngine
 from kernels.device import upload
+from services.worker.device_sampling import SamplingKey
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.forced_acceptance import ForcedAcceptance
 from services.worker.sampler import ProcessedLogits, Sampler, SamplingRow
 from services.worker.spec_timings import SpecTimings
 from services.worker.static_draft_proposal import DraftGraphs, ProposalKey
 from services.worker.static_verify import VerifyGraphs, VerifyKey
-from services.worker.verifier import SPEC_SAMPLING, verify_deterministic, verify_rejection
+from services.worker.verifier import SPEC_SAMPLING
+from services.worker.verify_half import eager_verdict, forced_counts, static_verify
 
 
 PROPOSE_RANGES = ("draft.inputs", "draft.stages", "draft.slots")
@@ -90,7 +95,9 @@ class Speculator:
         # state slot.
         self.next_positions: dict[str, int] = {}
         self.drafts: dict[str, list[int]] = {}
-        self.draft_probs: dict[str, torch.Tensor] = {}  # [nextn, V] processed draft distributions
+        # [nextn, V] processed draft distributions (the eager proposal's; the static proposal leaves them per state
+        # slot in DraftGraphs.slot_probs, where the verify reads them).
+        self.draft_probs: dict[str, torch.Tensor] = {}
         # Per draft, the confidence head's chance that it passes with every earlier draft (σ, multiplied
         # along the block): what varlen verification ranks drafts by.
         self.confidences: dict[str, list[float]] = {}
@@ -107,7 +114,10 @@ class Speculator:
         self.draft_graphs = (DraftGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static
                              else None)
         # The verify half (verification, emitted output, context writes) in a graph per bucket, with the proposal.
-        self.verify_graphs = VerifyGraphs(model, num_speculative_tokens, cuda_graphs) if static else None
+        # Rejection mode: the static proposal leaves each slot's draft distributions where the static verify reads.
+        slot_probs = (self.draft_graphs.slot_probs if self.draft_graphs is not None and spec_sampling == "rejection"
+                      else None)
+        self.verify_graphs = VerifyGraphs(model, num_speculative_tokens, cuda_graphs, slot_probs) if static else None
 
     @property
     def verify_mode(self) -> str:
@@ -124,7 +134,8 @@ class Speculator:
         keys = ProposalKey.buckets(max_num_seqs)
         self.draft_graphs.prepare(cache, keys if greedy_only else keys + ProposalKey.buckets(max_num_seqs,
                                                                                             all_greedy=False))
-        self.verify_graphs.prepare(cache, VerifyKey.buckets(max_num_seqs, self.verify_mode))
+        # The keys of steps whose rows ask for no ranking, ban or bias (the rest capture on first use).
+        self.verify_graphs.prepare(cache, VerifyKey.buckets(max_num_seqs, self.verify_mode, SamplingKey(False, 0, 0)))
 
     def release(self, request_id: str) -> None:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
@@ -156,11 +167,6 @@ class Speculator:
         for r, i in enumerate(row_requests):
             plan_rows[i].append(r)
         since = timings.add("other", since)
-        # Ranked for top-n when any row asks for logprobs (the sampler's own choice); the distributions do not
-        # depend on it.
-        num_top = min(max((r.num_logprobs for r in rows), default=0), logits.shape[1])
-        processed = sampler.process(logits, rows, rank_all=num_top > 0)
-        since = timings.add("sample", since)
         sampling: list[Sampling] = []
         start = 0
         for i, request_id in enumerate(request_ids):
@@ -174,16 +180,25 @@ class Speculator:
             sampling.append(Sampling(i, request_id, slice(start, start + n), mine, state_slots[i], positions[mine[0]],
                                      self.drafts.get(request_id, [])[: n - 1]))
             start += n
-        since = timings.add("other", since)
+        # Ranked for top-n when any row asks for logprobs (the sampler's own choice); the distributions do not
+        # depend on it.
+        num_top = min(max((r.num_logprobs for r in rows), default=0), logits.shape[1])
+        forced = forced_counts(self.forced_acceptance, sampling, rows)
         # The verify half in one static verify (a graph) where the step's requests fit one (not a prefill step's
-        # last prompt chunk longer than the static verify's entries).
-        key = (VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode)
+        # last prompt chunk longer than the static verify's entries); it processes the logits itself where its
+        # key covers the rows (device_sampling.SamplingKey), else they are processed here first.
+        key = (VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode, rows, num_top > 0)
                if self.verify_graphs is not None and sampling else None)
+        since = timings.add("other", since)
+        processed = None
+        if key is None or key.sampling is None:
+            processed = sampler.process(logits, rows, rank_all=num_top > 0)
+            since = timings.add("sample", since)
         if key is not None:
-            verdict, sampled = self._static_verify(key, sampling, rows, processed, taps, cache, num_top)
+            verdict, sampled = self._static_verify(key, sampling, rows, processed, logits, taps, cache, num_top, forced)
             since = timings.add("verify", since)
         else:
-            verdict = self._verify(sampling, rows, processed)
+            verdict = self._verify(sampling, rows, processed, forced, cache)
             if verdict is not None:
                 write_context(self.model.draft, sampling, verdict, taps, cache)
             since = timings.add("verify", since)
@@ -201,7 +216,10 @@ class Speculator:
         pieces = [] if verdict is None else [verdict.errors, verdict.num_accepted, verdict.tokens]
         if proposal is not None:
             pieces += [proposal.drafts, proposal.confidences]
-        read = torch.cat([t.flatten().to(torch.float64) for t in pieces]).tolist() if pieces else []
+        # One cat into an fp64 buffer: each piece converted exactly (bools, ids < 2⁵³, fp32), one op for all.
+        flat = [t.flatten() for t in pieces]
+        read = (torch.cat(flat, out=flat[0].new_empty(sum(t.numel() for t in flat), dtype=torch.float64)).tolist()
+                if pieces else [])
         since = timings.add("read", since)
         num_r, width = len(sampling), 0 if verdict is None else verdict.tokens.shape[1]
         failed, accepted = read[:num_r], read[num_r : 2 * num_r]
@@ -256,65 +274,19 @@ class Speculator:
         cache.write_draft(slot, first_position, kv)
         self.next_positions[request_id] = first_position + num
 
-    def _verify(self, sampling: list[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits
-                ) -> DeviceVerdict | None:
-        """Every sampling request's verdict at once, on the device (services/worker/verifier.py). Requests pad to
-        the widest (their last row repeated; drafts past their own are not verified)."""
-        if not sampling:
-            return None
-        device = processed.probs.device
-        width = max(s.num_rows for s in sampling)  # K + 1
-        index = upload(torch.tensor([[s.span.start + min(j, s.num_rows - 1) for j in range(width)] for s in sampling],
-                                    dtype=torch.int64), device)  # [R, K + 1]
-        probs = processed.probs[index]  # [R, K + 1, V]
-        errors = processed.errors[index].any(-1)  # [R]
-        drafts = upload(torch.tensor([s.drafts + [0] * (width - 1 - len(s.drafts)) for s in sampling],
-                                     dtype=torch.int64).view(len(sampling), width - 1), device)
-        firsts = [rows[s.span.start] for s in sampling]
-        if self.forced_acceptance is not None:  # the benchmark's verdict replaces the verifier's
-            if any(row.temperature != 0 for row in firsts):
-                raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
-            num_accepted = upload(torch.tensor([self.forced_acceptance.num_accepted(len(s.drafts)) for s in sampling],
-                                               dtype=torch.int64), device)
-            at = torch.arange(len(sampling), device=device)
-            tokens = torch.cat((drafts, drafts.new_zeros(len(sampling), 1)), dim=1)
-            tokens[at, num_accepted] = probs[at, num_accepted].argmax(-1)
-            return DeviceVerdict(errors, num_accepted, tokens)
-        greedy = upload(torch.tensor([row.temperature == 0 for row in firsts]), device)
-        seeds, positions = [row.seed for row in firsts], [row.position for row in firsts]
-        num_drafts = [len(s.drafts) for s in sampling]
-        if self.spec_sampling == "rejection":
-            q = torch.stack([self._draft_probs(s.request_id, width - 1, probs.shape[-1], device) for s in sampling])
-            v = verify_rejection(probs, q, drafts, seeds, positions, greedy, num_drafts)
-        else:
-            v = verify_deterministic(processed.logprobs[index], drafts, seeds, positions, greedy, num_drafts)
-        return DeviceVerdict(errors, v.num_accepted, v.tokens)
+    def _verify(self, sampling: list[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits,
+                forced: list[int] | None, cache: CacheEngine) -> DeviceVerdict | None:
+        draft_probs = self.draft_probs
+        if self.verify_graphs is not None and self.verify_graphs.slot_probs is not None:  # views of the slots' rows
+            slot_probs = self.verify_graphs.slot_probs(cache)
+            draft_probs = {s.request_id: slot_probs[s.slot] for s in sampling if s.drafts}
+        return eager_verdict(sampling, rows, processed, self.spec_sampling, forced, draft_probs)
 
     def _static_verify(self, key: VerifyKey, sampling: list[Sampling], rows: Sequence[SamplingRow],
-                       processed: ProcessedLogits, taps: torch.Tensor, cache: CacheEngine, num_top: int
-                       ) -> tuple[DeviceVerdict, SamplerOutput]:
-        """``_verify``, ``write_context`` and ``emitted_output`` as one static verify of the step's bucket
-        (services/worker/static_verify.py): the same verdicts, context writes and sampled rows."""
-        forced = None
-        if self.forced_acceptance is not None:
-            if any(rows[s.span.start].temperature != 0 for s in sampling):
-                raise ValueError("forced acceptance (a benchmark switch) runs greedy requests only (temperature 0)")
-            forced = [self.forced_acceptance.num_accepted(len(s.drafts)) for s in sampling]
-        draft_probs = ([self.draft_probs.get(s.request_id) for s in sampling] if key.mode == "rejection" else [])
-        out = self.verify_graphs.verify(key, cache, sampling, rows, processed, taps, draft_probs, forced)
-        num_r, num_rows = len(sampling), processed.logprobs.shape[0]
-        v = out.verdict
-        verdict = DeviceVerdict(v.errors[:num_r], v.num_accepted[:num_r], v.tokens[:num_r])
-        # The rows' tokens and logprobs outlive the next replay (the engine may copy them later), so copied.
-        sampled = with_top(processed, out.tokens[:num_rows].clone(), out.logprobs[:num_rows].clone(), num_top)
-        return verdict, sampled
-
-    def _draft_probs(self, request_id: str, k: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """fp32 [k, V]: the request's draft distributions of its first k drafts (zeros where it has none)."""
-        q = self.draft_probs.get(request_id)
-        if q is None:
-            return torch.zeros(k, vocab_size, device=device)
-        return torch.cat((q[:k], q.new_zeros(max(k - q.shape[0], 0), vocab_size)))
+                       processed: ProcessedLogits | None, logits: torch.Tensor, taps: torch.Tensor, cache: CacheEngine,
+                       num_top: int, forced: list[int] | None) -> tuple[DeviceVerdict, SamplerOutput]:
+        return static_verify(self.verify_graphs, key, sampling, rows, processed, logits, taps, cache, num_top, forced,
+                             self.draft_probs)
 
     def _propose(self, sampling: list[Sampling], proposing: list[int], verdict: DeviceVerdict,
                  rows: Sequence[SamplingRow], cache: CacheEngine) -> Proposal | None:
@@ -358,11 +330,9 @@ class Speculator:
         if self.rewrite_drafts is not None:
             drafts = list(self.rewrite_drafts(request_id, self.next_positions[request_id], drafts))[: self.nextn]
         self.drafts[request_id] = drafts
-        # Only rejection sampling reads the draft's distributions; a graph's are its output buffers, which the
-        # next replay overwrites, so they are copied.
-        if self.spec_sampling == "rejection":
-            self.draft_probs[request_id] = (proposal.probs[b].clone() if self.draft_graphs is not None
-                                            else proposal.probs[b])
+        # Only rejection sampling reads the draft's distributions; the static proposal's are in its per-slot buffer.
+        if self.spec_sampling == "rejection" and self.draft_graphs is None:
+            self.draft_probs[request_id] = proposal.probs[b]
         self.confidences[request_id] = read[num + b * self.nextn : num + (b + 1) * self.nextn][: len(drafts)]
         if self.forced_acceptance is not None:
             self.confidences[request_id] = self.forced_acceptance.confidences(len(drafts))

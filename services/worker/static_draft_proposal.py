@@ -16,7 +16,8 @@ placeholder row has neither a limit nor a temperature, so padding never changes 
 
 ``DraftGraphs`` keeps one ``StaticDraftProposal`` per key, fills it and replays its graph (``use_graphs``) or
 runs it eagerly (CPU, tests: the code a graph captures). Graph outputs are the graph's own buffers: the
-caller reads what it needs before the next replay (the speculator copies the rejection mode's distributions).
+caller reads what it needs before the next replay. Rejection mode's draft distributions also go, inside the run,
+to a per-state-slot buffer (``DraftGraphs.slot_probs``) that the next step's static verify reads: no copy per request.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from model.deepseek_v41.dspark import DraftContext
@@ -33,18 +35,10 @@ from services.worker.cache_engine import CacheEngine
 from kernels.device import upload, upload_into
 from services.worker.graph_capture import capture_graph
 from services.worker.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
+from services.worker.device_sampling import MIN_CAPACITY, bucket, float32_bits, float32_of_bits
 from services.worker.sampler import MASS_BITS
 
 log = logging.getLogger(__name__)
-
-MIN_CAPACITY = 16
-"""The smallest ban or bias list a graph holds (then powers of two), so a few entries share one graph."""
-
-
-def bucket(num: int, smallest: int = 1) -> int:
-    """The power of two ≥ max(num, smallest)."""
-    return 1 << (max(num, smallest) - 1).bit_length()
-
 
 @dataclass(frozen=True)
 class ProposalKey:
@@ -70,54 +64,62 @@ class ProposalKey:
 
 
 class StaticDraftProposal:
-    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str
-                 ) -> None:
+    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str,
+                 slot_probs: torch.Tensor | None = None) -> None:
+        """``slot_probs``: fp32 [state slots, nextn, V]; the run writes each row's draft distributions at its state
+        slot there (placeholders at the null slot 0), where the next step's static verify reads them."""
         if model.draft is None:
             raise ValueError("a static proposal needs a model with a DSpark draft")
         self.model, self.cache, self.key, self.nextn = model, cache, key, nextn
-        self.spec_sampling = spec_sampling
+        self.spec_sampling, self.slot_probs = spec_sampling, slot_probs
         g, device = key.num_rows, model.embed.weight.device
         self.vocab_size = model.cfg.vocab_size
-        self.ints = torch.zeros(g, 8, dtype=torch.int64, device=device)  # HostInputs.ints' columns
-        self.temperatures = torch.ones(g, dtype=torch.float32, device=device)
-        self.draft_bits = (torch.zeros(g, nextn, dtype=torch.int64, device=device)
-                           if spec_sampling == "rejection" and not key.all_greedy else None)
-        self.bans = torch.zeros(key.num_bans, 2, dtype=torch.int64, device=device)  # (row, token id)
-        self.bias_index = torch.zeros(key.num_bias, 2, dtype=torch.int64, device=device)
-        self.bias_values = torch.zeros(key.num_bias, dtype=torch.float32, device=device)
+        with_bits = spec_sampling == "rejection" and not key.all_greedy
+        # One packed int64 buffer, filled by one upload: HostInputs.ints' columns [G, 8], the temperatures' float32
+        # bits [G], the bans [num_bans, 2] (row, token id), the bias [num_bias, 3] (row, token id, value's float32
+        # bits), then (rejection, not all greedy) the draft draws [G, nextn].
+        sizes = (g * 8, g, 2 * key.num_bans, 3 * key.num_bias, g * nextn if with_bits else 0)
+        self.packed = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        ints, temperature_bits, bans, bias, bits = torch.split(self.packed, sizes)
+        self.ints = ints.view(g, 8)
+        self.temperature_bits = temperature_bits
+        self.bans, self.bias = bans.view(-1, 2), bias.view(-1, 3)
+        self.draft_bits = bits.view(g, nextn) if with_bits else None
 
-    def placeholder_ints(self) -> torch.Tensor:
-        """int64 [G, 8]: every row a placeholder (see the module docstring)."""
-        row = torch.tensor([0, 0, 0, 0, 1, self.vocab_size, 1 << MASS_BITS, 0], dtype=torch.int64)
-        return row.expand(self.key.num_rows, 8).clone()
+    def placeholder_ints(self) -> list[int]:
+        """A placeholder row's HostInputs.ints columns (see the module docstring)."""
+        return [0, 0, 0, 0, 1, self.vocab_size, 1 << MASS_BITS, 0]
 
     def fill(self, host: HostInputs | None, anchors: DeviceAnchors | None = None) -> None:
-        """Copy ``host``'s rows into the buffers (None: every row a placeholder); the rest are placeholders.
-        Host tensors are built whole, then copied once each (pinned and non-blocking on CUDA). ``anchors``:
-        the device's anchors of the first rows, copied over the host's (device copies, stream-ordered)."""
-        key = self.key
-        ints, temperatures = self.placeholder_ints(), torch.ones(key.num_rows, dtype=torch.float32)
-        bans = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bans, 2).clone()
-        bias_index = torch.tensor([[0, self.vocab_size]], dtype=torch.int64).expand(key.num_bias, 2).clone()
-        bias_values = torch.zeros(key.num_bias, dtype=torch.float32)
-        bits = None if self.draft_bits is None else torch.zeros(self.draft_bits.shape, dtype=torch.int64)
+        """Copy ``host``'s rows into the buffers (None: every row a placeholder); the rest are placeholders, and
+        the ban and bias lists are padded with entries at token V (no effect). One host tensor, built whole, then
+        one copy (pinned and non-blocking on CUDA). ``anchors``: the device's anchors of the first rows, copied
+        over the host's (device copies, stream-ordered)."""
+        key, g, v = self.key, self.key.num_rows, self.vocab_size
+        n = 0
+        ints: list[int] = []
+        temperature_bits: list[int] = []
+        bans: list[int] = []
+        bias: list[int] = []
         if host is not None:
             if ProposalKey.of(host) != key:
                 raise ValueError(f"inputs of key {ProposalKey.of(host)} do not fit the static proposal of {key}")
+            # HostInputs are host tensors: ``numpy()`` views them (and refuses a device tensor), no device read.
             n = host.ints.shape[0]
-            ints[:n], temperatures[:n] = host.ints, host.temperatures
-            bans[: host.bans.shape[0]] = host.bans
-            bias_index[: host.bias_index.shape[0]] = host.bias_index
-            bias_values[: host.bias_values.shape[0]] = host.bias_values
-            if bits is not None and anchors is None:
-                bits[:n] = host.draft_bits[:, 0]
-        for buffer, value in ((self.ints, ints), (self.temperatures, temperatures), (self.bans, bans),
-                              (self.bias_index, bias_index), (self.bias_values, bias_values),
-                              (self.draft_bits, bits)):
-            if buffer is not None and buffer.numel():
-                upload_into(buffer, value)
+            ints = host.ints.numpy().ravel().tolist()
+            temperature_bits = host.temperatures.numpy().view(np.int32).tolist()
+            bans = host.bans.numpy().ravel().tolist()
+            bias = np.column_stack((host.bias_index.numpy(), host.bias_values.numpy().view(np.int32))).ravel().tolist()
+        flat = ints + self.placeholder_ints() * (g - n) + temperature_bits + [float32_bits(1.0)] * (g - n)
+        flat += bans + [0, v] * (key.num_bans - len(bans) // 2) + bias + [0, v, 0] * (key.num_bias - len(bias) // 3)
+        if self.draft_bits is not None:
+            if host is not None and anchors is None:
+                flat += host.draft_bits[:, 0].numpy().ravel().tolist()
+            else:
+                flat += [0] * (n * self.nextn)
+            flat += [0] * ((g - n) * self.nextn)
+        upload_into(self.packed, torch.tensor(flat, dtype=torch.int64))
         if host is not None and anchors is not None:
-            n = host.ints.shape[0]
             self.ints[:n, 0].copy_(anchors.tokens)
             self.ints[:n, 1].add_(anchors.advance)
             if self.draft_bits is not None:
@@ -126,16 +128,20 @@ class StaticDraftProposal:
     def run(self) -> Proposal:
         """Buffers → the proposal of all G rows (drafts [G, nextn], probs [G, nextn, V], confidences)."""
         ints, key = self.ints, self.key
-        inputs = ProposalInputs(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(), self.temperatures,
-                                ints[:, 5], ints[:, 6], ints[:, 7].bool(), self.spec_sampling, self.draft_bits,
+        inputs = ProposalInputs(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(),
+                                float32_of_bits(self.temperature_bits), ints[:, 5], ints[:, 6], ints[:, 7].bool(),
+                                self.spec_sampling, self.draft_bits,
                                 (self.bans[:, 0], self.bans[:, 1]) if key.num_bans else None,
-                                (self.bias_index[:, 0], self.bias_index[:, 1], self.bias_values)
+                                (self.bias[:, 0], self.bias[:, 1], float32_of_bits(self.bias[:, 2]))
                                 if key.num_bias else None, key.needs_ranking, key.all_greedy)
         draft, model = self.model.draft, self.model
         kv, positions = self.cache.read_draft(inputs.state_slots, inputs.anchor_positions)
         blocks = draft.blocks_from_context(DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens,
                                            model.embed, model.head)
-        return propose(draft, blocks, inputs, self.nextn)
+        proposal = propose(draft, blocks, inputs, self.nextn)
+        if self.slot_probs is not None:  # real rows have distinct slots; placeholders all write the null slot
+            self.slot_probs.index_copy_(0, inputs.state_slots, proposal.probs)
+        return proposal
 
 
 class DraftGraphs:
@@ -151,8 +157,21 @@ class DraftGraphs:
         self.graphs: dict[ProposalKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[ProposalKey, Proposal] = {}
         self._pool: Any = None  # one memory pool shared by every draft graph (they never run at once)
+        self._slot_probs: torch.Tensor | None = None  # rejection: per state slot its latest draft distributions
         self.num_replays = 0
         self.num_captures = 0  # graphs captured over its life (one per key and cache: more means re-captures)
+
+    def slot_probs(self, cache: CacheEngine) -> torch.Tensor:
+        """Rejection mode: fp32 [state slots, nextn, V] of ``cache``, each state slot's draft distributions of its
+        request's latest proposal (rows of slots that proposed nothing since are stale: their drafts are not
+        verified). The static proposals write it; the static verify (and the speculator's eager verify) read it."""
+        if self.spec_sampling != "rejection":
+            raise ValueError("only rejection sampling reads the draft's distributions")
+        self._use(cache)
+        if self._slot_probs is None:
+            self._slot_probs = torch.zeros(cache.slots.shape[0], self.nextn, self.model.cfg.vocab_size,
+                                           dtype=torch.float32, device=cache.slots.device)
+        return self._slot_probs
 
     def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
         """The first ``len(host)`` rows of the bucket's proposal (``anchors``: see ``StaticDraftProposal.fill``).
@@ -177,15 +196,20 @@ class DraftGraphs:
 
     def _static(self, cache: CacheEngine, key: ProposalKey) -> StaticDraftProposal:
         """The static proposal of ``key`` on ``cache``'s pools, built and (with graphs) captured on first use."""
-        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
-            self.static.clear(), self.graphs.clear(), self.outputs.clear()
-            self.cache = cache
+        self._use(cache)
         static = self.static.get(key)
         if static is None:
-            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling)
+            slot_probs = self.slot_probs(cache) if self.spec_sampling == "rejection" else None
+            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling,
+                                                            slot_probs)
         if self.use_graphs and key not in self.graphs:
             self._capture(static)
         return static
+
+    def _use(self, cache: CacheEngine) -> None:
+        if cache is not self.cache:  # other pools: the captured graphs read the old ones' tensors
+            self.static.clear(), self.graphs.clear(), self.outputs.clear()
+            self.cache, self._slot_probs = cache, None
 
     def _capture(self, static: StaticDraftProposal) -> None:
         static.fill(None)  # placeholders only: the warm-up really runs, and reads only the null slot

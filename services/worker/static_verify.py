@@ -9,7 +9,10 @@ the proposal starts from: the verification (services/worker/verifier.py's ``reje
 logprob (``accepted_context.emitted_output``'s values), and the draft's context K=V of the accepted rows
 written into the state slots' rings (``accepted_context.write_context``'s writes). The buffers are filled
 by one packed int64 upload plus device copies of the step's processed distributions, taps and (rejection)
-draft distributions; ``run`` reads nothing on the host, indexes with no boolean mask and writes no Python
+draft distributions. Where the key has a ``SamplingKey`` (services/worker/device_sampling.py), the upload also
+holds the rows' sampling parameters, the fill copies the step's logits instead, and the run processes them
+(``device_sampling.process``, ``==`` ``Sampler.process``); where it is built with ``slot_probs``, rejection
+reads the draft distributions from the static proposal's per-state-slot buffer by each request's slot; ``run`` reads nothing on the host, indexes with no boolean mask and writes no Python
 scalar into a device tensor, so a graph replays it with the buffers' values left to each replay.
 
 Layout: request r verifies width = 1 + nextn columns (its rows past its own repeat its last row, its drafts
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +44,8 @@ from model.deepseek_v41.model import DeepseekV41
 from services.worker.accepted_context import DeviceVerdict, Sampling
 from services.worker.cache_engine import CacheEngine
 from services.worker.graph_capture import capture_graph
+from services.worker.device_sampling import SamplingKey, bucket, process
 from services.worker.sampler import ProcessedLogits, SamplingRow
-from services.worker.static_draft_proposal import bucket
 from services.worker.verifier import (SPEC_SAMPLING, deterministic_verdict, device_draws, rejection_verdict,
                                       signed_seed)
 
@@ -68,18 +71,23 @@ class VerifyKey:
 
     num_requests: int  # R: the bucket (a power of two ≥ the sampling requests)
     mode: str  # one of MODES
+    sampling: SamplingKey | None = None  # the rows' processing inside the run (device_sampling.py); None: the
+    #                                      step's processed distributions are copied in
 
     @classmethod
-    def of(cls, sampling: Sequence[Sampling], nextn: int, window: int, mode: str) -> VerifyKey | None:
-        """The key of a step's sampling requests; None where one writes more entries than M (the eager path)."""
+    def of(cls, sampling: Sequence[Sampling], nextn: int, window: int, mode: str,
+           rows: Sequence[SamplingRow] | None = None, rank_all: bool = False) -> VerifyKey | None:
+        """The key of a step's sampling requests; None where one writes more entries than M (the eager path).
+        With ``rows`` (the step's sampling rows; ``rank_all``: the step wants top-n), the run processes them
+        where ``SamplingKey.of`` covers them."""
         if any(len(_entries(s, window)) > num_entries(nextn) for s in sampling):
             return None
-        return cls(bucket(len(sampling)), mode)
+        return cls(bucket(len(sampling)), mode, None if rows is None else SamplingKey.of(rows, rank_all))
 
     @classmethod
-    def buckets(cls, max_requests: int, mode: str) -> list[VerifyKey]:
+    def buckets(cls, max_requests: int, mode: str, sampling: SamplingKey | None = None) -> list[VerifyKey]:
         """Every key a batch of up to ``max_requests`` can ask for."""
-        return [cls(1 << i, mode) for i in range(bucket(max_requests).bit_length())]
+        return [cls(1 << i, mode, sampling) for i in range(bucket(max_requests).bit_length())]
 
 
 def _entries(s: Sampling, window: int) -> range:
@@ -96,28 +104,37 @@ class VerifyOutput:
     verdict: DeviceVerdict  # per request [R] / [R, 1 + nextn], placeholders included
     tokens: torch.Tensor  # int64 [R·(1 + nextn)]: each sampled row's emitted token (0 elsewhere)
     logprobs: torch.Tensor  # fp32 [R·(1 + nextn)]: that token's logprob (−inf on error rows)
+    processed: ProcessedLogits | None  # [R·(1 + nextn), ..] the rows' processing (key.sampling; None: copied in)
 
 
 class StaticVerify:
     def __init__(self, model: DeepseekV41, cache: CacheEngine, key: VerifyKey, nextn: int,
-                 share: StaticVerify | None = None) -> None:
+                 share: StaticVerify | None = None, slot_probs: torch.Tensor | None = None) -> None:
         """``share``: a static verify of as many requests or more whose input buffers this one uses the first
-        rows of (static verifies never run at once, and each fill rewrites what its run reads)."""
+        rows of (static verifies never run at once, and each fill rewrites what its run reads). ``slot_probs``
+        (rejection mode): fp32 [state slots, nextn, V], each state slot's latest draft distributions, which the
+        static proposal writes (``DraftGraphs.slot_probs``); the run reads its requests' slots there, so nothing
+        is copied per request (None: ``fill`` copies each request's in)."""
         if model.draft is None:
             raise ValueError("a static verify needs a model with a DSpark draft")
         if key.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {key.mode!r}")
-        if share is not None and (share.key.num_requests < key.num_requests or share.key.mode != key.mode):
+        if share is not None and (share.key.num_requests < key.num_requests or share.key.mode != key.mode
+                                  or (share.key.sampling is None) != (key.sampling is None)):
             raise ValueError(f"the static verify of {key} cannot share the buffers of {share.key}")
         self.model, self.cache, self.key, self.nextn = model, cache, key, nextn
         r, m, width = key.num_requests, num_entries(nextn), 1 + nextn
         device, v = model.embed.weight.device, model.cfg.vocab_size
         self.num_rows = r * width  # the sampled-row capacity
         self.num_entries, self.window = m, cache.layout.draft_window
-        # One packed int64 upload: the entries' plan rows [R·M], then the requests' table [R, NUM_COLUMNS + nextn].
-        self.packed = torch.zeros(r * m + r * (NUM_COLUMNS + nextn), dtype=torch.int64, device=device)
+        # One packed int64 upload: the entries' plan rows [R·M], the requests' table [R, NUM_COLUMNS + nextn], then
+        # (key.sampling) the rows' sampling table (SamplingKey.pack).
+        size = r * m + r * (NUM_COLUMNS + nextn)
+        num_table = 0 if key.sampling is None else key.sampling.size(self.num_rows)
+        self.packed = torch.zeros(size + num_table, dtype=torch.int64, device=device)
         self.entry_rows = self.packed[: r * m]
-        self.table = self.packed[r * m :].view(r, NUM_COLUMNS + nextn)
+        self.table = self.packed[r * m : size].view(r, NUM_COLUMNS + nextn)
+        self.sampling_table = self.packed[size:]
         proj = model.draft.main_proj.weight  # the taps' projection: the taps buffer takes its width and dtype
 
         def buffer(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -125,12 +142,17 @@ class StaticVerify:
                 return getattr(share, name)[: shape[0]]
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.probs = buffer((self.num_rows, v), torch.float32, "probs")  # the step's processed distributions
-        self.logprobs = buffer((self.num_rows, v), torch.float32, "logprobs")
-        self.errors = buffer((self.num_rows,), torch.bool, "errors")
+        if key.sampling is None:  # the step's processed distributions
+            self.probs = buffer((self.num_rows, v), torch.float32, "probs")
+            self.logprobs = buffer((self.num_rows, v), torch.float32, "logprobs")
+            self.errors = buffer((self.num_rows,), torch.bool, "errors")
+        else:  # the step's logits, processed by the run
+            self.logits = buffer((self.num_rows, v), torch.float32, "logits")
         self.taps = buffer((r * m, proj.shape[1]), proj.dtype, "taps")  # the entries' taps
-        self.draft_probs = (buffer((r, nextn, v), torch.float32, "draft_probs") if key.mode == "rejection"
-                            else None)  # rejection: each request's draft distributions
+        self.slot_probs = slot_probs if key.mode == "rejection" else None
+        self.draft_probs = (buffer((r, nextn, v), torch.float32, "draft_probs")
+                            if key.mode == "rejection" and slot_probs is None
+                            else None)  # rejection: each request's draft distributions, copied in
 
     def pack(self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], forced: Sequence[int] | None
              ) -> torch.Tensor:
@@ -153,17 +175,28 @@ class StaticVerify:
                         int(first_row.temperature == 0), first_row.position, s.slot, s.first, int(s.num_rows == 1),
                         len(entries), entries.start, 0 if forced is None else forced[r]] + \
                        (s.drafts + [0] * (nextn - len(s.drafts)))
-        return torch.tensor(entry_rows + [c for row in table for c in row], dtype=torch.int64)
+        flat = entry_rows + [c for row in table for c in row]
+        if key.sampling is not None:
+            flat += key.sampling.pack(rows, self.num_rows, self.model.cfg.vocab_size)
+        return torch.tensor(flat, dtype=torch.int64)
 
     def fill(self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits | None,
              taps: torch.Tensor | None, draft_probs: Sequence[torch.Tensor | None] = (),
-             forced: Sequence[int] | None = None) -> None:
-        """One packed upload, then device copies of the step's distributions (``processed``: the sampled rows),
+             forced: Sequence[int] | None = None, logits: torch.Tensor | None = None) -> None:
+        """One packed upload, then device copies of the step's distributions (``processed``: the sampled rows;
+        with ``key.sampling``, ``logits`` [rows, V] instead, which the run processes),
         the entries' taps (``taps``: the plan's rows) and, rejection mode, each request's draft distributions
         (None: it has none; its drafts are not verified, so the stale buffer row is never read).
         ``sampling`` empty with ``processed``/``taps`` None: placeholders only (the capture's warm-up)."""
         upload_into(self.packed, self.pack(sampling, rows, forced))
-        if processed is not None:
+        if (self.key.sampling is None) != (logits is None) and (processed is not None or logits is not None):
+            raise ValueError(f"the static verify of {self.key} takes the step's "
+                             f"{'processed distributions' if self.key.sampling is None else 'logits'}")
+        if logits is not None:
+            if logits.shape[0] != len(rows) or logits.shape[1] != self.logits.shape[1]:
+                raise ValueError(f"logits {tuple(logits.shape)} do not fit {len(rows)} rows of {self.logits.shape[1]}")
+            self.logits[: logits.shape[0]].copy_(logits)  # fp32, as Sampler.process's own copy
+        elif processed is not None:
             n = processed.probs.shape[0]
             self.probs[:n].copy_(processed.probs)
             self.logprobs[:n].copy_(processed.logprobs)
@@ -186,20 +219,27 @@ class StaticVerify:
         start, num_rows, num_drafts = t[:, START], t[:, NUM_ROWS], t[:, NUM_DRAFTS]
         drafts = t[:, NUM_COLUMNS:]  # [R, K]
         greedy = t[:, GREEDY].bool()
+        processed = None
+        if key.sampling is None:
+            all_probs, all_logprobs, all_errors = self.probs, self.logprobs, self.errors
+        else:
+            processed = process(self.logits, key.sampling.unpack(self.sampling_table, self.num_rows))
+            all_probs, all_logprobs, all_errors = processed.probs, processed.logprobs, processed.errors
         j = torch.arange(1 + k, device=device)
         index = start.unsqueeze(1) + torch.minimum(j, (num_rows - 1).clamp_min(0).unsqueeze(1))  # [R, K + 1]
-        probs = self.probs[index]  # [R, K + 1, V]
-        errors = self.errors[index].any(-1)  # [R]
+        probs = all_probs[index]  # [R, K + 1, V]
+        errors = all_errors[index].any(-1)  # [R]
         verified = torch.arange(k, device=device) < num_drafts.unsqueeze(1)  # [R, K]
         positions = t[:, POSITION].unsqueeze(1) + j  # [R, K + 1]: P + j
         seeds = t[:, SEED]
         if key.mode == "rejection":
             draws = {case: device_draws(seeds, positions[:, :k] if case == DrawCase.ACCEPT else positions, case)
                      for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)}
-            v = rejection_verdict(probs, self.draft_probs, drafts, greedy, verified, draws)
+            q = self.draft_probs if self.slot_probs is None else self.slot_probs[t[:, SLOT]]  # [R, K, V]
+            v = rejection_verdict(probs, q, drafts, greedy, verified, draws)
             num_accepted, tokens = v.num_accepted, v.tokens
         elif key.mode == "deterministic":
-            v = deterministic_verdict(self.logprobs[index], drafts, seeds, positions, greedy, verified)
+            v = deterministic_verdict(all_logprobs[index], drafts, seeds, positions, greedy, verified)
             num_accepted, tokens = v.num_accepted, v.tokens
         else:  # forced: the benchmark's counts, the target's argmax after them
             num_accepted = t[:, FORCED]
@@ -214,9 +254,9 @@ class StaticVerify:
         targets = torch.where(mine, start.unsqueeze(1) + j, self.num_rows)  # [R, K + 1]
         row_tokens = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=device).scatter(
             0, targets.flatten(), torch.where(emitted, tokens, 0).flatten())[: self.num_rows]
-        chosen = self.logprobs.gather(1, row_tokens.unsqueeze(-1)).squeeze(-1).masked_fill(self.errors, -math.inf)
+        chosen = all_logprobs.gather(1, row_tokens.unsqueeze(-1)).squeeze(-1).masked_fill(all_errors, -math.inf)
         self._write_context(num_accepted, errors)
-        return VerifyOutput(DeviceVerdict(errors, num_accepted, tokens), row_tokens, chosen)
+        return VerifyOutput(DeviceVerdict(errors, num_accepted, tokens), row_tokens, chosen, processed)
 
     def _write_context(self, num_accepted: torch.Tensor, errors: torch.Tensor) -> None:
         """The draft's context K=V of every entry the verdict keeps, the ring's old value elsewhere; entries W or
@@ -245,11 +285,13 @@ class StaticVerify:
 class VerifyGraphs:
     """Static verifies per ``VerifyKey``, replayed from CUDA graphs (``use_graphs``) or run eagerly."""
 
-    def __init__(self, model: DeepseekV41, nextn: int, use_graphs: bool) -> None:
+    def __init__(self, model: DeepseekV41, nextn: int, use_graphs: bool,
+                 slot_probs: Callable[[CacheEngine], torch.Tensor] | None = None) -> None:
+        """``slot_probs``: a cache's per-slot draft distributions (see ``StaticVerify``), read by rejection keys."""
         device = model.embed.weight.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on CUDA, not {device}")
-        self.model, self.nextn, self.use_graphs = model, nextn, use_graphs
+        self.model, self.nextn, self.use_graphs, self.slot_probs = model, nextn, use_graphs, slot_probs
         self.cache: CacheEngine | None = None  # the pools the static verifies write (a graph holds their tensors)
         self.static: dict[VerifyKey, StaticVerify] = {}
         self.graphs: dict[VerifyKey, torch.cuda.CUDAGraph] = {}
@@ -259,12 +301,12 @@ class VerifyGraphs:
         self.num_captures = 0  # graphs captured over its life (one per key and cache: more means re-captures)
 
     def verify(self, key: VerifyKey, cache: CacheEngine, sampling: Sequence[Sampling], rows: Sequence[SamplingRow],
-               processed: ProcessedLogits, taps: torch.Tensor, draft_probs: Sequence[torch.Tensor | None] = (),
-               forced: Sequence[int] | None = None) -> VerifyOutput:
+               processed: ProcessedLogits | None, taps: torch.Tensor, draft_probs: Sequence[torch.Tensor | None] = (),
+               forced: Sequence[int] | None = None, logits: torch.Tensor | None = None) -> VerifyOutput:
         """The static verify of ``key`` filled with this step and run (see ``StaticVerify.fill``); the outputs
         cover the bucket (the caller slices its requests' and rows' part)."""
         static = self._static(cache, key)
-        static.fill(sampling, rows, processed, taps, draft_probs, forced)
+        static.fill(sampling, rows, processed, taps, draft_probs, forced, logits)
         if not self.use_graphs:
             return static.run()
         self.graphs[key].replay()
@@ -283,10 +325,13 @@ class VerifyGraphs:
             self.cache = cache
         static = self.static.get(key)
         if static is None:
-            share = max(self.static.values(), key=lambda s: s.key.num_requests, default=None)
+            share = max((s for s in self.static.values() if s.key.mode == key.mode
+                         and (s.key.sampling is None) == (key.sampling is None)),
+                        key=lambda s: s.key.num_requests, default=None)
             if share is not None and share.key.num_requests < key.num_requests:
                 share = None  # a larger bucket than any so far: its own buffers, which later smaller ones share
-            static = self.static[key] = StaticVerify(self.model, cache, key, self.nextn, share)
+            slot_probs = self.slot_probs(cache) if self.slot_probs is not None and key.mode == "rejection" else None
+            static = self.static[key] = StaticVerify(self.model, cache, key, self.nextn, share, slot_probs)
         if self.use_graphs and key not in self.graphs:
             static.fill((), (), None, None)  # placeholders only: the warm-up really runs, and writes only slot 0
             graph, self.outputs[key], self._pool = capture_graph(static.run, self._pool)

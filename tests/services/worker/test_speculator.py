@@ -299,7 +299,7 @@ def test_a_speculative_step_reads_the_device_once(source, monkeypatch, mode, sta
 def test_a_speculative_step_processes_the_logits_once_and_never_runs_the_sampler(source, greedy_off, monkeypatch):
     """The step's sampler output (tokens, logprobs, top-n) comes from the verification's processed distributions
     (``emitted_output``), not from a second pass of the sampler with its draws; greedy logprobs still equal
-    speculation off."""
+    speculation off. Once: ``Sampler.process``, or the static verify's own processing (device_sampling.py)."""
     from services.worker.sampler import Sampler
 
     calls = {"process": 0, "call": 0}
@@ -313,7 +313,16 @@ def test_a_speculative_step_processes_the_logits_once_and_never_runs_the_sampler
         calls["call"] += 1
         raise AssertionError("the speculative step ran the whole sampler")
 
+    import services.worker.static_verify as static_verify_module
+
+    device_process = static_verify_module.process  # the static verify's own processing of the step's logits
+
+    def counting_device_process(*args, **kwargs):
+        calls["process"] += 1
+        return device_process(*args, **kwargs)
+
     monkeypatch.setattr(Sampler, "process", counting_process)
+    monkeypatch.setattr(static_verify_module, "process", counting_device_process)
     monkeypatch.setattr(Sampler, "__call__", refused)
     reference = [o.token_ids for o in greedy_off]
     outs, spec = generate(source, GREEDY, nextn=NEXTN, rewrite=known_drafts(reference), static_proposal=True)

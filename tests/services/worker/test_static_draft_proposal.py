@@ -156,3 +156,22 @@ def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode):
             assert torch.equal(got[0], want.drafts) and torch.equal(got[1], want.probs)
             assert torch.equal(got[2], want.confidences)
     assert graphed.num_replays == 2 and len(graphed.graphs) == 1
+
+
+def test_rejection_draft_distributions_land_in_their_state_slots(setup):
+    """Rejection mode: the run writes each row's draft distributions at its state slot of ``slot_probs`` (what the
+    next step's static verify reads), placeholders only at the null slot 0; slots that did not propose keep theirs."""
+    model, cache = setup
+    rows, slots = ROWS[2:5], [3, 1, 5]
+    with torch.no_grad(), batch_invariant():
+        graphs = DraftGraphs(model, NEXTN, "rejection", use_graphs=False)
+        slot_probs = graphs.slot_probs(cache)
+        slot_probs.fill_(7.0)  # stale values of earlier proposals
+        got = graphs.propose(HostInputs.pack(rows, [1, 2, 3], STARTS[:3], slots, NEXTN, V, "rejection"), cache)
+    assert slot_probs.shape == (cache.slots.shape[0], NEXTN, V) and graphs.slot_probs(cache) is slot_probs
+    for b, slot in enumerate(slots):
+        assert torch.equal(slot_probs[slot], got.probs[b]), slot
+    for slot in set(range(1, cache.slots.shape[0])) - set(slots):
+        assert bool((slot_probs[slot] == 7.0).all()), slot
+    assert graphs.static[ProposalKey.of(HostInputs.pack(rows, [1, 2, 3], STARTS[:3], slots, NEXTN, V,
+                                                        "rejection"))].slot_probs is slot_probs

@@ -20,6 +20,7 @@ from services.engine import SamplingParams
 from services.worker.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.cache_engine import CacheEngine, ring_size
 from services.worker.sampler import Sampler, SamplingRow
+from services.worker.device_sampling import SamplingKey
 from services.worker.static_verify import StaticVerify, VerifyGraphs, VerifyKey
 from services.worker.verifier import device_draws, signed_seed
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
@@ -180,9 +181,10 @@ def test_prepare_graphs_builds_every_bucket_ahead(source, greedy_only):
     cache = CacheEngine(cfg, 8, num_blocks=2, num_state_slots=6, ring=ring_size(cfg), draft=True)
     spec = speculator_module.Speculator(source.model, NEXTN, "deterministic", static_proposal=True)
     spec.prepare_graphs(cache, 5, greedy_only=greedy_only)
-    assert set(spec.verify_graphs.static) == {VerifyKey(g, "deterministic") for g in (1, 2, 4, 8)}
-    largest = spec.verify_graphs.static[VerifyKey(8, "deterministic")]
-    assert all(s.probs.data_ptr() == largest.probs.data_ptr() for s in spec.verify_graphs.static.values())
+    plain = SamplingKey(False, 0, 0)  # the static verify processes the rows: no ranking, ban or bias
+    assert set(spec.verify_graphs.static) == {VerifyKey(g, "deterministic", plain) for g in (1, 2, 4, 8)}
+    largest = spec.verify_graphs.static[VerifyKey(8, "deterministic", plain)]
+    assert all(s.logits.data_ptr() == largest.logits.data_ptr() for s in spec.verify_graphs.static.values())
     draft_keys = {(k.num_rows, k.all_greedy) for k in spec.draft_graphs.static}
     assert draft_keys == {(g, greedy) for g in (1, 2, 4, 8) for greedy in ((True,) if greedy_only else (True, False))}
 
