@@ -6,7 +6,8 @@
 #   their neighbours' launches (== tests, each run 20 times), split-K experts, the window write;
 # - the sync-debug tests: async decode steps and the sampler, which failed in session 10's first call
 #   (engram_rows' and the ban write's synchronising writes, both fixed since);
-# - the verify half of a speculative step in a CUDA graph (static_verify), LLM capturing every bucket ahead.
+# - the verify half of a speculative step in a CUDA graph (static_verify, with the sampler's processing:
+#   verify_half), the draft distributions handed over by state slot, LLM capturing every bucket ahead.
 set -uo pipefail
 . scripts/device_env.sh
 export PYTHONPATH="$PWD:$site"
@@ -19,6 +20,7 @@ timeout 140 python3 -m pytest -q -p no:cacheprovider tests/services/engine/test_
     tests/services/worker/test_sampler.py -k "cuda or synchronise" > "$out/tests-sync.log" 2>&1
 grep -E "^E  .*(Error|synchron)|^FAILED|passed|failed|services/.*py:[0-9]+" "$out/tests-sync.log" | tail -12
 timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/services/worker/test_static_verify.py \
+    tests/services/worker/test_verify_half.py tests/services/worker/test_static_draft_proposal.py \
     > "$out/tests-verify.log" 2>&1
 grep -E "^E  .*(Error|synchron)|^FAILED|passed|failed" "$out/tests-verify.log" | tail -12
 left=$((570 - SECONDS))
