@@ -36,6 +36,7 @@ from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 
 from kernels.moe_combine import moe_combine
 from kernels.moe_splitk import moe_experts_splitk, worth_splitting_experts  # noqa: F401 - re-exported: KernelMoE
 from kernels.quant_fp8 import IN_GEMM_MAX_ROWS, _quantize_rows, quantize_act
+from kernels.quant_fp8 import Activations  # noqa: F401 - re-exported: the kernels bench imports it here
 from kernels.reference import GROUP
 
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step
@@ -142,10 +143,6 @@ def default_m_split(num_slabs: int, num_m_tiles: int, num_programs: int) -> int:
     if num_slabs >= num_programs or num_m_tiles <= 1:
         return 1
     return min(num_m_tiles, triton.cdiv(num_programs, num_slabs))
-
-
-Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""bf16/fp32 values (quantised inside the GEMM), or (e4m3 values, fp32 scales per 128 channels)."""
 
 
 def moe_grouped_gemm(

@@ -34,7 +34,7 @@ import triton.language as tl
 from kernels import invariance
 from kernels.device import num_sms
 from kernels.moe_combine import moe_combine
-from kernels.quant_fp8 import _quantize_rows, quantize_act
+from kernels.quant_fp8 import Activations, _quantize_rows, quantize_act
 from kernels.reference import GROUP
 
 BLOCK_M = 16
@@ -178,10 +178,6 @@ def num_splits(n_out: int, k: int, picks_per_row: int, device: torch.device) -> 
     per = next(p for p in range(1, k_blocks + 1)
                if k_blocks % p == 0 and p not in (2, 3) and k_blocks // p <= most)
     return k_blocks // per, per
-
-
-Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""bf16/fp32 values (quantised inside the GEMM), or (e4m3 values, fp32 scales per 128 channels)."""
 
 
 def moe_grouped_gemm_splitk(

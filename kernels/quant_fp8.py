@@ -15,6 +15,10 @@ import triton.language as tl
 
 from kernels.reference import GROUP
 
+Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A GEMM's input: bf16/fp32 values (quantised inside the GEMM), or ``quantize_act``'s (e4m3 values, fp32
+scales per 128 channels)."""
+
 IN_GEMM_MAX_ROWS = int(os.environ.get("SHINKAI_IN_GEMM_MAX_ROWS", "16"))
 """Up to this many rows (decode's one 16-row MMA tile) the FP8 GEMMs take bf16/fp32 activations and quantise
 them in their K loops with ``_quantize_rows`` (``quantize_act``'s rounding: the same e4m3 values and scales,
