@@ -44,9 +44,14 @@ class ImageInputs:
         self._requests.pop(request_id, None)
 
     def step_rows(self, request_ids: list[str], input_ids: torch.Tensor, positions: torch.Tensor,
-                  row_requests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  row_requests: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """For a step's rows (input ids, positions, request index of each, all [R]) → (image mask [R] bool,
-        the image rows' embeddings [n, D] in row order, or None when no row is an image position)."""
+        the image rows' embeddings [n, D] in row order), or (None, None) when no row is an image position.
+        A step none of whose requests holds images returns before touching the tensors, so a text step
+        never reads the device (async decode steps must not synchronise the stream)."""
+        if not any(request_id in self._requests for request_id in request_ids):
+            return None, None
+        input_ids, positions, row_requests = input_ids.cpu(), positions.cpu(), row_requests.cpu()
         image = torch.zeros_like(input_ids, dtype=torch.bool)
         out = []
         for row in torch.nonzero(input_ids == self.image_token_id).flatten().tolist():
@@ -58,4 +63,4 @@ class ImageInputs:
             if k < entry.positions.numel() and int(entry.positions[k]) == position:
                 image[row] = True
                 out.append(entry.rows[k])
-        return image, torch.stack(out) if out else None
+        return (image, torch.stack(out)) if out else (None, None)

@@ -36,9 +36,20 @@ def test_step_rows_pick_each_rows_own_embedding():
     assert mask.tolist() == [True, True, False, True, False] and rows.flatten().tolist() == [1.0, 2.0, 3.0]
     # The placeholder id outside a stored prompt position (sampled, or a request without images) is text.
     mask, rows = images.step_rows(["c", "a"], torch.tensor([9, 9]), torch.tensor([0, 7]), torch.tensor([0, 1]))
-    assert mask.tolist() == [False, False] and rows is None
+    assert mask is None and rows is None
     images.release("a")
     assert "a" not in images
+
+
+def test_step_rows_of_text_requests_never_read_the_tensors():
+    """A step whose requests hold no images answers from the ids alone: meta tensors (no data to read)
+    would raise on any read, as a CUDA tensor would synchronise."""
+    images = ImageInputs(9)
+    images.put("a", [9], torch.zeros(1, 1))
+    meta = torch.empty(3, dtype=torch.long, device="meta")
+    assert images.step_rows(["b", "c"], meta, meta, meta) == (None, None)
+    with pytest.raises(NotImplementedError):
+        images.step_rows(["a"], meta, meta, meta)
 
 
 @pytest.fixture(scope="module")
