@@ -9,6 +9,13 @@ Triton's own jit helpers (``tl.max``, ``tl.sum``, ``tl.argmax`` …) are decorat
 first imported. This module imports triton normally first, so they are always compiled-kernel
 functions (GPU tests in the same process keep working), and ``interpreter()`` swaps interpreted
 twins in for the duration of the block.
+
+The interpreter's ``tl.dot`` is ``np.matmul`` in the accumulator's type, i.e. the BLAS's sgemm, whose
+micro-kernels (chosen per CPU by OpenBLAS's dynamic arch, and per matrix size) sum K in orders that
+depend on M: a row's value then depends on how many rows share its tile, which a GPU's MMA never does.
+Inside ``interpreter()`` an fp32 ``tl.dot`` instead rounds the float64 product to fp32 (fp32 operands
+multiply exactly in float64; the sum's order moves the float64 result by ~K·2⁻⁵³ relative, which the
+rounding to fp32 absorbs): each row's value is its own, on every CPU.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 
+import numpy as np
 import triton  # noqa: F401 - first import without the interpreter: see the module docstring
 import triton.language
+import triton.runtime.interpreter as triton_interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -38,6 +47,23 @@ def _stdlib_jit_functions() -> list[tuple[ModuleType, str, JITFunction]]:
     return found
 
 
+_BLAS_DOT = triton_interpreter.InterpreterBuilder.create_dot
+
+
+def _row_independent_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """``tl.dot`` with an fp32 accumulator as the fp32 rounding of the float64 product (module docstring);
+    fp8 operands go through fp16 as the interpreter's own dot does. Other accumulators: the interpreter's."""
+    if d.data.dtype != np.float32:
+        return _BLAS_DOT(self, a, b, d, input_precision, max_num_imprecise_acc)
+    a_data, b_data = a.data, b.data
+    if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():
+        a_data = triton_interpreter._convert_float(a_data, a.dtype, triton.language.float16, None).view(np.float16)
+    if b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+        b_data = triton_interpreter._convert_float(b_data, b.dtype, triton.language.float16, None).view(np.float16)
+    product = np.matmul(a_data.astype(np.float64), b_data.astype(np.float64)).astype(np.float32)
+    return triton_interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+
 @contextlib.contextmanager
 def interpreter() -> Iterator[None]:
     old = os.environ.get("TRITON_INTERPRET")
@@ -45,9 +71,11 @@ def interpreter() -> Iterator[None]:
     swapped = _stdlib_jit_functions()
     for module, attr, fn in swapped:
         setattr(module, attr, _TWINS.setdefault(id(fn), InterpretedFunction(fn.fn)))
+    triton_interpreter.InterpreterBuilder.create_dot = _row_independent_dot
     try:
         yield
     finally:
+        triton_interpreter.InterpreterBuilder.create_dot = _BLAS_DOT
         for module, attr, fn in swapped:
             setattr(module, attr, fn)
         if old is None:
