@@ -33,7 +33,7 @@ from model.deepseek_v41.attention import Attention, sink_attention
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
-from services.worker.attention_backend_triton import index_weights
+from services.worker.attention_backend_triton import index_query, index_weights
 from services.worker.cache_engine import CacheEngine
 from services.worker.static_batch import StaticBatch
 
@@ -160,7 +160,7 @@ class GraphAttention:
         from the pool through the block tables: (entry ids int32 [G, ≤topk] ascending, −1 = none; the
         candidate block mask uint8 [G, ⌈W/CB⌉] to carry, or None)."""
         idx, sparse, r = attn.indexer, self.sparse, self.rows
-        query = self.kernels.indexer_quant.fake_quant_indexer(idx.query(q_latent, angles))  # [G, Hi, di], == quant's
+        query = index_query(idx, q_latent, angles, self.kernels.indexer_quant)  # [G, Hi, di], == quant's
         w, w_scale = index_weights(idx, x)  # [G, Hi]
         entries, picked = self.kernels.indexer.indexer_select(
             query.contiguous(), w, self.cache.entries(sparse.source)[1], r.block_tables, r.positions,

@@ -21,17 +21,32 @@ torch path.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kernels.reference import entry_slots
 from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.quant import fake_quant_indexer, quantize_fp8_cache
+from model.deepseek_v41.rope import apply_rope_
 from services.worker.attention_backend import StepRounding
 from services.worker.attention_backend_torch import TorchAttention
 from services.worker.cache_engine import CacheEngine
 from services.worker.fp8_linear import KernelSet
 from services.worker.step_batch import StepBatch
+
+
+def index_query(idx: Indexer, q_latent: torch.Tensor, angles: torch.Tensor, quant: ModuleType | None) -> torch.Tensor:
+    """The FP4-rounded index queries [R, Hi, di]: ``fake_quant_indexer(idx.query(q_latent, angles))``. With
+    the kernel (``quant``: kernels/indexer_quant.py) and fp32 queries, the RoPE is done inside its launch
+    (the same bits: one launch fewer); angles are the rows' turns complex [R, P] or fp32 angles."""
+    if quant is None:
+        return fake_quant_indexer(idx.query(q_latent, angles))
+    raw = idx.wq_b(q_latent).unflatten(-1, (idx.num_heads, idx.head_dim))  # [R, Hi, di], not rotated
+    if raw.dtype == torch.float32 and angles.dtype == torch.complex64 and raw.ndim == 3 and angles.ndim == 2:
+        return quant.fake_quant_indexer(raw, angles)
+    return quant.fake_quant_indexer(apply_rope_(raw, angles))
 
 
 def index_weights(idx: Indexer, x: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -109,10 +124,8 @@ class TritonAttention:
         if attn.uses_candidates and not attn.is_candidate_source and self.candidates is None:
             raise ValueError(f"layer {attn.layer} uses candidates but no candidate source precedes it")
         idx = attn.indexer
-        query = idx.query(q_latent, angles)  # [R, Hi, di]
-        quant = self.kernels.indexer_quant
         # FP4-rounded as TorchAttention.select rounds it (the kernel's bits are the same).
-        query = fake_quant_indexer(query) if quant is None else quant.fake_quant_indexer(query)
+        query = index_query(idx, q_latent, angles, self.kernels.indexer_quant)  # [R, Hi, di]
         w, w_scale = index_weights(idx, x)  # [R, Hi]
         selected, candidates = self.kernels.indexer.indexer_select(
             query, w, self.cache.entries(self.source)[1], self.row_tables, b.positions, ratio, self.width,

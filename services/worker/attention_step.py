@@ -25,6 +25,7 @@ from torch import nn
 from model.deepseek_v41.attention import Attention
 from model.deepseek_v41.rope import apply_rope, apply_rope_, rope_angles, rope_turns
 from services.worker.attention_backend import AttentionBackend, StepRounding
+from services.worker.kernel_moe import KernelRMSNorm
 
 
 class AttentionStep:
@@ -49,9 +50,13 @@ class AttentionStep:
         if angles is None:
             angles = self._turns[attn.rope_key] = rope_turns(rope_angles(self.positions, attn.freqs))
         q_latent = attn.q_norm(attn.wq_a(x))  # [R, q_lora]
-        q = apply_rope_(attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim)), angles)  # [R, H, hd]
-        k = self.rounding("fp8", attn.layer, apply_rope_(attn.kv_norm(attn.wkv(x)), angles), self.row_requests,
-                          self.positions)  # [R, hd]
+        q = attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim))  # [R, H, hd]: its own tensor
+        kv = attn.wkv(x)  # [R, hd]
+        if isinstance(attn.kv_norm, KernelRMSNorm) and attn.kv_norm.rope_fits(kv, angles, q):
+            k = attn.kv_norm.forward_rope(kv, angles, q)  # kv_norm and both RoPEs (q's in place): one launch
+        else:
+            q, k = apply_rope_(q, angles), apply_rope_(attn.kv_norm(kv), angles)
+        k = self.rounding("fp8", attn.layer, k, self.row_requests, self.positions)  # [R, hd]
         if attn.ratio:
             if attn.compressor is not None:
                 self.backend.compress(attn, x)

@@ -52,6 +52,18 @@ class KernelRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] → [..., C]
         return self.kernels.rmsnorm.rmsnorm(x, self.weight, self.eps)  # it reads rows at their stride
 
+    def rope_fits(self, x: torch.Tensor, turns: torch.Tensor, q: torch.Tensor) -> bool:
+        """Whether ``forward_rope`` takes these: a kernel set with ``rmsnorm_rope``, fp32 x [R, C] and
+        q [R, H, Dq] (last dims contiguous), complex64 turns [R, P] (``rope_turns``)."""
+        return (hasattr(self.kernels.rmsnorm, "rmsnorm_rope") and x.dtype == q.dtype == torch.float32
+                and turns.dtype == torch.complex64 and x.ndim == 2 and q.ndim == 3 and turns.ndim == 2
+                and x.stride(-1) == 1 and q.stride(-1) == 1 and x.shape[0] == q.shape[0] == turns.shape[0])
+
+    def forward_rope(self, x: torch.Tensor, turns: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """``apply_rope_(self(x), turns)``, with ``apply_rope_(q, turns)`` done in place, in one launch (the
+        same bits on the CPU: kernels/rmsnorm.py). Only where ``rope_fits``."""
+        return self.kernels.rmsnorm.rmsnorm_rope(x, self.weight, self.eps, turns, q)
+
 
 MOE_MAX_TOKENS = 8192
 """Tokens per pass of ``KernelMoE``: the masked layout gives each of the E+1 experts T slots, so one

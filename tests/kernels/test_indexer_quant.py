@@ -71,3 +71,47 @@ def test_fake_quant_indexer_gpu_equals_torch(shape, dtype):
     y = kernel(x.cuda())
     assert _same(y, fake_quant_indexer(x.cuda()))  # the torch form on the GPU
     assert _same(y.cpu(), fake_quant_indexer(x))  # and on the CPU
+
+
+@pytest.mark.parametrize(("rows", "heads", "dim", "pairs"),
+                         [(3, 4, 128, 32), (5, 2, 64, 16), (1, 3, 96, 48), (8, 8, 32, 8), (2, 3, 64, 12)])
+def test_fake_quant_indexer_with_turns_equals_apply_rope_then_quant(rows, heads, dim, pairs):
+    """The RoPE folded in: the bits of ``apply_rope_`` then the quantisation (two launches before), x untouched."""
+    from model.deepseek_v41.rope import apply_rope_, rope_turns
+
+    gen = torch.Generator().manual_seed(rows * heads * dim)
+    x = _queries((rows, heads, dim), torch.float32, gen, floor=dim >= 64)
+    angles = torch.randint(0, 5000, (rows,), generator=gen).float()[:, None] * torch.rand(pairs, generator=gen)
+    turns = rope_turns(angles)
+    before = x.clone()
+    with interpreter():
+        y = load_interpreted("indexer_quant").fake_quant_indexer(x, turns)
+    assert torch.equal(x, before)
+    assert _same(y, fake_quant_indexer(apply_rope_(x.clone(), turns)))
+
+
+def test_fake_quant_indexer_with_turns_rejects_other_dtypes_and_shapes():
+    x = torch.randn(2, 2, 64)
+    turns = torch.polar(torch.ones(2, 8), torch.rand(2, 8))
+    module = load_interpreted("indexer_quant")
+    with interpreter():
+        with pytest.raises(ValueError, match="turns"):
+            module.fake_quant_indexer(x.bfloat16(), turns)
+        with pytest.raises(ValueError, match="turns"):
+            module.fake_quant_indexer(x, torch.polar(torch.ones(2, 40), torch.rand(2, 40)))  # 80 > 64 channels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fake_quant_indexer_with_turns_gpu_matches_apply_rope_then_quant():
+    """Compiled, at v41's indexer shapes (Hi 64, di 128, P 32): the rotation may round once differently from
+    torch's complex multiply (FMA contraction), which can move a value across an FP4 bin edge; the rest ==."""
+    from kernels.indexer_quant import fake_quant_indexer as kernel
+    from model.deepseek_v41.rope import apply_rope_, rope_turns
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 64, 128, generator=gen).cuda()
+    turns = rope_turns((torch.arange(8).float()[:, None] * 97 * torch.rand(32, generator=gen)).cuda())
+    y = kernel(x, turns)
+    ref = fake_quant_indexer(apply_rope_(x.clone(), turns))
+    assert float((y != ref).float().mean()) < 1e-3

@@ -51,3 +51,76 @@ def test_rmsnorm_gpu_matches_reference(rows):
     ref = reference.rmsnorm(x, w, 1e-20)
     # Same fp32 maths, different summation order: at most one bf16 rounding step apart.
     assert torch.all((y.float() - ref.float()).abs() <= BF16_CAST_REL * ref.float().abs() + 1e-6)
+
+
+def _rope_inputs(rows: int, heads: int, dim: int, pairs: int, seed: int):
+    from model.deepseek_v41.rope import rope_turns
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen) * 3
+    w = torch.randn(dim, generator=gen)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    angles = torch.randint(0, 5000, (rows,), generator=gen).float()[:, None] * torch.rand(pairs, generator=gen)
+    return x, w, q, rope_turns(angles)
+
+
+@pytest.mark.parametrize(("rows", "heads", "dim", "pairs"), [(5, 3, 96, 16), (8, 16, 128, 32), (1, 5, 64, 8)])
+def test_rmsnorm_rope_interpreted_equals_norm_then_apply_rope_(rows, heads, dim, pairs):
+    """One launch, the same bits as the three it replaces: ``kv_norm`` then ``apply_rope_`` on it and on q."""
+    from model.deepseek_v41.rope import apply_rope_
+
+    x, w, q, turns = _rope_inputs(rows, heads, dim, pairs, rows * heads + dim)
+    with interpreter():
+        module = load_interpreted("rmsnorm")
+        want_k = apply_rope_(module.rmsnorm(x, w, 1e-6), turns)
+        q_fused = q.clone()
+        k = module.rmsnorm_rope(x, w, 1e-6, turns, q_fused)
+    want_q = apply_rope_(q.clone(), turns)
+    assert torch.equal(k, want_k)
+    assert torch.equal(q_fused, want_q)
+    # The unrotated channels are the plain norm's, and q's are untouched.
+    assert torch.equal(q_fused[..., : dim - 2 * pairs], q[..., : dim - 2 * pairs])
+
+
+def test_rmsnorm_rope_interpreted_strided_rows_and_head_blocks(monkeypatch):
+    """x rows at a stride, q a view with padded heads, and more heads than one program takes."""
+    from model.deepseek_v41.rope import apply_rope_
+
+    x, w, q, turns = _rope_inputs(3, 40, 64, 32, 7)
+    x_wide = torch.zeros(3, 80)
+    x_wide[:, :64] = x
+    q_wide = torch.zeros(3, 40, 96)
+    q_wide[..., :64] = q
+    q_view = q_wide[..., :64]
+    with interpreter():
+        module = load_interpreted("rmsnorm")
+        monkeypatch.setattr(module, "ROPE_PAIRS_PER_PROGRAM", 256)  # several head blocks
+        want_k = apply_rope_(module.rmsnorm(x, w, 1e-6), turns)
+        k = module.rmsnorm_rope(x_wide[:, :64], w, 1e-6, turns, q_view)
+    assert torch.equal(k, want_k)
+    assert torch.equal(q_view, apply_rope_(q.clone(), turns))
+    assert torch.all(q_wide[..., 64:] == 0)
+
+
+def test_rmsnorm_rope_rejects_other_dtypes():
+    x, w, q, turns = _rope_inputs(2, 2, 64, 8, 3)
+    with interpreter():
+        module = load_interpreted("rmsnorm")
+        with pytest.raises(ValueError):
+            module.rmsnorm_rope(x.bfloat16(), w, 1e-6, turns, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rmsnorm_rope_gpu_matches_norm_then_apply_rope_():
+    """Compiled: the fused launch against the three it replaces, at v41's attention shapes (R 8, H 64, hd 512,
+    P 32). The rotation may contract to FMAs differently from torch's complex multiply: one fp32 rounding."""
+    from kernels.rmsnorm import rmsnorm, rmsnorm_rope
+    from model.deepseek_v41.rope import apply_rope_
+
+    x, w, q, turns = (t.cuda() for t in _rope_inputs(8, 64, 512, 32, 11))
+    want_k = apply_rope_(rmsnorm(x, w, 1e-6), turns)
+    want_q = apply_rope_(q.clone(), turns)
+    k = rmsnorm_rope(x, w, 1e-6, turns, q)
+    torch.testing.assert_close(k, want_k, rtol=FP32_REORDER_REL, atol=1e-6)
+    torch.testing.assert_close(q, want_q, rtol=FP32_REORDER_REL, atol=1e-6)
