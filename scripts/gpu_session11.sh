@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11's checks in one device call (the timeouts add up to 250 s): the async decode steps' sync-debug
+# Session 11's checks in one device call (the timeouts add up to 280 s): the async decode steps' sync-debug
 # test (ImageInputs' device read fixed), the gpu tests of the kernels the launch cut touched (KERNEL_TESTS,
 # space-separated), then the step bench's quick sizes, profiled, for the launch count.
 # Results in $OUT (or ./out): tests-*.log, step.log, step.json.
@@ -11,10 +11,10 @@ if [ -n "${KERNEL_TESTS:-}" ]; then
     timeout 70 python3 -m pytest -q -m gpu -p no:cacheprovider $KERNEL_TESTS > "$out/tests-kernels.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests-kernels.log" | tail -8
 fi
-timeout 80 python3 -m pytest -q -p no:cacheprovider tests/services/engine/test_async.py \
+timeout 110 python3 -m pytest -q -p no:cacheprovider tests/services/engine/test_async.py \
     -k "cuda or synchronise" > "$out/tests-sync.log" 2>&1
 grep -E "^E  .*(Error|synchron)|^FAILED|passed|failed|services/.*py:[0-9]+" "$out/tests-sync.log" | tail -8
-left=$((250 - SECONDS))
+left=$((280 - SECONDS))
 timeout "$left" python3 -m services.bench.step --quick --profile --no-compare --no-async \
     --baseline docs/step-h200-2026-12-02-d.json --json "$out/step.json" > "$out/step.log" 2>&1
 grep -E "decode  ctx|prefill  |^profile" "$out/step.log" | head -12
