@@ -52,13 +52,15 @@ def _num_boundaries(rank) -> int:
     return rank.live.num_boundaries
 
 
-def _slow_moves(rank, slow_rank: int, delay_s: float) -> None:
-    """On a rank: from now on ``slow_rank``'s mover takes ``delay_s`` longer after each update's last layer
-    (every layer's copies are collective, so a delay before would hold both movers back alike): its moves
-    finish steps after its peer's. ``delay_s`` 0 restores the module's function."""
+def _slow_moves(rank, slow_rank: int, delay_steps: int) -> None:
+    """On a rank: from now on ``slow_rank``'s mover waits, after each update's last layer, until its rank
+    has crossed ``delay_steps`` more step boundaries (every layer's copies are collective, so a delay before
+    would hold both movers back alike): its moves finish steps after its peer's, counted in steps, not in
+    seconds, so a fast machine's generation cannot end first. A 30 s cap keeps a stalled loop from hanging
+    the mover. ``delay_steps`` 0 restores the module's function."""
     from services.worker.parallel import expert_moves, live_layouts
 
-    if rank.rank != slow_rank or delay_s == 0:
+    if rank.rank != slow_rank or delay_steps == 0:
         live_layouts.moved_weights = expert_moves.moved_weights
         return
 
@@ -67,7 +69,9 @@ def _slow_moves(rank, slow_rank: int, delay_s: float) -> None:
     def slow(*args):
         out = expert_moves.moved_weights(*args)
         if next(calls) % LAYERS == 0:  # the tests' updates move every layer
-            time.sleep(delay_s)
+            target, deadline = rank.live.num_boundaries + delay_steps, time.monotonic() + 30.0
+            while rank.live.num_boundaries < target and time.monotonic() < deadline:
+                time.sleep(0.002)
         return out
 
     live_layouts.moved_weights = slow
@@ -166,11 +170,11 @@ def test_a_layout_applied_mid_generation_switches_at_one_step_and_keeps_tokens(t
     # moves then finish a few steps after rank 0's (a slow mover): the switch must wait for them on both.
     version = ranks.submit_layouts({layer: MOVED for layer in range(LAYERS)}, at_step=[1, 3])
     first, _ = ranks.call(_num_boundaries)
-    ranks.call(_slow_moves, 1, 1.0)
+    ranks.call(_slow_moves, 1, 3)
     try:
         outputs = ranks.generate([(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
     finally:
-        ranks.call(_slow_moves, 1, 0.0)
+        ranks.call(_slow_moves, 1, 0)
     (v0, log0), (v1, log1) = ranks.call(_switches)
     assert v0 == v1 == version
     assert log0 == log1  # the same boundary on every rank
