@@ -18,11 +18,13 @@ Two layouts of the stacked experts (``KernelMoE``'s E routed + the shared one as
   through ``row_ids`` (DeepGEMM reads A by TMA, with no row gather), ``masked_m`` = the device counts. Every shape
   is fixed per batch size: a CUDA graph can capture it once the kernels are compiled.
 
-Between the products the SwiGLU runs in torch on DeepGEMM's bf16 gate/up output (the Triton epilogue applies it
-to fp32 accumulators, the cuBLASLt path to fp32 output: the bf16 rounding, ≤ 2^-9 relative, is far below h's
-e4m3 step of 2^-4, but it moves the rare e4m3 code across a rounding boundary), then h is quantised per token and
-128 channels; the down product is bf16, and the combine is the same kernel in the same order. DeepGEMM's tile
-choice follows M, so the path is not batch-invariant: ``KernelMoE`` does not take it in that mode.
+Between the products one launch (``quant_fp8.swiglu_quant``) applies the SwiGLU and the route weight to DeepGEMM's
+bf16 gate/up output and quantises h per token and 128 channels (the Triton epilogue applies the same terms to
+fp32 accumulators, the cuBLASLt path to fp32 output: the bf16 rounding, ≤ 2^-9 relative, is far below h's e4m3
+step of 2^-4, but it moves the rare e4m3 code across a rounding boundary); the down product is bf16, and the
+combine is the same kernel in the same order. DeepGEMM's tile choice follows M, so the path is not
+batch-invariant: ``KernelMoE`` does not take it in that mode. ``KernelMoE`` takes the contiguous layout only (eager
+prefill steps); the masked one stays for the kernel bench, where its layer lost to the Triton grouped GEMM's.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ from typing import Callable
 
 import torch
 
-from kernels.reference import GROUP, clamped_swiglu, dequantize_weight_block128
+from kernels.reference import GROUP, dequantize_weight_block128
 
 log = logging.getLogger(__name__)
 
 ENV = "SHINKAI_MOE_GEMM"
 """``SHINKAI_MOE_GEMM=deepgemm`` asks ``KernelMoE`` for this path; unset (or any other value) keeps Triton."""
+
+MIN_TOKENS = 1024
+"""``KernelMoE`` takes DeepGEMM from this many rows (tokens) in an eager step: prefill chunks. Below it the
+contiguous layout's host read of the counts and its pad rows cost more than the GEMMs save."""
 
 PROBE_REL = 2.0**-7
 """The probe's bound, relative Frobenius error of the bf16 output against the fp32 product of the same e4m3
@@ -47,6 +53,7 @@ operands and scales: the bf16 cast is ≤ 2^-9 relative (RMS about 1.7e-3 on ran
 the fp32 accumulation is far below it. A wrong scale layout or a wrong expert is off by factors of 2 or more."""
 
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+SwigluQuant = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 Combine = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
@@ -173,11 +180,12 @@ def grouped_masked(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scal
 
 
 def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
-            w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float, quantize_act: Quantize, combine: Combine,
-            *, masked: bool) -> torch.Tensor:
+            w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float, quantize_act: Quantize,
+            swiglu_quant: SwigluQuant, combine: Combine, *, masked: bool) -> torch.Tensor:
     """x [T, D'] → fp32 [T, D'], every stacked expert of ``meta`` (``KernelMoE``'s layout, the shared expert last),
     as ``kernels.moe_grouped_gemm.moe_experts`` computes it. w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows),
-    w2 e4m3 [E+1, D', I'], fp32 128×128 block scales. ``quantize_act`` and ``combine`` are the kernel set's.
+    w2 e4m3 [E+1, D', I'], fp32 128×128 block scales. ``quantize_act``, ``swiglu_quant`` and ``combine`` are the
+    kernel set's.
     ``masked``: the masked layout (device counts, graph-safe); else the contiguous one (one host read)."""
     num_stacked, capacity = meta["row_ids"].shape
     x_q, x_s = quantize_act(x)  # [T, D'], [T, D'/128]
@@ -201,10 +209,8 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w
         route_w = meta["route_w"].reshape(-1)[flat]  # [M]
         gate_up = grouped_contiguous(a, w13, w13_scale, m_indices)  # bf16 [M, 2I']
     inter = gate_up.shape[-1] // 2
-    h = clamped_swiglu(gate_up[..., :inter], gate_up[..., inter:], swiglu_limit) * route_w.unsqueeze(-1)
+    h_q, h_s = swiglu_quant(gate_up.reshape(-1, 2 * inter), route_w.reshape(-1), swiglu_limit)  # [M, I'] e4m3
     del gate_up
-    h_q, h_s = quantize_act(h.reshape(-1, inter))
-    del h
     if masked:
         y = grouped_masked((h_q.view(num_stacked, capacity, inter), h_s.view(num_stacked, capacity, -1)), w2,
                            w2_scale, counts, expected)  # bf16 [E+1, cap, D']

@@ -1,6 +1,8 @@
 """Activation quantisation to FP8: per token and per 128 channels, e4m3 with a power-of-two scale.
 
-``quantize_act`` is the stand-alone op (x [T, C] → e4m3 [T, C], fp32 scales [T, C/128]); the jit
+``quantize_act`` is the stand-alone op (x [T, C] → e4m3 [T, C], fp32 scales [T, C/128]);
+``swiglu_quant`` applies the experts' clamped SwiGLU and route weight to a bf16 gate/up product first (the
+Triton grouped GEMM's epilogue, for GEMMs without one), in the same launch. The jit
 helpers here are shared with the kernels that quantise inside their own loops or epilogues, so
 every path rounds the same way. Reference: ``kernels.reference.quantize_act``.
 """
@@ -93,4 +95,43 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = 16
     grid = (triton.cdiv(num_rows, rows), channels // GROUP)
     _quantize_act_kernel[grid](x, q, s, num_rows, x.stride(0), GROUPS=channels // GROUP, ROWS=rows, BLOCK=GROUP)
+    return q, s
+
+
+@triton.jit
+def _swiglu_quant_kernel(gu_ptr, w_ptr, q_ptr, s_ptr, num_rows, gu_row_stride, swiglu_limit,
+                         GROUPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    group = tl.program_id(1)
+    cols = group * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < num_rows
+    base = gu_ptr + rows[:, None].to(tl.int64) * gu_row_stride + cols[None, :]
+    gate = tl.minimum(tl.load(base, mask=ok[:, None], other=0.0).to(tl.float32), swiglu_limit)
+    up = tl.load(base + GROUPS * BLOCK, mask=ok[:, None], other=0.0).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+    route_w = tl.load(w_ptr + rows, mask=ok, other=0.0)
+    h = gate / (1.0 + tl.exp(-gate)) * up * route_w[:, None]  # the grouped GEMM's SwiGLU epilogue, term for term
+    q, scale = _quantize_rows(h)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * (GROUPS * BLOCK) + cols[None, :], q, mask=ok[:, None])
+    tl.store(s_ptr + rows.to(tl.int64) * GROUPS + group, scale, mask=ok)
+
+
+def swiglu_quant(gate_up: torch.Tensor, route_w: torch.Tensor, swiglu_limit: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] (gate columns, then up; bf16/fp32, unit column stride), route_w fp32 [M] →
+    ``quantize_act``(silu(min(gate, L)) · clamp(up, −L, L) · route_w): (e4m3 [M, I], fp32 [M, I/128])."""
+    num_rows, width = gate_up.shape
+    inter = width // 2
+    if width % 2 or inter % GROUP:
+        raise ValueError(f"gate_up's width must be 2·I with I a multiple of {GROUP}, got {width}")
+    if route_w.shape != (num_rows,):
+        raise ValueError(f"route_w must be [{num_rows}], got {list(route_w.shape)}")
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    q = torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    s = torch.empty(num_rows, inter // GROUP, dtype=torch.float32, device=gate_up.device)
+    rows = 16
+    grid = (triton.cdiv(num_rows, rows), inter // GROUP)
+    _swiglu_quant_kernel[grid](gate_up, route_w.float().contiguous(), q, s, num_rows, gate_up.stride(0),
+                               float(swiglu_limit), GROUPS=inter // GROUP, ROWS=rows, BLOCK=GROUP)
     return q, s

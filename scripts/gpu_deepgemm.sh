@@ -23,7 +23,11 @@ say "CUDA_HOME=$CUDA_HOME; $("$CUDA_HOME/bin/nvcc" --version | tail -1); g++: $(
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # --- build: DeepGEMM's own setup.py (build_ext --inplace, as its develop.sh), else g++ directly -----------------
-build=/tmp/deepgemm; rm -rf "$build"; cp -r "$src" "$build"
+build=/tmp/deepgemm
+if [ -n "${DEEPGEMM_BUILD:-}" ] && ls "$DEEPGEMM_BUILD"/deep_gemm/_C*.so >/dev/null 2>&1; then
+    build=$DEEPGEMM_BUILD; say "using the build in $build"   # one scripts/gpu_deepgemm_variants.sh made
+else
+rm -rf "$build"; cp -r "$src" "$build"
 ln -sfn "$build/third-party/cutlass/include/cute" "$build/deep_gemm/include/cute"     # as develop.sh links them
 ln -sfn "$build/third-party/cutlass/include/cutlass" "$build/deep_gemm/include/cutlass"
 # setup.py imports wheel.bdist_wheel and packaging: setuptools vendors both (checked with setuptools 81).
@@ -33,7 +37,10 @@ export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DG_USE_LOCAL_VERSION=0
 say "building deep_gemm._C with setup.py"
 # -include cuda_fp8.h: the host compile sizes device structs holding __nv_fp8_e4m3 (layout/mqa_logits.cuh), and a
 # syntax-only g++ check of csrc/python_api.cpp against pip's CUDA 13 headers found that type incomplete there.
-( cd "$build" && CFLAGS="-include cuda_fp8.h" timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
+# CXX=/usr/bin/g++: built by /opt/gcc's g++ (the device's default), _C crashed in std::regex's constructor (a null
+# locale facet) on its first call; the system g++ of the same version builds one that runs (gpu_deepgemm_variants.sh).
+( cd "$build" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CFLAGS="-include cuda_fp8.h" \
+    timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
 if ! ls "$build"/deep_gemm/_C*.so >/dev/null 2>&1; then
     say "setup.py build failed; its last 60 lines:"; tail -60 "$out/build.log"
     say "building deep_gemm._C with g++ directly (c++17, as setup.py)"
@@ -55,6 +62,7 @@ EOF
         -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda -lcudart -lnvrtc ) >> "$out/build.log" 2>&1 \
         || { say "FAIL: g++ build failed; last 60 lines:"; tail -60 "$out/build.log"; exit 3; }
 fi
+fi
 say "built: $(ls "$build"/deep_gemm/_C*.so)"
 export PYTHONPATH="$PWD:$build" DG_JIT_CACHE_DIR=/tmp/deepgemm-jit
 python3 -c "import deep_gemm, torch; print('deep_gemm', deep_gemm.__version__, 'M alignment',
@@ -69,7 +77,7 @@ SHINKAI_DEEPGEMM_BENCH_S=$(( bench_s - 90 )) timeout "$bench_s" python3 -m servi
 
 # --- the GPU tests (the probe and the grouped outputs against the torch reference) ------------------------------
 say "tests"
-timeout $(( $(left) > 40 ? $(left) - 15 : 25 )) python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/test_deepgemm_moe.py 2>&1 \
+timeout $(( $(left) > 40 ? $(left) - 15 : 25 )) python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/test_deepgemm_moe.py tests/kernels/test_quant_fp8.py 2>&1 \
     | tee "$out/pytest.log" | tail -15
 
 say "done; $(left)s of the budget left"

@@ -72,7 +72,7 @@ class _LayerCase:
         from kernels import deepgemm_moe
         from kernels.moe_combine import moe_combine
         from kernels.moe_grouped_gemm import moe_experts
-        from kernels.quant_fp8 import quantize_act
+        from kernels.quant_fp8 import quantize_act, swiglu_quant
 
         self.num_stacked, self.picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
         self.meta = meta = layer_meta(num_tokens, gen)
@@ -85,7 +85,7 @@ class _LayerCase:
         self.flops = 2.0 * self.picks * 3 * INTER * HIDDEN
         self.shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
         self.deep_layer = lambda: deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act,
-                                                       moe_combine, masked=masked)
+                                                       swiglu_quant, moe_combine, masked=masked)
         self.triton_layer = lambda: moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
         t0 = time.perf_counter()
         self.deep_out = self.deep_layer()  # the JIT compiles here

@@ -4,8 +4,9 @@
 one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``; the shared expert in launches of
 its own where its rows span several M tiles), or, for big eager prefill steps, expert by expert through
 cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when), or, asked
-for with ``SHINKAI_MOE_GEMM=deepgemm`` where ``deep_gemm`` is installed and its probe passes, through DeepGEMM's
-grouped FP8 GEMMs (kernels/deepgemm_moe.py; not the default: docs/performance.md has the measurements); with
+for with ``SHINKAI_MOE_GEMM=deepgemm`` where ``deep_gemm`` is installed and its probe passes, eager steps of at
+least ``deepgemm_moe.MIN_TOKENS`` rows (prefill) through DeepGEMM's grouped FP8 GEMMs (kernels/deepgemm_moe.py;
+docs/performance.md has the measurements); with
 ``SHINKAI_MOE_SPLITK=1``, decode's few rows take the K-split grouped GEMM where its shape rule says
 (kernels/moe_splitk.py; not the default until timed). Both flags are read when the module is built. The
 shared expert is stacked as expert E and every token picks it with weight 1, which is exactly the model's sum
@@ -154,11 +155,10 @@ class KernelMoE(nn.Module):
                 meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
-            if self._deepgemm(xp.device):
-                capturing = xp.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if self._deepgemm(xp):
                 out = deepgemm_moe.experts(xp, meta, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit,
-                                           self.kernels.quant_fp8.quantize_act,
-                                           self.kernels.moe_grouped_gemm.moe_combine, masked=capturing)
+                                           self.kernels.quant_fp8.quantize_act, self.kernels.quant_fp8.swiglu_quant,
+                                           self.kernels.moe_grouped_gemm.moe_combine, masked=False)
             elif block_scaled_experts.applies(xp.shape[0], self.top_k, self.num_experts, xp.device,
                                             self.kernels.interpreted):
                 scale_b13, scale_b2 = self._scale_b()
@@ -180,12 +180,18 @@ class KernelMoE(nn.Module):
             out = torch.where(rows, out, 0.0)  # the others gathered slot 0 (any bytes, even NaN)
         return out.to(x.dtype).reshape(shape)
 
-    def _deepgemm(self, device: torch.device) -> bool:
-        """Whether the experts run on DeepGEMM (kernels/deepgemm_moe.py): asked for by ``SHINKAI_MOE_GEMM=deepgemm``,
-        compiled kernels, outside the batch-invariant mode (its tiles follow M), and its probe passed on
-        ``device``. Its masked layout under CUDA-graph capture, else its contiguous one (one host read)."""
-        return (deepgemm_moe.requested() and not self.kernels.interpreted and not invariance.active()
-                and deepgemm_moe.available(device))
+    def _deepgemm(self, xp: torch.Tensor) -> bool:
+        """Whether the experts of xp [T, D'] run on DeepGEMM's contiguous layout (kernels/deepgemm_moe.py): asked
+        for by ``SHINKAI_MOE_GEMM=deepgemm``, compiled kernels, outside the batch-invariant mode (its tiles follow
+        M), an eager step (the layout reads the counts on the host) of at least ``deepgemm_moe.MIN_TOKENS`` rows,
+        and its probe passed on xp's device. Captured decode stays on the Triton grouped GEMM, whose layer beat
+        DeepGEMM's masked one (docs/performance.md)."""
+        if not deepgemm_moe.requested() or self.kernels.interpreted or invariance.active():
+            return False
+        if xp.shape[0] < deepgemm_moe.MIN_TOKENS:
+            return False
+        capturing = xp.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return not capturing and deepgemm_moe.available(xp.device)
 
     def _scale_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The w13 and w2 block scales in cuBLASLt's layout (``block_scaled_gemm.scale_b``), made on first use

@@ -102,7 +102,7 @@ def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked)
     meta = dict(meta)
     used = torch.arange(13) < meta["counts"][:, None]
     meta["row_ids"] = torch.where(used, meta["row_ids"], 10**6)
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.moe_combine, masked=masked)
+    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine, masked=masked)
     want = reference.moe_experts(x, meta | {"row_ids": torch.where(used, meta["row_ids"], 0)}, *weights, 10.0,
                                  shared_last=True)
     # The same e4m3 operands; the paths differ by the bf16 rounding of gate/up before the SwiGLU (the reference
@@ -115,7 +115,7 @@ def test_no_live_row_gives_zeros_without_a_product(monkeypatch):
     monkeypatch.setattr(deepgemm_moe, "module", lambda: pytest.fail("no product should run"))
     x, meta, weights = _layer(num_tokens=4, num_experts=3, top_k=1, hidden=128, inter=128, device="cpu", seed=0)
     meta = dict(meta) | {"counts": torch.zeros_like(meta["counts"])}
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.moe_combine, masked=False)
+    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine, masked=False)
     assert torch.equal(got, torch.zeros(4, 128))
 
 
@@ -152,9 +152,10 @@ def test_gpu_layer_matches_the_reference_as_the_triton_layer_does(masked):
     from kernels.moe_combine import moe_combine
     from kernels.moe_grouped_gemm import moe_experts
     from kernels.quant_fp8 import quantize_act as quantize_act_gpu
+    from kernels.quant_fp8 import swiglu_quant as swiglu_quant_gpu
 
     x, meta, weights = _layer(num_tokens=256, num_experts=8, top_k=2, hidden=5120, inter=2304, device="cuda", seed=5)
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act_gpu, moe_combine, masked=masked)
+    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act_gpu, swiglu_quant_gpu, moe_combine, masked=masked)
     want = reference.moe_experts(x, meta, *weights, 10.0, shared_last=True)
     triton = moe_experts(x, meta, *weights, 10.0, shared_last=True)
     print(f"\nDeepGEMM {'masked' if masked else 'contiguous'} layer vs reference {_rel(got, want):.3g}, "

@@ -265,8 +265,8 @@ def test_the_block_scaled_experts_stay_out_of_the_mode_the_interpreter_and_small
 def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypatch):
     """With ``SHINKAI_MOE_GEMM=deepgemm`` and a passing probe, a compiled-like kernel set's fp8 experts run
     through ``kernels.deepgemm_moe`` (a torch stand-in for ``deep_gemm`` here) and agree with the grouped Triton
-    path; without the flag, in the batch-invariant mode, or with the interpreted set they stay on Triton.
-    Dead rows come out as zeros either way."""
+    path; without the flag, in the batch-invariant mode, with the interpreted set, or below ``MIN_TOKENS`` rows
+    they stay on Triton. Dead rows come out as zeros either way."""
     from kernels import deepgemm_moe
     from tests.kernels.test_deepgemm_moe import fake_deep_gemm
 
@@ -288,7 +288,10 @@ def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypa
         KernelMoE(copy.deepcopy(ffn), "fp8", _moe_kernels())(x)  # the interpreted set
         with invariance.fixed_configs():  # the batch-invariant mode
             KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
+        monkeypatch.setattr(deepgemm_moe, "MIN_TOKENS", 13)  # one row more than the step has
+        KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
         assert calls == []
+        monkeypatch.setattr(deepgemm_moe, "MIN_TOKENS", 12)
         got = KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x, live=live)
     assert calls == [False]  # eager: the contiguous layout
     assert torch.equal(got[:, ~live], torch.zeros_like(got[:, ~live]))
