@@ -13,7 +13,7 @@ Two layouts of the stacked experts (``KernelMoE``'s E routed + the shared one as
 
 - contiguous (prefill, ``contiguous_rows``): each expert's rows one after another, each span padded to DeepGEMM's
   M alignment (its block M), with ``m_indices`` int32 per row: the expert, −1 on pad rows. The spans follow the
-  per-expert counts, read on the host once per layer (as the cuBLASLt path does), so this is eager only.
+  per-expert device counts inside a fixed M (the most the spans can take), so the GPU never waits on the host.
 - masked (decode, ``masked=True``): the masked layout's [E+1, cap, K] grid itself, gathered from the token rows
   through ``row_ids`` (DeepGEMM reads A by TMA, with no row gather), ``masked_m`` = the device counts. Every shape
   is fixed per batch size: a CUDA graph can capture it once the kernels are compiled.
@@ -114,10 +114,9 @@ def _probe(device: torch.device) -> tuple[float, float]:
     counts = torch.tensor([capacity, 0, 17], dtype=torch.int32)
     exact = exact_grouped(a, w, w_scale)  # [3, cap, N]
     masked = grouped_masked(a, w, w_scale, counts.to(device), capacity)
-    flat, m_indices, starts = contiguous_rows(counts, capacity, alignment())
-    flat, m_indices = flat.to(device), m_indices.to(device)
+    flat, m_indices, starts = contiguous_rows(counts.to(device), capacity, alignment(), int(counts.sum()))
     contiguous = grouped_contiguous((a[0].flatten(0, 1)[flat], a[1].flatten(0, 1)[flat]), w, w_scale, m_indices)
-    rows = [(e, starts[e].item(), c) for e, c in enumerate(counts.tolist()) if c]
+    rows = [(e, int(starts[e]), c) for e, c in enumerate(counts.tolist()) if c]
     want = torch.cat([exact[e, :c] for e, _, c in rows])
     got_c = torch.cat([contiguous[s:s + c] for e, s, c in rows]).float()
     got_m = torch.cat([masked[e, :c] for e, _, c in rows]).float()
@@ -131,25 +130,30 @@ def exact_grouped(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale
     return torch.bmm(a_f, dequantize_weight_block128(w, w_scale).transpose(1, 2))
 
 
-def contiguous_rows(counts: torch.Tensor, capacity: int,
-                    align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host counts int [G] of a masked layout with ``capacity`` slots per expert → (flat masked slots int64 [M]
-    of the contiguous rows, ``m_indices`` int32 [M], each expert's first contiguous row int64 [G]).
+def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
+                    num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counts int [G] of a masked layout with ``capacity`` slots per expert, at most ``num_slots`` in all → (flat
+    masked slots int64 [M], ``m_indices`` int32 [M], each expert's first contiguous row int64 [G]), on counts'
+    device, with device ops only (no host read: the GPU never waits for the host between layers).
 
     Expert e's span is rows [starts[e], starts[e] + ⌈counts[e]/align⌉·align): its slots 0 … counts[e]−1 in order,
-    then pad rows, which repeat the expert's slot 0 (any finite row: DeepGEMM skips no row inside a block, and
-    nothing reads their outputs) and have ``m_indices`` −1. M = Σ spans, a multiple of ``align``."""
-    counts = counts.long().cpu()
-    if (counts < 0).any() or (counts > capacity).any():
-        raise ValueError(f"counts must lie in [0, {capacity}], got {counts.tolist()}")
+    then pad rows. M = ⌈(num_slots + G·(align − 1))/align⌉·align, the most the spans can take, whatever the counts;
+    rows past the last span are pad rows too. Pad rows have ``m_indices`` −1 (DeepGEMM skips a block whose first
+    row is −1, and every span starts a block) and flat slot 0 (any slot: callers mask them by ``m_indices``)."""
+    num_groups = counts.numel()
+    counts = counts.long()
+    rows = (num_slots + num_groups * (align - 1) + align - 1) // align * align
     spans = (counts + align - 1) // align * align  # [G]
     starts = torch.cumsum(spans, 0) - spans
-    expert = torch.repeat_interleave(torch.arange(counts.numel()), spans)  # [M]
-    j = torch.arange(expert.numel()) - starts[expert]  # place in the span
-    real = j < counts[expert]
-    flat = expert * capacity + torch.where(real, j, 0)
-    m_indices = torch.where(real, expert, -1).to(torch.int32)
-    return flat, m_indices, starts
+    j = torch.arange(capacity, device=counts.device)
+    real = j < counts[:, None]  # [G, cap]
+    dest = torch.where(real, starts[:, None] + j, rows).flatten()  # row M: a dump, cut off below
+    flat = torch.zeros(rows + 1, dtype=torch.long, device=counts.device)
+    flat.scatter_(0, dest, torch.arange(num_groups * capacity, device=counts.device))
+    m_indices = torch.full((rows + 1,), -1, dtype=torch.int32, device=counts.device)
+    m_indices.scatter_(0, dest, torch.arange(num_groups, dtype=torch.int32, device=counts.device)
+                       .repeat_interleave(capacity))
+    return flat[:rows], m_indices[:rows], starts
 
 
 def contiguous_slots(slot_of: torch.Tensor, starts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -186,7 +190,7 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w
     as ``kernels.moe_grouped_gemm.moe_experts`` computes it. w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows),
     w2 e4m3 [E+1, D', I'], fp32 128×128 block scales. ``quantize_act``, ``swiglu_quant`` and ``combine`` are the
     kernel set's.
-    ``masked``: the masked layout (device counts, graph-safe); else the contiguous one (one host read)."""
+    ``masked``: the masked layout; else the contiguous one. Both are device ops only (graph-safe)."""
     num_stacked, capacity = meta["row_ids"].shape
     x_q, x_s = quantize_act(x)  # [T, D'], [T, D'/128]
     if masked:
@@ -199,14 +203,12 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w
         expected = max(1, meta["slot_of"].numel() // num_stacked)
         gate_up = grouped_masked(a, w13, w13_scale, counts, expected)  # bf16 [E+1, cap, 2I']
     else:
-        counts = meta["counts"].cpu()  # the one host read
-        if not bool(counts.any()):  # no live row: nothing routed, nothing to combine
-            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat, m_indices, starts = contiguous_rows(counts, capacity, alignment())
-        flat, m_indices = flat.to(x.device), m_indices.to(x.device)
-        tokens = meta["row_ids"].reshape(-1)[flat].long()  # [M] the token of each contiguous row
+        flat, m_indices, starts = contiguous_rows(meta["counts"], capacity, alignment(), meta["slot_of"].numel())
+        real = m_indices >= 0
+        # Pad rows gather token 0 and weigh 0 (a masked slot past its count holds any bytes, even a bad token id).
+        tokens = torch.where(real, meta["row_ids"].reshape(-1)[flat], 0).long()  # [M] the token of each row
         a = (x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens])
-        route_w = meta["route_w"].reshape(-1)[flat]  # [M]
+        route_w = torch.where(real, meta["route_w"].reshape(-1)[flat], 0.0)  # [M]
         gate_up = grouped_contiguous(a, w13, w13_scale, m_indices)  # bf16 [M, 2I']
     inter = gate_up.shape[-1] // 2
     h_q, h_s = swiglu_quant(gate_up.reshape(-1, 2 * inter), route_w.reshape(-1), swiglu_limit)  # [M, I'] e4m3

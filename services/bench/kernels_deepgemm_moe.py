@@ -142,10 +142,11 @@ def _deep_products(num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: 
 
     picks = num_tokens * (TOP_K + 1)
     counts = meta["counts"].cpu()
-    flat, m_indices, starts = deepgemm_moe.contiguous_rows(counts, num_tokens, deepgemm_moe.alignment())
-    flat, m_indices = flat.to(DEVICE), m_indices.to(DEVICE)
+    flat, m_indices, starts = deepgemm_moe.contiguous_rows(meta["counts"], num_tokens, deepgemm_moe.alignment(),
+                                                           picks)
+    starts = starts.cpu()
     x_q, x_s = quantize_act(x)
-    tokens = meta["row_ids"].reshape(-1)[flat].long()
+    tokens = torch.where(m_indices >= 0, meta["row_ids"].reshape(-1)[flat], 0).long()
     a = (x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens])
     h = quantize_act(torch.randn(flat.numel(), INTER, device=DEVICE, dtype=torch.bfloat16))
     rows = []

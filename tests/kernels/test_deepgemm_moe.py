@@ -43,18 +43,27 @@ def fake_deep_gemm(align: int = 4) -> SimpleNamespace:
 
 
 def test_contiguous_rows_pad_each_span_and_mark_the_pads():
-    counts, capacity, align = torch.tensor([3, 0, 5, 8, 1]), 9, 4
-    flat, m_indices, starts = deepgemm_moe.contiguous_rows(counts, capacity, align)
-    want_flat, want_idx, want_starts = [], [], []
+    counts, capacity, align, num_slots = torch.tensor([3, 0, 5, 8, 1]), 9, 4, 20
+    flat, m_indices, starts = deepgemm_moe.contiguous_rows(counts, capacity, align, num_slots)
+    want_idx, want_starts = [], []
     for e, c in enumerate(counts.tolist()):
-        want_starts.append(len(want_flat))
-        span = -(-c // align) * align
-        want_flat += [e * capacity + (j if j < c else 0) for j in range(span)]
-        want_idx += [e if j < c else -1 for j in range(span)]
-    assert flat.tolist() == want_flat and m_indices.tolist() == want_idx and starts.tolist() == want_starts
-    assert m_indices.dtype == torch.int32 and flat.numel() == 4 + 0 + 8 + 8 + 4
-    with pytest.raises(ValueError, match="counts must lie"):
-        deepgemm_moe.contiguous_rows(torch.tensor([10]), capacity, align)
+        want_starts.append(len(want_idx))
+        want_idx += [e if j < c else -1 for j in range(-(-c // align) * align)]
+    rows = -(-(num_slots + 5 * (align - 1)) // align) * align  # the most the spans can take: fixed by the shapes
+    want_idx += [-1] * (rows - len(want_idx))
+    assert m_indices.tolist() == want_idx and starts.tolist() == want_starts and m_indices.dtype == torch.int32
+    real = m_indices >= 0
+    want_flat = [e * capacity + j for e, c in enumerate(counts.tolist()) for j in range(c)]
+    assert flat[real].tolist() == want_flat
+    assert (flat[~real] == 0).all()  # pad rows: slot 0, masked by the callers
+
+
+def test_contiguous_rows_fit_the_worst_counts():
+    """Every expert one past a multiple of the alignment: the most pad rows the counts can need."""
+    align, capacity = 4, 9
+    counts = torch.tensor([5, 1, 9, 1])
+    flat, m_indices, _ = deepgemm_moe.contiguous_rows(counts, capacity, align, int(counts.sum()))
+    assert int((m_indices >= 0).sum()) == int(counts.sum()) and flat.numel() % align == 0
 
 
 def test_contiguous_slots_address_the_same_rows_as_the_masked_slots():
@@ -62,7 +71,7 @@ def test_contiguous_slots_address_the_same_rows_as_the_masked_slots():
     num_tokens, num_experts, top_k = 11, 6, 3
     experts = torch.rand(num_tokens, num_experts, generator=gen).argsort(-1)[:, :top_k]
     meta = route_metadata(experts, torch.rand(num_tokens, top_k, generator=gen), num_experts)
-    flat, _, starts = deepgemm_moe.contiguous_rows(meta["counts"], num_tokens, 4)
+    flat, _, starts = deepgemm_moe.contiguous_rows(meta["counts"], num_tokens, 4, meta["slot_of"].numel())
     masked_rows = torch.randn(num_experts * num_tokens, 5, generator=gen)  # a value per masked slot
     contiguous = masked_rows[flat]
     got = contiguous[deepgemm_moe.contiguous_slots(meta["slot_of"], starts, num_tokens)]
@@ -111,12 +120,19 @@ def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked)
     assert _rel(got, want) <= FP8_LINEAR_REL
 
 
-def test_no_live_row_gives_zeros_without_a_product(monkeypatch):
-    monkeypatch.setattr(deepgemm_moe, "module", lambda: pytest.fail("no product should run"))
+def test_no_live_row_gives_no_real_row(monkeypatch):
+    """With every count 0 the layout has only pad rows (DeepGEMM skips their blocks): nothing is gathered from a
+    masked slot, so junk token ids there are never read."""
+    seen: list[torch.Tensor] = []
+    fake = fake_deep_gemm(4)
+    monkeypatch.setattr(deepgemm_moe, "module", lambda: SimpleNamespace(
+        m_grouped_fp8_gemm_nt_contiguous=lambda a, b, d, m, **kw: seen.append(m) or fake.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m, **kw),
+        get_mk_alignment_for_contiguous_layout=lambda: 4))
     x, meta, weights = _layer(num_tokens=4, num_experts=3, top_k=1, hidden=128, inter=128, device="cpu", seed=0)
-    meta = dict(meta) | {"counts": torch.zeros_like(meta["counts"])}
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine, masked=False)
-    assert torch.equal(got, torch.zeros(4, 128))
+    meta = dict(meta) | {"counts": torch.zeros_like(meta["counts"]), "row_ids": torch.full_like(meta["row_ids"], 10**6)}
+    deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
+                         masked=False)
+    assert len(seen) == 2 and all((m == -1).all() for m in seen)
 
 
 def test_only_the_flag_asks_for_it_and_a_cpu_never_has_it(monkeypatch):
