@@ -152,9 +152,13 @@ class Attention(nn.Module):
 
     def project_out(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """Attention output [B, S, H, hd] (RoPE still applied at ``angles`` [B, S, P]) → [B, S, D]: RoPE
-        undone, the grouped low-rank ``wo_a``, then ``wo_b``. Public: the engine's cached step ends with it."""
+        undone, the grouped low-rank ``wo_a``, then ``wo_b``. Public: the engine's cached step ends with it.
+        ``wo_a`` is the grouped ``nn.Linear``, or a kernel backend's replacement with the same map
+        [..., G, H/G·hd] → [..., G·R] (services/worker/fp8_linear.py ``GroupedKernelLinear``)."""
         out = apply_rope(out, angles, inverse=True)  # [B, S, H, hd]
         grouped = out.reshape(*out.shape[:2], self.num_groups, -1)  # [B, S, G, H/G·hd]
+        if not isinstance(self.wo_a, nn.Linear):
+            return self.wo_b(self.wo_a(grouped))
         w = self.wo_a.weight.view(self.num_groups, -1, grouped.shape[-1])  # [G, R, H/G·hd]
         low = torch.einsum("bsgi,gri->bsgr", grouped, w)  # [B, S, G, R]
         return self.wo_b(low.flatten(2))  # [B, S, D]

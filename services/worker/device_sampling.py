@@ -162,7 +162,9 @@ def process(logits: torch.Tensor, sampling: DeviceSampling) -> ProcessedLogits:
         banned = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=device).index_put_(
             (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
         x = x.masked_fill(banned, -math.inf)
-    errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
+    # ``Sampler.process``'s error rows (a NaN, a +inf, or nothing finite) are exactly the rows whose max is not
+    # finite: amax propagates NaN, a +inf is the max, and a row of -inf and finite values has a finite max.
+    errors = ~(x.amax(dim=-1).abs() < math.inf)
     x = x.masked_fill(errors.unsqueeze(-1), 0.0)  # error rows: all-zero logits, as the pipeline's
     scaled = (x - x.amax(dim=-1, keepdim=True)) / sampling.temperatures.unsqueeze(-1)
     if sampling.needs_ranking:

@@ -127,7 +127,7 @@ def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.
             torch.cuda.empty_cache()
         if on_part is not None:
             on_part(prefix, done)
-    if model.draft is not None:  # the DSpark draft stays a torch module (its kernels come later)
+    if model.draft is not None:  # loaded as torch modules; the runner's convert_model of the whole model converts it
         model.draft.to_empty(device=device)
         for stage in model.draft.stages:
             stage.attn.freqs = rope_frequencies(cfg, compressed=False).to(device)

@@ -6,8 +6,7 @@ its attention backend is ``TritonAttention`` (services/worker/attention_backend_
 
 - every ``RMSNorm`` → ``KernelRMSNorm`` (``kernels.rmsnorm``);
 - every ``MoE`` → ``KernelMoE`` (``kernels.moe_router`` + ``kernels.moe_grouped_gemm.moe_experts``,
-  the shared expert stacked as one more expert), the DSpark draft's stages' too (the only draft modules
-  converted: the rest of the draft stays torch);
+  the shared expert stacked as one more expert);
 - the projections stored FP8 in the checkpoint (attention ``wq_a``, ``wq_b``, ``wkv``, ``wo_b``;
   indexer ``wq_b``; Engram ``wkv``) → ``KernelLinear``, and attention's grouped ``wo_a`` →
   ``GroupedKernelLinear`` (services/worker/fp8_linear.py);
@@ -15,6 +14,11 @@ its attention backend is ``TritonAttention`` (services/worker/attention_backend_
   has ``mhc``: per layer ``Block.run`` makes three mHC launches, the attention site's Mix + collapse
   (``mhc_mix``), the attention expand fused with the FFN site's Mix + collapse (``mhc_expand_mix``),
   and the FFN expand.
+
+The DSpark draft (``model.draft``) converts with the rest: its norms, its stages' mHC sites, attention
+projections (``wo_a`` grouped: ``Attention.project_out`` takes the converted module) and MoE. Its
+``main_proj``, Markov head and confidence projection stay torch, as does its attention's softmax over the
+window and block (``model/deepseek_v41/dspark.py``).
 
 The indexer's ``weights_proj`` and each ``Engram`` → ``RowTiledLinear`` / ``RowTiledEngram``
 (services/worker/row_tiled.py): the same torch maths, on fixed row tiles in the batch-invariant mode.
@@ -59,7 +63,8 @@ class Conversion:
 
     norms: int = 0
     moes: int = 0
-    draft_moes: int = 0  # of the moes, the DSpark draft's stages' (the only draft modules converted)
+    draft_moes: int = 0  # of the moes, the DSpark draft's stages'
+    draft_modules: int = 0  # of every module replaced, the DSpark draft's
     linears: int = 0
     grouped: int = 0
     mhc_sites: int = 0
@@ -84,28 +89,21 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
         tensor = next(model.buffers())
     check_device(tensor.device, kernels)
     done = Conversion()
-    # The DSpark draft stays torch (its attention calls the model's projections and grouped ``wo_a`` itself:
-    # the draft's attention kernels are not written yet), except its stages' MoE: the torch MoE's expert loop
-    # reads routing on the host and launches per active expert, once per stage and step; ``KernelMoE`` is a
-    # fixed handful of launches with no host read.
+    # The DSpark draft's modules convert like the target's (its attention's grouped ``wo_a`` goes through
+    # ``Attention.project_out``, which takes a converted one): counted apart as well.
     draft = getattr(model, "draft", None)
-    torch_only = set(draft.modules()) if isinstance(draft, nn.Module) else set()
-    for stage in getattr(draft, "stages", ()):
-        if isinstance(stage.ffn, MoE):
-            stage.ffn = KernelMoE(stage.ffn, precision, kernels)
-            done.moes, done.draft_moes = done.moes + 1, done.draft_moes + 1
-            done.inexact += getattr(stage.ffn, "inexact", 0)
+    draft_parents = set(draft.modules()) if isinstance(draft, nn.Module) else set()
     for parent in list(model.modules()):
-        if parent in torch_only:
-            continue
         for name, child in list(parent.named_children()):
             new: nn.Module | None = None
+            in_draft = parent in draft_parents
             if isinstance(child, RMSNorm):
                 new, done.norms = KernelRMSNorm(child, kernels), done.norms + 1
             elif isinstance(child, HyperConnection) and kernels.mhc is not None:
                 new, done.mhc_sites = KernelHyperConnection(child, kernels), done.mhc_sites + 1
             elif isinstance(child, MoE):
                 new, done.moes = KernelMoE(child, precision, kernels), done.moes + 1
+                done.draft_moes += in_draft
             elif isinstance(parent, Attention) and name == "wo_a" and isinstance(child, nn.Linear):
                 new = GroupedKernelLinear(child.weight, parent.num_groups, precision, kernels)
                 done.grouped += 1
@@ -120,6 +118,7 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
                 new = RowTiledEngram(child)
             if new is not None:
                 done.inexact += getattr(new, "inexact", 0)
+                done.draft_modules += in_draft
                 setattr(parent, name, new)
     return done
 

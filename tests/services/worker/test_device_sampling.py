@@ -71,6 +71,22 @@ def test_process_equals_the_samplers_on_every_field(rank_all):
         assert torch.equal(got.ranked_rows[:n], want.ranked_rows)
 
 
+def test_error_rows_are_the_samplers_for_every_kind_of_non_finite_logit():
+    """A NaN (alone, or beside a +inf or a -inf), a +inf, nothing finite (all -inf, or -inf and +inf), and rows
+    that stay valid (some -inf beside finite values; one finite value among -inf): the same error rows and
+    values as ``Sampler.process``."""
+    inf, nan = math.inf, math.nan
+    logits = torch.tensor([[nan, 1.0, 2.0, 0.0], [inf, 1.0, 2.0, 0.0], [-inf, -inf, -inf, -inf],
+                           [-inf, inf, -inf, -inf], [nan, inf, -inf, 0.0], [nan, -inf, -inf, -inf],
+                           [-inf, 1.0, -inf, 3.0], [-inf, -inf, 5.0, -inf], [0.5, 1.0, 2.0, 0.0]])
+    rows = [row(temperature=0.7)] * logits.shape[0]
+    want = Sampler().process(logits, rows)
+    _, got = static_process(logits, rows, False, logits.shape[0])
+    assert got.errors.tolist() == [True] * 6 + [False] * 3
+    for name in ("banned", "logprobs", "probs", "errors"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 def test_rows_that_ask_for_no_ranking_are_not_sorted():
     rows = [row(temperature=0), row(temperature=0.6), row(banned_token_ids=(1,))]
     logits = logits_of(ROWS)[: len(rows) + 1]  # one padding row

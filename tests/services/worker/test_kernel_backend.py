@@ -261,11 +261,11 @@ def test_kernel_moe_interpreted_matches_model_moe(precision):
     assert _rel(out, ref) < 0.1
 
 
-def test_the_drafts_stages_take_the_kernel_moe_and_draft_the_same_block():
-    """The DSpark draft's stages' MoE → ``KernelMoE`` (its torch expert loop reads routing on the host per
-    stage and step); every other draft module stays torch. At fp32 the converted draft's block (stage
-    streams, hidden, logits) from the same context and anchors equals the torch draft's within fp32
-    reordering, and its drafts are the same tokens."""
+def _draft_blocks(precision: str, device: str = "cpu"):
+    """A random model with a DSpark draft (small weights: an untrained draft's scale), its converted twin
+    (interpreted kernels on CPU, compiled on CUDA) and both drafts' blocks from the same context and anchors
+    (3 rows, 6 context positions; the torch draft on the CPU). Returns (model, twin, conversion, torch blocks,
+    kernel blocks on the CPU)."""
     from model.deepseek_v41.dspark import DraftContext
     from model.deepseek_v41.model import DeepseekV41
     from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
@@ -274,29 +274,55 @@ def test_the_drafts_stages_take_the_kernel_moe_and_draft_the_same_block():
     cfg = finish(cfg, cfg.vocab_size)
     torch.manual_seed(3)
     model = DeepseekV41(cfg, list(range(cfg.vocab_size)), cfg.vocab_size)  # identity Engram map (unused here)
-    for p in model.parameters():  # small random weights (an untrained draft's scale)
+    for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    twin = copy.deepcopy(model)
-    done = convert_model(twin, "fp32", interpreted())
-    stages = len(model.draft.stages)
-    assert done.draft_moes == stages and done.moes == cfg.num_hidden_layers + stages
-    assert all(isinstance(s.ffn, KernelMoE) for s in twin.draft.stages)
-    others = [m for s in twin.draft.stages for m in s.modules() if not isinstance(m, KernelMoE)]
-    assert not any(isinstance(m, (KernelRMSNorm, KernelLinear, KernelHyperConnection)) for m in others)
+    twin = copy.deepcopy(model).to(device)
+    done = convert_model(twin, precision, interpreted() if device == "cpu" else None)
     gen = torch.Generator().manual_seed(4)
     taps = torch.randn(3, 6, len(cfg.dspark_target_layer_ids) * cfg.hidden_size, generator=gen)
     anchors = torch.randint(3, cfg.vocab_size, (3,), generator=gen)
     blocks = {}
-    with torch.no_grad(), interpreter():
-        for name, m in (("torch", model), ("kernels", twin)):
-            ctx = DraftContext.empty(m.draft, 3)
-            ctx.append(m.draft, taps)
-            blocks[name] = m.draft.blocks_from_context(ctx, anchors, m.embed, m.head)
-    want, got = blocks["torch"], blocks["kernels"]
+    with torch.no_grad(), (interpreter() if device == "cpu" else contextlib.nullcontext()):
+        for name, m, on in (("torch", model, "cpu"), ("kernels", twin, device)):
+            ctx = DraftContext.empty(m.draft, 3, on)
+            ctx.append(m.draft, taps.to(on))
+            out = m.draft.blocks_from_context(ctx, anchors.to(on), m.embed, m.head)
+            blocks[name] = type(out)([t.cpu() for t in out.streams], out.hidden.cpu(), out.logits.cpu())
+    return model, twin, done, blocks["torch"], blocks["kernels"]
+
+
+def test_the_drafts_modules_take_the_kernels_and_draft_the_same_block():
+    """The DSpark draft converts with the target: every norm → ``KernelRMSNorm``, every stage's mHC site →
+    ``KernelHyperConnection``, its attention's FP8 projections → ``KernelLinear`` (``wo_a`` grouped), its MoE →
+    ``KernelMoE``; ``main_proj``, the Markov head and the confidence projection stay torch. At fp32 the
+    converted draft's block (stage streams, hidden, logits) from the same context and anchors equals the torch
+    draft's within fp32 reordering, and its drafts are the same tokens."""
+    model, twin, done, want, got = _draft_blocks("fp32")
+    stages = len(model.draft.stages)
+    assert done.draft_moes == stages and done.moes == model.cfg.num_hidden_layers + stages
+    # Per stage: 4 norms (attn, ffn, q, kv), 2 mHC sites, 4 projections + wo_a, the MoE; then main_norm, norm.
+    assert done.draft_modules == stages * 12 + 2
+    for s in twin.draft.stages:
+        assert isinstance(s.ffn, KernelMoE) and isinstance(s.attn.wo_a, GroupedKernelLinear)
+        assert all(isinstance(n, KernelRMSNorm) for n in (s.attn_norm, s.ffn_norm, s.attn.q_norm, s.attn.kv_norm))
+        assert isinstance(s.hc_attn, KernelHyperConnection) and isinstance(s.hc_ffn, KernelHyperConnection)
+        assert all(isinstance(getattr(s.attn, name), KernelLinear) for name in FP8_PROJECTIONS["Attention"])
+    draft = twin.draft
+    assert isinstance(draft.norm, KernelRMSNorm) and isinstance(draft.main_norm, KernelRMSNorm)
+    assert all(type(m) is nn.Linear for m in (draft.main_proj, draft.markov_head, draft.confidence_proj))
     for a, b in zip(want.streams, got.streams):
         assert _rel(b, a) < tol.FP32_REORDER_REL
+    assert _rel(got.hidden, want.hidden) < tol.FP32_REORDER_REL
     assert _rel(got.logits, want.logits) < tol.FP32_REORDER_REL
     assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+
+
+def test_the_fp8_draft_stays_near_the_torch_draft():
+    """At fp8 the draft's projections and experts round their inputs and weights to e4m3: its logits stay within
+    the kernel MoE's FP8 bound of the torch draft's (test_kernel_moe_interpreted_matches_model_moe: a few e4m3 casts of 3.25% RMS each)."""
+    _, _, _, want, got = _draft_blocks("fp8")
+    assert _rel(got.hidden, want.hidden) < 0.1
+    assert _rel(got.logits, want.logits) < 0.1
 
 
 # ---------------------------------------------------------------- CPU: the engine, interpreted
@@ -463,6 +489,21 @@ def test_gpu_fp32_engine_every_kernel_matches_torch_runner():
     small = small_case()
     runner = runner_for(small, copy.deepcopy(small.model).to("cuda"), 10, "fp32")
     assert against_torch_runner(small, runner) <= tol.LOGITS_ATOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_converted_draft_matches_the_cpu_torch_draft():
+    """The DSpark draft on the compiled kernels (norms, mHC, FP8-path projections, MoE): at fp32 its block's
+    logits within the engine's logits tolerance of the CPU torch draft's, at fp8 within the CPU test's bound."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _, _, _, want, got = _draft_blocks("fp32", "cuda")
+    worst = float((got.logits - want.logits).abs().max())
+    print(f"\nGPU fp32 converted draft: max |Δ logits| {worst:.3g}, rel {_rel(got.logits, want.logits):.3g}")
+    assert worst <= tol.LOGITS_ATOL
+    _, _, _, want, got = _draft_blocks("fp8", "cuda")
+    print(f"GPU fp8 converted draft: rel {_rel(got.logits, want.logits):.3g}")
+    assert _rel(got.hidden, want.hidden) < 0.1 and _rel(got.logits, want.logits) < 0.1
 
 
 FP8_CASES = (("oracle", 16), ("wide", 23), ("nocand", 32))

@@ -118,20 +118,26 @@ def test_inputs_of_another_key_are_refused(setup):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("conversion", ["moe", "all"])
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode):
-    """The same model (its draft's MoE on KernelMoE, which a capture needs) and cache, the same buffers' values:
+def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode, conversion):
+    """The same model (its draft's MoE on KernelMoE, which a capture needs; "all": every draft module the kernel
+    backend converts, its norms, mHC sites and FP8 projections too) and cache, the same buffers' values:
     replaying the captured graph gives the eager run's bits, for two batches in a row (the second replay reads
     the refilled buffers, not what the capture saw). The second fill and replay run under CUDA's sync debug
     mode "error" (the first captures, which synchronises)."""
     from services.worker.fp8_linear import KernelSet
+    from services.worker.kernel_backend import convert_model
     from services.worker.kernel_moe import KernelMoE
 
     torch.manual_seed(0)
     draft = DSpark(CFG).eval().cuda()
     kernels = KernelSet.compiled()
+    if conversion == "all":
+        convert_model(draft, "fp8", kernels)
     for stage in draft.stages:
-        stage.ffn = KernelMoE(stage.ffn, "fp8", kernels)
+        if not isinstance(stage.ffn, KernelMoE):
+            stage.ffn = KernelMoE(stage.ffn, "fp8", kernels)
     model = types.SimpleNamespace(cfg=CFG, draft=draft, embed=nn.Embedding(V, CFG.hidden_size).cuda(),
                                   head=nn.Linear(CFG.hidden_size, V, bias=False).cuda())
     cache = CacheEngine(CFG, 16, num_blocks=2, num_state_slots=len(ROWS) + 1, ring=ring_size(CFG), device="cuda",
