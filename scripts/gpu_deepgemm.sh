@@ -2,8 +2,8 @@
 # One device call: build DeepGEMM (third_party/deepgemm-src, carried untracked: docs/performance.md, "DeepGEMM on
 # the device") into /tmp, then time its grouped FP8 GEMMs against the Triton grouped GEMM and the cuBLASLt
 # per-expert loop at v41-s1's MoE shapes (services/bench/kernels_deepgemm_moe.py), with accuracy checks, and run
-# then its GPU tests in the time left. Writes under $OUT (or ./out): build.log, bench.log, deepgemm.json, pytest.log. Every step is under
-# `timeout`; the whole call stays under BUDGET_S (default 460 s). Usage: bash scripts/gpu_deepgemm.sh [--quick]
+# then its GPU tests in the time left (DEEPGEMM_BUILD_ONLY=1: the build and the import check only). Writes
+# under $OUT (or ./out): build.log, bench.log, deepgemm.json, pytest.log. Every step is under `timeout`; the whole call stays under BUDGET_S (default 460 s). Usage: bash scripts/gpu_deepgemm.sh [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"; mkdir -p "$out"
@@ -25,7 +25,7 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 # --- build: DeepGEMM's own setup.py (build_ext --inplace, as its develop.sh), else g++ directly -----------------
 build=/tmp/deepgemm
 if [ -n "${DEEPGEMM_BUILD:-}" ] && ls "$DEEPGEMM_BUILD"/deep_gemm/_C*.so >/dev/null 2>&1; then
-    build=$DEEPGEMM_BUILD; say "using the build in $build"   # one scripts/gpu_deepgemm_variants.sh made
+    build=$DEEPGEMM_BUILD; say "using the build in $build"
 else
 rm -rf "$build"; cp -r "$src" "$build"
 ln -sfn "$build/third-party/cutlass/include/cute" "$build/deep_gemm/include/cute"     # as develop.sh links them
@@ -38,7 +38,7 @@ say "building deep_gemm._C with setup.py"
 # -include cuda_fp8.h: the host compile sizes device structs holding __nv_fp8_e4m3 (layout/mqa_logits.cuh), and a
 # syntax-only g++ check of csrc/python_api.cpp against pip's CUDA 13 headers found that type incomplete there.
 # CXX=/usr/bin/g++: built by /opt/gcc's g++ (the device's default), _C crashed in std::regex's constructor (a null
-# locale facet) on its first call; the system g++ of the same version builds one that runs (gpu_deepgemm_variants.sh).
+# locale facet) on its first call; the system g++ of the same version builds one that runs.
 ( cd "$build" && CXX=/usr/bin/g++ CC=/usr/bin/gcc CFLAGS="-include cuda_fp8.h" \
     timeout 240 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1
 if ! ls "$build"/deep_gemm/_C*.so >/dev/null 2>&1; then
@@ -55,7 +55,7 @@ EOF
 )
     so="$build/deep_gemm/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
     # shellcheck disable=SC2086 # a list of flags
-    ( cd "$build" && timeout 240 g++ -std=c++17 -O3 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations \
+    ( cd "$build" && timeout 240 /usr/bin/g++ -std=c++17 -O3 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations \
         -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -include cuda_fp8.h $flags \
         -I"$CUDA_HOME/include" -I"$CUDA_HOME/include/cccl" -Ideep_gemm/include -Ithird-party/cutlass/include \
         -Ithird-party/fmt/include csrc/python_api.cpp -o "$so" -L"$CUDA_HOME/lib64" \
@@ -68,6 +68,8 @@ export PYTHONPATH="$PWD:$build" DG_JIT_CACHE_DIR=/tmp/deepgemm-jit
 python3 -c "import deep_gemm, torch; print('deep_gemm', deep_gemm.__version__, 'M alignment',
 deep_gemm.get_mk_alignment_for_contiguous_layout())" 2>&1 | tee -a "$out/build.log" | tail -5 \
     || { say "FAIL: deep_gemm does not import"; exit 4; }
+
+[ -n "${DEEPGEMM_BUILD_ONLY:-}" ] && exit 0
 
 # --- the bench: stops starting new sizes early enough to print its table within the budget -----------------------
 bench_s=$(( $(left) - 75 )); [ "$bench_s" -ge 150 ] || bench_s=150

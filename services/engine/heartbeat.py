@@ -6,6 +6,8 @@ Invariants:
   died holding a step (killed, or hung: SIGSTOP, a wedged device) stops answering, so the step in flight is
   abandoned within ``timeout_s`` plus one poll, not after the step's own (long) gRPC deadline.
 - ``alive`` only reads a timestamp: the step thread may ask it as often as it likes.
+- ``answering_for()`` is how long every check has been answered SERVING without a miss (0 after a miss): a
+  worker coming back counts as back only once it has answered steadily (``services/engine/process.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WorkerHeartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_missed = 0  # checks that got no SERVING answer, ever
+        self._answering_since: float | None = None  # the first SERVING answer since the latest miss (None: missed)
 
     @property
     def alive(self) -> bool:
@@ -41,6 +44,12 @@ class WorkerHeartbeat:
     def mark_lost(self) -> None:
         """The step call itself found the worker gone (connection refused or reset): dead until it answers."""
         self._last_ok = float("-inf")
+        self._answering_since = None
+
+    def answering_for(self) -> float:
+        """Seconds since the current unbroken run of SERVING answers began; 0 while the latest check missed."""
+        since = self._answering_since
+        return 0.0 if since is None or not self.alive else time.monotonic() - since
 
     def beat(self) -> bool:
         """One health check; True when the worker answered SERVING."""
@@ -48,18 +57,22 @@ class WorkerHeartbeat:
             reply = self.stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.interval_s)
         except grpc.RpcError:
             self.num_missed += 1
+            self._answering_since = None
             return False
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             self.num_missed += 1
+            self._answering_since = None
             return False
         self._last_ok = time.monotonic()
+        if self._answering_since is None:
+            self._answering_since = self._last_ok
         return True
 
     def start(self) -> None:
         """Starts watching (idempotent); the worker counts as alive from now until it misses ``timeout_s``."""
         if self._thread is not None:
             return
-        self._last_ok = time.monotonic()
+        self._last_ok = self._answering_since = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.address}", daemon=True)
         self._thread.start()
 

@@ -57,7 +57,13 @@ class EngineEndpoint:
         await self.served.stop(self.api, self.drain_timeout_s)
 
 
-async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -> None:
+SETTLE_S = 1.0
+"""A lost worker counts as back once its heartbeat has been answered, without a miss, for this long (two checks
+at the default interval) and it still serves the engine's model: one answer from a worker that is catching up
+after a stall does not flip health back and forth."""
+
+
+async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1, settle_s: float = SETTLE_S) -> None:
     """Keeps health and lifecycle in step with the worker's heartbeat (runs until cancelled)."""
     lost = False
     while True:
@@ -65,12 +71,16 @@ async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1) -
         if remote.alive != lost:
             continue  # no change
         if lost:
+            if remote.answering_for() < settle_s:
+                continue  # answering again, not yet steadily
             try:  # a restarted worker must still serve the engine's model
                 await asyncio.to_thread(remote.check_model, source, 10.0)
             except Exception as err:
                 log.error("worker %s is back but refused: %s", remote.address, err)
                 await asyncio.sleep(1.0)
                 continue
+            if remote.answering_for() < settle_s:
+                continue  # it missed a check meanwhile
         lost = not lost
         log.warning("worker %s %s", remote.address, "lost: not serving" if lost else "back: serving again")
         await api.set_problem(f"the worker at {remote.address} is not answering" if lost else None)

@@ -6,7 +6,9 @@ At connect time the worker's config and weight hashes must equal the engine's ow
 
 A step whose worker dies (the call fails) or stops answering its heartbeat (`WorkerHeartbeat`) raises
 `WorkerLost` promptly; the engine's step loop then ends that step's requests with "error". ``release``
-never raises: a worker that is gone has dropped the request's state with everything else.
+never raises. A request released while the worker does not answer is released again before the next step it
+answers: a worker that died has dropped the state anyway, but one that only stalled (SIGSTOP, a wedged device)
+still holds it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RemoteWorker:
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.heartbeat = WorkerHeartbeat(self.channel, address, interval_s=heartbeat_s, timeout_s=heartbeat_timeout_s)
+        self.unreleased: set[str] = set()  # released while the worker did not answer; sent before its next step
 
     def check_model(self, source, connect_timeout_s: float = 60.0) -> pb.ModelInfo:
         """Waits for the worker, then compares its hashes with ``source``'s (a ModelSource)."""
@@ -63,9 +66,15 @@ class RemoteWorker:
     def alive(self) -> bool:
         return self.heartbeat.alive
 
+    def answering_for(self) -> float:
+        """Seconds the worker has answered its heartbeat without a miss (``WorkerHeartbeat.answering_for``)."""
+        return self.heartbeat.answering_for()
+
     def execute(self, plan, rows: Sequence[SamplingRow]) -> WorkerOutput:
         if not self.heartbeat.alive:
             raise WorkerLost(f"the worker at {self.address} is not answering its heartbeat")
+        for request_id in sorted(self.unreleased):
+            self.release(request_id)
         call = self.stub.ExecuteStep.future(encode_plan(plan, rows), timeout=self.timeout_s,
                                            metadata=tracing.grpc_metadata())  # a traced step's context
         poll_s = self.heartbeat.interval_s
@@ -100,12 +109,14 @@ class RemoteWorker:
 
     def release(self, request_id: str) -> None:
         if not self.heartbeat.alive:
-            return  # a lost worker dropped every request's state; do not wait on it once per request
+            self.unreleased.add(request_id)  # do not wait on a lost worker once per request: again when it answers
+            return
         try:
             self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=min(self.timeout_s, 5.0))
         except grpc.RpcError as err:
             log.warning("release of %s on %s failed (%s); a lost worker has dropped it anyway",
                         request_id, self.address, err.code().name)
+        self.unreleased.discard(request_id)
 
     def close(self) -> None:
         self.heartbeat.stop()
