@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.deepseek_v41.config import ModelConfig
@@ -145,10 +144,15 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(n, d))
         self.k_weight = nn.Parameter(torch.ones(n, d))
 
+    def project(self, h: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [B, S, heads] → (key [B, S, n·D], value [B, S, D]): two views of one wkv product, whose input
+        is the embedding in h's dtype."""
+        emb = self.embed(rows).flatten(-2).to(h.dtype)  # [B, S, heads·de]; a module, so a GPU build can keep it FP8
+        return self.wkv(emb).split((self.n * self.d, self.d), dim=-1)
+
     def forward(self, h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, S, n, D], rows [B, S, heads] → h + gate·value, [B, S, n, D]. Dead tokens get gate 0."""
-        emb = self.embed(rows).flatten(-2).to(h.dtype)  # [B, S, heads·de]; a module, so a GPU build can keep it FP8
-        key, value = self.wkv(emb).split((self.n * self.d, self.d), dim=-1)
+        key, value = self.project(h, rows)
         key = key.float().unflatten(-1, (self.n, self.d))  # [B, S, n, D]
         hf = h.float()
         rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)

@@ -20,8 +20,11 @@ projections (``wo_a`` grouped: ``Attention.project_out`` takes the converted mod
 ``main_proj``, Markov head and confidence projection stay torch, as does its attention's softmax over the
 window and block (``model/deepseek_v41/dspark.py``).
 
-The indexer's ``weights_proj`` and each ``Engram`` → ``RowTiledLinear`` / ``RowTiledEngram``
-(services/worker/row_tiled.py): the same torch maths, on fixed row tiles in the batch-invariant mode.
+
+Each ``Engram`` → ``KernelEngram`` (services/worker/kernel_engram.py: its gate and residual add on
+``kernels.engram_gate``, one program per token and stream, so row-invariant in both modes) when the kernel
+set has ``engram_gate``, else ``RowTiledEngram``. The indexer's ``weights_proj`` → ``RowTiledLinear``
+(services/worker/row_tiled.py: the same torch maths, on fixed row tiles in the batch-invariant mode).
 
 With ``precision="fp8"``, the output head → ``KernelHead`` (services/worker/kernel_head.py: its bf16
 weight read as bf16, fp32 logits) when its weight is exact in bf16, as the checkpoint's is.
@@ -47,6 +50,7 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
 from services.worker.kernel_head import KernelHead, exact_in_bf16
+from services.worker.kernel_engram import KernelEngram
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.row_tiled import RowTiledEngram, RowTiledLinear
 
@@ -114,8 +118,8 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
                 new, done.linears = KernelLinear(child.weight, precision, kernels), done.linears + 1
             elif isinstance(parent, Indexer) and name == "weights_proj" and isinstance(child, nn.Linear):
                 new = RowTiledLinear(child)
-            elif isinstance(child, Engram) and not isinstance(parent, RowTiledEngram):
-                new = RowTiledEngram(child)
+            elif isinstance(child, Engram) and not isinstance(parent, (RowTiledEngram, KernelEngram)):
+                new = RowTiledEngram(child) if kernels.engram_gate is None else KernelEngram(child, kernels)
             if new is not None:
                 done.inexact += getattr(new, "inexact", 0)
                 done.draft_modules += in_draft

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kernels import reference
+from model.deepseek_v41.engram import Engram
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
@@ -27,6 +28,7 @@ from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLine
                                         group_rows_meta, linear_block_m, one_expert_meta, quantize_each,
                                         quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
+from services.worker.kernel_engram import KernelEngram
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_sampler import KernelSampler
@@ -122,8 +124,10 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     left = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name, m in model.named_modules()
                    if isinstance(m, nn.Linear)})
     assert left == ["compressor.wgate", "compressor.wkv", "indexer.wk", "weights_proj.linear"]
-    # Row-wise torch modules run on fixed row tiles in the batch-invariant mode (services/worker/row_tiled.py).
-    assert sum(isinstance(m, RowTiledEngram) for m in model.modules()) == len(cfg.engram_layer_ids)
+    # Engram's gate runs on its kernel (one program per row); the indexer's weights_proj stays torch, on fixed
+    # row tiles in the batch-invariant mode (services/worker/row_tiled.py).
+    assert sum(isinstance(m, KernelEngram) for m in model.modules()) == len(cfg.engram_layer_ids)
+    assert not any(isinstance(m, RowTiledEngram) for m in model.modules())
     assert all(isinstance(m.weights_proj, RowTiledLinear) for m in model.modules() if type(m).__name__ == "Indexer")
     # The random checkpoint's FP8 (32×32 scales) and MXFP4 (1×32) weights land on the 128×128 grid exactly,
     # but for elements of a 32×32 block more than ~14 binades below its 128×128 block's largest scale,
@@ -550,7 +554,7 @@ REFERENCES = ("rmsnorm", "quantize_act", "dequantize_act", "moe_router", "moe_gr
 """kernels.reference's oracles (route_metadata and entry_slots are the kernels' own graph-safe glue)."""
 
 STEP_KERNELS = {"_rmsnorm_kernel", "_router_kernel", "_layout_kernel", "_compress_kernel", "_score_kernel",
-                "_select_kernel", "_mix_kernel", "_expand_kernel", "_collapse_kernel"}
+                "_select_kernel", "_mix_kernel", "_expand_kernel", "_collapse_kernel", "_engram_gate_kernel"}
 """Every step's Triton kernels (fp32 weights: the experts and projections are torch matmuls, there is
 no fp32-weight GEMM kernel; fp8 adds ``_moe_gemm_kernel``, and ``_quantize_act_kernel`` only where a GEMM
 has more than ``quant_fp8.IN_GEMM_MAX_ROWS`` rows: fewer are quantised inside the GEMMs)."""
@@ -577,6 +581,7 @@ def _refusing_patches(patch: pytest.MonkeyPatch) -> None:
         patch.setattr(torch_backend.TorchAttention, method, _refuse(f"TorchAttention.{method}"))
     patch.setattr(cache_engine.CacheEngine, "read_entries", _refuse("CacheEngine.read_entries"))
     patch.setattr(mhc.HyperConnection, "forward", _refuse("HyperConnection.forward"))
+    patch.setattr(Engram, "forward", _refuse("Engram.forward"))
     for fn in ("collapse", "expand", "sinkhorn"):
         patch.setattr(mhc, fn, _refuse(f"model mhc.{fn}"))
     patch.setattr(model_runner, "collapse", _refuse("model mhc.collapse (final)"))
