@@ -20,7 +20,6 @@ projections (``wo_a`` grouped: ``Attention.project_out`` takes the converted mod
 ``main_proj``, Markov head and confidence projection stay torch, as does its attention's softmax over the
 window and block (``model/deepseek_v41/dspark.py``).
 
-
 Each ``Engram`` → ``KernelEngram`` (services/worker/kernel_engram.py: its gate and residual add on
 ``kernels.engram_gate``, one program per token and stream, so row-invariant in both modes) when the kernel
 set has ``engram_gate``, else ``RowTiledEngram``. The indexer's ``weights_proj`` → ``RowTiledLinear``
