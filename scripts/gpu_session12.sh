@@ -3,6 +3,7 @@
 # - GPU_TESTS (space-separated files): their gpu-marked tests, while DeepGEMM builds in the background;
 # - DEEPGEMM_STEP=1: DeepGEMM built (gpu_deepgemm.sh, DEEPGEMM_BUILD_ONLY), then the step bench's prefill sizes on
 #   v41-s1 with SHINKAI_MOE_GEMM=deepgemm, against the session-11 sizes run (Triton experts);
+# - DEEPGEMM_CASES (e.g. "decode:1,decode:16"): the MoE-layer kernel bench at those sizes (after DEEPGEMM_STEP's build);
 # - DRAFT_PROPOSAL=1: the DSpark proposal's launches and host reads (services.bench.draft_proposal, fp8, graphs);
 # - SPEC_ACCEPT (e.g. "0 0.8"): issue 20's batch-1 speculative row at those forced acceptances, fixed and varlen.
 # The call stays under LIMIT_S (default 540). Results in $OUT (or ./out).
@@ -28,6 +29,12 @@ if [ -n "${DEEPGEMM_STEP:-}" ]; then
             > "$out/step-deepgemm.log" 2>&1
         echo "step (deepgemm) rc $?"; grep -E "^prefill|^decode  ctx" "$out/step-deepgemm.log" | head -10
     fi
+fi
+if [ -n "${DEEPGEMM_CASES:-}" ] && ls /tmp/deepgemm/deep_gemm/_C*.so > /dev/null 2>&1; then
+    PYTHONPATH="$PWD:$site:/tmp/deepgemm" DG_JIT_CACHE_DIR=/tmp/deepgemm-jit SHINKAI_DEEPGEMM_CASES="$DEEPGEMM_CASES" \
+        timeout 120 python3 -m services.bench.kernels --only deepgemm_moe --json "$out/deepgemm-cases.json" \
+        > "$out/deepgemm-cases.log" 2>&1
+    echo "deepgemm cases rc $?"; grep -E "^  (decode|prefill|DeepGEMM)" "$out/deepgemm-cases.log" | head -20
 fi
 if [ -n "${DRAFT_PROPOSAL:-}" ]; then
     timeout 90 python3 -m services.bench.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \

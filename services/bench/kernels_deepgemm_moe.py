@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 CASES = (("prefill", 4096), ("prefill", 16384), ("decode", 256), ("prefill", 1024), ("decode", 64))
 QUICK_CASES = (("prefill", 4096), ("decode", 256))
+ENV_CASES = os.environ.get("SHINKAI_DEEPGEMM_CASES", "")
+"""``kind:tokens`` pairs, comma-separated (e.g. ``decode:1,decode:16``): these cases instead of the mode's."""
 DEADLINE_S = float(os.environ.get("SHINKAI_DEEPGEMM_BENCH_S", "330"))
 """Seconds after which no further size starts (DeepGEMM compiles each new kernel with nvcc on first use)."""
 LAYER_REL = 0.05
@@ -238,7 +240,8 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
         return []
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
-    for kind, num_tokens in QUICK_CASES if quick else CASES:
+    cases = [(k, int(t)) for k, t in (c.split(":") for c in ENV_CASES.split(",") if c)] if ENV_CASES else None
+    for kind, num_tokens in cases or (QUICK_CASES if quick else CASES):
         if time.perf_counter() - start > DEADLINE_S:
             print(f"deepgemm_moe: {kind} {num_tokens} skipped (past {DEADLINE_S:.0f} s)", flush=True)
             continue
