@@ -70,11 +70,12 @@ class KernelSet:
     window_write: ModuleType | None = None  # the window-K FP8 write (else CacheEngine.write_window's torch form)
     indexer_quant: ModuleType | None = None  # the indexer query's FP4 rounding (else quant.fake_quant_indexer)
     entry_slots: ModuleType | None = None  # selected entries → pool slots (else reference.entry_slots)
+    draft_attention: ModuleType | None = None  # the DSpark draft's block attention (else its torch form)
     interpreted: bool = False
 
     NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention", "compressor", "indexer",
              "prefill_attention", "mhc", "sampler", "window_write", "indexer_quant",
-             "entry_slots")
+             "entry_slots", "draft_attention")
 
     @staticmethod
     def compiled() -> KernelSet:
