@@ -93,13 +93,20 @@ class Attention(nn.Module):
     def queries(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, D], angles [B, S, P] → (q latent [B, S, q_lora], rotated queries [B, S, H, hd])."""
         q_latent = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
-        q = apply_rope(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)  # [B, S, H, hd]
-        return q_latent, q
+        return q_latent, apply_rope(self.query_heads(q_latent), angles)  # [B, S, H, hd]
+
+    def query_heads(self, q_latent: torch.Tensor) -> torch.Tensor:
+        """The queries before RoPE: q latent [B, S, q_lora] → wq_b's heads [B, S, H, hd]."""
+        return self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim))
+
+    def kv_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The K=V latent before RoPE and rounding: kv_norm(wkv x), x [B, S, D] → [B, S, hd]."""
+        return self.kv_norm(self.wkv(x))
 
     def window_kv(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """The K=V latent of ``x`` as the window cache holds it: kv_norm(wkv x), rotated, FP8-rounded.
         x [B, S, D], angles [B, S, P] → [B, S, hd]."""
-        return fake_quant_fp8_e4m3(apply_rope(self.kv_norm(self.wkv(x)), angles))
+        return fake_quant_fp8_e4m3(apply_rope(self.kv_latent(x), angles))
 
     def _attend_per_query(self, q: torch.Tensor, kv: torch.Tensor, state: SparseState) -> torch.Tensor:
         """``sink_attention`` with every query's keys gathered in the cached engine's layout (window
@@ -155,7 +162,10 @@ class Attention(nn.Module):
         undone, the grouped low-rank ``wo_a``, then ``wo_b``. Public: the engine's cached step ends with it.
         ``wo_a`` is the grouped ``nn.Linear``, or a kernel backend's replacement with the same map
         [..., G, H/G·hd] → [..., G·R] (services/worker/fp8_linear.py ``GroupedKernelLinear``)."""
-        out = apply_rope(out, angles, inverse=True)  # [B, S, H, hd]
+        return self.project(apply_rope(out, angles, inverse=True))
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """``project_out`` once RoPE is undone: [B, S, H, hd] → the grouped ``wo_a``, then ``wo_b``, [B, S, D]."""
         grouped = out.reshape(*out.shape[:2], self.num_groups, -1)  # [B, S, G, H/G·hd]
         if not isinstance(self.wo_a, nn.Linear):
             return self.wo_b(self.wo_a(grouped))

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.deepseek_v41.attention import sink_attention
 from model.deepseek_v41.block import Block
 from model.deepseek_v41.config import ModelConfig
+from model.deepseek_v41.draft_attention import DraftAttention
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.norm import RMSNorm
-from model.deepseek_v41.rope import rope_angles
+from model.deepseek_v41.rope import rope_angles, rope_turns
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class DSpark(nn.Module):
         self.markov_embed = nn.Embedding(cfg.vocab_size, rank)
         self.markov_head = nn.Linear(rank, cfg.vocab_size, bias=False)
         self.confidence_proj = nn.Linear(d + rank, 1, bias=False)
+        self.block_attention = DraftAttention()  # no weights; a kernel backend swaps it
 
     # ---- context ---------------------------------------------------------------------------------
 
@@ -123,23 +124,18 @@ class DSpark(nn.Module):
         ids[..., 0] = anchor_tokens
         ids = ids.flatten(1)  # [B, T = A·bs]
         block_positions = (anchor_positions.unsqueeze(-1) + torch.arange(bs, device=ids.device)).flatten(1)  # [B, T]
-        allowed = torch.cat((visible, visible.new_ones(b, a, bs)), dim=-1)  # [B, A, W + bs]
-        allowed = allowed.flatten(0, 1).unsqueeze(1).expand(-1, bs, -1)  # [B·A, bs, W + bs]
         h = embed(ids).unsqueeze(2).expand(-1, -1, n, -1)  # [B, T, n, D]
         pre = initial_pre(ids.shape, n, ids.device)
         streams = []
+        turns_of: dict[bool, torch.Tensor] = {}  # per RoPE frequency set: the block's turns, computed once
         for k, stage in enumerate(self.stages):
             attn = stage.attn
+            if attn.rope_key not in turns_of:  # same bits as passing the angles (rope_turns)
+                turns_of[attn.rope_key] = rope_turns(rope_angles(block_positions, attn.freqs))  # [B, T, P]
 
             def attend(x: torch.Tensor, attn=attn, k=k) -> torch.Tensor:  # x [B, T, D] → [B, T, D]
-                angles = rope_angles(block_positions, attn.freqs)  # [B, T, P]
-                _, q = attn.queries(x, angles)  # [B, T, H, hd]
                 window = stage_window(k)  # context first: the reference's rounding order
-                own = attn.window_kv(x, angles).unflatten(1, (a, bs))  # [B, A, bs, hd]
-                keys = torch.cat((window.to(own.dtype), own), dim=2).flatten(0, 1)  # [B·A, W + bs, hd]
-                out = sink_attention(q.unflatten(1, (a, bs)).flatten(0, 1), keys, allowed, attn.attn_sink,
-                                     attn.head_dim**-0.5)  # [B·A, bs, H, hd]
-                return attn.project_out(out.unflatten(0, (b, a)).flatten(1, 2), angles)
+                return self.block_attention(attn, x, turns_of[attn.rope_key], window, visible)
 
             h, pre = stage.run(h, pre, attend, None, None)
             streams.append(h.unflatten(1, (a, bs)))

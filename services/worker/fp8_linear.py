@@ -71,11 +71,12 @@ class KernelSet:
     indexer_quant: ModuleType | None = None  # the indexer query's FP4 rounding (else quant.fake_quant_indexer)
     entry_slots: ModuleType | None = None  # selected entries → pool slots (else reference.entry_slots)
     engram_gate: ModuleType | None = None  # Engram's gate and residual add (else RowTiledEngram's torch form)
+    draft_attention: ModuleType | None = None  # the DSpark draft's block attention (else its torch form)
     interpreted: bool = False
 
     NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention", "compressor", "indexer",
              "prefill_attention", "mhc", "sampler", "window_write", "indexer_quant",
-             "entry_slots", "engram_gate")
+             "entry_slots", "engram_gate", "draft_attention")
 
     @staticmethod
     def compiled() -> KernelSet:

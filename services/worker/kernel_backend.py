@@ -16,9 +16,10 @@ its attention backend is ``TritonAttention`` (services/worker/attention_backend_
   and the FFN expand.
 
 The DSpark draft (``model.draft``) converts with the rest: its norms, its stages' mHC sites, attention
-projections (``wo_a`` grouped: ``Attention.project_out`` takes the converted module) and MoE. Its
-``main_proj``, Markov head and confidence projection stay torch, as does its attention's softmax over the
-window and block (``model/deepseek_v41/dspark.py``).
+projections (``wo_a`` grouped: ``Attention.project`` takes the converted module) and MoE, and its block
+attention ``DraftAttention`` → ``KernelDraftAttention`` (services/worker/kernel_draft_attention.py: RoPE,
+the own keys' FP8 rounding, the softmax over window and block and the inverse RoPE in one launch per stage),
+when the kernel set has ``draft_attention``. Its ``main_proj``, Markov head and confidence projection stay torch.
 
 Each ``Engram`` → ``KernelEngram`` (services/worker/kernel_engram.py: its gate and residual add on
 ``kernels.engram_gate``, one program per token and stream, so row-invariant in both modes) when the kernel
@@ -42,12 +43,14 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.attention import Attention
+from model.deepseek_v41.draft_attention import DraftAttention
 from model.deepseek_v41.engram import Engram
 from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.mhc import HyperConnection, Mix
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
+from services.worker.kernel_draft_attention import KernelDraftAttention
 from services.worker.kernel_head import KernelHead, exact_in_bf16
 from services.worker.kernel_engram import KernelEngram
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
@@ -71,6 +74,7 @@ class Conversion:
     linears: int = 0
     grouped: int = 0
     mhc_sites: int = 0
+    draft_attentions: int = 0  # the DSpark draft's block attention → ``KernelDraftAttention`` (one per draft)
     inexact: int = 0
 
 
@@ -102,6 +106,8 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
             in_draft = parent in draft_parents
             if isinstance(child, RMSNorm):
                 new, done.norms = KernelRMSNorm(child, kernels), done.norms + 1
+            elif isinstance(child, DraftAttention) and kernels.draft_attention is not None:
+                new, done.draft_attentions = KernelDraftAttention(kernels), done.draft_attentions + 1
             elif isinstance(child, HyperConnection) and kernels.mhc is not None:
                 new, done.mhc_sites = KernelHyperConnection(child, kernels), done.mhc_sites + 1
             elif isinstance(child, MoE):

@@ -28,6 +28,7 @@ from services.worker.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLine
                                         group_rows_meta, linear_block_m, one_expert_meta, quantize_each,
                                         quantize_padded)
 from services.worker.kernel_backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
+from services.worker.kernel_draft_attention import KernelDraftAttention
 from services.worker.kernel_engram import KernelEngram
 from services.worker.kernel_head import KernelHead
 from services.worker.kernel_moe import KernelMoE, KernelRMSNorm
@@ -304,8 +305,10 @@ def test_the_drafts_modules_take_the_kernels_and_draft_the_same_block():
     model, twin, done, want, got = _draft_blocks("fp32")
     stages = len(model.draft.stages)
     assert done.draft_moes == stages and done.moes == model.cfg.num_hidden_layers + stages
-    # Per stage: 4 norms (attn, ffn, q, kv), 2 mHC sites, 4 projections + wo_a, the MoE; then main_norm, norm.
-    assert done.draft_modules == stages * 12 + 2
+    # Per stage: 4 norms (attn, ffn, q, kv), 2 mHC sites, 4 projections + wo_a, the MoE; then main_norm, norm
+    # and the block attention.
+    assert done.draft_modules == stages * 12 + 3 and done.draft_attentions == 1
+    assert isinstance(twin.draft.block_attention, KernelDraftAttention)
     for s in twin.draft.stages:
         assert isinstance(s.ffn, KernelMoE) and isinstance(s.attn.wo_a, GroupedKernelLinear)
         assert all(isinstance(n, KernelRMSNorm) for n in (s.attn_norm, s.ffn_norm, s.attn.q_norm, s.attn.kv_norm))
