@@ -90,12 +90,20 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"channels must be a multiple of {GROUP}, got {channels}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    q = torch.empty(num_rows, channels, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(num_rows, channels // GROUP, dtype=torch.float32, device=x.device)
-    rows = 16
-    grid = (triton.cdiv(num_rows, rows), channels // GROUP)
-    _quantize_act_kernel[grid](x, q, s, num_rows, x.stride(0), GROUPS=channels // GROUP, ROWS=rows, BLOCK=GROUP)
+    q, s, grid = _outputs(num_rows, channels, x.device)
+    _quantize_act_kernel[grid](x, q, s, num_rows, x.stride(0), GROUPS=channels // GROUP, ROWS=ROWS, BLOCK=GROUP)
     return q, s
+
+
+ROWS = 16
+"""Rows per program of the stand-alone quantisers (one 128-channel group each)."""
+
+
+def _outputs(num_rows: int, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """e4m3 [rows, C] and fp32 [rows, C/128] outputs, and the launch grid over row blocks and groups."""
+    q = torch.empty(num_rows, channels, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty(num_rows, channels // GROUP, dtype=torch.float32, device=device)
+    return q, s, (triton.cdiv(num_rows, ROWS), channels // GROUP)
 
 
 @triton.jit
@@ -128,10 +136,7 @@ def swiglu_quant(gate_up: torch.Tensor, route_w: torch.Tensor, swiglu_limit: flo
         raise ValueError(f"route_w must be [{num_rows}], got {list(route_w.shape)}")
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
-    q = torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    s = torch.empty(num_rows, inter // GROUP, dtype=torch.float32, device=gate_up.device)
-    rows = 16
-    grid = (triton.cdiv(num_rows, rows), inter // GROUP)
+    q, s, grid = _outputs(num_rows, inter, gate_up.device)
     _swiglu_quant_kernel[grid](gate_up, route_w.float().contiguous(), q, s, num_rows, gate_up.stride(0),
-                               float(swiglu_limit), GROUPS=inter // GROUP, ROWS=rows, BLOCK=GROUP)
+                               float(swiglu_limit), GROUPS=inter // GROUP, ROWS=ROWS, BLOCK=GROUP)
     return q, s

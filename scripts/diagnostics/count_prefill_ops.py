@@ -25,7 +25,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from scripts.diagnostics.count_step_ops import OpCounter, _by_function, _site  # noqa: E402
+from scripts.diagnostics.count_step_ops import OpCounter, _site, print_tables  # noqa: E402
 
 READ_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 DATA_SIZED = frozenset({"aten::nonzero", "aten::masked_select", "aten::nonzero_static", "aten::unique_consecutive",
@@ -125,12 +125,7 @@ def main() -> int:
     print("\n| host read | site | per step |\n|---|---|---|")
     for (kind, site), n in reads.most_common(args.top):
         print(f"| {kind} | {site} | {n} |")
-    print("\n| Triton kernel | launches |\n|---|---|")
-    for name, n in triton.most_common():
-        print(f"| {name} | {n} |")
-    print("\n| function (every op and line in it) | torch ops |\n|---|---|")
-    for function, n in _by_function(ops).most_common(args.top):
-        print(f"| {function} | {n} |")
+    print_tables(ops, triton, args.top)
     return 0
 
 

@@ -13,13 +13,12 @@ runs inside them do not). ``--backend kernels`` converts the model with ``conver
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from scripts.diagnostics.count_step_ops import OpCounter, _by_function, _null  # noqa: E402
+from scripts.diagnostics.count_step_ops import OpCounter, _null, print_tables  # noqa: E402
 
 NEXTN = 5
 
@@ -70,25 +69,11 @@ def main() -> int:
         with counter:
             proposal = static.run()
     ops, triton = counter.ops, counter.triton
-    by_name: collections.Counter = collections.Counter()
-    for (name, _), n in ops.items():
-        by_name[name] += n
     num_ops, num_triton = sum(ops.values()), sum(triton.values())
     print(f"{args.model} ({len(model.draft.stages)} draft stages), backend {args.backend}"
           f"{' ' + args.precision if kernels is not None else ''}, {NEXTN} drafts {proposal.drafts.tolist()}: "
           f"{num_ops} torch ops + {num_triton} Triton launches = {num_ops + num_triton} launches per proposal")
-    print("\n| torch op | launches |\n|---|---|")
-    for name, n in by_name.most_common():
-        print(f"| {name} | {n} |")
-    print("\n| Triton kernel | launches |\n|---|---|")
-    for name, n in triton.most_common():
-        print(f"| {name} | {n} |")
-    print("\n| torch op | site | launches |\n|---|---|---|")
-    for (name, site), n in ops.most_common(args.top):
-        print(f"| {name} | {site} | {n} |")
-    print("\n| function (every op and line in it) | torch ops |\n|---|---|")
-    for function, n in _by_function(ops).most_common(args.top):
-        print(f"| {function} | {n} |")
+    print_tables(ops, triton, args.top)
     return 0
 
 

@@ -143,27 +143,33 @@ def main() -> int:
         with counter:
             step.run()
     ops, triton = counter.ops, counter.triton
-    by_name = collections.Counter()
-    for (name, _), n in ops.items():
-        by_name[name] += n
-    by_site = ops
     layers = model.cfg.num_hidden_layers
     print(f"case {args.case} ({layers} layers), backend {args.backend}, attention {args.attention}, "
           f"graph size {plan.graph_size}: {sum(ops.values())} torch ops + {sum(triton.values())} Triton launches "
           f"= {sum(ops.values()) + sum(triton.values())} launches per step")
+    print_tables(ops, triton, args.top)
+    return 0
+
+
+def print_tables(ops: collections.Counter, triton: collections.Counter, top: int) -> None:
+    """Markdown tables of counted launches: torch ops by name, Triton kernels, then the ``top`` torch ops by site
+    and by function."""
+    by_name: collections.Counter = collections.Counter()
+    for (name, _), n in ops.items():
+        by_name[name] += n
     print("\n| torch op | launches |\n|---|---|")
     for name, n in by_name.most_common():
         print(f"| {name} | {n} |")
     print("\n| Triton kernel | launches |\n|---|---|")
     for name, n in triton.most_common():
         print(f"| {name} | {n} |")
-    print(f"\n| torch op | site | launches |\n|---|---|---|")
-    for (name, site), n in by_site.most_common(args.top):
+    print("\n| torch op | site | launches |\n|---|---|---|")
+    for (name, site), n in ops.most_common(top):
         print(f"| {name} | {site} | {n} |")
     print("\n| function (every op and line in it) | torch ops |\n|---|---|")
-    for function, n in _by_function(by_site).most_common(args.top):
+    for function, n in _by_function(ops).most_common(top):
         print(f"| {function} | {n} |")
-    return 0
+
 
 
 def _by_function(by_site: collections.Counter) -> collections.Counter:
