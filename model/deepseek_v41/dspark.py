@@ -148,10 +148,16 @@ class DSpark(nn.Module):
     def heads(self, blocks: DraftBlocks, prev_ids: torch.Tensor) -> DraftHeads:
         """prev_ids int [B, A, bs]: the token before each slot (anchor, then the drafts or given tokens)."""
         emb = self.markov_embed(prev_ids)  # [B, A, bs, r]
-        logits = blocks.logits + self.markov_head(emb).float()
-        conf = F.linear(torch.cat((blocks.hidden.float(), emb.float()), dim=-1),
+        return DraftHeads(self.markov_logits(blocks.logits, emb), self.confidence_logits(blocks.hidden, emb))
+
+    def markov_logits(self, logits: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The slots' logits fp32 [..., V] plus the Markov bias of their previous tokens' ``markov_embed``."""
+        return logits + self.markov_head(emb).float()
+
+    def confidence_logits(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """fp32 [...] from the slots' hidden states [..., D] and previous tokens' ``markov_embed`` [..., r]."""
+        return F.linear(torch.cat((hidden.float(), emb.float()), dim=-1),
                         self.confidence_proj.weight.float()).squeeze(-1)
-        return DraftHeads(logits, conf)
 
     def propose(self, blocks: DraftBlocks, anchor_tokens: torch.Tensor,
                 choose: Callable[[torch.Tensor, int], torch.Tensor], num_slots: int | None = None
@@ -159,17 +165,21 @@ class DSpark(nn.Module):
         """Semi-AR drafting of the first ``num_slots`` slots (None: all bs): ``choose(logits fp32 [B, A, V],
         slot) → tokens [B, A]`` (argmax, or a sampler keyed by position). anchor_tokens [B, A] → (drafts
         [B, A, num_slots], heads with each slot's prev = the previous draft). A slot reads only the slots
-        before it, so the first slots do not depend on how many are drafted."""
+        before it, so the first slots do not depend on how many are drafted. Only the Markov logits chain
+        through the slots; the confidences, which no slot reads, are one product over every slot after the
+        loop (``heads``' per-row values: equal to slot by slot in the batch-invariant mode)."""
         prev = anchor_tokens
-        drafts, logits, conf = [], [], []
-        for j in range(self.block_size if num_slots is None else num_slots):
-            one = DraftBlocks([], blocks.hidden[:, :, j : j + 1], blocks.logits[:, :, j : j + 1])
-            out = self.heads(one, prev.unsqueeze(-1))
-            prev = choose(out.logits[:, :, 0], j)
+        num = self.block_size if num_slots is None else num_slots
+        drafts, logits, embs = [], [], []
+        for j in range(num):
+            emb = self.markov_embed(prev.unsqueeze(-1))  # [B, A, 1, r]
+            slot_logits = self.markov_logits(blocks.logits[:, :, j : j + 1], emb)  # [B, A, 1, V]
+            prev = choose(slot_logits[:, :, 0], j)
             drafts.append(prev)
-            logits.append(out.logits)
-            conf.append(out.confidence_logits)
-        return torch.stack(drafts, dim=-1), DraftHeads(torch.cat(logits, dim=2), torch.cat(conf, dim=2))
+            logits.append(slot_logits)
+            embs.append(emb)
+        conf = self.confidence_logits(blocks.hidden[:, :, :num], torch.cat(embs, dim=2))
+        return torch.stack(drafts, dim=-1), DraftHeads(torch.cat(logits, dim=2), conf)
 
 
 @dataclass

@@ -51,6 +51,7 @@ class DeviceSampling:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, fp32 value) [L] (token id V:
     #                                                               padding); None: none
     needs_ranking: bool  # sort every row (some row has a rank limit or top-p, or the caller wants the order)
+    unit_temperatures: bool = False  # every temperature is 1 (host-known: all rows greedy), so no division (x / 1 == x)
 
     @classmethod
     def of_columns(cls, columns: torch.Tensor, bans: torch.Tensor | None, bias: torch.Tensor | None,
@@ -144,9 +145,31 @@ def entries(rows: Sequence[SamplingRow], vocab_size: int) -> tuple[list[tuple[in
 def process(logits: torch.Tensor, sampling: DeviceSampling) -> ProcessedLogits:
     """``Sampler.process`` of logits [N, V] under ``sampling`` (see the module docstring), without host reads;
     where ``needs_ranking`` every row is ranked (``ranked_rows`` all N), else none."""
+    s = scale(logits, sampling, keep_banned=True)
+    return ProcessedLogits(s.banned, torch.log_softmax(s.scaled, dim=-1), torch.softmax(s.scaled, dim=-1), s.errors,
+                           s.ranked_rows, s.order)
+
+
+@dataclass(frozen=True)
+class ScaledLogits:
+    """``process`` before its softmaxes: ``log_softmax`` and ``softmax`` of ``scaled`` are its logprobs and probs
+    (a caller that reads one of them runs only that one)."""
+
+    banned: torch.Tensor | None  # fp32 [N, V]: the logits after bias and bans (error rows all 0); None: not asked for
+    scaled: torch.Tensor  # fp32 [N, V]: (banned - row max) / temperature, dropped tokens -inf
+    errors: torch.Tensor  # bool [N]
+    ranked_rows: torch.Tensor  # int64 [N] where ``needs_ranking``, else [0]
+    order: torch.Tensor  # int64 [N, V] where ``needs_ranking``, else [0, V]
+
+
+def scale(logits: torch.Tensor, sampling: DeviceSampling, keep_banned: bool) -> ScaledLogits:
+    """``process`` up to its softmaxes (the same bits); ``keep_banned``: also the banned logits (else None where
+    no row is ranked, which then needs no masked copy of the logits)."""
     num_rows, vocab_size = logits.shape
     device = logits.device
-    x = logits.to(torch.float32, copy=True)
+    # No copy of fp32 logits: nothing below writes into x, and the error rows' masked_fill gives a new tensor,
+    # so what comes back never aliases the caller's logits.
+    x = logits.to(torch.float32)
     # Bias and bans go through [N, V + 1] planes (column V: padding entries, sliced off), built by index_put_
     # with tensor values and applied with where / masked_fill: none of these waits for the device (a scalar
     # index_put_ does), and a fixed shape is what a graph captures.
@@ -164,9 +187,21 @@ def process(logits: torch.Tensor, sampling: DeviceSampling) -> ProcessedLogits:
         x = x.masked_fill(banned, -math.inf)
     # ``Sampler.process``'s error rows (a NaN, a +inf, or nothing finite) are exactly the rows whose max is not
     # finite: amax propagates NaN, a +inf is the max, and a row of -inf and finite values has a finite max.
-    errors = ~(x.amax(dim=-1).abs() < math.inf)
-    x = x.masked_fill(errors.unsqueeze(-1), 0.0)  # error rows: all-zero logits, as the pipeline's
-    scaled = (x - x.amax(dim=-1, keepdim=True)) / sampling.temperatures.unsqueeze(-1)
+    # (m - m) is 0 for a finite m and NaN otherwise. Error rows are all-zero logits, as the pipeline's, so their
+    # max is 0 and their scaled row (0 - 0) / T = +0 (T > 0): the masked row's max is row_max elsewhere, and an
+    # error row's scaled row can be zeroed after the division instead of before (the same bits, and no second
+    # row scan nor masked copy where nothing sorts the masked logits or reads them back).
+    row_max = x.amax(dim=-1, keepdim=True)
+    errors = row_max - row_max != 0  # [N, 1]
+    temperatures = sampling.temperatures.unsqueeze(-1)
+    if sampling.needs_ranking or keep_banned:
+        x = x.masked_fill(errors, 0.0)
+        shifted = x - row_max.masked_fill(errors, 0.0)
+        scaled = shifted if sampling.unit_temperatures else shifted / temperatures
+    else:
+        shifted = x - row_max
+        scaled = (shifted if sampling.unit_temperatures else shifted / temperatures).masked_fill(errors, 0.0)
+        x = None
     if sampling.needs_ranking:
         order = torch.sort(x, dim=-1, descending=True, stable=True).indices  # [N, V]
         ranks = torch.arange(vocab_size, device=device).expand_as(order)
@@ -180,5 +215,4 @@ def process(logits: torch.Tensor, sampling: DeviceSampling) -> ProcessedLogits:
     else:
         order = torch.empty(0, vocab_size, dtype=torch.int64, device=device)
         ranked_rows = torch.empty(0, dtype=torch.int64, device=device)
-    return ProcessedLogits(x, torch.log_softmax(scaled, dim=-1), torch.softmax(scaled, dim=-1), errors, ranked_rows,
-                           order)
+    return ScaledLogits(x, scaled, errors.squeeze(-1), ranked_rows, order)

@@ -14,10 +14,11 @@ Invariant (tested ``==`` in the batch-invariant mode): for the same blocks, anch
 their processed distributions and the confidences equal the host-driven path's (``Sampler.process`` and
 ``verifier.draft_tokens`` per slot), in both ``spec_sampling`` modes:
 
-- ``process`` is ``Sampler.process`` with every row treated alike: a row without a rank limit gets the
-  limit V (ranks < V keeps every token, as the pipeline's all-true mask), a row without top-p keeps its
-  logits (a ``where`` on the row's flag, never the mask at p = 1, which could drop a token of mass 0);
-  every op is per row, so a row's values do not depend on which other rows share the call.
+- the slot's processing is ``device_sampling``'s (``Sampler.process`` with every row treated alike: a row
+  without a rank limit gets the limit V, a row without top-p keeps its logits; every op is per row, so a
+  row's values do not depend on which other rows share the call), run as ``scale`` then only the softmaxes
+  the draw reads: the probs always, the logprobs in deterministic mode only; no masked copy of the banned
+  logits, which no slot reads; no division where every row is greedy (every temperature 1).
 - rejection: the draft's bits at (seed + DRAFT_SEED_OFFSET, position) are ``draw_bits``'s own, drawn on the
   host for every slot at once; ``pick_from_bits`` is ``sample_from_bits`` less its checks, which a softmax
   output always passes.
@@ -37,8 +38,7 @@ import torch
 from kernels.device import upload
 from kernels.philox import DrawCase, draw_bits
 from model.deepseek_v41.dspark import DraftBlocks, DSpark
-from services.worker.device_sampling import DeviceSampling
-from services.worker.device_sampling import process as device_process
+from services.worker.device_sampling import DeviceSampling, scale
 from services.worker.sampler import MASS_BITS, SamplingRow, pick_from_bits
 from services.worker.verifier import DRAFT_SEED_OFFSET, SPEC_SAMPLING, coupling_noise
 
@@ -173,28 +173,29 @@ class HostInputs:
 _to_device = upload  # a host tensor's copy on the device without waiting for the device
 
 
-def process(logits: torch.Tensor, inputs: ProposalInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Sampler.process``'s probs and logprobs (fp32 [B, V]) for logits [B, V], without host reads
-    (services/worker/device_sampling.py)."""
-    p = device_process(logits, DeviceSampling(inputs.temperatures, inputs.rank_limits, inputs.top_p_limits,
-                                              inputs.nucleus, inputs.bans, inputs.bias, inputs.needs_ranking))
-    return p.probs, p.logprobs
+def sampling(inputs: ProposalInputs) -> DeviceSampling:
+    """The rows' sampling parameters as ``device_sampling`` takes them (views only: built once per proposal)."""
+    return DeviceSampling(inputs.temperatures, inputs.rank_limits, inputs.top_p_limits, inputs.nucleus, inputs.bans,
+                          inputs.bias, inputs.needs_ranking, unit_temperatures=inputs.all_greedy)
 
 
 def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: int) -> Proposal:
     """Drafts for one block per request: blocks from ``DSpark.blocks_from_context`` (A = 1) at the inputs'
     anchors; ``nextn`` ≤ the block size slots."""
     probs: list[torch.Tensor] = []
+    rows = sampling(inputs)
 
     def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:  # logits [B, 1, V] → tokens [B, 1]
-        p, logp = process(logits[:, 0], inputs)
+        scaled = scale(logits[:, 0], rows, keep_banned=False).scaled
+        p = torch.softmax(scaled, dim=-1)  # process's probs; its logprobs only where the deterministic draw reads them
         probs.append(p)
         if inputs.all_greedy:  # each mode's argmax, as below
-            picked = (p if inputs.spec_sampling == "rejection" else logp).argmax(-1)
+            picked = (p if inputs.spec_sampling == "rejection" else torch.log_softmax(scaled, dim=-1)).argmax(-1)
         elif inputs.draft_bits is not None:  # rejection: the draft's own key
             drawn = pick_from_bits(p, inputs.draft_bits[:, slot])
             picked = torch.where(inputs.greedy, p.argmax(-1), drawn)
         else:  # deterministic: the target's noise at the same position
+            logp = torch.log_softmax(scaled, dim=-1)
             noise = coupling_noise(inputs.seeds, inputs.anchor_positions + 1 + slot, logp.shape[-1])
             picked = torch.where(inputs.greedy, logp.argmax(-1), (logp.to(torch.float64) + noise).argmax(-1))
         return picked.unsqueeze(1)

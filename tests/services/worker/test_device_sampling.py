@@ -1,5 +1,6 @@
 """device_sampling: ``process`` on a packed table ``==`` ``Sampler.process`` on every field, for every kind of row."""
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from services.worker.device_sampling import (
     float32_bits,
     float32_of_bits,
     process,
+    scale,
 )
 from services.worker.sampler import Sampler, SamplingRow
 
@@ -95,6 +97,32 @@ def test_rows_that_ask_for_no_ranking_are_not_sorted():
     assert key == SamplingKey(False, MIN_CAPACITY, 0)
     for name in ("banned", "logprobs", "probs", "errors", "ranked_rows", "order"):
         assert torch.equal(getattr(got, name)[: len(rows)], getattr(want, name)), name
+
+
+NON_FINITE = [[math.nan, 1.0, 2.0, 0.0], [math.inf, 1.0, 2.0, 0.0], [-math.inf] * 4, [math.nan, math.inf, -math.inf, 0.0],
+              [-math.inf, 1.0, -math.inf, 3.0], [0.5, -0.0, 0.0, -2.0], [-0.0, 0.0, -1.0, -math.inf]]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("rank", [False, True])
+def test_scale_without_the_banned_logits_gives_the_samplers_distributions(temperature, rank):
+    """``keep_banned=False`` zeroes error rows after the division and keeps no masked copy; ``unit_temperatures``
+    skips the division by 1: the probs and logprobs stay ``Sampler.process``'s (error rows, ±0 maxima, -inf)."""
+    logits = torch.tensor(NON_FINITE)
+    rows = [row(temperature=temperature, top_k=3 if rank else -1, banned_token_ids=(2,) if i == 4 else ())
+            for i in range(logits.shape[0])]
+    want = Sampler().process(logits, rows, rank_all=rank)
+    key = SamplingKey.of(rows, rank)
+    table = torch.tensor(key.pack(rows, len(rows), 4), dtype=torch.int64)
+    sampling = dataclasses.replace(key.unpack(table, len(rows)), unit_temperatures=temperature == 1.0)
+    got = scale(logits, sampling, keep_banned=False)
+    assert (got.banned is None) == (not rank)
+    assert got.errors.tolist() == want.errors.tolist() == [True] * 4 + [False] * 3
+    assert torch.equal(torch.softmax(got.scaled, dim=-1), want.probs)
+    assert torch.equal(torch.log_softmax(got.scaled, dim=-1), want.logprobs)
+    kept = scale(logits, sampling, keep_banned=True)
+    assert torch.equal(torch.softmax(kept.scaled, dim=-1), want.probs)
+    assert torch.equal(kept.banned, want.banned)
 
 
 def test_the_key_buckets_capacities_and_leaves_a_twice_biased_token_to_the_sampler():
