@@ -113,8 +113,17 @@ class LocalPlacement:
         self._ports: dict[tuple[str, str], int] = {}
 
     def port(self, service: str, what: str) -> int:
-        """A port for ``what`` ("grpc", "metrics", ...) of ``service``; the same one on every call."""
-        return self._ports.setdefault((service, what), free_port(self.host))
+        """A port for ``what`` ("grpc", "metrics", ...) of ``service``; the same one on every call, and never one
+        already given to another (the OS may hand the same free port out twice, as it is closed between calls:
+        two services of one stack then raced for it, and a gateway once reached a worker at its engine's port)."""
+        key = (service, what)
+        if key not in self._ports:
+            taken = set(self._ports.values())
+            port = free_port(self.host)
+            while port in taken:
+                port = free_port(self.host)
+            self._ports[key] = port
+        return self._ports[key]
 
     def bind_host(self, service: str) -> str:
         return self.host

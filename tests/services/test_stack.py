@@ -119,3 +119,16 @@ def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks(
     assert argv[argv.index("--num-speculative-tokens") + 1] == "2" and "--spec-varlen" in argv
     assert argv[argv.index("--spec-sampling") + 1] == "deterministic"
     assert _config(parser.parse_args(["serve", "--engram-on-host"])).engine_args["engram_on_host"] is True
+
+
+def test_local_ports_are_never_given_twice(monkeypatch):
+    """The OS may return the same free port on consecutive calls (it is closed in between): the placement must
+    not give it to two services."""
+    from services import stack
+
+    offered = iter([5001, 5001, 5001, 5002, 5001, 5003])
+    monkeypatch.setattr(stack, "free_port", lambda host: next(offered))
+    at = stack.LocalPlacement("127.0.0.1")
+    ports = [at.port("engine-0", "grpc"), at.port("worker-0", "grpc"), at.port("engine-0", "grpc"),
+             at.port("gateway", "grpc")]
+    assert ports == [5001, 5002, 5001, 5003]
