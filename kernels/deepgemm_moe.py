@@ -136,9 +136,9 @@ def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
     masked slots int64 [M], ``m_indices`` int32 [M], each expert's first contiguous row int64 [G]), on counts'
     device, with device ops only (no host read: the GPU never waits for the host between layers).
 
-    Expert e's span is rows [starts[e], starts[e] + ⌈counts[e]/align⌉·align): its slots 0 … counts[e]−1 in order,
-    then pad rows. M = ⌈(num_slots + G·(align − 1))/align⌉·align, the most the spans can take, whatever the counts;
-    rows past the last span are pad rows too. Pad rows have ``m_indices`` −1 (DeepGEMM skips a block whose first
+    Expert e's span is rows [starts[e], starts[e] + ⌈counts[e]/align⌉·align): its slots 0 … counts[e]−1 in
+    order, then pad rows. M = ⌈(num_slots + G·(align − 1))/align⌉·align, the most the spans can take, whatever
+    the counts; rows past the last span are pad rows too. Pad rows have ``m_indices`` −1 (DeepGEMM skips a block whose first
     row is −1, and every span starts a block) and flat slot 0 (any slot: callers mask them by ``m_indices``)."""
     num_groups = counts.numel()
     counts = counts.long()

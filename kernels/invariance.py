@@ -12,8 +12,9 @@ on which other rows share the step (or on its place among them):
   block, which is also prefill attention's block, so a decode row gives the same bits through either
   kernel (the window's keys in position order, then the entries, in ``ATTENTION_BLOCK_N`` blocks);
 - torch products the backend leaves in torch (bf16/fp32 projections, the head's cuBLAS GEMM, Engram's
-  row norms where the kernel set has no ``engram_gate`` kernel, whose programs are per row): ``by_rows``, which runs them on fixed ``ROW_CHUNK``-row tiles, zero-padded, so cuBLAS and
-  ATen's reductions see one shape whatever the batch.
+  row norms where the kernel set has no ``engram_gate`` kernel, whose programs are per row): ``by_rows``,
+  which runs them on fixed ``ROW_CHUNK``-row tiles, zero-padded, so cuBLAS and ATen's reductions see one
+  shape whatever the batch.
 
 The choice is a context rather than an argument because it reaches launchers three calls below the
 step (the same role ``model/batch_invariant.py``'s context plays for the CPU's torch maths).

@@ -81,7 +81,8 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 def swiglu_quant(gate_up: torch.Tensor, route_w: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] (gate, then up), route_w [M] → ``quantize_act``(clamped SwiGLU · route_w) (kernels/quant_fp8.py)."""
+    """gate_up [M, 2I] (gate, then up), route_w [M] → ``quantize_act``(clamped SwiGLU · route_w)
+    (kernels/quant_fp8.py)."""
     inter = gate_up.shape[-1] // 2
     return quantize_act(clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], limit) * route_w.float()[:, None])
 

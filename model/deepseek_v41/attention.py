@@ -92,8 +92,12 @@ class Attention(nn.Module):
 
     def queries(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, D], angles [B, S, P] → (q latent [B, S, q_lora], rotated queries [B, S, H, hd])."""
-        q_latent = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
+        q_latent = self.query_latent(x)  # [B, S, q_lora]
         return q_latent, apply_rope(self.query_heads(q_latent), angles)  # [B, S, H, hd]
+
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """q_norm(wq_a x): x [B, S, D] → [B, S, q_lora]."""
+        return self.q_norm(self.wq_a(x))
 
     def query_heads(self, q_latent: torch.Tensor) -> torch.Tensor:
         """The queries before RoPE: q latent [B, S, q_lora] → wq_b's heads [B, S, H, hd]."""

@@ -49,7 +49,7 @@ class AttentionStep:
         angles = self._turns.get(attn.rope_key)  # [R, P] complex: the turns stand in for the angles
         if angles is None:
             angles = self._turns[attn.rope_key] = rope_turns(rope_angles(self.positions, attn.freqs))
-        q_latent = attn.q_norm(attn.wq_a(x))  # [R, q_lora]
+        q_latent = attn.query_latent(x)  # [R, q_lora]
         q = attn.wq_b(q_latent).unflatten(-1, (attn.num_heads, attn.head_dim))  # [R, H, hd]: its own tensor
         kv = attn.wkv(x)  # [R, hd]
         if isinstance(attn.kv_norm, KernelRMSNorm) and attn.kv_norm.rope_fits(kv, angles, q):

@@ -4,7 +4,8 @@ and the block, and the inverse RoPE in one launch per stage (the torch form: abo
 
 The projections around it are the stage's own (converted by ``convert_model``: ``KernelLinear``,
 ``KernelRMSNorm``, ``GroupedKernelLinear``); the queries and the K=V latent go into the kernel before RoPE
-(``Attention.query_heads``, ``Attention.kv_latent``), and its output, RoPE undone, into ``Attention.project``.
+(``Attention.query_latent`` then ``query_heads``, and ``Attention.kv_latent``), and its output, RoPE undone,
+into ``Attention.project``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class KernelDraftAttention(nn.Module):
         b, a, w, hd = window.shape
         t = x.shape[1]
         bs = t // a
-        q = attn.query_heads(attn.q_norm(attn.wq_a(x)))  # [B, T, H, hd], not rotated
+        q = attn.query_heads(attn.query_latent(x))  # [B, T, H, hd], not rotated
         own = attn.kv_latent(x)  # [B, T, hd], not rotated nor rounded
         out = self.kernels.draft_attention.draft_attention(
             q.reshape(b * a, bs, attn.num_heads, hd), own.reshape(b * a, bs, hd), window.reshape(b * a, w, hd),

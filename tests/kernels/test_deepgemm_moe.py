@@ -111,7 +111,8 @@ def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked)
     meta = dict(meta)
     used = torch.arange(13) < meta["counts"][:, None]
     meta["row_ids"] = torch.where(used, meta["row_ids"], 10**6)
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine, masked=masked)
+    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
+                               masked=masked)
     want = reference.moe_experts(x, meta | {"row_ids": torch.where(used, meta["row_ids"], 0)}, *weights, 10.0,
                                  shared_last=True)
     # The same e4m3 operands; the paths differ by the bf16 rounding of gate/up before the SwiGLU (the reference
@@ -125,9 +126,13 @@ def test_no_live_row_gives_no_real_row(monkeypatch):
     masked slot, so junk token ids there are never read."""
     seen: list[torch.Tensor] = []
     fake = fake_deep_gemm(4)
+
+    def contiguous(a, b, d, m, **kw):
+        seen.append(m)
+        fake.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m, **kw)
+
     monkeypatch.setattr(deepgemm_moe, "module", lambda: SimpleNamespace(
-        m_grouped_fp8_gemm_nt_contiguous=lambda a, b, d, m, **kw: seen.append(m) or fake.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m, **kw),
-        get_mk_alignment_for_contiguous_layout=lambda: 4))
+        m_grouped_fp8_gemm_nt_contiguous=contiguous, get_mk_alignment_for_contiguous_layout=lambda: 4))
     x, meta, weights = _layer(num_tokens=4, num_experts=3, top_k=1, hidden=128, inter=128, device="cpu", seed=0)
     meta = dict(meta) | {"counts": torch.zeros_like(meta["counts"]), "row_ids": torch.full_like(meta["row_ids"], 10**6)}
     deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
