@@ -8,6 +8,10 @@
            experts per layer, FP8/MXFP4 weights. Engram tables are shrunk by drawing the hash primes
            above 3,000,000 instead of 16,000,000 (rows per table: ``ENGRAM_S1_ROWS``), about 80 GB
            in all, so it lives only in GPU memory, created from a seed.
+``v41-s1-dspark`` v41-s1 with the released 3-stage DSpark draft (tapping layers 37–39), its experts cut
+           as the target's are (128 → 16 routed per stage, an eighth, like 384 → 48): the shape that
+           ``shinkai bench speculative`` measures speculation on, since a draft's step costs next to a
+           real-width target's are what decide its speed-up. About 3 GB more, also GPU-only.
 """
 
 from __future__ import annotations
@@ -78,8 +82,14 @@ V41_S1 = dataclasses.replace(
     num_nextn_predict_layers=0,
 )
 
-PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "v41-s1": V41_S1}
-GPU_ONLY = {"v41-s1"}
+V41_S1_DSPARK = dataclasses.replace(
+    V41_S1,
+    num_nextn_predict_layers=3,
+    dspark_n_routed_experts=16,
+)
+
+PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "v41-s1": V41_S1, "v41-s1-dspark": V41_S1_DSPARK}
+GPU_ONLY = {"v41-s1", "v41-s1-dspark"}
 
 
 def preset(name: str) -> ModelConfig:

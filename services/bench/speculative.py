@@ -117,7 +117,9 @@ def main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    source = load_model(args.model, device=device)
+    # With the kernel backend on CUDA the model is built straight into its form (GPU-only presets need it).
+    precision = args.kernel_backend if device.startswith("cuda") else None
+    source = load_model(args.model, device=device, precision=precision)
     nextn = args.num_speculative_tokens
     engine_args = dict(device=device, kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
                        async_scheduling=args.async_scheduling,

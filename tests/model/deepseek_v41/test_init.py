@@ -11,7 +11,7 @@ import torch
 from model.deepseek_v41.checkpoint import stored_bytes, tensor_table
 from model.deepseek_v41.config import ModelConfig, load_config
 from model.deepseek_v41.init import random_checkpoint, random_value
-from model.deepseek_v41.presets import TINY, V41_S1
+from model.deepseek_v41.presets import TINY, V41_S1, V41_S1_DSPARK
 from model.deepseek_v41.tokenizer import load_tokenizer
 from services.cli import main
 
@@ -101,7 +101,7 @@ def test_seed_changes_the_file(tmp_path):
     assert digests[0] == digests[1] != digests[2]
 
 
-@pytest.mark.parametrize("cfg", [V41_S1, ModelConfig()], ids=["v41-s1", "flash"])
+@pytest.mark.parametrize("cfg", [V41_S1, V41_S1_DSPARK, ModelConfig()], ids=["v41-s1", "v41-s1-dspark", "flash"])
 def test_large_configs_build_on_meta_and_match_the_table(cfg):
     from model.deepseek_v41.model import DeepseekV41
 
@@ -114,6 +114,15 @@ def test_large_configs_build_on_meta_and_match_the_table(cfg):
     for s in table.values():
         shape = params[s.target].shape[1:] if s.index is not None else params[s.target].shape
         assert tuple(shape) == s.shape, s.name
+
+
+def test_v41_s1_dspark_adds_a_draft_of_three_stages_and_a_few_gigabytes():
+    """The speculative bench's shape: v41-s1's backbone unchanged, plus the draft with an eighth of its experts."""
+    target, draft = tensor_table(V41_S1), tensor_table(V41_S1_DSPARK)
+    assert {n: s.shape for n, s in target.items()} == {n: s.shape for n, s in draft.items() if not n.startswith("mtp.")}
+    extra = {n: s for n, s in draft.items() if n.startswith("mtp.")}
+    assert {n.split(".")[1] for n in extra if n.split(".")[1].isdigit()} == {"0", "1", "2"}
+    assert 1e9 < stored_bytes(V41_S1_DSPARK) - stored_bytes(V41_S1) < 6e9  # fits beside v41-s1's ~80 GB on one H200
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
