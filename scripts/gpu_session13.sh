@@ -3,7 +3,8 @@
 # - GPU_TESTS (space-separated files): their gpu-marked tests;
 # - SPEC_BATCHES (e.g. "1" or "16 64"): issue 20's table on v41-s1-dspark (v41-s1 plus the released 3-stage
 #   draft at an eighth of its experts) at those batches, SPEC_ACCEPT acceptances (default "0 0.8 1") and
-#   SPEC_MODES (default "fixed varlen"), fp8 kernels and CUDA graphs, 512-token prompts, 128 tokens each;
+#   SPEC_MODES (default "fixed varlen"), fp8 kernels and CUDA graphs, 512-token prompts, 128 tokens each
+#   (SPEC_PROFILE=1: each case also profiled: device ms, launches and top kernels a step);
 # - TINY_SPEC=1: the same at batch 1 on tiny (the table the session-11 figures came from);
 # - KL_DEEPGEMM=1: DeepGEMM built (gpu_deepgemm.sh), then the contractive FP8 KL test at v41 width with
 #   SHINKAI_MOE_GEMM=deepgemm (its 1,024-token chunks take DeepGEMM's grouped products);
@@ -27,9 +28,9 @@ if [ -n "${SPEC_BATCHES:-}" ] && [ "$(left)" -gt 90 ]; then
     # shellcheck disable=SC2086 # lists
     timeout "$(left)" python3 -m services.bench.speculative --model v41-s1-dspark --num-speculative-tokens 5 \
         --prompt-len 512 --max-tokens 128 --kernel-backend fp8 --cuda-graphs --batch $SPEC_BATCHES \
-        --acceptance ${SPEC_ACCEPT:-0 0.8 1} --modes ${SPEC_MODES:-fixed varlen} \
+        --acceptance ${SPEC_ACCEPT:-0 0.8 1} --modes ${SPEC_MODES:-fixed varlen} ${SPEC_PROFILE:+--profile} \
         --json "$out/speculative-v41.json" > "$out/speculative-v41.log" 2>&1
-    echo "speculative v41-s1-dspark rc $?"; grep -E "batch|Error|error" "$out/speculative-v41.log" | tail -14
+    echo "speculative v41-s1-dspark rc $?"; grep -E "batch|Error|error|profile|^      " "$out/speculative-v41.log" | tail -100
     nvidia-smi --query-gpu=memory.used --format=csv
 fi
 if [ -n "${TINY_SPEC:-}" ] && [ "$(left)" -gt 60 ]; then

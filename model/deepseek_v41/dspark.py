@@ -92,7 +92,7 @@ class DSpark(nn.Module):
     # ---- the stages ------------------------------------------------------------------------------
 
     def forward(self, taps: torch.Tensor, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
-                embed: nn.Embedding, head: nn.Linear) -> DraftBlocks:
+                embed: nn.Embedding, head: nn.Module) -> DraftBlocks:
         """Full sequence: taps [B, C, T·D] at positions 0..C−1; A anchors per row (tokens and positions
         int [B, A], each position ≤ C). A block sees the context window [anchor−W, anchor−1]."""
         b, c, _ = taps.shape
@@ -107,13 +107,13 @@ class DSpark(nn.Module):
         return self._run(stage_window, window >= 0, anchor_tokens, anchor_positions, embed, head)
 
     def blocks_from_context(self, context: DraftContext, anchor_tokens: torch.Tensor, embed: nn.Embedding,
-                            head: nn.Linear) -> DraftBlocks:
+                            head: nn.Module) -> DraftBlocks:
         """One block per row from the draft's K=V state: anchor tokens int [B] at ``context.next_position``."""
         return self._run(lambda k: context.kv[k].unsqueeze(1), context.positions.unsqueeze(1) >= 0,
                          anchor_tokens.unsqueeze(1), context.next_position.unsqueeze(1), embed, head)
 
     def _run(self, stage_window: Callable[[int], torch.Tensor], visible: torch.Tensor, anchor_tokens: torch.Tensor,
-             anchor_positions: torch.Tensor, embed: nn.Embedding, head: nn.Linear) -> DraftBlocks:
+             anchor_positions: torch.Tensor, embed: nn.Embedding, head: nn.Module) -> DraftBlocks:
         """stage_window(k) → stage k's context K=V of each block's window, oldest first [B, A, W, hd];
         visible bool [B, A, W] (False: before position 0); anchors int [B, A]. Every block attends over
         the same key layout (its W window slots, then its bs own slots) whichever way in, so the cached
@@ -140,7 +140,9 @@ class DSpark(nn.Module):
             h, pre = stage.run(h, pre, attend, None, None)
             streams.append(h.unflatten(1, (a, bs)))
         hidden = collapse(h, pre)  # [B, T, D]
-        logits = F.linear(self.norm(hidden).float(), head.weight.float())  # [B, T, V]
+        # The target's head as a module: the model's fp32 nn.Linear (the same bits as F.linear on its fp32 weight),
+        # or the kernel backend's (its bf16 weight read as is: a `.float()` of it would copy 2.6 GB at v41 widths).
+        logits = head(self.norm(hidden).float())  # [B, T, V] fp32
         return DraftBlocks(streams, hidden.unflatten(1, (a, bs)), logits.unflatten(1, (a, bs)))
 
     # ---- heads -----------------------------------------------------------------------------------

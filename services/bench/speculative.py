@@ -109,6 +109,25 @@ def step_counters(before: dict, after: dict, worker_s: list[float]) -> dict:
     return out
 
 
+def profile_run(llm, batch: int, prompt_len: int, device: str, max_tokens: int) -> dict:
+    """The kernels of a short extra run at ``batch`` (its prefill included, one step of ``steps``), per step: the
+    device's busy ms, launches and the top kernels (``step_profile``'s tables), after the timed run."""
+    import time
+
+    import torch
+
+    from services.bench.generate import run_batch
+    from services.bench.step_profile import profile_summary, device_trace
+
+    seconds = timed_worker(llm)
+    with device_trace(torch.device(device)) as prof:
+        t0 = time.perf_counter()
+        run_batch(llm, batch, prompt_len, max_tokens, seed=batch + 1)
+        wall = time.perf_counter() - t0
+    steps = max(1, len(seconds))
+    return {"steps": steps, **profile_summary(prof, wall, steps)}
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -140,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
                 llm.engine.worker.speculator.timings.reset()  # the phase times of the timed run only
             r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
             r.update(step_counters(before, counters(llm), worker_s))
+            if args.profile:
+                r["profile"] = profile_run(llm, batch, args.prompt_len, device, min(24, args.max_tokens))
             spec = getattr(llm.engine.worker, "speculator", None)
             r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,
                      tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
@@ -162,6 +183,12 @@ def main(args: argparse.Namespace) -> int:
                   f"({r['verify_graph_captures_timed']} in the timed run), keys {r['verify_keys']} "
                   f"({r['verify_keys_timed']} new in it); "
                   f"speculator host ms/step {r['spec_ms_per_step']}")
+            if args.profile:
+                prof = r["profile"]
+                print(f"    profile of {prof['steps']} steps: {prof['busy_ms']:.3f} ms busy, "
+                      f"{prof['launches_per_step']:.0f} launches a step; top kernels (µs/step, launches/step):")
+                for k in prof["kernels"][:12]:
+                    print(f"      {k['us_per_step']:9.1f} {k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
             del llm
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -195,6 +222,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan step N+1 while step N runs (off by default with speculation)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each case's timed run, profile a short run: device ms and launches per step, top kernels")
     p.add_argument("--json", dest="json_path", help="write the figures as JSON here")
 
 

@@ -52,7 +52,7 @@ def launch_totals(events, num_steps: int) -> dict[str, float]:
             "copies_per_step": copies / num_steps, "copy_ms": copy_us * 1e-3 / num_steps}
 
 
-def _trace(device: torch.device):
+def device_trace(device: torch.device):
     """A profiler of the device's kernels (device activity only: host tracing would inflate the wall
     time); on the CPU, of the host ops, so the code path runs in CPU tests."""
     from torch.profiler import ProfilerActivity, profile
@@ -60,7 +60,7 @@ def _trace(device: torch.device):
     return profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU])
 
 
-def _summary(prof, wall: float, num_steps: int) -> dict[str, Any]:
+def profile_summary(prof, wall: float, num_steps: int) -> dict[str, Any]:
     events = prof.events()
     busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
     return {"wall_ms": wall * 1e3 / num_steps, "busy_ms": busy_us * 1e-3 / num_steps,
@@ -75,7 +75,7 @@ def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_
     for i in range(2):
         engine.add_request(f"profile-p{i}", torch.randint(3, vocab_size, (tokens,)).tolist(), params)
         _sync(device)
-        with _trace(device) as prof:
+        with device_trace(device) as prof:
             t0 = time.perf_counter()
             engine.step()
             _sync(device)
@@ -84,7 +84,7 @@ def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_
             raise RuntimeError(f"the profiled step was not the {tokens}-token prefill")
         while engine.has_unfinished():
             engine.step()
-        result = {"tokens": tokens, **_summary(prof, wall, 1)}
+        result = {"tokens": tokens, **profile_summary(prof, wall, 1)}
     return result
 
 
@@ -101,7 +101,7 @@ def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: i
     device = cache.blocks.device
     engine.step()
     _sync(device)
-    with _trace(device) as prof:
+    with device_trace(device) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -111,4 +111,4 @@ def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: i
         engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
-    return {"batch": batch, "context": context, **_summary(prof, wall, steps)}
+    return {"batch": batch, "context": context, **profile_summary(prof, wall, steps)}

@@ -50,7 +50,10 @@ def test_the_static_proposal_sees_no_new_key_in_the_timed_run(tmp_path):
     steps, so fewer of them propose at the end."""
     run_main(speculative, ["--device", "cpu", "--batch", "3", "--acceptance", "0.8", "--modes", "fixed",
                            "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8", "--static-proposal",
-                           "--json", str(tmp_path / "spec.json")])
+                           "--profile", "--json", str(tmp_path / "spec.json")])
     off, fixed = json.loads((tmp_path / "spec.json").read_text())["results"]
+    # --profile: a short extra run per case after the timed one (on the CPU the profiler sees no device kernels)
+    for r in (off, fixed):
+        assert r["profile"]["steps"] >= 8 // (1 + 5) and r["profile"]["wall_ms"] > 0 and r["profile"]["kernels"] == []
     assert off["draft_keys"] is None and (fixed["draft_keys"], fixed["draft_keys_timed"]) == (3, 0)  # 1, 2 and 4
     assert fixed["draft_graph_captures"] == 0  # no graphs on the CPU
