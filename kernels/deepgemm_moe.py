@@ -13,7 +13,10 @@ Two layouts of the stacked experts (``KernelMoE``'s E routed + the shared one as
 
 - contiguous (prefill, ``contiguous_rows``): each expert's rows one after another, each span padded to DeepGEMM's
   M alignment (its block M), with ``m_indices`` int32 per row: the expert, −1 on pad rows. The spans follow the
-  per-expert device counts inside a fixed M (the most the spans can take), so the GPU never waits on the host.
+  per-expert device counts inside a fixed M (``contiguous_size``: the most the spans can take), so the GPU never
+  waits on the host. ``kernels.moe_contiguous`` writes the layout, each row's token, route weight and quantised
+  activations, and the combine's slot map in one launch (two with ``quantize_act`` first: it picks the fewer
+  bytes); ``contiguous_layout`` here is its torch reference (about 30 launches), which kernel sets without it run.
 - masked (decode, ``masked=True``): the masked layout's [E+1, cap, K] grid itself, gathered from the token rows
   through ``row_ids`` (DeepGEMM reads A by TMA, with no row gather), ``masked_m`` = the device counts. Every shape
   is fixed per batch size: a CUDA graph can capture it once the kernels are compiled.
@@ -32,7 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -130,6 +133,31 @@ def exact_grouped(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale
     return torch.bmm(a_f, dequantize_weight_block128(w, w_scale).transpose(1, 2))
 
 
+class ContiguousRows(NamedTuple):
+    """The contiguous layout of ``experts``' first product, gathered: M rows (``contiguous_size``)."""
+
+    a: tuple[torch.Tensor, torch.Tensor]
+    """Each row's token, quantised: e4m3 [M, D'], fp32 [M, D'/128] (``quantize_act``'s bytes)."""
+    m_indices: torch.Tensor
+    """int32 [M]: each row's expert, −1 on pad rows."""
+    tokens: torch.Tensor
+    """int32 [M]: each row's token, 0 on pad rows."""
+    route_w: torch.Tensor
+    """fp32 [M]: each row's route weight, 0 on pad rows."""
+    rows_of: torch.Tensor
+    """int64 [T, k]: the contiguous row of each pick's slot (``contiguous_slots`` of ``slot_of``)."""
+
+
+Layout = Callable[[torch.Tensor, dict, int], ContiguousRows]
+"""(x [T, D'], ``KernelMoE``'s meta, the alignment) → ``ContiguousRows``: ``kernels.moe_contiguous``'s."""
+
+
+def contiguous_size(num_slots: int, num_groups: int, align: int) -> int:
+    """M, the contiguous layout's rows: the most that ``num_groups`` spans of ``num_slots`` slots in all can take,
+    each padded to a multiple of ``align``, whatever the counts."""
+    return (num_slots + num_groups * (align - 1) + align - 1) // align * align
+
+
 def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
                     num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counts int [G] of a masked layout with ``capacity`` slots per expert, at most ``num_slots`` in all → (flat
@@ -137,12 +165,12 @@ def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
     device, with device ops only (no host read: the GPU never waits for the host between layers).
 
     Expert e's span is rows [starts[e], starts[e] + ⌈counts[e]/align⌉·align): its slots 0 … counts[e]−1 in
-    order, then pad rows. M = ⌈(num_slots + G·(align − 1))/align⌉·align, the most the spans can take, whatever
-    the counts; rows past the last span are pad rows too. Pad rows have ``m_indices`` −1 (DeepGEMM skips a block whose first
-    row is −1, and every span starts a block) and flat slot 0 (any slot: callers mask them by ``m_indices``)."""
+    order, then pad rows. M = ``contiguous_size``; rows past the last span are pad rows too. Pad rows have
+    ``m_indices`` −1 (DeepGEMM skips a block whose first row is −1, and every span starts a block) and flat slot 0
+    (any slot: callers mask them by ``m_indices``)."""
     num_groups = counts.numel()
     counts = counts.long()
-    rows = (num_slots + num_groups * (align - 1) + align - 1) // align * align
+    rows = contiguous_size(num_slots, num_groups, align)
     spans = (counts + align - 1) // align * align  # [G]
     starts = torch.cumsum(spans, 0) - spans
     j = torch.arange(capacity, device=counts.device)
@@ -159,6 +187,22 @@ def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
 def contiguous_slots(slot_of: torch.Tensor, starts: torch.Tensor, capacity: int) -> torch.Tensor:
     """``slot_of`` int [T, k] flat masked slots e·capacity + j → contiguous rows starts[e] + j (same shape)."""
     return starts.to(slot_of.device)[slot_of // capacity] + slot_of % capacity
+
+
+def contiguous_layout(x: torch.Tensor, meta: dict[str, torch.Tensor], align: int,
+                      quantize_act: Quantize) -> ContiguousRows:
+    """The torch form of ``kernels.moe_contiguous.contiguous_layout`` (its reference): ``contiguous_rows``, x
+    quantised, then its rows gathered. Pad rows gather token 0 and weigh 0 (a masked slot past its count holds
+    any bytes, even a bad token id: it is never read)."""
+    capacity = meta["row_ids"].shape[1]
+    flat, m_indices, starts = contiguous_rows(meta["counts"], capacity, align, meta["slot_of"].numel())
+    real = m_indices >= 0
+    tokens = torch.where(real, meta["row_ids"].reshape(-1)[flat], 0).to(torch.int32)  # [M]
+    x_q, x_s = quantize_act(x)  # [T, D'], [T, D'/128]
+    index = tokens.long()
+    a = (x_q.view(torch.uint8)[index].view(x_q.dtype), x_s[index])  # e4m3 gathered as bytes
+    route_w = torch.where(real, meta["route_w"].reshape(-1)[flat], 0.0)
+    return ContiguousRows(a, m_indices, tokens, route_w, contiguous_slots(meta["slot_of"], starts, capacity))
 
 
 def grouped_contiguous(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
@@ -185,37 +229,34 @@ def grouped_masked(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scal
 
 def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
             w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float, quantize_act: Quantize,
-            swiglu_quant: SwigluQuant, combine: Combine, *, masked: bool) -> torch.Tensor:
+            swiglu_quant: SwigluQuant, combine: Combine, *, masked: bool, layout: Layout | None = None
+            ) -> torch.Tensor:
     """x [T, D'] → fp32 [T, D'], every stacked expert of ``meta`` (``KernelMoE``'s layout, the shared expert last),
     as ``kernels.moe_grouped_gemm.moe_experts`` computes it. w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows),
     w2 e4m3 [E+1, D', I'], fp32 128×128 block scales. ``quantize_act``, ``swiglu_quant`` and ``combine`` are the
-    kernel set's.
+    kernel set's, ``layout`` its ``moe_contiguous.contiguous_layout`` (None: the torch ``contiguous_layout``).
     ``masked``: the masked layout; else the contiguous one. Both are device ops only (graph-safe)."""
     num_stacked, capacity = meta["row_ids"].shape
+    if not masked:
+        align = alignment()
+        rows = contiguous_layout(x, meta, align, quantize_act) if layout is None else layout(x, meta, align)
+        gate_up = grouped_contiguous(rows.a, w13, w13_scale, rows.m_indices)  # bf16 [M, 2I']
+        h_q, h_s = swiglu_quant(gate_up, rows.route_w, swiglu_limit)  # [M, I'] e4m3
+        del gate_up
+        y = grouped_contiguous((h_q, h_s), w2, w2_scale, rows.m_indices)  # bf16 [M, D']
+        return combine(y, rows.rows_of, True)
     x_q, x_s = quantize_act(x)  # [T, D'], [T, D'/128]
-    if masked:
-        counts = meta["counts"]
-        # Slots ≥ counts are unwritten (any bytes): they gather token 0 and weigh 0, and nothing combines them.
-        used = torch.arange(capacity, device=x.device) < counts.unsqueeze(1)  # [E+1, cap]
-        rows = torch.where(used, meta["row_ids"], 0).long()
-        a = (x_q.view(torch.uint8)[rows].view(x_q.dtype), x_s[rows])  # e4m3 gathered as bytes
-        route_w = torch.where(used, meta["route_w"], 0.0)  # [E+1, cap]
-        expected = max(1, meta["slot_of"].numel() // num_stacked)
-        gate_up = grouped_masked(a, w13, w13_scale, counts, expected)  # bf16 [E+1, cap, 2I']
-    else:
-        flat, m_indices, starts = contiguous_rows(meta["counts"], capacity, alignment(), meta["slot_of"].numel())
-        real = m_indices >= 0
-        # Pad rows gather token 0 and weigh 0 (a masked slot past its count holds any bytes, even a bad token id).
-        tokens = torch.where(real, meta["row_ids"].reshape(-1)[flat], 0).long()  # [M] the token of each row
-        a = (x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens])
-        route_w = torch.where(real, meta["route_w"].reshape(-1)[flat], 0.0)  # [M]
-        gate_up = grouped_contiguous(a, w13, w13_scale, m_indices)  # bf16 [M, 2I']
+    counts = meta["counts"]
+    # Slots ≥ counts are unwritten (any bytes): they gather token 0 and weigh 0, and nothing combines them.
+    used = torch.arange(capacity, device=x.device) < counts.unsqueeze(1)  # [E+1, cap]
+    rows = torch.where(used, meta["row_ids"], 0).long()
+    a = (x_q.view(torch.uint8)[rows].view(x_q.dtype), x_s[rows])  # e4m3 gathered as bytes
+    route_w = torch.where(used, meta["route_w"], 0.0)  # [E+1, cap]
+    expected = max(1, meta["slot_of"].numel() // num_stacked)
+    gate_up = grouped_masked(a, w13, w13_scale, counts, expected)  # bf16 [E+1, cap, 2I']
     inter = gate_up.shape[-1] // 2
-    h_q, h_s = swiglu_quant(gate_up.reshape(-1, 2 * inter), route_w.reshape(-1), swiglu_limit)  # [M, I'] e4m3
+    h_q, h_s = swiglu_quant(gate_up.reshape(-1, 2 * inter), route_w.reshape(-1), swiglu_limit)  # [(E+1)·cap, I'] e4m3
     del gate_up
-    if masked:
-        y = grouped_masked((h_q.view(num_stacked, capacity, inter), h_s.view(num_stacked, capacity, -1)), w2,
-                           w2_scale, counts, expected)  # bf16 [E+1, cap, D']
-        return combine(y, meta["slot_of"], True)
-    y = grouped_contiguous((h_q, h_s), w2, w2_scale, m_indices)  # bf16 [M, D']
-    return combine(y, contiguous_slots(meta["slot_of"], starts, capacity), True)
+    y = grouped_masked((h_q.view(num_stacked, capacity, inter), h_s.view(num_stacked, capacity, -1)), w2,
+                       w2_scale, counts, expected)  # bf16 [E+1, cap, D']
+    return combine(y, meta["slot_of"], True)

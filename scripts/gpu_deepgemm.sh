@@ -77,9 +77,9 @@ say "bench: ${bench_s}s at most, no new size after $(( bench_s - 90 ))s"
 SHINKAI_DEEPGEMM_BENCH_S=$(( bench_s - 90 )) timeout "$bench_s" python3 -m services.bench.kernels --only deepgemm_moe \
     --json "$out/deepgemm.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^\s*$" | tail -60
 
-# --- the GPU tests (the probe and the grouped outputs against the torch reference) ------------------------------
+# --- the GPU tests (the probe, the grouped outputs against the torch reference, the layout kernel byte for byte)
 say "tests"
-timeout $(( $(left) > 40 ? $(left) - 15 : 25 )) python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/test_deepgemm_moe.py tests/kernels/test_quant_fp8.py 2>&1 \
+timeout $(( $(left) > 40 ? $(left) - 15 : 25 )) python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/test_deepgemm_moe.py tests/kernels/test_moe_contiguous.py tests/kernels/test_quant_fp8.py 2>&1 \
     | tee "$out/pytest.log" | tail -15
 
 say "done; $(left)s of the budget left"

@@ -2,10 +2,13 @@
 through DeepGEMM's grouped FP8 GEMMs (kernels/deepgemm_moe.py) beside the paths ``KernelMoE`` runs today, on the
 same FP8 operands and scales:
 
-- prefill, 1K/4K/16K tokens, DeepGEMM's contiguous layout: the whole layer (x's quantisation, both products, the
-  torch SwiGLU, h's quantisation, the combine; DeepGEMM's one host read of the counts included) against the
-  grouped Triton pair and the cuBLASLt per-expert loop, then each DeepGEMM product alone on gathered rows, beside
-  ``kernels_prefill_moe.bench_products``' Triton and cuBLASLt rows. Eager, L2 flushed, as prefill runs.
+- prefill, 1K/4K/16K tokens, DeepGEMM's contiguous layout: the whole layer (the layout and x's quantised rows
+  from ``kernels.moe_contiguous``, both products, ``swiglu_quant``, the combine) against the same layer on the
+  torch layout (``deepgemm_moe.contiguous_layout``), the grouped Triton pair and the cuBLASLt per-expert loop; the
+  layout alone, the kernel both ways (``per_row``) against the torch form, each checked byte for byte; then each
+  DeepGEMM product alone on gathered rows, beside ``kernels_prefill_moe.bench_products``' Triton and cuBLASLt
+  rows. The layer's note gives the glue's share: the layer's time less both products'. Eager, L2 flushed, as
+  prefill runs.
 - decode, 64/256 rows, DeepGEMM's masked layout: the layer and each product as graph replays, against the
   Triton layer and its gate/up and down launches.
 
@@ -73,6 +76,7 @@ class _LayerCase:
 
         from kernels import deepgemm_moe
         from kernels.moe_combine import moe_combine
+        from kernels.moe_contiguous import contiguous_layout
         from kernels.moe_grouped_gemm import moe_experts
         from kernels.quant_fp8 import quantize_act, swiglu_quant
 
@@ -86,8 +90,9 @@ class _LayerCase:
                        + self.picks * (INTER + HIDDEN * 2))
         self.flops = 2.0 * self.picks * 3 * INTER * HIDDEN
         self.shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
-        self.deep_layer = lambda: deepgemm_moe.experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act,
-                                                       swiglu_quant, moe_combine, masked=masked)
+        self.deep_layer = lambda layout=contiguous_layout: deepgemm_moe.experts(
+            x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act, swiglu_quant, moe_combine, masked=masked,
+            layout=layout)  # the contiguous layout from the kernel; ``layout=None``: the torch form
         self.triton_layer = lambda: moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
         t0 = time.perf_counter()
         self.deep_out = self.deep_layer()  # the JIT compiles here
@@ -116,9 +121,14 @@ def bench_prefill(num_tokens: int, ceil: dict[str, float], gen: torch.Generator,
     deep_layer, triton_layer = case.deep_layer, case.triton_layer
     note = case.check(check)
     deep_s, triton_s = _bench(deep_layer), _bench(triton_layer)
-    rows = [_row("prefill moe layer [DeepGEMM contiguous]", shape, deep_s, nbytes, flops, ceil, None,
-                 f"{triton_s / deep_s:.2f}x the grouped Triton pair; {note}"),
+    torch_layout_s = _bench(lambda: deep_layer(None))
+    layer = _row("prefill moe layer [DeepGEMM contiguous]", shape, deep_s, nbytes, flops, ceil, None,
+                 f"{triton_s / deep_s:.2f}x the grouped Triton pair; {note}")
+    rows = [layer,
+            _row("prefill moe layer [DeepGEMM contiguous, torch layout]", shape, torch_layout_s, nbytes, flops, ceil,
+                 None, f"{torch_layout_s / deep_s:.2f}x the layer on kernels.moe_contiguous"),
             _row("prefill moe layer [grouped Triton]", shape, triton_s, nbytes, flops, ceil, None, "")]
+    rows += _layout_rows(x, meta, ceil)
     cublas = (block_scaled_gemm.available(torch.device(DEVICE), torch.float32)
               and block_scaled_gemm.available(torch.device(DEVICE), torch.bfloat16))
     if cublas:
@@ -127,9 +137,51 @@ def bench_prefill(num_tokens: int, ceil: dict[str, float], gen: torch.Generator,
                                                                quantize_act, moe_combine))
         rows.append(_row("prefill moe layer [cuBLASLt per expert]", shape, cublas_s, nbytes, flops, ceil, None,
                          f"{cublas_s / deep_s:.2f}x DeepGEMM's time"))
-    rows += _deep_products(num_tokens, meta, (w13, s13), (w2, s2), x, ceil)
+    products = _deep_products(num_tokens, meta, (w13, s13), (w2, s2), x, ceil)
+    glue_us = layer["us"] - sum(r["us"] for r in products)
+    layer["note"] = f"glue (layer less both products) {glue_us:.0f} us, {glue_us / layer['us']:.0%}; " + layer["note"]
+    rows += products
     if cublas:
         rows += bench_products(num_tokens, meta, (w13, s13, scale_b13), (w2, s2, scale_b2), x, ceil)
+    return rows
+
+
+def _layout_rows(x: torch.Tensor, meta: dict, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """The contiguous layout alone: ``kernels.moe_contiguous`` both ways (``per_row``) against the torch form it
+    replaces (``deepgemm_moe.contiguous_layout``), each checked against it byte for byte on every row DeepGEMM
+    reads. Bytes: x once and the spans' quantised rows once (either way moves more)."""
+    import torch
+
+    from kernels import deepgemm_moe, moe_contiguous
+    from kernels.quant_fp8 import quantize_act
+
+    align = deepgemm_moe.alignment()
+    picks = meta["slot_of"].numel()
+    spans = int(((meta["counts"].long() + align - 1) // align * align).sum())
+
+    def torch_layout() -> deepgemm_moe.ContiguousRows:
+        return deepgemm_moe.contiguous_layout(x, meta, align, quantize_act)
+
+    want = torch_layout()
+    torch_s = _bench(torch_layout)
+    nbytes = x.numel() * x.element_size() + spans * x.shape[1] * moe_contiguous.SCALE_BYTES
+    shape = f"T={x.shape[0]} picks={picks} M={want.m_indices.numel()} spans={spans} D={x.shape[1]}"
+    default = moe_contiguous.quantizes_per_row(x, picks)
+    rows = []
+    for per_row, how in ((False, "quantise then gather"), (True, "quantise per row")):
+        def call(per_row: bool = per_row) -> deepgemm_moe.ContiguousRows:
+            return moe_contiguous.contiguous_layout(x, meta, align, per_row=per_row)
+
+        got = call()
+        same = all(torch.equal(getattr(got, name), getattr(want, name))
+                   for name in ("m_indices", "tokens", "route_w", "rows_of"))
+        same = same and all(torch.equal(g[:spans].view(torch.uint8), w[:spans].view(torch.uint8))
+                            for g, w in zip(got.a, want.a))
+        rows.append(_row(f"prefill moe layout [Triton, {how}]", shape, _bench(call), nbytes, 0.0, ceil, torch_s,
+                         f"{'the default; ' if per_row == default else ''}vs the torch layout: "
+                         f"{'byte-equal (ok)' if same else 'ACCURACY FAIL'}"))
+    rows.append(_row("prefill moe layout [torch]", shape, torch_s, nbytes, 0.0, ceil, None,
+                     "contiguous_rows, quantize_act, the gathers, contiguous_slots"))
     return rows
 
 

@@ -72,11 +72,12 @@ class KernelSet:
     entry_slots: ModuleType | None = None  # selected entries → pool slots (else reference.entry_slots)
     engram_gate: ModuleType | None = None  # Engram's gate and residual add (else RowTiledEngram's torch form)
     draft_attention: ModuleType | None = None  # the DSpark draft's block attention (else its torch form)
+    moe_contiguous: ModuleType | None = None  # DeepGEMM's contiguous layout (else deepgemm_moe's torch form)
     interpreted: bool = False
 
     NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention", "compressor", "indexer",
              "prefill_attention", "mhc", "sampler", "window_write", "indexer_quant",
-             "entry_slots", "engram_gate", "draft_attention")
+             "entry_slots", "engram_gate", "draft_attention", "moe_contiguous")
 
     @staticmethod
     def compiled() -> KernelSet:

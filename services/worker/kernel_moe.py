@@ -156,9 +156,11 @@ class KernelMoE(nn.Module):
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             if self._deepgemm(xp):
+                contiguous = self.kernels.moe_contiguous
                 out = deepgemm_moe.experts(xp, meta, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit,
                                            self.kernels.quant_fp8.quantize_act, self.kernels.quant_fp8.swiglu_quant,
-                                           self.kernels.moe_grouped_gemm.moe_combine, masked=False)
+                                           self.kernels.moe_grouped_gemm.moe_combine, masked=False,
+                                           layout=None if contiguous is None else contiguous.contiguous_layout)
             elif block_scaled_experts.applies(xp.shape[0], self.top_k, self.num_experts, xp.device,
                                             self.kernels.interpreted):
                 scale_b13, scale_b2 = self._scale_b()

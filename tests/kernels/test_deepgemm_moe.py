@@ -1,6 +1,7 @@
 """kernels/deepgemm_moe.py: the contiguous layout's rows, ``m_indices`` and slot map against a loop over the
 experts, and the whole layer on the CPU with a torch stand-in for ``deep_gemm`` (its documented semantics,
-NaN wherever it leaves rows unwritten, so a row read from there shows); on a Hopper GPU with ``deep_gemm``
+NaN wherever it leaves rows unwritten, so a row read from there shows), on the torch contiguous layout and on
+kernels/moe_contiguous.py's (tested byte for byte in test_moe_contiguous.py); on a Hopper GPU with ``deep_gemm``
 installed, its grouped GEMMs against the exact product and its layer against the torch reference."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from kernels import deepgemm_moe, reference
 from kernels.fp8_weights import quantize_weight_block128
 from kernels.reference import quantize_act, route_metadata
+from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP8_LINEAR_REL
 
 
@@ -101,18 +103,25 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked):
+def _interpreted_layout(x: torch.Tensor, meta: dict, align: int) -> deepgemm_moe.ContiguousRows:
+    with interpreter():
+        return load_interpreted("moe_contiguous").contiguous_layout(x, meta, align)
+
+
+@pytest.mark.parametrize("masked,layout", [(False, None), (False, _interpreted_layout), (True, None)],
+                         ids=["contiguous torch layout", "contiguous layout kernel", "masked"])
+def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked, layout):
     """Both layouts feed every slot's row to its own expert and combine the right rows (a wrong row or expert is
-    off by O(1); a pad or masked-off row read is NaN). Masked slots past the counts hold junk token ids, as the
-    layout kernel leaves them: they must not be gathered."""
+    off by O(1); a pad or masked-off row read is NaN), the contiguous one through its torch form and through
+    ``kernels.moe_contiguous`` (interpreted). Masked slots past the counts hold junk token ids, as the layout
+    kernel leaves them: they must not be gathered."""
     monkeypatch.setattr(deepgemm_moe, "module", lambda: fake_deep_gemm(4))
     x, meta, weights = _layer(num_tokens=13, num_experts=6, top_k=2, hidden=256, inter=128, device="cpu", seed=3)
     meta = dict(meta)
     used = torch.arange(13) < meta["counts"][:, None]
     meta["row_ids"] = torch.where(used, meta["row_ids"], 10**6)
     got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
-                               masked=masked)
+                               masked=masked, layout=layout)
     want = reference.moe_experts(x, meta | {"row_ids": torch.where(used, meta["row_ids"], 0)}, *weights, 10.0,
                                  shared_last=True)
     # The same e4m3 operands; the paths differ by the bf16 rounding of gate/up before the SwiGLU (the reference
@@ -121,7 +130,8 @@ def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked)
     assert _rel(got, want) <= FP8_LINEAR_REL
 
 
-def test_no_live_row_gives_no_real_row(monkeypatch):
+@pytest.mark.parametrize("layout", [None, _interpreted_layout], ids=["torch layout", "layout kernel"])
+def test_no_live_row_gives_no_real_row(monkeypatch, layout):
     """With every count 0 the layout has only pad rows (DeepGEMM skips their blocks): nothing is gathered from a
     masked slot, so junk token ids there are never read."""
     seen: list[torch.Tensor] = []
@@ -136,7 +146,7 @@ def test_no_live_row_gives_no_real_row(monkeypatch):
     x, meta, weights = _layer(num_tokens=4, num_experts=3, top_k=1, hidden=128, inter=128, device="cpu", seed=0)
     meta = dict(meta) | {"counts": torch.zeros_like(meta["counts"]), "row_ids": torch.full_like(meta["row_ids"], 10**6)}
     deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
-                         masked=False)
+                         masked=False, layout=layout)
     assert len(seen) == 2 and all((m == -1).all() for m in seen)
 
 
@@ -175,8 +185,11 @@ def test_gpu_layer_matches_the_reference_as_the_triton_layer_does(masked):
     from kernels.quant_fp8 import quantize_act as quantize_act_gpu
     from kernels.quant_fp8 import swiglu_quant as swiglu_quant_gpu
 
+    from kernels.moe_contiguous import contiguous_layout
+
     x, meta, weights = _layer(num_tokens=256, num_experts=8, top_k=2, hidden=5120, inter=2304, device="cuda", seed=5)
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act_gpu, swiglu_quant_gpu, moe_combine, masked=masked)
+    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act_gpu, swiglu_quant_gpu, moe_combine, masked=masked,
+                               layout=contiguous_layout)
     want = reference.moe_experts(x, meta, *weights, 10.0, shared_last=True)
     triton = moe_experts(x, meta, *weights, 10.0, shared_last=True)
     print(f"\nDeepGEMM {'masked' if masked else 'contiguous'} layer vs reference {_rel(got, want):.3g}, "

@@ -21,7 +21,7 @@ from tests.services.worker.test_kernel_moe import _emulated_matmul
 
 
 def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
-    for name in ("moe_grouped_gemm", "quant_fp8", "moe_combine"):
+    for name in ("moe_grouped_gemm", "quant_fp8", "moe_combine", "moe_contiguous"):
         monkeypatch.setitem(sys.modules, f"kernels.{name}", load_interpreted(name))
     monkeypatch.setattr(deepgemm_moe, "module", lambda: fake_deep_gemm(8))
     monkeypatch.setattr(deepgemm_moe, "available", lambda device: True)
@@ -44,7 +44,10 @@ def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
     with interpreter():
         rows = deep_bench.bench(ceil, False, torch.Generator().manual_seed(0))
     assert [r["kernel"] for r in rows] == [
-        "prefill moe layer [DeepGEMM contiguous]", "prefill moe layer [grouped Triton]",
+        "prefill moe layer [DeepGEMM contiguous]", "prefill moe layer [DeepGEMM contiguous, torch layout]",
+        "prefill moe layer [grouped Triton]",
+        "prefill moe layout [Triton, quantise then gather]", "prefill moe layout [Triton, quantise per row]",
+        "prefill moe layout [torch]",
         "prefill moe layer [cuBLASLt per expert]",
         "prefill moe gate/up [DeepGEMM contiguous]", "prefill moe down [DeepGEMM contiguous]",
         "prefill moe gate/up [grouped Triton]", "prefill moe gate/up [cuBLASLt per expert]",
@@ -54,4 +57,6 @@ def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
         "decode moe down [DeepGEMM masked]", "decode moe down [grouped Triton] (engine)"]
     notes = " ".join(r["note"] for r in rows)
     assert "FAIL" not in notes and notes.count("(ok ≤") == 6  # two layers, four products
-    assert all(r["us"] == 1000.0 and r["tflop_s"] > 0 for r in rows)
+    assert notes.count("byte-equal (ok)") == 2 and notes.count("the default;") == 1  # the layout kernel both ways
+    assert "glue (layer less both products) -1000 us" in notes  # every timer 1 ms: one layer less two products
+    assert all(r["us"] == 1000.0 and (r["tflop_s"] > 0 or " layout [" in r["kernel"]) for r in rows)

@@ -202,9 +202,9 @@ def emulated_cublas(monkeypatch) -> list[int]:
 
 
 def _compiled_like_kernels() -> KernelSet:
-    """The interpreted kernels as a compiled set (``interpreted`` False): the cuBLASLt path's dispatch sees a
-    GPU's kernel set, and its quantisation and combine run interpreted."""
-    return dataclasses.replace(_moe_kernels(), interpreted=False)
+    """The interpreted kernels as a compiled set (``interpreted`` False): the cuBLASLt and DeepGEMM paths'
+    dispatch sees a GPU's kernel set, and their quantisation, layout and combine run interpreted."""
+    return dataclasses.replace(_moe_kernels(), interpreted=False, moe_contiguous=load_interpreted("moe_contiguous"))
 
 
 def test_prefill_steps_take_the_block_scaled_experts_and_agree_with_the_grouped_path(emulated_cublas):
@@ -265,16 +265,17 @@ def test_the_block_scaled_experts_stay_out_of_the_mode_the_interpreter_and_small
 def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypatch):
     """With ``SHINKAI_MOE_GEMM=deepgemm`` and a passing probe, a compiled-like kernel set's fp8 experts run
     through ``kernels.deepgemm_moe`` (a torch stand-in for ``deep_gemm`` here) and agree with the grouped Triton
-    path; without the flag, in the batch-invariant mode, with the interpreted set, or below ``MIN_TOKENS`` rows
-    they stay on Triton. Dead rows come out as zeros either way."""
+    path, the layout through the set's ``moe_contiguous``; without the flag, in the batch-invariant mode, with the
+    interpreted set, or below ``MIN_TOKENS`` rows they stay on Triton. Dead rows come out as zeros either way."""
     from kernels import deepgemm_moe
     from tests.kernels.test_deepgemm_moe import fake_deep_gemm
 
-    calls: list[bool] = []
+    calls: list[tuple] = []
     real = deepgemm_moe.experts
     monkeypatch.setattr(deepgemm_moe, "module", lambda: fake_deep_gemm(4))
     monkeypatch.setattr(deepgemm_moe, "available", lambda device: True)
-    monkeypatch.setattr(deepgemm_moe, "experts", lambda *a, **kw: calls.append(kw["masked"]) or real(*a, **kw))
+    monkeypatch.setattr(deepgemm_moe, "experts",
+                        lambda *a, **kw: calls.append((kw["masked"], kw["layout"])) or real(*a, **kw))
     monkeypatch.setattr(block_scaled_experts, "applies", lambda *a: False)
     model = case("oracle").model
     x = torch.randn(1, 12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
@@ -293,7 +294,8 @@ def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypa
         assert calls == []
         monkeypatch.setattr(deepgemm_moe, "MIN_TOKENS", 12)
         got = KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x, live=live)
-    assert calls == [False]  # eager: the contiguous layout
+    layout = _compiled_like_kernels().moe_contiguous.contiguous_layout
+    assert calls == [(False, layout)]  # eager: the contiguous layout, the kernel set's
     assert torch.equal(got[:, ~live], torch.zeros_like(got[:, ~live]))
     # The same e4m3 operands; DeepGEMM's path rounds gate/up to bf16 before the SwiGLU (Triton's epilogue keeps
     # fp32), moving the rare e4m3 code of h, and writes bf16 down outputs: within one FP8 cast's error.
