@@ -1,6 +1,7 @@
 """A MoE layer's experts through DeepGEMM's grouped FP8 GEMMs (github.com/deepseek-ai/DeepGEMM, its sm_90 "1D2D"
-kernels, JIT-compiled with nvcc on first use), taken by ``KernelMoE`` only with ``SHINKAI_MOE_GEMM=deepgemm`` and a
-passing probe (``available``); otherwise the Triton grouped GEMM (``kernels.moe_grouped_gemm``) stays.
+kernels, JIT-compiled with nvcc on first use), taken by ``KernelMoE`` for prefill where ``deep_gemm`` imports and its
+probe passes (``available``), unless ``SHINKAI_MOE_GEMM=triton``; otherwise the Triton grouped GEMM
+(``kernels.moe_grouped_gemm``) stays.
 
 Formats: DeepGEMM's sm_90 FP8 GEMM takes the kernels' own. Activations e4m3 [M, K] with one fp32 scale per token
 and 128 channels ([M, K/128] row-major, as ``quant_fp8.quantize_act`` writes them: DeepGEMM moves them into its
@@ -44,11 +45,12 @@ from kernels.reference import GROUP, dequantize_weight_block128
 log = logging.getLogger(__name__)
 
 ENV = "SHINKAI_MOE_GEMM"
-"""``SHINKAI_MOE_GEMM=deepgemm`` asks ``KernelMoE`` for this path; unset (or any other value) keeps Triton."""
+"""``KernelMoE`` takes this path by default where ``deep_gemm`` imports and its probe passes (the FP8 KL test at v41
+width passed with it: docs/performance.md); ``SHINKAI_MOE_GEMM=triton`` keeps the Triton grouped GEMM."""
 
 MIN_TOKENS = 1024
 """``KernelMoE`` takes DeepGEMM from this many rows (tokens) in an eager step: prefill chunks. Below it the
-contiguous layout's host read of the counts and its pad rows cost more than the GEMMs save."""
+contiguous layout's pad rows (up to an alignment block per expert) cost more than the GEMMs save."""
 
 PROBE_REL = 2.0**-7
 """The probe's bound, relative Frobenius error of the bf16 output against the fp32 product of the same e4m3
@@ -61,8 +63,8 @@ Combine = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 def requested() -> bool:
-    """Whether the environment asks for DeepGEMM's MoE GEMMs."""
-    return os.environ.get(ENV, "").strip().lower() == "deepgemm"
+    """Whether the environment leaves DeepGEMM's MoE GEMMs on: unset or ``deepgemm``; ``triton`` keeps Triton."""
+    return os.environ.get(ENV, "").strip().lower() in ("", "deepgemm")
 
 
 @functools.cache

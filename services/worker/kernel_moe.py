@@ -3,8 +3,8 @@
 ``KernelMoE`` routes with ``kernels.moe_router`` and runs the routed experts and the shared expert in
 one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``; the shared expert in launches of
 its own where its rows span several M tiles), or, for big eager prefill steps, expert by expert through
-cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when), or, asked
-for with ``SHINKAI_MOE_GEMM=deepgemm`` where ``deep_gemm`` is installed and its probe passes, eager steps of at
+cuBLASLt's block-scaled GEMM on the same layout (services/worker/block_scaled_experts.py says when), or, where
+``deep_gemm`` is installed and its probe passes (and ``SHINKAI_MOE_GEMM`` is not ``triton``), eager steps of at
 least ``deepgemm_moe.MIN_TOKENS`` rows (prefill) through DeepGEMM's grouped FP8 GEMMs (kernels/deepgemm_moe.py;
 docs/performance.md has the measurements); with
 ``SHINKAI_MOE_SPLITK=1``, decode's few rows take the K-split grouped GEMM where its shape rule says
@@ -183,9 +183,9 @@ class KernelMoE(nn.Module):
         return out.to(x.dtype).reshape(shape)
 
     def _deepgemm(self, xp: torch.Tensor) -> bool:
-        """Whether the experts of xp [T, D'] run on DeepGEMM's contiguous layout (kernels/deepgemm_moe.py): asked
-        for by ``SHINKAI_MOE_GEMM=deepgemm``, compiled kernels, outside the batch-invariant mode (its tiles follow
-        M), an eager step (the layout reads the counts on the host) of at least ``deepgemm_moe.MIN_TOKENS`` rows,
+        """Whether the experts of xp [T, D'] run on DeepGEMM's contiguous layout (kernels/deepgemm_moe.py): not
+        refused by ``SHINKAI_MOE_GEMM=triton``, compiled kernels, outside the batch-invariant mode (its tiles follow
+        M), an eager step of at least ``deepgemm_moe.MIN_TOKENS`` rows,
         and its probe passed on xp's device. Captured decode stays on the Triton grouped GEMM, whose layer beat
         DeepGEMM's masked one (docs/performance.md)."""
         if not deepgemm_moe.requested() or self.kernels.interpreted or invariance.active():

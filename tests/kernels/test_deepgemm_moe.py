@@ -150,9 +150,9 @@ def test_no_live_row_gives_no_real_row(monkeypatch, layout):
     assert len(seen) == 2 and all((m == -1).all() for m in seen)
 
 
-def test_only_the_flag_asks_for_it_and_a_cpu_never_has_it(monkeypatch):
+def test_on_unless_the_flag_says_triton_and_a_cpu_never_has_it(monkeypatch):
     monkeypatch.delenv(deepgemm_moe.ENV, raising=False)
-    assert not deepgemm_moe.requested()
+    assert deepgemm_moe.requested()
     monkeypatch.setenv(deepgemm_moe.ENV, "deepgemm")
     assert deepgemm_moe.requested()
     monkeypatch.setenv(deepgemm_moe.ENV, "triton")

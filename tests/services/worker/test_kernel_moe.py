@@ -259,14 +259,14 @@ def test_the_block_scaled_experts_stay_out_of_the_mode_the_interpreter_and_small
     assert emulated_cublas  # the same step outside all three takes it
 
 
-# ---------------------------------------------------------------- experts through DeepGEMM (behind its flag)
+# ---------------------------------------------------------------- experts through DeepGEMM (where it imports)
 
 
-def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypatch):
-    """With ``SHINKAI_MOE_GEMM=deepgemm`` and a passing probe, a compiled-like kernel set's fp8 experts run
-    through ``kernels.deepgemm_moe`` (a torch stand-in for ``deep_gemm`` here) and agree with the grouped Triton
-    path, the layout through the set's ``moe_contiguous``; without the flag, in the batch-invariant mode, with the
-    interpreted set, or below ``MIN_TOKENS`` rows they stay on Triton. Dead rows come out as zeros either way."""
+def test_deepgemm_is_taken_where_it_is_available_and_nowhere_else(monkeypatch):
+    """By default, with a passing probe, a compiled-like kernel set's fp8 experts run through
+    ``kernels.deepgemm_moe`` (a torch stand-in for ``deep_gemm`` here) and agree with the grouped Triton path, the
+    layout through the set's ``moe_contiguous``; with ``SHINKAI_MOE_GEMM=triton``, in the batch-invariant mode, with
+    the interpreted set, or below ``MIN_TOKENS`` rows they stay on Triton. Dead rows come out as zeros either way."""
     from kernels import deepgemm_moe
     from tests.kernels.test_deepgemm_moe import fake_deep_gemm
 
@@ -283,9 +283,9 @@ def test_the_flag_takes_deepgemm_where_it_is_available_and_nowhere_else(monkeypa
     live[[3, 7]] = False
     ffn = model.layers[1].ffn
     with interpreter():
-        monkeypatch.delenv(deepgemm_moe.ENV, raising=False)
+        monkeypatch.setenv(deepgemm_moe.ENV, "triton")
         want = KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x, live=live)
-        monkeypatch.setenv(deepgemm_moe.ENV, "deepgemm")
+        monkeypatch.delenv(deepgemm_moe.ENV, raising=False)  # on by default
         KernelMoE(copy.deepcopy(ffn), "fp8", _moe_kernels())(x)  # the interpreted set
         with invariance.fixed_configs():  # the batch-invariant mode
             KernelMoE(copy.deepcopy(ffn), "fp8", _compiled_like_kernels())(x)
