@@ -4,18 +4,20 @@
 # - SPEC_BATCHES (e.g. "1" or "16 64"): issue 20's table on v41-s1-dspark (v41-s1 plus the released 3-stage
 #   draft at an eighth of its experts) at those batches, SPEC_ACCEPT acceptances (default "0 0.8 1") and
 #   SPEC_MODES (default "fixed varlen"), fp8 kernels and CUDA graphs, 512-token prompts, 128 tokens each
-#   (SPEC_PROFILE=1: each case also profiled: device ms, launches and top kernels a step);
+#   (SPEC_PROFILE=1: each case also profiled: device ms, launches and top kernels a step; SPEC_ASYNC=1: async
+#   scheduling);
 # - TINY_SPEC=1: the same at batch 1 on tiny (the table the session-11 figures came from);
 # - KL_DEEPGEMM=1: DeepGEMM built (gpu_deepgemm.sh), then the contractive FP8 KL test at v41 width with
 #   SHINKAI_MOE_GEMM=deepgemm (its 1,024-token chunks take DeepGEMM's grouped products);
-# - PROFILE=1: `services.bench.step --quick --profile` (the launches per decode step).
+# - PROFILE=1: `services.bench.step --quick --profile` (the launches per decode step); with DEEPGEMM=1, DeepGEMM
+#   built first and on the path, so prefill's experts take it (the default where it imports).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
 . scripts/device_env.sh
 export PYTHONPATH="$PWD:$site"
 limit=${LIMIT_S:-560}
 left() { echo $((limit - SECONDS)); }
-if [ -n "${KL_DEEPGEMM:-}" ]; then
+if [ -n "${KL_DEEPGEMM:-}${DEEPGEMM:-}" ]; then
     DEEPGEMM_BUILD_ONLY=1 bash scripts/gpu_deepgemm.sh > "$out/deepgemm-build.log" 2>&1 &
     build=$!
 fi
@@ -24,11 +26,21 @@ if [ -n "${GPU_TESTS:-}" ]; then
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS > "$out/tests-gpu.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests-gpu.log" | tail -8
 fi
+if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 90 ]; then
+    if [ -n "${DEEPGEMM:-}" ]; then  # prefill's experts on DeepGEMM (the default where it imports)
+        wait "$build"; tail -1 "$out/deepgemm-build.log"
+        export PYTHONPATH="$PWD:$site:/tmp/deepgemm" DG_JIT_CACHE_DIR=/tmp/deepgemm-jit
+    fi
+    timeout "$(left)" python3 -m services.bench.step --quick --profile --no-compare --no-async \
+        --json "$out/step-profile.json" > "$out/step-profile.log" 2>&1
+    echo "step profile rc $?"; grep -E "^decode|^prefill|launch" "$out/step-profile.log" | head -20
+fi
 if [ -n "${SPEC_BATCHES:-}" ] && [ "$(left)" -gt 90 ]; then
     # shellcheck disable=SC2086 # lists
     timeout "$(left)" python3 -m services.bench.speculative --model v41-s1-dspark --num-speculative-tokens 5 \
         --prompt-len 512 --max-tokens 128 --kernel-backend fp8 --cuda-graphs --batch $SPEC_BATCHES \
         --acceptance ${SPEC_ACCEPT:-0 0.8 1} --modes ${SPEC_MODES:-fixed varlen} ${SPEC_PROFILE:+--profile} \
+        ${SPEC_ASYNC:+--async-scheduling} \
         --json "$out/speculative-v41.json" > "$out/speculative-v41.log" 2>&1
     echo "speculative v41-s1-dspark rc $?"; grep -E "batch|Error|error|profile|^      " "$out/speculative-v41.log" | tail -100
     nvidia-smi --query-gpu=memory.used --format=csv
@@ -51,9 +63,4 @@ print('deepgemm requested', deepgemm_moe.requested(), 'available', deepgemm_moe.
             > "$out/kl-deepgemm.log" 2>&1
         echo "KL with DeepGEMM rc $?"; grep -E "mean KL|passed|failed|deepgemm|DeepGEMM" "$out/kl-deepgemm.log" | tail -8
     fi
-fi
-if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 90 ]; then
-    timeout "$(left)" python3 -m services.bench.step --quick --profile --no-compare --no-async \
-        --json "$out/step-profile.json" > "$out/step-profile.log" 2>&1
-    echo "step profile rc $?"; grep -E "^decode|^prefill|launch" "$out/step-profile.log" | head -20
 fi
