@@ -25,18 +25,29 @@ source, so one window loop serves both (two loops, ring part then step part, spi
 the Flash shapes: more live ranges across loops). Rows of a request are consecutive with consecutive
 positions (a prefill chunk): position p of row r's request sits in step row r − pos[r] + p.
 
-What prefill adds over decode is reuse across rows: a key is dequantised once per row in the loop
-above, yet a window key serves w rows and an entry many of the chunk's rows. Offline SASS (sm_90a,
-8 warps, 3 stages, Flash shapes) puts the dequantisation at most of each loop: 1,031 instructions
-per 16 window keys and 899 per 16 FP4 entries (65 HGMMA each), against 610 per 16 / 749 per 32
-entries when ``stage_entries`` has dequantised the step's entries once to bf16 (exact) and the loop
-only gathers rows (``staged=``: 3.5× the bytes per key, from a set of context/ratio rows that
-stays in L2, e.g. 16 MB at 32K). The H200 kernel bench measured staged at 1.9–2.0× the in-loop
-dequantisation (docs/performance.md); the engine stages when a step's requests hold at most
-``services/worker/attention_backend_triton.STAGE_MAX_ENTRIES`` entries at the source.
+What prefill adds over decode is reuse across rows: a key dequantised in the loop is dequantised once
+per row that reads it, yet a window key serves w rows and an entry many of the chunk's rows. Offline
+SASS (sm_90a, 8 warps, 3 stages, Flash shapes) puts the dequantisation at most of each loop: 1,031
+instructions per 16 window keys and 899 per 16 FP4 entries (65 HGMMA each), against 610 per 16 / 749
+per 32 entries for bf16 rows that the loop only gathers. Hence the two staged paths
+(kernels/prefill_staging.py), each exact in bf16 and each behind a flag, the in-loop path staying for
+steps too large to stage:
+
+- ``staged=``: the entries of the step's requests at the source, dequantised once per source
+  (``stage_entries``; 3.5× the bytes per key, from a set of context/ratio rows that stays in L2, e.g.
+  16 MB at 32K). The H200 kernel bench measured 1.9–2.0× the in-loop dequantisation
+  (docs/performance.md); the engine stages when the requests hold at most
+  ``services/worker/attention_backend_triton.STAGE_MAX_ENTRIES`` entries.
+- ``staged_window=``: the window keys, dequantised once per layer and step (``stage_window``: each
+  request's w − 1 ring rows before its first row, then the step's K rows, one launch) instead of by
+  each of up to w rows. A request's segment holds its ring part right before its step rows, so the w
+  keys of a row are consecutive staged rows ending at its own: the window loop becomes a plain row
+  gather with no per-key source or format. The keys, blocks and order are the in-loop path's, so the
+  result is bit-identical (tested ``==``); the engine stages up to ``STAGE_MAX_WINDOW_ROWS`` rows.
 
 The ring must be read as it was before this step writes its own rows to it (``TorchAttention`` reads it
-first): a chunk longer than ring − w would overwrite ring positions that its first rows still need.
+first, and so does ``stage_window``): a chunk longer than ring − w would overwrite ring positions that
+its first rows still need.
 
 Everything else (exact bf16 dequantisation, the online softmax with exp2, P in bf16 for the PV
 product, the sink and the undo-RoPE epilogue) is the decode kernel's, from kernels/attention_blocks.py.
@@ -52,6 +63,10 @@ import triton.language as tl
 
 from kernels import invariance
 from kernels.attention_blocks import _attend_block, _entry_blocks, _finish, _ring_align, _window_keys, entry_block_n
+from kernels.prefill_staging import stage_entries, stage_keys, stage_rows, stage_window
+
+# The per-step staging (kernels/prefill_staging.py) travels with the kernel that reads it: one module per kernel set.
+__all__ = ["sparse_prefill_attention", "stage_entries", "stage_keys", "stage_rows", "stage_window"]
 
 _LOG2E = 1.4426950408889634
 
@@ -72,15 +87,30 @@ def _staged_entry_blocks(q, m, l, acc, sel_row, keys_ptr, keys_stride, scale_log
 
 
 @triton.jit
+def _staged_window_blocks(q, m, l, acc, win_ptr, last, win_stride, pos, scale_log2e, WINDOW: tl.constexpr,
+                          D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+    """Window keys already dequantised (``stage_window``): position pos − WINDOW + 1 + j is row
+    last − WINDOW + 1 + j of win [T, D], inside the row's request segment for every j (masked below 0)."""
+    n = tl.arange(0, BLOCK_N)
+    for b in tl.range(0, WINDOW, BLOCK_N, num_stages=NUM_STAGES):
+        j = b + n
+        ok = (j < WINDOW) & (pos - WINDOW + 1 + j >= 0)
+        key_row = win_ptr + (last - WINDOW + 1 + j) * win_stride  # [BLOCK_N]
+        k = tl.load(key_row[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
+    return m, l, acc
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr, kcode_ptr, kscale_ptr, ring_ptr, slots_ptr, pos_ptr, first_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
-    out_ptr,
+    win_ptr, win_rows_ptr, out_ptr,
     num_heads, q_stride_r, q_stride_h, kcode_stride_r, kscale_stride_r, ring_stride_slot, ring_stride_pos,
     pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
-    ring_size, entries_per_block, scale_log2e, staged_stride,
+    ring_size, entries_per_block, scale_log2e, staged_stride, win_stride,
     WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    STAGED: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    STAGED: tl.constexpr, STAGED_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
@@ -103,22 +133,27 @@ def _prefill_attention_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
 
-    # Window positions p = pos − WINDOW + 1 + j, ascending; those before ``first`` (the request's
-    # first row this step) come from the ring at p mod ring_size, the others from step row
-    # r − pos + p. Per key only its row pointers differ, so one loop (one load) serves both sources.
-    for b in tl.range(0, WINDOW, BLOCK_N, num_stages=NUM_STAGES):  # constexpr trips: pipelined gathers
-        j = b + n
-        p = pos - WINDOW + 1 + j
-        ok = (j < WINDOW) & (p >= 0)
-        in_step = p >= first
-        k_row = row + tl.where(ok & in_step, p - pos, 0).to(tl.int64)  # [BLOCK_N] step rows, ≤ row
-        ring_key = ring_row + tl.where(ok, p % ring_size, 0).to(tl.int64) * ring_stride_pos
-        code_row = tl.where(in_step, kcode_ptr + k_row * kcode_stride_r, ring_key)  # [BLOCK_N]
-        scale_row = tl.where(in_step, kscale_ptr + k_row * kscale_stride_r, ring_key + D)
-        codes = tl.load(code_row[:, None] + ch[None, :], mask=ok[:, None], other=0)
-        scale_bytes = tl.load(scale_row[:, None] + groups[None, :], mask=ok[:, None], other=0)
-        k = _window_keys(codes, scale_bytes, BLOCK_N, D).to(dot_ty)
-        m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
+    # Window positions p = pos − WINDOW + 1 + j, ascending, as bf16 rows staged once for the step
+    # (STAGED_WINDOW), or dequantised here: those before ``first`` (the request's first row this
+    # step) from the ring at p mod ring_size, the others from step row r − pos + p. Per key only its
+    # row pointers differ, so one loop (one load) serves both sources.
+    if STAGED_WINDOW:
+        m, l, acc = _staged_window_blocks(q, m, l, acc, win_ptr, tl.load(win_rows_ptr + row).to(tl.int64),
+                                          win_stride, pos, scale_log2e, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
+    else:
+        for b in tl.range(0, WINDOW, BLOCK_N, num_stages=NUM_STAGES):  # constexpr trips: pipelined gathers
+            j = b + n
+            p = pos - WINDOW + 1 + j
+            ok = (j < WINDOW) & (p >= 0)
+            in_step = p >= first
+            k_row = row + tl.where(ok & in_step, p - pos, 0).to(tl.int64)  # [BLOCK_N] step rows, ≤ row
+            ring_key = ring_row + tl.where(ok, p % ring_size, 0).to(tl.int64) * ring_stride_pos
+            code_row = tl.where(in_step, kcode_ptr + k_row * kcode_stride_r, ring_key)  # [BLOCK_N]
+            scale_row = tl.where(in_step, kscale_ptr + k_row * kscale_stride_r, ring_key + D)
+            codes = tl.load(code_row[:, None] + ch[None, :], mask=ok[:, None], other=0)
+            scale_bytes = tl.load(scale_row[:, None] + groups[None, :], mask=ok[:, None], other=0)
+            k = _window_keys(codes, scale_bytes, BLOCK_N, D).to(dot_ty)
+            m, l, acc = _attend_block(q, k, ok, m, l, acc, scale_log2e, precision)
     # Selected entries: one gathered row per key (selections differ per row): FP4 bytes dequantised here,
     # as in decode, or (STAGED) bf16 rows dequantised once per step, pool_ptr then being those rows.
     if STAGED:
@@ -156,6 +191,7 @@ def sparse_prefill_attention(
     num_stages: int = 3,
     dot_fp32: bool = False,
     staged: torch.Tensor | None = None,
+    staged_window: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same arguments and result as ``kernels.reference.sparse_prefill_attention``.
 
@@ -168,6 +204,10 @@ def sparse_prefill_attention(
 
     ``staged`` [E, D] (bf16, or fp32 for tests): the entries dequantised once for the step
     (``stage_entries``); ``selected`` then holds row indices into it and ``kv_pool`` is not read.
+    ``staged_window`` (keys [T, D], rows int32 [R]): the window keys dequantised once for the step
+    (``stage_window``, in the dot dtype: bf16, fp32 with ``dot_fp32``); ``step_k`` and ``ring`` are
+    then not read, and the result is the in-loop dequantisation's, bit for bit (the same keys, blocks
+    and order).
     """
     num_rows, num_heads, dim = q.shape
     k_values, k_scales = (t.view(torch.uint8) for t in step_k)
@@ -190,6 +230,11 @@ def sparse_prefill_attention(
     for name, t in (("q", q), ("ring", ring), ("kv_pool", kv_pool), ("step_k", k_values), ("step_k scales", k_scales)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
+    win_keys, win_rows = (q, positions) if staged_window is None else staged_window  # placeholders: never read
+    if staged_window is not None and (win_keys.shape[-1] != dim or win_keys.stride(-1) != 1
+                                      or win_rows.shape != (num_rows,) or win_rows.dtype != torch.int32):
+        raise ValueError(f"staged_window must be ([T, {dim}] with a contiguous last dim, int32 [{num_rows}]), got "
+                         f"({list(win_keys.shape)}, {win_rows.dtype} {list(win_rows.shape)})")
     selected = selected if selected.dtype == torch.int32 else selected.to(torch.int32)
     if selected.stride(-1) != 1:
         selected = selected.contiguous()
@@ -209,42 +254,14 @@ def sparse_prefill_attention(
     if num_rows == 0:
         return out
     _prefill_attention_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
-        q, k_values, k_scales, ring, state_slots, positions, first, kv_pool, selected, sink, freqs, out,
-        num_heads, q.stride(0), q.stride(1), k_values.stride(0), k_scales.stride(0), ring.stride(0), ring.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
+        q, k_values, k_scales, ring, state_slots, positions, first, kv_pool, selected, sink, freqs, win_keys, win_rows,
+        out, num_heads, q.stride(0), q.stride(1), k_values.stride(0), k_scales.stride(0), ring.stride(0),
+        ring.stride(1), kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
         ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E, 0 if staged is None else staged.stride(0),
-        WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=freqs.shape[0], BLOCK_H=block_h, BLOCK_N=block_n,
-        RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages, STAGED=staged is not None, DOT_FP32=dot_fp32,
-        LIBDEVICE=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        win_keys.stride(0), WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=freqs.shape[0], BLOCK_H=block_h,
+        BLOCK_N=block_n, RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages, STAGED=staged is not None,
+        STAGED_WINDOW=staged_window is not None, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
-
-def stage_entries(kv_pool: torch.Tensor, block_tables: torch.Tensor, entries: torch.Tensor,
-                  row_requests: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every entry of the step's requests dequantised once, for ``sparse_prefill_attention(staged=...)``:
-    (``stage_keys``, ``stage_rows``).
-
-    kv_pool uint8 [blocks, epb, D/2 + D/16]; block_tables [N, width]; entries [R, k] each row's entry
-    ids (−1 none); row_requests [R]. Returns (keys ``dtype`` [N · width · epb, D], int32 [R, k] rows
-    of it). e2m1 × e4m3 has ≤ 5 significant bits, so bf16 holds the keys exactly: the same products
-    as the in-loop dequantisation. Fixed shapes, device ops: graph-safe.
-    """
-    keys = stage_keys(kv_pool, block_tables, dtype)
-    return keys, stage_rows(entries, row_requests, block_tables.shape[1] * kv_pool.shape[1])
-
-
-def stage_keys(kv_pool: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The entries of ``block_tables`` [N, width]'s blocks dequantised: ``dtype`` [N · width · epb, D]."""
-    from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, dequantize_fp4_cache
-
-    half = kv_pool.shape[2] - kv_pool.shape[2] // 9  # D/2 of D/2 + D/16 bytes
-    raw = kv_pool[block_tables.long()].flatten(0, 2)  # [N · width · epb, D/2 + D/16]
-    keys = dequantize_fp4_cache(raw[:, :half], raw[:, half:].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK)
-    return keys.to(dtype)
-
-
-def stage_rows(entries: torch.Tensor, row_requests: torch.Tensor, entries_per_request: int) -> torch.Tensor:
-    """Entry ids [R, k] (−1 none) of each row's request → int32 rows of ``stage_keys``' output."""
-    index = torch.where(entries >= 0, row_requests.long()[:, None] * entries_per_request + entries.long(), -1)
-    return index.to(torch.int32)

@@ -1,10 +1,16 @@
 """Sparse prefill attention (``kernels/prefill_attention.py``) at Flash shapes: one request's chunk of
 1K–32K rows ending at 4K or 32K context, against the bf16 MMA roofline, SDPA on pre-dequantised keys
 and the reference's torch ops. ``python -m services.bench.kernels --only prefill_attention``.
+
+``python -m services.bench.kernels_prefill_attention``: window keys dequantised in the loop vs staged once
+per layer (``stage_window``), µs per layer at 1K and 4K-row chunks of a 4K context, for a compressed
+layer (entries staged, as the engine runs it) and a window-only one, with the staging apart, the
+results checked ``==``, and the sum over v41-s1's layers.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads only when a benchmark runs
@@ -15,6 +21,7 @@ QUICK_CASES = ((1024, 4096), (4096, 4096), (4096, 32768))
 REFERENCE_MAX_ROWS = 4096  # the reference holds every row's 640 keys in fp32: 1.3 MB per row
 SDPA_MAX_ROWS = 16384  # SDPA's gathered bf16 keys: 655 KB per row
 SWEEP = ((16, 1), (32, 1), (32, 3))  # (block_n, num_stages) besides the default (16, 3: no spills), at QUICK_CASES[-1]
+WINDOW_CASES = ((1024, 4096), (4096, 4096))  # (chunk, context) of the staged-window comparison
 
 
 def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, device: str | None = None,
@@ -89,7 +96,7 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     import torch.nn.functional as F
 
     from kernels import reference
-    from kernels.prefill_attention import sparse_prefill_attention, stage_entries
+    from kernels.prefill_attention import sparse_prefill_attention, stage_entries, stage_window
     from services.bench.kernel_timing import _bench, _bench_replay, _row
 
     p = prefill_attention_problem(chunk, context, gen)
@@ -139,7 +146,18 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
                       f"staging (stage_entries, torch ops) {t_stage * 1e6:.0f} us apart", peak="bf16_peak")
     staged_row["staging_us"] = t_stage * 1e6
     rows.append(staged_row)
-    del staged, index
+    # Window keys staged once for the layer too (the engine's prefill attention): the kernel, staging apart.
+    window_keys = stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], window, rows_of, 1)
+    t_window = _bench_replay(lambda: sparse_prefill_attention(*staged_args, out=out, staged=staged,
+                                                              staged_window=window_keys))
+    t_stage_window = _bench_replay(lambda: stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"],
+                                                        p["window"], rows_of, 1))
+    window_row = _row("sparse prefill attention [staged entries + window]", shape, t_window, nbytes, flops, ceil,
+                      theirs, f"staging (stage_window, one launch) {t_stage_window * 1e6:.0f} us apart",
+                      peak="bf16_peak")
+    window_row["staging_us"] = t_stage_window * 1e6
+    rows.append(window_row)
+    staged = index = window_keys = None  # freed before the sweep (the timed graphs are gone)
     if sweep:
         no_entries = (*args[:8], p["selected"][:, :0], *args[9:])
         win_flops = 4.0 * heads * hd * int(torch.clamp(p["pos"] + 1, max=window).sum())
@@ -167,3 +185,79 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
         rows += _case(chunk, context, ceil, gen, sweep=(chunk, context) == QUICK_CASES[-1])
         torch.cuda.empty_cache()
     return rows
+
+
+def window_staging(gen: torch.Generator, cases: tuple[tuple[int, int], ...] = WINDOW_CASES,
+                   **problem: Any) -> list[dict[str, Any]]:
+    """Per case and layer kind (compressed with staged entries / window-only): µs per layer of the
+    attention with window keys dequantised in the loop, with them staged (the kernel alone, the
+    staging alone, both in one graph), and whether the two results are ``==``. ``problem``:
+    ``prefill_attention_problem``'s size options (CPU tests)."""
+    import torch
+
+    from kernels.prefill_attention import sparse_prefill_attention, stage_entries, stage_window
+    from services.bench.kernel_timing import _bench_replay
+
+    results = []
+    for chunk, context in cases:
+        p = prefill_attention_problem(chunk, context, gen, **problem)
+        args = prefill_attention_args(p)
+        rows_of = torch.zeros_like(p["pos"])
+        staged, index = stage_entries(p["kv_pool"], p["table"][None], p["entries"], rows_of)
+
+        def stage(p=p, rows_of=rows_of):
+            return stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], rows_of, 1)
+
+        window, out = stage(), torch.empty_like(p["q"])
+        layers = {"compressed (staged entries)": ((*args[:8], index, *args[9:]), {"staged": staged}),
+                  "window only": ((*args[:8], p["selected"][:, :0], *args[9:]), {})}
+        for layer, (call, kwargs) in layers.items():
+            def attend(staged_window, call=call, kwargs=kwargs):
+                return sparse_prefill_attention(*call, **kwargs, out=out, staged_window=staged_window)
+
+            equal = torch.equal(attend(None).clone(), attend(window))
+            times = {name: _bench_replay(fn) * 1e6 for name, fn in (
+                ("in_loop_us", lambda: attend(None)), ("staged_us", lambda: attend(window)),
+                ("stage_window_us", stage), ("staged_total_us", lambda: attend(stage())))}
+            results.append(dict(chunk=chunk, context=context, layer=layer, equal=equal, **times,
+                                speedup=times["in_loop_us"] / times["staged_total_us"]))
+        staged = index = window = None  # freed before the next case (the timed graphs are gone)
+        torch.cuda.empty_cache()
+    return results
+
+
+def print_window_staging(results: list[dict[str, Any]], num_layers: int, num_window_only: int) -> None:
+    print(f"{'chunk':>6} {'ctx':>6} {'layer':28} {'in-loop us':>10} {'staged us':>9} {'stage us':>8} "
+          f"{'staged+stage us':>15} {'x':>5} {'==':>5}")
+    for r in results:
+        print(f"{r['chunk']:6d} {r['context']:6d} {r['layer']:28} {r['in_loop_us']:10.1f} {r['staged_us']:9.1f} "
+              f"{r['stage_window_us']:8.1f} {r['staged_total_us']:15.1f} {r['speedup']:5.2f} {str(r['equal']):>5}")
+    for chunk, context in dict.fromkeys((r["chunk"], r["context"]) for r in results):
+        per = {r["layer"].split()[0]: r for r in results if (r["chunk"], r["context"]) == (chunk, context)}
+        counts = {"compressed": num_layers - num_window_only, "window": num_window_only}
+        loop, staged = (sum(counts[k] * per[k][key] for k in counts) / 1e3
+                        for key in ("in_loop_us", "staged_total_us"))
+        print(f"chunk {chunk} ctx {context}: {num_layers} layers ({num_window_only} window-only) in-loop {loop:.2f} ms, "
+              f"staged window {staged:.2f} ms")
+
+
+def main() -> int:
+    import torch
+
+    from model.deepseek_v41.presets import V41_S1 as cfg
+    from services.bench.kernel_timing import DEVICE
+
+    if not torch.cuda.is_available():
+        print("no CUDA device here: the prefill attention bench needs a GPU. Nothing was measured.", file=sys.stderr)
+        return 3
+    print(f"device: {torch.cuda.get_device_name()}; sparse prefill attention at v41-s1 shapes, window keys "
+          "dequantised in the loop vs staged once per layer (stage_window); us per layer call, CUDA graph replay, "
+          "L2 flushed")
+    results = window_staging(torch.Generator(DEVICE).manual_seed(0))
+    ratios = cfg.compress_ratios[: cfg.num_hidden_layers]
+    print_window_staging(results, len(ratios), ratios.count(0))
+    return 0 if all(r["equal"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,6 +66,13 @@ dequantisation's transient): 1.9–2.0× faster than dequantising in the loop at
 (H200 kernel bench, docs/performance.md). Above it (many long requests in one mixed step) the loop
 dequantises, as before."""
 
+STAGE_MAX_WINDOW_ROWS = 1 << 16
+"""Prefill attention reads each layer's window keys dequantised once per step (``stage_window``: every
+step row plus each request's window − 1 ring rows before it) when there are at most this many (64 MB of
+bf16 keys at head_dim 512), instead of dequantising each key in the loop of every row whose window
+holds it (up to window rows); the same bits either way. Above it (hundreds of requests in one mixed
+step) the loop dequantises."""
+
 
 class TritonAttention:
     undoes_rope = True  # the attention kernels' contract
@@ -84,6 +91,7 @@ class TritonAttention:
         # the null slot 0 otherwise (a boolean-mask selection would read its count back: a stream sync per use).
         self.ring_write_slots = None if self.all_decode else torch.where(
             b.tail(cache.layout.ring_size), self.row_slots, 0)
+        self.row_first = None if self.all_decode else b.row_first()  # [R] each row's request's first position
         self.row_tables = b.block_tables[b.row_requests]  # [R, width] each row's request's table
         rounding = rounding or StepRounding()
         # The torch path of compression and selection (see the module docstring), or None.
@@ -184,10 +192,24 @@ class TritonAttention:
             pool, selected = self._entries(attn, q.device)
         else:
             pool, selected = staged
+        step_k, ring = quantize_fp8_cache(k), self.cache.ring(attn.layer)
         return self.kernels.prefill_attention.sparse_prefill_attention(
-            q, quantize_fp8_cache(k), self.cache.ring(attn.layer), self.row_slots, b.positions, b.row_first(),
-            attn.window, pool, selected, attn.attn_sink, attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots,
-            staged=None if staged is None else pool)
+            q, step_k, ring, self.row_slots, b.positions, self.row_first, attn.window, pool, selected, attn.attn_sink,
+            attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots, staged=None if staged is None else pool,
+            staged_window=self._staged_window(attn, step_k, ring))
+
+    def _staged_window(self, attn: Attention, step_k: tuple[torch.Tensor, torch.Tensor], ring: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, rows): this layer's window keys dequantised once for the step (``stage_window``; the
+        layer's own K rows and ring, read before this step writes it), or None for kernel sets without
+        it and steps of more than STAGE_MAX_WINDOW_ROWS keys. Host facts only: graph-safe."""
+        module, b = self.kernels.prefill_attention, self.b
+        if not hasattr(module, "stage_window") or \
+                b.num_rows + b.num_requests * (attn.window - 1) > STAGE_MAX_WINDOW_ROWS:
+            return None
+        dtype = torch.float32 if self.fp32_dots else torch.bfloat16  # the kernel's key dtype
+        return module.stage_window(step_k, ring, self.row_slots, b.positions, self.row_first, attn.window,
+                                   b.row_requests, b.num_requests, dtype)
 
     def _staged(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys [E, hd], rows of them int32 [R, k]): the entries this step's requests can select at the

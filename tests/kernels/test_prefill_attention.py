@@ -135,10 +135,10 @@ def test_reference_equals_torch_attention(layer):
 # ---------------------------------------------------------------- interpreted kernel
 
 
-def _tiny(seed: int, window: int = 8):
+def _tiny(seed: int, window: int = 8, chunks=CHUNKS):
     cfg = dataclasses.replace(TINY, index_topk=24, sliding_window=window)  # several entry blocks of 16
     gen = torch.Generator().manual_seed(seed)
-    prob = _chunk_problem(cfg, 3, 2, gen)
+    prob = _chunk_problem(cfg, 3, 2, gen, chunks)
     prob["q"] = torch.randn(prob["pos"].numel(), cfg.num_attention_heads, cfg.head_dim, generator=gen)
     prob["sink"] = torch.randn(cfg.num_attention_heads, generator=gen)
     prob["freqs"] = rope_frequencies(cfg, compressed=True)
@@ -172,6 +172,46 @@ def test_interpreted_staged_entries_match_reference():
     with interpreter():
         module.sparse_prefill_attention(*args[:8], index, *args[9:], out=out, dot_fp32=True, staged=staged)
     assert float((out - ref).abs().max()) <= FP32_REORDER_REL * float(ref.abs().max())
+
+
+def _staged_window(module, cfg, prob, step_k, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = prob["row_requests"]
+    return module.stage_window(step_k, prob["ring"], prob["slots"][rows], prob["pos"], prob["first"][rows],
+                               cfg.sliding_window, rows, len(prob["first"]), dtype)
+
+
+# Five requests: two fresh prompts (one a single row), chunks starting mid-request whose first windows
+# reach into the ring, wholly (40) or partly (3: positions before 0), and one longer than ring − window.
+MORE_CHUNKS = ((40, 3), (0, 1), (3, 9), (0, 5), (27, 30))
+
+
+@pytest.mark.parametrize(("window", "chunks", "mode"), [
+    (8, CHUNKS, "in-loop entries"), (20, CHUNKS, "in-loop entries"), (8, CHUNKS, "window only"),
+    (20, MORE_CHUNKS, "staged entries"), (4, MORE_CHUNKS, "window only"), (16, MORE_CHUNKS, "in-loop entries")])
+def test_interpreted_staged_window_is_bit_identical(window, chunks, mode):
+    """Window keys dequantised once for the step (``stage_window``) and gathered as rows give the in-loop
+    dequantisation's result bit for bit (the same keys, blocks and order): several requests in one
+    step, chunks starting mid-request (ring rows in their windows), windows reaching before position 0,
+    one-row requests; window 20 spans two key blocks of 16 (32 with staged entries), the second
+    straddling ring and step rows; window-only layers (top-k 0); entries in-loop or staged."""
+    cfg, prob = _tiny(window + len(chunks), window, chunks)
+    module = load_interpreted("prefill_attention")
+    step_k = quantize_fp8_cache(prob["k"])
+    selected = prob["selected"][:, :0] if mode == "window only" else prob["selected"]
+    ref = reference.sparse_prefill_attention(*_args(cfg, prob, prob["q"], step_k, selected))
+    args = list(_args(cfg, prob, prob["q"], step_k, selected))
+    staged = None
+    if mode == "staged entries":
+        staged, args[8] = module.stage_entries(prob["kv_pool"], prob["tables"], prob["selected_entries"],
+                                               prob["row_requests"], torch.float32)
+    with interpreter():
+        keys, rows = _staged_window(module, cfg, prob, step_k)
+        loop, gathered = (module.sparse_prefill_attention(*args, dot_fp32=True, staged=staged, staged_window=keys_rows,
+                                                          out=torch.full_like(ref, float("nan")))
+                          for keys_rows in (None, (keys, rows)))
+    assert keys.shape == (len(prob["pos"]) + len(chunks) * (window - 1), cfg.head_dim)
+    assert not gathered.isnan().any() and torch.equal(gathered, loop)
+    assert float((gathered - ref).abs().max()) <= FP32_REORDER_REL * float(ref.abs().max())  # and right
 
 
 def test_interpreted_bf16_in_and_out():
@@ -231,6 +271,24 @@ def test_interpreted_bf16_dots_at_tiny_shapes_only_round_q_and_p(name, layer, so
     assert _rel(out, emulated) < BF16_EMULATION_REL  # measured ≤ 2.3e-4 (tests/tolerances.py)
 
 
+@pytest.mark.parametrize(("name", "layer", "source"), TINY_SHAPES)
+def test_interpreted_bf16_staged_window_is_bit_identical(name, layer, source):
+    """The bf16-dot path (bf16 staged keys, RNE casts as compiled code rounds: bf16_emulation.py) at each
+    tiny config's shapes: staged window keys give the in-loop path's bits, window-only layers too."""
+    from tests.kernels.bf16_emulation import bf16_interpreter
+
+    cfg, prob, step_k = _tiny_config_problem(name, layer, source)
+    module = load_interpreted("prefill_attention")
+    for selected in (prob["selected"], prob["selected"][:, :0]):
+        args = _args(cfg, prob, prob["q"], step_k, selected)
+        with interpreter(), bf16_interpreter():
+            window = _staged_window(module, cfg, prob, step_k, torch.bfloat16)
+            loop = module.sparse_prefill_attention(*args)
+            gathered = module.sparse_prefill_attention(*args, staged_window=window)
+        assert window[0].dtype == torch.bfloat16 and loop.isfinite().all()
+        assert torch.equal(gathered, loop)
+
+
 def test_bench_problem_builder_on_cpu():
     """The benchmark's problem (also the GPU tests') at 4 heads × 64, an 8-row chunk of a 1,100-token
     context, is valid input: every row takes 512 ascending distinct entries of its ≥ 546 visible ones,
@@ -280,6 +338,34 @@ def test_gpu_flash_shapes_match_reference(chunk, context):
     ref_w = reference.sparse_prefill_attention(*prefill_attention_args(
         {**p, "q": p["q"].float(), "selected": p["selected"][:, :0]}))
     assert _rel(sparse_prefill_attention(*window_only), ref_w) < BF16_PATH_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("chunk", "context"), [(1024, 4096), (4096, 4096)])
+def test_gpu_flash_shapes_staged_window_is_bit_identical(chunk, context):
+    """Compiled at Flash's shapes (64 heads, head dim 512, window 128, top-k 512): window keys staged once
+    (``stage_window``) give the in-loop path's bits, with entries in the loop (key blocks of 16) or staged
+    (32), bf16 or fp32 dots, and for a window-only layer. The chunk's rows are split into three requests,
+    each with its own first row (ring rows in its windows) and slot, so several segments are staged;
+    both paths read the same bytes. 4096 of 4096: windows reaching before position 0."""
+    from kernels.prefill_attention import sparse_prefill_attention, stage_entries, stage_window
+    from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
+
+    p = prefill_attention_problem(chunk, context, torch.Generator("cuda").manual_seed(chunk))
+    cuts = (0, chunk // 4, chunk // 2 + 1, chunk)
+    reqs = torch.cat([torch.full((b - a,), i, device="cuda") for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+    p.update(first=p["pos"][torch.tensor(cuts[:-1], device="cuda")][reqs], slots=(reqs != 1).long())  # 1: slot 0
+    args = prefill_attention_args(p)
+    staged, index = stage_entries(p["kv_pool"], p["table"][None], p["entries"], torch.zeros_like(p["pos"]))
+    calls = ((args, {}), ((*args[:8], index, *args[9:]), {"staged": staged}),
+             ((*args[:8], p["selected"][:, :0], *args[9:]), {}), (args, {"dot_fp32": True}))
+    for call, kwargs in calls:
+        dtype = torch.float32 if kwargs.get("dot_fp32") else torch.bfloat16
+        window = stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], reqs, 3, dtype)
+        loop = sparse_prefill_attention(*call, **kwargs)
+        assert loop.isfinite().all() and float(loop.float().abs().max()) > 0
+        assert torch.equal(sparse_prefill_attention(*call, **kwargs, staged_window=window), loop), kwargs
 
 
 @pytest.mark.gpu

@@ -416,6 +416,38 @@ def test_staged_prefill_entries_are_taken_and_change_nothing(monkeypatch):
     assert len(errors) >= 12 and max(errors) < 1e-6, errors
 
 
+def test_staged_prefill_window_is_taken_and_changes_nothing(monkeypatch):
+    """Prefill attention on window keys dequantised once per layer and step (``TritonAttention._staged_window``)
+    is taken on every prefill-attention call at these sizes, and each output is bit for bit the in-loop
+    dequantisation's on the same inputs (STAGE_MAX_WINDOW_ROWS 0: the same call unstaged)."""
+    from services.worker import attention_backend_triton as triton_backend
+
+    small = small_case()
+    prefill, staging = triton_backend.TritonAttention._prefill, triton_backend.TritonAttention._staged_window
+    taken: list[bool] = []
+    equal: list[bool] = []
+
+    def recording(self, attn, step_k, ring):
+        window = staging(self, attn, step_k, ring)
+        taken.append(window is not None)
+        return window
+
+    def both_ways(self, attn, q, k):
+        out = prefill(self, attn, q, k)
+        with monkeypatch.context() as m:
+            m.setattr(triton_backend, "STAGE_MAX_WINDOW_ROWS", 0)
+            equal.append(torch.equal(out, prefill(self, attn, q, k)))
+        return out
+
+    monkeypatch.setattr(triton_backend.TritonAttention, "_staged_window", recording)
+    monkeypatch.setattr(triton_backend.TritonAttention, "_prefill", both_ways)
+    runner = runner_for(small, copy.deepcopy(small.model), 10, "fp32", interpreted())
+    with interpreter():
+        drive(small, runner, 10, decode_steps=1)  # steps of rows [6, 4], [1, 9], [7], then decode
+    assert len(equal) == 3 * len(small.model.layers) and all(equal), equal  # every layer of the 3 prefill steps
+    assert taken == [True, False] * len(equal)
+
+
 def _config(c: Case, budget: int) -> WorkerConfig:
     n = len(c.seqs)
     return EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
@@ -634,7 +666,7 @@ def test_gpu_steps_run_the_triton_kernels_and_no_torch_reference(precision, monk
     drive(c, runner, 64, on_plan)
     assert set(names) == {"prefill", "decode"}, "no first prefill step or no decode-only step ran"
     common = STEP_KERNELS | ({"_moe_gemm_kernel"} if precision == "fp8" else set())
-    expected = {"prefill": common | {"_prefill_attention_kernel"},
+    expected = {"prefill": common | {"_prefill_attention_kernel", "_stage_window_kernel"},
                 "decode": common | {"_decode_attention_kernel", "_sampler_kernel"}}
     for kind, seen in names.items():
         triton = sorted({n for n in seen if n.startswith("_") and n.endswith("kernel")})
