@@ -11,6 +11,7 @@
 #   SHINKAI_MOE_GEMM=deepgemm (its 1,024-token chunks take DeepGEMM's grouped products);
 # - PROFILE=1: `services.bench.step --quick --profile` (the launches per decode step); with DEEPGEMM=1, DeepGEMM
 #   built first and on the path, so prefill's experts take it (the default where it imports).
+# - WINDOW_BENCH=1: prefill attention with window keys staged vs dequantised in the loop (kernels_prefill_attention).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
 . scripts/device_env.sh
@@ -25,6 +26,10 @@ if [ -n "${GPU_TESTS:-}" ]; then
     # shellcheck disable=SC2086 # a list of files
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS > "$out/tests-gpu.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests-gpu.log" | tail -8
+fi
+if [ -n "${WINDOW_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
+    timeout 90 python3 -m services.bench.kernels_prefill_attention > "$out/window-bench.log" 2>&1
+    echo "window staging bench rc $?"; tail -12 "$out/window-bench.log"
 fi
 if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 90 ]; then
     if [ -n "${DEEPGEMM:-}" ]; then  # prefill's experts on DeepGEMM (the default where it imports)
