@@ -91,13 +91,13 @@ def _contiguous_kernel(src_ptr, src_scale_ptr, counts_ptr, row_ids_ptr, route_w_
             ok = live[:, None] & (s < SCALES)[None, :]
             scale = tl.load(src_scale_ptr + token.to(tl.int64)[:, None] * SCALES + s[None, :], mask=ok)
             tl.store(a_s_ptr + dst_row[:, None] * SCALES + s[None, :], scale, mask=ok)
-    else:
+    else:  # names of their own: a name bound in both branches must have one type in both (compiled Triton)
         i = (pid - num_row_programs) * BLOCK_PICKS + tl.arange(0, BLOCK_PICKS)
-        ok = i < num_picks
-        slot = tl.load(slot_of_ptr + i, mask=ok, other=0)
-        e = slot // capacity
-        start = tl.sum(tl.where(g[None, :] == e[:, None], starts[None, :], 0), axis=1)
-        tl.store(rows_of_ptr + i, start.to(tl.int64) + slot - e * capacity, mask=ok)
+        pick_ok = i < num_picks
+        pick_slot = tl.load(slot_of_ptr + i, mask=pick_ok, other=0)
+        pick_expert = pick_slot // capacity
+        pick_start = tl.sum(tl.where(g[None, :] == pick_expert[:, None], starts[None, :], 0), axis=1)
+        tl.store(rows_of_ptr + i, pick_start.to(tl.int64) + pick_slot - pick_expert * capacity, mask=pick_ok)
 
 
 def quantizes_per_row(x: torch.Tensor, num_picks: int) -> bool:

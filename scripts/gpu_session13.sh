@@ -11,6 +11,8 @@
 #   SHINKAI_MOE_GEMM=deepgemm (its 1,024-token chunks take DeepGEMM's grouped products);
 # - PROFILE=1: `services.bench.step --quick --profile` (the launches per decode step); with DEEPGEMM=1, DeepGEMM
 #   built first and on the path, so prefill's experts take it (the default where it imports).
+# - STEP_SIZES (e.g. "1024,4096,16384"): the step bench's prefill at those sizes (and decode b1 at 4K), after
+#   DEEPGEMM's build when asked for;
 # - WINDOW_BENCH=1: prefill attention with window keys staged vs dequantised in the loop (kernels_prefill_attention).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
@@ -31,11 +33,17 @@ if [ -n "${WINDOW_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout 90 python3 -m services.bench.kernels_prefill_attention > "$out/window-bench.log" 2>&1
     echo "window staging bench rc $?"; tail -12 "$out/window-bench.log"
 fi
+if [ -n "${DEEPGEMM:-}" ]; then  # prefill's experts on DeepGEMM from here on (the default where it imports)
+    wait "$build"; tail -1 "$out/deepgemm-build.log"
+    export PYTHONPATH="$PWD:$site:/tmp/deepgemm" DG_JIT_CACHE_DIR=/tmp/deepgemm-jit
+fi
+if [ -n "${STEP_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then
+    timeout "$(left)" python3 -m services.bench.step --batches 1 --contexts 4096 --prefill-tokens "$STEP_SIZES" \
+        --no-compare --no-async --baseline docs/step-h200-2026-12-02-sizes.json --json "$out/step-sizes.json" \
+        > "$out/step-sizes.log" 2>&1
+    echo "step sizes rc $?"; grep -E "^prefill|^decode  ctx|FAILED" "$out/step-sizes.log" | head -10
+fi
 if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 90 ]; then
-    if [ -n "${DEEPGEMM:-}" ]; then  # prefill's experts on DeepGEMM (the default where it imports)
-        wait "$build"; tail -1 "$out/deepgemm-build.log"
-        export PYTHONPATH="$PWD:$site:/tmp/deepgemm" DG_JIT_CACHE_DIR=/tmp/deepgemm-jit
-    fi
     timeout "$(left)" python3 -m services.bench.step --quick --profile --no-compare --no-async \
         --json "$out/step-profile.json" > "$out/step-profile.log" 2>&1
     echo "step profile rc $?"; grep -E "^decode|^prefill|launch" "$out/step-profile.log" | head -20
