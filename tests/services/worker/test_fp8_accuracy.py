@@ -97,7 +97,10 @@ def test_measure_fp8_copy_then_fp32_in_place_on_the_kernel_references(tiny):
     assert results[FORMAT_FLOOR]["all"] == fp8  # the named floor is the reference set, here also passed as kernels
     assert fp8["positions"] == fp32["positions"] == sum(SMALL.prompt_lens) + len(SMALL.prompt_lens) * SMALL.decode_steps
     assert fp8["mean_kl"] > 1e-5  # the tiny model is hypersensitive to FP8 (test_kernel_backend: ~0.07)
-    assert fp32["mean_kl"] < 1e-9 and fp32["top1"] == 1
+    # The fp32 path differs from the reference by summation order only, so its KL sits below FP8's by at least the
+    # ratio of the formats' unit roundoffs, 2^-24 / 2^-4 (not squared, as KL would be in a smooth model: the loud
+    # init amplifies order noise by machine-dependent amounts; 1.2e-9 on an AMD EPYC against fp8's 0.099).
+    assert fp32["mean_kl"] <= 2.0**-20 * fp8["mean_kl"] and fp32["top1"] == 1
     assert any(isinstance(m, KernelMoE) for m in model.modules())  # fp32 converted the model itself
     with pytest.raises(ValueError, match="last precision"):
         measure(tiny, SMALL, ("fp32", "fp8"))
