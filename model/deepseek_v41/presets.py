@@ -11,7 +11,7 @@
 ``v41-s1-dspark`` v41-s1 with the released 3-stage DSpark draft (tapping layers 37–39), its experts cut
            as the target's are (128 → 16 routed per stage, an eighth, like 384 → 48): the shape that
            ``shinkai bench speculative`` measures speculation on, since a draft's step costs next to a
-           real-width target's are what decide its speed-up. About 3 GB more, also GPU-only.
+           real-width target's are what decide its speed-up. 1.6 GB more in released formats, also GPU-only.
 """
 
 from __future__ import annotations
