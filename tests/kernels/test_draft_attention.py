@@ -15,7 +15,8 @@ from tests.tolerances import FP32_REORDER_REL
 
 # (blocks N, slots S, heads H, head_dim, rope pairs P, window W): tiny's draft (hd 64, P 8, W 8, bs 5);
 # rotated pairs over two FP8 blocks; a window of three key tiles, the last partial; no window at all.
-SHAPES = [(3, 5, 4, 64, 8, 8), (2, 7, 2, 128, 32, 20), (2, 5, 2, 64, 8, 150), (2, 3, 2, 64, 8, 0)]
+SHAPES = [(3, 5, 4, 64, 8, 8), (2, 7, 2, 128, 32, 20), (2, 5, 2, 64, 8, 150), (2, 3, 2, 64, 8, 0),
+          (1, 5, 2, 256, 16, 40)]  # the last: a wide head, 32-key tiles (V41's), one partial
 
 
 def _problem(n, s, h, hd, p, w, gen, device="cpu"):
