@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+import kernels
 from kernels import deepgemm_moe
 from services.bench import kernel_timing as timing
 from services.bench import kernels_decode_gemms as decode_gemms
@@ -22,7 +23,10 @@ from tests.services.worker.test_kernel_moe import _emulated_matmul
 
 def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
     for name in ("moe_grouped_gemm", "quant_fp8", "moe_combine", "moe_contiguous"):
-        monkeypatch.setitem(sys.modules, f"kernels.{name}", load_interpreted(name))
+        module = load_interpreted(name)
+        monkeypatch.setitem(sys.modules, f"kernels.{name}", module)
+        # `from kernels import X` reads the package's attribute, set by any earlier import of the compiled module.
+        monkeypatch.setattr(kernels, name, module, raising=False)
     monkeypatch.setattr(deepgemm_moe, "module", lambda: fake_deep_gemm(8))
     monkeypatch.setattr(deepgemm_moe, "available", lambda device: True)
     monkeypatch.setattr(block_scaled_gemm, "available", lambda device, out_dtype=torch.bfloat16: True)
