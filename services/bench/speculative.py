@@ -144,6 +144,9 @@ def main(args: argparse.Namespace) -> int:
                        async_scheduling=args.async_scheduling,
                        max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.max_tokens + nextn + 8,
                        block_size=args.block_size)
+    machine = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+               "model": args.model, "torch": torch.__version__, "torch_threads": args.threads,
+               "kernel_backend": args.kernel_backend, "cuda_graphs": args.cuda_graphs}
     cases = [("off", None)] + [(mode, a) for mode in args.modes for a in args.acceptance]
     results = []
     for batch in args.batch:
@@ -189,15 +192,12 @@ def main(args: argparse.Namespace) -> int:
                       f"{prof['launches_per_step']:.0f} launches a step; top kernels (µs/step, launches/step):")
                 for k in prof["kernels"][:12]:
                     print(f"      {k['us_per_step']:9.1f} {k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
+            if args.json_path:  # after every case, so a run cut short keeps what it measured
+                Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
             del llm
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    machine = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
-               "model": args.model, "torch": torch.__version__, "torch_threads": args.threads,
-               "kernel_backend": args.kernel_backend, "cuda_graphs": args.cuda_graphs}
     print(f"machine: {machine}")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
     return 0
 
 
