@@ -59,7 +59,12 @@ pub struct StopRules {
 
 impl StopRules {
     pub fn new(max_tokens: u32) -> Self {
-        StopRules { max_tokens, eos_token_id: None, ignore_eos: false, stop_token_ids: Vec::new() }
+        StopRules {
+            max_tokens,
+            eos_token_id: None,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+        }
     }
 
     /// The finish reason and the matched stop token, if `token` (the `num_output_tokens`-th output)
@@ -96,6 +101,12 @@ pub struct Request {
     /// Each draft's chance of passing with all before it (`StepResult::draft_confidences`); empty when
     /// the worker gave none.
     pub draft_confidences: Vec<f64>,
+    /// The drafts above came from the last updated step and no plan has ranked them yet.
+    pub drafts_fresh: bool,
+    /// Consecutive proposals of which varlen verified no draft (one it verifies resets it).
+    pub num_unverified_proposals: u32,
+    /// Decode steps left in which the draft skips this request (`Scheduler::pace_proposals`).
+    pub num_proposals_to_skip: u32,
     /// Paged blocks, in position order. Covers every position a planned step may write.
     pub block_table: Vec<u32>,
     pub state_slot: Option<u32>,
@@ -126,6 +137,9 @@ impl Request {
             num_inflight_tokens: 0,
             draft_tokens: Vec::new(),
             draft_confidences: Vec::new(),
+            drafts_fresh: false,
+            num_unverified_proposals: 0,
+            num_proposals_to_skip: 0,
             block_table: Vec::new(),
             state_slot: None,
             status: Status::Waiting,

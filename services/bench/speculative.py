@@ -3,7 +3,8 @@ acceptance rates (issue 20's GPU table; ``shinkai bench speculative``).
 
 Random weights accept almost no draft, so each draft is accepted independently with probability a
 (services/worker/forced_acceptance.py); the target still verifies every draft row and the draft still
-proposes every block, so the step costs are real. Per batch size: speculation off, then for every mode
+proposes every block (but where varlen's back-off skips a request whose proposals it never verifies:
+``proposals_skipped``), so the step costs are real. Per batch size: speculation off, then for every mode
 (fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and
 the step-cost curve measured from the engine's own decode steps) and every a. Each run is greedy with
 ``ignore_eos`` (every request makes exactly ``max_tokens`` tokens) through ``generate.run_batch``:
@@ -31,6 +32,7 @@ services/worker/spec_timings.py). All are host ``perf_counter`` times around the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 from pathlib import Path
@@ -154,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
         for mode, a in cases:
             llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", a,
                         static_proposal=args.static_proposal or None)
+            allocated_gb = torch.cuda.memory_allocated() / 2**30 if device.startswith("cuda") else None
             # Warm-up at the batch (CUDA graphs of its sizes captured, the draft's lazily; varlen's first step times).
             run_batch(llm, batch, args.prompt_len, 4, seed=99)
             before = counters(llm)
@@ -169,6 +172,8 @@ def main(args: argparse.Namespace) -> int:
                      tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
                      drafts_verified=spec.num_drafts_verified if spec else 0,
                      drafts_accepted=spec.num_drafts_accepted if spec else 0,
+                     proposals_skipped=spec.num_proposals_skipped if spec else 0,
+                     allocated_gb_after_build=None if allocated_gb is None else round(allocated_gb, 2),
                      spec_steps=spec.timings.num_steps if spec else 0,
                      spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
             if mode == "off":
@@ -178,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
             a_text = "" if a is None else f" a={a:<4}"
             print(f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
                   f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
-                  f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}")
+                  f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}; "
+                  f"proposals skipped {r['proposals_skipped']}")
             print(f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
                   f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
                   f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
@@ -195,6 +201,7 @@ def main(args: argparse.Namespace) -> int:
             if args.json_path:  # after every case, so a run cut short keeps what it measured
                 Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
             del llm
+            gc.collect()  # the engine's pools and graphs go before the next case's engine sizes its own
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     print(f"machine: {machine}")

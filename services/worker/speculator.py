@@ -17,8 +17,9 @@ accepts, so their features enter the context (positions P − 1 … P − 1 + a)
 emitted token at P + a, and the draft proposes from there. A prompt chunk's rows all enter the context;
 its last chunk samples row 0 (no drafts yet) and proposes. Rejected rows' features never enter the
 context, so the draft's rings need no backtracking room. Where the plan's ``propose_drafts`` is 0 (varlen on
-a step-cost curve where even certain drafts would not pay: none could be verified), the request's context is
-still written but the draft does not run for it.
+a step-cost curve where even certain drafts would not pay: none could be verified; or varlen's back-off after
+proposals it verified none of, ``Scheduler::pace_proposals``), the request's context is still written but the
+draft does not run for it.
 
 A step reads the device once: every request's verification runs at once on the device, the accepted rows'
 context is written there (services/worker/accepted_context.py: rows the verdict rejects keep the ring's old
@@ -106,7 +107,7 @@ class Speculator:
         self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
-        self.num_proposals_skipped = 0  # requests' proposals the plan said no step could verify
+        self.num_proposals_skipped = 0  # requests' proposals the plan skipped (none could be verified; varlen's back-off)
         self.timings = SpecTimings()  # host time per phase of ``step`` (the benchmark's split)
         static = cuda_graphs if static_proposal is None else static_proposal
         if cuda_graphs and not static:

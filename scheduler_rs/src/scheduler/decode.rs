@@ -7,6 +7,11 @@ use crate::config::PreemptionMode;
 use crate::request::{FinishReason, Request, Status};
 use crate::step::RequestUpdate;
 
+/// The most decode steps varlen's back-off skips a request's proposal for (`pace_proposals`): at most one
+/// proposal in 17 steps is spent on a draft that never passes, and a draft that starts passing again is
+/// looked at within 16 steps.
+pub const MAX_PROPOSALS_SKIPPED: u32 = 16;
+
 impl Scheduler {
     /// Decode: running requests sorted by output length, longest first; rows are served from the
     /// back (shortest output first). When the row being served needs blocks that are not free, the
@@ -41,7 +46,10 @@ impl Scheduler {
                 break; // the row's own request was the last victim
             }
             if extra <= self.blocks.num_free() {
-                let blocks = self.blocks.allocate_many(extra).expect("checked free blocks");
+                let blocks = self
+                    .blocks
+                    .allocate_many(extra)
+                    .expect("checked free blocks");
                 self.req_mut(handle).block_table.extend(blocks);
                 served.insert(handle);
             } else {
@@ -57,7 +65,11 @@ impl Scheduler {
             .running
             .iter()
             .filter(|h| served.contains(h))
-            .map(|&handle| Scheduled { handle, num_rows: rows[&handle], num_sample_rows: rows[&handle] })
+            .map(|&handle| Scheduled {
+                handle,
+                num_rows: rows[&handle],
+                num_sample_rows: rows[&handle],
+            })
             .collect();
         (chosen, outputs)
     }
@@ -76,14 +88,20 @@ impl Scheduler {
             .map(|&h| {
                 let req = self.req(h);
                 let n = req.draft_tokens.len().min(nextn);
-                (0..n).map(|j| req.draft_confidences.get(j).copied().unwrap_or(1.0)).collect()
+                (0..n)
+                    .map(|j| req.draft_confidences.get(j).copied().unwrap_or(1.0))
+                    .collect()
             })
             .collect();
         let num_drafts = match self.varlen.as_ref().map(|v| v.choose(&confidences)) {
             Some(Ok(choice)) => choice.num_drafts,
             _ => confidences.iter().map(|c| c.len() as u32).collect(),
         };
-        order.iter().zip(num_drafts).map(|(&h, n)| (h, 1 + n)).collect()
+        order
+            .iter()
+            .zip(num_drafts)
+            .map(|(&h, n)| (h, 1 + n))
+            .collect()
     }
 
     /// Whether drafts proposed for a decode batch of `num_requests` requests can be verified: always,
@@ -98,14 +116,55 @@ impl Scheduler {
         if nextn == 0 || !self.config.spec_varlen || !self.step_cost_measured || num_requests == 0 {
             return nextn > 0;
         }
-        match self.varlen.as_ref().map(|v| v.choose(&vec![vec![1.0; nextn]; num_requests])) {
+        match self
+            .varlen
+            .as_ref()
+            .map(|v| v.choose(&vec![vec![1.0; nextn]; num_requests]))
+        {
             Some(Ok(choice)) => choice.num_rows > num_requests as u32,
             _ => true,
         }
     }
 
+    /// Varlen's back-off for a draft whose proposals go unverified. A proposal of which the plan verifies
+    /// no draft (its confidences too low for the step-cost curve, or a batch where drafts cannot pay)
+    /// cost a draft run for nothing; after the n-th such proposal in a row the draft skips the request
+    /// for the next min(2^(n−1), `MAX_PROPOSALS_SKIPPED`) decode steps, then proposes again to look. One
+    /// verified draft resets it. A skipped request still writes its draft context (the worker writes
+    /// the context of every emitted position), so the next proposal starts from a full window. Greedy
+    /// and deterministic-mode tokens do not depend on it (they do not depend on the drafts verified).
+    /// Fixed mode verifies every draft and never skips. `propose_drafts` is the plan's, one per request.
+    pub(super) fn pace_proposals(&mut self, chosen: &[Scheduled], propose_drafts: &mut [i32]) {
+        if !self.config.spec_varlen || self.config.nextn == 0 {
+            return;
+        }
+        for (s, propose) in chosen.iter().zip(propose_drafts.iter_mut()) {
+            let req = self.req_mut(s.handle);
+            if req.drafts_fresh {
+                req.drafts_fresh = false;
+                if s.num_rows > 1 {
+                    req.num_unverified_proposals = 0;
+                    req.num_proposals_to_skip = 0;
+                } else {
+                    req.num_unverified_proposals += 1;
+                    let shift = (req.num_unverified_proposals - 1).min(31);
+                    req.num_proposals_to_skip = (1u32 << shift).min(MAX_PROPOSALS_SKIPPED);
+                }
+            }
+            if req.num_proposals_to_skip > 0 {
+                req.num_proposals_to_skip -= 1;
+                *propose = 0;
+            }
+        }
+    }
+
     /// Preempts a running request; returns how many of its blocks come back only later.
-    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestUpdate>, recomputed: &mut Vec<usize>) -> u32 {
+    fn preempt(
+        &mut self,
+        handle: usize,
+        outputs: &mut Vec<RequestUpdate>,
+        recomputed: &mut Vec<usize>,
+    ) -> u32 {
         let req = self.req(handle);
         match self.config.effective_preemption_mode(req.constrained) {
             PreemptionMode::Stop => {
@@ -124,6 +183,9 @@ impl Scheduler {
                 req.num_inflight_tokens = 0;
                 req.draft_tokens.clear();
                 req.draft_confidences.clear();
+                req.drafts_fresh = false;
+                req.num_unverified_proposals = 0;
+                req.num_proposals_to_skip = 0;
                 req.status = Status::Waiting;
                 req.num_preemptions += 1;
                 req.incarnation = incarnation;

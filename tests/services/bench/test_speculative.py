@@ -39,8 +39,13 @@ def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_che
             ms = r["spec_ms_per_step"]
             assert set(ms) == {"sample", "verify", "propose", "read", "other", "total"} and ms["total"] > 0
             assert r["draft_graph_captures"] is None  # the eager proposal: no DraftGraphs
-    # Varlen at a = 0: the forced chances are 0, so no draft is worth a row: it verifies none at all.
-    assert all(r["drafts_verified"] == 0 for r in results if r["mode"] == "varlen" and r["acceptance"] == 0.0)
+    # Varlen at a = 0: the forced chances are 0, so no draft is worth a row: it verifies none at all, and its
+    # back-off skips proposals (every other step from the second at the least); fixed mode never skips one.
+    for r in results:
+        if r["mode"] == "varlen" and r["acceptance"] == 0.0:
+            assert r["drafts_verified"] == 0 and r["proposals_skipped"] > 0
+        else:
+            assert r["proposals_skipped"] == 0
     print(capsys.readouterr().out)
 
 

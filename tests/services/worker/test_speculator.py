@@ -392,7 +392,8 @@ def test_the_draft_does_not_run_where_no_draft_could_be_verified(source, greedy_
     """Varlen on a given curve proportional to rows (a step of R rows costs R ms): even certain drafts do not
     raise the tokens per millisecond, so the scheduler's plans say ``propose_drafts`` 0, the draft never
     runs (its context is still written), every step has one row per request, and greedy tokens and
-    logprobs equal speculation off. On a curve with a fixed cost the same requests propose again."""
+    logprobs equal speculation off. On a curve with a fixed cost the same requests propose again (varlen's
+    back-off skips a few proposals after one it verified none of)."""
     calls = []
     propose = type(source.model.draft).propose
     monkeypatch.setattr(type(source.model.draft), "propose",
@@ -404,7 +405,8 @@ def test_the_draft_does_not_run_where_no_draft_could_be_verified(source, greedy_
     assert calls == [] and speculator.num_drafts_verified == 0 and set(rows) == {1}
     assert speculator.num_proposals_skipped > 0 and speculator.next_positions == {}
     outs, speculator = generate(source, GREEDY, nextn=NEXTN, curve=line(1.0, 0.02), decode_rows=rows)
-    assert calls and speculator.num_proposals_skipped == 0 and speculator.num_drafts_verified > 0
+    # Only varlen's back-off skips here (after a proposal it verified none of): the draft runs far more often.
+    assert calls and speculator.num_drafts_verified > 0 and speculator.num_proposals_skipped < len(calls)
     print(f"\nproportional curve: the draft ran 0 times; fixed-cost curve: {len(calls)} times")
 
 
