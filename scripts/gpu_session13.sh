@@ -13,6 +13,8 @@
 #   built first and on the path, so prefill's experts take it (the default where it imports).
 # - STEP_SIZES (e.g. "1024,4096,16384"): the step bench's prefill at those sizes (and decode b1 at 4K), after
 #   DEEPGEMM's build when asked for;
+# - FULL_SIZES=1: issue 21's sizes run (batches 1-256 at 4K and 32K, prefill 1K-32K) with --profile, after
+#   DEEPGEMM's build when asked for;
 # - WINDOW_BENCH=1: prefill attention with window keys staged vs dequantised in the loop (kernels_prefill_attention).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
@@ -42,6 +44,12 @@ if [ -n "${STEP_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then
         --no-compare --no-async --baseline docs/step-h200-2026-12-02-sizes.json --json "$out/step-sizes.json" \
         > "$out/step-sizes.log" 2>&1
     echo "step sizes rc $?"; grep -E "^prefill|^decode  ctx|FAILED" "$out/step-sizes.log" | head -10
+fi
+if [ -n "${FULL_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then  # issue 21's sizes run, profiled, against the issue's JSON
+    timeout "$(left)" python3 -m services.bench.step --batches 1,16,64,256 --contexts 4096,32768 \
+        --prefill-tokens 1024,4096,16384,32768 --profile --no-compare --no-async \
+        --baseline docs/step-h200-2026-11-30-sizes.json --json "$out/step-full.json" > "$out/step-full.log" 2>&1
+    echo "step full sizes rc $?"; grep -E "^prefill|^decode|launch|FAILED" "$out/step-full.log" | head -30
 fi
 if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python3 -m services.bench.step --quick --profile --no-compare --no-async \
