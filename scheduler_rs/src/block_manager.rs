@@ -81,25 +81,15 @@ impl BlockManager {
         if n > self.num_free() {
             return None;
         }
-        Some(
-            (0..n)
-                .map(|_| self.allocate().expect("checked free count"))
-                .collect(),
-        )
+        Some((0..n).map(|_| self.allocate().expect("checked free count")).collect())
     }
 
     fn check(&self, id: u32) -> Result<(), PoolError> {
         if id == 0 || id as usize >= self.ref_counts.len() {
-            return Err(PoolError::OutOfRange {
-                pool: self.name,
-                id,
-            });
+            return Err(PoolError::OutOfRange { pool: self.name, id });
         }
         if self.ref_counts[id as usize] == 0 {
-            return Err(PoolError::NotHeld {
-                pool: self.name,
-                id,
-            });
+            return Err(PoolError::NotHeld { pool: self.name, id });
         }
         Ok(())
     }

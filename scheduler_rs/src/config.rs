@@ -138,10 +138,7 @@ impl SchedulerConfig {
             ("max_num_batched_tokens", self.max_num_batched_tokens),
             ("max_model_len", self.max_model_len),
             ("prefill_attempt_interval", self.prefill_attempt_interval),
-            (
-                "prefill_any_attempt_interval",
-                self.prefill_any_attempt_interval,
-            ),
+            ("prefill_any_attempt_interval", self.prefill_any_attempt_interval),
             ("cuda_graph_interval", self.cuda_graph_interval),
         ];
         for (name, value) in positive {
@@ -150,9 +147,7 @@ impl SchedulerConfig {
             }
         }
         if self.num_blocks < 2 || self.num_state_slots < 2 {
-            return Err(
-                "num_blocks and num_state_slots must be at least 2 (id 0 is reserved)".into(),
-            );
+            return Err("num_blocks and num_state_slots must be at least 2 (id 0 is reserved)".into());
         }
         for &ratio in &self.compress_ratios {
             if ratio == 0 || !self.block_size.is_multiple_of(ratio) {
@@ -189,34 +184,19 @@ mod tests {
 
     #[test]
     fn vote_intervals_depend_on_the_number_of_ranks() {
-        assert_eq!(
-            SchedulerConfig::new(1, TEST_LIMITS).prefill_attempt_interval,
-            1
-        );
+        assert_eq!(SchedulerConfig::new(1, TEST_LIMITS).prefill_attempt_interval, 1);
         let multi = SchedulerConfig::new(8, TEST_LIMITS);
-        assert_eq!(
-            (
-                multi.prefill_attempt_interval,
-                multi.prefill_any_attempt_interval
-            ),
-            (70, 100)
-        );
+        assert_eq!((multi.prefill_attempt_interval, multi.prefill_any_attempt_interval), (70, 100));
     }
 
     #[test]
     fn decode_engines_and_grammars_always_stop() {
         let mut config = SchedulerConfig::new(1, TEST_LIMITS);
         config.preemption_mode = PreemptionMode::Recompute;
-        assert_eq!(
-            config.effective_preemption_mode(false),
-            PreemptionMode::Recompute
-        );
+        assert_eq!(config.effective_preemption_mode(false), PreemptionMode::Recompute);
         assert_eq!(config.effective_preemption_mode(true), PreemptionMode::Stop);
         config.engine_type = EngineType::Decode;
-        assert_eq!(
-            config.effective_preemption_mode(false),
-            PreemptionMode::Stop
-        );
+        assert_eq!(config.effective_preemption_mode(false), PreemptionMode::Stop);
     }
 
     #[test]

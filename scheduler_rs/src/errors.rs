@@ -23,14 +23,10 @@ impl fmt::Display for SchedulerError {
         match self {
             SchedulerError::InvalidConfig(m) => write!(f, "invalid scheduler config: {m}"),
             SchedulerError::InvalidRequest(m) => f.write_str(m),
-            SchedulerError::DuplicateRequest(id) => {
-                write!(f, "request id {id:?} is already in use")
-            }
+            SchedulerError::DuplicateRequest(id) => write!(f, "request id {id:?} is already in use"),
             SchedulerError::UnknownRequest(id) => write!(f, "unknown request id {id:?}"),
             SchedulerError::InvalidState(m) => f.write_str(m),
-            SchedulerError::InvalidResult(m) => {
-                write!(f, "step result does not match its plan: {m}")
-            }
+            SchedulerError::InvalidResult(m) => write!(f, "step result does not match its plan: {m}"),
         }
     }
 }

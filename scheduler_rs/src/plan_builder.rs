@@ -15,10 +15,7 @@ impl<'a> PlanBuilder<'a> {
         let entry_writes = config
             .compress_ratios
             .iter()
-            .map(|&ratio| EntryWrites {
-                ratio,
-                ..Default::default()
-            })
+            .map(|&ratio| EntryWrites { ratio, ..Default::default() })
             .collect();
         PlanBuilder {
             config,
@@ -76,16 +73,10 @@ impl<'a> PlanBuilder<'a> {
         self.plan.seqlens_q.push(seqlen_q as i32);
         self.plan.seqlens_k.push((start + seqlen_q) as i32);
         self.plan.query_start.push(first_row + seqlen_q as i32);
-        self.plan
-            .state_slots
-            .push(req.state_slot.unwrap_or(0) as i32);
-        self.plan
-            .inputs_pending
-            .push((req.num_inflight_tokens > 0) as i32);
+        self.plan.state_slots.push(req.state_slot.unwrap_or(0) as i32);
+        self.plan.inputs_pending.push((req.num_inflight_tokens > 0) as i32);
         self.plan.num_sample_rows.push(num_sample_rows as i32);
-        self.plan
-            .propose_drafts
-            .push(i32::from(self.config.nextn > 0));
+        self.plan.propose_drafts.push(i32::from(self.config.nextn > 0));
         self.tables.push(table);
 
         for (offset, &token) in input_ids.iter().enumerate() {
@@ -104,15 +95,11 @@ impl<'a> PlanBuilder<'a> {
                 let entry = position / ratio;
                 let block = table[(entry / entries_per_block) as usize];
                 writes.rows.push(row);
-                writes
-                    .slots
-                    .push((block * entries_per_block + entry % entries_per_block) as i32);
+                writes.slots.push((block * entries_per_block + entry % entries_per_block) as i32);
             }
         }
         let sample_start = first_row + (seqlen_q - num_sample_rows) as i32;
-        self.plan
-            .sample_rows
-            .extend(sample_start..first_row + seqlen_q as i32);
+        self.plan.sample_rows.extend(sample_start..first_row + seqlen_q as i32);
     }
 
     pub fn finish(mut self) -> StepPlan {
@@ -120,12 +107,8 @@ impl<'a> PlanBuilder<'a> {
         self.plan.block_table_width = width as u32;
         self.plan.block_tables = Vec::with_capacity(width * self.tables.len());
         for table in &self.tables {
-            self.plan
-                .block_tables
-                .extend(table.iter().map(|&b| b as i32));
-            self.plan
-                .block_tables
-                .extend(std::iter::repeat_n(0, width - table.len()));
+            self.plan.block_tables.extend(table.iter().map(|&b| b as i32));
+            self.plan.block_tables.extend(std::iter::repeat_n(0, width - table.len()));
         }
         let num_rows = self.plan.positions.len() as u32;
         if num_rows == 0 {
@@ -133,10 +116,7 @@ impl<'a> PlanBuilder<'a> {
             self.plan.num_padding_rows = 1;
         }
         if self.plan.kind == StepKind::Decode {
-            let sizes = graph_sizes(
-                self.config.max_decode_rows(),
-                self.config.cuda_graph_interval,
-            );
+            let sizes = graph_sizes(self.config.max_decode_rows(), self.config.cuda_graph_interval);
             let size = select_graph_size(&sizes, num_rows.max(1));
             self.plan.graph_size = size;
             if let Some(size) = size {

@@ -10,17 +10,12 @@ use pyo3::prelude::*;
 
 use crate::block_manager::BlockManager as CoreBlockManager;
 use crate::config::{
-    EngineType as CoreEngineType, Limits, PreemptionMode as CorePreemptionMode,
-    SchedulerConfig as CoreConfig,
+    EngineType as CoreEngineType, Limits, PreemptionMode as CorePreemptionMode, SchedulerConfig as CoreConfig,
 };
 use crate::errors::SchedulerError;
 use crate::request::{FinishReason as CoreFinishReason, Request, Status, StopRules};
-use crate::scheduler::{
-    Collective, Scheduler as CoreScheduler, SchedulerStats as CoreStats, VoteOp,
-};
-use crate::step::{
-    self, RequestUpdate as CoreUpdate, StepKind, StepPlan as CorePlan, StepResult as CoreResult,
-};
+use crate::scheduler::{Collective, Scheduler as CoreScheduler, SchedulerStats as CoreStats, VoteOp};
+use crate::step::{self, RequestUpdate as CoreUpdate, StepKind, StepPlan as CorePlan, StepResult as CoreResult};
 use crate::varlen::{MtpVarlen as CoreVarlen, VarlenChoice};
 
 impl From<SchedulerError> for PyErr {
@@ -37,14 +32,7 @@ impl From<SchedulerError> for PyErr {
 // ---- enums --------------------------------------------------------------------------------
 
 /// Why a request ended; `.value` is the string the protos and the HTTP API use.
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    hash,
-    from_py_object,
-    module = "scheduler_rs._core"
-)]
+#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "scheduler_rs._core")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FinishReason {
     #[pyo3(name = "STOP")]
@@ -95,14 +83,7 @@ impl FinishReason {
     }
 }
 
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    hash,
-    from_py_object,
-    module = "scheduler_rs._core"
-)]
+#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "scheduler_rs._core")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EngineType {
     #[pyo3(name = "NORMAL")]
@@ -133,14 +114,7 @@ impl From<CoreEngineType> for EngineType {
     }
 }
 
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    hash,
-    from_py_object,
-    module = "scheduler_rs._core"
-)]
+#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "scheduler_rs._core")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PreemptionMode {
     #[pyo3(name = "STOP")]
@@ -195,9 +169,7 @@ impl Int32Array {
         let n = self.data.len() as isize;
         let i = if index < 0 { index + n } else { index };
         if i < 0 || i >= n {
-            return Err(pyo3::exceptions::PyIndexError::new_err(
-                "Int32Array index out of range",
-            ));
+            return Err(pyo3::exceptions::PyIndexError::new_err("Int32Array index out of range"));
         }
         Ok(self.data[i as usize])
     }
@@ -210,11 +182,7 @@ impl Int32Array {
         format!("Int32Array({:?})", self.data)
     }
 
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: c_int,
-    ) -> PyResult<()> {
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
         if view.is_null() {
             return Err(PyBufferError::new_err("view is null"));
         }
@@ -314,8 +282,7 @@ impl SchedulerConfig {
         c.compress_ratios = compress_ratios;
         c.preemption_mode = preemption_mode.into();
         c.prefill_attempt_interval = prefill_attempt_interval.unwrap_or(c.prefill_attempt_interval);
-        c.prefill_any_attempt_interval =
-            prefill_any_attempt_interval.unwrap_or(c.prefill_any_attempt_interval);
+        c.prefill_any_attempt_interval = prefill_any_attempt_interval.unwrap_or(c.prefill_any_attempt_interval);
         c.prefill_max_cache_usage = prefill_max_cache_usage;
         c.cuda_graph_interval = cuda_graph_interval;
         c.vocab_size = vocab_size;
@@ -440,14 +407,10 @@ impl BlockManager {
         self.inner.allocate()
     }
     fn free(&mut self, block_id: u32) -> PyResult<()> {
-        self.inner
-            .free(block_id)
-            .map_err(|e| PyValueError::new_err(e.to_string()))
+        self.inner.free(block_id).map_err(|e| PyValueError::new_err(e.to_string()))
     }
     fn incref(&mut self, block_id: u32) -> PyResult<()> {
-        self.inner
-            .incref(block_id)
-            .map_err(|e| PyValueError::new_err(e.to_string()))
+        self.inner.incref(block_id).map_err(|e| PyValueError::new_err(e.to_string()))
     }
     fn ref_count(&self, block_id: u32) -> u32 {
         self.inner.ref_count(block_id)
@@ -567,19 +530,13 @@ impl StepPlan {
         self.inner.entry_writes.iter().map(|w| w.ratio).collect()
     }
     /// (rows, slots) of the compressed entries of `ratio` this step writes.
-    fn entry_writes(
-        &self,
-        py: Python<'_>,
-        ratio: u32,
-    ) -> PyResult<(Py<Int32Array>, Py<Int32Array>)> {
+    fn entry_writes(&self, py: Python<'_>, ratio: u32) -> PyResult<(Py<Int32Array>, Py<Int32Array>)> {
         let writes = self
             .inner
             .entry_writes
             .iter()
             .find(|w| w.ratio == ratio)
-            .ok_or_else(|| {
-                PyValueError::new_err(format!("no KV source with compress ratio {ratio}"))
-            })?;
+            .ok_or_else(|| PyValueError::new_err(format!("no KV source with compress ratio {ratio}")))?;
         Ok((array(py, &writes.rows)?, array(py, &writes.slots)?))
     }
     #[getter]
@@ -601,12 +558,7 @@ impl StepPlan {
     /// Final outputs decided while scheduling (preemption in `stop` mode).
     #[getter]
     fn outputs(&self) -> Vec<RequestUpdate> {
-        self.inner
-            .outputs
-            .iter()
-            .cloned()
-            .map(RequestUpdate::from)
-            .collect()
+        self.inner.outputs.iter().cloned().map(RequestUpdate::from).collect()
     }
     fn __repr__(&self) -> String {
         format!(
@@ -715,8 +667,7 @@ impl RequestUpdate {
             "RequestUpdate(request_id={:?}, token_ids={:?}, finish_reason={:?})",
             self.request_id,
             self.token_ids,
-            self.finish_reason
-                .map(|r| CoreFinishReason::from(r).as_str())
+            self.finish_reason.map(|r| CoreFinishReason::from(r).as_str())
         )
     }
 }
@@ -800,18 +751,12 @@ struct PyCollective<'py> {
 
 impl Collective for PyCollective<'_> {
     fn vote(&mut self, value: bool, op: VoteOp) -> bool {
-        let (Some(vote), None) = (self.vote, &self.error) else {
-            return value;
-        };
+        let (Some(vote), None) = (self.vote, &self.error) else { return value };
         let op = match op {
             VoteOp::All => "all",
             VoteOp::Any => "any",
         };
-        match vote
-            .bind(self.py)
-            .call1((value, op))
-            .and_then(|r| r.extract::<bool>())
-        {
+        match vote.bind(self.py).call1((value, op)).and_then(|r| r.extract::<bool>()) {
             Ok(v) => v,
             Err(e) => {
                 self.error = Some(e);
@@ -832,17 +777,12 @@ impl Scheduler {
     #[new]
     #[pyo3(signature = (config, vote=None))]
     fn new(config: &SchedulerConfig, vote: Option<Py<PyAny>>) -> PyResult<Self> {
-        Ok(Scheduler {
-            inner: CoreScheduler::new(config.inner.clone())?,
-            vote,
-        })
+        Ok(Scheduler { inner: CoreScheduler::new(config.inner.clone())?, vote })
     }
 
     #[getter]
     fn config(&self) -> SchedulerConfig {
-        SchedulerConfig {
-            inner: self.inner.config().clone(),
-        }
+        SchedulerConfig { inner: self.inner.config().clone() }
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id=None, ignore_eos=false,
@@ -859,15 +799,8 @@ impl Scheduler {
         schedulable: bool,
         constrained: bool,
     ) -> PyResult<()> {
-        let stop = StopRules {
-            max_tokens,
-            eos_token_id,
-            ignore_eos,
-            stop_token_ids,
-        };
-        Ok(self
-            .inner
-            .add_request(request_id, prompt_token_ids, stop, schedulable, constrained)?)
+        let stop = StopRules { max_tokens, eos_token_id, ignore_eos, stop_token_ids };
+        Ok(self.inner.add_request(request_id, prompt_token_ids, stop, schedulable, constrained)?)
     }
 
     #[pyo3(signature = (request_id, schedulable=true))]
@@ -881,11 +814,7 @@ impl Scheduler {
     }
 
     fn schedule(&mut self, py: Python<'_>) -> PyResult<StepPlan> {
-        let mut collective = PyCollective {
-            py,
-            vote: self.vote.as_ref(),
-            error: None,
-        };
+        let mut collective = PyCollective { py, vote: self.vote.as_ref(), error: None };
         let plan = self.inner.schedule(&mut collective);
         match collective.error {
             Some(err) => Err(err),
@@ -913,12 +842,7 @@ impl Scheduler {
         ignore_eos: bool,
         stop_token_ids: Vec<u32>,
     ) -> PyResult<()> {
-        let stop = StopRules {
-            max_tokens,
-            eos_token_id,
-            ignore_eos,
-            stop_token_ids,
-        };
+        let stop = StopRules { max_tokens, eos_token_id, ignore_eos, stop_token_ids };
         Ok(self.inner.fork(parent_id, child_id, stop)?)
     }
 
@@ -931,9 +855,7 @@ impl Scheduler {
         sampler_ms: f64,
         measured: bool,
     ) -> PyResult<()> {
-        Ok(self
-            .inner
-            .set_step_cost(step_cost_ms.into_iter().collect(), sampler_ms, measured)?)
+        Ok(self.inner.set_step_cost(step_cost_ms.into_iter().collect(), sampler_ms, measured)?)
     }
 
     fn request(&self, request_id: &str) -> Option<RequestState> {
@@ -975,11 +897,7 @@ pub struct VarlenPlan {
 
 impl From<VarlenChoice> for VarlenPlan {
     fn from(c: VarlenChoice) -> Self {
-        VarlenPlan {
-            num_rows: c.num_rows,
-            num_drafts: c.num_drafts,
-            tokens_per_ms: c.tokens_per_ms,
-        }
+        VarlenPlan { num_rows: c.num_rows, num_drafts: c.num_drafts, tokens_per_ms: c.tokens_per_ms }
     }
 }
 
@@ -993,17 +911,12 @@ impl MtpVarlen {
     #[new]
     #[pyo3(signature = (step_cost_ms, sampler_ms=0.0))]
     fn new(step_cost_ms: std::collections::BTreeMap<u32, f64>, sampler_ms: f64) -> PyResult<Self> {
-        let inner = CoreVarlen::new(step_cost_ms.into_iter().collect(), sampler_ms)
-            .map_err(PyValueError::new_err)?;
+        let inner = CoreVarlen::new(step_cost_ms.into_iter().collect(), sampler_ms).map_err(PyValueError::new_err)?;
         Ok(MtpVarlen { inner })
     }
 
     fn choose(&self, confidences: Vec<Vec<f64>>) -> PyResult<VarlenPlan> {
-        Ok(self
-            .inner
-            .choose(&confidences)
-            .map_err(PyValueError::new_err)?
-            .into())
+        Ok(self.inner.choose(&confidences).map_err(PyValueError::new_err)?.into())
     }
 }
 

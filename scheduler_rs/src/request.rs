@@ -59,12 +59,7 @@ pub struct StopRules {
 
 impl StopRules {
     pub fn new(max_tokens: u32) -> Self {
-        StopRules {
-            max_tokens,
-            eos_token_id: None,
-            ignore_eos: false,
-            stop_token_ids: Vec::new(),
-        }
+        StopRules { max_tokens, eos_token_id: None, ignore_eos: false, stop_token_ids: Vec::new() }
     }
 
     /// The finish reason and the matched stop token, if `token` (the `num_output_tokens`-th output)

@@ -24,9 +24,9 @@ pub use crate::errors::SchedulerError;
 mod decode;
 mod fork;
 mod prefill;
+mod update;
 #[cfg(test)]
 mod tests;
-mod update;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VoteOp {
@@ -151,20 +151,15 @@ impl Scheduler {
         measured: bool,
     ) -> Result<(), SchedulerError> {
         if !self.config.spec_varlen {
-            return Err(SchedulerError::InvalidConfig(
-                "a step-cost curve needs spec_varlen".into(),
-            ));
+            return Err(SchedulerError::InvalidConfig("a step-cost curve needs spec_varlen".into()));
         }
-        self.varlen =
-            Some(MtpVarlen::new(step_cost_ms, sampler_ms).map_err(SchedulerError::InvalidConfig)?);
+        self.varlen = Some(MtpVarlen::new(step_cost_ms, sampler_ms).map_err(SchedulerError::InvalidConfig)?);
         self.step_cost_measured = measured;
         Ok(())
     }
 
     pub fn request(&self, request_id: &str) -> Option<&Request> {
-        self.ids
-            .get(request_id)
-            .and_then(|&h| self.slab[h].as_ref())
+        self.ids.get(request_id).and_then(|&h| self.slab[h].as_ref())
     }
 
     pub fn has_unfinished(&self) -> bool {
@@ -221,17 +216,8 @@ impl Scheduler {
         Ok(())
     }
 
-    fn validate_tokens(
-        &self,
-        id: &str,
-        prompt: &[u32],
-        max_tokens: u32,
-    ) -> Result<(), SchedulerError> {
-        let invalid = |msg: String| {
-            Err(SchedulerError::InvalidRequest(format!(
-                "request {id}: {msg}"
-            )))
-        };
+    fn validate_tokens(&self, id: &str, prompt: &[u32], max_tokens: u32) -> Result<(), SchedulerError> {
+        let invalid = |msg: String| Err(SchedulerError::InvalidRequest(format!("request {id}: {msg}")));
         if prompt.is_empty() {
             return invalid("the prompt is empty".into());
         }
@@ -289,11 +275,7 @@ impl Scheduler {
         self.slab[handle].as_mut().expect("live handle")
     }
 
-    pub fn set_schedulable(
-        &mut self,
-        request_id: &str,
-        schedulable: bool,
-    ) -> Result<(), SchedulerError> {
+    pub fn set_schedulable(&mut self, request_id: &str, schedulable: bool) -> Result<(), SchedulerError> {
         let &handle = self
             .ids
             .get(request_id)
@@ -303,26 +285,16 @@ impl Scheduler {
     }
 
     fn in_flight(&self, req: &Request) -> bool {
-        req.last_step_id
-            .is_some_and(|s| s >= self.num_steps_updated)
+        req.last_step_id.is_some_and(|s| s >= self.num_steps_updated)
     }
 
     /// Gives back a request's blocks and state slot, now or when its in-flight step is updated.
     /// Returns the number of blocks whose release is deferred.
-    fn release(
-        &mut self,
-        blocks: Vec<u32>,
-        state_slot: Option<u32>,
-        last_step: Option<u64>,
-    ) -> u32 {
+    fn release(&mut self, blocks: Vec<u32>, state_slot: Option<u32>, last_step: Option<u64>) -> u32 {
         match last_step.filter(|&s| s >= self.num_steps_updated) {
             Some(step) => {
                 let num_deferred = blocks.len() as u32;
-                self.deferred.push(DeferredFree {
-                    release_after: step,
-                    blocks,
-                    state_slot,
-                });
+                self.deferred.push(DeferredFree { release_after: step, blocks, state_slot });
                 num_deferred
             }
             None => {
@@ -338,12 +310,7 @@ impl Scheduler {
     }
 
     /// Removes a request from the scheduler and releases its resources exactly once.
-    fn remove(
-        &mut self,
-        handle: usize,
-        reason: FinishReason,
-        stop_token_id: Option<u32>,
-    ) -> (RequestUpdate, u32) {
+    fn remove(&mut self, handle: usize, reason: FinishReason, stop_token_id: Option<u32>) -> (RequestUpdate, u32) {
         let mut req = self.slab[handle].take().expect("live handle");
         self.free_handles.push(handle);
         self.ids.remove(&req.request_id);
@@ -377,13 +344,9 @@ impl Scheduler {
     /// and the usage it holds must not keep it from finishing (a prompt whose reservation passed 90%
     /// would otherwise wait forever behind empty decode steps).
     pub fn wants_prefill(&self) -> bool {
-        self.waiting
-            .iter()
-            .find(|&&h| self.req(h).schedulable)
-            .is_some_and(|&h| {
-                !self.req(h).block_table.is_empty()
-                    || self.blocks.usage() <= self.config.prefill_max_cache_usage
-            })
+        self.waiting.iter().find(|&&h| self.req(h).schedulable).is_some_and(|&h| {
+            !self.req(h).block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage
+        })
     }
 
     /// Plans the next step. `collective` is the group's vote; one rank passes `SingleRank`.
@@ -454,13 +417,8 @@ impl Scheduler {
         crate::invariants::check_pools(
             &self.blocks,
             &self.slots,
-            self.slab
-                .iter()
-                .flatten()
-                .map(|r| (r.block_table.as_slice(), r.state_slot)),
-            self.deferred
-                .iter()
-                .map(|d| (d.blocks.as_slice(), d.state_slot)),
+            self.slab.iter().flatten().map(|r| (r.block_table.as_slice(), r.state_slot)),
+            self.deferred.iter().map(|d| (d.blocks.as_slice(), d.state_slot)),
         )?;
         let num_live = self.slab.iter().flatten().count();
         if num_live != self.waiting.len() + self.running.len() || num_live != self.ids.len() {

@@ -25,32 +25,20 @@ impl MtpVarlen {
         if step_cost_ms.is_empty() {
             return Err("the step-cost curve is empty".into());
         }
-        if step_cost_ms
-            .iter()
-            .any(|&(rows, ms)| rows == 0 || !ms.is_finite() || ms <= 0.0)
-        {
+        if step_cost_ms.iter().any(|&(rows, ms)| rows == 0 || !ms.is_finite() || ms <= 0.0) {
             return Err("step-cost entries need positive rows and milliseconds".into());
         }
         if !sampler_ms.is_finite() || sampler_ms < 0.0 {
-            return Err(format!(
-                "sampler_ms must be finite and non-negative, got {sampler_ms}"
-            ));
+            return Err(format!("sampler_ms must be finite and non-negative, got {sampler_ms}"));
         }
         step_cost_ms.sort_by_key(|&(rows, _)| rows);
-        Ok(MtpVarlen {
-            step_cost_ms,
-            sampler_ms,
-        })
+        Ok(MtpVarlen { step_cost_ms, sampler_ms })
     }
 
     /// Milliseconds of a step with `num_rows` rows: the smallest measured graph that holds them.
     pub fn step_ms(&self, num_rows: u32) -> Option<f64> {
-        let i = self
-            .step_cost_ms
-            .partition_point(|&(rows, _)| rows < num_rows);
-        self.step_cost_ms
-            .get(i)
-            .map(|&(_, ms)| ms + self.sampler_ms)
+        let i = self.step_cost_ms.partition_point(|&(rows, _)| rows < num_rows);
+        self.step_cost_ms.get(i).map(|&(_, ms)| ms + self.sampler_ms)
     }
 
     /// `confidences[r][j]` is the chance that draft j of request r and all before it pass, so each
@@ -65,9 +53,7 @@ impl MtpVarlen {
         for (r, row) in confidences.iter().enumerate() {
             for (j, &c) in row.iter().enumerate() {
                 if !(0.0..=1.0).contains(&c) {
-                    return Err(format!(
-                        "confidence {c} of request {r} draft {j} is not in [0, 1]"
-                    ));
+                    return Err(format!("confidence {c} of request {r} draft {j} is not in [0, 1]"));
                 }
                 drafts.push((c, r, j));
             }
@@ -78,9 +64,7 @@ impl MtpVarlen {
         let mut best = expected / self.step_ms(num_requests.max(1)).expect("checked");
         for (k, &(c, _, _)) in drafts.iter().enumerate() {
             expected += c;
-            let Some(ms) = self.step_ms(num_requests + k as u32 + 1) else {
-                break;
-            };
+            let Some(ms) = self.step_ms(num_requests + k as u32 + 1) else { break };
             let rate = expected / ms;
             if rate > best {
                 best = rate;
@@ -91,11 +75,7 @@ impl MtpVarlen {
         for &(_, r, _) in &drafts[..best_extra] {
             num_drafts[r] += 1;
         }
-        Ok(VarlenChoice {
-            num_rows: num_requests + best_extra as u32,
-            num_drafts,
-            tokens_per_ms: best,
-        })
+        Ok(VarlenChoice { num_rows: num_requests + best_extra as u32, num_drafts, tokens_per_ms: best })
     }
 }
 
@@ -104,12 +84,7 @@ mod tests {
     use super::*;
 
     fn wxyz() -> Vec<Vec<f64>> {
-        vec![
-            vec![0.95, 0.90, 0.80],
-            vec![0.85, 0.60, 0.30],
-            vec![0.50, 0.20, 0.10],
-            vec![0.30, 0.10, 0.05],
-        ]
+        vec![vec![0.95, 0.90, 0.80], vec![0.85, 0.60, 0.30], vec![0.50, 0.20, 0.10], vec![0.30, 0.10, 0.05]]
     }
 
     #[test]

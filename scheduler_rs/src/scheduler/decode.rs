@@ -46,10 +46,7 @@ impl Scheduler {
                 break; // the row's own request was the last victim
             }
             if extra <= self.blocks.num_free() {
-                let blocks = self
-                    .blocks
-                    .allocate_many(extra)
-                    .expect("checked free blocks");
+                let blocks = self.blocks.allocate_many(extra).expect("checked free blocks");
                 self.req_mut(handle).block_table.extend(blocks);
                 served.insert(handle);
             } else {
@@ -65,11 +62,7 @@ impl Scheduler {
             .running
             .iter()
             .filter(|h| served.contains(h))
-            .map(|&handle| Scheduled {
-                handle,
-                num_rows: rows[&handle],
-                num_sample_rows: rows[&handle],
-            })
+            .map(|&handle| Scheduled { handle, num_rows: rows[&handle], num_sample_rows: rows[&handle] })
             .collect();
         (chosen, outputs)
     }
@@ -88,20 +81,14 @@ impl Scheduler {
             .map(|&h| {
                 let req = self.req(h);
                 let n = req.draft_tokens.len().min(nextn);
-                (0..n)
-                    .map(|j| req.draft_confidences.get(j).copied().unwrap_or(1.0))
-                    .collect()
+                (0..n).map(|j| req.draft_confidences.get(j).copied().unwrap_or(1.0)).collect()
             })
             .collect();
         let num_drafts = match self.varlen.as_ref().map(|v| v.choose(&confidences)) {
             Some(Ok(choice)) => choice.num_drafts,
             _ => confidences.iter().map(|c| c.len() as u32).collect(),
         };
-        order
-            .iter()
-            .zip(num_drafts)
-            .map(|(&h, n)| (h, 1 + n))
-            .collect()
+        order.iter().zip(num_drafts).map(|(&h, n)| (h, 1 + n)).collect()
     }
 
     /// Whether drafts proposed for a decode batch of `num_requests` requests can be verified: always,
@@ -116,11 +103,7 @@ impl Scheduler {
         if nextn == 0 || !self.config.spec_varlen || !self.step_cost_measured || num_requests == 0 {
             return nextn > 0;
         }
-        match self
-            .varlen
-            .as_ref()
-            .map(|v| v.choose(&vec![vec![1.0; nextn]; num_requests]))
-        {
+        match self.varlen.as_ref().map(|v| v.choose(&vec![vec![1.0; nextn]; num_requests])) {
             Some(Ok(choice)) => choice.num_rows > num_requests as u32,
             _ => true,
         }
@@ -159,12 +142,7 @@ impl Scheduler {
     }
 
     /// Preempts a running request; returns how many of its blocks come back only later.
-    fn preempt(
-        &mut self,
-        handle: usize,
-        outputs: &mut Vec<RequestUpdate>,
-        recomputed: &mut Vec<usize>,
-    ) -> u32 {
+    fn preempt(&mut self, handle: usize, outputs: &mut Vec<RequestUpdate>, recomputed: &mut Vec<usize>) -> u32 {
         let req = self.req(handle);
         match self.config.effective_preemption_mode(req.constrained) {
             PreemptionMode::Stop => {

@@ -8,12 +8,7 @@ impl Scheduler {
     /// Adds `child_id` as a copy of a request that has no step in flight: it shares the parent's
     /// full blocks by reference count, gets a copy of the partial last block and of the state slot
     /// (done by the worker before the next step), and waits to prefill the tokens without KV.
-    pub fn fork(
-        &mut self,
-        parent_id: &str,
-        child_id: String,
-        stop: StopRules,
-    ) -> Result<(), SchedulerError> {
+    pub fn fork(&mut self, parent_id: &str, child_id: String, stop: StopRules) -> Result<(), SchedulerError> {
         let &parent_handle = self
             .ids
             .get(parent_id)
@@ -60,10 +55,7 @@ impl Scheduler {
         for &block in &child.block_table {
             self.blocks.incref(block).expect("parent holds its blocks");
         }
-        let fresh = self
-            .blocks
-            .allocate_many(num_new as u32)
-            .expect("checked free blocks");
+        let fresh = self.blocks.allocate_many(num_new as u32).expect("checked free blocks");
         if let Some(source) = partial_source {
             self.pending_block_copies.push((source, fresh[0]));
         }

@@ -14,22 +14,13 @@ impl Scheduler {
     /// steps. Every rank saw the same work-left vote, so every rank takes the same kind of vote.
     /// Returns the prefill batch (possibly empty, when only other ranks scheduled), or `None` for a
     /// decode step.
-    pub(super) fn vote_for_prefill(
-        &mut self,
-        collective: &mut dyn Collective,
-    ) -> Option<Vec<Scheduled>> {
+    pub(super) fn vote_for_prefill(&mut self, collective: &mut dyn Collective) -> Option<Vec<Scheduled>> {
         let after_idle = std::mem::take(&mut self.group_idle);
         let op = if after_idle {
             VoteOp::Any
-        } else if self
-            .decode_step
-            .is_multiple_of(self.config.prefill_attempt_interval as u64)
-        {
+        } else if self.decode_step.is_multiple_of(self.config.prefill_attempt_interval as u64) {
             VoteOp::All
-        } else if self
-            .decode_step
-            .is_multiple_of(self.config.prefill_any_attempt_interval as u64)
-        {
+        } else if self.decode_step.is_multiple_of(self.config.prefill_any_attempt_interval as u64) {
             VoteOp::Any
         } else {
             return None;
@@ -39,9 +30,7 @@ impl Scheduler {
         }
         // Nothing is allocated unless something is scheduled, so a failed second vote undoes nothing.
         let chosen = self.schedule_prefill();
-        collective
-            .vote(!chosen.is_empty(), VoteOp::Any)
-            .then_some(chosen)
+        collective.vote(!chosen.is_empty(), VoteOp::Any).then_some(chosen)
     }
 
     /// Records that the group's work-left vote found no rank with work (every rank skipped the step):
@@ -77,10 +66,7 @@ impl Scheduler {
                 if needed > self.blocks.num_free() || self.slots.num_free() == 0 {
                     break;
                 }
-                let blocks = self
-                    .blocks
-                    .allocate_many(needed)
-                    .expect("checked free blocks");
+                let blocks = self.blocks.allocate_many(needed).expect("checked free blocks");
                 let slot = self.slots.allocate();
                 let req = self.req_mut(handle);
                 req.block_table = blocks;
@@ -90,11 +76,7 @@ impl Scheduler {
             budget -= chunk;
             num_seqs += 1;
             let is_last = chunk == remaining;
-            chosen.push(Scheduled {
-                handle,
-                num_rows: chunk,
-                num_sample_rows: is_last as u32,
-            });
+            chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32 });
             if is_last {
                 finished_prefill.insert(handle);
             } else if self.config.engine_type == EngineType::Normal {

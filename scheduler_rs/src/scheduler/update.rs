@@ -12,11 +12,7 @@ impl Scheduler {
 
     /// Applies a step's results: commits computed positions and accepted tokens, checks stop
     /// rules, returns the unneeded draft blocks, and releases what waited for this step.
-    pub fn update(
-        &mut self,
-        plan: &StepPlan,
-        result: &StepResult,
-    ) -> Result<Vec<RequestUpdate>, SchedulerError> {
+    pub fn update(&mut self, plan: &StepPlan, result: &StepResult) -> Result<Vec<RequestUpdate>, SchedulerError> {
         if plan.step_id != self.num_steps_updated {
             return Err(SchedulerError::InvalidState(format!(
                 "steps must be updated in the order they were planned: expected step {}, got {}",
@@ -43,9 +39,7 @@ impl Scheduler {
                 None => None,
             };
             // Results of a finished, aborted or recomputed incarnation are dropped.
-            let live = self.slab[handle]
-                .as_ref()
-                .is_some_and(|r| r.incarnation == incarnation);
+            let live = self.slab[handle].as_ref().is_some_and(|r| r.incarnation == incarnation);
             if !live {
                 continue;
             }
@@ -58,13 +52,11 @@ impl Scheduler {
             };
             if let Some(drafts) = drafts {
                 req.draft_tokens.clear();
-                req.draft_tokens
-                    .extend_from_slice(&result.draft_token_ids[drafts.clone()]);
+                req.draft_tokens.extend_from_slice(&result.draft_token_ids[drafts.clone()]);
                 req.draft_confidences.clear();
                 req.drafts_fresh = !drafts.is_empty();
                 if has_confidences {
-                    req.draft_confidences
-                        .extend_from_slice(&result.draft_confidences[drafts]);
+                    req.draft_confidences.extend_from_slice(&result.draft_confidences[drafts]);
                 }
             }
             let mut end = None;
@@ -83,8 +75,7 @@ impl Scheduler {
             if end.is_none() && errors.contains(&(i as u32)) {
                 end = Some((FinishReason::Error, None));
             }
-            let (num_prompt_tokens, num_output_tokens) =
-                (req.num_prompt_tokens, req.num_output_tokens());
+            let (num_prompt_tokens, num_output_tokens) = (req.num_prompt_tokens, req.num_output_tokens());
             let request_id = req.request_id.clone();
             match end {
                 Some((reason, stop_token_id)) => {
@@ -134,9 +125,8 @@ impl Scheduler {
 
     fn release_deferred(&mut self) {
         let updated = self.num_steps_updated;
-        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred)
-            .into_iter()
-            .partition(|d| d.release_after < updated);
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.deferred).into_iter().partition(|d| d.release_after < updated);
         self.deferred = waiting;
         for d in ready {
             self.release(d.blocks, d.state_slot, None);
