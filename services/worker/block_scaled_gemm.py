@@ -16,7 +16,7 @@ Layouts cuBLASLt takes on sm_90 (an error message names the expected shape or st
 - the output is bf16 or fp32 (``out_dtype``; each probed on its own).
 
 It is used outside the batch-invariant mode (where the kernel must not depend on the batch), for bf16 or
-fp32 activations (the output takes their dtype) with at least ``MIN_TOKENS`` rows, on a device where
+fp32 activations (the output takes their dtype) with at least ``LINEAR_MIN_TOKENS`` (projections) or ``MIN_TOKENS`` (experts) rows, on a device where
 ``available(device, dtype)`` holds: compute
 capability 9.x, a torch with the block-wise recipes, and a first product on that device that agrees
 with the dequantised fp32 product.
@@ -35,7 +35,16 @@ log = logging.getLogger(__name__)
 
 MIN_TOKENS = 1024
 """Rows from which prefill takes this GEMM: the smallest M of the H200 measurements (1,024 × 32,768 × 1,280:
-577 against the Triton GEMM's ~300 TFLOP/s). Decode's rows (≤ 256, graph-captured) stay on Triton."""
+577 against the Triton GEMM's ~300 TFLOP/s): the experts' threshold (block_scaled_experts.py); the dense
+projections take it from ``LINEAR_MIN_TOKENS``."""
+
+LINEAR_MIN_TOKENS = 64
+"""Rows from which ``KernelLinear`` (the dense projections) takes this GEMM, decode's graph-captured steps
+included. H200, v41-s1's projections, eager with the L2 flushed (``kernels_prefill_gemms.bench_projections``),
+against the Triton one-expert GEMM at decode's tile (BLOCK_M 16, which re-reads the weights once per 16 rows):
+at 256 rows 1.08–4.63× (wo_b 160.3 → 34.7 µs, wq_b 102.8 → 31.6; 345 → 133 µs over the five per layer), at 64
+rows 1.13–1.61× on four of five (the indexer's wq_b 0.87×; 164 → 123 µs over the five). Below 64 rows not
+measured: split-K and the in-GEMM quantisation keep those. The experts keep ``MIN_TOKENS``."""
 
 PROBE_REL = 2.0**-7
 """The probe's bound, relative Frobenius error of the output against the fp32 product of the same e4m3

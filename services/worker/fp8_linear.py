@@ -6,10 +6,11 @@ interpreted copies (tests/kernels/interpret.py) for CPU tests, which then run in
 FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 block
 (``kernels.fp8_weights.quantize_weight_block128``), the activations are quantised per token and per
 128 channels by ``kernels.quant_fp8.quantize_act``, and the product runs on the MoE grouped GEMM
-kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Prefill's products
-of ``block_scaled_gemm.MIN_TOKENS`` rows or more take cuBLASLt's block-scaled GEMM instead
-(services/worker/block_scaled_gemm.py: the same operands and scales, the output in the activations'
-dtype, Hopper tiles), where the grouped GEMM's one-expert grid is only N/128 programs wide; decode, the
+kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Products of
+``block_scaled_gemm.LINEAR_MIN_TOKENS`` rows or more (prefill, and decode's larger batches inside their CUDA
+graphs) take cuBLASLt's block-scaled GEMM instead (services/worker/block_scaled_gemm.py: the same operands
+and scales, the output in the activations' dtype, Hopper tiles), where the grouped GEMM's one-expert grid is
+only N/128 programs wide and re-reads the weights every BLOCK_M rows; smaller decode batches, the
 batch-invariant mode and the interpreter stay on the Triton GEMM.
 
 Dimensions that are not multiples of 128 (the tiny presets) are zero-padded at conversion: padded
@@ -259,9 +260,9 @@ class KernelLinear(nn.Module):
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def _block_scaled(self, num_tokens: int, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
-        """Prefill's rows on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM, with the
+        """``LINEAR_MIN_TOKENS`` rows or more on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM, with the
         output in the activations' dtype (bf16 or fp32) where the device's probe for that dtype passed."""
-        return (num_tokens >= block_scaled_gemm.MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
+        return (num_tokens >= block_scaled_gemm.LINEAR_MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
                 and not invariance.active() and not self.kernels.interpreted
                 and block_scaled_gemm.available(x.device, out_dtype))
 

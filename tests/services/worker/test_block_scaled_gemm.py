@@ -2,7 +2,7 @@
 
 On CPU: the weight scales' cuBLASLt layout, and that nothing but a Hopper GPU takes the path. On an H200
 (``gpu``): the probe passes, the product agrees with the fp32 product of the same e4m3 operands and scales
-as closely as the Triton GEMM does, and ``KernelLinear`` takes it from ``MIN_TOKENS`` rows."""
+as closely as the Triton GEMM does, and ``KernelLinear`` takes it from ``LINEAR_MIN_TOKENS`` rows."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_
 
 @pytest.mark.gpu
 @HOPPER
-def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkeypatch):
+def test_gpu_kernel_linear_takes_it_from_linear_min_tokens_rows_and_agrees_below(monkeypatch):
     from services.worker.fp8_linear import KernelLinear, KernelSet
 
     dev = torch.device("cuda")
@@ -104,8 +104,8 @@ def test_gpu_kernel_linear_takes_it_from_min_tokens_rows_and_agrees_below(monkey
     monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *args: calls.append(1) or real(*args))
     gen = torch.Generator(device=dev).manual_seed(0)
     layer = KernelLinear(torch.randn(1536, 5120, device=dev, generator=gen) * 0.02, "fp8", KernelSet.compiled())
-    x = torch.randn(block_scaled_gemm.MIN_TOKENS, 5120, device=dev, generator=gen).to(torch.bfloat16)
-    big = layer(x)  # MIN_TOKENS rows: cuBLASLt
+    x = torch.randn(block_scaled_gemm.LINEAR_MIN_TOKENS, 5120, device=dev, generator=gen).to(torch.bfloat16)
+    big = layer(x)  # LINEAR_MIN_TOKENS rows (decode's graph-captured sizes included): cuBLASLt
     assert len(calls) == 1
     small = layer(x[:-1])  # one row fewer: the Triton GEMM
     assert len(calls) == 1
