@@ -15,6 +15,8 @@
 #   DEEPGEMM's build when asked for;
 # - FULL_SIZES=1: issue 21's sizes run (batches 1-256 at 4K and 32K, prefill 1K-32K) with --profile, after
 #   DEEPGEMM's build when asked for;
+# - THREE_WAY=1: `services.bench.step --quick --batches 1,256` with the eager / torch.compile / engine comparison
+#   (the 8-layer subset at batch 1 and 64) and the async offline batch-256 run (GPU busy), after DEEPGEMM's build;
 # - WINDOW_BENCH=1: prefill attention with window keys staged vs dequantised in the loop (kernels_prefill_attention).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
@@ -50,6 +52,11 @@ if [ -n "${FULL_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then  # issue 21's sizes ru
         --prefill-tokens 1024,4096,16384,32768 --profile --no-compare --no-async \
         --baseline docs/step-h200-2026-11-30-sizes.json --json "$out/step-full.json" > "$out/step-full.log" 2>&1
     echo "step full sizes rc $?"; grep -E "^prefill|^decode|launch|FAILED" "$out/step-full.log" | head -30
+fi
+if [ -n "${THREE_WAY:-}" ] && [ "$(left)" -gt 120 ]; then  # issue 21's three-way table and async's GPU busy
+    timeout "$(left)" python3 -m services.bench.step --quick --batches 1,256 --contexts 4096 --prefill-tokens 1024 \
+        --json "$out/step-three-way.json" > "$out/step-three-way.log" 2>&1
+    echo "three ways rc $?"; grep -E "three ways|^decode|^prefill|offline|busy|FAILED" "$out/step-three-way.log" | head -30
 fi
 if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python3 -m services.bench.step --quick --profile --no-compare --no-async \

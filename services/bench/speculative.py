@@ -4,9 +4,10 @@ acceptance rates (issue 20's GPU table; ``shinkai bench speculative``).
 Random weights accept almost no draft, so each draft is accepted independently with probability a
 (services/worker/forced_acceptance.py); the target still verifies every draft row and the draft still
 proposes every block (but where varlen's back-off skips a request whose proposals it never verifies:
-``proposals_skipped``), so the step costs are real. Per batch size: speculation off, then for every mode
+``proposals_skipped``), so the step costs are real. Speculation off at every batch size, then for every mode
 (fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and
-the step-cost curve measured from the engine's own decode steps) and every a. Each run is greedy with
+the step-cost curve measured from the engine's own decode steps) every batch size and every a, on one engine
+a mode (the forced verdict swapped between runs). Each run is greedy with
 ``ignore_eos`` (every request makes exactly ``max_tokens`` tokens) through ``generate.run_batch``:
 total tokens/s over the wall time (prefill included), decode-only tokens/s, and per request (total /
 batch, as every request runs the whole time).
@@ -35,6 +36,8 @@ import argparse
 import gc
 import json
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -75,9 +78,10 @@ def counters(llm) -> dict:
             "verify_keys": None if verifies is None else len(verifies.static)}
 
 
-def timed_worker(llm) -> list[float]:
-    """Wraps the worker's ``execute`` (an instance attribute over the method) to add each call's host seconds to
-    the returned list."""
+@contextmanager
+def timed_worker(llm) -> Iterator[list[float]]:
+    """Within the block, the worker's ``execute`` (an instance attribute over the method) adds each call's host
+    seconds to the yielded list; the previous ``execute`` is back after it."""
     import time
 
     worker = llm.engine.worker
@@ -91,7 +95,10 @@ def timed_worker(llm) -> list[float]:
             seconds.append(time.perf_counter() - t0)
 
     worker.execute = timed
-    return seconds
+    try:
+        yield seconds
+    finally:
+        worker.execute = execute
 
 
 def step_counters(before: dict, after: dict, worker_s: list[float]) -> dict:
@@ -121,8 +128,7 @@ def profile_run(llm, batch: int, prompt_len: int, device: str, max_tokens: int) 
     from services.bench.generate import run_batch
     from services.bench.step_profile import profile_summary, device_trace
 
-    seconds = timed_worker(llm)
-    with device_trace(torch.device(device)) as prof:
+    with timed_worker(llm) as seconds, device_trace(torch.device(device)) as prof:
         t0 = time.perf_counter()
         run_batch(llm, batch, prompt_len, max_tokens, seed=batch + 1)
         wall = time.perf_counter() - t0
@@ -130,11 +136,60 @@ def profile_run(llm, batch: int, prompt_len: int, device: str, max_tokens: int) 
     return {"steps": steps, **profile_summary(prof, wall, steps)}
 
 
+def run_case(llm, spec, batch: int, args: argparse.Namespace, device: str) -> dict:
+    """One timed run at ``batch`` on ``llm`` after a warm-up at it (CUDA graphs of its sizes captured, the draft's
+    lazily; varlen's first step times): the run's figures, the step counters and the speculator's as deltas."""
+    from services.bench.generate import run_batch
+
+    run_batch(llm, batch, args.prompt_len, 4, seed=99)
+    before = counters(llm)
+    spec_before = spec_counters(spec)
+    if spec is not None:
+        spec.timings.reset()  # the phase times of the timed run only
+    with timed_worker(llm) as worker_s:
+        r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
+    r.update(step_counters(before, counters(llm), worker_s))
+    r.update({k: v - spec_before[k] for k, v in spec_counters(spec).items()})
+    r.update(spec_steps=spec.timings.num_steps if spec else 0,
+             spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
+    if args.profile:
+        r["profile"] = profile_run(llm, batch, args.prompt_len, device, min(24, args.max_tokens))
+    return r
+
+
+def spec_counters(spec) -> dict:
+    """The speculator's life-long counts now (all 0 without one)."""
+    return {"drafts_verified": spec.num_drafts_verified if spec else 0,
+            "drafts_accepted": spec.num_drafts_accepted if spec else 0,
+            "proposals_skipped": spec.num_proposals_skipped if spec else 0}
+
+
+def report(r: dict, batch: int, mode: str, a: float | None, profile: bool) -> None:
+    a_text = "" if a is None else f" a={a:<4}"
+    print(f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
+          f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
+          f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}; "
+          f"proposals skipped {r['proposals_skipped']}")
+    print(f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
+          f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
+          f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
+          f"({r['draft_keys_timed']} new in it); verify graph captures {r['verify_graph_captures']} "
+          f"({r['verify_graph_captures_timed']} in the timed run), keys {r['verify_keys']} "
+          f"({r['verify_keys_timed']} new in it); "
+          f"speculator host ms/step {r['spec_ms_per_step']}")
+    if profile:
+        prof = r["profile"]
+        print(f"    profile of {prof['steps']} steps: {prof['busy_ms']:.3f} ms busy, "
+              f"{prof['launches_per_step']:.0f} launches a step; top kernels (µs/step, launches/step):")
+        for k in prof["kernels"][:12]:
+            print(f"      {k['us_per_step']:9.1f} {k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from services.bench.generate import run_batch
     from services.engine.model_source import load_model
+    from services.worker.forced_acceptance import ForcedAcceptance
 
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,61 +204,33 @@ def main(args: argparse.Namespace) -> int:
     machine = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
                "model": args.model, "torch": torch.__version__, "torch_threads": args.threads,
                "kernel_backend": args.kernel_backend, "cuda_graphs": args.cuda_graphs}
-    cases = [("off", None)] + [(mode, a) for mode in args.modes for a in args.acceptance]
-    results = []
-    for batch in args.batch:
-        off_tps = None
-        for mode, a in cases:
-            llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", a,
-                        static_proposal=args.static_proposal or None)
-            allocated_gb = torch.cuda.memory_allocated() / 2**30 if device.startswith("cuda") else None
-            # Warm-up at the batch (CUDA graphs of its sizes captured, the draft's lazily; varlen's first step times).
-            run_batch(llm, batch, args.prompt_len, 4, seed=99)
-            before = counters(llm)
-            worker_s = timed_worker(llm)
-            if getattr(llm.engine.worker, "speculator", None) is not None:
-                llm.engine.worker.speculator.timings.reset()  # the phase times of the timed run only
-            r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
-            r.update(step_counters(before, counters(llm), worker_s))
-            if args.profile:
-                r["profile"] = profile_run(llm, batch, args.prompt_len, device, min(24, args.max_tokens))
-            spec = getattr(llm.engine.worker, "speculator", None)
-            r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,
-                     tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
-                     drafts_verified=spec.num_drafts_verified if spec else 0,
-                     drafts_accepted=spec.num_drafts_accepted if spec else 0,
-                     proposals_skipped=spec.num_proposals_skipped if spec else 0,
-                     allocated_gb_after_build=None if allocated_gb is None else round(allocated_gb, 2),
-                     spec_steps=spec.timings.num_steps if spec else 0,
-                     spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
-            if mode == "off":
-                off_tps = r["tokens_per_s"]
-            r["speedup_vs_off"] = round(r["tokens_per_s"] / off_tps, 3)
-            results.append(r)
-            a_text = "" if a is None else f" a={a:<4}"
-            print(f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
-                  f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
-                  f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}; "
-                  f"proposals skipped {r['proposals_skipped']}")
-            print(f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
-                  f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
-                  f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
-                  f"({r['draft_keys_timed']} new in it); verify graph captures {r['verify_graph_captures']} "
-                  f"({r['verify_graph_captures_timed']} in the timed run), keys {r['verify_keys']} "
-                  f"({r['verify_keys_timed']} new in it); "
-                  f"speculator host ms/step {r['spec_ms_per_step']}")
-            if args.profile:
-                prof = r["profile"]
-                print(f"    profile of {prof['steps']} steps: {prof['busy_ms']:.3f} ms busy, "
-                      f"{prof['launches_per_step']:.0f} launches a step; top kernels (µs/step, launches/step):")
-                for k in prof["kernels"][:12]:
-                    print(f"      {k['us_per_step']:9.1f} {k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
-            if args.json_path:  # after every case, so a run cut short keeps what it measured
-                Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
-            del llm
-            gc.collect()  # the engine's pools and graphs go before the next case's engine sizes its own
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+    results, off_tps = [], {}
+    # One engine per mode (its build, pools and graphs do not depend on the batch or on a), every batch and a run
+    # on it in turn: the forced verdict is swapped between runs and the speculator's counters taken as deltas.
+    for mode in ["off"] + list(args.modes):
+        llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", None,
+                    static_proposal=args.static_proposal or None)
+        allocated_gb = torch.cuda.memory_allocated() / 2**30 if device.startswith("cuda") else None
+        spec = getattr(llm.engine.worker, "speculator", None)
+        for batch in args.batch:
+            for a in [None] if mode == "off" else args.acceptance:
+                if spec is not None:
+                    spec.forced_acceptance = ForcedAcceptance(a)
+                r = run_case(llm, spec, batch, args, device)
+                r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,
+                         tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
+                         allocated_gb_after_build=None if allocated_gb is None else round(allocated_gb, 2))
+                if mode == "off":
+                    off_tps[batch] = r["tokens_per_s"]
+                r["speedup_vs_off"] = round(r["tokens_per_s"] / off_tps[batch], 3)
+                results.append(r)
+                report(r, batch, mode, a, args.profile)
+                if args.json_path:  # after every case, so a run cut short keeps what it measured
+                    Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+        del llm, spec
+        gc.collect()  # the engine's pools and graphs go before the next mode's engine sizes its own
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     print(f"machine: {machine}")
     return 0
 
