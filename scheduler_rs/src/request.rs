@@ -174,6 +174,15 @@ impl Request {
         matches!(self.status, Status::Finished(_))
     }
 
+    /// Drops the drafts and their back-off: a request that restarts (recompute, fork) proposes afresh.
+    pub fn clear_drafts(&mut self) {
+        self.draft_tokens.clear();
+        self.draft_confidences.clear();
+        self.drafts_fresh = false;
+        self.num_unverified_proposals = 0;
+        self.num_proposals_to_skip = 0;
+    }
+
     /// Blocks needed to hold positions `0..num_positions`.
     pub fn blocks_for(num_positions: u32, block_size: u32) -> u32 {
         num_positions.div_ceil(block_size)

@@ -104,16 +104,17 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
                 nbytes = num_rows * (visible * (DIM // 2 + DIM // 32) + HEADS * DIM * 4 + HEADS * 4 + 8
                                      + (visible // (BLOCK_SIZE // ratio) + 1) * 4 + TOPK * 4)
                 flops = num_rows * visible * (2.0 * HEADS * DIM + 3 * HEADS)
-                ours = _bench_replay(lambda: indexer_select(*_args(p), **kw))
+                # The lambdas take p and scores as defaults: the iteration ends by deleting both.
+                ours = _bench_replay(lambda p=p: indexer_select(*_args(p), **kw))
                 # Eager: the reference's FP4 decode builds its table on the host (not capturable).
-                theirs = _bench(lambda: reference.indexer_select(*_args(p), **ref_kw))
+                theirs = _bench(lambda p=p: reference.indexer_select(*_args(p), **ref_kw))
                 note = "torch: the model's functions (reference.indexer_select), eager"
                 shape = f"R={num_rows} ctx={context} W={width} Hi={HEADS} di={DIM} k={TOPK}"
                 row = _row(f"indexer {label}", shape, ours, nbytes, flops, ceil, theirs, note, peak="bf16_peak")
                 scores, _ = indexer_scores(*_args(p), candidates=kw.get("candidates"))
                 row["score_kernel_us"] = _bench_replay(
-                    lambda: indexer_scores(*_args(p), candidates=kw.get("candidates"))) * 1e6
-                row["select_kernel_us"] = _bench_replay(lambda: select_topk(scores, TOPK)) * 1e6
+                    lambda p=p: indexer_scores(*_args(p), candidates=kw.get("candidates"))) * 1e6
+                row["select_kernel_us"] = _bench_replay(lambda scores=scores: select_topk(scores, TOPK)) * 1e6
                 rows.append(row)
                 if not quick and label == "ratio 1" and context == CONTEXTS[-1] and num_rows in SWEEP_ROWS:
                     rows += _sweep(p, kw, row, nbytes, flops, ceil, shape, theirs)

@@ -16,10 +16,10 @@ Layouts cuBLASLt takes on sm_90 (an error message names the expected shape or st
 - the output is bf16 or fp32 (``out_dtype``; each probed on its own).
 
 It is used outside the batch-invariant mode (where the kernel must not depend on the batch), for bf16 or
-fp32 activations (the output takes their dtype) with at least ``LINEAR_MIN_TOKENS`` (projections) or ``MIN_TOKENS`` (experts) rows, on a device where
-``available(device, dtype)`` holds: compute
-capability 9.x, a torch with the block-wise recipes, and a first product on that device that agrees
-with the dequantised fp32 product.
+fp32 activations (the output takes their dtype) with at least ``LINEAR_MIN_TOKENS`` (projections) or
+``MIN_TOKENS`` (experts) rows, on a device where ``available(device, dtype)`` holds: compute capability
+9.x, a torch with the block-wise recipes, and a first product on that device that agrees with the
+dequantised fp32 product.
 """
 
 from __future__ import annotations

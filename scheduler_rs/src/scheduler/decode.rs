@@ -130,8 +130,9 @@ impl Scheduler {
                     req.num_proposals_to_skip = 0;
                 } else {
                     req.num_unverified_proposals += 1;
-                    let shift = (req.num_unverified_proposals - 1).min(31);
-                    req.num_proposals_to_skip = (1u32 << shift).min(MAX_PROPOSALS_SKIPPED);
+                    // 2^(n−1), saturating where the shift leaves u32's range.
+                    let doubled = 1u32.checked_shl(req.num_unverified_proposals - 1).unwrap_or(u32::MAX);
+                    req.num_proposals_to_skip = doubled.min(MAX_PROPOSALS_SKIPPED);
                 }
             }
             if req.num_proposals_to_skip > 0 {
@@ -159,11 +160,7 @@ impl Scheduler {
                 let last_step = req.last_step_id;
                 req.num_computed_tokens = 0;
                 req.num_inflight_tokens = 0;
-                req.draft_tokens.clear();
-                req.draft_confidences.clear();
-                req.drafts_fresh = false;
-                req.num_unverified_proposals = 0;
-                req.num_proposals_to_skip = 0;
+                req.clear_drafts();
                 req.status = Status::Waiting;
                 req.num_preemptions += 1;
                 req.incarnation = incarnation;

@@ -42,11 +42,7 @@ impl Scheduler {
         child.request_id = child_id;
         child.stop = stop;
         child.status = Status::Waiting;
-        child.draft_tokens.clear();
-        child.draft_confidences.clear();
-        child.drafts_fresh = false;
-        child.num_unverified_proposals = 0;
-        child.num_proposals_to_skip = 0;
+        child.clear_drafts();
         child.last_step_id = None;
         child.num_inflight_tokens = 0;
         child.arrival = self.next_arrival;
