@@ -7,8 +7,12 @@ gives the scheduler a curve over every graph size:
 
 - two or more sizes measured: the least-squares line ms = a + b · rows through the per-size mean times,
   with b ≥ 0 (a step never gets cheaper with more rows) and every value at least ``MIN_STEP_MS``;
-- one size measured: ms proportional to rows (no fixed cost), the pessimistic reading: varlen then drops
-  the least likely drafts, so the steps that follow measure a second size;
+- one size measured: below it, ms proportional to rows (no fixed cost, the pessimistic reading: varlen then
+  drops the least likely drafts, so the steps that follow measure a smaller size); above it, the measured ms
+  (unknown, so free: every draft with a chance of passing gets a row and the next step measures a larger
+  size). Proportional above it too would trap varlen at its first size whenever that is the smallest a plan
+  can take (batch 1 after steps whose drafts had confidence 0): no draft with confidence below 1 would pay a
+  proportional row, so no second size would ever be measured;
 - none yet: flat (1 ms at every size), so every draft with a chance of passing is verified and the
   first steps measure the largest sizes; a draft with confidence 0 adds no expected token and gets no row.
 
@@ -59,7 +63,7 @@ class StepCostMeter:
             return {s: 1.0 for s in self.graph_sizes}
         if len(means) == 1:
             ((size, ms),) = means.items()
-            return {s: max(ms * s / size, MIN_STEP_MS) for s in self.graph_sizes}
+            return {s: max(ms * min(s, size) / size, MIN_STEP_MS) for s in self.graph_sizes}
         xs, ys = list(means), list(means.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)

@@ -1,5 +1,6 @@
 """The measured step-cost curve of varlen verification: a line through the per-size means once two sizes
-are measured, proportional to rows with one, flat before any decode step."""
+are measured, proportional to rows below the one size measured and flat above it, flat before any decode
+step."""
 
 from __future__ import annotations
 
@@ -16,12 +17,21 @@ def test_flat_before_a_step_and_a_refit_every_interval():
     assert [meter.record(8, 5.0) for _ in range(6)] == [False, False, True, False, False, True]
 
 
-def test_one_size_gives_a_curve_proportional_to_rows():
+def test_one_size_gives_a_curve_proportional_to_rows_below_it_and_flat_above():
     meter = StepCostMeter(SIZES)
     meter.record(8, 4.0)
     meter.record(8, 6.0)  # mean 5 ms at 8 rows
-    assert meter.curve() == {s: 5.0 * s / 8 for s in SIZES}
+    assert meter.curve() == {s: 5.0 * min(s, 8) / 8 for s in SIZES}
     assert not meter.measured  # a guess: it must not stop the draft (StepPlan.propose_drafts)
+
+
+def test_one_size_at_the_smallest_still_lets_a_likely_draft_be_verified():
+    """Batch 1 after steps whose drafts had confidence 0 measured only size 1: a draft with confidence 0.8 must
+    still get a row (1.8 tokens for the step's cost), or no second size is ever measured."""
+    meter = StepCostMeter(SIZES)
+    meter.record(1, 12.0)
+    curve = meter.curve()
+    assert (1 + 0.8) / curve[2] > 1 / curve[1]
 
 
 def test_two_sizes_fit_the_line_through_the_means():
