@@ -4,7 +4,8 @@ acceptance rates (issue 20's GPU table; ``shinkai bench speculative``).
 Random weights accept almost no draft, so each draft is accepted independently with probability a
 (services/worker/forced_acceptance.py); the target still verifies every draft row and the draft still
 proposes every block (but where varlen's back-off skips a request whose proposals it never verifies:
-``proposals_skipped``), so the step costs are real. Speculation off at every batch size, then for every mode
+``proposals_skipped``), so the step costs are real. With varlen, ``step_cost_means`` is the engine's measured step
+cost per graph size after the run (mean ms, steps): the curve varlen chose rows from. Speculation off at every batch size, then for every mode
 (fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and
 the step-cost curve measured from the engine's own decode steps) every batch size and every a, on one engine
 a mode (the forced verdict swapped between runs). Each run is greedy with
@@ -152,6 +153,8 @@ def run_case(llm, spec, batch: int, args: argparse.Namespace, device: str) -> di
     r.update({k: v - spec_before[k] for k, v in spec_counters(spec).items()})
     r.update(spec_steps=spec.timings.num_steps if spec else 0,
              spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
+    meter = llm.engine.step_cost  # varlen's measured curve after the run (None without it)
+    r["step_cost_means"] = None if meter is None else {str(k): [round(ms, 3), n] for k, (ms, n) in meter.means().items()}
     if args.profile:
         r["profile"] = profile_run(llm, batch, args.prompt_len, device, min(24, args.max_tokens))
     return r

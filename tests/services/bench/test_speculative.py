@@ -47,6 +47,10 @@ def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_che
             assert r["drafts_verified"] == 0 and r["proposals_skipped"] > 0
         else:
             assert r["proposals_skipped"] == 0
+        if r["mode"] == "varlen":  # the curve it chose from: every size measured at least once, times positive
+            assert r["step_cost_means"] and all(ms > 0 and n > 0 for ms, n in r["step_cost_means"].values())
+        else:
+            assert r["step_cost_means"] is None
     print(capsys.readouterr().out)
 
 

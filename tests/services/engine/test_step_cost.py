@@ -1,5 +1,5 @@
-"""The measured step-cost curve of varlen verification: a line through the per-size means once two sizes
-are measured, proportional to rows below the one size measured and flat above it, flat before any decode
+"""The measured step-cost curve of varlen verification: the non-decreasing per-size means joined by lines once
+two sizes are measured, proportional to rows below the one size measured and flat above it, flat before any decode
 step."""
 
 from __future__ import annotations
@@ -34,23 +34,52 @@ def test_one_size_at_the_smallest_still_lets_a_likely_draft_be_verified():
     assert (1 + 0.8) / curve[2] > 1 / curve[1]
 
 
-def test_two_sizes_fit_the_line_through_the_means():
+def test_two_sizes_or_more_join_the_means_and_stay_flat_past_the_largest():
     meter = StepCostMeter(SIZES)
     for size, ms in ((4, 7.0), (4, 9.0), (16, 14.0), (24, 18.0)):  # means: 8 at 4, 14 at 16, 18 at 24
         meter.record(size, ms)
     curve = meter.curve()
     assert meter.measured
-    # Least squares through (4, 8), (16, 14), (24, 18): b = 0.5, a = 6.
-    assert curve == pytest.approx({s: 6.0 + 0.5 * s for s in SIZES})
+    # Through (4, 8), (16, 14), (24, 18): slope 0.5 up to 16 (continued below 4), then 0.5 again up to 24.
+    assert curve == pytest.approx({1: 6.5, 2: 7.0, 4: 8.0, 8: 10.0, 16: 14.0, 24: 18.0})
+    meter = StepCostMeter(SIZES + [48])
+    for size, ms in ((1, 12.0), (16, 24.0), (24, 28.0)):
+        meter.record(size, ms)
+    assert meter.curve()[48] == pytest.approx(28.0)  # past the largest measured size: flat, so it is tried
 
 
-def test_the_fit_never_falls_with_rows_nor_below_the_floor():
+def test_a_bend_is_kept_where_one_line_would_spread_it():
+    """Steps measured at batch 1 (1-8 rows: each row reads more experts, about 1.3 ms a row) and at batch 16 (16-48
+    rows, past the bend, as on the H200: docs/speculative.md). One line through all the means had a slope of
+    0.57 ms a row, so for 16 requests at a = 0.8 varlen stopped at 48 rows; the curve through the means prices
+    the rows past 48 at what was measured (nothing yet: flat, so tried), and varlen verifies every draft."""
+    from scheduler_rs import MtpVarlen, graph_sizes
+
+    sizes = graph_sizes(16 * 6, 8)
+    meter = StepCostMeter(sizes)
+    for size, ms in ((1, 12.5), (2, 14.5), (4, 18.0), (8, 22.5), (16, 24.0), (24, 31.0), (32, 36.0), (48, 39.5)):
+        meter.record(size, ms)
+    curve = meter.curve()
+    assert curve[16] == 24.0 and curve[40] == pytest.approx(37.75) and curve[96] == 39.5
+    confidences = [[0.8 ** (j + 1) for j in range(5)] for _ in range(16)]
+    assert MtpVarlen(curve).choose(confidences).num_rows == 96
+    meter.record(96, 41.7)  # measured: still worth it (16 · 3.69 tokens in 41.7 ms against 16 · 2.44 in 39.5)
+    assert MtpVarlen(meter.curve()).choose(confidences).num_rows == 96
+
+
+def test_the_curve_never_falls_with_rows_nor_below_the_floor():
     meter = StepCostMeter(SIZES)
     meter.record(1, 9.0)
     meter.record(24, 3.0)  # noise: the bigger step measured faster
     curve = meter.curve()
-    assert len(set(curve.values())) == 1  # slope clamped to 0: the mean, 6 ms, everywhere
+    assert len(set(curve.values())) == 1  # the two pooled: their mean, 6 ms, everywhere
     assert curve[1] == pytest.approx(6.0)
+    meter = StepCostMeter(SIZES)
+    for size, ms in ((1, 5.0), (4, 9.0), (8, 8.0), (8, 8.0), (16, 12.0)):  # 4 rows slower than 8: pooled
+        meter.record(size, ms)
+    curve = meter.curve()
+    assert all(curve[a] <= curve[b] for a, b in zip(SIZES, SIZES[1:]))
+    assert curve[16] == pytest.approx(12.0) and curve[1] == pytest.approx(5.0)
     meter = StepCostMeter([1, 2])
     meter.record(2, MIN_STEP_MS / 10)
     assert meter.curve()[1] == MIN_STEP_MS
