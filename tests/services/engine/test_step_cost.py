@@ -49,7 +49,7 @@ def test_two_sizes_or_more_join_the_means_and_stay_flat_past_the_largest():
 
 
 def test_a_bend_is_kept_where_one_line_would_spread_it():
-    """Steps measured at batch 1 (1-8 rows: each row reads more experts, about 1.3 ms a row) and at batch 16 (16-48
+    """Steps measured at batch 1 (1-8 rows: each row reads more experts, about 1.4 ms a row here) and at batch 16 (16-48
     rows, past the bend, as on the H200: docs/speculative.md). One line through all the means had a slope of
     0.57 ms a row, so for 16 requests at a = 0.8 varlen stopped at 48 rows; the curve through the means prices
     the rows past 48 at what was measured (nothing yet: flat, so tried), and varlen verifies every draft."""
