@@ -17,6 +17,8 @@
 #   DEEPGEMM's build when asked for;
 # - THREE_WAY=1: `services.bench.step --quick --batches 1,256` with the eager / torch.compile / engine comparison
 #   (the 8-layer subset at batch 1 and 64) and the async offline batch-256 run (GPU busy), after DEEPGEMM's build;
+# - GEMM_BENCH=1: `services.bench.kernels --only prefill_gemms` (the projections and the grouped wo_a, Triton
+#   against cuBLASLt);
 # - WINDOW_BENCH=1: prefill attention with window keys staged vs dequantised in the loop (kernels_prefill_attention).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
@@ -32,6 +34,11 @@ if [ -n "${GPU_TESTS:-}" ]; then
     # shellcheck disable=SC2086 # a list of files
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS > "$out/tests-gpu.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests-gpu.log" | tail -8
+fi
+if [ -n "${GEMM_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
+    timeout 150 python3 -m services.bench.kernels --only prefill_gemms --json "$out/prefill-gemms.json" \
+        > "$out/prefill-gemms.log" 2>&1
+    echo "prefill gemms bench rc $?"; grep -E "wo_a|wq_b|wo_b" "$out/prefill-gemms.log" | head -30
 fi
 if [ -n "${WINDOW_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout 90 python3 -m services.bench.kernels_prefill_attention > "$out/window-bench.log" 2>&1

@@ -1,8 +1,9 @@
 """Prefill's dense FP8 GEMMs (`shinkai bench kernels --only prefill_gemms`): v41-s1's projections at 1K–16K
 tokens through the Triton one-expert GEMM the engine used before (BLOCK_M 32, ``fp8_linear.linear_block_m``)
 and through cuBLASLt's block-scaled GEMM (services/worker/block_scaled_gemm.py), the same operands and
-scales. The activation quantisation is left out of both (it is shared). Timed eagerly with the L2 flushed:
-prefill is not graph-captured, and these kernels run for 0.1–10 ms, far above their launch cost.
+scales, the activation quantisation left out of both (it is shared); and attention's grouped wo_a as the
+whole module both ways, also at decode's 64 and 256 rows. Timed eagerly with the L2 flushed: prefill is not
+graph-captured, and these kernels run for 0.1–10 ms, far above their launch cost.
 """
 
 from __future__ import annotations
@@ -52,8 +53,47 @@ def bench_projections(num_tokens: int, ceil: dict[str, float], gen: torch.Genera
     return rows
 
 
+WO_A_TOKENS = (64, 256)
+"""Decode's graph-captured sizes at which the grouped wo_a also takes cuBLASLt (from ``LINEAR_MIN_TOKENS``)."""
+
+
+def bench_wo_a(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) -> list[dict[str, Any]]:
+    """Attention's grouped wo_a (v41-s1: 8 groups of 4,096 → 1,024) as the engine runs it, the whole module
+    (``GroupedKernelLinear``: the activations' quantisation, and for cuBLASLt the group-major copies and one GEMM a
+    group): the Triton grouped GEMM (``LINEAR_MIN_TOKENS`` raised for the call) against cuBLASLt."""
+    import torch
+
+    from services.bench.step_build import model_config
+    from services.worker import block_scaled_gemm
+    from services.worker.fp8_linear import GroupedKernelLinear, KernelSet
+
+    cfg = model_config("v41-s1", None)
+    groups, rank = cfg.o_groups, cfg.o_lora_rank
+    width = cfg.num_attention_heads * cfg.head_dim // groups
+    layer = GroupedKernelLinear(torch.randn(groups * rank, width, device=DEVICE, generator=gen) * 0.02, groups,
+                                "fp8", KernelSet.compiled())
+    x = torch.randn(num_tokens, groups, width, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    nbytes = groups * rank * width + num_tokens * groups * (width * 2 + rank * 2)
+    flops = 2.0 * num_tokens * groups * rank * width
+    shape = f"T={num_tokens} G={groups} R={rank} Kg={width}"
+    threshold = block_scaled_gemm.LINEAR_MIN_TOKENS
+    block_scaled_gemm.LINEAR_MIN_TOKENS = 1 << 30
+    try:
+        triton_s = _bench(lambda: layer(x))
+    finally:
+        block_scaled_gemm.LINEAR_MIN_TOKENS = threshold
+    rows = [_row("wo_a grouped [Triton]", shape, triton_s, nbytes, flops, ceil, None, "grouped FP8 GEMM, G experts")]
+    if block_scaled_gemm.available(torch.device(DEVICE)) and num_tokens >= threshold:
+        seconds = _bench(lambda: layer(x))
+        rows.append(_row("wo_a grouped [cuBLASLt block-scaled]", shape, seconds, nbytes, flops, ceil, None,
+                         f"{triton_s / seconds:.2f}x the Triton GEMM; one GEMM a group"))
+    return rows
+
+
 def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for t in QUICK_TOKENS if quick else TOKENS:
         rows += bench_projections(t, ceil, gen)
+    for t in WO_A_TOKENS + (QUICK_TOKENS if quick else TOKENS):
+        rows += bench_wo_a(t, ceil, gen)
     return rows

@@ -8,8 +8,9 @@ FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 blo
 128 channels by ``kernels.quant_fp8.quantize_act``, and the product runs on the MoE grouped GEMM
 kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Products of
 ``block_scaled_gemm.LINEAR_MIN_TOKENS`` rows or more (prefill, and decode's larger batches inside their CUDA
-graphs) take cuBLASLt's block-scaled GEMM instead (services/worker/block_scaled_gemm.py: the same operands
-and scales, the output in the activations' dtype, Hopper tiles), where the grouped GEMM's one-expert grid is
+graphs; for the grouped wo_a, one GEMM a group) take cuBLASLt's block-scaled GEMM instead
+(services/worker/block_scaled_gemm.py: the same operands and scales, the output in the activations' dtype, Hopper
+tiles), where the grouped GEMM's one-expert grid is
 only N/128 programs wide and re-reads the weights every BLOCK_M rows; smaller decode batches, the
 batch-invariant mode and the interpreter stay on the Triton GEMM.
 
@@ -217,6 +218,14 @@ def _capturing(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def takes_block_scaled(kernels: KernelSet, num_tokens: int, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """``LINEAR_MIN_TOKENS`` rows or more (per group of a grouped projection) on a compiled kernel set, outside the
+    batch-invariant mode: cuBLASLt's block-scaled GEMM, with the output in the activations' dtype (bf16 or fp32)
+    where the device's probe for that dtype passed."""
+    return (num_tokens >= block_scaled_gemm.LINEAR_MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
+            and not invariance.active() and not kernels.interpreted and block_scaled_gemm.available(x.device, out_dtype))
+
+
 class KernelLinear(nn.Module):
     """``y = x · Wᵀ`` for W [N, K] (an nn.Linear without bias), x [..., K] → [..., N] in x.dtype."""
 
@@ -245,7 +254,7 @@ class KernelLinear(nn.Module):
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         a = activations(self.kernels, x2.contiguous(), num_tokens)
-        if self._block_scaled(num_tokens, x, out_dtype):
+        if takes_block_scaled(self.kernels, num_tokens, x, out_dtype):
             if self.scale_b is None or self.scale_b.device != self.w.device:
                 self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
             y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b, out_dtype)  # [T, N']
@@ -259,13 +268,6 @@ class KernelLinear(nn.Module):
                                       out_dtype=out_dtype, block_m=linear_block_m(num_tokens), num_warps=4)[0]
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _block_scaled(self, num_tokens: int, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
-        """``LINEAR_MIN_TOKENS`` rows or more on a compiled kernel set, outside the mode: cuBLASLt's block-scaled GEMM, with the
-        output in the activations' dtype (bf16 or fp32) where the device's probe for that dtype passed."""
-        return (num_tokens >= block_scaled_gemm.LINEAR_MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
-                and not invariance.active() and not self.kernels.interpreted
-                and block_scaled_gemm.available(x.device, out_dtype))
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, precision={self.precision}"
 
@@ -273,7 +275,8 @@ class KernelLinear(nn.Module):
 class GroupedKernelLinear(nn.Module):
     """Attention's ``wo_a``: G independent blocks W_g [R, Kg] (rows g·R … of the stored [G·R, Kg]);
     x [..., G, Kg] → [..., G·R], the model's ``einsum("bsgi,gri->bsgr")`` flattened. FP8: the grouped
-    GEMM with G experts, every token in each (group g's rows gathered from the input's [T·G, Kg'] rows)."""
+    GEMM with G experts, every token in each (group g's rows gathered from the input's [T·G, Kg'] rows); from
+    ``LINEAR_MIN_TOKENS`` tokens (``takes_block_scaled``), G of cuBLASLt's block-scaled GEMMs, one a group."""
 
     def __init__(self, weight: torch.Tensor, num_groups: int, precision: str, kernels: KernelSet) -> None:
         super().__init__()
@@ -283,6 +286,7 @@ class GroupedKernelLinear(nn.Module):
         grouped = weight.detach().float().view(num_groups, -1, weight.shape[-1])  # [G, R, Kg]
         self.rank, self.group_features = grouped.shape[1:]
         self.inexact = 0
+        self.scale_b: torch.Tensor | None = None  # w_scale in cuBLASLt's layout, made on first use per device
         if precision == "fp8":
             q, scale, self.inexact = quantize_padded(grouped)
             self.register_buffer("w", q)  # e4m3 [G, R', Kg']
@@ -304,6 +308,9 @@ class GroupedKernelLinear(nn.Module):
         # rows (j·G + g).
         a = activations(self.kernels, xg.reshape(num_tokens * g, k_pad), num_tokens)
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        if takes_block_scaled(self.kernels, num_tokens, x, out_dtype):
+            y = self._block_scaled(a, num_tokens, out_dtype)  # [T, G, R']
+            return y[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
         # The GEMM writes group g's row t at [t, g] of a [T, G, R'] buffer (through its [G, T, R'] view), so the
         # [T, G·R] result is a view where R' = R: no transposing copy after it.
         out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=x.device).transpose(0, 1)
@@ -311,6 +318,23 @@ class GroupedKernelLinear(nn.Module):
             a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True, out_dtype=out_dtype,
             block_m=linear_block_m(num_tokens), num_warps=4, out=out)  # [G, T, R']
         return y.transpose(0, 1)[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
+
+    def _block_scaled(self, a: tuple[torch.Tensor, torch.Tensor], num_tokens: int, out_dtype: torch.dtype
+                      ) -> torch.Tensor:
+        """The [T·G, Kg'] rows' (e4m3, scales) → [T, G, R'] through one block-scaled GEMM a group. cuBLASLt takes
+        a group's rows contiguous and its scales M-major, so both are copied group-major first (the e4m3 at a
+        byte a channel: half the bf16 input's bytes)."""
+        g, k_pad = self.num_groups, self.w.shape[-1]
+        if self.scale_b is None or self.scale_b.device != self.w.device:
+            self.scale_b = block_scaled_gemm.scale_b(self.w_scale)  # [G, K_blocks, R'/128]
+        q, s = a
+        q = q.view(torch.uint8).view(num_tokens, g, k_pad).transpose(0, 1).contiguous().view(q.dtype)  # [G, T, Kg']
+        s = s.view(num_tokens, g, -1).permute(1, 2, 0).contiguous()  # fp32 [G, Kg'/128, T]
+        out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=q.device)
+        for group in range(g):
+            out[:, group] = block_scaled_gemm.matmul((q[group], s[group].t()), self.w[group], self.scale_b[group],
+                                                     out_dtype)
+        return out
 
     def extra_repr(self) -> str:
         return f"groups={self.num_groups}, in={self.group_features}, rank={self.rank}, precision={self.precision}"

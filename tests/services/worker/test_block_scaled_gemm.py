@@ -48,6 +48,47 @@ def test_matmul_hands_cublas_a_multiple_of_four_rows_and_cuts_the_output_back(mo
     assert seen == [8, 8, 8]
 
 
+def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_grouped_gemm(monkeypatch):
+    """``GroupedKernelLinear`` (attention's wo_a) from ``LINEAR_MIN_TOKENS`` tokens: each group's rows handed to
+    cuBLASLt contiguous with M-major scales (``F.scaled_mm`` replaced by a CPU product that checks the layouts
+    and applies both operands' block scales), one call a group, and the result the interpreted Triton grouped
+    GEMM's (the path below the threshold) up to fp32 summation order: the same e4m3 values and scales."""
+    from dataclasses import replace
+
+    from services.worker.fp8_linear import GroupedKernelLinear, KernelSet
+    from tests.kernels.interpret import interpreter, load_interpreted
+
+    calls = []
+
+    def scaled_mm(q, w_t, s, recipe_a, w_scale_b, recipe_b, output_dtype):
+        assert q.is_contiguous() and s.stride() == (1, q.shape[0]) and w_scale_b.stride() == (1, w_scale_b.shape[0])
+        k, n = w_t.shape
+        w_scale = w_scale_b[: k // GROUP].repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)[:, :n]
+        calls.append(q.shape[0])
+        return ((q.float() * s.repeat_interleave(GROUP, dim=1)) @ (w_t.float() * w_scale)).to(output_dtype)
+
+    monkeypatch.setattr(block_scaled_gemm.F, "scaled_mm", scaled_mm)
+    monkeypatch.setattr(block_scaled_gemm, "available", lambda device, out_dtype=torch.bfloat16: True)
+    names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
+    triton = KernelSet(*(load_interpreted(name) for name in names), interpreted=True)
+    gen = torch.Generator().manual_seed(2)
+    groups, rank, width = 2, 128, 256
+    weight = torch.randn(groups * rank, width, generator=gen) * torch.logspace(-2, 2, width // GROUP, base=2.0
+                                                                              ).repeat_interleave(GROUP)
+    below = GroupedKernelLinear(weight, groups, "fp8", triton)
+    above = GroupedKernelLinear(weight, groups, "fp8", replace(triton, interpreted=False))  # may take cuBLASLt
+    num_tokens = block_scaled_gemm.LINEAR_MIN_TOKENS + 2  # not a multiple of ROW_ALIGN: padded for the call
+    x = torch.randn(num_tokens, groups, width, generator=gen)  # [T, G, Kg]
+    with interpreter():
+        got = above(x)
+        want = below(x)
+        short = above(x[:-3])  # LINEAR_MIN_TOKENS - 1 tokens: the grouped GEMM
+    assert calls == [num_tokens + 2] * groups
+    assert got.shape == want.shape == (num_tokens, groups * rank) and got.dtype == torch.float32
+    assert _rel(got, want) <= FP32_REORDER_REL
+    assert len(calls) == groups and torch.equal(short, want[:-3])
+
+
 def test_only_a_hopper_gpu_takes_the_path():
     assert block_scaled_gemm.available(torch.device("cpu")) is False
 
@@ -113,3 +154,29 @@ def test_gpu_kernel_linear_takes_it_from_linear_min_tokens_rows_and_agrees_below
     wide = layer(x.float())  # fp32 activations: cuBLASLt with fp32 output
     assert wide.dtype == torch.float32 and len(calls) == 2
     assert _rel(big, wide) <= PROBE_REL  # the bf16 output is the fp32 one rounded, up to summation order
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("num_tokens", [block_scaled_gemm.LINEAR_MIN_TOKENS, 1030])
+def test_gpu_grouped_wo_a_takes_it_one_gemm_a_group_and_agrees_with_the_grouped_gemm(monkeypatch, num_tokens):
+    """v41's wo_a (8 groups of 4,096 → 1,024): from ``LINEAR_MIN_TOKENS`` tokens one block-scaled GEMM a group, the
+    result the Triton grouped GEMM's (``LINEAR_MIN_TOKENS`` raised) up to two bf16 roundings."""
+    from services.worker.fp8_linear import GroupedKernelLinear, KernelSet
+
+    dev = torch.device("cuda")
+    assert block_scaled_gemm.available(dev)
+    calls = []
+    real = block_scaled_gemm.matmul
+    monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *args: calls.append(1) or real(*args))
+    gen = torch.Generator(device=dev).manual_seed(3)
+    layer = GroupedKernelLinear(torch.randn(8 * 1024, 4096, device=dev, generator=gen) * 0.02, 8, "fp8",
+                                KernelSet.compiled())
+    x = torch.randn(num_tokens, 8, 4096, device=dev, generator=gen).to(torch.bfloat16)
+    got = layer(x)
+    assert len(calls) == 8 and got.shape == (num_tokens, 8 * 1024) and got.dtype == torch.bfloat16
+    monkeypatch.setattr(block_scaled_gemm, "LINEAR_MIN_TOKENS", 1 << 30)
+    want = layer(x)
+    assert len(calls) == 8
+    print(f"\nwo_a T {num_tokens}: cuBLASLt against the grouped GEMM {_rel(got, want.float()):.3g}")
+    assert _rel(got, want.float()) <= 2 * PROBE_REL  # two bf16 roundings of nearly the same fp32 value
