@@ -62,6 +62,7 @@ class Engine:
         ), vote)
         # Varlen verification's step-cost curve: given, or measured from decode steps (None otherwise).
         self.step_cost: StepCostMeter | None = None
+        self._last_read: float | None = None  # async: when the last decode step's result was read back
         if config.spec_step_cost_ms is not None:
             self.scheduler.set_step_cost(dict(config.spec_step_cost_ms))
         elif config.spec_varlen:
@@ -140,9 +141,8 @@ class Engine:
         except BaseException:
             self._fail(plan)
             raise
-        if self.step_cost is not None and plan.graph_size is not None and not plan.is_prefill:
-            if self.step_cost.record(plan.graph_size, 1e3 * (time.perf_counter() - start)):
-                self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured)
+        if self._times_step(plan):
+            self._record_step_cost(plan, 1e3 * (time.perf_counter() - start))
         updates = self.scheduler.update(plan, result)
         self.last_plan = plan
         return self._apply(plan, executed, updates)
@@ -182,9 +182,26 @@ class Engine:
         return outputs
 
     def _update(self, plan: StepPlan, executed: WorkerOutput) -> list[RequestOutput]:
-        updates = self.scheduler.update(plan, executed.result)
+        result = executed.result  # read back: the step is over
+        if self.step_cost is not None:
+            # Async: a decode step's cost is the time between its read-back and the previous decode step's (it was
+            # queued behind that one, so the interval is its own device time, or the host's cadence where that is
+            # longer: either way what a step of its size costs). A prefill or empty step in between breaks the pair.
+            now = time.perf_counter()
+            if self._times_step(plan) and self._last_read is not None:
+                self._record_step_cost(plan, 1e3 * (now - self._last_read))
+            self._last_read = now if self._times_step(plan) else None
+        updates = self.scheduler.update(plan, result)
         self.last_plan = plan
         return self._apply(plan, executed, updates)
+
+    def _times_step(self, plan: StepPlan) -> bool:
+        """Whether varlen's meter takes this step's time: a decode step with rows, under a graph size."""
+        return self.step_cost is not None and plan.graph_size is not None and not plan.is_prefill and plan.num_rows > 0
+
+    def _record_step_cost(self, plan: StepPlan, ms: float) -> None:
+        if self.step_cost.record(plan.graph_size, ms):
+            self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured)
 
     def _fail(self, plan: StepPlan) -> None:
         """Closes a step the worker never finished: every planned request ends with "error" in the scheduler,

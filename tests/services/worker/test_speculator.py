@@ -205,13 +205,15 @@ def test_async_scheduling_with_drafts_gives_the_same_tokens(source, greedy_off, 
         assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
 
 
-def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source):
-    """No curve given: the engine measures its decode steps (services/engine/step_cost.py) and varlen uses
-    the fit; every request finishes and the pools come back."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source, async_scheduling):
+    """No curve given: the engine measures its decode steps (services/engine/step_cost.py; under async scheduling
+    the interval between consecutive decode steps' read-backs) and varlen uses the fit; every request finishes
+    and the pools come back."""
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=40 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
     llm = LLM(source=source, **dict(ENGINE, batch_invariant=False), num_speculative_tokens=NEXTN,
-              spec_sampling="deterministic", spec_varlen=True)
+              spec_sampling="deterministic", spec_varlen=True, async_scheduling=async_scheduling)
     llm.engine.step_cost.refit_interval = 2  # a fit within the run's few decode steps
     outs = llm.generate(PROMPTS, params)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
