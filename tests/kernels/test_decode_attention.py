@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import reference
-from model.deepseek_v41.presets import TINY, V41_S1
+from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.rope import rope_frequencies
 from services.worker.cache_engine import CacheEngine, ring_size
 from tests.kernels.interpret import interpreter, load_interpreted

@@ -7,7 +7,6 @@ import ssl
 import subprocess
 import urllib.request
 
-import grpc
 import pytest
 
 from services.client import ShinkaiClient, Unavailable
