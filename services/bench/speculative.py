@@ -4,14 +4,13 @@ acceptance rates (issue 20's GPU table; ``shinkai bench speculative``).
 Random weights accept almost no draft, so each draft is accepted independently with probability a
 (services/worker/forced_acceptance.py); the target still verifies every draft row and the draft still
 proposes every block (but where varlen's back-off skips a request whose proposals it never verifies:
-``proposals_skipped``), so the step costs are real. With varlen, ``step_cost_means`` is the engine's measured step
-cost per graph size after the run (mean ms, steps): the curve varlen chose rows from. Speculation off at every batch size, then for every mode
-(fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and
-the step-cost curve measured from the engine's own decode steps) every batch size and every a, on one engine
-a mode (the forced verdict swapped between runs). Each run is greedy with
-``ignore_eos`` (every request makes exactly ``max_tokens`` tokens) through ``generate.run_batch``:
-total tokens/s over the wall time (prefill included), decode-only tokens/s, and per request (total /
-batch, as every request runs the whole time).
+``proposals_skipped``), so the step costs are real. Speculation off at every batch size, then for every mode
+(fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and the
+step-cost curve measured from the engine's own decode steps, reported after each run as ``step_cost_means``:
+mean ms and steps per graph size) every batch size and every a, on one engine a mode (the forced verdict
+swapped between runs). Each run is greedy with ``ignore_eos`` (every request makes exactly ``max_tokens``
+tokens) through ``generate.run_batch``: total tokens/s over the wall time (prefill included), decode-only
+tokens/s, and per request (total / batch, as every request runs the whole time).
 
 Every case runs on the same path, "off" included, for a like-for-like ratio: the torch model by default, or
 the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: every decode step, verify steps

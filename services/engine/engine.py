@@ -187,10 +187,10 @@ class Engine:
             # Async: a decode step's cost is the time between its read-back and the previous decode step's (it was
             # queued behind that one, so the interval is its own device time, or the host's cadence where that is
             # longer: either way what a step of its size costs). A prefill or empty step in between breaks the pair.
-            now = time.perf_counter()
-            if self._times_step(plan) and self._last_read is not None:
+            now, timed = time.perf_counter(), self._times_step(plan)
+            if timed and self._last_read is not None:
                 self._record_step_cost(plan, 1e3 * (now - self._last_read))
-            self._last_read = now if self._times_step(plan) else None
+            self._last_read = now if timed else None
         updates = self.scheduler.update(plan, result)
         self.last_plan = plan
         return self._apply(plan, executed, updates)

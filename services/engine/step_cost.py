@@ -68,17 +68,18 @@ class StepCostMeter:
 
     def curve(self) -> dict[int, float]:
         """Milliseconds per graph size."""
-        means = {size: ms for size, (ms, _) in self.means().items()}
+        means = self.means()
         if not means:
             return {s: 1.0 for s in self.graph_sizes}
         if len(means) == 1:
-            ((size, ms),) = means.items()
+            ((size, (ms, _)),) = means.items()
             return {s: max(ms * min(s, size) / size, MIN_STEP_MS) for s in self.graph_sizes}
-        xs, ys = _non_decreasing(list(means), list(means.values()), [self._count[x] for x in means])
+        xs, ys = _non_decreasing(list(means), *zip(*means.values()))
         return {s: max(_interpolate(xs, ys, s), MIN_STEP_MS) for s in self.graph_sizes}
 
 
-def _non_decreasing(xs: list[int], ys: list[float], weights: list[int]) -> tuple[list[float], list[float]]:
+def _non_decreasing(xs: Sequence[int], ys: Sequence[float], weights: Sequence[int]
+                    ) -> tuple[list[float], list[float]]:
     """Pool-adjacent-violators: the non-decreasing ys closest to ``ys`` in weighted least squares; a pooled run
     keeps one point at its weighted mean size, so every kept point is a measurement or a mean of them."""
     blocks: list[list[float]] = []  # [weighted size sum, weighted time sum, weight]
