@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 13's checks in one device call, each part switched by the environment:
-# - GPU_TESTS (space-separated files): their gpu-marked tests;
+# - GPU_TESTS (space-separated files): their gpu-marked tests, within GPU_TESTS_S seconds (default 150);
 # - SPEC_BATCHES (e.g. "1" or "16 64"): issue 20's table on v41-s1-dspark (v41-s1 plus the released 3-stage
 #   draft at an eighth of its experts) at those batches, SPEC_ACCEPT acceptances (default "0 0.8 1") and
 #   SPEC_MODES (default "fixed varlen"), fp8 kernels and CUDA graphs, 512-token prompts, 128 tokens each
@@ -32,7 +32,7 @@ if [ -n "${KL_DEEPGEMM:-}${DEEPGEMM:-}" ]; then
 fi
 if [ -n "${GPU_TESTS:-}" ]; then
     # shellcheck disable=SC2086 # a list of files
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS > "$out/tests-gpu.log" 2>&1
+    timeout "${GPU_TESTS_S:-150}" python3 -m pytest -v -m gpu -p no:cacheprovider -rs --durations=8 $GPU_TESTS > "$out/tests-gpu.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests-gpu.log" | tail -8
 fi
 if [ -n "${GEMM_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then

@@ -54,13 +54,13 @@ def bench_projections(num_tokens: int, ceil: dict[str, float], gen: torch.Genera
 
 
 WO_A_TOKENS = (64, 256)
-"""Decode's graph-captured sizes at which the grouped wo_a also takes cuBLASLt (from ``LINEAR_MIN_TOKENS``)."""
+"""Decode's graph-captured sizes, below ``GROUPED_MIN_TOKENS``: both paths measured there too (the crossover)."""
 
 
 def bench_wo_a(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) -> list[dict[str, Any]]:
     """Attention's grouped wo_a (v41-s1: 8 groups of 4,096 → 1,024) as the engine runs it, the whole module
     (``GroupedKernelLinear``: the activations' quantisation, and for cuBLASLt the group-major copies and one GEMM a
-    group): the Triton grouped GEMM (``LINEAR_MIN_TOKENS`` raised for the call) against cuBLASLt."""
+    group): the Triton grouped GEMM against cuBLASLt, each forced for its call (``GROUPED_MIN_TOKENS`` moved)."""
     import torch
 
     from services.bench.step_build import model_config
@@ -76,15 +76,16 @@ def bench_wo_a(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
     nbytes = groups * rank * width + num_tokens * groups * (width * 2 + rank * 2)
     flops = 2.0 * num_tokens * groups * rank * width
     shape = f"T={num_tokens} G={groups} R={rank} Kg={width}"
-    threshold = block_scaled_gemm.LINEAR_MIN_TOKENS
-    block_scaled_gemm.LINEAR_MIN_TOKENS = 1 << 30
+    threshold = block_scaled_gemm.GROUPED_MIN_TOKENS
     try:
+        block_scaled_gemm.GROUPED_MIN_TOKENS = 1 << 30
         triton_s = _bench(lambda: layer(x))
+        block_scaled_gemm.GROUPED_MIN_TOKENS = 1
+        seconds = _bench(lambda: layer(x)) if block_scaled_gemm.available(torch.device(DEVICE)) else None
     finally:
-        block_scaled_gemm.LINEAR_MIN_TOKENS = threshold
+        block_scaled_gemm.GROUPED_MIN_TOKENS = threshold
     rows = [_row("wo_a grouped [Triton]", shape, triton_s, nbytes, flops, ceil, None, "grouped FP8 GEMM, G experts")]
-    if block_scaled_gemm.available(torch.device(DEVICE)) and num_tokens >= threshold:
-        seconds = _bench(lambda: layer(x))
+    if seconds is not None:
         rows.append(_row("wo_a grouped [cuBLASLt block-scaled]", shape, seconds, nbytes, flops, ceil, None,
                          f"{triton_s / seconds:.2f}x the Triton GEMM; one GEMM a group"))
     return rows

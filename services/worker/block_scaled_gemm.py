@@ -16,10 +16,10 @@ Layouts cuBLASLt takes on sm_90 (an error message names the expected shape or st
 - the output is bf16 or fp32 (``out_dtype``; each probed on its own).
 
 It is used outside the batch-invariant mode (where the kernel must not depend on the batch), for bf16 or
-fp32 activations (the output takes their dtype) with at least ``LINEAR_MIN_TOKENS`` (projections) or
-``MIN_TOKENS`` (experts) rows, on a device where ``available(device, dtype)`` holds: compute capability
-9.x, a torch with the block-wise recipes, and a first product on that device that agrees with the
-dequantised fp32 product.
+fp32 activations (the output takes their dtype) with at least ``LINEAR_MIN_TOKENS`` (projections),
+``GROUPED_MIN_TOKENS`` (attention's grouped wo_a) or ``MIN_TOKENS`` (experts) rows, on a device where
+``available(device, dtype)`` holds: compute capability 9.x, a torch with the block-wise recipes, and a first
+product on that device that agrees with the dequantised fp32 product.
 """
 
 from __future__ import annotations
@@ -44,7 +44,16 @@ included. H200, v41-s1's projections, eager with the L2 flushed (``kernels_prefi
 against the Triton one-expert GEMM at decode's tile (BLOCK_M 16, which re-reads the weights once per 16 rows):
 at 256 rows 1.08–4.63× (wo_b 160.3 → 34.7 µs, wq_b 102.8 → 31.6; 345 → 133 µs over the five per layer), at 64
 rows 1.13–1.61× on four of five (the indexer's wq_b 0.87×; 164 → 123 µs over the five). Below 64 rows not
-measured: split-K and the in-GEMM quantisation keep those. The experts keep ``MIN_TOKENS``."""
+measured: split-K and the in-GEMM quantisation keep those. The experts keep ``MIN_TOKENS``, attention's grouped
+wo_a ``GROUPED_MIN_TOKENS``."""
+
+GROUPED_MIN_TOKENS = 4096
+"""Tokens from which ``GroupedKernelLinear`` (attention's wo_a: G groups of Kg → R, one GEMM a group) takes this
+GEMM. H200, v41-s1's wo_a (8 groups of 4,096 → 1,024), the whole module eager (``kernels_prefill_gemms.bench_wo_a``):
+cuBLASLt costs 750–900 µs at every size up to 4K tokens (eight calls of N = 1,024 each, and the group-major copies),
+the Triton grouped GEMM 169 µs at 64 tokens, 275 at 1K, 1,037 at 4K; from 4K cuBLASLt wins (748 µs; 16K: 3,017 against
+4,100). In the sizes run with it from 64 tokens, decode at batch 64 was 9% slower than the run before and prefill
+of 1K tokens 81% slower (the wo_a change the only one in between)."""
 
 PROBE_REL = 2.0**-7
 """The probe's bound, relative Frobenius error of the output against the fp32 product of the same e4m3

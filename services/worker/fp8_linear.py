@@ -218,12 +218,13 @@ def _capturing(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def takes_block_scaled(kernels: KernelSet, num_tokens: int, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """``LINEAR_MIN_TOKENS`` rows or more (per group of a grouped projection) on a compiled kernel set, outside the
+def takes_block_scaled(kernels: KernelSet, num_tokens: int, min_tokens: int, x: torch.Tensor,
+                       out_dtype: torch.dtype) -> bool:
+    """``min_tokens`` rows or more (per group of a grouped projection) on a compiled kernel set, outside the
     batch-invariant mode: cuBLASLt's block-scaled GEMM, with the output in the activations' dtype (bf16 or fp32)
     where the device's probe for that dtype passed."""
-    return (num_tokens >= block_scaled_gemm.LINEAR_MIN_TOKENS and x.dtype in block_scaled_gemm.OUT_DTYPES
-            and not invariance.active() and not kernels.interpreted and block_scaled_gemm.available(x.device, out_dtype))
+    return (num_tokens >= min_tokens and x.dtype in block_scaled_gemm.OUT_DTYPES and not invariance.active()
+            and not kernels.interpreted and block_scaled_gemm.available(x.device, out_dtype))
 
 
 class KernelLinear(nn.Module):
@@ -254,7 +255,7 @@ class KernelLinear(nn.Module):
         gemm = self.kernels.moe_grouped_gemm
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         a = activations(self.kernels, x2.contiguous(), num_tokens)
-        if takes_block_scaled(self.kernels, num_tokens, x, out_dtype):
+        if takes_block_scaled(self.kernels, num_tokens, block_scaled_gemm.LINEAR_MIN_TOKENS, x, out_dtype):
             if self.scale_b is None or self.scale_b.device != self.w.device:
                 self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
             y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b, out_dtype)  # [T, N']
@@ -276,7 +277,7 @@ class GroupedKernelLinear(nn.Module):
     """Attention's ``wo_a``: G independent blocks W_g [R, Kg] (rows g·R … of the stored [G·R, Kg]);
     x [..., G, Kg] → [..., G·R], the model's ``einsum("bsgi,gri->bsgr")`` flattened. FP8: the grouped
     GEMM with G experts, every token in each (group g's rows gathered from the input's [T·G, Kg'] rows); from
-    ``LINEAR_MIN_TOKENS`` tokens (``takes_block_scaled``), G of cuBLASLt's block-scaled GEMMs, one a group."""
+    ``GROUPED_MIN_TOKENS`` tokens (``takes_block_scaled``), G of cuBLASLt's block-scaled GEMMs, one a group."""
 
     def __init__(self, weight: torch.Tensor, num_groups: int, precision: str, kernels: KernelSet) -> None:
         super().__init__()
@@ -308,7 +309,7 @@ class GroupedKernelLinear(nn.Module):
         # rows (j·G + g).
         a = activations(self.kernels, xg.reshape(num_tokens * g, k_pad), num_tokens)
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-        if takes_block_scaled(self.kernels, num_tokens, x, out_dtype):
+        if takes_block_scaled(self.kernels, num_tokens, block_scaled_gemm.GROUPED_MIN_TOKENS, x, out_dtype):
             y = self._block_scaled(a, num_tokens, out_dtype)  # [T, G, R']
             return y[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
         # The GEMM writes group g's row t at [t, g] of a [T, G, R'] buffer (through its [G, T, R'] view), so the

@@ -49,8 +49,8 @@ def test_matmul_hands_cublas_a_multiple_of_four_rows_and_cuts_the_output_back(mo
 
 
 def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_grouped_gemm(monkeypatch):
-    """``GroupedKernelLinear`` (attention's wo_a) from ``LINEAR_MIN_TOKENS`` tokens: each group's rows handed to
-    cuBLASLt contiguous with M-major scales (``F.scaled_mm`` replaced by a CPU product that checks the layouts
+    """``GroupedKernelLinear`` (attention's wo_a) from ``GROUPED_MIN_TOKENS`` tokens (lowered to 64 here): each
+    group's rows handed to cuBLASLt contiguous with M-major scales (``F.scaled_mm`` replaced by a CPU product that checks the layouts
     and applies both operands' block scales), one call a group, and the result the interpreted Triton grouped
     GEMM's (the path below the threshold) up to fp32 summation order: the same e4m3 values and scales."""
     from dataclasses import replace
@@ -69,6 +69,7 @@ def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_gr
 
     monkeypatch.setattr(block_scaled_gemm.F, "scaled_mm", scaled_mm)
     monkeypatch.setattr(block_scaled_gemm, "available", lambda device, out_dtype=torch.bfloat16: True)
+    monkeypatch.setattr(block_scaled_gemm, "GROUPED_MIN_TOKENS", 64)
     names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
     triton = KernelSet(*(load_interpreted(name) for name in names), interpreted=True)
     gen = torch.Generator().manual_seed(2)
@@ -77,12 +78,12 @@ def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_gr
                                                                               ).repeat_interleave(GROUP)
     below = GroupedKernelLinear(weight, groups, "fp8", triton)
     above = GroupedKernelLinear(weight, groups, "fp8", replace(triton, interpreted=False))  # may take cuBLASLt
-    num_tokens = block_scaled_gemm.LINEAR_MIN_TOKENS + 2  # not a multiple of ROW_ALIGN: padded for the call
+    num_tokens = block_scaled_gemm.GROUPED_MIN_TOKENS + 2  # not a multiple of ROW_ALIGN: padded for the call
     x = torch.randn(num_tokens, groups, width, generator=gen)  # [T, G, Kg]
     with interpreter():
         got = above(x)
         want = below(x)
-        short = above(x[:-3])  # LINEAR_MIN_TOKENS - 1 tokens: the grouped GEMM
+        short = above(x[:-3])  # GROUPED_MIN_TOKENS - 1 tokens: the grouped GEMM
     assert calls == [num_tokens + 2] * groups
     assert got.shape == want.shape == (num_tokens, groups * rank) and got.dtype == torch.float32
     assert _rel(got, want) <= FP32_REORDER_REL
@@ -158,10 +159,10 @@ def test_gpu_kernel_linear_takes_it_from_linear_min_tokens_rows_and_agrees_below
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("num_tokens", [block_scaled_gemm.LINEAR_MIN_TOKENS, 1030])
+@pytest.mark.parametrize("num_tokens", [block_scaled_gemm.GROUPED_MIN_TOKENS, block_scaled_gemm.GROUPED_MIN_TOKENS + 6])
 def test_gpu_grouped_wo_a_takes_it_one_gemm_a_group_and_agrees_with_the_grouped_gemm(monkeypatch, num_tokens):
-    """v41's wo_a (8 groups of 4,096 → 1,024): from ``LINEAR_MIN_TOKENS`` tokens one block-scaled GEMM a group, the
-    result the Triton grouped GEMM's (``LINEAR_MIN_TOKENS`` raised) up to two bf16 roundings."""
+    """v41's wo_a (8 groups of 4,096 → 1,024): from ``GROUPED_MIN_TOKENS`` tokens one block-scaled GEMM a group, the
+    result the Triton grouped GEMM's (``GROUPED_MIN_TOKENS`` raised) up to two bf16 roundings."""
     from services.worker.fp8_linear import GroupedKernelLinear, KernelSet
 
     dev = torch.device("cuda")
@@ -175,7 +176,7 @@ def test_gpu_grouped_wo_a_takes_it_one_gemm_a_group_and_agrees_with_the_grouped_
     x = torch.randn(num_tokens, 8, 4096, device=dev, generator=gen).to(torch.bfloat16)
     got = layer(x)
     assert len(calls) == 8 and got.shape == (num_tokens, 8 * 1024) and got.dtype == torch.bfloat16
-    monkeypatch.setattr(block_scaled_gemm, "LINEAR_MIN_TOKENS", 1 << 30)
+    monkeypatch.setattr(block_scaled_gemm, "GROUPED_MIN_TOKENS", 1 << 30)
     want = layer(x)
     assert len(calls) == 8
     print(f"\nwo_a T {num_tokens}: cuBLASLt against the grouped GEMM {_rel(got, want.float()):.3g}")
