@@ -33,7 +33,7 @@ fi
 if [ -n "${GPU_TESTS:-}" ]; then
     # shellcheck disable=SC2086 # a list of files
     timeout "${GPU_TESTS_S:-150}" python3 -m pytest -v -m gpu -p no:cacheprovider -rs --durations=8 $GPU_TESTS > "$out/tests-gpu.log" 2>&1
-    grep -E "^FAILED|^ERROR|passed|failed" "$out/tests-gpu.log" | tail -8
+    grep -E "FAILED|ERROR|passed|failed" "$out/tests-gpu.log" | tail -12
 fi
 if [ -n "${GEMM_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout 150 python3 -m services.bench.kernels --only prefill_gemms --json "$out/prefill-gemms.json" \
