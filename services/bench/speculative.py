@@ -153,7 +153,9 @@ def run_case(llm, spec, batch: int, args: argparse.Namespace, device: str) -> di
     r.update(spec_steps=spec.timings.num_steps if spec else 0,
              spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
     meter = llm.engine.step_cost  # varlen's measured curve after the run (None without it)
-    r["step_cost_means"] = None if meter is None else {str(k): [round(ms, 3), n] for k, (ms, n) in meter.means().items()}
+    r["step_cost_means"] = None if meter is None else {  # per request bucket, per graph size: [ms, steps]
+        str(bucket): {str(k): [round(ms, 3), n] for k, (ms, n) in means.items()}
+        for bucket, means in meter.all_means().items()}
     if args.profile:
         r["profile"] = profile_run(llm, batch, args.prompt_len, device, min(24, args.max_tokens))
     return r

@@ -67,7 +67,7 @@ class Engine:
             self.scheduler.set_step_cost(dict(config.spec_step_cost_ms))
         elif config.spec_varlen:
             self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
-            self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured)
+            self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured())
         self.requests: dict[str, _Request] = {}
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.
@@ -200,8 +200,9 @@ class Engine:
         return self.step_cost is not None and plan.graph_size is not None and not plan.is_prefill and plan.num_rows > 0
 
     def _record_step_cost(self, plan: StepPlan, ms: float) -> None:
-        if self.step_cost.record(plan.graph_size, ms):
-            self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured)
+        if self.step_cost.record(plan.graph_size, ms, plan.num_requests):  # the next batch is most likely this one's
+            self.scheduler.set_step_cost(self.step_cost.curve(plan.num_requests),
+                                         measured=self.step_cost.measured(plan.num_requests))
 
     def _fail(self, plan: StepPlan) -> None:
         """Closes a step the worker never finished: every planned request ends with "error" in the scheduler,

@@ -2,8 +2,12 @@
 measured per graph size; walkthrough Pass 3, "Choosing how many drafts to check").
 
 The engine records the wall time of every decode step under the graph size its plan fits
-(``StepPlan.graph_size``: rows rounded up to a captured size) and, every ``refit_interval`` decode steps,
-gives the scheduler a curve over every graph size:
+(``StepPlan.graph_size``: rows rounded up to a captured size) and the batch's request bucket (``request_bucket``:
+its request count rounded up to a power of two), and gives the scheduler the curve of the latest step's bucket
+every ``refit_interval`` decode steps and whenever the bucket changes. A step's cost depends on how many requests
+its rows belong to (each request's context, its own experts), not on rows alone: on the H200, 96 rows took
+60.0 ms at 64 requests and 49.9 ms at 16, and one curve for both priced batch 16's drafts by batch 64's steps
+(docs/speculative.md, eighth figures). Within a bucket the curve over every graph size is:
 
 - two or more sizes measured: the per-size mean times, made non-decreasing in rows (a step never gets
   cheaper with more rows: adjacent sizes that break it are pooled into their count-weighted mean), joined
@@ -19,8 +23,9 @@ gives the scheduler a curve over every graph size:
   size). Proportional above it too would trap varlen at its first size whenever that is the smallest a plan
   can take (batch 1 after steps whose drafts had confidence 0): no draft with confidence below 1 would pay a
   proportional row, so no second size would ever be measured;
-- none yet: flat (1 ms at every size), so every draft with a chance of passing is verified and the
-  first steps measure the largest sizes; a draft with confidence 0 adds no expected token and gets no row.
+- none yet (a bucket not seen before): flat (1 ms at every size), so every draft with a chance of passing is
+  verified and the first steps measure the largest sizes; a draft with confidence 0 adds no expected token and
+  gets no row.
 
 The curve depends on timing, so varlen's row counts do; the tokens of the deterministic mode and of
 greedy decoding do not (docs/speculative.md).
@@ -34,6 +39,11 @@ from collections.abc import Sequence
 MIN_STEP_MS = 1e-3
 
 
+def request_bucket(num_requests: int) -> int:
+    """The power of two at or above ``num_requests`` (1 for 0 or 1): batches in one bucket share a curve."""
+    return 1 << max(num_requests - 1, 0).bit_length()
+
+
 class StepCostMeter:
     def __init__(self, graph_sizes: Sequence[int], refit_interval: int = 16) -> None:
         """``graph_sizes``: the scheduler's decode sizes (``SchedulerConfig.graph_sizes``), ascending."""
@@ -44,31 +54,39 @@ class StepCostMeter:
         self.graph_sizes = list(graph_sizes)
         self.refit_interval = refit_interval
         self.num_steps = 0  # decode steps recorded
-        self._total_ms: dict[int, float] = {}  # per graph size: the sum of its steps' milliseconds
-        self._count: dict[int, int] = {}  # per graph size: how many steps
+        self._times: dict[int, _SizeTimes] = {}  # per request bucket: its steps' times per graph size
+        self._last_bucket: int | None = None  # the latest recorded step's bucket
 
-    def record(self, graph_size: int, ms: float) -> bool:
-        """One decode step's wall time. True when a new curve is due (every ``refit_interval`` steps)."""
+    def record(self, graph_size: int, ms: float, num_requests: int = 1) -> bool:
+        """One decode step's wall time, its batch ``num_requests`` requests. True when a new curve is due: every
+        ``refit_interval`` steps, and when this step's bucket is not the previous step's (the scheduler then needs
+        this bucket's curve; before the first step it holds the flat curve of a bucket with no steps)."""
         if ms <= 0:
             return False
-        self._total_ms[graph_size] = self._total_ms.get(graph_size, 0.0) + ms
-        self._count[graph_size] = self._count.get(graph_size, 0) + 1
+        bucket = request_bucket(num_requests)
+        self._times.setdefault(bucket, _SizeTimes()).add(graph_size, ms)
         self.num_steps += 1
-        return self.num_steps % self.refit_interval == 0
+        changed = self._last_bucket is not None and bucket != self._last_bucket
+        self._last_bucket = bucket
+        return changed or self.num_steps % self.refit_interval == 0
 
-    @property
-    def measured(self) -> bool:
-        """Two or more sizes measured: the curve is a fit, not a guess (flat, or proportional from one size),
-        so the scheduler may let it stop the draft from proposing (``StepPlan.propose_drafts``)."""
-        return len(self._count) >= 2
+    def measured(self, num_requests: int = 1) -> bool:
+        """Two or more sizes measured in the bucket: its curve is a fit, not a guess (flat, or proportional from one
+        size), so the scheduler may let it stop the draft from proposing (``StepPlan.propose_drafts``)."""
+        return len(self.means(num_requests)) >= 2
 
-    def means(self) -> dict[int, tuple[float, int]]:
-        """Per measured graph size: the mean step milliseconds and how many steps."""
-        return {size: (self._total_ms[size] / self._count[size], self._count[size]) for size in sorted(self._total_ms)}
+    def means(self, num_requests: int = 1) -> dict[int, tuple[float, int]]:
+        """Per measured graph size of the bucket: the mean step milliseconds and how many steps."""
+        times = self._times.get(request_bucket(num_requests))
+        return {} if times is None else times.means()
 
-    def curve(self) -> dict[int, float]:
-        """Milliseconds per graph size."""
-        means = self.means()
+    def all_means(self) -> dict[int, dict[int, tuple[float, int]]]:
+        """``means`` of every bucket with steps, by bucket."""
+        return {bucket: self._times[bucket].means() for bucket in sorted(self._times)}
+
+    def curve(self, num_requests: int = 1) -> dict[int, float]:
+        """Milliseconds per graph size for a batch of ``num_requests`` requests."""
+        means = self.means(num_requests)
         if not means:
             return {s: 1.0 for s in self.graph_sizes}
         if len(means) == 1:
@@ -76,6 +94,21 @@ class StepCostMeter:
             return {s: max(ms * min(s, size) / size, MIN_STEP_MS) for s in self.graph_sizes}
         xs, ys = _non_decreasing(list(means), *zip(*means.values()))
         return {s: max(_interpolate(xs, ys, s), MIN_STEP_MS) for s in self.graph_sizes}
+
+
+class _SizeTimes:
+    """One bucket's step times, summed per graph size."""
+
+    def __init__(self) -> None:
+        self._total_ms: dict[int, float] = {}  # per graph size: the sum of its steps' milliseconds
+        self._count: dict[int, int] = {}  # per graph size: how many steps
+
+    def add(self, graph_size: int, ms: float) -> None:
+        self._total_ms[graph_size] = self._total_ms.get(graph_size, 0.0) + ms
+        self._count[graph_size] = self._count.get(graph_size, 0) + 1
+
+    def means(self) -> dict[int, tuple[float, int]]:
+        return {size: (self._total_ms[size] / self._count[size], self._count[size]) for size in sorted(self._total_ms)}
 
 
 def _non_decreasing(xs: Sequence[int], ys: Sequence[float], weights: Sequence[int]
