@@ -7,8 +7,8 @@ proposes every block (but where varlen's back-off skips a request whose proposal
 ``proposals_skipped``), so the step costs are real. Speculation off at every batch size, then for every mode
 (fixed: 1 + n rows per request; varlen: the rows MtpVarlen picks from the forced chances a^(j+1) and the
 step-cost curve measured from the engine's own decode steps, reported after each run as ``step_cost_means``:
-mean ms and steps per request bucket and graph size) every batch size and every a, on one engine a mode (the forced verdict
-swapped between runs). Each run is greedy with ``ignore_eos`` (every request makes exactly ``max_tokens``
+mean ms and steps per request bucket and graph size) every batch size and every a, on one engine a mode (the
+forced verdict swapped between runs). Each run is greedy with ``ignore_eos`` (every request makes exactly ``max_tokens``
 tokens) through ``generate.run_batch``: total tokens/s over the wall time (prefill included), decode-only
 tokens/s, and per request (total / batch, as every request runs the whole time).
 
