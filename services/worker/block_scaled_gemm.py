@@ -52,8 +52,8 @@ GROUPED_MIN_TOKENS = 4096
 GEMM. H200, v41-s1's wo_a (8 groups of 4,096 → 1,024), the whole module eager (``kernels_prefill_gemms.bench_wo_a``):
 cuBLASLt costs 750–900 µs at every size up to 4K tokens (eight calls of N = 1,024 each, and the group-major copies),
 the Triton grouped GEMM 169 µs at 64 tokens, 275 at 1K, 1,037 at 4K; from 4K cuBLASLt wins (748 µs; 16K: 3,017 against
-4,100). In the sizes run with it from 64 tokens, decode at batch 64 was 9% slower than the run before and prefill
-of 1K tokens 81% slower (the wo_a change the only one in between)."""
+4,100). From 64 tokens, decode at batch 64 took 44.24 ms in the sizes run against 38.09–38.97 ms from 4,096
+(docs/performance.md, session 16)."""
 
 PROBE_REL = 2.0**-7
 """The probe's bound, relative Frobenius error of the output against the fp32 product of the same e4m3

@@ -227,6 +227,14 @@ def takes_block_scaled(kernels: KernelSet, num_tokens: int, min_tokens: int, x: 
             and not kernels.interpreted and block_scaled_gemm.available(x.device, out_dtype))
 
 
+def _scale_b(cached: torch.Tensor | None, w_scale: torch.Tensor) -> torch.Tensor:
+    """``cached`` where it is ``w_scale`` in cuBLASLt's layout on ``w_scale``'s device, else made again (a module
+    moved to another device)."""
+    if cached is None or cached.device != w_scale.device:
+        return block_scaled_gemm.scale_b(w_scale)
+    return cached
+
+
 class KernelLinear(nn.Module):
     """``y = x · Wᵀ`` for W [N, K] (an nn.Linear without bias), x [..., K] → [..., N] in x.dtype."""
 
@@ -256,8 +264,7 @@ class KernelLinear(nn.Module):
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         a = activations(self.kernels, x2.contiguous(), num_tokens)
         if takes_block_scaled(self.kernels, num_tokens, block_scaled_gemm.LINEAR_MIN_TOKENS, x, out_dtype):
-            if self.scale_b is None or self.scale_b.device != self.w.device:
-                self.scale_b = block_scaled_gemm.scale_b(self.w_scale[0])
+            self.scale_b = _scale_b(self.scale_b, self.w_scale[0])
             y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b, out_dtype)  # [T, N']
         elif (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
                 and gemm.worth_splitting(self.w.shape[1], x.device)):
@@ -326,8 +333,7 @@ class GroupedKernelLinear(nn.Module):
         a group's rows contiguous and its scales M-major, so both are copied group-major first (the e4m3 at a
         byte a channel: half the bf16 input's bytes)."""
         g, k_pad = self.num_groups, self.w.shape[-1]
-        if self.scale_b is None or self.scale_b.device != self.w.device:
-            self.scale_b = block_scaled_gemm.scale_b(self.w_scale)  # [G, K_blocks, R'/128]
+        self.scale_b = _scale_b(self.scale_b, self.w_scale)  # [G, K_blocks, R'/128]
         q, s = a
         q = q.view(torch.uint8).view(num_tokens, g, k_pad).transpose(0, 1).contiguous().view(q.dtype)  # [G, T, Kg']
         s = s.view(num_tokens, g, -1).permute(1, 2, 0).contiguous()  # fp32 [G, Kg'/128, T]

@@ -50,9 +50,10 @@ def test_matmul_hands_cublas_a_multiple_of_four_rows_and_cuts_the_output_back(mo
 
 def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_grouped_gemm(monkeypatch):
     """``GroupedKernelLinear`` (attention's wo_a) from ``GROUPED_MIN_TOKENS`` tokens (lowered to 64 here): each
-    group's rows handed to cuBLASLt contiguous with M-major scales (``F.scaled_mm`` replaced by a CPU product that checks the layouts
-    and applies both operands' block scales), one call a group, and the result the interpreted Triton grouped
-    GEMM's (the path below the threshold) up to fp32 summation order: the same e4m3 values and scales."""
+    group's rows handed to cuBLASLt contiguous with M-major scales (``F.scaled_mm`` replaced by a CPU product
+    that checks the layouts and applies both operands' block scales), one call a group, and the result the
+    interpreted Triton grouped GEMM's (the path below the threshold) up to fp32 summation order: the same e4m3
+    values and scales."""
     from dataclasses import replace
 
     from services.worker.fp8_linear import GroupedKernelLinear, KernelSet

@@ -151,7 +151,8 @@ def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or
     """The issue's "Seeded, deterministic mode" Done-when, on the CPU, async off (async on, against these
     synchronous tokens: ``test_async_scheduling_with_drafts_gives_the_same_tokens``): with varlen on, a seeded
     request's tokens are the same alone, in a batch of 16 in three orders, and under a perturbed cost curve,
-    while varlen verifies different drafts in each. The known drafts (the tokens of the first run, every third one wrong) make acceptance happen."""
+    while varlen verifies different drafts in each. The known drafts (the tokens of the first run, every third
+    one wrong) make acceptance happen."""
     params = [SamplingParams(max_tokens=8, temperature=0.9, seed=500 + i, ignore_eos=True) for i in range(16)]
     run = dict(nextn=NEXTN, spec_sampling="deterministic", max_num_seqs=16)
     base_rows: list[int] = []
