@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services import nats_auth
+from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,12 +61,6 @@ class Service:
     health: str  # "grpc:<port>" (grpc.health.v1 SERVING) or "tcp:<port>" (accepts connections)
     url: str | None = None  # what `up` prints for people, if anything
     group: str | None = None  # services started and stopped together (a data-parallel group's ranks); None: alone
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def nats_server_binary() -> str:

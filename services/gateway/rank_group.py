@@ -17,7 +17,6 @@ import asyncio
 import ctypes
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.model_source import load_model
 from services.gateway.remote import RemoteEngine
+from services.ports import free_port
 
 log = logging.getLogger("shinkai.gateway.rank_group")
 
@@ -38,12 +38,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class RankGroup:
     def __init__(self, model: str, num_ranks: int, num_redundant_experts: int, host: str,
                  engine_argv: Sequence[str]) -> None:
@@ -51,8 +45,8 @@ class RankGroup:
         every rank gets (sizing, device, batch invariance, drain timeout)."""
         self.model = model
         self.host = host
-        rendezvous = f"tcp://{host}:{_free_port(host)}"
-        self.ports = [_free_port(host) for _ in range(num_ranks)]  # each rank's shinkai.v1 gRPC port
+        rendezvous = f"tcp://{host}:{free_port(host)}"
+        self.ports = [free_port(host) for _ in range(num_ranks)]  # each rank's shinkai.v1 gRPC port
         self.processes = [
             subprocess.Popen([sys.executable, "-m", "services.engine", "--model", model, "--replica", f"engine-{r}",
                               "--rank", str(r), "--dp", str(num_ranks), "--num-redundant-experts",
