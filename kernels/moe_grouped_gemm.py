@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import invariance
+from kernels import invariance, moe_configs
 from kernels.device import num_sms
 from kernels.fp8_splitk import MAX_TOKENS as SPLITK_MAX_TOKENS  # noqa: F401 - re-exported: KernelLinear
 from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 - re-exported: KernelLinear
@@ -136,6 +136,15 @@ def default_block_m(expected_m: float) -> int:
     return max(16, min(64, triton.next_power_of_2(int(1.5 * expected_m + 0.999))))
 
 
+DEFAULT_NUM_STAGES = 3
+DEFAULT_PROGRAMS_PER_SM = 2
+
+
+def default_num_warps(block_n: int, block_m: int, swiglu: bool) -> int:
+    """4–8 warps: at most 64 fp32 accumulators per thread (BLOCK_M 64 with SwiGLU spilled at 4 warps)."""
+    return min(8, max(4, block_n * block_m * (2 if swiglu else 1) // (32 * 64)))
+
+
 def default_m_split(num_slabs: int, num_m_tiles: int, num_programs: int) -> int:
     """M parts per (expert, N tile) slab: 1 when the slabs alone fill the programs (MoE, decode: the
     kernel as it was), else enough to fill them. A one-expert linear at prefill has only N/128 slabs
@@ -157,8 +166,8 @@ def moe_grouped_gemm(
     block_m: int | None = None,
     block_n: int = 128,
     num_warps: int | None = None,
-    num_stages: int = 3,
-    programs_per_sm: int = 2,
+    num_stages: int | None = None,
+    programs_per_sm: int | None = None,
     m_split: int | None = None,
     out: Activations | None = None,
 ) -> Activations:
@@ -171,6 +180,10 @@ def moe_grouped_gemm(
     [E, N_w, K]; w_scale fp32 [E, N_w/128, K/128]; meta from ``reference.route_metadata``.
     With ``swiglu_limit`` the gate/up rows are fused (N_out = N_w/2) and ``meta["route_w"]`` applied.
     Matches ``reference.moe_grouped_gemm`` on the written slots.
+
+    ``num_warps``, ``num_stages`` and ``programs_per_sm``: where all three are None, the device's measured
+    config for this shape and token count (``kernels/moe_configs.py``), else 4–8 warps (by the accumulators),
+    3 stages and 2 programs per SM; none of them changes the result's bits.
 
     ``m_split`` (None: ``default_m_split``) splits each expert's token tiles over that many work items;
     every output tile is still computed by one program in the same K order, so the result does not
@@ -214,9 +227,14 @@ def moe_grouped_gemm(
         block_m = invariance.BLOCK_M  # not the load per expert (kernels/invariance.py)
     if block_m is None:
         block_m = default_block_m(meta["slot_of"].numel() / num_experts)
-    if num_warps is None:  # at most 64 fp32 accumulators per thread (BLOCK_M 64 with SwiGLU spilled at 4 warps)
-        num_accumulators = 2 if swiglu_limit is not None else 1
-        num_warps = min(8, max(4, block_n * block_m * num_accumulators // (32 * 64)))
+    if num_warps is None and num_stages is None and programs_per_sm is None and block_n == GROUP:
+        key = moe_configs.shape_key(num_experts, n_w, k, swiglu=swiglu_limit is not None, a_fp8=a_fp8,
+                                    out_dtype=out_dtype)
+        measured = moe_configs.lookup(a_values.device, key, meta["slot_of"].shape[0])
+        num_warps, num_stages, programs_per_sm = (measured.get(f) for f in moe_configs.FIELDS)
+    num_warps = default_num_warps(block_n, block_m, swiglu_limit is not None) if num_warps is None else num_warps
+    num_stages = DEFAULT_NUM_STAGES if num_stages is None else num_stages
+    programs_per_sm = DEFAULT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     num_work_max = num_experts * (n_out // block_n)
     if m_split is None:
         m_split = default_m_split(num_work_max, triton.cdiv(capacity, block_m),

@@ -19,6 +19,10 @@
 #   (the 8-layer subset at batch 1 and 64) and the async offline batch-256 run (GPU busy), after DEEPGEMM's build;
 # - GEMM_BENCH=1: `services.bench.kernels --only prefill_gemms` (the projections and the grouped wo_a, Triton
 #   against cuBLASLt);
+# - MOE_CONFIGS=1: the MoE grouped GEMM's launch configs swept (services/bench/kernels_moe_configs.py), the
+#   device's table written to kernels/configs/ (and copied to $OUT);
+# - STEP_AB (e.g. "1,16,64,256"): decode at those batches (4K) and prefill of 1K, first with the config table off
+#   (SHINKAI_MOE_CONFIGS=0), then on;
 # - WINDOW_BENCH=1: prefill attention with window keys staged vs dequantised in the loop (kernels_prefill_attention).
 # Each part gets what is left of LIMIT_S (default 560). Results in $OUT (or ./out).
 set -uo pipefail
@@ -39,6 +43,22 @@ if [ -n "${GEMM_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout 150 python3 -m services.bench.kernels --only prefill_gemms --json "$out/prefill-gemms.json" \
         > "$out/prefill-gemms.log" 2>&1
     echo "prefill gemms bench rc $?"; grep -E "wo_a|wq_b|wo_b" "$out/prefill-gemms.log" | head -30
+fi
+if [ -n "${MOE_CONFIGS:-}" ] && [ "$(left)" -gt 120 ]; then
+    table=kernels/configs/moe_grouped_gemm-nvidia-h200.json
+    timeout "$(( $(left) < 420 ? $(left) - 60 : 360 ))" python3 -m services.bench.kernels_moe_configs \
+        --write-configs "$table" --json "$out/moe-configs.json" > "$out/moe-configs.log" 2>&1
+    echo "moe configs rc $?"; grep -E "defaults|best of" "$out/moe-configs.log" | cut -c1-150 | head -50
+    cp "$table" "$out/" 2>/dev/null
+fi
+if [ -n "${STEP_AB:-}" ]; then
+    for table in 0 1; do
+        [ "$(left)" -gt 90 ] || break
+        SHINKAI_MOE_CONFIGS=$table timeout "$(left)" python3 -m services.bench.step --batches "$STEP_AB" \
+            --contexts 4096 --prefill-tokens 1024 --no-compare --no-async --json "$out/step-table-$table.json" \
+            > "$out/step-table-$table.log" 2>&1
+        echo "step, config table $table: rc $?"; grep -E "^prefill|^decode|FAILED" "$out/step-table-$table.log" | head -8
+    done
 fi
 if [ -n "${WINDOW_BENCH:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout 90 python3 -m services.bench.kernels_prefill_attention > "$out/window-bench.log" 2>&1

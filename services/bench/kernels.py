@@ -36,7 +36,7 @@ SWEEP_TOKENS = (128, 256)  # where the defaults fell short in the first H200 run
 # Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
 # ``bench(ceil, quick, gen) -> list[row]`` built with ``kernel_timing._row`` (one file per kernel, like kernels/).
 EXTRA = ("indexer", "compressor", "mhc", "prefill_attention", "sampler", "decode_gemms", "prefill_gemms",
-         "prefill_moe", "deepgemm_moe", "moe_splitk")
+         "prefill_moe", "deepgemm_moe", "moe_splitk", "moe_configs")
 
 
 def bench_rmsnorm(num_tokens: int, ceil: dict[str, float]) -> dict[str, object]:

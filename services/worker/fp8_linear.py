@@ -42,7 +42,7 @@ PRECISIONS = ("fp8", "fp32")
 
 
 def linear_block_m(num_tokens: int) -> int:
-    """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps). 16 up to decode's 256 rows; above, 32: the
+    """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps by default). 16 up to decode's 256 rows; above, 32: the
     weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
     summed over v41's projections (H200, ``scripts/diagnostics/tune_linear.py``; docs/performance.md has the
     table). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
@@ -273,7 +273,7 @@ class KernelLinear(nn.Module):
             y = gemm.fp8_linear_splitk(a, self.w, self.w_scale, out_dtype=out_dtype)  # [T, N']
         else:
             y = gemm.moe_grouped_gemm(a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
-                                      out_dtype=out_dtype, block_m=linear_block_m(num_tokens), num_warps=4)[0]
+                                      out_dtype=out_dtype, block_m=linear_block_m(num_tokens))[0]
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -324,7 +324,7 @@ class GroupedKernelLinear(nn.Module):
         out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=x.device).transpose(0, 1)
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
             a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True, out_dtype=out_dtype,
-            block_m=linear_block_m(num_tokens), num_warps=4, out=out)  # [G, T, R']
+            block_m=linear_block_m(num_tokens), out=out)  # [G, T, R']
         return y.transpose(0, 1)[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
 
     def _block_scaled(self, a: tuple[torch.Tensor, torch.Tensor], num_tokens: int, out_dtype: torch.dtype
