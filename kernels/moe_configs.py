@@ -56,9 +56,14 @@ def nearest(by_tokens: dict[int, dict[str, int]], num_tokens: int) -> dict[str, 
     return by_tokens[min(by_tokens, key=lambda t: (abs(t - num_tokens), t))]
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
 def lookup(device: torch.device, key: str, num_tokens: int) -> dict[str, int]:
     """The measured config of GEMM ``key`` at ``num_tokens`` on ``device``; {} where there is none to use."""
     if device.type != "cuda" or invariance.active() or os.environ.get(ENV) == "0":
         return {}
-    by_tokens = _table(torch.cuda.get_device_name(device)).get(key)
+    by_tokens = _table(_device_name(device)).get(key)
     return nearest(by_tokens, num_tokens) if by_tokens else {}

@@ -23,11 +23,13 @@ def table(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
     monkeypatch.delenv(moe_configs.ENV, raising=False)
     moe_configs._table.cache_clear()
+    moe_configs._device_name.cache_clear()
     key = moe_configs.shape_key(3, 256, 128, swiglu=True, a_fp8=False, out_dtype=torch.float8_e4m3fn)
     other = {"num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
     moe_configs.config_path("Test GPU").write_text(json.dumps({key: {"1": other, "64": ENTRY}}))
     yield key
     moe_configs._table.cache_clear()
+    moe_configs._device_name.cache_clear()
 
 
 def test_the_path_names_the_device():
