@@ -31,6 +31,7 @@ ENV = "SHINKAI_MOE_CONFIGS"  # "0": the launcher's defaults everywhere
 FIELDS = ("num_warps", "num_stages", "programs_per_sm")
 
 
+@functools.cache  # called at every launch: the key is built once per shape
 def shape_key(num_experts: int, n_w: int, k: int, *, swiglu: bool, a_fp8: bool, out_dtype: torch.dtype) -> str:
     """The table's key of one GEMM: its stacked experts, weight shape and the kernel variant."""
     out = {torch.float8_e4m3fn: "out8", torch.bfloat16: "out16", torch.float32: "out32"}[out_dtype]
@@ -63,7 +64,7 @@ def _device_name(device: torch.device) -> str:
 
 def lookup(device: torch.device, key: str, num_tokens: int) -> dict[str, int]:
     """The measured config of GEMM ``key`` at ``num_tokens`` on ``device``; {} where there is none to use."""
-    if device.type != "cuda" or invariance.active() or os.environ.get(ENV) == "0":
+    if device.type != "cuda" or invariance.active():
         return {}
-    by_tokens = _table(_device_name(device)).get(key)
-    return nearest(by_tokens, num_tokens) if by_tokens else {}
+    by_tokens = _table(_device_name(device)).get(key)  # before the environment: its read costs ~1 µs a launch
+    return nearest(by_tokens, num_tokens) if by_tokens and os.environ.get(ENV) != "0" else {}

@@ -2,9 +2,9 @@
 
 A port picked by binding port 0 comes from the kernel's ephemeral range (``ip_local_port_range``): the range
 from which every outgoing connection and every port-0 listener on the host also takes its local port. Between
-the pick and the service's own bind any of those may take it; a data-parallel group's gloo mesh did, and the
-engine then failed to bind its gRPC port. `free_port` therefore picks below that range, where only explicit
-binds land, and checks each pick by binding it.
+the pick and the service's own bind any of those may take it (a data-parallel engine once failed to bind its
+gRPC port so). `free_port` therefore picks below that range, where only explicit binds land, and checks each
+pick by binding it.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from services.bench.kernel_timing import DEVICE, _bench_replay, _row
 from services.bench.kernels import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, _random_weights
@@ -115,15 +116,8 @@ def sweep(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> tuple[li
     """The rows (defaults, then the best config, per call) and the table {key: {tokens: config}}."""
     from kernels import moe_configs
 
-    before = os.environ.get(moe_configs.ENV)
-    os.environ[moe_configs.ENV] = "0"  # "defaults" means the launcher's, not an earlier table's
-    try:
+    with mock.patch.dict(os.environ, {moe_configs.ENV: "0"}):  # "defaults": the launcher's, not an earlier table's
         return _sweep(ceil, quick, gen)
-    finally:
-        if before is None:
-            del os.environ[moe_configs.ENV]
-        else:
-            os.environ[moe_configs.ENV] = before
 
 
 def _sweep(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> tuple[list[dict[str, Any]], dict]:
