@@ -2,7 +2,7 @@
 or the state slot's fp32 partial rows), pool (ratio 2), RMSNorm, RoPE, FP4 and the write of the
 compressed-KV entry; the index key ``k_norm(wk · latent)`` with RoPE and FP4; and the partial-row
 writes (spec §3.6–3.7). Semantics, bytes and state are those of ``TorchAttention.write_groups`` (the
-reference: services/worker/attention_backend_torch.py; pools as ``CacheEngine.write_entries`` / ``write_partial``
+reference: services/worker/attention/torch_backend.py; pools as ``CacheEngine.write_entries`` / ``write_partial``
 store them). The dense projections over all rows (``Compressor.project``, ratio 1's ``wkv``) stay
 outside: they are [R, 5120] GEMMs.
 

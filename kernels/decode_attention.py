@@ -1,6 +1,6 @@
 """Sparse decode attention: one query per row over its FP8 window ring and its selected FP4
 compressed entries, with the attention sink and undo-RoPE (spec §3.5; the cache bytes exactly as
-``services/worker/cache_engine.py`` stores them). Reference: ``kernels.reference.sparse_decode_attention``.
+``services/worker/state/cache_engine.py`` stores them). Reference: ``kernels.reference.sparse_decode_attention``.
 
 One key latent serves as key and value (K = V, MLA-style) and is shared by every head, so a program
 takes one row and BLOCK_H heads (all 64 of Flash by default): each key is read from HBM once per

@@ -1,4 +1,4 @@
-"""The fused sampler: one program per logits row reproduces ``services.worker.sampler.Sampler``.
+"""The fused sampler: one program per logits row reproduces ``services.worker.sampling.sampler.Sampler``.
 
 Per row, in the CPU sampler's order: bans → -inf, top-k (the forced and the user's, as one rank limit),
 temperature, top-p on integer masses, renormalisation, then the Philox draw (or the greedy argmax),
@@ -31,7 +31,7 @@ then changes sum₂ by its own p, so the draw differs with probability ≈ that 
 Greedy ids, top-k cuts, top-n ids and error flags depend on comparisons of the logits only: exact.
 
 Graph-safe: every per-row parameter is a tensor; no host synchronisation. Reference:
-``services.worker.sampler.Sampler`` (``sampling_tensors`` builds this kernel's tensors from its rows).
+``services.worker.sampling.sampler.Sampler`` (``sampling_tensors`` builds this kernel's tensors from its rows).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
 
 def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
                     num_bans: int | None = None) -> SamplingTensors:
-    """Tensors for ``rows`` (``services.worker.sampler.SamplingRow``); ``num_bans`` pads the ban lists.
+    """Tensors for ``rows`` (``services.worker.sampling.sampler.SamplingRow``); ``num_bans`` pads the ban lists.
 
     Host work per step, so per row only list comprehensions over plain attributes: one ``torch.tensor`` per
     parameter (none per row), the ban table only when a row bans, and each tensor uploaded without a sync.

@@ -1,4 +1,4 @@
-"""The sampler's output, one type for the CPU sampler (``services.worker.sampler.Sampler``) and the fused
+"""The sampler's output, one type for the CPU sampler (``services.worker.sampling.sampler.Sampler``) and the fused
 one (``kernels.sampler.sample``): both fill it with the same contract, so callers never ask which ran."""
 
 from __future__ import annotations

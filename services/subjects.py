@@ -16,10 +16,10 @@ EXPERT_PLAN = "shinkai.eplb.plan"
 
 # Engines → gateways (routing) and anyone watching. One JSON message per engine every report interval and
 # after a request ends: {"replica", "address", each field of `EngineStats` (services/engine/stats.py: the pool
-# and queue counts), "time"} (`services/engine/reporter.py`).
+# and queue counts), "time"} (`services/engine/reporting/reporter.py`).
 ENGINE_LOAD = "shinkai.engine.load"
 
 # Engines → anyone watching. JSON {"replica", "address", "state": "up" | "unhealthy" | "draining" | "down",
 # "time"} when an engine becomes ready (or its lost worker is back), loses its worker, starts draining, and
-# has stopped (`services/engine/reporter.py`, `services/engine/process.py`). Only "up" takes requests.
+# has stopped (`services/engine/reporting/reporter.py`, `services/entrypoints/engine.py`). Only "up" takes requests.
 ENGINE_LIFECYCLE = "shinkai.engine.lifecycle"

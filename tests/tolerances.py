@@ -67,7 +67,7 @@ VISION_ATOL = 1e-4
 # random walk of K roundings, ≈ √(2K)·u32·S with S the largest partial sum: ≤ 7.6e-6·S at K ≤ 8,192, the
 # longest reduction these tests run (GEMM K ≤ 7,168; attention ≤ 2,048 keys; split-K partials), and for the
 # normalised outputs tested S is within a small factor of max |reference|. Measured in the fp32 engine tests
-# (tests/services/worker/test_kernel_backend.py): ≤ 3.5e-6 on logits.
+# (tests/services/worker/kernel_model/test_backend.py): ≤ 3.5e-6 on logits.
 FP32_REORDER_REL = 1e-5
 # A bf16 output (fp32 accumulation, one cast at the end) against the fp32 reference, elementwise relative:
 # the cast moves a value by ≤ U_BF16; the interpreter casts by truncation (≤ 2·U_BF16 = 2^-7), and the fp32

@@ -165,7 +165,7 @@ class Attention(nn.Module):
         """Attention output [B, S, H, hd] (RoPE still applied at ``angles`` [B, S, P]) → [B, S, D]: RoPE
         undone, the grouped low-rank ``wo_a``, then ``wo_b``. Public: the engine's cached step ends with it.
         ``wo_a`` is the grouped ``nn.Linear``, or a kernel backend's replacement with the same map
-        [..., G, H/G·hd] → [..., G·R] (services/worker/fp8_linear.py ``GroupedKernelLinear``)."""
+        [..., G, H/G·hd] → [..., G·R] (services/worker/kernel_model/fp8_linear.py ``GroupedKernelLinear``)."""
         return self.project(apply_rope(out, angles, inverse=True))
 
     def project(self, out: torch.Tensor) -> torch.Tensor:

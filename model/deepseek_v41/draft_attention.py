@@ -7,7 +7,7 @@ block (rotated, FP8-rounded), as the window's entries were when written. Every b
 key layout, so the cached and the full-sequence drafts reduce in the same order.
 
 A module of its own (no weights: the stage's are passed in) so that ``convert_model`` can replace it
-(services/worker/kernel_draft_attention.py: one launch per stage for the queries' and keys' RoPE, the own
+(services/worker/kernel_model/draft_attention.py: one launch per stage for the queries' and keys' RoPE, the own
 keys' FP8 rounding, the softmax and the inverse RoPE).
 """
 

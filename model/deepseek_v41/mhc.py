@@ -60,7 +60,7 @@ class HyperConnection(nn.Module):
         return Mix(pre, post, comb)
 
     # A site's whole use of the streams goes through the module (Block.run), so a backend that swaps the
-    # module (services/worker/kernel_backend.py) swaps the collapse and expand with it.
+    # module (services/worker/kernel_model/backend.py) swaps the collapse and expand with it.
 
     def mix_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> tuple[Mix, torch.Tensor]:
         """(this site's Mix of h, Collapse(h, pre)) with the previous site's ``pre``: h [B, S, n, D]."""

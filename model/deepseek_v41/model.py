@@ -15,7 +15,7 @@ router selects its experts with ``bias_vl``.
 
 Positions are 0..S−1 for every row (reference mode). The DSpark draft (``draft``, model/deepseek_v41/
 dspark.py) reads ``taps``, and shares ``embed`` and ``head``. ``Block.run`` is the layer around its
-attention, so the cached engine (``services/worker/model_runner.py``) reuses everything but the
+attention, so the cached engine (``services/worker/runners/model_runner.py``) reuses everything but the
 attention, which it replaces with one that reads and writes the paged caches.
 """
 

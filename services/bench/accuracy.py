@@ -243,11 +243,11 @@ def measure(model, workload: Workload, precisions: Sequence[str] = ("fp8", "fp32
 
     import torch
 
-    from services.worker.model_runner import ModelRunner
+    from services.worker.runners.model_runner import ModelRunner
 
     if "fp32" in precisions and precisions[-1] != "fp32":
         raise ValueError("fp32 converts the model in place: it must be the last precision")
-    from services.worker.fp8_linear import KernelSet
+    from services.worker.kernel_model.fp8_linear import KernelSet
 
     config = engine_config(workload).worker_config()
     prompts = make_prompts(model.cfg.vocab_size, workload)
@@ -292,7 +292,7 @@ def run_preset(name: str, workload: Workload, precisions: Sequence[str], device,
     ``KernelSet.references()``: the same formats in torch, the FP8 format floor)."""
     import torch
 
-    from services.bench.step_build import KINDS_OF_V41, load_source, model_config
+    from services.bench.step.build import KINDS_OF_V41, load_source, model_config
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     llm = LLM(model="tiny", block_size=args.block_size, max_num_seqs=max(args.batch))
     if args.runner == "reference":  # the full-recompute runner, for comparison
-        from services.worker.reference_runner import ReferenceRunner
+        from services.worker.runners.reference_runner import ReferenceRunner
 
         llm.engine.worker.runner = ReferenceRunner(llm.source.model)
     run_batch(llm, 1, args.prompt_len, 4, seed=99)  # warm-up

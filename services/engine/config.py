@@ -11,7 +11,7 @@
   flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
   decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
   logprobs are the same either way (tests/services/engine/test_async.py), with drafts too (the worker's
-  seqlen fix-up; tests/services/worker/test_speculator.py).
+  seqlen fix-up; tests/services/worker/spec/test_speculator.py).
 - ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
   request (fixed, 1 + n rows each) on the torch model or the kernel backend, with or without async
   scheduling; with CUDA graphs every decode step replays one, verify steps included (graph sizes count
@@ -71,11 +71,11 @@ class EngineConfig:
     load_format: str = "auto"
     # Plan step N+1 while step N runs (one decode step in flight); off = schedule, execute, update in turn.
     async_scheduling: bool = False
-    # The worker's GPU kernel backend (services/worker/kernel_backend.py): None = the torch model (CPU or GPU),
+    # The worker's GPU kernel backend (services/worker/kernel_model/backend.py): None = the torch model (CPU or GPU),
     # "fp8" = Triton kernels with FP8 weights and activations, "fp32" = the same kernels with fp32 weights.
     kernel_backend: str | None = None
     # On a CUDA device with the kernel backend, decode steps replay captured CUDA graphs (one per graph size,
-    # services/worker/graph_runner.py); other steps run eagerly. Needs kernel_backend (the torch MoE syncs).
+    # services/worker/runners/decode_step_graphs.py); other steps run eagerly. Needs kernel_backend (the torch MoE syncs).
     cuda_graphs: bool = False
     # Every per-row result independent of the other rows in the step and of the row's place
     # (model/batch_invariant.py on the CPU's torch path; kernels/invariance.py on the kernel backend):
@@ -83,7 +83,7 @@ class EngineConfig:
     # scheduling on or off, and (CPU) chunked at any budget.
     batch_invariant: bool = False
     # Engram tables in host shared memory (one copy per host, mapped by every rank), each step's rows
-    # gathered into a pinned buffer and copied to the device (services/worker/engram_host.py).
+    # gathered into a pinned buffer and copied to the device (services/worker/state/engram_host.py).
     engram_on_host: bool = False
     # Speculative decoding with the model's DSpark draft (docs/speculative.md): drafts verified per request
     # and step, 0 = off (at most the draft's block size).
@@ -177,8 +177,10 @@ class EngineConfig:
         """The worker's share of this configuration, pool sizes resolved."""
         return WorkerConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
                             num_state_slots=self.resolved_num_state_slots(), max_model_len=self.max_model_len,
-                            kernel_backend=self.kernel_backend, batch_invariant=self.batch_invariant,
-                            engram_on_host=self.engram_on_host)
+                            max_num_seqs=self.max_num_seqs, kernel_backend=self.kernel_backend,
+                            batch_invariant=self.batch_invariant, engram_on_host=self.engram_on_host,
+                            cuda_graphs=self.cuda_graphs, num_speculative_tokens=self.num_speculative_tokens,
+                            spec_sampling=self.spec_sampling)
 
 
 def add_speculative_arguments(parser) -> None:

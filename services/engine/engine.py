@@ -14,7 +14,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
-from services.worker.sampler import SamplingRow
+from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 
 

@@ -13,42 +13,10 @@ from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
+from services.worker.build import build_worker
 from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
-
-
-def default_runner(source: ModelSource, config: EngineConfig) -> Runner:
-    """The cached model runner when it is available, else the full-recompute reference runner; with
-    ``config.cuda_graphs``, the cached runner (kernel backend) inside a GraphRunner that replays
-    decode graphs, every size captured here, before the first request."""
-    try:
-        from services.worker.model_runner import ModelRunner
-    except ImportError:
-        from services.worker.reference_runner import ReferenceRunner
-
-        if config.cuda_graphs:
-            raise
-        return ReferenceRunner(source.model)
-    if not config.cuda_graphs:
-        return ModelRunner(source.model, config.worker_config(), nextn=config.num_speculative_tokens,
-                           with_taps=config.num_speculative_tokens > 0)  # type: ignore[call-arg]
-    device = source.model.embed.weight.device
-    if device.type != "cuda":  # before the runner converts the model in place
-        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
-                         "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
-    from scheduler_rs import graph_sizes
-    from services.worker.graph_runner import GraphRunner
-
-    worker_config = config.worker_config()
-    nextn = config.num_speculative_tokens
-    inner = ModelRunner(source.model, worker_config, nextn=nextn, with_taps=nextn > 0)  # type: ignore[call-arg]
-    runner = GraphRunner(inner, worker_config, use_graphs=True, attention="triton")
-    # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width)
-    # would stall the requests in it. The sizes are the scheduler's own rule, which counts rows
-    # (max_num_seqs × (1 + nextn) at most: verify steps replay graphs too).
-    runner.capture(graph_sizes(config.max_num_seqs * (1 + nextn)))
-    return runner  # type: ignore[return-value]
 
 
 class LLM:
@@ -90,20 +58,10 @@ class LLM:
         if worker is not None and self.config.num_speculative_tokens and getattr(worker, "speculator", None) is None:
             raise ValueError("num_speculative_tokens needs the in-process worker with a speculator: a remote "
                              "worker's protocol does not carry drafts yet")
-        if worker is None and self.config.num_speculative_tokens:
-            from services.worker.speculator import Speculator
-
-            # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the
-            # draft runs plain torch (greedy and deterministic-mode tokens do not depend on the draft's rounding).
-            on_cpu = self.source.model.embed.weight.device.type == "cpu"
-            speculator = Speculator(self.source.model, self.config.num_speculative_tokens, self.config.spec_sampling,
-                                    batch_invariant=self.config.batch_invariant and on_cpu,
-                                    cuda_graphs=self.config.cuda_graphs)
-            worker = Worker(runner or default_runner(self.source, self.config), speculator=speculator)
-            if self.config.cuda_graphs:  # every bucket's draft and verify graphs now, so no live step captures
-                speculator.prepare_graphs(worker.runner.cache, self.config.max_num_seqs)
+        if worker is None:
+            worker = build_worker(self.source.model, self.config.worker_config(), runner=runner)
         self.engine = Engine(
-            worker or Worker(runner or default_runner(self.source, self.config)), self.config,
+            worker, self.config,
             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
             compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window,
         )
@@ -171,7 +129,7 @@ class LLM:
         ``image_url`` parts included (data URLs, or http(s) fetched with a size limit and timeout); the
         images run through the model's vision tower here. ``chat_options`` are the body's other conversation
         keys (``thinking``, ``reasoning_effort``, ``tools``, ``tool_choice``)."""
-        from services.engine.image_prompt import expand_images
+        from services.engine.images.prompt import expand_images
         from services.tokenizer.chat import IMAGE_PLACEHOLDER, ChatRenderer
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

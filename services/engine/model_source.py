@@ -50,8 +50,8 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
     On CPU (and on CUDA with ``precision`` None, the torch model) the model is built in fp32, as
     released weights dequantised. On CUDA with a kernel ``precision`` ("fp8", "fp32") it is built layer
     by layer straight into the kernel backend's form: a checkpoint through the GPU loader
-    (services/worker/weight_loader.py), a preset or ``load_format="dummy"`` from weights drawn on the
-    device (services/worker/gpu_model.py). ``load_format="dummy"`` reads only a directory's config and
+    (services/worker/kernel_model/weight_loader.py), a preset or ``load_format="dummy"`` from weights drawn on the
+    device (services/worker/kernel_model/gpu_model.py). ``load_format="dummy"`` reads only a directory's config and
     tokenizer."""
     path = Path(model)
     if model not in PRESETS and not path.is_dir():
@@ -81,7 +81,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
         assign_weights(net, tensors)
         return ModelSource(model, cfg, net.eval().to(device), tokenizer, identity)
     if kernel_form:
-        from services.worker.weight_loader import load_kernel_model
+        from services.worker.kernel_model.weight_loader import load_kernel_model
 
         net, tokenizer, _ = load_kernel_model(path, device, precision)  # type: ignore[arg-type]
         return ModelSource(str(path), net.cfg, net, tokenizer, identity)
@@ -93,7 +93,7 @@ def _random_kernel_source(name: str, cfg: ModelConfig, tokenizer: Tokenizer, see
                           precision: str, identity: str) -> ModelSource:
     import torch
 
-    from services.worker.gpu_model import build_random_kernel_model
+    from services.worker.kernel_model.gpu_model import build_random_kernel_model
 
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
     net = build_random_kernel_model(cfg, seed, device, precision,

@@ -62,7 +62,7 @@ def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig
     import torch
 
     from services.engine.sampling_params import SamplingParams
-    from services.worker.cache_engine import cache_bytes
+    from services.worker.state.cache_engine import cache_bytes
 
     device = torch.device(config.device or "cuda")
     cfg = source.config

@@ -1,5 +1,5 @@
 """One engine made ready to serve an API: what `shinkai serve` (services/gateway/server.py) and an engine
-process (services/engine/process.py) share.
+process (services/entrypoints/engine.py) share.
 
 Both put a `Frontend` and an `ApiServer` in front of it; this module builds the part behind them and owns the
 order in which they start and stop, so the two servers cannot drift apart.
@@ -12,7 +12,7 @@ from typing import Protocol
 
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
 from observability.metrics import EngineMetrics, RequestMetrics
-from services.engine.image_prompt import ImageEncoder, ImagePrompts
+from services.engine.images.prompt import ImageEncoder, ImagePrompts
 from services.engine.llm import LLM
 from services.engine.model_info import ModelInfo
 from services.engine.service import DEFAULT_MAX_QUEUED, EngineService
@@ -91,7 +91,7 @@ def _image_refusal(llm: LLM, image_encoder: ImageEncoder | None) -> str | None:
 
 def _own_tower(llm: LLM) -> ImageEncoder:
     """The model's vision tower behind an in-process `MultimodalApi` (its cache and batching, no gRPC)."""
-    from services.engine.image_encoder import InProcessEncoder
+    from services.engine.images.encoder import InProcessEncoder
     from services.multimodal.service import MultimodalApi
 
     return InProcessEncoder(MultimodalApi(llm.source.config, llm.source.model.encoder))

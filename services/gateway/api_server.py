@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.gateway.auth import Keys
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
-from services.gateway.http import build_app
+from services.gateway.openai.http import build_app
 
 
 class _Uvicorn(uvicorn.Server):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from services.engine.image_prompt import ImagePrompts
+from services.engine.images.prompt import ImagePrompts
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, EngineService

@@ -8,7 +8,7 @@ gRPC for the gateway of `shinkai up`.
 Images: the tokenizer renders a chat's ``image_url`` parts as one placeholder each and returns their URLs;
 the `ImageFetcher` turns them into bytes here (the gateway's job: it is the process facing the network), and
 the engine gets ids and bytes (it plans the spans, has them encoded and holds the request behind the
-readiness gate meanwhile; services/engine/image_prompt.py).
+readiness gate meanwhile; services/engine/images/prompt.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from observability import tracing
 from observability.metrics import RequestMetrics
 from services.engine.finish_reason import FinishReason
-from services.engine.image_prompt import ImageEncoderUnavailable
+from services.engine.images.prompt import ImageEncoderUnavailable
 from services.engine.model_info import ModelInfo
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
@@ -175,7 +175,7 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
 
 
 # How refusals of a request's images begin (services/multimodal/preprocess.py, image_fetch.py and
-# services/engine/image_prompt.py): they are about the chat's image parts.
+# services/engine/images/prompt.py): they are about the chat's image parts.
 _IMAGE_MESSAGE = re.compile(r"the (\w+ )?image|image|\d+ images|this model has no vision tower|"
                             r"this engine takes no images")
 

@@ -21,7 +21,7 @@ from services.gateway import errors
 from services.gateway.auth import Keys, grpc_authorization
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, GenerateArgs, finite_logprob
-from services.gateway.json_body import DEFAULT_MAX_BODY_BYTES
+from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
 SERVICE = "shinkai.v1.Shinkai"

@@ -1,7 +1,7 @@
 """`shinkai serve --dp N`: N data-parallel ranks behind this one process's HTTP and gRPC.
 
 The ranks are what `shinkai up --dp N` runs (services/engine/parallel/served_rank.py): each its own engine
-endpoint process (`python -m services.engine --dp N --dp-rank R`), children of this process, meeting at a
+endpoint process (`python -m services.entrypoints.engine --dp N --dp-rank R`), children of this process, meeting at a
 loopback rendezvous. This process is the gateway without NATS: the tokenizer in-process, the router spreading
 requests over the ranks by its own counts, the health of every rank polled (`EngineHealth`), so a lost rank
 takes the server to NOT_SERVING and its streams end with "error", as under `shinkai up`.
@@ -48,7 +48,7 @@ class RankGroup:
         rendezvous = f"tcp://{host}:{free_port(host)}"
         self.ports = [free_port(host) for _ in range(num_ranks)]  # each rank's shinkai.v1 gRPC port
         self.processes = [
-            subprocess.Popen([sys.executable, "-m", "services.engine", "--model", model, "--replica", f"engine-{r}",
+            subprocess.Popen([sys.executable, "-m", "services.entrypoints.engine", "--model", model, "--replica", f"engine-{r}",
                               "--rank", str(r), "--dp", str(num_ranks), "--num-redundant-experts",
                               str(num_redundant_experts), "--dp-rank", str(r), "--dp-rendezvous", rendezvous,
                               "--host", host, "--grpc-port", str(port), *engine_argv],

@@ -1,6 +1,6 @@
 """`shinkai serve --dp N`'s server: HTTP and gRPC in this process in front of a `RankGroup`.
 
-It is the gateway process (services/gateway/process.py) with the tokenizer in-process and no NATS: the router
+It is the gateway process (services/entrypoints/gateway.py) with the tokenizer in-process and no NATS: the router
 counts what it sent each rank, and `EngineHealth` turns the server NOT_SERVING when no rank serves (a lost rank
 takes its whole group there). ``stop()`` drains as the gateway does, then stops the ranks together.
 """

@@ -16,7 +16,7 @@ import grpc
 from observability import tracing
 from services.engine.sampling_params import SamplingParams
 from services.engine.finish_reason import FinishReason
-from services.engine.image_prompt import ImageEncoderUnavailable
+from services.engine.images.prompt import ImageEncoderUnavailable
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
 from services.gateway.errors import ERROR_CODE_KEY

@@ -1,6 +1,6 @@
 """The multimodal service: ``multimodal.v1.Multimodal`` over gRPC, plus grpc.health.v1.
 
-``python -m services.multimodal --model tiny --grpc-addr 127.0.0.1:0`` prints one JSON ready line with
+``python -m services.entrypoints.multimodal --model tiny --grpc-addr 127.0.0.1:0`` prints one JSON ready line with
 its port. ``Encode`` preprocesses the image on a worker thread, looks its content hash up in the cache,
 and otherwise queues it for the batcher, which runs the tower on everything queued at once; calls for the
 same bytes in flight at the same time share one encode. Embeddings travel as gRPC bytes (fp32, little
@@ -141,33 +141,3 @@ class MultimodalApi:
             "Plan": grpc.unary_unary_rpc_method_handler(self.plan, response_serializer=ser),
             "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=ser),
         })
-
-
-async def serve(api: MultimodalApi, grpc_addr: str, metrics_port: int | None = None) -> int:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((api.handler(),))
-    return await serve_until_signalled(server, service="multimodal", health_name=SERVICE, grpc_addr=grpc_addr,
-                                       metrics_port=metrics_port, registry=api.registry)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from services.multimodal.encoder_source import load_encoder
-
-    p = argparse.ArgumentParser(prog="python -m services.multimodal", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
-    p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engines' --model-seed)")
-    p.add_argument("--device", default="cpu", help="where the tower runs (cpu, cuda, cuda:1, ...)")
-    p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
-    p.add_argument("--max-batch-images", type=int, default=8, help="images per tower call, at most")
-    p.add_argument("--cache-mb", type=int, default=256, help="embedding cache size in MiB (by content hash)")
-    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes, help="encoded bytes per image")
-    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels, help="decoded pixels per image")
-    p.add_argument("--encode-delay-s", type=float, default=float(os.environ.get(ENCODE_DELAY_ENV, "0")),
-                   help=f"test-only fault: seconds each Encode waits first (default: ${ENCODE_DELAY_ENV} or 0)")
-    args = p.parse_args(argv)
-    tracing.setup("shinkai-multimodal")
-    cfg, encoder = load_encoder(args.model, args.model_seed)
-    api = MultimodalApi(cfg, encoder.to(args.device), ImageLimits(args.max_image_bytes, args.max_image_pixels),
-                        args.cache_mb * 2**20, args.max_batch_images, args.encode_delay_s)
-    return asyncio.run(serve(api, args.grpc_addr, args.metrics_port))

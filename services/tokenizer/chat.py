@@ -4,7 +4,7 @@ Only the conversation keys of an OpenAI chat body reach the recipe (sampling fie
 gateway, once, for both endpoints). The recipe accepts only DeepSeek's API model names, so the body is
 rendered as ``RECIPE_MODEL``; the served name was checked before. ``render`` returns the image URLs in
 placeholder order, each image one ``IMAGE_PLACEHOLDER`` token in the ids, for the engine to expand to its
-span (services/engine/image_prompt.py).
+span (services/engine/images/prompt.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tokenizer service: ``tokenizer.v1.Tokenizer`` over gRPC, plus grpc.health.v1.
 
-``python -m services.tokenizer --model tiny --grpc-addr 127.0.0.1:0`` prints one JSON ready line with its
+``python -m services.entrypoints.tokenizer --model tiny --grpc-addr 127.0.0.1:0`` prints one JSON ready line with its
 port. Bad input (a chat body the recipe refuses, ids outside the vocabulary, malformed protobuf) is
 INVALID_ARGUMENT. SIGTERM stops taking calls (health NOT_SERVING) and lets live ones finish.
 """
@@ -149,22 +149,3 @@ class TokenizerApi:
 def _span(name: str, context: grpc.aio.ServicerContext):
     """A server span under the caller's trace context (from the call's metadata); a no-op when tracing is off."""
     return tracing.span(name, tracing.extract(context.invocation_metadata()), kind=tracing.SpanKind.SERVER)
-
-
-async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> int:
-    tracing.setup("shinkai-tokenizer")
-    tokenizer, bos = load_vocabulary(model)
-    server = grpc.aio.server()
-    api = TokenizerApi(tokenizer, bos)
-    server.add_generic_rpc_handlers((api.handler(),))
-    return await serve_until_signalled(server, service="tokenizer", health_name=SERVICE, grpc_addr=grpc_addr,
-                                       metrics_port=metrics_port, registry=api.registry)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
-    p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
-    args = p.parse_args(argv)
-    return asyncio.run(serve(args.model, args.grpc_addr, args.metrics_port))

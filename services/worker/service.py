@@ -1,6 +1,6 @@
 """The worker as its own process: ``worker.v1.Worker`` over gRPC around the in-process `Worker`.
 
-``python -m services.worker --model tiny --grpc-addr 127.0.0.1:0`` builds (or loads) the model itself from
+``python -m services.entrypoints.worker --model tiny --grpc-addr 127.0.0.1:0`` builds (or loads) the model itself from
 the same ``--model`` and ``--model-seed`` as the engine, owns the runner's pools, and prints one JSON ready
 line. ``SetImages`` takes a request's image embeddings (float32 or bfloat16 bytes with their shape) before
 the request is scheduled, as the in-process ``Worker.set_images`` does. ``GetModelInfo`` answers hashes of the config and of every weight tensor; the engine compares them
@@ -32,7 +32,7 @@ from observability import metrics as names
 from observability import tracing
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
-from services.worker.sampler import SamplingRow
+from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import WorkerOutput
 
 SERVICE = "worker.v1.Worker"
@@ -250,97 +250,3 @@ class WorkerApi(worker_pb2_grpc.WorkerServicer):
         except ValueError as err:  # rows that do not fit the prompt, or a model without a tower
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return pb.SetImagesResponse()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from services.engine.config import EngineConfig
-    from services.engine.llm import default_runner
-    from services.engine.model_source import load_model
-    from services.worker.worker import Worker
-
-    p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
-    p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engine's too)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's; sizes the pools")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
-    p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
-    from services.engine.config import add_parallel_arguments
-    from services.engine.device import add_device_arguments, device_args, device_engine_args
-
-    add_device_arguments(p)
-    add_parallel_arguments(p)
-    p.add_argument("--dp-rank", type=int, default=0, help="this worker's rank in its data-parallel group")
-    p.add_argument("--dp-rendezvous", default=None,
-                   help="tcp://host:port where the group's workers meet (rank 0 listens there; not the engines' "
-                        "rendezvous); needed with --dp > 1")
-    args = p.parse_args(argv)
-    engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
-                   if v is not None}
-    tracing.setup("shinkai-worker")
-    # The worker owns the device. Its pools follow the engine's sizing rule, so the engine's scheduler and
-    # these pools agree on the block count; gpu_memory_utilization is then a cap it checks, not a size.
-    ranks = args.data_parallel_size > 1
-    if ranks and not (args.dp_rendezvous or "").startswith("tcp://"):
-        raise SystemExit(f"--dp {args.data_parallel_size} needs --dp-rendezvous tcp://host:port, "
-                         f"got {args.dp_rendezvous!r}")
-    if ranks:  # a rank's worker runs the torch MoE, as an in-process rank does (docs/parallelism.md)
-        engine_args.update(kernel_backend=None, cuda_graphs=False, data_parallel_size=args.data_parallel_size,
-                           num_redundant_experts=args.num_redundant_experts)
-    config = EngineConfig(model_seed=args.model_seed, batch_invariant=args.batch_invariant,
-                          engram_on_host=args.engram_on_host,
-                          **device_engine_args({**engine_args, **device_args(args)}))
-    if ranks and str(config.device).startswith("cuda"):
-        config = config.replace(device=f"cuda:{args.dp_rank}")  # rank r on cuda:r (NCCL: one rank per GPU)
-        torch.cuda.set_device(config.device)
-    source = load_model(args.model, seed=args.model_seed, device=config.device or "cpu",
-                        load_format=config.load_format, precision=config.kernel_backend)
-    hashes = model_hashes(source)  # the whole model's, before any sharding: what the engine compares
-    if ranks:  # this rank's experts only, exchanging tokens with the group's other workers
-        from services.worker.model_runner import ModelRunner
-        from services.worker.parallel.groups import init_rank_groups
-        from services.worker.parallel.rank_experts import shard_over_group
-
-        groups = init_rank_groups(args.dp_rank, args.data_parallel_size, args.dp_rendezvous, str(config.device),
-                                  config.rank_timeout_s)
-        parallel = shard_over_group(source.model, groups, args.num_redundant_experts, str(config.device))
-        worker = Worker(ModelRunner(source.model, config.worker_config(), expert_parallel=parallel))
-    else:
-        worker = Worker(default_runner(source, config))
-    if str(config.device).startswith("cuda"):  # the engine's pool rule must fit the memory this worker may hold
-        total = torch.cuda.get_device_properties(config.device).total_memory
-        if torch.cuda.memory_reserved(config.device) > total * config.gpu_memory_utilization:
-            raise SystemExit(f"model, pools and graphs hold {torch.cuda.memory_reserved(config.device) / 2**30:.1f} "
-                             f"GiB, over --gpu-memory-utilization {config.gpu_memory_utilization} of "
-                             f"{total / 2**30:.1f} GiB: lower --max-num-seqs or --max-model-len")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    api = WorkerApi(worker, args.model, hashes, source.config.vocab_size)
-    worker_pb2_grpc.add_WorkerServicer_to_server(api, server)
-    metrics_port = None
-    if args.metrics_port is not None:
-        http, _ = prom.start_http_server(args.metrics_port, addr=args.grpc_addr.rsplit(":", 1)[0],
-                                         registry=api.registry)
-        metrics_port = http.server_port
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(args.grpc_addr)
-    server.start()
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    # With --dp: this worker's rank and the routed experts its slots hold in the first MoE layer.
-    group = {"dp_rank": args.dp_rank, "experts": [int(e) for e in parallel.slots[0].local_experts]} if ranks else {}
-    print(json.dumps({"event": "ready", "service": "worker", "grpc_port": port, "metrics_port": metrics_port,
-                      "runner": type(worker.runner).__name__, **group}), flush=True)
-    stop.wait()
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=5.0).wait()
-    print(json.dumps({"event": "stopped", "service": "worker"}), flush=True)
-    return 0

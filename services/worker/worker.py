@@ -12,14 +12,14 @@ from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
 from services.worker.host_copy import HostCopy, host_sampled, sampled_copy
-from services.worker.reference_runner import RunnerOutput
-from services.worker.step_batch import PendingInputs, pending_shifts
-from services.worker.sampler import Sampler, SamplingRow
-from services.worker.speculator import Speculator
+from services.worker.runners.reference_runner import RunnerOutput
+from services.worker.batch.step_batch import PendingInputs, pending_shifts
+from services.worker.sampling.sampler import Sampler, SamplingRow
+from services.worker.spec.speculator import Speculator
 
 
 class Runner(Protocol):
-    """What a Worker runs: ModelRunner, GraphRunner, ReferenceRunner, or a test's stand-in."""
+    """What a Worker runs: ModelRunner, DecodeStepGraphs, ReferenceRunner, or a test's stand-in."""
 
     def execute(self, plan: StepPlan) -> RunnerOutput: ...
     # A runner that takes async plans also accepts ``pending=PendingInputs`` (see ModelRunner).
@@ -78,12 +78,12 @@ class WorkerOutput:
 class Worker:
     def __init__(self, runner: Runner, sampler: Sampler | None = None, speculator: Speculator | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler
-        module for a ``backend == "kernels"`` runner (services/worker/kernel_sampler.py), else ``Sampler``.
+        module for a ``backend == "kernels"`` runner (services/worker/sampling/kernel_sampler.py), else ``Sampler``.
         ``speculator`` (speculative decoding) verifies and proposes drafts; its runner must return taps."""
         self.runner = runner
         self.speculator = speculator
         if sampler is None and getattr(runner, "backend", "torch") == "kernels":
-            from services.worker.kernel_sampler import KernelSampler
+            from services.worker.sampling.kernel_sampler import KernelSampler
 
             kernels = runner.kernels  # type: ignore[attr-defined]
             if kernels.sampler is None:
@@ -147,7 +147,7 @@ class Worker:
                             last_tokens(sampled, num_sample_rows), host=host)
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
-        """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/image_inputs.py),
+        """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/state/image_inputs.py),
         given before the request is first scheduled; ValueError when the runner takes no images."""
         set_images = getattr(self.runner, "set_images", None)
         if set_images is None:

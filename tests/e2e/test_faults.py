@@ -32,7 +32,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client import AsyncShinkaiClient, ShinkaiClient, Unavailable
-from services.stack import ROOT, StackConfig, down, free_port, up
+from services.entrypoints.stack import ROOT, StackConfig, down, free_port, up
 from tests.nats_server import wait_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def serve_proc():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--http-port", "0", "--grpc-port", "0", "--drain-timeout", "10"],
+        [sys.executable, "-m", "services.entrypoints.cli", "serve", "--http-port", "0", "--grpc-port", "0", "--drain-timeout", "10"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()

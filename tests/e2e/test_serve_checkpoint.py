@@ -10,9 +10,9 @@ import json
 import openai
 import pytest
 
-from services.cli import main
+from services.entrypoints.cli import main
 from services.engine import LLM, SamplingParams
-from services.stack import _alive_as
+from services.entrypoints.stack import _alive_as
 
 pytestmark = pytest.mark.timeout(300)
 

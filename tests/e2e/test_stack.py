@@ -20,7 +20,7 @@ import pytest
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
 from services.multimodal.service import ENCODE_DELAY_ENV
-from services.stack import StackConfig, down, services, up
+from services.entrypoints.stack import StackConfig, down, services, up
 from tests.openai_streams import concurrent_completion_streams
 from tests.services.gateway.test_images import ask, data_url, encoded
 
@@ -63,7 +63,7 @@ def test_services_are_separate_processes(stack):
     for pid in pids:
         assert os.path.exists(f"/proc/{pid}")
     assert "nats-server" in by_name["nats"]["argv"][0]
-    assert by_name["eplb"]["argv"][2] == "services.eplb"
+    assert by_name["eplb"]["argv"][2] == "services.entrypoints.eplb"
 
 
 def test_engines_and_tokenizer_export_prometheus_metrics(stack):

@@ -14,7 +14,7 @@ Two checks (``python -m tests.kernels.bf16_emulation``, ~1–2 min on the 2-core
    32, window 4, top-k 5; nocand: window 16, top-k 3), against the fp32 reference and against a torch
    emulation of "q → bf16, P → bf16" only. A defect beyond those two roundings shows as an error far
    above the torch emulation's.
-2. engine: the FP8 test's three configs (tests/services/worker/test_kernel_backend.py ``FP8_CASES``)
+2. engine: the FP8 test's three configs (tests/services/worker/kernel_model/test_backend.py ``FP8_CASES``)
    on its CPU floor kernel set (torch references) with the prefill and decode attention swapped for
    the interpreted kernels' bf16 path: mean KL vs the fp32 reference, to set against the floor 0.080
    and the H200's 0.225. ``--full`` adds a set with the compressor, the indexer (its f16-dot path) and
@@ -141,7 +141,7 @@ def kernel_table() -> list[dict]:
     from kernels import reference
     from model.deepseek_v41.quant import quantize_fp8_cache
     from model.deepseek_v41.rope import rope_frequencies
-    from services.worker.cache_engine import CacheEngine, ring_size
+    from services.worker.state.cache_engine import CacheEngine, ring_size
     from tests.kernels.interpret import interpreter, load_interpreted
     from tests.kernels.test_decode_attention import _fill_cache
     from tests.kernels.test_prefill_attention import _args, _chunk_problem
@@ -202,7 +202,7 @@ def emulated_kernels():
     the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
     ``bf16_interpreter()``."""
     from tests.kernels.interpret import load_interpreted
-    from services.worker.fp8_linear import KernelSet
+    from services.worker.kernel_model.fp8_linear import KernelSet
 
     return with_attention(KernelSet.references(), False, load_interpreted("prefill_attention"),
                           load_interpreted("decode_attention"))
@@ -252,7 +252,7 @@ def _emulating():
 
 
 def engine_table(names: tuple[str, ...], full: bool) -> None:
-    from services.worker.fp8_linear import KernelSet
+    from services.worker.kernel_model.fp8_linear import KernelSet
 
     sets = [("floor (torch references)", KernelSet.references),
             ("floor + attention kernels, bf16 path", emulated_kernels)]
@@ -267,7 +267,7 @@ def bisect(names: tuple[str, ...], device: str) -> None:
     stage whose removal brings the KL back to ~0.08 holds the defect. ``device`` "cpu": the same
     plumbing on ``every_step_kernel`` (interpreted, bf16 attention emulated; slow)."""
     from kernels import reference
-    from services.worker.fp8_linear import KernelSet
+    from services.worker.kernel_model.fp8_linear import KernelSet
 
     torch.backends.cuda.matmul.allow_tf32 = False
     base = KernelSet.compiled if device != "cpu" else every_step_kernel

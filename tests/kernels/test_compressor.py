@@ -24,10 +24,10 @@ from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, INDEXER_BLOCK, quantize_fp4_cache, unpack_fp4
 from model.deepseek_v41.quant_boundary import fp4_boundary_distance
 from model.deepseek_v41.rope import rope_frequencies
-from services.worker.cache_engine import CacheEngine, ring_size
-from services.worker.attention_backend import StepRounding
-from services.worker.attention_backend_torch import TorchAttention
-from services.worker.step_batch import StepBatch
+from services.worker.state.cache_engine import CacheEngine, ring_size
+from services.worker.attention.backend import StepRounding
+from services.worker.attention.torch_backend import TorchAttention
+from services.worker.batch.step_batch import StepBatch
 from tests.kernels.interpret import interpreter, load_interpreted
 
 BLOCK_SIZE = 16
@@ -182,7 +182,7 @@ def test_interpreted_large_values_and_straddle_only():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [2, 1])
 def test_gpu_flash_shapes_match_torch_attention(ratio, dtype):
-    from services.bench.kernels_compressor import flash_source_config
+    from services.bench.kernels.compressor import flash_source_config
 
     cfg, layer = flash_source_config(ratio), 2  # Flash shapes, one source (3 layers of rings per slot)
     decode = [(2 * i + 1 + (i % 2), 1) for i in range(40)]
@@ -202,7 +202,7 @@ def test_gpu_flash_shapes_match_torch_attention(ratio, dtype):
 def test_bench_problem_on_cpu(ratio, one_torch_thread):
     """The benchmark's Flash-shaped decode problem (fp32 here: the interpreter truncates bf16) gives the
     same bytes through the interpreted kernel as through ``TorchAttention.write_groups``."""
-    from services.bench.kernels_compressor import compressor_problem, run_kernel, run_torch
+    from services.bench.kernels.compressor import compressor_problem, run_kernel, run_torch
 
     p = compressor_problem(3, ratio, torch.Generator().manual_seed(ratio), device="cpu", dtype=torch.float32)
     run_torch(p)
@@ -219,7 +219,7 @@ def test_bench_problem_on_cpu(ratio, one_torch_thread):
 def test_gpu_graph_replay_matches_torch_attention(ratio):
     """The benchmark's decode problem (E = 300, bf16), the kernel captured in a CUDA graph and replayed:
     the same bytes as ``TorchAttention.write_groups`` up to bin-edge flips (≤ 1 per 10^4 bytes)."""
-    from services.bench.kernels_compressor import compressor_problem, run_kernel, run_torch
+    from services.bench.kernels.compressor import compressor_problem, run_kernel, run_torch
 
     p = compressor_problem(300, ratio, torch.Generator("cuda").manual_seed(ratio))
     graph = torch.cuda.CUDAGraph()

@@ -12,7 +12,7 @@ import torch
 from kernels import reference
 from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.rope import rope_frequencies
-from services.worker.cache_engine import CacheEngine, ring_size
+from services.worker.state.cache_engine import CacheEngine, ring_size
 from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_CAST_REL, BF16_EMULATION_REL, BF16_PATH_REL, FP32_REORDER_REL
 
@@ -72,9 +72,9 @@ def test_reference_equals_torch_attention():
     reuses source 2's entries and layer 2's selection), compared before the output projection."""
     from model.deepseek_v41.attention import Attention
     from model.deepseek_v41.rope import apply_rope, rope_angles
-    from services.worker.attention_backend_torch import StepSparse, TorchAttention
-    from services.worker.attention_step import AttentionStep
-    from services.worker.step_batch import StepBatch
+    from services.worker.attention.torch_backend import StepSparse, TorchAttention
+    from services.worker.attention.step import AttentionStep
+    from services.worker.batch.step_batch import StepBatch
 
     torch.manual_seed(0)
     cfg, layer, source = TINY, 3, 2
@@ -228,7 +228,7 @@ def test_interpreted_row_without_keys_gives_zero():
 def test_flash_problem_builder_on_cpu():
     """The benchmark's Flash-shaped problem (also the GPU tests') is valid input: the reference runs on it,
     finite and not dominated by the sink, and the interpreted kernel agrees on a 2-row case."""
-    from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
+    from services.bench.kernels.decode_attention import decode_attention_args, decode_attention_problem
 
     p = decode_attention_problem(2, 4096, torch.Generator().manual_seed(0), device="cpu")
     p["pos"][0] = 5  # a row whose window is mostly before the start
@@ -247,7 +247,7 @@ def test_flash_problem_builder_on_cpu():
 @pytest.mark.parametrize(("num_rows", "context"), [(1, 4096), (7, 4096), (32, 4096), (64, 32768), (256, 4096)])
 def test_gpu_flash_shapes_match_reference(num_rows, context):
     from kernels.decode_attention import sparse_decode_attention
-    from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
+    from services.bench.kernels.decode_attention import decode_attention_args, decode_attention_problem
 
     p = decode_attention_problem(num_rows, context, torch.Generator("cuda").manual_seed(num_rows))
     p["pos"][0] = 5  # a row whose window is mostly before the start
@@ -267,7 +267,7 @@ def test_gpu_flash_shapes_match_reference(num_rows, context):
 def test_gpu_fp32_dots_match_reference_exactly(num_rows, context):
     """fp32 dots and an fp32 output: only the summation order differs from the reference."""
     from kernels.decode_attention import sparse_decode_attention
-    from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
+    from services.bench.kernels.decode_attention import decode_attention_args, decode_attention_problem
 
     p = decode_attention_problem(num_rows, context, torch.Generator("cuda").manual_seed(num_rows))
     p["pos"][0] = 5
@@ -283,7 +283,7 @@ def test_gpu_fp32_dots_match_reference_exactly(num_rows, context):
 def test_gpu_graph_replay_with_new_indices():
     """Captured once, replayed after the positions, slots and selections change in place."""
     from kernels.decode_attention import sparse_decode_attention
-    from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
+    from services.bench.kernels.decode_attention import decode_attention_args, decode_attention_problem
 
     gen = torch.Generator("cuda").manual_seed(5)
     p = decode_attention_problem(8, 4096, gen)

@@ -77,7 +77,7 @@ def _check_selection(ours: torch.Tensor, ref_sel: torch.Tensor, our_scores: torc
 def test_reference_keys_equal_cache_engine_read_entries():
     """The reference's pool gather + dequantisation equals ``CacheEngine.read_entries`` (tiny, layer 2)."""
     from model.deepseek_v41.presets import TINY
-    from services.worker.cache_engine import CacheEngine, ring_size
+    from services.worker.state.cache_engine import CacheEngine, ring_size
 
     gen = torch.Generator().manual_seed(0)
     cache = CacheEngine(TINY, 16, num_blocks=20, num_state_slots=4, ring=ring_size(TINY))
@@ -221,7 +221,7 @@ def test_select_topk_interpreted_exhaustive_ties(atomic):
 
 def test_flash_bench_problem_builds_on_cpu():
     """The benchmark's problem (Flash sizes, reduced rows and context) is valid input to the reference."""
-    from services.bench.kernels_indexer import indexer_bench_problem
+    from services.bench.kernels.indexer import indexer_bench_problem
 
     p = indexer_bench_problem(2, 512, 1, torch.Generator().manual_seed(0), device="cpu")
     scores, sel, _ = reference.indexer_select(*_args(p), index_topk=512)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kernels import invariance
-from services.worker.fp8_linear import linear_block_m
-from services.worker.model_runner import ModelRunner
+from services.worker.kernel_model.fp8_linear import linear_block_m
+from services.worker.runners.model_runner import ModelRunner
 
 def cuda(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
@@ -53,7 +53,7 @@ def test_by_rows_runs_fixed_tiles_only_in_the_mode():
 
 
 def _bi_runner(small, budget: int, kernels, batch_invariant: bool) -> ModelRunner:
-    from tests.services.worker.test_kernel_backend import _config
+    from tests.services.worker.kernel_model.test_backend import _config
 
     config = dataclasses.replace(_config(small, budget), batch_invariant=batch_invariant)
     return ModelRunner(copy.deepcopy(small.model), config, backend="kernels", precision="fp8", kernels=kernels)
@@ -65,7 +65,7 @@ def test_interpreted_fp8_engine_gives_equal_logits_alone_and_in_a_chunked_batch(
     prefill rows, decode rows in mixed steps) against r1 alone at a budget that takes its prompt
     whole. Each of r1's (position)'s logits must be ``==``."""
     from tests.kernels.interpret import interpreter
-    from tests.services.worker.test_kernel_backend import Case, drive, interpreted, small_case
+    from tests.services.worker.kernel_model.test_backend import Case, drive, interpreted, small_case
 
     small, kernels = small_case(), interpreted()
     one = Case(small.model, {"r1": small.seqs["r1"]}, None, {}, {})
@@ -119,7 +119,7 @@ def test_decode_row_is_equal_through_decode_and_prefill_attention():
 
 @cuda
 def test_head_rows_are_equal_alone_and_in_any_batch():
-    from services.worker.kernel_head import KernelHead
+    from services.worker.kernel_model.head import KernelHead
 
     torch.manual_seed(0)
     head = KernelHead(torch.randn(4096, 1024).to(torch.bfloat16).float()).cuda()

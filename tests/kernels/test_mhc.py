@@ -153,7 +153,7 @@ def test_tiny_preset_layer_chain_interpreted():
 
 
 def test_bench_problem_builds_on_cpu():
-    from services.bench import kernels_mhc
+    from services.bench.kernels import mhc as kernels_mhc
 
     p = kernels_mhc.problem(3, torch.Generator().manual_seed(0), device="cpu", hidden=64)
     assert p["h"].shape == (3, 4, 64) and p["mix"].comb.shape == (3, 4, 4)

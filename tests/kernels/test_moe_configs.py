@@ -106,7 +106,7 @@ def test_the_shipped_tables_hold_only_valid_configs():
 def test_gpu_every_shipped_config_gives_the_default_bits(monkeypatch):
     """At each swept call (the bench's quick sizes) the config the device's table holds gives the bits of the
     launcher's defaults, as the table's docstring promises."""
-    from services.bench import kernels_moe_configs as sweep
+    from services.bench.kernels import moe_configs as sweep
 
     path = moe_configs.config_path(torch.cuda.get_device_name())
     if not path.is_file():

@@ -98,7 +98,7 @@ def test_m_split_gives_the_same_bits_and_fills_a_one_expert_linear():
     """``m_split`` spreads an expert's token tiles over work items (prefill linears have too few N tiles to
     fill the GPU): every split gives the same output bits, for the fused SwiGLU with FP8 output and for a
     one-expert (dense linear) GEMM; the default splits only when the slabs alone cannot fill the programs."""
-    from services.worker.fp8_linear import one_expert_meta
+    from services.worker.kernel_model.fp8_linear import one_expert_meta
 
     gen = torch.Generator().manual_seed(3)
     mg = load_interpreted("moe_grouped_gemm")
@@ -306,7 +306,7 @@ def test_gpu_prefill_linear_splits_m_with_the_same_bits(num_tokens, n, k):
 
     from kernels.moe_grouped_gemm import default_m_split, moe_grouped_gemm
     from kernels.quant_fp8 import quantize_act
-    from services.worker.fp8_linear import one_expert_meta
+    from services.worker.kernel_model.fp8_linear import one_expert_meta
 
     gen = torch.Generator("cuda").manual_seed(n)
     w, s = _weights(1, n, k, gen)
@@ -450,7 +450,7 @@ def test_decode_rows_quantised_in_the_gate_up_loop_give_the_prequantised_bits_in
 def test_one_expert_gemm_quantises_in_its_loop_with_quantize_acts_bits_interpreted():
     """A decode linear's one-expert GEMM (``KernelLinear`` above the split-K sizes, ``GroupedKernelLinear``)
     given bf16 rows: the output bits of the rows quantised by ``quantize_act`` first, plain and gathered."""
-    from services.worker.fp8_linear import group_rows_meta, one_expert_meta
+    from services.worker.kernel_model.fp8_linear import group_rows_meta, one_expert_meta
 
     gen = torch.Generator().manual_seed(31)
     x = _tie_activations(12, 384, gen)
@@ -471,7 +471,7 @@ def test_output_rows_at_a_transposed_views_strides_hold_the_dense_outputs_bits_i
     """``GroupedKernelLinear``'s output: the GEMM writes group g's row t into a [T, G, R] buffer through its
     [G, T, R] view, bit for bit the dense [G, T, R] output transposed (one M tile, and three with m_split);
     the buffer's other bytes (R past N) untouched."""
-    from services.worker.fp8_linear import group_rows_meta
+    from services.worker.kernel_model.fp8_linear import group_rows_meta
 
     gen = torch.Generator().manual_seed(num_tokens)
     groups = 3
@@ -499,7 +499,7 @@ def test_gpu_decode_rows_quantised_in_the_gemm_loop_give_the_prequantised_bits(n
     """At the v41-s1 MoE and wq_b shapes: x quantised inside the GEMMs against ``quantize_act`` first, `==`."""
     import kernels.moe_grouped_gemm as mg
     from kernels.quant_fp8 import quantize_act
-    from services.worker.fp8_linear import one_expert_meta
+    from services.worker.kernel_model.fp8_linear import one_expert_meta
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     num_experts, hidden, inter = 48, 5120, 2304  # v41-s1: 48 routed + the shared one

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.worker.kernel_moe import KernelMoE
+from services.worker.kernel_model.moe import KernelMoE
 from tests.kernels.interpret import interpreter, load_interpreted
 
 

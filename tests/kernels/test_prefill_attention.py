@@ -13,7 +13,7 @@ from kernels import reference
 from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.quant import quantize_fp8_cache
 from model.deepseek_v41.rope import rope_frequencies
-from services.worker.cache_engine import CacheEngine, ring_size
+from services.worker.state.cache_engine import CacheEngine, ring_size
 from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_CAST_REL, BF16_EMULATION_REL, BF16_PATH_REL, FP32_REORDER_REL
 
@@ -81,9 +81,9 @@ def test_reference_equals_torch_attention(layer):
     ``AttentionStep.attend`` on the torch backend on a step of prefill chunks, compared before the output projection."""
     from model.deepseek_v41.attention import Attention
     from model.deepseek_v41.rope import apply_rope, rope_angles
-    from services.worker.attention_backend_torch import StepSparse, TorchAttention
-    from services.worker.attention_step import AttentionStep
-    from services.worker.step_batch import StepBatch
+    from services.worker.attention.torch_backend import StepSparse, TorchAttention
+    from services.worker.attention.step import AttentionStep
+    from services.worker.batch.step_batch import StepBatch
 
     torch.manual_seed(0)
     cfg, source = TINY, 2
@@ -293,7 +293,7 @@ def test_bench_problem_builder_on_cpu():
     """The benchmark's problem (also the GPU tests') at 4 heads × 64, an 8-row chunk of a 1,100-token
     context, is valid input: every row takes 512 ascending distinct entries of its ≥ 546 visible ones,
     the reference is finite and not sink-dominated, and the kernel agrees."""
-    from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
+    from services.bench.kernels.prefill_attention import prefill_attention_args, prefill_attention_problem
 
     p = prefill_attention_problem(8, 1100, torch.Generator().manual_seed(0), device="cpu", num_heads=4,
                                   head_dim=64)
@@ -315,7 +315,7 @@ def test_bench_problem_builder_on_cpu():
 @pytest.mark.parametrize(("chunk", "context"), [(1024, 4096), (4096, 4096), (1024, 32768)])
 def test_gpu_flash_shapes_match_reference(chunk, context):
     from kernels.prefill_attention import sparse_prefill_attention, stage_entries
-    from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
+    from services.bench.kernels.prefill_attention import prefill_attention_args, prefill_attention_problem
 
     p = prefill_attention_problem(chunk, context, torch.Generator("cuda").manual_seed(chunk))
     p["selected"][-1, 100:] = -1  # a row with fewer selected entries
@@ -350,7 +350,7 @@ def test_gpu_flash_shapes_staged_window_is_bit_identical(chunk, context):
     each with its own first row (ring rows in its windows) and slot, so several segments are staged;
     both paths read the same bytes. 4096 of 4096: windows reaching before position 0."""
     from kernels.prefill_attention import sparse_prefill_attention, stage_entries, stage_window
-    from services.bench.kernels_prefill_attention import prefill_attention_args, prefill_attention_problem
+    from services.bench.kernels.prefill_attention import prefill_attention_args, prefill_attention_problem
 
     p = prefill_attention_problem(chunk, context, torch.Generator("cuda").manual_seed(chunk))
     cuts = (0, chunk // 4, chunk // 2 + 1, chunk)

@@ -1,4 +1,4 @@
-"""The fused sampler kernel vs ``services.worker.sampler.Sampler``: the same draws, interpreted on CPU
+"""The fused sampler kernel vs ``services.worker.sampling.sampler.Sampler``: the same draws, interpreted on CPU
 (small vocabularies) and compiled on a GPU (V = 129,280)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from services.worker.sampler import Sampler, SamplingRow
+from services.worker.sampling.sampler import Sampler, SamplingRow
 from tests.kernels.interpret import interpreter, load_interpreted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -168,7 +168,7 @@ def test_sampler_interpreted_error_rows_and_resample_case():
     assert got.errors.tolist() == [True, True, True, False]
     # case 1 (resample) draws other bits: compare with a CPU pick from the same processed distribution.
     from kernels.philox import DrawCase, draw_bits
-    from services.worker.sampler import pick_from_bits
+    from services.worker.sampling.sampler import pick_from_bits
 
     p = Sampler().process(logits[3:], rows[3:])
     expected = pick_from_bits(p.probs, draw_bits([4], [7], DrawCase.RESAMPLE))
@@ -194,7 +194,7 @@ def test_sampler_interpreted_draw_ignores_batch_neighbours():
 @pytest.mark.parametrize("case", ["greedy", "top-p 0.9 T 0.7"])
 def test_sampler_bench_problem_interpreted(case):
     """The benchmark's problem builder at a reduced vocabulary, on CPU: same draws as the CPU sampler."""
-    from services.bench.kernels_sampler import sampler_problem
+    from services.bench.kernels.sampler import sampler_problem
 
     logits, rows = sampler_problem(2, case, torch.Generator().manual_seed(4), device="cpu", vocab=1024)
     _check(Sampler()(logits, rows), _interpreted_sample(logits, rows, block=512))
@@ -279,7 +279,7 @@ def test_sampler_interpreted_forced_tokens_match_cpu_sampler():
 
 
 def test_kernel_sampler_interpreted_adds_logit_bias_as_the_cpu_sampler_does():
-    from services.worker.kernel_sampler import KernelSampler
+    from services.worker.sampling.kernel_sampler import KernelSampler
 
     gen = torch.Generator().manual_seed(4)
     vocab, num_rows = 600, 6

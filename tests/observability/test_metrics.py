@@ -13,7 +13,7 @@ import observability.metrics as names
 from observability.metrics import EngineMetrics
 from services.client import ShinkaiClient
 from services.engine.finish_reason import FinishReason
-from services.engine.observer import EngineObserver, RequestTimes
+from services.engine.reporting.observer import EngineObserver, RequestTimes
 from services.engine.stats import EngineStats
 
 NUM_REQUESTS = 3

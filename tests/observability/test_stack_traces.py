@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from services.stack import StackConfig, down, up
+from services.entrypoints.stack import StackConfig, down, up
 from tests.observability.otlp import otlp_receiver, render
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import pytest
 from services import nats_auth, subjects
 from services.gateway.remote import RemoteEngine
 from services.gateway.router import EngineRouter
-from services.stack import LocalPlacement, StackConfig, nats_server_binary, services
+from services.entrypoints.stack import LocalPlacement, StackConfig, nats_server_binary, services
 from tests.nats_server import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -27,14 +27,12 @@ from services.engine.outputs import RequestOutput
 from services.engine.parallel.vote import HostVote
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout
-from services.worker.model_runner import ModelRunner
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_moves import apply_layouts
 from services.worker.parallel.live_layouts import LayoutUpdate, LiveLayouts
 from services.worker.parallel.rank_experts import shard_over_group
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
-from services.worker.speculator import Speculator
-from services.worker.worker import Worker
+from services.worker.build import build_worker
 
 
 # Seconds between a waiting rank's checks that its driver process is still there.
@@ -126,16 +124,10 @@ def build_rank(rank: int, spec: RankSpec, groups: RankGroups | None = None) -> R
         raise ValueError("a rank needs the model's weights")
     parallel = shard_over_group(model, groups, spec.config.num_redundant_experts, device)
     config = spec.config.replace(device=device)
-    nextn = config.num_speculative_tokens
-    runner = ModelRunner(model, config.worker_config(), nextn=nextn, with_taps=nextn > 0,
-                         expert_parallel=parallel)
-    speculator = None
-    if nextn:
-        # The draft's batch-invariant maths is the CPU torch mode, as for one process (services/engine/llm.py).
-        speculator = Speculator(model, nextn, config.spec_sampling,
-                                batch_invariant=config.batch_invariant and not device.startswith("cuda"))
+    # The draft (with drafts) as for one process: its batch-invariant mode on the CPU only (services/worker/build.py).
+    worker = build_worker(model, config.worker_config(), expert_parallel=parallel)
     vote = HostVote(groups.vote)
-    engine = group_engine(Worker(runner, speculator=speculator), config, cfg, vote)
+    engine = group_engine(worker, config, cfg, vote)
     vote.live = LiveLayouts([block.ffn for block in model.layers], parallel, groups.moves)
     return RankEngine(rank, groups, vote, parallel, engine, model, source, vote.live)
 

@@ -1,4 +1,4 @@
-"""One data-parallel rank as a served engine (`python -m services.engine --dp N --dp-rank R`).
+"""One data-parallel rank as a served engine (`python -m services.entrypoints.engine --dp N --dp-rank R`).
 
 Each rank of a served group is its own engine endpoint: its own gRPC port, registered with the gateway like
 any replica, so the gateway's router spreads requests over the ranks by load (NATS load reports) and its
@@ -12,7 +12,7 @@ rendezvous (rank 0 hosts it) and then step in lockstep inside `EngineService`'s 
 - a rank stops only when every rank is stopping and none has work (a second, ALL vote while idle), so
   `shinkai down`'s SIGTERM to the whole group drains every rank before any leaves.
 
-With ``--worker`` each rank's worker is a process of its own (`python -m services.worker --dp N --dp-rank R`):
+With ``--worker`` each rank's worker is a process of its own (`python -m services.entrypoints.worker --dp N --dp-rank R`):
 the engines meet at their rendezvous and vote; the workers meet at theirs and exchange tokens, each holding
 its share of the experts. A worker that loses a peer fails its step, so its engine's step fails too.
 
@@ -31,7 +31,7 @@ from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.parallel.rank import RankEngine, RankSpec, build_rank, group_engine, rank_engine_args
 from services.engine.parallel.vote import HostVote
-from services.engine.remote_worker import RemoteWorker
+from services.engine.remote.remote_worker import RemoteWorker
 from services.worker.parallel.groups import init_rank_groups
 
 
@@ -64,7 +64,7 @@ def start_rank(model: str, rank: int, rendezvous: str, engine_args: dict[str, ob
     """Joins the group at ``rendezvous`` ("tcp://host:port", rank 0 listens there) as ``rank`` and builds
     this rank's engine; returns once every rank of the group has joined.
 
-    ``worker``: this rank's worker process (``python -m services.worker --dp N --dp-rank R``), which holds
+    ``worker``: this rank's worker process (``python -m services.entrypoints.worker --dp N --dp-rank R``), which holds
     the sharded weights and joins the workers' own group for the token exchange: the engines' group here
     carries only the votes ("the engine votes and its worker exchanges"), so this process needs no device
     and loads no weights."""

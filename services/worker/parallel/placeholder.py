@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.step_batch import StepBatch
+from services.worker.batch.step_batch import StepBatch
 
 
 def placeholder_batch(entry_ratios: list[int], device: torch.device | str) -> StepBatch:

@@ -1,7 +1,7 @@
 """One rank's share of the routed experts: the start-up layout of every MoE layer's physical slots over
 the group, and the model's MoE layers sharded to this rank's slots, exchanging over the group's exchange
 group. The same for a rank whose worker runs in the engine's process (services/engine/parallel/rank.py)
-and for a worker process of its own (`python -m services.worker --dp N`, services/worker/service.py)."""
+and for a worker process of its own (`python -m services.entrypoints.worker --dp N`, services/worker/service.py)."""
 
 from __future__ import annotations
 

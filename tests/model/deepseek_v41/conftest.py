@@ -90,7 +90,7 @@ def oracle_cases(tmp_path_factory) -> dict[str, Built]:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """``shinkai model init --preset tiny`` output (real DeepSeek vocabulary), written once."""
-    from services.cli import main
+    from services.entrypoints.cli import main
 
     out = tmp_path_factory.mktemp("tiny") / "ckpt"
     assert main(["model", "init", "--preset", "tiny", "--out", str(out), "--seed", "5"]) == 0

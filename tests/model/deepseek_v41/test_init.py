@@ -13,7 +13,7 @@ from model.deepseek_v41.config import ModelConfig, load_config
 from model.deepseek_v41.init import random_checkpoint, random_value
 from model.deepseek_v41.presets import TINY, V41_S1, V41_S1_DSPARK
 from model.deepseek_v41.tokenizer import load_tokenizer
-from services.cli import main
+from services.entrypoints.cli import main
 
 
 def test_tiny_writes_config_tokenizer_and_released_formats(tiny_checkpoint):

@@ -3,7 +3,7 @@
 import json
 
 from services.bench.scheduler import kitchen_table
-from services.cli import main
+from services.entrypoints.cli import main
 
 
 def test_kitchen_table_matches_the_walkthrough():

@@ -153,7 +153,7 @@ def test_runner_still_refuses_pending_inputs_without_the_previous_tokens(llm):
 
 
 def test_pending_inputs_are_matched_by_request_id_not_batch_position(llm):
-    from services.worker.step_batch import PendingInputs, StepBatch
+    from services.worker.batch.step_batch import PendingInputs, StepBatch
 
     engine = llm.engine
     for request_id, n in (("x", 5), ("y", 9)):
@@ -297,7 +297,7 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
     else:
         pytest.fail(f"no graph decode step of every request after the prefills: {engine.last_plan}")
     done = {}
-    graphs = engine.worker.runner  # a GraphRunner: counts the steps that ran eagerly
+    graphs = engine.worker.runner  # a DecodeStepGraphs: counts the steps that ran eagerly
     num_eager = graphs.num_eager
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -8,7 +8,7 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.llm import default_runner
+from services.worker.build import build_runner
 
 NUM_PROMPTS = 16
 NUM_TOKENS = 16
@@ -76,7 +76,7 @@ def test_chunked_prefill_at_any_budget_gives_equal_logits(llm, budget):
     results = {}
     for b in sorted({budget, 256}):
         args = dict(block_size=16, max_num_batched_tokens=b, max_num_seqs=4, batch_invariant=True)
-        recorder = _LogitsRecorder(default_runner(llm.source, EngineConfig(**args)))
+        recorder = _LogitsRecorder(build_runner(llm.source.model, EngineConfig(**args).worker_config()))
         run = LLM(model="tiny", source=llm.source, runner=recorder, **args)
         outs = run.generate(prompts, params)
         results[b] = [torch.stack(recorder.logits[o.request_id]) for o in outs]

@@ -47,7 +47,7 @@ def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
 
     config = EngineConfig(block_size=16, max_num_seqs=3, max_model_len=96, kernel_backend="fp8")
     assert config.worker_config() == WorkerConfig(block_size=16, num_blocks=config.resolved_num_blocks(),
-                                                  num_state_slots=4, max_model_len=96, kernel_backend="fp8")
+                                                  num_state_slots=4, max_model_len=96, max_num_seqs=3, kernel_backend="fp8")
 
 
 def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands():

@@ -15,7 +15,7 @@ from PIL import Image
 
 from model.deepseek_v41.vision import span_length
 from services.engine import SamplingParams
-from services.engine.image_prompt import expand_images
+from services.engine.images.prompt import expand_images
 from services.multimodal.preprocess import ImageInputError, ImageLimits, prepare_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.engine import LLM, SamplingParams
-from services.engine.remote_worker import WorkerLost
+from services.engine.remote.remote_worker import WorkerLost
 from services.engine.service import EngineService
 
 pytestmark = pytest.mark.timeout(120)

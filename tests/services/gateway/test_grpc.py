@@ -11,7 +11,7 @@ from services.client import AsyncShinkaiClient, ShinkaiClient, Timeout
 from services.engine import SamplingParams
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from tests.services.gateway.test_grpc_limits import generate, refusal
-from tests.services.gateway.test_http import wait_whole
+from tests.services.gateway.openai.test_http import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 

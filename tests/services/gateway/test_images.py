@@ -21,8 +21,8 @@ from PIL import Image
 
 from services.client import InvalidArgument, ShinkaiClient
 from services.engine import SamplingParams
-from services.engine.image_encoder import MultimodalClient
-from services.engine.image_prompt import ImagePrompts
+from services.engine.images.encoder import MultimodalClient
+from services.engine.images.prompt import ImagePrompts
 from services.gateway import errors
 from services.gateway.api_server import ApiServer
 from services.gateway.backends import LocalEngine
@@ -30,7 +30,7 @@ from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, GenerateArgs
 from services.gateway.remote import RemoteEngine
 from tests.services.gateway.conftest import pools_whole
-from tests.services.gateway.test_http import wait_whole
+from tests.services.gateway.openai.test_http import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

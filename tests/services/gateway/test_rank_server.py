@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from services.engine import LLM, SamplingParams
-from services.stack import ROOT
+from services.entrypoints.stack import ROOT
 from tests.ranks_harness import alive
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,7 +28,7 @@ PROMPTS = ["The deep sea is", "Hello"]
 def serve_ranks(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("serve-dp") / "serve.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--dp", "2", "--batch-invariant", "--http-port", "0",
+        [sys.executable, "-m", "services.entrypoints.cli", "serve", "--dp", "2", "--batch-invariant", "--http-port", "0",
          "--grpc-port", "0", "--max-num-seqs", str(SIZING["max_num_seqs"]), "--max-model-len",
          str(SIZING["max_model_len"]), "--drain-timeout", "5"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=log, text=True)

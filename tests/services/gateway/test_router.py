@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.engine.reporter import LoadReporter
+from services.engine.reporting.reporter import LoadReporter
 from services.engine.service import ShuttingDown
 from services.engine.stats import EngineStats
 from services.gateway.remote import RemoteEngine

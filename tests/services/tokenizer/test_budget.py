@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model.deepseek_v41.tokenizer import load_v41_tokenizer
 from services.bench.isolation import attack_text
 from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
-from services.stack import ROOT
+from services.entrypoints.stack import ROOT
 from services.tokenizer.budget import check_bytes, max_token_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +36,7 @@ def test_the_byte_bound_holds_for_every_token():
 
 @pytest.fixture(scope="module")
 def tokenizer_service():
-    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--model", "tiny", "--grpc-addr",
+    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.tokenizer", "--model", "tiny", "--grpc-addr",
                              "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         ready = json.loads(proc.stdout.readline())

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from services.gateway.remote import RemoteTokenizer
-from services.stack import ROOT
+from services.entrypoints.stack import ROOT
 from services.tokenizer.chat import IMAGE_PLACEHOLDER, ChatError
 from tests.services.engine.test_llm_chat import ask, data_url
 
@@ -21,7 +21,7 @@ BUDGET = 256 - 4  # max_model_len 256 less max_tokens 4: what the gateway passes
 
 @pytest.fixture(scope="module")
 def address():
-    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--model", "tiny", "--grpc-addr",
+    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.tokenizer", "--model", "tiny", "--grpc-addr",
                              "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         yield f"127.0.0.1:{json.loads(proc.stdout.readline())['grpc_port']}"

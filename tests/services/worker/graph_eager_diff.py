@@ -17,10 +17,10 @@ import torch
 
 import kernels.decode_attention as decode_attention
 import kernels.indexer as indexer
-from services.worker.static_decode_step import StaticDecodeStep
+from services.worker.runners.static_decode_step import StaticDecodeStep
 from tests.scheduler_rs.fake_worker import run_step
-from tests.services.worker.test_model_runner import case
-from tests.services.worker.test_static_decode_step import setup
+from tests.services.worker.runners.test_model_runner import case
+from tests.services.worker.runners.test_static_decode_step import setup
 
 WATCHED = ("attn_norm", "ffn_norm", "wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "ffn", "engram",
            "weights_proj")

@@ -2,7 +2,7 @@
 
 The bed is the three random oracle configs (tests/model/deepseek_v41/oracle_configs.py: oracle, wide,
 nocand; vocabulary 256) with test_model_runner's prompts (37, 20, 45, 9 tokens + 5 fed back), the same
-models and tokens as tests/services/worker/test_kernel_backend.py's FP8 KL test, but run as full
+models and tokens as tests/services/worker/kernel_model/test_backend.py's FP8 KL test, but run as full
 sequences (the cached engine equals the full-sequence model to fp32 noise; chunking does not change a
 per-token rounding). Statistics are services/bench/accuracy.py's ``row_stats``: KL(ref ‖ ours) in
 fp64 over every fed position, top-1 agreement where the reference's top-2 margin ≥ 0.05, the
@@ -14,7 +14,7 @@ Tables:
     the discrete mechanisms on or switched off: cache rounding (FP8 window K, FP4 entries and index
     q/k → identity), indexer selection (index_topk and candidate blocks ≥ every visible entry), MoE
     routing (top-k = all experts). The log-log slope says smooth (2) or flips (≈1).
- 2. The FP8 format floor (the model converted by services/worker/kernel_backend.convert_model on
+ 2. The FP8 format floor (the model converted by services/worker/kernel_model/backend.convert_model on
     the kernels' torch references, as the GPU test's floor) plus, emulated in torch, the GPU kernels'
     own roundings: attention q → bf16 and P → bf16 before PV (decode and prefill kernels), the
     indexer's q / 2^k → f16, mHC's tf32 split.
@@ -49,8 +49,8 @@ from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.tokenizer import engram_token_map
 from services.bench.accuracy import MARGIN, row_stats, scale_branches
-from services.worker.fp8_linear import GroupedKernelLinear, KernelSet
-from services.worker.kernel_backend import convert_model
+from services.worker.kernel_model.fp8_linear import GroupedKernelLinear, KernelSet
+from services.worker.kernel_model.backend import convert_model
 from tests.model.deepseek_v41.oracle_configs import CASES, finish
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 
@@ -478,8 +478,8 @@ def gpu_dots(device: str = "cuda") -> None:
     precision forced (TritonAttention.fp32_dots): fp8 as shipped (bf16 q, P), fp8 with fp32 dots, fp32
     with bf16 dots. Expected from the torch emulation (table 2): ≈ 0.08, ≈ 0.08 and ≈ 0.02.
     ``device`` "cpu" runs the plumbing on the torch-reference kernel set (no dots to force)."""
-    from services.worker.attention_backend_triton import TritonAttention
-    from tests.services.worker import test_kernel_backend as t
+    from services.worker.attention.triton_backend import TritonAttention
+    from tests.services.worker.kernel_model import test_backend as t
 
     torch.backends.cuda.matmul.allow_tf32 = False
     init = TritonAttention.__init__

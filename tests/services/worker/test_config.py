@@ -4,7 +4,7 @@ import pytest
 
 from services.worker.config import WorkerConfig
 
-OK = {"block_size": 16, "num_blocks": 8, "num_state_slots": 3, "max_model_len": 64}
+OK = {"block_size": 16, "num_blocks": 8, "num_state_slots": 3, "max_model_len": 64, "max_num_seqs": 2}
 
 
 @pytest.mark.parametrize("name", OK)

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.remote_worker import ModelMismatch, RemoteWorker
+from services.engine.remote.remote_worker import ModelMismatch, RemoteWorker
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(180)
 
 
 def start_worker(*extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--grpc-addr", "127.0.0.1:0", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.worker", "--grpc-addr", "127.0.0.1:0", *extra],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -92,7 +92,7 @@ def _drain(llm) -> dict[str, object]:
 def test_an_image_chat_on_a_remote_worker_equals_the_in_process_one(remote_llm):
     """The image rows cross worker.v1 (``SetImages``): an image chat's tokens and logprobs are the in-process
     worker's exactly (batch-invariant mode in both), alone and beside a text request."""
-    from services.engine.image_prompt import expand_images
+    from services.engine.images.prompt import expand_images
     from services.tokenizer.chat import IMAGE_PLACEHOLDER
     from tests.services.engine.test_llm_chat import ask, data_url
 

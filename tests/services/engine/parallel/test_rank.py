@@ -3,7 +3,7 @@ scheduling and speculative decoding (fixed and varlen, rejection and determinist
 process, in one group of 2 ranks that builds an engine per configuration on the same process groups.
 Greedy: dp 2 with async, and with fixed drafts, == one process without either. Seeded: the deterministic
 mode's tokens with varlen and async on dp 2 == one process's with one draft (they depend on neither the
-drafts verified nor the batch, tests/services/worker/test_speculator.py)."""
+drafts verified nor the batch, tests/services/worker/spec/test_speculator.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from observability.metrics import ENGINE_STEPS
 from services.eplb.layout import Layout, startup_layout
 from services.eplb.messages import PlanMessage
 from services.subjects import EXPERT_PLAN
-from services.stack import StackConfig, down, healthy, up
+from services.entrypoints.stack import StackConfig, down, healthy, up
 from tests.ranks_harness import alive
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,0 +1,89 @@
+"""`shinkai up` and `shinkai down`: the local stack of separate processes (services/entrypoints/stack.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from services.entrypoints.stack import StackConfig
+
+_DEFAULTS = StackConfig()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start the stack (nats, tokenizer, eplb, [workers,] engines, gateway) as processes")
+    up.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
+    up.add_argument("--num-engines", type=int, default=1, help="independent engine replicas (default 1)")
+    up.add_argument("--http-port", type=int, default=_DEFAULTS.http_port, help="gateway HTTP port (0: any free)")
+    up.add_argument("--grpc-port", type=int, default=_DEFAULTS.grpc_port, help="gateway gRPC port (0: any free)")
+    up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free)")
+    up.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once per engine")
+    up.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens per request")
+    from services.engine.device import add_device_arguments
+
+    add_device_arguments(up)
+    up.add_argument("--remote-workers", action="store_true",
+                    help="run each engine's worker as its own process (worker.v1) instead of in-process")
+    up.add_argument("--allow-private-image-urls", action="store_true",
+                    help="the gateway fetches image URLs that resolve to private, loopback or link-local addresses")
+    up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
+    up.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments
+
+    add_speculative_arguments(up)
+    add_parallel_arguments(up)
+    up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
+    up.add_argument("--api-key", default=None, help="key the gateway requires (HTTP Bearer, gRPC metadata); "
+                    "passed in its environment (default: $SHINKAI_API_KEY; none: open)")
+    up.set_defaults(func=_up)
+    down = subparsers.add_parser("down", help="stop the stack that `shinkai up` started, gracefully")
+    down.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir)
+    down.add_argument("--timeout", type=float, default=60.0, help="seconds each service gets to drain")
+    down.set_defaults(func=_down)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.entrypoints.cli import UsageError
+    from services.entrypoints.stack import up
+
+    if args.num_engines < 1:
+        raise UsageError("--num-engines must be at least 1")
+    if args.spec_varlen and not args.num_speculative_tokens:
+        raise UsageError("--spec-varlen needs --num-speculative-tokens > 0")
+    if args.data_parallel_size < 1:
+        raise UsageError("--dp must be at least 1")
+    if args.num_speculative_tokens and args.remote_workers:
+        raise UsageError("--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
+                         "carry drafts yet; drop --remote-workers")
+    from services.engine.device import device_args
+
+    config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
+                         grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
+                         max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
+                         max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
+                         batch_invariant=args.batch_invariant, engram_on_host=args.engram_on_host,
+                         num_speculative_tokens=args.num_speculative_tokens,
+                         spec_sampling=args.spec_sampling, spec_varlen=args.spec_varlen,
+                         allow_private_image_urls=args.allow_private_image_urls,
+                         data_parallel_size=args.data_parallel_size, num_redundant_experts=args.num_redundant_experts)
+    if args.api_key:
+        os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
+    try:
+        if Path(args.model).is_dir() and args.load_format != "dummy":
+            from services.worker.kernel_model.weight_loader import check_checkpoint
+
+            check_checkpoint(args.model)  # headers only: a damaged checkpoint fails before any process starts
+        up(config, timeout_s=args.timeout)
+    except (RuntimeError, FileNotFoundError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    print(f"logs in {args.run_dir / 'logs'}; stop with: shinkai down --run-dir {args.run_dir}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from services.entrypoints.stack import down
+
+    down(args.run_dir, timeout_s=args.timeout)
+    return 0

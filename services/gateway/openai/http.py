@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions and chat, each plain or SSE; models, health, metrics.
+
+Every error is an OpenAI error body with the status of its `ApiError` kind; unknown paths are 404 bodies
+too, and an unexpected exception is logged and answered 500 (a bug, never the answer to bad input).
+A streamed request whose client goes away is aborted: leaving the generator closes its `Generation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from observability import tracing
+from services.gateway import errors
+from services.gateway.auth import Keys
+from services.gateway.errors import ApiError
+from services.gateway.frontend import MAX_ID_BYTES, Frontend, Generation, Piece, finite_logprob
+from services.gateway.openai.openapi import openapi_schema
+from services.gateway.probe import probe
+from services.gateway.openai.protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
+    parse_completion
+
+log = logging.getLogger("shinkai.gateway")
+# POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
+JSON_TYPE = "application/json"
+
+
+def _json(body: dict[str, Any]) -> str:
+    # allow_nan=False: a non-finite number is a bug that must fail loudly, never a response JSON.parse refuses.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else _json(body)}\n\n"
+
+
+class _Formatter:
+    """Builds completions or chat bodies and chunks for one request."""
+
+    def __init__(self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool) -> None:
+        self.frontend = frontend
+        self.request = request
+        self.generation = generation
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}"  # as vLLM: the request's id inside
+        self.object = "chat.completion" if chat else "text_completion"
+        self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
+
+    async def resolve(self, pieces: list[Piece]) -> None:
+        """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
+        if self.request.num_logprobs is None:
+            return
+        ids = {t for p in pieces for t in p.delta.token_ids}
+        ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
+        missing = sorted(ids - self._strings.keys())
+        if missing:
+            self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
+
+    def _token(self, token_id: int) -> str:
+        return self._strings.get(token_id, "")
+
+    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+        if self.request.num_logprobs is None:
+            return None
+        ids = [t for p in pieces for t in p.delta.token_ids]
+        lps = [finite_logprob(x) for p in pieces for x in p.delta.logprobs]
+        tops = [[(i, finite_logprob(v)) for i, v in top]
+                for p in pieces for top in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
+        if self.chat:
+            return {"content": [
+                {"token": self._token(t), "logprob": lp, "bytes": None,
+                 "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top]}
+                for t, lp, top in zip(ids, lps, tops)]}
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": lps,
+                "top_logprobs": [{self._token(i): v for i, v in top} for top in tops], "text_offset": []}
+
+    def usage(self, num_output_tokens: int) -> dict[str, int]:
+        n = self.generation.num_prompt_tokens
+        return {"prompt_tokens": n, "completion_tokens": num_output_tokens, "total_tokens": n + num_output_tokens}
+
+    def body(self, pieces: list[Piece]) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        final = pieces[-1].delta
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": final.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": self.id, "object": self.object, "created": self.generation.created,
+                "model": self.frontend.served_model, "choices": [choice], "usage": self.usage(final.num_output_tokens)}
+
+    def chunk(self, piece: Piece | None, first: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
+                                "created": self.generation.created, "model": self.frontend.served_model}
+        if piece is None:  # the usage chunk
+            body["choices"] = []
+            return body
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs([piece]),
+                                  "finish_reason": piece.delta.finish_reason}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if piece.text or first:
+                delta["content"] = piece.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = piece.text
+        body["choices"] = [choice]
+        return body
+
+
+async def _collect_while_connected(request: Request, generation: Generation,
+                                   poll_s: float = 0.25) -> list[Piece] | None:
+    """Every piece of a non-streamed request; None as soon as the client disconnects (then the caller's
+    ``generation.close()`` aborts it, so a vanished client does not keep the engine busy)."""
+    async def collect() -> list[Piece]:
+        return [piece async for piece in generation]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}",
+                       code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(errors.TOO_LARGE, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True,
+              health_problem: Callable[[], str | None] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keys: Keys | None = None) -> FastAPI:
+    keys = keys or Keys()
+    problem = health_problem or (lambda: None if is_ready() else "draining")
+    app = FastAPI(title="Shinkai", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_schema(frontend.info)  # type: ignore[method-assign]  # bodies are parsed by hand
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+        headers = err.http_headers()
+        if err.kind.http_status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(err.openai_body(), status_code=err.kind.http_status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        body = ApiError(errors.INVALID, str(err.detail), code=code).openai_body()
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)  # 405 keeps its Allow
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(ApiError(errors.INTERNAL, f"internal error: {type(err).__name__}").openai_body(),
+                            status_code=500)
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        owner = keys.check(request.headers.get("authorization"))
+        if not is_ready():
+            why = problem()
+            if why in (None, "draining"):
+                raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
+            raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != JSON_TYPE:
+            raise ApiError(errors.UNSUPPORTED_MEDIA, f"Content-Type must be {JSON_TYPE}, got "
+                           f"{media_type or 'none'}", code="unsupported_media_type")
+        body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
+        info = frontend.info
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, info.max_model_len, info.vocab_size)
+        parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
+        parsed.args.owner = owner
+        parsed.args.client_request_id = _client_request_id(request)
+        generation = await frontend.start(parsed.args)
+        fmt = _Formatter(frontend, parsed, generation, chat)
+        id_header = {"X-Request-Id": generation.client_request_id}  # as vLLM: the caller's id, else the request's
+        if parsed.stream:
+            return StreamingResponse(_stream(fmt, generation, parsed.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **id_header})
+        try:
+            pieces = await _collect_while_connected(request, generation)
+        finally:
+            generation.close()  # a no-op after the final delta; aborts when the client left
+        if pieces is None:
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        await fmt.resolve(pieces)
+        return JSONResponse(fmt.body(pieces), headers=id_header)
+
+    def _client_request_id(request: Request) -> str | None:
+        """The caller's own id for the request (the X-Request-Id header, which Abort then takes), or None."""
+        given = request.headers.get("x-request-id")
+        if given is None:
+            return None
+        if not given or len(given.encode()) > MAX_ID_BYTES:
+            raise errors.invalid(f"X-Request-Id is {len(given.encode())} bytes; it must be 1 to {MAX_ID_BYTES}",
+                                 "X-Request-Id")
+        return given
+
+    async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            first = True
+            num_output_tokens = 0
+            async for piece in generation:
+                num_output_tokens = piece.delta.num_output_tokens
+                if piece.text or piece.delta.finish_reason is not None or first or fmt.request.num_logprobs is not None:
+                    await fmt.resolve([piece])
+                    yield _sse(fmt.chunk(piece, first))
+                    first = False
+            if include_usage:
+                yield _sse(dict(fmt.chunk(None), usage=fmt.usage(num_output_tokens)))
+            yield _sse("[DONE]")
+        finally:
+            generation.close()  # a no-op after the final delta; aborts on disconnect
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model",
+                                            "created": int(time.time()), "owned_by": "shinkai",
+                                            "max_model_len": frontend.info.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        why = problem()
+        if why is not None:
+            return JSONResponse({"status": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: a real one-token generation through tokenizer-free token ids, engine and worker."""
+        why = problem()
+        if why is None:
+            why = await probe(frontend)
+        if why is not None:
+            return JSONResponse({"status": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(frontend.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,212 @@
+"""OpenAI request bodies in, `GenerateArgs` out. Strict and explicit.
+
+The body is parsed here, not by the framework (`services/gateway/openai/json_body.py`): bytes over the limit are a
+413, bytes that are not UTF-8 or not JSON a 400, NaN/Infinity anywhere a 400 naming the field's path, a body
+nested too deeply a 400, never a 500. Unknown fields are ignored with a logged warning, as vLLM does; known
+fields of the wrong type or range are refused naming the field; known OpenAI parameters that are not
+implemented (`UNSUPPORTED`) are refused naming the parameter, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.sampling_params import SamplingParams
+from services.gateway import errors
+from services.gateway.frontend import GenerateArgs
+from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES, parse_body
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIRequest", "parse_body", "parse_chat", "parse_completion"]
+
+log = logging.getLogger("shinkai.gateway")
+
+MAX_N = 1  # completions per prompt; parallel sampling comes later
+MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
+# A logit_bias entry of this value (or below) bans the token: OpenAI's documented meaning of -100.
+LOGIT_BIAS_BAN = -100
+MAX_LOGIT_BIAS_ENTRIES = 1024  # as vLLM's default bound on logit_bias
+_INT64 = (-(2**63), 2**63 - 1)
+# Sampling and transport fields both endpoints read.
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "frequency_penalty", "presence_penalty",
+           "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
+           "best_of", "response_format", "user"}
+KNOWN_FIELDS = {
+    "completions": _COMMON | {"prompt", "echo", "suffix"},
+    # The conversation keys go to deepseek-recipe (services/tokenizer/chat.py CONVERSATION_KEYS).
+    "chat": _COMMON | {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "top_logprobs",
+                       "max_completion_tokens", "parallel_tool_calls"},
+}
+# Known OpenAI parameters that are refused (400 naming them) until they are implemented; docs/serving.md lists
+# them. Each is refused only when set to something other than its no-op value.
+UNSUPPORTED = ("response_format other than text", "best_of > 1", "n > 1", "echo", "suffix", "stop strings",
+               "frequency_penalty / presence_penalty other than 0")
+
+
+@dataclass
+class OpenAIRequest:
+    """A parsed OpenAI body."""
+
+    args: GenerateArgs  # what to generate
+    stream: bool  # SSE chunks instead of one body
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    num_logprobs: int | None  # top-n logprobs to return per token; None: no logprobs
+
+
+def _warn_unknown(body: dict[str, Any], endpoint: str) -> None:
+    unknown = sorted(set(body) - KNOWN_FIELDS[endpoint])
+    if unknown:
+        # repr, each cut to 64 characters: a client's field names cannot forge log lines or flood the log
+        log.warning("ignoring %d unknown fields of a %s request: %s", len(unknown), endpoint,
+                    ", ".join(repr(name[:64]) for name in unknown[:10]))
+
+
+def _field(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any, what: str) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in types:
+        raise errors.invalid(f"{name} must be {what}, got {value!r}", name)
+    if not isinstance(value, types):
+        raise errors.invalid(f"{name} must be {what}, got {type(value).__name__}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise errors.invalid(f"{name} must be a finite number", name)
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
+        raise errors.invalid(f"{name} is out of range: {value}", name)
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise errors.invalid(f"{name} must be a list of integer token ids", name)
+    return value
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int, ...], dict[int, float]]:
+    """(the token ids logit_bias bans, the other biases). OpenAI's values run from -100 to 100; -100 bans the
+    token exactly (the sampler's ban list), any other value is added to its logit."""
+    bias = _field(body, "logit_bias", (dict,), {}, "an object mapping token ids to numbers")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise errors.invalid(f"logit_bias has {len(bias)} entries, over the limit of {MAX_LOGIT_BIAS_ENTRIES}",
+                             "logit_bias")
+    banned, added = [], {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit() and len(key) <= 19):
+            raise errors.invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token_id = int(key)
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            raise errors.invalid(f"logit_bias token id {token_id} is outside the vocabulary"
+                                 + (f" of {vocab_size}" if vocab_size is not None else ""), "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise errors.invalid(f"logit_bias[{key}] must be a number from -100 to 100, got {value!r}",
+                                 "logit_bias")
+        if value <= LOGIT_BIAS_BAN:
+            banned.append(token_id)
+        elif value != 0:
+            added[token_id] = float(value)
+    return tuple(sorted(banned)), added
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Known OpenAI parameters that are not implemented: a 400 naming each, when set to anything but a no-op."""
+    n = _field(body, "n", (int,), 1, "an integer")
+    if not 1 <= n <= MAX_N:
+        raise errors.invalid(f"n must be between 1 and {MAX_N}, got {n}: n > 1 is not supported yet", "n")
+    best_of = _field(body, "best_of", (int,), 1, "an integer")
+    if best_of != 1:
+        raise errors.invalid(f"best_of must be 1, got {best_of}: best_of > 1 is not supported yet", "best_of")
+    response_format = _field(body, "response_format", (dict,), {"type": "text"}, "an object")
+    if response_format.get("type", "text") != "text":
+        raise errors.invalid(f"response_format {response_format.get('type')!r} is not supported yet; only "
+                             "'text' is", "response_format")
+    stop = body.get("stop")
+    if stop not in (None, [], ""):
+        raise errors.invalid("stop strings are not supported yet; use stop_token_ids", "stop")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _field(body, name, (int, float), 0, "a number") != 0:
+            raise errors.invalid(f"{name} is not supported yet; leave it at 0", name)
+
+
+def _sampling(body: dict[str, Any], max_tokens_key: str, num_logprobs: int | None, logprobs_key: str,
+              max_model_len: int, vocab_size: int | None) -> SamplingParams:
+    max_tokens = _field(body, max_tokens_key, (int,), None, "a positive integer")
+    if max_tokens is not None and not 1 <= max_tokens <= max_model_len:
+        raise errors.invalid(f"{max_tokens_key} must be between 1 and the context of {max_model_len} tokens, "
+                             f"got {max_tokens}", max_tokens_key)
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}",
+                             logprobs_key)
+    _refuse_unsupported(body)
+    temperature = _field(body, "temperature", (int, float), 1.0, "a number")
+    top_p = _field(body, "top_p", (int, float), 1.0, "a number")
+    top_k = _field(body, "top_k", (int,), -1, "an integer")
+    seed = _field(body, "seed", (int,), None, "an integer")
+    stop_token_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    for token_id in stop_token_ids:
+        if not _INT64[0] <= token_id <= _INT64[1]:
+            raise errors.invalid(f"stop_token_ids holds {token_id}, outside any vocabulary", "stop_token_ids")
+    banned, bias = _logit_bias(body, vocab_size)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+            stop_token_ids=tuple(stop_token_ids), ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"),
+            logprobs=num_logprobs, banned_token_ids=banned, logit_bias=bias,
+        )
+    except ValueError as err:  # SamplingParams' messages start with the field's name
+        raise errors.invalid(str(err), str(err).split(" ", 1)[0]) from err
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _field(body, "stream", (bool,), False, "a boolean")
+    options = _field(body, "stream_options", (dict,), {}, "an object")
+    return stream, bool(options.get("include_usage", False))
+
+
+def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
+    _warn_unknown(body, "completions")
+    model = _field(body, "model", (str,), None, "a string")
+    if model is None:
+        raise errors.invalid("model is required", "model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    args = GenerateArgs(model=model, endpoint="completions")
+    if isinstance(prompt, str):
+        args.prompt_text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise errors.invalid("the prompt is empty", "prompt")
+        args.prompt_token_ids = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise errors.invalid(f"a batch of {len(prompt)} prompts is not supported; send one prompt per request",
+                             "prompt")
+    else:
+        raise errors.invalid("prompt must be a string or a list of token ids", "prompt")
+    if _field(body, "echo", (bool,), False, "a boolean"):
+        raise errors.invalid("echo is not supported yet (nor logprobs with echo)", "echo")
+    if _field(body, "suffix", (str,), "", "a string"):
+        raise errors.invalid("suffix is not supported yet", "suffix")
+    num_logprobs = _field(body, "logprobs", (int,), None, "an integer")
+    args.params = _sampling(body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size)
+    stream, include_usage = _stream_options(body)
+    return OpenAIRequest(args, stream, include_usage, num_logprobs)
+
+
+def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
+    _warn_unknown(body, "chat")
+    model = _field(body, "model", (str,), None, "a string")
+    if model is None:
+        raise errors.invalid("model is required", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise errors.invalid("messages must be a non-empty list", "messages")
+    args = GenerateArgs(model=model, endpoint="chat", chat_body=body)
+    num_logprobs = None
+    if _field(body, "logprobs", (bool,), False, "a boolean"):
+        num_logprobs = _field(body, "top_logprobs", (int,), 0, "an integer")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    args.params = _sampling(body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size)
+    stream, include_usage = _stream_options(body)
+    return OpenAIRequest(args, stream, include_usage, num_logprobs)

@@ -1,0 +1,74 @@
+"""The one place a `Worker` is assembled: its runner and, with drafts, its speculator.
+
+Every process and API that runs a worker in-process (``LLM``, the worker process, a data-parallel rank,
+the speculative benchmark) calls ``build_worker`` with the worker's share of the engine configuration
+(``WorkerConfig``). The runner is:
+
+- with ``cuda_graphs``: the cached runner on the kernel backend inside ``DecodeStepGraphs``, every decode
+  size the scheduler can ask for captured here, before the first request;
+- otherwise the cached ``ModelRunner`` (``expert_parallel``: a rank's share of the routed experts), or the
+  full-recompute ``ReferenceRunner`` where the cached runner cannot be imported.
+
+With ``num_speculative_tokens`` the worker gets a ``Speculator``; with ``cuda_graphs`` its proposal and verify
+graphs of every bucket are captured here too, so no live step captures.
+"""
+
+from __future__ import annotations
+
+from model.deepseek_v41.model import DeepseekV41
+from services.worker.config import WorkerConfig
+from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.spec.forced_acceptance import ForcedAcceptance
+from services.worker.spec.speculator import Speculator
+from services.worker.worker import Runner, Worker
+
+
+def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: ExpertParallel | None = None) -> Runner:
+    """The runner ``build_worker`` uses when none is given (see the module docstring)."""
+    nextn = config.num_speculative_tokens
+    try:
+        from services.worker.runners.model_runner import ModelRunner
+    except ImportError:
+        from services.worker.runners.reference_runner import ReferenceRunner
+
+        if config.cuda_graphs or expert_parallel is not None:
+            raise
+        return ReferenceRunner(model)
+    if not config.cuda_graphs:
+        return ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0, expert_parallel=expert_parallel)
+    device = model.embed.weight.device
+    if device.type != "cuda":  # before the runner converts the model in place
+        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
+                         "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
+    if expert_parallel is not None:
+        raise ValueError("cuda_graphs does not run with expert parallelism: a rank runs the torch MoE eagerly")
+    from scheduler_rs import graph_sizes
+    from services.worker.runners.decode_step_graphs import DecodeStepGraphs
+
+    runner = DecodeStepGraphs(ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0), config,
+                              use_graphs=True, attention="triton")
+    # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width) would
+    # stall the requests in it. The sizes are the scheduler's own rule, which counts rows (max_num_seqs ×
+    # (1 + nextn) at most: verify steps replay graphs too).
+    runner.capture(graph_sizes(config.max_num_seqs * (1 + nextn)))
+    return runner
+
+
+def build_worker(model: DeepseekV41, config: WorkerConfig, *, runner: Runner | None = None,
+                 expert_parallel: ExpertParallel | None = None, forced_acceptance: ForcedAcceptance | None = None,
+                 static_proposal: bool | None = None, greedy_only: bool = False) -> Worker:
+    """A worker on ``model``: ``runner`` (default: ``build_runner``'s) and, with drafts, a speculator.
+    ``forced_acceptance`` and ``static_proposal`` are the speculator's (the benchmark's switches);
+    ``greedy_only`` captures only the all-greedy draft buckets."""
+    runner = runner if runner is not None else build_runner(model, config, expert_parallel)
+    if not config.num_speculative_tokens:
+        return Worker(runner)
+    # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the draft runs
+    # plain torch (greedy and deterministic-mode tokens do not depend on the draft's rounding).
+    on_cpu = model.embed.weight.device.type == "cpu"
+    speculator = Speculator(model, config.num_speculative_tokens, config.spec_sampling,
+                            batch_invariant=config.batch_invariant and on_cpu, forced_acceptance=forced_acceptance,
+                            cuda_graphs=config.cuda_graphs, static_proposal=static_proposal)
+    if config.cuda_graphs or static_proposal:  # every bucket's draft and verify graphs now
+        speculator.capture_graphs(runner.cache, config.max_num_seqs, greedy_only=greedy_only)  # type: ignore[attr-defined]
+    return Worker(runner, speculator=speculator)

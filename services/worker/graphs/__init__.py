@@ -1,0 +1,1 @@
+"""CUDA-graph capture, shared by every graph cache of the worker."""

@@ -1,0 +1,1 @@
+"""Sampling: the CPU `Sampler`, its fused-kernel form, and its fixed-shape device form."""

@@ -1,0 +1,1 @@
+"""What a worker holds for its requests: the paged cache pools, Engram rows and image embeddings."""

@@ -1,0 +1,86 @@
+"""ExpertLoadPublisher under both engine modes: a synchronous engine's step is published at once; an async
+engine's (which passes the step in flight) is published after the next step is queued, and the wrapped
+worker gets the step in flight."""
+
+import asyncio
+
+import numpy as np
+import torch
+
+from services.engine.reporting import expert_loads
+from services.engine.reporting.expert_loads import ExpertLoadPublisher
+from services.eplb.messages import decode_load
+
+
+class FakeWorker:
+    def __init__(self):
+        self.calls = []
+
+    def execute(self, plan, rows, *previous):
+        self.calls.append(previous)
+        step = len(self.calls)
+        return type("Out", (), {"expert_counts": torch.full((2, 3), step)})()
+
+
+def _publisher(monkeypatch):
+    sent = []
+
+    def capture(published, loop):  # _publish below is a plain function: it has already recorded the report
+        return None
+
+    publisher = ExpertLoadPublisher(FakeWorker(), object(), asyncio.new_event_loop(), rank=1)
+    monkeypatch.setattr(expert_loads.asyncio, "run_coroutine_threadsafe", capture)
+    monkeypatch.setattr(publisher, "_publish", lambda data, headers=None: sent.append(decode_load(data)))
+    return publisher, sent
+
+
+def test_a_synchronous_engine_publishes_each_step_at_once(monkeypatch):
+    publisher, sent = _publisher(monkeypatch)
+    publisher.execute("plan", [])
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
+    publisher.execute("plan", [])
+    assert [r.step for r in sent] == [0, 1] and publisher.worker.calls == [(), ()]
+
+
+def test_an_async_engine_step_is_published_after_the_next_is_queued(monkeypatch):
+    publisher, sent = _publisher(monkeypatch)
+    first = publisher.execute("plan", [], None)
+    assert sent == [] and publisher.worker.calls == [(None,)]
+    publisher.execute("plan", [], first)
+    assert publisher.worker.calls[1] == (first,)
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1) and sent[0].rank == 1
+
+
+def test_a_rank_publishes_its_own_report_of_each_step(monkeypatch):
+    from services.eplb.messages import LoadReport
+
+    publisher, sent = _publisher(monkeypatch)
+    publisher.report = lambda step: LoadReport(rank=1, step=step, plan_version=3,
+                                               counts=np.full((2, 4), 10 + step, dtype=np.int64))
+    publisher.execute("plan", [])
+    publisher.execute("plan", [])
+    assert [(r.step, r.plan_version) for r in sent] == [(0, 3), (1, 3)]
+    assert np.all(sent[1].counts == 11)  # the report's slot counts, not the runner's logical ones
+
+
+def test_an_async_step_counts_are_not_read_after_the_next_is_queued(monkeypatch):
+    """On a GPU a host read of step N's device counts after step N+1 is queued waits for N+1: the publisher
+    reads the host copy queued with step N instead (services/worker/host_copy.py)."""
+    from torch.overrides import TorchFunctionMode
+
+    publisher, sent = _publisher(monkeypatch)
+    first = publisher.execute("plan", [], None)
+    step_counts = first.expert_counts.untyped_storage().data_ptr()
+    reads = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("cpu", "numpy", "tolist", "item") and args \
+                    and isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() == step_counts:
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        publisher.execute("plan", [], first)
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
+    assert reads == []
