@@ -4,7 +4,7 @@ Rule (issue 15): a comparison of two paths that do the same maths runs in batch-
 ``==`` (docs/batch-invariance.md); a bound remains only where the arithmetic differs by design (Triton
 kernels against torch references, FP8 against fp32, bf16 against fp32, CUDA graphs against eager, the
 default mode's cached engine), and a quantisation bin flip is allowed only where the boundary tracing of
-``model/deepseek_v41/quant_boundary.py`` proves it one. Every tolerance site of ``tests/`` and its
+``tests/model/deepseek_v41/quant_boundary.py`` proves it one. Every tolerance site of ``tests/`` and its
 decision is listed in docs/accuracy.md, "Test tolerances".
 
 Units: u32 = 2^-24 is fp32's unit roundoff (half an ulp at 1.0), u_bf16 = 2^-8 bf16's.

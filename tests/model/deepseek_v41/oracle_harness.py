@@ -36,8 +36,9 @@ import model.deepseek_v41.attention as our_attention  # noqa: E402
 import model.deepseek_v41.compressor as our_compressor  # noqa: E402
 import model.deepseek_v41.indexer as our_indexer  # noqa: E402
 import model.deepseek_v41.moe as our_moe  # noqa: E402
-from model.deepseek_v41 import quant, quant_boundary  # noqa: E402
+from model.deepseek_v41 import quant  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
+from tests.model.deepseek_v41 import quant_boundary  # noqa: E402
 
 # NeMo wraps the clamped SwiGLU in torch.compile(max_autotune): minutes of CPU compile per shape and
 # fused rounding. Eager runs the same Python function, so the oracle's maths is unchanged.
