@@ -2,8 +2,8 @@
 with 128×128 block scales, e4m3 activations with one scale per 128 channels, ``quant_fp8.quantize_act``).
 
 At T ≤ 16 a projection with few 128-wide N tiles gives the grouped GEMM few programs: v41's wq_a has
-10 and wkv 4 on 132 SMs, each streaming all of K (0.07 TB/s on the H200 for wq_a at T = 1, where HBM
-gives 4.25). Here program (n tile, split) streams K blocks [split·KB, (split+1)·KB) and writes an fp32
+10 and wkv 4 on 132 SMs, each streaming all of K, far below HBM bandwidth (docs/performance.md, "Kernels").
+Here program (n tile, split) streams K blocks [split·KB, (split+1)·KB) and writes an fp32
 partial product. The last of an N tile's programs to finish adds the tile's partials in split order
 and casts (``one_launch``; else a second launch does, in the same order, with the same bits). The split
 count depends on N and K only (never on T), so a row's result does not depend on the rest of the

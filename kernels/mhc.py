@@ -214,7 +214,7 @@ def _mix_finish_kernel(
     BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
 ):
     """``_finish`` of a token tile per program. One load per block, not per split: at T = 1 the split
-    count is 320 (D 5120), and a chain of 320 dependent loads took 64 µs per launch on the H200."""
+    count is 320 (D 5120), and a chain of 320 dependent loads made the launch latency-bound."""
     _finish(part_ptr, sq_ptr, tl.program_id(0) * BLOCK_T, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
             num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, BLOCK_T, ITERS, False)
 
@@ -265,7 +265,7 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
     dummy = pre  # stands in for pointers a variant does not read
     grid = (triton.cdiv(num_tokens, block_t), num_splits)
     num_warps = num_warps or (8 if block_t >= 64 or (block_t == 32 and expanding) else 4)
-    # One token per finishing program (T programs: 16-token tiles gave T = 256 only 16, 23 µs on the H200);
+    # One token per finishing program (T programs: 16-token tiles gave T = 256 only 16, too few for the SMs);
     # about 4K partial values per load: [SPLIT_BLOCK, 1, ROWS·N] (32 per thread at 4 warps).
     split_block = min(triton.next_power_of_2(num_splits), max(1, 4096 // (rows * n)))
     # In the mix launch (its last program, one token at a time) up to FINISH_IN_MIX_MAX_TOKENS tokens, at the

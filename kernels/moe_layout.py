@@ -5,8 +5,8 @@ Semantics are ``reference.route_metadata`` over E + 1 stacked experts (expert E 
 1), with ``live`` rows only: slots within an expert follow token order among the live rows, dead rows
 take no slot and get ``slot_of`` 0, the capacity is T, unused slots hold 0. It also adds each routed
 expert's live picks to ``counts`` (the model's expert counts). The torch version is about 20 small
-launches per layer (sorts, scatters, fills, aranges): a share of a v41-s1 decode step's ~3.5 ms of
-small torch launches at batch 1 (docs/performance.md, the H200 step profile; this kernel not yet timed there).
+launches per layer (sorts, scatters, fills, aranges): a share of a v41-s1 decode step's small torch
+launches at batch 1 (docs/performance.md, "Decode step", the step profile).
 
 One program: integer counting, no sort. Token tiles of BLOCK_T rows are taken in order; in a tile, the
 membership matrix m [BLOCK_T, E_PAD] (row t picked expert e) gives each pick's slot as the exclusive

@@ -8,8 +8,8 @@ without one the kernel is compiled as before (``HAS_IMAGE`` constexpr), so text 
 the tensor cores run the 3-pass tf32 split (fp32-accurate products; exact for bf16 operands, whose 8
 significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
 
-With few token tiles (decode: one program at T ≤ 16 read the whole fp32 gate, 983 KB at v41, alone:
-54 µs on the H200) the D range is split over ``split`` programs per tile, whose partial logits go to
+With few token tiles (decode: one program at T ≤ 16 read the whole fp32 gate, 983 KB at v41, alone;
+docs/performance.md, "Kernels") the D range is split over ``split`` programs per tile, whose partial logits go to
 an fp32 buffer; the tile's last program to finish (a ticket, kernels/tickets.py) adds them in split order
 (deterministic) and routes, in the same launch (``one_launch``; else a finishing kernel does, with the same
 code and so the same bits). Graph-safe.

@@ -35,8 +35,8 @@ steps too large to stage:
 
 - ``staged=``: the entries of the step's requests at the source, dequantised once per source
   (``stage_entries``; 3.5× the bytes per key, from a set of context/ratio rows that stays in L2, e.g.
-  16 MB at 32K). The H200 kernel bench measured 1.9–2.0× the in-loop dequantisation
-  (docs/performance.md); the engine stages when the requests hold at most
+  16 MB at 32K). The kernel bench measured it faster than the in-loop dequantisation
+  (docs/performance.md, "Kernels"); the engine stages when the requests hold at most
   ``services/worker/attention/triton_backend.STAGE_MAX_ENTRIES`` entries.
 - ``staged_window=``: the window keys, dequantised once per layer and step (``stage_window``: each
   request's w − 1 ring rows before its first row, then the step's K rows, one launch) instead of by

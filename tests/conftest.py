@@ -3,7 +3,7 @@
 import os
 
 # One torch/OpenMP thread count for the whole session and every process it starts (workers, the stack): 1
-# unless OMP_NUM_THREADS is set (the robustness runs of issue 15 set 1, 2 and 4). Two threads beside another
+# unless OMP_NUM_THREADS is set (the robustness runs set 1, 2 and 4). Two threads beside another
 # busy process spin and run 10–100× slower, and a subprocess at another thread count than the test process
 # sums in another order (a remote worker's logprob then differs by an ulp), so every process gets this one.
 SESSION_THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))

@@ -1,10 +1,10 @@
 """Numerical thresholds, defined once and used by every numerics test, each with its derivation.
 
-Rule (issue 15): a comparison of two paths that do the same maths runs in batch-invariant mode and uses
+Rule: a comparison of two paths that do the same maths runs in batch-invariant mode and uses
 ``==`` (docs/batch-invariance.md); a bound remains only where the arithmetic differs by design (Triton
 kernels against torch references, FP8 against fp32, bf16 against fp32, CUDA graphs against eager, the
 default mode's cached engine), and a quantisation bin flip is allowed only where the boundary tracing of
-``model/deepseek_v41/quant_boundary.py`` proves it one. Every tolerance site of ``tests/`` and its
+``tests/model/deepseek_v41/quant_boundary.py`` proves it one. Every tolerance site of ``tests/`` and its
 decision is listed in docs/accuracy.md, "Test tolerances".
 
 Units: u32 = 2^-24 is fp32's unit roundoff (half an ulp at 1.0), u_bf16 = 2^-8 bf16's.
@@ -55,7 +55,7 @@ SENSITIVITY_MIN_MOVE = 1e-2
 # forward (H200); 2.4e-6 to 4.8e-6 for the CPU default mode's cached engine after replay, over the thread
 # counts and CPU capabilities of docs/accuracy.md, "Test tolerances".
 PREFIX_ATOL = 1e-5
-# Vision tower + aligner embeddings vs the NeMo oracle (issue 22): max |Δ| over every image-token feature.
+# Vision tower + aligner embeddings vs the NeMo oracle: max |Δ| over every image-token feature.
 # Both compute in fp32 from the same BF16-stored weights; the residual is summation order (GEMM blocking,
 # SDPA), a few fp32 ulp of O(1) values, far below this bound.
 VISION_ATOL = 1e-4

@@ -1,5 +1,5 @@
 """One client must not starve the rest: a normal request's latency, idle and while attackers keep the
-tokenizer busy with near-limit prompts (issue 19's defect 2).
+tokenizer busy with near-limit prompts.
 
     python -m services.bench.isolation --url http://127.0.0.1:8000 [--seconds 20] [--attackers 1]
 

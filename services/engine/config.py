@@ -160,7 +160,7 @@ class EngineConfig:
         """The null block, plus room for max_num_seqs full-length requests admitted one after another
         under the scheduler's prefill gate (a new prompt starts only while ≤ 90% of the blocks are
         held): the last one arrives with (max_num_seqs − 1) · per_request held. Without the 10%
-        headroom, the last tenth of a full batch waited until others finished (H200 bench: 60 of 64)."""
+        headroom, the last tenth of a full batch waited until others finished (the step bench ran 60 of 64)."""
         if self.num_blocks is not None:
             return self.num_blocks
         per_request = -(-self.max_model_len // self.block_size)

@@ -5,18 +5,17 @@ The engine records the wall time of every decode step under the graph size its p
 (``StepPlan.graph_size``: rows rounded up to a captured size) and the batch's request bucket (``request_bucket``:
 its request count rounded up to a power of two), and gives the scheduler the curve of the latest step's bucket
 every ``refit_interval`` decode steps and whenever the bucket changes. A step's cost depends on how many requests
-its rows belong to (each request's context, its own experts), not on rows alone: on the H200, 96 rows took
-60.0 ms at 64 requests and 49.9 ms at 16, and one curve for both priced batch 16's drafts by batch 64's steps
-(docs/speculative.md, eighth figures). Within a bucket the curve over every graph size is:
+its rows belong to (each request's context, its own experts), not on rows alone: the same rows took
+longer at 64 requests than at 16, and one curve for both priced batch 16's drafts by batch 64's steps
+(docs/speculative.md). Within a bucket the curve over every graph size is:
 
 - two or more sizes measured: the per-size mean times, made non-decreasing in rows (a step never gets
   cheaper with more rows: adjacent sizes that break it are pooled into their count-weighted mean), joined
   by straight lines. Below the smallest measured size the first segment's line continues; above the
   largest the curve stays at the largest's time (unknown, so free, as for one size: the next step that
   can use more rows measures them). Every value is at least ``MIN_STEP_MS``. One line through all the
-  means (this meter's first fit) overstated the rows past a bend: on the H200 at batch 16 a 45-row step
-  took 39.5 ms and an 81-row one 41.7 ms after 24 ms for 16 rows, the line's slope priced the rows past
-  45 as dear as those before, and varlen verified fewer drafts than paid (docs/speculative.md);
+  means (this meter's first fit) overstated the rows past a bend: at batch 16 the step time rose steeply up
+  to 45 rows and little past them, the line's slope priced the rows past 45 as dear as those before, and varlen verified fewer drafts than paid (docs/speculative.md);
 - one size measured: below it, ms proportional to rows (no fixed cost, the pessimistic reading: varlen then
   drops the least likely drafts, so the steps that follow measure a smaller size); above it, the measured ms
   (unknown, so free: every draft with a chance of passing gets a row and the next step measures a larger

@@ -187,7 +187,7 @@ def test_engines_report_expert_loads_to_the_planner_subject(stack):
 
 def test_the_gateway_exports_vllm_names_summed_over_engines(stack):
     """aiperf and vLLM dashboards read the front end's /metrics: the latency histograms and the engines' gauges
-    are there under vLLM's names (issue 19, item 5)."""
+    are there under vLLM's names."""
     from prometheus_client.parser import text_string_to_metric_families
 
     _, _, ready = stack

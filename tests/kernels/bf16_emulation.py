@@ -20,12 +20,12 @@ Two checks (``python -m tests.kernels.bf16_emulation``, ~1–2 min on the 2-core
    and the H200's 0.225. ``--full`` adds a set with the compressor, the indexer (its f16-dot path) and
    mHC interpreted too: every kernel wired with prefill attention, GEMMs left to the torch references.
 
-Measured (2026-11-29 22:15 UTC, this CPU): kernels within 1.0–4.0e-4 of the torch emulation (1.5–2.2e-3
+Measured on the CPU: kernels within 1.0–4.0e-4 of the torch emulation (1.5–2.2e-3
 from the reference); engine mean KL 0.0798 floor, 0.0819 with the attention kernels' bf16 path, 0.0820
 with every kernel wired since (per config 0.0722 / 0.0975 / 0.0762): the logic of the new kernels at
 the tiny shapes does not explain the H200's 0.225.
 
-``--bisect cuda`` (H200, one call): the compiled FP8 engine with one stage at a time put back to the
+``--bisect cuda`` (a Hopper GPU, one call): the compiled FP8 engine with one stage at a time put back to the
 0.081 wiring (attention fp32 dots; prefill attention → torch reference; compressor + indexer → torch;
 mHC → the model's): the stage whose removal restores ~0.08 holds the GPU-only defect.
 """

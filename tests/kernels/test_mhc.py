@@ -48,7 +48,7 @@ def _ref_expand(y: torch.Tensor, h: torch.Tensor, mix: ref.Mix) -> torch.Tensor:
 
 GPU_MIX_REL = 1e-4
 """On the GPU both sides reduce 4·5120 fp32 products, in different orders (tensor-core tf32-split
-partial sums against cuBLAS fp32), and the first H200 run measured 2.6e-5 apart on pre at T = 1 with
+partial sums against cuBLAS fp32), and a GPU run measured 2.6e-5 apart on pre at T = 1 with
 the forced single split: fp32 reordering noise over 20K terms (√N·2⁻²⁴·Σ|terms| ~ 1e-5), not a fault."""
 
 

@@ -301,7 +301,7 @@ def test_gpu_quantize_act_matches_reference_exactly():
 def test_gpu_prefill_linear_splits_m_with_the_same_bits(num_tokens, n, k):
     """A one-expert FP8 linear at prefill size (v41's wq_a, wkv) takes the M split by default; it gives
     the same bits as one program per N tile, and the dequantised product's values. The time of both is
-    printed (not asserted). Not run yet (written 2026-11-29 without device time)."""
+    printed (not asserted)."""
     import time
 
     from kernels.moe_grouped_gemm import default_m_split, moe_grouped_gemm

@@ -1,5 +1,5 @@
 """NATS with the stack's credentials (services/nats_auth.py): nats-server started as `shinkai up` starts it
-refuses a connection without the token, so a forged lifecycle `down` for engine-0 (issue 19's defect 1)
+refuses a connection without the token, so a forged lifecycle `down` for engine-0
 never reaches the gateway's router; the same message from an authenticated connection does."""
 
 import asyncio

@@ -32,7 +32,7 @@ NORM_TOKENS = (256, 4096, 16384)
 SWEEP = [  # (block_m, block_n, num_warps, num_stages, programs_per_sm); None = the launcher's default
     (None, 128, 8, 3, 2), (32, 128, None, 3, 2), (None, 128, None, 4, 1), (None, 64, None, 3, 4),
 ]
-SWEEP_TOKENS = (128, 256)  # where the defaults fell short in the first H200 run
+SWEEP_TOKENS = (128, 256)  # where the default launch configs fell short in the kernel bench
 # Kernels benchmarked in their own modules, ``services/bench/kernels_<name>.py``, each exposing
 # ``bench(ceil, quick, gen) -> list[row]`` built with ``kernel_timing._row`` (one file per kernel, like kernels/).
 EXTRA = ("indexer", "compressor", "mhc", "prefill_attention", "sampler", "decode_gemms", "prefill_gemms",

@@ -1,4 +1,4 @@
-"""Where one DSpark proposal's time goes (issue 20): ``python -m services.bench.speculative.draft_proposal``.
+"""Where one DSpark proposal's time goes: ``python -m services.bench.speculative.draft_proposal``.
 
 Runs greedy requests with speculation (forced acceptance a, services/worker/spec/forced_acceptance.py, so every
 step proposes) and counts, per proposal (``Speculator``'s propose, from the anchors to the drafts on the host):

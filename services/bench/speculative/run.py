@@ -1,5 +1,5 @@
 """Speculative decoding's speed: tokens/s with the DSpark draft against speculation off, at forced
-acceptance rates (issue 20's GPU table; ``shinkai bench speculative``).
+acceptance rates (``shinkai bench speculative``; its GPU table is in docs/speculative.md).
 
 Random weights accept almost no draft, so each draft is accepted independently with probability a
 (services/worker/spec/forced_acceptance.py); the target still verifies every draft row and the draft still
@@ -17,7 +17,7 @@ the kernel backend (``--kernel-backend``) with CUDA graphs (``--cuda-graphs``: e
 included, replays one; every row-counting size is captured when each case's engine is built), synchronously
 unless ``--async-scheduling``. Stdlib-only at import (the CLI registers it); torch loads when it runs.
 
-Each row also says where a step's time goes (issue 20: every step with drafts cost about 5x a step without):
+Each row also says where a step's time goes (a step with drafts can cost several steps without):
 ``eager_steps`` and ``graph_replays`` of the timed run (the DecodeStepGraphs's: a decode step outside a captured size
 runs eagerly), ``draft_graph_captures`` in all and ``draft_graph_captures_timed`` inside the timed run (a capture
 there means the warm-up saw another ``ProposalKey``; ``draft_keys`` and ``draft_keys_timed``: the keys the static

@@ -1,4 +1,4 @@
-"""The same decode step three ways, on one model and the same plans (issue 9's comparison):
+"""The same decode step three ways, on one model and the same plans:
 
 1. eager: the model's own PyTorch modules (the torch backend's cached runner), fp32 weights;
 2. compiled: the same, with every layer's modules around attention (``torch.compile`` of the MoE,

@@ -125,6 +125,6 @@ def step_cost(cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool)
     return cost
 
 
-# Issue 9's table (4.26 TB/s, 1,440 FP8 TFLOP/s, 4K context), kept to print beside ours.
+# The target specification's floor table (its own HBM bandwidth and FP8 peak, 4K context), kept to print beside ours.
 ISSUE_FLOORS_MS = {("decode", 1): 3.98, ("decode", 16): 16.2, ("decode", 64): 18.4, ("decode", 256): 20.7,
                    ("prefill", 4096): 102.0, ("prefill", 32768): 833.0}

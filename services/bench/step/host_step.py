@@ -2,7 +2,7 @@
 runner that only builds the step's batch, a sampler that returns a token per row), so what is timed
 is scheduling, sampling rows, the batch's host arrays and uploads, the worker's bookkeeping and the
 update. On a GPU the device runs a step while the host does this for the next (async scheduling);
-GPU-busy ≥ 97% needs this time well below the device's step time (issue 9: ~20 ms at batch 256)."""
+GPU-busy ≥ 97% needs this time well below the device's step time (the step floors: services/bench/step/floors.py)."""
 
 from __future__ import annotations
 

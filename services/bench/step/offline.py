@@ -27,7 +27,7 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
                    for i in range(batch)]
         params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
         # Warm-up on the same prompts: the prefill chunks' shapes compile here, not in the timed run
-        # (a one-prompt warm-up left them to the first timed run: 12.7 s against 5.5 s profiled, H200).
+        # (a one-prompt warm-up left them to the first timed run, which then timed their compilation).
         llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
         busy = kernel_s = profiled_wall = decode_busy = None
         phases = StepPhases()  # host ms per decode step by phase (microseconds of clock overhead per step)

@@ -37,7 +37,7 @@ COPY_PREFIXES = ("Memcpy", "Memset")
 
 def launch_totals(events, num_steps: int) -> dict[str, float]:
     """Device events → per step: kernel launches and their summed device time (every kernel, not only the
-    table's top rows; issue 21's launch count), and the copies/fills beside them. Zero-time events are
+    table's top rows: the step's launch count), and the copies/fills beside them. Zero-time events are
     left out, as in ``kernel_table``."""
     kernels = copies = 0
     kernel_us = copy_us = 0.0

@@ -62,8 +62,8 @@ def index_weights(idx: Indexer, x: torch.Tensor) -> tuple[torch.Tensor, float]:
 STAGE_MAX_ENTRIES = 1 << 16
 """Prefill attention reads compressed entries dequantised once per step (``stage_entries``) when the
 step's requests hold at most this many at the source (64 MB of bf16 keys at head_dim 512, plus the
-dequantisation's transient): 1.9–2.0× faster than dequantising in the loop at 1K–4K-token chunks
-(H200 kernel bench, docs/performance.md). Above it (many long requests in one mixed step) the loop
+dequantisation's transient): faster than dequantising in the loop at 1K–4K-token chunks
+(the kernel bench: docs/performance.md, "Kernels"). Above it (many long requests in one mixed step) the loop
 dequantises, as before."""
 
 STAGE_MAX_WINDOW_ROWS = 1 << 16

@@ -33,11 +33,11 @@ from services.worker.kernel_model import block_scaled_gemm
 
 MIN_ROWS_PER_EXPERT = 2048
 """Mean routed rows per expert from which the path is taken (and ``block_scaled_gemm.MIN_TOKENS`` tokens).
-Measured on the H200 (``shinkai bench kernels --only prefill_moe``, v41-s1's layer, 48 + 1 experts, top 6):
-at 512 rows per expert (4K tokens) the per-expert layer took 11.2 ms against the grouped Triton GEMM's
-5.35 ms (gate/up 3.08 against 3.44 ms, but down 4.21 against 1.79 ms); at 2,048 rows (16K tokens) 17.4
-against 20.8 ms (gate/up 5.67 against 13.2 ms, down 2.99 against 7.38 ms; the rest of the 17.4 ms is the
-per-layer count read, gathers and SwiGLU). So the path starts at the measured win, 2,048 rows."""
+Chosen from ``shinkai bench kernels --only prefill_moe`` (v41-s1's layer, 48 + 1 experts, top 6;
+docs/performance.md, "Kernels"): at 512 rows per expert (4K tokens) the per-expert layer was slower than the
+grouped Triton GEMM (its down product lost more than its gate/up won); at 2,048 rows (16K tokens) it was faster
+(both products won; the rest of its time is the per-layer count read, gathers and SwiGLU). So the path starts at
+the measured win, 2,048 rows."""
 
 
 def applies(num_tokens: int, top_k: int, num_experts: int, device: torch.device, interpreted: bool) -> bool:

@@ -5,8 +5,8 @@ power-of-two scale per token and 128 channels (``kernels.quant_fp8.quantize_act`
 with one power-of-two scale per 128×128 block. Both GEMMs scale each 128-deep partial product by
 ``a_scale · w_scale`` and sum the partials in fp32, so they differ only in summation order and in where
 the output is rounded from. What this one brings: Hopper GEMM tiles with TMA and warp
-specialisation, 577–1,187 TFLOP/s on the H200 at v41-s1's projections with 1K–16K tokens, against
-280–400 for the Triton GEMM (``shinkai bench kernels --only prefill_gemms`` measures both side by side).
+specialisation, faster than the Triton GEMM at prefill's sizes (``shinkai bench kernels --only prefill_gemms``
+measures both side by side; docs/performance.md, "Kernels").
 
 Layouts cuBLASLt takes on sm_90 (an error message names the expected shape or strides):
 - ``mat_a``: e4m3 [M, K], row-major; ``scale_a``: fp32 [M, K/128], M-major (strides (1, M));
@@ -34,26 +34,24 @@ from kernels.reference import GROUP, dequantize_weight_block128
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 1024
-"""Rows from which prefill takes this GEMM: the smallest M of the H200 measurements (1,024 × 32,768 × 1,280:
-577 against the Triton GEMM's ~300 TFLOP/s): the experts' threshold (block_scaled_experts.py); the dense
+"""Rows from which prefill takes this GEMM: the smallest M of the prefill GEMM measurements (1,024 × 32,768 ×
+1,280, where it already beat the Triton GEMM): the experts' threshold (block_scaled_experts.py); the dense
 projections take it from ``LINEAR_MIN_TOKENS``."""
 
 LINEAR_MIN_TOKENS = 64
 """Rows from which ``KernelLinear`` (the dense projections) takes this GEMM, decode's graph-captured steps
-included. H200, v41-s1's projections, eager with the L2 flushed (``kernels_prefill_gemms.bench_projections``),
+included. Chosen from v41-s1's projections, eager with the L2 flushed (``kernels_prefill_gemms.bench_projections``),
 against the Triton one-expert GEMM at decode's tile (BLOCK_M 16, which re-reads the weights once per 16 rows):
-at 256 rows 1.08–4.63× (wo_b 160.3 → 34.7 µs, wq_b 102.8 → 31.6; 345 → 133 µs over the five per layer), at 64
-rows 1.13–1.61× on four of five (the indexer's wq_b 0.87×; 164 → 123 µs over the five). Below 64 rows not
-measured: split-K and the in-GEMM quantisation keep those. The experts keep ``MIN_TOKENS``, attention's grouped
+faster at 256 rows on every projection and at 64 rows summed over the five per layer (docs/performance.md,
+"Kernels"). Below 64 rows not measured: split-K and the in-GEMM quantisation keep those. The experts keep ``MIN_TOKENS``, attention's grouped
 wo_a ``GROUPED_MIN_TOKENS``."""
 
 GROUPED_MIN_TOKENS = 4096
 """Tokens from which ``GroupedKernelLinear`` (attention's wo_a: G groups of Kg → R, one GEMM a group) takes this
-GEMM. H200, v41-s1's wo_a (8 groups of 4,096 → 1,024), the whole module eager (``kernels_prefill_gemms.bench_wo_a``):
-cuBLASLt costs 750–900 µs at every size up to 4K tokens (eight calls of N = 1,024 each, and the group-major copies),
-the Triton grouped GEMM 169 µs at 64 tokens, 275 at 1K, 1,037 at 4K; from 4K cuBLASLt wins (748 µs; 16K: 3,017 against
-4,100). From 64 tokens, decode at batch 64 took 44.24 ms in the sizes run against 38.09–38.97 ms from 4,096
-(docs/performance.md, session 16)."""
+GEMM. Chosen from v41-s1's wo_a (8 groups of 4,096 → 1,024), the whole module eager
+(``kernels_prefill_gemms.bench_wo_a``): cuBLASLt's cost is nearly flat up to 4K tokens (eight calls of N = 1,024
+each, and the group-major copies) while the Triton grouped GEMM's grows with the tokens; from 4K cuBLASLt wins.
+A threshold of 64 tokens slowed decode at batch 64 (docs/performance.md, "Kernels" and "Decode step")."""
 
 PROBE_REL = 2.0**-7
 """The probe's bound, relative Frobenius error of the output against the fp32 product of the same e4m3

@@ -43,8 +43,8 @@ PRECISIONS = ("fp8", "fp32")
 
 def linear_block_m(num_tokens: int) -> int:
     """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps by default). 16 up to decode's 256 rows; above, 32: the
-    weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took 0.55–0.65× BLOCK_M 16's time
-    summed over v41's projections (H200, ``scripts/diagnostics/tune_linear.py``; docs/performance.md has the
+    weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took clearly less time than BLOCK_M 16
+    summed over v41's projections (``scripts/diagnostics/tune_linear.py``; docs/performance.md, "Kernels", has the
     table). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
     BLOCK_M 64 spills at 4 warps."""
     if invariance.active():
@@ -163,7 +163,7 @@ def one_expert_meta(num_tokens: int, num_experts: int, device: torch.device) -> 
 
     Read-only constants of (num_tokens, num_experts): built once per size up to
     ``META_CACHE_MAX_TOKENS``. Built per call, they cost ~9 small launches per projection, about 1,800
-    per v41-s1 decode step (a share of batch 1's ~3.5 ms of torch launches on the H200)."""
+    per v41-s1 decode step (a share of batch 1's small torch launches: docs/performance.md, "Decode step")."""
     key = (num_tokens, num_experts, torch.device(device))
     meta = _META_CACHE.get(key)
     if meta is not None:

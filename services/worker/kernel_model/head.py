@@ -2,8 +2,7 @@
 
 The model computes ``F.linear(y.float(), W.float())``: an fp32 GEMM over the [vocab, D] weight, which
 the checkpoint stores in bf16 (checkpoint.py). Held in fp32 it is 2.6 GB read per step at v41 widths
-(620 µs at batch 1 on the H200, where the floor counts 1.3 GB) and an FFMA GEMM at large batches
-(6.8 ms at batch 256). ``KernelHead`` keeps W in bf16, which is exact, and on CUDA runs one bf16
+(twice the 1.3 GB the floor counts) and an FFMA GEMM at large batches (docs/performance.md, "Kernels"). ``KernelHead`` keeps W in bf16, which is exact, and on CUDA runs one bf16
 tensor-core GEMM with fp32 accumulation and fp32 output (``torch.mm(..., out_dtype=torch.float32)``,
 cuBLAS) over the rows [y_hi; y_lo], both bf16 with y_hi + y_lo = y to within 2^-17 |y|; the two
 halves of the output are added. W is used exactly and y to 16 bits of mantissa, where the fp32

@@ -36,8 +36,9 @@ import model.deepseek_v41.attention as our_attention  # noqa: E402
 import model.deepseek_v41.compressor as our_compressor  # noqa: E402
 import model.deepseek_v41.indexer as our_indexer  # noqa: E402
 import model.deepseek_v41.moe as our_moe  # noqa: E402
-from model.deepseek_v41 import quant, quant_boundary  # noqa: E402
+from model.deepseek_v41 import quant  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
+from tests.model.deepseek_v41 import quant_boundary
 
 # NeMo wraps the clamped SwiGLU in torch.compile(max_autotune): minutes of CPU compile per shape and
 # fused rounding. Eager runs the same Python function, so the oracle's maths is unchanged.
@@ -333,7 +334,7 @@ def run_both(ours_model, nemo, ids: torch.Tensor, ours_kwargs: dict | None = Non
 
 
 def assert_matches(c: Comparison, label: str) -> None:
-    """The acceptance rule of issue 3, with a message that says what to do."""
+    """The oracle acceptance rule, with a message that says what to do."""
     assert not c.untraced, f"{label}: untraced differences (a bug): {c.untraced[:5]}"
     assert c.exempt_fraction <= tol.MAX_EXEMPT_FRACTION, (
         f"{label}: bin flips and oracle top-k near ties exempt {c.exempt_fraction:.0%} of positions "

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from model.deepseek_v41 import quant, quant_boundary
+from model.deepseek_v41 import quant
 from tests import tolerances as tol
+from tests.model.deepseek_v41 import quant_boundary
 
 pytest.importorskip("nemo_automodel")
 

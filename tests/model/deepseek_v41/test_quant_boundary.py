@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model.deepseek_v41 import quant as Q
-from model.deepseek_v41 import quant_boundary as B
+from tests.model.deepseek_v41 import quant_boundary as B
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Async scheduling (issue 9, build step 2) on CPU: the same tokens and logprobs with it on and off, over a
+"""Async scheduling on CPU: the same tokens and logprobs with it on and off, over a
 mixed batch (prompt lengths, max_tokens, a stop token, an abort mid-run, greedy and seeded sampling), whole
 pools and scheduler invariants after every step, and proof that step N+1 is planned before N is updated."""
 

@@ -11,7 +11,7 @@ def test_default_blocks_admit_a_full_batch_of_full_length_prompts(num_seqs, max_
     """With the default pool, max_num_seqs prompts of max_model_len − 21 tokens (the step bench's
     4096 of 4117) all reach decode
     together: the scheduler admits a new prompt only while ≤ 90% of the blocks are held, so the pool
-    needs that headroom (the H200 step bench ran 60 of 64 without it)."""
+    needs that headroom (the step bench ran 60 of 64 without it)."""
     config = EngineConfig(max_num_seqs=num_seqs, max_model_len=max_model_len, block_size=block_size)
     sched = Scheduler(SchedulerConfig(
         block_size=block_size, num_blocks=config.resolved_num_blocks(),

@@ -50,8 +50,8 @@ def test_two_sizes_or_more_join_the_means_and_stay_flat_past_the_largest():
 
 def test_a_bend_is_kept_where_one_line_would_spread_it():
     """Steps measured at batch 1 (1-8 rows: each row reads more experts, about 1.4 ms a row here) and at batch 16 (16-48
-    rows, past the bend, as on the H200: docs/speculative.md). One line through all the means had a slope of
-    0.57 ms a row, so for 16 requests at a = 0.8 varlen stopped at 48 rows; the curve through the means prices
+    rows, past the bend, as measured on the GPU: docs/speculative.md). One line through all the means had a slope of
+    0.57 ms a row here, so for 16 requests at a = 0.8 varlen stopped at 48 rows; the curve through the means prices
     the rows past 48 at what was measured (nothing yet: flat, so tried), and varlen verifies every draft."""
     from scheduler_rs import MtpVarlen, graph_sizes
 
@@ -91,13 +91,13 @@ BATCH_64_MEANS = {4: (21.022, 1), 8: (23.489, 6), 16: (29.802, 7), 24: (33.813, 
                   128: (67.619, 16), 136: (63.739, 1),
                   160: (73.959, 21), 168: (75.063, 1), 192: (78.463, 31), 208: (81.028, 1), 256: (86.178, 16),
                   320: (97.749, 5), 344: (101.242, 1), 352: (101.53, 1), 384: (106.273, 37)}
-"""The H200's step means (ms, steps) per graph size after an engine ran batch 64 at a = 0.8, 1, 0.5 and 0
-(docs/speculative-h200-2026-12-03-s16-v41-varlen.json): the curve its batch-16 cases started from."""
+"""Measured step means (ms, steps) per graph size after an engine ran batch 64 at a = 0.8, 1, 0.5 and 0
+(v41-s1, varlen; docs/speculative.md): the curve its batch-16 cases started from."""
 
 
 def test_each_request_bucket_has_its_own_curve():
-    """The eighth figures: batch 16 after batch 64 on one engine. One curve for both priced batch 16's rows past
-    64 by batch 64's steps (96 rows: 60.0 ms at 64 requests against 49.9 at 16), so varlen at a = 0.8 verified 80
+    """Batch 16 after batch 64 on one engine. One curve for both priced batch 16's rows past
+    64 by batch 64's steps (96 rows cost more at 64 requests than at 16), so varlen at a = 0.8 verified 80
     rows, not the 96 that pay at batch 16's own times; per bucket it verifies all 96 and batch 64 keeps its price."""
     from scheduler_rs import MtpVarlen, graph_sizes
 

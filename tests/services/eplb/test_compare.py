@@ -1,4 +1,4 @@
-"""Guarded against DeepSeek's reference policy on seeded loads (issue 18's "Done when").
+"""Guarded against DeepSeek's reference policy on seeded loads.
 
 Shapes: 16–256 experts over 4–64 GPUs (``compare.SHAPES``), 40 seeded loads each, cycling uniform, Zipf
 and one-hot skew. The reference plans on the window's sum, so the comparison scores the summed load,

@@ -1,4 +1,4 @@
-"""The OpenAI contract's hard edges (issue 19's defects 3, 4, 7, 8, 9, 10): masked logprobs are finite JSON,
+"""The OpenAI contract's hard edges: masked logprobs are finite JSON,
 deep nesting and nested NaN are 400s naming the place, Content-Type is enforced, 405 carries Allow,
 unsupported OpenAI parameters are refused by name, logit_bias bans, and every error names its parameter."""
 

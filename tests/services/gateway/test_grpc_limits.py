@@ -1,5 +1,5 @@
-"""gRPC field caps (issue 19's defect 5), logit_bias over gRPC, finite masked logprobs, and the client's
-status-code mapping (defect 6: a message-size RESOURCE_EXHAUSTED is not a `QueueFull`)."""
+"""gRPC field caps, logit_bias over gRPC, finite masked logprobs, and the client's
+status-code mapping (a message-size RESOURCE_EXHAUSTED is not a `QueueFull`)."""
 
 import math
 

@@ -1,5 +1,5 @@
 """One client looping near-limit prompts keeps the tokenizer busy, yet health and a normal request are
-answered (issue 19's defect 2); a prompt whose bytes prove it over the context is refused before encoding."""
+answered; a prompt whose bytes prove it over the context is refused before encoding."""
 
 import json
 import time

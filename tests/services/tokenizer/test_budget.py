@@ -1,4 +1,4 @@
-"""The tokenizer service under a client that keeps it busy (issue 19's defect 2): health and short encodes
+"""The tokenizer service under a client that keeps it busy: health and short encodes
 are answered while near-limit prompts encode; over-budget prompts are INVALID_ARGUMENT, early when their bytes
 prove it. The byte bound itself is checked against the vocabulary."""
 

@@ -1,4 +1,4 @@
-"""The step floors reproduce issue 9's decode table from the model's own tensor table."""
+"""The step floors reproduce the target specification's decode table from the model's own tensor table."""
 
 import pytest
 

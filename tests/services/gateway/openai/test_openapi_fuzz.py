@@ -1,5 +1,5 @@
 """schemathesis against the served /openapi.json: no 5xx, no undocumented status code, no response that breaks
-its schema or content type, for a bounded number of generated requests per operation (issue 19, item 3).
+its schema or content type, for a bounded number of generated requests per operation.
 
 The server has a 64-token context so every generated generation is short; the schema's limits follow it."""
 

@@ -467,7 +467,7 @@ def test_fp8_kernel_engine_with_an_image_is_batch_invariant_and_within_the_fp8_f
     """The FP8 kernel engine (interpreted, batch-invariant mode): the image prompt's logits alone equal its
     logits beside a text prompt (``==``), and against the torch backend they are as close as the FP8
     formats allow, by test_kernel_backend.py's FP8 bound: mean and max KL no worse than twice the same
-    wiring's on the torch references (``KernelSet.references()``, the format floor), or issue 8's targets."""
+    wiring's on the torch references (``KernelSet.references()``, the format floor), or the FP8 accuracy targets (docs/accuracy.md)."""
     seqs, spans = _requests(vision_model)
     want, _ = _drive(_runner(vision_model, 2, "torch"), vision_model, seqs, spans)
     floor, _ = _drive(_runner(vision_model, 2, "kernels", "fp8", KernelSet.references()), vision_model, seqs, spans)

@@ -348,7 +348,7 @@ class _Forgetful(dict):
 
 
 def test_rope_turns_once_per_frequency_set_change_no_bit(monkeypatch):
-    """Fewer glue launches (issue 21): a step computes the RoPE turns once per frequency set (2 in the oracle
+    """Fewer glue launches: a step computes the RoPE turns once per frequency set (2 in the oracle
     case: main and compress base), not once per layer; its logits, counts and pools (null block and slot
     included) are == to every layer computing its own, in the batch-invariant mode, padded 5 → 8."""
     import services.worker.attention.step as attention_step
@@ -378,7 +378,7 @@ def test_rope_turns_once_per_frequency_set_change_no_bit(monkeypatch):
 
 @pytest.mark.slow  # two interpreted kernel-backend steps: about 50 s on one core
 def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
-    """Fewer glue launches (issue 21), on the GPU step's code (kernel backend, "triton" attention, every
+    """Fewer glue launches, on the GPU step's code (kernel backend, "triton" attention, every
     kernel interpreted, padded 5 → 8): RoPE reading its pairs in place, the index weights' scale inside the
     indexer kernel and the MoE combine writing the dead rows' zeros give logits, counts and pools == to
     their torch forms (the pairs copied, torch's ``w * scale``, ``torch.where`` after the combine); and the
