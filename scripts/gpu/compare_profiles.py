@@ -13,7 +13,8 @@ import sys
 def profiles(path):
     """(the decode profile row, the prefill profile row) of one run's JSON; None where it has none."""
     try:
-        rows = json.load(open(path))["rows"]
+        with open(path) as f:
+            rows = json.load(f)["rows"]
     except (OSError, ValueError, KeyError) as err:
         print(f"{path}: no result ({err})")
         return None, None
