@@ -4,5 +4,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # A failed Rust build leaves the venv active: commands that need the extension then say so (exit 2), and
 # the rest (`shinkai eplb`) still run.
-. "$root/scripts/dev-env.sh" || echo "shinkai: the Rust extension did not build; commands that need it will fail" >&2
+. "$root/scripts/dev/dev-env.sh" || echo "shinkai: the Rust extension did not build; commands that need it will fail" >&2
 exec shinkai "$@"

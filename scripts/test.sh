@@ -3,7 +3,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-. scripts/dev-env.sh
+. scripts/dev/dev-env.sh
 echo "== cargo test"
 cargo test --quiet --manifest-path scheduler_rs/Cargo.toml
 echo "== cargo clippy"
@@ -12,5 +12,8 @@ echo "== stubtest"
 python -m mypy.stubtest scheduler_rs._core
 echo "== import contract (pyproject.toml [tool.importlinter])"
 lint-imports --no-cache
+echo "== ruff"
+ruff check .
+ruff format --check .
 echo "== pytest"
 python -m pytest -q --durations=25 "$@"

@@ -1,10 +1,10 @@
 """Print the compiled sparse decode attention kernels' resources (registers, spills, shared memory)
 and the MMA / async-copy instructions in their PTX, at R=1 (split keys) and R=256 (one program per
-row); run on the GPU machine after the tests (``scripts/kernels-h200.sh``).
+row); run on the GPU machine (the ``kernels`` suite of ``scripts/gpu/run.sh``).
 
 ``--offline`` (no GPU): compile the kernel for sm_90a here at the Flash shapes of each launch kind,
 with the argument specialisation Triton applies on the GPU (16-divisible pointers and strides —
-without it, as in a plain ``scripts/compile_sm90.py`` call, the key loads neither vectorise nor
+without it, as in a plain ``scripts/dev/compile_sm90.py`` call, the key loads neither vectorise nor
 pipeline and ptxas reports ~1 KB of spills that the real kernel does not have), and print ptxas's
 registers and spills.
 
@@ -27,10 +27,10 @@ from services.bench.kernel_timing import _bench_replay
 from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
 
 parser = argparse.ArgumentParser()
-parser.add_argument("out", nargs="?", help="ignored (scripts/kernels-h200.sh passes its output folder)")
+parser.add_argument("out", nargs="?", help="ignored (the kernels suite passes its output folder)")
 parser.add_argument("--offline", action="store_true")
 parser.add_argument("--time", action="store_true")
-parser.add_argument("--bandwidth", type=float, default=4.27e12, help="HBM bytes/s (H200 run, 21:14 UTC)")
+parser.add_argument("--bandwidth", type=float, default=4.27e12, help="HBM bytes/s (a full H200 run's)")
 parser.add_argument("--bf16-peak", type=float, default=680e12, help="bf16 FLOP/s (same run)")
 args = parser.parse_args()
 
@@ -38,7 +38,7 @@ if args.offline:
     from triton.compiler import ASTSource
     import triton
 
-    from scripts.compile_sm90 import TARGET, ptxas_report
+    from scripts.dev.compile_sm90 import TARGET, ptxas_report
 
     fn = da._decode_attention_kernel
     sig = dict(q_ptr="*bf16", ring_ptr="*u8", slots_ptr="*i64", pos_ptr="*i64", pool_ptr="*u8", sel_ptr="*i32",

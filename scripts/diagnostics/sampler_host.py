@@ -1,4 +1,4 @@
-"""Host ms of the samplers' per-step parameter building, by batch size and row mix (issue 21).
+"""Host ms of the samplers' per-step parameter building, by batch size and row mix.
 
 Times ``kernels.sampler.sampling_tensors`` (the fused sampler's per-row tensors, built on the host; the
 upload is not timed: on CPU it is a no-op, on CUDA it is enqueued) and the torch ``Sampler``'s whole call

@@ -116,13 +116,13 @@ def test_gpu_layout_equals_the_torch_layout_at_v41_shapes(per_row):
 @pytest.mark.parametrize("per_row", [True, False], ids=["quantise-per-row", "copy-words"])
 def test_it_compiles_for_sm90_on_this_cpu(per_row):
     """The interpreter runs branches that the compiler rejects (a name bound in both arms of the kernel's ``if`` with
-    two types failed on the H200): Triton builds sm_90a code here, no device needed (scripts/compile_sm90.py)."""
+    two types failed on the H200): Triton builds sm_90a code here, no device needed (scripts/dev/compile_sm90.py)."""
     import importlib.util
     from pathlib import Path
 
     from kernels import moe_contiguous as m
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "compile_sm90.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "compile_sm90.py"
     spec = importlib.util.spec_from_file_location("compile_sm90", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

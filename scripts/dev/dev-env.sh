@@ -1,7 +1,7 @@
 # Sourced by the README's commands: activates the pinned venv (building it if needed) and builds the
 # Rust extension into the source tree, so `scheduler_rs._core` imports from a checkout.
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$(bash "$root/scripts/venv.sh")"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+venv="$(bash "$root/scripts/dev/venv.sh")"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"

@@ -3,7 +3,7 @@
 No device is needed: Triton builds PTX and runs its bundled ptxas, which reports registers, spills and
 shared memory. Use it to catch compile errors and register pressure before spending device time.
 
-    python scripts/compile_sm90.py kernels.rmsnorm:_rmsnorm_kernel \
+    python scripts/dev/compile_sm90.py kernels.rmsnorm:_rmsnorm_kernel \
         'x_ptr=*bf16,w_ptr=*fp32,y_ptr=*bf16,turn_ptr=*fp32,q_ptr=*bf16,num_rows=i32,num_channels=i32,x_row_stride=i32,y_row_stride=i32,eps=fp32,turn_row_stride=i32,q_row_stride=i32,q_head_stride=i32,num_heads=i32,q_dim=i32' \
         'ROWS=4,BLOCK_C=8192,ROPE_PAIRS=0,BLOCK_P=1,BLOCK_H=1' [num_warps=4] [num_stages=3]
 

@@ -3,12 +3,12 @@
 # aiperf lives in its own venv, because its pins conflict with requirements/dev.txt; this script builds it
 # once (keyed by the aiperf version) and hands aiperf the model's own tokenizer from a local folder (no hub).
 #
-#   bash scripts/aiperf.sh [URL] [more aiperf profile arguments]     # URL default: http://127.0.0.1:8000
-#   SHINKAI_API_KEY=... bash scripts/aiperf.sh                        # a gateway started with --api-key
+#   bash scripts/dev/aiperf.sh [URL] [more aiperf profile arguments]     # URL default: http://127.0.0.1:8000
+#   SHINKAI_API_KEY=... bash scripts/dev/aiperf.sh                        # a gateway started with --api-key
 #
 # Writes aiperf's artifacts under ${AIPERF_OUT:-out/aiperf}; prints aiperf's table.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 version=0.13.0
 venv="${SHINKAI_VENV_ROOT:-$HOME/.cache/shinkai}/aiperf-$version"
 url="${1:-http://127.0.0.1:8000}"
@@ -24,7 +24,7 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 flock -u 9
 # The served model's tokenizer as a Hugging Face folder (aiperf counts tokens with it).
-dev="$(bash "$root/scripts/venv.sh")"
+dev="$(bash "$root/scripts/dev/venv.sh")"
 tokenizer="$(cd "$root" && PYTHONPATH="$root" "$dev/bin/python" - <<'PY'
 import json, shutil
 from model.deepseek_v41.tokenizer import v41_tokenizer_path

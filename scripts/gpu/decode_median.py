@@ -1,10 +1,11 @@
-"""Issue 23's one-rank check: 150-step decode medians of v41-s1 (kernels, CUDA graphs) at a few batch
-sizes and contexts, and medians of repeated whole-prompt prefill steps (the bench's single prefill
-sample moved by ±25% run to run), for whichever tree is first on PYTHONPATH (HEAD, or the pre-EP parent/). Uses only
+"""One-rank step medians of a source tree: 150-step decode medians of v41-s1 (kernels, CUDA graphs) at a
+few batch sizes and contexts, and medians of repeated whole-prompt prefill steps (the bench's single
+prefill sample moved by ±25% run to run), for whichever tree is first on PYTHONPATH (the checkout, or a
+baseline tree such as base/). Uses only
 ``step_build.builder`` and ``step_timing.time_decode``, which both trees have, so the same script times
 both. Prints one line per size: ``tree ctx batch median_ms p10_ms p90_ms`` (``prefill tokens ...``).
 
-    PYTHONPATH=parent:$site python3 scripts/dp1_decode_median.py --tree parent
+    PYTHONPATH=base:$site python3 scripts/gpu/decode_median.py --tree base    # the ``compare`` suite
 """
 
 from __future__ import annotations

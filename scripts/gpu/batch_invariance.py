@@ -1,11 +1,11 @@
-"""Issue 16's H200 check: the walkthrough's batch-invariance test with ``==`` on a GPU model.
+"""The walkthrough's batch-invariance test with ``==`` on a GPU model (the ``invariance`` suite).
 
 The prompts run as one batch (temperature 1.0, top-p 0.7, ``--max-tokens`` tokens, 5 top logprobs, a seed
 each), then each prompt alone, forced to the batch's tokens under another seed. Token ids, logprobs, top
 ids and top logprobs must be equal under Python ``==``. The engine is ``LLM``'s CUDA default (FP8
 kernels, CUDA graphs, async scheduling) with ``batch_invariant=True``. Prints one JSON line.
 
-    python3 scripts/gpu_batch_invariance.py --model v41-s1 --load-format dummy --num-prompts 64
+    python3 scripts/gpu/batch_invariance.py --model v41-s1 --load-format dummy --num-prompts 64
 """
 
 from __future__ import annotations

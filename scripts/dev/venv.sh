@@ -3,7 +3,7 @@
 # The venv lives outside the clone, keyed by a hash of requirements/, so CI reuses it across clones
 # and a pin change builds a fresh one. torch is installed with pip (the CUDA build from PyPI).
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 key="$(cat "$root"/requirements/*.txt | sha256sum | cut -c1-16)"
 venv="${SHINKAI_VENV_ROOT:-$HOME/.cache/shinkai}/venv-$key"
 mkdir -p "$(dirname "$venv")"

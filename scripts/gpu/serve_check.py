@@ -1,13 +1,13 @@
-"""The Python halves of scripts/gpu-serve.sh.
+"""The Python half of the serving suites of scripts/gpu/run.sh (serve, serve-checkpoint, serve-up).
 
-    python scripts/gpu_serve_check.py http --url URL --model NAME --out FILE
+    python scripts/gpu/serve_check.py http --url URL --model NAME --out FILE
         greedy completions through the openai client, plain and streamed (they must agree), saved with
         their prompts;
-    python scripts/gpu_serve_check.py offline --model M [--load-format dummy] --greedy FILE --out FILE
+    python scripts/gpu/serve_check.py offline --model M [--load-format dummy] --greedy FILE --out FILE
         the same prompts through ``LLM.generate`` in this process (greedy equality with the HTTP run),
         then ``LLM.generate`` throughput on the load generator's prompts, then the decode step that
         ``shinkai bench step`` times (``services/bench/step_timing.time_decode``) on the same model;
-    python scripts/gpu_serve_check.py served --model M [--load-format dummy] --out FILE
+    python scripts/gpu/serve_check.py served --model M [--load-format dummy] --out FILE
         one build for all of it: the engine serves HTTP from this process (``shinkai serve``'s Server)
         while the http half and the load generator (concurrency 1, 16, 64) run as processes against it,
         then the same engine does the offline half.
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 

@@ -4,8 +4,8 @@ The reference is brought in as source on the developer's machine, never vendored
 
     git clone https://github.com/deepseek-ai/EPLB /tmp/EPLB
     git -C /tmp/EPLB checkout d52c72d5b2f2fb4c41afbf8eb21366820239913d
-    . scripts/dev-env.sh   # torch comes with the pinned venv
-    python scripts/eplb_deepseek_golden.py --reference /tmp/EPLB/eplb.py
+    . scripts/dev/dev-env.sh   # torch comes with the pinned venv
+    python scripts/dev/eplb_deepseek_golden.py --reference /tmp/EPLB/eplb.py
 
 The file's sha256 must match REFERENCE_SHA256 (the pinned commit's eplb.py), so the goldens always come
 from the same code. Each case stores its inputs (shape, policy, and the load as a seeded case name or as
@@ -21,7 +21,7 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.eplb.compare import cases, load_digest  # noqa: E402

@@ -1,6 +1,6 @@
 """Live EPLB on two GPUs (NCCL exchange and moves groups): a check for a machine with ≥ 2 GPUs.
 
-    python scripts/eplb_live_gpu.py [--model tiny] [--max-tokens 24] [--device cuda]
+    python scripts/gpu/eplb_live.py [--model tiny] [--max-tokens 24] [--device cuda]
 
 (``--device cpu`` runs the same check on two CPU ranks over gloo.)
 
