@@ -25,5 +25,5 @@ timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/services/worke
 grep -E "^E  .*(Error|synchron)|^FAILED|passed|failed" "$out/tests-verify.log" | tail -12
 left=$((570 - SECONDS))
 timeout "$left" python3 -m services.bench.step --quick --profile --no-compare --no-async \
-    --baseline docs/step-h200-2026-12-02-c.json --json "$out/step.json" > "$out/step.log" 2>&1
+    --baseline docs/results/step-v41-s1-sizes.json --json "$out/step.json" > "$out/step.log" 2>&1
 grep -E "decode  ctx|prefill  |^profile|launches" "$out/step.log" | head -20

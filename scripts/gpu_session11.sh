@@ -16,5 +16,5 @@ timeout 110 python3 -m pytest -q -p no:cacheprovider tests/services/engine/test_
 grep -E "^E  .*(Error|synchron)|^FAILED|passed|failed|services/.*py:[0-9]+" "$out/tests-sync.log" | tail -8
 left=$((280 - SECONDS))
 timeout "$left" python3 -m services.bench.step --quick --profile --no-compare --no-async \
-    --baseline docs/step-h200-2026-12-02-d.json --json "$out/step.json" > "$out/step.log" 2>&1
+    --baseline docs/results/step-v41-s1-sizes.json --json "$out/step.json" > "$out/step.log" 2>&1
 grep -E "decode  ctx|prefill  |^profile" "$out/step.log" | head -12

@@ -25,7 +25,7 @@ if [ -n "${DEEPGEMM_STEP:-}" ]; then
     if ls /tmp/deepgemm/deep_gemm/_C*.so > /dev/null 2>&1; then
         PYTHONPATH="$PWD:$site:/tmp/deepgemm" SHINKAI_MOE_GEMM=deepgemm DG_JIT_CACHE_DIR=/tmp/deepgemm-jit \
             timeout 200 python3 -m services.bench.step --batches 1 --contexts 4096 --prefill-tokens 1024,4096,16384 \
-            --no-compare --no-async --baseline docs/step-h200-2026-12-02-sizes.json --json "$out/step-deepgemm.json" \
+            --no-compare --no-async --baseline docs/results/step-v41-s1-sizes.json --json "$out/step-deepgemm.json" \
             > "$out/step-deepgemm.log" 2>&1
         echo "step (deepgemm) rc $?"; grep -E "^prefill|^decode  ctx" "$out/step-deepgemm.log" | head -10
     fi

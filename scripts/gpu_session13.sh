@@ -70,14 +70,14 @@ if [ -n "${DEEPGEMM:-}" ]; then  # prefill's experts on DeepGEMM from here on (t
 fi
 if [ -n "${STEP_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python3 -m services.bench.step --batches 1 --contexts 4096 --prefill-tokens "$STEP_SIZES" \
-        --no-compare --no-async --baseline docs/step-h200-2026-12-02-sizes.json --json "$out/step-sizes.json" \
+        --no-compare --no-async --baseline docs/results/step-v41-s1-sizes.json --json "$out/step-sizes.json" \
         > "$out/step-sizes.log" 2>&1
     echo "step sizes rc $?"; grep -E "^prefill|^decode  ctx|FAILED" "$out/step-sizes.log" | head -10
 fi
-if [ -n "${FULL_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then  # issue 21's sizes run, profiled, against the issue's JSON
+if [ -n "${FULL_SIZES:-}" ] && [ "$(left)" -gt 90 ]; then  # the sizes run, profiled, against the last one's JSON
     timeout "$(left)" python3 -m services.bench.step --batches 1,16,64,256 --contexts 4096,32768 \
         --prefill-tokens 1024,4096,16384,32768 --profile --no-compare --no-async \
-        --baseline docs/step-h200-2026-11-30-sizes.json --json "$out/step-full.json" > "$out/step-full.log" 2>&1
+        --baseline docs/results/step-v41-s1-sizes.json --json "$out/step-full.json" > "$out/step-full.log" 2>&1
     echo "step full sizes rc $?"; grep -E "^prefill|^decode|launch|FAILED" "$out/step-full.log" | head -30
 fi
 if [ -n "${THREE_WAY:-}" ] && [ "$(left)" -gt 120 ]; then  # issue 21's three-way table and async's GPU busy
