@@ -71,7 +71,7 @@ def requested() -> bool:
 def module():
     """``deep_gemm``, imported once, or None where it is not installed (or fails to load)."""
     try:
-        import deep_gemm  # type: ignore[import-not-found]  # built by scripts/gpu_deepgemm.sh
+        import deep_gemm  # type: ignore[import-not-found]  # built by scripts/gpu/deepgemm_build.sh
     except Exception as err:  # an ImportError, or the extension's own init failing (no CUDA home, …)
         log.info("deep_gemm does not import (%s): the MoE GEMMs stay on Triton", err)
         return None

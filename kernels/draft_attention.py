@@ -169,7 +169,7 @@ def draft_attention(q: torch.Tensor, own: torch.Tensor, window: torch.Tensor, vi
         return out
     block_s = max(MIN_DOT, triton.next_power_of_2(s))
     # Two fp32 key tiles [BLOCK_T, hd/2] live beside the accumulators. At V41's head (512, 8 warps, sm_90a) ptxas
-    # spills ~1.5–2 KB a thread at 16 keys a tile and none at 32 (scripts/compile_sm90.py, bf16 or fp32 q).
+    # spills ~1.5–2 KB a thread at 16 keys a tile and none at 32 (scripts/dev/compile_sm90.py, bf16 or fp32 q).
     block_t = max(MIN_DOT, min(64 if hd <= 128 else 32, triton.next_power_of_2(max(w, 1))))
     _draft_attention_kernel[(n, h)](q, own, window, visible, turns, sink, out, scale,
                                     NUM_WINDOW=w, NUM_SLOTS=s, NUM_HEADS=h, HEAD_DIM=hd, NUM_PAIRS=p,

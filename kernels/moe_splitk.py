@@ -47,7 +47,7 @@ ITEMS_PER_SM = 4
 """Work items aimed at per SM at the routing width's active experts (fp8_splitk's figure)."""
 PROGRAMS_PER_SM = {False: 3, True: 2}
 """Persistent programs per SM, plain and with SwiGLU: as many as the registers hold at once. ptxas for sm_90a
-(scripts/compile_sm90.py, 4 warps, v41-s1 shapes): the down GEMM with e4m3 input uses 159 registers a thread
+(scripts/dev/compile_sm90.py, 4 warps, v41-s1 shapes): the down GEMM with e4m3 input uses 159 registers a thread
 (3 programs of 128 threads in 64K), the SwiGLU GEMM 255 (2), as the one pass does (146 and 255)."""
 
 

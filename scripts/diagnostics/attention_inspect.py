@@ -23,8 +23,8 @@ import sys
 import torch
 
 import kernels.decode_attention as da
-from services.bench.kernel_timing import _bench_replay
-from services.bench.kernels_decode_attention import decode_attention_args, decode_attention_problem
+from services.bench.harness import _bench_replay
+from services.bench.kernels.decode_attention import decode_attention_args, decode_attention_problem
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?", help="ignored (the kernels suite passes its output folder)")

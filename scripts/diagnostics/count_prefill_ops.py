@@ -79,8 +79,8 @@ def main() -> int:
 
     from scheduler_rs import Scheduler, SchedulerConfig
     from services.engine.config import EngineConfig
-    from services.worker.fp8_linear import KernelSet
-    from services.worker.model_runner import ModelRunner
+    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.runners.model_runner import ModelRunner
     from tests.kernels.interpret import interpreter, load_interpreted
     from tests.services.worker.test_model_runner import BLOCK, case
 

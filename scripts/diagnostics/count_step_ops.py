@@ -111,9 +111,9 @@ def main() -> int:
 
     from model.batch_invariant import batch_invariant
     from services.engine.config import EngineConfig
-    from services.worker.fp8_linear import KernelSet
-    from services.worker.graph_runner import GraphRunner
-    from services.worker.model_runner import ModelRunner
+    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.runners.decode_step_graphs import DecodeStepGraphs
+    from services.worker.runners.model_runner import ModelRunner
     from tests.kernels.interpret import interpreter, load_interpreted
     from tests.services.worker.test_model_runner import case
     from tests.services.worker.test_static_decode_step import BLOCK, MAX_LEN, _decode_plan
@@ -130,16 +130,16 @@ def main() -> int:
     backend = "kernels" if args.backend == "kernels" else None
     with interpreter(), (batch_invariant() if args.invariant else _null()):
         runner = ModelRunner(model, config, backend=backend, kernels=kernels if backend else None)
-        static = GraphRunner(runner, config, use_graphs=False, attention=args.attention,
+        static = DecodeStepGraphs(runner, config, use_graphs=False, attention=args.attention,
                              kernels=kernels if args.attention == "triton" else None)
         runner.cache.blocks.copy_(torch_runner.cache.blocks)
         runner.cache.slots.copy_(torch_runner.cache.slots)
         step = static.step(plan.graph_size)
-        step.prepare(plan)
+        step.fill(plan)
         step.run()  # warm: first-use work (lazy buffers) is not a replay's
         runner.cache.blocks.copy_(torch_runner.cache.blocks)
         runner.cache.slots.copy_(torch_runner.cache.slots)
-        step.prepare(plan)
+        step.fill(plan)
         with counter:
             step.run()
     ops, triton = counter.ops, counter.triton

@@ -19,8 +19,8 @@ def main() -> int:
 
     from scheduler_rs import graph_sizes
     from services.engine import LLM, SamplingParams
-    from services.worker.graph_runner import GraphRunner
-    from services.worker.model_runner import ModelRunner
+    from services.worker.runners.decode_step_graphs import DecodeStepGraphs
+    from services.worker.runners.model_runner import ModelRunner
 
     args = dict(model="tiny", device="cuda", block_size=16, max_num_batched_tokens=48, max_num_seqs=16,
                 num_blocks=256, num_state_slots=17, max_model_len=256, batch_invariant=True)
@@ -31,7 +31,7 @@ def main() -> int:
     model = base.source.model
 
     def graphs(use_graphs: bool):
-        runner = GraphRunner(ModelRunner(model, worker_config), worker_config, use_graphs=use_graphs,
+        runner = DecodeStepGraphs(ModelRunner(model, worker_config), worker_config, use_graphs=use_graphs,
                              attention="triton")
         if use_graphs:
             runner.capture(graph_sizes(config.max_num_seqs))

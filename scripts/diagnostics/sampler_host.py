@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def rows_of(mix: str, n: int) -> list:
-    from services.worker.sampler import SamplingRow
+    from services.worker.sampling.sampler import SamplingRow
 
     def one(i: int) -> SamplingRow:
         if mix == "greedy":
@@ -55,7 +55,7 @@ def main() -> int:
     import torch
 
     from kernels.sampler import sampling_tensors
-    from services.worker.sampler import Sampler
+    from services.worker.sampling.sampler import Sampler
 
     torch.set_num_threads(1)
     print(f"{'mix':<10} {'rows':>5} {'sampling_tensors ms':>20} {'Sampler V=16 ms':>16}")

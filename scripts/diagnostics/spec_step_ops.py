@@ -1,6 +1,6 @@
 """Eager aten ops per speculative step outside the CUDA graphs, by phase: where a step's time goes.
 
-On the CPU, tiny, the GraphRunner's static decode step, the static verify and the static draft proposal run
+On the CPU, tiny, the DecodeStepGraphs's static decode step, the static verify and the static draft proposal run
 eagerly (``use_graphs=False``: the code the graphs capture); ops inside ``StaticDecodeStep.run``,
 ``StaticVerify.run`` and ``StaticDraftProposal.run`` are what one replay each does on the GPU, every other
 non-view op is an eager op there (a launch, or host work on a host tensor). Forced acceptance, greedy, batch 1
@@ -19,19 +19,19 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import services.worker.speculator as speculator_module
+import services.worker.spec.speculator as speculator_module
 from services.bench.generate import run_batch
 from services.engine import LLM
 from services.engine.config import EngineConfig
 from services.engine.model_source import load_model
-from services.worker.forced_acceptance import ForcedAcceptance
-from services.worker.graph_runner import GraphRunner
-from services.worker.model_runner import ModelRunner
-from services.worker.sampler import Sampler
-from services.worker.speculator import Speculator
-from services.worker.static_decode_step import StaticDecodeStep
-from services.worker.static_draft_proposal import StaticDraftProposal
-from services.worker.static_verify import StaticVerify
+from services.worker.spec.forced_acceptance import ForcedAcceptance
+from services.worker.runners.decode_step_graphs import DecodeStepGraphs
+from services.worker.runners.model_runner import ModelRunner
+from services.worker.sampling.sampler import Sampler
+from services.worker.spec.speculator import Speculator
+from services.worker.runners.static_decode_step import StaticDecodeStep
+from services.worker.spec.static_draft_proposal import StaticDraftProposal
+from services.worker.spec.static_verify import StaticVerify
 from services.worker.worker import Worker
 
 VIEWS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "t", "permute", "expand", "detach",
@@ -90,7 +90,7 @@ def main() -> None:
     engine_args = dict(device="cpu", max_num_seqs=args.batch, max_model_len=8 + args.max_tokens + nextn + 8,
                        block_size=8, num_speculative_tokens=nextn)
     config = EngineConfig(**engine_args).worker_config()
-    runner = GraphRunner(ModelRunner(source.model, config, nextn=nextn, with_taps=True), config, use_graphs=False,
+    runner = DecodeStepGraphs(ModelRunner(source.model, config, nextn=nextn, with_taps=True), config, use_graphs=False,
                          attention="reference")
     forced = args.spec_sampling == "forced"
     spec = Speculator(source.model, nextn, "rejection" if forced else args.spec_sampling,

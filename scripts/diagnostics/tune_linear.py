@@ -18,8 +18,8 @@ import torch
 
 from kernels import moe_grouped_gemm as gg
 from kernels.quant_fp8 import quantize_act
-from services.bench.kernels_decode_gemms import projection_shapes
-from services.worker.fp8_linear import one_expert_meta
+from services.bench.kernels.decode_gemms import projection_shapes
+from services.worker.kernel_model.fp8_linear import one_expert_meta
 
 CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))  # (BLOCK_M, num_warps)
 

@@ -15,8 +15,8 @@ import statistics
 
 import torch
 
-from services.bench.step_build import builder, runner_cache
-from services.bench.step_timing import time_decode, time_prompt_step
+from services.bench.step.build import builder, runner_cache
+from services.bench.step.timing import time_decode, time_prompt_step
 
 
 def _line(tree: str, label: str, seconds: list[float]) -> str:

@@ -75,7 +75,7 @@ run() {
 show() { grep -E "$2" "$dir/$1.log" | tail -"${3:-20}"; }      # show NAME PATTERN [N]: a log's telling lines
 # (timeout runs programs, not shell functions: these are arrays)
 gpu_tests=(python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --tb=short)
-bench_step=(python3 -m services.bench.step)
+bench_step=(python3 -m services.bench.step.run)
 begin() {  # begin SUITE DEFAULT_BUDGET
     suite=$1; dir="$out/$1"; mkdir -p "$dir"
     suite_end=$(( SECONDS + ${SUITE_S:-$2} ))
@@ -118,7 +118,7 @@ suite_tests() {
 suite_kernels() {
     begin kernels 540
     # shellcheck disable=SC2086 # a list of arguments
-    run bench "$(( $(left) - 100 ))" python3 -m services.bench.kernels ${KERNELS_ARGS:---quick} --json "$dir/kernels.json"
+    run bench "$(( $(left) - 100 ))" python3 -m services.bench.kernels.run ${KERNELS_ARGS:---quick} --json "$dir/kernels.json"
     tail -60 "$dir/bench.log"
     if [ "${INSPECT:-1}" != 0 ]; then
         run inspect-moe 50 python3 scripts/diagnostics/kernels_inspect.py "$dir"; cat "$dir/inspect-moe.log"
@@ -133,7 +133,7 @@ suite_step() {
         ${STEP_BASELINE:+--baseline "$STEP_BASELINE"} --json "$dir/step.json" --markdown "$dir/step.md"
     show step "decode  ctx|prefill  |^profile|launches|FAILED" 30
     if enough 60; then  # the async offline run's decode busy fraction
-        run offline 150 python3 -m services.bench.step_offline --batch 256 --steps 20 --json "$dir/offline.json"
+        run offline 150 python3 -m services.bench.step.offline --batch 256 --steps 20 --json "$dir/offline.json"
         tail -12 "$dir/offline.log"
     fi
 }
@@ -156,7 +156,7 @@ suite_moe_configs() {
     local table
     table=$(python3 -c "import torch; from kernels.moe_configs import config_path
 print(config_path(torch.cuda.get_device_name()))") || return
-    run sweep 360 python3 -m services.bench.kernels_moe_configs --write-configs "$table" --json "$dir/moe-configs.json"
+    run sweep 360 python3 -m services.bench.kernels.moe_configs --write-configs "$table" --json "$dir/moe-configs.json"
     show sweep "defaults|best of" 50 | cut -c1-150
     cp "$table" "$dir/" 2>/dev/null
     local on
@@ -176,7 +176,7 @@ suite_deepgemm() {
     local bench_s=$(( $(left) - 75 )); [ "$bench_s" -ge 150 ] || bench_s=150
     # shellcheck disable=SC2086 # a list of arguments
     [ -n "${DEEPGEMM_CASES:-}" ] && export SHINKAI_DEEPGEMM_CASES="$DEEPGEMM_CASES"  # e.g. "decode:1,decode:16"
-    SHINKAI_DEEPGEMM_BENCH_S=$(( bench_s - 90 )) run bench "$bench_s" python3 -m services.bench.kernels --only deepgemm_moe --json "$dir/deepgemm.json" \
+    SHINKAI_DEEPGEMM_BENCH_S=$(( bench_s - 90 )) run bench "$bench_s" python3 -m services.bench.kernels.run --only deepgemm_moe --json "$dir/deepgemm.json" \
         ${DEEPGEMM_ARGS:-}
     grep -v "^\s*$" "$dir/bench.log" | tail -60
     # The probe, the grouped outputs against the torch reference, the layout kernel byte for byte.
@@ -198,7 +198,7 @@ from kernels import deepgemm_moe
 print('deepgemm requested', deepgemm_moe.requested(), 'available', deepgemm_moe.available(torch.device('cuda')))"
     # Its 1,024-token chunks take DeepGEMM's grouped products.
     run kl 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-        "tests/services/worker/test_fp8_accuracy.py::test_gpu_fp8_accuracy_at_v41_width_contractive"
+        "tests/services/worker/kernel_model/test_fp8_accuracy.py::test_gpu_fp8_accuracy_at_v41_width_contractive"
     show kl "mean KL|passed|failed|skipped|deepgemm|DeepGEMM" 8
     unset SHINKAI_MOE_GEMM
 }
@@ -209,7 +209,7 @@ suite_speculative() {
         tests/services/worker/test_speculator.py tests/services/worker/test_static_verify.py \
         tests/services/worker/test_verify_half.py
     show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
-    run proposal 90 python3 -m services.bench.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \
+    run proposal 90 python3 -m services.bench.speculative.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \
         --static-proposal --json "$dir/draft-proposal.json"
     tail -12 "$dir/proposal.log"
 }
@@ -222,7 +222,7 @@ suite_speculative_bench() {
         enough 60 || break
         accept=${SPEC_ACCEPT:-$([ "$model" != tiny ] && echo "0 0.8 1" || { [ "$batch" = 1 ] && echo "0 0.5 0.8 1" || echo "0 0.5 0.8"; })}
         # shellcheck disable=SC2086 # lists
-        run "b$batch" "$each" python3 -m services.bench.speculative --model "$model" \
+        run "b$batch" "$each" python3 -m services.bench.speculative.run --model "$model" \
             --num-speculative-tokens 5 "${size[@]}" --kernel-backend fp8 --cuda-graphs --batch "$batch" \
             --acceptance $accept --modes ${SPEC_MODES:-fixed varlen} ${SPEC_PROFILE:+--profile} \
             ${SPEC_ASYNC:+--async-scheduling} --json "$dir/speculative-b$batch.json"
@@ -233,7 +233,7 @@ suite_speculative_bench() {
 # The serve suites' parts (`shinkai up` through its module, so the device needs no console script).
 serve_ready() {  # up returns once every service is healthy; the engine's log has the load and pool lines
     local t0=$SECONDS
-    run up 420 python3 -m services.cli up --run-dir "$run_dir" --http-port "$port" --grpc-port 0 --timeout 400 "$@"
+    run up 420 python3 -m services.entrypoints.cli up --run-dir "$run_dir" --http-port "$port" --grpc-port 0 --timeout 400 "$@"
     local rc=$?
     echo "{\"what\": \"time_to_ready_s\", \"model\": \"$2\", \"rc\": $rc, \"seconds\": $(( SECONDS - t0 ))}" \
         | tee -a "$dir/results.jsonl"
@@ -242,7 +242,7 @@ serve_ready() {  # up returns once every service is healthy; the engine's log ha
     return $rc
 }
 serve_stop() {
-    python3 -m services.cli down --run-dir "$run_dir" --timeout 60 2>&1 | tail -8
+    python3 -m services.entrypoints.cli down --run-dir "$run_dir" --timeout 60 2>&1 | tail -8
     cat "$run_dir"/logs/engine-0.log >> "$dir/engine.log" 2>/dev/null
     rm -rf "$run_dir/logs"
 }
@@ -265,7 +265,7 @@ suite_serve_checkpoint() {
     serve_begin serve-checkpoint 570
     local ckpt=/tmp/v41-s1-part big t0=$SECONDS
     df -h /tmp | tee -a "$dir/disk.txt"
-    run init 300 python3 -m services.cli model init --preset v41-s1 --num-layers "${NUM_LAYERS:-14}" --out "$ckpt" \
+    run init 300 python3 -m services.entrypoints.cli model init --preset v41-s1 --num-layers "${NUM_LAYERS:-14}" --out "$ckpt" \
         --device cuda || { tail -5 "$dir/init.log"; return; }
     echo "{\"what\": \"model_init_s\", \"layers\": ${NUM_LAYERS:-14}, \"seconds\": $(( SECONDS - t0 )), \"bytes\": $(du -sb $ckpt | cut -f1)}" \
         | tee -a "$dir/results.jsonl"
@@ -347,7 +347,7 @@ suite_compare_profile() {
     base_tree || return
     local args="--layers ${LAYERS:-8} --no-compare --no-async --batches 1 --contexts ${CONTEXTS:-32768} --prefill-tokens 1024 --profile"
     # shellcheck disable=SC2086 # a list of arguments
-    (cd "$base" && PYTHONPATH="$PWD:$site" run base 130 python3 -m services.bench.step $args --json "$dir/base.json")
+    (cd "$base" && PYTHONPATH="$PWD:$site" run base 130 python3 -m services.bench.step.run $args --json "$dir/base.json")
     # shellcheck disable=SC2086 # a list of arguments
     run head 130 "${bench_step[@]}" $args --json "$dir/head.json"
     grep -H "decode  ctx\|prefill  \|^profile" "$dir/base.log" "$dir/head.log"

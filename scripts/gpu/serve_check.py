@@ -6,7 +6,7 @@
     python scripts/gpu/serve_check.py offline --model M [--load-format dummy] --greedy FILE --out FILE
         the same prompts through ``LLM.generate`` in this process (greedy equality with the HTTP run),
         then ``LLM.generate`` throughput on the load generator's prompts, then the decode step that
-        ``shinkai bench step`` times (``services/bench/step_timing.time_decode``) on the same model;
+        ``shinkai bench step`` times (``services/bench/step/timing.time_decode``) on the same model;
     python scripts/gpu/serve_check.py served --model M [--load-format dummy] --out FILE
         one build for all of it: the engine serves HTTP from this process (``shinkai serve``'s Server)
         while the http half and the load generator (concurrency 1, 16, 64) run as processes against it,
@@ -161,12 +161,12 @@ def decode_steps(source, args: argparse.Namespace) -> list[dict]:
     """``shinkai bench step``'s decode timing on ``source`` (the same model, pools of the bench's size)."""
     import torch
 
-    from services.bench.step_build import runner_cache
-    from services.bench.step_timing import time_decode
+    from services.bench.step.build import runner_cache
+    from services.bench.step.timing import time_decode
     from services.engine import LLM
     from services.engine.config import EngineConfig
-    from services.worker.graph_runner import GraphRunner
-    from services.worker.model_runner import ModelRunner
+    from services.worker.runners.decode_step_graphs import DecodeStepGraphs
+    from services.worker.runners.model_runner import ModelRunner
 
     rows = []
     context = args.prompt_tokens + args.max_tokens // 2  # the middle of a served request
@@ -177,7 +177,7 @@ def decode_steps(source, args: argparse.Namespace) -> list[dict]:
         config = EngineConfig(**config_args)
         runner = ModelRunner(source.model, config)
         if config.cuda_graphs:
-            runner = GraphRunner(runner, config, use_graphs=True, attention="triton")
+            runner = DecodeStepGraphs(runner, config, use_graphs=True, attention="triton")
         llm = LLM(source=source, runner=runner, **config_args)
         t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context, steps=args.decode_steps,
                         vocab_size=source.config.vocab_size)

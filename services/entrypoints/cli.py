@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_unavailable(subparsers: argparse._SubParsersAction, command: str, err: ModuleNotFoundError) -> None:
     def unavailable(_args: argparse.Namespace) -> int:
-        raise UsageError(f"needs {err.name}, which is not importable ({err}); build it with `. scripts/dev-env.sh`")
+        raise UsageError(f"needs {err.name}, which is not importable ({err}); build it with `. scripts/dev/dev-env.sh`")
 
     # No option prefix: every argument lands in "rest", so the missing dependency is the error reported.
     parser = subparsers.add_parser(command, help=f"unavailable: needs {err.name}", add_help=False,
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if err.name is None or not err.name.startswith("scheduler_rs"):
             raise
         print(f"shinkai {args.command}: error: needs {err.name}, which is not importable ({err}); build it with "
-              "`. scripts/dev-env.sh`", file=sys.stderr)
+              "`. scripts/dev/dev-env.sh`", file=sys.stderr)
         return 2
 
 

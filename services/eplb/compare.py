@@ -1,7 +1,7 @@
 """Seeded load windows and the comparison of policies on them (the "beats DeepSeek's balancer" study).
 
 A case is a shape (experts, GPUs, redundant copies), a load kind and a seed. The same generator feeds the
-golden-output script (``scripts/eplb_deepseek_golden.py``), the tests and the benchmark in ``docs/eplb.md``,
+golden-output script (``scripts/dev/eplb_deepseek_golden.py``), the tests and the benchmark in ``docs/eplb.md``,
 so a case is reproducible from its name alone.
 """
 

@@ -288,7 +288,7 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     from kernels import deepgemm_moe
 
     if not deepgemm_moe.available(torch.device(DEVICE)):
-        print("deepgemm_moe: deep_gemm is not installed or its probe failed here (scripts/gpu_deepgemm.sh builds it); "
+        print("deepgemm_moe: deep_gemm is not installed or its probe failed here (scripts/gpu/deepgemm_build.sh builds it); "
               "nothing measured", flush=True)
         return []
     rows: list[dict[str, Any]] = []

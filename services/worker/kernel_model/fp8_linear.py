@@ -45,7 +45,7 @@ def linear_block_m(num_tokens: int) -> int:
     """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps by default). 16 up to decode's 256 rows; above, 32: the
     weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took clearly less time than BLOCK_M 16
     summed over v41's projections (``scripts/diagnostics/tune_linear.py``; docs/performance.md, "Kernels", has the
-    table). 0 spills at both (ptxas sm_90a, scripts/compile_sm90.py);
+    table). 0 spills at both (ptxas sm_90a, scripts/dev/compile_sm90.py);
     BLOCK_M 64 spills at 4 warps."""
     if invariance.active():
         return invariance.BLOCK_M

@@ -92,7 +92,7 @@ BATCH_64_MEANS = {4: (21.022, 1), 8: (23.489, 6), 16: (29.802, 7), 24: (33.813, 
                   160: (73.959, 21), 168: (75.063, 1), 192: (78.463, 31), 208: (81.028, 1), 256: (86.178, 16),
                   320: (97.749, 5), 344: (101.242, 1), 352: (101.53, 1), 384: (106.273, 37)}
 """Measured step means (ms, steps) per graph size after an engine ran batch 64 at a = 0.8, 1, 0.5 and 0
-(v41-s1, varlen; docs/speculative.md): the curve its batch-16 cases started from."""
+(v41-s1, varlen; docs/results/speculative-v41-varlen.json): the curve its batch-16 cases started from."""
 
 
 def test_each_request_bucket_has_its_own_curve():

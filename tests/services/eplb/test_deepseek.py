@@ -1,6 +1,6 @@
 """The `deepseek` policy against deepseek-ai/EPLB's reference: its README example and golden outputs.
 
-The goldens come from ``scripts/eplb_deepseek_golden.py`` running the reference at a pinned commit. The
+The goldens come from ``scripts/dev/eplb_deepseek_golden.py`` running the reference at a pinned commit. The
 reference breaks ties by unstable sorts, so placements may differ where loads tie; the balance on the
 summed load may not (to 1e-9).
 """
