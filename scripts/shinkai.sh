@@ -5,4 +5,5 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # A failed Rust build leaves the venv active: commands that need the extension then say so (exit 2), and
 # the rest (`shinkai eplb`) still run.
 . "$root/scripts/dev/dev-env.sh" || echo "shinkai: the Rust extension did not build; commands that need it will fail" >&2
-exec shinkai "$@"
+# The module, not the console script: a venv shared across checkouts may hold an older script.
+exec python -m services.entrypoints.cli "$@"

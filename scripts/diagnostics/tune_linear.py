@@ -5,8 +5,8 @@ counts and tile configs, on the GPU: which BLOCK_M / warps each token count want
 
 Weights are random e4m3 with unit scales (timing only); activations are pre-quantised as
 ``KernelLinear`` hands them in. Prints µs, TB/s of weight bytes, TFLOP/s per config and the best.
-Launches run back to back: below ~1K tokens this times the host (H200: ~50–100 µs per
-call at any T ≤ 256); ``shinkai bench kernels --only decode_gemms`` times those sizes as graph replays.
+Launches run back to back: below ~1K tokens this times the host's launch cost, not the GEMM;
+``shinkai bench kernels --only decode_gemms`` times those sizes as graph replays.
 """
 
 from __future__ import annotations
