@@ -25,7 +25,7 @@ from typing import Protocol
 from services import nats_auth
 from services.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

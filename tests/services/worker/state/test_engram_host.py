@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -119,7 +120,7 @@ def test_two_processes_map_one_copy_and_the_last_close_removes_it():
     name = segment_name([{"weight": table}])
     seg = EngramSegment(name, [{"weight": table}])
     assert seg.created and torch.equal(seg.tensors[0]["weight"], table)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = str(pathlib.Path(__file__).resolve().parents[4])
     child = subprocess.Popen([sys.executable, "-c", _CHILD, name, str(rows), str(cols)], cwd=root, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
