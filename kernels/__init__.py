@@ -4,4 +4,5 @@
 The name clashes with Hugging Face's ``kernels`` package, which the environment must not hold;
 ``tests/kernels/test_package.py`` checks that this package is the one that imports.
 """
+
 SHINKAI_KERNELS = True

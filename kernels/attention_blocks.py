@@ -60,9 +60,24 @@ def _attend_block(q, k, ok, m, l, acc, scale_log2e, precision: tl.constexpr):
 
 
 @triton.jit
-def _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, first,
-                   NUM_BLOCKS: tl.constexpr, WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+def _window_blocks(
+    q,
+    m,
+    l,
+    acc,
+    ring_row,
+    pos,
+    ring_size,
+    ring_stride_pos,
+    scale_log2e,
+    first,
+    NUM_BLOCKS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    precision: tl.constexpr,
+):
     """Window blocks first … first + NUM_BLOCKS: positions pos−WINDOW+1+j, ascending, at ring index
     p mod ring_size; rows of D e4m3 codes then D/32 e8m0 scales."""
     n = tl.arange(0, BLOCK_N)
@@ -83,9 +98,25 @@ def _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scal
 
 
 @triton.jit
-def _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block, pool_stride_entry,
-                  scale_log2e, first, NUM_BLOCKS: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+def _entry_blocks(
+    q,
+    m,
+    l,
+    acc,
+    sel_row,
+    pool_ptr,
+    entries_per_block,
+    pool_stride_block,
+    pool_stride_entry,
+    scale_log2e,
+    first,
+    NUM_BLOCKS: tl.constexpr,
+    TOPK: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    precision: tl.constexpr,
+):
     """Selected entries first · BLOCK_N …: pool slot sel (−1 none) is entry sel mod epb of block
     sel div epb; entries of D/2 packed e2m1 bytes then D/16 e4m3 scales."""
     n = tl.arange(0, BLOCK_N)
@@ -94,8 +125,11 @@ def _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_strid
         sel = tl.load(sel_row + e, mask=e < TOPK, other=-1)
         ok = sel >= 0
         sel = tl.where(ok, sel, 0)
-        key_row = pool_ptr + (sel // entries_per_block).to(tl.int64) * pool_stride_block \
-            + (sel % entries_per_block) * pool_stride_entry  # [BLOCK_N]
+        key_row = (
+            pool_ptr
+            + (sel // entries_per_block).to(tl.int64) * pool_stride_block
+            + (sel % entries_per_block) * pool_stride_entry
+        )  # [BLOCK_N]
         packed = tl.load(key_row[:, None] + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0)
         scale_bytes = tl.load(key_row[:, None] + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0)
         k = _entry_keys(packed, scale_bytes, BLOCK_N, D).to(q.dtype)
@@ -104,8 +138,21 @@ def _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_strid
 
 
 @triton.jit
-def _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, out_row, out_stride_h,
-            BLOCK_H: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _finish(
+    acc,
+    denom,
+    pos,
+    heads,
+    h_ok,
+    freqs_ptr,
+    out_ptr,
+    out_row,
+    out_stride_h,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     """Normalise acc [BLOCK_H, D], undo RoPE on the trailing ROPE_PAIRS channel pairs (angle pos · freqs), store.
 
     libdevice's cos/sin reduce any angle exactly (pos · freqs reaches 10^5 rad); the interpreter has

@@ -49,8 +49,15 @@ def _fp4_codes(xn):
     magnitude with ties to the even code (≥ at the odd midpoints .75, 1.75, 3.5), sign bit for x < 0."""
     x = tl.minimum(tl.maximum(xn, -6.0), 6.0)
     a = tl.abs(x)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     return code | ((x < 0.0).to(tl.int32) << 3)
 
 
@@ -76,8 +83,7 @@ def _fp4(xe, xo, ROWS: tl.constexpr, PAIRS: tl.constexpr, BLOCK_PAIRS: tl.conste
 
 
 @triton.jit
-def _rope(xe, xo, start, freqs_ptr, pairs, NUM_PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-          LIBDEVICE: tl.constexpr):
+def _rope(xe, xo, start, freqs_ptr, pairs, NUM_PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Rotate pairs ≥ NUM_PAIRS − ROPE_PAIRS of (xe, xo) [ROWS, len(pairs)] by start · freqs; others unchanged.
 
     libdevice's cos/sin reduce any angle accurately; the interpreter has no libdevice (numpy's).
@@ -98,8 +104,9 @@ def _rope(xe, xo, start, freqs_ptr, pairs, NUM_PAIRS: tl.constexpr, ROPE_PAIRS: 
 
 
 @triton.jit
-def _chunk(c, v0, g0, v1, g1, ok, CHUNK: tl.constexpr, RATIO: tl.constexpr, ACT_BF16: tl.constexpr,
-           LIBDEVICE: tl.constexpr):
+def _chunk(
+    c, v0, g0, v1, g1, ok, CHUNK: tl.constexpr, RATIO: tl.constexpr, ACT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr
+):
     """Channels c … c+CHUNK−1 of every entry's pre-norm latent, in the activation dtype, as fp32 [BLOCK_E, CHUNK].
 
     Ratio 2: v0/g0, v1/g1 [BLOCK_E] point at the members' value and gate rows (step rows or partial
@@ -126,9 +133,29 @@ def _chunk(c, v0, g0, v1, g1, ok, CHUNK: tl.constexpr, RATIO: tl.constexpr, ACT_
 
 
 @triton.jit
-def _entry_chunk(c, k, v0, g0, v1, g1, ok, inv_rms, start, kv_row, norm_w_ptr, wk_tile, freqs_ptr,
-                 ROTATE: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-                 RATIO: tl.constexpr, ACT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _entry_chunk(
+    c,
+    k,
+    v0,
+    g0,
+    v1,
+    g1,
+    ok,
+    inv_rms,
+    start,
+    kv_row,
+    norm_w_ptr,
+    wk_tile,
+    freqs_ptr,
+    ROTATE: tl.constexpr,
+    HD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     """Channels c … c+CHUNK−1: normalise, add wk · latent into k [BLOCK_E, DI], rotate (ROTATE), round
     to FP4 and store the packed bytes and e4m3 scales of the entries at kv_row [BLOCK_E]."""
     dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
@@ -162,16 +189,52 @@ def _copy_rows(dst, src_v, src_g, dst_gate_offset, ok, HD: tl.constexpr, CHUNK_C
 
 @triton.jit
 def _compress_kernel(
-    proj_ptr, values_ptr, gates_ptr, partial_ptr,
-    rows_ptr, slots_ptr, positions_ptr, row_requests_ptr, first_ptr, query_start_ptr, seqlens_ptr, state_slots_ptr,
-    norm_w_ptr, wk_ptr, k_norm_w_ptr, freqs_ptr, kv_pool_ptr, key_pool_ptr,
-    num_entries, num_rows, num_row_programs,
-    proj_stride, values_stride, gates_stride, partial_stride_slot, partial_stride_row, partial_stride_kind,
-    wk_stride, kv_stride_block, kv_stride_entry, key_stride_block, key_stride_entry,
-    entries_per_block, partial_size, eps,
-    RATIO: tl.constexpr, HD: tl.constexpr, DI: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUM_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-    ACT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    proj_ptr,
+    values_ptr,
+    gates_ptr,
+    partial_ptr,
+    rows_ptr,
+    slots_ptr,
+    positions_ptr,
+    row_requests_ptr,
+    first_ptr,
+    query_start_ptr,
+    seqlens_ptr,
+    state_slots_ptr,
+    norm_w_ptr,
+    wk_ptr,
+    k_norm_w_ptr,
+    freqs_ptr,
+    kv_pool_ptr,
+    key_pool_ptr,
+    num_entries,
+    num_rows,
+    num_row_programs,
+    proj_stride,
+    values_stride,
+    gates_stride,
+    partial_stride_slot,
+    partial_stride_row,
+    partial_stride_kind,
+    wk_stride,
+    kv_stride_block,
+    kv_stride_entry,
+    key_stride_block,
+    key_stride_entry,
+    entries_per_block,
+    partial_size,
+    eps,
+    RATIO: tl.constexpr,
+    HD: tl.constexpr,
+    DI: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUM_CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     HALF: tl.constexpr = HD // 2
     KH: tl.constexpr = DI // 2
@@ -189,8 +252,15 @@ def _compress_kernel(
         deferred = (first % 2 == 1) & ((pos - first + 1) % partial_size == 0)
         write = r_ok & (pos >= seqlen - partial_size) & ~deferred
         dst = partial_ptr + slot * partial_stride_slot + (pos % partial_size) * partial_stride_row
-        _copy_rows(dst, values_ptr + r.to(tl.int64) * values_stride, gates_ptr + r.to(tl.int64) * gates_stride,
-                   partial_stride_kind, write, HD, CHUNK)
+        _copy_rows(
+            dst,
+            values_ptr + r.to(tl.int64) * values_stride,
+            gates_ptr + r.to(tl.int64) * gates_stride,
+            partial_stride_kind,
+            write,
+            HD,
+            CHUNK,
+        )
     else:
         e = (pid - num_row_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
         ok = e < num_entries
@@ -224,16 +294,59 @@ def _compress_kernel(
 
         k = tl.zeros([BLOCK_E, DI], tl.float32)  # wk · latent
         chans = tl.arange(0, CHUNK)
-        kv_row = kv_pool_ptr + (slot // entries_per_block) * kv_stride_block \
-            + (slot % entries_per_block) * kv_stride_entry
+        kv_row = (
+            kv_pool_ptr + (slot // entries_per_block) * kv_stride_block + (slot % entries_per_block) * kv_stride_entry
+        )
         wk_tile = wk_ptr + tl.arange(0, DI)[:, None] * wk_stride + chans[None, :]  # [DI, CHUNK] tiles of wk [DI, HD]
         # Chunks without rotated pairs, then those with (HD − 2·ROPE_PAIRS is a multiple of CHUNK).
         for c in range(0, HD - 2 * ROPE_PAIRS, CHUNK):
-            k = _entry_chunk(c, k, v0, g0, v1, g1, ok, inv_rms, start, kv_row, norm_w_ptr, wk_tile, freqs_ptr,
-                             False, HD, CHUNK, ROPE_PAIRS, RATIO, ACT_BF16, DOT_FP32, LIBDEVICE)
+            k = _entry_chunk(
+                c,
+                k,
+                v0,
+                g0,
+                v1,
+                g1,
+                ok,
+                inv_rms,
+                start,
+                kv_row,
+                norm_w_ptr,
+                wk_tile,
+                freqs_ptr,
+                False,
+                HD,
+                CHUNK,
+                ROPE_PAIRS,
+                RATIO,
+                ACT_BF16,
+                DOT_FP32,
+                LIBDEVICE,
+            )
         for c in range(HD - 2 * ROPE_PAIRS, HD, CHUNK):
-            k = _entry_chunk(c, k, v0, g0, v1, g1, ok, inv_rms, start, kv_row, norm_w_ptr, wk_tile, freqs_ptr,
-                             True, HD, CHUNK, ROPE_PAIRS, RATIO, ACT_BF16, DOT_FP32, LIBDEVICE)
+            k = _entry_chunk(
+                c,
+                k,
+                v0,
+                g0,
+                v1,
+                g1,
+                ok,
+                inv_rms,
+                start,
+                kv_row,
+                norm_w_ptr,
+                wk_tile,
+                freqs_ptr,
+                True,
+                HD,
+                CHUNK,
+                ROPE_PAIRS,
+                RATIO,
+                ACT_BF16,
+                DOT_FP32,
+                LIBDEVICE,
+            )
 
         # Index key: the linear's output in the activation dtype, k_norm, RoPE, FP4 with e8m0 scales.
         k = _act(k, ACT_BF16)
@@ -243,8 +356,11 @@ def _compress_kernel(
         ku = tl.arange(0, KH)
         k_e, k_o = _rope(k_e, k_o, start, freqs_ptr, ku, KH, ROPE_PAIRS, LIBDEVICE)
         packed, scale = _fp4(_act(k_e, ACT_BF16), _act(k_o, ACT_BF16), BLOCK_E, KH, 16, False)
-        key_row = key_pool_ptr + (slot // entries_per_block) * key_stride_block \
+        key_row = (
+            key_pool_ptr
+            + (slot // entries_per_block) * key_stride_block
             + (slot % entries_per_block) * key_stride_entry
+        )
         tl.store(key_row[:, None] + ku[None, :], packed, mask=ok[:, None])
         tl.store(key_row[:, None] + KH + tl.arange(0, KH // 16)[None, :], scale, mask=ok[:, None])
 
@@ -256,8 +372,15 @@ def _compress_kernel(
             q = lo_tail + ((first - 1 - lo_tail) % partial_size + partial_size) % partial_size
             defer = ok & straddles & (q < seqlen)
             q_row = qs + tl.where(defer, q - first, 0)
-            _copy_rows(held, values_ptr + q_row * values_stride, gates_ptr + q_row * gates_stride,
-                       partial_stride_kind, defer, HD, CHUNK)
+            _copy_rows(
+                held,
+                values_ptr + q_row * values_stride,
+                gates_ptr + q_row * gates_stride,
+                partial_stride_kind,
+                defer,
+                HD,
+                CHUNK,
+            )
 
 
 def compress(
@@ -332,17 +455,53 @@ def compress(
     if grid[0] == 0:
         return
     _compress_kernel[grid](
-        src, values, gates, partial,
-        rows, slots, batch.positions, batch.row_requests, batch.first, batch.query_start, batch.seqlens_k,
-        batch.state_slots, norm_weight, wk, k_norm_weight, freqs, kv_pool, key_pool,
-        num_entries, num_rows, row_programs,
-        src.stride(0), values.stride(0), gates.stride(0), *p_strides,
-        wk.stride(0), kv_pool.stride(0), kv_pool.stride(1), key_pool.stride(0), key_pool.stride(1),
-        kv_pool.shape[1], size, eps,
-        RATIO=ratio, HD=hd, DI=di, ROPE_PAIRS=freqs.shape[0], BLOCK_E=block_e, CHUNK=chunk,
-        SUM_CHUNK=min(hd, sum_chunk), BLOCK_R=16,
-        ACT_BF16=dtype == torch.bfloat16, DOT_FP32=dot_fp32, LIBDEVICE=kv_pool.is_cuda,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        src,
+        values,
+        gates,
+        partial,
+        rows,
+        slots,
+        batch.positions,
+        batch.row_requests,
+        batch.first,
+        batch.query_start,
+        batch.seqlens_k,
+        batch.state_slots,
+        norm_weight,
+        wk,
+        k_norm_weight,
+        freqs,
+        kv_pool,
+        key_pool,
+        num_entries,
+        num_rows,
+        row_programs,
+        src.stride(0),
+        values.stride(0),
+        gates.stride(0),
+        *p_strides,
+        wk.stride(0),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        key_pool.stride(0),
+        key_pool.stride(1),
+        kv_pool.shape[1],
+        size,
+        eps,
+        RATIO=ratio,
+        HD=hd,
+        DI=di,
+        ROPE_PAIRS=freqs.shape[0],
+        BLOCK_E=block_e,
+        CHUNK=chunk,
+        SUM_CHUNK=min(hd, sum_chunk),
+        BLOCK_R=16,
+        ACT_BF16=dtype == torch.bfloat16,
+        DOT_FP32=dot_fp32,
+        LIBDEVICE=kv_pool.is_cuda,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        enable_fp_fusion=False,
     )
 
 
@@ -355,13 +514,30 @@ def compress_layer(cache, batch, attn, x: torch.Tensor, **kwargs) -> None:
     comp, idx, ratio = attn.compressor, attn.indexer, attn.ratio
     rows, slots = batch.entry_writes[ratio]
     kv_pool, key_pool = cache.entries(attn.layer)
-    common = dict(norm_weight=comp.norm.weight, wk=idx.wk.weight, k_norm_weight=idx.k_norm.weight,
-                  freqs=attn.freqs, eps=comp.norm.eps, **kwargs)
+    common = dict(
+        norm_weight=comp.norm.weight,
+        wk=idx.wk.weight,
+        k_norm_weight=idx.k_norm.weight,
+        freqs=attn.freqs,
+        eps=comp.norm.eps,
+        **kwargs,
+    )
     if ratio == 1:
-        projected = invariance.by_rows(lambda picked: F.linear(picked, comp.wkv.weight.to(x.dtype)),
-                                       x[rows])  # [E, hd], as the reference
+        projected = invariance.by_rows(
+            lambda picked: F.linear(picked, comp.wkv.weight.to(x.dtype)), x[rows]
+        )  # [E, hd], as the reference
         compress(batch, rows, slots, kv_pool, key_pool, projected=projected, **common)
     else:
         values, gates = invariance.by_rows(comp.project, x)  # [R, hd] fp32
-        compress(batch, rows, slots, kv_pool, key_pool, values=values, gates=gates,
-                 partial=cache.partial(attn.layer), dtype=x.dtype, **common)
+        compress(
+            batch,
+            rows,
+            slots,
+            kv_pool,
+            key_pool,
+            values=values,
+            gates=gates,
+            partial=cache.partial(attn.layer),
+            dtype=x.dtype,
+            **common,
+        )

@@ -52,14 +52,42 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr,
-    num_heads, q_stride_r, q_stride_h, ring_stride_slot, ring_stride_pos,
-    pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
-    ring_size, entries_per_block, scale_log2e,
-    WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    KEYS: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr,
+    ring_ptr,
+    slots_ptr,
+    pos_ptr,
+    pool_ptr,
+    sel_ptr,
+    sink_ptr,
+    freqs_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    num_heads,
+    q_stride_r,
+    q_stride_h,
+    ring_stride_slot,
+    ring_stride_pos,
+    pool_stride_block,
+    pool_stride_entry,
+    sel_stride_r,
+    out_stride_r,
+    out_stride_h,
+    ring_size,
+    entries_per_block,
+    scale_log2e,
+    WINDOW: tl.constexpr,
+    TOPK: tl.constexpr,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    KEYS: tl.constexpr,
+    RING_ALIGN: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     WIN_BLOCKS: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
@@ -94,31 +122,140 @@ def _decode_attention_kernel(
     # Triton software-pipelines (block b+1's raw bytes in flight by cp.async while block b is
     # dequantised and multiplied), and which the interpreter can run.
     if KEYS == 0:
-        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, 0,
-                                   WIN_BLOCKS, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
-        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                                  pool_stride_entry, scale_log2e, 0, ENT_BLOCKS, TOPK, D, BLOCK_N, NUM_STAGES,
-                                  precision)
+        m, l, acc = _window_blocks(
+            q,
+            m,
+            l,
+            acc,
+            ring_row,
+            pos,
+            ring_size,
+            ring_stride_pos,
+            scale_log2e,
+            0,
+            WIN_BLOCKS,
+            WINDOW,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
+        m, l, acc = _entry_blocks(
+            q,
+            m,
+            l,
+            acc,
+            sel_row,
+            pool_ptr,
+            entries_per_block,
+            pool_stride_block,
+            pool_stride_entry,
+            scale_log2e,
+            0,
+            ENT_BLOCKS,
+            TOPK,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
     elif KEYS == 1:
-        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, first,
-                                   min(BLOCKS_PER_SPLIT, WIN_BLOCKS), WINDOW, D, BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _window_blocks(
+            q,
+            m,
+            l,
+            acc,
+            ring_row,
+            pos,
+            ring_size,
+            ring_stride_pos,
+            scale_log2e,
+            first,
+            min(BLOCKS_PER_SPLIT, WIN_BLOCKS),
+            WINDOW,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
     elif KEYS == 2:
-        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                                  pool_stride_entry, scale_log2e, first, min(BLOCKS_PER_SPLIT, ENT_BLOCKS), TOPK, D,
-                                  BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _entry_blocks(
+            q,
+            m,
+            l,
+            acc,
+            sel_row,
+            pool_ptr,
+            entries_per_block,
+            pool_stride_block,
+            pool_stride_entry,
+            scale_log2e,
+            first,
+            min(BLOCKS_PER_SPLIT, ENT_BLOCKS),
+            TOPK,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
     elif split < WIN_BLOCKS:
-        m, l, acc = _window_blocks(q, m, l, acc, ring_row, pos, ring_size, ring_stride_pos, scale_log2e, split,
-                                   1, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _window_blocks(
+            q,
+            m,
+            l,
+            acc,
+            ring_row,
+            pos,
+            ring_size,
+            ring_stride_pos,
+            scale_log2e,
+            split,
+            1,
+            WINDOW,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
     else:
-        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                                  pool_stride_entry, scale_log2e, split - WIN_BLOCKS, 1, TOPK, D, BLOCK_N, NUM_STAGES,
-                                  precision)
+        m, l, acc = _entry_blocks(
+            q,
+            m,
+            l,
+            acc,
+            sel_row,
+            pool_ptr,
+            entries_per_block,
+            pool_stride_block,
+            pool_stride_entry,
+            scale_log2e,
+            split - WIN_BLOCKS,
+            1,
+            TOPK,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
 
     if SPLITS == 1:
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         denom = l + tl.exp2(sink - m)
-        _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, row * out_stride_r, out_stride_h,
-                BLOCK_H, D, ROPE_PAIRS, LIBDEVICE)
+        _finish(
+            acc,
+            denom,
+            pos,
+            heads,
+            h_ok,
+            freqs_ptr,
+            out_ptr,
+            row * out_stride_r,
+            out_stride_h,
+            BLOCK_H,
+            D,
+            ROPE_PAIRS,
+            LIBDEVICE,
+        )
     else:
         # Partials: acc [R, SPLITS, H, D], (m, l) [R, SPLITS, H, 2].
         rs = row * SPLITS + split
@@ -130,10 +267,21 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_acc_ptr, part_ml_ptr, pos_ptr, sink_ptr, freqs_ptr, out_ptr,
-    num_heads, out_stride_r, out_stride_h,
-    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr, LIBDEVICE: tl.constexpr,
+    part_acc_ptr,
+    part_ml_ptr,
+    pos_ptr,
+    sink_ptr,
+    freqs_ptr,
+    out_ptr,
+    num_heads,
+    out_stride_r,
+    out_stride_h,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     """Merge one row's SPLITS partials for BLOCK_H heads: a loop over the splits (not unrolled)."""
     row = tl.program_id(0).to(tl.int64)
@@ -151,11 +299,25 @@ def _combine_kernel(
     for s in range(SPLITS):
         rs = row * SPLITS + s
         w = tl.exp2(tl.load(part_ml_ptr + (rs * num_heads + heads) * 2, mask=h_ok, other=-1.0e30) - m)
-        acc += w[:, None] * tl.load(part_acc_ptr + (rs * num_heads + heads[:, None]) * D + ch[None, :],
-                                    mask=h_ok[:, None], other=0.0)
+        acc += w[:, None] * tl.load(
+            part_acc_ptr + (rs * num_heads + heads[:, None]) * D + ch[None, :], mask=h_ok[:, None], other=0.0
+        )
     pos = tl.load(pos_ptr + row).to(tl.int32)
-    _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, row * out_stride_r, out_stride_h,
-            BLOCK_H, D, ROPE_PAIRS, LIBDEVICE)
+    _finish(
+        acc,
+        denom,
+        pos,
+        heads,
+        h_ok,
+        freqs_ptr,
+        out_ptr,
+        row * out_stride_r,
+        out_stride_h,
+        BLOCK_H,
+        D,
+        ROPE_PAIRS,
+        LIBDEVICE,
+    )
 
 
 def sparse_decode_attention(
@@ -238,21 +400,65 @@ def sparse_decode_attention(
         if num_splits == 0:
             continue
         _decode_attention_kernel[(num_rows, head_blocks, num_splits)](
-            q, ring, state_slots, positions, kv_pool, selected, sink, freqs, out, part_acc, part_ml,
-            num_heads, q.stride(0), q.stride(1), ring.stride(0), ring.stride(1),
-            kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
-            ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E,
-            WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=rope_pairs, BLOCK_H=block_h, BLOCK_N=block_n,
-            SPLITS=splits, BLOCKS_PER_SPLIT=per_split, KEYS=keys, RING_ALIGN=_ring_align(ring),
-            NUM_STAGES=num_stages, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps,
+            q,
+            ring,
+            state_slots,
+            positions,
+            kv_pool,
+            selected,
+            sink,
+            freqs,
+            out,
+            part_acc,
+            part_ml,
+            num_heads,
+            q.stride(0),
+            q.stride(1),
+            ring.stride(0),
+            ring.stride(1),
+            kv_pool.stride(0),
+            kv_pool.stride(1),
+            selected.stride(0),
+            out.stride(0),
+            out.stride(1),
+            ring.shape[1],
+            kv_pool.shape[1],
+            float(scale) * _LOG2E,
+            WINDOW=window,
+            TOPK=topk,
+            D=dim,
+            ROPE_PAIRS=rope_pairs,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            SPLITS=splits,
+            BLOCKS_PER_SPLIT=per_split,
+            KEYS=keys,
+            RING_ALIGN=_ring_align(ring),
+            NUM_STAGES=num_stages,
+            DOT_FP32=dot_fp32,
+            LIBDEVICE=q.is_cuda,
+            num_warps=num_warps,
             num_stages=num_stages,
         )
     if splits > 1:
         combine_h = 4
         _combine_kernel[(num_rows, triton.cdiv(num_heads, combine_h))](
-            part_acc, part_ml, positions, sink, freqs, out, num_heads, out.stride(0), out.stride(1),
-            D=dim, ROPE_PAIRS=rope_pairs, SPLITS=splits, BLOCK_H=combine_h, BLOCK_S=triton.next_power_of_2(splits),
-            LIBDEVICE=q.is_cuda, num_warps=4,
+            part_acc,
+            part_ml,
+            positions,
+            sink,
+            freqs,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            D=dim,
+            ROPE_PAIRS=rope_pairs,
+            SPLITS=splits,
+            BLOCK_H=combine_h,
+            BLOCK_S=triton.next_power_of_2(splits),
+            LIBDEVICE=q.is_cuda,
+            num_warps=4,
         )
     return out
 

@@ -98,8 +98,12 @@ def available(device: torch.device) -> bool:
         log.warning("DeepGEMM's grouped GEMM failed on %s (%s): the MoE GEMMs stay on Triton", device, err)
         return False
     if not max(rel) <= PROBE_REL:
-        log.warning("DeepGEMM's grouped GEMM disagrees on %s (relative errors %s > %.3g): the MoE GEMMs stay on "
-                    "Triton", device, rel, PROBE_REL)
+        log.warning(
+            "DeepGEMM's grouped GEMM disagrees on %s (relative errors %s > %.3g): the MoE GEMMs stay on Triton",
+            device,
+            rel,
+            PROBE_REL,
+        )
         return False
     log.info("MoE GEMMs: DeepGEMM (probe relative errors contiguous %.2g, masked %.2g)", *rel)
     return True
@@ -123,7 +127,7 @@ def _probe(device: torch.device) -> tuple[float, float]:
     contiguous = grouped_contiguous((a[0].flatten(0, 1)[flat], a[1].flatten(0, 1)[flat]), w, w_scale, m_indices)
     rows = [(e, int(starts[e]), c) for e, c in enumerate(counts.tolist()) if c]
     want = torch.cat([exact[e, :c] for e, _, c in rows])
-    got_c = torch.cat([contiguous[s:s + c] for e, s, c in rows]).float()
+    got_c = torch.cat([contiguous[s : s + c] for e, s, c in rows]).float()
     got_m = torch.cat([masked[e, :c] for e, _, c in rows]).float()
     return float((got_c - want).norm() / want.norm()), float((got_m - want).norm() / want.norm())
 
@@ -160,8 +164,9 @@ def contiguous_size(num_slots: int, num_groups: int, align: int) -> int:
     return (num_slots + num_groups * (align - 1) + align - 1) // align * align
 
 
-def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
-                    num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def contiguous_rows(
+    counts: torch.Tensor, capacity: int, align: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counts int [G] of a masked layout with ``capacity`` slots per expert, at most ``num_slots`` in all → (flat
     masked slots int64 [M], ``m_indices`` int32 [M], each expert's first contiguous row int64 [G]), on counts'
     device, with device ops only (no host read: the GPU never waits for the host between layers).
@@ -181,8 +186,9 @@ def contiguous_rows(counts: torch.Tensor, capacity: int, align: int,
     flat = torch.zeros(rows + 1, dtype=torch.long, device=counts.device)
     flat.scatter_(0, dest, torch.arange(num_groups * capacity, device=counts.device))
     m_indices = torch.full((rows + 1,), -1, dtype=torch.int32, device=counts.device)
-    m_indices.scatter_(0, dest, torch.arange(num_groups, dtype=torch.int32, device=counts.device)
-                       .repeat_interleave(capacity))
+    m_indices.scatter_(
+        0, dest, torch.arange(num_groups, dtype=torch.int32, device=counts.device).repeat_interleave(capacity)
+    )
     return flat[:rows], m_indices[:rows], starts
 
 
@@ -191,8 +197,9 @@ def contiguous_slots(slot_of: torch.Tensor, starts: torch.Tensor, capacity: int)
     return starts.to(slot_of.device)[slot_of // capacity] + slot_of % capacity
 
 
-def contiguous_layout(x: torch.Tensor, meta: dict[str, torch.Tensor], align: int,
-                      quantize_act: Quantize) -> ContiguousRows:
+def contiguous_layout(
+    x: torch.Tensor, meta: dict[str, torch.Tensor], align: int, quantize_act: Quantize
+) -> ContiguousRows:
     """The torch form of ``kernels.moe_contiguous.contiguous_layout`` (its reference): ``contiguous_rows``, x
     quantised, then its rows gathered. Pad rows gather token 0 and weigh 0 (a masked slot past its count holds
     any bytes, even a bad token id: it is never read)."""
@@ -207,32 +214,55 @@ def contiguous_layout(x: torch.Tensor, meta: dict[str, torch.Tensor], align: int
     return ContiguousRows(a, m_indices, tokens, route_w, contiguous_slots(meta["slot_of"], starts, capacity))
 
 
-def grouped_contiguous(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
-                       m_indices: torch.Tensor) -> torch.Tensor:
+def grouped_contiguous(
+    a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor, m_indices: torch.Tensor
+) -> torch.Tensor:
     """a (e4m3 [M, K], fp32 [M, K/128]) rows of ``contiguous_rows``' layout, w e4m3 [G, N, K] with fp32 [G, N/128,
     K/128] scales, ``m_indices`` int32 [M] → bf16 [M, N]: row r times w[m_indices[r]] (pad rows: any value)."""
     out = torch.empty(a[0].shape[0], w.shape[1], dtype=torch.bfloat16, device=a[0].device)
-    module().m_grouped_fp8_gemm_nt_contiguous((a[0].contiguous(), a[1].contiguous()), (w, w_scale), out,
-                                              m_indices.contiguous(), disable_ue8m0_cast=True)
+    module().m_grouped_fp8_gemm_nt_contiguous(
+        (a[0].contiguous(), a[1].contiguous()), (w, w_scale), out, m_indices.contiguous(), disable_ue8m0_cast=True
+    )
     return out
 
 
-def grouped_masked(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
-                   masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
+def grouped_masked(
+    a: tuple[torch.Tensor, torch.Tensor],
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+) -> torch.Tensor:
     """a (e4m3 [G, cap, K], fp32 [G, cap, K/128]), w e4m3 [G, N, K] with fp32 [G, N/128, K/128] scales,
     ``masked_m`` int32 [G] (device: rows per expert) → bf16 [G, cap, N], rows ≥ masked_m[g] unwritten.
     ``expected_m`` (rows per expert on average, a host int) only steers DeepGEMM's tile choice."""
     out = torch.empty(*a[0].shape[:2], w.shape[1], dtype=torch.bfloat16, device=a[0].device)
-    module().m_grouped_fp8_gemm_nt_masked((a[0].contiguous(), a[1].contiguous()), (w, w_scale), out,
-                                          masked_m.to(torch.int32).contiguous(), max(1, int(expected_m)),
-                                          disable_ue8m0_cast=True)
+    module().m_grouped_fp8_gemm_nt_masked(
+        (a[0].contiguous(), a[1].contiguous()),
+        (w, w_scale),
+        out,
+        masked_m.to(torch.int32).contiguous(),
+        max(1, int(expected_m)),
+        disable_ue8m0_cast=True,
+    )
     return out
 
 
-def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w13_scale: torch.Tensor,
-            w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float, quantize_act: Quantize,
-            swiglu_quant: SwigluQuant, combine: Combine, *, masked: bool, layout: Layout | None = None
-            ) -> torch.Tensor:
+def experts(
+    x: torch.Tensor,
+    meta: dict[str, torch.Tensor],
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    swiglu_limit: float,
+    quantize_act: Quantize,
+    swiglu_quant: SwigluQuant,
+    combine: Combine,
+    *,
+    masked: bool,
+    layout: Layout | None = None,
+) -> torch.Tensor:
     """x [T, D'] → fp32 [T, D'], every stacked expert of ``meta`` (``KernelMoE``'s layout, the shared expert last),
     as ``kernels.moe_grouped_gemm.moe_experts`` computes it. w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows),
     w2 e4m3 [E+1, D', I'], fp32 128×128 block scales. ``quantize_act``, ``swiglu_quant`` and ``combine`` are the
@@ -259,6 +289,7 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, w
     inter = gate_up.shape[-1] // 2
     h_q, h_s = swiglu_quant(gate_up.reshape(-1, 2 * inter), route_w.reshape(-1), swiglu_limit)  # [(E+1)·cap, I'] e4m3
     del gate_up
-    y = grouped_masked((h_q.view(num_stacked, capacity, inter), h_s.view(num_stacked, capacity, -1)), w2,
-                       w2_scale, counts, expected)  # bf16 [E+1, cap, D']
+    y = grouped_masked(
+        (h_q.view(num_stacked, capacity, inter), h_s.view(num_stacked, capacity, -1)), w2, w2_scale, counts, expected
+    )  # bf16 [E+1, cap, D']
     return combine(y, meta["slot_of"], True)

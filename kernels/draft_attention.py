@@ -37,8 +37,17 @@ MIN_DOT = 16  # the least M, N, K of a compiled tl.dot
 
 
 @triton.jit
-def _rope_pairs(even, odd, turn_ptr, slot_ok, ROPE_START: tl.constexpr, NUM_PAIRS: tl.constexpr,
-                BLOCK_S: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr):
+def _rope_pairs(
+    even,
+    odd,
+    turn_ptr,
+    slot_ok,
+    ROPE_START: tl.constexpr,
+    NUM_PAIRS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HALF: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
     """(even, odd) [BLOCK_S, HALF] with the last NUM_PAIRS pairs rotated by the slots' turns (fp32 pairs
     [S, P, 2] at turn_ptr, contiguous), by their conjugates when INVERSE."""
     pairs = tl.arange(0, HALF)
@@ -82,10 +91,23 @@ def _softmax_step(m, l, acc_e, acc_o, logits, k_e, k_o):
 
 
 @triton.jit
-def _draft_attention_kernel(q_ptr, own_ptr, window_ptr, visible_ptr, turn_ptr, sink_ptr, out_ptr,
-                            scale, NUM_WINDOW: tl.constexpr,
-                            NUM_SLOTS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            NUM_PAIRS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+def _draft_attention_kernel(
+    q_ptr,
+    own_ptr,
+    window_ptr,
+    visible_ptr,
+    turn_ptr,
+    sink_ptr,
+    out_ptr,
+    scale,
+    NUM_WINDOW: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_PAIRS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     # Every tensor contiguous: q/out [N, S, H, hd], own [N, S, hd], window [N, W, hd], visible [N, W],
     # turns [N, S, P, 2]. HALF = hd/2 pairs, of which the last NUM_PAIRS rotate.
     n = tl.program_id(0).to(tl.int64)
@@ -108,8 +130,9 @@ def _draft_attention_kernel(q_ptr, own_ptr, window_ptr, visible_ptr, turn_ptr, s
     k_e = tl.load(k_at, mask=slot_ok[:, None], other=0.0).to(tl.float32)
     k_o = tl.load(k_at + 1, mask=slot_ok[:, None], other=0.0).to(tl.float32)
     k_e, k_o = _rope_pairs(k_e, k_o, turns, slot_ok, ROPE_START, NUM_PAIRS, BLOCK_S, HALF, False)
-    k_e, k_o = _fp8_pairs(k_e.to(own_ptr.dtype.element_ty).to(tl.float32),
-                          k_o.to(own_ptr.dtype.element_ty).to(tl.float32), BLOCK_S, HALF)
+    k_e, k_o = _fp8_pairs(
+        k_e.to(own_ptr.dtype.element_ty).to(tl.float32), k_o.to(own_ptr.dtype.element_ty).to(tl.float32), BLOCK_S, HALF
+    )
 
     # The sink as the softmax's first key: max = sink, denominator exp(sink − max) = 1, value 0.
     m = tl.zeros([BLOCK_S], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32)
@@ -142,8 +165,15 @@ def _draft_attention_kernel(q_ptr, own_ptr, window_ptr, visible_ptr, turn_ptr, s
     tl.store(out_at + 1, o_o.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None])
 
 
-def draft_attention(q: torch.Tensor, own: torch.Tensor, window: torch.Tensor, visible: torch.Tensor,
-                    turns: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def draft_attention(
+    q: torch.Tensor,
+    own: torch.Tensor,
+    window: torch.Tensor,
+    visible: torch.Tensor,
+    turns: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """N blocks of S slots: q [N, S, H, hd] (``wq_b`` output, not rotated), own [N, S, hd] (``kv_norm``
     output, not rotated nor rounded), window [N, W, hd] (the ring's entries: rotated, FP8-rounded; any float
     dtype), visible bool [N, W], turns fp32 [N, S, P, 2] (``torch.view_as_real`` of ``rope_turns``), sink [H]
@@ -154,13 +184,21 @@ def draft_attention(q: torch.Tensor, own: torch.Tensor, window: torch.Tensor, vi
     w = window.shape[1]
     p = turns.shape[2]
     if hd % FP8_BLOCK or hd & (hd - 1) or 2 * p > hd:
-        raise ValueError(f"draft_attention needs head_dim a power of two, a multiple of {FP8_BLOCK}, ≥ 2P; "
-                         f"got head_dim {hd}, P {p}")
-    if (own.shape != (n, s, hd) or window.shape != (n, w, hd) or visible.shape != (n, w)
-            or turns.shape != (n, s, p, 2) or sink.shape != (h,)):
-        raise ValueError(f"draft_attention: shapes q {tuple(q.shape)}, own {tuple(own.shape)}, window "
-                         f"{tuple(window.shape)}, visible {tuple(visible.shape)}, turns {tuple(turns.shape)}, "
-                         f"sink {tuple(sink.shape)}")
+        raise ValueError(
+            f"draft_attention needs head_dim a power of two, a multiple of {FP8_BLOCK}, ≥ 2P; got head_dim {hd}, P {p}"
+        )
+    if (
+        own.shape != (n, s, hd)
+        or window.shape != (n, w, hd)
+        or visible.shape != (n, w)
+        or turns.shape != (n, s, p, 2)
+        or sink.shape != (h,)
+    ):
+        raise ValueError(
+            f"draft_attention: shapes q {tuple(q.shape)}, own {tuple(own.shape)}, window "
+            f"{tuple(window.shape)}, visible {tuple(visible.shape)}, turns {tuple(turns.shape)}, "
+            f"sink {tuple(sink.shape)}"
+        )
     if turns.dtype != torch.float32 or visible.dtype != torch.bool:
         raise ValueError(f"draft_attention takes fp32 turns and bool visible, got {turns.dtype}, {visible.dtype}")
     q, own, window, visible, turns = (t.contiguous() for t in (q, own, window, visible, turns))
@@ -171,7 +209,22 @@ def draft_attention(q: torch.Tensor, own: torch.Tensor, window: torch.Tensor, vi
     # Two fp32 key tiles [BLOCK_T, hd/2] live beside the accumulators. At V41's head (512, 8 warps, sm_90a) ptxas
     # spills ~1.5–2 KB a thread at 16 keys a tile and none at 32 (scripts/dev/compile_sm90.py, bf16 or fp32 q).
     block_t = max(MIN_DOT, min(64 if hd <= 128 else 32, triton.next_power_of_2(max(w, 1))))
-    _draft_attention_kernel[(n, h)](q, own, window, visible, turns, sink, out, scale,
-                                    NUM_WINDOW=w, NUM_SLOTS=s, NUM_HEADS=h, HEAD_DIM=hd, NUM_PAIRS=p,
-                                    BLOCK_S=block_s, BLOCK_T=block_t, num_warps=4 if hd <= 128 else 8)
+    _draft_attention_kernel[(n, h)](
+        q,
+        own,
+        window,
+        visible,
+        turns,
+        sink,
+        out,
+        scale,
+        NUM_WINDOW=w,
+        NUM_SLOTS=s,
+        NUM_HEADS=h,
+        HEAD_DIM=hd,
+        NUM_PAIRS=p,
+        BLOCK_S=block_s,
+        BLOCK_T=block_t,
+        num_warps=4 if hd <= 128 else 8,
+    )
     return out

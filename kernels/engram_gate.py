@@ -29,10 +29,26 @@ SQRT_FLOOR = 1e-6  # the gate's signed sqrt clamps |dot| from below (Engram.forw
 
 @triton.jit
 def _engram_gate_kernel(
-    h_ptr, key_ptr, value_ptr, qw_ptr, kw_ptr, live_ptr, out_ptr,
-    dim, h_row_stride, h_stream_stride, key_row_stride, value_row_stride, out_row_stride, out_stream_stride,
-    weight_stream_stride, eps, scale, floor,
-    HAS_LIVE: tl.constexpr, BLOCK_D: tl.constexpr,
+    h_ptr,
+    key_ptr,
+    value_ptr,
+    qw_ptr,
+    kw_ptr,
+    live_ptr,
+    out_ptr,
+    dim,
+    h_row_stride,
+    h_stream_stride,
+    key_row_stride,
+    value_row_stride,
+    out_row_stride,
+    out_stream_stride,
+    weight_stream_stride,
+    eps,
+    scale,
+    floor,
+    HAS_LIVE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     stream = tl.program_id(1)
@@ -52,12 +68,20 @@ def _engram_gate_kernel(
     if HAS_LIVE:
         gate = tl.where(tl.load(live_ptr + token) != 0, gate, 0.0)
     out = h + gate * v
-    tl.store(out_ptr + token * out_row_stride + stream * out_stream_stride + cols,
-             out.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(
+        out_ptr + token * out_row_stride + stream * out_stream_stride + cols, out.to(out_ptr.dtype.element_ty), mask=ok
+    )
 
 
-def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
-                k_weight: torch.Tensor, eps: float, live: torch.Tensor | None = None) -> torch.Tensor:
+def engram_gate(
+    h: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    live: torch.Tensor | None = None,
+) -> torch.Tensor:
     """h [T, n, D], key [T, n·D], value [T, D] (each last dim contiguous; rows at any stride),
     q_weight/k_weight [n, D], live bool [T] or None (every token live) → out [T, n, D] in h's dtype."""
     num_tokens, num_streams, dim = h.shape
@@ -66,8 +90,10 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weigh
     if key.shape != (num_tokens, num_streams * dim) or value.shape != (num_tokens, dim):
         raise ValueError(f"engram_gate: h {tuple(h.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
     if q_weight.shape != (num_streams, dim) or k_weight.shape != (num_streams, dim):
-        raise ValueError(f"engram_gate: q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} "
-                         f"must be ({num_streams}, {dim})")
+        raise ValueError(
+            f"engram_gate: q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} "
+            f"must be ({num_streams}, {dim})"
+        )
     if live is not None and (live.shape != (num_tokens,) or live.dtype != torch.bool):
         raise ValueError(f"live must be bool [{num_tokens}], got {live.dtype} {tuple(live.shape)}")
     if h.stride(-1) != 1:
@@ -84,9 +110,26 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weigh
     live_bytes = None if live is None else live.view(torch.uint8).contiguous()
     block_d = triton.next_power_of_2(dim)
     _engram_gate_kernel[(num_tokens, num_streams)](
-        h, key, value, q_weight, k_weight, h if live_bytes is None else live_bytes, out,
-        dim, h.stride(0), h.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        q_weight.stride(0), eps, dim**-0.5, SQRT_FLOOR,
-        HAS_LIVE=live_bytes is not None, BLOCK_D=block_d, num_warps=8 if block_d >= 4096 else 4,
+        h,
+        key,
+        value,
+        q_weight,
+        k_weight,
+        h if live_bytes is None else live_bytes,
+        out,
+        dim,
+        h.stride(0),
+        h.stride(1),
+        key.stride(0),
+        value.stride(0),
+        out.stride(0),
+        out.stride(1),
+        q_weight.stride(0),
+        eps,
+        dim**-0.5,
+        SQRT_FLOOR,
+        HAS_LIVE=live_bytes is not None,
+        BLOCK_D=block_d,
+        num_warps=8 if block_d >= 4096 else 4,
     )
     return out

@@ -14,8 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _entry_slots_kernel(entries_ptr, tables_ptr, out_ptr, num_entries, entries_stride, tables_stride, out_stride,
-                        entries_per_block, BLOCK_K: tl.constexpr):
+def _entry_slots_kernel(
+    entries_ptr,
+    tables_ptr,
+    out_ptr,
+    num_entries,
+    entries_stride,
+    tables_stride,
+    out_stride,
+    entries_per_block,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_K)
     in_row = j < num_entries
@@ -29,8 +38,10 @@ def _entry_slots_kernel(entries_ptr, tables_ptr, out_ptr, num_entries, entries_s
 def entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, entries_per_block: int) -> torch.Tensor:
     """Entry ids int [R, k] (−1 = none, else < width · epb), block tables int [R, width] → int32 [R, k]."""
     if entries.ndim != 2 or block_tables.ndim != 2 or entries.shape[0] != block_tables.shape[0]:
-        raise ValueError(f"entries [R, k] and block_tables [R, width] needed, got {tuple(entries.shape)} "
-                         f"and {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"entries [R, k] and block_tables [R, width] needed, got {tuple(entries.shape)} "
+            f"and {tuple(block_tables.shape)}"
+        )
     num_rows, k = entries.shape
     out = torch.empty(num_rows, k, dtype=torch.int32, device=entries.device)
     if num_rows == 0 or k == 0:
@@ -39,6 +50,15 @@ def entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, entries_per_b
         entries = entries.contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    _entry_slots_kernel[(num_rows,)](entries, block_tables, out, k, entries.stride(0), block_tables.stride(0),
-                                     out.stride(0), entries_per_block, BLOCK_K=triton.next_power_of_2(k))
+    _entry_slots_kernel[(num_rows,)](
+        entries,
+        block_tables,
+        out,
+        k,
+        entries.stride(0),
+        block_tables.stride(0),
+        out.stride(0),
+        entries_per_block,
+        BLOCK_K=triton.next_power_of_2(k),
+    )
     return out

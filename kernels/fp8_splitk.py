@@ -35,10 +35,26 @@ MAX_TOKENS = 16
 
 
 @triton.jit
-def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, out_ptr, ticket_ptr, num_tokens, a_row_stride,
-                   N: tl.constexpr, K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SUM: tl.constexpr,
-                   A_FP8: tl.constexpr):
+def _splitk_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    part_ptr,
+    out_ptr,
+    ticket_ptr,
+    num_tokens,
+    a_row_stride,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SUM: tl.constexpr,
+    A_FP8: tl.constexpr,
+):
     """A_FP8: a is e4m3 with fp32 scales [T, K/128]; else a is bf16/fp32, each 128-channel block quantised
     here by ``quant_fp8._quantize_rows`` (``quantize_act``'s rounding: the same e4m3 values and scales).
     part [SPLIT, T, N] fp32: split s's product over its BLOCKS_PER_SPLIT K blocks (which divide
@@ -75,8 +91,11 @@ def _splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, part_ptr, out_ptr, ti
             for s in tl.static_range(SPLIT):
                 at = (s * num_tokens + offs_m).to(tl.int64)[None, :] * N + (n0 + offs_n)[:, None]
                 total += tl.load(part_ptr + at, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + (n0 + offs_n)[:, None],
-                     total.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+            tl.store(
+                out_ptr + offs_m.to(tl.int64)[None, :] * N + (n0 + offs_n)[:, None],
+                total.to(out_ptr.dtype.element_ty),
+                mask=m_ok[None, :],
+            )
             tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
@@ -108,8 +127,7 @@ def num_splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
     four programs per SM, never 2 or 3 blocks (those loops unroll and spill). A function of N and K."""
     n_tiles, k_blocks = n // BLOCK_N, k // BLOCK_K
     most = max(1, triton.cdiv(4 * num_sms(device, off_gpu=132), n_tiles))
-    per = next(p for p in range(1, k_blocks + 1)
-               if k_blocks % p == 0 and p not in (2, 3) and k_blocks // p <= most)
+    per = next(p for p in range(1, k_blocks + 1) if k_blocks % p == 0 and p not in (2, 3) and k_blocks // p <= most)
     return k_blocks // per, per
 
 
@@ -118,8 +136,14 @@ def worth_splitting(n: int, device: torch.device) -> bool:
     return n // BLOCK_N < num_sms(device, off_gpu=132)
 
 
-def fp8_linear_splitk(a: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
-                      out_dtype: torch.dtype = torch.bfloat16, *, one_launch: bool = True) -> torch.Tensor:
+def fp8_linear_splitk(
+    a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    one_launch: bool = True,
+) -> torch.Tensor:
     """a = (e4m3 [T, K], fp32 scales [T, K/128]), or bf16/fp32 [T, K] quantised inside the kernel as
     ``quant_fp8.quantize_act`` would (the same bits, without its launch), with T ≤ MAX_TOKENS; w e4m3 [N, K]
     (or [1, N, K]), w_scale fp32 [N/128, K/128] (or [1, …]) → [T, N] in ``out_dtype``. K and N multiples of
@@ -133,11 +157,15 @@ def fp8_linear_splitk(a: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w: to
     if num_tokens > MAX_TOKENS:
         raise ValueError(f"{num_tokens} rows: the split-K linear takes at most {MAX_TOKENS}")
     if w.shape[1] != k or k % BLOCK_K or n % BLOCK_N or w_scale.shape != (n // BLOCK_N, k // BLOCK_K):
-        raise ValueError(f"weights {tuple(w.shape)} / scales {tuple(w_scale.shape)} do not fit activations "
-                         f"{tuple(a_q.shape)} (multiples of 128)")
+        raise ValueError(
+            f"weights {tuple(w.shape)} / scales {tuple(w_scale.shape)} do not fit activations "
+            f"{tuple(a_q.shape)} (multiples of 128)"
+        )
     if a_fp8 and (a_q.dtype != torch.float8_e4m3fn or a_scale.shape != (num_tokens, k // BLOCK_K)):
-        raise ValueError(f"pre-quantised activations need e4m3 values and scales [{num_tokens}, {k // BLOCK_K}], "
-                         f"got {a_q.dtype}, {tuple(a_scale.shape)}")
+        raise ValueError(
+            f"pre-quantised activations need e4m3 values and scales [{num_tokens}, {k // BLOCK_K}], "
+            f"got {a_q.dtype}, {tuple(a_scale.shape)}"
+        )
     if not a_fp8 and a_q.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"activations must be bf16/fp32 or an (e4m3, scales) pair, got {a_q.dtype}")
     out = torch.empty(num_tokens, n, dtype=out_dtype, device=a_q.device)
@@ -148,10 +176,26 @@ def fp8_linear_splitk(a: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w: to
     a_q = a_q.contiguous()
     a_scale = a_q if a_scale is None else a_scale.contiguous()  # unread without A_FP8
     _splitk_kernel[(n // BLOCK_N, splits)](
-        a_q, a_scale, w, w_scale, part, out, _tickets(a_q.device, n // BLOCK_N), num_tokens, a_q.stride(0),
-        N=n, K=k, BLOCKS_PER_SPLIT=per, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits, SUM=one_launch,
+        a_q,
+        a_scale,
+        w,
+        w_scale,
+        part,
+        out,
+        _tickets(a_q.device, n // BLOCK_N),
+        num_tokens,
+        a_q.stride(0),
+        N=n,
+        K=k,
+        BLOCKS_PER_SPLIT=per,
+        BLOCK_M=16,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        SPLIT=splits,
+        SUM=one_launch,
         A_FP8=a_fp8,
-        num_warps=4, num_stages=3,
+        num_warps=4,
+        num_stages=3,
     )
     if not one_launch:
         size = num_tokens * n

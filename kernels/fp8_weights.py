@@ -51,4 +51,3 @@ def convert_fp8_block32(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
 def stack_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     """[E, I, D] gate and up → [E, 2I, D]: rows [0, I) gate, [I, 2I) up (the fused kernel's layout)."""
     return torch.cat((w1, w3), dim=-2)
-

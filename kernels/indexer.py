@@ -69,8 +69,20 @@ def _q_half(q_row, heads, h_ok, q_stride_h, inv_q, g, parity: tl.constexpr, dot_
 
 
 @triton.jit
-def _group(acc, entry, ok, g, scale_bytes, q_even, q_odd, HALF: tl.constexpr, WORDS: tl.constexpr,
-           ASM: tl.constexpr, dot_ty: tl.constexpr, precision: tl.constexpr):
+def _group(
+    acc,
+    entry,
+    ok,
+    g,
+    scale_bytes,
+    q_even,
+    q_odd,
+    HALF: tl.constexpr,
+    WORDS: tl.constexpr,
+    ASM: tl.constexpr,
+    dot_ty: tl.constexpr,
+    precision: tl.constexpr,
+):
     """acc [BLOCK_N, H] += scale_g · Σ_{c in group g} code · q: bytes 16g … 16g+15 of each entry.
 
     ASM (compiled only): bytes, 4-byte aligned entries, dequantised by PTX. WORDS: ``entry`` points at
@@ -122,13 +134,41 @@ def _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N: tl.const
 
 @triton.jit
 def _score_kernel(
-    q_ptr, w_ptr, pool_ptr, tables_ptr, pos_ptr, cand_ptr, scores_ptr, blocks_ptr, w_scale,
-    num_heads, width, num_tiles, num_blocks, ratio, entries_per_block,
-    q_stride_r, q_stride_h, w_stride_r, pool_stride_block, pool_stride_entry, tables_stride_r,
-    cand_stride_r, scores_stride_r, blocks_stride_r,
-    BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CB: tl.constexpr,
-    USE_CAND: tl.constexpr, BLOCK_MAX: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
-    DOT_FP32: tl.constexpr, FOR_LOOPS: tl.constexpr,
+    q_ptr,
+    w_ptr,
+    pool_ptr,
+    tables_ptr,
+    pos_ptr,
+    cand_ptr,
+    scores_ptr,
+    blocks_ptr,
+    w_scale,
+    num_heads,
+    width,
+    num_tiles,
+    num_blocks,
+    ratio,
+    entries_per_block,
+    q_stride_r,
+    q_stride_h,
+    w_stride_r,
+    pool_stride_block,
+    pool_stride_entry,
+    tables_stride_r,
+    cand_stride_r,
+    scores_stride_r,
+    blocks_stride_r,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CB: tl.constexpr,
+    USE_CAND: tl.constexpr,
+    BLOCK_MAX: tl.constexpr,
+    WORDS: tl.constexpr,
+    ASM: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FOR_LOOPS: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2 // (4 if WORDS else 1)  # packed codes, in pool elements
     GROUPS: tl.constexpr = D // 32  # e8m0 scale groups
@@ -142,8 +182,9 @@ def _score_kernel(
 
     # Q_h = 2^floor(log2 max|q[h]|) (1 for an all-zero or subnormal head); w' = w · Q_h.
     q_row = q_ptr + row * q_stride_r
-    q_all = tl.load(q_row + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :], mask=h_ok[:, None],
-                    other=0.0).to(tl.float32)  # [BLOCK_H, D]
+    q_all = tl.load(q_row + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :], mask=h_ok[:, None], other=0.0).to(
+        tl.float32
+    )  # [BLOCK_H, D]
     expo = (tl.max(tl.abs(q_all), axis=1).to(tl.int32, bitcast=True) >> 23) & 255
     expo = tl.where(expo == 0, 127, expo)
     q_pow2 = (expo << 23).to(tl.float32, bitcast=True)
@@ -173,35 +214,143 @@ def _score_kernel(
     # range bounds, so it walks the same tiles with while loops.
     if FOR_LOOPS:
         for t in range(split, vis_tiles, SPLITS):
-            _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, entries_per_block,
-                        pool_ptr, pool_stride_block, pool_stride_entry, cand_ptr, cand_stride_r, scores_ptr,
-                        scores_row, blocks_ptr, blocks_row, w, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
-                        BLOCK_N, BLOCK_H, HALF, GROUPS, CB, USE_CAND, BLOCK_MAX, WORDS, ASM, dot_ty, precision)
+            _score_tile(
+                t,
+                n,
+                vis,
+                width,
+                num_blocks,
+                row,
+                tables_ptr,
+                tables_stride_r,
+                entries_per_block,
+                pool_ptr,
+                pool_stride_block,
+                pool_stride_entry,
+                cand_ptr,
+                cand_stride_r,
+                scores_ptr,
+                scores_row,
+                blocks_ptr,
+                blocks_row,
+                w,
+                qe0,
+                qo0,
+                qe1,
+                qo1,
+                qe2,
+                qo2,
+                qe3,
+                qo3,
+                BLOCK_N,
+                BLOCK_H,
+                HALF,
+                GROUPS,
+                CB,
+                USE_CAND,
+                BLOCK_MAX,
+                WORDS,
+                ASM,
+                dot_ty,
+                precision,
+            )
         rest = split + SPLITS * tl.cdiv(tl.maximum(vis_tiles - split, 0), SPLITS)  # first tile past them
         for t in range(rest, num_tiles, SPLITS):
-            _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N,
-                         CB, BLOCK_MAX)
+            _hidden_tile(
+                t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N, CB, BLOCK_MAX
+            )
     else:
         t = split
         while t < vis_tiles:
-            _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, entries_per_block,
-                        pool_ptr, pool_stride_block, pool_stride_entry, cand_ptr, cand_stride_r, scores_ptr,
-                        scores_row, blocks_ptr, blocks_row, w, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
-                        BLOCK_N, BLOCK_H, HALF, GROUPS, CB, USE_CAND, BLOCK_MAX, WORDS, ASM, dot_ty, precision)
+            _score_tile(
+                t,
+                n,
+                vis,
+                width,
+                num_blocks,
+                row,
+                tables_ptr,
+                tables_stride_r,
+                entries_per_block,
+                pool_ptr,
+                pool_stride_block,
+                pool_stride_entry,
+                cand_ptr,
+                cand_stride_r,
+                scores_ptr,
+                scores_row,
+                blocks_ptr,
+                blocks_row,
+                w,
+                qe0,
+                qo0,
+                qe1,
+                qo1,
+                qe2,
+                qo2,
+                qe3,
+                qo3,
+                BLOCK_N,
+                BLOCK_H,
+                HALF,
+                GROUPS,
+                CB,
+                USE_CAND,
+                BLOCK_MAX,
+                WORDS,
+                ASM,
+                dot_ty,
+                precision,
+            )
             t += SPLITS
         while t < num_tiles:
-            _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N,
-                         CB, BLOCK_MAX)
+            _hidden_tile(
+                t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N, CB, BLOCK_MAX
+            )
             t += SPLITS
 
 
 @triton.jit
-def _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, entries_per_block,
-                pool_ptr, pool_stride_block, pool_stride_entry, cand_ptr, cand_stride_r, scores_ptr,
-                scores_row, blocks_ptr, blocks_row, w, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
-                BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, GROUPS: tl.constexpr,
-                CB: tl.constexpr, USE_CAND: tl.constexpr, BLOCK_MAX: tl.constexpr, WORDS: tl.constexpr,
-                ASM: tl.constexpr, dot_ty: tl.constexpr, precision: tl.constexpr):
+def _score_tile(
+    t,
+    n,
+    vis,
+    width,
+    num_blocks,
+    row,
+    tables_ptr,
+    tables_stride_r,
+    entries_per_block,
+    pool_ptr,
+    pool_stride_block,
+    pool_stride_entry,
+    cand_ptr,
+    cand_stride_r,
+    scores_ptr,
+    scores_row,
+    blocks_ptr,
+    blocks_row,
+    w,
+    qe0,
+    qo0,
+    qe1,
+    qo1,
+    qe2,
+    qo2,
+    qe3,
+    qo3,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    GROUPS: tl.constexpr,
+    CB: tl.constexpr,
+    USE_CAND: tl.constexpr,
+    BLOCK_MAX: tl.constexpr,
+    WORDS: tl.constexpr,
+    ASM: tl.constexpr,
+    dot_ty: tl.constexpr,
+    precision: tl.constexpr,
+):
     """Scores (and block maxima) of the BLOCK_N entries of tile t, a tile with visible entries."""
     j = t * BLOCK_N + n
     ok = j < vis
@@ -229,8 +378,20 @@ def _score_tile(t, n, vis, width, num_blocks, row, tables_ptr, tables_stride_r, 
 
 
 @triton.jit
-def _hidden_tile(t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row,
-                 BLOCK_N: tl.constexpr, CB: tl.constexpr, BLOCK_MAX: tl.constexpr):
+def _hidden_tile(
+    t,
+    n,
+    vis,
+    width,
+    num_blocks,
+    scores_ptr,
+    scores_row,
+    blocks_ptr,
+    blocks_row,
+    BLOCK_N: tl.constexpr,
+    CB: tl.constexpr,
+    BLOCK_MAX: tl.constexpr,
+):
     """A tile without visible entries: −∞ scores and block maxima, no key read."""
     j = t * BLOCK_N + n
     sc = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -282,8 +443,12 @@ def indexer_scores(
     if block_n % cb or block_n & (block_n - 1):
         raise ValueError(f"block_n {block_n} must be a power of two and a multiple of {cb}")
     # Whole words when the pool allows (the cache's is: 68-byte keys in 4-byte aligned blocks).
-    aligned = (key_pool.shape[-1] % 4 == 0 and key_pool.stride(0) % 4 == 0 and key_pool.stride(1) % 4 == 0
-               and key_pool.data_ptr() % 4 == 0)
+    aligned = (
+        key_pool.shape[-1] % 4 == 0
+        and key_pool.stride(0) % 4 == 0
+        and key_pool.stride(1) % 4 == 0
+        and key_pool.data_ptr() % 4 == 0
+    )
     asm = asm and aligned and q.is_cuda and not dot_fp32
     words = aligned and not asm
     pool = key_pool.view(torch.int32) if words else key_pool
@@ -299,14 +464,43 @@ def indexer_scores(
     if num_rows == 0 or width == 0:
         return scores, blocks
     _score_kernel[(num_rows, splits)](
-        q, w, pool, block_tables, positions, scores if cand is None else cand, scores,
-        scores if blocks is None else blocks, float(w_scale),
-        num_heads, width, num_tiles, num_blocks, ratio, key_pool.shape[1],
-        q.stride(0), q.stride(1), w.stride(0), pool.stride(0), pool.stride(1), block_tables.stride(0),
-        0 if cand is None else cand.stride(0), scores.stride(0), 0 if blocks is None else blocks.stride(0),
-        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), D=dim, BLOCK_N=block_n, SPLITS=splits, CB=cb,
-        USE_CAND=cand is not None, BLOCK_MAX=block_max, WORDS=words, ASM=asm, DOT_FP32=dot_fp32,
-        FOR_LOOPS=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        q,
+        w,
+        pool,
+        block_tables,
+        positions,
+        scores if cand is None else cand,
+        scores,
+        scores if blocks is None else blocks,
+        float(w_scale),
+        num_heads,
+        width,
+        num_tiles,
+        num_blocks,
+        ratio,
+        key_pool.shape[1],
+        q.stride(0),
+        q.stride(1),
+        w.stride(0),
+        pool.stride(0),
+        pool.stride(1),
+        block_tables.stride(0),
+        0 if cand is None else cand.stride(0),
+        scores.stride(0),
+        0 if blocks is None else blocks.stride(0),
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        D=dim,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        CB=cb,
+        USE_CAND=cand is not None,
+        BLOCK_MAX=block_max,
+        WORDS=words,
+        ASM=asm,
+        DOT_FP32=dot_fp32,
+        FOR_LOOPS=q.is_cuda,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return scores, blocks
 
@@ -336,15 +530,27 @@ def indexer_select(
     """
     if candidate_source and candidates is not None:
         raise ValueError("the candidate source picks candidates; it does not take them")
-    scores, blocks = indexer_scores(q, w, key_pool, block_tables, positions, ratio, width, candidates=candidates,
-                                    block_max=candidate_source, candidate_block_size=candidate_block_size, **options)
+    scores, blocks = indexer_scores(
+        q,
+        w,
+        key_pool,
+        block_tables,
+        positions,
+        ratio,
+        width,
+        candidates=candidates,
+        block_max=candidate_source,
+        candidate_block_size=candidate_block_size,
+        **options,
+    )
     if blocks is not None:
         candidates = select_topk(blocks, candidate_topk_blocks, as_mask=True)
     return select_topk(scores, index_topk), candidates
 
 
-def candidate_entries(blocks: torch.Tensor, positions: torch.Tensor, ratio: int, width: int,
-                      candidate_block_size: int = 8) -> torch.Tensor:
+def candidate_entries(
+    blocks: torch.Tensor, positions: torch.Tensor, ratio: int, width: int, candidate_block_size: int = 8
+) -> torch.Tensor:
     """Block mask [R, ceil(W/CB)] → the model's entry mask bool [R, W] (``candidate_mask``'s form)."""
     visible = (positions.long() + 1).clamp_min(0) // ratio
     entries = blocks.bool().repeat_interleave(candidate_block_size, dim=-1)[:, :width]

@@ -33,11 +33,17 @@ MIN_AMAX = 6.0 * 2.0**-126  # the smallest normal scale times 6: exact in fp32
 def _e2m1_magnitude(m):
     """|x/scale| (fp32 ≥ 0) → the e2m1 magnitude the torch encoder picks: level i is the count of
     midpoints below m, plus one at the ties 0.75, 1.75, 3.5 whose lower level has an odd code."""
-    level = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-             + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    level = (
+        (m > 0.25).to(tl.int32)
+        + (m >= 0.75).to(tl.int32)
+        + (m > 1.25).to(tl.int32)
+        + (m >= 1.75).to(tl.int32)
+        + (m > 2.5).to(tl.int32)
+        + (m >= 3.5).to(tl.int32)
+        + (m > 5.0).to(tl.int32)
+    )
     # Levels 0..4 are 0, .5, 1, 1.5, 2 (level / 2); 5, 6, 7 are 3, 4, 6.
-    return tl.where(level <= 4, level.to(tl.float32) * 0.5,
-                    tl.where(level == 5, 3.0, tl.where(level == 6, 4.0, 6.0)))
+    return tl.where(level <= 4, level.to(tl.float32) * 0.5, tl.where(level == 5, 3.0, tl.where(level == 6, 4.0, 6.0)))
 
 
 @triton.jit
@@ -60,9 +66,20 @@ def _scales(amax, MIN_AMAX: tl.constexpr):
 
 
 @triton.jit
-def _fake_quant_kernel(x_ptr, y_ptr, turn_ptr, num_blocks, blocks_per_row, blocks_per_head, rope_start,
-                       turn_row_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr, MIN_AMAX: tl.constexpr,
-                       ROPE: tl.constexpr):
+def _fake_quant_kernel(
+    x_ptr,
+    y_ptr,
+    turn_ptr,
+    num_blocks,
+    blocks_per_row,
+    blocks_per_head,
+    rope_start,
+    turn_row_stride,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+    ROPE: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # a row is one block of 32 contiguous channels
     ok = (rows < num_blocks)[:, None]
     if not ROPE:
@@ -108,18 +125,38 @@ def fake_quant_indexer(x: torch.Tensor, turns: torch.Tensor | None = None) -> to
     rows = 32
     if turns is None:
         _fake_quant_kernel[(triton.cdiv(num_blocks, rows),)](
-            x, y, x, num_blocks, 1, 1, 0, 0, ROWS=rows, BLOCK=BLOCK, MIN_AMAX=MIN_AMAX, ROPE=False)
+            x, y, x, num_blocks, 1, 1, 0, 0, ROWS=rows, BLOCK=BLOCK, MIN_AMAX=MIN_AMAX, ROPE=False
+        )
         return y
     num_pairs = turns.shape[-1]
-    if (x.dtype != torch.float32 or turns.dtype != torch.complex64 or x.ndim != 3 or turns.ndim != 2
-            or turns.shape[0] != x.shape[0] or 2 * num_pairs > channels):
-        raise ValueError(f"fake_quant_indexer with turns: x fp32 [R, H, di] and turns complex64 [R, P] with 2P ≤ di, "
-                         f"got {x.dtype} {tuple(x.shape)}, {turns.dtype} {tuple(turns.shape)}")
+    if (
+        x.dtype != torch.float32
+        or turns.dtype != torch.complex64
+        or x.ndim != 3
+        or turns.ndim != 2
+        or turns.shape[0] != x.shape[0]
+        or 2 * num_pairs > channels
+    ):
+        raise ValueError(
+            f"fake_quant_indexer with turns: x fp32 [R, H, di] and turns complex64 [R, P] with 2P ≤ di, "
+            f"got {x.dtype} {tuple(x.shape)}, {turns.dtype} {tuple(turns.shape)}"
+        )
     t = torch.view_as_real(turns)  # fp32 [R, P, 2], a view
     if t.stride(-1) != 1 or t.stride(-2) != 2:
         raise ValueError("fake_quant_indexer needs turns with contiguous pairs")
     blocks_per_head = channels // BLOCK
     _fake_quant_kernel[(triton.cdiv(num_blocks, rows),)](
-        x, y, t, num_blocks, x.shape[1] * blocks_per_head, blocks_per_head,
-        channels - 2 * num_pairs, t.stride(0), ROWS=rows, BLOCK=BLOCK, MIN_AMAX=MIN_AMAX, ROPE=True)
+        x,
+        y,
+        t,
+        num_blocks,
+        x.shape[1] * blocks_per_head,
+        blocks_per_head,
+        channels - 2 * num_pairs,
+        t.stride(0),
+        ROWS=rows,
+        BLOCK=BLOCK,
+        MIN_AMAX=MIN_AMAX,
+        ROPE=True,
+    )
     return y

@@ -28,9 +28,22 @@ def _order_key(s):
 
 
 @triton.jit
-def _select_kernel(scores_ptr, out_ptr, count_ptr, width, k, out_width, scores_stride_r, out_stride_r,
-                   BLOCK_W: tl.constexpr, LOG_W: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                   MASK_OUT: tl.constexpr, ATOMIC: tl.constexpr):
+def _select_kernel(
+    scores_ptr,
+    out_ptr,
+    count_ptr,
+    width,
+    k,
+    out_width,
+    scores_stride_r,
+    out_stride_r,
+    BLOCK_W: tl.constexpr,
+    LOG_W: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MASK_OUT: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     scores_row = scores_ptr + row * scores_stride_r
     out_row = out_ptr + row * out_stride_r
@@ -88,8 +101,9 @@ def _select_kernel(scores_ptr, out_ptr, count_ptr, width, k, out_width, scores_s
         tl.store(out_row + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= kk) & (i < out_width))
 
 
-def select_topk(scores: torch.Tensor, k: int, *, as_mask: bool = False, atomic: bool = True,
-                num_warps: int | None = None) -> torch.Tensor:
+def select_topk(
+    scores: torch.Tensor, k: int, *, as_mask: bool = False, atomic: bool = True, num_warps: int | None = None
+) -> torch.Tensor:
     """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, min(k, W)]
     ascending with −1 padding (``select_entries``), or with ``as_mask`` a uint8 [R, W] mask.
     ``atomic``: compact through atomic slots + a sort of the k indices (default) instead of prefix sums."""
@@ -110,8 +124,20 @@ def select_topk(scores: torch.Tensor, k: int, *, as_mask: bool = False, atomic: 
         num_warps = min(16, max(4, block_w // 2048))
     counts = torch.zeros(num_rows if atomic and not as_mask else 1, dtype=torch.int32, device=scores.device)
     _select_kernel[(num_rows,)](
-        scores, out, counts, width, k, out_width, scores.stride(0), out.stride(0),
-        BLOCK_W=block_w, LOG_W=block_w.bit_length() - 1, CHUNK=min(block_w, 1024),
-        BLOCK_K=triton.next_power_of_2(max(out_width, 1)), MASK_OUT=as_mask, ATOMIC=atomic, num_warps=num_warps,
+        scores,
+        out,
+        counts,
+        width,
+        k,
+        out_width,
+        scores.stride(0),
+        out.stride(0),
+        BLOCK_W=block_w,
+        LOG_W=block_w.bit_length() - 1,
+        CHUNK=min(block_w, 1024),
+        BLOCK_K=triton.next_power_of_2(max(out_width, 1)),
+        MASK_OUT=as_mask,
+        ATOMIC=atomic,
+        num_warps=num_warps,
     )
     return out

@@ -74,7 +74,7 @@ def by_rows(fn: Callable[..., Result], *rows: torch.Tensor) -> Result:
         return fn(*rows)
     outs = []
     for start in range(0, num_rows, ROW_CHUNK):
-        part = [r[start:start + ROW_CHUNK] for r in rows]
+        part = [r[start : start + ROW_CHUNK] for r in rows]
         short = ROW_CHUNK - part[0].shape[0]
         if short:
             part = [torch.cat((p, p.new_zeros(short, *p.shape[1:]))) for p in part]

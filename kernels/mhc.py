@@ -60,12 +60,14 @@ class MixWeights(NamedTuple):
         return cls.make(hc.fn.detach(), hc.base.detach(), hc.scale.detach(), hc.iters, hc.eps, hc.norm_eps)
 
     @classmethod
-    def make(cls, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-             norm_eps: float) -> MixWeights:
+    def make(
+        cls, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float, norm_eps: float
+    ) -> MixWeights:
         fn = fn.float().contiguous()
         hi = (fn.view(torch.int32) & -8192).view(torch.float32)  # 10 mantissa bits: exact in tf32
-        return cls(torch.stack((hi, fn - hi)), base.float().contiguous(), scale.float().contiguous(), iters, eps,
-                   norm_eps)
+        return cls(
+            torch.stack((hi, fn - hi)), base.float().contiguous(), scale.float().contiguous(), iters, eps, norm_eps
+        )
 
 
 class MixResult(NamedTuple):
@@ -75,8 +77,24 @@ class MixResult(NamedTuple):
 
 
 @triton.jit
-def _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                  norm_eps, eps, ITERS: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
+def _mix_epilogue(
+    m,
+    sumsq,
+    t0,
+    num_tokens,
+    k_total,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    norm_eps,
+    eps,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """m [BT, ROWS·N] = fn·v (column c = row c // N, lane c % N), sumsq [BT] = Σ v² → pre, post, comb.
 
     Rows of the [BT, ROWS, N] view: 0 pre, 1 post, 2 … N+1 the comb matrix (row = source stream),
@@ -106,12 +124,41 @@ def _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_pt
 
 @triton.jit
 def _mix_kernel(
-    h_ptr, y_ptr, in_post_ptr, in_comb_ptr, h_out_ptr, cpre_ptr, x_ptr, fn_ptr, base_ptr, scale_ptr,
-    part_ptr, sq_ptr, pre_ptr, post_ptr, comb_ptr, ticket_ptr,
-    num_tokens, dim, h_stride_t, h_stride_s, y_stride, norm_eps, eps,
-    N: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, EXPAND: tl.constexpr, COLLAPSE: tl.constexpr, ITERS: tl.constexpr,
-    V_EXACT: tl.constexpr, FINISH: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    h_ptr,
+    y_ptr,
+    in_post_ptr,
+    in_comb_ptr,
+    h_out_ptr,
+    cpre_ptr,
+    x_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    part_ptr,
+    sq_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    ticket_ptr,
+    num_tokens,
+    dim,
+    h_stride_t,
+    h_stride_s,
+    y_stride,
+    norm_eps,
+    eps,
+    N: tl.constexpr,
+    TILES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EXPAND: tl.constexpr,
+    COLLAPSE: tl.constexpr,
+    ITERS: tl.constexpr,
+    V_EXACT: tl.constexpr,
+    FINISH: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT); split i owns D tiles [i·TILES, (i+1)·TILES). h_out [T, N, D] and
     x [T, D] are contiguous; part [SPLIT, T, ROWS·N], sq [SPLIT, T]. The K = N·D projection runs one
@@ -133,8 +180,11 @@ def _mix_kernel(
         ok = t_ok & (d < dim)
         if EXPAND:
             y = tl.load(y_ptr + t * y_stride + d, mask=ok, other=0.0).to(tl.float32)
-            h3 = tl.load(h_ptr + t[:, :, None] * h_stride_t + tl.arange(0, N)[None, :, None] * h_stride_s
-                         + d[:, None, :], mask=ok[:, None, :], other=0.0).to(tl.float32)  # [BT, N, BD]
+            h3 = tl.load(
+                h_ptr + t[:, :, None] * h_stride_t + tl.arange(0, N)[None, :, None] * h_stride_s + d[:, None, :],
+                mask=ok[:, None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BT, N, BD]
         if COLLAPSE:
             x = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for k in range(N):  # a loop, not tl.static_range: fewer live tiles (the fn operand dominates)
@@ -161,8 +211,24 @@ def _mix_kernel(
         if COLLAPSE:
             tl.store(x_ptr + t * dim + d, x.to(x_ptr.dtype.element_ty), mask=ok)
     if SPLIT == 1:
-        _mix_epilogue(acc, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                      norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
+        _mix_epilogue(
+            acc,
+            sumsq,
+            t0,
+            num_tokens,
+            k_total,
+            base_ptr,
+            scale_ptr,
+            pre_ptr,
+            post_ptr,
+            comb_ptr,
+            norm_eps,
+            eps,
+            ITERS,
+            N,
+            ROWS,
+            BLOCK_T,
+        )
     else:
         row = split * num_tokens + t1
         tl.store(part_ptr + row[:, None] * (ROWS * N) + tl.arange(0, ROWS * N)[None, :], acc, mask=t_ok)
@@ -175,15 +241,52 @@ def _mix_kernel(
             if ticket == SPLIT - 1:
                 for i in range(BLOCK_T):
                     if t0 + i < num_tokens:
-                        _finish(part_ptr, sq_ptr, t0 + i, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                                num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, 1, ITERS, True)
+                        _finish(
+                            part_ptr,
+                            sq_ptr,
+                            t0 + i,
+                            base_ptr,
+                            scale_ptr,
+                            pre_ptr,
+                            post_ptr,
+                            comb_ptr,
+                            num_tokens,
+                            k_total,
+                            norm_eps,
+                            eps,
+                            SPLIT,
+                            SPLIT_BLOCK,
+                            N,
+                            ROWS,
+                            1,
+                            ITERS,
+                            True,
+                        )
                 tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
 @triton.jit
-def _finish(part_ptr, sq_ptr, t0, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, k_total,
-            norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
-            BLOCK_T: tl.constexpr, ITERS: tl.constexpr, FROM_L2: tl.constexpr):
+def _finish(
+    part_ptr,
+    sq_ptr,
+    t0,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    num_tokens,
+    k_total,
+    norm_eps,
+    eps,
+    SPLIT: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    N: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ITERS: tl.constexpr,
+    FROM_L2: tl.constexpr,
+):
     """Sums the SPLIT partial products of tokens t0 … t0 + BLOCK_T − 1, SPLIT_BLOCK splits per load (a tree
     sum of each block, blocks in order: a fixed order for a given shape and warp count, so deterministic),
     then the epilogue. FROM_L2: read at L2 (".cg"), for partials other programs of this launch wrote."""
@@ -196,27 +299,79 @@ def _finish(part_ptr, sq_ptr, t0, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
         row = (s0 + s) * num_tokens + t[None, :]  # [SB, BT]
         ok = (s0 + s < SPLIT) & (t[None, :] < num_tokens)
         if FROM_L2:
-            m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0,
-                                cache_modifier=".cg"), axis=0)
+            m += tl.sum(
+                tl.load(
+                    part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0, cache_modifier=".cg"
+                ),
+                axis=0,
+            )
             sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
         else:
-            m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0),
-                        axis=0)
+            m += tl.sum(tl.load(part_ptr + row[:, :, None] * (ROWS * N) + cols, mask=ok[:, :, None], other=0.0), axis=0)
             sumsq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
-    _mix_epilogue(m, sumsq, t0, num_tokens, k_total, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                  norm_eps, eps, ITERS, N, ROWS, BLOCK_T)
+    _mix_epilogue(
+        m,
+        sumsq,
+        t0,
+        num_tokens,
+        k_total,
+        base_ptr,
+        scale_ptr,
+        pre_ptr,
+        post_ptr,
+        comb_ptr,
+        norm_eps,
+        eps,
+        ITERS,
+        N,
+        ROWS,
+        BLOCK_T,
+    )
 
 
 @triton.jit
 def _mix_finish_kernel(
-    part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, k_total,
-    norm_eps, eps, SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
+    part_ptr,
+    sq_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    num_tokens,
+    k_total,
+    norm_eps,
+    eps,
+    SPLIT: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    N: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ITERS: tl.constexpr,
 ):
     """``_finish`` of a token tile per program. One load per block, not per split: at T = 1 the split
     count is 320 (D 5120), and a chain of 320 dependent loads made the launch latency-bound."""
-    _finish(part_ptr, sq_ptr, tl.program_id(0) * BLOCK_T, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-            num_tokens, k_total, norm_eps, eps, SPLIT, SPLIT_BLOCK, N, ROWS, BLOCK_T, ITERS, False)
+    _finish(
+        part_ptr,
+        sq_ptr,
+        tl.program_id(0) * BLOCK_T,
+        base_ptr,
+        scale_ptr,
+        pre_ptr,
+        post_ptr,
+        comb_ptr,
+        num_tokens,
+        k_total,
+        norm_eps,
+        eps,
+        SPLIT,
+        SPLIT_BLOCK,
+        N,
+        ROWS,
+        BLOCK_T,
+        ITERS,
+        False,
+    )
 
 
 # ---------------------------------------------------------------- launchers
@@ -240,13 +395,23 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
     return block_t, block_d, per, triton.cdiv(num_tiles, per)
 
 
-def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: MixWeights,
-                collapse_pre: torch.Tensor | None, block_t: int | None, split: int | None,
-                num_warps: int | None, one_launch: bool) -> MixResult:
+def _launch_mix(
+    h: torch.Tensor,
+    y: torch.Tensor | None,
+    mix_in: Mix | None,
+    w: MixWeights,
+    collapse_pre: torch.Tensor | None,
+    block_t: int | None,
+    split: int | None,
+    num_warps: int | None,
+    one_launch: bool,
+) -> MixResult:
     num_tokens, n, dim = h.shape
     if w.fn_split.shape != (2, n * (n + 2), n * dim) or w.base.shape != (n * (n + 2),) or w.scale.shape != (3,):
-        raise ValueError(f"mix weights {tuple(w.fn_split.shape)}, {tuple(w.base.shape)}, {tuple(w.scale.shape)} "
-                         f"do not fit n={n}, D={dim}")
+        raise ValueError(
+            f"mix weights {tuple(w.fn_split.shape)}, {tuple(w.base.shape)}, {tuple(w.scale.shape)} "
+            f"do not fit n={n}, D={dim}"
+        )
     if n & (n - 1):
         raise ValueError(f"hc_mult must be a power of two here, got {n}")
     rows = triton.next_power_of_2(n + 2)
@@ -273,28 +438,79 @@ def _launch_mix(h: torch.Tensor, y: torch.Tensor | None, mix_in: Mix | None, w: 
     finish_here = num_splits > 1 and num_tokens <= FINISH_IN_MIX_MAX_TOKENS and num_warps == 4 and one_launch
     ticket = tickets("mhc_mix", dev, grid[0]) if finish_here else dummy
     _mix_kernel[grid](
-        h, y if expanding else dummy, mix_in.post.contiguous() if expanding else dummy,
-        mix_in.comb.contiguous() if expanding else dummy, h_out,
+        h,
+        y if expanding else dummy,
+        mix_in.post.contiguous() if expanding else dummy,
+        mix_in.comb.contiguous() if expanding else dummy,
+        h_out,
         collapse_pre.reshape(num_tokens, n).float().contiguous() if x is not None else dummy,
-        x if x is not None else dummy, w.fn_split, w.base, w.scale, part, sq, pre, post, comb, ticket,
-        num_tokens, dim, h.stride(0), h.stride(1), y.stride(0) if expanding else 0, w.norm_eps, w.eps,
-        N=n, TILES=per, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=num_splits, EXPAND=expanding,
-        COLLAPSE=x is not None, ITERS=w.iters, V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
-        FINISH=finish_here, SPLIT_BLOCK=split_block, num_warps=num_warps, num_stages=2,
+        x if x is not None else dummy,
+        w.fn_split,
+        w.base,
+        w.scale,
+        part,
+        sq,
+        pre,
+        post,
+        comb,
+        ticket,
+        num_tokens,
+        dim,
+        h.stride(0),
+        h.stride(1),
+        y.stride(0) if expanding else 0,
+        w.norm_eps,
+        w.eps,
+        N=n,
+        TILES=per,
+        ROWS=rows,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        SPLIT=num_splits,
+        EXPAND=expanding,
+        COLLAPSE=x is not None,
+        ITERS=w.iters,
+        V_EXACT=mixed.dtype in (torch.bfloat16, torch.float16),
+        FINISH=finish_here,
+        SPLIT_BLOCK=split_block,
+        num_warps=num_warps,
+        num_stages=2,
     )
     if num_splits > 1 and not finish_here:
         finish_t = 1
         _mix_finish_kernel[(triton.cdiv(num_tokens, finish_t),)](
-            part, sq, w.base, w.scale, pre, post, comb, num_tokens, n * dim, w.norm_eps, w.eps,
-            SPLIT=num_splits, SPLIT_BLOCK=split_block, N=n, ROWS=rows, BLOCK_T=finish_t, ITERS=w.iters,
+            part,
+            sq,
+            w.base,
+            w.scale,
+            pre,
+            post,
+            comb,
+            num_tokens,
+            n * dim,
+            w.norm_eps,
+            w.eps,
+            SPLIT=num_splits,
+            SPLIT_BLOCK=split_block,
+            N=n,
+            ROWS=rows,
+            BLOCK_T=finish_t,
+            ITERS=w.iters,
             num_warps=4,
         )
     return MixResult(Mix(pre, post, comb), h_out, x)
 
 
-def mhc_mix(h: torch.Tensor, w: MixWeights, collapse_pre: torch.Tensor | None = None, *,
-            block_t: int | None = None, split: int | None = None, num_warps: int | None = None,
-            one_launch: bool = True) -> MixResult:
+def mhc_mix(
+    h: torch.Tensor,
+    w: MixWeights,
+    collapse_pre: torch.Tensor | None = None,
+    *,
+    block_t: int | None = None,
+    split: int | None = None,
+    num_warps: int | None = None,
+    one_launch: bool = True,
+) -> MixResult:
     """Mix(h) for one site, h [..., n, D]; with ``collapse_pre`` [..., n] also Collapse(h, collapse_pre).
 
     Mix fields come back as [T, n] / [T, n, n] fp32 (T = the leading dims flattened); ``x`` [T, D].
@@ -302,9 +518,18 @@ def mhc_mix(h: torch.Tensor, w: MixWeights, collapse_pre: torch.Tensor | None = 
     return _launch_mix(_streams(h), None, None, w, collapse_pre, block_t, split, num_warps, one_launch)
 
 
-def mhc_expand_mix(y: torch.Tensor, h: torch.Tensor, mix: Mix, w: MixWeights,
-                   collapse_pre: torch.Tensor | None = None, *, block_t: int | None = None,
-                   split: int | None = None, num_warps: int | None = None, one_launch: bool = True) -> MixResult:
+def mhc_expand_mix(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    mix: Mix,
+    w: MixWeights,
+    collapse_pre: torch.Tensor | None = None,
+    *,
+    block_t: int | None = None,
+    split: int | None = None,
+    num_warps: int | None = None,
+    one_launch: bool = True,
+) -> MixResult:
     """h' = Expand(y, h, mix) (y [..., D], h [..., n, D], h' in y.dtype), then Mix(h') with ``w`` and,
     with ``collapse_pre``, Collapse(h', collapse_pre): one read of y and h, one write of h'."""
     h3 = _streams(h)

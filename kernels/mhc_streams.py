@@ -24,8 +24,18 @@ def _expand_stream(y, h3, post_ptr, comb_ptr, t, t_ok, k, N: tl.constexpr, out_t
 
 
 @triton.jit
-def _collapse_kernel(h_ptr, pre_ptr, x_ptr, num_tokens, dim, h_stride_t, h_stride_s,
-                     N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _collapse_kernel(
+    h_ptr,
+    pre_ptr,
+    x_ptr,
+    num_tokens,
+    dim,
+    h_stride_t,
+    h_stride_s,
+    N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t1 = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d1 = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t, s, d = t1[:, None, None], tl.arange(0, N)[None, :, None], d1[None, None, :]
@@ -38,15 +48,31 @@ def _collapse_kernel(h_ptr, pre_ptr, x_ptr, num_tokens, dim, h_stride_t, h_strid
 
 
 @triton.jit
-def _expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, num_tokens, dim, y_stride, h_stride_t, h_stride_s,
-                   N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _expand_kernel(
+    y_ptr,
+    h_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    num_tokens,
+    dim,
+    y_stride,
+    h_stride_t,
+    h_stride_s,
+    N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
     d = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
     t_ok = t < num_tokens
     ok = t_ok & (d < dim)
     y = tl.load(y_ptr + t * y_stride + d, mask=ok, other=0.0).to(tl.float32)
-    h3 = tl.load(h_ptr + t[:, :, None] * h_stride_t + tl.arange(0, N)[None, :, None] * h_stride_s + d[:, None, :],
-                 mask=ok[:, None, :], other=0.0).to(tl.float32)  # [BT, N, BD]
+    h3 = tl.load(
+        h_ptr + t[:, :, None] * h_stride_t + tl.arange(0, N)[None, :, None] * h_stride_s + d[:, None, :],
+        mask=ok[:, None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BT, N, BD]
     for k in tl.static_range(N):
         v = _expand_stream(y, h3, post_ptr, comb_ptr, t, t_ok, k, N, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * (N * dim) + k * dim + d, v.to(out_ptr.dtype.element_ty), mask=ok)
@@ -79,8 +105,19 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     x = torch.empty(num_tokens, dim, device=h.device, dtype=h.dtype)
     if num_tokens:
         block_t, block_d, grid = _elementwise_config(num_tokens, dim)
-        _collapse_kernel[grid](h3, pre.reshape(num_tokens, n).float().contiguous(), x, num_tokens, dim,
-                               h3.stride(0), h3.stride(1), N=n, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        _collapse_kernel[grid](
+            h3,
+            pre.reshape(num_tokens, n).float().contiguous(),
+            x,
+            num_tokens,
+            dim,
+            h3.stride(0),
+            h3.stride(1),
+            N=n,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return x.view(*h.shape[:-2], dim)
 
 
@@ -91,8 +128,20 @@ def expand(y: torch.Tensor, h: torch.Tensor, mix: Mix) -> torch.Tensor:
     out = torch.empty(num_tokens, n, dim, device=h.device, dtype=y.dtype)
     if num_tokens:
         block_t, block_d, grid = _elementwise_config(num_tokens, dim)
-        _expand_kernel[grid](y2, h3, mix.post.reshape(num_tokens, n).float().contiguous(),
-                             mix.comb.reshape(num_tokens, n, n).float().contiguous(), out, num_tokens, dim,
-                             y2.stride(0), h3.stride(0), h3.stride(1), N=n, BLOCK_T=block_t, BLOCK_D=block_d,
-                             num_warps=4)
+        _expand_kernel[grid](
+            y2,
+            h3,
+            mix.post.reshape(num_tokens, n).float().contiguous(),
+            mix.comb.reshape(num_tokens, n, n).float().contiguous(),
+            out,
+            num_tokens,
+            dim,
+            y2.stride(0),
+            h3.stride(0),
+            h3.stride(1),
+            N=n,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out.view(*h.shape)

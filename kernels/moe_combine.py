@@ -19,8 +19,18 @@ BLOCK_D = 512
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_ptr, live_ptr, out_ptr, D, W, K: tl.constexpr, SHARED_LAST: tl.constexpr,
-                    USE_LIVE: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(
+    y_ptr,
+    slot_ptr,
+    live_ptr,
+    out_ptr,
+    D,
+    W,
+    K: tl.constexpr,
+    SHARED_LAST: tl.constexpr,
+    USE_LIVE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < W  # the W ≤ D leading columns
@@ -36,8 +46,14 @@ def _combine_kernel(y_ptr, slot_ptr, live_ptr, out_ptr, D, W, K: tl.constexpr, S
     tl.store(out_ptr + token * W + cols, acc, mask=ok)
 
 
-def moe_combine(y: torch.Tensor, slot_of: torch.Tensor, shared_last: bool = False, *,
-                live: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor,
+    slot_of: torch.Tensor,
+    shared_last: bool = False,
+    *,
+    live: torch.Tensor | None = None,
+    width: int | None = None,
+) -> torch.Tensor:
     """y [E, cap, D] (bf16/fp32), slot_of int [T, k] flat slots → fp32 [T, width] (see the module docstring).
 
     ``live`` bool [T] (None: every row): rows outside it come out +0.0, as ``torch.where(live, out, 0.0)``
@@ -59,6 +75,16 @@ def moe_combine(y: torch.Tensor, slot_of: torch.Tensor, shared_last: bool = Fals
     slots = slot_of.to(torch.int64).contiguous()
     live = None if live is None else (live.view(torch.uint8) if live.dtype == torch.bool else live).contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(width, BLOCK_D))](
-        y, slots, slots if live is None else live, out, dim, width, K=k, SHARED_LAST=shared_last,
-        USE_LIVE=live is not None, BLOCK_D=BLOCK_D, num_warps=4)
+        y,
+        slots,
+        slots if live is None else live,
+        out,
+        dim,
+        width,
+        K=k,
+        SHARED_LAST=shared_last,
+        USE_LIVE=live is not None,
+        BLOCK_D=BLOCK_D,
+        num_warps=4,
+    )
     return out

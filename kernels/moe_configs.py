@@ -48,8 +48,10 @@ def _table(device_name: str) -> dict[str, dict[int, dict[str, int]]]:
     if not path.is_file():
         return {}
     raw = json.loads(path.read_text())
-    return {key: {int(t): {f: int(c[f]) for f in FIELDS if f in c} for t, c in by_tokens.items()}
-            for key, by_tokens in raw.items()}
+    return {
+        key: {int(t): {f: int(c[f]) for f in FIELDS if f in c} for t, c in by_tokens.items()}
+        for key, by_tokens in raw.items()
+    }
 
 
 def nearest(by_tokens: dict[int, dict[str, int]], num_tokens: int) -> dict[str, int]:

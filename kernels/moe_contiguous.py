@@ -42,13 +42,35 @@ SCALE_BYTES = 1 + 4 / GROUP
 
 
 @triton.jit
-def _contiguous_kernel(src_ptr, src_scale_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr,
-                       a_q_ptr, a_s_ptr, m_ptr, token_ptr, w_ptr, rows_of_ptr,
-                       num_rows, num_picks, capacity, src_row_stride,
-                       NUM_GROUPS: tl.constexpr, G_PAD: tl.constexpr, ALIGN: tl.constexpr,
-                       ROW_SIZE: tl.constexpr, SCALES: tl.constexpr, SCALES_PAD: tl.constexpr,
-                       PER_ROW: tl.constexpr, ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-                       BLOCK_PICKS: tl.constexpr, GROUP: tl.constexpr):
+def _contiguous_kernel(
+    src_ptr,
+    src_scale_ptr,
+    counts_ptr,
+    row_ids_ptr,
+    route_w_ptr,
+    slot_of_ptr,
+    a_q_ptr,
+    a_s_ptr,
+    m_ptr,
+    token_ptr,
+    w_ptr,
+    rows_of_ptr,
+    num_rows,
+    num_picks,
+    capacity,
+    src_row_stride,
+    NUM_GROUPS: tl.constexpr,
+    G_PAD: tl.constexpr,
+    ALIGN: tl.constexpr,
+    ROW_SIZE: tl.constexpr,
+    SCALES: tl.constexpr,
+    SCALES_PAD: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_PICKS: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     pid = tl.program_id(0)
     g = tl.arange(0, G_PAD)
     counts = tl.load(counts_ptr + g, mask=g < NUM_GROUPS, other=0)
@@ -109,8 +131,9 @@ def quantizes_per_row(x: torch.Tensor, num_picks: int) -> bool:
     return (rows_per_token - 1) * size < (rows_per_token + 1) * SCALE_BYTES
 
 
-def contiguous_layout(x: torch.Tensor, meta: dict[str, torch.Tensor], align: int, *,
-                      per_row: bool | None = None) -> ContiguousRows:
+def contiguous_layout(
+    x: torch.Tensor, meta: dict[str, torch.Tensor], align: int, *, per_row: bool | None = None
+) -> ContiguousRows:
     """x [T, D'] (bf16/fp32, D' % 128 == 0) and ``KernelMoE``'s meta → ``deepgemm_moe.ContiguousRows``, the
     bytes of ``deepgemm_moe.contiguous_layout`` (with ``quant_fp8.quantize_act``) on every row of the spans, with
     device ops only. ``per_row``: quantise per row in this launch (True), or ``quantize_act`` first (False);
@@ -140,9 +163,32 @@ def contiguous_layout(x: torch.Tensor, meta: dict[str, torch.Tensor], align: int
         src, dst = x_q.view(torch.int32), a_q.view(torch.int32)  # D' % 4 == 0: whole words
     grid = (triton.cdiv(num_rows, ROWS) + triton.cdiv(num_picks, BLOCK_PICKS),)
     _contiguous_kernel[grid](
-        src, src_scale, meta["counts"].to(torch.int32).contiguous(), row_ids, route_w, slot_of,
-        dst, a_s, m_indices, tokens, weights, rows_of, num_rows, num_picks, capacity, src.stride(0),
-        NUM_GROUPS=num_groups, G_PAD=triton.next_power_of_2(num_groups), ALIGN=align, ROW_SIZE=src.shape[1],
-        SCALES=channels // GROUP, SCALES_PAD=triton.next_power_of_2(channels // GROUP), PER_ROW=per_row,
-        ROWS=ROWS, BLOCK_WORDS=BLOCK_WORDS, BLOCK_PICKS=BLOCK_PICKS, GROUP=GROUP)
+        src,
+        src_scale,
+        meta["counts"].to(torch.int32).contiguous(),
+        row_ids,
+        route_w,
+        slot_of,
+        dst,
+        a_s,
+        m_indices,
+        tokens,
+        weights,
+        rows_of,
+        num_rows,
+        num_picks,
+        capacity,
+        src.stride(0),
+        NUM_GROUPS=num_groups,
+        G_PAD=triton.next_power_of_2(num_groups),
+        ALIGN=align,
+        ROW_SIZE=src.shape[1],
+        SCALES=channels // GROUP,
+        SCALES_PAD=triton.next_power_of_2(channels // GROUP),
+        PER_ROW=per_row,
+        ROWS=ROWS,
+        BLOCK_WORDS=BLOCK_WORDS,
+        BLOCK_PICKS=BLOCK_PICKS,
+        GROUP=GROUP,
+    )
     return ContiguousRows((a_q, a_s), m_indices, tokens, weights, rows_of)

@@ -44,12 +44,33 @@ BLOCK_K = GROUP  # one weight scale and one activation scale per K step
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, row_ids_ptr, route_w_ptr, counts_ptr, active_ptr, num_active_ptr,
-    w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
-    capacity, a_row_stride, swiglu_limit, m_split, out_stride_e, out_stride_m,
-    N_OUT: tl.constexpr, K: tl.constexpr,
-    GATHER: tl.constexpr, SWIGLU: tl.constexpr, A_FP8: tl.constexpr, OUT_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_M: tl.constexpr,
+    a_ptr,
+    a_scale_ptr,
+    row_ids_ptr,
+    route_w_ptr,
+    counts_ptr,
+    active_ptr,
+    num_active_ptr,
+    w_ptr,
+    w_scale_ptr,
+    out_ptr,
+    out_scale_ptr,
+    capacity,
+    a_row_stride,
+    swiglu_limit,
+    m_split,
+    out_stride_e,
+    out_stride_m,
+    N_OUT: tl.constexpr,
+    K: tl.constexpr,
+    GATHER: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    A_FP8: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_M: tl.constexpr,
 ):
     NUM_N_TILES: tl.constexpr = N_OUT // BLOCK_N
     N_W: tl.constexpr = 2 * N_OUT if SWIGLU else N_OUT
@@ -219,17 +240,24 @@ def moe_grouped_gemm(
     out_values, out_scale = out if isinstance(out, tuple) else (out, out)  # out_scale unread without OUT_FP8
     # bf16/fp32 output rows may sit at any row strides (channels dense); the e4m3 pair is dense.
     dense = out_values.is_contiguous() and out_scale.is_contiguous() if out_fp8 else out_values.stride(-1) == 1
-    if (isinstance(out, tuple) != out_fp8 or out_values.shape != (num_experts, capacity, n_out)
-            or out_values.dtype != out_dtype or not dense):
-        raise ValueError(f"out must be {out_dtype} [{num_experts}, {capacity}, {n_out}] (dense channels; the "
-                         f"e4m3 pair dense), got {out_values.dtype} {tuple(out_values.shape)}")
+    if (
+        isinstance(out, tuple) != out_fp8
+        or out_values.shape != (num_experts, capacity, n_out)
+        or out_values.dtype != out_dtype
+        or not dense
+    ):
+        raise ValueError(
+            f"out must be {out_dtype} [{num_experts}, {capacity}, {n_out}] (dense channels; the "
+            f"e4m3 pair dense), got {out_values.dtype} {tuple(out_values.shape)}"
+        )
     if block_m is None and invariance.active():
         block_m = invariance.BLOCK_M  # not the load per expert (kernels/invariance.py)
     if block_m is None:
         block_m = default_block_m(meta["slot_of"].numel() / num_experts)
     if num_warps is None and num_stages is None and programs_per_sm is None and block_n == GROUP:
-        key = moe_configs.shape_key(num_experts, n_w, k, swiglu=swiglu_limit is not None, a_fp8=a_fp8,
-                                    out_dtype=out_dtype)
+        key = moe_configs.shape_key(
+            num_experts, n_w, k, swiglu=swiglu_limit is not None, a_fp8=a_fp8, out_dtype=out_dtype
+        )
         measured = moe_configs.lookup(a_values.device, key, meta["slot_of"].shape[0])
         num_warps, num_stages, programs_per_sm = (measured.get(f) for f in moe_configs.FIELDS)
     num_warps = default_num_warps(block_n, block_m, swiglu_limit is not None) if num_warps is None else num_warps
@@ -237,24 +265,49 @@ def moe_grouped_gemm(
     programs_per_sm = DEFAULT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     num_work_max = num_experts * (n_out // block_n)
     if m_split is None:
-        m_split = default_m_split(num_work_max, triton.cdiv(capacity, block_m),
-                                  num_sms(a_values.device, off_gpu=4) * programs_per_sm)
+        m_split = default_m_split(
+            num_work_max, triton.cdiv(capacity, block_m), num_sms(a_values.device, off_gpu=4) * programs_per_sm
+        )
     if m_split < 1:
         raise ValueError(f"m_split must be ≥ 1, got {m_split}")
     grid = (_num_programs(a_values.device, num_work_max * m_split, programs_per_sm),)
     _moe_gemm_kernel[grid](
-        a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
-        w, w_scale, out_values, out_scale,
-        capacity, k, float(swiglu_limit or 0.0), m_split, out_values.stride(0), out_values.stride(1),
-        N_OUT=n_out, K=k, GATHER=gather, SWIGLU=swiglu_limit is not None, A_FP8=a_fp8, OUT_FP8=out_fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_M=m_split > 1, num_warps=num_warps,
+        a_values,
+        a_scale,
+        meta["row_ids"],
+        meta["route_w"],
+        meta["counts"],
+        meta["active"],
+        meta["num_active"],
+        w,
+        w_scale,
+        out_values,
+        out_scale,
+        capacity,
+        k,
+        float(swiglu_limit or 0.0),
+        m_split,
+        out_values.stride(0),
+        out_values.stride(1),
+        N_OUT=n_out,
+        K=k,
+        GATHER=gather,
+        SWIGLU=swiglu_limit is not None,
+        A_FP8=a_fp8,
+        OUT_FP8=out_fp8,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
+        SPLIT_M=m_split > 1,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
 
 
-def empty_output(num_experts: int, capacity: int, n_out: int, out_dtype: torch.dtype, device: torch.device
-                 ) -> Activations:
+def empty_output(
+    num_experts: int, capacity: int, n_out: int, out_dtype: torch.dtype, device: torch.device
+) -> Activations:
     """An unwritten [E, cap, N_out] output of ``moe_grouped_gemm``: ``out_dtype`` values, or for e4m3 the pair
     (values, fp32 scales [E, cap, N_out/128])."""
     values = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=device)
@@ -302,8 +355,9 @@ def moe_experts(
     if shared_launch is None:
         shared_launch = shared_apart(meta["row_ids"].shape[1], block_m)
     if not (shared_last and shared_launch):
-        h = moe_grouped_gemm(a, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit, out_dtype=h_dtype,
-                             block_m=block_m)
+        h = moe_grouped_gemm(
+            a, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit, out_dtype=h_dtype, block_m=block_m
+        )
         y = moe_grouped_gemm(h, w2, w2_scale, meta, gather=False, block_m=block_m)
         assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
         return moe_combine(y, meta["slot_of"], shared_last, live=live, width=width)
@@ -313,10 +367,20 @@ def moe_experts(
     y = empty_output(num_stacked, capacity, w2.shape[1], torch.bfloat16, x.device)
     for part, experts in ((routed, slice(0, -1)), (shared, slice(-1, None))):
         h_part = _experts_of(h, experts)
-        moe_grouped_gemm(a, w13[experts], w13_scale[experts], part, gather=True, swiglu_limit=swiglu_limit,
-                         out_dtype=h_dtype, block_m=block_m, out=h_part)
-        moe_grouped_gemm(h_part, w2[experts], w2_scale[experts], part, gather=False, block_m=block_m,
-                         out=_experts_of(y, experts))
+        moe_grouped_gemm(
+            a,
+            w13[experts],
+            w13_scale[experts],
+            part,
+            gather=True,
+            swiglu_limit=swiglu_limit,
+            out_dtype=h_dtype,
+            block_m=block_m,
+            out=h_part,
+        )
+        moe_grouped_gemm(
+            h_part, w2[experts], w2_scale[experts], part, gather=False, block_m=block_m, out=_experts_of(y, experts)
+        )
     assert isinstance(y, torch.Tensor)
     return moe_combine(y, meta["slot_of"], shared_last, live=live, width=width)
 
@@ -337,8 +401,14 @@ def split_shared(meta: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     alone (its counts, row ids, routing weights), one active expert, index 0 of the sliced stack."""
     one = _one_active(meta["counts"].device)
     routed = dict(meta, num_active=meta["num_active"] - 1)
-    shared = dict(meta, counts=meta["counts"][-1:], row_ids=meta["row_ids"][-1:], route_w=meta["route_w"][-1:],
-                  active=one[:1], num_active=one[1:])
+    shared = dict(
+        meta,
+        counts=meta["counts"][-1:],
+        row_ids=meta["row_ids"][-1:],
+        route_w=meta["route_w"][-1:],
+        active=one[:1],
+        num_active=one[1:],
+    )
     return routed, shared
 
 

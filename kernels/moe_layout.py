@@ -27,10 +27,25 @@ MAX_TOKENS = 1024
 
 @triton.jit
 def _layout(
-    experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr,
-    num_active_ptr, expert_counts_ptr, num_tokens,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr, LIVE: tl.constexpr, COUNT: tl.constexpr,
+    experts_ptr,
+    weights_ptr,
+    live_ptr,
+    counts_ptr,
+    row_ids_ptr,
+    route_w_ptr,
+    slot_of_ptr,
+    active_ptr,
+    num_active_ptr,
+    expert_counts_ptr,
+    num_tokens,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_FILL: tl.constexpr,
+    LIVE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """experts int [T, TOP_K], weights fp32 [T, TOP_K], live bool [T] (LIVE); outputs for E + 1 stacked
     experts: counts int32 [E+1], row_ids int32 / route_w fp32 [E+1, T], slot_of int64 [T, TOP_K+1],
@@ -66,14 +81,16 @@ def _layout(
         flat = e * num_tokens + slot
         tl.store(row_ids_ptr + flat, t[:, None] + 0 * j[None, :], mask=pick_ok)
         tl.store(route_w_ptr + flat, w, mask=pick_ok)
-        tl.store(slot_of_ptr + t[:, None] * (TOP_K + 1) + j[None, :], tl.where(pick_ok, flat, 0).to(tl.int64),
-                 mask=(t[:, None] < num_tokens) & (j[None, :] < TOP_K))
+        tl.store(
+            slot_of_ptr + t[:, None] * (TOP_K + 1) + j[None, :],
+            tl.where(pick_ok, flat, 0).to(tl.int64),
+            mask=(t[:, None] < num_tokens) & (j[None, :] < TOP_K),
+        )
         shared_slot = tl.sum(tl.where(cols[None, :] == SHARED, before, 0), axis=1)  # [BT]
         shared_flat = SHARED * num_tokens + shared_slot
         tl.store(row_ids_ptr + shared_flat, t, mask=ok)
         tl.store(route_w_ptr + shared_flat, tl.full([BLOCK_T], 1.0, tl.float32), mask=ok)
-        tl.store(slot_of_ptr + t * (TOP_K + 1) + TOP_K, tl.where(ok, shared_flat, 0).to(tl.int64),
-                 mask=t < num_tokens)
+        tl.store(slot_of_ptr + t * (TOP_K + 1) + TOP_K, tl.where(ok, shared_flat, 0).to(tl.int64), mask=t < num_tokens)
         carry += tl.sum(m, axis=0)
         t0 += BLOCK_T
     stacked = cols < STACKED
@@ -93,14 +110,47 @@ def _layout(
 
 @triton.jit
 def _layout_kernel(
-    experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr,
-    num_active_ptr, expert_counts_ptr, num_tokens,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_FILL: tl.constexpr, LIVE: tl.constexpr, COUNT: tl.constexpr,
+    experts_ptr,
+    weights_ptr,
+    live_ptr,
+    counts_ptr,
+    row_ids_ptr,
+    route_w_ptr,
+    slot_of_ptr,
+    active_ptr,
+    num_active_ptr,
+    expert_counts_ptr,
+    num_tokens,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_FILL: tl.constexpr,
+    LIVE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
-    _layout(experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr,
-            num_active_ptr, expert_counts_ptr, num_tokens, NUM_EXPERTS, TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_FILL,
-            LIVE, COUNT)
+    _layout(
+        experts_ptr,
+        weights_ptr,
+        live_ptr,
+        counts_ptr,
+        row_ids_ptr,
+        route_w_ptr,
+        slot_of_ptr,
+        active_ptr,
+        num_active_ptr,
+        expert_counts_ptr,
+        num_tokens,
+        NUM_EXPERTS,
+        TOP_K,
+        K_PAD,
+        E_PAD,
+        BLOCK_T,
+        BLOCK_FILL,
+        LIVE,
+        COUNT,
+    )
 
 
 def layout_outputs(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -122,8 +172,13 @@ def layout_block_t(top_k: int, num_experts: int) -> int:
     return max(1, min(16, 8192 // (k_pad * e_pad)))
 
 
-def moe_layout(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, live: torch.Tensor | None = None,
-               expert_counts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def moe_layout(
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    live: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """``route_metadata`` of the router's choices (experts int [T, k] distinct per row, weights fp32
     [T, k]) with the shared expert ``num_experts`` appended to every live row (weight 1), over
     num_experts + 1 stacked experts; rows outside ``live`` (bool [T]; None: all) take no slot.
@@ -137,11 +192,25 @@ def moe_layout(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, l
     k_pad, e_pad = triton.next_power_of_2(top_k), triton.next_power_of_2(num_experts + 1)
     block_t = layout_block_t(top_k, num_experts)
     _layout_kernel[(1,)](
-        experts.contiguous(), weights.float().contiguous(),
+        experts.contiguous(),
+        weights.float().contiguous(),
         live.contiguous() if live is not None else out["counts"],  # bool: loaded as i1, no conversion launch
-        out["counts"], out["row_ids"], out["route_w"], out["slot_of"], out["active"], out["num_active"],
-        expert_counts if expert_counts is not None else out["counts"], num_tokens,
-        NUM_EXPERTS=num_experts, TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_FILL=1024,
-        LIVE=live is not None, COUNT=expert_counts is not None, num_warps=4,
+        out["counts"],
+        out["row_ids"],
+        out["route_w"],
+        out["slot_of"],
+        out["active"],
+        out["num_active"],
+        expert_counts if expert_counts is not None else out["counts"],
+        num_tokens,
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        K_PAD=k_pad,
+        E_PAD=e_pad,
+        BLOCK_T=block_t,
+        BLOCK_FILL=1024,
+        LIVE=live is not None,
+        COUNT=expert_counts is not None,
+        num_warps=4,
     )
     return out

@@ -40,9 +40,23 @@ def _softplus(x):
 
 
 @triton.jit
-def _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
-           route_scale, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-           HAS_IMAGE: tl.constexpr):
+def _route(
+    logits,
+    tokens,
+    t_ok,
+    cols,
+    e_ok,
+    bias_ptr,
+    bias_vl_ptr,
+    image_ptr,
+    weights_ptr,
+    experts_ptr,
+    route_scale,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_IMAGE: tl.constexpr,
+):
     """Logits [BLOCK_T, BLOCK_E] fp32 → the picks and their renormalised weights, stored. HAS_IMAGE:
     tokens whose ``image`` byte is nonzero add ``bias_vl`` instead of ``bias``."""
     scores = tl.sqrt(_softplus(logits))
@@ -73,26 +87,49 @@ def _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, w
 
 
 @triton.jit
-def _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, d_first,
-            D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-            TILES: tl.constexpr):
+def _logits(
+    x_ptr,
+    gate_ptr,
+    tokens,
+    t_ok,
+    cols,
+    e_ok,
+    x_row_stride,
+    d_first,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """x · gateᵀ over D tiles d_first … d_first + TILES − 1, fp32 [BLOCK_T, BLOCK_E]."""
     offs_d = tl.arange(0, BLOCK_D)
     logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for i in range(TILES):  # constexpr trip count (the interpreter wants host ints)
         d0 = (d_first + i) * BLOCK_D
         d_ok = d0 + offs_d < D
-        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + d0 + offs_d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        g = tl.load(gate_ptr + cols[None, :] * D + d0 + offs_d[:, None],
-                    mask=e_ok[None, :] & d_ok[:, None], other=0.0)
+        x = tl.load(
+            x_ptr + tokens[:, None].to(tl.int64) * x_row_stride + d0 + offs_d[None, :],
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        g = tl.load(gate_ptr + cols[None, :] * D + d0 + offs_d[:, None], mask=e_ok[None, :] & d_ok[:, None], other=0.0)
         logits += tl.dot(x.to(tl.float32), g.to(tl.float32), input_precision="tf32x3")
     return logits
 
 
 @triton.jit
-def _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_E: tl.constexpr, FROM_L2: tl.constexpr):
+def _summed_splits(
+    part_ptr,
+    tokens,
+    t_ok,
+    cols,
+    num_tokens,
+    SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    FROM_L2: tl.constexpr,
+):
     """Σ_s part[s] over a token tile, fp32 [BLOCK_T, BLOCK_E], in split order: the sum does not depend on
     the schedule. FROM_L2: read at L2 (".cg"), for partials other programs of this launch wrote."""
     logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -108,13 +145,42 @@ def _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT: tl.constexpr
 
 @triton.jit
 def _router_kernel(
-    x_ptr, gate_ptr, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr, part_ptr, ticket_ptr,
-    live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr, active_ptr, num_active_ptr, expert_counts_ptr,
-    num_tokens, x_row_stride, route_scale,
-    D: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_IMAGE: tl.constexpr, FINISH: tl.constexpr,
-    LAYOUT: tl.constexpr, L_E_PAD: tl.constexpr, L_BLOCK_T: tl.constexpr, LIVE: tl.constexpr, COUNT: tl.constexpr,
+    x_ptr,
+    gate_ptr,
+    bias_ptr,
+    bias_vl_ptr,
+    image_ptr,
+    weights_ptr,
+    experts_ptr,
+    part_ptr,
+    ticket_ptr,
+    live_ptr,
+    counts_ptr,
+    row_ids_ptr,
+    route_w_ptr,
+    slot_of_ptr,
+    active_ptr,
+    num_active_ptr,
+    expert_counts_ptr,
+    num_tokens,
+    x_row_stride,
+    route_scale,
+    D: tl.constexpr,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_IMAGE: tl.constexpr,
+    FINISH: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    L_E_PAD: tl.constexpr,
+    L_BLOCK_T: tl.constexpr,
+    LIVE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT). SPLIT 1: logits and routing in one program; else this split's
     partial logits to part [SPLIT, T, BLOCK_E], and with FINISH the tile's last program (ticket
@@ -126,16 +192,50 @@ def _router_kernel(
     cols = tl.arange(0, BLOCK_E)
     e_ok = cols < E
     split = tl.program_id(1)
-    logits = _logits(x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, split * TILES,
-                     D, BLOCK_T, BLOCK_E, BLOCK_D, TILES)
+    logits = _logits(
+        x_ptr, gate_ptr, tokens, t_ok, cols, e_ok, x_row_stride, split * TILES, D, BLOCK_T, BLOCK_E, BLOCK_D, TILES
+    )
     if SPLIT == 1:
-        _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
-               route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
+        _route(
+            logits,
+            tokens,
+            t_ok,
+            cols,
+            e_ok,
+            bias_ptr,
+            bias_vl_ptr,
+            image_ptr,
+            weights_ptr,
+            experts_ptr,
+            route_scale,
+            TOP_K,
+            BLOCK_T,
+            BLOCK_K,
+            HAS_IMAGE,
+        )
         if LAYOUT:
             tl.debug_barrier()  # every thread's picks stored and visible to the block
-            _layout(experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr,
-                    active_ptr, num_active_ptr, expert_counts_ptr, num_tokens, E, TOP_K, BLOCK_K, L_E_PAD,
-                    L_BLOCK_T, 1024, LIVE, COUNT)
+            _layout(
+                experts_ptr,
+                weights_ptr,
+                live_ptr,
+                counts_ptr,
+                row_ids_ptr,
+                route_w_ptr,
+                slot_of_ptr,
+                active_ptr,
+                num_active_ptr,
+                expert_counts_ptr,
+                num_tokens,
+                E,
+                TOP_K,
+                BLOCK_K,
+                L_E_PAD,
+                L_BLOCK_T,
+                1024,
+                LIVE,
+                COUNT,
+            )
     else:
         rows = (split * num_tokens + tokens).to(tl.int64)
         tl.store(part_ptr + rows[:, None] * BLOCK_E + cols[None, :], logits, mask=t_ok[:, None])
@@ -146,29 +246,89 @@ def _router_kernel(
             ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
             if ticket == SPLIT - 1:
                 total = _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT, BLOCK_T, BLOCK_E, True)
-                _route(total, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr,
-                       experts_ptr, route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
+                _route(
+                    total,
+                    tokens,
+                    t_ok,
+                    cols,
+                    e_ok,
+                    bias_ptr,
+                    bias_vl_ptr,
+                    image_ptr,
+                    weights_ptr,
+                    experts_ptr,
+                    route_scale,
+                    TOP_K,
+                    BLOCK_T,
+                    BLOCK_K,
+                    HAS_IMAGE,
+                )
                 if LAYOUT:
                     tl.debug_barrier()  # every thread's picks stored and visible to the block
-                    _layout(experts_ptr, weights_ptr, live_ptr, counts_ptr, row_ids_ptr, route_w_ptr, slot_of_ptr,
-                            active_ptr, num_active_ptr, expert_counts_ptr, num_tokens, E, TOP_K, BLOCK_K, L_E_PAD,
-                            L_BLOCK_T, 1024, LIVE, COUNT)
+                    _layout(
+                        experts_ptr,
+                        weights_ptr,
+                        live_ptr,
+                        counts_ptr,
+                        row_ids_ptr,
+                        route_w_ptr,
+                        slot_of_ptr,
+                        active_ptr,
+                        num_active_ptr,
+                        expert_counts_ptr,
+                        num_tokens,
+                        E,
+                        TOP_K,
+                        BLOCK_K,
+                        L_E_PAD,
+                        L_BLOCK_T,
+                        1024,
+                        LIVE,
+                        COUNT,
+                    )
                 tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
 @triton.jit
 def _router_finish_kernel(
-    part_ptr, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr, num_tokens, route_scale,
-    E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_IMAGE: tl.constexpr,
+    part_ptr,
+    bias_ptr,
+    bias_vl_ptr,
+    image_ptr,
+    weights_ptr,
+    experts_ptr,
+    num_tokens,
+    route_scale,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_IMAGE: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
     cols = tl.arange(0, BLOCK_E)
     e_ok = cols < E
     logits = _summed_splits(part_ptr, tokens, t_ok, cols, num_tokens, SPLIT, BLOCK_T, BLOCK_E, False)
-    _route(logits, tokens, t_ok, cols, e_ok, bias_ptr, bias_vl_ptr, image_ptr, weights_ptr, experts_ptr,
-           route_scale, TOP_K, BLOCK_T, BLOCK_K, HAS_IMAGE)
+    _route(
+        logits,
+        tokens,
+        t_ok,
+        cols,
+        e_ok,
+        bias_ptr,
+        bias_vl_ptr,
+        image_ptr,
+        weights_ptr,
+        experts_ptr,
+        route_scale,
+        TOP_K,
+        BLOCK_T,
+        BLOCK_K,
+        HAS_IMAGE,
+    )
 
 
 def default_split(num_token_tiles: int, num_d_tiles: int, num_programs: int) -> int:
@@ -180,23 +340,38 @@ def default_split(num_token_tiles: int, num_d_tiles: int, num_programs: int) -> 
 
 
 def moe_router(
-    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
-    split: int | None = None, bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None,
-    *, one_launch: bool = True,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    route_scale: float,
+    split: int | None = None,
+    bias_vl: torch.Tensor | None = None,
+    image: torch.Tensor | None = None,
+    *,
+    one_launch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (fp32 weights [T, k], int32 experts [T, k], best first); gate_weight [E, D], bias [E].
     ``split``: programs per token tile over D (None: ``default_split``; 1: one program per tile).
     ``image`` bool [T] with ``bias_vl`` [E] (both or neither): the marked tokens select with ``bias_vl``.
     ``one_launch`` False: split partials routed by a second launch (the same bits; kept to test against)."""
-    weights, experts, _ = _launch(x, gate_weight, bias, top_k, route_scale, split, bias_vl, image, one_launch,
-                                  None)
+    weights, experts, _ = _launch(x, gate_weight, bias, top_k, route_scale, split, bias_vl, image, one_launch, None)
     return weights, experts
 
 
 def moe_router_layout(
-    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
-    live: torch.Tensor | None = None, expert_counts: torch.Tensor | None = None, split: int | None = None,
-    bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None, *, one_launch: bool = True,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    route_scale: float,
+    live: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
+    split: int | None = None,
+    bias_vl: torch.Tensor | None = None,
+    image: torch.Tensor | None = None,
+    *,
+    one_launch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``moe_router`` and then ``moe_layout(experts, weights, E, live, expert_counts)``: (weights, experts, the
     layout's metadata). Up to one token tile (16 rows) the program that routes the tile lays it out too, in
@@ -209,8 +384,9 @@ def moe_router_layout(
     if expert_counts is not None and expert_counts.shape != (gate_weight.shape[0],):
         raise ValueError(f"expert_counts must be [{gate_weight.shape[0]}], got {tuple(expert_counts.shape)}")
     layout = (live, expert_counts) if num_tokens <= ROUTER_BLOCK_T else None
-    weights, experts, meta = _launch(x, gate_weight, bias, top_k, route_scale, split, bias_vl, image, one_launch,
-                                     layout)
+    weights, experts, meta = _launch(
+        x, gate_weight, bias, top_k, route_scale, split, bias_vl, image, one_launch, layout
+    )
     if meta is None:
         meta = moe_layout(experts, weights, gate_weight.shape[0], live, expert_counts)
     return weights, experts, meta
@@ -220,10 +396,18 @@ ROUTER_BLOCK_T = 16
 """Tokens per router program (one tile: the rows of the [BLOCK_T, E] logits' MMA)."""
 
 
-def _launch(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
-            split: int | None, bias_vl: torch.Tensor | None, image: torch.Tensor | None, one_launch: bool,
-            layout: tuple[torch.Tensor | None, torch.Tensor | None] | None
-            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
+def _launch(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    route_scale: float,
+    split: int | None,
+    bias_vl: torch.Tensor | None,
+    image: torch.Tensor | None,
+    one_launch: bool,
+    layout: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
     """The router launch(es); with ``layout`` = (live, expert_counts) and one token tile, the layout in the
     routing program too (its metadata returned; None when not laid out here)."""
     num_tokens, hidden = x.shape
@@ -232,10 +416,13 @@ def _launch(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"gate {tuple(gate_weight.shape)} / bias {tuple(bias.shape)} do not fit x {tuple(x.shape)}")
     if (image is None) != (bias_vl is None):
         raise ValueError("image and bias_vl go together: pass both or neither")
-    if image is not None and (image.shape != (num_tokens,) or image.dtype != torch.bool
-                              or bias_vl.shape != (num_experts,)):
-        raise ValueError(f"image {tuple(image.shape)} {image.dtype} / bias_vl {tuple(bias_vl.shape)} do not fit "
-                         f"x {tuple(x.shape)} and {num_experts} experts (image must be bool [T])")
+    if image is not None and (
+        image.shape != (num_tokens,) or image.dtype != torch.bool or bias_vl.shape != (num_experts,)
+    ):
+        raise ValueError(
+            f"image {tuple(image.shape)} {image.dtype} / bias_vl {tuple(bias_vl.shape)} do not fit "
+            f"x {tuple(x.shape)} and {num_experts} experts (image must be bool [T])"
+        )
     has_image = image is not None
     image_bytes = image.contiguous().view(torch.uint8) if has_image else bias  # unread without HAS_IMAGE
     bias_vl = bias_vl if has_image else bias
@@ -263,20 +450,57 @@ def _launch(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_
     meta = layout_outputs(num_tokens, top_k, num_experts, x.device) if here else None
     out = meta or {}
     _router_kernel[(num_t_tiles, split)](
-        x, gate_weight, bias, bias_vl, image_bytes, weights, experts, part, ticket,
+        x,
+        gate_weight,
+        bias,
+        bias_vl,
+        image_bytes,
+        weights,
+        experts,
+        part,
+        ticket,
         live.contiguous() if live is not None else weights,  # bool: loaded as i1; unread without LIVE
         *(out.get(key, weights) for key in ("counts", "row_ids", "route_w", "slot_of", "active", "num_active")),
         expert_counts if expert_counts is not None else weights,  # unread without COUNT
-        num_tokens, x.stride(0),
-        float(route_scale), D=hidden, E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_D=block_d, BLOCK_K=block_k, TILES=tiles, SPLIT=split, HAS_IMAGE=has_image, FINISH=one_launch,
-        LAYOUT=here, L_E_PAD=triton.next_power_of_2(num_experts + 1), L_BLOCK_T=layout_block_t(top_k, num_experts),
-        LIVE=live is not None, COUNT=expert_counts is not None, num_warps=4, num_stages=3,
+        num_tokens,
+        x.stride(0),
+        float(route_scale),
+        D=hidden,
+        E=num_experts,
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_D=block_d,
+        BLOCK_K=block_k,
+        TILES=tiles,
+        SPLIT=split,
+        HAS_IMAGE=has_image,
+        FINISH=one_launch,
+        LAYOUT=here,
+        L_E_PAD=triton.next_power_of_2(num_experts + 1),
+        L_BLOCK_T=layout_block_t(top_k, num_experts),
+        LIVE=live is not None,
+        COUNT=expert_counts is not None,
+        num_warps=4,
+        num_stages=3,
     )
     if split > 1 and not one_launch:
         _router_finish_kernel[(num_t_tiles,)](
-            part, bias, bias_vl, image_bytes, weights, experts, num_tokens, float(route_scale),
-            E=num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT=split,
-            HAS_IMAGE=has_image, num_warps=4,
+            part,
+            bias,
+            bias_vl,
+            image_bytes,
+            weights,
+            experts,
+            num_tokens,
+            float(route_scale),
+            E=num_experts,
+            TOP_K=top_k,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=block_k,
+            SPLIT=split,
+            HAS_IMAGE=has_image,
+            num_warps=4,
         )
     return weights, experts, meta

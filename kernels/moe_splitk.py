@@ -53,12 +53,34 @@ PROGRAMS_PER_SM = {False: 3, True: 2}
 
 @triton.jit
 def _moe_splitk_kernel(
-    a_ptr, a_scale_ptr, row_ids_ptr, route_w_ptr, counts_ptr, active_ptr, num_active_ptr,
-    w_ptr, w_scale_ptr, part_ptr, out_ptr, out_scale_ptr, ticket_ptr,
-    capacity, a_row_stride, part_split_stride, swiglu_limit,
-    N_OUT: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    GATHER: tl.constexpr, SWIGLU: tl.constexpr, A_FP8: tl.constexpr, OUT_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    a_scale_ptr,
+    row_ids_ptr,
+    route_w_ptr,
+    counts_ptr,
+    active_ptr,
+    num_active_ptr,
+    w_ptr,
+    w_scale_ptr,
+    part_ptr,
+    out_ptr,
+    out_scale_ptr,
+    ticket_ptr,
+    capacity,
+    a_row_stride,
+    part_split_stride,
+    swiglu_limit,
+    N_OUT: tl.constexpr,
+    K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    GATHER: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    A_FP8: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """part [SPLIT, E·cap, N_w] fp32: split s's product of each written slot over its K blocks (gate in
     columns [0, N_OUT), up in [N_OUT, 2·N_OUT) with SWIGLU); ticket [E · N_OUT/BLOCK_N] int32, 0 on entry."""
@@ -134,8 +156,9 @@ def _moe_splitk_kernel(
                 for s in tl.static_range(SPLIT):  # split order: the sum's order never depends on timing
                     acc += tl.load(at + s * split_stride, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
                     if SWIGLU:
-                        acc_up += tl.load(at + s * split_stride + N_OUT, mask=m_ok[None, :], other=0.0,
-                                          cache_modifier=".cg")
+                        acc_up += tl.load(
+                            at + s * split_stride + N_OUT, mask=m_ok[None, :], other=0.0, cache_modifier=".cg"
+                        )
                 # The one pass's epilogue (kernels/moe_grouped_gemm.py), on the summed tile.
                 if SWIGLU:
                     gate = tl.minimum(acc, swiglu_limit)
@@ -175,8 +198,7 @@ def num_splits(n_out: int, k: int, picks_per_row: int, device: torch.device) -> 
     (fp8_splitk.py: those loops unroll and spill). v41-s1 on 132 SMs, 7 picks: gate/up 5 × 8, down 2 × 9."""
     n_tiles, k_blocks = n_out // BLOCK_N, k // BLOCK_K
     most = max(1, triton.cdiv(ITEMS_PER_SM * num_sms(device, off_gpu=132), n_tiles * picks_per_row))
-    per = next(p for p in range(1, k_blocks + 1)
-               if k_blocks % p == 0 and p not in (2, 3) and k_blocks // p <= most)
+    per = next(p for p in range(1, k_blocks + 1) if k_blocks % p == 0 and p not in (2, 3) and k_blocks // p <= most)
     return k_blocks // per, per
 
 
@@ -233,8 +255,9 @@ def moe_grouped_gemm_splitk(
     a_scale = a_values if a_scale is None else a_scale.contiguous()  # unread without A_FP8
     device = a_values.device
     values = torch.empty(num_experts, capacity, n_out, dtype=out_dtype, device=device)
-    out_scale = (torch.empty(num_experts, capacity, n_out // GROUP, dtype=torch.float32, device=device)
-                 if out_fp8 else values)  # unread without OUT_FP8
+    out_scale = (
+        torch.empty(num_experts, capacity, n_out // GROUP, dtype=torch.float32, device=device) if out_fp8 else values
+    )  # unread without OUT_FP8
     part_shape = (splits, num_experts * capacity, n_w)
     if partials is None:
         partials = torch.empty(part_shape, dtype=torch.float32, device=device)
@@ -244,12 +267,36 @@ def moe_grouped_gemm_splitk(
     programs_per_sm = PROGRAMS_PER_SM[swiglu_limit is not None]
     grid = (max(1, min(num_experts * num_tiles * splits, programs_per_sm * num_sms(device, off_gpu=4))),)
     _moe_splitk_kernel[grid](
-        a_values, a_scale, meta["row_ids"], meta["route_w"], meta["counts"], meta["active"], meta["num_active"],
-        w, w_scale, partials, values, out_scale, tickets(device, num_experts * num_tiles),
-        capacity, k, num_experts * capacity * n_w, float(swiglu_limit or 0.0),
-        N_OUT=n_out, K=k, SPLIT=splits, BLOCKS_PER_SPLIT=per, GATHER=gather, SWIGLU=swiglu_limit is not None,
-        A_FP8=a_fp8, OUT_FP8=out_fp8, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=num_warps, num_stages=num_stages,
+        a_values,
+        a_scale,
+        meta["row_ids"],
+        meta["route_w"],
+        meta["counts"],
+        meta["active"],
+        meta["num_active"],
+        w,
+        w_scale,
+        partials,
+        values,
+        out_scale,
+        tickets(device, num_experts * num_tiles),
+        capacity,
+        k,
+        num_experts * capacity * n_w,
+        float(swiglu_limit or 0.0),
+        N_OUT=n_out,
+        K=k,
+        SPLIT=splits,
+        BLOCKS_PER_SPLIT=per,
+        GATHER=gather,
+        SWIGLU=swiglu_limit is not None,
+        A_FP8=a_fp8,
+        OUT_FP8=out_fp8,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return (values, out_scale) if out_fp8 else values
 
@@ -261,8 +308,10 @@ def worth_splitting_experts(meta: dict[str, torch.Tensor], w13: torch.Tensor, w2
     if invariance.active() or meta["row_ids"].shape[1] > MAX_TOKENS:
         return False
     picks = meta["slot_of"].shape[1]
-    return any(num_splits(n_out, k, picks, w13.device)[0] > 1
-               for n_out, k in ((w13.shape[1] // 2, w13.shape[2]), (w2.shape[1], w2.shape[2])))
+    return any(
+        num_splits(n_out, k, picks, w13.device)[0] > 1
+        for n_out, k in ((w13.shape[1] // 2, w13.shape[2]), (w2.shape[1], w2.shape[2]))
+    )
 
 
 def moe_experts_splitk(
@@ -283,8 +332,15 @@ def moe_experts_splitk(
     there; the shared expert, with ``shared_last``, stays in the one launch of each GEMM: at decode it has
     one M tile like the routed experts, so ``moe_experts``' separate shared launches have nothing to balance)."""
     a = quantize_act(x) if prequantize else x
-    h = moe_grouped_gemm_splitk(a, w13, w13_scale, meta, gather=True, swiglu_limit=swiglu_limit,
-                                out_dtype=torch.float8_e4m3fn if prequantize else torch.bfloat16)
+    h = moe_grouped_gemm_splitk(
+        a,
+        w13,
+        w13_scale,
+        meta,
+        gather=True,
+        swiglu_limit=swiglu_limit,
+        out_dtype=torch.float8_e4m3fn if prequantize else torch.bfloat16,
+    )
     y = moe_grouped_gemm_splitk(h, w2, w2_scale, meta, gather=False)
     assert isinstance(y, torch.Tensor)  # bf16 output: not the FP8 pair
     return moe_combine(y, meta["slot_of"], shared_last, live=live, width=width)

@@ -127,9 +127,15 @@ def draw_bits_per_token(
     stream = 3 * positions + int(DrawCase.SAMPLE)  # < 2**62: fits int64
     key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [n, 1, 2] (two's complement)
     token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    counter = torch.stack(torch.broadcast_tensors(
-        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
-        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [n, V, 4]
+    counter = torch.stack(
+        torch.broadcast_tensors(
+            (stream & MASK32).unsqueeze(1),
+            (stream >> 32).unsqueeze(1),
+            token.unsqueeze(0),
+            torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device),
+        ),
+        dim=-1,
+    )  # [n, V, 4]
     return philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
 
 

@@ -72,8 +72,21 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _staged_entry_blocks(q, m, l, acc, sel_row, keys_ptr, keys_stride, scale_log2e, TOPK: tl.constexpr,
-                         D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+def _staged_entry_blocks(
+    q,
+    m,
+    l,
+    acc,
+    sel_row,
+    keys_ptr,
+    keys_stride,
+    scale_log2e,
+    TOPK: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    precision: tl.constexpr,
+):
     """Selected entries already dequantised (``stage_entries``): row sel of keys [E, D] (−1 none)."""
     n = tl.arange(0, BLOCK_N)
     for i in tl.range(0, (TOPK + BLOCK_N - 1) // BLOCK_N, num_stages=NUM_STAGES):
@@ -87,8 +100,22 @@ def _staged_entry_blocks(q, m, l, acc, sel_row, keys_ptr, keys_stride, scale_log
 
 
 @triton.jit
-def _staged_window_blocks(q, m, l, acc, win_ptr, last, win_stride, pos, scale_log2e, WINDOW: tl.constexpr,
-                          D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, precision: tl.constexpr):
+def _staged_window_blocks(
+    q,
+    m,
+    l,
+    acc,
+    win_ptr,
+    last,
+    win_stride,
+    pos,
+    scale_log2e,
+    WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    precision: tl.constexpr,
+):
     """Window keys already dequantised (``stage_window``): position pos − WINDOW + 1 + j is row
     last − WINDOW + 1 + j of win [T, D], inside the row's request segment for every j (masked below 0)."""
     n = tl.arange(0, BLOCK_N)
@@ -103,14 +130,49 @@ def _staged_window_blocks(q, m, l, acc, win_ptr, last, win_stride, pos, scale_lo
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, kcode_ptr, kscale_ptr, ring_ptr, slots_ptr, pos_ptr, first_ptr, pool_ptr, sel_ptr, sink_ptr, freqs_ptr,
-    win_ptr, win_rows_ptr, out_ptr,
-    num_heads, q_stride_r, q_stride_h, kcode_stride_r, kscale_stride_r, ring_stride_slot, ring_stride_pos,
-    pool_stride_block, pool_stride_entry, sel_stride_r, out_stride_r, out_stride_h,
-    ring_size, entries_per_block, scale_log2e, staged_stride, win_stride,
-    WINDOW: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RING_ALIGN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    STAGED: tl.constexpr, STAGED_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, LIBDEVICE: tl.constexpr,
+    q_ptr,
+    kcode_ptr,
+    kscale_ptr,
+    ring_ptr,
+    slots_ptr,
+    pos_ptr,
+    first_ptr,
+    pool_ptr,
+    sel_ptr,
+    sink_ptr,
+    freqs_ptr,
+    win_ptr,
+    win_rows_ptr,
+    out_ptr,
+    num_heads,
+    q_stride_r,
+    q_stride_h,
+    kcode_stride_r,
+    kscale_stride_r,
+    ring_stride_slot,
+    ring_stride_pos,
+    pool_stride_block,
+    pool_stride_entry,
+    sel_stride_r,
+    out_stride_r,
+    out_stride_h,
+    ring_size,
+    entries_per_block,
+    scale_log2e,
+    staged_stride,
+    win_stride,
+    WINDOW: tl.constexpr,
+    TOPK: tl.constexpr,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RING_ALIGN: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    STAGED: tl.constexpr,
+    STAGED_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     dot_ty = tl.float32 if DOT_FP32 else tl.bfloat16
     precision: tl.constexpr = "ieee" if DOT_FP32 else "tf32"  # bf16 operands ignore it
@@ -138,8 +200,22 @@ def _prefill_attention_kernel(
     # step) from the ring at p mod ring_size, the others from step row r − pos + p. Per key only its
     # row pointers differ, so one loop (one load) serves both sources.
     if STAGED_WINDOW:
-        m, l, acc = _staged_window_blocks(q, m, l, acc, win_ptr, tl.load(win_rows_ptr + row).to(tl.int64),
-                                          win_stride, pos, scale_log2e, WINDOW, D, BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _staged_window_blocks(
+            q,
+            m,
+            l,
+            acc,
+            win_ptr,
+            tl.load(win_rows_ptr + row).to(tl.int64),
+            win_stride,
+            pos,
+            scale_log2e,
+            WINDOW,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
     else:
         for b in tl.range(0, WINDOW, BLOCK_N, num_stages=NUM_STAGES):  # constexpr trips: pipelined gathers
             j = b + n
@@ -157,17 +233,47 @@ def _prefill_attention_kernel(
     # Selected entries: one gathered row per key (selections differ per row): FP4 bytes dequantised here,
     # as in decode, or (STAGED) bf16 rows dequantised once per step, pool_ptr then being those rows.
     if STAGED:
-        m, l, acc = _staged_entry_blocks(q, m, l, acc, sel_row, pool_ptr, staged_stride, scale_log2e, TOPK, D,
-                                         BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _staged_entry_blocks(
+            q, m, l, acc, sel_row, pool_ptr, staged_stride, scale_log2e, TOPK, D, BLOCK_N, NUM_STAGES, precision
+        )
     else:
-        m, l, acc = _entry_blocks(q, m, l, acc, sel_row, pool_ptr, entries_per_block, pool_stride_block,
-                                  pool_stride_entry, scale_log2e, 0, (TOPK + BLOCK_N - 1) // BLOCK_N, TOPK, D,
-                                  BLOCK_N, NUM_STAGES, precision)
+        m, l, acc = _entry_blocks(
+            q,
+            m,
+            l,
+            acc,
+            sel_row,
+            pool_ptr,
+            entries_per_block,
+            pool_stride_block,
+            pool_stride_entry,
+            scale_log2e,
+            0,
+            (TOPK + BLOCK_N - 1) // BLOCK_N,
+            TOPK,
+            D,
+            BLOCK_N,
+            NUM_STAGES,
+            precision,
+        )
 
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     denom = l + tl.exp2(sink - m)
-    _finish(acc, denom, pos, heads, h_ok, freqs_ptr, out_ptr, row * out_stride_r, out_stride_h,
-            BLOCK_H, D, ROPE_PAIRS, LIBDEVICE)
+    _finish(
+        acc,
+        denom,
+        pos,
+        heads,
+        h_ok,
+        freqs_ptr,
+        out_ptr,
+        row * out_stride_r,
+        out_stride_h,
+        BLOCK_H,
+        D,
+        ROPE_PAIRS,
+        LIBDEVICE,
+    )
 
 
 def sparse_prefill_attention(
@@ -223,18 +329,26 @@ def sparse_prefill_attention(
     if ring.shape[-1] != dim + dim // 32:
         raise ValueError(f"ring rows {ring.shape[-1]} do not fit head_dim {dim}")
     if k_values.shape != (num_rows, dim) or k_scales.shape != (num_rows, dim // 32):
-        raise ValueError(f"step_k must be ([{num_rows}, {dim}], [{num_rows}, {dim // 32}]), got "
-                         f"({list(k_values.shape)}, {list(k_scales.shape)})")
+        raise ValueError(
+            f"step_k must be ([{num_rows}, {dim}], [{num_rows}, {dim // 32}]), got "
+            f"({list(k_values.shape)}, {list(k_scales.shape)})"
+        )
     if window >= ring.shape[1]:
         raise ValueError(f"window {window} must be below the ring size {ring.shape[1]}")
     for name, t in (("q", q), ("ring", ring), ("kv_pool", kv_pool), ("step_k", k_values), ("step_k scales", k_scales)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     win_keys, win_rows = (q, positions) if staged_window is None else staged_window  # placeholders: never read
-    if staged_window is not None and (win_keys.shape[-1] != dim or win_keys.stride(-1) != 1
-                                      or win_rows.shape != (num_rows,) or win_rows.dtype != torch.int32):
-        raise ValueError(f"staged_window must be ([T, {dim}] with a contiguous last dim, int32 [{num_rows}]), got "
-                         f"({list(win_keys.shape)}, {win_rows.dtype} {list(win_rows.shape)})")
+    if staged_window is not None and (
+        win_keys.shape[-1] != dim
+        or win_keys.stride(-1) != 1
+        or win_rows.shape != (num_rows,)
+        or win_rows.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"staged_window must be ([T, {dim}] with a contiguous last dim, int32 [{num_rows}]), got "
+            f"({list(win_keys.shape)}, {win_rows.dtype} {list(win_rows.shape)})"
+        )
     selected = selected if selected.dtype == torch.int32 else selected.to(torch.int32)
     if selected.stride(-1) != 1:
         selected = selected.contiguous()
@@ -254,14 +368,50 @@ def sparse_prefill_attention(
     if num_rows == 0:
         return out
     _prefill_attention_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
-        q, k_values, k_scales, ring, state_slots, positions, first, kv_pool, selected, sink, freqs, win_keys, win_rows,
-        out, num_heads, q.stride(0), q.stride(1), k_values.stride(0), k_scales.stride(0), ring.stride(0),
-        ring.stride(1), kv_pool.stride(0), kv_pool.stride(1), selected.stride(0), out.stride(0), out.stride(1),
-        ring.shape[1], kv_pool.shape[1], float(scale) * _LOG2E, 0 if staged is None else staged.stride(0),
-        win_keys.stride(0), WINDOW=window, TOPK=topk, D=dim, ROPE_PAIRS=freqs.shape[0], BLOCK_H=block_h,
-        BLOCK_N=block_n, RING_ALIGN=_ring_align(ring), NUM_STAGES=num_stages, STAGED=staged is not None,
-        STAGED_WINDOW=staged_window is not None, DOT_FP32=dot_fp32, LIBDEVICE=q.is_cuda, num_warps=num_warps,
+        q,
+        k_values,
+        k_scales,
+        ring,
+        state_slots,
+        positions,
+        first,
+        kv_pool,
+        selected,
+        sink,
+        freqs,
+        win_keys,
+        win_rows,
+        out,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        k_values.stride(0),
+        k_scales.stride(0),
+        ring.stride(0),
+        ring.stride(1),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        selected.stride(0),
+        out.stride(0),
+        out.stride(1),
+        ring.shape[1],
+        kv_pool.shape[1],
+        float(scale) * _LOG2E,
+        0 if staged is None else staged.stride(0),
+        win_keys.stride(0),
+        WINDOW=window,
+        TOPK=topk,
+        D=dim,
+        ROPE_PAIRS=freqs.shape[0],
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        RING_ALIGN=_ring_align(ring),
+        NUM_STAGES=num_stages,
+        STAGED=staged is not None,
+        STAGED_WINDOW=staged_window is not None,
+        DOT_FP32=dot_fp32,
+        LIBDEVICE=q.is_cuda,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
-

@@ -27,9 +27,24 @@ RING_BLOCK_N = 16  # ring rows per step of a request's first-row program: [16, 5
 
 @triton.jit
 def _stage_window_kernel(
-    kcode_ptr, kscale_ptr, ring_ptr, slots_ptr, pos_ptr, first_ptr, req_ptr, out_ptr, rows_ptr,
-    kcode_stride_r, kscale_stride_r, ring_stride_slot, ring_stride_pos, ring_size, out_stride,
-    WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    kcode_ptr,
+    kscale_ptr,
+    ring_ptr,
+    slots_ptr,
+    pos_ptr,
+    first_ptr,
+    req_ptr,
+    out_ptr,
+    rows_ptr,
+    kcode_stride_r,
+    kscale_stride_r,
+    ring_stride_slot,
+    ring_stride_pos,
+    ring_size,
+    out_stride,
+    WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per step row: its own key to ``rows[r]``; a request's first row also its ring part."""
     row = tl.program_id(0).to(tl.int64)
@@ -61,9 +76,17 @@ def _stage_window_kernel(
             tl.store(dst[:, None] + ch[None, :], ring_keys.to(key_ty), mask=live[:, None])
 
 
-def stage_window(step_k: tuple[torch.Tensor, torch.Tensor], ring: torch.Tensor, state_slots: torch.Tensor,
-                 positions: torch.Tensor, first: torch.Tensor, window: int, row_requests: torch.Tensor,
-                 num_requests: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_window(
+    step_k: tuple[torch.Tensor, torch.Tensor],
+    ring: torch.Tensor,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    first: torch.Tensor,
+    window: int,
+    row_requests: torch.Tensor,
+    num_requests: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The window keys of one layer's step dequantised once, for ``sparse_prefill_attention(staged_window=...)``:
     (keys ``dtype`` [R + num_requests · (window − 1), D], rows int32 [R]: row r's own key; its window is
     keys[rows[r] − window + 1 … rows[r]], rows at positions below 0 being zero).
@@ -87,15 +110,36 @@ def stage_window(step_k: tuple[torch.Tensor, torch.Tensor], ring: torch.Tensor, 
     rows = torch.empty(num_rows, dtype=torch.int32, device=k_values.device)
     if num_rows:
         _stage_window_kernel[(num_rows,)](
-            k_values, k_scales, ring, state_slots, positions, first, row_requests, keys, rows,
-            k_values.stride(0), k_scales.stride(0), ring.stride(0), ring.stride(1), ring.shape[1], keys.stride(0),
-            WINDOW=window, D=dim, BLOCK_N=RING_BLOCK_N, num_warps=4,
+            k_values,
+            k_scales,
+            ring,
+            state_slots,
+            positions,
+            first,
+            row_requests,
+            keys,
+            rows,
+            k_values.stride(0),
+            k_scales.stride(0),
+            ring.stride(0),
+            ring.stride(1),
+            ring.shape[1],
+            keys.stride(0),
+            WINDOW=window,
+            D=dim,
+            BLOCK_N=RING_BLOCK_N,
+            num_warps=4,
         )
     return keys, rows
 
 
-def stage_entries(kv_pool: torch.Tensor, block_tables: torch.Tensor, entries: torch.Tensor,
-                  row_requests: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_entries(
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    entries: torch.Tensor,
+    row_requests: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every entry of the step's requests dequantised once, for ``sparse_prefill_attention(staged=...)``:
     (``stage_keys``, ``stage_rows``).
 

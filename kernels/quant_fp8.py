@@ -71,8 +71,9 @@ def _quantize_rows(a):
 
 
 @triton.jit
-def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, num_rows, x_row_stride,
-                         GROUPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_act_kernel(
+    x_ptr, q_ptr, s_ptr, num_rows, x_row_stride, GROUPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     cols = group * BLOCK + tl.arange(0, BLOCK)
@@ -107,8 +108,18 @@ def _outputs(num_rows: int, channels: int, device: torch.device) -> tuple[torch.
 
 
 @triton.jit
-def _swiglu_quant_kernel(gu_ptr, w_ptr, q_ptr, s_ptr, num_rows, gu_row_stride, swiglu_limit,
-                         GROUPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_quant_kernel(
+    gu_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    num_rows,
+    gu_row_stride,
+    swiglu_limit,
+    GROUPS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     cols = group * BLOCK + tl.arange(0, BLOCK)
@@ -124,8 +135,9 @@ def _swiglu_quant_kernel(gu_ptr, w_ptr, q_ptr, s_ptr, num_rows, gu_row_stride, s
     tl.store(s_ptr + rows.to(tl.int64) * GROUPS + group, scale, mask=ok)
 
 
-def swiglu_quant(gate_up: torch.Tensor, route_w: torch.Tensor, swiglu_limit: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quant(
+    gate_up: torch.Tensor, route_w: torch.Tensor, swiglu_limit: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [M, 2I] (gate columns, then up; bf16/fp32, unit column stride), route_w fp32 [M] →
     ``quantize_act``(silu(min(gate, L)) · clamp(up, −L, L) · route_w): (e4m3 [M, I], fp32 [M, I/128])."""
     num_rows, width = gate_up.shape
@@ -137,6 +149,16 @@ def swiglu_quant(gate_up: torch.Tensor, route_w: torch.Tensor, swiglu_limit: flo
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     q, s, grid = _outputs(num_rows, inter, gate_up.device)
-    _swiglu_quant_kernel[grid](gate_up, route_w.float().contiguous(), q, s, num_rows, gate_up.stride(0),
-                               float(swiglu_limit), GROUPS=inter // GROUP, ROWS=ROWS, BLOCK=GROUP)
+    _swiglu_quant_kernel[grid](
+        gate_up,
+        route_w.float().contiguous(),
+        q,
+        s,
+        num_rows,
+        gate_up.stride(0),
+        float(swiglu_limit),
+        GROUPS=inter // GROUP,
+        ROWS=ROWS,
+        BLOCK=GROUP,
+    )
     return q, s

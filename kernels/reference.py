@@ -33,7 +33,11 @@ _MIN_SCALE = 2.0**-126
 
 # The attention side's references (re-exported: callers use ``reference.<name>``).
 from kernels.reference_attention import (  # noqa: E402, F401
-    decode_keys, entry_slots, indexer_select, sparse_decode_attention, sparse_prefill_attention,
+    decode_keys,
+    entry_slots,
+    indexer_select,
+    sparse_decode_attention,
+    sparse_prefill_attention,
 )
 
 
@@ -181,8 +185,14 @@ def moe_grouped_gemm(
     return out
 
 
-def moe_combine(y: torch.Tensor, slot_of: torch.Tensor, shared_last: bool = False, *,
-                live: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor,
+    slot_of: torch.Tensor,
+    shared_last: bool = False,
+    *,
+    live: torch.Tensor | None = None,
+    width: int | None = None,
+) -> torch.Tensor:
     """Σ over each token's k expert outputs in fp32: y [E, cap, D], slot_of [T, k] → fp32 [T, width]. The
     columns in order, or with ``shared_last`` the last one (the shared expert) first, then the others;
     +0.0 in the rows outside ``live`` bool [T] (None: every row); the first ``width`` columns (None: D)."""
@@ -216,7 +226,13 @@ def moe_experts(
     FP8 quantised from fp32; otherwise rounded to bf16 first (as the model's own MoE does), then FP8.
     """
     h = moe_grouped_gemm(
-        x, w13, w13_scale, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"], swiglu_limit=swiglu_limit,
+        x,
+        w13,
+        w13_scale,
+        meta["counts"],
+        row_ids=meta["row_ids"],
+        route_w=meta["route_w"],
+        swiglu_limit=swiglu_limit,
         out_dtype=torch.float8_e4m3fn if prequantize else torch.bfloat16,
     )
     y = moe_grouped_gemm(h, w2, w2_scale, meta["counts"])
@@ -228,8 +244,13 @@ def moe_experts(
 
 
 def moe_router(
-    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float,
-    bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    route_scale: float,
+    bias_vl: torch.Tensor | None = None,
+    image: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (fp32 weights [T, k], int32 experts [T, k]); model/deepseek_v41/moe.py's ``route``.
 

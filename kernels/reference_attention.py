@@ -21,8 +21,15 @@ def entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, entries_per_b
     return torch.where(e >= 0, slots, -1).to(torch.int32)
 
 
-def decode_keys(dim: int, ring: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, window: int,
-                kv_pool: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_keys(
+    dim: int,
+    ring: torch.Tensor,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    window: int,
+    kv_pool: torch.Tensor,
+    selected: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each decode row's keys as ``sparse_decode_attention`` reads them (same arguments; ``dim`` = D):
     (fp32 [R, w + k, D]: the window positions pos−w+1 … pos in order, then the ``selected`` entries in
     their order, dequantised; bool [R, w + k]: position ≥ 0, slot ≠ −1)."""
@@ -36,8 +43,9 @@ def decode_keys(dim: int, ring: torch.Tensor, state_slots: torch.Tensor, positio
     epb = kv_pool.shape[1]
     sel = selected.long()
     ent_raw = kv_pool[sel.clamp_min(0) // epb, sel.clamp_min(0) % epb]  # [R, k, D/2 + D/16]
-    ent = dequantize_fp4_cache(ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn),
-                               COMPRESSED_KV_BLOCK)
+    ent = dequantize_fp4_cache(
+        ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK
+    )
     return torch.cat((win, ent), dim=1), torch.cat((win_pos >= 0, sel >= 0), dim=1)
 
 
@@ -167,8 +175,9 @@ def indexer_select(
     given_w = SimpleNamespace(weights_proj=lambda x: x, weight_scale=1.0)  # w = weights_proj(x)·1
     scores = Indexer.scores_quantized(given_w, q.float().unsqueeze(1), w.float().unsqueeze(1), keys, visible)
     if candidate_source:
-        candidates = candidate_mask(scores, visible, num_blocks=candidate_topk_blocks,
-                                    block_size=candidate_block_size)[:, 0]
+        candidates = candidate_mask(scores, visible, num_blocks=candidate_topk_blocks, block_size=candidate_block_size)[
+            :, 0
+        ]
     elif candidates is not None:
         scores = scores.masked_fill(~candidates.unsqueeze(1), -torch.inf)
     return scores[:, 0], select_entries(scores, index_topk)[:, 0], candidates

@@ -30,10 +30,25 @@ def _rotate(a, b, c, d):
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, w_ptr, y_ptr, turn_ptr, q_ptr,
-    num_rows, num_channels, x_row_stride, y_row_stride, eps,
-    turn_row_stride, q_row_stride, q_head_stride, num_heads, q_dim,
-    ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    turn_ptr,
+    q_ptr,
+    num_rows,
+    num_channels,
+    x_row_stride,
+    y_row_stride,
+    eps,
+    turn_row_stride,
+    q_row_stride,
+    q_head_stride,
+    num_heads,
+    q_dim,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     # Program axis 1: 0 normalises (and with ROPE_PAIRS > 0 rotates y's last 2P channels); j ≥ 1 rotates
@@ -78,8 +93,13 @@ def _rmsnorm_kernel(
         pair = lanes % BLOCK_P
         lane_ok = (heads < num_heads) & (pair < ROPE_PAIRS)
         qmask = row_ok[:, None] & lane_ok[None, :]
-        q_at = (q_ptr + rows[:, None].to(tl.int64) * q_row_stride + heads[None, :].to(tl.int64) * q_head_stride
-                + (q_dim - 2 * ROPE_PAIRS) + 2 * pair[None, :])
+        q_at = (
+            q_ptr
+            + rows[:, None].to(tl.int64) * q_row_stride
+            + heads[None, :].to(tl.int64) * q_head_stride
+            + (q_dim - 2 * ROPE_PAIRS)
+            + 2 * pair[None, :]
+        )
         # Names of their own: the compiler types a name set in both branches alike, and these shapes differ.
         qa = tl.load(q_at, mask=qmask, other=0.0).to(tl.float32)
         qb = tl.load(q_at + 1, mask=qmask, other=0.0).to(tl.float32)
@@ -110,14 +130,34 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     block_c = triton.next_power_of_2(num_channels)
     rows = _rows_per_program(block_c)
     _rmsnorm_kernel[(triton.cdiv(num_rows, rows), 1)](
-        x2, weight, y, y, y, num_rows, num_channels, x2.stride(0), y.stride(0), eps, 0, 0, 0, 0, 0,
-        ROWS=rows, BLOCK_C=block_c, ROPE_PAIRS=0, BLOCK_P=1, BLOCK_H=1, num_warps=8 if block_c >= 4096 else 4,
+        x2,
+        weight,
+        y,
+        y,
+        y,
+        num_rows,
+        num_channels,
+        x2.stride(0),
+        y.stride(0),
+        eps,
+        0,
+        0,
+        0,
+        0,
+        0,
+        ROWS=rows,
+        BLOCK_C=block_c,
+        ROPE_PAIRS=0,
+        BLOCK_P=1,
+        BLOCK_H=1,
+        num_warps=8 if block_c >= 4096 else 4,
     )
     return y.view(x.shape)
 
 
-def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, turns: torch.Tensor,
-                 q: torch.Tensor) -> torch.Tensor:
+def rmsnorm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, turns: torch.Tensor, q: torch.Tensor
+) -> torch.Tensor:
     """``apply_rope_(rmsnorm(x, weight, eps), turns)`` and ``apply_rope_(q, turns)`` in one launch.
 
     x [R, C] fp32 (last dim contiguous); turns complex64 [R, P] (``rope_turns``); q fp32 [R, H, Dq] (last
@@ -127,10 +167,16 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, turns: torch
     num_heads, q_dim = q.shape[1:]
     num_pairs = turns.shape[-1]
     if x.dtype != torch.float32 or q.dtype != torch.float32 or turns.dtype != torch.complex64:
-        raise ValueError(f"rmsnorm_rope takes fp32 x and q and complex64 turns, got {x.dtype}, {q.dtype}, "
-                         f"{turns.dtype}")
-    if (x.stride(-1) != 1 or q.stride(-1) != 1 or turns.shape != (num_rows, num_pairs) or q.shape[0] != num_rows
-            or 2 * num_pairs > min(num_channels, q_dim)):
+        raise ValueError(
+            f"rmsnorm_rope takes fp32 x and q and complex64 turns, got {x.dtype}, {q.dtype}, {turns.dtype}"
+        )
+    if (
+        x.stride(-1) != 1
+        or q.stride(-1) != 1
+        or turns.shape != (num_rows, num_pairs)
+        or q.shape[0] != num_rows
+        or 2 * num_pairs > min(num_channels, q_dim)
+    ):
         raise ValueError(f"rmsnorm_rope: shapes x {tuple(x.shape)}, q {tuple(q.shape)}, turns {tuple(turns.shape)}")
     t = torch.view_as_real(turns)  # fp32 [R, P, 2], a view
     if t.stride(-1) != 1 or t.stride(-2) != 2:
@@ -143,9 +189,26 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, turns: torch
     block_h = max(1, min(triton.next_power_of_2(num_heads), ROPE_PAIRS_PER_PROGRAM // (rows * block_p)))
     grid = (triton.cdiv(num_rows, rows), 1 + triton.cdiv(num_heads, block_h))
     _rmsnorm_kernel[grid](
-        x, weight, y, t, q, num_rows, num_channels, x.stride(0), y.stride(0), eps,
-        t.stride(0), q.stride(0), q.stride(1), num_heads, q_dim,
-        ROWS=rows, BLOCK_C=block_c, ROPE_PAIRS=num_pairs, BLOCK_P=block_p, BLOCK_H=block_h,
+        x,
+        weight,
+        y,
+        t,
+        q,
+        num_rows,
+        num_channels,
+        x.stride(0),
+        y.stride(0),
+        eps,
+        t.stride(0),
+        q.stride(0),
+        q.stride(1),
+        num_heads,
+        q_dim,
+        ROWS=rows,
+        BLOCK_C=block_c,
+        ROPE_PAIRS=num_pairs,
+        BLOCK_P=block_p,
+        BLOCK_H=block_h,
         num_warps=8 if block_c >= 4096 else 4,
     )
     return y

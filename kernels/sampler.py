@@ -90,11 +90,31 @@ def _philox_bits(seed, stream):
 
 @triton.jit
 def _sampler_kernel(
-    logits_ptr, row_stride, num_tokens,
-    temp_ptr, rank_limit_ptr, mass_limit_ptr, seed_ptr, pos_ptr, ban_ptr, ban_stride, forced_ptr,
-    token_ptr, logprob_ptr, error_ptr, top_ids_ptr, top_lp_ptr, case,
-    NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr,
+    logits_ptr,
+    row_stride,
+    num_tokens,
+    temp_ptr,
+    rank_limit_ptr,
+    mass_limit_ptr,
+    seed_ptr,
+    pos_ptr,
+    ban_ptr,
+    ban_stride,
+    forced_ptr,
+    token_ptr,
+    logprob_ptr,
+    error_ptr,
+    top_ids_ptr,
+    top_lp_ptr,
+    case,
+    NUM_BANS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    NUM_TOP: tl.constexpr,
+    TOP_POW2: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -137,20 +157,90 @@ def _sampler_kernel(
     cut_id = num_tokens
     if (rank_limit > 0) & (rank_limit < num_tokens):
         target = rank_limit.to(tl.int64)
-        v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target,
-                           False, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
-        cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, 1.0, cut_key, cut_id, target, v,
-                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, GROUP, GROUPS_POW2, LIBDEVICE)
-    total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
-                     NUM_BANS, BLOCK, NUM_CHUNKS, LIBDEVICE)
+        v, found = _select(
+            row_ptr,
+            ban_row,
+            num_tokens,
+            err,
+            m,
+            temp,
+            1.0,
+            cut_key,
+            cut_id,
+            target,
+            False,
+            NUM_BANS,
+            BLOCK,
+            NUM_CHUNKS,
+            SEL_BLOCK,
+            LIBDEVICE,
+        )
+        cut_key, cut_id = _cut_ties(
+            row_ptr,
+            ban_row,
+            num_tokens,
+            err,
+            m,
+            temp,
+            1.0,
+            cut_key,
+            cut_id,
+            target,
+            v,
+            False,
+            NUM_BANS,
+            BLOCK,
+            NUM_CHUNKS,
+            GROUP,
+            GROUPS_POW2,
+            LIBDEVICE,
+        )
+    total = _sum_exp(
+        row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id, NUM_BANS, BLOCK, NUM_CHUNKS, LIBDEVICE
+    )
     if mass_limit > 0:
-        v, found = _select(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id, mass_limit,
-                           True, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
+        v, found = _select(
+            row_ptr,
+            ban_row,
+            num_tokens,
+            err,
+            m,
+            temp,
+            total,
+            cut_key,
+            cut_id,
+            mass_limit,
+            True,
+            NUM_BANS,
+            BLOCK,
+            NUM_CHUNKS,
+            SEL_BLOCK,
+            LIBDEVICE,
+        )
         if found:
-            cut_key, cut_id = _cut_ties(row_ptr, ban_row, num_tokens, err, m, temp, total, cut_key, cut_id,
-                                        mass_limit, v, True, NUM_BANS, BLOCK, NUM_CHUNKS, GROUP, GROUPS_POW2, LIBDEVICE)
-            total = _sum_exp(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id,
-                             NUM_BANS, BLOCK, NUM_CHUNKS, LIBDEVICE)
+            cut_key, cut_id = _cut_ties(
+                row_ptr,
+                ban_row,
+                num_tokens,
+                err,
+                m,
+                temp,
+                total,
+                cut_key,
+                cut_id,
+                mass_limit,
+                v,
+                True,
+                NUM_BANS,
+                BLOCK,
+                NUM_CHUNKS,
+                GROUP,
+                GROUPS_POW2,
+                LIBDEVICE,
+            )
+            total = _sum_exp(
+                row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id, NUM_BANS, BLOCK, NUM_CHUNKS, LIBDEVICE
+            )
 
     token = arg
     if not greedy:
@@ -195,9 +285,28 @@ def _sampler_kernel(
     tl.store(logprob_ptr + row, tl.where(err, float("-inf"), s_tok - log_total))
     tl.store(error_ptr + row, err)
     if NUM_TOP > 0:
-        _top_logprobs(row_ptr, ban_row, num_tokens, err, m, temp, cut_key, cut_id, log_total,
-                      top_ids_ptr + row * NUM_TOP, top_lp_ptr + row * NUM_TOP, NUM_TOP, TOP_POW2, NUM_BANS, BLOCK,
-                      NUM_CHUNKS, SEL_BLOCK, GROUP, GROUPS_POW2, LIBDEVICE)
+        _top_logprobs(
+            row_ptr,
+            ban_row,
+            num_tokens,
+            err,
+            m,
+            temp,
+            cut_key,
+            cut_id,
+            log_total,
+            top_ids_ptr + row * NUM_TOP,
+            top_lp_ptr + row * NUM_TOP,
+            NUM_TOP,
+            TOP_POW2,
+            NUM_BANS,
+            BLOCK,
+            NUM_CHUNKS,
+            SEL_BLOCK,
+            GROUP,
+            GROUPS_POW2,
+            LIBDEVICE,
+        )
 
 
 @dataclass
@@ -219,8 +328,9 @@ def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(top_p < 1, limit, torch.zeros_like(limit))
 
 
-def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
-                    num_bans: int | None = None) -> SamplingTensors:
+def sampling_tensors(
+    rows: Sequence, device: torch.device | str | None = None, num_bans: int | None = None
+) -> SamplingTensors:
     """Tensors for ``rows`` (``services.worker.sampling.sampler.SamplingRow``); ``num_bans`` pads the ban lists.
 
     Host work per step, so per row only list comprehensions over plain attributes: one ``torch.tensor`` per
@@ -242,8 +352,9 @@ def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
     seeds = [s & mask64 for s in (r.seed for r in rows)]
     seeds = [s - (1 << 64) if s & sign else s for s in seeds]
     # min(forced top-k, top-k) over those set (top_k <= 0 and forced_top_k None are off), 0 = off.
-    rank_limits = [(k if f is None or k < f else f) if k > 0 else (f or 0)
-                   for k, f in ((r.top_k, r.forced_top_k) for r in rows)]
+    rank_limits = [
+        (k if f is None or k < f else f) if k > 0 else (f or 0) for k, f in ((r.top_k, r.forced_top_k) for r in rows)
+    ]
     mass_limits = [math.ceil(p * MASS_SCALE) if p < 1 else 0 for p in (r.top_p for r in rows)]
     forced = [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
 
@@ -261,9 +372,14 @@ def sampling_tensors(rows: Sequence, device: torch.device | str | None = None,
     )
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors, num_logprobs: int = 0,
-           case: DrawCase | int = DrawCase.SAMPLE, block: int | None = None, num_warps: int | None = None,
-           ) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    num_logprobs: int = 0,
+    case: DrawCase | int = DrawCase.SAMPLE,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> SamplerOutput:
     """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.
 
     ``num_logprobs`` is the batch's top-n width (the CPU sampler's w = min(max num_logprobs, V)); every
@@ -290,14 +406,32 @@ def sample(logits: torch.Tensor, params: SamplingTensors, num_logprobs: int = 0,
     num_warps = num_warps or (8 if block >= 1024 else 4)
     banned = params.banned
     _sampler_kernel[(num_rows,)](
-        logits, logits.stride(0), num_tokens,
-        params.temperature, params.rank_limit, params.mass_limit, params.seed, params.position,
-        banned, banned.stride(0) if banned.shape[1] else 0, params.forced,
-        out.token_ids, out.logprobs, out.errors, out.top_token_ids, out.top_logprobs, int(case),
-        NUM_BANS=banned.shape[1], BLOCK=block, NUM_CHUNKS=num_chunks,
+        logits,
+        logits.stride(0),
+        num_tokens,
+        params.temperature,
+        params.rank_limit,
+        params.mass_limit,
+        params.seed,
+        params.position,
+        banned,
+        banned.stride(0) if banned.shape[1] else 0,
+        params.forced,
+        out.token_ids,
+        out.logprobs,
+        out.errors,
+        out.top_token_ids,
+        out.top_logprobs,
+        int(case),
+        NUM_BANS=banned.shape[1],
+        BLOCK=block,
+        NUM_CHUNKS=num_chunks,
         SEL_BLOCK=min(block, 32 * num_warps),
-        GROUP=DRAW_GROUP, GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
-        NUM_TOP=width, TOP_POW2=triton.next_power_of_2(max(width, 1)), LIBDEVICE=logits.is_cuda,
+        GROUP=DRAW_GROUP,
+        GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
+        NUM_TOP=width,
+        TOP_POW2=triton.next_power_of_2(max(width, 1)),
+        LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,
     )
     return out

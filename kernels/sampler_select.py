@@ -57,8 +57,20 @@ def _masses(x, m, temp, total, cut_key, cut_id, offs, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _sum_exp(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id,
-             NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _sum_exp(
+    row_ptr,
+    ban_ptr,
+    num_tokens,
+    err,
+    m,
+    temp,
+    cut_key,
+    cut_id,
+    NUM_BANS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     acc = tl.zeros([BLOCK], tl.float32)
     for c in range(NUM_CHUNKS):
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -69,9 +81,24 @@ def _sum_exp(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id,
 
 
 @triton.jit
-def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, target,
-            MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-            SEL_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _select(
+    row_ptr,
+    ban_ptr,
+    num_tokens,
+    err,
+    m,
+    temp,
+    total,
+    cut_key,
+    cut_id,
+    target,
+    MASS: tl.constexpr,
+    NUM_BANS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     """Largest key v with W(key ≥ v) ≥ target, W = count (MASS false) or integer mass of kept tokens.
 
     Returns (v, found): found is false when even W(all) < target (then nothing is cut).
@@ -118,9 +145,26 @@ def _select(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, 
 
 
 @triton.jit
-def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id, target, v,
-              MASS: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-              GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _cut_ties(
+    row_ptr,
+    ban_ptr,
+    num_tokens,
+    err,
+    m,
+    temp,
+    total,
+    cut_key,
+    cut_id,
+    target,
+    v,
+    MASS: tl.constexpr,
+    NUM_BANS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     """The new (cut_key, cut_id) once ``_select`` found v: ties at v kept in id order while the weight
     of the higher ranks stays below the target (ranks < k; mass before < ceil(top_p · 2³¹))."""
     group_ids = tl.arange(0, GROUPS_POW2)
@@ -143,8 +187,19 @@ def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id
     rest = target - tl.sum(above, axis=0)  # > 0: v is the last value the target needs
     num_ties = tl.sum(ties_per_group, axis=0)
     if MASS:
-        tie_mass = tl.max(_masses(_value(v + tl.zeros([1], tl.uint32)), m, temp, total, cut_key, cut_id,
-                                  tl.zeros([1], tl.int32), LIBDEVICE), axis=0)  # > 0 when found
+        tie_mass = tl.max(
+            _masses(
+                _value(v + tl.zeros([1], tl.uint32)),
+                m,
+                temp,
+                total,
+                cut_key,
+                cut_id,
+                tl.zeros([1], tl.int32),
+                LIBDEVICE,
+            ),
+            axis=0,
+        )  # > 0 when found
         num_keep = tl.minimum((rest + tie_mass - 1) // tl.maximum(tie_mass, 1), num_ties).to(tl.int32)
     else:
         num_keep = rest.to(tl.int32)
@@ -164,17 +219,69 @@ def _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, total, cut_key, cut_id
 
 
 @triton.jit
-def _top_logprobs(row_ptr, ban_ptr, num_tokens, err, m, temp, cut_key, cut_id, log_total, top_ids_ptr, top_lp_ptr,
-                  NUM_TOP: tl.constexpr, TOP_POW2: tl.constexpr, NUM_BANS: tl.constexpr, BLOCK: tl.constexpr,
-                  NUM_CHUNKS: tl.constexpr, SEL_BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                  GROUPS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _top_logprobs(
+    row_ptr,
+    ban_ptr,
+    num_tokens,
+    err,
+    m,
+    temp,
+    cut_key,
+    cut_id,
+    log_total,
+    top_ids_ptr,
+    top_lp_ptr,
+    NUM_TOP: tl.constexpr,
+    TOP_POW2: tl.constexpr,
+    NUM_BANS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS_POW2: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     """The NUM_TOP best ranks (banned logit descending, ties → lower id) and their processed logprobs."""
     all_key = tl.zeros([], tl.uint32)
     if NUM_TOP < num_tokens:
-        v, found = _select(row_ptr, ban_ptr, num_tokens, err, m, temp, 1.0, all_key, num_tokens, NUM_TOP,
-                           False, NUM_BANS, BLOCK, NUM_CHUNKS, SEL_BLOCK, LIBDEVICE)
-        top_key, top_id = _cut_ties(row_ptr, ban_ptr, num_tokens, err, m, temp, 1.0, all_key, num_tokens, NUM_TOP, v,
-                                    False, NUM_BANS, BLOCK, NUM_CHUNKS, GROUP, GROUPS_POW2, LIBDEVICE)
+        v, found = _select(
+            row_ptr,
+            ban_ptr,
+            num_tokens,
+            err,
+            m,
+            temp,
+            1.0,
+            all_key,
+            num_tokens,
+            NUM_TOP,
+            False,
+            NUM_BANS,
+            BLOCK,
+            NUM_CHUNKS,
+            SEL_BLOCK,
+            LIBDEVICE,
+        )
+        top_key, top_id = _cut_ties(
+            row_ptr,
+            ban_ptr,
+            num_tokens,
+            err,
+            m,
+            temp,
+            1.0,
+            all_key,
+            num_tokens,
+            NUM_TOP,
+            v,
+            False,
+            NUM_BANS,
+            BLOCK,
+            NUM_CHUNKS,
+            GROUP,
+            GROUPS_POW2,
+            LIBDEVICE,
+        )
     else:
         top_key = all_key
         top_id = num_tokens

@@ -25,8 +25,18 @@ BLOCK = 32  # channels per scale (model.deepseek_v41.quant.FP8_CACHE_BLOCK)
 
 
 @triton.jit
-def _write_window_kernel(k_ptr, ring_ptr, slots_ptr, ring_slots_ptr, k_row_stride, slot_stride, entry_stride,
-                         HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+def _write_window_kernel(
+    k_ptr,
+    ring_ptr,
+    slots_ptr,
+    ring_slots_ptr,
+    k_row_stride,
+    slot_stride,
+    entry_stride,
+    HEAD_DIM: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     groups = tl.arange(0, GROUPS)
     cols = groups[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUPS, BLOCK]; GROUPS a power of two
@@ -42,8 +52,11 @@ def _write_window_kernel(k_ptr, ring_ptr, slots_ptr, ring_slots_ptr, k_row_strid
     inv_scale = ((254 - biased) << 23).to(tl.float32, bitcast=True)
     v = tl.minimum(tl.maximum(k * inv_scale[:, None], -448.0), 448.0)
     q = _round_to_e4m3_grid(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    entry = (ring_ptr + tl.load(slots_ptr + row).to(tl.int64) * slot_stride
-             + tl.load(ring_slots_ptr + row).to(tl.int64) * entry_stride)
+    entry = (
+        ring_ptr
+        + tl.load(slots_ptr + row).to(tl.int64) * slot_stride
+        + tl.load(ring_slots_ptr + row).to(tl.int64) * entry_stride
+    )
     tl.store(entry + cols, q, mask=ok)
     tl.store(entry + HEAD_DIM + groups, biased.to(tl.uint8), mask=groups * BLOCK < HEAD_DIM)
 
@@ -55,8 +68,9 @@ def write_window(ring: torch.Tensor, slots: torch.Tensor, ring_slots: torch.Tens
     if head_dim % BLOCK:
         raise ValueError(f"write_window needs head_dim a multiple of {BLOCK}, got {head_dim}")
     if ring.dtype != torch.uint8 or ring.ndim != 3 or ring.shape[2] != head_dim + head_dim // BLOCK:
-        raise ValueError(f"ring must be uint8 [slots, ring, {head_dim + head_dim // BLOCK}], got "
-                         f"{ring.dtype} {tuple(ring.shape)}")
+        raise ValueError(
+            f"ring must be uint8 [slots, ring, {head_dim + head_dim // BLOCK}], got {ring.dtype} {tuple(ring.shape)}"
+        )
     if ring.stride(2) != 1:
         raise ValueError("ring entries must be contiguous bytes")
     if slots.shape != (num_rows,) or ring_slots.shape != (num_rows,):
@@ -66,5 +80,15 @@ def write_window(ring: torch.Tensor, slots: torch.Tensor, ring_slots: torch.Tens
     if k.stride(1) != 1:
         k = k.contiguous()
     groups = head_dim // BLOCK
-    _write_window_kernel[(num_rows,)](k, ring, slots, ring_slots, k.stride(0), ring.stride(0), ring.stride(1),
-                                      HEAD_DIM=head_dim, GROUPS=triton.next_power_of_2(groups), BLOCK=BLOCK)
+    _write_window_kernel[(num_rows,)](
+        k,
+        ring,
+        slots,
+        ring_slots,
+        k.stride(0),
+        ring.stride(0),
+        ring.stride(1),
+        HEAD_DIM=head_dim,
+        GROUPS=triton.next_power_of_2(groups),
+        BLOCK=BLOCK,
+    )

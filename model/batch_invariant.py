@@ -58,7 +58,9 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = x.reshape(-1, x.shape[-1])
     step = max(1, _PRODUCT_ELEMENTS // max(1, weight.numel()))
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    parts = [(rows[i : i + step].unsqueeze(-2) * weight).sum(dim=-1, dtype=dtype) for i in range(0, rows.shape[0], step)]
+    parts = [
+        (rows[i : i + step].unsqueeze(-2) * weight).sum(dim=-1, dtype=dtype) for i in range(0, rows.shape[0], step)
+    ]
     out = torch.cat(parts) if parts else rows.new_zeros(0, weight.shape[0], dtype=dtype)
     if bias is not None:
         out = out + bias
@@ -108,10 +110,29 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # 64, so every vector width's body covers it with no scalar tail.
 _CHUNK = 32768
 _ELEMENTWISE = {
-    torch.exp, torch.Tensor.exp, torch.exp2, torch.Tensor.exp2, torch.expm1, torch.Tensor.expm1,
-    torch.log, torch.Tensor.log, torch.log2, torch.Tensor.log2, torch.log1p, torch.Tensor.log1p,
-    torch.sigmoid, torch.Tensor.sigmoid, torch.tanh, torch.Tensor.tanh, torch.erf, torch.Tensor.erf,
-    F.silu, F.softplus, F.gelu, torch.addcmul, torch.Tensor.addcmul,
+    torch.exp,
+    torch.Tensor.exp,
+    torch.exp2,
+    torch.Tensor.exp2,
+    torch.expm1,
+    torch.Tensor.expm1,
+    torch.log,
+    torch.Tensor.log,
+    torch.log2,
+    torch.Tensor.log2,
+    torch.log1p,
+    torch.Tensor.log1p,
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    torch.tanh,
+    torch.Tensor.tanh,
+    torch.erf,
+    torch.Tensor.erf,
+    F.silu,
+    F.softplus,
+    F.gelu,
+    torch.addcmul,
+    torch.Tensor.addcmul,
 }
 
 
@@ -149,20 +170,31 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 def _in_place(func):
     def run(self: torch.Tensor, *args, **kwargs):
         return self.copy_(chunked_elementwise(func, self, *args, **kwargs))
+
     return run
 
 
 # func → its batch-invariant form; these take no keyword arguments (out=, out_dtype= would bypass them).
 _PRODUCTS = {
     F.linear: rowwise_linear,
-    torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
+    torch.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch.Tensor.__matmul__: _matmul,
     torch.Tensor.__rmatmul__: lambda a, b: _matmul(b, a),
-    torch.mm: _matmul, torch.Tensor.mm: _matmul, torch.bmm: _matmul, torch.Tensor.bmm: _matmul,
-    torch.addmm: _addmm, torch.Tensor.addmm: _addmm, torch.einsum: _einsum,
+    torch.mm: _matmul,
+    torch.Tensor.mm: _matmul,
+    torch.bmm: _matmul,
+    torch.Tensor.bmm: _matmul,
+    torch.addmm: _addmm,
+    torch.Tensor.addmm: _addmm,
+    torch.einsum: _einsum,
 }
 _IN_PLACE = {
-    torch.Tensor.exp_: torch.exp, torch.Tensor.sigmoid_: torch.sigmoid, torch.Tensor.log_: torch.log,
-    torch.Tensor.tanh_: torch.tanh, torch.Tensor.addcmul_: torch.addcmul,
+    torch.Tensor.exp_: torch.exp,
+    torch.Tensor.sigmoid_: torch.sigmoid,
+    torch.Tensor.log_: torch.log,
+    torch.Tensor.tanh_: torch.tanh,
+    torch.Tensor.addcmul_: torch.addcmul,
 }
 
 
@@ -171,7 +203,9 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _PRODUCTS:
             if kwargs and set(kwargs) != {"bias"}:
-                raise NotImplementedError(f"batch-invariant {func.__name__} takes no keyword arguments {sorted(kwargs)}")
+                raise NotImplementedError(
+                    f"batch-invariant {func.__name__} takes no keyword arguments {sorted(kwargs)}"
+                )
             return _PRODUCTS[func](*args, **kwargs)
         if func in _ELEMENTWISE:
             if kwargs.get("inplace", False) or "out" in kwargs:

@@ -41,9 +41,14 @@ PREEMPTIONS = "shinkai_engine_preemptions"
 ABORTS = "shinkai_engine_aborts"  # label phase: waiting | prefill | decode
 KV_USAGE = "shinkai_engine_kv_usage"  # label pool: blocks | state_slots; 1 - free / total
 ENGINE_STAT_PREFIX = "shinkai_engine_"  # + num_running, num_waiting, free_blocks, total_blocks, ...
-ENGINE_STATS = (("num_running", "requests running"), ("num_waiting", "requests waiting"),
-                ("free_blocks", "free paged blocks"), ("total_blocks", "paged blocks"),
-                ("free_state_slots", "free state slots"), ("total_state_slots", "state slots"))
+ENGINE_STATS = (
+    ("num_running", "requests running"),
+    ("num_waiting", "requests waiting"),
+    ("free_blocks", "free paged blocks"),
+    ("total_blocks", "paged blocks"),
+    ("free_state_slots", "free state slots"),
+    ("total_state_slots", "state slots"),
+)
 
 # The llm-d router's four, under vLLM's names (label model_name, as vLLM has it).
 VLLM_RUNNING = "vllm:num_requests_running"
@@ -83,8 +88,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 class _Both:
     """One sample recorded under its shinkai_ name and its vLLM name (labelled with the served model)."""
 
-    def __init__(self, own: prom.Histogram | prom.Counter, vllm: prom.Histogram | prom.Counter,
-                 metrics: RequestMetrics) -> None:
+    def __init__(
+        self, own: prom.Histogram | prom.Counter, vllm: prom.Histogram | prom.Counter, metrics: RequestMetrics
+    ) -> None:
         self.own, self.vllm, self.metrics = own, vllm, metrics
 
     def observe(self, value: float) -> None:
@@ -111,16 +117,23 @@ class RequestMetrics:
         model = ["model_name"]
 
         def counter(name: str, vllm_name: str, help_text: str) -> _Both:
-            return _Both(prom.Counter(name, help_text, registry=r),
-                         prom.Counter(vllm_name, help_text + " (vLLM name)", model, registry=r), self)
+            return _Both(
+                prom.Counter(name, help_text, registry=r),
+                prom.Counter(vllm_name, help_text + " (vLLM name)", model, registry=r),
+                self,
+            )
 
         def histogram(name: str, vllm_name: str, help_text: str) -> _Both:
-            return _Both(prom.Histogram(name, help_text, buckets=LATENCY_BUCKETS, registry=r),
-                         prom.Histogram(vllm_name, help_text + " (vLLM name)", model, buckets=LATENCY_BUCKETS,
-                                        registry=r), self)
+            return _Both(
+                prom.Histogram(name, help_text, buckets=LATENCY_BUCKETS, registry=r),
+                prom.Histogram(vllm_name, help_text + " (vLLM name)", model, buckets=LATENCY_BUCKETS, registry=r),
+                self,
+            )
 
         self.prompt_tokens = counter(PROMPT_TOKENS, VLLM_PROMPT_TOKENS, "prompt tokens of finished requests")
-        self.generation_tokens = counter(GENERATION_TOKENS, VLLM_GENERATION_TOKENS, "output tokens of finished requests")
+        self.generation_tokens = counter(
+            GENERATION_TOKENS, VLLM_GENERATION_TOKENS, "output tokens of finished requests"
+        )
         self.ttft = histogram(TTFT, VLLM_TTFT, "arrival to first output token")
         self.itl = histogram(ITL, VLLM_ITL, "time between output tokens")
         self.e2e = histogram(E2E, VLLM_E2E, "arrival to final output")
@@ -135,6 +148,7 @@ def _usage(stats: Callable[[], Any], pool: str) -> Callable[[], float]:
         s = stats()
         total = getattr(s, f"total_{pool}")
         return 1.0 - getattr(s, f"free_{pool}") / total if total else 0.0
+
     return read
 
 
@@ -150,15 +164,23 @@ class EngineMetrics:
     for `vllm:cache_config_info` (its value is always 1, the information is in the labels).
     """
 
-    def __init__(self, registry: prom.CollectorRegistry, stats: Callable[[], Any], model_name: str,
-                 cache_config: Mapping[str, object]) -> None:
+    def __init__(
+        self,
+        registry: prom.CollectorRegistry,
+        stats: Callable[[], Any],
+        model_name: str,
+        cache_config: Mapping[str, object],
+    ) -> None:
         r = registry
-        self.queue_time = prom.Histogram(QUEUE_TIME, "submitted to first scheduled step", buckets=LATENCY_BUCKETS,
-                                         registry=r)
-        self.prefill_time = prom.Histogram(PREFILL_TIME, "first scheduled step to first token",
-                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_time = prom.Histogram(DECODE_TIME, "first token to final output", buckets=LATENCY_BUCKETS,
-                                          registry=r)
+        self.queue_time = prom.Histogram(
+            QUEUE_TIME, "submitted to first scheduled step", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prefill_time = prom.Histogram(
+            PREFILL_TIME, "first scheduled step to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.decode_time = prom.Histogram(
+            DECODE_TIME, "first token to final output", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.steps = prom.Counter(ENGINE_STEPS, "engine steps by kind", ["kind"], registry=r)
         self.placeholder_steps = prom.Counter(PLACEHOLDER_STEPS, "steps run with no real rows", registry=r)
         self.preemptions = prom.Counter(PREEMPTIONS, "requests preempted", registry=r)
@@ -169,17 +191,19 @@ class EngineMetrics:
         for pool in ("blocks", "state_slots"):
             kv.labels(pool=pool).set_function(_usage(stats, pool))
         model = {"model_name": model_name}
-        prom.Gauge(VLLM_RUNNING, "requests running (vLLM name)", list(model), registry=r).labels(
-            **model).set_function(_stat(stats, "num_running"))
-        prom.Gauge(VLLM_WAITING, "requests waiting (vLLM name)", list(model), registry=r).labels(
-            **model).set_function(_stat(stats, "num_waiting"))
+        prom.Gauge(VLLM_RUNNING, "requests running (vLLM name)", list(model), registry=r).labels(**model).set_function(
+            _stat(stats, "num_running")
+        )
+        prom.Gauge(VLLM_WAITING, "requests waiting (vLLM name)", list(model), registry=r).labels(**model).set_function(
+            _stat(stats, "num_waiting")
+        )
         # Either pool refuses admission when it is full, so the router sees the fuller one.
         blocks, slots = _usage(stats, "blocks"), _usage(stats, "state_slots")
         prom.Gauge(VLLM_KV_USAGE, "KV cache usage, the fuller pool (vLLM name)", list(model), registry=r).labels(
-            **model).set_function(lambda: max(blocks(), slots()))
+            **model
+        ).set_function(lambda: max(blocks(), slots()))
         info = {k: str(v) for k, v in cache_config.items()}
-        prom.Gauge(VLLM_CACHE_CONFIG, "cache configuration (vLLM name)", list(info), registry=r).labels(
-            **info).set(1)
+        prom.Gauge(VLLM_CACHE_CONFIG, "cache configuration (vLLM name)", list(info), registry=r).labels(**info).set(1)
 
 
 class EngineLoadsCollector:
@@ -195,6 +219,7 @@ class EngineLoadsCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         reports = self.reports()
+
         def total(key: str) -> float:
             return float(sum(getattr(r, key) for r in reports))
 
@@ -203,11 +228,11 @@ class EngineLoadsCollector:
             capacity = total(f"total_{pool}")
             if capacity:
                 usage = max(usage, 1.0 - total(f"free_{pool}") / capacity)
-        for name, help_text, value in ((VLLM_RUNNING, "requests running, all engines (vLLM name)",
-                                        total("num_running")),
-                                       (VLLM_WAITING, "requests waiting, all engines (vLLM name)",
-                                        total("num_waiting") + total("num_queued")),
-                                       (VLLM_KV_USAGE, "KV cache usage, all engines (vLLM name)", usage)):
+        for name, help_text, value in (
+            (VLLM_RUNNING, "requests running, all engines (vLLM name)", total("num_running")),
+            (VLLM_WAITING, "requests waiting, all engines (vLLM name)", total("num_waiting") + total("num_queued")),
+            (VLLM_KV_USAGE, "KV cache usage, all engines (vLLM name)", usage),
+        ):
             family = GaugeMetricFamily(name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family

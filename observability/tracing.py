@@ -57,8 +57,9 @@ def setup(service_name: str, exporter: Any = None, *, steps_every: int | None = 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))  # flushes at exit
     provider.add_span_processor(processor)
     _provider, _tracer = provider, provider.get_tracer("shinkai")
-    step_sample_every = steps_every if steps_every is not None else int(
-        os.environ.get(STEPS_EVERY_ENV, DEFAULT_STEPS_EVERY))
+    step_sample_every = (
+        steps_every if steps_every is not None else int(os.environ.get(STEPS_EVERY_ENV, DEFAULT_STEPS_EVERY))
+    )
     return True
 
 
@@ -82,16 +83,23 @@ def sample_step(step_number: int) -> bool:
 # ---- spans -----------------------------------------------------------------------------------------------
 
 
-def start_span(name: str, parent: Context | None = None, attributes: Mapping[str, Any] | None = None, *,
-               start_ns: int | None = None, kind: SpanKind = SpanKind.INTERNAL) -> Span | None:
+def start_span(
+    name: str,
+    parent: Context | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    start_ns: int | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> Span | None:
     """A started span, child of ``parent`` (or of the current span when ``parent`` is None); None when off."""
     if _tracer is None:
         return None
     return _tracer.start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_ns)
 
 
-def end(span: Span | None, attributes: Mapping[str, Any] | None = None, error: str | None = None,
-        end_ns: int | None = None) -> None:
+def end(
+    span: Span | None, attributes: Mapping[str, Any] | None = None, error: str | None = None, end_ns: int | None = None
+) -> None:
     if span is None:
         return
     if attributes:
@@ -101,8 +109,9 @@ def end(span: Span | None, attributes: Mapping[str, Any] | None = None, error: s
     span.end(end_time=end_ns)
 
 
-def record(name: str, parent: Context | None, start_ns: int, end_ns: int,
-           attributes: Mapping[str, Any] | None = None) -> None:
+def record(
+    name: str, parent: Context | None, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None
+) -> None:
     """A finished span from times taken earlier (the engine's queue, prefill and decode phases)."""
     if _tracer is not None:
         _tracer.start_span(name, context=parent, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
@@ -118,8 +127,13 @@ def active(span: Span | None) -> ContextManager[Span | None]:
     return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
 
-def span(name: str, parent: Context | None = None, attributes: Mapping[str, Any] | None = None, *,
-         kind: SpanKind = SpanKind.INTERNAL) -> ContextManager[Span | None]:
+def span(
+    name: str,
+    parent: Context | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> ContextManager[Span | None]:
     """A current span for the block, ended on exit (with ERROR status if the block raises)."""
     if _tracer is None:
         return _NOTHING
@@ -170,8 +184,11 @@ def extract(carrier: Mapping[str, str] | Iterable[tuple[str, Any]] | None) -> Co
     if _tracer is None or carrier is None:
         return None
     pairs = carrier.items() if isinstance(carrier, Mapping) else carrier
-    found = {str(k).lower(): v if isinstance(v, str) else v.decode() for k, v in pairs
-             if str(k).lower() in ("traceparent", "tracestate")}
+    found = {
+        str(k).lower(): v if isinstance(v, str) else v.decode()
+        for k, v in pairs
+        if str(k).lower() in ("traceparent", "tracestate")
+    }
     if "traceparent" not in found:
         return None
     return _PROPAGATOR.extract(found)

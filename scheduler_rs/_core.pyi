@@ -151,7 +151,7 @@ class StepPlan:
     def step_id(self) -> int: ...
     @property
     def kind(self) -> str:
-        """"prefill" or "decode"."""
+        """ "prefill" or "decode"."""
     @property
     def is_prefill(self) -> bool: ...
     @property
@@ -346,8 +346,7 @@ class Scheduler:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = ...,
     ) -> None: ...
-    def set_step_cost(self, step_cost_ms: Mapping[int, float], sampler_ms: float = 0.0, measured: bool = True
-                      ) -> None:
+    def set_step_cost(self, step_cost_ms: Mapping[int, float], sampler_ms: float = 0.0, measured: bool = True) -> None:
         """Varlen verification's step-cost curve: rows → step milliseconds, plus the sampler's per step.
         ``measured``: measured (or given), not a guess; only such a curve stops the draft from proposing
         (``StepPlan.propose_drafts``)."""
@@ -377,7 +376,6 @@ class MtpVarlen:
 
 def graph_sizes(max_rows: int, interval: int = 8) -> list[int]: ...
 def select_graph_size(sizes: Sequence[int], num_rows: int) -> int | None: ...
-
 
 __all__ = [
     "BlockManager",

@@ -13,8 +13,15 @@ import prometheus_client as prom
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 
-async def serve_until_signalled(server: grpc.aio.Server, *, service: str, health_name: str, grpc_addr: str,
-                                metrics_port: int | None, registry: prom.CollectorRegistry) -> int:
+async def serve_until_signalled(
+    server: grpc.aio.Server,
+    *,
+    service: str,
+    health_name: str,
+    grpc_addr: str,
+    metrics_port: int | None,
+    registry: prom.CollectorRegistry,
+) -> int:
     """Binds ``grpc_addr`` (and ``metrics_port``: 0 = any, None = no metrics), marks ``health_name`` and the
     server SERVING, prints the ready line, and returns 0 once a signal has drained the server."""
     if metrics_port is not None:
@@ -30,8 +37,9 @@ async def serve_until_signalled(server: grpc.aio.Server, *, service: str, health
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "ready", "service": service, "grpc_port": port, "metrics_port": metrics_port}),
-          flush=True)
+    print(
+        json.dumps({"event": "ready", "service": service, "grpc_port": port, "metrics_port": metrics_port}), flush=True
+    )
     await stop.wait()
     for name in ("", health_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -31,11 +31,17 @@ def wait_for(predicate, timeout: float, what: str):
 def running_nats_server(log_dir: pathlib.Path) -> Iterator[str]:
     """Yields the server's URL; SIGTERM to its PID afterwards."""
     log = log_dir / "nats.log"
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", "-1", "-l", str(log)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1", "-l", str(log)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        text = wait_for(lambda: log.exists() and "Server is ready" in log.read_text() and log.read_text(),
-                        20, "nats-server to start")
+        text = wait_for(
+            lambda: log.exists() and "Server is ready" in log.read_text() and log.read_text(),
+            20,
+            "nats-server to start",
+        )
         port = re.search(r"Listening for client connections on 127\.0\.0\.1:(\d+)", text).group(1)
         yield f"nats://127.0.0.1:{port}"
     finally:

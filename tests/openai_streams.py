@@ -15,9 +15,14 @@ def concurrent_completion_streams(base_url: str, num_streams: int = 100) -> list
 
         async def one(i):
             n = 1 + i % 3
-            stream = await client.completions.create(model="tiny", prompt=f"s{i}", max_tokens=n, stream=True,
-                                                     stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model="tiny",
+                prompt=f"s{i}",
+                max_tokens=n,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             chunks = [c async for c in stream]
             return n, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 

@@ -32,8 +32,10 @@ def run_ranks(target, world_size: int, tmp_path: Path, args: tuple = (), timeout
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_entry, args=(target, r, world_size, rendezvous, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(target, r, world_size, rendezvous, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, object] = {}

@@ -54,13 +54,16 @@ def file_name(path: str) -> list[str]:
 def _docstrings(text: str) -> list[tuple[int, str]]:
     """(first line, text) of the module's, every class's and every function's docstring."""
     tree = ast.parse(text)
-    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(
-        n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))]
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))]
     found = []
     for node in nodes:
         body = getattr(node, "body", [])
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             found.append((body[0].lineno, body[0].value.value))
     return found
 
@@ -88,8 +91,11 @@ def docstring_figures(path: str, text: str) -> list[str]:
 
 def docs_json(path: str) -> list[str]:
     """A JSON file at the root of docs/."""
-    return [f"{path}: JSON at the root of docs/ (results go in docs/results/)"] \
-        if re.fullmatch(r"docs/[^/]+\.json", path) else []
+    return (
+        [f"{path}: JSON at the root of docs/ (results go in docs/results/)"]
+        if re.fullmatch(r"docs/[^/]+\.json", path)
+        else []
+    )
 
 
 def violations(path: str, text: str | None) -> list[str]:
@@ -105,9 +111,17 @@ def violations(path: str, text: str | None) -> list[str]:
 # ------------------------------------------------------------------------------- each rule can fail
 
 
-@pytest.mark.parametrize("text", ["# measured in session 13", "see issue #21", "Issue 8's targets",
-                                  "(work period 4)", "sessions 10-12",
-                                  "def test_meets_issue_8():"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# measured in session 13",
+        "see issue #21",
+        "Issue 8's targets",
+        "(work period 4)",
+        "sessions 10-12",
+        "def test_meets_issue_8():",
+    ],
+)
 def test_work_periods_flagged(text: str) -> None:
     assert work_periods("a.py", "x = 1\n" + text) == [f"a.py:2: {WORK_PERIOD.search(text).group(0)!r}"]
 
@@ -117,16 +131,33 @@ def test_work_periods_clean(text: str) -> None:
     assert work_periods("a.py", text) == []
 
 
-@pytest.mark.parametrize("path", ["scripts/gpu_session13.sh", "docs/step-h200-s16-sizes.json", "docs/issue-8.md",
-                                  "docs/results/serve-2026-12-01.json", "logs/run-20261201.txt",
-                                  "tests/test_s12.py"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "scripts/gpu_session13.sh",
+        "docs/step-h200-s16-sizes.json",
+        "docs/issue-8.md",
+        "docs/results/serve-2026-12-01.json",
+        "logs/run-20261201.txt",
+        "tests/test_s12.py",
+    ],
+)
 def test_file_name_flagged(path: str) -> None:
     assert file_name(path) == [f"{path}: dated or numbered file name"]
 
 
-@pytest.mark.parametrize("path", ["model/presets.py", "docs/results/step-v41-sizes.json", "kernels/fp8_splitk.py",
-                                  "tests/kernels/test_moe_splitk.py", "docs/eplb-simulation.png",
-                                  "data/v41-s1.json", "kernels/sm90.py"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "model/presets.py",
+        "docs/results/step-v41-sizes.json",
+        "kernels/fp8_splitk.py",
+        "tests/kernels/test_moe_splitk.py",
+        "docs/eplb-simulation.png",
+        "data/v41-s1.json",
+        "kernels/sm90.py",
+    ],
+)
 def test_file_name_clean(path: str) -> None:
     assert file_name(path) == []
 
@@ -153,12 +184,15 @@ def test_docstring_figures_flagged() -> None:
     assert [v.split(":")[1] for v in found] == ["3", "7", "11", "14", "14"]
 
 
-@pytest.mark.parametrize("doc", [
-    "Measured in docs/performance.md, 'Kernels'; the H200 is the target.",  # a GPU, no figure
-    "Takes 2 ms a step at batch 64.",  # a figure, no GPU
-    "Needs an H200 for the timing. Each row reads 1.2 ms worth of weights.",  # apart, in two sentences
-    "On the H200 the tile is 1,024 × 512 and 2 splits; wq_a at T = 1.",  # shapes and counts are no figures
-])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "Measured in docs/performance.md, 'Kernels'; the H200 is the target.",  # a GPU, no figure
+        "Takes 2 ms a step at batch 64.",  # a figure, no GPU
+        "Needs an H200 for the timing. Each row reads 1.2 ms worth of weights.",  # apart, in two sentences
+        "On the H200 the tile is 1,024 × 512 and 2 splits; wq_a at T = 1.",  # shapes and counts are no figures
+    ],
+)
 def test_docstring_figures_clean(doc: str) -> None:
     assert docstring_figures("k.py", f'def f():\n    """{doc}"""\n') == []
     assert docstring_figures("k.md", f'"""{doc} 3 ms on the H200."""') == []  # only Python docstrings

@@ -20,31 +20,53 @@ PACKAGES = ("services", "kernels", "model", "observability", "scheduler_rs")
 # (new module's path, its source, what lint-imports must report: the import, or the cycle's package)
 VIOLATIONS = {
     "model imports services": (
-        "model/deepseek_v41/upward.py", "from services.engine.config import EngineConfig\n",
-        "model.deepseek_v41.upward -> services.engine.config"),
+        "model/deepseek_v41/upward.py",
+        "from services.engine.config import EngineConfig\n",
+        "model.deepseek_v41.upward -> services.engine.config",
+    ),
     "model imports kernels": (
-        "model/deepseek_v41/upward.py", "import kernels.philox\n", "model.deepseek_v41.upward -> kernels.philox"),
+        "model/deepseek_v41/upward.py",
+        "import kernels.philox\n",
+        "model.deepseek_v41.upward -> kernels.philox",
+    ),
     "kernels import services": (
-        "kernels/upward.py", "from services.worker.sampling.sampler import SamplingRow\n",
-        "kernels.upward -> services.worker.sampling.sampler"),
+        "kernels/upward.py",
+        "from services.worker.sampling.sampler import SamplingRow\n",
+        "kernels.upward -> services.worker.sampling.sampler",
+    ),
     "observability imports services": (
-        "observability/upward.py", "import services.engine.config\n", "observability.upward -> services.engine.config"),
+        "observability/upward.py",
+        "import services.engine.config\n",
+        "observability.upward -> services.engine.config",
+    ),
     "the worker imports the engine": (
-        "services/worker/upward.py", "from services.engine.config import EngineConfig\n",
-        "services.worker.upward -> services.engine.config"),
+        "services/worker/upward.py",
+        "from services.engine.config import EngineConfig\n",
+        "services.worker.upward -> services.engine.config",
+    ),
     "the engine imports the gateway": (
-        "services/engine/upward.py", "from services.gateway.server import Server\n",
-        "services.engine.upward -> services.gateway.server"),
+        "services/engine/upward.py",
+        "from services.gateway.server import Server\n",
+        "services.engine.upward -> services.gateway.server",
+    ),
     "a cycle in services.bench": (
-        "services/bench/cycle.py", "import services.bench.kernels.run\n", "No cycles are allowed in services.bench"),
+        "services/bench/cycle.py",
+        "import services.bench.kernels.run\n",
+        "No cycles are allowed in services.bench",
+    ),
 }
 
 
 def lint(tree: Path) -> subprocess.CompletedProcess[str]:
     command = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
-    return subprocess.run([sys.executable, "-c", command, str(ROOT / "pyproject.toml"), "--no-cache"],
-                          cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", command, str(ROOT / "pyproject.toml"), "--no-cache"],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def copy_tree(dest: Path) -> Path:

@@ -117,30 +117,44 @@ class Attention(nn.Module):
         p−w+1 … p, then ``index_topk`` selected entries, −1 padded): each query reduces over the same keys
         in the same order at any sequence length (model/batch_invariant.py). q [B, S, H, hd] → same."""
         b, s, hd = kv.shape
-        pos = torch.arange(s, device=kv.device).unsqueeze(-1) - self.window + 1 + torch.arange(self.window,
-                                                                                              device=kv.device)
+        pos = (
+            torch.arange(s, device=kv.device).unsqueeze(-1)
+            - self.window
+            + 1
+            + torch.arange(self.window, device=kv.device)
+        )
         keys = kv[:, pos.clamp_min(0)]  # [B, S, w, hd]
         allowed = (pos >= 0).expand(b, s, self.window)
         if self.ratio:
             sel = F.pad(state.selected, (0, self.index_topk - state.selected.shape[-1]), value=-1)  # [B, S, k]
             entries = state.compressed_kv
-            picked = entries[torch.arange(b, device=kv.device).view(b, 1, 1), sel.clamp_min(0)] if \
-                entries.shape[1] else entries.new_zeros(b, s, self.index_topk, hd)
+            picked = (
+                entries[torch.arange(b, device=kv.device).view(b, 1, 1), sel.clamp_min(0)]
+                if entries.shape[1]
+                else entries.new_zeros(b, s, self.index_topk, hd)
+            )
             keys = torch.cat((keys, picked.to(keys.dtype)), dim=2)
             allowed = torch.cat((allowed, sel >= 0), dim=-1)
-        out = sink_attention(q.flatten(0, 1).unsqueeze(1), keys.flatten(0, 1), allowed.flatten(0, 1).unsqueeze(1),
-                             self.attn_sink, self.head_dim**-0.5)  # [B·S, 1, H, hd]
+        out = sink_attention(
+            q.flatten(0, 1).unsqueeze(1),
+            keys.flatten(0, 1),
+            allowed.flatten(0, 1).unsqueeze(1),
+            self.attn_sink,
+            self.head_dim**-0.5,
+        )  # [B·S, 1, H, hd]
         return out.view(b, s, *out.shape[2:])
 
-    def _sparse(self, x: torch.Tensor, positions: torch.Tensor, q_latent: torch.Tensor,
-                state: SparseState) -> SparseState:
+    def _sparse(
+        self, x: torch.Tensor, positions: torch.Tensor, q_latent: torch.Tensor, state: SparseState
+    ) -> SparseState:
         if self.compressor is not None:
             latent = self.compressor(x)  # [B, W, hd]
             group_angles = rope_angles(group_positions(positions, self.ratio), self.freqs)  # [B, W, P]
             # KV entries are rounded before the index keys (the reference's order; oracle tests pair the calls).
             entries = compressed_entries(latent, group_angles)
-            state = SparseState(ratio=self.ratio, compressed_kv=entries,
-                                index_keys=self.indexer.keys(latent, group_angles))
+            state = SparseState(
+                ratio=self.ratio, compressed_kv=entries, index_keys=self.indexer.keys(latent, group_angles)
+            )
         if state.ratio != self.ratio or state.compressed_kv is None:
             raise ValueError(f"layer {self.layer} needs a preceding KV source with ratio {self.ratio}")
         if self.indexer is None:
@@ -150,13 +164,15 @@ class Attention(nn.Module):
         scores, candidates = self.restrict_to_candidates(scores, visible, state.candidates)
         return dataclasses.replace(state, selected=select_entries(scores, self.index_topk), candidates=candidates)
 
-    def restrict_to_candidates(self, scores: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor | None
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def restrict_to_candidates(
+        self, scores: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The candidate source picks this layer's candidate blocks; a layer that uses them masks its
         scores outside them. Returns (scores, candidates to carry on). Shared by the cached path."""
         if self.is_candidate_source:
-            candidates = candidate_mask(scores, visible, num_blocks=self.candidate_topk_blocks,
-                                        block_size=self.candidate_block_size)
+            candidates = candidate_mask(
+                scores, visible, num_blocks=self.candidate_topk_blocks, block_size=self.candidate_block_size
+            )
         elif self.uses_candidates:
             scores = scores.masked_fill(~candidates, -torch.inf)
         return scores, candidates
@@ -185,8 +201,9 @@ def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
     return (k <= q) & (k > q - window)
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Softmax attention with K = V and one sink logit per head.
 
     q [B, S, H, hd]; kv [B, T, hd]; allowed [B, S, T] bool; sink [H] → [B, S, H, hd].

@@ -36,9 +36,17 @@ class Block(nn.Module):
         self.engram_index = engram_ids.index(layer) if layer in engram_ids else None
         self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index]) if layer in engram_ids else None
 
-    def forward(self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, state: SparseState,
-                engram_rows: torch.Tensor | None, live: torch.Tensor | None, image: torch.Tensor | None = None,
-                taps: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, SparseState]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        pre: torch.Tensor,
+        positions: torch.Tensor,
+        state: SparseState,
+        engram_rows: torch.Tensor | None,
+        live: torch.Tensor | None,
+        image: torch.Tensor | None = None,
+        taps: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, SparseState]:
         """h [B, S, n, D], pre fp32 [B, S, n] → (h, next pre, state); ``image`` [B, S] bool marks image-span
         tokens; ``taps`` as in ``run``."""
         published = [state]
@@ -50,10 +58,17 @@ class Block(nn.Module):
         h, pre = self.run(h, pre, attend, engram_rows, live, image=image, taps=taps)
         return h, pre, published[0]
 
-    def run(self, h: torch.Tensor, pre: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-            engram_rows: torch.Tensor | None, live: torch.Tensor | None,
-            expert_counts: torch.Tensor | None = None, image: torch.Tensor | None = None,
-            taps: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        h: torch.Tensor,
+        pre: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+        engram_rows: torch.Tensor | None,
+        live: torch.Tensor | None,
+        expert_counts: torch.Tensor | None = None,
+        image: torch.Tensor | None = None,
+        taps: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer around its attention: ``attend`` maps attn_norm output [B, S, D] → [B, S, D]
         (the full-sequence attention, or a cached engine's). ``engram_rows`` [B, S, L, heads] for
         every Engram layer; ``expert_counts`` int64 [E] gains this layer's routed tokens; ``image``
@@ -67,7 +82,10 @@ class Block(nn.Module):
         mix_a, x = self.hc_attn.mix_collapse(h, pre)
         h, mix_f, x = self.hc_ffn.expand_mix_collapse(attend(self.attn_norm(x)), h, mix_a)
         # ``image`` only when some token is one (MoE and KernelMoE take it): a text step calls the ffn as before.
-        f = self.ffn(self.ffn_norm(x), expert_counts) if image is None else \
-            self.ffn(self.ffn_norm(x), expert_counts, image=image)
+        f = (
+            self.ffn(self.ffn_norm(x), expert_counts)
+            if image is None
+            else self.ffn(self.ffn_norm(x), expert_counts, image=image)
+        )
         h = self.hc_ffn.expand(f, h, mix_f)
         return h, mix_f.pre

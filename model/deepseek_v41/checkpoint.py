@@ -41,8 +41,10 @@ class TensorSpec:
         if self.fmt == "mxfp4":
             return {self.name: ((rows, cols // 2), torch.int8), scale_name: ((rows, col_blocks), torch.float8_e8m0fnu)}
         scale_rows = -(-rows // 32) if self.fmt == "fp8_block" else rows
-        return {self.name: (self.shape, torch.float8_e4m3fn),
-                scale_name: ((scale_rows, col_blocks), torch.float8_e8m0fnu)}
+        return {
+            self.name: (self.shape, torch.float8_e4m3fn),
+            scale_name: ((scale_rows, col_blocks), torch.float8_e8m0fnu),
+        }
 
 
 def tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
@@ -77,17 +79,22 @@ def draft_specs(cfg: ModelConfig) -> list[TensorSpec]:
         p, t = f"mtp.{k}.", "draft."
         specs += layer_specs(cfg, cfg.num_hidden_layers + k, p, f"{t}stages.{k}.", cfg.dspark_n_routed_experts)
         if k == 0:
-            specs += [TensorSpec(p + "main_proj.weight", (d, d * len(cfg.dspark_target_layer_ids)), "fp8_block",
-                                 t + "main_proj.weight"),
-                      TensorSpec(p + "main_norm.weight", (d,), "bf16", t + "main_norm.weight")]
+            specs += [
+                TensorSpec(
+                    p + "main_proj.weight",
+                    (d, d * len(cfg.dspark_target_layer_ids)),
+                    "fp8_block",
+                    t + "main_proj.weight",
+                ),
+                TensorSpec(p + "main_norm.weight", (d,), "bf16", t + "main_norm.weight"),
+            ]
         if k == stages - 1:
-            specs += [TensorSpec(p + "norm.weight", (d,), "bf16", t + "norm.weight"),
-                      TensorSpec(p + "markov_head.embed.weight", (cfg.vocab_size, rank), "bf16",
-                                 t + "markov_embed.weight"),
-                      TensorSpec(p + "markov_head.head.weight", (cfg.vocab_size, rank), "bf16",
-                                 t + "markov_head.weight"),
-                      TensorSpec(p + "confidence_head.proj.weight", (1, d + rank), "fp32",
-                                 t + "confidence_proj.weight")]
+            specs += [
+                TensorSpec(p + "norm.weight", (d,), "bf16", t + "norm.weight"),
+                TensorSpec(p + "markov_head.embed.weight", (cfg.vocab_size, rank), "bf16", t + "markov_embed.weight"),
+                TensorSpec(p + "markov_head.head.weight", (cfg.vocab_size, rank), "bf16", t + "markov_head.weight"),
+                TensorSpec(p + "confidence_head.proj.weight", (1, d + rank), "fp32", t + "confidence_proj.weight"),
+            ]
     return specs
 
 
@@ -109,8 +116,7 @@ def layer_specs(cfg: ModelConfig, i: int, p: str, m: str, num_experts: int) -> l
     add("attn.wq_b.weight", (h * hd, cfg.q_lora_rank), "fp8_block", "attn.wq_b.weight")
     add("attn.wkv.weight", (hd, d), "fp8_block", "attn.wkv.weight")
     add("attn.kv_norm.weight", (hd,), "bf16", "attn.kv_norm.weight")
-    add("attn.wo_a.weight", (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), "fp8_block",
-        "attn.wo_a.weight")
+    add("attn.wo_a.weight", (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), "fp8_block", "attn.wo_a.weight")
     add("attn.wo_b.weight", (d, cfg.o_groups * cfg.o_lora_rank), "fp8_block", "attn.wo_b.weight")
     add("attn.attn_sink", (h,), "fp32", "attn.attn_sink")
     if i in cfg.kv_source_layer_ids:
@@ -121,8 +127,12 @@ def layer_specs(cfg: ModelConfig, i: int, p: str, m: str, num_experts: int) -> l
         add("attn.indexer.wk.weight", (cfg.index_head_dim, hd), "bf16", "attn.indexer.wk.weight")
         add("attn.indexer.k_norm.weight", (cfg.index_head_dim,), "bf16", "attn.indexer.k_norm.weight")
     if i in cfg.index_source_layer_ids:
-        add("attn.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8_block",
-            "attn.indexer.wq_b.weight")
+        add(
+            "attn.indexer.wq_b.weight",
+            (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+            "fp8_block",
+            "attn.indexer.wq_b.weight",
+        )
         add("attn.indexer.weights_proj.weight", (cfg.index_n_heads, d), "bf16", "attn.indexer.weights_proj.weight")
     add("ffn.gate.weight", (num_experts, d), "bf16", "ffn.gate_weight")
     add("ffn.gate.bias", (num_experts,), "fp32", "ffn.gate_bias")
@@ -141,8 +151,12 @@ def layer_specs(cfg: ModelConfig, i: int, p: str, m: str, num_experts: int) -> l
     if i in cfg.engram_layer_ids:
         rows = cfg.engram_num_embeddings[list(cfg.engram_layer_ids).index(i)]
         add("engram.embed.weight", (rows, cfg.engram_head_dim), "fp8_rowwise", "engram.embed.weight")
-        add("engram.wkv.weight", ((n + 1) * d, cfg.engram_hash_heads() * cfg.engram_head_dim), "fp8_block",
-            "engram.wkv.weight")
+        add(
+            "engram.wkv.weight",
+            ((n + 1) * d, cfg.engram_hash_heads() * cfg.engram_head_dim),
+            "fp8_block",
+            "engram.wkv.weight",
+        )
         add("engram.q_weight", (n, d), "bf16", "engram.q_weight")
         add("engram.k_weight", (n, d), "bf16", "engram.k_weight")
     return specs

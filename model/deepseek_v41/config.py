@@ -133,9 +133,23 @@ def _positive_int(name: str, value: Any) -> None:
 def validate(cfg: ModelConfig) -> None:
     """Raise ValueError for shapes or schedules the model does not implement."""
     for name in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
-        "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
-        "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "hc_mult",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "qk_rope_head_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "sliding_window",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "hc_mult",
         "hc_sinkhorn_iters",
     ):
         _positive_int(name, getattr(cfg, name))
@@ -221,14 +235,17 @@ def _validate_draft(cfg: ModelConfig) -> None:
     for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok"):
         _positive_int(name, getattr(cfg, name))
     n = cfg.num_hidden_layers
-    ratios = cfg.compress_ratios[n:n + stages]
+    ratios = cfg.compress_ratios[n : n + stages]
     if len(ratios) < stages or any(ratios):
-        raise ValueError(f"compress_ratios needs {stages} ratio-0 entries after the {n} backbone layers for the "
-                         f"DSpark stages, got {list(ratios)}")
+        raise ValueError(
+            f"compress_ratios needs {stages} ratio-0 entries after the {n} backbone layers for the "
+            f"DSpark stages, got {list(ratios)}"
+        )
     ids = list(cfg.dspark_target_layer_ids)
     if not ids or ids != sorted(set(ids)) or any(type(i) is not int or not 0 <= i < n for i in ids):
-        raise ValueError(f"dspark_target_layer_ids={ids} must be strictly increasing layer ids below "
-                         f"num_hidden_layers={n}")
+        raise ValueError(
+            f"dspark_target_layer_ids={ids} must be strictly increasing layer ids below num_hidden_layers={n}"
+        )
     if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
         raise ValueError(f"dspark_noise_token_id={cfg.dspark_noise_token_id} is outside the vocabulary")
     if not 2 <= cfg.dspark_num_experts_per_tok <= cfg.dspark_n_routed_experts:
@@ -300,8 +317,11 @@ def _yarn(raw: dict[str, Any] | None) -> YarnScaling:
 
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """Composite HF config dict (the layout NeMo's ``DeepseekV41Config`` reads), fp32 dtype."""
-    text = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in ("extra", "rope_scaling", "vision")}
+    text = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name not in ("extra", "rope_scaling", "vision")
+    }
     text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
     text["candidate_source_layer_id"] = -1 if cfg.candidate_source_layer_id is None else cfg.candidate_source_layer_id
     text["rope_scaling"] = {"rope_type": "yarn", **dataclasses.asdict(cfg.rope_scaling)}

@@ -20,8 +20,9 @@ from model.deepseek_v41.attention import Attention, sink_attention
 
 
 class DraftAttention(nn.Module):
-    def forward(self, attn: Attention, x: torch.Tensor, turns: torch.Tensor, window: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, attn: Attention, x: torch.Tensor, turns: torch.Tensor, window: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         """x [B, T = A·bs, D] (the stage's attn_norm output), turns complex64 [B, T, P] (``rope_turns`` of the
         slots' positions), window [B, A, W, hd] (each block's context K=V), visible bool [B, A, W] → [B, T, D]."""
         b, a = window.shape[:2]
@@ -31,6 +32,7 @@ class DraftAttention(nn.Module):
         keys = torch.cat((window.to(own.dtype), own), dim=2).flatten(0, 1)  # [B·A, W + bs, hd]
         allowed = torch.cat((visible, visible.new_ones(b, a, bs)), dim=-1)  # [B, A, W + bs]
         allowed = allowed.flatten(0, 1).unsqueeze(1).expand(-1, bs, -1)  # [B·A, bs, W + bs]
-        out = sink_attention(q.unflatten(1, (a, bs)).flatten(0, 1), keys, allowed, attn.attn_sink,
-                             attn.head_dim**-0.5)  # [B·A, bs, H, hd]
+        out = sink_attention(
+            q.unflatten(1, (a, bs)).flatten(0, 1), keys, allowed, attn.attn_sink, attn.head_dim**-0.5
+        )  # [B·A, bs, H, hd]
         return attn.project_out(out.unflatten(0, (b, a)).flatten(1, 2), turns)

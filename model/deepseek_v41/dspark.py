@@ -66,12 +66,14 @@ class DSpark(nn.Module):
         self.block_size = cfg.dspark_block_size
         self.noise_token_id = cfg.dspark_noise_token_id
         self.window = cfg.sliding_window
-        stage_cfg = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
-                                        num_experts_per_tok=cfg.dspark_num_experts_per_tok)
+        stage_cfg = dataclasses.replace(
+            cfg, n_routed_experts=cfg.dspark_n_routed_experts, num_experts_per_tok=cfg.dspark_num_experts_per_tok
+        )
         self.main_proj = nn.Linear(d * len(cfg.dspark_target_layer_ids), d, bias=False)
         self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.stages = nn.ModuleList(Block(stage_cfg, cfg.num_hidden_layers + k)
-                                    for k in range(cfg.num_nextn_predict_layers))
+        self.stages = nn.ModuleList(
+            Block(stage_cfg, cfg.num_hidden_layers + k) for k in range(cfg.num_nextn_predict_layers)
+        )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_embed = nn.Embedding(cfg.vocab_size, rank)
         self.markov_head = nn.Linear(rank, cfg.vocab_size, bias=False)
@@ -91,8 +93,14 @@ class DSpark(nn.Module):
 
     # ---- the stages ------------------------------------------------------------------------------
 
-    def forward(self, taps: torch.Tensor, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
-                embed: nn.Embedding, head: nn.Module) -> DraftBlocks:
+    def forward(
+        self,
+        taps: torch.Tensor,
+        anchor_tokens: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        embed: nn.Embedding,
+        head: nn.Module,
+    ) -> DraftBlocks:
         """Full sequence: taps [B, C, T·D] at positions 0..C−1; A anchors per row (tokens and positions
         int [B, A], each position ≤ C). A block sees the context window [anchor−W, anchor−1]."""
         b, c, _ = taps.shape
@@ -106,14 +114,28 @@ class DSpark(nn.Module):
 
         return self._run(stage_window, window >= 0, anchor_tokens, anchor_positions, embed, head)
 
-    def blocks_from_context(self, context: DraftContext, anchor_tokens: torch.Tensor, embed: nn.Embedding,
-                            head: nn.Module) -> DraftBlocks:
+    def blocks_from_context(
+        self, context: DraftContext, anchor_tokens: torch.Tensor, embed: nn.Embedding, head: nn.Module
+    ) -> DraftBlocks:
         """One block per row from the draft's K=V state: anchor tokens int [B] at ``context.next_position``."""
-        return self._run(lambda k: context.kv[k].unsqueeze(1), context.positions.unsqueeze(1) >= 0,
-                         anchor_tokens.unsqueeze(1), context.next_position.unsqueeze(1), embed, head)
+        return self._run(
+            lambda k: context.kv[k].unsqueeze(1),
+            context.positions.unsqueeze(1) >= 0,
+            anchor_tokens.unsqueeze(1),
+            context.next_position.unsqueeze(1),
+            embed,
+            head,
+        )
 
-    def _run(self, stage_window: Callable[[int], torch.Tensor], visible: torch.Tensor, anchor_tokens: torch.Tensor,
-             anchor_positions: torch.Tensor, embed: nn.Embedding, head: nn.Module) -> DraftBlocks:
+    def _run(
+        self,
+        stage_window: Callable[[int], torch.Tensor],
+        visible: torch.Tensor,
+        anchor_tokens: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        embed: nn.Embedding,
+        head: nn.Module,
+    ) -> DraftBlocks:
         """stage_window(k) → stage k's context K=V of each block's window, oldest first [B, A, W, hd];
         visible bool [B, A, W] (False: before position 0); anchors int [B, A]. Every block attends over
         the same key layout (its W window slots, then its bs own slots) whichever way in, so the cached
@@ -158,12 +180,17 @@ class DSpark(nn.Module):
 
     def confidence_logits(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """fp32 [...] from the slots' hidden states [..., D] and previous tokens' ``markov_embed`` [..., r]."""
-        return F.linear(torch.cat((hidden.float(), emb.float()), dim=-1),
-                        self.confidence_proj.weight.float()).squeeze(-1)
+        return F.linear(torch.cat((hidden.float(), emb.float()), dim=-1), self.confidence_proj.weight.float()).squeeze(
+            -1
+        )
 
-    def propose(self, blocks: DraftBlocks, anchor_tokens: torch.Tensor,
-                choose: Callable[[torch.Tensor, int], torch.Tensor], num_slots: int | None = None
-                ) -> tuple[torch.Tensor, DraftHeads]:
+    def propose(
+        self,
+        blocks: DraftBlocks,
+        anchor_tokens: torch.Tensor,
+        choose: Callable[[torch.Tensor, int], torch.Tensor],
+        num_slots: int | None = None,
+    ) -> tuple[torch.Tensor, DraftHeads]:
         """Semi-AR drafting of the first ``num_slots`` slots (None: all bs): ``choose(logits fp32 [B, A, V],
         slot) → tokens [B, A]`` (argmax, or a sampler keyed by position). anchor_tokens [B, A] → (drafts
         [B, A, num_slots], heads with each slot's prev = the previous draft). A slot reads only the slots
@@ -198,9 +225,11 @@ class DraftContext:
     @classmethod
     def empty(cls, draft: DSpark, batch: int, device: torch.device | str = "cpu") -> DraftContext:
         w, hd = draft.window, draft.cfg.head_dim
-        return cls([torch.zeros(batch, w, hd, device=device) for _ in draft.stages],
-                   torch.full((batch, w), -1, dtype=torch.long, device=device),
-                   torch.zeros(batch, dtype=torch.long, device=device))
+        return cls(
+            [torch.zeros(batch, w, hd, device=device) for _ in draft.stages],
+            torch.full((batch, w), -1, dtype=torch.long, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+        )
 
     def append(self, draft: DSpark, taps: torch.Tensor) -> None:
         """Add the target features of the next N positions of every row: taps [B, N, T·D], rows accepted by

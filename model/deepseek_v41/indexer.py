@@ -47,8 +47,9 @@ class Indexer(nn.Module):
         """Index keys from the pre-RoPE compressed latent: [B, G, hd] → FP4-rounded [B, G, di]."""
         return fake_quant_indexer(apply_rope(self.k_norm(self.wk(latent)), angles))
 
-    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
-               keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         """Entry scores for every query.
 
         x [B, S, D] attention input; q_latent [B, S, q_lora]; angles [B, S, P] at the query positions;
@@ -61,8 +62,9 @@ class Indexer(nn.Module):
         # In place: wq_b's output is this call's own tensor (``apply_rope_`` writes apply_rope's bits).
         return apply_rope_(self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)), angles)
 
-    def scores_quantized(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor,
-                         visible: torch.Tensor) -> torch.Tensor:
+    def scores_quantized(
+        self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         """``scores`` from FP4-rounded queries q [B, S, Hi, di]; the other arguments as there."""
         w = self.weights_proj(x) * self.weight_scale  # [B, S, Hi]
         s = torch.einsum("bshd,btd->bsht", q, keys)  # [B, S, Hi, W]

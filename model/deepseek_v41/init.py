@@ -74,8 +74,9 @@ ROWS_PER_BAND = 1 << 20
 the fp32 staging never exceeds ~1 GiB (a multiple of 32, so 32×32 FP8 blocks never straddle bands)."""
 
 
-def random_stored_on_device(cfg: ModelConfig, seed: int, device: torch.device | str,
-                            prefix: str | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def random_stored_on_device(
+    cfg: ModelConfig, seed: int, device: torch.device | str, prefix: str | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
     """The released tensors of ``cfg`` drawn directly on ``device``, one table entry at a time
     (each dict is one weight and its scale), for models too large for host memory (v41-s1).
 
@@ -100,8 +101,9 @@ def random_stored_on_device(cfg: ModelConfig, seed: int, device: torch.device | 
         yield out
 
 
-def write_random_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int,
-                            tokenizer: Tokenizer | None = None) -> Path:
+def write_random_checkpoint(
+    out_dir: str | Path, cfg: ModelConfig, seed: int, tokenizer: Tokenizer | None = None
+) -> Path:
     """Write a random checkpoint directory. ``tokenizer`` None means the real V4.1 vocabulary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,12 +118,17 @@ def checkpoint_parts(cfg: ModelConfig) -> list[tuple[str, ...]]:
     the DSpark draft and the vision tower, each when the config has one (the table's order)."""
     draft = [("mtp.",)] if cfg.num_nextn_predict_layers else []
     vision = [("vision.", "aligner.", "image_")] if cfg.vision is not None else []
-    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers)), *draft,
-            *vision]
+    return [("embed.", "norm.", "head."), *((f"layers.{i}.",) for i in range(cfg.num_hidden_layers)), *draft, *vision]
 
 
-def write_sharded_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
-                             tokenizer: Tokenizer | None = None, log=None) -> Path:
+def write_sharded_checkpoint(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    tokenizer: Tokenizer | None = None,
+    log=None,
+) -> Path:
     """Write a random checkpoint directory in the released sharded layout (``model-0000X-of-0000N.safetensors``
     plus ``model.safetensors.index.json``), one part per shard, drawn on ``device`` by
     ``random_stored_on_device`` (so it holds the same bytes as that build from ``seed``). Host memory
@@ -149,8 +156,14 @@ def write_sharded_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, d
     return out
 
 
-def init_preset(name: str, out_dir: str | Path, seed: int = 0, num_layers: int | None = None,
-                device: torch.device | str | None = None, log=None) -> Path:
+def init_preset(
+    name: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    num_layers: int | None = None,
+    device: torch.device | str | None = None,
+    log=None,
+) -> Path:
     """``shinkai model init``: a random checkpoint of a named preset, or of its first ``num_layers`` layers.
 
     ``tiny`` at full depth is written as one ``model.safetensors`` drawn on the CPU (``random_checkpoint``);
@@ -159,8 +172,9 @@ def init_preset(name: str, out_dir: str | Path, seed: int = 0, num_layers: int |
     cfg = preset(name)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_hidden_layers:
-            raise ValueError(f"--num-layers must be between 1 and {cfg.num_hidden_layers} for {name!r}, "
-                             f"got {num_layers}")
+            raise ValueError(
+                f"--num-layers must be between 1 and {cfg.num_hidden_layers} for {name!r}, got {num_layers}"
+            )
         cfg = first_layers(cfg, num_layers)
     elif name not in GPU_ONLY:
         return write_random_checkpoint(out_dir, cfg, seed)
@@ -170,8 +184,10 @@ def init_preset(name: str, out_dir: str | Path, seed: int = 0, num_layers: int |
     existing = next((p for p in [Path(out_dir), *Path(out_dir).absolute().parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     if need > free:
-        raise ValueError(f"preset {name!r} with {cfg.num_hidden_layers} layers is {need / 1e9:.1f} GB of weights but "
-                         f"{existing} has {free / 1e9:.1f} GB free; write fewer layers with --num-layers")
+        raise ValueError(
+            f"preset {name!r} with {cfg.num_hidden_layers} layers is {need / 1e9:.1f} GB of weights but "
+            f"{existing} has {free / 1e9:.1f} GB free; write fewer layers with --num-layers"
+        )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return write_sharded_checkpoint(out_dir, cfg, seed, device, log=log)
@@ -186,10 +202,13 @@ def first_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
     engram = [(i, rows) for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if i in keep]
     candidate = cfg.candidate_source_layer_id if cfg.candidate_source_layer_id in keep else None
     return dataclasses.replace(
-        cfg, num_hidden_layers=num_layers,
-        compress_ratios=tuple(cfg.ratio(i) for i in keep) + tuple(cfg.compress_ratios[cfg.num_hidden_layers:]),
+        cfg,
+        num_hidden_layers=num_layers,
+        compress_ratios=tuple(cfg.ratio(i) for i in keep) + tuple(cfg.compress_ratios[cfg.num_hidden_layers :]),
         kv_source_layer_ids=tuple(i for i in cfg.kv_source_layer_ids if i in keep),
         index_source_layer_ids=tuple(i for i in cfg.index_source_layer_ids if i in keep),
         candidate_source_layer_id=candidate,
-        engram_layer_ids=tuple(i for i, _ in engram), engram_num_embeddings=tuple(rows for _, rows in engram),
-        num_nextn_predict_layers=cfg.num_nextn_predict_layers if max(cfg.dspark_target_layer_ids) < num_layers else 0)
+        engram_layer_ids=tuple(i for i, _ in engram),
+        engram_num_embeddings=tuple(rows for _, rows in engram),
+        num_nextn_predict_layers=cfg.num_nextn_predict_layers if max(cfg.dspark_target_layer_ids) < num_layers else 0,
+    )

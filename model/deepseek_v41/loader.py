@@ -48,8 +48,9 @@ def check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             raise CheckpointError(f"tensor {name} has dtype {t.dtype}, expected {dtype}")
 
 
-def assign_weights(model: DeepseekV41, tensors: dict[str, torch.Tensor]
-                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def assign_weights(
+    model: DeepseekV41, tensors: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Copy checked released tensors into ``model`` (fp32); returns the quantised originals."""
     params = dict(model.named_parameters())
     quantized = {}
@@ -81,13 +82,14 @@ def load_image_encoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Im
     params = dict(encoder.named_parameters())
     with torch.no_grad():
         for spec in vision_specs(cfg):
-            (shape, dtype), = spec.stored().values()
+            ((shape, dtype),) = spec.stored().values()
             stored = tensors.get(spec.name)
             if stored is None:
                 raise CheckpointError(f"checkpoint is missing tensor {spec.name}")
             if tuple(stored.shape) != shape or stored.dtype != dtype:
-                raise CheckpointError(f"tensor {spec.name} is {list(stored.shape)} {stored.dtype}, expected "
-                                      f"{list(shape)} {dtype}")
+                raise CheckpointError(
+                    f"tensor {spec.name} is {list(stored.shape)} {stored.dtype}, expected {list(shape)} {dtype}"
+                )
             params[spec.target.removeprefix("encoder.")].copy_(stored.float())
     return encoder.eval()
 

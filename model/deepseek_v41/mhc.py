@@ -70,8 +70,9 @@ class HyperConnection(nn.Module):
         """Expand(y, h, mix) with this site's ``mix``."""
         return expand(y, h, mix)
 
-    def expand_mix_collapse(self, y: torch.Tensor, h: torch.Tensor, previous: Mix
-                            ) -> tuple[torch.Tensor, Mix, torch.Tensor]:
+    def expand_mix_collapse(
+        self, y: torch.Tensor, h: torch.Tensor, previous: Mix
+    ) -> tuple[torch.Tensor, Mix, torch.Tensor]:
         """The previous site's Expand(y, h, previous), then this site's ``mix_collapse`` of the new
         streams with the previous site's pre: (h', Mix(h'), Collapse(h', previous.pre))."""
         h = expand(y, h, previous)

@@ -43,8 +43,9 @@ class DeepseekV41(nn.Module):
     """The model. ``token_map``/``num_compressed`` (from the tokenizer) are needed iff Engram layers exist;
     ``encoder`` (images → span embeddings) exists iff ``cfg.vision`` does."""
 
-    def __init__(self, cfg: ModelConfig, token_map: Sequence[int] | torch.Tensor | None = None,
-                 num_compressed: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, token_map: Sequence[int] | torch.Tensor | None = None, num_compressed: int | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -59,8 +60,9 @@ class DeepseekV41(nn.Module):
         self.draft = DSpark(cfg) if cfg.num_nextn_predict_layers else None
         self.encoder = ImageEncoder(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
 
-    def embed_inputs(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
-                     image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def embed_inputs(
+        self, ids: torch.Tensor, image_rows: torch.Tensor | None = None, image: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids int [B, S] → (embeddings [B, S, D], image mask [B, S] bool or None when no position is an
         image position). ``image_rows`` [P, D]: the span embeddings of the P image positions, in row-major
         (b, s) order; exactly as many as there are. The image positions are ``image`` [B, S] bool when given
@@ -76,15 +78,21 @@ class DeepseekV41(nn.Module):
             return e, None
         return e.masked_scatter(image.unsqueeze(-1), image_rows.to(e.dtype)), image
 
-    def forward(self, ids: torch.Tensor, live: torch.Tensor | None = None,
-                image_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, live: torch.Tensor | None = None, image_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """ids int [B, S] → logits fp32 [B, S, vocab]. ``live`` [B, S] bool marks tokens Engram may read;
         ``image_rows`` [P, D] fill the image placeholders (``embed_inputs``), which are never live."""
         return self.forward_with_taps(ids, live, image_rows, with_taps=False)[0]
 
-    def forward_with_taps(self, ids: torch.Tensor, live: torch.Tensor | None = None,
-                          image_rows: torch.Tensor | None = None, *, with_taps: bool = True
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_taps(
+        self,
+        ids: torch.Tensor,
+        live: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
+        *,
+        with_taps: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids int [B, S] → (logits fp32 [B, S, vocab], the draft's target features fp32 [B, S, T·D] for
         the T = len(dspark_target_layer_ids) tapped layers, or None without ``with_taps``); ``live`` and
         ``image_rows`` as in ``forward``."""
@@ -102,7 +110,6 @@ class DeepseekV41(nn.Module):
         taps: list[torch.Tensor] = []
         tapped = set(self.cfg.dspark_target_layer_ids) if with_taps else set()
         for block in self.layers:
-            h, pre, state = block(h, pre, positions, state, rows, live, image,
-                                  taps if block.layer in tapped else None)
+            h, pre, state = block(h, pre, positions, state, rows, live, image, taps if block.layer in tapped else None)
         y = self.norm(collapse(h, pre))  # [B, S, D]
         return F.linear(y.float(), self.head.weight.float()), torch.cat(taps, dim=-1) if taps else None

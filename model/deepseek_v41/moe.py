@@ -54,8 +54,9 @@ class MoE(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
         return weights, experts
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
-                image: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor | None = None, image: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert;
         ``image`` [B, S] bool marks image-span tokens (None: none)."""
         shape = x.shape

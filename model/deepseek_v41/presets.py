@@ -23,8 +23,14 @@ from model.deepseek_v41.vision_config import VisionConfig
 
 # Small enough for CPU tests: a 64-token span budget is at most 7 × 7 image tokens (21 × 21 patches),
 # and images below 42 × 42 pixels (one image token) are scaled up to it.
-TINY_VISION = VisionConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
-                           max_image_tokens=64, min_pixels=42 * 42)
+TINY_VISION = VisionConfig(
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=2,
+    intermediate_size=48,
+    max_image_tokens=64,
+    min_pixels=42 * 42,
+)
 
 TINY = ModelConfig(
     vocab_size=129280,

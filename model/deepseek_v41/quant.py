@@ -111,8 +111,10 @@ def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     tables = _E2M1_TABLES.get(device)
     if tables is None:
         values = _E2M1_MAGNITUDES + tuple(-m for m in _E2M1_MAGNITUDES)  # code 8 is −0.0
-        tables = (torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=device),
-                  torch.tensor(values, dtype=torch.float32, device=device))
+        tables = (
+            torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
         _E2M1_TABLES[device] = tables
     return tables
 
@@ -202,9 +204,7 @@ def fake_quant_fp8_e4m3(x: torch.Tensor, block: int = FP8_CACHE_BLOCK) -> torch.
     return dequantize_fp8_cache(*quantize_fp8_cache(x, block), block).to(x.dtype)
 
 
-def quantize_fp4_cache(
-    x: torch.Tensor, block: int, scale_format: ScaleFormat
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp4_cache(x: torch.Tensor, block: int, scale_format: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4 cache bytes: ``x`` [..., C] (C even) → (packed uint8 [..., C/2], scales [..., ceil(C/block)]).
 
     Scales are float8_e8m0fnu (indexer, block 32) or float8_e4m3fn (compressed KV, block 16).
@@ -379,11 +379,35 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, *, rowwise: boo
 
 
 __all__ = [
-    "COMPRESSED_KV_BLOCK", "FP4_E2M1_MAX", "FP8_CACHE_BLOCK", "FP8_E4M3_MAX", "INDEXER_BLOCK", "WEIGHT_BLOCK",
-    "decode_e2m1", "dequantize_fp4_cache", "dequantize_fp8_block", "dequantize_fp8_cache",
-    "dequantize_fp8_rowwise", "dequantize_mxfp4", "dequantize_weight", "e8m0_from_pow2", "e8m0_to_float",
-    "encode_e2m1", "fake_quant_compressed_kv", "fake_quant_fp4_e2m1", "fake_quant_fp8_e4m3",
-    "fake_quant_indexer", "pack_fp4", "pow2_ceil",
-    "quantize_fp4_cache", "quantize_fp8_block", "quantize_fp8_cache", "quantize_fp8_rowwise",
-    "quantize_mxfp4", "quantize_weight", "scale_key", "unpack_fp4", "weight_format",
+    "COMPRESSED_KV_BLOCK",
+    "FP4_E2M1_MAX",
+    "FP8_CACHE_BLOCK",
+    "FP8_E4M3_MAX",
+    "INDEXER_BLOCK",
+    "WEIGHT_BLOCK",
+    "decode_e2m1",
+    "dequantize_fp4_cache",
+    "dequantize_fp8_block",
+    "dequantize_fp8_cache",
+    "dequantize_fp8_rowwise",
+    "dequantize_mxfp4",
+    "dequantize_weight",
+    "e8m0_from_pow2",
+    "e8m0_to_float",
+    "encode_e2m1",
+    "fake_quant_compressed_kv",
+    "fake_quant_fp4_e2m1",
+    "fake_quant_fp8_e4m3",
+    "fake_quant_indexer",
+    "pack_fp4",
+    "pow2_ceil",
+    "quantize_fp4_cache",
+    "quantize_fp8_block",
+    "quantize_fp8_cache",
+    "quantize_fp8_rowwise",
+    "quantize_mxfp4",
+    "quantize_weight",
+    "scale_key",
+    "unpack_fp4",
+    "weight_format",
 ]

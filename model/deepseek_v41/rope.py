@@ -23,10 +23,18 @@ def rope_frequencies(cfg: ModelConfig, *, compressed: bool) -> torch.Tensor:
         return freqs
     y = cfg.rope_scaling
     # YaRN ramp bounds: the pair indices whose wavelength crosses beta_fast / beta_slow turns.
-    low = max(math.floor(dim * math.log(y.original_max_position_embeddings / (y.beta_fast * 2 * math.pi))
-                         / (2 * math.log(theta))), 0)
-    high = min(math.ceil(dim * math.log(y.original_max_position_embeddings / (y.beta_slow * 2 * math.pi))
-                         / (2 * math.log(theta))), dim - 1)
+    low = max(
+        math.floor(
+            dim * math.log(y.original_max_position_embeddings / (y.beta_fast * 2 * math.pi)) / (2 * math.log(theta))
+        ),
+        0,
+    )
+    high = min(
+        math.ceil(
+            dim * math.log(y.original_max_position_embeddings / (y.beta_slow * 2 * math.pi)) / (2 * math.log(theta))
+        ),
+        dim - 1,
+    )
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     return freqs / y.factor * ramp + freqs * (1 - ramp)
 
@@ -74,8 +82,7 @@ def apply_rope_(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 def _views_as_complex(pairs: torch.Tensor) -> bool:
     """Whether ``torch.view_as_complex`` accepts pairs [..., P, 2] as it is: the pair's two floats adjacent,
     and every other stride and the storage offset even (whole complex elements)."""
-    return (pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0
-            and all(s % 2 == 0 for s in pairs.stride()[:-1]))
+    return pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in pairs.stride()[:-1])
 
 
 def _turns(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> torch.Tensor:

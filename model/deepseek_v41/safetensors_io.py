@@ -41,8 +41,21 @@ class CheckpointError(ValueError):
     """A checkpoint file or directory cannot be read; the message names the path and the problem."""
 
 
-_ITEM_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "BF16": 2, "F16": 2,
-               "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
+_ITEM_BYTES = {
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "BF16": 2,
+    "F16": 2,
+    "I16": 2,
+    "F32": 4,
+    "I32": 4,
+    "F64": 8,
+    "I64": 8,
+}
 
 
 def _bad_tensor(path: Path) -> str | None:
@@ -70,7 +83,9 @@ def _bad_tensor(path: Path) -> str | None:
         except (KeyError, TypeError, ValueError):
             return f"tensor {name}: malformed header entry"
         if end - begin != expected:
-            return f"tensor {name}: offsets [{begin}, {end}) hold {end - begin} bytes, its shape and dtype need {expected}"
+            return (
+                f"tensor {name}: offsets [{begin}, {end}) hold {end - begin} bytes, its shape and dtype need {expected}"
+            )
         if end > data_bytes:
             return f"tensor {name}: offsets [{begin}, {end}) run past the {data_bytes} data bytes in the file"
     return None
@@ -171,7 +186,9 @@ def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, Path]:
             found[name] = shard
     absent = sorted(set(expected) - set(found))
     if absent:
-        raise CheckpointError(f"{p / INDEX_FILE}: tensor {absent[0]!r} is missing from shard {expected[absent[0]].name}")
+        raise CheckpointError(
+            f"{p / INDEX_FILE}: tensor {absent[0]!r} is missing from shard {expected[absent[0]].name}"
+        )
     return found
 
 
@@ -218,7 +235,10 @@ def write_safetensors(
 
 
 def write_checkpoint(
-    tensors: Mapping[str, torch.Tensor], out_dir: str | os.PathLike[str], *, max_shard_bytes: int | None = None,
+    tensors: Mapping[str, torch.Tensor],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int | None = None,
     metadata: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when the tensors

@@ -113,7 +113,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 
 
 def tokenizer_config(
-    *, bos_token: str = BOS_TOKEN, eos_token: str = EOS_TOKEN, pad_token: str | None = EOS_TOKEN,
+    *,
+    bos_token: str = BOS_TOKEN,
+    eos_token: str = EOS_TOKEN,
+    pad_token: str | None = EOS_TOKEN,
     model_max_length: int = MODEL_MAX_LENGTH,
 ) -> dict:
     """``tokenizer_config.json`` that transformers' ``AutoTokenizer``/NeMo load as a fast tokenizer.

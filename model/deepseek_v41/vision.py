@@ -51,8 +51,9 @@ def span_kinds(rows: int, cols: int) -> list[int]:
     return [IMAGE_START] + ([IMAGE] * cols + [IMAGE_NEWLINE]) * rows + [IMAGE_END]
 
 
-def rope_2d(grid: tuple[int, int], head_dim: int, theta: float, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_2d(
+    grid: tuple[int, int], head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin fp32 [h·w, 1, head_dim/2]: the first head_dim/4 angles from the patch row, the rest from its column."""
     h, w = grid
     half = head_dim // 2
@@ -77,8 +78,7 @@ class VisionAttention(nn.Module):
         self.wqkv = nn.Linear(vcfg.hidden_size, 3 * vcfg.hidden_size)
         self.wo = nn.Linear(vcfg.hidden_size, vcfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, images: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, images: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x [N, W] (all images' patches) → [N, W]; ``images``: (first patch, patches, cos, sin) per image."""
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)  # [N, 3, H, hd]
         out = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=x.dtype, device=x.device)
@@ -111,8 +111,7 @@ class VisionBlock(nn.Module):
         self.norm2 = RMSNorm(vcfg.hidden_size, VISION_NORM_EPS)
         self.mlp = VisionMLP(vcfg)
 
-    def forward(self, x: torch.Tensor, images: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, images: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), images)
         return x + self.mlp(self.norm2(x))
 

@@ -32,8 +32,16 @@ class VisionConfig:
     image_token_id: int = IMAGE_TOKEN_ID  # the placeholder every image-span position carries
 
     def __post_init__(self) -> None:
-        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "patch_size",
-                     "downsample_ratio", "max_image_tokens", "min_pixels"):
+        for name in (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "intermediate_size",
+            "patch_size",
+            "downsample_ratio",
+            "max_image_tokens",
+            "min_pixels",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"vision {name} must be a positive integer, got {value!r}")
@@ -69,5 +77,4 @@ def vision_to_hf(vision: VisionConfig | None) -> dict[str, Any]:
     """``vision_config`` and ``image_token_id`` entries of the composite config dict."""
     if vision is None:
         return {"vision_config": {"num_hidden_layers": 0}}
-    return {"vision_config": {name: getattr(vision, name) for name in _FIELDS},
-            "image_token_id": vision.image_token_id}
+    return {"vision_config": {name: getattr(vision, name) for name in _FIELDS}, "image_token_id": vision.image_token_id}

@@ -40,14 +40,26 @@ def ptxas_report(ptx: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        proc = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                              capture_output=True, text=True)
-    return "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
-                     if re.search(r"registers|spill|error|smem|stack", line))
+        proc = subprocess.run(
+            [_ptxas(), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    return "\n".join(
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if re.search(r"registers|spill|error|smem|stack", line)
+    )
 
 
-def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
-                 num_stages: int = 3, divisible: tuple[str, ...] | None = None):
+def compile_sm90(
+    fn,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    num_warps: int = 4,
+    num_stages: int = 3,
+    divisible: tuple[str, ...] | None = None,
+):
     """``divisible``: the arguments a launch specialises as multiples of 16 (pointers of 16-byte-aligned
     tensors, ints divisible by 16); None: every pointer, as a launch on torch's allocations does. Without
     it the compiler cannot vectorise loads (byte loads of e4m3 tiles, more registers)."""
@@ -57,8 +69,9 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], n
     if divisible is None:
         divisible = tuple(k for k, v in signature.items() if v.startswith("*"))
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
+    src = ASTSource(
+        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
     kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     return kernel, ptxas_report(kernel.asm["ptx"])
 
@@ -70,7 +83,9 @@ def _pairs(text: str) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     module, name = argv[0].split(":")
     fn = getattr(importlib.import_module(module), name)
-    consts = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in _pairs(argv[2] if len(argv) > 2 else "").items()}
+    consts = {
+        k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in _pairs(argv[2] if len(argv) > 2 else "").items()
+    }
     opts = {k: int(v) for k, v in (a.split("=") for a in argv[3:])}
     kernel, report = compile_sm90(fn, _pairs(argv[1]), consts, **opts)
     print(f"{name}: compiled for sm_90a, shared {kernel.metadata.shared} bytes")

@@ -33,8 +33,10 @@ REFERENCE_SHA256 = "25b37ccd83aef2369c68f2b4bb596608a4f289956d97d9a3504bfd315945
 OUTPUT = ROOT / "tests/services/eplb/data/deepseek_golden.json"
 
 # The reference README's worked example: 2 layers × 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
-README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
 
 # (experts, GPUs, redundant, groups, nodes) of the seeded hierarchical cases.
 HIERARCHICAL_SHAPES = ((64, 8, 16, 8, 2), (256, 64, 64, 8, 8))
@@ -62,29 +64,54 @@ def main() -> int:
     reference = _load_reference(args.reference)
 
     def run(weight, num_slots, num_groups, num_nodes, num_gpus):
-        phy2log, _, _ = reference.rebalance_experts(torch.tensor([weight]), num_slots, num_groups, num_nodes,
-                                                    num_gpus)
+        phy2log, _, _ = reference.rebalance_experts(torch.tensor([weight]), num_slots, num_groups, num_nodes, num_gpus)
         return phy2log[0].tolist()
 
     out = []
     for layer, weight in enumerate(README_WEIGHT):
-        out.append({"name": f"readme/{layer}", "weight": weight, "num_gpus": 8, "num_slots": 16,
-                    "num_groups": 4, "num_nodes": 2, "phy2log": run(weight, 16, 4, 2, 8)})
+        out.append(
+            {
+                "name": f"readme/{layer}",
+                "weight": weight,
+                "num_gpus": 8,
+                "num_slots": 16,
+                "num_groups": 4,
+                "num_nodes": 2,
+                "phy2log": run(weight, 16, 4, 2, 8),
+            }
+        )
     seeded = [(c, 1, 1) for c in cases(PER_SHAPE)]
     for e, g, r, groups, nodes in HIERARCHICAL_SHAPES:
         seeded += [(c, groups, nodes) for c in cases(PER_HIERARCHICAL_SHAPE, ((e, g, r),))]
     for case, groups, nodes in seeded:
         summed = case.window().sum(axis=0)
         num_slots = num_slots_for(case.num_experts, case.num_gpus, case.num_redundant)
-        out.append({"name": case.name, "case": [case.num_experts, case.num_gpus, case.num_redundant, case.kind,
-                                                case.seed],
-                    "load_sha256": load_digest(summed), "num_gpus": case.num_gpus, "num_slots": num_slots,
-                    "num_groups": groups, "num_nodes": nodes,
-                    "phy2log": run(summed.tolist(), num_slots, groups, nodes, case.num_gpus)})
+        out.append(
+            {
+                "name": case.name,
+                "case": [case.num_experts, case.num_gpus, case.num_redundant, case.kind, case.seed],
+                "load_sha256": load_digest(summed),
+                "num_gpus": case.num_gpus,
+                "num_slots": num_slots,
+                "num_groups": groups,
+                "num_nodes": nodes,
+                "phy2log": run(summed.tolist(), num_slots, groups, nodes, case.num_gpus),
+            }
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"repo": REFERENCE_REPO, "commit": REFERENCE_COMMIT,
-                                       "sha256": REFERENCE_SHA256, "torch": torch.__version__,
-                                       "cases": out}, separators=(",", ":")) + "\n")
+    args.output.write_text(
+        json.dumps(
+            {
+                "repo": REFERENCE_REPO,
+                "commit": REFERENCE_COMMIT,
+                "sha256": REFERENCE_SHA256,
+                "torch": torch.__version__,
+                "cases": out,
+            },
+            separators=(",", ":"),
+        )
+        + "\n"
+    )
     print(f"wrote {len(out)} cases to {args.output}")
     return 0
 

@@ -41,19 +41,47 @@ if args.offline:
     from scripts.dev.compile_sm90 import TARGET, ptxas_report
 
     fn = da._decode_attention_kernel
-    sig = dict(q_ptr="*bf16", ring_ptr="*u8", slots_ptr="*i64", pos_ptr="*i64", pool_ptr="*u8", sel_ptr="*i32",
-               sink_ptr="*fp32", freqs_ptr="*fp32", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
-               **{name: "i32" for name in fn.arg_names[11:23]}, scale_log2e="fp32")
+    sig = dict(
+        q_ptr="*bf16",
+        ring_ptr="*u8",
+        slots_ptr="*i64",
+        pos_ptr="*i64",
+        pool_ptr="*u8",
+        sel_ptr="*i32",
+        sink_ptr="*fp32",
+        freqs_ptr="*fp32",
+        out_ptr="*bf16",
+        part_acc_ptr="*fp32",
+        part_ml_ptr="*fp32",
+        **{name: "i32" for name in fn.arg_names[11:23]},
+        scale_log2e="fp32",
+    )
     # Flash: every pointer and stride but the state slot's (2,916,132 B) and the ring size (134) is 16-divisible.
     div16 = [name for name in sig if name not in ("ring_stride_slot", "ring_size", "scale_log2e")]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     # (KEYS, BLOCK_N, SPLITS, BLOCKS_PER_SPLIT): whole rows, R = 8 (10 splits), R = 1 (one block each).
     for keys, block_n, splits, per_split in ((0, 64, 1, 10), (1, 32, 10, 2), (2, 32, 10, 2), (3, 32, 20, 1)):
-        consts = dict(WINDOW=128, TOPK=512, D=512, ROPE_PAIRS=32, BLOCK_H=64, BLOCK_N=block_n, SPLITS=splits,
-                      BLOCKS_PER_SPLIT=per_split, KEYS=keys, RING_ALIGN=4, NUM_STAGES=3, DOT_FP32=False,
-                      LIBDEVICE=True)
-        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
-                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        consts = dict(
+            WINDOW=128,
+            TOPK=512,
+            D=512,
+            ROPE_PAIRS=32,
+            BLOCK_H=64,
+            BLOCK_N=block_n,
+            SPLITS=splits,
+            BLOCKS_PER_SPLIT=per_split,
+            KEYS=keys,
+            RING_ALIGN=4,
+            NUM_STAGES=3,
+            DOT_FP32=False,
+            LIBDEVICE=True,
+        )
+        src = ASTSource(
+            fn=fn,
+            signature={**sig, **{k: "constexpr" for k in consts}},
+            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+            attrs=attrs,
+        )
         kernel = triton.compile(src, target=TARGET, options={"num_warps": 8, "num_stages": 3})
         print(f"KEYS={keys} BLOCK_N={block_n} SPLITS={splits}: shared {kernel.metadata.shared} B")
         print(ptxas_report(kernel.asm["ptx"]))
@@ -61,6 +89,7 @@ if args.offline:
 
 compiled = []
 for fn in (da._decode_attention_kernel, da._combine_kernel):
+
     def _record(*a, _run=fn.run, **kw):
         kernel = _run(*a, **kw)
         compiled.append(kernel)
@@ -87,8 +116,11 @@ if args.time:
             flops = 4.0 * rows * heads * hd * (window + topk)
             floor = max(nbytes / args.bandwidth, flops / args.bf16_peak)
             t = _bench_replay(lambda a=a, out=out: da.sparse_decode_attention(*a, out=out))
-            print(f"R={rows} ctx={context}: {t * 1e6:.1f} us, roofline {floor * 1e6:.1f} us, "
-                  f"{100 * floor / t:.1f}% of roofline", flush=True)
+            print(
+                f"R={rows} ctx={context}: {t * 1e6:.1f} us, roofline {floor * 1e6:.1f} us, "
+                f"{100 * floor / t:.1f}% of roofline",
+                flush=True,
+            )
             if context != 32768 or rows == 1:
                 continue
             variants = [dict(block_n=64, num_stages=2), dict(block_n=32, num_stages=3), dict(block_n=32, num_stages=4)]

@@ -28,8 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from scripts.diagnostics.count_step_ops import OpCounter, _site, print_tables  # noqa: E402
 
 READ_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
-DATA_SIZED = frozenset({"aten::nonzero", "aten::masked_select", "aten::nonzero_static", "aten::unique_consecutive",
-                        "aten::_unique2", "aten::repeat_interleave"})
+DATA_SIZED = frozenset(
+    {
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::nonzero_static",
+        "aten::unique_consecutive",
+        "aten::_unique2",
+        "aten::repeat_interleave",
+    }
+)
 
 
 class ReadCounter(OpCounter):
@@ -47,7 +55,9 @@ class ReadCounter(OpCounter):
             indices = args[1] if name == "aten::index" and len(args) > 1 else ()
             boolean_index = any(i is not None and i.dtype == torch.bool for i in indices)
             if name in DATA_SIZED or boolean_index:
-                self.reads[name + (" (bool mask)" if boolean_index else ""), _site(traceback.extract_stack(limit=40))] += 1
+                self.reads[
+                    name + (" (bool mask)" if boolean_index else ""), _site(traceback.extract_stack(limit=40))
+                ] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def mark_host_reads(self) -> None:
@@ -88,25 +98,43 @@ def main() -> int:
     prompts = [int(n) for n in args.prompts.split(",")]
     budget, cfg = sum(prompts), case(args.case).model.cfg
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
-    config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=2 * len(prompts) + 1,
-                          max_num_seqs=2 * len(prompts), max_num_batched_tokens=budget,
-                          max_model_len=max(prompts) + 8).worker_config()
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=64,
+        num_state_slots=2 * len(prompts) + 1,
+        max_num_seqs=2 * len(prompts),
+        max_num_batched_tokens=budget,
+        max_model_len=max(prompts) + 8,
+    ).worker_config()
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=2 * len(prompts) + 1,
-                                      max_num_seqs=2 * len(prompts), max_num_batched_tokens=budget,
-                                      max_model_len=max(prompts) + 8, window_size=cfg.sliding_window,
-                                      compress_ratios=ratios))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=64,
+            num_state_slots=2 * len(prompts) + 1,
+            max_num_seqs=2 * len(prompts),
+            max_num_batched_tokens=budget,
+            max_model_len=max(prompts) + 8,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios,
+        )
+    )
     gen = torch.Generator().manual_seed(0)
     for warm in (True, False):  # the same plan shape twice: the second is counted
         for i, n in enumerate(prompts):
-            sched.add_request(f"{'w' if warm else 'r'}{i}", torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist(),
-                              max_tokens=1, ignore_eos=True)
+            sched.add_request(
+                f"{'w' if warm else 'r'}{i}",
+                torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist(),
+                max_tokens=1,
+                ignore_eos=True,
+            )
     counter = ReadCounter()
     counter.mark_triton_launches()
     counter.mark_host_reads()
     with interpreter():
-        runner = ModelRunner(copy.deepcopy(case(args.case).model), config, backend="kernels",
-                             precision=args.precision, kernels=kernels)
+        runner = ModelRunner(
+            copy.deepcopy(case(args.case).model), config, backend="kernels", precision=args.precision, kernels=kernels
+        )
         for warm in (True, False):
             plan = sched.schedule()
             assert plan.is_prefill and plan.seqlens_q.tolist() == prompts, plan.seqlens_q.tolist()
@@ -118,10 +146,12 @@ def main() -> int:
     ops, triton, reads = counter.ops, counter.triton, counter.reads
     layers = cfg.num_hidden_layers
     num_ops, num_triton, num_reads = sum(ops.values()), sum(triton.values()), sum(reads.values())
-    print(f"case {args.case} ({layers} layers), prefill {prompts} tokens, kernel backend {args.precision}: "
-          f"{num_ops} torch ops + {num_triton} Triton launches = {num_ops + num_triton} launches, "
-          f"{num_reads} host reads per step ({(num_ops + num_triton) / layers:.1f} launches and "
-          f"{num_reads / layers:.1f} reads per layer)")
+    print(
+        f"case {args.case} ({layers} layers), prefill {prompts} tokens, kernel backend {args.precision}: "
+        f"{num_ops} torch ops + {num_triton} Triton launches = {num_ops + num_triton} launches, "
+        f"{num_reads} host reads per step ({(num_ops + num_triton) / layers:.1f} launches and "
+        f"{num_reads / layers:.1f} reads per layer)"
+    )
     print("\n| host read | site | per step |\n|---|---|---|")
     for (kind, site), n in reads.most_common(args.top):
         print(f"| {kind} | {site} | {n} |")

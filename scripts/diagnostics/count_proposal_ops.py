@@ -62,7 +62,7 @@ def main() -> int:
     greedy = SamplingRow(0.0, -1, 1.0, 0, 0, None, (), 0, None, ())
     host = HostInputs.pack([greedy], [11], [args.anchor_position], [1], NEXTN, cfg.vocab_size, args.spec_sampling)
     static = StaticDraftProposal(model, cache, ProposalKey.of(host), NEXTN, args.spec_sampling)
-    with torch.no_grad(), (interpreter() if kernels is not None else _null()):
+    with torch.no_grad(), interpreter() if kernels is not None else _null():
         static.fill(host)
         static.run()  # warm: first-use work is not a replay's
         static.fill(host)
@@ -70,9 +70,11 @@ def main() -> int:
             proposal = static.run()
     ops, triton = counter.ops, counter.triton
     num_ops, num_triton = sum(ops.values()), sum(triton.values())
-    print(f"{args.model} ({len(model.draft.stages)} draft stages), backend {args.backend}"
-          f"{' ' + args.precision if kernels is not None else ''}, {NEXTN} drafts {proposal.drafts.tolist()}: "
-          f"{num_ops} torch ops + {num_triton} Triton launches = {num_ops + num_triton} launches per proposal")
+    print(
+        f"{args.model} ({len(model.draft.stages)} draft stages), backend {args.backend}"
+        f"{' ' + args.precision if kernels is not None else ''}, {NEXTN} drafts {proposal.drafts.tolist()}: "
+        f"{num_ops} torch ops + {num_triton} Triton launches = {num_ops + num_triton} launches per proposal"
+    )
     print_tables(ops, triton, args.top)
     return 0
 

@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # Aten ops that launch nothing on CUDA: views, metadata and allocations.
-NO_LAUNCH = frozenset("""
+NO_LAUNCH = frozenset(
+    """
 aten::view aten::_unsafe_view aten::unsqueeze aten::squeeze aten::expand aten::slice aten::select aten::as_strided
 aten::t aten::transpose aten::permute aten::view_as_complex aten::view_as_real aten::unflatten aten::flatten
 aten::reshape aten::_reshape_alias aten::alias aten::detach aten::detach_ aten::lift_fresh aten::empty
@@ -40,7 +41,8 @@ aten::_has_compatible_shallow_copy_type aten::set_ aten::numpy_T aten::movedim a
 aten::_unsafe_split aten::split_with_sizes aten::expand_as aten::view_as aten::contiguous aten::to
 aten::type_as aten::broadcast_tensors aten::_nested_tensor_from_mask_left_aligned aten::item
 aten::_local_scalar_dense aten::is_same_size aten::dim aten::size aten::stride
-""".split())
+""".split()
+)
 ROOTS = ("model/", "services/", "kernels/")  # the repository's code: where an op is attributed
 
 
@@ -51,7 +53,7 @@ def _site(stack: traceback.StackSummary) -> str:
         for root in ROOTS:
             at = name.rfind("/" + root)
             if at >= 0 and "/site-packages/" not in name and "/tests/" not in name:
-                return f"{name[at + 1:]}:{frame.lineno} {frame.name}"
+                return f"{name[at + 1 :]}:{frame.lineno} {frame.name}"
     return "?"
 
 
@@ -124,14 +126,23 @@ def main() -> int:
     plan, torch_runner = _decode_plan(args.case)
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
     model = copy.deepcopy(case(args.case).model)
-    config = EngineConfig(block_size=BLOCK, num_blocks=torch_runner.cache.blocks.shape[0],
-                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8,
-                          max_model_len=MAX_LEN).worker_config()
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=torch_runner.cache.blocks.shape[0],
+        num_state_slots=torch_runner.cache.slots.shape[0],
+        max_num_seqs=8,
+        max_model_len=MAX_LEN,
+    ).worker_config()
     backend = "kernels" if args.backend == "kernels" else None
-    with interpreter(), (batch_invariant() if args.invariant else _null()):
+    with interpreter(), batch_invariant() if args.invariant else _null():
         runner = ModelRunner(model, config, backend=backend, kernels=kernels if backend else None)
-        static = DecodeStepGraphs(runner, config, use_graphs=False, attention=args.attention,
-                             kernels=kernels if args.attention == "triton" else None)
+        static = DecodeStepGraphs(
+            runner,
+            config,
+            use_graphs=False,
+            attention=args.attention,
+            kernels=kernels if args.attention == "triton" else None,
+        )
         runner.cache.blocks.copy_(torch_runner.cache.blocks)
         runner.cache.slots.copy_(torch_runner.cache.slots)
         step = static.step(plan.graph_size)
@@ -144,9 +155,11 @@ def main() -> int:
             step.run()
     ops, triton = counter.ops, counter.triton
     layers = model.cfg.num_hidden_layers
-    print(f"case {args.case} ({layers} layers), backend {args.backend}, attention {args.attention}, "
-          f"graph size {plan.graph_size}: {sum(ops.values())} torch ops + {sum(triton.values())} Triton launches "
-          f"= {sum(ops.values()) + sum(triton.values())} launches per step")
+    print(
+        f"case {args.case} ({layers} layers), backend {args.backend}, attention {args.attention}, "
+        f"graph size {plan.graph_size}: {sum(ops.values())} torch ops + {sum(triton.values())} Triton launches "
+        f"= {sum(ops.values()) + sum(triton.values())} launches per step"
+    )
     print_tables(ops, triton, args.top)
     return 0
 
@@ -169,7 +182,6 @@ def print_tables(ops: collections.Counter, triton: collections.Counter, top: int
     print("\n| function (every op and line in it) | torch ops |\n|---|---|")
     for function, n in _by_function(ops).most_common(top):
         print(f"| {function} | {n} |")
-
 
 
 def _by_function(by_site: collections.Counter) -> collections.Counter:

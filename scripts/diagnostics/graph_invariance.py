@@ -22,8 +22,17 @@ def main() -> int:
     from services.worker.runners.decode_step_graphs import DecodeStepGraphs
     from services.worker.runners.model_runner import ModelRunner
 
-    args = dict(model="tiny", device="cuda", block_size=16, max_num_batched_tokens=48, max_num_seqs=16,
-                num_blocks=256, num_state_slots=17, max_model_len=256, batch_invariant=True)
+    args = dict(
+        model="tiny",
+        device="cuda",
+        block_size=16,
+        max_num_batched_tokens=48,
+        max_num_seqs=16,
+        num_blocks=256,
+        num_state_slots=17,
+        max_model_len=256,
+        batch_invariant=True,
+    )
     base = LLM(**args)
     config = base.config
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
@@ -31,17 +40,21 @@ def main() -> int:
     model = base.source.model
 
     def graphs(use_graphs: bool):
-        runner = DecodeStepGraphs(ModelRunner(model, worker_config), worker_config, use_graphs=use_graphs,
-                             attention="triton")
+        runner = DecodeStepGraphs(
+            ModelRunner(model, worker_config), worker_config, use_graphs=use_graphs, attention="triton"
+        )
         if use_graphs:
             runner.capture(graph_sizes(config.max_num_seqs))
         return runner
 
     runners = {"graphs": graphs(True), "static_eager": graphs(False), "eager_step": ModelRunner(model, worker_config)}
-    prompts = [torch.randint(3, 120_000, (5 + 7 * k,), generator=torch.Generator().manual_seed(k)).tolist()
-               for k in range(16)]
-    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k, ignore_eos=True)
-              for k in range(16)]
+    prompts = [
+        torch.randint(3, 120_000, (5 + 7 * k,), generator=torch.Generator().manual_seed(k)).tolist() for k in range(16)
+    ]
+    params = [
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k, ignore_eos=True)
+        for k in range(16)
+    ]
     answers = {}
     for name, runner in runners.items():
         outs = LLM(source=base.source, runner=runner, **{**fields, "cuda_graphs": False}).generate(prompts, params)
@@ -54,8 +67,10 @@ def main() -> int:
                 return {"prompt": k, "position": i, "logprob": None if i is None else [x[1][i], y[1][i]]}
         return None
 
-    result = {f"{a} vs {b}": first(answers[a], answers[b])
-              for a, b in (("graphs", "static_eager"), ("static_eager", "eager_step"), ("graphs", "eager_step"))}
+    result = {
+        f"{a} vs {b}": first(answers[a], answers[b])
+        for a, b in (("graphs", "static_eager"), ("static_eager", "eager_step"), ("graphs", "eager_step"))
+    }
     print(json.dumps(result), flush=True)
     return 0
 

@@ -34,9 +34,34 @@ from services.worker.spec.static_draft_proposal import StaticDraftProposal
 from services.worker.spec.static_verify import StaticVerify
 from services.worker.worker import Worker
 
-VIEWS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "t", "permute", "expand", "detach",
-         "alias", "lift_fresh", "as_strided", "transpose", "split", "unbind", "_reshape_alias", "split_with_sizes",
-         "chunk", "unflatten", "reshape", "flatten", "narrow", "diagonal", "real", "empty"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "select",
+    "slice",
+    "unsqueeze",
+    "squeeze",
+    "t",
+    "permute",
+    "expand",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "as_strided",
+    "transpose",
+    "split",
+    "unbind",
+    "_reshape_alias",
+    "split_with_sizes",
+    "chunk",
+    "unflatten",
+    "reshape",
+    "flatten",
+    "narrow",
+    "diagonal",
+    "real",
+    "empty",
+}
 """Ops that make no kernel launch (views, metadata, uninitialised allocation)."""
 GRAPHS = ("graph: decode step", "graph: draft proposal", "graph: verify")
 
@@ -79,22 +104,37 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--eager-verify", action="store_true", help="the verify half eagerly (no static verify)")
-    p.add_argument("--spec-sampling", choices=("forced", "rejection", "deterministic"), default="forced",
-                   help="forced: the benchmark's acceptance (--acceptance); else that verifier with the draft's own "
-                        "drafts (greedy rows)")
+    p.add_argument(
+        "--spec-sampling",
+        choices=("forced", "rejection", "deterministic"),
+        default="forced",
+        help="forced: the benchmark's acceptance (--acceptance); else that verifier with the draft's own "
+        "drafts (greedy rows)",
+    )
     p.add_argument("--op-names", action="store_true", help="also list each phase's ops by name")
     args = p.parse_args()
     torch.set_num_threads(1)
     source = load_model("tiny", device="cpu")
     nextn = args.num_speculative_tokens
-    engine_args = dict(device="cpu", max_num_seqs=args.batch, max_model_len=8 + args.max_tokens + nextn + 8,
-                       block_size=8, num_speculative_tokens=nextn)
+    engine_args = dict(
+        device="cpu",
+        max_num_seqs=args.batch,
+        max_model_len=8 + args.max_tokens + nextn + 8,
+        block_size=8,
+        num_speculative_tokens=nextn,
+    )
     config = EngineConfig(**engine_args).worker_config()
-    runner = DecodeStepGraphs(ModelRunner(source.model, config, nextn=nextn, with_taps=True), config, use_graphs=False,
-                         attention="reference")
+    runner = DecodeStepGraphs(
+        ModelRunner(source.model, config, nextn=nextn, with_taps=True), config, use_graphs=False, attention="reference"
+    )
     forced = args.spec_sampling == "forced"
-    spec = Speculator(source.model, nextn, "rejection" if forced else args.spec_sampling,
-                      forced_acceptance=ForcedAcceptance(args.acceptance) if forced else None, static_proposal=True)
+    spec = Speculator(
+        source.model,
+        nextn,
+        "rejection" if forced else args.spec_sampling,
+        forced_acceptance=ForcedAcceptance(args.acceptance) if forced else None,
+        static_proposal=True,
+    )
     if args.eager_verify:
         spec.verify_graphs = None
     worker = Worker(runner, speculator=spec)
@@ -125,10 +165,14 @@ def main() -> None:
     with phases:
         run_batch(llm, args.batch, 8, args.max_tokens, seed=1)
     n = decode[0]
-    print(f"{n} decode steps, {runner.num_eager - eager} eager runner steps (prefill); draft keys "
-          f"{sorted(k.num_rows for k in spec.draft_graphs.static)}")
+    print(
+        f"{n} decode steps, {runner.num_eager - eager} eager runner steps (prefill); draft keys "
+        f"{sorted(k.num_rows for k in spec.draft_graphs.static)}"
+    )
     for phase, num in phases.ops.most_common():
-        print(f"{phase:>28}: {num / n:8.1f} ops/step  ({1000 * phases.seconds[phase] / n:7.2f} CPU ms/step, nested phases included)")
+        print(
+            f"{phase:>28}: {num / n:8.1f} ops/step  ({1000 * phases.seconds[phase] / n:7.2f} CPU ms/step, nested phases included)"
+        )
     if args.op_names:
         for (phase, name), num in sorted(phases.names.items(), key=lambda item: (item[0][0], -item[1])):
             if phase not in GRAPHS and not phase.startswith("runner"):

@@ -55,10 +55,24 @@ def main() -> None:
                     continue
                 us = time_us(lambda: gg.moe_grouped_gemm(a, w, w_scale, meta, gather=True, block_m=bm, num_warps=nw))
                 tbs, tflops = n * k / us * 1e-6, 2 * m * n * k / us * 1e-6
-                rows.append({"linear": label, "n": n, "k": k, "tokens": m, "block_m": bm, "num_warps": nw, "us": us,
-                             "tb_s": tbs, "tflop_s": tflops})
-                print(f"{label:18} N {n:6} K {k:5} T {m:5} BM {bm:3} w{nw}: {us:9.1f} µs {tbs:6.2f} TB/s "
-                      f"{tflops:7.1f} TFLOP/s", flush=True)
+                rows.append(
+                    {
+                        "linear": label,
+                        "n": n,
+                        "k": k,
+                        "tokens": m,
+                        "block_m": bm,
+                        "num_warps": nw,
+                        "us": us,
+                        "tb_s": tbs,
+                        "tflop_s": tflops,
+                    }
+                )
+                print(
+                    f"{label:18} N {n:6} K {k:5} T {m:5} BM {bm:3} w{nw}: {us:9.1f} µs {tbs:6.2f} TB/s "
+                    f"{tflops:7.1f} TFLOP/s",
+                    flush=True,
+                )
                 best = min(best or (us, bm, nw), (us, bm, nw))
             print(f"  best at T {m}: BM {best[1]} w{best[2]} {best[0]:.1f} µs")
     if args.json:

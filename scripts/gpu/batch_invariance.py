@@ -23,10 +23,18 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=50)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--profile-alone", type=int, default=0, metavar="N",
-                   help="profile the first N alone runs (cProfile, top functions by own time to stderr)")
-    p.add_argument("--log-compiles", action="store_true",
-                   help="print every Triton compile (kernel, constexprs, argument specialisation) to stderr")
+    p.add_argument(
+        "--profile-alone",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the first N alone runs (cProfile, top functions by own time to stderr)",
+    )
+    p.add_argument(
+        "--log-compiles",
+        action="store_true",
+        help="print every Triton compile (kernel, constexprs, argument specialisation) to stderr",
+    )
     args = p.parse_args()
 
     import torch
@@ -42,20 +50,41 @@ def main() -> int:
     from services.engine import LLM, SamplingParams
 
     lengths = [16 + 13 * k for k in range(args.num_prompts)]  # 16 … 835 tokens at 64 prompts
-    prompts = [torch.randint(3, 120_000, (n,), generator=torch.Generator().manual_seed(k)).tolist()
-               for k, n in enumerate(lengths)]
+    prompts = [
+        torch.randint(3, 120_000, (n,), generator=torch.Generator().manual_seed(k)).tolist()
+        for k, n in enumerate(lengths)
+    ]
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, load_format=args.load_format, batch_invariant=True, max_num_seqs=args.num_prompts,
-              max_model_len=max(lengths) + args.max_tokens + 16, gpu_memory_utilization=args.gpu_memory_utilization)
-    out: dict = {"model": args.model, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                 "config": {f: getattr(llm.config, f) for f in ("kernel_backend", "cuda_graphs", "async_scheduling",
-                                                                "max_num_batched_tokens", "batch_invariant")},
-                 "build_s": round(time.perf_counter() - t0, 1)}
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        batch_invariant=True,
+        max_num_seqs=args.num_prompts,
+        max_model_len=max(lengths) + args.max_tokens + 16,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    out: dict = {
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "config": {
+            f: getattr(llm.config, f)
+            for f in ("kernel_backend", "cuda_graphs", "async_scheduling", "max_num_batched_tokens", "batch_invariant")
+        },
+        "build_s": round(time.perf_counter() - t0, 1),
+    }
     print(json.dumps(out), file=sys.stderr, flush=True)
 
     def params(seed: int, forced: tuple[int, ...] | None = None) -> SamplingParams:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=0.7, logprobs=5, seed=seed,
-                              ignore_eos=True, forced_token_ids=forced or ())
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            top_p=0.7,
+            logprobs=5,
+            seed=seed,
+            ignore_eos=True,
+            forced_token_ids=forced or (),
+        )
 
     t0 = time.perf_counter()
     batch = llm.generate(prompts, [params(1000 + k) for k in range(args.num_prompts)])
@@ -79,14 +108,25 @@ def main() -> int:
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
         else:
             alone = llm.generate(prompt, params(7 + k, tuple(together.token_ids)))[0]
-        timing = (f"{time.perf_counter() - t_prompt:.2f} s, {counters()[0] - replays} replays, "
-                  f"{counters()[1] - eager} eager steps")
-        fields = {"token_ids": (alone.token_ids, together.token_ids), "logprobs": (alone.logprobs, together.logprobs),
-                  "top_logprobs": (alone.top_logprobs, together.top_logprobs)}
-        bad = {name: next(i for i, (a, b) in enumerate(zip(*pair)) if a != b)
-               for name, pair in fields.items() if pair[0] != pair[1]}
-        print(f"prompt {k} ({len(prompt)} tokens) alone: {'differs ' + str(bad) if bad else 'equal'} ({timing})",
-              file=sys.stderr, flush=True)
+        timing = (
+            f"{time.perf_counter() - t_prompt:.2f} s, {counters()[0] - replays} replays, "
+            f"{counters()[1] - eager} eager steps"
+        )
+        fields = {
+            "token_ids": (alone.token_ids, together.token_ids),
+            "logprobs": (alone.logprobs, together.logprobs),
+            "top_logprobs": (alone.top_logprobs, together.top_logprobs),
+        }
+        bad = {
+            name: next(i for i, (a, b) in enumerate(zip(*pair)) if a != b)
+            for name, pair in fields.items()
+            if pair[0] != pair[1]
+        }
+        print(
+            f"prompt {k} ({len(prompt)} tokens) alone: {'differs ' + str(bad) if bad else 'equal'} ({timing})",
+            file=sys.stderr,
+            flush=True,
+        )
         if bad:
             i = min(bad.values())
             differ.append({"prompt": k, "first_index": bad, "alone": alone.logprobs[i], "batch": together.logprobs[i]})

@@ -28,26 +28,33 @@ def side_by_side(title, base, head):
     if base is None or head is None:
         print(f"{title}: missing in {'base' if base is None else 'head'}")
         return
-    print(f"\n{title}: wall {base['wall_ms']:.3f} -> {head['wall_ms']:.3f} ms per step "
-          f"({head['wall_ms'] - base['wall_ms']:+.3f}), device busy {base['busy_ms']:.3f} -> "
-          f"{head['busy_ms']:.3f} ms ({head['busy_ms'] - base['busy_ms']:+.3f})")
+    print(
+        f"\n{title}: wall {base['wall_ms']:.3f} -> {head['wall_ms']:.3f} ms per step "
+        f"({head['wall_ms'] - base['wall_ms']:+.3f}), device busy {base['busy_ms']:.3f} -> "
+        f"{head['busy_ms']:.3f} ms ({head['busy_ms'] - base['busy_ms']:+.3f})"
+    )
     p = {k["kernel"]: k for k in base["kernels"]}  # each run's top kernels by time
     h = {k["kernel"]: k for k in head["kernels"]}
+
     def us(run, name):
         return run[name]["us_per_step"] if name in run else 0.0
 
     # A kernel in one table only may sit below the other run's top rows: its |delta| is at most the shown one (≤).
     names = sorted(set(p) | set(h), key=lambda n: -abs(us(h, n) - us(p, n)))
-    print(f"{'base us':>10} {'head us':>10} {'delta':>10} {'launches b/h':>13}  kernel (by |delta|; '-': not in "
-          "that run's top rows)")
+    print(
+        f"{'base us':>10} {'head us':>10} {'delta':>10} {'launches b/h':>13}  kernel (by |delta|; '-': not in "
+        "that run's top rows)"
+    )
     for n in names:
         cells = []
         for run, key, spec in ((p, "us_per_step", ".1f"), (h, "us_per_step", ".1f")):
             cells.append(format(run[n][key], spec) if n in run else "-")
         mark = "" if n in p and n in h else "≤"
         launches = "/".join(format(run[n]["launches_per_step"], ".1f") if n in run else "-" for run in (p, h))
-        print(f"{cells[0]:>10} {cells[1]:>10} {mark + format(us(h, n) - us(p, n), '+.1f'):>10} {launches:>13}  "
-              f"{n[:100]}")
+        print(
+            f"{cells[0]:>10} {cells[1]:>10} {mark + format(us(h, n) - us(p, n), '+.1f'):>10} {launches:>13}  {n[:100]}"
+        )
+
 
 (pd, pp), (hd, hp) = profiles(sys.argv[1]), profiles(sys.argv[2])
 side_by_side(f"decode ctx {hd and hd.get('context')} batch {hd and hd.get('batch')}", pd, hd)

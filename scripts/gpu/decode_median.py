@@ -48,8 +48,9 @@ def main() -> None:
     for context in [int(c) for c in args.contexts.split(",") if c]:
         for batch in [int(b) for b in args.batches.split(",") if b]:
             llm = build(max_num_seqs=batch, max_model_len=context + args.steps + 16)
-            t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context, steps=args.steps,
-                            vocab_size=cfg.vocab_size)
+            t = time_decode(
+                llm.engine, runner_cache(llm), batch=batch, context=context, steps=args.steps, vocab_size=cfg.vocab_size
+            )
             print(_line(args.tree, f"ctx {context:>6} batch {batch:>4}", t.seconds), flush=True)
             del llm
             torch.cuda.empty_cache()

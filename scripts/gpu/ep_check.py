@@ -34,12 +34,19 @@ def main() -> int:
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
     params = SamplingParams(temperature=0.0, max_tokens=32)
-    engine = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128, block_size=16,
-                  num_speculative_tokens=args.num_speculative_tokens)
+    engine = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=128,
+        block_size=16,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     start = time.perf_counter()
     ranks = LLM("tiny", data_parallel_size=2, device="cuda", async_scheduling=args.async_scheduling, **engine)
-    print(f"2 ranks up in {time.perf_counter() - start:.1f} s (async scheduling {args.async_scheduling}, "
-          f"{args.num_speculative_tokens} drafts)")
+    print(
+        f"2 ranks up in {time.perf_counter() - start:.1f} s (async scheduling {args.async_scheduling}, "
+        f"{args.num_speculative_tokens} drafts)"
+    )
     print(f"2 ranks up in {time.perf_counter() - start:.1f} s")
     try:
         start = time.perf_counter()

@@ -39,8 +39,15 @@ def main() -> int:
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm = LLM(args.model, data_parallel_size=2, device=args.device, batch_invariant=True, max_num_seqs=4,
-              max_model_len=128, rank_timeout_s=60.0)
+    llm = LLM(
+        args.model,
+        data_parallel_size=2,
+        device=args.device,
+        batch_invariant=True,
+        max_num_seqs=4,
+        max_model_len=128,
+        rank_timeout_s=60.0,
+    )
     try:
         cfg = llm.source.config
         if cfg.n_routed_experts != 8:

@@ -40,16 +40,32 @@ def http(args: argparse.Namespace) -> dict:
     client = openai.OpenAI(base_url=args.url, api_key="unused", max_retries=0, timeout=600)
     rows = []
     for prompt in _prompts(2, args.prompt_tokens):
-        kwargs = dict(model=args.model, prompt=prompt, max_tokens=args.max_tokens, temperature=0.0,
-                      extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model=args.model,
+            prompt=prompt,
+            max_tokens=args.max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         plain = client.completions.create(**kwargs)
         streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
-        rows.append({"prompt": prompt, "text": plain.choices[0].text, "streamed_equal": streamed == plain.choices[0].text,
-                     "completion_tokens": plain.usage.completion_tokens,
-                     "finish_reason": plain.choices[0].finish_reason})
-    return {"url": args.url, "model": args.model, "max_tokens": args.max_tokens, "rows": rows,
-            "streamed_equal": all(r["streamed_equal"] for r in rows),
-            "all_complete": all(r["completion_tokens"] == args.max_tokens for r in rows)}
+        rows.append(
+            {
+                "prompt": prompt,
+                "text": plain.choices[0].text,
+                "streamed_equal": streamed == plain.choices[0].text,
+                "completion_tokens": plain.usage.completion_tokens,
+                "finish_reason": plain.choices[0].finish_reason,
+            }
+        )
+    return {
+        "url": args.url,
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+        "streamed_equal": all(r["streamed_equal"] for r in rows),
+        "all_complete": all(r["completion_tokens"] == args.max_tokens for r in rows),
+    }
 
 
 def offline(args: argparse.Namespace) -> dict:
@@ -65,9 +81,14 @@ def build(args: argparse.Namespace):
     out: dict = {"model": args.model, "load_format": args.load_format}
     max_model_len = args.prompt_tokens + args.max_tokens + 64
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=args.num_requests,
-              max_model_len=max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-              batch_invariant=args.batch_invariant)
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        max_num_seqs=args.num_requests,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        batch_invariant=args.batch_invariant,
+    )
     out["ready_s"] = round(time.perf_counter() - t0, 1)
     out["pools"] = None if llm.pool_plan is None else llm.pool_plan.describe(max_model_len)
     print(json.dumps(out), flush=True)
@@ -92,7 +113,9 @@ def measure(llm, out: dict, args: argparse.Namespace) -> dict:
         got = [llm.generate([r["prompt"]], greedy)[0] for r in served["rows"]]
         equal = [g.text == r["text"] for g, r in zip(got, served["rows"])]
         out["greedy_equal"] = all(equal)
-        out["greedy"] = [{"http": r["text"], "offline": g.text} for g, r in zip(got, served["rows"]) if g.text != r["text"]]
+        out["greedy"] = [
+            {"http": r["text"], "offline": g.text} for g, r in zip(got, served["rows"]) if g.text != r["text"]
+        ]
     if args.greedy_only:
         return out
     prompts = [prompt_ids(i, args.prompt_tokens) for i in range(args.num_requests)]
@@ -104,9 +127,13 @@ def measure(llm, out: dict, args: argparse.Namespace) -> dict:
     outputs = llm.generate(prompts, params)
     sync()
     seconds = time.perf_counter() - t0
-    out["offline"] = {"num_requests": len(prompts), "prompt_tokens": args.prompt_tokens,
-                      "max_tokens": args.max_tokens, "seconds": round(seconds, 2),
-                      "output_tokens_per_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 1)}
+    out["offline"] = {
+        "num_requests": len(prompts),
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "seconds": round(seconds, 2),
+        "output_tokens_per_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 1),
+    }
     print(json.dumps(out), flush=True)
     source = llm.source
     del llm, runner, outputs
@@ -135,12 +162,41 @@ def served(args: argparse.Namespace) -> dict:
         url = server.urls()["http"] + "/v1"
         loads = []
         try:
-            steps = [[sys.executable, here, "http", "--url", url, "--model", args.model, "--out", http_out,
-                      "--prompt-tokens", str(args.prompt_tokens)]]
+            steps = [
+                [
+                    sys.executable,
+                    here,
+                    "http",
+                    "--url",
+                    url,
+                    "--model",
+                    args.model,
+                    "--out",
+                    http_out,
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                ]
+            ]
             for c in args.concurrency:
-                steps.append([sys.executable, "-m", "services.client.loadgen", "--url", url, "--model", args.model,
-                              "--num-requests", str(max(3, min(2 * c, 64))), "--concurrency", str(c),
-                              "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens)])
+                steps.append(
+                    [
+                        sys.executable,
+                        "-m",
+                        "services.client.loadgen",
+                        "--url",
+                        url,
+                        "--model",
+                        args.model,
+                        "--num-requests",
+                        str(max(3, min(2 * c, 64))),
+                        "--concurrency",
+                        str(c),
+                        "--max-tokens",
+                        str(args.max_tokens),
+                        "--prompt-tokens",
+                        str(args.prompt_tokens),
+                    ]
+                )
             for argv in steps:
                 proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE)
                 stdout, _ = await proc.communicate()
@@ -179,8 +235,14 @@ def decode_steps(source, args: argparse.Namespace) -> list[dict]:
         if config.cuda_graphs:
             runner = DecodeStepGraphs(runner, config, use_graphs=True, attention="triton")
         llm = LLM(source=source, runner=runner, **config_args)
-        t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context, steps=args.decode_steps,
-                        vocab_size=source.config.vocab_size)
+        t = time_decode(
+            llm.engine,
+            runner_cache(llm),
+            batch=batch,
+            context=context,
+            steps=args.decode_steps,
+            vocab_size=source.config.vocab_size,
+        )
         rows.append({"batch": batch, "context": context, "ms": round(t.median * 1e3, 2)})
         print(json.dumps(rows[-1]), flush=True)
         del llm, runner
@@ -206,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--decode-steps", type=int, default=20)
         q.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         q.add_argument("--greedy-only", action="store_true", help="only the greedy comparison")
-        q.add_argument("--batch-invariant", action="store_true",
-                       help="the batch-invariant mode (the served half must run it too for == tokens)")
+        q.add_argument(
+            "--batch-invariant",
+            action="store_true",
+            help="the batch-invariant mode (the served half must run it too for == tokens)",
+        )
     for q in (h, sv, o):
         q.add_argument("--prompt-tokens", type=int, default=512)
         q.add_argument("--max-tokens", type=int, default=128)

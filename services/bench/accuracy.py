@@ -64,16 +64,21 @@ def make_prompts(vocab_size: int, workload: Workload) -> dict[str, list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(workload.seed)
-    return {f"r{i}": torch.randint(3, vocab_size, (n,), generator=gen).tolist()
-            for i, n in enumerate(workload.prompt_lens)}
+    return {
+        f"r{i}": torch.randint(3, vocab_size, (n,), generator=gen).tolist() for i, n in enumerate(workload.prompt_lens)
+    }
 
 
 def engine_config(workload: Workload):
     from services.engine.config import EngineConfig
 
     n = len(workload.prompt_lens)
-    return EngineConfig(block_size=workload.block_size, max_num_seqs=n, max_num_batched_tokens=workload.budget,
-                        max_model_len=workload.max_model_len)
+    return EngineConfig(
+        block_size=workload.block_size,
+        max_num_seqs=n,
+        max_num_batched_tokens=workload.budget,
+        max_model_len=workload.max_model_len,
+    )
 
 
 def _scheduler(cfg, workload: Workload):
@@ -81,15 +86,27 @@ def _scheduler(cfg, workload: Workload):
 
     config = engine_config(workload)
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    return Scheduler(SchedulerConfig(
-        block_size=config.block_size, num_blocks=config.resolved_num_blocks(),
-        num_state_slots=config.resolved_num_state_slots(), max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        window_size=cfg.sliding_window, compress_ratios=ratios or [1]))
+    return Scheduler(
+        SchedulerConfig(
+            block_size=config.block_size,
+            num_blocks=config.resolved_num_blocks(),
+            num_state_slots=config.resolved_num_state_slots(),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios or [1],
+        )
+    )
 
 
-def _drive(runner, workload: Workload, prompts: dict[str, list[int]],
-           choose: Callable[[str, int, Any], int], on_step: Callable[[list[tuple[str, int]], Any], None]) -> None:
+def _drive(
+    runner,
+    workload: Workload,
+    prompts: dict[str, list[int]],
+    choose: Callable[[str, int, Any], int],
+    on_step: Callable[[list[tuple[str, int]], Any], None],
+) -> None:
     """Every request through the scheduler and ``runner``; ``choose(request, position, logits row)`` is
     the token at ``position`` (the row is the one that predicts it)."""
     from scheduler_rs import StepResult
@@ -144,8 +161,7 @@ def row_stats(ref, ours, chunk: int = 256) -> dict[str, Any]:
         top2 = r.topk(2, dim=-1).values
         margin.append(top2[:, 0] - top2[:, 1])
         agree.append(r.argmax(-1) == o.argmax(-1))
-    return {k: torch.cat(v).cpu() for k, v in
-            (("kl", kl), ("entropy", entropy), ("margin", margin), ("agree", agree))}
+    return {k: torch.cat(v).cpu() for k, v in (("kl", kl), ("entropy", entropy), ("margin", margin), ("agree", agree))}
 
 
 def compare(rec: Recording, runner, workload: Workload) -> dict[str, dict[str, Any]]:
@@ -172,11 +188,15 @@ def _group(rows: dict[str, Any], mask) -> dict[str, Any]:
     kl = rows["kl"][mask]
     wide = mask & (rows["margin"] >= MARGIN)
     n_wide = int(wide.sum())
-    return {"positions": int(mask.sum()), "mean_kl": float(kl.mean()) if kl.numel() else None,
-            "max_kl": float(kl.max()) if kl.numel() else None,
-            "top1": float(rows["agree"][wide].double().mean()) if n_wide else None, "margin_rows": n_wide,
-            "top1_all": float(rows["agree"][mask].double().mean()) if kl.numel() else None,
-            "mean_entropy": float(rows["entropy"][mask].mean()) if kl.numel() else None}
+    return {
+        "positions": int(mask.sum()),
+        "mean_kl": float(kl.mean()) if kl.numel() else None,
+        "max_kl": float(kl.max()) if kl.numel() else None,
+        "top1": float(rows["agree"][wide].double().mean()) if n_wide else None,
+        "margin_rows": n_wide,
+        "top1_all": float(rows["agree"][mask].double().mean()) if kl.numel() else None,
+        "mean_entropy": float(rows["entropy"][mask].mean()) if kl.numel() else None,
+    }
 
 
 def summarize(rows: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -224,8 +244,11 @@ def shared_copy(model):
 
     memo: dict[int, Any] = {}
     for m in model.modules():
-        tensors = [*m._parameters.values(), *m._buffers.values(),
-                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+        tensors = [
+            *m._parameters.values(),
+            *m._buffers.values(),
+            *(v for v in vars(m).values() if isinstance(v, torch.Tensor)),
+        ]
         memo.update((id(t), t) for t in tensors if t is not None)
     return copy.deepcopy(model, memo)
 
@@ -235,8 +258,13 @@ FORMAT_FLOOR = "fp8-torch"
 references (``KernelSet.references()``): the formats' own KL, which no kernel can beat."""
 
 
-def measure(model, workload: Workload, precisions: Sequence[str] = ("fp8", "fp32"), kernels=None,
-            log: Callable[[str], None] = print) -> dict[str, dict[str, dict[str, Any]]]:
+def measure(
+    model,
+    workload: Workload,
+    precisions: Sequence[str] = ("fp8", "fp32"),
+    kernels=None,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, dict[str, Any]]]:
     """Reference run on the torch runner, then each kernel precision replayed → {precision: summary}.
     "fp32" converts ``model`` itself and must come last; other precisions run on a shared copy."""
     import gc
@@ -272,20 +300,27 @@ def report(label: str, summary: dict[str, dict[str, Any]]) -> str:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
-    lines = [f"{label}: KL(ref ‖ {label}); top-1 at ref top-2 margin ≥ {MARGIN}",
-             f"  {'group':14} {'positions':>9} {'mean KL':>10} {'max KL':>10} {'top-1':>8} {'(rows)':>7} "
-             f"{'top-1 all':>9} {'ref H':>7}"]
+    lines = [
+        f"{label}: KL(ref ‖ {label}); top-1 at ref top-2 margin ≥ {MARGIN}",
+        f"  {'group':14} {'positions':>9} {'mean KL':>10} {'max KL':>10} {'top-1':>8} {'(rows)':>7} "
+        f"{'top-1 all':>9} {'ref H':>7}",
+    ]
     for name, s in summary.items():
-        lines.append(f"  {name:14} {s['positions']:>9} {f(s['mean_kl'], '10.3g')} {f(s['max_kl'], '10.3g')} "
-                     f"{f(s['top1'], '8.4f')} {s['margin_rows']:>7} {f(s['top1_all'], '9.4f')} "
-                     f"{f(s['mean_entropy'], '7.3f')}")
-    lines.append(f"  FP8 accuracy targets (mean ≤ {TARGETS['mean_kl']}, max ≤ {TARGETS['max_kl']}, top-1 ≥ "
-                 f"{TARGETS['top1']}): {'met' if meets_targets(summary) else 'NOT met'}")
+        lines.append(
+            f"  {name:14} {s['positions']:>9} {f(s['mean_kl'], '10.3g')} {f(s['max_kl'], '10.3g')} "
+            f"{f(s['top1'], '8.4f')} {s['margin_rows']:>7} {f(s['top1_all'], '9.4f')} "
+            f"{f(s['mean_entropy'], '7.3f')}"
+        )
+    lines.append(
+        f"  FP8 accuracy targets (mean ≤ {TARGETS['mean_kl']}, max ≤ {TARGETS['max_kl']}, top-1 ≥ "
+        f"{TARGETS['top1']}): {'met' if meets_targets(summary) else 'NOT met'}"
+    )
     return "\n".join(lines)
 
 
-def run_preset(name: str, workload: Workload, precisions: Sequence[str], device, branch_scale_log2: int = 0,
-               kernels=None) -> dict[str, Any]:
+def run_preset(
+    name: str, workload: Workload, precisions: Sequence[str], device, branch_scale_log2: int = 0, kernels=None
+) -> dict[str, Any]:
     """Build ``name`` in fp32 on ``device`` (v41-s1: its 8-layer subset), its residual branches × 2^-N
     (``scale_branches``; 0, the default, keeps the loud random init, whose numbers are still the ones
     reported unless asked), and measure it. ``kernels``: a KernelSet (None: the compiled kernels;
@@ -300,9 +335,11 @@ def run_preset(name: str, workload: Workload, precisions: Sequence[str], device,
     source = load_source(name, cfg, device, "torch")
     if branch_scale_log2:
         scale_branches(source.model, branch_scale_log2)
-    print(f"\n== {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, index_topk {cfg.index_topk}, "
-          f"top-{cfg.num_experts_per_tok} of {cfg.n_routed_experts} experts; prompts {list(workload.prompt_lens)}, "
-          f"{workload.decode_steps} decode steps, budget {workload.budget}; residual branches × 2^-{branch_scale_log2}")
+    print(
+        f"\n== {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, index_topk {cfg.index_topk}, "
+        f"top-{cfg.num_experts_per_tok} of {cfg.n_routed_experts} experts; prompts {list(workload.prompt_lens)}, "
+        f"{workload.decode_steps} decode steps, budget {workload.budget}; residual branches × 2^-{branch_scale_log2}"
+    )
     results = measure(source.model, workload, precisions, kernels)
     del source
     torch.cuda.empty_cache()
@@ -314,11 +351,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="2000,1400,1000,600", help="prompt lengths in tokens")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens (prefill chunk)")
-    parser.add_argument("--precisions", default="fp8,fp32",
-                        help=f"comma-separated, fp32 last: fp8, fp32, {FORMAT_FLOOR} (the FP8 formats in torch)")
-    parser.add_argument("--branch-scale-log2", type=int, default=0, metavar="N",
-                        help="residual branches (attention wo_b, expert w2) × 2^-N before anything runs: a "
-                        "contractive model, as trained ones are (default 0: the loud random init)")
+    parser.add_argument(
+        "--precisions",
+        default="fp8,fp32",
+        help=f"comma-separated, fp32 last: fp8, fp32, {FORMAT_FLOOR} (the FP8 formats in torch)",
+    )
+    parser.add_argument(
+        "--branch-scale-log2",
+        type=int,
+        default=0,
+        metavar="N",
+        help="residual branches (attention wo_b, expert w2) × 2^-N before anything runs: a "
+        "contractive model, as trained ones are (default 0: the loud random init)",
+    )
     parser.add_argument("--json", default=None, help="write every summary to this file")
 
 
@@ -328,9 +373,10 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("shinkai bench accuracy: the kernel backend needs a CUDA device")
     workload = Workload(tuple(int(n) for n in args.prompts.split(",")), args.decode_steps, args.budget)
-    results = {name: run_preset(name, workload, args.precisions.split(","), torch.device("cuda"),
-                                args.branch_scale_log2)
-               for name in args.presets.split(",")}
+    results = {
+        name: run_preset(name, workload, args.precisions.split(","), torch.device("cuda"), args.branch_scale_log2)
+        for name in args.presets.split(",")
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

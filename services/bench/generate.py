@@ -21,8 +21,9 @@ def run_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int) -> d
     from services.engine import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, llm.source.config.vocab_size - 1, (prompt_len,), generator=g).tolist()
-               for _ in range(batch)]
+    prompts = [
+        torch.randint(3, llm.source.config.vocab_size - 1, (prompt_len,), generator=g).tolist() for _ in range(batch)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine = llm.engine
     step = engine.step
@@ -47,9 +48,15 @@ def run_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int) -> d
     finally:
         engine.step = step
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens, "output_tokens": tokens,
-            "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-            "decode_tokens_per_s": round((tokens - batch) / decode_s, 1) if decode_s else None}
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "decode_tokens_per_s": round((tokens - batch) / decode_s, 1) if decode_s else None,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -63,11 +70,19 @@ def main(args: argparse.Namespace) -> int:
         llm.engine.worker.runner = ReferenceRunner(llm.source.model)
     run_batch(llm, 1, args.prompt_len, 4, seed=99)  # warm-up
     results = [run_batch(llm, b, args.prompt_len, args.max_tokens, seed=b) for b in args.batch]
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "torch_threads": args.threads, "runner": args.runner, "torch": torch.__version__, "python": platform.python_version()}
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": args.threads,
+        "runner": args.runner,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     for r in results:
-        print(f"batch {r['batch']:>3}: {r['output_tokens']} tokens in {r['wall_s']:.2f} s = "
-              f"{r['tokens_per_s']:.1f} tokens/s (decode steps alone {r['decode_tokens_per_s']} tokens/s)")
+        print(
+            f"batch {r['batch']:>3}: {r['output_tokens']} tokens in {r['wall_s']:.2f} s = "
+            f"{r['tokens_per_s']:.1f} tokens/s (decode steps alone {r['decode_tokens_per_s']} tokens/s)"
+        )
     print(f"machine: {machine}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"machine": machine, "results": results}, indent=2))

@@ -74,8 +74,9 @@ def measure_fp8_peak(size: int = 8192) -> float:
     return 2 * size**3 / seconds
 
 
-def sweep_configs(name: str, configs: list[dict[str, Any]], run: Callable[[dict[str, Any]], object]
-                  ) -> tuple[list[dict[str, Any]], tuple[float, dict[str, Any]] | None]:
+def sweep_configs(
+    name: str, configs: list[dict[str, Any]], run: Callable[[dict[str, Any]], object]
+) -> tuple[list[dict[str, Any]], tuple[float, dict[str, Any]] | None]:
     """Each launcher config timed as ``run(config)`` by graph replay: (every one tried, with its µs; the
     best as (seconds, config), or None). A config that fails (e.g. does not compile) is reported on
     stderr and skipped."""
@@ -85,8 +86,10 @@ def sweep_configs(name: str, configs: list[dict[str, Any]], run: Callable[[dict[
         try:
             t = _bench_replay(lambda c=cfg: run(c))
         except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"  {name + ' ' if name else ''}config {cfg} failed: {type(err).__name__}: {str(err)[:120]}",
-                  file=sys.stderr)
+            print(
+                f"  {name + ' ' if name else ''}config {cfg} failed: {type(err).__name__}: {str(err)[:120]}",
+                file=sys.stderr,
+            )
             continue
         tried.append({**cfg, "us": t * 1e6})
         if best is None or t < best[0]:
@@ -94,13 +97,28 @@ def sweep_configs(name: str, configs: list[dict[str, Any]], run: Callable[[dict[
     return tried, best
 
 
-def _row(name: str, shape: str, seconds: float, nbytes: float, flops: float, ceil: dict[str, float],
-         torch_seconds: float | None, note: str = "", peak: str = "fp8_peak") -> dict[str, object]:
+def _row(
+    name: str,
+    shape: str,
+    seconds: float,
+    nbytes: float,
+    flops: float,
+    ceil: dict[str, float],
+    torch_seconds: float | None,
+    note: str = "",
+    peak: str = "fp8_peak",
+) -> dict[str, object]:
     roofline = max(nbytes / ceil["bandwidth"], flops / ceil[peak])
     return {
-        "kernel": name, "shape": shape, "us": seconds * 1e6, "tb_s": nbytes / seconds / 1e12,
-        "tflop_s": flops / seconds / 1e12, "roofline_us": roofline * 1e6, "pct_roofline": 100 * roofline / seconds,
+        "kernel": name,
+        "shape": shape,
+        "us": seconds * 1e6,
+        "tb_s": nbytes / seconds / 1e12,
+        "tflop_s": flops / seconds / 1e12,
+        "roofline_us": roofline * 1e6,
+        "pct_roofline": 100 * roofline / seconds,
         "torch_us": None if torch_seconds is None else torch_seconds * 1e6,
         "torch_tb_s": None if torch_seconds is None else nbytes / torch_seconds / 1e12,
-        "speedup_vs_torch": None if torch_seconds is None else torch_seconds / seconds, "note": note,
+        "speedup_vs_torch": None if torch_seconds is None else torch_seconds / seconds,
+        "note": note,
     }

@@ -74,13 +74,24 @@ def _normal_phase(url: str, model: str, seconds: float, api_key: str | None) -> 
         start = time.monotonic()
         codes[f"health {get(url + '/health')}"] += 1
         health.append(time.monotonic() - start)
-    return {"num": len(latencies), "mean_s": round(statistics.fmean(latencies), 4),
-            "p50_s": round(statistics.median(latencies), 4), "max_s": round(max(latencies), 4),
-            "health_max_s": round(max(health), 4), "codes": dict(codes)}
+    return {
+        "num": len(latencies),
+        "mean_s": round(statistics.fmean(latencies), 4),
+        "p50_s": round(statistics.median(latencies), 4),
+        "max_s": round(max(latencies), 4),
+        "health_max_s": round(max(health), 4),
+        "codes": dict(codes),
+    }
 
 
-def measure(url: str, model: str = "tiny", seconds: float = 10.0, num_attackers: int = 1,
-            attack_bytes: int = DEFAULT_ATTACK_BYTES, api_key: str | None = None) -> dict[str, Any]:
+def measure(
+    url: str,
+    model: str = "tiny",
+    seconds: float = 10.0,
+    num_attackers: int = 1,
+    attack_bytes: int = DEFAULT_ATTACK_BYTES,
+    api_key: str | None = None,
+) -> dict[str, Any]:
     post(url, {**NORMAL, "model": model}, api_key)  # warm-up
     idle = _normal_phase(url, model, seconds, api_key)
     stop = threading.Event()
@@ -102,8 +113,14 @@ def measure(url: str, model: str = "tiny", seconds: float = 10.0, num_attackers:
         stop.set()
         for t in attackers:
             t.join(120)
-    return {"idle": idle, "loaded": loaded, "ratio_mean": round(loaded["mean_s"] / idle["mean_s"], 2),
-            "num_attackers": num_attackers, "attack_bytes": attack_bytes, "attack_codes": dict(attack_codes)}
+    return {
+        "idle": idle,
+        "loaded": loaded,
+        "ratio_mean": round(loaded["mean_s"] / idle["mean_s"], 2),
+        "num_attackers": num_attackers,
+        "attack_bytes": attack_bytes,
+        "attack_codes": dict(attack_codes),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

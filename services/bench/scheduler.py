@@ -21,8 +21,16 @@ KITCHEN = (("A", 6), ("B", 5), ("C", 4))
 
 def kitchen_table() -> list[str]:
     """The walkthrough's A/B/C kitchen with an 8-token budget, one line per step."""
-    scheduler = Scheduler(SchedulerConfig(block_size=4, num_blocks=64, num_state_slots=8, max_num_seqs=256,
-                                          max_num_batched_tokens=8, max_model_len=1 << 20))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            block_size=4,
+            num_blocks=64,
+            num_state_slots=8,
+            max_num_seqs=256,
+            max_num_batched_tokens=8,
+            max_model_len=1 << 20,
+        )
+    )
     eos = 1
     words = {50: '"and"', 51: '"slept"', 52: '"."', eos: "the end token"}
     a_tokens = {6: 50, 7: 51, 8: 52, 9: eos}
@@ -136,8 +144,10 @@ def main(args: argparse.Namespace) -> int:
         s = figures[key]
         print(f"  {key:<22} mean {s['mean_us']:>8.1f} us   p50 {s['p50_us']:>8.1f} us   p99 {s['p99_us']:>8.1f} us")
     target = 200.0
-    print(f"  target: schedule+update under {target:.0f} us per step -> "
-          f"{figures['schedule_plus_update']['p50_us'] / target:.2f} of the target at p50")
+    print(
+        f"  target: schedule+update under {target:.0f} us per step -> "
+        f"{figures['schedule_plus_update']['p50_us'] / target:.2f} of the target at p50"
+    )
     if args.baseline:
         base = json.loads(Path(args.baseline).read_text())
         ratio = figures["schedule_plus_update"]["p50_us"] / base["schedule_plus_update"]["p50_us"]

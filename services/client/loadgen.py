@@ -40,9 +40,14 @@ async def one(client, model: str, prompt: str | list[int], max_tokens: int) -> S
     sample = Sample(ok=False)
     last = None
     try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -68,8 +73,9 @@ def prompt_ids(i: int, num_tokens: int, vocab_size: int = 100_000) -> list[int]:
     return [1000 + (7919 * i + 104_729 * j + j * j) % (vocab_size - 1000) for j in range(num_tokens)]
 
 
-async def run(url: str, model: str, num_requests: int, concurrency: int, max_tokens: int,
-              prompt_tokens: int | None = None) -> dict:
+async def run(
+    url: str, model: str, num_requests: int, concurrency: int, max_tokens: int, prompt_tokens: int | None = None
+) -> dict:
     """``prompt_tokens`` None: a short text prompt per request; else ``prompt_ids(i, prompt_tokens)``."""
     import openai
 
@@ -78,8 +84,9 @@ async def run(url: str, model: str, num_requests: int, concurrency: int, max_tok
 
     async def gated(i: int) -> Sample:
         async with gate:
-            prompt = (f"Request {i}: tell me about the deep sea." if prompt_tokens is None
-                      else prompt_ids(i, prompt_tokens))
+            prompt = (
+                f"Request {i}: tell me about the deep sea." if prompt_tokens is None else prompt_ids(i, prompt_tokens)
+            )
             return await one(client, model, prompt, max_tokens)
 
     start = time.perf_counter()
@@ -90,12 +97,20 @@ async def run(url: str, model: str, num_requests: int, concurrency: int, max_tok
     itl = [x for s in samples for x in s.itl_s]
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     return {
-        "url": url, "model": model, "num_requests": num_requests, "concurrency": concurrency,
-        "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "ok": sum(s.ok for s in samples), "failed": sum(not s.ok for s in samples),
+        "url": url,
+        "model": model,
+        "num_requests": num_requests,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "prompt_tokens": prompt_tokens,
+        "ok": sum(s.ok for s in samples),
+        "failed": sum(not s.ok for s in samples),
         "duration_s": round(duration, 2),
         "output_tokens_per_s": round(sum(s.num_tokens for s in samples) / duration, 1),
-        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
-        "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99)),
+        "ttft_ms_p50": ms(percentile(ttft, 50)),
+        "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "itl_ms_p50": ms(percentile(itl, 50)),
+        "itl_ms_p99": ms(percentile(itl, 99)),
         "ttft_ms_mean": ms(statistics.fmean(ttft)) if ttft else None,
         "errors": sorted({s.error for s in samples if s.error})[:5],
     }
@@ -108,11 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="prompts of this many token ids (prompt_ids) instead of a short text")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts of this many token ids (prompt_ids) instead of a short text",
+    )
     args = p.parse_args(argv)
-    print(json.dumps(asyncio.run(run(args.url, args.model, args.num_requests, args.concurrency, args.max_tokens,
-                                     args.prompt_tokens))))
+    print(
+        json.dumps(
+            asyncio.run(
+                run(args.url, args.model, args.num_requests, args.concurrency, args.max_tokens, args.prompt_tokens)
+            )
+        )
+    )
     return 0
 
 

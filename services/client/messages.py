@@ -9,8 +9,13 @@ from typing import Any
 
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
-                  pb.FINISH_REASON_PREEMPTED: "preempted", pb.FINISH_REASON_ERROR: "error"}
+FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_PREEMPTED: "preempted",
+    pb.FINISH_REASON_ERROR: "error",
+}
 
 
 @dataclass
@@ -37,12 +42,22 @@ class Completion:
     completion_tokens: int = 0
 
 
-def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
-                     thinking: bool = False, model: str = "", client_request_id: str | None = None,
-                     max_tokens: int | None = None,
-                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                     seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                     logprobs: int | None = None) -> pb.GenerateRequest:
+def generate_request(
+    prompt: str | Sequence[int] | None = None,
+    *,
+    messages: Sequence[dict[str, Any]] | None = None,
+    thinking: bool = False,
+    model: str = "",
+    client_request_id: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat). Without a ``client_request_id``
     one is made here, so the caller can abort before the first response."""
     if (prompt is None) == (messages is None):
@@ -65,8 +80,14 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
                     else:
                         message.parts.add(text=part["text"])
     s = request.sampling
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("logprobs", logprobs)):
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("logprobs", logprobs),
+    ):
         if value is not None:
             setattr(s, name, value)
     s.stop_token_ids.extend(stop_token_ids)
@@ -76,10 +97,16 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
 
 def to_delta(response: pb.GenerateResponse) -> TextDelta:
     if response.WhichOneof("kind") == "final":
-        return TextDelta(response.request_id, response.client_request_id, response.final.text, [],
-                         FINISH_REASONS.get(response.final.finish_reason, "error"))
-    return TextDelta(response.request_id, response.client_request_id, response.chunk.text,
-                     list(response.chunk.token_ids))
+        return TextDelta(
+            response.request_id,
+            response.client_request_id,
+            response.final.text,
+            [],
+            FINISH_REASONS.get(response.final.finish_reason, "error"),
+        )
+    return TextDelta(
+        response.request_id, response.client_request_id, response.chunk.text, list(response.chunk.token_ids)
+    )
 
 
 def add_to(completion: Completion, response: pb.GenerateResponse) -> None:

@@ -22,11 +22,20 @@ from services.proto.shinkai.v1 import shinkai_pb2_grpc
 
 
 class ShinkaiClient:
-    def __init__(self, target: str, *, timeout: float | None = None, api_key: str | None = None,
-                 tls_root_certificates: bytes | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_root_certificates: bytes | None = None,
+    ) -> None:
         # TLS when the server has --ssl-certfile: these PEM roots (b"": the system's) verify it.
-        self.channel = grpc.insecure_channel(target) if tls_root_certificates is None else \
-            grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_root_certificates or None))
+        self.channel = (
+            grpc.insecure_channel(target)
+            if tls_root_certificates is None
+            else grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_root_certificates or None))
+        )
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
         self.timeout = timeout  # default deadline of every call, seconds; None: none
         # Sent with every call: the server's --api-key (None: none sent).
@@ -42,8 +51,9 @@ class ShinkaiClient:
         self.channel.close()
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateResponse]:
-        call = self.stub.Generate(request,
-            timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata)
+        call = self.stub.Generate(
+            request, timeout=timeout if timeout is not None else self.timeout, metadata=self.metadata
+        )
         try:
             yield from call
         except grpc.RpcError as err:
@@ -51,15 +61,17 @@ class ShinkaiClient:
         finally:
             call.cancel()  # leaving early cancels the stream, which aborts the request on the server
 
-    def generate_stream(self, prompt: Any = None, *, timeout: float | None = None,
-                        client_request_id: str | None = None, **kwargs: Any) -> Iterator[TextDelta]:
+    def generate_stream(
+        self, prompt: Any = None, *, timeout: float | None = None, client_request_id: str | None = None, **kwargs: Any
+    ) -> Iterator[TextDelta]:
         """Yields text deltas; the last has ``finish_reason``. Closing the iterator aborts the request."""
         request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
         for response in self._stream(request, timeout):
             yield to_delta(response)
 
-    def generate(self, prompt: Any = None, *, timeout: float | None = None,
-                 client_request_id: str | None = None, **kwargs: Any) -> Completion:
+    def generate(
+        self, prompt: Any = None, *, timeout: float | None = None, client_request_id: str | None = None, **kwargs: Any
+    ) -> Completion:
         request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
         completion = Completion("", request.client_request_id, "")
         for response in self._stream(request, timeout):
@@ -69,15 +81,19 @@ class ShinkaiClient:
     def abort(self, client_request_id: str, *, timeout: float | None = None) -> bool:
         """True if a live request with this client_request_id was aborted; False if there was none (idempotent)."""
         try:
-            return self.stub.Abort(pb.AbortRequest(client_request_id=client_request_id),
-                timeout=timeout or self.timeout, metadata=self.metadata).found
+            return self.stub.Abort(
+                pb.AbortRequest(client_request_id=client_request_id),
+                timeout=timeout or self.timeout,
+                metadata=self.metadata,
+            ).found
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         try:
-            return self.stub.GetModelInfo(pb.GetModelInfoRequest(),
-                timeout=timeout or self.timeout, metadata=self.metadata)
+            return self.stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self.metadata
+            )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

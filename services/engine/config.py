@@ -130,17 +130,21 @@ class EngineConfig:
         if self.spec_sampling not in ("rejection", "deterministic"):
             raise ValueError(f"spec_sampling must be 'rejection' or 'deterministic', got {self.spec_sampling!r}")
         if self.num_speculative_tokens and self.async_scheduling and self.first_n_no_eos:
-            raise ValueError("first_n_no_eos with speculative decoding needs async_scheduling off: the end-token ban "
-                             "counts the step in flight's tokens, which drafts make unknown until it is read")
+            raise ValueError(
+                "first_n_no_eos with speculative decoding needs async_scheduling off: the end-token ban "
+                "counts the step in flight's tokens, which drafts make unknown until it is read"
+            )
         if self.spec_varlen and not self.num_speculative_tokens:
             raise ValueError("spec_varlen needs num_speculative_tokens > 0: it chooses how many drafts to verify")
         if self.spec_step_cost_ms is not None and not self.spec_varlen:
             raise ValueError("spec_step_cost_ms is varlen's step-cost curve: set spec_varlen=True with it")
         if self.spec_step_cost_ms is not None and (
-                not self.spec_step_cost_ms
-                or any(rows < 1 or not ms > 0 or ms == float("inf") for rows, ms in self.spec_step_cost_ms)):
-            raise ValueError("spec_step_cost_ms needs (rows ≥ 1, finite milliseconds > 0) pairs, got "
-                             f"{self.spec_step_cost_ms!r}")
+            not self.spec_step_cost_ms
+            or any(rows < 1 or not ms > 0 or ms == float("inf") for rows, ms in self.spec_step_cost_ms)
+        ):
+            raise ValueError(
+                f"spec_step_cost_ms needs (rows ≥ 1, finite milliseconds > 0) pairs, got {self.spec_step_cost_ms!r}"
+            )
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
         if self.data_parallel_size < 1:
@@ -150,11 +154,16 @@ class EngineConfig:
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
         if self.data_parallel_size > 1:
-            unsupported = [name for name, on in (("kernel_backend", self.kernel_backend is not None),
-                                                 ("cuda_graphs", self.cuda_graphs)) if on]
+            unsupported = [
+                name
+                for name, on in (("kernel_backend", self.kernel_backend is not None), ("cuda_graphs", self.cuda_graphs))
+                if on
+            ]
             if unsupported:
-                raise ValueError(f"data_parallel_size > 1 runs the torch MoE so far "
-                                 f"(docs/parallelism.md): turn off {', '.join(unsupported)}")
+                raise ValueError(
+                    f"data_parallel_size > 1 runs the torch MoE so far "
+                    f"(docs/parallelism.md): turn off {', '.join(unsupported)}"
+                )
 
     def resolved_num_blocks(self) -> int:
         """The null block, plus room for max_num_seqs full-length requests admitted one after another
@@ -175,43 +184,74 @@ class EngineConfig:
 
     def worker_config(self) -> WorkerConfig:
         """The worker's share of this configuration, pool sizes resolved."""
-        return WorkerConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
-                            num_state_slots=self.resolved_num_state_slots(), max_model_len=self.max_model_len,
-                            max_num_seqs=self.max_num_seqs, kernel_backend=self.kernel_backend,
-                            batch_invariant=self.batch_invariant, engram_on_host=self.engram_on_host,
-                            cuda_graphs=self.cuda_graphs, num_speculative_tokens=self.num_speculative_tokens,
-                            spec_sampling=self.spec_sampling)
+        return WorkerConfig(
+            block_size=self.block_size,
+            num_blocks=self.resolved_num_blocks(),
+            num_state_slots=self.resolved_num_state_slots(),
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            kernel_backend=self.kernel_backend,
+            batch_invariant=self.batch_invariant,
+            engram_on_host=self.engram_on_host,
+            cuda_graphs=self.cuda_graphs,
+            num_speculative_tokens=self.num_speculative_tokens,
+            spec_sampling=self.spec_sampling,
+        )
 
 
 def add_speculative_arguments(parser) -> None:
     """``--num-speculative-tokens``, ``--spec-sampling`` and ``--spec-varlen``, the same on generate, serve, up
     and the engine."""
-    parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="DSpark drafts verified per request and step (0: off; docs/speculative.md)")
-    parser.add_argument("--spec-sampling", choices=("rejection", "deterministic"), default="rejection",
-                        help="how drafts are accepted: rejection sampling, or position-keyed coupling whose "
-                             "seeded tokens do not depend on the drafts (default: rejection)")
-    parser.add_argument("--spec-varlen", action="store_true",
-                        help="variable-length verification: per request, verify the drafts worth their rows, "
-                             "ranked by the draft's confidence against the measured step-cost curve")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="DSpark drafts verified per request and step (0: off; docs/speculative.md)",
+    )
+    parser.add_argument(
+        "--spec-sampling",
+        choices=("rejection", "deterministic"),
+        default="rejection",
+        help="how drafts are accepted: rejection sampling, or position-keyed coupling whose "
+        "seeded tokens do not depend on the drafts (default: rejection)",
+    )
+    parser.add_argument(
+        "--spec-varlen",
+        action="store_true",
+        help="variable-length verification: per request, verify the drafts worth their rows, "
+        "ranked by the draft's confidence against the measured step-cost curve",
+    )
 
 
 def speculative_args(args) -> dict[str, object]:
     """The engine arguments the flags of ``add_speculative_arguments`` set (none when speculation is off)."""
     if not args.num_speculative_tokens:
         return {"spec_varlen": True} if args.spec_varlen else {}  # EngineConfig refuses it, naming the flag's field
-    return {"num_speculative_tokens": args.num_speculative_tokens, "spec_sampling": args.spec_sampling,
-            "spec_varlen": args.spec_varlen}
+    return {
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "spec_sampling": args.spec_sampling,
+        "spec_varlen": args.spec_varlen,
+    }
 
 
 def add_parallel_arguments(parser) -> None:
     """``--data-parallel-size`` (alias ``--dp``) and ``--num-redundant-experts`` (docs/parallelism.md)."""
-    parser.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int, default=1,
-                        help="rank processes in lockstep, each with its own scheduler and caches, the routed "
-                             "experts spread over them (default 1: one process)")
-    parser.add_argument("--num-redundant-experts", type=int, default=0,
-                        help="at least this many extra expert copies over the ranks, rounded up so every rank "
-                             "holds the same number of slots (default 0)")
+    parser.add_argument(
+        "--data-parallel-size",
+        "--dp",
+        dest="data_parallel_size",
+        type=int,
+        default=1,
+        help="rank processes in lockstep, each with its own scheduler and caches, the routed "
+        "experts spread over them (default 1: one process)",
+    )
+    parser.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="at least this many extra expert copies over the ranks, rounded up so every rank "
+        "holds the same number of slots (default 0)",
+    )
 
 
 def parallel_args(args) -> dict[str, object]:

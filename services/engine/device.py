@@ -36,8 +36,9 @@ def resolve_device(device: str | None) -> str:
             raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
         index = int(match.group(3) or 0)
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
+            raise ValueError(
+                f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     return device
 
 
@@ -52,23 +53,39 @@ def device_engine_args(engine_args: dict[str, object]) -> dict[str, object]:
             # Speculative decoding's async path (the seqlen fix-up) is CPU-tested only so far: not its default.
             out.setdefault(key, False if speculative and key == "async_scheduling" else value)
         if "cuda_graphs" not in out:  # nor are graphs with drafts (CPU-tested static verify steps; GPU-untested)
-            out["cuda_graphs"] = out["kernel_backend"] is not None and not out.get("enforce_eager", False) \
-                and not speculative
+            out["cuda_graphs"] = (
+                out["kernel_backend"] is not None and not out.get("enforce_eager", False) and not speculative
+            )
     return out
 
 
 def add_device_arguments(parser) -> None:
     """The device flags shared by generate, serve, up, the engine and the worker processes."""
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda or cuda:N (default: cuda when CUDA is available, else cpu)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="on CUDA, run decode eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
-                        help="on CUDA, plan each step after the previous one finished (async is the CUDA default)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="fraction of GPU memory for model, activations and pools (default 0.9)")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
-                        help="dummy: random weights drawn on the device for the model's config, no checkpoint read")
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda when CUDA is available, else cpu)"
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="on CUDA, run decode eagerly instead of replaying CUDA graphs"
+    )
+    parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        default=None,
+        help="on CUDA, plan each step after the previous one finished (async is the CUDA default)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of GPU memory for model, activations and pools (default 0.9)",
+    )
+    parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights drawn on the device for the model's config, no checkpoint read",
+    )
 
 
 DEVICE_FIELDS = ("device", "enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format")

@@ -28,38 +28,53 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, worker: Worker, config: EngineConfig, *, vocab_size: int, eos_token_id: int,
-                 compress_ratios: Sequence[int], window_size: int,
-                 vote: Callable[[bool, str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        config: EngineConfig,
+        *,
+        vocab_size: int,
+        eos_token_id: int,
+        compress_ratios: Sequence[int],
+        window_size: int,
+        vote: Callable[[bool, str], bool] | None = None,
+    ) -> None:
         """``vote``: the data-parallel group's all-reduce of one bool ("all" or "any"), needed when
         ``config.data_parallel_size`` > 1 (services/engine/parallel/vote.py)."""
         if (vote is None) != (config.data_parallel_size == 1):
-            raise ValueError("an engine of a data-parallel group needs its group's vote, and only such an engine "
-                             f"takes one (data_parallel_size {config.data_parallel_size})")
+            raise ValueError(
+                "an engine of a data-parallel group needs its group's vote, and only such an engine "
+                f"takes one (data_parallel_size {config.data_parallel_size})"
+            )
         if config.async_scheduling and not isinstance(worker, Worker):
-            raise ValueError("async scheduling needs the in-process Worker: the remote worker's protocol does not "
-                             "carry the previous step's sampled tokens yet")
+            raise ValueError(
+                "async scheduling needs the in-process Worker: the remote worker's protocol does not "
+                "carry the previous step's sampled tokens yet"
+            )
         self.worker = worker
         self.config = config
         self.vote = vote  # the data-parallel group's vote; None for one process
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         mode = PreemptionMode.RECOMPUTE if config.preemption_mode == "recompute" else PreemptionMode.STOP
-        self.scheduler = Scheduler(SchedulerConfig(
-            block_size=config.block_size,
-            num_blocks=config.resolved_num_blocks(),
-            num_state_slots=config.resolved_num_state_slots(),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            window_size=window_size,
-            compress_ratios=list(compress_ratios),
-            preemption_mode=mode,
-            vocab_size=vocab_size,
-            nextn=config.num_speculative_tokens,
-            spec_varlen=config.spec_varlen,
-            num_ranks=config.data_parallel_size,
-        ), vote)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=config.block_size,
+                num_blocks=config.resolved_num_blocks(),
+                num_state_slots=config.resolved_num_state_slots(),
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                window_size=window_size,
+                compress_ratios=list(compress_ratios),
+                preemption_mode=mode,
+                vocab_size=vocab_size,
+                nextn=config.num_speculative_tokens,
+                spec_varlen=config.spec_varlen,
+                num_ranks=config.data_parallel_size,
+            ),
+            vote,
+        )
         # Varlen verification's step-cost curve: given, or measured from decode steps (None otherwise).
         self.step_cost: StepCostMeter | None = None
         self._last_read: float | None = None  # async: when the last decode step's result was read back
@@ -80,24 +95,31 @@ class Engine:
         """Raises ValueError naming what is wrong; nothing is queued."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config)
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    ready: bool = True) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, ready: bool = True
+    ) -> None:
         """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
         readiness gate); requests behind it in the queue are scheduled meanwhile."""
         self.validate(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add_request(
-            request_id, list(prompt_token_ids), max_tokens=params.resolved_max_tokens,
-            eos_token_id=self.eos_token_id, ignore_eos=params.ignore_eos,
-            stop_token_ids=list(params.stop_token_ids), schedulable=ready,
+            request_id,
+            list(prompt_token_ids),
+            max_tokens=params.resolved_max_tokens,
+            eos_token_id=self.eos_token_id,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=list(params.stop_token_ids),
+            schedulable=ready,
         )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         banned = tuple(sorted(set(params.banned_token_ids)))
         self.requests[request_id] = _Request(
-            RequestOutput(request_id, list(prompt_token_ids),
-                          top_logprobs=[] if params.logprobs else None),
-            params, seed, banned, tuple(sorted(set(banned) | {self.eos_token_id})),
+            RequestOutput(request_id, list(prompt_token_ids), top_logprobs=[] if params.logprobs else None),
+            params,
+            seed,
+            banned,
+            tuple(sorted(set(banned) | {self.eos_token_id})),
         )
 
     def provide_images(self, request_id: str, rows) -> None:
@@ -123,9 +145,15 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
-        return EngineStats(free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks,
-                           free_state_slots=s.num_free_state_slots, total_state_slots=s.num_total_state_slots,
-                           num_waiting=s.num_waiting, num_running=s.num_running, decode_step=s.decode_step)
+        return EngineStats(
+            free_blocks=s.num_free_blocks,
+            total_blocks=s.num_total_blocks,
+            free_state_slots=s.num_free_state_slots,
+            total_state_slots=s.num_total_state_slots,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            decode_step=s.decode_step,
+        )
 
     # ---- the step loop ----------------------------------------------------------------------
 
@@ -165,8 +193,9 @@ class Engine:
         # joins the step's votes and exchanges like every other rank, and the step in flight is updated after it.
         plan = self.scheduler.schedule()
         try:
-            executed = self.worker.execute(plan, self._sampling_rows(plan, previous),
-                                           previous[1] if previous is not None else None)
+            executed = self.worker.execute(
+                plan, self._sampling_rows(plan, previous), previous[1] if previous is not None else None
+            )
         except BaseException:
             if previous is not None:
                 self._in_flight = None
@@ -201,8 +230,9 @@ class Engine:
 
     def _record_step_cost(self, plan: StepPlan, ms: float) -> None:
         if self.step_cost.record(plan.graph_size, ms, plan.num_requests):  # the next batch is most likely this one's
-            self.scheduler.set_step_cost(self.step_cost.curve(plan.num_requests),
-                                         measured=self.step_cost.measured(plan.num_requests))
+            self.scheduler.set_step_cost(
+                self.step_cost.curve(plan.num_requests), measured=self.step_cost.measured(plan.num_requests)
+            )
 
     def _fail(self, plan: StepPlan) -> None:
         """Closes a step the worker never finished: every planned request ends with "error" in the scheduler,
@@ -210,8 +240,9 @@ class Engine:
         n = plan.num_requests
         self.scheduler.update(plan, StepResult([0] * n, [], errors=list(range(n))))
 
-    def _sampling_rows(self, plan: StepPlan, in_flight: tuple[StepPlan, WorkerOutput] | None = None
-                       ) -> list[SamplingRow]:
+    def _sampling_rows(
+        self, plan: StepPlan, in_flight: tuple[StepPlan, WorkerOutput] | None = None
+    ) -> list[SamplingRow]:
         rows = []
         seqlens_k = plan.seqlens_k.tolist()
         # Tokens of the step in flight are not in the outputs yet; counted as accepted, as the scheduler does.
@@ -227,13 +258,22 @@ class Engine:
             num_out = len(req.output.token_ids) + ahead.get(request_ids[i], 0)
             for j in range(n):
                 banned = req.banned_with_eos if num_out + j < self.config.first_n_no_eos else req.banned
-                rows.append(SamplingRow(
-                    temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else -1, top_p=p.top_p,
-                    seed=req.seed, position=seqlens_k[i] - n + 1 + j, forced_top_k=self.config.forced_top_k,
-                    banned_token_ids=banned, num_logprobs=p.logprobs or 0,
-                    forced_token_id=p.forced_token_ids[num_out + j] if num_out + j < len(p.forced_token_ids) else None,
-                    logit_bias=p.logit_bias,
-                ))
+                rows.append(
+                    SamplingRow(
+                        temperature=p.temperature,
+                        top_k=p.top_k if p.top_k > 0 else -1,
+                        top_p=p.top_p,
+                        seed=req.seed,
+                        position=seqlens_k[i] - n + 1 + j,
+                        forced_top_k=self.config.forced_top_k,
+                        banned_token_ids=banned,
+                        num_logprobs=p.logprobs or 0,
+                        forced_token_id=p.forced_token_ids[num_out + j]
+                        if num_out + j < len(p.forced_token_ids)
+                        else None,
+                        logit_bias=p.logit_bias,
+                    )
+                )
         return rows
 
     def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
@@ -270,8 +310,9 @@ class Engine:
                         out.top_logprobs.append(list(zip(top[0][r][:n], top[1][r][:n])))
             changed[update.request_id] = out
             if update.finish_reason is not None:
-                changed[update.request_id] = self._finish(update.request_id, FinishReason.of(update.finish_reason),
-                                                          update.stop_token_id)
+                changed[update.request_id] = self._finish(
+                    update.request_id, FinishReason.of(update.finish_reason), update.stop_token_id
+                )
         return list(changed.values())
 
     def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
@@ -288,22 +329,27 @@ def _merge(first: list[RequestOutput], second: list[RequestOutput]) -> list[Requ
     return first + [o for o in second if id(o) not in seen]
 
 
-def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int,
-                     config: EngineConfig) -> None:
+def validate_request(
+    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, config: EngineConfig
+) -> None:
     """Raises ValueError naming what is wrong with a request for an engine of this vocabulary and config."""
     if len(prompt_token_ids) == 0:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("banned_token_ids", params.banned_token_ids),
-                      ("forced_token_ids", params.forced_token_ids),
-                      ("logit_bias", tuple(t for t, _ in params.logit_bias))):
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("banned_token_ids", params.banned_token_ids),
+        ("forced_token_ids", params.forced_token_ids),
+        ("logit_bias", tuple(t for t, _ in params.logit_bias)),
+    ):
         if any(not 0 <= t < vocab_size for t in ids):
             raise ValueError(f"{name} has an id outside the vocabulary of {vocab_size}")
     if params.forced_token_ids and config.num_speculative_tokens:
-        raise ValueError("forced_token_ids cannot be combined with speculative decoding yet "
-                         "(num_speculative_tokens > 0)")
+        raise ValueError(
+            "forced_token_ids cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
+        )
     total = len(prompt_token_ids) + params.resolved_max_tokens
     if total > config.max_model_len:
         raise ValueError(

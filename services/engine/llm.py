@@ -20,16 +20,24 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", runner: Runner | None = None, worker: Worker | None = None,
-                 source: ModelSource | None = None, **engine_args: object) -> None:
+    def __init__(
+        self,
+        model: str = "tiny",
+        runner: Runner | None = None,
+        worker: Worker | None = None,
+        source: ModelSource | None = None,
+        **engine_args: object,
+    ) -> None:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
         is loaded."""
         self.ranks = None  # the data-parallel group's driver (services/engine/parallel/ranks.py), with dp > 1
         if int(engine_args.get("data_parallel_size", 1)) > 1:  # type: ignore[call-overload]
             if source is not None or runner is not None or worker is not None:
-                raise ValueError("data_parallel_size > 1 starts its own rank processes, each loading the model: "
-                                 "pass model=, not source=, runner= or worker=")
+                raise ValueError(
+                    "data_parallel_size > 1 starts its own rank processes, each loading the model: "
+                    "pass model=, not source=, runner= or worker="
+                )
             self._start_ranks(model, engine_args)
             return
         builds_model = source is None and runner is None and worker is None
@@ -42,28 +50,40 @@ class LLM:
         if source is None:
             # With a remote worker the weights are its own: this process loads config and tokenizer only
             # (and so never touches the device).
-            source = load_model(model, seed=self.config.model_seed, device=self.config.device or "cpu",
-                                load_format=self.config.load_format, precision=self.config.kernel_backend,
-                                weights=worker is None)
+            source = load_model(
+                model,
+                seed=self.config.model_seed,
+                device=self.config.device or "cpu",
+                load_format=self.config.load_format,
+                precision=self.config.kernel_backend,
+                weights=worker is None,
+            )
         self.source = source
         if builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None:
             from services.engine.pool_sizing import size_pools
 
             self.config, self.pool_plan = size_pools(
-                self.source, self.config,
-                lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}))
+                self.source,
+                self.config,
+                lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
+            )
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
         kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
         if worker is not None and self.config.num_speculative_tokens and getattr(worker, "speculator", None) is None:
-            raise ValueError("num_speculative_tokens needs the in-process worker with a speculator: a remote "
-                             "worker's protocol does not carry drafts yet")
+            raise ValueError(
+                "num_speculative_tokens needs the in-process worker with a speculator: a remote "
+                "worker's protocol does not carry drafts yet"
+            )
         if worker is None:
             worker = build_worker(self.source.model, self.config.worker_config(), runner=runner)
         self.engine = Engine(
-            worker, self.config,
-            vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
-            compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window,
+            worker,
+            self.config,
+            vocab_size=cfg.vocab_size,
+            eos_token_id=cfg.eos_token_id,
+            compress_ratios=kv_ratios or [1],
+            window_size=cfg.sliding_window,
         )
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
@@ -86,8 +106,7 @@ class LLM:
             raise ValueError(f"with data_parallel_size > 1 rank r runs on cuda:r; pass device='cuda', not {device!r}")
         self.config = EngineConfig(**{**args, "device": device})  # type: ignore[arg-type]
         self.pool_plan = None
-        self.source = load_model(model, seed=self.config.model_seed, load_format=self.config.load_format,
-                                 weights=False)
+        self.source = load_model(model, seed=self.config.model_seed, load_format=self.config.load_format, weights=False)
         self.tokenizer = self.source.tokenizer
         self._ids = itertools.count()
         self._chat = None
@@ -106,8 +125,12 @@ class LLM:
             return ids if ids[:1] == [bos] else [bos, *ids]
         return [int(t) for t in prompt]
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -118,13 +141,19 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         vision = self.source.config.vision
         if vision is not None and any(vision.image_token_id in ids for ids in encoded):
-            raise ValueError(f"a prompt holds the image placeholder id {vision.image_token_id} without an image; "
-                             "send images as image_url parts through LLM.chat")
+            raise ValueError(
+                f"a prompt holds the image placeholder id {vision.image_token_id} without an image; "
+                "send images as image_url parts through LLM.chat"
+            )
         return self._run(encoded, params_list, [None] * len(encoded), use_tqdm)
 
-    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-             **chat_options: object) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        **chat_options: object,
+    ) -> list[RequestOutput]:
         """OpenAI-style chat ``messages`` (one conversation, or a list of them) rendered by deepseek-recipe,
         ``image_url`` parts included (data URLs, or http(s) fetched with a size limit and timeout); the
         images run through the model's vision tower here. ``chat_options`` are the body's other conversation
@@ -147,22 +176,27 @@ class LLM:
         encoded, images = [], []
         for conversation in conversations:
             rendered = self._chat.render({"messages": list(conversation), **chat_options})
-            ids, rows = expand_images(rendered.token_ids, rendered.image_urls, placeholder,
-                                      self.source.model)  # type: ignore[arg-type]
+            ids, rows = expand_images(rendered.token_ids, rendered.image_urls, placeholder, self.source.model)  # type: ignore[arg-type]
             encoded.append(ids)
             images.append(rows)
         return self._run(encoded, params_list, images, use_tqdm)
 
-    def _run(self, encoded: list[list[int]], params_list: list[SamplingParams],
-             images: list[torch.Tensor | None], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        encoded: list[list[int]],
+        params_list: list[SamplingParams],
+        images: list[torch.Tensor | None],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         """Queues every prompt (``images``: each one's placeholder embeddings or None) and steps until all end."""
         for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
             validate_request(ids, p, self.source.config.vocab_size, self.config)
         request_ids = [str(next(self._ids)) for _ in encoded]  # unique across ranks: one counter here
         if self.ranks is not None:
             if any(rows is not None for rows in images):
-                raise ValueError("images do not reach data-parallel ranks yet; run LLM.chat with images at "
-                                 "data_parallel_size 1")
+                raise ValueError(
+                    "images do not reach data-parallel ranks yet; run LLM.chat with images at data_parallel_size 1"
+                )
             outputs = self.ranks.generate(list(zip(request_ids, encoded, params_list)))
             for out in outputs:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -190,6 +224,5 @@ class LLM:
 
     def stats(self) -> EngineStats:
         if self.ranks is not None:
-            raise ValueError("a data-parallel LLM's pools live in its rank processes; their stats are not "
-                             "gathered yet")
+            raise ValueError("a data-parallel LLM's pools live in its rank processes; their stats are not gathered yet")
         return self.engine.stats()

@@ -43,8 +43,14 @@ def weights_identity(model: str, seed: int, load_format: str) -> str:
     return f"checkpoint {h.hexdigest()}"
 
 
-def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str = "auto",
-               precision: str | None = None, weights: bool = True) -> ModelSource:
+def load_model(
+    model: str,
+    seed: int = 0,
+    device: str = "cpu",
+    load_format: str = "auto",
+    precision: str | None = None,
+    weights: bool = True,
+) -> ModelSource:
     """``model`` is a checkpoint directory or a preset name; a preset's weights come from ``seed``.
 
     On CPU (and on CUDA with ``precision`` None, the torch model) the model is built in fp32, as
@@ -70,8 +76,10 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
         if kernel_form:
             return _random_kernel_source(model, cfg, tokenizer, seed, device, precision, identity)  # type: ignore[arg-type]
         if model in GPU_ONLY:
-            raise ValueError(f"preset {model!r} is built in GPU memory only, in the kernel backend's form "
-                             f"(device cuda with the kernel backend); this engine runs on {device}")
+            raise ValueError(
+                f"preset {model!r} is built in GPU memory only, in the kernel backend's form "
+                f"(device cuda with the kernel backend); this engine runs on {device}"
+            )
         from model.deepseek_v41.init import random_checkpoint
 
         tensors = random_checkpoint(cfg, seed)
@@ -89,13 +97,15 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", load_format: str 
     return ModelSource(str(path), loaded.config, loaded.model.to(device), load_tokenizer(path), identity)
 
 
-def _random_kernel_source(name: str, cfg: ModelConfig, tokenizer: Tokenizer, seed: int, device: str,
-                          precision: str, identity: str) -> ModelSource:
+def _random_kernel_source(
+    name: str, cfg: ModelConfig, tokenizer: Tokenizer, seed: int, device: str, precision: str, identity: str
+) -> ModelSource:
     import torch
 
     from services.worker.kernel_model.gpu_model import build_random_kernel_model
 
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
-    net = build_random_kernel_model(cfg, seed, device, precision,
-                                    None if token_map is None else torch.as_tensor(token_map), num_compressed)
+    net = build_random_kernel_model(
+        cfg, seed, device, precision, None if token_map is None else torch.as_tensor(token_map), num_compressed
+    )
     return ModelSource(name, cfg, net, tokenizer, identity)

@@ -42,15 +42,23 @@ class PoolPlan:
         return (self.num_blocks - 1) * self.block_size
 
     def describe(self, max_model_len: int) -> str:
-        return (f"model {self.model_bytes / 2**30:.1f} GiB, profiled step peak {self.peak_step_bytes / 2**30:.1f} GiB "
-                f"of a {self.budget_bytes / 2**30:.1f} GiB budget; pools: {self.num_blocks} blocks "
-                f"({self.num_blocks * self.block_bytes / 2**30:.2f} GiB, {self.max_tokens} tokens), "
-                f"{self.num_state_slots} state slots ({self.num_state_slots * self.slot_bytes / 2**30:.2f} GiB); "
-                f"longest context that fits: {min(max_model_len, self.max_tokens)} tokens")
+        return (
+            f"model {self.model_bytes / 2**30:.1f} GiB, profiled step peak {self.peak_step_bytes / 2**30:.1f} GiB "
+            f"of a {self.budget_bytes / 2**30:.1f} GiB budget; pools: {self.num_blocks} blocks "
+            f"({self.num_blocks * self.block_bytes / 2**30:.2f} GiB, {self.max_tokens} tokens), "
+            f"{self.num_state_slots} state slots ({self.num_state_slots * self.slot_bytes / 2**30:.2f} GiB); "
+            f"longest context that fits: {min(max_model_len, self.max_tokens)} tokens"
+        )
 
 
-def plan_blocks(budget_bytes: int, peak_step_bytes: int, block_bytes: int, slot_bytes: int, num_state_slots: int,
-                graph_reserve_bytes: int = GRAPH_RESERVE_BYTES) -> int:
+def plan_blocks(
+    budget_bytes: int,
+    peak_step_bytes: int,
+    block_bytes: int,
+    slot_bytes: int,
+    num_state_slots: int,
+    graph_reserve_bytes: int = GRAPH_RESERVE_BYTES,
+) -> int:
     """Blocks that fit in what the budget leaves (may be ≤ 0: the caller refuses)."""
     free = budget_bytes - peak_step_bytes - num_state_slots * slot_bytes - graph_reserve_bytes
     return free // block_bytes
@@ -70,8 +78,9 @@ def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig
     num_slots = config.resolved_num_state_slots()
     prompt_len = min(config.max_num_batched_tokens, config.max_model_len - 1)
     probe_blocks = -(-(prompt_len + 1) // config.block_size) + 1
-    probe = config.replace(num_blocks=probe_blocks, num_state_slots=2, max_num_seqs=1, cuda_graphs=False,
-                           async_scheduling=False)
+    probe = config.replace(
+        num_blocks=probe_blocks, num_state_slots=2, max_num_seqs=1, cuda_graphs=False, async_scheduling=False
+    )
     model_bytes = sum(t.numel() * t.element_size() for t in [*source.model.parameters(), *source.model.buffers()])
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -90,11 +99,14 @@ def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig
     num_blocks = plan_blocks(budget, peak + outside, block_bytes, slot_bytes, num_slots)
     needed = -(-config.max_model_len // config.block_size) + 1
     if num_blocks < needed:
-        raise ValueError(f"not enough GPU memory for one request of max_model_len={config.max_model_len}: "
-                         f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB budget, the model and one step "
-                         f"take {(peak + outside) / 2**30:.1f} GiB, leaving room for {max(num_blocks, 0)} blocks "
-                         f"of the {needed} needed; raise --gpu-memory-utilization or lower --max-model-len")
-    plan = PoolPlan(num_blocks, num_slots, block_bytes, slot_bytes, model_bytes, peak + outside, budget,
-                    config.block_size)
+        raise ValueError(
+            f"not enough GPU memory for one request of max_model_len={config.max_model_len}: "
+            f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB budget, the model and one step "
+            f"take {(peak + outside) / 2**30:.1f} GiB, leaving room for {max(num_blocks, 0)} blocks "
+            f"of the {needed} needed; raise --gpu-memory-utilization or lower --max-model-len"
+        )
+    plan = PoolPlan(
+        num_blocks, num_slots, block_bytes, slot_bytes, model_bytes, peak + outside, budget, config.block_size
+    )
     log.info("%s", plan.describe(config.max_model_len))
     return config.replace(num_blocks=num_blocks), plan

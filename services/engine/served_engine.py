@@ -34,8 +34,15 @@ class Api(Protocol):
 class ServedEngine:
     """``llm``'s engine behind an `EngineService`, with what an API needs to describe and watch it."""
 
-    def __init__(self, llm: LLM, *, served_model_name: str, replica: str,
-                 max_queued: int = DEFAULT_MAX_QUEUED, image_encoder: ImageEncoder | None = None) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        served_model_name: str,
+        replica: str,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        image_encoder: ImageEncoder | None = None,
+    ) -> None:
         """``image_encoder``: where image requests are encoded (the multimodal service); None: the model's own
         tower in this process, when it has one and the worker is in-process."""
         self.llm = llm
@@ -45,16 +52,32 @@ class ServedEngine:
         # The renderer encodes with the V4.1 tokenizer, so only a model with that vocabulary renders chat.
         self.chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
         refusal = _image_refusal(llm, image_encoder)
-        self.images = ImagePrompts(cfg.vision, llm.tokenizer.token_to_id(IMAGE_PLACEHOLDER),
-                                   (image_encoder or _own_tower(llm)) if cfg.vision is not None and refusal is None
-                                   else None, refusal=refusal)
-        self.info = ModelInfo(model=served_model_name, vocab_size=cfg.vocab_size,
-                              max_model_len=llm.config.max_model_len, bos_token_id=cfg.bos_token_id,
-                              eos_token_id=cfg.eos_token_id, max_num_seqs=llm.config.max_num_seqs)
+        self.images = ImagePrompts(
+            cfg.vision,
+            llm.tokenizer.token_to_id(IMAGE_PLACEHOLDER),
+            (image_encoder or _own_tower(llm)) if cfg.vision is not None and refusal is None else None,
+            refusal=refusal,
+        )
+        self.info = ModelInfo(
+            model=served_model_name,
+            vocab_size=cfg.vocab_size,
+            max_model_len=llm.config.max_model_len,
+            bos_token_id=cfg.bos_token_id,
+            eos_token_id=cfg.eos_token_id,
+            max_num_seqs=llm.config.max_num_seqs,
+        )
         stats = self.service.stats()
-        self.service.observer.metrics = EngineMetrics(self.metrics.registry, self.service.stats, self.info.model, {
-            "engine": replica, "block_size": llm.config.block_size,
-            "num_gpu_blocks": stats.total_blocks, "num_state_slots": stats.total_state_slots})
+        self.service.observer.metrics = EngineMetrics(
+            self.metrics.registry,
+            self.service.stats,
+            self.info.model,
+            {
+                "engine": replica,
+                "block_size": llm.config.block_size,
+                "num_gpu_blocks": stats.total_blocks,
+                "num_state_slots": stats.total_state_slots,
+            },
+        )
 
     async def start(self, api: Api) -> None:
         """Starts the step thread, then the listeners; a failed start leaves no thread behind."""
@@ -70,8 +93,9 @@ class ServedEngine:
         the step thread exits; then the listeners close."""
         await api.close_intake()
         if not await self.service.drain(drain_timeout_s):
-            log.warning("%d requests still live after %.0f s; aborting them", self.service.num_unfinished(),
-                        drain_timeout_s)
+            log.warning(
+                "%d requests still live after %.0f s; aborting them", self.service.num_unfinished(), drain_timeout_s
+            )
         self.service.stop()  # aborts the rest; the step thread finishes every request before it exits
         await api.stop()
 
@@ -84,8 +108,10 @@ def _image_refusal(llm: LLM, image_encoder: ImageEncoder | None) -> str | None:
     if getattr(llm.engine.worker, "set_images", None) is None:
         return f"this engine takes no images: its worker ({type(llm.engine.worker).__name__}) takes no image embeddings"
     if image_encoder is None and llm.source.model is None:
-        return ("this engine takes no images: its worker is remote (the weights are there, not here) and it has no "
-                "multimodal service to encode them; start it with --multimodal HOST:PORT")
+        return (
+            "this engine takes no images: its worker is remote (the weights are there, not here) and it has no "
+            "multimodal service to encode them; start it with --multimodal HOST:PORT"
+        )
     return None
 
 

@@ -77,8 +77,15 @@ class Delta:
 class RequestStream:
     """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
 
-    def __init__(self, service: EngineService, request_id: str, client_request_id: str,
-                 loop: asyncio.AbstractEventLoop, times: RequestTimes, num_prompt_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        service: EngineService,
+        request_id: str,
+        client_request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        times: RequestTimes,
+        num_prompt_tokens: int = 0,
+    ) -> None:
         self.service = service
         self.times = times  # phase boundaries, written by the step thread only
         self.request_id = request_id  # unique among the live requests; the scheduler's id for it
@@ -129,8 +136,15 @@ class _Abort:
 
 
 class EngineService:
-    def __init__(self, engine: Engine, *, replica: str = "engine-0", max_queued: int = DEFAULT_MAX_QUEUED,
-                 idle_wait_s: float = 0.05, observer: EngineObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        replica: str = "engine-0",
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        idle_wait_s: float = 0.05,
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.engine = engine
         # Phase times, metrics and spans; its `metrics` may be set until start().
         self.observer = observer or EngineObserver()
@@ -190,8 +204,14 @@ class EngineService:
         """Raises ValueError naming what is wrong. Reads only the engine's fixed configuration."""
         self.engine.validate(prompt_token_ids, params)
 
-    def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-               params: SamplingParams, ready: bool = True) -> RequestStream:
+    def submit(
+        self,
+        request_id: str,
+        client_request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        ready: bool = True,
+    ) -> RequestStream:
         """Validates and queues a request; raises ValueError (also for a ``request_id`` already live),
         QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream.
         ``ready=False``: the request waits for ``provide_images`` (or ends when its stream is closed)."""
@@ -205,8 +225,14 @@ class EngineService:
                 raise QueueFull(len(self._streams))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            stream = RequestStream(self, request_id, client_request_id, asyncio.get_running_loop(),
-                                   self.observer.submitted(), len(prompt_token_ids))
+            stream = RequestStream(
+                self,
+                request_id,
+                client_request_id,
+                asyncio.get_running_loop(),
+                self.observer.submitted(),
+                len(prompt_token_ids),
+            )
             self._streams[request_id] = stream
         self._send(_Add(request_id, list(prompt_token_ids), params, ready))
         return stream
@@ -219,8 +245,11 @@ class EngineService:
     def abort(self, client_request_id: str) -> bool:
         """Aborts every live request with this client id; False when there is none (idempotent)."""
         with self._lock:
-            ids = [request_id for request_id, s in self._streams.items()
-                   if s.client_request_id == client_request_id and not s.finished]
+            ids = [
+                request_id
+                for request_id, s in self._streams.items()
+                if s.client_request_id == client_request_id and not s.finished
+            ]
         if ids:
             self._send(_Abort(ids))
         return bool(ids)
@@ -258,9 +287,19 @@ class EngineService:
     def _run_lockstep(self) -> None:
         from services.engine.parallel.lockstep_loop import LockstepLoop, ServiceSteps
 
-        LockstepLoop(self.engine, self._vote, ServiceSteps(
-            apply_commands=self._apply_commands, step=self._step, publish=self._publish, wait=self._wait,
-            stopping=self._stopping, lose=self._lose_group, end_all=self._end_all)).run()
+        LockstepLoop(
+            self.engine,
+            self._vote,
+            ServiceSteps(
+                apply_commands=self._apply_commands,
+                step=self._step,
+                publish=self._publish,
+                wait=self._wait,
+                stopping=self._stopping,
+                lose=self._lose_group,
+                end_all=self._end_all,
+            ),
+        ).run()
 
     def _publish(self) -> None:
         self._snapshot = self.engine.stats()
@@ -288,8 +327,9 @@ class EngineService:
                 return
             if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            ready=command.ready)
+                    self.engine.add_request(
+                        command.request_id, command.prompt_token_ids, command.params, ready=command.ready
+                    )
                 except Exception as err:  # validated already; a failure here is a bug, not bad input
                     log.exception("add_request %s failed", command.request_id)
                     self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
@@ -343,9 +383,11 @@ class EngineService:
                 stream.finished = True
                 del self._streams[out.request_id]
         delta = Delta(
-            token_ids=out.token_ids[start:], logprobs=out.logprobs[start:],
+            token_ids=out.token_ids[start:],
+            logprobs=out.logprobs[start:],
             top_logprobs=out.top_logprobs[start:] if out.top_logprobs is not None else None,
-            num_output_tokens=len(out.token_ids), finish_reason=out.finish_reason,
+            num_output_tokens=len(out.token_ids),
+            finish_reason=out.finish_reason,
             stop_token_id=out.stop_token_id,
         )
         if delta.token_ids:
@@ -354,8 +396,7 @@ class EngineService:
             self.observer.finished(stream.times, out.finish_reason or FinishReason.ERROR, len(out.token_ids))
         self._post(stream, delta)
 
-    def _deliver_final(self, request_id: str, reason: FinishReason, stop_token_id: int | None,
-                       why: str | None) -> None:
+    def _deliver_final(self, request_id: str, reason: FinishReason, stop_token_id: int | None, why: str | None) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is None:

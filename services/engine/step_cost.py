@@ -110,8 +110,7 @@ class _SizeTimes:
         return {size: (self._total_ms[size] / self._count[size], self._count[size]) for size in sorted(self._total_ms)}
 
 
-def _non_decreasing(xs: Sequence[int], ys: Sequence[float], weights: Sequence[int]
-                    ) -> tuple[list[float], list[float]]:
+def _non_decreasing(xs: Sequence[int], ys: Sequence[float], weights: Sequence[int]) -> tuple[list[float], list[float]]:
     """Pool-adjacent-violators: the non-decreasing ys closest to ``ys`` in weighted least squares; a pooled run
     keeps one point at its weighted mean size, so every kept point is a measurement or a mean of them."""
     blocks: list[list[float]] = []  # [weighted size sum, weighted time sum, weight]

@@ -26,13 +26,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kern.set_defaults(func=_run_kernels)
     from services.bench.step import run as step  # stdlib-only at import, like kernels
 
-    step_parser = targets.add_parser("step", help="whole engine steps against the hardware floor; eager vs compiled vs engine")
+    step_parser = targets.add_parser(
+        "step", help="whole engine steps against the hardware floor; eager vs compiled vs engine"
+    )
     step.add_arguments(step_parser)
     step_parser.set_defaults(func=_run_step)
     from services.bench import accuracy  # stdlib-only at import too
 
-    acc = targets.add_parser("accuracy",
-                             help="KL and top-1 of the kernel backend (fp8, fp32) against the fp32 torch runner")
+    acc = targets.add_parser(
+        "accuracy", help="KL and top-1 of the kernel backend (fp8, fp32) against the fp32 torch runner"
+    )
     accuracy.add_arguments(acc)
     acc.set_defaults(func=_run_accuracy)
     gen = targets.add_parser("generate", help="tokens/s of LLM(model='tiny').generate at several batch sizes")
@@ -41,8 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     gen.add_argument("--block-size", type=int, default=128, help="paged block size (default 128)")
     gen.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    gen.add_argument("--runner", choices=("cached", "reference"), default="cached",
-                     help="the cached model runner, or the full-recompute reference runner")
+    gen.add_argument(
+        "--runner",
+        choices=("cached", "reference"),
+        default="cached",
+        help="the cached model runner, or the full-recompute reference runner",
+    )
     gen.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     gen.set_defaults(func=_run_generate)
     spec = targets.add_parser("speculative", help="tokens/s with DSpark drafts at forced acceptance rates vs off")

@@ -47,8 +47,7 @@ def _register_unavailable(subparsers: argparse._SubParsersAction, command: str, 
         raise UsageError(f"needs {err.name}, which is not importable ({err}); build it with `. scripts/dev/dev-env.sh`")
 
     # No option prefix: every argument lands in "rest", so the missing dependency is the error reported.
-    parser = subparsers.add_parser(command, help=f"unavailable: needs {err.name}", add_help=False,
-                                   prefix_chars="\x00")
+    parser = subparsers.add_parser(command, help=f"unavailable: needs {err.name}", add_help=False, prefix_chars="\x00")
     parser.add_argument("rest", nargs="*")
     parser.set_defaults(func=unavailable)
 
@@ -63,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as err:  # a parser that registered, then a command needing what is not built
         if err.name is None or not err.name.startswith("scheduler_rs"):
             raise
-        print(f"shinkai {args.command}: error: needs {err.name}, which is not importable ({err}); build it with "
-              "`. scripts/dev/dev-env.sh`", file=sys.stderr)
+        print(
+            f"shinkai {args.command}: error: needs {err.name}, which is not importable ({err}); build it with "
+            "`. scripts/dev/dev-env.sh`",
+            file=sys.stderr,
+        )
         return 2
 
 

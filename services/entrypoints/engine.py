@@ -30,8 +30,17 @@ class EngineEndpoint:
     behind the API's frontend, which takes the gateway's request ids. ``stop()`` drains as `shinkai serve`
     does (`ServedEngine.stop`)."""
 
-    def __init__(self, llm, *, replica: str, host: str, grpc_port: int, drain_timeout_s: float,
-                 served_model_name: str, image_encoder=None) -> None:
+    def __init__(
+        self,
+        llm,
+        *,
+        replica: str,
+        host: str,
+        grpc_port: int,
+        drain_timeout_s: float,
+        served_model_name: str,
+        image_encoder=None,
+    ) -> None:
         from services.engine.served_engine import ServedEngine
         from services.gateway.api_server import ApiServer
         from services.gateway.backends import LocalEngine, LocalTokenizer
@@ -39,17 +48,23 @@ class EngineEndpoint:
 
         self.llm = llm
         self.drain_timeout_s = drain_timeout_s
-        self.served = ServedEngine(llm, served_model_name=served_model_name, replica=replica,
-                                   image_encoder=image_encoder)
+        self.served = ServedEngine(
+            llm, served_model_name=served_model_name, replica=replica, image_encoder=image_encoder
+        )
         self.engine = self.served.service
         self.metrics = self.served.metrics
-        frontend = Frontend(self.served.info, LocalEngine(self.engine, self.served.images),
-                            LocalTokenizer(llm, self.served.chat, detokenize=False), self.metrics,
-                            takes_request_ids=True)
+        frontend = Frontend(
+            self.served.info,
+            LocalEngine(self.engine, self.served.images),
+            LocalTokenizer(llm, self.served.chat, detokenize=False),
+            self.metrics,
+            takes_request_ids=True,
+        )
         # A gateway forwards a chat's images as bytes: up to max_images of max_bytes each, with the prompt.
         limits = self.served.images.limits
-        self.api = ApiServer(frontend, host, None, grpc_port,
-                             max_receive_bytes=limits.max_images * limits.max_bytes + 16 * 2**20)
+        self.api = ApiServer(
+            frontend, host, None, grpc_port, max_receive_bytes=limits.max_images * limits.max_bytes + 16 * 2**20
+        )
 
     async def start(self) -> None:
         await self.served.start(self.api)
@@ -107,8 +122,9 @@ async def run(args: argparse.Namespace) -> int:
     from services.engine.llm import LLM
     from services.engine.reporting.reporter import LoadReporter
 
-    engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
-                   if v is not None}
+    engine_args = {
+        k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v is not None
+    }
     if args.batch_invariant:
         engine_args["batch_invariant"] = True
     if args.engram_on_host:
@@ -133,8 +149,9 @@ async def run(args: argparse.Namespace) -> int:
             from services.engine.remote.remote_worker import RemoteWorker
 
             remote = RemoteWorker(args.worker)
-        llm = start_rank(args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)},
-                         remote)
+        llm = start_rank(
+            args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)}, remote
+        )
         if remote is not None:
             remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
     elif args.worker:
@@ -150,9 +167,15 @@ async def run(args: argparse.Namespace) -> int:
         from services.engine.images.encoder import MultimodalClient
 
         image_encoder = MultimodalClient(args.multimodal)
-    server = EngineEndpoint(llm, replica=args.replica, host=args.host, grpc_port=args.grpc_port,
-                            drain_timeout_s=args.drain_timeout, served_model_name=args.served_model_name or args.model,
-                            image_encoder=image_encoder)
+    server = EngineEndpoint(
+        llm,
+        replica=args.replica,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        drain_timeout_s=args.drain_timeout,
+        served_model_name=args.served_model_name or args.model,
+        image_encoder=image_encoder,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,8 +214,20 @@ async def run(args: argparse.Namespace) -> int:
         await PlanIntake(llm.rank.live).subscribe(reporter.nc)
     worker = publisher.worker if publisher is not None else server.llm.engine.worker
     runner = f"remote worker {args.worker}" if args.worker else type(worker.runner).__name__
-    print(json.dumps({"event": "ready", "service": "engine", "replica": args.replica, "grpc": address,
-                      "grpc_port": server.api.grpc_port, "metrics_port": metrics_port, "runner": runner}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "service": "engine",
+                "replica": args.replica,
+                "grpc": address,
+                "grpc_port": server.api.grpc_port,
+                "metrics_port": metrics_port,
+                "runner": runner,
+            }
+        ),
+        flush=True,
+    )
     watch = None
     if args.data_parallel_size > 1:  # a rank's lost worker fails its next step, which loses the group for good
         watch = asyncio.create_task(watch_group(server.engine, server.api, reporter))
@@ -207,8 +242,10 @@ async def run(args: argparse.Namespace) -> int:
     await server.stop()
     if reporter is not None:
         await reporter.stop()
-    print(json.dumps({"event": "stopped", "service": "engine", "pools": dataclasses.asdict(server.engine.stats())}),
-          flush=True)
+    print(
+        json.dumps({"event": "stopped", "service": "engine", "pools": dataclasses.asdict(server.engine.stats())}),
+        flush=True,
+    )
     return 0
 
 
@@ -222,13 +259,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     p.add_argument("--nats-url", default=None, help="publish load reports and lifecycle events here")
     p.add_argument("--worker", default=None, help="host:port of a worker process (default: in-process)")
-    p.add_argument("--multimodal", default=None,
-                   help="host:port of the multimodal service that encodes images (default: the model's own tower "
-                        "in this process)")
+    p.add_argument(
+        "--multimodal",
+        default=None,
+        help="host:port of the multimodal service that encodes images (default: the model's own tower in this process)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)",
+    )
+    p.add_argument(
+        "--engram-on-host",
+        action="store_true",
+        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
@@ -238,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     add_speculative_arguments(p)
     add_parallel_arguments(p)
     p.add_argument("--dp-rank", type=int, default=0, help="this engine's rank in its data-parallel group")
-    p.add_argument("--dp-rendezvous", default=None,
-                   help="tcp://host:port where the group's ranks meet (rank 0 listens there); needed with --dp > 1")
+    p.add_argument(
+        "--dp-rendezvous",
+        default=None,
+        help="tcp://host:port where the group's ranks meet (rank 0 listens there); needed with --dp > 1",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

@@ -34,24 +34,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-ranks", type=int, default=1, help="engine ranks reporting each step")
     p.add_argument("--interval", type=int, default=10_000, help="re-plan every K steps, first at K/4")
     p.add_argument("--window", type=int, default=1_000)
-    p.add_argument("--holdout", type=int, default=None,
-                   help="latest window steps kept for scoring only (default: window // 4; 0: off)")
+    p.add_argument(
+        "--holdout",
+        type=int,
+        default=None,
+        help="latest window steps kept for scoring only (default: window // 4; 0: off)",
+    )
     p.add_argument("--policy", choices=POLICIES, default="guarded")
     p.add_argument("--threshold", type=float, default=0.01)
-    p.add_argument("--tolerance", type=float, default=0.002,
-                   help="guarded: moe_lb above the best found worth accepting to move fewer experts")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.002,
+        help="guarded: moe_lb above the best found worth accepting to move fewer experts",
+    )
     return p
 
 
 async def _main(args: argparse.Namespace) -> int:
     config = ServiceConfig(
         planner=PlannerConfig(
-            num_logical=args.num_experts, num_gpus=args.num_gpus, num_redundant=args.num_redundant,
-            num_layers=args.num_layers, num_ranks=args.num_ranks, interval=args.interval,
-            window=args.window, holdout=args.window // 4 if args.holdout is None else args.holdout,
+            num_logical=args.num_experts,
+            num_gpus=args.num_gpus,
+            num_redundant=args.num_redundant,
+            num_layers=args.num_layers,
+            num_ranks=args.num_ranks,
+            interval=args.interval,
+            window=args.window,
+            holdout=args.window // 4 if args.holdout is None else args.holdout,
             plan=PlanConfig(policy=args.policy, threshold=args.threshold, tolerance=args.tolerance),
         ),
-        nats_url=args.nats_url, health_addr=args.health_addr, metrics_port=args.metrics_port,
+        nats_url=args.nats_url,
+        health_addr=args.health_addr,
+        metrics_port=args.metrics_port,
     )
     tracing.setup("shinkai-eplb")
     service = PlannerService(config)
@@ -62,11 +77,16 @@ async def _main(args: argparse.Namespace) -> int:
         if service.stop_requested:
             print("eplb planner: stopped before it was ready", flush=True)
             return 0
-        print(f"eplb planner: error: could not start with NATS at {args.nats_url} within "
-              f"{args.connect_timeout} s", file=sys.stderr)
+        print(
+            f"eplb planner: error: could not start with NATS at {args.nats_url} within {args.connect_timeout} s",
+            file=sys.stderr,
+        )
         return 1
-    print(f"eplb planner ready: health port {service.health_port}, metrics port {service.metrics_port}, "
-          f"subscribed to {subjects.EXPERT_LOAD}", flush=True)
+    print(
+        f"eplb planner ready: health port {service.health_port}, metrics port {service.metrics_port}, "
+        f"subscribed to {subjects.EXPERT_LOAD}",
+        flush=True,
+    )
     await service.run_until_stopped()
     print(f"eplb planner drained: {service.planner.version} plans published", flush=True)
     return 0

@@ -1,10 +1,10 @@
 """`shinkai eplb`: plan a layout from recorded loads, replay a trace under each mode, make a test trace.
 
-    shinkai eplb plan --load FILE --num-gpus G --num-redundant R [--current LAYOUT.json]
-                      [--policy deepinfer|deepseek|guarded] [--output PLAN.json]
-    shinkai eplb simulate --trace FILE --interval K --window W [--plot PNG] [--output RESULT.json]
-    shinkai eplb compare [--per-shape 40] [--window]   (guarded against DeepSeek's reference)
-    shinkai eplb trace --num-experts E --steps T --output FILE   (drifting Zipf, for simulate)
+shinkai eplb plan --load FILE --num-gpus G --num-redundant R [--current LAYOUT.json]
+                  [--policy deepinfer|deepseek|guarded] [--output PLAN.json]
+shinkai eplb simulate --trace FILE --interval K --window W [--plot PNG] [--output RESULT.json]
+shinkai eplb compare [--per-shape 40] [--window]   (guarded against DeepSeek's reference)
+shinkai eplb trace --num-experts E --steps T --output FILE   (drifting Zipf, for simulate)
 """
 
 from __future__ import annotations
@@ -62,25 +62,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = commands.add_parser("plan", help="plan one layer's layout from recorded loads")
     p.add_argument("--load", required=True, help="steps × experts token counts (.json, .npy or .csv)")
     p.add_argument("--num-gpus", type=_positive, required=True, help="expert-parallel size")
-    p.add_argument("--num-redundant", type=_non_negative, required=True,
-                   help="at least this many extra copies (rounded up so slots divide by GPUs)")
-    p.add_argument("--current", help="layout now in use (JSON with phy2log and num_gpus, or a plan); "
-                                     "default: the start-up layout")
-    p.add_argument("--policy", choices=("deepinfer", "deepseek", "guarded"), default="guarded",
-                   help="deepinfer / deepseek: apply that policy unchecked; guarded (default): fewest moves "
-                        "within --tolerance of the best layout found, applied only if it gains --threshold")
-    p.add_argument("--threshold", type=_non_negative_float, default=0.01,
-                   help="least drop in moe_lb for a guarded plan to apply (default 0.01)")
-    p.add_argument("--tolerance", type=_non_negative_float, default=0.002,
-                   help="guarded: moe_lb above the best found worth accepting to move fewer experts "
-                        "(default 0.002)")
-    p.add_argument("--num-groups", type=_positive, default=1,
-                   help="deepseek: expert groups; hierarchical when --num-nodes divides it (default 1)")
+    p.add_argument(
+        "--num-redundant",
+        type=_non_negative,
+        required=True,
+        help="at least this many extra copies (rounded up so slots divide by GPUs)",
+    )
+    p.add_argument(
+        "--current", help="layout now in use (JSON with phy2log and num_gpus, or a plan); default: the start-up layout"
+    )
+    p.add_argument(
+        "--policy",
+        choices=("deepinfer", "deepseek", "guarded"),
+        default="guarded",
+        help="deepinfer / deepseek: apply that policy unchecked; guarded (default): fewest moves "
+        "within --tolerance of the best layout found, applied only if it gains --threshold",
+    )
+    p.add_argument(
+        "--threshold",
+        type=_non_negative_float,
+        default=0.01,
+        help="least drop in moe_lb for a guarded plan to apply (default 0.01)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=_non_negative_float,
+        default=0.002,
+        help="guarded: moe_lb above the best found worth accepting to move fewer experts (default 0.002)",
+    )
+    p.add_argument(
+        "--num-groups",
+        type=_positive,
+        default=1,
+        help="deepseek: expert groups; hierarchical when --num-nodes divides it (default 1)",
+    )
     p.add_argument("--num-nodes", type=_positive, default=1, help="deepseek: server nodes (default 1)")
     p.add_argument("--holdout", help="a later load window (same format) the guarded plan must also improve")
     p.add_argument("--no-local-search", action="store_true", help="skip the guarded local-search pass")
-    p.add_argument("--expert-bytes", type=_byte_count, default=None,
-                   help="weight bytes per expert copy (default: DeepSeek-V4.1 MXFP4, 18,800,640)")
+    p.add_argument(
+        "--expert-bytes",
+        type=_byte_count,
+        default=None,
+        help="weight bytes per expert copy (default: DeepSeek-V4.1 MXFP4, 18,800,640)",
+    )
     p.add_argument("--output", help="write the plan as JSON here")
     p.set_defaults(func=_plan)
 
@@ -90,13 +114,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--window", type=_positive, required=True, help="plan from the last W steps")
     s.add_argument("--num-gpus", type=_positive, default=8)
     s.add_argument("--num-redundant", type=_non_negative, default=8)
-    s.add_argument("--modes", default="static,deepinfer,deepseek,guarded",
-                   help="comma-separated among static, deepinfer, deepseek, guarded")
+    s.add_argument(
+        "--modes",
+        default="static,deepinfer,deepseek,guarded",
+        help="comma-separated among static, deepinfer, deepseek, guarded",
+    )
     s.add_argument("--threshold", type=_non_negative_float, default=0.01)
     s.add_argument("--tolerance", type=_non_negative_float, default=0.002)
-    s.add_argument("--holdout", type=_non_negative, default=None,
-                   help="keep the window's last N steps out of planning; guarded must improve them too "
-                        "(default: window // 4; 0 turns it off)")
+    s.add_argument(
+        "--holdout",
+        type=_non_negative,
+        default=None,
+        help="keep the window's last N steps out of planning; guarded must improve them too "
+        "(default: window // 4; 0 turns it off)",
+    )
     s.add_argument("--no-local-search", action="store_true")
     s.add_argument("--plot", help="save moe_lb over time and moves per re-plan as a PNG")
     s.add_argument("--output", help="write the per-mode results as JSON")
@@ -105,8 +136,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     c = commands.add_parser("compare", help="guarded against DeepSeek's reference policy on seeded loads")
     c.add_argument("--per-shape", type=_positive, default=40, help="seeded loads per shape (default 40)")
-    c.add_argument("--window", action="store_true",
-                   help="score on the 8-step windows (default: on their sum, the reference's own input)")
+    c.add_argument(
+        "--window",
+        action="store_true",
+        help="score on the 8-step windows (default: on their sum, the reference's own input)",
+    )
     c.add_argument("--threshold", type=_non_negative_float, default=0.01)
     c.add_argument("--tolerance", type=_non_negative_float, default=0.002)
     c.set_defaults(func=_compare)
@@ -116,8 +150,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--steps", type=_positive, required=True)
     t.add_argument("--tokens-per-step", type=lambda text: _integer(text, 0, 1 << 40), default=4096)
     t.add_argument("--exponent", type=_non_negative_float, default=1.0, help="Zipf exponent")
-    t.add_argument("--drift", type=_non_negative_float, default=0.03,
-                   help="random-walk step of each expert's log-popularity per step")
+    t.add_argument(
+        "--drift",
+        type=_non_negative_float,
+        default=0.03,
+        help="random-walk step of each expert's log-popularity per step",
+    )
     t.add_argument("--seed", type=_non_negative, default=0)
     t.add_argument("--output", required=True, help=".npy, .csv or .json")
     t.set_defaults(func=_trace)
@@ -176,17 +214,25 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(load, current, config, holdout=holdout)
     wall, cpu = time.perf_counter() - began_wall, time.process_time() - began_cpu
     verdict = "applied" if result.applied else "rejected"
-    print(f"policy {result.policy}: {load.shape[0]} steps, {num_logical} experts, {current.num_gpus} GPUs × "
-          f"{current.slots_per_gpu} slots ({current.num_slots - num_logical} redundant)")
-    print(f"moe_lb current {result.moe_lb_before:.4f}, candidate {result.moe_lb_candidate:.4f}: {verdict} "
-          f"({result.reason})")
+    print(
+        f"policy {result.policy}: {load.shape[0]} steps, {num_logical} experts, {current.num_gpus} GPUs × "
+        f"{current.slots_per_gpu} slots ({current.num_slots - num_logical} redundant)"
+    )
+    print(
+        f"moe_lb current {result.moe_lb_before:.4f}, candidate {result.moe_lb_candidate:.4f}: {verdict} "
+        f"({result.reason})"
+    )
     if result.holdout_before is not None:
         print(f"held-out window: current {result.holdout_before:.4f}, candidate {result.holdout_candidate:.4f}")
-    print(f"moe_lb after {result.moe_lb_after:.4f}; moves {result.moves} "
-          f"({result.bytes_moved / 1e6:.1f} MB); the candidate alone would move {result.candidate_moves}")
+    print(
+        f"moe_lb after {result.moe_lb_after:.4f}; moves {result.moves} "
+        f"({result.bytes_moved / 1e6:.1f} MB); the candidate alone would move {result.candidate_moves}"
+    )
     if result.tradeoff:
-        print(f"trade-off seen (fewest moves at each moe_lb; the pick is the fewest moves within "
-              f"{args.tolerance} of the best, from {result.source}):")
+        print(
+            f"trade-off seen (fewest moves at each moe_lb; the pick is the fewest moves within "
+            f"{args.tolerance} of the best, from {result.source}):"
+        )
         for point in result.tradeoff:
             print(f"  moe_lb {point.moe_lb:.4f}  moves {point.moves:>5}  {point.source}")
     print(f"planned in {wall:.2f} s ({cpu:.2f} s CPU)")
@@ -216,24 +262,37 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--holdout {args.holdout} must be smaller than --window {args.window}")
     if args.interval >= trace.shape[0]:
         raise UsageError(f"--interval {args.interval} must be shorter than the trace ({trace.shape[0]} steps)")
-    config = PlanConfig(threshold=args.threshold, tolerance=args.tolerance,
-                        local_search=not args.no_local_search)
+    config = PlanConfig(threshold=args.threshold, tolerance=args.tolerance, local_search=not args.no_local_search)
     points = replan_steps(trace.shape[0], args.interval)
     total = len(points) * sum(m != "static" for m in modes)
     runs = []
     with tqdm(total=total, desc="re-plans", unit="plan", disable=args.no_progress) as bar:
         for mode in modes:
             bar.set_postfix_str(mode)
-            runs.append(run_mode(trace, mode, num_gpus=args.num_gpus, num_redundant=args.num_redundant,
-                                 interval=args.interval, window=args.window, config=config,
-                                 holdout=args.holdout, on_replan=lambda: bar.update(1)))
-    print(f"{trace.shape[0]} steps × {trace.shape[1]} experts, {args.num_gpus} GPUs, re-plan every "
-          f"{args.interval} (first at {points[0] if points else '-'}), window {args.window}")
+            runs.append(
+                run_mode(
+                    trace,
+                    mode,
+                    num_gpus=args.num_gpus,
+                    num_redundant=args.num_redundant,
+                    interval=args.interval,
+                    window=args.window,
+                    config=config,
+                    holdout=args.holdout,
+                    on_replan=lambda: bar.update(1),
+                )
+            )
+    print(
+        f"{trace.shape[0]} steps × {trace.shape[1]} experts, {args.num_gpus} GPUs, re-plan every "
+        f"{args.interval} (first at {points[0] if points else '-'}), window {args.window}"
+    )
     print(f"{'mode':<10} {'moe_lb':>7} {'re-plans':>8} {'applied':>7} {'moves':>6} {'moves/re-plan':>13}")
     for run in runs:
         s = run.summary()
-        print(f"{s['mode']:<10} {s['moe_lb']:>7.4f} {s['replans']:>8} {s['applied']:>7} {s['total_moves']:>6} "
-              f"{s['moves_per_replan']:>13.1f}")
+        print(
+            f"{s['mode']:<10} {s['moe_lb']:>7.4f} {s['replans']:>8} {s['applied']:>7} {s['total_moves']:>6} "
+            f"{s['moves_per_replan']:>13.1f}"
+        )
     bounds = [0] + points + [trace.shape[0]]
     print("moe_lb over time (each span runs one layout; moves = experts moved at its start):")
     print("  steps        " + " ".join(f"{m:>16}" for m in modes))
@@ -250,13 +309,26 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {args.plot}: {err.strerror}") from None
         print(f"wrote {args.plot}")
     if args.output:
-        _write_json(args.output, {
-            "trace": str(args.trace), "interval": args.interval, "window": args.window,
-            "num_gpus": args.num_gpus, "num_redundant": args.num_redundant, "holdout": args.holdout,
-            "threshold": args.threshold,
-            "modes": [dict(run.summary(), replans=[r.__dict__ for r in run.replans],
-                           series=run.series(max(1, args.interval // 4))) for run in runs],
-        })
+        _write_json(
+            args.output,
+            {
+                "trace": str(args.trace),
+                "interval": args.interval,
+                "window": args.window,
+                "num_gpus": args.num_gpus,
+                "num_redundant": args.num_redundant,
+                "holdout": args.holdout,
+                "threshold": args.threshold,
+                "modes": [
+                    dict(
+                        run.summary(),
+                        replans=[r.__dict__ for r in run.replans],
+                        series=run.series(max(1, args.interval // 4)),
+                    )
+                    for run in runs
+                ],
+            },
+        )
         print(f"wrote {args.output}")
     return 0
 
@@ -267,16 +339,22 @@ def _compare(args: argparse.Namespace) -> int:
 
     config = PlanConfig(threshold=args.threshold, tolerance=args.tolerance)
     scored = f"{NUM_STEPS}-step windows" if args.window else "the summed load"
-    print(f"{args.per_shape} seeded loads per shape (uniform, Zipf, one-hot), from the start-up layout, "
-          f"scored on {scored}")
-    print(f"{'shape':<12} {'reference':>9} {'guarded':>8} {'≤1.01×':>7} {'worse':>5} {'better':>6} "
-          f"{'worst':>6} {'ref moves':>9} {'moves':>6} {'cpu/plan':>8}")
+    print(
+        f"{args.per_shape} seeded loads per shape (uniform, Zipf, one-hot), from the start-up layout, "
+        f"scored on {scored}"
+    )
+    print(
+        f"{'shape':<12} {'reference':>9} {'guarded':>8} {'≤1.01×':>7} {'worse':>5} {'better':>6} "
+        f"{'worst':>6} {'ref moves':>9} {'moves':>6} {'cpu/plan':>8}"
+    )
     for shape in SHAPES:
         s = compare_shape(shape, args.per_shape, summed=not args.window, config=config)
         e, g, r = s.shape
-        print(f"{f'{e}/{g}/{r}':<12} {s.reference_mean:>9.4f} {s.guarded_mean:>8.4f} {s.within_1pct:>7.0%} "
-              f"{s.num_worse:>5} {s.num_better:>6} {s.worst_ratio:>6.4f} {s.reference_moves:>9.1f} "
-              f"{s.guarded_moves:>6.1f} {s.guarded_cpu_s:>7.3f}s")
+        print(
+            f"{f'{e}/{g}/{r}':<12} {s.reference_mean:>9.4f} {s.guarded_mean:>8.4f} {s.within_1pct:>7.0%} "
+            f"{s.num_worse:>5} {s.num_better:>6} {s.worst_ratio:>6.4f} {s.reference_moves:>9.1f} "
+            f"{s.guarded_moves:>6.1f} {s.guarded_cpu_s:>7.3f}s"
+        )
     return 0
 
 
@@ -288,9 +366,14 @@ def _trace(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.output)
     if path.suffix not in (".npy", ".csv", ".json"):
         raise UsageError(f"{path}: --output must end in .npy, .csv or .json")
-    trace = zipf_drift_trace(num_experts=args.num_experts, num_steps=args.steps,
-                             tokens_per_step=args.tokens_per_step, exponent=args.exponent,
-                             drift=args.drift, seed=args.seed)
+    trace = zipf_drift_trace(
+        num_experts=args.num_experts,
+        num_steps=args.steps,
+        tokens_per_step=args.tokens_per_step,
+        exponent=args.exponent,
+        drift=args.drift,
+        seed=args.seed,
+    )
     try:
         if path.suffix == ".npy":
             np.save(path, trace)

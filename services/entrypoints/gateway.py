@@ -42,17 +42,34 @@ async def run(args: argparse.Namespace) -> int:
     if args.nats_url:
         await router.subscribe(args.nats_url)
     remote_info = await engines[0].model_info()
-    info = ModelInfo(model=remote_info.model, vocab_size=remote_info.vocab_size,
-                     max_model_len=remote_info.max_model_len, bos_token_id=remote_info.bos_token_id,
-                     eos_token_id=remote_info.eos_token_id, max_num_seqs=remote_info.max_num_seqs)
+    info = ModelInfo(
+        model=remote_info.model,
+        vocab_size=remote_info.vocab_size,
+        max_model_len=remote_info.max_model_len,
+        bos_token_id=remote_info.bos_token_id,
+        eos_token_id=remote_info.eos_token_id,
+        max_num_seqs=remote_info.max_num_seqs,
+    )
     # vLLM's gauge names, summed over the engines' load reports, where vLLM clients look (this /metrics).
-    metrics.registry.register(EngineLoadsCollector(
-        lambda: [s.report for s in router.states.values() if s.report is not None], info.model))
+    metrics.registry.register(
+        EngineLoadsCollector(lambda: [s.report for s in router.states.values() if s.report is not None], info.model)
+    )
     tokenizer = RemoteTokenizer(args.tokenizer)
-    frontend = Frontend(info, router, tokenizer, metrics, image_fetcher=ImageFetcher(
-        timeout_s=args.image_fetch_timeout, allow_private=args.allow_private_image_urls))
-    api = ApiServer(frontend, args.host, args.http_port, args.grpc_port, Keys.from_args(args.api_key),
-                    tls_files(args.ssl_certfile, args.ssl_keyfile))
+    frontend = Frontend(
+        info,
+        router,
+        tokenizer,
+        metrics,
+        image_fetcher=ImageFetcher(timeout_s=args.image_fetch_timeout, allow_private=args.allow_private_image_urls),
+    )
+    api = ApiServer(
+        frontend,
+        args.host,
+        args.http_port,
+        args.grpc_port,
+        Keys.from_args(args.api_key),
+        tls_files(args.ssl_certfile, args.ssl_keyfile),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,8 +78,20 @@ async def run(args: argparse.Namespace) -> int:
     await engine_health.poll()  # SERVING from the start only if an engine is
     await api.start()
     watching = asyncio.create_task(engine_health.run())
-    print(json.dumps({"event": "ready", "service": "gateway", **api.urls(), "http_port": api.http_port,
-                      "grpc_port": api.grpc_port, "model": info.model, "engines": len(engines)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "service": "gateway",
+                **api.urls(),
+                "http_port": api.http_port,
+                "grpc_port": api.grpc_port,
+                "model": info.model,
+                "engines": len(engines),
+            }
+        ),
+        flush=True,
+    )
     await stop.wait()
     watching.cancel()
     await api.close_intake()
@@ -77,8 +106,10 @@ async def run(args: argparse.Namespace) -> int:
     await router.close()
     await tokenizer.close()
     routed = {name: s.num_routed for name, s in router.states.items()}
-    print(json.dumps({"event": "stopped", "service": "gateway", "routed": routed, "aborted_at_drain": aborted}),
-          flush=True)
+    print(
+        json.dumps({"event": "stopped", "service": "gateway", "routed": routed, "aborted_at_drain": aborted}),
+        flush=True,
+    )
     return 0
 
 
@@ -93,12 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=8000, help="0: any free port")
     p.add_argument("--grpc-port", type=int, default=50051, help="0: any free port")
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--api-key", action="append", default=None,
-                   help="key callers must send (repeatable; default: $SHINKAI_API_KEY; none: open)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="key callers must send (repeatable; default: $SHINKAI_API_KEY; none: open)",
+    )
     p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
-    p.add_argument("--allow-private-image-urls", action="store_true",
-                   help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)")
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
+    )
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) image URL")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

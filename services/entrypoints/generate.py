@@ -16,8 +16,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)",
+    )
+    p.add_argument(
+        "--engram-on-host",
+        action="store_true",
+        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
@@ -34,15 +42,23 @@ def _run(args: argparse.Namespace) -> int:
     from services.engine import LLM, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        )
         from services.engine.device import device_args
 
         sizing = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
         from services.engine.config import parallel_args, speculative_args
 
-        llm = LLM(model=args.model, **sizing, **device_args(args), **speculative_args(args), **parallel_args(args),
-                  batch_invariant=args.batch_invariant, engram_on_host=args.engram_on_host)
+        llm = LLM(
+            model=args.model,
+            **sizing,
+            **device_args(args),
+            **speculative_args(args),
+            **parallel_args(args),
+            batch_invariant=args.batch_invariant,
+            engram_on_host=args.engram_on_host,
+        )
         try:
             outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
         finally:
@@ -51,9 +67,17 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     for prompt, out in zip(args.prompt, outputs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason,
-                              "logprobs": [round(x, 6) for x in out.logprobs]}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                        "logprobs": [round(x, 6) for x in out.logprobs],
+                    }
+                )
+            )
         else:
             sys.stdout.write(f"{prompt}{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]\n")
     return 0

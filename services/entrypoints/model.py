@@ -10,14 +10,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("model", help="model checkpoints")
     commands = parser.add_subparsers(dest="model_command", required=True)
     init = commands.add_parser("init", help="write a random checkpoint in the released formats")
-    init.add_argument("--preset", required=True,
-                      help="tiny (CPU default; one model.safetensors) or v41-s1 (sharded; ~84 GB at full depth)")
+    init.add_argument(
+        "--preset",
+        required=True,
+        help="tiny (CPU default; one model.safetensors) or v41-s1 (sharded; ~84 GB at full depth)",
+    )
     init.add_argument("--out", required=True, help="output directory")
     init.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    init.add_argument("--num-layers", type=int, default=None,
-                      help="write only the first N layers (sharded, one layer per shard); v41-s1 with 14: ~37 GB")
-    init.add_argument("--device", default=None,
-                      help="where sharded weights are drawn: cpu, cuda, cuda:N (default: cuda when available)")
+    init.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="write only the first N layers (sharded, one layer per shard); v41-s1 with 14: ~37 GB",
+    )
+    init.add_argument(
+        "--device",
+        default=None,
+        help="where sharded weights are drawn: cpu, cuda, cuda:N (default: cuda when available)",
+    )
     init.set_defaults(func=_init)
 
 

@@ -24,8 +24,14 @@ DESCRIPTION = "The multimodal service: multimodal.v1.Multimodal over gRPC, plus 
 async def serve(api: MultimodalApi, grpc_addr: str, metrics_port: int | None = None) -> int:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((api.handler(),))
-    return await serve_until_signalled(server, service="multimodal", health_name=SERVICE, grpc_addr=grpc_addr,
-                                       metrics_port=metrics_port, registry=api.registry)
+    return await serve_until_signalled(
+        server,
+        service="multimodal",
+        health_name=SERVICE,
+        grpc_addr=grpc_addr,
+        metrics_port=metrics_port,
+        registry=api.registry,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mb", type=int, default=256, help="embedding cache size in MiB (by content hash)")
     p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes, help="encoded bytes per image")
     p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels, help="decoded pixels per image")
-    p.add_argument("--encode-delay-s", type=float, default=float(os.environ.get(ENCODE_DELAY_ENV, "0")),
-                   help=f"test-only fault: seconds each Encode waits first (default: ${ENCODE_DELAY_ENV} or 0)")
+    p.add_argument(
+        "--encode-delay-s",
+        type=float,
+        default=float(os.environ.get(ENCODE_DELAY_ENV, "0")),
+        help=f"test-only fault: seconds each Encode waits first (default: ${ENCODE_DELAY_ENV} or 0)",
+    )
     args = p.parse_args(argv)
     tracing.setup("shinkai-multimodal")
     cfg, encoder = load_encoder(args.model, args.model_seed)
-    api = MultimodalApi(cfg, encoder.to(args.device), ImageLimits(args.max_image_bytes, args.max_image_pixels),
-                        args.cache_mb * 2**20, args.max_batch_images, args.encode_delay_s)
+    api = MultimodalApi(
+        cfg,
+        encoder.to(args.device),
+        ImageLimits(args.max_image_bytes, args.max_image_pixels),
+        args.cache_mb * 2**20,
+        args.max_batch_images,
+        args.encode_delay_s,
+    )
     return asyncio.run(serve(api, args.grpc_addr, args.metrics_port))
 
 

@@ -20,15 +20,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="key HTTP (Authorization: Bearer) and gRPC callers must send; repeat for several "
-                        "(default: $SHINKAI_API_KEY, comma-separated; none: open)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)",
+    )
+    p.add_argument(
+        "--engram-on-host",
+        action="store_true",
+        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="key HTTP (Authorization: Bearer) and gRPC callers must send; repeat for several "
+        "(default: $SHINKAI_API_KEY, comma-separated; none: open)",
+    )
     p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS and TLS gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
-    p.add_argument("--allow-private-image-urls", action="store_true",
-                   help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)")
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
+    )
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
     from services.engine.device import add_device_arguments
 
@@ -42,8 +57,9 @@ def _config(args: argparse.Namespace):
     from services.gateway.auth import Keys, tls_files
     from services.gateway.server import ServeConfig
 
-    engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
-                   if v is not None}
+    engine_args = {
+        k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v is not None
+    }
     if args.batch_invariant:
         engine_args["batch_invariant"] = True
     if args.engram_on_host:
@@ -58,9 +74,16 @@ def _config(args: argparse.Namespace):
     extra["api_keys"] = Keys.parse(args.api_key)
     extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)
     extra["allow_private_image_urls"] = args.allow_private_image_urls
-    return ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                       http_port=args.http_port, grpc_port=args.grpc_port, drain_timeout_s=args.drain_timeout,
-                       engine_args=engine_args, **extra)
+    return ServeConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        drain_timeout_s=args.drain_timeout,
+        engine_args=engine_args,
+        **extra,
+    )
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -93,12 +116,22 @@ async def _serve_ranks(args: argparse.Namespace) -> int:
 
     config = _config(args)
     argv = _rank_argv(args)
-    server = RankServer(config, RankGroup(args.model, args.data_parallel_size, args.num_redundant_experts,
-                                          args.host, argv))
+    server = RankServer(
+        config, RankGroup(args.model, args.data_parallel_size, args.num_redundant_experts, args.host, argv)
+    )
     stop = _stop_on_signals()
     await server.start()
-    print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model,
-                      "ranks": [p.pid for p in server.group.processes]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                **server.urls(),
+                "model": server.frontend.served_model,
+                "ranks": [p.pid for p in server.group.processes],
+            }
+        ),
+        flush=True,
+    )
     await stop.wait()
     print(json.dumps({"event": "draining"}), flush=True)
     codes = await server.stop()
@@ -118,8 +151,17 @@ async def _serve(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     await server.start()
     # One machine-readable line, then the URLs for people; `shinkai up` and tests read the first.
-    print(json.dumps({"event": "ready", **server.urls(), "model": server.frontend.served_model,
-                      "runner": type(server.llm.engine.worker.runner).__name__}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                **server.urls(),
+                "model": server.frontend.served_model,
+                "runner": type(server.llm.engine.worker.runner).__name__,
+            }
+        ),
+        flush=True,
+    )
     await stop.wait()
     print(json.dumps({"event": "draining"}), flush=True)
     await server.stop()

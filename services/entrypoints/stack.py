@@ -134,8 +134,11 @@ class LocalPlacement:
     def for_config(cls, config: StackConfig) -> LocalPlacement:
         """The ports the config fixes (0: a free one) kept, the rest free ones."""
         placement = cls(config.host)
-        for key, port in ((("nats", "client"), config.nats_port), (("gateway", "http"), config.http_port),
-                          (("gateway", "grpc"), config.grpc_port)):
+        for key, port in (
+            (("nats", "client"), config.nats_port),
+            (("gateway", "http"), config.http_port),
+            (("gateway", "grpc"), config.grpc_port),
+        ):
             if port:
                 placement._ports[key] = port
         return placement
@@ -155,34 +158,76 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
 
     stack = [
         Service("nats", at.nats_command(), f"tcp:{at.port('nats', 'client')}", nats_url),
-        Service("tokenizer", [*py, "services.entrypoints.tokenizer", "--model", config.model, "--grpc-addr", bind("tokenizer", "grpc"),
-                              "--metrics-port", str(at.port("tokenizer", "metrics"))],
-                f"grpc:{at.port('tokenizer', 'grpc')}",
-                f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics"),
+        Service(
+            "tokenizer",
+            [
+                *py,
+                "services.entrypoints.tokenizer",
+                "--model",
+                config.model,
+                "--grpc-addr",
+                bind("tokenizer", "grpc"),
+                "--metrics-port",
+                str(at.port("tokenizer", "metrics")),
+            ],
+            f"grpc:{at.port('tokenizer', 'grpc')}",
+            f"metrics http://{at.reach('tokenizer', 'metrics')}/metrics",
+        ),
     ]
     ranks = config.data_parallel_size > 1
     if cfg.vision is not None:  # the vision tower's own process
-        stack.append(Service("multimodal", [*py, "services.entrypoints.multimodal", "--model", config.model, "--grpc-addr",
-                                            bind("multimodal", "grpc"), "--metrics-port",
-                                            str(at.port("multimodal", "metrics"))],
-                             f"grpc:{at.port('multimodal', 'grpc')}",
-                             f"metrics http://{at.reach('multimodal', 'metrics')}/metrics"))
+        stack.append(
+            Service(
+                "multimodal",
+                [
+                    *py,
+                    "services.entrypoints.multimodal",
+                    "--model",
+                    config.model,
+                    "--grpc-addr",
+                    bind("multimodal", "grpc"),
+                    "--metrics-port",
+                    str(at.port("multimodal", "metrics")),
+                ],
+                f"grpc:{at.port('multimodal', 'grpc')}",
+                f"metrics http://{at.reach('multimodal', 'metrics')}/metrics",
+            )
+        )
     num_engines = config.data_parallel_size if ranks else config.num_engines  # engine processes
     stack += [
-        Service("eplb", [*py, "services.entrypoints.eplb", "--nats-url", nats_url, "--health-addr", bind("eplb", "grpc"),
-                         "--num-experts", str(num_experts),  # a group's ranks apply its plans live
-                         "--num-gpus", str(config.data_parallel_size if ranks else 1),
-                         "--num-redundant", str(config.num_redundant_experts if ranks else 0),
-                         "--num-layers", str(num_layers), "--num-ranks", str(num_engines)],
-                f"grpc:{at.port('eplb', 'grpc')}"),  # its --metrics-port binds every interface: left off
+        Service(
+            "eplb",
+            [
+                *py,
+                "services.entrypoints.eplb",
+                "--nats-url",
+                nats_url,
+                "--health-addr",
+                bind("eplb", "grpc"),
+                "--num-experts",
+                str(num_experts),  # a group's ranks apply its plans live
+                "--num-gpus",
+                str(config.data_parallel_size if ranks else 1),
+                "--num-redundant",
+                str(config.num_redundant_experts if ranks else 0),
+                "--num-layers",
+                str(num_layers),
+                "--num-ranks",
+                str(num_engines),
+            ],
+            f"grpc:{at.port('eplb', 'grpc')}",
+        ),  # its --metrics-port binds every interface: left off
     ]
     engines = []
     sizing = ["--max-num-seqs", str(config.max_num_seqs)] if config.max_num_seqs is not None else []
     sizing += ["--max-model-len", str(config.max_model_len)] if config.max_model_len is not None else []
     sizing += ["--batch-invariant"] if config.batch_invariant else []
     sizing += ["--engram-on-host"] if config.engram_on_host else []
-    spec = ["--num-speculative-tokens", str(config.num_speculative_tokens), "--spec-sampling",
-            config.spec_sampling] if config.num_speculative_tokens else []  # the engine's (in-process worker)
+    spec = (
+        ["--num-speculative-tokens", str(config.num_speculative_tokens), "--spec-sampling", config.spec_sampling]
+        if config.num_speculative_tokens
+        else []
+    )  # the engine's (in-process worker)
     spec += ["--spec-varlen"] if config.num_speculative_tokens and config.spec_varlen else []
     from services.engine.device import device_argv
 
@@ -199,45 +244,126 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         engines.append(f"{name}={at.reach(name, 'grpc')}")
         # Each rank is an engine endpoint of its own (the gateway routes over them by load); rank 0 hosts the
         # group's rendezvous (services/engine/parallel/served_rank.py).
-        group = ["--dp", str(config.data_parallel_size), "--num-redundant-experts", str(config.num_redundant_experts),
-                 "--dp-rank", str(i), "--dp-rendezvous", f"tcp://{at.reach('engine-0', 'rendezvous')}"] if ranks else []
-        argv = [*py, "services.entrypoints.engine", "--model", config.model, "--replica", name, "--rank", str(i), *group,
-                "--host", at.bind_host(name), "--grpc-port", str(at.port(name, "grpc")),
-                "--metrics-port", str(at.port(name, "metrics")), "--nats-url", nats_url, *sizing, *spec, *drain,
-                *(device_argv({k: v for k, v in config.device_args if k == "load_format"}) if config.remote_workers
-                  else device)]
+        group = (
+            [
+                "--dp",
+                str(config.data_parallel_size),
+                "--num-redundant-experts",
+                str(config.num_redundant_experts),
+                "--dp-rank",
+                str(i),
+                "--dp-rendezvous",
+                f"tcp://{at.reach('engine-0', 'rendezvous')}",
+            ]
+            if ranks
+            else []
+        )
+        argv = [
+            *py,
+            "services.entrypoints.engine",
+            "--model",
+            config.model,
+            "--replica",
+            name,
+            "--rank",
+            str(i),
+            *group,
+            "--host",
+            at.bind_host(name),
+            "--grpc-port",
+            str(at.port(name, "grpc")),
+            "--metrics-port",
+            str(at.port(name, "metrics")),
+            "--nats-url",
+            nats_url,
+            *sizing,
+            *spec,
+            *drain,
+            *(
+                device_argv({k: v for k, v in config.device_args if k == "load_format"})
+                if config.remote_workers
+                else device
+            ),
+        ]
         if cfg.vision is not None:  # encoded here; a remote worker takes the rows by SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
-            worker_group = ["--dp", str(config.data_parallel_size), "--num-redundant-experts",
-                            str(config.num_redundant_experts), "--dp-rank", str(i), "--dp-rendezvous",
-                            f"tcp://{at.reach('worker-0', 'rendezvous')}"] if ranks else []
-            service = Service(worker, [*py, "services.entrypoints.worker", "--model", config.model, "--grpc-addr",
-                                       bind(worker, "grpc"), "--metrics-port", str(at.port(worker, "metrics")),
-                                       *sizing, *device, *worker_group],
-                              f"grpc:{at.port(worker, 'grpc')}",
-                              f"metrics http://{at.reach(worker, 'metrics')}/metrics",
-                              "worker-ranks" if ranks else None)
+            worker_group = (
+                [
+                    "--dp",
+                    str(config.data_parallel_size),
+                    "--num-redundant-experts",
+                    str(config.num_redundant_experts),
+                    "--dp-rank",
+                    str(i),
+                    "--dp-rendezvous",
+                    f"tcp://{at.reach('worker-0', 'rendezvous')}",
+                ]
+                if ranks
+                else []
+            )
+            service = Service(
+                worker,
+                [
+                    *py,
+                    "services.entrypoints.worker",
+                    "--model",
+                    config.model,
+                    "--grpc-addr",
+                    bind(worker, "grpc"),
+                    "--metrics-port",
+                    str(at.port(worker, "metrics")),
+                    *sizing,
+                    *device,
+                    *worker_group,
+                ],
+                f"grpc:{at.port(worker, 'grpc')}",
+                f"metrics http://{at.reach(worker, 'metrics')}/metrics",
+                "worker-ranks" if ranks else None,
+            )
             if ranks:
                 group_workers.append(service)
             else:
                 stack.append(service)
             argv += ["--worker", at.reach(worker, "grpc")]
-        engine = Service(name, argv, f"grpc:{at.port(name, 'grpc')}",
-                         f"metrics http://{at.reach(name, 'metrics')}/metrics", "ranks" if ranks else None)
+        engine = Service(
+            name,
+            argv,
+            f"grpc:{at.port(name, 'grpc')}",
+            f"metrics http://{at.reach(name, 'metrics')}/metrics",
+            "ranks" if ranks else None,
+        )
         if ranks:
             group_engines.append(engine)
         else:
             stack.append(engine)
     stack += group_workers + group_engines
-    gateway = [*py, "services.entrypoints.gateway", "--tokenizer", at.reach("tokenizer", "grpc"), "--nats-url", nats_url,
-               "--host", at.bind_host("gateway"), "--http-port", str(at.port("gateway", "http")),
-               "--grpc-port", str(at.port("gateway", "grpc")), *drain,
-               *(["--allow-private-image-urls"] if config.allow_private_image_urls else [])]
+    gateway = [
+        *py,
+        "services.entrypoints.gateway",
+        "--tokenizer",
+        at.reach("tokenizer", "grpc"),
+        "--nats-url",
+        nats_url,
+        "--host",
+        at.bind_host("gateway"),
+        "--http-port",
+        str(at.port("gateway", "http")),
+        "--grpc-port",
+        str(at.port("gateway", "grpc")),
+        *drain,
+        *(["--allow-private-image-urls"] if config.allow_private_image_urls else []),
+    ]
     for spec in engines:
         gateway += ["--engine", spec]
-    stack.append(Service("gateway", gateway, f"grpc:{at.port('gateway', 'grpc')}",
-                         f"http://{at.reach('gateway', 'http')}/v1 and grpc {at.reach('gateway', 'grpc')}"))
+    stack.append(
+        Service(
+            "gateway",
+            gateway,
+            f"grpc:{at.port('gateway', 'grpc')}",
+            f"http://{at.reach('gateway', 'http')}/v1 and grpc {at.reach('gateway', 'grpc')}",
+        )
+    )
     return stack
 
 
@@ -308,8 +434,15 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
                 service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
             log_path = logs / f"{service.name}.log"
             with open(log_path, "ab") as out:
-                proc = subprocess.Popen(service.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(
+                    service.argv,
+                    cwd=ROOT,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             state["services"].append({**asdict(service), "pid": proc.pid, "log": str(log_path)})
             state_file.write_text(json.dumps(state, indent=1))
             started.append((service, proc, log_path))
@@ -317,7 +450,9 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
         for service, proc, log_path in started:
             while not healthy(config.host, service.health):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
+                    why = (
+                        f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
+                    )
                     down(config.run_dir, log=lambda *_: None)
                     raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
                 time.sleep(0.1)

@@ -25,8 +25,14 @@ async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> 
     server = grpc.aio.server()
     api = TokenizerApi(tokenizer, bos)
     server.add_generic_rpc_handlers((api.handler(),))
-    return await serve_until_signalled(server, service="tokenizer", health_name=SERVICE, grpc_addr=grpc_addr,
-                                       metrics_port=metrics_port, registry=api.registry)
+    return await serve_until_signalled(
+        server,
+        service="tokenizer",
+        health_name=SERVICE,
+        grpc_addr=grpc_addr,
+        metrics_port=metrics_port,
+        registry=api.registry,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

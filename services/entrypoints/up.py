@@ -12,7 +12,9 @@ _DEFAULTS = StackConfig()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    up = subparsers.add_parser("up", help="start the stack (nats, tokenizer, eplb, [workers,] engines, gateway) as processes")
+    up = subparsers.add_parser(
+        "up", help="start the stack (nats, tokenizer, eplb, [workers,] engines, gateway) as processes"
+    )
     up.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
     up.add_argument("--num-engines", type=int, default=1, help="independent engine replicas (default 1)")
     up.add_argument("--http-port", type=int, default=_DEFAULTS.http_port, help="gateway HTTP port (0: any free)")
@@ -23,20 +25,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from services.engine.device import add_device_arguments
 
     add_device_arguments(up)
-    up.add_argument("--remote-workers", action="store_true",
-                    help="run each engine's worker as its own process (worker.v1) instead of in-process")
-    up.add_argument("--allow-private-image-urls", action="store_true",
-                    help="the gateway fetches image URLs that resolve to private, loopback or link-local addresses")
-    up.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    up.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
+    up.add_argument(
+        "--remote-workers",
+        action="store_true",
+        help="run each engine's worker as its own process (worker.v1) instead of in-process",
+    )
+    up.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="the gateway fetches image URLs that resolve to private, loopback or link-local addresses",
+    )
+    up.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)",
+    )
+    up.add_argument(
+        "--engram-on-host",
+        action="store_true",
+        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+    )
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
 
     add_speculative_arguments(up)
     add_parallel_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
-    up.add_argument("--api-key", default=None, help="key the gateway requires (HTTP Bearer, gRPC metadata); "
-                    "passed in its environment (default: $SHINKAI_API_KEY; none: open)")
+    up.add_argument(
+        "--api-key",
+        default=None,
+        help="key the gateway requires (HTTP Bearer, gRPC metadata); "
+        "passed in its environment (default: $SHINKAI_API_KEY; none: open)",
+    )
     up.set_defaults(func=_up)
     down = subparsers.add_parser("down", help="stop the stack that `shinkai up` started, gracefully")
     down.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir)
@@ -55,19 +75,32 @@ def _up(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise UsageError("--dp must be at least 1")
     if args.num_speculative_tokens and args.remote_workers:
-        raise UsageError("--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
-                         "carry drafts yet; drop --remote-workers")
+        raise UsageError(
+            "--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
+            "carry drafts yet; drop --remote-workers"
+        )
     from services.engine.device import device_args
 
-    config = StackConfig(model=args.model, num_engines=args.num_engines, http_port=args.http_port,
-                         grpc_port=args.grpc_port, nats_port=args.nats_port, run_dir=args.run_dir,
-                         max_num_seqs=args.max_num_seqs, remote_workers=args.remote_workers,
-                         max_model_len=args.max_model_len, device_args=tuple(device_args(args).items()),
-                         batch_invariant=args.batch_invariant, engram_on_host=args.engram_on_host,
-                         num_speculative_tokens=args.num_speculative_tokens,
-                         spec_sampling=args.spec_sampling, spec_varlen=args.spec_varlen,
-                         allow_private_image_urls=args.allow_private_image_urls,
-                         data_parallel_size=args.data_parallel_size, num_redundant_experts=args.num_redundant_experts)
+    config = StackConfig(
+        model=args.model,
+        num_engines=args.num_engines,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        nats_port=args.nats_port,
+        run_dir=args.run_dir,
+        max_num_seqs=args.max_num_seqs,
+        remote_workers=args.remote_workers,
+        max_model_len=args.max_model_len,
+        device_args=tuple(device_args(args).items()),
+        batch_invariant=args.batch_invariant,
+        engram_on_host=args.engram_on_host,
+        num_speculative_tokens=args.num_speculative_tokens,
+        spec_sampling=args.spec_sampling,
+        spec_varlen=args.spec_varlen,
+        allow_private_image_urls=args.allow_private_image_urls,
+        data_parallel_size=args.data_parallel_size,
+        num_redundant_experts=args.num_redundant_experts,
+    )
     if args.api_key:
         os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:

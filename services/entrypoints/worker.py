@@ -39,59 +39,92 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engine's too)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's; sizes the pools")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--batch-invariant", action="store_true", help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)")
-    p.add_argument("--engram-on-host", action="store_true", help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="same request, same bits alone or in any batch (docs/batch-invariance.md; slower)",
+    )
+    p.add_argument(
+        "--engram-on-host",
+        action="store_true",
+        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+    )
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
     add_device_arguments(p)
     add_parallel_arguments(p)
     p.add_argument("--dp-rank", type=int, default=0, help="this worker's rank in its data-parallel group")
-    p.add_argument("--dp-rendezvous", default=None,
-                   help="tcp://host:port where the group's workers meet (rank 0 listens there; not the engines' "
-                        "rendezvous); needed with --dp > 1")
+    p.add_argument(
+        "--dp-rendezvous",
+        default=None,
+        help="tcp://host:port where the group's workers meet (rank 0 listens there; not the engines' "
+        "rendezvous); needed with --dp > 1",
+    )
     args = p.parse_args(argv)
-    engine_args = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
-                   if v is not None}
+    engine_args = {
+        k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v is not None
+    }
     tracing.setup("shinkai-worker")
     # The worker owns the device. Its pools follow the engine's sizing rule, so the engine's scheduler and
     # these pools agree on the block count; gpu_memory_utilization is then a cap it checks, not a size.
     ranks = args.data_parallel_size > 1
     if ranks and not (args.dp_rendezvous or "").startswith("tcp://"):
-        raise SystemExit(f"--dp {args.data_parallel_size} needs --dp-rendezvous tcp://host:port, "
-                         f"got {args.dp_rendezvous!r}")
+        raise SystemExit(
+            f"--dp {args.data_parallel_size} needs --dp-rendezvous tcp://host:port, got {args.dp_rendezvous!r}"
+        )
     if ranks:  # a rank's worker runs the torch MoE, as an in-process rank does (docs/parallelism.md)
-        engine_args.update(kernel_backend=None, cuda_graphs=False, data_parallel_size=args.data_parallel_size,
-                           num_redundant_experts=args.num_redundant_experts)
-    config = EngineConfig(model_seed=args.model_seed, batch_invariant=args.batch_invariant,
-                          engram_on_host=args.engram_on_host,
-                          **device_engine_args({**engine_args, **device_args(args)}))
+        engine_args.update(
+            kernel_backend=None,
+            cuda_graphs=False,
+            data_parallel_size=args.data_parallel_size,
+            num_redundant_experts=args.num_redundant_experts,
+        )
+    config = EngineConfig(
+        model_seed=args.model_seed,
+        batch_invariant=args.batch_invariant,
+        engram_on_host=args.engram_on_host,
+        **device_engine_args({**engine_args, **device_args(args)}),
+    )
     if ranks and str(config.device).startswith("cuda"):
         config = config.replace(device=f"cuda:{args.dp_rank}")  # rank r on cuda:r (NCCL: one rank per GPU)
         torch.cuda.set_device(config.device)
-    source = load_model(args.model, seed=args.model_seed, device=config.device or "cpu",
-                        load_format=config.load_format, precision=config.kernel_backend)
+    source = load_model(
+        args.model,
+        seed=args.model_seed,
+        device=config.device or "cpu",
+        load_format=config.load_format,
+        precision=config.kernel_backend,
+    )
     hashes = model_hashes(source)  # the whole model's, before any sharding: what the engine compares
     parallel = None
     if ranks:  # this rank's experts only, exchanging tokens with the group's other workers
-        groups = init_rank_groups(args.dp_rank, args.data_parallel_size, args.dp_rendezvous, str(config.device),
-                                  config.rank_timeout_s)
+        groups = init_rank_groups(
+            args.dp_rank, args.data_parallel_size, args.dp_rendezvous, str(config.device), config.rank_timeout_s
+        )
         parallel = shard_over_group(source.model, groups, args.num_redundant_experts, str(config.device))
     worker = build_worker(source.model, config.worker_config(), expert_parallel=parallel)
     if str(config.device).startswith("cuda"):  # the engine's pool rule must fit the memory this worker may hold
         total = torch.cuda.get_device_properties(config.device).total_memory
         if torch.cuda.memory_reserved(config.device) > total * config.gpu_memory_utilization:
-            raise SystemExit(f"model, pools and graphs hold {torch.cuda.memory_reserved(config.device) / 2**30:.1f} "
-                             f"GiB, over --gpu-memory-utilization {config.gpu_memory_utilization} of "
-                             f"{total / 2**30:.1f} GiB: lower --max-num-seqs or --max-model-len")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            raise SystemExit(
+                f"model, pools and graphs hold {torch.cuda.memory_reserved(config.device) / 2**30:.1f} "
+                f"GiB, over --gpu-memory-utilization {config.gpu_memory_utilization} of "
+                f"{total / 2**30:.1f} GiB: lower --max-num-seqs or --max-model-len"
+            )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
     api = WorkerApi(worker, args.model, hashes, source.config.vocab_size)
     worker_pb2_grpc.add_WorkerServicer_to_server(api, server)
     metrics_port = None
     if args.metrics_port is not None:
-        http, _ = prom.start_http_server(args.metrics_port, addr=args.grpc_addr.rsplit(":", 1)[0],
-                                         registry=api.registry)
+        http, _ = prom.start_http_server(
+            args.metrics_port, addr=args.grpc_addr.rsplit(":", 1)[0], registry=api.registry
+        )
         metrics_port = http.server_port
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -103,9 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     # With --dp: this worker's rank and the routed experts its slots hold in the first MoE layer.
-    group = {"dp_rank": args.dp_rank, "experts": [int(e) for e in parallel.slots[0].local_experts]} if parallel is not None else {}
-    print(json.dumps({"event": "ready", "service": "worker", "grpc_port": port, "metrics_port": metrics_port,
-                      "runner": type(worker.runner).__name__, **group}), flush=True)
+    group = (
+        {"dp_rank": args.dp_rank, "experts": [int(e) for e in parallel.slots[0].local_experts]}
+        if parallel is not None
+        else {}
+    )
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "service": "worker",
+                "grpc_port": port,
+                "metrics_port": metrics_port,
+                "runner": type(worker.runner).__name__,
+                **group,
+            }
+        ),
+        flush=True,
+    )
     stop.wait()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

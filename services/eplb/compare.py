@@ -43,8 +43,7 @@ class Case:
         return f"{self.num_experts}x{self.num_gpus}+{self.num_redundant}/{self.kind}/{self.seed}"
 
     def window(self) -> np.ndarray:
-        return random_window(self.kind, self.num_experts, NUM_STEPS, self.num_experts * TOKENS_PER_EXPERT,
-                             self.seed)
+        return random_window(self.kind, self.num_experts, NUM_STEPS, self.num_experts * TOKENS_PER_EXPERT, self.seed)
 
 
 def random_window(kind: str, num_experts: int, num_steps: int, tokens_per_step: int, seed: int) -> np.ndarray:
@@ -69,8 +68,7 @@ def random_window(kind: str, num_experts: int, num_steps: int, tokens_per_step: 
 
 def cases(per_shape: int, shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> list[Case]:
     """``per_shape`` cases per shape, cycling through the load kinds, seeds 0, 1, …"""
-    return [Case(e, g, r, LOAD_KINDS[seed % len(LOAD_KINDS)], seed)
-            for e, g, r in shapes for seed in range(per_shape)]
+    return [Case(e, g, r, LOAD_KINDS[seed % len(LOAD_KINDS)], seed) for e, g, r in shapes for seed in range(per_shape)]
 
 
 def load_digest(summed: np.ndarray) -> str:
@@ -95,8 +93,7 @@ class ShapeSummary:
     guarded_cpu_s: float  # mean CPU seconds per guarded plan
 
 
-def compare_shape(shape: tuple[int, int, int], per_shape: int, *, summed: bool,
-                  config: PlanConfig) -> ShapeSummary:
+def compare_shape(shape: tuple[int, int, int], per_shape: int, *, summed: bool, config: PlanConfig) -> ShapeSummary:
     """Runs ``per_shape`` seeded cases of one shape; ``summed`` scores on the window's sum (one row)."""
     ours, theirs, our_moves, their_moves, cpu = [], [], [], [], 0.0
     for case in cases(per_shape, (shape,)):
@@ -114,7 +111,16 @@ def compare_shape(shape: tuple[int, int, int], per_shape: int, *, summed: bool,
         their_moves.append(count_moves(start, reference))
     ours_a, theirs_a = np.array(ours), np.array(theirs)
     ratio = ours_a / theirs_a
-    return ShapeSummary(shape, per_shape, float(theirs_a.mean()), float(ours_a.mean()),
-                        float(np.mean(ratio <= 1.01)), int(np.sum(ratio > 1 + 1e-9)),
-                        int(np.sum(ratio < 1 - 1e-9)), float(ratio.max()), float(np.mean(their_moves)),
-                        float(np.mean(our_moves)), cpu / per_shape)
+    return ShapeSummary(
+        shape,
+        per_shape,
+        float(theirs_a.mean()),
+        float(ours_a.mean()),
+        float(np.mean(ratio <= 1.01)),
+        int(np.sum(ratio > 1 + 1e-9)),
+        int(np.sum(ratio < 1 - 1e-9)),
+        float(ratio.max()),
+        float(np.mean(their_moves)),
+        float(np.mean(our_moves)),
+        cpu / per_shape,
+    )

@@ -80,8 +80,9 @@ def check_shape(num_logical: int, num_slots: int, num_gpus: int, num_groups: int
     return True
 
 
-def deepseek_plan(load: np.ndarray, num_gpus: int, num_slots: int, *, num_groups: int = 1,
-                  num_nodes: int = 1) -> Layout:
+def deepseek_plan(
+    load: np.ndarray, num_gpus: int, num_slots: int, *, num_groups: int = 1, num_nodes: int = 1
+) -> Layout:
     """The reference's layout for a ``steps × experts`` window (planned on its sum over steps)."""
     load = np.asarray(load, dtype=np.float64)
     if load.ndim != 2:

@@ -50,8 +50,10 @@ class PlanConfig:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number ≥ 0, got {value!r}")
         if self.num_groups < 1 or self.num_nodes < 1 or self.max_passes < 0:
-            raise ValueError(f"need num_groups, num_nodes ≥ 1 and max_passes ≥ 0, got {self.num_groups}, "
-                             f"{self.num_nodes}, {self.max_passes}")
+            raise ValueError(
+                f"need num_groups, num_nodes ≥ 1 and max_passes ≥ 0, got {self.num_groups}, "
+                f"{self.num_nodes}, {self.max_passes}"
+            )
         if self.expert_bytes < 0:
             raise ValueError(f"expert_bytes must be ≥ 0, got {self.expert_bytes}")
 
@@ -97,8 +99,13 @@ class PlanResult:
 
 
 def search_config(config: PlanConfig) -> SearchConfig:
-    return SearchConfig(tolerance=config.tolerance, local_search=config.local_search,
-                        max_passes=config.max_passes, num_groups=config.num_groups, num_nodes=config.num_nodes)
+    return SearchConfig(
+        tolerance=config.tolerance,
+        local_search=config.local_search,
+        max_passes=config.max_passes,
+        num_groups=config.num_groups,
+        num_nodes=config.num_nodes,
+    )
 
 
 def plan(
@@ -113,8 +120,9 @@ def plan(
     if config.policy == "deepinfer":
         candidate = deepinfer_plan(load, current.num_gpus, current.num_slots)
     elif config.policy == "deepseek":
-        candidate = deepseek_plan(load, current.num_gpus, current.num_slots, num_groups=config.num_groups,
-                                  num_nodes=config.num_nodes)
+        candidate = deepseek_plan(
+            load, current.num_gpus, current.num_slots, num_groups=config.num_groups, num_nodes=config.num_nodes
+        )
     else:
         points = candidates(load, current, search_config(config))
         chosen, candidate = choose(points, current, config.tolerance)
@@ -125,8 +133,13 @@ def plan(
     if config.policy != "guarded":
         applied, reason = True, f"{config.policy} applies every plan unchecked"
     elif candidate == current:
-        applied, reason = False, (f"the current layout is within {config.tolerance} of the best found "
-                                  f"({front[-1].moe_lb:.4f}): nothing to move")
+        applied, reason = (
+            False,
+            (
+                f"the current layout is within {config.tolerance} of the best found "
+                f"({front[-1].moe_lb:.4f}): nothing to move"
+            ),
+        )
     elif before - after < config.threshold:
         applied, reason = False, f"gain {before - after:.4f} on the window is below {config.threshold}"
     elif h_before is not None and h_after is not None and h_before - h_after < config.threshold:
@@ -154,8 +167,9 @@ def plan(
     )
 
 
-def plan_validated(window: np.ndarray, current: Layout, config: PlanConfig = PlanConfig(),
-                   holdout_steps: int = 0) -> PlanResult:
+def plan_validated(
+    window: np.ndarray, current: Layout, config: PlanConfig = PlanConfig(), holdout_steps: int = 0
+) -> PlanResult:
     """Validate, then refit: the online form of the held-out guard.
 
     A candidate fitted on the window without its latest ``holdout_steps`` must beat the current layout on
@@ -171,5 +185,4 @@ def plan_validated(window: np.ndarray, current: Layout, config: PlanConfig = Pla
     if not check.applied:
         return check
     final = plan(window, current, config)
-    return dataclasses.replace(final, holdout_before=check.holdout_before,
-                               holdout_candidate=check.holdout_candidate)
+    return dataclasses.replace(final, holdout_before=check.holdout_before, holdout_candidate=check.holdout_candidate)

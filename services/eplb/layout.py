@@ -31,8 +31,7 @@ def total_redundant(num_logical: int, num_gpus: int, num_redundant: int) -> int:
     """
     if num_logical < 1 or num_gpus < 1 or num_redundant < 0:
         raise LayoutError(
-            f"need num_logical ≥ 1, num_gpus ≥ 1, num_redundant ≥ 0; got {num_logical}, {num_gpus}, "
-            f"{num_redundant}"
+            f"need num_logical ≥ 1, num_gpus ≥ 1, num_redundant ≥ 0; got {num_logical}, {num_gpus}, {num_redundant}"
         )
     padding = (-(num_logical + num_redundant)) % num_gpus
     return num_redundant + padding
@@ -215,8 +214,7 @@ def count_moves(old: Layout, new: Layout) -> int:
     """Physical slots whose expert changes: each one loads one expert's weights."""
     if old.num_slots != new.num_slots or old.num_gpus != new.num_gpus:
         raise LayoutError(
-            f"layouts differ in shape: {old.num_slots} slots / {old.num_gpus} GPUs vs "
-            f"{new.num_slots} / {new.num_gpus}"
+            f"layouts differ in shape: {old.num_slots} slots / {old.num_gpus} GPUs vs {new.num_slots} / {new.num_gpus}"
         )
     return int(np.count_nonzero(old.array() != new.array()))
 

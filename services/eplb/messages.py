@@ -52,8 +52,9 @@ class LoadReport:
         counts = np.ascontiguousarray(self.counts, dtype="<u4")
         if counts.ndim != 2:
             raise MessageError(f"counts must be layers × slots, got shape {counts.shape}")
-        header = _HEADER.pack(LOAD_MAGIC, LOAD_FORMAT, self.rank, self.step, self.plan_version,
-                              counts.shape[0], counts.shape[1])
+        header = _HEADER.pack(
+            LOAD_MAGIC, LOAD_FORMAT, self.rank, self.step, self.plan_version, counts.shape[0], counts.shape[1]
+        )
         return header + counts.tobytes()
 
 
@@ -86,20 +87,22 @@ class PlanMessage:
     bytes_moved: int  # weight bytes those moves copy
 
     def encode(self) -> bytes:
-        return json.dumps({
-            "format": PLAN_FORMAT,
-            "version": self.version,
-            "layer": self.layer,
-            "step": self.step,
-            "num_gpus": self.layout.num_gpus,
-            "num_logical": self.layout.num_logical,
-            "phy2log": list(self.layout.phy2log),
-            "log2phy": self.layout.log2phy(),
-            "moe_lb_before": self.moe_lb_before,
-            "moe_lb_after": self.moe_lb_after,
-            "moves": self.moves,
-            "bytes_moved": self.bytes_moved,
-        }).encode()
+        return json.dumps(
+            {
+                "format": PLAN_FORMAT,
+                "version": self.version,
+                "layer": self.layer,
+                "step": self.step,
+                "num_gpus": self.layout.num_gpus,
+                "num_logical": self.layout.num_logical,
+                "phy2log": list(self.layout.phy2log),
+                "log2phy": self.layout.log2phy(),
+                "moe_lb_before": self.moe_lb_before,
+                "moe_lb_after": self.moe_lb_after,
+                "moves": self.moves,
+                "bytes_moved": self.bytes_moved,
+            }
+        ).encode()
 
 
 def decode_plan(data: bytes) -> PlanMessage:
@@ -108,9 +111,13 @@ def decode_plan(data: bytes) -> PlanMessage:
         if obj["format"] != PLAN_FORMAT:
             raise MessageError(f"plan format {obj['format']} is not supported (reads {PLAN_FORMAT})")
         return PlanMessage(
-            version=int(obj["version"]), layer=int(obj["layer"]), step=int(obj["step"]),
-            layout=Layout.from_dict(obj), moe_lb_before=float(obj["moe_lb_before"]),
-            moe_lb_after=float(obj["moe_lb_after"]), moves=int(obj["moves"]),
+            version=int(obj["version"]),
+            layer=int(obj["layer"]),
+            step=int(obj["step"]),
+            layout=Layout.from_dict(obj),
+            moe_lb_before=float(obj["moe_lb_before"]),
+            moe_lb_after=float(obj["moe_lb_after"]),
+            moves=int(obj["moves"]),
             bytes_moved=int(obj["bytes_moved"]),
         )
     except (ValueError, KeyError, TypeError) as err:

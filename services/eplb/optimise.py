@@ -59,8 +59,10 @@ def _starts(load: np.ndarray, current: Layout, config: SearchConfig) -> list[tup
     return [
         ("current", current),
         ("deepinfer", deepinfer_plan(load, num_gpus, num_slots, spread=True)),
-        ("deepseek", deepseek_plan(load, num_gpus, num_slots, num_groups=config.num_groups,
-                                   num_nodes=config.num_nodes)),
+        (
+            "deepseek",
+            deepseek_plan(load, num_gpus, num_slots, num_groups=config.num_groups, num_nodes=config.num_nodes),
+        ),
     ]
 
 

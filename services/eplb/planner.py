@@ -141,6 +141,16 @@ class Planner:
                 continue  # a plan that changes nothing is not worth a version
             self.version += 1
             self._history[layer] = (self._history[layer] + [(self.version, result.layout)])[-16:]
-            plans.append(PlanMessage(self.version, layer, self.num_completed, result.layout,
-                                     result.moe_lb_before, result.moe_lb_after, result.moves, result.bytes_moved))
+            plans.append(
+                PlanMessage(
+                    self.version,
+                    layer,
+                    self.num_completed,
+                    result.layout,
+                    result.moe_lb_before,
+                    result.moe_lb_after,
+                    result.moves,
+                    result.bytes_moved,
+                )
+            )
         return ReplanOutcome(plans, num_rejected, moe_lbs)

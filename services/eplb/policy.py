@@ -53,9 +53,7 @@ def stage_a(load: np.ndarray, num_slots: int) -> list[int]:
     return order
 
 
-def stage_b(
-    load: np.ndarray, slot_experts: list[int], num_gpus: int, *, spread: bool = False
-) -> tuple[int, ...]:
+def stage_b(load: np.ndarray, slot_experts: list[int], num_gpus: int, *, spread: bool = False) -> tuple[int, ...]:
     """Where each copy goes; returns ``phy2log`` with each GPU's slots in placement order.
 
     Copies go heaviest first (Σ_steps of load per copy; ties keep slot order) to the non-full GPU that

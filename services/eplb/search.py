@@ -82,8 +82,9 @@ def _retarget(state: SearchState, num_targets: int, base: float) -> bool:
     return False
 
 
-def local_search_path(layout: Layout, load: np.ndarray, *, max_passes: int = 8,
-                      num_targets: int = 4) -> list[tuple[tuple[int, ...], float]]:
+def local_search_path(
+    layout: Layout, load: np.ndarray, *, max_passes: int = 8, num_targets: int = 4
+) -> list[tuple[tuple[int, ...], float]]:
     """(phy2log, Σ_steps busiest GPU) of each layout local search passes through, from ``layout`` (first)
     to its result (last).
 

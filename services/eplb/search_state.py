@@ -82,8 +82,11 @@ class SearchState:
 
     def others(self, vals: np.ndarray, idx: np.ndarray, g: int, h: np.ndarray | int) -> np.ndarray:
         """Per row, the busiest GPU that is neither g nor h, from a top-three table (h may be a column)."""
-        return np.where((idx[..., 0] != g) & (idx[..., 0] != h), vals[..., 0],
-                        np.where((idx[..., 1] != g) & (idx[..., 1] != h), vals[..., 1], vals[..., 2]))
+        return np.where(
+            (idx[..., 0] != g) & (idx[..., 0] != h),
+            vals[..., 0],
+            np.where((idx[..., 1] != g) & (idx[..., 1] != h), vals[..., 1], vals[..., 2]),
+        )
 
     def excess(self) -> int:
         """Copies beyond ``colocation_cap`` on their GPU: needless co-locations."""
@@ -136,8 +139,9 @@ class SearchState:
         if a == b or g == h:
             return np.inf
         held, cap = self.held, self.cap
-        return float(-int(held[a, g] > cap[a]) + int(held[a, h] >= cap[a]) - int(held[b, h] > cap[b])
-                     + int(held[b, g] >= cap[b]))
+        return float(
+            -int(held[a, g] > cap[a]) + int(held[a, h] >= cap[a]) - int(held[b, h] > cap[b]) + int(held[b, g] >= cap[b])
+        )
 
     def exact_swap(self, g: int, i: int, h: int, j: int) -> float:
         """Σ_steps busiest GPU after that swap, on the exact window."""
@@ -198,8 +202,11 @@ class SearchState:
         ok = (new_a <= cap_a).all(axis=1) & (new_b <= cap_b).all(axis=1)
         da = new_a / (ca - 1) - held_a / ca  # [pair, gpu] change in a's share per GPU
         db = new_b / (cb + 1) - held_b / cb
-        trial = (self.pgpu[None, :, :] + self.proxy.T[a][:, :, None] * da[:, None, :]
-                 + self.proxy.T[b][:, :, None] * db[:, None, :])  # [pair, row, gpu]
+        trial = (
+            self.pgpu[None, :, :]
+            + self.proxy.T[a][:, :, None] * da[:, None, :]
+            + self.proxy.T[b][:, :, None] * db[:, None, :]
+        )  # [pair, row, gpu]
         scores = trial.max(axis=2).sum(axis=1)
         return s[ok], b[ok], scores[ok]
 

@@ -49,17 +49,16 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = prom.CollectorRegistry()
-        self.moe_lb = prom.Gauge(names.MOE_LB, "moe_lb of the layout in force on its planning window",
-                                 ["layer"], registry=self.registry)
-        self.published = prom.Counter(names.EPLB_PUBLISHED, "layer plans published",
-                                      registry=self.registry)
-        self.rejected = prom.Counter(names.EPLB_REJECTED, "layer candidates the guard refused",
-                                     registry=self.registry)
+        self.moe_lb = prom.Gauge(
+            names.MOE_LB, "moe_lb of the layout in force on its planning window", ["layer"], registry=self.registry
+        )
+        self.published = prom.Counter(names.EPLB_PUBLISHED, "layer plans published", registry=self.registry)
+        self.rejected = prom.Counter(names.EPLB_REJECTED, "layer candidates the guard refused", registry=self.registry)
         self.reports = prom.Counter(names.EPLB_REPORTS, "load reports taken", registry=self.registry)
-        self.bad = prom.Counter(names.EPLB_BAD, "load reports dropped as malformed",
-                                registry=self.registry)
-        self.plan_seconds = prom.Histogram(names.EPLB_REPLAN_SECONDS, "time to re-plan all layers",
-                                           registry=self.registry)
+        self.bad = prom.Counter(names.EPLB_BAD, "load reports dropped as malformed", registry=self.registry)
+        self.plan_seconds = prom.Histogram(
+            names.EPLB_REPLAN_SECONDS, "time to re-plan all layers", registry=self.registry
+        )
 
 
 class PlannerService:
@@ -83,8 +82,11 @@ class PlannerService:
     async def _on_load(self, msg) -> None:
         # A span only for reports sent from a traced engine step (their NATS headers carry its context).
         parent = tracing.extract(msg.headers)
-        with tracing.span("eplb.load_report", parent, kind=tracing.SpanKind.CONSUMER) if parent is not None \
-                else tracing.active(None):
+        with (
+            tracing.span("eplb.load_report", parent, kind=tracing.SpanKind.CONSUMER)
+            if parent is not None
+            else tracing.active(None)
+        ):
             await self._take_load(msg)
 
     async def _take_load(self, msg) -> None:
@@ -107,8 +109,14 @@ class PlannerService:
         for message in outcome.plans:
             await self._nc.publish(subjects.EXPERT_PLAN, message.encode())
             self.metrics.published.inc()
-            log.info("plan v%d layer %d: moe_lb %.4f -> %.4f, %d moves", message.version, message.layer,
-                     message.moe_lb_before, message.moe_lb_after, message.moves)
+            log.info(
+                "plan v%d layer %d: moe_lb %.4f -> %.4f, %d moves",
+                message.version,
+                message.layer,
+                message.moe_lb_before,
+                message.moe_lb_after,
+                message.moves,
+            )
         await self._nc.flush(timeout=5)  # every NATS round trip has a deadline
 
     async def start(self) -> None:
@@ -122,11 +130,17 @@ class PlannerService:
         if self.config.metrics_port is not None:
             self._http, _ = prom.start_http_server(self.config.metrics_port, registry=self.metrics.registry)
             self.metrics_port = self._http.server_port
+
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s", err or type(err).__name__)
 
-        self._nc = await nats.connect(self.config.nats_url, name="shinkai-eplb", max_reconnect_attempts=-1,
-                                      error_cb=on_error, **nats_auth.connect_options())
+        self._nc = await nats.connect(
+            self.config.nats_url,
+            name="shinkai-eplb",
+            max_reconnect_attempts=-1,
+            error_cb=on_error,
+            **nats_auth.connect_options(),
+        )
         await self._nc.subscribe(subjects.EXPERT_LOAD, cb=self._on_load)
         await self._nc.flush(timeout=5)  # every NATS round trip has a deadline
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -152,15 +152,26 @@ def plot_runs(runs: Sequence[ModeRun], block: int, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 5.0), sharex=True, height_ratios=(3, 2))
-    styles = {"static": ("tab:gray", "-"), "deepinfer": ("tab:red", "-"), "deepseek": ("tab:green", "-"),
-              "guarded": ("tab:blue", "-")}
+    styles = {
+        "static": ("tab:gray", "-"),
+        "deepinfer": ("tab:red", "-"),
+        "deepseek": ("tab:green", "-"),
+        "guarded": ("tab:blue", "-"),
+    }
     for run in runs:
         color, line = styles.get(run.mode, ("black", "-"))
         xs, ys = zip(*run.series(block))
         top.plot(xs, ys, line, color=color, lw=1.2, label=f"{run.mode}: moe_lb {run.moe_lb():.3f} over the trace")
         if run.replans:
-            bottom.plot([r.step for r in run.replans], [r.moves for r in run.replans], "o-", color=color,
-                        ms=3, lw=0.8, label=f"{run.mode} ({run.total_moves} moves)")
+            bottom.plot(
+                [r.step for r in run.replans],
+                [r.moves for r in run.replans],
+                "o-",
+                color=color,
+                ms=3,
+                lw=0.8,
+                label=f"{run.mode} ({run.total_moves} moves)",
+            )
     replanned = [v for run in runs if run.mode != "static" for _, v in run.series(block)]
     if replanned and any(run.mode == "static" for run in runs):
         # Never re-planning sits far above; clip it so the re-planning modes stay readable.

@@ -34,9 +34,16 @@ class _Uvicorn(uvicorn.Server):
 
 
 class ApiServer:
-    def __init__(self, frontend: Frontend, host: str, http_port: int | None, grpc_port: int,
-                 keys: Keys | None = None, tls: tuple[str, str] | None = None,
-                 max_receive_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        host: str,
+        http_port: int | None,
+        grpc_port: int,
+        keys: Keys | None = None,
+        tls: tuple[str, str] | None = None,
+        max_receive_bytes: int | None = None,
+    ) -> None:
         self.frontend = frontend
         # The largest gRPC request taken; None: grpc's default (4 MiB). An engine process takes a chat's images.
         self.max_receive_bytes = max_receive_bytes
@@ -62,8 +69,9 @@ class ApiServer:
     async def start(self) -> None:
         options = [("grpc.max_receive_message_length", self.max_receive_bytes)] if self.max_receive_bytes else []
         self._grpc = grpc.aio.server(options=options)
-        self._grpc.add_generic_rpc_handlers((ShinkaiApi(self.frontend, self.serving, self.health_problem,
-                                                                  self.keys).handler(),))
+        self._grpc.add_generic_rpc_handlers(
+            (ShinkaiApi(self.frontend, self.serving, self.health_problem, self.keys).handler(),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         address = f"{self.host}:{self._want_grpc_port}"
         if self.tls is not None:
@@ -89,8 +97,9 @@ class ApiServer:
         self.http_port = sock.getsockname()[1]
         app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem, keys=self.keys)
         tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls is not None else {}
-        self._uvicorn = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                timeout_graceful_shutdown=5, **tls))
+        self._uvicorn = _Uvicorn(
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, **tls)
+        )
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
             if self._http_task.done():

@@ -36,8 +36,14 @@ class DeltaStream(Protocol):
 
 
 class EngineBackend(Protocol):
-    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, images: Sequence[bytes] = ()) -> DeltaStream: ...
+    async def submit(
+        self,
+        request_id: str,
+        client_request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[bytes] = (),
+    ) -> DeltaStream: ...
 
     async def abort(self, client_request_id: str) -> bool: ...
 
@@ -72,8 +78,14 @@ class LocalEngine:
         self.service = service
         self.images = images
 
-    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, images: Sequence[bytes] = ()) -> DeltaStream:
+    async def submit(
+        self,
+        request_id: str,
+        client_request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[bytes] = (),
+    ) -> DeltaStream:
         """With images: the prompt is expanded and queued unready, and this waits for the embeddings (the
         request holds nothing meanwhile and other requests run); a failed encode, or a caller cancelled
         meanwhile, aborts the queued request before the error propagates, so nothing leaks."""
@@ -143,8 +155,9 @@ class LocalTokenizer:
 
     async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
         if self.chat is None:
-            raise ChatError("chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: "
-                            "use /v1/completions")
+            raise ChatError(
+                "chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: use /v1/completions"
+            )
         num_bytes = chat_content_bytes(body)
         try:
             check_bytes(num_bytes, max_tokens, self.pool.token_bytes)

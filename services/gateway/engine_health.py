@@ -29,8 +29,14 @@ TOKENIZER = "(tokenizer)"  # its key among the engines' names (parenthesised: ne
 
 
 class EngineHealth:
-    def __init__(self, router: EngineRouter, on_change: Callable[[str | None], Awaitable[None]],
-                 interval_s: float = 0.5, tokenizer_channel: Any = None, max_slow: int = 3) -> None:
+    def __init__(
+        self,
+        router: EngineRouter,
+        on_change: Callable[[str | None], Awaitable[None]],
+        interval_s: float = 0.5,
+        tokenizer_channel: Any = None,
+        max_slow: int = 3,
+    ) -> None:
         self.router = router
         self.on_change = on_change  # awaited with the problem (None: fine again) whenever it changes
         self.interval_s = interval_s

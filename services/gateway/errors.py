@@ -32,8 +32,14 @@ ERROR_CODE_KEY = "error-code"  # gRPC trailing metadata: the ApiError's code
 
 
 class ApiError(Exception):
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
@@ -45,14 +51,15 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
 
     def openai_body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind.openai_type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {"message": self.message, "type": self.kind.openai_type, "param": self.param, "code": self.code}
+        }
 
     def http_headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
     def grpc_trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        """"retry-after" (seconds) when set, and "error-code" (the OpenAI body's code) when set, so a gateway
+        """ "retry-after" (seconds) when set, and "error-code" (the OpenAI body's code) when set, so a gateway
         in front of an engine passes the code on."""
         metadata = (("retry-after", str(self.retry_after_s)),) if self.retry_after_s is not None else ()
         return metadata + ((ERROR_CODE_KEY, self.code),) if self.code is not None else metadata

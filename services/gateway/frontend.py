@@ -85,9 +85,19 @@ class Piece:
 class Generation:
     """A started request's pieces. ``close()`` (or leaving ``async for`` early and closing) aborts it."""
 
-    def __init__(self, frontend: Frontend, stream: DeltaStream, detokenizer: Detokenizer, request_id: str,
-                 client_request_id: str, num_prompt_tokens: int, endpoint: str, arrival: float, span: Any = None,
-                 detokenize_span: Any = None) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        stream: DeltaStream,
+        detokenizer: Detokenizer,
+        request_id: str,
+        client_request_id: str,
+        num_prompt_tokens: int,
+        endpoint: str,
+        arrival: float,
+        span: Any = None,
+        detokenize_span: Any = None,
+    ) -> None:
         self.frontend = frontend
         self.stream = stream
         self.detokenizer = detokenizer
@@ -132,8 +142,11 @@ class Generation:
 
     def _end_spans(self, reason: FinishReason, num_output_tokens: int) -> None:
         tracing.end(self.detokenize_span)
-        tracing.end(self.span, {"request.finish_reason": str(reason), "request.output_tokens": num_output_tokens},
-                    error=reason if reason == FinishReason.ERROR else None)
+        tracing.end(
+            self.span,
+            {"request.finish_reason": str(reason), "request.output_tokens": num_output_tokens},
+            error=reason if reason == FinishReason.ERROR else None,
+        )
         self.span = self.detokenize_span = None
 
     def close(self) -> None:
@@ -176,14 +189,22 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
 
 # How refusals of a request's images begin (services/multimodal/preprocess.py, image_fetch.py and
 # services/engine/images/prompt.py): they are about the chat's image parts.
-_IMAGE_MESSAGE = re.compile(r"the (\w+ )?image|image|\d+ images|this model has no vision tower|"
-                            r"this engine takes no images")
+_IMAGE_MESSAGE = re.compile(
+    r"the (\w+ )?image|image|\d+ images|this model has no vision tower|"
+    r"this engine takes no images"
+)
 
 
 class Frontend:
-    def __init__(self, info: ModelInfo, engine: EngineBackend, tokenizer: TokenizerBackend,
-                 metrics: RequestMetrics, takes_request_ids: bool = False,
-                 image_fetcher: ImageFetcher | None = None) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        engine: EngineBackend,
+        tokenizer: TokenizerBackend,
+        metrics: RequestMetrics,
+        takes_request_ids: bool = False,
+        image_fetcher: ImageFetcher | None = None,
+    ) -> None:
         self.info = info
         self.engine = engine
         self.tokenizer = tokenizer
@@ -201,8 +222,12 @@ class Frontend:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model:
-            raise ApiError(errors.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
-                           f"{self.served_model!r}", param="model", code="model_not_found")
+            raise ApiError(
+                errors.NOT_FOUND,
+                f"the model {name!r} does not exist; this server serves {self.served_model!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     async def prompt(self, args: GenerateArgs) -> tuple[list[int], list[str]]:
         """The prompt's ids and its chat's image URLs (one recipe placeholder each in the ids, in order).
@@ -231,15 +256,22 @@ class Frontend:
         arrival = time.monotonic()
         self.check_model(args.model)
         if args.request_id is not None and not self.takes_request_ids:
-            raise errors.invalid("request_id is made by the server; name a request with client_request_id",
-                                 "request_id")
+            raise errors.invalid(
+                "request_id is made by the server; name a request with client_request_id", "request_id"
+            )
         if args.images and not self.takes_request_ids:
             raise errors.invalid("images travel as image_url parts of a chat's messages", "images")
         request_id = args.request_id or f"req-{uuid.uuid4().hex}"
         client_request_id = args.client_request_id or request_id
-        span = tracing.start_span("request", args.trace_parent, {
-            "request.id": request_id, "request.client_request_id": client_request_id,
-            "request.endpoint": args.endpoint})
+        span = tracing.start_span(
+            "request",
+            args.trace_parent,
+            {
+                "request.id": request_id,
+                "request.client_request_id": client_request_id,
+                "request.endpoint": args.endpoint,
+            },
+        )
         try:
             with tracing.active(span):
                 with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
@@ -248,10 +280,12 @@ class Frontend:
                 if urls:
                     with tracing.span("fetch_images"):
                         images = await self.image_fetcher.fetch(urls)
-                stream = await self.engine.submit(request_id, scoped(client_request_id, args.owner), ids,
-                                                  args.params, images)
-                detokenize_span = tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) \
-                    else None
+                stream = await self.engine.submit(
+                    request_id, scoped(client_request_id, args.owner), ids, args.params, images
+                )
+                detokenize_span = (
+                    tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) else None
+                )
                 with tracing.active(detokenize_span):
                     detokenizer = self.tokenizer.detokenizer()
         except ValueError as err:
@@ -274,8 +308,18 @@ class Frontend:
         if span is not None:
             span.set_attribute("request.prompt_tokens", num_prompt_tokens)
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(self, stream, detokenizer, request_id, client_request_id, num_prompt_tokens,
-                          args.endpoint, arrival, span, detokenize_span)
+        return Generation(
+            self,
+            stream,
+            detokenizer,
+            request_id,
+            client_request_id,
+            num_prompt_tokens,
+            args.endpoint,
+            arrival,
+            span,
+            detokenize_span,
+        )
 
     async def abort(self, client_request_id: str, owner: str | None = None) -> bool:
         """Aborts the caller's live requests with this client_request_id; another key's are out of its reach."""

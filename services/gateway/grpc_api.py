@@ -33,9 +33,13 @@ MAX_ROLE_BYTES = 32  # chat.messages[].role
 MAX_STOP_TOKEN_IDS = 1024  # sampling.stop_token_ids
 MAX_LOGIT_BIAS_ENTRIES = 1024  # sampling.logit_bias, as vLLM's default
 
-FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-                  FinishReason.ABORT: pb.FINISH_REASON_ABORT, FinishReason.PREEMPTED: pb.FINISH_REASON_PREEMPTED,
-                  FinishReason.ERROR: pb.FINISH_REASON_ERROR}
+FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.PREEMPTED: pb.FINISH_REASON_PREEMPTED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
 
 
 def _parse(message_type, raw: bytes):
@@ -69,8 +73,9 @@ def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
 
 def _content_bytes(message: pb.ChatMessage) -> int:
     """Bytes of a message's text and image URLs."""
-    return len(message.content.encode()) + sum(len(getattr(part, part.WhichOneof("kind") or "text").encode())
-                                               for part in message.parts)
+    return len(message.content.encode()) + sum(
+        len(getattr(part, part.WhichOneof("kind") or "text").encode()) for part in message.parts
+    )
 
 
 def _content(i: int, message: pb.ChatMessage) -> str | list[dict]:
@@ -96,8 +101,9 @@ def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
     banned, added = [], {}
     for token_id, value in sorted(logit_bias.items()):
         if not (math.isfinite(value) and -100 <= value <= 100):
-            raise errors.invalid(f"sampling.logit_bias[{token_id}] must be a number from -100 to 100, got {value}",
-                                 "sampling.logit_bias")
+            raise errors.invalid(
+                f"sampling.logit_bias[{token_id}] must be a number from -100 to 100, got {value}", "sampling.logit_bias"
+            )
         if value <= -100:
             banned.append(token_id)
         elif value != 0:
@@ -105,24 +111,30 @@ def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
     return tuple(banned), added
 
 
-
 def _args(request: pb.GenerateRequest) -> GenerateArgs:
-    args = GenerateArgs(model=request.model or None, client_request_id=request.client_request_id or None,
-                        request_id=request.request_id or None, endpoint="grpc")
+    args = GenerateArgs(
+        model=request.model or None,
+        client_request_id=request.client_request_id or None,
+        request_id=request.request_id or None,
+        endpoint="grpc",
+    )
     which = request.WhichOneof("prompt")
     if which == "text":
         args.prompt_text = request.text
     elif which == "token_ids":
         args.prompt_token_ids = list(request.token_ids.ids)
     elif which == "chat":
-        args.chat_body = {"messages": [{"role": m.role, "content": _content(i, m)}
-                                       for i, m in enumerate(request.chat.messages)],
-                          "thinking": {"type": "enabled" if request.chat.thinking else "disabled"}}
+        args.chat_body = {
+            "messages": [{"role": m.role, "content": _content(i, m)} for i, m in enumerate(request.chat.messages)],
+            "thinking": {"type": "enabled" if request.chat.thinking else "disabled"},
+        }
     else:
         raise errors.invalid("a prompt is required: set text, token_ids or chat", "prompt")
     if request.images and which != "token_ids":
-        raise errors.invalid("images go with token_ids (a gateway forwarding a chat); a client sends them as "
-                             "chat image_url parts", "images")
+        raise errors.invalid(
+            "images go with token_ids (a gateway forwarding a chat); a client sends them as chat image_url parts",
+            "images",
+        )
     args.images = list(request.images)
     s = request.sampling
     banned, bias = _logit_bias(s.logit_bias)
@@ -134,8 +146,10 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
             top_k=s.top_k if s.HasField("top_k") else -1,
             seed=s.seed if s.HasField("seed") else None,
             n=s.n if s.HasField("n") else 1,
-            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs if s.HasField("logprobs") else None, banned_token_ids=banned,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+            banned_token_ids=banned,
             logit_bias=bias,
         )
     except ValueError as err:
@@ -144,8 +158,13 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
 
 
 class ShinkaiApi:
-    def __init__(self, frontend: Frontend, is_ready: Callable[[], bool] = lambda: True,
-                 problem: Callable[[], str | None] = lambda: None, keys: Keys | None = None) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        is_ready: Callable[[], bool] = lambda: True,
+        problem: Callable[[], str | None] = lambda: None,
+        keys: Keys | None = None,
+    ) -> None:
         self.frontend = frontend
         self.keys = keys or Keys()  # API keys; none: open
         self.is_ready = is_ready
@@ -158,8 +177,12 @@ class ShinkaiApi:
         try:
             if not self.is_ready():
                 why = self.problem()
-                raise ApiError(errors.UNAVAILABLE, "the server is shutting down" if why in (None, "draining")
-                               else f"the server cannot serve now: {why}")
+                raise ApiError(
+                    errors.UNAVAILABLE,
+                    "the server is shutting down"
+                    if why in (None, "draining")
+                    else f"the server cannot serve now: {why}",
+                )
             owner = self.keys.check(grpc_authorization(context))
             request = _parse(pb.GenerateRequest, raw)
             check_caps(request, self.frontend.info.max_model_len)
@@ -176,18 +199,26 @@ class ShinkaiApi:
                 d = piece.delta
                 if d.token_ids or (piece.text and d.finish_reason is None):
                     # On the last delta the text (with the flush) travels in the final message instead.
-                    chunk = pb.Chunk(token_ids=d.token_ids, text=piece.text if d.finish_reason is None else "",
-                                     logprobs=[finite_logprob(x) for x in d.logprobs],
-                                     num_prompt_tokens=generation.num_prompt_tokens,
-                                     num_output_tokens=d.num_output_tokens)
+                    chunk = pb.Chunk(
+                        token_ids=d.token_ids,
+                        text=piece.text if d.finish_reason is None else "",
+                        logprobs=[finite_logprob(x) for x in d.logprobs],
+                        num_prompt_tokens=generation.num_prompt_tokens,
+                        num_output_tokens=d.num_output_tokens,
+                    )
                     for top in d.top_logprobs or []:
-                        chunk.top_logprobs.add(entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v))
-                                                   for i, v in top])
+                        chunk.top_logprobs.add(
+                            entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v)) for i, v in top]
+                        )
                     yield pb.GenerateResponse(**ids, chunk=chunk)
                 if d.finish_reason is not None:
-                    final = pb.Final(finish_reason=FINISH_REASONS[d.finish_reason], text=piece.text,
-                                     usage=pb.Usage(prompt_tokens=generation.num_prompt_tokens,
-                                                    completion_tokens=d.num_output_tokens))
+                    final = pb.Final(
+                        finish_reason=FINISH_REASONS[d.finish_reason],
+                        text=piece.text,
+                        usage=pb.Usage(
+                            prompt_tokens=generation.num_prompt_tokens, completion_tokens=d.num_output_tokens
+                        ),
+                    )
                     if d.stop_token_id is not None:
                         final.stop_token_id = d.stop_token_id
                     yield pb.GenerateResponse(**ids, final=final)
@@ -218,20 +249,31 @@ class ShinkaiApi:
         await self._authorize(context)
         loads = pb.Loads()
         for replica, s in (await self.frontend.loads()).items():
-            loads.engines.add(replica=replica, num_running=s.num_running, num_waiting=s.num_waiting,
-                              num_queued=s.num_queued, num_free_blocks=s.free_blocks,
-                              num_total_blocks=s.total_blocks, num_free_state_slots=s.free_state_slots,
-                              num_total_state_slots=s.total_state_slots, decode_step=s.decode_step)
+            loads.engines.add(
+                replica=replica,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                num_queued=s.num_queued,
+                num_free_blocks=s.free_blocks,
+                num_total_blocks=s.total_blocks,
+                num_free_state_slots=s.free_state_slots,
+                num_total_state_slots=s.total_state_slots,
+                decode_step=s.decode_step,
+            )
         return loads
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers that take raw request bytes (no deserializer) and serialize protobuf responses."""
+
         def ser(message) -> bytes:
             return message.SerializeToString()
 
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Generate": grpc.unary_stream_rpc_method_handler(self.generate, response_serializer=ser),
-            "Abort": grpc.unary_unary_rpc_method_handler(self.abort, response_serializer=ser),
-            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=ser),
-            "GetLoads": grpc.unary_unary_rpc_method_handler(self.get_loads, response_serializer=ser),
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(self.generate, response_serializer=ser),
+                "Abort": grpc.unary_unary_rpc_method_handler(self.abort, response_serializer=ser),
+                "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=ser),
+                "GetLoads": grpc.unary_unary_rpc_method_handler(self.get_loads, response_serializer=ser),
+            },
+        )

@@ -18,8 +18,12 @@ PROBE_TIMEOUT_S = 10.0
 
 async def probe(frontend: Frontend, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """None when a one-token generation finished with a token; else why it did not."""
-    args = GenerateArgs(model=None, prompt_token_ids=[frontend.info.bos_token_id], endpoint="probe",
-                        params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    args = GenerateArgs(
+        model=None,
+        prompt_token_ids=[frontend.info.bos_token_id],
+        endpoint="probe",
+        params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+    )
 
     async def run() -> str | None:
         generation = await frontend.start(args)

@@ -39,8 +39,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class RankGroup:
-    def __init__(self, model: str, num_ranks: int, num_redundant_experts: int, host: str,
-                 engine_argv: Sequence[str]) -> None:
+    def __init__(
+        self, model: str, num_ranks: int, num_redundant_experts: int, host: str, engine_argv: Sequence[str]
+    ) -> None:
         """Starts ``num_ranks`` rank processes of ``model`` on ``host``; ``engine_argv``: the engine flags
         every rank gets (sizing, device, batch invariance, drain timeout)."""
         self.model = model
@@ -48,12 +49,37 @@ class RankGroup:
         rendezvous = f"tcp://{host}:{free_port(host)}"
         self.ports = [free_port(host) for _ in range(num_ranks)]  # each rank's shinkai.v1 gRPC port
         self.processes = [
-            subprocess.Popen([sys.executable, "-m", "services.entrypoints.engine", "--model", model, "--replica", f"engine-{r}",
-                              "--rank", str(r), "--dp", str(num_ranks), "--num-redundant-experts",
-                              str(num_redundant_experts), "--dp-rank", str(r), "--dp-rendezvous", rendezvous,
-                              "--host", host, "--grpc-port", str(port), *engine_argv],
-                             stdin=subprocess.DEVNULL, stdout=sys.stderr, preexec_fn=_die_with_parent)
-            for r, port in enumerate(self.ports)]
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.entrypoints.engine",
+                    "--model",
+                    model,
+                    "--replica",
+                    f"engine-{r}",
+                    "--rank",
+                    str(r),
+                    "--dp",
+                    str(num_ranks),
+                    "--num-redundant-experts",
+                    str(num_redundant_experts),
+                    "--dp-rank",
+                    str(r),
+                    "--dp-rendezvous",
+                    rendezvous,
+                    "--host",
+                    host,
+                    "--grpc-port",
+                    str(port),
+                    *engine_argv,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stderr,
+                preexec_fn=_die_with_parent,
+            )
+            for r, port in enumerate(self.ports)
+        ]
 
     def engines(self) -> list[RemoteEngine]:
         return [RemoteEngine(f"engine-{r}", f"{self.host}:{port}") for r, port in enumerate(self.ports)]
@@ -77,8 +103,11 @@ class RankGroup:
                     except grpc.aio.AioRpcError:
                         pass
                     if proc.poll() is not None or time.monotonic() > deadline:
-                        why = f"exited with {proc.returncode}" if proc.poll() is not None else \
-                            f"not serving within {timeout_s} s"
+                        why = (
+                            f"exited with {proc.returncode}"
+                            if proc.poll() is not None
+                            else f"not serving within {timeout_s} s"
+                        )
                         self.stop(0.0)
                         raise RuntimeError(f"data-parallel rank {r} {why} (its log is above)")
                     await asyncio.sleep(0.1)

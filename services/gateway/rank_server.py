@@ -42,8 +42,9 @@ class RankServer:
         self.group = group
         self.start_timeout_s = start_timeout_s
         self.metrics = RequestMetrics()
-        self.router = EngineRouter(group.engines(),
-                                   on_route=lambda replica: self.metrics.routed.labels(engine=replica).inc())
+        self.router = EngineRouter(
+            group.engines(), on_route=lambda replica: self.metrics.routed.labels(engine=replica).inc()
+        )
         self.source = group.source()
         cfg = self.source.config
         chat = ChatRenderer(v41_tokenizer_path()) if cfg.vocab_size == V41_VOCAB_SIZE else None
@@ -58,13 +59,29 @@ class RankServer:
         await self.group.wait_serving(self.start_timeout_s)
         try:
             remote = await self.router.states["engine-0"].engine.model_info()
-            info = ModelInfo(model=self.config.served_model_name or remote.model, vocab_size=remote.vocab_size,
-                             max_model_len=remote.max_model_len, bos_token_id=remote.bos_token_id,
-                             eos_token_id=remote.eos_token_id, max_num_seqs=remote.max_num_seqs)
-            self.frontend = Frontend(info, self.router, self.tokenizer, self.metrics, image_fetcher=ImageFetcher(
-                allow_private=self.config.allow_private_image_urls))
-            self.api = ApiServer(self.frontend, self.config.host, self.config.http_port, self.config.grpc_port,
-                                 Keys(self.config.api_keys), self.config.tls)
+            info = ModelInfo(
+                model=self.config.served_model_name or remote.model,
+                vocab_size=remote.vocab_size,
+                max_model_len=remote.max_model_len,
+                bos_token_id=remote.bos_token_id,
+                eos_token_id=remote.eos_token_id,
+                max_num_seqs=remote.max_num_seqs,
+            )
+            self.frontend = Frontend(
+                info,
+                self.router,
+                self.tokenizer,
+                self.metrics,
+                image_fetcher=ImageFetcher(allow_private=self.config.allow_private_image_urls),
+            )
+            self.api = ApiServer(
+                self.frontend,
+                self.config.host,
+                self.config.http_port,
+                self.config.grpc_port,
+                Keys(self.config.api_keys),
+                self.config.tls,
+            )
             self._health = EngineHealth(self.router, self.api.set_problem)
             await self._health.poll()
             await self.api.start()

@@ -26,9 +26,13 @@ from services.proto.tokenizer.v1 import tokenizer_pb2 as tpb
 from services.proto.tokenizer.v1 import tokenizer_pb2_grpc
 from services.tokenizer.chat import ChatError, RenderedChat
 
-REASONS = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-           pb.FINISH_REASON_ABORT: FinishReason.ABORT, pb.FINISH_REASON_PREEMPTED: FinishReason.PREEMPTED,
-           pb.FINISH_REASON_ERROR: FinishReason.ERROR}
+REASONS = {
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_ABORT: FinishReason.ABORT,
+    pb.FINISH_REASON_PREEMPTED: FinishReason.PREEMPTED,
+    pb.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
 
 
 def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
@@ -45,8 +49,13 @@ def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
 
 
 def _sampling(params: SamplingParams) -> pb.SamplingParams:
-    s = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+    s = pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
     if params.max_tokens is not None:
         s.max_tokens = params.max_tokens
     if params.seed is not None:
@@ -70,8 +79,9 @@ class RemoteStream:
         self._cancelled = False  # close() cancelled the call: the next delta is the final "abort"
         self._num_output_tokens = 0  # as of the latest chunk, for a final this side has to make
         # The prompt as the engine queued it (image spans expanded): every chunk and the final carry it.
-        self.num_prompt_tokens = (first.chunk.num_prompt_tokens if first.WhichOneof("kind") == "chunk"
-                                  else first.final.usage.prompt_tokens)
+        self.num_prompt_tokens = (
+            first.chunk.num_prompt_tokens if first.WhichOneof("kind") == "chunk" else first.final.usage.prompt_tokens
+        )
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -91,8 +101,9 @@ class RemoteStream:
             try:
                 response = await self.call.read()
             except grpc.aio.AioRpcError as err:  # the engine went away mid-stream
-                return self._final(FinishReason.ERROR if err.code() != grpc.StatusCode.CANCELLED
-                                   else FinishReason.ABORT)
+                return self._final(
+                    FinishReason.ERROR if err.code() != grpc.StatusCode.CANCELLED else FinishReason.ABORT
+                )
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not self._cancelled or (task is not None and task.cancelling()):
@@ -103,8 +114,14 @@ class RemoteStream:
         if response.WhichOneof("kind") == "final":
             self._done = True
             f = response.final
-            return Delta([], [], None, f.usage.completion_tokens, finish_reason=REASONS[f.finish_reason],
-                         stop_token_id=f.stop_token_id if f.HasField("stop_token_id") else None)
+            return Delta(
+                [],
+                [],
+                None,
+                f.usage.completion_tokens,
+                finish_reason=REASONS[f.finish_reason],
+                stop_token_id=f.stop_token_id if f.HasField("stop_token_id") else None,
+            )
         c = response.chunk
         self._num_output_tokens = c.num_output_tokens
         tops = [[(e.token_id, e.logprob) for e in t.entries] for t in c.top_logprobs] or None
@@ -124,11 +141,21 @@ class RemoteEngine:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
 
-    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, images: Sequence[bytes] = ()) -> RemoteStream:
-        request = pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id,
-                                     token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=_sampling(params),
-                                     images=list(images))
+    async def submit(
+        self,
+        request_id: str,
+        client_request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[bytes] = (),
+    ) -> RemoteStream:
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            client_request_id=client_request_id,
+            token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
+            sampling=_sampling(params),
+            images=list(images),
+        )
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
             first = await call.read()  # an error status arrives here, before anything streams
@@ -143,12 +170,19 @@ class RemoteEngine:
 
     async def loads(self) -> dict[str, EngineStats]:
         loads = await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10)
-        return {e.replica: EngineStats(free_blocks=e.num_free_blocks, total_blocks=e.num_total_blocks,
-                                       free_state_slots=e.num_free_state_slots,
-                                       total_state_slots=e.num_total_state_slots, num_waiting=e.num_waiting,
-                                       num_running=e.num_running, decode_step=e.decode_step,
-                                       num_queued=e.num_queued)
-                for e in loads.engines}
+        return {
+            e.replica: EngineStats(
+                free_blocks=e.num_free_blocks,
+                total_blocks=e.num_total_blocks,
+                free_state_slots=e.num_free_state_slots,
+                total_state_slots=e.num_total_state_slots,
+                num_waiting=e.num_waiting,
+                num_running=e.num_running,
+                decode_step=e.decode_step,
+                num_queued=e.num_queued,
+            )
+            for e in loads.engines
+        }
 
     async def model_info(self) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, wait_for_ready=True)

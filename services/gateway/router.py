@@ -98,8 +98,15 @@ class EngineRouter:
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s", err or type(err).__name__)
 
-        self._nc = await nats.connect(nats_url, name="shinkai-gateway", max_reconnect_attempts=-1, error_cb=on_error,
-                                      connect_timeout=NATS_TIMEOUT_S, reconnect_time_wait=0.5, **nats_auth.connect_options())
+        self._nc = await nats.connect(
+            nats_url,
+            name="shinkai-gateway",
+            max_reconnect_attempts=-1,
+            error_cb=on_error,
+            connect_timeout=NATS_TIMEOUT_S,
+            reconnect_time_wait=0.5,
+            **nats_auth.connect_options(),
+        )
         await self._nc.subscribe(subjects.ENGINE_LOAD, cb=self._on_load)
         await self._nc.subscribe(subjects.ENGINE_LIFECYCLE, cb=self._on_lifecycle)
         await self._nc.flush(timeout=NATS_TIMEOUT_S)
@@ -136,8 +143,14 @@ class EngineRouter:
         order = {id(s): (i - turn) % len(candidates) for i, s in enumerate(candidates)}
         return min(candidates, key=lambda s: (s.score, s.live, order[id(s)]))
 
-    async def submit(self, request_id: str, client_request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, images: Sequence[bytes] = ()) -> _CountedStream:
+    async def submit(
+        self,
+        request_id: str,
+        client_request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[bytes] = (),
+    ) -> _CountedStream:
         state = self.pick()
         stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params, images)
         state.sent_since_report += 1
@@ -156,8 +169,9 @@ class EngineRouter:
         return len(live)
 
     async def abort(self, client_request_id: str) -> bool:
-        found = await asyncio.gather(*(s.engine.abort(client_request_id) for s in self.states.values()),
-                                     return_exceptions=True)
+        found = await asyncio.gather(
+            *(s.engine.abort(client_request_id) for s in self.states.values()), return_exceptions=True
+        )
         return any(f is True for f in found)
 
     async def loads(self) -> dict[str, EngineStats]:

@@ -41,16 +41,25 @@ class Server:
     def __init__(self, config: ServeConfig, llm: LLM | None = None) -> None:
         self.config = config
         self.llm = llm or LLM(model=config.model, **config.engine_args)
-        self.served = ServedEngine(self.llm, served_model_name=config.served_model_name or config.model,
-                                   replica=config.replica, max_queued=config.max_queued)
+        self.served = ServedEngine(
+            self.llm,
+            served_model_name=config.served_model_name or config.model,
+            replica=config.replica,
+            max_queued=config.max_queued,
+        )
         self.engine = self.served.service
         self.metrics = self.served.metrics
         self.chat = self.served.chat
-        self.frontend = Frontend(self.served.info, LocalEngine(self.engine, self.served.images),
-                                 LocalTokenizer(self.llm, self.chat, config.detokenize), self.metrics,
-                                 image_fetcher=ImageFetcher(allow_private=config.allow_private_image_urls))
-        self.api = ApiServer(self.frontend, config.host, config.http_port, config.grpc_port,
-                             Keys(config.api_keys), config.tls)
+        self.frontend = Frontend(
+            self.served.info,
+            LocalEngine(self.engine, self.served.images),
+            LocalTokenizer(self.llm, self.chat, config.detokenize),
+            self.metrics,
+            image_fetcher=ImageFetcher(allow_private=config.allow_private_image_urls),
+        )
+        self.api = ApiServer(
+            self.frontend, config.host, config.http_port, config.grpc_port, Keys(config.api_keys), config.tls
+        )
 
     @property
     def http_port(self) -> int | None:

@@ -17,8 +17,12 @@ from services.multimodal.preprocess import PreparedImage
 
 
 class EncodeBatcher:
-    def __init__(self, run: Callable[[list[PreparedImage]], list[torch.Tensor]], max_images: int = 8,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        run: Callable[[list[PreparedImage]], list[torch.Tensor]],
+        max_images: int = 8,
+        on_batch: Callable[[int, float], None] | None = None,
+    ) -> None:
         """``run`` maps a batch of images to their spans (same order); ``on_batch(num_images, seconds)``
         is told about each batch that succeeded."""
         if max_images < 1:

@@ -78,9 +78,11 @@ def public_address(host: str, port: int) -> str:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         if not ip.is_global or ip.is_multicast:
-            raise RefusedAddress(f"{host!r} resolves to {address}, a private, loopback, link-local, multicast or "
-                                 "reserved address (the server refuses those unless started with "
-                                 "--allow-private-image-urls)")
+            raise RefusedAddress(
+                f"{host!r} resolves to {address}, a private, loopback, link-local, multicast or "
+                "reserved address (the server refuses those unless started with "
+                "--allow-private-image-urls)"
+            )
     return addresses[0]
 
 

@@ -69,8 +69,9 @@ def _open_header(data: bytes, limits: ImageLimits) -> Image.Image:
         raise ImageInputError(f"image format {image.format} is not supported; use one of {', '.join(FORMATS)}")
     width, height = image.size
     if width * height > limits.max_pixels:
-        raise ImageInputError(f"the image is {width}x{height} = {width * height} pixels, over the limit of "
-                              f"{limits.max_pixels}")
+        raise ImageInputError(
+            f"the image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels}"
+        )
     return image
 
 
@@ -99,7 +100,9 @@ def prepare_image(data: bytes, vcfg: VisionConfig, limits: ImageLimits) -> Prepa
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1) / 255  # [3, H, W]
     pixels = ((pixels - 0.5) / 0.5).to(torch.bfloat16).float()
     p = vcfg.patch_size
-    patches = (pixels.reshape(3, grid.patch_rows, p, grid.patch_cols, p)
-               .permute(1, 3, 0, 2, 4)
-               .reshape(grid.patch_rows * grid.patch_cols, 3, p, p))
+    patches = (
+        pixels.reshape(3, grid.patch_rows, p, grid.patch_cols, p)
+        .permute(1, 3, 0, 2, 4)
+        .reshape(grid.patch_rows * grid.patch_cols, 3, p, p)
+    )
     return PreparedImage(patches.contiguous(), grid, source)

@@ -35,30 +35,50 @@ SERVICE = "multimodal.v1.Multimodal"
 # with it). The --encode-delay-s flag's default; unset: 0.
 ENCODE_DELAY_ENV = "SHINKAI_MULTIMODAL_ENCODE_DELAY_S"
 MAX_MESSAGE_BYTES = 64 * 2**20  # a released span is at most 1,024 × 5,120 fp32 = 20 MiB
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def plan_message(grid: ImageGrid) -> pb.PlanResponse:
-    return pb.PlanResponse(num_tokens=grid.num_tokens, rows=grid.rows, cols=grid.cols, width=grid.width,
-                           height=grid.height)
+    return pb.PlanResponse(
+        num_tokens=grid.num_tokens, rows=grid.rows, cols=grid.cols, width=grid.width, height=grid.height
+    )
 
 
 class MultimodalApi:
-    def __init__(self, cfg: ModelConfig, encoder: ImageEncoder, limits: ImageLimits = ImageLimits(),
-                 cache_bytes: int = 256 * 2**20, max_batch_images: int = 8, encode_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        encoder: ImageEncoder,
+        limits: ImageLimits = ImageLimits(),
+        cache_bytes: int = 256 * 2**20,
+        max_batch_images: int = 8,
+        encode_delay_s: float = 0.0,
+    ) -> None:
         if cfg.vision is None:
             raise ValueError("the model has no vision tower")
         self.cfg, self.vcfg, self.encoder, self.limits = cfg, cfg.vision, encoder, limits
         self.registry = prom.CollectorRegistry()
-        self.images_encoded = prom.Counter(names.MULTIMODAL_IMAGES_ENCODED, "images the vision tower ran on",
-                                           registry=self.registry)
-        self.cache_hits = prom.Counter(names.MULTIMODAL_CACHE_HITS, "Encode calls served from the cache",
-                                       registry=self.registry)
-        self.encode_seconds = prom.Histogram(names.MULTIMODAL_ENCODE_SECONDS, "seconds per vision-tower batch",
-                                             buckets=names.LATENCY_BUCKETS, registry=self.registry)
-        self.batch_images = prom.Histogram(names.MULTIMODAL_BATCH_IMAGES, "images per vision-tower batch",
-                                           buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)
+        self.images_encoded = prom.Counter(
+            names.MULTIMODAL_IMAGES_ENCODED, "images the vision tower ran on", registry=self.registry
+        )
+        self.cache_hits = prom.Counter(
+            names.MULTIMODAL_CACHE_HITS, "Encode calls served from the cache", registry=self.registry
+        )
+        self.encode_seconds = prom.Histogram(
+            names.MULTIMODAL_ENCODE_SECONDS,
+            "seconds per vision-tower batch",
+            buckets=names.LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_images = prom.Histogram(
+            names.MULTIMODAL_BATCH_IMAGES,
+            "images per vision-tower batch",
+            buckets=(1, 2, 4, 8, 16, 32),
+            registry=self.registry,
+        )
         self.cache = EmbeddingCache(cache_bytes)
         self.batcher = EncodeBatcher(self.run_tower, max_batch_images, on_batch=self._batch_done)
         self._in_flight: dict[str, asyncio.Future] = {}  # content hash → the encode every caller awaits
@@ -124,20 +144,28 @@ class MultimodalApi:
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         request = await self._parse(raw, context)
         try:
-            with tracing.span("multimodal.Encode", tracing.extract(context.invocation_metadata()),
-                              kind=tracing.SpanKind.SERVER):
+            with tracing.span(
+                "multimodal.Encode", tracing.extract(context.invocation_metadata()), kind=tracing.SpanKind.SERVER
+            ):
                 entry, cached, key = await self.encoded(request.image)
         except ImageInputError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return pb.EncodeResponse(plan=plan_message(entry.grid), hidden_size=entry.span.shape[1],
-                                 embeddings=entry.span.numpy().astype("<f4").tobytes(), cached=cached,
-                                 content_hash=key)
+        return pb.EncodeResponse(
+            plan=plan_message(entry.grid),
+            hidden_size=entry.span.shape[1],
+            embeddings=entry.span.numpy().astype("<f4").tobytes(),
+            cached=cached,
+            content_hash=key,
+        )
 
     def handler(self) -> grpc.GenericRpcHandler:
         def ser(message) -> bytes:
             return message.SerializeToString()
 
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Plan": grpc.unary_unary_rpc_method_handler(self.plan, response_serializer=ser),
-            "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=ser),
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Plan": grpc.unary_unary_rpc_method_handler(self.plan, response_serializer=ser),
+                "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=ser),
+            },
+        )

@@ -32,8 +32,14 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     protos = [str(p) for p in proto_files()]
-    args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{ROOT}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     code = protoc.main(args)
     if code != 0:
         raise RuntimeError(f"protoc failed with exit code {code}")

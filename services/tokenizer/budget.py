@@ -67,9 +67,11 @@ def min_tokens(num_bytes: int, token_bytes: int) -> int:
 def check_bytes(num_bytes: int, max_tokens: int | None, token_bytes: int) -> None:
     """ValueError when ``num_bytes`` of text prove more than ``max_tokens`` tokens (None: no budget)."""
     if max_tokens is not None and min_tokens(num_bytes, token_bytes) > max_tokens:
-        raise ValueError(f"the prompt is {num_bytes} bytes, so at least {min_tokens(num_bytes, token_bytes)} tokens "
-                         f"(no token is longer than {token_bytes} bytes): over the {max_tokens} tokens the context "
-                         "leaves for it")
+        raise ValueError(
+            f"the prompt is {num_bytes} bytes, so at least {min_tokens(num_bytes, token_bytes)} tokens "
+            f"(no token is longer than {token_bytes} bytes): over the {max_tokens} tokens the context "
+            "leaves for it"
+        )
 
 
 def check_tokens(num_tokens: int, max_tokens: int | None) -> None:

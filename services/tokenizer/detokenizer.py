@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
         self._emitted_since_anchor = ""
 
     def _decode_from_anchor(self) -> str:
-        return self.tokenizer.decode(self.token_ids[self._anchor:], skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(self.token_ids[self._anchor :], skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens; returns the new complete text (may be empty)."""
@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
         stable = text.rstrip(REPLACEMENT)
         if not stable.startswith(self._emitted_since_anchor):
             return ""  # decoding rewrote emitted text: wait for finish (not seen with byte-level BPE)
-        delta = stable[len(self._emitted_since_anchor):]
+        delta = stable[len(self._emitted_since_anchor) :]
         if stable == text:  # nothing held back: everything so far is complete, move the anchor
             self._anchor = len(self.token_ids)
             self._emitted_since_anchor = ""
@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Returns whatever was held back; the stream's text is complete after this."""
         text = self._decode_from_anchor()
-        delta = text[len(self._emitted_since_anchor):] if text.startswith(self._emitted_since_anchor) else ""
+        delta = text[len(self._emitted_since_anchor) :] if text.startswith(self._emitted_since_anchor) else ""
         self._anchor = len(self.token_ids)
         self._emitted_since_anchor = ""
         return delta

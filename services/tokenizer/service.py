@@ -46,8 +46,9 @@ class TokenizerApi:
     def __init__(self, tokenizer: Tokenizer, bos_token_id: int) -> None:
         self.registry = prom.CollectorRegistry()
         # Calls by method ("Encode", "RenderChat", "Decode", "Detokenize" messages).
-        self.calls = prom.Counter(names.TOKENIZER_CALLS, "tokenizer calls by method", ["method"],
-                                  registry=self.registry)
+        self.calls = prom.Counter(
+            names.TOKENIZER_CALLS, "tokenizer calls by method", ["method"], registry=self.registry
+        )
         self.tokenizer = tokenizer
         self.bos_token_id = bos_token_id
         self.vocab_size = tokenizer.get_vocab_size()
@@ -61,14 +62,17 @@ class TokenizerApi:
         try:
             message.ParseFromString(raw)
         except DecodeError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message_type.DESCRIPTOR.full_name}: {err}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message_type.DESCRIPTOR.full_name}: {err}"
+            )
         return message
 
     async def _check_ids(self, ids, context: grpc.aio.ServicerContext) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}"
+            )
 
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         request = await self._parse(pb.EncodeRequest, raw, context)
@@ -101,30 +105,35 @@ class TokenizerApi:
             check_tokens(len(rendered.token_ids), budget)
         except (ValueError, ChatError, RecursionError) as err:  # RecursionError: a body nested past the parser
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err) or "the chat body is nested too deeply")
-        return pb.RenderChatResponse(token_ids=rendered.token_ids, prompt=rendered.prompt,
-                                     image_urls=rendered.image_urls)
+        return pb.RenderChatResponse(
+            token_ids=rendered.token_ids, prompt=rendered.prompt, image_urls=rendered.image_urls
+        )
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
         request = await self._parse(pb.DecodeRequest, raw, context)
         self.calls.labels(method="Decode").inc()
         await self._check_ids(request.token_ids, context)
-        return pb.DecodeResponse(text=self.tokenizer.decode(list(request.token_ids),
-                                                            skip_special_tokens=request.skip_special_tokens))
+        return pb.DecodeResponse(
+            text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        )
 
-    async def detokenize(self, requests: AsyncIterator[bytes],
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
+    async def detokenize(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DetokenizeResponse]:
         detok = IncrementalDetokenizer(self.tokenizer)
         # One span for the whole stream, never made current: a generator may be closed from another context.
-        span = tracing.start_span("tokenizer.Detokenize", tracing.extract(context.invocation_metadata()),
-                                  kind=tracing.SpanKind.SERVER)
+        span = tracing.start_span(
+            "tokenizer.Detokenize", tracing.extract(context.invocation_metadata()), kind=tracing.SpanKind.SERVER
+        )
         try:
             async for response in self._detokenize(detok, requests, context):
                 yield response
         finally:
             tracing.end(span)
 
-    async def _detokenize(self, detok: IncrementalDetokenizer, requests: AsyncIterator[bytes],
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
+    async def _detokenize(
+        self, detok: IncrementalDetokenizer, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DetokenizeResponse]:
         async for raw in requests:
             request = await self._parse(pb.DetokenizeRequest, raw, context)
             self.calls.labels(method="Detokenize").inc()
@@ -138,12 +147,15 @@ class TokenizerApi:
         def ser(message) -> bytes:
             return message.SerializeToString()
 
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=ser),
-            "RenderChat": grpc.unary_unary_rpc_method_handler(self.render_chat, response_serializer=ser),
-            "Decode": grpc.unary_unary_rpc_method_handler(self.decode, response_serializer=ser),
-            "Detokenize": grpc.stream_stream_rpc_method_handler(self.detokenize, response_serializer=ser),
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=ser),
+                "RenderChat": grpc.unary_unary_rpc_method_handler(self.render_chat, response_serializer=ser),
+                "Decode": grpc.unary_unary_rpc_method_handler(self.decode, response_serializer=ser),
+                "Detokenize": grpc.stream_stream_rpc_method_handler(self.detokenize, response_serializer=ser),
+            },
+        )
 
 
 def _span(name: str, context: grpc.aio.ServicerContext):

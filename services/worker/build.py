@@ -38,15 +38,18 @@ def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: Expe
         return ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0, expert_parallel=expert_parallel)
     device = model.embed.weight.device
     if device.type != "cuda":  # before the runner converts the model in place
-        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
-                         "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off")
+        raise ValueError(
+            f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
+            "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off"
+        )
     if expert_parallel is not None:
         raise ValueError("cuda_graphs does not run with expert parallelism: a rank runs the torch MoE eagerly")
     from scheduler_rs import graph_sizes
     from services.worker.runners.decode_step_graphs import DecodeStepGraphs
 
-    runner = DecodeStepGraphs(ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0), config,
-                              use_graphs=True, attention="triton")
+    runner = DecodeStepGraphs(
+        ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0), config, use_graphs=True, attention="triton"
+    )
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width) would
     # stall the requests in it. The sizes are the scheduler's own rule, which counts rows (max_num_seqs ×
     # (1 + nextn) at most: verify steps replay graphs too).
@@ -54,9 +57,16 @@ def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: Expe
     return runner
 
 
-def build_worker(model: DeepseekV41, config: WorkerConfig, *, runner: Runner | None = None,
-                 expert_parallel: ExpertParallel | None = None, forced_acceptance: ForcedAcceptance | None = None,
-                 static_proposal: bool | None = None, greedy_only: bool = False) -> Worker:
+def build_worker(
+    model: DeepseekV41,
+    config: WorkerConfig,
+    *,
+    runner: Runner | None = None,
+    expert_parallel: ExpertParallel | None = None,
+    forced_acceptance: ForcedAcceptance | None = None,
+    static_proposal: bool | None = None,
+    greedy_only: bool = False,
+) -> Worker:
     """A worker on ``model``: ``runner`` (default: ``build_runner``'s) and, with drafts, a speculator.
     ``forced_acceptance`` and ``static_proposal`` are the speculator's (the benchmark's switches);
     ``greedy_only`` captures only the all-greedy draft buckets."""
@@ -66,9 +76,15 @@ def build_worker(model: DeepseekV41, config: WorkerConfig, *, runner: Runner | N
     # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the draft runs
     # plain torch (greedy and deterministic-mode tokens do not depend on the draft's rounding).
     on_cpu = model.embed.weight.device.type == "cpu"
-    speculator = Speculator(model, config.num_speculative_tokens, config.spec_sampling,
-                            batch_invariant=config.batch_invariant and on_cpu, forced_acceptance=forced_acceptance,
-                            cuda_graphs=config.cuda_graphs, static_proposal=static_proposal)
+    speculator = Speculator(
+        model,
+        config.num_speculative_tokens,
+        config.spec_sampling,
+        batch_invariant=config.batch_invariant and on_cpu,
+        forced_acceptance=forced_acceptance,
+        cuda_graphs=config.cuda_graphs,
+        static_proposal=static_proposal,
+    )
     if config.cuda_graphs or static_proposal:  # every bucket's draft and verify graphs now
         speculator.capture_graphs(runner.cache, config.max_num_seqs, greedy_only=greedy_only)  # type: ignore[attr-defined]
     return Worker(runner, speculator=speculator)

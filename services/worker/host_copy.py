@@ -51,12 +51,12 @@ class HostCopy:
 
 def sampled_copy(sampled: SamplerOutput) -> HostCopy:
     """A SamplerOutput's five tensors, in its field order (``host_sampled`` rebuilds it)."""
-    return HostCopy([sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
-                     sampled.errors])
+    return HostCopy([sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs, sampled.errors])
 
 
 def host_sampled(copy: HostCopy) -> SamplerOutput:
     """The SamplerOutput of ``sampled_copy``, on the host (waits for its copies)."""
     token_ids, logprobs, top_token_ids, top_logprobs, errors = copy.get()
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_token_ids=top_token_ids,
-                         top_logprobs=top_logprobs, errors=errors)
+    return SamplerOutput(
+        token_ids=token_ids, logprobs=logprobs, top_token_ids=top_token_ids, top_logprobs=top_logprobs, errors=errors
+    )

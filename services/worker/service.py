@@ -40,9 +40,21 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 """Both ends' gRPC message limit (sent and received). The largest messages: a step's logprob arrays, and
 ``SetImages``: at most 8 images × 1,024 image tokens × hidden 5,120 (v41) × 4 bytes = 160 MiB of fp32 rows
 (80 MiB bf16), plus the prompt's ids."""
-_PLAN_ARRAYS = ("seqlens_q", "seqlens_k", "query_start", "state_slots", "block_tables", "inputs_pending",
-                "input_ids", "positions", "ring_slots", "row_requests", "sample_rows", "num_sample_rows",
-                "propose_drafts")
+_PLAN_ARRAYS = (
+    "seqlens_q",
+    "seqlens_k",
+    "query_start",
+    "state_slots",
+    "block_tables",
+    "inputs_pending",
+    "input_ids",
+    "positions",
+    "ring_slots",
+    "row_requests",
+    "sample_rows",
+    "num_sample_rows",
+    "propose_drafts",
+)
 
 
 def to_array(a) -> pb.Array:
@@ -119,10 +131,16 @@ class PlanView:
 
 
 def encode_plan(plan, rows: Sequence[SamplingRow]) -> pb.StepPlan:
-    msg = pb.StepPlan(step_id=plan.step_id, kind=plan.kind, request_ids=list(plan.request_ids),
-                      is_prefill=plan.is_prefill, is_placeholder=plan.is_placeholder,
-                      block_table_width=plan.block_table_width, entry_ratios=list(plan.entry_ratios),
-                      num_padding_rows=plan.num_padding_rows)
+    msg = pb.StepPlan(
+        step_id=plan.step_id,
+        kind=plan.kind,
+        request_ids=list(plan.request_ids),
+        is_prefill=plan.is_prefill,
+        is_placeholder=plan.is_placeholder,
+        block_table_width=plan.block_table_width,
+        entry_ratios=list(plan.entry_ratios),
+        num_padding_rows=plan.num_padding_rows,
+    )
     if plan.graph_size is not None:
         msg.graph_size = plan.graph_size
     for name in _PLAN_ARRAYS:
@@ -135,9 +153,15 @@ def encode_plan(plan, rows: Sequence[SamplingRow]) -> pb.StepPlan:
         pairs = np.asarray(getattr(plan, name), dtype=np.int32).reshape(-1, 2)
         msg.arrays[name].CopyFrom(to_array(pairs))
     for r in rows:
-        row = msg.sampling_rows.add(temperature=r.temperature, top_p=r.top_p, seed=r.seed % 2**64,
-                                    position=r.position, banned_token_ids=list(r.banned_token_ids),
-                                    num_logprobs=r.num_logprobs, top_k=r.top_k)
+        row = msg.sampling_rows.add(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            seed=r.seed % 2**64,
+            position=r.position,
+            banned_token_ids=list(r.banned_token_ids),
+            num_logprobs=r.num_logprobs,
+            top_k=r.top_k,
+        )
         if r.forced_top_k is not None:
             row.forced_top_k = r.forced_top_k
         if r.forced_token_id is not None:
@@ -151,28 +175,55 @@ def decode_plan(msg: pb.StepPlan) -> tuple[PlanView, list[SamplingRow]]:
     arrays = {name: from_array(a) for name, a in msg.arrays.items()}
     entries = {r: (arrays[f"entry_rows.{r}"], arrays[f"entry_slots.{r}"]) for r in msg.entry_ratios}
     pairs = {name: [tuple(p) for p in arrays.pop(name).tolist()] for name in ("block_copies", "state_copies")}
-    view = PlanView(step_id=msg.step_id, kind=msg.kind, is_prefill=msg.is_prefill, is_placeholder=msg.is_placeholder,
-                    request_ids=list(msg.request_ids), block_table_width=msg.block_table_width,
-                    entry_ratios=list(msg.entry_ratios),
-                    graph_size=msg.graph_size if msg.HasField("graph_size") else None,
-                    num_padding_rows=msg.num_padding_rows, arrays=arrays, entries=entries, **pairs)
-    rows = [SamplingRow(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed, position=r.position,
-                        forced_top_k=r.forced_top_k if r.HasField("forced_top_k") else None,
-                        banned_token_ids=tuple(r.banned_token_ids), num_logprobs=r.num_logprobs,
-                        forced_token_id=r.forced_token_id if r.HasField("forced_token_id") else None,
-                        logit_bias=tuple(zip(r.logit_bias_ids, r.logit_bias_values)))
-            for r in msg.sampling_rows]
+    view = PlanView(
+        step_id=msg.step_id,
+        kind=msg.kind,
+        is_prefill=msg.is_prefill,
+        is_placeholder=msg.is_placeholder,
+        request_ids=list(msg.request_ids),
+        block_table_width=msg.block_table_width,
+        entry_ratios=list(msg.entry_ratios),
+        graph_size=msg.graph_size if msg.HasField("graph_size") else None,
+        num_padding_rows=msg.num_padding_rows,
+        arrays=arrays,
+        entries=entries,
+        **pairs,
+    )
+    rows = [
+        SamplingRow(
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            seed=r.seed,
+            position=r.position,
+            forced_top_k=r.forced_top_k if r.HasField("forced_top_k") else None,
+            banned_token_ids=tuple(r.banned_token_ids),
+            num_logprobs=r.num_logprobs,
+            forced_token_id=r.forced_token_id if r.HasField("forced_token_id") else None,
+            logit_bias=tuple(zip(r.logit_bias_ids, r.logit_bias_values)),
+        )
+        for r in msg.sampling_rows
+    ]
     return view, rows
 
 
 def encode_output(out: WorkerOutput) -> pb.StepResult:
-    msg = pb.StepResult(num_tokens=out.result.num_tokens, token_ids=out.result.token_ids, errors=out.result.errors,
-                        num_rows_computed=out.num_rows_computed, sampled=out.sampled is not None)
+    msg = pb.StepResult(
+        num_tokens=out.result.num_tokens,
+        token_ids=out.result.token_ids,
+        errors=out.result.errors,
+        num_rows_computed=out.num_rows_computed,
+        sampled=out.sampled is not None,
+    )
     if out.sampled is not None:
         s = out.sampled
-        for name, value in (("logprobs", s.logprobs), ("top_token_ids", s.top_token_ids),
-                            ("top_logprobs", s.top_logprobs), ("sampled_token_ids", s.token_ids),
-                            ("sampled_errors", s.errors)):
+        for name, value in (
+            ("logprobs", s.logprobs),
+            ("top_token_ids", s.top_token_ids),
+            ("top_logprobs", s.top_logprobs),
+            ("sampled_token_ids", s.token_ids),
+            ("sampled_errors", s.errors),
+        ):
             getattr(msg, name).CopyFrom(to_array(value))
     if out.expert_counts is not None:
         msg.expert_counts.CopyFrom(to_array(out.expert_counts))
@@ -185,9 +236,13 @@ def decode_output(msg: pb.StepResult) -> WorkerOutput:
     sampled = None
     if msg.sampled:
         t = lambda a: torch.from_numpy(from_array(a).copy())  # noqa: E731
-        sampled = SamplerOutput(token_ids=t(msg.sampled_token_ids), logprobs=t(msg.logprobs),
-                                top_token_ids=t(msg.top_token_ids), top_logprobs=t(msg.top_logprobs),
-                                errors=t(msg.sampled_errors))
+        sampled = SamplerOutput(
+            token_ids=t(msg.sampled_token_ids),
+            logprobs=t(msg.logprobs),
+            top_token_ids=t(msg.top_token_ids),
+            top_logprobs=t(msg.top_logprobs),
+            errors=t(msg.sampled_errors),
+        )
     counts = torch.from_numpy(from_array(msg.expert_counts).copy()) if msg.HasField("expert_counts") else None
     result = StepResult(list(msg.num_tokens), list(msg.token_ids), errors=list(msg.errors))
     return WorkerOutput(result, sampled, counts, msg.num_rows_computed)
@@ -212,20 +267,25 @@ def model_hashes(source) -> tuple[str, str]:
 class WorkerApi(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker, model_name: str, hashes: tuple[str, str], vocab_size: int) -> None:
         self.worker = worker
-        self.info = pb.ModelInfo(model=model_name, config_sha256=hashes[0], weights_sha256=hashes[1],
-                                 vocab_size=vocab_size)
+        self.info = pb.ModelInfo(
+            model=model_name, config_sha256=hashes[0], weights_sha256=hashes[1], vocab_size=vocab_size
+        )
         self._lock = threading.Lock()  # one step at a time: the runner's pools are not thread-safe
         self.registry = prom.CollectorRegistry()
         self.steps = prom.Counter(names.WORKER_STEPS, "steps executed", registry=self.registry)
         self.rows = prom.Counter(names.WORKER_ROWS, "rows the model ran", registry=self.registry)
-        self.step_seconds = prom.Histogram(names.WORKER_STEP_SECONDS, "ExecuteStep time, decode to encode",
-                                           registry=self.registry)
+        self.step_seconds = prom.Histogram(
+            names.WORKER_STEP_SECONDS, "ExecuteStep time, decode to encode", registry=self.registry
+        )
 
     def ExecuteStep(self, request: pb.StepPlan, context) -> pb.StepResult:
         # A span only under a traced (sampled) engine step: untraced steps carry no context and get none.
         parent = tracing.extract(context.invocation_metadata())
-        span = tracing.span("worker.execute_step", parent, kind=tracing.SpanKind.SERVER) if parent is not None \
+        span = (
+            tracing.span("worker.execute_step", parent, kind=tracing.SpanKind.SERVER)
+            if parent is not None
             else tracing.active(None)
+        )
         with self.step_seconds.time(), span:
             plan, rows = decode_plan(request)
             with self._lock:

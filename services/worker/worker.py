@@ -22,6 +22,7 @@ class Runner(Protocol):
     """What a Worker runs: ModelRunner, DecodeStepGraphs, ReferenceRunner, or a test's stand-in."""
 
     def execute(self, plan: StepPlan) -> RunnerOutput: ...
+
     # A runner that takes async plans also accepts ``pending=PendingInputs`` (see ModelRunner).
 
     def release(self, request_id: str) -> None: ...
@@ -34,10 +35,17 @@ class WorkerOutput:
     read of the step's samples goes through ``host`` (services/worker/host_copy.py), whose copies are
     queued when the step is, so reading step N never waits for step N+1."""
 
-    def __init__(self, result: StepResult | Callable[[], StepResult], sampled: SamplerOutput | None,
-                 expert_counts: torch.Tensor | None, num_rows_computed: int, request_ids: list[str] | None = None,
-                 last_token_ids: torch.Tensor | None = None, pending: PendingInputs | None = None,
-                 host: HostCopy | None = None) -> None:
+    def __init__(
+        self,
+        result: StepResult | Callable[[], StepResult],
+        sampled: SamplerOutput | None,
+        expert_counts: torch.Tensor | None,
+        num_rows_computed: int,
+        request_ids: list[str] | None = None,
+        last_token_ids: torch.Tensor | None = None,
+        pending: PendingInputs | None = None,
+        host: HostCopy | None = None,
+    ) -> None:
         self._result = result if isinstance(result, StepResult) else None
         self._read = None if isinstance(result, StepResult) else result
         # Aligned with `plan.sample_rows`, on the runner's device; None when nothing was sampled.
@@ -94,8 +102,9 @@ class Worker:
         # fused sampling kernel does not expose: on the kernel backend it gets its own torch Sampler.
         self.spec_sampler = self.sampler if isinstance(self.sampler, Sampler) else Sampler()
 
-    def execute(self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None
-                ) -> WorkerOutput:
+    def execute(
+        self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None
+    ) -> WorkerOutput:
         """``rows`` has one entry per sampled row, in ``plan.sample_rows`` order. ``previous`` (async
         scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs."""
         pending = previous.pending_inputs() if previous is not None and any(plan.inputs_pending.tolist()) else None
@@ -110,19 +119,34 @@ class Worker:
                 raise ValueError("speculative decoding needs a runner that returns the draft's taps (with_taps=True)")
             cache = getattr(self.runner, "cache", None)
             if cache is None:
-                raise ValueError("speculative decoding needs the cached runner: the draft's rings live in its "
-                                 "CacheEngine's state slots")
+                raise ValueError(
+                    "speculative decoding needs the cached runner: the draft's rings live in its "
+                    "CacheEngine's state slots"
+                )
             positions = None
             if pending is not None and pending.num_rejected is not None:  # async: the seqlen fix-up's host side
                 positions, rows = shifted(plan, rows, pending_shifts(plan, pending))
-            sampled, result = self.speculator.step(plan, rows, out.logits, out.taps, self.spec_sampler, cache,
-                                                   positions)
-            return WorkerOutput(result, sampled, out.expert_counts, out.num_rows_computed, request_ids,
-                                pending=speculative_pending(plan, result))
+            sampled, result = self.speculator.step(
+                plan, rows, out.logits, out.taps, self.spec_sampler, cache, positions
+            )
+            return WorkerOutput(
+                result,
+                sampled,
+                out.expert_counts,
+                out.num_rows_computed,
+                request_ids,
+                pending=speculative_pending(plan, result),
+            )
         if not rows:
             result = StepResult([0] * plan.num_requests, [])
-            return WorkerOutput(result, None, out.expert_counts, out.num_rows_computed, request_ids,
-                                torch.full((plan.num_requests,), -1, dtype=torch.long))
+            return WorkerOutput(
+                result,
+                None,
+                out.expert_counts,
+                out.num_rows_computed,
+                request_ids,
+                torch.full((plan.num_requests,), -1, dtype=torch.long),
+            )
         sampled = self.sampler(out.logits, rows)
         host = sampled_copy(sampled)  # queued now, before the engine queues the next step
 
@@ -143,8 +167,15 @@ class Worker:
                 row += n
             return StepResult(num_tokens, token_ids, errors=errors)
 
-        return WorkerOutput(read_back, sampled, out.expert_counts, out.num_rows_computed, request_ids,
-                            last_tokens(sampled, num_sample_rows), host=host)
+        return WorkerOutput(
+            read_back,
+            sampled,
+            out.expert_counts,
+            out.num_rows_computed,
+            request_ids,
+            last_tokens(sampled, num_sample_rows),
+            host=host,
+        )
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
         """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/state/image_inputs.py),
@@ -160,8 +191,7 @@ class Worker:
             self.speculator.release(request_id)
 
 
-def shifted(plan: StepPlan, rows: Sequence[SamplingRow], shifts: Sequence[int]
-            ) -> tuple[list[int], list[SamplingRow]]:
+def shifted(plan: StepPlan, rows: Sequence[SamplingRow], shifts: Sequence[int]) -> tuple[list[int], list[SamplingRow]]:
     """Async scheduling with drafts: the plan's row positions and its sampling rows' positions, each moved down
     by its request's shift (the rows its step in flight rejected), so every draw keeps its position's key."""
     row_requests = plan.row_requests.tolist()

@@ -51,8 +51,18 @@ class Stack:
         self.run_dir = run_dir
         self.state = state
         self.by_name = {s["name"]: s for s in state["services"]}
-        ready = wait_for(lambda: next((json.loads(line) for line in open(self.by_name["gateway"]["log"])
-                                       if line.startswith('{"event": "ready"')), None), 10, "the gateway's ready line")
+        ready = wait_for(
+            lambda: next(
+                (
+                    json.loads(line)
+                    for line in open(self.by_name["gateway"]["log"])
+                    if line.startswith('{"event": "ready"')
+                ),
+                None,
+            ),
+            10,
+            "the gateway's ready line",
+        )
         self.http, self.grpc = ready["http"], ready["grpc"]
         self.engine = f"127.0.0.1:{self.by_name['engine-0']['health'].split(':')[1]}"
         with ShinkaiClient(self.grpc, timeout=30) as c:
@@ -64,8 +74,15 @@ class Stack:
         s = self.by_name[name]
         env = dict(os.environ, PYTHONPATH=str(ROOT), SHINKAI_NATS_TOKEN=self.state["nats_token"])
         with open(s["log"], "ab") as log:
-            proc = subprocess.Popen([*s["argv"], *extra], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [*s["argv"], *extra],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         s["pid"], s["argv"] = proc.pid, [*s["argv"], *extra]
         path = self.run_dir / "stack.json"
         state = json.loads(path.read_text())
@@ -80,8 +97,15 @@ class Stack:
 def stack(tmp_path_factory):
     for attempt in range(2):  # a free port can be taken by another job between `up` choosing and binding it
         run_dir = tmp_path_factory.mktemp("faults")
-        config = StackConfig(num_engines=1, remote_workers=True, http_port=0, grpc_port=0, run_dir=run_dir,
-                             max_num_seqs=16, drain_timeout_s=DRAIN_S)
+        config = StackConfig(
+            num_engines=1,
+            remote_workers=True,
+            http_port=0,
+            grpc_port=0,
+            run_dir=run_dir,
+            max_num_seqs=16,
+            drain_timeout_s=DRAIN_S,
+        )
         try:
             state = up(config, timeout_s=120, log=lambda *_: None)
             break
@@ -115,23 +139,37 @@ def routed(stack: Stack) -> float:
     """Requests the gateway has routed to an engine, ever (its Prometheus counter)."""
     with urllib.request.urlopen(stack.http + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(v) for v in re.findall(r'^shinkai_gateway_routed_total\{[^}]*\} (\S+)', text, re.M))
+    return sum(float(v) for v in re.findall(r"^shinkai_gateway_routed_total\{[^}]*\} (\S+)", text, re.M))
 
 
 def assert_pools_whole(stack: Stack, timeout: float = 20) -> dict:
     """The engine has nothing running or waiting and every block and state slot is free."""
+
     def whole():
         with ShinkaiClient(stack.engine, timeout=5) as c:
             (e,) = c.loads().engines
-        return e if (e.num_running == e.num_waiting == e.num_queued == 0 and e.num_free_blocks == e.num_total_blocks
-                     and e.num_free_state_slots == e.num_total_state_slots) else None
+        return (
+            e
+            if (
+                e.num_running == e.num_waiting == e.num_queued == 0
+                and e.num_free_blocks == e.num_total_blocks
+                and e.num_free_state_slots == e.num_total_state_slots
+            )
+            else None
+        )
+
     e = wait_for(whole, timeout, "the engine's pools to be whole")
-    return {"free_blocks": e.num_free_blocks, "total_blocks": e.num_total_blocks,
-            "free_state_slots": e.num_free_state_slots, "total_state_slots": e.num_total_state_slots}
+    return {
+        "free_blocks": e.num_free_blocks,
+        "total_blocks": e.num_total_blocks,
+        "free_state_slots": e.num_free_state_slots,
+        "total_state_slots": e.num_total_state_slots,
+    }
 
 
-async def stream_final(client: AsyncShinkaiClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None,
-                       **kwargs) -> str:
+async def stream_final(
+    client: AsyncShinkaiClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None, **kwargs
+) -> str:
     """Streams one request; its final finish reason, or "status:<code>" when it ended with an error status."""
     try:
         async for delta in client.generate_stream(prompt, max_tokens=max_tokens, ignore_eos=True, **kwargs):
@@ -172,6 +210,7 @@ def test_soak_streams_lose_nothing(stack):
         deadline = time.monotonic() + SOAK_S
 
         async with AsyncShinkaiClient(stack.grpc, timeout=120) as client:
+
             async def loop(i: int) -> None:
                 nonlocal sent, finals, tokens
                 n = 0
@@ -180,8 +219,9 @@ def test_soak_streams_lose_nothing(stack):
                     max_tokens = 1 + (i + n) % 4
                     got = 0
                     try:
-                        async for delta in client.generate_stream(f"soak {i} {n}", max_tokens=max_tokens,
-                                                                  ignore_eos=True):
+                        async for delta in client.generate_stream(
+                            f"soak {i} {n}", max_tokens=max_tokens, ignore_eos=True
+                        ):
                             got += len(delta.token_ids)
                             if delta.finish_reason is not None:
                                 finals += 1
@@ -198,8 +238,18 @@ def test_soak_streams_lose_nothing(stack):
 
     sent, finals, failed, tokens, wall = asyncio.run(run())
     pools = assert_pools_whole(stack)
-    report("soak", concurrency=SOAK_CONCURRENCY, load_s=SOAK_S, wall_s=round(wall, 1), requests=sent, finals=finals,
-           failed=len(failed), output_tokens=tokens, requests_per_s=round(sent / wall, 1), pools=pools)
+    report(
+        "soak",
+        concurrency=SOAK_CONCURRENCY,
+        load_s=SOAK_S,
+        wall_s=round(wall, 1),
+        requests=sent,
+        finals=finals,
+        failed=len(failed),
+        output_tokens=tokens,
+        requests_per_s=round(sent / wall, 1),
+        pools=pools,
+    )
     assert not failed, failed[:5]
     assert finals == sent and sent >= SOAK_CONCURRENCY
 
@@ -237,8 +287,15 @@ def test_killed_worker_fails_streams_promptly_and_a_restarted_one_serves(stack):
         assert c.generate("after restart", max_tokens=3, ignore_eos=True).finish_reason == "length"
     assert grpc_serving(stack.engine) and http_status(stack.http + "/health")[0] == 200
     assert_pools_whole(stack)
-    report("kill_worker", streams=len(results), finals_or_status=len(results), streams_ended_s=round(ended_s, 2),
-           engine_not_serving_s=round(engine_down_s, 2), restart_to_ready_s=round(recovery_s, 2), pools=pools)
+    report(
+        "kill_worker",
+        streams=len(results),
+        finals_or_status=len(results),
+        streams_ended_s=round(ended_s, 2),
+        engine_not_serving_s=round(engine_down_s, 2),
+        restart_to_ready_s=round(recovery_s, 2),
+        pools=pools,
+    )
 
 
 def test_hung_worker_is_caught_by_heartbeat_not_the_step_deadline(stack):
@@ -273,8 +330,13 @@ def test_hung_worker_is_caught_by_heartbeat_not_the_step_deadline(stack):
     with ShinkaiClient(stack.grpc, timeout=60) as c:
         assert c.generate("after hang", max_tokens=2, ignore_eos=True).finish_reason == "length"
     assert_pools_whole(stack)
-    report("hung_worker", streams=len(results), streams_ended_s=round(ended_s, 2), back_after_sigcont_s=round(back_s, 2),
-           pools=pools)
+    report(
+        "hung_worker",
+        streams=len(results),
+        streams_ended_s=round(ended_s, 2),
+        back_after_sigcont_s=round(back_s, 2),
+        pools=pools,
+    )
     assert ended_s < 10
 
 
@@ -289,6 +351,7 @@ def test_nats_restart_engines_and_gateway_reconnect(stack):
 
     async def load_across_restart():
         async with AsyncShinkaiClient(stack.grpc, timeout=60) as client:
+
             async def steady(i):
                 results = []
                 for n in range(6):
@@ -299,8 +362,15 @@ def test_nats_restart_engines_and_gateway_reconnect(stack):
             tasks = [asyncio.create_task(steady(i)) for i in range(8)]
             await asyncio.sleep(0.5)
             os.kill(nats["pid"], signal.SIGTERM)
-            await asyncio.to_thread(wait_for, lambda: not os.path.exists(f"/proc/{nats['pid']}")
-                                    or open(f"/proc/{nats['pid']}/stat").read().split()[2] == "Z", 10, "nats to stop")
+            await asyncio.to_thread(
+                wait_for,
+                lambda: (
+                    not os.path.exists(f"/proc/{nats['pid']}")
+                    or open(f"/proc/{nats['pid']}/stat").read().split()[2] == "Z"
+                ),
+                10,
+                "nats to stop",
+            )
             try:
                 os.waitpid(nats["pid"], os.WNOHANG)
             except ChildProcessError:
@@ -328,11 +398,17 @@ def test_nats_restart_engines_and_gateway_reconnect(stack):
     delivered = connz(monitor)["shinkai-gateway"]["out_msgs"]
     assert delivered > gateway["out_msgs"], "load reports do not reach the gateway after the restart"
     with ShinkaiClient(stack.grpc, timeout=60) as c:  # routing resumes
-        assert all(c.generate(f"after nats {i}", max_tokens=2, ignore_eos=True).finish_reason == "length"
-                   for i in range(3))
+        assert all(
+            c.generate(f"after nats {i}", max_tokens=2, ignore_eos=True).finish_reason == "length" for i in range(3)
+        )
     pools = assert_pools_whole(stack)
-    report("restart_nats", streams_across_restart=len(results), failed=sum(r != "length" for r in results),
-           reconnect_s=round(reconnect_s, 2), pools=pools)
+    report(
+        "restart_nats",
+        streams_across_restart=len(results),
+        failed=sum(r != "length" for r in results),
+        reconnect_s=round(reconnect_s, 2),
+        pools=pools,
+    )
 
 
 def test_sigterm_gateway_gives_every_stream_a_final_message(stack):
@@ -345,8 +421,13 @@ def test_sigterm_gateway_gives_every_stream_a_final_message(stack):
 
         async def over_http(i, max_tokens):
             try:
-                stream = await http.completions.create(model="tiny", prompt=f"term {i}", max_tokens=max_tokens,
-                                                       stream=True, extra_body={"ignore_eos": True})
+                stream = await http.completions.create(
+                    model="tiny",
+                    prompt=f"term {i}",
+                    max_tokens=max_tokens,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 reason = "no final"
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].finish_reason is not None:
@@ -380,7 +461,15 @@ def test_sigterm_gateway_gives_every_stream_a_final_message(stack):
     assert long == ["abort"] * 10 and short.count("length") >= 1, results
     stopped = [json.loads(line) for line in open(gateway["log"]) if line.startswith('{"event": "stopped"')][-1]
     pools = assert_pools_whole(stack)
-    report("sigterm_gateway", streams=len(results), finals=sum(r in ("length", "abort") for r in results),
-           finished=results.count("length"), aborted_at_grace=results.count("abort"), grace_s=DRAIN_S,
-           last_final_s=round(ended_s, 2), aborted_by_gateway=stopped["aborted_at_drain"], pools=pools)
+    report(
+        "sigterm_gateway",
+        streams=len(results),
+        finals=sum(r in ("length", "abort") for r in results),
+        finished=results.count("length"),
+        aborted_at_grace=results.count("abort"),
+        grace_s=DRAIN_S,
+        last_final_s=round(ended_s, 2),
+        aborted_by_gateway=stopped["aborted_at_drain"],
+        pools=pools,
+    )
     assert ended_s < DRAIN_S + 10

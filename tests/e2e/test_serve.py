@@ -23,8 +23,23 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def serve_proc():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.entrypoints.cli", "serve", "--http-port", "0", "--grpc-port", "0", "--drain-timeout", "10"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "services.entrypoints.cli",
+            "serve",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--drain-timeout",
+            "10",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     line = proc.stdout.readline()
     if not line:
@@ -43,8 +58,10 @@ def test_openai_and_grpc_clients_against_a_serve_process(serve_proc):
     assert proc.pid != os.getpid()
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
     plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, seed=2)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="Hello", max_tokens=3, seed=2, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt="Hello", max_tokens=3, seed=2, stream=True)
+    )
     assert streamed == plain.choices[0].text and plain.usage.completion_tokens == 3
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 2
@@ -77,8 +94,9 @@ def health_while_draining(url: str) -> list[int | str]:
 def test_sigterm_drains_live_requests_and_leaves_pools_whole(serve_proc):
     proc, ready = serve_proc
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
-    http_stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=40, stream=True,
-                                            extra_body={"ignore_eos": True})
+    http_stream = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+    )
     http_chunks = [next(iter(http_stream))]
     with ShinkaiClient(ready["grpc"], timeout=60) as c:
         stream = c.generate_stream("Hello", max_tokens=6, ignore_eos=True)

@@ -23,8 +23,27 @@ def test_a_checkpoint_directory_serves_the_offline_tokens(tmp_path, capsys):
     ckpt = tmp_path / "tiny"
     assert main(["model", "init", "--preset", "tiny", "--out", str(ckpt), "--seed", "3"]) == 0
     run_dir = tmp_path / "run"
-    assert main(["up", "--model", str(ckpt), "--run-dir", str(run_dir), "--http-port", "0", "--grpc-port", "0",
-                 "--max-num-seqs", "4", "--device", "cpu", "--batch-invariant"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "up",
+                "--model",
+                str(ckpt),
+                "--run-dir",
+                str(run_dir),
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+                "--max-num-seqs",
+                "4",
+                "--device",
+                "cpu",
+                "--batch-invariant",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     state = json.loads((run_dir / "stack.json").read_text())
     try:
         gateway = next(s for s in state["services"] if s["name"] == "gateway")
@@ -38,10 +57,17 @@ def test_a_checkpoint_directory_serves_the_offline_tokens(tmp_path, capsys):
         expected = llm.generate(PROMPTS, params)
         assert len({out.text for out in expected}) == len(PROMPTS)  # the prompts lead apart: a real comparison
         for prompt, want in zip(PROMPTS, expected):
-            plain = client.completions.create(model=str(ckpt), prompt=prompt, max_tokens=6, temperature=0.0,
-                                              extra_body={"ignore_eos": True})
-            streamed = client.completions.create(model=str(ckpt), prompt=prompt, max_tokens=6, temperature=0.0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+            plain = client.completions.create(
+                model=str(ckpt), prompt=prompt, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}
+            )
+            streamed = client.completions.create(
+                model=str(ckpt),
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             assert plain.choices[0].text == want.text
             assert "".join(c.choices[0].text for c in streamed) == want.text
             assert plain.usage.completion_tokens == len(want.token_ids) == 6

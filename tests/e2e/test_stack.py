@@ -36,8 +36,7 @@ def reference_llm():
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stack")
-    config = StackConfig(num_engines=2, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=8,
-                         batch_invariant=True)
+    config = StackConfig(num_engines=2, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=8, batch_invariant=True)
     os.environ[ENCODE_DELAY_ENV] = str(ENCODE_DELAY_S)  # read by the multimodal process only
     try:
         state = up(config, timeout_s=120, log=lambda *_: None)
@@ -88,8 +87,11 @@ def test_openai_client_through_the_gateway(stack, reference_llm):
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
     expected = reference_llm.generate("Hello", SamplingParams(max_tokens=4, seed=11))[0]
     assert plain.choices[0].text == expected.text
-    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=2, stream=True))
+    chat = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+        )
+    )
     assert chat[-1].choices[0].finish_reason == "length"
 
 
@@ -118,7 +120,10 @@ def test_100_concurrent_streams_through_the_stack(stack):
 def routed(http_url: str) -> dict[str, float]:
     with urllib.request.urlopen(http_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'shinkai_gateway_routed_total\{engine="([^"]+)"\} (\S+)', text)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'shinkai_gateway_routed_total\{engine="([^"]+)"\} (\S+)', text)
+    }
 
 
 def test_routing_follows_the_load_reports(stack):
@@ -138,8 +143,10 @@ def test_routing_follows_the_load_reports(stack):
         assert control.get("engine-0", 0) >= 1 and control.get("engine-1", 0) >= 1, control
         # Load engine-0 directly (not through the gateway), wait for its reports to say so, then route.
         with ShinkaiClient(f"127.0.0.1:{engine0}", timeout=60) as direct:
-            streams = [direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, client_request_id=f"load{i}")
-                       for i in range(4)]
+            streams = [
+                direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, client_request_id=f"load{i}")
+                for i in range(4)
+            ]
             for s in streams:
                 next(s)
             time.sleep(1.0)  # four report intervals
@@ -195,13 +202,22 @@ def test_the_gateway_exports_vllm_names_summed_over_engines(stack):
         c.generate("Hello", max_tokens=3, ignore_eos=True)
     time.sleep(0.6)  # a load report from each engine (every 0.25 s)
     with urllib.request.urlopen(ready["http"] + "/metrics", timeout=10) as r:
-        samples = {(s.name, s.labels.get("model_name")): s.value
-                   for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
-    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total"):
+        samples = {
+            (s.name, s.labels.get("model_name")): s.value
+            for f in text_string_to_metric_families(r.read().decode())
+            for s in f.samples
+        }
+    for name in (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:generation_tokens_total",
+    ):
         assert samples[(name, "tiny")] >= 1, name
-    assert samples[("vllm:e2e_request_latency_seconds_count", "tiny")] == \
-        samples[("shinkai_e2e_request_latency_seconds_count", None)]
+    assert (
+        samples[("vllm:e2e_request_latency_seconds_count", "tiny")]
+        == samples[("shinkai_e2e_request_latency_seconds_count", None)]
+    )
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert (name, "tiny") in samples, name
     assert 0.0 <= samples[("vllm:kv_cache_usage_perc", "tiny")] <= 1.0
@@ -212,8 +228,7 @@ def test_openai_chat_with_a_data_url_image_equals_llm_chat(stack, reference_llm)
     _, by_name, ready = stack
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
     messages = ask(data_url(encoded(100, 80, seed=1)))
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
-                                           logprobs=True)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True)
     expected = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert reply.choices[0].message.content == expected.text
@@ -255,8 +270,9 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(st
     run("text", holder, prompt=[0, 19923, 16])
     image.join(60)
     assert first_token["text"] < first_token["image"]
-    expected = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                                  thinking={"type": "disabled"})[0]
+    expected = reference_llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), thinking={"type": "disabled"}
+    )[0]
     assert tokens["image"] == expected.token_ids
 
 
@@ -270,6 +286,7 @@ def test_down_drains_and_pools_are_whole(stack):
         pools = stopped[-1]["pools"]
         assert pools["free_blocks"] == pools["total_blocks"]
         assert pools["free_state_slots"] == pools["total_state_slots"]
+
     def gone(pid: int) -> bool:
         try:
             return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
@@ -283,4 +300,3 @@ def test_down_drains_and_pools_are_whole(stack):
         while not gone(s["pid"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert gone(s["pid"]), s["name"]
-

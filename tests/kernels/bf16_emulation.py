@@ -93,8 +93,9 @@ def decode_bf16(q, ring, state_slots, positions, window, kv_pool, selected, sink
     epb = kv_pool.shape[1]
     sel = selected.long()
     ent_raw = kv_pool[sel.clamp_min(0) // epb, sel.clamp_min(0) % epb]
-    ent = dequantize_fp4_cache(ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn),
-                               COMPRESSED_KV_BLOCK)
+    ent = dequantize_fp4_cache(
+        ent_raw[..., : dim // 2], ent_raw[..., dim // 2 :].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK
+    )
     keys = torch.cat((win, ent), dim=1).float()  # exact in bf16
     allowed = torch.cat((win_pos >= 0, sel >= 0), dim=1)
     logits = torch.einsum("rhd,rtd->rht", q.float().to(torch.bfloat16).float(), keys) * scale
@@ -161,21 +162,43 @@ def kernel_table() -> list[dict]:
         args = _args(cfg, prob, prob["q"], quantize_fp8_cache(prob["k"]))
         cache = CacheEngine(cfg, 16, num_blocks=64, num_state_slots=8, ring=ring_size(cfg))
         d = _fill_cache(cache, cfg, layer, source, 6, 40, gen)
-        dargs = (torch.randn(6, heads, cfg.head_dim, generator=gen), d["ring"], d["slots"], d["pos"],
-                 cfg.sliding_window, d["kv_pool"], d["selected"], prob["sink"], prob["freqs"], scale)
-        want = {"prefill": reference.sparse_prefill_attention(*args), "decode": reference.sparse_decode_attention(*dargs)}
+        dargs = (
+            torch.randn(6, heads, cfg.head_dim, generator=gen),
+            d["ring"],
+            d["slots"],
+            d["pos"],
+            cfg.sliding_window,
+            d["kv_pool"],
+            d["selected"],
+            prob["sink"],
+            prob["freqs"],
+            scale,
+        )
+        want = {
+            "prefill": reference.sparse_prefill_attention(*args),
+            "decode": reference.sparse_decode_attention(*dargs),
+        }
         emulated = {"prefill": prefill_bf16(*args), "decode": decode_bf16(*dargs)}
         with interpreter(), bf16_interpreter():
-            got = {"prefill": prefill.sparse_prefill_attention(*args, dot_fp32=False),
-                   "prefill fp32 dots": prefill.sparse_prefill_attention(*args, dot_fp32=True),
-                   "decode": decode.sparse_decode_attention(*dargs, dot_fp32=False, splits=1),
-                   "decode 3 splits": decode.sparse_decode_attention(*dargs, dot_fp32=False, splits=3)}
+            got = {
+                "prefill": prefill.sparse_prefill_attention(*args, dot_fp32=False),
+                "prefill fp32 dots": prefill.sparse_prefill_attention(*args, dot_fp32=True),
+                "decode": decode.sparse_decode_attention(*dargs, dot_fp32=False, splits=1),
+                "decode 3 splits": decode.sparse_decode_attention(*dargs, dot_fp32=False, splits=3),
+            }
         for kind, out in got.items():
             base = kind.split()[0]
-            rows.append(dict(shape=f"{name} layer {layer} (H {heads}, rope {2 * cfg.qk_rope_head_dim // 2}, "
-                                   f"w {cfg.sliding_window}, k {cfg.index_topk})", kind=kind,
-                             finite=bool(out.isfinite().all()), vs_ref=_rel(out, want[base]),
-                             torch_vs_ref=_rel(emulated[base], want[base]), vs_torch=_rel(out, emulated[base])))
+            rows.append(
+                dict(
+                    shape=f"{name} layer {layer} (H {heads}, rope {2 * cfg.qk_rope_head_dim // 2}, "
+                    f"w {cfg.sliding_window}, k {cfg.index_topk})",
+                    kind=kind,
+                    finite=bool(out.isfinite().all()),
+                    vs_ref=_rel(out, want[base]),
+                    torch_vs_ref=_rel(emulated[base], want[base]),
+                    vs_torch=_rel(out, emulated[base]),
+                )
+            )
     return rows
 
 
@@ -191,10 +214,19 @@ def with_attention(kernels, dot_fp32: bool, prefill=None, decode=None):
     forced = dot_fp32
     return dataclasses.replace(
         kernels,
-        decode_attention=SimpleNamespace(module=decode, sparse_decode_attention=lambda *a, dot_fp32=None, **k:
-                                         decode.sparse_decode_attention(*a, dot_fp32=forced, **k)),
-        prefill_attention=SimpleNamespace(module=prefill, sparse_prefill_attention=lambda *a, dot_fp32=None, **k:
-                                          prefill.sparse_prefill_attention(*a, dot_fp32=forced, **k)))
+        decode_attention=SimpleNamespace(
+            module=decode,
+            sparse_decode_attention=lambda *a, dot_fp32=None, **k: decode.sparse_decode_attention(
+                *a, dot_fp32=forced, **k
+            ),
+        ),
+        prefill_attention=SimpleNamespace(
+            module=prefill,
+            sparse_prefill_attention=lambda *a, dot_fp32=None, **k: prefill.sparse_prefill_attention(
+                *a, dot_fp32=forced, **k
+            ),
+        ),
+    )
 
 
 def emulated_kernels():
@@ -204,8 +236,9 @@ def emulated_kernels():
     from tests.kernels.interpret import load_interpreted
     from services.worker.kernel_model.fp8_linear import KernelSet
 
-    return with_attention(KernelSet.references(), False, load_interpreted("prefill_attention"),
-                          load_interpreted("decode_attention"))
+    return with_attention(
+        KernelSet.references(), False, load_interpreted("prefill_attention"), load_interpreted("decode_attention")
+    )
 
 
 def every_step_kernel():
@@ -217,9 +250,13 @@ def every_step_kernel():
 
     indexer = load_interpreted("indexer")
     return dataclasses.replace(
-        emulated_kernels(), compressor=load_interpreted("compressor"), mhc=load_interpreted("mhc"),
-        indexer=SimpleNamespace(indexer_select=lambda *a, dot_fp32=None, **k:
-                                indexer.indexer_select(*a, dot_fp32=False, **k)))
+        emulated_kernels(),
+        compressor=load_interpreted("compressor"),
+        mhc=load_interpreted("mhc"),
+        indexer=SimpleNamespace(
+            indexer_select=lambda *a, dot_fp32=None, **k: indexer.indexer_select(*a, dot_fp32=False, **k)
+        ),
+    )
 
 
 def engine_kl(make, names: tuple[str, ...], device: str = "cpu", precision: str = "fp8") -> str:
@@ -238,9 +275,11 @@ def engine_kl(make, names: tuple[str, ...], device: str = "cpu", precision: str 
             logits = t.drive(c, t.runner_for(c, model, budget, precision, make()), budget)
         parts.append(t._kl_report(c, logits))
     n, margin = sum(p["positions"] for p in parts), sum(p["margin_rows"] for p in parts)
-    return (f"mean KL {sum(p['mean_kl'] * p['positions'] for p in parts) / n:.4f}  max KL "
-            f"{max(p['max_kl'] for p in parts):.3f}  top-1 {sum(p['top1'] * p['margin_rows'] for p in parts) / margin:.3f}"
-            f"  per config " + " / ".join(f"{p['mean_kl']:.4f}" for p in parts) + f"  ({time.time() - start:.0f} s)")
+    return (
+        f"mean KL {sum(p['mean_kl'] * p['positions'] for p in parts) / n:.4f}  max KL "
+        f"{max(p['max_kl'] for p in parts):.3f}  top-1 {sum(p['top1'] * p['margin_rows'] for p in parts) / margin:.3f}"
+        f"  per config " + " / ".join(f"{p['mean_kl']:.4f}" for p in parts) + f"  ({time.time() - start:.0f} s)"
+    )
 
 
 @contextlib.contextmanager
@@ -254,8 +293,10 @@ def _emulating():
 def engine_table(names: tuple[str, ...], full: bool) -> None:
     from services.worker.kernel_model.fp8_linear import KernelSet
 
-    sets = [("floor (torch references)", KernelSet.references),
-            ("floor + attention kernels, bf16 path", emulated_kernels)]
+    sets = [
+        ("floor (torch references)", KernelSet.references),
+        ("floor + attention kernels, bf16 path", emulated_kernels),
+    ]
     if full:
         sets.append(("+ compressor, indexer (f16), mHC kernels", every_step_kernel))
     for label, make in sets:
@@ -271,16 +312,21 @@ def bisect(names: tuple[str, ...], device: str) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     base = KernelSet.compiled if device != "cpu" else every_step_kernel
-    torch_prefill = SimpleNamespace(sparse_prefill_attention=lambda *a, dot_fp32=None, **k:
-                                    reference.sparse_prefill_attention(*a))
+    torch_prefill = SimpleNamespace(
+        sparse_prefill_attention=lambda *a, dot_fp32=None, **k: reference.sparse_prefill_attention(*a)
+    )
     variants = [
         ("every kernel (as shipped)", base),
         ("attention kernels with fp32 dots", lambda: with_attention(base(), True)),
         ("prefill attention: torch reference", lambda: dataclasses.replace(base(), prefill_attention=torch_prefill)),
         ("compressor + indexer: torch", lambda: dataclasses.replace(base(), compressor=None, indexer=None)),
         ("mHC: the model's", lambda: dataclasses.replace(base(), mhc=None)),
-        ("all three back (the 0.081 wiring)", lambda: dataclasses.replace(
-            base(), prefill_attention=torch_prefill, compressor=None, indexer=None, mhc=None)),
+        (
+            "all three back (the 0.081 wiring)",
+            lambda: dataclasses.replace(
+                base(), prefill_attention=torch_prefill, compressor=None, indexer=None, mhc=None
+            ),
+        ),
     ]
     for label, make in variants:
         print(f"{device} {label:40s} {engine_kl(make, names, device)}", flush=True)
@@ -297,18 +343,24 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels-only", action="store_true", help="skip the engine runs")
     parser.add_argument("--configs", default="oracle,wide,nocand")
     parser.add_argument("--full", action="store_true", help="also the compressor, indexer and mHC kernels (slow)")
-    parser.add_argument("--bisect", metavar="DEVICE", help="cuda (H200): the compiled engine with one stage at a "
-                        "time put back; cpu: its plumbing, interpreted")
+    parser.add_argument(
+        "--bisect",
+        metavar="DEVICE",
+        help="cuda (H200): the compiled engine with one stage at a time put back; cpu: its plumbing, interpreted",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.bisect:  # before any interpreted kernel runs in this process (compiled ones on the GPU)
         bisect(tuple(args.configs.split(",")), args.bisect)
         return 0
-    print("1. kernels, bf16 path emulated: relative L2 error vs the fp32 reference, vs the torch emulation "
-          "of q, P → bf16")
+    print(
+        "1. kernels, bf16 path emulated: relative L2 error vs the fp32 reference, vs the torch emulation of q, P → bf16"
+    )
     for r in kernel_table():
-        print(f"  {r['shape']:45s} {r['kind']:18s} finite {r['finite']!s:5s} vs ref {r['vs_ref']:.2e}  "
-              f"torch emulation vs ref {r['torch_vs_ref']:.2e}  kernel vs torch emulation {r['vs_torch']:.2e}")
+        print(
+            f"  {r['shape']:45s} {r['kind']:18s} finite {r['finite']!s:5s} vs ref {r['vs_ref']:.2e}  "
+            f"torch emulation vs ref {r['torch_vs_ref']:.2e}  kernel vs torch emulation {r['vs_torch']:.2e}"
+        )
     if not args.kernels_only:
         print("2. the FP8 engine (FP8_CASES) on the CPU: KL vs the fp32 reference")
         engine_table(tuple(args.configs.split(",")), args.full)

@@ -13,7 +13,7 @@ from tests.kernels.test_prefill_attention import TINY_SHAPES, _args, _tiny_confi
 
 
 def rel_rows(out, ref):
-    return ((out - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-30))
+    return (out - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-30)
 
 
 def main() -> None:
@@ -21,14 +21,19 @@ def main() -> None:
         cfg, prob, step_k = _tiny_config_problem(name, layer, source, "cuda")
         args = list(_args(cfg, prob, prob["q"], step_k))
         ref = reference.sparse_prefill_attention(*args)
-        cpu_ref = reference.sparse_prefill_attention(*[a.cpu() if isinstance(a, torch.Tensor) else
-                                                        tuple(t.cpu() for t in a) if isinstance(a, tuple) else a
-                                                        for a in args])
+        cpu_ref = reference.sparse_prefill_attention(
+            *[
+                a.cpu() if isinstance(a, torch.Tensor) else tuple(t.cpu() for t in a) if isinstance(a, tuple) else a
+                for a in args
+            ]
+        )
         emulated = prefill_bf16(*args)
-        print(f"== {name} layer {layer}: ref gpu vs cpu {float(rel_rows(ref.cpu(), cpu_ref).max()):.2e}, "
-              f"emulated vs ref {float(rel_rows(emulated, ref).max()):.2e}; pos {prob['pos'].tolist()} "
-              f"first {args[5].tolist()} window {cfg.sliding_window} sel-valid "
-              f"{(args[8] >= 0).sum(1).tolist()}")
+        print(
+            f"== {name} layer {layer}: ref gpu vs cpu {float(rel_rows(ref.cpu(), cpu_ref).max()):.2e}, "
+            f"emulated vs ref {float(rel_rows(emulated, ref).max()):.2e}; pos {prob['pos'].tolist()} "
+            f"first {args[5].tolist()} window {cfg.sliding_window} sel-valid "
+            f"{(args[8] >= 0).sum(1).tolist()}"
+        )
         ring_clone = list(args)
         ring_clone[2] = args[2].clone()
         pool_clone = list(args)
@@ -54,7 +59,9 @@ def main() -> None:
             torch.cuda.synchronize()
             err = rel_rows(out, want)
             bad = [(r, round(float(e), 3)) for r, e in enumerate(err.tolist()) if e > 1e-2]
-            print(f"  {label:14s} max row rel {float(err.max()):.2e}  finite {bool(out.isfinite().all())}  bad rows {bad}")
+            print(
+                f"  {label:14s} max row rel {float(err.max()):.2e}  finite {bool(out.isfinite().all())}  bad rows {bad}"
+            )
 
 
 if __name__ == "__main__":

@@ -84,8 +84,19 @@ def interpreter() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = old
 
 
-SHARED = ("rmsnorm", "quant_fp8", "attention_blocks", "prefill_staging", "indexer_topk", "sampler_select",
-          "mhc_streams", "moe_layout", "fp8_splitk", "moe_combine", "moe_splitk")
+SHARED = (
+    "rmsnorm",
+    "quant_fp8",
+    "attention_blocks",
+    "prefill_staging",
+    "indexer_topk",
+    "sampler_select",
+    "mhc_streams",
+    "moe_layout",
+    "fp8_splitk",
+    "moe_combine",
+    "moe_splitk",
+)
 """Modules whose jit helpers other kernels import: their interpreted copies stand in while a kernel loads.
 In dependency order: a shared module sees the interpreted copies of those before it only."""
 

@@ -48,12 +48,18 @@ def make_layer(cfg, layer: int, gen: torch.Generator, dtype: torch.dtype = torch
         comp.norm.weight.copy_(1 + 0.2 * torch.randn(cfg.head_dim, generator=gen))
         idx.k_norm.weight.copy_(1 + 0.2 * torch.randn(cfg.index_head_dim, generator=gen))
     idx.to(device=device, dtype=dtype)  # wk and k_norm in the model dtype, as a bf16 model holds them
-    return SimpleNamespace(layer=layer, ratio=ratio, compressor=comp.to(device), indexer=idx,
-                           freqs=rope_frequencies(cfg, compressed=True).to(device))
+    return SimpleNamespace(
+        layer=layer,
+        ratio=ratio,
+        compressor=comp.to(device),
+        indexer=idx,
+        freqs=rope_frequencies(cfg, compressed=True).to(device),
+    )
 
 
-def make_batch(requests: list[tuple[int, int]], slots: torch.Tensor, tables: torch.Tensor, ratio: int, epb: int,
-               ring: int) -> StepBatch:
+def make_batch(
+    requests: list[tuple[int, int]], slots: torch.Tensor, tables: torch.Tensor, ratio: int, epb: int, ring: int
+) -> StepBatch:
     """requests: (first position, rows this step) per request; one StepBatch with entry_writes[ratio]."""
     device = tables.device
     first = torch.tensor([f for f, _ in requests], device=device)
@@ -66,15 +72,24 @@ def make_batch(requests: list[tuple[int, int]], slots: torch.Tensor, tables: tor
     entry_slots = tables[row_requests[rows], entry // epb] * epb + entry % epb
     n = len(requests)
     return StepBatch(
-        request_ids=[f"r{i}" for i in range(n)], input_ids=torch.zeros_like(positions), positions=positions,
-        row_requests=row_requests, ring_slots=positions % ring, query_start=query_start, first=first,
-        seqlens_k=first + counts, state_slots=slots[:n], block_tables=tables[:n], sample_rows=query_start[1:] - 1,
+        request_ids=[f"r{i}" for i in range(n)],
+        input_ids=torch.zeros_like(positions),
+        positions=positions,
+        row_requests=row_requests,
+        ring_slots=positions % ring,
+        query_start=query_start,
+        first=first,
+        seqlens_k=first + counts,
+        state_slots=slots[:n],
+        block_tables=tables[:n],
+        sample_rows=query_start[1:] - 1,
         entry_writes={ratio: (rows, entry_slots)},
     )
 
 
-def flips(ours: torch.Tensor, ref: torch.Tensor, pre: torch.Tensor, block: int, fmt: str,
-          edge: float = EDGE[torch.float32]) -> tuple[int, int]:
+def flips(
+    ours: torch.Tensor, ref: torch.Tensor, pre: torch.Tensor, block: int, fmt: str, edge: float = EDGE[torch.float32]
+) -> tuple[int, int]:
     """(differing FP4 codes, all codes) between two pools' entries [E, bytes]; raises unless every
     difference is a bin-edge flip of the reference's pre-rounding values ``pre`` [E, C]."""
     half = pre.shape[-1] // 2
@@ -88,8 +103,18 @@ def flips(ours: torch.Tensor, ref: torch.Tensor, pre: torch.Tensor, block: int, 
     return int(differ.sum()), differ.numel()
 
 
-def run_both(cfg, layer, steps, x_scale: float = 1.0, seed: int = 0, device: str = "cpu", interpreted: bool = True,
-             dtype: torch.dtype = torch.float32, num_slots: int = 8, max_position: int = 64):
+def run_both(
+    cfg,
+    layer,
+    steps,
+    x_scale: float = 1.0,
+    seed: int = 0,
+    device: str = "cpu",
+    interpreted: bool = True,
+    dtype: torch.dtype = torch.float32,
+    num_slots: int = 8,
+    max_position: int = 64,
+):
     """Run ``steps`` (lists of (first, rows) per request, requests i in slot i + 1) through the
     reference on one cache and the kernel on a copy; return both caches and the flip counts."""
     gen = torch.Generator().manual_seed(seed)
@@ -126,8 +151,10 @@ def run_both(cfg, layer, steps, x_scale: float = 1.0, seed: int = 0, device: str
                 module.compress_layer(ours_cache, batch, attn, x)
         rows, entry_slots = batch.entry_writes[attn.ratio]
         block, offset = entry_slots // epb, entry_slots % epb
-        for name, pool, fmt, blk, kind in (("kv", 0, "e4m3", COMPRESSED_KV_BLOCK, "kv4"),
-                                           ("keys", 1, "e8m0", INDEXER_BLOCK, "idx4k")):
+        for name, pool, fmt, blk, kind in (
+            ("kv", 0, "e4m3", COMPRESSED_KV_BLOCK, "kv4"),
+            ("keys", 1, "e8m0", INDEXER_BLOCK, "idx4k"),
+        ):
             ours = ours_cache.entries(layer)[pool][block, offset]
             ref = ref_cache.entries(layer)[pool][block, offset]
             n, total = flips(ours, ref, pre[kind], blk, fmt, EDGE[dtype])
@@ -168,8 +195,11 @@ def test_interpreted_ratio1_matches_torch_attention():
 
 def test_interpreted_large_values_and_straddle_only():
     """Decode-like steps (one row per request, every odd position straddles) at large magnitudes."""
-    steps = [[(p, 1) for p in (1, 3, 7, 9, 11, 13)], [(p, 1) for p in (2, 4, 8, 10, 12, 14)],
-             [(p, 1) for p in (3, 5, 9, 11, 13, 15)]]
+    steps = [
+        [(p, 1) for p in (1, 3, 7, 9, 11, 13)],
+        [(p, 1) for p in (2, 4, 8, 10, 12, 14)],
+        [(p, 1) for p in (3, 5, 9, 11, 13, 15)],
+    ]
     ref, ours, counted = run_both(TINY, 2, steps, x_scale=40.0, seed=2)
     _check(ref, ours, counted)
 
@@ -190,8 +220,9 @@ def test_gpu_flash_shapes_match_torch_attention(ratio, dtype):
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 wk product in IEEE fp32, as the kernel's
     try:
-        ref, ours, counted = run_both(cfg, layer, steps, seed=ratio, device="cuda", interpreted=False, dtype=dtype,
-                                      num_slots=48, max_position=128)
+        ref, ours, counted = run_both(
+            cfg, layer, steps, seed=ratio, device="cuda", interpreted=False, dtype=dtype, num_slots=48, max_position=128
+        )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     _check(ref, ours, counted)

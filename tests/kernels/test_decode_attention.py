@@ -23,8 +23,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _fill_cache(cache: CacheEngine, cfg, layer: int, source: int, num_rows: int, context: int,
-                gen: torch.Generator, device: str = "cpu") -> dict[str, torch.Tensor]:
+def _fill_cache(
+    cache: CacheEngine,
+    cfg,
+    layer: int,
+    source: int,
+    num_rows: int,
+    context: int,
+    gen: torch.Generator,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
     """Random rings (every position < context) and entries for ``num_rows`` requests; a decode problem.
 
     Row r is request r at position pos[r] (some below the window, so part of the window is masked),
@@ -41,7 +49,8 @@ def _fill_cache(cache: CacheEngine, cfg, layer: int, source: int, num_rows: int,
     slots = torch.randperm(cache.slots.shape[0] - 1, generator=gen, device=device)[:num_rows] + 1
     width = -(-context // ratio // epb)
     tables = (torch.randperm(cache.blocks.shape[0] - 1, generator=gen, device=device)[: num_rows * width] + 1).view(
-        num_rows, width)
+        num_rows, width
+    )
     for r in range(num_rows):
         p = int(pos[r])
         span = torch.arange(max(0, p - lay.ring_size + 1), p + 1, device=device)
@@ -59,9 +68,15 @@ def _fill_cache(cache: CacheEngine, cfg, layer: int, source: int, num_rows: int,
         take = min(visible, topk) if r % 3 else min(visible, topk // 2)
         pick = torch.randperm(visible, generator=gen, device=device)[:take].sort().values
         sel[r, :take] = pick
-    return dict(pos=pos, slots=slots, tables=tables, selected_entries=sel,
-                selected=reference.entry_slots(sel, tables, epb), kv_pool=cache.entries(source)[0],
-                ring=cache.ring(layer))
+    return dict(
+        pos=pos,
+        slots=slots,
+        tables=tables,
+        selected_entries=sel,
+        selected=reference.entry_slots(sel, tables, epb),
+        kv_pool=cache.entries(source)[0],
+        ring=cache.ring(layer),
+    )
 
 
 # ---------------------------------------------------------------- the reference is the engine's attention
@@ -89,10 +104,18 @@ def test_reference_equals_torch_attention():
     pos = prob["pos"]
     # The positions before each row are cached: the row's own K is written to the ring by attend.
     batch = StepBatch(
-        request_ids=[f"r{i}" for i in range(num_rows)], input_ids=torch.zeros(num_rows, dtype=torch.long),
-        positions=pos, row_requests=torch.arange(num_rows), ring_slots=pos % ring,
-        query_start=torch.arange(num_rows + 1), first=pos.clone(), seqlens_k=pos + 1, state_slots=prob["slots"],
-        block_tables=prob["tables"], sample_rows=torch.arange(num_rows), entry_writes={},
+        request_ids=[f"r{i}" for i in range(num_rows)],
+        input_ids=torch.zeros(num_rows, dtype=torch.long),
+        positions=pos,
+        row_requests=torch.arange(num_rows),
+        ring_slots=pos % ring,
+        query_start=torch.arange(num_rows + 1),
+        first=pos.clone(),
+        seqlens_k=pos + 1,
+        state_slots=prob["slots"],
+        block_tables=prob["tables"],
+        sample_rows=torch.arange(num_rows),
+        entry_writes={},
     )
     backend = TorchAttention(cache, batch)
     step = AttentionStep(backend, batch.positions, batch.row_requests)
@@ -111,11 +134,21 @@ def test_reference_equals_torch_attention():
     with torch.no_grad():
         step.attend(attn, x)
         angles = rope_angles(pos, attn.freqs)
-        q = apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)),
-                       angles)
-    ours = reference.sparse_decode_attention(q, prob["ring"], prob["slots"], pos, cfg.sliding_window,
-                                             prob["kv_pool"], prob["selected"], attn.attn_sink, attn.freqs,
-                                             cfg.head_dim**-0.5)
+        q = apply_rope(
+            attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)), angles
+        )
+    ours = reference.sparse_decode_attention(
+        q,
+        prob["ring"],
+        prob["slots"],
+        pos,
+        cfg.sliding_window,
+        prob["kv_pool"],
+        prob["selected"],
+        attn.attn_sink,
+        attn.freqs,
+        cfg.head_dim**-0.5,
+    )
     assert ours.shape == captured["out"].shape
     # Two torch formulations of one attention: fp32 order only (measured ≤ 4.8e-7 at max |out| 5.2: ~1 ulp).
     assert float((ours - captured["out"]).abs().max()) <= FP32_REORDER_REL * float(captured["out"].abs().max())
@@ -137,8 +170,18 @@ def _tiny_problem(num_rows: int, seed: int, context: int = 40):
 
 
 def _args(cfg, prob, q=None):
-    return ((prob["q"] if q is None else q), prob["ring"], prob["slots"], prob["pos"], cfg.sliding_window,
-            prob["kv_pool"], prob["selected"], prob["sink"], prob["freqs"], cfg.head_dim**-0.5)
+    return (
+        (prob["q"] if q is None else q),
+        prob["ring"],
+        prob["slots"],
+        prob["pos"],
+        cfg.sliding_window,
+        prob["kv_pool"],
+        prob["selected"],
+        prob["sink"],
+        prob["freqs"],
+        cfg.head_dim**-0.5,
+    )
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 64])  # 64: one block per split (one launch for both kinds)
@@ -148,7 +191,8 @@ def test_interpreted_fp32_dots_match_reference(splits):
     out = torch.full_like(ref, float("nan"))
     with interpreter():
         load_interpreted("decode_attention").sparse_decode_attention(
-            *_args(cfg, prob), out=out, block_n=16, splits=splits, dot_fp32=True)
+            *_args(cfg, prob), out=out, block_n=16, splits=splits, dot_fp32=True
+        )
     assert not out.isnan().any()
     assert float((out - ref).abs().max()) <= FP32_REORDER_REL * float(ref.abs().max())
 
@@ -163,8 +207,9 @@ def test_interpreted_bf16_in_and_out():
     q = prob["q"].to(torch.bfloat16)
     ref = reference.sparse_decode_attention(*_args(cfg, prob, q.float()))
     with interpreter():
-        out = load_interpreted("decode_attention").sparse_decode_attention(*_args(cfg, prob, q), block_n=16,
-                                                                           dot_fp32=True)
+        out = load_interpreted("decode_attention").sparse_decode_attention(
+            *_args(cfg, prob, q), block_n=16, dot_fp32=True
+        )
     assert out.dtype == torch.bfloat16
     assert torch.all((out.float() - ref).abs() <= BF16_CAST_REL * ref.abs() + FP32_REORDER_REL)
 
@@ -216,8 +261,7 @@ def test_interpreted_row_without_keys_gives_zero():
     prob["pos"][1] = -1  # no window position is ≥ 0
     ref = reference.sparse_decode_attention(*_args(cfg, prob))
     with interpreter():
-        out = load_interpreted("decode_attention").sparse_decode_attention(*_args(cfg, prob), block_n=16,
-                                                                           dot_fp32=True)
+        out = load_interpreted("decode_attention").sparse_decode_attention(*_args(cfg, prob), block_n=16, dot_fp32=True)
     assert torch.all(out[1] == 0) and torch.all(ref[1] == 0)
     assert float((out - ref).abs().max()) <= FP32_REORDER_REL * float(ref.abs().max())
 
@@ -237,8 +281,9 @@ def test_flash_problem_builder_on_cpu():
     assert ref.isfinite().all() and float(ref.abs().mean()) > 1e-2
     out = torch.empty_like(ref)
     with interpreter():
-        load_interpreted("decode_attention").sparse_decode_attention(*decode_attention_args(p), out=out,
-                                                                     dot_fp32=True, splits=2)
+        load_interpreted("decode_attention").sparse_decode_attention(
+            *decode_attention_args(p), out=out, dot_fp32=True, splits=2
+        )
     assert float((out - ref).abs().max()) <= FP32_REORDER_REL * float(ref.abs().max())
 
 

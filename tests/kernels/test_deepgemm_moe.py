@@ -31,17 +31,21 @@ def fake_deep_gemm(align: int = 4) -> SimpleNamespace:
             if e >= 0:
                 r = m_indices == e
                 rows = (a[0][r][None], a[1][r][None])
-                d[r] = deepgemm_moe.exact_grouped(rows, b[0][e:e + 1], b[1][e:e + 1])[0].to(d.dtype)
+                d[r] = deepgemm_moe.exact_grouped(rows, b[0][e : e + 1], b[1][e : e + 1])[0].to(d.dtype)
 
     def masked(a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
         assert disable_ue8m0_cast and masked_m.dtype == torch.int32 and expected_m >= 1
         d.fill_(float("nan"))
         for e, m in enumerate(masked_m.tolist()):
-            d[e, :m] = deepgemm_moe.exact_grouped((a[0][e:e + 1, :m], a[1][e:e + 1, :m]), b[0][e:e + 1],
-                                                  b[1][e:e + 1])[0].to(d.dtype)
+            d[e, :m] = deepgemm_moe.exact_grouped(
+                (a[0][e : e + 1, :m], a[1][e : e + 1, :m]), b[0][e : e + 1], b[1][e : e + 1]
+            )[0].to(d.dtype)
 
-    return SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=contiguous, m_grouped_fp8_gemm_nt_masked=masked,
-                           get_mk_alignment_for_contiguous_layout=lambda: align)
+    return SimpleNamespace(
+        m_grouped_fp8_gemm_nt_contiguous=contiguous,
+        m_grouped_fp8_gemm_nt_masked=masked,
+        get_mk_alignment_for_contiguous_layout=lambda: align,
+    )
 
 
 def test_contiguous_rows_pad_each_span_and_mark_the_pads():
@@ -86,14 +90,16 @@ def _layer(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: in
     stacked = num_experts + 1
 
     def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [quantize_weight_block128(torch.randn(n, k, device=device, generator=gen) * 0.1)
-                 for _ in range(stacked)]
+        pairs = [
+            quantize_weight_block128(torch.randn(n, k, device=device, generator=gen) * 0.1) for _ in range(stacked)
+        ]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     experts = torch.rand(num_tokens, num_experts, device=device, generator=gen).argsort(-1)[:, :top_k]
     shared = torch.full((num_tokens, 1), num_experts, device=device)
-    route_w = torch.cat((torch.rand(num_tokens, top_k, device=device, generator=gen),
-                         torch.ones(num_tokens, 1, device=device)), 1)
+    route_w = torch.cat(
+        (torch.rand(num_tokens, top_k, device=device, generator=gen), torch.ones(num_tokens, 1, device=device)), 1
+    )
     meta = route_metadata(torch.cat((experts, shared), 1), route_w, stacked)
     x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
     return x, meta, (*weights(2 * inter, hidden), *weights(hidden, inter))
@@ -108,8 +114,11 @@ def _interpreted_layout(x: torch.Tensor, meta: dict, align: int) -> deepgemm_moe
         return load_interpreted("moe_contiguous").contiguous_layout(x, meta, align)
 
 
-@pytest.mark.parametrize("masked,layout", [(False, None), (False, _interpreted_layout), (True, None)],
-                         ids=["contiguous torch layout", "contiguous layout kernel", "masked"])
+@pytest.mark.parametrize(
+    "masked,layout",
+    [(False, None), (False, _interpreted_layout), (True, None)],
+    ids=["contiguous torch layout", "contiguous layout kernel", "masked"],
+)
 def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked, layout):
     """Both layouts feed every slot's row to its own expert and combine the right rows (a wrong row or expert is
     off by O(1); a pad or masked-off row read is NaN), the contiguous one through its torch form and through
@@ -120,10 +129,20 @@ def test_the_layer_through_a_stand_in_matches_the_reference(monkeypatch, masked,
     meta = dict(meta)
     used = torch.arange(13) < meta["counts"][:, None]
     meta["row_ids"] = torch.where(used, meta["row_ids"], 10**6)
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
-                               masked=masked, layout=layout)
-    want = reference.moe_experts(x, meta | {"row_ids": torch.where(used, meta["row_ids"], 0)}, *weights, 10.0,
-                                 shared_last=True)
+    got = deepgemm_moe.experts(
+        x,
+        meta,
+        *weights,
+        10.0,
+        quantize_act,
+        reference.swiglu_quant,
+        reference.moe_combine,
+        masked=masked,
+        layout=layout,
+    )
+    want = reference.moe_experts(
+        x, meta | {"row_ids": torch.where(used, meta["row_ids"], 0)}, *weights, 10.0, shared_last=True
+    )
     # The same e4m3 operands; the paths differ by the bf16 rounding of gate/up before the SwiGLU (the reference
     # keeps fp32), which moves the rare e4m3 code of h, and by the bf16 down output: within one FP8 cast's error.
     assert torch.isfinite(got).all()
@@ -141,12 +160,26 @@ def test_no_live_row_gives_no_real_row(monkeypatch, layout):
         seen.append(m)
         fake.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m, **kw)
 
-    monkeypatch.setattr(deepgemm_moe, "module", lambda: SimpleNamespace(
-        m_grouped_fp8_gemm_nt_contiguous=contiguous, get_mk_alignment_for_contiguous_layout=lambda: 4))
+    monkeypatch.setattr(
+        deepgemm_moe,
+        "module",
+        lambda: SimpleNamespace(
+            m_grouped_fp8_gemm_nt_contiguous=contiguous, get_mk_alignment_for_contiguous_layout=lambda: 4
+        ),
+    )
     x, meta, weights = _layer(num_tokens=4, num_experts=3, top_k=1, hidden=128, inter=128, device="cpu", seed=0)
     meta = dict(meta) | {"counts": torch.zeros_like(meta["counts"]), "row_ids": torch.full_like(meta["row_ids"], 10**6)}
-    deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act, reference.swiglu_quant, reference.moe_combine,
-                         masked=False, layout=layout)
+    deepgemm_moe.experts(
+        x,
+        meta,
+        *weights,
+        10.0,
+        quantize_act,
+        reference.swiglu_quant,
+        reference.moe_combine,
+        masked=False,
+        layout=layout,
+    )
     assert len(seen) == 2 and all((m == -1).all() for m in seen)
 
 
@@ -188,10 +221,21 @@ def test_gpu_layer_matches_the_reference_as_the_triton_layer_does(masked):
     from kernels.moe_contiguous import contiguous_layout
 
     x, meta, weights = _layer(num_tokens=256, num_experts=8, top_k=2, hidden=5120, inter=2304, device="cuda", seed=5)
-    got = deepgemm_moe.experts(x, meta, *weights, 10.0, quantize_act_gpu, swiglu_quant_gpu, moe_combine, masked=masked,
-                               layout=contiguous_layout)
+    got = deepgemm_moe.experts(
+        x,
+        meta,
+        *weights,
+        10.0,
+        quantize_act_gpu,
+        swiglu_quant_gpu,
+        moe_combine,
+        masked=masked,
+        layout=contiguous_layout,
+    )
     want = reference.moe_experts(x, meta, *weights, 10.0, shared_last=True)
     triton = moe_experts(x, meta, *weights, 10.0, shared_last=True)
-    print(f"\nDeepGEMM {'masked' if masked else 'contiguous'} layer vs reference {_rel(got, want):.3g}, "
-          f"Triton {_rel(triton, want):.3g}")
+    print(
+        f"\nDeepGEMM {'masked' if masked else 'contiguous'} layer vs reference {_rel(got, want):.3g}, "
+        f"Triton {_rel(triton, want):.3g}"
+    )
     assert torch.isfinite(got).all() and _rel(got, want) <= FP8_LINEAR_REL

@@ -15,15 +15,21 @@ from tests.tolerances import FP32_REORDER_REL
 
 # (blocks N, slots S, heads H, head_dim, rope pairs P, window W): tiny's draft (hd 64, P 8, W 8, bs 5);
 # rotated pairs over two FP8 blocks; a window of three key tiles, the last partial; no window at all.
-SHAPES = [(3, 5, 4, 64, 8, 8), (2, 7, 2, 128, 32, 20), (2, 5, 2, 64, 8, 150), (2, 3, 2, 64, 8, 0),
-          (1, 5, 2, 256, 16, 40)]  # the last: a wide head, 32-key tiles (V41's), one partial
+SHAPES = [
+    (3, 5, 4, 64, 8, 8),
+    (2, 7, 2, 128, 32, 20),
+    (2, 5, 2, 64, 8, 150),
+    (2, 3, 2, 64, 8, 0),
+    (1, 5, 2, 256, 16, 40),
+]  # the last: a wide head, 32-key tiles (V41's), one partial
 
 
 def _problem(n, s, h, hd, p, w, gen, device="cpu"):
     q = torch.randn(n, s, h, hd, generator=gen).to(device)
     # Own keys with 32-channel blocks at scales 2^-6 … 2^6, so the FP8 rounding's scale varies per block.
-    own = torch.randn(n, s, hd, generator=gen) * 2.0 ** torch.randint(-6, 7, (n, s, hd // 32), generator=gen
-                                                                      ).float().repeat_interleave(32, -1)
+    own = torch.randn(n, s, hd, generator=gen) * 2.0 ** torch.randint(
+        -6, 7, (n, s, hd // 32), generator=gen
+    ).float().repeat_interleave(32, -1)
     window = fake_quant_fp8_e4m3(torch.randn(n, w, hd, generator=gen))  # the ring holds FP8-rounded entries
     visible = torch.rand(n, w, generator=gen) < 0.7
     if w:

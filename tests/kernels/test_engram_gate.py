@@ -87,8 +87,9 @@ def _check(out, h, key, value, q_weight, k_weight, live):
         assert torch.equal(out[~live], h[~live])
 
 
-@pytest.mark.parametrize(("num_tokens", "dim", "dtype"), [(6, 64, torch.float32), (3, 5120, torch.float32),
-                                                          (5, 96, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("num_tokens", "dim", "dtype"), [(6, 64, torch.float32), (3, 5120, torch.float32), (5, 96, torch.bfloat16)]
+)
 @pytest.mark.parametrize("masked", [False, True])
 def test_engram_gate_interpreted_matches_reference(num_tokens, dim, dtype, masked):
     """n = 4 streams; D 64 (the tiny preset's hidden size), 5120 (v41's), 96 (not a power of two: masked lanes)."""
@@ -123,7 +124,7 @@ def test_engram_gate_interpreted_row_invariant():
         module = load_interpreted("engram_gate")
         batch = module.engram_gate(h, key, value, qw, kw, EPS, live)
         for t in range(7):
-            one = module.engram_gate(h[t:t + 1], key[t:t + 1], value[t:t + 1], qw, kw, EPS, live[t:t + 1])
+            one = module.engram_gate(h[t : t + 1], key[t : t + 1], value[t : t + 1], qw, kw, EPS, live[t : t + 1])
             assert torch.equal(one[0], batch[t])
         tail = module.engram_gate(h[3:], key[3:], value[3:], qw, kw, EPS, live[3:])
     assert torch.equal(tail, batch[3:])

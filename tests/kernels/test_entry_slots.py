@@ -19,8 +19,10 @@ def _case(num_rows: int, k: int, width: int, epb: int, entry_dtype: torch.dtype,
     return entries.to(entry_dtype), tables.to(torch.int32)
 
 
-@pytest.mark.parametrize(("num_rows", "k", "width", "epb", "entry_dtype"),
-                         [(8, 4, 6, 16, torch.int32), (5, 7, 3, 64, torch.int64), (3, 1, 1, 8, torch.int32)])
+@pytest.mark.parametrize(
+    ("num_rows", "k", "width", "epb", "entry_dtype"),
+    [(8, 4, 6, 16, torch.int32), (5, 7, 3, 64, torch.int64), (3, 1, 1, 8, torch.int32)],
+)
 def test_entry_slots_interpreted_equals_reference(num_rows, k, width, epb, entry_dtype):
     entries, tables = _case(num_rows, k, width, epb, entry_dtype, torch.Generator().manual_seed(num_rows * k))
     with interpreter():

@@ -27,8 +27,15 @@ def test_splitk_equals_the_dequantised_product_and_the_grouped_gemm(num_tokens, 
     with interpreter():
         a = quant.quantize_act(x)
         got = sk.fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32)
-        one_pass = gg.moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(num_tokens, 1, x.device),
-                                       gather=True, out_dtype=torch.float32, block_m=16)[0]
+        one_pass = gg.moe_grouped_gemm(
+            a,
+            w[None],
+            w_scale[None],
+            one_expert_meta(num_tokens, 1, x.device),
+            gather=True,
+            out_dtype=torch.float32,
+            block_m=16,
+        )[0]
     splits, per = sk.num_splits(n, k, x.device)  # as on a 132-SM GPU
     assert splits > 1 and splits * per == k // 128
     if n == 128 * 140:
@@ -46,7 +53,7 @@ def test_a_rows_result_does_not_depend_on_the_batch():
     with interpreter():
         a = quant.quantize_act(x)
         batch = sk.fp8_linear_splitk(a, w, w_scale)
-        alone = torch.cat([sk.fp8_linear_splitk((a[0][i:i + 1], a[1][i:i + 1]), w, w_scale) for i in range(9)])
+        alone = torch.cat([sk.fp8_linear_splitk((a[0][i : i + 1], a[1][i : i + 1]), w, w_scale) for i in range(9)])
     assert batch.dtype == torch.bfloat16 and torch.equal(batch, alone)
 
 
@@ -73,7 +80,7 @@ def _ranged(x: torch.Tensor, seed: int) -> torch.Tensor:
     blocks = x.view(x.shape[0], -1, 128)
     blocks = blocks * torch.exp2(torch.randint(-30, 31, (*blocks.shape[:2], 1), generator=gen).float())
     blocks[0, min(1, blocks.shape[1] - 1)] = 0.0
-    blocks[-1, 0, :8] = torch.tensor([1.0625, 1.1875, -3.375, 448.0, 449.0, 2.0 ** -9 * 1.5, -(2.0 ** -10), 17.0])
+    blocks[-1, 0, :8] = torch.tensor([1.0625, 1.1875, -3.375, 448.0, 449.0, 2.0**-9 * 1.5, -(2.0**-10), 17.0])
     return blocks.view(x.shape)
 
 
@@ -88,13 +95,16 @@ def test_quantising_in_the_loop_gives_quantize_acts_bits(num_tokens, n, k, dtype
     with interpreter():
         for one_launch in (True, False):
             for out_dtype in (torch.float32, torch.bfloat16):
-                want = sk.fp8_linear_splitk(quant.quantize_act(x), w, w_scale, out_dtype=out_dtype,
-                                            one_launch=one_launch)
+                want = sk.fp8_linear_splitk(
+                    quant.quantize_act(x), w, w_scale, out_dtype=out_dtype, one_launch=one_launch
+                )
                 got = sk.fp8_linear_splitk(x, w, w_scale, out_dtype=out_dtype, one_launch=one_launch)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         strided = torch.cat((x, x), 1)[:, k:]  # rows at stride 2K: copied dense first
-        assert torch.equal(sk.fp8_linear_splitk(strided, w, w_scale, out_dtype=torch.float32),
-                           sk.fp8_linear_splitk(quant.quantize_act(x), w, w_scale, out_dtype=torch.float32))
+        assert torch.equal(
+            sk.fp8_linear_splitk(strided, w, w_scale, out_dtype=torch.float32),
+            sk.fp8_linear_splitk(quant.quantize_act(x), w, w_scale, out_dtype=torch.float32),
+        )
 
 
 def test_refuses_what_it_does_not_do():
@@ -124,10 +134,11 @@ def test_gpu_splitk_at_v41_projection_shapes(n, k):
     x, w, w_scale = x.cuda(), w.cuda(), w_scale.cuda()
     a = quantize_act(x)
     got = fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32)
-    one_pass = moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(16, 1, x.device), gather=True,
-                                out_dtype=torch.float32, block_m=16)[0]
+    one_pass = moe_grouped_gemm(
+        a, w[None], w_scale[None], one_expert_meta(16, 1, x.device), gather=True, out_dtype=torch.float32, block_m=16
+    )[0]
     assert float((got - one_pass).abs().max()) <= FP32_REORDER_REL * float(one_pass.abs().max())
-    alone = torch.cat([fp8_linear_splitk((a[0][i:i + 1], a[1][i:i + 1]), w, w_scale) for i in range(16)])
+    alone = torch.cat([fp8_linear_splitk((a[0][i : i + 1], a[1][i : i + 1]), w, w_scale) for i in range(16)])
     assert torch.equal(fp8_linear_splitk(a, w, w_scale), alone)
     # One launch (the last program of an N tile sums) against two: the same bits, every run.
     two = fp8_linear_splitk(a, w, w_scale, out_dtype=torch.float32, one_launch=False)

@@ -19,8 +19,17 @@ from tests.tolerances import FP32_REORDER_REL
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def indexer_problem(num_rows: int, heads: int, dim: int, epb: int, ratio: int, context: int, gen: torch.Generator,
-                    device: str = "cpu", positions: torch.Tensor | None = None) -> dict:
+def indexer_problem(
+    num_rows: int,
+    heads: int,
+    dim: int,
+    epb: int,
+    ratio: int,
+    context: int,
+    gen: torch.Generator,
+    device: str = "cpu",
+    positions: torch.Tensor | None = None,
+) -> dict:
     """Random FP4 keys written into a pool in the cache's byte layout (other bytes between blocks), each
     row with its own shuffled block table over ``context // ratio`` entries; FP4-rounded queries."""
     rng: dict[str, Any] = dict(generator=gen, device=device)
@@ -46,8 +55,9 @@ def _args(p: dict) -> tuple:
     return p["q"], p["w"], p["key_pool"], p["block_tables"], p["positions"], p["ratio"], p["width"]
 
 
-def _check_selection(ours: torch.Tensor, ref_sel: torch.Tensor, our_scores: torch.Tensor, ref_scores: torch.Tensor,
-                     rel_gap: float = 1e-5) -> None:
+def _check_selection(
+    ours: torch.Tensor, ref_sel: torch.Tensor, our_scores: torch.Tensor, ref_scores: torch.Tensor, rel_gap: float = 1e-5
+) -> None:
     """Ours picks exactly what select_entries picks on our scores, and the reference's pick in every row
     whose k-th and (k+1)-th best finite reference scores are more than rel_gap apart. In the other rows
     (close scores may swap by fp32 summation order: at 32K entries a tenth of rows have such a pair at
@@ -84,24 +94,30 @@ def test_reference_keys_equal_cache_engine_read_entries():
     epb = cache.layout.source(2).entries_per_block
     tables = torch.randperm(19, generator=gen)[:12].view(2, 6) + 1
     slots = (tables[:, :, None] * epb + torch.arange(epb)).flatten()
-    cache.write_entries(2, slots, torch.randn(slots.numel(), TINY.head_dim, generator=gen),
-                        torch.randn(slots.numel(), TINY.index_head_dim, generator=gen))
+    cache.write_entries(
+        2,
+        slots,
+        torch.randn(slots.numel(), TINY.head_dim, generator=gen),
+        torch.randn(slots.numel(), TINY.index_head_dim, generator=gen),
+    )
     width = 6 * epb - 3
     _, keys = cache.read_entries(2, tables, width)
     q = torch.zeros(2, TINY.index_n_heads, TINY.index_head_dim)
     q[:, 0] = torch.eye(TINY.index_head_dim)[:2]  # head 0 reads channel r of row r's keys
     w = torch.zeros(2, TINY.index_n_heads)
     w[:, 0] = 1.0
-    scores, _, _ = reference.indexer_select(q, w, cache.entries(2)[1], tables, torch.full((2,), 10**6), 1, width,
-                                            index_topk=4)
+    scores, _, _ = reference.indexer_select(
+        q, w, cache.entries(2)[1], tables, torch.full((2,), 10**6), 1, width, index_topk=4
+    )
     assert torch.equal(scores, keys[torch.arange(2), :, torch.arange(2)].relu())
 
 
 # ---------------------------------------------------------------- interpreted kernels
 
 
-@pytest.mark.parametrize(("heads", "dim", "epb", "ratio", "context"),
-                         [(8, 32, 4, 1, 96), (4, 64, 8, 2, 200), (16, 128, 16, 1, 100)])
+@pytest.mark.parametrize(
+    ("heads", "dim", "epb", "ratio", "context"), [(8, 32, 4, 1, 96), (4, 64, 8, 2, 200), (16, 128, 16, 1, 100)]
+)
 def test_interpreted_selection_matches_reference(heads, dim, epb, ratio, context):
     gen = torch.Generator().manual_seed(heads + dim + ratio)
     p = indexer_problem(5, heads, dim, epb, ratio, context, gen)
@@ -137,8 +153,9 @@ def test_interpreted_candidate_source_and_user():
     ref_scores, ref_sel, _ = reference.indexer_select(*_args(later), candidates=ref_cand, **kw)
     with interpreter():
         sel, passed = mod.indexer_select(*_args(later), candidates=cand, block_n=16, dot_fp32=True, **kw)
-        scores, _ = mod.indexer_scores(*_args(later), candidates=cand, candidate_block_size=4, block_n=16,
-                                       dot_fp32=True)
+        scores, _ = mod.indexer_scores(
+            *_args(later), candidates=cand, candidate_block_size=4, block_n=16, dot_fp32=True
+        )
     assert passed is cand
     _check_selection(sel, ref_sel, scores, ref_scores)
 
@@ -174,10 +191,12 @@ def _scaled_args_match(mod, p: dict, scale: float, **kw) -> None:
     want = mod.indexer_scores(*scaled, block_max=True, candidate_block_size=4, **kw)
     got = mod.indexer_scores(*args, block_max=True, candidate_block_size=4, w_scale=scale, **kw)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    sel = mod.indexer_select(*args, index_topk=8, candidate_source=True, candidate_block_size=4,
-                             candidate_topk_blocks=3, w_scale=scale, **kw)
-    ref = mod.indexer_select(*scaled, index_topk=8, candidate_source=True, candidate_block_size=4,
-                             candidate_topk_blocks=3, **kw)
+    sel = mod.indexer_select(
+        *args, index_topk=8, candidate_source=True, candidate_block_size=4, candidate_topk_blocks=3, w_scale=scale, **kw
+    )
+    ref = mod.indexer_select(
+        *scaled, index_topk=8, candidate_source=True, candidate_block_size=4, candidate_topk_blocks=3, **kw
+    )
     assert torch.equal(sel[0], ref[0]) and torch.equal(sel[1], ref[1])
 
 
@@ -272,8 +291,9 @@ def test_gpu_flash_candidates_match_reference(num_rows, context):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("options", [dict(asm=False), dict(block_n=64), dict(num_warps=8, num_stages=3),
-                                     dict(block_n=256, num_warps=8)])
+@pytest.mark.parametrize(
+    "options", [dict(asm=False), dict(block_n=64), dict(num_warps=8, num_stages=3), dict(block_n=256, num_warps=8)]
+)
 def test_gpu_flash_other_configs(options):
     """The launcher's options (the word-load dequantisation without PTX, other tiles) give the same picks."""
     from kernels.indexer import indexer_scores, indexer_select, select_topk

@@ -34,8 +34,9 @@ def _same(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return y.dtype == ref.dtype and torch.equal(y.view(view), ref.view(view))
 
 
-@pytest.mark.parametrize(("shape", "dtype"),
-                         [((3, 4, 128), torch.float32), ((5, 2, 128), torch.bfloat16), ((7, 96), torch.float32)])
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((3, 4, 128), torch.float32), ((5, 2, 128), torch.bfloat16), ((7, 96), torch.float32)]
+)
 def test_fake_quant_indexer_interpreted_equals_torch(shape, dtype):
     gen = torch.Generator().manual_seed(sum(shape))
     # Triton's interpreter flushes subnormals to zero when it casts fp32 to bf16 (torch and the GPU keep
@@ -62,8 +63,10 @@ def test_fake_quant_indexer_strided_input_and_bad_shape():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("shape", "dtype"), [((1, 64, 128), torch.bfloat16), ((257, 64, 128), torch.bfloat16),
-                                              ((33, 64, 128), torch.float32)])
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((1, 64, 128), torch.bfloat16), ((257, 64, 128), torch.bfloat16), ((33, 64, 128), torch.float32)],
+)
 def test_fake_quant_indexer_gpu_equals_torch(shape, dtype):
     from kernels.indexer_quant import fake_quant_indexer as kernel
 
@@ -73,8 +76,9 @@ def test_fake_quant_indexer_gpu_equals_torch(shape, dtype):
     assert _same(y.cpu(), fake_quant_indexer(x))  # and on the CPU
 
 
-@pytest.mark.parametrize(("rows", "heads", "dim", "pairs"),
-                         [(3, 4, 128, 32), (5, 2, 64, 16), (1, 3, 96, 48), (8, 8, 32, 8), (2, 3, 64, 12)])
+@pytest.mark.parametrize(
+    ("rows", "heads", "dim", "pairs"), [(3, 4, 128, 32), (5, 2, 64, 16), (1, 3, 96, 48), (8, 8, 32, 8), (2, 3, 64, 12)]
+)
 def test_fake_quant_indexer_with_turns_equals_apply_rope_then_quant(rows, heads, dim, pairs):
     """The RoPE folded in: the bits of ``apply_rope_`` then the quantisation (two launches before), x untouched."""
     from model.deepseek_v41.rope import apply_rope_, rope_turns

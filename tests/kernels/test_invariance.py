@@ -17,6 +17,7 @@ from kernels import invariance
 from services.worker.kernel_model.fp8_linear import linear_block_m
 from services.worker.runners.model_runner import ModelRunner
 
+
 def cuda(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
@@ -98,7 +99,7 @@ def test_decode_row_is_equal_through_decode_and_prefill_attention():
         ring[int(slots[r]), p % ring_size] = torch.cat((codes.view(torch.uint8), scales.view(torch.uint8)), -1)
     epb, blocks = 16, 64
     pool = torch.randint(0, 255, (blocks, epb, dim // 2 + dim // 16), dtype=torch.uint8, device=dev)
-    pool[..., dim // 2:] = torch.randint(0x30, 0x40, pool[..., dim // 2:].shape, dtype=torch.uint8, device=dev)
+    pool[..., dim // 2 :] = torch.randint(0x30, 0x40, pool[..., dim // 2 :].shape, dtype=torch.uint8, device=dev)
     selected = torch.randint(epb, blocks * epb, (rows, topk), dtype=torch.int32, device=dev)
     selected[0, 100:] = -1
     q = torch.randn(rows, heads, dim, device=dev).to(torch.bfloat16)
@@ -106,13 +107,27 @@ def test_decode_row_is_equal_through_decode_and_prefill_attention():
     own = ring[slots.long(), positions % ring_size]  # [R, D + D/32] the rows' own K bytes
     step_k = (own[:, :dim].view(torch.float8_e4m3fn), own[:, dim:].view(torch.float8_e8m0fnu))
     with invariance.fixed_configs():
-        dec = [decode_attention.sparse_decode_attention(q[i:i + 1], ring, slots[i:i + 1], positions[i:i + 1],
-                                                        window, pool, selected[i:i + 1], sink, freqs, scale)
-               for i in range(rows)]
-        dec_all = decode_attention.sparse_decode_attention(q, ring, slots, positions, window, pool, selected, sink,
-                                                           freqs, scale)
-        pre = prefill_attention.sparse_prefill_attention(q, step_k, ring, slots, positions, positions, window, pool,
-                                                         selected, sink, freqs, scale)
+        dec = [
+            decode_attention.sparse_decode_attention(
+                q[i : i + 1],
+                ring,
+                slots[i : i + 1],
+                positions[i : i + 1],
+                window,
+                pool,
+                selected[i : i + 1],
+                sink,
+                freqs,
+                scale,
+            )
+            for i in range(rows)
+        ]
+        dec_all = decode_attention.sparse_decode_attention(
+            q, ring, slots, positions, window, pool, selected, sink, freqs, scale
+        )
+        pre = prefill_attention.sparse_prefill_attention(
+            q, step_k, ring, slots, positions, positions, window, pool, selected, sink, freqs, scale
+        )
     assert torch.equal(torch.cat(dec), dec_all)
     assert torch.equal(dec_all, pre)
 
@@ -126,5 +141,5 @@ def test_head_rows_are_equal_alone_and_in_any_batch():
     y = torch.randn(200, 1024, device="cuda")
     with invariance.fixed_configs():
         batch = head(y)
-        alone = torch.cat([head(y[i:i + 1]) for i in (0, 63, 64, 199)])
+        alone = torch.cat([head(y[i : i + 1]) for i in (0, 63, 64, 199)])
     assert torch.equal(batch[[0, 63, 64, 199]], alone)

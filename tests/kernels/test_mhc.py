@@ -63,9 +63,15 @@ def _bf16_close(out: torch.Tensor, expect: torch.Tensor) -> None:
     assert torch.all((out.float() - expect.float()).abs() <= BF16_CAST_REL * expect.float().abs() + 1e-5)
 
 
-CASES = [(1, 64, torch.float32), (5, 128, torch.bfloat16), (3, 256, torch.float32), (33, 64, torch.float32),
-         (17, 64, torch.bfloat16), (2, 80, torch.float32),  # D 80: 5 D tiles, a partial last split below
-         (1, 4112, torch.float32)]  # 257 splits at T 1: the finish sums three blocks of 128, the last one partial
+CASES = [
+    (1, 64, torch.float32),
+    (5, 128, torch.bfloat16),
+    (3, 256, torch.float32),
+    (33, 64, torch.float32),
+    (17, 64, torch.bfloat16),
+    (2, 80, torch.float32),  # D 80: 5 D tiles, a partial last split below
+    (1, 4112, torch.float32),
+]  # 257 splits at T 1: the finish sums three blocks of 128, the last one partial
 
 
 @pytest.mark.parametrize(("num_tokens", "dim", "dtype"), CASES)
@@ -217,15 +223,20 @@ def _one_launch_equals_two(k, h, y, mix_in, w_a, w_f, pre, split):
     k.mhc_mix(-h, w_a, pre, split=split)
     pairs = [(k.mhc_mix(h, w_a, pre, split=split), k.mhc_mix(h, w_a, pre, split=split, one_launch=False))]
     k.mhc_expand_mix(-y, h, mix_in, w_f, pre, split=split)
-    pairs.append((k.mhc_expand_mix(y, h, mix_in, w_f, pre, split=split),
-                  k.mhc_expand_mix(y, h, mix_in, w_f, pre, split=split, one_launch=False)))
+    pairs.append(
+        (
+            k.mhc_expand_mix(y, h, mix_in, w_f, pre, split=split),
+            k.mhc_expand_mix(y, h, mix_in, w_f, pre, split=split, one_launch=False),
+        )
+    )
     for one, two in pairs:
         assert all(_same_bits(a, b) for a, b in zip(one.mix, two.mix))
         assert _same_bits(one.h, two.h) and _same_bits(one.x, two.x)
 
 
-@pytest.mark.parametrize(("dim", "dtype", "split"), [(64, torch.float32, 2), (80, torch.bfloat16, None),
-                                                     (128, torch.float32, 3)])
+@pytest.mark.parametrize(
+    ("dim", "dtype", "split"), [(64, torch.float32, 2), (80, torch.bfloat16, None), (128, torch.float32, 3)]
+)
 def test_one_token_mix_finished_in_its_launch_gives_the_finishing_kernels_bits_interpreted(dim, dtype, split):
     """At one token the split mix's last program finishes (``FINISH_IN_MIX_MAX_TOKENS``): the same bits as
     the finishing kernel, and every ticket counter is 0 after. (Both sum through ``_finish``: the many-block

@@ -82,8 +82,9 @@ def test_the_launcher_takes_the_table_unless_a_field_is_given(monkeypatch):
     x = torch.randn(num_tokens, k)
     with interpreter():
         gemm.moe_grouped_gemm(x, w, scale, meta, gather=True, swiglu_limit=7.0, out_dtype=torch.float8_e4m3fn)
-        gemm.moe_grouped_gemm(x, w, scale, meta, gather=True, swiglu_limit=7.0, out_dtype=torch.float8_e4m3fn,
-                              num_stages=2)
+        gemm.moe_grouped_gemm(
+            x, w, scale, meta, gather=True, swiglu_limit=7.0, out_dtype=torch.float8_e4m3fn, num_stages=2
+        )
     key = moe_configs.shape_key(num_experts, 2 * n, k, swiglu=True, a_fp8=False, out_dtype=torch.float8_e4m3fn)
     assert keys == [(key, num_tokens)]
     assert (launches[0]["num_warps"], launches[0]["num_stages"]) == (8, 5)

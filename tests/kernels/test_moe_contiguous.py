@@ -27,20 +27,24 @@ def _meta(counts: list[int], num_tokens: int, top_k: int, gen: torch.Generator) 
     slots = [e * num_tokens + j for e, c in enumerate(counts) for j in range(c)]
     slots = torch.tensor(slots, dtype=torch.long)[torch.randperm(len(slots), generator=gen)]
     slot_of = torch.cat((slots, torch.zeros(num_tokens * top_k - len(slots), dtype=torch.long)))
-    return {"counts": torch.tensor(counts, dtype=torch.int32), "row_ids": row_ids, "route_w": route_w,
-            "slot_of": slot_of.view(num_tokens, top_k)}
+    return {
+        "counts": torch.tensor(counts, dtype=torch.int32),
+        "row_ids": row_ids,
+        "route_w": route_w,
+        "slot_of": slot_of.view(num_tokens, top_k),
+    }
 
 
-def _x(num_tokens: int, channels: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cpu"
-       ) -> torch.Tensor:
+def _x(num_tokens: int, channels: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
     x = torch.randn(num_tokens, channels, generator=gen, device=device) * 3
     x[0] = 0.0  # an all-zero row: the smallest scale
     x[1, :GROUP] *= 2.0**-12  # a group of e4m3 subnormals
     return x.to(dtype)
 
 
-def _assert_same(got: deepgemm_moe.ContiguousRows, want: deepgemm_moe.ContiguousRows, counts: torch.Tensor,
-                 align: int) -> None:
+def _assert_same(
+    got: deepgemm_moe.ContiguousRows, want: deepgemm_moe.ContiguousRows, counts: torch.Tensor, align: int
+) -> None:
     """Every field equal (dtypes too); the activations on the spans' rows (those past the last span are left
     unwritten: DeepGEMM skips their blocks)."""
     spans = int(((counts.long() + align - 1) // align * align).sum())
@@ -126,11 +130,36 @@ def test_it_compiles_for_sm90_on_this_cpu(per_row):
     spec = importlib.util.spec_from_file_location("compile_sm90", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    sig = dict(src_ptr="*bf16" if per_row else "*i32", src_scale_ptr="*fp32", counts_ptr="*i32", row_ids_ptr="*i32",
-               route_w_ptr="*fp32", slot_of_ptr="*i64", a_q_ptr="*fp8e4nv" if per_row else "*i32", a_s_ptr="*fp32",
-               m_ptr="*i32", token_ptr="*i32", w_ptr="*fp32", rows_of_ptr="*i64", num_rows="i32", num_picks="i32",
-               capacity="i32", src_row_stride="i32")
-    const = dict(NUM_GROUPS=49, G_PAD=64, ALIGN=128, ROW_SIZE=5120 if per_row else 1280, SCALES=40, SCALES_PAD=64,
-                 PER_ROW=per_row, ROWS=m.ROWS, BLOCK_WORDS=m.BLOCK_WORDS, BLOCK_PICKS=m.BLOCK_PICKS, GROUP=m.GROUP)
+    sig = dict(
+        src_ptr="*bf16" if per_row else "*i32",
+        src_scale_ptr="*fp32",
+        counts_ptr="*i32",
+        row_ids_ptr="*i32",
+        route_w_ptr="*fp32",
+        slot_of_ptr="*i64",
+        a_q_ptr="*fp8e4nv" if per_row else "*i32",
+        a_s_ptr="*fp32",
+        m_ptr="*i32",
+        token_ptr="*i32",
+        w_ptr="*fp32",
+        rows_of_ptr="*i64",
+        num_rows="i32",
+        num_picks="i32",
+        capacity="i32",
+        src_row_stride="i32",
+    )
+    const = dict(
+        NUM_GROUPS=49,
+        G_PAD=64,
+        ALIGN=128,
+        ROW_SIZE=5120 if per_row else 1280,
+        SCALES=40,
+        SCALES_PAD=64,
+        PER_ROW=per_row,
+        ROWS=m.ROWS,
+        BLOCK_WORDS=m.BLOCK_WORDS,
+        BLOCK_PICKS=m.BLOCK_PICKS,
+        GROUP=m.GROUP,
+    )
     _, report = tool.compile_sm90(m._contiguous_kernel, sig, const)
     assert "spill" in report  # ptxas's resource report: the kernel was built

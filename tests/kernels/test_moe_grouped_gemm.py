@@ -41,7 +41,7 @@ def _tie_activations(num_tokens: int, channels: int, gen: torch.Generator) -> to
     x[:, 1::128] = 1.0625  # tie between 1.0 and 1.125 → 1.0 (even)
     x[:, 2::128] = 1.1875  # tie between 1.125 and 1.25 → 1.25 (even)
     x[:, 3::128] = 3 * 2.0**-10  # subnormal tie between 2^-9 and 2^-8 → 2^-8 (even)
-    x[:, 4::128] = -2.0**-11  # below half the smallest subnormal → -0
+    x[:, 4::128] = -(2.0**-11)  # below half the smallest subnormal → -0
     return x.to(torch.bfloat16)
 
 
@@ -88,7 +88,13 @@ def test_gate_up_swiglu_interpreted_matches_reference(num_tokens, block_m):
             x, w13, s13, meta, gather=True, swiglu_limit=0.5, out_dtype=torch.float32, block_m=block_m
         )
     ref = reference.moe_grouped_gemm(
-        x, w13, s13, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"], swiglu_limit=0.5,
+        x,
+        w13,
+        s13,
+        meta["counts"],
+        row_ids=meta["row_ids"],
+        route_w=meta["route_w"],
+        swiglu_limit=0.5,
         out_dtype=torch.float32,
     )
     assert _rel(_valid(out, meta["counts"]), _valid(ref, meta["counts"])) < FP32_REORDER_REL
@@ -109,10 +115,25 @@ def test_m_split_gives_the_same_bits_and_fills_a_one_expert_linear():
     w, s = _weights(1, 256, 256, gen)
     dense = torch.randn(90, 256, generator=gen)
     with interpreter():
-        fused = [mg.moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=0.5,
-                                     out_dtype=torch.float8_e4m3fn, block_m=16, m_split=m) for m in (1, 2, 3)]
-        linear = [mg.moe_grouped_gemm(dense, w, s, one_expert_meta(90, 1, dense.device), gather=True,
-                                      out_dtype=torch.float32, block_m=16, m_split=m) for m in (1, 4, 6, 9)]
+        fused = [
+            mg.moe_grouped_gemm(
+                x, w13, s13, meta, gather=True, swiglu_limit=0.5, out_dtype=torch.float8_e4m3fn, block_m=16, m_split=m
+            )
+            for m in (1, 2, 3)
+        ]
+        linear = [
+            mg.moe_grouped_gemm(
+                dense,
+                w,
+                s,
+                one_expert_meta(90, 1, dense.device),
+                gather=True,
+                out_dtype=torch.float32,
+                block_m=16,
+                m_split=m,
+            )
+            for m in (1, 4, 6, 9)
+        ]
     counts = meta["counts"]
     want_values, want_scales = (_valid(t, counts) for t in fused[0])  # slots ≥ counts are never written
     for values, scales in fused[1:]:
@@ -120,8 +141,15 @@ def test_m_split_gives_the_same_bits_and_fills_a_one_expert_linear():
         assert torch.equal(_valid(scales, counts), want_scales)
     for out in linear[1:]:
         assert torch.equal(out, linear[0])
-    ref = reference.moe_grouped_gemm(dense, w, s, torch.tensor([90]), row_ids=torch.arange(90)[None],
-                                     route_w=torch.ones(1, 90), out_dtype=torch.float32)
+    ref = reference.moe_grouped_gemm(
+        dense,
+        w,
+        s,
+        torch.tensor([90]),
+        row_ids=torch.arange(90)[None],
+        route_w=torch.ones(1, 90),
+        out_dtype=torch.float32,
+    )
     assert _rel(linear[0][0], ref[0]) < FP32_REORDER_REL
     assert mg.default_m_split(1764, 4, 264) == 1  # MoE: the slabs fill the programs
     assert mg.default_m_split(10, 1, 264) == 1  # decode: one M tile
@@ -170,21 +198,34 @@ def test_prequantized_path_interpreted_matches_reference():
         h_q, h_s = mg.moe_grouped_gemm(mg.quantize_act(x), w13, s13, meta, gather=True, **kwargs)
         y = mg.moe_grouped_gemm((h_q, h_s), w2, s2, meta, gather=False, out_dtype=torch.float32)
         out = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5)
-    r_q, r_s = reference.moe_grouped_gemm(x, w13, s13, meta["counts"], row_ids=meta["row_ids"],
-                                          route_w=meta["route_w"], **kwargs)
+    r_q, r_s = reference.moe_grouped_gemm(
+        x, w13, s13, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"], **kwargs
+    )
     counts = meta["counts"]
     assert torch.equal(_valid(h_s, counts), _valid(r_s, counts))
     # fp32 summation order may move a value across an e4m3 rounding boundary: a code may differ only as a
     # traced flip, the two codes neighbours and the reference's fp32 h within FP32_REORDER_REL·max|h| (its
     # row) of their midpoint. The scales are equal (above), so the midpoint is the codes' mean × scale.
-    h32 = _valid(reference.moe_grouped_gemm(x, w13, s13, counts, row_ids=meta["row_ids"], route_w=meta["route_w"],
-                                            swiglu_limit=0.5, out_dtype=torch.float32), counts)
+    h32 = _valid(
+        reference.moe_grouped_gemm(
+            x,
+            w13,
+            s13,
+            counts,
+            row_ids=meta["row_ids"],
+            route_w=meta["route_w"],
+            swiglu_limit=0.5,
+            out_dtype=torch.float32,
+        ),
+        counts,
+    )
     ours, theirs = _valid(h_q, counts), _valid(r_q, counts)
     flipped = ours.float() != theirs.float()
     a, b = ours.view(torch.uint8).int(), theirs.view(torch.uint8).int()
     mag_a, mag_b = a & 0x7F, b & 0x7F
     neighbours = (((a >> 7) == (b >> 7)) & ((mag_a - mag_b).abs() == 1)) | (torch.minimum(mag_a, mag_b) == 0) & (
-        torch.maximum(mag_a, mag_b) == 1)
+        torch.maximum(mag_a, mag_b) == 1
+    )
     midpoint = (ours.float() + theirs.float()) / 2 * _valid(r_s, counts).repeat_interleave(128, -1)
     near = (h32 - midpoint).abs() <= FP32_REORDER_REL * h32.abs().amax(-1, keepdim=True)
     print(f"\nprequantized h: {int(flipped.sum())} of {flipped.numel()} codes flipped, all traced")
@@ -217,8 +258,9 @@ def test_reference_experts_match_the_model_moe_on_converted_mxfp4_weights():
     moe = moe.to(torch.bfloat16)  # as the model runs; MXFP4 values are exact in bf16
     x = torch.randn(7, cfg.hidden_size).to(torch.bfloat16)
     weights, experts = moe.route(x)
-    r_weights, r_experts = reference.moe_router(x, moe.gate_weight, moe.gate_bias, cfg.num_experts_per_tok,
-                                                cfg.routed_scaling_factor)
+    r_weights, r_experts = reference.moe_router(
+        x, moe.gate_weight, moe.gate_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+    )
     assert torch.equal(r_experts.long(), experts) and torch.allclose(r_weights, weights)
     meta = reference.route_metadata(experts, weights, cfg.n_routed_experts)
     w13 = stack_gate_up(packed["w1"][0], packed["w3"][0])
@@ -246,8 +288,16 @@ def test_gpu_moe_experts_match_reference_at_s1_shapes(num_tokens):
     w2, s2 = _weights(e, d, i, gen)
     x = (torch.randn(num_tokens, d, generator=gen, device="cuda") * 2).to(torch.bfloat16)
     h = moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=10.0, out_dtype=torch.float32)
-    h_ref = reference.moe_grouped_gemm(x, w13, s13, meta["counts"], row_ids=meta["row_ids"],
-                                       route_w=meta["route_w"], swiglu_limit=10.0, out_dtype=torch.float32)
+    h_ref = reference.moe_grouped_gemm(
+        x,
+        w13,
+        s13,
+        meta["counts"],
+        row_ids=meta["row_ids"],
+        route_w=meta["route_w"],
+        swiglu_limit=10.0,
+        out_dtype=torch.float32,
+    )
     # Hopper's FP8 MMA adds up each 128-deep step with fewer than fp32's mantissa bits (DeepSeek-V3
     # §3.3.2); the kernel promotes to fp32 every step. Measured 1.9e-4 on an H200 at T=256.
     assert _rel(_valid(h, meta["counts"]), _valid(h_ref, meta["counts"])) < 1e-3
@@ -287,7 +337,7 @@ def test_gpu_quantize_act_matches_reference_exactly():
     from kernels.quant_fp8 import quantize_act
 
     gen = torch.Generator("cuda").manual_seed(2)
-    x = (torch.randn(256, 5120, generator=gen, device="cuda") * torch.rand(256, 1, generator=gen, device="cuda") * 50)
+    x = torch.randn(256, 5120, generator=gen, device="cuda") * torch.rand(256, 1, generator=gen, device="cuda") * 50
     x = x.to(torch.bfloat16)
     q, scale = quantize_act(x)
     r_q, r_scale = reference.quantize_act(x)
@@ -312,7 +362,9 @@ def test_gpu_prefill_linear_splits_m_with_the_same_bits(num_tokens, n, k):
     w, s = _weights(1, n, k, gen)
     x = quantize_act((torch.randn(num_tokens, k, generator=gen, device="cuda")).to(torch.bfloat16))
     meta = one_expert_meta(num_tokens, 1, torch.device("cuda"))
-    assert default_m_split(n // 128, num_tokens // 16, 2 * torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    assert (
+        default_m_split(n // 128, num_tokens // 16, 2 * torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    )
     outs, times = {}, {}
     for m_split in (1, None):
         run = lambda: moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split)  # noqa: E731
@@ -335,8 +387,9 @@ def _shared_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Ge
     experts = torch.rand(num_tokens, num_experts, generator=gen, device=gen.device).argsort(-1)[:, :top_k]
     weights = torch.rand(num_tokens, top_k, generator=gen, device=gen.device)
     shared = torch.full((num_tokens, 1), num_experts, dtype=experts.dtype, device=gen.device)
-    return reference.route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(weights[:, :1])), 1),
-                                    num_experts + 1)
+    return reference.route_metadata(
+        torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(weights[:, :1])), 1), num_experts + 1
+    )
 
 
 @pytest.mark.parametrize("prequantize", [True, False])
@@ -354,13 +407,17 @@ def test_shared_expert_in_its_own_launches_gives_the_one_launch_bits_interpreted
     assert mg.default_block_m(meta["slot_of"].numel() / (num_experts + 1)) == 16 and mg.shared_apart(num_tokens, 16)
     launches = []
     real = mg.moe_grouped_gemm
-    monkeypatch.setattr(mg, "moe_grouped_gemm", lambda *a, **kw: launches.append(kw["w"].shape[0] if "w" in kw
-                                                                                   else a[1].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(
+        mg,
+        "moe_grouped_gemm",
+        lambda *a, **kw: launches.append(kw["w"].shape[0] if "w" in kw else a[1].shape[0]) or real(*a, **kw),
+    )
     with interpreter():
         apart = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5, prequantize=prequantize, shared_last=True)
         assert launches == [num_experts, num_experts, 1, 1]  # routed gate/up and down, then the shared ones
-        one = mg.moe_experts(x, meta, w13, s13, w2, s2, 0.5, prequantize=prequantize, shared_last=True,
-                             shared_launch=False)
+        one = mg.moe_experts(
+            x, meta, w13, s13, w2, s2, 0.5, prequantize=prequantize, shared_last=True, shared_launch=False
+        )
     assert launches[4:] == [num_experts + 1, num_experts + 1]
     assert torch.equal(apart, one)
     if prequantize:  # and both are the layer: test_prequantized_path_interpreted_matches_reference's bound
@@ -384,10 +441,28 @@ def test_shared_launch_with_no_live_row_does_nothing_interpreted():
         h = mg.empty_output(num_experts + 1, num_tokens, inter, torch.float32, torch.device("cpu"))
         h.fill_(7.0)
         x = torch.randn(num_tokens, hidden, generator=gen)
-        mg.moe_grouped_gemm(x, w13[:-1], s13[:-1], routed, gather=True, swiglu_limit=0.5, out_dtype=torch.float32,
-                            block_m=16, out=h[:-1])
-        mg.moe_grouped_gemm(x, w13[-1:], s13[-1:], shared, gather=True, swiglu_limit=0.5, out_dtype=torch.float32,
-                            block_m=16, out=h[-1:])
+        mg.moe_grouped_gemm(
+            x,
+            w13[:-1],
+            s13[:-1],
+            routed,
+            gather=True,
+            swiglu_limit=0.5,
+            out_dtype=torch.float32,
+            block_m=16,
+            out=h[:-1],
+        )
+        mg.moe_grouped_gemm(
+            x,
+            w13[-1:],
+            s13[-1:],
+            shared,
+            gather=True,
+            swiglu_limit=0.5,
+            out_dtype=torch.float32,
+            block_m=16,
+            out=h[-1:],
+        )
     assert bool((h == 7.0).all())
     with pytest.raises(ValueError, match="out must be"):
         mg.moe_grouped_gemm(x, w13, s13, meta, gather=True, swiglu_limit=0.5, out_dtype=torch.float32, out=h[:-1])
@@ -433,7 +508,7 @@ def test_decode_rows_quantised_in_the_gate_up_loop_give_the_prequantised_bits_in
     w13, s13 = _weights(num_experts + 1, 2 * inter, hidden, gen)
     w2, s2 = _weights(num_experts + 1, hidden, inter, gen)
     x = _tie_activations(num_tokens, hidden, gen)
-    x[:, 128:] *= 2.0 ** -20  # the second block its own scale
+    x[:, 128:] *= 2.0**-20  # the second block its own scale
     mg = load_interpreted("moe_grouped_gemm")
     launches = []
     real = mg.quantize_act
@@ -454,13 +529,15 @@ def test_one_expert_gemm_quantises_in_its_loop_with_quantize_acts_bits_interpret
 
     gen = torch.Generator().manual_seed(31)
     x = _tie_activations(12, 384, gen)
-    x[:, 256:] *= 2.0 ** 24
+    x[:, 256:] *= 2.0**24
     w, s = _weights(1, 256, 384, gen)
     wg, sg = _weights(3, 128, 128, gen)
     mg, quant = load_interpreted("moe_grouped_gemm"), load_interpreted("quant_fp8")
     with interpreter():
-        for a, w_, s_, meta in ((x, w, s, one_expert_meta(12, 1, x.device)),
-                                (x.view(36, 128), wg, sg, group_rows_meta(12, 3, x.device))):
+        for a, w_, s_, meta in (
+            (x, w, s, one_expert_meta(12, 1, x.device)),
+            (x.view(36, 128), wg, sg, group_rows_meta(12, 3, x.device)),
+        ):
             got = mg.moe_grouped_gemm(a, w_, s_, meta, gather=True, block_m=16)
             want = mg.moe_grouped_gemm(quant.quantize_act(a), w_, s_, meta, gather=True, block_m=16)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -483,8 +560,9 @@ def test_output_rows_at_a_transposed_views_strides_hold_the_dense_outputs_bits_i
         for m_split in (1, 3):
             dense = mg.moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split)  # [G, T, N]
             buf = torch.full((num_tokens, groups, 384), 7.0, dtype=torch.bfloat16)
-            got = mg.moe_grouped_gemm(x, w, s, meta, gather=True, block_m=16, m_split=m_split,
-                                      out=buf[:, :, :256].transpose(0, 1))
+            got = mg.moe_grouped_gemm(
+                x, w, s, meta, gather=True, block_m=16, m_split=m_split, out=buf[:, :, :256].transpose(0, 1)
+            )
             assert got.data_ptr() == buf.data_ptr()
             assert torch.equal(buf[:, :, :256].view(torch.int16), dense.transpose(0, 1).view(torch.int16))
             assert bool((buf[:, :, 256:] == 7.0).all())

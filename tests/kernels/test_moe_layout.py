@@ -37,9 +37,17 @@ def _check(got, got_counts, want, want_counts):
     assert torch.equal(got_counts, want_counts)
 
 
-@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "with_live"),
-                         [(1, 8, 2, False), (5, 8, 2, True), (37, 16, 6, False), (37, 16, 6, True),
-                          (20, 48, 6, True), (3, 8, 2, "none live")])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "with_live"),
+    [
+        (1, 8, 2, False),
+        (5, 8, 2, True),
+        (37, 16, 6, False),
+        (37, 16, 6, True),
+        (20, 48, 6, True),
+        (3, 8, 2, "none live"),
+    ],
+)
 def test_layout_equals_the_torch_layout_interpreted(num_tokens, num_experts, top_k, with_live):
     mod = load_interpreted("moe_layout")
     experts, weights = _choices(num_tokens, num_experts, top_k, seed=num_tokens)

@@ -88,8 +88,9 @@ def test_router_layout_gives_the_router_then_layout_bytes(num_tokens, split, one
         for rows in (None, live):
             counts, counts_ref = torch.arange(12), torch.arange(12)
             mr.moe_router_layout(-x, gate, bias, 3, 1.5, None, None, split=split, one_launch=one_launch)
-            weights, experts, meta = mr.moe_router_layout(x, gate, bias, 3, 1.5, rows, counts, split=split,
-                                                          one_launch=one_launch)
+            weights, experts, meta = mr.moe_router_layout(
+                x, gate, bias, 3, 1.5, rows, counts, split=split, one_launch=one_launch
+            )
             r_weights, r_experts = mr.moe_router(x, gate, bias, 3, 1.5, split=split)
             r_meta = mr.moe_layout(r_experts, r_weights, 12, rows, counts_ref)
             assert torch.equal(weights.view(torch.int32), r_weights.view(torch.int32))

@@ -78,12 +78,24 @@ def test_gate_up_swiglu_matches_the_one_pass_and_the_reference(prequantize, spli
     with interpreter():
         a = quant.quantize_act(x) if prequantize else x
         kw = dict(gather=True, swiglu_limit=LIMIT)
-        got = {dt: sk.moe_grouped_gemm_splitk(a, w13, s13, meta, out_dtype=dt, splits=splits, **kw)
-               for dt in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)}
-        one = {dt: gg.moe_grouped_gemm(a, w13, s13, meta, out_dtype=dt, **kw)
-               for dt in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)}
-    ref = reference.moe_grouped_gemm(a, w13, s13, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"],
-                                     swiglu_limit=LIMIT, out_dtype=torch.float32)
+        got = {
+            dt: sk.moe_grouped_gemm_splitk(a, w13, s13, meta, out_dtype=dt, splits=splits, **kw)
+            for dt in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+        }
+        one = {
+            dt: gg.moe_grouped_gemm(a, w13, s13, meta, out_dtype=dt, **kw)
+            for dt in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+        }
+    ref = reference.moe_grouped_gemm(
+        a,
+        w13,
+        s13,
+        meta["counts"],
+        row_ids=meta["row_ids"],
+        route_w=meta["route_w"],
+        swiglu_limit=LIMIT,
+        out_dtype=torch.float32,
+    )
     bound = _swiglu_bound(a, w13, s13, meta)
     f32 = _written(got[torch.float32], meta)
     assert float((f32 - _written(one[torch.float32], meta)).abs().max()) <= bound
@@ -149,8 +161,12 @@ def test_same_bits_on_two_runs_and_the_counters_back_at_zero():
     meta, (w13, s13), (w2, s2), x = _problem(seed=1)
     with interpreter():
         a = quant.quantize_act(x)
-        runs = [sk.moe_grouped_gemm_splitk(a, w13, s13, meta, gather=True, swiglu_limit=LIMIT,
-                                           out_dtype=torch.float8_e4m3fn) for _ in range(2)]
+        runs = [
+            sk.moe_grouped_gemm_splitk(
+                a, w13, s13, meta, gather=True, swiglu_limit=LIMIT, out_dtype=torch.float8_e4m3fn
+            )
+            for _ in range(2)
+        ]
         layers = [sk.moe_experts_splitk(x, meta, w13, s13, w2, s2, LIMIT) for _ in range(2)]
     (q0, s0), (q1, s1) = runs
     assert torch.equal(_written(q0.view(torch.uint8), meta), _written(q1.view(torch.uint8), meta))
@@ -167,9 +183,19 @@ def test_the_layer_matches_moe_experts_and_a_rows_result_does_not_depend_on_its_
     with interpreter():
         got = sk.moe_experts_splitk(x, meta, *args, prequantize=prequantize)
         one = gg.moe_experts(x, meta, *args, prequantize=prequantize)
-        alone = torch.cat([sk.moe_experts_splitk(x[t:t + 1], reference.route_metadata(
-            torch.tensor(PICKS[t:t + 1]), meta["route_w"].flatten()[meta["slot_of"][t]][None], E), *args,
-            prequantize=prequantize) for t in range(T)])
+        alone = torch.cat(
+            [
+                sk.moe_experts_splitk(
+                    x[t : t + 1],
+                    reference.route_metadata(
+                        torch.tensor(PICKS[t : t + 1]), meta["route_w"].flatten()[meta["slot_of"][t]][None], E
+                    ),
+                    *args,
+                    prequantize=prequantize,
+                )
+                for t in range(T)
+            ]
+        )
     ref = reference.moe_experts(x, meta, *args, prequantize=prequantize)
     assert got.shape == (T, D) and got.dtype == torch.float32
     assert torch.equal(got, alone)
@@ -185,8 +211,10 @@ def test_worth_splitting_at_decode_only_outside_the_invariant_mode():
     w13, w2 = torch.empty(49, 2 * 2304, 5120, device="meta"), torch.empty(49, 5120, 2304, device="meta")
 
     def meta(num_tokens: int) -> dict:
-        return {"row_ids": torch.empty(49, num_tokens, device="meta"),
-                "slot_of": torch.empty(num_tokens, 7, device="meta")}
+        return {
+            "row_ids": torch.empty(49, num_tokens, device="meta"),
+            "slot_of": torch.empty(num_tokens, 7, device="meta"),
+        }
 
     # v41-s1 on 132 SMs at 7 picks a row: gate/up 18 tiles × 7 = 126 slabs → 5 splits of 8 K blocks;
     # down 40 × 7 = 280 → 2 of 9.
@@ -231,8 +259,9 @@ def test_gpu_splitk_at_s1_expert_shapes(num_tokens):
     e, d, i, k = S1["num_experts"] + 1, S1["hidden"], S1["inter"], S1["top_k"]
     routed = torch.rand(num_tokens, e - 1, generator=gen, device="cuda").argsort(-1)[:, :k]
     picks = torch.cat((routed, torch.full((num_tokens, 1), e - 1, device="cuda", dtype=routed.dtype)), 1)
-    weights = torch.cat((torch.rand(num_tokens, k, generator=gen, device="cuda"),
-                         torch.ones(num_tokens, 1, device="cuda")), 1)
+    weights = torch.cat(
+        (torch.rand(num_tokens, k, generator=gen, device="cuda"), torch.ones(num_tokens, 1, device="cuda")), 1
+    )
     meta = reference.route_metadata(picks, weights, e)
     w13, s13 = quantize_weight_block128(torch.randn(e, 2 * i, d, generator=gen, device="cuda") * 0.05)
     w2, s2 = quantize_weight_block128(torch.randn(e, d, i, generator=gen, device="cuda") * 0.05)
@@ -241,8 +270,16 @@ def test_gpu_splitk_at_s1_expert_shapes(num_tokens):
     a = quantize_act(x)
     kw = dict(gather=True, swiglu_limit=10.0, out_dtype=torch.float32)
     h, h_one = moe_grouped_gemm_splitk(a, w13, s13, meta, **kw), moe_grouped_gemm(a, w13, s13, meta, **kw)
-    h_ref = reference.moe_grouped_gemm(a, w13, s13, meta["counts"], row_ids=meta["row_ids"], route_w=meta["route_w"],
-                                       swiglu_limit=10.0, out_dtype=torch.float32)
+    h_ref = reference.moe_grouped_gemm(
+        a,
+        w13,
+        s13,
+        meta["counts"],
+        row_ids=meta["row_ids"],
+        route_w=meta["route_w"],
+        swiglu_limit=10.0,
+        out_dtype=torch.float32,
+    )
     diff = float((_written(h, meta) - _written(h_one, meta)).abs().max())
     print(f"T={num_tokens} gate/up vs one pass max |Δ| {diff:.3e}, bound {_swiglu_bound(a, w13, s13, meta):.3e}")
     assert diff <= _swiglu_bound(a, w13, s13, meta)
@@ -266,9 +303,9 @@ def test_gpu_splitk_at_s1_expert_shapes(num_tokens):
     for _ in range(20):
         assert torch.equal(moe_experts_splitk(x, meta, w13, s13, w2, s2, 10.0, shared_last=True), out)
     for t in range(num_tokens):  # a row alone gives its bits in the batch
-        alone = reference.route_metadata(picks[t:t + 1], weights[t:t + 1], e)
-        row = moe_experts_splitk(x[t:t + 1], alone, w13, s13, w2, s2, 10.0, shared_last=True)
-        assert torch.equal(row, out[t:t + 1])
+        alone = reference.route_metadata(picks[t : t + 1], weights[t : t + 1], e)
+        row = moe_experts_splitk(x[t : t + 1], alone, w13, s13, w2, s2, 10.0, shared_last=True)
+        assert torch.equal(row, out[t : t + 1])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = moe_experts_splitk(x, meta, w13, s13, w2, s2, 10.0, shared_last=True)

@@ -19,8 +19,11 @@ from kernels.philox import (
 KNOWN_ANSWERS = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -32,8 +35,12 @@ def reference_philox(counter, key, rounds=10):
     for r in range(rounds):
         p0 = m0 * x[0]
         p1 = m1 * x[2]
-        x = [((p1 >> 32) ^ x[1] ^ k[0]) & 0xFFFFFFFF, p1 & 0xFFFFFFFF,
-             ((p0 >> 32) ^ x[3] ^ k[1]) & 0xFFFFFFFF, p0 & 0xFFFFFFFF]
+        x = [
+            ((p1 >> 32) ^ x[1] ^ k[0]) & 0xFFFFFFFF,
+            p1 & 0xFFFFFFFF,
+            ((p0 >> 32) ^ x[3] ^ k[1]) & 0xFFFFFFFF,
+            p0 & 0xFFFFFFFF,
+        ]
         k = [(k[0] + w0) & 0xFFFFFFFF, (k[1] + w1) & 0xFFFFFFFF]
     return tuple(x)
 

@@ -47,9 +47,12 @@ def _chunk_problem(cfg, layer: int, source: int, gen: torch.Generator, chunks=CH
         k = torch.randn(span.numel(), hd, generator=gen) * 2
         cache.write_window(layer, slots[i].expand(span.numel()), span % ring, k)
         entries = torch.arange(ends[i] // ratio)
-        cache.write_entries(source, tables[i, entries // epb] * epb + entries % epb,
-                            torch.randn(entries.numel(), hd, generator=gen),
-                            torch.randn(entries.numel(), cfg.index_head_dim, generator=gen))
+        cache.write_entries(
+            source,
+            tables[i, entries // epb] * epb + entries % epb,
+            torch.randn(entries.numel(), hd, generator=gen),
+            torch.randn(entries.numel(), cfg.index_head_dim, generator=gen),
+        )
     row_requests = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(chunks)])
     pos = torch.cat([torch.arange(f, f + n) for f, n in chunks])
     first = torch.tensor([f for f, _ in chunks])
@@ -59,17 +62,37 @@ def _chunk_problem(cfg, layer: int, source: int, gen: torch.Generator, chunks=CH
         visible = (int(pos[r]) + 1) // ratio
         take = 0 if r % 3 == 1 else min(visible, topk if r % 3 else topk // 2)
         sel[r, :take] = torch.randperm(visible, generator=gen)[:take].sort().values
-    return dict(cache=cache, ring=cache.ring(layer).clone(), slots=slots, tables=tables, row_requests=row_requests,
-                pos=pos, first=first, selected_entries=sel, kv_pool=cache.entries(source)[0],
-                selected=reference.entry_slots(sel, tables[row_requests], epb),
-                k=torch.randn(pos.numel(), hd, generator=gen) * 2)
+    return dict(
+        cache=cache,
+        ring=cache.ring(layer).clone(),
+        slots=slots,
+        tables=tables,
+        row_requests=row_requests,
+        pos=pos,
+        first=first,
+        selected_entries=sel,
+        kv_pool=cache.entries(source)[0],
+        selected=reference.entry_slots(sel, tables[row_requests], epb),
+        k=torch.randn(pos.numel(), hd, generator=gen) * 2,
+    )
 
 
 def _args(cfg, prob, q, step_k, selected=None):
     rows = prob["row_requests"]
-    return (q, step_k, prob["ring"], prob["slots"][rows], prob["pos"], prob["first"][rows], cfg.sliding_window,
-            prob["kv_pool"], prob["selected"] if selected is None else selected, prob["sink"], prob["freqs"],
-            cfg.head_dim**-0.5)
+    return (
+        q,
+        step_k,
+        prob["ring"],
+        prob["slots"][rows],
+        prob["pos"],
+        prob["first"][rows],
+        cfg.sliding_window,
+        prob["kv_pool"],
+        prob["selected"] if selected is None else selected,
+        prob["sink"],
+        prob["freqs"],
+        cfg.head_dim**-0.5,
+    )
 
 
 # ---------------------------------------------------------------- the reference is the engine's attention
@@ -95,11 +118,18 @@ def test_reference_equals_torch_attention(layer):
         attn.attn_sink.copy_(torch.randn(cfg.num_attention_heads, generator=gen))
     counts = torch.tensor([n for _, n in CHUNKS])
     batch = StepBatch(
-        request_ids=[f"r{i}" for i in range(len(CHUNKS))], input_ids=torch.zeros(pos.numel(), dtype=torch.long),
-        positions=pos, row_requests=rows, ring_slots=pos % cache.layout.ring_size,
-        query_start=torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))), first=prob["first"],
-        seqlens_k=prob["first"] + counts, state_slots=prob["slots"], block_tables=prob["tables"],
-        sample_rows=torch.arange(pos.numel()), entry_writes={},
+        request_ids=[f"r{i}" for i in range(len(CHUNKS))],
+        input_ids=torch.zeros(pos.numel(), dtype=torch.long),
+        positions=pos,
+        row_requests=rows,
+        ring_slots=pos % cache.layout.ring_size,
+        query_start=torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))),
+        first=prob["first"],
+        seqlens_k=prob["first"] + counts,
+        state_slots=prob["slots"],
+        block_tables=prob["tables"],
+        sample_rows=torch.arange(pos.numel()),
+        entry_writes={},
     )
     backend = TorchAttention(cache, batch)
     step = AttentionStep(backend, batch.positions, batch.row_requests)
@@ -119,8 +149,9 @@ def test_reference_equals_torch_attention(layer):
     with torch.no_grad():
         step.attend(attn, x)
         angles = rope_angles(pos, attn.freqs)
-        q = apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)),
-                       angles)
+        q = apply_rope(
+            attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)), angles
+        )
         k = apply_rope(attn.kv_norm(attn.wkv(x)), angles)
     prob.update(sink=attn.attn_sink, freqs=attn.freqs)
     selected = None if attn.ratio else prob["selected"][:, :0]
@@ -163,8 +194,9 @@ def test_interpreted_staged_entries_match_reference():
     """Entries dequantised once for the step (``stage_entries``) and gathered as rows: the same result."""
     cfg, prob = _tiny(5)
     module = load_interpreted("prefill_attention")
-    staged, index = module.stage_entries(prob["kv_pool"], prob["tables"], prob["selected_entries"],
-                                         prob["row_requests"], torch.float32)
+    staged, index = module.stage_entries(
+        prob["kv_pool"], prob["tables"], prob["selected_entries"], prob["row_requests"], torch.float32
+    )
     assert bool(((index >= 0) == (prob["selected"] >= 0)).all())
     args = _args(cfg, prob, prob["q"], quantize_fp8_cache(prob["k"]))
     ref = reference.sparse_prefill_attention(*args)
@@ -176,8 +208,17 @@ def test_interpreted_staged_entries_match_reference():
 
 def _staged_window(module, cfg, prob, step_k, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     rows = prob["row_requests"]
-    return module.stage_window(step_k, prob["ring"], prob["slots"][rows], prob["pos"], prob["first"][rows],
-                               cfg.sliding_window, rows, len(prob["first"]), dtype)
+    return module.stage_window(
+        step_k,
+        prob["ring"],
+        prob["slots"][rows],
+        prob["pos"],
+        prob["first"][rows],
+        cfg.sliding_window,
+        rows,
+        len(prob["first"]),
+        dtype,
+    )
 
 
 # Five requests: two fresh prompts (one a single row), chunks starting mid-request whose first windows
@@ -185,9 +226,17 @@ def _staged_window(module, cfg, prob, step_k, dtype=torch.float32) -> tuple[torc
 MORE_CHUNKS = ((40, 3), (0, 1), (3, 9), (0, 5), (27, 30))
 
 
-@pytest.mark.parametrize(("window", "chunks", "mode"), [
-    (8, CHUNKS, "in-loop entries"), (20, CHUNKS, "in-loop entries"), (8, CHUNKS, "window only"),
-    (20, MORE_CHUNKS, "staged entries"), (4, MORE_CHUNKS, "window only"), (16, MORE_CHUNKS, "in-loop entries")])
+@pytest.mark.parametrize(
+    ("window", "chunks", "mode"),
+    [
+        (8, CHUNKS, "in-loop entries"),
+        (20, CHUNKS, "in-loop entries"),
+        (8, CHUNKS, "window only"),
+        (20, MORE_CHUNKS, "staged entries"),
+        (4, MORE_CHUNKS, "window only"),
+        (16, MORE_CHUNKS, "in-loop entries"),
+    ],
+)
 def test_interpreted_staged_window_is_bit_identical(window, chunks, mode):
     """Window keys dequantised once for the step (``stage_window``) and gathered as rows give the in-loop
     dequantisation's result bit for bit (the same keys, blocks and order): several requests in one
@@ -202,13 +251,17 @@ def test_interpreted_staged_window_is_bit_identical(window, chunks, mode):
     args = list(_args(cfg, prob, prob["q"], step_k, selected))
     staged = None
     if mode == "staged entries":
-        staged, args[8] = module.stage_entries(prob["kv_pool"], prob["tables"], prob["selected_entries"],
-                                               prob["row_requests"], torch.float32)
+        staged, args[8] = module.stage_entries(
+            prob["kv_pool"], prob["tables"], prob["selected_entries"], prob["row_requests"], torch.float32
+        )
     with interpreter():
         keys, rows = _staged_window(module, cfg, prob, step_k)
-        loop, gathered = (module.sparse_prefill_attention(*args, dot_fp32=True, staged=staged, staged_window=keys_rows,
-                                                          out=torch.full_like(ref, float("nan")))
-                          for keys_rows in (None, (keys, rows)))
+        loop, gathered = (
+            module.sparse_prefill_attention(
+                *args, dot_fp32=True, staged=staged, staged_window=keys_rows, out=torch.full_like(ref, float("nan"))
+            )
+            for keys_rows in (None, (keys, rows))
+        )
     assert keys.shape == (len(prob["pos"]) + len(chunks) * (window - 1), cfg.head_dim)
     assert not gathered.isnan().any() and torch.equal(gathered, loop)
     assert float((gathered - ref).abs().max()) <= FP32_REORDER_REL * float(ref.abs().max())  # and right
@@ -222,8 +275,9 @@ def test_interpreted_bf16_in_and_out():
     step_k = quantize_fp8_cache(prob["k"])
     ref = reference.sparse_prefill_attention(*_args(cfg, prob, q.float(), step_k))
     with interpreter():
-        out = load_interpreted("prefill_attention").sparse_prefill_attention(*_args(cfg, prob, q, step_k),
-                                                                             dot_fp32=True)
+        out = load_interpreted("prefill_attention").sparse_prefill_attention(
+            *_args(cfg, prob, q, step_k), dot_fp32=True
+        )
     assert out.dtype == torch.bfloat16
     assert torch.all((out.float() - ref).abs() <= BF16_CAST_REL * ref.abs() + FP32_REORDER_REL)
 
@@ -295,8 +349,7 @@ def test_bench_problem_builder_on_cpu():
     the reference is finite and not sink-dominated, and the kernel agrees."""
     from services.bench.kernels.prefill_attention import prefill_attention_args, prefill_attention_problem
 
-    p = prefill_attention_problem(8, 1100, torch.Generator().manual_seed(0), device="cpu", num_heads=4,
-                                  head_dim=64)
+    p = prefill_attention_problem(8, 1100, torch.Generator().manual_seed(0), device="cpu", num_heads=4, head_dim=64)
     assert bool((p["selected"] >= 0).all()) and bool((p["entries"].diff(dim=1) > 0).all())
     args = prefill_attention_args({**p, "q": p["q"].float()})
     ref = reference.sparse_prefill_attention(*args)
@@ -335,8 +388,9 @@ def test_gpu_flash_shapes_match_reference(chunk, context):
     assert _rel(sparse_prefill_attention(*args[:8], index, *args[9:], staged=staged), ref32) < BF16_PATH_REL
     # A ratio-0 layer: the window alone.
     window_only = (*args[:8], p["selected"][:, :0], *args[9:])
-    ref_w = reference.sparse_prefill_attention(*prefill_attention_args(
-        {**p, "q": p["q"].float(), "selected": p["selected"][:, :0]}))
+    ref_w = reference.sparse_prefill_attention(
+        *prefill_attention_args({**p, "q": p["q"].float(), "selected": p["selected"][:, :0]})
+    )
     assert _rel(sparse_prefill_attention(*window_only), ref_w) < BF16_PATH_REL
 
 
@@ -358,8 +412,12 @@ def test_gpu_flash_shapes_staged_window_is_bit_identical(chunk, context):
     p.update(first=p["pos"][torch.tensor(cuts[:-1], device="cuda")][reqs], slots=(reqs != 1).long())  # 1: slot 0
     args = prefill_attention_args(p)
     staged, index = stage_entries(p["kv_pool"], p["table"][None], p["entries"], torch.zeros_like(p["pos"]))
-    calls = ((args, {}), ((*args[:8], index, *args[9:]), {"staged": staged}),
-             ((*args[:8], p["selected"][:, :0], *args[9:]), {}), (args, {"dot_fp32": True}))
+    calls = (
+        (args, {}),
+        ((*args[:8], index, *args[9:]), {"staged": staged}),
+        ((*args[:8], p["selected"][:, :0], *args[9:]), {}),
+        (args, {"dot_fp32": True}),
+    )
     for call, kwargs in calls:
         dtype = torch.float32 if kwargs.get("dot_fp32") else torch.bfloat16
         window = stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], reqs, 3, dtype)

@@ -46,7 +46,12 @@ def test_window_rows_hold_each_rows_window_in_order(window, chunks):
         first, slot = int(prob["first"][reqs[r]]), int(slots[reqs[r]])
         for j in range(window):
             p = int(pos[r]) - window + 1 + j
-            want = (torch.zeros(dim) if p < 0 else ring_keys[slot, p % ring.shape[1]] if p < first
-                    else step_keys[r - int(pos[r]) + p])
+            want = (
+                torch.zeros(dim)
+                if p < 0
+                else ring_keys[slot, p % ring.shape[1]]
+                if p < first
+                else step_keys[r - int(pos[r]) + p]
+            )
             assert torch.equal(keys[int(rows[r]) - window + 1 + j], want), (r, j, p)
     assert torch.equal(rows_bf16, rows) and torch.equal(keys_bf16.float(), keys)

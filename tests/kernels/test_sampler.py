@@ -100,10 +100,17 @@ def test_sampling_tensors_hold_each_rows_parameters():
     from kernels.sampler import sampling_tensors, top_p_mass_limit
 
     gen = torch.Generator().manual_seed(7)
-    rows = _mixed_rows(100, 24, gen) + [_row(seed=-1), _row(seed=2**64 - 1), _row(seed=2**64 + 5, top_p=1e-9),
-                                        _row(top_k=5, forced=None, top_p=0.999999), _row(top_k=-1, forced=None)]
-    rows = [dataclasses.replace(r, forced_top_k=[None, 1, 4, 80][i % 4], forced_token_id=[None, 0, 99][i % 3])
-            for i, r in enumerate(rows)]
+    rows = _mixed_rows(100, 24, gen) + [
+        _row(seed=-1),
+        _row(seed=2**64 - 1),
+        _row(seed=2**64 + 5, top_p=1e-9),
+        _row(top_k=5, forced=None, top_p=0.999999),
+        _row(top_k=-1, forced=None),
+    ]
+    rows = [
+        dataclasses.replace(r, forced_top_k=[None, 1, 4, 80][i % 4], forced_token_id=[None, 0, 99][i % 3])
+        for i, r in enumerate(rows)
+    ]
     got = sampling_tensors(rows, num_bans=5)
     assert got.temperature.dtype == torch.float32 and got.rank_limit.dtype == torch.int32
     assert got.temperature.tolist() == torch.tensor([r.temperature for r in rows], dtype=torch.float32).tolist()
@@ -143,16 +150,24 @@ def test_sampler_interpreted_ties_at_the_cuts():
     logits = torch.randint(-3, 3, (8, vocab), generator=gen).float() * 0.5
     logits[2] = torch.where(logits[2] == 0, torch.tensor(-0.0), logits[2])
     logits[3, : vocab // 2] = -0.0
-    rows = [_row(1.0, 50, seed=3), _row(0.8, 0, 0.6, seed=4), _row(1.0, 130, 0.7, seed=5, position=2),
-            _row(1.0, 400, seed=6, num_logprobs=9), _row(0.0, 10, 0.5),
-            _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
-            _row(1.0, 690, 0.999, seed=9, banned=range(5, 16)), _row(0.9, 2, 1.0, seed=2**63 + 5)]
+    rows = [
+        _row(1.0, 50, seed=3),
+        _row(0.8, 0, 0.6, seed=4),
+        _row(1.0, 130, 0.7, seed=5, position=2),
+        _row(1.0, 400, seed=6, num_logprobs=9),
+        _row(0.0, 10, 0.5),
+        _row(2.0, 0, 0.99, seed=-1, banned=(0, 1, 2, 650)),
+        _row(1.0, 690, 0.999, seed=9, banned=range(5, 16)),
+        _row(0.9, 2, 1.0, seed=2**63 + 5),
+    ]
     ref = Sampler()(logits, rows)
     _check(ref, _interpreted_sample(logits, rows, block=256))
     # 64-wide chunks: 11 chunks in two groups of 8, so cuts and draws can land in the later group.
     some = [1, 3, 6]
-    _check(Sampler()(logits[some], [rows[i] for i in some]),
-           _interpreted_sample(logits[some], [rows[i] for i in some], block=64))
+    _check(
+        Sampler()(logits[some], [rows[i] for i in some]),
+        _interpreted_sample(logits[some], [rows[i] for i in some], block=64),
+    )
 
 
 def test_sampler_interpreted_error_rows_and_resample_case():
@@ -181,13 +196,18 @@ def test_sampler_interpreted_draw_ignores_batch_neighbours():
     gen = torch.Generator().manual_seed(3)
     vocab = 512
     logits = torch.randn(4, vocab, generator=gen) * 2
-    rows = [_row(1.0, 0, 0.9, seed=11, position=4), _row(0.8, 30, seed=12, position=5),
-            _row(1.0, seed=13, position=6), _row(0.0)]
+    rows = [
+        _row(1.0, 0, 0.9, seed=11, position=4),
+        _row(0.8, 30, seed=12, position=5),
+        _row(1.0, seed=13, position=6),
+        _row(0.0),
+    ]
     a = _interpreted_sample(logits, rows, block=256)
     perm = [2, 0, 3, 1]
     other = torch.randn(2, vocab, generator=gen) * 5
-    b = _interpreted_sample(torch.cat((logits[perm], other)),
-                            [rows[i] for i in perm] + [_row(seed=1), _row(seed=2)], block=256)
+    b = _interpreted_sample(
+        torch.cat((logits[perm], other)), [rows[i] for i in perm] + [_row(seed=1), _row(seed=2)], block=256
+    )
     assert torch.equal(b.token_ids[:4], a.token_ids[perm]) and torch.equal(b.logprobs[:4], a.logprobs[perm])
 
 
@@ -237,8 +257,19 @@ def test_sampler_gpu_cuda_graph_replay_reads_new_parameters():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = sample(logits, params, num_logprobs=5)
-    moved = [_row(r.temperature or 1.0, r.top_k, r.top_p, r.seed, r.position + 1, r.forced_top_k, r.banned_token_ids,
-                  num_logprobs=5) for r in rows]
+    moved = [
+        _row(
+            r.temperature or 1.0,
+            r.top_k,
+            r.top_p,
+            r.seed,
+            r.position + 1,
+            r.forced_top_k,
+            r.banned_token_ids,
+            num_logprobs=5,
+        )
+        for r in rows
+    ]
     new = sampling_tensors(moved, "cuda", num_bans=params.banned.shape[1])
     for name in ("temperature", "rank_limit", "mass_limit", "seed", "position", "banned"):
         getattr(params, name).copy_(getattr(new, name))
@@ -270,8 +301,10 @@ def test_sampler_interpreted_forced_tokens_match_cpu_sampler():
     gen = torch.Generator().manual_seed(3)
     vocab, num_rows = 700, 8
     logits = torch.randn(num_rows, vocab, generator=gen) * 2.5
-    rows = [dataclasses.replace(r, forced_token_id=[5, None, 699, 0][i % 4], num_logprobs=3)
-            for i, r in enumerate(_mixed_rows(vocab, num_rows, gen))]
+    rows = [
+        dataclasses.replace(r, forced_token_id=[5, None, 699, 0][i % 4], num_logprobs=3)
+        for i, r in enumerate(_mixed_rows(vocab, num_rows, gen))
+    ]
     ref = Sampler()(logits, rows)
     assert ref.token_ids[0::4].tolist() == [5, 5] and ref.token_ids[2::4].tolist() == [699, 699]
     assert torch.isinf(ref.logprobs).any()  # some forced token lies outside its row's kept set
@@ -284,8 +317,10 @@ def test_kernel_sampler_interpreted_adds_logit_bias_as_the_cpu_sampler_does():
     gen = torch.Generator().manual_seed(4)
     vocab, num_rows = 600, 6
     logits = torch.randn(num_rows, vocab, generator=gen) * 2.0
-    rows = [dataclasses.replace(r, logit_bias=((7, 30.0), (i, -3.5)), num_logprobs=2)
-            for i, r in enumerate(_mixed_rows(vocab, num_rows, gen))]
+    rows = [
+        dataclasses.replace(r, logit_bias=((7, 30.0), (i, -3.5)), num_logprobs=2)
+        for i, r in enumerate(_mixed_rows(vocab, num_rows, gen))
+    ]
     ref = Sampler()(logits, rows)
     with interpreter():
         got = KernelSampler(load_interpreted("sampler"))(logits, rows)

@@ -21,8 +21,8 @@ def _window_k(num_rows: int, head_dim: int, dtype: torch.dtype, gen: torch.Gener
     exponents = torch.randint(-40, 40, (num_rows, head_dim // 32), generator=gen).float()
     x = x * 2.0 ** exponents.repeat_interleave(32, 1)  # one scale per 32-channel block
     x[0, :32] = 0.0
-    x[0, 32:64] = torch.linspace(-2.0**-28, 2.0**-28, 32)  # the 1e-4 floor scale: e4m3 subnormals and −0
-    x[min(1, num_rows - 1), :32] = torch.linspace(-2.0**-14, 2.0**-14, 32)  # amax < 1e-4: the floor scale
+    x[0, 32:64] = torch.linspace(-(2.0**-28), 2.0**-28, 32)  # the 1e-4 floor scale: e4m3 subnormals and −0
+    x[min(1, num_rows - 1), :32] = torch.linspace(-(2.0**-14), 2.0**-14, 32)  # amax < 1e-4: the floor scale
     x[-1, :32] = torch.linspace(-448.0, 448.0, 32) * 2.0**5  # amax = 448·2^5
     x[-1, 32:64] = torch.linspace(-1.0, 1.0, 32) * 448.0 * (1 + 2.0**-23) * 2.0**-7  # just above 448·2^-7
     return x.to(dtype)
@@ -40,8 +40,9 @@ def _rings(head_dim: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tens
     return pools[0], pools[1], [p[:, 3 : 3 + RING * width].view(NUM_SLOTS, RING, width) for p in pools]
 
 
-@pytest.mark.parametrize(("num_rows", "head_dim", "dtype"),
-                         [(5, 512, torch.float32), (6, 64, torch.bfloat16), (3, 96, torch.float32)])
+@pytest.mark.parametrize(
+    ("num_rows", "head_dim", "dtype"), [(5, 512, torch.float32), (6, 64, torch.bfloat16), (3, 96, torch.float32)]
+)
 def test_write_window_interpreted_equals_torch(num_rows, head_dim, dtype):
     gen = torch.Generator().manual_seed(num_rows * head_dim)
     k = _window_k(num_rows, head_dim, dtype, gen)

@@ -41,12 +41,15 @@ def test_einsum_rows_are_equal_alone_and_in_any_batch():
         assert torch.equal(torch.bmm(q[5:6, 0], kv[5:6].transpose(1, 2)), bmm[5:6])
 
 
-@pytest.mark.parametrize("equation, shapes", [
-    ("bshd,btd->bhst", [(3, 2, 4, 8), (3, 5, 8)]),
-    ("bhst,btd->bshd", [(3, 4, 2, 5), (3, 5, 8)]),
-    ("bsgi,gri->bsgr", [(3, 2, 2, 16), (2, 6, 16)]),
-    ("bshd,btd->bsht", [(2, 1, 3, 8), (2, 7, 8)]),
-])
+@pytest.mark.parametrize(
+    "equation, shapes",
+    [
+        ("bshd,btd->bhst", [(3, 2, 4, 8), (3, 5, 8)]),
+        ("bhst,btd->bshd", [(3, 4, 2, 5), (3, 5, 8)]),
+        ("bsgi,gri->bsgr", [(3, 2, 2, 16), (2, 6, 16)]),
+        ("bshd,btd->bsht", [(2, 1, 3, 8), (2, 7, 8)]),
+    ],
+)
 def test_summed_einsum_computes_the_einsum(equation, shapes):
     a, b = (_randn(*s, seed=i).double() for i, s in enumerate(shapes))
     assert torch.allclose(summed_einsum(equation, a, b), torch.einsum(equation, a, b), rtol=1e-12, atol=1e-12)
@@ -57,10 +60,24 @@ def test_products_compute_what_they_stand_for():
     x, w, bias = _randn(5, 3, 16).double(), _randn(8, 16).double(), _randn(8).double()
     batched = _randn(5, 16, 4).double()
     with batch_invariant():
-        got = [F.linear(x, w, bias), x @ w.t(), torch.matmul(x, batched[0]), torch.bmm(x, batched),
-               torch.addmm(bias, x[0], w.t()), x[0, 0] @ w.t(), w @ x[0, 0]]
-    want = [F.linear(x, w, bias), x @ w.t(), torch.matmul(x, batched[0]), torch.bmm(x, batched),
-            torch.addmm(bias, x[0], w.t()), x[0, 0] @ w.t(), w @ x[0, 0]]
+        got = [
+            F.linear(x, w, bias),
+            x @ w.t(),
+            torch.matmul(x, batched[0]),
+            torch.bmm(x, batched),
+            torch.addmm(bias, x[0], w.t()),
+            x[0, 0] @ w.t(),
+            w @ x[0, 0],
+        ]
+    want = [
+        F.linear(x, w, bias),
+        x @ w.t(),
+        torch.matmul(x, batched[0]),
+        torch.bmm(x, batched),
+        torch.addmm(bias, x[0], w.t()),
+        x[0, 0] @ w.t(),
+        w @ x[0, 0],
+    ]
     for g, ref in zip(got, want):
         assert g.shape == ref.shape and torch.allclose(g, ref, rtol=1e-12, atol=1e-12)
 

@@ -9,8 +9,9 @@ from tests.services.gateway.conftest import ServerThread, pools_whole
 
 @pytest.fixture(scope="package")
 def served():
-    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, drain_timeout_s=10,
-                                      engine_args={"max_num_seqs": 8})).start()
+    thread = ServerThread(
+        ServeConfig(model="tiny", http_port=0, grpc_port=0, drain_timeout_s=10, engine_args={"max_num_seqs": 8})
+    ).start()
     yield thread
     thread.stop()
     assert pools_whole(thread.server.engine.stats())

@@ -48,9 +48,18 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "?")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    got.append(SpanRecord(service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                                          s.parent_span_id.hex() or None, s.start_time_unix_nano,
-                                          s.end_time_unix_nano, {a.key: _value(a.value) for a in s.attributes}))
+                    got.append(
+                        SpanRecord(
+                            service,
+                            s.name,
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex() or None,
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                            {a.key: _value(a.value) for a in s.attributes},
+                        )
+                    )
         with self.lock:
             self.spans.extend(got)
         return tpb.ExportTraceServiceResponse()
@@ -95,9 +104,18 @@ def from_sdk(spans: Any) -> list[SpanRecord]:
     out = []
     for s in spans:
         ctx = s.get_span_context()
-        out.append(SpanRecord(s.resource.attributes.get("service.name", "?"), s.name, format(ctx.trace_id, "032x"),
-                              format(ctx.span_id, "016x"), format(s.parent.span_id, "016x") if s.parent else None,
-                              s.start_time, s.end_time, dict(s.attributes or {})))
+        out.append(
+            SpanRecord(
+                s.resource.attributes.get("service.name", "?"),
+                s.name,
+                format(ctx.trace_id, "032x"),
+                format(ctx.span_id, "016x"),
+                format(s.parent.span_id, "016x") if s.parent else None,
+                s.start_time,
+                s.end_time,
+                dict(s.attributes or {}),
+            )
+        )
     return out
 
 
@@ -112,8 +130,9 @@ def render(spans: list[SpanRecord], root: SpanRecord, keys: tuple[str, ...] = ()
     def walk(s: SpanRecord, depth: int) -> None:
         shown = {k: s.attributes[k] for k in keys if k in s.attributes}
         extra = "  " + " ".join(f"{k}={v}" for k, v in shown.items()) if shown else ""
-        lines.append(f"{'  ' * depth}{s.service}: {s.name}  +{(s.start_ns - root.start_ns) / 1e6:.1f} ms  "
-                     f"{s.ms:.1f} ms{extra}")
+        lines.append(
+            f"{'  ' * depth}{s.service}: {s.name}  +{(s.start_ns - root.start_ns) / 1e6:.1f} ms  {s.ms:.1f} ms{extra}"
+        )
         for c in sorted(children.get(s.span_id, []), key=lambda c: c.start_ns):
             walk(c, depth + 1)
 

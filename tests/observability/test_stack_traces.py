@@ -55,8 +55,9 @@ def traced_stack(tmp_path_factory):
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: batches leave promptly, no shutdown needed
         env.setenv("SHINKAI_TRACE_STEPS_EVERY", "1")
-        config = StackConfig(num_engines=1, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=4,
-                             remote_workers=True)
+        config = StackConfig(
+            num_engines=1, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=4, remote_workers=True
+        )
         state = up(config, timeout_s=120, log=lambda *_: None)
         try:
             by_name = {s["name"]: s for s in state["services"]}
@@ -73,9 +74,14 @@ def test_one_request_traced_across_processes(traced_stack):
 
     def complete(spans):
         names = {(s.service, s.name) for s in spans}
-        return {("shinkai-gateway", "request"), ("shinkai-engine", "decode"),
-                ("shinkai-tokenizer", "tokenizer.Detokenize"), ("shinkai-worker", "worker.execute_step"),
-                ("shinkai-eplb", "eplb.load_report")} <= names
+        return {
+            ("shinkai-gateway", "request"),
+            ("shinkai-engine", "decode"),
+            ("shinkai-tokenizer", "tokenizer.Detokenize"),
+            ("shinkai-worker", "worker.execute_step"),
+            ("shinkai-eplb", "eplb.load_report"),
+        } <= names
+
     spans = receiver.wait_for(complete)
     (root,) = [s for s in spans if s.service == "shinkai-gateway" and s.name == "request"]
     assert root.parent_id is None
@@ -85,6 +91,7 @@ def test_one_request_traced_across_processes(traced_stack):
 
     def parent(child: tuple[str, str], of: tuple[str, str]) -> None:
         assert by[child].parent_id == by[of].span_id, f"{child} is not under {of}"
+
     parent(("shinkai-gateway", "tokenize"), ("shinkai-gateway", "request"))
     parent(("shinkai-tokenizer", "tokenizer.Encode"), ("shinkai-gateway", "tokenize"))
     parent(("shinkai-engine", "request"), ("shinkai-gateway", "request"))
@@ -116,13 +123,20 @@ def test_metrics_of_gateway_and_engine_count_the_requests(traced_stack):
 
     def grew(before: str, after: str, sample: str) -> float:
         return _value(after, sample) - (_value(before, sample) if sample.split(" ")[0] in before else 0.0)
-    for name in ("shinkai_time_to_first_token_seconds_count", "shinkai_e2e_request_latency_seconds_count",
-                 'shinkai_requests_finished_total{reason="length"}'):
+
+    for name in (
+        "shinkai_time_to_first_token_seconds_count",
+        "shinkai_e2e_request_latency_seconds_count",
+        'shinkai_requests_finished_total{reason="length"}',
+    ):
         assert grew(before_gw, gw, name) == NUM_REQUESTS, name
     assert grew(before_gw, gw, "shinkai_generation_tokens_total") == 2 * NUM_REQUESTS
     assert grew(before_gw, gw, "shinkai_prompt_tokens_total") == sum(o["usage"]["prompt_tokens"] for o in outs)
-    for name in ("shinkai_request_queue_time_seconds_count", "shinkai_request_prefill_time_seconds_count",
-                 "shinkai_request_decode_time_seconds_count"):
+    for name in (
+        "shinkai_request_queue_time_seconds_count",
+        "shinkai_request_prefill_time_seconds_count",
+        "shinkai_request_decode_time_seconds_count",
+    ):
         assert grew(before_engine, engine, name) == NUM_REQUESTS, name
     deadline = time.monotonic() + 5
     while _value(_scrape(engine_url), 'vllm:num_requests_running{model_name="tiny"}') and time.monotonic() < deadline:

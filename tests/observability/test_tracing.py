@@ -12,16 +12,20 @@ CALLER_SPAN = "00f067aa0ba902b7"
 
 
 def _complete(url: str, body: dict, headers: dict | None = None) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
 
 
 def test_one_request_is_one_span_tree_under_the_callers_trace(served, memory_spans):
     steps_before = served.server.engine.num_steps
-    out = _complete(served.http_url, {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "seed": 1},
-                    {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+    out = _complete(
+        served.http_url,
+        {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "seed": 1},
+        {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
+    )
     assert out["usage"]["completion_tokens"] == 3
     spans = from_sdk(memory_spans.get_finished_spans())
     (request,) = [s for s in spans if s.name == "request"]
@@ -75,10 +79,15 @@ def test_off_means_no_spans_and_no_carriers(served):
     exporter = InMemorySpanExporter()
     tracing.setup("shinkai", exporter, steps_every=1)
     tracing.disable()  # its provider is shut down: a span made through it now would be dropped, not exported
-    _complete(served.http_url, {"model": "tiny", "prompt": "Hello", "max_tokens": 2},
-              {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+    _complete(
+        served.http_url,
+        {"model": "tiny", "prompt": "Hello", "max_tokens": 2},
+        {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
+    )
     assert not tracing.enabled() and exporter.get_finished_spans() == ()
     assert tracing.grpc_metadata() is None and tracing.nats_headers() is None and tracing.current_context() is None
-    assert tracing.start_span("x") is None and tracing.extract({"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}) \
-        is None
+    assert (
+        tracing.start_span("x") is None
+        and tracing.extract({"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}) is None
+    )
     assert all(not tracing.sample_step(k) for k in range(10))

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from scheduler_rs import SchedulerConfig
 
-SIZES = {"block_size": 128, "num_blocks": 4096, "num_state_slots": 257, "max_num_seqs": 256,
-         "max_num_batched_tokens": 32768, "max_model_len": 1 << 20}
+SIZES = {
+    "block_size": 128,
+    "num_blocks": 4096,
+    "num_state_slots": 257,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 32768,
+    "max_model_len": 1 << 20,
+}
 
 
 def scheduler_config(**changes: object) -> SchedulerConfig:

@@ -4,8 +4,14 @@ import pytest
 
 from scheduler_rs import SchedulerConfig
 
-SIZES = {"block_size": 16, "num_blocks": 8, "num_state_slots": 3, "max_num_seqs": 2, "max_num_batched_tokens": 64,
-         "max_model_len": 128}
+SIZES = {
+    "block_size": 16,
+    "num_blocks": 8,
+    "num_state_slots": 3,
+    "max_num_seqs": 2,
+    "max_num_batched_tokens": 64,
+    "max_model_len": 128,
+}
 
 
 @pytest.mark.parametrize("name", SIZES)

@@ -28,7 +28,9 @@ def test_kitchen_step_table():
     table = []
     for _ in range(6):
         plan, outputs = step(scheduler, token_at)
-        table.append((plan.kind, plan.request_ids, plan.seqlens_q.tolist(), {o.request_id: o.token_ids for o in outputs}))
+        table.append(
+            (plan.kind, plan.request_ids, plan.seqlens_q.tolist(), {o.request_id: o.token_ids for o in outputs})
+        )
     assert table == [
         ("prefill", ["A", "B"], [6, 2], {"A": [50]}),
         ("prefill", ["B", "C"], [3, 4], {"B": [65], "C": [64]}),
@@ -56,14 +58,17 @@ def test_kitchen_a_finishes_with_stop_and_frees_everything():
 
 
 def test_prompt_engine_fills_the_step_like_normal_when_the_budget_is_spent():
-    config = scheduler_config(engine_type=EngineType.PROMPT, block_size=4, num_blocks=64, num_state_slots=8,
-                             max_num_batched_tokens=8)
+    config = scheduler_config(
+        engine_type=EngineType.PROMPT, block_size=4, num_blocks=64, num_state_slots=8, max_num_batched_tokens=8
+    )
     scheduler = Scheduler(config)
     for request_id, n in (("A", 6), ("B", 5), ("C", 4)):
         scheduler.add_request(request_id, list(range(10, 10 + n)), max_tokens=4)
     kinds = [step(scheduler)[0] for _ in range(3)]
     assert [(p.kind, p.request_ids) for p in kinds] == [
-        ("prefill", ["A", "B"]), ("prefill", ["B", "C"]), ("prefill", [])
+        ("prefill", ["A", "B"]),
+        ("prefill", ["B", "C"]),
+        ("prefill", []),
     ]
     assert kinds[2].is_placeholder  # a PROMPT engine never decodes
 
@@ -133,8 +138,11 @@ def _grow(target_outputs: dict[str, int]) -> Scheduler:
     """Requests with one-token prompts reaching the given output counts together, in a pool of
     one-token blocks sized so the free list is empty at the end."""
     num_held = sum(target_outputs.values())  # each holds num_computed = outputs blocks
-    scheduler = Scheduler(scheduler_config(block_size=1, compress_ratios=[1], num_blocks=num_held + 1, num_state_slots=8,
-                                          prefill_max_cache_usage=1.0))
+    scheduler = Scheduler(
+        scheduler_config(
+            block_size=1, compress_ratios=[1], num_blocks=num_held + 1, num_state_slots=8, prefill_max_cache_usage=1.0
+        )
+    )
     longest = max(target_outputs, key=target_outputs.get)
     a_total = target_outputs[longest]
     # A request added when the longest has k outputs ends with k - 1 + its own count offset.
@@ -158,7 +166,11 @@ def test_preemption_takes_the_longest_output_when_a_row_needs_a_block():
     # Pass 3: outputs A 3,000, B 1,200, C 400, D 50 and no free block.
     scheduler = _grow({"A": 3000, "B": 1200, "C": 400, "D": 50})
     assert {request_id: len(scheduler.request(request_id).token_ids) - 1 for request_id in "ABCD"} == {
-        "A": 3000, "B": 1200, "C": 400, "D": 50}
+        "A": 3000,
+        "B": 1200,
+        "C": 400,
+        "D": 50,
+    }
     assert scheduler.stats().num_free_blocks == 0
     plan = scheduler.schedule()
     assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("A", FinishReason.PREEMPTED)]
@@ -315,7 +327,9 @@ def test_graph_padding_for_37_rows():
 
 
 def test_bad_requests_get_clear_errors():
-    scheduler = Scheduler(scheduler_config(block_size=4, num_blocks=8, num_state_slots=4, max_model_len=16, vocab_size=100))
+    scheduler = Scheduler(
+        scheduler_config(block_size=4, num_blocks=8, num_state_slots=4, max_model_len=16, vocab_size=100)
+    )
     scheduler.add_request("a", [1], max_tokens=1)
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request("a", [1], max_tokens=1)

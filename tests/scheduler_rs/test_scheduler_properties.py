@@ -23,9 +23,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def setup(self, nextn, recompute, max_inflight, num_blocks):
         mode = PreemptionMode.RECOMPUTE if recompute else PreemptionMode.STOP
-        self.config = SchedulerConfig(block_size=4, num_blocks=num_blocks, num_state_slots=4, max_num_seqs=3,
-                                      max_num_batched_tokens=6, max_model_len=40, nextn=nextn,
-                                      preemption_mode=mode, vocab_size=VOCAB, compress_ratios=[2, 1])
+        self.config = SchedulerConfig(
+            block_size=4,
+            num_blocks=num_blocks,
+            num_state_slots=4,
+            max_num_seqs=3,
+            max_num_batched_tokens=6,
+            max_model_len=40,
+            nextn=nextn,
+            preemption_mode=mode,
+            vocab_size=VOCAB,
+            compress_ratios=[2, 1],
+        )
         self.scheduler = Scheduler(self.config)
         self.max_inflight = max_inflight
         self.inflight = []
@@ -38,13 +47,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             if output.finish_reason is not None:
                 self.finals[output.request_id] += 1
 
-    @rule(prompt_len=st.integers(1, 14), max_tokens=st.integers(1, 24), schedulable=st.sampled_from([True, True, False]))
+    @rule(
+        prompt_len=st.integers(1, 14), max_tokens=st.integers(1, 24), schedulable=st.sampled_from([True, True, False])
+    )
     def add(self, prompt_len, max_tokens, schedulable):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         try:
-            self.scheduler.add_request(request_id, [2 + i % 10 for i in range(prompt_len)], max_tokens=max_tokens,
-                                       eos_token_id=EOS, schedulable=schedulable)
+            self.scheduler.add_request(
+                request_id,
+                [2 + i % 10 for i in range(prompt_len)],
+                max_tokens=max_tokens,
+                eos_token_id=EOS,
+                schedulable=schedulable,
+            )
         except ValueError as err:
             assert "blocks but the pool has" in str(err)
             return

@@ -28,11 +28,17 @@ def authed_nats(tmp_path, monkeypatch):
     monkeypatch.setenv(nats_auth.TOKEN_ENV, token)
     log = tmp_path / "nats.log"
     conf = nats_auth.write_config(tmp_path / "nats.conf")
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", "-1", "-l", str(log), "-c", str(conf)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1", "-l", str(log), "-c", str(conf)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        text = wait_for(lambda: log.exists() and "Server is ready" in log.read_text() and log.read_text(), 20,
-                        "nats-server to start")
+        text = wait_for(
+            lambda: log.exists() and "Server is ready" in log.read_text() and log.read_text(),
+            20,
+            "nats-server to start",
+        )
         port = re.search(r"Listening for client connections on 127\.0\.0\.1:(\d+)", text).group(1)
         yield f"nats://127.0.0.1:{port}", token
     finally:
@@ -56,8 +62,7 @@ def test_a_forged_lifecycle_message_without_credentials_is_refused(authed_nats):
         try:
             for creds in ({}, {"token": "guess"}, {"user": "shinkai", "password": token}):
                 with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-                    await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0,
-                                       **creds)
+                    await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, **creds)
             await asyncio.sleep(0.3)
             assert router.states["engine-0"].accepting  # nothing forged got through
             # The same message with the stack's token does reach the router: the refusal above is the server's.
@@ -86,8 +91,15 @@ def test_every_token_is_a_string_to_nats_server(tmp_path):
     conf = nats_auth.write_config(tmp_path / "nats.conf")
 
     def valid(token: str) -> bool:
-        return subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, timeout=30,
-                              env={nats_auth.TOKEN_ENV: token}).returncode == 0
+        return (
+            subprocess.run(
+                [nats_server_binary(), "-c", str(conf), "-t"],
+                capture_output=True,
+                timeout=30,
+                env={nats_auth.TOKEN_ENV: token},
+            ).returncode
+            == 0
+        )
 
     assert not valid("-r" + "a" * 40)  # what token_urlsafe gave when a CI run's stack would not start
     tokens = [nats_auth.new_token() for _ in range(1000)]

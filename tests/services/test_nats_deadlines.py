@@ -11,8 +11,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def nats_round_trips():
     for path in sorted((ROOT / "services").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("flush", "request")):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("flush", "request")
+            ):
                 receiver = ast.unparse(node.func.value)
                 if receiver.split(".")[-1] in ("nc", "_nc"):
                     yield f"{path.relative_to(ROOT)}:{node.lineno} {receiver}.{node.func.attr}", node

@@ -39,13 +39,21 @@ def flash_source_config(ratio: int) -> Any:
     """Flash's shapes with one KV source, layer 2, of ``ratio`` (3 layers of rings per state slot)."""
     from model.deepseek_v41.presets import V41_S1
 
-    return dataclasses.replace(V41_S1, num_hidden_layers=3, compress_ratios=(0, 0, ratio), kv_source_layer_ids=(2,),
-                               index_source_layer_ids=(2,), candidate_source_layer_id=2, engram_layer_ids=(),
-                               engram_num_embeddings=())
+    return dataclasses.replace(
+        V41_S1,
+        num_hidden_layers=3,
+        compress_ratios=(0, 0, ratio),
+        kv_source_layer_ids=(2,),
+        index_source_layer_ids=(2,),
+        candidate_source_layer_id=2,
+        engram_layer_ids=(),
+        engram_num_embeddings=(),
+    )
 
 
-def compressor_problem(num_entries: int, ratio: int, gen: torch.Generator, device: str = "cuda",
-                       dtype: Any = None) -> dict[str, Any]:
+def compressor_problem(
+    num_entries: int, ratio: int, gen: torch.Generator, device: str = "cuda", dtype: Any = None
+) -> dict[str, Any]:
     """E decode requests at random positions (< 64K; odd for ratio 2), each with its own state slot and
     block; the inputs of ``compress`` and of ``TorchAttention.write_groups`` on two identical caches."""
     import torch
@@ -68,9 +76,17 @@ def compressor_problem(num_entries: int, ratio: int, gen: torch.Generator, devic
         cache.partial(2).copy_(torch.randn(cache.partial(2).shape, **rng))
     idx = torch.arange(n, device=device)
     batch = StepBatch(
-        request_ids=[f"r{i}" for i in range(n)], input_ids=torch.zeros_like(pos), positions=pos, row_requests=idx,
-        ring_slots=pos % cache.layout.ring_size, query_start=torch.arange(n + 1, device=device), first=pos.clone(),
-        seqlens_k=pos + 1, state_slots=idx + 1, block_tables=(idx + 1)[:, None], sample_rows=idx,
+        request_ids=[f"r{i}" for i in range(n)],
+        input_ids=torch.zeros_like(pos),
+        positions=pos,
+        row_requests=idx,
+        ring_slots=pos % cache.layout.ring_size,
+        query_start=torch.arange(n + 1, device=device),
+        first=pos.clone(),
+        seqlens_k=pos + 1,
+        state_slots=idx + 1,
+        block_tables=(idx + 1)[:, None],
+        sample_rows=idx,
         entry_writes={ratio: (idx, (idx + 1) * epb + (pos // ratio) % epb)},
     )
     comp = Compressor(cfg, ratio).to(device)
@@ -81,9 +97,13 @@ def compressor_problem(num_entries: int, ratio: int, gen: torch.Generator, devic
         indexer.k_norm.weight.copy_(1 + 0.2 * torch.randn(di, **rng))
     indexer.to(dtype)
     p: dict[str, Any] = dict(cache=cache, ref_cache=copy.deepcopy(cache), batch=batch, ratio=ratio, dtype=dtype)
-    weights = dict(norm_weight=comp.norm.weight.detach(), wk=indexer.wk.weight.detach(),
-                   k_norm_weight=indexer.k_norm.weight.detach(),
-                   freqs=rope_frequencies(cfg, compressed=True).to(device), eps=cfg.rms_norm_eps)
+    weights = dict(
+        norm_weight=comp.norm.weight.detach(),
+        wk=indexer.wk.weight.detach(),
+        k_norm_weight=indexer.k_norm.weight.detach(),
+        freqs=rope_frequencies(cfg, compressed=True).to(device),
+        eps=cfg.rms_norm_eps,
+    )
     if ratio == 2:
         values, gates = torch.randn(n, hd, **rng), torch.randn(n, hd, **rng)
         comp.project = lambda x: (values, gates)  # the projection stays outside: given
@@ -106,8 +126,11 @@ def run_kernel(p: dict[str, Any], compress: Any = None, **kwargs: Any) -> None:
 
     rows, slots = p["batch"].entry_writes[p["ratio"]]
     kv_pool, key_pool = p["cache"].entries(2)
-    inputs = (dict(projected=p["projected"]) if p["ratio"] == 1 else
-              dict(values=p["values"], gates=p["gates"], partial=p["cache"].partial(2), dtype=p["dtype"]))
+    inputs = (
+        dict(projected=p["projected"])
+        if p["ratio"] == 1
+        else dict(values=p["values"], gates=p["gates"], partial=p["cache"].partial(2), dtype=p["dtype"])
+    )
     compress(p["batch"], rows, slots, kv_pool, key_pool, **p["weights"], **inputs, **kwargs)
 
 
@@ -140,7 +163,10 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             p = compressor_problem(e, ratio, gen)
             ours = _bench_replay(lambda: run_kernel(p))
             # Eager: the torch path's boolean-mask indexing (the partial rows' tail) syncs, so it cannot be a graph.
-            theirs, note = _bench(lambda: run_torch(p)), "torch: TorchAttention.write_groups after the projection, eager"
+            theirs, note = (
+                _bench(lambda: run_torch(p)),
+                "torch: TorchAttention.write_groups after the projection, eager",
+            )
             flops = 2.0 * e * 128 * 512
             name, shape = f"compressor ratio {ratio} (pool/norm/rope/fp4 + keys)", f"E={e} hd=512 di=128 bf16"
             rows.append(_row(name, shape, ours, problem_bytes(e, ratio), flops, ceil, theirs, note, peak="bf16_peak"))
@@ -152,6 +178,17 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
                 except Exception as err:  # noqa: BLE001 - a configuration that does not compile is skipped
                     print(f"  compressor {options} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
                     continue
-                rows.append(_row(f"{name} {options}", shape, t, problem_bytes(e, ratio), flops, ceil, theirs, note,
-                                 peak="bf16_peak"))
+                rows.append(
+                    _row(
+                        f"{name} {options}",
+                        shape,
+                        t,
+                        problem_bytes(e, ratio),
+                        flops,
+                        ceil,
+                        theirs,
+                        note,
+                        peak="bf16_peak",
+                    )
+                )
     return rows

@@ -15,13 +15,17 @@ if TYPE_CHECKING:
 # Flash shapes: 64 heads × 512, window 128 (ring 134), top-k 512 FP4 entries; these contexts.
 ATTN_CONTEXTS = (4096, 32768)
 ATTN_SWEEP = [  # (block_h, block_n, num_warps, num_stages); tried at ATTN_SWEEP_ROWS, 32K context
-    (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 3), (64, 32, 8, 4),
+    (64, 64, 8, 2),
+    (64, 64, 8, 3),
+    (64, 32, 8, 3),
+    (64, 32, 8, 4),
 ]
 ATTN_SWEEP_ROWS = (64, 256)
 
 
-def decode_attention_problem(num_rows: int, context: int, gen: torch.Generator, device: str | None = None,
-                             ratio: int = 2, block_size: int = 128) -> dict[str, Any]:
+def decode_attention_problem(
+    num_rows: int, context: int, gen: torch.Generator, device: str | None = None, ratio: int = 2, block_size: int = 128
+) -> dict[str, Any]:
     """A Flash-shaped decode attention problem in the cache engine's byte layout, random bytes.
 
     Each row has its own state slot (ring of 134 FP8 positions: e4m3 codes without NaNs, e8m0
@@ -57,20 +61,36 @@ def decode_attention_problem(num_rows: int, context: int, gen: torch.Generator, 
     entries = torch.rand(num_rows, context // ratio, **rng).argsort(-1)[:, : cfg.index_topk].sort(-1).values
     return dict(
         q=(torch.randn(num_rows, cfg.num_attention_heads, hd, **rng) * 0.05).to(torch.bfloat16),
-        ring=ring_view, slots=torch.arange(1, num_rows + 1, device=device),
-        pos=torch.full((num_rows,), context - 1, device=device, dtype=torch.int64), window=cfg.sliding_window,
-        kv_pool=kv_pool, selected=entry_slots(entries, tables, epb), sink=torch.randn(cfg.num_attention_heads, **rng),
-        freqs=rope_frequencies(cfg, compressed=True).to(device), scale=hd**-0.5,
+        ring=ring_view,
+        slots=torch.arange(1, num_rows + 1, device=device),
+        pos=torch.full((num_rows,), context - 1, device=device, dtype=torch.int64),
+        window=cfg.sliding_window,
+        kv_pool=kv_pool,
+        selected=entry_slots(entries, tables, epb),
+        sink=torch.randn(cfg.num_attention_heads, **rng),
+        freqs=rope_frequencies(cfg, compressed=True).to(device),
+        scale=hd**-0.5,
     )
 
 
 def decode_attention_args(p: dict[str, Any]) -> tuple[Any, ...]:
-    return (p["q"], p["ring"], p["slots"], p["pos"], p["window"], p["kv_pool"], p["selected"], p["sink"],
-            p["freqs"], p["scale"])
+    return (
+        p["q"],
+        p["ring"],
+        p["slots"],
+        p["pos"],
+        p["window"],
+        p["kv_pool"],
+        p["selected"],
+        p["sink"],
+        p["freqs"],
+        p["scale"],
+    )
 
 
-def bench_decode_attention(num_rows: int, context: int, ceil: dict[str, float], sweep: bool,
-                           gen: torch.Generator) -> list[dict[str, object]]:
+def bench_decode_attention(
+    num_rows: int, context: int, ceil: dict[str, float], sweep: bool, gen: torch.Generator
+) -> list[dict[str, object]]:
     """Sparse decode attention at one batch and context, against the reference's torch ops (eager: its
     FP4 decode builds a table on the host) and SDPA on keys dequantised to bf16 beforehand."""
     import torch
@@ -97,33 +117,54 @@ def bench_decode_attention(num_rows: int, context: int, ceil: dict[str, float], 
     mask = torch.ones(num_rows, 1, 1, keys, device=timing.DEVICE, dtype=torch.bool)
     qs = p["q"].unsqueeze(2)
     try:
-        theirs = timing._bench_replay(lambda: F.scaled_dot_product_attention(qs, kv, kv, attn_mask=mask, enable_gqa=True))
+        theirs = timing._bench_replay(
+            lambda: F.scaled_dot_product_attention(qs, kv, kv, attn_mask=mask, enable_gqa=True)
+        )
         torch_note = f"torch: SDPA on bf16 keys, graph replay; the reference's torch ops: {theirs_ref * 1e6:.0f} us"
     except Exception as err:  # noqa: BLE001 - report, don't die, when SDPA refuses
         theirs, torch_note = theirs_ref, f"torch: the reference's ops (SDPA failed: {type(err).__name__})"
     row = timing._row("sparse decode attention", shape, ours, nbytes, flops, ceil, theirs, torch_note, peak="bf16_peak")
     mem_floor = nbytes / ceil["bandwidth"]
-    row.update(mem_roofline_us=mem_floor * 1e6, pct_mem_roofline=100 * mem_floor / ours,
-               compute_roofline_us=flops / ceil["bf16_peak"] * 1e6, reference_us=theirs_ref * 1e6,
-               graph_us=timing._bench_graph(lambda: sparse_decode_attention(*args, out=out)) * 1e6)
+    row.update(
+        mem_roofline_us=mem_floor * 1e6,
+        pct_mem_roofline=100 * mem_floor / ours,
+        compute_roofline_us=flops / ceil["bf16_peak"] * 1e6,
+        reference_us=theirs_ref * 1e6,
+        graph_us=timing._bench_graph(lambda: sparse_decode_attention(*args, out=out)) * 1e6,
+    )
     row["graph_tb_s"] = nbytes / row["graph_us"] / 1e6
     rows = [row]
     if sweep and num_rows in ATTN_SWEEP_ROWS and context == ATTN_CONTEXTS[-1]:
-        configs = [dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
-                   for block_h, block_n, warps, stages in ATTN_SWEEP]
+        configs = [
+            dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
+            for block_h, block_n, warps, stages in ATTN_SWEEP
+        ]
         tried, best = timing.sweep_configs("", configs, lambda c: sparse_decode_attention(*args, out=out, **c))
         # Where the time goes: the window alone (128 FP8 keys), the entries alone (512 FP4 keys).
-        alone = {"window only": (*args[:6], p["selected"][:, :0], *args[7:]),
-                 "entries only": (*args[:4], 0, *args[5:])}
+        alone = {"window only": (*args[:6], p["selected"][:, :0], *args[7:]), "entries only": (*args[:4], 0, *args[5:])}
         for label, variant in alone.items():
             try:
                 row[f"{label} us"] = timing._bench_replay(lambda a=variant: sparse_decode_attention(*a, out=out)) * 1e6
             except Exception as err:  # noqa: BLE001
                 print(f"  {label} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-        print(f"  R={num_rows}: sweep {tried}; window only {row.get('window only us')}, "
-              f"entries only {row.get('entries only us')} us", file=sys.stderr)
+        print(
+            f"  R={num_rows}: sweep {tried}; window only {row.get('window only us')}, "
+            f"entries only {row.get('entries only us')} us",
+            file=sys.stderr,
+        )
         row["sweep"] = tried
         if best is not None:
-            rows.append(timing._row("sparse decode attention [best of sweep]", shape, best[0], nbytes, flops, ceil, theirs,
-                             str(best[1]), peak="bf16_peak"))
+            rows.append(
+                timing._row(
+                    "sparse decode attention [best of sweep]",
+                    shape,
+                    best[0],
+                    nbytes,
+                    flops,
+                    ceil,
+                    theirs,
+                    str(best[1]),
+                    peak="bf16_peak",
+                )
+            )
     return rows

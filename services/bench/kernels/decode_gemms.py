@@ -59,8 +59,9 @@ def layer_meta(num_tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]
     experts = torch.rand(num_tokens, EXPERTS, device=DEVICE, generator=gen).argsort(-1)[:, :TOP_K]
     shared = torch.full((num_tokens, 1), EXPERTS, dtype=experts.dtype, device=DEVICE)
     weights = torch.rand(num_tokens, TOP_K, device=DEVICE, generator=gen)
-    return route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(weights[:, :1])), 1),
-                          EXPERTS + 1)
+    return route_metadata(
+        torch.cat((experts, shared), 1), torch.cat((weights, torch.ones_like(weights[:, :1])), 1), EXPERTS + 1
+    )
 
 
 def bench_moe_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) -> list[dict[str, Any]]:
@@ -79,22 +80,44 @@ def bench_moe_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generato
     h_q = moe_grouped_gemm(x_q, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn)
     active = int(meta["num_active"])
     rows = []
-    cases = (("moe layer gate/up+swiglu fp8→fp8", dict(a=x_q, w=w13, w_scale=s13, gather=True,
-                                                        swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn),
-              2 * INTER, HIDDEN, num_tokens * HIDDEN + picks * INTER),
-             ("moe layer down fp8→bf16", dict(a=h_q, w=w2, w_scale=s2, gather=False), HIDDEN, INTER,
-              picks * INTER + picks * HIDDEN * 2))
+    cases = (
+        (
+            "moe layer gate/up+swiglu fp8→fp8",
+            dict(a=x_q, w=w13, w_scale=s13, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn),
+            2 * INTER,
+            HIDDEN,
+            num_tokens * HIDDEN + picks * INTER,
+        ),
+        (
+            "moe layer down fp8→bf16",
+            dict(a=h_q, w=w2, w_scale=s2, gather=False),
+            HIDDEN,
+            INTER,
+            picks * INTER + picks * HIDDEN * 2,
+        ),
+    )
     for name, kwargs, n_w, k, act_bytes in cases:
         nbytes = active * (n_w * k + (n_w // 128) * (k // 128) * 4) + act_bytes
         flops = 2.0 * picks * n_w * k
         shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} N={n_w} K={k} BM={block_m}"
         for m_split in sorted({1, tiles}):
+
             def call(kw: dict[str, Any] = kwargs, s: int = m_split) -> object:
                 return moe_grouped_gemm(**kw, meta=meta, m_split=s)
 
             label = f"{name} [m_split {m_split}]" + (" (engine)" if m_split == 1 else "")
-            rows.append(_row(label, shape, _bench_replay(call), nbytes, flops, ceil, None,
-                             "the engine's launch" if m_split == 1 else "every expert's M tiles split over items"))
+            rows.append(
+                _row(
+                    label,
+                    shape,
+                    _bench_replay(call),
+                    nbytes,
+                    flops,
+                    ceil,
+                    None,
+                    "the engine's launch" if m_split == 1 else "every expert's M tiles split over items",
+                )
+            )
     # The whole layer (x's quantisation, both GEMMs, the combine) with the shared expert stacked, and in its
     # own launches split over M, the engine's choice from more than one M tile (kernels/moe_grouped_gemm.py).
     from kernels.moe_grouped_gemm import moe_experts, shared_apart
@@ -104,13 +127,25 @@ def bench_moe_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generato
     flops = 2.0 * picks * 3 * INTER * HIDDEN
     engine = shared_apart(num_tokens, block_m)
     for apart in (False, True):
+
         def layer(a: bool = apart) -> object:
             return moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True, shared_launch=a)
 
         label = f"moe layer experts+combine [shared {'apart' if apart else 'stacked'}]" + (
-            " (engine)" if apart == engine else "")
-        rows.append(_row(label, f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} BM={block_m}", _bench_replay(layer),
-                         nbytes, flops, ceil, None, "the shared expert's own launches" if apart else "one launch each"))
+            " (engine)" if apart == engine else ""
+        )
+        rows.append(
+            _row(
+                label,
+                f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} BM={block_m}",
+                _bench_replay(layer),
+                nbytes,
+                flops,
+                ceil,
+                None,
+                "the shared expert's own launches" if apart else "one launch each",
+            )
+        )
     return rows
 
 
@@ -128,12 +163,23 @@ def bench_projections(num_tokens: int, ceil: dict[str, float], gen: torch.Genera
         a = quantize_act(torch.randn(num_tokens, k, device=DEVICE, dtype=torch.bfloat16, generator=gen))
         nbytes = n * k + (n // 128) * (k // 128) * 4 + num_tokens * (k + 2 * n)
         for block_m in (16, 32):
+
             def call(bm: int = block_m) -> object:
                 return moe_grouped_gemm(a, w, s, meta, gather=True, block_m=bm, num_warps=4)
 
             tag = " (engine)" if block_m == linear_block_m(num_tokens) else ""
-            rows.append(_row(f"projection {label} [BLOCK_M {block_m}]{tag}", f"T={num_tokens} N={n} K={k}",
-                             _bench_replay(call), nbytes, 2.0 * num_tokens * n * k, ceil, None, "one-expert FP8 GEMM"))
+            rows.append(
+                _row(
+                    f"projection {label} [BLOCK_M {block_m}]{tag}",
+                    f"T={num_tokens} N={n} K={k}",
+                    _bench_replay(call),
+                    nbytes,
+                    2.0 * num_tokens * n * k,
+                    ceil,
+                    None,
+                    "one-expert FP8 GEMM",
+                )
+            )
     return rows
 
 

@@ -48,8 +48,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def _layer_check(x: torch.Tensor, meta: dict, weights: tuple, deep: torch.Tensor, triton_out: torch.Tensor
-                 ) -> str:
+def _layer_check(x: torch.Tensor, meta: dict, weights: tuple, deep: torch.Tensor, triton_out: torch.Tensor) -> str:
     """The layer against the torch reference: DeepGEMM's and Triton's relative errors, and the verdict."""
     from kernels import reference
 
@@ -82,17 +81,33 @@ class _LayerCase:
 
         self.num_stacked, self.picks = EXPERTS + 1, num_tokens * (TOP_K + 1)
         self.meta = meta = layer_meta(num_tokens, gen)
-        self.weights = w13, s13, w2, s2 = (*_random_weights(2 * INTER, HIDDEN, gen, self.num_stacked),
-                                           *_random_weights(HIDDEN, INTER, gen, self.num_stacked))
+        self.weights = w13, s13, w2, s2 = (
+            *_random_weights(2 * INTER, HIDDEN, gen, self.num_stacked),
+            *_random_weights(HIDDEN, INTER, gen, self.num_stacked),
+        )
         self.x = x = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         self.active = int(meta["num_active"])
-        self.nbytes = (self.active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2) + num_tokens * HIDDEN * 6
-                       + self.picks * (INTER + HIDDEN * 2))
+        self.nbytes = (
+            self.active * (3 * INTER * HIDDEN) * (1 + 4 / 128**2)
+            + num_tokens * HIDDEN * 6
+            + self.picks * (INTER + HIDDEN * 2)
+        )
         self.flops = 2.0 * self.picks * 3 * INTER * HIDDEN
         self.shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} D={HIDDEN} I={INTER}"
         self.deep_layer = lambda layout=contiguous_layout: deepgemm_moe.experts(
-            x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, quantize_act, swiglu_quant, moe_combine, masked=masked,
-            layout=layout)  # the contiguous layout from the kernel; ``layout=None``: the torch form
+            x,
+            meta,
+            w13,
+            s13,
+            w2,
+            s2,
+            SWIGLU_LIMIT,
+            quantize_act,
+            swiglu_quant,
+            moe_combine,
+            masked=masked,
+            layout=layout,
+        )  # the contiguous layout from the kernel; ``layout=None``: the torch form
         self.triton_layer = lambda: moe_experts(x, meta, w13, s13, w2, s2, SWIGLU_LIMIT, shared_last=True)
         t0 = time.perf_counter()
         self.deep_out = self.deep_layer()  # the JIT compiles here
@@ -123,21 +138,53 @@ def bench_prefill(num_tokens: int, ceil: dict[str, float], gen: torch.Generator,
     note = case.check(check)
     deep_s, triton_s = _bench(deep_layer), _bench(triton_layer)
     torch_layout_s = _bench(lambda: deep_layer(None))
-    layer = _row("prefill moe layer [DeepGEMM contiguous]", shape, deep_s, nbytes, flops, ceil, None,
-                 f"{triton_s / deep_s:.2f}x the grouped Triton pair; {note}")
-    rows = [layer,
-            _row("prefill moe layer [DeepGEMM contiguous, torch layout]", shape, torch_layout_s, nbytes, flops, ceil,
-                 None, f"{torch_layout_s / deep_s:.2f}x the layer on kernels.moe_contiguous"),
-            _row("prefill moe layer [grouped Triton]", shape, triton_s, nbytes, flops, ceil, None, "")]
+    layer = _row(
+        "prefill moe layer [DeepGEMM contiguous]",
+        shape,
+        deep_s,
+        nbytes,
+        flops,
+        ceil,
+        None,
+        f"{triton_s / deep_s:.2f}x the grouped Triton pair; {note}",
+    )
+    rows = [
+        layer,
+        _row(
+            "prefill moe layer [DeepGEMM contiguous, torch layout]",
+            shape,
+            torch_layout_s,
+            nbytes,
+            flops,
+            ceil,
+            None,
+            f"{torch_layout_s / deep_s:.2f}x the layer on kernels.moe_contiguous",
+        ),
+        _row("prefill moe layer [grouped Triton]", shape, triton_s, nbytes, flops, ceil, None, ""),
+    ]
     rows += _layout_rows(x, meta, ceil)
-    cublas = (block_scaled_gemm.available(torch.device(DEVICE), torch.float32)
-              and block_scaled_gemm.available(torch.device(DEVICE), torch.bfloat16))
+    cublas = block_scaled_gemm.available(torch.device(DEVICE), torch.float32) and block_scaled_gemm.available(
+        torch.device(DEVICE), torch.bfloat16
+    )
     if cublas:
         scale_b13, scale_b2 = block_scaled_gemm.scale_b(s13), block_scaled_gemm.scale_b(s2)
-        cublas_s = _bench(lambda: block_scaled_experts.experts(x, meta, w13, scale_b13, w2, scale_b2, SWIGLU_LIMIT,
-                                                               quantize_act, moe_combine))
-        rows.append(_row("prefill moe layer [cuBLASLt per expert]", shape, cublas_s, nbytes, flops, ceil, None,
-                         f"{cublas_s / deep_s:.2f}x DeepGEMM's time"))
+        cublas_s = _bench(
+            lambda: block_scaled_experts.experts(
+                x, meta, w13, scale_b13, w2, scale_b2, SWIGLU_LIMIT, quantize_act, moe_combine
+            )
+        )
+        rows.append(
+            _row(
+                "prefill moe layer [cuBLASLt per expert]",
+                shape,
+                cublas_s,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"{cublas_s / deep_s:.2f}x DeepGEMM's time",
+            )
+        )
     products = _deep_products(num_tokens, meta, (w13, s13), (w2, s2), x, ceil)
     glue_us = layer["us"] - sum(r["us"] for r in products)
     layer["note"] = f"glue (layer less both products) {glue_us:.0f} us, {glue_us / layer['us']:.0%}; " + layer["note"]
@@ -170,24 +217,49 @@ def _layout_rows(x: torch.Tensor, meta: dict, ceil: dict[str, float]) -> list[di
     default = moe_contiguous.quantizes_per_row(x, picks)
     rows = []
     for per_row, how in ((False, "quantise then gather"), (True, "quantise per row")):
+
         def call(per_row: bool = per_row) -> deepgemm_moe.ContiguousRows:
             return moe_contiguous.contiguous_layout(x, meta, align, per_row=per_row)
 
         got = call()
-        same = all(torch.equal(getattr(got, name), getattr(want, name))
-                   for name in ("m_indices", "tokens", "route_w", "rows_of"))
-        same = same and all(torch.equal(g[:spans].view(torch.uint8), w[:spans].view(torch.uint8))
-                            for g, w in zip(got.a, want.a))
-        rows.append(_row(f"prefill moe layout [Triton, {how}]", shape, _bench(call), nbytes, 0.0, ceil, torch_s,
-                         f"{'the default; ' if per_row == default else ''}vs the torch layout: "
-                         f"{'byte-equal (ok)' if same else 'ACCURACY FAIL'}"))
-    rows.append(_row("prefill moe layout [torch]", shape, torch_s, nbytes, 0.0, ceil, None,
-                     "contiguous_rows, quantize_act, the gathers, contiguous_slots"))
+        same = all(
+            torch.equal(getattr(got, name), getattr(want, name))
+            for name in ("m_indices", "tokens", "route_w", "rows_of")
+        )
+        same = same and all(
+            torch.equal(g[:spans].view(torch.uint8), w[:spans].view(torch.uint8)) for g, w in zip(got.a, want.a)
+        )
+        rows.append(
+            _row(
+                f"prefill moe layout [Triton, {how}]",
+                shape,
+                _bench(call),
+                nbytes,
+                0.0,
+                ceil,
+                torch_s,
+                f"{'the default; ' if per_row == default else ''}vs the torch layout: "
+                f"{'byte-equal (ok)' if same else 'ACCURACY FAIL'}",
+            )
+        )
+    rows.append(
+        _row(
+            "prefill moe layout [torch]",
+            shape,
+            torch_s,
+            nbytes,
+            0.0,
+            ceil,
+            None,
+            "contiguous_rows, quantize_act, the gathers, contiguous_slots",
+        )
+    )
     return rows
 
 
-def _deep_products(num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: torch.Tensor,
-                   ceil: dict[str, float]) -> list[dict[str, Any]]:
+def _deep_products(
+    num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: torch.Tensor, ceil: dict[str, float]
+) -> list[dict[str, Any]]:
     """Each DeepGEMM product alone on rows already gathered into the contiguous layout (bf16 output), each
     checked against the exact product of its rows' experts."""
     import torch
@@ -197,8 +269,7 @@ def _deep_products(num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: 
 
     picks = num_tokens * (TOP_K + 1)
     counts = meta["counts"].cpu()
-    flat, m_indices, starts = deepgemm_moe.contiguous_rows(meta["counts"], num_tokens, deepgemm_moe.alignment(),
-                                                           picks)
+    flat, m_indices, starts = deepgemm_moe.contiguous_rows(meta["counts"], num_tokens, deepgemm_moe.alignment(), picks)
     starts = starts.cpu()
     x_q, x_s = quantize_act(x)
     tokens = torch.where(m_indices >= 0, meta["row_ids"].reshape(-1)[flat], 0).long()
@@ -207,17 +278,30 @@ def _deep_products(num_tokens: int, meta: dict, gate_up: tuple, down: tuple, x: 
     rows = []
     shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K} M={flat.numel()}"
     for name, (w, s), operand, n, k in (("gate/up", gate_up, a, 2 * INTER, HIDDEN), ("down", down, h, HIDDEN, INTER)):
+
         def call(w: torch.Tensor = w, s: torch.Tensor = s, operand: tuple = operand) -> torch.Tensor:
             return deepgemm_moe.grouped_contiguous(operand, w, s, m_indices)
 
         got = call()
         e = int(torch.argmax(counts))  # the busiest expert (the shared one): its rows checked exactly
         span = slice(int(starts[e]), int(starts[e]) + int(counts[e]))
-        want = deepgemm_moe.exact_grouped((operand[0][span][None], operand[1][span][None]), w[e:e + 1], s[e:e + 1])[0]
+        want = deepgemm_moe.exact_grouped((operand[0][span][None], operand[1][span][None]), w[e : e + 1], s[e : e + 1])[
+            0
+        ]
         flops = 2.0 * picks * n * k
         nbytes = int(meta["num_active"]) * n * k + picks * (k + 2 * n)
-        rows.append(_row(f"prefill moe {name} [DeepGEMM contiguous]", f"{shape} N={n} K={k}", _bench(call), nbytes,
-                         flops, ceil, None, f"bf16 out, expert {e} {_product_check(got[span], want)}"))
+        rows.append(
+            _row(
+                f"prefill moe {name} [DeepGEMM contiguous]",
+                f"{shape} N={n} K={k}",
+                _bench(call),
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"bf16 out, expert {e} {_product_check(got[span], want)}",
+            )
+        )
     return rows
 
 
@@ -235,9 +319,19 @@ def bench_decode(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, 
     note = case.check(check)
     deep_s, how = _replay_or_eager(deep_layer)
     triton_s = _bench_replay(triton_layer)
-    rows = [_row("decode moe layer [DeepGEMM masked]", shape, deep_s, nbytes, flops, ceil, None,
-                 f"{how}; {triton_s / deep_s:.2f}x the Triton layer; {note}"),
-            _row("decode moe layer [grouped Triton] (engine)", shape, triton_s, nbytes, flops, ceil, None, "graph")]
+    rows = [
+        _row(
+            "decode moe layer [DeepGEMM masked]",
+            shape,
+            deep_s,
+            nbytes,
+            flops,
+            ceil,
+            None,
+            f"{how}; {triton_s / deep_s:.2f}x the Triton layer; {note}",
+        ),
+        _row("decode moe layer [grouped Triton] (engine)", shape, triton_s, nbytes, flops, ceil, None, "graph"),
+    ]
     # Each product alone: DeepGEMM on the gathered [E+1, T, K] grid against the Triton launch as the engine makes it.
     from kernels.moe_grouped_gemm import moe_grouped_gemm
 
@@ -249,9 +343,17 @@ def bench_decode(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, 
     h = (h_q.view(num_stacked, num_tokens, INTER), h_s.view(num_stacked, num_tokens, -1))
     expected = max(1, picks // num_stacked)
     for name, (w, s), operand, n, k, triton_kw in (
-            ("gate/up", (w13, s13), a, 2 * INTER, HIDDEN,
-             dict(a=x_q, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn)),
-            ("down", (w2, s2), h, HIDDEN, INTER, dict(a=h, gather=False))):
+        (
+            "gate/up",
+            (w13, s13),
+            a,
+            2 * INTER,
+            HIDDEN,
+            dict(a=x_q, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn),
+        ),
+        ("down", (w2, s2), h, HIDDEN, INTER, dict(a=h, gather=False)),
+    ):
+
         def call(w: torch.Tensor = w, s: torch.Tensor = s, operand: tuple = operand) -> torch.Tensor:
             return deepgemm_moe.grouped_masked(operand, w, s, meta["counts"], expected)
 
@@ -260,16 +362,35 @@ def bench_decode(num_tokens: int, ceil: dict[str, float], gen: torch.Generator, 
 
         got = call()
         e = num_stacked - 1  # the shared expert: every row
-        want = deepgemm_moe.exact_grouped((operand[0][e:e + 1], operand[1][e:e + 1]), w[e:e + 1], s[e:e + 1])[0]
+        want = deepgemm_moe.exact_grouped((operand[0][e : e + 1], operand[1][e : e + 1]), w[e : e + 1], s[e : e + 1])[0]
         flops = 2.0 * picks * n * k
         nbytes_p = active * n * k + picks * (k + 2 * n)
         deep_s, how = _replay_or_eager(call)
         triton_s = _bench_replay(triton_call)
-        rows.append(_row(f"decode moe {name} [DeepGEMM masked]", f"{shape} N={n} K={k}", deep_s, nbytes_p, flops, ceil,
-                         None, f"{how}; {triton_s / deep_s:.2f}x Triton's; bf16 out, expert {e} "
-                         f"{_product_check(got[e], want)}"))
-        rows.append(_row(f"decode moe {name} [grouped Triton] (engine)", f"{shape} N={n} K={k}", triton_s, nbytes_p,
-                         flops, ceil, None, "graph" + (", SwiGLU epilogue, e4m3 out" if name == "gate/up" else "")))
+        rows.append(
+            _row(
+                f"decode moe {name} [DeepGEMM masked]",
+                f"{shape} N={n} K={k}",
+                deep_s,
+                nbytes_p,
+                flops,
+                ceil,
+                None,
+                f"{how}; {triton_s / deep_s:.2f}x Triton's; bf16 out, expert {e} {_product_check(got[e], want)}",
+            )
+        )
+        rows.append(
+            _row(
+                f"decode moe {name} [grouped Triton] (engine)",
+                f"{shape} N={n} K={k}",
+                triton_s,
+                nbytes_p,
+                flops,
+                ceil,
+                None,
+                "graph" + (", SwiGLU epilogue, e4m3 out" if name == "gate/up" else ""),
+            )
+        )
     return rows
 
 
@@ -288,8 +409,11 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     from kernels import deepgemm_moe
 
     if not deepgemm_moe.available(torch.device(DEVICE)):
-        print("deepgemm_moe: deep_gemm is not installed or its probe failed here (scripts/gpu/deepgemm_build.sh builds it); "
-              "nothing measured", flush=True)
+        print(
+            "deepgemm_moe: deep_gemm is not installed or its probe failed here (scripts/gpu/deepgemm_build.sh builds it); "
+            "nothing measured",
+            flush=True,
+        )
         return []
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -309,7 +433,17 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             import traceback
 
             traceback.print_exc()
-            rows.append(_row(f"deepgemm_moe {kind} {num_tokens} FAILED", type(exc).__name__, float("nan"), 0.0, 0.0,
-                             ceil, None, str(exc)[:300]))
+            rows.append(
+                _row(
+                    f"deepgemm_moe {kind} {num_tokens} FAILED",
+                    type(exc).__name__,
+                    float("nan"),
+                    0.0,
+                    0.0,
+                    ceil,
+                    None,
+                    str(exc)[:300],
+                )
+            )
         torch.cuda.empty_cache()
     return rows

@@ -23,14 +23,19 @@ CONTEXTS = (4096, 32768)
 HEADS, DIM, TOPK, BLOCK_SIZE = 32, 128, 512, 128
 CAND_BLOCKS, CAND_SIZE = 2048, 8
 SWEEP: list[dict[str, Any]] = [  # launcher options tried (full runs) at SWEEP_ROWS, 32K context, ratio 1
-    dict(block_n=64), dict(block_n=128, num_stages=1), dict(block_n=128, num_stages=3), dict(block_n=128, num_warps=8),
-    dict(block_n=256, num_warps=8), dict(asm=False),
+    dict(block_n=64),
+    dict(block_n=128, num_stages=1),
+    dict(block_n=128, num_stages=3),
+    dict(block_n=128, num_warps=8),
+    dict(block_n=256, num_warps=8),
+    dict(asm=False),
 ]
 SWEEP_ROWS = (64, 256)
 
 
-def indexer_bench_problem(num_rows: int, context: int, ratio: int, gen: torch.Generator,
-                          device: str = "cuda") -> dict[str, Any]:
+def indexer_bench_problem(
+    num_rows: int, context: int, ratio: int, gen: torch.Generator, device: str = "cuda"
+) -> dict[str, Any]:
     """Random FP4 key bytes (e8m0 scales 2^-8 … 2^-4) in the pool's layout: blocks of 128 positions
     (128 / ratio entries, 68 bytes each) amid other bytes, a shuffled block table per row, every row
     decoding at position context − 1; FP4-rounded queries."""
@@ -47,19 +52,31 @@ def indexer_bench_problem(num_rows: int, context: int, ratio: int, gen: torch.Ge
     pool = blocks[:, 512 : 512 + epb * key_bytes].view(num_blocks, epb, key_bytes)
     pool[..., DIM // 2 :] = torch.randint(119, 124, (num_blocks, epb, DIM // 32), **rng, dtype=torch.uint8)
     tables = (torch.randperm(num_blocks - 1, **rng)[: num_rows * per_row] + 1).view(num_rows, per_row)
-    return dict(q=fake_quant_indexer(torch.randn(num_rows, HEADS, DIM, **rng)),
-                w=torch.randn(num_rows, HEADS, **rng) * (DIM * HEADS) ** -0.5, key_pool=pool,
-                block_tables=tables.to(torch.int32),
-                positions=torch.full((num_rows,), context - 1, device=device, dtype=torch.int64),
-                ratio=ratio, width=width)
+    return dict(
+        q=fake_quant_indexer(torch.randn(num_rows, HEADS, DIM, **rng)),
+        w=torch.randn(num_rows, HEADS, **rng) * (DIM * HEADS) ** -0.5,
+        key_pool=pool,
+        block_tables=tables.to(torch.int32),
+        positions=torch.full((num_rows,), context - 1, device=device, dtype=torch.int64),
+        ratio=ratio,
+        width=width,
+    )
 
 
 def _args(p: dict[str, Any]) -> tuple[Any, Any, Any, Any, Any, int, int]:
     return p["q"], p["w"], p["key_pool"], p["block_tables"], p["positions"], p["ratio"], p["width"]
 
 
-def _sweep(p: dict[str, Any], kw: dict[str, Any], row: dict[str, object], nbytes: float, flops: float,
-           ceil: dict[str, float], shape: str, theirs: float) -> list[dict[str, object]]:
+def _sweep(
+    p: dict[str, Any],
+    kw: dict[str, Any],
+    row: dict[str, object],
+    nbytes: float,
+    flops: float,
+    ceil: dict[str, float],
+    shape: str,
+    theirs: float,
+) -> list[dict[str, object]]:
     """Other launcher options on one problem; the best as an extra row, every one in row["sweep"]."""
     import sys
 
@@ -71,8 +88,19 @@ def _sweep(p: dict[str, Any], kw: dict[str, Any], row: dict[str, object], nbytes
     print(f"  indexer sweep {shape}: {tried}", file=sys.stderr)
     if best is None:
         return []
-    return [_row("indexer ratio 1 [best of sweep]", shape, best[0], nbytes, flops, ceil, theirs, str(best[1]),
-                 peak="bf16_peak")]
+    return [
+        _row(
+            "indexer ratio 1 [best of sweep]",
+            shape,
+            best[0],
+            nbytes,
+            flops,
+            ceil,
+            theirs,
+            str(best[1]),
+            peak="bf16_peak",
+        )
+    ]
 
 
 def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
@@ -84,8 +112,11 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
 
     rows: list[dict[str, object]] = []
     cases: tuple[tuple[str, int, dict[str, bool]], ...] = (
-        ("ratio 2", 2, {}), ("ratio 1", 1, {}), ("ratio 1 cand. source", 1, dict(candidate_source=True)),
-        ("ratio 1 in candidates", 1, dict(candidates=True)))
+        ("ratio 2", 2, {}),
+        ("ratio 1", 1, {}),
+        ("ratio 1 cand. source", 1, dict(candidate_source=True)),
+        ("ratio 1 in candidates", 1, dict(candidates=True)),
+    )
     for context in CONTEXTS:
         for num_rows in QUICK_ROWS if quick else ROWS:
             for label, ratio, extra in cases:
@@ -101,8 +132,14 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
                     kw["candidates"] = cand
                     ref_kw["candidates"] = candidate_entries(cand, p["positions"], 1, width)
                 visible = int(p["positions"].max()) // ratio + 1
-                nbytes = num_rows * (visible * (DIM // 2 + DIM // 32) + HEADS * DIM * 4 + HEADS * 4 + 8
-                                     + (visible // (BLOCK_SIZE // ratio) + 1) * 4 + TOPK * 4)
+                nbytes = num_rows * (
+                    visible * (DIM // 2 + DIM // 32)
+                    + HEADS * DIM * 4
+                    + HEADS * 4
+                    + 8
+                    + (visible // (BLOCK_SIZE // ratio) + 1) * 4
+                    + TOPK * 4
+                )
                 flops = num_rows * visible * (2.0 * HEADS * DIM + 3 * HEADS)
                 # The lambdas take p and scores as defaults: the iteration ends by deleting both.
                 ours = _bench_replay(lambda p=p: indexer_select(*_args(p), **kw))
@@ -112,8 +149,9 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
                 shape = f"R={num_rows} ctx={context} W={width} Hi={HEADS} di={DIM} k={TOPK}"
                 row = _row(f"indexer {label}", shape, ours, nbytes, flops, ceil, theirs, note, peak="bf16_peak")
                 scores, _ = indexer_scores(*_args(p), candidates=kw.get("candidates"))
-                row["score_kernel_us"] = _bench_replay(
-                    lambda p=p: indexer_scores(*_args(p), candidates=kw.get("candidates"))) * 1e6
+                row["score_kernel_us"] = (
+                    _bench_replay(lambda p=p: indexer_scores(*_args(p), candidates=kw.get("candidates"))) * 1e6
+                )
                 row["select_kernel_us"] = _bench_replay(lambda scores=scores: select_topk(scores, TOPK)) * 1e6
                 rows.append(row)
                 if not quick and label == "ratio 1" and context == CONTEXTS[-1] and num_rows in SWEEP_ROWS:

@@ -43,8 +43,9 @@ def problem(num_tokens: int, gen: torch.Generator, device: str = "cuda", hidden:
     y = (torch.randn(num_tokens, hidden, device=device, generator=gen) * 2).to(torch.bfloat16)
     pre = torch.rand(num_tokens, HC, device=device, generator=gen)
     mix = sites[0](h.unsqueeze(0))
-    return dict(h=h, y=y, pre=pre, sites=sites, weights=[MixWeights.of(s) for s in sites],
-                mix=type(mix)(*(t[0] for t in mix)))
+    return dict(
+        h=h, y=y, pre=pre, sites=sites, weights=[MixWeights.of(s) for s in sites], mix=type(mix)(*(t[0] for t in mix))
+    )
 
 
 def torch_ops(p: dict[str, Any]) -> dict[str, Any]:
@@ -59,8 +60,12 @@ def torch_ops(p: dict[str, Any]) -> dict[str, Any]:
         h_new = mhc.expand(y, h, mix)
         return site_f(h_new), mhc.collapse(h_new, mix.pre)
 
-    return {"mix": lambda: (site_a(h), mhc.collapse(h, pre)), "expand_mix": expand_mix,
-            "collapse": lambda: mhc.collapse(h, pre), "expand": lambda: mhc.expand(y, h, mix)}
+    return {
+        "mix": lambda: (site_a(h), mhc.collapse(h, pre)),
+        "expand_mix": expand_mix,
+        "collapse": lambda: mhc.collapse(h, pre),
+        "expand": lambda: mhc.expand(y, h, mix),
+    }
 
 
 def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
@@ -84,36 +89,73 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             flops = 2.0 * num_tokens * HC * (HC + 2) * HC * HIDDEN
             shape = f"T={num_tokens} n={HC} D={HIDDEN} bf16"
             ops = {
-                "mix": (lambda: mhc.mhc_mix(h, w_a, pre), stream_bytes + row_bytes + weight_bytes + mix_out, flops,
-                        "mhc mix + collapse"),
-                "expand_mix": (lambda: mhc.mhc_expand_mix(y, h, mix, w_f, mix.pre),
-                               2 * stream_bytes + 2 * row_bytes + weight_bytes + 2 * mix_out, flops,
-                               "mhc expand + mix + collapse"),
+                "mix": (
+                    lambda: mhc.mhc_mix(h, w_a, pre),
+                    stream_bytes + row_bytes + weight_bytes + mix_out,
+                    flops,
+                    "mhc mix + collapse",
+                ),
+                "expand_mix": (
+                    lambda: mhc.mhc_expand_mix(y, h, mix, w_f, mix.pre),
+                    2 * stream_bytes + 2 * row_bytes + weight_bytes + 2 * mix_out,
+                    flops,
+                    "mhc expand + mix + collapse",
+                ),
                 "collapse": (lambda: mhc.collapse(h, pre), stream_bytes + row_bytes, 0.0, "mhc collapse"),
                 "expand": (lambda: mhc.expand(y, h, mix), 2 * stream_bytes + row_bytes + mix_out, 0.0, "mhc expand"),
             }
             for key, (fn, nbytes, op_flops, name) in ops.items():
                 ours = _bench_replay(fn)
                 ref = _bench_replay(theirs[key])
-                rows.append(_row(name, shape, ours, nbytes, op_flops, ceil, ref,
-                                 "torch: model/deepseek_v41/mhc.py functions", peak="tf32_peak"))
+                rows.append(
+                    _row(
+                        name,
+                        shape,
+                        ours,
+                        nbytes,
+                        op_flops,
+                        ceil,
+                        ref,
+                        "torch: model/deepseek_v41/mhc.py functions",
+                        peak="tf32_peak",
+                    )
+                )
             if not quick:
-                rows += _sweep(num_tokens, p, nbytes=2 * stream_bytes + 2 * row_bytes + weight_bytes + 2 * mix_out,
-                               flops=flops, ceil=ceil, shape=shape)
+                rows += _sweep(
+                    num_tokens,
+                    p,
+                    nbytes=2 * stream_bytes + 2 * row_bytes + weight_bytes + 2 * mix_out,
+                    flops=flops,
+                    ceil=ceil,
+                    shape=shape,
+                )
     return rows
 
 
-def _sweep(num_tokens: int, p: dict[str, Any], nbytes: float, flops: float, ceil: dict[str, float],
-           shape: str) -> list[dict[str, object]]:
+def _sweep(
+    num_tokens: int, p: dict[str, Any], nbytes: float, flops: float, ceil: dict[str, float], shape: str
+) -> list[dict[str, object]]:
     """expand + mix + collapse under a few (block_t, split, num_warps); the best as its own row."""
     from kernels import mhc
     from services.bench.harness import _row, sweep_configs
 
     configs = [dict(block_t=block_t, split=split, num_warps=warps) for block_t, split, warps in SWEEP]
-    tried, best = sweep_configs("mhc", configs, lambda c: mhc.mhc_expand_mix(p["y"], p["h"], p["mix"], p["weights"][1],
-                                                                           p["mix"].pre, **c))
+    tried, best = sweep_configs(
+        "mhc", configs, lambda c: mhc.mhc_expand_mix(p["y"], p["h"], p["mix"], p["weights"][1], p["mix"].pre, **c)
+    )
     print(f"  mhc T={num_tokens}: sweep {tried}", file=sys.stderr)
     if best is None:
         return []
-    return [_row("mhc expand + mix + collapse [best of sweep]", shape, best[0], nbytes, flops, ceil, None,
-                 str(best[1]), peak="tf32_peak")]
+    return [
+        _row(
+            "mhc expand + mix + collapse [best of sweep]",
+            shape,
+            best[0],
+            nbytes,
+            flops,
+            ceil,
+            None,
+            str(best[1]),
+            peak="tf32_peak",
+        )
+    ]

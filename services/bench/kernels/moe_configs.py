@@ -40,14 +40,21 @@ SENTINEL = -7.0  # what the output buffers hold before a checked call
 MIN_GAIN = 0.03  # a config must be this much faster than the defaults to be chosen (above replay noise)
 
 
-def _problems(tokens_moe: tuple[int, ...], tokens_wo_a: tuple[int, ...], gen: torch.Generator
-              ) -> list[tuple[str, int, str, Callable[..., Any], float, int]]:
+def _problems(
+    tokens_moe: tuple[int, ...], tokens_wo_a: tuple[int, ...], gen: torch.Generator
+) -> list[tuple[str, int, str, Callable[..., Any], float, int]]:
     """(name, tokens, table key, call(**config) → output, weight bytes, BLOCK_M) of every GEMM call swept."""
     import torch
 
     from kernels import moe_configs
-    from kernels.moe_grouped_gemm import (_experts_of, default_block_m, empty_output, moe_grouped_gemm,
-                                          shared_apart, split_shared)
+    from kernels.moe_grouped_gemm import (
+        _experts_of,
+        default_block_m,
+        empty_output,
+        moe_grouped_gemm,
+        shared_apart,
+        split_shared,
+    )
     from kernels.quant_fp8 import IN_GEMM_MAX_ROWS, quantize_act
     from services.worker.kernel_model.fp8_linear import group_rows_meta, linear_block_m
 
@@ -61,8 +68,9 @@ def _problems(tokens_moe: tuple[int, ...], tokens_wo_a: tuple[int, ...], gen: to
         a = quantize_act(x) if t > IN_GEMM_MAX_ROWS else x
         block_m = default_block_m(meta["slot_of"].numel() / stacked)
         capacity = meta["row_ids"].shape[1]
-        h = moe_grouped_gemm(a, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn,
-                             block_m=block_m)
+        h = moe_grouped_gemm(
+            a, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn, block_m=block_m
+        )
         parts = [("", slice(None), meta)]
         if shared_apart(capacity, block_m):
             routed, shared = split_shared(meta)
@@ -71,17 +79,43 @@ def _problems(tokens_moe: tuple[int, ...], tokens_wo_a: tuple[int, ...], gen: to
             num = len(range(stacked)[experts])
             active = min(num, int(part["num_active"]))
             for name, w, s, inp, gather, swiglu, out_dtype in (
-                    ("moe gate/up+swiglu", w13, s13, a, True, SWIGLU_LIMIT, torch.float8_e4m3fn),
-                    ("moe down", w2, s2, _experts_of(h, experts), False, None, torch.bfloat16)):
+                ("moe gate/up+swiglu", w13, s13, a, True, SWIGLU_LIMIT, torch.float8_e4m3fn),
+                ("moe down", w2, s2, _experts_of(h, experts), False, None, torch.bfloat16),
+            ):
                 out = empty_output(num, capacity, w.shape[1] // (2 if swiglu else 1), out_dtype, x.device)
 
-                def call(w=w[experts], s=s[experts], inp=inp, gather=gather, swiglu=swiglu, out_dtype=out_dtype,
-                         part=part, out=out, **config):
-                    return moe_grouped_gemm(inp, w, s, part, gather=gather, swiglu_limit=swiglu, out_dtype=out_dtype,
-                                            block_m=block_m, out=out, **config)
+                def call(
+                    w=w[experts],
+                    s=s[experts],
+                    inp=inp,
+                    gather=gather,
+                    swiglu=swiglu,
+                    out_dtype=out_dtype,
+                    part=part,
+                    out=out,
+                    **config,
+                ):
+                    return moe_grouped_gemm(
+                        inp,
+                        w,
+                        s,
+                        part,
+                        gather=gather,
+                        swiglu_limit=swiglu,
+                        out_dtype=out_dtype,
+                        block_m=block_m,
+                        out=out,
+                        **config,
+                    )
 
-                key = moe_configs.shape_key(num, w.shape[1], w.shape[2], swiglu=swiglu is not None,
-                                            a_fp8=isinstance(inp, tuple), out_dtype=out_dtype)
+                key = moe_configs.shape_key(
+                    num,
+                    w.shape[1],
+                    w.shape[2],
+                    swiglu=swiglu is not None,
+                    a_fp8=isinstance(inp, tuple),
+                    out_dtype=out_dtype,
+                )
                 weight_bytes = active * w.shape[1] * w.shape[2] * (1 + 4 / 128**2)
                 problems.append((name + label, t, key, call, weight_bytes, block_m))
     w_o, s_o = _random_weights(WO_A_RANK, WO_A_IN, gen, WO_A_GROUPS)
@@ -92,11 +126,13 @@ def _problems(tokens_moe: tuple[int, ...], tokens_wo_a: tuple[int, ...], gen: to
         out = torch.zeros(t, WO_A_GROUPS, WO_A_RANK, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
 
         def call(a=a, meta=meta, out=out, t=t, **config):
-            return moe_grouped_gemm(a, w_o, s_o, meta, gather=True, out_dtype=torch.bfloat16,
-                                    block_m=linear_block_m(t), out=out, **config)
+            return moe_grouped_gemm(
+                a, w_o, s_o, meta, gather=True, out_dtype=torch.bfloat16, block_m=linear_block_m(t), out=out, **config
+            )
 
-        key = moe_configs.shape_key(WO_A_GROUPS, WO_A_RANK, WO_A_IN, swiglu=False, a_fp8=isinstance(a, tuple),
-                                    out_dtype=torch.bfloat16)
+        key = moe_configs.shape_key(
+            WO_A_GROUPS, WO_A_RANK, WO_A_IN, swiglu=False, a_fp8=isinstance(a, tuple), out_dtype=torch.bfloat16
+        )
         weight_bytes = WO_A_GROUPS * WO_A_RANK * WO_A_IN * (1 + 4 / 128**2)
         problems.append(("attention wo_a (grouped)", t, key, call, weight_bytes, linear_block_m(t)))
     return problems
@@ -147,8 +183,18 @@ def _sweep(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> tuple[l
         rows.append(_row(f"{name} [defaults]", shape, base, weight_bytes, 0.0, ceil, None, "table off"))
         chosen = None
         if best is not None:
-            rows.append(_row(f"{name} [best of {len(CONFIGS)}]", shape, best[0], weight_bytes, 0.0, ceil, None,
-                             f"{best[1]}; {base / best[0]:.2f}× the defaults"))
+            rows.append(
+                _row(
+                    f"{name} [best of {len(CONFIGS)}]",
+                    shape,
+                    best[0],
+                    weight_bytes,
+                    0.0,
+                    ceil,
+                    None,
+                    f"{best[1]}; {base / best[0]:.2f}× the defaults",
+                )
+            )
             if best[0] < (1 - MIN_GAIN) * base:
                 chosen = best[1]
         if mismatched:
@@ -180,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, table = sweep(ceil, args.quick, gen)
     print_table(rows)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows,
-                                                    "table": table}, indent=1))
+        Path(args.json_path).write_text(
+            json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "table": table}, indent=1)
+        )
     if args.write_configs:
         path = Path(args.write_configs)
         merged = json.loads(path.read_text()) if path.is_file() else {}
@@ -196,8 +243,11 @@ def launcher_defaults(block_m: int, swiglu: bool) -> dict[str, int]:
     """The fields the launcher uses without a table: its warps rule at the call's BLOCK_M, its stages and programs."""
     from kernels.moe_grouped_gemm import DEFAULT_NUM_STAGES, DEFAULT_PROGRAMS_PER_SM, default_num_warps
 
-    return {"num_warps": default_num_warps(128, block_m, swiglu), "num_stages": DEFAULT_NUM_STAGES,
-            "programs_per_sm": DEFAULT_PROGRAMS_PER_SM}
+    return {
+        "num_warps": default_num_warps(128, block_m, swiglu),
+        "num_stages": DEFAULT_NUM_STAGES,
+        "programs_per_sm": DEFAULT_PROGRAMS_PER_SM,
+    }
 
 
 if __name__ == "__main__":

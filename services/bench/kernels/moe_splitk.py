@@ -53,8 +53,10 @@ def bench_size(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
     active, picks = int(meta["num_active"]), num_tokens * (TOP_K + 1)
     shape = f"T={num_tokens} E={EXPERTS}+1 k={TOP_K} active={active}"
     picks_per_row = meta["slot_of"].shape[1]
-    split13, split2 = num_splits(INTER, HIDDEN, picks_per_row, x.device), num_splits(HIDDEN, INTER, picks_per_row,
-                                                                                    x.device)
+    split13, split2 = (
+        num_splits(INTER, HIDDEN, picks_per_row, x.device),
+        num_splits(HIDDEN, INTER, picks_per_row, x.device),
+    )
     rule = "rule: split-K" if worth_splitting_experts(meta, w13, w2) else "rule: one pass"
 
     weights = (w13, s13, w2, s2, SWIGLU_LIMIT)
@@ -63,26 +65,44 @@ def bench_size(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
     want = reference.moe_experts(x, meta, *weights, shared_last=True)
     rel, rel_one, rel_pair = _rel(split_out, want), _rel(one_out, want), _rel(split_out, one_out)
     verdict = "ok" if rel <= LAYER_REL else "ACCURACY FAIL"
-    check = (f"vs reference {rel:.2e} (one pass {rel_one:.2e}; {verdict} ≤ {LAYER_REL}), vs one pass {rel_pair:.2e}")
+    check = f"vs reference {rel:.2e} (one pass {rel_one:.2e}; {verdict} ≤ {LAYER_REL}), vs one pass {rel_pair:.2e}"
 
     layer_bytes = _weight_bytes(active, 3 * INTER, HIDDEN)
     layer_flops = 2.0 * picks * 3 * INTER * HIDDEN
     one_s = _bench_replay(lambda: moe_experts(x, meta, *weights, shared_last=True))
     split_s = _bench_replay(lambda: moe_experts_splitk(x, meta, *weights, shared_last=True))
-    rows = [_row("moe layer [one pass] (engine)", shape, one_s, layer_bytes, layer_flops, ceil, None, "graph"),
-            _row("moe layer [split-K]", shape, split_s, layer_bytes, layer_flops, ceil, None,
-                 f"{one_s / split_s:.2f}x the one pass; splits gate/up {split13[0]}×{split13[1]} down "
-                 f"{split2[0]}×{split2[1]} K blocks; {rule}; {check}")]
+    rows = [
+        _row("moe layer [one pass] (engine)", shape, one_s, layer_bytes, layer_flops, ceil, None, "graph"),
+        _row(
+            "moe layer [split-K]",
+            shape,
+            split_s,
+            layer_bytes,
+            layer_flops,
+            ceil,
+            None,
+            f"{one_s / split_s:.2f}x the one pass; splits gate/up {split13[0]}×{split13[1]} down "
+            f"{split2[0]}×{split2[1]} K blocks; {rule}; {check}",
+        ),
+    ]
 
     # Each GEMM alone, the one pass at the engine's tile (moe_experts' block_m), the same operands for both.
     block_m = default_block_m(meta["slot_of"].numel() / num_stacked)
     x_q = quantize_act(x)
-    h_q = moe_grouped_gemm(x_q, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn,
-                           block_m=block_m)
+    h_q = moe_grouped_gemm(
+        x_q, w13, s13, meta, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn, block_m=block_m
+    )
     for name, kw, n_w, k, splits in (
-            ("gate/up+swiglu fp8→fp8", dict(a=x_q, w=w13, w_scale=s13, gather=True, swiglu_limit=SWIGLU_LIMIT,
-                                            out_dtype=torch.float8_e4m3fn), 2 * INTER, HIDDEN, split13),
-            ("down fp8→bf16", dict(a=h_q, w=w2, w_scale=s2, gather=False), HIDDEN, INTER, split2)):
+        (
+            "gate/up+swiglu fp8→fp8",
+            dict(a=x_q, w=w13, w_scale=s13, gather=True, swiglu_limit=SWIGLU_LIMIT, out_dtype=torch.float8_e4m3fn),
+            2 * INTER,
+            HIDDEN,
+            split13,
+        ),
+        ("down fp8→bf16", dict(a=h_q, w=w2, w_scale=s2, gather=False), HIDDEN, INTER, split2),
+    ):
+
         def one_call(kw: dict = kw) -> object:
             return moe_grouped_gemm(meta=meta, block_m=block_m, **kw)
 
@@ -92,19 +112,49 @@ def bench_size(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
         nbytes, flops = _weight_bytes(active, n_w, k), 2.0 * picks * n_w * k
         one_s, split_s = _bench_replay(one_call), _bench_replay(split_call)
         gemm_shape = f"{shape} N={n_w} K={k}"
-        rows.append(_row(f"moe {name} [one pass] (engine)", gemm_shape, one_s, nbytes, flops, ceil, None,
-                         f"graph, block_m {block_m}"))
-        rows.append(_row(f"moe {name} [split-K]", gemm_shape, split_s, nbytes, flops, ceil, None,
-                         f"{one_s / split_s:.2f}x the one pass; {splits[0]} splits of {splits[1]} K blocks "
-                         "(the rule's)"))
+        rows.append(
+            _row(
+                f"moe {name} [one pass] (engine)",
+                gemm_shape,
+                one_s,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"graph, block_m {block_m}",
+            )
+        )
+        rows.append(
+            _row(
+                f"moe {name} [split-K]",
+                gemm_shape,
+                split_s,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"{one_s / split_s:.2f}x the one pass; {splits[0]} splits of {splits[1]} K blocks (the rule's)",
+            )
+        )
         k_blocks = k // 128
         for other in (s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and s != splits[0]):
+
             def swept(kw: dict = kw, other: int = other) -> object:
                 return moe_grouped_gemm_splitk(meta=meta, splits=other, **kw)
 
             other_s = _bench_replay(swept)
-            rows.append(_row(f"moe {name} [split-K ×{other}]", gemm_shape, other_s, nbytes, flops, ceil, None,
-                             f"{one_s / other_s:.2f}x the one pass; {other} splits of {k_blocks // other} K blocks"))
+            rows.append(
+                _row(
+                    f"moe {name} [split-K ×{other}]",
+                    gemm_shape,
+                    other_s,
+                    nbytes,
+                    flops,
+                    ceil,
+                    None,
+                    f"{one_s / other_s:.2f}x the one pass; {other} splits of {k_blocks // other} K blocks",
+                )
+            )
     return rows
 
 

@@ -24,9 +24,16 @@ SWEEP = ((16, 1), (32, 1), (32, 3))  # (block_n, num_stages) besides the default
 WINDOW_CASES = ((1024, 4096), (4096, 4096))  # (chunk, context) of the staged-window comparison
 
 
-def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, device: str | None = None,
-                              ratio: int = 2, block_size: int = 128, num_heads: int | None = None,
-                              head_dim: int | None = None) -> dict[str, Any]:
+def prefill_attention_problem(
+    chunk: int,
+    context: int,
+    gen: torch.Generator,
+    device: str | None = None,
+    ratio: int = 2,
+    block_size: int = 128,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
+) -> dict[str, Any]:
     """One request's prefill chunk, rows at positions context − chunk … context − 1, in the cache
     engine's byte layout with random bytes (as ``decode_attention_problem``).
 
@@ -77,18 +84,40 @@ def prefill_attention_problem(chunk: int, context: int, gen: torch.Generator, de
     entries = torch.where(visible >= topk, strat, torch.where(i < visible, i, -1))
     return dict(
         q=(torch.randn(chunk, heads, hd, **rng) * 0.05).to(torch.bfloat16),
-        step_k=(step_rows[:, :hd].contiguous().view(torch.float8_e4m3fn),
-                step_rows[:, hd:].contiguous().view(torch.float8_e8m0fnu)),
-        ring=ring_view, slots=torch.ones(chunk, device=device, dtype=torch.int64), pos=pos,
-        first=torch.full((chunk,), first, device=device, dtype=torch.int64), window=cfg.sliding_window,
-        kv_pool=kv_pool, entries=entries, table=table, selected=entry_slots(entries, table.expand(chunk, width), epb),
-        sink=torch.randn(heads, **rng), freqs=rope_frequencies(cfg, compressed=True).to(device), scale=hd**-0.5,
+        step_k=(
+            step_rows[:, :hd].contiguous().view(torch.float8_e4m3fn),
+            step_rows[:, hd:].contiguous().view(torch.float8_e8m0fnu),
+        ),
+        ring=ring_view,
+        slots=torch.ones(chunk, device=device, dtype=torch.int64),
+        pos=pos,
+        first=torch.full((chunk,), first, device=device, dtype=torch.int64),
+        window=cfg.sliding_window,
+        kv_pool=kv_pool,
+        entries=entries,
+        table=table,
+        selected=entry_slots(entries, table.expand(chunk, width), epb),
+        sink=torch.randn(heads, **rng),
+        freqs=rope_frequencies(cfg, compressed=True).to(device),
+        scale=hd**-0.5,
     )
 
 
 def prefill_attention_args(p: dict[str, Any]) -> tuple[Any, ...]:
-    return (p["q"], p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], p["kv_pool"],
-            p["selected"], p["sink"], p["freqs"], p["scale"])
+    return (
+        p["q"],
+        p["step_k"],
+        p["ring"],
+        p["slots"],
+        p["pos"],
+        p["first"],
+        p["window"],
+        p["kv_pool"],
+        p["selected"],
+        p["sink"],
+        p["freqs"],
+        p["scale"],
+    )
 
 
 def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator, sweep: bool) -> list[dict]:
@@ -108,8 +137,12 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     # Fewest bytes: q in and out (bf16), this chunk's K rows once (the windows overlap), the ring rows
     # before it, each row's selected slots, and every distinct entry the chunk selects, once.
     distinct = int(torch.unique(p["selected"][p["selected"] >= 0]).numel())
-    nbytes = (2 * chunk * heads * hd * 2 + (chunk + window) * (hd + hd // 32) + chunk * (topk * 4 + 24)
-              + distinct * (hd // 2 + hd // 16))
+    nbytes = (
+        2 * chunk * heads * hd * 2
+        + (chunk + window) * (hd + hd // 32)
+        + chunk * (topk * 4 + 24)
+        + distinct * (hd // 2 + hd // 16)
+    )
     shape = f"chunk={chunk} ctx={context} H={heads} D={hd} w={window} k={topk}"
     out = torch.empty_like(p["q"])
     ours = _bench_replay(lambda: sparse_prefill_attention(*args, out=out))
@@ -131,10 +164,12 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     if chunk <= REFERENCE_MAX_ROWS:
         ref_us = _bench(lambda: reference.sparse_prefill_attention(*args)) * 1e6
         notes.append(f"reference torch ops {ref_us:.0f} us")
-    row = _row("sparse prefill attention", shape, ours, nbytes, flops, ceil, theirs, "; ".join(notes),
-               peak="bf16_peak")
-    row.update(reference_us=ref_us, mem_roofline_us=nbytes / ceil["bandwidth"] * 1e6,
-               compute_roofline_us=flops / ceil["bf16_peak"] * 1e6)
+    row = _row("sparse prefill attention", shape, ours, nbytes, flops, ceil, theirs, "; ".join(notes), peak="bf16_peak")
+    row.update(
+        reference_us=ref_us,
+        mem_roofline_us=nbytes / ceil["bandwidth"] * 1e6,
+        compute_roofline_us=flops / ceil["bf16_peak"] * 1e6,
+    )
     rows = [row]
     # Entries dequantised once per step (bf16 rows, gathered per row): the kernel, and the staging apart.
     rows_of = torch.zeros_like(p["pos"])
@@ -142,38 +177,69 @@ def _case(chunk: int, context: int, ceil: dict[str, float], gen: torch.Generator
     staged_args = (*args[:8], index, *args[9:])
     t_staged = _bench_replay(lambda: sparse_prefill_attention(*staged_args, out=out, staged=staged))
     t_stage = _bench_replay(lambda: stage_entries(p["kv_pool"], p["table"][None], p["entries"], rows_of))
-    staged_row = _row("sparse prefill attention [staged entries]", shape, t_staged, nbytes, flops, ceil, theirs,
-                      f"staging (stage_entries, torch ops) {t_stage * 1e6:.0f} us apart", peak="bf16_peak")
+    staged_row = _row(
+        "sparse prefill attention [staged entries]",
+        shape,
+        t_staged,
+        nbytes,
+        flops,
+        ceil,
+        theirs,
+        f"staging (stage_entries, torch ops) {t_stage * 1e6:.0f} us apart",
+        peak="bf16_peak",
+    )
     staged_row["staging_us"] = t_stage * 1e6
     rows.append(staged_row)
     # Window keys staged once for the layer too (the engine's prefill attention): the kernel, staging apart.
     window_keys = stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], window, rows_of, 1)
-    t_window = _bench_replay(lambda: sparse_prefill_attention(*staged_args, out=out, staged=staged,
-                                                              staged_window=window_keys))
-    t_stage_window = _bench_replay(lambda: stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"],
-                                                        p["window"], rows_of, 1))
-    window_row = _row("sparse prefill attention [staged entries + window]", shape, t_window, nbytes, flops, ceil,
-                      theirs, f"staging (stage_window, one launch) {t_stage_window * 1e6:.0f} us apart",
-                      peak="bf16_peak")
+    t_window = _bench_replay(
+        lambda: sparse_prefill_attention(*staged_args, out=out, staged=staged, staged_window=window_keys)
+    )
+    t_stage_window = _bench_replay(
+        lambda: stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], rows_of, 1)
+    )
+    window_row = _row(
+        "sparse prefill attention [staged entries + window]",
+        shape,
+        t_window,
+        nbytes,
+        flops,
+        ceil,
+        theirs,
+        f"staging (stage_window, one launch) {t_stage_window * 1e6:.0f} us apart",
+        peak="bf16_peak",
+    )
     window_row["staging_us"] = t_stage_window * 1e6
     rows.append(window_row)
     staged = index = window_keys = None  # freed before the sweep (the timed graphs are gone)
     if sweep:
         no_entries = (*args[:8], p["selected"][:, :0], *args[9:])
         win_flops = 4.0 * heads * hd * int(torch.clamp(p["pos"] + 1, max=window).sum())
-        rows.append(_row("sparse prefill attention [window only]", shape, _bench_replay(
-            lambda: sparse_prefill_attention(*no_entries, out=out)), 2 * chunk * heads * hd * 2, win_flops, ceil,
-            None, "ratio-0 layer", peak="bf16_peak"))
+        rows.append(
+            _row(
+                "sparse prefill attention [window only]",
+                shape,
+                _bench_replay(lambda: sparse_prefill_attention(*no_entries, out=out)),
+                2 * chunk * heads * hd * 2,
+                win_flops,
+                ceil,
+                None,
+                "ratio-0 layer",
+                peak="bf16_peak",
+            )
+        )
         for block_n, stages in SWEEP:
             label = f"block_n={block_n} num_stages={stages}"
             try:
-                t = _bench_replay(lambda b=block_n, s=stages: sparse_prefill_attention(*args, out=out, block_n=b,
-                                                                                       num_stages=s))
+                t = _bench_replay(
+                    lambda b=block_n, s=stages: sparse_prefill_attention(*args, out=out, block_n=b, num_stages=s)
+                )
             except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
                 row[label] = f"failed: {type(err).__name__}"
                 continue
-            rows.append(_row(f"sparse prefill attention [{label}]", shape, t, nbytes, flops, ceil, theirs, "",
-                             peak="bf16_peak"))
+            rows.append(
+                _row(f"sparse prefill attention [{label}]", shape, t, nbytes, flops, ceil, theirs, "", peak="bf16_peak")
+            )
     return rows
 
 
@@ -187,8 +253,9 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
     return rows
 
 
-def window_staging(gen: torch.Generator, cases: tuple[tuple[int, int], ...] = WINDOW_CASES,
-                   **problem: Any) -> list[dict[str, Any]]:
+def window_staging(
+    gen: torch.Generator, cases: tuple[tuple[int, int], ...] = WINDOW_CASES, **problem: Any
+) -> list[dict[str, Any]]:
     """Per case and layer kind (compressed with staged entries / window-only): µs per layer of the
     attention with window keys dequantised in the loop, with them staged (the kernel alone, the
     staging alone, both in one graph), and whether the two results are ``==``. ``problem``:
@@ -209,36 +276,58 @@ def window_staging(gen: torch.Generator, cases: tuple[tuple[int, int], ...] = WI
             return stage_window(p["step_k"], p["ring"], p["slots"], p["pos"], p["first"], p["window"], rows_of, 1)
 
         window, out = stage(), torch.empty_like(p["q"])
-        layers = {"compressed (staged entries)": ((*args[:8], index, *args[9:]), {"staged": staged}),
-                  "window only": ((*args[:8], p["selected"][:, :0], *args[9:]), {})}
+        layers = {
+            "compressed (staged entries)": ((*args[:8], index, *args[9:]), {"staged": staged}),
+            "window only": ((*args[:8], p["selected"][:, :0], *args[9:]), {}),
+        }
         for layer, (call, kwargs) in layers.items():
+
             def attend(staged_window, call=call, kwargs=kwargs):
                 return sparse_prefill_attention(*call, **kwargs, out=out, staged_window=staged_window)
 
             equal = torch.equal(attend(None).clone(), attend(window))
-            times = {name: _bench_replay(fn) * 1e6 for name, fn in (
-                ("in_loop_us", lambda: attend(None)), ("staged_us", lambda: attend(window)),
-                ("stage_window_us", stage), ("staged_total_us", lambda: attend(stage())))}
-            results.append(dict(chunk=chunk, context=context, layer=layer, equal=equal, **times,
-                                speedup=times["in_loop_us"] / times["staged_total_us"]))
+            times = {
+                name: _bench_replay(fn) * 1e6
+                for name, fn in (
+                    ("in_loop_us", lambda: attend(None)),
+                    ("staged_us", lambda: attend(window)),
+                    ("stage_window_us", stage),
+                    ("staged_total_us", lambda: attend(stage())),
+                )
+            }
+            results.append(
+                dict(
+                    chunk=chunk,
+                    context=context,
+                    layer=layer,
+                    equal=equal,
+                    **times,
+                    speedup=times["in_loop_us"] / times["staged_total_us"],
+                )
+            )
         staged = index = window = None  # freed before the next case (the timed graphs are gone)
         torch.cuda.empty_cache()
     return results
 
 
 def print_window_staging(results: list[dict[str, Any]], num_layers: int, num_window_only: int) -> None:
-    print(f"{'chunk':>6} {'ctx':>6} {'layer':28} {'in-loop us':>10} {'staged us':>9} {'stage us':>8} "
-          f"{'staged+stage us':>15} {'x':>5} {'==':>5}")
+    print(
+        f"{'chunk':>6} {'ctx':>6} {'layer':28} {'in-loop us':>10} {'staged us':>9} {'stage us':>8} "
+        f"{'staged+stage us':>15} {'x':>5} {'==':>5}"
+    )
     for r in results:
-        print(f"{r['chunk']:6d} {r['context']:6d} {r['layer']:28} {r['in_loop_us']:10.1f} {r['staged_us']:9.1f} "
-              f"{r['stage_window_us']:8.1f} {r['staged_total_us']:15.1f} {r['speedup']:5.2f} {str(r['equal']):>5}")
+        print(
+            f"{r['chunk']:6d} {r['context']:6d} {r['layer']:28} {r['in_loop_us']:10.1f} {r['staged_us']:9.1f} "
+            f"{r['stage_window_us']:8.1f} {r['staged_total_us']:15.1f} {r['speedup']:5.2f} {str(r['equal']):>5}"
+        )
     for chunk, context in dict.fromkeys((r["chunk"], r["context"]) for r in results):
         per = {r["layer"].split()[0]: r for r in results if (r["chunk"], r["context"]) == (chunk, context)}
         counts = {"compressed": num_layers - num_window_only, "window": num_window_only}
-        loop, staged = (sum(counts[k] * per[k][key] for k in counts) / 1e3
-                        for key in ("in_loop_us", "staged_total_us"))
-        print(f"chunk {chunk} ctx {context}: {num_layers} layers ({num_window_only} window-only) in-loop {loop:.2f} ms, "
-              f"staged window {staged:.2f} ms")
+        loop, staged = (sum(counts[k] * per[k][key] for k in counts) / 1e3 for key in ("in_loop_us", "staged_total_us"))
+        print(
+            f"chunk {chunk} ctx {context}: {num_layers} layers ({num_window_only} window-only) in-loop {loop:.2f} ms, "
+            f"staged window {staged:.2f} ms"
+        )
 
 
 def main() -> int:
@@ -250,9 +339,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device here: the prefill attention bench needs a GPU. Nothing was measured.", file=sys.stderr)
         return 3
-    print(f"device: {torch.cuda.get_device_name()}; sparse prefill attention at v41-s1 shapes, window keys "
-          "dequantised in the loop vs staged once per layer (stage_window); us per layer call, CUDA graph replay, "
-          "L2 flushed")
+    print(
+        f"device: {torch.cuda.get_device_name()}; sparse prefill attention at v41-s1 shapes, window keys "
+        "dequantised in the loop vs staged once per layer (stage_window); us per layer call, CUDA graph replay, "
+        "L2 flushed"
+    )
     results = window_staging(torch.Generator(DEVICE).manual_seed(0))
     ratios = cfg.compress_ratios[: cfg.num_hidden_layers]
     print_window_staging(results, len(ratios), ratios.count(0))

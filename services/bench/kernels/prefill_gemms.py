@@ -43,13 +43,24 @@ def bench_projections(num_tokens: int, ceil: dict[str, float], gen: torch.Genera
             return moe_grouped_gemm(a, w, s, meta, gather=True, block_m=linear_block_m(num_tokens), num_warps=4)
 
         triton_s = _bench(triton_call)
-        rows.append(_row(f"prefill {label} [Triton]", shape, triton_s, nbytes, flops, ceil, None,
-                         "one-expert FP8 GEMM"))
+        rows.append(
+            _row(f"prefill {label} [Triton]", shape, triton_s, nbytes, flops, ceil, None, "one-expert FP8 GEMM")
+        )
         if cublas:
             scale_b = block_scaled_gemm.scale_b(s[0])
             seconds = _bench(lambda: block_scaled_gemm.matmul(a, w[0], scale_b))
-            rows.append(_row(f"prefill {label} [cuBLASLt block-scaled]", shape, seconds, nbytes, flops, ceil, None,
-                             f"{triton_s / seconds:.2f}x the Triton GEMM"))
+            rows.append(
+                _row(
+                    f"prefill {label} [cuBLASLt block-scaled]",
+                    shape,
+                    seconds,
+                    nbytes,
+                    flops,
+                    ceil,
+                    None,
+                    f"{triton_s / seconds:.2f}x the Triton GEMM",
+                )
+            )
     return rows
 
 
@@ -70,8 +81,9 @@ def bench_wo_a(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
     cfg = model_config("v41-s1", None)
     groups, rank = cfg.o_groups, cfg.o_lora_rank
     width = cfg.num_attention_heads * cfg.head_dim // groups
-    layer = GroupedKernelLinear(torch.randn(groups * rank, width, device=DEVICE, generator=gen) * 0.02, groups,
-                                "fp8", KernelSet.compiled())
+    layer = GroupedKernelLinear(
+        torch.randn(groups * rank, width, device=DEVICE, generator=gen) * 0.02, groups, "fp8", KernelSet.compiled()
+    )
     x = torch.randn(num_tokens, groups, width, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     nbytes = groups * rank * width + num_tokens * groups * (width * 2 + rank * 2)
     flops = 2.0 * num_tokens * groups * rank * width
@@ -86,8 +98,18 @@ def bench_wo_a(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
         block_scaled_gemm.GROUPED_MIN_TOKENS = threshold
     rows = [_row("wo_a grouped [Triton]", shape, triton_s, nbytes, flops, ceil, None, "grouped FP8 GEMM, G experts")]
     if seconds is not None:
-        rows.append(_row("wo_a grouped [cuBLASLt block-scaled]", shape, seconds, nbytes, flops, ceil, None,
-                         f"{triton_s / seconds:.2f}x the Triton GEMM; one GEMM a group"))
+        rows.append(
+            _row(
+                "wo_a grouped [cuBLASLt block-scaled]",
+                shape,
+                seconds,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"{triton_s / seconds:.2f}x the Triton GEMM; one GEMM a group",
+            )
+        )
     return rows
 
 

@@ -55,25 +55,48 @@ def bench_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) -
 
     triton_s = _bench(triton_call)
     taken = block_scaled_experts.applies(num_tokens, TOP_K, EXPERTS, torch.device(DEVICE), False)
-    rows = [_row("prefill moe layer [grouped Triton]" + ("" if taken else " (engine)"), shape, triton_s, nbytes,
-                 flops, ceil, None, "gate/up + down + combine, shared expert apart")]
+    rows = [
+        _row(
+            "prefill moe layer [grouped Triton]" + ("" if taken else " (engine)"),
+            shape,
+            triton_s,
+            nbytes,
+            flops,
+            ceil,
+            None,
+            "gate/up + down + combine, shared expert apart",
+        )
+    ]
     if block_scaled_gemm.available(torch.device(DEVICE), torch.float32) and block_scaled_gemm.available(
-            torch.device(DEVICE), torch.bfloat16):
+        torch.device(DEVICE), torch.bfloat16
+    ):
         scale_b13, scale_b2 = block_scaled_gemm.scale_b(s13), block_scaled_gemm.scale_b(s2)
 
         def cublas_call() -> object:
-            return block_scaled_experts.experts(x, meta, w13, scale_b13, w2, scale_b2, SWIGLU_LIMIT, quantize_act,
-                                                moe_combine)
+            return block_scaled_experts.experts(
+                x, meta, w13, scale_b13, w2, scale_b2, SWIGLU_LIMIT, quantize_act, moe_combine
+            )
 
         seconds = _bench(cublas_call)
-        rows.append(_row("prefill moe layer [cuBLASLt per expert]" + (" (engine)" if taken else ""), shape, seconds,
-                         nbytes, flops, ceil, None, f"{triton_s / seconds:.2f}x the grouped Triton pair"))
+        rows.append(
+            _row(
+                "prefill moe layer [cuBLASLt per expert]" + (" (engine)" if taken else ""),
+                shape,
+                seconds,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"{triton_s / seconds:.2f}x the grouped Triton pair",
+            )
+        )
         rows += bench_products(num_tokens, meta, (w13, s13, scale_b13), (w2, s2, scale_b2), x, ceil)
     return rows
 
 
-def bench_products(num_tokens: int, meta: dict[str, torch.Tensor], gate_up: tuple, down: tuple, x: torch.Tensor,
-                   ceil: dict[str, float]) -> list[dict[str, Any]]:
+def bench_products(
+    num_tokens: int, meta: dict[str, torch.Tensor], gate_up: tuple, down: tuple, x: torch.Tensor, ceil: dict[str, float]
+) -> list[dict[str, Any]]:
     """Each of the layer's two products alone, both ways, on the same operands (gathered rows for cuBLASLt, as
     ``block_scaled_experts`` lays them out; one h drawn at random for both down products): which product
     gains, which loses. The Triton gate/up includes its SwiGLU epilogue and h's quantisation."""
@@ -101,15 +124,25 @@ def bench_products(num_tokens: int, meta: dict[str, torch.Tensor], gate_up: tupl
     def triton_gate_up() -> object:
         out = empty_output(num_stacked, num_tokens, INTER, torch.float8_e4m3fn, x.device)
         for part, ex in ((routed, slice(0, -1)), (shared, slice(-1, None))):
-            moe_grouped_gemm((x_q, x_s), w13[ex], s13[ex], part, gather=True, swiglu_limit=SWIGLU_LIMIT,
-                             out_dtype=torch.float8_e4m3fn, block_m=block_m, out=(out[0][ex], out[1][ex]))
+            moe_grouped_gemm(
+                (x_q, x_s),
+                w13[ex],
+                s13[ex],
+                part,
+                gather=True,
+                swiglu_limit=SWIGLU_LIMIT,
+                out_dtype=torch.float8_e4m3fn,
+                block_m=block_m,
+                out=(out[0][ex], out[1][ex]),
+            )
         return out
 
     def triton_down() -> object:
         out = empty_output(num_stacked, num_tokens, HIDDEN, torch.bfloat16, x.device)
         for part, ex in ((routed, slice(0, -1)), (shared, slice(-1, None))):
-            moe_grouped_gemm((h_masked[0][ex], h_masked[1][ex]), w2[ex], s2[ex], part, gather=False, block_m=block_m,
-                             out=out[ex])
+            moe_grouped_gemm(
+                (h_masked[0][ex], h_masked[1][ex]), w2[ex], s2[ex], part, gather=False, block_m=block_m, out=out[ex]
+            )
         return out
 
     def cublas_gate_up() -> object:
@@ -120,15 +153,37 @@ def bench_products(num_tokens: int, meta: dict[str, torch.Tensor], gate_up: tupl
 
     rows = []
     shape = f"T={num_tokens} E={EXPERTS}+1 shared k={TOP_K}"
-    for name, n, k, triton_fn, cublas_fn in (("gate/up", 2 * INTER, HIDDEN, triton_gate_up, cublas_gate_up),
-                                             ("down", HIDDEN, INTER, triton_down, cublas_down)):
+    for name, n, k, triton_fn, cublas_fn in (
+        ("gate/up", 2 * INTER, HIDDEN, triton_gate_up, cublas_gate_up),
+        ("down", HIDDEN, INTER, triton_down, cublas_down),
+    ):
         flops = 2.0 * picks * n * k
         nbytes = int(meta["num_active"]) * n * k + picks * (k + n)
         triton_s, cublas_s = _bench(triton_fn), _bench(cublas_fn)
-        rows.append(_row(f"prefill moe {name} [grouped Triton]", f"{shape} N={n} K={k}", triton_s, nbytes, flops,
-                         ceil, None, "masked layout, shared expert apart" + (", SwiGLU epilogue" if n > HIDDEN else "")))
-        rows.append(_row(f"prefill moe {name} [cuBLASLt per expert]", f"{shape} N={n} K={k}", cublas_s, nbytes, flops,
-                         ceil, None, f"{triton_s / cublas_s:.2f}x the grouped Triton GEMM"))
+        rows.append(
+            _row(
+                f"prefill moe {name} [grouped Triton]",
+                f"{shape} N={n} K={k}",
+                triton_s,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                "masked layout, shared expert apart" + (", SwiGLU epilogue" if n > HIDDEN else ""),
+            )
+        )
+        rows.append(
+            _row(
+                f"prefill moe {name} [cuBLASLt per expert]",
+                f"{shape} N={n} K={k}",
+                cublas_s,
+                nbytes,
+                flops,
+                ceil,
+                None,
+                f"{triton_s / cublas_s:.2f}x the grouped Triton GEMM",
+            )
+        )
     return rows
 
 

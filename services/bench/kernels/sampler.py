@@ -26,8 +26,9 @@ SWEEP = ((1024, 16), (512, 4))
 SWEEP_ROWS = (1, 256)
 
 
-def sampler_problem(num_rows: int, case: str, gen: torch.Generator, device: str | None = None,
-                    vocab: int = VOCAB) -> tuple[torch.Tensor, list]:
+def sampler_problem(
+    num_rows: int, case: str, gen: torch.Generator, device: str | None = None, vocab: int = VOCAB
+) -> tuple[torch.Tensor, list]:
     """fp32 logits [R, V] like a language model's (a few confident tokens over a noisy floor) and rows."""
     import torch
 
@@ -38,8 +39,9 @@ def sampler_problem(num_rows: int, case: str, gen: torch.Generator, device: str 
     hot = torch.randint(0, vocab, (num_rows, 8), device=device, generator=gen)
     logits.scatter_(1, hot, torch.rand(num_rows, 8, device=device, generator=gen) * 12 + 4)
     params = CASES[case]
-    rows = [SamplingRow(params["temperature"], 0, params["top_p"], 1000 + i, 50 + i, None, (), 0)
-            for i in range(num_rows)]
+    rows = [
+        SamplingRow(params["temperature"], 0, params["top_p"], 1000 + i, 50 + i, None, (), 0) for i in range(num_rows)
+    ]
     return logits, rows
 
 
@@ -59,16 +61,28 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
             theirs = _bench(lambda: sampler(logits, rows))
             nbytes = logits.numel() * logits.element_size() + num_rows * (8 + 4 + 1)
             shape = f"R={num_rows} V={VOCAB} fp32"
-            out.append(_row(f"sampler {case}", shape, ours, nbytes, 0.0, ceil, theirs,
-                            "torch: services.worker.sampling.sampler.Sampler on CUDA (eager; host-built parameters)"))
+            out.append(
+                _row(
+                    f"sampler {case}",
+                    shape,
+                    ours,
+                    nbytes,
+                    0.0,
+                    ceil,
+                    theirs,
+                    "torch: services.worker.sampling.sampler.Sampler on CUDA (eager; host-built parameters)",
+                )
+            )
             if case == "greedy" or num_rows not in SWEEP_ROWS:
                 continue
             for block, warps in SWEEP:
                 try:
                     t = _bench_replay(lambda b=block, w=warps: sample(logits, params, block=b, num_warps=w))
                 except Exception as err:  # noqa: BLE001 - a config that fails is reported, not fatal
-                    print(f"  sampler block={block} warps={warps} failed: {type(err).__name__}: {str(err)[:120]}",
-                          file=sys.stderr)
+                    print(
+                        f"  sampler block={block} warps={warps} failed: {type(err).__name__}: {str(err)[:120]}",
+                        file=sys.stderr,
+                    )
                     continue
                 out.append(_row(f"sampler {case} [block={block} warps={warps}]", shape, t, nbytes, 0.0, ceil, theirs))
     return out

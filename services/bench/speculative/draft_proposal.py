@@ -74,11 +74,24 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     source = load_model(args.model, device=device)
-    engine_args = dict(device=device, kernel_backend=args.kernel_backend, max_num_seqs=args.batch,
-                       max_model_len=args.prompt_len + args.max_tokens + args.num_speculative_tokens + 8,
-                       block_size=16, batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
-    llm = build(source, engine_args, args.num_speculative_tokens, False, args.acceptance, args.spec_sampling,
-                args.static_proposal or None)
+    engine_args = dict(
+        device=device,
+        kernel_backend=args.kernel_backend,
+        max_num_seqs=args.batch,
+        max_model_len=args.prompt_len + args.max_tokens + args.num_speculative_tokens + 8,
+        block_size=16,
+        batch_invariant=args.batch_invariant,
+        cuda_graphs=args.cuda_graphs,
+    )
+    llm = build(
+        source,
+        engine_args,
+        args.num_speculative_tokens,
+        False,
+        args.acceptance,
+        args.spec_sampling,
+        args.static_proposal or None,
+    )
     prompts = [[1] + [3 + (7 * i + j) % 200 for j in range(args.prompt_len - 1)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     # Warm-up at the batch: the draft's graph of its bucket is captured here, not in the counted run.
@@ -114,7 +127,10 @@ def main(args: argparse.Namespace) -> int:
     num = sum(1 for e in ranges if e.name == PROPOSE_RANGES[1])
     per = {part: round(ops[part] / num, 1) for part in PROPOSE_RANGES}
     result = {
-        "proposals": num, "batch": args.batch, "device": device, "spec_sampling": args.spec_sampling,
+        "proposals": num,
+        "batch": args.batch,
+        "device": device,
+        "spec_sampling": args.spec_sampling,
         "proposal": "graphs" if args.cuda_graphs else "static" if args.static_proposal else "eager",
         "aten_ops_per_proposal": per,
         "kernel_launches_per_proposal": {part: round(launches[part] / num, 1) for part in PROPOSE_RANGES},
@@ -133,17 +149,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--batch", type=int, default=1, help="requests (default 1)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request (default 5)")
-    p.add_argument("--spec-sampling", choices=("rejection", "deterministic"), default="rejection",
-                   help="speculative sampling mode (default rejection)")
+    p.add_argument(
+        "--spec-sampling",
+        choices=("rejection", "deterministic"),
+        default="rejection",
+        help="speculative sampling mode (default rejection)",
+    )
     p.add_argument("--acceptance", type=float, default=0.0, help="forced acceptance a (default 0)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request (default 16)")
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (default 8)")
     p.add_argument("--kernel-backend", choices=("fp8", "fp32"), help="the kernel backend (default: the torch model)")
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA graphs for decode and the draft's proposal (needs --kernel-backend)")
-    p.add_argument("--static-proposal", action="store_true",
-                   help="the static proposal (what a graph captures) run eagerly: its ops on the CPU")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="CUDA graphs for decode and the draft's proposal (needs --kernel-backend)",
+    )
+    p.add_argument(
+        "--static-proposal",
+        action="store_true",
+        help="the static proposal (what a graph captures) run eagerly: its ops on the CPU",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the counts here")
 

@@ -41,8 +41,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float | None,
-          spec_sampling: str = "rejection", static_proposal: bool | None = None):
+def build(
+    source,
+    engine_args: dict,
+    nextn: int,
+    varlen: bool,
+    acceptance: float | None,
+    spec_sampling: str = "rejection",
+    static_proposal: bool | None = None,
+):
     """An LLM on ``source``: speculation off (nextn 0) or on with forced acceptance ``acceptance``; the draft's
     proposal replays CUDA graphs with ``cuda_graphs`` (``static_proposal``: the static proposal, see
     ``Speculator``), captured here for every bucket up to max_num_seqs (greedy requests: the benchmark's)."""
@@ -56,8 +63,13 @@ def build(source, engine_args: dict, nextn: int, varlen: bool, acceptance: float
     args = dict(engine_args, num_speculative_tokens=nextn, spec_varlen=varlen, spec_sampling=spec_sampling)
     config = EngineConfig(**args)
     # every draft key a greedy batch can ask for and every verify key, captured before any timing
-    worker = build_worker(source.model, config.worker_config(), static_proposal=static_proposal, greedy_only=True,
-                          forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0))
+    worker = build_worker(
+        source.model,
+        config.worker_config(),
+        static_proposal=static_proposal,
+        greedy_only=True,
+        forced_acceptance=ForcedAcceptance(acceptance if acceptance is not None else 0.0),
+    )
     return LLM(source=source, worker=worker, **args)
 
 
@@ -66,11 +78,14 @@ def counters(llm) -> dict:
     worker = llm.engine.worker
     runner, spec = getattr(worker, "runner", None), getattr(worker, "speculator", None)
     graphs, verifies = getattr(spec, "draft_graphs", None), getattr(spec, "verify_graphs", None)
-    return {"eager_steps": getattr(runner, "num_eager", None), "graph_replays": getattr(runner, "num_replays", None),
-            "draft_graph_captures": getattr(graphs, "num_captures", None),
-            "draft_keys": None if graphs is None else len(graphs.static),
-            "verify_graph_captures": getattr(verifies, "num_captures", None),
-            "verify_keys": None if verifies is None else len(verifies.static)}
+    return {
+        "eager_steps": getattr(runner, "num_eager", None),
+        "graph_replays": getattr(runner, "num_replays", None),
+        "draft_graph_captures": getattr(graphs, "num_captures", None),
+        "draft_keys": None if graphs is None else len(graphs.static),
+        "verify_graph_captures": getattr(verifies, "num_captures", None),
+        "verify_keys": None if verifies is None else len(verifies.static),
+    }
 
 
 @contextmanager
@@ -98,18 +113,24 @@ def timed_worker(llm) -> Iterator[list[float]]:
 
 def step_counters(before: dict, after: dict, worker_s: list[float]) -> dict:
     """The benchmark row's step fields (see the module docstring) from ``counters`` around the timed run."""
+
     def delta(name: str):
         return None if after[name] is None else after[name] - before[name]
 
-    out = {"worker_steps": len(worker_s),
-           "worker_ms_per_step": round(1000 * sum(worker_s) / len(worker_s), 3) if worker_s else None,
-           "eager_steps": delta("eager_steps"), "graph_replays": delta("graph_replays"),
-           "draft_graph_captures": after["draft_graph_captures"],
-           "draft_graph_captures_timed": delta("draft_graph_captures"),
-           "draft_keys": after["draft_keys"], "draft_keys_timed": delta("draft_keys"),
-           "verify_graph_captures": after["verify_graph_captures"],
-           "verify_graph_captures_timed": delta("verify_graph_captures"),
-           "verify_keys": after["verify_keys"], "verify_keys_timed": delta("verify_keys")}
+    out = {
+        "worker_steps": len(worker_s),
+        "worker_ms_per_step": round(1000 * sum(worker_s) / len(worker_s), 3) if worker_s else None,
+        "eager_steps": delta("eager_steps"),
+        "graph_replays": delta("graph_replays"),
+        "draft_graph_captures": after["draft_graph_captures"],
+        "draft_graph_captures_timed": delta("draft_graph_captures"),
+        "draft_keys": after["draft_keys"],
+        "draft_keys_timed": delta("draft_keys"),
+        "verify_graph_captures": after["verify_graph_captures"],
+        "verify_graph_captures_timed": delta("verify_graph_captures"),
+        "verify_keys": after["verify_keys"],
+        "verify_keys_timed": delta("verify_keys"),
+    }
     return out
 
 
@@ -145,12 +166,19 @@ def run_case(llm, spec, batch: int, args: argparse.Namespace, device: str) -> di
         r = run_batch(llm, batch, args.prompt_len, args.max_tokens, seed=batch)
     r.update(step_counters(before, counters(llm), worker_s))
     r.update({k: v - spec_before[k] for k, v in spec_counters(spec).items()})
-    r.update(spec_steps=spec.timings.num_steps if spec else 0,
-             spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None)
+    r.update(
+        spec_steps=spec.timings.num_steps if spec else 0,
+        spec_ms_per_step={k: round(v, 3) for k, v in spec.timings.ms_per_step().items()} if spec else None,
+    )
     meter = llm.engine.step_cost  # varlen's measured curve after the run (None without it)
-    r["step_cost_means"] = None if meter is None else {  # per request bucket, per graph size: [ms, steps]
-        str(bucket): {str(k): [round(ms, 3), n] for k, (ms, n) in means.items()}
-        for bucket, means in meter.all_means().items()}
+    r["step_cost_means"] = (
+        None
+        if meter is None
+        else {  # per request bucket, per graph size: [ms, steps]
+            str(bucket): {str(k): [round(ms, 3), n] for k, (ms, n) in means.items()}
+            for bucket, means in meter.all_means().items()
+        }
+    )
     if args.profile:
         r["profile"] = profile_run(llm, batch, args.prompt_len, device, min(24, args.max_tokens))
     return r
@@ -158,28 +186,36 @@ def run_case(llm, spec, batch: int, args: argparse.Namespace, device: str) -> di
 
 def spec_counters(spec) -> dict:
     """The speculator's life-long counts now (all 0 without one)."""
-    return {"drafts_verified": spec.num_drafts_verified if spec else 0,
-            "drafts_accepted": spec.num_drafts_accepted if spec else 0,
-            "proposals_skipped": spec.num_proposals_skipped if spec else 0}
+    return {
+        "drafts_verified": spec.num_drafts_verified if spec else 0,
+        "drafts_accepted": spec.num_drafts_accepted if spec else 0,
+        "proposals_skipped": spec.num_proposals_skipped if spec else 0,
+    }
 
 
 def report(r: dict, batch: int, mode: str, a: float | None, profile: bool) -> None:
     a_text = "" if a is None else f" a={a:<4}"
-    print(f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
-          f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
-          f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}; "
-          f"proposals skipped {r['proposals_skipped']}")
-    print(f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
-          f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
-          f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
-          f"({r['draft_keys_timed']} new in it); verify graph captures {r['verify_graph_captures']} "
-          f"({r['verify_graph_captures_timed']} in the timed run), keys {r['verify_keys']} "
-          f"({r['verify_keys_timed']} new in it); "
-          f"speculator host ms/step {r['spec_ms_per_step']}")
+    print(
+        f"batch {batch:>3} {mode:>6}{a_text}: {r['tokens_per_s']:>9.1f} tokens/s "
+        f"({r['tokens_per_s_per_request']:.1f} per request; decode {r['decode_tokens_per_s']}), "
+        f"{r['speedup_vs_off']:.2f}x off; drafts accepted {r['drafts_accepted']} of {r['drafts_verified']}; "
+        f"proposals skipped {r['proposals_skipped']}"
+    )
+    print(
+        f"    {r['worker_steps']} steps, worker {r['worker_ms_per_step']} host ms/step; eager steps "
+        f"{r['eager_steps']}, graph replays {r['graph_replays']}; draft graph captures "
+        f"{r['draft_graph_captures']} ({r['draft_graph_captures_timed']} in the timed run), keys {r['draft_keys']} "
+        f"({r['draft_keys_timed']} new in it); verify graph captures {r['verify_graph_captures']} "
+        f"({r['verify_graph_captures_timed']} in the timed run), keys {r['verify_keys']} "
+        f"({r['verify_keys_timed']} new in it); "
+        f"speculator host ms/step {r['spec_ms_per_step']}"
+    )
     if profile:
         prof = r["profile"]
-        print(f"    profile of {prof['steps']} steps: {prof['busy_ms']:.3f} ms busy, "
-              f"{prof['launches_per_step']:.0f} launches a step; top kernels (µs/step, launches/step):")
+        print(
+            f"    profile of {prof['steps']} steps: {prof['busy_ms']:.3f} ms busy, "
+            f"{prof['launches_per_step']:.0f} launches a step; top kernels (µs/step, launches/step):"
+        )
         for k in prof["kernels"][:12]:
             print(f"      {k['us_per_step']:9.1f} {k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
 
@@ -196,19 +232,35 @@ def main(args: argparse.Namespace) -> int:
     precision = args.kernel_backend if device.startswith("cuda") else None
     source = load_model(args.model, device=device, precision=precision)
     nextn = args.num_speculative_tokens
-    engine_args = dict(device=device, kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
-                       async_scheduling=args.async_scheduling,
-                       max_num_seqs=max(args.batch), max_model_len=args.prompt_len + args.max_tokens + nextn + 8,
-                       block_size=args.block_size)
-    machine = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
-               "model": args.model, "torch": torch.__version__, "torch_threads": args.threads,
-               "kernel_backend": args.kernel_backend, "cuda_graphs": args.cuda_graphs}
+    engine_args = dict(
+        device=device,
+        kernel_backend=args.kernel_backend,
+        cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
+        max_num_seqs=max(args.batch),
+        max_model_len=args.prompt_len + args.max_tokens + nextn + 8,
+        block_size=args.block_size,
+    )
+    machine = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+        "model": args.model,
+        "torch": torch.__version__,
+        "torch_threads": args.threads,
+        "kernel_backend": args.kernel_backend,
+        "cuda_graphs": args.cuda_graphs,
+    }
     results, off_tps = [], {}
     # One engine per mode (its build, pools and graphs do not depend on the batch or on a), every batch and a run
     # on it in turn: the forced verdict is swapped between runs and the speculator's counters taken as deltas.
     for mode in ["off"] + list(args.modes):
-        llm = build(source, engine_args, 0 if mode == "off" else nextn, mode == "varlen", None,
-                    static_proposal=args.static_proposal or None)
+        llm = build(
+            source,
+            engine_args,
+            0 if mode == "off" else nextn,
+            mode == "varlen",
+            None,
+            static_proposal=args.static_proposal or None,
+        )
         allocated_gb = torch.cuda.memory_allocated() / 2**30 if device.startswith("cuda") else None
         spec = getattr(llm.engine.worker, "speculator", None)
         for batch in args.batch:
@@ -216,9 +268,13 @@ def main(args: argparse.Namespace) -> int:
                 if spec is not None:
                     spec.forced_acceptance = ForcedAcceptance(a)
                 r = run_case(llm, spec, batch, args, device)
-                r.update(mode=mode, acceptance=a, num_speculative_tokens=0 if mode == "off" else nextn,
-                         tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
-                         allocated_gb_after_build=None if allocated_gb is None else round(allocated_gb, 2))
+                r.update(
+                    mode=mode,
+                    acceptance=a,
+                    num_speculative_tokens=0 if mode == "off" else nextn,
+                    tokens_per_s_per_request=round(r["tokens_per_s"] / batch, 2),
+                    allocated_gb_after_build=None if allocated_gb is None else round(allocated_gb, 2),
+                )
                 if mode == "off":
                     off_tps[batch] = r["tokens_per_s"]
                 r["speedup_vs_off"] = round(r["tokens_per_s"] / off_tps[batch], 3)
@@ -238,25 +294,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset or checkpoint (default tiny)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="batch sizes (default 1 16 64)")
-    p.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0],
-                   help="forced per-draft acceptance probabilities a (default 0 0.5 0.8 1)")
-    p.add_argument("--modes", nargs="+", choices=("fixed", "varlen"), default=["fixed", "varlen"],
-                   help="verification modes (default fixed varlen)")
+    p.add_argument(
+        "--acceptance",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.5, 0.8, 1.0],
+        help="forced per-draft acceptance probabilities a (default 0 0.5 0.8 1)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("fixed", "varlen"),
+        default=["fixed", "varlen"],
+        help="verification modes (default fixed varlen)",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request (default 5)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--block-size", type=int, default=128, help="paged block size (default 128)")
-    p.add_argument("--kernel-backend", choices=("fp8", "fp32"),
-                   help="the Triton kernel backend (default: the torch model)")
+    p.add_argument(
+        "--kernel-backend", choices=("fp8", "fp32"), help="the Triton kernel backend (default: the torch model)"
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode (needs --kernel-backend)")
-    p.add_argument("--static-proposal", action="store_true",
-                   help="the draft proposes through the static proposal (what --cuda-graphs captures), eagerly "
-                        "without graphs (default: with --cuda-graphs only)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="plan step N+1 while step N runs (off by default with speculation)")
+    p.add_argument(
+        "--static-proposal",
+        action="store_true",
+        help="the draft proposes through the static proposal (what --cuda-graphs captures), eagerly "
+        "without graphs (default: with --cuda-graphs only)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan step N+1 while step N runs (off by default with speculation)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--profile", action="store_true",
-                   help="after each case's timed run, profile a short run: device ms and launches per step, top kernels")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each case's timed run, profile a short run: device ms and launches per step, top kernels",
+    )
     p.add_argument("--json", dest="json_path", help="write the figures as JSON here")
 
 

@@ -33,7 +33,7 @@ def subset_config(cfg: ModelConfig, layers: Sequence[int], engram_vocab: int | N
     if layers != sorted(set(layers)) or not 0 <= layers[0] or layers[-1] >= cfg.num_hidden_layers:
         raise ValueError(f"layers {layers} must be distinct ascending ids below {cfg.num_hidden_layers}")
     new = {old: i for i, old in enumerate(layers)}
-    extra = cfg.compress_ratios[cfg.num_hidden_layers:]  # entries past the backbone (nextn layers)
+    extra = cfg.compress_ratios[cfg.num_hidden_layers :]  # entries past the backbone (nextn layers)
     engram_ids = [new[layer] for layer in cfg.engram_layer_ids if layer in new]
     out = dataclasses.replace(
         cfg,
@@ -41,11 +41,13 @@ def subset_config(cfg: ModelConfig, layers: Sequence[int], engram_vocab: int | N
         compress_ratios=tuple(cfg.ratio(layer) for layer in layers) + tuple(extra),
         kv_source_layer_ids=tuple(new[x] for x in cfg.kv_source_layer_ids if x in new),
         index_source_layer_ids=tuple(new[x] for x in cfg.index_source_layer_ids if x in new),
-        candidate_source_layer_id=new.get(cfg.candidate_source_layer_id) if cfg.candidate_source_layer_id is not None
+        candidate_source_layer_id=new.get(cfg.candidate_source_layer_id)
+        if cfg.candidate_source_layer_id is not None
         else None,
         engram_layer_ids=tuple(engram_ids),
-        engram_num_embeddings=tuple(n for layer, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)
-                                    if layer in new),
+        engram_num_embeddings=tuple(
+            n for layer, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if layer in new
+        ),
     )
     if engram_vocab is not None and engram_ids:
         shrunk = dataclasses.replace(out, engram_vocab_size=engram_vocab)
@@ -67,8 +69,9 @@ def model_config(model: str, layers: int | None) -> ModelConfig:
     return subset_config(cfg, range(layers), SMALL_ENGRAM_VOCAB if cfg.engram_layer_ids and model in GPU_ONLY else None)
 
 
-def builder(model: str, device, backend: str, layers: int | None, graphs: bool = False
-            ) -> tuple[Callable[..., Any], ModelConfig, int]:
+def builder(
+    model: str, device, backend: str, layers: int | None, graphs: bool = False
+) -> tuple[Callable[..., Any], ModelConfig, int]:
     """(build(**engine_args) → LLM on one shared model, its config, the preset's full depth). With
     ``graphs`` (the kernel backend on CUDA) decode steps replay captured CUDA graphs, as
     ``EngineConfig.cuda_graphs`` makes the engine do."""
@@ -140,8 +143,9 @@ def load_kernel_source(model: str, cfg: ModelConfig, device):
 
     tokenizer = load_v41_tokenizer()
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
-    net = build_random_kernel_model(cfg, 0, device, "fp8",
-                                    None if token_map is None else torch.as_tensor(token_map), num_compressed)
+    net = build_random_kernel_model(
+        cfg, 0, device, "fp8", None if token_map is None else torch.as_tensor(token_map), num_compressed
+    )
     return ModelSource(model, cfg, net, tokenizer)
 
 

@@ -63,12 +63,22 @@ def compare(model: str, device, layers: int | None, sizes: dict[str, Any]) -> li
 
             runner = DecodeStepGraphs(runner, config, use_graphs=True, attention="triton")
         llm = LLM(source=source, runner=runner, **args)
-        t = time_decode(llm.engine, cache, batch=batch, context=context, steps=sizes["steps"],
-                        vocab_size=cfg.vocab_size)
-        print(f"three ways  {label:9} batch {batch:>4}: {t.median * 1e3:9.2f} ms "
-              f"({t.median * 1e3 * scale:.1f} ms scaled to {full_depth(model)} layers)")
-        return {"section": "three ways", "way": label, "batch": batch, "context": context,
-                "layers": cfg.num_hidden_layers, "ms": t.median * 1e3, "ms_full_depth": t.median * 1e3 * scale}
+        t = time_decode(
+            llm.engine, cache, batch=batch, context=context, steps=sizes["steps"], vocab_size=cfg.vocab_size
+        )
+        print(
+            f"three ways  {label:9} batch {batch:>4}: {t.median * 1e3:9.2f} ms "
+            f"({t.median * 1e3 * scale:.1f} ms scaled to {full_depth(model)} layers)"
+        )
+        return {
+            "section": "three ways",
+            "way": label,
+            "batch": batch,
+            "context": context,
+            "layers": cfg.num_hidden_layers,
+            "ms": t.median * 1e3,
+            "ms_full_depth": t.median * 1e3 * scale,
+        }
 
     rows = [run("eager", b) for b in batches]
     compiled = _compile_layers(source.model)
@@ -82,9 +92,15 @@ def compare(model: str, device, layers: int | None, sizes: dict[str, Any]) -> li
     by = {(r["way"], r["batch"]): r["ms"] for r in rows}
     for b in batches:
         if ("engine", b) in by:
-            ratio = {"section": "three ways ratio", "batch": b, "eager_over_engine": by[("eager", b)] / by[("engine", b)],
-                     "compiled_over_engine": by[("compiled", b)] / by[("engine", b)]}
+            ratio = {
+                "section": "three ways ratio",
+                "batch": b,
+                "eager_over_engine": by[("eager", b)] / by[("engine", b)],
+                "compiled_over_engine": by[("compiled", b)] / by[("engine", b)],
+            }
             rows.append(ratio)
-            print(f"three ways  batch {b:>4}: engine is {ratio['eager_over_engine']:.2f}× eager, "
-                  f"{ratio['compiled_over_engine']:.2f}× compiled")
+            print(
+                f"three ways  batch {b:>4}: engine is {ratio['eager_over_engine']:.2f}× eager, "
+                f"{ratio['compiled_over_engine']:.2f}× compiled"
+            )
     return rows

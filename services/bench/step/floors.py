@@ -68,8 +68,9 @@ def _gpu_bytes(shape: tuple[int, ...], fmt: str) -> float:
 def _layer_weights(cfg: ModelConfig) -> dict[int, dict[str, float]]:
     """Per layer: bytes of the dense weights (every one read each step), of ONE routed expert, and
     the matrix parameters a token multiplies by (dense projections + shared expert)."""
-    out = {i: {"dense": 0.0, "expert": 0.0, "dense_params": 0.0, "engram_row": 0.0}
-           for i in range(cfg.num_hidden_layers)}
+    out = {
+        i: {"dense": 0.0, "expert": 0.0, "dense_params": 0.0, "engram_row": 0.0} for i in range(cfg.num_hidden_layers)
+    }
     for spec in tensor_table(cfg).values():
         if not spec.name.startswith("layers."):
             continue
@@ -87,8 +88,9 @@ def _layer_weights(cfg: ModelConfig) -> dict[int, dict[str, float]]:
     return out
 
 
-def _attention(cost: StepCost, cfg: ModelConfig, layer: int, rows: int, keys_per_row: float,
-               index_keys_per_row: float) -> None:
+def _attention(
+    cost: StepCost, cfg: ModelConfig, layer: int, rows: int, keys_per_row: float, index_keys_per_row: float
+) -> None:
     h, hd, di, hi = cfg.num_attention_heads, cfg.head_dim, cfg.index_head_dim, cfg.index_n_heads
     window_bytes = hd + hd / 64 + 1  # e4m3 + scales per key (CacheLayout.window_bytes ≈)
     entry_bytes = hd / 2 + hd / 32
@@ -97,8 +99,12 @@ def _attention(cost: StepCost, cfg: ModelConfig, layer: int, rows: int, keys_per
     kv = rows * (cfg.sliding_window * window_bytes + max(selected, 0) * entry_bytes) + rows * h * hd * 2 * 2
     cost.add(f"attention {layer}", kv, 4 * h * hd * keys_per_row * rows, peak="bf16_peak")
     if ratio and layer in cfg.index_source_layer_ids:
-        cost.add(f"indexer {layer}", rows * index_keys_per_row * (di / 2 + di / 32),
-                 2 * hi * di * index_keys_per_row * rows, peak="bf16_peak")
+        cost.add(
+            f"indexer {layer}",
+            rows * index_keys_per_row * (di / 2 + di / 32),
+            2 * hi * di * index_keys_per_row * rows,
+            peak="bf16_peak",
+        )
 
 
 def step_cost(cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool) -> StepCost:
@@ -120,11 +126,18 @@ def step_cost(cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool)
         visible = avg_context // ratio if ratio else 0
         keys = min(cfg.sliding_window, avg_context) + (min(cfg.index_topk, visible) if ratio else 0)
         _attention(cost, cfg, layer, num_tokens, keys, visible)
-    cost.add("embed + head", num_tokens * d * 2 + cfg.vocab_size * d * 2, 2 * sampled * cfg.vocab_size * d,
-             peak="bf16_peak")
+    cost.add(
+        "embed + head", num_tokens * d * 2 + cfg.vocab_size * d * 2, 2 * sampled * cfg.vocab_size * d, peak="bf16_peak"
+    )
     return cost
 
 
 # The target specification's floor table (its own HBM bandwidth and FP8 peak, 4K context), kept to print beside ours.
-ISSUE_FLOORS_MS = {("decode", 1): 3.98, ("decode", 16): 16.2, ("decode", 64): 18.4, ("decode", 256): 20.7,
-                   ("prefill", 4096): 102.0, ("prefill", 32768): 833.0}
+ISSUE_FLOORS_MS = {
+    ("decode", 1): 3.98,
+    ("decode", 16): 16.2,
+    ("decode", 64): 18.4,
+    ("decode", 256): 20.7,
+    ("prefill", 4096): 102.0,
+    ("prefill", 32768): 833.0,
+}

@@ -23,8 +23,10 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for flag in (False, True):
         llm = build(max_num_seqs=batch, max_model_len=256, async_scheduling=flag)
-        prompts = [torch.randint(3, cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(i)).tolist()
-                   for i in range(batch)]
+        prompts = [
+            torch.randint(3, cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(i)).tolist()
+            for i in range(batch)
+        ]
         params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
         # Warm-up on the same prompts: the prefill chunks' shapes compile here, not in the timed run
         # (a one-prompt warm-up left them to the first timed run, which then timed their compilation).
@@ -51,24 +53,42 @@ def offline_section(build, cfg, batch: int, steps: int) -> list[dict[str, Any]]:
             kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
             kernel_s = 1e-6 * sum(e.device_time for e in kernels)
             busy = min(1.0, kernel_s / wall)
-            decode_busy = decode_window_busy(
-                [(e.time_range.start, e.time_range.end, e.name) for e in kernels])
+            decode_busy = decode_window_busy([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
         tokens = sum(len(o.token_ids) for o in outs)
-        rows.append({"section": "offline", "async": flag, "batch": batch, "tokens": tokens, "seconds": wall,
-                     "tokens_per_s": tokens / wall, "gpu_busy": busy, "kernel_s": kernel_s, "decode_busy": decode_busy,
-                     "profiled_seconds": profiled_wall, "host_ms": split})
-        print(f"offline async={'on ' if flag else 'off'} batch {batch}: {tokens / wall:9.1f} tokens/s"
-              + (f"  GPU busy {100 * busy:.1f}% (kernels {kernel_s:.2f} s, wall {wall:.2f} s, profiled wall "
-                 f"{profiled_wall:.2f} s)" if busy is not None else "")
-              + (f", decode steps busy {100 * decode_busy:.1f}%" if decode_busy is not None else ""))
+        rows.append(
+            {
+                "section": "offline",
+                "async": flag,
+                "batch": batch,
+                "tokens": tokens,
+                "seconds": wall,
+                "tokens_per_s": tokens / wall,
+                "gpu_busy": busy,
+                "kernel_s": kernel_s,
+                "decode_busy": decode_busy,
+                "profiled_seconds": profiled_wall,
+                "host_ms": split,
+            }
+        )
+        print(
+            f"offline async={'on ' if flag else 'off'} batch {batch}: {tokens / wall:9.1f} tokens/s"
+            + (
+                f"  GPU busy {100 * busy:.1f}% (kernels {kernel_s:.2f} s, wall {wall:.2f} s, profiled wall "
+                f"{profiled_wall:.2f} s)"
+                if busy is not None
+                else ""
+            )
+            + (f", decode steps busy {100 * decode_busy:.1f}%" if decode_busy is not None else "")
+        )
         if split:
             print(f"        host ms per decode step (median of {len(phases.samples)}): {describe(split)}")
         del llm
     return rows
 
 
-def decode_window_busy(kernels: list[tuple[float, float, str]], prefill_kernel: str = "_prefill_attention_kernel"
-                       ) -> float | None:
+def decode_window_busy(
+    kernels: list[tuple[float, float, str]], prefill_kernel: str = "_prefill_attention_kernel"
+) -> float | None:
     """Busy fraction of the window after the last ``prefill_kernel`` ends: kernels as (start, end, name) on
     one clock; overlapping kernels (several streams) count once. None when no kernel runs after it."""
     prefill_ends = [end for _, end, name in kernels if name == prefill_kernel]
@@ -115,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         import json
         from pathlib import Path
 
-        Path(args.json_path).write_text(json.dumps({"model": model, "layers": cfg.num_hidden_layers, "graphs": graphs,
-                                                    "rows": rows}, indent=2))
+        Path(args.json_path).write_text(
+            json.dumps({"model": model, "layers": cfg.num_hidden_layers, "graphs": graphs, "rows": rows}, indent=2)
+        )
     return 0
 
 

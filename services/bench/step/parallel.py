@@ -27,8 +27,9 @@ def time_rank(rank, batch: int, steps: int) -> list[tuple[float, float]]:
     engine, exchange = rank.engine, rank.parallel.exchange
     for i in range(batch):
         prompt = [1 + (rank.rank * batch + i + j) % 1000 for j in range(PROMPT_TOKENS)]
-        engine.add_request(f"bench-r{rank.rank}-{i}", prompt,
-                           SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        engine.add_request(
+            f"bench-r{rank.rank}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+        )
     timed = []
     while rank.vote.any_rank(engine.has_unfinished()):
         before, start = exchange.seconds, time.perf_counter()
@@ -60,9 +61,15 @@ def main(args: argparse.Namespace) -> int:
     if any(b <= 0 for b in batches):
         raise SystemExit(f"--batches: sizes must be positive, got {args.batches!r}")
     steps = 8
-    config = EngineConfig(data_parallel_size=args.dp, max_num_seqs=max(batches), max_model_len=PROMPT_TOKENS + steps + 16,
-                          max_num_batched_tokens=max(batches) * PROMPT_TOKENS, block_size=16, device="cpu",
-                          batch_invariant=args.batch_invariant)
+    config = EngineConfig(
+        data_parallel_size=args.dp,
+        max_num_seqs=max(batches),
+        max_model_len=PROMPT_TOKENS + steps + 16,
+        max_num_batched_tokens=max(batches) * PROMPT_TOKENS,
+        block_size=16,
+        device="cpu",
+        batch_invariant=args.batch_invariant,
+    )
     ranks = Ranks(RankSpec(config, partial(load_model, model, 0), "", "cpu", 1))
     print(f"model {model}, {args.dp} ranks (gloo, 1 thread each), device {platform.processor() or 'cpu'}")
     rows: list[dict[str, Any]] = []
@@ -72,14 +79,21 @@ def main(args: argparse.Namespace) -> int:
             num_steps = min(len(t) for t in per_rank)
             step_s = [max(t[i][0] for t in per_rank) for i in range(num_steps)]  # lockstep: the slowest rank
             share = [t[i][1] / t[i][0] for t in per_rank for i in range(num_steps)]
-            row = {"section": "dp decode", "dp": args.dp, "batch_per_rank": batch, "steps": num_steps,
-                   "step_ms": statistics.median(step_s) * 1e3,
-                   "exchange_ms": statistics.median(t[i][1] for t in per_rank for i in range(num_steps)) * 1e3,
-                   "exchange_share": statistics.median(share)}
+            row = {
+                "section": "dp decode",
+                "dp": args.dp,
+                "batch_per_rank": batch,
+                "steps": num_steps,
+                "step_ms": statistics.median(step_s) * 1e3,
+                "exchange_ms": statistics.median(t[i][1] for t in per_rank for i in range(num_steps)) * 1e3,
+                "exchange_share": statistics.median(share),
+            }
             rows.append(row)
-            print(f"dp {args.dp} decode batch {batch:>3}/rank: step {row['step_ms']:8.2f} ms, exchange "
-                  f"{row['exchange_ms']:7.2f} ms ({100 * row['exchange_share']:.0f}% of the step, median over "
-                  f"ranks and {num_steps} steps)")
+            print(
+                f"dp {args.dp} decode batch {batch:>3}/rank: step {row['step_ms']:8.2f} ms, exchange "
+                f"{row['exchange_ms']:7.2f} ms ({100 * row['exchange_share']:.0f}% of the step, median over "
+                f"ranks and {num_steps} steps)"
+            )
     finally:
         ranks.close()
     if args.json_path:

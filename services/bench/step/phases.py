@@ -113,8 +113,7 @@ class StepPhases:
                 self.samples.append(sample)
             return outputs
 
-        self._undo = [(engine, "scheduler", scheduler), (worker, "runner", worker.runner),
-                      (worker, "sampler", sampler)]
+        self._undo = [(engine, "scheduler", scheduler), (worker, "runner", worker.runner), (worker, "sampler", sampler)]
         engine.scheduler = _Scheduler(scheduler, "update", "update", self)
         worker.runner = _Timed(worker.runner, "execute", "launch", self)
         worker.sampler = timed_sampler

@@ -25,8 +25,10 @@ def kernel_table(events, num_steps: int, top: int = 20) -> list[dict[str, Any]]:
         if e.device_type.name == "CUDA" and e.device_time > 0:
             total[e.name] += e.device_time
             count[e.name] += 1
-    rows = [{"kernel": name, "us_per_step": us / num_steps, "launches_per_step": count[name] / num_steps}
-            for name, us in total.items()]
+    rows = [
+        {"kernel": name, "us_per_step": us / num_steps, "launches_per_step": count[name] / num_steps}
+        for name, us in total.items()
+    ]
     rows.sort(key=lambda r: -r["us_per_step"])
     return rows[:top]
 
@@ -48,8 +50,12 @@ def launch_totals(events, num_steps: int) -> dict[str, float]:
             copies, copy_us = copies + 1, copy_us + e.device_time
         else:
             kernels, kernel_us = kernels + 1, kernel_us + e.device_time
-    return {"launches_per_step": kernels / num_steps, "kernel_ms": kernel_us * 1e-3 / num_steps,
-            "copies_per_step": copies / num_steps, "copy_ms": copy_us * 1e-3 / num_steps}
+    return {
+        "launches_per_step": kernels / num_steps,
+        "kernel_ms": kernel_us * 1e-3 / num_steps,
+        "copies_per_step": copies / num_steps,
+        "copy_ms": copy_us * 1e-3 / num_steps,
+    }
 
 
 def device_trace(device: torch.device):
@@ -63,8 +69,12 @@ def device_trace(device: torch.device):
 def profile_summary(prof, wall: float, num_steps: int) -> dict[str, Any]:
     events = prof.events()
     busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
-    return {"wall_ms": wall * 1e3 / num_steps, "busy_ms": busy_us * 1e-3 / num_steps,
-            **launch_totals(events, num_steps), "kernels": kernel_table(events, num_steps)}
+    return {
+        "wall_ms": wall * 1e3 / num_steps,
+        "busy_ms": busy_us * 1e-3 / num_steps,
+        **launch_totals(events, num_steps),
+        "kernels": kernel_table(events, num_steps),
+    }
 
 
 def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_size: int) -> dict[str, Any]:
@@ -88,8 +98,9 @@ def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_
     return result
 
 
-def profile_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int,
-                   vocab_size: int, seed: int = 0) -> dict[str, Any]:
+def profile_decode(
+    engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int, vocab_size: int, seed: int = 0
+) -> dict[str, Any]:
     """Profiles ``steps`` decode steps after one warm-up; returns wall ms per step, device-busy ms per
     step and the kernel table. The requests are aborted afterwards (pools whole again)."""
     gen = torch.Generator().manual_seed(seed)

@@ -37,28 +37,49 @@ CPU = {"batches": (1, 4), "contexts": (64,), "prefill": (32,), "steps": 3}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="preset: v41-s1 on a GPU (default there), tiny on CPU")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="keep the first N layers (times are also reported scaled to the full depth)")
-    parser.add_argument("--backend", choices=("torch", "kernels"), default=None,
-                        help="the engine's runner backend (default: kernels on a GPU, torch on CPU)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep the first N layers (times are also reported scaled to the full depth)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "kernels"),
+        default=None,
+        help="the engine's runner backend (default: kernels on a GPU, torch on CPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
-    parser.add_argument("--no-graphs", action="store_true",
-                        help="decode eagerly (default on a GPU with the kernel backend: CUDA graphs, as cuda_graphs=True)")
+    parser.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="decode eagerly (default on a GPU with the kernel backend: CUDA graphs, as cuda_graphs=True)",
+    )
     parser.add_argument("--no-compare", action="store_true", help="skip the eager/compiled comparison")
     parser.add_argument("--no-async", action="store_true", help="skip the async on/off throughput run")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile decode steps at the smallest and largest batch: time per kernel")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile decode steps at the smallest and largest batch: time per kernel",
+    )
     parser.add_argument("--batches", help="decode batch sizes, comma-separated (replaces the mode's)")
     parser.add_argument("--contexts", help="decode context lengths, comma-separated (replaces the mode's)")
     parser.add_argument("--prefill-tokens", help="prefill chunk sizes, comma-separated (replaces the mode's)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="also time decode and a prefill step with the batch-invariant mode on, beside it off")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also time decode and a prefill step with the batch-invariant mode on, beside it off",
+    )
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
-    parser.add_argument("--dp", type=int, default=1,
-                        help="data-parallel ranks: time their lockstep decode steps and the expert exchange's "
-                             "share instead (CPU, services/bench/step/parallel.py)")
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel ranks: time their lockstep decode steps and the expert exchange's "
+        "share instead (CPU, services/bench/step/parallel.py)",
+    )
 
 
 def _override(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -69,8 +90,9 @@ def _override(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             try:
                 out[key] = tuple(int(v) for v in value.split(","))
             except ValueError:
-                raise SystemExit(f"--{key.replace('prefill', 'prefill-tokens')}: expected comma-separated "
-                                 f"integers, got {value!r}") from None
+                raise SystemExit(
+                    f"--{key.replace('prefill', 'prefill-tokens')}: expected comma-separated integers, got {value!r}"
+                ) from None
             if any(v <= 0 for v in out[key]):
                 raise SystemExit(f"--{key}: sizes must be positive, got {value!r}")
     return out
@@ -95,24 +117,43 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
         for batch in sizes["batches"]:
             try:  # one size failing (e.g. memory at 256 × 32K) keeps the others' rows
                 llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
-                t = time_decode(llm.engine, runner_cache(llm), batch=batch, context=context,
-                                steps=sizes["steps"], vocab_size=cfg.vocab_size)
+                t = time_decode(
+                    llm.engine,
+                    runner_cache(llm),
+                    batch=batch,
+                    context=context,
+                    steps=sizes["steps"],
+                    vocab_size=cfg.vocab_size,
+                )
             except Exception as exc:
                 print(f"decode  ctx {context:>6} batch {batch:>4}: FAILED: {type(exc).__name__}: {exc}")
-                rows.append({"section": "decode failed", "batch": batch, "context": context,
-                             "error": f"{type(exc).__name__}: {exc}"})
+                rows.append(
+                    {
+                        "section": "decode failed",
+                        "batch": batch,
+                        "context": context,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                )
                 llm = None
                 continue
             floor = step_cost(cfg, batch, context, prefill=False).floor(ceil) if ceil else None
-            row = {"section": "decode", "batch": batch, "context": context, "ms": t.median * 1e3,
-                   "ms_full_depth": t.median * 1e3 * full_layers / cfg.num_hidden_layers,
-                   "floor_ms": None if floor is None else floor * 1e3,
-                   "efficiency": None if floor is None else floor / t.median,
-                   "tokens_per_s": batch / t.median}
+            row = {
+                "section": "decode",
+                "batch": batch,
+                "context": context,
+                "ms": t.median * 1e3,
+                "ms_full_depth": t.median * 1e3 * full_layers / cfg.num_hidden_layers,
+                "floor_ms": None if floor is None else floor * 1e3,
+                "efficiency": None if floor is None else floor / t.median,
+                "tokens_per_s": batch / t.median,
+            }
             rows.append(row)
             measured.append((batch, t.median))
-            print(f"decode  ctx {context:>6} batch {batch:>4}: {row['ms']:9.2f} ms"
-                  + (f"  floor {row['floor_ms']:.2f} ms  ({100 * row['efficiency']:.1f}%)" if floor else ""))
+            print(
+                f"decode  ctx {context:>6} batch {batch:>4}: {row['ms']:9.2f} ms"
+                + (f"  floor {row['floor_ms']:.2f} ms  ({100 * row['efficiency']:.1f}%)" if floor else "")
+            )
             del llm
         if len({m[0] for m in measured}) < 2:  # a line needs two batch sizes
             continue
@@ -139,10 +180,19 @@ def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
             llm = None
             continue
         floor = step_cost(cfg, tokens, tokens, prefill=True).floor(ceil) if ceil else None
-        rows.append({"section": "prefill", "tokens": tokens, "ms": seconds[-1] * 1e3,
-                     "floor_ms": None if floor is None else floor * 1e3,
-                     "efficiency": None if floor is None else floor / seconds[-1]})
-        print(f"prefill {tokens:>6} tokens: {seconds[-1] * 1e3:9.2f} ms" + (f"  floor {floor * 1e3:.2f} ms" if floor else ""))
+        rows.append(
+            {
+                "section": "prefill",
+                "tokens": tokens,
+                "ms": seconds[-1] * 1e3,
+                "floor_ms": None if floor is None else floor * 1e3,
+                "efficiency": None if floor is None else floor / seconds[-1],
+            }
+        )
+        print(
+            f"prefill {tokens:>6} tokens: {seconds[-1] * 1e3:9.2f} ms"
+            + (f"  floor {floor * 1e3:.2f} ms" if floor else "")
+        )
         del llm
     return rows
 
@@ -161,26 +211,33 @@ def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
     context = sizes["contexts"][0]
     for batch in sorted({min(sizes["batches"]), max(sizes["batches"])}):
         llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
-        p = profile_decode(llm.engine, runner_cache(llm), batch=batch, context=context, steps=sizes["steps"],
-                           vocab_size=cfg.vocab_size)
+        p = profile_decode(
+            llm.engine, runner_cache(llm), batch=batch, context=context, steps=sizes["steps"], vocab_size=cfg.vocab_size
+        )
         rows.append({"section": "profile", **p})
-        print(f"profile ctx {context} batch {batch}: {p['wall_ms']:.2f} ms per step (profiled), device busy "
-              f"{p['busy_ms']:.2f} ms; {_launches(p)}")
+        print(
+            f"profile ctx {context} batch {batch}: {p['wall_ms']:.2f} ms per step (profiled), device busy "
+            f"{p['busy_ms']:.2f} ms; {_launches(p)}"
+        )
         _print_kernels(p["kernels"])
         del llm
     tokens = max(sizes["prefill"])
     llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
     p = profile_prefill(llm.engine, runner_cache(llm).blocks.device, tokens=tokens, vocab_size=cfg.vocab_size)
     rows.append({"section": "profile", "batch": 1, "context": tokens, "prefill_tokens": tokens, **p})
-    print(f"profile prefill {tokens} tokens: {p['wall_ms']:.2f} ms (profiled), device busy {p['busy_ms']:.2f} ms; "
-          f"{_launches(p)}")
+    print(
+        f"profile prefill {tokens} tokens: {p['wall_ms']:.2f} ms (profiled), device busy {p['busy_ms']:.2f} ms; "
+        f"{_launches(p)}"
+    )
     _print_kernels(p["kernels"])
     return rows
 
 
 def _launches(p: dict[str, Any]) -> str:
-    return (f"{p['launches_per_step']:.0f} kernel launches per step, {p['kernel_ms']:.2f} ms in kernels, "
-            f"{p['copies_per_step']:.0f} copies/fills {p['copy_ms']:.2f} ms")
+    return (
+        f"{p['launches_per_step']:.0f} kernel launches per step, {p['kernel_ms']:.2f} ms in kernels, "
+        f"{p['copies_per_step']:.0f} copies/fills {p['copy_ms']:.2f} ms"
+    )
 
 
 def _print_kernels(kernels: list[dict[str, Any]]) -> None:
@@ -191,10 +248,17 @@ def _print_kernels(kernels: list[dict[str, Any]]) -> None:
 def _result(args, device, model, cfg, backend, ceil, rows) -> dict[str, Any]:
     import torch
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": _command(args),
-            "model": model, "layers": cfg.num_hidden_layers, "backend": backend, "torch": torch.__version__,
-            "ceilings": dict(ceil), "rows": rows}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "command": _command(args),
+        "model": model,
+        "layers": cfg.num_hidden_layers,
+        "backend": backend,
+        "torch": torch.__version__,
+        "ceilings": dict(ceil),
+        "rows": rows,
+    }
 
 
 def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -206,10 +270,26 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 def _command(args: argparse.Namespace) -> str:
-    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
-             if k in ("model", "layers", "backend", "quick", "no_graphs", "no_compare", "no_async", "profile",
-                      "batches", "contexts", "prefill_tokens", "batch_invariant")
-             and v not in (None, False)]
+    flags = [
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items()
+        if k
+        in (
+            "model",
+            "layers",
+            "backend",
+            "quick",
+            "no_graphs",
+            "no_compare",
+            "no_async",
+            "profile",
+            "batches",
+            "contexts",
+            "prefill_tokens",
+            "batch_invariant",
+        )
+        and v not in (None, False)
+    ]
     return " ".join(["shinkai bench step", *flags])
 
 
@@ -233,18 +313,26 @@ def main(args: argparse.Namespace) -> int:
     ceil = _ceilings(device)
     graphs = device.type == "cuda" and backend == "kernels" and not args.no_graphs
     build, cfg, full_layers = builder(model, device, backend, args.layers, graphs)
-    print(f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, CUDA graphs {graphs}, device "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}")
+    print(
+        f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, CUDA graphs {graphs}, device "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
+    )
     if device.type == "cuda":
-        print(f"GPU memory after the build: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, peak "
-              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        print(
+            f"GPU memory after the build: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, peak "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        )
     if ceil:
-        print(f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
-              f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)")
+        print(
+            f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
+            f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)"
+        )
     rows: list[dict[str, Any]] = []
-    sections = [("host", lambda: _host_section(sizes)),
-                ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
-                ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil))]
+    sections = [
+        ("host", lambda: _host_section(sizes)),
+        ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
+        ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil)),
+    ]
     if args.batch_invariant:
         from services.bench.step.invariant import batch_invariant_section
 
@@ -277,8 +365,11 @@ def main(args: argparse.Namespace) -> int:
         _write(args, _result(args, device, model, cfg, backend, ceil, rows))
     result = _result(args, device, model, cfg, backend, ceil, rows)
     if args.baseline:
-        base = {(r["batch"], r["context"]): r["ms"] for r in json.loads(Path(args.baseline).read_text())["rows"]
-                if r["section"] == "decode"}
+        base = {
+            (r["batch"], r["context"]): r["ms"]
+            for r in json.loads(Path(args.baseline).read_text())["rows"]
+            if r["section"] == "decode"
+        }
         for r in rows:
             if r["section"] == "decode" and (r["batch"], r["context"]) in base:
                 r["vs_baseline"] = base[(r["batch"], r["context"])] / r["ms"]

@@ -59,8 +59,10 @@ def skip_prefill(engine: Engine, token_id: int = 3) -> int:
             # A decode plan was made but not run: close it as failed would end the requests, so run
             # it for real instead — the caller's first timed step is the one after this.
             engine.worker.execute(plan, engine._sampling_rows(plan))
-            sched.update(plan, StepResult(list(plan.num_sample_rows.tolist()),
-                                          [token_id] * int(sum(plan.num_sample_rows.tolist()))))
+            sched.update(
+                plan,
+                StepResult(list(plan.num_sample_rows.tolist()), [token_id] * int(sum(plan.num_sample_rows.tolist()))),
+            )
             return skipped
         counts = list(plan.num_sample_rows.tolist())
         sched.update(plan, StepResult(counts, [token_id] * sum(counts)))
@@ -86,15 +88,17 @@ def fill_pools(cache: CacheEngine, seed: int = 0) -> None:
             cache.write_entries(source.layer, entries, kv, keys)
 
 
-def time_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int,
-                vocab_size: int, seed: int = 0) -> StepTimes:
+def time_decode(
+    engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int, vocab_size: int, seed: int = 0
+) -> StepTimes:
     """``batch`` requests with ``context``-token prompts, prefill skipped, then ``steps`` timed decode
     steps (after one untimed warm-up step). Greedy, ``ignore_eos``: every step keeps all rows."""
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"bench-{context}-{batch}-{i}", torch.randint(3, vocab_size, (context,), generator=gen).tolist(),
-                           params)
+        engine.add_request(
+            f"bench-{context}-{batch}-{i}", torch.randint(3, vocab_size, (context,), generator=gen).tolist(), params
+        )
     skip_prefill(engine)
     fill_pools(cache, seed)
     device = cache.blocks.device
@@ -113,9 +117,11 @@ def time_decode(engine: Engine, cache: CacheEngine, *, batch: int, context: int,
         plan = engine.last_plan
         if plan is None or plan.is_prefill or plan.num_rows != batch:
             reasons = sorted(set(ended.values()))
-            raise RuntimeError(f"timed step {i} was not a {batch}-row decode step ({plan and plan.num_rows} rows, "
-                               f"prefill {plan and plan.is_prefill}); {len(ended)} requests ended ({reasons}); "
-                               f"{engine.stats()}")
+            raise RuntimeError(
+                f"timed step {i} was not a {batch}-row decode step ({plan and plan.num_rows} rows, "
+                f"prefill {plan and plan.is_prefill}); {len(ended)} requests ended ({reasons}); "
+                f"{engine.stats()}"
+            )
     while engine.has_unfinished():  # drain, so the pools come back whole for the next size
         for request_id in list(engine.requests):
             engine.abort(request_id)
@@ -140,8 +146,9 @@ def time_prompt_step(engine: Engine, device: torch.device, tokens: int, vocab_si
     same size (compiles); each request then runs to its end, so the pools come back whole."""
     seconds = 0.0
     for i in range(2):
-        engine.add_request(f"p{i}", torch.randint(3, vocab_size, (tokens,)).tolist(),
-                           SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.add_request(
+            f"p{i}", torch.randint(3, vocab_size, (tokens,)).tolist(), SamplingParams(max_tokens=1, ignore_eos=True)
+        )
         _sync(device)
         t0 = time.perf_counter()
         engine.step()

@@ -31,17 +31,22 @@ class MultimodalClient:
 
     async def encode(self, image: bytes) -> torch.Tensor:
         try:
-            reply = await self.stub.Encode(pb.ImageRequest(image=image), timeout=self.timeout_s,
-                                           metadata=tracing.grpc_metadata())
+            reply = await self.stub.Encode(
+                pb.ImageRequest(image=image), timeout=self.timeout_s, metadata=tracing.grpc_metadata()
+            )
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ImageInputError(err.details() or "the multimodal service refused the image") from None
-            raise ImageEncoderUnavailable(f"the multimodal service at {self.address} cannot encode images now: "
-                                          f"{err.code().name} ({err.details()})") from None
+            raise ImageEncoderUnavailable(
+                f"the multimodal service at {self.address} cannot encode images now: "
+                f"{err.code().name} ({err.details()})"
+            ) from None
         num_tokens, hidden = reply.plan.num_tokens, reply.hidden_size
         if len(reply.embeddings) != 4 * num_tokens * hidden:
-            raise ImageEncoderUnavailable(f"the multimodal service at {self.address} sent {len(reply.embeddings)} "
-                                          f"bytes for a [{num_tokens}, {hidden}] fp32 span")
+            raise ImageEncoderUnavailable(
+                f"the multimodal service at {self.address} sent {len(reply.embeddings)} "
+                f"bytes for a [{num_tokens}, {hidden}] fp32 span"
+            )
         rows = np.frombuffer(reply.embeddings, dtype="<f4").reshape(num_tokens, hidden)
         return torch.from_numpy(rows.astype(np.float32))  # a copy: the reply's buffer is read-only
 

@@ -26,12 +26,14 @@ from services.multimodal.preprocess import ImageInputError, ImageLimits, peek_gr
 NO_TOWER = "this model has no vision tower: image_url parts need one"
 
 
-def expand_placeholders(ids: Sequence[int], placeholder_id: int, image_token_id: int,
-                        span_lengths: Sequence[int]) -> list[int]:
+def expand_placeholders(
+    ids: Sequence[int], placeholder_id: int, image_token_id: int, span_lengths: Sequence[int]
+) -> list[int]:
     """``ids`` with its i-th ``placeholder_id`` replaced by ``span_lengths[i]`` copies of ``image_token_id``."""
     if list(ids).count(placeholder_id) != len(span_lengths):
-        raise ValueError(f"the prompt has {list(ids).count(placeholder_id)} image placeholders for "
-                         f"{len(span_lengths)} images")
+        raise ValueError(
+            f"the prompt has {list(ids).count(placeholder_id)} image placeholders for {len(span_lengths)} images"
+        )
     out: list[int] = []
     spans_left = iter(span_lengths)
     for token in ids:
@@ -47,9 +49,14 @@ def check_count(num_images: int, limits: ImageLimits) -> None:
         raise ImageInputError(f"{num_images} images in one request, over the limit of {limits.max_images}")
 
 
-def expand_images(ids: list[int], urls: list[str], placeholder_id: int, model: DeepseekV41,
-                  limits: ImageLimits = ImageLimits(),
-                  allow_private: bool = True) -> tuple[list[int], torch.Tensor | None]:
+def expand_images(
+    ids: list[int],
+    urls: list[str],
+    placeholder_id: int,
+    model: DeepseekV41,
+    limits: ImageLimits = ImageLimits(),
+    allow_private: bool = True,
+) -> tuple[list[int], torch.Tensor | None]:
     """(prompt ids with every image's span in place of its placeholder, span rows [P, D] or None without
     images). ImageInputError names a bad image or URL; ValueError when the model has no vision tower.
     ``allow_private``: offline, the caller is the operator, so URLs may name private addresses."""
@@ -60,12 +67,16 @@ def expand_images(ids: list[int], urls: list[str], placeholder_id: int, model: D
     if model.encoder is None or model.cfg.vision is None:
         raise ValueError(NO_TOWER)
     check_count(len(urls), limits)
-    images = [prepare_image(fetch_image(url, limits.max_bytes, allow_private=allow_private), model.cfg.vision,
-                            limits) for url in urls]
+    images = [
+        prepare_image(fetch_image(url, limits.max_bytes, allow_private=allow_private), model.cfg.vision, limits)
+        for url in urls
+    ]
     device = model.embed.weight.device
     with torch.no_grad():
-        spans = model.encoder(torch.cat([image.patches for image in images]).to(device),
-                              [(image.grid.patch_rows, image.grid.patch_cols) for image in images])
+        spans = model.encoder(
+            torch.cat([image.patches for image in images]).to(device),
+            [(image.grid.patch_rows, image.grid.patch_cols) for image in images],
+        )
     out = expand_placeholders(ids, placeholder_id, model.cfg.vision.image_token_id, [s.shape[0] for s in spans])
     return out, torch.cat(spans).float()
 
@@ -85,8 +96,14 @@ class ImagePrompts:
     """The served image path's two halves around the readiness gate: ``expand`` before the request is
     queued (cheap: image headers only), ``embeddings`` while it waits."""
 
-    def __init__(self, vision: VisionConfig | None, placeholder_id: int | None, encoder: ImageEncoder | None,
-                 limits: ImageLimits = ImageLimits(), refusal: str | None = None) -> None:
+    def __init__(
+        self,
+        vision: VisionConfig | None,
+        placeholder_id: int | None,
+        encoder: ImageEncoder | None,
+        limits: ImageLimits = ImageLimits(),
+        refusal: str | None = None,
+    ) -> None:
         self.vision = vision  # the served model's tower config; None: it has none, images are refused
         self.placeholder_id = placeholder_id  # the recipe's image token id in rendered prompts
         self.encoder = encoder  # None: images are refused (no tower, or a worker that cannot take them)
@@ -102,8 +119,7 @@ class ImagePrompts:
             raise ValueError(self.refusal or "this engine takes no images")
         check_count(len(images), self.limits)
         grids = [peek_grid(image, self.vision, self.limits) for image in images]
-        ids = expand_placeholders(ids, self.placeholder_id, self.vision.image_token_id,
-                                  [g.num_tokens for g in grids])
+        ids = expand_placeholders(ids, self.placeholder_id, self.vision.image_token_id, [g.num_tokens for g in grids])
         return ids, grids
 
     async def embeddings(self, images: Sequence[bytes], grids: Sequence[ImageGrid]) -> torch.Tensor:
@@ -114,5 +130,6 @@ class ImagePrompts:
             if span.shape[0] != grid.num_tokens:  # the encoder serves another model (or another config)
                 raise ImageEncoderUnavailable(
                     f"the image encoder returned {span.shape[0]} embeddings for image {i}, whose span here has "
-                    f"{grid.num_tokens}: it does not serve this model")
+                    f"{grid.num_tokens}: it does not serve this model"
+                )
         return torch.cat(list(spans))

@@ -58,8 +58,14 @@ class PlanIntake:
         taken = self.live.receive(update_from_plan(message))
         if taken:
             self.num_taken += 1
-            log.info("EPLB plan v%d layer %d received: %d moves, moe_lb %.4f -> %.4f predicted",
-                     message.version, message.layer, message.moves, message.moe_lb_before, message.moe_lb_after)
+            log.info(
+                "EPLB plan v%d layer %d received: %d moves, moe_lb %.4f -> %.4f predicted",
+                message.version,
+                message.layer,
+                message.moves,
+                message.moe_lb_before,
+                message.moe_lb_after,
+            )
         else:
             self.num_refused += 1
         return taken

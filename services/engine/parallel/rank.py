@@ -74,8 +74,12 @@ def rank_engine_args(engine_args: dict[str, object], device: str) -> dict[str, o
     graphs: expert parallelism shards the torch MoE), and async scheduling as one process on ``device`` has
     it (services/engine/device.py: on for CUDA without drafts, off on the CPU)."""
     speculative = bool(engine_args.get("num_speculative_tokens"))
-    return {"kernel_backend": None, "cuda_graphs": False,
-            "async_scheduling": str(device).startswith("cuda") and not speculative, **engine_args}
+    return {
+        "kernel_backend": None,
+        "cuda_graphs": False,
+        "async_scheduling": str(device).startswith("cuda") and not speculative,
+        **engine_args,
+    }
 
 
 def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
@@ -97,8 +101,10 @@ def settle_live_layouts(rank: RankEngine, timeout_s: float) -> int:
         if rank.live.settled:
             return rank.live.version
         if time.monotonic() > deadline:  # the group's agreed values: every rank raises at the same vote
-            raise TimeoutError(f"EPLB version {rank.live.agreed.received} not in force within {timeout_s} s "
-                               f"(in force: {rank.live.version}; mover: {rank.live.error or 'working'})")
+            raise TimeoutError(
+                f"EPLB version {rank.live.agreed.received} not in force within {timeout_s} s "
+                f"(in force: {rank.live.version}; mover: {rank.live.error or 'working'})"
+            )
         time.sleep(SETTLE_POLL_S)
 
 
@@ -111,8 +117,10 @@ def build_rank(rank: int, spec: RankSpec, groups: RankGroups | None = None) -> R
     device = spec.rank_device(rank)
     if device.startswith("cuda"):
         if torch.cuda.device_count() < world:
-            raise ValueError(f"{world} ranks need {world} GPUs (NCCL puts one rank on a GPU); "
-                             f"{torch.cuda.device_count()} are visible")
+            raise ValueError(
+                f"{world} ranks need {world} GPUs (NCCL puts one rank on a GPU); "
+                f"{torch.cuda.device_count()} are visible"
+            )
         torch.cuda.set_device(device)
     threads = spec.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // world
     torch.set_num_threads(max(1, threads))
@@ -136,13 +144,23 @@ def group_engine(worker, config: EngineConfig, cfg: ModelConfig, vote: HostVote)
     """A rank's engine around its ``worker`` (in-process, or a worker process's `RemoteWorker`), voting
     with the group through ``vote``."""
     kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    return Engine(worker, config, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
-                  compress_ratios=kv_ratios or [1], window_size=cfg.sliding_window, vote=vote)
+    return Engine(
+        worker,
+        config,
+        vocab_size=cfg.vocab_size,
+        eos_token_id=cfg.eos_token_id,
+        compress_ratios=kv_ratios or [1],
+        window_size=cfg.sliding_window,
+        vote=vote,
+    )
 
 
-def run_to_completion(rank: RankEngine, requests: list[tuple[str, list[int], SamplingParams]],
-                      updates_at: dict[int, list[LayoutUpdate]] | None = None,
-                      on_step: Callable[[], None] | None = None) -> list[RequestOutput]:
+def run_to_completion(
+    rank: RankEngine,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    updates_at: dict[int, list[LayoutUpdate]] | None = None,
+    on_step: Callable[[], None] | None = None,
+) -> list[RequestOutput]:
     """Queues this rank's share (possibly none) and steps in lockstep until no rank has work left;
     returns this rank's finished outputs. The last vote found no rank with work, so the group is marked
     idle: the next call's first step votes at an ANY point and a lone prompt prefills at once.

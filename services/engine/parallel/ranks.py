@@ -45,13 +45,25 @@ class Ranks:
         self.world_size = spec_without_rendezvous.config.data_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="shinkai-ranks-")
         rendezvous = Path(self._dir.name) / "rendezvous"
-        spec = RankSpec(spec_without_rendezvous.config, spec_without_rendezvous.load, f"file://{rendezvous}",
-                        spec_without_rendezvous.device, spec_without_rendezvous.num_threads)
+        spec = RankSpec(
+            spec_without_rendezvous.config,
+            spec_without_rendezvous.load,
+            f"file://{rendezvous}",
+            spec_without_rendezvous.device,
+            spec_without_rendezvous.num_threads,
+        )
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(self.world_size)]
-        self.processes = [ctx.Process(target=rank_main, args=(r, spec, self._commands[r], self._results),
-                                      name=f"shinkai-rank-{r}", daemon=True) for r in range(self.world_size)]
+        self.processes = [
+            ctx.Process(
+                target=rank_main,
+                args=(r, spec, self._commands[r], self._results),
+                name=f"shinkai-rank-{r}",
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
         self._closed = False
         self.num_layout_versions = 0  # live EPLB versions submitted (submit_layouts)
         # Per rank: boundary of the next generate call → updates that rank receives there.
@@ -118,15 +130,21 @@ class Ranks:
                 if lost:
                     self._fail(f"data-parallel rank {lost[0][0]} exited with code {lost[0][1]}")
                 if deadline is not None and time.monotonic() > deadline:
-                    self._fail(f"data-parallel ranks {sorted(set(range(self.world_size)) - set(got))} did not "
-                               f"answer {kind!r} within {timeout_s} s")
+                    self._fail(
+                        f"data-parallel ranks {sorted(set(range(self.world_size)) - set(got))} did not "
+                        f"answer {kind!r} within {timeout_s} s"
+                    )
                 continue
             if message == "error":
                 time.sleep(POLL_S)  # a peer's loss often shows first as this rank's failed collective
-                lost = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes)
-                        if r != rank and not p.is_alive()]
-                self._fail(f"data-parallel rank {rank} failed{' (' + ', '.join(lost) + ')' if lost else ''}:\n"
-                           f"{payload}")
+                lost = [
+                    f"rank {r} exited with code {p.exitcode}"
+                    for r, p in enumerate(self.processes)
+                    if r != rank and not p.is_alive()
+                ]
+                self._fail(
+                    f"data-parallel rank {rank} failed{' (' + ', '.join(lost) + ')' if lost else ''}:\n{payload}"
+                )
             if message != kind:
                 self._fail(f"data-parallel rank {rank} sent {message!r} while the group waited for {kind!r}")
             got[rank] = payload

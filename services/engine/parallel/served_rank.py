@@ -59,8 +59,9 @@ def rank_config(engine_args: dict[str, object], remote: bool) -> EngineConfig:
     return config.replace(async_scheduling=False) if remote else config
 
 
-def start_rank(model: str, rank: int, rendezvous: str, engine_args: dict[str, object],
-               worker: RemoteWorker | None = None) -> RankLLM:
+def start_rank(
+    model: str, rank: int, rendezvous: str, engine_args: dict[str, object], worker: RemoteWorker | None = None
+) -> RankLLM:
     """Joins the group at ``rendezvous`` ("tcp://host:port", rank 0 listens there) as ``rank`` and builds
     this rank's engine; returns once every rank of the group has joined.
 

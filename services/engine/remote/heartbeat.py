@@ -23,8 +23,9 @@ log = logging.getLogger("shinkai.engine.heartbeat")
 
 
 class WorkerHeartbeat:
-    def __init__(self, channel: grpc.Channel, address: str, *, interval_s: float = 0.25,
-                 timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, channel: grpc.Channel, address: str, *, interval_s: float = 0.25, timeout_s: float = 1.0
+    ) -> None:
         self.stub = health_pb2_grpc.HealthStub(channel)
         self.address = address
         self.interval_s = interval_s  # seconds between health checks, and each check's deadline

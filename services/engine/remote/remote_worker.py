@@ -39,12 +39,15 @@ class ModelMismatch(RuntimeError):
 
 
 class RemoteWorker:
-    def __init__(self, address: str, *, timeout_s: float = 600.0, heartbeat_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 600.0, heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 3.0
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s  # per step
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.heartbeat = WorkerHeartbeat(self.channel, address, interval_s=heartbeat_s, timeout_s=heartbeat_timeout_s)
@@ -56,9 +59,11 @@ class RemoteWorker:
         config_sha, weights_sha = model_hashes(source)
         if (info.config_sha256, info.weights_sha256) != (config_sha, weights_sha):
             what = "config" if info.config_sha256 != config_sha else "weights"
-            raise ModelMismatch(f"the worker at {self.address} serves model {info.model!r} with different {what} "
-                                f"(sha256 {getattr(info, what + '_sha256')[:12]}…, engine "
-                                f"{(config_sha if what == 'config' else weights_sha)[:12]}…)")
+            raise ModelMismatch(
+                f"the worker at {self.address} serves model {info.model!r} with different {what} "
+                f"(sha256 {getattr(info, what + '_sha256')[:12]}…, engine "
+                f"{(config_sha if what == 'config' else weights_sha)[:12]}…)"
+            )
         self.heartbeat.start()  # watched from the first time it is known to serve the engine's model
         return info
 
@@ -75,8 +80,9 @@ class RemoteWorker:
             raise WorkerLost(f"the worker at {self.address} is not answering its heartbeat")
         for request_id in sorted(self.unreleased):
             self.release(request_id)
-        call = self.stub.ExecuteStep.future(encode_plan(plan, rows), timeout=self.timeout_s,
-                                           metadata=tracing.grpc_metadata())  # a traced step's context
+        call = self.stub.ExecuteStep.future(
+            encode_plan(plan, rows), timeout=self.timeout_s, metadata=tracing.grpc_metadata()
+        )  # a traced step's context
         poll_s = self.heartbeat.interval_s
         while True:
             try:
@@ -84,28 +90,32 @@ class RemoteWorker:
             except grpc.FutureTimeoutError:
                 if not self.heartbeat.alive:  # died or hung holding the step: do not wait for the deadline
                     call.cancel()
-                    raise WorkerLost(f"the worker at {self.address} stopped answering its heartbeat "
-                                     f"during step {plan.step_id}") from None
+                    raise WorkerLost(
+                        f"the worker at {self.address} stopped answering its heartbeat during step {plan.step_id}"
+                    ) from None
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     self.heartbeat.mark_lost()  # the process is gone: refuse work until it answers again
-                raise WorkerLost(f"the worker at {self.address} failed step {plan.step_id}: "
-                                 f"{err.code().name} {err.details()}") from None
+                raise WorkerLost(
+                    f"the worker at {self.address} failed step {plan.step_id}: {err.code().name} {err.details()}"
+                ) from None
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows) -> None:
         """``Worker.set_images`` over worker.v1: rows [P, D] float32 or bfloat16 travel as their bytes.
         ValueError when the worker refuses them (INVALID_ARGUMENT); WorkerLost when it cannot be reached."""
         if not self.heartbeat.alive:
             raise WorkerLost(f"the worker at {self.address} is not answering its heartbeat")
-        request = pb.SetImagesRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                      rows=tensor_to_array(rows))
+        request = pb.SetImagesRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), rows=tensor_to_array(rows)
+        )
         try:
             self.stub.SetImages(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(f"the worker at {self.address} refused the image rows: {err.details()}") from None
-            raise WorkerLost(f"the worker at {self.address} failed SetImages for {request_id}: "
-                             f"{err.code().name} {err.details()}") from None
+            raise WorkerLost(
+                f"the worker at {self.address} failed SetImages for {request_id}: {err.code().name} {err.details()}"
+            ) from None
 
     def release(self, request_id: str) -> None:
         if not self.heartbeat.alive:
@@ -114,8 +124,12 @@ class RemoteWorker:
         try:
             self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=min(self.timeout_s, 5.0))
         except grpc.RpcError as err:
-            log.warning("release of %s on %s failed (%s); a lost worker has dropped it anyway",
-                        request_id, self.address, err.code().name)
+            log.warning(
+                "release of %s on %s failed (%s); a lost worker has dropped it anyway",
+                request_id,
+                self.address,
+                err.code().name,
+            )
         self.unreleased.discard(request_id)
 
     def close(self) -> None:

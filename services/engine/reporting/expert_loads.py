@@ -26,8 +26,14 @@ log = logging.getLogger("shinkai.engine.expert_loads")
 
 
 class ExpertLoadPublisher:
-    def __init__(self, worker: Any, nc: Any, loop: asyncio.AbstractEventLoop, rank: int,
-                 report: Callable[[int], LoadReport] | None = None) -> None:
+    def __init__(
+        self,
+        worker: Any,
+        nc: Any,
+        loop: asyncio.AbstractEventLoop,
+        rank: int,
+        report: Callable[[int], LoadReport] | None = None,
+    ) -> None:
         self.worker = worker  # the wrapped worker (in-process or remote)
         self.nc = nc  # a connected nats.aio.client.Client; None: not yet (nothing is published)
         self.loop = loop  # the loop that owns ``nc``; execute runs on the step thread

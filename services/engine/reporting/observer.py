@@ -48,8 +48,7 @@ class EngineObserver:
         """The step's span if this step is sampled (make it current around the step), else None."""
         return tracing.start_span("engine.step") if tracing.sample_step(self.num_steps) else None
 
-    def step_finished(self, plan: Any, started_ns: int, span: Any,
-                      times: Callable[[str], RequestTimes | None]) -> None:
+    def step_finished(self, plan: Any, started_ns: int, span: Any, times: Callable[[str], RequestTimes | None]) -> None:
         """``times``: engine request id → that request's times while it is live, else None."""
         self.num_steps += 1
         for request_id in plan.request_ids:
@@ -64,10 +63,18 @@ class EngineObserver:
             if plan.is_placeholder:
                 self.metrics.placeholder_steps.inc()
         if span is not None:
-            tracing.end(span, {"engine.step": self.num_steps - 1, "engine.batch_size": plan.num_requests,
-                               "engine.phase": plan.kind, "engine.placeholder": plan.is_placeholder,
-                               "engine.rows": plan.num_rows, "engine.padding_rows": plan.num_padding_rows,
-                               "engine.graph_size": plan.graph_size if plan.graph_size is not None else 0})
+            tracing.end(
+                span,
+                {
+                    "engine.step": self.num_steps - 1,
+                    "engine.batch_size": plan.num_requests,
+                    "engine.phase": plan.kind,
+                    "engine.placeholder": plan.is_placeholder,
+                    "engine.rows": plan.num_rows,
+                    "engine.padding_rows": plan.num_padding_rows,
+                    "engine.graph_size": plan.graph_size if plan.graph_size is not None else 0,
+                },
+            )
 
     def tokens(self, t: RequestTimes) -> None:
         """The request's delta carried tokens."""
@@ -94,5 +101,10 @@ class EngineObserver:
         if t.scheduled:
             tracing.record("prefill", t.parent, t.scheduled, t.first_token or now)
         if t.first_token:
-            tracing.record("decode", t.parent, t.first_token, now, {"request.output_tokens": num_output_tokens,
-                                                                    "request.finish_reason": str(reason)})
+            tracing.record(
+                "decode",
+                t.parent,
+                t.first_token,
+                now,
+                {"request.output_tokens": num_output_tokens, "request.finish_reason": str(reason)},
+            )

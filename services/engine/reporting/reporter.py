@@ -22,8 +22,9 @@ FLUSH_TIMEOUT_S = 2.0  # the deadline of every round trip to NATS (there are no 
 
 
 class LoadReporter:
-    def __init__(self, nats_url: str, replica: str, address: str, stats: Callable[[], EngineStats],
-                 interval_s: float = 0.25) -> None:
+    def __init__(
+        self, nats_url: str, replica: str, address: str, stats: Callable[[], EngineStats], interval_s: float = 0.25
+    ) -> None:
         self.nats_url = nats_url
         self.replica = replica  # the engine's name in every message
         self.address = address  # its gRPC address, so a gateway can reach it
@@ -39,15 +40,25 @@ class LoadReporter:
         async def on_error(err: Exception) -> None:
             log.warning("nats: %s", err or type(err).__name__)
 
-        self.nc = await nats.connect(self.nats_url, name=f"shinkai-{self.replica}", max_reconnect_attempts=-1,
-                                      error_cb=on_error, connect_timeout=FLUSH_TIMEOUT_S, reconnect_time_wait=0.5,
-                                      **nats_auth.connect_options())
+        self.nc = await nats.connect(
+            self.nats_url,
+            name=f"shinkai-{self.replica}",
+            max_reconnect_attempts=-1,
+            error_cb=on_error,
+            connect_timeout=FLUSH_TIMEOUT_S,
+            reconnect_time_wait=0.5,
+            **nats_auth.connect_options(),
+        )
         await self.lifecycle("up")
         self._task = asyncio.create_task(self._loop())
 
     def load_message(self) -> dict[str, Any]:
-        return {"replica": self.replica, "address": self.address, **dataclasses.asdict(self.stats()),
-                "time": time.time()}
+        return {
+            "replica": self.replica,
+            "address": self.address,
+            **dataclasses.asdict(self.stats()),
+            "time": time.time(),
+        }
 
     async def _loop(self) -> None:
         while True:

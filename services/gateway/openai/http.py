@@ -25,8 +25,13 @@ from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, Generation, Piece, finite_logprob
 from services.gateway.openai.openapi import openapi_schema
 from services.gateway.probe import probe
-from services.gateway.openai.protocol import DEFAULT_MAX_BODY_BYTES, OpenAIRequest, parse_body, parse_chat, \
-    parse_completion
+from services.gateway.openai.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
+    OpenAIRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
 
 log = logging.getLogger("shinkai.gateway")
 # POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
@@ -72,15 +77,29 @@ class _Formatter:
             return None
         ids = [t for p in pieces for t in p.delta.token_ids]
         lps = [finite_logprob(x) for p in pieces for x in p.delta.logprobs]
-        tops = [[(i, finite_logprob(v)) for i, v in top]
-                for p in pieces for top in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])]
+        tops = [
+            [(i, finite_logprob(v)) for i, v in top]
+            for p in pieces
+            for top in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])
+        ]
         if self.chat:
-            return {"content": [
-                {"token": self._token(t), "logprob": lp, "bytes": None,
-                 "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top]}
-                for t, lp, top in zip(ids, lps, tops)]}
-        return {"tokens": [self._token(t) for t in ids], "token_logprobs": lps,
-                "top_logprobs": [{self._token(i): v for i, v in top} for top in tops], "text_offset": []}
+            return {
+                "content": [
+                    {
+                        "token": self._token(t),
+                        "logprob": lp,
+                        "bytes": None,
+                        "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top],
+                    }
+                    for t, lp, top in zip(ids, lps, tops)
+                ]
+            }
+        return {
+            "tokens": [self._token(t) for t in ids],
+            "token_logprobs": lps,
+            "top_logprobs": [{self._token(i): v for i, v in top} for top in tops],
+            "text_offset": [],
+        }
 
     def usage(self, num_output_tokens: int) -> dict[str, int]:
         n = self.generation.num_prompt_tokens
@@ -94,17 +113,30 @@ class _Formatter:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {"id": self.id, "object": self.object, "created": self.generation.created,
-                "model": self.frontend.served_model, "choices": [choice], "usage": self.usage(final.num_output_tokens)}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.generation.created,
+            "model": self.frontend.served_model,
+            "choices": [choice],
+            "usage": self.usage(final.num_output_tokens),
+        }
 
     def chunk(self, piece: Piece | None, first: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": f"{self.object}.chunk" if self.chat else self.object,
-                                "created": self.generation.created, "model": self.frontend.served_model}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": f"{self.object}.chunk" if self.chat else self.object,
+            "created": self.generation.created,
+            "model": self.frontend.served_model,
+        }
         if piece is None:  # the usage chunk
             body["choices"] = []
             return body
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs([piece]),
-                                  "finish_reason": piece.delta.finish_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": self.logprobs([piece]),
+            "finish_reason": piece.delta.finish_reason,
+        }
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if piece.text or first:
@@ -116,10 +148,12 @@ class _Formatter:
         return body
 
 
-async def _collect_while_connected(request: Request, generation: Generation,
-                                   poll_s: float = 0.25) -> list[Piece] | None:
+async def _collect_while_connected(
+    request: Request, generation: Generation, poll_s: float = 0.25
+) -> list[Piece] | None:
     """Every piece of a non-streamed request; None as soon as the client disconnects (then the caller's
     ``generation.close()`` aborts it, so a vanished client does not keep the engine busy)."""
+
     async def collect() -> list[Piece]:
         return [piece async for piece in generation]
 
@@ -139,8 +173,9 @@ async def _collect_while_connected(request: Request, generation: Generation,
 async def _read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}",
-                       code="body_too_large")
+        raise ApiError(
+            errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}", code="body_too_large"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -150,9 +185,14 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True,
-              health_problem: Callable[[], str | None] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keys: Keys | None = None) -> FastAPI:
+def build_app(
+    frontend: Frontend,
+    *,
+    is_ready: Callable[[], bool] = lambda: True,
+    health_problem: Callable[[], str | None] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    keys: Keys | None = None,
+) -> FastAPI:
     keys = keys or Keys()
     problem = health_problem or (lambda: None if is_ready() else "draining")
     app = FastAPI(title="Shinkai", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
@@ -174,8 +214,9 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
     @app.exception_handler(Exception)
     async def _bug(_: Request, err: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return JSONResponse(ApiError(errors.INTERNAL, f"internal error: {type(err).__name__}").openai_body(),
-                            status_code=500)
+        return JSONResponse(
+            ApiError(errors.INTERNAL, f"internal error: {type(err).__name__}").openai_body(), status_code=500
+        )
 
     async def _generate(request: Request, chat: bool) -> Response:
         owner = keys.check(request.headers.get("authorization"))
@@ -186,8 +227,11 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
             raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media_type != JSON_TYPE:
-            raise ApiError(errors.UNSUPPORTED_MEDIA, f"Content-Type must be {JSON_TYPE}, got "
-                           f"{media_type or 'none'}", code="unsupported_media_type")
+            raise ApiError(
+                errors.UNSUPPORTED_MEDIA,
+                f"Content-Type must be {JSON_TYPE}, got {media_type or 'none'}",
+                code="unsupported_media_type",
+            )
         body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
         info = frontend.info
         parse = parse_chat if chat else parse_completion
@@ -199,8 +243,11 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         fmt = _Formatter(frontend, parsed, generation, chat)
         id_header = {"X-Request-Id": generation.client_request_id}  # as vLLM: the caller's id, else the request's
         if parsed.stream:
-            return StreamingResponse(_stream(fmt, generation, parsed.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **id_header})
+            return StreamingResponse(
+                _stream(fmt, generation, parsed.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **id_header},
+            )
         try:
             pieces = await _collect_while_connected(request, generation)
         finally:
@@ -216,8 +263,9 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
         if given is None:
             return None
         if not given or len(given.encode()) > MAX_ID_BYTES:
-            raise errors.invalid(f"X-Request-Id is {len(given.encode())} bytes; it must be 1 to {MAX_ID_BYTES}",
-                                 "X-Request-Id")
+            raise errors.invalid(
+                f"X-Request-Id is {len(given.encode())} bytes; it must be 1 to {MAX_ID_BYTES}", "X-Request-Id"
+            )
         return given
 
     async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -247,9 +295,18 @@ def build_app(frontend: Frontend, *, is_ready: Callable[[], bool] = lambda: True
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         keys.check(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model",
-                                            "created": int(time.time()), "owned_by": "shinkai",
-                                            "max_model_len": frontend.info.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": frontend.served_model,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "shinkai",
+                    "max_model_len": frontend.info.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> Response:

@@ -44,16 +44,18 @@ def check_tree(body: Any, max_depth: int = MAX_DEPTH) -> None:
             raise errors.invalid(f"{_path(path)} must be a finite number, not {value.name}", _path(path) or None)
         if isinstance(value, (dict, list)):
             if depth > max_depth:
-                raise errors.invalid(f"the body is nested deeper than {max_depth} levels (at {_path(path)})",
-                                     _path(path) or None)
+                raise errors.invalid(
+                    f"the body is nested deeper than {max_depth} levels (at {_path(path)})", _path(path) or None
+                )
             items = value.items() if isinstance(value, dict) else enumerate(value)
             stack.extend((v, (*path, k), depth + 1) for k, v in items)
 
 
 def parse_body(raw: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     if len(raw) > max_bytes:
-        raise ApiError(errors.TOO_LARGE, f"the body is {len(raw)} bytes, over the limit of {max_bytes}",
-                       code="body_too_large")
+        raise ApiError(
+            errors.TOO_LARGE, f"the body is {len(raw)} bytes, over the limit of {max_bytes}", code="body_too_large"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -16,10 +16,22 @@ from typing import Any
 from services.engine.model_info import ModelInfo
 from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
 
-_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 _JSON_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _ERRORS = {
     "400": {"description": "invalid input; `param` names the field", **_JSON_ERROR},
@@ -30,9 +42,13 @@ _ERRORS = {
     "429": {"description": "queue full; see Retry-After", **_JSON_ERROR},
     "503": {"description": "draining, or no engine or tokenizer can serve", **_JSON_ERROR},
 }
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", None]}
 
 
@@ -48,16 +64,21 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
         "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1, "description": "n > 1: not supported yet"},
         "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
-        "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}],
-                 "description": "stop strings are not supported yet: use stop_token_ids"},
+        "stop": {
+            "anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}],
+            "description": "stop strings are not supported yet: use stop_token_ids",
+        },
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}},
         "ignore_eos": {"type": ["boolean", "null"]},
         "frequency_penalty": {"type": ["number", "null"], "minimum": 0, "maximum": 0},
         "presence_penalty": {"type": ["number", "null"], "minimum": 0, "maximum": 0},
-        "logit_bias": {"type": ["object", "null"], "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
-                       "propertyNames": {"pattern": "^[0-9]{1,6}$"},
-                       "additionalProperties": {"enum": [-100, 0]},
-                       "description": f"token id (< {vocab}) -> -100 (a ban) or 0; other biases: not yet"},
+        "logit_bias": {
+            "type": ["object", "null"],
+            "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+            "propertyNames": {"pattern": "^[0-9]{1,6}$"},
+            "additionalProperties": {"enum": [-100, 0]},
+            "description": f"token id (< {vocab}) -> -100 (a ban) or 0; other biases: not yet",
+        },
         "response_format": {"type": ["object", "null"], "properties": {"type": {"const": "text"}}},
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": ["boolean", "null"]}}},
@@ -66,51 +87,110 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
 
 
 def _completion_request(info: ModelInfo) -> dict[str, Any]:
-    token_ids = {"type": "array", "minItems": 1, "maxItems": info.max_model_len,
-                 "items": {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}}
-    prompt = {"anyOf": [{"type": "string"}, token_ids,
-                        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"},
-                                                                                           token_ids]}}]}
-    return {"type": "object", "required": ["model", "prompt"], "properties": {
-        **_sampling(info), "prompt": prompt,
-        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
-        "echo": {"type": ["boolean", "null"], "enum": [False, None], "description": "not supported yet"},
-        "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported yet"}}}
+    token_ids = {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": info.max_model_len,
+        "items": {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1},
+    }
+    prompt = {
+        "anyOf": [
+            {"type": "string"},
+            token_ids,
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}},
+        ]
+    }
+    return {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            **_sampling(info),
+            "prompt": prompt,
+            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
+            "echo": {"type": ["boolean", "null"], "enum": [False, None], "description": "not supported yet"},
+            "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported yet"},
+        },
+    }
 
 
 def _chat_request(info: ModelInfo) -> dict[str, Any]:
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"enum": ["system", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
-    return {"type": "object", "required": ["model", "messages"], "properties": {
-        **_sampling(info), "messages": {"type": "array", "minItems": 1, "items": message},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": info.max_model_len},
-        "logprobs": {"type": ["boolean", "null"]},
-        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
-        "thinking": {"type": ["object", "null"], "properties": {"type": {"enum": ["enabled", "disabled"]}}},
-        # Rendered by deepseek-recipe (services/tokenizer/chat.py); what it refuses is a 400.
-        "tools": {"type": ["array", "null"], "items": {"type": "object"}},
-        "tool_choice": {"anyOf": [{"type": "null"}, {"type": "string"}, {"type": "object"}]},
-        "reasoning_effort": {"type": ["string", "null"]}}}
+    part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": ["system", "user", "assistant", "tool"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            **_sampling(info),
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": info.max_model_len},
+            "logprobs": {"type": ["boolean", "null"]},
+            "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
+            "thinking": {"type": ["object", "null"], "properties": {"type": {"enum": ["enabled", "disabled"]}}},
+            # Rendered by deepseek-recipe (services/tokenizer/chat.py); what it refuses is a 400.
+            "tools": {"type": ["array", "null"], "items": {"type": "object"}},
+            "tool_choice": {"anyOf": [{"type": "null"}, {"type": "string"}, {"type": "object"}]},
+            "reasoning_effort": {"type": ["string", "null"]},
+        },
+    }
 
 
 def _responses(body_ref: str) -> dict[str, Any]:
-    return {"200": {"description": "the completion, or an SSE stream of chunks when stream is true", "content": {
-        "application/json": {"schema": {"$ref": body_ref}}, "text/event-stream": {"schema": {"type": "string"}}}},
-        **_ERRORS}
+    return {
+        "200": {
+            "description": "the completion, or an SSE stream of chunks when stream is true",
+            "content": {
+                "application/json": {"schema": {"$ref": body_ref}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        },
+        **_ERRORS,
+    }
 
 
 def _completion_body(chat: bool) -> dict[str, Any]:
-    choice = {"type": "object", "required": ["index", "finish_reason", "logprobs"], "properties": {
-        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": {"type": ["object", "null"]},
-        **({"message": {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"const": "assistant"}, "content": {"type": "string"}}}} if chat else {"text": {"type": "string"}})}}
-    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion" if chat else "text_completion"},
-        "created": {"type": "integer"}, "model": {"type": "string"},
-        "choices": {"type": "array", "items": choice}, "usage": {"$ref": "#/components/schemas/Usage"}}}
+    choice = {
+        "type": "object",
+        "required": ["index", "finish_reason", "logprobs"],
+        "properties": {
+            "index": {"type": "integer"},
+            "finish_reason": _FINISH,
+            "logprobs": {"type": ["object", "null"]},
+            **(
+                {
+                    "message": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                    }
+                }
+                if chat
+                else {"text": {"type": "string"}}
+            ),
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion" if chat else "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": {"$ref": "#/components/schemas/Usage"},
+        },
+    }
 
 
 def _plain(description: str, schema: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -119,36 +199,82 @@ def _plain(description: str, schema: dict[str, Any], extra: dict[str, Any] | Non
 
 def openapi_schema(info: ModelInfo) -> dict[str, Any]:
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
-    unavailable = {"503": {"description": "not serving; status says why", "content": {"application/json": {
-        "schema": status}}}}
-    models = {"type": "object", "required": ["object", "data"], "properties": {"object": {"const": "list"}, "data": {
-        "type": "array", "items": {"type": "object", "required": ["id", "object"], "properties": {
-            "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-            "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}}}
+    unavailable = {
+        "503": {"description": "not serving; status says why", "content": {"application/json": {"schema": status}}}
+    }
+    models = {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                        "max_model_len": {"type": "integer"},
+                    },
+                },
+            },
+        },
+    }
     body = {"required": True, "content": {"application/json": {"schema": None}}}
 
     def post(summary: str, request: str, response: str) -> dict[str, Any]:
         req = {**body, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request}"}}}}
-        return {"post": {"summary": summary, "requestBody": req,
-                         "responses": _responses(f"#/components/schemas/{response}")}}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": req,
+                "responses": _responses(f"#/components/schemas/{response}"),
+            }
+        }
 
     return {
         "openapi": "3.1.0",
-        "info": {"title": "Shinkai", "version": "0.1.0",
-                 "description": "OpenAI-compatible API. Masked logprobs (outside top-k / top-p) read -9999.0."},
+        "info": {
+            "title": "Shinkai",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible API. Masked logprobs (outside top-k / top-p) read -9999.0.",
+        },
         "paths": {
             "/v1/completions": post("Text completion", "CompletionRequest", "Completion"),
             "/v1/chat/completions": post("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
-            "/v1/models": {"get": {"summary": "The served model", "responses": _plain("the model list", models, {
-                "401": _ERRORS["401"]})}},
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model",
+                    "responses": _plain("the model list", models, {"401": _ERRORS["401"]}),
+                }
+            },
             "/health": {"get": {"summary": "Liveness", "responses": _plain("serving", status, unavailable)}},
-            "/ready": {"get": {"summary": "A real one-token generation",
-                               "responses": _plain("generated", status, unavailable)}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
-                "description": "the text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/ready": {
+                "get": {"summary": "A real one-token generation", "responses": _plain("generated", status, unavailable)}
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "the text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
         },
-        "components": {"schemas": {
-            "Error": _ERROR, "Usage": _USAGE, "CompletionRequest": _completion_request(info),
-            "ChatCompletionRequest": _chat_request(info), "Completion": _completion_body(chat=False),
-            "ChatCompletion": _completion_body(chat=True)}},
+        "components": {
+            "schemas": {
+                "Error": _ERROR,
+                "Usage": _USAGE,
+                "CompletionRequest": _completion_request(info),
+                "ChatCompletionRequest": _chat_request(info),
+                "Completion": _completion_body(chat=False),
+                "ChatCompletion": _completion_body(chat=True),
+            }
+        },
     }

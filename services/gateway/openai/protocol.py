@@ -30,19 +30,53 @@ LOGIT_BIAS_BAN = -100
 MAX_LOGIT_BIAS_ENTRIES = 1024  # as vLLM's default bound on logit_bias
 _INT64 = (-(2**63), 2**63 - 1)
 # Sampling and transport fields both endpoints read.
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "frequency_penalty", "presence_penalty",
-           "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
-           "best_of", "response_format", "user"}
+_COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "n",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "logit_bias",
+    "best_of",
+    "response_format",
+    "user",
+}
 KNOWN_FIELDS = {
     "completions": _COMMON | {"prompt", "echo", "suffix"},
     # The conversation keys go to deepseek-recipe (services/tokenizer/chat.py CONVERSATION_KEYS).
-    "chat": _COMMON | {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "top_logprobs",
-                       "max_completion_tokens", "parallel_tool_calls"},
+    "chat": _COMMON
+    | {
+        "messages",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "reasoning_effort",
+        "top_logprobs",
+        "max_completion_tokens",
+        "parallel_tool_calls",
+    },
 }
 # Known OpenAI parameters that are refused (400 naming them) until they are implemented; docs/serving.md lists
 # them. Each is refused only when set to something other than its no-op value.
-UNSUPPORTED = ("response_format other than text", "best_of > 1", "n > 1", "echo", "suffix", "stop strings",
-               "frequency_penalty / presence_penalty other than 0")
+UNSUPPORTED = (
+    "response_format other than text",
+    "best_of > 1",
+    "n > 1",
+    "echo",
+    "suffix",
+    "stop strings",
+    "frequency_penalty / presence_penalty other than 0",
+)
 
 
 @dataclass
@@ -59,8 +93,12 @@ def _warn_unknown(body: dict[str, Any], endpoint: str) -> None:
     unknown = sorted(set(body) - KNOWN_FIELDS[endpoint])
     if unknown:
         # repr, each cut to 64 characters: a client's field names cannot forge log lines or flood the log
-        log.warning("ignoring %d unknown fields of a %s request: %s", len(unknown), endpoint,
-                    ", ".join(repr(name[:64]) for name in unknown[:10]))
+        log.warning(
+            "ignoring %d unknown fields of a %s request: %s",
+            len(unknown),
+            endpoint,
+            ", ".join(repr(name[:64]) for name in unknown[:10]),
+        )
 
 
 def _field(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any, what: str) -> Any:
@@ -89,19 +127,22 @@ def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int
     token exactly (the sampler's ban list), any other value is added to its logit."""
     bias = _field(body, "logit_bias", (dict,), {}, "an object mapping token ids to numbers")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise errors.invalid(f"logit_bias has {len(bias)} entries, over the limit of {MAX_LOGIT_BIAS_ENTRIES}",
-                             "logit_bias")
+        raise errors.invalid(
+            f"logit_bias has {len(bias)} entries, over the limit of {MAX_LOGIT_BIAS_ENTRIES}", "logit_bias"
+        )
     banned, added = [], {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.lstrip("-").isdigit() and len(key) <= 19):
             raise errors.invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         token_id = int(key)
         if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-            raise errors.invalid(f"logit_bias token id {token_id} is outside the vocabulary"
-                                 + (f" of {vocab_size}" if vocab_size is not None else ""), "logit_bias")
+            raise errors.invalid(
+                f"logit_bias token id {token_id} is outside the vocabulary"
+                + (f" of {vocab_size}" if vocab_size is not None else ""),
+                "logit_bias",
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise errors.invalid(f"logit_bias[{key}] must be a number from -100 to 100, got {value!r}",
-                                 "logit_bias")
+            raise errors.invalid(f"logit_bias[{key}] must be a number from -100 to 100, got {value!r}", "logit_bias")
         if value <= LOGIT_BIAS_BAN:
             banned.append(token_id)
         elif value != 0:
@@ -119,8 +160,9 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise errors.invalid(f"best_of must be 1, got {best_of}: best_of > 1 is not supported yet", "best_of")
     response_format = _field(body, "response_format", (dict,), {"type": "text"}, "an object")
     if response_format.get("type", "text") != "text":
-        raise errors.invalid(f"response_format {response_format.get('type')!r} is not supported yet; only "
-                             "'text' is", "response_format")
+        raise errors.invalid(
+            f"response_format {response_format.get('type')!r} is not supported yet; only 'text' is", "response_format"
+        )
     stop = body.get("stop")
     if stop not in (None, [], ""):
         raise errors.invalid("stop strings are not supported yet; use stop_token_ids", "stop")
@@ -129,15 +171,22 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise errors.invalid(f"{name} is not supported yet; leave it at 0", name)
 
 
-def _sampling(body: dict[str, Any], max_tokens_key: str, num_logprobs: int | None, logprobs_key: str,
-              max_model_len: int, vocab_size: int | None) -> SamplingParams:
+def _sampling(
+    body: dict[str, Any],
+    max_tokens_key: str,
+    num_logprobs: int | None,
+    logprobs_key: str,
+    max_model_len: int,
+    vocab_size: int | None,
+) -> SamplingParams:
     max_tokens = _field(body, max_tokens_key, (int,), None, "a positive integer")
     if max_tokens is not None and not 1 <= max_tokens <= max_model_len:
-        raise errors.invalid(f"{max_tokens_key} must be between 1 and the context of {max_model_len} tokens, "
-                             f"got {max_tokens}", max_tokens_key)
+        raise errors.invalid(
+            f"{max_tokens_key} must be between 1 and the context of {max_model_len} tokens, got {max_tokens}",
+            max_tokens_key,
+        )
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
-        raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}",
-                             logprobs_key)
+        raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", logprobs_key)
     _refuse_unsupported(body)
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
@@ -150,9 +199,16 @@ def _sampling(body: dict[str, Any], max_tokens_key: str, num_logprobs: int | Non
     banned, bias = _logit_bias(body, vocab_size)
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
-            stop_token_ids=tuple(stop_token_ids), ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"),
-            logprobs=num_logprobs, banned_token_ids=banned, logit_bias=bias,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"),
+            logprobs=num_logprobs,
+            banned_token_ids=banned,
+            logit_bias=bias,
         )
     except ValueError as err:  # SamplingParams' messages start with the field's name
         raise errors.invalid(str(err), str(err).split(" ", 1)[0]) from err
@@ -180,8 +236,9 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
             raise errors.invalid("the prompt is empty", "prompt")
         args.prompt_token_ids = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise errors.invalid(f"a batch of {len(prompt)} prompts is not supported; send one prompt per request",
-                             "prompt")
+        raise errors.invalid(
+            f"a batch of {len(prompt)} prompts is not supported; send one prompt per request", "prompt"
+        )
     else:
         raise errors.invalid("prompt must be a string or a list of token ids", "prompt")
     if _field(body, "echo", (bool,), False, "a boolean"):

@@ -34,8 +34,9 @@ class StepRounding:
     def active(self) -> bool:
         return self.hook is not None
 
-    def __call__(self, kind: str, layer: int, x: torch.Tensor, requests: torch.Tensor, index: torch.Tensor
-                 ) -> torch.Tensor:
+    def __call__(
+        self, kind: str, layer: int, x: torch.Tensor, requests: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
         """x [n, ...] pre-rounding values; requests [n] indices into the step's requests; index [n]."""
         if self.hook is None:
             return x

@@ -62,17 +62,23 @@ def step_kernels(kernels: object | None) -> SimpleNamespace:
             raise ValueError(f"the interpreted kernel set has no {name}: load it too (tests/kernels/interpret.py)")
         return found if found is not None else importlib.import_module(f"kernels.{name}")
 
-    return SimpleNamespace(decode_attention=module("decode_attention"), compressor=module("compressor"),
-                           indexer=module("indexer"), window_write=module("window_write"),
-                           indexer_quant=module("indexer_quant"), entry_slots=module("entry_slots"),
-                           interpreted=interpreted)
+    return SimpleNamespace(
+        decode_attention=module("decode_attention"),
+        compressor=module("compressor"),
+        indexer=module("indexer"),
+        window_write=module("window_write"),
+        indexer_quant=module("indexer_quant"),
+        entry_slots=module("entry_slots"),
+        interpreted=interpreted,
+    )
 
 
 class GraphAttention:
     undoes_rope = True  # both forms undo it (the decode attention kernel's contract)
 
-    def __init__(self, cache: CacheEngine, rows: StaticBatch, kernels: SimpleNamespace | None,
-                 fp32_dots: bool | None) -> None:
+    def __init__(
+        self, cache: CacheEngine, rows: StaticBatch, kernels: SimpleNamespace | None, fp32_dots: bool | None
+    ) -> None:
         """``kernels``: ``step_kernels``' modules for the "triton" path, None for "reference".
         ``fp32_dots``: the attention kernel's dot precision, as the eager ``TritonAttention`` picks it
         (precision "fp32" or interpreted kernels); None = fp32 for fp32 queries."""
@@ -97,8 +103,9 @@ class GraphAttention:
         r, cache = self.rows, self.cache
         keys = None
         if self.kernels is None:
-            static_compress(attn, x, cache, r.state_slots, r.positions, r.entry_slots[attn.ratio], r.row_first,
-                            r.row_seqlens_k)
+            static_compress(
+                attn, x, cache, r.state_slots, r.positions, r.entry_slots[attn.ratio], r.row_first, r.row_seqlens_k
+            )
             epb = cache.layout.source(attn.layer).entries_per_block
             keys = read_keys(cache, attn.layer, r.block_tables, r.max_blocks * epb)
         else:
@@ -106,11 +113,16 @@ class GraphAttention:
             # member before ``first`` from the partial row of p − 1, so placeholder rows (p = 0) act at
             # p = 1 (live rows have p ≥ 1: fill checks it), all inside the null slot 0 and block 0.
             if self._compress_rows is None:
-                self._compress_rows = dict(positions=r.positions.clamp_min(1), first=r.first.clamp_min(1),
-                                           seqlens_k=r.seqlens_k.clamp_min(2))
-            batch = SimpleNamespace(**self._compress_rows, row_requests=r.row_requests, query_start=r.query_start,
-                                    state_slots=r.request_slots,
-                                    entry_writes={attn.ratio: (self._all_rows, r.entry_slots[attn.ratio])})
+                self._compress_rows = dict(
+                    positions=r.positions.clamp_min(1), first=r.first.clamp_min(1), seqlens_k=r.seqlens_k.clamp_min(2)
+                )
+            batch = SimpleNamespace(
+                **self._compress_rows,
+                row_requests=r.row_requests,
+                query_start=r.query_start,
+                state_slots=r.request_slots,
+                entry_writes={attn.ratio: (self._all_rows, r.entry_slots[attn.ratio])},
+            )
             options = {"dot_fp32": True} if self.kernels.interpreted else {}
             self.kernels.compressor.compress_layer(cache, batch, attn, x, **options)
         self.sparse = StaticSparse(attn.ratio, attn.layer, keys)
@@ -124,8 +136,9 @@ class GraphAttention:
         epb = self.cache.layout.source(sparse.source).entries_per_block
         if self.kernels is None:
             visible = (r.positions + 1) // ratio  # [G]
-            entries, candidates = static_index_select(attn, x, q_latent, angles, sparse.keys, visible,
-                                                      sparse.candidates)
+            entries, candidates = static_index_select(
+                attn, x, q_latent, angles, sparse.keys, visible, sparse.candidates
+            )
         else:
             entries, candidates = self._index_kernel(attn, x, q_latent, angles, epb)
         slots_of = reference if self.kernels is None else self.kernels.entry_slots  # the same slots
@@ -146,16 +159,22 @@ class GraphAttention:
         if self.kernels is None:
             return static_attend(*args, attn.attn_sink, attn.freqs, attn.head_dim**-0.5)
         return self.kernels.decode_attention.sparse_decode_attention(
-            q.contiguous(), *args[1:], attn.attn_sink.float(), attn.freqs, attn.head_dim**-0.5,
-            dot_fp32=self._fp32_dots(q))  # [G, H, hd], RoPE undone
+            q.contiguous(),
+            *args[1:],
+            attn.attn_sink.float(),
+            attn.freqs,
+            attn.head_dim**-0.5,
+            dot_fp32=self._fp32_dots(q),
+        )  # [G, H, hd], RoPE undone
 
     def _fp32_dots(self, q: torch.Tensor) -> bool:
         if self.kernels.interpreted:
             return True  # no bf16 tl.dot in the interpreter
         return q.dtype == torch.float32 if self.fp32_dots is None else self.fp32_dots
 
-    def _index_kernel(self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
-                      entries_per_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _index_kernel(
+        self, attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor, entries_per_block: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``static_index_select`` by kernels/indexer.py over the same W = B · epb entries, the keys read
         from the pool through the block tables: (entry ids int32 [G, ≤topk] ascending, −1 = none; the
         candidate block mask uint8 [G, ⌈W/CB⌉] to carry, or None)."""
@@ -163,20 +182,36 @@ class GraphAttention:
         query = index_query(idx, q_latent, angles, self.kernels.indexer_quant)  # [G, Hi, di], == quant's
         w, w_scale = index_weights(idx, x)  # [G, Hi]
         entries, picked = self.kernels.indexer.indexer_select(
-            query.contiguous(), w, self.cache.entries(sparse.source)[1], r.block_tables, r.positions,
-            attn.ratio, r.max_blocks * entries_per_block, index_topk=attn.index_topk,
+            query.contiguous(),
+            w,
+            self.cache.entries(sparse.source)[1],
+            r.block_tables,
+            r.positions,
+            attn.ratio,
+            r.max_blocks * entries_per_block,
+            index_topk=attn.index_topk,
             candidates=sparse.candidates if attn.uses_candidates else None,
-            candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
-            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted, w_scale=w_scale)
+            candidate_source=attn.is_candidate_source,
+            candidate_block_size=attn.candidate_block_size,
+            candidate_topk_blocks=attn.candidate_topk_blocks,
+            dot_fp32=self.kernels.interpreted,
+            w_scale=w_scale,
+        )
         return entries, picked if attn.is_candidate_source else sparse.candidates
 
 
 # ---- the "reference" path's static torch ops, over the G rows ----------------------------------------
 
 
-def static_index_select(attn: Attention, x: torch.Tensor, q_latent: torch.Tensor, angles: torch.Tensor,
-                        keys: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def static_index_select(
+    attn: Attention,
+    x: torch.Tensor,
+    q_latent: torch.Tensor,
+    angles: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    candidates: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Indexer scores over each row's W entries, candidate blocks, top-k (model/deepseek_v41/indexer.py
     semantics, lower index first among ties). x [G, D], q_latent [G, q_lora], angles [G, P], keys
     [G, W, di], visible [G] → (entry ids [G, ≤topk] ascending, −1 = none; candidates [G, W] to carry)."""
@@ -186,9 +221,16 @@ def static_index_select(attn: Attention, x: torch.Tensor, q_latent: torch.Tensor
     return select_entries(scores, attn.index_topk)[:, 0], candidates
 
 
-def static_compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_slots: torch.Tensor,
-                    positions: torch.Tensor, entry_slots: torch.Tensor, first: torch.Tensor,
-                    seqlens_k: torch.Tensor) -> None:
+def static_compress(
+    attn: Attention,
+    x: torch.Tensor,
+    cache: CacheEngine,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    entry_slots: torch.Tensor,
+    first: torch.Tensor,
+    seqlens_k: torch.Tensor,
+) -> None:
     """Every row's would-be group entry (spec §3.6) to ``entry_slots`` (pool slot 0 where the row
     closes no group), and, for ratio 2, the row's fp32 (value, gate) to its slot's partial rows. The
     group's other member (position p − 1) is the previous row's when p − 1 ≥ the request's ``first``
@@ -217,9 +259,18 @@ def static_compress(attn: Attention, x: torch.Tensor, cache: CacheEngine, state_
     cache.write_entries(layer, entry_slots, kv, keys)
 
 
-def static_attend(q: torch.Tensor, ring: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor,
-                  window: int, kv_pool: torch.Tensor, selected: torch.Tensor, sink: torch.Tensor, freqs: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+def static_attend(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    state_slots: torch.Tensor,
+    positions: torch.Tensor,
+    window: int,
+    kv_pool: torch.Tensor,
+    selected: torch.Tensor,
+    sink: torch.Tensor,
+    freqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Sparse decode attention over the ring (written this step) and the selected pool slots, sink
     and undo-RoPE: ``kernels.reference.sparse_decode_attention``'s contract (the "triton" path calls
     kernels/decode_attention.py's), computed in ``TorchAttention``'s ops: the same keys in the same

@@ -29,8 +29,13 @@ from services.worker.kernel_model.moe import KernelRMSNorm
 
 
 class AttentionStep:
-    def __init__(self, backend: AttentionBackend, positions: torch.Tensor, row_requests: torch.Tensor,
-                 rounding: StepRounding | None = None) -> None:
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        positions: torch.Tensor,
+        row_requests: torch.Tensor,
+        rounding: StepRounding | None = None,
+    ) -> None:
         self.backend = backend
         self.positions = positions  # [R] each row's position
         self.row_requests = row_requests  # [R] each row's request (index into the step's requests)

@@ -74,8 +74,9 @@ class TorchAttention:
             return  # reuse the nearest index source's selection
         visible = ((b.positions + 1) // ratio).unsqueeze(-1)  # [R, 1]
         query = self.rounding("idx4q", attn.layer, attn.indexer.query(q_latent, angles), b.row_requests, b.positions)
-        scores = attn.indexer.scores_quantized(fake_quant_indexer(query).unsqueeze(1), x.unsqueeze(1),
-                                               sparse.keys[b.row_requests], visible)  # [R, 1, W]
+        scores = attn.indexer.scores_quantized(
+            fake_quant_indexer(query).unsqueeze(1), x.unsqueeze(1), sparse.keys[b.row_requests], visible
+        )  # [R, 1, W]
         scores, candidates = attn.restrict_to_candidates(scores, visible, sparse.candidates)
         self.sparse = StepSparse(ratio, sparse.kv, sparse.keys, select_entries(scores, attn.index_topk), candidates)
 
@@ -119,8 +120,11 @@ class TorchAttention:
                 sel = F.pad(sel, (0, attn.index_topk - sel.shape[1]), value=-1)
             width = self.sparse.kv.shape[1]
             flat = self.sparse.kv.flatten(0, 1)  # [N·W, hd]
-            picked = flat[(b.row_requests.unsqueeze(-1) * width + sel).clamp_min(0)] if flat.numel() else \
-                flat.new_zeros(*sel.shape, attn.head_dim)
+            picked = (
+                flat[(b.row_requests.unsqueeze(-1) * width + sel).clamp_min(0)]
+                if flat.numel()
+                else flat.new_zeros(*sel.shape, attn.head_dim)
+            )
             keys = torch.cat((keys, picked.to(keys.dtype)), dim=1)
             allowed = torch.cat((allowed, sel >= 0), dim=1)
         out = sink_attention(q.unsqueeze(1), keys, allowed.unsqueeze(1), attn.attn_sink, attn.head_dim**-0.5)

@@ -59,6 +59,7 @@ def index_weights(idx: Indexer, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         return w, idx.weight_scale
     return (w * idx.weight_scale).float(), 1.0
 
+
 STAGE_MAX_ENTRIES = 1 << 16
 """Prefill attention reads compressed entries dequantised once per step (``stage_entries``) when the
 step's requests hold at most this many at the source (64 MB of bf16 keys at head_dim 512, plus the
@@ -77,8 +78,14 @@ step) the loop dequantises."""
 class TritonAttention:
     undoes_rope = True  # the attention kernels' contract
 
-    def __init__(self, cache: CacheEngine, batch: StepBatch, kernels: KernelSet, precision: str,
-                 rounding: StepRounding | None = None) -> None:
+    def __init__(
+        self,
+        cache: CacheEngine,
+        batch: StepBatch,
+        kernels: KernelSet,
+        precision: str,
+        rounding: StepRounding | None = None,
+    ) -> None:
         self.cache, self.b, self.kernels = cache, batch, kernels
         self.fp32_dots = precision == "fp32" or kernels.interpreted  # no bf16/f16 tl.dot in the interpreter
         b = batch
@@ -89,14 +96,18 @@ class TritonAttention:
         self.row_slots = b.state_slots[b.row_requests]  # [R]
         # [R] the ring slot each row writes: its own where it is among its request's last ring_size positions,
         # the null slot 0 otherwise (a boolean-mask selection would read its count back: a stream sync per use).
-        self.ring_write_slots = None if self.all_decode else torch.where(
-            b.tail(cache.layout.ring_size), self.row_slots, 0)
+        self.ring_write_slots = (
+            None if self.all_decode else torch.where(b.tail(cache.layout.ring_size), self.row_slots, 0)
+        )
         self.row_first = None if self.all_decode else b.row_first()  # [R] each row's request's first position
         self.row_tables = b.block_tables[b.row_requests]  # [R, width] each row's request's table
         rounding = rounding or StepRounding()
         # The torch path of compression and selection (see the module docstring), or None.
-        self.torch_sparse = TorchAttention(cache, batch, rounding) if (
-            rounding.active or kernels.compressor is None or kernels.indexer is None) else None
+        self.torch_sparse = (
+            TorchAttention(cache, batch, rounding)
+            if (rounding.active or kernels.compressor is None or kernels.indexer is None)
+            else None
+        )
         # What the nearest KV / index sources published (spec §3.4):
         self.source: int | None = None  # the KV source layer whose pool the following layers read
         self.ratio = 0
@@ -136,10 +147,21 @@ class TritonAttention:
         query = index_query(idx, q_latent, angles, self.kernels.indexer_quant)  # [R, Hi, di]
         w, w_scale = index_weights(idx, x)  # [R, Hi]
         selected, candidates = self.kernels.indexer.indexer_select(
-            query, w, self.cache.entries(self.source)[1], self.row_tables, b.positions, ratio, self.width,
-            index_topk=attn.index_topk, candidates=self.candidates if attn.uses_candidates else None,
-            candidate_source=attn.is_candidate_source, candidate_block_size=attn.candidate_block_size,
-            candidate_topk_blocks=attn.candidate_topk_blocks, dot_fp32=self.kernels.interpreted, w_scale=w_scale)
+            query,
+            w,
+            self.cache.entries(self.source)[1],
+            self.row_tables,
+            b.positions,
+            ratio,
+            self.width,
+            index_topk=attn.index_topk,
+            candidates=self.candidates if attn.uses_candidates else None,
+            candidate_source=attn.is_candidate_source,
+            candidate_block_size=attn.candidate_block_size,
+            candidate_topk_blocks=attn.candidate_topk_blocks,
+            dot_fp32=self.kernels.interpreted,
+            w_scale=w_scale,
+        )
         self.selected = selected
         if attn.is_candidate_source:
             self.candidates = candidates
@@ -180,8 +202,18 @@ class TritonAttention:
         b = self.b
         pool, selected = self._entries(attn, q.device)
         return self.kernels.decode_attention.sparse_decode_attention(
-            q, self.cache.ring(attn.layer), self.row_slots, b.positions, attn.window, pool, selected,
-            attn.attn_sink, attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots)
+            q,
+            self.cache.ring(attn.layer),
+            self.row_slots,
+            b.positions,
+            attn.window,
+            pool,
+            selected,
+            attn.attn_sink,
+            attn.freqs,
+            attn.head_dim**-0.5,
+            dot_fp32=self.fp32_dots,
+        )
 
     def _prefill(self, attn: Attention, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Rows of prefill chunks (and one-row requests among them) over the rings as before this step
@@ -194,22 +226,47 @@ class TritonAttention:
             pool, selected = staged
         step_k, ring = quantize_fp8_cache(k), self.cache.ring(attn.layer)
         return self.kernels.prefill_attention.sparse_prefill_attention(
-            q, step_k, ring, self.row_slots, b.positions, self.row_first, attn.window, pool, selected, attn.attn_sink,
-            attn.freqs, attn.head_dim**-0.5, dot_fp32=self.fp32_dots, staged=None if staged is None else pool,
-            staged_window=self._staged_window(attn, step_k, ring))
+            q,
+            step_k,
+            ring,
+            self.row_slots,
+            b.positions,
+            self.row_first,
+            attn.window,
+            pool,
+            selected,
+            attn.attn_sink,
+            attn.freqs,
+            attn.head_dim**-0.5,
+            dot_fp32=self.fp32_dots,
+            staged=None if staged is None else pool,
+            staged_window=self._staged_window(attn, step_k, ring),
+        )
 
-    def _staged_window(self, attn: Attention, step_k: tuple[torch.Tensor, torch.Tensor], ring: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _staged_window(
+        self, attn: Attention, step_k: tuple[torch.Tensor, torch.Tensor], ring: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys, rows): this layer's window keys dequantised once for the step (``stage_window``; the
         layer's own K rows and ring, read before this step writes it), or None for kernel sets without
         it and steps of more than STAGE_MAX_WINDOW_ROWS keys. Host facts only: graph-safe."""
         module, b = self.kernels.prefill_attention, self.b
-        if not hasattr(module, "stage_window") or \
-                b.num_rows + b.num_requests * (attn.window - 1) > STAGE_MAX_WINDOW_ROWS:
+        if (
+            not hasattr(module, "stage_window")
+            or b.num_rows + b.num_requests * (attn.window - 1) > STAGE_MAX_WINDOW_ROWS
+        ):
             return None
         dtype = torch.float32 if self.fp32_dots else torch.bfloat16  # the kernel's key dtype
-        return module.stage_window(step_k, ring, self.row_slots, b.positions, self.row_first, attn.window,
-                                   b.row_requests, b.num_requests, dtype)
+        return module.stage_window(
+            step_k,
+            ring,
+            self.row_slots,
+            b.positions,
+            self.row_first,
+            attn.window,
+            b.row_requests,
+            b.num_requests,
+            dtype,
+        )
 
     def _staged(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys [E, hd], rows of them int32 [R, k]): the entries this step's requests can select at the
@@ -217,8 +274,12 @@ class TritonAttention:
         layers that read it; None when staging does not apply (window-only layers, the torch sparse
         path, kernel sets without it, or more than STAGE_MAX_ENTRIES entries to dequantise)."""
         module = self.kernels.prefill_attention
-        if not attn.ratio or self.torch_sparse is not None or not hasattr(module, "stage_keys") or \
-                self.selected is None:
+        if (
+            not attn.ratio
+            or self.torch_sparse is not None
+            or not hasattr(module, "stage_keys")
+            or self.selected is None
+        ):
             return None
         b, cache = self.b, self.cache
         epb = cache.layout.source(self.source).entries_per_block

@@ -23,8 +23,15 @@ from services.worker.batch.step_batch import PendingInputs, StepBatch, apply_pen
 
 
 class StaticBatch:
-    def __init__(self, cfg: ModelConfig, num_rows: int, max_blocks_per_request: int, ring_size: int,
-                 device: torch.device, block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_rows: int,
+        max_blocks_per_request: int,
+        ring_size: int,
+        device: torch.device,
+        block_size: int | None = None,
+    ) -> None:
         self.num_rows = num_rows  # G
         self.max_blocks = max_blocks_per_request  # B, the block tables' width
         self.ring_size = ring_size  # the cache's ring: plans' ring slots must be position mod it
@@ -35,9 +42,21 @@ class StaticBatch:
         g, b = num_rows, max_blocks_per_request
         # Every int64 buffer is a view of one arena, so ``fill`` fills one host tensor of the same
         # layout and uploads it in one copy (one pin, one enqueue) instead of one per buffer.
-        sizes = {"input_ids": g, "positions": g, "state_slots": g, "row_requests": g, "ring_slots": g,
-                 "block_tables": g * b, "query_start": g + 1, "first": g, "seqlens_k": g, "request_slots": g,
-                 "row_first": g, "row_seqlens_k": g, **{f"entry_slots_{r}": g for r in ratios}}
+        sizes = {
+            "input_ids": g,
+            "positions": g,
+            "state_slots": g,
+            "row_requests": g,
+            "ring_slots": g,
+            "block_tables": g * b,
+            "query_start": g + 1,
+            "first": g,
+            "seqlens_k": g,
+            "request_slots": g,
+            "row_first": g,
+            "row_seqlens_k": g,
+            **{f"entry_slots_{r}": g for r in ratios},
+        }
         self._offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in sizes.items():
@@ -72,8 +91,7 @@ class StaticBatch:
     @staticmethod
     def fits(plan: StepPlan) -> bool:
         """A decode plan with rows (1 + the drafts verified per request), a graph size chosen."""
-        return (not plan.is_prefill and not plan.is_placeholder and plan.graph_size is not None
-                and plan.num_rows > 0)
+        return not plan.is_prefill and not plan.is_placeholder and plan.graph_size is not None and plan.num_rows > 0
 
     def fill(self, plan: StepPlan, pending: PendingInputs | None = None) -> None:
         """Fill the buffers from ``plan`` (host work; before a replay). Rows past the plan's are placeholders."""
@@ -137,8 +155,17 @@ class StaticBatch:
 
     def fill_placeholders(self) -> None:
         """Every row a placeholder (graph warm-up and capture): the step then touches only block 0 / slot 0."""
-        for buf in (self.input_ids, self.positions, self.state_slots, self.ring_slots, self.block_tables,
-                    self.first, self.request_slots, self.row_first, *self.entry_slots.values()):
+        for buf in (
+            self.input_ids,
+            self.positions,
+            self.state_slots,
+            self.ring_slots,
+            self.block_tables,
+            self.first,
+            self.request_slots,
+            self.row_first,
+            *self.entry_slots.values(),
+        ):
             buf.zero_()
         for buf in (self.seqlens_k, self.row_seqlens_k):
             buf.fill_(1)

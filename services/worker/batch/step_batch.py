@@ -73,17 +73,25 @@ class StepBatch:
         seqlens_q, seqlens_k = t(plan.seqlens_q), t(plan.seqlens_k)
         host_q = np.frombuffer(plan.seqlens_q, np.int32)
         return StepBatch(
-            request_ids=list(plan.request_ids), input_ids=t(plan.input_ids), positions=t(plan.positions),
-            row_requests=t(plan.row_requests), ring_slots=t(plan.ring_slots), query_start=t(plan.query_start),
-            first=seqlens_k - seqlens_q, seqlens_k=seqlens_k, state_slots=t(plan.state_slots),
-            block_tables=t(plan.block_tables).view(n, plan.block_table_width), sample_rows=t(plan.sample_rows),
+            request_ids=list(plan.request_ids),
+            input_ids=t(plan.input_ids),
+            positions=t(plan.positions),
+            row_requests=t(plan.row_requests),
+            ring_slots=t(plan.ring_slots),
+            query_start=t(plan.query_start),
+            first=seqlens_k - seqlens_q,
+            seqlens_k=seqlens_k,
+            state_slots=t(plan.state_slots),
+            block_tables=t(plan.block_tables).view(n, plan.block_table_width),
+            sample_rows=t(plan.sample_rows),
             entry_writes={r: (t(rows), t(slots)) for r in plan.entry_ratios for rows, slots in [plan.entry_writes(r)]},
             decode_only=bool(np.all(host_q == 1)),
             max_seqlen_k=int(np.frombuffer(plan.seqlens_k, np.int32).max(initial=0)),
         )
 
-    def fill_pending(self, plan: StepPlan, pending: PendingInputs, ring_size: int | None = None,
-                     block_size: int | None = None) -> None:
+    def fill_pending(
+        self, plan: StepPlan, pending: PendingInputs, ring_size: int | None = None, block_size: int | None = None
+    ) -> None:
         """Replaces each pending request's stand-in input (its first row this step) with the token the
         previous step sampled for it, matched by request id, not batch position. With drafts, also the
         seqlen fix-up (``fix_positions``, which needs the cache's ring and block sizes): its draft rows take
@@ -111,8 +119,9 @@ class StepBatch:
             drafts = drafts[: int(starts[i + 1] - starts[i]) - 1]
             if drafts:
                 first_row = int(starts[i]) + 1
-                self.input_ids[first_row : first_row + len(drafts)] = torch.tensor(drafts, dtype=torch.long,
-                                                                                   device=self.device)
+                self.input_ids[first_row : first_row + len(drafts)] = torch.tensor(
+                    drafts, dtype=torch.long, device=self.device
+                )
         shift = upload(torch.tensor(pending_shifts(plan, pending), dtype=torch.long), self.device)
         self.positions = self.positions - shift[self.row_requests]
         self.ring_slots = self.positions % ring_size
@@ -173,8 +182,10 @@ def pending_shifts(plan: StepPlan, pending: PendingInputs) -> list[int]:
         return [0] * plan.num_requests
     where = {request_id: k for k, request_id in enumerate(pending.request_ids)}
     pending_mask = np.frombuffer(plan.inputs_pending, np.int32)
-    return [pending.num_rejected[where[request_id]] if pending_mask[i] else 0
-            for i, request_id in enumerate(plan.request_ids)]
+    return [
+        pending.num_rejected[where[request_id]] if pending_mask[i] else 0
+        for i, request_id in enumerate(plan.request_ids)
+    ]
 
 
 def apply_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -193,5 +204,7 @@ def check_ring_slots(plan: StepPlan, ring_size: int) -> None:
     """The plan's ring slots are its positions mod the runner's ring (host arrays: no device read)."""
     positions = np.frombuffer(plan.positions, np.int32)
     if not np.array_equal(np.frombuffer(plan.ring_slots, np.int32), positions % ring_size):
-        raise ValueError(f"the plan's ring slots are not position mod {ring_size}: the scheduler's window or "
-                         "nextn differs from the model runner's")
+        raise ValueError(
+            f"the plan's ring slots are not position mod {ring_size}: the scheduler's window or "
+            "nextn differs from the model runner's"
+        )

@@ -80,8 +80,10 @@ class Conversion:
 
 def check_device(device: torch.device, kernels: KernelSet) -> None:
     if device.type != "cuda" and not kernels.interpreted:
-        raise ValueError(f"backend='kernels' needs a CUDA device (its Triton kernels are compiled for the GPU), "
-                         f"got {device}; on CPU pass interpreted kernels (tests/kernels/interpret.py) explicitly")
+        raise ValueError(
+            f"backend='kernels' needs a CUDA device (its Triton kernels are compiled for the GPU), "
+            f"got {device}; on CPU pass interpreted kernels (tests/kernels/interpret.py) explicitly"
+        )
 
 
 def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet | None = None) -> Conversion:
@@ -116,8 +118,13 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
             elif isinstance(parent, Attention) and name == "wo_a" and isinstance(child, nn.Linear):
                 new = GroupedKernelLinear(child.weight, parent.num_groups, precision, kernels)
                 done.grouped += 1
-            elif (precision == "fp8" and name == "head" and type(parent).__name__ == "DeepseekV41"
-                  and isinstance(child, nn.Linear) and exact_in_bf16(child.weight)):
+            elif (
+                precision == "fp8"
+                and name == "head"
+                and type(parent).__name__ == "DeepseekV41"
+                and isinstance(child, nn.Linear)
+                and exact_in_bf16(child.weight)
+            ):
                 new = KernelHead(child.weight)
             elif isinstance(child, nn.Linear) and name in FP8_PROJECTIONS.get(type(parent).__name__, ()):
                 new, done.linears = KernelLinear(child.weight, precision, kernels), done.linears + 1
@@ -163,8 +170,9 @@ class KernelHyperConnection(nn.Module):
     def expand(self, y: torch.Tensor, h: torch.Tensor, mix: Mix) -> torch.Tensor:
         return self.kernels.mhc.expand(y, h, mix)
 
-    def expand_mix_collapse(self, y: torch.Tensor, h: torch.Tensor, previous: Mix
-                            ) -> tuple[torch.Tensor, Mix, torch.Tensor]:
+    def expand_mix_collapse(
+        self, y: torch.Tensor, h: torch.Tensor, previous: Mix
+    ) -> tuple[torch.Tensor, Mix, torch.Tensor]:
         """h' = Expand(y, h, previous), Mix(h'), Collapse(h', previous.pre): one kernel, one read of y and h."""
         lead = h.shape[:-2]
         result = self.kernels.mhc.mhc_expand_mix(y, h, previous, self._weights(), previous.pre)

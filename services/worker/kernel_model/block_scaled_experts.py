@@ -46,14 +46,28 @@ def applies(num_tokens: int, top_k: int, num_experts: int, device: torch.device,
     graph cannot), outside the batch-invariant mode (the kernel must not depend on the batch), compiled
     kernels, and a device whose probes passed for both output dtypes (fp32 gate/up, bf16 down)."""
     device = torch.device(device)
-    return (num_tokens >= block_scaled_gemm.MIN_TOKENS and num_tokens * top_k >= MIN_ROWS_PER_EXPERT * num_experts
-            and not invariance.active() and not interpreted
-            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-            and block_scaled_gemm.available(device, torch.float32) and block_scaled_gemm.available(device, torch.bfloat16))
+    return (
+        num_tokens >= block_scaled_gemm.MIN_TOKENS
+        and num_tokens * top_k >= MIN_ROWS_PER_EXPERT * num_experts
+        and not invariance.active()
+        and not interpreted
+        and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        and block_scaled_gemm.available(device, torch.float32)
+        and block_scaled_gemm.available(device, torch.bfloat16)
+    )
 
 
-def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, scale_b13: torch.Tensor,
-            w2: torch.Tensor, scale_b2: torch.Tensor, swiglu_limit: float, quantize_act, combine) -> torch.Tensor:
+def experts(
+    x: torch.Tensor,
+    meta: dict[str, torch.Tensor],
+    w13: torch.Tensor,
+    scale_b13: torch.Tensor,
+    w2: torch.Tensor,
+    scale_b2: torch.Tensor,
+    swiglu_limit: float,
+    quantize_act,
+    combine,
+) -> torch.Tensor:
     """x [T, D'] → fp32 [T, D'], every stacked expert of ``meta`` (``KernelMoE``'s layout, the shared expert
     last). w13 e4m3 [E+1, 2I', D'] (gate rows, then up rows) and w2 e4m3 [E+1, D', I'], with their scales in
     cuBLASLt's layout (``block_scaled_gemm.scale_b`` of the stacks). ``quantize_act`` and ``combine`` are the
@@ -72,13 +86,15 @@ def experts(x: torch.Tensor, meta: dict[str, torch.Tensor], w13: torch.Tensor, s
     x_q, x_s = quantize_act(x)
     # [R, D'], [R, D'/128]: each expert's rows contiguous (e4m3 gathered as bytes: every index kernel has them)
     x_q, x_s = x_q.view(torch.uint8)[tokens].view(x_q.dtype), x_s[tokens]
-    gate_up = torch.cat([block_scaled_gemm.matmul((x_q[r], x_s[r]), w13[e], scale_b13[e], torch.float32)
-                         for e, r in spans])  # fp32 [R, 2I']
+    gate_up = torch.cat(
+        [block_scaled_gemm.matmul((x_q[r], x_s[r]), w13[e], scale_b13[e], torch.float32) for e, r in spans]
+    )  # fp32 [R, 2I']
     inter = gate_up.shape[1] // 2
     h_q, h_s = quantize_act(clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit) * route_w[:, None])
     del gate_up
-    y = torch.cat([block_scaled_gemm.matmul((h_q[r], h_s[r]), w2[e], scale_b2[e], torch.bfloat16)
-                   for e, r in spans])  # bf16 [R, D']
+    y = torch.cat(
+        [block_scaled_gemm.matmul((h_q[r], h_s[r]), w2[e], scale_b2[e], torch.bfloat16) for e, r in spans]
+    )  # bf16 [R, D']
     slot_of = meta["slot_of"]  # [T, k+1] flat masked slots e·capacity + j → compact rows start[e] + j
     compact = starts.to(x.device)[slot_of // capacity] + slot_of % capacity
     return combine(y, compact, True)

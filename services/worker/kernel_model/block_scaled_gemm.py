@@ -80,8 +80,12 @@ M floats, and a cuBLAS user reports that cuBLAS wants M a multiple of 4 there (1
 scale_b's K_blocks are padded to 4); the GPU test at M = 1,030 checks the padded call."""
 
 
-def matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor,
-           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def matmul(
+    a: tuple[torch.Tensor, torch.Tensor],
+    w: torch.Tensor,
+    w_scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """(e4m3 [M, K], fp32 [M, K/128]) · (e4m3 [N, K])ᵀ with ``scale_b(w_scale)`` → ``out_dtype`` [M, N].
     M not a multiple of ``ROW_ALIGN`` is padded with zero rows (scale 1), and the output cut back: a copy
     of the activations that callers avoid by passing aligned row counts (block_scaled_experts.py)."""
@@ -120,22 +124,38 @@ def _probe(device: torch.device, out_dtype: torch.dtype) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
     m, n, k = 256, 384, 640  # K/128 = 5: the scale_b padding to a multiple of 4 is exercised
     x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-    w = torch.randn(n, k, device=device, generator=gen) * torch.logspace(-3, 3, k // GROUP, base=2.0,
-                                                                       device=device).repeat_interleave(GROUP)
+    w = torch.randn(n, k, device=device, generator=gen) * torch.logspace(
+        -3, 3, k // GROUP, base=2.0, device=device
+    ).repeat_interleave(GROUP)
     wq, ws = quantize_weight_block128(w)
     a = quantize_act(x)
     exact = (a[0].float() * a[1].repeat_interleave(GROUP, dim=1)) @ dequantize_weight_block128(wq, ws).t()
     try:
         got = matmul(a, wq, scale_b(ws), out_dtype)
     except (RuntimeError, NotImplementedError) as err:
-        log.warning("block-scaled scaled_mm with %s output failed on %s (%s): those FP8 products stay on Triton",
-                    out_dtype, device, err)
+        log.warning(
+            "block-scaled scaled_mm with %s output failed on %s (%s): those FP8 products stay on Triton",
+            out_dtype,
+            device,
+            err,
+        )
         return False
     rel = float((got.float() - exact).norm() / exact.norm())
     if got.dtype != out_dtype or not rel <= PROBE_REL:
-        log.warning("block-scaled scaled_mm with %s output disagrees on %s (%s, relative error %.3g > %.3g): "
-                    "those FP8 products stay on Triton", out_dtype, device, got.dtype, rel, PROBE_REL)
+        log.warning(
+            "block-scaled scaled_mm with %s output disagrees on %s (%s, relative error %.3g > %.3g): "
+            "those FP8 products stay on Triton",
+            out_dtype,
+            device,
+            got.dtype,
+            rel,
+            PROBE_REL,
+        )
         return False
-    log.info("prefill's FP8 products with %s output from %d rows: cuBLASLt block-scaled GEMM (probe relative "
-             "error %.2g)", out_dtype, MIN_TOKENS, rel)
+    log.info(
+        "prefill's FP8 products with %s output from %d rows: cuBLASLt block-scaled GEMM (probe relative error %.2g)",
+        out_dtype,
+        MIN_TOKENS,
+        rel,
+    )
     return True

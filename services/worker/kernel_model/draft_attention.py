@@ -22,8 +22,9 @@ class KernelDraftAttention(nn.Module):
         super().__init__()
         self.kernels = kernels
 
-    def forward(self, attn: Attention, x: torch.Tensor, turns: torch.Tensor, window: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, attn: Attention, x: torch.Tensor, turns: torch.Tensor, window: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         """As ``DraftAttention.forward``: x [B, T = A·bs, D], turns complex64 [B, T, P], window [B, A, W, hd],
         visible bool [B, A, W] → [B, T, D]."""
         b, a, w, hd = window.shape
@@ -32,7 +33,12 @@ class KernelDraftAttention(nn.Module):
         q = attn.query_heads(attn.query_latent(x))  # [B, T, H, hd], not rotated
         own = attn.kv_latent(x)  # [B, T, hd], not rotated nor rounded
         out = self.kernels.draft_attention.draft_attention(
-            q.reshape(b * a, bs, attn.num_heads, hd), own.reshape(b * a, bs, hd), window.reshape(b * a, w, hd),
-            visible.reshape(b * a, w), torch.view_as_real(turns).reshape(b * a, bs, turns.shape[-1], 2),
-            attn.attn_sink, attn.head_dim**-0.5)  # [B·A, bs, H, hd], RoPE undone
+            q.reshape(b * a, bs, attn.num_heads, hd),
+            own.reshape(b * a, bs, hd),
+            window.reshape(b * a, w, hd),
+            visible.reshape(b * a, w),
+            torch.view_as_real(turns).reshape(b * a, bs, turns.shape[-1], 2),
+            attn.attn_sink,
+            attn.head_dim**-0.5,
+        )  # [B·A, bs, H, hd], RoPE undone
         return attn.project(out.view(b, t, attn.num_heads, hd))

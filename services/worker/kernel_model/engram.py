@@ -35,6 +35,12 @@ class KernelEngram(nn.Module):
         key, value = engram.project(h, rows)  # views of one [B, S, (n+1)·D] product
         lead, streams = h.shape[:-2], h.shape[-2:]
         out = self.kernels.engram_gate.engram_gate(
-            h.reshape(-1, *streams), key.reshape(-1, key.shape[-1]), value.reshape(-1, value.shape[-1]),
-            engram.q_weight, engram.k_weight, engram.eps, None if live is None else live.reshape(-1))
+            h.reshape(-1, *streams),
+            key.reshape(-1, key.shape[-1]),
+            value.reshape(-1, value.shape[-1]),
+            engram.q_weight,
+            engram.k_weight,
+            engram.eps,
+            None if live is None else live.reshape(-1),
+        )
         return out.view(*lead, *streams)

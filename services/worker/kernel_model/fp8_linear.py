@@ -77,9 +77,24 @@ class KernelSet:
     moe_contiguous: ModuleType | None = None  # DeepGEMM's contiguous layout (else deepgemm_moe's torch form)
     interpreted: bool = False
 
-    NAMES = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention", "compressor", "indexer",
-             "prefill_attention", "mhc", "sampler", "window_write", "indexer_quant",
-             "entry_slots", "engram_gate", "draft_attention", "moe_contiguous")
+    NAMES = (
+        "rmsnorm",
+        "quant_fp8",
+        "moe_router",
+        "moe_grouped_gemm",
+        "decode_attention",
+        "compressor",
+        "indexer",
+        "prefill_attention",
+        "mhc",
+        "sampler",
+        "window_write",
+        "indexer_quant",
+        "entry_slots",
+        "engram_gate",
+        "draft_attention",
+        "moe_contiguous",
+    )
 
     @staticmethod
     def compiled() -> KernelSet:
@@ -94,9 +109,16 @@ class KernelSet:
         from kernels import reference
 
         def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
-            return reference.moe_grouped_gemm(a, w, w_scale, meta["counts"],
-                                              row_ids=meta["row_ids"] if gather else None, route_w=meta["route_w"],
-                                              swiglu_limit=swiglu_limit, out_dtype=out_dtype)
+            return reference.moe_grouped_gemm(
+                a,
+                w,
+                w_scale,
+                meta["counts"],
+                row_ids=meta["row_ids"] if gather else None,
+                route_w=meta["route_w"],
+                swiglu_limit=swiglu_limit,
+                out_dtype=out_dtype,
+            )
 
         def attention(*args, dot_fp32=False, **_):
             return reference.sparse_decode_attention(*args)
@@ -104,12 +126,15 @@ class KernelSet:
         def prefill(*args, dot_fp32=False, **_):
             return reference.sparse_prefill_attention(*args)
 
-        return KernelSet(SimpleNamespace(rmsnorm=reference.rmsnorm),
-                         SimpleNamespace(quantize_act=reference.quantize_act),
-                         SimpleNamespace(moe_router=reference.moe_router),
-                         SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
-                         SimpleNamespace(sparse_decode_attention=attention),
-                         prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill), interpreted=True)
+        return KernelSet(
+            SimpleNamespace(rmsnorm=reference.rmsnorm),
+            SimpleNamespace(quantize_act=reference.quantize_act),
+            SimpleNamespace(moe_router=reference.moe_router),
+            SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
+            SimpleNamespace(sparse_decode_attention=attention),
+            prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill),
+            interpreted=True,
+        )
 
 
 def round_up(n: int, multiple: int = GROUP) -> int:
@@ -195,15 +220,18 @@ def group_rows_meta(num_tokens: int, num_groups: int, device: torch.device) -> d
         return meta
     tokens = torch.arange(num_tokens, dtype=torch.int32, device=device)
     groups = torch.arange(num_groups, dtype=torch.int32, device=device)
-    meta = {**one_expert_meta(num_tokens, num_groups, device),
-            "row_ids": (tokens[None, :] * num_groups + groups[:, None]).contiguous()}  # [G, T]
+    meta = {
+        **one_expert_meta(num_tokens, num_groups, device),
+        "row_ids": (tokens[None, :] * num_groups + groups[:, None]).contiguous(),
+    }  # [G, T]
     if num_tokens <= META_CACHE_MAX_TOKENS and not _capturing(device):
         _GROUP_ROWS_CACHE[key] = meta
     return meta
 
 
-def activations(kernels: KernelSet, x: torch.Tensor, num_tokens: int
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def activations(
+    kernels: KernelSet, x: torch.Tensor, num_tokens: int
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What a linear's GEMM takes for x [R, K] (K % 128 == 0, dense), of which each expert (the one
     projection, or each group of a grouped one) reads ``num_tokens`` rows: x itself, quantised inside the
     GEMM, when num_tokens ≤ ``quant_fp8.IN_GEMM_MAX_ROWS`` (decode); else ``quantize_act``'s (e4m3, scales)
@@ -218,13 +246,19 @@ def _capturing(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def takes_block_scaled(kernels: KernelSet, num_tokens: int, min_tokens: int, x: torch.Tensor,
-                       out_dtype: torch.dtype) -> bool:
+def takes_block_scaled(
+    kernels: KernelSet, num_tokens: int, min_tokens: int, x: torch.Tensor, out_dtype: torch.dtype
+) -> bool:
     """``min_tokens`` rows or more (per group of a grouped projection) on a compiled kernel set, outside the
     batch-invariant mode: cuBLASLt's block-scaled GEMM, with the output in the activations' dtype (bf16 or fp32)
     where the device's probe for that dtype passed."""
-    return (num_tokens >= min_tokens and x.dtype in block_scaled_gemm.OUT_DTYPES and not invariance.active()
-            and not kernels.interpreted and block_scaled_gemm.available(x.device, out_dtype))
+    return (
+        num_tokens >= min_tokens
+        and x.dtype in block_scaled_gemm.OUT_DTYPES
+        and not invariance.active()
+        and not kernels.interpreted
+        and block_scaled_gemm.available(x.device, out_dtype)
+    )
 
 
 def _scale_b(cached: torch.Tensor | None, w_scale: torch.Tensor) -> torch.Tensor:
@@ -266,14 +300,25 @@ class KernelLinear(nn.Module):
         if takes_block_scaled(self.kernels, num_tokens, block_scaled_gemm.LINEAR_MIN_TOKENS, x, out_dtype):
             self.scale_b = _scale_b(self.scale_b, self.w_scale[0])
             y = block_scaled_gemm.matmul(a, self.w[0], self.scale_b, out_dtype)  # [T, N']
-        elif (hasattr(gemm, "fp8_linear_splitk") and num_tokens <= gemm.SPLITK_MAX_TOKENS and not invariance.active()
-                and gemm.worth_splitting(self.w.shape[1], x.device)):
+        elif (
+            hasattr(gemm, "fp8_linear_splitk")
+            and num_tokens <= gemm.SPLITK_MAX_TOKENS
+            and not invariance.active()
+            and gemm.worth_splitting(self.w.shape[1], x.device)
+        ):
             # Decode's few rows on a projection with few N tiles: K split over programs (kernels/fp8_splitk.py);
             # not in the batch-invariant mode, where the batch must not choose the kernel.
             y = gemm.fp8_linear_splitk(a, self.w, self.w_scale, out_dtype=out_dtype)  # [T, N']
         else:
-            y = gemm.moe_grouped_gemm(a, self.w, self.w_scale, one_expert_meta(num_tokens, 1, x.device), gather=True,
-                                      out_dtype=out_dtype, block_m=linear_block_m(num_tokens))[0]
+            y = gemm.moe_grouped_gemm(
+                a,
+                self.w,
+                self.w_scale,
+                one_expert_meta(num_tokens, 1, x.device),
+                gather=True,
+                out_dtype=out_dtype,
+                block_m=linear_block_m(num_tokens),
+            )[0]
         return y[:, : self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -323,12 +368,20 @@ class GroupedKernelLinear(nn.Module):
         # [T, G·R] result is a view where R' = R: no transposing copy after it.
         out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=x.device).transpose(0, 1)
         y = self.kernels.moe_grouped_gemm.moe_grouped_gemm(
-            a, self.w, self.w_scale, group_rows_meta(num_tokens, g, x.device), gather=True, out_dtype=out_dtype,
-            block_m=linear_block_m(num_tokens), out=out)  # [G, T, R']
+            a,
+            self.w,
+            self.w_scale,
+            group_rows_meta(num_tokens, g, x.device),
+            gather=True,
+            out_dtype=out_dtype,
+            block_m=linear_block_m(num_tokens),
+            out=out,
+        )  # [G, T, R']
         return y.transpose(0, 1)[:, :, : self.rank].reshape(*lead, g * self.rank).to(x.dtype)
 
-    def _block_scaled(self, a: tuple[torch.Tensor, torch.Tensor], num_tokens: int, out_dtype: torch.dtype
-                      ) -> torch.Tensor:
+    def _block_scaled(
+        self, a: tuple[torch.Tensor, torch.Tensor], num_tokens: int, out_dtype: torch.dtype
+    ) -> torch.Tensor:
         """The [T·G, Kg'] rows' (e4m3, scales) → [T, G, R'] through one block-scaled GEMM a group. cuBLASLt takes
         a group's rows contiguous and its scales M-major, so both are copied group-major first (the e4m3 at a
         byte a channel: half the bf16 input's bytes)."""
@@ -339,8 +392,9 @@ class GroupedKernelLinear(nn.Module):
         s = s.view(num_tokens, g, -1).permute(1, 2, 0).contiguous()  # fp32 [G, Kg'/128, T]
         out = torch.empty(num_tokens, g, self.w.shape[1], dtype=out_dtype, device=q.device)
         for group in range(g):
-            out[:, group] = block_scaled_gemm.matmul((q[group], s[group].t()), self.w[group], self.scale_b[group],
-                                                     out_dtype)
+            out[:, group] = block_scaled_gemm.matmul(
+                (q[group], s[group].t()), self.w[group], self.scale_b[group], out_dtype
+            )
         return out
 
     def extra_repr(self) -> str:

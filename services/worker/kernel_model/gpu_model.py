@@ -54,8 +54,9 @@ def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], cfg: ModelConfig
                 continue
             stored = tensors[spec.name]
             if spec.fmt in ("fp8_block", "mxfp4", "fp8_rowwise"):
-                value = dequantize_weight(stored, tensors[spec.name.removesuffix(".weight") + ".scale"],
-                                          rowwise=spec.fmt == "fp8_rowwise")
+                value = dequantize_weight(
+                    stored, tensors[spec.name.removesuffix(".weight") + ".scale"], rowwise=spec.fmt == "fp8_rowwise"
+                )
             else:
                 value = stored
             target = params[spec.target]
@@ -69,21 +70,43 @@ def _draw(cfg: ModelConfig, seed: int, device: torch.device, prefix: str) -> dic
     return out
 
 
-def build_random_kernel_model(cfg: ModelConfig, seed: int, device: torch.device | str, precision: str = "fp8",
-                              token_map: torch.Tensor | None = None, num_compressed: int | None = None,
-                              kernels=None, convert: bool = True) -> DeepseekV41:
+def build_random_kernel_model(
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str,
+    precision: str = "fp8",
+    token_map: torch.Tensor | None = None,
+    num_compressed: int | None = None,
+    kernels=None,
+    convert: bool = True,
+) -> DeepseekV41:
     """A kernel-backed model with random released weights drawn on ``device`` (see the module docstring).
     ``convert=False`` stops before the kernel conversion: the torch model (tests compare it with the
     whole-model build)."""
     device = torch.device(device)
-    return build_kernel_model(cfg, lambda prefix: _draw(cfg, seed, device, prefix), device, precision, token_map,
-                              num_compressed, kernels, convert)
+    return build_kernel_model(
+        cfg,
+        lambda prefix: _draw(cfg, seed, device, prefix),
+        device,
+        precision,
+        token_map,
+        num_compressed,
+        kernels,
+        convert,
+    )
 
 
-def build_kernel_model(cfg: ModelConfig, fetch: Callable[[str], dict[str, torch.Tensor]], device: torch.device | str,
-                       precision: str = "fp8", token_map: torch.Tensor | None = None,
-                       num_compressed: int | None = None, kernels=None, convert: bool = True,
-                       on_part: Callable[[str, object], None] | None = None) -> DeepseekV41:
+def build_kernel_model(
+    cfg: ModelConfig,
+    fetch: Callable[[str], dict[str, torch.Tensor]],
+    device: torch.device | str,
+    precision: str = "fp8",
+    token_map: torch.Tensor | None = None,
+    num_compressed: int | None = None,
+    kernels=None,
+    convert: bool = True,
+    on_part: Callable[[str, object], None] | None = None,
+) -> DeepseekV41:
     """The kernel-backed model built part by part: ``fetch(prefix)`` gives the released tensors whose names
     start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …, then "mtp." for a draft, then
     ``VISION_PREFIXES`` when the config has a vision tower), already on ``device``

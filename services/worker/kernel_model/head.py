@@ -47,7 +47,7 @@ class KernelHead(nn.Module):
             hi = x.to(torch.bfloat16)
             lo = (x - hi.float()).to(torch.bfloat16)
             both = torch.mm(torch.cat([hi, lo]), self.weight.t(), out_dtype=torch.float32)  # [2G, vocab]
-            out = both[: x.shape[0]] + both[x.shape[0]:]
+            out = both[: x.shape[0]] + both[x.shape[0] :]
         return out
 
     def extra_repr(self) -> str:

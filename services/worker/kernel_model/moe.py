@@ -57,9 +57,17 @@ class KernelRMSNorm(nn.Module):
     def rope_fits(self, x: torch.Tensor, turns: torch.Tensor, q: torch.Tensor) -> bool:
         """Whether ``forward_rope`` takes these: a kernel set with ``rmsnorm_rope``, fp32 x [R, C] and
         q [R, H, Dq] (last dims contiguous), complex64 turns [R, P] (``rope_turns``)."""
-        return (hasattr(self.kernels.rmsnorm, "rmsnorm_rope") and x.dtype == q.dtype == torch.float32
-                and turns.dtype == torch.complex64 and x.ndim == 2 and q.ndim == 3 and turns.ndim == 2
-                and x.stride(-1) == 1 and q.stride(-1) == 1 and x.shape[0] == q.shape[0] == turns.shape[0])
+        return (
+            hasattr(self.kernels.rmsnorm, "rmsnorm_rope")
+            and x.dtype == q.dtype == torch.float32
+            and turns.dtype == torch.complex64
+            and x.ndim == 2
+            and q.ndim == 3
+            and turns.ndim == 2
+            and x.stride(-1) == 1
+            and q.stride(-1) == 1
+            and x.shape[0] == q.shape[0] == turns.shape[0]
+        )
 
     def forward_rope(self, x: torch.Tensor, turns: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """``apply_rope_(self(x), turns)``, with ``apply_rope_(q, turns)`` done in place, in one launch (the
@@ -103,8 +111,9 @@ class KernelMoE(nn.Module):
                 return w.detach().float()
 
             # Gate and up are padded separately, so the kernel's row split at N/2 stays gate | up.
-            q13, s13, bad13 = quantize_each(self.num_experts + 1, lambda e: stack_gate_up(
-                pad_matrix(expert("w1", e)), pad_matrix(expert("w3", e))))
+            q13, s13, bad13 = quantize_each(
+                self.num_experts + 1, lambda e: stack_gate_up(pad_matrix(expert("w1", e)), pad_matrix(expert("w3", e)))
+            )
             q2, s2, bad2 = quantize_each(self.num_experts + 1, lambda e: expert("w2", e))
             self.inexact = bad13 + bad2
             self.register_buffer("w13", q13)
@@ -118,8 +127,13 @@ class KernelMoE(nn.Module):
             self.register_buffer("w13", stack_gate_up(w1, w3).contiguous())  # fp32 [E+1, 2I, D]
             self.register_buffer("w2", w2.contiguous())
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None, live: torch.Tensor | None = None,
-                image: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        live: torch.Tensor | None = None,
+        image: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [B, S, D] → [B, S, D]; ``counts`` int64 [E], when given, gains the tokens routed to each expert.
         ``live`` bool [B, S] (None: every row): rows outside it are routed nowhere and output zeros.
         ``image`` bool [B, S] (None: none) marks image-span tokens, which select with ``bias_vl``."""
@@ -128,10 +142,15 @@ class KernelMoE(nn.Module):
         if x2.shape[0] > MOE_MAX_TOKENS:
             rows2 = None if live is None else live.reshape(-1)
             image2 = None if image is None else image.reshape(-1)
-            parts = [self.forward(x2[i:i + MOE_MAX_TOKENS], counts,
-                                  None if rows2 is None else rows2[i:i + MOE_MAX_TOKENS],
-                                  None if image2 is None else image2[i:i + MOE_MAX_TOKENS])
-                     for i in range(0, x2.shape[0], MOE_MAX_TOKENS)]
+            parts = [
+                self.forward(
+                    x2[i : i + MOE_MAX_TOKENS],
+                    counts,
+                    None if rows2 is None else rows2[i : i + MOE_MAX_TOKENS],
+                    None if image2 is None else image2[i : i + MOE_MAX_TOKENS],
+                )
+                for i in range(0, x2.shape[0], MOE_MAX_TOKENS)
+            ]
             return torch.cat(parts).reshape(shape)
         vl = {} if image is None else {"bias_vl": self.bias_vl, "image": image.reshape(-1)}
         router = self.kernels.moe_router
@@ -140,41 +159,80 @@ class KernelMoE(nn.Module):
             # Routing, then the layout and the counts (kernels/moe_layout.py: the same bytes as ``_layout``): in
             # the router's launch up to one token tile, else in a launch of their own.
             weights, experts, meta = router.moe_router_layout(
-                x2, self.gate_weight, self.gate_bias, self.top_k, self.route_scale,
-                None if rows is None else rows.reshape(-1), counts, **vl)  # weights, experts [T, k]
+                x2,
+                self.gate_weight,
+                self.gate_bias,
+                self.top_k,
+                self.route_scale,
+                None if rows is None else rows.reshape(-1),
+                counts,
+                **vl,
+            )  # weights, experts [T, k]
         else:
-            weights, experts = router.moe_router(x2, self.gate_weight, self.gate_bias, self.top_k, self.route_scale,
-                                                 **vl)  # [T, k] each
+            weights, experts = router.moe_router(
+                x2, self.gate_weight, self.gate_bias, self.top_k, self.route_scale, **vl
+            )  # [T, k] each
             layout = getattr(router, "moe_layout", None)
             if layout is not None and x2.shape[0] <= router.LAYOUT_MAX_TOKENS:
                 meta = layout(experts, weights, self.num_experts, None if rows is None else rows.reshape(-1), counts)
             else:
                 if counts is not None:
-                    one = torch.ones_like(experts, dtype=counts.dtype) if rows is None else rows.to(
-                        counts.dtype).expand(experts.shape)
+                    one = (
+                        torch.ones_like(experts, dtype=counts.dtype)
+                        if rows is None
+                        else rows.to(counts.dtype).expand(experts.shape)
+                    )
                     counts.scatter_add_(0, experts.flatten().long(), one.flatten())
                 meta = self._layout(experts, weights, rows)
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             if self._deepgemm(xp):
                 contiguous = self.kernels.moe_contiguous
-                out = deepgemm_moe.experts(xp, meta, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit,
-                                           self.kernels.quant_fp8.quantize_act, self.kernels.quant_fp8.swiglu_quant,
-                                           self.kernels.moe_grouped_gemm.moe_combine, masked=False,
-                                           layout=None if contiguous is None else contiguous.contiguous_layout)
-            elif block_scaled_experts.applies(xp.shape[0], self.top_k, self.num_experts, xp.device,
-                                            self.kernels.interpreted):
+                out = deepgemm_moe.experts(
+                    xp,
+                    meta,
+                    self.w13,
+                    self.w13_scale,
+                    self.w2,
+                    self.w2_scale,
+                    self.limit,
+                    self.kernels.quant_fp8.quantize_act,
+                    self.kernels.quant_fp8.swiglu_quant,
+                    self.kernels.moe_grouped_gemm.moe_combine,
+                    masked=False,
+                    layout=None if contiguous is None else contiguous.contiguous_layout,
+                )
+            elif block_scaled_experts.applies(
+                xp.shape[0], self.top_k, self.num_experts, xp.device, self.kernels.interpreted
+            ):
                 scale_b13, scale_b2 = self._scale_b()
-                out = block_scaled_experts.experts(xp, meta, self.w13, scale_b13, self.w2, scale_b2, self.limit,
-                                                   self.kernels.quant_fp8.quantize_act,
-                                                   self.kernels.moe_grouped_gemm.moe_combine)
+                out = block_scaled_experts.experts(
+                    xp,
+                    meta,
+                    self.w13,
+                    scale_b13,
+                    self.w2,
+                    scale_b2,
+                    self.limit,
+                    self.kernels.quant_fp8.quantize_act,
+                    self.kernels.moe_grouped_gemm.moe_combine,
+                )
             else:
                 # The combine writes [T, D] and +0.0 in the dead rows: the where below, in the same launch.
                 gemm = self.kernels.moe_grouped_gemm
                 split = self.splitk and gemm.worth_splitting_experts(meta, self.w13, self.w2)
                 out = (gemm.moe_experts_splitk if split else gemm.moe_experts)(
-                    xp, meta, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit, shared_last=True,
-                    live=None if rows is None else rows.reshape(-1), width=self.hidden)
+                    xp,
+                    meta,
+                    self.w13,
+                    self.w13_scale,
+                    self.w2,
+                    self.w2_scale,
+                    self.limit,
+                    shared_last=True,
+                    live=None if rows is None else rows.reshape(-1),
+                    width=self.hidden,
+                )
                 rows = None
             out = out[:, : self.hidden]
         else:
@@ -203,8 +261,9 @@ class KernelMoE(nn.Module):
             self.scale_b = (block_scaled_gemm.scale_b(self.w13_scale), block_scaled_gemm.scale_b(self.w2_scale))
         return self.scale_b
 
-    def _layout(self, experts: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None
-                ) -> dict[str, torch.Tensor]:
+    def _layout(
+        self, experts: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
         """``route_metadata`` over E + 1 stacked experts (expert E, the shared one, picked by every row
         with weight 1). Rows outside ``rows`` [T, 1] pick sink experts E+1 … E+k+1 instead (one each,
         so no sink overflows its T slots); the sinks are then cut off the layout."""
@@ -215,8 +274,9 @@ class KernelMoE(nn.Module):
         if rows is None:
             return route_metadata(choices, route_w, num_stacked)
         sinks = torch.arange(num_stacked, num_stacked + choices.shape[1], dtype=choices.dtype, device=choices.device)
-        meta = route_metadata(torch.where(rows, choices, sinks), torch.where(rows, route_w, 0.0),
-                              num_stacked + choices.shape[1])
+        meta = route_metadata(
+            torch.where(rows, choices, sinks), torch.where(rows, route_w, 0.0), num_stacked + choices.shape[1]
+        )
         counts = meta["counts"][:num_stacked]
         return {
             "counts": counts,
@@ -240,6 +300,10 @@ class KernelMoE(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        padded = f" (padded to {round_up(self.intermediate)}/{round_up(self.hidden)})" if self.precision == "fp8" else ""
-        return f"experts={self.num_experts}+1 shared, top_k={self.top_k}, I={self.intermediate}, D={self.hidden}" \
-               f"{padded}, precision={self.precision}"
+        padded = (
+            f" (padded to {round_up(self.intermediate)}/{round_up(self.hidden)})" if self.precision == "fp8" else ""
+        )
+        return (
+            f"experts={self.num_experts}+1 shared, top_k={self.top_k}, I={self.intermediate}, D={self.hidden}"
+            f"{padded}, precision={self.precision}"
+        )

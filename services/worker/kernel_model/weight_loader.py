@@ -41,8 +41,11 @@ BAND_BYTES = 1 << 30
 """A tensor above this many bytes is copied to the device in row bands of at most this size."""
 
 SAFETENSORS_DTYPES = {
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8",
-    torch.bfloat16: "BF16", torch.float32: "F32",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.int8: "I8",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
 }
 """The safetensors header's dtype string of every dtype the released table stores."""
 
@@ -64,9 +67,11 @@ class LoadReport:
 
     def describe(self) -> str:
         device = "" if self.peak_device_bytes is None else f", peak GPU {self.peak_device_bytes / 2**30:.1f} GiB"
-        return (f"loaded {self.num_bytes / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gb_per_s:.2f} GB/s), "
-                f"peak host RSS {self.peak_host_bytes / 2**30:.1f} GiB{device}; {self.num_inexact} FP8 weight "
-                "elements not exact at 128×128")
+        return (
+            f"loaded {self.num_bytes / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gb_per_s:.2f} GB/s), "
+            f"peak host RSS {self.peak_host_bytes / 2**30:.1f} GiB{device}; {self.num_inexact} FP8 weight "
+            "elements not exact at 128×128"
+        )
 
 
 class CheckpointReader:
@@ -83,12 +88,14 @@ class CheckpointReader:
     def _check_table(self) -> None:
         missing = [name for name in self.table if name not in self.files]
         if missing:
-            raise CheckpointError(f"{self.path}: checkpoint is missing {len(missing)} tensor(s): "
-                                  f"{', '.join(missing[:5])}")
+            raise CheckpointError(
+                f"{self.path}: checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+            )
         extra = sorted(set(self.files) - set(self.table))
         if extra:
-            raise CheckpointError(f"{self.files[extra[0]]}: {len(extra)} unexpected tensor(s) for this config: "
-                                  f"{', '.join(extra[:5])}")
+            raise CheckpointError(
+                f"{self.files[extra[0]]}: {len(extra)} unexpected tensor(s) for this config: {', '.join(extra[:5])}"
+            )
         for file, names in self._by_file(list(self.table)).items():
             try:
                 with safe_open(str(file), framework="pt") as f:
@@ -96,11 +103,14 @@ class CheckpointReader:
                         part = f.get_slice(name)
                         shape, dtype = self.table[name]
                         if tuple(part.get_shape()) != shape:
-                            raise CheckpointError(f"{file}: tensor {name} has shape {list(part.get_shape())}, "
-                                                  f"expected {list(shape)}")
+                            raise CheckpointError(
+                                f"{file}: tensor {name} has shape {list(part.get_shape())}, expected {list(shape)}"
+                            )
                         if part.get_dtype() != SAFETENSORS_DTYPES[dtype]:
-                            raise CheckpointError(f"{file}: tensor {name} has dtype {part.get_dtype()}, expected "
-                                                  f"{SAFETENSORS_DTYPES[dtype]} ({dtype})")
+                            raise CheckpointError(
+                                f"{file}: tensor {name} has dtype {part.get_dtype()}, expected "
+                                f"{SAFETENSORS_DTYPES[dtype]} ({dtype})"
+                            )
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: unreadable ({e})") from e
 
@@ -160,8 +170,9 @@ def _progress(total: int, desc: str) -> Iterator:
         bar.close()
 
 
-def load_kernel_model(path: str | Path, device: torch.device | str, precision: str = "fp8", kernels=None,
-                      convert: bool = True):
+def load_kernel_model(
+    path: str | Path, device: torch.device | str, precision: str = "fp8", kernels=None, convert: bool = True
+):
     """(model, tokenizer, report): the checkpoint directory ``path`` loaded into the kernel backend's
     form on ``device`` (``convert=False``: placed but not converted, for tests)."""
     from services.worker.kernel_model.gpu_model import VISION_PREFIXES, build_kernel_model
@@ -178,8 +189,12 @@ def load_kernel_model(path: str | Path, device: torch.device | str, precision: s
     reader = CheckpointReader(path, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    num_parts = (3 + cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)  # + the draft, "mtp."
-                 + (len(VISION_PREFIXES) if cfg.vision is not None else 0))
+    num_parts = (
+        3
+        + cfg.num_hidden_layers
+        + (1 if cfg.num_nextn_predict_layers else 0)  # + the draft, "mtp."
+        + (len(VISION_PREFIXES) if cfg.vision is not None else 0)
+    )
     inexact = [0]
 
     def placed(prefix: str, conversion) -> None:
@@ -187,13 +202,26 @@ def load_kernel_model(path: str | Path, device: torch.device | str, precision: s
         inexact[0] += getattr(conversion, "inexact", 0)
 
     with _progress(num_parts, f"load {path.name}") as bar:
-        model = build_kernel_model(cfg, lambda prefix: reader.read(prefix, device), device, precision, token_map,
-                                   num_compressed, kernels, convert, on_part=placed)
+        model = build_kernel_model(
+            cfg,
+            lambda prefix: reader.read(prefix, device),
+            device,
+            precision,
+            token_map,
+            num_compressed,
+            kernels,
+            convert,
+            on_part=placed,
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    report = LoadReport(reader.num_bytes, time.perf_counter() - start,
-                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, num_parts,
-                        inexact[0])
+    report = LoadReport(
+        reader.num_bytes,
+        time.perf_counter() - start,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        num_parts,
+        inexact[0],
+    )
     log.info("%s: %s", path, report.describe())
     return model, tokenizer, report

@@ -40,8 +40,9 @@ class ExpertParallel:
         self.routes_nothing = False  # True during a placeholder step
         # [layers, slots per rank] int64 on the slots' device (no sync per layer): pairs received per local
         # physical slot, since the last take.
-        self.slot_counts = torch.zeros(len(slots), slots[0].slots_per_rank, dtype=torch.long,
-                                       device=slots[0].table.device)
+        self.slot_counts = torch.zeros(
+            len(slots), slots[0].slots_per_rank, dtype=torch.long, device=slots[0].table.device
+        )
 
     @contextlib.contextmanager
     def placeholder(self) -> Iterator[None]:
@@ -71,8 +72,9 @@ class ExpertParallelMoE(nn.Module):
             full = getattr(moe, name)
             setattr(moe, name, nn.Parameter(full.data[local.to(full.device)].clone(), requires_grad=False))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
-                image: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor | None = None, image: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, S, D] → [B, S, D]; as ``MoE.forward``."""
         moe, parallel = self.moe, self.parallel
         slots = parallel.slots[self.layer]
@@ -91,8 +93,9 @@ class ExpertParallelMoE(nn.Module):
         dest = torch.div(physical, slots.slots_per_rank, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
         sent = pairs[order]
-        got = parallel.exchange.dispatch(x[sent // k], dest[order], (physical % slots.slots_per_rank)[order],
-                                         weights.reshape(-1)[sent])
+        got = parallel.exchange.dispatch(
+            x[sent // k], dest[order], (physical % slots.slots_per_rank)[order], weights.reshape(-1)[sent]
+        )
         out_rows = self._experts(got.rows, got.slots, got.weights, x.dtype)
         back = parallel.exchange.combine(out_rows, got)  # [P, D]
         routed = torch.zeros(num_tokens * k, x.shape[-1], dtype=torch.float32, device=x.device)  # [T·k, D]
@@ -104,8 +107,9 @@ class ExpertParallelMoE(nn.Module):
             out = out + routed[:, j]
         return out.to(x.dtype).reshape(shape)
 
-    def _experts(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+    def _experts(
+        self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """This rank's experts on the rows that arrived: [M, D] in ``dtype``, as ``MoE.forward`` computes
         each (row, expert); counts each arrival on its physical slot."""
         moe = self.moe
@@ -126,6 +130,8 @@ def shard_experts(model: DeepseekV41, parallel: ExpertParallel) -> None:
     """Makes every layer's MoE expert-parallel in place: this rank keeps only its slots' weights."""
     for block in model.layers:
         if not isinstance(block.ffn, MoE):
-            raise ValueError(f"layer {block.layer}'s ffn is {type(block.ffn).__name__}, not the model's MoE: "
-                             "expert parallelism runs on the torch MoE (kernel_backend None) so far")
+            raise ValueError(
+                f"layer {block.layer}'s ffn is {type(block.ffn).__name__}, not the model's MoE: "
+                "expert parallelism runs on the torch MoE (kernel_backend None) so far"
+            )
         block.ffn = ExpertParallelMoE(block.ffn, block.layer, parallel)

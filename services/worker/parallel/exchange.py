@@ -30,8 +30,9 @@ class Dispatched:
     num_received: list[int]  # rows this rank received from each rank (its combine sends these back)
 
 
-def all_to_all_rows(group: dist.ProcessGroup, send: torch.Tensor, num_sent: list[int], num_received: list[int]
-                    ) -> torch.Tensor:
+def all_to_all_rows(
+    group: dist.ProcessGroup, send: torch.Tensor, num_sent: list[int], num_received: list[int]
+) -> torch.Tensor:
     """``send`` [N, ...] whose first ``num_sent[r]`` rows (in rank order) go to rank r → the rows received,
     ``num_received[r]`` from rank r, in rank order; bit for bit (2-byte floats travel as bytes)."""
     carrier = _CARRIER.get(send.dtype)
@@ -48,8 +49,9 @@ class Exchange:
         # Seconds spent inside this rank's exchange calls, cumulative (bench step --dp takes differences).
         self.seconds = 0.0
 
-    def dispatch(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
-                 ) -> Dispatched:
+    def dispatch(
+        self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+    ) -> Dispatched:
         """``rows`` [P, D], ``dest`` [P] (ranks, ascending: rows grouped by destination), ``slots`` [P] local
         slots on the destination, ``weights`` [P] fp32."""
         start = time.perf_counter()

@@ -24,8 +24,10 @@ from services.worker.parallel.expert_slots import ExpertSlots
 def move_plan(old: Layout, new: Layout) -> list[list[int]]:
     """``[rank][new slot]`` → the rank whose old slots provide that slot's expert."""
     if (old.num_gpus, old.num_logical) != (new.num_gpus, new.num_logical):
-        raise ValueError(f"a layout over {new.num_gpus} ranks and {new.num_logical} experts cannot replace one over "
-                         f"{old.num_gpus} ranks and {old.num_logical} experts")
+        raise ValueError(
+            f"a layout over {new.num_gpus} ranks and {new.num_logical} experts cannot replace one over "
+            f"{old.num_gpus} ranks and {old.num_logical} experts"
+        )
     holders = [sorted({slot // old.slots_per_gpu for slot in slots}) for slots in old.log2phy()]
     plan = []
     for d in range(new.num_gpus):
@@ -34,8 +36,9 @@ def move_plan(old: Layout, new: Layout) -> list[list[int]]:
     return plan
 
 
-def apply_layouts(model: DeepseekV41, parallel: ExpertParallel, layouts: list[Layout],
-                  group: torch.distributed.ProcessGroup) -> int:
+def apply_layouts(
+    model: DeepseekV41, parallel: ExpertParallel, layouts: list[Layout], group: torch.distributed.ProcessGroup
+) -> int:
     """Moves this rank's expert weights to ``layouts`` (one per layer) and switches the gate to them.
     Returns the number of experts this rank received from peers."""
     if len(layouts) != len(parallel.slots):
@@ -47,13 +50,15 @@ def apply_layouts(model: DeepseekV41, parallel: ExpertParallel, layouts: list[La
             raise ValueError(f"layer {layer} is not expert-parallel")
         received += _move_layer(ffn, parallel, layer, new, group)
     parallel.take_slot_counts()
-    parallel.slot_counts = torch.zeros(len(layouts), parallel.slots[0].slots_per_rank, dtype=torch.long,
-                                       device=parallel.slot_counts.device)
+    parallel.slot_counts = torch.zeros(
+        len(layouts), parallel.slots[0].slots_per_rank, dtype=torch.long, device=parallel.slot_counts.device
+    )
     return received
 
 
-def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, new: Layout,
-                group: torch.distributed.ProcessGroup) -> int:
+def _move_layer(
+    ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, new: Layout, group: torch.distributed.ProcessGroup
+) -> int:
     old_slots, moe = parallel.slots[layer], ffn.moe
     weights, received = moved_weights(old_slots.layout, old_slots.rank, (moe.w1, moe.w3, moe.w2), new, group)
     for name, w in zip(("w1", "w3", "w2"), weights):
@@ -62,8 +67,9 @@ def _move_layer(ffn: ExpertParallelMoE, parallel: ExpertParallel, layer: int, ne
     return received
 
 
-def moved_weights(old: Layout, me: int, weights: tuple[torch.Tensor, ...], new: Layout,
-                  group: torch.distributed.ProcessGroup) -> tuple[tuple[torch.Tensor, ...], int]:
+def moved_weights(
+    old: Layout, me: int, weights: tuple[torch.Tensor, ...], new: Layout, group: torch.distributed.ProcessGroup
+) -> tuple[tuple[torch.Tensor, ...], int]:
     """Rank ``me``'s expert weights under ``new``: ``weights`` = this rank's (w1 [S, I, D], w3 [S, I, D],
     w2 [S, D, I]) in ``old``'s slot order → new tensors in ``new``'s slot order (``weights`` untouched), and
     the number of experts received from peers. Collective on ``group``: every rank calls it with the same

@@ -31,8 +31,9 @@ class ExpertSlots:
         self.copies = torch.tensor([len(s) for s in log2phy], dtype=torch.long, device=device)
 
     @staticmethod
-    def startup(num_logical: int, world_size: int, num_redundant: int, rank: int,
-                device: torch.device | str = "cpu") -> "ExpertSlots":
+    def startup(
+        num_logical: int, world_size: int, num_redundant: int, rank: int, device: torch.device | str = "cpu"
+    ) -> "ExpertSlots":
         return ExpertSlots(startup_layout(num_logical, world_size, num_redundant), rank, device)
 
     @property

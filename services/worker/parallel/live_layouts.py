@@ -64,8 +64,9 @@ class BoundaryVote:
 
 
 class LiveLayouts:
-    def __init__(self, moes: list[ExpertParallelMoE], parallel: ExpertParallel,
-                 group: torch.distributed.ProcessGroup) -> None:
+    def __init__(
+        self, moes: list[ExpertParallelMoE], parallel: ExpertParallel, group: torch.distributed.ProcessGroup
+    ) -> None:
         self.moes = moes  # every layer's expert-parallel MoE, by layer
         self.parallel = parallel
         self.group = group  # the moves group (never the exchange group)
@@ -97,13 +98,19 @@ class LiveLayouts:
         layouts of another shape than this group's (that version is used up with no layouts)."""
         with self._lock:
             if update.version <= self._received:
-                log.warning("EPLB plan version %d refused: version %d was received already", update.version,
-                            self._received)
+                log.warning(
+                    "EPLB plan version %d refused: version %d was received already", update.version, self._received
+                )
                 return False
             if self._gap or update.version != self._received + 1:
                 if not self._gap:
-                    log.error("EPLB plan version %d arrived after %d: version %d was lost, so no later plan "
-                              "is applied on this group", update.version, self._received, self._received + 1)
+                    log.error(
+                        "EPLB plan version %d arrived after %d: version %d was lost, so no later plan "
+                        "is applied on this group",
+                        update.version,
+                        self._received,
+                        self._received + 1,
+                    )
                 self._gap = True
                 return False
             why = self._refusal(update)
@@ -120,9 +127,11 @@ class LiveLayouts:
             if not 0 <= layer < len(self.moes):
                 return f"layer {layer} is outside this model's {len(self.moes)} MoE layers"
             here = self.parallel.slots[layer].layout
-            for what, got, want in (("ranks", layout.num_gpus, here.num_gpus),
-                                    ("expert slots", layout.num_slots, here.num_slots),
-                                    ("logical experts", layout.num_logical, here.num_logical)):
+            for what, got, want in (
+                ("ranks", layout.num_gpus, here.num_gpus),
+                ("expert slots", layout.num_slots, here.num_slots),
+                ("logical experts", layout.num_logical, here.num_logical),
+            ):
                 if got != want:
                     return f"layer {layer}'s layout has {got} {what}, this group has {want}"
         return None
@@ -154,8 +163,13 @@ class LiveLayouts:
                 self._updates.pop(version, None)
             self.version = version
             self.switches.append((version, boundary))
-            log.info("EPLB version %d in force from boundary %d: layers %s moved, switched in %.3f ms", version,
-                     boundary, [layer for layer, _, _ in staged], 1e3 * (time.perf_counter() - start))
+            log.info(
+                "EPLB version %d in force from boundary %d: layers %s moved, switched in %.3f ms",
+                version,
+                boundary,
+                [layer for layer, _, _ in staged],
+                1e3 * (time.perf_counter() - start),
+            )
             switched.append(version)
         for version in range(self._started + 1, agreed.received + 1):
             self._work.put(self._updates[version])
@@ -180,13 +194,17 @@ class LiveLayouts:
         """After the layers were moved outside this object (``apply_layouts`` between calls): later moves
         start from what is in force now. Only while every received version is in force."""
         if self._received != self.version:
-            raise ValueError(f"EPLB versions {self.version + 1}..{self._received} are on their way; a layout "
-                             "cannot be applied beside them")
+            raise ValueError(
+                f"EPLB versions {self.version + 1}..{self._received} are on their way; a layout "
+                "cannot be applied beside them"
+            )
         self._latest = self._in_force()  # the mover is idle: everything it started is in force
 
     def _in_force(self) -> list[tuple[Layout, Weights]]:
-        return [(self.parallel.slots[i].layout, (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data))
-                for i, m in enumerate(self.moes)]
+        return [
+            (self.parallel.slots[i].layout, (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data))
+            for i, m in enumerate(self.moes)
+        ]
 
     def close(self) -> None:
         self._work.put(None)
@@ -208,8 +226,9 @@ class LiveLayouts:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for layer in sorted(update.layouts):
                         old, weights = self._latest[layer]
-                        new_weights, received = moved_weights(old, self.rank, weights, update.layouts[layer],
-                                                              self.group)
+                        new_weights, received = moved_weights(
+                            old, self.rank, weights, update.layouts[layer], self.group
+                        )
                         self._latest[layer] = (update.layouts[layer], new_weights)
                         staged.append((layer, update.layouts[layer], new_weights))
                         self.num_received_from_peers += received
@@ -221,4 +240,3 @@ class LiveLayouts:
                 log.exception("EPLB moves of version %d failed; this group applies no later plan", update.version)
                 self.error = f"{type(err).__name__}: {err}"
                 return
-

@@ -20,8 +20,18 @@ def placeholder_batch(entry_ratios: list[int], device: torch.device | str) -> St
 
     empty = longs()
     return StepBatch(
-        request_ids=["placeholder"], input_ids=longs(0), positions=longs(0), row_requests=longs(0),
-        ring_slots=longs(0), query_start=longs(0, 1), first=longs(0), seqlens_k=longs(1), state_slots=longs(0),
-        block_tables=longs(0).view(1, 1), sample_rows=empty, entry_writes={r: (empty, empty) for r in entry_ratios},
-        decode_only=True, max_seqlen_k=1,
+        request_ids=["placeholder"],
+        input_ids=longs(0),
+        positions=longs(0),
+        row_requests=longs(0),
+        ring_slots=longs(0),
+        query_start=longs(0, 1),
+        first=longs(0),
+        seqlens_k=longs(1),
+        state_slots=longs(0),
+        block_tables=longs(0).view(1, 1),
+        sample_rows=empty,
+        entry_writes={r: (empty, empty) for r in entry_ratios},
+        decode_only=True,
+        max_seqlen_k=1,
     )

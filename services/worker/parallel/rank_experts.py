@@ -12,12 +12,13 @@ from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.groups import RankGroups
 
 
-def shard_over_group(model: DeepseekV41, groups: RankGroups, num_redundant_experts: int, device: str
-                     ) -> ExpertParallel:
+def shard_over_group(model: DeepseekV41, groups: RankGroups, num_redundant_experts: int, device: str) -> ExpertParallel:
     """Shards ``model``'s MoE layers in place to this rank's start-up slots; returns the runner's handle."""
     cfg = model.cfg
-    slots = [ExpertSlots.startup(cfg.n_routed_experts, groups.world_size, num_redundant_experts, groups.rank, device)
-             for _ in range(cfg.num_hidden_layers)]
+    slots = [
+        ExpertSlots.startup(cfg.n_routed_experts, groups.world_size, num_redundant_experts, groups.rank, device)
+        for _ in range(cfg.num_hidden_layers)
+    ]
     parallel = ExpertParallel(Exchange(groups.exchange, groups.world_size), slots)
     shard_experts(model, parallel)
     return parallel

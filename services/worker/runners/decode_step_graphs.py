@@ -48,16 +48,25 @@ class DecodeStepGraphs:
     replays CUDA graphs; without it the static step runs eagerly (CPU, tests). Captured graphs need a
     graph-safe MoE: the kernel backend's (``ModelRunner(backend="kernels")``)."""
 
-    def __init__(self, runner: ModelRunner, config: WorkerConfig, *, use_graphs: bool, attention: str,
-                 kernels: object | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: WorkerConfig,
+        *,
+        use_graphs: bool,
+        attention: str,
+        kernels: object | None = None,
+    ) -> None:
         if runner.rounding is not None:
             raise ValueError("a rounding hook calls back into Python per op: run such a ModelRunner eagerly")
         device = runner.model.embed.weight.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on CUDA, not {device}")
         if use_graphs and runner.kernels is None:
-            raise ValueError("CUDA graphs need the kernel backend (ModelRunner(backend='kernels')): the torch "
-                             "MoE's expert loop reads routing on the host, which a capture refuses")
+            raise ValueError(
+                "CUDA graphs need the kernel backend (ModelRunner(backend='kernels')): the torch "
+                "MoE's expert loop reads routing on the host, which a capture refuses"
+            )
         self.runner = runner
         self.use_graphs = use_graphs
         self.attention = attention
@@ -96,11 +105,17 @@ class DecodeStepGraphs:
 
     def step(self, size: int) -> StaticDecodeStep:
         if size not in self._steps:
-            self._steps[size] = StaticDecodeStep(self.runner.model, self.runner.cache, size,
-                                                 self.max_blocks_per_request, attention=self.attention,
-                                                 kernels=self.kernels, fp32_dots=self._fp32_dots(),
-                                                 with_taps=self.runner.with_taps,
-                                                 engram_host=self.runner.engram_host)
+            self._steps[size] = StaticDecodeStep(
+                self.runner.model,
+                self.runner.cache,
+                size,
+                self.max_blocks_per_request,
+                attention=self.attention,
+                kernels=self.kernels,
+                fp32_dots=self._fp32_dots(),
+                with_taps=self.runner.with_taps,
+                engram_host=self.runner.engram_host,
+            )
         return self._steps[size]
 
     def capture(self, sizes: list[int]) -> None:
@@ -122,8 +137,7 @@ class DecodeStepGraphs:
         log.info("captured the decode graph of %d rows", size)
 
     @torch.no_grad()
-    def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
-                ) -> RunnerOutput:
+    def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None) -> RunnerOutput:
         """``ModelRunner.execute``'s result: logits of the plan's rows only (the padding trimmed)."""
         if not StaticDecodeStep.fits(plan):
             self.num_eager += 1
@@ -148,5 +162,6 @@ class DecodeStepGraphs:
         rows = torch.arange(n) if all_rows else torch.tensor(plan.sample_rows.tolist(), dtype=torch.long)
         # Indexing copies, so the next replay cannot overwrite what is returned; nothing is read back
         # here (the counts too stay on the device), so the host can plan the next step meanwhile.
-        return RunnerOutput(logits[upload(rows, logits.device)], counts.clone(), n,
-                            taps[:n].clone() if taps is not None else None)
+        return RunnerOutput(
+            logits[upload(rows, logits.device)], counts.clone(), n, taps[:n].clone() if taps is not None else None
+        )

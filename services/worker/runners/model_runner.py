@@ -47,10 +47,19 @@ from services.worker.batch.step_batch import PendingInputs, StepBatch, check_rin
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV41, config: WorkerConfig, *, nextn: int = 0,
-                 rounding: Rounding | None = None, backend: str | None = None, precision: str | None = None,
-                 kernels: KernelSet | None = None, with_taps: bool = False,
-                 expert_parallel: ExpertParallel | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        config: WorkerConfig,
+        *,
+        nextn: int = 0,
+        rounding: Rounding | None = None,
+        backend: str | None = None,
+        precision: str | None = None,
+        kernels: KernelSet | None = None,
+        with_taps: bool = False,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         """``with_taps``: every step also returns each row's DSpark target features (``RunnerOutput.taps``);
         ``expert_parallel``: the model's MoE layers are already sharded over ranks (``shard_experts``)."""
         self.expert_parallel = expert_parallel
@@ -69,12 +78,21 @@ class ModelRunner:
             self.conversion = convert_model(model, self.precision, self.kernels)
         # The Engram tables in host shared memory, a step's rows staged to the device (engram_on_host).
         self.engram_host = EngramHost.of_model(model) if config.engram_on_host else None
-        self.cache = CacheEngine(self.cfg, config.block_size, config.num_blocks, config.num_state_slots,
-                                 ring_size(self.cfg, nextn), device, draft=with_taps)
+        self.cache = CacheEngine(
+            self.cfg,
+            config.block_size,
+            config.num_blocks,
+            config.num_state_slots,
+            ring_size(self.cfg, nextn),
+            device,
+            draft=with_taps,
+        )
         self.rounding = rounding
         if config.batch_invariant and self.backend == "torch" and device.type != "cpu":
-            raise ValueError("batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "
-                             f"this runner is the torch backend on {device}; pass kernel_backend 'fp8' or 'fp32'")
+            raise ValueError(
+                "batch_invariant on a GPU runs on the kernel backend (docs/batch-invariance.md): "
+                f"this runner is the torch backend on {device}; pass kernel_backend 'fp8' or 'fp32'"
+            )
         self.batch_invariant = config.batch_invariant
         # Image embeddings per request (services/worker/state/image_inputs.py); None: a text-only model.
         self.images = ImageInputs(self.cfg.vision.image_token_id) if self.cfg.vision is not None else None
@@ -91,8 +109,7 @@ class ModelRunner:
         if self.images is not None:
             self.images.release(request_id)
 
-    def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None
-                ) -> RunnerOutput:
+    def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None) -> RunnerOutput:
         """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
         with ``all_rows``, for tests), expert counts [layers, experts], rows computed. A plan with
         pending inputs (async scheduling) needs ``pending``, the previous step's sampled tokens."""
@@ -119,8 +136,9 @@ class ModelRunner:
                 self._forward(placeholder_batch(plan.entry_ratios, device), all_rows=False, counts=counts)
             return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts, 0)
         if pending is None and any(plan.inputs_pending.tolist()):
-            raise ValueError("the plan's inputs wait on a step in flight (async scheduling); this runner needs "
-                             "them filled in")
+            raise ValueError(
+                "the plan's inputs wait on a step in flight (async scheduling); this runner needs them filled in"
+            )
         check_ring_slots(plan, self.cache.layout.ring_size)
         batch = StepBatch.from_plan(plan, device)
         if pending is not None:
@@ -131,31 +149,49 @@ class ModelRunner:
         cfg, model = self.cfg, self.model
         device = model.embed.weight.device
         rounding = StepRounding(self.rounding, batch.request_ids)
-        backend: AttentionBackend = TorchAttention(self.cache, batch, rounding) if self.kernels is None else \
-            TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)
+        backend: AttentionBackend = (
+            TorchAttention(self.cache, batch, rounding)
+            if self.kernels is None
+            else TritonAttention(self.cache, batch, self.kernels, self.precision, rounding)
+        )
         step = AttentionStep(backend, batch.positions, batch.row_requests, rounding)
         engram = engram_rows(self.cache, batch, model.hasher) if model.hasher is not None else None
         if engram is not None and self.engram_host is not None:
-            engram = self.engram_host.stage(engram)  # as early as the rows are known: the copy overlaps the layers before
+            engram = self.engram_host.stage(
+                engram
+            )  # as early as the rows are known: the copy overlaps the layers before
         ids = batch.input_ids.unsqueeze(0)  # [1, R]
         image_mask = image_rows = None
         if self.images is not None:
-            image_mask, image_rows = self.images.step_rows(batch.request_ids, batch.input_ids, batch.positions,
-                                                           batch.row_requests)
+            image_mask, image_rows = self.images.step_rows(
+                batch.request_ids, batch.input_ids, batch.positions, batch.row_requests
+            )
         # The embedding step: image rows take their embeddings (image: [1, R] bool, or None without any).
-        e, image = model.embed_inputs(ids, None if image_rows is None else image_rows.to(device),
-                                      None if image_rows is None else image_mask.to(device).unsqueeze(0))
+        e, image = model.embed_inputs(
+            ids,
+            None if image_rows is None else image_rows.to(device),
+            None if image_rows is None else image_mask.to(device).unsqueeze(0),
+        )
         h = e.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, R, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, device)  # [1, R, n]
         taps: list[torch.Tensor] = []
         tapped = set(cfg.dspark_target_layer_ids) if self.with_taps else set()
         live = None if image is None else ~image  # image tokens are dead for Engram's gate
         for block in model.layers:
+
             def attend(x: torch.Tensor, attn=block.attn) -> torch.Tensor:
                 return step.attend(attn, x[0]).unsqueeze(0)
 
-            h, pre = block.run(h, pre, attend, engram, live, counts[block.layer], image=image,
-                               taps=taps if block.layer in tapped else None)
+            h, pre = block.run(
+                h,
+                pre,
+                attend,
+                engram,
+                live,
+                counts[block.layer],
+                image=image,
+                taps=taps if block.layer in tapped else None,
+            )
         rows = torch.arange(batch.num_rows, device=device) if all_rows else batch.sample_rows
         final = collapse if self.kernels is None or self.kernels.mhc is None else self.kernels.mhc.collapse
         y = model.norm(final(h[:, rows], pre[:, rows]))[0]  # [rows, D]

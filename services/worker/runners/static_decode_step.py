@@ -38,9 +38,19 @@ from services.worker.batch.step_batch import PendingInputs
 
 
 class StaticDecodeStep:
-    def __init__(self, model: DeepseekV41, cache: CacheEngine, num_rows: int, max_blocks_per_request: int, *,
-                 attention: str, kernels: object | None = None, fp32_dots: bool | None = None,
-                 with_taps: bool = False, engram_host: EngramHost | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        cache: CacheEngine,
+        num_rows: int,
+        max_blocks_per_request: int,
+        *,
+        attention: str,
+        kernels: object | None = None,
+        fp32_dots: bool | None = None,
+        with_taps: bool = False,
+        engram_host: EngramHost | None = None,
+    ) -> None:
         """``kernels``: a KernelSet for the "triton" path (see ``step_kernels``); unused by "reference".
         ``fp32_dots``: the attention kernel's dot precision, as the eager ``TritonAttention`` picks it
         (precision "fp32" or interpreted kernels); None = fp32 for fp32 queries. Graph and eager steps
@@ -60,8 +70,9 @@ class StaticDecodeStep:
         self.fp32_dots = fp32_dots
         self.device = model.embed.weight.device
         self.tapped = set(self.cfg.dspark_target_layer_ids) if with_taps else set()
-        self.rows = StaticBatch(self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device,
-                                cache.layout.block_size)
+        self.rows = StaticBatch(
+            self.cfg, num_rows, max_blocks_per_request, cache.layout.ring_size, self.device, cache.layout.block_size
+        )
         self.backend = GraphAttention(cache, self.rows, self.kernels, fp32_dots)  # holds what a run's sources publish
         self.step = AttentionStep(self.backend, self.rows.positions, self.rows.row_requests)
         self.engram_host = engram_host
@@ -99,8 +110,9 @@ class StaticDecodeStep:
             return
         r = self.rows
         with torch.no_grad():
-            rows = static_engram_rows(self.cache, self.model.hasher, r.input_ids, r.positions, r.state_slots,
-                                      r.row_first, r.row_seqlens_k)
+            rows = static_engram_rows(
+                self.cache, self.model.hasher, r.input_ids, r.positions, r.state_slots, r.row_first, r.row_seqlens_k
+            )
             self.engram_host.stage(rows, self.engram_buffers)
 
     @torch.no_grad()
@@ -111,8 +123,9 @@ class StaticDecodeStep:
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=self.device)
         engram = self.engram_local  # host tables: staged by fill
         if model.hasher is not None and engram is None:
-            engram = static_engram_rows(self.cache, model.hasher, r.input_ids, r.positions, r.state_slots, r.row_first,
-                                        r.row_seqlens_k)
+            engram = static_engram_rows(
+                self.cache, model.hasher, r.input_ids, r.positions, r.state_slots, r.row_first, r.row_seqlens_k
+            )
         ids = r.input_ids.unsqueeze(0)  # [1, G]
         h = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)  # [1, G, n, D]
         pre = initial_pre(ids.shape, cfg.hc_mult, self.device)  # [1, G, n]
@@ -120,12 +133,14 @@ class StaticDecodeStep:
         self.step.reset()
         taps: list[torch.Tensor] = []
         for block in self.model.layers:
+
             def attend(x: torch.Tensor, attn: Attention = block.attn) -> torch.Tensor:
                 return self.step.attend(attn, x[0]).unsqueeze(0)
 
             with self._live_rows(block.ffn, counts[block.layer]):
-                h, pre = block.run(h, pre, attend, engram, None, None,
-                                   taps=taps if block.layer in self.tapped else None)
+                h, pre = block.run(
+                    h, pre, attend, engram, None, None, taps=taps if block.layer in self.tapped else None
+                )
         y = model.norm(self.collapse(h, pre))[0]  # [G, D]
         return head_logits(model.head, y), counts, torch.cat(taps, dim=-1)[0] if taps else None
 
@@ -136,12 +151,17 @@ class StaticDecodeStep:
         live prefix and its output is padded back with zeros (shapes vary: never captured)."""
         r = self.rows
         if isinstance(ffn, KernelMoE):
-            hooks = [ffn.register_forward_pre_hook(lambda _m, args, _kw: ((args[0], counts), {"live": r.live}),
-                                                   with_kwargs=True)]
+            hooks = [
+                ffn.register_forward_pre_hook(
+                    lambda _m, args, _kw: ((args[0], counts), {"live": r.live}), with_kwargs=True
+                )
+            ]
         else:
             n, pad = r.num_live, r.num_rows - r.num_live
-            hooks = [ffn.register_forward_pre_hook(lambda _m, args: (args[0][:, :n], counts)),
-                     ffn.register_forward_hook(lambda _m, _args, out: F.pad(out, (0, 0, 0, pad)))]
+            hooks = [
+                ffn.register_forward_pre_hook(lambda _m, args: (args[0][:, :n], counts)),
+                ffn.register_forward_hook(lambda _m, _args, out: F.pad(out, (0, 0, 0, pad))),
+            ]
         try:
             yield
         finally:

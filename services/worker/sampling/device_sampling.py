@@ -54,13 +54,20 @@ class DeviceSampling:
     unit_temperatures: bool = False  # every temperature is 1 (host-known: all rows greedy), so no division (x / 1 == x)
 
     @classmethod
-    def of_columns(cls, columns: torch.Tensor, bans: torch.Tensor | None, bias: torch.Tensor | None,
-                   needs_ranking: bool) -> DeviceSampling:
+    def of_columns(
+        cls, columns: torch.Tensor, bans: torch.Tensor | None, bias: torch.Tensor | None, needs_ranking: bool
+    ) -> DeviceSampling:
         """From int64 device tables: ``columns`` [N, NUM_ROW_COLUMNS] (``row_columns``), ``bans`` [M, 2] (row,
         token), ``bias`` [L, 3] (row, token, value's float32 bits); views and dtype casts only."""
-        return cls(float32_of_bits(columns[:, 0]), columns[:, 1], columns[:, 2], columns[:, 3].bool(),
-                   None if bans is None else (bans[:, 0], bans[:, 1]),
-                   None if bias is None else (bias[:, 0], bias[:, 1], float32_of_bits(bias[:, 2])), needs_ranking)
+        return cls(
+            float32_of_bits(columns[:, 0]),
+            columns[:, 1],
+            columns[:, 2],
+            columns[:, 3].bool(),
+            None if bans is None else (bans[:, 0], bans[:, 1]),
+            None if bias is None else (bias[:, 0], bias[:, 1], float32_of_bits(bias[:, 2])),
+            needs_ranking,
+        )
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,11 @@ class SamplingKey:
             if len({t for t, _ in row.logit_bias}) != len(row.logit_bias):
                 return None
         bans, bias = sum(len(r.banned_token_ids) for r in rows), sum(len(r.logit_bias) for r in rows)
-        return cls(rank_all or any(r.needs_ranking for r in rows), bucket(bans, MIN_CAPACITY) if bans else 0,
-                   bucket(bias, MIN_CAPACITY) if bias else 0)
+        return cls(
+            rank_all or any(r.needs_ranking for r in rows),
+            bucket(bans, MIN_CAPACITY) if bans else 0,
+            bucket(bias, MIN_CAPACITY) if bias else 0,
+        )
 
     def size(self, num_rows: int) -> int:
         """int64 entries of ``pack``'s table for ``num_rows`` rows."""
@@ -122,8 +132,12 @@ def row_columns(row: SamplingRow, vocab_size: int) -> list[int]:
     """One row's ``NUM_ROW_COLUMNS`` int64 columns: what ``Sampler.process`` derives from it."""
     tiny = torch.finfo(torch.float32).tiny
     temperature = max(row.temperature, tiny) if row.temperature > 0 else 1.0
-    return [float32_bits(temperature), row.rank_limit if row.rank_limit is not None else vocab_size,
-            math.ceil(row.top_p * (1 << MASS_BITS)), int(row.top_p < 1)]
+    return [
+        float32_bits(temperature),
+        row.rank_limit if row.rank_limit is not None else vocab_size,
+        math.ceil(row.top_p * (1 << MASS_BITS)),
+        int(row.top_p < 1),
+    ]
 
 
 def placeholder_columns(vocab_size: int) -> list[int]:
@@ -146,8 +160,9 @@ def process(logits: torch.Tensor, sampling: DeviceSampling) -> ProcessedLogits:
     """``Sampler.process`` of logits [N, V] under ``sampling`` (see the module docstring), without host reads;
     where ``needs_ranking`` every row is ranked (``ranked_rows`` all N), else none."""
     s = scale(logits, sampling, keep_banned=True)
-    return ProcessedLogits(s.banned, torch.log_softmax(s.scaled, dim=-1), torch.softmax(s.scaled, dim=-1), s.errors,
-                           s.ranked_rows, s.order)
+    return ProcessedLogits(
+        s.banned, torch.log_softmax(s.scaled, dim=-1), torch.softmax(s.scaled, dim=-1), s.errors, s.ranked_rows, s.order
+    )
 
 
 @dataclass(frozen=True)
@@ -178,12 +193,14 @@ def scale(logits: torch.Tensor, sampling: DeviceSampling, keep_banned: bool) -> 
         plane = (num_rows, vocab_size + 1)
         shift = x.new_zeros(plane).index_put_((rows, tokens), values)[:, :vocab_size]
         has = torch.zeros(plane, dtype=torch.bool, device=device).index_put_(
-            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
+            (rows, tokens), torch.ones_like(rows, dtype=torch.bool)
+        )[:, :vocab_size]
         x = torch.where(has, x + shift, x)  # the biased logits: x + value exactly; the rest untouched
     if sampling.bans is not None:
         rows, tokens = sampling.bans
         banned = torch.zeros((num_rows, vocab_size + 1), dtype=torch.bool, device=device).index_put_(
-            (rows, tokens), torch.ones_like(rows, dtype=torch.bool))[:, :vocab_size]
+            (rows, tokens), torch.ones_like(rows, dtype=torch.bool)
+        )[:, :vocab_size]
         x = x.masked_fill(banned, -math.inf)
     # ``Sampler.process``'s error rows (a NaN, a +inf, or nothing finite) are exactly the rows whose max is not
     # finite: amax propagates NaN, a +inf is the max, and a row of -inf and finite values has a finite max.

@@ -38,8 +38,10 @@ class KernelSampler:
                 raise ValueError(f"row {i}: banned token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         width = min(max((r.num_logprobs for r in rows), default=0), vocab_size)
         if width > self.kernel.MAX_TOP_LOGPROBS:
-            raise ValueError(f"the sampling kernel returns at most {self.kernel.MAX_TOP_LOGPROBS} top logprobs, "
-                             f"a row asks for {width}")
+            raise ValueError(
+                f"the sampling kernel returns at most {self.kernel.MAX_TOP_LOGPROBS} top logprobs, "
+                f"a row asks for {width}"
+            )
         params = self.kernel.sampling_tensors(rows, logits.device)
         if any(r.logit_bias for r in rows):  # added before the kernel, in fp32, as the CPU sampler adds them
             logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)

@@ -253,8 +253,9 @@ class Sampler:
         # Greedy rows process their logprobs at T = 1; tiny temperatures are clamped to float32's
         # smallest normal so that the max logit's 0 / T stays 0 (never 0 / 0).
         tiny = torch.finfo(torch.float32).tiny
-        temperatures = host_built([max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows],
-                                  torch.float32, device)
+        temperatures = host_built(
+            [max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows], torch.float32, device
+        )
         scaled = (x - x.amax(dim=-1, keepdim=True)) / temperatures.unsqueeze(-1)
         scaled = scaled.masked_fill(~keep, -math.inf)
         self._top_p(scaled, rows, ranked, ranked_idx, order)
@@ -275,12 +276,19 @@ class Sampler:
         if row_ids:
             # A Python scalar would be copied from pageable memory (a stream sync on CUDA); a filled
             # 0-d device tensor is one kernel.
-            x.index_put_((host_built(row_ids, torch.int64, x.device), host_built(token_ids, torch.int64, x.device)),
-                         x.new_full((), -math.inf))
+            x.index_put_(
+                (host_built(row_ids, torch.int64, x.device), host_built(token_ids, torch.int64, x.device)),
+                x.new_full((), -math.inf),
+            )
 
     @staticmethod
-    def _top_p(scaled: torch.Tensor, rows: Sequence[SamplingRow], ranked: list[int],
-               ranked_idx: torch.Tensor, order: torch.Tensor) -> None:
+    def _top_p(
+        scaled: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        ranked: list[int],
+        ranked_idx: torch.Tensor,
+        order: torch.Tensor,
+    ) -> None:
         """Masks, in place, the tokens each top-p row drops; integer mass, so exact and order-free."""
         nucleus = [j for j, i in enumerate(ranked) if rows[i].top_p < 1]
         if not nucleus:
@@ -293,8 +301,7 @@ class Sampler:
         masses = integer_masses(torch.softmax(sub, dim=-1)).gather(1, sub_order)
         mass_before = torch.cumsum(masses, dim=-1) - masses
         # mass_before < top_p · 2³¹ ⇔ mass_before < ceil(top_p · 2³¹) for integers; rank 0 is always kept.
-        limits = host_built([math.ceil(rows[ranked[j]].top_p * (1 << MASS_BITS)) for j in nucleus],
-                            torch.int64, device)
+        limits = host_built([math.ceil(rows[ranked[j]].top_p * (1 << MASS_BITS)) for j in nucleus], torch.int64, device)
         keep_sorted = mass_before < limits.unsqueeze(-1)
         keep = torch.zeros_like(keep_sorted).scatter_(1, sub_order, keep_sorted)
         scaled[row_idx] = sub.masked_fill(~keep, -math.inf)

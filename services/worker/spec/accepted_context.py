@@ -49,8 +49,9 @@ class DeviceVerdict:
     tokens: torch.Tensor  # int64 [R, K + 1]: columns 0 … num_accepted are emitted
 
 
-def write_context(draft: DSpark, sampling: list[Sampling], verdict: DeviceVerdict, taps: torch.Tensor,
-                  cache: CacheEngine) -> None:
+def write_context(
+    draft: DSpark, sampling: list[Sampling], verdict: DeviceVerdict, taps: torch.Tensor, cache: CacheEngine
+) -> None:
     """The draft's context K=V of every sampling request's accepted rows into its state slot's rings, on the
     device: every candidate row is computed, and written where the verdict keeps it (a decode request's
     rows 0 … a, a last prompt chunk's rows (its last W: all a ring holds), nothing for an error), the
@@ -63,8 +64,9 @@ def write_context(draft: DSpark, sampling: list[Sampling], verdict: DeviceVerdic
         offsets = range(max(len(s.rows) - w, 0), len(s.rows)) if whole else range(len(s.rows))
         entries.extend((r, j, s.rows[j], whole) for j in offsets)
     device = taps.device
-    host = torch.tensor([(r, j, row, sampling[r].first + j, sampling[r].slot, whole)
-                         for r, j, row, whole in entries], dtype=torch.int64)
+    host = torch.tensor(
+        [(r, j, row, sampling[r].first + j, sampling[r].slot, whole) for r, j, row, whole in entries], dtype=torch.int64
+    )
     t = upload(host, device)
     positions = t[:, 3]
     ctx = draft.context(taps[t[:, 2]].unsqueeze(0))  # [1, N, D]
@@ -82,9 +84,9 @@ def write_context(draft: DSpark, sampling: list[Sampling], verdict: DeviceVerdic
             ring[slots[sel], columns[sel]] = torch.where(keep[sel].unsqueeze(-1), values[sel], old)
 
 
-
-def emitted_output(processed: ProcessedLogits, verdict: DeviceVerdict | None, sampling: list[Sampling],
-                   num_top: int) -> SamplerOutput:
+def emitted_output(
+    processed: ProcessedLogits, verdict: DeviceVerdict | None, sampling: list[Sampling], num_top: int
+) -> SamplerOutput:
     """The step's sampler output, by device ops on the verification's own processed distributions: each sampled
     row's token (a request's emitted tokens on its first rows; 0 on the rest, and on every row of an error
     request) with its logprob, and the top ``num_top`` (``processed`` ranked every row when ``num_top`` > 0).
@@ -114,8 +116,9 @@ def with_top(processed: ProcessedLogits, tokens: torch.Tensor, chosen: torch.Ten
     num_rows, device = p.logprobs.shape[0], p.logprobs.device
     if num_top == 0:  # empty: no gather or mask to launch
         top_ids = torch.empty(num_rows, 0, dtype=torch.int64, device=device)
-        return SamplerOutput(tokens, chosen, top_ids, torch.empty(num_rows, 0, dtype=p.logprobs.dtype, device=device),
-                             p.errors)
+        return SamplerOutput(
+            tokens, chosen, top_ids, torch.empty(num_rows, 0, dtype=p.logprobs.dtype, device=device), p.errors
+        )
     top_ids = p.order[:, :num_top].contiguous()
     top_logprobs = p.logprobs.gather(1, top_ids).masked_fill(p.errors.unsqueeze(-1), -math.inf)
     return SamplerOutput(tokens, chosen, top_ids, top_logprobs, p.errors)

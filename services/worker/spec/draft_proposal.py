@@ -75,16 +75,25 @@ class ProposalInputs:
     all_greedy: bool  # every row is greedy, so the loop draws nothing (host-known, fixed per batch)
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
-              state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, device: torch.device
-              ) -> ProposalInputs:
+    def build(
+        cls,
+        rows: Sequence[SamplingRow],
+        anchor_tokens: Sequence[int],
+        anchor_positions: Sequence[int],
+        state_slots: Sequence[int],
+        nextn: int,
+        vocab_size: int,
+        spec_sampling: str,
+        device: torch.device,
+    ) -> ProposalInputs:
         """From host data only: per request its last sampling row, anchor token and position, state slot."""
         host = HostInputs.pack(rows, anchor_tokens, anchor_positions, state_slots, nextn, vocab_size, spec_sampling)
         return cls.upload(host, spec_sampling, device)
 
     @classmethod
-    def upload(cls, host: HostInputs, spec_sampling: str, device: torch.device, anchors: DeviceAnchors | None = None
-               ) -> ProposalInputs:
+    def upload(
+        cls, host: HostInputs, spec_sampling: str, device: torch.device, anchors: DeviceAnchors | None = None
+    ) -> ProposalInputs:
         """``host``'s tensors on ``device``, one non-blocking copy each (pinned on CUDA); ``anchors``: the
         anchors known only on the device, replacing the host's tokens and advancing its positions."""
         ints, temperatures = _to_device(host.ints, device), _to_device(host.temperatures, device)
@@ -95,13 +104,28 @@ class ProposalInputs:
         if draft_bits is not None:
             draft_bits = draft_bits[:, 0] if anchors is None else anchors.pick(draft_bits)
         bans = None if host.bans.shape[0] == 0 else _to_device(host.bans, device)
-        bias = None if host.bias_index.shape[0] == 0 else (_to_device(host.bias_index, device),
-                                                          _to_device(host.bias_values, device))
-        return cls(anchor_tokens, anchor_positions, ints[:, 2], ints[:, 3], ints[:, 4].bool(), temperatures, ints[:, 5],
-                   ints[:, 6], ints[:, 7].bool(), spec_sampling, draft_bits,
-                   None if bans is None else (bans[:, 0], bans[:, 1]),
-                   None if bias is None else (bias[0][:, 0], bias[0][:, 1], bias[1]),
-                   host.needs_ranking, host.all_greedy)
+        bias = (
+            None
+            if host.bias_index.shape[0] == 0
+            else (_to_device(host.bias_index, device), _to_device(host.bias_values, device))
+        )
+        return cls(
+            anchor_tokens,
+            anchor_positions,
+            ints[:, 2],
+            ints[:, 3],
+            ints[:, 4].bool(),
+            temperatures,
+            ints[:, 5],
+            ints[:, 6],
+            ints[:, 7].bool(),
+            spec_sampling,
+            draft_bits,
+            None if bans is None else (bans[:, 0], bans[:, 1]),
+            None if bias is None else (bias[0][:, 0], bias[0][:, 1], bias[1]),
+            host.needs_ranking,
+            host.all_greedy,
+        )
 
 
 @dataclass(frozen=True)
@@ -135,22 +159,42 @@ class HostInputs:
     all_greedy: bool  # every row is greedy
 
     @classmethod
-    def pack(cls, rows: Sequence[SamplingRow], anchor_tokens: Sequence[int], anchor_positions: Sequence[int],
-             state_slots: Sequence[int], nextn: int, vocab_size: int, spec_sampling: str, num_candidates: int = 1
-             ) -> HostInputs:
+    def pack(
+        cls,
+        rows: Sequence[SamplingRow],
+        anchor_tokens: Sequence[int],
+        anchor_positions: Sequence[int],
+        state_slots: Sequence[int],
+        nextn: int,
+        vocab_size: int,
+        spec_sampling: str,
+        num_candidates: int = 1,
+    ) -> HostInputs:
         """``num_candidates``: C, the anchor positions each row's draws are drawn for (see ``draft_bits``)."""
         if spec_sampling not in SPEC_SAMPLING:
             raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
         b = len(rows)
         seeds = [(r.seed & ((1 << 64) - 1)) - ((1 << 64) if r.seed & (1 << 63) else 0) for r in rows]
         tiny = torch.finfo(torch.float32).tiny
-        ints = torch.tensor([[t, p, slot, s, int(r.temperature == 0),
-                              r.rank_limit if r.rank_limit is not None else vocab_size,
-                              math.ceil(r.top_p * (1 << MASS_BITS)), int(r.top_p < 1)]
-                             for r, t, p, slot, s in zip(rows, anchor_tokens, anchor_positions, state_slots, seeds)],
-                            dtype=torch.int64).view(b, 8)
-        temperatures = torch.tensor([max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows],
-                                    dtype=torch.float32)
+        ints = torch.tensor(
+            [
+                [
+                    t,
+                    p,
+                    slot,
+                    s,
+                    int(r.temperature == 0),
+                    r.rank_limit if r.rank_limit is not None else vocab_size,
+                    math.ceil(r.top_p * (1 << MASS_BITS)),
+                    int(r.top_p < 1),
+                ]
+                for r, t, p, slot, s in zip(rows, anchor_tokens, anchor_positions, state_slots, seeds)
+            ],
+            dtype=torch.int64,
+        ).view(b, 8)
+        temperatures = torch.tensor(
+            [max(r.temperature, tiny) if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32
+        )
         all_greedy = all(r.temperature == 0 for r in rows)
         draft_bits = None
         if spec_sampling == "rejection" and not all_greedy:
@@ -165,9 +209,16 @@ class HostInputs:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"row {i}: {kind} token id {t} is outside the vocabulary [0, {vocab_size})")
         needs_ranking = any(r.rank_limit is not None or r.top_p < 1 for r in rows)
-        return cls(ints, temperatures, draft_bits, torch.tensor(bans, dtype=torch.int64).view(-1, 2),
-                   torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.int64).view(-1, 2),
-                   torch.tensor([v for *_, v in bias], dtype=torch.float32), needs_ranking, all_greedy)
+        return cls(
+            ints,
+            temperatures,
+            draft_bits,
+            torch.tensor(bans, dtype=torch.int64).view(-1, 2),
+            torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.int64).view(-1, 2),
+            torch.tensor([v for *_, v in bias], dtype=torch.float32),
+            needs_ranking,
+            all_greedy,
+        )
 
 
 _to_device = upload  # a host tensor's copy on the device without waiting for the device
@@ -175,8 +226,16 @@ _to_device = upload  # a host tensor's copy on the device without waiting for th
 
 def sampling(inputs: ProposalInputs) -> DeviceSampling:
     """The rows' sampling parameters as ``device_sampling`` takes them (views only: built once per proposal)."""
-    return DeviceSampling(inputs.temperatures, inputs.rank_limits, inputs.top_p_limits, inputs.nucleus, inputs.bans,
-                          inputs.bias, inputs.needs_ranking, unit_temperatures=inputs.all_greedy)
+    return DeviceSampling(
+        inputs.temperatures,
+        inputs.rank_limits,
+        inputs.top_p_limits,
+        inputs.nucleus,
+        inputs.bans,
+        inputs.bias,
+        inputs.needs_ranking,
+        unit_temperatures=inputs.all_greedy,
+    )
 
 
 def propose(draft: DSpark, blocks: DraftBlocks, inputs: ProposalInputs, nextn: int) -> Proposal:

@@ -71,10 +71,17 @@ weights accept almost no draft, so tests propose known tokens to exercise accept
 
 
 class Speculator:
-    def __init__(self, model: DeepseekV41, num_speculative_tokens: int, spec_sampling: str = "rejection",
-                 rewrite_drafts: RewriteDrafts | None = None, batch_invariant: bool = False,
-                 forced_acceptance: ForcedAcceptance | None = None, cuda_graphs: bool = False,
-                 static_proposal: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        num_speculative_tokens: int,
+        spec_sampling: str = "rejection",
+        rewrite_drafts: RewriteDrafts | None = None,
+        batch_invariant: bool = False,
+        forced_acceptance: ForcedAcceptance | None = None,
+        cuda_graphs: bool = False,
+        static_proposal: bool | None = None,
+    ) -> None:
         """``batch_invariant``: the draft runs in the batch-invariant mode too (model/batch_invariant.py), so a
         request's drafts, and with rejection sampling its tokens, do not depend on its batch.
         ``forced_acceptance``: the benchmark switch (services/worker/spec/forced_acceptance.py); greedy only.
@@ -82,11 +89,15 @@ class Speculator:
         (services/worker/spec/static_draft_proposal.py); ``static_proposal`` (default: ``cuda_graphs``) runs that
         static proposal, eagerly without graphs (CPU tests of what a graph captures)."""
         if model.draft is None:
-            raise ValueError("speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
-                             "in its config); this one has none")
+            raise ValueError(
+                "speculative decoding needs a model with a DSpark draft (num_nextn_predict_layers > 0 "
+                "in its config); this one has none"
+            )
         if not 1 <= num_speculative_tokens <= model.cfg.dspark_block_size:
-            raise ValueError(f"num_speculative_tokens must be between 1 and the draft's block size "
-                             f"{model.cfg.dspark_block_size}, got {num_speculative_tokens}")
+            raise ValueError(
+                f"num_speculative_tokens must be between 1 and the draft's block size "
+                f"{model.cfg.dspark_block_size}, got {num_speculative_tokens}"
+            )
         if spec_sampling not in SPEC_SAMPLING:
             raise ValueError(f"spec_sampling must be one of {SPEC_SAMPLING}, got {spec_sampling!r}")
         self.model = model
@@ -107,17 +118,21 @@ class Speculator:
         self.batch_invariant = batch_invariant
         self.num_drafts_verified = 0  # real drafts checked, over the speculator's life
         self.num_drafts_accepted = 0
-        self.num_proposals_skipped = 0  # requests' proposals the plan skipped (none could be verified; varlen's back-off)
+        self.num_proposals_skipped = (
+            0  # requests' proposals the plan skipped (none could be verified; varlen's back-off)
+        )
         self.timings = SpecTimings()  # host time per phase of ``step`` (the benchmark's split)
         static = cuda_graphs if static_proposal is None else static_proposal
         if cuda_graphs and not static:
             raise ValueError("cuda_graphs captures the static proposal: static_proposal=False contradicts it")
-        self.draft_graphs = (DraftProposalGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static
-                             else None)
+        self.draft_graphs = (
+            DraftProposalGraphs(model, num_speculative_tokens, spec_sampling, cuda_graphs) if static else None
+        )
         # The verify half (verification, emitted output, context writes) in a graph per bucket, with the proposal.
         # Rejection mode: the static proposal leaves each slot's draft distributions where the static verify reads.
-        slot_probs = (self.draft_graphs.slot_probs if self.draft_graphs is not None and spec_sampling == "rejection"
-                      else None)
+        slot_probs = (
+            self.draft_graphs.slot_probs if self.draft_graphs is not None and spec_sampling == "rejection" else None
+        )
         self.verify_graphs = VerifyGraphs(model, num_speculative_tokens, cuda_graphs, slot_probs) if static else None
 
     @property
@@ -133,8 +148,9 @@ class Speculator:
         if self.draft_graphs is None or self.verify_graphs is None:
             return
         keys = ProposalKey.buckets(max_num_seqs)
-        self.draft_graphs.capture(cache, keys if greedy_only else keys + ProposalKey.buckets(max_num_seqs,
-                                                                                            all_greedy=False))
+        self.draft_graphs.capture(
+            cache, keys if greedy_only else keys + ProposalKey.buckets(max_num_seqs, all_greedy=False)
+        )
         # The keys of steps whose rows ask for no ranking, ban or bias (the rest capture on first use).
         self.verify_graphs.capture(cache, VerifyKey.buckets(max_num_seqs, self.verify_mode, SamplingKey(False, 0, 0)))
 
@@ -142,21 +158,45 @@ class Speculator:
         for table in (self.next_positions, self.drafts, self.draft_probs, self.confidences):
             table.pop(request_id, None)
 
-    def step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
-             sampler: Sampler, cache: CacheEngine, positions: Sequence[int] | None = None
-             ) -> tuple[SamplerOutput, StepResult]:
+    def step(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SamplingRow],
+        logits: torch.Tensor,
+        taps: torch.Tensor,
+        sampler: Sampler,
+        cache: CacheEngine,
+        positions: Sequence[int] | None = None,
+    ) -> tuple[SamplerOutput, StepResult]:
         """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]; ``cache``:
         the runner's, built with the draft's rings; ``positions``: the rows' positions after async scheduling's
         fix-up (default: the plan's)."""
         if cache.layout.draft_stages != len(self.model.draft.stages):
-            raise ValueError(f"the cache holds {cache.layout.draft_stages} draft rings but the draft has "
-                             f"{len(self.model.draft.stages)} stages: build the runner with nextn > 0")
+            raise ValueError(
+                f"the cache holds {cache.layout.draft_stages} draft rings but the draft has "
+                f"{len(self.model.draft.stages)} stages: build the runner with nextn > 0"
+            )
         with torch.no_grad(), batch_invariant(self.batch_invariant):
-            return self._step(plan, rows, logits, taps, sampler, cache,
-                              list(positions) if positions is not None else plan.positions.tolist())
+            return self._step(
+                plan,
+                rows,
+                logits,
+                taps,
+                sampler,
+                cache,
+                list(positions) if positions is not None else plan.positions.tolist(),
+            )
 
-    def _step(self, plan: StepPlan, rows: Sequence[SamplingRow], logits: torch.Tensor, taps: torch.Tensor,
-              sampler: Sampler, cache: CacheEngine, positions: list[int]) -> tuple[SamplerOutput, StepResult]:
+    def _step(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SamplingRow],
+        logits: torch.Tensor,
+        taps: torch.Tensor,
+        sampler: Sampler,
+        cache: CacheEngine,
+        positions: list[int],
+    ) -> tuple[SamplerOutput, StepResult]:
         timings, since = self.timings, time.perf_counter()
         timings.num_steps += 1
         row_requests = plan.row_requests.tolist()
@@ -178,8 +218,17 @@ class Speculator:
                 self._append(cache, request_id, state_slots[i], taps[_rows(mine)], positions[mine[0]])
                 continue
             self._check_continues(request_id, positions[mine[0]])
-            sampling.append(Sampling(i, request_id, slice(start, start + n), mine, state_slots[i], positions[mine[0]],
-                                     self.drafts.get(request_id, [])[: n - 1]))
+            sampling.append(
+                Sampling(
+                    i,
+                    request_id,
+                    slice(start, start + n),
+                    mine,
+                    state_slots[i],
+                    positions[mine[0]],
+                    self.drafts.get(request_id, [])[: n - 1],
+                )
+            )
             start += n
         # Ranked for top-n when any row asks for logprobs (the sampler's own choice); the distributions do not
         # depend on it.
@@ -188,8 +237,11 @@ class Speculator:
         # The verify half in one static verify (a graph) where the step's requests fit one (not a prefill step's
         # last prompt chunk longer than the static verify's entries); it processes the logits itself where its
         # key covers the rows (device_sampling.SamplingKey), else they are processed here first.
-        key = (VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode, rows, num_top > 0)
-               if self.verify_graphs is not None and sampling else None)
+        key = (
+            VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode, rows, num_top > 0)
+            if self.verify_graphs is not None and sampling
+            else None
+        )
         since = timings.add("other", since)
         processed = None
         if key is None or key.sampling is None:
@@ -219,8 +271,11 @@ class Speculator:
             pieces += [proposal.drafts, proposal.confidences]
         # One cat into an fp64 buffer: each piece converted exactly (bools, ids < 2⁵³, fp32), one op for all.
         flat = [t.flatten() for t in pieces]
-        read = (torch.cat(flat, out=flat[0].new_empty(sum(t.numel() for t in flat), dtype=torch.float64)).tolist()
-                if pieces else [])
+        read = (
+            torch.cat(flat, out=flat[0].new_empty(sum(t.numel() for t in flat), dtype=torch.float64)).tolist()
+            if pieces
+            else []
+        )
         since = timings.add("read", since)
         num_r, width = len(sampling), 0 if verdict is None else verdict.tokens.shape[1]
         failed, accepted = read[:num_r], read[num_r : 2 * num_r]
@@ -253,17 +308,19 @@ class Speculator:
             draft_ids.extend(self.drafts.get(request_id, [])[: num_drafts[i]])
             confidences.extend(self.confidences.get(request_id, [])[: num_drafts[i]])
         timings.add("other", since)
-        return sampled, StepResult(num_tokens, token_ids, num_drafts, draft_ids, errors=errors,
-                                   draft_confidences=confidences)
+        return sampled, StepResult(
+            num_tokens, token_ids, num_drafts, draft_ids, errors=errors, draft_confidences=confidences
+        )
 
     def _check_continues(self, request_id: str, first_position: int) -> None:
         next_position = self.next_positions.get(request_id, 0)
         if next_position != first_position:
-            raise RuntimeError(f"the draft context of {request_id} holds positions up to {next_position - 1} but "
-                               f"the target's rows start at {first_position}")
+            raise RuntimeError(
+                f"the draft context of {request_id} holds positions up to {next_position - 1} but "
+                f"the target's rows start at {first_position}"
+            )
 
-    def _append(self, cache: CacheEngine, request_id: str, slot: int, taps: torch.Tensor, first_position: int
-                ) -> None:
+    def _append(self, cache: CacheEngine, request_id: str, slot: int, taps: torch.Tensor, first_position: int) -> None:
         """The draft's context K=V of a prompt chunk's rows (taps [N, T·D] at first_position …) into the
         request's state slot. The positions must continue the request's context exactly."""
         self._check_continues(request_id, first_position)
@@ -275,22 +332,44 @@ class Speculator:
         cache.write_draft(slot, first_position, kv)
         self.next_positions[request_id] = first_position + num
 
-    def _verify(self, sampling: list[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits,
-                forced: list[int] | None, cache: CacheEngine) -> DeviceVerdict | None:
+    def _verify(
+        self,
+        sampling: list[Sampling],
+        rows: Sequence[SamplingRow],
+        processed: ProcessedLogits,
+        forced: list[int] | None,
+        cache: CacheEngine,
+    ) -> DeviceVerdict | None:
         draft_probs = self.draft_probs
         if self.verify_graphs is not None and self.verify_graphs.slot_probs is not None:  # views of the slots' rows
             slot_probs = self.verify_graphs.slot_probs(cache)
             draft_probs = {s.request_id: slot_probs[s.slot] for s in sampling if s.drafts}
         return eager_verdict(sampling, rows, processed, self.spec_sampling, forced, draft_probs)
 
-    def _static_verify(self, key: VerifyKey, sampling: list[Sampling], rows: Sequence[SamplingRow],
-                       processed: ProcessedLogits | None, logits: torch.Tensor, taps: torch.Tensor, cache: CacheEngine,
-                       num_top: int, forced: list[int] | None) -> tuple[DeviceVerdict, SamplerOutput]:
-        return static_verify(self.verify_graphs, key, sampling, rows, processed, logits, taps, cache, num_top, forced,
-                             self.draft_probs)
+    def _static_verify(
+        self,
+        key: VerifyKey,
+        sampling: list[Sampling],
+        rows: Sequence[SamplingRow],
+        processed: ProcessedLogits | None,
+        logits: torch.Tensor,
+        taps: torch.Tensor,
+        cache: CacheEngine,
+        num_top: int,
+        forced: list[int] | None,
+    ) -> tuple[DeviceVerdict, SamplerOutput]:
+        return static_verify(
+            self.verify_graphs, key, sampling, rows, processed, logits, taps, cache, num_top, forced, self.draft_probs
+        )
 
-    def _propose(self, sampling: list[Sampling], proposing: list[int], verdict: DeviceVerdict,
-                 rows: Sequence[SamplingRow], cache: CacheEngine) -> Proposal | None:
+    def _propose(
+        self,
+        sampling: list[Sampling],
+        proposing: list[int],
+        verdict: DeviceVerdict,
+        rows: Sequence[SamplingRow],
+        cache: CacheEngine,
+    ) -> Proposal | None:
         """Drafts for the sampling requests ``proposing`` (indices into ``sampling``): one batched draft call over
         their state slots' draft rings, device work only (services/worker/spec/draft_proposal.py). Each anchor (the
         last emitted token, after the accepted drafts) is known only on the device: the host gives the position
@@ -307,9 +386,16 @@ class Speculator:
         base = [s.first + (len(s.rows) if s.num_rows == 1 else 1) for s in chosen]
         # The profiler ranges name the proposal's parts for services/bench/speculative/draft_proposal.py.
         with record_function(PROPOSE_RANGES[0]):
-            host = HostInputs.pack([rows[s.span.stop - 1] for s in chosen], [0] * len(chosen), base,
-                                   [s.slot for s in chosen], self.nextn, model.cfg.vocab_size, self.spec_sampling,
-                                   num_candidates=max(s.num_rows for s in chosen))
+            host = HostInputs.pack(
+                [rows[s.span.stop - 1] for s in chosen],
+                [0] * len(chosen),
+                base,
+                [s.slot for s in chosen],
+                self.nextn,
+                model.cfg.vocab_size,
+                self.spec_sampling,
+                num_candidates=max(s.num_rows for s in chosen),
+            )
             if self.draft_graphs is None:
                 inputs = ProposalInputs.upload(host, self.spec_sampling, device, anchors)
         if self.draft_graphs is not None:  # the window read, stages and slot loop in one static proposal

@@ -40,6 +40,7 @@ from services.worker.sampling.sampler import MASS_BITS
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class ProposalKey:
     """What fixes a static proposal's shapes and code path."""
@@ -53,8 +54,13 @@ class ProposalKey:
     @classmethod
     def of(cls, host: HostInputs) -> ProposalKey:
         bans, bias = host.bans.shape[0], host.bias_index.shape[0]
-        return cls(bucket(host.ints.shape[0]), host.needs_ranking, host.all_greedy,
-                   bucket(bans, MIN_CAPACITY) if bans else 0, bucket(bias, MIN_CAPACITY) if bias else 0)
+        return cls(
+            bucket(host.ints.shape[0]),
+            host.needs_ranking,
+            host.all_greedy,
+            bucket(bans, MIN_CAPACITY) if bans else 0,
+            bucket(bias, MIN_CAPACITY) if bias else 0,
+        )
 
     @classmethod
     def buckets(cls, max_rows: int, needs_ranking: bool = False, all_greedy: bool = True) -> list[ProposalKey]:
@@ -64,8 +70,15 @@ class ProposalKey:
 
 
 class StaticDraftProposal:
-    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: ProposalKey, nextn: int, spec_sampling: str,
-                 slot_probs: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        cache: CacheEngine,
+        key: ProposalKey,
+        nextn: int,
+        spec_sampling: str,
+        slot_probs: torch.Tensor | None = None,
+    ) -> None:
         """``slot_probs``: fp32 [state slots, nextn, V]; the run writes each row's draft distributions at its state
         slot there (placeholders at the null slot 0), where the next step's static verify reads them."""
         if model.draft is None:
@@ -128,16 +141,28 @@ class StaticDraftProposal:
     def run(self) -> Proposal:
         """Buffers → the proposal of all G rows (drafts [G, nextn], probs [G, nextn, V], confidences)."""
         ints, key = self.ints, self.key
-        inputs = ProposalInputs(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4].bool(),
-                                float32_of_bits(self.temperature_bits), ints[:, 5], ints[:, 6], ints[:, 7].bool(),
-                                self.spec_sampling, self.draft_bits,
-                                (self.bans[:, 0], self.bans[:, 1]) if key.num_bans else None,
-                                (self.bias[:, 0], self.bias[:, 1], float32_of_bits(self.bias[:, 2]))
-                                if key.num_bias else None, key.needs_ranking, key.all_greedy)
+        inputs = ProposalInputs(
+            ints[:, 0],
+            ints[:, 1],
+            ints[:, 2],
+            ints[:, 3],
+            ints[:, 4].bool(),
+            float32_of_bits(self.temperature_bits),
+            ints[:, 5],
+            ints[:, 6],
+            ints[:, 7].bool(),
+            self.spec_sampling,
+            self.draft_bits,
+            (self.bans[:, 0], self.bans[:, 1]) if key.num_bans else None,
+            (self.bias[:, 0], self.bias[:, 1], float32_of_bits(self.bias[:, 2])) if key.num_bias else None,
+            key.needs_ranking,
+            key.all_greedy,
+        )
         draft, model = self.model.draft, self.model
         kv, positions = self.cache.read_draft(inputs.state_slots, inputs.anchor_positions)
-        blocks = draft.blocks_from_context(DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens,
-                                           model.embed, model.head)
+        blocks = draft.blocks_from_context(
+            DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens, model.embed, model.head
+        )
         proposal = propose(draft, blocks, inputs, self.nextn)
         if self.slot_probs is not None:  # real rows have distinct slots; placeholders all write the null slot
             self.slot_probs.index_copy_(0, inputs.state_slots, proposal.probs)
@@ -169,8 +194,13 @@ class DraftProposalGraphs:
             raise ValueError("only rejection sampling reads the draft's distributions")
         self._use(cache)
         if self._slot_probs is None:
-            self._slot_probs = torch.zeros(cache.slots.shape[0], self.nextn, self.model.cfg.vocab_size,
-                                           dtype=torch.float32, device=cache.slots.device)
+            self._slot_probs = torch.zeros(
+                cache.slots.shape[0],
+                self.nextn,
+                self.model.cfg.vocab_size,
+                dtype=torch.float32,
+                device=cache.slots.device,
+            )
         return self._slot_probs
 
     def propose(self, host: HostInputs, cache: CacheEngine, anchors: DeviceAnchors | None = None) -> Proposal:
@@ -200,8 +230,9 @@ class DraftProposalGraphs:
         static = self.static.get(key)
         if static is None:
             slot_probs = self.slot_probs(cache) if self.spec_sampling == "rejection" else None
-            static = self.static[key] = StaticDraftProposal(self.model, cache, key, self.nextn, self.spec_sampling,
-                                                            slot_probs)
+            static = self.static[key] = StaticDraftProposal(
+                self.model, cache, key, self.nextn, self.spec_sampling, slot_probs
+            )
         if self.use_graphs and key not in self.graphs:
             self._capture(static)
         return static

@@ -46,8 +46,13 @@ from services.worker.state.cache_engine import CacheEngine
 from services.worker.graphs.capture import capture_graph
 from services.worker.sampling.device_sampling import SamplingKey, bucket, process
 from services.worker.sampling.sampler import ProcessedLogits, SamplingRow
-from services.worker.spec.verifier import (SPEC_SAMPLING, deterministic_verdict, device_draws, rejection_verdict,
-                                      signed_seed)
+from services.worker.spec.verifier import (
+    SPEC_SAMPLING,
+    deterministic_verdict,
+    device_draws,
+    rejection_verdict,
+    signed_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +80,15 @@ class VerifyKey:
     #                                      step's processed distributions are copied in
 
     @classmethod
-    def of(cls, sampling: Sequence[Sampling], nextn: int, window: int, mode: str,
-           rows: Sequence[SamplingRow] | None = None, rank_all: bool = False) -> VerifyKey | None:
+    def of(
+        cls,
+        sampling: Sequence[Sampling],
+        nextn: int,
+        window: int,
+        mode: str,
+        rows: Sequence[SamplingRow] | None = None,
+        rank_all: bool = False,
+    ) -> VerifyKey | None:
         """The key of a step's sampling requests; None where one writes more entries than M (the eager path).
         With ``rows`` (the step's sampling rows; ``rank_all``: the step wants top-n), the run processes them
         where ``SamplingKey.of`` covers them."""
@@ -108,8 +120,15 @@ class VerifyOutput:
 
 
 class StaticVerify:
-    def __init__(self, model: DeepseekV41, cache: CacheEngine, key: VerifyKey, nextn: int,
-                 share: StaticVerify | None = None, slot_probs: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        cache: CacheEngine,
+        key: VerifyKey,
+        nextn: int,
+        share: StaticVerify | None = None,
+        slot_probs: torch.Tensor | None = None,
+    ) -> None:
         """``share``: a static verify of as many requests or more whose input buffers this one uses the first
         rows of (static verifies never run at once, and each fill rewrites what its run reads). ``slot_probs``
         (rejection mode): fp32 [state slots, nextn, V], each state slot's latest draft distributions, which the
@@ -119,8 +138,11 @@ class StaticVerify:
             raise ValueError("a static verify needs a model with a DSpark draft")
         if key.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {key.mode!r}")
-        if share is not None and (share.key.num_requests < key.num_requests or share.key.mode != key.mode
-                                  or (share.key.sampling is None) != (key.sampling is None)):
+        if share is not None and (
+            share.key.num_requests < key.num_requests
+            or share.key.mode != key.mode
+            or (share.key.sampling is None) != (key.sampling is None)
+        ):
             raise ValueError(f"the static verify of {key} cannot share the buffers of {share.key}")
         self.model, self.cache, self.key, self.nextn = model, cache, key, nextn
         r, m, width = key.num_requests, num_entries(nextn), 1 + nextn
@@ -150,12 +172,15 @@ class StaticVerify:
             self.logits = buffer((self.num_rows, v), torch.float32, "logits")
         self.taps = buffer((r * m, proj.shape[1]), proj.dtype, "taps")  # the entries' taps
         self.slot_probs = slot_probs if key.mode == "rejection" else None
-        self.draft_probs = (buffer((r, nextn, v), torch.float32, "draft_probs")
-                            if key.mode == "rejection" and slot_probs is None
-                            else None)  # rejection: each request's draft distributions, copied in
+        self.draft_probs = (
+            buffer((r, nextn, v), torch.float32, "draft_probs")
+            if key.mode == "rejection" and slot_probs is None
+            else None
+        )  # rejection: each request's draft distributions, copied in
 
-    def pack(self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], forced: Sequence[int] | None
-             ) -> torch.Tensor:
+    def pack(
+        self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], forced: Sequence[int] | None
+    ) -> torch.Tensor:
         """The packed host tensor of ``sampling`` (empty: every request a placeholder)."""
         key, nextn, m = self.key, self.nextn, self.num_entries
         if len(sampling) > key.num_requests:
@@ -168,21 +193,39 @@ class StaticVerify:
                 raise ValueError(f"a draw's position must be in [0, 2**60), got {first_row.position}")
             entries = _entries(s, self.window)
             if len(entries) > m or s.num_rows > 1 + nextn:
-                raise ValueError(f"a request of {s.num_rows} sampled rows and {len(entries)} entries does not fit "
-                                 f"{key}")
+                raise ValueError(
+                    f"a request of {s.num_rows} sampled rows and {len(entries)} entries does not fit {key}"
+                )
             entry_rows[r * m : r * m + len(entries)] = [s.rows[j] for j in entries]
-            table[r] = [s.span.start, s.num_rows, len(s.drafts), signed_seed(first_row.seed),
-                        int(first_row.temperature == 0), first_row.position, s.slot, s.first, int(s.num_rows == 1),
-                        len(entries), entries.start, 0 if forced is None else forced[r]] + \
-                       (s.drafts + [0] * (nextn - len(s.drafts)))
+            table[r] = [
+                s.span.start,
+                s.num_rows,
+                len(s.drafts),
+                signed_seed(first_row.seed),
+                int(first_row.temperature == 0),
+                first_row.position,
+                s.slot,
+                s.first,
+                int(s.num_rows == 1),
+                len(entries),
+                entries.start,
+                0 if forced is None else forced[r],
+            ] + (s.drafts + [0] * (nextn - len(s.drafts)))
         flat = entry_rows + [c for row in table for c in row]
         if key.sampling is not None:
             flat += key.sampling.pack(rows, self.num_rows, self.model.cfg.vocab_size)
         return torch.tensor(flat, dtype=torch.int64)
 
-    def fill(self, sampling: Sequence[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits | None,
-             taps: torch.Tensor | None, draft_probs: Sequence[torch.Tensor | None] = (),
-             forced: Sequence[int] | None = None, logits: torch.Tensor | None = None) -> None:
+    def fill(
+        self,
+        sampling: Sequence[Sampling],
+        rows: Sequence[SamplingRow],
+        processed: ProcessedLogits | None,
+        taps: torch.Tensor | None,
+        draft_probs: Sequence[torch.Tensor | None] = (),
+        forced: Sequence[int] | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> None:
         """One packed upload, then device copies of the step's distributions (``processed``: the sampled rows;
         with ``key.sampling``, ``logits`` [rows, V] instead, which the run processes),
         the entries' taps (``taps``: the plan's rows) and, rejection mode, each request's draft distributions
@@ -190,8 +233,10 @@ class StaticVerify:
         ``sampling`` empty with ``processed``/``taps`` None: placeholders only (the capture's warm-up)."""
         upload_into(self.packed, self.pack(sampling, rows, forced))
         if (self.key.sampling is None) != (logits is None) and (processed is not None or logits is not None):
-            raise ValueError(f"the static verify of {self.key} takes the step's "
-                             f"{'processed distributions' if self.key.sampling is None else 'logits'}")
+            raise ValueError(
+                f"the static verify of {self.key} takes the step's "
+                f"{'processed distributions' if self.key.sampling is None else 'logits'}"
+            )
         if logits is not None:
             if logits.shape[0] != len(rows) or logits.shape[1] != self.logits.shape[1]:
                 raise ValueError(f"logits {tuple(logits.shape)} do not fit {len(rows)} rows of {self.logits.shape[1]}")
@@ -203,8 +248,10 @@ class StaticVerify:
             self.errors[:n].copy_(processed.errors)
         if taps is not None:
             if taps.dtype != self.taps.dtype or taps.shape[1] != self.taps.shape[1]:
-                raise ValueError(f"taps {taps.dtype} [.., {taps.shape[1]}] do not fit the draft's projection "
-                                 f"{self.taps.dtype} [.., {self.taps.shape[1]}]")
+                raise ValueError(
+                    f"taps {taps.dtype} [.., {taps.shape[1]}] do not fit the draft's projection "
+                    f"{self.taps.dtype} [.., {self.taps.shape[1]}]"
+                )
             torch.index_select(taps, 0, self.entry_rows, out=self.taps)
         if self.draft_probs is not None:
             for r, q in enumerate(draft_probs):
@@ -233,8 +280,10 @@ class StaticVerify:
         positions = t[:, POSITION].unsqueeze(1) + j  # [R, K + 1]: P + j
         seeds = t[:, SEED]
         if key.mode == "rejection":
-            draws = {case: device_draws(seeds, positions[:, :k] if case == DrawCase.ACCEPT else positions, case)
-                     for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)}
+            draws = {
+                case: device_draws(seeds, positions[:, :k] if case == DrawCase.ACCEPT else positions, case)
+                for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)
+            }
             q = self.draft_probs if self.slot_probs is None else self.slot_probs[t[:, SLOT]]  # [R, K, V]
             v = rejection_verdict(probs, q, drafts, greedy, verified, draws)
             num_accepted, tokens = v.num_accepted, v.tokens
@@ -246,14 +295,16 @@ class StaticVerify:
             at = num_accepted.unsqueeze(1)
             last = probs.gather(1, at.unsqueeze(-1).expand(-1, 1, probs.shape[2]))[:, 0]  # [R, V]
             tokens = torch.cat((drafts, drafts.new_zeros(key.num_requests, 1)), dim=1).scatter(
-                1, at, last.argmax(-1, keepdim=True))
+                1, at, last.argmax(-1, keepdim=True)
+            )
         # Each sampled row's token: a request's emitted ones on its first rows, 0 on the rest and on error
         # requests; a placeholder's (and a request's unused columns') writes go to the dump row.
         mine = j < num_rows.unsqueeze(1)  # [R, K + 1]
         emitted = mine & (j <= num_accepted.unsqueeze(1)) & ~errors.unsqueeze(1)
         targets = torch.where(mine, start.unsqueeze(1) + j, self.num_rows)  # [R, K + 1]
         row_tokens = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=device).scatter(
-            0, targets.flatten(), torch.where(emitted, tokens, 0).flatten())[: self.num_rows]
+            0, targets.flatten(), torch.where(emitted, tokens, 0).flatten()
+        )[: self.num_rows]
         chosen = all_logprobs.gather(1, row_tokens.unsqueeze(-1)).squeeze(-1).masked_fill(all_errors, -math.inf)
         self._write_context(num_accepted, errors)
         return VerifyOutput(DeviceVerdict(errors, num_accepted, tokens), row_tokens, chosen, processed)
@@ -271,22 +322,30 @@ class StaticVerify:
         slots = torch.where(real, t[:, SLOT].unsqueeze(1), 0)  # the null slot 0 for unused entries
         columns = positions % w
         ctx = draft.context(self.taps.unsqueeze(0))  # [1, R·M, D]
-        kv = [draft.context_kv(s, ctx, positions.view(1, -1))[0].float().view(*positions.shape, -1)
-              for s in range(len(draft.stages))]  # per stage [R, M, hd]
+        kv = [
+            draft.context_kv(s, ctx, positions.view(1, -1))[0].float().view(*positions.shape, -1)
+            for s in range(len(draft.stages))
+        ]  # per stage [R, M, hd]
         for p in range(0, m, w):
             sel_slots, sel_columns, sel_keep = (x[:, p : p + w].flatten() for x in (slots, columns, keep))
             for stage, values in enumerate(kv):
                 ring = self.cache.draft_ring(stage)
                 old = ring[sel_slots, sel_columns]
-                ring[sel_slots, sel_columns] = torch.where(sel_keep.unsqueeze(-1), values[:, p : p + w].flatten(0, 1),
-                                                           old)
+                ring[sel_slots, sel_columns] = torch.where(
+                    sel_keep.unsqueeze(-1), values[:, p : p + w].flatten(0, 1), old
+                )
 
 
 class VerifyGraphs:
     """Static verifies per ``VerifyKey``, replayed from CUDA graphs (``use_graphs``) or run eagerly."""
 
-    def __init__(self, model: DeepseekV41, nextn: int, use_graphs: bool,
-                 slot_probs: Callable[[CacheEngine], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        nextn: int,
+        use_graphs: bool,
+        slot_probs: Callable[[CacheEngine], torch.Tensor] | None = None,
+    ) -> None:
         """``slot_probs``: a cache's per-slot draft distributions (see ``StaticVerify``), read by rejection keys."""
         device = model.embed.weight.device
         if use_graphs and device.type != "cuda":
@@ -300,9 +359,18 @@ class VerifyGraphs:
         self.num_replays = 0
         self.num_captures = 0  # graphs captured over its life (one per key and cache: more means re-captures)
 
-    def verify(self, key: VerifyKey, cache: CacheEngine, sampling: Sequence[Sampling], rows: Sequence[SamplingRow],
-               processed: ProcessedLogits | None, taps: torch.Tensor, draft_probs: Sequence[torch.Tensor | None] = (),
-               forced: Sequence[int] | None = None, logits: torch.Tensor | None = None) -> VerifyOutput:
+    def verify(
+        self,
+        key: VerifyKey,
+        cache: CacheEngine,
+        sampling: Sequence[Sampling],
+        rows: Sequence[SamplingRow],
+        processed: ProcessedLogits | None,
+        taps: torch.Tensor,
+        draft_probs: Sequence[torch.Tensor | None] = (),
+        forced: Sequence[int] | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> VerifyOutput:
         """The static verify of ``key`` filled with this step and run (see ``StaticVerify.fill``); the outputs
         cover the bucket (the caller slices its requests' and rows' part)."""
         static = self._static(cache, key)
@@ -325,9 +393,15 @@ class VerifyGraphs:
             self.cache = cache
         static = self.static.get(key)
         if static is None:
-            share = max((s for s in self.static.values() if s.key.mode == key.mode
-                         and (s.key.sampling is None) == (key.sampling is None)),
-                        key=lambda s: s.key.num_requests, default=None)
+            share = max(
+                (
+                    s
+                    for s in self.static.values()
+                    if s.key.mode == key.mode and (s.key.sampling is None) == (key.sampling is None)
+                ),
+                key=lambda s: s.key.num_requests,
+                default=None,
+            )
             if share is not None and share.key.num_requests < key.num_requests:
                 share = None  # a larger bucket than any so far: its own buffers, which later smaller ones share
             slot_probs = self.slot_probs(cache) if self.slot_probs is not None and key.mode == "rejection" else None

@@ -116,9 +116,15 @@ def _passes_coupled(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.
     return drafts == target_tokens
 
 
-def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
-                     seeds: Sequence[int], positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor,
-                     num_drafts: Sequence[int] | torch.Tensor | None = None) -> Verdict:
+def verify_rejection(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    seeds: Sequence[int],
+    positions: Sequence[int] | torch.Tensor,
+    greedy: torch.Tensor,
+    num_drafts: Sequence[int] | torch.Tensor | None = None,
+) -> Verdict:
     """target_probs [N, K+1, V], draft_probs [N, K, V], drafts int64 [N, K]; one seed, first position P and
     greedy flag per request; ``num_drafts`` [N] verifies only each request's first drafts (None: all K)."""
     n, width, _ = target_probs.shape
@@ -126,14 +132,23 @@ def verify_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     device = target_probs.device
     greedy = _on(greedy, torch.bool, device).view(n)
     pos = _positions(positions, n, width)  # host [N][K+1]
-    draws = {case: _draw(seeds, [p[:k] for p in pos] if case == DrawCase.ACCEPT else pos, case, device)
-             for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)}
-    return rejection_verdict(target_probs, draft_probs, drafts.to(device), greedy, _verified(num_drafts, n, k, device),
-                             draws)
+    draws = {
+        case: _draw(seeds, [p[:k] for p in pos] if case == DrawCase.ACCEPT else pos, case, device)
+        for case in (DrawCase.ACCEPT, DrawCase.RESAMPLE, DrawCase.SAMPLE)
+    }
+    return rejection_verdict(
+        target_probs, draft_probs, drafts.to(device), greedy, _verified(num_drafts, n, k, device), draws
+    )
 
 
-def rejection_verdict(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
-                      greedy: torch.Tensor, verified: torch.Tensor, draws: dict[DrawCase, torch.Tensor]) -> Verdict:
+def rejection_verdict(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    greedy: torch.Tensor,
+    verified: torch.Tensor,
+    draws: dict[DrawCase, torch.Tensor],
+) -> Verdict:
     """``verify_rejection`` on the device, with no host read and fixed shapes (what a CUDA graph captures):
     target_probs [N, K+1, V], draft_probs [N, K, V], drafts int64 [N, K], greedy bool [N], verified bool [N, K];
     ``draws`` int64 per case, ACCEPT [N, K] (columns P … P+K−1), RESAMPLE and SAMPLE [N, K+1] (P … P+K)."""
@@ -160,8 +175,9 @@ def rejection_verdict(target_probs: torch.Tensor, draft_probs: torch.Tensor, dra
         usable = rejected & (integer_masses(residual).sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, last)
     # The draw at P + num_accepted: every column's drawn, the accepted count's picked on the device.
-    bits = torch.where(rejected, draws[DrawCase.RESAMPLE].gather(1, at)[:, 0],
-                       draws[DrawCase.SAMPLE].gather(1, at)[:, 0])
+    bits = torch.where(
+        rejected, draws[DrawCase.RESAMPLE].gather(1, at)[:, 0], draws[DrawCase.SAMPLE].gather(1, at)[:, 0]
+    )
     # dist is a softmax row, or a residual of finite nonnegative values whose integer mass is > 0 (usable) and
     # below the row's: what pick_from_bits needs, so sample_from_bits' host checks are not needed.
     token = torch.where(greedy, last.argmax(-1), pick_from_bits(dist, bits))
@@ -180,16 +196,21 @@ def device_draws(seeds: torch.Tensor, positions: torch.Tensor, case: DrawCase) -
     return philox4x32(counter, key.expand(*stream.shape, 2))[..., 0] >> (32 - DRAW_BITS)
 
 
-def gumbel_noise(seeds: Sequence[int], positions: Sequence[int] | torch.Tensor, vocab_size: int,
-                 device: torch.device | str | None = None) -> torch.Tensor:
+def gumbel_noise(
+    seeds: Sequence[int],
+    positions: Sequence[int] | torch.Tensor,
+    vocab_size: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """G [n, V] float64: −log(−log u) with u = (bits + ½) / 2³¹ ∈ (0, 1), keyed by (seed, position, token)."""
     bits = draw_bits_per_token(seeds, positions, vocab_size, device)
     u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
     return -torch.log(-torch.log(u))
 
 
-def coupled_tokens(logprobs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int] | torch.Tensor,
-                   greedy: torch.Tensor) -> torch.Tensor:
+def coupled_tokens(
+    logprobs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor
+) -> torch.Tensor:
     """argmax_v logprobs[v] + G(seed, position)[v] per row (argmax alone for greedy rows): logprobs [n, V]
     of a processed distribution (dropped tokens −inf) → int64 [n]. Ties go to the lowest id."""
     noisy = logprobs.to(torch.float64) + gumbel_noise(seeds, positions, logprobs.shape[-1], logprobs.device)
@@ -197,9 +218,14 @@ def coupled_tokens(logprobs: torch.Tensor, seeds: Sequence[int], positions: Sequ
     return torch.where(greedy, logprobs.argmax(-1), noisy.argmax(-1))
 
 
-def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, seeds: Sequence[int],
-                         positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor,
-                         num_drafts: Sequence[int] | torch.Tensor | None = None) -> Verdict:
+def verify_deterministic(
+    target_logprobs: torch.Tensor,
+    drafts: torch.Tensor,
+    seeds: Sequence[int],
+    positions: Sequence[int] | torch.Tensor,
+    greedy: torch.Tensor,
+    num_drafts: Sequence[int] | torch.Tensor | None = None,
+) -> Verdict:
     """target_logprobs [N, K+1, V], drafts int64 [N, K] (drawn by ``coupled_tokens`` from the draft's
     processed logprobs with the same seeds and positions); arguments otherwise as ``verify_rejection``."""
     n, width, _ = target_logprobs.shape
@@ -208,12 +234,19 @@ def verify_deterministic(target_logprobs: torch.Tensor, drafts: torch.Tensor, se
     greedy = _on(greedy, torch.bool, device).view(n)
     pos = _on(_positions(positions, n, width), torch.int64, device)  # [N, K+1]
     signed = _on([signed_seed(s) for s in seeds], torch.int64, device)
-    return deterministic_verdict(target_logprobs, drafts.to(device), signed, pos, greedy,
-                                 _verified(num_drafts, n, k, device))
+    return deterministic_verdict(
+        target_logprobs, drafts.to(device), signed, pos, greedy, _verified(num_drafts, n, k, device)
+    )
 
 
-def deterministic_verdict(target_logprobs: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor,
-                          positions: torch.Tensor, greedy: torch.Tensor, verified: torch.Tensor) -> Verdict:
+def deterministic_verdict(
+    target_logprobs: torch.Tensor,
+    drafts: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: torch.Tensor,
+    verified: torch.Tensor,
+) -> Verdict:
     """``verify_deterministic`` on the device, with no host read and fixed shapes: target_logprobs [N, K+1, V],
     drafts int64 [N, K], seeds int64 [N] (two's complement), positions int64 [N, K+1] (P + j, ≥ 0), greedy
     bool [N], verified bool [N, K]."""
@@ -241,16 +274,28 @@ def coupling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     stream = 3 * positions + int(DrawCase.SAMPLE)
     key = torch.stack((seeds & MASK32, (seeds >> 32) & MASK32), dim=-1).unsqueeze(1)  # [B, 1, 2]
     token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    counter = torch.stack(torch.broadcast_tensors(
-        (stream & MASK32).unsqueeze(1), (stream >> 32).unsqueeze(1), token.unsqueeze(0),
-        torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device)), dim=-1)  # [B, V, 4]
+    counter = torch.stack(
+        torch.broadcast_tensors(
+            (stream & MASK32).unsqueeze(1),
+            (stream >> 32).unsqueeze(1),
+            token.unsqueeze(0),
+            torch.full((1, 1), COUPLING_WORD, dtype=torch.int64, device=seeds.device),
+        ),
+        dim=-1,
+    )  # [B, V, 4]
     bits = philox4x32(counter, key)[..., 0] >> (32 - DRAW_BITS)
     u = (bits.to(torch.float64) + 0.5) / float(1 << 31)
     return -torch.log(-torch.log(u))
 
 
-def draft_tokens(spec_sampling: str, probs: torch.Tensor, logprobs: torch.Tensor, seeds: Sequence[int],
-                 positions: Sequence[int] | torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def draft_tokens(
+    spec_sampling: str,
+    probs: torch.Tensor,
+    logprobs: torch.Tensor,
+    seeds: Sequence[int],
+    positions: Sequence[int] | torch.Tensor,
+    greedy: torch.Tensor,
+) -> torch.Tensor:
     """The draft's token per row from its processed distribution (probs, logprobs [n, V]) at ``positions`` [n]:
     "rejection" draws with the draft's own key, "deterministic" couples to the target's noise."""
     greedy = torch.as_tensor(greedy, dtype=torch.bool, device=probs.device)
@@ -276,4 +321,3 @@ def coupling_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
 def rejection_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
     """Probability that rejection sampling accepts a draft from q under the target p: Σ_v min(p_v, q_v)."""
     return float(torch.minimum(p.double(), q.double()).sum())
-

@@ -24,8 +24,9 @@ from services.worker.spec.static_verify import VerifyGraphs, VerifyKey
 from services.worker.spec.verifier import verify_deterministic, verify_rejection
 
 
-def forced_counts(forced_acceptance: ForcedAcceptance | None, sampling: Sequence[Sampling],
-                  rows: Sequence[SamplingRow]) -> list[int] | None:
+def forced_counts(
+    forced_acceptance: ForcedAcceptance | None, sampling: Sequence[Sampling], rows: Sequence[SamplingRow]
+) -> list[int] | None:
     """The benchmark's accepted count per request (None: no forced acceptance); greedy requests only."""
     if forced_acceptance is None:
         return None
@@ -34,9 +35,14 @@ def forced_counts(forced_acceptance: ForcedAcceptance | None, sampling: Sequence
     return [forced_acceptance.num_accepted(len(s.drafts)) for s in sampling]
 
 
-def eager_verdict(sampling: Sequence[Sampling], rows: Sequence[SamplingRow], processed: ProcessedLogits,
-                  spec_sampling: str, forced: Sequence[int] | None, draft_probs: Mapping[str, torch.Tensor]
-                  ) -> DeviceVerdict | None:
+def eager_verdict(
+    sampling: Sequence[Sampling],
+    rows: Sequence[SamplingRow],
+    processed: ProcessedLogits,
+    spec_sampling: str,
+    forced: Sequence[int] | None,
+    draft_probs: Mapping[str, torch.Tensor],
+) -> DeviceVerdict | None:
     """Every sampling request's verdict at once, on the device (services/worker/spec/verifier.py); ``forced``: the
     benchmark's counts instead. Requests pad to the widest (their last row repeated; drafts past their own are
     not verified); ``draft_probs``: per request id its draft distributions (rejection mode)."""
@@ -44,12 +50,20 @@ def eager_verdict(sampling: Sequence[Sampling], rows: Sequence[SamplingRow], pro
         return None
     device = processed.probs.device
     width = max(s.num_rows for s in sampling)  # K + 1
-    index = upload(torch.tensor([[s.span.start + min(j, s.num_rows - 1) for j in range(width)] for s in sampling],
-                                dtype=torch.int64), device)  # [R, K + 1]
+    index = upload(
+        torch.tensor(
+            [[s.span.start + min(j, s.num_rows - 1) for j in range(width)] for s in sampling], dtype=torch.int64
+        ),
+        device,
+    )  # [R, K + 1]
     probs = processed.probs[index]  # [R, K + 1, V]
     errors = processed.errors[index].any(-1)  # [R]
-    drafts = upload(torch.tensor([s.drafts + [0] * (width - 1 - len(s.drafts)) for s in sampling],
-                                 dtype=torch.int64).view(len(sampling), width - 1), device)
+    drafts = upload(
+        torch.tensor([s.drafts + [0] * (width - 1 - len(s.drafts)) for s in sampling], dtype=torch.int64).view(
+            len(sampling), width - 1
+        ),
+        device,
+    )
     if forced is not None:  # the benchmark's verdict replaces the verifier's
         num_accepted = upload(torch.tensor(forced, dtype=torch.int64), device)
         at = torch.arange(len(sampling), device=device)
@@ -68,25 +82,44 @@ def eager_verdict(sampling: Sequence[Sampling], rows: Sequence[SamplingRow], pro
     return DeviceVerdict(errors, v.num_accepted, v.tokens)
 
 
-def static_verify(graphs: VerifyGraphs, key: VerifyKey, sampling: Sequence[Sampling], rows: Sequence[SamplingRow],
-                  processed: ProcessedLogits | None, logits: torch.Tensor, taps: torch.Tensor, cache: CacheEngine,
-                  num_top: int, forced: Sequence[int] | None, draft_probs: Mapping[str, torch.Tensor]
-                  ) -> tuple[DeviceVerdict, SamplerOutput]:
+def static_verify(
+    graphs: VerifyGraphs,
+    key: VerifyKey,
+    sampling: Sequence[Sampling],
+    rows: Sequence[SamplingRow],
+    processed: ProcessedLogits | None,
+    logits: torch.Tensor,
+    taps: torch.Tensor,
+    cache: CacheEngine,
+    num_top: int,
+    forced: Sequence[int] | None,
+    draft_probs: Mapping[str, torch.Tensor],
+) -> tuple[DeviceVerdict, SamplerOutput]:
     """``eager_verdict``, ``write_context`` and ``emitted_output`` as one static verify of the step's bucket: the
     same verdicts, context writes and sampled rows. ``processed``: the step's processing (a key without
     ``sampling``); with one, the run processes ``logits`` itself and ``processed`` is None."""
     # Rejection: each request's draft distributions copied in, unless the run reads them from the slots' buffer.
-    kept = ([draft_probs.get(s.request_id) for s in sampling] if key.mode == "rejection" and graphs.slot_probs is None
-            else [])
-    out = graphs.verify(key, cache, sampling, rows, processed, taps, kept, forced,
-                        logits if key.sampling is not None else None)
+    kept = (
+        [draft_probs.get(s.request_id) for s in sampling]
+        if key.mode == "rejection" and graphs.slot_probs is None
+        else []
+    )
+    out = graphs.verify(
+        key, cache, sampling, rows, processed, taps, kept, forced, logits if key.sampling is not None else None
+    )
     num_r, num_rows = len(sampling), logits.shape[0]
     v = out.verdict
     verdict = DeviceVerdict(v.errors[:num_r], v.num_accepted[:num_r], v.tokens[:num_r])
     if processed is None:  # the run's own: the top-n reads it now; its errors outlive the next replay, so copied
         p = out.processed
-        processed = ProcessedLogits(p.banned[:num_rows], p.logprobs[:num_rows], p.probs[:num_rows],
-                                    p.errors[:num_rows].clone(), p.ranked_rows, p.order[:num_rows])
+        processed = ProcessedLogits(
+            p.banned[:num_rows],
+            p.logprobs[:num_rows],
+            p.probs[:num_rows],
+            p.errors[:num_rows].clone(),
+            p.ranked_rows,
+            p.order[:num_rows],
+        )
     # The rows' tokens and logprobs outlive the next replay (the engine may copy them later), so copied.
     sampled = with_top(processed, out.tokens[:num_rows].clone(), out.logprobs[:num_rows].clone(), num_top)
     return verdict, sampled

@@ -38,8 +38,13 @@ import torch
 
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.quant import (
-    COMPRESSED_KV_BLOCK, FP8_CACHE_BLOCK, INDEXER_BLOCK, dequantize_fp4_cache, dequantize_fp8_cache,
-    quantize_fp4_cache, quantize_fp8_cache,
+    COMPRESSED_KV_BLOCK,
+    FP8_CACHE_BLOCK,
+    INDEXER_BLOCK,
+    dequantize_fp4_cache,
+    dequantize_fp8_cache,
+    quantize_fp4_cache,
+    quantize_fp8_cache,
 )
 
 log = logging.getLogger(__name__)
@@ -117,9 +122,25 @@ class CacheLayout:
         draft_stages = cfg.num_nextn_predict_layers if draft else 0
         draft_offset = slot_offset + history * 4
         draft_bytes = draft_stages * cfg.sliding_window * hd * 4
-        return CacheLayout(block_size, ring, hd, di, kv_entry, key, window, tuple(sources), block_offset,
-                           num_layers, 0, history, slot_offset, draft_stages, cfg.sliding_window, draft_offset,
-                           draft_offset + draft_bytes)
+        return CacheLayout(
+            block_size,
+            ring,
+            hd,
+            di,
+            kv_entry,
+            key,
+            window,
+            tuple(sources),
+            block_offset,
+            num_layers,
+            0,
+            history,
+            slot_offset,
+            draft_stages,
+            cfg.sliding_window,
+            draft_offset,
+            draft_offset + draft_bytes,
+        )
 
     def source(self, layer: int) -> SourceLayout:
         return next(s for s in self.sources if s.layer == layer)
@@ -127,12 +148,18 @@ class CacheLayout:
     def describe(self) -> str:
         parts = " + ".join(f"{s.entries_per_block}·{self.kv_entry_bytes + self.key_bytes}" for s in self.sources)
         partial = sum(s.partial_rows * 2 * self.head_dim * 4 for s in self.sources)
-        return (f"{self.bytes_per_block:,} bytes per {self.block_size}-token block ({parts}; "
-                f"{self.bytes_per_block / self.block_size:g} per token); {self.bytes_per_slot:,} bytes per state "
-                f"slot ({self.num_layers} rings × {self.ring_size} × {self.window_bytes} + {partial:,} partial "
-                f"groups + {self.engram_history * 4} Engram history"
-                + (f" + {self.draft_stages} draft rings × {self.draft_window} × {self.head_dim * 4}"
-                   if self.draft_stages else "") + ")")
+        return (
+            f"{self.bytes_per_block:,} bytes per {self.block_size}-token block ({parts}; "
+            f"{self.bytes_per_block / self.block_size:g} per token); {self.bytes_per_slot:,} bytes per state "
+            f"slot ({self.num_layers} rings × {self.ring_size} × {self.window_bytes} + {partial:,} partial "
+            f"groups + {self.engram_history * 4} Engram history"
+            + (
+                f" + {self.draft_stages} draft rings × {self.draft_window} × {self.head_dim * 4}"
+                if self.draft_stages
+                else ""
+            )
+            + ")"
+        )
 
 
 def cache_bytes(cfg: ModelConfig, block_size: int, nextn: int = 0) -> tuple[int, int]:
@@ -149,14 +176,28 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class CacheEngine:
     """Both pools plus typed reads and writes. Index arguments are int64 tensors of equal length."""
 
-    def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, num_state_slots: int,
-                 ring: int, device: torch.device | str = "cpu", draft: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        block_size: int,
+        num_blocks: int,
+        num_state_slots: int,
+        ring: int,
+        device: torch.device | str = "cpu",
+        draft: bool = False,
+    ) -> None:
         """``draft``: state slots also hold the DSpark draft's context rings (``draft_ring``)."""
         self.layout = CacheLayout.build(cfg, block_size, ring, draft)
         self.blocks = torch.zeros(num_blocks, self.layout.bytes_per_block, dtype=torch.uint8, device=device)
         self.slots = torch.zeros(num_state_slots, self.layout.bytes_per_slot, dtype=torch.uint8, device=device)
-        log.info("cache: %s; %d blocks (%.1f MB), %d state slots (%.1f MB)", self.layout.describe(), num_blocks,
-                 self.blocks.numel() / 1e6, num_state_slots, self.slots.numel() / 1e6)
+        log.info(
+            "cache: %s; %d blocks (%.1f MB), %d state slots (%.1f MB)",
+            self.layout.describe(),
+            num_blocks,
+            self.blocks.numel() / 1e6,
+            num_state_slots,
+            self.slots.numel() / 1e6,
+        )
 
     # ---- views: [pool rows, items, item bytes] over the byte pools (no copies) --------------
 
@@ -169,14 +210,17 @@ class CacheEngine:
     def ring(self, layer: int) -> torch.Tensor:
         """uint8 [num_state_slots, ring_size, window_bytes]."""
         lay = self.layout
-        return self._slot_view(lay.ring_offset + layer * lay.ring_size * lay.window_bytes, lay.ring_size,
-                               lay.window_bytes)
+        return self._slot_view(
+            lay.ring_offset + layer * lay.ring_size * lay.window_bytes, lay.ring_size, lay.window_bytes
+        )
 
     def entries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Source ``layer``'s (compressed KV, index keys): uint8 [num_blocks, epb, entry bytes] each."""
         s, lay = self.layout.source(layer), self.layout
-        return (self._block_view(s.kv_offset, s.entries_per_block, lay.kv_entry_bytes),
-                self._block_view(s.key_offset, s.entries_per_block, lay.key_bytes))
+        return (
+            self._block_view(s.kv_offset, s.entries_per_block, lay.kv_entry_bytes),
+            self._block_view(s.key_offset, s.entries_per_block, lay.key_bytes),
+        )
 
     # ---- window rings ------------------------------------------------------------------------
 
@@ -203,8 +247,9 @@ class CacheEngine:
         packed, scale = quantize_fp4_cache(keys, INDEXER_BLOCK, "e8m0")
         key_pool[block, offset] = torch.cat((packed, _bytes(scale)), dim=-1)
 
-    def read_entries(self, layer: int, block_tables: torch.Tensor, num_entries: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_entries(
+        self, layer: int, block_tables: torch.Tensor, num_entries: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_entries`` entries of each request: block_tables [N, width] →
         (kv fp32 [N, num_entries, head_dim], keys fp32 [N, num_entries, index_head_dim])."""
         epb = self.layout.source(layer).entries_per_block
@@ -213,10 +258,10 @@ class CacheEngine:
         kv_pool, key_pool = self.entries(layer)
         kv_raw, key_raw = kv_pool[blocks, e % epb], key_pool[blocks, e % epb]
         half, key_half = self.layout.head_dim // 2, self.layout.index_head_dim // 2
-        kv = dequantize_fp4_cache(kv_raw[..., :half], kv_raw[..., half:].view(torch.float8_e4m3fn),
-                                  COMPRESSED_KV_BLOCK)
-        keys = dequantize_fp4_cache(key_raw[..., :key_half], key_raw[..., key_half:].view(torch.float8_e8m0fnu),
-                                    INDEXER_BLOCK)
+        kv = dequantize_fp4_cache(kv_raw[..., :half], kv_raw[..., half:].view(torch.float8_e4m3fn), COMPRESSED_KV_BLOCK)
+        keys = dequantize_fp4_cache(
+            key_raw[..., :key_half], key_raw[..., key_half:].view(torch.float8_e8m0fnu), INDEXER_BLOCK
+        )
         return kv, keys
 
     # ---- compressor partial groups (fp32) ----------------------------------------------------
@@ -226,8 +271,9 @@ class CacheEngine:
         s, hd = self.layout.source(layer), self.layout.head_dim
         return self._slot_view(s.partial_offset, s.partial_rows, 2 * hd * 4).view(torch.float32).unflatten(-1, (2, hd))
 
-    def write_partial(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
-                      gates: torch.Tensor) -> None:
+    def write_partial(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, gates: torch.Tensor
+    ) -> None:
         view = self.partial(layer)
         view[slots, positions % view.shape[1]] = torch.stack((values.float(), gates.float()), dim=1)
 

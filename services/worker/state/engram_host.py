@@ -108,8 +108,10 @@ class EngramSegment:
         if size != self.nbytes:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-            raise ValueError(f"{self.path} holds {size} bytes, this model's Engram tables {self.nbytes}: "
-                             "another model under the same name")
+            raise ValueError(
+                f"{self.path} holds {size} bytes, this model's Engram tables {self.nbytes}: "
+                "another model under the same name"
+            )
         if not self.created:
             self._map = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         if struct.unpack_from("<8sQQ", self._map, 0) != (_MAGIC, 1, self.nbytes):
@@ -210,8 +212,11 @@ class HostEngramTable(nn.Module):
                 pinned = torch.empty((n, *table.shape[1:]), dtype=table.dtype, pin_memory=True)
                 self._pinned[name] = pinned
             torch.index_select(table, 0, flat, out=pinned[:n])
-            dst = torch.empty((n, *table.shape[1:]), dtype=table.dtype, device=self.device) if out is None \
+            dst = (
+                torch.empty((n, *table.shape[1:]), dtype=table.dtype, device=self.device)
+                if out is None
                 else out[name][:n]
+            )
             with torch.cuda.stream(stream):
                 dst.copy_(pinned[:n], non_blocking=True)
             staged[name] = dst
@@ -263,8 +268,13 @@ class EngramHost:
 
     def static_buffers(self, num_rows: int) -> list[dict[str, torch.Tensor]]:
         """Persistent device buffers for ``num_rows`` table rows of every table (the graph step's input)."""
-        return [{name: torch.empty((num_rows, *t.shape[1:]), dtype=t.dtype, device=table.device)
-                 for name, t in table.host.items()} for table in self.tables]
+        return [
+            {
+                name: torch.empty((num_rows, *t.shape[1:]), dtype=t.dtype, device=table.device)
+                for name, t in table.host.items()
+            }
+            for table in self.tables
+        ]
 
     def close(self) -> None:
         self.segment.close()

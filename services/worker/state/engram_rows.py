@@ -23,8 +23,9 @@ def engram_rows(cache: CacheEngine, batch: StepBatch, hasher: EngramHasher) -> t
     carried = history[b.state_slots].long()  # [N, size], read before this step's writes
     look = b.positions.unsqueeze(-1) - torch.arange(hasher.max_ngram, device=b.device)  # [R, m]: p, p−1, …
     in_step = look >= b.row_first().unsqueeze(-1)
-    tokens = torch.where(in_step, comp[b.row_index(b.row_requests, look)],
-                         carried[b.row_requests.unsqueeze(-1), look % size])
+    tokens = torch.where(
+        in_step, comp[b.row_index(b.row_requests, look)], carried[b.row_requests.unsqueeze(-1), look % size]
+    )
     tokens = torch.where(look >= 0, tokens, hasher.pad)  # before the start: the pad's id
     # Rows outside their request's last ``size`` positions write the null slot 0 (a boolean-mask index
     # would read the mask's count back to the host: a stream sync on CUDA).
@@ -33,8 +34,15 @@ def engram_rows(cache: CacheEngine, batch: StepBatch, hasher: EngramHasher) -> t
     return hasher.rows(tokens.unsqueeze(0))
 
 
-def static_engram_rows(cache: CacheEngine, hasher: EngramHasher, input_ids: torch.Tensor, positions: torch.Tensor,
-                       state_slots: torch.Tensor, first: torch.Tensor, seqlens_k: torch.Tensor) -> torch.Tensor:
+def static_engram_rows(
+    cache: CacheEngine,
+    hasher: EngramHasher,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    state_slots: torch.Tensor,
+    first: torch.Tensor,
+    seqlens_k: torch.Tensor,
+) -> torch.Tensor:
     """``engram_rows`` for G static decode rows with device ops and fixed shapes only (graph-safe). A
     request's rows are contiguous at consecutive positions (one row, or 1 + the drafts verified), so the
     row holding an in-step position q ≥ first of row i's request is row i − (p_i − q). Only rows among

@@ -33,18 +33,22 @@ class ImageInputs:
 
     def put(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
         """Stores ``rows`` [P, D] for the P placeholders of ``prompt_token_ids``; ValueError if P differs."""
-        positions = torch.tensor([i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id],
-                                 dtype=torch.long)
+        positions = torch.tensor(
+            [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id], dtype=torch.long
+        )
         if rows.ndim != 2 or rows.shape[0] != positions.numel():
-            raise ValueError(f"request {request_id!r} has {positions.numel()} image placeholder positions but "
-                             f"{tuple(rows.shape)} image embedding rows")
+            raise ValueError(
+                f"request {request_id!r} has {positions.numel()} image placeholder positions but "
+                f"{tuple(rows.shape)} image embedding rows"
+            )
         self._requests[request_id] = RequestImages(positions, rows)
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def step_rows(self, request_ids: list[str], input_ids: torch.Tensor, positions: torch.Tensor,
-                  row_requests: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def step_rows(
+        self, request_ids: list[str], input_ids: torch.Tensor, positions: torch.Tensor, row_requests: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """For a step's rows (input ids, positions, request index of each, all [R]) → (image mask [R] bool,
         the image rows' embeddings [n, D] in row order), or (None, None) when no row is an image position.
         A step none of whose requests holds images returns before touching the tensors, so a text step

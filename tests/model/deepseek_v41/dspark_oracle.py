@@ -20,8 +20,16 @@ import torch
 from tests import tolerances as tol
 from tests.model.deepseek_v41.oracle_harness import QuantCall, Recording, record_ours
 
-BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
-               dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+BACKEND = dict(
+    attn="eager",
+    linear="torch",
+    rms_norm="torch_fp32",
+    rope="torch",
+    experts="torch",
+    dispatcher="torch",
+    enable_hf_state_dict_adapter=True,
+    gate_precision="float32",
+)
 
 
 def nemo_draft(ckpt: Path):
@@ -43,8 +51,12 @@ def nemo_taps(nemo_backbone, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> t
     """NeMo's target features: the streams entering each tapped layer's attention mixer, averaged over
     streams (as its DSpark target wrapper does), concatenated: [B, S, T·D]."""
     captured: dict[int, torch.Tensor] = {}
-    hooks = [nemo_backbone.model.layers[str(i)].attn_hc.register_forward_pre_hook(
-        lambda module, args, i=i: captured.__setitem__(i, args[0].float().mean(dim=2))) for i in layer_ids]
+    hooks = [
+        nemo_backbone.model.layers[str(i)].attn_hc.register_forward_pre_hook(
+            lambda module, args, i=i: captured.__setitem__(i, args[0].float().mean(dim=2))
+        )
+        for i in layer_ids
+    ]
     try:
         nemo_backbone(ids)
     finally:
@@ -62,25 +74,36 @@ class NemoDraft:
     confidence_logits_normed: torch.Tensor  # NeMo's own choice (normed h), only to show the two differ
 
 
-def run_nemo_draft(model, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
-                   prev: torch.Tensor) -> NemoDraft:
+def run_nemo_draft(
+    model, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor, prev: torch.Tensor
+) -> NemoDraft:
     """NeMo's draft backbone and heads at the given anchors [B, A]; ``prev`` [B, A·bs] each slot's previous token."""
     from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkBackbone
     from nemo_automodel.components.speculative.dspark.common import create_noise_embed
 
     cfg = model.config
     keep = torch.ones_like(anchors, dtype=torch.bool)
-    noise = create_noise_embed(model.embed_tokens, ids, anchors, keep, mask_token_id=cfg.dspark_noise_token_id,
-                               block_size=cfg.dspark_block_size)
+    noise = create_noise_embed(
+        model.embed_tokens,
+        ids,
+        anchors,
+        keep,
+        mask_token_id=cfg.dspark_noise_token_id,
+        block_size=cfg.dspark_block_size,
+    )
     streams: list[torch.Tensor] = []
     prenorm: list[torch.Tensor] = []
     hooks = [stage.register_forward_hook(lambda m, a, out: streams.append(out.streams)) for stage in model.mtp]
     hooks.append(model.mtp[-1].norm.register_forward_pre_hook(lambda m, args: prenorm.append(args[0])))
     try:
         out = DeepseekV41DSparkBackbone.forward(
-            model, noise, taps, position_ids=model.build_position_ids(anchors, ids.shape[1]),
+            model,
+            noise,
+            taps,
+            position_ids=model.build_position_ids(anchors, ids.shape[1]),
             attention_mask=model.build_attention_mask(anchors, keep, ids.shape[1], noise.dtype),
-            previous_token_ids=prev)
+            previous_token_ids=prev,
+        )
     finally:
         for hook in hooks:
             hook.remove()
@@ -132,13 +155,15 @@ def check_pairing(ours: Recording, nemo: Recording) -> tuple[int, float]:
         gap = float((top[..., k - 1] - top[..., k]).min()) if nv.shape[-1] > k else float("inf")
         smallest = min(smallest, gap)
         assert gap >= tol.TOPK_MARGIN_MIN, f"selection {i}: oracle near tie (gap {gap:.3g}): reseed the case"
-        assert torch.equal(op.reshape(-1, k).sort(-1).values, np_.reshape(-1, k).sort(-1).values), \
+        assert torch.equal(op.reshape(-1, k).sort(-1).values, np_.reshape(-1, k).sort(-1).values), (
             f"selection {i}: different experts without a near tie"
+        )
     return sum(ours.replayed), smallest
 
 
-def run_ours_draft(model, taps: torch.Tensor, anchors: torch.Tensor, anchor_tokens: torch.Tensor, prev: torch.Tensor,
-                   replay: Recording):
+def run_ours_draft(
+    model, taps: torch.Tensor, anchors: torch.Tensor, anchor_tokens: torch.Tensor, prev: torch.Tensor, replay: Recording
+):
     """Our draft (full-sequence) on the same taps, replaying NeMo's near-boundary roundings."""
     with record_ours(replay=replay) as rec:
         blocks = model.draft(taps, anchor_tokens, anchors, model.embed, model.head)

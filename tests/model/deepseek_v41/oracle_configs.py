@@ -40,12 +40,31 @@ class OracleCase:
 
 def _base(**kw) -> ModelConfig:
     defaults = dict(
-        vocab_size=256, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=64,
-        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, rope_scaling=YarnScaling(),
-        sliding_window=8, index_n_heads=8, index_head_dim=32, index_topk=4, n_routed_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=32, swiglu_limit=1.0, engram_max_ngram_size=3,
-        engram_vocab_size=50, engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=1,
-        num_nextn_predict_layers=0, dspark_noise_token_id=254,
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        rope_scaling=YarnScaling(),
+        sliding_window=8,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        swiglu_limit=1.0,
+        engram_max_ngram_size=3,
+        engram_vocab_size=50,
+        engram_n_heads=2,
+        engram_head_dim=32,
+        engram_compressed_vocab_size=1,
+        num_nextn_predict_layers=0,
+        dspark_noise_token_id=254,
     )
     defaults.update(kw)
     return ModelConfig(**defaults)
@@ -53,28 +72,56 @@ def _base(**kw) -> ModelConfig:
 
 def finish(cfg: ModelConfig, num_compressed: int) -> ModelConfig:
     """Set the tokenizer-derived Engram size and tables exactly as large as their primes."""
-    cfg = dataclasses.replace(cfg, engram_compressed_vocab_size=num_compressed,
-                              engram_num_embeddings=(10**9,) * len(cfg.engram_layer_ids))
+    cfg = dataclasses.replace(
+        cfg, engram_compressed_vocab_size=num_compressed, engram_num_embeddings=(10**9,) * len(cfg.engram_layer_ids)
+    )
     rows = tuple(sum(p) for p in engram_primes(cfg))
     return dataclasses.replace(cfg, engram_num_embeddings=rows)
 
 
 ORACLE = _base(
-    compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0), kv_source_layer_ids=(2, 5), index_source_layer_ids=(2, 4, 5, 7),
-    candidate_source_layer_id=5, candidate_topk_blocks=4, candidate_block_size=2,
-    engram_layer_ids=(1, 4), engram_num_embeddings=(1, 1),
+    compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0),
+    kv_source_layer_ids=(2, 5),
+    index_source_layer_ids=(2, 4, 5, 7),
+    candidate_source_layer_id=5,
+    candidate_topk_blocks=4,
+    candidate_block_size=2,
+    engram_layer_ids=(1, 4),
+    engram_num_embeddings=(1, 1),
 )
 WIDE = _base(
-    num_attention_heads=8, o_groups=4, o_lora_rank=16, qk_rope_head_dim=32, sliding_window=4,
-    compress_ratios=(0, 2, 2, 1, 1, 1, 1, 1, 0), kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 2, 3, 5, 7),
-    candidate_source_layer_id=3, candidate_topk_blocks=3, candidate_block_size=4, index_topk=5,
-    n_routed_experts=6, num_experts_per_tok=3, swiglu_limit=0.8,
-    engram_layer_ids=(0, 5), engram_num_embeddings=(1, 1), engram_max_ngram_size=4, engram_n_heads=3,
+    num_attention_heads=8,
+    o_groups=4,
+    o_lora_rank=16,
+    qk_rope_head_dim=32,
+    sliding_window=4,
+    compress_ratios=(0, 2, 2, 1, 1, 1, 1, 1, 0),
+    kv_source_layer_ids=(1, 3),
+    index_source_layer_ids=(1, 2, 3, 5, 7),
+    candidate_source_layer_id=3,
+    candidate_topk_blocks=3,
+    candidate_block_size=4,
+    index_topk=5,
+    n_routed_experts=6,
+    num_experts_per_tok=3,
+    swiglu_limit=0.8,
+    engram_layer_ids=(0, 5),
+    engram_num_embeddings=(1, 1),
+    engram_max_ngram_size=4,
+    engram_n_heads=3,
 )
 NOCAND = _base(
-    num_hidden_layers=6, compress_ratios=(0, 2, 2, 2, 2, 0), kv_source_layer_ids=(1, 3),
-    index_source_layer_ids=(1, 3), candidate_source_layer_id=None, index_n_heads=16, index_topk=3,
-    sliding_window=16, engram_layer_ids=(2,), engram_num_embeddings=(1,), engram_max_ngram_size=2,
+    num_hidden_layers=6,
+    compress_ratios=(0, 2, 2, 2, 2, 0),
+    kv_source_layer_ids=(1, 3),
+    index_source_layer_ids=(1, 3),
+    candidate_source_layer_id=None,
+    index_n_heads=16,
+    index_topk=3,
+    sliding_window=16,
+    engram_layer_ids=(2,),
+    engram_num_embeddings=(1,),
+    engram_max_ngram_size=2,
 )
 
 CASES = [
@@ -87,14 +134,36 @@ CASES = [
 # oracle-draft  3 stages tapping 5, 6, 7; blocks of 5; 8 draft experts, top-3; Markov rank 16
 # wide-draft    2 stages tapping 2 and 6 (not the last layers); blocks of 4; window 4; 6 experts, top-2
 DRAFT_CASES = [
-    OracleCase("oracle-draft", dataclasses.replace(
-        ORACLE, compress_ratios=ORACLE.compress_ratios + (0, 0), num_nextn_predict_layers=3,
-        dspark_target_layer_ids=(5, 6, 7), dspark_block_size=5, dspark_markov_rank=16,
-        dspark_n_routed_experts=8, dspark_num_experts_per_tok=3), seed=8, seq_len=49),
-    OracleCase("wide-draft", dataclasses.replace(
-        WIDE, compress_ratios=WIDE.compress_ratios + (0,), num_nextn_predict_layers=2, dspark_target_layer_ids=(2, 6),
-        dspark_block_size=4, dspark_markov_rank=32, dspark_n_routed_experts=6, dspark_num_experts_per_tok=2),
-        seed=3, seq_len=45),
+    OracleCase(
+        "oracle-draft",
+        dataclasses.replace(
+            ORACLE,
+            compress_ratios=ORACLE.compress_ratios + (0, 0),
+            num_nextn_predict_layers=3,
+            dspark_target_layer_ids=(5, 6, 7),
+            dspark_block_size=5,
+            dspark_markov_rank=16,
+            dspark_n_routed_experts=8,
+            dspark_num_experts_per_tok=3,
+        ),
+        seed=8,
+        seq_len=49,
+    ),
+    OracleCase(
+        "wide-draft",
+        dataclasses.replace(
+            WIDE,
+            compress_ratios=WIDE.compress_ratios + (0,),
+            num_nextn_predict_layers=2,
+            dspark_target_layer_ids=(2, 6),
+            dspark_block_size=4,
+            dspark_markov_rank=32,
+            dspark_n_routed_experts=6,
+            dspark_num_experts_per_tok=2,
+        ),
+        seed=3,
+        seq_len=45,
+    ),
 ]
 
 
@@ -107,12 +176,33 @@ class VisionCase(OracleCase):
 # Two towers: the released patch 14 and downsample 3 (grids leaving partial 3×3 cells), and patch 8 with
 # downsample 2, 3 heads of 16 and another rope base, on a different backbone. The placeholder id is an
 # ordinary word of the toy vocabulary, as 129264 is of the real one.
-VISION_A = dataclasses.replace(ORACLE, vision=VisionConfig(
-    num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48, max_image_tokens=64,
-    min_pixels=42 * 42, image_token_id=250))
-VISION_B = dataclasses.replace(NOCAND, vision=VisionConfig(
-    num_hidden_layers=3, hidden_size=48, num_attention_heads=3, intermediate_size=40, patch_size=8, rope_theta=100.0,
-    downsample_ratio=2, max_image_tokens=64, min_pixels=16 * 16, image_token_id=251))
+VISION_A = dataclasses.replace(
+    ORACLE,
+    vision=VisionConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_image_tokens=64,
+        min_pixels=42 * 42,
+        image_token_id=250,
+    ),
+)
+VISION_B = dataclasses.replace(
+    NOCAND,
+    vision=VisionConfig(
+        num_hidden_layers=3,
+        hidden_size=48,
+        num_attention_heads=3,
+        intermediate_size=40,
+        patch_size=8,
+        rope_theta=100.0,
+        downsample_ratio=2,
+        max_image_tokens=64,
+        min_pixels=16 * 16,
+        image_token_id=251,
+    ),
+)
 
 VISION_CASES = [
     VisionCase("vision-a", VISION_A, seed=11, seq_len=41, grids=((5, 7), (7, 4)), image_at=9),

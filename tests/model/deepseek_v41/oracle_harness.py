@@ -45,8 +45,33 @@ from tests.model.deepseek_v41 import quant_boundary
 torch._dynamo.config.disable = True
 
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
-WORDS = ["the", "The", "THE", " the", "cat", "Cat", "café", "cafe", "sat", " sat", "on", "On", "mat", "Mat",
-         " ", "  ", "\n", "\t", "a", "A", "dog", "naïve", "naive", "Ｈello", "hello"]
+WORDS = [
+    "the",
+    "The",
+    "THE",
+    " the",
+    "cat",
+    "Cat",
+    "café",
+    "cafe",
+    "sat",
+    " sat",
+    "on",
+    "On",
+    "mat",
+    "Mat",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "a",
+    "A",
+    "dog",
+    "naïve",
+    "naive",
+    "Ｈello",
+    "hello",
+]
 
 
 def toy_tokenizer(vocab_size: int) -> Tokenizer:
@@ -77,8 +102,16 @@ def nemo_model(ckpt: Path):
 
     cfg = DeepseekV41Config(**json.loads((ckpt / "config.json").read_text()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(ckpt / "tokenizer.json")))
-    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
-                            dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+    backend = BackendConfig(
+        attn="eager",
+        linear="torch",
+        rms_norm="torch_fp32",
+        rope="torch",
+        experts="torch",
+        dispatcher="torch",
+        enable_hf_state_dict_adapter=True,
+        gate_precision="float32",
+    )
     model = DeepseekV41ForCausalLM(cfg, backend=backend, tokenizer=tokenizer).eval()
     native = model.state_dict_adapter.from_hf(load_file(str(ckpt / "model.safetensors")))
     missing, unexpected = model.load_state_dict(native, strict=False)
@@ -144,8 +177,11 @@ def record_ours(replay: Recording | None = None):
     Every replayed element is a traced flip; ``Recording.replayed`` counts them per call.
     """
     rec = Recording()
-    patches = [(our_attention, "fake_quant_fp8_e4m3", "fp8"), (our_compressor, "fake_quant_compressed_kv", "kv4"),
-               (our_indexer, "fake_quant_indexer", "idx4")]
+    patches = [
+        (our_attention, "fake_quant_fp8_e4m3", "fp8"),
+        (our_compressor, "fake_quant_compressed_kv", "kv4"),
+        (our_indexer, "fake_quant_indexer", "idx4"),
+    ]
     originals = [getattr(mod, name) for mod, name, _ in patches]
     reference = iter(replay.quant) if replay is not None else None
 
@@ -164,6 +200,7 @@ def record_ours(replay: Recording | None = None):
                     out = torch.where(snap, ref_after.to(out.dtype), out)
             rec.quant.append(QuantCall(kind, x.detach().clone(), out.detach().clone()))
             return out
+
         return recorded
 
     original_top = our_indexer.top_indices
@@ -192,8 +229,9 @@ def boundary_distance(call: QuantCall) -> torch.Tensor:
     return quant_boundary.fp4_boundary_distance(call.before, quant.INDEXER_BLOCK, "e8m0")
 
 
-def topk_margins(rec: Recording, batch: int, seq_len: int, margin: float = tol.TOPK_MARGIN_MIN
-                 ) -> tuple[float, list[tuple[int, int, float]]]:
+def topk_margins(
+    rec: Recording, batch: int, seq_len: int, margin: float = tol.TOPK_MARGIN_MIN
+) -> tuple[float, list[tuple[int, int, float]]]:
     """Gaps between the k-th and (k+1)-th value of every recorded top-k row.
 
     Returns the smallest gap (∞ if none) and the near ties [(row, position, gap)] below ``margin``.
@@ -248,8 +286,9 @@ def _first_position(kind: str, index: int, ratio_of_call: int) -> int:
     return index * ratio_of_call + ratio_of_call - 1
 
 
-def compare(ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recording, nemo: Recording,
-            seq_len: int) -> Comparison:
+def compare(
+    ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recording, nemo: Recording, seq_len: int
+) -> Comparison:
     b = ours_logits.shape[0]
     exempt_from = [seq_len] * b
     flips: list[str] = []
@@ -276,8 +315,10 @@ def compare(ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recordin
             else:
                 untraced.append(f"top-k call {i} row {bi} position {pos}: different selection without a near tie")
     if [c.kind for c in ours.quant] != [c.kind for c in nemo.quant]:
-        untraced.append(f"quantisation call sequences differ: ours {[c.kind for c in ours.quant]} "
-                        f"vs NeMo {[c.kind for c in nemo.quant]}")
+        untraced.append(
+            f"quantisation call sequences differ: ours {[c.kind for c in ours.quant]} "
+            f"vs NeMo {[c.kind for c in nemo.quant]}"
+        )
     for i, (o, n) in enumerate(zip(ours.quant, nemo.quant)):
         if o.after.shape != n.after.shape:
             untraced.append(f"call {i} ({o.kind}): shape {tuple(o.after.shape)} vs {tuple(n.after.shape)}")
@@ -299,8 +340,10 @@ def compare(ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recordin
                 exempt_from[bi] = pos
             else:
                 d = (o.before - n.before).abs().max().item()
-                untraced.append(f"call {i} {o.kind} row {int(bi)} index {int(ri)} (position {pos}) differs "
-                                f"away from a rounding boundary (max pre-quant |Δ| {d:.3g})")
+                untraced.append(
+                    f"call {i} {o.kind} row {int(bi)} index {int(ri)} (position {pos}) differs "
+                    f"away from a rounding boundary (max pre-quant |Δ| {d:.3g})"
+                )
     positions = torch.arange(seq_len)
     exempt = torch.stack([positions >= exempt_from[bi] for bi in range(b)])  # [B, S]
     diff = (ours_logits - nemo_logits).abs().amax(-1)  # [B, S]
@@ -319,8 +362,9 @@ def compare(ours_logits: torch.Tensor, nemo_logits: torch.Tensor, ours: Recordin
     )
 
 
-def run_both(ours_model, nemo, ids: torch.Tensor, ours_kwargs: dict | None = None, nemo_kwargs: dict | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, Comparison]:
+def run_both(
+    ours_model, nemo, ids: torch.Tensor, ours_kwargs: dict | None = None, nemo_kwargs: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, Comparison]:
     """NeMo first (recorded), then ours replaying NeMo's near-boundary rounding decisions (traced flips).
     The kwargs go to each model's forward (images: ours ``image_rows``, NeMo's ``pixel_values`` …)."""
     with torch.no_grad():
@@ -338,11 +382,10 @@ def assert_matches(c: Comparison, label: str) -> None:
     assert not c.untraced, f"{label}: untraced differences (a bug): {c.untraced[:5]}"
     assert c.exempt_fraction <= tol.MAX_EXEMPT_FRACTION, (
         f"{label}: bin flips and oracle top-k near ties exempt {c.exempt_fraction:.0%} of positions "
-        f"(> {tol.MAX_EXEMPT_FRACTION:.0%}): the comparison is not meaningful, reseed. First: {c.flips[:3]}")
+        f"(> {tol.MAX_EXEMPT_FRACTION:.0%}): the comparison is not meaningful, reseed. First: {c.flips[:3]}"
+    )
     assert c.max_abs_diff <= tol.LOGITS_ATOL, f"{label}: max |Δlogits| {c.max_abs_diff:.3g} > {tol.LOGITS_ATOL}"
     assert c.argmax_changes == 0, f"{label}: {c.argmax_changes} confident argmax changes"
 
 
 # ---------------------------------------------------------------- replaying rounding decisions
-
-

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 import torch
 
-from model.deepseek_v41.quant import (_E2M1_MIDPOINTS, _MIN_NORMAL, FP4_E2M1_MAX, FP8_CACHE_BLOCK, FP8_E4M3_MAX,
-                                      ScaleFormat, _blocks, _fp4_scale, _fp8_cache_scale, _unblock)
+from model.deepseek_v41.quant import (
+    _E2M1_MIDPOINTS,
+    _MIN_NORMAL,
+    FP4_E2M1_MAX,
+    FP8_CACHE_BLOCK,
+    FP8_E4M3_MAX,
+    ScaleFormat,
+    _blocks,
+    _fp4_scale,
+    _fp8_cache_scale,
+    _unblock,
+)
 
 __all__ = ["fp4_boundary_distance", "fp8_boundary_distance"]
 
@@ -24,8 +34,9 @@ def _e4m3_midpoints(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(code > 0, (r + down) / 2, -inf), torch.where(code < 0x7E, (r + up) / 2, inf)
 
 
-def _scale_distance(amax: torch.Tensor, scale: torch.Tensor, below: torch.Tensor, above: torch.Tensor,
-                    floor: float) -> torch.Tensor:
+def _scale_distance(
+    amax: torch.Tensor, scale: torch.Tensor, below: torch.Tensor, above: torch.Tensor, floor: float
+) -> torch.Tensor:
     """|amax| to the nearest amax at which the block scale would change (in input units)."""
     lower = torch.where(below >= floor, amax - below, torch.full_like(amax, float("inf")))
     return torch.minimum(above - amax, lower)

@@ -65,29 +65,32 @@ def test_candidate_source_minus_one_means_disabled():
     assert from_hf_dict(composite(candidate_source_layer_id=-1)).candidate_source_layer_id is None
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("num_key_value_heads", 2, "num_key_value_heads"),
-    ("n_shared_experts", 2, "n_shared_experts"),
-    ("scoring_func", "softmax", "scoring_func"),
-    ("topk_method", "greedy", "topk_method"),
-    ("hidden_act", "gelu", "hidden_act"),
-    ("gate_temp", 2.0, "gate_temp"),
-    ("compress_ratios", [0, 0, 4, 4, 4, 1, 1, 1, 0], "only 0, 1 and 2"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2}, "rope_scaling"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 16, "mscale": 0.7}, "mscale"),
-    ("num_experts_per_tok", 1, "num_experts_per_tok"),
-    ("num_experts_per_tok", 9, "num_experts_per_tok"),
-    ("candidate_source_layer_id", 4, "candidate_source_layer_id"),
-    ("kv_source_layer_ids", [2, 5, 7], "no KV source may follow"),
-    ("index_source_layer_ids", [2, 4, 5, 8], "index_source_layer_ids"),
-    ("compress_ratios", [0, 0, 2, 2, 2, 2, 1, 1, 0], "ratio"),
-    ("o_groups", 3, "o_groups"),
-    ("qk_rope_head_dim", 15, "qk_rope_head_dim"),
-    ("engram_max_ngram_size", 1, "engram_max_ngram_size"),
-    ("engram_num_embeddings", [240], "engram_num_embeddings"),
-    ("hidden_size", 0, "hidden_size"),
-    ("swiglu_limit", float("inf"), "swiglu_limit"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_key_value_heads", 2, "num_key_value_heads"),
+        ("n_shared_experts", 2, "n_shared_experts"),
+        ("scoring_func", "softmax", "scoring_func"),
+        ("topk_method", "greedy", "topk_method"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("gate_temp", 2.0, "gate_temp"),
+        ("compress_ratios", [0, 0, 4, 4, 4, 1, 1, 1, 0], "only 0, 1 and 2"),
+        ("rope_scaling", {"rope_type": "linear", "factor": 2}, "rope_scaling"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 16, "mscale": 0.7}, "mscale"),
+        ("num_experts_per_tok", 1, "num_experts_per_tok"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok"),
+        ("candidate_source_layer_id", 4, "candidate_source_layer_id"),
+        ("kv_source_layer_ids", [2, 5, 7], "no KV source may follow"),
+        ("index_source_layer_ids", [2, 4, 5, 8], "index_source_layer_ids"),
+        ("compress_ratios", [0, 0, 2, 2, 2, 2, 1, 1, 0], "ratio"),
+        ("o_groups", 3, "o_groups"),
+        ("qk_rope_head_dim", 15, "qk_rope_head_dim"),
+        ("engram_max_ngram_size", 1, "engram_max_ngram_size"),
+        ("engram_num_embeddings", [240], "engram_num_embeddings"),
+        ("hidden_size", 0, "hidden_size"),
+        ("swiglu_limit", float("inf"), "swiglu_limit"),
+    ],
+)
 def test_unsupported_values_are_rejected_with_the_field_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         from_hf_dict(composite(**{field: value}))

@@ -23,7 +23,8 @@ def test_draft_tensors_come_after_every_backbone_tensor_and_leave_its_draws_alon
     text = [s.name for s in text_specs(TINY)]
     draft = [s.name for s in draft_specs(TINY)]
     assert table[: len(text)] == text and table == list(tensor_table(NO_DRAFT)) + draft + [
-        s.name for s in vision_specs(TINY)]  # the vision tower after the draft
+        s.name for s in vision_specs(TINY)
+    ]  # the vision tower after the draft
     assert draft and all(name.startswith("mtp.") for name in table[len(text) : len(text) + len(draft)])
     old, new = random_checkpoint(NO_DRAFT, 5), random_checkpoint(TINY, 5)
     assert set(old) < set(new)
@@ -34,8 +35,14 @@ def test_draft_tensors_come_after_every_backbone_tensor_and_leave_its_draws_alon
 def test_tiny_has_three_stages_and_the_named_heads():
     names = set(tensor_table(TINY))
     assert {f"mtp.{k}.attn.wkv.weight" for k in range(3)} <= names
-    assert {"mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.markov_head.embed.weight",
-            "mtp.2.markov_head.head.weight", "mtp.2.confidence_head.proj.weight"} <= names
+    assert {
+        "mtp.0.main_proj.weight",
+        "mtp.0.main_norm.weight",
+        "mtp.2.norm.weight",
+        "mtp.2.markov_head.embed.weight",
+        "mtp.2.markov_head.head.weight",
+        "mtp.2.confidence_head.proj.weight",
+    } <= names
     assert "mtp.1.main_proj.weight" not in names and "mtp.0.norm.weight" not in names
     assert tensor_table(TINY)["mtp.1.ffn.experts.7.w1.weight"].fmt == "mxfp4"
     assert "mtp.1.ffn.experts.8.w1.weight" not in names  # the draft's own expert count

@@ -12,9 +12,21 @@ from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
 pytest.importorskip("nemo_automodel")
 
 from tests.model.deepseek_v41.dspark_oracle import (  # noqa: E402
-    check_pairing, nemo_draft, nemo_taps, record_nemo_draft, run_nemo_draft, run_ours_draft)
+    check_pairing,
+    nemo_draft,
+    nemo_taps,
+    record_nemo_draft,
+    run_nemo_draft,
+    run_ours_draft,
+)
 from tests.model.deepseek_v41.oracle_harness import (  # noqa: E402
-    assert_matches, compare, nemo_model, record_nemo, record_ours, toy_tokenizer)
+    assert_matches,
+    compare,
+    nemo_model,
+    record_nemo,
+    record_ours,
+    toy_tokenizer,
+)
 
 
 @pytest.fixture(scope="module", params=DRAFT_CASES, ids=[c.name for c in DRAFT_CASES])
@@ -72,9 +84,11 @@ def test_draft_matches_nemo(built):
     stage_diffs = [float((mine.flatten(1, 2) - nemo).abs().max()) for mine, nemo in zip(blocks.streams, theirs.streams)]
     logits_diff = float((heads.logits.flatten(1, 2) - theirs.logits).abs().max())
     conf_diff = float((heads.confidence_logits.flatten(1) - theirs.confidence_logits).abs().max())
-    print(f"\n{case.name}: stages max|Δ| {[f'{d:.3g}' for d in stage_diffs]}, draft logits {logits_diff:.3g} "
-          f"(std {float(theirs.logits.std()):.3f}), confidence logits {conf_diff:.3g}, replayed flips {replayed}, "
-          f"{len(rec_nemo.quant)} roundings, min oracle top-k margin {margin:.3g}")
+    print(
+        f"\n{case.name}: stages max|Δ| {[f'{d:.3g}' for d in stage_diffs]}, draft logits {logits_diff:.3g} "
+        f"(std {float(theirs.logits.std()):.3f}), confidence logits {conf_diff:.3g}, replayed flips {replayed}, "
+        f"{len(rec_nemo.quant)} roundings, min oracle top-k margin {margin:.3g}"
+    )
     assert max(stage_diffs) <= tol.LOGITS_ATOL
     assert logits_diff <= tol.LOGITS_ATOL and conf_diff <= tol.LOGITS_ATOL
     assert float(theirs.logits.std()) > 0.1 and float(theirs.confidence_logits.std()) > 0.1  # loud, not uniform

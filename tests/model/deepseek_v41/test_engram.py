@@ -27,8 +27,9 @@ def test_tiny_and_s1_tables_are_exactly_their_primes():
 
 
 def _hasher() -> EngramHasher:
-    cfg = dataclasses.replace(TINY, vocab_size=16, engram_compressed_vocab_size=8, num_nextn_predict_layers=0,
-                              vision=None)
+    cfg = dataclasses.replace(
+        TINY, vocab_size=16, engram_compressed_vocab_size=8, num_nextn_predict_layers=0, vision=None
+    )
     token_map = torch.arange(16) % 8  # ids t and t+8 share a compressed id
     return EngramHasher(cfg, token_map, 8)
 
@@ -49,8 +50,13 @@ def test_history_pads_before_the_start_and_through_dead_tokens():
 def test_the_image_placeholder_is_dead_and_a_carried_dead_slot_blocks_older_ones():
     """With a vision tower the placeholder's compressed id is DEAD, so a cached engine's carried history
     (slots p, p−1, …; a DEAD slot inside) hashes as the full forward's history does."""
-    cfg = dataclasses.replace(TINY, vocab_size=16, engram_compressed_vocab_size=8, num_nextn_predict_layers=0,
-                              vision=dataclasses.replace(TINY.vision, image_token_id=12))
+    cfg = dataclasses.replace(
+        TINY,
+        vocab_size=16,
+        engram_compressed_vocab_size=8,
+        num_nextn_predict_layers=0,
+        vision=dataclasses.replace(TINY.vision, image_token_id=12),
+    )
     h = EngramHasher(cfg, torch.arange(16) % 8, 8)
     assert int(h.token_map[12]) == DEAD and int(h.token_map[4]) == 4
     ids = torch.tensor([[3, 12, 12, 5, 6]])

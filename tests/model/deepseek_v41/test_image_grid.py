@@ -32,8 +32,21 @@ def sizes(seed: int, num: int, max_aspect: float) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("size", [(100, 80), (640, 480), (4000, 3000), (544, 544), (1, 1), (1000, 10), (14, 14),
-                                  (1920, 1080), (1080, 1920), (10000, 10000)])
+@pytest.mark.parametrize(
+    "size",
+    [
+        (100, 80),
+        (640, 480),
+        (4000, 3000),
+        (544, 544),
+        (1, 1),
+        (1000, 10),
+        (14, 14),
+        (1920, 1080),
+        (1080, 1920),
+        (10000, 10000),
+    ],
+)
 def test_released_counts_equal_the_recipes(size):
     assert plan_image_grid(*size, FLASH).num_tokens == recipe_tokens(*size)
 
@@ -52,7 +65,9 @@ def test_plans_fit_the_budget_in_whole_patches(vcfg):
         g = plan_image_grid(w, h, vcfg)
         assert g.num_tokens <= vcfg.max_image_tokens
         assert g.width == g.patch_cols * vcfg.patch_size and g.height == g.patch_rows * vcfg.patch_size
-        assert g.rows == -(-g.patch_rows // vcfg.downsample_ratio) and g.cols == -(-g.patch_cols // vcfg.downsample_ratio)
+        assert g.rows == -(-g.patch_rows // vcfg.downsample_ratio) and g.cols == -(
+            -g.patch_cols // vcfg.downsample_ratio
+        )
         pw, ph = -(-w // vcfg.patch_size), -(-h // vcfg.patch_size)  # whole patches, rounded up
         r = vcfg.downsample_ratio
         if w * h >= vcfg.min_pixels and span_length(-(-ph // r), -(-pw // r)) <= vcfg.max_image_tokens:

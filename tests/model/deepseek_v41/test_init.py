@@ -47,8 +47,10 @@ def test_random_weights_are_loud_not_the_std_002_init():
     table = tensor_table(TINY)
     assert float(random_value(table["layers.2.hc_attn_base"], g).std()) > 0.2
     sink = table["layers.2.attn.attn_sink"]
-    assert torch.equal(random_value(sink, torch.Generator().manual_seed(3)),
-                       torch.randn(sink.shape, generator=torch.Generator().manual_seed(3)))  # unit variance
+    assert torch.equal(
+        random_value(sink, torch.Generator().manual_seed(3)),
+        torch.randn(sink.shape, generator=torch.Generator().manual_seed(3)),
+    )  # unit variance
     wq = random_value(table["layers.2.attn.wq_a.weight"], g)
     assert abs(float(wq.std()) - TINY.hidden_size**-0.5) < 0.02
     norm = random_value(table["layers.2.attn_norm.weight"], g)

@@ -59,8 +59,9 @@ def test_every_stored_tensor_is_in_the_table(small_checkpoint):
     assert all(tuple(stored[k].shape) == table[k][0] and stored[k].dtype == table[k][1] for k in table)
 
 
-@pytest.mark.parametrize("name", ["layers.3.attn.compressor.wgate.weight", "layers.1.ffn.experts.5.w2.scale",
-                                  "head.weight"])
+@pytest.mark.parametrize(
+    "name", ["layers.3.attn.compressor.wgate.weight", "layers.1.ffn.experts.5.w2.scale", "head.weight"]
+)
 def test_missing_tensor_is_named(small_checkpoint, tmp_path, name):
     path = _variant(small_checkpoint, tmp_path / "v", lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=f"missing .*{name}"):
@@ -68,8 +69,11 @@ def test_missing_tensor_is_named(small_checkpoint, tmp_path, name):
 
 
 def test_extra_tensor_is_named(small_checkpoint, tmp_path):
-    path = _variant(small_checkpoint, tmp_path / "v",
-                    lambda t: t.update({"layers.2.attn.compressor.wgate.weight": torch.zeros(64, 64)}))
+    path = _variant(
+        small_checkpoint,
+        tmp_path / "v",
+        lambda t: t.update({"layers.2.attn.compressor.wgate.weight": torch.zeros(64, 64)}),
+    )
     with pytest.raises(CheckpointError, match=r"unexpected .*layers\.2\.attn\.compressor\.wgate\.weight"):
         load_checkpoint(path)
 
@@ -77,14 +81,18 @@ def test_extra_tensor_is_named(small_checkpoint, tmp_path):
 def test_misshaped_tensor_is_named(small_checkpoint, tmp_path):
     def edit(t):
         t["layers.4.attn.wo_b.weight"] = t["layers.4.attn.wo_b.weight"][:, :16].contiguous()
+
     path = _variant(small_checkpoint, tmp_path / "v", edit)
-    with pytest.raises(CheckpointError, match=r"layers\.4\.attn\.wo_b\.weight has shape \[64, 16\], expected \[64, 32\]"):
+    with pytest.raises(
+        CheckpointError, match=r"layers\.4\.attn\.wo_b\.weight has shape \[64, 16\], expected \[64, 32\]"
+    ):
         load_checkpoint(path)
 
 
 def test_wrong_dtype_is_named(small_checkpoint, tmp_path):
     def edit(t):
         t["layers.0.ffn.experts.0.w1.weight"] = t["layers.0.ffn.experts.0.w1.weight"].view(torch.uint8)
+
     path = _variant(small_checkpoint, tmp_path / "v", edit)
     with pytest.raises(CheckpointError, match=r"layers\.0\.ffn\.experts\.0\.w1\.weight has dtype torch\.uint8"):
         load_checkpoint(path)

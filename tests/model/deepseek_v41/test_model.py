@@ -20,7 +20,8 @@ def _prefix_check(model, ids: torch.Tensor, cuts: list[int]) -> None:
         for cut in cuts:
             prefix = model(ids[:, :cut])
             assert torch.equal(prefix, full[:, :cut]), (
-                f"cut {cut}: prefix logits differ by {float((prefix - full[:, :cut]).abs().max()):.3g}")
+                f"cut {cut}: prefix logits differ by {float((prefix - full[:, :cut]).abs().max()):.3g}"
+            )
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])

@@ -61,10 +61,12 @@ def test_logits_match_nemo(oracle_cases, name, monkeypatch):
 
     monkeypatch.setattr(moe, "clamped_swiglu", spy)
     ours, nemo, comparison = run_both(built.ours, built.nemo, built.ids)
-    print(f"\n{name}: max|Δ| {comparison.max_abs_diff:.3g} (all positions {comparison.max_abs_diff_all:.3g}), "
-          f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
-          f"exempt {comparison.exempt_fraction:.1%}, "
-          f"min oracle top-k margin {comparison.min_topk_margin:.3g}, logits std {nemo.std():.3f}")
+    print(
+        f"\n{name}: max|Δ| {comparison.max_abs_diff:.3g} (all positions {comparison.max_abs_diff_all:.3g}), "
+        f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
+        f"exempt {comparison.exempt_fraction:.1%}, "
+        f"min oracle top-k margin {comparison.min_topk_margin:.3g}, logits std {nemo.std():.3f}"
+    )
     assert_matches(comparison, name)
     assert any(clamped), "the SwiGLU clamps never fired"
     assert float(nemo.std()) > 0.1, "logits are nearly constant: the random weights are too quiet"
@@ -99,8 +101,16 @@ def test_flash_tensor_table_matches_nemo_names_and_shapes():
 
     cfg = ModelConfig()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(v41_tokenizer_path())))
-    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
-                            dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+    backend = BackendConfig(
+        attn="eager",
+        linear="torch",
+        rms_norm="torch_fp32",
+        rope="torch",
+        experts="torch",
+        dispatcher="torch",
+        enable_hf_state_dict_adapter=True,
+        gate_precision="float32",
+    )
     with torch.device("meta"):
         nemo = DeepseekV41ForCausalLM(DeepseekV41Config(**to_hf_dict(cfg)), backend=backend, tokenizer=tokenizer)
     released = nemo.state_dict_adapter.to_hf(nemo.state_dict())
@@ -119,8 +129,16 @@ def test_flash_draft_table_matches_nemo_dspark_names_and_shapes():
     from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
 
     cfg = ModelConfig()
-    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
-                            dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+    backend = BackendConfig(
+        attn="eager",
+        linear="torch",
+        rms_norm="torch_fp32",
+        rope="torch",
+        experts="torch",
+        dispatcher="torch",
+        enable_hf_state_dict_adapter=True,
+        gate_precision="float32",
+    )
     with torch.device("meta"):
         text = DeepseekV41Config(**to_hf_dict(cfg)).text_config
         nemo = DeepseekV41DSparkModel(text, backend, num_anchors=1, enable_confidence_head=True)

@@ -14,7 +14,11 @@ from tests.model.deepseek_v41 import quant_boundary
 pytest.importorskip("nemo_automodel")
 
 from tests.model.deepseek_v41.oracle_harness import (  # noqa: E402
-    QuantCall, Recording, assert_matches, compare, run_both,
+    QuantCall,
+    Recording,
+    assert_matches,
+    compare,
+    run_both,
 )
 
 
@@ -55,8 +59,13 @@ def test_flip_at_a_rounding_boundary_is_traced_and_exempts_downstream():
     nemo[0, 6, 5] = boundary + 1e-7
     assert float(quant_boundary.fp8_boundary_distance(ours)[0, 6, 5]) <= tol.FLIP_BOUNDARY_TOL
     logits = torch.zeros(1, seq, 5)
-    c = compare(logits, logits + 0.5 * (torch.arange(seq) >= 6).view(1, seq, 1),
-                Recording(quant=[_fp8_call(ours)]), Recording(quant=[_fp8_call(nemo)]), seq)
+    c = compare(
+        logits,
+        logits + 0.5 * (torch.arange(seq) >= 6).view(1, seq, 1),
+        Recording(quant=[_fp8_call(ours)]),
+        Recording(quant=[_fp8_call(nemo)]),
+        seq,
+    )
     assert c.untraced == [] and len(c.flips) == 1
     assert c.exempt[0].tolist() == [False] * 6 + [True] * 4
     assert c.max_abs_diff == 0.0

@@ -63,13 +63,14 @@ def test_logits_with_an_image_match_nemo(oracle_cases, name):
         rows = torch.cat(built.ours.encoder(patches, case.grids))
     nemo_kwargs = dict(pixel_values=patches, image_grid_hws=torch.tensor(case.grids), vision_token_types=kinds)
     ours, nemo, comparison = run_both(built.ours, built.nemo, built.ids, {"image_rows": rows}, nemo_kwargs)
-    text_only, _, _ = run_both(built.ours, built.nemo, built.ids, {"image_rows": torch.zeros_like(rows)},
-                               nemo_kwargs)
-    print(f"\n{name}: max|Δ| {comparison.max_abs_diff:.3g} (all positions {comparison.max_abs_diff_all:.3g}), "
-          f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
-          f"exempt {comparison.exempt_fraction:.1%}, logits std {nemo.std():.3f}")
+    text_only, _, _ = run_both(built.ours, built.nemo, built.ids, {"image_rows": torch.zeros_like(rows)}, nemo_kwargs)
+    print(
+        f"\n{name}: max|Δ| {comparison.max_abs_diff:.3g} (all positions {comparison.max_abs_diff_all:.3g}), "
+        f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
+        f"exempt {comparison.exempt_fraction:.1%}, logits std {nemo.std():.3f}"
+    )
     assert_matches(comparison, name)
-    assert float((text_only - ours)[:, case.image_at:].abs().max()) > 1e-2, "the image does not move the logits"
+    assert float((text_only - ours)[:, case.image_at :].abs().max()) > 1e-2, "the image does not move the logits"
 
 
 def test_flash_vision_tensors_match_nemo_names_and_shapes():
@@ -88,12 +89,23 @@ def test_flash_vision_tensors_match_nemo_names_and_shapes():
 
     cfg = first_layers(dataclasses.replace(ModelConfig(), vision=VisionConfig()), 1)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(v41_tokenizer_path())))
-    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", experts="torch",
-                            dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision="float32")
+    backend = BackendConfig(
+        attn="eager",
+        linear="torch",
+        rms_norm="torch_fp32",
+        rope="torch",
+        experts="torch",
+        dispatcher="torch",
+        enable_hf_state_dict_adapter=True,
+        gate_precision="float32",
+    )
     with torch.device("meta"):
         nemo = DeepseekV41ForCausalLM(DeepseekV41Config(**to_hf_dict(cfg)), backend=backend, tokenizer=tokenizer)
-    released = {k: v for k, v in nemo.state_dict_adapter.to_hf(nemo.state_dict()).items()
-                if k.startswith(("vision.", "aligner.", "image_"))}
+    released = {
+        k: v
+        for k, v in nemo.state_dict_adapter.to_hf(nemo.state_dict()).items()
+        if k.startswith(("vision.", "aligner.", "image_"))
+    }
     specs = {s.name: s for s in vision_specs(cfg)}
     assert len(specs) == 2 + 32 * 8 + 1 + 4 + 3 and set(released) == set(specs)
     assert all(tuple(released[name].shape) == spec.shape for name, spec in specs.items())

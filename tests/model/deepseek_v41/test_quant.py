@@ -27,7 +27,22 @@ def test_e2m1_rounding_table_ties_to_even_and_saturation():
     expected = [0, 0, 0, 1, 2, 2, 4, 4, 6, 6, 7, 7, 7, 8, 9, 15]
     assert Q.encode_e2m1(x).tolist() == expected
     assert Q.decode_e2m1(torch.arange(16, dtype=torch.uint8)).tolist() == [
-        0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6
+        0,
+        0.5,
+        1,
+        1.5,
+        2,
+        3,
+        4,
+        6,
+        -0.0,
+        -0.5,
+        -1,
+        -1.5,
+        -2,
+        -3,
+        -4,
+        -6,
     ]
 
 
@@ -150,8 +165,14 @@ def test_weight_format_and_scale_key_follow_released_names():
     assert Q.weight_format("layers.3.engram.wkv.weight") == "fp8_block"
     assert Q.weight_format("layers.3.ffn.experts.17.w3.weight") == "mxfp4"
     assert Q.weight_format("layers.1.engram.embed.weight") == "fp8_rowwise"
-    for key in ("layers.3.attn.compressor.wkv.weight", "layers.3.attn.indexer.wk.weight", "embed.weight",
-                "head.weight", "layers.3.ffn.gate.weight", "layers.3.attn.q_norm.weight"):
+    for key in (
+        "layers.3.attn.compressor.wkv.weight",
+        "layers.3.attn.indexer.wk.weight",
+        "embed.weight",
+        "head.weight",
+        "layers.3.ffn.gate.weight",
+        "layers.3.attn.q_norm.weight",
+    ):
         assert Q.weight_format(key) is None, key
     assert Q.scale_key("layers.1.engram.embed.weight") == "layers.1.engram.embed.scale"
     out = Q.quantize_weight("layers.0.ffn.experts.0.w1.weight", torch.ones(4, 64))
@@ -175,8 +196,11 @@ def test_nemo_dequantises_our_file_to_identical_fp32(tmp_path):
     loaded = read_checkpoint(tmp_path)
     for key, w in weights.items():
         fmt = Q.weight_format(key)
-        ours[key] = loaded[key] if fmt is None else Q.dequantize_weight(
-            loaded[key], loaded[Q.scale_key(key)], rowwise=fmt == "fp8_rowwise")
+        ours[key] = (
+            loaded[key]
+            if fmt is None
+            else Q.dequantize_weight(loaded[key], loaded[Q.scale_key(key)], rowwise=fmt == "fp8_rowwise")
+        )
     # NeMo's own adapter routine, on the tensors as read from disk (its key-based routing included).
     theirs = sda.DeepseekV41StateDictAdapter._dequantize(SimpleNamespace(dtype=torch.float32), dict(loaded))
     assert set(theirs) == set(weights)
@@ -220,14 +244,20 @@ def test_scale_steps_match_nemo_at_their_boundaries():
     nemo_q = pytest.importorskip("nemo_automodel.components.models.deepseek_v41.quantization")
     e4m3 = torch.arange(1, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     pow2 = 2.0 ** torch.arange(-20, 4.0)
-    for fmt, block, steps in (("nvfp4", 16, 6 * (e4m3[:-1] + e4m3[1:]) / 2), ("mxfp4", 32, 6 * pow2),
-                              ("fp8", 32, 448 * pow2)):
+    for fmt, block, steps in (
+        ("nvfp4", 16, 6 * (e4m3[:-1] + e4m3[1:]) / 2),
+        ("mxfp4", 32, 6 * pow2),
+        ("fp8", 32, 448 * pow2),
+    ):
         amax = torch.cat([steps, torch.nextafter(steps, steps * 2), torch.nextafter(steps, steps / 2)])
         g = torch.Generator().manual_seed(block)
         x = torch.rand(amax.numel(), block, generator=g) * amax[:, None] * 0.9
         x[:, 3] = -amax
-        ours = {"nvfp4": Q.fake_quant_compressed_kv, "mxfp4": Q.fake_quant_indexer,
-                "fp8": lambda t: Q.fake_quant_fp8_e4m3(t, 32)}[fmt](x)
+        ours = {
+            "nvfp4": Q.fake_quant_compressed_kv,
+            "mxfp4": Q.fake_quant_indexer,
+            "fp8": lambda t: Q.fake_quant_fp8_e4m3(t, 32),
+        }[fmt](x)
         assert torch.equal(ours, nemo_q.quantize_cache(x, format=fmt, block_size=block)), fmt
 
 
@@ -254,5 +284,4 @@ def test_cache_byte_layouts_and_sizes():
     win = _rand(4, 512, seed=11)
     q, scale = Q.quantize_fp8_cache(win)
     assert q.shape == (4, 512) and scale.shape == (4, 16)
-    assert torch.equal(Q.dequantize_fp8_cache(q.view(torch.uint8), scale.view(torch.uint8)),
-                       Q.fake_quant_fp8_e4m3(win))
+    assert torch.equal(Q.dequantize_fp8_cache(q.view(torch.uint8), scale.view(torch.uint8)), Q.fake_quant_fp8_e4m3(win))

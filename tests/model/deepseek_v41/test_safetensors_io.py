@@ -80,12 +80,12 @@ def test_corrupt_header_bytes(tmp_path):
     [path] = io.write_checkpoint(_tensors(), tmp_path)
     data = bytearray(path.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
-    header = data[8:8 + header_len].decode()
+    header = data[8 : 8 + header_len].decode()
     for i, (old, new) in enumerate([('"dtype"', '"dtypx"'), ('{"', '["'), ('"shape":[8,16]', '"shape":[8,17]')]):
         assert old in header
         broken = header.replace(old, new, 1).encode()
         bad = tmp_path / f"bad{i}.safetensors"
-        bad.write_bytes(bytes(data[:8]) + broken + bytes(data[8 + header_len:]))
+        bad.write_bytes(bytes(data[:8]) + broken + bytes(data[8 + header_len :]))
         with pytest.raises(CheckpointError, match="corrupt header") as info:
             io.read_safetensors(bad)
         assert str(bad) in str(info.value)

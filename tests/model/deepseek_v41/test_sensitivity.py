@@ -26,6 +26,7 @@ from tests.model.deepseek_v41.oracle_harness import assert_matches, nemo_model, 
 def _config_edit(**text_fields):
     def edit(config: dict, tensors: dict[str, torch.Tensor]) -> None:
         config["text_config"].update(text_fields)
+
     return edit
 
 
@@ -35,6 +36,7 @@ def _tensor_edit(pattern: str, value: float):
         assert hits, f"no tensor matches {pattern!r}"
         for k in hits:
             tensors[k] = torch.full_like(tensors[k].float(), value).to(tensors[k].dtype)
+
     return edit
 
 
@@ -75,8 +77,10 @@ def test_switching_off_moves_logits_and_still_matches(oracle_cases, tmp_path, me
         baseline = built.ours(built.ids)
     logits, _, comparison = run_both(ours, nemo, built.ids)
     moved = float((logits - baseline).abs().max())
-    print(f"\n{mechanism}: logits moved {moved:.3g}; vs NeMo max|Δ| {comparison.max_abs_diff:.3g}, "
-          f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
-          f"exempt {comparison.exempt_fraction:.1%}")
+    print(
+        f"\n{mechanism}: logits moved {moved:.3g}; vs NeMo max|Δ| {comparison.max_abs_diff:.3g}, "
+        f"replayed flips {comparison.replayed}, other flips/near ties {len(comparison.flips)}, "
+        f"exempt {comparison.exempt_fraction:.1%}"
+    )
     assert moved >= tol.SENSITIVITY_MIN_MOVE, f"switching off {mechanism} did not move the logits ({moved:.3g})"
     assert_matches(comparison, f"{case_name} without {mechanism}")

@@ -25,8 +25,33 @@ def v41(cache_dir):
 def toy_tokenizer(vocab_size: int = 256) -> Tokenizer:
     """The oracle script's toy WordLevel vocabulary (reference/oracle/run_oracle.py build_tokenizer)."""
     specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
-    words = ["the", "The", "THE", " the", "cat", "Cat", "café", "cafe", "sat", " sat", "on", "On",
-             "mat", "Mat", " ", "  ", "\n", "\t", "a", "A", "dog", "naïve", "naive", "Ｈello", "hello"]
+    words = [
+        "the",
+        "The",
+        "THE",
+        " the",
+        "cat",
+        "Cat",
+        "café",
+        "cafe",
+        "sat",
+        " sat",
+        "on",
+        "On",
+        "mat",
+        "Mat",
+        " ",
+        "  ",
+        "\n",
+        "\t",
+        "a",
+        "A",
+        "dog",
+        "naïve",
+        "naive",
+        "Ｈello",
+        "hello",
+    ]
     vocab: dict[str, int] = {}
     for tok in specials + words:
         vocab.setdefault(tok, len(vocab))
@@ -44,7 +69,11 @@ def test_v41_vocabulary_and_system_token(v41):
     assert v41.id_to_token(128799) == "<｜System｜>"
     assert v41.token_to_id(T.V4_PLACEHOLDER_799) is None
     assert [v41.token_to_id(t) for t in ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜image｜>")] == [
-        128803, 128804, 128821, 128822, 129279
+        128803,
+        128804,
+        128821,
+        128822,
+        129279,
     ]
     assert v41.encode("<｜System｜>", add_special_tokens=False).ids == [128799]
 
@@ -75,17 +104,23 @@ def test_patch_rejects_an_unexpected_vocabulary():
 
 def test_deepseek_recipe_encodes_with_the_patched_file(cache_dir):
     recipe = pytest.importorskip("deepseek_recipe")
-    body = {"model": "DeepSeek-V4.1-Flash",
-            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]}
+    body = {
+        "model": "DeepSeek-V4.1-Flash",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+    }
     conversation = recipe.ChatCompletionRequest(json.dumps(body)).convert(recipe.ConversionOptions()).conversation
-    ids = recipe.DeepseekV41Encoding().with_tokenizer(
-        recipe.Tokenizer.from_file(str(T.v41_tokenizer_path()))).encode(conversation)
+    ids = (
+        recipe.DeepseekV41Encoding()
+        .with_tokenizer(recipe.Tokenizer.from_file(str(T.v41_tokenizer_path())))
+        .encode(conversation)
+    )
     assert ids[:2] == [0, 128799]
     assert ids[-4:] == [128803, 19923, 128804, 128821]
     # The unpatched V4 vocabulary cannot render V4.1 prompts: the patch is what makes this work.
     with pytest.raises(Exception, match="System"):
-        recipe.DeepseekV41Encoding().with_tokenizer(
-            recipe.Tokenizer.from_file(str(T.v4_tokenizer_json_path()))).encode(conversation)
+        recipe.DeepseekV41Encoding().with_tokenizer(recipe.Tokenizer.from_file(str(T.v4_tokenizer_json_path()))).encode(
+            conversation
+        )
 
 
 def test_engram_map_of_the_v41_vocabulary(v41):
@@ -105,8 +140,13 @@ def test_engram_map_rule_on_the_toy_tokenizer():
     token_map, num_compressed = T.engram_token_map(tok)
     assert num_compressed == 242  # spec §5.3: 256 ids → 242
     ids = tok.get_vocab()
-    same = [("the", "The", "THE", " the"), ("café", "cafe"), ("naïve", "naive"), ("Ｈello", "hello"),
-            (" ", "  ", "\n", "\t")]
+    same = [
+        ("the", "The", "THE", " the"),
+        ("café", "cafe"),
+        ("naïve", "naive"),
+        ("Ｈello", "hello"),
+        (" ", "  ", "\n", "\t"),
+    ]
     for group in same:
         assert len({int(token_map[ids[t]]) for t in group}) == 1, group
     assert token_map[ids["cat"]] != token_map[ids["sat"]]
@@ -118,8 +158,12 @@ def test_engram_map_equals_nemo(which, cache_dir):
     from transformers import PreTrainedTokenizerFast
 
     if which == "toy":
-        fast = PreTrainedTokenizerFast(tokenizer_object=toy_tokenizer(), bos_token="<｜begin▁of▁sentence｜>",
-                                       eos_token="<｜end▁of▁sentence｜>", pad_token="<｜▁pad▁｜>")
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=toy_tokenizer(),
+            bos_token="<｜begin▁of▁sentence｜>",
+            eos_token="<｜end▁of▁sentence｜>",
+            pad_token="<｜▁pad▁｜>",
+        )
     else:
         fast = PreTrainedTokenizerFast(tokenizer_file=str(T.v41_tokenizer_path()))
     theirs, num_theirs = engram._compressed_token_map(fast)

@@ -37,8 +37,18 @@ def prompt(span: int) -> torch.Tensor:
 
 
 def test_span_layout_is_start_rows_with_newlines_end():
-    assert span_kinds(2, 3) == [IMAGE_START, IMAGE, IMAGE, IMAGE, IMAGE_NEWLINE, IMAGE, IMAGE, IMAGE, IMAGE_NEWLINE,
-                                IMAGE_END]
+    assert span_kinds(2, 3) == [
+        IMAGE_START,
+        IMAGE,
+        IMAGE,
+        IMAGE,
+        IMAGE_NEWLINE,
+        IMAGE,
+        IMAGE,
+        IMAGE,
+        IMAGE_NEWLINE,
+        IMAGE_END,
+    ]
     assert span_length(2, 3) == 10 == len(span_kinds(2, 3))
 
 
@@ -55,7 +65,7 @@ def test_tiny_vision_tensors_come_after_every_text_tensor_and_change_none():
     names = list(tensor_table(TINY))
     text = list(tensor_table(TEXT_ONLY))
     assert names[: len(text)] == text
-    assert all(n.startswith(("vision.", "aligner.", "image_")) for n in names[len(text):])
+    assert all(n.startswith(("vision.", "aligner.", "image_")) for n in names[len(text) :])
     with_vision, without = random_checkpoint(TINY, 3), random_checkpoint(TEXT_ONLY, 3)
     assert set(without) < set(with_vision)
     for name, value in without.items():
@@ -64,8 +74,9 @@ def test_tiny_vision_tensors_come_after_every_text_tensor_and_change_none():
 
 def test_text_logits_do_not_change_with_the_tower(tiny_model):
     text_only = DeepseekV41(TEXT_ONLY, tiny_model.model.hasher.token_map, TINY.engram_compressed_vocab_size)
-    tensors = {k: v for k, v in random_checkpoint(TINY, 5).items() if not k.startswith(("vision.", "aligner.",
-                                                                                        "image_"))}
+    tensors = {
+        k: v for k, v in random_checkpoint(TINY, 5).items() if not k.startswith(("vision.", "aligner.", "image_"))
+    }
     assign_weights(text_only, tensors)
     ids = torch.randint(3, 128000, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -138,7 +149,9 @@ def test_bias_vl_moves_image_prompts_only(tiny_model):
         saved = [block.ffn.bias_vl.clone() for block in model.layers]
         try:
             for block in model.layers:
-                block.ffn.bias_vl.copy_(torch.randn(block.ffn.bias_vl.shape, generator=torch.Generator().manual_seed(3)))
+                block.ffn.bias_vl.copy_(
+                    torch.randn(block.ffn.bias_vl.shape, generator=torch.Generator().manual_seed(3))
+                )
             after_image, after_text = model(prompt(10), image_rows=span), model(text)
         finally:
             for block, bias in zip(model.layers, saved):
@@ -163,7 +176,7 @@ def test_an_image_alone_equals_it_in_a_batch_of_8(tiny_model):
         with batch_invariant():
             batch = encoder(patches, GRIDS)
             first = encoder(patches[: GRIDS[0][0] * GRIDS[0][1]], [GRIDS[0]])[0]
-            last = encoder(patches[-GRIDS[-1][0] * GRIDS[-1][1]:], [GRIDS[-1]])[0]
+            last = encoder(patches[-GRIDS[-1][0] * GRIDS[-1][1] :], [GRIDS[-1]])[0]
     assert torch.equal(first, batch[0]) and torch.equal(last, batch[-1])
 
 

@@ -24,24 +24,41 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     llm = LLM(model="tiny", block_size=16, max_num_batched_tokens=32, max_num_seqs=4, batch_invariant=True)
     prompts = [_prompt(k, 9 + 13 * k) for k in range(4)]
-    params = [SamplingParams(max_tokens=6, temperature=1.0, top_p=0.7, logprobs=5, seed=k, ignore_eos=True)
-              for k in range(4)]
+    params = [
+        SamplingParams(max_tokens=6, temperature=1.0, top_p=0.7, logprobs=5, seed=k, ignore_eos=True) for k in range(4)
+    ]
     batch = llm.generate(prompts, params)
     alone_equal = []
     for prompt, together in zip(prompts, batch):
-        forced = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.7, logprobs=5, ignore_eos=True,
-                                forced_token_ids=tuple(together.token_ids))
+        forced = SamplingParams(
+            max_tokens=6,
+            temperature=1.0,
+            top_p=0.7,
+            logprobs=5,
+            ignore_eos=True,
+            forced_token_ids=tuple(together.token_ids),
+        )
         alone = llm.generate(prompt, forced)[0]
-        alone_equal.append((alone.token_ids, alone.logprobs, alone.top_logprobs)
-                           == (together.token_ids, together.logprobs, together.top_logprobs))
+        alone_equal.append(
+            (alone.token_ids, alone.logprobs, alone.top_logprobs)
+            == (together.token_ids, together.logprobs, together.top_logprobs)
+        )
     ids = torch.tensor([prompts[3]])
     from model.batch_invariant import batch_invariant
 
     with torch.no_grad(), batch_invariant():
         full = llm.source.model(ids)
         prefix = llm.source.model(ids[:, :17])
-    print(json.dumps({"threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
-                      "alone_equal": alone_equal, "prefix_equal": bool(torch.equal(prefix, full[:, :17]))}))
+    print(
+        json.dumps(
+            {
+                "threads": torch.get_num_threads(),
+                "capability": torch.backends.cpu.get_cpu_capability(),
+                "alone_equal": alone_equal,
+                "prefix_equal": bool(torch.equal(prefix, full[:, :17])),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def _run(engine: Engine, requests, abort_after: dict[str, int]) -> dict[str, tup
     s = engine.stats()
     assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots
     assert s.num_waiting == s.num_running == 0
-    return {request_id: (out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason)
-            for request_id, out in done.items()}
+    return {
+        request_id: (out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason)
+        for request_id, out in done.items()
+    }
 
 
 def _mixed(tag: str, sampling: dict, stop: int | None):
@@ -61,14 +63,21 @@ def _mixed(tag: str, sampling: dict, stop: int | None):
     max_tokens = [6, 3, 9, 12, 5, 10]
     requests = []
     for k, (n, m) in enumerate(zip(lengths, max_tokens)):
-        params = SamplingParams(max_tokens=m, ignore_eos=True, seed=100 + k, logprobs=2 if k % 2 else None,
-                                stop_token_ids=(stop,) if (k == 3 and stop is not None) else (), **sampling)
+        params = SamplingParams(
+            max_tokens=m,
+            ignore_eos=True,
+            seed=100 + k,
+            logprobs=2 if k % 2 else None,
+            stop_token_ids=(stop,) if (k == 3 and stop is not None) else (),
+            **sampling,
+        )
         requests.append((f"{tag}{k}", _prompt(k, n), params))
     return requests
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=50)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=50)], ids=["greedy", "seeded"]
+)
 def test_async_on_and_off_give_identical_tokens_and_logprobs(llm, sampling):
     # Request 3 runs to 12 tokens once, then its 4th token becomes its stop token: it ends early.
     probe = _run(_use(llm, False), _mixed("p", sampling, None)[3:4], {})
@@ -77,8 +86,9 @@ def test_async_on_and_off_give_identical_tokens_and_logprobs(llm, sampling):
     results = {}
     for flag in (False, True):
         tag = "a" if flag else "s"
-        results[flag] = _run(_use(llm, flag), _mixed(tag, sampling, stop),
-                             {k.format(tag): v for k, v in abort_after.items()})
+        results[flag] = _run(
+            _use(llm, flag), _mixed(tag, sampling, stop), {k.format(tag): v for k, v in abort_after.items()}
+        )
     sync, asyn = results[False], results[True]
     for k in range(6):
         (tokens, lps, tops, reason), (a_tokens, a_lps, a_tops, a_reason) = sync[f"s{k}"], asyn[f"a{k}"]
@@ -123,7 +133,8 @@ def test_async_plans_the_next_decode_step_before_updating_the_one_in_flight(llm)
         engine.scheduler = real
         _use(llm, False)
     overlapped = [
-        (a[1], b[1]) for a, b in zip(calls, calls[1:])
+        (a[1], b[1])
+        for a, b in zip(calls, calls[1:])
         if a[0] == "schedule" and b[0] == "update" and a[1] > b[1] and b[2] == "decode"
     ]
     assert overlapped, calls  # schedule(N+1) came before update(N) for decode steps
@@ -191,6 +202,7 @@ def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
         events.append(("executed", plan.step_id))
         read = out._read
         if read is not None:
+
             def traced(step_id=plan.step_id, read=read):
                 events.append(("read", step_id))
                 return read()
@@ -201,8 +213,14 @@ def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
 
     engine.worker.execute = recording
     try:
-        _run(engine, [("a", _prompt(1, 12), SamplingParams(max_tokens=8, ignore_eos=True)),
-                      ("b", _prompt(2, 30), SamplingParams(max_tokens=6, ignore_eos=True, seed=3))], {})
+        _run(
+            engine,
+            [
+                ("a", _prompt(1, 12), SamplingParams(max_tokens=8, ignore_eos=True)),
+                ("b", _prompt(2, 30), SamplingParams(max_tokens=6, ignore_eos=True, seed=3)),
+            ],
+            {},
+        )
     finally:
         del engine.worker.execute
         _use(llm, False)
@@ -241,8 +259,12 @@ def test_no_host_read_of_a_step_after_the_next_is_queued(llm):
     class Reads(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
-            if name in HOST_READS and args and isinstance(args[0], torch.Tensor) \
-                    and args[0].untyped_storage().data_ptr() in marked:
+            if (
+                name in HOST_READS
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage().data_ptr() in marked
+            ):
                 late_reads.append(name)
             return func(*args, **(kwargs or {}))
 
@@ -253,8 +275,9 @@ def test_no_host_read_of_a_step_after_the_next_is_queued(llm):
         current.clear()
         out = execute(plan, rows, previous)
         s = out.sampled
-        tensors = [out.last_token_ids, out.expert_counts] + ([] if s is None else [
-            s.token_ids, s.logprobs, s.top_token_ids, s.top_logprobs, s.errors])
+        tensors = [out.last_token_ids, out.expert_counts] + (
+            [] if s is None else [s.token_ids, s.logprobs, s.top_token_ids, s.top_logprobs, s.errors]
+        )
         current.extend(t for t in tensors if t is not None)
         held.extend(current)
         return out
@@ -262,8 +285,14 @@ def test_no_host_read_of_a_step_after_the_next_is_queued(llm):
     engine.worker.execute = recording
     try:
         with Reads():
-            out = _run(engine, [("r1", _prompt(1, 12), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)),
-                                ("r2", _prompt(2, 30), SamplingParams(max_tokens=6, ignore_eos=True, seed=3))], {})
+            out = _run(
+                engine,
+                [
+                    ("r1", _prompt(1, 12), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)),
+                    ("r2", _prompt(2, 30), SamplingParams(max_tokens=6, ignore_eos=True, seed=3)),
+                ],
+                {},
+            )
     finally:
         del engine.worker.execute
         _use(llm, False)
@@ -281,8 +310,10 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
     engine = llm.engine
     assert engine.config.async_scheduling and engine.config.cuda_graphs
     prompts = [_prompt(i, 20) for i in range(8)]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, temperature=0.8, logprobs=2 if i % 2 else None)
-              for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, seed=i, temperature=0.8, logprobs=2 if i % 2 else None)
+        for i in range(8)
+    ]
     first = llm.generate(prompts, params)  # every kernel compiled and tuned before the mode is set
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"g{i}", prompt, p)
@@ -290,8 +321,12 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
     # prompts still wait, and prefill steps run eager (and read the device).
     for _ in range(len(prompts) + 2):
         plan = engine.last_plan
-        if plan is not None and not plan.is_prefill and plan.graph_size is not None \
-                and plan.num_requests == len(prompts):
+        if (
+            plan is not None
+            and not plan.is_prefill
+            and plan.graph_size is not None
+            and plan.num_requests == len(prompts)
+        ):
             break
         engine.step()
     else:
@@ -304,11 +339,14 @@ def test_on_cuda_async_decode_steps_never_synchronise_the_stream():
         while engine.has_unfinished():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
     except RuntimeError as err:  # name the step, so a failure says which path synchronised
-        raise AssertionError(f"a step synchronised; the last plan {engine.last_plan}, "
-                             f"{graphs.num_eager - num_eager} eager steps since the mode was set") from err
+        raise AssertionError(
+            f"a step synchronised; the last plan {engine.last_plan}, "
+            f"{graphs.num_eager - num_eager} eager steps since the mode was set"
+        ) from err
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert [(done[f"g{i}"].token_ids, done[f"g{i}"].logprobs) for i in range(8)] == \
-        [(o.token_ids, o.logprobs) for o in first]  # the same seeds give the same tokens
+    assert [(done[f"g{i}"].token_ids, done[f"g{i}"].logprobs) for i in range(8)] == [
+        (o.token_ids, o.logprobs) for o in first
+    ]  # the same seeds give the same tokens
     s = engine.stats()
     assert s.free_blocks == s.total_blocks and s.free_state_slots == s.total_state_slots

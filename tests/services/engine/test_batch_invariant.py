@@ -29,19 +29,27 @@ def _answer(out) -> tuple:
 @pytest.fixture(scope="module")
 def llm():
     # A 48-token prefill budget splits the longer prompts across steps, and mixes prompts in one step.
-    return LLM(model="tiny", block_size=16, max_num_batched_tokens=48, max_num_seqs=NUM_PROMPTS,
-               batch_invariant=True)
+    return LLM(model="tiny", block_size=16, max_num_batched_tokens=48, max_num_seqs=NUM_PROMPTS, batch_invariant=True)
 
 
 def test_a_batch_and_each_prompt_alone_forced_to_its_tokens_are_equal(llm):
     prompts = [_prompt(k, 5 + 7 * k) for k in range(NUM_PROMPTS)]  # 5 … 110 tokens
-    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k,
-                             ignore_eos=True) for k in range(NUM_PROMPTS)]
+    params = [
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k, ignore_eos=True)
+        for k in range(NUM_PROMPTS)
+    ]
     batch = llm.generate(prompts, params)
     for k, (prompt, p, together) in enumerate(zip(prompts, params, batch)):
         assert len(together.token_ids) == NUM_TOKENS
-        forced = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5,
-                                seed=7 + k, ignore_eos=True, forced_token_ids=tuple(together.token_ids))
+        forced = SamplingParams(
+            max_tokens=NUM_TOKENS,
+            temperature=1.0,
+            top_p=0.7,
+            logprobs=5,
+            seed=7 + k,
+            ignore_eos=True,
+            forced_token_ids=tuple(together.token_ids),
+        )
         alone = llm.generate(prompt, forced)[0]
         assert _answer(alone) == _answer(together), f"prompt {k} differs alone"
     s = llm.stats()
@@ -88,8 +96,9 @@ def test_forced_tokens_are_output_with_their_processed_logprobs(llm):
     prompt = _prompt(3, 20)
     free = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
     forced_ids = (free.top_logprobs[0][2][0], free.token_ids[1], 17)  # the 3rd-ranked token first
-    out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True,
-                                              forced_token_ids=forced_ids))[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True, forced_token_ids=forced_ids)
+    )[0]
     assert tuple(out.token_ids[:3]) == forced_ids
     assert out.logprobs[0] == free.top_logprobs[0][2][1]  # its logprob where it ranked 3rd
     assert out.top_logprobs[0] == free.top_logprobs[0]
@@ -112,13 +121,23 @@ def test_the_mode_holds_under_other_thread_counts_and_cpu_capabilities(threads, 
 
     # The CPU's own capability, read without ATEN_CPU_CAPABILITY (this process's may be capped by it).
     native = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    cpu = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                         env=native, capture_output=True, text=True, timeout=120).stdout.strip()
+    cpu = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        env=native,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
     if capability == "avx2" and cpu not in ("AVX2", "AVX512"):
         pytest.skip(f"this CPU has no AVX2 ({cpu})")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ATEN_CPU_CAPABILITY": capability}
-    done = subprocess.run([sys.executable, "-m", "tests.services.engine.batch_invariant_probe"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.services.engine.batch_invariant_probe"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["capability"] == capability.upper()
@@ -138,16 +157,34 @@ def test_gpu_batch_and_each_prompt_alone_are_equal_with_graphs_eager_and_async_o
     forced to its tokens) with CUDA graphs and async scheduling on (the CUDA defaults), and the same
     batch with graphs off (eager decode steps) and with async scheduling off: all ``==``."""
     prompts = [_prompt(k, 5 + 7 * k) for k in range(NUM_PROMPTS)]
-    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k,
-                             ignore_eos=True) for k in range(NUM_PROMPTS)]
-    args = dict(model="tiny", device="cuda", block_size=16, max_num_batched_tokens=48, max_num_seqs=NUM_PROMPTS,
-                num_blocks=256, num_state_slots=NUM_PROMPTS + 1, max_model_len=256, batch_invariant=True)
+    params = [
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=1000 + k, ignore_eos=True)
+        for k in range(NUM_PROMPTS)
+    ]
+    args = dict(
+        model="tiny",
+        device="cuda",
+        block_size=16,
+        max_num_batched_tokens=48,
+        max_num_seqs=NUM_PROMPTS,
+        num_blocks=256,
+        num_state_slots=NUM_PROMPTS + 1,
+        max_model_len=256,
+        batch_invariant=True,
+    )
     llm = LLM(**args)
     assert llm.config.kernel_backend == "fp8" and llm.config.cuda_graphs and llm.config.async_scheduling
     batch = llm.generate(prompts, params)
     for k, (prompt, together) in enumerate(zip(prompts, batch)):
-        forced = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.7, logprobs=5, seed=7 + k,
-                                ignore_eos=True, forced_token_ids=tuple(together.token_ids))
+        forced = SamplingParams(
+            max_tokens=NUM_TOKENS,
+            temperature=1.0,
+            top_p=0.7,
+            logprobs=5,
+            seed=7 + k,
+            ignore_eos=True,
+            forced_token_ids=tuple(together.token_ids),
+        )
         assert _answer(llm.generate(prompt, forced)[0]) == _answer(together), f"prompt {k} differs alone"
     resolved = {f: getattr(llm.config, f) for f in llm.config.__dataclass_fields__}  # the CUDA defaults
     for switch in ({"enforce_eager": True, "cuda_graphs": False}, {"async_scheduling": False}):

@@ -13,14 +13,24 @@ def test_default_blocks_admit_a_full_batch_of_full_length_prompts(num_seqs, max_
     together: the scheduler admits a new prompt only while ≤ 90% of the blocks are held, so the pool
     needs that headroom (the step bench ran 60 of 64 without it)."""
     config = EngineConfig(max_num_seqs=num_seqs, max_model_len=max_model_len, block_size=block_size)
-    sched = Scheduler(SchedulerConfig(
-        block_size=block_size, num_blocks=config.resolved_num_blocks(),
-        num_state_slots=config.resolved_num_state_slots(), max_num_seqs=num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, window_size=128,
-        compress_ratios=[1], preemption_mode=PreemptionMode.STOP, vocab_size=1000))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=block_size,
+            num_blocks=config.resolved_num_blocks(),
+            num_state_slots=config.resolved_num_state_slots(),
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            window_size=128,
+            compress_ratios=[1],
+            preemption_mode=PreemptionMode.STOP,
+            vocab_size=1000,
+        )
+    )
     for i in range(num_seqs):
-        sched.add_request(f"r{i}", [5] * (max_model_len - 21), max_tokens=8, eos_token_id=1, ignore_eos=True,
-                          stop_token_ids=[])
+        sched.add_request(
+            f"r{i}", [5] * (max_model_len - 21), max_tokens=8, eos_token_id=1, ignore_eos=True, stop_token_ids=[]
+        )
     for _ in range(10 * num_seqs * max_model_len // config.max_num_batched_tokens + 10):
         plan = sched.schedule()
         if not plan.is_prefill:
@@ -38,16 +48,28 @@ def test_the_scheduler_takes_every_size_from_engine_config():
 
     llm = LLM("tiny", block_size=16, max_num_seqs=3, max_num_batched_tokens=48, max_model_len=96)
     got, config = llm.engine.scheduler.config, llm.config
-    assert (got.block_size, got.num_blocks, got.num_state_slots, got.max_num_seqs, got.max_num_batched_tokens,
-            got.max_model_len) == (16, config.resolved_num_blocks(), config.resolved_num_state_slots(), 3, 48, 96)
+    assert (
+        got.block_size,
+        got.num_blocks,
+        got.num_state_slots,
+        got.max_num_seqs,
+        got.max_num_batched_tokens,
+        got.max_model_len,
+    ) == (16, config.resolved_num_blocks(), config.resolved_num_state_slots(), 3, 48, 96)
 
 
 def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
     from services.worker.config import WorkerConfig
 
     config = EngineConfig(block_size=16, max_num_seqs=3, max_model_len=96, kernel_backend="fp8")
-    assert config.worker_config() == WorkerConfig(block_size=16, num_blocks=config.resolved_num_blocks(),
-                                                  num_state_slots=4, max_model_len=96, max_num_seqs=3, kernel_backend="fp8")
+    assert config.worker_config() == WorkerConfig(
+        block_size=16,
+        num_blocks=config.resolved_num_blocks(),
+        num_state_slots=4,
+        max_model_len=96,
+        max_num_seqs=3,
+        kernel_backend="fp8",
+    )
 
 
 def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands():
@@ -67,8 +89,11 @@ def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands()
     add_speculative_arguments(p)
     assert speculative_args(p.parse_args([])) == {}
     args = p.parse_args(["--num-speculative-tokens", "3", "--spec-sampling", "deterministic"])
-    assert speculative_args(args) == {"num_speculative_tokens": 3, "spec_sampling": "deterministic",
-                                      "spec_varlen": False}
+    assert speculative_args(args) == {
+        "num_speculative_tokens": 3,
+        "spec_sampling": "deterministic",
+        "spec_varlen": False,
+    }
     assert EngineConfig(**speculative_args(args)).num_speculative_tokens == 3
     varlen = speculative_args(p.parse_args(["--num-speculative-tokens", "3", "--spec-varlen"]))
     assert EngineConfig(**varlen).spec_varlen
@@ -89,7 +114,9 @@ def test_data_parallel_flags_and_what_ranks_do_not_run_yet():
     add_parallel_arguments(parser)
     assert parallel_args(parser.parse_args([])) == {}
     assert parallel_args(parser.parse_args(["--dp", "4", "--num-redundant-experts", "2"])) == {
-        "data_parallel_size": 4, "num_redundant_experts": 2}
+        "data_parallel_size": 4,
+        "num_redundant_experts": 2,
+    }
     assert parser.parse_args(["--data-parallel-size", "2"]).data_parallel_size == 2
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
         EngineConfig(data_parallel_size=0)

@@ -35,8 +35,12 @@ def test_cpu_keeps_the_torch_model(monkeypatch):
 
 def test_cuda_defaults_are_the_fast_path_each_with_an_off_switch(monkeypatch):
     monkeypatch.setattr(device_mod, "resolve_device", lambda d: d or "cuda")
-    assert device_engine_args({}) == {"device": "cuda", "kernel_backend": "fp8", "async_scheduling": True,
-                                      "cuda_graphs": True}
+    assert device_engine_args({}) == {
+        "device": "cuda",
+        "kernel_backend": "fp8",
+        "async_scheduling": True,
+        "cuda_graphs": True,
+    }
     eager = EngineConfig(**device_engine_args({"enforce_eager": True}))
     assert eager.kernel_backend == "fp8" and not eager.cuda_graphs and eager.enforce_eager
     sync = device_engine_args({"device": "cuda:1", "async_scheduling": False})
@@ -53,19 +57,38 @@ def test_flags_round_trip_through_a_command_line():
     parser = argparse.ArgumentParser()
     add_device_arguments(parser)
     assert device_args(parser.parse_args([])) == {}
-    given = parser.parse_args(["--device", "cuda:0", "--enforce-eager", "--no-async-scheduling",
-                               "--gpu-memory-utilization", "0.8", "--load-format", "dummy"])
+    given = parser.parse_args(
+        [
+            "--device",
+            "cuda:0",
+            "--enforce-eager",
+            "--no-async-scheduling",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--load-format",
+            "dummy",
+        ]
+    )
     values = device_args(given)
-    assert values == {"device": "cuda:0", "enforce_eager": True, "async_scheduling": False,
-                      "gpu_memory_utilization": 0.8, "load_format": "dummy"}
+    assert values == {
+        "device": "cuda:0",
+        "enforce_eager": True,
+        "async_scheduling": False,
+        "gpu_memory_utilization": 0.8,
+        "load_format": "dummy",
+    }
     assert device_args(parser.parse_args(device_argv(values))) == values
 
 
-@pytest.mark.parametrize("bad, match", [({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
-                                        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-                                        ({"load_format": "pt"}, "load_format"),
-                                        ({"enforce_eager": True, "cuda_graphs": True, "kernel_backend": "fp8"},
-                                         "contradict")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"enforce_eager": True, "cuda_graphs": True, "kernel_backend": "fp8"}, "contradict"),
+    ],
+)
 def test_bad_engine_fields_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**bad)

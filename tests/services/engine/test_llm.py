@@ -33,8 +33,9 @@ def _prompt(seed, n):
 def test_greedy_follows_the_full_sequence_argmax(llm):
     # Batch-invariant mode on both sides: the cached engine's logits equal the full forward's under ==
     # (docs/batch-invariance.md), so every greedy token is the forward's argmax, with no margin exemption.
-    llm = LLM(model="tiny", source=llm.source, block_size=16, max_num_batched_tokens=64, max_num_seqs=16,
-              batch_invariant=True)
+    llm = LLM(
+        model="tiny", source=llm.source, block_size=16, max_num_batched_tokens=64, max_num_seqs=16, batch_invariant=True
+    )
     prompt = _prompt(0, 40)
     out = llm.generate(prompt, GREEDY)[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
@@ -54,8 +55,9 @@ def test_text_prompts_decode_to_text(llm):
 
 def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(llm):
     # Batch-invariant mode: tokens and logprobs equal under ==, at any place in any batch.
-    llm = LLM(model="tiny", source=llm.source, block_size=16, max_num_batched_tokens=64, max_num_seqs=16,
-              batch_invariant=True)
+    llm = LLM(
+        model="tiny", source=llm.source, block_size=16, max_num_batched_tokens=64, max_num_seqs=16, batch_invariant=True
+    )
     target = _prompt(1, 23)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=5, ignore_eos=True)
     alone = llm.generate(target, params)[0]
@@ -66,8 +68,9 @@ def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(llm):
         plist = other_params[:order] + [params] + other_params[order:]
         batched = llm.generate(prompts, plist)[order]
         assert (batched.token_ids, batched.logprobs) == (alone.token_ids, alone.logprobs)
-    different = llm.generate([target] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=5, ignore_eos=True)
-                                            for s in (1, 2, 3, 4)])
+    different = llm.generate(
+        [target] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=5, ignore_eos=True) for s in (1, 2, 3, 4)]
+    )
     assert len({tuple(o.token_ids) for o in different}) > 1
     _pools_whole(llm)
 
@@ -117,17 +120,22 @@ def test_abort_waiting_between_chunks_and_running(llm):
         engine.step()
     finals["run"] = engine.abort("run")
     assert {request_id: o.finish_reason for request_id, o in finals.items()} == {
-        "long": "abort", "wait": "abort", "run": "abort"}
+        "long": "abort",
+        "wait": "abort",
+        "run": "abort",
+    }
     assert engine.abort("run") is None
     _pools_whole(llm)
 
 
 @pytest.mark.parametrize("mode", ["stop", "recompute"])
 def test_preemption_through_llm(mode):
-    small = LLM(model="tiny", block_size=4, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64,
-                preemption_mode=mode)
-    outs = small.generate([_prompt(i, 6) for i in range(3)], SamplingParams(temperature=0, max_tokens=8,
-                                                                               ignore_eos=True))
+    small = LLM(
+        model="tiny", block_size=4, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode=mode
+    )
+    outs = small.generate(
+        [_prompt(i, 6) for i in range(3)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
     reasons = sorted(o.finish_reason for o in outs)
     if mode == "stop":
         assert "preempted" in reasons
@@ -138,7 +146,11 @@ def test_preemption_through_llm(mode):
 
 def test_logit_bias_pairs_are_checked_and_kept_sorted():
     assert SamplingParams(logit_bias={9: 1.5, 3: -2, 4: 0}).logit_bias == ((3, -2.0), (9, 1.5))  # 0 is a no-op
-    for bad, match in (({5: 101.0}, "-100 to 100"), ({5: float("nan")}, "-100 to 100"), (((5, 1.0), (5, 2.0)), "twice")):
+    for bad, match in (
+        ({5: 101.0}, "-100 to 100"),
+        ({5: float("nan")}, "-100 to 100"),
+        (((5, 1.0), (5, 2.0)), "twice"),
+    ):
         with pytest.raises(ValueError, match=match):
             SamplingParams(logit_bias=bad)
 

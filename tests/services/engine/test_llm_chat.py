@@ -54,8 +54,9 @@ def test_chat_with_an_image_follows_the_full_forward_exactly(llm):
     assert prompt.count(vision.image_token_id) == span_length(grid.rows, grid.cols) == 10
     first = prompt.index(vision.image_token_id)
     assert prompt[first : first + 10] == [vision.image_token_id] * 10  # one contiguous span
-    ids, rows = expand_images(llm._chat.render({"messages": ask(url)}).token_ids, [url],
-                              llm.tokenizer.token_to_id("<｜image｜>"), model)
+    ids, rows = expand_images(
+        llm._chat.render({"messages": ask(url)}).token_ids, [url], llm.tokenizer.token_to_id("<｜image｜>"), model
+    )
     assert ids == prompt and rows.shape == (10, llm.source.config.hidden_size)
     from model.batch_invariant import batch_invariant
 
@@ -67,22 +68,26 @@ def test_chat_with_an_image_follows_the_full_forward_exactly(llm):
 
 
 def test_the_image_moves_the_answer_and_text_only_chat_equals_generate(llm):
-    with_a, with_b, text_only = llm.chat([ask(data_url(100, 80, seed=1)), ask(data_url(100, 80, seed=2)),
-                                          ask(text="What is in the picture?")], GREEDY)
+    with_a, with_b, text_only = llm.chat(
+        [ask(data_url(100, 80, seed=1)), ask(data_url(100, 80, seed=2)), ask(text="What is in the picture?")], GREEDY
+    )
     assert with_a.prompt_token_ids == with_b.prompt_token_ids
     assert with_a.token_ids != with_b.token_ids or with_a.logprobs != with_b.logprobs
     assert llm.generate(text_only.prompt_token_ids, GREEDY)[0].token_ids == text_only.token_ids
     _pools_whole(llm)
 
 
-@pytest.mark.parametrize("urls, error, message", [
-    ([data_url(30, 30)[:60]], ImageInputError, "corrupt|truncated|base64|supported"),
-    (["data:image/png;base64,!!!!"], ValueError, "base64"),
-    ([data_url(30, 30, fmt="TIFF")], ValueError, "unsupported image"),
-    ([data_url(20, 20)] * 9, ImageInputError, "9 images in one request, over the limit of 8"),
-    (["file:///etc/passwd"], ValueError, "image_url"),
-    (["http://127.0.0.1:9/none.png"], ImageInputError, "could not be fetched"),
-])
+@pytest.mark.parametrize(
+    "urls, error, message",
+    [
+        ([data_url(30, 30)[:60]], ImageInputError, "corrupt|truncated|base64|supported"),
+        (["data:image/png;base64,!!!!"], ValueError, "base64"),
+        ([data_url(30, 30, fmt="TIFF")], ValueError, "unsupported image"),
+        ([data_url(20, 20)] * 9, ImageInputError, "9 images in one request, over the limit of 8"),
+        (["file:///etc/passwd"], ValueError, "image_url"),
+        (["http://127.0.0.1:9/none.png"], ImageInputError, "could not be fetched"),
+    ],
+)
 def test_bad_images_are_refused_and_queue_nothing(llm, urls, error, message):
     with pytest.raises(error, match=message):
         llm.chat(ask(*urls), GREEDY)

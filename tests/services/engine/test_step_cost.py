@@ -85,12 +85,34 @@ def test_the_curve_never_falls_with_rows_nor_below_the_floor():
     assert meter.curve()[1] == MIN_STEP_MS
 
 
-BATCH_64_MEANS = {4: (21.022, 1), 8: (23.489, 6), 16: (29.802, 7), 24: (33.813, 2), 32: (39.982, 2),
-                  40: (41.834, 1), 56: (45.768, 1), 64: (42.729, 132), 72: (63.561, 2), 80: (50.863, 1),
-                  88: (62.016, 1), 96: (59.966, 5), 104: (66.797, 1), 112: (66.603, 3), 120: (67.51, 4),
-                  128: (67.619, 16), 136: (63.739, 1),
-                  160: (73.959, 21), 168: (75.063, 1), 192: (78.463, 31), 208: (81.028, 1), 256: (86.178, 16),
-                  320: (97.749, 5), 344: (101.242, 1), 352: (101.53, 1), 384: (106.273, 37)}
+BATCH_64_MEANS = {
+    4: (21.022, 1),
+    8: (23.489, 6),
+    16: (29.802, 7),
+    24: (33.813, 2),
+    32: (39.982, 2),
+    40: (41.834, 1),
+    56: (45.768, 1),
+    64: (42.729, 132),
+    72: (63.561, 2),
+    80: (50.863, 1),
+    88: (62.016, 1),
+    96: (59.966, 5),
+    104: (66.797, 1),
+    112: (66.603, 3),
+    120: (67.51, 4),
+    128: (67.619, 16),
+    136: (63.739, 1),
+    160: (73.959, 21),
+    168: (75.063, 1),
+    192: (78.463, 31),
+    208: (81.028, 1),
+    256: (86.178, 16),
+    320: (97.749, 5),
+    344: (101.242, 1),
+    352: (101.53, 1),
+    384: (106.273, 37),
+}
 """Measured step means (ms, steps) per graph size after an engine ran batch 64 at a = 0.8, 1, 0.5 and 0
 (v41-s1, varlen; docs/results/speculative-v41-varlen.json): the curve its batch-16 cases started from."""
 
@@ -119,8 +141,10 @@ def test_each_request_bucket_has_its_own_curve():
     assert meter.curve(16)[96] == pytest.approx(49.9) and meter.curve(64)[96] > 59.9  # 88 and 96 pooled there
     assert meter.curve(9) == meter.curve(16) and meter.curve(17) == {s: 1.0 for s in sizes}  # 32's: no step yet
     assert meter.measured(16) and meter.measured(64) and not meter.measured(1)
-    assert list(meter.all_means()) == [16, 64] and meter.means(16) == {64: pytest.approx((43.3, 20)),
-                                                                       96: pytest.approx((49.9, 28))}
+    assert list(meter.all_means()) == [16, 64] and meter.means(16) == {
+        64: pytest.approx((43.3, 20)),
+        96: pytest.approx((49.9, 28)),
+    }
 
 
 def test_request_buckets_are_powers_of_two():

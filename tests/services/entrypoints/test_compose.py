@@ -27,8 +27,7 @@ def compose_config(*files: Path, token: str | None = TOKEN) -> subprocess.Comple
     env = {k: v for k, v in os.environ.items() if k not in ("SHINKAI_NATS_TOKEN", "SHINKAI_API_KEY")}
     if token is not None:
         env["SHINKAI_NATS_TOKEN"] = token
-    return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60,
-                          env=env)
+    return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_generated_files_are_up_to_date():
@@ -42,8 +41,11 @@ def test_the_compose_binary_accepts_the_files_and_refuses_a_broken_one(tmp_path)
     assert ok.returncode == 0, ok.stderr
     # The same binary fails on a file that depends on a service that does not exist: its exit code is real.
     broken = tmp_path / "compose.yaml"
-    broken.write_text((DEPLOY / "compose.yaml").read_text().replace('condition: "service_healthy"',
-                                                                    'condition: "service_healthy"\n      nosuch: {}', 1))
+    broken.write_text(
+        (DEPLOY / "compose.yaml")
+        .read_text()
+        .replace('condition: "service_healthy"', 'condition: "service_healthy"\n      nosuch: {}', 1)
+    )
     bad = compose_config(broken)
     assert bad.returncode != 0 and "nosuch" in bad.stderr
 

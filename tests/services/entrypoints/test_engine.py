@@ -15,15 +15,19 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def request(request_id: str, client_request_id: str, max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, client_request_id=client_request_id,
-                              token_ids=pb.TokenIds(ids=[0, 5, 6]),
-                              sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=request_id,
+        client_request_id=client_request_id,
+        token_ids=pb.TokenIds(ids=[0, 5, 6]),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def test_the_gateway_request_id_is_the_engine_key_and_abort_takes_the_client_request_id():
     llm = LLM("tiny")
-    endpoint = EngineEndpoint(llm, replica="engine-7", host="127.0.0.1", grpc_port=0, drain_timeout_s=5,
-                              served_model_name="tiny")
+    endpoint = EngineEndpoint(
+        llm, replica="engine-7", host="127.0.0.1", grpc_port=0, drain_timeout_s=5, served_model_name="tiny"
+    )
 
     async def run():
         await endpoint.start()

@@ -20,10 +20,14 @@ GOLDEN = json.loads((pathlib.Path(__file__).parent / "data/deepseek_golden.json"
 
 # The reference README's example and its printed output (2 layers, 12 experts, 16 replicas, 4 groups,
 # 2 nodes, 8 GPUs).
-README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
-README_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-                  [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+README_PHY2LOG = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
 
 
 def golden_load(case: dict) -> np.ndarray:
@@ -52,8 +56,9 @@ def test_goldens_cover_global_and_hierarchical_cases():
 def test_balance_on_the_summed_load_equals_the_reference(case):
     load = golden_load(case)
     reference = Layout(tuple(case["phy2log"]), case["num_gpus"], load.shape[1])
-    ours = deepseek_plan(load, case["num_gpus"], case["num_slots"], num_groups=case["num_groups"],
-                         num_nodes=case["num_nodes"])
+    ours = deepseek_plan(
+        load, case["num_gpus"], case["num_slots"], num_groups=case["num_groups"], num_nodes=case["num_nodes"]
+    )
     assert ours.copies().sum() == reference.copies().sum()
     assert abs(moe_lb(load, ours) - moe_lb(load, reference)) <= 1e-9
 
@@ -74,8 +79,12 @@ def test_unequal_groups_fall_back_to_the_global_policy_as_the_reference_does():
 
 @pytest.mark.parametrize(
     "num_gpus,num_slots,groups,nodes,message",
-    [(8, 16, 5, 5, "do not split into 5 groups"), (6, 18, 4, 4, "6 GPUs do not split over 4 nodes"),
-     (8, 20, 1, 1, "20 slots do not divide over 8 GPUs"), (8, 16, 0, 1, "num_groups must be ≥ 1")],
+    [
+        (8, 16, 5, 5, "do not split into 5 groups"),
+        (6, 18, 4, 4, "6 GPUs do not split over 4 nodes"),
+        (8, 20, 1, 1, "20 slots do not divide over 8 GPUs"),
+        (8, 16, 0, 1, "num_groups must be ≥ 1"),
+    ],
 )
 def test_shapes_the_reference_asserts_against_are_clear_errors(num_gpus, num_slots, groups, nodes, message):
     with pytest.raises(DeepSeekShapeError, match=message):

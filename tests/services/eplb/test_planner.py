@@ -120,8 +120,17 @@ def test_reports_of_the_wrong_shape_or_rank_are_refused():
 
 @pytest.mark.parametrize("policy,after", [("deepinfer", 372 / 334), ("guarded", 349 / 334)])
 def test_deepinfer_policy_publishes_the_worse_plan_and_guarded_does_not(policy, after):
-    planner = Planner(PlannerConfig(num_logical=5, num_gpus=2, num_redundant=1, num_layers=1, interval=8,
-                                    window=8, plan=PlanConfig(policy=policy)))
+    planner = Planner(
+        PlannerConfig(
+            num_logical=5,
+            num_gpus=2,
+            num_redundant=1,
+            num_layers=1,
+            interval=8,
+            window=8,
+            plan=PlanConfig(policy=policy),
+        )
+    )
     start = startup_layout(5, 2, 1)
     for step, logical in enumerate(GREEDY_WORSE):
         planner.add(LoadReport(0, step, 0, physical_counts(start, logical)[None, :]))

@@ -22,13 +22,23 @@ def layers(draw):
     num_redundant = draw(st.integers(0, 6))
     steps = draw(st.integers(1, 5))
     load = np.array(
-        draw(st.lists(st.lists(st.integers(0, 200), min_size=num_logical, max_size=num_logical),
-                      min_size=steps, max_size=steps))
+        draw(
+            st.lists(
+                st.lists(st.integers(0, 200), min_size=num_logical, max_size=num_logical),
+                min_size=steps,
+                max_size=steps,
+            )
+        )
     )
     start = startup_layout(num_logical, num_gpus, num_redundant)
     shuffled = draw(st.permutations(start.phy2log))
-    extra = draw(st.lists(st.integers(0, num_logical - 1), min_size=start.num_slots - num_logical,
-                          max_size=start.num_slots - num_logical))
+    extra = draw(
+        st.lists(
+            st.integers(0, num_logical - 1),
+            min_size=start.num_slots - num_logical,
+            max_size=start.num_slots - num_logical,
+        )
+    )
     # Any valid layout: every expert once, then arbitrary copies, in a random order.
     phy2log = list(range(num_logical)) + extra
     order = draw(st.permutations(range(len(phy2log))))
@@ -89,8 +99,7 @@ def test_guarded_is_never_worse_than_current_on_its_window(layer, threshold):
 def test_plans_are_deterministic(layer, policy):
     load, current = layer
     first = plan(load, current, PlanConfig(policy=policy))
-    again = plan(load.copy(), Layout(current.phy2log, current.num_gpus, current.num_logical),
-                 PlanConfig(policy=policy))
+    again = plan(load.copy(), Layout(current.phy2log, current.num_gpus, current.num_logical), PlanConfig(policy=policy))
     assert first == again
 
 
@@ -130,8 +139,10 @@ def test_the_proxy_window_keeps_each_gpus_total(layer, repeat):
 
 
 @SETTINGS
-@given(layers(), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 3),
-                                    st.integers(0, 20)), max_size=6))
+@given(
+    layers(),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 3), st.integers(0, 20)), max_size=6),
+)
 def test_incremental_swaps_match_a_fresh_state(layer, swaps):
     from services.eplb.search_state import SearchState
 
@@ -142,7 +153,7 @@ def test_incremental_swaps_match_a_fresh_state(layer, swaps):
         if g != h:
             state.swap(g, i, h, j)
     fresh = SearchState(load.astype(np.float64), state.phy2log.copy(), current.num_gpus)
-    assert (state.pgpu.sum(axis=0) == pytest.approx(state.gpu_load.sum(axis=0)))
+    assert state.pgpu.sum(axis=0) == pytest.approx(state.gpu_load.sum(axis=0))
     for name in ("held", "slot_load", "gpu_load", "pslot", "pgpu", "pslot_by_gpu"):
         np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), rtol=1e-6, atol=1e-6)
     assert state.score() == pytest.approx(fresh.score())
@@ -155,8 +166,10 @@ def test_guarded_pick_is_within_the_tolerance_of_every_policys_plan(layer, toler
 
     load, current = layer
     result = plan(load, current, PlanConfig(tolerance=tolerance))
-    for policy_plan in (deepinfer_plan(load, current.num_gpus, current.num_slots, spread=True),
-                        deepseek_plan(load, current.num_gpus, current.num_slots)):
+    for policy_plan in (
+        deepinfer_plan(load, current.num_gpus, current.num_slots, spread=True),
+        deepseek_plan(load, current.num_gpus, current.num_slots),
+    ):
         assert result.moe_lb_candidate <= moe_lb(load, policy_plan) + tolerance + 1e-12
     assert result.moe_lb_candidate <= min(p.moe_lb for p in result.tradeoff) + tolerance + 1e-12
 

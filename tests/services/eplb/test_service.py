@@ -27,10 +27,33 @@ PLAN_DEADLINE_S = 10.0  # from the report completing the re-plan step to the pla
 @pytest.fixture
 def planner_proc(nats_url):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.entrypoints.eplb", "--nats-url", nats_url, "--metrics-port", "0",
-         "--num-experts", "8", "--num-gpus", "2", "--num-redundant", "2", "--num-layers", "2",
-         "--num-ranks", "2", "--interval", "8", "--window", "8"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "services.entrypoints.eplb",
+            "--nats-url",
+            nats_url,
+            "--metrics-port",
+            "0",
+            "--num-experts",
+            "8",
+            "--num-gpus",
+            "2",
+            "--num-redundant",
+            "2",
+            "--num-layers",
+            "2",
+            "--num-ranks",
+            "2",
+            "--interval",
+            "8",
+            "--window",
+            "8",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:
@@ -109,11 +132,25 @@ def free_port() -> int:
 
 
 def test_without_nats_it_gives_up_clearly_or_stops_on_sigterm():
-    args = [sys.executable, "-m", "services.entrypoints.eplb", "--nats-url", f"nats://127.0.0.1:{free_port()}",
-            "--num-experts", "8", "--num-gpus", "2", "--num-redundant", "2", "--num-layers", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "services.entrypoints.eplb",
+        "--nats-url",
+        f"nats://127.0.0.1:{free_port()}",
+        "--num-experts",
+        "8",
+        "--num-gpus",
+        "2",
+        "--num-redundant",
+        "2",
+        "--num-layers",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(args + ["--connect-timeout", "1.5"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        args + ["--connect-timeout", "1.5"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1 and "could not start with NATS" in done.stderr
 
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

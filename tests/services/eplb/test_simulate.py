@@ -15,8 +15,9 @@ def test_first_replan_comes_at_a_quarter_interval():
 def test_trace_is_skewed_drifting_and_reproducible():
     trace = zipf_drift_trace(num_experts=32, num_steps=400, tokens_per_step=1000, drift=0.03, seed=7)
     assert trace.shape == (400, 32) and (trace.sum(axis=1) == 1000).all()
-    assert np.array_equal(trace, zipf_drift_trace(num_experts=32, num_steps=400, tokens_per_step=1000,
-                                                   drift=0.03, seed=7))
+    assert np.array_equal(
+        trace, zipf_drift_trace(num_experts=32, num_steps=400, tokens_per_step=1000, drift=0.03, seed=7)
+    )
     early, late = trace[:100].sum(axis=0), trace[-100:].sum(axis=0)
     assert early.max() > 4 * early.mean()  # skewed
     assert np.argsort(early)[-4:].tolist() != np.argsort(late)[-4:].tolist()  # the hot set moved

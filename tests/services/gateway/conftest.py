@@ -47,8 +47,11 @@ class ServerThread:
 
 
 def pools_whole(stats: EngineStats) -> bool:
-    return (stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
-            and stats.num_running == stats.num_waiting == 0)
+    return (
+        stats.free_blocks == stats.total_blocks
+        and stats.free_state_slots == stats.total_state_slots
+        and stats.num_running == stats.num_waiting == 0
+    )
 
 
 # Both engines in batch-invariant mode (docs/batch-invariance.md): the server batches a request with whatever
@@ -56,8 +59,16 @@ def pools_whole(stats: EngineStats) -> bool:
 # logprobs compare under ==.
 @pytest.fixture(scope="package")
 def served():
-    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, max_queued=300, drain_timeout_s=10,
-                                      engine_args={"max_num_seqs": 32, "batch_invariant": True})).start()
+    thread = ServerThread(
+        ServeConfig(
+            model="tiny",
+            http_port=0,
+            grpc_port=0,
+            max_queued=300,
+            drain_timeout_s=10,
+            engine_args={"max_num_seqs": 32, "batch_invariant": True},
+        )
+    ).start()
     yield thread
     thread.stop()
     assert pools_whole(thread.server.engine.stats())

@@ -21,8 +21,11 @@ KEYS = ("key-alice", "key-bob")
 
 @pytest.fixture(scope="module")
 def keyed():
-    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, drain_timeout_s=5,
-                                      engine_args={"max_num_seqs": 4}, api_keys=KEYS)).start()
+    thread = ServerThread(
+        ServeConfig(
+            model="tiny", http_port=0, grpc_port=0, drain_timeout_s=5, engine_args={"max_num_seqs": 4}, api_keys=KEYS
+        )
+    ).start()
     yield thread
     thread.stop()
     assert pools_whole(thread.server.engine.stats())
@@ -41,8 +44,7 @@ def call(url: str, path: str, body=None, key: str | None = None, scheme: str = "
         return err.code, err.read(), dict(err.headers)
 
 
-@pytest.mark.parametrize("key,scheme", [(None, "Bearer"), ("wrong", "Bearer"), ("key-alice", "Basic"),
-                                        ("", "Bearer")])
+@pytest.mark.parametrize("key,scheme", [(None, "Bearer"), ("wrong", "Bearer"), ("key-alice", "Basic"), ("", "Bearer")])
 def test_http_without_a_valid_key_is_401(keyed, key, scheme):
     for path, body in (("/v1/completions", OK), ("/v1/models", None)):
         status, data, headers = call(keyed.http_url, path, body, key, scheme)
@@ -78,8 +80,10 @@ def test_grpc_without_a_valid_key_is_unauthenticated(keyed):
 
 def test_abort_reaches_only_the_callers_own_requests(keyed):
     """Alice and Bob both run a request called "shared"; Bob's Abort ends only his."""
-    with ShinkaiClient(keyed.grpc_target, timeout=60, api_key="key-alice") as alice, \
-            ShinkaiClient(keyed.grpc_target, timeout=60, api_key="key-bob") as bob:
+    with (
+        ShinkaiClient(keyed.grpc_target, timeout=60, api_key="key-alice") as alice,
+        ShinkaiClient(keyed.grpc_target, timeout=60, api_key="key-bob") as bob,
+    ):
         started = {"alice": threading.Event(), "bob": threading.Event()}
         finals = {}
 

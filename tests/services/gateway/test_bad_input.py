@@ -37,12 +37,21 @@ HTTP_ROWS = [
     ("n above the limit", {**OK, "n": 2}, 400, "n "),
     ("invalid UTF-8", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "UTF-8"),
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "JSON"),
-    ("not an object", b'[1, 2]', 400, "object"),
+    ("not an object", b"[1, 2]", 400, "object"),
     ("unknown model", {**OK, "model": "gpt-9"}, 404, "gpt-9"),
     ("missing model", {"prompt": "Hi"}, 400, "model"),
     ("chat without messages", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("chat with an image that is not one", {"model": "tiny", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "supported format"),
+    (
+        "chat with an image that is not one",
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ],
+        },
+        400,
+        "supported format",
+    ),
     ("chat with a bad role", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "robot"),
 ]
 
@@ -130,13 +139,16 @@ def test_grpc_n_above_the_limit(served):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=2" in info.value.details()
 
 
-@pytest.mark.parametrize("method,raw", [
-    ("Generate", b"\x0a\x64"),          # field 1, length 100, no bytes: truncated
-    ("Generate", b"\x1a\x02\xff\xfe"),  # field 3 (text) with invalid UTF-8
-    ("Generate", b"\xff" * 11),          # a tag varint that never ends
-    ("Abort", b"\x0a\x02\xff\xfe"),     # field 1 (request_id) with invalid UTF-8
-    ("Abort", b"\x0a\x64"),
-])
+@pytest.mark.parametrize(
+    "method,raw",
+    [
+        ("Generate", b"\x0a\x64"),  # field 1, length 100, no bytes: truncated
+        ("Generate", b"\x1a\x02\xff\xfe"),  # field 3 (text) with invalid UTF-8
+        ("Generate", b"\xff" * 11),  # a tag varint that never ends
+        ("Abort", b"\x0a\x02\xff\xfe"),  # field 1 (request_id) with invalid UTF-8
+        ("Abort", b"\x0a\x64"),
+    ],
+)
 def test_grpc_malformed_protobuf_is_invalid_argument(served, method, raw):
     with grpc.insecure_channel(served.grpc_target) as ch:
         if method == "Generate":

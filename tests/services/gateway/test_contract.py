@@ -29,8 +29,10 @@ def raw_request(url: str, method: str, path: str, body: bytes = b"", headers: di
 
 def strict_json(data: bytes):
     """json.loads as JSON.parse: NaN / Infinity are not JSON."""
+
     def refuse(name):
         raise ValueError(f"not JSON: {name}")
+
     return json.loads(data, parse_constant=refuse)
 
 
@@ -38,8 +40,9 @@ MASKED = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "logprobs": 2, "top_
 
 
 def test_masked_logprobs_are_finite_and_plain_json(served):
-    status, data, _ = raw_request(served.http_url, "POST", "/v1/completions", json.dumps(MASKED).encode(),
-                                  {"Content-Type": "application/json"})
+    status, data, _ = raw_request(
+        served.http_url, "POST", "/v1/completions", json.dumps(MASKED).encode(), {"Content-Type": "application/json"}
+    )
     assert status == 200, data
     logprobs = strict_json(data)["choices"][0]["logprobs"]
     values = [v for top in logprobs["top_logprobs"] for v in top.values()]
@@ -49,18 +52,30 @@ def test_masked_logprobs_are_finite_and_plain_json(served):
 
 def test_masked_logprobs_stream_as_plain_json(served):
     body = json.dumps({**MASKED, "stream": True}).encode()
-    status, data, _ = raw_request(served.http_url, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    status, data, _ = raw_request(
+        served.http_url, "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+    )
     assert status == 200
     events = [line[6:] for line in data.decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [strict_json(e.encode()) for e in events[:-1]]  # raises on -Infinity
-    assert any(MASKED_LOGPROB in top.values() for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-               for top in c["choices"][0]["logprobs"]["top_logprobs"])
+    assert any(
+        MASKED_LOGPROB in top.values()
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for top in c["choices"][0]["logprobs"]["top_logprobs"]
+    )
 
 
 def test_masked_chat_logprobs_are_finite(served):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
-            "top_logprobs": 2, "top_k": 1}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "top_k": 1,
+    }
     code, reply, _ = post(served.http_url, "/v1/chat/completions", body)
     assert code == 200, reply
     tops = [t["logprob"] for c in reply["choices"][0]["logprobs"]["content"] for t in c["top_logprobs"]]
@@ -80,11 +95,17 @@ def test_deep_nesting_is_a_400_not_a_500(served, caplog):
     assert post(served.http_url, "/v1/completions", ok)[0] == 200
 
 
-@pytest.mark.parametrize("body,path", [
-    (b'{"model": "tiny", "messages": [{"role": "user", "content": NaN}]}', "messages[0].content"),
-    (b'{"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": Infinity}}', "stream_options.include_usage"),
-    (b'{"model": "tiny", "prompt": [1, -Infinity]}', "prompt[1]"),
-])
+@pytest.mark.parametrize(
+    "body,path",
+    [
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": NaN}]}', "messages[0].content"),
+        (
+            b'{"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": Infinity}}',
+            "stream_options.include_usage",
+        ),
+        (b'{"model": "tiny", "prompt": [1, -Infinity]}', "prompt[1]"),
+    ],
+)
 def test_non_finite_anywhere_names_its_path(served, body, path):
     endpoint = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     code, reply, _ = post(served.http_url, endpoint, body)
@@ -97,8 +118,9 @@ def test_a_prompt_equal_to_the_old_sentinel_is_served(served):
     assert code == 200, reply
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+)
 def test_content_type_other_than_json_is_415(served, content_type):
     headers = {"Content-Type": content_type} if content_type else {}
     status, data, _ = raw_request(served.http_url, "POST", "/v1/completions", json.dumps(OK).encode(), headers)
@@ -107,14 +129,25 @@ def test_content_type_other_than_json_is_415(served, content_type):
 
 
 def test_json_with_a_charset_is_accepted(served):
-    status, data, _ = raw_request(served.http_url, "POST", "/v1/completions", json.dumps(OK).encode(),
-                                  {"Content-Type": "application/json; charset=utf-8"})
+    status, data, _ = raw_request(
+        served.http_url,
+        "POST",
+        "/v1/completions",
+        json.dumps(OK).encode(),
+        {"Content-Type": "application/json; charset=utf-8"},
+    )
     assert status == 200, data
 
 
-@pytest.mark.parametrize("method,path,allow", [("GET", "/v1/completions", "POST"),
-                                               ("PUT", "/v1/chat/completions", "POST"),
-                                               ("POST", "/v1/models", "GET"), ("DELETE", "/health", "GET")])
+@pytest.mark.parametrize(
+    "method,path,allow",
+    [
+        ("GET", "/v1/completions", "POST"),
+        ("PUT", "/v1/chat/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", "/health", "GET"),
+    ],
+)
 def test_405_carries_allow(served, method, path, allow):
     status, data, headers = raw_request(served.http_url, method, path)
     assert status == 405 and headers.get("allow") == allow, (headers, data)
@@ -141,8 +174,17 @@ def test_unsupported_parameters_are_refused_by_name(served, extra, param):
 
 
 def test_no_op_values_of_unsupported_parameters_pass(served):
-    body = {**OK, "response_format": {"type": "text"}, "best_of": 1, "n": 1, "stop": [], "presence_penalty": 0,
-            "logit_bias": {"5": 0}, "user": "u", "some_future_field": 1}
+    body = {
+        **OK,
+        "response_format": {"type": "text"},
+        "best_of": 1,
+        "n": 1,
+        "stop": [],
+        "presence_penalty": 0,
+        "logit_bias": {"5": 0},
+        "user": "u",
+        "some_future_field": 1,
+    }
     code, reply, _ = post(served.http_url, "/v1/completions", body)
     assert code == 200, reply
 
@@ -172,36 +214,54 @@ def test_logit_bias_adds_to_the_logits(served, reference_llm):
     prompt = [0, 5, 6]
     low = reference_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=20))[0]
     target = low.top_logprobs[0][-1][0]  # the 20th-ranked token
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 0,
-            "logit_bias": {str(target): 100}}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 0,
+        "logit_bias": {str(target): 100},
+    }
     code, reply, _ = post(served.http_url, "/v1/completions", body)
     assert code == 200
-    want = reference_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
-                                                           logit_bias={target: 100.0}))[0]
+    want = reference_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logit_bias={target: 100.0}))[0]
     assert want.token_ids == [target]
     assert reply["choices"][0]["logprobs"]["tokens"][0] == reference_llm.tokenizer.decode(
-        [target], skip_special_tokens=False)
+        [target], skip_special_tokens=False
+    )
     assert reply["choices"][0]["logprobs"]["token_logprobs"][0] == want.logprobs[0]
 
 
-@pytest.mark.parametrize("bias,word", [({"999999": -100}, "vocabulary"), ({"x": -100}, "token ids"),
-                                       ({"5": -101}, "-100 to 100"), ({"5": "ban"}, "-100 to 100")])
+@pytest.mark.parametrize(
+    "bias,word",
+    [
+        ({"999999": -100}, "vocabulary"),
+        ({"x": -100}, "token ids"),
+        ({"5": -101}, "-100 to 100"),
+        ({"5": "ban"}, "-100 to 100"),
+    ],
+)
 def test_bad_logit_bias_names_it(served, bias, word):
     code, reply, _ = post(served.http_url, "/v1/completions", {**OK, "logit_bias": bias})
     assert code == 400 and reply["error"]["param"] == "logit_bias" and word in reply["error"]["message"], reply
 
 
-@pytest.mark.parametrize("body,param", [
-    ({**OK, "top_k": 2**70}, "top_k"),
-    ({**OK, "seed": 2**64}, "seed"),
-    ({**OK, "stop_token_ids": [2**70]}, "stop_token_ids"),
-    ({**OK, "stop_token_ids": [999999]}, "stop_token_ids"),
-    ({**OK, "logprobs": 21}, "logprobs"),
-    ({**OK, "prompt": [0, 999999]}, "prompt"),
-    ({**OK, "max_tokens": 4096}, "prompt"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({**OK, "top_k": 2**70}, "top_k"),
+        ({**OK, "seed": 2**64}, "seed"),
+        ({**OK, "stop_token_ids": [2**70]}, "stop_token_ids"),
+        ({**OK, "stop_token_ids": [999999]}, "stop_token_ids"),
+        ({**OK, "logprobs": 21}, "logprobs"),
+        ({**OK, "prompt": [0, 999999]}, "prompt"),
+        ({**OK, "max_tokens": 4096}, "prompt"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+    ],
+)
 def test_every_error_names_its_parameter(served, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     code, reply, _ = post(served.http_url, path, body)

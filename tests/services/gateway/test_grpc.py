@@ -59,6 +59,7 @@ def test_cancelled_stream_aborts_the_request(served):
             async for delta in c.generate_stream("Hello", max_tokens=1000, ignore_eos=True):
                 assert delta.finish_reason is None
                 break  # leaving the loop cancels the call
+
     asyncio.run(run())
     wait_whole(served)
 

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.timeout(60)
 
 def generate(target: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     with grpc.insecure_channel(target) as ch:
-        call = ch.unary_stream("/shinkai.v1.Shinkai/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-                               response_deserializer=pb.GenerateResponse.FromString)
+        call = ch.unary_stream(
+            "/shinkai.v1.Shinkai/Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         return list(call(request, timeout=30))
 
 
@@ -44,13 +47,19 @@ def big_chat() -> pb.GenerateRequest:
     return request
 
 
-@pytest.mark.parametrize("build,field", [
-    (lambda: generate_request("Hi", model="m" * 300, max_tokens=1), "model"),
-    (lambda: generate_request([0] * 5000, max_tokens=1), "token_ids"),
-    (big_chat, "chat.messages"),
-    (lambda: generate_request(messages=[{"role": "r" * 100, "content": "x"}], max_tokens=1), "chat.messages[0].role"),
-    (lambda: generate_request("Hi", max_tokens=1, stop_token_ids=[1] * 2000), "sampling.stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "build,field",
+    [
+        (lambda: generate_request("Hi", model="m" * 300, max_tokens=1), "model"),
+        (lambda: generate_request([0] * 5000, max_tokens=1), "token_ids"),
+        (big_chat, "chat.messages"),
+        (
+            lambda: generate_request(messages=[{"role": "r" * 100, "content": "x"}], max_tokens=1),
+            "chat.messages[0].role",
+        ),
+        (lambda: generate_request("Hi", max_tokens=1, stop_token_ids=[1] * 2000), "sampling.stop_token_ids"),
+    ],
+)
 def test_every_field_has_a_cap_named_in_the_refusal(served, build, field):
     err = refusal(served.grpc_target, build())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(f"{field} is "), err.details()

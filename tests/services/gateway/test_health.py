@@ -35,7 +35,9 @@ def run_on(served, coro):
 
 
 def test_ready_runs_a_one_token_generation(served):
-    before = served.server.metrics.registry.get_sample_value("shinkai_requests_started_total", {"endpoint": "probe"}) or 0
+    before = (
+        served.server.metrics.registry.get_sample_value("shinkai_requests_started_total", {"endpoint": "probe"}) or 0
+    )
     assert get(served.http_url + "/ready") == (200, {"status": "ok"})
     after = served.server.metrics.registry.get_sample_value("shinkai_requests_started_total", {"endpoint": "probe"})
     assert after == before + 1  # a real request went through the engine

@@ -72,8 +72,9 @@ def openai_client(served):
 
 def test_openai_chat_with_a_data_url_image_equals_llm_chat(served, openai_client, reference_llm):
     messages = ask(data_url(encoded(100, 80, seed=1)))
-    reply = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
-                                                  logprobs=True)
+    reply = openai_client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True
+    )
     expected = reference_llm.chat(messages, GREEDY)[0]
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert reply.choices[0].message.content == expected.text
@@ -122,8 +123,11 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(se
 BAD_IMAGES = [
     ("bad base64", "data:image/png;base64,!!!!", "base64"),
     ("not an image", data_url(b"\x00" * 64), "supported format"),
-    ("unsupported format (its media type; refused by deepseek-recipe)", data_url(bmp(), "image/bmp"),
-     "unsupported image"),
+    (
+        "unsupported format (its media type; refused by deepseek-recipe)",
+        data_url(bmp(), "image/bmp"),
+        "unsupported image",
+    ),
     ("unsupported format (its bytes)", data_url(bmp(), "image/png"), "image format BMP is not supported"),
     ("truncated (found only when encoding)", data_url(encoded(100, 80)[:3000]), "truncated"),
     ("over the pixel limit", data_url(big_png()), "pixels, over the limit of 50000000"),
@@ -150,16 +154,19 @@ def test_too_many_images_is_a_400(served, openai_client):
         openai_client.chat.completions.create(model="tiny", messages=ask(*[small] * 9), max_tokens=1)
 
 
-def test_a_chat_whose_image_span_passes_the_context_is_a_400_naming_count_and_limit(served, openai_client,
-                                                                                    reference_llm):
+def test_a_chat_whose_image_span_passes_the_context_is_a_400_naming_count_and_limit(
+    served, openai_client, reference_llm
+):
     """The gateway's budget counts the image as its one placeholder, so this chat passes it; the engine checks
     the expanded prompt (LLM.chat's count) and refuses it by name over HTTP and gRPC, leaving nothing queued."""
     messages = ask(data_url(encoded(32, 28, seed=1)))
     num_prompt = len(reference_llm.chat(messages, GREEDY)[0].prompt_token_ids)
     max_model_len = served.server.frontend.info.max_model_len
     max_tokens = max_model_len - num_prompt + 1  # the rendered prompt (≤ num_prompt − 1 tokens) fits; one over
-    message = (rf"the prompt \({num_prompt} tokens\) plus max_tokens \({max_tokens}\) is {max_model_len + 1}, "
-               rf"longer than the context of {max_model_len} tokens")
+    message = (
+        rf"the prompt \({num_prompt} tokens\) plus max_tokens \({max_tokens}\) is {max_model_len + 1}, "
+        rf"longer than the context of {max_model_len} tokens"
+    )
     with pytest.raises(openai.BadRequestError, match=message) as caught:
         openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens)
     assert caught.value.body["param"] == "messages"
@@ -183,8 +190,9 @@ def test_a_failed_encode_leaves_nothing_queued(served, openai_client):
     it must leave the scheduler with its pools whole."""
     for _ in range(3):
         with pytest.raises(openai.BadRequestError, match="truncated"):
-            openai_client.chat.completions.create(model="tiny", messages=ask(data_url(encoded(100, 80)[:3000])),
-                                                  max_tokens=1)
+            openai_client.chat.completions.create(
+                model="tiny", messages=ask(data_url(encoded(100, 80)[:3000])), max_tokens=1
+            )
     assert pools_whole(served.server.engine.stats())
 
 
@@ -201,8 +209,9 @@ def test_a_multimodal_service_that_is_down_is_a_503(served, hop):
         async def start():  # on the server's loop, where the grpc.aio channels must live
             client = MultimodalClient(f"127.0.0.1:{port}", timeout_s=30)
             down = LocalEngine(server.engine, ImagePrompts(images.vision, images.placeholder_id, client))
-            frontend = Frontend(server.frontend.info, down, server.frontend.tokenizer, server.metrics,
-                                takes_request_ids=True)
+            frontend = Frontend(
+                server.frontend.info, down, server.frontend.tokenizer, server.metrics, takes_request_ids=True
+            )
             endpoint = remote = None
             if hop != "in-process":
                 endpoint = ApiServer(frontend, "127.0.0.1", None, 0)

@@ -28,10 +28,31 @@ PROMPTS = ["The deep sea is", "Hello"]
 def serve_ranks(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("serve-dp") / "serve.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.entrypoints.cli", "serve", "--dp", "2", "--batch-invariant", "--http-port", "0",
-         "--grpc-port", "0", "--max-num-seqs", str(SIZING["max_num_seqs"]), "--max-model-len",
-         str(SIZING["max_model_len"]), "--drain-timeout", "5"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=log, text=True)
+        [
+            sys.executable,
+            "-m",
+            "services.entrypoints.cli",
+            "serve",
+            "--dp",
+            "2",
+            "--batch-invariant",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--max-num-seqs",
+            str(SIZING["max_num_seqs"]),
+            "--max-model-len",
+            str(SIZING["max_model_len"]),
+            "--drain-timeout",
+            "5",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     line = proc.stdout.readline()
     if not line:
         proc.kill()
@@ -54,8 +75,9 @@ def test_greedy_through_http_equals_one_process(serve_ranks):
     replies: dict[str, object] = {}
 
     def ask(prompt):
-        replies[prompt] = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
-                                                    logprobs=1, extra_body={"ignore_eos": True})
+        replies[prompt] = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+        )
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
     for t in threads:

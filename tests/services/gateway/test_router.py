@@ -14,8 +14,15 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def stats(running: int) -> EngineStats:
-    return EngineStats(free_blocks=10, total_blocks=10, free_state_slots=4, total_state_slots=4, num_waiting=0,
-                       num_running=running, decode_step=0)
+    return EngineStats(
+        free_blocks=10,
+        total_blocks=10,
+        free_state_slots=4,
+        total_state_slots=4,
+        num_waiting=0,
+        num_running=running,
+        decode_step=0,
+    )
 
 
 async def until(predicate, timeout: float = 10.0) -> None:
@@ -31,8 +38,10 @@ def test_reports_and_lifecycle_steer_the_router(nats_url):
         router = EngineRouter([RemoteEngine("engine-0", "127.0.0.1:1"), RemoteEngine("engine-1", "127.0.0.1:2")])
         await router.subscribe(nats_url)
         loads = {"engine-0": 0, "engine-1": 0}
-        reporters = [LoadReporter(nats_url, name, f"127.0.0.1:{i + 1}", lambda name=name: stats(loads[name]),
-                                  interval_s=0.05) for i, name in enumerate(loads)]
+        reporters = [
+            LoadReporter(nats_url, name, f"127.0.0.1:{i + 1}", lambda name=name: stats(loads[name]), interval_s=0.05)
+            for i, name in enumerate(loads)
+        ]
         for r in reporters:
             await r.start()
         try:
@@ -88,6 +97,7 @@ def test_without_nats_the_score_is_the_live_count_and_falls_when_a_stream_ends(m
     """No load reports: a finished request no longer counts. One engine holds a long request while the other
     serves two short ones; the next request goes to the idle engine (counting every request ever sent, the
     idle one scores 2 against 1 and the busy engine would get it)."""
+
     async def submit(*args, **kwargs):
         return _Stream()
 

@@ -15,19 +15,49 @@ from services.gateway.server import ServeConfig
 from tests.services.gateway.conftest import ServerThread
 from tests.services.gateway.test_bad_input import OK
 
-pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
+]
 
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, drain_timeout_s=5,
-                                      engine_args={"max_num_seqs": 4}, tls=(str(cert), str(key)))).start()
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    thread = ServerThread(
+        ServeConfig(
+            model="tiny",
+            http_port=0,
+            grpc_port=0,
+            drain_timeout_s=5,
+            engine_args={"max_num_seqs": 4},
+            tls=(str(cert), str(key)),
+        )
+    ).start()
     yield thread, cert.read_bytes()
     thread.stop()
 
@@ -36,8 +66,9 @@ def test_https_with_the_certificate(tls_server):
     thread, cert = tls_server
     assert thread.http_url.startswith("https://")
     context = ssl.create_default_context(cadata=cert.decode())
-    req = urllib.request.Request(thread.http_url + "/v1/completions", data=json.dumps(OK).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        thread.http_url + "/v1/completions", data=json.dumps(OK).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30, context=context) as r:
         assert r.status == 200 and json.load(r)["choices"][0]["finish_reason"] == "length"
     with pytest.raises(OSError):  # plaintext HTTP to the TLS port: the connection is dropped

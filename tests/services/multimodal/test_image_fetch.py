@@ -78,16 +78,32 @@ def test_every_redirect_hop_is_checked(server, monkeypatch):
     the redirect; the first hop alone goes through."""
     port = int(server.rsplit(":", 1)[1])
     real = image_fetch.public_address
-    monkeypatch.setattr(image_fetch, "public_address",
-                        lambda host, p: "127.0.0.1" if host == "public.test" else real(host, p))
+    monkeypatch.setattr(
+        image_fetch, "public_address", lambda host, p: "127.0.0.1" if host == "public.test" else real(host, p)
+    )
     assert fetch_image(f"http://public.test:{port}/image", 1 << 20) == BODY
     with pytest.raises(ImageInputError, match="refused: '127.0.0.1' resolves"):
         fetch_image(f"http://public.test:{port}/redirect-to-http://127.0.0.1:{port}/image", 1 << 20)
 
 
-@pytest.mark.parametrize("address", ["10.1.2.3", "172.16.0.1", "192.168.1.1", "127.0.0.2", "169.254.169.254",
-                                     "224.0.0.1", "0.0.0.0", "100.64.0.1", "::1", "fe80::1", "fc00::1",
-                                     "ff02::1", "::ffff:127.0.0.1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "127.0.0.2",
+        "169.254.169.254",
+        "224.0.0.1",
+        "0.0.0.0",
+        "100.64.0.1",
+        "::1",
+        "fe80::1",
+        "fc00::1",
+        "ff02::1",
+        "::ffff:127.0.0.1",
+    ],
+)
 def test_private_loopback_link_local_and_multicast_addresses_are_refused(address, monkeypatch):
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", (address, 80))])
@@ -119,13 +135,16 @@ def test_byte_limit_deadline_and_unreachable(server):
         fetch_image(server + "/missing", 1 << 20, allow_private=True)
 
 
-@pytest.mark.parametrize("url, message", [
-    ("file:///etc/passwd", "scheme 'file' is not supported"),
-    ("ftp://example.com/a.png", "scheme 'ftp' is not supported"),
-    ("just-a-path.png", r"scheme '\(none\)' is not supported"),
-    ("data:image/png;base64,!!!!", "not valid base64"),
-    ("data:image/png;base64", "no ','"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("file:///etc/passwd", "scheme 'file' is not supported"),
+        ("ftp://example.com/a.png", "scheme 'ftp' is not supported"),
+        ("just-a-path.png", r"scheme '\(none\)' is not supported"),
+        ("data:image/png;base64,!!!!", "not valid base64"),
+        ("data:image/png;base64", "no ','"),
+    ],
+)
 def test_other_schemes_and_bad_data_urls_are_refused(url, message):
     with pytest.raises(ImageInputError, match=message):
         fetch_image(url, 1 << 20)

@@ -14,8 +14,18 @@ from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.vision_config import VisionConfig
 from services.multimodal.preprocess import ImageInputError, ImageLimits, open_image, prepare_image
 
-FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "patch_size", "rope_theta",
-          "downsample_ratio", "max_image_tokens", "min_pixels", "max_wh_ratio")
+FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "patch_size",
+    "rope_theta",
+    "downsample_ratio",
+    "max_image_tokens",
+    "min_pixels",
+    "max_wh_ratio",
+)
 
 
 def encoded(width: int, height: int, fmt: str = "PNG", seed: int = 0, mode: str = "RGB") -> bytes:
@@ -25,10 +35,12 @@ def encoded(width: int, height: int, fmt: str = "PNG", seed: int = 0, mode: str 
     return out.getvalue()
 
 
-@pytest.mark.parametrize("vcfg", [TINY.vision, VisionConfig(), VisionConfig(max_wh_ratio=2.0)],
-                         ids=["tiny", "flash", "flash-squeeze"])
-@pytest.mark.parametrize("size,fmt", [((100, 80), "PNG"), ((37, 200), "JPEG"), ((640, 480), "WEBP"),
-                                      ((300, 20), "GIF")])
+@pytest.mark.parametrize(
+    "vcfg", [TINY.vision, VisionConfig(), VisionConfig(max_wh_ratio=2.0)], ids=["tiny", "flash", "flash-squeeze"]
+)
+@pytest.mark.parametrize(
+    "size,fmt", [((100, 80), "PNG"), ((37, 200), "JPEG"), ((640, 480), "WEBP"), ((300, 20), "GIF")]
+)
 def test_patches_equal_nemos_processor(vcfg, size, fmt):
     nemo = pytest.importorskip("nemo_automodel.components.models.deepseek_v41.processing")
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41VisionConfig

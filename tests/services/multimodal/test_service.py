@@ -39,6 +39,7 @@ def tiny_encoder():
 def run_with_server(api: MultimodalApi, body):
     """Runs ``body(call)`` against an in-process server; ``call(method, image)`` → (response, None) or
     (None, (code, details))."""
+
     async def main():
         server = grpc.aio.server(options=GRPC_OPTIONS)
         server.add_generic_rpc_handlers((api.handler(),))
@@ -46,14 +47,19 @@ def run_with_server(api: MultimodalApi, body):
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+
                 async def call(method: str, image: bytes):
                     reply_type = pb.EncodeResponse if method == ENCODE else pb.PlanResponse
-                    rpc = channel.unary_unary(method, request_serializer=pb.ImageRequest.SerializeToString,
-                                              response_deserializer=reply_type.FromString)
+                    rpc = channel.unary_unary(
+                        method,
+                        request_serializer=pb.ImageRequest.SerializeToString,
+                        response_deserializer=reply_type.FromString,
+                    )
                     try:
                         return await rpc(pb.ImageRequest(image=image), timeout=60), None
                     except grpc.aio.AioRpcError as err:
                         return None, (err.code(), err.details())
+
                 return await body(call)
         finally:
             await server.stop(None)
@@ -81,8 +87,11 @@ def test_encode_returns_the_towers_span_and_caches_it(tiny_encoder):
     prepared = prepare_image(image, cfg.vision, ImageLimits())
     with torch.no_grad():
         expected = encoder(prepared.patches, [(prepared.grid.patch_rows, prepared.grid.patch_cols)])[0]
-    assert (plan.num_tokens, plan.rows, plan.cols) == (prepared.grid.num_tokens, prepared.grid.rows,
-                                                      prepared.grid.cols) == (10, 2, 3)
+    assert (
+        (plan.num_tokens, plan.rows, plan.cols)
+        == (prepared.grid.num_tokens, prepared.grid.rows, prepared.grid.cols)
+        == (10, 2, 3)
+    )
     assert first.plan == plan and first.hidden_size == cfg.hidden_size and not first.cached
     assert torch.equal(span_of(first), expected)
     assert second.cached and second.embeddings == first.embeddings and second.content_hash == first.content_hash
@@ -117,9 +126,14 @@ def test_bad_images_are_invalid_argument_and_the_service_keeps_serving(tiny_enco
     Image.new("RGB", (20, 20)).save(tiff, "TIFF")
     flat = io.BytesIO()
     Image.new("RGB", (300, 300)).save(flat, "PNG")
-    bad = [(b"", "empty"), (b"GIF89a garbage", "corrupt|supported"), (png(50, 50)[:400], "truncated"),
-           (tiff.getvalue(), "TIFF is not supported"), (png(120, 120), "over the limit of 30000"),
-           (flat.getvalue(), "90000 pixels, over the limit of 40000")]
+    bad = [
+        (b"", "empty"),
+        (b"GIF89a garbage", "corrupt|supported"),
+        (png(50, 50)[:400], "truncated"),
+        (tiff.getvalue(), "TIFF is not supported"),
+        (png(120, 120), "over the limit of 30000"),
+        (flat.getvalue(), "90000 pixels, over the limit of 40000"),
+    ]
 
     async def body(call):
         out = []

@@ -26,8 +26,10 @@ def test_the_byte_bound_holds_for_every_token():
     tokenizer = load_v41_tokenizer()
     bound = max_token_bytes(tokenizer)
     assert bound == 128  # V4.1's longest token (a run of 128 dots; the 256-character run of "Ġ" is 128 spaces)
-    longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
-                  for i in range(0, tokenizer.get_vocab_size(), 97))
+    longest = max(
+        len(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+        for i in range(0, tokenizer.get_vocab_size(), 97)
+    )
     assert longest <= bound
     with pytest.raises(ValueError, match="at least 5 tokens"):
         check_bytes(4 * bound + 1, 4, bound)
@@ -36,8 +38,12 @@ def test_the_byte_bound_holds_for_every_token():
 
 @pytest.fixture(scope="module")
 def tokenizer_service():
-    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.tokenizer", "--model", "tiny", "--grpc-addr",
-                             "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.entrypoints.tokenizer", "--model", "tiny", "--grpc-addr", "127.0.0.1:0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready = json.loads(proc.stdout.readline())
         yield f"127.0.0.1:{ready['grpc_port']}"
@@ -47,8 +53,11 @@ def tokenizer_service():
 
 
 def encode(channel, text: str, max_tokens: int | None = None, timeout: float = 60) -> pb.EncodeResponse:
-    call = channel.unary_unary(ENCODE, request_serializer=pb.EncodeRequest.SerializeToString,
-                               response_deserializer=pb.EncodeResponse.FromString)
+    call = channel.unary_unary(
+        ENCODE,
+        request_serializer=pb.EncodeRequest.SerializeToString,
+        response_deserializer=pb.EncodeResponse.FromString,
+    )
     return call(pb.EncodeRequest(text=text, add_bos=True, max_tokens=max_tokens), timeout=timeout)
 
 
@@ -89,8 +98,10 @@ def test_health_and_short_encodes_are_answered_while_two_clients_keep_it_busy(to
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:
                 start = time.monotonic()
-                assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-                    health_pb2.HealthCheckResponse.SERVING
+                assert (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
                 health_s.append(time.monotonic() - start)
                 start = time.monotonic()
                 assert len(encode(ch, "The capital of France is", max_tokens=4095).token_ids) > 1

@@ -15,7 +15,7 @@ def tokenizer():
 
 def stream(tokenizer, ids, step=1):
     detok = IncrementalDetokenizer(tokenizer)
-    deltas = [detok.push(ids[i:i + step]) for i in range(0, len(ids), step)]
+    deltas = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)]
     return deltas, detok.finish()
 
 

@@ -21,8 +21,12 @@ BUDGET = 256 - 4  # max_model_len 256 less max_tokens 4: what the gateway passes
 
 @pytest.fixture(scope="module")
 def address():
-    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.tokenizer", "--model", "tiny", "--grpc-addr",
-                             "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.entrypoints.tokenizer", "--model", "tiny", "--grpc-addr", "127.0.0.1:0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield f"127.0.0.1:{json.loads(proc.stdout.readline())['grpc_port']}"
     finally:
@@ -61,5 +65,5 @@ def test_a_refusal_quoting_a_long_value_is_invalid_argument_not_a_failed_service
     arrived as RESOURCE_EXHAUSTED, which the gateway answers as a 503 (the service failed)."""
     url = "data:image/png;base64," + "A" * 200_000
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": url}]}]}
-    with pytest.raises(ChatError, match=r'expected struct ChatCompletionImageUrl'):
+    with pytest.raises(ChatError, match=r"expected struct ChatCompletionImageUrl"):
         call(address, "render_chat", body, BUDGET)

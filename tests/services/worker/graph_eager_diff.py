@@ -22,16 +22,31 @@ from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_model_runner import case
 from tests.services.worker.runners.test_static_decode_step import setup
 
-WATCHED = ("attn_norm", "ffn_norm", "wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "ffn", "engram",
-           "weights_proj")
+WATCHED = (
+    "attn_norm",
+    "ffn_norm",
+    "wq_a",
+    "q_norm",
+    "wq_b",
+    "wkv",
+    "kv_norm",
+    "wo_a",
+    "wo_b",
+    "ffn",
+    "engram",
+    "weights_proj",
+)
 
 
 def record(model, sink: list) -> list:
     handles = []
     for name, module in model.named_modules():
         if name.split(".")[-1] in WATCHED:
-            handles.append(module.register_forward_hook(
-                lambda m, a, out, name=name: sink.append((name, out[0] if isinstance(out, tuple) else out))))
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, name=name: sink.append((name, out[0] if isinstance(out, tuple) else out))
+                )
+            )
     return handles
 
 
@@ -58,8 +73,9 @@ def first_difference(eager: list, static: list, rows: int) -> dict | None:
 
 def main() -> int:
     model = case("oracle", "cuda").model
-    sched, eager, static, token_at, _ = setup("oracle", "cuda", "triton", False, model=copy.deepcopy(model),
-                                              backend="kernels")
+    sched, eager, static, token_at, _ = setup(
+        "oracle", "cuda", "triton", False, model=copy.deepcopy(model), backend="kernels"
+    )
     for runner in (eager, static.runner):
         runner.batch_invariant = True
     calls: list = []
@@ -87,8 +103,10 @@ def main() -> int:
         result["steps"] += 1
         if StaticDecodeStep.fits(plan) and not torch.equal(got.logits, want.logits):
             traces: list[tuple[list, list]] = []
-            for runner, run in ((eager, lambda: eager.execute(plan, all_rows=True)),
-                                (static.runner, lambda: static.execute(plan, all_rows=True))):
+            for runner, run in (
+                (eager, lambda: eager.execute(plan, all_rows=True)),
+                (static.runner, lambda: static.execute(plan, all_rows=True)),
+            ):
                 runner.cache.blocks.copy_(blocks)
                 runner.cache.slots.copy_(slots)
                 calls.clear()
@@ -98,10 +116,13 @@ def main() -> int:
                 for h in handles:
                     h.remove()
                 traces.append((modules, [(f"{n}#{i}", t) for i, (n, t) in enumerate(calls)]))
-            result.update(step=result["steps"], rows=plan.num_rows,
-                          logits_max_abs=float((got.logits - want.logits).abs().max()),
-                          modules=first_difference(traces[0][0], traces[1][0], plan.num_rows),
-                          calls=first_difference(traces[0][1], traces[1][1], plan.num_rows))
+            result.update(
+                step=result["steps"],
+                rows=plan.num_rows,
+                logits_max_abs=float((got.logits - want.logits).abs().max()),
+                modules=first_difference(traces[0][0], traces[1][0], plan.num_rows),
+                calls=first_difference(traces[0][1], traces[1][1], plan.num_rows),
+            )
             break
         sched.update(plan, run_step(plan, token_at))
     print(json.dumps(result), flush=True)

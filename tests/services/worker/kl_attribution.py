@@ -93,9 +93,14 @@ def logits(case: SimpleNamespace, model=None) -> torch.Tensor:
 def stats(ref: torch.Tensor, ours: torch.Tensor) -> dict[str, float]:
     s = row_stats(ref, ours)
     wide = s["margin"] >= MARGIN
-    return {"mean": float(s["kl"].mean()), "max": float(s["kl"].max()),
-            "top1": float(s["agree"][wide].double().mean()) if wide.any() else math.nan,
-            "H": float(s["entropy"].mean()), "margin": float(s["margin"].median()), "rows": len(s["kl"])}
+    return {
+        "mean": float(s["kl"].mean()),
+        "max": float(s["kl"].max()),
+        "top1": float(s["agree"][wide].double().mean()) if wide.any() else math.nan,
+        "H": float(s["entropy"].mean()),
+        "margin": float(s["margin"].median()),
+        "rows": len(s["kl"]),
+    }
 
 
 def pooled(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -165,20 +170,30 @@ def _act_sites(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, torch.ones(*x.shape[:-1], x.shape[-1] // reference.GROUP)
 
 
-
-
 def reference_kernels() -> KernelSet:
     """``KernelSet.references()`` (the FP8 floor) without the attention slots, with
     ``quantize_act`` looked up at call time so ACT switches it."""
-    def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
-        return reference.moe_grouped_gemm(a, w, w_scale, meta["counts"], row_ids=meta["row_ids"] if gather else None,
-                                          route_w=meta["route_w"], swiglu_limit=swiglu_limit, out_dtype=out_dtype)
 
-    return KernelSet(SimpleNamespace(rmsnorm=reference.rmsnorm),
-                     SimpleNamespace(quantize_act=lambda x: reference.quantize_act(x)),
-                     SimpleNamespace(moe_router=lambda *a: _record("route", reference.moe_router(*a))),
-                     SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
-                     SimpleNamespace(), interpreted=True)
+    def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
+        return reference.moe_grouped_gemm(
+            a,
+            w,
+            w_scale,
+            meta["counts"],
+            row_ids=meta["row_ids"] if gather else None,
+            route_w=meta["route_w"],
+            swiglu_limit=swiglu_limit,
+            out_dtype=out_dtype,
+        )
+
+    return KernelSet(
+        SimpleNamespace(rmsnorm=reference.rmsnorm),
+        SimpleNamespace(quantize_act=lambda x: reference.quantize_act(x)),
+        SimpleNamespace(moe_router=lambda *a: _record("route", reference.moe_router(*a))),
+        SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
+        SimpleNamespace(),
+        interpreted=True,
+    )
 
 
 def _project_out(self, out, angles):  # Attention.project_out with a converted (grouped) wo_a
@@ -188,7 +203,6 @@ def _project_out(self, out, angles):  # Attention.project_out with a converted (
         return self.wo_b(self.wo_a(grouped))
     w = self.wo_a.weight.view(self.num_groups, -1, grouped.shape[-1])
     return self.wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
-
 
 
 def fp8_model(model):
@@ -260,9 +274,11 @@ def _hc_tf32(self, h):
     m = proj * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
     scales = torch.cat((self.scale[0].expand(n), self.scale[1].expand(n), self.scale[2].expand(n * n)))
     lg = torch.addcmul(self.base, m, scales)
-    return Mix(torch.sigmoid(lg[..., :n]) + self.eps, 2 * torch.sigmoid(lg[..., n : 2 * n]),
-               sinkhorn(lg[..., 2 * n :].unflatten(-1, (n, n)), self.iters, self.eps))
-
+    return Mix(
+        torch.sigmoid(lg[..., :n]) + self.eps,
+        2 * torch.sigmoid(lg[..., n : 2 * n]),
+        sinkhorn(lg[..., 2 * n :].unflatten(-1, (n, n)), self.iters, self.eps),
+    )
 
 
 @contextlib.contextmanager
@@ -336,8 +352,13 @@ def flipped(case, ref: dict, ours: dict) -> dict[str, tuple[int, int]]:
 
 # ---------------------------------------------------------------- experiments
 
-SETTINGS = (("all on", set()), ("no cache rounding", {"cache"}), ("select all entries", {"select"}),
-            ("route to all experts", {"route"}), ("all three off", set(MECHANISMS)))
+SETTINGS = (
+    ("all on", set()),
+    ("no cache rounding", {"cache"}),
+    ("select all entries", {"select"}),
+    ("route to all experts", {"route"}),
+    ("all three off", set(MECHANISMS)),
+)
 SITES = ("attn_out", "moe_in", "fp8_sites")
 
 
@@ -349,8 +370,10 @@ def slope(eps: tuple[float, ...], kls: list[float]) -> float:
 
 
 def table_scaling(cases, eps: tuple[float, ...]) -> None:
-    print(f"\n## 1. mean KL vs relative noise ε at one site (pooled over {', '.join(c.name for c in cases)}; "
-          f"slope = d log KL / d log ε)")
+    print(
+        f"\n## 1. mean KL vs relative noise ε at one site (pooled over {', '.join(c.name for c in cases)}; "
+        f"slope = d log KL / d log ε)"
+    )
     print(f"{'mechanisms':22} {'site':10} " + " ".join(f"{e:>9.0e}" for e in eps) + f" {'slope':>6} {'FP8 fmt':>9}")
     for label, off in SETTINGS:
         per_site: dict[str, list[list[dict]]] = {s: [[] for _ in eps] for s in SITES}
@@ -427,8 +450,10 @@ def table_kernels(cases) -> None:
                 parts.append(stats(ref, logits(c, f if fp8 in (True, None) else None)))
                 ACT["mode"] = "fp8"
         p = pooled(parts)
-        print(f"{label:46} {p['mean']:>9.3g} {p['max']:>8.3g} {p['top1']:>7.3f}   "
-              + " ".join(f"{q['mean']:.3g}" for q in parts))
+        print(
+            f"{label:46} {p['mean']:>9.3g} {p['max']:>8.3g} {p['top1']:>7.3f}   "
+            + " ".join(f"{q['mean']:.3g}" for q in parts)
+        )
 
 
 def scaled(model, k: int, head: float = 1.0):
@@ -442,8 +467,10 @@ def scaled(model, k: int, head: float = 1.0):
 
 def table_init(cases, ks: tuple[int, ...], heads: tuple[float, ...]) -> None:
     print("\n## 3. Same architecture, residual branches × 2^-k: KL(fp32 ‖ FP8 formats) (pooled)")
-    print(f"{'k':>3} {'head':>5} {'mean KL':>9} {'max KL':>8} {'top-1':>7} {'ref H':>6} {'med margin':>10} "
-          f"{'layers move':>11} {'bf16 attn':>9}")
+    print(
+        f"{'k':>3} {'head':>5} {'mean KL':>9} {'max KL':>8} {'top-1':>7} {'ref H':>6} {'med margin':>10} "
+        f"{'layers move':>11} {'bf16 attn':>9}"
+    )
     for head in heads:
         for k in ks:
             parts, moved, attn = [], [], []
@@ -455,8 +482,10 @@ def table_init(cases, ks: tuple[int, ...], heads: tuple[float, ...]) -> None:
                 with kernel_roundings(q_bf16=True, p_bf16=True):
                     attn.append(stats(ref, logits(c, m)))
             p = pooled(parts)
-            print(f"{k:>3} {head:>5g} {p['mean']:>9.3g} {p['max']:>8.3g} {p['top1']:>7.3f} {p['H']:>6.3f} "
-                  f"{p['margin']:>10.3f} {pooled(moved)['mean']:>11.3g} {pooled(attn)['mean']:>9.3g}")
+            print(
+                f"{k:>3} {head:>5g} {p['mean']:>9.3g} {p['max']:>8.3g} {p['top1']:>7.3f} {p['H']:>6.3f} "
+                f"{p['margin']:>10.3f} {pooled(moved)['mean']:>11.3g} {pooled(attn)['mean']:>9.3g}"
+            )
 
 
 def table_flips(cases, ks: tuple[int, ...]) -> None:
@@ -484,6 +513,7 @@ def gpu_dots(device: str = "cuda") -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     init = TritonAttention.__init__
     for precision, force in (("fp8", None), ("fp8", True), ("fp32", False), ("fp32", None)):
+
         def forced(self, *a, force=force, **k):
             init(self, *a, **k)
             if force is not None:
@@ -498,17 +528,22 @@ def gpu_dots(device: str = "cuda") -> None:
                 parts.append(t._kl_report(c, t.drive(c, t.runner_for(c, model, budget, precision, kernels), budget)))
         n, rows = sum(p["positions"] for p in parts), sum(p["margin_rows"] for p in parts)
         mean = sum(p["mean_kl"] * p["positions"] for p in parts) / n
-        print(f"{device} {precision} fp32_dots={'as shipped' if force is None else force}: mean KL "
-              f"{mean:.4g}, max KL {max(p['max_kl'] for p in parts):.3g}, "
-              f"top-1 {sum(p['top1'] * p['margin_rows'] for p in parts) / rows:.3f}; per config "
-              + " ".join(f"{p['mean_kl']:.3g}" for p in parts))
+        print(
+            f"{device} {precision} fp32_dots={'as shipped' if force is None else force}: mean KL "
+            f"{mean:.4g}, max KL {max(p['max_kl'] for p in parts):.3g}, "
+            f"top-1 {sum(p['top1'] * p['margin_rows'] for p in parts) / rows:.3f}; per config "
+            + " ".join(f"{p['mean_kl']:.3g}" for p in parts)
+        )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="oracle config only, fewer points")
-    parser.add_argument("--gpu-dots", action="store_true", help="(CUDA) the engine's KL with the attention "
-                        "kernels' dot precision forced; see gpu_dots")
+    parser.add_argument(
+        "--gpu-dots",
+        action="store_true",
+        help="(CUDA) the engine's KL with the attention kernels' dot precision forced; see gpu_dots",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.gpu_dots:
@@ -517,8 +552,10 @@ def main(argv=None) -> int:
     torch.use_deterministic_algorithms(True)
     start = time.time()
     cases = [build(n) for n in (("oracle",) if args.quick else ("oracle", "wide", "nocand"))]
-    print(f"KL attribution on {', '.join(c.name for c in cases)}: {sum(int(c.valid.sum()) for c in cases)} positions, "
-          f"vocabulary {cases[0].model.cfg.vocab_size} (ln V = {math.log(cases[0].model.cfg.vocab_size):.3f})")
+    print(
+        f"KL attribution on {', '.join(c.name for c in cases)}: {sum(int(c.valid.sum()) for c in cases)} positions, "
+        f"vocabulary {cases[0].model.cfg.vocab_size} (ln V = {math.log(cases[0].model.cfg.vocab_size):.3f})"
+    )
     with installed():
         table_scaling(cases, EPSILONS[1:3] if args.quick else EPSILONS)
         table_tiny_noise(cases, (1e-7, 1e-6, 1e-5), (0,) if args.quick else (0, 1))

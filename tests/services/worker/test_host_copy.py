@@ -18,9 +18,13 @@ def test_a_copy_holds_the_values_in_its_own_storage():
 
 
 def test_sampled_round_trips_field_by_field():
-    s = SamplerOutput(token_ids=torch.tensor([4, 5]), logprobs=torch.tensor([-0.5, -1.0]),
-                      top_token_ids=torch.tensor([[4], [5]]), top_logprobs=torch.tensor([[-0.5], [-1.0]]),
-                      errors=torch.tensor([False, True]))
+    s = SamplerOutput(
+        token_ids=torch.tensor([4, 5]),
+        logprobs=torch.tensor([-0.5, -1.0]),
+        top_token_ids=torch.tensor([[4], [5]]),
+        top_logprobs=torch.tensor([[-0.5], [-1.0]]),
+        errors=torch.tensor([False, True]),
+    )
     back = host_sampled(sampled_copy(s))
     for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "errors"):
         assert torch.equal(getattr(back, name), getattr(s, name)), name

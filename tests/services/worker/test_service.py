@@ -20,9 +20,14 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def start_worker(*extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.worker", "--grpc-addr", "127.0.0.1:0", *extra],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.entrypoints.worker", "--grpc-addr", "127.0.0.1:0", *extra],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if not line:
         proc.kill()
@@ -50,9 +55,12 @@ def remote_llm():
 
 def test_remote_worker_gives_the_same_tokens_as_the_in_process_one(remote_llm):
     prompts = ["Hello", "The deep sea is", [0, 19923, 19923, 19923], "Forced"]
-    params = [SamplingParams(max_tokens=5, seed=3, logprobs=2), SamplingParams(max_tokens=4, temperature=0),
-              SamplingParams(max_tokens=3, seed=9, top_p=0.9, top_k=50),
-              SamplingParams(max_tokens=3, seed=4, logprobs=1, forced_token_ids=(7, 8), logit_bias={9: 40.0, 10: -2.0})]
+    params = [
+        SamplingParams(max_tokens=5, seed=3, logprobs=2),
+        SamplingParams(max_tokens=4, temperature=0),
+        SamplingParams(max_tokens=3, seed=9, top_p=0.9, top_k=50),
+        SamplingParams(max_tokens=3, seed=4, logprobs=1, forced_token_ids=(7, 8), logit_bias={9: 40.0, 10: -2.0}),
+    ]
     local = LLM("tiny", batch_invariant=True).generate(prompts, params)
     llm = remote_llm
     remote = llm.generate(prompts, params)
@@ -101,8 +109,9 @@ def test_an_image_chat_on_a_remote_worker_equals_the_in_process_one(remote_llm):
     messages = ask(data_url(90, 70, seed=3))
     want = local.chat(messages, params)[0]
     rendered = local._chat.render({"messages": messages})  # the renderer local.chat just built
-    ids, rows = expand_images(rendered.token_ids, rendered.image_urls,
-                              local.tokenizer.token_to_id(IMAGE_PLACEHOLDER), local.source.model)
+    ids, rows = expand_images(
+        rendered.token_ids, rendered.image_urls, local.tokenizer.token_to_id(IMAGE_PLACEHOLDER), local.source.model
+    )
     assert rows is not None and rows.dtype == torch.float32 and len(ids) == len(want.prompt_token_ids)
     engine = remote_llm.engine
     for with_text in (False, True):
@@ -131,8 +140,10 @@ def test_image_rows_cross_the_codec_bit_for_bit(dtype):
 
     rows = (torch.randn(7, 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
     back = array_to_tensor(tensor_to_array(rows))
-    assert back.dtype == dtype and torch.equal(back.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                                               rows.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert back.dtype == dtype and torch.equal(
+        back.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        rows.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
     msg = tensor_to_array(rows)
     msg.shape[0] = 8
     with pytest.raises(ValueError, match="do not hold"):

@@ -9,9 +9,13 @@ from services.worker.worker import WorkerOutput, last_tokens
 
 def _sampled(tokens, errors):
     n = len(tokens)
-    return SamplerOutput(token_ids=torch.tensor(tokens), logprobs=torch.zeros(n),
-                         top_token_ids=torch.zeros(n, 0, dtype=torch.long), top_logprobs=torch.zeros(n, 0),
-                         errors=torch.tensor(errors))
+    return SamplerOutput(
+        token_ids=torch.tensor(tokens),
+        logprobs=torch.zeros(n),
+        top_token_ids=torch.zeros(n, 0, dtype=torch.long),
+        top_logprobs=torch.zeros(n, 0),
+        errors=torch.tensor(errors),
+    )
 
 
 def test_last_tokens_take_each_requests_last_row_and_mark_failures():

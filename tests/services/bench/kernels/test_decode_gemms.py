@@ -34,10 +34,15 @@ def test_every_row_at_toy_sizes_and_the_variants_agree_bit_for_bit(monkeypatch):
         rows += gemms.bench_projections(40, ceil, torch.Generator().manual_seed(1))
     kinds = [r["kernel"] for r in rows]
     # T 40, top-2 of 16 + shared: ~7 slots per expert, BLOCK_M 16; the shared expert has 3 M tiles.
-    assert kinds[:2] == ["moe layer gate/up+swiglu fp8→fp8 [m_split 1] (engine)",
-                         "moe layer gate/up+swiglu fp8→fp8 [m_split 3]"]
+    assert kinds[:2] == [
+        "moe layer gate/up+swiglu fp8→fp8 [m_split 1] (engine)",
+        "moe layer gate/up+swiglu fp8→fp8 [m_split 3]",
+    ]
     assert kinds[2:4] == ["moe layer down fp8→bf16 [m_split 1] (engine)", "moe layer down fp8→bf16 [m_split 3]"]
-    assert kinds[4:6] == ["moe layer experts+combine [shared stacked]", "moe layer experts+combine [shared apart] (engine)"]
+    assert kinds[4:6] == [
+        "moe layer experts+combine [shared stacked]",
+        "moe layer experts+combine [shared apart] (engine)",
+    ]
     assert kinds[6:8] == ["projection toy.wq [BLOCK_M 16] (engine)", "projection toy.wq [BLOCK_M 32]"]
     assert len(rows) == 10 and all(r["us"] == 100.0 and r["tb_s"] > 0 for r in rows)
     # Each pair of variants writes the same values. Slots past an expert's count are never written

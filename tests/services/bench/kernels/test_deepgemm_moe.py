@@ -48,17 +48,26 @@ def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
     with interpreter():
         rows = deep_bench.bench(ceil, False, torch.Generator().manual_seed(0))
     assert [r["kernel"] for r in rows] == [
-        "prefill moe layer [DeepGEMM contiguous]", "prefill moe layer [DeepGEMM contiguous, torch layout]",
+        "prefill moe layer [DeepGEMM contiguous]",
+        "prefill moe layer [DeepGEMM contiguous, torch layout]",
         "prefill moe layer [grouped Triton]",
-        "prefill moe layout [Triton, quantise then gather]", "prefill moe layout [Triton, quantise per row]",
+        "prefill moe layout [Triton, quantise then gather]",
+        "prefill moe layout [Triton, quantise per row]",
         "prefill moe layout [torch]",
         "prefill moe layer [cuBLASLt per expert]",
-        "prefill moe gate/up [DeepGEMM contiguous]", "prefill moe down [DeepGEMM contiguous]",
-        "prefill moe gate/up [grouped Triton]", "prefill moe gate/up [cuBLASLt per expert]",
-        "prefill moe down [grouped Triton]", "prefill moe down [cuBLASLt per expert]",
-        "decode moe layer [DeepGEMM masked]", "decode moe layer [grouped Triton] (engine)",
-        "decode moe gate/up [DeepGEMM masked]", "decode moe gate/up [grouped Triton] (engine)",
-        "decode moe down [DeepGEMM masked]", "decode moe down [grouped Triton] (engine)"]
+        "prefill moe gate/up [DeepGEMM contiguous]",
+        "prefill moe down [DeepGEMM contiguous]",
+        "prefill moe gate/up [grouped Triton]",
+        "prefill moe gate/up [cuBLASLt per expert]",
+        "prefill moe down [grouped Triton]",
+        "prefill moe down [cuBLASLt per expert]",
+        "decode moe layer [DeepGEMM masked]",
+        "decode moe layer [grouped Triton] (engine)",
+        "decode moe gate/up [DeepGEMM masked]",
+        "decode moe gate/up [grouped Triton] (engine)",
+        "decode moe down [DeepGEMM masked]",
+        "decode moe down [grouped Triton] (engine)",
+    ]
     notes = " ".join(r["note"] for r in rows)
     assert "FAIL" not in notes and notes.count("(ok ≤") == 6  # two layers, four products
     assert notes.count("byte-equal (ok)") == 2 and notes.count("the default;") == 1  # the layout kernel both ways

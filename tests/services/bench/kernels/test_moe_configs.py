@@ -70,9 +70,11 @@ def tag_calls(monkeypatch, replay):
     def timed_problems(*args):  # each call tells the timer which config it runs
         out = []
         for name, t, key, call, nbytes, block_m in real_problems(*args):
+
             def timed(call=call, **config):
                 replay.stages = {4: 8, 5: 5, 3: 3}.get(config.get("num_stages"))
                 return call(**config)
+
             out.append((name, t, key, timed, nbytes, block_m))
         return out
 
@@ -85,11 +87,19 @@ def test_rows_and_table_at_toy_sizes(toy, monkeypatch):
     with interpreter():
         rows, table = bench.sweep(ceil, True, torch.Generator().manual_seed(0))
     names = [r["kernel"] for r in rows]
-    per_layer = ["moe gate/up+swiglu [defaults]", "moe gate/up+swiglu [best of 3]", "moe down [defaults]",
-                 "moe down [best of 3]"]
-    apart = [n.replace("moe gate/up+swiglu", "moe gate/up+swiglu routed").replace("moe down", "moe down routed")
-             for n in per_layer] + [n.replace("moe gate/up+swiglu", "moe gate/up+swiglu shared")
-                                    .replace("moe down", "moe down shared") for n in per_layer]
+    per_layer = [
+        "moe gate/up+swiglu [defaults]",
+        "moe gate/up+swiglu [best of 3]",
+        "moe down [defaults]",
+        "moe down [best of 3]",
+    ]
+    apart = [
+        n.replace("moe gate/up+swiglu", "moe gate/up+swiglu routed").replace("moe down", "moe down routed")
+        for n in per_layer
+    ] + [
+        n.replace("moe gate/up+swiglu", "moe gate/up+swiglu shared").replace("moe down", "moe down shared")
+        for n in per_layer
+    ]
     assert names == per_layer + apart + ["attention wo_a (grouped) [defaults]", "attention wo_a (grouped) [best of 3]"]
     best_notes = [r["note"] for r in rows[1::2]]
     assert all(n.startswith(str(FAST)) and "BITS DIFFER" in n and str(WRONG) in n for n in best_notes), best_notes

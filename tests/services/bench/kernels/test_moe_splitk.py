@@ -36,10 +36,15 @@ def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):
     with interpreter():
         rows = bench.bench(ceil, False, torch.Generator().manual_seed(0))
     # Toy gate/up: K 256, 2 blocks, the rule's 2 splits then the other divisor, 1; down: K 128, one split only.
-    per_size = ["moe layer [one pass] (engine)", "moe layer [split-K]",
-                "moe gate/up+swiglu fp8→fp8 [one pass] (engine)", "moe gate/up+swiglu fp8→fp8 [split-K]",
-                "moe gate/up+swiglu fp8→fp8 [split-K ×1]",
-                "moe down fp8→bf16 [one pass] (engine)", "moe down fp8→bf16 [split-K]"]
+    per_size = [
+        "moe layer [one pass] (engine)",
+        "moe layer [split-K]",
+        "moe gate/up+swiglu fp8→fp8 [one pass] (engine)",
+        "moe gate/up+swiglu fp8→fp8 [split-K]",
+        "moe gate/up+swiglu fp8→fp8 [split-K ×1]",
+        "moe down fp8→bf16 [one pass] (engine)",
+        "moe down fp8→bf16 [split-K]",
+    ]
     assert [r["kernel"] for r in rows] == per_size * 2
     notes = [r["note"] for r in rows]
     assert "FAIL" not in " ".join(notes) and sum("(one pass" in n and "ok ≤" in n for n in notes) == 2

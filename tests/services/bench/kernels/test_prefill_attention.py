@@ -23,8 +23,9 @@ def test_window_staging_rows_and_layer_sums(monkeypatch, capsys):
     monkeypatch.setattr(timing, "_bench_replay", one_call)
     # An 8-row chunk at the end of a 300-token context: its windows reach into the ring.
     with interpreter(), bf16_interpreter():
-        results = bench.window_staging(torch.Generator().manual_seed(0), ((8, 300),), device="cpu", num_heads=4,
-                                       head_dim=64)
+        results = bench.window_staging(
+            torch.Generator().manual_seed(0), ((8, 300),), device="cpu", num_heads=4, head_dim=64
+        )
     assert [r["layer"] for r in results] == ["compressed (staged entries)", "window only"]
     assert all(r["equal"] and r["in_loop_us"] == r["staged_total_us"] == pytest.approx(100.0) for r in results)
     bench.print_window_staging(results, 40, 2)

@@ -42,9 +42,13 @@ def test_both_rows_at_toy_sizes_compute_the_same_layer(monkeypatch):
         rows = prefill_moe.bench_layer(40, ceil, torch.Generator().manual_seed(0))
     # 40 tokens are below MIN_TOKENS: the engine stays on Triton, and the cuBLASLt row is still measured.
     assert [r["kernel"] for r in rows] == [
-        "prefill moe layer [grouped Triton] (engine)", "prefill moe layer [cuBLASLt per expert]",
-        "prefill moe gate/up [grouped Triton]", "prefill moe gate/up [cuBLASLt per expert]",
-        "prefill moe down [grouped Triton]", "prefill moe down [cuBLASLt per expert]"]
+        "prefill moe layer [grouped Triton] (engine)",
+        "prefill moe layer [cuBLASLt per expert]",
+        "prefill moe gate/up [grouped Triton]",
+        "prefill moe gate/up [cuBLASLt per expert]",
+        "prefill moe down [grouped Triton]",
+        "prefill moe down [cuBLASLt per expert]",
+    ]
     assert all(r["us"] == 1000.0 and r["tflop_s"] > 0 for r in rows)
     triton, cublas = outputs[:2]
     # Each product's two rows compute it on the same rows: gate/up's Triton h (SwiGLU epilogue, e4m3) against

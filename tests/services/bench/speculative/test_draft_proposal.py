@@ -13,9 +13,24 @@ from tests.services.bench.conftest import run_main
 
 def test_the_proposal_reads_once_and_its_ops_are_counted(tmp_path, capsys, draft_checkpoint):
     path = draft_checkpoint
-    run_main(draft_proposal, ["--model", str(path), "--device", "cpu", "--batch", "2", "--max-tokens", "3",
-                              "--prompt-len", "6", "--batch-invariant",
-                              "--json", str(tmp_path / "counts.json")])
+    run_main(
+        draft_proposal,
+        [
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "3",
+            "--prompt-len",
+            "6",
+            "--batch-invariant",
+            "--json",
+            str(tmp_path / "counts.json"),
+        ],
+    )
     counts = json.loads((tmp_path / "counts.json").read_text())
     assert counts["proposals"] > 0
     assert all(counts["aten_ops_per_proposal"][part] > 0 for part in ("draft.inputs", "draft.stages", "draft.slots"))
@@ -23,7 +38,12 @@ def test_the_proposal_reads_once_and_its_ops_are_counted(tmp_path, capsys, draft
     assert len(reads) == 1 and next(iter(reads)).startswith("tolist @ speculator.py") and set(reads.values()) == {1}
     # The speculative code builds host tensors and copies them non-blocking (the sampler's own builds are the
     # worker's sampler, counted here but not this code's).
-    speculative = ("speculator.py", "verifier.py", "draft_proposal.py", "static_draft_proposal.py",
-                   "accepted_context.py")
+    speculative = (
+        "speculator.py",
+        "verifier.py",
+        "draft_proposal.py",
+        "static_draft_proposal.py",
+        "accepted_context.py",
+    )
     assert not [site for site in counts["device_builds_per_step"] if site.split(" @ ")[1].startswith(speculative)]
     print(capsys.readouterr().out)

@@ -12,14 +12,35 @@ from tests.services.bench.conftest import run_main
 
 def test_every_case_runs_and_forced_acceptance_holds(tmp_path, capsys, draft_checkpoint):
     path = draft_checkpoint
-    run_main(speculative, ["--model", str(path), "--device", "cpu", "--batch", "3", "2", "--acceptance", "0",
-                           "1", "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8",
-                           "--json", str(tmp_path / "spec.json")])
+    run_main(
+        speculative,
+        [
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--batch",
+            "3",
+            "2",
+            "--acceptance",
+            "0",
+            "1",
+            "--max-tokens",
+            "8",
+            "--prompt-len",
+            "6",
+            "--block-size",
+            "8",
+            "--json",
+            str(tmp_path / "spec.json"),
+        ],
+    )
     results = json.loads((tmp_path / "spec.json").read_text())["results"]
     # One engine a mode: off at every batch, then each mode at every batch and a (the counters are deltas, so a
     # later case on the same engine reports only its own drafts: a = 0 after a = 1 accepts none).
     assert [(r["batch"], r["mode"], r["acceptance"]) for r in results] == [(3, "off", None), (2, "off", None)] + [
-        (b, m, a) for m in ("fixed", "varlen") for b in (3, 2) for a in (0.0, 1.0)]
+        (b, m, a) for m in ("fixed", "varlen") for b in (3, 2) for a in (0.0, 1.0)
+    ]
     for r in results:
         assert r["output_tokens"] == r["batch"] * 8
         if r["mode"] == "off":
@@ -60,9 +81,29 @@ def test_the_static_proposal_sees_no_new_key_in_the_timed_run(tmp_path):
     """With the static proposal (what ``--cuda-graphs`` captures) every greedy bucket up to the batch is built
     before the warm-up, so the timed run never builds (on a GPU: captures) one; a = 0.8 ends requests at different
     steps, so fewer of them propose at the end."""
-    run_main(speculative, ["--device", "cpu", "--batch", "3", "--acceptance", "0.8", "--modes", "fixed",
-                           "--max-tokens", "8", "--prompt-len", "6", "--block-size", "8", "--static-proposal",
-                           "--profile", "--json", str(tmp_path / "spec.json")])
+    run_main(
+        speculative,
+        [
+            "--device",
+            "cpu",
+            "--batch",
+            "3",
+            "--acceptance",
+            "0.8",
+            "--modes",
+            "fixed",
+            "--max-tokens",
+            "8",
+            "--prompt-len",
+            "6",
+            "--block-size",
+            "8",
+            "--static-proposal",
+            "--profile",
+            "--json",
+            str(tmp_path / "spec.json"),
+        ],
+    )
     off, fixed = json.loads((tmp_path / "spec.json").read_text())["results"]
     # --profile: a short extra run per case after the timed one (on the CPU the profiler sees no device kernels)
     for r in (off, fixed):

@@ -32,5 +32,6 @@ def test_expected_active_experts():
 def test_floor_grows_with_batch_and_context():
     floors = [step_cost(TINY, b, 64, prefill=False).floor(ISSUE_CEIL) for b in (1, 8, 64)]
     assert floors == sorted(floors) and floors[0] < floors[-1]
-    assert step_cost(V41_S1, 64, 32768, prefill=False).floor(ISSUE_CEIL) > \
-        step_cost(V41_S1, 64, 4096, prefill=False).floor(ISSUE_CEIL)
+    assert step_cost(V41_S1, 64, 32768, prefill=False).floor(ISSUE_CEIL) > step_cost(
+        V41_S1, 64, 4096, prefill=False
+    ).floor(ISSUE_CEIL)

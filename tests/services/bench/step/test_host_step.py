@@ -16,8 +16,14 @@ def test_host_step_reaches_full_decode_steps_and_times_them():
 
 def test_the_stubbed_engine_generates_and_returns_every_block():
     config = EngineConfig(max_num_seqs=3, max_model_len=300, block_size=128, async_scheduling=True)
-    engine = Engine(Worker(HostOnlyRunner(2, 4), HostOnlySampler()), config, vocab_size=100, eos_token_id=1,
-                    compress_ratios=[4, 1], window_size=128)
+    engine = Engine(
+        Worker(HostOnlyRunner(2, 4), HostOnlySampler()),
+        config,
+        vocab_size=100,
+        eos_token_id=1,
+        compress_ratios=[4, 1],
+        window_size=128,
+    )
     for i in range(3):
         engine.add_request(f"r{i}", [5] * 200, SamplingParams(max_tokens=5, ignore_eos=True))
     outputs = []

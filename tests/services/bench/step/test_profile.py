@@ -12,8 +12,13 @@ def _event(name, us, device="CUDA"):
 
 
 def test_kernel_table_sums_per_step_and_sorts():
-    events = [_event("gemm", 10.0), _event("gemm", 30.0), _event("attn", 50.0), _event("host", 99.0, "CPU"),
-              _event("idle", 0.0)]
+    events = [
+        _event("gemm", 10.0),
+        _event("gemm", 30.0),
+        _event("attn", 50.0),
+        _event("host", 99.0, "CPU"),
+        _event("idle", 0.0),
+    ]
     rows = kernel_table(events, num_steps=2, top=5)
     assert [r["kernel"] for r in rows] == ["attn", "gemm"]
     assert rows[0] == {"kernel": "attn", "us_per_step": 25.0, "launches_per_step": 0.5}
@@ -23,11 +28,17 @@ def test_kernel_table_sums_per_step_and_sorts():
 
 def test_launch_totals_count_every_kernel_and_keep_copies_apart():
     # 25 distinct kernels: more than the table's top 20, all counted.
-    events = [_event(f"k{i}", 2.0) for i in range(25)] + [_event("k0", 4.0), _event("Memcpy HtoD (Pageable -> Device)", 3.0),
-                                                           _event("Memset (Device)", 1.0), _event("host", 99.0, "CPU"),
-                                                           _event("idle", 0.0)]
+    events = [_event(f"k{i}", 2.0) for i in range(25)] + [
+        _event("k0", 4.0),
+        _event("Memcpy HtoD (Pageable -> Device)", 3.0),
+        _event("Memset (Device)", 1.0),
+        _event("host", 99.0, "CPU"),
+        _event("idle", 0.0),
+    ]
     totals = launch_totals(events, num_steps=2)
-    assert totals == pytest.approx({"launches_per_step": 13.0, "kernel_ms": 0.027, "copies_per_step": 1.0, "copy_ms": 0.002})
+    assert totals == pytest.approx(
+        {"launches_per_step": 13.0, "kernel_ms": 0.027, "copies_per_step": 1.0, "copy_ms": 0.002}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +49,14 @@ def llm(one_torch_thread):
 
 
 def test_profile_decode_on_cpu_runs_the_steps_and_returns_the_pools(llm):
-    out = profile_decode(llm.engine, llm.engine.worker.runner.cache, batch=2, context=30, steps=2,
-                         vocab_size=llm.source.config.vocab_size)
+    out = profile_decode(
+        llm.engine,
+        llm.engine.worker.runner.cache,
+        batch=2,
+        context=30,
+        steps=2,
+        vocab_size=llm.source.config.vocab_size,
+    )
     assert out["batch"] == 2 and out["wall_ms"] > 0 and out["busy_ms"] == 0 and out["kernels"] == []
     assert out["launches_per_step"] == 0 and out["kernel_ms"] == 0
     assert llm.engine.last_plan.num_rows == 2 and not llm.engine.has_unfinished()
@@ -52,8 +69,9 @@ def test_profile_prefill_on_cpu_times_the_one_prefill_step():
     from services.engine import LLM
 
     llm = LLM(model="tiny", max_num_seqs=1, max_model_len=64, block_size=16, max_num_batched_tokens=40)
-    out = profile_prefill(llm.engine, llm.engine.worker.runner.cache.blocks.device, tokens=40,
-                          vocab_size=llm.source.config.vocab_size)
+    out = profile_prefill(
+        llm.engine, llm.engine.worker.runner.cache.blocks.device, tokens=40, vocab_size=llm.source.config.vocab_size
+    )
     assert out["tokens"] == 40 and out["wall_ms"] > 0 and out["kernels"] == []
     s = llm.engine.stats()
     assert s.free_blocks == s.total_blocks and not llm.engine.has_unfinished()

@@ -38,8 +38,25 @@ def test_subset_keeps_every_kind_of_v41_layer():
 
 def test_sizes_from_the_command_line_replace_the_modes(tmp_path, one_torch_thread):
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--no-compare", "--no-async", "--batches", "2", "--contexts", "48",
-                 "--prefill-tokens", "16", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step",
+                "--no-compare",
+                "--no-async",
+                "--batches",
+                "2",
+                "--contexts",
+                "48",
+                "--prefill-tokens",
+                "16",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows if r["section"] == "decode"] == [(2, 48)]
     assert not any(r["section"] == "decode fit" for r in rows)  # one batch size: no line to fit

@@ -64,6 +64,8 @@ def test_a_service_that_is_down_is_unavailable():
             finally:
                 await client.close()
 
-        with pytest.raises(ImageEncoderUnavailable, match=f"multimodal service at 127.0.0.1:{port} cannot encode "
-                                                          "images now: UNAVAILABLE"):
+        with pytest.raises(
+            ImageEncoderUnavailable,
+            match=f"multimodal service at 127.0.0.1:{port} cannot encode images now: UNAVAILABLE",
+        ):
             asyncio.run(main())

@@ -44,7 +44,7 @@ def test_expand_plans_from_headers_and_embeddings_come_in_prompt_order():
     assert ids == [0] + [VISION.image_token_id] * spans[0] + [9] + [VISION.image_token_id] * spans[1]
     rows = asyncio.run(prompts.embeddings([a, b], grids))
     assert rows.shape == (sum(spans), 4)
-    assert rows[: spans[0]].eq(len(a)).all() and rows[spans[0]:].eq(len(b)).all()
+    assert rows[: spans[0]].eq(len(a)).all() and rows[spans[0] :].eq(len(b)).all()
 
 
 def test_refusals_name_the_problem():

@@ -21,8 +21,12 @@ def llm(chat_llm):
 def test_a_text_request_after_an_unready_image_request_runs_first(llm):
     url = data_url(90, 70, seed=3)
     expected = llm.chat(ask(url), GREEDY)[0].token_ids
-    ids, rows = expand_images(llm._chat.render({"messages": ask(url)}).token_ids, [url],
-                              llm.tokenizer.token_to_id("<｜image｜>"), llm.source.model)
+    ids, rows = expand_images(
+        llm._chat.render({"messages": ask(url)}).token_ids,
+        [url],
+        llm.tokenizer.token_to_id("<｜image｜>"),
+        llm.source.model,
+    )
     engine = llm.engine
     engine.add_request("img", ids, GREEDY, ready=False)
     engine.add_request("txt", [0, 19923, 16, 128803], GREEDY)

@@ -27,8 +27,9 @@ from services.eplb.planner import Planner, PlannerConfig
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4)
-ENGINE = dict(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16,
-              device="cpu")
+ENGINE = dict(
+    batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16, device="cpu"
+)
 LAYERS = TINY.num_hidden_layers
 # No redundant copies (so the moe_lb prediction is exact, below): 8 slots, 4 a rank. Start-up: rank 0 holds
 # experts 0-3, rank 1 experts 4-7. MOVED moves 1 and 2 to rank 1 and 5 and 7 to rank 0, in new slot orders;
@@ -39,8 +40,10 @@ SWAPPED = Layout((4, 0, 3, 1, 6, 7, 2, 5), num_gpus=2, num_logical=8)
 
 def _expert_weights(rank) -> list[tuple[bytes, bytes, bytes]]:
     """On a rank: each layer's (w1, w3, w2) bytes, slot order."""
-    return [tuple(getattr(block.ffn.moe, n).detach().numpy().tobytes() for n in ("w1", "w3", "w2"))
-            for block in rank.model.layers]
+    return [
+        tuple(getattr(block.ffn.moe, n).detach().numpy().tobytes() for n in ("w1", "w3", "w2"))
+        for block in rank.model.layers
+    ]
 
 
 def _switches(rank) -> tuple[int, list[tuple[int, int]]]:
@@ -134,8 +137,18 @@ def test_moe_lb_of_the_replayed_load_equals_the_plans_prediction(two_ranks):
     requests = [(str(i), p, SHORT) for i, p in enumerate(skewed)]
     recorded = ranks.call(_record, requests)
     num_steps = len(recorded[0])
-    planner = Planner(PlannerConfig(num_logical=8, num_gpus=2, num_redundant=0, num_layers=LAYERS, num_ranks=2,
-                                    interval=10**6, window=num_steps, plan=PlanConfig(threshold=0.0)))
+    planner = Planner(
+        PlannerConfig(
+            num_logical=8,
+            num_gpus=2,
+            num_redundant=0,
+            num_layers=LAYERS,
+            num_ranks=2,
+            interval=10**6,
+            window=num_steps,
+            plan=PlanConfig(threshold=0.0),
+        )
+    )
     for reports in recorded:
         for report in reports:
             planner.add(report)
@@ -153,8 +166,10 @@ def test_moe_lb_of_the_replayed_load_equals_the_plans_prediction(two_ranks):
     assert len(replayed[0]) == num_steps
     for layer in range(LAYERS):
         # [step, gpu]: the pairs that arrived at each rank's slots (the receiving side).
-        got = np.stack([np.array([r.counts[layer, rank * 4 : rank * 4 + 4].sum() for r in replayed[rank]])
-                        for rank in range(2)], axis=1).astype(np.float64)
+        got = np.stack(
+            [np.array([r.counts[layer, rank * 4 : rank * 4 + 4].sum() for r in replayed[rank]]) for rank in range(2)],
+            axis=1,
+        ).astype(np.float64)
         # The replay routed the same logical load, step by step (batch-invariant and deterministic).
         np.testing.assert_array_equal(_logical(replayed, layer, layouts[layer]), _logical(recorded, layer, start))
         lb = peak_sum(got) / (float(got.sum()) / 2)

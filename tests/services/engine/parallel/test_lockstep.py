@@ -42,8 +42,15 @@ class Recorder:
 
 
 def _config(world_size: int) -> EngineConfig:
-    return EngineConfig(data_parallel_size=world_size, batch_invariant=True, max_num_seqs=1,
-                        max_num_batched_tokens=16, max_model_len=64, block_size=16, device="cpu")
+    return EngineConfig(
+        data_parallel_size=world_size,
+        batch_invariant=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        block_size=16,
+        device="cpu",
+    )
 
 
 def _lockstep_rank(rank: int, world_size: int, init_method: str, shares, abort_after: dict) -> dict:
@@ -70,16 +77,27 @@ def _lockstep_rank(rank: int, world_size: int, init_method: str, shares, abort_a
             if other in outputs and waiting not in outputs and engine.abort(waiting) is not None:
                 outputs[waiting] = []
         step += 1
-    return {"steps": recorder.steps, "logits": recorder.logits, "outputs": outputs,
-            "slot_counts": built.parallel.take_slot_counts().numpy(),
-            "local_experts": [s.local_experts for s in built.parallel.slots]}
+    return {
+        "steps": recorder.steps,
+        "logits": recorder.logits,
+        "outputs": outputs,
+        "slot_counts": built.parallel.take_slot_counts().numpy(),
+        "local_experts": [s.local_experts for s in built.parallel.slots],
+    }
 
 
 def _reference(requests) -> tuple[dict, dict, np.ndarray]:
     """One process, no ranks: each request's sampled-row logits by (request, position), its tokens, and
     the expert counts [layers, experts] of every row computed."""
-    llm = LLM("tiny", batch_invariant=True, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64,
-              block_size=16, device="cpu")
+    llm = LLM(
+        "tiny",
+        batch_invariant=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        block_size=16,
+        device="cpu",
+    )
     engine = llm.engine
     recorder = Recorder(engine.worker.runner)
     engine.worker.runner = recorder
@@ -107,10 +125,13 @@ def test_vote_schedule_and_every_ranks_logits_match_one_process(tmp_path, one_to
     # schedule (b2), so rank 0 runs an empty prompt step alongside (the second vote).
     # Step 72: rank 0 still wants a2, rank 1 has nothing waiting: the ALL vote fails and rank 0 decodes a1
     # while rank 1 runs placeholders; a2 is aborted once a1 ends, and the work-left vote stops both.
-    assert ranks[0]["steps"] == [placeholder] * 70 + [("prefill", False), ("prefill", True),
-                                                       ("decode", False), ("decode", False)]
-    assert ranks[1]["steps"] == [placeholder] * 70 + [("prefill", False), ("prefill", False), placeholder,
-                                                       placeholder]
+    assert ranks[0]["steps"] == [placeholder] * 70 + [
+        ("prefill", False),
+        ("prefill", True),
+        ("decode", False),
+        ("decode", False),
+    ]
+    assert ranks[1]["steps"] == [placeholder] * 70 + [("prefill", False), ("prefill", False), placeholder, placeholder]
     assert ranks[0]["outputs"]["a2"] == []  # aborted while waiting
     logits, tokens, counts = _reference([a1, b1, b2])
     got: dict = {}

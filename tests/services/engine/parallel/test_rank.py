@@ -29,8 +29,9 @@ PROMPTS = [[0, *range(3, 3 + n)] for n in (5, 2, 3)]
 MAX_TOKENS = (10, 3, 3)
 NEXTN = 3
 GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
-SEEDED = [SamplingParams(max_tokens=n, temperature=0.9, seed=300 + i, ignore_eos=True)
-          for i, n in enumerate(MAX_TOKENS)]
+SEEDED = [
+    SamplingParams(max_tokens=n, temperature=0.9, seed=300 + i, ignore_eos=True) for i, n in enumerate(MAX_TOKENS)
+]
 # Varlen's step-cost curve (rows → ms), given so every rank chooses by the same curve: steep enough that
 # requests verify different numbers of drafts.
 CURVE = tuple((rows, 1.0 + 0.1 * rows) for rows in range(1, 4 * (1 + NEXTN) + 1))
@@ -39,15 +40,23 @@ CURVE = tuple((rows, 1.0 + 0.1 * rows) for rows in range(1, 4 * (1 + NEXTN) + 1)
 RUNS = {
     "async": ({"async_scheduling": True}, GREEDY),
     "spec-fixed-rejection": ({"num_speculative_tokens": NEXTN}, GREEDY),
-    "spec-varlen-deterministic-async-seeded": ({"num_speculative_tokens": NEXTN, "spec_sampling": "deterministic",
-                                                "spec_varlen": True, "spec_step_cost_ms": CURVE,
-                                                "async_scheduling": True}, SEEDED),
+    "spec-varlen-deterministic-async-seeded": (
+        {
+            "num_speculative_tokens": NEXTN,
+            "spec_sampling": "deterministic",
+            "spec_varlen": True,
+            "spec_step_cost_ms": CURVE,
+            "async_scheduling": True,
+        },
+        SEEDED,
+    ),
 }
 
 
 def known_drafts(reference: list[list[int]]):
     """Drafts = the reference continuation, every third one wrong (random draft weights accept almost
     nothing): acceptance, partial acceptance and rejection all happen. Request ids are prompt indices."""
+
     def rewrite(request_id: str, anchor: int, drafts: list[int]) -> list[int]:
         i = int(request_id)
         first = anchor + 1 - len(PROMPTS[i])  # output index of the token at anchor + 1
@@ -57,6 +66,7 @@ def known_drafts(reference: list[list[int]]):
             token = out[first + j] if 0 <= first + j < len(out) else d
             proposal.append((token + 1) % 100 if (anchor + j) % 3 == 0 else token)
         return proposal
+
     return rewrite
 
 
@@ -88,11 +98,17 @@ def _rank(rank: int, world_size: int, init_method: str, references: dict) -> dic
         share = spread_by_load(_requests(params), world_size)[rank]
         started = time.perf_counter()
         outputs = run_to_completion(built, share)
-        print(f"rank {rank} {name}: {time.perf_counter() - started:.1f} s, {len(placeholders)} steps, "
-              f"{sum(placeholders)} placeholders", flush=True)
-        got[name] = ({o.request_id: o.token_ids for o in outputs},
-                     speculator.num_drafts_verified if speculator else 0,
-                     speculator.num_drafts_accepted if speculator else 0, sum(placeholders))
+        print(
+            f"rank {rank} {name}: {time.perf_counter() - started:.1f} s, {len(placeholders)} steps, "
+            f"{sum(placeholders)} placeholders",
+            flush=True,
+        )
+        got[name] = (
+            {o.request_id: o.token_ids for o in outputs},
+            speculator.num_drafts_verified if speculator else 0,
+            speculator.num_drafts_accepted if speculator else 0,
+            sum(placeholders),
+        )
     return got
 
 

@@ -24,8 +24,9 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 # Every rank's prompts fit one prefill step, so the group prefills once at the first ALL point and then
 # decodes: no prompt waits 70 decode steps for the next vote point (tests/.../test_lockstep.py shows those).
-ENGINE = dict(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16,
-              device="cpu")
+ENGINE = dict(
+    batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16, device="cpu"
+)
 
 
 # Two ranks at start-up: rank 0 holds experts 0-3, rank 1 experts 4-7. After the move (10 slots, 5 a rank):
@@ -36,8 +37,10 @@ MOVED = Layout((7, 0, 3, 3, 5, 6, 1, 2, 4, 0), num_gpus=2, num_logical=8)
 
 def _expert_weights(rank) -> list[tuple]:
     """On a rank: each layer's kept (w1, w3, w2) as numpy arrays, slot order."""
-    return [tuple(getattr(block.ffn.moe, n).detach().numpy().copy() for n in ("w1", "w3", "w2"))
-            for block in rank.model.layers]
+    return [
+        tuple(getattr(block.ffn.moe, n).detach().numpy().copy() for n in ("w1", "w3", "w2"))
+        for block in rank.model.layers
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,10 @@ def one_process(one_torch_thread):
 
 
 def test_requests_spread_by_load():
-    requests = [(str(i), [1] * n, SamplingParams(max_tokens=m)) for i, (n, m) in
-                enumerate([(10, 10), (3, 2), (4, 1), (30, 5), (1, 1)])]
+    requests = [
+        (str(i), [1] * n, SamplingParams(max_tokens=m))
+        for i, (n, m) in enumerate([(10, 10), (3, 2), (4, 1), (30, 5), (1, 1)])
+    ]
     # loads after each: [20, 0] → [20, 5] → [20, 10] → [20, 45] → [21, 45]
     assert [[r[0] for r in share] for share in spread_by_load(requests, 2)] == [["0", "4"], ["1", "2", "3"]]
 

@@ -48,8 +48,15 @@ def _cpu_s(pid: int) -> float:
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("dp-stack")
-    config = StackConfig(data_parallel_size=2, http_port=0, grpc_port=0, run_dir=run_dir, batch_invariant=True,
-                         drain_timeout_s=5.0, **SIZING)
+    config = StackConfig(
+        data_parallel_size=2,
+        http_port=0,
+        grpc_port=0,
+        run_dir=run_dir,
+        batch_invariant=True,
+        drain_timeout_s=5.0,
+        **SIZING,
+    )
     state = up(config, timeout_s=180, log=lambda *_: None)
     by_name = {s["name"]: s for s in state["services"]}
     ready = json.loads(open(by_name["gateway"]["log"]).readline())
@@ -109,8 +116,9 @@ def test_a_lone_request_on_an_idle_group_starts_at_once_and_ready_answers(group)
     after_probe = _steps(by_name)
     # A second lone request: the probe left decode_step at 0, an ALL point that the other rank would fail;
     # the group's idle vote makes it an ANY point. Two tokens: one prompt step and one decode step.
-    reply = client.completions.create(model="tiny", prompt="lone", max_tokens=2, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="tiny", prompt="lone", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].finish_reason == "length"
     expected = {"prefill": 1, "decode": 1, "placeholder": 2}
     assert _steps_since(by_name, after_probe, expected) == expected
@@ -140,8 +148,13 @@ def test_plans_from_nats_switch_both_ranks_at_one_boundary(group):
     # The planner's subject, as the planner would publish: v1 moves experts of layer 0 across the ranks, v2
     # is for 4 ranks (refused on both, by name). Greedy text is the same before and after the move.
     state, by_name, _, client = group
-    before = client.completions.create(model="tiny", prompt="moved", max_tokens=4, temperature=0,
-                                       extra_body={"ignore_eos": True}).choices[0].text
+    before = (
+        client.completions.create(
+            model="tiny", prompt="moved", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     moved = Layout((7, 0, 3, 5, 6, 1, 2, 4), num_gpus=2, num_logical=8)
     plans = [PlanMessage(1, 0, 0, moved, 1.2, 1.1, 4, 0), PlanMessage(2, 1, 0, startup_layout(8, 4, 0), 1.2, 1.1, 4, 0)]
     _publish(by_name["nats"]["url"], state["nats_token"], [p.encode() for p in plans])
@@ -152,14 +165,21 @@ def test_plans_from_nats_switch_both_ranks_at_one_boundary(group):
             break
         time.sleep(0.1)
     # "version V in force from boundary B: layers [...] moved" (the switch's own time left out)
-    switched = [[line.split("EPLB ", 1)[1].split(", switched")[0] for line in rank if "in force" in line]
-                for rank in lines]
+    switched = [
+        [line.split("EPLB ", 1)[1].split(", switched")[0] for line in rank if "in force" in line] for rank in lines
+    ]
     assert switched[0] == switched[1] and len(switched[0]) == 2, switched  # the same boundaries on both
     for rank in lines:
-        assert any("EPLB plan version 2 refused: layer 1's layout has 4 ranks, this group has 2" in line
-                   for line in rank), rank
-    after = client.completions.create(model="tiny", prompt="moved", max_tokens=4, temperature=0,
-                                      extra_body={"ignore_eos": True}).choices[0].text
+        assert any(
+            "EPLB plan version 2 refused: layer 1's layout has 4 ranks, this group has 2" in line for line in rank
+        ), rank
+    after = (
+        client.completions.create(
+            model="tiny", prompt="moved", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert after == before
 
 
@@ -190,8 +210,16 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
     from tests.services.gateway.test_images import GREEDY, ask, data_url, encoded
 
     sizing = dict(SIZING, max_model_len=4096)  # room for a chat's image prompt
-    config = StackConfig(data_parallel_size=2, remote_workers=True, http_port=0, grpc_port=0, run_dir=tmp_path,
-                         batch_invariant=True, drain_timeout_s=5.0, **sizing)
+    config = StackConfig(
+        data_parallel_size=2,
+        remote_workers=True,
+        http_port=0,
+        grpc_port=0,
+        run_dir=tmp_path,
+        batch_invariant=True,
+        drain_timeout_s=5.0,
+        **sizing,
+    )
     state = up(config, timeout_s=180, log=lambda *_: None)
     try:
         by_name = {s["name"]: s for s in state["services"]}
@@ -211,8 +239,9 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
         replies: dict[str, object] = {}
 
         def complete(prompt):
-            replies[prompt] = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
-                                                        logprobs=1, extra_body={"ignore_eos": True})
+            replies[prompt] = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+            )
 
         threads = [threading.Thread(target=complete, args=(p,)) for p in prompts]
         for t in threads:
@@ -229,8 +258,9 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
         answers: dict[int, object] = {}
 
         def chat(i):
-            answers[i] = client.chat.completions.create(model="tiny", messages=chats[i], max_tokens=4, temperature=0,
-                                                        logprobs=True)
+            answers[i] = client.chat.completions.create(
+                model="tiny", messages=chats[i], max_tokens=4, temperature=0, logprobs=True
+            )
 
         threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
         for t in threads:
@@ -261,8 +291,9 @@ def kill_mid_streams(client, by_name: dict, victim: str) -> float:
 
     def stream(i):
         reasons = []
-        for chunk in client.completions.create(model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS,
-                                               stream=True, extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(
+            model="tiny", prompt=f"long {i}", max_tokens=NUM_STREAM_TOKENS, stream=True, extra_body={"ignore_eos": True}
+        ):
             if chunk.choices:
                 first_token[i].set()
                 reasons.append(chunk.choices[0].finish_reason)

@@ -55,8 +55,9 @@ def test_a_rank_publishes_its_own_report_of_each_step(monkeypatch):
     from services.eplb.messages import LoadReport
 
     publisher, sent = _publisher(monkeypatch)
-    publisher.report = lambda step: LoadReport(rank=1, step=step, plan_version=3,
-                                               counts=np.full((2, 4), 10 + step, dtype=np.int64))
+    publisher.report = lambda step: LoadReport(
+        rank=1, step=step, plan_version=3, counts=np.full((2, 4), 10 + step, dtype=np.int64)
+    )
     publisher.execute("plan", [])
     publisher.execute("plan", [])
     assert [(r.step, r.plan_version) for r in sent] == [(0, 3), (1, 3)]
@@ -75,8 +76,12 @@ def test_an_async_step_counts_are_not_read_after_the_next_is_queued(monkeypatch)
 
     class Reads(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in ("cpu", "numpy", "tolist", "item") and args \
-                    and isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() == step_counts:
+            if (
+                getattr(func, "__name__", "") in ("cpu", "numpy", "tolist", "item")
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage().data_ptr() == step_counts
+            ):
                 reads.append(func.__name__)
             return func(*args, **(kwargs or {}))
 

@@ -44,14 +44,16 @@ def test_the_response_id_carries_the_request_id(client):
 
 
 def test_x_request_id_names_the_request_and_comes_back(client):
-    raw = client.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1,
-                                                      extra_headers={"X-Request-Id": "my-run-7"})
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "my-run-7"}
+    )
     assert raw.headers["x-request-id"] == "my-run-7"
     assert re.fullmatch(r"cmpl-req-[0-9a-f]{32}", raw.parse().id)  # the request_id stays the gateway's
     plain = client.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1)
     assert plain.headers["x-request-id"] == plain.parse().id.removeprefix("cmpl-")  # none given: the request_id
-    with client.completions.with_streaming_response.create(model="tiny", prompt="Hi", max_tokens=1, stream=True,
-                                                            extra_headers={"X-Request-Id": "s-1"}) as streamed:
+    with client.completions.with_streaming_response.create(
+        model="tiny", prompt="Hi", max_tokens=1, stream=True, extra_headers={"X-Request-Id": "s-1"}
+    ) as streamed:
         assert streamed.headers["x-request-id"] == "s-1"
     with pytest.raises(openai.BadRequestError, match="X-Request-Id is 257 bytes"):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "x" * 257})
@@ -59,8 +61,11 @@ def test_x_request_id_names_the_request_and_comes_back(client):
 
 def test_streamed_completion_equals_the_plain_one(client):
     plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3)
-    chunks = list(client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="The sea", max_tokens=4, seed=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 4
@@ -100,10 +105,12 @@ def test_models_health_metrics(client, served):
 
 
 def test_client_disconnect_mid_stream_aborts_and_returns_blocks(served):
-    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
-                       "stream": True}).encode()
-    req = urllib.request.Request(served.http_url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    ).encode()
+    req = urllib.request.Request(
+        served.http_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     before = served.server.metrics.finished.labels(reason="abort")._value.get()
     resp = urllib.request.urlopen(req, timeout=60)
     assert resp.readline().startswith(b"data: ")  # the stream is live
@@ -119,8 +126,12 @@ def test_client_disconnect_during_a_plain_request_aborts_it(served):
     url = urlparse(served.http_url)
     before = served.server.metrics.finished.labels(reason="abort")._value.get()
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1000,
-                                                        "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True}),
+        {"Content-Type": "application/json"},
+    )
     deadline = time.monotonic() + 30
     while served.server.engine.num_unfinished() == 0:  # it is running
         assert time.monotonic() < deadline

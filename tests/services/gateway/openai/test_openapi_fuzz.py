@@ -8,8 +8,12 @@ import itertools
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
-                                 status_code_conformance)
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from services.gateway.server import ServeConfig
 from tests.services.gateway.conftest import ServerThread, pools_whole
@@ -23,8 +27,15 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, drain_timeout_s=5,
-                                      engine_args={"max_num_seqs": 8, "max_model_len": 64})).start()
+    thread = ServerThread(
+        ServeConfig(
+            model="tiny",
+            http_port=0,
+            grpc_port=0,
+            drain_timeout_s=5,
+            engine_args={"max_num_seqs": 8, "max_model_len": 64},
+        )
+    ).start()
     yield thread
     thread.stop()
     assert pools_whole(thread.server.engine.stats())
@@ -45,8 +56,13 @@ def test_the_served_api_keeps_its_description(api_schema):
             continue  # a GET without parameters has nothing to get wrong
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def call(case):
             case.call_and_validate(checks=CHECKS, timeout=60)
 
@@ -58,5 +74,11 @@ def test_the_description_is_served_with_the_models_limits(api_schema, fuzz_serve
     completion = raw["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["max_tokens"]["maximum"] == 64
     assert raw["components"]["schemas"]["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 1
-    assert set(raw["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
-                                 "/metrics"}
+    assert set(raw["paths"]) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    }

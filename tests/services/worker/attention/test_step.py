@@ -106,10 +106,20 @@ def test_a_compressed_layer_without_its_source_is_refused():
     assert attn.ratio and attn.compressor is None
     cache = CacheEngine(cfg, 16, num_blocks=4, num_state_slots=2, ring=ring_size(cfg))
     one = torch.tensor([5])
-    batch = StepBatch(request_ids=["r0"], input_ids=torch.zeros(1, dtype=torch.long), positions=one,
-                      row_requests=torch.zeros(1, dtype=torch.long), ring_slots=one % cache.layout.ring_size,
-                      query_start=torch.tensor([0, 1]), first=one, seqlens_k=one + 1, state_slots=torch.tensor([1]),
-                      block_tables=torch.tensor([[1]]), sample_rows=torch.zeros(1, dtype=torch.long), entry_writes={})
+    batch = StepBatch(
+        request_ids=["r0"],
+        input_ids=torch.zeros(1, dtype=torch.long),
+        positions=one,
+        row_requests=torch.zeros(1, dtype=torch.long),
+        ring_slots=one % cache.layout.ring_size,
+        query_start=torch.tensor([0, 1]),
+        first=one,
+        seqlens_k=one + 1,
+        state_slots=torch.tensor([1]),
+        block_tables=torch.tensor([[1]]),
+        sample_rows=torch.zeros(1, dtype=torch.long),
+        entry_writes={},
+    )
     static = StaticBatch(cfg, 1, 1, cache.layout.ring_size, torch.device("cpu"))
     for backend in (TorchAttention(cache, batch), GraphAttention(cache, static, None, None)):
         step = AttentionStep(backend, one, torch.zeros(1, dtype=torch.long))

@@ -8,9 +8,20 @@ from services.worker.batch.step_batch import StepBatch, check_ring_slots
 
 
 def _scheduler() -> Scheduler:
-    return Scheduler(SchedulerConfig(block_size=16, num_blocks=64, num_state_slots=8, max_num_seqs=4,
-                                     max_num_batched_tokens=48, max_model_len=200, window_size=8,
-                                     compress_ratios=[4, 1], preemption_mode=PreemptionMode.STOP, vocab_size=100))
+    return Scheduler(
+        SchedulerConfig(
+            block_size=16,
+            num_blocks=64,
+            num_state_slots=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=48,
+            max_model_len=200,
+            window_size=8,
+            compress_ratios=[4, 1],
+            preemption_mode=PreemptionMode.STOP,
+            vocab_size=100,
+        )
+    )
 
 
 def test_host_facts_match_the_device_tensors_for_prefill_and_decode_plans():

@@ -24,9 +24,17 @@ from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.config import WorkerConfig
-from services.worker.kernel_model.fp8_linear import (META_CACHE_MAX_TOKENS, GroupedKernelLinear, KernelLinear, KernelSet,
-                                        group_rows_meta, linear_block_m, one_expert_meta, quantize_each,
-                                        quantize_padded)
+from services.worker.kernel_model.fp8_linear import (
+    META_CACHE_MAX_TOKENS,
+    GroupedKernelLinear,
+    KernelLinear,
+    KernelSet,
+    group_rows_meta,
+    linear_block_m,
+    one_expert_meta,
+    quantize_each,
+    quantize_padded,
+)
 from services.worker.kernel_model.backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
 from services.worker.kernel_model.draft_attention import KernelDraftAttention
 from services.worker.kernel_model.engram import KernelEngram
@@ -59,15 +67,25 @@ def converted(c: Case, precision: str, device: str = "cpu", kernels: KernelSet |
     return model, convert_model(model, precision, kernels)
 
 
-def drive(c: Case, runner: ModelRunner, budget: int, on_plan=None, decode_steps: int | None = None
-          ) -> dict[tuple[str, int], torch.Tensor]:
+def drive(
+    c: Case, runner: ModelRunner, budget: int, on_plan=None, decode_steps: int | None = None
+) -> dict[tuple[str, int], torch.Tensor]:
     """Every request of ``c`` through the scheduler and ``runner`` (stopping after ``decode_steps`` steps
     without prefill rows, if given): logits (CPU) per (request, position) computed."""
     cfg, n = c.model.cfg, len(c.seqs)
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                                      max_num_batched_tokens=budget, max_model_len=128,
-                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=64,
+            num_state_slots=n + 1,
+            max_num_seqs=n,
+            max_num_batched_tokens=budget,
+            max_model_len=128,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios,
+        )
+    )
     for rid, s in c.seqs.items():
         sched.add_request(rid, s[:-MAX_TOKENS], max_tokens=MAX_TOKENS, ignore_eos=True)
     logits = {}
@@ -84,8 +102,9 @@ def drive(c: Case, runner: ModelRunner, budget: int, on_plan=None, decode_steps:
 
 
 def runner_for(c: Case, model, budget: int, precision: str, kernels: KernelSet | None = None, rounding=None):
-    return ModelRunner(model, _config(c, budget), backend="kernels", precision=precision, kernels=kernels,
-                       rounding=rounding)
+    return ModelRunner(
+        model, _config(c, budget), backend="kernels", precision=precision, kernels=kernels, rounding=rounding
+    )
 
 
 def worst_delta(c: Case, logits) -> tuple[float, int]:
@@ -122,8 +141,13 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
     assert sum(isinstance(m, KernelMoE) for m in model.modules()) == cfg.num_hidden_layers
     # What stays torch: the projections the checkpoint stores in bf16. The head's bf16 weight is read as bf16.
     assert isinstance(model.head, KernelHead) and model.head.weight.dtype == torch.bfloat16
-    left = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name, m in model.named_modules()
-                   if isinstance(m, nn.Linear)})
+    left = sorted(
+        {
+            name.split(".")[-2] + "." + name.split(".")[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+        }
+    )
     assert left == ["compressor.wgate", "compressor.wkv", "indexer.wk", "weights_proj.linear"]
     # Engram's gate runs on its kernel (one program per row); the indexer's weights_proj stays torch, on fixed
     # row tiles in the batch-invariant mode (services/worker/kernel_model/row_tiled.py).
@@ -140,8 +164,11 @@ def test_conversion_swaps_every_norm_moe_and_fp8_projection():
 def test_kernel_backend_on_cpu_without_interpreter_is_refused():
     c = case("oracle")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        ModelRunner(copy.deepcopy(c.model), EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2)
-                    .worker_config(), backend="kernels")
+        ModelRunner(
+            copy.deepcopy(c.model),
+            EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config(),
+            backend="kernels",
+        )
     with pytest.raises(ValueError, match="kernel_backend"):
         EngineConfig(kernel_backend="fp16")
     config = EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config()
@@ -210,7 +237,7 @@ def test_fp8_linear_interpreted_matches_dequantised_reference():
     x_long = torch.randn(300, 200, generator=gen)
     with interpreter():
         y_long = lin(x_long)
-        y_rows = torch.cat([lin(x_long[i:i + 100]) for i in range(0, 300, 100)])  # 16-token tiles
+        y_rows = torch.cat([lin(x_long[i : i + 100]) for i in range(0, 300, 100)])  # 16-token tiles
     assert torch.equal(y_long, y_rows)
     # wo_a: G groups of [R, Kg]; x [..., G, Kg] → [..., G·R]
     wo = torch.randn(2 * 16, 128, generator=gen) * 0.05
@@ -224,10 +251,16 @@ def test_fp8_linear_interpreted_matches_dequantised_reference():
     # [G, T, Kg] copy's GEMM (per-row quantisation, the same products in the same K order).
     with interpreter():
         q, s = kernels.quant_fp8.quantize_act(xg.transpose(0, 1).reshape(14, 128))
-        copied = kernels.moe_grouped_gemm.moe_grouped_gemm((q.view(2, 7, 128), s.view(2, 7, 1)), grouped.w,
-                                                           grouped.w_scale, one_expert_meta(7, 2, xg.device),
-                                                           gather=False, out_dtype=torch.float32, block_m=16,
-                                                           num_warps=4)
+        copied = kernels.moe_grouped_gemm.moe_grouped_gemm(
+            (q.view(2, 7, 128), s.view(2, 7, 1)),
+            grouped.w,
+            grouped.w_scale,
+            one_expert_meta(7, 2, xg.device),
+            gather=False,
+            out_dtype=torch.float32,
+            block_m=16,
+            num_warps=4,
+        )
     assert torch.equal(yg, copied[:, :, :16].transpose(0, 1).reshape(7, 32))
     meta = group_rows_meta(3, 2, xg.device)
     assert meta["row_ids"].tolist() == [[0, 2, 4], [1, 3, 5]] and group_rows_meta(3, 2, xg.device) is meta
@@ -257,8 +290,9 @@ def test_kernel_moe_interpreted_matches_model_moe(precision):
     # truncates (< 2^-7 relative) where torch rounds to nearest. The model: FP8 error.
     weights, experts = reference.moe_router(x[0], moe.gate_weight, moe.gate_bias, moe.top_k, moe.route_scale)
     shared = torch.full((13, 1), moe.w1.shape[0])
-    meta = reference.route_metadata(torch.cat((experts, shared), 1), torch.cat((weights, torch.ones(13, 1)), 1),
-                                    moe.w1.shape[0] + 1)
+    meta = reference.route_metadata(
+        torch.cat((experts, shared), 1), torch.cat((weights, torch.ones(13, 1)), 1), moe.w1.shape[0] + 1
+    )
     xp = torch.nn.functional.pad(x[0], (0, kmoe.w13.shape[-1] - x.shape[-1]))
     same = reference.moe_experts(xp, meta, kmoe.w13, kmoe.w13_scale, kmoe.w2, kmoe.w2_scale, moe.limit)
     assert _rel(out[0], same[:, : x.shape[-1]]) < tol.BF16_CAST_REL
@@ -287,7 +321,7 @@ def _draft_blocks(precision: str, device: str = "cpu"):
     taps = torch.randn(3, 6, len(cfg.dspark_target_layer_ids) * cfg.hidden_size, generator=gen)
     anchors = torch.randint(3, cfg.vocab_size, (3,), generator=gen)
     blocks = {}
-    with torch.no_grad(), (interpreter() if device == "cpu" else contextlib.nullcontext()):
+    with torch.no_grad(), interpreter() if device == "cpu" else contextlib.nullcontext():
         for name, m, on in (("torch", model, "cpu"), ("kernels", twin, device)):
             ctx = DraftContext.empty(m.draft, 3, on)
             ctx.append(m.draft, taps.to(on))
@@ -348,8 +382,10 @@ def small_case() -> Case:
     in the interpreter); seed 7's have none there (≤ 3.5e-6)."""
     c = case("oracle")
     gen = torch.Generator().manual_seed(7)
-    seqs = {rid: torch.randint(3, c.model.cfg.vocab_size, (n + MAX_TOKENS,), generator=gen).tolist()
-            for rid, n in SMALL_PROMPTS.items()}
+    seqs = {
+        rid: torch.randint(3, c.model.cfg.vocab_size, (n + MAX_TOKENS,), generator=gen).tolist()
+        for rid, n in SMALL_PROMPTS.items()
+    }
     return Case(c.model, seqs, None, {}, {})
 
 
@@ -374,8 +410,10 @@ def against_torch_runner(small: Case, runner: ModelRunner, context=contextlib.nu
     assert shapes == [[6, 4], [1, 9], [7], [1, 1, 1]]
     assert sum(isinstance(m, KernelHyperConnection) for m in runner.model.modules()) == 2 * len(runner.model.layers)
     worst = max(float((logits[key] - expected[key]).abs().max()) for key in expected)
-    print(f"\nfp32 kernel engine ({runner.model.embed.weight.device}) vs torch runner: max |Δ| {worst:.3g} over "
-          f"{len(expected)} positions")
+    print(
+        f"\nfp32 kernel engine ({runner.model.embed.weight.device}) vs torch runner: max |Δ| {worst:.3g} over "
+        f"{len(expected)} positions"
+    )
     return worst
 
 
@@ -450,13 +488,20 @@ def test_staged_prefill_window_is_taken_and_changes_nothing(monkeypatch):
 
 def _config(c: Case, budget: int) -> WorkerConfig:
     n = len(c.seqs)
-    return EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                        max_num_batched_tokens=budget, max_model_len=128).worker_config()
+    return EngineConfig(
+        block_size=BLOCK,
+        num_blocks=64,
+        num_state_slots=n + 1,
+        max_num_seqs=n,
+        max_num_batched_tokens=budget,
+        max_model_len=128,
+    ).worker_config()
 
 
 def _refuse(what: str):
     def raising(*args, **kwargs):
         raise AssertionError(f"the torch reference {what} ran in a kernel step")
+
     return raising
 
 
@@ -470,8 +515,12 @@ def test_kernel_sampler_interpreted_equals_sampler_and_is_the_workers():
     assert isinstance(Worker(ModelRunner(c.model, _config(c, 16))).sampler, Sampler)
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, c.model.cfg.vocab_size, generator=gen) * 3
-    rows = [SamplingRow(0.0, -1, 1.0, 1, 0, None, (), 3), SamplingRow(0.8, 20, 1.0, 2, 5, None, (7,), 0),
-            SamplingRow(1.0, -1, 0.9, 3, 9, None, (), 2), SamplingRow(1.3, 8, 0.7, 4, 1, 12, (1, 2), 1)]
+    rows = [
+        SamplingRow(0.0, -1, 1.0, 1, 0, None, (), 3),
+        SamplingRow(0.8, 20, 1.0, 2, 5, None, (7,), 0),
+        SamplingRow(1.0, -1, 0.9, 3, 9, None, (), 2),
+        SamplingRow(1.3, 8, 0.7, 4, 1, 12, (1, 2), 1),
+    ]
     with interpreter():
         got = worker.sampler(logits, rows)
     want = Sampler()(logits, rows)
@@ -479,8 +528,9 @@ def test_kernel_sampler_interpreted_equals_sampler_and_is_the_workers():
     assert torch.equal(got.top_token_ids, want.top_token_ids)
     # A log-sum-exp in another order (tests/kernels/test_sampler.py's _check derives it).
     for name in ("logprobs", "top_logprobs"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=tol.FP32_REORDER_REL,
-                                   atol=tol.FP32_REORDER_REL)
+        torch.testing.assert_close(
+            getattr(got, name), getattr(want, name), rtol=tol.FP32_REORDER_REL, atol=tol.FP32_REORDER_REL
+        )
     with pytest.raises(ValueError, match="at most 64 top logprobs"):
         worker.sampler(logits[:1], [SamplingRow(1.0, -1, 1.0, 1, 0, None, (), 65)])
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -502,8 +552,13 @@ def _kl_report(c: Case, logits) -> dict[str, float]:
             if float(top2[0] - top2[1]) >= 0.05:
                 margin_rows += 1
                 agree += int(ref.argmax() == ours.argmax())
-    return {"mean_kl": sum(kls) / len(kls), "max_kl": max(kls), "top1": agree / max(margin_rows, 1),
-            "margin_rows": margin_rows, "positions": len(kls)}
+    return {
+        "mean_kl": sum(kls) / len(kls),
+        "max_kl": max(kls),
+        "top1": agree / max(margin_rows, 1),
+        "margin_rows": margin_rows,
+        "positions": len(kls),
+    }
 
 
 @pytest.mark.gpu
@@ -557,10 +612,13 @@ def _fp8_reports(device: str, kernels: KernelSet | None) -> dict[str, float]:
         reports.append(_kl_report(c, logits))
     positions = sum(r["positions"] for r in reports)
     margin_rows = sum(r["margin_rows"] for r in reports)
-    return {"mean_kl": sum(r["mean_kl"] * r["positions"] for r in reports) / positions,
-            "max_kl": max(r["max_kl"] for r in reports),
-            "top1": sum(r["top1"] * r["margin_rows"] for r in reports) / margin_rows,
-            "margin_rows": margin_rows, "positions": positions}
+    return {
+        "mean_kl": sum(r["mean_kl"] * r["positions"] for r in reports) / positions,
+        "max_kl": max(r["max_kl"] for r in reports),
+        "top1": sum(r["top1"] * r["margin_rows"] for r in reports) / margin_rows,
+        "margin_rows": margin_rows,
+        "positions": positions,
+    }
 
 
 @pytest.mark.gpu
@@ -576,20 +634,42 @@ def test_gpu_fp8_engine_kl_and_top1_against_cpu_reference():
     gpu_fp8 = _fp8_reports("cuda", None)
     floor = _fp8_reports("cpu", KernelSet.references())
     print(f"\nGPU fp8 kernel engine: {gpu_fp8}\nCPU FP8-format floor (torch references): {floor}")
-    print(f"FP8 accuracy targets met: mean KL ≤ 1e-3 {gpu_fp8['mean_kl'] <= 1e-3}, max KL ≤ 1e-2 "
-          f"{gpu_fp8['max_kl'] <= 1e-2}, top-1 ≥ 0.99 {gpu_fp8['top1'] >= 0.99}")
+    print(
+        f"FP8 accuracy targets met: mean KL ≤ 1e-3 {gpu_fp8['mean_kl'] <= 1e-3}, max KL ≤ 1e-2 "
+        f"{gpu_fp8['max_kl'] <= 1e-2}, top-1 ≥ 0.99 {gpu_fp8['top1'] >= 0.99}"
+    )
     assert gpu_fp8["mean_kl"] <= max(1e-3, 2 * floor["mean_kl"])
     assert gpu_fp8["max_kl"] <= max(1e-2, 2 * floor["max_kl"])
     assert gpu_fp8["top1"] >= min(0.99, floor["top1"] - 0.1)
 
 
-REFERENCES = ("rmsnorm", "quantize_act", "dequantize_act", "moe_router", "moe_grouped_gemm", "moe_experts",
-              "moe_combine", "sparse_decode_attention", "sparse_prefill_attention", "indexer_select",
-              "dequantize_weight_block128")
+REFERENCES = (
+    "rmsnorm",
+    "quantize_act",
+    "dequantize_act",
+    "moe_router",
+    "moe_grouped_gemm",
+    "moe_experts",
+    "moe_combine",
+    "sparse_decode_attention",
+    "sparse_prefill_attention",
+    "indexer_select",
+    "dequantize_weight_block128",
+)
 """kernels.reference's oracles (route_metadata and entry_slots are the kernels' own graph-safe glue)."""
 
-STEP_KERNELS = {"_rmsnorm_kernel", "_router_kernel", "_layout_kernel", "_compress_kernel", "_score_kernel",
-                "_select_kernel", "_mix_kernel", "_expand_kernel", "_collapse_kernel", "_engram_gate_kernel"}
+STEP_KERNELS = {
+    "_rmsnorm_kernel",
+    "_router_kernel",
+    "_layout_kernel",
+    "_compress_kernel",
+    "_score_kernel",
+    "_select_kernel",
+    "_mix_kernel",
+    "_expand_kernel",
+    "_collapse_kernel",
+    "_engram_gate_kernel",
+}
 """Every step's Triton kernels (fp32 weights: the experts and projections are torch matmuls, there is
 no fp32-weight GEMM kernel; fp8 adds ``_moe_gemm_kernel``, and ``_quantize_act_kernel`` only where a GEMM
 has more than ``quant_fp8.IN_GEMM_MAX_ROWS`` rows: fewer are quantised inside the GEMMs)."""
@@ -666,8 +746,10 @@ def test_gpu_steps_run_the_triton_kernels_and_no_torch_reference(precision, monk
     drive(c, runner, 64, on_plan)
     assert set(names) == {"prefill", "decode"}, "no first prefill step or no decode-only step ran"
     common = STEP_KERNELS | ({"_moe_gemm_kernel"} if precision == "fp8" else set())
-    expected = {"prefill": common | {"_prefill_attention_kernel", "_stage_window_kernel"},
-                "decode": common | {"_decode_attention_kernel", "_sampler_kernel"}}
+    expected = {
+        "prefill": common | {"_prefill_attention_kernel", "_stage_window_kernel"},
+        "decode": common | {"_decode_attention_kernel", "_sampler_kernel"},
+    }
     for kind, seen in names.items():
         triton = sorted({n for n in seen if n.startswith("_") and n.endswith("kernel")})
         print(f"\n{precision} {kind} step kernels: {triton}")

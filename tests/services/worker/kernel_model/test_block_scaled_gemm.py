@@ -75,8 +75,9 @@ def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_gr
     triton = KernelSet(*(load_interpreted(name) for name in names), interpreted=True)
     gen = torch.Generator().manual_seed(2)
     groups, rank, width = 2, 128, 256
-    weight = torch.randn(groups * rank, width, generator=gen) * torch.logspace(-2, 2, width // GROUP, base=2.0
-                                                                              ).repeat_interleave(GROUP)
+    weight = torch.randn(groups * rank, width, generator=gen) * torch.logspace(
+        -2, 2, width // GROUP, base=2.0
+    ).repeat_interleave(GROUP)
     below = GroupedKernelLinear(weight, groups, "fp8", triton)
     above = GroupedKernelLinear(weight, groups, "fp8", replace(triton, interpreted=False))  # may take cuBLASLt
     num_tokens = block_scaled_gemm.GROUPED_MIN_TOKENS + 2  # not a multiple of ROW_ALIGN: padded for the call
@@ -95,8 +96,10 @@ def test_only_a_hopper_gpu_takes_the_path():
     assert block_scaled_gemm.available(torch.device("cpu")) is False
 
 
-HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                            reason="needs a compute capability 9.x GPU (H100/H200)")
+HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a compute capability 9.x GPU (H100/H200)",
+)
 
 
 def _exact(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -126,10 +129,13 @@ def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_
     a = quantize_act(torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16))
     exact = _exact(a, w, w_scale)
     cublas = block_scaled_gemm.matmul(a, w, block_scaled_gemm.scale_b(w_scale), out_dtype)
-    triton = moe_grouped_gemm(a, w[None], w_scale[None], one_expert_meta(m, 1, dev), gather=True, block_m=32,
-                              num_warps=4, out_dtype=out_dtype)[0]
-    print(f"\n{out_dtype} M {m} N {n} K {k}: cuBLASLt {_rel(cublas, exact):.3g}, Triton {_rel(triton, exact):.3g} "
-          f"(relative to the exact product), between them {_rel(cublas, triton.float()):.3g}")
+    triton = moe_grouped_gemm(
+        a, w[None], w_scale[None], one_expert_meta(m, 1, dev), gather=True, block_m=32, num_warps=4, out_dtype=out_dtype
+    )[0]
+    print(
+        f"\n{out_dtype} M {m} N {n} K {k}: cuBLASLt {_rel(cublas, exact):.3g}, Triton {_rel(triton, exact):.3g} "
+        f"(relative to the exact product), between them {_rel(cublas, triton.float()):.3g}"
+    )
     assert cublas.dtype == out_dtype and cublas.shape == (m, n)
     assert _rel(cublas, exact) <= PROBE_REL and _rel(triton, exact) <= PROBE_REL
 
@@ -172,8 +178,9 @@ def test_gpu_grouped_wo_a_takes_it_one_gemm_a_group_and_agrees_with_the_grouped_
     real = block_scaled_gemm.matmul
     monkeypatch.setattr(block_scaled_gemm, "matmul", lambda *args: calls.append(1) or real(*args))
     gen = torch.Generator(device=dev).manual_seed(3)
-    layer = GroupedKernelLinear(torch.randn(8 * 1024, 4096, device=dev, generator=gen) * 0.02, 8, "fp8",
-                                KernelSet.compiled())
+    layer = GroupedKernelLinear(
+        torch.randn(8 * 1024, 4096, device=dev, generator=gen) * 0.02, 8, "fp8", KernelSet.compiled()
+    )
     x = torch.randn(num_tokens, 8, 4096, device=dev, generator=gen).to(torch.bfloat16)
     got = layer(x)
     assert len(calls) == 8 and got.shape == (num_tokens, 8 * 1024) and got.dtype == torch.bfloat16

@@ -32,8 +32,12 @@ def _engram() -> Engram:
 def _inputs(engram: Engram, batch: int, seq: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(batch, seq, engram.n, engram.d, generator=gen) * 2
-    rows = torch.randint(0, engram.embed.num_embeddings, (batch, seq, engram.wkv.in_features // engram.embed.embedding_dim),
-                         generator=gen)
+    rows = torch.randint(
+        0,
+        engram.embed.num_embeddings,
+        (batch, seq, engram.wkv.in_features // engram.embed.embedding_dim),
+        generator=gen,
+    )
     live = torch.rand(batch, seq, generator=gen) > 0.3
     return h, rows, live
 
@@ -71,7 +75,7 @@ def test_converted_engram_rows_are_equal_alone_and_in_a_batch():
     with interpreter(), invariance.fixed_configs(), torch.no_grad():
         batch = module(h, rows, live)
         for b, s in ((0, 0), (1, 4), (2, 6)):
-            one = module(h[b:b + 1, s:s + 1], rows[b:b + 1, s:s + 1], live[b:b + 1, s:s + 1])
+            one = module(h[b : b + 1, s : s + 1], rows[b : b + 1, s : s + 1], live[b : b + 1, s : s + 1])
             assert torch.equal(one[0, 0], batch[b, s])
 
 

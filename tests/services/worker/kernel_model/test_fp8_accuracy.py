@@ -21,8 +21,22 @@ import os
 import pytest
 import torch
 
-from services.bench.accuracy import FORMAT_FLOOR, TARGETS, Workload, compare, engine_config, make_prompts, measure, \
-    meets_targets, record_reference, report, row_stats, scale_branches, shared_copy, summarize
+from services.bench.accuracy import (
+    FORMAT_FLOOR,
+    TARGETS,
+    Workload,
+    compare,
+    engine_config,
+    make_prompts,
+    measure,
+    meets_targets,
+    record_reference,
+    report,
+    row_stats,
+    scale_branches,
+    shared_copy,
+    summarize,
+)
 from services.bench.step.build import load_source, model_config
 from services.worker.kernel_model.fp8_linear import KernelLinear, KernelSet
 from services.worker.kernel_model.backend import convert_model
@@ -69,12 +83,22 @@ def test_torch_against_itself_is_exact_and_a_perturbed_model_is_not(tiny):
 
 
 def test_summary_groups_and_margin():
-    rows = {"kl": torch.tensor([0.0, 1e-3, 2e-3, 4e-3, 0.02]), "entropy": torch.full((5,), 3.0, dtype=torch.float64),
-            "margin": torch.tensor([0.01, 0.1, 0.2, 0.3, 0.04]), "agree": torch.tensor([False, True, False, True, True]),
-            "position": torch.tensor([0, 300, 600, 1500, 2100]), "decode": torch.tensor([False] * 4 + [True])}
+    rows = {
+        "kl": torch.tensor([0.0, 1e-3, 2e-3, 4e-3, 0.02]),
+        "entropy": torch.full((5,), 3.0, dtype=torch.float64),
+        "margin": torch.tensor([0.01, 0.1, 0.2, 0.3, 0.04]),
+        "agree": torch.tensor([False, True, False, True, True]),
+        "position": torch.tensor([0, 300, 600, 1500, 2100]),
+        "decode": torch.tensor([False] * 4 + [True]),
+    }
     s = summarize(rows)
-    assert [name for name in s if name.startswith("ctx")] == ["ctx 1-256", "ctx 257-512", "ctx 513-1024",
-                                                              "ctx 1025-2048", "ctx 2049-"]
+    assert [name for name in s if name.startswith("ctx")] == [
+        "ctx 1-256",
+        "ctx 257-512",
+        "ctx 513-1024",
+        "ctx 1025-2048",
+        "ctx 2049-",
+    ]
     assert all(s[name]["positions"] == 1 for name in s if name.startswith("ctx"))
     assert (s["all"]["margin_rows"], s["all"]["top1"], s["all"]["top1_all"]) == (3, 2 / 3, 0.6)
     assert s["decode"]["top1"] is None and s["decode"]["max_kl"] == pytest.approx(0.02)
@@ -146,12 +170,16 @@ def _scaled_reports(branch_scale_log2: int | None, device: str, kernels) -> dict
         moved.append(stats["kl"])
     positions = sum(r["positions"] for r in reports)
     margin_rows = sum(r["margin_rows"] for r in reports)
-    return {"mean_kl": sum(r["mean_kl"] * r["positions"] for r in reports) / positions,
-            "max_kl": max(r["max_kl"] for r in reports),
-            "top1": sum(r["top1"] * r["margin_rows"] for r in reports) / margin_rows,
-            "margin_rows": margin_rows, "positions": positions,
-            "entropy": float(torch.cat(entropy).mean()), "moved": float(torch.cat(moved).mean()),
-            "per_config": [round(r["mean_kl"], 6) for r in reports]}
+    return {
+        "mean_kl": sum(r["mean_kl"] * r["positions"] for r in reports) / positions,
+        "max_kl": max(r["max_kl"] for r in reports),
+        "top1": sum(r["top1"] * r["margin_rows"] for r in reports) / margin_rows,
+        "margin_rows": margin_rows,
+        "positions": positions,
+        "entropy": float(torch.cat(entropy).mean()),
+        "moved": float(torch.cat(moved).mean()),
+        "per_config": [round(r["mean_kl"], 6) for r in reports],
+    }
 
 
 def test_fp8_formats_meet_the_targets_on_a_contractive_model_and_not_on_the_loud_init():
@@ -203,8 +231,9 @@ def test_gpu_fp8_engine_meets_the_targets_on_the_contractive_tiny_configs():
     assert gpu["top1"] >= TARGETS["top1"]
 
 
-V41_GPU = pytest.mark.skipif(_gpu_memory_gb() < 100, reason="needs CUDA with ≥ 100 GB (the fp32 8-layer v41-s1 "
-                             "is ~60 GB)")
+V41_GPU = pytest.mark.skipif(
+    _gpu_memory_gb() < 100, reason="needs CUDA with ≥ 100 GB (the fp32 8-layer v41-s1 is ~60 GB)"
+)
 
 
 @pytest.mark.gpu
@@ -222,14 +251,15 @@ def test_gpu_fp8_accuracy_at_v41_width_contractive():
     that one threshold is held at the floor's max when the floor is above it."""
     from services.bench.accuracy import run_preset
 
-    results = run_preset("v41-s1", Workload(), ("fp8", FORMAT_FLOOR, "fp32"), torch.device("cuda"),
-                         BRANCH_SCALE_LOG2)
+    results = run_preset("v41-s1", Workload(), ("fp8", FORMAT_FLOOR, "fp32"), torch.device("cuda"), BRANCH_SCALE_LOG2)
     _dump(f"v41-s1-branch-scale-2-{BRANCH_SCALE_LOG2}", results)
     fp8, floor, fp32 = (results[p]["all"] for p in ("fp8", FORMAT_FLOOR, "fp32"))
     assert results["fp8"]["decode"]["positions"] == 4 * 32 and fp8["margin_rows"] > 0
     for label, s in (("fp8", fp8), (FORMAT_FLOOR, floor), ("fp32", fp32)):
-        print(f"{label}: mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}, top-1 {s['top1']}, ref H "
-              f"{s['mean_entropy']:.3f}")
+        print(
+            f"{label}: mean KL {s['mean_kl']:.3g}, max KL {s['max_kl']:.3g}, top-1 {s['top1']}, ref H "
+            f"{s['mean_entropy']:.3f}"
+        )
     # fp32 kernels: the thresholds as written. FP8: as written, except that the max may reach the
     # formats' own max (the kernels cannot go below the formats they compute in).
     assert fp32["mean_kl"] <= TARGETS["mean_kl"] and fp32["max_kl"] <= TARGETS["max_kl"]
@@ -279,8 +309,18 @@ def test_shinkai_bench_accuracy_parses_its_options():
     if torch.cuda.is_available():
         pytest.skip("on CUDA this would run the whole measurement")
     with pytest.raises(SystemExit, match="needs a CUDA device"):
-        main(["bench", "accuracy", "--presets", "tiny", "--precisions", f"fp8,{FORMAT_FLOOR},fp32",
-              "--branch-scale-log2", "4"])
+        main(
+            [
+                "bench",
+                "accuracy",
+                "--presets",
+                "tiny",
+                "--precisions",
+                f"fp8,{FORMAT_FLOOR},fp32",
+                "--branch-scale-log2",
+                "4",
+            ]
+        )
     with pytest.raises(SystemExit) as bad:
         main(["bench", "accuracy", "--no-such-option"])
     assert bad.value.code == 2

@@ -28,8 +28,9 @@ def test_fp8_rowwise_embedding_equals_the_dequantised_table():
 
 def test_layer_by_layer_build_equals_the_whole_model_build(token_map):
     tm, nc = token_map
-    streamed = build_random_kernel_model(TINY, 5, "cpu", token_map=torch.as_tensor(tm), num_compressed=nc,
-                                         convert=False)
+    streamed = build_random_kernel_model(
+        TINY, 5, "cpu", token_map=torch.as_tensor(tm), num_compressed=nc, convert=False
+    )
     tensors = {}
     for entry in random_stored_on_device(TINY, 5, "cpu"):
         tensors.update(entry)

@@ -45,7 +45,7 @@ def test_gpu_split_bf16_gemm_matches_the_fp32_head():
     torch.backends.cuda.matmul.allow_tf32 = False
     for rows in (1, 7, 256):
         y = torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows)).cuda()
-        exact = (y.double() @ w.double().t())
+        exact = y.double() @ w.double().t()
         bound = y.double().abs() @ w.double().abs().t()
         got, fp32 = head(y), F.linear(y, w)
         err, err32 = ((got - exact).abs() / bound).max().item(), ((fp32 - exact).abs() / bound).max().item()

@@ -115,7 +115,9 @@ def test_the_shared_experts_own_launches_give_the_same_bits_with_dead_rows(monke
             monkeypatch.setattr(moe.kernels.moe_grouped_gemm, "shared_apart", lambda *a, apart=apart: apart)
             results.append((moe(x, live=live), moe(x, live=torch.zeros_like(live))))
     (apart, apart_dead), (one, one_dead) = results
-    assert torch.equal(apart, one) and torch.equal(apart_dead, torch.zeros_like(x)) and torch.equal(one_dead, apart_dead)
+    assert (
+        torch.equal(apart, one) and torch.equal(apart_dead, torch.zeros_like(x)) and torch.equal(one_dead, apart_dead)
+    )
 
 
 def test_the_splitk_flag_takes_the_split_k_experts_where_the_rule_says_with_the_one_pass_bits(monkeypatch):
@@ -182,8 +184,12 @@ def test_dead_rows_route_nowhere_flash_layer():
 # ---------------------------------------------------------------- prefill experts through cuBLASLt
 
 
-def _emulated_matmul(a: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, w_scale_b: torch.Tensor,
-                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _emulated_matmul(
+    a: tuple[torch.Tensor, torch.Tensor],
+    w: torch.Tensor,
+    w_scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """``block_scaled_gemm.matmul`` on the CPU: the fp32 product of the dequantised operands (what cuBLASLt
     computes, up to summation order), in ``out_dtype``; the weight scales read back from cuBLASLt's layout."""
     q, s = a
@@ -197,7 +203,9 @@ def emulated_cublas(monkeypatch) -> list[int]:
     and the thresholds are 8 tokens and 1 routed row per expert, so the tiny layer's steps take it."""
     calls: list[int] = []
     monkeypatch.setattr(block_scaled_gemm, "available", lambda device, out_dtype=torch.bfloat16: True)
-    monkeypatch.setattr(block_scaled_gemm, "matmul", lambda a, *rest: calls.append(a[0].shape[0]) or _emulated_matmul(a, *rest))
+    monkeypatch.setattr(
+        block_scaled_gemm, "matmul", lambda a, *rest: calls.append(a[0].shape[0]) or _emulated_matmul(a, *rest)
+    )
     monkeypatch.setattr(block_scaled_gemm, "MIN_TOKENS", 8)
     monkeypatch.setattr(block_scaled_experts, "MIN_ROWS_PER_EXPERT", 1)
     return calls
@@ -227,8 +235,9 @@ def test_prefill_steps_take_the_block_scaled_experts_and_agree_with_the_grouped_
         block_scaled_gemm.MIN_TOKENS = 13  # one row short: the grouped path
         grouped_counts = torch.zeros_like(counts)
         want = moe(x, grouped_counts, live=live)
-        picks = moe.kernels.moe_router.moe_router(x[0, live].contiguous(), moe.gate_weight, moe.gate_bias, moe.top_k,
-                                                  moe.route_scale)[1]
+        picks = moe.kernels.moe_router.moe_router(
+            x[0, live].contiguous(), moe.gate_weight, moe.gate_bias, moe.top_k, moe.route_scale
+        )[1]
     assert len(emulated_cublas) == len(calls)  # the grouped path made no call
     routed = torch.bincount(picks.flatten().long(), minlength=moe.num_experts)
     per_expert = [int(n) for n in routed if n] + [int(live.sum())]  # active routed experts in id order, then shared
@@ -276,8 +285,9 @@ def test_deepgemm_is_taken_where_it_is_available_and_nowhere_else(monkeypatch):
     real = deepgemm_moe.experts
     monkeypatch.setattr(deepgemm_moe, "module", lambda: fake_deep_gemm(4))
     monkeypatch.setattr(deepgemm_moe, "available", lambda device: True)
-    monkeypatch.setattr(deepgemm_moe, "experts",
-                        lambda *a, **kw: calls.append((kw["masked"], kw["layout"])) or real(*a, **kw))
+    monkeypatch.setattr(
+        deepgemm_moe, "experts", lambda *a, **kw: calls.append((kw["masked"], kw["layout"])) or real(*a, **kw)
+    )
     monkeypatch.setattr(block_scaled_experts, "applies", lambda *a: False)
     model = case("oracle").model
     x = torch.randn(1, 12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
@@ -307,8 +317,10 @@ def test_deepgemm_is_taken_where_it_is_available_and_nowhere_else(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a compute capability 9.x GPU (H100/H200)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a compute capability 9.x GPU (H100/H200)",
+)
 def test_gpu_block_scaled_experts_agree_with_the_grouped_path_on_a_flash_layer(monkeypatch):
     """A v41-s1 MoE layer (D 5120, I 2304, 48 experts top-6 + shared) at 4,096 tokens, 512 routed rows per
     expert: cuBLASLt's path is taken (two products per active expert) and agrees with the grouped Triton
@@ -353,9 +365,16 @@ def vision_model() -> DeepseekV41:
     a step runs under the interpreter in half of the 8-layer model's time."""
     case = VISION_CASES[0]
     token_map, num = engram_token_map(toy_tokenizer(case.cfg.vocab_size))
-    cfg = dataclasses.replace(case.cfg, num_hidden_layers=4, compress_ratios=(0, 2, 1, 0, 0),
-                              kv_source_layer_ids=(1, 2), index_source_layer_ids=(1, 2), candidate_source_layer_id=2,
-                              engram_layer_ids=(1,), engram_num_embeddings=(1,))
+    cfg = dataclasses.replace(
+        case.cfg,
+        num_hidden_layers=4,
+        compress_ratios=(0, 2, 1, 0, 0),
+        kv_source_layer_ids=(1, 2),
+        index_source_layer_ids=(1, 2),
+        candidate_source_layer_id=2,
+        engram_layer_ids=(1,),
+        engram_num_embeddings=(1,),
+    )
     cfg = finish(cfg, num)
     model = DeepseekV41(cfg, token_map, num)
     assign_weights(model, random_checkpoint(cfg, case.seed))
@@ -397,8 +416,13 @@ def _requests(model: DeepseekV41) -> tuple[dict[str, list[int]], dict[str, torch
         return torch.randint(3, v.image_token_id, (n,), generator=g).tolist()
 
     grid = (5, 7)
-    seqs = {"image": text(4) + [v.image_token_id] * span_length(*span_rows_cols(grid, v.downsample_ratio)) + text(3)
-            + text(MAX_TOKENS), "text": text(9) + text(MAX_TOKENS)}
+    seqs = {
+        "image": text(4)
+        + [v.image_token_id] * span_length(*span_rows_cols(grid, v.downsample_ratio))
+        + text(3)
+        + text(MAX_TOKENS),
+        "text": text(9) + text(MAX_TOKENS),
+    }
     p = v.patch_size
     with torch.no_grad():
         patches = torch.rand(grid[0] * grid[1], 3, p, p, generator=g) * 2 - 1
@@ -406,15 +430,25 @@ def _requests(model: DeepseekV41) -> tuple[dict[str, list[int]], dict[str, torch
     return seqs, spans
 
 
-def _drive(runner: ModelRunner, model: DeepseekV41, seqs: dict[str, list[int]], spans: dict[str, torch.Tensor]
-           ) -> tuple[dict[tuple[str, int], torch.Tensor], torch.Tensor]:
+def _drive(
+    runner: ModelRunner, model: DeepseekV41, seqs: dict[str, list[int]], spans: dict[str, torch.Tensor]
+) -> tuple[dict[tuple[str, int], torch.Tensor], torch.Tensor]:
     """Every request through the real scheduler and ``runner`` (one prefill step: the budget holds every
     prompt): logits per (request, position) and the step's expert counts [layers, experts]."""
     cfg, n = model.cfg, len(seqs)
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                                      max_num_batched_tokens=BUDGET, max_model_len=128,
-                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=64,
+            num_state_slots=n + 1,
+            max_num_seqs=n,
+            max_num_batched_tokens=BUDGET,
+            max_model_len=128,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios,
+        )
+    )
     for rid, seq in seqs.items():
         if rid in spans:
             runner.set_images(rid, seq[:-MAX_TOKENS], spans[rid])
@@ -422,8 +456,10 @@ def _drive(runner: ModelRunner, model: DeepseekV41, seqs: dict[str, list[int]], 
     plan = sched.schedule()
     assert plan.is_prefill and plan.num_rows == sum(len(seq) - MAX_TOKENS for seq in seqs.values())
     out = runner.execute(plan, all_rows=True)
-    logits = {(plan.request_ids[i], pos): out.logits[row].float().cpu()
-              for row, (pos, i) in enumerate(zip(plan.positions.tolist(), plan.row_requests.tolist()))}
+    logits = {
+        (plan.request_ids[i], pos): out.logits[row].float().cpu()
+        for row, (pos, i) in enumerate(zip(plan.positions.tolist(), plan.row_requests.tolist()))
+    }
     sched.update(plan, run_step(plan, lambda rid, pos: seqs[rid][pos]))
     for rid in seqs:
         sched.abort(rid)
@@ -431,11 +467,18 @@ def _drive(runner: ModelRunner, model: DeepseekV41, seqs: dict[str, list[int]], 
     return logits, out.expert_counts.cpu()
 
 
-def _runner(model: DeepseekV41, num_requests: int, backend: str, precision: str | None = None,
-            kernels: KernelSet | None = None) -> ModelRunner:
-    config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=num_requests + 1,
-                          max_num_seqs=num_requests, max_num_batched_tokens=BUDGET, max_model_len=128,
-                          batch_invariant=True).worker_config()
+def _runner(
+    model: DeepseekV41, num_requests: int, backend: str, precision: str | None = None, kernels: KernelSet | None = None
+) -> ModelRunner:
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=64,
+        num_state_slots=num_requests + 1,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=BUDGET,
+        max_model_len=128,
+        batch_invariant=True,
+    ).worker_config()
     return ModelRunner(copy.deepcopy(model), config, backend=backend, precision=precision, kernels=kernels)
 
 
@@ -474,13 +517,16 @@ def test_fp8_kernel_engine_with_an_image_is_batch_invariant_and_within_the_fp8_f
     kernels = _all_kernels()
     with interpreter():
         batch, _ = _drive(_runner(vision_model, 2, "kernels", "fp8", kernels), vision_model, seqs, spans)
-        alone, _ = _drive(_runner(vision_model, 1, "kernels", "fp8", kernels), vision_model,
-                          {"image": seqs["image"]}, spans)
+        alone, _ = _drive(
+            _runner(vision_model, 1, "kernels", "fp8", kernels), vision_model, {"image": seqs["image"]}, spans
+        )
     assert alone.keys() == {key for key in batch if key[0] == "image"}
     assert all(torch.equal(alone[key], batch[key]) for key in alone)
     (mean, worst), (floor_mean, floor_worst) = _kl(batch, want), _kl(floor, want)
-    print(f"\nfp8 kernel engine with an image vs the torch backend: mean KL {mean:.3g}, max {worst:.3g}; "
-          f"FP8-format floor {floor_mean:.3g}, {floor_worst:.3g}")
+    print(
+        f"\nfp8 kernel engine with an image vs the torch backend: mean KL {mean:.3g}, max {worst:.3g}; "
+        f"FP8-format floor {floor_mean:.3g}, {floor_worst:.3g}"
+    )
     assert mean <= max(1e-3, 2 * floor_mean) and worst <= max(1e-2, 2 * floor_worst)
 
 

@@ -28,8 +28,25 @@ SEED = 7
 def sharded(tmp_path_factory):
     """`shinkai model init --preset tiny --num-layers 8`: the sharded released layout at tiny's full depth."""
     out = tmp_path_factory.mktemp("sharded") / "tiny"
-    assert main(["model", "init", "--preset", "tiny", "--num-layers", "8", "--out", str(out), "--seed", str(SEED),
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "model",
+                "init",
+                "--preset",
+                "tiny",
+                "--num-layers",
+                "8",
+                "--out",
+                str(out),
+                "--seed",
+                str(SEED),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -45,8 +62,11 @@ def test_sharded_init_writes_one_part_per_shard_with_an_index(sharded):
     assert index["weight_map"]["mtp.0.main_proj.weight"] == "model-00010-of-00011.safetensors"
     assert set(index["weight_map"].values()) == set(shards)
     assert index["weight_map"]["layers.3.attn.wq_a.weight"] == "model-00005-of-00011.safetensors"
-    assert index["weight_map"]["image_newline"] == index["weight_map"]["vision.norm.weight"] == \
-        "model-00011-of-00011.safetensors"
+    assert (
+        index["weight_map"]["image_newline"]
+        == index["weight_map"]["vision.norm.weight"]
+        == "model-00011-of-00011.safetensors"
+    )
     assert load_config(sharded) == TINY
 
 
@@ -58,20 +78,31 @@ def test_device_form_equals_the_random_build(sharded):
     loaded, _, report = load_kernel_model(sharded, "cpu", "fp8", kernels)
     tm, nc = engram_token_map(load_v41_tokenizer())
     conversions = []
-    built = build_kernel_model(TINY, lambda prefix: _draw(TINY, SEED, torch.device("cpu"), prefix), "cpu", "fp8",
-                               torch.as_tensor(tm), nc, kernels, on_part=lambda _, done: conversions.append(done))
+    built = build_kernel_model(
+        TINY,
+        lambda prefix: _draw(TINY, SEED, torch.device("cpu"), prefix),
+        "cpu",
+        "fp8",
+        torch.as_tensor(tm),
+        nc,
+        kernels,
+        on_part=lambda _, done: conversions.append(done),
+    )
     a, b = _state(loaded), _state(built)
     assert list(a) == list(b)
     assert any(".moe." in k or "ffn." in k for k in a) and any("weight_fp8" in k for k in a)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name].view(torch.uint8) if a[name].dtype.is_floating_point else a[name],
-                           b[name].view(torch.uint8) if b[name].dtype.is_floating_point else b[name]), name
+        assert torch.equal(
+            a[name].view(torch.uint8) if a[name].dtype.is_floating_point else a[name],
+            b[name].view(torch.uint8) if b[name].dtype.is_floating_point else b[name],
+        ), name
     assert type(loaded.layers[2].ffn).__name__ == "KernelMoE"
     assert report.num_parts == 3 + TINY.num_hidden_layers + 1 + 3  # + the draft, vision., aligner., image_
     assert any(k.startswith("encoder.vision.blocks.") for k in a)
     assert report.num_bytes == sum(p.stat().st_size for p in sharded.glob("model-*.safetensors")) - sum(
-        8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in sharded.glob("model-*.safetensors"))
+        8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in sharded.glob("model-*.safetensors")
+    )
     assert report.gb_per_s > 0 and report.peak_device_bytes is None
     # The conversions' own count of FP8 elements rounded at 128×128, summed over the layers.
     assert report.num_inexact == sum(c.inexact for c in conversions if c is not None)
@@ -180,8 +211,24 @@ def test_up_on_a_damaged_checkpoint_exits_non_zero_with_nothing_left_running(sha
     d = _copy(sharded, tmp_path / "damaged")
     damage(d)
     run_dir = tmp_path / "run"
-    assert main(["up", "--model", str(d), "--run-dir", str(run_dir), "--http-port", "0", "--grpc-port", "0",
-                 "--device", "cpu"]) == 2
+    assert (
+        main(
+            [
+                "up",
+                "--model",
+                str(d),
+                "--run-dir",
+                str(run_dir),
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert all(word in err for word in words), err
     assert not (run_dir / "stack.json").exists()  # nothing was started, so nothing is left

@@ -64,9 +64,16 @@ def _ep_rank(rank: int, world_size: int, init_method: str) -> list[dict]:
                     out = None
                 else:
                     out = layer(x[mine].unsqueeze(0), counts)[0].float().numpy()
-            results.append({"tokens": mine.numpy(), "out": out, "counts": counts.numpy(),
-                            "local_experts": slots.local_experts, "slot_counts": parallel.take_slot_counts()[0].numpy(),
-                            "num_slots": moe.w1.shape[0]})
+            results.append(
+                {
+                    "tokens": mine.numpy(),
+                    "out": out,
+                    "counts": counts.numpy(),
+                    "local_experts": slots.local_experts,
+                    "slot_counts": parallel.take_slot_counts()[0].numpy(),
+                    "num_slots": moe.w1.shape[0],
+                }
+            )
         return results
     finally:
         dist.destroy_process_group()

@@ -37,8 +37,9 @@ def test_graphs_need_cuda_the_kernel_backend_and_no_rounding_hook():
     with pytest.raises(ValueError, match="CUDA graphs need the model on CUDA"):
         DecodeStepGraphs(ModelRunner(model, config), config, use_graphs=True, attention="reference")
     with pytest.raises(ValueError, match="rounding hook"):
-        DecodeStepGraphs(ModelRunner(model, config, rounding=lambda *a: a[2]), config, use_graphs=False,
-                    attention="reference")
+        DecodeStepGraphs(
+            ModelRunner(model, config, rounding=lambda *a: a[2]), config, use_graphs=False, attention="reference"
+        )
     with pytest.raises(ValueError, match="attention must be"):
         DecodeStepGraphs(ModelRunner(model, config), config, use_graphs=False, attention="auto").step(1)
     if torch.cuda.is_available():
@@ -68,13 +69,18 @@ def test_kernel_backend_static_step_interpreted():
     assert plan.num_rows == 5 and plan.graph_size == 8
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
     model = copy.deepcopy(case("nocand").model)
-    config = EngineConfig(block_size=BLOCK, num_blocks=torch_runner.cache.blocks.shape[0],
-                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8,
-                          max_model_len=MAX_LEN).worker_config()
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=torch_runner.cache.blocks.shape[0],
+        num_state_slots=torch_runner.cache.slots.shape[0],
+        max_num_seqs=8,
+        max_model_len=MAX_LEN,
+    ).worker_config()
     with interpreter():
         eager = ModelRunner(model, config, backend="kernels", kernels=kernels)
-        static = DecodeStepGraphs(ModelRunner(model, config, backend="kernels", kernels=kernels), config, use_graphs=False,
-                             attention="triton")
+        static = DecodeStepGraphs(
+            ModelRunner(model, config, backend="kernels", kernels=kernels), config, use_graphs=False, attention="triton"
+        )
         for runner in (eager, static.runner):
             runner.cache.blocks.copy_(torch_runner.cache.blocks)
             runner.cache.slots.copy_(torch_runner.cache.slots)
@@ -82,8 +88,10 @@ def test_kernel_backend_static_step_interpreted():
         got = static.execute(plan, all_rows=True)
     flips, partial, engram_equal = pool_differences(eager.cache, static.runner.cache)
     delta = float((got.logits - want.logits).abs().max())
-    print(f"\nkernel backend (interpreted, fp8), 5 rows at size 8: static vs ModelRunner max |Δ| {delta:.3g}, "
-          f"{flips} pool bin flips")
+    print(
+        f"\nkernel backend (interpreted, fp8), 5 rows at size 8: static vs ModelRunner max |Δ| {delta:.3g}, "
+        f"{flips} pool bin flips"
+    )
     assert static.backend == "kernels" and static.num_eager == 0
     assert torch.equal(got.expert_counts, want.expert_counts) and engram_equal and flips == 0
     assert partial <= tol.FLIP_BOUNDARY_TOL and delta <= tol.PREFIX_ATOL
@@ -108,9 +116,12 @@ def test_graph_replays_equal_the_eager_static_step_and_model_runner(name):
     pools); against the eager ModelRunner on the same backend, greedy tokens agree where its top-2
     margin is ≥ MARGIN, and logits stay close on steps where no pool element took another bin."""
     model = copy.deepcopy(case(name, "cuda").model)
-    sched, eager, graphs, token_at, config = setup(name, "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8,
-                                                   model=model, backend="kernels")
-    static = DecodeStepGraphs(ModelRunner(model, config, backend="kernels"), config, use_graphs=False, attention="triton")
+    sched, eager, graphs, token_at, config = setup(
+        name, "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8, model=model, backend="kernels"
+    )
+    static = DecodeStepGraphs(
+        ModelRunner(model, config, backend="kernels"), config, use_graphs=False, attention="triton"
+    )
     graphs.capture([1, 8])
     sizes, deltas, worst_flipped, flipped, count_steps = [], [], 0.0, 0, 0
     rows = agree = sure = sure_agree = 0
@@ -133,11 +144,13 @@ def test_graph_replays_equal_the_eager_static_step_and_model_runner(name):
         sched.update(plan, run_step(plan, token_at))
     deltas.sort()
     median = deltas[len(deltas) // 2] if deltas else 0.0
-    print(f"\n{name}: {graphs.num_replays} replays at sizes {sorted(set(sizes))}, {graphs.num_eager} eager steps; "
-          f"vs eager ModelRunner (kernels, fp8): greedy tokens agree on {agree}/{rows} rows ({sure_agree}/{sure} "
-          f"with margin ≥ {MARGIN}); logits max |Δ| per step: median {median:.3g}, max {max(deltas, default=0):.3g} "
-          f"over {len(deltas)} steps without a pool bin flip, {worst_flipped:.3g} over {flipped} with one; "
-          f"expert counts differ on {count_steps} steps")
+    print(
+        f"\n{name}: {graphs.num_replays} replays at sizes {sorted(set(sizes))}, {graphs.num_eager} eager steps; "
+        f"vs eager ModelRunner (kernels, fp8): greedy tokens agree on {agree}/{rows} rows ({sure_agree}/{sure} "
+        f"with margin ≥ {MARGIN}); logits max |Δ| per step: median {median:.3g}, max {max(deltas, default=0):.3g} "
+        f"over {len(deltas)} steps without a pool bin flip, {worst_flipped:.3g} over {flipped} with one; "
+        f"expert counts differ on {count_steps} steps"
+    )
     assert graphs.num_replays == len(sizes) >= 20 and {1, 2, 4, 8} <= set(sizes)
     assert sure_agree >= 0.97 * sure and sure >= rows // 2
     assert median <= 1e-3 and flipped <= len(sizes) // 4 and count_steps <= len(sizes) // 4
@@ -158,10 +171,12 @@ def test_graph_replays_of_verify_steps_equal_the_eager_static_step(name):
 
     nextn = 3
     model = copy.deepcopy(case(name, "cuda").model)
-    sched, eager, graphs, token_at, config = setup(name, "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8,
-                                                   model=model, backend="kernels", nextn=nextn)
-    static = DecodeStepGraphs(ModelRunner(model, config, backend="kernels", nextn=nextn), config, use_graphs=False,
-                         attention="triton")
+    sched, eager, graphs, token_at, config = setup(
+        name, "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8, model=model, backend="kernels", nextn=nextn
+    )
+    static = DecodeStepGraphs(
+        ModelRunner(model, config, backend="kernels", nextn=nextn), config, use_graphs=False, attention="triton"
+    )
     graphs.capture(graph_sizes(8 * (1 + nextn)))
     sizes, rows, sure, sure_agree, step = [], 0, 0, 0, 0
     while sched.has_unfinished():
@@ -175,8 +190,10 @@ def test_graph_replays_of_verify_steps_equal_the_eager_static_step(name):
         sched.check_invariants()
         step += 1
     stats = sched.stats()
-    print(f"\n{name} verify steps: {graphs.num_replays} replays at sizes {sorted(set(sizes))}; greedy agrees with "
-          f"the eager ModelRunner on {sure_agree}/{sure} rows with margin ≥ {MARGIN} ({rows} rows)")
+    print(
+        f"\n{name} verify steps: {graphs.num_replays} replays at sizes {sorted(set(sizes))}; greedy agrees with "
+        f"the eager ModelRunner on {sure_agree}/{sure} rows with margin ≥ {MARGIN} ({rows} rows)"
+    )
     assert (stats.num_free_blocks, stats.num_free_state_slots) == (stats.num_total_blocks, stats.num_total_state_slots)
     assert graphs.num_replays == len(sizes) >= 8 and max(sizes) > 8
     # No bound on the agreement with the eager ModelRunner: its verify steps (several rows per request) run
@@ -194,8 +211,9 @@ def test_replay_time_against_eager():
     """µs per decode step at tiny shapes, 8 rows (kernel backend, FP8): graph replay vs the static step
     eagerly vs ModelRunner."""
     model = copy.deepcopy(case("oracle", "cuda").model)
-    sched, eager, graphs, token_at, config = setup("oracle", "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8,
-                                                   model=model, backend="kernels")
+    sched, eager, graphs, token_at, config = setup(
+        "oracle", "cuda", "triton", True, PROMPTS, MAX_TOKENS, 8, model=model, backend="kernels"
+    )
     while not StaticDecodeStep.fits(plan := sched.schedule()):
         eager.execute(plan)
         sched.update(plan, run_step(plan, token_at))
@@ -217,8 +235,10 @@ def test_replay_time_against_eager():
     static_eager = timed(step.run)
     runner = timed(lambda: eager.execute(plan))
     full = timed(lambda: graphs.execute(plan))
-    print(f"\nGRAPH_TIMING rows {plan.num_rows} at size {plan.graph_size}: replay {replay:.0f} µs, execute with "
-          f"fill {full:.0f} µs, static step eager {static_eager:.0f} µs, ModelRunner {runner:.0f} µs")
+    print(
+        f"\nGRAPH_TIMING rows {plan.num_rows} at size {plan.graph_size}: replay {replay:.0f} µs, execute with "
+        f"fill {full:.0f} µs, static step eager {static_eager:.0f} µs, ModelRunner {runner:.0f} µs"
+    )
     assert replay < static_eager
 
 
@@ -240,8 +260,9 @@ def test_llm_with_cuda_graphs_generates_as_without():
     for graphs in (False, True):
         own = copy.copy(source)
         own.model = copy.deepcopy(source.model)
-        llm = LLM(source=own, kernel_backend="fp8", cuda_graphs=graphs, max_model_len=128, max_num_seqs=8,
-                  block_size=16)
+        llm = LLM(
+            source=own, kernel_backend="fp8", cuda_graphs=graphs, max_model_len=128, max_num_seqs=8, block_size=16
+        )
         runner = llm.engine.worker.runner
         captured = sorted(runner._graphs) if graphs else []
         outputs[graphs] = [out.token_ids for out in llm.generate(prompts, params)]
@@ -279,11 +300,12 @@ def test_async_scheduling_through_the_static_step_gives_the_same_tokens():
         calls: list[int] = []
         execute = runner.execute
         runner.execute = lambda *a, **k: (calls.append(1), execute(*a, **k))[1]  # type: ignore[method-assign]
-        llm = LLM(source=source, runner=runner, block_size=16, max_num_seqs=4, max_model_len=128,
-                  async_scheduling=flag)
-        params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0),
-                  SamplingParams(max_tokens=4, ignore_eos=True, seed=11, logprobs=2),
-                  SamplingParams(max_tokens=7, ignore_eos=True, seed=5, top_p=0.8)]
+        llm = LLM(source=source, runner=runner, block_size=16, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
+        params = [
+            SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0),
+            SamplingParams(max_tokens=4, ignore_eos=True, seed=11, logprobs=2),
+            SamplingParams(max_tokens=7, ignore_eos=True, seed=5, top_p=0.8),
+        ]
         with batch_invariant():  # the static step outside ModelRunner.execute: the mode around the whole run
             outs = llm.generate([[0, 5, 9, 13, 200], [0, 77] * 6, [0, 1000, 2000]], params)
         outputs.append([(o.token_ids, o.logprobs) for o in outs])
@@ -309,13 +331,21 @@ def test_an_async_decode_step_is_queued_without_a_host_sync():
 
     source = load_model("tiny")
     source.model.to("cuda")
-    llm = LLM(source=source, kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, max_model_len=64,
-              max_num_seqs=4, block_size=16)
+    llm = LLM(
+        source=source,
+        kernel_backend="fp8",
+        cuda_graphs=True,
+        async_scheduling=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        block_size=16,
+    )
     engine = llm.engine
     outputs = []
     for i in range(3):
-        engine.add_request(f"r{i}", [0, *range(5 + i, 14 + i)], SamplingParams(max_tokens=16, ignore_eos=True,
-                                                                                 seed=i, temperature=0.7))
+        engine.add_request(
+            f"r{i}", [0, *range(5 + i, 14 + i)], SamplingParams(max_tokens=16, ignore_eos=True, seed=i, temperature=0.7)
+        )
         outputs.append(engine.requests[f"r{i}"].output)
     for _ in range(6):  # prefill, then decode steps (the graph of their size captured)
         engine.step()

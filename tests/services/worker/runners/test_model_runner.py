@@ -32,16 +32,25 @@ from services.engine.config import EngineConfig
 from services.worker.runners.model_runner import ModelRunner
 from tests import tolerances as tol
 from tests.model.deepseek_v41.oracle_configs import CASES, finish
-from tests.model.deepseek_v41.oracle_harness import QuantCall, boundary_distance, record_ours, toy_tokenizer, \
-    topk_margins
+from tests.model.deepseek_v41.oracle_harness import (
+    QuantCall,
+    boundary_distance,
+    record_ours,
+    toy_tokenizer,
+    topk_margins,
+)
 from tests.scheduler_rs.configs import scheduler_config
 from tests.scheduler_rs.fake_worker import run_step
 
 BLOCK = 16
 PROMPTS = (37, 20, 45, 9)
 MAX_TOKENS = 5
-ROUNDING = {"fp8": ("fp8", fake_quant_fp8_e4m3), "kv4": ("kv4", fake_quant_compressed_kv),
-            "idx4k": ("idx4", fake_quant_indexer), "idx4q": ("idx4", fake_quant_indexer)}
+ROUNDING = {
+    "fp8": ("fp8", fake_quant_fp8_e4m3),
+    "kv4": ("kv4", fake_quant_compressed_kv),
+    "idx4k": ("idx4", fake_quant_indexer),
+    "idx4q": ("idx4", fake_quant_indexer),
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -65,8 +74,10 @@ def _build(name: str, device: str) -> Case:
     assign_weights(model, random_checkpoint(cfg, case.seed))
     model.eval().to(device)
     g = torch.Generator().manual_seed(case.seed)
-    seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + MAX_TOKENS,), generator=g).tolist()
-            for i, n in enumerate(PROMPTS)}
+    seqs = {
+        f"r{i}": torch.randint(3, cfg.vocab_size, (n + MAX_TOKENS,), generator=g).tolist()
+        for i, n in enumerate(PROMPTS)
+    }
     fed = [s[:-1] for s in seqs.values()]  # the last sampled token is never fed
     ids = torch.zeros(len(fed), max(map(len, fed)), dtype=torch.long)
     for b, s in enumerate(fed):
@@ -129,14 +140,29 @@ def drive(c: Case, budget: int, corrupt=None, batch_invariant: bool = False) -> 
     cfg = c.model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     n = len(c.seqs)
-    config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                          max_num_batched_tokens=budget, max_model_len=128,
-                          batch_invariant=batch_invariant).worker_config()
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=64,
+        num_state_slots=n + 1,
+        max_num_seqs=n,
+        max_num_batched_tokens=budget,
+        max_model_len=128,
+        batch_invariant=batch_invariant,
+    ).worker_config()
     runner = ModelRunner(c.model, config, rounding=None if batch_invariant else replay(c))
     c.replayed.clear()
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                                      max_num_batched_tokens=budget, max_model_len=128,
-                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=64,
+            num_state_slots=n + 1,
+            max_num_seqs=n,
+            max_num_batched_tokens=budget,
+            max_model_len=128,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios,
+        )
+    )
     for rid, s in c.seqs.items():
         sched.add_request(rid, s[:-MAX_TOKENS], max_tokens=MAX_TOKENS, ignore_eos=True)
     fed: list[int] = []
@@ -182,8 +208,10 @@ def _worst(c: Case, run: Run) -> tuple[float, int]:
     return worst, compared
 
 
-@pytest.mark.parametrize("name, budget", [("oracle", 7), ("oracle", 16), ("oracle", 64), ("wide", 5),
-                                          ("wide", 23), ("nocand", 11), ("nocand", 32)])
+@pytest.mark.parametrize(
+    "name, budget",
+    [("oracle", 7), ("oracle", 16), ("oracle", 64), ("wide", 5), ("wide", 23), ("nocand", 11), ("nocand", 32)],
+)
 def test_engine_equals_model(name, budget):
     _engine_equals_model(case(name), budget)
 
@@ -201,8 +229,10 @@ def _engine_equals_model(c: Case, budget: int) -> None:
     run = drive(c, budget)
     total = sum(len(s) - 1 for s in c.seqs.values())
     worst, compared = _worst(c, run)
-    print(f"\n{name} budget {budget}: max |Δ| {worst:.3g} over {compared}/{total} positions, "
-          f"{sum(c.replayed)} replayed near-boundary roundings, chunks {run.chunks}")
+    print(
+        f"\n{name} budget {budget}: max |Δ| {worst:.3g} over {compared}/{total} positions, "
+        f"{sum(c.replayed)} replayed near-boundary roundings, chunks {run.chunks}"
+    )
     assert 1 - compared / total <= tol.MAX_EXEMPT_FRACTION, "too many oracle near ties: reseed"
     assert worst <= tol.PREFIX_ATOL
     if budget < 64:  # the budget really cut prompts inside a ratio-2 group and across a block
@@ -264,20 +294,24 @@ def test_corrupting_one_block_changes_later_logits_of_its_request_only():
         cache = runner.cache
         for layer in c.model.cfg.kv_source_layer_ids:  # new FP4 codes, same scales: finite values
             for pool, half in zip(cache.entries(layer), (cache.layout.head_dim // 2, cache.layout.index_head_dim // 2)):
-                pool[block, :, :half] = torch.randint(0, 256, pool[block, :, :half].shape, generator=g,
-                                                      dtype=torch.uint8)
+                pool[block, :, :half] = torch.randint(
+                    0, 256, pool[block, :, :half].shape, generator=g, dtype=torch.uint8
+                )
         done.append(block)
 
     broken = drive(c, 16, corrupt, batch_invariant=True)
     assert done
     start = len(c.seqs[victim]) - MAX_TOKENS
-    moved = max(float((broken.logits[(victim, p)] - clean.logits[(victim, p)]).abs().max())
-                for p in range(start, start + MAX_TOKENS - 1))
+    moved = max(
+        float((broken.logits[(victim, p)] - clean.logits[(victim, p)]).abs().max())
+        for p in range(start, start + MAX_TOKENS - 1)
+    )
     assert moved >= tol.SENSITIVITY_MIN_MOVE
     # Other requests see none of it, bit for bit: the victim's new routing changes the MoE's per-expert
     # row counts, which in batch-invariant mode cannot move another row's result.
-    others = [key for key, logits in clean.logits.items()
-              if key[0] != victim and not torch.equal(broken.logits[key], logits)]
+    others = [
+        key for key, logits in clean.logits.items() if key[0] != victim and not torch.equal(broken.logits[key], logits)
+    ]
     print(f"\ncorrupted block {done[0]}: victim moved {moved:.3g}")
     assert others == []
 
@@ -285,8 +319,9 @@ def test_corrupting_one_block_changes_later_logits_of_its_request_only():
 def test_a_placeholder_step_runs_nothing():
     c = case("oracle")
     runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config())
-    plan = Scheduler(scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8,
-                                     compress_ratios=[2, 1])).schedule()
+    plan = Scheduler(
+        scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, compress_ratios=[2, 1])
+    ).schedule()
     assert plan.is_placeholder
     out = runner.execute(plan)
     assert out.logits.shape == (0, c.model.cfg.vocab_size) and out.num_rows_computed == 0
@@ -301,12 +336,22 @@ def test_a_fork_continues_from_copied_blocks_and_slot():
     seq = c.seqs[parent]
     ratios = sorted({c.model.cfg.ratio(layer) for layer in c.model.cfg.kv_source_layer_ids}, reverse=True)
     # Batch-invariant mode: the child's rows equal the parent's and the full forward's under ==.
-    config = EngineConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2, max_model_len=128,
-                          batch_invariant=True)
+    config = EngineConfig(
+        block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2, max_model_len=128, batch_invariant=True
+    )
     runner = ModelRunner(c.model, config.worker_config())
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=32, num_state_slots=3, max_num_seqs=2,
-                                      max_num_batched_tokens=64, max_model_len=128,
-                                      window_size=c.model.cfg.sliding_window, compress_ratios=ratios))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=32,
+            num_state_slots=3,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+            window_size=c.model.cfg.sliding_window,
+            compress_ratios=ratios,
+        )
+    )
     sched.add_request(parent, seq[:-MAX_TOKENS], max_tokens=MAX_TOKENS, ignore_eos=True)
     logits: dict[tuple[str, int], torch.Tensor] = {}
     copies = []
@@ -333,8 +378,11 @@ def test_a_fork_continues_from_copied_blocks_and_slot():
 def test_a_plan_for_another_ring_size_is_refused():
     c = case("oracle")
     runner = ModelRunner(c.model, EngineConfig(block_size=BLOCK, max_model_len=64, max_num_seqs=2).worker_config())
-    sched = Scheduler(scheduler_config(block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7,
-                                      compress_ratios=[2, 1]))
+    sched = Scheduler(
+        scheduler_config(
+            block_size=BLOCK, num_blocks=8, num_state_slots=3, window_size=8, nextn=7, compress_ratios=[2, 1]
+        )
+    )
     sched.add_request("a", list(range(3, 40)), max_tokens=2)
     with pytest.raises(ValueError, match="not position mod 14"):
         runner.execute(sched.schedule())

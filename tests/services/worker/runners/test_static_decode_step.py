@@ -44,10 +44,20 @@ MAX_LEN = 64
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-def setup(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
-          prompts: tuple[int, ...] = PROMPTS, max_tokens: tuple[int, ...] = MAX_TOKENS, max_seqs: int = MAX_SEQS,
-          model=None, backend: str | None = None, with_taps: bool = False, batch_invariant: bool = False,
-          nextn: int = 0):
+def setup(
+    name: str,
+    device: str = "cpu",
+    attention: str = "reference",
+    use_graphs: bool = False,
+    prompts: tuple[int, ...] = PROMPTS,
+    max_tokens: tuple[int, ...] = MAX_TOKENS,
+    max_seqs: int = MAX_SEQS,
+    model=None,
+    backend: str | None = None,
+    with_taps: bool = False,
+    batch_invariant: bool = False,
+    nextn: int = 0,
+):
     """(scheduler, eager ModelRunner, DecodeStepGraphs on its own pools, token_at, config) for one request per
     prompt; ``model`` (default: the case's), ``backend``, ``with_taps``, ``batch_invariant`` (the config's)
     and ``nextn`` (drafts verified per step at most: the ring's size) go to both ModelRunners ("kernels"
@@ -56,21 +66,43 @@ def setup(name: str, device: str = "cpu", attention: str = "reference", use_grap
     cfg = model.cfg
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
     num_blocks = max_seqs * (MAX_LEN // BLOCK) + 1
-    config = EngineConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=64, max_model_len=MAX_LEN,
-                          batch_invariant=batch_invariant).worker_config()
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, num_state_slots=max_seqs + 1,
-                                      max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=MAX_LEN,
-                                      window_size=cfg.sliding_window, compress_ratios=ratios, nextn=nextn,
-                                      spec_varlen=nextn > 0))  # no cost curve: every proposed draft verified
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=num_blocks,
+        num_state_slots=max_seqs + 1,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_LEN,
+        batch_invariant=batch_invariant,
+    ).worker_config()
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=num_blocks,
+            num_state_slots=max_seqs + 1,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=64,
+            max_model_len=MAX_LEN,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios,
+            nextn=nextn,
+            spec_varlen=nextn > 0,
+        )
+    )  # no cost curve: every proposed draft verified
     g = torch.Generator().manual_seed(7)
-    seqs = {f"r{i}": torch.randint(3, cfg.vocab_size, (n + m + nextn,), generator=g).tolist()  # drafts overshoot
-            for i, (n, m) in enumerate(zip(prompts, max_tokens))}
+    seqs = {
+        f"r{i}": torch.randint(3, cfg.vocab_size, (n + m + nextn,), generator=g).tolist()  # drafts overshoot
+        for i, (n, m) in enumerate(zip(prompts, max_tokens))
+    }
     for (rid, s), n, m in zip(seqs.items(), prompts, max_tokens):
         sched.add_request(rid, s[:n], max_tokens=m, ignore_eos=True)
     eager = ModelRunner(model, config, backend=backend, with_taps=with_taps, nextn=nextn)
-    static = DecodeStepGraphs(ModelRunner(model, config, backend=backend, with_taps=with_taps, nextn=nextn), config,
-                         use_graphs=use_graphs, attention=attention)
+    static = DecodeStepGraphs(
+        ModelRunner(model, config, backend=backend, with_taps=with_taps, nextn=nextn),
+        config,
+        use_graphs=use_graphs,
+        attention=attention,
+    )
     return sched, eager, static, lambda rid, pos: seqs[rid][pos], config
 
 
@@ -136,9 +168,17 @@ class Summary:
     verify: VerifyRows = field(default_factory=VerifyRows)  # with nextn
 
 
-def compare_runs(name: str, device: str = "cpu", attention: str = "reference", use_graphs: bool = False,
-                 exact: bool = False, with_taps: bool = False, model=None, invariant: bool = False,
-                 nextn: int = 0) -> Summary:
+def compare_runs(
+    name: str,
+    device: str = "cpu",
+    attention: str = "reference",
+    use_graphs: bool = False,
+    exact: bool = False,
+    with_taps: bool = False,
+    model=None,
+    invariant: bool = False,
+    nextn: int = 0,
+) -> Summary:
     """Eager and static runners through one whole run of the same plans.
 
     ``exact``: never reset: logits, counts and pools must stay bit-identical over the whole run; the
@@ -151,8 +191,9 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
     real error at least moves), every other step's stay within PREFIX_ATOL. ``nextn``: verify steps
     (``verify_result``); the scheduler's pool and queue invariants are checked after every step.
     """
-    sched, eager, static, token_at, _ = setup(name, device, attention, use_graphs, with_taps=with_taps, model=model,
-                                              batch_invariant=invariant, nextn=nextn)
+    sched, eager, static, token_at, _ = setup(
+        name, device, attention, use_graphs, with_taps=with_taps, model=model, batch_invariant=invariant, nextn=nextn
+    )
     out, closes, step_index = Summary(), set(), 0
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -197,8 +238,9 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
     assert (stats.num_free_blocks, stats.num_free_state_slots) == (stats.num_total_blocks, stats.num_total_state_slots)
     if nextn:  # the verify-step cases the brief names, each seen
         v = out.verify
-        assert v.rows_per_request == set(range(1, nextn + 2)) and v.mixed_steps and v.closes_inside and \
-            v.wrapped_inside, v
+        assert (
+            v.rows_per_request == set(range(1, nextn + 2)) and v.mixed_steps and v.closes_inside and v.wrapped_inside
+        ), v
     else:
         assert len(out.sizes) >= 20 and {8, 4, 2, 1} <= set(out.sizes), out.sizes
     assert len(closes) > 2  # ratio-2 groups close on some steps and not others, for different rows
@@ -211,8 +253,10 @@ def compare_runs(name: str, device: str = "cpu", attention: str = "reference", u
 @pytest.mark.parametrize("name", ["oracle", "nocand"])
 def test_static_step_equals_model_runner(name):
     out = compare_runs(name)
-    print(f"\n{name}: {len(out.sizes)} decode steps at graph sizes {sorted(set(out.sizes))}: max |Δ| {out.worst:.3g}, "
-          f"{out.worst_flipped:.3g} on the {out.flipped_steps} steps with a bin flip")
+    print(
+        f"\n{name}: {len(out.sizes)} decode steps at graph sizes {sorted(set(out.sizes))}: max |Δ| {out.worst:.3g}, "
+        f"{out.worst_flipped:.3g} on the {out.flipped_steps} steps with a bin flip"
+    )
 
 
 def test_static_step_is_bit_identical_at_equal_row_counts():
@@ -302,9 +346,13 @@ def step_kernels_interpreted():
 
     from tests.kernels.interpret import load_interpreted
 
-    return SimpleNamespace(**{name: load_interpreted(name) for name in ("decode_attention", "compressor", "indexer",
-                                                                    "window_write", "indexer_quant", "entry_slots")},
-                           interpreted=True)
+    return SimpleNamespace(
+        **{
+            name: load_interpreted(name)
+            for name in ("decode_attention", "compressor", "indexer", "window_write", "indexer_quant", "entry_slots")
+        },
+        interpreted=True,
+    )
 
 
 @pytest.mark.parametrize("name", ["oracle", "nocand"])
@@ -396,9 +444,13 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     plan, torch_runner = _decode_plan("oracle")
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
     model = copy.deepcopy(case("oracle").model)
-    config = EngineConfig(block_size=BLOCK, num_blocks=torch_runner.cache.blocks.shape[0],
-                          num_state_slots=torch_runner.cache.slots.shape[0], max_num_seqs=8,
-                          max_model_len=MAX_LEN).worker_config()
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=torch_runner.cache.blocks.shape[0],
+        num_state_slots=torch_runner.cache.slots.shape[0],
+        max_num_seqs=8,
+        max_model_len=MAX_LEN,
+    ).worker_config()
     combine_experts = kernels.moe_grouped_gemm.moe_experts
 
     def torch_forms() -> None:
@@ -407,13 +459,15 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
             return out if live is None else torch.where(live.unsqueeze(-1), out, 0.0)
 
         monkeypatch.setattr(rope, "_views_as_complex", lambda pairs: False)
-        monkeypatch.setattr(graph, "index_weights",
-                            lambda idx, x: ((idx.weights_proj(x) * idx.weight_scale).float(), 1.0))
+        monkeypatch.setattr(
+            graph, "index_weights", lambda idx, x: ((idx.weights_proj(x) * idx.weight_scale).float(), 1.0)
+        )
         monkeypatch.setattr(kernels.moe_grouped_gemm, "moe_experts", experts_then_where)
         monkeypatch.setattr(fp8_linear, "IN_GEMM_MAX_ROWS", 0)
         monkeypatch.setattr(kernels.moe_grouped_gemm, "IN_GEMM_MAX_ROWS", 0)
-        monkeypatch.setattr(kernels.moe_router, "moe_router",
-                            functools.partial(kernels.moe_router.moe_router, one_launch=False))
+        monkeypatch.setattr(
+            kernels.moe_router, "moe_router", functools.partial(kernels.moe_router.moe_router, one_launch=False)
+        )
         monkeypatch.delattr(kernels.moe_router, "moe_router_layout")  # the layout's own launch
 
     quantized = []

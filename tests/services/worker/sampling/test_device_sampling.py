@@ -20,8 +20,9 @@ VOCAB = 97
 
 
 def row(**changes) -> SamplingRow:
-    fields = dict(temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=0, forced_top_k=None, banned_token_ids=(),
-                  num_logprobs=0)
+    fields = dict(
+        temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=0, forced_top_k=None, banned_token_ids=(), num_logprobs=0
+    )
     fields.update(changes)
     return SamplingRow(**fields)
 
@@ -78,9 +79,19 @@ def test_error_rows_are_the_samplers_for_every_kind_of_non_finite_logit():
     that stay valid (some -inf beside finite values; one finite value among -inf): the same error rows and
     values as ``Sampler.process``."""
     inf, nan = math.inf, math.nan
-    logits = torch.tensor([[nan, 1.0, 2.0, 0.0], [inf, 1.0, 2.0, 0.0], [-inf, -inf, -inf, -inf],
-                           [-inf, inf, -inf, -inf], [nan, inf, -inf, 0.0], [nan, -inf, -inf, -inf],
-                           [-inf, 1.0, -inf, 3.0], [-inf, -inf, 5.0, -inf], [0.5, 1.0, 2.0, 0.0]])
+    logits = torch.tensor(
+        [
+            [nan, 1.0, 2.0, 0.0],
+            [inf, 1.0, 2.0, 0.0],
+            [-inf, -inf, -inf, -inf],
+            [-inf, inf, -inf, -inf],
+            [nan, inf, -inf, 0.0],
+            [nan, -inf, -inf, -inf],
+            [-inf, 1.0, -inf, 3.0],
+            [-inf, -inf, 5.0, -inf],
+            [0.5, 1.0, 2.0, 0.0],
+        ]
+    )
     rows = [row(temperature=0.7)] * logits.shape[0]
     want = Sampler().process(logits, rows)
     _, got = static_process(logits, rows, False, logits.shape[0])
@@ -99,8 +110,15 @@ def test_rows_that_ask_for_no_ranking_are_not_sorted():
         assert torch.equal(getattr(got, name)[: len(rows)], getattr(want, name)), name
 
 
-NON_FINITE = [[math.nan, 1.0, 2.0, 0.0], [math.inf, 1.0, 2.0, 0.0], [-math.inf] * 4, [math.nan, math.inf, -math.inf, 0.0],
-              [-math.inf, 1.0, -math.inf, 3.0], [0.5, -0.0, 0.0, -2.0], [-0.0, 0.0, -1.0, -math.inf]]
+NON_FINITE = [
+    [math.nan, 1.0, 2.0, 0.0],
+    [math.inf, 1.0, 2.0, 0.0],
+    [-math.inf] * 4,
+    [math.nan, math.inf, -math.inf, 0.0],
+    [-math.inf, 1.0, -math.inf, 3.0],
+    [0.5, -0.0, 0.0, -2.0],
+    [-0.0, 0.0, -1.0, -math.inf],
+]
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
@@ -109,8 +127,10 @@ def test_scale_without_the_banned_logits_gives_the_samplers_distributions(temper
     """``keep_banned=False`` zeroes error rows after the division and keeps no masked copy; ``unit_temperatures``
     skips the division by 1: the probs and logprobs stay ``Sampler.process``'s (error rows, ±0 maxima, -inf)."""
     logits = torch.tensor(NON_FINITE)
-    rows = [row(temperature=temperature, top_k=3 if rank else -1, banned_token_ids=(2,) if i == 4 else ())
-            for i in range(logits.shape[0])]
+    rows = [
+        row(temperature=temperature, top_k=3 if rank else -1, banned_token_ids=(2,) if i == 4 else ())
+        for i in range(logits.shape[0])
+    ]
     want = Sampler().process(logits, rows, rank_all=rank)
     key = SamplingKey.of(rows, rank)
     table = torch.tensor(key.pack(rows, len(rows), 4), dtype=torch.int64)

@@ -22,8 +22,9 @@ SAMPLER = Sampler()
 
 
 def row(**changes):
-    fields = dict(temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=0, forced_top_k=None,
-                  banned_token_ids=(), num_logprobs=0)
+    fields = dict(
+        temperature=1.0, top_k=-1, top_p=1.0, seed=0, position=0, forced_top_k=None, banned_token_ids=(), num_logprobs=0
+    )
     fields.update(changes)
     return SamplingRow(**fields)
 
@@ -90,6 +91,7 @@ def test_accept_draft_never_passes_a_token_outside_the_kept_set():
 
 
 # --- each processing step ----------------------------------------------------------------------------
+
 
 def test_temperature_is_applied_before_top_p():
     logits = [2.0, 1.0, 0.5, -1.0]
@@ -166,8 +168,12 @@ def test_greedy_takes_the_argmax_with_ties_to_the_lowest_id_for_any_seed():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0]] * 4)
     rows = [row(temperature=0.0, seed=s, position=s * 7) for s in range(4)]
     assert SAMPLER(logits, rows).token_ids.tolist() == [1, 1, 1, 1]
-    rows = [row(temperature=0.0, banned_token_ids=(1,)), row(temperature=0.0, banned_token_ids=(1, 2)),
-            row(temperature=0.0, top_p=0.01), row(temperature=0.0, top_k=1)]
+    rows = [
+        row(temperature=0.0, banned_token_ids=(1,)),
+        row(temperature=0.0, banned_token_ids=(1, 2)),
+        row(temperature=0.0, top_p=0.01),
+        row(temperature=0.0, top_k=1),
+    ]
     assert SAMPLER(logits, rows).token_ids.tolist() == [2, 3, 1, 1]
 
 
@@ -206,6 +212,7 @@ def test_top_n_width_is_the_largest_request_and_extra_columns_are_next_ranks():
 
 
 # --- integer mass and the draw ------------------------------------------------------------------------
+
 
 def reference_pick(probs, bits):
     """Pure-Python integer draw: masses floor(p · 2³¹), threshold floor(bits · total / 2³¹)."""
@@ -255,9 +262,13 @@ def test_zero_mass_tokens_are_never_drawn():
 
 
 def test_sample_from_bits_rejects_bad_input():
-    for probs, bits in ((torch.zeros(1, 3), [0]), (torch.tensor([[0.5, float("nan")]]), [0]),
-                        (torch.tensor([[1.0, -0.1]]), [0]), (torch.tensor([[1.0]]), [2**31]),
-                        (torch.tensor([[3.0]]), [0])):
+    for probs, bits in (
+        (torch.zeros(1, 3), [0]),
+        (torch.tensor([[0.5, float("nan")]]), [0]),
+        (torch.tensor([[1.0, -0.1]]), [0]),
+        (torch.tensor([[1.0]]), [2**31]),
+        (torch.tensor([[3.0]]), [0]),
+    ):
         with pytest.raises(ValueError):
             sample_from_bits(probs, torch.tensor(bits))
 
@@ -283,13 +294,18 @@ def test_frequencies_follow_the_processed_distribution():
 
 # --- errors -------------------------------------------------------------------------------------------
 
+
 def test_fully_masked_and_nan_rows_are_errors_and_the_rest_carry_on():
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 6, generator=gen)
     logits[2, 3] = float("nan")
     logits[3, 1] = float("inf")
-    rows = [row(seed=1, num_logprobs=2), row(seed=2, banned_token_ids=tuple(range(6)), num_logprobs=2),
-            row(seed=3, num_logprobs=2), row(seed=4, temperature=0.0)]
+    rows = [
+        row(seed=1, num_logprobs=2),
+        row(seed=2, banned_token_ids=tuple(range(6)), num_logprobs=2),
+        row(seed=3, num_logprobs=2),
+        row(seed=4, temperature=0.0),
+    ]
     out = SAMPLER(logits, rows)
     assert out.errors.tolist() == [False, True, True, True]
     assert out.token_ids.tolist()[1:] == [0, 0, 0]
@@ -305,20 +321,23 @@ def test_fully_masked_and_nan_rows_are_errors_and_the_rest_carry_on():
 
 # --- determinism ---------------------------------------------------------------------------------------
 
+
 def mixed_rows():
     rng = random.Random(4)
     rows = []
     for i in range(16):
-        rows.append(row(
-            temperature=[0.0, 0.3, 0.7, 1.0, 1.5][i % 5],
-            top_k=[-1, 0, 20, 1000][i % 4],
-            top_p=[1.0, 0.9, 0.5][i % 3],
-            seed=rng.getrandbits(64),
-            position=rng.randrange(10, 5000),
-            forced_top_k=[None, 4096, None, 64][i % 4],
-            banned_token_ids=tuple(rng.sample(range(VOCAB), i % 3)) + ((1,) if i % 5 == 1 else ()),
-            num_logprobs=[0, 5, 20, 1][i % 4],
-        ))
+        rows.append(
+            row(
+                temperature=[0.0, 0.3, 0.7, 1.0, 1.5][i % 5],
+                top_k=[-1, 0, 20, 1000][i % 4],
+                top_p=[1.0, 0.9, 0.5][i % 3],
+                seed=rng.getrandbits(64),
+                position=rng.randrange(10, 5000),
+                forced_top_k=[None, 4096, None, 64][i % 4],
+                banned_token_ids=tuple(rng.sample(range(VOCAB), i % 3)) + ((1,) if i % 5 == 1 else ()),
+                num_logprobs=[0, 5, 20, 1][i % 4],
+            )
+        )
     return rows
 
 
@@ -362,11 +381,20 @@ def test_logits_dtype_and_shape():
         SAMPLER(torch.zeros(2, 7), [row()])
 
 
-@pytest.mark.parametrize("changes", [
-    dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
-    dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.01), dict(position=-1), dict(forced_top_k=0),
-    dict(num_logprobs=-1),
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_k=-2),
+        dict(top_p=0.0),
+        dict(top_p=1.01),
+        dict(position=-1),
+        dict(forced_top_k=0),
+        dict(num_logprobs=-1),
+    ],
+)
 def test_sampling_row_rejects_bad_parameters(changes):
     with pytest.raises(ValueError):
         row(**changes)
@@ -396,8 +424,10 @@ def test_on_cuda_the_sampler_never_synchronises_the_stream():
     """The speculative path's sampler on a GPU: no host read and no blocking copy (sync debug mode raises on
     either), bans, bias and forced tokens included; the same outputs as without the debug mode."""
     logits = (torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(5)) * 4).cuda()
-    rows = [dataclasses.replace(r, forced_token_id=7 if i % 5 == 2 else None,
-                                logit_bias=((11, 2.5),) if i % 4 == 1 else ()) for i, r in enumerate(mixed_rows())]
+    rows = [
+        dataclasses.replace(r, forced_token_id=7 if i % 5 == 2 else None, logit_bias=((11, 2.5),) if i % 4 == 1 else ())
+        for i, r in enumerate(mixed_rows())
+    ]
     expected = SAMPLER(logits, rows)  # also the warm-up: first calls may synchronise while they initialise
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -411,8 +441,12 @@ def test_on_cuda_the_sampler_never_synchronises_the_stream():
 
 def test_a_forced_token_replaces_the_draw_and_keeps_its_processed_logprob():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 4)
-    rows = [row(top_p=0.8, forced_token_id=1, num_logprobs=2), row(top_p=0.8, forced_token_id=4),
-            row(temperature=0.0, forced_token_id=2), row(top_p=0.8, banned_token_ids=(1,), forced_token_id=1)]
+    rows = [
+        row(top_p=0.8, forced_token_id=1, num_logprobs=2),
+        row(top_p=0.8, forced_token_id=4),
+        row(temperature=0.0, forced_token_id=2),
+        row(top_p=0.8, banned_token_ids=(1,), forced_token_id=1),
+    ]
     free = SAMPLER(logits, [dataclasses.replace(r, forced_token_id=None) for r in rows])
     out = SAMPLER(logits, rows)
     assert out.token_ids.tolist() == [1, 4, 2, 1]
@@ -436,7 +470,10 @@ class DeviceBuilds:
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                if getattr(func, "__name__", "") in ("tensor", "as_tensor") and (kwargs or {}).get("device") is not None:
+                if (
+                    getattr(func, "__name__", "") in ("tensor", "as_tensor")
+                    and (kwargs or {}).get("device") is not None
+                ):
                     built.append(func.__name__)
                 return func(*args, **(kwargs or {}))
 
@@ -466,8 +503,13 @@ def test_the_sampler_builds_no_list_on_the_device():
     """Every per-row parameter of ``Sampler`` (the speculative path's sampler on a GPU) is built on the host
     and uploaded without a sync: draw bits, greedy flags, forced tokens, the ranked rows, rank and top-p
     limits, temperatures, bans, bias. A list built with ``device=`` is a blocking copy on CUDA."""
-    rows = [row(temperature=0.0), row(top_k=2, seed=3), row(top_p=0.6, position=4, banned_token_ids=(1,)),
-            row(forced_top_k=3, forced_token_id=2, num_logprobs=2), row(logit_bias=((0, 1.5),), seed=-9)]
+    rows = [
+        row(temperature=0.0),
+        row(top_k=2, seed=3),
+        row(top_p=0.6, position=4, banned_token_ids=(1,)),
+        row(forced_top_k=3, forced_token_id=2, num_logprobs=2),
+        row(logit_bias=((0, 1.5),), seed=-9),
+    ]
     logits = torch.randn(len(rows), 6, generator=torch.Generator().manual_seed(0))
     expected = SAMPLER(logits, rows)
     with DeviceBuilds() as built_on_device:
@@ -487,9 +529,11 @@ def test_a_forced_token_outside_the_vocabulary_is_refused():
 
 def test_logit_bias_is_added_before_the_bans_and_the_rest_of_the_pipeline():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
-    rows = [row(temperature=0.0, logit_bias=((4, 5.0),), num_logprobs=2),
-            row(temperature=0.0, logit_bias=((4, 5.0),), banned_token_ids=(4,)),
-            row(top_k=2, logit_bias=((0, -2.5), (3, 2.5)), num_logprobs=2)]
+    rows = [
+        row(temperature=0.0, logit_bias=((4, 5.0),), num_logprobs=2),
+        row(temperature=0.0, logit_bias=((4, 5.0),), banned_token_ids=(4,)),
+        row(top_k=2, logit_bias=((0, -2.5), (3, 2.5)), num_logprobs=2),
+    ]
     out = SAMPLER(logits, rows)
     assert out.token_ids[:2].tolist() == [4, 0]  # biased to the top; a ban still wins
     biased = logits.clone()

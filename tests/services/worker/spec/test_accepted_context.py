@@ -28,16 +28,24 @@ def test_the_device_write_equals_write_draft_of_the_accepted_rows(case):
     # (plan rows, sampled rows, first position, slot, accepted, error): a partly accepted decode request, an
     # all-accepted one, one whose rows outnumber the ring (window 4), a last prompt chunk longer than the
     # ring, a decode row without drafts, and an error request.
-    requests = [(6, 6, 20, 1, 2, False), (6, 6, 3, 2, 5, False), (6, 6, 50, 3, 5, False), (13, 1, 0, 4, 0, False),
-                (1, 1, 40, 5, 0, False), (3, 3, 9, 6, 2, True)]
+    requests = [
+        (6, 6, 20, 1, 2, False),
+        (6, 6, 3, 2, 5, False),
+        (6, 6, 50, 3, 5, False),
+        (13, 1, 0, 4, 0, False),
+        (1, 1, 40, 5, 0, False),
+        (3, 3, 9, 6, 2, True),
+    ]
     sampling, start, row = [], 0, 0
     for i, (num_plan, n, first, slot, _, _) in enumerate(requests):
-        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(row, row + num_plan)), slot, first,
-                                 []))
+        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(row, row + num_plan)), slot, first, []))
         start, row = start + n, row + num_plan
     taps = torch.randn(row, len(cfg.dspark_target_layer_ids) * cfg.hidden_size)
-    verdict = DeviceVerdict(torch.tensor([e for *_, e in requests]), torch.tensor([a for *_, a, _ in requests]),
-                            torch.zeros(len(requests), 7, dtype=torch.int64))
+    verdict = DeviceVerdict(
+        torch.tensor([e for *_, e in requests]),
+        torch.tensor([a for *_, a, _ in requests]),
+        torch.zeros(len(requests), 7, dtype=torch.int64),
+    )
     got = CacheEngine(cfg, 16, num_blocks=2, num_state_slots=8, ring=ring_size(cfg), draft=True)
     want = CacheEngine(cfg, 16, num_blocks=2, num_state_slots=8, ring=ring_size(cfg), draft=True)
     for k in range(len(draft.stages)):
@@ -67,12 +75,25 @@ def test_the_emitted_output_equals_the_sampler_with_the_emitted_tokens_forced(nu
     vocab, spans = 50, [3, 1, 2, 3]
     logits = torch.randn(sum(spans), vocab)
     logits[7, 4] = math.nan  # the last request's second row
-    rows = [SamplingRow(temperature=[0.0, 0.7, 0.0, 1.0][i], top_k=[0, 5, 0, 0][i], top_p=1.0, seed=5, position=10 + r,
-                        forced_top_k=None, banned_token_ids=(3,), num_logprobs=num_logprobs)
-            for i, n in enumerate(spans) for r in range(n)]
+    rows = [
+        SamplingRow(
+            temperature=[0.0, 0.7, 0.0, 1.0][i],
+            top_k=[0, 5, 0, 0][i],
+            top_p=1.0,
+            seed=5,
+            position=10 + r,
+            forced_top_k=None,
+            banned_token_ids=(3,),
+            num_logprobs=num_logprobs,
+        )
+        for i, n in enumerate(spans)
+        for r in range(n)
+    ]
     sampling, start = [], 0
     for i, n in enumerate(spans):
-        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(start, start + n)), i, 0, [1] * (n - 1)))
+        sampling.append(
+            Sampling(i, str(i), slice(start, start + n), list(range(start, start + n)), i, 0, [1] * (n - 1))
+        )
         start += n
     tokens = torch.randint(0, vocab, (4, 3))
     verdict = DeviceVerdict(torch.tensor([False, False, False, True]), torch.tensor([1, 0, 1, 2]), tokens)

@@ -29,9 +29,15 @@ def row(temperature=1.0, top_k=-1, top_p=1.0, seed=0, forced_top_k=None, banned=
 
 
 # Greedy, plain draws, top-k, top-p, every filter at once, off-by-convention values, seeds past 2⁶³.
-ROWS = [row(temperature=0.0), row(0.9, seed=7), row(1.3, top_k=5, seed=-3), row(0.7, top_p=0.8, seed=(1 << 64) - 1),
-        row(1.0, forced_top_k=20, top_p=0.5, banned=(1, 2, 3), bias=((4, 2.5), (9, -1.0)), seed=123),
-        row(2.0, top_k=0, seed=99, bias=((7, 4.0),), num_logprobs=3), row(0.0, top_k=3, banned=(0,))]
+ROWS = [
+    row(temperature=0.0),
+    row(0.9, seed=7),
+    row(1.3, top_k=5, seed=-3),
+    row(0.7, top_p=0.8, seed=(1 << 64) - 1),
+    row(1.0, forced_top_k=20, top_p=0.5, banned=(1, 2, 3), bias=((4, 2.5), (9, -1.0)), seed=123),
+    row(2.0, top_k=0, seed=99, bias=((7, 4.0),), num_logprobs=3),
+    row(0.0, top_k=3, banned=(0,)),
+]
 STARTS = [4, 17, 0, 40, 9, 63, 2]
 GREEDY = [dataclasses.replace(r, temperature=0.0) for r in ROWS]  # the loop draws nothing
 
@@ -56,8 +62,14 @@ def host_driven(draft, blocks, tokens, nextn, mode, rows=ROWS):
         at = [dataclasses.replace(r, position=s + 1 + slot, num_logprobs=0) for r, s in zip(rows, STARTS)]
         p = Sampler().process(logits[:, 0], at)
         probs.append(p.probs)
-        return draft_tokens(mode, p.probs, p.logprobs, [r.seed for r in at], [r.position for r in at],
-                            torch.tensor([r.temperature == 0 for r in at])).unsqueeze(1)
+        return draft_tokens(
+            mode,
+            p.probs,
+            p.logprobs,
+            [r.seed for r in at],
+            [r.position for r in at],
+            torch.tensor([r.temperature == 0 for r in at]),
+        ).unsqueeze(1)
 
     drafts, heads = draft.propose(blocks, tokens.unsqueeze(1), choose)
     confidences = torch.sigmoid(heads.confidence_logits[:, 0, :nextn]).cumprod(dim=-1)
@@ -86,8 +98,9 @@ def test_device_proposal_equals_the_host_driven_loop_and_reads_nothing_back(setu
     draft, blocks, tokens = setup
     with torch.no_grad(), batch_invariant():
         want = host_driven(draft, blocks, tokens, nextn, mode, rows)
-        inputs = ProposalInputs.build(rows, tokens.tolist(), STARTS, list(range(len(rows))), nextn, V, mode,
-                                      torch.device("cpu"))
+        inputs = ProposalInputs.build(
+            rows, tokens.tolist(), STARTS, list(range(len(rows))), nextn, V, mode, torch.device("cpu")
+        )
         with HostReads() as counter:
             got = propose(draft, blocks, inputs, nextn)
     assert counter.reads == {}
@@ -135,8 +148,9 @@ def test_on_cuda_the_proposal_never_waits_for_the_device_and_equals_the_host_dri
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            inputs = ProposalInputs.build(ROWS, tokens.tolist(), STARTS, list(range(len(ROWS))), nextn, V, mode,
-                                          torch.device("cuda"))
+            inputs = ProposalInputs.build(
+                ROWS, tokens.tolist(), STARTS, list(range(len(ROWS))), nextn, V, mode, torch.device("cuda")
+            )
             got = propose(draft, blocks, inputs, nextn)
         finally:
             torch.cuda.set_sync_debug_mode("default")

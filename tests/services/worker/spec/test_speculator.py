@@ -46,8 +46,18 @@ def source(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection", rewrite=None, curve=None,
-             decode_rows=None, static_proposal=False, **engine_args):
+def generate(
+    source,
+    params,
+    prompts=PROMPTS,
+    nextn=0,
+    spec_sampling="rejection",
+    rewrite=None,
+    curve=None,
+    decode_rows=None,
+    static_proposal=False,
+    **engine_args,
+):
     """(outputs, speculator or None). ``curve``: varlen on, with this step-cost curve (rows → ms);
     ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``);
     ``static_proposal``: the draft proposes through the static proposal (what a CUDA graph captures), eagerly."""
@@ -58,8 +68,14 @@ def generate(source, params, prompts=PROMPTS, nextn=0, spec_sampling="rejection"
         llm_args.update(spec_varlen=True, spec_step_cost_ms=tuple(curve.items()))
     probe = LLM(source=source, **llm_args)  # only for its resolved worker config
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=nextn, with_taps=True)
-    speculator = Speculator(source.model, nextn, spec_sampling, rewrite, batch_invariant=ENGINE["batch_invariant"],
-                            static_proposal=static_proposal)
+    speculator = Speculator(
+        source.model,
+        nextn,
+        spec_sampling,
+        rewrite,
+        batch_invariant=ENGINE["batch_invariant"],
+        static_proposal=static_proposal,
+    )
     worker = Worker(runner, speculator=speculator)
     if decode_rows is not None:
         execute = worker.execute
@@ -87,6 +103,7 @@ STEEP, FLAT = line(1.0, 0.1), line(10.0, 0.001)
 
 def known_drafts(reference, prompts=PROMPTS):
     """Drafts = the reference continuation, every third one wrong. Request ids are "0", "1", … in prompt order."""
+
     def rewrite(request_id: str, anchor: int, drafts: list[int]) -> list[int]:
         i = int(request_id)
         out = reference[i]
@@ -97,6 +114,7 @@ def known_drafts(reference, prompts=PROMPTS):
             token = out[k] if 0 <= k < len(out) else d
             proposal.append((token + 1) % 256 if (anchor + j) % 3 == 0 else token)
         return proposal
+
     return rewrite
 
 
@@ -113,8 +131,15 @@ def greedy_off(source):
 def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off, mode, varlen):
     reference = [o.token_ids for o in greedy_off]
     rows: list[int] = []
-    outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference),
-                          curve=line(1.0, 0.02) if varlen else None, decode_rows=rows)
+    outs, spec = generate(
+        source,
+        GREEDY,
+        nextn=NEXTN,
+        spec_sampling=mode,
+        rewrite=known_drafts(reference),
+        curve=line(1.0, 0.02) if varlen else None,
+        decode_rows=rows,
+    )
     assert [o.token_ids for o in outs] == reference
     assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
     # Acceptance happened, and so did rejection: both paths ran.
@@ -123,13 +148,17 @@ def test_greedy_tokens_with_speculation_equal_tokens_without(source, greedy_off,
         assert len(set(rows)) > 1 and max(rows) > 1, rows
     else:
         assert set(rows) == {1 + NEXTN}
-    print(f"\n{mode} {'varlen' if varlen else 'fixed'}: accepted {spec.num_drafts_accepted} of "
-          f"{spec.num_drafts_verified} drafts; rows per request and step {sorted(set(rows))}")
+    print(
+        f"\n{mode} {'varlen' if varlen else 'fixed'}: accepted {spec.num_drafts_accepted} of "
+        f"{spec.num_drafts_verified} drafts; rows per request and step {sorted(set(rows))}"
+    )
 
 
 def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=100 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     base, _ = generate(source, params, nextn=1, spec_sampling="deterministic")  # the model's own draft
     tokens = [o.token_ids for o in base]
     known, spec = generate(source, params, nextn=NEXTN, spec_sampling="deterministic", rewrite=known_drafts(tokens))
@@ -137,8 +166,14 @@ def test_deterministic_seeded_tokens_do_not_depend_on_drafts_or_batch(source):
     assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
     order = [2, 0, 1]  # another batch order, 3 drafts each
     prompts = [PROMPTS[i] for i in order]
-    shuffled, _ = generate(source, [params[i] for i in order], prompts=prompts, nextn=3,
-                           spec_sampling="deterministic", rewrite=known_drafts([tokens[i] for i in order], prompts))
+    shuffled, _ = generate(
+        source,
+        [params[i] for i in order],
+        prompts=prompts,
+        nextn=3,
+        spec_sampling="deterministic",
+        rewrite=known_drafts([tokens[i] for i in order], prompts),
+    )
     assert [o.token_ids for o in shuffled] == [tokens[i] for i in order]
     alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN, spec_sampling="deterministic")
     assert alone[0].token_ids == tokens[1]
@@ -165,8 +200,15 @@ def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or
     for order, curve in zip(orders, (FLAT, STEEP, STEEP)):
         prompts = [BATCH[i] for i in order]
         rows: list[int] = []
-        outs, spec = generate(source, [params[i] for i in order], prompts=prompts, curve=curve, decode_rows=rows,
-                              rewrite=known_drafts([tokens[i] for i in order], prompts), **run)
+        outs, spec = generate(
+            source,
+            [params[i] for i in order],
+            prompts=prompts,
+            curve=curve,
+            decode_rows=rows,
+            rewrite=known_drafts([tokens[i] for i in order], prompts),
+            **run,
+        )
         assert [o.token_ids for o in outs] == [tokens[i] for i in order]
         assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
         seen_rows.add(tuple(rows))
@@ -177,8 +219,10 @@ def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or
     # Varlen chose differently across the runs, and the flat curve verified more drafts than the steep one.
     assert len(seen_rows) > 2
     assert sum(flat_rows) / len(flat_rows) > sum(base_rows) / len(base_rows) + 1
-    print(f"\nmean rows per request and step: steep {sum(base_rows) / len(base_rows):.2f}, "
-          f"flat {sum(flat_rows) / len(flat_rows):.2f}")
+    print(
+        f"\nmean rows per request and step: steep {sum(base_rows) / len(base_rows):.2f}, "
+        f"flat {sum(flat_rows) / len(flat_rows):.2f}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
@@ -190,18 +234,34 @@ def test_async_scheduling_with_drafts_gives_the_same_tokens(source, greedy_off, 
     draft context continues exactly at each step's first row."""
     reference = [o.token_ids for o in greedy_off]
     for curve in (None, line(1.0, 0.02)):
-        outs, spec = generate(source, GREEDY, nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference),
-                              curve=curve, async_scheduling=True)
+        outs, spec = generate(
+            source,
+            GREEDY,
+            nextn=NEXTN,
+            spec_sampling=mode,
+            rewrite=known_drafts(reference),
+            curve=curve,
+            async_scheduling=True,
+        )
         assert [o.token_ids for o in outs] == reference
         assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
         assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
     if mode == "deterministic":
-        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=300 + i, ignore_eos=True)
-                  for i in range(len(PROMPTS))]
+        params = [
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=300 + i, ignore_eos=True)
+            for i in range(len(PROMPTS))
+        ]
         sync, _ = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=STEEP)
         tokens = [o.token_ids for o in sync]
-        outs, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=FLAT,
-                              rewrite=known_drafts(tokens), async_scheduling=True)
+        outs, spec = generate(
+            source,
+            params,
+            nextn=NEXTN,
+            spec_sampling=mode,
+            curve=FLAT,
+            rewrite=known_drafts(tokens),
+            async_scheduling=True,
+        )
         assert [o.token_ids for o in outs] == tokens
         assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified
 
@@ -211,10 +271,18 @@ def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source, asy
     """No curve given: the engine measures its decode steps (services/engine/step_cost.py; under async scheduling
     the interval between consecutive decode steps' read-backs) and varlen uses the fit; every request finishes
     and the pools come back."""
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=40 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    llm = LLM(source=source, **dict(ENGINE, batch_invariant=False), num_speculative_tokens=NEXTN,
-              spec_sampling="deterministic", spec_varlen=True, async_scheduling=async_scheduling)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=40 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    llm = LLM(
+        source=source,
+        **dict(ENGINE, batch_invariant=False),
+        num_speculative_tokens=NEXTN,
+        spec_sampling="deterministic",
+        spec_varlen=True,
+        async_scheduling=async_scheduling,
+    )
     llm.engine.step_cost.refit_interval = 2  # a fit within the run's few decode steps
     outs = llm.generate(PROMPTS, params)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
@@ -229,8 +297,9 @@ def test_varlen_with_the_measured_curve_runs_and_returns_every_block(source, asy
 def test_rejection_mode_seeded_tokens_do_not_depend_on_the_batch(source):
     """Rejection sampling reads the draft's distributions (the coin and the residual), so the draft runs in
     the batch-invariant mode too: a request gives the same tokens alone and in a batch."""
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     batch, spec = generate(source, params, nextn=NEXTN)
     alone, _ = generate(source, [params[1]], prompts=[PROMPTS[1]], nextn=NEXTN)
     assert alone[0].token_ids == batch[1].token_ids and alone[0].logprobs == batch[1].logprobs
@@ -242,8 +311,9 @@ def test_the_static_proposal_gives_the_eager_proposals_seeded_tokens(source, mod
     """The static proposal (bucketed, padded: services/worker/spec/static_draft_proposal.py) in the engine loop, with
     the model's own drafts and seeded sampling (rejection reads the draft's distributions): the same tokens and
     logprobs as the eager proposal, with varlen choosing per request, so its drafts and confidences agree too."""
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     curve = line(1.0, 0.02)
     want, _ = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=curve)
     got, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=curve, static_proposal=True)
@@ -252,8 +322,13 @@ def test_the_static_proposal_gives_the_eager_proposals_seeded_tokens(source, mod
     assert spec.draft_graphs is not None and len(spec.draft_graphs.static) > 0 and spec.num_drafts_verified > 0
 
 
-SPECULATIVE_FILES = ("speculator.py", "verifier.py", "draft_proposal.py", "static_draft_proposal.py",
-                     "accepted_context.py")
+SPECULATIVE_FILES = (
+    "speculator.py",
+    "verifier.py",
+    "draft_proposal.py",
+    "static_draft_proposal.py",
+    "accepted_context.py",
+)
 
 
 class DeviceReads(TorchFunctionMode):
@@ -268,8 +343,9 @@ class DeviceReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in self.NAMES:
             frame = sys._getframe(1)
-            while frame is not None and ("/torch/" in frame.f_code.co_filename
-                                         or frame.f_code.co_filename.endswith("batch_invariant.py")):
+            while frame is not None and (
+                "/torch/" in frame.f_code.co_filename or frame.f_code.co_filename.endswith("batch_invariant.py")
+            ):
                 frame = frame.f_back
             name = Path(frame.f_code.co_filename).name if frame is not None else ""
             if name in SPECULATIVE_FILES:
@@ -290,13 +366,15 @@ def test_a_speculative_step_reads_the_device_once(source, monkeypatch, mode, sta
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(Speculator, "step", counting)
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     with DeviceReads() as counter:
-        _, spec = generate(source, params, nextn=NEXTN, spec_sampling=mode, curve=line(1.0, 0.02),
-                           static_proposal=static_proposal)
+        _, spec = generate(
+            source, params, nextn=NEXTN, spec_sampling=mode, curve=line(1.0, 0.02), static_proposal=static_proposal
+        )
     assert spec.num_drafts_verified > 0
-    (site, num), = counter.reads.items()  # one call site: the step's read
+    ((site, num),) = counter.reads.items()  # one call site: the step's read
     assert site.startswith("tolist @ speculator.py") and 0 < num <= len(steps), (counter.reads, len(steps))
 
 
@@ -354,14 +432,21 @@ def test_scheduler_bookkeeping_and_pools_hold_after_every_step_with_drafts_and_p
     (in its state slot) hold exactly its positions before the newest token, and the window ring keeps
     nextn + 1 positions of backtracking room. The last request runs to max_model_len. Greedy tokens still equal
     speculation off."""
-    small = dict(ENGINE, max_model_len=len(PROMPTS[1]) + MAX_TOKENS, block_size=4, num_blocks=12,
-                 preemption_mode="recompute", num_speculative_tokens=NEXTN)
+    small = dict(
+        ENGINE,
+        max_model_len=len(PROMPTS[1]) + MAX_TOKENS,
+        block_size=4,
+        num_blocks=12,
+        preemption_mode="recompute",
+        num_speculative_tokens=NEXTN,
+    )
     if varlen:
         small.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
     probe = LLM(source=source, **small)
     runner = ModelRunner(source.model, probe.config.worker_config(), nextn=NEXTN, with_taps=True)
-    speculator = Speculator(source.model, NEXTN, batch_invariant=True,
-                            rewrite_drafts=known_drafts([o.token_ids for o in greedy_off]))
+    speculator = Speculator(
+        source.model, NEXTN, batch_invariant=True, rewrite_drafts=known_drafts([o.token_ids for o in greedy_off])
+    )
     llm = LLM(source=source, worker=Worker(runner, speculator=speculator), **small)
     scheduler = llm.engine.scheduler
     assert runner.cache.layout.ring_size == scheduler.config.ring_size >= CASE.cfg.sliding_window + NEXTN + 1
@@ -388,8 +473,10 @@ def test_scheduler_bookkeeping_and_pools_hold_after_every_step_with_drafts_and_p
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
     assert speculator.next_positions == {} and speculator.drafts == {}
-    print(f"\n{'varlen' if varlen else 'fixed'}: {num_steps} steps, up to {num_preemptions} preemptions of a "
-          f"request, accepted {speculator.num_drafts_accepted} of {speculator.num_drafts_verified}")
+    print(
+        f"\n{'varlen' if varlen else 'fixed'}: {num_steps} steps, up to {num_preemptions} preemptions of a "
+        f"request, accepted {speculator.num_drafts_accepted} of {speculator.num_drafts_verified}"
+    )
 
 
 def test_the_draft_does_not_run_where_no_draft_could_be_verified(source, greedy_off, monkeypatch):
@@ -400,8 +487,9 @@ def test_the_draft_does_not_run_where_no_draft_could_be_verified(source, greedy_
     back-off skips a few proposals after one it verified none of)."""
     calls = []
     propose = type(source.model.draft).propose
-    monkeypatch.setattr(type(source.model.draft), "propose",
-                        lambda self, *a, **k: calls.append(1) or propose(self, *a, **k))
+    monkeypatch.setattr(
+        type(source.model.draft), "propose", lambda self, *a, **k: calls.append(1) or propose(self, *a, **k)
+    )
     rows: list[int] = []
     outs, speculator = generate(source, GREEDY, nextn=NEXTN, curve=line(0.0, 1.0), decode_rows=rows)
     assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
@@ -429,8 +517,9 @@ def test_verify_steps_run_the_static_graph_step(source, greedy_off, varlen, asyn
     if varlen:
         args.update(spec_varlen=True, spec_step_cost_ms=tuple(line(1.0, 0.02).items()))
     config = EngineConfig(**args).worker_config()
-    runner = DecodeStepGraphs(ModelRunner(source.model, config, nextn=NEXTN, with_taps=True), config, use_graphs=False,
-                         attention="reference")
+    runner = DecodeStepGraphs(
+        ModelRunner(source.model, config, nextn=NEXTN, with_taps=True), config, use_graphs=False, attention="reference"
+    )
     reference = [o.token_ids for o in greedy_off]
     speculator = Speculator(source.model, NEXTN, rewrite_drafts=known_drafts(reference), batch_invariant=True)
     worker = Worker(runner, speculator=speculator)
@@ -451,8 +540,10 @@ def test_verify_steps_run_the_static_graph_step(source, greedy_off, varlen, asyn
     assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
     assert max(rows) > 1 and (not varlen or len(set(rows)) > 2)
     assert runner.num_replays == 0 and runner.num_eager == len(num_prefill)  # only the prefill steps ran eagerly
-    print(f"\n{'varlen' if varlen else 'fixed'}{' async' if async_scheduling else ''}: accepted "
-          f"{speculator.num_drafts_accepted} of {speculator.num_drafts_verified}; rows per request {sorted(set(rows))}")
+    print(
+        f"\n{'varlen' if varlen else 'fixed'}{' async' if async_scheduling else ''}: accepted "
+        f"{speculator.num_drafts_accepted} of {speculator.num_drafts_verified}; rows per request {sorted(set(rows))}"
+    )
 
 
 @pytest.mark.gpu
@@ -465,8 +556,16 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
     from services.engine.model_source import load_model
 
     gpu = load_model(source.name, device="cuda")
-    args = dict(device="cuda", kernel_backend=None, cuda_graphs=False, async_scheduling=False, max_model_len=96,
-                block_size=8, max_num_seqs=8, num_blocks=64)
+    args = dict(
+        device="cuda",
+        kernel_backend=None,
+        cuda_graphs=False,
+        async_scheduling=False,
+        max_model_len=96,
+        block_size=8,
+        max_num_seqs=8,
+        num_blocks=64,
+    )
     off = LLM(source=gpu, **args).generate(PROMPTS, GREEDY)
     llm = LLM(source=gpu, **args, num_speculative_tokens=NEXTN, spec_sampling=mode)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -476,8 +575,10 @@ def test_speculation_runs_on_the_gpu_torch_path(source, mode):
     spec = llm.engine.worker.speculator
     assert spec.num_drafts_verified > 0 and spec.next_positions == {}
     same = sum(a.token_ids == b.token_ids for a, b in zip(off, outs))
-    print(f"\n{mode} on {torch.cuda.get_device_name()}: greedy equal to speculation off for {same} of {len(outs)} "
-          f"requests; accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified}")
+    print(
+        f"\n{mode} on {torch.cuda.get_device_name()}: greedy equal to speculation off for {same} of {len(outs)} "
+        f"requests; accepted {spec.num_drafts_accepted} of {spec.num_drafts_verified}"
+    )
 
 
 @pytest.mark.gpu
@@ -492,8 +593,17 @@ def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source,
     from services.engine.config import EngineConfig
     from services.engine.model_source import load_model
 
-    args = dict(device="cuda", kernel_backend=precision, cuda_graphs=False, async_scheduling=False,
-                batch_invariant=True, max_model_len=96, block_size=8, max_num_seqs=8, num_blocks=64)
+    args = dict(
+        device="cuda",
+        kernel_backend=precision,
+        cuda_graphs=False,
+        async_scheduling=False,
+        batch_invariant=True,
+        max_model_len=96,
+        block_size=8,
+        max_num_seqs=8,
+        num_blocks=64,
+    )
     off = LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS, GREEDY)
     reference = [o.token_ids for o in off]
     for varlen, async_scheduling in ((False, False), (True, False), (True, True)):
@@ -506,9 +616,11 @@ def test_greedy_speculation_on_the_kernel_backend_equals_speculation_off(source,
         llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **spec_args)
         outs = llm.generate(PROMPTS, GREEDY)
         name = ("varlen" if varlen else "fixed") + (" async" if async_scheduling else "")
-        print(f"\n{precision} {name}: accepted {speculator.num_drafts_accepted} of "
-              f"{speculator.num_drafts_verified}; equal for {sum(o.token_ids == r for o, r in zip(outs, reference))} "
-              f"of {len(outs)}")
+        print(
+            f"\n{precision} {name}: accepted {speculator.num_drafts_accepted} of "
+            f"{speculator.num_drafts_verified}; equal for {sum(o.token_ids == r for o, r in zip(outs, reference))} "
+            f"of {len(outs)}"
+        )
         assert [o.token_ids for o in outs] == reference
         assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
         stats = llm.stats()
@@ -528,10 +640,20 @@ def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
     from services.worker.build import build_runner
     from services.engine.model_source import load_model
 
-    args = dict(device="cuda", kernel_backend="fp8", cuda_graphs=False, async_scheduling=False, batch_invariant=True,
-                max_model_len=96, block_size=8, max_num_seqs=8, num_blocks=64)
-    reference = [o.token_ids for o in LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS,
-                                                                                                           GREEDY)]
+    args = dict(
+        device="cuda",
+        kernel_backend="fp8",
+        cuda_graphs=False,
+        async_scheduling=False,
+        batch_invariant=True,
+        max_model_len=96,
+        block_size=8,
+        max_num_seqs=8,
+        num_blocks=64,
+    )
+    reference = [
+        o.token_ids for o in LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS, GREEDY)
+    ]
     gpu = load_model(source.name, device="cuda")
     spec_args = dict(args, cuda_graphs=True, async_scheduling=async_scheduling, num_speculative_tokens=NEXTN)
     if varlen:
@@ -540,9 +662,11 @@ def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
     speculator = Speculator(gpu.model, NEXTN, rewrite_drafts=known_drafts(reference), cuda_graphs=True)
     llm = LLM(source=gpu, worker=Worker(runner, speculator=speculator), **spec_args)
     outs = llm.generate(PROMPTS, GREEDY)
-    print(f"\n{runner.num_replays} graph replays, {runner.num_eager} eager steps; accepted "
-          f"{speculator.num_drafts_accepted} of {speculator.num_drafts_verified}; equal for "
-          f"{sum(o.token_ids == r for o, r in zip(outs, reference))} of {len(outs)}")
+    print(
+        f"\n{runner.num_replays} graph replays, {runner.num_eager} eager steps; accepted "
+        f"{speculator.num_drafts_accepted} of {speculator.num_drafts_verified}; equal for "
+        f"{sum(o.token_ids == r for o, r in zip(outs, reference))} of {len(outs)}"
+    )
     assert [o.token_ids for o in outs] == reference
     assert runner.num_replays > 0 and runner.num_eager <= len(PROMPTS)  # prefill steps only
     assert speculator.draft_graphs.num_replays > 0  # the draft's proposals replayed their graphs too

@@ -31,8 +31,12 @@ STARTS = [0, 3, 17, 40, CFG.sliding_window + 9, 2, 63]
 def setup():
     """A model with a draft (its embedding and head random too) and a cache whose draft rings hold random K=V."""
     torch.manual_seed(0)
-    model = types.SimpleNamespace(cfg=CFG, draft=DSpark(CFG).eval(), embed=nn.Embedding(V, CFG.hidden_size),
-                                  head=nn.Linear(CFG.hidden_size, V, bias=False))
+    model = types.SimpleNamespace(
+        cfg=CFG,
+        draft=DSpark(CFG).eval(),
+        embed=nn.Embedding(V, CFG.hidden_size),
+        head=nn.Linear(CFG.hidden_size, V, bias=False),
+    )
     cache = CacheEngine(CFG, 16, num_blocks=2, num_state_slots=len(ROWS) + 1, ring=ring_size(CFG), draft=True)
     for stage in range(len(model.draft.stages)):
         ring = cache.draft_ring(stage)
@@ -43,15 +47,23 @@ def setup():
 def eager(model, cache, rows, tokens, starts, slots, mode):
     inputs = ProposalInputs.build(rows, tokens, starts, slots, NEXTN, V, mode, torch.device("cpu"))
     kv, positions = cache.read_draft(inputs.state_slots, inputs.anchor_positions)
-    blocks = model.draft.blocks_from_context(DraftContext(kv, positions, inputs.anchor_positions),
-                                             inputs.anchor_tokens, model.embed, model.head)
+    blocks = model.draft.blocks_from_context(
+        DraftContext(kv, positions, inputs.anchor_positions), inputs.anchor_tokens, model.embed, model.head
+    )
     return propose(model.draft, blocks, inputs, NEXTN)
 
 
 GREEDY = [dataclasses.replace(r, temperature=0.0) for r in ROWS]
-CASES = {"mixed-7": ROWS, "mixed-3": ROWS[2:5], "greedy-5": GREEDY[:5], "one": ROWS[1:2],
-         "bans-past-capacity": [row(0.8, seed=5, banned=tuple(range(20)), bias=tuple((t, 0.5) for t in range(30, 50))),
-                                row(0.0, banned=(7,))]}
+CASES = {
+    "mixed-7": ROWS,
+    "mixed-3": ROWS[2:5],
+    "greedy-5": GREEDY[:5],
+    "one": ROWS[1:2],
+    "bans-past-capacity": [
+        row(0.8, seed=5, banned=tuple(range(20)), bias=tuple((t, 0.5) for t in range(30, 50))),
+        row(0.0, banned=(7,)),
+    ],
+}
 
 
 @pytest.mark.parametrize("rows", CASES.values(), ids=CASES.keys())
@@ -65,7 +77,7 @@ def test_the_static_proposal_equals_the_eager_one_with_padding(setup, mode, rows
         graphs = DraftProposalGraphs(model, NEXTN, mode, use_graphs=False)
         host = HostInputs.pack(rows, tokens, starts, slots, NEXTN, V, mode)
         got = graphs.propose(host, cache)
-    (key, static), = graphs.static.items()
+    ((key, static),) = graphs.static.items()
     assert key == ProposalKey.of(host) and key.num_rows == bucket(b) and static.ints.shape[0] == key.num_rows
     if b in (7, 3, 5):  # real padding rows ran
         assert key.num_rows > b
@@ -102,16 +114,18 @@ def test_prepared_buckets_serve_every_greedy_batch_without_a_new_static_proposal
         prepared = dict(graphs.static)
         for n in range(1, 6):
             rows = [row(0.0, seed=i) for i in range(n)]  # greedy, unranked, unbanned: the benchmark's
-            graphs.propose(HostInputs.pack(rows, list(range(n)), STARTS[:n], list(range(1, n + 1)), NEXTN, V,
-                                           "rejection"), cache)
+            graphs.propose(
+                HostInputs.pack(rows, list(range(n)), STARTS[:n], list(range(1, n + 1)), NEXTN, V, "rejection"), cache
+            )
     assert graphs.static == prepared and set(prepared) == set(keys)
 
 
 def test_inputs_of_another_key_are_refused(setup):
     model, cache = setup
     host = HostInputs.pack(ROWS[:2], [1, 2], [3, 4], [1, 2], NEXTN, V, "rejection")
-    static = StaticDraftProposal(model, cache, dataclasses.replace(ProposalKey.of(host), num_rows=8), NEXTN,
-                                 "rejection")
+    static = StaticDraftProposal(
+        model, cache, dataclasses.replace(ProposalKey.of(host), num_rows=8), NEXTN, "rejection"
+    )
     with pytest.raises(ValueError, match="do not fit"):
         static.fill(host)
 
@@ -138,10 +152,15 @@ def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode, c
     for stage in draft.stages:
         if not isinstance(stage.ffn, KernelMoE):
             stage.ffn = KernelMoE(stage.ffn, "fp8", kernels)
-    model = types.SimpleNamespace(cfg=CFG, draft=draft, embed=nn.Embedding(V, CFG.hidden_size).cuda(),
-                                  head=nn.Linear(CFG.hidden_size, V, bias=False).cuda())
-    cache = CacheEngine(CFG, 16, num_blocks=2, num_state_slots=len(ROWS) + 1, ring=ring_size(CFG), device="cuda",
-                        draft=True)
+    model = types.SimpleNamespace(
+        cfg=CFG,
+        draft=draft,
+        embed=nn.Embedding(V, CFG.hidden_size).cuda(),
+        head=nn.Linear(CFG.hidden_size, V, bias=False).cuda(),
+    )
+    cache = CacheEngine(
+        CFG, 16, num_blocks=2, num_state_slots=len(ROWS) + 1, ring=ring_size(CFG), device="cuda", draft=True
+    )
     for stage in range(len(draft.stages)):
         ring = cache.draft_ring(stage)
         ring.copy_(torch.randn(ring.shape, device="cuda"))
@@ -179,5 +198,9 @@ def test_rejection_draft_distributions_land_in_their_state_slots(setup):
         assert torch.equal(slot_probs[slot], got.probs[b]), slot
     for slot in set(range(1, cache.slots.shape[0])) - set(slots):
         assert bool((slot_probs[slot] == 7.0).all()), slot
-    assert graphs.static[ProposalKey.of(HostInputs.pack(rows, [1, 2, 3], STARTS[:3], slots, NEXTN, V,
-                                                        "rejection"))].slot_probs is slot_probs
+    assert (
+        graphs.static[
+            ProposalKey.of(HostInputs.pack(rows, [1, 2, 3], STARTS[:3], slots, NEXTN, V, "rejection"))
+        ].slot_probs
+        is slot_probs
+    )

@@ -93,8 +93,16 @@ class Compare:
 def test_the_static_verify_equals_the_eager_verify_half_every_step(source, reference, monkeypatch, mode, varlen):
     # Greedy and seeded rows; known drafts (the greedy reference, every third wrong) so drafts are accepted,
     # partly accepted and rejected; top-n logprobs on one request.
-    params = [SamplingParams(max_tokens=n, temperature=0.0 if i % 2 else 0.9, seed=11 + i, ignore_eos=True,
-                             logprobs=2 if i == 0 else None) for i, n in enumerate(MAX_TOKENS)]
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=11 + i,
+            ignore_eos=True,
+            logprobs=2 if i == 0 else None,
+        )
+        for i, n in enumerate(MAX_TOKENS)
+    ]
     compare = Compare(monkeypatch, mode)
     speculator_module_speculator = speculator_module.Speculator
 
@@ -104,8 +112,15 @@ def test_the_static_verify_equals_the_eager_verify_half_every_step(source, refer
             compare.speculator = self
 
     monkeypatch.setattr("tests.services.worker.spec.test_speculator.Speculator", Recorded)
-    outs, spec = generate(source, params, prompts=PROMPTS, nextn=NEXTN, spec_sampling=mode,
-                          rewrite=known_drafts(reference, PROMPTS), curve=line(1.0, 0.02) if varlen else None)
+    outs, spec = generate(
+        source,
+        params,
+        prompts=PROMPTS,
+        nextn=NEXTN,
+        spec_sampling=mode,
+        rewrite=known_drafts(reference, PROMPTS),
+        curve=line(1.0, 0.02) if varlen else None,
+    )
     assert spec is compare.speculator and spec.verify_graphs is None  # the eager path ran; the static was checked
     assert compare.num_steps > len(max(reference, key=len)) // (1 + NEXTN)
     assert compare.num_accepted > 0
@@ -119,25 +134,44 @@ def test_the_static_context_writes_equal_write_context(case):
     static verify: the rings equal ``write_context`` of the same verdict, every pass of W entries included."""
     cfg = case.cfg
     torch.manual_seed(0)
-    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval(),
-                                  embed=nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+    model = types.SimpleNamespace(
+        cfg=cfg, draft=DSpark(cfg).eval(), embed=nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    )
     nextn = cfg.dspark_block_size
-    requests = [(1 + nextn, 1 + nextn, 20, 1, 2, False), (1 + nextn, 1 + nextn, 3, 2, nextn, False),
-                (1 + nextn, 1 + nextn, 50, 3, nextn - 1, False), (13, 1, 0, 4, 0, False), (1, 1, 40, 5, 0, False),
-                (3, 3, 9, 6, 2, True)]
+    requests = [
+        (1 + nextn, 1 + nextn, 20, 1, 2, False),
+        (1 + nextn, 1 + nextn, 3, 2, nextn, False),
+        (1 + nextn, 1 + nextn, 50, 3, nextn - 1, False),
+        (13, 1, 0, 4, 0, False),
+        (1, 1, 40, 5, 0, False),
+        (3, 3, 9, 6, 2, True),
+    ]
     sampling, start, row = [], 0, 0
     for i, (num_plan, n, first, slot, _, _) in enumerate(requests):
-        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(row, row + num_plan)), slot, first,
-                                 [7] * (n - 1)))
+        sampling.append(
+            Sampling(i, str(i), slice(start, start + n), list(range(row, row + num_plan)), slot, first, [7] * (n - 1))
+        )
         start, row = start + n, row + num_plan
     logits = torch.randn(start, cfg.vocab_size)
     logits[start - 2, 3] = float("nan")  # the error request's middle row
-    rows = [SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=1, position=p, forced_top_k=None,
-                        banned_token_ids=(), num_logprobs=0) for p in range(start)]
+    rows = [
+        SamplingRow(
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=1,
+            position=p,
+            forced_top_k=None,
+            banned_token_ids=(),
+            num_logprobs=0,
+        )
+        for p in range(start)
+    ]
     processed = Sampler().process(logits, rows)
     taps = torch.randn(row, model.draft.main_proj.in_features)
-    got, want = (CacheEngine(cfg, 16, num_blocks=2, num_state_slots=8, ring=ring_size(cfg), draft=True)
-                 for _ in range(2))
+    got, want = (
+        CacheEngine(cfg, 16, num_blocks=2, num_state_slots=8, ring=ring_size(cfg), draft=True) for _ in range(2)
+    )
     noise = torch.randint(0, 120, got.slots.shape, dtype=torch.uint8)  # finite fp32 values where nothing is written
     got.slots.copy_(noise), want.slots.copy_(noise)
     with torch.no_grad(), batch_invariant():
@@ -146,8 +180,9 @@ def test_the_static_context_writes_equal_write_context(case):
         static.fill(sampling, rows, processed, taps, forced=[a for *_, a, _ in requests])
         out = static.run()
         num_r = len(requests)
-        verdict = DeviceVerdict(out.verdict.errors[:num_r], out.verdict.num_accepted[:num_r],
-                                out.verdict.tokens[:num_r])
+        verdict = DeviceVerdict(
+            out.verdict.errors[:num_r], out.verdict.num_accepted[:num_r], out.verdict.tokens[:num_r]
+        )
         write_context(model.draft, sampling, verdict, taps, want)
     assert verdict.errors.tolist() == [e for *_, e in requests]
     assert verdict.num_accepted.tolist() == [a for *_, a, _ in requests]
@@ -165,10 +200,17 @@ def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch
     monkeypatch.setattr(speculator_tests, "SPECULATIVE_FILES", files)
     params = [SamplingParams(max_tokens=6, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(3)]
     with speculator_tests.DeviceReads() as counter:
-        _, spec = generate(source, params, prompts=PROMPTS[:3], nextn=NEXTN, spec_sampling="rejection",
-                           curve=line(1.0, 0.02), static_proposal=True)
+        _, spec = generate(
+            source,
+            params,
+            prompts=PROMPTS[:3],
+            nextn=NEXTN,
+            spec_sampling="rejection",
+            curve=line(1.0, 0.02),
+            static_proposal=True,
+        )
     assert spec.verify_graphs is not None and len(spec.verify_graphs.static) > 0 and spec.num_drafts_verified > 0
-    (site, num), = counter.reads.items()
+    ((site, num),) = counter.reads.items()
     assert site.startswith("tolist @ speculator.py") and 0 < num, counter.reads
 
 
@@ -235,16 +277,37 @@ def test_on_cuda_the_graph_replay_equals_the_eager_run_without_a_sync(mode):
     cfg = DRAFT_CASES[0].cfg
     v, w, nextn = cfg.vocab_size, cfg.sliding_window, cfg.dspark_block_size
     torch.manual_seed(0)
-    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval().cuda(),
-                                  embed=nn.Embedding(v, cfg.hidden_size).cuda())
+    model = types.SimpleNamespace(
+        cfg=cfg, draft=DSpark(cfg).eval().cuda(), embed=nn.Embedding(v, cfg.hidden_size).cuda()
+    )
     spans, plan_rows = [1 + nextn, 1, 1], [1 + nextn, 1, w + 3]
     sampling, start, row = [], 0, 0
     for i, (n, num_plan) in enumerate(zip(spans, plan_rows)):
-        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(row, row + num_plan)), i + 1,
-                                 20 + 7 * i, [5, 9, 2][: n - 1] + [1] * max(n - 4, 0)))
+        sampling.append(
+            Sampling(
+                i,
+                str(i),
+                slice(start, start + n),
+                list(range(row, row + num_plan)),
+                i + 1,
+                20 + 7 * i,
+                [5, 9, 2][: n - 1] + [1] * max(n - 4, 0),
+            )
+        )
         start, row = start + n, row + num_plan
-    rows = [SamplingRow(temperature=0.0 if mode == "forced" or r == 1 + nextn else 0.8, top_k=0, top_p=1.0, seed=3,
-                        position=21 + r, forced_top_k=None, banned_token_ids=(), num_logprobs=0) for r in range(start)]
+    rows = [
+        SamplingRow(
+            temperature=0.0 if mode == "forced" or r == 1 + nextn else 0.8,
+            top_k=0,
+            top_p=1.0,
+            seed=3,
+            position=21 + r,
+            forced_top_k=None,
+            banned_token_ids=(),
+            num_logprobs=0,
+        )
+        for r in range(start)
+    ]
     taps = torch.randn(row, model.draft.main_proj.in_features, device="cuda")
     draft_probs = [torch.softmax(torch.randn(nextn, v, device="cuda"), -1), None, None]
     forced = [2, 0, 0] if mode == "forced" else None
@@ -267,8 +330,16 @@ def test_on_cuda_the_graph_replay_equals_the_eager_run_without_a_sync(mode):
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
-            results.append((cache.slots.clone(), out.verdict.errors.clone(), out.verdict.num_accepted.clone(),
-                            out.verdict.tokens.clone(), out.tokens.clone(), out.logprobs.clone()))
+            results.append(
+                (
+                    cache.slots.clone(),
+                    out.verdict.errors.clone(),
+                    out.verdict.num_accepted.clone(),
+                    out.verdict.tokens.clone(),
+                    out.tokens.clone(),
+                    out.logprobs.clone(),
+                )
+            )
             assert graphs.num_replays == (2 if use_graphs else 0)
     for want, got in zip(*results):
         assert torch.equal(want, got)
@@ -282,17 +353,26 @@ def test_on_cuda_llm_captures_every_verify_and_draft_bucket_ahead(source):
     from services.engine import LLM
     from services.engine.model_source import load_model
 
-    args = dict(device="cuda", kernel_backend="fp8", batch_invariant=True, max_model_len=96, block_size=8,
-                max_num_seqs=4, num_blocks=64)
+    args = dict(
+        device="cuda",
+        kernel_backend="fp8",
+        batch_invariant=True,
+        max_model_len=96,
+        block_size=8,
+        max_num_seqs=4,
+        num_blocks=64,
+    )
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS[:3],
-                                                                                                     greedy)]
+    want = [
+        o.token_ids for o in LLM(source=load_model(source.name, device="cuda"), **args).generate(PROMPTS[:3], greedy)
+    ]
     llm = LLM(source=load_model(source.name, device="cuda"), cuda_graphs=True, num_speculative_tokens=NEXTN, **args)
     spec = llm.engine.worker.speculator
     captures = (spec.verify_graphs.num_captures, spec.draft_graphs.num_captures)
     assert captures[0] == len(VerifyKey.buckets(4, "rejection"))
-    got = [o.token_ids for o in llm.generate(PROMPTS[:3], greedy)] + [o.token_ids for o in llm.generate(PROMPTS[:1],
-                                                                                                          greedy)]
+    got = [o.token_ids for o in llm.generate(PROMPTS[:3], greedy)] + [
+        o.token_ids for o in llm.generate(PROMPTS[:1], greedy)
+    ]
     assert (spec.verify_graphs.num_captures, spec.draft_graphs.num_captures) == captures
     assert spec.verify_graphs.num_replays > 0 and spec.draft_graphs.num_replays > 0
     assert got == want + want[:1]

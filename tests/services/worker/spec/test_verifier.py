@@ -18,7 +18,13 @@ from scipy import stats
 
 from services.worker.spec import verifier
 from services.worker.spec.verifier import (
-    coupled_tokens, coupling_acceptance, draft_tokens, rejection_acceptance, verify_deterministic, verify_rejection)
+    coupled_tokens,
+    coupling_acceptance,
+    draft_tokens,
+    rejection_acceptance,
+    verify_deterministic,
+    verify_rejection,
+)
 
 VOCAB, K, N, P = 6, 3, 20_000, 1_000
 Z99 = 2.5758  # two-sided 99% normal quantile
@@ -44,9 +50,13 @@ class Run:
 def run(mode: str, seeds: list[int], num_drafts=None, greedy: bool = False) -> Run:
     n = len(seeds)
     greedy_rows = torch.full((n,), greedy)
-    drafts = torch.stack([
-        draft_tokens(mode, DRAFT[j].expand(n, -1), DRAFT[j].log().expand(n, -1), seeds, [P + j] * n, greedy_rows)
-        for j in range(K)], dim=1)  # [N, K]
+    drafts = torch.stack(
+        [
+            draft_tokens(mode, DRAFT[j].expand(n, -1), DRAFT[j].log().expand(n, -1), seeds, [P + j] * n, greedy_rows)
+            for j in range(K)
+        ],
+        dim=1,
+    )  # [N, K]
     target = TARGET.expand(n, -1, -1)
     if mode == "rejection":
         verdict = verify_rejection(target, DRAFT.expand(n, -1, -1), drafts, seeds, [P] * n, greedy_rows, num_drafts)
@@ -109,9 +119,11 @@ def mode(request):
 def measured(mode):
     r = run(mode, SEEDS)
     c = check(mode, r)
-    print(f"\n{mode}: acceptance per draft {[f'{x:.4f}' for x in c.rates]} vs theory "
-          f"{[f'{x:.4f}' for x in c.expected]} (±{[f'{h:.4f}' for h in c.half_widths]}); mean accepted "
-          f"{float(r.num_accepted.double().mean()):.3f} of {K}; chi-square p {[f'{p:.3f}' for p in c.p_values]}")
+    print(
+        f"\n{mode}: acceptance per draft {[f'{x:.4f}' for x in c.rates]} vs theory "
+        f"{[f'{x:.4f}' for x in c.expected]} (±{[f'{h:.4f}' for h in c.half_widths]}); mean accepted "
+        f"{float(r.num_accepted.double().mean()):.3f} of {K}; chi-square p {[f'{p:.3f}' for p in c.p_values]}"
+    )
     return r, c
 
 
@@ -186,11 +198,17 @@ def test_deterministic_tokens_do_not_depend_on_how_many_drafts_are_verified():
     for j in range(K + 1):  # the token at P + j, wherever some run emitted it, is the same token
         for r in runs:
             emitted = r.num_accepted >= j
-            assert torch.equal(r.tokens[emitted, j], runs[0].tokens[emitted, j] if j == 0 else
-                               coupled_tokens(TARGET[j].log().expand(int(emitted.sum()), -1),
-                                              [s for s, e in zip(seeds, emitted.tolist()) if e],
-                                              [P + j] * int(emitted.sum()), torch.zeros(int(emitted.sum()),
-                                                                                        dtype=torch.bool)))
+            assert torch.equal(
+                r.tokens[emitted, j],
+                runs[0].tokens[emitted, j]
+                if j == 0
+                else coupled_tokens(
+                    TARGET[j].log().expand(int(emitted.sum()), -1),
+                    [s for s, e in zip(seeds, emitted.tolist()) if e],
+                    [P + j] * int(emitted.sum()),
+                    torch.zeros(int(emitted.sum()), dtype=torch.bool),
+                ),
+            )
 
 
 def test_rejection_tokens_do_depend_on_how_many_drafts_are_verified():

@@ -23,8 +23,14 @@ PARAMS = [
     SamplingParams(max_tokens=10, temperature=0.9, seed=11, top_k=6, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, banned_token_ids=(5, 9, 17)),
     SamplingParams(max_tokens=12, temperature=1.2, seed=12, top_p=0.7, ignore_eos=True, logit_bias=((3, 4.0),)),
-    SamplingParams(max_tokens=5, temperature=0.6, seed=13, ignore_eos=True, banned_token_ids=(4,),
-                   logit_bias=((8, -2.5), (40, 1.5))),
+    SamplingParams(
+        max_tokens=5,
+        temperature=0.6,
+        seed=13,
+        ignore_eos=True,
+        banned_token_ids=(4,),
+        logit_bias=((8, -2.5), (40, 1.5)),
+    ),
 ]
 
 
@@ -43,8 +49,9 @@ def test_the_static_processing_gives_the_eager_paths_tokens_and_logprobs(source,
         return process(self, *args, **kwargs)
 
     monkeypatch.setattr(Sampler, "process", counting)
-    got, spec = generate(source, PARAMS, prompts=PROMPTS, nextn=NEXTN, spec_sampling=mode,
-                         curve=curve, static_proposal=True)
+    got, spec = generate(
+        source, PARAMS, prompts=PROMPTS, nextn=NEXTN, spec_sampling=mode, curve=curve, static_proposal=True
+    )
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
     keys = {k.sampling for k in spec.verify_graphs.static}
@@ -64,18 +71,43 @@ def test_on_cuda_the_processing_graph_replay_equals_the_eager_run_and_the_sample
     cfg = DRAFT_CASES[0].cfg
     v, nextn = cfg.vocab_size, cfg.dspark_block_size
     torch.manual_seed(0)
-    model = types.SimpleNamespace(cfg=cfg, draft=DSpark(cfg).eval().cuda(),
-                                  embed=nn.Embedding(v, cfg.hidden_size).cuda())
+    model = types.SimpleNamespace(
+        cfg=cfg, draft=DSpark(cfg).eval().cuda(), embed=nn.Embedding(v, cfg.hidden_size).cuda()
+    )
     spans = [1 + nextn, 1, 3]
     sampling, start = [], 0
     for i, n in enumerate(spans):
-        sampling.append(Sampling(i, str(i), slice(start, start + n), list(range(start, start + n)), i + 1, 20 + 7 * i,
-                                 [5, 9, 2, 1, 1, 1, 1, 1][: n - 1]))
+        sampling.append(
+            Sampling(
+                i,
+                str(i),
+                slice(start, start + n),
+                list(range(start, start + n)),
+                i + 1,
+                20 + 7 * i,
+                [5, 9, 2, 1, 1, 1, 1, 1][: n - 1],
+            )
+        )
         start += n
     kinds = [dict(top_k=7), dict(banned_token_ids=(3, 4)), dict(logit_bias=((6, 2.0),), top_p=0.8), {}]
-    rows = [SamplingRow(**{**dict(temperature=0.0 if r == 1 + nextn else 0.8, top_k=0, top_p=1.0, seed=3,
-                                  position=21 + r, forced_top_k=None, banned_token_ids=(), num_logprobs=0),
-                           **kinds[r % len(kinds)]}) for r in range(start)]
+    rows = [
+        SamplingRow(
+            **{
+                **dict(
+                    temperature=0.0 if r == 1 + nextn else 0.8,
+                    top_k=0,
+                    top_p=1.0,
+                    seed=3,
+                    position=21 + r,
+                    forced_top_k=None,
+                    banned_token_ids=(),
+                    num_logprobs=0,
+                ),
+                **kinds[r % len(kinds)],
+            }
+        )
+        for r in range(start)
+    ]
     taps = torch.randn(start, model.draft.main_proj.in_features, device="cuda")
     cache = CacheEngine(cfg, 8, num_blocks=2, num_state_slots=4, ring=ring_size(cfg), draft=True, device="cuda")
     slot_probs = torch.softmax(torch.randn(4, nextn, v, device="cuda"), -1)
@@ -101,8 +133,16 @@ def test_on_cuda_the_processing_graph_replay_equals_the_eager_run_and_the_sample
             p = out.processed
             for name in ("banned", "logprobs", "probs", "errors"):
                 assert torch.equal(getattr(p, name)[:start], getattr(want, name)), name
-            results.append((cache.slots.clone(), out.verdict.errors.clone(), out.verdict.num_accepted.clone(),
-                            out.verdict.tokens.clone(), out.tokens.clone(), out.logprobs.clone()))
+            results.append(
+                (
+                    cache.slots.clone(),
+                    out.verdict.errors.clone(),
+                    out.verdict.num_accepted.clone(),
+                    out.verdict.tokens.clone(),
+                    out.tokens.clone(),
+                    out.logprobs.clone(),
+                )
+            )
             assert graphs.num_replays == (2 if use_graphs else 0)
     for want_tensor, got in zip(*results):
         assert torch.equal(want_tensor, got)

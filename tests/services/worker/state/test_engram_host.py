@@ -48,8 +48,15 @@ def _runners(model, config, device):
     return held, host
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
 def test_host_tables_equal_worker_tables_eager_and_static(device):
     sched, eager, _, token_at, config = setup("oracle", device)
     assert eager.model.cfg.engram_layer_ids, "the case must have Engram layers"
@@ -121,8 +128,13 @@ def test_two_processes_map_one_copy_and_the_last_close_removes_it():
     seg = EngramSegment(name, [{"weight": table}])
     assert seg.created and torch.equal(seg.tensors[0]["weight"], table)
     root = str(pathlib.Path(__file__).resolve().parents[4])
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, name, str(rows), str(cols)], cwd=root, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, name, str(rows), str(cols)],
+        cwd=root,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         created, total = child.stdout.readline().split()
         assert created == "False" and float(total) == float(table.double().sum())

@@ -96,14 +96,30 @@ def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model,
                 patches = torch.rand(sum(h * w for h, w in grids), 3, p, p, generator=g) * 2 - 1
                 spans[rid] = torch.cat(model.encoder(patches, grids))
     n = len(requests)
-    config = EngineConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                          max_num_batched_tokens=budget, max_model_len=128, batch_invariant=True).worker_config()
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=64,
+        num_state_slots=n + 1,
+        max_num_seqs=n,
+        max_num_batched_tokens=budget,
+        max_model_len=128,
+        batch_invariant=True,
+    ).worker_config()
     runner = ModelRunner(model, config)
     outer = DecodeStepGraphs(runner, config, use_graphs=False, attention="reference") if graphs else runner
     ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=64, num_state_slots=n + 1, max_num_seqs=n,
-                                      max_num_batched_tokens=budget, max_model_len=128,
-                                      window_size=cfg.sliding_window, compress_ratios=ratios))
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=BLOCK,
+            num_blocks=64,
+            num_state_slots=n + 1,
+            max_num_seqs=n,
+            max_num_batched_tokens=budget,
+            max_model_len=128,
+            window_size=cfg.sliding_window,
+            compress_ratios=ratios,
+        )
+    )
     for rid, (seq, _) in requests.items():
         prompt = seq[:-MAX_TOKENS]
         if rid in spans:
@@ -120,8 +136,9 @@ def test_cached_engine_with_images_equals_the_full_forward_exactly(vision_model,
         for i, rid in enumerate(plan.request_ids):
             first = positions[plan.query_start[i]]
             seq = requests[rid][0]
-            cut_inside_a_span |= plan.is_prefill and 0 < first < len(seq) and seq[first - 1] == seq[first] == \
-                cfg.vision.image_token_id
+            cut_inside_a_span |= (
+                plan.is_prefill and 0 < first < len(seq) and seq[first - 1] == seq[first] == cfg.vision.image_token_id
+            )
         sched.update(plan, run_step(plan, lambda rid, pos: requests[rid][0][pos]))
     for rid, (seq, _) in requests.items():
         ids = torch.tensor([seq[:-1]])
