@@ -236,7 +236,6 @@ def _compress_kernel(
     DOT_FP32: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    HALF: tl.constexpr = HD // 2
     KH: tl.constexpr = DI // 2
     pid = tl.program_id(0)
     if pid < num_row_programs:

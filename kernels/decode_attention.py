@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import invariance
 from kernels.attention_blocks import (
     _entry_blocks,
     _finish,
@@ -44,7 +45,6 @@ from kernels.attention_blocks import (
     _window_blocks,
     entry_block_n,
 )
-from kernels import invariance
 from kernels.device import num_sms
 
 _LOG2E = 1.4426950408889634

@@ -35,8 +35,12 @@ from kernels.fp8_splitk import MAX_TOKENS as SPLITK_MAX_TOKENS  # noqa: F401 - r
 from kernels.fp8_splitk import fp8_linear_splitk, worth_splitting  # noqa: F401 - re-exported: KernelLinear
 from kernels.moe_combine import moe_combine
 from kernels.moe_splitk import moe_experts_splitk, worth_splitting_experts  # noqa: F401 - re-exported: KernelMoE
-from kernels.quant_fp8 import IN_GEMM_MAX_ROWS, _quantize_rows, quantize_act
-from kernels.quant_fp8 import Activations  # noqa: F401 - re-exported: the kernels bench imports it here
+from kernels.quant_fp8 import (
+    IN_GEMM_MAX_ROWS,
+    Activations,  # noqa: F401 - re-exported: the kernels bench imports it here
+    _quantize_rows,
+    quantize_act,
+)
 from kernels.reference import GROUP
 
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step

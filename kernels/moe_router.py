@@ -4,9 +4,9 @@ renormalised over the picks × route_scale (model/deepseek_v41/moe.py ``route``;
 One program routes BLOCK_T tokens: the [BLOCK_T, E] logits x · gateᵀ are accumulated in fp32 over
 BLOCK_D-wide steps, then k rounds of arg-max pick the experts. With an image mask (``image`` [T] bool),
 the marked tokens select with ``bias_vl`` instead of ``bias`` (image-span tokens; moe.py ``route``);
-without one the kernel is compiled as before (``HAS_IMAGE`` constexpr), so text routing is unchanged. Routing must not flip on rounding, so
-the tensor cores run the 3-pass tf32 split (fp32-accurate products; exact for bf16 operands, whose 8
-significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
+without one the kernel is compiled as before (``HAS_IMAGE`` constexpr), so text routing is unchanged. Routing must not
+flip on rounding, so the tensor cores run the 3-pass tf32 split (fp32-accurate products; exact for bf16 operands,
+whose 8 significant bits fit tf32's 11). Reference: ``kernels.reference.moe_router``.
 
 With few token tiles (decode: one program at T ≤ 16 read the whole fp32 gate, 983 KB at v41, alone;
 docs/performance.md, "Kernels") the D range is split over ``split`` programs per tile, whose partial logits go to
@@ -24,8 +24,12 @@ import triton.language as tl
 from kernels import invariance
 from kernels.device import num_sms
 from kernels.moe_layout import MAX_TOKENS as LAYOUT_MAX_TOKENS
-from kernels.moe_layout import _layout, layout_block_t, layout_outputs
-from kernels.moe_layout import moe_layout  # noqa: F401 - re-exported: the step's layout after routing
+from kernels.moe_layout import (
+    _layout,
+    layout_block_t,
+    layout_outputs,
+    moe_layout,  # noqa: F401 - re-exported: the step's layout after routing
+)
 from kernels.tickets import tickets
 
 

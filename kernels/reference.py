@@ -40,7 +40,6 @@ from kernels.reference_attention import (  # noqa: E402, F401
     sparse_prefill_attention,
 )
 
-
 # ---------------------------------------------------------------- RMSNorm
 
 

@@ -46,6 +46,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.device import upload
+from kernels.philox import DrawCase
+from kernels.sampler_output import SamplerOutput
 from kernels.sampler_select import (
     _cut_ties,
     _key,
@@ -55,8 +57,6 @@ from kernels.sampler_select import (
     _sum_exp,
     _top_logprobs,
 )
-from kernels.philox import DrawCase
-from kernels.sampler_output import SamplerOutput
 
 MASS_SCALE = float(1 << 31)  # a probability p is worth floor(p · 2³¹) integer units
 PHILOX_M0 = tl.constexpr(0xD2511F53)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(SESSION_THREADS)  # in case a plugin imported torch before the variable was set
 
-from tests.nats_server import running_nats_server
+from tests.nats_server import running_nats_server  # noqa: E402 - after the thread-count setup above
 
 
 @pytest.fixture(scope="module")

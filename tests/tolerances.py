@@ -42,8 +42,9 @@ TOPK_MARGIN_MIN = 1e-4
 # The same near-tie rule where both sides are this model on one machine (the cached engine against its own
 # full forward): their scores differ by fp32 reordering only, ≤ 4.8e-6 as measured on the logits downstream
 # (test_engine_equals_model's printed max |Δ| at OMP_NUM_THREADS 1, 2, 4 and ATEN_CPU_CAPABILITY default,
-# avx2, avx512), so a gap of 10^-5 is not reordered by it. A different pick would still fail the comparison (PREFIX_ATOL): a smaller margin
-# only compares more positions. The NeMo oracle's TOPK_MARGIN_MIN stays 10× larger: another implementation.
+# avx2, avx512), so a gap of 10^-5 is not reordered by it. A different pick would still fail the comparison
+# (PREFIX_ATOL): a smaller margin only compares more positions. The NeMo oracle's TOPK_MARGIN_MIN stays 10× larger:
+# another implementation.
 SAME_MODEL_TOPK_MARGIN_MIN = 1e-5
 # A switched-off mechanism must move the logits by at least this much (sensitivity tests): 100× LOGITS_ATOL,
 # so a move this large cannot be rounding noise.

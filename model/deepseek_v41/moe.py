@@ -24,7 +24,8 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 class MoE(nn.Module):
     """Router ``gate_weight`` [E, D] with fp32 ``gate_bias``/``bias_vl`` [E]; experts stacked
-    ``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]; shared expert ``shared_w1``/``shared_w3`` [I, D], ``shared_w2`` [D, I]."""
+    ``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]; shared expert ``shared_w1``/``shared_w3`` [I, D],
+    ``shared_w2`` [D, I]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -41,7 +41,8 @@ dim; a partial last group is zero-padded (zeros never change an amax):
 the low nibble; main KV entry 512 ch → 256 B + 32 e4m3 scales; indexer key 128 ch → 64 B + 4
 e8m0 scales); ``dequantize(quantize(x)) == fake_quant(x)`` exactly.
 
-``tests/model/deepseek_v41/quant_boundary.py`` reports how far inputs sit from a rounding discontinuity of these formats.
+``tests/model/deepseek_v41/quant_boundary.py`` reports how far inputs sit from a rounding discontinuity of these
+formats.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ shared memory. Use it to catch compile errors and register pressure before spend
 From Python: ``compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], num_warps=4,
 num_stages=3)`` returns the compiled kernel (``.asm['ptx']``, ``.asm['sass']`` where available) and
 the ptxas report. Constexpr arguments go in ``constexprs`` only (their signature type is filled in).
-"""
+"""  # noqa: E501 - the example's signature argument is one shell word and cannot be split
 
 from __future__ import annotations
 

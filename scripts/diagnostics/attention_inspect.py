@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import re
-
 import sys
 
 import torch
@@ -35,8 +34,8 @@ parser.add_argument("--bf16-peak", type=float, default=680e12, help="bf16 FLOP/s
 args = parser.parse_args()
 
 if args.offline:
-    from triton.compiler import ASTSource
     import triton
+    from triton.compiler import ASTSource
 
     from scripts.dev.compile_sm90 import TARGET, ptxas_report
 

@@ -2,8 +2,8 @@
 
 The same 16 prompts (sampled, 5 top logprobs) through three runners on one model, each in the mode:
 the static decode step replayed from CUDA graphs, the same static step run eagerly, and the eager
-eager step (``TritonAttention``). Prints which pairs give ``==`` answers and the first differing prompt and position, so a
-difference is placed either in the capture (graph vs static eager) or in the step's code (static
+eager step (``TritonAttention``). Prints which pairs give ``==`` answers and the first differing prompt and position, so
+a difference is placed either in the capture (graph vs static eager) or in the step's code (static
 eager vs the eager step).
 
     python3 scripts/diagnostics/graph_invariance.py

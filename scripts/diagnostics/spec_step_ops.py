@@ -4,7 +4,8 @@ On the CPU, tiny, the DecodeStepGraphs's static decode step, the static verify a
 eagerly (``use_graphs=False``: the code the graphs capture); ops inside ``StaticDecodeStep.run``,
 ``StaticVerify.run`` and ``StaticDraftProposal.run`` are what one replay each does on the GPU, every other
 non-view op is an eager op there (a launch, or host work on a host tensor). Forced acceptance, greedy, batch 1
-by default (``--spec-sampling``: a verifier instead, with the draft's own drafts); ``--eager-verify`` runs the verify half eagerly instead (verifier, write_context, emitted_output).
+by default (``--spec-sampling``: a verifier instead, with the draft's own drafts); ``--eager-verify`` runs the verify
+half eagerly instead (verifier, write_context, emitted_output).
 
     python scripts/diagnostics/spec_step_ops.py [--batch 1] [--acceptance 0] [--max-tokens 16] [--eager-verify]
         [--spec-sampling forced|rejection|deterministic] [--op-names]
@@ -24,12 +25,12 @@ from services.bench.generate import run_batch
 from services.engine import LLM
 from services.engine.config import EngineConfig
 from services.engine.model_source import load_model
-from services.worker.spec.forced_acceptance import ForcedAcceptance
 from services.worker.runners.decode_step_graphs import DecodeStepGraphs
 from services.worker.runners.model_runner import ModelRunner
-from services.worker.sampling.sampler import Sampler
-from services.worker.spec.speculator import Speculator
 from services.worker.runners.static_decode_step import StaticDecodeStep
+from services.worker.sampling.sampler import Sampler
+from services.worker.spec.forced_acceptance import ForcedAcceptance
+from services.worker.spec.speculator import Speculator
 from services.worker.spec.static_draft_proposal import StaticDraftProposal
 from services.worker.spec.static_verify import StaticVerify
 from services.worker.worker import Worker
@@ -171,7 +172,8 @@ def main() -> None:
     )
     for phase, num in phases.ops.most_common():
         print(
-            f"{phase:>28}: {num / n:8.1f} ops/step  ({1000 * phases.seconds[phase] / n:7.2f} CPU ms/step, nested phases included)"
+            f"{phase:>28}: {num / n:8.1f} ops/step  "
+            f"({1000 * phases.seconds[phase] / n:7.2f} CPU ms/step, nested phases included)"
         )
     if args.op_names:
         for (phase, name), num in sorted(phases.names.items(), key=lambda item: (item[0][0], -item[1])):

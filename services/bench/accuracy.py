@@ -1,6 +1,6 @@
 """`shinkai bench accuracy`: the kernel backend's FP8 path against the fp32 torch reference (the FP8
-accuracy targets of docs/accuracy.md: mean KL ≤ 1e-3, max ≤ 1e-2, top-1 agreement ≥ 99% where the reference's top-2 margin is
-≥ 0.05), at V4.1's real widths and, for contrast, on the tiny preset.
+accuracy targets of docs/accuracy.md: mean KL ≤ 1e-3, max ≤ 1e-2, top-1 agreement ≥ 99% where the reference's top-2
+margin is ≥ 0.05), at V4.1's real widths and, for contrast, on the tiny preset.
 
 The reference is the torch ``ModelRunner`` (fp32 weights; on the GPU it equals the CPU runner within
 6e-6). It is driven by the real scheduler through chunked prefill and greedy decode, and its logits at

@@ -75,7 +75,8 @@ class EngineConfig:
     # "fp8" = Triton kernels with FP8 weights and activations, "fp32" = the same kernels with fp32 weights.
     kernel_backend: str | None = None
     # On a CUDA device with the kernel backend, decode steps replay captured CUDA graphs (one per graph size,
-    # services/worker/runners/decode_step_graphs.py); other steps run eagerly. Needs kernel_backend (the torch MoE syncs).
+    # services/worker/runners/decode_step_graphs.py); other steps run eagerly. Needs kernel_backend (the torch MoE
+    # syncs).
     cuda_graphs: bool = False
     # Every per-row result independent of the other rows in the step and of the row's place
     # (model/batch_invariant.py on the CPU's torch path; kernels/invariance.py on the kernel backend):

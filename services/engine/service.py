@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from observability import tracing
 from services.engine.engine import Engine
 from services.engine.finish_reason import FinishReason
-from services.engine.reporting.observer import EngineObserver, RequestTimes
 from services.engine.outputs import RequestOutput
+from services.engine.reporting.observer import EngineObserver, RequestTimes
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 

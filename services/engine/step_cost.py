@@ -15,7 +15,8 @@ longer at 64 requests than at 16, and one curve for both priced batch 16's draft
   largest the curve stays at the largest's time (unknown, so free, as for one size: the next step that
   can use more rows measures them). Every value is at least ``MIN_STEP_MS``. One line through all the
   means (this meter's first fit) overstated the rows past a bend: at batch 16 the step time rose steeply up
-  to 45 rows and little past them, the line's slope priced the rows past 45 as dear as those before, and varlen verified fewer drafts than paid (docs/speculative.md);
+  to 45 rows and little past them, the line's slope priced the rows past 45 as dear as those before, and varlen verified
+  fewer drafts than paid (docs/speculative.md);
 - one size measured: below it, ms proportional to rows (no fixed cost, the pessimistic reading: varlen then
   drops the least likely drafts, so the steps that follow measure a smaller size); above it, the measured ms
   (unknown, so free: every draft with a chance of passing gets a row and the next step measures a larger

@@ -73,7 +73,10 @@ def _healthcheck(service: Service) -> dict[str, Any] | None:
     kind, port = service.health.split(":")
     if kind != "grpc":
         return None  # nats: the official image has no client to probe with; dependants wait for it to start
-    probe = f"from services.entrypoints.stack import healthy; raise SystemExit(0 if healthy('127.0.0.1', 'grpc:{port}') else 1)"
+    probe = (
+        "from services.entrypoints.stack import healthy; "
+        f"raise SystemExit(0 if healthy('127.0.0.1', 'grpc:{port}') else 1)"
+    )
     if service.name == "gateway":  # readiness: a real one-token generation through engine and worker
         probe = (
             f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{PORTS['http']}/ready', "

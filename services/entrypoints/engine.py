@@ -4,8 +4,8 @@ It serves ``shinkai.v1.Shinkai`` over gRPC for the gateway (token ids in, token 
 tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS.
 The worker runs in-process, or in its own process with ``--worker ADDR``; with NATS, every step's
 expert counts also go to the EPLB planner (`services/engine/reporting/expert_loads.py`); a data-parallel rank also
-takes the planner's plans and applies them live (`services/engine/parallel/live_plans.py`). SIGTERM drains: "draining" on NATS and NOT_SERVING, live requests get
-``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
+takes the planner's plans and applies them live (`services/engine/parallel/live_plans.py`). SIGTERM drains: "draining"
+on NATS and NOT_SERVING, live requests get ``--drain-timeout`` seconds, then "down" and exit 0 with whole pools.
 
 A remote worker is watched by heartbeat (`services/engine/remote/heartbeat.py`): while it is gone the engine is
 NOT_SERVING, refuses new requests (UNAVAILABLE) and announces "unhealthy" on NATS, and the requests it held
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import dataclasses
 import json
 import logging
 import signal
+import sys
 
 log = logging.getLogger("shinkai.engine.process")
 
@@ -274,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engram-on-host",
         action="store_true",
-        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+        help=(
+            "Engram tables in host shared memory, one copy per host; each step copies only its rows to the device "
+            "(docs/parallelism.md)"
+        ),
     )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")

@@ -17,7 +17,6 @@ import time
 
 from services.entrypoints.cli import UsageError
 
-
 # Largest count (GPUs, experts, copies, steps, groups, nodes) the CLI accepts: far beyond any real layer,
 # small enough that no derived array overflows memory.
 MAX_COUNT = 1 << 20

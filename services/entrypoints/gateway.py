@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import json
 import signal
+import sys
 
 
 async def run(args: argparse.Namespace) -> int:
     from observability import tracing
 
     tracing.setup("shinkai-gateway")
+    from observability.metrics import EngineLoadsCollector, RequestMetrics
+    from services.engine.model_info import ModelInfo
     from services.gateway.api_server import ApiServer
     from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
-    from services.engine.model_info import ModelInfo
     from services.gateway.frontend import Frontend
     from services.gateway.image_fetcher import ImageFetcher
-    from observability.metrics import EngineLoadsCollector, RequestMetrics
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
 

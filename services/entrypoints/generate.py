@@ -24,7 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engram-on-host",
         action="store_true",
-        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+        help=(
+            "Engram tables in host shared memory, one copy per host; each step copies only its rows to the device "
+            "(docs/parallelism.md)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
@@ -38,8 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from services.entrypoints.cli import UsageError
     from services.engine import LLM, SamplingParams
+    from services.entrypoints.cli import UsageError
 
     try:
         params = SamplingParams(

@@ -28,7 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engram-on-host",
         action="store_true",
-        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+        help=(
+            "Engram tables in host shared memory, one copy per host; each step copies only its rows to the device "
+            "(docs/parallelism.md)"
+        ),
     )
     p.add_argument(
         "--api-key",
@@ -140,9 +143,8 @@ async def _serve_ranks(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from services.gateway.server import Server
-
     from observability import tracing
+    from services.gateway.server import Server
 
     tracing.setup("shinkai")
     if args.data_parallel_size > 1:

@@ -43,7 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--engram-on-host",
         action="store_true",
-        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+        help=(
+            "Engram tables in host shared memory, one copy per host; each step copies only its rows to the device "
+            "(docs/parallelism.md)"
+        ),
     )
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
 

@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engram-on-host",
         action="store_true",
-        help="Engram tables in host shared memory, one copy per host; each step copies only its rows to the device (docs/parallelism.md)",
+        help=(
+            "Engram tables in host shared memory, one copy per host; each step copies only its rows to the device "
+            "(docs/parallelism.md)"
+        ),
     )
     p.add_argument("--grpc-addr", default="127.0.0.1:0", help="bind address (port 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")

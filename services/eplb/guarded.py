@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from services.eplb.deepseek import deepseek_plan
 from services.eplb.layout import (
     V41_EXPERT_BYTES,
     Layout,
@@ -22,7 +23,6 @@ from services.eplb.layout import (
     count_moves,
     moe_lb,
 )
-from services.eplb.deepseek import deepseek_plan
 from services.eplb.optimise import Point, SearchConfig, candidates, choose, tradeoff
 from services.eplb.policy import deepinfer_plan
 

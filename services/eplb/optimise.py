@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from services.eplb.assignment import group_counts, gpu_matching, min_move_relabel, moves_under
+from services.eplb.assignment import gpu_matching, group_counts, min_move_relabel, moves_under
 from services.eplb.deepseek import deepseek_plan
 from services.eplb.layout import Layout, count_moves, gpu_loads, needless_colocations
 from services.eplb.policy import deepinfer_plan

@@ -9,13 +9,10 @@ messages, messages already received are processed (a due re-plan finishes and is
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
-import sys
 from concurrent import futures
 from typing import Any
 
@@ -26,7 +23,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from observability import metrics as names
 from observability import tracing
 from services import nats_auth, subjects
-from services.eplb.guarded import POLICIES, PlanConfig
 from services.eplb.messages import MessageError, decode_load
 from services.eplb.planner import Planner, PlannerConfig
 

@@ -34,7 +34,6 @@ from services.gateway.errors import ApiError
 from services.gateway.image_fetcher import ImageFetcher
 from services.tokenizer.chat import ChatError
 
-
 # What a masked token's logprob (-inf: outside top-k / top-p) reads as in every response, HTTP and gRPC, as in
 # vLLM: JSON has no infinities, and `JSON.parse` refuses the `-Infinity` Python would write.
 MASKED_LOGPROB = -9999.0

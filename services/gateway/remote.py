@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 
 from observability import tracing
-from services.engine.sampling_params import SamplingParams
 from services.engine.finish_reason import FinishReason
 from services.engine.images.prompt import ImageEncoderUnavailable
+from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
 from services.gateway.errors import ERROR_CODE_KEY

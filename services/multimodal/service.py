@@ -10,9 +10,7 @@ the problem, and the service keeps serving. SIGTERM: health NOT_SERVING, live ca
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 
 import grpc
 import prometheus_client as prom
@@ -24,7 +22,6 @@ from model.deepseek_v41.image_grid import ImageGrid
 from model.deepseek_v41.vision import ImageEncoder
 from observability import metrics as names
 from observability import tracing
-from services.grpc_host import serve_until_signalled
 from services.multimodal.batcher import EncodeBatcher
 from services.multimodal.embedding_cache import EmbeddingCache, EncodedImage, content_hash
 from services.multimodal.preprocess import ImageInputError, ImageLimits, PreparedImage, peek_grid, prepare_image

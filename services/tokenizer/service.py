@@ -7,8 +7,6 @@ INVALID_ARGUMENT. SIGTERM stops taking calls (health NOT_SERVING) and lets live 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +19,6 @@ from tokenizers import Tokenizer
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, load_tokenizer, load_v41_tokenizer, v41_tokenizer_path
 from observability import metrics as names
 from observability import tracing
-from services.grpc_host import serve_until_signalled
 from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
 from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer

@@ -3,8 +3,9 @@
 ``python -m services.entrypoints.worker --model tiny --grpc-addr 127.0.0.1:0`` builds (or loads) the model itself from
 the same ``--model`` and ``--model-seed`` as the engine, owns the runner's pools, and prints one JSON ready
 line. ``SetImages`` takes a request's image embeddings (float32 or bfloat16 bytes with their shape) before
-the request is scheduled, as the in-process ``Worker.set_images`` does. ``GetModelInfo`` answers hashes of the config and of every weight tensor; the engine compares them
-with its own at connect time, so an engine never drives a different model.
+the request is scheduled, as the in-process ``Worker.set_images`` does. ``GetModelInfo`` answers hashes of the config
+and of every weight tensor; the engine compares them with its own at connect time, so an engine never drives a
+different model.
 
 The codec turns a scheduler ``StepPlan`` into the proto (every array as raw int32 bytes with dtype and
 shape) and back into `PlanView`, a plain object with the StepPlan attributes the runners read.
@@ -12,20 +13,16 @@ shape) and back into `PlanView`, a plain object with the StepPlan attributes the
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import signal
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import asdict, dataclass, field
 
 import grpc
 import numpy as np
 import prometheus_client as prom
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kernels.sampler_output import SamplerOutput
 from observability import metrics as names

@@ -11,9 +11,9 @@ import torch
 from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
+from services.worker.batch.step_batch import PendingInputs, pending_shifts
 from services.worker.host_copy import HostCopy, host_sampled, sampled_copy
 from services.worker.runners.reference_runner import RunnerOutput
-from services.worker.batch.step_batch import PendingInputs, pending_shifts
 from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.spec.speculator import Speculator
 

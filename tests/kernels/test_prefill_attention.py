@@ -1,6 +1,6 @@
 """Sparse prefill attention vs ``kernels.reference.sparse_prefill_attention``: the reference against the
-engine's cached attention (``AttentionStep.attend`` on the torch backend) for prefill chunks on the tiny model, the kernel
-interpreted on CPU at small shapes, and compiled on a GPU at the Flash shapes (1K and 4K-row chunks)."""
+engine's cached attention (``AttentionStep.attend`` on the torch backend) for prefill chunks on the tiny model, the
+kernel interpreted on CPU at small shapes, and compiled on a GPU at the Flash shapes (1K and 4K-row chunks)."""
 
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ def test_reference_equals_torch_attention(layer):
     ``AttentionStep.attend`` on the torch backend on a step of prefill chunks, compared before the output projection."""
     from model.deepseek_v41.attention import Attention
     from model.deepseek_v41.rope import apply_rope, rope_angles
-    from services.worker.attention.torch_backend import StepSparse, TorchAttention
     from services.worker.attention.step import AttentionStep
+    from services.worker.attention.torch_backend import StepSparse, TorchAttention
     from services.worker.batch.step_batch import StepBatch
 
     torch.manual_seed(0)

@@ -24,7 +24,10 @@ def test_kitchen_step_table():
     for request_id, n in (("A", 6), ("B", 5), ("C", 4)):
         scheduler.add_request(request_id, list(range(10, 10 + n)), max_tokens=16, eos_token_id=EOS)
     a_output = {6: 50, 7: 51, 8: 52, 9: EOS}  # position -> token: "and", "slept", ".", end
-    token_at = lambda request_id, pos: a_output[pos] if request_id == "A" else 60 + pos
+
+    def token_at(request_id, pos):
+        return a_output[pos] if request_id == "A" else 60 + pos
+
     table = []
     for _ in range(6):
         plan, outputs = step(scheduler, token_at)

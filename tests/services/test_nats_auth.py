@@ -11,9 +11,9 @@ import nats
 import pytest
 
 from services import nats_auth, subjects
+from services.entrypoints.stack import LocalPlacement, StackConfig, nats_server_binary, services
 from services.gateway.remote import RemoteEngine
 from services.gateway.router import EngineRouter
-from services.entrypoints.stack import LocalPlacement, StackConfig, nats_server_binary, services
 from tests.nats_server import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -62,8 +62,8 @@ def compressor_problem(
     from model.deepseek_v41.compressor import Compressor
     from model.deepseek_v41.indexer import Indexer
     from model.deepseek_v41.rope import rope_frequencies
-    from services.worker.state.cache_engine import CacheEngine, ring_size
     from services.worker.batch.step_batch import StepBatch
+    from services.worker.state.cache_engine import CacheEngine, ring_size
 
     dtype = dtype or torch.bfloat16
     cfg = flash_source_config(ratio)

@@ -35,8 +35,8 @@ def projection_shapes() -> dict[str, tuple[int, int]]:
 
     from model.deepseek_v41.block import Block
     from services.bench.step.build import model_config
-    from services.worker.kernel_model.fp8_linear import round_up
     from services.worker.kernel_model.backend import FP8_PROJECTIONS
+    from services.worker.kernel_model.fp8_linear import round_up
 
     cfg = model_config("v41-s1", None)
     out: dict[str, tuple[int, int]] = {}

@@ -26,8 +26,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from services.bench.harness import DEVICE, _bench, _bench_replay, _row
-from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 from services.bench.kernels.decode_gemms import layer_meta
+from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 
 if TYPE_CHECKING:
     import torch
@@ -128,8 +128,7 @@ def bench_prefill(num_tokens: int, ceil: dict[str, float], gen: torch.Generator,
     from kernels.moe_combine import moe_combine
     from kernels.quant_fp8 import quantize_act
     from services.bench.kernels.prefill_moe import bench_products
-    from services.worker.kernel_model import block_scaled_experts
-    from services.worker.kernel_model import block_scaled_gemm
+    from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 
     case = _LayerCase(num_tokens, gen, masked=False)
     meta, x, (w13, s13, w2, s2) = case.meta, case.x, case.weights
@@ -410,7 +409,8 @@ def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dic
 
     if not deepgemm_moe.available(torch.device(DEVICE)):
         print(
-            "deepgemm_moe: deep_gemm is not installed or its probe failed here (scripts/gpu/deepgemm_build.sh builds it); "
+            "deepgemm_moe: deep_gemm is not installed or its probe failed here "
+            "(scripts/gpu/deepgemm_build.sh builds it); "
             "nothing measured",
             flush=True,
         )

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from services.bench.harness import DEVICE, _bench_replay, _row
-from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, _random_weights
 from services.bench.kernels.decode_gemms import layer_meta
+from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, _random_weights
 
 if TYPE_CHECKING:
     import torch

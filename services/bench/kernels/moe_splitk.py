@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.bench.harness import DEVICE, _bench_replay, _row
-from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 from services.bench.kernels.decode_gemms import layer_meta
 from services.bench.kernels.deepgemm_moe import LAYER_REL
+from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 
 if TYPE_CHECKING:
     import torch

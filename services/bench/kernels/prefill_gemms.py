@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.bench.harness import DEVICE, _bench, _row
-from services.bench.kernels.run import _random_weights
 from services.bench.kernels.decode_gemms import projection_shapes
+from services.bench.kernels.run import _random_weights
 
 if TYPE_CHECKING:
     import torch

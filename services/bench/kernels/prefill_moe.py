@@ -9,9 +9,9 @@ them on the same layout, operands and scales:
 
 The layer rows time x's quantisation, both products, the epilogue and the combine (the router and the layout
 are shared and left out); then each product alone, both ways (``bench_products``), which says whether a mixed
-path (cuBLASLt for one product, Triton for the other) would pay. Timed eagerly with the L2 flushed, as prefill runs. A row of the cuBLASLt path is
-measured at every size, even where ``block_scaled_experts.applies`` keeps the engine on Triton (below
-``MIN_ROWS_PER_EXPERT`` routed rows per expert): these rows are what that threshold should follow.
+path (cuBLASLt for one product, Triton for the other) would pay. Timed eagerly with the L2 flushed, as prefill runs.
+A row of the cuBLASLt path is measured at every size, even where ``block_scaled_experts.applies`` keeps the engine on
+Triton (below ``MIN_ROWS_PER_EXPERT`` routed rows per expert): these rows are what that threshold should follow.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.bench.harness import DEVICE, _bench, _row
-from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 from services.bench.kernels.decode_gemms import layer_meta
+from services.bench.kernels.run import EXPERTS, HIDDEN, INTER, SWIGLU_LIMIT, TOP_K, _random_weights
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +35,7 @@ def bench_layer(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) -
     from kernels.moe_combine import moe_combine
     from kernels.moe_grouped_gemm import moe_experts
     from kernels.quant_fp8 import quantize_act
-    from services.worker.kernel_model import block_scaled_experts
-    from services.worker.kernel_model import block_scaled_gemm
+    from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 
     num_stacked = EXPERTS + 1
     meta = layer_meta(num_tokens, gen)
@@ -104,8 +103,7 @@ def bench_products(
 
     from kernels.moe_grouped_gemm import default_block_m, empty_output, moe_grouped_gemm, split_shared
     from kernels.quant_fp8 import quantize_act
-    from services.worker.kernel_model import block_scaled_experts
-    from services.worker.kernel_model import block_scaled_gemm
+    from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 
     (w13, s13, scale_b13), (w2, s2, scale_b2) = gate_up, down
     num_stacked, picks = EXPERTS + 1, num_tokens * (TOP_K + 1)

@@ -46,10 +46,10 @@ def sampler_problem(
 
 
 def bench(ceil: dict[str, float], quick: bool, gen: torch.Generator) -> list[dict[str, object]]:
+    import sys
+
     from kernels.sampler import sample, sampling_tensors
     from services.worker.sampling.sampler import Sampler
-
-    import sys
 
     out = []
     for case in CASES:

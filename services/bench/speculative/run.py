@@ -142,7 +142,7 @@ def profile_run(llm, batch: int, prompt_len: int, device: str, max_tokens: int) 
     import torch
 
     from services.bench.generate import run_batch
-    from services.bench.step.profile import profile_summary, device_trace
+    from services.bench.step.profile import device_trace, profile_summary
 
     with timed_worker(llm) as seconds, device_trace(torch.device(device)) as prof:
         t0 = time.perf_counter()

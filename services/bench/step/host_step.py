@@ -18,9 +18,9 @@ from services.bench.step.phases import StepPhases, describe
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
+from services.worker.batch.step_batch import PendingInputs, StepBatch
 from services.worker.runners.reference_runner import RunnerOutput
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.batch.step_batch import PendingInputs, StepBatch
 from services.worker.worker import Worker
 
 

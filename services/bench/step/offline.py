@@ -1,9 +1,9 @@
 """`shinkai bench step`'s offline section: the same prompts generated with async scheduling off and
 on, tokens/s from an unprofiled run (with its host ms per decode step by phase, ``step_phases``), and
-the GPU-busy fraction (kernel time from a profiled rerun over the unprofiled wall time). ``decode_busy`` is the busy fraction of the decode steps alone: on the
-profiled run's device timeline, from the end of the last prefill attention kernel to the end of the
-last kernel, the union of kernel intervals over that window (prefill steps run eagerly and are not what
-async scheduling overlaps)."""
+the GPU-busy fraction (kernel time from a profiled rerun over the unprofiled wall time). ``decode_busy`` is the busy
+fraction of the decode steps alone: on the profiled run's device timeline, from the end of the last prefill attention
+kernel to the end of the last kernel, the union of kernel intervals over that window (prefill steps run eagerly and are
+not what async scheduling overlaps)."""
 
 from __future__ import annotations
 

@@ -107,8 +107,8 @@ def _ceilings(device) -> dict[str, float]:
 
 
 def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str, Any]]:
-    from services.bench.step.floors import step_cost
     from services.bench.step.build import runner_cache
+    from services.bench.step.floors import step_cost
     from services.bench.step.timing import fit_line, time_decode
 
     rows = []
@@ -164,8 +164,8 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
 
 
 def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
-    from services.bench.step.floors import step_cost
     from services.bench.step.build import runner_cache
+    from services.bench.step.floors import step_cost
     from services.bench.step.timing import time_prompt_step
 
     rows = []
@@ -314,7 +314,8 @@ def main(args: argparse.Namespace) -> int:
     graphs = device.type == "cuda" and backend == "kernels" and not args.no_graphs
     build, cfg, full_layers = builder(model, device, backend, args.layers, graphs)
     print(
-        f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, CUDA graphs {graphs}, device "
+        f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, "
+        f"CUDA graphs {graphs}, device "
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
     )
     if device.type == "cuda":

@@ -1,1 +1,2 @@
-"""A chat's images on the engine side: encoding them (the multimodal service or in process) and the prompt the model reads."""
+"""A chat's images on the engine side: encoding them (the multimodal service or in process) and the prompt the model
+reads."""

@@ -27,13 +27,12 @@ from services.engine.outputs import RequestOutput
 from services.engine.parallel.vote import HostVote
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout
+from services.worker.build import build_worker
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_moves import apply_layouts
+from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
 from services.worker.parallel.live_layouts import LayoutUpdate, LiveLayouts
 from services.worker.parallel.rank_experts import shard_over_group
-from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
-from services.worker.build import build_worker
-
 
 # Seconds between a waiting rank's checks that its driver process is still there.
 PARENT_POLL_S = 1.0
@@ -194,9 +193,9 @@ def run_to_completion(
 
 def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
     """A rank process: builds the rank, reports ("ready", rank), then serves commands until None:
-    ("generate", (requests, updates_at)) → ("done", rank, outputs); ("call", (fn, args)) → ("done", rank, fn(rank, *args))
-    for a module-level ``fn`` that every rank runs in lockstep (benchmarks). Any failure is reported as
-    ("error", rank, text) and ends the process with code 1."""
+    ("generate", (requests, updates_at)) → ("done", rank, outputs);
+    ("call", (fn, args)) → ("done", rank, fn(rank, *args)) for a module-level ``fn`` that every rank runs in
+    lockstep (benchmarks). Any failure is reported as ("error", rank, text) and ends the process with code 1."""
     parent = os.getppid()
     try:
         built = build_rank(rank, spec)

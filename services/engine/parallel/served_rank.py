@@ -12,9 +12,10 @@ rendezvous (rank 0 hosts it) and then step in lockstep inside `EngineService`'s 
 - a rank stops only when every rank is stopping and none has work (a second, ALL vote while idle), so
   `shinkai down`'s SIGTERM to the whole group drains every rank before any leaves.
 
-With ``--worker`` each rank's worker is a process of its own (`python -m services.entrypoints.worker --dp N --dp-rank R`):
-the engines meet at their rendezvous and vote; the workers meet at theirs and exchange tokens, each holding
-its share of the experts. A worker that loses a peer fails its step, so its engine's step fails too.
+With ``--worker`` each rank's worker is a process of its own
+(`python -m services.entrypoints.worker --dp N --dp-rank R`): the engines meet at their rendezvous and vote; the workers
+meet at theirs and exchange tokens, each holding its share of the experts. A worker that loses a peer fails its step, so
+its engine's step fails too.
 
 A lost rank breaks the group for good: a survivor's next collective fails (at once on a closed connection,
 else within ``rank_timeout_s``), its live requests end with "error", it leaves the group so the others fail

@@ -13,9 +13,8 @@ still holds it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import logging
+from collections.abc import Sequence
 
 import grpc
 

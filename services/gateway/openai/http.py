@@ -24,7 +24,6 @@ from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, Generation, Piece, finite_logprob
 from services.gateway.openai.openapi import openapi_schema
-from services.gateway.probe import probe
 from services.gateway.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     OpenAIRequest,
@@ -32,6 +31,7 @@ from services.gateway.openai.protocol import (
     parse_chat,
     parse_completion,
 )
+from services.gateway.probe import probe
 
 log = logging.getLogger("shinkai.gateway")
 # POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.

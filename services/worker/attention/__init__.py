@@ -1,1 +1,2 @@
-"""One step's attention over the paged caches (`AttentionStep`) and its backends: torch, Triton, and the graph-safe decode form."""
+"""One step's attention over the paged caches (`AttentionStep`) and its backends: torch, Triton, and the graph-safe
+decode form."""

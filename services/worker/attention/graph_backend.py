@@ -34,8 +34,8 @@ from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import INDEXER_BLOCK, dequantize_fp4_cache, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from services.worker.attention.triton_backend import index_query, index_weights
-from services.worker.state.cache_engine import CacheEngine
 from services.worker.batch.static_batch import StaticBatch
+from services.worker.state.cache_engine import CacheEngine
 
 ATTENTION = ("reference", "triton")  # the static torch ops / the kernels
 

@@ -32,8 +32,8 @@ from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import fake_quant_fp8_e4m3, fake_quant_indexer
 from model.deepseek_v41.rope import apply_rope, rope_angles
 from services.worker.attention.backend import StepRounding
-from services.worker.state.cache_engine import CacheEngine
 from services.worker.batch.step_batch import StepBatch
+from services.worker.state.cache_engine import CacheEngine
 
 
 @dataclass

@@ -32,9 +32,9 @@ from model.deepseek_v41.quant import fake_quant_indexer, quantize_fp8_cache
 from model.deepseek_v41.rope import apply_rope_
 from services.worker.attention.backend import StepRounding
 from services.worker.attention.torch_backend import TorchAttention
-from services.worker.state.cache_engine import CacheEngine
-from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.batch.step_batch import StepBatch
+from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.state.cache_engine import CacheEngine
 
 
 def index_query(idx: Indexer, q_latent: torch.Tensor, angles: torch.Tensor, quant: ModuleType | None) -> torch.Tensor:

@@ -43,8 +43,8 @@ LINEAR_MIN_TOKENS = 64
 included. Chosen from v41-s1's projections, eager with the L2 flushed (``kernels_prefill_gemms.bench_projections``),
 against the Triton one-expert GEMM at decode's tile (BLOCK_M 16, which re-reads the weights once per 16 rows):
 faster at 256 rows on every projection and at 64 rows summed over the five per layer (docs/performance.md,
-"Kernels"). Below 64 rows not measured: split-K and the in-GEMM quantisation keep those. The experts keep ``MIN_TOKENS``, attention's grouped
-wo_a ``GROUPED_MIN_TOKENS``."""
+"Kernels"). Below 64 rows not measured: split-K and the in-GEMM quantisation keep those. The experts keep
+``MIN_TOKENS``, attention's grouped wo_a ``GROUPED_MIN_TOKENS``."""
 
 GROUPED_MIN_TOKENS = 4096
 """Tokens from which ``GroupedKernelLinear`` (attention's wo_a: G groups of Kg → R, one GEMM a group) takes this

@@ -9,8 +9,8 @@ FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 blo
 kernel as a one-expert GEMM (``counts = [T]``, the slot → token map the identity). Products of
 ``block_scaled_gemm.LINEAR_MIN_TOKENS`` rows or more (prefill, and decode's larger batches inside their CUDA
 graphs; for the grouped wo_a, one GEMM a group) take cuBLASLt's block-scaled GEMM instead
-(services/worker/kernel_model/block_scaled_gemm.py: the same operands and scales, the output in the activations' dtype, Hopper
-tiles), where the grouped GEMM's one-expert grid is
+(services/worker/kernel_model/block_scaled_gemm.py: the same operands and scales, the output in the activations' dtype,
+Hopper tiles), where the grouped GEMM's one-expert grid is
 only N/128 programs wide and re-reads the weights every BLOCK_M rows; smaller decode batches, the
 batch-invariant mode and the interpreter stay on the Triton GEMM.
 
@@ -42,11 +42,11 @@ PRECISIONS = ("fp8", "fp32")
 
 
 def linear_block_m(num_tokens: int) -> int:
-    """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM (4 warps by default). 16 up to decode's 256 rows; above, 32: the
-    weights are re-read once per tile, and at 1K–4K tokens BLOCK_M 32 took clearly less time than BLOCK_M 16
-    summed over v41's projections (``scripts/diagnostics/tune_linear.py``; docs/performance.md, "Kernels", has the
-    table). 0 spills at both (ptxas sm_90a, scripts/dev/compile_sm90.py);
-    BLOCK_M 64 spills at 4 warps."""
+    """Tokens per MMA tile (``invariance.BLOCK_M`` at every size in the batch-invariant mode) of the one-expert GEMM
+    (4 warps by default). 16 up to decode's 256 rows; above, 32: the weights are re-read once per tile, and at 1K–4K
+    tokens BLOCK_M 32 took clearly less time than BLOCK_M 16 summed over v41's projections
+    (``scripts/diagnostics/tune_linear.py``; docs/performance.md, "Kernels", has the table). 0 spills at both
+    (ptxas sm_90a, scripts/dev/compile_sm90.py); BLOCK_M 64 spills at 4 warps."""
     if invariance.active():
         return invariance.BLOCK_M
     return 16 if num_tokens <= 256 else 32

@@ -2,12 +2,12 @@
 
 The model computes ``F.linear(y.float(), W.float())``: an fp32 GEMM over the [vocab, D] weight, which
 the checkpoint stores in bf16 (checkpoint.py). Held in fp32 it is 2.6 GB read per step at v41 widths
-(twice the 1.3 GB the floor counts) and an FFMA GEMM at large batches (docs/performance.md, "Kernels"). ``KernelHead`` keeps W in bf16, which is exact, and on CUDA runs one bf16
-tensor-core GEMM with fp32 accumulation and fp32 output (``torch.mm(..., out_dtype=torch.float32)``,
-cuBLAS) over the rows [y_hi; y_lo], both bf16 with y_hi + y_lo = y to within 2^-17 |y|; the two
-halves of the output are added. W is used exactly and y to 16 bits of mantissa, where the fp32
-GEMM has 24: the logits move by a few 1e-6 relative. A bf16 y is exact as y_hi, so y_lo is skipped.
-Off CUDA (the interpreted CPU tests) it is the model's fp32 product, bit for bit.
+(twice the 1.3 GB the floor counts) and an FFMA GEMM at large batches (docs/performance.md, "Kernels").
+``KernelHead`` keeps W in bf16, which is exact, and on CUDA runs one bf16 tensor-core GEMM with fp32 accumulation and
+fp32 output (``torch.mm(..., out_dtype=torch.float32)``, cuBLAS) over the rows [y_hi; y_lo], both bf16 with
+y_hi + y_lo = y to within 2^-17 |y|; the two halves of the output are added. W is used exactly and y to 16 bits of
+mantissa, where the fp32 GEMM has 24: the logits move by a few 1e-6 relative. A bf16 y is exact as y_hi, so y_lo is
+skipped. Off CUDA (the interpreted CPU tests) it is the model's fp32 product, bit for bit.
 """
 
 from __future__ import annotations

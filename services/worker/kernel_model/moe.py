@@ -3,8 +3,8 @@
 ``KernelMoE`` routes with ``kernels.moe_router`` and runs the routed experts and the shared expert in
 one masked grouped GEMM pair (``kernels.moe_grouped_gemm.moe_experts``; the shared expert in launches of
 its own where its rows span several M tiles), or, for big eager prefill steps, expert by expert through
-cuBLASLt's block-scaled GEMM on the same layout (services/worker/kernel_model/block_scaled_experts.py says when), or, where
-``deep_gemm`` is installed and its probe passes (and ``SHINKAI_MOE_GEMM`` is not ``triton``), eager steps of at
+cuBLASLt's block-scaled GEMM on the same layout (services/worker/kernel_model/block_scaled_experts.py says when), or,
+where ``deep_gemm`` is installed and its probe passes (and ``SHINKAI_MOE_GEMM`` is not ``triton``), eager steps of at
 least ``deepgemm_moe.MIN_TOKENS`` rows (prefill) through DeepGEMM's grouped FP8 GEMMs (kernels/deepgemm_moe.py;
 docs/performance.md has the measurements); with
 ``SHINKAI_MOE_SPLITK=1``, decode's few rows take the K-split grouped GEMM where its shape rule says
@@ -38,8 +38,7 @@ from kernels.fp8_weights import stack_gate_up
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
-from services.worker.kernel_model import block_scaled_experts
-from services.worker.kernel_model import block_scaled_gemm
+from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 from services.worker.kernel_model.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_each, round_up
 
 

@@ -5,8 +5,8 @@ nn.Linear: a cuBLAS GEMM) and, with a kernel set that has no ``engram_gate`` (``
 Engram's gate (fp32 row norms and a dot: ATen reductions; otherwise ``KernelEngram`` runs it on a kernel,
 services/worker/kernel_model/engram.py). cuBLAS and ATen pick their algorithm and reduction split from the whole
 shape, the number of rows included, so a row's bits could follow the batch. Wrapped here, they run as one
-call outside the mode and on ``kernels.invariance.ROW_CHUNK``-row tiles inside it (``invariance.by_rows``). Outside the mode the
-wrappers change nothing.
+call outside the mode and on ``kernels.invariance.ROW_CHUNK``-row tiles inside it (``invariance.by_rows``). Outside the
+mode the wrappers change nothing.
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ import torch
 
 from kernels.device import upload
 from scheduler_rs import StepPlan
-from services.worker.state.cache_engine import CacheEngine
+from services.worker.batch.step_batch import PendingInputs
 from services.worker.config import WorkerConfig
-from services.worker.runners.static_decode_step import StaticDecodeStep
 from services.worker.graphs.capture import capture_graph
 from services.worker.runners.model_runner import ModelRunner
 from services.worker.runners.reference_runner import RunnerOutput
-from services.worker.batch.step_batch import PendingInputs
+from services.worker.runners.static_decode_step import StaticDecodeStep
+from services.worker.state.cache_engine import CacheEngine
 
 log = logging.getLogger(__name__)
 

@@ -29,21 +29,21 @@ from model.batch_invariant import batch_invariant
 from model.deepseek_v41.mhc import collapse, initial_pre
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
-from services.worker.state.cache_engine import CacheEngine, ring_size
 from services.worker.attention.backend import AttentionBackend, Rounding, StepRounding
+from services.worker.attention.step import AttentionStep
 from services.worker.attention.torch_backend import TorchAttention
 from services.worker.attention.triton_backend import TritonAttention
-from services.worker.attention.step import AttentionStep
+from services.worker.batch.step_batch import PendingInputs, StepBatch, check_ring_slots
 from services.worker.config import WorkerConfig
-from services.worker.state.engram_host import EngramHost
-from services.worker.state.engram_rows import engram_rows
-from services.worker.state.image_inputs import ImageInputs
 from services.worker.kernel_model.backend import BACKENDS, KernelSet, check_device, convert_model
 from services.worker.kernel_model.head import head_logits
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.placeholder import placeholder_batch
 from services.worker.runners.reference_runner import RunnerOutput
-from services.worker.batch.step_batch import PendingInputs, StepBatch, check_ring_slots
+from services.worker.state.cache_engine import CacheEngine, ring_size
+from services.worker.state.engram_host import EngramHost
+from services.worker.state.engram_rows import engram_rows
+from services.worker.state.image_inputs import ImageInputs
 
 
 class ModelRunner:

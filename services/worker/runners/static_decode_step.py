@@ -28,13 +28,13 @@ from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan
 from services.worker.attention.graph_backend import ATTENTION, GraphAttention, step_kernels
 from services.worker.attention.step import AttentionStep
+from services.worker.batch.static_batch import StaticBatch
+from services.worker.batch.step_batch import PendingInputs
+from services.worker.kernel_model.head import head_logits
+from services.worker.kernel_model.moe import KernelMoE
 from services.worker.state.cache_engine import CacheEngine
 from services.worker.state.engram_host import EngramHost, local_rows
 from services.worker.state.engram_rows import static_engram_rows
-from services.worker.kernel_model.head import head_logits
-from services.worker.kernel_model.moe import KernelMoE
-from services.worker.batch.static_batch import StaticBatch
-from services.worker.batch.step_batch import PendingInputs
 
 
 class StaticDecodeStep:

@@ -1,1 +1,2 @@
-"""Speculative decoding on the worker: DSpark's draft proposal and verification, each eager form beside its static (graph) form."""
+"""Speculative decoding on the worker: DSpark's draft proposal and verification, each eager form beside its static
+(graph) form."""

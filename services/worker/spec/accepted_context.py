@@ -18,8 +18,8 @@ import torch
 from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from model.deepseek_v41.dspark import DSpark
-from services.worker.state.cache_engine import CacheEngine
 from services.worker.sampling.sampler import ProcessedLogits
+from services.worker.state.cache_engine import CacheEngine
 
 
 @dataclass(frozen=True)

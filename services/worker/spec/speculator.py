@@ -42,24 +42,23 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.profiler import record_function
 
+from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
 from scheduler_rs import StepPlan, StepResult
-from services.worker.spec.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
-from services.worker.state.cache_engine import CacheEngine
-from kernels.device import upload
 from services.worker.sampling.device_sampling import SamplingKey
+from services.worker.sampling.sampler import ProcessedLogits, Sampler, SamplingRow
+from services.worker.spec.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.spec.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.spec.forced_acceptance import ForcedAcceptance
-from services.worker.sampling.sampler import ProcessedLogits, Sampler, SamplingRow
-from services.worker.spec.timings import SpecTimings
 from services.worker.spec.static_draft_proposal import DraftProposalGraphs, ProposalKey
 from services.worker.spec.static_verify import VerifyGraphs, VerifyKey
+from services.worker.spec.timings import SpecTimings
 from services.worker.spec.verifier import SPEC_SAMPLING
 from services.worker.spec.verify_half import eager_verdict, forced_counts, static_verify
-
+from services.worker.state.cache_engine import CacheEngine
 
 PROPOSE_RANGES = ("draft.inputs", "draft.stages", "draft.slots")
 """Profiler ranges of a proposal: its inputs built on the host and copied; the draft's window read and

@@ -17,7 +17,8 @@ placeholder row has neither a limit nor a temperature, so padding never changes 
 ``DraftProposalGraphs`` keeps one ``StaticDraftProposal`` per key, fills it and replays its graph (``use_graphs``) or
 runs it eagerly (CPU, tests: the code a graph captures). Graph outputs are the graph's own buffers: the
 caller reads what it needs before the next replay. Rejection mode's draft distributions also go, inside the run,
-to a per-state-slot buffer (``DraftProposalGraphs.slot_probs``) that the next step's static verify reads: no copy per request.
+to a per-state-slot buffer (``DraftProposalGraphs.slot_probs``) that the next step's static verify reads: no copy per
+request.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.device import upload, upload_into
 from model.deepseek_v41.dspark import DraftContext
 from model.deepseek_v41.model import DeepseekV41
-from services.worker.state.cache_engine import CacheEngine
-from kernels.device import upload, upload_into
 from services.worker.graphs.capture import capture_graph
-from services.worker.spec.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
 from services.worker.sampling.device_sampling import MIN_CAPACITY, bucket, float32_bits, float32_of_bits
 from services.worker.sampling.sampler import MASS_BITS
+from services.worker.spec.draft_proposal import DeviceAnchors, HostInputs, Proposal, ProposalInputs, propose
+from services.worker.state.cache_engine import CacheEngine
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ by one packed int64 upload plus device copies of the step's processed distributi
 draft distributions. Where the key has a ``SamplingKey`` (services/worker/sampling/device_sampling.py), the upload also
 holds the rows' sampling parameters, the fill copies the step's logits instead, and the run processes them
 (``device_sampling.process``, ``==`` ``Sampler.process``); where it is built with ``slot_probs``, rejection
-reads the draft distributions from the static proposal's per-state-slot buffer by each request's slot; ``run`` reads nothing on the host, indexes with no boolean mask and writes no Python
-scalar into a device tensor, so a graph replays it with the buffers' values left to each replay.
+reads the draft distributions from the static proposal's per-state-slot buffer by each request's slot; ``run`` reads
+nothing on the host, indexes with no boolean mask and writes no Python scalar into a device tensor, so a graph
+replays it with the buffers' values left to each replay.
 
 Layout: request r verifies width = 1 + nextn columns (its rows past its own repeat its last row, its drafts
 past its own are not verified: the eager path's padding, on a fixed width); its context entries are the
@@ -41,11 +42,10 @@ import torch
 from kernels.device import upload_into
 from kernels.philox import DrawCase
 from model.deepseek_v41.model import DeepseekV41
-from services.worker.spec.accepted_context import DeviceVerdict, Sampling
-from services.worker.state.cache_engine import CacheEngine
 from services.worker.graphs.capture import capture_graph
 from services.worker.sampling.device_sampling import SamplingKey, bucket, process
 from services.worker.sampling.sampler import ProcessedLogits, SamplingRow
+from services.worker.spec.accepted_context import DeviceVerdict, Sampling
 from services.worker.spec.verifier import (
     SPEC_SAMPLING,
     deterministic_verdict,
@@ -53,6 +53,7 @@ from services.worker.spec.verifier import (
     rejection_verdict,
     signed_seed,
 )
+from services.worker.state.cache_engine import CacheEngine
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ import torch
 
 from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
-from services.worker.spec.accepted_context import DeviceVerdict, Sampling, with_top
-from services.worker.state.cache_engine import CacheEngine
-from services.worker.spec.forced_acceptance import ForcedAcceptance
 from services.worker.sampling.sampler import ProcessedLogits, SamplingRow
+from services.worker.spec.accepted_context import DeviceVerdict, Sampling, with_top
+from services.worker.spec.forced_acceptance import ForcedAcceptance
 from services.worker.spec.static_verify import VerifyGraphs, VerifyKey
 from services.worker.spec.verifier import verify_deterministic, verify_rejection
+from services.worker.state.cache_engine import CacheEngine
 
 
 def forced_counts(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from model.deepseek_v41.engram import EngramHasher
-from services.worker.state.cache_engine import CacheEngine
 from services.worker.batch.step_batch import StepBatch
+from services.worker.state.cache_engine import CacheEngine
 
 
 def engram_rows(cache: CacheEngine, batch: StepBatch, hasher: EngramHasher) -> torch.Tensor:

@@ -34,11 +34,10 @@ BACKEND = dict(
 
 def nemo_draft(ckpt: Path):
     """NeMo's DeepseekV41DSparkModel with ``embed``, ``head`` and ``mtp.*`` loaded (strictly) from our checkpoint."""
-    from safetensors.torch import load_file
-
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+    from safetensors.torch import load_file
 
     text = DeepseekV41Config(**json.loads((ckpt / "config.json").read_text())).text_config
     model = DeepseekV41DSparkModel(text, BackendConfig(**BACKEND), num_anchors=1, enable_confidence_head=True).eval()

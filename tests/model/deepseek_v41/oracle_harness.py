@@ -75,7 +75,8 @@ WORDS = [
 
 
 def toy_tokenizer(vocab_size: int) -> Tokenizer:
-    """WordLevel vocabulary with case/accent/whitespace variants, so the Engram map merges ids (as the oracle script)."""
+    """WordLevel vocabulary with case/accent/whitespace variants, so the Engram map merges ids (as the oracle
+    script)."""
     vocab: dict[str, int] = {}
     for tok in SPECIALS + WORDS:
         vocab.setdefault(tok, len(vocab))
@@ -93,12 +94,11 @@ def nemo_model(ckpt: Path):
 
     Returns (model, missing keys, unexpected keys).
     """
-    from safetensors.torch import load_file
-    from transformers import PreTrainedTokenizerFast
-
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from safetensors.torch import load_file
+    from transformers import PreTrainedTokenizerFast
 
     cfg = DeepseekV41Config(**json.loads((ckpt / "config.json").read_text()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(ckpt / "tokenizer.json")))

@@ -89,15 +89,15 @@ def test_both_models_dequantise_to_identical_weights(oracle_cases, name):
 
 def test_flash_tensor_table_matches_nemo_names_and_shapes():
     """The released Flash layout: NeMo built on the meta device, exported through its adapter."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from model.deepseek_v41.checkpoint import tensor_table
     from model.deepseek_v41.config import ModelConfig, to_hf_dict
     from model.deepseek_v41.tokenizer import v41_tokenizer_path
-    from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     cfg = ModelConfig()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(v41_tokenizer_path())))
@@ -122,11 +122,12 @@ def test_flash_tensor_table_matches_nemo_names_and_shapes():
 def test_flash_draft_table_matches_nemo_dspark_names_and_shapes():
     """The released ``mtp.*`` layout: NeMo's DSpark module built on the meta device, exported through its
     adapter (which also names the target's embed and head, shared with the backbone)."""
-    from model.deepseek_v41.checkpoint import draft_specs
-    from model.deepseek_v41.config import ModelConfig, to_hf_dict
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+
+    from model.deepseek_v41.checkpoint import draft_specs
+    from model.deepseek_v41.config import ModelConfig, to_hf_dict
 
     cfg = ModelConfig()
     backend = BackendConfig(

@@ -75,6 +75,9 @@ def test_logits_with_an_image_match_nemo(oracle_cases, name):
 
 def test_flash_vision_tensors_match_nemo_names_and_shapes():
     """The released Flash tower (32 blocks of 1024, into D = 5120): NeMo on the meta device, through its adapter."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -83,9 +86,6 @@ def test_flash_vision_tensors_match_nemo_names_and_shapes():
     from model.deepseek_v41.init import first_layers
     from model.deepseek_v41.tokenizer import v41_tokenizer_path
     from model.deepseek_v41.vision_config import VisionConfig
-    from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     cfg = first_layers(dataclasses.replace(ModelConfig(), vision=VisionConfig()), 1)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(v41_tokenizer_path())))

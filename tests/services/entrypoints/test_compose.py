@@ -71,7 +71,8 @@ def test_the_cpu_file_alone_runs_the_cpu_stack(cpu_model):
 
 
 def test_services_and_commands_are_the_stacks(model):
-    """With the GPU override every command is the GPU stack's (services/entrypoints/stack.py with compose.GPU_CONFIG)."""
+    """With the GPU override every command is the GPU stack's (services/entrypoints/stack.py with
+    compose.GPU_CONFIG)."""
     stack = stack_services(GPU_CONFIG)
     services = model["services"]
     assert {s.name for s in stack} <= set(services)

@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.client import AsyncShinkaiClient, ShinkaiClient, Timeout
 from services.engine import SamplingParams
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
-from tests.services.gateway.test_grpc_limits import generate, refusal
 from tests.services.gateway.openai.test_http import wait_whole
+from tests.services.gateway.test_grpc_limits import generate, refusal
 
 pytestmark = pytest.mark.timeout(120)
 

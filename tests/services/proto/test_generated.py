@@ -33,9 +33,8 @@ def test_errors_are_status_codes_not_fields():
 
 def test_finish_reasons_match_the_scheduler():
     from scheduler_rs import FinishReason
-    from services.proto.shinkai.v1 import shinkai_pb2
-
     from services.engine.finish_reason import FinishReason as EngineFinishReason
+    from services.proto.shinkai.v1 import shinkai_pb2
 
     names = ("STOP", "LENGTH", "ABORT", "PREEMPTED", "ERROR")
     assert [r.name for r in EngineFinishReason] == list(names)

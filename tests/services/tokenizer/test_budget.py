@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model.deepseek_v41.tokenizer import load_v41_tokenizer
 from services.bench.isolation import attack_text
-from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
 from services.entrypoints.stack import ROOT
+from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
 from services.tokenizer.budget import check_bytes, max_token_bytes
 
 pytestmark = pytest.mark.timeout(120)

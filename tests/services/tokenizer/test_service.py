@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from services.gateway.remote import RemoteTokenizer
 from services.entrypoints.stack import ROOT
+from services.gateway.remote import RemoteTokenizer
 from services.tokenizer.chat import IMAGE_PLACEHOLDER, ChatError
 from tests.services.engine.test_llm_chat import ask, data_url
 

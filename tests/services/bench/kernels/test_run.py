@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from services.bench import harness as timing
-from services.bench.kernels import run as bench
 from services.bench.kernels import decode_attention as kernels_decode_attention
+from services.bench.kernels import run as bench
 from tests.kernels.interpret import interpreter, load_interpreted
 
 

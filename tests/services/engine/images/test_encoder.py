@@ -12,9 +12,9 @@ import torch
 
 from services.engine.images.encoder import InProcessEncoder, MultimodalClient
 from services.engine.images.prompt import ImageEncoderUnavailable
+from services.multimodal.encoder_source import load_encoder
 from services.multimodal.preprocess import ImageInputError
 from services.multimodal.service import GRPC_OPTIONS, MultimodalApi
-from services.multimodal.encoder_source import load_encoder
 from tests.services.multimodal.test_service import png
 
 pytestmark = pytest.mark.timeout(60)

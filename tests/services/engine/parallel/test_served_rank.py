@@ -21,10 +21,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from observability.metrics import ENGINE_STEPS
+from services.entrypoints.stack import StackConfig, down, healthy, up
 from services.eplb.layout import Layout, startup_layout
 from services.eplb.messages import PlanMessage
 from services.subjects import EXPERT_PLAN
-from services.entrypoints.stack import StackConfig, down, healthy, up
 from tests.ranks_harness import alive
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import grpc
 from grpc_health.v1 import health_pb2
 
-from services.entrypoints import engine as process
 from services.engine.remote.heartbeat import WorkerHeartbeat
 from services.engine.remote.remote_worker import RemoteWorker
+from services.entrypoints import engine as process
 
 SERVING = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from services.engine import SamplingParams
-from tests.services.gateway.conftest import pools_whole
 from tests.openai_streams import concurrent_completion_streams
+from tests.services.gateway.conftest import pools_whole
 
 pytestmark = pytest.mark.timeout(120)
 

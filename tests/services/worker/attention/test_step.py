@@ -21,11 +21,11 @@ from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.rope import apply_rope, rope_angles, rope_turns
 from services.worker.attention.backend import StepRounding
 from services.worker.attention.graph_backend import GraphAttention
-from services.worker.attention.torch_backend import TorchAttention
 from services.worker.attention.step import AttentionStep
-from services.worker.state.cache_engine import CacheEngine, ring_size
+from services.worker.attention.torch_backend import TorchAttention
 from services.worker.batch.static_batch import StaticBatch
 from services.worker.batch.step_batch import StepBatch
+from services.worker.state.cache_engine import CacheEngine, ring_size
 
 WORKER = pathlib.Path(__file__).resolve().parents[4] / "services" / "worker"
 NUM_ROWS = 5

@@ -8,8 +8,8 @@ import torch
 import services.worker.batch.static_batch as static_batch
 from services.worker.batch.static_batch import StaticBatch
 from services.worker.batch.step_batch import StepBatch
-from tests.services.worker.runners.test_static_decode_step import MAX_LEN, _decode_plan
 from tests.services.worker.runners.test_model_runner import BLOCK
+from tests.services.worker.runners.test_static_decode_step import MAX_LEN, _decode_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

@@ -24,6 +24,9 @@ from model.deepseek_v41.norm import RMSNorm
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.config import WorkerConfig
+from services.worker.kernel_model.backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
+from services.worker.kernel_model.draft_attention import KernelDraftAttention
+from services.worker.kernel_model.engram import KernelEngram
 from services.worker.kernel_model.fp8_linear import (
     META_CACHE_MAX_TOKENS,
     GroupedKernelLinear,
@@ -35,21 +38,17 @@ from services.worker.kernel_model.fp8_linear import (
     quantize_each,
     quantize_padded,
 )
-from services.worker.kernel_model.backend import FP8_PROJECTIONS, KernelHyperConnection, convert_model
-from services.worker.kernel_model.draft_attention import KernelDraftAttention
-from services.worker.kernel_model.engram import KernelEngram
 from services.worker.kernel_model.head import KernelHead
 from services.worker.kernel_model.moe import KernelMoE, KernelRMSNorm
-from services.worker.sampling.kernel_sampler import KernelSampler
-from services.worker.runners.model_runner import ModelRunner
 from services.worker.kernel_model.row_tiled import RowTiledEngram, RowTiledLinear
+from services.worker.runners.model_runner import ModelRunner
+from services.worker.sampling.kernel_sampler import KernelSampler
 from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.worker import Worker
 from tests import tolerances as tol
 from tests.kernels.interpret import interpreter, load_interpreted
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_model_runner import BLOCK, MAX_TOKENS, Case, case, replay
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -360,7 +359,8 @@ def test_the_drafts_modules_take_the_kernels_and_draft_the_same_block():
 
 def test_the_fp8_draft_stays_near_the_torch_draft():
     """At fp8 the draft's projections and experts round their inputs and weights to e4m3: its logits stay within
-    the kernel MoE's FP8 bound of the torch draft's (test_kernel_moe_interpreted_matches_model_moe: a few e4m3 casts of 3.25% RMS each)."""
+    the kernel MoE's FP8 bound of the torch draft's (test_kernel_moe_interpreted_matches_model_moe: a few e4m3 casts of
+    3.25% RMS each)."""
     _, _, _, want, got = _draft_blocks("fp8")
     assert _rel(got.hidden, want.hidden) < 0.1
     assert _rel(got.logits, want.logits) < 0.1
@@ -679,9 +679,9 @@ def _refusing_patches(patch: pytest.MonkeyPatch) -> None:
     """Every torch reference the kernel backend replaces raises if called."""
     import model.deepseek_v41.attention as attention
     import model.deepseek_v41.mhc as mhc
-    import services.worker.state.cache_engine as cache_engine
     import services.worker.attention.torch_backend as torch_backend
     import services.worker.runners.model_runner as model_runner
+    import services.worker.state.cache_engine as cache_engine
     from model.deepseek_v41.moe import MoE as ModelMoE
     from services.worker.sampling.sampler import Sampler as CpuSampler
 

@@ -38,8 +38,8 @@ from services.bench.accuracy import (
     summarize,
 )
 from services.bench.step.build import load_source, model_config
-from services.worker.kernel_model.fp8_linear import KernelLinear, KernelSet
 from services.worker.kernel_model.backend import convert_model
+from services.worker.kernel_model.fp8_linear import KernelLinear, KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.runners.model_runner import ModelRunner
 from tests.services.worker.kernel_model import test_backend as backend_tests
@@ -274,8 +274,8 @@ def test_gpu_fp8_accuracy_at_v41_width():
     """The loud random init (branches × 1) on the 8-layer v41-s1 subset, same workload: a regression
     check, not the FP8 accuracy targets (its measured KL: docs/accuracy.md). The fp32 kernel path (fp32
     weights and dots, differing from the reference by summation order) is far from the reference too: the
-    chaotic init turns ~1e-7 into discrete flips (docs/accuracy.md), so the fp32 path gets no bound here (the old 1e-6 was a
-    guess; its bound is the contractive test's). FP8 is held to 1.5× its measured mean."""
+    chaotic init turns ~1e-7 into discrete flips (docs/accuracy.md), so the fp32 path gets no bound here (the old 1e-6
+    was a guess; its bound is the contractive test's). FP8 is held to 1.5× its measured mean."""
     from services.bench.accuracy import run_preset
 
     results = run_preset("v41-s1", Workload(), ("fp8", "fp32"), torch.device("cuda"))

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels import invariance
+from kernels.reference import GROUP, dequantize_weight_block128
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.init import random_checkpoint
 from model.deepseek_v41.loader import assign_weights
@@ -26,12 +28,9 @@ from model.deepseek_v41.tokenizer import engram_token_map
 from model.deepseek_v41.vision import span_length, span_rows_cols
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
-from services.worker.kernel_model.fp8_linear import KernelSet
-from kernels import invariance
-from kernels.reference import GROUP, dequantize_weight_block128
-from services.worker.kernel_model import block_scaled_experts
-from services.worker.kernel_model import block_scaled_gemm
+from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 from services.worker.kernel_model import moe as kernel_moe
+from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.runners.model_runner import ModelRunner
 from tests import tolerances
@@ -40,7 +39,6 @@ from tests.model.deepseek_v41.oracle_configs import VISION_CASES, finish
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_model_runner import case
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -510,7 +508,8 @@ def test_fp8_kernel_engine_with_an_image_is_batch_invariant_and_within_the_fp8_f
     """The FP8 kernel engine (interpreted, batch-invariant mode): the image prompt's logits alone equal its
     logits beside a text prompt (``==``), and against the torch backend they are as close as the FP8
     formats allow, by test_kernel_backend.py's FP8 bound: mean and max KL no worse than twice the same
-    wiring's on the torch references (``KernelSet.references()``, the format floor), or the FP8 accuracy targets (docs/accuracy.md)."""
+    wiring's on the torch references (``KernelSet.references()``, the format floor), or the FP8 accuracy targets
+    (docs/accuracy.md)."""
     seqs, spans = _requests(vision_model)
     want, _ = _drive(_runner(vision_model, 2, "torch"), vision_model, seqs, spans)
     floor, _ = _drive(_runner(vision_model, 2, "kernels", "fp8", KernelSet.references()), vision_model, seqs, spans)

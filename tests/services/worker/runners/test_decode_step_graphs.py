@@ -326,7 +326,6 @@ def test_an_async_decode_step_is_queued_without_a_host_sync():
     the device. ``torch.cuda.set_sync_debug_mode("error")`` turns any synchronising call inside
     ``Worker.execute`` into an error; the step's read-back (``result``) comes after, as in the engine."""
     from services.engine import LLM, SamplingParams
-
     from services.engine.model_source import load_model
 
     source = load_model("tiny")

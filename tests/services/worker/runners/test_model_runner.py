@@ -36,8 +36,8 @@ from tests.model.deepseek_v41.oracle_harness import (
     QuantCall,
     boundary_distance,
     record_ours,
-    toy_tokenizer,
     topk_margins,
+    toy_tokenizer,
 )
 from tests.scheduler_rs.configs import scheduler_config
 from tests.scheduler_rs.fake_worker import run_step

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-
 from dataclasses import dataclass, field
 
 import pytest
@@ -26,11 +25,11 @@ import torch
 from model.batch_invariant import batch_invariant
 from scheduler_rs import Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
-from services.worker.state.cache_engine import CacheEngine
 from services.worker.runners.decode_step_graphs import DecodeStepGraphs
 from services.worker.runners.model_runner import ModelRunner
 from services.worker.runners.reference_runner import RunnerOutput
 from services.worker.runners.static_decode_step import StaticDecodeStep
+from services.worker.state.cache_engine import CacheEngine
 from tests import tolerances as tol
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_model_runner import BLOCK, case

@@ -5,17 +5,17 @@ and the other columns untouched. ``emitted_output`` is the sampler's output with
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DSpark
-import dataclasses
-import math
-
+from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.spec.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.state.cache_engine import CacheEngine, ring_size
-from services.worker.sampling.sampler import Sampler, SamplingRow
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 
 

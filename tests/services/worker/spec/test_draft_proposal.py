@@ -15,8 +15,8 @@ from torch.overrides import TorchFunctionMode
 
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftBlocks, DSpark
-from services.worker.spec.draft_proposal import ProposalInputs, coupling_noise, propose
 from services.worker.sampling.sampler import Sampler, SamplingRow
+from services.worker.spec.draft_proposal import ProposalInputs, coupling_noise, propose
 from services.worker.spec.verifier import draft_tokens, gumbel_noise
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 

@@ -637,8 +637,8 @@ def test_cuda_graphs_replay_verify_steps(source, varlen, async_scheduling):
     tokens with known drafts equal speculation off without graphs, and every request finishes with the pools
     whole."""
     from services.engine.config import EngineConfig
-    from services.worker.build import build_runner
     from services.engine.model_source import load_model
+    from services.worker.build import build_runner
 
     args = dict(
         device="cuda",

@@ -14,9 +14,9 @@ from torch import nn
 
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DraftContext, DSpark
-from services.worker.state.cache_engine import CacheEngine, ring_size
 from services.worker.spec.draft_proposal import HostInputs, ProposalInputs, propose
 from services.worker.spec.static_draft_proposal import DraftProposalGraphs, ProposalKey, StaticDraftProposal, bucket
+from services.worker.state.cache_engine import CacheEngine, ring_size
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 from tests.services.worker.spec.test_draft_proposal import ROWS, row
 
@@ -140,8 +140,8 @@ def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode, c
     replaying the captured graph gives the eager run's bits, for two batches in a row (the second replay reads
     the refilled buffers, not what the capture saw). The second fill and replay run under CUDA's sync debug
     mode "error" (the first captures, which synchronises)."""
-    from services.worker.kernel_model.fp8_linear import KernelSet
     from services.worker.kernel_model.backend import convert_model
+    from services.worker.kernel_model.fp8_linear import KernelSet
     from services.worker.kernel_model.moe import KernelMoE
 
     torch.manual_seed(0)

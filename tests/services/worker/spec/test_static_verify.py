@@ -17,12 +17,12 @@ import services.worker.spec.speculator as speculator_module
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.dspark import DSpark
 from services.engine import SamplingParams
-from services.worker.spec.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
-from services.worker.state.cache_engine import CacheEngine, ring_size
-from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.sampling.device_sampling import SamplingKey
+from services.worker.sampling.sampler import Sampler, SamplingRow
+from services.worker.spec.accepted_context import DeviceVerdict, Sampling, emitted_output, write_context
 from services.worker.spec.static_verify import StaticVerify, VerifyGraphs, VerifyKey
 from services.worker.spec.verifier import device_draws, signed_seed
+from services.worker.state.cache_engine import CacheEngine, ring_size
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 from tests.services.worker.spec.test_speculator import NEXTN, generate, known_drafts, line, source  # noqa: F401
 
@@ -31,7 +31,7 @@ MAX_TOKENS = (12, 3, 6, 2, 24)  # requests end at different steps: batches 5, 4,
 
 
 @pytest.fixture(scope="module")
-def reference(source):
+def reference(source):  # noqa: F811 - the pytest fixture imported above
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     return [o.token_ids for o in generate(source, params, prompts=PROMPTS)[0]]
 
@@ -90,7 +90,7 @@ class Compare:
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_the_static_verify_equals_the_eager_verify_half_every_step(source, reference, monkeypatch, mode, varlen):
+def test_the_static_verify_equals_the_eager_verify_half_every_step(source, reference, monkeypatch, mode, varlen):  # noqa: F811 - the pytest fixture imported above
     # Greedy and seeded rows; known drafts (the greedy reference, every third wrong) so drafts are accepted,
     # partly accepted and rejected; top-n logprobs on one request.
     params = [
@@ -190,7 +190,7 @@ def test_the_static_context_writes_equal_write_context(case):
     assert torch.equal(got.slots, want.slots)
 
 
-def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch):
+def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch):  # noqa: F811 - the pytest fixture imported above
     """The engine loop with the static proposal and verify (rejection: the draft distributions' copies too,
     seeded rows, the model's own drafts, varlen): the one host read per step is the speculator's ``tolist``;
     static_verify.py reads nothing."""
@@ -215,7 +215,7 @@ def test_a_step_with_the_static_verify_reads_the_device_once(source, monkeypatch
 
 
 @pytest.mark.parametrize("greedy_only", [False, True])
-def test_capture_graphs_builds_every_bucket_ahead(source, greedy_only):
+def test_capture_graphs_builds_every_bucket_ahead(source, greedy_only):  # noqa: F811 - the pytest fixture imported above
     """``Speculator.capture_graphs`` (what ``LLM`` calls with ``cuda_graphs``, the bench with ``greedy_only``):
     every verify bucket up to the batch and the draft's buckets without bans or bias, all sharing the largest
     verify's buffers."""
@@ -251,7 +251,7 @@ def test_device_draws_equal_the_host_draws():
         assert torch.equal(got, want), case
 
 
-def test_placeholders_write_only_the_null_slot(source):
+def test_placeholders_write_only_the_null_slot(source):  # noqa: F811 - the pytest fixture imported above
     """Warm-up before a capture: every request a placeholder; the pool outside slot 0 is untouched."""
     cfg = source.model.cfg
     cache = CacheEngine(cfg, 8, num_blocks=2, num_state_slots=4, ring=ring_size(cfg), draft=True)
@@ -347,7 +347,7 @@ def test_on_cuda_the_graph_replay_equals_the_eager_run_without_a_sync(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_on_cuda_llm_captures_every_verify_and_draft_bucket_ahead(source):
+def test_on_cuda_llm_captures_every_verify_and_draft_bucket_ahead(source):  # noqa: F811 - the pytest fixture imported above
     """``LLM`` with ``cuda_graphs`` and drafts captures its buckets when built: a run of batches 3 then 1 captures
     nothing more, replays verify and draft graphs, and gives speculation off's greedy tokens."""
     from services.engine import LLM

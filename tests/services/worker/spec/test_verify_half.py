@@ -9,11 +9,11 @@ from torch import nn
 
 from model.deepseek_v41.dspark import DSpark
 from services.engine import SamplingParams
-from services.worker.spec.accepted_context import Sampling
-from services.worker.state.cache_engine import CacheEngine, ring_size
 from services.worker.sampling.device_sampling import SamplingKey
 from services.worker.sampling.sampler import Sampler, SamplingRow
+from services.worker.spec.accepted_context import Sampling
 from services.worker.spec.static_verify import VerifyGraphs, VerifyKey
+from services.worker.state.cache_engine import CacheEngine, ring_size
 from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 from tests.services.worker.spec.test_speculator import NEXTN, generate, line, source  # noqa: F401
 
@@ -35,7 +35,7 @@ PARAMS = [
 
 
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_the_static_processing_gives_the_eager_paths_tokens_and_logprobs(source, monkeypatch, mode):
+def test_the_static_processing_gives_the_eager_paths_tokens_and_logprobs(source, monkeypatch, mode):  # noqa: F811 - the pytest fixture imported above
     """Eager: the eager proposal and verify half, ``Sampler.process`` every step. Static: the static proposal and
     verify (eagerly: the code the graphs capture), every step's processing inside the static verify (keys with
     ranking, bans and bias)."""

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.worker.state.engram_host import SHM_DIR, EngramSegment, segment_name
 from services.worker.runners.decode_step_graphs import DecodeStepGraphs
 from services.worker.runners.model_runner import ModelRunner
 from services.worker.runners.static_decode_step import StaticDecodeStep
+from services.worker.state.engram_host import SHM_DIR, EngramSegment, segment_name
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_static_decode_step import setup
 

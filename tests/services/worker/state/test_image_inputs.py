@@ -16,8 +16,8 @@ from model.deepseek_v41.vision import span_length, span_rows_cols
 from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.runners.decode_step_graphs import DecodeStepGraphs
-from services.worker.state.image_inputs import ImageInputs
 from services.worker.runners.model_runner import ModelRunner
+from services.worker.state.image_inputs import ImageInputs
 from tests.model.deepseek_v41.oracle_configs import VISION_CASES, finish
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 from tests.scheduler_rs.fake_worker import run_step
