@@ -133,7 +133,7 @@ def step_cost(cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool)
 
 
 # The target specification's floor table (its own HBM bandwidth and FP8 peak, 4K context), kept to print beside ours.
-ISSUE_FLOORS_MS = {
+SPEC_FLOORS_MS = {
     ("decode", 1): 3.98,
     ("decode", 16): 16.2,
     ("decode", 64): 18.4,

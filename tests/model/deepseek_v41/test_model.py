@@ -56,7 +56,7 @@ def test_changing_early_tokens_reaches_past_the_window(oracle_cases):
 
 
 def test_tiny_forward_time_64_tokens(tiny_model):
-    """Benchmark note, not an assertion: the issue asks for well under a second on 2 cores."""
+    """Benchmark note, not an assertion: the goal is well under a second on 2 cores."""
     ids = torch.randint(0, tiny_model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""The issue's bad-input table, row by row, over HTTP and gRPC: a 4xx / specific status code, never a 500,
+"""The bad-input table (docs/serving.md), row by row, over HTTP and gRPC: a 4xx / specific status code, never a 500,
 UNKNOWN or INTERNAL, with an OpenAI error body (HTTP) or a message that says what is wrong (gRPC)."""
 
 import json

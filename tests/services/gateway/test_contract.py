@@ -36,7 +36,7 @@ def strict_json(data: bytes):
     return json.loads(data, parse_constant=refuse)
 
 
-MASKED = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "logprobs": 2, "top_k": 1}  # the body
+MASKED = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "logprobs": 2, "top_k": 1}  # logprobs under top_k
 
 
 def test_masked_logprobs_are_finite_and_plain_json(served):

@@ -291,7 +291,7 @@ def test_gpu_fp8_accuracy_at_v41_width():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_accuracy_tiny_contrast():
     """The tiny preset, same workload shape: printed for contrast with the v41 figures (its FP8 KL is
-    far above the issue's targets, see above). Without test_kernel_backend's rounding replay, fp32 noise
+    far above the accuracy targets, see above). Without test_kernel_backend's rounding replay, fp32 noise
     can move a cache or indexer value across an FP8/FP4 rounding edge and this model turns that into a
     flip: the fp32 kernel path is only held an order of magnitude below the FP8 one."""
     from services.bench.accuracy import run_preset

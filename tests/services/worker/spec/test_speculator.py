@@ -183,7 +183,7 @@ BATCH = [[0, *range(3 + i, 5 + i + (5 * i) % 13)] for i in range(16)]  # 16 prom
 
 
 def test_deterministic_seeded_tokens_with_varlen_do_not_depend_on_batch_order_or_cost_curve(source):
-    """The issue's "Seeded, deterministic mode" Done-when, on the CPU, async off (async on, against these
+    """The seeded, deterministic mode's guarantee, on the CPU, async off (async on, against these
     synchronous tokens: ``test_async_scheduling_with_drafts_gives_the_same_tokens``): with varlen on, a seeded
     request's tokens are the same alone, in a batch of 16 in three orders, and under a perturbed cost curve,
     while varlen verifies different drafts in each. The known drafts (the tokens of the first run, every third
