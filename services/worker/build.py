@@ -34,22 +34,22 @@ def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: Expe
         if config.cuda_graphs or expert_parallel is not None:
             raise
         return ReferenceRunner(model)
+    if config.cuda_graphs:  # checked before the runner converts the model in place
+        device = model.embed.weight.device
+        if device.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
+                "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off"
+            )
+        if expert_parallel is not None:
+            raise ValueError("cuda_graphs does not run with expert parallelism: a rank runs the torch MoE eagerly")
+    cached = ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0, expert_parallel=expert_parallel)
     if not config.cuda_graphs:
-        return ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0, expert_parallel=expert_parallel)
-    device = model.embed.weight.device
-    if device.type != "cuda":  # before the runner converts the model in place
-        raise ValueError(
-            f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
-            "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off"
-        )
-    if expert_parallel is not None:
-        raise ValueError("cuda_graphs does not run with expert parallelism: a rank runs the torch MoE eagerly")
+        return cached
     from scheduler_rs import graph_sizes
     from services.worker.runners.decode_step_graphs import DecodeStepGraphs
 
-    runner = DecodeStepGraphs(
-        ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0), config, use_graphs=True, attention="triton"
-    )
+    runner = DecodeStepGraphs(cached, config, use_graphs=True, attention="triton")
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width) would
     # stall the requests in it. The sizes are the scheduler's own rule, which counts rows (max_num_seqs ×
     # (1 + nextn) at most: verify steps replay graphs too).
