@@ -42,6 +42,7 @@ class EngineEndpoint:
         image_encoder=None,
     ) -> None:
         from services.engine.served_engine import ServedEngine
+        from services import service_auth
         from services.gateway.api_server import ApiServer
         from services.gateway.backends import LocalEngine, LocalTokenizer
         from services.gateway.frontend import Frontend
@@ -63,7 +64,12 @@ class EngineEndpoint:
         # A gateway forwards a chat's images as bytes: up to max_images of max_bytes each, with the prompt.
         limits = self.served.images.limits
         self.api = ApiServer(
-            frontend, host, None, grpc_port, max_receive_bytes=limits.max_images * limits.max_bytes + 16 * 2**20
+            frontend,
+            host,
+            None,
+            grpc_port,
+            max_receive_bytes=limits.max_images * limits.max_bytes + 16 * 2**20,
+            interceptors=service_auth.server_interceptors(),  # only the stack's services may call it
         )
 
     async def start(self) -> None:
@@ -191,7 +197,7 @@ async def run(args: argparse.Namespace) -> int:
 
             rank = llm.rank
             report = lambda step: slot_load_report(rank.parallel, rank.rank, step, rank.live.version)  # noqa: E731
-        publisher = ExpertLoadPublisher(server.llm.engine.worker, None, loop, args.rank, report)
+        publisher = ExpertLoadPublisher(server.llm.engine.worker, None, loop, args.rank, report, args.replica)
         server.llm.engine.worker = publisher
     await server.start()
     address = server.api.urls()["grpc"]

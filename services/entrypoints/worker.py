@@ -21,6 +21,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from observability import tracing
+from services import service_auth
 from services.engine.config import EngineConfig, add_parallel_arguments
 from services.engine.device import add_device_arguments, device_args, device_engine_args
 from services.engine.model_source import load_model
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ],
+        interceptors=service_auth.sync_server_interceptors(),  # the stack's service credential
     )
     api = WorkerApi(worker, args.model, hashes, source.config.vocab_size)
     worker_pb2_grpc.add_WorkerServicer_to_server(api, server)

@@ -137,7 +137,7 @@ class PlannerService:
             error_cb=on_error,
             **nats_auth.connect_options(),
         )
-        await self._nc.subscribe(subjects.EXPERT_LOAD, cb=self._on_load)
+        await self._nc.subscribe(subjects.every_replica(subjects.EXPERT_LOAD), cb=self._on_load)
         await self._nc.flush(timeout=5)  # every NATS round trip has a deadline
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

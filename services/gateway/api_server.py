@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import uvicorn
@@ -43,8 +43,11 @@ class ApiServer:
         keys: Keys | None = None,
         tls: tuple[str, str] | None = None,
         max_receive_bytes: int | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.frontend = frontend
+        # gRPC server interceptors: an engine process's check of the stack's service credential (services/service_auth.py).
+        self.interceptors = list(interceptors)
         # The largest gRPC request taken; None: grpc's default (4 MiB). An engine process takes a chat's images.
         self.max_receive_bytes = max_receive_bytes
         self.tls = tls  # (certificate file, key file), both PEM: HTTPS and TLS gRPC; None: plaintext
@@ -68,7 +71,7 @@ class ApiServer:
 
     async def start(self) -> None:
         options = [("grpc.max_receive_message_length", self.max_receive_bytes)] if self.max_receive_bytes else []
-        self._grpc = grpc.aio.server(options=options)
+        self._grpc = grpc.aio.server(options=options, interceptors=self.interceptors or None)
         self._grpc.add_generic_rpc_handlers(
             (ShinkaiApi(self.frontend, self.serving, self.health_problem, self.keys).handler(),)
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +26,9 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import service_auth
 from services.engine.model_source import load_model
+from services.gateway.auth import KEY_ENV
 from services.gateway.remote import RemoteEngine
 from services.ports import free_port
 
@@ -48,6 +51,11 @@ class RankGroup:
         self.host = host
         rendezvous = f"tcp://{host}:{free_port(host)}"
         self.ports = [free_port(host) for _ in range(num_ranks)]  # each rank's shinkai.v1 gRPC port
+        # The ranks take calls from this process only: a service credential of their own, in their environment,
+        # which holds no API key (this process checks those).
+        self.service_token = service_auth.current_token() or service_auth.new_token()
+        env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+        env[service_auth.TOKEN_ENV] = self.service_token
         self.processes = [
             subprocess.Popen(
                 [
@@ -76,13 +84,16 @@ class RankGroup:
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=sys.stderr,
+                env=env,
                 preexec_fn=_die_with_parent,
             )
             for r, port in enumerate(self.ports)
         ]
 
     def engines(self) -> list[RemoteEngine]:
-        return [RemoteEngine(f"engine-{r}", f"{self.host}:{port}") for r, port in enumerate(self.ports)]
+        return [
+            RemoteEngine(f"engine-{r}", f"{self.host}:{port}", self.service_token) for r, port in enumerate(self.ports)
+        ]
 
     def source(self):
         """The model's config and tokenizer (no weights: the ranks hold them)."""

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from observability import tracing
+from services import service_auth
 from services.engine.finish_reason import FinishReason
 from services.engine.images.prompt import ImageEncoderUnavailable
 from services.engine.sampling_params import SamplingParams
@@ -135,10 +136,10 @@ class RemoteStream:
 
 
 class RemoteEngine:
-    def __init__(self, replica: str, address: str) -> None:
+    def __init__(self, replica: str, address: str, service_token: str | None = None) -> None:
         self.replica = replica  # the engine instance's name
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = service_auth.aio_channel(address, token=service_token)  # the stack's service credential
         self.stub = shinkai_pb2_grpc.ShinkaiStub(self.channel)
 
     async def submit(
@@ -217,7 +218,7 @@ class RemoteTokenizer:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = service_auth.aio_channel(address)  # the stack's service credential
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
     async def _call(self, method: Any, request: Any, bad_input: type[ValueError] = ValueError) -> Any:

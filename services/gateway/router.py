@@ -107,14 +107,14 @@ class EngineRouter:
             reconnect_time_wait=0.5,
             **nats_auth.connect_options(),
         )
-        await self._nc.subscribe(subjects.ENGINE_LOAD, cb=self._on_load)
-        await self._nc.subscribe(subjects.ENGINE_LIFECYCLE, cb=self._on_lifecycle)
+        await self._nc.subscribe(subjects.every_replica(subjects.ENGINE_LOAD), cb=self._on_load)
+        await self._nc.subscribe(subjects.every_replica(subjects.ENGINE_LIFECYCLE), cb=self._on_lifecycle)
         await self._nc.flush(timeout=NATS_TIMEOUT_S)
 
     async def _on_load(self, msg: Any) -> None:
         try:
             message = json.loads(msg.data)
-            state = self.states.get(message["replica"])
+            state = self._publisher(subjects.ENGINE_LOAD, msg.subject, message["replica"])
             report = EngineStats(**{f.name: int(message[f.name]) for f in fields(EngineStats)})
             load = report.num_running + report.num_waiting + report.num_queued
         except (ValueError, KeyError, TypeError) as err:
@@ -129,11 +129,20 @@ class EngineRouter:
     async def _on_lifecycle(self, msg: Any) -> None:
         try:
             event = json.loads(msg.data)
-            state = self.states.get(event["replica"])
+            state = self._publisher(subjects.ENGINE_LIFECYCLE, msg.subject, event["replica"])
         except (ValueError, KeyError, TypeError):
             return
         if state is not None:
             state.accepting = event.get("state") == "up"
+
+    def _publisher(self, family: str, subject: str, claimed: object) -> _EngineState | None:
+        """The state of the engine that published on ``subject``, when the message names that same engine: NATS
+        lets an engine publish on its own subjects only, so a message naming another is dropped."""
+        replica = subjects.replica_of(family, subject)
+        if replica is None or claimed != replica:
+            log.warning("dropped a message on %s naming replica %r", subject, claimed)
+            return None
+        return self.states.get(replica)
 
     def pick(self) -> _EngineState:
         candidates = [s for s in self.states.values() if s.accepting and s.healthy]

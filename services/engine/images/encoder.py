@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from observability import tracing
+from services import service_auth
 from services.engine.images.prompt import ImageEncoderUnavailable
 from services.multimodal.preprocess import ImageInputError
 from services.multimodal.service import GRPC_OPTIONS, MultimodalApi
@@ -26,7 +27,7 @@ class MultimodalClient:
     def __init__(self, address: str, timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S) -> None:
         self.address = address  # host:port of the multimodal service
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = service_auth.aio_channel(address, options=GRPC_OPTIONS)  # the stack's service credential
         self.stub = multimodal_pb2_grpc.MultimodalStub(self.channel)
 
     async def encode(self, image: bytes) -> torch.Tensor:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import grpc
 
 from observability import tracing
+from services import service_auth
 from services.engine.remote.heartbeat import WorkerHeartbeat
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
@@ -47,7 +48,7 @@ class RemoteWorker:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ]
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.channel = service_auth.channel(address, options=options)  # the stack's service credential
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.heartbeat = WorkerHeartbeat(self.channel, address, interval_s=heartbeat_s, timeout_s=heartbeat_timeout_s)
         self.unreleased: set[str] = set()  # released while the worker did not answer; sent before its next step

@@ -33,11 +33,14 @@ class ExpertLoadPublisher:
         loop: asyncio.AbstractEventLoop,
         rank: int,
         report: Callable[[int], LoadReport] | None = None,
+        replica: str | None = None,
     ) -> None:
         self.worker = worker  # the wrapped worker (in-process or remote)
         self.nc = nc  # a connected nats.aio.client.Client; None: not yet (nothing is published)
         self.loop = loop  # the loop that owns ``nc``; execute runs on the step thread
         self.rank = rank  # this engine's rank in the planner's reports
+        # Where the reports go: this engine's own subject of the family (None: the replica named by its rank).
+        self.subject = subjects.of_replica(subjects.EXPERT_LOAD, replica or f"engine-{rank}")
         self.num_steps = 0  # steps executed, the report's step number
         self.num_published = 0
         # (step, its counts' host copy, queued with the step) not yet published: reading the device counts
@@ -82,7 +85,7 @@ class ExpertLoadPublisher:
 
     async def _publish(self, data: bytes, headers: dict[str, str] | None = None) -> None:
         try:
-            await self.nc.publish(subjects.EXPERT_LOAD, data, headers=headers)
+            await self.nc.publish(self.subject, data, headers=headers)
             self.num_published += 1
         except Exception as err:  # NATS down: the engine keeps serving
             log.warning("expert-load report not published: %s", err)

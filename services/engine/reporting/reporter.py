@@ -69,13 +69,15 @@ class LoadReporter:
             await asyncio.sleep(self.interval_s)
 
     async def publish_load(self) -> None:
-        await self.nc.publish(subjects.ENGINE_LOAD, json.dumps(self.load_message()).encode())
+        await self.nc.publish(subjects.of_replica(subjects.ENGINE_LOAD, self.replica), json.dumps(self.load_message()).encode())
         self.num_published += 1
 
     async def lifecycle(self, state: str) -> None:
         message = {"replica": self.replica, "address": self.address, "state": state, "time": time.time()}
         try:
-            await self.nc.publish(subjects.ENGINE_LIFECYCLE, json.dumps(message).encode())
+            await self.nc.publish(
+                subjects.of_replica(subjects.ENGINE_LIFECYCLE, self.replica), json.dumps(message).encode()
+            )
             await self.nc.flush(timeout=FLUSH_TIMEOUT_S)
         except Exception as err:  # best effort: a lifecycle event never blocks the engine
             log.warning("lifecycle %r not confirmed by NATS: %s", state, err or type(err).__name__)
