@@ -31,6 +31,12 @@ ITL = "shinkai_inter_token_latency_seconds"
 E2E = "shinkai_e2e_request_latency_seconds"
 GATEWAY_ROUTED = "shinkai_gateway_routed"
 
+# The supervisor of a `shinkai up` stack (services/entrypoints/supervisor.py), label service.
+SUPERVISOR_CRASHES = "shinkai_supervisor_crashes"  # a service found gone
+SUPERVISOR_RESTARTS = "shinkai_supervisor_restarts"  # a service started again
+SUPERVISOR_GAVE_UP = "shinkai_supervisor_gave_up"  # 1: crashed past its restart limit, left down
+SUPERVISOR_SERVICE_UP = "shinkai_supervisor_service_up"  # 1: running and healthy
+
 # Engine: phases of a request inside one engine (vLLM's request_queue/prefill/decode_time_seconds).
 QUEUE_TIME = "shinkai_request_queue_time_seconds"  # submitted → first scheduled step starts
 PREFILL_TIME = "shinkai_request_prefill_time_seconds"  # first scheduled step starts → first token out

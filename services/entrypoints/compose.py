@@ -3,6 +3,7 @@ service list (`services/entrypoints/stack.py::services`), so the containers and 
 
     python -m services.entrypoints.compose            # rewrites the files under deploy/
     python -m services.entrypoints.compose --check    # exit 1 if they are not what the service list gives
+    python -m services.entrypoints.compose --secrets deploy/.env   # fresh secrets for compose (mode 0600)
 
 Each stack service becomes a container of the one Shinkai image running the same argv as under
 `shinkai up`, placed by `ContainerPlacement`: it binds 0.0.0.0 on a fixed port in its own network
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from services import nats_auth
+from services import nats_auth, service_auth
 from services.entrypoints.stack import ROOT, Service, StackConfig, services
+from services.gateway.auth import KEY_ENV
 
 DEPLOY = ROOT / "deploy"
 IMAGE = "shinkai:0.1.0"
@@ -30,10 +33,15 @@ HEADER = (
 )
 # Fixed ports inside every container (each has its own network namespace, so they never collide).
 PORTS = {"client": 4222, "grpc": 50051, "http": 8000, "metrics": 9100, "rendezvous": 29500}
-# nats-server's config inside its container (deploy/nats.conf: the token comes from the environment).
+# nats-server's config inside its container (deploy/nats.conf: each user's password comes from the environment).
 NATS_CONFIG = "/etc/nats/nats.conf"
-# Every Shinkai container and nats get the stack's NATS token; compose refuses to start without it.
-NATS_TOKEN = {nats_auth.TOKEN_ENV: f"${{{nats_auth.TOKEN_ENV}:?set {nats_auth.TOKEN_ENV}: see deploy/README.md}}"}
+
+
+def _required(variable: str) -> str:
+    """Compose's reference to ``variable`` from the environment or deploy/.env; compose refuses to start without it."""
+    return f"${{{variable}:?set {variable}: see deploy/README.md}}"
+
+
 # Networks: everything on `internal` (no published port, no way out); only the gateway and the dashboards
 # also join `public`. The gateway publishes on every interface; the dashboards on the host's loopback only.
 NETWORKS = {"internal": {"internal": True}, "public": {}}
@@ -95,8 +103,42 @@ def stack_services(config: StackConfig = CONFIG) -> list[Service]:
     return services(config, ContainerPlacement())
 
 
+def nats_users(config: StackConfig = CONFIG) -> list[nats_auth.NatsUser]:
+    return nats_auth.stack_users(s.name for s in stack_services(config) if s.name.startswith("engine-"))
+
+
+def secret_variables(config: StackConfig = CONFIG) -> list[str]:
+    """Every variable compose needs set (deploy/.env): the service credential and each NATS user's password."""
+    return [service_auth.TOKEN_ENV, *(nats_auth.password_env(u.name) for u in nats_users(config))]
+
+
+def _secret_env(name: str, users: dict[str, nats_auth.NatsUser]) -> dict[str, str]:
+    """The secret variables of service ``name``'s container, as references (credentials.py says who gets what)."""
+    if name == "nats":
+        return {nats_auth.password_env(u): _required(nats_auth.password_env(u)) for u in users}
+    env = {service_auth.TOKEN_ENV: _required(service_auth.TOKEN_ENV)}
+    if name in users:
+        env[nats_auth.USER_ENV] = name
+        env[nats_auth.PASSWORD_ENV] = _required(nats_auth.password_env(name))
+    if name == "gateway":
+        env[KEY_ENV] = f"${{{KEY_ENV}:-}}"  # set it to require a key
+    return env
+
+
+def write_secrets(path: Path, config: StackConfig = CONFIG) -> Path:
+    """A fresh ``.env`` for compose with every secret variable, readable by its owner only; an existing file is
+    kept (FileExistsError): its secrets may be in use."""
+    values = {service_auth.TOKEN_ENV: service_auth.new_token()}
+    values.update({nats_auth.password_env(u.name): nats_auth.new_password() for u in nats_users(config)})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("".join(f"{k}={v}\n" for k, v in values.items()))
+    return path
+
+
 def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
     stack = stack_services(config)
+    users = {u.name: u for u in nats_users(config)}
     out: dict[str, Any] = {}
     started: list[str] = []
     groups = {s.name: s.group for s in stack}
@@ -105,9 +147,10 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
             out["nats"] = {
                 "image": NATS_IMAGE,
                 "command": s.argv,
-                "environment": dict(NATS_TOKEN),
+                "environment": _secret_env("nats", users),
                 "volumes": [f"./nats.conf:{NATS_CONFIG}:ro"],
                 "networks": ["internal"],
+                "restart": "on-failure",
             }
         else:
             # Every service after nats waits for all before it to be healthy, as `shinkai up` does, except the
@@ -125,21 +168,20 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
                     "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317",
                     "OTEL_SERVICE_NAME": f"shinkai-{s.name}",
                     "HF_HUB_OFFLINE": "1",
-                    **NATS_TOKEN,
+                    **_secret_env(s.name, users),
                 },
                 "networks": ["internal"],
                 "volumes": ["./models:/models:ro"],
                 "depends_on": depends,
                 "healthcheck": _healthcheck(s),
                 "stop_grace_period": "40s",  # the services' own drain timeout is 30 s; then SIGKILL
-                "restart": "unless-stopped",
+                "restart": "on-failure",  # compose restarts a crashed service (no backoff limit of ours)
             }
             if s.group is not None:  # ranks meet across containers: gloo on the network, not loopback
                 service["environment"]["GLOO_SOCKET_IFNAME"] = "eth0"
             if s.name == "gateway":
                 service["ports"] = [f"{PORTS['http']}:{PORTS['http']}", f"{PORTS['grpc']}:{PORTS['grpc']}"]
                 service["networks"] = ["internal", "public"]
-                service["environment"]["SHINKAI_API_KEY"] = "${SHINKAI_API_KEY:-}"  # set it to require a key
                 service["depends_on"]["otel-collector"] = {"condition": "service_started"}
             out[s.name] = service
         started.append(s.name)
@@ -253,14 +295,25 @@ def rendered(config: StackConfig = CONFIG) -> dict[Path, str]:
         DEPLOY / "compose.yaml": HEADER + to_yaml(compose(config)) + "\n",
         DEPLOY / "compose.gpu.yaml": HEADER + to_yaml(gpu_override(config)) + "\n",
         DEPLOY / "prometheus.yml": HEADER + to_yaml(prometheus_config(config)) + "\n",
-        DEPLOY / "nats.conf": HEADER + nats_auth.CONFIG,
+        DEPLOY / "nats.conf": HEADER + nats_auth.config(nats_users(config)),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.compose", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 if a generated file is out of date")
+    p.add_argument("--secrets", type=Path, default=None, help="write fresh secrets to this .env file (mode 0600) only")
     args = p.parse_args(argv)
+    if args.secrets is not None:
+        try:
+            write_secrets(args.secrets)
+        except FileExistsError:
+            print(
+                f"{args.secrets} exists: its secrets may be in use; remove it first to make new ones", file=sys.stderr
+            )
+            return 1
+        print(f"wrote {args.secrets} (mode 0600): {', '.join(secret_variables())}")
+        return 0
     stale = [path for path, text in rendered().items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:

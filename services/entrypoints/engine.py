@@ -41,8 +41,8 @@ class EngineEndpoint:
         served_model_name: str,
         image_encoder=None,
     ) -> None:
-        from services.engine.served_engine import ServedEngine
         from services import service_auth
+        from services.engine.served_engine import ServedEngine
         from services.gateway.api_server import ApiServer
         from services.gateway.backends import LocalEngine, LocalTokenizer
         from services.gateway.frontend import Frontend

@@ -2,9 +2,12 @@
 
 `services(config)` is the only place that says which processes make the stack, in start order, with their
 command lines and health ports. `up` starts each as its own process (its own session, its log in
-``<run_dir>/logs/<name>.log``), waits until it is healthy before starting the next, and records every PID in
-``<run_dir>/stack.json``; `down` sends SIGTERM in reverse order (each service drains), waits, and only
-then SIGKILLs what is left. A PID is signalled only while /proc says it still runs the recorded command.
+``<run_dir>/logs/<name>.log``), waits until it is healthy before starting the next, records every PID in
+``<run_dir>/stack.json``, and last starts the supervisor (services/entrypoints/supervisor.py), which restarts
+a crashed service and from then on keeps stack.json. Each process gets only its own secrets in its
+environment (services/entrypoints/credentials.py). `down` stops the supervisor, then sends SIGTERM in reverse
+order (each service drains), waits, and only then SIGKILLs what is left. A PID is signalled only while /proc
+says it still runs the recorded command.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Protocol
 
 from services import nats_auth
+from services.entrypoints.credentials import GATEWAY, NATS, StackCredentials, without_secrets
+from services.gateway.auth import KEY_ENV
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +57,9 @@ class StackConfig:
     spec_varlen: bool = False  # EngineConfig.spec_varlen
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
     allow_private_image_urls: bool = False  # the gateway fetches image URLs resolving to private addresses too
+    supervise: bool = True  # `up` leaves a supervisor that restarts crashed services (supervisor.py)
+    restart_limit: int = 4  # the supervisor's restarts in a row per service; the next crash stays down
+    restart_backoff_s: float = 1.0  # the supervisor's wait before a first restart (doubled for each in a row)
 
 
 @dataclass(frozen=True)
@@ -393,6 +401,14 @@ def _state_path(run_dir: Path) -> Path:
     return run_dir / "stack.json"
 
 
+def write_state(run_dir: Path, state: dict) -> None:
+    """Replaces stack.json whole (a reader never sees half a file)."""
+    path = _state_path(run_dir)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(state, indent=1))
+    os.replace(partial, path)
+
+
 def _cmdline(pid: int) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
@@ -400,7 +416,7 @@ def _cmdline(pid: int) -> list[str] | None:
         return None
 
 
-def _alive_as(pid: int, argv: list[str]) -> bool:
+def alive_as(pid: int, argv: list[str]) -> bool:
     """True while ``pid`` runs ``argv`` (not a zombie, not a recycled PID)."""
     try:
         os.waitpid(pid, os.WNOHANG)  # reap it if it is our own exited child
@@ -413,38 +429,49 @@ def _alive_as(pid: int, argv: list[str]) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and _cmdline(pid) == argv
 
 
-def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
-    """Starts the stack; returns the state written to stack.json. Stops what it started if any service fails."""
+def _recorded(state: dict) -> list[dict]:
+    """Every process a stack.json records: the services and the supervisor."""
+    return [*state["services"], *([state["supervisor"]] if state.get("supervisor") else [])]
+
+
+def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | None = None) -> dict:
+    """Starts the stack; returns the state written to stack.json, plus the stack's secrets that a caller may
+    need (``service_env``: each service's secret variables; ``nats_observer``: ``nats.connect`` arguments of
+    the NATS user that may watch every subject), which are never written. ``api_key``: the gateway's
+    (default: $SHINKAI_API_KEY). Stops what it started if any service fails."""
     state_file = _state_path(config.run_dir)
     if state_file.exists():
         old = json.loads(state_file.read_text())
-        if any(_alive_as(s["pid"], s["argv"]) for s in old["services"]):
+        if any(alive_as(s["pid"], s["argv"]) for s in _recorded(old)):
             raise RuntimeError(f"a stack is already running from {config.run_dir}: run `shinkai down` first")
     logs = config.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     state: dict = {"config": {k: str(v) for k, v in asdict(config).items()}, "services": []}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    # NATS credentials for this stack: every service gets the token in its environment (services/nats_auth.py).
-    env[nats_auth.TOKEN_ENV] = token = nats_auth.new_token()
-    nats_config = nats_auth.write_config(config.run_dir / "nats.conf")
-    for batch in _batches(services(config)):  # a group's members start together: they wait for each other
+    stack = services(config)
+    credentials = StackCredentials(
+        [s.name for s in stack if s.name.startswith("engine-")], api_key or os.environ.get(KEY_ENV) or None
+    )
+    env = without_secrets(os.environ)  # each process adds its own secrets only
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    nats_config = nats_auth.write_config(config.run_dir / "nats.conf", credentials.nats_users)
+    for batch in _batches(stack):  # a group's members start together: they wait for each other
         started = []
         for service in batch:
-            if service.name == "nats":
+            if service.name == NATS:
                 service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
             log_path = logs / f"{service.name}.log"
             with open(log_path, "ab") as out:
                 proc = subprocess.Popen(
                     service.argv,
                     cwd=ROOT,
-                    env=env,
+                    env={**env, **credentials.env_for(service.name)},
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             state["services"].append({**asdict(service), "pid": proc.pid, "log": str(log_path)})
-            state_file.write_text(json.dumps(state, indent=1))
+            write_state(config.run_dir, state)
             started.append((service, proc, log_path))
         deadline = time.monotonic() + timeout_s
         for service, proc, log_path in started:
@@ -457,7 +484,53 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
                     raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
                 time.sleep(0.1)
             log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
-    return {**state, "nats_token": token}  # returned to the caller, never written to stack.json
+    if config.supervise:
+        secrets = {s.name: credentials.env_for(s.name) for s in stack if s.name not in (NATS, GATEWAY)}
+        state = _start_supervisor(config, env, secrets, timeout_s)
+        supervisor = state["supervisor"]
+        log(f"{'supervisor':<10} pid {supervisor['pid']:<7} running  {supervisor['url']}")
+    return {
+        **state,
+        "service_env": {s.name: credentials.env_for(s.name) for s in stack},
+        "nats_observer": credentials.nats_observer(),
+    }
+
+
+def _start_supervisor(config: StackConfig, env: dict[str, str], secrets: dict, timeout_s: float) -> dict:
+    """Starts the supervisor with ``secrets`` on its stdin; returns stack.json once it has recorded itself."""
+    argv = [
+        sys.executable,
+        "-m",
+        "services.entrypoints.supervisor",
+        "--run-dir",
+        str(config.run_dir),
+        "--host",
+        config.host,
+        "--metrics-port",
+        str(free_port(config.host)),
+        "--restart-limit",
+        str(config.restart_limit),
+        "--backoff-s",
+        str(config.restart_backoff_s),
+    ]
+    log_path = config.run_dir / "logs" / "supervisor.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(secrets).encode())
+    proc.stdin.close()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = json.loads(_state_path(config.run_dir).read_text())
+        if state.get("supervisor", {}).get("pid") == proc.pid:
+            return state
+        if proc.poll() is not None or time.monotonic() > deadline:
+            down(config.run_dir, log=lambda *_: None)
+            why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not running in {timeout_s} s"
+            raise RuntimeError(f"the supervisor {why}; see {log_path}{_last_error(log_path)}")
+        time.sleep(0.05)
 
 
 def _batches(items: list, group_of=lambda service: service.group) -> list[list]:
@@ -490,18 +563,28 @@ def down(run_dir: Path, timeout_s: float = 60.0, log=print) -> int:
         log(f"no stack recorded in {run_dir}")
         return 0
     state = json.loads(state_file.read_text())
+    supervisor = state.get("supervisor")
+    if supervisor is not None and alive_as(supervisor["pid"], supervisor["argv"]):  # first: nothing restarts now
+        os.kill(supervisor["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while alive_as(supervisor["pid"], supervisor["argv"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if alive_as(supervisor["pid"], supervisor["argv"]):
+            os.kill(supervisor["pid"], signal.SIGKILL)
+        log(f"{'supervisor':<10} pid {supervisor['pid']:<7} stopped")
+        state = json.loads(state_file.read_text())  # with the PIDs of the services it restarted
     num_running = 0
     for batch in reversed(_batches(state["services"], lambda s: s.get("group"))):
-        running = [s for s in batch if _alive_as(s["pid"], s["argv"])]
+        running = [s for s in batch if alive_as(s["pid"], s["argv"])]
         for s in running:  # a group's members together: each drains only once all of them are stopping
             os.kill(s["pid"], signal.SIGTERM)
         num_running += len(running)
         deadline = time.monotonic() + timeout_s
         for s in running:
             pid, argv = s["pid"], s["argv"]
-            while _alive_as(pid, argv) and time.monotonic() < deadline:
+            while alive_as(pid, argv) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _alive_as(pid, argv):
+            if alive_as(pid, argv):
                 os.kill(pid, signal.SIGKILL)
                 log(f"{s['name']:<10} pid {pid:<7} killed after {timeout_s} s")
             else:

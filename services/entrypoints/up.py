@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from services.entrypoints.stack import StackConfig
@@ -58,13 +57,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key",
         default=None,
         help="key the gateway requires (HTTP Bearer, gRPC metadata); "
-        "passed in its environment (default: $SHINKAI_API_KEY; none: open)",
+        "passed in its environment only (default: $SHINKAI_API_KEY; none: open)",
+    )
+    up.add_argument(
+        "--restart-limit",
+        type=int,
+        default=_DEFAULTS.restart_limit,
+        help="the supervisor restarts a crashed service at most this many times in a row (default %(default)s)",
+    )
+    up.add_argument(
+        "--no-supervisor", action="store_true", help="no supervisor: a crashed service stays down until `down`"
     )
     up.set_defaults(func=_up)
     down = subparsers.add_parser("down", help="stop the stack that `shinkai up` started, gracefully")
     down.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir)
     down.add_argument("--timeout", type=float, default=60.0, help="seconds each service gets to drain")
     down.set_defaults(func=_down)
+    status = subparsers.add_parser(
+        "status", help="each service of the stack `shinkai up` started: PID, state, restarts"
+    )
+    status.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir)
+    status.set_defaults(func=_status)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -103,15 +116,15 @@ def _up(args: argparse.Namespace) -> int:
         allow_private_image_urls=args.allow_private_image_urls,
         data_parallel_size=args.data_parallel_size,
         num_redundant_experts=args.num_redundant_experts,
+        supervise=not args.no_supervisor,
+        restart_limit=args.restart_limit,
     )
-    if args.api_key:
-        os.environ["SHINKAI_API_KEY"] = args.api_key  # the gateway reads it; never on a command line
     try:
         if Path(args.model).is_dir() and args.load_format != "dummy":
             from services.worker.kernel_model.weight_loader import check_checkpoint
 
             check_checkpoint(args.model)  # headers only: a damaged checkpoint fails before any process starts
-        up(config, timeout_s=args.timeout)
+        up(config, timeout_s=args.timeout, api_key=args.api_key)  # into the gateway's environment only
     except (RuntimeError, FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from err
     print(f"logs in {args.run_dir / 'logs'}; stop with: shinkai down --run-dir {args.run_dir}")
@@ -123,3 +136,31 @@ def _down(args: argparse.Namespace) -> int:
 
     down(args.run_dir, timeout_s=args.timeout)
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Prints the stack's services as stack.json records them; exit 1 when one has failed or none is recorded."""
+    import json
+
+    from services.entrypoints.stack import alive_as
+
+    path = args.run_dir / "stack.json"
+    if not path.exists():
+        print(f"no stack recorded in {args.run_dir}")
+        return 1
+    state = json.loads(path.read_text())
+    num_failed = 0
+    for s in state["services"]:
+        running = alive_as(s["pid"], s["argv"])
+        what = s.get("state", "running") if running or s.get("state") != "running" else "gone"
+        num_failed += what in ("failed", "gone")
+        print(f"{s['name']:<12} pid {s['pid']:<7} {what:<10} restarts {s.get('restarts', 0)}")
+    supervisor = state.get("supervisor")
+    if supervisor is not None:
+        running = alive_as(supervisor["pid"], supervisor["argv"])
+        print(
+            f"{'supervisor':<12} pid {supervisor['pid']:<7} {'running' if running else 'gone':<10} {supervisor['url']}"
+        )
+    else:
+        print("no supervisor: crashed services stay down")
+    return 1 if num_failed else 0

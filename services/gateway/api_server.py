@@ -46,7 +46,7 @@ class ApiServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.frontend = frontend
-        # gRPC server interceptors: an engine process's check of the stack's service credential (services/service_auth.py).
+        # gRPC server interceptors: an engine process checks the service credential (services/service_auth.py).
         self.interceptors = list(interceptors)
         # The largest gRPC request taken; None: grpc's default (4 MiB). An engine process takes a chat's images.
         self.max_receive_bytes = max_receive_bytes

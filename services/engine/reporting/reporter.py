@@ -69,7 +69,9 @@ class LoadReporter:
             await asyncio.sleep(self.interval_s)
 
     async def publish_load(self) -> None:
-        await self.nc.publish(subjects.of_replica(subjects.ENGINE_LOAD, self.replica), json.dumps(self.load_message()).encode())
+        await self.nc.publish(
+            subjects.of_replica(subjects.ENGINE_LOAD, self.replica), json.dumps(self.load_message()).encode()
+        )
         self.num_published += 1
 
     async def lifecycle(self, state: str) -> None:

