@@ -123,23 +123,34 @@ def _with_token(details, token: str):
     return details._replace(metadata=metadata)
 
 
-class _AioClientToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+# grpc.aio files a channel's interceptor under the first call kind it is an instance of: one class per kind.
+class _AioUnaryUnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self.token = token
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(_with_token(client_call_details, self.token), request)
 
+
+class _AioUnaryStreamToken(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_token(client_call_details, self.token), request)
 
+
+class _AioStreamUnaryToken(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_token(client_call_details, self.token), request_iterator)
+
+
+class _AioStreamStreamToken(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
 
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_token(client_call_details, self.token), request_iterator)
@@ -182,7 +193,8 @@ class _SyncClientToken(
 def aio_channel(address: str, options=None, token: str | None = None) -> grpc.aio.Channel:
     """``grpc.aio.insecure_channel`` whose every call carries ``token`` (default: the environment's)."""
     token = token or current_token()
-    interceptors = [_AioClientToken(token)] if token else None
+    kinds = (_AioUnaryUnaryToken, _AioUnaryStreamToken, _AioStreamUnaryToken, _AioStreamStreamToken)
+    interceptors = [kind(token) for kind in kinds] if token else None
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 

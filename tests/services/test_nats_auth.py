@@ -1,6 +1,7 @@
-"""NATS with the stack's credentials (services/nats_auth.py): nats-server started as `shinkai up` starts it
-refuses a connection without the token, so a forged lifecycle `down` for engine-0
-never reaches the gateway's router; the same message from an authenticated connection does."""
+"""NATS with per-service users (services/nats_auth.py) on a real nats-server started as `shinkai up` starts it:
+a connection without a user's password is refused; an engine's credential publishes its own subjects only,
+the gateway's none, so neither can forge another engine's lifecycle events; and the gateway's router believes
+a message only from the subject of the engine it names."""
 
 import asyncio
 import json
@@ -11,27 +12,36 @@ import nats
 import pytest
 
 from services import nats_auth, subjects
+from services.entrypoints.credentials import StackCredentials
 from services.entrypoints.stack import LocalPlacement, StackConfig, nats_server_binary, services
 from services.gateway.remote import RemoteEngine
 from services.gateway.router import EngineRouter
 from tests.nats_server import wait_for
 
 pytestmark = pytest.mark.timeout(60)
-FORGED_DOWN = json.dumps({"replica": "engine-0", "state": "down"}).encode()
+REPLICAS = ("engine-0", "engine-1")
+LIFECYCLE_0 = subjects.of_replica(subjects.ENGINE_LIFECYCLE, "engine-0")
+LIFECYCLE_1 = subjects.of_replica(subjects.ENGINE_LIFECYCLE, "engine-1")
+
+
+def down_message(replica: str) -> bytes:
+    return json.dumps({"replica": replica, "state": "down"}).encode()
 
 
 @pytest.fixture
 def authed_nats(tmp_path, monkeypatch):
-    """nats-server with the stack's config file and a fresh token in its environment; the token is also in
-    this process's environment, as `up` gives it to every service."""
-    token = nats_auth.new_token()
-    monkeypatch.setenv(nats_auth.TOKEN_ENV, token)
+    """nats-server with the stack's config file and every user's password in its environment only; yields the
+    URL and the stack's credentials. This process connects as the gateway, as `up` sets the gateway up."""
+    credentials = StackCredentials(REPLICAS)
+    for key, value in nats_auth.client_env("gateway", credentials.nats_passwords["gateway"]).items():
+        monkeypatch.setenv(key, value)
     log = tmp_path / "nats.log"
-    conf = nats_auth.write_config(tmp_path / "nats.conf")
+    conf = nats_auth.write_config(tmp_path / "nats.conf", credentials.nats_users)
     proc = subprocess.Popen(
         [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1", "-l", str(log), "-c", str(conf)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=credentials.env_for("nats"),
     )
     try:
         text = wait_for(
@@ -40,7 +50,7 @@ def authed_nats(tmp_path, monkeypatch):
             "nats-server to start",
         )
         port = re.search(r"Listening for client connections on 127\.0\.0\.1:(\d+)", text).group(1)
-        yield f"nats://127.0.0.1:{port}", token
+        yield f"nats://127.0.0.1:{port}", credentials
     finally:
         proc.terminate()
         proc.wait(10)
@@ -53,55 +63,124 @@ async def until(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_a_forged_lifecycle_message_without_credentials_is_refused(authed_nats):
-    url, token = authed_nats
+async def connect_as(url: str, credentials: StackCredentials, user: str, errors: list[str]):
+    async def on_error(err: Exception) -> None:
+        errors.append(str(err))
+
+    return await nats.connect(
+        url, user=user, password=credentials.nats_passwords[user], error_cb=on_error, allow_reconnect=False
+    )
+
+
+def test_a_connection_without_a_users_password_is_refused(authed_nats):
+    url, credentials = authed_nats
 
     async def run():
-        router = EngineRouter([RemoteEngine("engine-0", "127.0.0.1:1"), RemoteEngine("engine-1", "127.0.0.1:2")])
-        await router.subscribe(url)  # with the token from the environment, as every service
+        for creds in (
+            {},
+            {"token": "guess"},
+            {"user": "engine-0", "password": "guess"},
+            {"user": "engine-0", "password": credentials.nats_passwords["engine-1"]},  # another user's
+            {"user": "shinkai", "password": credentials.service_token},
+        ):
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, **creds)
+
+    asyncio.run(run())
+
+
+def test_no_credential_can_publish_another_engines_lifecycle(authed_nats):
+    url, credentials = authed_nats
+
+    async def run():
+        router = EngineRouter([RemoteEngine(r, f"127.0.0.1:{i + 1}") for i, r in enumerate(REPLICAS)])
+        await router.subscribe(url)  # as the gateway, with its user from the environment
+        observer = await nats.connect(url, **credentials.nats_observer())
+        seen: list[str] = []
+
+        async def on_message(msg) -> None:
+            seen.append(msg.subject)
+
+        await observer.subscribe(subjects.every_replica(subjects.ENGINE_LIFECYCLE), cb=on_message)
+        await observer.flush()
         try:
-            for creds in ({}, {"token": "guess"}, {"user": "shinkai", "password": token}):
-                with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-                    await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, **creds)
-            await asyncio.sleep(0.3)
-            assert router.states["engine-0"].accepting  # nothing forged got through
-            # The same message with the stack's token does reach the router: the refusal above is the server's.
-            insider = await nats.connect(url, token=token)
-            await insider.publish(subjects.ENGINE_LIFECYCLE, FORGED_DOWN)
-            await insider.flush()
+            for user in ("engine-1", "gateway", "eplb", "observer"):
+                errors: list[str] = []
+                nc = await connect_as(url, credentials, user, errors)
+                await nc.publish(LIFECYCLE_0, down_message("engine-0"))
+                await nc.flush()
+                await until(lambda: errors)  # the server says so, and drops the message
+                assert "permissions violation for publish" in errors[0].lower() and LIFECYCLE_0 in errors[0], (user, errors)
+                await nc.close()
+            # engine-1 on its own subject, naming engine-0: delivered, but the router believes the subject.
+            errors = []
+            engine1 = await connect_as(url, credentials, "engine-1", errors)
+            await engine1.publish(LIFECYCLE_1, down_message("engine-0"))
+            await engine1.flush()
+            await until(lambda: LIFECYCLE_1 in seen)
+            await asyncio.sleep(0.2)
+            assert seen == [LIFECYCLE_1] and not errors
+            assert router.states["engine-0"].accepting and router.states["engine-1"].accepting
+            # engine-0 about itself: the message that works, so the refusals above are the permissions'.
+            engine0 = await connect_as(url, credentials, "engine-0", errors)
+            await engine0.publish(LIFECYCLE_0, down_message("engine-0"))
+            await engine0.flush()
             await until(lambda: not router.states["engine-0"].accepting)
-            await insider.close()
+            assert router.states["engine-1"].accepting and not errors
+            for nc in (engine0, engine1):
+                await nc.close()
         finally:
+            await observer.close()
             await router.close()
 
     asyncio.run(run())
 
 
-def test_no_token_travels_on_a_command_line(authed_nats):
-    _, token = authed_nats
+def test_a_gateway_credential_cannot_subscribe_to_the_planners_subjects(authed_nats):
+    url, credentials = authed_nats
+
+    async def run():
+        errors: list[str] = []
+        nc = await connect_as(url, credentials, "gateway", errors)
+        await nc.subscribe(subjects.every_replica(subjects.EXPERT_LOAD))
+        await nc.flush()
+        await until(lambda: errors)
+        assert "permissions violation for subscription" in errors[0].lower(), errors
+        await nc.close()
+
+    asyncio.run(run())
+
+
+def test_no_password_travels_on_a_command_line_or_in_the_config(authed_nats):
+    _, credentials = authed_nats
     argvs = [" ".join(s.argv) for s in services(StackConfig(http_port=0, grpc_port=0), LocalPlacement("127.0.0.1"))]
-    assert argvs and not any(token in a for a in argvs)
-    assert "$" + nats_auth.TOKEN_ENV in nats_auth.CONFIG and token not in nats_auth.CONFIG
+    config = nats_auth.config(credentials.nats_users)
+    for password in credentials.nats_passwords.values():
+        assert not any(password in a for a in argvs) and password not in config
+    assert all("$" + nats_auth.password_env(u.name) in config for u in credentials.nats_users)
 
 
-def test_every_token_is_a_string_to_nats_server(tmp_path):
-    """The server reads the variable's value as a config value: one that starts with ``-`` is parsed as a
-    number and the whole config is refused (``up`` then failed about once in 64 starts). Tokens start with a
-    letter and hold only hex digits after it."""
-    conf = nats_auth.write_config(tmp_path / "nats.conf")
+def test_every_password_is_a_string_to_nats_server(tmp_path):
+    """The server reads a variable's value as a config value: one that starts with ``-`` is parsed as a
+    number and the whole config is refused. Passwords start with a letter and hold only hex digits after it."""
+    users = nats_auth.stack_users(["engine-0"])
+    conf = nats_auth.write_config(tmp_path / "nats.conf", users)
 
-    def valid(token: str) -> bool:
-        return (
-            subprocess.run(
-                [nats_server_binary(), "-c", str(conf), "-t"],
-                capture_output=True,
-                timeout=30,
-                env={nats_auth.TOKEN_ENV: token},
-            ).returncode
-            == 0
-        )
+    def valid(password: str) -> bool:
+        env = nats_auth.server_env({u.name: password for u in users})
+        done = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, timeout=30, env=env)
+        return done.returncode == 0
 
-    assert not valid("-r" + "a" * 40)  # what token_urlsafe gave when a CI run's stack would not start
-    tokens = [nats_auth.new_token() for _ in range(1000)]
-    assert all(re.fullmatch(r"t[0-9a-f]{64}", t) for t in tokens) and len(set(tokens)) == 1000
-    assert all(valid(t) for t in tokens[:5])
+    assert not valid("-r" + "a" * 40)  # what token_urlsafe can give
+    passwords = [nats_auth.new_password() for _ in range(1000)]
+    assert all(re.fullmatch(r"p[0-9a-f]{64}", p) for p in passwords) and len(set(passwords)) == 1000
+    assert all(valid(p) for p in passwords[:3])
+
+
+def test_replica_names_must_be_one_subject_token():
+    assert subjects.of_replica(subjects.ENGINE_LOAD, "engine-7") == "shinkai.engine.load.engine-7"
+    assert subjects.replica_of(subjects.ENGINE_LOAD, "shinkai.engine.load.engine-7") == "engine-7"
+    assert subjects.replica_of(subjects.ENGINE_LOAD, "shinkai.engine.lifecycle.engine-7") is None
+    for bad in ("", "a.b", "a*", ">", "a b"):
+        with pytest.raises(ValueError, match="one NATS subject token"):
+            subjects.of_replica(subjects.ENGINE_LOAD, bad)
