@@ -18,7 +18,7 @@ COMMAND_MODULES = {
     "model": "services.entrypoints.model",
     "eplb": "services.entrypoints.eplb_cli",
     "serve": "services.entrypoints.serve",
-    "up": "services.entrypoints.up",  # registers `up` and `down`
+    "up": "services.entrypoints.up",  # registers `up`, `down` and `status`
 }
 
 
