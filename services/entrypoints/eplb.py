@@ -84,7 +84,7 @@ async def _main(args: argparse.Namespace) -> int:
         return 1
     print(
         f"eplb planner ready: health port {service.health_port}, metrics port {service.metrics_port}, "
-        f"subscribed to {subjects.EXPERT_LOAD}",
+        f"subscribed to {subjects.every_replica(subjects.EXPERT_LOAD)}",
         flush=True,
     )
     await service.run_until_stopped()

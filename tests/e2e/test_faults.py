@@ -65,6 +65,7 @@ class Stack:
         )
         self.http, self.grpc = ready["http"], ready["grpc"]
         self.engine = f"127.0.0.1:{self.by_name['engine-0']['health'].split(':')[1]}"
+        self.credential = state["service_env"]["engine-0"]["SHINKAI_SERVICE_TOKEN"]  # to call the engine itself
         with ShinkaiClient(self.grpc, timeout=30) as c:
             self.long = c.model_info().max_model_len - 16  # max_tokens of a stream that outlasts any test
 
@@ -72,7 +73,7 @@ class Stack:
         """Starts ``name`` again with its recorded command (plus ``extra``), and records the new PID so
         `down` stops it."""
         s = self.by_name[name]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), SHINKAI_NATS_TOKEN=self.state["nats_token"])
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.state["service_env"][name])  # its own secrets
         with open(s["log"], "ab") as log:
             proc = subprocess.Popen(
                 [*s["argv"], *extra],
@@ -105,6 +106,7 @@ def stack(tmp_path_factory):
             run_dir=run_dir,
             max_num_seqs=16,
             drain_timeout_s=DRAIN_S,
+            supervise=False,  # these tests restart what they kill themselves
         )
         try:
             state = up(config, timeout_s=120, log=lambda *_: None)
@@ -146,7 +148,7 @@ def assert_pools_whole(stack: Stack, timeout: float = 20) -> dict:
     """The engine has nothing running or waiting and every block and state slot is free."""
 
     def whole():
-        with ShinkaiClient(stack.engine, timeout=5) as c:
+        with ShinkaiClient(stack.engine, timeout=5, api_key=stack.credential) as c:
             (e,) = c.loads().engines
         return (
             e
@@ -390,7 +392,7 @@ def test_nats_restart_engines_and_gateway_reconnect(stack):
         gateway, engine = conns.get("shinkai-gateway"), conns.get("shinkai-engine-0")
         if gateway is None or engine is None or not engine.get("in_msgs"):
             return None
-        return gateway if "shinkai.engine.load" in gateway.get("subscriptions_list", []) else None
+        return gateway if "shinkai.engine.load.*" in gateway.get("subscriptions_list", []) else None
 
     gateway = wait_for(reconnected, 20, "engine and gateway to reconnect to the restarted nats-server")
     reconnect_s = time.monotonic() - restarted

@@ -12,7 +12,7 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from services.entrypoints.cli import main
-from services.entrypoints.stack import _alive_as
+from services.entrypoints.stack import alive_as
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,4 +73,4 @@ def test_a_checkpoint_directory_serves_the_offline_tokens(tmp_path, capsys):
             assert plain.usage.completion_tokens == len(want.token_ids) == 6
     finally:
         assert main(["down", "--run-dir", str(run_dir), "--timeout", "30"]) == 0
-    assert not any(_alive_as(s["pid"], s["argv"]) for s in state["services"])
+    assert not any(alive_as(s["pid"], s["argv"]) for s in state["services"])

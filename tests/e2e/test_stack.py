@@ -17,6 +17,7 @@ import urllib.request
 import openai
 import pytest
 
+from services import service_auth
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
 from services.entrypoints.stack import StackConfig, down, services, up
@@ -127,7 +128,7 @@ def routed(http_url: str) -> dict[str, float]:
 
 
 def test_routing_follows_the_load_reports(stack):
-    _, by_name, ready = stack
+    state, by_name, ready = stack
     engine0 = by_name["engine-0"]["health"].split(":")[1]
     with ShinkaiClient(ready["grpc"], timeout=60) as gateway:
         # Control: both engines idle (and reported idle), so sequential requests spread over both.
@@ -142,7 +143,9 @@ def test_routing_follows_the_load_reports(stack):
         control = {k: v - before.get(k, 0) for k, v in routed(ready["http"]).items()}
         assert control.get("engine-0", 0) >= 1 and control.get("engine-1", 0) >= 1, control
         # Load engine-0 directly (not through the gateway), wait for its reports to say so, then route.
-        with ShinkaiClient(f"127.0.0.1:{engine0}", timeout=60) as direct:
+        # An engine takes calls from the stack's services only: this test calls it with their credential.
+        credential = state["service_env"]["engine-0"][service_auth.TOKEN_ENV]
+        with ShinkaiClient(f"127.0.0.1:{engine0}", timeout=60, api_key=credential) as direct:
             streams = [
                 direct.generate_stream([0, 100 + i], max_tokens=1000, ignore_eos=True, client_request_id=f"load{i}")
                 for i in range(4)
@@ -172,13 +175,13 @@ def test_engines_report_expert_loads_to_the_planner_subject(stack):
     state, by_name, ready = stack
 
     async def run():
-        nc = await nats.connect(by_name["nats"]["url"], token=state["nats_token"])
+        nc = await nats.connect(by_name["nats"]["url"], **state["nats_observer"])
         reports = asyncio.Queue()
 
         async def on_report(msg):
             reports.put_nowait(decode_load(msg.data))
 
-        await nc.subscribe(subjects.EXPERT_LOAD, cb=on_report)
+        await nc.subscribe(subjects.every_replica(subjects.EXPERT_LOAD), cb=on_report)
         await nc.flush()
         try:
             with ShinkaiClient(ready["grpc"], timeout=60) as c:
@@ -244,13 +247,15 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(st
     request sent to that same engine afterwards is scheduled meanwhile and streams first."""
     import threading
 
-    _, by_name, ready = stack
+    state, by_name, ready = stack
     messages = ask(data_url(encoded(90, 70, seed=7)))
     first_token: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
 
+    credential = state["service_env"]["engine-0"][service_auth.TOKEN_ENV]  # an engine's callers' credential
+
     def run(name: str, target: str, **request) -> None:
-        with ShinkaiClient(target, timeout=60) as client:
+        with ShinkaiClient(target, timeout=60, api_key=credential) as client:
             for delta in client.generate_stream(max_tokens=4, temperature=0, ignore_eos=True, **request):
                 if delta.token_ids:
                     first_token.setdefault(name, time.monotonic())
@@ -263,7 +268,7 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(st
     while holder is None:  # the engine holding the unready image request
         assert time.monotonic() < deadline and "image" not in first_token
         for name, address in engines.items():
-            with ShinkaiClient(address, timeout=10) as direct:
+            with ShinkaiClient(address, timeout=10, api_key=credential) as direct:
                 if any(e.num_waiting for e in direct.loads().engines):
                     holder = address
         time.sleep(0.05)

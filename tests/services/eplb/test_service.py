@@ -86,10 +86,14 @@ async def publish_and_await_plan(nats_url: str) -> tuple[list, float]:
     await nc.flush()
     start = startup_layout(8, 2, 2)
     counts = np.stack([physical_counts(start, HOT), physical_counts(start, FLAT)])
-    await nc.publish(subjects.EXPERT_LOAD, b"SKEL\x09 not a report")  # dropped, counted as bad
+    await nc.publish(
+        subjects.of_replica(subjects.EXPERT_LOAD, "engine-0"), b"SKEL\x09 not a report"
+    )  # dropped, counted as bad
     for step in range(2):  # interval 8: the first re-plan is due after 2 complete steps
         for rank in (0, 1):
-            await nc.publish(subjects.EXPERT_LOAD, LoadReport(rank, step, 0, counts).encode())
+            await nc.publish(
+                subjects.of_replica(subjects.EXPERT_LOAD, f"engine-{rank}"), LoadReport(rank, step, 0, counts).encode()
+            )
     await nc.flush()
     sent = time.monotonic()
     first = await asyncio.wait_for(plans.get(), PLAN_DEADLINE_S)

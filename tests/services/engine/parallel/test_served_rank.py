@@ -124,13 +124,13 @@ def test_a_lone_request_on_an_idle_group_starts_at_once_and_ready_answers(group)
     assert _steps_since(by_name, after_probe, expected) == expected
 
 
-def _publish(url: str, token: str, messages: list[bytes]) -> None:
+def _publish(url: str, credentials: dict[str, str], messages: list[bytes]) -> None:
     import asyncio
 
     import nats
 
     async def send() -> None:
-        nc = await nats.connect(url, token=token)
+        nc = await nats.connect(url, **credentials)
         for data in messages:
             await nc.publish(EXPERT_PLAN, data)
         await nc.flush(timeout=5)
@@ -157,7 +157,9 @@ def test_plans_from_nats_switch_both_ranks_at_one_boundary(group):
     )
     moved = Layout((7, 0, 3, 5, 6, 1, 2, 4), num_gpus=2, num_logical=8)
     plans = [PlanMessage(1, 0, 0, moved, 1.2, 1.1, 4, 0), PlanMessage(2, 1, 0, startup_layout(8, 4, 0), 1.2, 1.1, 4, 0)]
-    _publish(by_name["nats"]["url"], state["nats_token"], [p.encode() for p in plans])
+    planner = state["service_env"]["eplb"]  # the planner's own NATS user: the one that may publish plans
+    credentials = {"user": planner["SHINKAI_NATS_USER"], "password": planner["SHINKAI_NATS_PASSWORD"]}
+    _publish(by_name["nats"]["url"], credentials, [p.encode() for p in plans])
     deadline = time.monotonic() + 20  # an idle group's boundary votes come every idle_wait_s
     while time.monotonic() < deadline:
         lines = _switch_lines(by_name)
