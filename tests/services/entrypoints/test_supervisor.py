@@ -12,7 +12,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.client import AsyncShinkaiClient, ShinkaiClient
@@ -82,6 +84,15 @@ async def stream_final(client: AsyncShinkaiClient, prompt: str, started: asyncio
         started.set()
 
 
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def served(gateway: str) -> bool:
     try:
         with ShinkaiClient(gateway, timeout=10) as c:
@@ -112,6 +123,8 @@ def test_a_killed_engine_ends_its_streams_with_error_and_is_back_within_30_s(sta
     finals = asyncio.run(kill_mid_load())
     killed = time.monotonic()
     assert finals == ["error"] * NUM_STREAMS, finals
+    # The gateway stops routing to the engine while it is gone (its health poll), and says so.
+    wait_for(lambda: not serving(gateway), 10, "the gateway to report NOT_SERVING")
     wait_for(lambda: served(gateway), BACK_WITHIN_S, "a request served through the restarted engine")
     back_s = time.monotonic() - killed
     entry = recorded(run_dir, "engine-0")
