@@ -6,7 +6,8 @@ NATS password per NATS user (services/nats_auth.py) and the user-facing API key.
 - nats-server gets every NATS user's password (it checks them) and nothing else;
 - each Shinkai service gets the service credential, and its own NATS user and password if it has one;
 - only the gateway gets the API key.
-The secrets live in memory and in those environments only: never on a command line, never in stack.json.
+The secrets live in memory (`up`'s, and the supervisor's, which gets each service's on its stdin to restart
+it) and in those environments only: never on a command line, never in stack.json, never on disk.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services import nats_auth
-from services.entrypoints.credentials import GATEWAY, NATS, StackCredentials, without_secrets
+from services.entrypoints.credentials import NATS, StackCredentials, without_secrets
 from services.gateway.auth import KEY_ENV
 from services.ports import free_port
 
@@ -485,7 +485,7 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
                 time.sleep(0.1)
             log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
     if config.supervise:
-        secrets = {s.name: credentials.env_for(s.name) for s in stack if s.name not in (NATS, GATEWAY)}
+        secrets = {s.name: credentials.env_for(s.name) for s in stack}  # on its stdin: never in its environment
         state = _start_supervisor(config, env, secrets, timeout_s)
         supervisor = state["supervisor"]
         log(f"{'supervisor':<10} pid {supervisor['pid']:<7} running  {supervisor['url']}")

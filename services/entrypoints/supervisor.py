@@ -1,7 +1,7 @@
 """The supervisor of a `shinkai up` stack: one detached process that restarts a crashed service.
 
-`up` starts it last (`python -m services.entrypoints.supervisor --run-dir DIR`, the supervised services'
-secret variables on its stdin, never its command line or environment); it records itself under
+`up` starts it last (`python -m services.entrypoints.supervisor --run-dir DIR`, each service's secret
+variables on its stdin, held in memory only: never its command line or environment); it records itself under
 ``"supervisor"`` in ``<run_dir>/stack.json`` and from then on owns that file. `down` stops it before any
 service. Every ``interval_s`` it checks each recorded service's PID (`stack.alive_as`):
 
@@ -12,12 +12,13 @@ service. Every ``interval_s`` it checks each recorded service's PID (`stack.aliv
   ``reset_after_s`` its crashes in a row are forgotten.
 - The crash after ``restart_limit`` restarts in a row is not restarted: the service's state is ``failed``,
   logged, and ``shinkai_supervisor_gave_up{service}`` is 1, until `down`.
-- Restarted: the tokenizer, multimodal, EPLB planner, engines and their remote workers. Not restarted (a crash
-  is reported as ``failed``): nats-server and the gateway (the gateway holds the API key, which the supervisor
-  never gets), and a data-parallel group's ranks (a rank cannot rejoin its group alone).
+- Restarted: every service that runs alone (nats-server, tokenizer, multimodal, EPLB planner, engines, their
+  remote workers, the gateway), each with its own secrets only. Not restarted (a crash is reported as
+  ``failed``): a data-parallel group's ranks (a rank cannot rejoin its group alone).
 
 The gateway needs nothing from the supervisor: its health poll (services/gateway/engine_health.py) stops
-routing to an engine that does not answer and routes to it again once it answers SERVING.
+routing to an engine that does not answer and routes to it again once it answers SERVING; the services'
+gRPC channels and NATS clients reconnect to a restarted peer on their own.
 
 Each event is one JSON line on stdout (``<run_dir>/logs/supervisor.log``); the metrics are on
 ``--metrics-port``; ``shinkai status`` prints each service's state from stack.json.
@@ -42,8 +43,6 @@ import prometheus_client as prom
 import observability.metrics as names
 from services.entrypoints.stack import ROOT, alive_as, healthy, write_state
 
-RESTARTED = ("tokenizer", "multimodal", "eplb", "engine-", "worker-")  # names, or prefixes ending in "-"
-
 
 @dataclass(frozen=True)
 class Policy:
@@ -57,8 +56,8 @@ class Policy:
 
 
 def restartable(entry: dict) -> bool:
-    name = entry["name"]
-    return entry.get("group") is None and any(name.startswith(r) if r.endswith("-") else name == r for r in RESTARTED)
+    """A service that runs alone; a data-parallel group's rank cannot rejoin its group by itself."""
+    return entry.get("group") is None
 
 
 class Metrics:
@@ -92,7 +91,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.host = host  # where the services' health ports listen
         self.policy = policy
-        self.secrets = secrets  # service name → its secret variables (the credentials module's env_for)
+        self.secrets = secrets  # service name → its secret variables (`StackCredentials.env_for`), in memory only
         self.metrics = metrics
         self.log = log  # takes one JSON line
         self.state = json.loads((run_dir / "stack.json").read_text())

@@ -28,13 +28,12 @@ BACK_WITHIN_S = 30.0
 NUM_STREAMS = 4
 
 
-def test_backoff_doubles_up_to_its_ceiling_and_only_lone_services_restart():
+def test_backoff_doubles_up_to_its_ceiling_and_a_groups_ranks_are_not_restarted():
     policy = Policy(restart_limit=4, backoff_s=1.0, max_backoff_s=5.0)
     assert [policy.backoff(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
-    assert restartable({"name": "engine-0", "group": None}) and restartable({"name": "worker-3", "group": None})
-    assert restartable({"name": "tokenizer", "group": None}) and restartable({"name": "eplb", "group": None})
+    assert restartable({"name": "engine-0", "group": None}) and restartable({"name": "gateway", "group": None})
     assert not restartable({"name": "engine-0", "group": "ranks"})  # a rank cannot rejoin its group alone
-    assert not restartable({"name": "gateway", "group": None}) and not restartable({"name": "nats", "group": None})
+    assert not restartable({"name": "worker-1", "group": "worker-ranks"})
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +140,29 @@ def test_a_killed_engine_ends_its_streams_with_error_and_is_back_within_30_s(sta
     assert got[("shinkai_supervisor_service_up", "engine-0")] == 1
     assert got[("shinkai_supervisor_gave_up", "engine-0")] == 0
     print(f"SUPERVISOR {json.dumps({'streams': finals, 'back_after_kill_s': round(back_s, 2)})}")
+
+
+def environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
+def test_a_killed_gateway_and_nats_server_come_back_with_their_own_secrets(stack):
+    run_dir, state = stack
+    gateway = gateway_address(state)
+    for name in ("nats", "gateway"):
+        os.kill(recorded(run_dir, name)["pid"], signal.SIGKILL)
+    for name in ("nats", "gateway"):
+        wait_for(lambda name=name: recorded(run_dir, name)["state"] == "running", 60, f"{name} to be running again")
+    wait_for(lambda: served(gateway), BACK_WITHIN_S, "a request served through the restarted gateway")
+    gateway_env = environ(recorded(run_dir, "gateway")["pid"])
+    assert gateway_env["SHINKAI_NATS_USER"] == "gateway"
+    assert gateway_env["SHINKAI_NATS_PASSWORD"] == state["service_env"]["gateway"]["SHINKAI_NATS_PASSWORD"]
+    nats_env = environ(recorded(run_dir, "nats")["pid"])
+    assert {k: nats_env.get(k) for k in state["service_env"]["nats"]} == state["service_env"]["nats"]
+    assert not any(
+        k.startswith("SHINKAI_NATS") or k == "SHINKAI_SERVICE_TOKEN" for k in environ(state["supervisor"]["pid"])
+    )
 
 
 def test_five_kills_in_a_row_hit_the_restart_limit_and_the_stack_reports_it(stack, capsys):
