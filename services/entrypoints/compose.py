@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +113,28 @@ def secret_variables(config: StackConfig = CONFIG) -> list[str]:
     return [service_auth.TOKEN_ENV, *(nats_auth.password_env(u.name) for u in nats_users(config))]
 
 
-def _secret_env(name: str, users: dict[str, nats_auth.NatsUser]) -> dict[str, str]:
-    """The secret variables of service ``name``'s container, as references (credentials.py says who gets what)."""
+def secret_sources(name: str, users: Collection[str]) -> dict[str, str]:
+    """Service ``name``'s secret variables, each → the variable of deploy/.env (a Kubernetes Secret's key) that
+    holds its value: what services/entrypoints/credentials.py gives that process under `shinkai up`. The API key
+    (the gateway's) is optional; the others are required."""
     if name == "nats":
-        return {nats_auth.password_env(u): _required(nats_auth.password_env(u)) for u in users}
-    env = {service_auth.TOKEN_ENV: _required(service_auth.TOKEN_ENV)}
+        return {nats_auth.password_env(u): nats_auth.password_env(u) for u in users}
+    sources = {service_auth.TOKEN_ENV: service_auth.TOKEN_ENV}
     if name in users:
-        env[nats_auth.USER_ENV] = name
-        env[nats_auth.PASSWORD_ENV] = _required(nats_auth.password_env(name))
+        sources[nats_auth.PASSWORD_ENV] = nats_auth.password_env(name)
     if name == "gateway":
-        env[KEY_ENV] = f"${{{KEY_ENV}:-}}"  # set it to require a key
+        sources[KEY_ENV] = KEY_ENV
+    return sources
+
+
+def _secret_env(name: str, users: Collection[str]) -> dict[str, str]:
+    """The secret variables of service ``name``'s container, as references to the environment or deploy/.env."""
+    env = {
+        variable: f"${{{source}:-}}" if source == KEY_ENV else _required(source)  # no key: the gateway is open
+        for variable, source in secret_sources(name, users).items()
+    }
+    if name in users and name != "nats":
+        env[nats_auth.USER_ENV] = name
     return env
 
 
