@@ -24,6 +24,7 @@ from observability import tracing
 from services.engine.config import EngineConfig, add_parallel_arguments
 from services.engine.device import add_device_arguments, device_args, device_engine_args
 from services.engine.model_source import load_model
+from services.grpc_errors import NoInternalText
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.build import build_worker
 from services.worker.parallel.groups import init_rank_groups
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ],
+        interceptors=[NoInternalText()],
     )
     api = WorkerApi(worker, args.model, hashes, source.config.vocab_size)
     worker_pb2_grpc.add_WorkerServicer_to_server(api, server)

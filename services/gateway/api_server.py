@@ -22,6 +22,7 @@ from services.gateway.auth import Keys
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
 from services.gateway.openai.http import build_app
+from services.grpc_errors import AioNoInternalText
 
 
 class _Uvicorn(uvicorn.Server):
@@ -68,7 +69,7 @@ class ApiServer:
 
     async def start(self) -> None:
         options = [("grpc.max_receive_message_length", self.max_receive_bytes)] if self.max_receive_bytes else []
-        self._grpc = grpc.aio.server(options=options)
+        self._grpc = grpc.aio.server(options=options, interceptors=[AioNoInternalText()])
         self._grpc.add_generic_rpc_handlers(
             (ShinkaiApi(self.frontend, self.serving, self.health_problem, self.keys).handler(),)
         )
