@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services import nats_auth
+from services.gateway.http_protocol import HttpTimeouts, http_timeout_argv
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +53,7 @@ class StackConfig:
     spec_varlen: bool = False  # EngineConfig.spec_varlen
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
     allow_private_image_urls: bool = False  # the gateway fetches image URLs resolving to private addresses too
+    http_timeouts: HttpTimeouts = HttpTimeouts()  # the gateway's read deadlines of a request's headers and body
 
 
 @dataclass(frozen=True)
@@ -353,6 +355,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         str(at.port("gateway", "grpc")),
         *drain,
         *(["--allow-private-image-urls"] if config.allow_private_image_urls else []),
+        *http_timeout_argv(config.http_timeouts),
     ]
     for spec in engines:
         gateway += ["--engine", spec]

@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_speculative_arguments(up)
     add_parallel_arguments(up)
+    from services.gateway.http_protocol import add_http_timeout_arguments
+
+    add_http_timeout_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.add_argument(
@@ -83,6 +86,7 @@ def _up(args: argparse.Namespace) -> int:
             "carry drafts yet; drop --remote-workers"
         )
     from services.engine.device import device_args
+    from services.gateway.http_protocol import http_timeouts
 
     config = StackConfig(
         model=args.model,
@@ -101,6 +105,7 @@ def _up(args: argparse.Namespace) -> int:
         spec_sampling=args.spec_sampling,
         spec_varlen=args.spec_varlen,
         allow_private_image_urls=args.allow_private_image_urls,
+        http_timeouts=http_timeouts(args),
         data_parallel_size=args.data_parallel_size,
         num_redundant_experts=args.num_redundant_experts,
     )
