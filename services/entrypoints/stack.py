@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services import nats_auth
+from services.entrypoints.invocation import shinkai_command
 from services.gateway.http_protocol import HttpTimeouts, http_timeout_argv
 from services.ports import free_port
 
@@ -422,7 +423,9 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print) -> dict:
     if state_file.exists():
         old = json.loads(state_file.read_text())
         if any(_alive_as(s["pid"], s["argv"]) for s in old["services"]):
-            raise RuntimeError(f"a stack is already running from {config.run_dir}: run `shinkai down` first")
+            raise RuntimeError(
+                f"a stack is already running from {config.run_dir}: run `{shinkai_command()} down` first"
+            )
     logs = config.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     state: dict = {"config": {k: str(v) for k, v in asdict(config).items()}, "services": []}

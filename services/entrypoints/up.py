@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 
 from services.entrypoints.stack import StackConfig
@@ -119,7 +120,10 @@ def _up(args: argparse.Namespace) -> int:
         up(config, timeout_s=args.timeout)
     except (RuntimeError, FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from err
-    print(f"logs in {args.run_dir / 'logs'}; stop with: shinkai down --run-dir {args.run_dir}")
+    from services.entrypoints.invocation import shinkai_command
+
+    stop = f"{shinkai_command()} down --run-dir {shlex.quote(str(args.run_dir))}"
+    print(f"logs in {args.run_dir / 'logs'}; stop with: {stop}")
     return 0
 
 
