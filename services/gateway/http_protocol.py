@@ -136,5 +136,7 @@ def http_timeouts(args) -> HttpTimeouts:
 
 
 def http_timeout_argv(timeouts: HttpTimeouts) -> list[str]:
-    """The flags that give these timeouts to a gateway process."""
+    """The flags that give these timeouts to a gateway process (none for the defaults)."""
+    if timeouts == HttpTimeouts():
+        return []
     return ["--http-header-timeout", f"{timeouts.header_s:g}", "--http-body-timeout", f"{timeouts.body_s:g}"]

@@ -136,3 +136,20 @@ def test_a_thousand_half_sent_requests_held_open_do_not_stop_a_normal_one():
             sock.close()
         thread.stop()
     assert pools_whole(thread.server.engine.stats())
+
+
+def test_up_gives_the_gateway_process_its_timeouts():
+    """`shinkai up --http-header-timeout 3 --http-body-timeout 7` reaches the gateway's command line, and the
+    gateway process's flags parse back to the same timeouts."""
+    import argparse
+
+    from services.entrypoints.stack import StackConfig, services
+    from services.gateway.http_protocol import add_http_timeout_arguments, http_timeouts
+
+    timeouts = HttpTimeouts(header_s=3.0, body_s=7.0)
+    gateway = {s.name: s for s in services(StackConfig(model="tiny", http_timeouts=timeouts))}["gateway"].argv
+    parser = argparse.ArgumentParser()
+    add_http_timeout_arguments(parser)
+    known, _ = parser.parse_known_args(gateway)
+    assert http_timeouts(known) == timeouts
+    assert http_timeouts(parser.parse_args([])) == HttpTimeouts()  # the defaults need no flags
