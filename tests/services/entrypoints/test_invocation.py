@@ -32,11 +32,23 @@ def test_with_shinkai_on_path_it_is_shinkai(tmp_path):
     assert shinkai_command(cwd=ROOT, path=str(tmp_path)) == "shinkai"
 
 
+def test_through_the_script_the_callers_path_decides(monkeypatch, tmp_path):
+    """scripts/shinkai.sh puts the venv's bin (with its own ``shinkai``) on PATH; the caller's shell has not."""
+    venv_bin = tmp_path / "bin"
+    venv_bin.mkdir()
+    (venv_bin / "shinkai").write_text("#!/bin/sh\n")
+    (venv_bin / "shinkai").chmod(0o755)
+    monkeypatch.setenv("PATH", str(venv_bin))
+    monkeypatch.setenv("SHINKAI_CALLER_PATH", "/usr/bin:/bin")
+    assert shinkai_command(cwd=ROOT) == "bash scripts/shinkai.sh"
+
+
 def test_up_prints_the_hint_it_means(monkeypatch, tmp_path, capsys):
     """`up`'s last line (with the stack itself stubbed out) ends with the runnable command."""
     from services.entrypoints import cli, stack
 
     monkeypatch.setenv("PATH", str(Path(os.__file__).parent))  # a PATH without shinkai
+    monkeypatch.delenv("SHINKAI_CALLER_PATH", raising=False)
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(stack, "up", lambda config, timeout_s: {})
     assert cli.main(["up", "--run-dir", str(tmp_path)]) == 0
