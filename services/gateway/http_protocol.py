@@ -14,6 +14,7 @@ body does, DONE once the request is whole (no deadline while the response is mad
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from dataclasses import dataclass
@@ -112,25 +113,35 @@ def protocol_with(timeouts: HttpTimeouts) -> type[H11Protocol]:
     return type("DeadlinedH11", (_DeadlinedH11,), {"timeouts": timeouts})
 
 
-def add_http_timeout_arguments(parser) -> None:
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def add_http_timeout_arguments(parser: argparse.ArgumentParser) -> None:
     """``--http-header-timeout`` and ``--http-body-timeout`` (of ``serve``, ``up`` and the gateway process)."""
     parser.add_argument(
         "--http-header-timeout",
-        type=float,
+        type=_seconds,
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds an HTTP request's headers may take to arrive; then 408 and the connection closed "
         "(default %(default)g)",
     )
     parser.add_argument(
         "--http-body-timeout",
-        type=float,
+        type=_seconds,
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds an HTTP request's body may take after its headers; then 408 and the connection closed "
         "(default %(default)g)",
     )
 
 
-def http_timeouts(args) -> HttpTimeouts:
+def http_timeouts(args: argparse.Namespace) -> HttpTimeouts:
     """The timeouts the flags of ``add_http_timeout_arguments`` give."""
     return HttpTimeouts(header_s=args.http_header_timeout, body_s=args.http_body_timeout)
 

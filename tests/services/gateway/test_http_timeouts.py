@@ -153,3 +153,18 @@ def test_up_gives_the_gateway_process_its_timeouts():
     known, _ = parser.parse_known_args(gateway)
     assert http_timeouts(known) == timeouts
     assert http_timeouts(parser.parse_args([])) == HttpTimeouts()  # the defaults need no flags
+
+
+def test_a_timeout_that_is_not_positive_is_refused_by_the_flag_parser(capsys):
+    import argparse
+
+    from services.gateway.http_protocol import add_http_timeout_arguments
+
+    parser = argparse.ArgumentParser()
+    add_http_timeout_arguments(parser)
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--http-body-timeout", bad])
+        assert "--http-body-timeout" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="header timeout must be positive"):
+        HttpTimeouts(header_s=0)
