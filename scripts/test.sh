@@ -17,3 +17,7 @@ ruff check .
 ruff format --check .
 echo "== pytest"
 python -m pytest -q --durations=25 "$@"
+if [ $# -eq 0 ]; then
+  echo "== CPU profiles (scripts/dev/cpu_profiles.sh)"
+  bash scripts/dev/cpu_profiles.sh
+fi

@@ -29,6 +29,7 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend
+    from services.gateway.http_protocol import http_timeouts
     from services.gateway.image_fetcher import ImageFetcher
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
@@ -69,6 +70,7 @@ async def run(args: argparse.Namespace) -> int:
         args.grpc_port,
         Keys.from_args(args.api_key),
         tls_files(args.ssl_certfile, args.ssl_keyfile),
+        http_timeouts=http_timeouts(args),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -138,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
     )
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) image URL")
+    from services.gateway.http_protocol import add_http_timeout_arguments
+
+    add_http_timeout_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

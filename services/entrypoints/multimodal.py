@@ -15,6 +15,7 @@ import grpc
 
 from observability import tracing
 from services import service_auth
+from services.grpc_errors import AioNoInternalText
 from services.grpc_host import serve_until_signalled
 from services.multimodal.preprocess import ImageLimits
 from services.multimodal.service import ENCODE_DELAY_ENV, GRPC_OPTIONS, SERVICE, MultimodalApi
@@ -23,7 +24,9 @@ DESCRIPTION = "The multimodal service: multimodal.v1.Multimodal over gRPC, plus 
 
 
 async def serve(api: MultimodalApi, grpc_addr: str, metrics_port: int | None = None) -> int:
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=service_auth.server_interceptors())
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=[*service_auth.server_interceptors(), AioNoInternalText()]
+    )
     server.add_generic_rpc_handlers((api.handler(),))
     return await serve_until_signalled(
         server,

@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     from services.engine.config import add_parallel_arguments, add_speculative_arguments
     from services.engine.device import add_device_arguments
+    from services.gateway.http_protocol import add_http_timeout_arguments
+
+    add_http_timeout_arguments(p)
 
     add_device_arguments(p)
     add_speculative_arguments(p)
@@ -58,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace):
     from services.gateway.auth import Keys, tls_files
+    from services.gateway.http_protocol import http_timeouts
     from services.gateway.server import ServeConfig
 
     engine_args = {
@@ -77,6 +81,7 @@ def _config(args: argparse.Namespace):
     extra["api_keys"] = Keys.parse(args.api_key)
     extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)
     extra["allow_private_image_urls"] = args.allow_private_image_urls
+    extra["http_timeouts"] = http_timeouts(args)
     return ServeConfig(
         model=args.model,
         served_model_name=args.served_model_name,

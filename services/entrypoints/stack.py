@@ -27,7 +27,9 @@ from typing import Protocol
 
 from services import nats_auth
 from services.entrypoints.credentials import NATS, StackCredentials, without_secrets
+from services.entrypoints.invocation import shinkai_command
 from services.gateway.auth import KEY_ENV
+from services.gateway.http_protocol import HttpTimeouts, http_timeout_argv
 from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +62,7 @@ class StackConfig:
     supervise: bool = True  # `up` leaves a supervisor that restarts crashed services (supervisor.py)
     restart_limit: int = 4  # the supervisor's restarts in a row per service; the next crash stays down
     restart_backoff_s: float = 1.0  # the supervisor's wait before a first restart (doubled for each in a row)
+    http_timeouts: HttpTimeouts = HttpTimeouts()  # the gateway's read deadlines of a request's headers and body
 
 
 @dataclass(frozen=True)
@@ -361,6 +364,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         str(at.port("gateway", "grpc")),
         *drain,
         *(["--allow-private-image-urls"] if config.allow_private_image_urls else []),
+        *http_timeout_argv(config.http_timeouts),
     ]
     for spec in engines:
         gateway += ["--engine", spec]
@@ -443,7 +447,9 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
     if state_file.exists():
         old = json.loads(state_file.read_text())
         if any(alive_as(s["pid"], s["argv"]) for s in _recorded(old)):
-            raise RuntimeError(f"a stack is already running from {config.run_dir}: run `shinkai down` first")
+            raise RuntimeError(
+                f"a stack is already running from {config.run_dir}: run `{shinkai_command()} down` first"
+            )
     logs = config.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     state: dict = {"config": {k: str(v) for k, v in asdict(config).items()}, "services": []}

@@ -14,6 +14,7 @@ import grpc
 
 from observability import tracing
 from services import service_auth
+from services.grpc_errors import AioNoInternalText
 from services.grpc_host import serve_until_signalled
 from services.tokenizer.service import SERVICE, TokenizerApi, load_vocabulary
 
@@ -23,7 +24,7 @@ DESCRIPTION = "The tokenizer service: tokenizer.v1.Tokenizer over gRPC, plus grp
 async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> int:
     tracing.setup("shinkai-tokenizer")
     tokenizer, bos = load_vocabulary(model)
-    server = grpc.aio.server(interceptors=service_auth.server_interceptors())  # the service credential
+    server = grpc.aio.server(interceptors=[*service_auth.server_interceptors(), AioNoInternalText()])
     api = TokenizerApi(tokenizer, bos)
     server.add_generic_rpc_handlers((api.handler(),))
     return await serve_until_signalled(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from services.entrypoints.stack import StackConfig
@@ -51,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_speculative_arguments(up)
     add_parallel_arguments(up)
+    from services.gateway.http_protocol import add_http_timeout_arguments
+
+    add_http_timeout_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.add_argument(
@@ -96,6 +100,7 @@ def _up(args: argparse.Namespace) -> int:
             "carry drafts yet; drop --remote-workers"
         )
     from services.engine.device import device_args
+    from services.gateway.http_protocol import http_timeouts
 
     config = StackConfig(
         model=args.model,
@@ -114,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
         spec_sampling=args.spec_sampling,
         spec_varlen=args.spec_varlen,
         allow_private_image_urls=args.allow_private_image_urls,
+        http_timeouts=http_timeouts(args),
         data_parallel_size=args.data_parallel_size,
         num_redundant_experts=args.num_redundant_experts,
         supervise=not args.no_supervisor,
@@ -127,7 +133,10 @@ def _up(args: argparse.Namespace) -> int:
         up(config, timeout_s=args.timeout, api_key=args.api_key)  # into the gateway's environment only
     except (RuntimeError, FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from err
-    print(f"logs in {args.run_dir / 'logs'}; stop with: shinkai down --run-dir {args.run_dir}")
+    from services.entrypoints.invocation import shinkai_command
+
+    stop = f"{shinkai_command()} down --run-dir {shlex.quote(str(args.run_dir))}"
+    print(f"logs in {args.run_dir / 'logs'}; stop with: {stop}")
     return 0
 
 

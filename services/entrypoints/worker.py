@@ -25,6 +25,7 @@ from services import service_auth
 from services.engine.config import EngineConfig, add_parallel_arguments
 from services.engine.device import add_device_arguments, device_args, device_engine_args
 from services.engine.model_source import load_model
+from services.grpc_errors import NoInternalText
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.build import build_worker
 from services.worker.parallel.groups import init_rank_groups
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ],
-        interceptors=service_auth.sync_server_interceptors(),  # the stack's service credential
+        interceptors=[*service_auth.sync_server_interceptors(), NoInternalText()],  # the stack's service credential
     )
     api = WorkerApi(worker, args.model, hashes, source.config.vocab_size)
     worker_pb2_grpc.add_WorkerServicer_to_server(api, server)

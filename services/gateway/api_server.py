@@ -21,7 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.gateway.auth import Keys
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
+from services.gateway.http_protocol import HttpTimeouts, protocol_with
 from services.gateway.openai.http import build_app
+from services.grpc_errors import AioNoInternalText
 
 
 class _Uvicorn(uvicorn.Server):
@@ -44,10 +46,12 @@ class ApiServer:
         tls: tuple[str, str] | None = None,
         max_receive_bytes: int | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        http_timeouts: HttpTimeouts = HttpTimeouts(),
     ) -> None:
         self.frontend = frontend
         # gRPC server interceptors: an engine process checks the service credential (services/service_auth.py).
         self.interceptors = list(interceptors)
+        self.http_timeouts = http_timeouts  # read deadlines of a request's headers and body (HTTP only)
         # The largest gRPC request taken; None: grpc's default (4 MiB). An engine process takes a chat's images.
         self.max_receive_bytes = max_receive_bytes
         self.tls = tls  # (certificate file, key file), both PEM: HTTPS and TLS gRPC; None: plaintext
@@ -71,7 +75,7 @@ class ApiServer:
 
     async def start(self) -> None:
         options = [("grpc.max_receive_message_length", self.max_receive_bytes)] if self.max_receive_bytes else []
-        self._grpc = grpc.aio.server(options=options, interceptors=self.interceptors or None)
+        self._grpc = grpc.aio.server(options=options, interceptors=[*self.interceptors, AioNoInternalText()])
         self._grpc.add_generic_rpc_handlers(
             (ShinkaiApi(self.frontend, self.serving, self.health_problem, self.keys).handler(),)
         )
@@ -101,7 +105,14 @@ class ApiServer:
         app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem, keys=self.keys)
         tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls is not None else {}
         self._uvicorn = _Uvicorn(
-            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, **tls)
+            uvicorn.Config(
+                app,
+                http=protocol_with(self.http_timeouts),
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=5,
+                **tls,
+            )
         )
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:

@@ -81,6 +81,7 @@ class RankServer:
                 self.config.grpc_port,
                 Keys(self.config.api_keys),
                 self.config.tls,
+                http_timeouts=self.config.http_timeouts,
             )
             self._health = EngineHealth(self.router, self.api.set_problem)
             await self._health.poll()

@@ -17,6 +17,7 @@ from services.gateway.api_server import ApiServer
 from services.gateway.auth import Keys
 from services.gateway.backends import LocalEngine, LocalTokenizer
 from services.gateway.frontend import Frontend
+from services.gateway.http_protocol import HttpTimeouts
 from services.gateway.image_fetcher import ImageFetcher
 
 
@@ -35,6 +36,7 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()  # keys HTTP and gRPC callers must send (services/gateway/auth.py); (): open
     tls: tuple[str, str] | None = None  # (certificate, key) PEM files: HTTPS and TLS gRPC; None: plaintext
     allow_private_image_urls: bool = False  # image URLs may resolve to private / loopback addresses (the SSRF rule off)
+    http_timeouts: HttpTimeouts = HttpTimeouts()  # read deadlines of an HTTP request's headers and body
 
 
 class Server:
@@ -58,7 +60,13 @@ class Server:
             image_fetcher=ImageFetcher(allow_private=config.allow_private_image_urls),
         )
         self.api = ApiServer(
-            self.frontend, config.host, config.http_port, config.grpc_port, Keys(config.api_keys), config.tls
+            self.frontend,
+            config.host,
+            config.http_port,
+            config.grpc_port,
+            Keys(config.api_keys),
+            config.tls,
+            http_timeouts=config.http_timeouts,
         )
 
     @property

@@ -11,6 +11,7 @@ Every refusal is an ``ImageInputError`` whose text names the problem (a 400 / IN
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -50,9 +51,17 @@ def open_image(data: bytes, limits: ImageLimits) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
-        raise ImageInputError(f"the {image.format} image is corrupt or truncated: {err}") from None
-    return image.convert("RGB")
+    except Exception as err:  # a decoder's failure on untrusted bytes, of whatever type Pillow's plugin raises
+        raise ImageInputError(f"the {image.format} image is corrupt or truncated: {_said(err)}") from None
+    try:
+        return image.convert("RGB")
+    except Exception as err:  # a pixel mode without a conversion to RGB
+        raise ImageInputError(f"the {image.format} image's mode {image.mode} is not supported: {_said(err)}") from None
+
+
+def _said(err: Exception) -> str:
+    """A decoder error as the client reads it: its text (or its type when it has none), cut to 200 characters."""
+    return (str(err) or type(err).__name__)[:200]
 
 
 def _open_header(data: bytes, limits: ImageLimits) -> Image.Image:
@@ -62,9 +71,19 @@ def _open_header(data: bytes, limits: ImageLimits) -> Image.Image:
     if len(data) > limits.max_bytes:
         raise ImageInputError(f"the image is {len(data)} bytes, over the limit of {limits.max_bytes}")
     try:
-        image = Image.open(io.BytesIO(data), formats=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the pixel limit below decides
+            image = Image.open(io.BytesIO(data), formats=None)
+    except Image.DecompressionBombError as err:
+        # Pillow refuses a header past twice its own limit (``Image.MAX_IMAGE_PIXELS``, above ``max_pixels``)
+        # before returning it; its text holds the pixel count.
+        found = re.search(r"\((\d+) pixels\)", str(err))
+        size = f"{found.group(1)} pixels" if found else "over Pillow's decompression-bomb limit"
+        raise ImageInputError(f"the image is {size}, over the limit of {limits.max_pixels}") from None
     except UnidentifiedImageError:
         raise ImageInputError(f"the image is not in a supported format ({', '.join(FORMATS)}) or is corrupt") from None
+    except Exception as err:  # a header Pillow's plugin fails on (a truncated JPEG: OSError)
+        raise ImageInputError(f"the image's header is corrupt or truncated: {_said(err)}") from None
     if image.format not in FORMATS:
         raise ImageInputError(f"image format {image.format} is not supported; use one of {', '.join(FORMATS)}")
     width, height = image.size

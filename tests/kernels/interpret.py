@@ -16,6 +16,15 @@ depend on M: a row's value then depends on how many rows share its tile, which a
 Inside ``interpreter()`` an fp32 ``tl.dot`` instead rounds the float64 product to fp32 (fp32 operands
 multiply exactly in float64; the sum's order moves the float64 result by ~K·2⁻⁵³ relative, which the
 rounding to fp32 absorbs): each row's value is its own, on every CPU.
+
+Triton's interpreter swaps its own builtins into ``triton.language`` while a kernel runs and restores them
+after, except on a device-function call (``InterpretedFunction.__call__``: a ``@triton.jit`` helper called
+from a kernel), whose swap it never undoes. For a helper whose module holds ``triton.language.core`` (every
+twin of Triton's stdlib: ``tl.sum``, ``tl.max``, ``tl.cumsum`` …) that leaves ``core.add``, ``core.load``
+and the other builtins bound to the interpreter for the rest of the process; ``tensor.__add__`` calls
+``core.add``, so a kernel compiled afterwards fails in the code generator ("'block_argument' object has no
+attribute 'dtype'") unless Triton's cache already held it. Inside ``interpreter()`` a device-function call
+restores what it swapped (``_scoped_device_call``).
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
-_TWINS: dict[int, InterpretedFunction] = {}
+_TWINS: dict[object, InterpretedFunction] = {}
+"""Interpreted twins of Triton's stdlib jit helpers, keyed by the helper's Python function."""
 
 
 def _stdlib_jit_functions() -> list[tuple[ModuleType, str, JITFunction]]:
@@ -64,18 +74,35 @@ def _row_independent_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return triton_interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
 
+_DEVICE_CALL = InterpretedFunction.__call__
+
+
+def _scoped_device_call(self, *args, **kwargs):
+    """Triton's device-function call, with the builtins it swaps into ``triton.language`` restored after."""
+    scope = triton_interpreter._patch_lang(self.fn)  # records the state before the call's own swap
+    try:
+        return _DEVICE_CALL(self, *args, **kwargs)
+    finally:
+        scope.restore()
+
+
 @contextlib.contextmanager
 def interpreter() -> Iterator[None]:
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     swapped = _stdlib_jit_functions()
     for module, attr, fn in swapped:
-        setattr(module, attr, _TWINS.setdefault(id(fn), InterpretedFunction(fn.fn)))
+        if fn.fn not in _TWINS:
+            _TWINS[fn.fn] = InterpretedFunction(fn.fn)
+        setattr(module, attr, _TWINS[fn.fn])
+    dot, device_call = triton_interpreter.InterpreterBuilder.create_dot, InterpretedFunction.__call__  # nested blocks
     triton_interpreter.InterpreterBuilder.create_dot = _row_independent_dot
+    InterpretedFunction.__call__ = _scoped_device_call
     try:
         yield
     finally:
-        triton_interpreter.InterpreterBuilder.create_dot = _BLAS_DOT
+        InterpretedFunction.__call__ = device_call
+        triton_interpreter.InterpreterBuilder.create_dot = dot
         for module, attr, fn in swapped:
             setattr(module, attr, fn)
         if old is None:

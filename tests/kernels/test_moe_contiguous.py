@@ -118,7 +118,7 @@ def test_gpu_layout_equals_the_torch_layout_at_v41_shapes(per_row):
 
 
 @pytest.mark.parametrize("per_row", [True, False], ids=["quantise-per-row", "copy-words"])
-def test_it_compiles_for_sm90_on_this_cpu(per_row):
+def test_it_compiles_for_sm90_on_this_cpu(per_row, private_triton_cache):
     """The interpreter runs branches that the compiler rejects (a name bound in both arms of the kernel's ``if`` with
     two types failed on the H200): Triton builds sm_90a code here, no device needed (scripts/dev/compile_sm90.py)."""
     import importlib.util

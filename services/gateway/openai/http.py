@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from observability import tracing
 from services.gateway import errors
@@ -210,6 +211,10 @@ def build_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
         body = ApiError(errors.INVALID, str(err.detail), code=code).openai_body()
         return JSONResponse(body, status_code=err.status_code, headers=err.headers)  # 405 keeps its Allow
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, err: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left (or its body timed out) mid-body: nobody reads this
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, err: Exception) -> JSONResponse:

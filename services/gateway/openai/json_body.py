@@ -2,8 +2,11 @@
 
 Invariants of a body this returns:
 - it is a JSON object of at most ``MAX_DEPTH`` nested arrays/objects (the outermost object is depth 1);
-- no number in it is NaN or ±Infinity (Python's ``json`` accepts those; a refusal names the field's path,
-  e.g. ``messages[0].content``);
+- no number in it is NaN or ±Infinity, written so or too large for a float (``1e999``; Python's ``json``
+  accepts those; a refusal names the field's path, e.g. ``messages[0].content``);
+- no integer in it has more digits than Python converts (``sys.get_int_max_str_digits()``, 4,300 by default;
+  beyond it ``int()`` raises ValueError): such a number is beyond every field's range, and the refusal names
+  the field's path;
 - every string in it is what the client sent: no sentinel value stands for a refused constant.
 A body nested too deeply for the parser itself (a RecursionError) is the same 400 as one over ``MAX_DEPTH``.
 """
@@ -11,6 +14,7 @@ A body nested too deeply for the parser itself (a RecursionError) is the same 40
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from services.gateway import errors
@@ -28,6 +32,25 @@ class _NonFinite:
         self.name = name  # the constant as written: "NaN", "Infinity" or "-Infinity"
 
 
+class _TooLong:
+    """What the parser makes of an integer with more digits than Python converts."""
+
+    def __init__(self, digits: str) -> None:
+        self.num_digits = len(digits.lstrip("-"))  # the integer's digits as written
+
+
+def _parse_int(digits: str) -> int | _TooLong:
+    try:
+        return int(digits)
+    except ValueError:  # over the int-string conversion limit: the parser's digits are always well-formed
+        return _TooLong(digits)
+
+
+def _parse_float(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
 def _path(parts: tuple[str | int, ...]) -> str:
     out = ""
     for part in parts:
@@ -36,12 +59,18 @@ def _path(parts: tuple[str | int, ...]) -> str:
 
 
 def check_tree(body: Any, max_depth: int = MAX_DEPTH) -> None:
-    """Refuses a tree deeper than ``max_depth`` or holding a non-finite number; iterative (no recursion)."""
+    """Refuses a tree deeper than ``max_depth`` or holding a non-finite number or an integer past the conversion
+    limit; iterative (no recursion)."""
     stack: list[tuple[Any, tuple[str | int, ...], int]] = [(body, (), 1)]
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, _NonFinite):
             raise errors.invalid(f"{_path(path)} must be a finite number, not {value.name}", _path(path) or None)
+        if isinstance(value, _TooLong):
+            raise errors.invalid(
+                f"{_path(path)} is an integer of {value.num_digits} digits, beyond the range of any field",
+                _path(path) or None,
+            )
         if isinstance(value, (dict, list)):
             if depth > max_depth:
                 raise errors.invalid(
@@ -61,7 +90,7 @@ def parse_body(raw: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: i
     except UnicodeDecodeError as err:
         raise errors.invalid(f"the body is not valid UTF-8: byte {err.start} cannot be decoded") from err
     try:
-        body = json.loads(text, parse_constant=_NonFinite)
+        body = json.loads(text, parse_constant=_NonFinite, parse_int=_parse_int, parse_float=_parse_float)
     except json.JSONDecodeError as err:
         raise errors.invalid(f"the body is not valid JSON: {err}") from err
     except RecursionError as err:

@@ -1,6 +1,7 @@
 """The bad-input table (docs/serving.md), row by row, over HTTP and gRPC: a 4xx / specific status code, never a 500,
 UNKNOWN or INTERNAL, with an OpenAI error body (HTTP) or a message that says what is wrong (gRPC)."""
 
+import base64
 import json
 import math
 import urllib.error
@@ -12,10 +13,20 @@ import pytest
 from services.client import InvalidArgument, ModelNotFound, QueueFull, ShinkaiClient
 from services.client.messages import generate_request
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from tests.services.multimodal.hostile_images import HOSTILE, bilevel_png
 
 pytestmark = pytest.mark.timeout(60)
 
 OK = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
+DIGITS_5001 = b"1" + b"0" * 5000  # past Python's int-string conversion limit (4,300 digits)
+BOMB = bilevel_png(20000, 20000)  # a 20000 x 20000 1-bit PNG: 57 KB that Pillow refuses to open
+
+
+def chat_with_image(data: bytes) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    parts = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
+
 
 # (row, HTTP body as bytes, expected status, a word the message must contain)
 HTTP_ROWS = [
@@ -53,6 +64,29 @@ HTTP_ROWS = [
         "supported format",
     ),
     ("chat with a bad role", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "robot"),
+    (
+        "max_tokens of 5001 digits",
+        b'{"model": "tiny", "prompt": "Hi", "max_tokens": ' + DIGITS_5001 + b"}",
+        400,
+        "max_tokens",
+    ),
+    (
+        "seed of 4301 digits",
+        b'{"model": "tiny", "prompt": "Hi", "seed": 1' + b"0" * 4300 + b"}",
+        400,
+        "seed is an integer",
+    ),
+    (
+        "5001 digits deep in a body",
+        b'{"model": "tiny", "prompt": "Hi", "x": {"y": [' + DIGITS_5001 + b"]}}",
+        400,
+        "x.y[0]",
+    ),
+    ("1e999 in an ignored field", b'{"model": "tiny", "prompt": "Hi", "x": 1e999}', 400, "x must be a finite number"),
+    ("chat with a decompression bomb", chat_with_image(BOMB), 400, "400000000 pixels"),
+    ("chat with a bomb of 10 rows", chat_with_image(bilevel_png(20000, 20000, 10)), 400, "400000000 pixels"),
+    ("chat with a truncated JPEG", chat_with_image(HOSTILE["JPEG cut after 200 bytes"][0]), 400, "truncated"),
+    ("chat with a truncated PNG", chat_with_image(HOSTILE["PNG cut after 100 bytes"][0]), 400, "truncated"),
 ]
 
 
@@ -115,6 +149,12 @@ GRPC_ROWS = [
     ("seed too large", dict(seed=2**63), grpc.StatusCode.INVALID_ARGUMENT, "seed"),
     ("unknown model", dict(model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
     ("chat without messages", dict(prompt=None, messages=[]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+    (
+        "chat with a decompression bomb",
+        dict(prompt=None, messages=chat_with_image(BOMB)["messages"]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "400000000 pixels",
+    ),
 ]
 
 
@@ -127,6 +167,22 @@ def test_grpc_bad_input(served, row, changes, code, word):
             list(call(generate_request(**kwargs), timeout=30))
     assert info.value.code() == code, info.value.details()
     assert word in info.value.details()
+
+
+def test_grpc_sends_no_internal_exception_text(served, monkeypatch):
+    """A bug past the checks (here: the frontend raising) is INTERNAL "internal error" over gRPC, never UNKNOWN
+    carrying the exception's text."""
+
+    async def broken(args):
+        raise RuntimeError("/srv/shinkai/secret.py: token=abc")
+
+    monkeypatch.setattr(served.server.frontend, "start", broken)
+    with grpc.insecure_channel(served.grpc_target) as ch:
+        call = ch.unary_stream("/shinkai.v1.Shinkai/Generate", request_serializer=pb.GenerateRequest.SerializeToString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(generate_request("Hi", max_tokens=1), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error"
 
 
 def test_grpc_n_above_the_limit(served):
