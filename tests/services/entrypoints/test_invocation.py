@@ -50,7 +50,7 @@ def test_up_prints_the_hint_it_means(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("PATH", str(Path(os.__file__).parent))  # a PATH without shinkai
     monkeypatch.delenv("SHINKAI_CALLER_PATH", raising=False)
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(stack, "up", lambda config, timeout_s: {})
+    monkeypatch.setattr(stack, "up", lambda config, timeout_s, api_key=None: {})
     assert cli.main(["up", "--run-dir", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.endswith(f"stop with: bash scripts/shinkai.sh down --run-dir {tmp_path}"), last
