@@ -205,7 +205,7 @@ class LLM:
             self.engine.add_request(request_id, ids, p, ready=rows is None)
             if rows is not None:
                 self.engine.provide_images(request_id, rows)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[tuple[str, int], RequestOutput] = {}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -213,14 +213,15 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="generate", unit="req")
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.finished and out.request_id not in finished:
+                if out.finished and (out.request_id, out.index) not in finished:
                     out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                    finished[out.request_id] = out
+                    finished[(out.request_id, out.index)] = out
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [finished[request_id] for request_id in request_ids]
+        # A prompt with n > 1 gives its n choices in a row, by index.
+        return [finished[(r, i)] for r, p in zip(request_ids, params_list) for i in range(p.n)]
 
     def stats(self) -> EngineStats:
         if self.ranks is not None:

@@ -22,6 +22,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     # The end or stop token that ended the request, if one did.
     stop_token_id: int | None = None
+    # Which of the request's n choices this is (0 to n - 1); every choice's output has the request's id.
+    index: int = 0
 
     @property
     def finished(self) -> bool:

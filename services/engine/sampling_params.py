@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 N_SEED_STEP = 0x9E3779B97F4A7C15
-"""Choice i of a request with ``n`` > 1 draws with seed (seed + i · N_SEED_STEP) mod 2⁶⁴ (the golden-ratio
-increment of SplitMix64): choice 0 keeps the request's seed, so n = 1 draws as before, and the choices' Philox
-keys are far apart for neighbouring seeds."""
+"""Choice i of a request with ``n`` > 1 draws with seed (seed + i · N_SEED_STEP) mod 2⁶³ (SplitMix64's golden-ratio
+increment): choice 0 keeps the request's seed, so n = 1 draws as before; the choices' Philox keys are far apart for
+neighbouring seeds; and a request of n = 1 with choice i's seed gives choice i's tokens."""
 
 PENALTY_LIMIT = 2.0
 """presence_penalty and frequency_penalty lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (OpenAI's range)."""
@@ -118,7 +118,7 @@ class SamplingParams:
 
     def choice_seed(self, seed: int, index: int) -> int:
         """Choice ``index``'s seed stream of a request drawing with ``seed`` (N_SEED_STEP)."""
-        return (seed + index * N_SEED_STEP) % (1 << 64)
+        return (seed + index * N_SEED_STEP) % (1 << 63)
 
 
 def _is_number(value: object) -> bool:

@@ -233,7 +233,7 @@ class Frontend:
         Text and chat are refused (400) as soon as their length proves them over the tokens the context
         leaves after max_tokens: from their bytes before encoding, else after (images counted as their one
         placeholder here; the engine checks the expanded prompt)."""
-        budget = self.info.max_model_len - args.params.resolved_max_tokens
+        budget = self.info.max_model_len - (args.params.max_tokens or 1)  # None: the rest, at least one token
         if args.chat_body is not None:
             try:
                 rendered = await self.tokenizer.render_chat(args.chat_body, budget)

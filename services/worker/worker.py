@@ -15,6 +15,7 @@ from services.worker.batch.step_batch import PendingInputs, pending_shifts
 from services.worker.host_copy import HostCopy, host_sampled, sampled_copy
 from services.worker.runners.reference_runner import RunnerOutput
 from services.worker.sampling.sampler import Sampler, SamplingRow
+from services.worker.sampling.token_counts import TokenCounts
 from services.worker.spec.speculator import Speculator
 
 
@@ -101,6 +102,8 @@ class Worker:
         # The speculator verifies on the torch Sampler's processed distributions (``Sampler.process``), which the
         # fused sampling kernel does not expose: on the kernel backend it gets its own torch Sampler.
         self.spec_sampler = self.sampler if isinstance(self.sampler, Sampler) else Sampler()
+        # The penalties' per-request token counts on the sampler's device (slots named by the engine).
+        self.token_counts: TokenCounts | None = None
 
     def execute(
         self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None
@@ -147,7 +150,12 @@ class Worker:
                 request_ids,
                 torch.full((plan.num_requests,), -1, dtype=torch.long),
             )
-        sampled = self.sampler(out.logits, rows)
+        counts = self._token_counts(rows, out.logits)
+        if counts is None:
+            sampled = self.sampler(out.logits, rows)
+        else:  # the penalties read the counts in place; this step's tokens are counted right after, on the device
+            sampled = self.sampler(out.logits, rows, counts)  # type: ignore[call-arg]
+            counts.record([r.history if r.has_penalties else None for r in rows], sampled.token_ids)
         host = sampled_copy(sampled)  # queued now, before the engine queues the next step
 
         def read_back() -> StepResult:  # the one device → host copy of a step, waited for here
@@ -176,6 +184,18 @@ class Worker:
             last_tokens(sampled, num_sample_rows),
             host=host,
         )
+
+    def _token_counts(self, rows: Sequence[SamplingRow], logits: torch.Tensor) -> TokenCounts | None:
+        """The penalties' token counts (made on first use, on the logits' device), each slot a row's request opens
+        with its first sampled row opened first; None when no row has penalties."""
+        if not any(r.has_penalties for r in rows):
+            return None
+        if self.token_counts is None:
+            self.token_counts = TokenCounts(logits.shape[1], logits.device)
+        for row in rows:
+            if row.history_prompt is not None and row.history is not None:
+                self.token_counts.open(row.history, row.history_prompt)
+        return self.token_counts
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
         """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/state/image_inputs.py),
