@@ -176,3 +176,22 @@ def test_generate_returns_each_prompts_choices_in_order(llm):
     outs = llm.generate([_prompt(6, 9), [5]], [SamplingParams(max_tokens=3, n=3, seed=1), SamplingParams(max_tokens=2, n=2, seed=2)])
     assert [o.index for o in outs] == [0, 1, 2, 0, 1]
     assert all(len(o.token_ids) <= 3 for o in outs)
+
+
+def test_penalties_under_async_scheduling_give_the_synchronous_tokens(llm):
+    """Async scheduling plans step N + 1 before N's tokens are read: the token counts, updated on the device by
+    step N, must hold N's token when N + 1 samples."""
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, frequency_penalty=-2.0, presence_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=1.0, seed=4, repetition_penalty=0.5, min_p=0.1, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=2, presence_penalty=-2.0, ignore_eos=True),
+    ]
+    prompts = [_prompt(20, 25), _prompt(21, 7), _prompt(22, 18)]
+    engine = llm.engine
+    try:
+        engine.config = engine.config.replace(async_scheduling=True)
+        asynchronous = llm.generate(prompts, params)
+    finally:
+        engine.config = engine.config.replace(async_scheduling=False)
+    synchronous = llm.generate(prompts, params)
+    assert [(o.token_ids, o.logprobs) for o in asynchronous] == [(o.token_ids, o.logprobs) for o in synchronous]
