@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time decode and a prefill step with the batch-invariant mode on, beside it off",
     )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="decode with presence, frequency and repetition penalties, min_p and min_tokens on every request "
+        "(the sampler kernel's pass 0 and the token counts), else plain greedy",
+    )
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
@@ -84,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _override(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The mode's sizes with those given on the command line."""
-    out = dict(sizes)
+    out = dict(sizes, penalties=bool(getattr(args, "penalties", False)))
     for key, value in (("batches", args.batches), ("contexts", args.contexts), ("prefill", args.prefill_tokens)):
         if value:
             try:
@@ -124,6 +130,7 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
                     context=context,
                     steps=sizes["steps"],
                     vocab_size=cfg.vocab_size,
+                    penalties=sizes.get("penalties", False),
                 )
             except Exception as exc:
                 print(f"decode  ctx {context:>6} batch {batch:>4}: FAILED: {type(exc).__name__}: {exc}")
@@ -287,6 +294,7 @@ def _command(args: argparse.Namespace) -> str:
             "contexts",
             "prefill_tokens",
             "batch_invariant",
+            "penalties",
         )
         and v not in (None, False)
     ]
