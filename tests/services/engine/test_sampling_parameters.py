@@ -195,3 +195,11 @@ def test_penalties_under_async_scheduling_give_the_synchronous_tokens(llm):
         engine.config = engine.config.replace(async_scheduling=False)
     synchronous = llm.generate(prompts, params)
     assert [(o.token_ids, o.logprobs) for o in asynchronous] == [(o.token_ids, o.logprobs) for o in synchronous]
+
+
+@pytest.mark.rest_of_context
+def test_max_tokens_unset_runs_to_the_end_of_the_context():
+    small = LLM(model="tiny", block_size=16, max_model_len=40, max_num_seqs=2)
+    prompt = _prompt(7, 35)
+    (out,) = small.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
