@@ -85,7 +85,9 @@ def test_greedy_tokens_follow_the_penalized_logits(llm, penalty, bites):
     earlier tokens back), some token differs from the raw argmax, so dropping the parameter fails the test."""
     prompt = _prompt(1, 21)
     names = {"presence": "presence_penalty", "frequency": "frequency_penalty", "repetition": "repetition_penalty"}
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **{names[k]: v for k, v in penalty.items()})
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, **{names[k]: v for k, v in penalty.items()}
+    )
     (out,), logits = _run(llm, prompt, params)
     assert len(out.token_ids) == 12 == len(logits)
     changed = 0
@@ -98,15 +100,26 @@ def test_greedy_tokens_follow_the_penalized_logits(llm, penalty, bites):
 
 def test_a_penalized_request_alone_and_in_a_batch_gives_the_same_bits(llm):
     params = SamplingParams(
-        max_tokens=10, temperature=0.9, seed=7, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3,
-        min_p=0.05, logprobs=3, ignore_eos=True,
+        max_tokens=10,
+        temperature=0.9,
+        seed=7,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        logprobs=3,
+        ignore_eos=True,
     )
     prompt = _prompt(2, 30)
     (alone,) = llm.generate([prompt], params)
-    others = [SamplingParams(max_tokens=8, temperature=1.0, seed=k, frequency_penalty=1.0, ignore_eos=True) for k in range(3)]
+    others = [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=k, frequency_penalty=1.0, ignore_eos=True) for k in range(3)
+    ]
     batch = llm.generate([_prompt(10, 17), prompt, _prompt(11, 40), _prompt(12, 5)], [others[0], params, *others[1:]])
     assert (batch[1].token_ids, batch[1].logprobs, batch[1].top_logprobs) == (
-        alone.token_ids, alone.logprobs, alone.top_logprobs
+        alone.token_ids,
+        alone.logprobs,
+        alone.top_logprobs,
     )
 
 
@@ -167,13 +180,17 @@ def test_n_choices_share_the_prompts_blocks_and_each_equals_its_seed_alone(llm):
     assert sorted(outputs) == [0, 1, 2, 3] and all(o.request_id == "g" for o in outputs.values())
     for i, out in outputs.items():
         seed = params.choice_seed(11, i)
-        (alone,) = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=seed, logprobs=2, ignore_eos=True))
+        (alone,) = llm.generate(
+            [prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=seed, logprobs=2, ignore_eos=True)
+        )
         assert (out.token_ids, out.logprobs, out.top_logprobs) == (alone.token_ids, alone.logprobs, alone.top_logprobs)
     assert len({tuple(o.token_ids) for o in outputs.values()}) > 1  # distinct seed streams
 
 
 def test_generate_returns_each_prompts_choices_in_order(llm):
-    outs = llm.generate([_prompt(6, 9), [5]], [SamplingParams(max_tokens=3, n=3, seed=1), SamplingParams(max_tokens=2, n=2, seed=2)])
+    outs = llm.generate(
+        [_prompt(6, 9), [5]], [SamplingParams(max_tokens=3, n=3, seed=1), SamplingParams(max_tokens=2, n=2, seed=2)]
+    )
     assert [o.index for o in outs] == [0, 1, 2, 0, 1]
     assert all(len(o.token_ids) <= 3 for o in outs)
 
