@@ -30,8 +30,9 @@ import torch
 
 from kernels.device import upload
 
+# ``rows`` below are SamplingRow sequences (sampler.py, which imports this module).
+
 if TYPE_CHECKING:
-    from services.worker.sampling.sampler import SamplingRow
     from services.worker.sampling.token_counts import TokenCounts
 
 
@@ -54,7 +55,7 @@ def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> to
     return upload(torch.tensor(values, dtype=dtype), device).unsqueeze(-1)
 
 
-def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenCounts | None) -> None:
+def apply_penalties(x: torch.Tensor, rows: Sequence, counts: TokenCounts | None) -> None:
     """fp32 logits [n, V], in place: the penalties of every row that has them (module docstring)."""
     index = [i for i, r in enumerate(rows) if r.has_penalties]
     if not index:
@@ -79,7 +80,7 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenC
     x[rows_t] = y.to(torch.float32)
 
 
-def apply_min_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_min_p(x: torch.Tensor, rows: Sequence) -> None:
     """fp32 logits [n, V], in place: min-p's drops (module docstring)."""
     index = [i for i, r in enumerate(rows) if r.min_p > 0]
     if not index:
