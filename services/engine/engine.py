@@ -14,6 +14,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
+from services.worker.prompt_logprobs import PromptRows
 from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 
@@ -108,10 +109,12 @@ class Engine:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong; nothing is queued."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config)
-        if (params.has_penalties or params.min_p) and not isinstance(self.worker, Worker):
+        if (params.has_penalties or params.min_p or params.prompt_logprobs is not None) and not isinstance(
+            self.worker, Worker
+        ):
             raise ValueError(
-                "presence_penalty, frequency_penalty, repetition_penalty and min_p need the in-process worker: "
-                "the remote worker's protocol does not carry them yet"
+                "presence_penalty, frequency_penalty, repetition_penalty, min_p and prompt_logprobs need the "
+                "in-process worker: the remote worker's protocol does not carry them yet"
             )
 
     def add_request(
@@ -208,7 +211,10 @@ class Engine:
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=list(params.stop_token_ids),
             )
-            self.requests[member] = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
+            choice = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
+            choice.output.prompt_logprobs = req.output.prompt_logprobs  # the prefix computed them
+            choice.output.prompt_top_logprobs = req.output.prompt_top_logprobs
+            self.requests[member] = choice
             members.append(member)
         self.scheduler.abort(prefix)
         self.worker.release(prefix)
@@ -265,7 +271,7 @@ class Engine:
         plan = self.scheduler.schedule()
         start = time.perf_counter()
         try:
-            executed = self.worker.execute(plan, self._sampling_rows(plan))
+            executed = self.worker.execute(plan, self._sampling_rows(plan), **self._prompt_rows(plan))
             result = executed.result  # read back: the step is over
         except BaseException:
             self._fail(plan)
@@ -295,7 +301,10 @@ class Engine:
         plan = self.scheduler.schedule()
         try:
             executed = self.worker.execute(
-                plan, self._sampling_rows(plan, previous), previous[1] if previous is not None else None
+                plan,
+                self._sampling_rows(plan, previous),
+                previous[1] if previous is not None else None,
+                **self._prompt_rows(plan),
             )
         except BaseException:
             if previous is not None:
@@ -393,7 +402,48 @@ class Engine:
                 req.history_prompt = None  # opened by the worker with this row
         return rows
 
+    def _prompt_rows(self, plan: StepPlan) -> dict[str, PromptRows]:
+        """The worker's ``prompt_rows`` argument: the plan's prompt rows whose logprobs their requests asked for
+        and do not have yet (a recomputed prompt gives none twice); no argument when there are none."""
+        wanted = [
+            (i, req)
+            for i, rid in enumerate(plan.request_ids)
+            if (req := self.requests.get(rid)) is not None and req.params.prompt_logprobs is not None
+        ]
+        if not wanted:
+            return {}
+        positions, starts = plan.positions.tolist(), plan.query_start.tolist()
+        rows, targets, num_top = [], [], 0
+        for i, req in wanted:
+            prompt, done = req.output.prompt_token_ids, len(req.output.prompt_logprobs or ())
+            for row in range(starts[i], starts[i + 1]):
+                if done <= positions[row] < len(prompt) - 1:
+                    rows.append(row)
+                    targets.append(prompt[positions[row] + 1])
+            num_top = max(num_top, req.params.prompt_logprobs or 0)
+        return {"prompt_rows": PromptRows(rows, targets, num_top)} if rows else {}
+
+    def _apply_prompt_logprobs(self, plan: StepPlan, executed: WorkerOutput) -> None:
+        found = executed.prompt_logprobs
+        if found is None:
+            return
+        lps, ids, tops = found.logprobs.tolist(), found.top_token_ids.tolist(), found.top_logprobs.tolist()
+        positions, starts, k = plan.positions.tolist(), plan.query_start.tolist(), 0
+        for i, rid in enumerate(plan.request_ids):  # the rows in ``_prompt_rows``' order
+            req = self.requests.get(rid)
+            if req is None or req.params.prompt_logprobs is None:
+                continue
+            out, n = req.output, req.params.prompt_logprobs
+            if out.prompt_logprobs is None or out.prompt_top_logprobs is None:
+                out.prompt_logprobs, out.prompt_top_logprobs = [], []
+            for row in range(starts[i], starts[i + 1]):
+                if len(out.prompt_logprobs) <= positions[row] < len(out.prompt_token_ids) - 1:
+                    out.prompt_logprobs.append(lps[k])
+                    out.prompt_top_logprobs.append(list(zip(ids[k][:n], tops[k][:n])))
+                    k += 1
+
     def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
+        self._apply_prompt_logprobs(plan, executed)
         changed: dict[str, RequestOutput] = {}
         for final in plan.outputs:  # preempted while scheduling
             reason = FinishReason.of(final.finish_reason)
@@ -506,8 +556,10 @@ def validate_request(
             "presence_penalty, frequency_penalty, repetition_penalty and min_p cannot be combined with speculative "
             "decoding yet (num_speculative_tokens > 0)"
         )
-    if params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs is not served by this engine yet")
+    if params.prompt_logprobs is not None and config.num_speculative_tokens:
+        raise ValueError(
+            "prompt_logprobs cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
+        )
     if params.max_tokens is None:
         if len(prompt_token_ids) >= config.max_model_len:
             raise ValueError(

@@ -220,3 +220,26 @@ def test_max_tokens_unset_runs_to_the_end_of_the_context():
     prompt = _prompt(7, 35)
     (out,) = small.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_prompt_logprobs_equal_the_full_forwards_log_softmax(llm, n):
+    """The logprob of every prompt token after the first and the top-3 at its position, from chunked prefill
+    (24-token chunks here), equal the full forward's log-softmax exactly (batch-invariant mode); with n = 3 the
+    prefix computes them once and every choice carries them."""
+    from model.batch_invariant import batch_invariant
+
+    prompt = _prompt(8, 150)
+    engine = llm.engine
+    budget = engine.scheduler.config.max_num_batched_tokens
+    assert budget < len(prompt)  # chunked
+    outs = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3, n=n, seed=1, ignore_eos=True))
+    with torch.no_grad(), batch_invariant():
+        full = torch.log_softmax(llm.source.model(torch.tensor([prompt])).float(), dim=-1)[0]
+    expected = [float(full[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
+    order = torch.sort(full, dim=-1, descending=True, stable=True).indices[:, :3]
+    expected_top = [[(int(t), float(full[p, t])) for t in order[p]] for p in range(len(prompt) - 1)]
+    assert len(outs) == n
+    for out in outs:
+        assert out.prompt_logprobs == expected
+        assert out.prompt_top_logprobs == expected_top
