@@ -117,3 +117,30 @@ def test_gpu_kernel_rows_alone_give_their_batch_bits():
         alone = k.sample(logits[i : i + 1], k.sampling_tensors(rows[i : i + 1], "cuda"), 4, counts=tables)
         assert torch.equal(alone.token_ids, batch.token_ids[i : i + 1])
         assert torch.equal(alone.logprobs, batch.logprobs[i : i + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kernel_in_a_cuda_graph_reads_the_token_counts_in_place():
+    """A captured sample reads the counts where they live: tokens counted after the capture change the replay
+    exactly as they change an eager call."""
+    import kernels.sampler as k
+
+    logits, rows, counts = _gpu_case(129_280, torch.float32)
+    params = k.sampling_tensors(rows, "cuda")
+    tables = (counts.output, counts.prompt)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        k.sample(logits, params, 4, counts=tables)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = k.sample(logits, params, 4, counts=tables)
+    before = k.sample(logits, params, 4, counts=tables)
+    top = before.token_ids[:4].clone()
+    counts.record([0, 1, 2, 3], top)  # each penalised row's own choice, counted once more
+    graph.replay()
+    after = k.sample(logits, params, 4, counts=tables)
+    assert torch.equal(captured.token_ids, after.token_ids) and torch.equal(captured.logprobs, after.logprobs)
+    assert not torch.equal(after.logprobs[:4], before.logprobs[:4])
