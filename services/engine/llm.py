@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from services.engine.config import EngineConfig
+from services.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, default_max_model_len
 from services.engine.engine import Engine, validate_request
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
@@ -17,6 +18,7 @@ from services.worker.build import build_worker
 from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
+log = logging.getLogger("shinkai.engine")
 
 
 class LLM:
@@ -59,13 +61,33 @@ class LLM:
                 weights=worker is None,
             )
         self.source = source
-        if builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None:
+        model_max = source.config.max_position_embeddings
+        if self.config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} is longer than the model's {model_max} positions"
+            )
+        fit_len = "max_model_len" not in engine_args  # the default: the model's, within what the pools hold
+        if fit_len:
+            self.config = self.config.replace(max_model_len=model_max)
+        sized = builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None
+        if sized:
             from services.engine.pool_sizing import size_pools
 
             self.config, self.pool_plan = size_pools(
                 self.source,
                 self.config,
                 lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
+                fit_max_model_len=fit_len,
+            )
+        if fit_len:
+            self.config = self.config.replace(max_model_len=default_max_model_len(self.config, model_max))
+            log.info(
+                "max_model_len %d: the model supports %d positions; %s",
+                self.config.max_model_len,
+                model_max,
+                f"the pools hold {(self.config.num_blocks - 1) * self.config.block_size} tokens for one request"
+                if self.config.num_blocks is not None
+                else f"pools sized from it on {self.config.device or 'cpu'} (at most {DEFAULT_MAX_MODEL_LEN} there)",
             )
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
