@@ -8,6 +8,8 @@ positions are covered at the oracle's lengths (tests/services/worker/runners/tes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from model.deepseek_v41.loader import assign_weights
 from model.deepseek_v41.model import DeepseekV41
 from services.engine import LLM, SamplingParams
 from services.engine.model_source import ModelSource
-from tests.model.deepseek_v41.oracle_configs import _base
+from tests.model.deepseek_v41.oracle_configs import ORACLE
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 
 PROMPT_LEN = 66_000
@@ -37,7 +39,8 @@ class Recording:
 
 
 def test_a_prompt_past_65536_tokens_equals_the_full_forward():
-    cfg = _base(
+    cfg = dataclasses.replace(
+        ORACLE,
         num_hidden_layers=2,
         hidden_size=32,
         compress_ratios=(0, 0),
