@@ -357,6 +357,8 @@ class EngineService:
                     out = self.engine.abort(request_id)
                     if out is not None:
                         self._deliver(out)
+                        # n > 1: the other choices ended with it; one final delta closes the stream.
+                        self._deliver_final(request_id, out.finish_reason or FinishReason.ABORT, None, None)
 
     def _times(self, request_id: str) -> RequestTimes | None:
         stream = self._streams.get(request_id)  # one dict read: atomic; times are step-thread state
