@@ -73,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--penalties",
         action="store_true",
-        help="decode with presence, frequency and repetition penalties, min_p and min_tokens on every request "
-        "(the sampler kernel's pass 0 and the token counts), else plain greedy",
+        help="also time decode with presence, frequency and repetition penalties, min_p and min_tokens on every "
+        "request (the sampler kernel's pass 0 and the token counts) against off, alternated on one build",
     )
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
@@ -115,7 +115,7 @@ def _ceilings(device) -> dict[str, float]:
 def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str, Any]]:
     from services.bench.step.build import runner_cache
     from services.bench.step.floors import step_cost
-    from services.bench.step.timing import fit_line, time_decode
+    from services.bench.step.timing import StepTimes, fit_line, time_decode
 
     rows = []
     for context in sizes["contexts"]:
@@ -123,15 +123,23 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
         for batch in sizes["batches"]:
             try:  # one size failing (e.g. memory at 256 × 32K) keeps the others' rows
                 llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
-                t = time_decode(
-                    llm.engine,
-                    runner_cache(llm),
-                    batch=batch,
-                    context=context,
-                    steps=sizes["steps"],
-                    vocab_size=cfg.vocab_size,
-                    penalties=sizes.get("penalties", False),
-                )
+
+                def timed(penalties: bool, llm=llm) -> StepTimes:
+                    return time_decode(
+                        llm.engine,
+                        runner_cache(llm),
+                        batch=batch,
+                        context=context,
+                        steps=sizes["steps"],
+                        vocab_size=cfg.vocab_size,
+                        penalties=penalties,
+                    )
+
+                t = timed(False)
+                if sizes.get("penalties"):  # on one build, alternated: off, on, off, on
+                    on = timed(True)
+                    off, on2 = timed(False), timed(True)
+                    rows.append(_penalties_row(batch, context, [t, off], [on, on2]))
             except Exception as exc:
                 print(f"decode  ctx {context:>6} batch {batch:>4}: FAILED: {type(exc).__name__}: {exc}")
                 rows.append(
@@ -168,6 +176,27 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
         rows.append({"section": "decode fit", "context": context, "a_ms": a * 1e3, "b_us_per_row": b * 1e6})
         print(f"decode  ctx {context:>6}: step ≈ {a * 1e3:.2f} ms + {b * 1e6:.1f} µs · rows")
     return rows
+
+
+def _penalties_row(batch: int, context: int, off: list, on: list) -> dict[str, Any]:
+    """Decode with every sampling parameter on against off, from alternated runs on one build (their steps pooled)."""
+    import statistics
+
+    ms_off = statistics.median([x for t in off for x in t.seconds]) * 1e3
+    ms_on = statistics.median([x for t in on for x in t.seconds]) * 1e3
+    print(
+        f"decode  ctx {context:>6} batch {batch:>4}: penalties off {ms_off:.3f} ms, "
+        f"on {ms_on:.3f} ms ({ms_on / ms_off:.3f}×)"
+    )
+    return {
+        "section": "decode penalties",
+        "batch": batch,
+        "context": context,
+        "ms_off": ms_off,
+        "ms_on": ms_on,
+        "ratio": ms_on / ms_off,
+        "steps_per_side": sum(len(t.seconds) for t in on),
+    }
 
 
 def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
