@@ -164,8 +164,8 @@ def _sampler_kernel(
             x = tl.where(has, y.to(tl.float32), x)
             tl.store(scratch_row + offs, x, mask=ok)
             lane_top = tl.maximum(lane_top, x)
-        threshold = tl.load(min_p_ptr + row)
-        if threshold > float("-inf"):
+        min_p_log = tl.load(min_p_ptr + row)
+        if min_p_log > float("-inf"):
             tl.debug_barrier()
             top = tl.max(lane_top, axis=0)
             t0 = tl.load(temp_ptr + row)
@@ -174,7 +174,7 @@ def _sampler_kernel(
                 offs = c * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < num_tokens
                 x = tl.load(scratch_row + offs, mask=ok, other=float("-inf"))
-                x = tl.where(tl.math.div_rn(x - top, t_min_p) < threshold, float("-inf"), x)
+                x = tl.where(tl.math.div_rn(x - top, t_min_p) < min_p_log, float("-inf"), x)
                 tl.store(scratch_row + offs, x, mask=ok)
         tl.debug_barrier()
         row_ptr = scratch_row
