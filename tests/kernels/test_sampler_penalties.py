@@ -84,6 +84,42 @@ def test_interpreted_kernel_without_the_parameters_differs():
     assert changed[:8] == [True] * 8 and changed[8] is False
 
 
+@pytest.mark.parametrize("process", [False, True])
+def test_the_kernel_passes_the_gpu_compilers_front_end(process):
+    """The interpreter runs Python, so it accepts what Triton's code generator refuses (a name rebound to another
+    type across branches): the kernel is lowered to Triton IR for Hopper here, on the CPU, as a GPU run would."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    import kernels.sampler as k
+
+    fn = k._sampler_kernel
+    pointers = dict(
+        logits_ptr="*bf16", temp_ptr="*fp32", rank_limit_ptr="*i32", mass_limit_ptr="*i64", seed_ptr="*i64",
+        pos_ptr="*i64", ban_ptr="*i32", forced_ptr="*i64", history_ptr="*i32", penalty_ptr="*fp64",
+        min_p_ptr="*fp32", counts_ptr="*i32", prompt_ptr="*u8", scratch_ptr="*fp32", token_ptr="*i64",
+        logprob_ptr="*fp32", error_ptr="*i1", top_ids_ptr="*i64", top_lp_ptr="*fp32",
+    )  # fmt: skip
+    constants = dict(
+        NUM_BANS=2, BLOCK=1024, NUM_CHUNKS=127, SEL_BLOCK=256, GROUP=8, GROUPS_POW2=16, NUM_TOP=4, TOP_POW2=4,
+        PROCESS=process, LIBDEVICE=True,
+    )  # fmt: skip
+    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in fn.arg_names}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(fn, signature, constants)
+    module = source.make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+    )
+    assert "tt.func" in str(module)  # lowered without an error
+
+
 def _gpu_case(vocab: int, dtype: torch.dtype):
     logits, rows, counts = _problem(vocab, "cuda")
     rows = rows * 8  # 72 rows
