@@ -243,3 +243,37 @@ def test_prompt_logprobs_equal_the_full_forwards_log_softmax(llm, n):
     for out in outs:
         assert out.prompt_logprobs == expected
         assert out.prompt_top_logprobs == expected_top
+
+
+def test_the_interpreted_kernel_sampler_gives_the_engine_the_cpu_samplers_tokens(llm):
+    """The engine on the fused sampler kernel (interpreted on the CPU) with every parameter on: the CPU sampler's
+    tokens, and logprobs within the kernel's fp32-softmax tolerance (tests/kernels/test_sampler.py's _check)."""
+    from services.worker.sampling.kernel_sampler import KernelSampler
+    from tests.kernels.interpret import interpreter, load_interpreted
+
+    kernel = KernelSampler(load_interpreted("sampler"))
+
+    def interpreted(logits, rows, *counts):
+        with interpreter():
+            return kernel(logits, rows, *counts)
+
+    eos = llm.engine.eos_token_id
+    prompts = [_prompt(30, 20), _prompt(31, 9)]
+    params = [
+        SamplingParams(max_tokens=3, temperature=0.0, frequency_penalty=-2.0, presence_penalty=1.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=3, temperature=1.0, seed=9, n=2, min_p=0.3, repetition_penalty=1.5, min_tokens=2,
+            logit_bias={eos: 30.0},
+        ),
+    ]  # fmt: skip
+    expected = llm.generate(prompts, params)
+    cpu = llm.engine.worker.sampler
+    llm.engine.worker.sampler = interpreted
+    try:
+        got = llm.generate(prompts, params)
+    finally:
+        llm.engine.worker.sampler = cpu
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert expected[1].token_ids[2] == eos  # min_tokens held the end token back for two tokens
+    for a, b in zip(got, expected):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
