@@ -5,37 +5,19 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
 from services.engine.finish_reason import FinishReason
+from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
+from services.engine.prompt_logprob_rows import add_prompt_logprobs, prompt_rows
+from services.engine.request_checks import choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
-from services.worker.prompt_logprobs import PromptRows
 from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
-
-
-@dataclass
-class _Request:
-    output: RequestOutput
-    params: SamplingParams
-    seed: int
-    banned: tuple[int, ...]
-    banned_with_eos: tuple[int, ...] = field(default=())
-    # The end and stop tokens with the bans: banned while min_tokens applies.
-    banned_with_stops: tuple[int, ...] = field(default=())
-    # The request's slot in the worker's token counts (the penalties), None without penalties.
-    history: int | None = None
-    # The prompt to open ``history`` with, until the request's first sampled row has carried it.
-    history_prompt: tuple[int, ...] | None = None
-    # n > 1: the user's request id this choice belongs to (None: the request is its own).
-    group: str | None = None
-    # A group's prefix: the prompt but its last token, prefilled once, then forked into the choices.
-    is_prefix: bool = False
 
 
 class Engine:
@@ -94,7 +76,7 @@ class Engine:
         elif config.spec_varlen:
             self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
             self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured())
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, LiveRequest] = {}
         # n > 1: per user request id, the engine's ids of its choices (or of its prefix, until the fork).
         self.groups: dict[str, list[str]] = {}
         self._free_histories: list[int] = []  # token-count slots given back, reused first
@@ -129,6 +111,8 @@ class Engine:
         and the prefix ends. Choice i computes the prompt's last token itself and draws with
         ``params.choice_seed(seed, i)``. A prompt of one token has no prefix: its choices are n requests."""
         self.validate(prompt_token_ids, params)
+        if params.n > 1 and not ready:
+            raise ValueError("n > 1 with images is not served yet: a recomputed choice would need the prefix's images")
         if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
@@ -145,7 +129,7 @@ class Engine:
         self.scheduler.add_request(
             prefix, prompt[:-1], max_tokens=2, eos_token_id=self.eos_token_id, ignore_eos=True, schedulable=ready
         )
-        self.requests[prefix] = _Request(
+        self.requests[prefix] = LiveRequest(
             RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
         )
         self.groups[request_id] = [prefix]
@@ -173,14 +157,14 @@ class Engine:
 
     def _choice(
         self, user_id: str, prompt: list[int], params: SamplingParams, seed: int, group: str | None, index: int
-    ) -> _Request:
+    ) -> LiveRequest:
         banned = tuple(sorted(set(params.banned_token_ids)))
         stops = set(params.stop_token_ids) | ({self.eos_token_id} if not params.ignore_eos else set())
         history = None
         if params.has_penalties:
             history = self._free_histories.pop() if self._free_histories else self._num_histories
             self._num_histories = max(self._num_histories, history + 1)
-        return _Request(
+        return LiveRequest(
             RequestOutput(user_id, prompt, top_logprobs=[] if params.logprobs else None, index=index),
             params,
             seed,
@@ -232,6 +216,10 @@ class Engine:
         set_images(request_id, req.output.prompt_token_ids, rows)
         self.scheduler.set_schedulable(request_id)
 
+    def is_live(self, request_id: str) -> bool:
+        """The request (or, n > 1, some choice of it) is queued or running."""
+        return request_id in self.requests or request_id in self.groups
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends the request (all its choices); returns its final output (choice 0's where n > 1)."""
         members = self.groups.get(request_id)
@@ -271,7 +259,7 @@ class Engine:
         plan = self.scheduler.schedule()
         start = time.perf_counter()
         try:
-            executed = self.worker.execute(plan, self._sampling_rows(plan), **self._prompt_rows(plan))
+            executed = self.worker.execute(plan, self._sampling_rows(plan), **prompt_rows(plan, self.requests))
             result = executed.result  # read back: the step is over
         except BaseException:
             self._fail(plan)
@@ -304,7 +292,7 @@ class Engine:
                 plan,
                 self._sampling_rows(plan, previous),
                 previous[1] if previous is not None else None,
-                **self._prompt_rows(plan),
+                **prompt_rows(plan, self.requests),
             )
         except BaseException:
             if previous is not None:
@@ -364,86 +352,12 @@ class Engine:
             if n == 0:
                 continue
             req = self.requests[request_ids[i]]
-            p = req.params
             num_out = len(req.output.token_ids) + ahead.get(request_ids[i], 0)
-            if req.is_prefix:  # its one row outputs the prompt's last token
-                prompt = req.output.prompt_token_ids
-                rows.append(SamplingRow(0.0, -1, 1.0, req.seed, seqlens_k[i], None, (), 0, prompt[-1]))
-                continue
-            for j in range(n):
-                if num_out + j < p.min_tokens:
-                    banned = req.banned_with_stops
-                elif num_out + j < self.config.first_n_no_eos:
-                    banned = req.banned_with_eos
-                else:
-                    banned = req.banned
-                rows.append(
-                    SamplingRow(
-                        temperature=p.temperature,
-                        top_k=p.top_k if p.top_k > 0 else -1,
-                        top_p=p.top_p,
-                        seed=req.seed,
-                        position=seqlens_k[i] - n + 1 + j,
-                        forced_top_k=self.config.forced_top_k,
-                        banned_token_ids=banned,
-                        num_logprobs=p.logprobs or 0,
-                        forced_token_id=p.forced_token_ids[num_out + j]
-                        if num_out + j < len(p.forced_token_ids)
-                        else None,
-                        logit_bias=p.logit_bias,
-                        presence_penalty=p.presence_penalty,
-                        frequency_penalty=p.frequency_penalty,
-                        repetition_penalty=p.repetition_penalty,
-                        min_p=p.min_p,
-                        history=req.history,
-                        history_prompt=req.history_prompt,
-                    )
-                )
-                req.history_prompt = None  # opened by the worker with this row
+            rows += req.sampling_rows(n, seqlens_k[i], num_out, self.config)
         return rows
 
-    def _prompt_rows(self, plan: StepPlan) -> dict[str, PromptRows]:
-        """The worker's ``prompt_rows`` argument: the plan's prompt rows whose logprobs their requests asked for
-        and do not have yet (a recomputed prompt gives none twice); no argument when there are none."""
-        wanted = [
-            (i, req)
-            for i, rid in enumerate(plan.request_ids)
-            if (req := self.requests.get(rid)) is not None and req.params.prompt_logprobs is not None
-        ]
-        if not wanted:
-            return {}
-        positions, starts = plan.positions.tolist(), plan.query_start.tolist()
-        rows, targets, num_top = [], [], 0
-        for i, req in wanted:
-            prompt, done = req.output.prompt_token_ids, len(req.output.prompt_logprobs or ())
-            for row in range(starts[i], starts[i + 1]):
-                if done <= positions[row] < len(prompt) - 1:
-                    rows.append(row)
-                    targets.append(prompt[positions[row] + 1])
-            num_top = max(num_top, req.params.prompt_logprobs or 0)
-        return {"prompt_rows": PromptRows(rows, targets, num_top)} if rows else {}
-
-    def _apply_prompt_logprobs(self, plan: StepPlan, executed: WorkerOutput) -> None:
-        found = executed.prompt_logprobs
-        if found is None:
-            return
-        lps, ids, tops = found.logprobs.tolist(), found.top_token_ids.tolist(), found.top_logprobs.tolist()
-        positions, starts, k = plan.positions.tolist(), plan.query_start.tolist(), 0
-        for i, rid in enumerate(plan.request_ids):  # the rows in ``_prompt_rows``' order
-            req = self.requests.get(rid)
-            if req is None or req.params.prompt_logprobs is None:
-                continue
-            out, n = req.output, req.params.prompt_logprobs
-            if out.prompt_logprobs is None or out.prompt_top_logprobs is None:
-                out.prompt_logprobs, out.prompt_top_logprobs = [], []
-            for row in range(starts[i], starts[i + 1]):
-                if len(out.prompt_logprobs) <= positions[row] < len(out.prompt_token_ids) - 1:
-                    out.prompt_logprobs.append(lps[k])
-                    out.prompt_top_logprobs.append(list(zip(ids[k][:n], tops[k][:n])))
-                    k += 1
-
     def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
-        self._apply_prompt_logprobs(plan, executed)
+        add_prompt_logprobs(plan, self.requests, executed.prompt_logprobs)
         changed: dict[str, RequestOutput] = {}
         for final in plan.outputs:  # preempted while scheduling
             reason = FinishReason.of(final.finish_reason)
@@ -528,54 +442,3 @@ def _merge(first: list[RequestOutput], second: list[RequestOutput]) -> list[Requ
     """Outputs of two updates in one call, each request once (its output object is shared)."""
     seen = {id(o) for o in first}
     return first + [o for o in second if id(o) not in seen]
-
-
-def validate_request(
-    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, config: EngineConfig
-) -> None:
-    """Raises ValueError naming what is wrong with a request for an engine of this vocabulary and config."""
-    if len(prompt_token_ids) == 0:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("banned_token_ids", params.banned_token_ids),
-        ("forced_token_ids", params.forced_token_ids),
-        ("logit_bias", tuple(t for t, _ in params.logit_bias)),
-    ):
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise ValueError(f"{name} has an id outside the vocabulary of {vocab_size}")
-    if params.forced_token_ids and config.num_speculative_tokens:
-        raise ValueError(
-            "forced_token_ids cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
-        )
-    if (params.has_penalties or params.min_p) and config.num_speculative_tokens:
-        raise ValueError(
-            "presence_penalty, frequency_penalty, repetition_penalty and min_p cannot be combined with speculative "
-            "decoding yet (num_speculative_tokens > 0)"
-        )
-    if params.prompt_logprobs is not None and config.num_speculative_tokens:
-        raise ValueError(
-            "prompt_logprobs cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
-        )
-    if params.max_tokens is None:
-        if len(prompt_token_ids) >= config.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(prompt_token_ids)} tokens) leaves no room for output in the context of "
-                f"{config.max_model_len} tokens"
-            )
-        return
-    total = len(prompt_token_ids) + params.max_tokens
-    if total > config.max_model_len:
-        raise ValueError(
-            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-            f"{total}, longer than the context of {config.max_model_len} tokens"
-        )
-
-
-def choice_id(request_id: str, index: int | None) -> str:
-    """The engine's id of choice ``index`` of a request with n > 1 (None: its prefix); "\x1f" never occurs in the
-    ids the gateway and LLM give."""
-    return f"{request_id}\x1f{'prefix' if index is None else index}"

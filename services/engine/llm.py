@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import torch
 
 from services.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, default_max_model_len
-from services.engine.engine import Engine, validate_request
+from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
+from services.engine.request_checks import validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.worker.build import build_worker

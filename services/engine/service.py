@@ -327,6 +327,9 @@ class EngineService:
             self.engine.requests.pop(request_id, None)
             self.engine.worker.release(request_id)
             self._deliver_final(request_id, FinishReason.ERROR, None, why)
+        for request_id in list(self.engine.groups):  # n > 1: the streams are the requests', not their choices'
+            self._deliver_final(request_id, FinishReason.ERROR, None, why)
+        self.engine.groups.clear()
 
     def _apply_commands(self) -> None:
         while True:
@@ -343,7 +346,7 @@ class EngineService:
                     log.exception("add_request %s failed", command.request_id)
                     self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
             elif isinstance(command, _Images):
-                if command.request_id not in self.engine.requests:
+                if not self.engine.is_live(command.request_id):
                     continue  # aborted while its images were encoded
                 try:
                     self.engine.provide_images(command.request_id, command.rows)
