@@ -5,10 +5,11 @@
   without ``num_blocks``) at most 4,096. Logged at start. ``EngineConfig`` alone keeps 4,096.
 - ``SamplingParams.max_tokens`` unset: the rest of the context.
 - ``first_n_no_eos``: 0 (DeepInfer uses 1); the forced top-k is off.
-- Logprobs are those of the processed distribution: after the bans, forced top-k, temperature, top-k
-  and top-p, renormalised (DeepInfer's choice). They are not raw-model logprobs unless no processing
+- Logprobs are those of the processed distribution: after the bias, bans, penalties, min-p, forced top-k,
+  temperature, top-k and top-p, renormalised (DeepInfer's choice). They are not raw-model logprobs unless no processing
   applies.
-- ``n > 1`` is rejected with a clear error (fork-based parallel sampling comes with the services).
+- ``n > 1``: the prompt prefilled once as a prefix and forked into the choices (docs/serving.md, "Sampling
+  parameters in the engine").
 - ``async_scheduling``: off. When on, the engine plans step N+1 before it updates step N (one step in
   flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
   decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
