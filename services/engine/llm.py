@@ -213,7 +213,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Queues every prompt (``images``: each one's placeholder embeddings or None) and steps until all end."""
         for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
-            validate_request(ids, p, self.source.config.vocab_size, self.config)
+            if self.ranks is None:
+                self.engine.validate(ids, p)  # with what this engine's worker can serve
+            else:
+                validate_request(ids, p, self.source.config.vocab_size, self.config)
         request_ids = [str(next(self._ids)) for _ in encoded]  # unique across ranks: one counter here
         if self.ranks is not None:
             if any(rows is not None for rows in images):
