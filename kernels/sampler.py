@@ -89,6 +89,15 @@ def _philox_bits(seed, stream):
 
 
 @triton.jit
+def _div64(y, r, LIBDEVICE: tl.constexpr):
+    """IEEE float64 division (the CPU's)."""
+    if LIBDEVICE:
+        return libdevice.div_rn(y, r)
+    else:
+        return y / r  # the interpreter's numpy division
+
+
+@triton.jit
 def _sampler_kernel(
     logits_ptr,
     row_stride,
@@ -101,6 +110,13 @@ def _sampler_kernel(
     ban_ptr,
     ban_stride,
     forced_ptr,
+    history_ptr,
+    penalty_ptr,
+    min_p_ptr,
+    counts_ptr,
+    prompt_ptr,
+    counts_stride,
+    scratch_ptr,
     token_ptr,
     logprob_ptr,
     error_ptr,
@@ -115,14 +131,55 @@ def _sampler_kernel(
     GROUPS_POW2: tl.constexpr,
     NUM_TOP: tl.constexpr,
     TOP_POW2: tl.constexpr,
+    PROCESS: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride  # [V] fp32 or bf16
     ban_row = ban_ptr + row * ban_stride  # [NUM_BANS] int32, −1 padded
+    no_error = num_tokens < 0
+
+    if PROCESS:
+        # Pass 0: penalties and min-p (services/worker/sampling/penalties.py's arithmetic) into the row's fp32
+        # scratch, which every later pass reads instead of the logits; a row without them is copied as is.
+        scratch_row = scratch_ptr + row.to(tl.int64) * num_tokens
+        slot = tl.load(history_ptr + row)
+        has = slot >= 0
+        slot64 = tl.maximum(slot, 0).to(tl.int64)
+        rep = tl.load(penalty_ptr + row * 3)
+        freq = tl.load(penalty_ptr + row * 3 + 1)
+        pres = tl.load(penalty_ptr + row * 3 + 2)
+        lane_top = tl.full([BLOCK], float("-inf"), tl.float32)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < num_tokens
+            x = _load(row_ptr, ban_row, offs, num_tokens, no_error, NUM_BANS)
+            cnt = tl.load(counts_ptr + slot64 * counts_stride + offs, mask=ok & has, other=0)
+            in_prompt = tl.load(prompt_ptr + slot64 * counts_stride + offs, mask=ok & has, other=0)
+            y = x.to(tl.float64)
+            seen = (cnt > 0) | (in_prompt != 0)
+            y = tl.where(seen, tl.where(y > 0, _div64(y, rep, LIBDEVICE), y * rep), y)
+            y = y - freq * cnt.to(tl.float64)
+            y = y - pres * (cnt > 0).to(tl.float64)
+            x = tl.where(has, y.to(tl.float32), x)
+            tl.store(scratch_row + offs, x, mask=ok)
+            lane_top = tl.maximum(lane_top, x)
+        min_p_log = tl.load(min_p_ptr + row)
+        if min_p_log > float("-inf"):
+            tl.debug_barrier()
+            top = tl.max(lane_top, axis=0)
+            t0 = tl.load(temp_ptr + row)
+            t_min_p = tl.where(t0 == 0.0, 1.0, tl.maximum(t0, 1.1754943508222875e-38))
+            for c in range(NUM_CHUNKS):
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < num_tokens
+                x = tl.load(scratch_row + offs, mask=ok, other=float("-inf"))
+                x = tl.where(tl.math.div_rn(x - top, t_min_p) < min_p_log, float("-inf"), x)
+                tl.store(scratch_row + offs, x, mask=ok)
+        tl.debug_barrier()
+        row_ptr = scratch_row
 
     # Pass 1: max and argmax of the banned logits (ties → lowest id), and the error flags.
-    no_error = num_tokens < 0
     # Per-lane running values, reduced once after the loop: a lane's arg is its first id of its max
     # (chunks go up in id order), so the lowest id among the lanes holding the row max is the argmax.
     lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -320,6 +377,11 @@ class SamplingTensors:
     position: torch.Tensor  # [R] int64; the index of the token being produced
     banned: torch.Tensor  # [R, B] int32 token ids, −1 padded (B may be 0)
     forced: torch.Tensor  # [R] int64; the token output instead of the draw, −1 = draw
+    history: torch.Tensor  # [R] int32; the row's token-count slot, −1 = no penalties
+    penalty: torch.Tensor  # [R, 3] float64; (repetition, frequency, presence) at their float32 values
+    min_p: torch.Tensor  # [R] float32; float32(log(min_p)), −inf = off
+    process: bool  # some row has penalties or min-p: the kernel's pass 0 runs (host-known)
+    needs_counts: bool  # some row has penalties: ``sample`` needs the token counts (host-known)
 
 
 def top_p_mass_limit(top_p: torch.Tensor) -> torch.Tensor:
@@ -357,6 +419,9 @@ def sampling_tensors(
     ]
     mass_limits = [math.ceil(p * MASS_SCALE) if p < 1 else 0 for p in (r.top_p for r in rows)]
     forced = [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
+    history = [-1 if r.history is None or not r.has_penalties else r.history for r in rows]
+    penalty = [(r.repetition_penalty, r.frequency_penalty, r.presence_penalty) for r in rows]
+    min_p = [-math.inf if r.min_p <= 0 else math.log(r.min_p) for r in rows]
 
     def up(host: torch.Tensor) -> torch.Tensor:  # enqueued, not synchronised (kernels/device.py)
         return host if device is None else upload(host, device)
@@ -369,6 +434,12 @@ def sampling_tensors(
         position=up(torch.tensor([r.position for r in rows], dtype=torch.int64)),
         banned=up(banned),
         forced=up(torch.tensor(forced, dtype=torch.int64)),
+        history=up(torch.tensor(history, dtype=torch.int32)),
+        # float32 values (penalties.py), widened to float64 for the kernel's arithmetic
+        penalty=up(torch.tensor(penalty, dtype=torch.float32).reshape(num_rows, 3).to(torch.float64)),
+        min_p=up(torch.tensor(min_p, dtype=torch.float32)),
+        process=any(h >= 0 for h in history) or any(t > -math.inf for t in min_p),
+        needs_counts=any(h >= 0 for h in history),
     )
 
 
@@ -379,11 +450,14 @@ def sample(
     case: DrawCase | int = DrawCase.SAMPLE,
     block: int | None = None,
     num_warps: int | None = None,
+    counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SamplerOutput:
     """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.
 
     ``num_logprobs`` is the batch's top-n width (the CPU sampler's w = min(max num_logprobs, V)); every
-    row gets that many ranks. Graph-safe: outputs are allocated here, never read back on the host.
+    row gets that many ranks. ``counts``: the penalties' (output int32 [S, V], prompt bool [S, V]) token counts
+    (services/worker/sampling/token_counts.py), read in place; needed when a row has penalties. Graph-safe:
+    outputs are allocated here, never read back on the host.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [R, V] with a contiguous last dim, got {tuple(logits.shape)}")
@@ -405,6 +479,18 @@ def sample(
     num_chunks = triton.cdiv(num_tokens, block)
     num_warps = num_warps or (8 if block >= 1024 else 4)
     banned = params.banned
+    if params.process:
+        if counts is None:
+            if params.needs_counts:
+                raise ValueError("rows with penalties need the token counts")
+            counts = (torch.zeros(1, num_tokens, dtype=torch.int32, device=device),) * 2
+        output_counts, prompt_seen = counts
+        if output_counts.shape[1] != num_tokens or prompt_seen.shape != output_counts.shape:
+            raise ValueError(f"token counts must be [S, {num_tokens}], got {tuple(output_counts.shape)}")
+        prompt_seen = prompt_seen.view(torch.uint8) if prompt_seen.dtype == torch.bool else prompt_seen
+        scratch = torch.empty(num_rows, num_tokens, dtype=torch.float32, device=device)
+    else:  # pass 0 is compiled out: any tensors stand in
+        output_counts = prompt_seen = scratch = out.logprobs
     _sampler_kernel[(num_rows,)](
         logits,
         logits.stride(0),
@@ -417,6 +503,13 @@ def sample(
         banned,
         banned.stride(0) if banned.shape[1] else 0,
         params.forced,
+        params.history,
+        params.penalty,
+        params.min_p,
+        output_counts,
+        prompt_seen,
+        output_counts.stride(0) if params.process else 0,
+        scratch,
         out.token_ids,
         out.logprobs,
         out.errors,
@@ -431,6 +524,7 @@ def sample(
         GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
         NUM_TOP=width,
         TOP_POW2=triton.next_power_of_2(max(width, 1)),
+        PROCESS=params.process,
         LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,
     )

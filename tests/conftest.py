@@ -16,6 +16,30 @@ torch.set_num_threads(SESSION_THREADS)  # in case a plugin imported torch before
 from tests.nats_server import running_nats_server  # noqa: E402 - after the thread-count setup above
 
 
+@pytest.fixture(autouse=True)
+def max_tokens_set(request, monkeypatch):
+    """Every request a test queues sets its own max_tokens: unset means the rest of the context, which on a large
+    max_model_len turns a quick test into a long one. A test that means it carries ``@pytest.mark.rest_of_context``.
+    Offenders are recorded (a server thread's engine keeps serving) and fail the test at its teardown."""
+    if request.node.get_closest_marker("rest_of_context") is not None:
+        yield
+        return
+    from services.engine.engine import Engine
+
+    add_request = Engine.add_request
+    offenders: list[str] = []
+
+    def guarded(self, request_id, prompt_token_ids, params, *args, **kwargs):
+        if params.max_tokens is None:
+            offenders.append(request_id)
+        return add_request(self, request_id, prompt_token_ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "add_request", guarded)
+    yield
+    if offenders:
+        pytest.fail(f"requests {offenders[:5]} leave max_tokens unset (the rest of the context): set it")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """The session's thread count for a module (1 by default: torch with 2 threads beside a busy process

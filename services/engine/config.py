@@ -1,12 +1,15 @@
 """Engine defaults, in one place.
 
-- ``max_model_len``: 4,096 unless the engine is told otherwise (the tiny model's context).
-- ``DEFAULT_MAX_TOKENS``: 16, as in OpenAI's completions API.
+- ``max_model_len``: when ``LLM`` is not given one, the smaller of the model's positions and what the block pool
+  holds for one request (``default_max_model_len``); where the pools are sized from it instead (a CPU engine
+  without ``num_blocks``) at most 4,096. Logged at start. ``EngineConfig`` alone keeps 4,096.
+- ``SamplingParams.max_tokens`` unset: the rest of the context.
 - ``first_n_no_eos``: 0 (DeepInfer uses 1); the forced top-k is off.
-- Logprobs are those of the processed distribution: after the bans, forced top-k, temperature, top-k
-  and top-p, renormalised (DeepInfer's choice). They are not raw-model logprobs unless no processing
+- Logprobs are those of the processed distribution: after the bias, bans, penalties, min-p, forced top-k,
+  temperature, top-k and top-p, renormalised (DeepInfer's choice). They are not raw-model logprobs unless no processing
   applies.
-- ``n > 1`` is rejected with a clear error (fork-based parallel sampling comes with the services).
+- ``n > 1``: the prompt prefilled once as a prefix and forked into the choices (docs/serving.md, "Sampling
+  parameters in the engine").
 - ``async_scheduling``: off. When on, the engine plans step N+1 before it updates step N (one step in
   flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
   decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
@@ -29,7 +32,6 @@ from dataclasses import dataclass
 
 from services.worker.config import WorkerConfig
 
-DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -198,6 +200,14 @@ class EngineConfig:
             num_speculative_tokens=self.num_speculative_tokens,
             spec_sampling=self.spec_sampling,
         )
+
+
+def default_max_model_len(config: EngineConfig, model_max: int) -> int:
+    """The smaller of the model's positions and the tokens the block pool holds for one request (the null
+    block excluded); with the pool sized from max_model_len instead (``num_blocks`` None), at most 4,096."""
+    if config.num_blocks is None:
+        return min(model_max, DEFAULT_MAX_MODEL_LEN)
+    return min(model_max, (config.num_blocks - 1) * config.block_size)
 
 
 def add_speculative_arguments(parser) -> None:

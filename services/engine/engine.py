@@ -5,26 +5,19 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
 from services.engine.config import EngineConfig
 from services.engine.finish_reason import FinishReason
+from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
+from services.engine.prompt_logprob_rows import add_prompt_logprobs, prompt_rows
+from services.engine.request_checks import choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
 from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
-
-
-@dataclass
-class _Request:
-    output: RequestOutput
-    params: SamplingParams
-    seed: int
-    banned: tuple[int, ...]
-    banned_with_eos: tuple[int, ...] = field(default=())
 
 
 class Engine:
@@ -83,7 +76,11 @@ class Engine:
         elif config.spec_varlen:
             self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
             self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured())
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, LiveRequest] = {}
+        # n > 1: per user request id, the engine's ids of its choices (or of its prefix, until the fork).
+        self.groups: dict[str, list[str]] = {}
+        self._free_histories: list[int] = []  # token-count slots given back, reused first
+        self._num_histories = 0
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.
         self._in_flight: tuple[StepPlan, WorkerOutput] | None = None
@@ -94,33 +91,118 @@ class Engine:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong; nothing is queued."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config)
+        if (params.has_penalties or params.min_p or params.prompt_logprobs is not None) and not isinstance(
+            self.worker, Worker
+        ):
+            raise ValueError(
+                "presence_penalty, frequency_penalty, repetition_penalty, min_p and prompt_logprobs need the "
+                "in-process worker: the remote worker's protocol does not carry them yet"
+            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, ready: bool = True
     ) -> None:
         """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
-        readiness gate); requests behind it in the queue are scheduled meanwhile."""
+        readiness gate); requests behind it in the queue are scheduled meanwhile.
+
+        ``params.n`` > 1 (choices, each output's ``index``): the prompt but its last token is prefilled once, as
+        a *prefix* request whose one output is forced to the prompt's last token; the scheduler then forks it
+        into n choices that share its full blocks (each gets a copy of the partial block and state slot),
+        and the prefix ends. Choice i computes the prompt's last token itself and draws with
+        ``params.choice_seed(seed, i)``. A prompt of one token has no prefix: its choices are n requests."""
         self.validate(prompt_token_ids, params)
-        if request_id in self.requests:
+        if params.n > 1 and not ready:
+            raise ValueError("n > 1 with images is not served yet: a recomputed choice would need the prefix's images")
+        if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        if params.n == 1:
+            self._add(request_id, prompt, params, seed, ready)
+            return
+        if len(prompt) == 1:
+            self.groups[request_id] = [choice_id(request_id, i) for i in range(params.n)]
+            for i, member in enumerate(self.groups[request_id]):
+                self._add(member, prompt, params, params.choice_seed(seed, i), ready, group=request_id, index=i)
+            return
+        prefix = choice_id(request_id, None)
+        self.scheduler.add_request(
+            prefix, prompt[:-1], max_tokens=2, eos_token_id=self.eos_token_id, ignore_eos=True, schedulable=ready
+        )
+        self.requests[prefix] = LiveRequest(
+            RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
+        )
+        self.groups[request_id] = [prefix]
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int,
+        ready: bool,
+        group: str | None = None,
+        index: int = 0,
+    ) -> None:
         self.scheduler.add_request(
             request_id,
-            list(prompt_token_ids),
-            max_tokens=params.resolved_max_tokens,
+            prompt,
+            max_tokens=params.resolved_max_tokens(len(prompt), self.config.max_model_len),
             eos_token_id=self.eos_token_id,
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
             schedulable=ready,
         )
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        self.requests[request_id] = self._choice(group or request_id, prompt, params, seed, group, index)
+
+    def _choice(
+        self, user_id: str, prompt: list[int], params: SamplingParams, seed: int, group: str | None, index: int
+    ) -> LiveRequest:
         banned = tuple(sorted(set(params.banned_token_ids)))
-        self.requests[request_id] = _Request(
-            RequestOutput(request_id, list(prompt_token_ids), top_logprobs=[] if params.logprobs else None),
+        stops = set(params.stop_token_ids) | ({self.eos_token_id} if not params.ignore_eos else set())
+        history = None
+        if params.has_penalties:
+            history = self._free_histories.pop() if self._free_histories else self._num_histories
+            self._num_histories = max(self._num_histories, history + 1)
+        return LiveRequest(
+            RequestOutput(user_id, prompt, top_logprobs=[] if params.logprobs else None, index=index),
             params,
             seed,
             banned,
             tuple(sorted(set(banned) | {self.eos_token_id})),
+            tuple(sorted(set(banned) | stops)),
+            history,
+            tuple(prompt) if history is not None else None,
+            group,
         )
+
+    def _fork_choices(self, prefix: str) -> None:
+        """The prefix has computed the prompt but its last token (and taken that token as its output): its
+        choices fork from it, each with its own seed stream, and the prefix ends (its blocks stay held by them)."""
+        req = self.requests.pop(prefix)
+        user_id, params, prompt = req.group, req.params, req.output.prompt_token_ids
+        assert user_id is not None
+        members = []
+        for i in range(params.n):
+            member = choice_id(user_id, i)
+            # The fork counts the prompt's last token as an output already: one more than the choice's own.
+            own = params.resolved_max_tokens(len(prompt), self.config.max_model_len)
+            self.scheduler.fork(
+                prefix,
+                member,
+                max_tokens=own + 1,
+                eos_token_id=self.eos_token_id,
+                ignore_eos=params.ignore_eos,
+                stop_token_ids=list(params.stop_token_ids),
+            )
+            choice = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
+            choice.output.prompt_logprobs = req.output.prompt_logprobs  # the prefix computed them
+            choice.output.prompt_top_logprobs = req.output.prompt_top_logprobs
+            self.requests[member] = choice
+            members.append(member)
+        self.scheduler.abort(prefix)
+        self.worker.release(prefix)
+        self.groups[user_id] = members
 
     def provide_images(self, request_id: str, rows) -> None:
         """A waiting request's image embeddings [P, D] (its P placeholders, in prompt order) have arrived:
@@ -134,11 +216,24 @@ class Engine:
         set_images(request_id, req.output.prompt_token_ids, rows)
         self.scheduler.set_schedulable(request_id)
 
+    def is_live(self, request_id: str) -> bool:
+        """The request (or, n > 1, some choice of it) is queued or running."""
+        return request_id in self.requests or request_id in self.groups
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        final = self.scheduler.abort(request_id)
-        if final is None:
-            return None
-        return self._finish(request_id, FinishReason.of(final.finish_reason), None)
+        """Ends the request (all its choices); returns its final output (choice 0's where n > 1)."""
+        members = self.groups.get(request_id)
+        if members is None:
+            final = self.scheduler.abort(request_id)
+            if final is None:
+                return None
+            return self._finish(request_id, FinishReason.of(final.finish_reason), None)
+        outputs = []
+        for member in list(members):
+            final = self.scheduler.abort(member)
+            if final is not None:
+                outputs.append(self._finish(member, FinishReason.of(final.finish_reason), None))
+        return min(outputs, key=lambda o: o.index) if outputs else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -164,7 +259,7 @@ class Engine:
         plan = self.scheduler.schedule()
         start = time.perf_counter()
         try:
-            executed = self.worker.execute(plan, self._sampling_rows(plan))
+            executed = self.worker.execute(plan, self._sampling_rows(plan), **prompt_rows(plan, self.requests))
             result = executed.result  # read back: the step is over
         except BaseException:
             self._fail(plan)
@@ -194,7 +289,10 @@ class Engine:
         plan = self.scheduler.schedule()
         try:
             executed = self.worker.execute(
-                plan, self._sampling_rows(plan, previous), previous[1] if previous is not None else None
+                plan,
+                self._sampling_rows(plan, previous),
+                previous[1] if previous is not None else None,
+                **prompt_rows(plan, self.requests),
             )
         except BaseException:
             if previous is not None:
@@ -254,32 +352,21 @@ class Engine:
             if n == 0:
                 continue
             req = self.requests[request_ids[i]]
-            p = req.params
             num_out = len(req.output.token_ids) + ahead.get(request_ids[i], 0)
-            for j in range(n):
-                banned = req.banned_with_eos if num_out + j < self.config.first_n_no_eos else req.banned
-                rows.append(
-                    SamplingRow(
-                        temperature=p.temperature,
-                        top_k=p.top_k if p.top_k > 0 else -1,
-                        top_p=p.top_p,
-                        seed=req.seed,
-                        position=seqlens_k[i] - n + 1 + j,
-                        forced_top_k=self.config.forced_top_k,
-                        banned_token_ids=banned,
-                        num_logprobs=p.logprobs or 0,
-                        forced_token_id=p.forced_token_ids[num_out + j]
-                        if num_out + j < len(p.forced_token_ids)
-                        else None,
-                        logit_bias=p.logit_bias,
-                    )
-                )
+            rows += req.sampling_rows(n, seqlens_k[i], num_out, self.config)
         return rows
 
     def _apply(self, plan: StepPlan, executed: WorkerOutput, updates) -> list[RequestOutput]:
+        add_prompt_logprobs(plan, self.requests, executed.prompt_logprobs)
         changed: dict[str, RequestOutput] = {}
         for final in plan.outputs:  # preempted while scheduling
-            changed[final.request_id] = self._finish(final.request_id, FinishReason.of(final.finish_reason), None)
+            reason = FinishReason.of(final.finish_reason)
+            req = self.requests.get(final.request_id)
+            if req is not None and req.is_prefix:
+                for out in self._end_prefix(final.request_id, reason):
+                    changed[f"{out.request_id}\x00{out.index}"] = out
+            else:
+                changed[final.request_id] = self._finish(final.request_id, reason, None)
         # Logprobs of each request's sampled rows, in plan order.
         sampled_logprobs: dict[str, list[int]] = {}
         row = 0
@@ -295,6 +382,13 @@ class Engine:
         for update in updates:
             req = self.requests.get(update.request_id)
             if req is None:
+                continue
+            if req.is_prefix:
+                if update.finish_reason is None and update.token_ids:
+                    self._fork_choices(update.request_id)
+                elif update.finish_reason is not None:  # ended before its fork (preempted, an error)
+                    for out in self._end_prefix(update.request_id, FinishReason.of(update.finish_reason)):
+                        changed[f"{out.request_id}\x00{out.index}"] = out
                 continue
             rows = sampled_logprobs.get(update.request_id, [])
             out = req.output
@@ -315,10 +409,31 @@ class Engine:
                 )
         return list(changed.values())
 
+    def _end_prefix(self, prefix: str, reason: FinishReason) -> list[RequestOutput]:
+        """A prefix that ended before its fork: each of its n choices ends, empty, for the same reason."""
+        req = self.requests.pop(prefix)
+        self.worker.release(prefix)
+        assert req.group is not None
+        del self.groups[req.group]
+        prompt = req.output.prompt_token_ids
+        return [RequestOutput(req.group, prompt, finish_reason=reason, index=i) for i in range(req.params.n)]
+
     def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         req = self.requests.pop(request_id)
+        if req.is_prefix:  # aborted before its fork: choice 0 stands for the request
+            self.worker.release(request_id)
+            assert req.group is not None
+            del self.groups[req.group]
+            return RequestOutput(req.group, req.output.prompt_token_ids, finish_reason=reason, index=0)
         req.output.finish_reason = reason
         req.output.stop_token_id = stop_token_id
+        if req.history is not None:
+            self._free_histories.append(req.history)
+        if req.group is not None:
+            members = self.groups[req.group]
+            members.remove(request_id)
+            if not members:
+                del self.groups[req.group]
         self.worker.release(request_id)
         return req.output
 
@@ -327,32 +442,3 @@ def _merge(first: list[RequestOutput], second: list[RequestOutput]) -> list[Requ
     """Outputs of two updates in one call, each request once (its output object is shared)."""
     seen = {id(o) for o in first}
     return first + [o for o in second if id(o) not in seen]
-
-
-def validate_request(
-    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, config: EngineConfig
-) -> None:
-    """Raises ValueError naming what is wrong with a request for an engine of this vocabulary and config."""
-    if len(prompt_token_ids) == 0:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("banned_token_ids", params.banned_token_ids),
-        ("forced_token_ids", params.forced_token_ids),
-        ("logit_bias", tuple(t for t, _ in params.logit_bias)),
-    ):
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise ValueError(f"{name} has an id outside the vocabulary of {vocab_size}")
-    if params.forced_token_ids and config.num_speculative_tokens:
-        raise ValueError(
-            "forced_token_ids cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
-        )
-    total = len(prompt_token_ids) + params.resolved_max_tokens
-    if total > config.max_model_len:
-        raise ValueError(
-            f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.resolved_max_tokens}) is "
-            f"{total}, longer than the context of {config.max_model_len} tokens"
-        )

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine, validate_request
+from services.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, default_max_model_len
+from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
+from services.engine.request_checks import validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.worker.build import build_worker
 from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
+log = logging.getLogger("shinkai.engine")
 
 
 class LLM:
@@ -59,13 +62,33 @@ class LLM:
                 weights=worker is None,
             )
         self.source = source
-        if builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None:
+        model_max = source.config.max_position_embeddings
+        if self.config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} is longer than the model's {model_max} positions"
+            )
+        fit_len = "max_model_len" not in engine_args  # the default: the model's, within what the pools hold
+        if fit_len:
+            self.config = self.config.replace(max_model_len=model_max)
+        sized = builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None
+        if sized:
             from services.engine.pool_sizing import size_pools
 
             self.config, self.pool_plan = size_pools(
                 self.source,
                 self.config,
                 lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
+                fit_max_model_len=fit_len,
+            )
+        if fit_len:
+            self.config = self.config.replace(max_model_len=default_max_model_len(self.config, model_max))
+            log.info(
+                "max_model_len %d: the model supports %d positions; %s",
+                self.config.max_model_len,
+                model_max,
+                f"the pools hold {(self.config.num_blocks - 1) * self.config.block_size} tokens for one request"
+                if self.config.num_blocks is not None
+                else f"pools sized from it on {self.config.device or 'cpu'} (at most {DEFAULT_MAX_MODEL_LEN} there)",
             )
         cfg = self.source.config
         self.tokenizer = self.source.tokenizer
@@ -190,7 +213,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Queues every prompt (``images``: each one's placeholder embeddings or None) and steps until all end."""
         for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
-            validate_request(ids, p, self.source.config.vocab_size, self.config)
+            if self.ranks is None:
+                self.engine.validate(ids, p)  # with what this engine's worker can serve
+            else:
+                validate_request(ids, p, self.source.config.vocab_size, self.config)
         request_ids = [str(next(self._ids)) for _ in encoded]  # unique across ranks: one counter here
         if self.ranks is not None:
             if any(rows is not None for rows in images):
@@ -205,7 +231,7 @@ class LLM:
             self.engine.add_request(request_id, ids, p, ready=rows is None)
             if rows is not None:
                 self.engine.provide_images(request_id, rows)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[tuple[str, int], RequestOutput] = {}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -213,14 +239,15 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="generate", unit="req")
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.finished and out.request_id not in finished:
+                if out.finished and (out.request_id, out.index) not in finished:
                     out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                    finished[out.request_id] = out
+                    finished[(out.request_id, out.index)] = out
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [finished[request_id] for request_id in request_ids]
+        # A prompt with n > 1 gives its n choices in a row, by index.
+        return [finished[(r, i)] for r, p in zip(request_ids, params_list) for i in range(p.n)]
 
     def stats(self) -> EngineStats:
         if self.ranks is not None:

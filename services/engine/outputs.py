@@ -22,6 +22,13 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     # The end or stop token that ended the request, if one did.
     stop_token_id: int | None = None
+    # prompt_logprobs: per prompt token after the first, its logprob under the raw model (the log-softmax of
+    # the logits at the position before it); None when not asked for.
+    prompt_logprobs: list[float] | None = None
+    # prompt_logprobs: per such token, the top-n (token id, logprob) pairs at its position.
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Which of the request's n choices this is (0 to n - 1); every choice's output has the request's id.
+    index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -64,9 +64,13 @@ def plan_blocks(
     return free // block_bytes
 
 
-def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig, PoolPlan]:
+def size_pools(
+    source, config: EngineConfig, probe_engine, fit_max_model_len: bool = False
+) -> tuple[EngineConfig, PoolPlan]:
     """``config`` with ``num_blocks`` set from the profiled step (see the module docstring). ``probe_engine``
-    builds the throwaway engine (an ``LLM``) on ``source`` from an EngineConfig."""
+    builds the throwaway engine (an ``LLM``) on ``source`` from an EngineConfig. ``fit_max_model_len``: the
+    config's max_model_len is the model's, to be cut to what the pools hold (the caller does): the pools need
+    only hold one request of max_num_batched_tokens."""
     import torch
 
     from services.engine.sampling_params import SamplingParams
@@ -97,7 +101,8 @@ def size_pools(source, config: EngineConfig, probe_engine) -> tuple[EngineConfig
     outside = max(0, total - free - torch.cuda.memory_reserved(device))  # context, workspaces: not torch's
     budget = int(total * config.gpu_memory_utilization)
     num_blocks = plan_blocks(budget, peak + outside, block_bytes, slot_bytes, num_slots)
-    needed = -(-config.max_model_len // config.block_size) + 1
+    fitted = min(config.max_model_len, config.max_num_batched_tokens) if fit_max_model_len else config.max_model_len
+    needed = -(-fitted // config.block_size) + 1
     if num_blocks < needed:
         raise ValueError(
             f"not enough GPU memory for one request of max_model_len={config.max_model_len}: "

@@ -72,6 +72,10 @@ class Delta:
     finish_reason: FinishReason | None = None
     # The end or stop token that ended the request, if one did.
     stop_token_id: int | None = None
+    # Which of the request's n choices gained (0 to n - 1); each choice's last delta has its finish_reason.
+    index: int = 0
+    # Set on the request's very last delta (its last unfinished choice's final one).
+    last: bool = False
 
 
 class RequestStream:
@@ -85,6 +89,7 @@ class RequestStream:
         loop: asyncio.AbstractEventLoop,
         times: RequestTimes,
         num_prompt_tokens: int = 0,
+        num_choices: int = 1,
     ) -> None:
         self.service = service
         self.times = times  # phase boundaries, written by the step thread only
@@ -93,8 +98,11 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens  # the prompt as queued (each image's span expanded)
         self.loop = loop
         self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
-        # Output tokens already delivered as deltas (written by the step thread under the service lock).
+        # Output tokens already delivered as deltas (written by the step thread under the service lock): in all,
+        # and per choice.
         self.num_sent = 0
+        self.num_sent_by_choice = [0] * num_choices
+        self.num_unfinished_choices = num_choices
         # The final delta was queued; no abort is needed any more.
         self.finished = False
         # The final delta was read.
@@ -107,7 +115,7 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         delta = await self.deltas.get()
-        self._done = delta.finish_reason is not None
+        self._done = delta.last
         return delta
 
     def close(self) -> None:
@@ -232,6 +240,7 @@ class EngineService:
                 asyncio.get_running_loop(),
                 self.observer.submitted(),
                 len(prompt_token_ids),
+                params.n,
             )
             self._streams[request_id] = stream
         self._send(_Add(request_id, list(prompt_token_ids), params, ready))
@@ -318,6 +327,9 @@ class EngineService:
             self.engine.requests.pop(request_id, None)
             self.engine.worker.release(request_id)
             self._deliver_final(request_id, FinishReason.ERROR, None, why)
+        for request_id in list(self.engine.groups):  # n > 1: the streams are the requests', not their choices'
+            self._deliver_final(request_id, FinishReason.ERROR, None, why)
+        self.engine.groups.clear()
 
     def _apply_commands(self) -> None:
         while True:
@@ -334,7 +346,7 @@ class EngineService:
                     log.exception("add_request %s failed", command.request_id)
                     self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
             elif isinstance(command, _Images):
-                if command.request_id not in self.engine.requests:
+                if not self.engine.is_live(command.request_id):
                     continue  # aborted while its images were encoded
                 try:
                     self.engine.provide_images(command.request_id, command.rows)
@@ -348,6 +360,8 @@ class EngineService:
                     out = self.engine.abort(request_id)
                     if out is not None:
                         self._deliver(out)
+                        # n > 1: the other choices ended with it; one final delta closes the stream.
+                        self._deliver_final(request_id, out.finish_reason or FinishReason.ABORT, None, None)
 
     def _times(self, request_id: str) -> RequestTimes | None:
         stream = self._streams.get(request_id)  # one dict read: atomic; times are step-thread state
@@ -377,9 +391,14 @@ class EngineService:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 return
-            start = stream.num_sent
-            stream.num_sent = len(out.token_ids)
+            start = stream.num_sent_by_choice[out.index]
+            stream.num_sent_by_choice[out.index] = len(out.token_ids)
+            stream.num_sent = sum(stream.num_sent_by_choice)
+            last = False
             if out.finished:
+                stream.num_unfinished_choices -= 1
+                last = stream.num_unfinished_choices == 0
+            if last:
                 stream.finished = True
                 del self._streams[out.request_id]
         delta = Delta(
@@ -389,11 +408,13 @@ class EngineService:
             num_output_tokens=len(out.token_ids),
             finish_reason=out.finish_reason,
             stop_token_id=out.stop_token_id,
+            index=out.index,
+            last=last,
         )
         if delta.token_ids:
             self.observer.tokens(stream.times)
-        if out.finished:
-            self.observer.finished(stream.times, out.finish_reason or FinishReason.ERROR, len(out.token_ids))
+        if last:
+            self.observer.finished(stream.times, out.finish_reason or FinishReason.ERROR, stream.num_sent)
         self._post(stream, delta)
 
     def _deliver_final(self, request_id: str, reason: FinishReason, stop_token_id: int | None, why: str | None) -> None:
@@ -405,7 +426,9 @@ class EngineService:
         self.observer.finished(stream.times, reason, stream.num_sent)
         if why:
             log.error("request %s ended with %s: %s", request_id, reason, why)
-        self._post(stream, Delta([], [], None, stream.num_sent, finish_reason=reason, stop_token_id=stop_token_id))
+        self._post(
+            stream, Delta([], [], None, stream.num_sent, finish_reason=reason, stop_token_id=stop_token_id, last=True)
+        )
 
     @staticmethod
     def _post(stream: RequestStream, delta: Delta) -> None:

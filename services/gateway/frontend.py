@@ -168,7 +168,22 @@ def scoped(client_request_id: str, owner: str | None) -> str:
 
 
 # Sampling fields whose name begins the engine's ValueError messages about them.
-_PARAMS = ("stop_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
+_PARAMS = (
+    "stop_token_ids",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "min_p",
+    "prompt_logprobs",
+)
 
 
 def _param_of(message: str, args: GenerateArgs) -> str | None:
@@ -233,7 +248,9 @@ class Frontend:
         Text and chat are refused (400) as soon as their length proves them over the tokens the context
         leaves after max_tokens: from their bytes before encoding, else after (images counted as their one
         placeholder here; the engine checks the expanded prompt)."""
-        budget = self.info.max_model_len - args.params.resolved_max_tokens
+        if args.params.n > 1:  # the engine serves n (each delta names its choice); one detokenizer per stream here
+            raise errors.invalid("n > 1 is served by the engine, not yet through the gateway's streams", "n")
+        budget = self.info.max_model_len - (args.params.max_tokens or 1)  # None: the rest, at least one token
         if args.chat_body is not None:
             try:
                 rendered = await self.tokenizer.render_chat(args.chat_body, budget)

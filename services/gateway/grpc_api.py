@@ -151,6 +151,12 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
             logprobs=s.logprobs if s.HasField("logprobs") else None,
             banned_token_ids=banned,
             logit_bias=bias,
+            presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+            frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
+            min_p=s.min_p if s.HasField("min_p") else 0.0,
+            prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         )
     except ValueError as err:
         raise errors.invalid(str(err)) from err
@@ -205,6 +211,7 @@ class ShinkaiApi:
                         logprobs=[finite_logprob(x) for x in d.logprobs],
                         num_prompt_tokens=generation.num_prompt_tokens,
                         num_output_tokens=d.num_output_tokens,
+                        index=d.index,
                     )
                     for top in d.top_logprobs or []:
                         chunk.top_logprobs.add(
@@ -218,6 +225,8 @@ class ShinkaiApi:
                         usage=pb.Usage(
                             prompt_tokens=generation.num_prompt_tokens, completion_tokens=d.num_output_tokens
                         ),
+                        index=d.index,
+                        more_choices=not d.last,
                     )
                     if d.stop_token_id is not None:
                         final.stop_token_id = d.stop_token_id

@@ -63,6 +63,17 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
         s.seed = params.seed
     if params.logprobs is not None:
         s.logprobs = params.logprobs
+    if params.n != 1:
+        s.n = params.n
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(params, name) != off:
+            setattr(s, name, getattr(params, name))
+    if params.min_tokens:
+        s.min_tokens = params.min_tokens
+    if params.min_p:
+        s.min_p = params.min_p
+    if params.prompt_logprobs is not None:
+        s.prompt_logprobs = params.prompt_logprobs
     for token_id, value in params.logit_bias:
         s.logit_bias[token_id] = value
     for token_id in params.banned_token_ids:
@@ -89,7 +100,7 @@ class RemoteStream:
 
     def _final(self, reason: FinishReason) -> Delta:
         self._done = True
-        return Delta([], [], None, self._num_output_tokens, finish_reason=reason)
+        return Delta([], [], None, self._num_output_tokens, finish_reason=reason, last=True)
 
     async def __anext__(self) -> Delta:
         if self._done:
@@ -113,8 +124,8 @@ class RemoteStream:
             if response is grpc.aio.EOF:
                 return self._final(FinishReason.ABORT if self._cancelled else FinishReason.ERROR)
         if response.WhichOneof("kind") == "final":
-            self._done = True
             f = response.final
+            self._done = not f.more_choices
             return Delta(
                 [],
                 [],
@@ -122,11 +133,13 @@ class RemoteStream:
                 f.usage.completion_tokens,
                 finish_reason=REASONS[f.finish_reason],
                 stop_token_id=f.stop_token_id if f.HasField("stop_token_id") else None,
+                index=f.index,
+                last=not f.more_choices,
             )
         c = response.chunk
         self._num_output_tokens = c.num_output_tokens
         tops = [[(e.token_id, e.logprob) for e in t.entries] for t in c.top_logprobs] or None
-        return Delta(list(c.token_ids), list(c.logprobs), tops, c.num_output_tokens)
+        return Delta(list(c.token_ids), list(c.logprobs), tops, c.num_output_tokens, index=c.index)
 
     def close(self) -> None:
         """Cancels the call (the engine then aborts the request); a reader still reading gets "abort"."""

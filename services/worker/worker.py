@@ -13,8 +13,10 @@ from kernels.sampler_output import SamplerOutput
 from scheduler_rs import StepPlan, StepResult
 from services.worker.batch.step_batch import PendingInputs, pending_shifts
 from services.worker.host_copy import HostCopy, host_sampled, sampled_copy
+from services.worker.prompt_logprobs import PromptLogprobs, PromptRows, prompt_logprobs
 from services.worker.runners.reference_runner import RunnerOutput
 from services.worker.sampling.sampler import Sampler, SamplingRow
+from services.worker.sampling.token_counts import TokenCounts
 from services.worker.spec.speculator import Speculator
 
 
@@ -63,6 +65,8 @@ class WorkerOutput:
         # Speculative decoding: the next step's pending inputs, drafts and rejected rows included (built with
         # the step's result, which the speculator reads back on the host anyway).
         self._pending = pending
+        # The prompt rows' logprobs the engine asked for (``PromptRows``), on the device; None: none asked.
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def result(self) -> StepResult:
@@ -101,17 +105,28 @@ class Worker:
         # The speculator verifies on the torch Sampler's processed distributions (``Sampler.process``), which the
         # fused sampling kernel does not expose: on the kernel backend it gets its own torch Sampler.
         self.spec_sampler = self.sampler if isinstance(self.sampler, Sampler) else Sampler()
+        # The penalties' per-request token counts on the sampler's device (slots named by the engine).
+        self.token_counts: TokenCounts | None = None
 
     def execute(
-        self, plan: StepPlan, rows: Sequence[SamplingRow], previous: WorkerOutput | None = None
+        self,
+        plan: StepPlan,
+        rows: Sequence[SamplingRow],
+        previous: WorkerOutput | None = None,
+        prompt_rows: PromptRows | None = None,
     ) -> WorkerOutput:
         """``rows`` has one entry per sampled row, in ``plan.sample_rows`` order. ``previous`` (async
-        scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs."""
+        scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs.
+        ``prompt_rows``: prompt rows whose logprobs the step returns (``WorkerOutput.prompt_logprobs``)."""
         pending = previous.pending_inputs() if previous is not None and any(plan.inputs_pending.tolist()) else None
-        if pending is not None:
-            out = self.runner.execute(plan, pending=pending)  # type: ignore[call-arg]
+        kwargs: dict = {"pending": pending} if pending is not None else {}
+        if prompt_rows is not None:  # every row's logits, the sampled rows picked out below
+            out = self.runner.execute(plan, True, **kwargs)  # type: ignore[call-arg]
+            every_row = out.logits
+            sample_rows = upload(torch.tensor(plan.sample_rows.tolist(), dtype=torch.int64), every_row.device)
+            out = dataclasses.replace(out, logits=every_row[sample_rows])
         else:
-            out = self.runner.execute(plan)
+            out = self.runner.execute(plan, **kwargs)
         num_sample_rows = plan.num_sample_rows.tolist()
         request_ids = list(plan.request_ids)
         if self.speculator is not None and plan.num_rows and not plan.is_placeholder:
@@ -139,7 +154,7 @@ class Worker:
             )
         if not rows:
             result = StepResult([0] * plan.num_requests, [])
-            return WorkerOutput(
+            output = WorkerOutput(
                 result,
                 None,
                 out.expert_counts,
@@ -147,8 +162,16 @@ class Worker:
                 request_ids,
                 torch.full((plan.num_requests,), -1, dtype=torch.long),
             )
-        sampled = self.sampler(out.logits, rows)
+            output.prompt_logprobs = prompt_logprobs(every_row, prompt_rows) if prompt_rows is not None else None
+            return output
+        counts = self._token_counts(rows, out.logits)
+        if counts is None:
+            sampled = self.sampler(out.logits, rows)
+        else:  # the penalties read the counts in place; this step's tokens are counted right after, on the device
+            sampled = self.sampler(out.logits, rows, counts)  # type: ignore[call-arg]
+            counts.record([r.history if r.has_penalties else None for r in rows], sampled.token_ids)
         host = sampled_copy(sampled)  # queued now, before the engine queues the next step
+        prompt = prompt_logprobs(every_row, prompt_rows) if prompt_rows is not None else None
 
         def read_back() -> StepResult:  # the one device → host copy of a step, waited for here
             on_host = host_sampled(host)
@@ -167,7 +190,7 @@ class Worker:
                 row += n
             return StepResult(num_tokens, token_ids, errors=errors)
 
-        return WorkerOutput(
+        output = WorkerOutput(
             read_back,
             sampled,
             out.expert_counts,
@@ -176,6 +199,20 @@ class Worker:
             last_tokens(sampled, num_sample_rows),
             host=host,
         )
+        output.prompt_logprobs = prompt
+        return output
+
+    def _token_counts(self, rows: Sequence[SamplingRow], logits: torch.Tensor) -> TokenCounts | None:
+        """The penalties' token counts (made on first use, on the logits' device), each slot a row's request opens
+        with its first sampled row opened first; None when no row has penalties."""
+        if not any(r.has_penalties for r in rows):
+            return None
+        if self.token_counts is None:
+            self.token_counts = TokenCounts(logits.shape[1], logits.device)
+        for row in rows:
+            if row.history_prompt is not None and row.history is not None:
+                self.token_counts.open(row.history, row.history_prompt)
+        return self.token_counts
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
         """Image embeddings [P, D] for the P placeholders of a request's prompt (services/worker/state/image_inputs.py),

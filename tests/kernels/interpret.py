@@ -140,9 +140,13 @@ def load_interpreted(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     saved = {key: sys.modules.get(key) for key in shared}
     sys.modules.update(shared)
+    sys.modules[alias] = module  # registered while it runs, as an import does (dataclasses look it up)
     try:
         with interpreter():
             spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[alias]
+        raise
     finally:
         for key, previous in saved.items():
             if previous is None:

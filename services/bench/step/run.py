@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time decode and a prefill step with the batch-invariant mode on, beside it off",
     )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="also time decode with presence, frequency and repetition penalties, min_p and min_tokens on every "
+        "request (the sampler kernel's pass 0 and the token counts) against off, alternated on one build",
+    )
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
@@ -84,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _override(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The mode's sizes with those given on the command line."""
-    out = dict(sizes)
+    out = dict(sizes, penalties=bool(getattr(args, "penalties", False)))
     for key, value in (("batches", args.batches), ("contexts", args.contexts), ("prefill", args.prefill_tokens)):
         if value:
             try:
@@ -109,7 +115,7 @@ def _ceilings(device) -> dict[str, float]:
 def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str, Any]]:
     from services.bench.step.build import runner_cache
     from services.bench.step.floors import step_cost
-    from services.bench.step.timing import fit_line, time_decode
+    from services.bench.step.timing import StepTimes, fit_line, time_decode
 
     rows = []
     for context in sizes["contexts"]:
@@ -117,14 +123,23 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
         for batch in sizes["batches"]:
             try:  # one size failing (e.g. memory at 256 × 32K) keeps the others' rows
                 llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
-                t = time_decode(
-                    llm.engine,
-                    runner_cache(llm),
-                    batch=batch,
-                    context=context,
-                    steps=sizes["steps"],
-                    vocab_size=cfg.vocab_size,
-                )
+
+                def timed(penalties: bool, llm=llm) -> StepTimes:
+                    return time_decode(
+                        llm.engine,
+                        runner_cache(llm),
+                        batch=batch,
+                        context=context,
+                        steps=sizes["steps"],
+                        vocab_size=cfg.vocab_size,
+                        penalties=penalties,
+                    )
+
+                t = timed(False)
+                if sizes.get("penalties"):  # on one build, alternated: off, on, off, on
+                    on = timed(True)
+                    off, on2 = timed(False), timed(True)
+                    rows.append(_penalties_row(batch, context, [t, off], [on, on2]))
             except Exception as exc:
                 print(f"decode  ctx {context:>6} batch {batch:>4}: FAILED: {type(exc).__name__}: {exc}")
                 rows.append(
@@ -161,6 +176,27 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
         rows.append({"section": "decode fit", "context": context, "a_ms": a * 1e3, "b_us_per_row": b * 1e6})
         print(f"decode  ctx {context:>6}: step ≈ {a * 1e3:.2f} ms + {b * 1e6:.1f} µs · rows")
     return rows
+
+
+def _penalties_row(batch: int, context: int, off: list, on: list) -> dict[str, Any]:
+    """Decode with every sampling parameter on against off, from alternated runs on one build (their steps pooled)."""
+    import statistics
+
+    ms_off = statistics.median([x for t in off for x in t.seconds]) * 1e3
+    ms_on = statistics.median([x for t in on for x in t.seconds]) * 1e3
+    print(
+        f"decode  ctx {context:>6} batch {batch:>4}: penalties off {ms_off:.3f} ms, "
+        f"on {ms_on:.3f} ms ({ms_on / ms_off:.3f}×)"
+    )
+    return {
+        "section": "decode penalties",
+        "batch": batch,
+        "context": context,
+        "ms_off": ms_off,
+        "ms_on": ms_on,
+        "ratio": ms_on / ms_off,
+        "steps_per_side": sum(len(t.seconds) for t in on),
+    }
 
 
 def _prefill_section(build, cfg, sizes, ceil) -> list[dict[str, Any]]:
@@ -287,6 +323,7 @@ def _command(args: argparse.Namespace) -> str:
             "contexts",
             "prefill_tokens",
             "batch_invariant",
+            "penalties",
         )
         and v not in (None, False)
     ]

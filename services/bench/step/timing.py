@@ -89,12 +89,24 @@ def fill_pools(cache: CacheEngine, seed: int = 0) -> None:
 
 
 def time_decode(
-    engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int, vocab_size: int, seed: int = 0
+    engine: Engine,
+    cache: CacheEngine,
+    *,
+    batch: int,
+    context: int,
+    steps: int,
+    vocab_size: int,
+    seed: int = 0,
+    penalties: bool = False,
 ) -> StepTimes:
     """``batch`` requests with ``context``-token prompts, prefill skipped, then ``steps`` timed decode
-    steps (after one untimed warm-up step). Greedy, ``ignore_eos``: every step keeps all rows."""
+    steps (after one untimed warm-up step). Greedy, ``ignore_eos``: every step keeps all rows. ``penalties``:
+    every request also has presence, frequency and repetition penalties, min_p and min_tokens."""
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    extra: dict = {}
+    if penalties:
+        extra = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05, min_tokens=steps)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True, **extra)
     for i in range(batch):
         engine.add_request(
             f"bench-{context}-{batch}-{i}", torch.randint(3, vocab_size, (context,), generator=gen).tolist(), params

@@ -35,7 +35,7 @@ def spread_by_load(requests: list[Request], world_size: int) -> list[list[Reques
     for request in requests:
         r = min(range(world_size), key=lambda i: (loads[i], i))
         shares[r].append(request)
-        loads[r] += len(request[1]) + request[2].resolved_max_tokens
+        loads[r] += len(request[1]) + (request[2].max_tokens or 0)
     return shares
 
 

@@ -17,6 +17,7 @@ import torch
 
 from kernels.sampler_output import SamplerOutput
 from services.worker.sampling.sampler import SamplingRow, with_logit_bias
+from services.worker.sampling.token_counts import TokenCounts
 
 
 class KernelSampler:
@@ -27,8 +28,11 @@ class KernelSampler:
             import kernels.sampler as kernel
         self.kernel = kernel
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits [n, V] (one row per ``rows`` entry) → SamplerOutput with w = min(max num_logprobs, V) columns."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenCounts | None = None
+    ) -> SamplerOutput:
+        """logits [n, V] (one row per ``rows`` entry) → SamplerOutput with w = min(max num_logprobs, V) columns;
+        ``counts``: the penalties' token counts (rows with penalties need them), read in place by the kernel."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         vocab_size = logits.shape[1]
@@ -46,4 +50,7 @@ class KernelSampler:
         if any(r.logit_bias for r in rows):  # added before the kernel, in fp32, as the CPU sampler adds them
             logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        return self.kernel.sample(logits, params, width)
+        if params.needs_counts and counts is None:
+            raise ValueError("rows with penalties need the token counts (TokenCounts)")
+        tables = None if counts is None else (counts.output, counts.prompt)
+        return self.kernel.sample(logits, params, width, counts=tables)

@@ -3,7 +3,11 @@
 Pipeline per row, in DeepInfer's order (walkthrough, "The sampling pipeline, in order"):
 
 0. logit bias: each row's ``logit_bias`` added to its logits (fp32);
-1. bans: ``banned_token_ids`` (the blacklist, plus the end token while the first-n ban applies) → -inf;
+1. bans: ``banned_token_ids`` (the blacklist, plus the end and stop tokens while the first-n ban or min_tokens
+   applies) → -inf;
+1a. penalties: repetition, then frequency, then presence, over the request's token counts
+   (services/worker/sampling/penalties.py has the exact arithmetic);
+1b. min-p: tokens whose (logit − max) / T falls below log(min_p) → -inf (T as in step 3);
 2. forced top-k: keep the ``forced_top_k`` highest logits;
 3. temperature: ``(logit - max) / T``; T = 0 is greedy and processes the logprobs at T = 1 (below);
 4. top-k: keep the ``top_k`` highest;
@@ -43,6 +47,8 @@ import torch
 from kernels.device import upload
 from kernels.philox import DRAW_BITS, DrawCase, bits_of_uniform, draw_bits, uniform_of_bits
 from kernels.sampler_output import SamplerOutput
+from services.worker.sampling.penalties import apply_min_p, apply_penalties
+from services.worker.sampling.token_counts import TokenCounts
 
 # Probability mass unit: a probability p is worth floor(p · 2**MASS_BITS) integer units.
 MASS_BITS = 31
@@ -74,6 +80,17 @@ class SamplingRow:
     forced_token_id: int | None = None
     # (token id, bias) pairs added to the row's logits before the bans (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Penalties over the request's tokens (services/worker/sampling/penalties.py); each acts at its float32 value.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Drop tokens below min_p times the most likely token's probability (at the pipeline's temperature); 0 = off.
+    min_p: float = 0.0
+    # The request's slot in the worker's TokenCounts (services/worker/sampling/token_counts.py); needed by the
+    # penalties, None otherwise.
+    history: int | None = None
+    # On the request's first sampled row only: its prompt, with which the worker opens ``history`` first.
+    history_prompt: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -90,10 +107,20 @@ class SamplingRow:
             raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs}")
         if self.forced_token_id is not None and self.forced_token_id < 0:
             raise ValueError(f"forced_token_id must be >= 0 or None, got {self.forced_token_id}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0 or not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        if self.has_penalties and self.history is None:
+            raise ValueError("a row with penalties needs its request's token-count slot (history)")
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in self.logit_bias))
         if any(t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
             raise ValueError(f"logit_bias needs token ids >= 0 and finite values, got {self.logit_bias}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def rank_limit(self) -> int | None:
@@ -198,12 +225,15 @@ class ProcessedLogits:
 class Sampler:
     """Stateless; ``__call__`` is the whole pipeline of the module docstring."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenCounts | None = None
+    ) -> SamplerOutput:
+        """``counts``: the penalties' token counts (rows with penalties need them)."""
         _check_shape(logits, rows)
         num_rows, vocab_size = logits.shape
         width = min(max((r.num_logprobs for r in rows), default=0), vocab_size)
         # With any top-n requested every row is ranked, so top_* are in rank order for all rows.
-        p = self.process(logits, rows, rank_all=width > 0)
+        p = self.process(logits, rows, rank_all=width > 0, counts=counts)
         device = logits.device
         # Philox on the host (integer ops: the device's bits exactly), uploaded without a sync.
         bits = upload(draw_bits([r.seed for r in rows], [r.position for r in rows], DrawCase.SAMPLE), device)
@@ -225,13 +255,22 @@ class Sampler:
         top_logprobs = p.logprobs.gather(1, top_ids).masked_fill(p.errors.unsqueeze(-1), -math.inf)
         return SamplerOutput(tokens, chosen, top_ids, top_logprobs, p.errors)
 
-    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow], rank_all: bool = False) -> ProcessedLogits:
-        """Bans, forced top-k, temperature, top-k, top-p and renormalisation; ``rank_all`` ranks every row."""
+    def process(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        rank_all: bool = False,
+        counts: TokenCounts | None = None,
+    ) -> ProcessedLogits:
+        """Bias, bans, penalties, min-p, forced top-k, temperature, top-k, top-p and renormalisation;
+        ``rank_all`` ranks every row."""
         _check_shape(logits, rows)
         vocab_size = logits.shape[1]
         device = logits.device
         x = with_logit_bias(logits.to(torch.float32, copy=True), rows)
         self._ban(x, rows)
+        apply_penalties(x, rows, counts)
+        apply_min_p(x, rows)
         errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
         # Error rows go through the pipeline as all-zero logits; the caller overwrites their outputs.
         x = x.masked_fill(errors.unsqueeze(-1), 0.0)

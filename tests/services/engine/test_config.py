@@ -126,3 +126,20 @@ def test_data_parallel_flags_and_what_ranks_do_not_run_yet():
     EngineConfig(data_parallel_size=2, async_scheduling=True, num_speculative_tokens=2, spec_varlen=True)
     with pytest.raises(ValueError, match="rank_timeout_s"):
         EngineConfig(rank_timeout_s=0)
+
+
+def test_max_model_len_defaults_to_what_the_model_and_the_pools_allow(caplog):
+    import logging
+
+    from services.engine import LLM
+    from services.engine.config import default_max_model_len
+
+    assert default_max_model_len(EngineConfig(num_blocks=9, block_size=4), 1 << 20) == 32  # the pools: 8 blocks
+    assert default_max_model_len(EngineConfig(num_blocks=9, block_size=4), 20) == 20  # the model
+    assert default_max_model_len(EngineConfig(), 1 << 20) == 4096  # pools sized from it
+    with caplog.at_level(logging.INFO, logger="shinkai.engine"):
+        llm = LLM(model="tiny", block_size=4, num_blocks=9, max_num_seqs=2)
+    assert llm.config.max_model_len == 32 == llm.engine.scheduler.config.max_model_len
+    assert "max_model_len 32: the model supports 1048576 positions" in caplog.text
+    with pytest.raises(ValueError, match="longer than the model's"):
+        LLM(model="tiny", max_model_len=(1 << 20) + 1)

@@ -100,7 +100,13 @@ def test_bad_prompts_raise_and_queue_nothing(llm, prompt, params, message):
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
-        ({"n": 2}, "n=2"),
+        ({"n": 0}, "n must be"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_params_raise(kwargs, message):

@@ -114,3 +114,31 @@ def test_queue_full_and_bad_input_are_refused_before_queueing(service, llm):
 
     results = asyncio.run(run())
     assert all(r[-1].finish_reason == "length" and r[-1].num_output_tokens == 1 for r in results)
+
+
+def test_a_stream_of_n_choices_carries_each_and_ends_after_the_last(service, llm, reference):
+    prompt = llm.encode("The sea is deep")
+    params = SamplingParams(max_tokens=4, seed=3, n=3, ignore_eos=True)
+
+    async def run():
+        return await collect(service.submit("n3", "n3", prompt, params))
+
+    deltas = asyncio.run(run())
+    expected = reference.generate([prompt], params)
+    for out in expected:
+        mine = [d for d in deltas if d.index == out.index]
+        assert [t for d in mine for t in d.token_ids] == out.token_ids
+        assert [x for d in mine for x in d.logprobs] == out.logprobs
+        assert mine[-1].finish_reason == "length"
+    assert [d.last for d in deltas] == [False] * (len(deltas) - 1) + [True]
+
+
+def test_aborting_a_stream_of_n_choices_ends_it(service, llm):
+    async def run():
+        stream = service.submit("n2", "n2", llm.encode("A"), SamplingParams(max_tokens=500, n=2, ignore_eos=True))
+        await stream.__anext__()
+        assert service.abort("n2") is True
+        return await collect(stream)
+
+    rest = asyncio.run(run())
+    assert rest[-1].last and rest[-1].finish_reason == "abort"
