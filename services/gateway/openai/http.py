@@ -19,10 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from observability import tracing
+from services.engine.finish_reason import FinishReason
 from services.gateway import errors
 from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
-from services.gateway.frontend import MAX_ID_BYTES, Frontend, Generation, Piece, finite_logprob
+from services.gateway.frontend import MAX_ID_BYTES, Frontend, finite_logprob
+from services.gateway.generation import Generation, Piece
+from services.gateway.openai.chat_stream import ChatStream
 from services.gateway.openai.openapi import openapi_schema
 from services.gateway.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -58,6 +61,13 @@ class _Formatter:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}"  # as vLLM: the request's id inside
         self.object = "chat.completion" if chat else "text_completion"
         self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
+        # A chat's reasoning / answer / tool-call parser (deepseek-recipe); None for a completion.
+        self.chat_stream = (
+            ChatStream(request.chat, self.id, frontend.served_model, generation.created)
+            if request.chat is not None
+            else None
+        )
+        self._pending: list[Piece] = []  # pieces whose logprobs no chat chunk has carried yet
 
     async def resolve(self, pieces: list[Piece]) -> None:
         """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
@@ -66,10 +76,12 @@ class _Formatter:
         ids = {t for p in pieces for t in p.delta.token_ids}
         ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
         missing = sorted(ids - self._strings.keys())
-        if missing:
+        if missing and not self.request.tokens_as_ids:
             self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
 
     def _token(self, token_id: int) -> str:
+        if self.request.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self._strings.get(token_id, "")
 
     def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
@@ -109,10 +121,15 @@ class _Formatter:
         text = "".join(p.text for p in pieces)
         final = pieces[-1].delta
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": final.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+        if self.chat_stream is not None:
+            self.chat_stream.push(text, final.num_output_tokens)
+            self.chat_stream.finish(final.finish_reason or FinishReason.STOP)
+            message, recipe_reason = self.chat_stream.message()
+            choice["message"] = message
+            if recipe_reason == "tool_calls" and final.finish_reason == FinishReason.STOP:
+                choice["finish_reason"] = "tool_calls"
         else:
-            choice["text"] = text
+            choice["text"] = (self.generation_prompt() if self.request.echo else "") + text
         return {
             "id": self.id,
             "object": self.object,
@@ -122,30 +139,45 @@ class _Formatter:
             "usage": self.usage(final.num_output_tokens),
         }
 
-    def chunk(self, piece: Piece | None, first: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {
+    def generation_prompt(self) -> str:
+        return self.request.args.prompt_text or ""
+
+    def _envelope(self) -> dict[str, Any]:
+        return {
             "id": self.id,
             "object": f"{self.object}.chunk" if self.chat else self.object,
             "created": self.generation.created,
             "model": self.frontend.served_model,
         }
-        if piece is None:  # the usage chunk
-            body["choices"] = []
-            return body
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": self.logprobs([piece]),
-            "finish_reason": piece.delta.finish_reason,
-        }
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if piece.text or first:
-                delta["content"] = piece.text
-            choice["delta"] = delta
-        else:
-            choice["text"] = piece.text
-        body["choices"] = [choice]
-        return body
+
+    def usage_chunk(self, num_output_tokens: int) -> dict[str, Any]:
+        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens))
+
+    def chunks(self, piece: Piece, first: bool) -> list[dict[str, Any]]:
+        """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
+        if self.chat_stream is None:
+            text = (self.generation_prompt() if first and self.request.echo else "") + piece.text
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": self.logprobs([piece]),
+                "finish_reason": piece.delta.finish_reason,
+            }
+            return [dict(self._envelope(), choices=[choice])]
+        self._pending.append(piece)
+        chunks = self.chat_stream.push(piece.text, len(piece.delta.token_ids))
+        if piece.delta.finish_reason is not None:
+            chunks += self.chat_stream.finish(piece.delta.finish_reason)
+        for chunk in chunks:
+            chunk["object"] = f"{self.object}.chunk"
+            for choice in chunk["choices"]:
+                if self._pending and self.request.num_logprobs is not None:
+                    choice["logprobs"] = self.logprobs(self._pending)
+                    self._pending = []
+        return chunks
+
+    def pending_pieces(self) -> list[Piece]:
+        return self._pending
 
 
 async def _collect_while_connected(
@@ -274,15 +306,17 @@ def build_app(
             num_output_tokens = 0
             async for piece in generation:
                 num_output_tokens = piece.delta.num_output_tokens
-                if piece.text or piece.delta.finish_reason is not None or first or fmt.request.num_logprobs is not None:
-                    await fmt.resolve([piece])
-                    yield _sse(fmt.chunk(piece, first))
+                await fmt.resolve([*fmt.pending_pieces(), piece])
+                for chunk in fmt.chunks(piece, first):
+                    yield _sse(chunk)
                     first = False
             if include_usage:
-                yield _sse(dict(fmt.chunk(None), usage=fmt.usage(num_output_tokens)))
+                yield _sse(fmt.usage_chunk(num_output_tokens))
             yield _sse("[DONE]")
         finally:
             generation.close()  # a no-op after the final delta; aborts on disconnect
+            if fmt.chat_stream is not None:
+                fmt.chat_stream.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
