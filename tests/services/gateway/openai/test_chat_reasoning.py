@@ -60,7 +60,9 @@ def test_streamed_reasoning_then_content(client, forced, served):
         assert "</think>" not in r + c and "<think>" not in r + c
         kinds += ["reasoning"] * bool(r) + ["content"] * bool(c)
         reasoning, content = reasoning + r, content + c
-    assert kinds == sorted(kinds, key=lambda k: k != "reasoning") and "content" in kinds  # reasoning first, then content
+    assert (
+        kinds == sorted(kinds, key=lambda k: k != "reasoning") and "content" in kinds
+    )  # reasoning first, then content
     assert (reasoning, content) == ("Let me think.", "The answer is 4.")
     message = plain.choices[0].message
     assert (message.reasoning_content, message.content) == (reasoning, content)
@@ -143,7 +145,9 @@ def test_parallel_tool_calls_false_keeps_the_first(client, forced):
 
 
 def test_tool_choice_none_leaves_the_tools_out(client, served):
-    reply = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    reply = client.chat.completions.create(
+        model="tiny", messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=1
+    )
     assert reply.usage.prompt_tokens == len(served.server.chat.render({"messages": USER}).token_ids)
 
 

@@ -1,0 +1,85 @@
+"""Stop strings end the request at the token that completes them, through the `openai` client."""
+
+import time
+
+import openai
+import pytest
+
+from model.deepseek_v41.tokenizer import load_v41_tokenizer
+from tests.services.gateway.conftest import pools_whole
+from tests.services.gateway.forcing import forcing_engine, token_ids
+
+pytestmark = pytest.mark.timeout(120)
+
+TEXT = "one two three four five six seven"
+
+
+@pytest.fixture(scope="module")
+def forced(served):
+    with forcing_engine(served.server.frontend) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def tokens_through(text: str, stop: str) -> int:
+    """How many of the text's tokens it takes for the decoded text to hold ``stop``."""
+    ids, tokenizer = token_ids(text), load_v41_tokenizer()
+    return next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+
+
+def wait_whole(served, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pools_whole(served.server.engine.stats()) and served.server.engine.num_unfinished() == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pools not whole: {served.server.engine.stats()}")
+
+
+@pytest.mark.parametrize("stop", [["three"], ["e fo", "nothing"], "six"])
+@pytest.mark.parametrize("include", [False, True])
+def test_completion_stops_at_the_token(client, forced, served, stop, include):
+    first = stop if isinstance(stop, str) else stop[0]
+    extra = {"include_stop_str_in_output": include, "ignore_eos": True}
+    with forced.forcing(TEXT, end=False):
+        plain = client.completions.create(model="tiny", prompt="x", max_tokens=40, stop=stop, extra_body=extra)
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt="x",
+                max_tokens=40,
+                stop=stop,
+                extra_body=extra,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+    cut = TEXT.index(first) + (len(first) if include else 0)
+    assert plain.choices[0].text == TEXT[:cut] and plain.choices[0].finish_reason == "stop"
+    assert plain.usage.completion_tokens == tokens_through(TEXT, first) == chunks[-1].usage.completion_tokens
+    deltas = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(deltas) == plain.choices[0].text
+    if not include:
+        assert not any(first in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+    wait_whole(served)  # the engine's request was ended at the match: its blocks are back
+
+
+def test_chat_content_stops_too(client, forced, served):
+    with forced.forcing("Thinking.</think>Apples. Pears. Plums."):
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Fruit?"}], max_tokens=40, stop=["Pears"]
+        )
+    assert reply.choices[0].message.content == "Apples. " and reply.choices[0].finish_reason == "stop"
+    wait_whole(served)
+
+
+def test_stop_limits(client):
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=[""])
+    assert err.value.body["param"] == "stop"
