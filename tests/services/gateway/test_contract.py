@@ -160,10 +160,8 @@ UNSUPPORTED = [
     ({"best_of": 2}, "best_of"),
     ({"n": 2}, "n"),
     ({"echo": True, "logprobs": 1}, "echo"),
-    ({"stop": ["\n"]}, "stop"),
-    ({"stop": "x"}, "stop"),
     ({"suffix": "tail"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
 ]
 
 
