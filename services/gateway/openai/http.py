@@ -25,20 +25,19 @@ from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, finite_logprob
 from services.gateway.generation import Generation, Piece
+from services.gateway.openai import tokenize
 from services.gateway.openai.chat_stream import ChatStream
+from services.gateway.openai.json_body import read_json
 from services.gateway.openai.openapi import openapi_schema
 from services.gateway.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     OpenAIRequest,
-    parse_body,
     parse_chat,
     parse_completion,
 )
 from services.gateway.probe import probe
 
 log = logging.getLogger("shinkai.gateway")
-# POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
-JSON_TYPE = "application/json"
 
 
 def _json(body: dict[str, Any]) -> str:
@@ -202,21 +201,6 @@ async def _collect_while_connected(
             task.cancel()
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(
-            errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}", code="body_too_large"
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(errors.TOO_LARGE, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def build_app(
     frontend: Frontend,
     *,
@@ -257,14 +241,7 @@ def build_app(
             if why in (None, "draining"):
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
             raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != JSON_TYPE:
-            raise ApiError(
-                errors.UNSUPPORTED_MEDIA,
-                f"Content-Type must be {JSON_TYPE}, got {media_type or 'none'}",
-                code="unsupported_media_type",
-            )
-        body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
+        body = await read_json(request, max_body_bytes)
         info = frontend.info
         parse = parse_chat if chat else parse_completion
         parsed = parse(body, info.max_model_len, info.vocab_size)
@@ -326,21 +303,27 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, chat=True)
 
+    def _model_card() -> dict[str, Any]:
+        return {
+            "id": frontend.served_model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "shinkai",
+            "max_model_len": frontend.info.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         keys.check(request.headers.get("authorization"))
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": frontend.served_model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "shinkai",
-                    "max_model_len": frontend.info.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
+        frontend.check_model(model)
+        return _model_card()
+
+    tokenize.add_routes(app, frontend, keys, max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:

@@ -35,7 +35,10 @@ def test_engine_fields_reach_sampling_params_or_are_refused_by_name(name):
     body = dict(COMPLETION, **{name: ENGINE_VALUES[name]})
     if name in SamplingParams.__dataclass_fields__:
         assert getattr(parse_completion(body, 4096).args.params, name) == ENGINE_VALUES[name]
-        assert getattr(parse_chat(dict(CHAT, **{name: ENGINE_VALUES[name]}), 4096).args.params, name) == ENGINE_VALUES[name]
+        assert (
+            getattr(parse_chat(dict(CHAT, **{name: ENGINE_VALUES[name]}), 4096).args.params, name)
+            == ENGINE_VALUES[name]
+        )
     else:  # an engine without the field: refused, never dropped
         with pytest.raises(ApiError) as err:
             parse_completion(body, 4096)
