@@ -64,7 +64,9 @@ class TokenizerBackend(Protocol):
 
     async def encode(self, text: str, max_tokens: int | None = None) -> list[int]: ...
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat: ...
+    async def render_chat(
+        self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
+    ) -> RenderedChat: ...  # protocol: services/tokenizer/chat.py PROTOCOLS
 
     def detokenizer(self) -> Detokenizer: ...
 
@@ -153,7 +155,9 @@ class LocalTokenizer:
         check_tokens(len(ids), max_tokens)
         return ids
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
+    async def render_chat(
+        self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
+    ) -> RenderedChat:
         if self.chat is None:
             raise ChatError(
                 "chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: use /v1/completions"
@@ -161,7 +165,7 @@ class LocalTokenizer:
         num_bytes = chat_content_bytes(body)
         try:
             check_bytes(num_bytes, max_tokens, self.pool.token_bytes)
-            rendered = await self.pool.run(num_bytes, self.chat.render, body)
+            rendered = await self.pool.run(num_bytes, self.chat.render, body, protocol)
             check_tokens(len(rendered.token_ids), max_tokens)
         except ChatError:
             raise

@@ -55,6 +55,8 @@ class GenerateArgs:
     prompt_token_ids: list[int] | None = None
     # An OpenAI chat body (its conversation keys), rendered through deepseek-recipe.
     chat_body: dict[str, Any] | None = None
+    # The protocol of chat_body: "chat", "responses" or "messages" (services/tokenizer/chat.py PROTOCOLS).
+    chat_protocol: str = "chat"
     # Validated sampling parameters.
     params: SamplingParams = SamplingParams()
     # The client's name for the request (Abort takes it); None: the request_id.
@@ -159,7 +161,7 @@ class Frontend:
         param = "messages" if args.chat_body is not None else "prompt"
         try:
             if args.chat_body is not None:
-                rendered = await self.tokenizer.render_chat(args.chat_body, budget)
+                rendered = await self.tokenizer.render_chat(args.chat_body, budget, args.chat_protocol)
                 return rendered.token_ids, rendered.image_urls
             if args.prompt_text is not None:
                 if args.prompt_text == "":

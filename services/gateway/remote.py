@@ -232,8 +232,10 @@ class RemoteTokenizer:
         request = tpb.EncodeRequest(text=text, add_bos=True, max_tokens=max_tokens)
         return list((await self._call(self.stub.Encode, request)).token_ids)
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
-        request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens)
+    async def render_chat(
+        self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
+    ) -> RenderedChat:
+        request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens, protocol=protocol)
         reply = await self._call(self.stub.RenderChat, request, ChatError)
         return RenderedChat(list(reply.token_ids), reply.prompt, list(reply.image_urls))
 

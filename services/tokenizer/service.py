@@ -98,7 +98,7 @@ class TokenizerApi:
             num_bytes = chat_content_bytes(body)
             check_bytes(num_bytes, budget, self.pool.token_bytes)
             with _span("tokenizer.RenderChat", context):
-                rendered = await self.pool.run(num_bytes, self.chat.render, body)
+                rendered = await self.pool.run(num_bytes, self.chat.render, body, request.protocol or "chat")
             check_tokens(len(rendered.token_ids), budget)
         except (ValueError, ChatError, RecursionError) as err:  # RecursionError: a body nested past the parser
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err) or "the chat body is nested too deeply")

@@ -7,7 +7,6 @@ A streamed request whose client goes away is aborted: leaving the generator clos
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -25,8 +24,9 @@ from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, finite_logprob
 from services.gateway.generation import Generation, Piece
-from services.gateway.openai import tokenize
+from services.gateway.openai import protocol_routes, tokenize
 from services.gateway.openai.chat_stream import ChatStream
+from services.gateway.openai.disconnect import collect_while_connected
 from services.gateway.openai.json_body import read_json
 from services.gateway.openai.openapi import openapi_schema
 from services.gateway.openai.protocol import (
@@ -179,28 +179,6 @@ class _Formatter:
         return self._pending
 
 
-async def _collect_while_connected(
-    request: Request, generation: Generation, poll_s: float = 0.25
-) -> list[Piece] | None:
-    """Every piece of a non-streamed request; None as soon as the client disconnects (then the caller's
-    ``generation.close()`` aborts it, so a vanished client does not keep the engine busy)."""
-
-    async def collect() -> list[Piece]:
-        return [piece async for piece in generation]
-
-    task = asyncio.ensure_future(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 def build_app(
     frontend: Frontend,
     *,
@@ -234,20 +212,23 @@ def build_app(
             ApiError(errors.INTERNAL, f"internal error: {type(err).__name__}").openai_body(), status_code=500
         )
 
-    async def _generate(request: Request, chat: bool) -> Response:
-        owner = keys.check(request.headers.get("authorization"))
+    def check_ready() -> None:
         if not is_ready():
             why = problem()
             if why in (None, "draining"):
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
             raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        owner = keys.check(request.headers.get("authorization"))
+        check_ready()
         body = await read_json(request, max_body_bytes)
         info = frontend.info
         parse = parse_chat if chat else parse_completion
         parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         parsed.args.owner = owner
-        parsed.args.client_request_id = _client_request_id(request)
+        parsed.args.client_request_id = _client_request_id(request) or parsed.args.client_request_id
         generation = await frontend.start(parsed.args)
         fmt = _Formatter(frontend, parsed, generation, chat)
         id_header = {"X-Request-Id": generation.client_request_id}  # as vLLM: the caller's id, else the request's
@@ -258,7 +239,7 @@ def build_app(
                 headers={"Cache-Control": "no-cache", **id_header},
             )
         try:
-            pieces = await _collect_while_connected(request, generation)
+            pieces = await collect_while_connected(request, generation)
         finally:
             generation.close()  # a no-op after the final delta; aborts when the client left
         if pieces is None:
@@ -324,6 +305,7 @@ def build_app(
         return _model_card()
 
     tokenize.add_routes(app, frontend, keys, max_body_bytes)
+    protocol_routes.add_routes(app, frontend, keys, max_body_bytes, check_ready)
 
     @app.get("/health")
     async def health() -> Response:

@@ -23,12 +23,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("body_json", "max_tokens")
+    __slots__ = ("body_json", "max_tokens", "protocol")
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     body_json: str
     max_tokens: int
-    def __init__(self, body_json: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    protocol: str
+    def __init__(self, body_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("token_ids", "prompt", "image_urls")

@@ -5,8 +5,8 @@ import json
 import openai
 import pytest
 
-from tests.services.gateway.conftest import pools_whole
 from tests.services.gateway.forcing import forcing_engine
+from tests.services.gateway.openai.test_stop import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,7 +67,7 @@ def test_streamed_reasoning_then_content(client, forced, served):
     message = plain.choices[0].message
     assert (message.reasoning_content, message.content) == (reasoning, content)
     assert plain.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
-    assert pools_whole(served.server.engine.stats())
+    wait_whole(served)
 
 
 def test_thinking_off_through_chat_template_kwargs(client, forced, served):
