@@ -163,3 +163,20 @@ def test_tool_choice_refusals_name_why(client, choice, match):
     with pytest.raises(openai.BadRequestError, match=match) as err:
         client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice=choice, max_tokens=1)
     assert err.value.body["param"] == "tool_choice"
+
+
+def test_chat_logprobs_cover_every_token_plain_and_streamed(client, forced):
+    with forced.forcing("Hm.</think>Yes."):
+        plain = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=20, logprobs=True, top_logprobs=2
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=20, logprobs=True, top_logprobs=2, stream=True
+            )
+        )
+    tokens = plain.choices[0].logprobs.content
+    assert len(tokens) == plain.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in tokens]
+    assert "".join(t.token for t in tokens).startswith("Hm.</think>Yes.")

@@ -1,5 +1,7 @@
 """OpenAI Responses and Anthropic Messages through their own unmodified clients, the model's output forced."""
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -49,3 +51,18 @@ def test_bad_protocol_bodies_are_400(served):
         client.messages.create(model="tiny", max_tokens=5, messages=[])
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+
+
+def test_responses_function_call(served, forced):
+    from tests.services.gateway.openai.test_chat_reasoning import dsml
+
+    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    with forced.forcing("Check.</think>" + dsml(("get_weather", {"city": "Oslo"}))):
+        reply = client.responses.create(model="tiny", input="Weather in Oslo?", tools=[tool], max_output_tokens=80)
+    (call,) = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
