@@ -180,3 +180,37 @@ def test_chat_logprobs_cover_every_token_plain_and_streamed(client, forced):
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in tokens]
     assert "".join(t.token for t in tokens).startswith("Hm.</think>Yes.")
+
+
+def test_earlier_reasoning_is_rendered_as_the_model_expects(client, served):
+    """A finished turn's reasoning is dropped from the prompt; a turn that called tools keeps it (the recipe's
+    rendering), so the reasoning a client sends back must reach the renderer."""
+    finished = [*USER, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."}, *USER]
+    with_reasoning = client.chat.completions.create(model="tiny", messages=finished, max_tokens=1)
+    bare = [*USER, {"role": "assistant", "content": "Sunny."}, *USER]
+    assert with_reasoning.usage.prompt_tokens == len(served.server.chat.render({"messages": bare}).token_ids)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    loop = [
+        *USER,
+        {"role": "assistant", "content": "", "reasoning_content": "Need the weather.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    reply = client.chat.completions.create(model="tiny", messages=loop, tools=[WEATHER], max_tokens=1)
+    rendered = served.server.chat.render({"messages": loop, "tools": [WEATHER]})
+    assert "<think>Need the weather.</think>" in rendered.prompt
+    assert reply.usage.prompt_tokens == len(rendered.token_ids)
+
+
+def test_reasoning_effort_none_and_include_reasoning_false(client, forced, served):
+    with forced.forcing("Plain answer."):
+        off = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, reasoning_effort="none")
+    assert off.choices[0].message.content == "Plain answer."
+    assert off.usage.prompt_tokens == len(
+        served.server.chat.render({"messages": USER, "thinking": {"type": "disabled"}}).token_ids
+    )
+    with forced.forcing("Hidden.</think>Shown."):
+        reply = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=10, extra_body={"include_reasoning": False}
+        )
+    assert reply.choices[0].message.content == "Shown."
+    assert getattr(reply.choices[0].message, "reasoning_content", None) is None
