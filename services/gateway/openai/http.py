@@ -163,14 +163,15 @@ class _Formatter:
                 "finish_reason": piece.delta.finish_reason,
             }
             return [dict(self._envelope(), choices=[choice])]
-        self._pending.append(piece)
+        if self.request.num_logprobs is not None:
+            self._pending.append(piece)
         chunks = self.chat_stream.push(piece.text, len(piece.delta.token_ids))
         if piece.delta.finish_reason is not None:
             chunks += self.chat_stream.finish(piece.delta.finish_reason)
         for chunk in chunks:
             chunk["object"] = f"{self.object}.chunk"
             for choice in chunk["choices"]:
-                if self._pending and self.request.num_logprobs is not None:
+                if self._pending:
                     choice["logprobs"] = self.logprobs(self._pending)
                     self._pending = []
         return chunks
