@@ -72,6 +72,8 @@ class Delta:
     finish_reason: FinishReason | None = None
     # The end or stop token that ended the request, if one did.
     stop_token_id: int | None = None
+    # Which of the request's n choices gained (0 to n - 1); each choice's last delta has its finish_reason.
+    index: int = 0
 
 
 class RequestStream:

@@ -29,6 +29,7 @@ from services.engine.service import QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
 from services.gateway import errors
 from services.gateway.backends import EngineBackend, TokenizerBackend
+from services.gateway.choices import ChoiceStreams
 from services.gateway.errors import ApiError
 from services.gateway.generation import Generation
 from services.gateway.image_fetcher import ImageFetcher
@@ -180,8 +181,15 @@ class Frontend:
         return list(args.prompt_token_ids or []), []
 
     async def start(self, args: GenerateArgs) -> Generation:
-        """Checks, encodes and queues; raises ApiError with nothing queued. The request's span (a child of
-        ``args.trace_parent``) is current while the tokenizer and the engine are called, so they join its trace."""
+        """`start_choices` for one choice (``n`` = 1; more are served over the OpenAI HTTP API only)."""
+        if args.params.n != 1:
+            raise errors.invalid(f"n={args.params.n}: more than one choice is served over HTTP only", "n")
+        return (await self.start_choices(args))[0]
+
+    async def start_choices(self, args: GenerateArgs) -> list[Generation]:
+        """Checks, encodes and queues; raises ApiError with nothing queued. One `Generation` per choice (``n``
+        of them, services/gateway/choices.py). The request's span (a child of ``args.trace_parent``) is
+        current while the tokenizer and the engine are called, so they join its trace; choice 0 ends it."""
         arrival = time.monotonic()
         self.check_model(args.model)
         if args.request_id is not None and not self.takes_request_ids:
@@ -237,19 +245,25 @@ class Frontend:
         if span is not None:
             span.set_attribute("request.prompt_tokens", num_prompt_tokens)
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(
-            self.metrics,
-            stream,
-            detokenizer,
-            request_id,
-            client_request_id,
-            num_prompt_tokens,
-            args.endpoint,
-            arrival,
-            span,
-            detokenize_span,
-            StopStrings(args.stop, args.include_stop_str_in_output) if args.stop else None,
-        )
+        n = args.params.n
+        streams = [stream] if n == 1 else [ChoiceStreams(stream, n).choice(i) for i in range(n)]
+        return [
+            Generation(
+                self.metrics,
+                choice,
+                detokenizer if i == 0 else self.tokenizer.detokenizer(),
+                request_id,
+                client_request_id,
+                num_prompt_tokens,
+                args.endpoint,
+                arrival,
+                span if i == 0 else None,
+                detokenize_span if i == 0 else None,
+                StopStrings(args.stop, args.include_stop_str_in_output) if args.stop else None,
+                index=i,
+            )
+            for i, choice in enumerate(streams)
+        ]
 
     async def abort(self, client_request_id: str, owner: str | None = None) -> bool:
         """Aborts the caller's live requests with this client_request_id; another key's are out of its reach."""

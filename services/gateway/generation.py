@@ -61,6 +61,7 @@ class Generation:
         span: Any = None,
         detokenize_span: Any = None,
         stop: StopStrings | None = None,
+        index: int = 0,
     ) -> None:
         self.metrics = metrics
         self.stream = stream
@@ -75,6 +76,7 @@ class Generation:
         self.span = span
         self.detokenize_span = detokenize_span
         self.stop = stop  # the request's stop strings; None: it has none
+        self.index = index  # which of the request's choices this is (0 to n - 1)
         self._last: float | None = None  # time of the latest token-bearing delta
         self.finish_reason: FinishReason | None = None
 
@@ -128,10 +130,11 @@ class Generation:
         assert delta.finish_reason is not None
         self.detokenizer.close()
         self.finish_reason = delta.finish_reason
-        self.metrics.e2e.observe(now - self._start)
-        self.metrics.finished.labels(reason=delta.finish_reason).inc()
         self.metrics.generation_tokens.inc(delta.num_output_tokens)
-        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        if self.index == 0:  # a request's counts and latency once, by its first choice
+            self.metrics.e2e.observe(now - self._start)
+            self.metrics.finished.labels(reason=delta.finish_reason).inc()
+            self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self._end_spans(delta.finish_reason, delta.num_output_tokens)
 
     def _end_spans(self, reason: FinishReason, num_output_tokens: int) -> None:
@@ -147,7 +150,8 @@ class Generation:
         """Aborts the request unless its final piece was read (a disconnect or cancel). Idempotent."""
         if self.finish_reason is None:
             self.finish_reason = FinishReason.ABORT
-            self.metrics.finished.labels(reason=FinishReason.ABORT).inc()
+            if self.index == 0:
+                self.metrics.finished.labels(reason=FinishReason.ABORT).inc()
             self.detokenizer.close()
             self._end_spans(FinishReason.ABORT, 0)
         self.stream.close()

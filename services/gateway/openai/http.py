@@ -7,6 +7,7 @@ A streamed request whose client goes away is aborted: leaving the generator clos
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -50,7 +51,7 @@ def _sse(body: dict[str, Any] | str) -> str:
 
 
 class _Formatter:
-    """Builds completions or chat bodies and chunks for one request."""
+    """Builds completions or chat bodies and chunks for one choice of a request."""
 
     def __init__(self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool) -> None:
         self.frontend = frontend
@@ -67,6 +68,9 @@ class _Formatter:
             else None
         )
         self._pending: list[Piece] = []  # pieces whose logprobs no chat chunk has carried yet
+        self.index = generation.index  # the choice's index in every body and chunk
+        self.first = True  # no chunk of this choice was sent yet
+        self.num_output_tokens = 0  # this choice's output tokens so far
 
     async def resolve(self, pieces: list[Piece]) -> None:
         """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
@@ -119,7 +123,11 @@ class _Formatter:
     def body(self, pieces: list[Piece]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
         final = pieces[-1].delta
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": final.finish_reason}
+        choice: dict[str, Any] = {
+            "index": self.index,
+            "logprobs": self.logprobs(pieces),
+            "finish_reason": final.finish_reason,
+        }
         if self.chat_stream is not None:
             self.chat_stream.push(text, final.num_output_tokens)
             self.chat_stream.finish(final.finish_reason or FinishReason.STOP)
@@ -152,12 +160,14 @@ class _Formatter:
     def usage_chunk(self, num_output_tokens: int) -> dict[str, Any]:
         return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens))
 
-    def chunks(self, piece: Piece, first: bool) -> list[dict[str, Any]]:
+    def chunks(self, piece: Piece) -> list[dict[str, Any]]:
         """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
+        first, self.first = self.first, False
+        self.num_output_tokens = piece.delta.num_output_tokens
         if self.chat_stream is None:
             text = (self.generation_prompt() if first and self.request.echo else "") + piece.text
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": text,
                 "logprobs": self.logprobs([piece]),
                 "finish_reason": piece.delta.finish_reason,
@@ -171,6 +181,7 @@ class _Formatter:
         for chunk in chunks:
             chunk["object"] = f"{self.object}.chunk"
             for choice in chunk["choices"]:
+                choice["index"] = self.index
                 if self._pending:
                     choice["logprobs"] = self.logprobs(self._pending)
                     self._pending = []
@@ -178,6 +189,38 @@ class _Formatter:
 
     def pending_pieces(self) -> list[Piece]:
         return self._pending
+
+
+async def _pieces(fmts: list[_Formatter]) -> AsyncIterator[tuple[_Formatter, Piece]]:
+    """Every choice's pieces as they come (one choice: in order, without tasks)."""
+    if len(fmts) == 1:
+        async for piece in fmts[0].generation:
+            yield fmts[0], piece
+        return
+    queue: asyncio.Queue[tuple[_Formatter, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(fmt: _Formatter) -> None:
+        try:
+            async for piece in fmt.generation:
+                await queue.put((fmt, piece))
+        except Exception as err:  # handed to the reader, which raises it
+            await queue.put((fmt, err))
+        await queue.put((fmt, None))
+
+    tasks = [asyncio.ensure_future(pump(fmt)) for fmt in fmts]
+    try:
+        remaining = len(fmts)
+        while remaining:
+            fmt, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield fmt, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def build_app(
@@ -230,23 +273,31 @@ def build_app(
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         parsed.args.owner = owner
         parsed.args.client_request_id = _client_request_id(request) or parsed.args.client_request_id
-        generation = await frontend.start(parsed.args)
-        fmt = _Formatter(frontend, parsed, generation, chat)
-        id_header = {"X-Request-Id": generation.client_request_id}  # as vLLM: the caller's id, else the request's
+        generations = await frontend.start_choices(parsed.args)
+        fmts = [_Formatter(frontend, parsed, generation, chat) for generation in generations]
+        # As vLLM: the caller's id, else the request's.
+        id_header = {"X-Request-Id": generations[0].client_request_id}
         if parsed.stream:
             return StreamingResponse(
-                _stream(fmt, generation, parsed.include_usage),
+                _stream(fmts, parsed.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **id_header},
             )
         try:
-            pieces = await collect_while_connected(request, generation)
+            collected = await collect_while_connected(request, generations)
         finally:
-            generation.close()  # a no-op after the final delta; aborts when the client left
-        if pieces is None:
+            for generation in generations:
+                generation.close()  # a no-op after the final delta; aborts when the client left
+        if collected is None:
             return Response(status_code=499)  # nobody reads it: the client has gone
-        await fmt.resolve(pieces)
-        return JSONResponse(fmt.body(pieces), headers=id_header)
+        bodies = []
+        for fmt, pieces in zip(fmts, collected):
+            await fmt.resolve(pieces)
+            bodies.append(fmt.body(pieces))
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = fmts[0].usage(sum(b["usage"]["completion_tokens"] for b in bodies))
+        return JSONResponse(body, headers=id_header)
 
     def _client_request_id(request: Request) -> str | None:
         """The caller's own id for the request (the X-Request-Id header, which Abort then takes), or None."""
@@ -259,23 +310,20 @@ def build_app(
             )
         return given
 
-    async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(fmts: list[_Formatter], include_usage: bool) -> AsyncIterator[str]:
         try:
-            first = True
-            num_output_tokens = 0
-            async for piece in generation:
-                num_output_tokens = piece.delta.num_output_tokens
+            async for fmt, piece in _pieces(fmts):
                 await fmt.resolve([*fmt.pending_pieces(), piece])
-                for chunk in fmt.chunks(piece, first):
+                for chunk in fmt.chunks(piece):
                     yield _sse(chunk)
-                    first = False
             if include_usage:
-                yield _sse(fmt.usage_chunk(num_output_tokens))
+                yield _sse(fmts[0].usage_chunk(sum(fmt.num_output_tokens for fmt in fmts)))
             yield _sse("[DONE]")
         finally:
-            generation.close()  # a no-op after the final delta; aborts on disconnect
-            if fmt.chat_stream is not None:
-                fmt.chat_stream.close()
+            for fmt in fmts:
+                fmt.generation.close()  # a no-op after the final delta; aborts on disconnect
+                if fmt.chat_stream is not None:
+                    fmt.chat_stream.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

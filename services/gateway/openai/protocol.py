@@ -147,15 +147,14 @@ def _engine_fields(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _choices(body: dict[str, Any]) -> None:
+def _choices(body: dict[str, Any]) -> int:
     n = _field(body, "n", (int,), 1, "an integer")
     if n < 1:
         raise errors.invalid(f"n must be at least 1, got {n}", "n")
-    if n > 1:
-        raise errors.invalid(f"n={n}: more than one choice per request is not served yet", "n")
     best_of = _field(body, "best_of", (int,), n, "an integer")
     if best_of != n:
         raise errors.invalid(f"best_of must equal n ({n}), got {best_of}: best-of sampling is not served", "best_of")
+    return n
 
 
 def _response_format(body: dict[str, Any]) -> None:
@@ -184,7 +183,7 @@ def _sampling(
         )
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", logprobs_key)
-    _choices(body)
+    n = _choices(body)
     _response_format(body)
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
@@ -198,6 +197,7 @@ def _sampling(
     try:
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            n=n,
             temperature=float(temperature),
             top_p=float(top_p),
             top_k=top_k,

@@ -74,12 +74,13 @@ def add_routes(
                 headers={"Cache-Control": "no-cache", **headers},
             )
         try:
-            pieces = await collect_while_connected(request, generation)
+            collected = await collect_while_connected(request, [generation])
         finally:
             generation.close()
-        if pieces is None:
+        if collected is None:
             stream.close()
             return Response(status_code=499)
+        (pieces,) = collected
         stream.ready(generation.num_prompt_tokens)
         stream.push("".join(p.text for p in pieces), pieces[-1].delta.num_output_tokens)
         stream.finish(pieces[-1].delta.finish_reason or FinishReason.STOP)

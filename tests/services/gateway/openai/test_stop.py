@@ -6,6 +6,7 @@ import openai
 import pytest
 
 from model.deepseek_v41.tokenizer import load_v41_tokenizer
+from services.engine.sampling_params import SamplingParams
 from tests.services.gateway.conftest import pools_whole
 from tests.services.gateway.forcing import forcing_engine, token_ids
 
@@ -83,3 +84,34 @@ def test_stop_limits(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=[""])
     assert err.value.body["param"] == "stop"
+
+
+def engine_takes_choices() -> bool:
+    try:
+        SamplingParams(n=2)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not engine_takes_choices(), reason="this engine serves one choice per request")
+def test_n_choices_each_with_its_stop_strings(client, served):
+    plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=6, n=3, seed=5, ignore_eos=True)
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt="The sea",
+            max_tokens=6,
+            n=3,
+            seed=5,
+            ignore_eos=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert sorted(c.index for c in plain.choices) == [0, 1, 2]
+    for choice in plain.choices:
+        text = "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == choice.index)
+        assert text == choice.text
+    assert plain.usage.completion_tokens == 18 == streamed[-1].usage.completion_tokens
+    wait_whole(served)
