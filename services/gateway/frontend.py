@@ -183,7 +183,7 @@ class Frontend:
     async def start(self, args: GenerateArgs) -> Generation:
         """`start_choices` for one choice (``n`` = 1; more are served over the OpenAI HTTP API only)."""
         if args.params.n != 1:
-            raise errors.invalid(f"n={args.params.n}: more than one choice is served over HTTP only", "n")
+            raise errors.invalid(f"n > 1 (n={args.params.n}): more than one choice is served over HTTP only", "n")
         return (await self.start_choices(args))[0]
 
     async def start_choices(self, args: GenerateArgs) -> list[Generation]:
@@ -246,7 +246,8 @@ class Frontend:
             span.set_attribute("request.prompt_tokens", num_prompt_tokens)
         self.metrics.started.labels(endpoint=args.endpoint).inc()
         n = args.params.n
-        streams = [stream] if n == 1 else [ChoiceStreams(stream, n).choice(i) for i in range(n)]
+        split = ChoiceStreams(stream, n) if n > 1 else None
+        streams = [stream] if split is None else [split.choice(i) for i in range(n)]
         return [
             Generation(
                 self.metrics,

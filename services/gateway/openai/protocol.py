@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.config import DEFAULT_MAX_TOKENS
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.frontend import MAX_ID_BYTES, GenerateArgs
@@ -30,6 +29,7 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIRequest", "parse_body", "parse_chat"
 log = logging.getLogger("shinkai.gateway")
 
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the body has none, as OpenAI and vLLM
 # A logit_bias entry of this value (or below) bans the token: OpenAI's documented meaning of -100.
 LOGIT_BIAS_BAN = -100
 MAX_LOGIT_BIAS_ENTRIES = 1024  # as vLLM's default bound on logit_bias
@@ -264,7 +264,9 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
     echo = _field(body, "echo", (bool,), False, "a boolean")
     if echo and (args.prompt_text is None or num_logprobs is not None):
         raise errors.invalid("echo is served for a text prompt without logprobs (prompt logprobs are not)", "echo")
-    args.params = _sampling(body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, DEFAULT_MAX_TOKENS)
+    args.params = _sampling(
+        body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, COMPLETION_MAX_TOKENS
+    )
     stream, include_usage = _stream_options(body)
     return OpenAIRequest(args, stream, include_usage, num_logprobs, echo=echo, tokens_as_ids=tokens_as_ids)
 

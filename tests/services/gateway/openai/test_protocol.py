@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from services.engine.config import DEFAULT_MAX_TOKENS
 from services.engine.sampling_params import SamplingParams
 from services.gateway.errors import ApiError
-from services.gateway.openai.protocol import ENGINE_FIELDS, parse_chat, parse_completion
+from services.gateway.openai.protocol import COMPLETION_MAX_TOKENS, ENGINE_FIELDS, parse_chat, parse_completion
 from tests.services.gateway.test_contract import raw_request
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
@@ -18,7 +17,7 @@ def test_chat_without_max_tokens_leaves_it_unset_and_completions_keep_16():
     assert parse_chat(dict(CHAT), 4096).args.params.max_tokens is None
     assert parse_chat(dict(CHAT, max_completion_tokens=7), 4096).args.params.max_tokens == 7
     assert parse_chat(dict(CHAT, max_tokens=5), 4096).args.params.max_tokens == 5
-    assert parse_completion(dict(COMPLETION), 4096).args.params.max_tokens == DEFAULT_MAX_TOKENS == 16
+    assert parse_completion(dict(COMPLETION), 4096).args.params.max_tokens == COMPLETION_MAX_TOKENS == 16
 
 
 ENGINE_VALUES = {

@@ -95,8 +95,10 @@ def engine_takes_choices() -> bool:
 
 
 @pytest.mark.skipif(not engine_takes_choices(), reason="this engine serves one choice per request")
-def test_n_choices_each_with_its_stop_strings(client, served):
-    plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=6, n=3, seed=5, ignore_eos=True)
+def test_n_choices_plain_and_streamed(client, served):
+    """Each choice has its own detokenizer and stop strings: streamed per index, its text equals the plain one."""
+    extra = {"ignore_eos": True}
+    plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=6, n=3, seed=5, extra_body=extra)
     streamed = list(
         client.completions.create(
             model="tiny",
@@ -104,14 +106,29 @@ def test_n_choices_each_with_its_stop_strings(client, served):
             max_tokens=6,
             n=3,
             seed=5,
-            ignore_eos=True,
+            extra_body=extra,
             stream=True,
             stream_options={"include_usage": True},
         )
     )
     assert sorted(c.index for c in plain.choices) == [0, 1, 2]
+    assert len({c.text for c in plain.choices}) > 1  # each choice its own seed stream
     for choice in plain.choices:
         text = "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == choice.index)
         assert text == choice.text
     assert plain.usage.completion_tokens == 18 == streamed[-1].usage.completion_tokens
+    wait_whole(served)
+
+
+@pytest.mark.skipif(not engine_takes_choices(), reason="this engine serves one choice per request")
+def test_n_chat_choices_parse_apart(client, served):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2, seed=9)
+    streamed = list(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2, seed=9, stream=True)
+    )
+    for choice in plain.choices:
+        deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].index == choice.index]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == choice.message.reasoning_content
+    assert plain.usage.completion_tokens == 10
     wait_whole(served)
