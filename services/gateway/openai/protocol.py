@@ -210,7 +210,7 @@ def _sampling(
             **_engine_fields(body),
         )
     except ValueError as err:  # SamplingParams' messages start with the field's name
-        raise errors.invalid(str(err), str(err).split(" ", 1)[0]) from err
+        raise errors.invalid(str(err), str(err).split(" ", 1)[0].split("=", 1)[0]) from err
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
