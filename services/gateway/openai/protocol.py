@@ -231,8 +231,11 @@ def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
         if not request_id or len(request_id.encode()) > MAX_ID_BYTES:
             raise errors.invalid(f"request_id must be 1 to {MAX_ID_BYTES} bytes", "request_id")
         args.client_request_id = request_id
-    if _field(body, "priority", (int,), 0, "an integer") != 0:
-        raise errors.invalid("priority is not served by this engine; leave it at 0", "priority")
+    priority = _field(body, "priority", (int,), 0, "an integer")
+    if priority != 0:  # vLLM's: lower is served first; the engine checks its range
+        if "priority" not in GenerateArgs.__dataclass_fields__:
+            raise errors.invalid("priority is not served by this engine; leave it at 0", "priority")
+        args.priority = priority
     if _field(body, "prompt_logprobs", (int,), None, "an integer") is not None:
         raise errors.invalid("prompt_logprobs are not returned by this API yet", "prompt_logprobs")
     return _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean")

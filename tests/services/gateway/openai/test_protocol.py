@@ -77,3 +77,16 @@ def test_a_prompt_over_the_context_is_openais_400(served):
     error = json.loads(data)["error"]
     assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages", error
     assert f"maximum context length is {info.max_model_len} tokens" in error["message"]
+
+
+def test_priority_reaches_the_generation_or_is_refused_by_name():
+    from services.gateway.frontend import GenerateArgs
+
+    body = dict(COMPLETION, priority=-3)
+    if "priority" in GenerateArgs.__dataclass_fields__:
+        assert parse_completion(body, 4096).args.priority == -3
+        assert parse_chat(dict(CHAT, priority=-3), 4096).args.priority == -3
+    else:
+        with pytest.raises(ApiError) as err:
+            parse_completion(body, 4096)
+        assert err.value.param == "priority"
