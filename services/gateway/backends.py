@@ -68,7 +68,7 @@ class TokenizerBackend(Protocol):
         self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
     ) -> RenderedChat: ...  # protocol: services/tokenizer/chat.py PROTOCOLS
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...  # False: special tokens kept
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
 
@@ -176,5 +176,7 @@ class LocalTokenizer:
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
-    def detokenizer(self) -> Detokenizer:
-        return _LocalDetokenizer(IncrementalDetokenizer(self.llm.tokenizer)) if self.detokenize else _NoText()
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        if not self.detokenize:
+            return _NoText()
+        return _LocalDetokenizer(IncrementalDetokenizer(self.llm.tokenizer, skip_special_tokens))

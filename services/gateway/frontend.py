@@ -77,6 +77,8 @@ class GenerateArgs:
     stop: tuple[str, ...] = ()
     # A matched stop string stays in the returned text.
     include_stop_str_in_output: bool = False
+    # Special tokens are left out of the text (vLLM's skip_special_tokens).
+    skip_special_tokens: bool = True
 
 
 MAX_ID_BYTES = 256
@@ -224,7 +226,7 @@ class Frontend:
                     tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) else None
                 )
                 with tracing.active(detokenize_span):
-                    detokenizer = self.tokenizer.detokenizer()
+                    detokenizer = self.tokenizer.detokenizer(args.skip_special_tokens)
         except ValueError as err:
             tracing.end(span, error="invalid")
             raise errors.invalid(str(err), _param_of(str(err), args)) from err
@@ -252,7 +254,7 @@ class Frontend:
             Generation(
                 self.metrics,
                 choice,
-                detokenizer if i == 0 else self.tokenizer.detokenizer(),
+                detokenizer if i == 0 else self.tokenizer.detokenizer(args.skip_special_tokens),
                 request_id,
                 client_request_id,
                 num_prompt_tokens,

@@ -49,6 +49,7 @@ _SERVED_COMMON = {
     "prompt_logprobs",
     "return_tokens_as_token_ids",
     "prompt_cache_key",
+    "skip_special_tokens",
 }
 SERVED = {
     "completions": _SERVED_COMMON | {"prompt", "echo"},
@@ -88,7 +89,6 @@ def _one_of(*allowed: Any) -> Callable[[Any], bool]:
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (_false, "this server stores no completions"),
     "service_tier": (_one_of("auto", "default"), "one service tier is served: 'auto' / 'default'"),
-    "skip_special_tokens": (_one_of(True), "special tokens are always left out of the text"),
     "modalities": (_one_of(["text"]), "this model writes text only"),
     "add_generation_prompt": (_one_of(True), "the chat format always opens the assistant's turn"),
     "continue_final_message": (_false, "continuing the final message is not served"),

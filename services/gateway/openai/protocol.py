@@ -224,6 +224,7 @@ def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
     fields.refuse_unserved(body, endpoint)
     args.stop = _stop(body)
     args.include_stop_str_in_output = _field(body, "include_stop_str_in_output", (bool,), False, "a boolean")
+    args.skip_special_tokens = _field(body, "skip_special_tokens", (bool,), True, "a boolean")
     for name in ("user", "safety_identifier", "prompt_cache_key"):  # accepted as OpenAI documents them; unused
         _field(body, name, (str,), None, "a string")
     request_id = _field(body, "request_id", (str,), None, "a string")

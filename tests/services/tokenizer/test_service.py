@@ -85,3 +85,15 @@ def test_render_chat_takes_the_bodys_protocol(address):
     assert messages.token_ids == chat.token_ids
     with pytest.raises(ChatError, match="protocol"):
         call(address, "render_chat", {"input": "Hi"}, BUDGET, "smoke-signals")
+
+
+def test_detokenize_keeps_special_tokens_when_asked(address):
+    async def run(skip):
+        tokenizer = RemoteTokenizer(address)
+        try:
+            detokenizer = tokenizer.detokenizer(skip)
+            return await detokenizer.push([0, 19923]) + await detokenizer.finish()
+        finally:
+            await tokenizer.close()
+
+    assert asyncio.run(run(False)) == "<｜begin▁of▁sentence｜>Hello" and asyncio.run(run(True)) == "Hello"

@@ -57,12 +57,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("token_ids", "finish")
+    __slots__ = ("token_ids", "finish", "keep_special_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ...) -> None: ...
+    keep_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text",)

@@ -132,3 +132,21 @@ def test_n_chat_choices_parse_apart(client, served):
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == choice.message.reasoning_content
     assert plain.usage.completion_tokens == 10
     wait_whole(served)
+
+
+def test_skip_special_tokens_false_keeps_them(client, forced):
+    """The end token, forced into the middle with ignore_eos, is text only with skip_special_tokens false."""
+    forced.forced = tuple(token_ids("Hi") + [1] + token_ids("there"))
+    try:
+        kept, skipped = (
+            client.completions.create(
+                model="tiny",
+                prompt="x",
+                max_tokens=len(forced.forced),
+                extra_body={"ignore_eos": True, "skip_special_tokens": skip},
+            )
+            for skip in (False, True)
+        )
+    finally:
+        forced.forced = ()
+    assert kept.choices[0].text == "Hi<｜end▁of▁sentence｜>there" and skipped.choices[0].text == "Hithere"
