@@ -58,7 +58,11 @@ class ProtocolStream:
             raise errors.invalid(str(err)) from err
         args = GenerateArgs(model=model, endpoint=self.protocol, chat_body=self.body, chat_protocol=self.protocol)
         args.params = params
+        # Stop sequences end the engine's request at their token (services/gateway/generation.py); the text
+        # keeps them, so the recipe's parser finds them too, cuts them off and reports them (Anthropic's
+        # stop_reason "stop_sequence" and stop_sequence).
         args.stop = tuple(self.conversion.parsing_options.stop_sequences)
+        args.include_stop_str_in_output = True
         return args
 
     def ready(self, num_prompt_tokens: int) -> list[tuple[str | None, str]]:
@@ -67,11 +71,13 @@ class ProtocolStream:
 
     def push(self, text: str, num_tokens: int) -> list[tuple[str | None, str]]:
         """(SSE event name, JSON data) of each event this text completes."""
-        if not text and not num_tokens:
-            return []
+        if (not text and not num_tokens) or self._processor.finished:
+            return []  # the parser ended the answer itself at a stop sequence
         return self._convert(self._processor.push(deepseek_recipe.InferenceChunk.text(text, num_tokens)))
 
     def finish(self, reason: FinishReason) -> list[tuple[str | None, str]]:
+        if self._processor.finished:
+            return []
         recipe_reason = _FINISH.get(reason, deepseek_recipe.InferenceFinishReason.Stop)
         events = self._processor.push(deepseek_recipe.InferenceChunk.finish(recipe_reason))
         return self._convert(events + self._processor.finish())

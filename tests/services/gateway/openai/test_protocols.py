@@ -66,3 +66,27 @@ def test_responses_function_call(served, forced):
         reply = client.responses.create(model="tiny", input="Weather in Oslo?", tools=[tool], max_output_tokens=80)
     (call,) = [item for item in reply.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+
+
+def test_anthropic_stop_sequences_end_the_request(served, forced):
+    from tests.services.gateway.openai.test_stop import wait_whole
+
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    ask = {
+        "model": "tiny",
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": "x"}],
+        "stop_sequences": ["Beta"],
+    }
+    with forced.forcing("Think.</think>Alpha. Beta. Gamma."):
+        reply = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    assert (
+        (reply.stop_reason, reply.stop_sequence)
+        == ("stop_sequence", "Beta")
+        == (final.stop_reason, final.stop_sequence)
+    )
+    assert reply.content[-1].text == "Alpha. " == text
+    wait_whole(served)
