@@ -15,7 +15,7 @@ from typing import Any
 
 from services.engine.model_info import ModelInfo
 from services.gateway.openai.chat_options import REASONING_EFFORTS
-from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
+from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 _ERROR = {
@@ -64,8 +64,13 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 2**63 - 1, "description": "-1 or 0: off"},
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1, "description": "n > 1: not served yet"},
-        "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
+        "n": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "maximum": MAX_N,
+            "description": "choices; > 1 where the engine serves n",
+        },
+        "best_of": {"type": ["integer", "null"], "minimum": 1, "description": "must equal n"},
         "stop": {
             "anyOf": [
                 {"type": "null"},

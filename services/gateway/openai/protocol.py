@@ -29,6 +29,7 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIRequest", "parse_body", "parse_chat"
 log = logging.getLogger("shinkai.gateway")
 
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
+MAX_N = 128  # choices per request, as OpenAI's bound on n
 COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the body has none, as OpenAI and vLLM
 # A logit_bias entry of this value (or below) bans the token: OpenAI's documented meaning of -100.
 LOGIT_BIAS_BAN = -100
@@ -149,8 +150,8 @@ def _engine_fields(body: dict[str, Any]) -> dict[str, Any]:
 
 def _choices(body: dict[str, Any]) -> int:
     n = _field(body, "n", (int,), 1, "an integer")
-    if n < 1:
-        raise errors.invalid(f"n must be at least 1, got {n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise errors.invalid(f"n must be between 1 and {MAX_N}, got {n}", "n")
     best_of = _field(body, "best_of", (int,), n, "an integer")
     if best_of != n:
         raise errors.invalid(f"best_of must equal n ({n}), got {best_of}: best-of sampling is not served", "best_of")

@@ -27,10 +27,11 @@ class ForcingEngine:
         self.inner = inner
         self.forced: tuple[int, ...] = ()
 
-    async def submit(self, request_id, client_request_id, prompt_token_ids, params, images=()):
+    async def submit(self, request_id, client_request_id, prompt_token_ids, params, *rest, **options):
+        """The backend's submit with the forced tokens in the params; the other arguments pass through."""
         if self.forced:
             params = dataclasses.replace(params, forced_token_ids=self.forced)
-        return await self.inner.submit(request_id, client_request_id, prompt_token_ids, params, images)
+        return await self.inner.submit(request_id, client_request_id, prompt_token_ids, params, *rest, **options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

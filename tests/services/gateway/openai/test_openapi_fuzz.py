@@ -15,6 +15,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from services.gateway.openai.protocol import MAX_N
 from services.gateway.server import ServeConfig
 from tests.services.gateway.conftest import ServerThread, pools_whole
 
@@ -73,7 +74,7 @@ def test_the_description_is_served_with_the_models_limits(api_schema, fuzz_serve
     raw = api_schema.raw_schema
     completion = raw["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["max_tokens"]["maximum"] == 64
-    assert raw["components"]["schemas"]["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 1
+    assert raw["components"]["schemas"]["ChatCompletionRequest"]["properties"]["n"]["maximum"] == MAX_N
     assert set(raw["paths"]) == {
         "/v1/completions",
         "/v1/chat/completions",
