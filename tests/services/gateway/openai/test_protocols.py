@@ -90,3 +90,17 @@ def test_anthropic_stop_sequences_end_the_request(served, forced):
     )
     assert reply.content[-1].text == "Alpha. " == text
     wait_whole(served)
+
+
+def test_requests_are_counted_and_traced_under_their_endpoint(served, forced):
+    """After the tests above, both endpoints' requests appear in /metrics under their own endpoint label."""
+    import urllib.request
+
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0).responses.create(
+        model="tiny", input="x", max_output_tokens=1
+    )
+    with urllib.request.urlopen(served.http_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'endpoint="messages"' in text and 'endpoint="responses"' in text
