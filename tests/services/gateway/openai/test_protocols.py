@@ -92,7 +92,7 @@ def test_anthropic_stop_sequences_end_the_request(served, forced):
     wait_whole(served)
 
 
-def test_requests_are_counted_and_traced_under_their_endpoint(served, forced):
+def test_requests_are_counted_under_their_endpoint(served, forced):
     """After the tests above, both endpoints' requests appear in /metrics under their own endpoint label."""
     import urllib.request
 
