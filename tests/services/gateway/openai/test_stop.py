@@ -70,11 +70,13 @@ def test_completion_stops_at_the_token(client, forced, served, stop, include):
 
 
 def test_chat_content_stops_too(client, forced, served):
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Fruit?"}], "max_tokens": 40, "stop": ["Pears"]}
     with forced.forcing("Thinking.</think>Apples. Pears. Plums."):
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Fruit?"}], max_tokens=40, stop=["Pears"]
-        )
+        reply = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True))
     assert reply.choices[0].message.content == "Apples. " and reply.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Apples. "
+    assert chunks[-1].choices[0].finish_reason == "stop"
     wait_whole(served)
 
 
