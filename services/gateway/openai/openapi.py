@@ -51,7 +51,20 @@ _USAGE = {
         k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
     },
 }
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", "tool_calls", None]}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}},
+        },
+    },
+}
 
 
 def _sampling(info: ModelInfo) -> dict[str, Any]:
@@ -194,7 +207,12 @@ def _completion_body(chat: bool) -> dict[str, Any]:
                     "message": {
                         "type": "object",
                         "required": ["role", "content"],
-                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": ["string", "null"]},
+                            "reasoning_content": {"type": ["string", "null"], "description": "thinking mode"},
+                            "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                        },
                     }
                 }
                 if chat
