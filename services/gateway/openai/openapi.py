@@ -15,6 +15,7 @@ from typing import Any
 
 from services.engine.model_info import ModelInfo
 from services.gateway.openai.chat_options import REASONING_EFFORTS
+from services.gateway.openai.openapi_tokenize import tokenize_paths
 from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -292,6 +293,7 @@ def openapi_schema(info: ModelInfo) -> dict[str, Any]:
                     "responses": _plain("the model list", models, {"401": _ERRORS["401"]}),
                 }
             },
+            **tokenize_paths(info, _ERRORS),
             "/health": {"get": {"summary": "Liveness", "responses": _plain("serving", status, unavailable)}},
             "/ready": {
                 "get": {"summary": "A real one-token generation", "responses": _plain("generated", status, unavailable)}

@@ -20,7 +20,7 @@ from services.gateway.server import ServeConfig
 from tests.services.gateway.conftest import ServerThread, pools_whole
 
 pytestmark = pytest.mark.timeout(300)
-MAX_EXAMPLES = 20  # per operation and mode: six operations, the two POSTs in both modes; about 30 s here
+MAX_EXAMPLES = 20  # per operation and mode: nine operations, the four POSTs in both modes
 # Bodies the schema accepts, and bodies it refuses (each must be a documented 4xx, never a 5xx).
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -51,7 +51,7 @@ def test_the_served_api_keeps_its_description(api_schema):
     """Each operation's generated cases, called and checked (schemathesis' pytest plugin predates this pytest,
     so hypothesis drives its strategies directly)."""
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) == 6
+    assert len(operations) == 9
     for operation, mode in itertools.product(operations, MODES):
         if mode == schemathesis.GenerationMode.NEGATIVE and operation.method.lower() != "post":
             continue  # a GET without parameters has nothing to get wrong
@@ -79,6 +79,9 @@ def test_the_description_is_served_with_the_models_limits(api_schema, fuzz_serve
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
         "/health",
         "/ready",
         "/metrics",
