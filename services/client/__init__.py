@@ -21,7 +21,7 @@ from services.client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.client.messages import Completion, TextDelta
+from services.client.messages import Completion, TextDelta, ToolCall
 from services.client.sync_client import ShinkaiClient
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "ShinkaiError",
     "TextDelta",
     "Timeout",
+    "ToolCall",
     "Unauthenticated",
     "Unavailable",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,16 @@ FINISH_REASONS = {
 
 
 @dataclass
+class ToolCall:
+    """A tool call of a chat answer; streamed, a piece of one (its index, then more of its arguments)."""
+
+    index: int  # which call of the answer, from 0
+    id: str  # the call's id (set on its first piece), which the tool result's tool_call_id names
+    name: str  # the function's name (set on its first piece)
+    arguments: str  # its JSON arguments as text (streamed: the next piece of that text)
+
+
+@dataclass
 class TextDelta:
     """One streamed step of a generation."""
 
@@ -26,7 +37,12 @@ class TextDelta:
     client_request_id: str  # the id Abort takes
     text: str  # new text; never splits a UTF-8 character
     token_ids: list[int]  # new tokens
-    finish_reason: str | None = None  # set on the last delta: "stop", "length", "abort", "preempted", "error"
+    # Set on the last delta: "stop", "length", "abort", "preempted", "error", or "tool_calls" (a chat answer
+    # that ended in tool calls).
+    finish_reason: str | None = None
+    reasoning_content: str = ""  # chat: new reasoning (the text split by the model's format)
+    content: str = ""  # chat: new answer text
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat: tool-call pieces
 
 
 @dataclass
@@ -40,13 +56,21 @@ class Completion:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_content: str = ""  # chat: the reasoning
+    content: str = ""  # chat: the answer
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat: the tool calls, arguments whole
 
 
 def generate_request(
     prompt: str | Sequence[int] | None = None,
     *,
     messages: Sequence[dict[str, Any]] | None = None,
-    thinking: bool = False,
+    thinking: bool | None = None,
+    tools: Sequence[dict[str, Any]] = (),
+    tool_choice: str | None = None,
+    reasoning_effort: str | None = None,
+    stop: Sequence[str] = (),
+    include_stop_str_in_output: bool = False,
     model: str = "",
     client_request_id: str | None = None,
     max_tokens: int | None = None,
@@ -58,8 +82,10 @@ def generate_request(
     ignore_eos: bool = False,
     logprobs: int | None = None,
 ) -> pb.GenerateRequest:
-    """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat). Without a ``client_request_id``
-    one is made here, so the caller can abort before the first response."""
+    """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat, OpenAI's message dicts: with
+    ``reasoning_content``, ``tool_calls`` and ``tool_call_id`` for the turns of a tool loop; ``tools`` as
+    OpenAI's function tools; ``thinking`` None: the model's default). Without a ``client_request_id`` one is
+    made here, so the caller can abort before the first response."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
     request = pb.GenerateRequest(model=model, client_request_id=client_request_id or f"req-{uuid.uuid4().hex}")
@@ -68,17 +94,7 @@ def generate_request(
     elif prompt is not None:
         request.token_ids.ids.extend(prompt)
     else:
-        request.chat.thinking = thinking
-        for m in messages or ():
-            if isinstance(m["content"], str):
-                request.chat.messages.add(role=m["role"], content=m["content"])
-            else:  # OpenAI content parts: text and image_url
-                message = request.chat.messages.add(role=m["role"])
-                for part in m["content"]:
-                    if part["type"] == "image_url":
-                        message.parts.add(image_url=part["image_url"]["url"])
-                    else:
-                        message.parts.add(text=part["text"])
+        _chat(request.chat, messages or (), thinking, tools, tool_choice, reasoning_effort)
     s = request.sampling
     for name, value in (
         ("max_tokens", max_tokens),
@@ -92,21 +108,91 @@ def generate_request(
             setattr(s, name, value)
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
+    s.stop.extend(stop)
+    s.include_stop_str_in_output = include_stop_str_in_output
     return request
+
+
+def _chat(
+    chat: pb.ChatMessages,
+    messages: Sequence[dict[str, Any]],
+    thinking: bool | None,
+    tools: Sequence[dict[str, Any]],
+    tool_choice: str | None,
+    reasoning_effort: str | None,
+) -> None:
+    if thinking is not None:
+        chat.thinking = thinking
+    for m in messages:
+        message = chat.messages.add(role=m["role"])
+        content = m.get("content") or ""
+        if isinstance(content, str):
+            message.content = content
+        else:  # OpenAI content parts: text and image_url
+            for part in content:
+                if part["type"] == "image_url":
+                    message.parts.add(image_url=part["image_url"]["url"])
+                else:
+                    message.parts.add(text=part["text"])
+        message.reasoning_content = m.get("reasoning_content") or ""
+        message.tool_call_id = m.get("tool_call_id") or ""
+        for call in m.get("tool_calls") or ():
+            function = call["function"]
+            message.tool_calls.add(id=call.get("id", ""), name=function["name"], arguments=function["arguments"])
+    for tool in tools:
+        function = tool["function"]
+        chat.tools.add(
+            name=function["name"],
+            description=function.get("description") or "",
+            parameters_json=json.dumps(function["parameters"]) if function.get("parameters") is not None else "",
+        )
+    chat.tool_choice = tool_choice or ""
+    chat.reasoning_effort = reasoning_effort or ""
+
+
+def _tool_calls(delta: pb.ChatDelta) -> list[ToolCall]:
+    return [ToolCall(c.index, c.id, c.name, c.arguments) for c in delta.tool_calls]
+
+
+def _finish_reason(final: pb.Final) -> str:
+    return "tool_calls" if final.tool_calls else FINISH_REASONS.get(final.finish_reason, "error")
 
 
 def to_delta(response: pb.GenerateResponse) -> TextDelta:
     if response.WhichOneof("kind") == "final":
+        f = response.final
         return TextDelta(
             response.request_id,
             response.client_request_id,
-            response.final.text,
+            f.text,
             [],
-            FINISH_REASONS.get(response.final.finish_reason, "error"),
+            _finish_reason(f),
+            f.chat.reasoning_content,
+            f.chat.content,
+            _tool_calls(f.chat),
         )
+    c = response.chunk
     return TextDelta(
-        response.request_id, response.client_request_id, response.chunk.text, list(response.chunk.token_ids)
+        response.request_id,
+        response.client_request_id,
+        c.text,
+        list(c.token_ids),
+        None,
+        c.chat.reasoning_content,
+        c.chat.content,
+        _tool_calls(c.chat),
     )
+
+
+def _accumulate(completion: Completion, delta: pb.ChatDelta) -> None:
+    completion.reasoning_content += delta.reasoning_content
+    completion.content += delta.content
+    for piece in delta.tool_calls:
+        if piece.index == len(completion.tool_calls):
+            completion.tool_calls.append(ToolCall(piece.index, piece.id, piece.name, ""))
+        call = completion.tool_calls[piece.index]
+        call.id, call.name = call.id or piece.id, call.name or piece.name
+        call.arguments += piece.arguments
 
 
 def add_to(completion: Completion, response: pb.GenerateResponse) -> None:
@@ -115,9 +201,11 @@ def add_to(completion: Completion, response: pb.GenerateResponse) -> None:
     if response.WhichOneof("kind") == "final":
         f = response.final
         completion.text += f.text
-        completion.finish_reason = FINISH_REASONS.get(f.finish_reason, "error")
+        completion.finish_reason = _finish_reason(f)
         completion.prompt_tokens = f.usage.prompt_tokens
         completion.completion_tokens = f.usage.completion_tokens
+        _accumulate(completion, f.chat)
     else:
         completion.text += response.chunk.text
         completion.token_ids.extend(response.chunk.token_ids)
+        _accumulate(completion, response.chunk.chat)

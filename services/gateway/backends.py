@@ -64,9 +64,11 @@ class TokenizerBackend(Protocol):
 
     async def encode(self, text: str, max_tokens: int | None = None) -> list[int]: ...
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat: ...
+    async def render_chat(
+        self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
+    ) -> RenderedChat: ...  # protocol: services/tokenizer/chat.py PROTOCOLS
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...  # False: special tokens kept
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
 
@@ -153,7 +155,9 @@ class LocalTokenizer:
         check_tokens(len(ids), max_tokens)
         return ids
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
+    async def render_chat(
+        self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
+    ) -> RenderedChat:
         if self.chat is None:
             raise ChatError(
                 "chat rendering needs DeepSeek's V4.1 vocabulary; this model has its own: use /v1/completions"
@@ -161,7 +165,7 @@ class LocalTokenizer:
         num_bytes = chat_content_bytes(body)
         try:
             check_bytes(num_bytes, max_tokens, self.pool.token_bytes)
-            rendered = await self.pool.run(num_bytes, self.chat.render, body)
+            rendered = await self.pool.run(num_bytes, self.chat.render, body, protocol)
             check_tokens(len(rendered.token_ids), max_tokens)
         except ChatError:
             raise
@@ -172,5 +176,7 @@ class LocalTokenizer:
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
-    def detokenizer(self) -> Detokenizer:
-        return _LocalDetokenizer(IncrementalDetokenizer(self.llm.tokenizer)) if self.detokenize else _NoText()
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        if not self.detokenize:
+            return _NoText()
+        return _LocalDetokenizer(IncrementalDetokenizer(self.llm.tokenizer, skip_special_tokens))

@@ -22,17 +22,18 @@ from typing import Any
 
 from observability import tracing
 from observability.metrics import RequestMetrics
-from services.engine.finish_reason import FinishReason
 from services.engine.images.prompt import ImageEncoderUnavailable
 from services.engine.model_info import ModelInfo
 from services.engine.sampling_params import SamplingParams
-from services.engine.service import Delta, QueueFull, ShuttingDown
+from services.engine.service import QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
 from services.gateway import errors
-from services.gateway.backends import DeltaStream, Detokenizer, EngineBackend, TokenizerBackend
+from services.gateway.backends import EngineBackend, TokenizerBackend
+from services.gateway.choices import ChoiceStreams
 from services.gateway.errors import ApiError
+from services.gateway.generation import Generation
 from services.gateway.image_fetcher import ImageFetcher
-from services.tokenizer.chat import ChatError
+from services.gateway.stop_strings import StopStrings
 
 # What a masked token's logprob (-inf: outside top-k / top-p) reads as in every response, HTTP and gRPC, as in
 # vLLM: JSON has no infinities, and `JSON.parse` refuses the `-Infinity` Python would write.
@@ -55,6 +56,8 @@ class GenerateArgs:
     prompt_token_ids: list[int] | None = None
     # An OpenAI chat body (its conversation keys), rendered through deepseek-recipe.
     chat_body: dict[str, Any] | None = None
+    # The protocol of chat_body: "chat", "responses" or "messages" (services/tokenizer/chat.py PROTOCOLS).
+    chat_protocol: str = "chat"
     # Validated sampling parameters.
     params: SamplingParams = SamplingParams()
     # The client's name for the request (Abort takes it); None: the request_id.
@@ -70,92 +73,12 @@ class GenerateArgs:
     # Encoded images for the image placeholders of prompt_token_ids, when a gateway forwarded a chat with
     # images here (takes_request_ids); empty otherwise.
     images: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class Piece:
-    """One delta of a generation with its text."""
-
-    delta: Delta
-    # Text new in this delta; never splits a UTF-8 character. On the final piece it includes the flush.
-    text: str
-
-
-class Generation:
-    """A started request's pieces. ``close()`` (or leaving ``async for`` early and closing) aborts it."""
-
-    def __init__(
-        self,
-        frontend: Frontend,
-        stream: DeltaStream,
-        detokenizer: Detokenizer,
-        request_id: str,
-        client_request_id: str,
-        num_prompt_tokens: int,
-        endpoint: str,
-        arrival: float,
-        span: Any = None,
-        detokenize_span: Any = None,
-    ) -> None:
-        self.frontend = frontend
-        self.stream = stream
-        self.detokenizer = detokenizer
-        self.request_id = request_id  # unique: the engine and the scheduler know the request by it
-        self.client_request_id = client_request_id  # the id Abort takes (the request_id when the client gave none)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.endpoint = endpoint
-        self.created = int(time.time())
-        self._start = arrival  # monotonic time the request arrived: TTFT and e2e count from here
-        # The request's span and its detokenize child (None when tracing is off); both end with the final piece.
-        self.span = span
-        self.detokenize_span = detokenize_span
-        self._last: float | None = None  # time of the latest token-bearing delta
-        self.finish_reason: FinishReason | None = None
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> Piece:
-        delta = await self.stream.__anext__()
-        now = time.monotonic()
-        metrics = self.frontend.metrics
-        if delta.token_ids:
-            if self._last is None:
-                metrics.ttft.observe(now - self._start)
-            else:
-                gap = (now - self._last) / len(delta.token_ids)
-                for _ in delta.token_ids:  # vLLM's count: one inter-token latency per token after the first
-                    metrics.itl.observe(gap)
-            self._last = now
-        text = await self.detokenizer.push(delta.token_ids)
-        if delta.finish_reason is not None:
-            text += await self.detokenizer.finish()
-            self.detokenizer.close()
-            self.finish_reason = delta.finish_reason
-            metrics.e2e.observe(now - self._start)
-            metrics.finished.labels(reason=delta.finish_reason).inc()
-            metrics.generation_tokens.inc(delta.num_output_tokens)
-            metrics.prompt_tokens.inc(self.num_prompt_tokens)
-            self._end_spans(delta.finish_reason, delta.num_output_tokens)
-        return Piece(delta, text)
-
-    def _end_spans(self, reason: FinishReason, num_output_tokens: int) -> None:
-        tracing.end(self.detokenize_span)
-        tracing.end(
-            self.span,
-            {"request.finish_reason": str(reason), "request.output_tokens": num_output_tokens},
-            error=reason if reason == FinishReason.ERROR else None,
-        )
-        self.span = self.detokenize_span = None
-
-    def close(self) -> None:
-        """Aborts the request unless its final piece was read (a disconnect or cancel). Idempotent."""
-        if self.finish_reason is None:
-            self.finish_reason = FinishReason.ABORT
-            self.frontend.metrics.finished.labels(reason=FinishReason.ABORT).inc()
-            self.detokenizer.close()
-            self._end_spans(FinishReason.ABORT, 0)
-        self.stream.close()
+    # Stop strings matched on the detokenized text (services/gateway/stop_strings.py); empty: none.
+    stop: tuple[str, ...] = ()
+    # A matched stop string stays in the returned text.
+    include_stop_str_in_output: bool = False
+    # Special tokens are left out of the text (vLLM's skip_special_tokens).
+    skip_special_tokens: bool = True
 
 
 MAX_ID_BYTES = 256
@@ -201,6 +124,9 @@ def _param_of(message: str, args: GenerateArgs) -> str | None:
     return None
 
 
+# How the tokenizer words a prompt that is over the context's budget (services/tokenizer/budget.py).
+_OVER_CONTEXT = re.compile(r"tokens the context leaves for it")
+
 # How refusals of a request's images begin (services/multimodal/preprocess.py, image_fetch.py and
 # services/engine/images/prompt.py): they are about the chat's image parts.
 _IMAGE_MESSAGE = re.compile(
@@ -245,30 +171,42 @@ class Frontend:
 
     async def prompt(self, args: GenerateArgs) -> tuple[list[int], list[str]]:
         """The prompt's ids and its chat's image URLs (one recipe placeholder each in the ids, in order).
-        Text and chat are refused (400) as soon as their length proves them over the tokens the context
-        leaves after max_tokens: from their bytes before encoding, else after (images counted as their one
+        Text and chat are refused (400, OpenAI's ``context_length_exceeded``) as soon as their length proves
+        them over the tokens the context leaves after max_tokens (one token when max_tokens is unset: the
+        rest of the context): from their bytes before encoding, else after (images counted as their one
         placeholder here; the engine checks the expanded prompt)."""
-        if args.params.n > 1:  # the engine serves n (each delta names its choice); one detokenizer per stream here
-            raise errors.invalid("n > 1 is served by the engine, not yet through the gateway's streams", "n")
-        budget = self.info.max_model_len - (args.params.max_tokens or 1)  # None: the rest, at least one token
-        if args.chat_body is not None:
-            try:
-                rendered = await self.tokenizer.render_chat(args.chat_body, budget)
-            except ChatError as err:
-                raise errors.invalid(str(err), "messages") from err
-            return rendered.token_ids, rendered.image_urls
-        if args.prompt_text is not None:
-            if args.prompt_text == "":
-                raise errors.invalid("the prompt is empty", "prompt")
-            try:
+        budget = self.info.max_model_len - (args.params.max_tokens or 1)
+        param = "messages" if args.chat_body is not None else "prompt"
+        try:
+            if args.chat_body is not None:
+                rendered = await self.tokenizer.render_chat(args.chat_body, budget, args.chat_protocol)
+                return rendered.token_ids, rendered.image_urls
+            if args.prompt_text is not None:
+                if args.prompt_text == "":
+                    raise errors.invalid("the prompt is empty", "prompt")
                 return await self.tokenizer.encode(args.prompt_text, budget), []
-            except ValueError as err:
-                raise errors.invalid(str(err), "prompt") from err
+        except ValueError as err:  # ChatError included
+            message = str(err)
+            if _OVER_CONTEXT.search(message):
+                raise ApiError(
+                    errors.INVALID,
+                    f"This model's maximum context length is {self.info.max_model_len} tokens: {message}",
+                    param,
+                    code="context_length_exceeded",
+                ) from err
+            raise errors.invalid(message, param) from err
         return list(args.prompt_token_ids or []), []
 
     async def start(self, args: GenerateArgs) -> Generation:
-        """Checks, encodes and queues; raises ApiError with nothing queued. The request's span (a child of
-        ``args.trace_parent``) is current while the tokenizer and the engine are called, so they join its trace."""
+        """`start_choices` for one choice (``n`` = 1; more are served over the OpenAI HTTP API only)."""
+        if args.params.n != 1:
+            raise errors.invalid(f"n > 1 (n={args.params.n}): more than one choice is served over HTTP only", "n")
+        return (await self.start_choices(args))[0]
+
+    async def start_choices(self, args: GenerateArgs) -> list[Generation]:
+        """Checks, encodes and queues; raises ApiError with nothing queued. One `Generation` per choice (``n``
+        of them, services/gateway/choices.py). The request's span (a child of ``args.trace_parent``) is
+        current while the tokenizer and the engine are called, so they join its trace; choice 0 ends it."""
         arrival = time.monotonic()
         self.check_model(args.model)
         if args.request_id is not None and not self.takes_request_ids:
@@ -303,7 +241,7 @@ class Frontend:
                     tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) else None
                 )
                 with tracing.active(detokenize_span):
-                    detokenizer = self.tokenizer.detokenizer()
+                    detokenizer = self.tokenizer.detokenizer(args.skip_special_tokens)
         except ValueError as err:
             tracing.end(span, error="invalid")
             raise errors.invalid(str(err), _param_of(str(err), args)) from err
@@ -324,18 +262,26 @@ class Frontend:
         if span is not None:
             span.set_attribute("request.prompt_tokens", num_prompt_tokens)
         self.metrics.started.labels(endpoint=args.endpoint).inc()
-        return Generation(
-            self,
-            stream,
-            detokenizer,
-            request_id,
-            client_request_id,
-            num_prompt_tokens,
-            args.endpoint,
-            arrival,
-            span,
-            detokenize_span,
-        )
+        n = args.params.n
+        split = ChoiceStreams(stream, n) if n > 1 else None
+        streams = [stream] if split is None else [split.choice(i) for i in range(n)]
+        return [
+            Generation(
+                self.metrics,
+                choice,
+                detokenizer if i == 0 else self.tokenizer.detokenizer(args.skip_special_tokens),
+                request_id,
+                client_request_id,
+                num_prompt_tokens,
+                args.endpoint,
+                arrival,
+                span if i == 0 else None,
+                detokenize_span if i == 0 else None,
+                StopStrings(args.stop, args.include_stop_str_in_output) if args.stop else None,
+                index=i,
+            )
+            for i, choice in enumerate(streams)
+        ]
 
     async def abort(self, client_request_id: str, owner: str | None = None) -> bool:
         """Aborts the caller's live requests with this client_request_id; another key's are out of its reach."""

@@ -21,7 +21,11 @@ from services.gateway import errors
 from services.gateway.auth import Keys, grpc_authorization
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, GenerateArgs, finite_logprob
+from services.gateway.grpc_chat import chat_delta, chat_request, content_bytes, message_content
+from services.gateway.openai.chat_options import ChatOptions
+from services.gateway.openai.chat_stream import ChatStream
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES
+from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
 SERVICE = "shinkai.v1.Shinkai"
@@ -66,34 +70,9 @@ def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
     _cap("chat.messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")
     for i, m in enumerate(request.chat.messages):
         _cap(f"chat.messages[{i}].role", len(m.role.encode()), MAX_ROLE_BYTES)
-    _cap("chat.messages[].content", sum(_content_bytes(m) for m in request.chat.messages), MAX_TEXT_BYTES)
+    _cap("chat.messages[].content", sum(content_bytes(m) for m in request.chat.messages), MAX_TEXT_BYTES)
     _cap("sampling.stop_token_ids", len(request.sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     _cap("sampling.logit_bias", len(request.sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
-
-
-def _content_bytes(message: pb.ChatMessage) -> int:
-    """Bytes of a message's text and image URLs."""
-    return len(message.content.encode()) + sum(
-        len(getattr(part, part.WhichOneof("kind") or "text").encode()) for part in message.parts
-    )
-
-
-def _content(i: int, message: pb.ChatMessage) -> str | list[dict]:
-    """A message's OpenAI content: its text, or its parts as OpenAI content parts."""
-    if not message.parts:
-        return message.content
-    if message.content:
-        raise errors.invalid(f"chat.messages[{i}] sets both content and parts; set one", "chat.messages")
-    parts: list[dict] = []
-    for j, part in enumerate(message.parts):
-        kind = part.WhichOneof("kind")
-        if kind == "text":
-            parts.append({"type": "text", "text": part.text})
-        elif kind == "image_url":
-            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
-        else:
-            raise errors.invalid(f"chat.messages[{i}].parts[{j}] is empty: set text or image_url", "chat.messages")
-    return parts
 
 
 def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
@@ -111,7 +90,18 @@ def _logit_bias(logit_bias) -> tuple[tuple[int, ...], dict[int, float]]:
     return tuple(banned), added
 
 
-def _args(request: pb.GenerateRequest) -> GenerateArgs:
+def _stop(sampling: pb.SamplingParams) -> tuple[str, ...]:
+    stops = tuple(sampling.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise errors.invalid(f"sampling.stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS}", "sampling.stop")
+    if any(not stop or len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise errors.invalid(f"sampling.stop strings must be 1 to {MAX_STOP_CHARS} characters", "sampling.stop")
+    return stops
+
+
+def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None]:
+    """The generation's arguments, and a chat prompt's options (None for text and token ids)."""
+    options = None
     args = GenerateArgs(
         model=request.model or None,
         client_request_id=request.client_request_id or None,
@@ -124,10 +114,8 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
     elif which == "token_ids":
         args.prompt_token_ids = list(request.token_ids.ids)
     elif which == "chat":
-        args.chat_body = {
-            "messages": [{"role": m.role, "content": _content(i, m)} for i, m in enumerate(request.chat.messages)],
-            "thinking": {"type": "enabled" if request.chat.thinking else "disabled"},
-        }
+        options = chat_request(request.chat, [message_content(i, m) for i, m in enumerate(request.chat.messages)])
+        args.chat_body = options.conversation
     else:
         raise errors.invalid("a prompt is required: set text, token_ids or chat", "prompt")
     if request.images and which != "token_ids":
@@ -137,6 +125,8 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
         )
     args.images = list(request.images)
     s = request.sampling
+    args.stop = _stop(s)
+    args.include_stop_str_in_output = s.include_stop_str_in_output
     banned, bias = _logit_bias(s.logit_bias)
     try:
         args.params = SamplingParams(
@@ -160,7 +150,7 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
         )
     except ValueError as err:
         raise errors.invalid(str(err)) from err
-    return args
+    return args, options
 
 
 class ShinkaiApi:
@@ -192,7 +182,7 @@ class ShinkaiApi:
             owner = self.keys.check(grpc_authorization(context))
             request = _parse(pb.GenerateRequest, raw)
             check_caps(request, self.frontend.info.max_model_len)
-            args = _args(request)
+            args, options = _args(request)
             args.owner = owner
             args.trace_parent = tracing.extract(context.invocation_metadata())
             generation = await self.frontend.start(args)
@@ -200,9 +190,20 @@ class ShinkaiApi:
             await self._abort_with(context, err)
             return
         ids = {"request_id": generation.request_id, "client_request_id": generation.client_request_id}
+        chat = (
+            ChatStream(options, generation.request_id, self.frontend.served_model, generation.created)
+            if options is not None
+            else None
+        )
         try:
             async for piece in generation:
                 d = piece.delta
+                delta, called = pb.ChatDelta(), False
+                if chat is not None:
+                    chunks = chat.push(piece.text, len(d.token_ids))
+                    if d.finish_reason is not None:
+                        chunks += chat.finish(d.finish_reason)
+                    delta, called = chat_delta(chunks)
                 if d.token_ids or (piece.text and d.finish_reason is None):
                     # On the last delta the text (with the flush) travels in the final message instead.
                     chunk = pb.Chunk(
@@ -213,6 +214,8 @@ class ShinkaiApi:
                         num_output_tokens=d.num_output_tokens,
                         index=d.index,
                     )
+                    if d.finish_reason is None and chat is not None:
+                        chunk.chat.CopyFrom(delta)
                     for top in d.top_logprobs or []:
                         chunk.top_logprobs.add(
                             entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v)) for i, v in top]
@@ -230,9 +233,14 @@ class ShinkaiApi:
                     )
                     if d.stop_token_id is not None:
                         final.stop_token_id = d.stop_token_id
+                    if chat is not None:
+                        final.chat.CopyFrom(delta)
+                        final.tool_calls = called
                     yield pb.GenerateResponse(**ids, final=final)
         finally:
             generation.close()  # a no-op after the final; aborts a cancelled stream
+            if chat is not None:
+                chat.close()
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:

@@ -206,17 +206,20 @@ class RemoteEngine:
 
 
 class _RemoteDetokenizer:
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, skip_special_tokens: bool = True) -> None:
         self.call = stub.Detokenize(metadata=tracing.grpc_metadata())
+        self.keep_special_tokens = not skip_special_tokens  # sent with every message; the first one decides
 
     async def push(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
             return ""
-        await self.call.write(tpb.DetokenizeRequest(token_ids=list(token_ids)))
+        await self.call.write(
+            tpb.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=self.keep_special_tokens)
+        )
         return (await self.call.read()).text
 
     async def finish(self) -> str:
-        await self.call.write(tpb.DetokenizeRequest(finish=True))
+        await self.call.write(tpb.DetokenizeRequest(finish=True, keep_special_tokens=self.keep_special_tokens))
         text = (await self.call.read()).text
         await self.call.done_writing()
         return text
@@ -246,16 +249,18 @@ class RemoteTokenizer:
         request = tpb.EncodeRequest(text=text, add_bos=True, max_tokens=max_tokens)
         return list((await self._call(self.stub.Encode, request)).token_ids)
 
-    async def render_chat(self, body: dict[str, Any], max_tokens: int | None = None) -> RenderedChat:
-        request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens)
+    async def render_chat(
+        self, body: dict[str, Any], max_tokens: int | None = None, protocol: str = "chat"
+    ) -> RenderedChat:
+        request = tpb.RenderChatRequest(body_json=json.dumps(body), max_tokens=max_tokens, protocol=protocol)
         reply = await self._call(self.stub.RenderChat, request, ChatError)
         return RenderedChat(list(reply.token_ids), reply.prompt, list(reply.image_urls))
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [(await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=[t]))).text for t in token_ids]
 
-    def detokenizer(self) -> _RemoteDetokenizer:
-        return _RemoteDetokenizer(self.stub)
+    def detokenizer(self, skip_special_tokens: bool = True) -> _RemoteDetokenizer:
+        return _RemoteDetokenizer(self.stub, skip_special_tokens)
 
     async def close(self) -> None:
         await self.channel.close()

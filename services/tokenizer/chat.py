@@ -22,6 +22,14 @@ RECIPE_MODEL = "DeepSeek-V4.1-Flash"
 CONVERSATION_KEYS = ("messages", "tools", "tool_choice", "thinking", "reasoning_effort")
 
 
+# The request protocols deepseek-recipe converts to a conversation, by the name RenderChat takes.
+PROTOCOLS = {
+    "chat": deepseek_recipe.ChatCompletionRequest,
+    "responses": deepseek_recipe.ResponsesRequest,
+    "messages": deepseek_recipe.MessagesRequest,
+}
+
+
 class ChatError(ValueError):
     """The messages cannot be rendered; the text says why (a 400 / INVALID_ARGUMENT)."""
 
@@ -62,13 +70,16 @@ class ChatRenderer:
         tokenizer = deepseek_recipe.Tokenizer.from_file(str(tokenizer_path))
         self._encoder = self._encoding.with_tokenizer(tokenizer)
 
-    def render(self, body: dict[str, Any]) -> RenderedChat:
+    def render(self, body: dict[str, Any], protocol: str = "chat") -> RenderedChat:
         """Token ids, prompt text and the image URLs (data or external; the recipe refuses other forms,
-        ``file:`` among them) of an OpenAI chat body's conversation, images in placeholder order."""
-        request_body = {k: body[k] for k in CONVERSATION_KEYS if k in body}
+        ``file:`` among them) of a request body's conversation, images in placeholder order. The body is an
+        OpenAI chat body (only its `CONVERSATION_KEYS` are read), or one of the other `PROTOCOLS` (read whole)."""
+        if protocol not in PROTOCOLS:
+            raise ChatError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol[:32]!r}")
+        request_body = {k: body[k] for k in CONVERSATION_KEYS if k in body} if protocol == "chat" else dict(body)
         request_body["model"] = RECIPE_MODEL
         try:
-            request = deepseek_recipe.ChatCompletionRequest(json.dumps(request_body))
+            request = PROTOCOLS[protocol](json.dumps(request_body))
             conversation = request.convert(deepseek_recipe.ConversionOptions()).conversation
             rendered = self._encoding.render_conversation(conversation)
         except (deepseek_recipe.ConversionError, ValueError, TypeError) as err:

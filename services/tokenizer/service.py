@@ -98,7 +98,7 @@ class TokenizerApi:
             num_bytes = chat_content_bytes(body)
             check_bytes(num_bytes, budget, self.pool.token_bytes)
             with _span("tokenizer.RenderChat", context):
-                rendered = await self.pool.run(num_bytes, self.chat.render, body)
+                rendered = await self.pool.run(num_bytes, self.chat.render, body, request.protocol or "chat")
             check_tokens(len(rendered.token_ids), budget)
         except (ValueError, ChatError, RecursionError) as err:  # RecursionError: a body nested past the parser
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err) or "the chat body is nested too deeply")
@@ -117,7 +117,7 @@ class TokenizerApi:
     async def detokenize(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DetokenizeResponse]:
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok: list[IncrementalDetokenizer] = []  # made with the first message, which says how
         # One span for the whole stream, never made current: a generator may be closed from another context.
         span = tracing.start_span(
             "tokenizer.Detokenize", tracing.extract(context.invocation_metadata()), kind=tracing.SpanKind.SERVER
@@ -129,15 +129,17 @@ class TokenizerApi:
             tracing.end(span)
 
     async def _detokenize(
-        self, detok: IncrementalDetokenizer, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, detok: list[IncrementalDetokenizer], requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DetokenizeResponse]:
         async for raw in requests:
             request = await self._parse(pb.DetokenizeRequest, raw, context)
             self.calls.labels(method="Detokenize").inc()
             await self._check_ids(request.token_ids, context)
-            text = detok.push(request.token_ids)
+            if not detok:
+                detok.append(IncrementalDetokenizer(self.tokenizer, not request.keep_special_tokens))
+            text = detok[0].push(request.token_ids)
             if request.finish:
-                text += detok.finish()
+                text += detok[0].finish()
             yield pb.DetokenizeResponse(text=text)
 
     def handler(self) -> grpc.GenericRpcHandler:

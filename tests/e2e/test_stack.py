@@ -231,8 +231,17 @@ def test_openai_chat_with_a_data_url_image_equals_llm_chat(stack, reference_llm)
     _, by_name, ready = stack
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
     messages = ask(data_url(encoded(100, 80, seed=1)))
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True)
-    expected = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        extra_body={"chat_template_kwargs": {"thinking": False}},  # the answer is all content, as LLM.chat's text
+    )
+    expected = reference_llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), thinking={"type": "disabled"}
+    )[0]
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert reply.choices[0].message.content == expected.text
     assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(expected.logprobs, abs=0)
@@ -261,7 +270,9 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(st
                     first_token.setdefault(name, time.monotonic())
                     tokens.setdefault(name, []).extend(delta.token_ids)
 
-    image = threading.Thread(target=run, args=("image", ready["grpc"]), kwargs={"messages": messages})
+    image = threading.Thread(
+        target=run, args=("image", ready["grpc"]), kwargs={"messages": messages, "thinking": False}
+    )
     image.start()
     engines = {name: f"127.0.0.1:{by_name[name]['health'].split(':')[1]}" for name in ("engine-0", "engine-1")}
     holder, deadline = None, time.monotonic() + 30

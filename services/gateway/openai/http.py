@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions and chat, each plain or SSE; models, health, metrics.
+"""The OpenAI-compatible HTTP API (FastAPI): completions and chat, each plain or SSE, with ``n`` choices; models,
+health, metrics. Responses and Anthropic Messages: protocol_routes.py; /tokenize, /detokenize, /version:
+tokenize.py.
 
 Every error is an OpenAI error body with the status of its `ApiError` kind; unknown paths are 404 bodies
 too, and an unexpected exception is logged and answered 500 (a bug, never the answer to bad input).
@@ -7,7 +9,6 @@ A streamed request whose client goes away is aborted: leaving the generator clos
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -23,20 +24,20 @@ from observability import tracing
 from services.gateway import errors
 from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
-from services.gateway.frontend import MAX_ID_BYTES, Frontend, Generation, Piece, finite_logprob
+from services.gateway.frontend import MAX_ID_BYTES, Frontend
+from services.gateway.openai import protocol_routes, tokenize
+from services.gateway.openai.disconnect import collect_while_connected
+from services.gateway.openai.formatter import Formatter, choice_pieces
+from services.gateway.openai.json_body import read_json
 from services.gateway.openai.openapi import openapi_schema
 from services.gateway.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
-    OpenAIRequest,
-    parse_body,
     parse_chat,
     parse_completion,
 )
 from services.gateway.probe import probe
 
 log = logging.getLogger("shinkai.gateway")
-# POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
-JSON_TYPE = "application/json"
 
 
 def _json(body: dict[str, Any]) -> str:
@@ -46,144 +47,6 @@ def _json(body: dict[str, Any]) -> str:
 
 def _sse(body: dict[str, Any] | str) -> str:
     return f"data: {body if isinstance(body, str) else _json(body)}\n\n"
-
-
-class _Formatter:
-    """Builds completions or chat bodies and chunks for one request."""
-
-    def __init__(self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool) -> None:
-        self.frontend = frontend
-        self.request = request
-        self.generation = generation
-        self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}"  # as vLLM: the request's id inside
-        self.object = "chat.completion" if chat else "text_completion"
-        self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
-
-    async def resolve(self, pieces: list[Piece]) -> None:
-        """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
-        if self.request.num_logprobs is None:
-            return
-        ids = {t for p in pieces for t in p.delta.token_ids}
-        ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
-        missing = sorted(ids - self._strings.keys())
-        if missing:
-            self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
-
-    def _token(self, token_id: int) -> str:
-        return self._strings.get(token_id, "")
-
-    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
-        if self.request.num_logprobs is None:
-            return None
-        ids = [t for p in pieces for t in p.delta.token_ids]
-        lps = [finite_logprob(x) for p in pieces for x in p.delta.logprobs]
-        tops = [
-            [(i, finite_logprob(v)) for i, v in top]
-            for p in pieces
-            for top in (p.delta.top_logprobs or [[] for _ in p.delta.token_ids])
-        ]
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": self._token(t),
-                        "logprob": lp,
-                        "bytes": None,
-                        "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top],
-                    }
-                    for t, lp, top in zip(ids, lps, tops)
-                ]
-            }
-        return {
-            "tokens": [self._token(t) for t in ids],
-            "token_logprobs": lps,
-            "top_logprobs": [{self._token(i): v for i, v in top} for top in tops],
-            "text_offset": [],
-        }
-
-    def usage(self, num_output_tokens: int) -> dict[str, int]:
-        n = self.generation.num_prompt_tokens
-        return {"prompt_tokens": n, "completion_tokens": num_output_tokens, "total_tokens": n + num_output_tokens}
-
-    def body(self, pieces: list[Piece]) -> dict[str, Any]:
-        text = "".join(p.text for p in pieces)
-        final = pieces[-1].delta
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": final.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.generation.created,
-            "model": self.frontend.served_model,
-            "choices": [choice],
-            "usage": self.usage(final.num_output_tokens),
-        }
-
-    def chunk(self, piece: Piece | None, first: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": f"{self.object}.chunk" if self.chat else self.object,
-            "created": self.generation.created,
-            "model": self.frontend.served_model,
-        }
-        if piece is None:  # the usage chunk
-            body["choices"] = []
-            return body
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": self.logprobs([piece]),
-            "finish_reason": piece.delta.finish_reason,
-        }
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if piece.text or first:
-                delta["content"] = piece.text
-            choice["delta"] = delta
-        else:
-            choice["text"] = piece.text
-        body["choices"] = [choice]
-        return body
-
-
-async def _collect_while_connected(
-    request: Request, generation: Generation, poll_s: float = 0.25
-) -> list[Piece] | None:
-    """Every piece of a non-streamed request; None as soon as the client disconnects (then the caller's
-    ``generation.close()`` aborts it, so a vanished client does not keep the engine busy)."""
-
-    async def collect() -> list[Piece]:
-        return [piece async for piece in generation]
-
-    task = asyncio.ensure_future(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(
-            errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}", code="body_too_large"
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(errors.TOO_LARGE, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def build_app(
@@ -223,44 +86,48 @@ def build_app(
             ApiError(errors.INTERNAL, f"internal error: {type(err).__name__}").openai_body(), status_code=500
         )
 
-    async def _generate(request: Request, chat: bool) -> Response:
-        owner = keys.check(request.headers.get("authorization"))
+    def check_ready() -> None:
         if not is_ready():
             why = problem()
             if why in (None, "draining"):
                 raise ApiError(errors.UNAVAILABLE, "the server is shutting down", code="shutting_down")
             raise ApiError(errors.UNAVAILABLE, f"the server cannot serve now: {why}", code="unavailable")
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != JSON_TYPE:
-            raise ApiError(
-                errors.UNSUPPORTED_MEDIA,
-                f"Content-Type must be {JSON_TYPE}, got {media_type or 'none'}",
-                code="unsupported_media_type",
-            )
-        body = parse_body(await _read_body(request, max_body_bytes), max_body_bytes)
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        owner = keys.check(request.headers.get("authorization"))
+        check_ready()
+        body = await read_json(request, max_body_bytes)
         info = frontend.info
         parse = parse_chat if chat else parse_completion
         parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         parsed.args.owner = owner
-        parsed.args.client_request_id = _client_request_id(request)
-        generation = await frontend.start(parsed.args)
-        fmt = _Formatter(frontend, parsed, generation, chat)
-        id_header = {"X-Request-Id": generation.client_request_id}  # as vLLM: the caller's id, else the request's
+        parsed.args.client_request_id = _client_request_id(request) or parsed.args.client_request_id
+        generations = await frontend.start_choices(parsed.args)
+        fmts = [Formatter(frontend, parsed, generation, chat) for generation in generations]
+        # As vLLM: the caller's id, else the request's.
+        id_header = {"X-Request-Id": generations[0].client_request_id}
         if parsed.stream:
             return StreamingResponse(
-                _stream(fmt, generation, parsed.include_usage),
+                _stream(fmts, parsed.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **id_header},
             )
         try:
-            pieces = await _collect_while_connected(request, generation)
+            collected = await collect_while_connected(request, generations)
         finally:
-            generation.close()  # a no-op after the final delta; aborts when the client left
-        if pieces is None:
+            for generation in generations:
+                generation.close()  # a no-op after the final delta; aborts when the client left
+        if collected is None:
             return Response(status_code=499)  # nobody reads it: the client has gone
-        await fmt.resolve(pieces)
-        return JSONResponse(fmt.body(pieces), headers=id_header)
+        bodies = []
+        for fmt, pieces in zip(fmts, collected):
+            await fmt.resolve(pieces)
+            bodies.append(fmt.body(pieces))
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = fmts[0].usage(sum(b["usage"]["completion_tokens"] for b in bodies))
+        return JSONResponse(body, headers=id_header)
 
     def _client_request_id(request: Request) -> str | None:
         """The caller's own id for the request (the X-Request-Id header, which Abort then takes), or None."""
@@ -273,21 +140,20 @@ def build_app(
             )
         return given
 
-    async def _stream(fmt: _Formatter, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(fmts: list[Formatter], include_usage: bool) -> AsyncIterator[str]:
         try:
-            first = True
-            num_output_tokens = 0
-            async for piece in generation:
-                num_output_tokens = piece.delta.num_output_tokens
-                if piece.text or piece.delta.finish_reason is not None or first or fmt.request.num_logprobs is not None:
-                    await fmt.resolve([piece])
-                    yield _sse(fmt.chunk(piece, first))
-                    first = False
+            async for fmt, piece in choice_pieces(fmts):
+                await fmt.resolve([*fmt.pending_pieces(), piece])
+                for chunk in fmt.chunks(piece):
+                    yield _sse(chunk)
             if include_usage:
-                yield _sse(dict(fmt.chunk(None), usage=fmt.usage(num_output_tokens)))
+                yield _sse(fmts[0].usage_chunk(sum(fmt.num_output_tokens for fmt in fmts)))
             yield _sse("[DONE]")
         finally:
-            generation.close()  # a no-op after the final delta; aborts on disconnect
+            for fmt in fmts:
+                fmt.generation.close()  # a no-op after the final delta; aborts on disconnect
+                if fmt.chat_stream is not None:
+                    fmt.chat_stream.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -297,21 +163,28 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, chat=True)
 
+    def _model_card() -> dict[str, Any]:
+        return {
+            "id": frontend.served_model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "shinkai",
+            "max_model_len": frontend.info.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         keys.check(request.headers.get("authorization"))
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": frontend.served_model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "shinkai",
-                    "max_model_len": frontend.info.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
+        frontend.check_model(model)
+        return _model_card()
+
+    tokenize.add_routes(app, frontend, keys, max_body_bytes)
+    protocol_routes.add_routes(app, frontend, keys, max_body_bytes, check_ready)
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,10 +17,14 @@ import json
 import math
 from typing import Any
 
+from fastapi import Request
+
 from services.gateway import errors
 from services.gateway.errors import ApiError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# POST bodies must declare this type (a 415 otherwise): a cross-site form or text/plain POST never parses.
+JSON_TYPE = "application/json"
 # Nested arrays/objects a body may have; OpenAI bodies (tool schemas included) stay far below it.
 MAX_DEPTH = 64
 
@@ -99,3 +103,30 @@ def parse_body(raw: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: i
         raise errors.invalid("the body must be a JSON object")
     check_tree(body, max_depth)
     return body
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(
+            errors.TOO_LARGE, f"the body is {declared} bytes, over the limit of {max_bytes}", code="body_too_large"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(errors.TOO_LARGE, f"the body is over the limit of {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
+    """A POST's JSON object: 415 unless it is declared JSON, 413 over ``max_bytes``, 400 for bad JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_TYPE:
+        raise ApiError(
+            errors.UNSUPPORTED_MEDIA,
+            f"Content-Type must be {JSON_TYPE}, got {media_type or 'none'}",
+            code="unsupported_media_type",
+        )
+    return parse_body(await _read_body(request, max_bytes), max_bytes)

@@ -6,7 +6,7 @@ Invariants (tests/services/gateway/openai/test_openapi_fuzz.py runs schemathesis
 - a body the request schemas accept is never answered 5xx; every status the gateway can answer is listed for
   its operation; every JSON answer matches its response schema;
 - the limits come from the served model (`ModelInfo`): token ids below the vocabulary, max_tokens within the
-  context; parameters refused until implemented (`openai_protocol.UNSUPPORTED`) accept only their no-op value.
+  context; fields refused by name (services/gateway/openai/fields.py) are described with only their no-op value.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from services.engine.model_info import ModelInfo
-from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
+from services.gateway.openai.chat_options import REASONING_EFFORTS
+from services.gateway.openai.openapi_tokenize import tokenize_paths
+from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N
+from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 _ERROR = {
     "type": "object",
@@ -49,7 +52,20 @@ _USAGE = {
         k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
     },
 }
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", "tool_calls", None]}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}},
+        },
+    },
+}
 
 
 def _sampling(info: ModelInfo) -> dict[str, Any]:
@@ -62,12 +78,26 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 2**63 - 1, "description": "-1 or 0: off"},
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1, "description": "n > 1: not supported yet"},
-        "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
-        "stop": {
-            "anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}],
-            "description": "stop strings are not supported yet: use stop_token_ids",
+        "n": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "maximum": MAX_N,
+            "description": "choices; > 1 where the engine serves n",
         },
+        "best_of": {"type": ["integer", "null"], "minimum": 1, "description": "must equal n"},
+        "stop": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "string", "maxLength": MAX_STOP_CHARS},
+                {
+                    "type": "array",
+                    "maxItems": MAX_STOP_STRINGS,
+                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                },
+            ],
+            "description": "stop strings, matched on the text across tokens",
+        },
+        "include_stop_str_in_output": {"type": ["boolean", "null"]},
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}},
         "ignore_eos": {"type": ["boolean", "null"]},
         "frequency_penalty": {"type": ["number", "null"], "minimum": 0, "maximum": 0},
@@ -107,8 +137,8 @@ def _completion_request(info: ModelInfo) -> dict[str, Any]:
             **_sampling(info),
             "prompt": prompt,
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
-            "echo": {"type": ["boolean", "null"], "enum": [False, None], "description": "not supported yet"},
-            "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported yet"},
+            "echo": {"type": ["boolean", "null"], "description": "true: the text starts with a text prompt"},
+            "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not served"},
         },
     }
 
@@ -123,7 +153,7 @@ def _chat_request(info: ModelInfo) -> dict[str, Any]:
         "type": "object",
         "required": ["role", "content"],
         "properties": {
-            "role": {"enum": ["system", "user", "assistant", "tool"]},
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
         },
     }
@@ -137,10 +167,17 @@ def _chat_request(info: ModelInfo) -> dict[str, Any]:
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
             "thinking": {"type": ["object", "null"], "properties": {"type": {"enum": ["enabled", "disabled"]}}},
+            "reasoning_effort": {"type": ["string", "null"], "enum": [*REASONING_EFFORTS, None]},
+            "chat_template_kwargs": {
+                "type": ["object", "null"],
+                "properties": {"thinking": {"type": ["boolean", "null"]}},
+                "additionalProperties": False,
+            },
             # Rendered by deepseek-recipe (services/tokenizer/chat.py); what it refuses is a 400.
             "tools": {"type": ["array", "null"], "items": {"type": "object"}},
             "tool_choice": {"anyOf": [{"type": "null"}, {"type": "string"}, {"type": "object"}]},
-            "reasoning_effort": {"type": ["string", "null"]},
+            "parallel_tool_calls": {"type": ["boolean", "null"]},
+            "include_reasoning": {"type": ["boolean", "null"]},
         },
     }
 
@@ -171,7 +208,12 @@ def _completion_body(chat: bool) -> dict[str, Any]:
                     "message": {
                         "type": "object",
                         "required": ["role", "content"],
-                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": ["string", "null"]},
+                            "reasoning_content": {"type": ["string", "null"], "description": "thinking mode"},
+                            "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                        },
                     }
                 }
                 if chat
@@ -251,6 +293,7 @@ def openapi_schema(info: ModelInfo) -> dict[str, Any]:
                     "responses": _plain("the model list", models, {"401": _ERRORS["401"]}),
                 }
             },
+            **tokenize_paths(info, _ERRORS),
             "/health": {"get": {"summary": "Liveness", "responses": _plain("serving", status, unavailable)}},
             "/ready": {
                 "get": {"summary": "A real one-token generation", "responses": _plain("generated", status, unavailable)}

@@ -2,9 +2,11 @@
 
 The body is parsed here, not by the framework (`services/gateway/openai/json_body.py`): bytes over the limit are a
 413, bytes that are not UTF-8 or not JSON a 400, NaN/Infinity anywhere a 400 naming the field's path, a body
-nested too deeply a 400, never a 500. Unknown fields are ignored with a logged warning, as vLLM does; known
-fields of the wrong type or range are refused naming the field; known OpenAI parameters that are not
-implemented (`UNSUPPORTED`) are refused naming the parameter, never silently ignored.
+nested too deeply a 400, never a 500. Every field of OpenAI's and vLLM's request schemas is served or refused
+naming it (services/gateway/openai/fields.py), never silently ignored; fields outside both are ignored with a
+logged warning, as vLLM does; known fields of the wrong type or range are refused naming the field.
+Lengths: a completion without ``max_tokens`` gets 16 tokens, a chat without ``max_tokens`` /
+``max_completion_tokens`` leaves it unset (the rest of the context), as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -16,67 +18,31 @@ from typing import Any
 
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
-from services.gateway.frontend import GenerateArgs
+from services.gateway.frontend import MAX_ID_BYTES, GenerateArgs
+from services.gateway.openai import fields
+from services.gateway.openai.chat_options import ChatOptions, chat_options
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES, parse_body
+from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIRequest", "parse_body", "parse_chat", "parse_completion"]
 
 log = logging.getLogger("shinkai.gateway")
 
-MAX_N = 1  # completions per prompt; parallel sampling comes later
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
+MAX_N = 128  # choices per request, as OpenAI's bound on n
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the body has none, as OpenAI and vLLM
 # A logit_bias entry of this value (or below) bans the token: OpenAI's documented meaning of -100.
 LOGIT_BIAS_BAN = -100
 MAX_LOGIT_BIAS_ENTRIES = 1024  # as vLLM's default bound on logit_bias
 _INT64 = (-(2**63), 2**63 - 1)
-# Sampling and transport fields both endpoints read.
-_COMMON = {
-    "model",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "n",
-    "stop",
-    "frequency_penalty",
-    "presence_penalty",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
-    "logit_bias",
-    "best_of",
-    "response_format",
-    "user",
+# Engine sampling fields taken from the body as they are, with their off value (vLLM's names and meanings).
+ENGINE_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
+    "presence_penalty": ((int, float), 0.0),
+    "frequency_penalty": ((int, float), 0.0),
+    "repetition_penalty": ((int, float), 1.0),
+    "min_tokens": ((int,), 0),
+    "min_p": ((int, float), 0.0),
 }
-KNOWN_FIELDS = {
-    "completions": _COMMON | {"prompt", "echo", "suffix"},
-    # The conversation keys go to deepseek-recipe (services/tokenizer/chat.py CONVERSATION_KEYS).
-    "chat": _COMMON
-    | {
-        "messages",
-        "tools",
-        "tool_choice",
-        "thinking",
-        "reasoning_effort",
-        "top_logprobs",
-        "max_completion_tokens",
-        "parallel_tool_calls",
-    },
-}
-# Known OpenAI parameters that are refused (400 naming them) until they are implemented; docs/serving.md lists
-# them. Each is refused only when set to something other than its no-op value.
-UNSUPPORTED = (
-    "response_format other than text",
-    "best_of > 1",
-    "n > 1",
-    "echo",
-    "suffix",
-    "stop strings",
-    "frequency_penalty / presence_penalty other than 0",
-)
 
 
 @dataclass
@@ -87,10 +53,13 @@ class OpenAIRequest:
     stream: bool  # SSE chunks instead of one body
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     num_logprobs: int | None  # top-n logprobs to return per token; None: no logprobs
+    chat: ChatOptions | None = None  # a chat's conversation options; None for a completion
+    echo: bool = False  # a completion's text starts with its prompt
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
 
 def _warn_unknown(body: dict[str, Any], endpoint: str) -> None:
-    unknown = sorted(set(body) - KNOWN_FIELDS[endpoint])
+    unknown = sorted(set(body) - fields.known(endpoint))
     if unknown:
         # repr, each cut to 64 characters: a client's field names cannot forge log lines or flood the log
         log.warning(
@@ -150,25 +119,52 @@ def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int
     return tuple(sorted(banned)), added
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """Known OpenAI parameters that are not implemented: a 400 naming each, when set to anything but a no-op."""
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None or stop == "" or stop == []:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise errors.invalid("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise errors.invalid(f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise errors.invalid(f"a stop string is over {MAX_STOP_CHARS} characters", "stop")
+    return tuple(stops)
+
+
+def _engine_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM-named sampling fields that differ from off, for the engine's SamplingParams. One this engine's
+    SamplingParams does not have is refused by name (never dropped)."""
+    taken = SamplingParams.__dataclass_fields__
+    out = {}
+    for name, (types, off) in ENGINE_FIELDS.items():
+        value = _field(body, name, types, off, "a number" if float in types else "an integer")
+        if value == off:
+            continue
+        if name not in taken:
+            raise errors.invalid(f"{name} is not served by this engine", name)
+        out[name] = float(value) if float in types else value
+    return out
+
+
+def _choices(body: dict[str, Any]) -> int:
     n = _field(body, "n", (int,), 1, "an integer")
     if not 1 <= n <= MAX_N:
-        raise errors.invalid(f"n must be between 1 and {MAX_N}, got {n}: n > 1 is not supported yet", "n")
-    best_of = _field(body, "best_of", (int,), 1, "an integer")
-    if best_of != 1:
-        raise errors.invalid(f"best_of must be 1, got {best_of}: best_of > 1 is not supported yet", "best_of")
+        raise errors.invalid(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    best_of = _field(body, "best_of", (int,), n, "an integer")
+    if best_of != n:
+        raise errors.invalid(f"best_of must equal n ({n}), got {best_of}: best-of sampling is not served", "best_of")
+    return n
+
+
+def _response_format(body: dict[str, Any]) -> None:
     response_format = _field(body, "response_format", (dict,), {"type": "text"}, "an object")
     if response_format.get("type", "text") != "text":
         raise errors.invalid(
-            f"response_format {response_format.get('type')!r} is not supported yet; only 'text' is", "response_format"
+            f"response_format {str(response_format.get('type'))[:32]!r}: {fields.STRUCTURED_OUTPUT}; only 'text' is",
+            "response_format",
         )
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise errors.invalid("stop strings are not supported yet; use stop_token_ids", "stop")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _field(body, name, (int, float), 0, "a number") != 0:
-            raise errors.invalid(f"{name} is not supported yet; leave it at 0", name)
 
 
 def _sampling(
@@ -178,6 +174,7 @@ def _sampling(
     logprobs_key: str,
     max_model_len: int,
     vocab_size: int | None,
+    default_max_tokens: int | None,
 ) -> SamplingParams:
     max_tokens = _field(body, max_tokens_key, (int,), None, "a positive integer")
     if max_tokens is not None and not 1 <= max_tokens <= max_model_len:
@@ -187,7 +184,8 @@ def _sampling(
         )
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", logprobs_key)
-    _refuse_unsupported(body)
+    n = _choices(body)
+    _response_format(body)
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
     top_k = _field(body, "top_k", (int,), -1, "an integer")
@@ -199,7 +197,8 @@ def _sampling(
     banned, bias = _logit_bias(body, vocab_size)
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            n=n,
             temperature=float(temperature),
             top_p=float(top_p),
             top_k=top_k,
@@ -209,15 +208,39 @@ def _sampling(
             logprobs=num_logprobs,
             banned_token_ids=banned,
             logit_bias=bias,
+            **_engine_fields(body),
         )
     except ValueError as err:  # SamplingParams' messages start with the field's name
-        raise errors.invalid(str(err), str(err).split(" ", 1)[0]) from err
+        raise errors.invalid(str(err), str(err).split(" ", 1)[0].split("=", 1)[0]) from err
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = _field(body, "stream", (bool,), False, "a boolean")
     options = _field(body, "stream_options", (dict,), {}, "an object")
     return stream, bool(options.get("include_usage", False))
+
+
+def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
+    """The fields both endpoints read beyond sampling; returns return_tokens_as_token_ids."""
+    fields.refuse_unserved(body, endpoint)
+    args.stop = _stop(body)
+    args.include_stop_str_in_output = _field(body, "include_stop_str_in_output", (bool,), False, "a boolean")
+    args.skip_special_tokens = _field(body, "skip_special_tokens", (bool,), True, "a boolean")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):  # accepted as OpenAI documents them; unused
+        _field(body, name, (str,), None, "a string")
+    request_id = _field(body, "request_id", (str,), None, "a string")
+    if request_id is not None:  # vLLM's body field: the client's name for the request, as X-Request-Id
+        if not request_id or len(request_id.encode()) > MAX_ID_BYTES:
+            raise errors.invalid(f"request_id must be 1 to {MAX_ID_BYTES} bytes", "request_id")
+        args.client_request_id = request_id
+    priority = _field(body, "priority", (int,), 0, "an integer")
+    if priority != 0:  # vLLM's: lower is served first; the engine checks its range
+        if "priority" not in GenerateArgs.__dataclass_fields__:
+            raise errors.invalid("priority is not served by this engine; leave it at 0", "priority")
+        args.priority = priority
+    if _field(body, "prompt_logprobs", (int,), None, "an integer") is not None:
+        raise errors.invalid("prompt_logprobs are not returned by this API yet", "prompt_logprobs")
+    return _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean")
 
 
 def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
@@ -241,14 +264,16 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         )
     else:
         raise errors.invalid("prompt must be a string or a list of token ids", "prompt")
-    if _field(body, "echo", (bool,), False, "a boolean"):
-        raise errors.invalid("echo is not supported yet (nor logprobs with echo)", "echo")
-    if _field(body, "suffix", (str,), "", "a string"):
-        raise errors.invalid("suffix is not supported yet", "suffix")
+    tokens_as_ids = _common(body, args, "completions")
     num_logprobs = _field(body, "logprobs", (int,), None, "an integer")
-    args.params = _sampling(body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size)
+    echo = _field(body, "echo", (bool,), False, "a boolean")
+    if echo and (args.prompt_text is None or num_logprobs is not None):
+        raise errors.invalid("echo is served for a text prompt without logprobs (prompt logprobs are not)", "echo")
+    args.params = _sampling(
+        body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, COMPLETION_MAX_TOKENS
+    )
     stream, include_usage = _stream_options(body)
-    return OpenAIRequest(args, stream, include_usage, num_logprobs)
+    return OpenAIRequest(args, stream, include_usage, num_logprobs, echo=echo, tokens_as_ids=tokens_as_ids)
 
 
 def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
@@ -256,14 +281,15 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
     model = _field(body, "model", (str,), None, "a string")
     if model is None:
         raise errors.invalid("model is required", "model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise errors.invalid("messages must be a non-empty list", "messages")
-    args = GenerateArgs(model=model, endpoint="chat", chat_body=body)
+    options = chat_options(body)
+    args = GenerateArgs(model=model, endpoint="chat", chat_body=options.conversation)
+    tokens_as_ids = _common(body, args, "chat")
     num_logprobs = None
     if _field(body, "logprobs", (bool,), False, "a boolean"):
         num_logprobs = _field(body, "top_logprobs", (int,), 0, "an integer")
+    elif _field(body, "top_logprobs", (int,), 0, "an integer"):
+        raise errors.invalid("top_logprobs needs logprobs: true", "top_logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    args.params = _sampling(body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size)
+    args.params = _sampling(body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size, None)
     stream, include_usage = _stream_options(body)
-    return OpenAIRequest(args, stream, include_usage, num_logprobs)
+    return OpenAIRequest(args, stream, include_usage, num_logprobs, chat=options, tokens_as_ids=tokens_as_ids)

@@ -103,3 +103,27 @@ def test_abort_reaches_only_the_callers_own_requests(keyed):
         assert alice.abort("shared") is True
         threads[0].join(30)
         assert finals == {"bob": "abort", "alice": "abort"}
+
+
+NEW_ENDPOINTS = [
+    ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/tokenize", {"model": "tiny", "prompt": "Hi"}),
+    ("/detokenize", {"model": "tiny", "tokens": [19923]}),
+]
+
+
+@pytest.mark.parametrize("path,body", NEW_ENDPOINTS, ids=[p for p, _ in NEW_ENDPOINTS])
+def test_the_other_endpoints_check_the_key_too(keyed, path, body):
+    assert call(keyed.http_url, path, body)[0] == 401
+    assert call(keyed.http_url, path, body, "wrong")[0] == 401
+    status, data, _ = call(keyed.http_url, path, body, "key-bob")
+    assert status == 200, data
+    if path == "/v1/messages":  # Anthropic clients send theirs as x-api-key
+        req = urllib.request.Request(
+            keyed.http_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "x-api-key": "key-alice"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200

@@ -45,7 +45,7 @@ HTTP_ROWS = [
     ("temperature -Infinity", b'{"model": "tiny", "prompt": "Hi", "temperature": -Infinity}', 400, "temperature"),
     ("top_p 0", {**OK, "top_p": 0}, 400, "top_p"),
     ("top_p above 1", {**OK, "top_p": 1.5}, 400, "top_p"),
-    ("n above the limit", {**OK, "n": 2}, 400, "n "),
+    ("n below 1", {**OK, "n": 0}, 400, "n "),
     ("invalid UTF-8", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "UTF-8"),
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "JSON"),
     ("not an object", b"[1, 2]", 400, "object"),

@@ -158,12 +158,9 @@ UNSUPPORTED = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"best_of": 2}, "best_of"),
-    ({"n": 2}, "n"),
     ({"echo": True, "logprobs": 1}, "echo"),
-    ({"stop": ["\n"]}, "stop"),
-    ({"stop": "x"}, "stop"),
     ({"suffix": "tail"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
 ]
 
 

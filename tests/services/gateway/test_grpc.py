@@ -34,10 +34,13 @@ def test_stream_text_equals_llm_generate(client, reference_llm):
 
 def test_chat_through_grpc_matches_http_rendering(client, served, reference_llm):
     messages = [{"role": "user", "content": "Hello"}]
-    done = client.generate(messages=messages, max_tokens=2, seed=4)
+    done = client.generate(messages=messages, max_tokens=2, seed=4, thinking=False)
     ids = served.server.chat.render({"messages": messages, "thinking": {"type": "disabled"}}).token_ids
     assert ids[-1] == 128822 and done.prompt_tokens == len(ids)  # </think>: thinking off
     assert done.text == reference_llm.generate([ids], SamplingParams(max_tokens=2, seed=4))[0].text
+    default = client.generate(messages=messages, max_tokens=1)  # unset: the model's default, thinking on
+    thinking = served.server.chat.render({"messages": messages}).token_ids
+    assert thinking[-1] == 128821 and default.prompt_tokens == len(thinking)
 
 
 def test_abort_ends_a_live_stream_and_is_idempotent(client, served):

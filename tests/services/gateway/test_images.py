@@ -36,6 +36,9 @@ pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
+THINKING_OFF = {"chat_template_kwargs": {"thinking": False}}
+
+
 def encoded(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     out = io.BytesIO()
@@ -73,14 +76,14 @@ def openai_client(served):
 def test_openai_chat_with_a_data_url_image_equals_llm_chat(served, openai_client, reference_llm):
     messages = ask(data_url(encoded(100, 80, seed=1)))
     reply = openai_client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True
-    )
-    expected = reference_llm.chat(messages, GREEDY)[0]
+        model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True, extra_body=THINKING_OFF
+    )  # thinking off: the answer is all content, as LLM.chat's text
+    expected = reference_llm.chat(messages, GREEDY, thinking={"type": "disabled"})[0]
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert reply.choices[0].message.content == expected.text
     assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(expected.logprobs, abs=0)
     with ShinkaiClient(served.grpc_target, timeout=60) as client:  # the gRPC API's chat parts
-        done = client.generate(messages=messages, max_tokens=4, temperature=0)
+        done = client.generate(messages=messages, max_tokens=4, temperature=0, thinking=False)
     thinking_off = reference_llm.chat(messages, GREEDY, thinking={"type": "disabled"})[0]
     assert done.prompt_tokens == len(thinking_off.prompt_token_ids) and done.text == thinking_off.text
     wait_whole(served)
@@ -103,7 +106,7 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(se
 
     api.encode_delay_s = 3.0
     try:
-        image = threading.Thread(target=run, args=("image",), kwargs={"messages": messages})
+        image = threading.Thread(target=run, args=("image",), kwargs={"messages": messages, "thinking": False})
         image.start()
         deadline = time.monotonic() + 30
         while served.server.engine.stats().num_waiting == 0:  # queued, unready
@@ -250,11 +253,13 @@ def test_on_cuda_images_run_on_the_torch_backend_and_on_the_kernel_backend():
     torch_args = {"device": "cuda", "kernel_backend": None, "num_blocks": 512}
     kernel_args = {"device": "cuda", "num_blocks": 512, "batch_invariant": True}  # the CUDA default: kernels
     for engine_args in (torch_args, kernel_args):
-        expected = LLM("tiny", **engine_args).chat(messages, GREEDY)[0]
+        expected = LLM("tiny", **engine_args).chat(messages, GREEDY, thinking={"type": "disabled"})[0]
         thread = ServerThread(ServeConfig(model="tiny", http_port=0, grpc_port=0, engine_args=engine_args)).start()
         try:
             client = openai.OpenAI(base_url=thread.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+            reply = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body=THINKING_OFF
+            )
             assert reply.usage.prompt_tokens == len(expected.prompt_token_ids), engine_args
             assert reply.choices[0].message.content == expected.text, engine_args
         finally:

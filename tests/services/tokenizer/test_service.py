@@ -67,3 +67,33 @@ def test_a_refusal_quoting_a_long_value_is_invalid_argument_not_a_failed_service
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": url}]}]}
     with pytest.raises(ChatError, match=r"expected struct ChatCompletionImageUrl"):
         call(address, "render_chat", body, BUDGET)
+
+
+def test_render_chat_takes_the_bodys_protocol(address):
+    """Responses and Anthropic Messages bodies render as the recipe converts them; a chat of the same turn
+    renders to the same ids; an unknown protocol is refused."""
+    from model.deepseek_v41.tokenizer import v41_tokenizer_path
+    from services.tokenizer.chat import ChatRenderer
+
+    local = ChatRenderer(v41_tokenizer_path())
+    chat = call(address, "render_chat", {"messages": [{"role": "user", "content": "Hi"}]}, BUDGET)
+    responses = call(address, "render_chat", {"input": "Hi"}, BUDGET, "responses")
+    messages = call(
+        address, "render_chat", {"max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}, BUDGET, "messages"
+    )
+    assert responses.token_ids == chat.token_ids == local.render({"input": "Hi"}, "responses").token_ids
+    assert messages.token_ids == chat.token_ids
+    with pytest.raises(ChatError, match="protocol"):
+        call(address, "render_chat", {"input": "Hi"}, BUDGET, "smoke-signals")
+
+
+def test_detokenize_keeps_special_tokens_when_asked(address):
+    async def run(skip):
+        tokenizer = RemoteTokenizer(address)
+        try:
+            detokenizer = tokenizer.detokenizer(skip)
+            return await detokenizer.push([0, 19923]) + await detokenizer.finish()
+        finally:
+            await tokenizer.close()
+
+    assert asyncio.run(run(False)) == "<｜begin▁of▁sentence｜>Hello" and asyncio.run(run(True)) == "Hello"

@@ -29,14 +29,42 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "parts")
+    __slots__ = ("role", "content", "parts", "reasoning_content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+    reasoning_content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., reasoning_content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments", "index")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    index: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "image_url")
@@ -47,15 +75,31 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image_url: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages", "thinking")
+    __slots__ = ("messages", "thinking", "tools", "tool_choice", "reasoning_effort")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     THINKING_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     thinking: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., thinking: _Optional[bool] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    reasoning_effort: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., thinking: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., reasoning_effort: _Optional[str] = ...) -> None: ...
+
+class ChatDelta(_message.Message):
+    __slots__ = ("reasoning_content", "content", "tool_calls")
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    reasoning_content: str
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, reasoning_content: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "prompt_logprobs", "stop", "include_stop_str_in_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +123,8 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -95,7 +141,9 @@ class SamplingParams(_message.Message):
     min_tokens: int
     min_p: float
     prompt_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    include_stop_str_in_output: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("client_request_id", "model", "text", "token_ids", "chat", "sampling", "request_id", "images")
@@ -132,7 +180,7 @@ class TokenTopLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "num_prompt_tokens", "num_output_tokens", "index")
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "num_prompt_tokens", "num_output_tokens", "index", "chat")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +188,7 @@ class Chunk(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -147,7 +196,8 @@ class Chunk(_message.Message):
     num_prompt_tokens: int
     num_output_tokens: int
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenTopLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    chat: ChatDelta
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenTopLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., index: _Optional[int] = ..., chat: _Optional[_Union[ChatDelta, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -158,20 +208,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "stop_token_id", "text", "usage", "index", "more_choices")
+    __slots__ = ("finish_reason", "stop_token_id", "text", "usage", "index", "more_choices", "chat", "tool_calls")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MORE_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     stop_token_id: int
     text: str
     usage: Usage
     index: int
     more_choices: bool
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., more_choices: _Optional[bool] = ...) -> None: ...
+    chat: ChatDelta
+    tool_calls: bool
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., more_choices: _Optional[bool] = ..., chat: _Optional[_Union[ChatDelta, _Mapping]] = ..., tool_calls: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("client_request_id", "request_id", "chunk", "final")

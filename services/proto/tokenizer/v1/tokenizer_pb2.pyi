@@ -23,12 +23,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("body_json", "max_tokens")
+    __slots__ = ("body_json", "max_tokens", "protocol")
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     body_json: str
     max_tokens: int
-    def __init__(self, body_json: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    protocol: str
+    def __init__(self, body_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("token_ids", "prompt", "image_urls")
@@ -55,12 +57,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("token_ids", "finish")
+    __slots__ = ("token_ids", "finish", "keep_special_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ...) -> None: ...
+    keep_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text",)

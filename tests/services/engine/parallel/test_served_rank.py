@@ -261,7 +261,12 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
 
         def chat(i):
             answers[i] = client.chat.completions.create(
-                model="tiny", messages=chats[i], max_tokens=4, temperature=0, logprobs=True
+                model="tiny",
+                messages=chats[i],
+                max_tokens=4,
+                temperature=0,
+                logprobs=True,
+                extra_body={"chat_template_kwargs": {"thinking": False}},  # the answer is all content
             )
 
         threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
@@ -270,7 +275,7 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
         for t in threads:
             t.join(120)
         for i, messages in enumerate(chats):
-            out = llm.chat(messages, GREEDY)[0]
+            out = llm.chat(messages, GREEDY, thinking={"type": "disabled"})[0]
             assert answers[i].usage.prompt_tokens == len(out.prompt_token_ids)  # the expanded image span
             assert answers[i].choices[0].message.content == out.text
             assert [t.logprob for t in answers[i].choices[0].logprobs.content] == pytest.approx(out.logprobs, abs=0)

@@ -76,13 +76,17 @@ def test_chat_plain_and_streamed(client, reference_llm, served):
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    # Thinking is on by default: the random model never writes </think>, so all it writes is reasoning.
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.reasoning_content
+    assert not plain.choices[0].message.content
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
     # The prompt is deepseek-recipe's rendering: system token, the user turn, then <think>.
     ids = served.server.chat.render({"messages": messages}).token_ids
     assert ids[:2] == [0, 128799] and ids[-1] == 128821 and plain.usage.prompt_tokens == len(ids)
     expected = reference_llm.generate([ids], SamplingParams(max_tokens=3, seed=5))[0]
-    assert plain.choices[0].message.content == expected.text
+    assert "</think>" not in expected.text  # (else the split below would differ)
+    assert plain.choices[0].message.reasoning_content == expected.text.lstrip("\n")
 
 
 def test_token_id_prompt_and_logprobs(client, reference_llm):

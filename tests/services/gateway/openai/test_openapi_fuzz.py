@@ -25,13 +25,14 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from services.gateway.openai.protocol import MAX_N
 from services.gateway.server import ServeConfig
 from tests.services.gateway.conftest import ServerThread, pools_whole
 from tests.services.multimodal.hostile_images import HOSTILE, damaged_images
 
 EXAMPLES = os.environ.get("SHINKAI_FUZZ_EXAMPLES")
 pytestmark = pytest.mark.timeout(300 if EXAMPLES is None else None)
-MAX_EXAMPLES = int(EXAMPLES or 20)  # per operation and mode: six operations, the two POSTs in both modes; ~30 s
+MAX_EXAMPLES = int(EXAMPLES or 20)  # per operation and mode: nine operations, the four POSTs in both modes; ~30 s
 HOSTILE_EXAMPLES = int(EXAMPLES or 60)  # per hostile generator below
 # Bodies the schema accepts, and bodies it refuses (each must be a documented 4xx, never a 5xx).
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
@@ -63,7 +64,7 @@ def test_the_served_api_keeps_its_description(api_schema):
     """Each operation's generated cases, called and checked (schemathesis' pytest plugin predates this pytest,
     so hypothesis drives its strategies directly)."""
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) == 6
+    assert len(operations) == 9
     tally = _Tally("schema-generated")
     for operation, mode in itertools.product(operations, MODES):
         if mode == schemathesis.GenerationMode.NEGATIVE and operation.method.lower() != "post":
@@ -83,11 +84,14 @@ def test_the_description_is_served_with_the_models_limits(api_schema, fuzz_serve
     raw = api_schema.raw_schema
     completion = raw["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["max_tokens"]["maximum"] == 64
-    assert raw["components"]["schemas"]["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 1
+    assert raw["components"]["schemas"]["ChatCompletionRequest"]["properties"]["n"]["maximum"] == MAX_N
     assert set(raw["paths"]) == {
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
         "/health",
         "/ready",
         "/metrics",

@@ -1,0 +1,97 @@
+"""OpenAI Responses and Anthropic Messages requests through deepseek-recipe, both directions.
+
+`ProtocolStream` converts a body with the recipe's `ResponsesRequest` / `MessagesRequest` (its validation, its
+defaults: thinking on, the model's temperature), gives the generation arguments (the tokenizer renders the
+same body under the same protocol), and turns the generated text into the protocol's stream events or final
+body with the recipe's chunk generator and `StreamProcessor`, as the chat endpoint does. Usage is the
+engine's: prompt tokens in the ready chunk, each text chunk with its token count.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import deepseek_recipe
+
+from services.engine.finish_reason import FinishReason
+from services.engine.sampling_params import SamplingParams
+from services.gateway import errors
+from services.gateway.frontend import GenerateArgs
+from services.tokenizer.chat import PROTOCOLS, RECIPE_MODEL, bounded
+
+_RESPONSE = {"responses": deepseek_recipe.ResponsesResponse, "messages": deepseek_recipe.MessagesResponse}
+_FINISH = {FinishReason.LENGTH: deepseek_recipe.InferenceFinishReason.Length}
+
+
+class ProtocolStream:
+    """One Responses or Messages request: its generation arguments, then its events."""
+
+    def __init__(self, protocol: str, body: dict[str, Any], served_model: str, response_id: str) -> None:
+        self.protocol = protocol
+        self.body = dict(body, model=RECIPE_MODEL)
+        cls = PROTOCOLS[protocol]
+        try:
+            request = cls(json.dumps(self.body))
+            echo = request.echo() if protocol == "responses" else None
+            self.conversion = request.convert(deepseek_recipe.ConversionOptions())
+        except (deepseek_recipe.ConversionError, ValueError, TypeError) as err:
+            raise errors.invalid(bounded(str(err))) from err
+        generator = cls.chunk_generator(self.conversion, response_id, served_model)
+        if echo is not None:
+            generator = generator.with_echo(echo)
+        self._processor = deepseek_recipe.StreamProcessor(generator, self.conversion.parsing_options)
+        self._response = _RESPONSE[protocol](response_id, served_model, 0, 0, 0)
+        self.stream = self.conversion.stream  # the body asked for server-sent events
+
+    def args(self, model: str) -> GenerateArgs:
+        """What to generate: the body rendered under its protocol, with the recipe's inference options."""
+        options = self.conversion.inference_options
+        try:
+            params = SamplingParams(
+                max_tokens=options.max_tokens,
+                temperature=1.0 if options.temperature is None else options.temperature,
+                top_p=1.0 if options.top_p is None else options.top_p,
+                seed=options.seed,
+            )
+        except ValueError as err:
+            raise errors.invalid(str(err)) from err
+        args = GenerateArgs(model=model, endpoint=self.protocol, chat_body=self.body, chat_protocol=self.protocol)
+        args.params = params
+        # Stop sequences end the engine's request at their token (services/gateway/generation.py); the text
+        # keeps them, so the recipe's parser finds them too, cuts them off and reports them (Anthropic's
+        # stop_reason "stop_sequence" and stop_sequence).
+        args.stop = tuple(self.conversion.parsing_options.stop_sequences)
+        args.include_stop_str_in_output = True
+        return args
+
+    def ready(self, num_prompt_tokens: int) -> list[tuple[str | None, str]]:
+        usage = deepseek_recipe.PromptUsage(prompt_tokens=num_prompt_tokens)
+        return self._convert(self._processor.push(deepseek_recipe.InferenceChunk.ready(prompt_usage=usage)))
+
+    def push(self, text: str, num_tokens: int) -> list[tuple[str | None, str]]:
+        """(SSE event name, JSON data) of each event this text completes."""
+        if (not text and not num_tokens) or self._processor.finished:
+            return []  # the parser ended the answer itself at a stop sequence
+        return self._convert(self._processor.push(deepseek_recipe.InferenceChunk.text(text, num_tokens)))
+
+    def finish(self, reason: FinishReason) -> list[tuple[str | None, str]]:
+        if self._processor.finished:
+            return []
+        recipe_reason = _FINISH.get(reason, deepseek_recipe.InferenceFinishReason.Stop)
+        events = self._processor.push(deepseek_recipe.InferenceChunk.finish(recipe_reason))
+        return self._convert(events + self._processor.finish())
+
+    def body_json(self) -> str:
+        """The whole response (after `finish`)."""
+        return self._response.to_json()
+
+    def close(self) -> None:
+        self._processor.close()
+
+    def _convert(self, events: list[Any]) -> list[tuple[str | None, str]]:
+        out = []
+        for event in events:
+            out.append((self._response.sse_event_name(event), event.to_json()))
+            self._response.accumulate(event)
+        return out

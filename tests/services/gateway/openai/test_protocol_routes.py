@@ -1,0 +1,106 @@
+"""OpenAI Responses and Anthropic Messages through their own unmodified clients, the model's output forced."""
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from tests.services.gateway.forcing import forcing_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def forced(served):
+    with forcing_engine(served.server.frontend) as engine:
+        yield engine
+
+
+def test_responses_plain_and_streamed(served, forced):
+    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with forced.forcing("Short thought.</think>Hello from Shinkai."):
+        plain = client.responses.create(model="tiny", input="Say hello", max_output_tokens=40)
+        events = list(client.responses.create(model="tiny", input="Say hello", max_output_tokens=40, stream=True))
+    assert plain.output_text == "Hello from Shinkai." and plain.status == "completed"
+    reasoning = [item for item in plain.output if item.type == "reasoning"]
+    assert reasoning and reasoning[0].content[0].text == "Short thought."
+    assert plain.usage.output_tokens > 0 and plain.usage.input_tokens > 0
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == plain.output_text and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == plain.output_text
+
+
+def test_anthropic_messages_plain_and_streamed(served, forced):
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Say hello"}]
+    with forced.forcing("Thinking briefly.</think>Hello, human."):
+        reply = client.messages.create(model="tiny", max_tokens=40, messages=messages, system="Be kind.")
+        with client.messages.stream(model="tiny", max_tokens=40, messages=messages, system="Be kind.") as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    blocks = {b.type: b for b in reply.content}
+    assert blocks["thinking"].thinking == "Thinking briefly." and blocks["text"].text == "Hello, human."
+    assert reply.stop_reason == "end_turn" and reply.usage.output_tokens > 0
+    assert text == "Hello, human." and final.content[-1].text == "Hello, human."
+
+
+def test_bad_protocol_bodies_are_400(served):
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="tiny", max_tokens=5, messages=[])
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+
+
+def test_responses_function_call(served, forced):
+    from tests.services.gateway.openai.test_chat_reasoning import dsml
+
+    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    with forced.forcing("Check.</think>" + dsml(("get_weather", {"city": "Oslo"}))):
+        reply = client.responses.create(model="tiny", input="Weather in Oslo?", tools=[tool], max_output_tokens=80)
+    (call,) = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+
+
+def test_anthropic_stop_sequences_end_the_request(served, forced):
+    from tests.services.gateway.openai.test_stop import wait_whole
+
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    ask = {
+        "model": "tiny",
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": "x"}],
+        "stop_sequences": ["Beta"],
+    }
+    with forced.forcing("Think.</think>Alpha. Beta. Gamma."):
+        reply = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    assert (
+        (reply.stop_reason, reply.stop_sequence)
+        == ("stop_sequence", "Beta")
+        == (final.stop_reason, final.stop_sequence)
+    )
+    assert reply.content[-1].text == "Alpha. " == text
+    wait_whole(served)
+
+
+def test_requests_are_counted_under_their_endpoint(served, forced):
+    """After the tests above, both endpoints' requests appear in /metrics under their own endpoint label."""
+    import urllib.request
+
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0).responses.create(
+        model="tiny", input="x", max_output_tokens=1
+    )
+    with urllib.request.urlopen(served.http_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'endpoint="messages"' in text and 'endpoint="responses"' in text
