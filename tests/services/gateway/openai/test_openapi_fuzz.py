@@ -172,6 +172,8 @@ def _body_with_an_oversized_number(draw) -> tuple[str, bytes, bool]:
         field = '"logit_bias": {"5": ' + number + "}"
     else:
         field = f'"{where}": {number}'
+    if where not in ("max_tokens", "max_completion_tokens"):
+        field += ', "max_tokens": 1'  # a served case ends at once (a chat's default is the rest of the context)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     return path, ("{" + base + ", " + field + "}").encode(), _past_the_parser(number)
 
