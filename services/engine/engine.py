@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, Scheduling, StepPlan, StepResult
 from services.engine.config import EngineConfig
 from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
@@ -68,6 +68,7 @@ class Engine:
                 window_size=window_size,
                 compress_ratios=list(compress_ratios),
                 preemption_mode=mode,
+                scheduling=Scheduling.MIXED if config.scheduling == "mixed" else Scheduling.SEPARATE,
                 vocab_size=vocab_size,
                 nextn=config.num_speculative_tokens,
                 spec_varlen=config.spec_varlen,
@@ -96,10 +97,18 @@ class Engine:
         validate_request(prompt_token_ids, params, self.vocab_size, self.config)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, ready: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        ready: bool = True,
+        priority: int = 0,
     ) -> None:
         """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
-        readiness gate); requests behind it in the queue are scheduled meanwhile."""
+        readiness gate); requests behind it in the queue are scheduled meanwhile. ``priority``: lower is
+        served first, then earlier arrival; the last in that order is preempted first (docs/architecture.md,
+        "The waiting queue's order")."""
+        check_priority(priority)
         self.validate(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -111,6 +120,7 @@ class Engine:
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
             schedulable=ready,
+            priority=priority,
         )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         banned = tuple(sorted(set(params.banned_token_ids)))
@@ -183,8 +193,9 @@ class Engine:
         by the rows N rejected (the seqlen fix-up, ``StepBatch.fix_positions``). The worker call is synchronous here,
         so executing N+1 before updating N is the GPU's order: N+1 is queued behind N, then N is read back.
 
-        Only decode steps stay in flight. A prefill step (or one with no rows) is updated right after it
-        runs (drained), so prompts' first tokens come out at once and chunk bookkeeping stays in step."""
+        Only decode steps stay in flight. A step with prompt chunks, prefill or mixed (or one with no rows), is
+        updated right after it runs (drained), so prompts' first tokens come out at once and chunk bookkeeping
+        stays in step."""
         previous = self._in_flight
         if previous is not None and not self.scheduler.has_unfinished() and self.vote is None:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
@@ -204,7 +215,7 @@ class Engine:
             raise
         self._in_flight = None
         outputs = self._update(*previous) if previous is not None else []
-        if plan.is_prefill or plan.num_rows == 0:
+        if plan.kind != "decode" or plan.num_rows == 0:
             outputs = _merge(outputs, self._update(plan, executed))
         else:
             self._in_flight = (plan, executed)
@@ -327,6 +338,16 @@ def _merge(first: list[RequestOutput], second: list[RequestOutput]) -> list[Requ
     """Outputs of two updates in one call, each request once (its output object is shared)."""
     seen = {id(o) for o in first}
     return first + [o for o in second if id(o) not in seen]
+
+
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+"""A request's priority is an int32 (the gRPC field's type; the scheduler's ``QueueOrder``)."""
+
+
+def check_priority(priority: int) -> None:
+    """Raises ValueError unless ``priority`` is an int32."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
 
 
 def validate_request(

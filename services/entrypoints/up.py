@@ -48,9 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(docs/parallelism.md)"
         ),
     )
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
 
     add_speculative_arguments(up)
+
+    add_step_arguments(up)
     add_parallel_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
@@ -82,6 +84,7 @@ def _up(args: argparse.Namespace) -> int:
             "--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
             "carry drafts yet; drop --remote-workers"
         )
+    from services.engine.config import step_args
     from services.engine.device import device_args
 
     config = StackConfig(
@@ -100,6 +103,7 @@ def _up(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         spec_sampling=args.spec_sampling,
         spec_varlen=args.spec_varlen,
+        step_args=tuple(step_args(args).items()),
         allow_private_image_urls=args.allow_private_image_urls,
         data_parallel_size=args.data_parallel_size,
         num_redundant_experts=args.num_redundant_experts,

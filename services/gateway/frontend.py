@@ -70,6 +70,8 @@ class GenerateArgs:
     # Encoded images for the image placeholders of prompt_token_ids, when a gateway forwarded a chat with
     # images here (takes_request_ids); empty otherwise.
     images: list[bytes] = field(default_factory=list)
+    # Scheduling priority: lower is served first (docs/architecture.md, "The waiting queue's order").
+    priority: int = 0
 
 
 @dataclass
@@ -280,7 +282,7 @@ class Frontend:
                     with tracing.span("fetch_images"):
                         images = await self.image_fetcher.fetch(urls)
                 stream = await self.engine.submit(
-                    request_id, scoped(client_request_id, args.owner), ids, args.params, images
+                    request_id, scoped(client_request_id, args.owner), ids, args.params, images, args.priority
                 )
                 detokenize_span = (
                     tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) else None

@@ -136,6 +136,7 @@ def _args(request: pb.GenerateRequest) -> GenerateArgs:
             "images",
         )
     args.images = list(request.images)
+    args.priority = request.priority
     s = request.sampling
     banned, bias = _logit_bias(s.logit_bias)
     try:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'services/proto/shinkai/v1/shinkai.proto\x12\nshinkai.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"T\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\x05parts\x18\x03 \x03(\x0b\x32\x17.shinkai.v1.ContentPart\":\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"K\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.shinkai.v1.ChatMessage\x12\x10\n\x08thinking\x18\x02 \x01(\x08\"\x91\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x03H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).shinkai.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xfc\x01\n\x0fGenerateRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.shinkai.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.shinkai.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.shinkai.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\";\n\x10TokenTopLogprobs\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.shinkai.v1.TopLogprob\"\xa4\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.shinkai.v1.TokenTopLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x96\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.shinkai.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.shinkai.v1.UsageB\x10\n\x0e_stop_token_id\"\x91\x01\n\x10GenerateResponse\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.shinkai.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.shinkai.v1.FinalH\x00\x42\x06\n\x04kind\")\n\x0c\x41\x62ortRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\"\x11\n\x0fGetLoadsRequest\"\xe0\x01\n\nEngineLoad\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x12\n\nnum_queued\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_free_state_slots\x18\x07 \x01(\r\x12\x1d\n\x15num_total_state_slots\x18\x08 \x01(\r\x12\x13\n\x0b\x64\x65\x63ode_step\x18\t \x01(\x04\"0\n\x05Loads\x12\'\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x16.shinkai.v1.EngineLoad*\xae\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x94\x02\n\x07Shinkai\x12G\n\x08Generate\x12\x1b.shinkai.v1.GenerateRequest\x1a\x1c.shinkai.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.shinkai.v1.AbortRequest\x1a\x19.shinkai.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.shinkai.v1.GetModelInfoRequest\x1a\x15.shinkai.v1.ModelInfo\x12:\n\x08GetLoads\x12\x1b.shinkai.v1.GetLoadsRequest\x1a\x11.shinkai.v1.Loadsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'services/proto/shinkai/v1/shinkai.proto\x12\nshinkai.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"T\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\x05parts\x18\x03 \x03(\x0b\x32\x17.shinkai.v1.ContentPart\":\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"K\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.shinkai.v1.ChatMessage\x12\x10\n\x08thinking\x18\x02 \x01(\x08\"\x91\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x03H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).shinkai.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\x8e\x02\n\x0fGenerateRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.shinkai.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.shinkai.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.shinkai.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x10\n\x08priority\x18\x14 \x01(\x05\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\";\n\x10TokenTopLogprobs\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.shinkai.v1.TopLogprob\"\xa4\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.shinkai.v1.TokenTopLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x96\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.shinkai.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.shinkai.v1.UsageB\x10\n\x0e_stop_token_id\"\x91\x01\n\x10GenerateResponse\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.shinkai.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.shinkai.v1.FinalH\x00\x42\x06\n\x04kind\")\n\x0c\x41\x62ortRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\"\x11\n\x0fGetLoadsRequest\"\xe0\x01\n\nEngineLoad\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x12\n\nnum_queued\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_free_state_slots\x18\x07 \x01(\r\x12\x1d\n\x15num_total_state_slots\x18\x08 \x01(\r\x12\x13\n\x0b\x64\x65\x63ode_step\x18\t \x01(\x04\"0\n\x05Loads\x12\'\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x16.shinkai.v1.EngineLoad*\xae\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x94\x02\n\x07Shinkai\x12G\n\x08Generate\x12\x1b.shinkai.v1.GenerateRequest\x1a\x1c.shinkai.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.shinkai.v1.AbortRequest\x1a\x19.shinkai.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.shinkai.v1.GetModelInfoRequest\x1a\x15.shinkai.v1.ModelInfo\x12:\n\x08GetLoads\x12\x1b.shinkai.v1.GetLoadsRequest\x1a\x11.shinkai.v1.Loadsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2132
-  _globals['_FINISHREASON']._serialized_end=2306
+  _globals['_FINISHREASON']._serialized_start=2150
+  _globals['_FINISHREASON']._serialized_end=2324
   _globals['_TOKENIDS']._serialized_start=55
   _globals['_TOKENIDS']._serialized_end=78
   _globals['_CHATMESSAGE']._serialized_start=80
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=578
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=626
   _globals['_GENERATEREQUEST']._serialized_start=708
-  _globals['_GENERATEREQUEST']._serialized_end=960
-  _globals['_TOPLOGPROB']._serialized_start=962
-  _globals['_TOPLOGPROB']._serialized_end=1009
-  _globals['_TOKENTOPLOGPROBS']._serialized_start=1011
-  _globals['_TOKENTOPLOGPROBS']._serialized_end=1070
-  _globals['_CHUNK']._serialized_start=1073
-  _globals['_CHUNK']._serialized_end=1237
-  _globals['_USAGE']._serialized_start=1239
-  _globals['_USAGE']._serialized_end=1296
-  _globals['_FINAL']._serialized_start=1299
-  _globals['_FINAL']._serialized_end=1449
-  _globals['_GENERATERESPONSE']._serialized_start=1452
-  _globals['_GENERATERESPONSE']._serialized_end=1597
-  _globals['_ABORTREQUEST']._serialized_start=1599
-  _globals['_ABORTREQUEST']._serialized_end=1640
-  _globals['_ABORTRESPONSE']._serialized_start=1642
-  _globals['_ABORTRESPONSE']._serialized_end=1672
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1674
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1695
-  _globals['_MODELINFO']._serialized_start=1698
-  _globals['_MODELINFO']._serialized_end=1833
-  _globals['_GETLOADSREQUEST']._serialized_start=1835
-  _globals['_GETLOADSREQUEST']._serialized_end=1852
-  _globals['_ENGINELOAD']._serialized_start=1855
-  _globals['_ENGINELOAD']._serialized_end=2079
-  _globals['_LOADS']._serialized_start=2081
-  _globals['_LOADS']._serialized_end=2129
-  _globals['_SHINKAI']._serialized_start=2309
-  _globals['_SHINKAI']._serialized_end=2585
+  _globals['_GENERATEREQUEST']._serialized_end=978
+  _globals['_TOPLOGPROB']._serialized_start=980
+  _globals['_TOPLOGPROB']._serialized_end=1027
+  _globals['_TOKENTOPLOGPROBS']._serialized_start=1029
+  _globals['_TOKENTOPLOGPROBS']._serialized_end=1088
+  _globals['_CHUNK']._serialized_start=1091
+  _globals['_CHUNK']._serialized_end=1255
+  _globals['_USAGE']._serialized_start=1257
+  _globals['_USAGE']._serialized_end=1314
+  _globals['_FINAL']._serialized_start=1317
+  _globals['_FINAL']._serialized_end=1467
+  _globals['_GENERATERESPONSE']._serialized_start=1470
+  _globals['_GENERATERESPONSE']._serialized_end=1615
+  _globals['_ABORTREQUEST']._serialized_start=1617
+  _globals['_ABORTREQUEST']._serialized_end=1658
+  _globals['_ABORTRESPONSE']._serialized_start=1660
+  _globals['_ABORTRESPONSE']._serialized_end=1690
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1692
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1713
+  _globals['_MODELINFO']._serialized_start=1716
+  _globals['_MODELINFO']._serialized_end=1851
+  _globals['_GETLOADSREQUEST']._serialized_start=1853
+  _globals['_GETLOADSREQUEST']._serialized_end=1870
+  _globals['_ENGINELOAD']._serialized_start=1873
+  _globals['_ENGINELOAD']._serialized_end=2097
+  _globals['_LOADS']._serialized_start=2099
+  _globals['_LOADS']._serialized_end=2147
+  _globals['_SHINKAI']._serialized_start=2327
+  _globals['_SHINKAI']._serialized_end=2603
 # @@protoc_insertion_point(module_scope)
