@@ -142,3 +142,34 @@ def test_a_long_prompt_stalls_separate_steps_but_not_mixed_ones(source):
             assert [prompt for _, prompt in rows] == [504] * 6 + [48]
         for request_id in list(engine.requests):
             engine.abort(request_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("nextn", [0, NEXTN], ids=["plain", "drafts"])
+def test_gpu_kernel_path_mixed_and_separate_give_the_same_bits(source, nextn):
+    """The FP8 kernel backend with the CUDA defaults (CUDA graphs: decode-only steps replay, mixed steps run
+    eagerly; async scheduling), batch-invariant: mixed steps at two budgets equal separate steps, seeded
+    sampling without drafts, and with drafts greedy and seeded in the deterministic mode."""
+    from services.engine.model_source import load_model
+
+    decode_rows = MAX_NUM_SEQS * (1 + nextn)
+    cuda = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, num_blocks=128)
+    if nextn:
+        cuda.update(num_speculative_tokens=nextn, spec_sampling="deterministic")
+    for params in [SEEDED] if not nextn else [GREEDY, SEEDED]:
+        runs = [
+            generate(
+                load_model(source.name, device="cuda"), params, scheduling=scheduling, max_num_batched_tokens=b, **cuda
+            )
+            for scheduling, b in [
+                ("separate", decode_rows + 10),
+                ("mixed", decode_rows + 10),
+                ("mixed", decode_rows + 3),
+            ]
+        ]
+        (base, base_kinds), *mixed = runs
+        assert "mixed" not in base_kinds
+        for outs, kinds in mixed:
+            assert "mixed" in kinds
+            assert answers(outs) == answers(base)
