@@ -308,7 +308,7 @@ suite_serve_up() {  # the serve suite through `shinkai up` (two full-depth build
 
 suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
     serve_begin mixed 570
-    run exact 150 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
+    run exact 100 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
     show exact "passed|failed|^FAILED|^E  " 12
     local model=/tmp/v41-s1-l${NUM_LAYERS:-8} scheduling c p n rate
     python3 -c "
