@@ -346,7 +346,11 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 def check_priority(priority: int) -> None:
     """Raises ValueError unless ``priority`` is an int32."""
-    if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
+    ):
         raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
 
 

@@ -61,7 +61,9 @@ def _lockstep_rank(
     schedule()), makes them ready after step 0, and steps in lockstep until no rank has work left.
     ``abort_after[request_id] = other``: abort that waiting request once ``other`` has finished (a client
     gone while its request waited for a vote point)."""
-    built = build_rank(rank, RankSpec(_config(world_size, scheduling), partial(load_model, "tiny", 0), init_method, "cpu", 1))
+    built = build_rank(
+        rank, RankSpec(_config(world_size, scheduling), partial(load_model, "tiny", 0), init_method, "cpu", 1)
+    )
     engine = built.engine
     recorder = Recorder(engine.worker.runner)
     engine.worker.runner = recorder
