@@ -6,7 +6,8 @@
 - No stalls: while 8 streams decode, a 3K-token prompt arrives; under ``separate`` some steps carry no decode
   row, under ``mixed`` every step carries all 8.
 
-The model: the oracle-draft tiny config (vocabulary 256), as the speculative tests use.
+The model: the oracle-draft tiny config (vocabulary 256), as the speculative tests use (``draft_source``,
+conftest.py).
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.worker.worker import Worker
-from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
-from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
 
-CASE = DRAFT_CASES[0]
-NEXTN = CASE.cfg.dspark_block_size
+NEXTN = DRAFT_CASES[0].cfg.dspark_block_size
 MAX_NUM_SEQS = 6
 ENGINE = dict(device="cpu", batch_invariant=True, max_model_len=96, block_size=8, max_num_seqs=MAX_NUM_SEQS)
 # Lengths from 2 to 41 tokens: at a budget of a few dozen rows the long prompts are chunked over several steps
@@ -32,18 +31,8 @@ pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # confte
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    from model.deepseek_v41.init import write_random_checkpoint
-    from model.deepseek_v41.tokenizer import engram_token_map
-    from services.engine.model_source import load_model
-
-    tok = toy_tokenizer(CASE.cfg.vocab_size)
-    cfg = finish(CASE.cfg, engram_token_map(tok)[1])
-    path = write_random_checkpoint(tmp_path_factory.mktemp("mixed") / "ckpt", cfg, CASE.seed, tok)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(str(path))
-    torch.set_num_threads(threads)
+def source(draft_source):
+    return draft_source
 
 
 def generate(source, params, prompts=PROMPTS, **engine_args) -> tuple[list, list[str]]:
