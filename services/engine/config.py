@@ -9,8 +9,8 @@
 - ``n > 1`` is rejected with a clear error (fork-based parallel sampling comes with the services).
 - ``scheduling``: "mixed" (decode rows and prompt chunks in one step under ``max_num_batched_tokens``, 2,048).
 - ``async_scheduling``: off. When on, the engine plans step N+1 before it updates step N (one step in
-  flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
-  decode steps stay in flight: a step with prompt chunks (or an empty one) is updated at once (drained). Tokens and
+  flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Decode and
+  mixed steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
   logprobs are the same either way (tests/services/engine/test_async.py), with drafts too (the worker's
   seqlen fix-up; tests/services/worker/spec/test_speculator.py).
 - ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
@@ -75,7 +75,7 @@ class EngineConfig:
     # "auto": the checkpoint's weights (a preset's from model_seed); "dummy": random weights for the model's
     # config drawn from model_seed on the device, nothing read from the checkpoint's tensors (vLLM's name).
     load_format: str = "auto"
-    # Plan step N+1 while step N runs (one decode step in flight); off = schedule, execute, update in turn.
+    # Plan step N+1 while step N runs (one decode or mixed step in flight); off = schedule, execute, update in turn.
     async_scheduling: bool = False
     # The worker's GPU kernel backend (services/worker/kernel_model/backend.py): None = the torch model (CPU or GPU),
     # "fp8" = Triton kernels with FP8 weights and activations, "fp32" = the same kernels with fp32 weights.

@@ -193,9 +193,10 @@ class Engine:
         by the rows N rejected (the seqlen fix-up, ``StepBatch.fix_positions``). The worker call is synchronous here,
         so executing N+1 before updating N is the GPU's order: N+1 is queued behind N, then N is read back.
 
-        Only decode steps stay in flight. A step with prompt chunks, prefill or mixed (or one with no rows), is
-        updated right after it runs (drained), so prompts' first tokens come out at once and chunk bookkeeping
-        stays in step."""
+        Decode and mixed steps stay in flight (a mixed step's next prompt chunk is prompt tokens, known without
+        it; a prompt whose last chunk is in flight decodes next from the token that chunk samples). A prefill
+        step (or one with no rows) is updated right after it runs (drained): with no decode row to keep busy,
+        its prompts' first tokens come out at once."""
         previous = self._in_flight
         if previous is not None and not self.scheduler.has_unfinished() and self.vote is None:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
@@ -215,7 +216,7 @@ class Engine:
             raise
         self._in_flight = None
         outputs = self._update(*previous) if previous is not None else []
-        if plan.kind != "decode" or plan.num_rows == 0:
+        if plan.kind == "prefill" or plan.num_rows == 0:
             outputs = _merge(outputs, self._update(plan, executed))
         else:
             self._in_flight = (plan, executed)

@@ -116,9 +116,11 @@ def test_a_long_prompt_stalls_separate_steps_but_not_mixed_ones(source):
             engine.add_request(f"s{i}", [0, 3 + i, 4 + i], streams)
         engine.step()  # the 8 prompts, prefilled together
         assert engine.last_plan.kind == "prefill" and engine.last_plan.num_requests == 8
-        engine.add_request("long", [0, *(3 + (i % 200) for i in range(3071))], SamplingParams(max_tokens=4))
+        long = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        engine.add_request("long", [0, *(3 + (i % 200) for i in range(3071))], long)
+        output = engine.requests["long"].output
         rows = []  # per step until the long prompt's first token: (decode requests, prompt rows)
-        while not engine.requests["long"].output.token_ids:
+        while not output.token_ids:
             engine.step()
             plan = engine.last_plan
             num_decode = plan.num_decode_requests
