@@ -327,15 +327,16 @@ write_tokenizer_files(out, None)  # --load-format dummy reads only the config an
             --gpu-memory-utilization 0.9 --scheduling "$scheduling" ${MIXED_BUDGET:+--max-num-batched-tokens $MIXED_BUDGET} \
             || { serve_stop; continue; }
         grep -h '"event": "ready"' "$run_dir"/logs/engine-0.log | tee -a "$dir/engine-lines.log"  # the budget
-        for c in 16 64; do
-            for p in 512 4096; do
-                n=$(( c == 16 ? 32 : 96 )); rate=$(( c / 4 ))  # Poisson arrivals, requests per second
-                run "load-$scheduling-c$c-p$p" 100 python3 -m services.client.loadgen --url "http://127.0.0.1:$port/v1" \
-                    --model "$model" --num-requests $n --concurrency $c --max-tokens 256 --prompt-tokens $p \
-                    --request-rate $rate
-                sed "s/^{/{\"scheduling\": \"$scheduling\", /" "$dir/load-$scheduling-c$c-p$p.log" | grep '^{' \
-                    | tee -a "$dir/results.jsonl"
-            done
+        # The headline pair first; the first mode stops early so the second gets its turn.
+        for load in 64:4096 16:512 16:4096 64:512; do
+            c=${load%:*}; p=${load#*:}
+            if [ "$scheduling" = separate ] && ! enough "${MIXED_RESERVE_S:-120}"; then break; fi
+            n=$(( c == 16 ? 24 : 64 )); rate=$(( c / 4 ))  # Poisson arrivals, requests per second
+            run "load-$scheduling-c$c-p$p" 60 python3 -m services.client.loadgen --url "http://127.0.0.1:$port/v1" \
+                --model "$model" --num-requests $n --concurrency $c --max-tokens 256 --prompt-tokens $p \
+                --request-rate $rate
+            sed "s/^{/{\"scheduling\": \"$scheduling\", /" "$dir/load-$scheduling-c$c-p$p.log" | grep '^{' \
+                | tee -a "$dir/results.jsonl"
         done
         serve_stop
     done
