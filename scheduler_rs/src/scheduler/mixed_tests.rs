@@ -217,3 +217,14 @@ fn separate_scheduling_keeps_prompt_steps_apart() {
     let kinds: Vec<StepKind> = (0..4).map(|_| step(&mut s).kind).collect();
     assert_eq!(kinds, vec![StepKind::Prefill, StepKind::Prefill, StepKind::Prefill, StepKind::Decode]);
 }
+
+#[test]
+fn a_prompt_engine_runs_separate_steps_whatever_the_setting() {
+    let mut c = config(4, 64, 16);
+    c.engine_type = EngineType::Prompt;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "A", 20, 4, 0);
+    add(&mut s, "B", 6, 4, 0);
+    let plan = s.schedule(&mut SingleRank);
+    assert_eq!((plan.kind, plan.num_decode_requests, rows(&plan)), (StepKind::Prefill, 0, pairs(&[("A", 16)])));
+}
