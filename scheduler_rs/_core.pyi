@@ -46,6 +46,18 @@ class PreemptionMode:
     def __hash__(self) -> int: ...
 
 @final
+class Scheduling:
+    """How a NORMAL engine fills a step: SEPARATE (DeepInfer's prompt-or-decode steps, chosen by the vote) or
+    MIXED (every decode row, then prompt chunks in the budget left). PROMPT and DECODE engines are separate."""
+
+    SEPARATE: Scheduling
+    MIXED: Scheduling
+    def __int__(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __ne__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
 class Int32Array:
     """Read-only int32 vector with the buffer protocol: ``numpy.frombuffer(a, numpy.int32)``."""
 
@@ -74,6 +86,7 @@ class SchedulerConfig:
         window_size: int = 128,
         compress_ratios: Sequence[int] = ...,
         preemption_mode: PreemptionMode = ...,
+        scheduling: Scheduling = ...,
         prefill_attempt_interval: int | None = None,
         prefill_any_attempt_interval: int | None = None,
         prefill_max_cache_usage: float = 0.9,
@@ -104,6 +117,8 @@ class SchedulerConfig:
     def compress_ratios(self) -> list[int]: ...
     @property
     def preemption_mode(self) -> PreemptionMode: ...
+    @property
+    def scheduling(self) -> Scheduling: ...
     @property
     def prefill_attempt_interval(self) -> int: ...
     @property
@@ -151,7 +166,10 @@ class StepPlan:
     def step_id(self) -> int: ...
     @property
     def kind(self) -> str:
-        """ "prefill" or "decode"."""
+        """ "prefill", "decode" or "mixed"."""
+    @property
+    def num_decode_requests(self) -> int:
+        """Requests 0 … num_decode_requests − 1 are decode rows; the rest are prompt chunks."""
     @property
     def is_prefill(self) -> bool: ...
     @property
@@ -286,6 +304,8 @@ class RequestState:
     def schedulable(self) -> bool: ...
     @property
     def num_preemptions(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
 
 @final
 class SchedulerStats:
@@ -327,6 +347,7 @@ class Scheduler:
         stop_token_ids: Sequence[int] = ...,
         schedulable: bool = True,
         constrained: bool = False,
+        priority: int = 0,
     ) -> None: ...
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None: ...
     def mark_group_idle(self) -> None:
@@ -386,6 +407,7 @@ __all__ = [
     "PreemptionMode",
     "RequestUpdate",
     "RequestState",
+    "Scheduling",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",

@@ -12,6 +12,16 @@ pub enum EngineType {
     Decode,
 }
 
+/// How a NORMAL engine fills a step (PROMPT and DECODE engines run one phase, so always `Separate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheduling {
+    /// DeepInfer's steps: prompt chunks or decode rows, never both; the data-parallel vote picks which.
+    Separate,
+    /// Every running request's decode rows (with their drafts) first, then prompt chunks from the
+    /// waiting queue in its order, each cut to the tokens left of `max_num_batched_tokens`.
+    Mixed,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreemptionMode {
     /// End the victim with finish reason `preempted` (DeepInfer's default).
@@ -31,7 +41,7 @@ pub struct SchedulerConfig {
     pub num_state_slots: u32,
     /// Requests running or in prefill at once.
     pub max_num_seqs: u32,
-    /// Prompt tokens per prefill step.
+    /// Rows per step: prompt tokens of a prefill step; decode rows plus prompt tokens of a mixed one.
     pub max_num_batched_tokens: u32,
     /// Prompt plus output tokens of one request.
     pub max_model_len: u32,
@@ -46,6 +56,8 @@ pub struct SchedulerConfig {
     /// Compress ratios of the paged KV sources (V4.1 Flash: 2 and 1); each must divide the block.
     pub compress_ratios: Vec<u32>,
     pub preemption_mode: PreemptionMode,
+    /// Separate or mixed steps (NORMAL engines only).
+    pub scheduling: Scheduling,
     /// Decode steps between ALL vote points (DeepInfer: 70 with several ranks; 1 for one rank).
     pub prefill_attempt_interval: u32,
     /// Decode steps between ANY vote points (DeepInfer: 100 with several ranks; 1 for one rank).
@@ -103,6 +115,7 @@ impl SchedulerConfig {
             window_size: 128,
             compress_ratios: vec![2, 1],
             preemption_mode: PreemptionMode::Stop,
+            scheduling: Scheduling::Separate,
             prefill_attempt_interval: all,
             prefill_any_attempt_interval: any,
             prefill_max_cache_usage: 0.9,
@@ -120,6 +133,11 @@ impl SchedulerConfig {
     /// Rows of the largest decode step.
     pub fn max_decode_rows(&self) -> u32 {
         self.max_num_seqs * (1 + self.nextn)
+    }
+
+    /// Whether steps mix decode rows and prompt chunks: a NORMAL engine under `Scheduling::Mixed`.
+    pub fn mixed(&self) -> bool {
+        self.engine_type == EngineType::Normal && self.scheduling == Scheduling::Mixed
     }
 
     /// DECODE engines have no prefill to recompute with, and a grammar's state cannot be replayed.
@@ -156,6 +174,16 @@ impl SchedulerConfig {
                     self.block_size
                 ));
             }
+        }
+        if self.mixed() && self.max_num_batched_tokens < self.max_decode_rows() {
+            return Err(format!(
+                "mixed scheduling puts every decode row in the step's budget: max_num_batched_tokens {} is \
+                 below max_num_seqs {} × (1 + nextn {}) = {}",
+                self.max_num_batched_tokens,
+                self.max_num_seqs,
+                self.nextn,
+                self.max_decode_rows()
+            ));
         }
         if self.spec_varlen && self.nextn == 0 {
             return Err("spec_varlen needs drafts to verify (nextn > 0)".into());

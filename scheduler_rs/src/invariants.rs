@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use crate::block_manager::BlockManager;
 use crate::config::SchedulerConfig;
 use crate::errors::SchedulerError;
-use crate::step::{StepKind, StepPlan, StepResult};
+use crate::step::{StepPlan, StepResult};
 
 /// A result must have one entry per planned request, token counts within the sampled rows, and
 /// in-vocabulary ids. Checked before anything is applied, so a bad result changes nothing.
@@ -22,9 +22,10 @@ pub fn validate_result(plan: &StepPlan, result: &StepResult, config: &SchedulerC
     for (i, &n) in result.num_tokens.iter().enumerate() {
         let sampled = plan.num_sample_rows[i] as u32;
         let errored = result.errors.contains(&(i as u32));
-        let ok = match plan.kind {
-            StepKind::Prefill => n == sampled || (errored && n == 0),
-            StepKind::Decode => (1..=sampled).contains(&n) || (errored && n == 0),
+        let ok = if plan.is_prompt_chunk(i) {
+            n == sampled || (errored && n == 0)
+        } else {
+            (1..=sampled).contains(&n) || (errored && n == 0)
         };
         if !ok {
             return bad(format!(

@@ -5,6 +5,7 @@ pub mod config;
 pub mod errors;
 mod invariants;
 mod plan_builder;
+pub mod queue_order;
 pub mod request;
 pub mod scheduler;
 pub mod step;

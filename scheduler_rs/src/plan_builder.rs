@@ -25,6 +25,7 @@ impl<'a> PlanBuilder<'a> {
                 kind,
                 is_placeholder: false,
                 request_ids: Vec::new(),
+                num_decode_requests: 0,
                 seqlens_q: Vec::new(),
                 seqlens_k: Vec::new(),
                 query_start: vec![0],
@@ -51,13 +52,15 @@ impl<'a> PlanBuilder<'a> {
     }
 
     /// Adds `input_ids.len()` rows for `req`, starting at its next position. The last
-    /// `num_sample_rows` rows are sampled. Call before the request's in-flight count moves.
+    /// `num_sample_rows` rows are sampled. `prompt`: a prompt chunk, whose inputs are known tokens
+    /// even while its previous chunk is in flight. Call before the request's in-flight count moves.
     pub fn add(
         &mut self,
         handle: (usize, u64),
         req: &'a Request,
         input_ids: &[u32],
         num_sample_rows: u32,
+        prompt: bool,
     ) {
         let block_size = self.config.block_size;
         let ring_size = self.config.ring_size();
@@ -74,7 +77,7 @@ impl<'a> PlanBuilder<'a> {
         self.plan.seqlens_k.push((start + seqlen_q) as i32);
         self.plan.query_start.push(first_row + seqlen_q as i32);
         self.plan.state_slots.push(req.state_slot.unwrap_or(0) as i32);
-        self.plan.inputs_pending.push((req.num_inflight_tokens > 0) as i32);
+        self.plan.inputs_pending.push((!prompt && req.num_inflight_tokens > 0) as i32);
         self.plan.num_sample_rows.push(num_sample_rows as i32);
         self.plan.propose_drafts.push(i32::from(self.config.nextn > 0));
         self.tables.push(table);
@@ -143,7 +146,7 @@ mod tests {
         req.block_table = (1..=129).collect();
         req.state_slot = Some(3);
         let mut builder = PlanBuilder::new(&config, 0, StepKind::Decode);
-        builder.add((0, 0), &req, &[7], 1);
+        builder.add((0, 0), &req, &[7], 1, false);
         let plan = builder.finish();
         assert_eq!(plan.positions, vec![16_389]);
         assert_eq!(plan.ring_slots, vec![16_389 % 134]);

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use crate::block_manager::BlockManager as CoreBlockManager;
 use crate::config::{
     EngineType as CoreEngineType, Limits, PreemptionMode as CorePreemptionMode, SchedulerConfig as CoreConfig,
+    Scheduling as CoreScheduling,
 };
 use crate::errors::SchedulerError;
 use crate::request::{FinishReason as CoreFinishReason, Request, Status, StopRules};
@@ -141,6 +142,33 @@ impl From<CorePreemptionMode> for PreemptionMode {
     }
 }
 
+#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "scheduler_rs._core")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scheduling {
+    #[pyo3(name = "SEPARATE")]
+    Separate,
+    #[pyo3(name = "MIXED")]
+    Mixed,
+}
+
+impl From<Scheduling> for CoreScheduling {
+    fn from(m: Scheduling) -> Self {
+        match m {
+            Scheduling::Separate => CoreScheduling::Separate,
+            Scheduling::Mixed => CoreScheduling::Mixed,
+        }
+    }
+}
+
+impl From<CoreScheduling> for Scheduling {
+    fn from(m: CoreScheduling) -> Self {
+        match m {
+            CoreScheduling::Separate => Scheduling::Separate,
+            CoreScheduling::Mixed => Scheduling::Mixed,
+        }
+    }
+}
+
 // ---- flat arrays --------------------------------------------------------------------------
 
 /// A read-only int32 vector exposing the buffer protocol (`numpy.frombuffer`, `torch.frombuffer`,
@@ -243,7 +271,7 @@ impl SchedulerConfig {
     // The six sizes are required: their user-facing defaults are `EngineConfig`'s.
     #[pyo3(signature = (*, block_size, num_blocks, num_state_slots, max_num_seqs, max_num_batched_tokens,
         max_model_len, num_ranks=1, engine_type=EngineType::Normal, nextn=0, window_size=128, compress_ratios=vec![2, 1], preemption_mode=PreemptionMode::Stop,
-        prefill_attempt_interval=None, prefill_any_attempt_interval=None, prefill_max_cache_usage=0.9,
+        scheduling=Scheduling::Separate, prefill_attempt_interval=None, prefill_any_attempt_interval=None, prefill_max_cache_usage=0.9,
         cuda_graph_interval=8, vocab_size=None, draft_pad_token_id=0, spec_varlen=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -259,6 +287,7 @@ impl SchedulerConfig {
         window_size: u32,
         compress_ratios: Vec<u32>,
         preemption_mode: PreemptionMode,
+        scheduling: Scheduling,
         prefill_attempt_interval: Option<u32>,
         prefill_any_attempt_interval: Option<u32>,
         prefill_max_cache_usage: f64,
@@ -281,6 +310,7 @@ impl SchedulerConfig {
         c.window_size = window_size;
         c.compress_ratios = compress_ratios;
         c.preemption_mode = preemption_mode.into();
+        c.scheduling = scheduling.into();
         c.prefill_attempt_interval = prefill_attempt_interval.unwrap_or(c.prefill_attempt_interval);
         c.prefill_any_attempt_interval = prefill_any_attempt_interval.unwrap_or(c.prefill_any_attempt_interval);
         c.prefill_max_cache_usage = prefill_max_cache_usage;
@@ -335,6 +365,10 @@ impl SchedulerConfig {
     #[getter]
     fn preemption_mode(&self) -> PreemptionMode {
         self.inner.preemption_mode.into()
+    }
+    #[getter]
+    fn scheduling(&self) -> Scheduling {
+        self.inner.scheduling.into()
     }
     #[getter]
     fn prefill_attempt_interval(&self) -> u32 {
@@ -440,13 +474,18 @@ impl StepPlan {
     fn step_id(&self) -> u64 {
         self.inner.step_id
     }
-    /// "prefill" or "decode".
+    /// "prefill", "decode" or "mixed".
     #[getter]
     fn kind(&self) -> &'static str {
         match self.inner.kind {
             StepKind::Prefill => "prefill",
             StepKind::Decode => "decode",
+            StepKind::Mixed => "mixed",
         }
+    }
+    #[getter]
+    fn num_decode_requests(&self) -> u32 {
+        self.inner.num_decode_requests
     }
     #[getter]
     fn is_prefill(&self) -> bool {
@@ -716,6 +755,7 @@ pub struct RequestState {
     status: &'static str,
     schedulable: bool,
     num_preemptions: u32,
+    priority: i32,
 }
 
 impl From<&Request> for RequestState {
@@ -736,6 +776,7 @@ impl From<&Request> for RequestState {
             },
             schedulable: r.schedulable,
             num_preemptions: r.num_preemptions,
+            priority: r.priority,
         }
     }
 }
@@ -786,7 +827,7 @@ impl Scheduler {
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id=None, ignore_eos=false,
-        stop_token_ids=Vec::new(), schedulable=true, constrained=false))]
+        stop_token_ids=Vec::new(), schedulable=true, constrained=false, priority=0))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -798,9 +839,10 @@ impl Scheduler {
         stop_token_ids: Vec<u32>,
         schedulable: bool,
         constrained: bool,
+        priority: i32,
     ) -> PyResult<()> {
         let stop = StopRules { max_tokens, eos_token_id, ignore_eos, stop_token_ids };
-        Ok(self.inner.add_request(request_id, prompt_token_ids, stop, schedulable, constrained)?)
+        Ok(self.inner.add_request(request_id, prompt_token_ids, stop, schedulable, constrained, priority)?)
     }
 
     #[pyo3(signature = (request_id, schedulable=true))]
@@ -935,6 +977,7 @@ fn select_graph_size(sizes: Vec<u32>, num_rows: u32) -> Option<u32> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<FinishReason>()?;
     m.add_class::<EngineType>()?;
+    m.add_class::<Scheduling>()?;
     m.add_class::<PreemptionMode>()?;
     m.add_class::<Int32Array>()?;
     m.add_class::<SchedulerConfig>()?;

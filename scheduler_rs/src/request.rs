@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use crate::queue_order::QueueOrder;
+
 /// Why a request ended. The one enum that Rust, the Python stub, the protos and the HTTP API share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FinishReason {
@@ -114,8 +116,10 @@ pub struct Request {
     pub constrained: bool,
     /// Id of the newest step that includes this request, if any.
     pub last_step_id: Option<u64>,
-    /// Order of arrival; ties in decode ordering go to the earlier request.
+    /// Order of arrival (`QueueOrder::arrival`).
     pub arrival: u64,
+    /// Lower is served first (`QueueOrder::priority`); 0 by default.
+    pub priority: i32,
     pub num_preemptions: u32,
     /// Unique per admission or recompute; a step's results apply only to the incarnation it planned.
     pub incarnation: u64,
@@ -143,9 +147,15 @@ impl Request {
             constrained: false,
             last_step_id: None,
             arrival,
+            priority: 0,
             num_preemptions: 0,
             incarnation: 0,
         }
+    }
+
+    /// The request's place in the waiting queue and in preemption (`queue_order`).
+    pub fn order(&self) -> QueueOrder {
+        QueueOrder { priority: self.priority, arrival: self.arrival }
     }
 
     pub fn len(&self) -> u32 {

@@ -15,6 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::block_manager::BlockManager;
 use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
+use crate::queue_order::insertion_point;
 use crate::request::{FinishReason, Request, StopRules};
 use crate::step::{RequestUpdate, StepKind, StepPlan};
 use crate::varlen::MtpVarlen;
@@ -23,8 +24,11 @@ pub use crate::errors::SchedulerError;
 
 mod decode;
 mod fork;
+mod mixed;
 mod prefill;
 mod update;
+#[cfg(test)]
+mod mixed_tests;
 #[cfg(test)]
 mod tests;
 
@@ -79,6 +83,8 @@ struct Scheduled {
     handle: usize,
     num_rows: u32,
     num_sample_rows: u32,
+    /// A prompt chunk (its rows are prompt or recomputed tokens); false: decode rows.
+    prompt: bool,
 }
 
 pub struct Scheduler {
@@ -197,6 +203,7 @@ impl Scheduler {
         stop: StopRules,
         schedulable: bool,
         constrained: bool,
+        priority: i32,
     ) -> Result<(), SchedulerError> {
         if self.config.engine_type == EngineType::Decode {
             return Err(SchedulerError::InvalidRequest(
@@ -210,10 +217,18 @@ impl Scheduler {
         let mut req = Request::new(request_id.clone(), prompt, stop, self.next_arrival);
         req.schedulable = schedulable;
         req.constrained = constrained;
+        req.priority = priority;
         self.next_arrival += 1;
         let handle = self.insert(req);
-        self.waiting.push_back(handle);
+        self.enqueue(handle);
         Ok(())
+    }
+
+    /// Puts a request into the waiting queue at its place in the one order (`queue_order`).
+    fn enqueue(&mut self, handle: usize) {
+        let key = self.req(handle).order();
+        let at = insertion_point(self.waiting.iter().map(|&h| self.req(h).order()), key);
+        self.waiting.insert(at, handle);
     }
 
     fn validate_tokens(&self, id: &str, prompt: &[u32], max_tokens: u32) -> Result<(), SchedulerError> {
@@ -353,29 +368,25 @@ impl Scheduler {
     pub fn schedule(&mut self, collective: &mut dyn Collective) -> StepPlan {
         let step_id = self.next_step_id;
         self.next_step_id += 1;
-        let prefill = match self.config.engine_type {
-            EngineType::Prompt => Some(self.schedule_prefill()),
-            EngineType::Decode => None,
-            EngineType::Normal => self.vote_for_prefill(collective),
+        let (kind, chosen, outputs) = if self.config.mixed() {
+            self.schedule_mixed()
+        } else {
+            self.schedule_separate(collective)
         };
-        let (kind, chosen, outputs) = match prefill {
-            Some(chosen) => {
-                self.decode_step = 0;
-                (StepKind::Prefill, chosen, Vec::new())
-            }
-            None => {
-                self.decode_step += 1;
-                let (chosen, outputs) = self.schedule_decode();
-                (StepKind::Decode, chosen, outputs)
-            }
-        };
+        // Decode steps since the last step with prompt work: the vote points count them (separate
+        // steps; every rank of the group took the same kind of step, so every counter agrees).
+        if kind == StepKind::Decode {
+            self.decode_step += 1;
+        } else {
+            self.decode_step = 0;
+        }
+        let num_decode = chosen.iter().take_while(|s| !s.prompt).count();
         let mut plan = self.build_plan(step_id, kind, &chosen);
+        plan.num_decode_requests = num_decode as u32;
         if !self.drafts_can_pay(self.running.len().max(chosen.len())) {
             plan.propose_drafts.fill(0);
         }
-        if kind == StepKind::Decode {
-            self.pace_proposals(&chosen, &mut plan.propose_drafts);
-        }
+        self.pace_proposals(&chosen[..num_decode], &mut plan.propose_drafts[..num_decode]);
         plan.outputs = outputs;
         plan.block_copies = std::mem::take(&mut self.pending_block_copies);
         plan.state_copies = std::mem::take(&mut self.pending_state_copies);
@@ -387,25 +398,39 @@ impl Scheduler {
         plan
     }
 
+    /// DeepInfer's steps: a PROMPT engine prefills, a DECODE engine decodes, a NORMAL engine's vote
+    /// picks one of the two.
+    fn schedule_separate(&mut self, collective: &mut dyn Collective) -> (StepKind, Vec<Scheduled>, Vec<RequestUpdate>) {
+        let prefill = match self.config.engine_type {
+            EngineType::Prompt => Some(self.schedule_prefill(self.config.max_num_batched_tokens, true)),
+            EngineType::Decode => None,
+            EngineType::Normal => self.vote_for_prefill(collective),
+        };
+        match prefill {
+            Some(chosen) => (StepKind::Prefill, chosen, Vec::new()),
+            None => {
+                let (chosen, outputs, _) = self.schedule_decode();
+                (StepKind::Decode, chosen, outputs)
+            }
+        }
+    }
+
     fn build_plan(&self, step_id: u64, kind: StepKind, chosen: &[Scheduled]) -> StepPlan {
         let mut builder = PlanBuilder::new(&self.config, step_id, kind);
         let mut inputs = Vec::new();
         for s in chosen {
             let req = self.req(s.handle);
             inputs.clear();
-            match kind {
-                StepKind::Prefill => {
-                    let start = req.next_position() as usize;
-                    inputs.extend_from_slice(&req.tokens[start..start + s.num_rows as usize]);
-                }
-                StepKind::Decode => {
-                    inputs.push(*req.tokens.last().expect("a request has tokens"));
-                    let num_drafts = s.num_rows as usize - 1;
-                    inputs.extend(req.draft_tokens.iter().take(num_drafts));
-                    inputs.resize(s.num_rows as usize, self.config.draft_pad_token_id);
-                }
+            if s.prompt {
+                let start = req.next_position() as usize;
+                inputs.extend_from_slice(&req.tokens[start..start + s.num_rows as usize]);
+            } else {
+                inputs.push(*req.tokens.last().expect("a request has tokens"));
+                let num_drafts = s.num_rows as usize - 1;
+                inputs.extend(req.draft_tokens.iter().take(num_drafts));
+                inputs.resize(s.num_rows as usize, self.config.draft_pad_token_id);
             }
-            builder.add((s.handle, req.incarnation), req, &inputs, s.num_sample_rows);
+            builder.add((s.handle, req.incarnation), req, &inputs, s.num_sample_rows, s.prompt);
         }
         builder.finish()
     }

@@ -10,6 +10,8 @@ pub enum StepKind {
     Prefill,
     /// One newest token plus its drafts per request.
     Decode,
+    /// Decode rows (requests `0..num_decode_requests`), then prompt chunks (mixed scheduling).
+    Mixed,
 }
 
 /// Paged compressed-entry writes of one compress ratio.
@@ -34,6 +36,9 @@ pub struct StepPlan {
     /// worker runs one fake row that routes nowhere, at block 0 and state slot 0.
     pub is_placeholder: bool,
     pub request_ids: Vec<String>,
+    /// Requests `0..num_decode_requests` are decode rows (the newest token plus drafts); the rest are
+    /// prompt chunks. All of a decode step's, none of a prefill step's.
+    pub num_decode_requests: u32,
     /// New positions computed per request.
     pub seqlens_q: Vec<i32>,
     /// Positions visible per request after this step (cached + new), counting in-flight steps as
@@ -87,6 +92,11 @@ impl StepPlan {
 
     pub fn num_rows(&self) -> usize {
         self.positions.len()
+    }
+
+    /// Whether request `i` of the plan is a prompt chunk (not decode rows).
+    pub fn is_prompt_chunk(&self, i: usize) -> bool {
+        i >= self.num_decode_requests as usize
     }
 }
 

@@ -31,6 +31,7 @@ speculative-bench bench speculative, fp8 kernels and CUDA graphs, 5 drafts, forc
 serve             v41-s1 at full depth (--load-format dummy), one build: served over HTTP to the openai client and the load generator at concurrency 1, 16, 64, then offline LLM.generate (greedy ==) and bench step's decode (device-prep.sh --stack)
 serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, the disk's read rate, loaded by shinkai up from a cold page cache, the openai client, then LLM.generate (greedy ==) (device-prep.sh --stack)
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
+mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
 invariance        the batch-invariance test with == on v41-s1 at full depth (INVARIANCE_PROMPTS, default 64: the batch, then each prompt alone), then where graphs and eager part on tiny
 compare           decode and prefill step medians (150 steps, v41-s1 at 8 layers) of a baseline tree carried in BASE_TREE (default base/) and this tree, alternated twice
@@ -303,6 +304,42 @@ suite_serve_up() {  # the serve suite through `shinkai up` (two full-depth build
     run offline 300 python3 scripts/gpu/serve_check.py offline --model v41-s1 --load-format dummy \
         --greedy "$dir/http-dummy.json" --num-requests 64 --batches 1,16,64 --out "$dir/offline-dummy.json"
     grep -v "it/s\]" "$dir/offline.log" | tail -20
+}
+
+suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
+    serve_begin mixed 570
+    run exact 100 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
+    show exact "passed|failed|^FAILED|^E  " 12
+    local model=/tmp/v41-s1-l${NUM_LAYERS:-8} scheduling c p n rate
+    python3 -c "
+import json, sys
+from pathlib import Path
+from model.deepseek_v41.config import to_hf_dict
+from model.deepseek_v41.init import first_layers
+from model.deepseek_v41.presets import preset
+from model.deepseek_v41.tokenizer import write_tokenizer_files
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+write_tokenizer_files(out, None)  # --load-format dummy reads only the config and the tokenizer
+(out / 'config.json').write_text(json.dumps(to_hf_dict(first_layers(preset('v41-s1'), int(sys.argv[2])))))
+" "$model" "${NUM_LAYERS:-8}"
+    for scheduling in separate mixed; do
+        serve_ready --model "$model" --load-format dummy --max-num-seqs 64 --max-model-len 4608 \
+            --gpu-memory-utilization 0.9 --scheduling "$scheduling" ${MIXED_BUDGET:+--max-num-batched-tokens $MIXED_BUDGET} \
+            || { serve_stop; continue; }
+        grep -h '"event": "ready"' "$run_dir"/logs/engine-0.log | tee -a "$dir/engine-lines.log"  # the budget
+        # The headline pair first; the first mode stops early so the second gets its turn.
+        for load in 64:4096 16:512 16:4096 64:512; do
+            c=${load%:*}; p=${load#*:}
+            if [ "$scheduling" = separate ] && ! enough "${MIXED_RESERVE_S:-120}"; then break; fi
+            n=$(( c == 16 ? 24 : 64 )); rate=$(( c / 4 ))  # Poisson arrivals, requests per second
+            run "load-$scheduling-c$c-p$p" 60 python3 -m services.client.loadgen --url "http://127.0.0.1:$port/v1" \
+                --model "$model" --num-requests $n --concurrency $c --max-tokens 256 --prompt-tokens $p \
+                --request-rate $rate
+            sed "s/^{/{\"scheduling\": \"$scheduling\", /" "$dir/load-$scheduling-c$c-p$p.log" | grep '^{' \
+                | tee -a "$dir/results.jsonl"
+        done
+        serve_stop
+    done
 }
 
 suite_parallel() {

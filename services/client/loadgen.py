@@ -3,7 +3,9 @@
     python -m services.client.loadgen --url http://127.0.0.1:8000/v1 --num-requests 200 --concurrency 32
 
 Sends ``--num-requests`` completions, at most ``--concurrency`` in flight, each streaming ``--max-tokens``
-tokens (ignore_eos, so every request has the same length), and prints one JSON line: requests ok and failed,
+tokens (ignore_eos, so every request has the same length); with ``--request-rate`` they arrive as a Poisson
+process of that many requests per second (seeded exponential gaps; an arrival past the concurrency cap waits
+for a slot, and its TTFT counts from when it is sent), else all at once. Prints one JSON line: requests ok and failed,
 duration, output tokens per second, and TTFT and ITL percentiles in milliseconds. TTFT is measured from
 sending the request to the first chunk with text or tokens; ITL is the gap between consecutive chunks
 divided by the tokens they carried. Only loopback URLs are meant here; the run stops by itself.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -73,16 +76,40 @@ def prompt_ids(i: int, num_tokens: int, vocab_size: int = 100_000) -> list[int]:
     return [1000 + (7919 * i + 104_729 * j + j * j) % (vocab_size - 1000) for j in range(num_tokens)]
 
 
+def arrival_times(num_requests: int, request_rate: float | None, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request arrives: a Poisson process of ``request_rate`` per second
+    (exponential gaps from ``seed``; the first at 0), or all at 0 when the rate is None."""
+    if request_rate is None:
+        return [0.0] * num_requests
+    if not request_rate > 0:
+        raise ValueError(f"--request-rate must be positive, got {request_rate}")
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(request_rate)
+    return times
+
+
 async def run(
-    url: str, model: str, num_requests: int, concurrency: int, max_tokens: int, prompt_tokens: int | None = None
+    url: str,
+    model: str,
+    num_requests: int,
+    concurrency: int,
+    max_tokens: int,
+    prompt_tokens: int | None = None,
+    request_rate: float | None = None,
+    seed: int = 0,
 ) -> dict:
-    """``prompt_tokens`` None: a short text prompt per request; else ``prompt_ids(i, prompt_tokens)``."""
+    """``prompt_tokens`` None: a short text prompt per request; else ``prompt_ids(i, prompt_tokens)``.
+    ``request_rate``: Poisson arrivals at that many requests per second (``arrival_times``); None: all at once."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     gate = asyncio.Semaphore(concurrency)
+    arrivals = arrival_times(num_requests, request_rate, seed)
 
     async def gated(i: int) -> Sample:
+        await asyncio.sleep(arrivals[i] - (time.perf_counter() - start))
         async with gate:
             prompt = (
                 f"Request {i}: tell me about the deep sea." if prompt_tokens is None else prompt_ids(i, prompt_tokens)
@@ -103,6 +130,7 @@ async def run(
         "concurrency": concurrency,
         "max_tokens": max_tokens,
         "prompt_tokens": prompt_tokens,
+        "request_rate": request_rate,
         "ok": sum(s.ok for s in samples),
         "failed": sum(not s.ok for s in samples),
         "duration_s": round(duration, 2),
@@ -129,14 +157,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="prompts of this many token ids (prompt_ids) instead of a short text",
     )
-    args = p.parse_args(argv)
-    print(
-        json.dumps(
-            asyncio.run(
-                run(args.url, args.model, args.num_requests, args.concurrency, args.max_tokens, args.prompt_tokens)
-            )
-        )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many requests per second (default: all at once)",
     )
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    args = p.parse_args(argv)
+    result = run(
+        args.url,
+        args.model,
+        args.num_requests,
+        args.concurrency,
+        args.max_tokens,
+        args.prompt_tokens,
+        args.request_rate,
+        args.seed,
+    )
+    print(json.dumps(asyncio.run(result)))
     return 0
 
 

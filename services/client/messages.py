@@ -81,14 +81,17 @@ def generate_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    priority: int = 0,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat, OpenAI's message dicts: with
     ``reasoning_content``, ``tool_calls`` and ``tool_call_id`` for the turns of a tool loop; ``tools`` as
     OpenAI's function tools; ``thinking`` None: the model's default). Without a ``client_request_id`` one is
-    made here, so the caller can abort before the first response."""
+    made here, so the caller can abort before the first response. ``priority``: lower is served first."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
-    request = pb.GenerateRequest(model=model, client_request_id=client_request_id or f"req-{uuid.uuid4().hex}")
+    request = pb.GenerateRequest(
+        model=model, client_request_id=client_request_id or f"req-{uuid.uuid4().hex}", priority=priority
+    )
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt is not None:

@@ -10,9 +10,10 @@
   applies.
 - ``n > 1``: the prompt prefilled once as a prefix and forked into the choices (docs/serving.md, "Sampling
   parameters in the engine").
+- ``scheduling``: "mixed" (decode rows and prompt chunks in one step under ``max_num_batched_tokens``, 2,048).
 - ``async_scheduling``: off. When on, the engine plans step N+1 before it updates step N (one step in
-  flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Only
-  decode steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
+  flight, counted as fully accepted); the worker fills N+1's pending inputs from N's sampled tokens. Decode and
+  mixed steps stay in flight: a prefill step (or an empty one) is updated at once (drained). Tokens and
   logprobs are the same either way (tests/services/engine/test_async.py), with drafts too (the worker's
   seqlen fix-up; tests/services/worker/spec/test_speculator.py).
 - ``num_speculative_tokens``: 0 (off). When on, each decode step verifies that many DSpark drafts per
@@ -49,8 +50,13 @@ class EngineConfig:
     num_state_slots: int | None = None
     # Requests running or in prefill at once.
     max_num_seqs: int = 16
-    # Prompt tokens per prefill step.
+    # Rows per step (the token budget): under "mixed" scheduling every decode row (with its drafts) first, then
+    # prompt chunks cut to the rest; under "separate" the prompt tokens of a prefill step.
     max_num_batched_tokens: int = 2048
+    # "mixed": decode rows and prompt chunks share a step, so an arriving prompt never stalls the running
+    # streams (docs/architecture.md, "Mixed steps"); "separate": DeepInfer's prompt-or-decode steps, picked by
+    # the data-parallel vote.
+    scheduling: str = "mixed"
     # "stop" (end the victim with `preempted`) or "recompute" (prefill it again later).
     preemption_mode: str = "stop"
     # The end token is banned for a request's first this-many output tokens.
@@ -71,7 +77,7 @@ class EngineConfig:
     # "auto": the checkpoint's weights (a preset's from model_seed); "dummy": random weights for the model's
     # config drawn from model_seed on the device, nothing read from the checkpoint's tensors (vLLM's name).
     load_format: str = "auto"
-    # Plan step N+1 while step N runs (one decode step in flight); off = schedule, execute, update in turn.
+    # Plan step N+1 while step N runs (one decode or mixed step in flight); off = schedule, execute, update in turn.
     async_scheduling: bool = False
     # The worker's GPU kernel backend (services/worker/kernel_model/backend.py): None = the torch model (CPU or GPU),
     # "fp8" = Triton kernels with FP8 weights and activations, "fp32" = the same kernels with fp32 weights.
@@ -114,6 +120,15 @@ class EngineConfig:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.scheduling not in ("mixed", "separate"):
+            raise ValueError(f"scheduling must be 'mixed' or 'separate', got {self.scheduling!r}")
+        decode_rows = self.max_num_seqs * (1 + self.num_speculative_tokens)
+        if self.scheduling == "mixed" and self.max_num_batched_tokens < decode_rows:
+            raise ValueError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} cannot hold a mixed step's decode rows: "
+                f"max_num_seqs {self.max_num_seqs} × (1 + num_speculative_tokens {self.num_speculative_tokens}) = "
+                f"{decode_rows}; raise --max-num-batched-tokens, lower --max-num-seqs, or use --scheduling separate"
+            )
         if self.preemption_mode not in ("stop", "recompute"):
             raise ValueError(f"preemption_mode must be 'stop' or 'recompute', got {self.preemption_mode!r}")
         if self.first_n_no_eos < 0:
@@ -243,6 +258,35 @@ def speculative_args(args) -> dict[str, object]:
         "spec_sampling": args.spec_sampling,
         "spec_varlen": args.spec_varlen,
     }
+
+
+def add_step_arguments(parser) -> None:
+    """``--max-num-batched-tokens`` and ``--scheduling``, the same on generate, serve, up and the engine."""
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="rows per step, the token budget: decode rows first, then prompt chunks cut to the rest "
+        f"(default {EngineConfig.max_num_batched_tokens})",
+    )
+    parser.add_argument(
+        "--scheduling",
+        choices=("mixed", "separate"),
+        default=None,
+        help="mixed: decode rows and prompt chunks in one step, so a new prompt never stalls the running "
+        "streams; separate: prompt-or-decode steps, as DeepInfer (default: mixed)",
+    )
+
+
+def step_args(args) -> dict[str, object]:
+    """The engine arguments the flags of ``add_step_arguments`` set (those given)."""
+    given = (("max_num_batched_tokens", args.max_num_batched_tokens), ("scheduling", args.scheduling))
+    return {k: v for k, v in given if v is not None}
+
+
+def step_argv(args: dict[str, object]) -> list[str]:
+    """The command-line flags of ``step_args``' result, for a child process (``shinkai up``'s engines)."""
+    return [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
 
 
 def add_parallel_arguments(parser) -> None:

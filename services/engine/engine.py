@@ -6,13 +6,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepPlan, StepResult
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, Scheduling, StepPlan, StepResult
 from services.engine.config import EngineConfig
 from services.engine.finish_reason import FinishReason
 from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
 from services.engine.prompt_logprob_rows import add_prompt_logprobs, prompt_rows
-from services.engine.request_checks import choice_id, validate_request
+from services.engine.request_checks import check_priority, choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
@@ -61,6 +61,7 @@ class Engine:
                 window_size=window_size,
                 compress_ratios=list(compress_ratios),
                 preemption_mode=mode,
+                scheduling=Scheduling.MIXED if config.scheduling == "mixed" else Scheduling.SEPARATE,
                 vocab_size=vocab_size,
                 nextn=config.num_speculative_tokens,
                 spec_varlen=config.spec_varlen,
@@ -100,16 +101,24 @@ class Engine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, ready: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        ready: bool = True,
+        priority: int = 0,
     ) -> None:
         """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
-        readiness gate); requests behind it in the queue are scheduled meanwhile.
+        readiness gate); requests behind it in the queue are scheduled meanwhile. ``priority``: lower is
+        served first, then earlier arrival; the last in that order is preempted first (docs/architecture.md,
+        "The waiting queue's order").
 
         ``params.n`` > 1 (choices, each output's ``index``): the prompt but its last token is prefilled once, as
         a *prefix* request whose one output is forced to the prompt's last token; the scheduler then forks it
         into n choices that share its full blocks (each gets a copy of the partial block and state slot),
         and the prefix ends. Choice i computes the prompt's last token itself and draws with
         ``params.choice_seed(seed, i)``. A prompt of one token has no prefix: its choices are n requests."""
+        check_priority(priority)
         self.validate(prompt_token_ids, params)
         if params.n > 1 and not ready:
             raise ValueError("n > 1 with images is not served yet: a recomputed choice would need the prefix's images")
@@ -118,16 +127,22 @@ class Engine:
         prompt = list(prompt_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         if params.n == 1:
-            self._add(request_id, prompt, params, seed, ready)
+            self._add(request_id, prompt, params, seed, ready, priority)
             return
         if len(prompt) == 1:
             self.groups[request_id] = [choice_id(request_id, i) for i in range(params.n)]
             for i, member in enumerate(self.groups[request_id]):
-                self._add(member, prompt, params, params.choice_seed(seed, i), ready, group=request_id, index=i)
+                self._add(member, prompt, params, params.choice_seed(seed, i), ready, priority, request_id, i)
             return
         prefix = choice_id(request_id, None)
         self.scheduler.add_request(
-            prefix, prompt[:-1], max_tokens=2, eos_token_id=self.eos_token_id, ignore_eos=True, schedulable=ready
+            prefix,
+            prompt[:-1],
+            max_tokens=2,
+            eos_token_id=self.eos_token_id,
+            ignore_eos=True,
+            schedulable=ready,
+            priority=priority,
         )
         self.requests[prefix] = LiveRequest(
             RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
@@ -141,6 +156,7 @@ class Engine:
         params: SamplingParams,
         seed: int,
         ready: bool,
+        priority: int,
         group: str | None = None,
         index: int = 0,
     ) -> None:
@@ -152,6 +168,7 @@ class Engine:
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
             schedulable=ready,
+            priority=priority,
         )
         self.requests[request_id] = self._choice(group or request_id, prompt, params, seed, group, index)
 
@@ -278,8 +295,10 @@ class Engine:
         by the rows N rejected (the seqlen fix-up, ``StepBatch.fix_positions``). The worker call is synchronous here,
         so executing N+1 before updating N is the GPU's order: N+1 is queued behind N, then N is read back.
 
-        Only decode steps stay in flight. A prefill step (or one with no rows) is updated right after it
-        runs (drained), so prompts' first tokens come out at once and chunk bookkeeping stays in step."""
+        Decode and mixed steps stay in flight (a mixed step's next prompt chunk is prompt tokens, known without
+        it; a prompt whose last chunk is in flight decodes next from the token that chunk samples). A prefill
+        step (or one with no rows) is updated right after it runs (drained): with no decode row to keep busy,
+        its prompts' first tokens come out at once."""
         previous = self._in_flight
         if previous is not None and not self.scheduler.has_unfinished() and self.vote is None:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
@@ -302,7 +321,7 @@ class Engine:
             raise
         self._in_flight = None
         outputs = self._update(*previous) if previous is not None else []
-        if plan.is_prefill or plan.num_rows == 0:
+        if plan.kind == "prefill" or plan.num_rows == 0:
             outputs = _merge(outputs, self._update(plan, executed))
         else:
             self._in_flight = (plan, executed)

@@ -12,7 +12,7 @@ from services.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, default_
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
-from services.engine.request_checks import validate_request
+from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.worker.build import build_worker
@@ -153,7 +153,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
+        """``priority``: one for every prompt or one each; lower is served first (vLLM's convention)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -161,6 +163,9 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
         vision = self.source.config.vision
         if vision is not None and any(vision.image_token_id in ids for ids in encoded):
@@ -168,7 +173,7 @@ class LLM:
                 f"a prompt holds the image placeholder id {vision.image_token_id} without an image; "
                 "send images as image_url parts through LLM.chat"
             )
-        return self._run(encoded, params_list, [None] * len(encoded), use_tqdm)
+        return self._run(encoded, params_list, [None] * len(encoded), use_tqdm, priorities)
 
     def chat(
         self,
@@ -210,15 +215,21 @@ class LLM:
         params_list: list[SamplingParams],
         images: list[torch.Tensor | None],
         use_tqdm: bool,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Queues every prompt (``images``: each one's placeholder embeddings or None) and steps until all end."""
-        for ids, p in zip(encoded, params_list):  # everything is checked before anything is queued
+        """Queues every prompt (``images``: each one's placeholder embeddings or None; ``priorities``: each
+        one's, 0 when None) and steps until all end."""
+        priorities = priorities if priorities is not None else [0] * len(encoded)
+        for ids, p, priority in zip(encoded, params_list, priorities):  # all checked before anything is queued
             if self.ranks is None:
                 self.engine.validate(ids, p)  # with what this engine's worker can serve
             else:
                 validate_request(ids, p, self.source.config.vocab_size, self.config)
+            check_priority(priority)
         request_ids = [str(next(self._ids)) for _ in encoded]  # unique across ranks: one counter here
         if self.ranks is not None:
+            if any(priorities):
+                raise ValueError("priority does not reach data-parallel ranks yet; run at data_parallel_size 1")
             if any(rows is not None for rows in images):
                 raise ValueError(
                     "images do not reach data-parallel ranks yet; run LLM.chat with images at data_parallel_size 1"
@@ -227,8 +238,8 @@ class LLM:
             for out in outputs:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             return outputs
-        for request_id, ids, p, rows in zip(request_ids, encoded, params_list, images):
-            self.engine.add_request(request_id, ids, p, ready=rows is None)
+        for request_id, ids, p, rows, priority in zip(request_ids, encoded, params_list, images, priorities):
+            self.engine.add_request(request_id, ids, p, ready=rows is None, priority=priority)
             if rows is not None:
                 self.engine.provide_images(request_id, rows)
         finished: dict[tuple[str, int], RequestOutput] = {}

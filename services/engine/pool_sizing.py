@@ -91,7 +91,14 @@ def size_pools(
     torch.cuda.reset_peak_memory_stats(device)
     llm = probe_engine(probe)
     prompt = [cfg.bos_token_id, *((100 + i) % cfg.vocab_size for i in range(prompt_len - 1))]
-    llm.generate([prompt], SamplingParams(max_tokens=1))
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=1))
+    except torch.OutOfMemoryError as err:
+        raise ValueError(
+            f"a step of {prompt_len} rows (the token budget, --max-num-batched-tokens "
+            f"{config.max_num_batched_tokens}) does not fit the GPU beside the model: lower "
+            "--max-num-batched-tokens"
+        ) from err
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - probe_blocks * block_bytes - 2 * slot_bytes
     del llm

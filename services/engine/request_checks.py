@@ -58,3 +58,17 @@ def choice_id(request_id: str, index: int | None) -> str:
     """The engine's id of choice ``index`` of a request with n > 1 (None: its prefix); "\x1f" never occurs in the
     ids the gateway and LLM give."""
     return f"{request_id}\x1f{'prefix' if index is None else index}"
+
+
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+"""A request's priority is an int32 (the gRPC field's type; the scheduler's ``QueueOrder``)."""
+
+
+def check_priority(priority: int) -> None:
+    """Raises ValueError unless ``priority`` is an int32."""
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
+    ):
+        raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")

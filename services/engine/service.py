@@ -36,6 +36,7 @@ from services.engine.engine import Engine
 from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
 from services.engine.reporting.observer import EngineObserver, RequestTimes
+from services.engine.request_checks import check_priority
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 
@@ -130,6 +131,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     ready: bool = True  # False: waits for its images (`_Images`)
+    priority: int = 0  # lower is served first (Engine.add_request)
 
 
 @dataclass
@@ -219,11 +221,13 @@ class EngineService:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         ready: bool = True,
+        priority: int = 0,
     ) -> RequestStream:
         """Validates and queues a request; raises ValueError (also for a ``request_id`` already live),
         QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream.
         ``ready=False``: the request waits for ``provide_images`` (or ends when its stream is closed)."""
         self.validate(prompt_token_ids, params)
+        check_priority(priority)
         if self.group_failure is not None:
             raise ShuttingDown(f"this engine's data-parallel group is lost: {self.group_failure}")
         if not self._accepting:
@@ -243,7 +247,7 @@ class EngineService:
                 params.n,
             )
             self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params, ready))
+        self._send(_Add(request_id, list(prompt_token_ids), params, ready, priority))
         return stream
 
     def provide_images(self, request_id: str, rows) -> None:
@@ -340,7 +344,11 @@ class EngineService:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(
-                        command.request_id, command.prompt_token_ids, command.params, ready=command.ready
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.params,
+                        ready=command.ready,
+                        priority=command.priority,
                     )
                 except Exception as err:  # validated already; a failure here is a bug, not bad input
                     log.exception("add_request %s failed", command.request_id)

@@ -141,9 +141,10 @@ async def run(args: argparse.Namespace) -> int:
     if args.worker:  # a remote worker owns the device and the weights; only their identity matters here
         given = {k: v for k, v in given.items() if k == "load_format"}
     engine_args.update(given)
-    from services.engine.config import speculative_args
+    from services.engine.config import speculative_args, step_args
 
     engine_args.update(speculative_args(args))
+    engine_args.update(step_args(args))
     llm = None
     from services.engine.config import parallel_args
 
@@ -230,6 +231,8 @@ async def run(args: argparse.Namespace) -> int:
                 "grpc_port": server.api.grpc_port,
                 "metrics_port": metrics_port,
                 "runner": runner,
+                "scheduling": server.llm.config.scheduling,
+                "max_num_batched_tokens": server.llm.config.max_num_batched_tokens,
             }
         ),
         flush=True,
@@ -287,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
     add_speculative_arguments(p)
+    add_step_arguments(p)
     add_parallel_arguments(p)
     p.add_argument("--dp-rank", type=int, default=0, help="this engine's rank in its data-parallel group")
     p.add_argument(

@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
     )
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
 
@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_device_arguments(p)
     add_speculative_arguments(p)
+    add_step_arguments(p)
     add_parallel_arguments(p)
     p.set_defaults(func=_run)
 
@@ -74,9 +75,10 @@ def _config(args: argparse.Namespace):
     from services.engine.device import device_args
 
     engine_args.update(device_args(args))
-    from services.engine.config import speculative_args
+    from services.engine.config import speculative_args, step_args
 
     engine_args.update(speculative_args(args))
+    engine_args.update(step_args(args))
     extra = {"max_queued": args.max_queued} if args.max_queued is not None else {}
     extra["api_keys"] = Keys.parse(args.api_key)
     extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)
@@ -165,6 +167,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 **server.urls(),
                 "model": server.frontend.served_model,
                 "runner": type(server.llm.engine.worker.runner).__name__,
+                "scheduling": server.llm.config.scheduling,
+                "max_num_batched_tokens": server.llm.config.max_num_batched_tokens,
             }
         ),
         flush=True,

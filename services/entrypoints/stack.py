@@ -57,6 +57,8 @@ class StackConfig:
     num_speculative_tokens: int = 0  # DSpark drafts per request and step (EngineConfig.num_speculative_tokens)
     spec_sampling: str = "rejection"  # EngineConfig.spec_sampling
     spec_varlen: bool = False  # EngineConfig.spec_varlen
+    # EngineConfig step fields passed to each engine as flags: max_num_batched_tokens, scheduling (step_args).
+    step_args: tuple[tuple[str, object], ...] = ()
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
     allow_private_image_urls: bool = False  # the gateway fetches image URLs resolving to private addresses too
     supervise: bool = True  # `up` leaves a supervisor that restarts crashed services (supervisor.py)
@@ -240,6 +242,9 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         else []
     )  # the engine's (in-process worker)
     spec += ["--spec-varlen"] if config.num_speculative_tokens and config.spec_varlen else []
+    from services.engine.config import step_argv
+
+    spec += step_argv(dict(config.step_args))  # the engine's: its scheduler plans the steps
     from services.engine.device import device_argv
 
     device = device_argv(dict(config.device_args))  # the engine's, or its remote worker's (the device's owner)

@@ -48,9 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(docs/parallelism.md)"
         ),
     )
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments
+    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
 
     add_speculative_arguments(up)
+
+    add_step_arguments(up)
     add_parallel_arguments(up)
     from services.gateway.http_protocol import add_http_timeout_arguments
 
@@ -99,6 +101,7 @@ def _up(args: argparse.Namespace) -> int:
             "--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
             "carry drafts yet; drop --remote-workers"
         )
+    from services.engine.config import step_args
     from services.engine.device import device_args
     from services.gateway.http_protocol import http_timeouts
 
@@ -118,6 +121,7 @@ def _up(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         spec_sampling=args.spec_sampling,
         spec_varlen=args.spec_varlen,
+        step_args=tuple(step_args(args).items()),
         allow_private_image_urls=args.allow_private_image_urls,
         http_timeouts=http_timeouts(args),
         data_parallel_size=args.data_parallel_size,

@@ -43,6 +43,7 @@ class EngineBackend(Protocol):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         images: Sequence[bytes] = (),
+        priority: int = 0,
     ) -> DeltaStream: ...
 
     async def abort(self, client_request_id: str) -> bool: ...
@@ -87,15 +88,16 @@ class LocalEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         images: Sequence[bytes] = (),
+        priority: int = 0,
     ) -> DeltaStream:
         """With images: the prompt is expanded and queued unready, and this waits for the embeddings (the
         request holds nothing meanwhile and other requests run); a failed encode, or a caller cancelled
         meanwhile, aborts the queued request before the error propagates, so nothing leaks."""
         if not images:
-            return self.service.submit(request_id, client_request_id, prompt_token_ids, params)
+            return self.service.submit(request_id, client_request_id, prompt_token_ids, params, priority=priority)
         prompts = self.images or ImagePrompts(None, None, None)
         ids, grids = prompts.expand(prompt_token_ids, images)
-        stream = self.service.submit(request_id, client_request_id, ids, params, ready=False)
+        stream = self.service.submit(request_id, client_request_id, ids, params, ready=False, priority=priority)
         try:
             rows = await prompts.embeddings(images, grids)
         except BaseException:

@@ -79,6 +79,8 @@ class GenerateArgs:
     include_stop_str_in_output: bool = False
     # Special tokens are left out of the text (vLLM's skip_special_tokens).
     skip_special_tokens: bool = True
+    # Scheduling priority: lower is served first (docs/architecture.md, "The waiting queue's order").
+    priority: int = 0
 
 
 MAX_ID_BYTES = 256
@@ -235,7 +237,7 @@ class Frontend:
                     with tracing.span("fetch_images"):
                         images = await self.image_fetcher.fetch(urls)
                 stream = await self.engine.submit(
-                    request_id, scoped(client_request_id, args.owner), ids, args.params, images
+                    request_id, scoped(client_request_id, args.owner), ids, args.params, images, args.priority
                 )
                 detokenize_span = (
                     tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) else None

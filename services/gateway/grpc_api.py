@@ -124,6 +124,7 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
             "images",
         )
     args.images = list(request.images)
+    args.priority = request.priority
     s = request.sampling
     args.stop = _stop(s)
     args.include_stop_str_in_output = s.include_stop_str_in_output

@@ -162,6 +162,7 @@ class RemoteEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         images: Sequence[bytes] = (),
+        priority: int = 0,
     ) -> RemoteStream:
         request = pb.GenerateRequest(
             request_id=request_id,
@@ -169,6 +170,7 @@ class RemoteEngine:
             token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
             sampling=_sampling(params),
             images=list(images),
+            priority=priority,
         )
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:

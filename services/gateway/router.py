@@ -159,9 +159,10 @@ class EngineRouter:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         images: Sequence[bytes] = (),
+        priority: int = 0,
     ) -> _CountedStream:
         state = self.pick()
-        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params, images)
+        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params, images, priority)
         state.sent_since_report += 1
         state.live += 1
         state.num_routed += 1

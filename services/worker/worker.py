@@ -245,10 +245,11 @@ def speculative_pending(plan: StepPlan, result: StepResult) -> PendingInputs:
     emitted, proposed = 0, 0
     num_drafts = result.num_draft_tokens or [0] * plan.num_requests
     token_ids, draft_ids = result.token_ids, result.draft_token_ids
+    num_decode = plan.num_decode_requests  # requests before it decode; the rest are prompt chunks
     for i, (n, q, k) in enumerate(zip(result.num_tokens, plan.seqlens_q.tolist(), num_drafts)):
         tokens.append(token_ids[emitted + n - 1] if n else -1)
         drafts.append(draft_ids[proposed : proposed + k])
-        num_rejected.append(0 if plan.is_prefill else q - n)
+        num_rejected.append(q - n if i < num_decode else 0)
         emitted, proposed = emitted + n, proposed + k
     return PendingInputs(list(plan.request_ids), torch.tensor(tokens, dtype=torch.long), drafts, num_rejected)
 

@@ -29,7 +29,7 @@ def run_step(
             num_tokens.append(0)
             continue
         sampled = num_sample_rows[i]
-        if plan.is_prefill:
+        if i >= plan.num_decode_requests:  # a prompt chunk
             n = sampled
             first = seqlens_k[i]
         else:

@@ -165,8 +165,9 @@ def _grow(target_outputs: dict[str, int]) -> Scheduler:
     return scheduler
 
 
-def test_preemption_takes_the_longest_output_when_a_row_needs_a_block():
-    # Pass 3: outputs A 3,000, B 1,200, C 400, D 50 and no free block.
+def test_preemption_takes_the_latest_arrival_when_a_row_needs_a_block():
+    # Pass 3's pool: outputs A 3,000, B 1,200, C 400, D 50 and no free block. DeepInfer preempts the longest
+    # output (A); the one order (docs/architecture.md) preempts the lowest priority, then the latest arrival (D).
     scheduler = _grow({"A": 3000, "B": 1200, "C": 400, "D": 50})
     assert {request_id: len(scheduler.request(request_id).token_ids) - 1 for request_id in "ABCD"} == {
         "A": 3000,
@@ -176,8 +177,8 @@ def test_preemption_takes_the_longest_output_when_a_row_needs_a_block():
     }
     assert scheduler.stats().num_free_blocks == 0
     plan = scheduler.schedule()
-    assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("A", FinishReason.PREEMPTED)]
-    assert plan.request_ids == ["B", "C", "D"]
+    assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("D", FinishReason.PREEMPTED)]
+    assert plan.request_ids == ["A", "B", "C"]
     scheduler.update(plan, run_step(plan, lambda request_id, pos: 9))
     scheduler.check_invariants()
 
@@ -191,9 +192,9 @@ def test_no_preemption_when_the_free_list_is_empty_but_no_row_needs_a_block():
     assert scheduler.stats().num_free_blocks == 0
     plan, _ = step(scheduler)  # both write position 3, inside their first block
     assert plan.outputs == [] and plan.request_ids == ["X", "Y"]
-    plan, _ = step(scheduler)  # now both need a second block: X (front) goes, Y gets its block
-    assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("X", FinishReason.PREEMPTED)]
-    assert plan.request_ids == ["Y"]
+    plan, _ = step(scheduler)  # now both need a second block: Y (the later arrival) goes, X gets its block
+    assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("Y", FinishReason.PREEMPTED)]
+    assert plan.request_ids == ["X"]
 
 
 def test_recompute_preemption_prefills_the_victim_again():
@@ -204,8 +205,8 @@ def test_recompute_preemption_prefills_the_victim_again():
     step(scheduler)
     step(scheduler)
     plan, _ = step(scheduler)
-    assert plan.outputs == [] and plan.request_ids == ["Y"]
-    state = scheduler.request("X")
+    assert plan.outputs == [] and plan.request_ids == ["X"]
+    state = scheduler.request("Y")
     assert (state.status, state.num_computed_tokens, state.num_preemptions) == ("waiting", 0, 1)
     assert len(state.token_ids) == 5  # prompt plus two outputs, recomputed as one prompt
 
@@ -213,12 +214,12 @@ def test_recompute_preemption_prefills_the_victim_again():
 def test_grammar_requests_always_stop():
     config = scheduler_config(block_size=4, num_blocks=3, num_state_slots=4, preemption_mode=PreemptionMode.RECOMPUTE)
     scheduler = Scheduler(config)
-    scheduler.add_request("X", [3, 4, 5], max_tokens=3, constrained=True)
-    scheduler.add_request("Y", [3, 4, 5], max_tokens=3)
+    scheduler.add_request("X", [3, 4, 5], max_tokens=3)
+    scheduler.add_request("Y", [3, 4, 5], max_tokens=3, constrained=True)
     step(scheduler)
     step(scheduler)
     plan, _ = step(scheduler)
-    assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("X", FinishReason.PREEMPTED)]
+    assert [(o.request_id, o.finish_reason) for o in plan.outputs] == [("Y", FinishReason.PREEMPTED)]
 
 
 def test_several_ranks_wait_seventy_placeholder_steps_for_an_unready_head():

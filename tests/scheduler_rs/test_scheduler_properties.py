@@ -1,6 +1,7 @@
 """Random add / schedule / update / abort / fork sequences on small pools, so preemption and chunked
-prefill happen often. After every step: pool conservation and reference counts (check_invariants);
-at the end: every added request has exactly one final output and every block is back."""
+prefill happen often, in separate and in mixed steps, with random priorities. After every step: pool
+conservation and reference counts (check_invariants); every plan within the token budget (a mixed one:
+decode rows first); at the end: every added request has exactly one final output and every block is back."""
 
 from collections import Counter
 
@@ -8,7 +9,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, StepResult
+from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, Scheduling, StepResult
 
 EOS = 1
 VOCAB = 16
@@ -20,20 +21,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         recompute=st.booleans(),
         max_inflight=st.sampled_from([1, 2]),
         num_blocks=st.integers(4, 10),
+        mixed=st.booleans(),
     )
-    def setup(self, nextn, recompute, max_inflight, num_blocks):
+    def setup(self, nextn, recompute, max_inflight, num_blocks, mixed):
         mode = PreemptionMode.RECOMPUTE if recompute else PreemptionMode.STOP
+        # Mixed steps hold every decode row (3 requests × (1 + nextn)) and chunk prompts in what is left.
         self.config = SchedulerConfig(
             block_size=4,
             num_blocks=num_blocks,
             num_state_slots=4,
             max_num_seqs=3,
-            max_num_batched_tokens=6,
+            max_num_batched_tokens=3 * (1 + nextn) + 4 if mixed else 6,
             max_model_len=40,
             nextn=nextn,
             preemption_mode=mode,
             vocab_size=VOCAB,
             compress_ratios=[2, 1],
+            scheduling=Scheduling.MIXED if mixed else Scheduling.SEPARATE,
         )
         self.scheduler = Scheduler(self.config)
         self.max_inflight = max_inflight
@@ -48,9 +52,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.finals[output.request_id] += 1
 
     @rule(
-        prompt_len=st.integers(1, 14), max_tokens=st.integers(1, 24), schedulable=st.sampled_from([True, True, False])
+        prompt_len=st.integers(1, 14),
+        max_tokens=st.integers(1, 24),
+        schedulable=st.sampled_from([True, True, False]),
+        priority=st.sampled_from([0, 0, -1, 2]),
     )
-    def add(self, prompt_len, max_tokens, schedulable):
+    def add(self, prompt_len, max_tokens, schedulable, priority):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         try:
@@ -60,6 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_tokens=max_tokens,
                 eos_token_id=EOS,
                 schedulable=schedulable,
+                priority=priority,
             )
         except ValueError as err:
             assert "blocks but the pool has" in str(err)
@@ -80,8 +88,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._record(plan.outputs)
         if plan.outputs:
             event("preempted")
-        if plan.is_prefill and 0 in plan.num_sample_rows.tolist():
+        num_decode = plan.num_decode_requests
+        if 0 in plan.num_sample_rows.tolist()[num_decode:]:
             event("prompt cut")
+        if plan.kind == "mixed":
+            event("mixed step")
+        assert plan.num_rows <= self.config.max_num_batched_tokens or plan.kind == "decode"
+        expected = {"decode": (plan.num_requests,), "prefill": (0,), "mixed": range(1, plan.num_requests)}
+        assert num_decode in expected[plan.kind]
         if self.scheduler.stats().num_deferred_blocks:
             event("deferred free")
         self.inflight.append(plan)
@@ -103,7 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 errors.append(i)
                 num_tokens.append(0)
                 continue
-            count = n if plan.is_prefill else data.draw(st.integers(1, n))
+            count = n if i >= plan.num_decode_requests else data.draw(st.integers(1, n))
             num_tokens.append(count)
             tokens += [data.draw(st.integers(0, VOCAB - 1)) for _ in range(count)]
         drafts = [self.config.nextn] * plan.num_requests if self.config.nextn else None

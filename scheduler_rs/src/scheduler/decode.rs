@@ -13,36 +13,33 @@ use crate::step::RequestUpdate;
 pub const MAX_PROPOSALS_SKIPPED: u32 = 16;
 
 impl Scheduler {
-    /// Decode: running requests sorted by output length, longest first; rows are served from the
-    /// back (shortest output first). When the row being served needs blocks that are not free, the
-    /// request at the FRONT is preempted: the one with the LONGEST output, which holds the most
-    /// blocks. (DeepInfer's header comment says "shortest"; its code, like ours, takes the longest.)
-    /// Unlike DeepInfer, a row that needs no new block never causes a preemption.
-    pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestUpdate>) {
+    /// Decode: running requests in the one order (`queue_order`): rows are served from the front
+    /// (the highest priority, earliest arrival first), and when the row being served needs blocks that
+    /// are not free, the request at the BACK is preempted: the lowest priority, latest arrival.
+    /// (DeepInfer preempts the longest output instead.) Unlike DeepInfer, a row that needs no new
+    /// block never causes a preemption. Returns the scheduled rows (in the order), the final outputs
+    /// of stopped victims, and whether anything was preempted.
+    pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestUpdate>, bool) {
         let block_size = self.config.block_size;
         let mut order = std::mem::take(&mut self.running);
-        order.sort_by_key(|&h| {
-            let req = self.req(h);
-            (std::cmp::Reverse(req.num_output_tokens()), req.arrival)
-        });
+        order.sort_by_key(|&h| self.req(h).order());
         let rows = self.decode_rows(&order);
-        let (mut front, mut back) = (0, order.len());
+        let (mut next, mut end) = (0, order.len());
         let mut served = HashSet::new();
         let mut outputs = Vec::new();
         let mut recomputed = Vec::new();
         // Blocks of this step's victims that come back when their in-flight step is updated.
         let mut num_coming = 0;
-        while front < back {
-            let handle = order[back - 1];
+        while next < end {
+            let handle = order[next];
             let req = self.req(handle);
             let needed = Request::blocks_for(req.next_position() + rows[&handle], block_size);
             let extra = needed.saturating_sub(req.block_table.len() as u32);
-            while extra > self.blocks.num_free() + num_coming && front < back {
-                let victim = order[front];
-                front += 1;
-                num_coming += self.preempt(victim, &mut outputs, &mut recomputed);
+            while extra > self.blocks.num_free() + num_coming && next < end {
+                end -= 1;
+                num_coming += self.preempt(order[end], &mut outputs, &mut recomputed);
             }
-            if front == back {
+            if next == end {
                 break; // the row's own request was the last victim
             }
             if extra <= self.blocks.num_free() {
@@ -52,19 +49,26 @@ impl Scheduler {
             } else {
                 num_coming -= extra; // served next step, once the victims' step is updated
             }
-            back -= 1;
+            next += 1;
         }
-        self.running = order[front..].to_vec();
-        for &handle in recomputed.iter().rev() {
-            self.waiting.push_front(handle);
+        let preempted = end < order.len();
+        order.truncate(end);
+        self.running = order;
+        for &handle in &recomputed {
+            self.enqueue(handle);
         }
         let chosen = self
             .running
             .iter()
             .filter(|h| served.contains(h))
-            .map(|&handle| Scheduled { handle, num_rows: rows[&handle], num_sample_rows: rows[&handle] })
+            .map(|&handle| Scheduled {
+                handle,
+                num_rows: rows[&handle],
+                num_sample_rows: rows[&handle],
+                prompt: false,
+            })
             .collect();
-        (chosen, outputs)
+        (chosen, outputs, preempted)
     }
 
     /// Rows per running request: 1 + the drafts it verifies. Fixed: `nextn` (pad rows stand in for

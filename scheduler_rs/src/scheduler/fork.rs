@@ -60,7 +60,7 @@ impl Scheduler {
         child.state_slot = Some(child_slot);
         self.pending_state_copies.push((parent_slot, child_slot));
         let handle = self.insert(child);
-        self.waiting.push_back(handle);
+        self.enqueue(handle);
         Ok(())
     }
 }

@@ -29,7 +29,7 @@ impl Scheduler {
             return None;
         }
         // Nothing is allocated unless something is scheduled, so a failed second vote undoes nothing.
-        let chosen = self.schedule_prefill();
+        let chosen = self.schedule_prefill(self.config.max_num_batched_tokens, true);
         collective.vote(!chosen.is_empty(), VoteOp::Any).then_some(chosen)
     }
 
@@ -39,8 +39,12 @@ impl Scheduler {
         self.group_idle = true;
     }
 
-    pub(super) fn schedule_prefill(&mut self) -> Vec<Scheduled> {
-        let mut budget = self.config.max_num_batched_tokens;
+    /// Prompt chunks for this step, from the waiting queue in its order (`queue_order`): each chunk
+    /// is the prompt's rest cut to the `budget` left. `admit_new`: a prompt that holds no blocks may
+    /// start; once one cannot (not allowed, no room, or, in mixed steps, the cache above
+    /// `prefill_max_cache_usage`), no later one starts either, so the order holds, but prompts already
+    /// holding their blocks (cut ones) still go on.
+    pub(super) fn schedule_prefill(&mut self, mut budget: u32, mut admit_new: bool) -> Vec<Scheduled> {
         let mut num_seqs = self.running.len() as u32;
         let mut chosen = Vec::new();
         let mut finished_prefill = HashSet::new();
@@ -63,8 +67,10 @@ impl Scheduler {
                 // A new prompt reserves all its blocks and its state slot on its first chunk, so
                 // it never stalls halfway for lack of blocks.
                 let needed = Request::blocks_for(req.len(), self.config.block_size);
-                if needed > self.blocks.num_free() || self.slots.num_free() == 0 {
-                    break;
+                let gated = self.config.mixed() && self.blocks.usage() > self.config.prefill_max_cache_usage;
+                admit_new &= !gated && needed <= self.blocks.num_free() && self.slots.num_free() > 0;
+                if !admit_new {
+                    continue;
                 }
                 let blocks = self.blocks.allocate_many(needed).expect("checked free blocks");
                 let slot = self.slots.allocate();
@@ -76,11 +82,11 @@ impl Scheduler {
             budget -= chunk;
             num_seqs += 1;
             let is_last = chunk == remaining;
-            chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32 });
+            chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32, prompt: true });
             if is_last {
                 finished_prefill.insert(handle);
             } else if self.config.engine_type == EngineType::Normal {
-                // A cut prompt ends a NORMAL step; it stays at the front of the queue.
+                // A cut prompt ends a NORMAL step (it used the budget up); it keeps its place.
                 break;
             }
         }

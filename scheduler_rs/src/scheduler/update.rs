@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use super::Scheduler;
 use crate::errors::SchedulerError;
 use crate::request::{FinishReason, Request};
-use crate::step::{RequestUpdate, StepKind, StepPlan, StepResult};
+use crate::step::{RequestUpdate, StepPlan, StepResult};
 
 impl Scheduler {
     // ---- results --------------------------------------------------------------------------
@@ -46,10 +46,8 @@ impl Scheduler {
             let max_model_len = self.config.max_model_len;
             let req = self.req_mut(handle);
             req.num_inflight_tokens -= plan.seqlens_q[i] as u32;
-            req.num_computed_tokens += match plan.kind {
-                StepKind::Prefill => plan.seqlens_q[i] as u32,
-                StepKind::Decode => num_tokens as u32,
-            };
+            let prompt = plan.is_prompt_chunk(i);
+            req.num_computed_tokens += if prompt { plan.seqlens_q[i] as u32 } else { num_tokens as u32 };
             if let Some(drafts) = drafts {
                 req.draft_tokens.clear();
                 req.draft_tokens.extend_from_slice(&result.draft_token_ids[drafts.clone()]);
@@ -85,7 +83,7 @@ impl Scheduler {
                     outputs.push(output);
                 }
                 None => {
-                    if plan.kind == StepKind::Decode {
+                    if !prompt {
                         self.trim_blocks(handle);
                     }
                     if !new_tokens.is_empty() {

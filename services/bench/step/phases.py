@@ -87,7 +87,7 @@ class StepPhases:
             def schedule(self) -> Any:
                 with clock.timing("schedule"):
                     plan = scheduler.schedule()
-                clock._decode = not plan.is_prefill and plan.num_rows > 0
+                clock._decode = plan.kind == "decode" and plan.num_rows > 0
                 return plan
 
         execute, step = worker.execute, engine.step

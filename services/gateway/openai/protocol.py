@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from services.engine.request_checks import check_priority
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.frontend import MAX_ID_BYTES, GenerateArgs
@@ -233,11 +234,11 @@ def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
         if not request_id or len(request_id.encode()) > MAX_ID_BYTES:
             raise errors.invalid(f"request_id must be 1 to {MAX_ID_BYTES} bytes", "request_id")
         args.client_request_id = request_id
-    priority = _field(body, "priority", (int,), 0, "an integer")
-    if priority != 0:  # vLLM's: lower is served first; the engine checks its range
-        if "priority" not in GenerateArgs.__dataclass_fields__:
-            raise errors.invalid("priority is not served by this engine; leave it at 0", "priority")
-        args.priority = priority
+    args.priority = _field(body, "priority", (int,), 0, "an integer")  # vLLM's: lower is served first
+    try:
+        check_priority(args.priority)
+    except ValueError as err:
+        raise errors.invalid(str(err), "priority") from err
     if _field(body, "prompt_logprobs", (int,), None, "an integer") is not None:
         raise errors.invalid("prompt_logprobs are not returned by this API yet", "prompt_logprobs")
     return _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean")

@@ -1,7 +1,9 @@
-"""The load generator's token-id prompts: fixed per request index, of the asked length, in the vocabulary,
-and distinct from the first token on (no shared prefixes for the prefix cache to exploit)."""
+"""The load generator: token-id prompts fixed per request index, of the asked length, in the vocabulary,
+and distinct from the first token on (no shared prefixes for the prefix cache to exploit); seeded Poisson arrivals."""
 
-from services.client.loadgen import prompt_ids
+import pytest
+
+from services.client.loadgen import arrival_times, prompt_ids
 
 
 def test_prompt_ids_are_fixed_sized_in_range_and_distinct():
@@ -10,3 +12,14 @@ def test_prompt_ids_are_fixed_sized_in_range_and_distinct():
     assert all(1000 <= t < 100_000 for p in prompts for t in p)
     assert len({p[0] for p in prompts}) == 64
     assert prompt_ids(3, 8, vocab_size=2000) != prompt_ids(3, 8)
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate():
+    times = arrival_times(2000, 10.0, seed=3)
+    assert times == arrival_times(2000, 10.0, seed=3) and times != arrival_times(2000, 10.0, seed=4)
+    assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:]))
+    # 1,999 exponential gaps of mean 0.1 s: 199.9 s, standard deviation 4.5 s; five of them either side.
+    assert 177 < times[-1] < 222
+    assert arrival_times(3, None) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="request-rate"):
+        arrival_times(3, 0.0)

@@ -25,3 +25,25 @@ def chat_llm():
     from services.engine import LLM
 
     return LLM(model="tiny", block_size=16, max_num_batched_tokens=24, max_num_seqs=8, batch_invariant=True)
+
+
+@pytest.fixture(scope="session")
+def draft_source(tmp_path_factory):
+    """The oracle-draft tiny config (vocabulary 256, a DSpark draft: a step takes milliseconds) as a loaded
+    checkpoint, built with one torch thread."""
+    import torch
+
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+    from services.engine.model_source import load_model
+    from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES, finish
+    from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+
+    case = DRAFT_CASES[0]
+    tok = toy_tokenizer(case.cfg.vocab_size)
+    cfg = finish(case.cfg, engram_token_map(tok)[1])
+    path = write_random_checkpoint(tmp_path_factory.mktemp("draft") / "ckpt", cfg, case.seed, tok)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(str(path))
+    torch.set_num_threads(threads)

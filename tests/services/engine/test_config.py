@@ -105,6 +105,27 @@ def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands()
         EngineConfig(num_speculative_tokens=2, spec_varlen=True, spec_step_cost_ms=((1, 0.0),))
 
 
+def test_step_flags_and_a_budget_that_cannot_hold_the_decode_rows():
+    import argparse
+
+    from services.engine.config import add_step_arguments, step_args, step_argv
+
+    assert EngineConfig().scheduling == "mixed"
+    with pytest.raises(ValueError, match="scheduling must be 'mixed' or 'separate'"):
+        EngineConfig(scheduling="chunked")
+    # 32 requests × (1 + 3 drafts) = 128 decode rows: a mixed step holds them all, so the budget must too.
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens 100 .* = 128; raise --max-num-batched-tokens"):
+        EngineConfig(max_num_seqs=32, num_speculative_tokens=3, max_num_batched_tokens=100)
+    assert EngineConfig(max_num_seqs=32, num_speculative_tokens=3, max_num_batched_tokens=100, scheduling="separate")
+    p = argparse.ArgumentParser()
+    add_step_arguments(p)
+    assert step_args(p.parse_args([])) == {}
+    given = step_args(p.parse_args(["--max-num-batched-tokens", "512", "--scheduling", "separate"]))
+    assert given == {"max_num_batched_tokens": 512, "scheduling": "separate"}
+    assert step_args(p.parse_args(step_argv(given))) == given  # what `shinkai up` hands its engines
+    assert EngineConfig(**given).max_num_batched_tokens == 512
+
+
 def test_data_parallel_flags_and_what_ranks_do_not_run_yet():
     import argparse
 

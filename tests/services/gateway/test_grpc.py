@@ -115,3 +115,17 @@ def test_model_info_loads_and_health(client, served):
         for name in ("", "shinkai.v1.Shinkai"):
             status = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_priority_reaches_the_engine(client, served, monkeypatch):
+    """GenerateRequest.priority goes through the gateway to the engine's queue (EngineService.submit)."""
+    service = served.server.engine
+    submit, seen = service.submit, []
+
+    def recording(*args, priority=0, **kwargs):
+        seen.append(priority)
+        return submit(*args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(service, "submit", recording)
+    done = client.generate([0, 19923], max_tokens=2, temperature=0, priority=-4)
+    assert done.completion_tokens == 2 and seen == [-4]

@@ -41,9 +41,10 @@ class Recorder:
         self.runner.release(request_id)
 
 
-def _config(world_size: int) -> EngineConfig:
+def _config(world_size: int, scheduling: str) -> EngineConfig:
     return EngineConfig(
         data_parallel_size=world_size,
+        scheduling=scheduling,
         batch_invariant=True,
         max_num_seqs=1,
         max_num_batched_tokens=16,
@@ -53,12 +54,16 @@ def _config(world_size: int) -> EngineConfig:
     )
 
 
-def _lockstep_rank(rank: int, world_size: int, init_method: str, shares, abort_after: dict) -> dict:
+def _lockstep_rank(
+    rank: int, world_size: int, init_method: str, shares, abort_after: dict, scheduling: str = "separate"
+) -> dict:
     """Adds this rank's requests held not ready (the walkthrough: no prompt is schedulable at the first
     schedule()), makes them ready after step 0, and steps in lockstep until no rank has work left.
     ``abort_after[request_id] = other``: abort that waiting request once ``other`` has finished (a client
     gone while its request waited for a vote point)."""
-    built = build_rank(rank, RankSpec(_config(world_size), partial(load_model, "tiny", 0), init_method, "cpu", 1))
+    built = build_rank(
+        rank, RankSpec(_config(world_size, scheduling), partial(load_model, "tiny", 0), init_method, "cpu", 1)
+    )
     engine = built.engine
     recorder = Recorder(engine.worker.runner)
     engine.worker.runner = recorder
@@ -83,6 +88,7 @@ def _lockstep_rank(rank: int, world_size: int, init_method: str, shares, abort_a
         "outputs": outputs,
         "slot_counts": built.parallel.take_slot_counts().numpy(),
         "local_experts": [s.local_experts for s in built.parallel.slots],
+        "num_votes": built.vote.num_votes,
     }
 
 
@@ -109,6 +115,35 @@ def _reference(requests) -> tuple[dict, dict, np.ndarray]:
                 if out.finished:
                     tokens[request_id] = out.token_ids
     return recorder.logits, tokens, recorder.counts
+
+
+def _check_logits_and_tokens(ranks, requests) -> None:
+    """Every rank's sampled-row logits and tokens equal one process's running the same requests."""
+    logits, tokens, _ = _reference(requests)
+    got: dict = {}
+    for r in ranks:
+        got.update(r["logits"])
+    assert sorted(got) == sorted(logits)
+    for key in logits:
+        assert np.array_equal(got[key], logits[key]), key
+    for r in ranks:
+        for request_id, out in r["outputs"].items():
+            assert out == tokens.get(request_id, []), request_id
+
+
+def test_mixed_steps_take_no_vote_and_every_ranks_logits_match_one_process(tmp_path, one_torch_thread):
+    # The same requests under mixed steps: no prefill vote, so nothing waits for a vote point. Step 0 has
+    # nothing ready (placeholders); then each rank runs its own steps, and a rank with nothing runs a
+    # placeholder while the other works. The only votes are the work-left votes, one per step and one to stop.
+    a1, a2 = ("a1", list(range(5, 10)), 3), ("a2", [40, 41, 42, 43], 2)
+    b1, b2 = ("b1", [7, 8, 9], 1), ("b2", [30, 31, 32, 33], 1)
+    ranks = run_ranks(_lockstep_rank, 2, tmp_path, ([[a1, a2], [b1, b2]], {"a2": "a1"}, "mixed"))
+    placeholder = ("decode", True)
+    assert ranks[0]["steps"] == [placeholder, ("prefill", False), ("decode", False), ("decode", False)]
+    assert ranks[1]["steps"] == [placeholder, ("prefill", False), ("prefill", False), placeholder]
+    assert [r["num_votes"] for r in ranks] == [5, 5]
+    assert ranks[0]["outputs"]["a2"] == []  # aborted while waiting
+    _check_logits_and_tokens(ranks, [a1, b1, b2])
 
 
 def test_vote_schedule_and_every_ranks_logits_match_one_process(tmp_path, one_torch_thread):

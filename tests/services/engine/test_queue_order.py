@@ -1,0 +1,43 @@
+"""The waiting queue's one order through the engine's APIs: priority (lower first), then arrival; a bad
+priority is refused by name; gRPC's ``GenerateRequest.priority`` reaches the request's arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.gateway.grpc_api import _args
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
+
+
+def test_generate_serves_prompts_by_priority_then_arrival(draft_source):
+    # One request at a time (max_num_seqs 1): the order in which they run is the queue's.
+    llm = LLM(source=draft_source, device="cpu", max_model_len=64, block_size=8, max_num_seqs=1)
+    order: list[str] = []
+    execute = llm.engine.worker.execute
+
+    def recording(plan, rows, previous=None):
+        order.extend(r for r in plan.request_ids if r not in order)
+        return execute(plan, rows, previous)
+
+    llm.engine.worker.execute = recording
+    prompts = [[0, 3 + k, 4 + k] for k in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2), priority=[2, 0, -1, 0])
+    assert [o.request_id for o in outs] == ["0", "1", "2", "3"]
+    assert order == ["2", "1", "3", "0"]
+
+
+def test_a_bad_priority_is_refused_before_anything_is_queued(draft_source):
+    llm = LLM(source=draft_source, device="cpu", max_model_len=64, block_size=8, max_num_seqs=2)
+    for bad in (2**31, True, 1.5):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            llm.generate([[0, 3]], SamplingParams(max_tokens=1), priority=bad)
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        llm.generate([[0, 3]], SamplingParams(max_tokens=1), priority=[0, 1])
+    assert not llm.engine.has_unfinished()
+
+
+def test_grpc_priority_reaches_the_request():
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5]), priority=-7)
+    assert _args(request).priority == -7
+    assert _args(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5]))).priority == 0
