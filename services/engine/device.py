@@ -81,6 +81,12 @@ def add_device_arguments(parser) -> None:
         help="fraction of GPU memory for model, activations and pools (default 0.9)",
     )
     parser.add_argument(
+        "--expert-format",
+        choices=("fp4", "fp8"),
+        default=None,
+        help="routed experts on the GPU: fp4 = MXFP4 as released (default), fp8 = converted at load",
+    )
+    parser.add_argument(
         "--load-format",
         choices=("auto", "dummy"),
         default=None,
@@ -88,7 +94,7 @@ def add_device_arguments(parser) -> None:
     )
 
 
-DEVICE_FIELDS = ("device", "enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format")
+DEVICE_FIELDS = ("device", "enforce_eager", "async_scheduling", "gpu_memory_utilization", "expert_format", "load_format")
 """EngineConfig fields the device flags set (argparse dests of the same names)."""
 
 

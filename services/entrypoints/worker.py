@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         device=config.device or "cpu",
         load_format=config.load_format,
         precision=config.kernel_backend,
+        expert_format=config.expert_format,
+        engram_on_host=config.engram_on_host,
     )
     hashes = model_hashes(source)  # the whole model's, before any sharding: what the engine compares
     parallel = None
