@@ -87,8 +87,9 @@ class EngineConfig:
     # gathered into a pinned buffer and copied to the device (services/worker/state/engram_host.py).
     engram_on_host: bool = False
     # How the kernel backend keeps the routed experts: "fp4" = MXFP4 as released, dequantised in the grouped
-    # GEMM's registers (services/worker/kernel_model/fp4_experts.py); "fp8" = converted to FP8 at load.
-    expert_format: str = "fp4"
+    # GEMM's registers (services/worker/kernel_model/fp4_experts.py; the CUDA default, services/engine/device.py);
+    # "fp8" = converted to FP8 at load.
+    expert_format: str = "fp8"
     # Speculative decoding with the model's DSpark draft (docs/speculative.md): drafts verified per request
     # and step, 0 = off (at most the draft's block size).
     num_speculative_tokens: int = 0

@@ -1,16 +1,16 @@
 """Which device an engine's model runs on, and the engine defaults that follow from it.
 
 ``--device`` takes ``cpu``, ``cuda`` or ``cuda:N``; unset, it is ``cuda`` when CUDA is available, else
-``cpu``. On CUDA the defaults are the fast path: the FP8 kernel backend, CUDA graphs for decode and
-async scheduling, each with an off switch (``kernel_backend=None``, ``enforce_eager=True``,
-``async_scheduling=False``). A default applies only where the caller did not set that field.
+``cpu``. On CUDA the defaults are the fast path: the FP8 kernel backend with the routed experts kept MXFP4, CUDA
+graphs for decode and async scheduling, each with an off switch (``kernel_backend=None``,
+``expert_format="fp8"``, ``enforce_eager=True``, ``async_scheduling=False``). A default applies only where the caller did not set that field.
 """
 
 from __future__ import annotations
 
 import re
 
-CUDA_DEFAULTS = {"kernel_backend": "fp8", "async_scheduling": True}
+CUDA_DEFAULTS = {"kernel_backend": "fp8", "async_scheduling": True, "expert_format": "fp4"}
 """EngineConfig fields set on CUDA unless given (``cuda_graphs`` follows ``enforce_eager`` and the backend)."""
 
 _DEVICE = re.compile(r"^(cpu|cuda)(:(\d+))?$")

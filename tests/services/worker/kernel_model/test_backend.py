@@ -10,6 +10,7 @@ real scheduler through chunked prefill and decode, compared with the full-sequen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import os
 
@@ -100,10 +101,17 @@ def drive(
     return logits
 
 
-def runner_for(c: Case, model, budget: int, precision: str, kernels: KernelSet | None = None, rounding=None):
-    return ModelRunner(
-        model, _config(c, budget), backend="kernels", precision=precision, kernels=kernels, rounding=rounding
-    )
+def runner_for(
+    c: Case,
+    model,
+    budget: int,
+    precision: str,
+    kernels: KernelSet | None = None,
+    rounding=None,
+    expert_format: str = "fp8",
+):
+    config = dataclasses.replace(_config(c, budget), expert_format=expert_format)
+    return ModelRunner(model, config, backend="kernels", precision=precision, kernels=kernels, rounding=rounding)
 
 
 def worst_delta(c: Case, logits) -> tuple[float, int]:
