@@ -4,7 +4,7 @@ The routed experts stay as released (model/deepseek_v41/quant.py): e2m1 codes pa
 2j in the low nibble of byte j, 2j+1 in the high one) with one e8m0 scale per row and 32 columns. A stack is
 ``w`` uint8 [E, N_w, K/2] and ``w_scale`` uint8 [E, N_w, K/32] (the scales' raw bytes, biased exponents).
 
-Each K step loads a [BLOCK_N, BLOCK_K/2] slab of bytes and its [BLOCK_N, BLOCK_K/32] scales and dequantises
+Each K step (``BLOCK_K``) loads a [BLOCK_N, BLOCK_K/2] slab of bytes and its [BLOCK_N, BLOCK_K/32] scales and dequantises
 them in registers to bf16, exactly: an e2m1 code's bits placed in an fp32 word (sign at bit 31, its two
 exponent bits and one mantissa bit at bits 22-24) are the value times 2^-126, code 1 (0.5) a subnormal;
 one fp32 multiply by 2^(scale byte − 1) makes the value times its scale, exactly, and bf16 holds every
@@ -35,7 +35,11 @@ import triton.language as tl
 from kernels import invariance
 from kernels.device import num_sms
 
-BLOCK_K = 128  # K columns per step: 64 bytes of codes and 4 scales per weight row
+BLOCK_K = 64
+"""K columns per step: 32 bytes of codes and 2 scales per weight row. 128 held twice the dequantised fp32 values
+in registers: ptxas for sm_90a (scripts/dev/compile_sm90.py, v41-s1's gate/up with SwiGLU) spilled at BLOCK_M 64 ×
+BLOCK_N 128 even at 8 warps, and used 230 registers at decode's 16 × 64; at 64 the same tiles took 230 (8 warps, no
+spill) and 150 (4 warps)."""
 SCALE_GROUP = 32  # columns per e8m0 scale (the checkpoint's)
 MIN_SCALE_BYTE, MAX_SCALE_BYTE = 0, 128
 """The e8m0 bytes the in-register dequantisation takes (scales 2^-127 … 2^1): the factor 2^(byte − 1) is built
@@ -156,7 +160,16 @@ def _num_programs(device: torch.device, num_work_max: int, programs_per_sm: int)
     return max(1, min(num_work_max, num_sms(device, off_gpu=4) * programs_per_sm))
 
 
-PROGRAMS_PER_SM = 2
+def default_num_warps(block_m: int, block_n: int, swiglu: bool) -> int:
+    """8 warps from 8K accumulators a tile (gate and up counted), else 4: ptxas (sm_90a) spilled 24 bytes at
+    64 × 64 with SwiGLU on 4 warps, none on 8; 16 × 64 and 16 × 128 took 150 and 168 registers on 4."""
+    return 8 if block_m * block_n * (2 if swiglu else 1) >= 8192 else 4
+
+
+def programs_per_sm(num_warps: int) -> int:
+    """Persistent programs per SM that fit its 64K registers at the registers ptxas gave (≤ 168 a thread at 4
+    warps on decode's tiles: 3 of 128 threads; ≤ 255 at 8 warps: 1 of 256)."""
+    return 3 if num_warps == 4 else 1
 
 
 def default_block_m(expected_m: float) -> int:
@@ -166,8 +179,8 @@ def default_block_m(expected_m: float) -> int:
 
 def default_block_n(num_slabs_128: int, device: torch.device) -> int:
     """128 weight rows per item where the 128-row slabs fill the programs, else 64: batch 1's 6 active experts
-    have 6 · 18 gate/up slabs at v41-s1, fewer than 2 per SM of an H100."""
-    return 128 if num_slabs_128 >= PROGRAMS_PER_SM * num_sms(device, off_gpu=4) else 64
+    have 6 · 18 gate/up slabs at v41-s1, fewer than 3 per SM of an H100."""
+    return 128 if num_slabs_128 >= programs_per_sm(4) * num_sms(device, off_gpu=4) else 64
 
 
 def check_scales(w_scale: torch.Tensor) -> None:
@@ -195,7 +208,7 @@ def moe_grouped_gemm_fp4(
     block_m: int | None = None,
     block_n: int | None = None,
     dot_fp32: bool = False,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """The masked grouped GEMM on MXFP4 weights: [E, cap, N_out] in ``out_dtype`` (bf16, or fp32 for tests; slots
@@ -214,6 +227,8 @@ def moe_grouped_gemm_fp4(
         raise TypeError(f"expected uint8 codes and uint8 scale bytes, got {w.dtype}, {w_scale.dtype}")
     if k % BLOCK_K or n_out % 128:
         raise ValueError(f"K={k} and N={n_out} must be multiples of {BLOCK_K} and 128")
+    if k % SCALE_GROUP:
+        raise ValueError(f"K={k} must be a multiple of {SCALE_GROUP}")
     if w_scale.shape != (num_experts, n_w, k // SCALE_GROUP):
         raise ValueError(f"w_scale shape {tuple(w_scale.shape)} != {(num_experts, n_w, k // SCALE_GROUP)}")
     rows_shape = (a.shape[0], k) if gather else (num_experts, capacity, k)
@@ -231,8 +246,10 @@ def moe_grouped_gemm_fp4(
         block_m = invariance.BLOCK_M if invariance.active() else default_block_m(meta["slot_of"].numel() / num_experts)
     if block_n is None:
         block_n = default_block_n(meta["slot_of"].shape[1] * n_out // 128, a.device)
+    if num_warps is None:
+        num_warps = default_num_warps(block_m, block_n, swiglu_limit is not None)
     num_work_max = num_experts * (n_out // block_n)
-    grid = (_num_programs(a.device, num_work_max, PROGRAMS_PER_SM),)
+    grid = (_num_programs(a.device, num_work_max, programs_per_sm(num_warps)),)
     _moe_fp4_kernel[grid](
         a,
         meta["row_ids"],
