@@ -4,14 +4,14 @@ The routed experts stay as released (model/deepseek_v41/quant.py): e2m1 codes pa
 2j in the low nibble of byte j, 2j+1 in the high one) with one e8m0 scale per row and 32 columns. A stack is
 ``w`` uint8 [E, N_w, K/2] and ``w_scale`` uint8 [E, N_w, K/32] (the scales' raw bytes, biased exponents).
 
-Each K step (``BLOCK_K``) loads a [BLOCK_N, BLOCK_K/2] slab of bytes and its [BLOCK_N, BLOCK_K/32] scales and dequantises
-them in registers to bf16, exactly: an e2m1 code's bits placed in an fp32 word (sign at bit 31, its two
-exponent bits and one mantissa bit at bits 22-24) are the value times 2^-126, code 1 (0.5) a subnormal;
-one fp32 multiply by 2^(scale byte − 1) makes the value times its scale, exactly, and bf16 holds every
-such product (one mantissa bit, and an exponent inside bf16's range); the factor is a normal fp32 for
-scale bytes 0 … 128 (scales up to 2^1), which ``check_scales`` enforces at load. The activations are rounded to bf16 (nearest even); the MMA is bf16 ×
-bf16 with an fp32 accumulator, so each product is exact and only the activation's rounding and the sum's
-order differ from the fp32 model. Even and odd K columns are the low and high nibbles: the activation tile
+Each K step (``BLOCK_K``) loads a [BLOCK_N, BLOCK_K/2] slab of bytes and its [BLOCK_N, BLOCK_K/32] scales
+and dequantises them in registers to bf16, exactly: an e2m1 code's bits placed in an fp32 word (sign at bit
+31, its two exponent bits and one mantissa bit at bits 22-24) are the value times 2^-126, code 1 (0.5) a
+subnormal; one fp32 multiply by 2^(scale byte − 1) makes the value times its scale, exactly, and bf16 holds
+every such product (one mantissa bit, and an exponent inside bf16's range); the factor is a normal fp32 for
+scale bytes 0 … 128 (scales up to 2^1), which ``check_scales`` enforces at load. The activations are rounded
+to bf16 (nearest even); the MMA is bf16 × bf16 with an fp32 accumulator, so each product is exact and only
+the activation's rounding and the sum's order differ from the fp32 model. Even and odd K columns are the low and high nibbles: the activation tile
 is split into its even and odd columns (``tl.split``) and each half meets its nibbles in one dot.
 
 Why bf16 rather than FP8 (W4A8): e2m1 × a per-32 scale fits e4m3 only where a tile's scales span few

@@ -1,9 +1,10 @@
 """Which device an engine's model runs on, and the engine defaults that follow from it.
 
 ``--device`` takes ``cpu``, ``cuda`` or ``cuda:N``; unset, it is ``cuda`` when CUDA is available, else
-``cpu``. On CUDA the defaults are the fast path: the FP8 kernel backend with the routed experts kept MXFP4, CUDA
-graphs for decode and async scheduling, each with an off switch (``kernel_backend=None``,
-``expert_format="fp8"``, ``enforce_eager=True``, ``async_scheduling=False``). A default applies only where the caller did not set that field.
+``cpu``. On CUDA the defaults are the fast path: the FP8 kernel backend with the routed experts kept
+MXFP4, CUDA graphs for decode and async scheduling, each with an off switch (``kernel_backend=None``,
+``expert_format="fp8"``, ``enforce_eager=True``, ``async_scheduling=False``). A default applies only where
+the caller did not set that field.
 """
 
 from __future__ import annotations
@@ -94,7 +95,14 @@ def add_device_arguments(parser) -> None:
     )
 
 
-DEVICE_FIELDS = ("device", "enforce_eager", "async_scheduling", "gpu_memory_utilization", "expert_format", "load_format")
+DEVICE_FIELDS = (
+    "device",
+    "enforce_eager",
+    "async_scheduling",
+    "gpu_memory_utilization",
+    "expert_format",
+    "load_format",
+)
 """EngineConfig fields the device flags set (argparse dests of the same names)."""
 
 

@@ -140,7 +140,9 @@ def remedies(plan: MemoryEstimate, config: EngineConfig) -> list[str]:
     return out
 
 
-def out_of_memory(plan: MemoryEstimate | None, config: EngineConfig, stage: str, error: BaseException) -> NotEnoughMemory:
+def out_of_memory(
+    plan: MemoryEstimate | None, config: EngineConfig, stage: str, error: BaseException
+) -> NotEnoughMemory:
     """The clear error for a CUDA out-of-memory during ``stage`` (loading, profiling), the estimate beside it."""
     said = "" if plan is None else f" The estimate: it {plan.describe()}."
     helps = "" if plan is None else f" What helps: {'; '.join(remedies(plan, config))}"
@@ -159,7 +161,11 @@ def device_bytes_by_part(model) -> dict[str, dict[str, int]]:
         seen.add(id(t))
         if ".engram.embed." in name or name.endswith("engram.embed.weight"):
             part = "Engram tables"
-        elif ".ffn." in name and (".w13" in name or ".w2" in name or ".w1" in name or ".w3" in name) and "shared" not in name:
+        elif (
+            ".ffn." in name
+            and (".w13" in name or ".w2" in name or ".w1" in name or ".w3" in name)
+            and "shared" not in name
+        ):
             part = "routed experts"
         else:
             part = "the rest"

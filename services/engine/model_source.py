@@ -79,7 +79,15 @@ def load_model(
             cfg, tokenizer = load_config(path), load_tokenizer(path)
         if kernel_form:
             return _random_kernel_source(
-                model, cfg, tokenizer, seed, device, precision, identity, expert_format, engram_on_host  # type: ignore[arg-type]
+                model,
+                cfg,
+                tokenizer,
+                seed,
+                device,
+                precision,
+                identity,
+                expert_format,
+                engram_on_host,  # type: ignore[arg-type]
             )
         if model in GPU_ONLY:
             raise ValueError(
@@ -98,7 +106,11 @@ def load_model(
         from services.worker.kernel_model.weight_loader import load_kernel_model
 
         net, tokenizer, _ = load_kernel_model(
-            path, device, precision, expert_format=expert_format, engram_on_host=engram_on_host  # type: ignore[arg-type]
+            path,
+            device,
+            precision,
+            expert_format=expert_format,
+            engram_on_host=engram_on_host,  # type: ignore[arg-type]
         )
         return ModelSource(str(path), net.cfg, net, tokenizer, identity)
     loaded = load_checkpoint(path)

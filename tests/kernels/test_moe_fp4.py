@@ -119,7 +119,9 @@ def test_dequantisation_and_products_on_the_gpu_at_v41_shapes():
         meta = _routing(num_tokens, num_experts, 6, gen)
         codes, scales, values = _stack(num_experts, 2 * inter, hidden, gen)
         x = torch.randn(num_tokens, hidden, generator=gen, device=device)
-        out = moe_fp4.moe_grouped_gemm_fp4(x, codes, scales, meta, gather=True, swiglu_limit=7.0, out_dtype=torch.float32)
+        out = moe_fp4.moe_grouped_gemm_fp4(
+            x, codes, scales, meta, gather=True, swiglu_limit=7.0, out_dtype=torch.float32
+        )
         a = x.to(torch.bfloat16).double()[meta["row_ids"].long()]
         ref = torch.bmm(a, values.double().transpose(1, 2))
         ref = clamped_swiglu(ref[..., :inter], ref[..., inter:], 7.0) * meta["route_w"].double()[..., None]

@@ -143,7 +143,9 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int, expert_format: st
                 )
                 llm = None
                 continue
-            floor = step_cost(cfg, batch, context, prefill=False, expert_format=expert_format).floor(ceil) if ceil else None
+            floor = (
+                step_cost(cfg, batch, context, prefill=False, expert_format=expert_format).floor(ceil) if ceil else None
+            )
             row = {
                 "section": "decode",
                 "expert_format": expert_format,
@@ -407,7 +409,11 @@ def _allocated_gib(device) -> float:
 
 def _versus_fp8(rows: list[dict[str, Any]]) -> None:
     """Each FP4 decode row gains ``vs_fp8``: the FP8 row's time at its batch and context over its own."""
-    fp8 = {(r["batch"], r["context"]): r["ms"] for r in rows if r["section"] == "decode" and r.get("expert_format") == "fp8"}
+    fp8 = {
+        (r["batch"], r["context"]): r["ms"]
+        for r in rows
+        if r["section"] == "decode" and r.get("expert_format") == "fp8"
+    }
     for r in rows:
         if r["section"] == "decode" and r.get("expert_format") == "fp4" and (r["batch"], r["context"]) in fp8:
             r["vs_fp8"] = fp8[(r["batch"], r["context"])] / r["ms"]

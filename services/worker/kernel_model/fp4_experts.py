@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kernels.fp8_weights import stack_gate_up
+from kernels.moe_fp4 import check_scales
 from kernels.moe_grouped_gemm import split_shared
 from kernels.quant_fp8 import IN_GEMM_MAX_ROWS
 from model.deepseek_v41.moe import MoE
@@ -74,6 +75,8 @@ class Fp4Experts(nn.Module):
         for e in range(self.num_experts):  # one expert's fp32 copies at a time
             (w13[e], s13[e], bad13), (w2[e], s2[e], bad2) = (first13, first2) if e == 0 else self._routed(moe, e)
             self.inexact += bad13 + bad2
+        check_scales(s13)
+        check_scales(s2)
         for name, t in (("w13", w13), ("w13_scale", s13), ("w2", w2), ("w2_scale", s2)):
             self.register_buffer(name, t)
         gate_up = stack_gate_up(pad_matrix(moe.shared_w1.detach()), pad_matrix(moe.shared_w3.detach()))

@@ -68,7 +68,9 @@ def is_engram_table(name: str) -> bool:
     return ".engram.embed." in name
 
 
-def _draw(cfg: ModelConfig, seed: int, device: torch.device, prefix: str, engram_on_host: bool) -> dict[str, torch.Tensor]:
+def _draw(
+    cfg: ModelConfig, seed: int, device: torch.device, prefix: str, engram_on_host: bool
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     on_host = is_engram_table if engram_on_host else None
     for entry in random_stored_on_device(cfg, seed, device, prefix=prefix, on_host=on_host):

@@ -192,7 +192,9 @@ class KernelMoE(nn.Module):
                     counts.scatter_add_(0, experts.flatten().long(), one.flatten())
                 meta = self._layout(experts, weights, rows)
         if self.fp4 is not None:
-            return self.fp4(x2, meta, None if rows is None else rows.reshape(-1), self.hidden).to(x.dtype).reshape(shape)
+            return (
+                self.fp4(x2, meta, None if rows is None else rows.reshape(-1), self.hidden).to(x.dtype).reshape(shape)
+            )
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             if self._deepgemm(xp):

@@ -10,8 +10,8 @@ real scheduler through chunked prefill and decode, compared with the full-sequen
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import os
 
 import pytest

@@ -153,7 +153,9 @@ def _scaled_case(name: str, branch_scale_log2: int | None):
     return dataclasses.replace(c, model=model, reference=reference_logits), ids, valid
 
 
-def _scaled_reports(branch_scale_log2: int | None, device: str, kernels, expert_format: str = "fp8") -> dict[str, float]:
+def _scaled_reports(
+    branch_scale_log2: int | None, device: str, kernels, expert_format: str = "fp8"
+) -> dict[str, float]:
     """KL(fp32 full-sequence reference ‖ FP8 engine) over every position of the three FP8 configs (chunked
     prefill and decode, test_kernel_backend's budgets), pooled as its ``_fp8_reports``; plus the reference's
     mean entropy and "moved": mean KL(reference ‖ the same model with the branches × 0)."""
