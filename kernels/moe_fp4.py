@@ -11,8 +11,9 @@ subnormal; one fp32 multiply by 2^(scale byte − 1) makes the value times its s
 every such product (one mantissa bit, and an exponent inside bf16's range); the factor is a normal fp32 for
 scale bytes 0 … 128 (scales up to 2^1), which ``check_scales`` enforces at load. The activations are rounded
 to bf16 (nearest even); the MMA is bf16 × bf16 with an fp32 accumulator, so each product is exact and only
-the activation's rounding and the sum's order differ from the fp32 model. Even and odd K columns are the low and high nibbles: the activation tile
-is split into its even and odd columns (``tl.split``) and each half meets its nibbles in one dot.
+the activation's rounding and the sum's order differ from the fp32 model. Even and odd K columns are the
+low and high nibbles: the activation tile is split into its even and odd columns (``tl.split``) and each
+half meets its nibbles in one dot.
 
 Why bf16 rather than FP8 (W4A8): e2m1 × a per-32 scale fits e4m3 only where a tile's scales span few
 binades, and the activations' per-128 e4m3 rounding is coarser than bf16's; decode reads the weights
