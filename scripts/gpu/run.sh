@@ -319,6 +319,7 @@ suite_experts() {
 
 suite_serve_fits() {  # v41-s1 at full depth on one GPU: FP4 experts and host Engram tables, then FP8 experts
     serve_begin serve-fits 570
+    { df -h /dev/shm; free -g; } | tee -a "$dir/host.txt"
     serve_ready --model v41-s1 --load-format dummy --engram-on-host --max-num-seqs 16 --max-model-len 4096
     grep -h -E "memory plan|model memory|pools:|Error" "$run_dir"/logs/engine-0.log | tail -12 | tee -a "$dir/engine-lines.log"
     run http 60 python3 scripts/gpu/serve_check.py http --url "http://127.0.0.1:$port/v1" --model v41-s1 \
