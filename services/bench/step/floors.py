@@ -57,7 +57,7 @@ def expected_active_experts(num_tokens: int, num_experts: int, top_k: int) -> fl
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
 
 
-def _gpu_bytes(shape: tuple[int, ...], fmt: str, expert_format: str = "fp8") -> float:
+def _gpu_bytes(shape: tuple[int, ...], fmt: str, expert_format: str | None = "fp8") -> float:
     numel = 1
     for s in shape:
         numel *= s
@@ -68,7 +68,7 @@ def _gpu_bytes(shape: tuple[int, ...], fmt: str, expert_format: str = "fp8") -> 
     return numel * (2 if fmt == "bf16" else 4)
 
 
-def _layer_weights(cfg: ModelConfig, expert_format: str = "fp8") -> dict[int, dict[str, float]]:
+def _layer_weights(cfg: ModelConfig, expert_format: str | None = "fp8") -> dict[int, dict[str, float]]:
     """Per layer: bytes of the dense weights (every one read each step), of ONE routed expert, and
     the matrix parameters a token multiplies by (dense projections + shared expert)."""
     out = {
@@ -111,7 +111,7 @@ def _attention(
 
 
 def step_cost(
-    cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool, expert_format: str = "fp8"
+    cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool, expert_format: str | None = "fp8"
 ) -> StepCost:
     """One step of ``num_tokens`` rows: decode rows each at ``context``, or one prefill chunk of a
     ``num_tokens``-token prompt (``context`` = num_tokens then); routed experts read in ``expert_format``."""

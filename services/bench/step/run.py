@@ -112,7 +112,9 @@ def _ceilings(device) -> dict[str, float]:
     return {"bandwidth": measure_bandwidth(), "fp8_peak": measure_fp8_peak(), "bf16_peak": measure_bf16_peak()}
 
 
-def _decode_section(build, cfg, sizes, ceil, full_layers: int, expert_format: str) -> list[dict[str, Any]]:
+def _decode_section(build, cfg, sizes, ceil, full_layers: int, expert_format: str | None) -> list[dict[str, Any]]:
+    """Decode rows at each batch and context; ``expert_format`` (None: the torch backend's fp32 experts) tags
+    them and picks the floor's expert bytes."""
     from services.bench.step.build import runner_cache
     from services.bench.step.floors import step_cost
     from services.bench.step.timing import fit_line, time_decode
@@ -324,6 +326,9 @@ def main(args: argparse.Namespace) -> int:
     formats = args.expert_format.split(",")
     if any(f not in ("fp4", "fp8") for f in formats):
         raise SystemExit(f"--expert-format: fp4, fp8 or both comma-separated, got {args.expert_format!r}")
+    kernel = backend == "kernels"
+    if not kernel:  # the torch backend keeps the model's fp32 experts: one build, no format
+        formats = formats[-1:]
     rows: list[dict[str, Any]] = []
     for earlier in formats[:-1]:  # decode only; the model is dropped before the next format's is built
         build, cfg, full_layers = builder(model, device, backend, args.layers, graphs, earlier)
@@ -352,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
         )
     sections = [
         ("host", lambda: _host_section(sizes)),
-        ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers, formats[-1])),
+        ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers, formats[-1] if kernel else None)),
         ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil)),
     ]
     if args.batch_invariant:
