@@ -24,7 +24,8 @@ buffer             dtype   shape              what
 The routed stacks are made from the model's fp32 expert weights (the released values, dequantised) by
 ``quantize_mxfp4``, and the conversion checks that they dequantise back to the same fp32 bits: weights
 that came from MXFP4 always do (the scale chosen from a block's amax puts every value on the e2m1 grid);
-any that do not are counted in ``inexact``, as the FP8 path counts its own. A block of zeros gets scale
+any that do not are counted in ``routed_inexact`` (and with the shared expert's FP8 rounding in ``inexact``, as
+the FP8 path counts its own). A block of zeros gets scale
 byte 127 (its codes are 0 whatever the scale), so every byte is inside the kernel's exact range.
 """
 
@@ -66,7 +67,7 @@ class Fp4Experts(nn.Module):
         self.kernels = kernels
         self.num_experts, self.intermediate, self.hidden = moe.w1.shape
         self.limit = moe.limit
-        self.inexact = 0
+        self.routed_inexact = 0  # routed expert values MXFP4 does not hold (0 for released weights)
         first13, first2 = self._routed(moe, 0)
         w13 = torch.empty((self.num_experts, *first13[0].shape), dtype=torch.uint8, device=first13[0].device)
         s13 = torch.empty((self.num_experts, *first13[1].shape), dtype=torch.uint8, device=first13[0].device)
@@ -74,7 +75,7 @@ class Fp4Experts(nn.Module):
         s2 = torch.empty((self.num_experts, *first2[1].shape), dtype=torch.uint8, device=first13[0].device)
         for e in range(self.num_experts):  # one expert's fp32 copies at a time
             (w13[e], s13[e], bad13), (w2[e], s2[e], bad2) = (first13, first2) if e == 0 else self._routed(moe, e)
-            self.inexact += bad13 + bad2
+            self.routed_inexact += bad13 + bad2
         check_scales(s13)
         check_scales(s2)
         for name, t in (("w13", w13), ("w13_scale", s13), ("w2", w2), ("w2_scale", s2)):
@@ -82,7 +83,7 @@ class Fp4Experts(nn.Module):
         gate_up = stack_gate_up(pad_matrix(moe.shared_w1.detach()), pad_matrix(moe.shared_w3.detach()))
         q13, sc13, bad13 = quantize_padded(gate_up[None])
         q2, sc2, bad2 = quantize_padded(moe.shared_w2.detach().float()[None])
-        self.inexact += bad13 + bad2
+        self.inexact = self.routed_inexact + bad13 + bad2  # and the shared expert's, rounded at 128×128 as FP8's
         for name, t in (("shared_w13", q13), ("shared_w13_scale", sc13), ("shared_w2", q2), ("shared_w2_scale", sc2)):
             self.register_buffer(name, t)
 

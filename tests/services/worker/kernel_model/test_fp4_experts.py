@@ -37,7 +37,7 @@ def test_fp4_experts_keep_the_released_values_and_route_dead_rows_nowhere():
     live = torch.tensor([True, True, False, True, False, True, True, False])
     with interpreter(), batch_invariant():
         moe = KernelMoE(copy.deepcopy(model.layers[1].ffn), "fp8", kernels, "fp4")
-        assert moe.fp4 is not None and moe.inexact == 0  # every routed value as released; the shared one in FP8
+        assert moe.fp4 is not None and moe.fp4.routed_inexact == 0  # every routed value as released
         assert moe.fp4.w13.dtype == torch.uint8 and moe.fp4.w13.shape[-1] * 2 == moe.fp4.padded_hidden
         check_live_mask(moe, x, live, tol=0.0)
 
@@ -53,3 +53,18 @@ def test_fp4_layer_is_nearer_the_fp32_layer_than_the_fp8_layer():
         fp4 = KernelMoE(copy.deepcopy(ffn), "fp8", kernels, "fp4")(x)
         fp8 = KernelMoE(copy.deepcopy(ffn), "fp8", kernels, "fp8")(x)
     assert _rel(fp4, want) < _rel(fp8, want)
+
+
+def test_the_draft_experts_take_the_same_format():
+    """``convert_model`` with ``expert_format="fp4"`` keeps every MoE's routed experts MXFP4, the DSpark draft's
+    stages included, each exactly as released."""
+    from services.engine.model_source import load_model
+    from services.worker.kernel_model.backend import convert_model
+
+    model = load_model("tiny").model
+    assert model.draft is not None
+    done = convert_model(model, "fp8", _kernels(), "fp4")
+    moes = [m for m in model.modules() if isinstance(m, KernelMoE)]
+    draft = [m for m in model.draft.modules() if isinstance(m, KernelMoE)]
+    assert done.draft_moes == len(draft) > 0 and len(moes) == done.moes
+    assert all(m.fp4 is not None and m.fp4.routed_inexact == 0 for m in moes)
