@@ -13,7 +13,9 @@ H100_BYTES = 79 * GiB  # an 80 GB H100 as torch reports it (79.2 GiB)
 
 
 def _config(**changes) -> EngineConfig:
-    base = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, max_model_len=4096, max_num_seqs=16)
+    base = dict(
+        device="cuda", kernel_backend="fp8", expert_format="fp4", cuda_graphs=True, max_model_len=4096, max_num_seqs=16
+    )
     return EngineConfig(**{**base, **changes})
 
 
