@@ -30,7 +30,7 @@ speculative       the gpu tests of speculation (draft proposal, static proposal 
 speculative-bench bench speculative, fp8 kernels and CUDA graphs, 5 drafts, forced acceptances, fixed and varlen, against speculation off (SPEC_MODEL tiny or v41-s1-dspark, SPEC_BATCHES, SPEC_ACCEPT, SPEC_MODES, SPEC_PROFILE, SPEC_ASYNC)
 serve             v41-s1 at full depth (--load-format dummy), one build: served over HTTP to the openai client and the load generator at concurrency 1, 16, 64, then offline LLM.generate (greedy ==) and bench step's decode (device-prep.sh --stack)
 serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, the disk's read rate, loaded by shinkai up from a cold page cache, the openai client, then LLM.generate (greedy ==) (device-prep.sh --stack)
-experts           the MXFP4 experts' gpu tests (the kernel's; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
+experts           the MXFP4 experts' gpu tests (the kernel's, checkpoint greedy tokens against the CPU; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
 serve-fits        v41-s1 at full depth through shinkai up with --engram-on-host and FP4 experts: ready, the memory lines, served over HTTP; then with --expert-format fp8: it fits or gets the clear error (device-prep.sh --stack)
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
@@ -309,7 +309,8 @@ suite_serve_up() {  # the serve suite through `shinkai up` (two full-depth build
 
 suite_experts() {
     begin experts 570
-    run tests 200 "${gpu_tests[@]}" tests/kernels/test_moe_fp4.py ${EXPERTS_KL:+tests/services/worker/kernel_model/test_fp8_accuracy.py} \
+    run tests 200 "${gpu_tests[@]}" tests/kernels/test_moe_fp4.py tests/services/worker/kernel_model/test_fp4_experts.py \
+        ${EXPERTS_KL:+tests/services/worker/kernel_model/test_fp8_accuracy.py} \
         -k fp4 -s
     grep -E "passed|failed|FP4 experts|FP8 experts|GPU FP8|Error" "$dir/tests.log" | tail -12
     run step 360 "${bench_step[@]}" --layers "${EXPERTS_LAYERS:-20}" --expert-format fp8,fp4 --batches 1,16,64,256 \

@@ -68,3 +68,29 @@ def test_the_draft_experts_take_the_same_format():
     draft = [m for m in model.draft.modules() if isinstance(m, KernelMoE)]
     assert done.draft_moes == len(draft) > 0 and len(moes) == done.moes
     assert all(m.fp4 is not None and m.fp4.routed_inexact == 0 for m in moes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_checkpoint_greedy_tokens_with_fp4_experts_equal_the_cpu_reference_where_fp8_do(tmp_path):
+    """A ``shinkai model init`` checkpoint served on the GPU with FP4 experts and with FP8 experts, greedy, against
+    the CPU fp32 engine: every prompt whose FP8 tokens equal the reference's has FP4 tokens equal to them too
+    (a random tiny model's near-ties may part either path from the reference; FP4 must not part where FP8 holds)."""
+    from services.engine import LLM, SamplingParams
+    from services.entrypoints.cli import main
+
+    ckpt = tmp_path / "tiny"
+    assert main(["model", "init", "--preset", "tiny", "--out", str(ckpt), "--seed", "3", "--device", "cpu"]) == 0
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (7, 19, 33, 60)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(block_size=16, max_num_seqs=4, max_model_len=256, batch_invariant=True)
+    tokens = {}
+    for name, extra in (("cpu", {"device": "cpu"}), ("fp8", {"expert_format": "fp8"}), ("fp4", {})):
+        llm = LLM(model=str(ckpt), **kw, **({"device": "cuda"} | extra))
+        tokens[name] = [out.token_ids for out in llm.generate(prompts, params)]
+        del llm
+    held = [i for i, (want, got) in enumerate(zip(tokens["cpu"], tokens["fp8"])) if want == got]
+    print(f"\nprompts whose FP8 tokens equal the CPU reference's: {held} of {len(prompts)}")
+    assert held, "no prompt where FP8 holds: nothing compared"
+    assert all(tokens["fp4"][i] == tokens["cpu"][i] for i in held)
