@@ -13,7 +13,7 @@ import json
 import math
 import shutil
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -75,24 +75,33 @@ the fp32 staging never exceeds ~1 GiB (a multiple of 32, so 32×32 FP8 blocks ne
 
 
 def random_stored_on_device(
-    cfg: ModelConfig, seed: int, device: torch.device | str, prefix: str | None = None
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str,
+    prefix: str | None = None,
+    on_host: Callable[[str], bool] | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The released tensors of ``cfg`` drawn directly on ``device``, one table entry at a time
     (each dict is one weight and its scale), for models too large for host memory (v41-s1).
 
     Each tensor draws from its own generator seeded by (seed, name), so the values do not depend on
     which names are asked for or in what order; they differ from ``random_checkpoint``'s CPU draws.
-    Only names starting with ``prefix`` are produced when it is given (e.g. ``"layers.3."``).
+    Only names starting with ``prefix`` are produced when it is given (e.g. ``"layers.3."``). Tensors whose
+    name ``on_host`` accepts are drawn on ``device`` a band at a time and kept on the host (the same values):
+    the device never holds more than one band of them (``--engram-on-host``'s tables).
     """
     for spec in tensor_table(cfg).values():
         if prefix is not None and not spec.name.startswith(prefix):
             continue
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
         rows = spec.shape[0]
+        host = on_host is not None and on_host(spec.name)
         if len(spec.shape) < 2 or rows <= ROWS_PER_BAND:
-            yield stored_tensors(spec, random_value(spec, generator))
+            drawn = stored_tensors(spec, random_value(spec, generator))
+            yield {key: value.cpu() for key, value in drawn.items()} if host else drawn
             continue
-        out = {key: torch.empty(shape, dtype=dtype, device=device) for key, (shape, dtype) in spec.stored().items()}
+        where = "cpu" if host else device
+        out = {key: torch.empty(shape, dtype=dtype, device=where) for key, (shape, dtype) in spec.stored().items()}
         for r in range(0, rows, ROWS_PER_BAND):
             band = stored_tensors(spec, random_value(spec, generator, (min(ROWS_PER_BAND, rows - r), *spec.shape[1:])))
             for key, value in band.items():

@@ -30,6 +30,8 @@ speculative       the gpu tests of speculation (draft proposal, static proposal 
 speculative-bench bench speculative, fp8 kernels and CUDA graphs, 5 drafts, forced acceptances, fixed and varlen, against speculation off (SPEC_MODEL tiny or v41-s1-dspark, SPEC_BATCHES, SPEC_ACCEPT, SPEC_MODES, SPEC_PROFILE, SPEC_ASYNC)
 serve             v41-s1 at full depth (--load-format dummy), one build: served over HTTP to the openai client and the load generator at concurrency 1, 16, 64, then offline LLM.generate (greedy ==) and bench step's decode (device-prep.sh --stack)
 serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, the disk's read rate, loaded by shinkai up from a cold page cache, the openai client, then LLM.generate (greedy ==) (device-prep.sh --stack)
+experts           the MXFP4 experts' gpu tests (the kernel's, checkpoint greedy tokens against the CPU; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
+serve-fits        v41-s1 at full depth through shinkai up with --engram-on-host and FP4 experts: ready, the memory lines, served over HTTP; then with --expert-format fp8: it fits or gets the clear error (device-prep.sh --stack)
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
@@ -340,6 +342,36 @@ write_tokenizer_files(out, None)  # --load-format dummy reads only the config an
         done
         serve_stop
     done
+}
+
+suite_experts() {
+    begin experts 570
+    run tests 200 "${gpu_tests[@]}" tests/kernels/test_moe_fp4.py tests/services/worker/kernel_model/test_fp4_experts.py \
+        ${EXPERTS_KL:+tests/services/worker/kernel_model/test_fp8_accuracy.py} \
+        -k fp4 -s
+    grep -E "passed|failed|FP4 experts|FP8 experts|GPU FP8|Error" "$dir/tests.log" | tail -12
+    run step 360 "${bench_step[@]}" --layers "${EXPERTS_LAYERS:-20}" --expert-format fp8,fp4 --batches 1,16,64,256 \
+        --contexts 4096 --prefill-tokens "${EXPERTS_PREFILL:-4096}" --no-compare --no-async --json "$dir/step.json" \
+        --markdown "$dir/step.md"
+    show step "GPU memory|experts|decode |FP4 experts|FAILED|HBM" 30
+}
+
+suite_serve_fits() {  # v41-s1 at full depth on one GPU: FP4 experts and host Engram tables, then FP8 experts
+    serve_begin serve-fits 570
+    { df -h /dev/shm; free -g; } | tee -a "$dir/host.txt"
+    serve_ready --model v41-s1 --load-format dummy --engram-on-host --max-num-seqs 16 --max-model-len 4096
+    grep -h -E "memory plan|model memory|pools:|Error" "$run_dir"/logs/engine-0.log | tail -12 | tee -a "$dir/engine-lines.log"
+    run http 60 python3 scripts/gpu/serve_check.py http --url "http://127.0.0.1:$port/v1" --model v41-s1 \
+        --out "$dir/http-fp4.json"
+    tail -c 800 "$dir/http.log"
+    serve_stop
+    run up-fp8 200 python3 -m services.entrypoints.cli up --run-dir "$run_dir" --http-port "$port" --grpc-port 0 \
+        --timeout 180 --model v41-s1 --load-format dummy --engram-on-host --expert-format fp8 --max-num-seqs 16 \
+        --max-model-len 4096
+    tail -5 "$dir/up-fp8.log"
+    grep -h -E "memory plan|model memory|NotEnoughMemory|does not fit|ran out|OutOfMemory|pools:" \
+        "$run_dir"/logs/engine-0.log | tail -8 | tee -a "$dir/engine-lines.log"
+    serve_stop
 }
 
 suite_parallel() {

@@ -94,6 +94,10 @@ class EngineConfig:
     # Engram tables in host shared memory (one copy per host, mapped by every rank), each step's rows
     # gathered into a pinned buffer and copied to the device (services/worker/state/engram_host.py).
     engram_on_host: bool = False
+    # How the kernel backend keeps the routed experts: "fp4" = MXFP4 as released, dequantised in the grouped
+    # GEMM's registers (services/worker/kernel_model/fp4_experts.py; the CUDA default, services/engine/device.py);
+    # "fp8" = converted to FP8 at load.
+    expert_format: str = "fp8"
     # Speculative decoding with the model's DSpark draft (docs/speculative.md): drafts verified per request
     # and step, 0 = off (at most the draft's block size).
     num_speculative_tokens: int = 0
@@ -141,6 +145,8 @@ class EngineConfig:
             raise ValueError("forced_top_k must be positive or None")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.expert_format not in ("fp4", "fp8"):
+            raise ValueError(f"expert_format must be 'fp4' or 'fp8', got {self.expert_format!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_speculative_tokens < 0:
@@ -211,6 +217,7 @@ class EngineConfig:
             kernel_backend=self.kernel_backend,
             batch_invariant=self.batch_invariant,
             engram_on_host=self.engram_on_host,
+            expert_format=self.expert_format,
             cuda_graphs=self.cuda_graphs,
             num_speculative_tokens=self.num_speculative_tokens,
             spec_sampling=self.spec_sampling,

@@ -1,16 +1,17 @@
 """Which device an engine's model runs on, and the engine defaults that follow from it.
 
 ``--device`` takes ``cpu``, ``cuda`` or ``cuda:N``; unset, it is ``cuda`` when CUDA is available, else
-``cpu``. On CUDA the defaults are the fast path: the FP8 kernel backend, CUDA graphs for decode and
-async scheduling, each with an off switch (``kernel_backend=None``, ``enforce_eager=True``,
-``async_scheduling=False``). A default applies only where the caller did not set that field.
+``cpu``. On CUDA the defaults are the fast path: the FP8 kernel backend with the routed experts kept
+MXFP4, CUDA graphs for decode and async scheduling, each with an off switch (``kernel_backend=None``,
+``expert_format="fp8"``, ``enforce_eager=True``, ``async_scheduling=False``). A default applies only where
+the caller did not set that field.
 """
 
 from __future__ import annotations
 
 import re
 
-CUDA_DEFAULTS = {"kernel_backend": "fp8", "async_scheduling": True}
+CUDA_DEFAULTS = {"kernel_backend": "fp8", "async_scheduling": True, "expert_format": "fp4"}
 """EngineConfig fields set on CUDA unless given (``cuda_graphs`` follows ``enforce_eager`` and the backend)."""
 
 _DEVICE = re.compile(r"^(cpu|cuda)(:(\d+))?$")
@@ -81,6 +82,12 @@ def add_device_arguments(parser) -> None:
         help="fraction of GPU memory for model, activations and pools (default 0.9)",
     )
     parser.add_argument(
+        "--expert-format",
+        choices=("fp4", "fp8"),
+        default=None,
+        help="routed experts on the GPU: fp4 = MXFP4 as released (default), fp8 = converted at load",
+    )
+    parser.add_argument(
         "--load-format",
         choices=("auto", "dummy"),
         default=None,
@@ -88,7 +95,14 @@ def add_device_arguments(parser) -> None:
     )
 
 
-DEVICE_FIELDS = ("device", "enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format")
+DEVICE_FIELDS = (
+    "device",
+    "enforce_eager",
+    "async_scheduling",
+    "gpu_memory_utilization",
+    "expert_format",
+    "load_format",
+)
 """EngineConfig fields the device flags set (argparse dests of the same names)."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
@@ -50,17 +51,27 @@ class LLM:
             engine_args = device_engine_args(engine_args)
         self.config = EngineConfig(**engine_args)  # type: ignore[arg-type]
         self.pool_plan = None  # the PoolPlan when the pools were sized from gpu_memory_utilization
+        on_cuda = builds_model and str(self.config.device).startswith("cuda")
+        # The device's memory planned before any byte is loaded (services/engine/memory_plan.py).
+        memory = plan_memory(model, self.config) if on_cuda and self.config.kernel_backend is not None else None
         if source is None:
             # With a remote worker the weights are its own: this process loads config and tokenizer only
             # (and so never touches the device).
-            source = load_model(
-                model,
-                seed=self.config.model_seed,
-                device=self.config.device or "cpu",
-                load_format=self.config.load_format,
-                precision=self.config.kernel_backend,
-                weights=worker is None,
-            )
+            with reported_oom(memory, self.config, "loading the model"):
+                source = load_model(
+                    model,
+                    seed=self.config.model_seed,
+                    device=self.config.device or "cpu",
+                    load_format=self.config.load_format,
+                    precision=self.config.kernel_backend,
+                    weights=worker is None,
+                    expert_format=self.config.expert_format,
+                    engram_on_host=self.config.engram_on_host,
+                )
+            if on_cuda:
+                from services.engine.memory_plan import log_device_bytes
+
+                log_device_bytes(source.model)
         self.source = source
         model_max = source.config.max_position_embeddings
         if self.config.max_model_len > model_max:
@@ -74,12 +85,13 @@ class LLM:
         if sized:
             from services.engine.pool_sizing import size_pools
 
-            self.config, self.pool_plan = size_pools(
-                self.source,
-                self.config,
-                lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
-                fit_max_model_len=fit_len,
-            )
+            with reported_oom(memory, self.config, "profiling a step to size the pools"):
+                self.config, self.pool_plan = size_pools(
+                    self.source,
+                    self.config,
+                    lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
+                    fit_max_model_len=fit_len,
+                )
         if fit_len:
             self.config = self.config.replace(max_model_len=default_max_model_len(self.config, model_max))
             log.info(
@@ -264,3 +276,31 @@ class LLM:
         if self.ranks is not None:
             raise ValueError("a data-parallel LLM's pools live in its rank processes; their stats are not gathered yet")
         return self.engine.stats()
+
+
+def plan_memory(model: str, config: EngineConfig):
+    """The memory estimate of ``model`` (a preset or checkpoint directory) under ``config`` on its CUDA device,
+    logged; raises ``memory_plan.NotEnoughMemory`` when it cannot fit (services/engine/memory_plan.py)."""
+    import torch
+
+    from services.engine import memory_plan
+
+    cfg = load_model(model, weights=False).config
+    total = torch.cuda.mem_get_info(torch.device(config.device or "cuda"))[1]
+    plan = memory_plan.estimate(cfg, config)
+    memory_plan.log.info("memory plan for %s: %s; device total %.1f GiB", model, plan.describe(), total / 2**30)
+    memory_plan.check(plan, config, total, model)
+    return plan
+
+
+@contextlib.contextmanager
+def reported_oom(plan, config: EngineConfig, stage: str):
+    """A CUDA out-of-memory inside the block raised as ``memory_plan.NotEnoughMemory`` (the estimate and what helps)."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        from services.engine.memory_plan import out_of_memory
+
+        raise out_of_memory(plan, config, stage, e) from None

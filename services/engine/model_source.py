@@ -50,6 +50,8 @@ def load_model(
     load_format: str = "auto",
     precision: str | None = None,
     weights: bool = True,
+    expert_format: str = "fp8",
+    engram_on_host: bool = False,
 ) -> ModelSource:
     """``model`` is a checkpoint directory or a preset name; a preset's weights come from ``seed``.
 
@@ -58,7 +60,9 @@ def load_model(
     by layer straight into the kernel backend's form: a checkpoint through the GPU loader
     (services/worker/kernel_model/weight_loader.py), a preset or ``load_format="dummy"`` from weights drawn on the
     device (services/worker/kernel_model/gpu_model.py). ``load_format="dummy"`` reads only a directory's config and
-    tokenizer."""
+    tokenizer. In the kernel form the routed experts are kept in ``expert_format`` ("fp4": MXFP4 as released,
+    "fp8"), and with ``engram_on_host`` the Engram tables never reach the device (the worker then moves them
+    into host shared memory, services/worker/state/engram_host.py)."""
     path = Path(model)
     if model not in PRESETS and not path.is_dir():
         raise ValueError(f"model {model!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
@@ -74,7 +78,17 @@ def load_model(
         else:
             cfg, tokenizer = load_config(path), load_tokenizer(path)
         if kernel_form:
-            return _random_kernel_source(model, cfg, tokenizer, seed, device, precision, identity)  # type: ignore[arg-type]
+            return _random_kernel_source(
+                model,
+                cfg,
+                tokenizer,
+                seed,
+                device,
+                precision,
+                identity,
+                expert_format,
+                engram_on_host,  # type: ignore[arg-type]
+            )
         if model in GPU_ONLY:
             raise ValueError(
                 f"preset {model!r} is built in GPU memory only, in the kernel backend's form "
@@ -91,14 +105,28 @@ def load_model(
     if kernel_form:
         from services.worker.kernel_model.weight_loader import load_kernel_model
 
-        net, tokenizer, _ = load_kernel_model(path, device, precision)  # type: ignore[arg-type]
+        net, tokenizer, _ = load_kernel_model(
+            path,
+            device,
+            precision,
+            expert_format=expert_format,
+            engram_on_host=engram_on_host,  # type: ignore[arg-type]
+        )
         return ModelSource(str(path), net.cfg, net, tokenizer, identity)
     loaded = load_checkpoint(path)
     return ModelSource(str(path), loaded.config, loaded.model.to(device), load_tokenizer(path), identity)
 
 
 def _random_kernel_source(
-    name: str, cfg: ModelConfig, tokenizer: Tokenizer, seed: int, device: str, precision: str, identity: str
+    name: str,
+    cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    seed: int,
+    device: str,
+    precision: str,
+    identity: str,
+    expert_format: str,
+    engram_on_host: bool,
 ) -> ModelSource:
     import torch
 
@@ -106,6 +134,13 @@ def _random_kernel_source(
 
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
     net = build_random_kernel_model(
-        cfg, seed, device, precision, None if token_map is None else torch.as_tensor(token_map), num_compressed
+        cfg,
+        seed,
+        device,
+        precision,
+        None if token_map is None else torch.as_tensor(token_map),
+        num_compressed,
+        expert_format=expert_format,
+        engram_on_host=engram_on_host,
     )
     return ModelSource(name, cfg, net, tokenizer, identity)

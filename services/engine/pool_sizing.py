@@ -85,7 +85,11 @@ def size_pools(
     probe = config.replace(
         num_blocks=probe_blocks, num_state_slots=2, max_num_seqs=1, cuda_graphs=False, async_scheduling=False
     )
-    model_bytes = sum(t.numel() * t.element_size() for t in [*source.model.parameters(), *source.model.buffers()])
+    model_bytes = sum(  # on the device only: Engram tables kept on the host are not its
+        t.numel() * t.element_size()
+        for t in [*source.model.parameters(), *source.model.buffers()]
+        if t is not None and t.device.type == device.type
+    )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -305,7 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(run(args))
+    from services.engine.memory_plan import NotEnoughMemory
+
+    try:
+        return asyncio.run(run(args))
+    except NotEnoughMemory as e:  # the model does not fit the device: one line saying why and what helps
+        log.error("%s", e)
+        print(f"shinkai engine: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

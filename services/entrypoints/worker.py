@@ -93,12 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     if ranks and str(config.device).startswith("cuda"):
         config = config.replace(device=f"cuda:{args.dp_rank}")  # rank r on cuda:r (NCCL: one rank per GPU)
         torch.cuda.set_device(config.device)
+    if str(config.device).startswith("cuda") and config.kernel_backend is not None:
+        from services.engine.llm import plan_memory
+        from services.engine.memory_plan import NotEnoughMemory
+
+        try:  # the device's memory planned before any byte is loaded (services/engine/memory_plan.py)
+            plan_memory(args.model, config)
+        except NotEnoughMemory as e:
+            print(f"shinkai worker: {e}", file=sys.stderr)
+            return 2
     source = load_model(
         args.model,
         seed=args.model_seed,
         device=config.device or "cpu",
         load_format=config.load_format,
         precision=config.kernel_backend,
+        expert_format=config.expert_format,
+        engram_on_host=config.engram_on_host,
     )
     hashes = model_hashes(source)  # the whole model's, before any sharding: what the engine compares
     parallel = None

@@ -33,6 +33,8 @@ class WorkerConfig:
     # Engram tables in host shared memory, one copy per host that every rank maps; a step copies only its
     # rows to the device (services/worker/state/engram_host.py).
     engram_on_host: bool = False
+    # Routed experts on the kernel backend: "fp4" (MXFP4 as released) or "fp8" (converted at load).
+    expert_format: str = "fp8"
     # Decode steps (and, with drafts, the proposal and verify) replay CUDA graphs captured before serving.
     cuda_graphs: bool = False
     # DSpark drafts verified per request and step (0: no speculator).

@@ -70,23 +70,24 @@ def model_config(model: str, layers: int | None) -> ModelConfig:
 
 
 def builder(
-    model: str, device, backend: str, layers: int | None, graphs: bool = False
+    model: str, device, backend: str, layers: int | None, graphs: bool = False, expert_format: str = "fp4"
 ) -> tuple[Callable[..., Any], ModelConfig, int]:
     """(build(**engine_args) → LLM on one shared model, its config, the preset's full depth). With
     ``graphs`` (the kernel backend on CUDA) decode steps replay captured CUDA graphs, as
-    ``EngineConfig.cuda_graphs`` makes the engine do."""
+    ``EngineConfig.cuda_graphs`` makes the engine do. ``expert_format``: the kernel backend's routed experts
+    (``EngineConfig.expert_format``)."""
     from services.engine import LLM
 
     cfg = model_config(model, layers)
     if backend == "kernels" and model in GPU_ONLY:
-        source = load_kernel_source(model, cfg, device)  # never whole in fp32
+        source = load_kernel_source(model, cfg, device, expert_format)  # never whole in fp32
     else:
         source = load_source(model, cfg, device, backend)
 
     def build(**engine_args: Any) -> LLM:
         from services.worker.runners.model_runner import ModelRunner
 
-        config_args = {"block_size": 128, **engine_args}
+        config_args = {"block_size": 128, "expert_format": expert_format, **engine_args}
         from services.engine.config import EngineConfig
 
         config = EngineConfig(**config_args).worker_config()
@@ -133,8 +134,9 @@ def load_source(model: str, cfg: ModelConfig, device, backend: str):
     return ModelSource(model, cfg, net.eval(), tokenizer)
 
 
-def load_kernel_source(model: str, cfg: ModelConfig, device):
-    """The model for ``cfg`` built layer by layer straight into the kernel backend's FP8 form."""
+def load_kernel_source(model: str, cfg: ModelConfig, device, expert_format: str = "fp4"):
+    """The model for ``cfg`` built layer by layer straight into the kernel backend's FP8 form, routed experts
+    in ``expert_format``."""
     import torch
 
     from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
@@ -144,7 +146,13 @@ def load_kernel_source(model: str, cfg: ModelConfig, device):
     tokenizer = load_v41_tokenizer()
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
     net = build_random_kernel_model(
-        cfg, 0, device, "fp8", None if token_map is None else torch.as_tensor(token_map), num_compressed
+        cfg,
+        0,
+        device,
+        "fp8",
+        None if token_map is None else torch.as_tensor(token_map),
+        num_compressed,
+        expert_format=expert_format,
     )
     return ModelSource(model, cfg, net, tokenizer)
 

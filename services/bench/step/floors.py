@@ -8,8 +8,9 @@ max over the step's totals would hide that.
 
 Routing is uniform and random, as DeepInfer's benchmark forces it: with T tokens each picking k of
 E experts, E·(1 − (1 − k/E)^T) experts are expected to hold tokens, and only their weights are read.
-Weights are counted in the GPU's format: e4m3 with 128×128 fp32 scales for every FP8/MXFP4 matrix
-(MXFP4 experts are converted to FP8 at load), bf16 embed/head, fp32 small tensors.
+Weights are counted in the GPU's format: e4m3 with 128×128 fp32 scales for every FP8 matrix, the routed
+experts as the path keeps them (``expert_format``: MXFP4 as released, half a byte per weight and one e8m0
+byte per 32; or converted to FP8), bf16 embed/head, fp32 small tensors.
 
 Attention per decode row and layer (spec §3.4): the window's ``sliding_window`` FP8 keys, and in
 compressed layers the ``index_topk`` selected FP4 entries; index sources also scan every visible
@@ -56,16 +57,18 @@ def expected_active_experts(num_tokens: int, num_experts: int, top_k: int) -> fl
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
 
 
-def _gpu_bytes(shape: tuple[int, ...], fmt: str) -> float:
+def _gpu_bytes(shape: tuple[int, ...], fmt: str, expert_format: str | None = "fp8") -> float:
     numel = 1
     for s in shape:
         numel *= s
+    if fmt == "mxfp4" and expert_format == "fp4":
+        return numel * (0.5 + 1 / 32)
     if fmt in ("fp8_block", "mxfp4", "fp8_rowwise"):
         return numel * (1 + FP8_SCALE_BYTES)
     return numel * (2 if fmt == "bf16" else 4)
 
 
-def _layer_weights(cfg: ModelConfig) -> dict[int, dict[str, float]]:
+def _layer_weights(cfg: ModelConfig, expert_format: str | None = "fp8") -> dict[int, dict[str, float]]:
     """Per layer: bytes of the dense weights (every one read each step), of ONE routed expert, and
     the matrix parameters a token multiplies by (dense projections + shared expert)."""
     out = {
@@ -75,7 +78,7 @@ def _layer_weights(cfg: ModelConfig) -> dict[int, dict[str, float]]:
         if not spec.name.startswith("layers."):
             continue
         layer = out[int(spec.name.split(".")[1])]
-        nbytes = _gpu_bytes(spec.shape, spec.fmt)
+        nbytes = _gpu_bytes(spec.shape, spec.fmt, expert_format)
         if ".ffn.experts." in spec.name:
             if spec.index == 0:
                 layer["expert"] += nbytes
@@ -107,11 +110,13 @@ def _attention(
         )
 
 
-def step_cost(cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool) -> StepCost:
+def step_cost(
+    cfg: ModelConfig, num_tokens: int, context: int, *, prefill: bool, expert_format: str | None = "fp8"
+) -> StepCost:
     """One step of ``num_tokens`` rows: decode rows each at ``context``, or one prefill chunk of a
-    ``num_tokens``-token prompt (``context`` = num_tokens then)."""
+    ``num_tokens``-token prompt (``context`` = num_tokens then); routed experts read in ``expert_format``."""
     cost = StepCost()
-    weights = _layer_weights(cfg)
+    weights = _layer_weights(cfg, expert_format)
     e, k, inter, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
     active = expected_active_experts(num_tokens, e, k)
     sampled = 1 if prefill else num_tokens

@@ -27,11 +27,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"`{result['command']}` on {result['device']}, {result['date']}", ""]
     dec = [r for r in result["rows"] if r["section"] == "decode"]
     if dec:
-        lines += ["| context | batch | step ms | floor ms | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
+        lines += [
+            "| experts | context | batch | step ms | floor ms | % of floor | tokens/s | × FP8 experts |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in dec:
+            versus = f"{r['vs_fp8']:.2f}" if "vs_fp8" in r else "-"
             lines.append(
-                f"| {r['context']} | {r['batch']} | {r['ms']:.2f} | {_floor_cells(r, '.2f')} | "
-                f"{r['tokens_per_s']:.0f} |"
+                f"| {r.get('expert_format') or '-'} | {r['context']} | {r['batch']} | {r['ms']:.2f} | "
+                f"{_floor_cells(r, '.2f')} | {r['tokens_per_s']:.0f} | {versus} |"
             )
     for r in result["rows"]:
         if r["section"] == "decode fit":

@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time decode with presence, frequency and repetition penalties, min_p and min_tokens on every "
         "request (the sampler kernel's pass 0 and the token counts) against off, alternated on one build",
     )
+    parser.add_argument(
+        "--expert-format",
+        default="fp4",
+        help="routed experts on the kernel backend: fp4 (MXFP4 as released), fp8, or fp8,fp4 to time decode "
+        "with each (one model at a time; the other sections run on the last)",
+    )
     parser.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
@@ -112,7 +118,9 @@ def _ceilings(device) -> dict[str, float]:
     return {"bandwidth": measure_bandwidth(), "fp8_peak": measure_fp8_peak(), "bf16_peak": measure_bf16_peak()}
 
 
-def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str, Any]]:
+def _decode_section(build, cfg, sizes, ceil, full_layers: int, expert_format: str | None) -> list[dict[str, Any]]:
+    """Decode rows at each batch and context; ``expert_format`` (None: the torch backend's fp32 experts) tags
+    them and picks the floor's expert bytes."""
     from services.bench.step.build import runner_cache
     from services.bench.step.floors import step_cost
     from services.bench.step.timing import StepTimes, fit_line, time_decode
@@ -152,9 +160,12 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int) -> list[dict[str,
                 )
                 llm = None
                 continue
-            floor = step_cost(cfg, batch, context, prefill=False).floor(ceil) if ceil else None
+            floor = (
+                step_cost(cfg, batch, context, prefill=False, expert_format=expert_format).floor(ceil) if ceil else None
+            )
             row = {
                 "section": "decode",
+                "expert_format": expert_format,
                 "batch": batch,
                 "context": context,
                 "ms": t.median * 1e3,
@@ -349,10 +360,26 @@ def main(args: argparse.Namespace) -> int:
     sizes = _override(sizes, args)
     ceil = _ceilings(device)
     graphs = device.type == "cuda" and backend == "kernels" and not args.no_graphs
-    build, cfg, full_layers = builder(model, device, backend, args.layers, graphs)
+    formats = args.expert_format.split(",")
+    if any(f not in ("fp4", "fp8") for f in formats):
+        raise SystemExit(f"--expert-format: fp4, fp8 or both comma-separated, got {args.expert_format!r}")
+    kernel = backend == "kernels"
+    if not kernel:  # the torch backend keeps the model's fp32 experts: one build, no format
+        formats = formats[-1:]
+    rows: list[dict[str, Any]] = []
+    for earlier in formats[:-1]:  # decode only; the model is dropped before the next format's is built
+        build, cfg, full_layers = builder(model, device, backend, args.layers, graphs, earlier)
+        print(f"experts {earlier}: GPU memory after the build {_allocated_gib(device):.1f} GiB")
+        rows += _decode_section(build, cfg, sizes, ceil, full_layers, earlier)
+        del build
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    build, cfg, full_layers = builder(model, device, backend, args.layers, graphs, formats[-1])
     print(
         f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), backend {backend}, "
-        f"CUDA graphs {graphs}, device "
+        f"CUDA graphs {graphs}, experts {formats[-1]}, device "
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
     )
     if device.type == "cuda":
@@ -365,10 +392,9 @@ def main(args: argparse.Namespace) -> int:
             f"HBM {ceil['bandwidth'] / 1e12:.2f} TB/s, FP8 {ceil['fp8_peak'] / 1e12:.0f} TFLOP/s, "
             f"bf16 {ceil['bf16_peak'] / 1e12:.0f} TFLOP/s (measured now)"
         )
-    rows: list[dict[str, Any]] = []
     sections = [
         ("host", lambda: _host_section(sizes)),
-        ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers)),
+        ("decode", lambda: _decode_section(build, cfg, sizes, ceil, full_layers, formats[-1] if kernel else None)),
         ("prefill", lambda: _prefill_section(build, cfg, sizes, ceil)),
     ]
     if args.batch_invariant:
@@ -401,6 +427,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}: FAILED: {type(exc).__name__}: {exc}")
             rows.append({"section": f"{name} failed", "error": f"{type(exc).__name__}: {exc}"})
         _write(args, _result(args, device, model, cfg, backend, ceil, rows))
+    _versus_fp8(rows)
     result = _result(args, device, model, cfg, backend, ceil, rows)
     if args.baseline:
         base = {
@@ -414,6 +441,25 @@ def main(args: argparse.Namespace) -> int:
     print(markdown(result))
     _write(args, result)
     return 1 if any(r["section"].endswith("failed") for r in rows) else 0
+
+
+def _allocated_gib(device) -> float:
+    import torch
+
+    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+
+
+def _versus_fp8(rows: list[dict[str, Any]]) -> None:
+    """Each FP4 decode row gains ``vs_fp8``: the FP8 row's time at its batch and context over its own."""
+    fp8 = {
+        (r["batch"], r["context"]): r["ms"]
+        for r in rows
+        if r["section"] == "decode" and r.get("expert_format") == "fp8"
+    }
+    for r in rows:
+        if r["section"] == "decode" and r.get("expert_format") == "fp4" and (r["batch"], r["context"]) in fp8:
+            r["vs_fp8"] = fp8[(r["batch"], r["context"])] / r["ms"]
+            print(f"decode batch {r['batch']:>4} ctx {r['context']}: FP4 experts {r['vs_fp8']:.2f}× FP8's speed")
 
 
 if __name__ == "__main__":

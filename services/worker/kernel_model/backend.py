@@ -86,10 +86,13 @@ def check_device(device: torch.device, kernels: KernelSet) -> None:
         )
 
 
-def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet | None = None) -> Conversion:
+def convert_model(
+    model: nn.Module, precision: str = "fp8", kernels: KernelSet | None = None, expert_format: str = "fp8"
+) -> Conversion:
     """Swap the modules of ``model`` (a ``DeepseekV41`` or any part of one, e.g. one ``Block``) for
     kernel-backed ones, in place (see the module docstring). Modules already converted are left as
-    they are, so converting twice (layer by layer, then the whole model) is harmless."""
+    they are, so converting twice (layer by layer, then the whole model) is harmless. ``expert_format``:
+    the routed experts kept MXFP4 ("fp4", services/worker/kernel_model/fp4_experts.py) or FP8 ("fp8")."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     kernels = kernels or KernelSet.compiled()
@@ -113,7 +116,7 @@ def convert_model(model: nn.Module, precision: str = "fp8", kernels: KernelSet |
             elif isinstance(child, HyperConnection) and kernels.mhc is not None:
                 new, done.mhc_sites = KernelHyperConnection(child, kernels), done.mhc_sites + 1
             elif isinstance(child, MoE):
-                new, done.moes = KernelMoE(child, precision, kernels), done.moes + 1
+                new, done.moes = KernelMoE(child, precision, kernels, expert_format), done.moes + 1
                 done.draft_moes += in_draft
             elif isinstance(parent, Attention) and name == "wo_a" and isinstance(child, nn.Linear):
                 new = GroupedKernelLinear(child.weight, parent.num_groups, precision, kernels)

@@ -75,6 +75,7 @@ class KernelSet:
     engram_gate: ModuleType | None = None  # Engram's gate and residual add (else RowTiledEngram's torch form)
     draft_attention: ModuleType | None = None  # the DSpark draft's block attention (else its torch form)
     moe_contiguous: ModuleType | None = None  # DeepGEMM's contiguous layout (else deepgemm_moe's torch form)
+    moe_fp4: ModuleType | None = None  # the MXFP4 experts' grouped GEMM (else routed experts are converted to FP8)
     interpreted: bool = False
 
     NAMES = (
@@ -94,6 +95,7 @@ class KernelSet:
         "engram_gate",
         "draft_attention",
         "moe_contiguous",
+        "moe_fp4",
     )
 
     @staticmethod

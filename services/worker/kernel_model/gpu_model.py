@@ -63,9 +63,17 @@ def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], cfg: ModelConfig
             (target if spec.index is None else target[spec.index]).copy_(value.float())
 
 
-def _draw(cfg: ModelConfig, seed: int, device: torch.device, prefix: str) -> dict[str, torch.Tensor]:
+def is_engram_table(name: str) -> bool:
+    """Whether a released tensor is (a part of) an Engram table, which ``engram_on_host`` keeps on the host."""
+    return ".engram.embed." in name
+
+
+def _draw(
+    cfg: ModelConfig, seed: int, device: torch.device, prefix: str, engram_on_host: bool
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for entry in random_stored_on_device(cfg, seed, device, prefix=prefix):
+    on_host = is_engram_table if engram_on_host else None
+    for entry in random_stored_on_device(cfg, seed, device, prefix=prefix, on_host=on_host):
         out.update(entry)
     return out
 
@@ -79,20 +87,25 @@ def build_random_kernel_model(
     num_compressed: int | None = None,
     kernels=None,
     convert: bool = True,
+    expert_format: str = "fp8",
+    engram_on_host: bool = False,
+    on_part: Callable[[str, object], None] | None = None,
 ) -> DeepseekV41:
     """A kernel-backed model with random released weights drawn on ``device`` (see the module docstring).
     ``convert=False`` stops before the kernel conversion: the torch model (tests compare it with the
-    whole-model build)."""
+    whole-model build). ``engram_on_host``: the Engram tables are drawn a band at a time and kept on the host."""
     device = torch.device(device)
     return build_kernel_model(
         cfg,
-        lambda prefix: _draw(cfg, seed, device, prefix),
+        lambda prefix: _draw(cfg, seed, device, prefix, engram_on_host),
         device,
         precision,
         token_map,
         num_compressed,
         kernels,
         convert,
+        on_part=on_part,
+        expert_format=expert_format,
     )
 
 
@@ -106,13 +119,17 @@ def build_kernel_model(
     kernels=None,
     convert: bool = True,
     on_part: Callable[[str, object], None] | None = None,
+    expert_format: str = "fp8",
 ) -> DeepseekV41:
     """The kernel-backed model built part by part: ``fetch(prefix)`` gives the released tensors whose names
     start with ``prefix`` ("embed.", "norm.", "head.", then "layers.0." …, then "mtp." for a draft, then
     ``VISION_PREFIXES`` when the config has a vision tower), already on ``device``
     (drawn from a seed, or read from a checkpoint: services/worker/kernel_model/weight_loader.py). ``on_part(prefix,
     conversion)`` is called after each part is placed, with the layer's ``Conversion`` (how many FP8 weight
-    elements were not exact at 128×128) or None. The fetched tensors are dropped before the next part."""
+    elements were not exact at 128×128) or None. The fetched tensors are dropped before the next part.
+    ``expert_format`` (services/worker/kernel_model/fp4_experts.py): routed experts kept MXFP4 ("fp4") or
+    converted to FP8 ("fp8"). An Engram table stays on the device it was fetched to (the host, for
+    ``engram_on_host``: the fetch keeps it there)."""
     device = torch.device(device)
     if cfg.engram_layer_ids and (token_map is None or num_compressed is None):
         raise ValueError("a config with Engram layers needs the tokenizer's Engram token map")
@@ -145,7 +162,7 @@ def build_kernel_model(
         if convert:
             from services.worker.kernel_model.backend import convert_model
 
-            done = convert_model(block, precision, kernels)
+            done = convert_model(block, precision, kernels, expert_format)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if on_part is not None:

@@ -39,6 +39,7 @@ from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
+from services.worker.kernel_model.fp4_experts import EXPERT_FORMATS, Fp4Experts
 from services.worker.kernel_model.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_each, round_up
 
 
@@ -90,10 +91,12 @@ class KernelMoE(nn.Module):
     run as batched matmuls over the same masked layout (the GEMM kernel has no fp32-weight mode).
     """
 
-    def __init__(self, moe: MoE, precision: str, kernels: KernelSet) -> None:
+    def __init__(self, moe: MoE, precision: str, kernels: KernelSet, expert_format: str = "fp8") -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
         self.precision, self.kernels = precision, kernels
         self.top_k, self.route_scale, self.limit = moe.top_k, moe.route_scale, moe.limit
         self.num_experts, self.intermediate, self.hidden = moe.w1.shape
@@ -103,7 +106,12 @@ class KernelMoE(nn.Module):
         self.inexact = 0
         self.splitk = os.environ.get("SHINKAI_MOE_SPLITK", "0") == "1"  # K-split experts at decode (opt-in)
         self.scale_b: tuple[torch.Tensor, torch.Tensor] | None = None  # w13/w2 scales in cuBLASLt's layout
-        if precision == "fp8":
+        # Routed experts kept MXFP4 (fp4_experts.py) with the FP8 backend and a kernel set that has moe_fp4.
+        self.fp4: Fp4Experts | None = None
+        if precision == "fp8" and expert_format == "fp4" and kernels.moe_fp4 is not None:
+            self.fp4 = Fp4Experts(moe, kernels)
+            self.inexact = self.fp4.inexact
+        elif precision == "fp8":
             # Expert by expert (E routed, then the shared one as expert E): no fp32 copy of the stack.
             def expert(name: str, e: int) -> torch.Tensor:
                 w = getattr(moe, name)[e] if e < self.num_experts else getattr(moe, f"shared_{name}")
@@ -183,6 +191,10 @@ class KernelMoE(nn.Module):
                     )
                     counts.scatter_add_(0, experts.flatten().long(), one.flatten())
                 meta = self._layout(experts, weights, rows)
+        if self.fp4 is not None:
+            return (
+                self.fp4(x2, meta, None if rows is None else rows.reshape(-1), self.hidden).to(x.dtype).reshape(shape)
+            )
         if self.precision == "fp8":
             xp = pad_last(x2, self.w13.shape[-1]).contiguous()  # [T, D']
             if self._deepgemm(xp):
@@ -302,7 +314,8 @@ class KernelMoE(nn.Module):
         padded = (
             f" (padded to {round_up(self.intermediate)}/{round_up(self.hidden)})" if self.precision == "fp8" else ""
         )
+        experts = ", routed experts MXFP4" if self.fp4 is not None else ""
         return (
             f"experts={self.num_experts}+1 shared, top_k={self.top_k}, I={self.intermediate}, D={self.hidden}"
-            f"{padded}, precision={self.precision}"
+            f"{padded}, precision={self.precision}{experts}"
         )

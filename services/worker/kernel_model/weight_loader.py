@@ -120,8 +120,9 @@ class CheckpointReader:
             out.setdefault(self.files[name], []).append(name)
         return out
 
-    def read(self, prefix: str, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """Every stored tensor whose name starts with ``prefix``, on ``device`` with its stored dtype."""
+    def read(self, prefix: str, device: torch.device | str, on_host=None) -> dict[str, torch.Tensor]:
+        """Every stored tensor whose name starts with ``prefix``, on ``device`` with its stored dtype (on the host
+        instead where ``on_host(name)``: the device never sees those bytes)."""
         device = torch.device(device)
         names = [name for name in self.table if name.startswith(prefix)]
         out: dict[str, torch.Tensor] = {}
@@ -129,7 +130,8 @@ class CheckpointReader:
             try:
                 with safe_open(str(file), framework="pt") as f:  # unmapped when the block ends
                     for name in file_names:
-                        out[name] = _copy(f, name, self.table[name], device)
+                        where = torch.device("cpu") if on_host is not None and on_host(name) else device
+                        out[name] = _copy(f, name, self.table[name], where)
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise CheckpointError(f"{file}: reading tensor failed ({e})") from e
         return out
@@ -171,11 +173,18 @@ def _progress(total: int, desc: str) -> Iterator:
 
 
 def load_kernel_model(
-    path: str | Path, device: torch.device | str, precision: str = "fp8", kernels=None, convert: bool = True
+    path: str | Path,
+    device: torch.device | str,
+    precision: str = "fp8",
+    kernels=None,
+    convert: bool = True,
+    expert_format: str = "fp8",
+    engram_on_host: bool = False,
 ):
     """(model, tokenizer, report): the checkpoint directory ``path`` loaded into the kernel backend's
-    form on ``device`` (``convert=False``: placed but not converted, for tests)."""
-    from services.worker.kernel_model.gpu_model import VISION_PREFIXES, build_kernel_model
+    form on ``device`` (``convert=False``: placed but not converted, for tests); routed experts in
+    ``expert_format``; with ``engram_on_host`` the Engram tables are read straight to the host."""
+    from services.worker.kernel_model.gpu_model import VISION_PREFIXES, build_kernel_model, is_engram_table
 
     path = Path(path)
     device = torch.device(device)
@@ -204,7 +213,7 @@ def load_kernel_model(
     with _progress(num_parts, f"load {path.name}") as bar:
         model = build_kernel_model(
             cfg,
-            lambda prefix: reader.read(prefix, device),
+            lambda prefix: reader.read(prefix, device, is_engram_table if engram_on_host else None),
             device,
             precision,
             token_map,
@@ -212,6 +221,7 @@ def load_kernel_model(
             kernels,
             convert,
             on_part=placed,
+            expert_format=expert_format,
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)

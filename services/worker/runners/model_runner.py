@@ -75,7 +75,7 @@ class ModelRunner:
         if self.backend == "kernels":
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
-            self.conversion = convert_model(model, self.precision, self.kernels)
+            self.conversion = convert_model(model, self.precision, self.kernels, config.expert_format)
         # The Engram tables in host shared memory, a step's rows staged to the device (engram_on_host).
         self.engram_host = EngramHost.of_model(model) if config.engram_on_host else None
         self.cache = CacheEngine(

@@ -181,6 +181,10 @@ class HostEngramTable(nn.Module):
         self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffers
         self._ready: torch.cuda.Event | None = None  # an eager stage's copy, not yet waited for
         self._stream: torch.cuda.Stream | None = None  # the eager stages' copy stream (CUDA)
+        # The segment ``host`` maps, held while the model holds this table: a second runner on the same model
+        # (the engine's, after the pool-sizing probe's was dropped) then opens it again instead of copying the
+        # tables into a new one while the old pages are still mapped (twice the tables in /dev/shm).
+        self.segment: EngramSegment | None = None
 
     def stage(self, rows: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> None:
         """Gather ``rows`` (global ids, flattened: n of them) from the host and start their copy to the
@@ -237,17 +241,20 @@ class EngramHost:
     """Every Engram table of ``model.layers`` moved into one host segment; ``stage`` a step's rows."""
 
     def __init__(self, engrams: list[Engram], device: torch.device, directory: str = SHM_DIR) -> None:
-        tables = [_row_tensors(e.embed) for e in engrams]
+        # A model a runner already moved (the pool-sizing probe's, before the engine's own runner) keeps its
+        # original modules as shells and its tables in the first segment: those are the tables again.
+        tables = [e.embed.host if isinstance(e.embed, HostEngramTable) else _row_tensors(e.embed) for e in engrams]
         self.segment = EngramSegment(segment_name(tables), tables, directory)
         self.tables: list[HostEngramTable] = []
         for engram, host in zip(engrams, self.segment.tensors):
-            shell = engram.embed
+            shell = engram.embed.shell[0] if isinstance(engram.embed, HostEngramTable) else engram.embed
             for name in host:  # drop the device copy: the segment holds the table now
                 if name in shell._parameters:
                     shell._parameters[name] = None
                 else:
                     shell._buffers[name] = None
             table = HostEngramTable(shell, host, device)
+            table.segment = self.segment
             engram.embed = table
             self.tables.append(table)
 

@@ -39,8 +39,10 @@ def test_cuda_defaults_are_the_fast_path_each_with_an_off_switch(monkeypatch):
         "device": "cuda",
         "kernel_backend": "fp8",
         "async_scheduling": True,
+        "expert_format": "fp4",
         "cuda_graphs": True,
     }
+    assert device_engine_args({"expert_format": "fp8"})["expert_format"] == "fp8"  # the off switch
     eager = EngineConfig(**device_engine_args({"enforce_eager": True}))
     assert eager.kernel_backend == "fp8" and not eager.cuda_graphs and eager.enforce_eager
     sync = device_engine_args({"device": "cuda:1", "async_scheduling": False})

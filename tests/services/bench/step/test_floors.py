@@ -35,3 +35,16 @@ def test_floor_grows_with_batch_and_context():
     assert step_cost(V41_S1, 64, 32768, prefill=False).floor(SPEC_CEILINGS) > step_cost(
         V41_S1, 64, 4096, prefill=False
     ).floor(SPEC_CEILINGS)
+
+
+def test_fp4_experts_floor_counts_half_a_byte_and_a_scale_per_32_weights():
+    from model.deepseek_v41.presets import preset
+    from services.bench.step.floors import step_cost
+
+    cfg = preset("v41-s1")
+    fp8, fp4 = (step_cost(cfg, 1, 4096, prefill=False, expert_format=f) for f in ("fp8", "fp4"))
+    experts8 = sum(op.bytes for op in fp8.ops if op.name.startswith("experts "))
+    experts4 = sum(op.bytes for op in fp4.ops if op.name.startswith("experts "))
+    assert experts4 / experts8 == pytest.approx((0.5 + 1 / 32) / (1 + 4 / (128 * 128)), rel=1e-12)
+    others = [op.bytes for op in fp8.ops if not op.name.startswith("experts ")]
+    assert others == [op.bytes for op in fp4.ops if not op.name.startswith("experts ")]

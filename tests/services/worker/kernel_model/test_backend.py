@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -100,10 +101,17 @@ def drive(
     return logits
 
 
-def runner_for(c: Case, model, budget: int, precision: str, kernels: KernelSet | None = None, rounding=None):
-    return ModelRunner(
-        model, _config(c, budget), backend="kernels", precision=precision, kernels=kernels, rounding=rounding
-    )
+def runner_for(
+    c: Case,
+    model,
+    budget: int,
+    precision: str,
+    kernels: KernelSet | None = None,
+    rounding=None,
+    expert_format: str = "fp8",
+):
+    config = dataclasses.replace(_config(c, budget), expert_format=expert_format)
+    return ModelRunner(model, config, backend="kernels", precision=precision, kernels=kernels, rounding=rounding)
 
 
 def worst_delta(c: Case, logits) -> tuple[float, int]:

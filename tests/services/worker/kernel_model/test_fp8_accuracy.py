@@ -153,14 +153,17 @@ def _scaled_case(name: str, branch_scale_log2: int | None):
     return dataclasses.replace(c, model=model, reference=reference_logits), ids, valid
 
 
-def _scaled_reports(branch_scale_log2: int | None, device: str, kernels) -> dict[str, float]:
+def _scaled_reports(
+    branch_scale_log2: int | None, device: str, kernels, expert_format: str = "fp8"
+) -> dict[str, float]:
     """KL(fp32 full-sequence reference ‖ FP8 engine) over every position of the three FP8 configs (chunked
     prefill and decode, test_kernel_backend's budgets), pooled as its ``_fp8_reports``; plus the reference's
     mean entropy and "moved": mean KL(reference ‖ the same model with the branches × 0)."""
     reports, entropy, moved = [], [], []
     for name, budget in backend_tests.FP8_CASES:
         c, ids, valid = _scaled_case(name, branch_scale_log2)
-        runner = backend_tests.runner_for(c, copy.deepcopy(c.model).to(device), budget, "fp8", kernels)
+        model = copy.deepcopy(c.model).to(device)
+        runner = backend_tests.runner_for(c, model, budget, "fp8", kernels, expert_format=expert_format)
         reports.append(backend_tests._kl_report(c, backend_tests.drive(c, runner, budget)))
         zeroed = copy.deepcopy(c.model)
         scale_branches(zeroed, None)
@@ -229,6 +232,20 @@ def test_gpu_fp8_engine_meets_the_targets_on_the_contractive_tiny_configs():
     assert gpu["positions"] == 381
     assert gpu["mean_kl"] <= TARGETS["mean_kl"] and gpu["max_kl"] <= TARGETS["max_kl"]
     assert gpu["top1"] >= TARGETS["top1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp4_experts_meet_the_targets_on_the_contractive_tiny_configs():
+    """The same criterion with the routed experts kept MXFP4 (kernels/moe_fp4.py: exact weights, bf16
+    activations into the experts): the thresholds as written; the FP8 experts' figures printed beside."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp4 = _scaled_reports(BRANCH_SCALE_LOG2, "cuda", None, "fp4")
+    fp8 = _scaled_reports(BRANCH_SCALE_LOG2, "cuda", None, "fp8")
+    print(f"\nGPU FP4 experts, branches × 2^-{BRANCH_SCALE_LOG2}: {fp4}\nFP8 experts: {fp8}")
+    assert fp4["positions"] == 381
+    assert fp4["mean_kl"] <= TARGETS["mean_kl"] and fp4["max_kl"] <= TARGETS["max_kl"]
+    assert fp4["top1"] >= TARGETS["top1"]
 
 
 V41_GPU = pytest.mark.skipif(

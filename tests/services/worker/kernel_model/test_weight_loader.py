@@ -80,7 +80,7 @@ def test_device_form_equals_the_random_build(sharded):
     conversions = []
     built = build_kernel_model(
         TINY,
-        lambda prefix: _draw(TINY, SEED, torch.device("cpu"), prefix),
+        lambda prefix: _draw(TINY, SEED, torch.device("cpu"), prefix, False),
         "cpu",
         "fp8",
         torch.as_tensor(tm),
@@ -244,3 +244,32 @@ def test_an_unexpected_tensor_is_named(sharded, tmp_path):
     with pytest.raises(CheckpointError, match=r"model-00004.*layers\.2\.surprise"):
         check_checkpoint(d)
     shutil.rmtree(d)
+
+
+def test_engram_tables_are_read_to_the_host_and_nothing_else_is(sharded):
+    """``engram_on_host``: the loader reads the Engram tables straight to the host; every other tensor goes to the
+    device asked for (here ``meta``, which holds no bytes: a table sent there would not be on the host)."""
+    from services.worker.kernel_model.gpu_model import is_engram_table
+
+    reader = CheckpointReader(sharded, TINY)
+    got = reader.read("layers.1.", "meta", is_engram_table)
+    tables = {name for name in got if is_engram_table(name)}
+    assert tables == {"layers.1.engram.embed.weight", "layers.1.engram.embed.scale"}
+    assert all(got[name].device.type == "cpu" for name in tables)
+    assert all(t.device.type == "meta" for name, t in got.items() if name not in tables)
+    whole = reader.read("layers.1.", "cpu")
+    assert all(torch.equal(got[name].view(torch.uint8), whole[name].view(torch.uint8)) for name in tables)
+
+
+def test_the_random_build_draws_engram_tables_band_by_band_to_the_host(monkeypatch):
+    """The dummy build with ``engram_on_host`` keeps the tables on the host, drawn a band at a time with the same
+    values as the whole draw."""
+    from model.deepseek_v41 import init
+
+    whole = _draw(TINY, SEED, torch.device("cpu"), "layers.1.", False)
+    monkeypatch.setattr(init, "ROWS_PER_BAND", 64)  # 240 rows: 4 bands
+    banded = _draw(TINY, SEED, torch.device("cpu"), "layers.1.", True)
+    assert set(whole) == set(banded)
+    for name in ("layers.1.engram.embed.weight", "layers.1.engram.embed.scale"):
+        assert banded[name].device.type == "cpu"
+        assert torch.equal(banded[name].view(torch.uint8), whole[name].view(torch.uint8))

@@ -78,6 +78,26 @@ def test_host_tables_equal_worker_tables_eager_and_static(device):
     assert not os.path.exists(segment.path)  # its last user closed: no /dev/shm leak
 
 
+def test_a_second_runner_on_the_same_model_stages_the_same_rows():
+    """The pool-sizing probe's runner moves the tables first, then the engine's runner moves them again on the
+    same model: the second stages the rows the original tables hold."""
+    from model.deepseek_v41.engram import Engram
+    from services.worker.state.engram_host import EngramHost
+
+    model = copy.deepcopy(setup("oracle", "cpu")[1].model)
+    engrams = [m for block in model.layers for m in block.modules() if isinstance(m, Engram)]
+    num_rows = min(e.embed.weight.shape[0] for e in engrams)
+    rows = torch.randint(0, num_rows, (2, 3, len(engrams), 4), generator=torch.Generator().manual_seed(0))
+    want = [e.embed(rows[..., i, :]) for i, e in enumerate(engrams)]
+    first = EngramHost.of_model(model)
+    second = EngramHost.of_model(model)
+    local = second.stage(rows)
+    for i, e in enumerate(engrams):
+        assert torch.equal(e.embed(local[..., i, :]), want[i])
+    second.close()
+    first.close()
+
+
 def test_llm_generate_equal_tokens_with_engram_on_host():
     kw = dict(model="tiny", block_size=16, max_num_batched_tokens=32, max_num_seqs=4, batch_invariant=True)
     held, host = LLM(**kw), LLM(engram_on_host=True, **kw)
