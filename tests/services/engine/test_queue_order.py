@@ -39,5 +39,5 @@ def test_a_bad_priority_is_refused_before_anything_is_queued(draft_source):
 
 def test_grpc_priority_reaches_the_request():
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5]), priority=-7)
-    assert _args(request).priority == -7
-    assert _args(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5]))).priority == 0
+    assert _args(request)[0].priority == -7
+    assert _args(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5])))[0].priority == 0
