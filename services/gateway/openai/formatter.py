@@ -8,11 +8,11 @@ since the previous chunk it sent. `choice_pieces` merges the choices of an ``n >
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.engine.finish_reason import FinishReason
+from services.gateway.choices import merged_pieces
 from services.gateway.frontend import Frontend, finite_logprob
 from services.gateway.generation import Generation, Piece
 from services.gateway.openai.chat_stream import ChatStream
@@ -42,11 +42,16 @@ class Formatter:
         self.num_output_tokens = 0  # this choice's output tokens so far
 
     async def resolve(self, pieces: list[Piece]) -> None:
-        """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
-        if self.request.num_logprobs is None:
-            return
-        ids = {t for p in pieces for t in p.delta.token_ids}
-        ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
+        """Looks up the strings of the pieces' tokens, and of the prompt's with prompt logprobs (only those
+        that logprobs or prompt_logprobs return)."""
+        ids: set[int] = set()
+        if self.request.num_logprobs is not None:
+            ids |= {t for p in pieces for t in p.delta.token_ids}
+            ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
+        for p in pieces:
+            if p.delta.prompt_logprobs is not None:
+                ids |= set(self.generation.prompt_token_ids)
+                ids |= {i for top in p.delta.prompt_top_logprobs or [] for i, _ in top}
         missing = sorted(ids - self._strings.keys())
         if missing and not self.request.tokens_as_ids:
             self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
@@ -78,12 +83,42 @@ class Formatter:
                     for t, lp, top in zip(ids, lps, tops)
                 ]
             }
-        return {
-            "tokens": [self._token(t) for t in ids],
-            "token_logprobs": lps,
-            "top_logprobs": [{self._token(i): v for i, v in top} for top in tops],
-            "text_offset": [],
-        }
+        tokens: list[str] = [self._token(t) for t in ids]
+        token_logprobs: list[float | None] = list(lps)
+        top_dicts: list[dict[str, float] | None] = [{self._token(i): v for i, v in top} for top in tops]
+        prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
+        if self.request.echo and prompt is not None:  # OpenAI's echo: the prompt's tokens lead, the first unscored
+            tokens = [self._token(t) for t in self.generation.prompt_token_ids] + tokens
+            token_logprobs = [None, *(finite_logprob(x) for x in prompt.prompt_logprobs or [])] + token_logprobs
+            top_dicts = [
+                None,
+                *(
+                    {self._token(i): finite_logprob(v) for i, v in top[: self.request.num_logprobs]}
+                    for top in prompt.prompt_top_logprobs or []
+                ),
+            ] + top_dicts
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": []}
+
+    def prompt_logprobs(self, pieces: list[Piece]) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} for the token itself and the top-n at its position. A rank is the token's place in
+        the top-n (1 first); the prompt token's own rank is null when it is outside the top-n."""
+        prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
+        if self.request.prompt_logprobs is None or prompt is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        num = self.request.prompt_logprobs
+        tops = prompt.prompt_top_logprobs or [[] for _ in prompt.prompt_logprobs or []]
+        for token_id, lp, top in zip(self.generation.prompt_token_ids[1:], prompt.prompt_logprobs or [], tops):
+            ranks = {i: rank for rank, (i, _) in enumerate(top[:num], 1)}
+            entry = {str(token_id): self._prompt_entry(token_id, lp, ranks.get(token_id))}
+            for rank, (i, v) in enumerate(top[:num], 1):
+                entry.setdefault(str(i), self._prompt_entry(i, v, rank))
+            out.append(entry)
+        return out
+
+    def _prompt_entry(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": self._token(token_id)}
 
     def usage(self, num_output_tokens: int) -> dict[str, int]:
         n = self.generation.num_prompt_tokens
@@ -106,7 +141,7 @@ class Formatter:
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (self.generation_prompt() if self.request.echo else "") + text
-        return {
+        body = {
             "id": self.id,
             "object": self.object,
             "created": self.generation.created,
@@ -114,6 +149,9 @@ class Formatter:
             "choices": [choice],
             "usage": self.usage(final.num_output_tokens),
         }
+        if self.request.prompt_logprobs is not None:  # vLLM's places: a completion's choice, a chat's body
+            (choice if self.chat_stream is None else body)["prompt_logprobs"] = self.prompt_logprobs(pieces)
+        return body
 
     def generation_prompt(self) -> str:
         return self.request.args.prompt_text or ""
@@ -162,31 +200,5 @@ class Formatter:
 
 async def choice_pieces(fmts: list[Formatter]) -> AsyncIterator[tuple[Formatter, Piece]]:
     """Every choice's pieces as they come (one choice: in order, without tasks)."""
-    if len(fmts) == 1:
-        async for piece in fmts[0].generation:
-            yield fmts[0], piece
-        return
-    queue: asyncio.Queue[tuple[Formatter, Piece | BaseException | None]] = asyncio.Queue()
-
-    async def pump(fmt: Formatter) -> None:
-        try:
-            async for piece in fmt.generation:
-                await queue.put((fmt, piece))
-        except Exception as err:  # handed to the reader, which raises it
-            await queue.put((fmt, err))
-        await queue.put((fmt, None))
-
-    tasks = [asyncio.ensure_future(pump(fmt)) for fmt in fmts]
-    try:
-        remaining = len(fmts)
-        while remaining:
-            fmt, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield fmt, item
-    finally:
-        for task in tasks:
-            task.cancel()
+    async for i, piece in merged_pieces([fmt.generation for fmt in fmts]):
+        yield fmts[i], piece
