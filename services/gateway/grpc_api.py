@@ -26,6 +26,7 @@ from services.gateway.grpc_chat import chat_delta, chat_request, content_bytes, 
 from services.gateway.openai.chat_options import ChatOptions
 from services.gateway.openai.chat_stream import ChatStream
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES
+from services.gateway.openai.protocol import MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
@@ -131,6 +132,8 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
     args.include_stop_str_in_output = s.include_stop_str_in_output
     args.skip_special_tokens = s.skip_special_tokens if s.HasField("skip_special_tokens") else True
     banned, bias = _logit_bias(s.logit_bias)
+    if s.HasField("n") and not 1 <= s.n <= MAX_N:
+        raise errors.invalid(f"sampling.n must be between 1 and {MAX_N}, got {s.n}", "sampling.n")
     try:
         args.params = SamplingParams(
             max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
