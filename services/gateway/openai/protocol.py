@@ -12,7 +12,6 @@ Lengths: a completion without ``max_tokens`` gets 16 tokens, a chat without ``ma
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import math
 from dataclasses import dataclass
