@@ -21,6 +21,7 @@ from services.gateway.frontend import GenerateArgs
 from services.tokenizer.chat import PROTOCOLS, RECIPE_MODEL, bounded
 
 _RESPONSE = {"responses": deepseek_recipe.ResponsesResponse, "messages": deepseek_recipe.MessagesResponse}
+_NAMES = {"responses": "OpenAI Responses", "messages": "Anthropic Messages"}
 _FINISH = {FinishReason.LENGTH: deepseek_recipe.InferenceFinishReason.Length}
 # Responses' terminal event per ending the recipe has no reason for: an abort leaves the answer incomplete;
 # an engine error or a preemption the engine could not recover from fails it.
@@ -36,6 +37,8 @@ class ProtocolStream:
 
     def __init__(self, protocol: str, body: dict[str, Any], served_model: str, response_id: str) -> None:
         self.protocol = protocol
+        if body.get("n", 1) not in (None, 1):  # neither protocol has choices: refused rather than ignored
+            raise errors.invalid(f"n is not a field of the {_NAMES[protocol]} API: it returns one answer", "n")
         self.body = dict(body, model=RECIPE_MODEL)
         cls = PROTOCOLS[protocol]
         try:

@@ -176,7 +176,7 @@ def test_grpc_sends_no_internal_exception_text(served, monkeypatch):
     async def broken(args):
         raise RuntimeError("/srv/shinkai/secret.py: token=abc")
 
-    monkeypatch.setattr(served.server.frontend, "start", broken)
+    monkeypatch.setattr(served.server.frontend, "start_choices", broken)
     with grpc.insecure_channel(served.grpc_target) as ch:
         call = ch.unary_stream("/shinkai.v1.Shinkai/Generate", request_serializer=pb.GenerateRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as info:

@@ -1,6 +1,8 @@
 """OpenAI Responses and Anthropic Messages through their own unmodified clients, the model's output forced."""
 
 import json
+import urllib.error
+import urllib.request
 
 import anthropic
 import openai
@@ -186,3 +188,22 @@ def test_an_engine_ending_is_an_anthropic_error(served, ending, reason):
         with client.messages.stream(model="tiny", max_tokens=40, messages=messages) as stream:
             "".join(stream.text_stream)
     wait_whole(served)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/responses", {"input": "Hi"}),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    ],
+)
+def test_n_is_a_400_naming_it(served, path, body):
+    request = urllib.request.Request(
+        served.http_url + path,
+        json.dumps({"model": "tiny", "n": 2, **body}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.load(caught.value)["error"]
+    assert caught.value.code == 400 and error["param"] == "n" and "one answer" in error["message"]
