@@ -15,7 +15,7 @@ from services.engine.finish_reason import FinishReason
 from services.gateway.choices import merged_pieces
 from services.gateway.frontend import Frontend, finite_logprob
 from services.gateway.generation import Generation, Piece
-from services.gateway.openai.chat_stream import ChatStream
+from services.gateway.openai.chat_stream import THINK_END_ID, THINK_START_ID, ChatStream
 from services.gateway.openai.protocol import OpenAIRequest
 
 
@@ -40,6 +40,10 @@ class Formatter:
         self.index = generation.index  # the choice's index in every body and chunk
         self.first = True  # no chunk of this choice was sent yet
         self.num_output_tokens = 0  # this choice's output tokens so far
+        # A chat with thinking on (its prompt ends with <think>) reasons until </think>: the output tokens
+        # before it are usage's reasoning_tokens (the marker itself is not counted).
+        self._reasoning = self.chat and generation.prompt_token_ids[-1:] == [THINK_START_ID]
+        self.num_reasoning_tokens = 0  # this choice's reasoning tokens so far
 
     async def resolve(self, pieces: list[Piece]) -> None:
         """Looks up the strings of the pieces' tokens, and of the prompt's with prompt logprobs (only those
@@ -120,12 +124,31 @@ class Formatter:
     def _prompt_entry(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": self._token(token_id)}
 
-    def usage(self, num_output_tokens: int) -> dict[str, int]:
+    def count_reasoning(self, token_ids: list[int]) -> None:
+        for position, token_id in enumerate(token_ids if self._reasoning else ()):
+            if token_id == THINK_END_ID:
+                self._reasoning = False
+                self.num_reasoning_tokens += position
+                return
+        if self._reasoning:
+            self.num_reasoning_tokens += len(token_ids)
+
+    def usage(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage; a chat's has completion_tokens_details.reasoning_tokens."""
         n = self.generation.num_prompt_tokens
-        return {"prompt_tokens": n, "completion_tokens": num_output_tokens, "total_tokens": n + num_output_tokens}
+        usage: dict[str, Any] = {
+            "prompt_tokens": n,
+            "completion_tokens": num_output_tokens,
+            "total_tokens": n + num_output_tokens,
+        }
+        if self.chat:
+            usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+        return usage
 
     def body(self, pieces: list[Piece]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
+        for p in pieces:
+            self.count_reasoning(p.delta.token_ids)
         final = pieces[-1].delta
         choice: dict[str, Any] = {
             "index": self.index,
@@ -147,7 +170,7 @@ class Formatter:
             "created": self.generation.created,
             "model": self.frontend.served_model,
             "choices": [choice],
-            "usage": self.usage(final.num_output_tokens),
+            "usage": self.usage(final.num_output_tokens, self.num_reasoning_tokens),
         }
         if self.request.prompt_logprobs is not None:  # vLLM's places: a completion's choice, a chat's body
             (choice if self.chat_stream is None else body)["prompt_logprobs"] = self.prompt_logprobs(pieces)
@@ -164,13 +187,14 @@ class Formatter:
             "model": self.frontend.served_model,
         }
 
-    def usage_chunk(self, num_output_tokens: int) -> dict[str, Any]:
-        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens))
+    def usage_chunk(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
+        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens, num_reasoning_tokens))
 
     def chunks(self, piece: Piece) -> list[dict[str, Any]]:
         """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
         first, self.first = self.first, False
         self.num_output_tokens = piece.delta.num_output_tokens
+        self.count_reasoning(piece.delta.token_ids)
         if self.chat_stream is None:
             text = (self.generation_prompt() if first and self.request.echo else "") + piece.text
             choice = {
