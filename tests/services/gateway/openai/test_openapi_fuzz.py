@@ -60,6 +60,7 @@ def api_schema(fuzz_server):
     return schemathesis.openapi.from_url(fuzz_server.http_url + "/openapi.json")
 
 
+@pytest.mark.rest_of_context  # a Responses body need not set max_output_tokens: the 64-token context bounds it
 def test_the_served_api_keeps_its_description(api_schema):
     """Each operation's generated cases, called and checked (schemathesis' pytest plugin predates this pytest,
     so hypothesis drives its strategies directly)."""
