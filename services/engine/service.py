@@ -82,6 +82,8 @@ class Delta:
     prompt_logprobs: list[float] | None = None
     # Alongside prompt_logprobs: per such token, the top-n (token id, logprob) pairs at its position.
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Alongside prompt_logprobs: per such token, its rank (vLLM's: how many tokens have a logprob >= its).
+    prompt_ranks: list[int] | None = None
 
 
 class RequestStream:
@@ -434,6 +436,7 @@ class EngineService:
             last=last,
             prompt_logprobs=list(out.prompt_logprobs or ()) if with_prompt else None,
             prompt_top_logprobs=list(out.prompt_top_logprobs or ()) if with_prompt else None,
+            prompt_ranks=list(out.prompt_ranks or ()) if with_prompt else None,
         )
         if delta.token_ids:
             self.observer.tokens(stream.times)

@@ -234,6 +234,7 @@ class ShinkaiApi:
                     if d.prompt_logprobs is not None:
                         chunk.prompt_logprobs.extend(finite_logprob(x) for x in d.prompt_logprobs)
                         _tops(chunk.prompt_top_logprobs, d.prompt_top_logprobs or [])
+                        chunk.prompt_ranks.extend(d.prompt_ranks or [])
                     yield pb.GenerateResponse(**ids, chunk=chunk)
                 if d.finish_reason is not None:
                     num_open -= 1

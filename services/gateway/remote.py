@@ -151,6 +151,7 @@ class RemoteStream:
             self._prompt_logprobs_due.add(c.index)
             delta.prompt_logprobs = list(c.prompt_logprobs)
             delta.prompt_top_logprobs = _tops(c.prompt_top_logprobs)
+            delta.prompt_ranks = list(c.prompt_ranks)
         return delta
 
     def close(self) -> None:

@@ -105,19 +105,20 @@ class Formatter:
 
     def prompt_logprobs(self, pieces: list[Piece]) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
-        decoded_token}} for the token itself and the top-n at its position. A rank is the token's place in
-        the top-n (1 first); the prompt token's own rank is null when it is outside the top-n."""
+        decoded_token}} for the token itself and the top-n at its position. A top-n entry's rank is its place
+        (1 first); the prompt token's is the engine's (how many tokens have a logprob >= its own)."""
         prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
         if self.request.prompt_logprobs is None or prompt is None:
             return None
         out: list[dict[str, dict[str, Any]] | None] = [None]
         num = self.request.prompt_logprobs
-        tops = prompt.prompt_top_logprobs or [[] for _ in prompt.prompt_logprobs or []]
-        for token_id, lp, top in zip(self.generation.prompt_token_ids[1:], prompt.prompt_logprobs or [], tops):
-            ranks = {i: rank for rank, (i, _) in enumerate(top[:num], 1)}
-            entry = {str(token_id): self._prompt_entry(token_id, lp, ranks.get(token_id))}
-            for rank, (i, v) in enumerate(top[:num], 1):
-                entry.setdefault(str(i), self._prompt_entry(i, v, rank))
+        lps = prompt.prompt_logprobs or []
+        tops = prompt.prompt_top_logprobs or [[] for _ in lps]
+        ranks = prompt.prompt_ranks or [None for _ in lps]
+        for token_id, lp, top, rank in zip(self.generation.prompt_token_ids[1:], lps, tops, ranks):
+            entry = {str(token_id): self._prompt_entry(token_id, lp, rank)}
+            for place, (i, v) in enumerate(top[:num], 1):
+                entry.setdefault(str(i), self._prompt_entry(i, v, place))
             out.append(entry)
         return out
 

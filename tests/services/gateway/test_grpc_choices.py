@@ -100,6 +100,7 @@ def test_choices_and_prompt_logprobs_through_an_engine_endpoint(served, referenc
                         "".join(p.text for p in pieces),
                         first.prompt_logprobs,
                         first.prompt_top_logprobs,
+                        first.prompt_ranks,
                         pieces[-1].delta.finish_reason,
                     )
                 )
