@@ -68,6 +68,7 @@ class Completion:
     # top (token id, logprob) pairs at its position; None otherwise.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int] | None = None  # per such token, how many tokens have a logprob >= its own
 
 
 def generate_request(
@@ -250,6 +251,7 @@ def add_to(completions: list[Completion], response: pb.GenerateResponse, client_
         completion.token_ids.extend(c.token_ids)
         if c.prompt_logprobs and completion.prompt_logprobs is None:
             completion.prompt_logprobs = list(c.prompt_logprobs)
+            completion.prompt_ranks = list(c.prompt_ranks)
             completion.prompt_top_logprobs = [
                 [(e.token_id, e.logprob) for e in t.entries] for t in c.prompt_top_logprobs
             ]

@@ -49,6 +49,7 @@ def test_prompt_logprobs_equal_the_full_forward(client, served, reference_llm):
     order = full.sort(dim=-1, descending=True, stable=True).indices[:, :2]
     for c in choices:
         assert c.prompt_logprobs == [float(full[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
+        assert c.prompt_ranks == [int((full[p] >= full[p, prompt[p + 1]]).sum()) for p in range(len(prompt) - 1)]
         assert c.prompt_top_logprobs == [
             [(int(t), float(full[p, t])) for t in order[p]] for p in range(len(prompt) - 1)
         ]
