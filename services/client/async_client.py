@@ -69,11 +69,20 @@ class AsyncShinkaiClient:
     async def generate(
         self, prompt: Any = None, *, timeout: float | None = None, client_request_id: str | None = None, **kwargs: Any
     ) -> Completion:
+        """One whole generation (``n`` = 1; `generate_choices` takes n > 1)."""
+        if (kwargs.get("n") or 1) != 1:
+            raise ValueError("generate returns one choice: use generate_choices for n > 1")
+        return (await self.generate_choices(prompt, timeout=timeout, client_request_id=client_request_id, **kwargs))[0]
+
+    async def generate_choices(
+        self, prompt: Any = None, *, timeout: float | None = None, client_request_id: str | None = None, **kwargs: Any
+    ) -> list[Completion]:
+        """Each of the request's ``n`` choices whole, in index order."""
         request = generate_request(prompt, client_request_id=client_request_id, **kwargs)
-        completion = Completion("", request.client_request_id, "")
+        completions: list[Completion] = []
         async for response in self._stream(request, timeout):
-            add_to(completion, response)
-        return completion
+            add_to(completions, response, request.client_request_id)
+        return completions or [Completion("", request.client_request_id, "")]
 
     async def abort(self, client_request_id: str, *, timeout: float | None = None) -> bool:
         try:

@@ -43,6 +43,10 @@ class TextDelta:
     reasoning_content: str = ""  # chat: new reasoning (the text split by the model's format)
     content: str = ""  # chat: new answer text
     tool_calls: list[ToolCall] = field(default_factory=list)  # chat: tool-call pieces
+    index: int = 0  # which of the request's n choices this delta belongs to (0 to n - 1)
+    # On a choice's first delta, with prompt_logprobs set: per prompt token after the first, its logprob
+    # under the raw model; None otherwise.
+    prompt_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -59,6 +63,12 @@ class Completion:
     reasoning_content: str = ""  # chat: the reasoning
     content: str = ""  # chat: the answer
     tool_calls: list[ToolCall] = field(default_factory=list)  # chat: the tool calls, arguments whole
+    index: int = 0  # which of the request's n choices this is (0 to n - 1)
+    # With prompt_logprobs set: per prompt token after the first, its logprob under the raw model, and the
+    # top (token id, logprob) pairs at its position; None otherwise.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int] | None = None  # per such token, how many tokens have a logprob >= its own
 
 
 def generate_request(
@@ -82,11 +92,20 @@ def generate_request(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     priority: int = 0,
+    n: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_tokens: int | None = None,
+    min_p: float | None = None,
+    prompt_logprobs: int | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text or token ids) and ``messages`` (chat, OpenAI's message dicts: with
     ``reasoning_content``, ``tool_calls`` and ``tool_call_id`` for the turns of a tool loop; ``tools`` as
     OpenAI's function tools; ``thinking`` None: the model's default). Without a ``client_request_id`` one is
-    made here, so the caller can abort before the first response. ``priority``: lower is served first."""
+    made here, so the caller can abort before the first response. ``priority``: lower is served first.
+    Sampling fields left None take the server's defaults; ``n`` > 1 streams n choices (`TextDelta.index`)."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
     request = pb.GenerateRequest(
@@ -99,14 +118,23 @@ def generate_request(
     else:
         _chat(request.chat, messages or (), thinking, tools, tool_choice, reasoning_effort)
     s = request.sampling
-    for name, value in (
-        ("max_tokens", max_tokens),
-        ("temperature", temperature),
-        ("top_p", top_p),
-        ("top_k", top_k),
-        ("seed", seed),
-        ("logprobs", logprobs),
-    ):
+    sampling = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "n": n,
+        "logprobs": logprobs,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty,
+        "min_tokens": min_tokens,
+        "min_p": min_p,
+        "prompt_logprobs": prompt_logprobs,
+        "skip_special_tokens": skip_special_tokens,
+    }
+    for name, value in sampling.items():  # unset: the server's default
         if value is not None:
             setattr(s, name, value)
     s.stop_token_ids.extend(stop_token_ids)
@@ -173,6 +201,7 @@ def to_delta(response: pb.GenerateResponse) -> TextDelta:
             f.chat.reasoning_content,
             f.chat.content,
             _tool_calls(f.chat),
+            f.index,
         )
     c = response.chunk
     return TextDelta(
@@ -184,6 +213,8 @@ def to_delta(response: pb.GenerateResponse) -> TextDelta:
         c.chat.reasoning_content,
         c.chat.content,
         _tool_calls(c.chat),
+        c.index,
+        list(c.prompt_logprobs) if c.prompt_logprobs else None,
     )
 
 
@@ -198,10 +229,16 @@ def _accumulate(completion: Completion, delta: pb.ChatDelta) -> None:
         call.arguments += piece.arguments
 
 
-def add_to(completion: Completion, response: pb.GenerateResponse) -> None:
+def add_to(completions: list[Completion], response: pb.GenerateResponse, client_request_id: str) -> None:
+    """Adds a response to its choice's `Completion` (made on the choice's first response)."""
+    kind = response.WhichOneof("kind")
+    index = response.final.index if kind == "final" else response.chunk.index
+    while len(completions) <= index:
+        completions.append(Completion("", client_request_id, "", index=len(completions)))
+    completion = completions[index]
     completion.request_id = response.request_id
     completion.client_request_id = response.client_request_id
-    if response.WhichOneof("kind") == "final":
+    if kind == "final":
         f = response.final
         completion.text += f.text
         completion.finish_reason = _finish_reason(f)
@@ -209,6 +246,13 @@ def add_to(completion: Completion, response: pb.GenerateResponse) -> None:
         completion.completion_tokens = f.usage.completion_tokens
         _accumulate(completion, f.chat)
     else:
-        completion.text += response.chunk.text
-        completion.token_ids.extend(response.chunk.token_ids)
-        _accumulate(completion, response.chunk.chat)
+        c = response.chunk
+        completion.text += c.text
+        completion.token_ids.extend(c.token_ids)
+        if c.prompt_logprobs and completion.prompt_logprobs is None:
+            completion.prompt_logprobs = list(c.prompt_logprobs)
+            completion.prompt_ranks = list(c.prompt_ranks)
+            completion.prompt_top_logprobs = [
+                [(e.token_id, e.logprob) for e in t.entries] for t in c.prompt_top_logprobs
+            ]
+        _accumulate(completion, c.chat)

@@ -215,6 +215,7 @@ class Engine:
             choice = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
             choice.output.prompt_logprobs = req.output.prompt_logprobs  # the prefix computed them
             choice.output.prompt_top_logprobs = req.output.prompt_top_logprobs
+            choice.output.prompt_ranks = req.output.prompt_ranks
             self.requests[member] = choice
             members.append(member)
         self.scheduler.abort(prefix)

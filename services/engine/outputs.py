@@ -27,6 +27,8 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     # prompt_logprobs: per such token, the top-n (token id, logprob) pairs at its position.
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt_logprobs: per such token, its rank at its position (vLLM's: how many tokens have a logprob >= its).
+    prompt_ranks: list[int] | None = None
     # Which of the request's n choices this is (0 to n - 1); every choice's output has the request's id.
     index: int = 0
 

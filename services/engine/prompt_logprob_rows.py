@@ -45,13 +45,15 @@ def add_prompt_logprobs(plan: StepPlan, requests: Mapping[str, Any], found: Prom
     if found is None:
         return
     lps, ids, tops = found.logprobs.tolist(), found.top_token_ids.tolist(), found.top_logprobs.tolist()
+    ranks = found.ranks.tolist()
     positions, starts, k = plan.positions.tolist(), plan.query_start.tolist(), 0
     for i, req in _wanting(plan, requests):
         out, n = req.output, req.params.prompt_logprobs
-        if out.prompt_logprobs is None or out.prompt_top_logprobs is None:
-            out.prompt_logprobs, out.prompt_top_logprobs = [], []
+        if out.prompt_logprobs is None or out.prompt_top_logprobs is None or out.prompt_ranks is None:
+            out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks = [], [], []
         for row in range(starts[i], starts[i + 1]):
             if len(out.prompt_logprobs) <= positions[row] < len(out.prompt_token_ids) - 1:
                 out.prompt_logprobs.append(lps[k])
                 out.prompt_top_logprobs.append(list(zip(ids[k][:n], tops[k][:n])))
+                out.prompt_ranks.append(ranks[k])
                 k += 1

@@ -77,6 +77,13 @@ class Delta:
     index: int = 0
     # Set on the request's very last delta (its last unfinished choice's final one).
     last: bool = False
+    # On a choice's first delta, when the request asked for prompt_logprobs: per prompt token after the first,
+    # its logprob under the raw model (RequestOutput.prompt_logprobs); None otherwise.
+    prompt_logprobs: list[float] | None = None
+    # Alongside prompt_logprobs: per such token, the top-n (token id, logprob) pairs at its position.
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Alongside prompt_logprobs: per such token, its rank (vLLM's: how many tokens have a logprob >= its).
+    prompt_ranks: list[int] | None = None
 
 
 class RequestStream:
@@ -103,6 +110,8 @@ class RequestStream:
         # and per choice.
         self.num_sent = 0
         self.num_sent_by_choice = [0] * num_choices
+        # Whether each choice's prompt logprobs were delivered (they ride on its first delta with them).
+        self.prompt_logprobs_sent = [False] * num_choices
         self.num_unfinished_choices = num_choices
         # The final delta was queued; no abort is needed any more.
         self.finished = False
@@ -401,6 +410,13 @@ class EngineService:
                 return
             start = stream.num_sent_by_choice[out.index]
             stream.num_sent_by_choice[out.index] = len(out.token_ids)
+            with_prompt = (  # complete: every prompt position's (a request aborted mid-prefill has fewer)
+                out.prompt_logprobs is not None
+                and len(out.prompt_logprobs) == len(out.prompt_token_ids) - 1
+                and not stream.prompt_logprobs_sent[out.index]
+            )
+            if with_prompt:
+                stream.prompt_logprobs_sent[out.index] = True
             stream.num_sent = sum(stream.num_sent_by_choice)
             last = False
             if out.finished:
@@ -418,6 +434,9 @@ class EngineService:
             stop_token_id=out.stop_token_id,
             index=out.index,
             last=last,
+            prompt_logprobs=list(out.prompt_logprobs or ()) if with_prompt else None,
+            prompt_top_logprobs=list(out.prompt_top_logprobs or ()) if with_prompt else None,
+            prompt_ranks=list(out.prompt_ranks or ()) if with_prompt else None,
         )
         if delta.token_ids:
             self.observer.tokens(stream.times)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import AsyncIterator, Sequence
 
 from services.engine.finish_reason import FinishReason
 from services.engine.service import Delta
 from services.gateway.backends import DeltaStream
+from services.gateway.generation import Generation, Piece
 
 
 class ChoiceStreams:
@@ -101,3 +103,36 @@ class ChoiceStream:
 
     def close(self) -> None:
         self.streams.close(self.index)
+
+
+async def merged_pieces(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """(position in ``generations``, piece) of every choice's pieces as they come; one choice is read in order
+    without tasks. A choice's error is raised to the reader; leaving early cancels the pumps."""
+    if len(generations) == 1:
+        async for piece in generations[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, generation: Generation) -> None:
+        try:
+            async for piece in generation:
+                await queue.put((i, piece))
+        except Exception as err:  # handed to the reader, which raises it
+            await queue.put((i, err))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(generations)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -200,9 +200,9 @@ class Frontend:
         return list(args.prompt_token_ids or []), []
 
     async def start(self, args: GenerateArgs) -> Generation:
-        """`start_choices` for one choice (``n`` = 1; more are served over the OpenAI HTTP API only)."""
+        """`start_choices` for one choice (``n`` = 1: the protocols that have no choices)."""
         if args.params.n != 1:
-            raise errors.invalid(f"n > 1 (n={args.params.n}): more than one choice is served over HTTP only", "n")
+            raise errors.invalid(f"n > 1 (n={args.params.n}): the {args.endpoint} protocol has one answer", "n")
         return (await self.start_choices(args))[0]
 
     async def start_choices(self, args: GenerateArgs) -> list[Generation]:
@@ -233,6 +233,8 @@ class Frontend:
                 with tracing.span("tokenize") if args.prompt_token_ids is None else tracing.active(None):
                     ids, urls = await self.prompt(args)
                 images = args.images
+                if (urls or images) and args.params.prompt_logprobs is not None:
+                    raise errors.invalid("prompt_logprobs are not served for prompts with images", "prompt_logprobs")
                 if urls:
                     with tracing.span("fetch_images"):
                         images = await self.image_fetcher.fetch(urls)
@@ -281,6 +283,7 @@ class Frontend:
                 detokenize_span if i == 0 else None,
                 StopStrings(args.stop, args.include_stop_str_in_output) if args.stop else None,
                 index=i,
+                prompt_token_ids=ids,
             )
             for i, choice in enumerate(streams)
         ]

@@ -62,6 +62,7 @@ class Generation:
         detokenize_span: Any = None,
         stop: StopStrings | None = None,
         index: int = 0,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.metrics = metrics
         self.stream = stream
@@ -77,6 +78,7 @@ class Generation:
         self.detokenize_span = detokenize_span
         self.stop = stop  # the request's stop strings; None: it has none
         self.index = index  # which of the request's choices this is (0 to n - 1)
+        self.prompt_token_ids = prompt_token_ids or []  # the prompt as this side encoded it (image spans not expanded)
         self._last: float | None = None  # time of the latest token-bearing delta
         self.finish_reason: FinishReason | None = None
 

@@ -19,12 +19,14 @@ from services.engine.finish_reason import FinishReason
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.auth import Keys, grpc_authorization
+from services.gateway.choices import merged_pieces
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, GenerateArgs, finite_logprob
 from services.gateway.grpc_chat import chat_delta, chat_request, content_bytes, message_content
 from services.gateway.openai.chat_options import ChatOptions
 from services.gateway.openai.chat_stream import ChatStream
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES
+from services.gateway.openai.protocol import MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
@@ -128,7 +130,10 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
     s = request.sampling
     args.stop = _stop(s)
     args.include_stop_str_in_output = s.include_stop_str_in_output
+    args.skip_special_tokens = s.skip_special_tokens if s.HasField("skip_special_tokens") else True
     banned, bias = _logit_bias(s.logit_bias)
+    if s.HasField("n") and not 1 <= s.n <= MAX_N:
+        raise errors.invalid(f"sampling.n must be between 1 and {MAX_N}, got {s.n}", "sampling.n")
     try:
         args.params = SamplingParams(
             max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
@@ -152,6 +157,12 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
     except ValueError as err:
         raise errors.invalid(str(err)) from err
     return args, options
+
+
+def _tops(out, tops: list[list[tuple[int, float]]]) -> None:
+    """Appends per token its top-n (token id, logprob) pairs to a repeated TokenTopLogprobs field."""
+    for top in tops:
+        out.add(entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v)) for i, v in top])
 
 
 class ShinkaiApi:
@@ -186,51 +197,53 @@ class ShinkaiApi:
             args, options = _args(request)
             args.owner = owner
             args.trace_parent = tracing.extract(context.invocation_metadata())
-            generation = await self.frontend.start(args)
+            generations = await self.frontend.start_choices(args)
         except ApiError as err:
             await self._abort_with(context, err)
             return
-        ids = {"request_id": generation.request_id, "client_request_id": generation.client_request_id}
-        chat = (
-            ChatStream(options, generation.request_id, self.frontend.served_model, generation.created)
-            if options is not None
-            else None
-        )
+        first = generations[0]
+        ids = {"request_id": first.request_id, "client_request_id": first.client_request_id}
+        # Per choice: a chat prompt's answer parser (None for text and token ids).
+        chats = [
+            ChatStream(options, g.request_id, self.frontend.served_model, g.created) if options is not None else None
+            for g in generations
+        ]
+        num_open = len(generations)
         try:
-            async for piece in generation:
-                d = piece.delta
+            async for i, piece in merged_pieces(generations):
+                d, chat = piece.delta, chats[i]
                 delta, called = pb.ChatDelta(), False
                 if chat is not None:
                     chunks = chat.push(piece.text, len(d.token_ids))
                     if d.finish_reason is not None:
                         chunks += chat.finish(d.finish_reason)
                     delta, called = chat_delta(chunks)
-                if d.token_ids or (piece.text and d.finish_reason is None):
+                if d.token_ids or d.prompt_logprobs is not None or (piece.text and d.finish_reason is None):
                     # On the last delta the text (with the flush) travels in the final message instead.
                     chunk = pb.Chunk(
                         token_ids=d.token_ids,
                         text=piece.text if d.finish_reason is None else "",
                         logprobs=[finite_logprob(x) for x in d.logprobs],
-                        num_prompt_tokens=generation.num_prompt_tokens,
+                        num_prompt_tokens=first.num_prompt_tokens,
                         num_output_tokens=d.num_output_tokens,
-                        index=d.index,
+                        index=i,
                     )
                     if d.finish_reason is None and chat is not None:
                         chunk.chat.CopyFrom(delta)
-                    for top in d.top_logprobs or []:
-                        chunk.top_logprobs.add(
-                            entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v)) for i, v in top]
-                        )
+                    _tops(chunk.top_logprobs, d.top_logprobs or [])
+                    if d.prompt_logprobs is not None:
+                        chunk.prompt_logprobs.extend(finite_logprob(x) for x in d.prompt_logprobs)
+                        _tops(chunk.prompt_top_logprobs, d.prompt_top_logprobs or [])
+                        chunk.prompt_ranks.extend(d.prompt_ranks or [])
                     yield pb.GenerateResponse(**ids, chunk=chunk)
                 if d.finish_reason is not None:
+                    num_open -= 1
                     final = pb.Final(
                         finish_reason=FINISH_REASONS[d.finish_reason],
                         text=piece.text,
-                        usage=pb.Usage(
-                            prompt_tokens=generation.num_prompt_tokens, completion_tokens=d.num_output_tokens
-                        ),
-                        index=d.index,
-                        more_choices=not d.last,
+                        usage=pb.Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=d.num_output_tokens),
+                        index=i,
+                        more_choices=num_open > 0,
                     )
                     if d.stop_token_id is not None:
                         final.stop_token_id = d.stop_token_id
@@ -239,9 +252,10 @@ class ShinkaiApi:
                         final.tool_calls = called
                     yield pb.GenerateResponse(**ids, final=final)
         finally:
-            generation.close()  # a no-op after the final; aborts a cancelled stream
-            if chat is not None:
-                chat.close()
+            for generation, chat in zip(generations, chats):
+                generation.close()  # a no-op after the final; aborts a cancelled stream
+                if chat is not None:
+                    chat.close()
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:

@@ -81,11 +81,18 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
     return s
 
 
+def _tops(tops: Any) -> list[list[tuple[int, float]]]:
+    return [[(e.token_id, e.logprob) for e in t.entries] for t in tops]
+
+
 class RemoteStream:
     """Deltas of one Generate call; ``close()`` cancels the call, which aborts the request on the engine."""
 
-    def __init__(self, call: Any, first: pb.GenerateResponse) -> None:
+    def __init__(self, call: Any, first: pb.GenerateResponse, prompt_logprobs: bool = False) -> None:
         self.call = call
+        # The request asked for prompt logprobs: each choice's first chunk carries them (maybe none: a
+        # one-token prompt has no position to score, which a repeated field cannot tell from unset).
+        self._prompt_logprobs_due: set[int] | None = set() if prompt_logprobs else None
         self._first: pb.GenerateResponse | None = first  # read by submit to surface errors early
         self._done = False
         self._cancelled = False  # close() cancelled the call: the next delta is the final "abort"
@@ -138,8 +145,14 @@ class RemoteStream:
             )
         c = response.chunk
         self._num_output_tokens = c.num_output_tokens
-        tops = [[(e.token_id, e.logprob) for e in t.entries] for t in c.top_logprobs] or None
-        return Delta(list(c.token_ids), list(c.logprobs), tops, c.num_output_tokens, index=c.index)
+        delta = Delta(list(c.token_ids), list(c.logprobs), _tops(c.top_logprobs) or None, c.num_output_tokens)
+        delta.index = c.index
+        if self._prompt_logprobs_due is not None and c.index not in self._prompt_logprobs_due:
+            self._prompt_logprobs_due.add(c.index)
+            delta.prompt_logprobs = list(c.prompt_logprobs)
+            delta.prompt_top_logprobs = _tops(c.prompt_top_logprobs)
+            delta.prompt_ranks = list(c.prompt_ranks)
+        return delta
 
     def close(self) -> None:
         """Cancels the call (the engine then aborts the request); a reader still reading gets "abort"."""
@@ -179,7 +192,7 @@ class RemoteEngine:
             _raise_for(err, self.replica)
         if first is grpc.aio.EOF:
             raise ShuttingDown(f"engine {self.replica} ended the stream without an answer")
-        return RemoteStream(call, first)
+        return RemoteStream(call, first, params.prompt_logprobs is not None)
 
     async def abort(self, client_request_id: str) -> bool:
         return (await self.stub.Abort(pb.AbortRequest(client_request_id=client_request_id), timeout=10)).found

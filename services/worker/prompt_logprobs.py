@@ -27,6 +27,7 @@ class PromptLogprobs:
     logprobs: torch.Tensor  # fp32 [R]
     top_token_ids: torch.Tensor  # int64 [R, num_top]: by logprob, descending, ties to the lower id
     top_logprobs: torch.Tensor  # fp32 [R, num_top]
+    ranks: torch.Tensor  # int64 [R]: vLLM's rank of the target, the number of tokens whose logprob is >= its own
 
 
 def prompt_logprobs(logits: torch.Tensor, wanted: PromptRows) -> PromptLogprobs:
@@ -40,4 +41,5 @@ def prompt_logprobs(logits: torch.Tensor, wanted: PromptRows) -> PromptLogprobs:
         order = torch.sort(lp, dim=-1, descending=True, stable=True).indices[:, : wanted.num_top].contiguous()
     else:
         order = torch.empty(len(wanted.rows), 0, dtype=torch.int64, device=device)
-    return PromptLogprobs(chosen, order, lp.gather(1, order))
+    ranks = (lp >= chosen.unsqueeze(-1)).sum(dim=-1)
+    return PromptLogprobs(chosen, order, lp.gather(1, order), ranks)

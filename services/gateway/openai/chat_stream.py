@@ -21,6 +21,10 @@ from services.engine.finish_reason import FinishReason
 from services.gateway.openai.chat_options import ChatOptions
 from services.tokenizer.chat import RECIPE_MODEL
 
+# DeepSeek V4.1's thinking markers, each its own token of the vocabulary chat is served with: a prompt with
+# thinking on ends with <think>, and the reasoning ends at </think>.
+THINK_START_ID = 128821
+THINK_END_ID = 128822
 _RECIPE_FINISH = {FinishReason.LENGTH: deepseek_recipe.InferenceFinishReason.Length}
 
 

@@ -8,14 +8,14 @@ since the previous chunk it sent. `choice_pieces` merges the choices of an ``n >
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.engine.finish_reason import FinishReason
+from services.gateway.choices import merged_pieces
 from services.gateway.frontend import Frontend, finite_logprob
 from services.gateway.generation import Generation, Piece
-from services.gateway.openai.chat_stream import ChatStream
+from services.gateway.openai.chat_stream import THINK_END_ID, THINK_START_ID, ChatStream
 from services.gateway.openai.protocol import OpenAIRequest
 
 
@@ -40,13 +40,22 @@ class Formatter:
         self.index = generation.index  # the choice's index in every body and chunk
         self.first = True  # no chunk of this choice was sent yet
         self.num_output_tokens = 0  # this choice's output tokens so far
+        # A chat with thinking on (its prompt ends with <think>) reasons until </think>: the output tokens
+        # before it are usage's reasoning_tokens (the marker itself is not counted).
+        self._reasoning = self.chat and generation.prompt_token_ids[-1:] == [THINK_START_ID]
+        self.num_reasoning_tokens = 0  # this choice's reasoning tokens so far
 
     async def resolve(self, pieces: list[Piece]) -> None:
-        """Looks up the strings of the pieces' tokens (only when logprobs were asked for)."""
-        if self.request.num_logprobs is None:
-            return
-        ids = {t for p in pieces for t in p.delta.token_ids}
-        ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
+        """Looks up the strings of the pieces' tokens, and of the prompt's with prompt logprobs (only those
+        that logprobs or prompt_logprobs return)."""
+        ids: set[int] = set()
+        if self.request.num_logprobs is not None:
+            ids |= {t for p in pieces for t in p.delta.token_ids}
+            ids |= {i for p in pieces for top in p.delta.top_logprobs or [] for i, _ in top}
+        for p in pieces:
+            if p.delta.prompt_logprobs is not None:
+                ids |= set(self.generation.prompt_token_ids)
+                ids |= {i for top in p.delta.prompt_top_logprobs or [] for i, _ in top}
         missing = sorted(ids - self._strings.keys())
         if missing and not self.request.tokens_as_ids:
             self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
@@ -78,19 +87,69 @@ class Formatter:
                     for t, lp, top in zip(ids, lps, tops)
                 ]
             }
-        return {
-            "tokens": [self._token(t) for t in ids],
-            "token_logprobs": lps,
-            "top_logprobs": [{self._token(i): v for i, v in top} for top in tops],
-            "text_offset": [],
-        }
+        tokens: list[str] = [self._token(t) for t in ids]
+        token_logprobs: list[float | None] = list(lps)
+        top_dicts: list[dict[str, float] | None] = [{self._token(i): v for i, v in top} for top in tops]
+        prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
+        if self.request.echo and prompt is not None:  # OpenAI's echo: the prompt's tokens lead, the first unscored
+            tokens = [self._token(t) for t in self.generation.prompt_token_ids] + tokens
+            token_logprobs = [None, *(finite_logprob(x) for x in prompt.prompt_logprobs or [])] + token_logprobs
+            top_dicts = [
+                None,
+                *(
+                    {self._token(i): finite_logprob(v) for i, v in top[: self.request.num_logprobs]}
+                    for top in prompt.prompt_top_logprobs or []
+                ),
+            ] + top_dicts
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": []}
 
-    def usage(self, num_output_tokens: int) -> dict[str, int]:
+    def prompt_logprobs(self, pieces: list[Piece]) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} for the token itself and the top-n at its position. A top-n entry's rank is its place
+        (1 first); the prompt token's is the engine's (how many tokens have a logprob >= its own)."""
+        prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
+        if self.request.prompt_logprobs is None or prompt is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        num = self.request.prompt_logprobs
+        lps = prompt.prompt_logprobs or []
+        tops = prompt.prompt_top_logprobs or [[] for _ in lps]
+        ranks = prompt.prompt_ranks or [None for _ in lps]
+        for token_id, lp, top, rank in zip(self.generation.prompt_token_ids[1:], lps, tops, ranks):
+            entry = {str(token_id): self._prompt_entry(token_id, lp, rank)}
+            for place, (i, v) in enumerate(top[:num], 1):
+                entry.setdefault(str(i), self._prompt_entry(i, v, place))
+            out.append(entry)
+        return out
+
+    def _prompt_entry(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": self._token(token_id)}
+
+    def count_reasoning(self, token_ids: list[int]) -> None:
+        for position, token_id in enumerate(token_ids if self._reasoning else ()):
+            if token_id == THINK_END_ID:
+                self._reasoning = False
+                self.num_reasoning_tokens += position
+                return
+        if self._reasoning:
+            self.num_reasoning_tokens += len(token_ids)
+
+    def usage(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage; a chat's has completion_tokens_details.reasoning_tokens."""
         n = self.generation.num_prompt_tokens
-        return {"prompt_tokens": n, "completion_tokens": num_output_tokens, "total_tokens": n + num_output_tokens}
+        usage: dict[str, Any] = {
+            "prompt_tokens": n,
+            "completion_tokens": num_output_tokens,
+            "total_tokens": n + num_output_tokens,
+        }
+        if self.chat:
+            usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+        return usage
 
     def body(self, pieces: list[Piece]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
+        for p in pieces:
+            self.count_reasoning(p.delta.token_ids)
         final = pieces[-1].delta
         choice: dict[str, Any] = {
             "index": self.index,
@@ -106,14 +165,17 @@ class Formatter:
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (self.generation_prompt() if self.request.echo else "") + text
-        return {
+        body = {
             "id": self.id,
             "object": self.object,
             "created": self.generation.created,
             "model": self.frontend.served_model,
             "choices": [choice],
-            "usage": self.usage(final.num_output_tokens),
+            "usage": self.usage(final.num_output_tokens, self.num_reasoning_tokens),
         }
+        if self.request.prompt_logprobs is not None:  # vLLM's places: a completion's choice, a chat's body
+            (choice if self.chat_stream is None else body)["prompt_logprobs"] = self.prompt_logprobs(pieces)
+        return body
 
     def generation_prompt(self) -> str:
         return self.request.args.prompt_text or ""
@@ -126,13 +188,14 @@ class Formatter:
             "model": self.frontend.served_model,
         }
 
-    def usage_chunk(self, num_output_tokens: int) -> dict[str, Any]:
-        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens))
+    def usage_chunk(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
+        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens, num_reasoning_tokens))
 
     def chunks(self, piece: Piece) -> list[dict[str, Any]]:
         """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
         first, self.first = self.first, False
         self.num_output_tokens = piece.delta.num_output_tokens
+        self.count_reasoning(piece.delta.token_ids)
         if self.chat_stream is None:
             text = (self.generation_prompt() if first and self.request.echo else "") + piece.text
             choice = {
@@ -162,31 +225,5 @@ class Formatter:
 
 async def choice_pieces(fmts: list[Formatter]) -> AsyncIterator[tuple[Formatter, Piece]]:
     """Every choice's pieces as they come (one choice: in order, without tasks)."""
-    if len(fmts) == 1:
-        async for piece in fmts[0].generation:
-            yield fmts[0], piece
-        return
-    queue: asyncio.Queue[tuple[Formatter, Piece | BaseException | None]] = asyncio.Queue()
-
-    async def pump(fmt: Formatter) -> None:
-        try:
-            async for piece in fmt.generation:
-                await queue.put((fmt, piece))
-        except Exception as err:  # handed to the reader, which raises it
-            await queue.put((fmt, err))
-        await queue.put((fmt, None))
-
-    tasks = [asyncio.ensure_future(pump(fmt)) for fmt in fmts]
-    try:
-        remaining = len(fmts)
-        while remaining:
-            fmt, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield fmt, item
-    finally:
-        for task in tasks:
-            task.cancel()
+    async for i, piece in merged_pieces([fmt.generation for fmt in fmts]):
+        yield fmts[i], piece

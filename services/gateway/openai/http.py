@@ -126,7 +126,9 @@ def build_app(
             bodies.append(fmt.body(pieces))
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
-        body["usage"] = fmts[0].usage(sum(b["usage"]["completion_tokens"] for b in bodies))
+        body["usage"] = fmts[0].usage(
+            sum(b["usage"]["completion_tokens"] for b in bodies), sum(fmt.num_reasoning_tokens for fmt in fmts)
+        )
         return JSONResponse(body, headers=id_header)
 
     def _client_request_id(request: Request) -> str | None:
@@ -147,7 +149,11 @@ def build_app(
                 for chunk in fmt.chunks(piece):
                     yield _sse(chunk)
             if include_usage:
-                yield _sse(fmts[0].usage_chunk(sum(fmt.num_output_tokens for fmt in fmts)))
+                yield _sse(
+                    fmts[0].usage_chunk(
+                        sum(fmt.num_output_tokens for fmt in fmts), sum(fmt.num_reasoning_tokens for fmt in fmts)
+                    )
+                )
             yield _sse("[DONE]")
         finally:
             for fmt in fmts:

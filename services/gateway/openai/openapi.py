@@ -15,6 +15,7 @@ from typing import Any
 
 from services.engine.model_info import ModelInfo
 from services.gateway.openai.chat_options import REASONING_EFFORTS
+from services.gateway.openai.openapi_protocols import protocol_paths
 from services.gateway.openai.openapi_tokenize import tokenize_paths
 from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -49,7 +50,12 @@ _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
     "properties": {
-        k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "completion_tokens_details": {
+            "type": "object",
+            "properties": {"reasoning_tokens": {"type": "integer", "minimum": 0}},
+            "description": "chat: the output tokens before </think>",
+        },
     },
 }
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", "tool_calls", None]}
@@ -100,8 +106,15 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
         "include_stop_str_in_output": {"type": ["boolean", "null"]},
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}},
         "ignore_eos": {"type": ["boolean", "null"]},
-        "frequency_penalty": {"type": ["number", "null"], "minimum": 0, "maximum": 0},
-        "presence_penalty": {"type": ["number", "null"], "minimum": 0, "maximum": 0},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "prompt_logprobs": {
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "maximum": MAX_LOGPROBS,
+            "description": "vLLM's: per prompt token its logprob and the top-n; not with stream",
+        },
+        "skip_special_tokens": {"type": ["boolean", "null"]},
         "logit_bias": {
             "type": ["object", "null"],
             "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
@@ -137,7 +150,10 @@ def _completion_request(info: ModelInfo) -> dict[str, Any]:
             **_sampling(info),
             "prompt": prompt,
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
-            "echo": {"type": ["boolean", "null"], "description": "true: the text starts with a text prompt"},
+            "echo": {
+                "type": ["boolean", "null"],
+                "description": "true: the text starts with a text prompt (with logprobs: its tokens' logprobs too)",
+            },
             "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not served"},
         },
     }
@@ -244,26 +260,21 @@ def openapi_schema(info: ModelInfo) -> dict[str, Any]:
     unavailable = {
         "503": {"description": "not serving; status says why", "content": {"application/json": {"schema": status}}}
     }
+    model_card = {
+        "type": "object",
+        "required": ["id", "object"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer"},
+        },
+    }
     models = {
         "type": "object",
         "required": ["object", "data"],
-        "properties": {
-            "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["id", "object"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                        "max_model_len": {"type": "integer"},
-                    },
-                },
-            },
-        },
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": model_card}},
     }
     body = {"required": True, "content": {"application/json": {"schema": None}}}
 
@@ -293,6 +304,7 @@ def openapi_schema(info: ModelInfo) -> dict[str, Any]:
                     "responses": _plain("the model list", models, {"401": _ERRORS["401"]}),
                 }
             },
+            **protocol_paths(info, _ERRORS, model_card),
             **tokenize_paths(info, _ERRORS),
             "/health": {"get": {"summary": "Liveness", "responses": _plain("serving", status, unavailable)}},
             "/ready": {

@@ -11,6 +11,7 @@ Lengths: a completion without ``max_tokens`` gets 16 tokens, a chat without ``ma
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -55,7 +56,10 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     num_logprobs: int | None  # top-n logprobs to return per token; None: no logprobs
     chat: ChatOptions | None = None  # a chat's conversation options; None for a completion
-    echo: bool = False  # a completion's text starts with its prompt
+    echo: bool = False  # a completion's text starts with its prompt (with logprobs: its tokens' logprobs too)
+    # vLLM's prompt_logprobs as the client asked (top-n per prompt position); None: not asked for. Echo with
+    # logprobs has the engine compute them too, without this field in the answer.
+    prompt_logprobs: int | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
 
@@ -221,6 +225,16 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's prompt_logprobs (0 to 20 top entries per prompt position), refused with streaming as vLLM does."""
+    num = _field(body, "prompt_logprobs", (int,), None, "an integer")
+    if num is not None and not 0 <= num <= MAX_LOGPROBS:
+        raise errors.invalid(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {num}", "prompt_logprobs")
+    if num is not None and stream:
+        raise errors.invalid("prompt_logprobs are not available when stream is enabled", "prompt_logprobs")
+    return num
+
+
 def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
     """The fields both endpoints read beyond sampling; returns return_tokens_as_token_ids."""
     fields.refuse_unserved(body, endpoint)
@@ -239,8 +253,6 @@ def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
         check_priority(args.priority)
     except ValueError as err:
         raise errors.invalid(str(err), "priority") from err
-    if _field(body, "prompt_logprobs", (int,), None, "an integer") is not None:
-        raise errors.invalid("prompt_logprobs are not returned by this API yet", "prompt_logprobs")
     return _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean")
 
 
@@ -268,13 +280,26 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
     tokens_as_ids = _common(body, args, "completions")
     num_logprobs = _field(body, "logprobs", (int,), None, "an integer")
     echo = _field(body, "echo", (bool,), False, "a boolean")
-    if echo and (args.prompt_text is None or num_logprobs is not None):
-        raise errors.invalid("echo is served for a text prompt without logprobs (prompt logprobs are not)", "echo")
+    if echo and args.prompt_text is None:
+        raise errors.invalid("echo is served for a text prompt (not for token ids)", "echo")
     args.params = _sampling(
         body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, COMPLETION_MAX_TOKENS
     )
     stream, include_usage = _stream_options(body)
-    return OpenAIRequest(args, stream, include_usage, num_logprobs, echo=echo, tokens_as_ids=tokens_as_ids)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    engine_prompt_logprobs = prompt_logprobs
+    if echo and num_logprobs is not None:  # OpenAI's echo with logprobs: the prompt tokens' logprobs lead
+        engine_prompt_logprobs = max(prompt_logprobs or 0, num_logprobs)
+    args.params = dataclasses.replace(args.params, prompt_logprobs=engine_prompt_logprobs)
+    return OpenAIRequest(
+        args,
+        stream,
+        include_usage,
+        num_logprobs,
+        echo=echo,
+        tokens_as_ids=tokens_as_ids,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
@@ -293,4 +318,14 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     args.params = _sampling(body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size, None)
     stream, include_usage = _stream_options(body)
-    return OpenAIRequest(args, stream, include_usage, num_logprobs, chat=options, tokens_as_ids=tokens_as_ids)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    args.params = dataclasses.replace(args.params, prompt_logprobs=prompt_logprobs)
+    return OpenAIRequest(
+        args,
+        stream,
+        include_usage,
+        num_logprobs,
+        chat=options,
+        tokens_as_ids=tokens_as_ids,
+        prompt_logprobs=prompt_logprobs,
+    )

@@ -16,7 +16,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from observability import tracing
 from services.engine.finish_reason import FinishReason
+from services.gateway import errors
 from services.gateway.auth import Keys
+from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend
 from services.gateway.generation import Generation
 from services.gateway.openai.disconnect import collect_while_connected
@@ -84,6 +86,9 @@ def add_routes(
         stream.ready(generation.num_prompt_tokens)
         stream.push("".join(p.text for p in pieces), pieces[-1].delta.num_output_tokens)
         stream.finish(pieces[-1].delta.finish_reason or FinishReason.STOP)
+        if stream.failure is not None and protocol == "messages":  # no stop_reason says it: an error answer
+            kind = errors.INTERNAL if stream.failure == FinishReason.ERROR else errors.UNAVAILABLE
+            raise ApiError(kind, stream.failure_message(), code=f"engine_{stream.failure}")
         return Response(stream.body_json(), media_type="application/json", headers=headers)
 
     @app.post("/v1/responses")

@@ -21,7 +21,15 @@ from services.gateway.frontend import GenerateArgs
 from services.tokenizer.chat import PROTOCOLS, RECIPE_MODEL, bounded
 
 _RESPONSE = {"responses": deepseek_recipe.ResponsesResponse, "messages": deepseek_recipe.MessagesResponse}
+_NAMES = {"responses": "OpenAI Responses", "messages": "Anthropic Messages"}
 _FINISH = {FinishReason.LENGTH: deepseek_recipe.InferenceFinishReason.Length}
+# Responses' terminal event per ending the recipe has no reason for: an abort leaves the answer incomplete;
+# an engine error or a preemption the engine could not recover from fails it.
+_RESPONSES_ENDING = {
+    FinishReason.ABORT: "incomplete",
+    FinishReason.PREEMPTED: "failed",
+    FinishReason.ERROR: "failed",
+}
 
 
 class ProtocolStream:
@@ -29,6 +37,8 @@ class ProtocolStream:
 
     def __init__(self, protocol: str, body: dict[str, Any], served_model: str, response_id: str) -> None:
         self.protocol = protocol
+        if body.get("n", 1) not in (None, 1):  # neither protocol has choices: refused rather than ignored
+            raise errors.invalid(f"n is not a field of the {_NAMES[protocol]} API: it returns one answer", "n")
         self.body = dict(body, model=RECIPE_MODEL)
         cls = PROTOCOLS[protocol]
         try:
@@ -43,6 +53,9 @@ class ProtocolStream:
         self._processor = deepseek_recipe.StreamProcessor(generator, self.conversion.parsing_options)
         self._response = _RESPONSE[protocol](response_id, served_model, 0, 0, 0)
         self.stream = self.conversion.stream  # the body asked for server-sent events
+        # Why the engine ended the request other than by a stop or the length limit (abort, preempted,
+        # error); None while it has not, or when it ended normally.
+        self.failure: FinishReason | None = None
 
     def args(self, model: str) -> GenerateArgs:
         """What to generate: the body rendered under its protocol, with the recipe's inference options."""
@@ -80,10 +93,46 @@ class ProtocolStream:
             return []
         recipe_reason = _FINISH.get(reason, deepseek_recipe.InferenceFinishReason.Stop)
         events = self._processor.push(deepseek_recipe.InferenceChunk.finish(recipe_reason))
-        return self._convert(events + self._processor.finish())
+        converted = self._convert(events + self._processor.finish())
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return converted
+        self.failure = reason
+        if self.protocol == "messages":  # Anthropic's stream ends in an error event instead of message_stop
+            kept = [(name, data) for name, data in converted if name not in ("message_delta", "message_stop")]
+            return [*kept, ("error", json.dumps({"type": "error", "error": self.failure_error()}))]
+        out = []
+        for name, data in converted:
+            if name in ("response.completed", "response.incomplete", "response.failed"):
+                event = json.loads(data)
+                event["response"] = self._failed(event["response"])
+                name = event["type"] = f"response.{_RESPONSES_ENDING[reason]}"
+                data = json.dumps(event)
+            out.append((name, data))
+        return out
+
+    def failure_error(self) -> dict[str, str]:
+        """Anthropic's error object for an engine that ended the request abnormally."""
+        assert self.failure is not None
+        kind = "api_error" if self.failure == FinishReason.ERROR else "overloaded_error"
+        return {"type": kind, "message": self.failure_message()}
+
+    def failure_message(self) -> str:
+        return f"the engine ended the request before the answer was whole (finish reason {self.failure})"
+
+    def _failed(self, response: dict[str, Any]) -> dict[str, Any]:
+        """A Responses body with the engine's abnormal ending: "incomplete" for an abort, else "failed"."""
+        assert self.failure is not None
+        status = _RESPONSES_ENDING[self.failure]
+        response["status"] = status
+        response["incomplete_details"] = None  # OpenAI's reasons (max_output_tokens, content_filter) do not fit
+        if status == "failed":
+            response["error"] = {"code": "server_error", "message": self.failure_message()}
+        return response
 
     def body_json(self) -> str:
         """The whole response (after `finish`)."""
+        if self.failure is not None and self.protocol == "responses":
+            return json.dumps(self._failed(json.loads(self._response.to_json())))
         return self._response.to_json()
 
     def close(self) -> None:

@@ -243,6 +243,7 @@ def test_prompt_logprobs_equal_the_full_forwards_log_softmax(llm, n):
     for out in outs:
         assert out.prompt_logprobs == expected
         assert out.prompt_top_logprobs == expected_top
+        assert out.prompt_ranks == [int((full[p] >= full[p, prompt[p + 1]]).sum()) for p in range(len(prompt) - 1)]
 
 
 def test_the_interpreted_kernel_sampler_gives_the_engine_the_cpu_samplers_tokens(llm):

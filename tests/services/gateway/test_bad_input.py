@@ -176,7 +176,7 @@ def test_grpc_sends_no_internal_exception_text(served, monkeypatch):
     async def broken(args):
         raise RuntimeError("/srv/shinkai/secret.py: token=abc")
 
-    monkeypatch.setattr(served.server.frontend, "start", broken)
+    monkeypatch.setattr(served.server.frontend, "start_choices", broken)
     with grpc.insecure_channel(served.grpc_target) as ch:
         call = ch.unary_stream("/shinkai.v1.Shinkai/Generate", request_serializer=pb.GenerateRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as info:
@@ -185,14 +185,16 @@ def test_grpc_sends_no_internal_exception_text(served, monkeypatch):
     assert info.value.details() == "internal error"
 
 
-def test_grpc_n_above_the_limit(served):
+@pytest.mark.parametrize("n", [0, 129])
+def test_grpc_n_outside_its_bounds(served, n):
     request = generate_request("Hi", max_tokens=1)
-    request.sampling.n = 2
+    request.sampling.n = n
     with grpc.insecure_channel(served.grpc_target) as ch:
         call = ch.unary_stream("/shinkai.v1.Shinkai/Generate", request_serializer=pb.GenerateRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as info:
             list(call(request, timeout=30))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n > 1" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sampling.n must be between 1 and 128, got {n}" in info.value.details()
 
 
 @pytest.mark.parametrize(

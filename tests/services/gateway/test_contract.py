@@ -158,7 +158,7 @@ UNSUPPORTED = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"best_of": 2}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "logprobs": 1, "prompt": [0, 19923]}, "echo"),  # echo of a token-id prompt
     ({"suffix": "tail"}, "suffix"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
 ]

@@ -214,3 +214,33 @@ def test_reasoning_effort_none_and_include_reasoning_false(client, forced, serve
         )
     assert reply.choices[0].message.content == "Shown."
     assert getattr(reply.choices[0].message, "reasoning_content", None) is None
+
+
+def test_usage_counts_the_reasoning_tokens(client, forced, served):
+    """completion_tokens_details.reasoning_tokens: the output tokens before </think> (plain, streamed, n = 2
+    summed); 0 with thinking off; the markers are the V4.1 vocabulary's."""
+    from model.deepseek_v41.tokenizer import load_v41_tokenizer
+    from services.gateway.openai.chat_stream import THINK_END_ID, THINK_START_ID
+
+    vocab = load_v41_tokenizer()
+    assert (vocab.token_to_id("<think>"), vocab.token_to_id("</think>")) == (THINK_START_ID, THINK_END_ID)
+    thought = "Let me think."
+    with forced.forcing(thought + "</think>The answer is 4.") as ids:
+        plain = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, n=2)
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=40, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        off = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=40, extra_body={"chat_template_kwargs": {"thinking": False}}
+        )
+    num_thought = ids.index(THINK_END_ID)
+    assert num_thought == len(vocab.encode(thought, add_special_tokens=False).ids) > 0
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 2 * num_thought
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == num_thought
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0 and off.usage.completion_tokens == len(ids)
+    with forced.forcing("no end of thought", end=False):
+        cut = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 3  # all of it was reasoning
+    wait_whole(served)

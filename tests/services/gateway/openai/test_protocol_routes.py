@@ -1,12 +1,17 @@
 """OpenAI Responses and Anthropic Messages through their own unmodified clients, the model's output forced."""
 
 import json
+import urllib.error
+import urllib.request
 
 import anthropic
 import openai
 import pytest
 
+from services.engine.finish_reason import FinishReason
+from services.engine.service import Delta
 from tests.services.gateway.forcing import forcing_engine
+from tests.services.gateway.openai.test_http import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,3 +109,101 @@ def test_requests_are_counted_under_their_endpoint(served, forced):
     with urllib.request.urlopen(served.http_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert 'endpoint="messages"' in text and 'endpoint="responses"' in text
+
+
+class _Ending:
+    """An engine stream that passes its first delta, then aborts the request and ends with ``reason``."""
+
+    def __init__(self, inner, reason: FinishReason) -> None:
+        self.inner, self.reason, self.num_prompt_tokens = inner, reason, inner.num_prompt_tokens
+        self.seen: Delta | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.seen is None:
+            self.seen = await self.inner.__anext__()
+            if self.seen.finish_reason is None:
+                return self.seen
+        self.inner.close()
+        return Delta([], [], None, self.seen.num_output_tokens, finish_reason=self.reason, last=True)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _EndingEngine:
+    def __init__(self, inner, reason: FinishReason) -> None:
+        self.inner, self.reason = inner, reason
+
+    async def submit(self, *args, **kwargs):
+        return _Ending(await self.inner.submit(*args, **kwargs), self.reason)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def ending(served):
+    frontend = served.server.frontend
+    inner = frontend.engine
+
+    def end_with(reason: FinishReason) -> None:
+        frontend.engine = _EndingEngine(inner, reason)
+
+    yield end_with
+    frontend.engine = inner
+
+
+@pytest.mark.parametrize(
+    "reason, status",
+    [(FinishReason.ERROR, "failed"), (FinishReason.PREEMPTED, "failed"), (FinishReason.ABORT, "incomplete")],
+)
+def test_an_engine_ending_is_reported_by_responses(served, ending, reason, status):
+    """Not a normal stop: status "failed" with a server_error, or "incomplete" for an abort; streamed, the
+    terminal event is response.failed / response.incomplete."""
+    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ending(reason)
+    plain = client.responses.create(model="tiny", input="Say hello", max_output_tokens=40)
+    events = list(client.responses.create(model="tiny", input="Say hello", max_output_tokens=40, stream=True))
+    assert plain.status == status and events[-1].type == f"response.{status}"
+    assert events[-1].response.status == status
+    if status == "failed":
+        assert plain.error.code == "server_error" and f"finish reason {reason}" in plain.error.message
+    else:
+        assert plain.error is None
+    wait_whole(served)
+
+
+@pytest.mark.parametrize("reason", [FinishReason.ERROR, FinishReason.ABORT])
+def test_an_engine_ending_is_an_anthropic_error(served, ending, reason):
+    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Say hello"}]
+    ending(reason)
+    with pytest.raises(anthropic.APIStatusError, match=f"finish reason {reason}") as plain:
+        client.messages.create(model="tiny", max_tokens=40, messages=messages)
+    assert plain.value.status_code == (500 if reason == FinishReason.ERROR else 503)
+    with pytest.raises(anthropic.APIStatusError, match=f"finish reason {reason}"):
+        with client.messages.stream(model="tiny", max_tokens=40, messages=messages) as stream:
+            "".join(stream.text_stream)
+    wait_whole(served)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/responses", {"input": "Hi"}),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    ],
+)
+def test_n_is_a_400_naming_it(served, path, body):
+    request = urllib.request.Request(
+        served.http_url + path,
+        json.dumps({"model": "tiny", "n": 2, **body}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.load(caught.value)["error"]
+    assert caught.value.code == 400 and error["param"] == "n" and "one answer" in error["message"]
