@@ -306,6 +306,8 @@ class RequestState:
     def num_preemptions(self) -> int: ...
     @property
     def priority(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
 
 @final
 class SchedulerStats:
@@ -348,6 +350,7 @@ class Scheduler:
         schedulable: bool = True,
         constrained: bool = False,
         priority: int = 0,
+        tenant: str = "",
     ) -> None: ...
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None: ...
     def mark_group_idle(self) -> None:

@@ -2,13 +2,24 @@
 //!
 //! The waiting queue is kept sorted by `QueueOrder`, ascending: the first request is the next one
 //! prefill scheduling looks at. Preemption takes running requests from the other end: the greatest
-//! `QueueOrder` (the lowest priority, then the latest arrival) is preempted first. Anything that
-//! reorders requests later (fairness across API keys, prefix-cache hits) extends this type, and both
-//! the queue and preemption follow.
+//! `QueueOrder` (the tenant with the most service, then the lowest priority, then the latest arrival)
+//! is preempted first. Anything that reorders requests later (prefix-cache hits) extends this type,
+//! and both the queue and preemption follow.
+//!
+//! Fairness across tenants (API keys, or clients of an open API) is a virtual-time scheme: each
+//! tenant with live requests has a count of the tokens the scheduler has planned for it
+//! (`TenantShares`), and a tenant that had no live requests joins at the least count among the
+//! tenants that do, so it neither starves the others with credit saved while idle nor waits behind
+//! what they were served before it came. A request's `share` is its tenant's count when the queue is
+//! sorted (at the start of every step), so the tenant served least goes first.
+
+use std::collections::HashMap;
 
 /// A request's place in the order: compared field by field, smaller first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct QueueOrder {
+    /// Tokens planned for the request's tenant while it has had live requests (`TenantShares`).
+    pub share: u64,
     /// The request's priority: a lower value is served first (vLLM's convention); 0 by default.
     pub priority: i32,
     /// Order of arrival at this scheduler (a fork arrives when it is made).
@@ -20,19 +31,106 @@ pub fn insertion_point(queue: impl Iterator<Item = QueueOrder>, key: QueueOrder)
     queue.take_while(|&other| other <= key).count()
 }
 
+/// One tenant's account while it has live requests.
+#[derive(Debug, Clone, Copy)]
+struct TenantShare {
+    /// Live (waiting or running) requests of the tenant.
+    num_live: u32,
+    /// Tokens planned for the tenant (prompt chunks and decode rows), from its joining count on.
+    num_served_tokens: u64,
+}
+
+/// The tenants with live requests and the service each has had: `QueueOrder::share`.
+#[derive(Debug, Clone, Default)]
+pub struct TenantShares {
+    tenants: HashMap<String, TenantShare>,
+}
+
+impl TenantShares {
+    /// A request of `tenant` goes live. A tenant without live requests joins at the least count among
+    /// those with live requests (0 when there are none).
+    pub fn join(&mut self, tenant: &str) {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            t.num_live += 1;
+            return;
+        }
+        let floor = self.tenants.values().map(|t| t.num_served_tokens).min().unwrap_or(0);
+        self.tenants.insert(tenant.to_string(), TenantShare { num_live: 1, num_served_tokens: floor });
+    }
+
+    /// A request of `tenant` finished or was aborted; the tenant's account goes with its last one.
+    pub fn leave(&mut self, tenant: &str) {
+        let t = self.tenants.get_mut(tenant).expect("a live request's tenant has an account");
+        t.num_live -= 1;
+        if t.num_live == 0 {
+            self.tenants.remove(tenant);
+        }
+    }
+
+    /// Counts `num_tokens` planned for a request of `tenant`.
+    pub fn serve(&mut self, tenant: &str, num_tokens: u32) {
+        let t = self.tenants.get_mut(tenant).expect("a live request's tenant has an account");
+        t.num_served_tokens += num_tokens as u64;
+    }
+
+    /// The tenant's count (`QueueOrder::share`).
+    pub fn share(&self, tenant: &str) -> u64 {
+        self.tenants.get(tenant).map_or(0, |t| t.num_served_tokens)
+    }
+
+    /// Tenants with live requests.
+    pub fn num_tenants(&self) -> usize {
+        self.tenants.len()
+    }
+
+    /// Live requests over all tenants (checked against the scheduler's own count).
+    pub fn num_live(&self) -> u32 {
+        self.tenants.values().map(|t| t.num_live).sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn order(share: u64, priority: i32, arrival: u64) -> QueueOrder {
+        QueueOrder { share, priority, arrival }
+    }
+
     #[test]
-    fn priority_then_arrival() {
-        let a = QueueOrder { priority: 0, arrival: 5 };
-        let b = QueueOrder { priority: -1, arrival: 9 };
-        let c = QueueOrder { priority: 0, arrival: 2 };
-        let mut all = [a, b, c];
+    fn share_then_priority_then_arrival() {
+        let a = order(0, 0, 5);
+        let b = order(0, -1, 9);
+        let c = order(0, 0, 2);
+        let d = order(1, -5, 0);
+        let mut all = [a, b, c, d];
         all.sort();
-        assert_eq!(all, [b, c, a]);
-        assert_eq!(insertion_point(all.iter().copied(), QueueOrder { priority: 0, arrival: 3 }), 2);
-        assert_eq!(insertion_point(all.iter().copied(), QueueOrder { priority: 1, arrival: 0 }), 3);
+        assert_eq!(all, [b, c, a, d]);
+        assert_eq!(insertion_point(all.iter().copied(), order(0, 0, 3)), 2);
+        assert_eq!(insertion_point(all.iter().copied(), order(0, 1, 0)), 3);
+        assert_eq!(insertion_point(all.iter().copied(), order(2, -9, 0)), 4);
+    }
+
+    #[test]
+    fn a_tenant_joins_at_the_least_count_and_its_account_goes_with_its_last_request() {
+        let mut shares = TenantShares::default();
+        shares.join("heavy");
+        shares.join("other");
+        shares.serve("heavy", 256);
+        shares.serve("other", 100);
+        // Joining at the least live count, not at 0: saved credit would starve the others.
+        shares.join("new");
+        assert_eq!(shares.share("new"), 100);
+        shares.join("heavy");
+        assert_eq!((shares.share("heavy"), shares.num_live(), shares.num_tenants()), (256, 4, 3));
+        shares.leave("heavy");
+        assert_eq!(shares.share("heavy"), 256);
+        shares.leave("heavy");
+        shares.leave("other");
+        shares.leave("new");
+        assert_eq!((shares.num_tenants(), shares.num_live()), (0, 0));
+        // A tenant that comes back with nobody else live starts from 0.
+        shares.join("heavy");
+        assert_eq!(shares.share("heavy"), 0);
     }
 }
