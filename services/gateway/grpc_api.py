@@ -18,7 +18,7 @@ from observability import tracing
 from services.engine.finish_reason import FinishReason
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
-from services.gateway.auth import Keys, grpc_authorization
+from services.gateway.auth import Keys, grpc_authorization, peer_host
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, GenerateArgs, finite_logprob
 from services.gateway.grpc_chat import chat_delta, chat_request, content_bytes, message_content
@@ -125,6 +125,7 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
         )
     args.images = list(request.images)
     args.priority = request.priority
+    args.tenant = request.tenant or None  # set by a gateway forwarding to an engine (Frontend refuses it otherwise)
     s = request.sampling
     args.stop = _stop(s)
     args.include_stop_str_in_output = s.include_stop_str_in_output
@@ -185,6 +186,7 @@ class ShinkaiApi:
             check_caps(request, self.frontend.info.max_model_len)
             args, options = _args(request)
             args.owner = owner
+            args.client_address = peer_host(context.peer())
             args.trace_parent = tracing.extract(context.invocation_metadata())
             generation = await self.frontend.start(args)
         except ApiError as err:

@@ -21,6 +21,7 @@ from services.gateway.frontend import Frontend
 from services.gateway.image_fetcher import ImageFetcher
 from services.gateway.rank_group import RankGroup
 from services.gateway.router import EngineRouter
+from services.gateway.admission import Admission
 from services.gateway.server import ServeConfig
 from services.tokenizer.chat import ChatRenderer
 
@@ -73,6 +74,7 @@ class RankServer:
                 self.tokenizer,
                 self.metrics,
                 image_fetcher=ImageFetcher(allow_private=self.config.allow_private_image_urls),
+                admission=Admission(self.config.admission),
             )
             self.api = ApiServer(
                 self.frontend,

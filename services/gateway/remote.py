@@ -163,6 +163,7 @@ class RemoteEngine:
         params: SamplingParams,
         images: Sequence[bytes] = (),
         priority: int = 0,
+        tenant: str = "",
     ) -> RemoteStream:
         request = pb.GenerateRequest(
             request_id=request_id,
@@ -171,6 +172,7 @@ class RemoteEngine:
             sampling=_sampling(params),
             images=list(images),
             priority=priority,
+            tenant=tenant,
         )
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:
