@@ -6,12 +6,15 @@
 //! is preempted first. Anything that reorders requests later (prefix-cache hits) extends this type,
 //! and both the queue and preemption follow.
 //!
-//! Fairness across tenants (API keys, or clients of an open API) is a virtual-time scheme: each
-//! tenant with live requests has a count of the tokens the scheduler has planned for it
-//! (`TenantShares`), and a tenant that had no live requests joins at the least count among the
-//! tenants that do, so it neither starves the others with credit saved while idle nor waits behind
-//! what they were served before it came. A request's `share` is its tenant's count when the queue is
-//! sorted (at the start of every step), so the tenant served least goes first.
+//! Fairness across tenants (API keys, or clients of an open API) is a virtual-time scheme (start-time
+//! fair queuing over tokens): each tenant with live requests has a count of the tokens the scheduler
+//! has planned for it (`TenantShares`), and a tenant that had no live requests joins at the virtual
+//! time: the least count among the live tenants when the last step was planned, before that step's
+//! tokens were counted. So a newcomer neither starves the others with credit saved while idle nor
+//! waits behind what they were served before it came: it goes ahead of a tenant whose prompt is in
+//! service, and ties only with a tenant that was not served in the last step. A request's `share` is
+//! its tenant's count; the queue is re-sorted when a step is planned, so the tenant served least goes
+//! first.
 
 use std::collections::HashMap;
 
@@ -44,18 +47,29 @@ struct TenantShare {
 #[derive(Debug, Clone, Default)]
 pub struct TenantShares {
     tenants: HashMap<String, TenantShare>,
+    /// Where a tenant without live requests joins: the least count among the live tenants when the
+    /// last step was planned, before its tokens were counted (`start_step`). Never decreases.
+    virtual_time: u64,
 }
 
 impl TenantShares {
-    /// A request of `tenant` goes live. A tenant without live requests joins at the least count among
-    /// those with live requests (0 when there are none).
+    /// A request of `tenant` goes live. A tenant without live requests joins at the virtual time.
     pub fn join(&mut self, tenant: &str) {
         if let Some(t) = self.tenants.get_mut(tenant) {
             t.num_live += 1;
             return;
         }
-        let floor = self.tenants.values().map(|t| t.num_served_tokens).min().unwrap_or(0);
-        self.tenants.insert(tenant.to_string(), TenantShare { num_live: 1, num_served_tokens: floor });
+        let share = TenantShare { num_live: 1, num_served_tokens: self.virtual_time };
+        self.tenants.insert(tenant.to_string(), share);
+    }
+
+    /// A step is being planned: the virtual time moves to the least count among the live tenants,
+    /// before the step's tokens are counted (`serve`). Every live count is at least the virtual time
+    /// (a joiner starts at it, counts only grow), so it never decreases.
+    pub fn start_step(&mut self) {
+        if let Some(least) = self.tenants.values().map(|t| t.num_served_tokens).min() {
+            self.virtual_time = least;
+        }
     }
 
     /// A request of `tenant` finished or was aborted; the tenant's account goes with its last one.
@@ -112,25 +126,36 @@ mod tests {
     }
 
     #[test]
-    fn a_tenant_joins_at_the_least_count_and_its_account_goes_with_its_last_request() {
+    fn a_tenant_joins_at_the_virtual_time_and_its_account_goes_with_its_last_request() {
         let mut shares = TenantShares::default();
         shares.join("heavy");
         shares.join("other");
+        shares.start_step();
         shares.serve("heavy", 256);
         shares.serve("other", 100);
-        // Joining at the least live count, not at 0: saved credit would starve the others.
+        shares.start_step();
+        shares.serve("heavy", 50);
+        // At the least live count before the last step's tokens (100), not at 0: saved credit would
+        // starve the others; nor at after them: it would wait behind the step in service.
         shares.join("new");
         assert_eq!(shares.share("new"), 100);
+        shares.serve("other", 30);
+        shares.leave("new");
+        shares.start_step();
+        shares.join("new");
+        assert_eq!(shares.share("new"), 130);
         shares.join("heavy");
-        assert_eq!((shares.share("heavy"), shares.num_live(), shares.num_tenants()), (256, 4, 3));
+        assert_eq!((shares.share("heavy"), shares.num_live(), shares.num_tenants()), (306, 4, 3));
         shares.leave("heavy");
-        assert_eq!(shares.share("heavy"), 256);
+        assert_eq!(shares.share("heavy"), 306);
         shares.leave("heavy");
         shares.leave("other");
         shares.leave("new");
         assert_eq!((shares.num_tenants(), shares.num_live()), (0, 0));
-        // A tenant that comes back with nobody else live starts from 0.
+        // A tenant that comes back with nobody else live starts at the virtual time, which never
+        // goes back.
+        shares.start_step();
         shares.join("heavy");
-        assert_eq!(shares.share("heavy"), 0);
+        assert_eq!(shares.share("heavy"), 130);
     }
 }

@@ -418,6 +418,7 @@ impl Scheduler {
         plan.outputs = outputs;
         plan.block_copies = std::mem::take(&mut self.pending_block_copies);
         plan.state_copies = std::mem::take(&mut self.pending_state_copies);
+        self.shares.start_step();
         for s in &chosen {
             let req = self.slab[s.handle].as_mut().expect("live handle");
             req.num_inflight_tokens += s.num_rows;
