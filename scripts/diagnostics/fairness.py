@@ -79,7 +79,7 @@ class Phase:
     def light(self) -> None:
         k = 0
         while not self.stop.is_set():
-            status, ttft = stream_ttft(self.url, self.keys[2], [3 + (k + i) % 90 for i in range(16)], 4)
+            status, ttft = stream_ttft(self.url, self.keys[2], [3 + (k + i) % 90 for i in range(16)], 1)
             if status == 200 and ttft is not None:
                 self.ttfts.append(ttft)
             else:

@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from services.gateway.auth import Keys, tls_files
     from services.gateway.admission import admission_limits
+    from services.gateway.auth import Keys, tls_files
     from services.gateway.http_protocol import http_timeouts
     from services.gateway.server import ServeConfig
 

@@ -28,8 +28,8 @@ from typing import Protocol
 from services import nats_auth
 from services.entrypoints.credentials import NATS, StackCredentials, without_secrets
 from services.entrypoints.invocation import shinkai_command
-from services.gateway.auth import KEY_ENV
 from services.gateway.admission import AdmissionLimits, admission_argv
+from services.gateway.auth import KEY_ENV
 from services.gateway.http_protocol import HttpTimeouts, http_timeout_argv
 from services.ports import free_port
 

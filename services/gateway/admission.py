@@ -94,8 +94,10 @@ class Admission:
         """Counts a request of ``tenant``, or raises TenantOverLimit (with nothing counted)."""
         account = self.accounts.get(tenant) or _Account()
         if account.num_requests >= self.limits.max_requests:
-            raise TenantOverLimit(f"tenant {tenant!r} (an API key's owner or a client address) has {account.num_requests} live requests; "
-                f"the limit is {self.limits.max_requests}")
+            raise TenantOverLimit(
+                f"tenant {tenant!r} (an API key's owner or a client address) has {account.num_requests} live requests; "
+                f"the limit is {self.limits.max_requests}"
+            )
         queued = account.num_queued_tokens
         if queued and queued + num_prompt_tokens > self.limits.max_queued_tokens:
             raise TenantOverLimit(
@@ -147,7 +149,9 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
 
 def admission_limits(args: argparse.Namespace) -> AdmissionLimits:
     """The limits the flags of ``add_admission_arguments`` give."""
-    return AdmissionLimits(max_requests=args.max_requests_per_tenant, max_queued_tokens=args.max_queued_tokens_per_tenant)
+    return AdmissionLimits(
+        max_requests=args.max_requests_per_tenant, max_queued_tokens=args.max_queued_tokens_per_tenant
+    )
 
 
 def admission_argv(limits: AdmissionLimits) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
 from observability.metrics import RequestMetrics
 from services.engine.model_info import ModelInfo
+from services.gateway.admission import Admission
 from services.gateway.api_server import ApiServer
 from services.gateway.auth import Keys
 from services.gateway.backends import LocalTokenizer
@@ -21,7 +22,6 @@ from services.gateway.frontend import Frontend
 from services.gateway.image_fetcher import ImageFetcher
 from services.gateway.rank_group import RankGroup
 from services.gateway.router import EngineRouter
-from services.gateway.admission import Admission
 from services.gateway.server import ServeConfig
 from services.tokenizer.chat import ChatRenderer
 

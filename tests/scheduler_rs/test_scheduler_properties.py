@@ -1,8 +1,9 @@
 """Random add / schedule / update / abort / fork sequences on small pools, so preemption and chunked
-prefill happen often, in separate and in mixed steps, with random priorities and tenants. After every step: pool
-conservation and reference counts (check_invariants); every plan within the token budget (a mixed one:
-decode rows first); the waiting queue in its order of tenant share, priority and arrival, and every live
-request in its tenant's account (check_invariants); at the end: every added request has exactly one final output and every block is back."""
+prefill happen often, in separate and in mixed steps, with random priorities and tenants. After every step:
+pool conservation and reference counts, the waiting queue in its order (tenant share, priority, arrival),
+and every live request in its tenant's account (check_invariants); every plan within the token budget (a
+mixed one: decode rows first); at the end: every added request has exactly one final output and every
+block is back."""
 
 from collections import Counter
 
