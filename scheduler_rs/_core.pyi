@@ -350,8 +350,10 @@ class Scheduler:
         schedulable: bool = True,
         constrained: bool = False,
         priority: int = 0,
-        tenant: str = "",
-    ) -> None: ...
+        tenant: str = ...,
+    ) -> None:
+        """``tenant``: who the request is served for ("" by default): the queue goes first by the tenant
+        served least, then priority, then arrival (docs/architecture.md, "The waiting queue's order")."""
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None: ...
     def mark_group_idle(self) -> None:
         """The group's work-left vote found no rank with work: the next ``schedule()`` of a NORMAL engine

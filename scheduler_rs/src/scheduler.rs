@@ -201,6 +201,7 @@ impl Scheduler {
 
     // ---- requests -------------------------------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)]
     pub fn add_request(
         &mut self,
         request_id: String,
