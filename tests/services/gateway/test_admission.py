@@ -158,3 +158,32 @@ def test_a_client_cannot_name_its_own_tenant(limited):
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), tenant="key-alice's")
         with pytest.raises(InvalidArgument, match="tenant is set by the server"):
             list(bob._stream(request, 30))
+
+
+def test_a_tenant_over_its_limit_is_counted_as_rejected(limited):
+    assert limited.server.metrics.rejected.labels(reason="tenant_limit")._value.get() >= 2
+
+
+def test_an_open_api_names_the_tenant_by_the_client_address_over_http_and_grpc(served):
+    """No keys: the tenant is the caller's host, the same for HTTP and for gRPC (whatever the port)."""
+    engine = served.server.engine
+    tenants = []
+    submit = engine.submit
+
+    def recording(*args, **kwargs):
+        tenants.append(kwargs.get("tenant"))
+        return submit(*args, **kwargs)
+
+    engine.submit = recording
+    try:
+        body = json.dumps({"model": "tiny", "prompt": [1, 2], "max_tokens": 1}).encode()
+        req = urllib.request.Request(
+            served.http_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        with ShinkaiClient(served.grpc_target, timeout=60) as client:
+            client.generate([1, 2], max_tokens=1)
+    finally:
+        del engine.submit
+    assert tenants == ["127.0.0.1", "127.0.0.1"]
