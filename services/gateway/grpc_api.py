@@ -65,6 +65,7 @@ def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
     _cap("client_request_id", len(request.client_request_id.encode()), MAX_ID_BYTES)
     _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
     _cap("model", len(request.model.encode()), MAX_ID_BYTES)
+    _cap("tenant", len(request.tenant.encode()), MAX_ID_BYTES)
     _cap("text", len(request.text.encode()), MAX_TEXT_BYTES)
     _cap("token_ids", len(request.token_ids.ids), max_model_len, "ids (the context)")
     _cap("chat.messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")

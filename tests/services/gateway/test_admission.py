@@ -158,6 +158,9 @@ def test_a_client_cannot_name_its_own_tenant(limited):
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), tenant="key-alice's")
         with pytest.raises(InvalidArgument, match="tenant is set by the server"):
             list(bob._stream(request, 30))
+        request.tenant = "t" * 257
+        with pytest.raises(InvalidArgument, match="tenant is 257 bytes, over the limit of 256"):
+            list(bob._stream(request, 30))
 
 
 def test_a_tenant_over_its_limit_is_counted_as_rejected(limited):
