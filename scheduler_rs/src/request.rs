@@ -123,6 +123,8 @@ pub struct Request {
     /// Who the request is served for (an API key's id, or a client of an open API): the queue is fair
     /// across tenants (`QueueOrder::share`). "" by default: one tenant for every request not given one.
     pub tenant: String,
+    /// The tenant's slot in the scheduler's `TenantShares`, set when the request goes live.
+    pub tenant_slot: usize,
     pub num_preemptions: u32,
     /// Unique per admission or recompute; a step's results apply only to the incarnation it planned.
     pub incarnation: u64,
@@ -152,6 +154,7 @@ impl Request {
             arrival,
             priority: 0,
             tenant: String::new(),
+            tenant_slot: 0,
             num_preemptions: 0,
             incarnation: 0,
         }

@@ -235,7 +235,7 @@ impl Scheduler {
     /// A live request's place in the one order (`queue_order`), with its tenant's share now.
     fn order_of(&self, handle: usize) -> QueueOrder {
         let req = self.req(handle);
-        req.order(self.shares.share(&req.tenant))
+        req.order(self.shares.share(req.tenant_slot))
     }
 
     /// Puts a request into the waiting queue at its place in the one order (`queue_order`).
@@ -249,7 +249,7 @@ impl Scheduler {
     /// Shares change only when a step is planned, which ends with this.
     fn sort_waiting(&mut self) {
         let mut waiting = std::mem::take(&mut self.waiting);
-        waiting.make_contiguous().sort_by_key(|&h| self.order_of(h));
+        waiting.make_contiguous().sort_by_cached_key(|&h| self.order_of(h));
         self.waiting = waiting;
     }
 
@@ -294,7 +294,7 @@ impl Scheduler {
     fn insert(&mut self, mut req: Request) -> usize {
         req.incarnation = self.next_incarnation;
         self.next_incarnation += 1;
-        self.shares.join(&req.tenant);
+        req.tenant_slot = self.shares.join(&req.tenant);
         let id = req.request_id.clone();
         let handle = match self.free_handles.pop() {
             Some(h) => {
@@ -357,7 +357,7 @@ impl Scheduler {
         let mut req = self.slab[handle].take().expect("live handle");
         self.free_handles.push(handle);
         self.ids.remove(&req.request_id);
-        self.shares.leave(&req.tenant);
+        self.shares.leave(req.tenant_slot);
         let blocks = std::mem::take(&mut req.block_table);
         let num_deferred = self.release(blocks, req.state_slot.take(), req.last_step_id);
         let output = RequestUpdate {
@@ -424,7 +424,7 @@ impl Scheduler {
             let req = self.slab[s.handle].as_mut().expect("live handle");
             req.num_inflight_tokens += s.num_rows;
             req.last_step_id = Some(step_id);
-            self.shares.serve(&req.tenant, s.num_rows);
+            self.shares.serve(req.tenant_slot, s.num_rows);
         }
         // The shares changed only here, so the queue stays in its order until the next step.
         self.sort_waiting();

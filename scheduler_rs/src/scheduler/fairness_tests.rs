@@ -119,7 +119,8 @@ fn preemption_takes_the_tenant_with_the_most_service_first() {
     add(&mut s, "heavy", 8, 10, "h");
     add(&mut s, "x", 8, 10, "x");
     add(&mut s, "y", 8, 10, "y");
-    s.shares.serve("h", 100);
+    let h = s.shares.slot("h").unwrap();
+    s.shares.serve(h, 100);
     step(&mut s);
     let plan = step(&mut s);
     assert_eq!(plan.num_requests(), 2);
