@@ -306,6 +306,8 @@ class RequestState:
     def num_preemptions(self) -> int: ...
     @property
     def priority(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
 
 @final
 class SchedulerStats:
@@ -348,7 +350,10 @@ class Scheduler:
         schedulable: bool = True,
         constrained: bool = False,
         priority: int = 0,
-    ) -> None: ...
+        tenant: str = ...,
+    ) -> None:
+        """``tenant``: who the request is served for ("" by default): the queue goes first by the tenant
+        served least, then priority, then arrival (docs/architecture.md, "The waiting queue's order")."""
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None: ...
     def mark_group_idle(self) -> None:
         """The group's work-left vote found no rank with work: the next ``schedule()`` of a NORMAL engine

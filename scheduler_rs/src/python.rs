@@ -756,6 +756,7 @@ pub struct RequestState {
     schedulable: bool,
     num_preemptions: u32,
     priority: i32,
+    tenant: String,
 }
 
 impl From<&Request> for RequestState {
@@ -777,6 +778,7 @@ impl From<&Request> for RequestState {
             schedulable: r.schedulable,
             num_preemptions: r.num_preemptions,
             priority: r.priority,
+            tenant: r.tenant.clone(),
         }
     }
 }
@@ -827,7 +829,7 @@ impl Scheduler {
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, eos_token_id=None, ignore_eos=false,
-        stop_token_ids=Vec::new(), schedulable=true, constrained=false, priority=0))]
+        stop_token_ids=Vec::new(), schedulable=true, constrained=false, priority=0, tenant=String::new()))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -840,9 +842,10 @@ impl Scheduler {
         schedulable: bool,
         constrained: bool,
         priority: i32,
+        tenant: String,
     ) -> PyResult<()> {
         let stop = StopRules { max_tokens, eos_token_id, ignore_eos, stop_token_ids };
-        Ok(self.inner.add_request(request_id, prompt_token_ids, stop, schedulable, constrained, priority)?)
+        Ok(self.inner.add_request(request_id, prompt_token_ids, stop, schedulable, constrained, priority, tenant)?)
     }
 
     #[pyo3(signature = (request_id, schedulable=true))]

@@ -120,6 +120,11 @@ pub struct Request {
     pub arrival: u64,
     /// Lower is served first (`QueueOrder::priority`); 0 by default.
     pub priority: i32,
+    /// Who the request is served for (an API key's id, or a client of an open API): the queue is fair
+    /// across tenants (`QueueOrder::share`). "" by default: one tenant for every request not given one.
+    pub tenant: String,
+    /// The tenant's slot in the scheduler's `TenantShares`, set when the request goes live.
+    pub tenant_slot: usize,
     pub num_preemptions: u32,
     /// Unique per admission or recompute; a step's results apply only to the incarnation it planned.
     pub incarnation: u64,
@@ -148,14 +153,17 @@ impl Request {
             last_step_id: None,
             arrival,
             priority: 0,
+            tenant: String::new(),
+            tenant_slot: 0,
             num_preemptions: 0,
             incarnation: 0,
         }
     }
 
-    /// The request's place in the waiting queue and in preemption (`queue_order`).
-    pub fn order(&self) -> QueueOrder {
-        QueueOrder { priority: self.priority, arrival: self.arrival }
+    /// The request's place in the waiting queue and in preemption (`queue_order`), given its
+    /// tenant's `share`.
+    pub fn order(&self, share: u64) -> QueueOrder {
+        QueueOrder { share, priority: self.priority, arrival: self.arrival }
     }
 
     pub fn len(&self) -> u32 {

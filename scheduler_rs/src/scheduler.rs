@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::block_manager::BlockManager;
 use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
-use crate::queue_order::insertion_point;
+use crate::queue_order::{insertion_point, QueueOrder, TenantShares};
 use crate::request::{FinishReason, Request, StopRules};
 use crate::step::{RequestUpdate, StepKind, StepPlan};
 use crate::varlen::MtpVarlen;
@@ -27,6 +27,8 @@ mod fork;
 mod mixed;
 mod prefill;
 mod update;
+#[cfg(test)]
+mod fairness_tests;
 #[cfg(test)]
 mod mixed_tests;
 #[cfg(test)]
@@ -109,6 +111,8 @@ pub struct Scheduler {
     pending_state_copies: Vec<(u32, u32)>,
     next_arrival: u64,
     next_incarnation: u64,
+    /// Service per tenant with live requests: the first field of the queue's order (`queue_order`).
+    shares: TenantShares,
     /// Varlen verification's step-cost curve (`set_step_cost`); None until the engine gives one.
     varlen: Option<MtpVarlen>,
     /// The curve is measured, not a guess (`set_step_cost`).
@@ -136,6 +140,7 @@ impl Scheduler {
             pending_state_copies: Vec::new(),
             next_arrival: 0,
             next_incarnation: 0,
+            shares: TenantShares::default(),
             varlen: None,
             step_cost_measured: false,
         })
@@ -196,6 +201,7 @@ impl Scheduler {
 
     // ---- requests -------------------------------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)]
     pub fn add_request(
         &mut self,
         request_id: String,
@@ -204,6 +210,7 @@ impl Scheduler {
         schedulable: bool,
         constrained: bool,
         priority: i32,
+        tenant: String,
     ) -> Result<(), SchedulerError> {
         if self.config.engine_type == EngineType::Decode {
             return Err(SchedulerError::InvalidRequest(
@@ -218,17 +225,37 @@ impl Scheduler {
         req.schedulable = schedulable;
         req.constrained = constrained;
         req.priority = priority;
+        req.tenant = tenant;
         self.next_arrival += 1;
         let handle = self.insert(req);
         self.enqueue(handle);
         Ok(())
     }
 
+    /// A live request's place in the one order (`queue_order`), with its tenant's share now.
+    fn order_of(&self, handle: usize) -> QueueOrder {
+        let req = self.req(handle);
+        req.order(self.shares.share(req.tenant_slot))
+    }
+
     /// Puts a request into the waiting queue at its place in the one order (`queue_order`).
     fn enqueue(&mut self, handle: usize) {
-        let key = self.req(handle).order();
-        let at = insertion_point(self.waiting.iter().map(|&h| self.req(h).order()), key);
+        let key = self.order_of(handle);
+        let at = insertion_point(self.waiting.iter().map(|&h| self.order_of(h)), key);
         self.waiting.insert(at, handle);
+    }
+
+    /// Re-sorts the waiting queue by the shares as they are now (stable: equals keep their places).
+    /// Shares change only when a step is planned, which ends with this.
+    fn sort_waiting(&mut self) {
+        let mut waiting = std::mem::take(&mut self.waiting);
+        waiting.make_contiguous().sort_by_cached_key(|&h| self.order_of(h));
+        self.waiting = waiting;
+    }
+
+    /// The waiting queue's request ids, front first (`queue_order`).
+    pub fn waiting_ids(&self) -> Vec<String> {
+        self.waiting.iter().map(|&h| self.req(h).request_id.clone()).collect()
     }
 
     fn validate_tokens(&self, id: &str, prompt: &[u32], max_tokens: u32) -> Result<(), SchedulerError> {
@@ -267,6 +294,7 @@ impl Scheduler {
     fn insert(&mut self, mut req: Request) -> usize {
         req.incarnation = self.next_incarnation;
         self.next_incarnation += 1;
+        req.tenant_slot = self.shares.join(&req.tenant);
         let id = req.request_id.clone();
         let handle = match self.free_handles.pop() {
             Some(h) => {
@@ -329,6 +357,7 @@ impl Scheduler {
         let mut req = self.slab[handle].take().expect("live handle");
         self.free_handles.push(handle);
         self.ids.remove(&req.request_id);
+        self.shares.leave(req.tenant_slot);
         let blocks = std::mem::take(&mut req.block_table);
         let num_deferred = self.release(blocks, req.state_slot.take(), req.last_step_id);
         let output = RequestUpdate {
@@ -390,11 +419,15 @@ impl Scheduler {
         plan.outputs = outputs;
         plan.block_copies = std::mem::take(&mut self.pending_block_copies);
         plan.state_copies = std::mem::take(&mut self.pending_state_copies);
+        self.shares.start_step();
         for s in &chosen {
-            let req = self.req_mut(s.handle);
+            let req = self.slab[s.handle].as_mut().expect("live handle");
             req.num_inflight_tokens += s.num_rows;
             req.last_step_id = Some(step_id);
+            self.shares.serve(req.tenant_slot, s.num_rows);
         }
+        // The shares changed only here, so the queue stays in its order until the next step.
+        self.sort_waiting();
         plan
     }
 
@@ -446,6 +479,13 @@ impl Scheduler {
             self.deferred.iter().map(|d| (d.blocks.as_slice(), d.state_slot)),
         )?;
         let num_live = self.slab.iter().flatten().count();
+        if num_live != self.shares.num_live() as usize {
+            return Err(format!("{num_live} live requests but {} in the tenants' accounts", self.shares.num_live()));
+        }
+        let orders: Vec<QueueOrder> = self.waiting.iter().map(|&h| self.order_of(h)).collect();
+        if orders.windows(2).any(|w| w[0] > w[1]) {
+            return Err("the waiting queue is out of its order".into());
+        }
         if num_live != self.waiting.len() + self.running.len() || num_live != self.ids.len() {
             return Err(format!(
                 "{num_live} live requests but {} waiting + {} running ({} ids)",

@@ -107,11 +107,13 @@ class Engine:
         params: SamplingParams,
         ready: bool = True,
         priority: int = 0,
+        tenant: str = "",
     ) -> None:
         """``ready=False``: the request waits, holding nothing, until ``provide_images`` (the multimodal
         readiness gate); requests behind it in the queue are scheduled meanwhile. ``priority``: lower is
-        served first, then earlier arrival; the last in that order is preempted first (docs/architecture.md,
-        "The waiting queue's order").
+        served first, then earlier arrival; the last in that order is preempted first. ``tenant``: who the request
+        is served for (an API key's owner or a client's address); the queue goes first by the tenant served least
+        (docs/architecture.md, "The waiting queue's order"); "" is the one tenant of requests given none.
 
         ``params.n`` > 1 (choices, each output's ``index``): the prompt but its last token is prefilled once, as
         a *prefix* request whose one output is forced to the prompt's last token; the scheduler then forks it
@@ -127,12 +129,12 @@ class Engine:
         prompt = list(prompt_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         if params.n == 1:
-            self._add(request_id, prompt, params, seed, ready, priority)
+            self._add(request_id, prompt, params, seed, ready, priority, tenant)
             return
         if len(prompt) == 1:
             self.groups[request_id] = [choice_id(request_id, i) for i in range(params.n)]
             for i, member in enumerate(self.groups[request_id]):
-                self._add(member, prompt, params, params.choice_seed(seed, i), ready, priority, request_id, i)
+                self._add(member, prompt, params, params.choice_seed(seed, i), ready, priority, tenant, request_id, i)
             return
         prefix = choice_id(request_id, None)
         self.scheduler.add_request(
@@ -143,6 +145,7 @@ class Engine:
             ignore_eos=True,
             schedulable=ready,
             priority=priority,
+            tenant=tenant,
         )
         self.requests[prefix] = LiveRequest(
             RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
@@ -157,6 +160,7 @@ class Engine:
         seed: int,
         ready: bool,
         priority: int,
+        tenant: str,
         group: str | None = None,
         index: int = 0,
     ) -> None:
@@ -169,6 +173,7 @@ class Engine:
             stop_token_ids=list(params.stop_token_ids),
             schedulable=ready,
             priority=priority,
+            tenant=tenant,
         )
         self.requests[request_id] = self._choice(group or request_id, prompt, params, seed, group, index)
 

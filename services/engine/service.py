@@ -141,6 +141,7 @@ class _Add:
     params: SamplingParams
     ready: bool = True  # False: waits for its images (`_Images`)
     priority: int = 0  # lower is served first (Engine.add_request)
+    tenant: str = ""  # who the request is served for: the queue is fair across tenants (Engine.add_request)
 
 
 @dataclass
@@ -231,6 +232,7 @@ class EngineService:
         params: SamplingParams,
         ready: bool = True,
         priority: int = 0,
+        tenant: str = "",
     ) -> RequestStream:
         """Validates and queues a request; raises ValueError (also for a ``request_id`` already live),
         QueueFull or ShuttingDown with nothing queued. Call from the event loop that will read the stream.
@@ -256,7 +258,7 @@ class EngineService:
                 params.n,
             )
             self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params, ready, priority))
+        self._send(_Add(request_id, list(prompt_token_ids), params, ready, priority, tenant))
         return stream
 
     def provide_images(self, request_id: str, rows) -> None:
@@ -358,6 +360,7 @@ class EngineService:
                         command.params,
                         ready=command.ready,
                         priority=command.priority,
+                        tenant=command.tenant,
                     )
                 except Exception as err:  # validated already; a failure here is a bug, not bad input
                     log.exception("add_request %s failed", command.request_id)

@@ -25,6 +25,7 @@ async def run(args: argparse.Namespace) -> int:
     tracing.setup("shinkai-gateway")
     from observability.metrics import EngineLoadsCollector, RequestMetrics
     from services.engine.model_info import ModelInfo
+    from services.gateway.admission import Admission, admission_limits
     from services.gateway.api_server import ApiServer
     from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
@@ -62,6 +63,7 @@ async def run(args: argparse.Namespace) -> int:
         tokenizer,
         metrics,
         image_fetcher=ImageFetcher(timeout_s=args.image_fetch_timeout, allow_private=args.allow_private_image_urls),
+        admission=Admission(admission_limits(args)),
     )
     api = ApiServer(
         frontend,
@@ -140,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
     )
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) image URL")
+    from services.gateway.admission import add_admission_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
 
     add_http_timeout_arguments(p)
+    add_admission_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))

@@ -49,9 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
+    from services.gateway.admission import add_admission_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
 
     add_http_timeout_arguments(p)
+    add_admission_arguments(p)
 
     add_device_arguments(p)
     add_speculative_arguments(p)
@@ -61,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace):
+    from services.gateway.admission import admission_limits
     from services.gateway.auth import Keys, tls_files
     from services.gateway.http_protocol import http_timeouts
     from services.gateway.server import ServeConfig
@@ -84,6 +87,7 @@ def _config(args: argparse.Namespace):
     extra["tls"] = tls_files(args.ssl_certfile, args.ssl_keyfile)
     extra["allow_private_image_urls"] = args.allow_private_image_urls
     extra["http_timeouts"] = http_timeouts(args)
+    extra["admission"] = admission_limits(args)
     return ServeConfig(
         model=args.model,
         served_model_name=args.served_model_name,

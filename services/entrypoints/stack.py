@@ -28,6 +28,7 @@ from typing import Protocol
 from services import nats_auth
 from services.entrypoints.credentials import NATS, StackCredentials, without_secrets
 from services.entrypoints.invocation import shinkai_command
+from services.gateway.admission import AdmissionLimits, admission_argv
 from services.gateway.auth import KEY_ENV
 from services.gateway.http_protocol import HttpTimeouts, http_timeout_argv
 from services.ports import free_port
@@ -65,6 +66,7 @@ class StackConfig:
     restart_limit: int = 4  # the supervisor's restarts in a row per service; the next crash stays down
     restart_backoff_s: float = 1.0  # the supervisor's wait before a first restart (doubled for each in a row)
     http_timeouts: HttpTimeouts = HttpTimeouts()  # the gateway's read deadlines of a request's headers and body
+    admission: AdmissionLimits = AdmissionLimits()  # the gateway's per-tenant limits (services/gateway/admission.py)
 
 
 @dataclass(frozen=True)
@@ -370,6 +372,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         *drain,
         *(["--allow-private-image-urls"] if config.allow_private_image_urls else []),
         *http_timeout_argv(config.http_timeouts),
+        *admission_argv(config.admission),
     ]
     for spec in engines:
         gateway += ["--engine", spec]

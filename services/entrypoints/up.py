@@ -54,9 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_step_arguments(up)
     add_parallel_arguments(up)
+    from services.gateway.admission import add_admission_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
 
     add_http_timeout_arguments(up)
+    add_admission_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
     up.add_argument(
@@ -103,6 +105,7 @@ def _up(args: argparse.Namespace) -> int:
         )
     from services.engine.config import step_args
     from services.engine.device import device_args
+    from services.gateway.admission import admission_limits
     from services.gateway.http_protocol import http_timeouts
 
     config = StackConfig(
@@ -124,6 +127,7 @@ def _up(args: argparse.Namespace) -> int:
         step_args=tuple(step_args(args).items()),
         allow_private_image_urls=args.allow_private_image_urls,
         http_timeouts=http_timeouts(args),
+        admission=admission_limits(args),
         data_parallel_size=args.data_parallel_size,
         num_redundant_experts=args.num_redundant_experts,
         supervise=not args.no_supervisor,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import urllib.parse
 from collections.abc import Iterable
 
 import grpc
@@ -81,6 +82,17 @@ def grpc_authorization(context: grpc.aio.ServicerContext) -> str | None:
         if key == "authorization":
             return value
     return None
+
+
+def peer_host(peer: str | None) -> str | None:
+    """The host of a gRPC peer ("ipv4:10.0.0.5:51234" -> "10.0.0.5", "ipv6:[::1]:5" -> "::1"): a client of an
+    open API is its address, whatever connection or port it calls from. Other peers (unix sockets) as given."""
+    if not peer:
+        return None
+    scheme, _, rest = urllib.parse.unquote(peer).partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return peer
 
 
 def tls_files(certfile: str | None, keyfile: str | None) -> tuple[str, str] | None:

@@ -44,6 +44,7 @@ class EngineBackend(Protocol):
         params: SamplingParams,
         images: Sequence[bytes] = (),
         priority: int = 0,
+        tenant: str = "",
     ) -> DeltaStream: ...
 
     async def abort(self, client_request_id: str) -> bool: ...
@@ -89,15 +90,20 @@ class LocalEngine:
         params: SamplingParams,
         images: Sequence[bytes] = (),
         priority: int = 0,
+        tenant: str = "",
     ) -> DeltaStream:
         """With images: the prompt is expanded and queued unready, and this waits for the embeddings (the
         request holds nothing meanwhile and other requests run); a failed encode, or a caller cancelled
         meanwhile, aborts the queued request before the error propagates, so nothing leaks."""
         if not images:
-            return self.service.submit(request_id, client_request_id, prompt_token_ids, params, priority=priority)
+            return self.service.submit(
+                request_id, client_request_id, prompt_token_ids, params, priority=priority, tenant=tenant
+            )
         prompts = self.images or ImagePrompts(None, None, None)
         ids, grids = prompts.expand(prompt_token_ids, images)
-        stream = self.service.submit(request_id, client_request_id, ids, params, ready=False, priority=priority)
+        stream = self.service.submit(
+            request_id, client_request_id, ids, params, ready=False, priority=priority, tenant=tenant
+        )
         try:
             rows = await prompts.embeddings(images, grids)
         except BaseException:

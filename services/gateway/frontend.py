@@ -28,7 +28,8 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.service import QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
 from services.gateway import errors
-from services.gateway.backends import EngineBackend, TokenizerBackend
+from services.gateway.admission import Admission, TenantOverLimit, Ticket
+from services.gateway.backends import DeltaStream, EngineBackend, TokenizerBackend
 from services.gateway.choices import ChoiceStreams
 from services.gateway.errors import ApiError
 from services.gateway.generation import Generation
@@ -81,10 +82,23 @@ class GenerateArgs:
     skip_special_tokens: bool = True
     # Scheduling priority: lower is served first (docs/architecture.md, "The waiting queue's order").
     priority: int = 0
+    # The caller's network address (host, no port): the tenant of an open API; None: unknown.
+    client_address: str | None = None
+    # Who the request is served for, when a gateway forwarded it here (takes_request_ids); None: this front end
+    # names it (`tenant_of`).
+    tenant: str | None = None
 
 
 MAX_ID_BYTES = 256
 """The longest client_request_id, request_id or model name either API takes (UTF-8 bytes)."""
+
+
+def tenant_of(args: GenerateArgs) -> str:
+    """Who a request is served for (admission and the engine's fair queue): the tenant a gateway forwarded,
+    else the API key's owner, else the client's address ("" when that is unknown)."""
+    if args.tenant is not None:
+        return args.tenant
+    return args.owner or args.client_address or ""
 
 
 def scoped(client_request_id: str, owner: str | None) -> str:
@@ -146,6 +160,7 @@ class Frontend:
         metrics: RequestMetrics,
         takes_request_ids: bool = False,
         image_fetcher: ImageFetcher | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.info = info
         self.engine = engine
@@ -156,6 +171,9 @@ class Frontend:
         # True behind a gateway (an engine process): a request may bring the gateway's request_id. False: this
         # front end makes every request_id, and a request that brings one is refused.
         self.takes_request_ids = takes_request_ids
+        # Per-tenant limits (services/gateway/admission.py), on the user-facing front end; None: none (an engine
+        # process behind a gateway, which admitted the request already).
+        self.admission = admission
         metrics.model_name = info.model  # the vLLM names' label
 
     @property
@@ -217,6 +235,11 @@ class Frontend:
             )
         if args.images and not self.takes_request_ids:
             raise errors.invalid("images travel as image_url parts of a chat's messages", "images")
+        if args.tenant is not None and not self.takes_request_ids:
+            raise errors.invalid("tenant is set by the server from the API key or the client's address", "tenant")
+        tenant = tenant_of(args)
+        ticket: Ticket | None = None
+        stream: DeltaStream | None = None
         request_id = args.request_id or f"req-{uuid.uuid4().hex}"
         client_request_id = args.client_request_id or request_id
         span = tracing.start_span(
@@ -238,8 +261,10 @@ class Frontend:
                 if urls:
                     with tracing.span("fetch_images"):
                         images = await self.image_fetcher.fetch(urls)
+                if self.admission is not None:
+                    ticket = self.admission.admit(tenant, len(ids), args.params.n)
                 stream = await self.engine.submit(
-                    request_id, scoped(client_request_id, args.owner), ids, args.params, images, args.priority
+                    request_id, scoped(client_request_id, args.owner), ids, args.params, images, args.priority, tenant
                 )
                 detokenize_span = (
                     tracing.start_span("detokenize") if getattr(self.tokenizer, "detokenize", True) else None
@@ -259,9 +284,18 @@ class Frontend:
         except ShuttingDown as err:
             tracing.end(span, error="unavailable")
             raise ApiError(errors.UNAVAILABLE, str(err), code="shutting_down") from err
+        except TenantOverLimit as err:
+            tracing.end(span, error="tenant_limit")
+            self.metrics.rejected.labels(reason="tenant_limit").inc()
+            raise ApiError(
+                errors.QUEUE_FULL, str(err), code="rate_limit_exceeded", retry_after_s=err.retry_after_s
+            ) from err
         except BaseException:
             tracing.end(span, error="failed")
             raise
+        finally:
+            if ticket is not None and stream is None:  # admitted, then refused by the engine or cancelled
+                ticket.cancel()
         num_prompt_tokens = stream.num_prompt_tokens  # image spans expanded: the engine's count
         if span is not None:
             span.set_attribute("request.prompt_tokens", num_prompt_tokens)
@@ -284,6 +318,7 @@ class Frontend:
                 StopStrings(args.stop, args.include_stop_str_in_output) if args.stop else None,
                 index=i,
                 prompt_token_ids=ids,
+                ticket=ticket,
             )
             for i, choice in enumerate(streams)
         ]

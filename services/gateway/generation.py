@@ -18,6 +18,7 @@ from observability import tracing
 from observability.metrics import RequestMetrics
 from services.engine.finish_reason import FinishReason
 from services.engine.service import Delta
+from services.gateway.admission import Ticket
 from services.gateway.backends import DeltaStream, Detokenizer
 from services.gateway.stop_strings import StopStrings
 
@@ -63,6 +64,7 @@ class Generation:
         stop: StopStrings | None = None,
         index: int = 0,
         prompt_token_ids: list[int] | None = None,
+        ticket: Ticket | None = None,
     ) -> None:
         self.metrics = metrics
         self.stream = stream
@@ -79,6 +81,8 @@ class Generation:
         self.stop = stop  # the request's stop strings; None: it has none
         self.index = index  # which of the request's choices this is (0 to n - 1)
         self.prompt_token_ids = prompt_token_ids or []  # the prompt as this side encoded it (image spans not expanded)
+        # The request's place in its tenant's admission account (shared by its choices); None: not admitted here.
+        self.ticket = ticket
         self._last: float | None = None  # time of the latest token-bearing delta
         self.finish_reason: FinishReason | None = None
 
@@ -93,6 +97,8 @@ class Generation:
         if delta.token_ids:
             if self._last is None:
                 self.metrics.ttft.observe(now - self._start)
+                if self.ticket is not None:
+                    self.ticket.started()
             else:
                 gap = (now - self._last) / len(delta.token_ids)
                 for _ in delta.token_ids:  # vLLM's count: one inter-token latency per token after the first
@@ -132,6 +138,8 @@ class Generation:
         assert delta.finish_reason is not None
         self.detokenizer.close()
         self.finish_reason = delta.finish_reason
+        if self.ticket is not None:
+            self.ticket.done()
         self.metrics.generation_tokens.inc(delta.num_output_tokens)
         if self.index == 0:  # a request's counts and latency once, by its first choice
             self.metrics.e2e.observe(now - self._start)
@@ -152,6 +160,8 @@ class Generation:
         """Aborts the request unless its final piece was read (a disconnect or cancel). Idempotent."""
         if self.finish_reason is None:
             self.finish_reason = FinishReason.ABORT
+            if self.ticket is not None:
+                self.ticket.done()
             if self.index == 0:
                 self.metrics.finished.labels(reason=FinishReason.ABORT).inc()
             self.detokenizer.close()

@@ -18,7 +18,7 @@ from observability import tracing
 from services.engine.finish_reason import FinishReason
 from services.engine.sampling_params import SamplingParams
 from services.gateway import errors
-from services.gateway.auth import Keys, grpc_authorization
+from services.gateway.auth import Keys, grpc_authorization, peer_host
 from services.gateway.choices import merged_pieces
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend, GenerateArgs, finite_logprob
@@ -67,6 +67,7 @@ def check_caps(request: pb.GenerateRequest, max_model_len: int) -> None:
     _cap("client_request_id", len(request.client_request_id.encode()), MAX_ID_BYTES)
     _cap("request_id", len(request.request_id.encode()), MAX_ID_BYTES)
     _cap("model", len(request.model.encode()), MAX_ID_BYTES)
+    _cap("tenant", len(request.tenant.encode()), MAX_ID_BYTES)
     _cap("text", len(request.text.encode()), MAX_TEXT_BYTES)
     _cap("token_ids", len(request.token_ids.ids), max_model_len, "ids (the context)")
     _cap("chat.messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")
@@ -127,6 +128,7 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
         )
     args.images = list(request.images)
     args.priority = request.priority
+    args.tenant = request.tenant or None  # set by a gateway forwarding to an engine (Frontend refuses it otherwise)
     s = request.sampling
     args.stop = _stop(s)
     args.include_stop_str_in_output = s.include_stop_str_in_output
@@ -196,6 +198,7 @@ class ShinkaiApi:
             check_caps(request, self.frontend.info.max_model_len)
             args, options = _args(request)
             args.owner = owner
+            args.client_address = peer_host(context.peer())
             args.trace_parent = tracing.extract(context.invocation_metadata())
             generations = await self.frontend.start_choices(args)
         except ApiError as err:

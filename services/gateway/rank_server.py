@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from model.deepseek_v41.tokenizer import V41_VOCAB_SIZE, v41_tokenizer_path
 from observability.metrics import RequestMetrics
 from services.engine.model_info import ModelInfo
+from services.gateway.admission import Admission
 from services.gateway.api_server import ApiServer
 from services.gateway.auth import Keys
 from services.gateway.backends import LocalTokenizer
@@ -73,6 +74,7 @@ class RankServer:
                 self.tokenizer,
                 self.metrics,
                 image_fetcher=ImageFetcher(allow_private=self.config.allow_private_image_urls),
+                admission=Admission(self.config.admission),
             )
             self.api = ApiServer(
                 self.frontend,

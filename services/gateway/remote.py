@@ -176,6 +176,7 @@ class RemoteEngine:
         params: SamplingParams,
         images: Sequence[bytes] = (),
         priority: int = 0,
+        tenant: str = "",
     ) -> RemoteStream:
         request = pb.GenerateRequest(
             request_id=request_id,
@@ -184,6 +185,7 @@ class RemoteEngine:
             sampling=_sampling(params),
             images=list(images),
             priority=priority,
+            tenant=tenant,
         )
         call = self.stub.Generate(request, metadata=tracing.grpc_metadata())  # the request span's context
         try:

@@ -160,9 +160,12 @@ class EngineRouter:
         params: SamplingParams,
         images: Sequence[bytes] = (),
         priority: int = 0,
+        tenant: str = "",
     ) -> _CountedStream:
         state = self.pick()
-        stream = await state.engine.submit(request_id, client_request_id, prompt_token_ids, params, images, priority)
+        stream = await state.engine.submit(
+            request_id, client_request_id, prompt_token_ids, params, images, priority, tenant
+        )
         state.sent_since_report += 1
         state.live += 1
         state.num_routed += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from services.engine.llm import LLM
 from services.engine.served_engine import ServedEngine
 from services.engine.service import DEFAULT_MAX_QUEUED
+from services.gateway.admission import Admission, AdmissionLimits
 from services.gateway.api_server import ApiServer
 from services.gateway.auth import Keys
 from services.gateway.backends import LocalEngine, LocalTokenizer
@@ -37,6 +38,7 @@ class ServeConfig:
     tls: tuple[str, str] | None = None  # (certificate, key) PEM files: HTTPS and TLS gRPC; None: plaintext
     allow_private_image_urls: bool = False  # image URLs may resolve to private / loopback addresses (the SSRF rule off)
     http_timeouts: HttpTimeouts = HttpTimeouts()  # read deadlines of an HTTP request's headers and body
+    admission: AdmissionLimits = AdmissionLimits()  # per-tenant limits (services/gateway/admission.py)
 
 
 class Server:
@@ -58,6 +60,7 @@ class Server:
             LocalTokenizer(self.llm, self.chat, config.detokenize),
             self.metrics,
             image_fetcher=ImageFetcher(allow_private=config.allow_private_image_urls),
+            admission=Admission(config.admission),
         )
         self.api = ApiServer(
             self.frontend,

@@ -1,7 +1,9 @@
 """Random add / schedule / update / abort / fork sequences on small pools, so preemption and chunked
-prefill happen often, in separate and in mixed steps, with random priorities. After every step: pool
-conservation and reference counts (check_invariants); every plan within the token budget (a mixed one:
-decode rows first); at the end: every added request has exactly one final output and every block is back."""
+prefill happen often, in separate and in mixed steps, with random priorities and tenants. After every step:
+pool conservation and reference counts, the waiting queue in its order (tenant share, priority, arrival),
+and every live request in its tenant's account (check_invariants); every plan within the token budget (a
+mixed one: decode rows first); at the end: every added request has exactly one final output and every
+block is back."""
 
 from collections import Counter
 
@@ -56,8 +58,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 24),
         schedulable=st.sampled_from([True, True, False]),
         priority=st.sampled_from([0, 0, -1, 2]),
+        tenant=st.sampled_from(["", "a", "b"]),
     )
-    def add(self, prompt_len, max_tokens, schedulable, priority):
+    def add(self, prompt_len, max_tokens, schedulable, priority, tenant):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         try:
@@ -68,6 +71,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 eos_token_id=EOS,
                 schedulable=schedulable,
                 priority=priority,
+                tenant=tenant,
             )
         except ValueError as err:
             assert "blocks but the pool has" in str(err)

@@ -22,7 +22,7 @@ impl Scheduler {
     pub(super) fn schedule_decode(&mut self) -> (Vec<Scheduled>, Vec<RequestUpdate>, bool) {
         let block_size = self.config.block_size;
         let mut order = std::mem::take(&mut self.running);
-        order.sort_by_key(|&h| self.req(h).order());
+        order.sort_by_cached_key(|&h| self.order_of(h));
         let rows = self.decode_rows(&order);
         let (mut next, mut end) = (0, order.len());
         let mut served = HashSet::new();

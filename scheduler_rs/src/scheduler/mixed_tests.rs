@@ -37,7 +37,7 @@ fn step(s: &mut Scheduler) -> StepPlan {
 }
 
 fn add(s: &mut Scheduler, id: &str, len: usize, max_tokens: u32, priority: i32) {
-    s.add_request(id.into(), vec![5; len], StopRules::new(max_tokens), true, false, priority).unwrap();
+    s.add_request(id.into(), vec![5; len], StopRules::new(max_tokens), true, false, priority, String::new()).unwrap();
 }
 
 fn rows(plan: &StepPlan) -> Vec<(String, i32)> {

@@ -39,7 +39,7 @@ fn kitchen_cut_prompt_ends_the_step() {
     c.max_num_batched_tokens = 8;
     let mut s = Scheduler::new(c).unwrap();
     for (id, n) in [("A", 6), ("B", 5), ("C", 4)] {
-        s.add_request(id.into(), vec![5; n], StopRules::new(4), true, false, 0).unwrap();
+        s.add_request(id.into(), vec![5; n], StopRules::new(4), true, false, 0, String::new()).unwrap();
     }
     let (plan, _) = step(&mut s);
     assert_eq!((plan.request_ids.clone(), plan.seqlens_q.clone()), (vec!["A".into(), "B".into()], vec![6, 2]));
@@ -56,7 +56,7 @@ fn a_cut_prompt_holding_most_of_the_cache_still_finishes() {
     let mut c = config(128, 34);
     c.max_num_batched_tokens = 2048;
     let mut s = Scheduler::new(c).unwrap();
-    s.add_request("P".into(), vec![5; 4096], StopRules::new(4), true, false, 0).unwrap();
+    s.add_request("P".into(), vec![5; 4096], StopRules::new(4), true, false, 0, String::new()).unwrap();
     let (plan, _) = step(&mut s);
     assert_eq!((plan.kind, plan.seqlens_q.clone()), (StepKind::Prefill, vec![2048]));
     assert!(s.blocks.usage() > s.config.prefill_max_cache_usage);
@@ -71,7 +71,7 @@ fn abort_between_chunks_returns_all_blocks() {
     let mut c = config(128, 400);
     c.compress_ratios = vec![2, 1];
     let mut s = Scheduler::new(c).unwrap();
-    s.add_request("P".into(), vec![5; 50_000], StopRules::new(4), true, false, 0).unwrap();
+    s.add_request("P".into(), vec![5; 50_000], StopRules::new(4), true, false, 0, String::new()).unwrap();
     let (plan, outputs) = step(&mut s);
     assert_eq!(plan.seqlens_q, vec![32_768]);
     assert!(outputs.is_empty());
@@ -87,7 +87,7 @@ fn abort_between_chunks_returns_all_blocks() {
 fn empty_free_list_alone_does_not_preempt() {
     let mut s = Scheduler::new(config(4, 3)).unwrap();
     for id in ["X", "Y"] {
-        s.add_request(id.into(), vec![5; 3], StopRules::new(8), true, false, 0).unwrap();
+        s.add_request(id.into(), vec![5; 3], StopRules::new(8), true, false, 0, String::new()).unwrap();
     }
     step(&mut s);
     assert_eq!(s.stats().num_free_blocks, 0);
@@ -99,7 +99,7 @@ fn empty_free_list_alone_does_not_preempt() {
 #[test]
 fn a_second_in_flight_step_counts_the_first_as_accepted() {
     let mut s = Scheduler::new(config(4, 16)).unwrap();
-    s.add_request("R".into(), vec![5; 3], StopRules::new(8), true, false, 0).unwrap();
+    s.add_request("R".into(), vec![5; 3], StopRules::new(8), true, false, 0, String::new()).unwrap();
     step(&mut s);
     let first = s.schedule(&mut SingleRank);
     let second = s.schedule(&mut SingleRank);
@@ -128,7 +128,7 @@ fn all_points_come_every_seventy_decode_steps() {
     let mut c = SchedulerConfig::new(8, TEST_LIMITS);
     c.compress_ratios = vec![1];
     let mut s = Scheduler::new(c).unwrap();
-    s.add_request("R".into(), vec![5; 3], StopRules::new(8), true, false, 0).unwrap();
+    s.add_request("R".into(), vec![5; 3], StopRules::new(8), true, false, 0, String::new()).unwrap();
     // ALL points fail (another rank is not ready); the ANY point at decode step 100 passes.
     let mut first_prefill = None;
     for i in 0..150 {
@@ -177,7 +177,7 @@ fn varlen_gives_the_walkthrough_rows_w_w_x_w() {
     let mut s = varlen_scheduler(3);
     s.set_step_cost(vec![(4, 8.1), (8, 8.6), (16, 12.0)], 0.4, true).unwrap();
     for id in ["W", "X", "Y", "Z"] {
-        s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
+        s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
     }
     let prefill = s.schedule(&mut SingleRank);
     s.update(&prefill, &spec_result(&prefill, &[0; 4], 3, &wxyz)).unwrap();
@@ -204,8 +204,8 @@ fn varlen_gives_the_walkthrough_rows_w_w_x_w() {
 #[test]
 fn varlen_without_a_curve_checks_the_proposed_drafts_only() {
     let mut s = varlen_scheduler(3);
-    s.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
-    s.add_request("B".into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
+    s.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
+    s.add_request("B".into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
     let prefill = s.schedule(&mut SingleRank);
     let mut result = spec_result(&prefill, &[0, 0], 3, &[vec![0.5; 3], vec![0.5; 3]]);
     // B proposed one draft only, and no confidences came (varlen counts its draft as certain).
@@ -224,7 +224,7 @@ fn drafts_are_proposed_only_where_varlen_could_verify_them() {
     // in N): no draft could be verified, so none is proposed; a flat curve makes them pay again.
     let mut s = varlen_scheduler(3);
     for id in ["A", "B"] {
-        s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
+        s.add_request(id.into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
     }
     let prefill = s.schedule(&mut SingleRank);
     assert_eq!(prefill.propose_drafts, vec![1, 1]);
@@ -249,10 +249,10 @@ fn drafts_are_proposed_only_where_varlen_could_verify_them() {
     let mut c = config(4, 64);
     c.nextn = 3;
     let mut fixed = Scheduler::new(c).unwrap();
-    fixed.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
+    fixed.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
     assert_eq!(fixed.schedule(&mut SingleRank).propose_drafts, vec![1]);
     let mut off = Scheduler::new(config(4, 64)).unwrap();
-    off.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
+    off.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
     assert_eq!(off.schedule(&mut SingleRank).propose_drafts, vec![0]);
 }
 
@@ -262,7 +262,7 @@ fn varlen_rows_return_their_blocks_and_conserve_the_pools() {
     let mut s = varlen_scheduler(5);
     s.set_step_cost(vec![(1, 1.0), (2, 1.05), (4, 1.1), (8, 3.0), (12, 5.0)], 0.0, true).unwrap();
     for id in ["A", "B"] {
-        s.add_request(id.into(), vec![5; 3], StopRules::new(30), true, false, 0).unwrap();
+        s.add_request(id.into(), vec![5; 3], StopRules::new(30), true, false, 0, String::new()).unwrap();
     }
     let confidences = vec![vec![0.9, 0.8, 0.7, 0.6, 0.5], vec![0.4, 0.2, 0.1, 0.05, 0.01]];
     let mut plan = s.schedule(&mut SingleRank);
@@ -302,7 +302,7 @@ fn a_step_cost_curve_needs_varlen_and_sane_numbers() {
 #[test]
 fn bad_draft_confidences_are_refused_before_anything_changes() {
     let mut s = varlen_scheduler(2);
-    s.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0).unwrap();
+    s.add_request("A".into(), vec![5; 3], StopRules::new(20), true, false, 0, String::new()).unwrap();
     let plan = s.schedule(&mut SingleRank);
     let mut result = spec_result(&plan, &[0], 2, &[vec![0.5, 1.5]]);
     assert!(s.update(&plan, &result).is_err());
@@ -333,7 +333,7 @@ fn a_lone_prompt_on_an_idle_group_prefills_at_once() {
     let mut votes = LoneRank { ops: Vec::new() };
     // A first request runs to completion; decode_step rests between vote points (the served case: after
     // a short request it rests at that request's number of decode steps).
-    s.add_request("R".into(), vec![5; 3], StopRules::new(3), true, false, 0).unwrap();
+    s.add_request("R".into(), vec![5; 3], StopRules::new(3), true, false, 0, String::new()).unwrap();
     s.mark_group_idle();
     let mut kinds = Vec::new();
     while s.has_unfinished() {
@@ -347,14 +347,14 @@ fn a_lone_prompt_on_an_idle_group_prefills_at_once() {
     // Without the mark, decode step 2 is no vote point: a lone prompt would decode (wait) here.
     // The group votes that no rank has work, then a lone prompt arrives: its step is an ANY point.
     s.mark_group_idle();
-    s.add_request("S".into(), vec![6; 3], StopRules::new(8), true, false, 0).unwrap();
+    s.add_request("S".into(), vec![6; 3], StopRules::new(8), true, false, 0, String::new()).unwrap();
     votes.ops.clear();
     let plan = s.schedule(&mut votes);
     assert_eq!((plan.kind, votes.ops.clone()), (StepKind::Prefill, vec![VoteOp::Any, VoteOp::Any]));
     s.update(&plan, &result_for(&plan)).unwrap();
     // The mark is used once: with S decoding the group is busy, and decode_step 0 is an ALL point that
     // the other rank fails, so the next prompt waits while S decodes (DeepInfer's schedule).
-    s.add_request("U".into(), vec![8; 3], StopRules::new(2), true, false, 0).unwrap();
+    s.add_request("U".into(), vec![8; 3], StopRules::new(2), true, false, 0, String::new()).unwrap();
     votes.ops.clear();
     let plan = s.schedule(&mut votes);
     assert_eq!((plan.kind, votes.ops.clone()), (StepKind::Decode, vec![VoteOp::All]));
@@ -385,7 +385,7 @@ fn varlen_backs_off_a_draft_it_never_verifies_and_looks_again() {
     // prefill's proposal is the first.
     let mut s = varlen_scheduler(3);
     s.set_step_cost((1..=8).map(|rows| (rows, 10.0 + 0.01 * rows as f64)).collect(), 0.0, true).unwrap();
-    s.add_request("A".into(), vec![5; 3], StopRules::new(200), true, false, 0).unwrap();
+    s.add_request("A".into(), vec![5; 3], StopRules::new(200), true, false, 0, String::new()).unwrap();
     let prefill = s.schedule(&mut SingleRank);
     s.update(&prefill, &proposing_result(&prefill, 3, 0.0)).unwrap();
     let mut proposing_steps = Vec::new();
@@ -417,7 +417,7 @@ fn fixed_mode_proposes_every_step() {
     let mut c = config(4, 64);
     c.nextn = 3;
     let mut s = Scheduler::new(c).unwrap();
-    s.add_request("A".into(), vec![5; 3], StopRules::new(50), true, false, 0).unwrap();
+    s.add_request("A".into(), vec![5; 3], StopRules::new(50), true, false, 0, String::new()).unwrap();
     for _ in 0..12 {
         let plan = s.schedule(&mut SingleRank);
         assert_eq!(plan.propose_drafts, vec![1]);

@@ -102,6 +102,7 @@ def build_app(
         parsed = parse(body, info.max_model_len, info.vocab_size)
         parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
         parsed.args.owner = owner
+        parsed.args.client_address = request.client.host if request.client else None
         parsed.args.client_request_id = _client_request_id(request) or parsed.args.client_request_id
         generations = await frontend.start_choices(parsed.args)
         fmts = [Formatter(frontend, parsed, generation, chat) for generation in generations]

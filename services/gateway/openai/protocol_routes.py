@@ -67,6 +67,7 @@ def add_routes(
         args = stream.args(frontend.served_model)
         args.trace_parent = tracing.extract(request.headers.items())
         args.owner = owner
+        args.client_address = request.client.host if request.client else None
         generation = await frontend.start(args)
         headers = {"X-Request-Id": generation.client_request_id}
         if stream.stream:

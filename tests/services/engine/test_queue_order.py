@@ -1,5 +1,6 @@
-"""The waiting queue's one order through the engine's APIs: priority (lower first), then arrival; a bad
-priority is refused by name; gRPC's ``GenerateRequest.priority`` reaches the request's arguments."""
+"""The waiting queue's one order through the engine's APIs: the tenant served least, then priority (lower
+first), then arrival; a bad priority is refused by name; gRPC's ``GenerateRequest.priority`` and ``tenant``
+reach the request's arguments."""
 
 from __future__ import annotations
 
@@ -41,3 +42,35 @@ def test_grpc_priority_reaches_the_request():
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5]), priority=-7)
     assert _args(request)[0].priority == -7
     assert _args(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5])))[0].priority == 0
+
+
+def test_the_queue_goes_first_by_the_tenant_served_least(draft_source):
+    """One tenant queues three prompts, another one after them: the second tenant's runs second (its tenant has
+    had no service when the first tenant's first prompt has), not last; with one tenant it runs last."""
+
+    def order_of(light_tenant: str) -> list[str]:
+        llm = LLM(source=draft_source, device="cpu", max_model_len=64, block_size=8, max_num_seqs=1)
+        order: list[str] = []
+        execute = llm.engine.worker.execute
+
+        def recording(plan, rows, previous=None):
+            order.extend(r for r in plan.request_ids if r not in order)
+            return execute(plan, rows, previous)
+
+        llm.engine.worker.execute = recording
+        params = SamplingParams(max_tokens=2)
+        for k in range(3):
+            llm.engine.add_request(f"heavy{k}", [0, 3 + k, 4 + k], params, tenant="heavy")
+        llm.engine.add_request("light", [0, 9, 10], params, tenant=light_tenant)
+        assert llm.engine.scheduler.request("light").tenant == light_tenant
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return order
+
+    assert order_of("light") == ["heavy0", "light", "heavy1", "heavy2"]
+    assert order_of("heavy") == ["heavy0", "heavy1", "heavy2", "light"]
+
+
+def test_grpc_tenant_reaches_the_request():
+    assert _args(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5]), tenant="k1"))[0].tenant == "k1"
+    assert _args(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5])))[0].tenant is None

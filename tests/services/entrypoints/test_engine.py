@@ -58,3 +58,37 @@ def test_the_gateway_request_id_is_the_engine_key_and_abort_takes_the_client_req
     stats = endpoint.engine.stats()
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
     assert stats.num_running == stats.num_waiting == 0
+
+
+def test_the_gateway_tenant_reaches_the_engine_service():
+    """The gateway's `RemoteEngine` forwards the tenant; the engine process passes it on unchanged (and admits
+    nothing itself: the gateway did)."""
+    from services.engine import SamplingParams
+    from services.gateway.remote import RemoteEngine
+
+    llm = LLM("tiny")
+    endpoint = EngineEndpoint(
+        llm, replica="engine-0", host="127.0.0.1", grpc_port=0, drain_timeout_s=5, served_model_name="tiny"
+    )
+    tenants = []
+    submit = endpoint.engine.submit
+
+    def recording(*args, **kwargs):
+        tenants.append(kwargs.get("tenant"))
+        return submit(*args, **kwargs)
+
+    endpoint.engine.submit = recording
+
+    async def run():
+        await endpoint.start()
+        remote = RemoteEngine("engine-0", endpoint.api.urls()["grpc"])
+        try:
+            stream = await remote.submit("gw-1", "c-1", [0, 5, 6], SamplingParams(max_tokens=1), tenant="k1")
+            while (await stream.__anext__()).finish_reason is None:
+                pass
+        finally:
+            await remote.close()
+            await endpoint.stop()
+
+    asyncio.run(run())
+    assert tenants == ["k1"]
