@@ -17,6 +17,7 @@ import torch
 
 from kernels.sampler_output import SamplerOutput
 from services.worker.sampling.sampler import SamplingRow, with_logit_bias
+from services.worker.sampling.token_bitmask import apply_token_bitmask
 from services.worker.sampling.token_counts import TokenCounts
 
 
@@ -29,10 +30,16 @@ class KernelSampler:
         self.kernel = kernel
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenCounts | None = None
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        counts: TokenCounts | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """logits [n, V] (one row per ``rows`` entry) → SamplerOutput with w = min(max num_logprobs, V) columns;
-        ``counts``: the penalties' token counts (rows with penalties need them), read in place by the kernel."""
+        ``counts``: the penalties' token counts (rows with penalties need them), read in place by the kernel;
+        ``token_bitmask``: the structured-output mask (token_bitmask.py), applied to an fp32 copy of the logits
+        before the kernel (a disallowed token's logit is -inf, as a banned one's is inside it)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         vocab_size = logits.shape[1]
@@ -47,8 +54,9 @@ class KernelSampler:
                 f"a row asks for {width}"
             )
         params = self.kernel.sampling_tensors(rows, logits.device)
-        if any(r.logit_bias for r in rows):  # added before the kernel, in fp32, as the CPU sampler adds them
-            logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)
+        if any(r.logit_bias for r in rows) or token_bitmask is not None:  # in fp32 before the kernel, as the CPU
+            logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)  # sampler adds them
+            apply_token_bitmask(logits, token_bitmask)
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         if params.needs_counts and counts is None:
             raise ValueError("rows with penalties need the token counts (TokenCounts)")
