@@ -63,8 +63,10 @@ class Constraint:
         import xgrammar as xgr
 
         try:
-            if self.kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
+            if self.kind == "json_object":  # an object (OpenAI's JSON mode), not any JSON value
+                return xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False
+                )
             if self.kind == "json_schema":
                 check_schema(self.spec)
                 return xgr.Grammar.from_json_schema(

@@ -3,8 +3,10 @@
 engine ``Constraint`` (services/engine/structured/constraint.py).
 
 A chat body's ``response_format`` is read through deepseek-recipe's conversion
-(``ConversationRequest.inference_options.output_constraint``), which applies OpenAI's rules (a ``json_object``
-conversation must mention JSON) and its strict form of the schema. Constrained chat runs without thinking:
+(``ConversationRequest.inference_options.output_constraint``), which applies DeepSeek's front end's rules (a
+``json_object`` conversation must mention JSON; every schema node has a ``type``, ``anyOf`` or ``$ref``) and says
+whether the output is free JSON or follows a schema; the schema enforced is the body's own (the recipe's strict
+form drops bounds such as ``maxLength``). Constrained chat runs without thinking:
 the grammar covers the whole output, and DeepSeek's front end serves these choices without it; a body that
 switches thinking on explicitly gets a 400.
 """
@@ -92,7 +94,9 @@ def _response_format(response_format: dict[str, Any], conversation: dict[str, An
     output = _recipe_constraint(conversation, response_format)
     if output is None or not output.schema:
         return Constraint("json_object")
-    return Constraint("json_schema", output.schema, strict=strict)
+    # The recipe's strict form drops the bounds OpenAI's strict mode once lacked (maxLength, maxItems, ...), which
+    # xgrammar enforces: the body's own schema is the one enforced, never a looser one.
+    return Constraint("json_schema", json.dumps(response_format["json_schema"].get("schema", {})), strict=strict)
 
 
 def _recipe_constraint(conversation: dict[str, Any], response_format: dict[str, Any]):
