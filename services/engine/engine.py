@@ -116,11 +116,19 @@ class Engine:
     def _check_constraint(self, params: SamplingParams) -> None:
         """ValueError for structured output this engine cannot serve, or a constraint that does not parse."""
         if self.grammars is None:
-            raise ValueError("structured output needs the model's tokenizer: this engine was built without one")
+            raise ValueError(
+                "structured output is not served by this engine: it has no grammar compiler (data-parallel ranks, "
+                "and engines built without the model's tokenizer, have none yet)"
+            )
         if not isinstance(self.worker, Worker):
-            raise ValueError("structured output needs the in-process worker: the remote worker's protocol does not carry the token mask")
+            raise ValueError(
+                "structured output needs the in-process worker: the remote worker's protocol does not carry the "
+                "token mask yet"
+            )
         if self.config.num_speculative_tokens:
-            raise ValueError("structured output cannot be combined with speculative decoding yet (num_speculative_tokens > 0)")
+            raise ValueError(
+                "structured output cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
+            )
         if self.config.async_scheduling:
             raise ValueError("structured output cannot be combined with async scheduling yet")
         if params.forced_token_ids:
