@@ -16,10 +16,10 @@ from services.engine.prompt_logprob_rows import add_prompt_logprobs, prompt_rows
 from services.engine.request_checks import check_priority, choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
+from services.engine.step_cost import StepCostMeter
 from services.engine.structured.grammar_gate import GrammarGate
 from services.engine.structured.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
 from services.engine.structured.token_masks import advance, fill_token_bitmask
-from services.engine.step_cost import StepCostMeter
 from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 

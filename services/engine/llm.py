@@ -245,7 +245,9 @@ class LLM:
             if any(priorities):
                 raise ValueError("priority does not reach data-parallel ranks yet; run at data_parallel_size 1")
             if any(p.constraint is not None for p in params_list):
-                raise ValueError("structured output does not reach data-parallel ranks yet; run at data_parallel_size 1")
+                raise ValueError(
+                    "structured output does not reach data-parallel ranks yet; run at data_parallel_size 1"
+                )
             if any(rows is not None for rows in images):
                 raise ValueError(
                     "images do not reach data-parallel ranks yet; run LLM.chat with images at data_parallel_size 1"

@@ -51,7 +51,9 @@ def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
 
 def _sampling(params: SamplingParams) -> pb.SamplingParams:
     if params.constraint is not None:
-        raise ValueError("structured output does not reach a remote replica yet: shinkai.v1 does not carry the constraint")
+        raise ValueError(
+            "structured output does not reach a remote replica yet: shinkai.v1 does not carry the constraint"
+        )
     s = pb.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,

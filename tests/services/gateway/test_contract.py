@@ -156,7 +156,10 @@ def test_405_carries_allow(served, method, path, allow):
 
 UNSUPPORTED = [
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+        "response_format",
+    ),
     ({"best_of": 2}, "best_of"),
     ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "tail"}, "suffix"),

@@ -55,7 +55,8 @@ def outputs():
     """(constrained outputs, unconstrained outputs), both from one batch."""
     llm = LLM("tiny", max_num_seqs=2 * len(CASES))
     constrained = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, constraint=c) for i, (_, _, c) in enumerate(CASES)
+        SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, constraint=c)
+        for i, (_, _, c) in enumerate(CASES)
     ]
     plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=UNCONSTRAINED_TOKENS) for i in range(len(CASES))]
     outs = llm.generate([PROMPT] * (2 * len(CASES)), constrained + plain)

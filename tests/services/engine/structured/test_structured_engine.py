@@ -39,7 +39,9 @@ def _slow_schema(tag: str) -> str:
 def test_a_compiling_grammar_does_not_delay_a_plain_request(llm):
     engine = llm.engine
     prompt = llm.encode("Hello there")
-    engine.add_request("slow", prompt, SamplingParams(max_tokens=3, constraint=Constraint("json_schema", _slow_schema("g"))))
+    engine.add_request(
+        "slow", prompt, SamplingParams(max_tokens=3, constraint=Constraint("json_schema", _slow_schema("g")))
+    )
     engine.add_request("plain", prompt, SamplingParams(max_tokens=3))
     first: dict[str, bool] = {}  # request -> whether "slow" was still behind the gate at its first token
     while engine.has_unfinished():
@@ -60,7 +62,9 @@ def test_choices_each_walk_their_own_matcher(llm):
 
 def test_a_dead_end_ends_the_request_with_an_error(llm):
     x = llm.tokenizer.token_to_id("x")
-    (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=8, banned_token_ids=(x,), constraint=Constraint("choice", '["x"]')))
+    (out,) = llm.generate(
+        ["Hi"], SamplingParams(max_tokens=8, banned_token_ids=(x,), constraint=Constraint("choice", '["x"]'))
+    )
     assert out.finish_reason == FinishReason.ERROR and out.token_ids == []
     assert _whole(llm)
 
@@ -75,14 +79,18 @@ def test_a_compile_over_the_limit_ends_the_request_with_an_error(llm, monkeypatc
 
 def test_aborting_a_request_behind_the_gate_frees_it(llm):
     engine = llm.engine
-    engine.add_request("gone", llm.encode("Hi"), SamplingParams(max_tokens=4, constraint=Constraint("json_schema", _slow_schema("a"))))
+    engine.add_request(
+        "gone", llm.encode("Hi"), SamplingParams(max_tokens=4, constraint=Constraint("json_schema", _slow_schema("a")))
+    )
     out = engine.abort("gone")
     assert out is not None and out.finish_reason == FinishReason.ABORT
     assert "gone" not in engine.grammar_gate and not engine.has_unfinished() and _whole(llm)
 
 
 def test_preemption_stops_a_constrained_request_even_in_recompute_mode():
-    small = LLM("tiny", block_size=4, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="recompute")
+    small = LLM(
+        "tiny", block_size=4, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="recompute"
+    )
     params = SamplingParams(temperature=0, max_tokens=8, constraint=Constraint("regex", "[ab]{30,40}"))
     outs = small.generate([[0, 5 + i, 6, 7, 8, 9] for i in range(3)], params)
     reasons = sorted(o.finish_reason for o in outs)

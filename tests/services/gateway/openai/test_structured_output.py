@@ -78,7 +78,10 @@ def test_chat_json_object_gives_an_object(client):
     [
         ({"guided_regex": r"\d{3}-[a-z]{2,4}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2,4}", t)),
         ({"guided_choice": ["left", "right", "up"]}, lambda t: t in ("left", "right", "up")),
-        ({"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9]){0,2} ")"'}, lambda t: re.fullmatch(r"\([0-9](\+[0-9]){0,2}\)", t)),
+        (
+            {"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9]){0,2} ")"'},
+            lambda t: re.fullmatch(r"\([0-9](\+[0-9]){0,2}\)", t),
+        ),
         ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
     ],
     ids=["regex", "choice", "grammar", "json"],
@@ -92,9 +95,21 @@ def test_completions_guided_fields(client, extra, check):
 @pytest.mark.parametrize(
     "extra,param,named",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format", "nvalid json schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}, "response_format", "'not'"),
-        ({"response_format": {"type": "json_object"}, "thinking": {"type": "enabled"}}, "response_format", "without thinking"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+            "nvalid json schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format",
+            "'not'",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "thinking": {"type": "enabled"}},
+            "response_format",
+            "without thinking",
+        ),
         ({"guided_regex": "(ab"}, "guided_regex", "regex"),
         ({"guided_grammar": "root ::= b"}, "guided_grammar", "grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured-output field"),
