@@ -50,10 +50,6 @@ def _raise_for(err: grpc.aio.AioRpcError, replica: str) -> None:
 
 
 def _sampling(params: SamplingParams) -> pb.SamplingParams:
-    if params.constraint is not None:
-        raise ValueError(
-            "structured output does not reach a remote replica yet: shinkai.v1 does not carry the constraint"
-        )
     s = pb.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -82,6 +78,9 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
         s.logit_bias[token_id] = value
     for token_id in params.banned_token_ids:
         s.logit_bias[token_id] = -100.0  # a ban: services/gateway/grpc_api.py `_logit_bias` reads it back
+    if params.constraint is not None:
+        c = params.constraint
+        s.constraint.CopyFrom(pb.OutputConstraint(kind=c.kind, spec=c.spec, strict=c.strict))
     return s
 
 
