@@ -129,8 +129,6 @@ class Engine:
             raise ValueError(
                 "structured output cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
             )
-        if self.config.async_scheduling:
-            raise ValueError("structured output cannot be combined with async scheduling yet")
         if params.forced_token_ids:
             raise ValueError("structured output cannot be combined with forced_token_ids")
         assert params.constraint is not None
@@ -346,6 +344,10 @@ class Engine:
         self.last_plan = plan
         return refused + self._apply(plan, executed, updates)
 
+    def _has_matchers(self) -> bool:
+        """Some live request walks a grammar matcher (async scheduling then reads each step back first)."""
+        return self.grammars is not None and any(r.matcher is not None for r in self.requests.values())
+
     def _admit_grammars(self) -> list[RequestOutput]:
         """Constrained requests whose grammar compiled become schedulable (with their matcher); those whose
         compile failed or timed out end with an error naming it."""
@@ -387,15 +389,28 @@ class Engine:
         if previous is not None and not self.scheduler.has_unfinished() and self.vote is None:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
             return self._update(*previous)
+        drained = self._admit_grammars()
+        if previous is not None and self._has_matchers():
+            # Structured output: the next step's mask needs the step in flight's tokens in its matchers, so that
+            # step is read back (and updated) before the next one is planned; the overlap waits for a device mask.
+            self._in_flight = None
+            drained = _merge(drained, self._update(*previous))
+            previous = None
         # A rank of a data-parallel group plans even then: its empty plan is a placeholder step, so the rank
         # joins the step's votes and exchanges like every other rank, and the step in flight is updated after it.
         plan = self.scheduler.schedule()
+        if plan.num_rows == 0 and previous is None and self.grammar_gate:
+            self.grammar_gate.wait(0.01)  # nothing runs but compiles: no spinning on empty steps
+        extra = prompt_rows(plan, self.requests)
+        mask = fill_token_bitmask(plan, self.requests, self.grammars)
+        if mask is not None:
+            extra["token_bitmask"] = mask
         try:
             executed = self.worker.execute(
                 plan,
                 self._sampling_rows(plan, previous),
                 previous[1] if previous is not None else None,
-                **prompt_rows(plan, self.requests),
+                **extra,
             )
         except BaseException:
             if previous is not None:
@@ -404,7 +419,7 @@ class Engine:
             self._fail(plan)
             raise
         self._in_flight = None
-        outputs = self._update(*previous) if previous is not None else []
+        outputs = _merge(drained, self._update(*previous) if previous is not None else [])
         if plan.kind == "prefill" or plan.num_rows == 0:
             outputs = _merge(outputs, self._update(plan, executed))
         else:

@@ -87,6 +87,22 @@ def test_aborting_a_request_behind_the_gate_frees_it(llm):
     assert "gone" not in engine.grammar_gate and not engine.has_unfinished() and _whole(llm)
 
 
+def test_async_scheduling_gives_the_synchronous_outputs(llm):
+    """With async scheduling each constrained step is read back before the next is planned (its mask needs the
+    token): the outputs are the synchronous engine's, and valid."""
+    both = LLM("tiny", max_num_seqs=16, async_scheduling=True)
+    prompts = ["Hi", "Hello", "Say it"]
+    params = [
+        SamplingParams(seed=i, max_tokens=32, constraint=Constraint("regex", REGEX) if i != 1 else None)
+        for i in range(3)
+    ]
+    sync, asynchronous = llm.generate(prompts, params), both.generate(prompts, params)
+    assert [o.token_ids for o in asynchronous] == [o.token_ids for o in sync]
+    for i in (0, 2):
+        assert asynchronous[i].finish_reason == FinishReason.STOP and re.fullmatch(REGEX, asynchronous[i].text)
+    assert _whole(both)
+
+
 def test_preemption_stops_a_constrained_request_even_in_recompute_mode():
     small = LLM(
         "tiny", block_size=4, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="recompute"
@@ -104,7 +120,6 @@ def test_preemption_stops_a_constrained_request_even_in_recompute_mode():
     "change,named",
     [
         ({"num_speculative_tokens": 1}, "speculative decoding"),
-        ({"async_scheduling": True}, "async scheduling"),
     ],
 )
 def test_what_structured_output_cannot_be_combined_with_is_refused(llm, monkeypatch, change, named):
