@@ -53,7 +53,10 @@ class GrammarGate:
         now = time.monotonic()
         ready, refused = [], []
         for request_id, pending in list(self._pending.items()):
-            if pending.future.done():
+            if pending.future.cancelled():
+                del self._pending[request_id]
+                refused.append((request_id, "the grammar's compile was cancelled"))
+            elif pending.future.done():
                 del self._pending[request_id]
                 error = pending.future.exception()
                 if error is None:

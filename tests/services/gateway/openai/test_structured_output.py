@@ -121,3 +121,20 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param, named):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra)
     body = err.value.body
     assert body["param"] == param and named.lower() in body["message"].lower(), body
+
+
+def test_a_compile_over_the_limit_is_a_400_and_leaves_nothing_queued(client, served, monkeypatch):
+    engine = served.server.engine.engine
+    monkeypatch.setattr(engine.grammar_gate, "timeout_s", 0.0)
+    props = {f"slow{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 40}}}$"} for i in range(12)}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="tiny",
+            prompt="Say:",
+            max_tokens=4,
+            extra_body={"guided_json": {"type": "object", "properties": props}},
+        )
+    assert "to compile" in err.value.body["message"]
+    monkeypatch.undo()
+    reply = client.completions.create(model="tiny", prompt="Say:", max_tokens=2)  # the server still serves
+    assert reply.choices[0].finish_reason == "length"
