@@ -103,6 +103,17 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     assert _whole(both)
 
 
+def test_batch_invariant_mode_gives_a_constrained_request_its_bits_alone_or_batched():
+    bi = LLM("tiny", max_num_seqs=8, batch_invariant=True)
+    constraint = Constraint("regex", REGEX)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=7, max_tokens=32, logprobs=2, constraint=constraint)
+        (alone,) = bi.generate(["Hi"], params)
+        batch = bi.generate(["Hello", "Hi", "Say"], [SamplingParams(seed=1, max_tokens=8), params, params])
+        assert batch[1].token_ids == alone.token_ids and batch[1].logprobs == alone.logprobs
+        assert alone.finish_reason == FinishReason.STOP and re.fullmatch(REGEX, alone.text)
+
+
 def test_preemption_stops_a_constrained_request_even_in_recompute_mode():
     small = LLM(
         "tiny", block_size=4, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="recompute"
