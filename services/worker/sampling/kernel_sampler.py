@@ -15,9 +15,9 @@ from types import ModuleType
 
 import torch
 
+from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from services.worker.sampling.sampler import SamplingRow, with_logit_bias
-from services.worker.sampling.token_bitmask import apply_token_bitmask
 from services.worker.sampling.token_counts import TokenCounts
 
 
@@ -38,8 +38,8 @@ class KernelSampler:
     ) -> SamplerOutput:
         """logits [n, V] (one row per ``rows`` entry) → SamplerOutput with w = min(max num_logprobs, V) columns;
         ``counts``: the penalties' token counts (rows with penalties need them), read in place by the kernel;
-        ``token_bitmask``: the structured-output mask (token_bitmask.py), applied to an fp32 copy of the logits
-        before the kernel (a disallowed token's logit is -inf, as a banned one's is inside it)."""
+        ``token_bitmask``: the structured-output mask (token_bitmask.py), applied inside the kernel (its pass 0,
+        right after the bans, as the CPU sampler applies it)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         vocab_size = logits.shape[1]
@@ -54,11 +54,15 @@ class KernelSampler:
                 f"a row asks for {width}"
             )
         params = self.kernel.sampling_tensors(rows, logits.device)
-        if any(r.logit_bias for r in rows) or token_bitmask is not None:  # in fp32 before the kernel, as the CPU
-            logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)  # sampler adds them
-            apply_token_bitmask(logits, token_bitmask)
+        if any(r.logit_bias for r in rows):  # added before the kernel, in fp32, as the CPU sampler adds them
+            logits = with_logit_bias(logits.to(torch.float32, copy=True), rows)
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         if params.needs_counts and counts is None:
             raise ValueError("rows with penalties need the token counts (TokenCounts)")
         tables = None if counts is None else (counts.output, counts.prompt)
-        return self.kernel.sample(logits, params, width, counts=tables)
+        mask = None
+        if token_bitmask is not None:
+            if token_bitmask.shape[0] != len(rows):
+                raise ValueError(f"the token bitmask has {token_bitmask.shape[0]} rows for {len(rows)} logits rows")
+            mask = upload(token_bitmask.to(torch.int32).contiguous(), logits.device)
+        return self.kernel.sample(logits, params, width, counts=tables, token_bitmask=mask)

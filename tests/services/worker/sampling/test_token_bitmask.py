@@ -1,6 +1,6 @@
 """The structured-output token bitmask in both samplers: disallowed tokens are never drawn, greedy takes the best
 allowed token, their logprobs are -inf, a row with nothing allowed is an error row; the kernel sampler (interpreted
-on CPU) gives the CPU sampler's outputs."""
+on CPU, the mask applied inside the kernel's pass 0) gives the CPU sampler's outputs."""
 
 from __future__ import annotations
 
@@ -84,3 +84,10 @@ def test_interpreted_kernel_sampler_matches_the_cpu_sampler_under_a_mask():
     with interpreter():
         got = kernel(logits, rows, token_bitmask=mask)
     _check(ref, got)
+
+
+def test_interpreted_kernel_sampler_makes_a_row_with_nothing_allowed_an_error_row():
+    kernel = KernelSampler(load_interpreted("sampler"))
+    with interpreter():
+        out = kernel(torch.randn(2, VOCAB), _rows(2), token_bitmask=_bitmask([[], None]))
+    assert out.errors.tolist() == [True, False]
