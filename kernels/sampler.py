@@ -1,6 +1,7 @@
 """The fused sampler: one program per logits row reproduces ``services.worker.sampling.sampler.Sampler``.
 
-Per row, in the CPU sampler's order: bans → -inf, top-k (the forced and the user's, as one rank limit),
+Per row, in the CPU sampler's order: bans → -inf (and the structured-output token bitmask's disallowed tokens,
+in pass 0), top-k (the forced and the user's, as one rank limit),
 temperature, top-p on integer masses, renormalisation, then the Philox draw (or the greedy argmax),
 the chosen token's logprob and the top-n logprobs. Every pass reads the row (L2/HBM) in id order, in
 chunks of ``BLOCK``; nothing is sorted:
@@ -116,6 +117,8 @@ def _sampler_kernel(
     counts_ptr,
     prompt_ptr,
     counts_stride,
+    mask_ptr,
+    mask_stride,
     scratch_ptr,
     token_ptr,
     logprob_ptr,
@@ -132,6 +135,7 @@ def _sampler_kernel(
     NUM_TOP: tl.constexpr,
     TOP_POW2: tl.constexpr,
     PROCESS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -154,6 +158,9 @@ def _sampler_kernel(
             offs = c * BLOCK + tl.arange(0, BLOCK)
             ok = offs < num_tokens
             x = _load(row_ptr, ban_row, offs, num_tokens, no_error, NUM_BANS)
+            if HAS_MASK:  # the structured-output token bitmask: bit t of word w allows token 32·w + t
+                words = tl.load(mask_ptr + row.to(tl.int64) * mask_stride + (offs >> 5), mask=ok, other=0)
+                x = tl.where(((words >> (offs & 31)) & 1) != 0, x, float("-inf"))
             cnt = tl.load(counts_ptr + slot64 * counts_stride + offs, mask=ok & has, other=0)
             in_prompt = tl.load(prompt_ptr + slot64 * counts_stride + offs, mask=ok & has, other=0)
             y = x.to(tl.float64)
@@ -451,12 +458,15 @@ def sample(
     block: int | None = None,
     num_warps: int | None = None,
     counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.
 
     ``num_logprobs`` is the batch's top-n width (the CPU sampler's w = min(max num_logprobs, V)); every
     row gets that many ranks. ``counts``: the penalties' (output int32 [S, V], prompt bool [S, V]) token counts
-    (services/worker/sampling/token_counts.py), read in place; needed when a row has penalties. Graph-safe:
+    (services/worker/sampling/token_counts.py), read in place; needed when a row has penalties.
+    ``token_bitmask``: structured output's int32 [R, >= ceil(V / 32)] on the logits' device
+    (services/worker/sampling/token_bitmask.py), applied in pass 0 after the bans (which it then runs). Graph-safe:
     outputs are allocated here, never read back on the host.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
@@ -479,7 +489,18 @@ def sample(
     num_chunks = triton.cdiv(num_tokens, block)
     num_warps = num_warps or (8 if block >= 1024 else 4)
     banned = params.banned
-    if params.process:
+    if token_bitmask is not None and (
+        token_bitmask.dtype != torch.int32
+        or token_bitmask.dim() != 2
+        or token_bitmask.shape[0] != num_rows
+        or token_bitmask.shape[1] * 32 < num_tokens
+        or token_bitmask.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"the token bitmask must be int32 [{num_rows}, >= {triton.cdiv(num_tokens, 32)}] with a contiguous last dim"
+        )
+    process = params.process or token_bitmask is not None
+    if process:
         if counts is None:
             if params.needs_counts:
                 raise ValueError("rows with penalties need the token counts")
@@ -508,7 +529,9 @@ def sample(
         params.min_p,
         output_counts,
         prompt_seen,
-        output_counts.stride(0) if params.process else 0,
+        output_counts.stride(0) if process else 0,
+        token_bitmask if token_bitmask is not None else out.logprobs,  # a stand-in when compiled out
+        token_bitmask.stride(0) if token_bitmask is not None else 0,
         scratch,
         out.token_ids,
         out.logprobs,
@@ -524,7 +547,8 @@ def sample(
         GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
         NUM_TOP=width,
         TOP_POW2=triton.next_power_of_2(max(width, 1)),
-        PROCESS=params.process,
+        PROCESS=process,
+        HAS_MASK=token_bitmask is not None,
         LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,
     )

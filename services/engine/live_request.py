@@ -30,6 +30,8 @@ class LiveRequest:
     group: str | None = None
     # A group's prefix: the prompt but its last token, prefilled once, then forked into the choices.
     is_prefix: bool = False
+    # Structured output: the request's xgrammar GrammarMatcher, set once its grammar has compiled (None: none).
+    matcher: object | None = None
 
     def sampling_rows(self, n: int, seqlen_k: int, num_out: int, config: EngineConfig) -> list[SamplingRow]:
         """The request's ``n`` sampled rows of a step whose last row is at ``seqlen_k`` − 1, with ``num_out``

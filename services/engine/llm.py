@@ -16,6 +16,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
+from services.engine.structured.grammars import GrammarCompiler
 from services.worker.build import build_worker
 from services.worker.worker import Runner, Worker
 
@@ -119,6 +120,7 @@ class LLM:
             eos_token_id=cfg.eos_token_id,
             compress_ratios=kv_ratios or [1],
             window_size=cfg.sliding_window,
+            grammars=GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
         )
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
@@ -242,6 +244,10 @@ class LLM:
         if self.ranks is not None:
             if any(priorities):
                 raise ValueError("priority does not reach data-parallel ranks yet; run at data_parallel_size 1")
+            if any(p.constraint is not None for p in params_list):
+                raise ValueError(
+                    "structured output does not reach data-parallel ranks yet; run at data_parallel_size 1"
+                )
             if any(rows is not None for rows in images):
                 raise ValueError(
                     "images do not reach data-parallel ranks yet; run LLM.chat with images at data_parallel_size 1"

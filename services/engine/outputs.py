@@ -31,6 +31,8 @@ class RequestOutput:
     prompt_ranks: list[int] | None = None
     # Which of the request's n choices this is (0 to n - 1); every choice's output has the request's id.
     index: int = 0
+    # With finish reason "error" where the engine knows why (a grammar that failed to compile, ...); else None.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

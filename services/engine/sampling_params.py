@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.engine.structured.constraint import Constraint
+
 N_SEED_STEP = 0x9E3779B97F4A7C15
 """Choice i of a request with ``n`` > 1 draws with seed (seed + i · N_SEED_STEP) mod 2⁶³ (SplitMix64's golden-ratio
 increment): choice 0 keeps the request's seed, so n = 1 draws as before; the choices' Philox keys are far apart for
@@ -59,6 +61,9 @@ class SamplingParams:
     # vLLM's: the logprob of every prompt token after the first under the model's raw distribution, plus the
     # top this-many (0 to 20) per position; None is off.
     prompt_logprobs: int | None = None
+    # Structured output: what the text must match (a JSON schema, a regex, an EBNF grammar, ...), enforced by a
+    # token mask in the sampler (services/engine/structured/); None is unconstrained.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or self.max_tokens < 1):

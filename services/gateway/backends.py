@@ -12,6 +12,7 @@ Remote forms (gRPC to engine and tokenizer processes) live in `services/gateway/
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
@@ -96,9 +97,12 @@ class LocalEngine:
         request holds nothing meanwhile and other requests run); a failed encode, or a caller cancelled
         meanwhile, aborts the queued request before the error propagates, so nothing leaks."""
         if not images:
-            return self.service.submit(
+            stream = self.service.submit(
                 request_id, client_request_id, prompt_token_ids, params, priority=priority, tenant=tenant
             )
+            if params.constraint is not None:
+                await self._compiled(stream, params)
+            return stream
         prompts = self.images or ImagePrompts(None, None, None)
         ids, grids = prompts.expand(prompt_token_ids, images)
         stream = self.service.submit(
@@ -110,7 +114,30 @@ class LocalEngine:
             stream.close()
             raise
         self.service.provide_images(request_id, rows)
+        if params.constraint is not None:
+            await self._compiled(stream, params)
         return stream
+
+    async def _compiled(self, stream: DeltaStream, params: SamplingParams) -> None:
+        """Waits for a queued constrained request's grammar (it holds nothing meanwhile, behind the readiness
+        gate, and other requests run); a compile that fails or runs past the engine's limit aborts the request
+        and raises ValueError (a 400), so no stream is ever returned for it."""
+        engine = self.service.engine
+        grammars = getattr(engine, "grammars", None)
+        if grammars is None:  # the engine refused the constraint when it was queued
+            return
+        assert params.constraint is not None
+        limit = engine.grammar_gate.timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammars.compile(params.constraint))), limit)
+        except TimeoutError:
+            stream.close()
+            raise ValueError(f"the grammar took over {limit:g} s to compile") from None
+        except BaseException as err:
+            stream.close()
+            if isinstance(err, Exception):
+                raise ValueError(f"the grammar failed to compile: {err}") from err
+            raise
 
     async def abort(self, client_request_id: str) -> bool:
         return self.service.abort(client_request_id)

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from observability import tracing
 from services.engine.finish_reason import FinishReason
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.constraint import Constraint
 from services.gateway import errors
 from services.gateway.auth import Keys, grpc_authorization, peer_host
 from services.gateway.choices import merged_pieces
@@ -155,6 +156,7 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
             min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
             min_p=s.min_p if s.HasField("min_p") else 0.0,
             prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+            constraint=_constraint(s),
         )
     except ValueError as err:
         raise errors.invalid(str(err)) from err
@@ -165,6 +167,19 @@ def _tops(out, tops: list[list[tuple[int, float]]]) -> None:
     """Appends per token its top-n (token id, logprob) pairs to a repeated TokenTopLogprobs field."""
     for top in tops:
         out.add(entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v)) for i, v in top])
+
+
+def _constraint(sampling: pb.SamplingParams) -> Constraint | None:
+    """``sampling.constraint`` parsed (so a bad one is INVALID_ARGUMENT naming it before anything is queued)."""
+    if not sampling.HasField("constraint"):
+        return None
+    c = sampling.constraint
+    try:
+        constraint = Constraint(c.kind, c.spec, strict=c.strict)
+        constraint.grammar()
+    except ValueError as err:
+        raise errors.invalid(f"sampling.constraint: {err}", "sampling.constraint") from err
+    return constraint
 
 
 class ShinkaiApi:

@@ -78,6 +78,9 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
         s.logit_bias[token_id] = value
     for token_id in params.banned_token_ids:
         s.logit_bias[token_id] = -100.0  # a ban: services/gateway/grpc_api.py `_logit_bias` reads it back
+    if params.constraint is not None:
+        c = params.constraint
+        s.constraint.CopyFrom(pb.OutputConstraint(kind=c.kind, spec=c.spec, strict=c.strict))
     return s
 
 

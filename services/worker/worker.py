@@ -114,10 +114,13 @@ class Worker:
         rows: Sequence[SamplingRow],
         previous: WorkerOutput | None = None,
         prompt_rows: PromptRows | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> WorkerOutput:
         """``rows`` has one entry per sampled row, in ``plan.sample_rows`` order. ``previous`` (async
         scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs.
-        ``prompt_rows``: prompt rows whose logprobs the step returns (``WorkerOutput.prompt_logprobs``)."""
+        ``prompt_rows``: prompt rows whose logprobs the step returns (``WorkerOutput.prompt_logprobs``).
+        ``token_bitmask``: the structured-output mask, one row per ``rows`` entry (sampling/token_bitmask.py);
+        None when no row is constrained."""
         pending = previous.pending_inputs() if previous is not None and any(plan.inputs_pending.tolist()) else None
         kwargs: dict = {"pending": pending} if pending is not None else {}
         if prompt_rows is not None:  # every row's logits, the sampled rows picked out below
@@ -130,6 +133,8 @@ class Worker:
         num_sample_rows = plan.num_sample_rows.tolist()
         request_ids = list(plan.request_ids)
         if self.speculator is not None and plan.num_rows and not plan.is_placeholder:
+            if token_bitmask is not None:
+                raise ValueError("structured output cannot be combined with speculative decoding yet")
             if out.taps is None:
                 raise ValueError("speculative decoding needs a runner that returns the draft's taps (with_taps=True)")
             cache = getattr(self.runner, "cache", None)
@@ -165,10 +170,13 @@ class Worker:
             output.prompt_logprobs = prompt_logprobs(every_row, prompt_rows) if prompt_rows is not None else None
             return output
         counts = self._token_counts(rows, out.logits)
-        if counts is None:
+        if token_bitmask is not None:
+            sampled = self.sampler(out.logits, rows, counts, token_bitmask)  # type: ignore[call-arg]
+        elif counts is None:
             sampled = self.sampler(out.logits, rows)
         else:  # the penalties read the counts in place; this step's tokens are counted right after, on the device
             sampled = self.sampler(out.logits, rows, counts)  # type: ignore[call-arg]
+        if counts is not None:
             counts.record([r.history if r.has_penalties else None for r in rows], sampled.token_ids)
         host = sampled_copy(sampled)  # queued now, before the engine queues the next step
         prompt = prompt_logprobs(every_row, prompt_rows) if prompt_rows is not None else None

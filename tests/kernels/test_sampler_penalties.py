@@ -100,11 +100,11 @@ def lower_for_hopper(process: bool) -> None:
         logits_ptr="*bf16", temp_ptr="*fp32", rank_limit_ptr="*i32", mass_limit_ptr="*i64", seed_ptr="*i64",
         pos_ptr="*i64", ban_ptr="*i32", forced_ptr="*i64", history_ptr="*i32", penalty_ptr="*fp64",
         min_p_ptr="*fp32", counts_ptr="*i32", prompt_ptr="*u8", scratch_ptr="*fp32", token_ptr="*i64",
-        logprob_ptr="*fp32", error_ptr="*i1", top_ids_ptr="*i64", top_lp_ptr="*fp32",
+        logprob_ptr="*fp32", error_ptr="*i1", top_ids_ptr="*i64", top_lp_ptr="*fp32", mask_ptr="*i32",
     )  # fmt: skip
     constants = dict(
         NUM_BANS=2, BLOCK=1024, NUM_CHUNKS=127, SEL_BLOCK=256, GROUP=8, GROUPS_POW2=16, NUM_TOP=4, TOP_POW2=4,
-        PROCESS=process, LIBDEVICE=True,
+        PROCESS=process, HAS_MASK=process, LIBDEVICE=True,
     )  # fmt: skip
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in fn.arg_names}
     target = GPUTarget("cuda", 90, 32)

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.gateway import errors
 
-STRUCTURED_OUTPUT = "constrained decoding (structured output) is not served yet"
+STRUCTURED_OUTPUT = "a tool-call grammar (structured output for tool calls) is not served yet"
 
 # Fields both endpoints serve (parsed in protocol.py / sampling_fields.py).
 _SERVED_COMMON = {
@@ -42,6 +42,11 @@ _SERVED_COMMON = {
     "logit_bias",
     "best_of",
     "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
     "user",
     "safety_identifier",
     "priority",
@@ -112,13 +117,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "documents": (_none, "documents are not served; this model's chat format has no document slot"),
     "chat_template": (_none, "the chat format is DeepSeek's own (deepseek-recipe); templates are not taken"),
     "mm_processor_kwargs": (_empty, "image preprocessing options are not taken"),
-    "guided_json": (_none, STRUCTURED_OUTPUT),
-    "guided_regex": (_none, STRUCTURED_OUTPUT),
-    "guided_choice": (_none, STRUCTURED_OUTPUT),
-    "guided_grammar": (_none, STRUCTURED_OUTPUT),
-    "structural_tag": (_none, STRUCTURED_OUTPUT),
-    "guided_decoding_backend": (_none, STRUCTURED_OUTPUT),
-    "guided_whitespace_pattern": (_none, STRUCTURED_OUTPUT),
+    "structural_tag": (_none, "structural tags are not served; use response_format or guided_*"),
+    "guided_whitespace_pattern": (_none, "the whitespace of JSON output is xgrammar's bounded default"),
     "logits_processors": (_none, "custom logits processors are not served"),
     "cache_salt": (_none, "prefix-cache salting is not served"),
     "kv_transfer_params": (_none, "disaggregated KV transfer is not served"),

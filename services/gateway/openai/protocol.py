@@ -23,6 +23,7 @@ from services.gateway import errors
 from services.gateway.frontend import MAX_ID_BYTES, GenerateArgs
 from services.gateway.openai import fields
 from services.gateway.openai.chat_options import ChatOptions, chat_options
+from services.gateway.openai.constraints import constraint_of
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES, parse_body
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -163,15 +164,6 @@ def _choices(body: dict[str, Any]) -> int:
     return n
 
 
-def _response_format(body: dict[str, Any]) -> None:
-    response_format = _field(body, "response_format", (dict,), {"type": "text"}, "an object")
-    if response_format.get("type", "text") != "text":
-        raise errors.invalid(
-            f"response_format {str(response_format.get('type'))[:32]!r}: {fields.STRUCTURED_OUTPUT}; only 'text' is",
-            "response_format",
-        )
-
-
 def _sampling(
     body: dict[str, Any],
     max_tokens_key: str,
@@ -180,6 +172,7 @@ def _sampling(
     max_model_len: int,
     vocab_size: int | None,
     default_max_tokens: int | None,
+    conversation: dict[str, Any] | None = None,
 ) -> SamplingParams:
     max_tokens = _field(body, max_tokens_key, (int,), None, "a positive integer")
     if max_tokens is not None and not 1 <= max_tokens <= max_model_len:
@@ -190,7 +183,7 @@ def _sampling(
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", logprobs_key)
     n = _choices(body)
-    _response_format(body)
+    constraint = constraint_of(body, conversation)
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
     top_k = _field(body, "top_k", (int,), -1, "an integer")
@@ -213,6 +206,7 @@ def _sampling(
             logprobs=num_logprobs,
             banned_token_ids=banned,
             logit_bias=bias,
+            constraint=constraint,
             **_engine_fields(body),
         )
     except ValueError as err:  # SamplingParams' messages start with the field's name
@@ -316,7 +310,9 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
     elif _field(body, "top_logprobs", (int,), 0, "an integer"):
         raise errors.invalid("top_logprobs needs logprobs: true", "top_logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    args.params = _sampling(body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size, None)
+    args.params = _sampling(
+        body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size, None, options.conversation
+    )
     stream, include_usage = _stream_options(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
     args.params = dataclasses.replace(args.params, prompt_logprobs=prompt_logprobs)

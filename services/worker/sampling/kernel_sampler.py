@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from kernels.device import upload
 from kernels.sampler_output import SamplerOutput
 from services.worker.sampling.sampler import SamplingRow, with_logit_bias
 from services.worker.sampling.token_counts import TokenCounts
@@ -29,10 +30,16 @@ class KernelSampler:
         self.kernel = kernel
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenCounts | None = None
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        counts: TokenCounts | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """logits [n, V] (one row per ``rows`` entry) → SamplerOutput with w = min(max num_logprobs, V) columns;
-        ``counts``: the penalties' token counts (rows with penalties need them), read in place by the kernel."""
+        ``counts``: the penalties' token counts (rows with penalties need them), read in place by the kernel;
+        ``token_bitmask``: the structured-output mask (token_bitmask.py), applied inside the kernel (its pass 0,
+        right after the bans, as the CPU sampler applies it)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         vocab_size = logits.shape[1]
@@ -53,4 +60,9 @@ class KernelSampler:
         if params.needs_counts and counts is None:
             raise ValueError("rows with penalties need the token counts (TokenCounts)")
         tables = None if counts is None else (counts.output, counts.prompt)
-        return self.kernel.sample(logits, params, width, counts=tables)
+        mask = None
+        if token_bitmask is not None:
+            if token_bitmask.shape[0] != len(rows):
+                raise ValueError(f"the token bitmask has {token_bitmask.shape[0]} rows for {len(rows)} logits rows")
+            mask = upload(token_bitmask.to(torch.int32).contiguous(), logits.device)
+        return self.kernel.sample(logits, params, width, counts=tables, token_bitmask=mask)

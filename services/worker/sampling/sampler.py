@@ -4,7 +4,8 @@ Pipeline per row, in DeepInfer's order (walkthrough, "The sampling pipeline, in 
 
 0. logit bias: each row's ``logit_bias`` added to its logits (fp32);
 1. bans: ``banned_token_ids`` (the blacklist, plus the end and stop tokens while the first-n ban or min_tokens
-   applies) → -inf;
+   applies) → -inf, then the structured-output token bitmask's disallowed tokens → -inf
+   (services/worker/sampling/token_bitmask.py);
 1a. penalties: repetition, then frequency, then presence, over the request's token counts
    (services/worker/sampling/penalties.py has the exact arithmetic);
 1b. min-p: tokens whose (logit − max) / T falls below log(min_p) → -inf (T as in step 3);
@@ -48,6 +49,7 @@ from kernels.device import upload
 from kernels.philox import DRAW_BITS, DrawCase, bits_of_uniform, draw_bits, uniform_of_bits
 from kernels.sampler_output import SamplerOutput
 from services.worker.sampling.penalties import apply_min_p, apply_penalties
+from services.worker.sampling.token_bitmask import apply_token_bitmask
 from services.worker.sampling.token_counts import TokenCounts
 
 # Probability mass unit: a probability p is worth floor(p · 2**MASS_BITS) integer units.
@@ -226,14 +228,19 @@ class Sampler:
     """Stateless; ``__call__`` is the whole pipeline of the module docstring."""
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], counts: TokenCounts | None = None
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        counts: TokenCounts | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """``counts``: the penalties' token counts (rows with penalties need them)."""
+        """``counts``: the penalties' token counts (rows with penalties need them); ``token_bitmask``: the
+        structured-output mask [n, ceil(V / 32)] int32 (token_bitmask.py), None when no row is constrained."""
         _check_shape(logits, rows)
         num_rows, vocab_size = logits.shape
         width = min(max((r.num_logprobs for r in rows), default=0), vocab_size)
         # With any top-n requested every row is ranked, so top_* are in rank order for all rows.
-        p = self.process(logits, rows, rank_all=width > 0, counts=counts)
+        p = self.process(logits, rows, rank_all=width > 0, counts=counts, token_bitmask=token_bitmask)
         device = logits.device
         # Philox on the host (integer ops: the device's bits exactly), uploaded without a sync.
         bits = upload(draw_bits([r.seed for r in rows], [r.position for r in rows], DrawCase.SAMPLE), device)
@@ -261,14 +268,16 @@ class Sampler:
         rows: Sequence[SamplingRow],
         rank_all: bool = False,
         counts: TokenCounts | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> ProcessedLogits:
-        """Bias, bans, penalties, min-p, forced top-k, temperature, top-k, top-p and renormalisation;
-        ``rank_all`` ranks every row."""
+        """Bias, bans and the token bitmask, penalties, min-p, forced top-k, temperature, top-k, top-p and
+        renormalisation; ``rank_all`` ranks every row."""
         _check_shape(logits, rows)
         vocab_size = logits.shape[1]
         device = logits.device
         x = with_logit_bias(logits.to(torch.float32, copy=True), rows)
         self._ban(x, rows)
+        apply_token_bitmask(x, token_bitmask)
         apply_penalties(x, rows, counts)
         apply_min_p(x, rows)
         errors = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)

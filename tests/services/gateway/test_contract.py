@@ -155,12 +155,17 @@ def test_405_carries_allow(served, method, path, allow):
 
 
 UNSUPPORTED = [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+        "response_format",
+    ),
     ({"best_of": 2}, "best_of"),
     ({"echo": True, "logprobs": 1, "prompt": [0, 19923]}, "echo"),  # echo of a token-id prompt
     ({"suffix": "tail"}, "suffix"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, "guided_json"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"structural_tag": "{}"}, "structural_tag"),
 ]
 
 

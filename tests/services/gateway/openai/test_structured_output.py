@@ -1,0 +1,140 @@
+"""Structured output over HTTP with the `openai` client: ``response_format`` (json_schema with strict, json_object)
+on chat, vLLM's guided_* on completions; outputs validate; bad constraints are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "temp": {"type": "integer", "minimum": -40, "maximum": 50},
+    },
+    "required": ["city", "unit", "temp"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "The weather in Paris, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_json_schema_validates(client):
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=96,
+        seed=1,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}},
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_chat_json_schema_streams_valid_json(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=96,
+        seed=2,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}},
+    )
+    text, reasons = "", []
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reasons.append(choice.finish_reason)
+    assert "stop" in reasons
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_chat_json_object_gives_an_object(client):
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=200, seed=3, response_format={"type": "json_object"}
+    )
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":  # free JSON may run past max_tokens; what came out is still a JSON prefix
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.finish_reason == "length" and choice.message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize(
+    "extra,check",
+    [
+        ({"guided_regex": r"\d{3}-[a-z]{2,4}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2,4}", t)),
+        ({"guided_choice": ["left", "right", "up"]}, lambda t: t in ("left", "right", "up")),
+        (
+            {"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9]){0,2} ")"'},
+            lambda t: re.fullmatch(r"\([0-9](\+[0-9]){0,2}\)", t),
+        ),
+        ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ],
+    ids=["regex", "choice", "grammar", "json"],
+)
+def test_completions_guided_fields(client, extra, check):
+    reply = client.completions.create(model="tiny", prompt="Say:", max_tokens=96, seed=4, extra_body=extra)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and check(choice.text), choice
+
+
+@pytest.mark.parametrize(
+    "extra,param,named",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+            "nvalid json schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format",
+            "'not'",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "thinking": {"type": "enabled"}},
+            "response_format",
+            "without thinking",
+        ),
+        ({"guided_regex": "(ab"}, "guided_regex", "regex"),
+        ({"guided_grammar": "root ::= b"}, "guided_grammar", "grammar"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured-output field"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(client, extra, param, named):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra)
+    body = err.value.body
+    assert body["param"] == param and named.lower() in body["message"].lower(), body
+
+
+def test_a_compile_over_the_limit_is_a_400_and_leaves_nothing_queued(client, served, monkeypatch):
+    engine = served.server.engine.engine
+    monkeypatch.setattr(engine.grammar_gate, "timeout_s", 0.0)
+    props = {f"slow{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 40}}}$"} for i in range(12)}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="tiny",
+            prompt="Say:",
+            max_tokens=4,
+            extra_body={"guided_json": {"type": "object", "properties": props}},
+        )
+    assert "to compile" in err.value.body["message"]
+    monkeypatch.undo()
+    reply = client.completions.create(model="tiny", prompt="Say:", max_tokens=2)  # the server still serves
+    assert reply.choices[0].finish_reason == "length"
