@@ -63,6 +63,17 @@ def _deny_handler(handler: grpc.RpcMethodHandler, *, aio: bool) -> grpc.RpcMetho
         async def behaviour(_request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
+    elif handler.response_streaming:
+
+        def behaviour(request, context):
+            # The status set and an empty stream returned, after a streamed request's first message (or its
+            # end): ending a sync call before the client has written races its writes, which can reach the
+            # client as INTERNAL instead of the refusal.
+            if handler.request_streaming:
+                next(request, None)
+            context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            context.set_details(REFUSAL)
+            return iter(())
     else:
 
         def behaviour(_request, context):
