@@ -64,6 +64,7 @@ def stack_users(replicas: Iterable[str]) -> list[NatsUser]:
             (
                 subjects.every_replica(subjects.ENGINE_LOAD),
                 subjects.every_replica(subjects.ENGINE_LIFECYCLE),
+                subjects.every_replica(subjects.KV_EVENTS),
             ),
         ),
         NatsUser(EPLB, (subjects.EXPERT_PLAN,), (subjects.every_replica(subjects.EXPERT_LOAD),)),

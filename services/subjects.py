@@ -28,8 +28,14 @@ ENGINE_LOAD = "shinkai.engine.load"  # a family: of_replica(ENGINE_LOAD, replica
 # has stopped (`services/engine/reporting/reporter.py`, `services/entrypoints/engine.py`). Only "up" takes requests.
 ENGINE_LIFECYCLE = "shinkai.engine.lifecycle"  # a family: of_replica(ENGINE_LIFECYCLE, replica)
 
+# Engines → gateways (cache-aware routing). JSON {"replica", "stored": [block hash, ...], "removed": [...],
+# "cleared": bool, "time"}, batched per report interval: full blocks that entered or left the engine's prefix
+# cache (hashes: services/engine/prefix/block_hash.py); "cleared" says the engine dropped its whole cache, so
+# a subscriber forgets everything it held for that replica before applying the lists.
+KV_EVENTS = "shinkai.engine.kv"  # a family: of_replica(KV_EVENTS, replica)
+
 # Families whose subjects each end in the publishing engine's replica name.
-REPLICA_FAMILIES = (EXPERT_LOAD, ENGINE_LOAD, ENGINE_LIFECYCLE)
+REPLICA_FAMILIES = (EXPERT_LOAD, ENGINE_LOAD, ENGINE_LIFECYCLE, KV_EVENTS)
 _NOT_IN_A_TOKEN = frozenset(".*> \t\r\n")
 
 

@@ -1,0 +1,1 @@
+"""Prefix caching: the block hash chain shared by engines (lookup, events) and gateways (routing)."""
