@@ -144,6 +144,24 @@ def routed(stack: Stack) -> float:
     return sum(float(v) for v in re.findall(r"^shinkai_gateway_routed_total\{[^}]*\} (\S+)", text, re.M))
 
 
+def log_sizes(stack: Stack) -> dict[str, int]:
+    """Each service's log size now: `problems_since` reads only what was written after."""
+    return {s["name"]: os.path.getsize(s["log"]) for s in stack.state["services"] if os.path.exists(s["log"])}
+
+
+def problems_since(stack: Stack, sizes: dict[str, int], limit: int = 40) -> str:
+    """The warnings, errors and tracebacks the services logged after ``sizes``: shown when a test fails."""
+    lines = []
+    for s in stack.state["services"]:
+        if s["name"] not in sizes:
+            continue
+        with open(s["log"], errors="replace") as f:
+            f.seek(sizes[s["name"]])
+            found = (line.rstrip() for line in f if re.search(r"WARNING|ERROR|Error|Traceback", line))
+            lines += [f"{s['name']}: {line}" for line in found]
+    return "\n".join(lines[-limit:])
+
+
 def assert_pools_whole(stack: Stack, timeout: float = 20) -> dict:
     """The engine has nothing running or waiting and every block and state slot is free."""
 
@@ -417,6 +435,7 @@ def test_sigterm_gateway_gives_every_stream_a_final_message(stack):
     gateway = stack.by_name["gateway"]
 
     before = routed(stack)
+    logged = log_sizes(stack)
 
     async def fifty_streams():
         http = openai.AsyncOpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -459,7 +478,8 @@ def test_sigterm_gateway_gives_every_stream_a_final_message(stack):
     _, status = os.waitpid(gateway["pid"], 0)
     assert os.waitstatus_to_exitcode(status) == 0
     long, short = results[:10], results[10:]
-    assert all(r in ("length", "abort") for r in results), results  # a final message each, no error status
+    # a final message each, no error status
+    assert all(r in ("length", "abort") for r in results), (results, problems_since(stack, logged))
     assert long == ["abort"] * 10 and short.count("length") >= 1, results
     stopped = [json.loads(line) for line in open(gateway["log"]) if line.startswith('{"event": "stopped"')][-1]
     pools = assert_pools_whole(stack)

@@ -4,6 +4,7 @@ releases a stalled worker is sent again: with stand-ins for the worker's health 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -52,6 +53,22 @@ def test_a_miss_restarts_the_run_of_answers():
     assert beat.answering_for() >= first
     beat.mark_lost()
     assert not beat.alive and beat.answering_for() == 0.0
+
+
+def test_gone_needs_a_failed_check_not_only_an_old_answer():
+    """A heartbeat thread that did not get to run (a starved engine process) has no failed check: the busy worker
+    stays alive however old its latest answer; once a check fails past the timeout, it is gone."""
+    health = _Health()
+    beat = _heartbeat(health, timeout_s=0.05)
+    beat.start()
+    beat.stop()  # the thread checks no more, as if starved
+    assert beat.beat()
+    time.sleep(0.1)  # the latest answer is older than the timeout
+    assert beat.alive
+    health.up = False
+    assert not beat.beat() and not beat.alive
+    health.up = True
+    assert beat.beat() and beat.alive
 
 
 class _Api:
