@@ -32,6 +32,7 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.frontend import Frontend
     from services.gateway.http_protocol import http_timeouts
     from services.gateway.image_fetcher import ImageFetcher
+    from services.gateway.prompt_blocks import PromptBlocks
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
 
@@ -51,7 +52,13 @@ async def run(args: argparse.Namespace) -> int:
         bos_token_id=remote_info.bos_token_id,
         eos_token_id=remote_info.eos_token_id,
         max_num_seqs=remote_info.max_num_seqs,
+        block_size=remote_info.block_size or None,  # 0: an engine that does not say
+        image_placeholder_id=(
+            remote_info.image_placeholder_id if remote_info.HasField("image_placeholder_id") else None
+        ),
     )
+    if info.block_size is not None:  # cache-aware routing: prompts hashed as the engines' caches name blocks
+        router.blocks = PromptBlocks(info.model, info.block_size, info.image_placeholder_id)
     # vLLM's gauge names, summed over the engines' load reports, where vLLM clients look (this /metrics).
     metrics.registry.register(
         EngineLoadsCollector(lambda: [s.report for s in router.states.values() if s.report is not None], info.model)
