@@ -7,7 +7,9 @@ B blocks to engine r is, in blocks, as NVIDIA Dynamo's KV router weighs it,
 
 - ``overlap(r)``: the prompt's leading full blocks that r's prefix cache holds (`PrefixIndex`); B − overlap(r)
   is the prefill r would compute;
-- ``active_blocks(r)``: from r's latest load report, its blocks in use (total − free) plus B for each request
+- ``active_blocks(r)``: from r's latest load report, its blocks in use (total − free) less the prompt blocks of
+  this gateway's requests that report counted and that have ended since (a report is up to one interval old:
+  without this, the engine that served the previous request looks busier than it is), plus B for each request
   it has waiting or queued, plus the prompt blocks of the requests this gateway sent it since that report and
   still streaming; before any report (or without NATS), the prompt blocks of this gateway's live requests on r.
 
@@ -56,6 +58,7 @@ class _EngineState:
     report: EngineStats | None = None  # the counts of its latest load report; None: none yet
     live_blocks: int = 0  # prompt blocks of this gateway's requests still streaming from it
     blocks_sent_since_report: int = 0  # prompt blocks of the requests routed to it after that report, still live
+    blocks_ended_since_report: int = 0  # prompt blocks of the requests that report counted, ended since
 
     @property
     def score(self) -> int:
@@ -69,7 +72,8 @@ class _EngineState:
             return self.live_blocks
         r = self.report
         queued = r.num_waiting + r.num_queued
-        return r.total_blocks - r.free_blocks + queued * num_blocks + self.blocks_sent_since_report
+        in_use = max(r.total_blocks - r.free_blocks - self.blocks_ended_since_report, 0)
+        return in_use + queued * num_blocks + self.blocks_sent_since_report
 
 
 class _CountedStream:
@@ -105,6 +109,8 @@ class _CountedStream:
             self.state.live_blocks -= self.num_blocks
             if self.state.report is self.report:  # ended before a report counted it: no longer the engine's load
                 self.state.blocks_sent_since_report -= self.num_blocks
+            else:  # the latest report counted it: its blocks are free by now
+                self.state.blocks_ended_since_report += self.num_blocks
             self._registry.discard(self)
 
     def close(self) -> None:
@@ -171,6 +177,7 @@ class EngineRouter:
             state.reported_load = load
             state.sent_since_report = 0
             state.blocks_sent_since_report = 0
+            state.blocks_ended_since_report = 0
             self.num_reports += 1
 
     async def _on_lifecycle(self, msg: Any) -> None:

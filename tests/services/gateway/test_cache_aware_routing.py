@@ -206,3 +206,65 @@ def test_a_malformed_or_misattributed_event_is_dropped(nats_url, monkeypatch):
             await stopped(*setup)
 
     asyncio.run(run())
+
+
+def test_active_blocks_leave_out_this_gateways_ended_requests_before_the_next_report(nats_url, monkeypatch):
+    """A load report is up to one interval old: a request it counted that has since ended no longer weighs on
+    its engine, nor does one sent after it that has ended."""
+
+    async def run():
+        fakes = [FakeEngine("engine-0"), FakeEngine("engine-1")]
+        engines = [RemoteEngine(f.name, f"127.0.0.1:{i + 1}") for i, f in enumerate(fakes)]
+        held = []
+
+        async def submit(*args):
+            held.append(_Held())
+            return held[-1]
+
+        for engine in engines:
+            monkeypatch.setattr(engine, "submit", submit)
+        router = EngineRouter(engines)
+        router.blocks = PromptBlocks(MODEL, BLOCK_SIZE, None)
+        await router.subscribe(nats_url)
+        reporter = LoadReporter(nats_url, "engine-0", "127.0.0.1:1", fakes[0].stats, interval_s=60)
+        await reporter.start()  # one report now, the next in a minute
+        try:
+            await until(lambda: router.num_reports == 1)
+            router.states["engine-1"].accepting = False  # every request to engine-0
+            state = router.states["engine-0"]
+            first = await router.submit("r0", "c/0", list(range(3 * BLOCK_SIZE)), None)
+            assert state.active_blocks(3) == 3  # sent since the report
+            fakes[0].used_blocks = 3
+            await reporter.publish_load()  # counts the first request
+            await until(lambda: router.num_reports == 2)
+            assert state.active_blocks(3) == 3
+            second = await router.submit("r1", "c/1", list(range(2 * BLOCK_SIZE)), None)
+            assert state.active_blocks(3) == 5
+            second.inner.end()
+            async for _ in second:
+                pass
+            assert state.active_blocks(3) == 3
+            first.inner.end()
+            async for _ in first:
+                pass
+            assert state.active_blocks(3) == 0
+        finally:
+            await reporter.stop()
+            await router.close()
+
+    asyncio.run(run())
+
+
+class _Held(_Stream):
+    """A stream whose final delta waits for ``end()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    def end(self) -> None:
+        self.ended.set()
+
+    async def __anext__(self):
+        await self.ended.wait()
+        return await super().__anext__()
