@@ -1,5 +1,6 @@
 """The gateway as its own process (a service of `shinkai up`): OpenAI HTTP and shinkai.v1 gRPC in front of
-the tokenizer service and one or more engine processes, routing by their NATS load reports.
+the tokenizer service and one or more engine processes, routing by their NATS load reports and, where the
+engines publish them, the blocks their prefix caches hold (services/gateway/router.py).
 
     python -m services.entrypoints.gateway --tokenizer 127.0.0.1:P --engine engine-0=127.0.0.1:Q [--engine ...] \\
         --nats-url nats://127.0.0.1:R --http-port 8000 --grpc-port 50051
@@ -41,7 +42,11 @@ async def run(args: argparse.Namespace) -> int:
         name, _, address = spec.rpartition("=")
         engines.append(RemoteEngine(name or f"engine-{i}", address))
     metrics = RequestMetrics()
-    router = EngineRouter(engines, on_route=lambda replica: metrics.routed.labels(engine=replica).inc())
+    router = EngineRouter(
+        engines,
+        on_route=lambda replica: metrics.routed.labels(engine=replica).inc(),
+        overlap_weight=args.router_overlap_weight,
+    )
     if args.nats_url:
         await router.subscribe(args.nats_url)
     remote_info = await engines[0].model_info()
@@ -149,12 +154,26 @@ def main(argv: list[str] | None = None) -> int:
         help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
     )
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) image URL")
+    from services.gateway.router import DEFAULT_OVERLAP_WEIGHT
+
+    p.add_argument(
+        "--router-overlap-weight",
+        type=float,
+        default=DEFAULT_OVERLAP_WEIGHT,
+        help=(
+            "cache-aware routing: blocks of load that one block of a prompt cached on an engine is worth "
+            "(NVIDIA Dynamo's overlap score weight; higher keeps conversations on their engine, 0 ignores caches; "
+            "docs/serving.md)"
+        ),
+    )
     from services.gateway.admission import add_admission_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
 
     add_http_timeout_arguments(p)
     add_admission_arguments(p)
     args = p.parse_args(argv)
+    if args.router_overlap_weight < 0:
+        p.error("--router-overlap-weight must be at least 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))
 

@@ -44,6 +44,8 @@ from services.gateway.remote import RemoteEngine, RemoteStream
 
 log = logging.getLogger("shinkai.gateway.router")
 NATS_TIMEOUT_S = 5.0  # the deadline of every round trip to NATS (there are no request/reply calls)
+# Blocks of load one cached prompt block is worth (docs/serving.md, "Routing": how it was chosen).
+DEFAULT_OVERLAP_WEIGHT = 4.0
 
 
 @dataclass
@@ -128,7 +130,7 @@ class EngineRouter:
         self,
         engines: Sequence[RemoteEngine],
         on_route: Callable[[str], None] = lambda replica: None,
-        overlap_weight: float = 1.0,
+        overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
         index: PrefixIndex | None = None,
     ) -> None:
         self.states = {e.replica: _EngineState(e) for e in engines}
