@@ -4,7 +4,7 @@ Per replica, an insertion-ordered set of block hashes (services/engine/prefix/bl
 applies ``cleared`` (forget the replica's blocks), then ``removed``, then ``stored``; a hash stored again
 moves to the newest end. Memory is bounded: past ``max_blocks_per_replica`` hashes the oldest are dropped,
 which under-counts that replica's cache (fewer routed hits, never a wrong answer: the engine looks its cache
-up itself). A replica that stops taking requests is forgotten, and so is one whose events were never heard.
+up itself). The router forgets a replica at each of its lifecycle events (services/gateway/router.py).
 
 A request's overlap with a replica is the number of its leading block hashes, in order, that the replica holds:
 the chain makes block i's hash depend on every earlier block, so that run is exactly the prefix the replica's
@@ -41,7 +41,7 @@ class PrefixIndex:
             self.num_dropped += excess
 
     def forget(self, replica: str) -> None:
-        """Drops what ``replica`` held: it went down or is draining, or its engine restarted."""
+        """Drops what ``replica`` held: it stopped serving, or started afresh."""
         self._held.pop(replica, None)
 
     def heard(self, replica: str) -> bool:

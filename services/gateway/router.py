@@ -20,8 +20,9 @@ Load only (no engine has published KV events, or the model's block size is unkno
 its last reported load (running + waiting + queued) plus the requests this gateway sent it since that report;
 before the first report (or without NATS) it is this gateway's count of live requests on it. Either way the
 lowest wins and ties go round robin. Engines that announced "draining", "unhealthy" or "down" on the
-lifecycle subject get no new requests until they announce "up", and their cached blocks are forgotten. Abort
-is broadcast: the gateway does not need to remember where a client request id went.
+lifecycle subject get no new requests until they announce "up"; each lifecycle event forgets the engine's
+cached blocks (a process that announces "up" starts with an empty cache). Abort is broadcast: the gateway does
+not need to remember where a client request id went.
 """
 
 from __future__ import annotations
@@ -190,8 +191,9 @@ class EngineRouter:
             return
         if state is not None:
             state.accepting = event.get("state") == "up"
-            if not state.accepting:
-                self.index.forget(state.engine.replica)
+            # "up" comes from a fresh process (an empty cache: the one before may have died unannounced) or
+            # after its worker was lost; every other state ends its service: either way, what it held is gone.
+            self.index.forget(state.engine.replica)
 
     async def _on_kv_events(self, msg: Any) -> None:
         try:
