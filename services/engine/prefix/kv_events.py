@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 @dataclass
 class KvEvents:
-    stored: list[int]  # hashes of the full blocks that entered the cache (services/engine/prefix/block_hash.py)
-    removed: list[int]  # hashes of the blocks evicted from it
-    cleared: bool  # the whole cache was dropped before ``stored`` and ``removed``: everything earlier is gone
+    # Hashes of the full blocks that entered the cache since the last take and are in it now
+    # (services/engine/prefix/block_hash.py): a block stored and evicted again in between is in neither list.
+    stored: list[int]
+    # Hashes of the blocks that left it since the last take; one also in ``stored`` left, then came back: held.
+    removed: list[int]
+    # The whole cache was dropped since the last take, before ``removed`` and ``stored``: everything earlier is gone.
+    cleared: bool
