@@ -31,7 +31,8 @@ ENGINE_LIFECYCLE = "shinkai.engine.lifecycle"  # a family: of_replica(ENGINE_LIF
 # Engines → gateways (cache-aware routing). JSON {"replica", "stored": [block hash, ...], "removed": [...],
 # "cleared": bool, "time"}, batched per report interval: full blocks that entered or left the engine's prefix
 # cache (hashes: services/engine/prefix/block_hash.py); "cleared" says the engine dropped its whole cache, so
-# a subscriber forgets everything it held for that replica before applying the lists.
+# a subscriber forgets everything it held for that replica, then applies "removed", then "stored"
+# (services/engine/reporting/kv_events_publisher.py; the subscriber: services/gateway/router.py).
 KV_EVENTS = "shinkai.engine.kv"  # a family: of_replica(KV_EVENTS, replica)
 
 # Families whose subjects each end in the publishing engine's replica name.

@@ -65,6 +65,8 @@ class ServedEngine:
             bos_token_id=cfg.bos_token_id,
             eos_token_id=cfg.eos_token_id,
             max_num_seqs=llm.config.max_num_seqs,
+            block_size=llm.config.block_size,
+            image_placeholder_id=self.images.placeholder_id if cfg.vision is not None else None,
         )
         stats = self.service.stats()
         self.service.observer.metrics = EngineMetrics(

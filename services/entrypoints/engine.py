@@ -1,7 +1,9 @@
 """One engine replica as its own process (a service of `shinkai up`).
 
 It serves ``shinkai.v1.Shinkai`` over gRPC for the gateway (token ids in, token ids out; no text: the
-tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS.
+tokenizer service detokenizes), grpc.health.v1, and publishes load reports and lifecycle events on NATS, and,
+when its engine has a prefix cache (``Engine.take_kv_events``), the blocks entering and leaving it
+(`services/engine/reporting/kv_events_publisher.py`) for the gateways' cache-aware routing.
 The worker runs in-process, or in its own process with ``--worker ADDR``; with NATS, every step's
 expert counts also go to the EPLB planner (`services/engine/reporting/expert_loads.py`); a data-parallel rank also
 takes the planner's plans and applies them live (`services/engine/parallel/live_plans.py`). SIGTERM drains: "draining"
@@ -214,6 +216,13 @@ async def run(args: argparse.Namespace) -> int:
         await reporter.start()
     if publisher is not None and reporter is not None:
         publisher.nc = reporter.nc  # expert-load reports start with the next step
+    kv_events = None
+    take = getattr(server.llm.engine, "take_kv_events", None)  # an engine with a prefix cache
+    if reporter is not None and take is not None:  # its cached blocks, for the gateways' cache-aware routing
+        from services.engine.reporting.kv_events_publisher import KvEventsPublisher
+
+        kv_events = KvEventsPublisher(reporter.nc, args.replica, take, interval_s=reporter.interval_s)
+        kv_events.start()
     if reporter is not None and args.data_parallel_size > 1 and llm.rank is not None:  # the planner's plans,
         # applied live (with a worker process the weights are there: not built, docs/parallelism.md)
         from services.engine.parallel.live_plans import PlanIntake
@@ -249,6 +258,8 @@ async def run(args: argparse.Namespace) -> int:
     if reporter is not None:
         await reporter.lifecycle("draining")
     await server.stop()
+    if kv_events is not None:
+        await kv_events.stop()
     if reporter is not None:
         await reporter.stop()
     print(

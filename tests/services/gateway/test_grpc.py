@@ -107,6 +107,9 @@ def test_a_client_cannot_choose_the_request_id(served):
 def test_model_info_loads_and_health(client, served):
     info = client.model_info()
     assert info.model == "tiny" and info.vocab_size == 129280 and info.max_model_len == 4096
+    # What a gateway hashes prompts with to route by cached prefix: the block size, and the image placeholder
+    # (tiny has a vision tower) before which a prompt's blocks are the same after the engine expands images.
+    assert info.block_size == 128 and info.image_placeholder_id == 129279
     loads = client.loads()
     assert len(loads.engines) == 1 and loads.engines[0].num_total_blocks > 0
     assert loads.engines[0].replica == served.server.config.replica == "engine-0"
