@@ -82,7 +82,8 @@ def test_limits_are_positive_and_the_defaults_need_no_flags(capsys):
 
 
 def test_up_gives_the_gateway_process_its_limits_and_the_defaults_add_no_flags():
-    from services.entrypoints.stack import StackConfig, services
+    from services.entrypoints.service_list import services
+    from services.entrypoints.stack_config import StackConfig
 
     def gateway_argv(config):
         return {s.name: s for s in services(config)}["gateway"].argv

@@ -143,7 +143,8 @@ def test_up_gives_the_gateway_process_its_timeouts():
     gateway process's flags parse back to the same timeouts."""
     import argparse
 
-    from services.entrypoints.stack import StackConfig, services
+    from services.entrypoints.service_list import services
+    from services.entrypoints.stack_config import StackConfig
     from services.gateway.http_protocol import add_http_timeout_arguments, http_timeouts
 
     timeouts = HttpTimeouts(header_s=3.0, body_s=7.0)
