@@ -12,7 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 
-from services.entrypoints.stack import nats_server_binary
+from services.entrypoints.placement import nats_server_binary
 
 __all__ = ["nats_server_binary", "running_nats_server", "wait_for"]
 

@@ -3,7 +3,7 @@
 `up` starts it last (`python -m services.entrypoints.supervisor --run-dir DIR`, each service's secret
 variables on its stdin, held in memory only: never its command line or environment); it records itself under
 ``"supervisor"`` in ``<run_dir>/stack.json`` and from then on owns that file. `down` stops it before any
-service. Every ``interval_s`` it checks each recorded service's PID (`stack.alive_as`):
+service. Every ``interval_s`` it checks each recorded service's PID (`probe.alive_as`):
 
 - A service that is gone has crashed (a kill, a fault, an exit of its own): logged, counted, and restarted
   with its recorded command and environment after a backoff (``backoff_s``, doubled with each crash in a
@@ -41,7 +41,8 @@ from pathlib import Path
 import prometheus_client as prom
 
 import observability.metrics as names
-from services.entrypoints.stack import ROOT, alive_as, healthy, write_state
+from services.entrypoints.probe import alive_as, healthy
+from services.entrypoints.stack import ROOT, write_state
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from services.entrypoints.stack import StackConfig
+from services.entrypoints.stack_config import StackConfig
 
 _DEFAULTS = StackConfig()
 
@@ -159,7 +159,7 @@ def _status(args: argparse.Namespace) -> int:
     """Prints the stack's services as stack.json records them; exit 1 when one has failed or none is recorded."""
     import json
 
-    from services.entrypoints.stack import alive_as
+    from services.entrypoints.probe import alive_as
 
     path = args.run_dir / "stack.json"
     if not path.exists():

@@ -12,7 +12,7 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from services.entrypoints.cli import main
-from services.entrypoints.stack import alive_as
+from services.entrypoints.probe import alive_as
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,7 +23,9 @@ from services import service_auth
 from services.client import InvalidArgument, ModelNotFound, ShinkaiClient
 from services.engine import LLM, SamplingParams
 from services.engine.engine import Engine
-from services.entrypoints.stack import StackConfig, down, services, up
+from services.entrypoints.service_list import services
+from services.entrypoints.stack import down, up
+from services.entrypoints.stack_config import StackConfig
 from services.multimodal.service import ENCODE_DELAY_ENV
 from tests.openai_streams import concurrent_completion_streams
 from tests.services.gateway.test_images import ask, data_url, encoded

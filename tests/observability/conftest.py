@@ -4,7 +4,7 @@ import pytest
 
 from observability import tracing
 from services.gateway.server import ServeConfig
-from tests.services.gateway.conftest import ServerThread, pools_whole
+from tests.services.gateway.support import ServerThread, pools_whole
 
 
 @pytest.fixture(scope="package")

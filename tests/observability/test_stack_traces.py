@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from services.entrypoints.stack import StackConfig, down, up
+from services.entrypoints.stack import down, up
+from services.entrypoints.stack_config import StackConfig
 from tests.observability.otlp import otlp_receiver, render
 
 pytestmark = pytest.mark.timeout(180)

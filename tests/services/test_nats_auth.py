@@ -13,7 +13,9 @@ import pytest
 
 from services import nats_auth, subjects
 from services.entrypoints.credentials import StackCredentials
-from services.entrypoints.stack import LocalPlacement, StackConfig, nats_server_binary, services
+from services.entrypoints.placement import LocalPlacement, nats_server_binary
+from services.entrypoints.service_list import services
+from services.entrypoints.stack_config import StackConfig
 from services.gateway.remote import RemoteEngine
 from services.gateway.router import EngineRouter
 from tests.nats_server import wait_for

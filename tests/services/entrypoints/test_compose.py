@@ -87,7 +87,7 @@ def test_the_cpu_file_alone_runs_the_cpu_stack(cpu_model):
 
 
 def test_services_and_commands_are_the_stacks(model):
-    """With the GPU override every command is the GPU stack's (services/entrypoints/stack.py with
+    """With the GPU override every command is the GPU stack's (services/entrypoints/service_list.py with
     compose.GPU_CONFIG)."""
     stack = stack_services(GPU_CONFIG)
     services = model["services"]
@@ -222,7 +222,7 @@ def test_each_container_gets_only_its_own_secrets(model):
 
 def test_a_data_parallel_group_in_compose_starts_together_and_meets_over_the_network(tmp_path):
     from services.entrypoints.compose import HEADER, compose, to_yaml
-    from services.entrypoints.stack import StackConfig
+    from services.entrypoints.stack_config import StackConfig
 
     config = StackConfig(model="tiny", data_parallel_size=2, max_num_seqs=16)
     out = compose(config)

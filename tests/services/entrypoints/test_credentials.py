@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import service_auth
 from services.client import ShinkaiClient, Unauthenticated
-from services.entrypoints.stack import StackConfig, down, up
+from services.entrypoints.stack import down, up
+from services.entrypoints.stack_config import StackConfig
 from services.proto.multimodal.v1 import multimodal_pb2, multimodal_pb2_grpc
 from services.proto.shinkai.v1 import shinkai_pb2, shinkai_pb2_grpc
 from services.proto.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc

@@ -19,55 +19,13 @@ def test_the_last_error_line_of_a_log_ends_the_message(tmp_path):
     assert _last_error(tmp_path / "absent.log") == ""
 
 
-def test_speculative_flags_reach_the_engines_only():
-    from services.entrypoints.stack import StackConfig, services
-
-    stack = services(
-        StackConfig(
-            model="tiny",
-            num_engines=2,
-            num_speculative_tokens=4,
-            spec_sampling="deterministic",
-            spec_varlen=True,
-            remote_workers=True,
-        )
-    )
-    engines = [s for s in stack if s.name.startswith("engine-")]
-    assert len(engines) == 2
-    for engine in engines:
-        i = engine.argv.index("--num-speculative-tokens")
-        assert engine.argv[i + 1 : i + 5] == ["4", "--spec-sampling", "deterministic", "--spec-varlen"]
-    assert all("--spec-varlen" not in s.argv for s in stack if not s.name.startswith("engine-"))
-    assert all("--num-speculative-tokens" not in s.argv for s in stack if not s.name.startswith("engine-"))
-    assert all("--num-speculative-tokens" not in s.argv for s in services(StackConfig(model="tiny")))
-
-
-def test_engines_reach_the_multimodal_service_and_the_ssrf_flag_reaches_the_gateway():
-    from services.entrypoints.stack import StackConfig, services
-
-    stack = {s.name: s for s in services(StackConfig(model="tiny", num_engines=2, allow_private_image_urls=True))}
-    address = f"127.0.0.1:{stack['multimodal'].health.split(':')[1]}"
-    for name in ("engine-0", "engine-1"):
-        argv = stack[name].argv
-        assert argv[argv.index("--multimodal") + 1] == address
-    assert "--allow-private-image-urls" in stack["gateway"].argv
-    plain = {s.name: s for s in services(StackConfig(model="tiny"))}
-    assert "--allow-private-image-urls" not in plain["gateway"].argv
-    # Remote workers too: the engine encodes there, and its worker takes the rows by worker.v1 SetImages.
-    remote = {s.name: s for s in services(StackConfig(model="tiny", remote_workers=True))}
-    argv = remote["engine-0"].argv
-    assert (
-        "--worker" in argv
-        and argv[argv.index("--multimodal") + 1] == f"127.0.0.1:{remote['multimodal'].health.split(':')[1]}"
-    )
-    assert "--multimodal" not in remote["worker-0"].argv
-
-
 def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rendezvous():
     import pytest
 
     from services.entrypoints.engine import main as engine_main
-    from services.entrypoints.stack import StackConfig, _batches, services
+    from services.entrypoints.service_list import services
+    from services.entrypoints.stack import _batches
+    from services.entrypoints.stack_config import StackConfig
     from services.entrypoints.worker import main as worker_main
 
     stack = services(StackConfig(model="tiny", data_parallel_size=3, num_redundant_experts=2, batch_invariant=True))
@@ -125,43 +83,3 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
         engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "nowhere"])
     with pytest.raises(SystemExit, match="needs --dp-rendezvous tcp://host:port"):  # before the model is loaded
         worker_main(["--dp", "2", "--dp-rendezvous", "nowhere"])
-
-
-def test_engram_on_host_reaches_every_engine_and_worker_process_and_serve_ranks():
-    import argparse
-
-    from services.entrypoints.serve import _config, _rank_argv, register
-    from services.entrypoints.stack import StackConfig, services
-
-    stack = services(StackConfig(model="tiny", num_engines=2, remote_workers=True, engram_on_host=True))
-    processes = [s for s in stack if s.name.startswith(("engine", "worker"))]
-    assert len(processes) == 4 and all("--engram-on-host" in s.argv for s in processes)
-    assert not any("--engram-on-host" in s.argv for s in services(StackConfig(model="tiny", remote_workers=True)))
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--dp", "2", "--engram-on-host"])
-    assert "--engram-on-host" in _rank_argv(args)  # each rank process of serve --dp
-    args = parser.parse_args(
-        ["serve", "--dp", "2", "--num-speculative-tokens", "2", "--spec-sampling", "deterministic", "--spec-varlen"]
-    )
-    argv = _rank_argv(args)  # speculative decoding runs with ranks
-    assert argv[argv.index("--num-speculative-tokens") + 1] == "2" and "--spec-varlen" in argv
-    assert argv[argv.index("--spec-sampling") + 1] == "deterministic"
-    assert _config(parser.parse_args(["serve", "--engram-on-host"])).engine_args["engram_on_host"] is True
-
-
-def test_local_ports_are_never_given_twice(monkeypatch):
-    """The OS may return the same free port on consecutive calls (it is closed in between): the placement must
-    not give it to two services."""
-    from services.entrypoints import stack
-
-    offered = iter([5001, 5001, 5001, 5002, 5001, 5003])
-    monkeypatch.setattr(stack, "free_port", lambda host: next(offered))
-    at = stack.LocalPlacement("127.0.0.1")
-    ports = [
-        at.port("engine-0", "grpc"),
-        at.port("worker-0", "grpc"),
-        at.port("engine-0", "grpc"),
-        at.port("gateway", "grpc"),
-    ]
-    assert ports == [5001, 5002, 5001, 5003]

@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.client import AsyncShinkaiClient, ShinkaiClient
 from services.entrypoints.cli import main as cli
-from services.entrypoints.stack import StackConfig, alive_as, down, up
+from services.entrypoints.probe import alive_as
+from services.entrypoints.stack import down, up
+from services.entrypoints.stack_config import StackConfig
 from services.entrypoints.supervisor import Policy, restartable
 from tests.nats_server import wait_for
 

@@ -1,57 +1,14 @@
-"""One in-process `shinkai serve` (HTTP + gRPC on random loopback ports) for the gateway tests.
+"""The gateway tests' fixtures: one in-process `shinkai serve` (HTTP + gRPC on random loopback ports) for the
+whole package, a reference `LLM`, and per module a gRPC client, an `openai` client and the forcing engine over
+that server. After the package, the server drains and its engine's pools must be whole."""
 
-The server's event loop runs in a background thread; tests talk to it over real sockets with real clients.
-After the module, the server drains and its engine's pools must be whole.
-"""
-
-import asyncio
-import threading
-
+import openai
 import pytest
 
+from services.client import ShinkaiClient
 from services.engine import LLM
-from services.engine.stats import EngineStats
-from services.gateway.server import ServeConfig, Server
-
-
-class ServerThread:
-    def __init__(self, config: ServeConfig) -> None:
-        self.server = Server(config)
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.start())
-        self._ready.set()
-        self.loop.run_forever()
-
-    def start(self) -> "ServerThread":
-        self._thread.start()
-        assert self._ready.wait(60), "server did not start"
-        return self
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(30)
-
-    @property
-    def http_url(self) -> str:
-        return self.server.urls()["http"]
-
-    @property
-    def grpc_target(self) -> str:
-        return self.server.urls()["grpc"]
-
-
-def pools_whole(stats: EngineStats) -> bool:
-    return (
-        stats.free_blocks == stats.total_blocks
-        and stats.free_state_slots == stats.total_state_slots
-        and stats.num_running == stats.num_waiting == 0
-    )
+from tests.services.gateway.forcing import forcing_engine
+from tests.services.gateway.support import own_server
 
 
 # Both engines in batch-invariant mode (docs/batch-invariance.md): the server batches a request with whatever
@@ -59,22 +16,34 @@ def pools_whole(stats: EngineStats) -> bool:
 # logprobs compare under ==.
 @pytest.fixture(scope="package")
 def served():
-    thread = ServerThread(
-        ServeConfig(
-            model="tiny",
-            http_port=0,
-            grpc_port=0,
-            max_queued=300,
-            drain_timeout_s=10,
-            engine_args={"max_num_seqs": 32, "batch_invariant": True},
-        )
-    ).start()
-    yield thread
-    thread.stop()
-    assert pools_whole(thread.server.engine.stats())
+    with own_server(
+        max_queued=300, drain_timeout_s=10, engine_args={"max_num_seqs": 32, "batch_invariant": True}
+    ) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="package")
 def reference_llm():
     """A second tiny model with the same weights, driven only by LLM.generate."""
     return LLM("tiny", max_num_seqs=32, batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    """The Python shinkai.v1 client of the served gateway."""
+    with ShinkaiClient(served.grpc_target, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def openai_client(served):
+    """The unmodified `openai` client of the served gateway's OpenAI API."""
+    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def forced(served):
+    """The served frontend's engine wrapped for the module, so a test can force the model's output text
+    (tests/services/gateway/forcing.py)."""
+    with forcing_engine(served.server.frontend) as engine:
+        yield engine

@@ -21,9 +21,8 @@ from services.gateway.admission import (
 )
 from services.gateway.auth import owner
 from services.gateway.frontend import GenerateArgs, tenant_of
-from services.gateway.server import ServeConfig
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
-from tests.services.gateway.conftest import ServerThread, pools_whole
+from tests.services.gateway.support import gateway_argv, own_server, post
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = ("key-alice", "key-bob")
@@ -82,10 +81,7 @@ def test_limits_are_positive_and_the_defaults_need_no_flags(capsys):
 
 
 def test_up_gives_the_gateway_process_its_limits_and_the_defaults_add_no_flags():
-    from services.entrypoints.stack import StackConfig, services
-
-    def gateway_argv(config):
-        return {s.name: s for s in services(config)}["gateway"].argv
+    from services.entrypoints.stack_config import StackConfig
 
     limits = AdmissionLimits(max_requests=3, max_queued_tokens=5000)
     parser = argparse.ArgumentParser()
@@ -107,31 +103,18 @@ def test_the_tenant_is_the_forwarded_one_else_the_key_else_the_address():
 
 @pytest.fixture(scope="module")
 def limited():
-    thread = ServerThread(
-        ServeConfig(
-            model="tiny",
-            http_port=0,
-            grpc_port=0,
-            drain_timeout_s=5,
-            engine_args={"max_num_seqs": 4},
-            api_keys=KEYS,
-            admission=AdmissionLimits(max_requests=1, max_queued_tokens=100_000),
-        )
-    ).start()
-    yield thread
-    thread.stop()
-    assert pools_whole(thread.server.engine.stats())
+    with own_server(
+        engine_args={"max_num_seqs": 4},
+        api_keys=KEYS,
+        admission=AdmissionLimits(max_requests=1, max_queued_tokens=100_000),
+    ) as thread:
+        yield thread
     assert thread.server.frontend.admission.accounts == {}
 
 
-def post(url: str, body: dict, key: str):
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read()), dict(r.headers)
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read()), dict(err.headers)
+def complete(url: str, body: dict, key: str):
+    """POST /v1/completions with ``key`` as the bearer token."""
+    return post(url, "/v1/completions", body, {"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 def test_a_key_over_its_limit_gets_429_while_another_key_is_served(limited):
@@ -143,7 +126,7 @@ def test_a_key_over_its_limit_gets_429_while_another_key_is_served(limited):
         next(stream)
         rejected = limited.server.metrics.rejected.labels(reason="tenant_limit")
         num_rejected = rejected._value.get()
-        code, reply, headers = post(limited.http_url, long | {"max_tokens": 1}, "key-alice")
+        code, reply, headers = complete(limited.http_url, long | {"max_tokens": 1}, "key-alice")
         assert code == 429, reply
         assert reply["error"]["type"] == "rate_limit_error" and reply["error"]["code"] == "rate_limit_exceeded"
         assert "the limit is 1" in reply["error"]["message"]
@@ -152,7 +135,7 @@ def test_a_key_over_its_limit_gets_429_while_another_key_is_served(limited):
             alice.generate([1, 2], max_tokens=1)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s >= 1
         assert rejected._value.get() == num_rejected + 2  # counted as rejections (reason tenant_limit)
-        code, reply, _ = post(limited.http_url, long | {"max_tokens": 2}, "key-bob")
+        code, reply, _ = complete(limited.http_url, long | {"max_tokens": 2}, "key-bob")
         assert code == 200, reply
         stream.close()
     # Alice's stream was cancelled: once the server has seen it end (asynchronously), her place is back.
@@ -160,7 +143,7 @@ def test_a_key_over_its_limit_gets_429_while_another_key_is_served(limited):
     deadline = time.monotonic() + 30
     while alice_tenant in limited.server.frontend.admission.accounts and time.monotonic() < deadline:
         time.sleep(0.05)
-    code, reply, _ = post(limited.http_url, long | {"max_tokens": 2}, "key-alice")
+    code, reply, _ = complete(limited.http_url, long | {"max_tokens": 2}, "key-alice")
     assert code == 200, reply
 
 

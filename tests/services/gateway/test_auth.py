@@ -11,8 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client import ShinkaiClient, Unauthenticated
-from services.gateway.server import ServeConfig
-from tests.services.gateway.conftest import ServerThread, pools_whole
+from tests.services.gateway.support import own_server
 from tests.services.gateway.test_bad_input import OK
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,14 +20,8 @@ KEYS = ("key-alice", "key-bob")
 
 @pytest.fixture(scope="module")
 def keyed():
-    thread = ServerThread(
-        ServeConfig(
-            model="tiny", http_port=0, grpc_port=0, drain_timeout_s=5, engine_args={"max_num_seqs": 4}, api_keys=KEYS
-        )
-    ).start()
-    yield thread
-    thread.stop()
-    assert pools_whole(thread.server.engine.stats())
+    with own_server(engine_args={"max_num_seqs": 4}, api_keys=KEYS) as thread:
+        yield thread
 
 
 def call(url: str, path: str, body=None, key: str | None = None, scheme: str = "Bearer"):

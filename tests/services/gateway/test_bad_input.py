@@ -4,8 +4,6 @@ UNKNOWN or INTERNAL, with an OpenAI error body (HTTP) or a message that says wha
 import base64
 import json
 import math
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from services.client import InvalidArgument, ModelNotFound, QueueFull, ShinkaiClient
 from services.client.messages import generate_request
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from tests.services.gateway.support import post
 from tests.services.multimodal.hostile_images import HOSTILE, bilevel_png
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,16 +87,6 @@ HTTP_ROWS = [
     ("chat with a truncated JPEG", chat_with_image(HOSTILE["JPEG cut after 200 bytes"][0]), 400, "truncated"),
     ("chat with a truncated PNG", chat_with_image(HOSTILE["PNG cut after 100 bytes"][0]), 400, "truncated"),
 ]
-
-
-def post(url: str, path: str, body) -> tuple[int, dict, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.load(r), dict(r.headers)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err), dict(err.headers)
 
 
 @pytest.mark.parametrize("row,body,status,word", HTTP_ROWS, ids=[r[0] for r in HTTP_ROWS])

@@ -2,29 +2,18 @@
 deep nesting and nested NaN are 400s naming the place, Content-Type is enforced, 405 carries Allow,
 unsupported OpenAI parameters are refused by name, logit_bias bans, and every error names its parameter."""
 
-import http.client
 import json
 import logging
 import math
-from urllib.parse import urlparse
 
 import pytest
 
 from services.engine import SamplingParams
 from services.gateway.frontend import MASKED_LOGPROB
-from tests.services.gateway.test_bad_input import OK, post
+from tests.services.gateway.support import post, raw_request
+from tests.services.gateway.test_bad_input import OK
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def raw_request(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None):
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request(method, path, body=body, headers=headers or {})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, data, {k.lower(): v for k, v in resp.getheaders()}
 
 
 def strict_json(data: bytes):

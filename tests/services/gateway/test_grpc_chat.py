@@ -4,39 +4,26 @@ import json
 
 import pytest
 
-from services.client import InvalidArgument, ShinkaiClient
-from tests.services.gateway.forcing import forcing_engine
+from services.client import InvalidArgument
 from tests.services.gateway.openai.test_chat_reasoning import USER, WEATHER, dsml
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def forced(served):
-    with forcing_engine(served.server.frontend) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with ShinkaiClient(served.grpc_target, timeout=60) as client:
-        yield client
-
-
-def test_reasoning_and_content_stream_apart(client, forced):
+def test_reasoning_and_content_stream_apart(grpc_client, forced):
     with forced.forcing("Let me think.</think>The answer is 4."):
-        deltas = list(client.generate_stream(messages=USER, max_tokens=40))
-        whole = client.generate(messages=USER, max_tokens=40)
+        deltas = list(grpc_client.generate_stream(messages=USER, max_tokens=40))
+        whole = grpc_client.generate(messages=USER, max_tokens=40)
     assert "".join(d.reasoning_content for d in deltas) == whole.reasoning_content == "Let me think."
     assert "".join(d.content for d in deltas) == whole.content == "The answer is 4."
     assert not any("</think>" in d.reasoning_content + d.content for d in deltas)
     assert whole.finish_reason == deltas[-1].finish_reason == "stop"
 
 
-def test_tool_loop(client, forced, served):
+def test_tool_loop(grpc_client, forced, served):
     with forced.forcing("Look it up.</think>" + dsml(("get_weather", {"city": "Paris", "days": 2}))):
-        whole = client.generate(messages=USER, tools=[WEATHER], max_tokens=100)
-        deltas = list(client.generate_stream(messages=USER, tools=[WEATHER], max_tokens=100))
+        whole = grpc_client.generate(messages=USER, tools=[WEATHER], max_tokens=100)
+        deltas = list(grpc_client.generate_stream(messages=USER, tools=[WEATHER], max_tokens=100))
     assert whole.finish_reason == "tool_calls" and deltas[-1].finish_reason == "tool_calls"
     (call,) = whole.tool_calls
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2}
@@ -55,22 +42,24 @@ def test_tool_loop(client, forced, served):
         {"role": "tool", "tool_call_id": call.id, "content": "rain"},
     ]
     with forced.forcing("Rain.</think>It rains in Paris."):
-        answer = client.generate(messages=history, tools=[WEATHER], max_tokens=60)
+        answer = grpc_client.generate(messages=history, tools=[WEATHER], max_tokens=60)
     assert answer.content == "It rains in Paris." and answer.finish_reason == "stop"
     rendered = served.server.chat.render({"messages": history, "tools": [WEATHER]})
     assert "<tool_result>rain</tool_result>" in rendered.prompt and answer.prompt_tokens == len(rendered.token_ids)
 
 
-def test_stop_strings(client, forced):
+def test_stop_strings(grpc_client, forced):
     with forced.forcing("one two three four", end=False):
-        whole = client.generate("x", max_tokens=30, ignore_eos=True, stop=["three"])
-        kept = client.generate("x", max_tokens=30, ignore_eos=True, stop=["three"], include_stop_str_in_output=True)
+        whole = grpc_client.generate("x", max_tokens=30, ignore_eos=True, stop=["three"])
+        kept = grpc_client.generate(
+            "x", max_tokens=30, ignore_eos=True, stop=["three"], include_stop_str_in_output=True
+        )
     assert whole.text == "one two " and whole.finish_reason == "stop"
     assert kept.text == "one two three" and kept.completion_tokens == whole.completion_tokens
 
 
-def test_bad_chat_options_name_the_field(client):
+def test_bad_chat_options_name_the_field(grpc_client):
     with pytest.raises(InvalidArgument, match="reasoning_effort"):
-        client.generate(messages=USER, max_tokens=1, reasoning_effort="ultra")
+        grpc_client.generate(messages=USER, max_tokens=1, reasoning_effort="ultra")
     with pytest.raises(InvalidArgument, match="at most 4"):
-        client.generate("x", max_tokens=1, stop=["a", "b", "c", "d", "e"])
+        grpc_client.generate("x", max_tokens=1, stop=["a", "b", "c", "d", "e"])

@@ -5,47 +5,40 @@ import asyncio
 
 import pytest
 
-from services.client import ShinkaiClient
 from services.engine import SamplingParams
 from services.gateway.api_server import ApiServer
 from services.gateway.frontend import Frontend, GenerateArgs
 from services.gateway.remote import RemoteEngine
 from tests.services.gateway.forcing import forcing_engine, token_ids
-from tests.services.gateway.openai.test_http import wait_whole
 from tests.services.gateway.openai.test_prompt_logprobs import full_log_softmax
+from tests.services.gateway.support import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def client(served):
-    with ShinkaiClient(served.grpc_target, timeout=60) as c:
-        yield c
-
-
-def test_n_choices_equal_llm_generates(client, served, reference_llm):
+def test_n_choices_equal_llm_generates(grpc_client, served, reference_llm):
     """Each choice == LLM.generate's choice of the same index (its own seed stream), usage per choice."""
-    choices = client.generate_choices("The sea", max_tokens=4, seed=7, n=3, ignore_eos=True)
+    choices = grpc_client.generate_choices("The sea", max_tokens=4, seed=7, n=3, ignore_eos=True)
     expected = reference_llm.generate("The sea", SamplingParams(max_tokens=4, seed=7, n=3, ignore_eos=True))
     assert [c.index for c in choices] == [0, 1, 2]
     assert [c.token_ids for c in choices] == [e.token_ids for e in expected]
     assert [c.text for c in choices] == [e.text for e in expected]
     assert len({tuple(c.token_ids) for c in choices}) > 1  # the seeds differ
     assert all(c.finish_reason == "length" and c.completion_tokens == 4 for c in choices)
-    deltas = list(client.generate_stream("The sea", max_tokens=4, seed=7, n=3, ignore_eos=True))
+    deltas = list(grpc_client.generate_stream("The sea", max_tokens=4, seed=7, n=3, ignore_eos=True))
     for c in choices:
         mine = [d for d in deltas if d.index == c.index]
         assert [t for d in mine for t in d.token_ids] == c.token_ids
         assert [d.finish_reason for d in mine][-1] == "length"
     with pytest.raises(ValueError, match="generate_choices"):
-        client.generate("The sea", max_tokens=1, n=2)
+        grpc_client.generate("The sea", max_tokens=1, n=2)
     wait_whole(served)
 
 
-def test_prompt_logprobs_equal_the_full_forward(client, served, reference_llm):
+def test_prompt_logprobs_equal_the_full_forward(grpc_client, served, reference_llm):
     prompt = reference_llm.encode("The deep sea keeps its light")
     full = full_log_softmax(reference_llm, prompt)
-    choices = client.generate_choices(prompt, max_tokens=2, n=2, seed=3, prompt_logprobs=2)
+    choices = grpc_client.generate_choices(prompt, max_tokens=2, n=2, seed=3, prompt_logprobs=2)
     order = full.sort(dim=-1, descending=True, stable=True).indices[:, :2]
     for c in choices:
         assert c.prompt_logprobs == [float(full[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
@@ -53,15 +46,15 @@ def test_prompt_logprobs_equal_the_full_forward(client, served, reference_llm):
         assert c.prompt_top_logprobs == [
             [(int(t), float(full[p, t])) for t in order[p]] for p in range(len(prompt) - 1)
         ]
-    assert client.generate(prompt, max_tokens=1).prompt_logprobs is None
+    assert grpc_client.generate(prompt, max_tokens=1).prompt_logprobs is None
     wait_whole(served)
 
 
-def test_skip_special_tokens_false_keeps_them(client, served):
+def test_skip_special_tokens_false_keeps_them(grpc_client, served):
     with forcing_engine(served.server.frontend) as forced:
         forced.forced = tuple(token_ids("Hi") + [1] + token_ids("there"))
         kept, skipped = (
-            client.generate("x", max_tokens=len(forced.forced), ignore_eos=True, skip_special_tokens=skip)
+            grpc_client.generate("x", max_tokens=len(forced.forced), ignore_eos=True, skip_special_tokens=skip)
             for skip in (False, True)
         )
     assert kept.text == "Hi<｜end▁of▁sentence｜>there" and skipped.text == "Hithere"

@@ -12,24 +12,9 @@ from services.client.messages import generate_request
 from services.gateway.frontend import MASKED_LOGPROB
 from services.gateway.grpc_api import MAX_ID_BYTES
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
+from tests.services.gateway.support import generate, refusal
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def generate(target: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-    with grpc.insecure_channel(target) as ch:
-        call = ch.unary_stream(
-            "/shinkai.v1.Shinkai/Generate",
-            request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.GenerateResponse.FromString,
-        )
-        return list(call(request, timeout=30))
-
-
-def refusal(target: str, request: pb.GenerateRequest) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        generate(target, request)
-    return info.value
 
 
 def test_a_long_client_request_id_is_refused_before_anything_streams(served):

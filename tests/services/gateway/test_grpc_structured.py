@@ -13,7 +13,7 @@ from services.engine.structured.constraint import Constraint
 from services.gateway import grpc_api
 from services.gateway.remote import _sampling
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
-from tests.services.gateway.test_grpc_limits import generate, refusal
+from tests.services.gateway.support import generate, refusal
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,32 +14,22 @@ import urllib.request
 import pytest
 
 from services.gateway.http_protocol import HttpTimeouts
-from services.gateway.server import ServeConfig
-from tests.services.gateway.conftest import ServerThread, pools_whole
+from tests.services.gateway.support import gateway_argv, own_server
 
 pytestmark = pytest.mark.timeout(120)
 HEADER_S, BODY_S = 1.0, 1.5
 NUM_HELD = 1000
 
 
-def _server(timeouts: HttpTimeouts) -> ServerThread:
-    config = ServeConfig(
-        model="tiny",
-        http_port=0,
-        grpc_port=0,
-        drain_timeout_s=5,
-        engine_args={"max_num_seqs": 4, "max_model_len": 64},
-        http_timeouts=timeouts,
-    )
-    return ServerThread(config).start()
+def _server(timeouts: HttpTimeouts):
+    """A server of the test's own with these read deadlines (`own_server`: stopped on leaving, pools whole)."""
+    return own_server(engine_args={"max_num_seqs": 4, "max_model_len": 64}, http_timeouts=timeouts)
 
 
 @pytest.fixture(scope="module")
 def short():
-    thread = _server(HttpTimeouts(header_s=HEADER_S, body_s=BODY_S))
-    yield thread
-    thread.stop()
-    assert pools_whole(thread.server.engine.stats())
+    with _server(HttpTimeouts(header_s=HEADER_S, body_s=BODY_S)) as thread:
+        yield thread
 
 
 def _connect(url: str) -> socket.socket:
@@ -119,23 +109,21 @@ def test_a_request_sent_slowly_within_the_deadlines_is_served(short):
 def test_a_thousand_half_sent_requests_held_open_do_not_stop_a_normal_one():
     """Held open for the whole test (a 60 s header timeout): the normal request is answered while every one
     of the thousand is still open, so it did not wait for them to be closed."""
-    thread = _server(HttpTimeouts(header_s=60.0, body_s=60.0))
     held: list[socket.socket] = []
-    try:
-        for i in range(NUM_HELD):
-            sock = _connect(thread.http_url)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GET /v1/mod")
-            held.append(sock)
-        assert _complete(thread.http_url)["choices"][0]["finish_reason"] == "length"
-        for sock in held:
-            sock.setblocking(False)
-            with pytest.raises(BlockingIOError):  # open, nothing sent back: b"" would mean closed
-                sock.recv(1)
-    finally:
-        for sock in held:
-            sock.close()
-        thread.stop()
-    assert pools_whole(thread.server.engine.stats())
+    with _server(HttpTimeouts(header_s=60.0, body_s=60.0)) as thread:
+        try:
+            for i in range(NUM_HELD):
+                sock = _connect(thread.http_url)
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GET /v1/mod")
+                held.append(sock)
+            assert _complete(thread.http_url)["choices"][0]["finish_reason"] == "length"
+            for sock in held:
+                sock.setblocking(False)
+                with pytest.raises(BlockingIOError):  # open, nothing sent back: b"" would mean closed
+                    sock.recv(1)
+        finally:
+            for sock in held:
+                sock.close()
 
 
 def test_up_gives_the_gateway_process_its_timeouts():
@@ -143,11 +131,11 @@ def test_up_gives_the_gateway_process_its_timeouts():
     gateway process's flags parse back to the same timeouts."""
     import argparse
 
-    from services.entrypoints.stack import StackConfig, services
+    from services.entrypoints.stack_config import StackConfig
     from services.gateway.http_protocol import add_http_timeout_arguments, http_timeouts
 
     timeouts = HttpTimeouts(header_s=3.0, body_s=7.0)
-    gateway = {s.name: s for s in services(StackConfig(model="tiny", http_timeouts=timeouts))}["gateway"].argv
+    gateway = gateway_argv(StackConfig(model="tiny", http_timeouts=timeouts))
     parser = argparse.ArgumentParser()
     add_http_timeout_arguments(parser)
     known, _ = parser.parse_known_args(gateway)

@@ -29,8 +29,7 @@ from services.gateway.backends import LocalEngine
 from services.gateway.errors import ApiError
 from services.gateway.frontend import Frontend, GenerateArgs
 from services.gateway.remote import RemoteEngine
-from tests.services.gateway.conftest import pools_whole
-from tests.services.gateway.openai.test_http import wait_whole
+from tests.services.gateway.support import pools_whole, wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -66,11 +65,6 @@ def bmp() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (30, 30)).save(out, "BMP")
     return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def openai_client(served):
-    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_openai_chat_with_a_data_url_image_equals_llm_chat(served, openai_client, reference_llm):
@@ -246,7 +240,7 @@ def test_on_cuda_images_run_on_the_torch_backend_and_on_the_kernel_backend():
     ``bias_vl``; batch-invariant mode, so the one served request and the offline one give the same bits)."""
     from services.engine import LLM
     from services.gateway.server import ServeConfig
-    from tests.services.gateway.conftest import ServerThread
+    from tests.services.gateway.support import ServerThread
 
     messages = ask(data_url(encoded(100, 80, seed=1)))
     # Fixed pools: engines share the GPU in this process (unset, each would size itself to the GPU).

@@ -12,7 +12,7 @@ import pytest
 from services.client import ShinkaiClient, Unavailable
 from services.gateway.auth import tls_files
 from services.gateway.server import ServeConfig
-from tests.services.gateway.conftest import ServerThread
+from tests.services.gateway.support import ServerThread
 from tests.services.gateway.test_bad_input import OK
 
 pytestmark = [

@@ -21,7 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from observability.metrics import ENGINE_STEPS
-from services.entrypoints.stack import StackConfig, down, healthy, up
+from services.entrypoints.probe import healthy
+from services.entrypoints.stack import down, up
+from services.entrypoints.stack_config import StackConfig
 from services.eplb.layout import Layout, startup_layout
 from services.eplb.messages import PlanMessage
 from services.subjects import EXPERT_PLAN

@@ -5,8 +5,7 @@ import json
 import openai
 import pytest
 
-from tests.services.gateway.forcing import forcing_engine
-from tests.services.gateway.openai.test_stop import wait_whole
+from tests.services.gateway.support import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,21 +37,10 @@ def dsml(*calls: tuple[str, dict]) -> str:
     return "\n\n<｜DSML｜ calls>\n" + "".join(invokes) + "</｜DSML｜ calls>"
 
 
-@pytest.fixture(scope="module")
-def forced(served):
-    with forcing_engine(served.server.frontend) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def test_streamed_reasoning_then_content(client, forced, served):
+def test_streamed_reasoning_then_content(openai_client, forced, served):
     with forced.forcing("Let me think.</think>The answer is 4."):
-        chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, stream=True))
-        plain = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40)
+        chunks = list(openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, stream=True))
+        plain = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40)
     kinds, reasoning, content = [], "", ""
     for chunk in chunks:
         delta = chunk.choices[0].delta
@@ -70,9 +58,9 @@ def test_streamed_reasoning_then_content(client, forced, served):
     wait_whole(served)
 
 
-def test_thinking_off_through_chat_template_kwargs(client, forced, served):
+def test_thinking_off_through_chat_template_kwargs(openai_client, forced, served):
     with forced.forcing("Hello there."):
-        reply = client.chat.completions.create(
+        reply = openai_client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=20, extra_body={"chat_template_kwargs": {"thinking": False}}
         )
     assert reply.choices[0].message.content == "Hello there."
@@ -80,32 +68,34 @@ def test_thinking_off_through_chat_template_kwargs(client, forced, served):
     off = served.server.chat.render({"messages": USER, "thinking": {"type": "disabled"}}).token_ids
     assert off[-1] == 128822 and reply.usage.prompt_tokens == len(off)  # the prompt ends with </think>
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=2, extra_body={"chat_template_kwargs": {"tools_in_user": 1}}
         )
 
 
-def test_reasoning_effort_is_one_of_openais(client):
+def test_reasoning_effort_is_one_of_openais(openai_client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, reasoning_effort="ultra")
+        openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, reasoning_effort="ultra")
     assert err.value.body["param"] == "reasoning_effort"
     for effort in ("low", "medium", "high"):
-        assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, reasoning_effort=effort)
+        assert openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, reasoning_effort=effort)
 
 
-def test_developer_role_is_rendered_as_system(client, served):
-    reply = client.chat.completions.create(
+def test_developer_role_is_rendered_as_system(openai_client, served):
+    reply = openai_client.chat.completions.create(
         model="tiny", messages=[{"role": "developer", "content": "Be brief."}, *USER], max_tokens=1
     )
     as_system = served.server.chat.render({"messages": [{"role": "system", "content": "Be brief."}, *USER]})
     assert reply.usage.prompt_tokens == len(as_system.token_ids)
 
 
-def test_two_turn_tool_loop(client, forced, served):
+def test_two_turn_tool_loop(openai_client, forced, served):
     call = dsml(("get_weather", {"city": "Paris", "days": 3}))
     with forced.forcing("I should look it up.</think>" + call):
-        plain = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=100)
-        with client.chat.completions.stream(model="tiny", messages=USER, tools=[WEATHER], max_tokens=100) as stream:
+        plain = openai_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=100)
+        with openai_client.chat.completions.stream(
+            model="tiny", messages=USER, tools=[WEATHER], max_tokens=100
+        ) as stream:
             events = list(stream)
             streamed = stream.get_final_completion()
     choice = plain.choices[0]
@@ -126,26 +116,26 @@ def test_two_turn_tool_loop(client, forced, served):
         {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny, 21 C"},
     ]
     with forced.forcing("It is sunny.</think>Sunny, 21 C in Paris."):
-        answer = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=60)
+        answer = openai_client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=60)
     assert answer.choices[0].message.content == "Sunny, 21 C in Paris." and answer.choices[0].finish_reason == "stop"
     rendered = served.server.chat.render({"messages": history, "tools": [WEATHER]})
     assert "<tool_result>sunny, 21 C</tool_result>" in rendered.prompt
     assert answer.usage.prompt_tokens == len(rendered.token_ids)
 
 
-def test_parallel_tool_calls_false_keeps_the_first(client, forced):
+def test_parallel_tool_calls_false_keeps_the_first(openai_client, forced):
     calls = dsml(("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"}))
     with forced.forcing("Two cities.</think>" + calls):
-        both = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=120)
-        one = client.chat.completions.create(
+        both = openai_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=120)
+        one = openai_client.chat.completions.create(
             model="tiny", messages=USER, tools=[WEATHER], max_tokens=120, parallel_tool_calls=False
         )
     assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Oslo"]
     assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
 
 
-def test_tool_choice_none_leaves_the_tools_out(client, served):
-    reply = client.chat.completions.create(
+def test_tool_choice_none_leaves_the_tools_out(openai_client, served):
+    reply = openai_client.chat.completions.create(
         model="tiny", messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=1
     )
     assert reply.usage.prompt_tokens == len(served.server.chat.render({"messages": USER}).token_ids)
@@ -159,19 +149,21 @@ def test_tool_choice_none_leaves_the_tools_out(client, served):
         ("required", "structured output"),
     ],
 )
-def test_tool_choice_refusals_name_why(client, choice, match):
+def test_tool_choice_refusals_name_why(openai_client, choice, match):
     with pytest.raises(openai.BadRequestError, match=match) as err:
-        client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice=choice, max_tokens=1)
+        openai_client.chat.completions.create(
+            model="tiny", messages=USER, tools=[WEATHER], tool_choice=choice, max_tokens=1
+        )
     assert err.value.body["param"] == "tool_choice"
 
 
-def test_chat_logprobs_cover_every_token_plain_and_streamed(client, forced):
+def test_chat_logprobs_cover_every_token_plain_and_streamed(openai_client, forced):
     with forced.forcing("Hm.</think>Yes."):
-        plain = client.chat.completions.create(
+        plain = openai_client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=20, logprobs=True, top_logprobs=2
         )
         chunks = list(
-            client.chat.completions.create(
+            openai_client.chat.completions.create(
                 model="tiny", messages=USER, max_tokens=20, logprobs=True, top_logprobs=2, stream=True
             )
         )
@@ -182,11 +174,11 @@ def test_chat_logprobs_cover_every_token_plain_and_streamed(client, forced):
     assert "".join(t.token for t in tokens).startswith("Hm.</think>Yes.")
 
 
-def test_earlier_reasoning_is_rendered_as_the_model_expects(client, served):
+def test_earlier_reasoning_is_rendered_as_the_model_expects(openai_client, served):
     """A finished turn's reasoning is dropped from the prompt; a turn that called tools keeps it (the recipe's
     rendering), so the reasoning a client sends back must reach the renderer."""
     finished = [*USER, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."}, *USER]
-    with_reasoning = client.chat.completions.create(model="tiny", messages=finished, max_tokens=1)
+    with_reasoning = openai_client.chat.completions.create(model="tiny", messages=finished, max_tokens=1)
     bare = [*USER, {"role": "assistant", "content": "Sunny."}, *USER]
     assert with_reasoning.usage.prompt_tokens == len(served.server.chat.render({"messages": bare}).token_ids)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -195,28 +187,28 @@ def test_earlier_reasoning_is_rendered_as_the_model_expects(client, served):
         {"role": "assistant", "content": "", "reasoning_content": "Need the weather.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    reply = client.chat.completions.create(model="tiny", messages=loop, tools=[WEATHER], max_tokens=1)
+    reply = openai_client.chat.completions.create(model="tiny", messages=loop, tools=[WEATHER], max_tokens=1)
     rendered = served.server.chat.render({"messages": loop, "tools": [WEATHER]})
     assert "<think>Need the weather.</think>" in rendered.prompt
     assert reply.usage.prompt_tokens == len(rendered.token_ids)
 
 
-def test_reasoning_effort_none_and_include_reasoning_false(client, forced, served):
+def test_reasoning_effort_none_and_include_reasoning_false(openai_client, forced, served):
     with forced.forcing("Plain answer."):
-        off = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, reasoning_effort="none")
+        off = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, reasoning_effort="none")
     assert off.choices[0].message.content == "Plain answer."
     assert off.usage.prompt_tokens == len(
         served.server.chat.render({"messages": USER, "thinking": {"type": "disabled"}}).token_ids
     )
     with forced.forcing("Hidden.</think>Shown."):
-        reply = client.chat.completions.create(
+        reply = openai_client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=10, extra_body={"include_reasoning": False}
         )
     assert reply.choices[0].message.content == "Shown."
     assert getattr(reply.choices[0].message, "reasoning_content", None) is None
 
 
-def test_usage_counts_the_reasoning_tokens(client, forced, served):
+def test_usage_counts_the_reasoning_tokens(openai_client, forced, served):
     """completion_tokens_details.reasoning_tokens: the output tokens before </think> (plain, streamed, n = 2
     summed); 0 with thinking off; the markers are the V4.1 vocabulary's."""
     from model.deepseek_v41.tokenizer import load_v41_tokenizer
@@ -226,13 +218,13 @@ def test_usage_counts_the_reasoning_tokens(client, forced, served):
     assert (vocab.token_to_id("<think>"), vocab.token_to_id("</think>")) == (THINK_START_ID, THINK_END_ID)
     thought = "Let me think."
     with forced.forcing(thought + "</think>The answer is 4.") as ids:
-        plain = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, n=2)
+        plain = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, n=2)
         chunks = list(
-            client.chat.completions.create(
+            openai_client.chat.completions.create(
                 model="tiny", messages=USER, max_tokens=40, stream=True, stream_options={"include_usage": True}
             )
         )
-        off = client.chat.completions.create(
+        off = openai_client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=40, extra_body={"chat_template_kwargs": {"thinking": False}}
         )
     num_thought = ids.index(THINK_END_ID)
@@ -241,6 +233,6 @@ def test_usage_counts_the_reasoning_tokens(client, forced, served):
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == num_thought
     assert off.usage.completion_tokens_details.reasoning_tokens == 0 and off.usage.completion_tokens == len(ids)
     with forced.forcing("no end of thought", end=False):
-        cut = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
+        cut = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
     assert cut.usage.completion_tokens_details.reasoning_tokens == 3  # all of it was reasoning
     wait_whole(served)

@@ -13,7 +13,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
 from services.gateway.openai import fields
-from tests.services.gateway.test_contract import raw_request
+from tests.services.gateway.support import raw_request
 
 pytestmark = pytest.mark.timeout(120)
 

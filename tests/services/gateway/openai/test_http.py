@@ -10,59 +10,47 @@ import pytest
 
 from services.engine import SamplingParams
 from tests.openai_streams import concurrent_completion_streams
-from tests.services.gateway.conftest import pools_whole
+from tests.services.gateway.support import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def wait_whole(served, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pools_whole(served.server.engine.stats()) and served.server.engine.num_unfinished() == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"pools not whole: {served.server.engine.stats()}")
-
-
-def test_completion_text_equals_llm_generate(client, reference_llm):
-    resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=11)
+def test_completion_text_equals_llm_generate(openai_client, reference_llm):
+    resp = openai_client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=11)
     expected = reference_llm.generate("Hello", SamplingParams(max_tokens=4, seed=11))[0]
     assert resp.choices[0].text == expected.text
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 4 and resp.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
-def test_the_response_id_carries_the_request_id(client):
-    ids = [client.completions.create(model="tiny", prompt="Hi", max_tokens=1).id for _ in range(2)]
+def test_the_response_id_carries_the_request_id(openai_client):
+    ids = [openai_client.completions.create(model="tiny", prompt="Hi", max_tokens=1).id for _ in range(2)]
     assert all(re.fullmatch(r"cmpl-req-[0-9a-f]{32}", i) for i in ids), ids  # "cmpl-" + the gateway's request_id
     assert ids[0] != ids[1]
 
 
-def test_x_request_id_names_the_request_and_comes_back(client):
-    raw = client.completions.with_raw_response.create(
+def test_x_request_id_names_the_request_and_comes_back(openai_client):
+    raw = openai_client.completions.with_raw_response.create(
         model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "my-run-7"}
     )
     assert raw.headers["x-request-id"] == "my-run-7"
     assert re.fullmatch(r"cmpl-req-[0-9a-f]{32}", raw.parse().id)  # the request_id stays the gateway's
-    plain = client.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1)
+    plain = openai_client.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1)
     assert plain.headers["x-request-id"] == plain.parse().id.removeprefix("cmpl-")  # none given: the request_id
-    with client.completions.with_streaming_response.create(
+    with openai_client.completions.with_streaming_response.create(
         model="tiny", prompt="Hi", max_tokens=1, stream=True, extra_headers={"X-Request-Id": "s-1"}
     ) as streamed:
         assert streamed.headers["x-request-id"] == "s-1"
     with pytest.raises(openai.BadRequestError, match="X-Request-Id is 257 bytes"):
-        client.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "x" * 257})
+        openai_client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "x" * 257}
+        )
 
 
-def test_streamed_completion_equals_the_plain_one(client):
-    plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3)
+def test_streamed_completion_equals_the_plain_one(openai_client):
+    plain = openai_client.completions.create(model="tiny", prompt="The sea", max_tokens=4, seed=3)
     chunks = list(
-        client.completions.create(
+        openai_client.completions.create(
             model="tiny", prompt="The sea", max_tokens=4, seed=3, stream=True, stream_options={"include_usage": True}
         )
     )
@@ -71,10 +59,12 @@ def test_streamed_completion_equals_the_plain_one(client):
     assert chunks[-1].usage.completion_tokens == 4
 
 
-def test_chat_plain_and_streamed(client, reference_llm, served):
+def test_chat_plain_and_streamed(openai_client, reference_llm, served):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5, stream=True))
+    plain = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5)
+    chunks = list(
+        openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, seed=5, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     # Thinking is on by default: the random model never writes </think>, so all it writes is reasoning.
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
@@ -89,18 +79,18 @@ def test_chat_plain_and_streamed(client, reference_llm, served):
     assert plain.choices[0].message.reasoning_content == expected.text.lstrip("\n")
 
 
-def test_token_id_prompt_and_logprobs(client, reference_llm):
-    resp = client.completions.create(model="tiny", prompt=[0, 19923], max_tokens=2, seed=1, logprobs=2)
+def test_token_id_prompt_and_logprobs(openai_client, reference_llm):
+    resp = openai_client.completions.create(model="tiny", prompt=[0, 19923], max_tokens=2, seed=1, logprobs=2)
     expected = reference_llm.generate([[0, 19923]], SamplingParams(max_tokens=2, seed=1, logprobs=2))[0]
     assert resp.choices[0].logprobs.token_logprobs == expected.logprobs
     assert len(resp.choices[0].logprobs.top_logprobs) == 2
 
 
-def test_models_health_metrics(client, served):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+def test_models_health_metrics(openai_client, served):
+    assert [m.id for m in openai_client.models.list().data] == ["tiny"]
     with urllib.request.urlopen(served.http_url + "/health") as r:
         assert json.load(r) == {"status": "ok"}
-    client.completions.create(model="tiny", prompt="Hi", max_tokens=1)
+    openai_client.completions.create(model="tiny", prompt="Hi", max_tokens=1)
     with urllib.request.urlopen(served.http_url + "/metrics") as r:
         text = r.read().decode()
     assert "shinkai_time_to_first_token_seconds_count" in text

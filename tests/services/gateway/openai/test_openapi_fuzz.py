@@ -26,8 +26,7 @@ from schemathesis.checks import (
 )
 
 from services.gateway.openai.protocol import MAX_N
-from services.gateway.server import ServeConfig
-from tests.services.gateway.conftest import ServerThread, pools_whole
+from tests.services.gateway.support import own_server
 from tests.services.multimodal.hostile_images import HOSTILE, damaged_images
 
 EXAMPLES = os.environ.get("SHINKAI_FUZZ_EXAMPLES")
@@ -41,18 +40,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    thread = ServerThread(
-        ServeConfig(
-            model="tiny",
-            http_port=0,
-            grpc_port=0,
-            drain_timeout_s=5,
-            engine_args={"max_num_seqs": 8, "max_model_len": 64},
-        )
-    ).start()
-    yield thread
-    thread.stop()
-    assert pools_whole(thread.server.engine.stats())
+    with own_server(engine_args={"max_num_seqs": 8, "max_model_len": 64}) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,11 @@ import openai
 import pytest
 import torch
 
-from tests.services.gateway.openai.test_http import wait_whole
+from tests.services.gateway.support import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = "The deep sea keeps its light"
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def tokenize(served, body: dict) -> list[int]:
@@ -58,25 +53,25 @@ def check_vllm_shape(got: list, ids: list[int], full: torch.Tensor, num: int, re
         assert entry[str(target)]["rank"] == int((full[p - 1] >= full[p - 1, target]).sum())  # vLLM's rank
 
 
-def test_completion_prompt_logprobs_equal_the_full_forward(client, served, reference_llm):
+def test_completion_prompt_logprobs_equal_the_full_forward(openai_client, served, reference_llm):
     ids = tokenize(served, {"prompt": PROMPT})
     full = full_log_softmax(reference_llm, ids)
-    resp = client.completions.create(
+    resp = openai_client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=2, seed=1, n=2, extra_body={"prompt_logprobs": 3}
     )
     assert len(resp.choices) == 2
     for choice in resp.choices:  # every choice carries them
         check_vllm_shape(choice.model_extra["prompt_logprobs"], ids, full, 3, reference_llm)
-    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, seed=1)
+    plain = openai_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, seed=1)
     assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
     wait_whole(served)
 
 
-def test_chat_prompt_logprobs_equal_the_full_forward(client, served, reference_llm):
+def test_chat_prompt_logprobs_equal_the_full_forward(openai_client, served, reference_llm):
     messages = [{"role": "user", "content": "Hello there"}]
     ids = tokenize(served, {"messages": messages, "chat_template_kwargs": {"thinking": False}})
     full = full_log_softmax(reference_llm, ids)
-    resp = client.chat.completions.create(
+    resp = openai_client.chat.completions.create(
         model="tiny",
         messages=messages,
         max_tokens=2,
@@ -86,13 +81,13 @@ def test_chat_prompt_logprobs_equal_the_full_forward(client, served, reference_l
     check_vllm_shape(resp.model_extra["prompt_logprobs"], ids, full, 0, reference_llm)  # vLLM's place: the body
 
 
-def test_completion_echo_with_logprobs_leads_with_the_prompts_tokens(client, served, reference_llm):
+def test_completion_echo_with_logprobs_leads_with_the_prompts_tokens(openai_client, served, reference_llm):
     """OpenAI's shape: text = prompt + completion; tokens, token_logprobs (None first) and top_logprobs start
     with the prompt's; streamed == plain."""
     ids = tokenize(served, {"prompt": PROMPT})
     full = full_log_softmax(reference_llm, ids)
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=3, seed=4, echo=True, logprobs=2)
-    plain = client.completions.create(**kwargs)
+    plain = openai_client.completions.create(**kwargs)
     choice = plain.choices[0]
     lp = choice.logprobs
     assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
@@ -105,7 +100,7 @@ def test_completion_echo_with_logprobs_leads_with_the_prompts_tokens(client, ser
         assert lp.top_logprobs[p] == want
     assert all(len(top) == 2 for top in lp.top_logprobs[len(ids) :])
     assert "prompt_logprobs" not in (choice.model_extra or {})  # not asked for
-    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    chunks = [c for c in openai_client.completions.create(**kwargs, stream=True) if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
     assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
@@ -121,7 +116,7 @@ def test_completion_echo_with_logprobs_leads_with_the_prompts_tokens(client, ser
         ({"prompt": [0, 19923], "echo": True, "logprobs": 1}, "echo is served for a text prompt"),
     ],
 )
-def test_bad_prompt_logprobs_are_400s_naming_the_field(client, body, match):
+def test_bad_prompt_logprobs_are_400s_naming_the_field(openai_client, body, match):
     with pytest.raises(openai.BadRequestError, match=match) as caught:
-        client.completions.create(model="tiny", max_tokens=1, **{"prompt": body.pop("prompt")}, extra_body=body)
+        openai_client.completions.create(model="tiny", max_tokens=1, **{"prompt": body.pop("prompt")}, extra_body=body)
     assert caught.value.body["param"] in ("prompt_logprobs", "echo")

@@ -7,7 +7,7 @@ import pytest
 from services.engine.sampling_params import SamplingParams
 from services.gateway.errors import ApiError
 from services.gateway.openai.protocol import COMPLETION_MAX_TOKENS, ENGINE_FIELDS, parse_chat, parse_completion
-from tests.services.gateway.test_contract import raw_request
+from tests.services.gateway.support import raw_request
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": "tiny", "prompt": "Hi"}

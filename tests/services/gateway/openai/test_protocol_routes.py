@@ -5,28 +5,27 @@ import urllib.error
 import urllib.request
 
 import anthropic
-import openai
 import pytest
 
 from services.engine.finish_reason import FinishReason
 from services.engine.service import Delta
-from tests.services.gateway.forcing import forcing_engine
-from tests.services.gateway.openai.test_http import wait_whole
+from tests.services.gateway.support import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def forced(served):
-    with forcing_engine(served.server.frontend) as engine:
-        yield engine
+def anthropic_client(served):
+    """The unmodified `anthropic` client of the served gateway's Messages API."""
+    return anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
 
 
-def test_responses_plain_and_streamed(served, forced):
-    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def test_responses_plain_and_streamed(openai_client, forced):
     with forced.forcing("Short thought.</think>Hello from Shinkai."):
-        plain = client.responses.create(model="tiny", input="Say hello", max_output_tokens=40)
-        events = list(client.responses.create(model="tiny", input="Say hello", max_output_tokens=40, stream=True))
+        plain = openai_client.responses.create(model="tiny", input="Say hello", max_output_tokens=40)
+        events = list(
+            openai_client.responses.create(model="tiny", input="Say hello", max_output_tokens=40, stream=True)
+        )
     assert plain.output_text == "Hello from Shinkai." and plain.status == "completed"
     reasoning = [item for item in plain.output if item.type == "reasoning"]
     assert reasoning and reasoning[0].content[0].text == "Short thought."
@@ -36,12 +35,13 @@ def test_responses_plain_and_streamed(served, forced):
     assert events[-1].response.output_text == plain.output_text
 
 
-def test_anthropic_messages_plain_and_streamed(served, forced):
-    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+def test_anthropic_messages_plain_and_streamed(anthropic_client, forced):
     messages = [{"role": "user", "content": "Say hello"}]
     with forced.forcing("Thinking briefly.</think>Hello, human."):
-        reply = client.messages.create(model="tiny", max_tokens=40, messages=messages, system="Be kind.")
-        with client.messages.stream(model="tiny", max_tokens=40, messages=messages, system="Be kind.") as stream:
+        reply = anthropic_client.messages.create(model="tiny", max_tokens=40, messages=messages, system="Be kind.")
+        with anthropic_client.messages.stream(
+            model="tiny", max_tokens=40, messages=messages, system="Be kind."
+        ) as stream:
             text = "".join(stream.text_stream)
             final = stream.get_final_message()
     blocks = {b.type: b for b in reply.content}
@@ -50,33 +50,30 @@ def test_anthropic_messages_plain_and_streamed(served, forced):
     assert text == "Hello, human." and final.content[-1].text == "Hello, human."
 
 
-def test_bad_protocol_bodies_are_400(served):
-    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+def test_bad_protocol_bodies_are_400(anthropic_client):
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model="tiny", max_tokens=5, messages=[])
+        anthropic_client.messages.create(model="tiny", max_tokens=5, messages=[])
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        anthropic_client.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "x"}])
 
 
-def test_responses_function_call(served, forced):
+def test_responses_function_call(openai_client, forced):
     from tests.services.gateway.openai.test_chat_reasoning import dsml
 
-    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
     tool = {
         "type": "function",
         "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     }
     with forced.forcing("Check.</think>" + dsml(("get_weather", {"city": "Oslo"}))):
-        reply = client.responses.create(model="tiny", input="Weather in Oslo?", tools=[tool], max_output_tokens=80)
+        reply = openai_client.responses.create(
+            model="tiny", input="Weather in Oslo?", tools=[tool], max_output_tokens=80
+        )
     (call,) = [item for item in reply.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
 
 
-def test_anthropic_stop_sequences_end_the_request(served, forced):
-    from tests.services.gateway.openai.test_stop import wait_whole
-
-    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+def test_anthropic_stop_sequences_end_the_request(anthropic_client, served, forced):
     ask = {
         "model": "tiny",
         "max_tokens": 40,
@@ -84,8 +81,8 @@ def test_anthropic_stop_sequences_end_the_request(served, forced):
         "stop_sequences": ["Beta"],
     }
     with forced.forcing("Think.</think>Alpha. Beta. Gamma."):
-        reply = client.messages.create(**ask)
-        with client.messages.stream(**ask) as stream:
+        reply = anthropic_client.messages.create(**ask)
+        with anthropic_client.messages.stream(**ask) as stream:
             text = "".join(stream.text_stream)
             final = stream.get_final_message()
     assert (
@@ -97,15 +94,12 @@ def test_anthropic_stop_sequences_end_the_request(served, forced):
     wait_whole(served)
 
 
-def test_requests_are_counted_under_their_endpoint(served, forced):
+def test_requests_are_counted_under_their_endpoint(anthropic_client, openai_client, served, forced):
     """After the tests above, both endpoints' requests appear in /metrics under their own endpoint label."""
     import urllib.request
 
-    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
-    client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
-    openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0).responses.create(
-        model="tiny", input="x", max_output_tokens=1
-    )
+    anthropic_client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    openai_client.responses.create(model="tiny", input="x", max_output_tokens=1)
     with urllib.request.urlopen(served.http_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert 'endpoint="messages"' in text and 'endpoint="responses"' in text
@@ -160,13 +154,12 @@ def ending(served):
     "reason, status",
     [(FinishReason.ERROR, "failed"), (FinishReason.PREEMPTED, "failed"), (FinishReason.ABORT, "incomplete")],
 )
-def test_an_engine_ending_is_reported_by_responses(served, ending, reason, status):
+def test_an_engine_ending_is_reported_by_responses(openai_client, served, ending, reason, status):
     """Not a normal stop: status "failed" with a server_error, or "incomplete" for an abort; streamed, the
     terminal event is response.failed / response.incomplete."""
-    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
     ending(reason)
-    plain = client.responses.create(model="tiny", input="Say hello", max_output_tokens=40)
-    events = list(client.responses.create(model="tiny", input="Say hello", max_output_tokens=40, stream=True))
+    plain = openai_client.responses.create(model="tiny", input="Say hello", max_output_tokens=40)
+    events = list(openai_client.responses.create(model="tiny", input="Say hello", max_output_tokens=40, stream=True))
     assert plain.status == status and events[-1].type == f"response.{status}"
     assert events[-1].response.status == status
     if status == "failed":
@@ -177,15 +170,14 @@ def test_an_engine_ending_is_reported_by_responses(served, ending, reason, statu
 
 
 @pytest.mark.parametrize("reason", [FinishReason.ERROR, FinishReason.ABORT])
-def test_an_engine_ending_is_an_anthropic_error(served, ending, reason):
-    client = anthropic.Anthropic(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+def test_an_engine_ending_is_an_anthropic_error(anthropic_client, served, ending, reason):
     messages = [{"role": "user", "content": "Say hello"}]
     ending(reason)
     with pytest.raises(anthropic.APIStatusError, match=f"finish reason {reason}") as plain:
-        client.messages.create(model="tiny", max_tokens=40, messages=messages)
+        anthropic_client.messages.create(model="tiny", max_tokens=40, messages=messages)
     assert plain.value.status_code == (500 if reason == FinishReason.ERROR else 503)
     with pytest.raises(anthropic.APIStatusError, match=f"finish reason {reason}"):
-        with client.messages.stream(model="tiny", max_tokens=40, messages=messages) as stream:
+        with anthropic_client.messages.stream(model="tiny", max_tokens=40, messages=messages) as stream:
             "".join(stream.text_stream)
     wait_whole(served)
 

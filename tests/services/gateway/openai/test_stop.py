@@ -1,29 +1,16 @@
 """Stop strings end the request at the token that completes them, through the `openai` client."""
 
-import time
-
 import openai
 import pytest
 
 from model.deepseek_v41.tokenizer import load_v41_tokenizer
 from services.engine.sampling_params import SamplingParams
-from tests.services.gateway.conftest import pools_whole
-from tests.services.gateway.forcing import forcing_engine, token_ids
+from tests.services.gateway.forcing import token_ids
+from tests.services.gateway.support import wait_whole
 
 pytestmark = pytest.mark.timeout(120)
 
 TEXT = "one two three four five six seven"
-
-
-@pytest.fixture(scope="module")
-def forced(served):
-    with forcing_engine(served.server.frontend) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def tokens_through(text: str, stop: str) -> int:
@@ -32,24 +19,15 @@ def tokens_through(text: str, stop: str) -> int:
     return next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
 
 
-def wait_whole(served, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pools_whole(served.server.engine.stats()) and served.server.engine.num_unfinished() == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"pools not whole: {served.server.engine.stats()}")
-
-
 @pytest.mark.parametrize("stop", [["three"], ["e fo", "nothing"], "six"])
 @pytest.mark.parametrize("include", [False, True])
-def test_completion_stops_at_the_token(client, forced, served, stop, include):
+def test_completion_stops_at_the_token(openai_client, forced, served, stop, include):
     first = stop if isinstance(stop, str) else stop[0]
     extra = {"include_stop_str_in_output": include, "ignore_eos": True}
     with forced.forcing(TEXT, end=False):
-        plain = client.completions.create(model="tiny", prompt="x", max_tokens=40, stop=stop, extra_body=extra)
+        plain = openai_client.completions.create(model="tiny", prompt="x", max_tokens=40, stop=stop, extra_body=extra)
         chunks = list(
-            client.completions.create(
+            openai_client.completions.create(
                 model="tiny",
                 prompt="x",
                 max_tokens=40,
@@ -69,22 +47,22 @@ def test_completion_stops_at_the_token(client, forced, served, stop, include):
     wait_whole(served)  # the engine's request was ended at the match: its blocks are back
 
 
-def test_chat_content_stops_too(client, forced, served):
+def test_chat_content_stops_too(openai_client, forced, served):
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "Fruit?"}], "max_tokens": 40, "stop": ["Pears"]}
     with forced.forcing("Thinking.</think>Apples. Pears. Plums."):
-        reply = client.chat.completions.create(**ask)
-        chunks = list(client.chat.completions.create(**ask, stream=True))
+        reply = openai_client.chat.completions.create(**ask)
+        chunks = list(openai_client.chat.completions.create(**ask, stream=True))
     assert reply.choices[0].message.content == "Apples. " and reply.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Apples. "
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_whole(served)
 
 
-def test_stop_limits(client):
+def test_stop_limits(openai_client):
     with pytest.raises(openai.BadRequestError, match="at most 4"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=["a", "b", "c", "d", "e"])
+        openai_client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=["a", "b", "c", "d", "e"])
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=[""])
+        openai_client.completions.create(model="tiny", prompt="x", max_tokens=1, stop=[""])
     assert err.value.body["param"] == "stop"
 
 
@@ -97,12 +75,14 @@ def engine_takes_choices() -> bool:
 
 
 @pytest.mark.skipif(not engine_takes_choices(), reason="this engine serves one choice per request")
-def test_n_choices_plain_and_streamed(client, served):
+def test_n_choices_plain_and_streamed(openai_client, served):
     """Each choice has its own detokenizer and stop strings: streamed per index, its text equals the plain one."""
     extra = {"ignore_eos": True}
-    plain = client.completions.create(model="tiny", prompt="The sea", max_tokens=6, n=3, seed=5, extra_body=extra)
+    plain = openai_client.completions.create(
+        model="tiny", prompt="The sea", max_tokens=6, n=3, seed=5, extra_body=extra
+    )
     streamed = list(
-        client.completions.create(
+        openai_client.completions.create(
             model="tiny",
             prompt="The sea",
             max_tokens=6,
@@ -123,11 +103,11 @@ def test_n_choices_plain_and_streamed(client, served):
 
 
 @pytest.mark.skipif(not engine_takes_choices(), reason="this engine serves one choice per request")
-def test_n_chat_choices_parse_apart(client, served):
+def test_n_chat_choices_parse_apart(openai_client, served):
     messages = [{"role": "user", "content": "Hi"}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2, seed=9)
+    plain = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2, seed=9)
     streamed = list(
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2, seed=9, stream=True)
+        openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2, seed=9, stream=True)
     )
     for choice in plain.choices:
         deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].index == choice.index]
@@ -136,12 +116,12 @@ def test_n_chat_choices_parse_apart(client, served):
     wait_whole(served)
 
 
-def test_skip_special_tokens_false_keeps_them(client, forced):
+def test_skip_special_tokens_false_keeps_them(openai_client, forced):
     """The end token, forced into the middle with ignore_eos, is text only with skip_special_tokens false."""
     forced.forced = tuple(token_ids("Hi") + [1] + token_ids("there"))
     try:
         kept, skipped = (
-            client.completions.create(
+            openai_client.completions.create(
                 model="tiny",
                 prompt="x",
                 max_tokens=len(forced.forced),

@@ -26,12 +26,13 @@ MESSAGES = [{"role": "user", "content": "The weather in Paris, as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def client(served):
+def openai_client(served):
+    """The package's `openai_client` with a 120 s timeout instead of 60 s."""
     return openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_chat_json_schema_validates(client):
-    reply = client.chat.completions.create(
+def test_chat_json_schema_validates(openai_client):
+    reply = openai_client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
         max_tokens=96,
@@ -44,8 +45,8 @@ def test_chat_json_schema_validates(client):
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
-def test_chat_json_schema_streams_valid_json(client):
-    stream = client.chat.completions.create(
+def test_chat_json_schema_streams_valid_json(openai_client):
+    stream = openai_client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
         max_tokens=96,
@@ -62,8 +63,8 @@ def test_chat_json_schema_streams_valid_json(client):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_chat_json_object_gives_an_object(client):
-    reply = client.chat.completions.create(
+def test_chat_json_object_gives_an_object(openai_client):
+    reply = openai_client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=200, seed=3, response_format={"type": "json_object"}
     )
     choice = reply.choices[0]
@@ -86,8 +87,8 @@ def test_chat_json_object_gives_an_object(client):
     ],
     ids=["regex", "choice", "grammar", "json"],
 )
-def test_completions_guided_fields(client, extra, check):
-    reply = client.completions.create(model="tiny", prompt="Say:", max_tokens=96, seed=4, extra_body=extra)
+def test_completions_guided_fields(openai_client, extra, check):
+    reply = openai_client.completions.create(model="tiny", prompt="Say:", max_tokens=96, seed=4, extra_body=extra)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and check(choice.text), choice
 
@@ -116,19 +117,19 @@ def test_completions_guided_fields(client, extra, check):
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
     ],
 )
-def test_bad_constraints_are_400s_naming_the_field(client, extra, param, named):
+def test_bad_constraints_are_400s_naming_the_field(openai_client, extra, param, named):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra)
+        openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra)
     body = err.value.body
     assert body["param"] == param and named.lower() in body["message"].lower(), body
 
 
-def test_a_compile_over_the_limit_is_a_400_and_leaves_nothing_queued(client, served, monkeypatch):
+def test_a_compile_over_the_limit_is_a_400_and_leaves_nothing_queued(openai_client, served, monkeypatch):
     engine = served.server.engine.engine
     monkeypatch.setattr(engine.grammar_gate, "timeout_s", 0.0)
     props = {f"slow{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 40}}}$"} for i in range(12)}
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(
+        openai_client.completions.create(
             model="tiny",
             prompt="Say:",
             max_tokens=4,
@@ -136,5 +137,5 @@ def test_a_compile_over_the_limit_is_a_400_and_leaves_nothing_queued(client, ser
         )
     assert "to compile" in err.value.body["message"]
     monkeypatch.undo()
-    reply = client.completions.create(model="tiny", prompt="Say:", max_tokens=2)  # the server still serves
+    reply = openai_client.completions.create(model="tiny", prompt="Say:", max_tokens=2)  # the server still serves
     assert reply.choices[0].finish_reason == "length"

@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.services.gateway.test_contract import raw_request
+from tests.services.gateway.support import raw_request
 
 pytestmark = pytest.mark.timeout(60)
 JSON = {"Content-Type": "application/json"}
@@ -58,11 +58,10 @@ def test_bad_bodies_are_400_naming_the_field(served, path, body, param):
     assert status == 400 and reply["error"]["param"] == param, reply
 
 
-def test_version_and_model_by_id(served):
+def test_version_and_model_by_id(served, openai_client):
     status, data, _ = raw_request(served.http_url, "GET", "/version")
     pyproject = tomllib.loads((Path(__file__).resolve().parents[4] / "pyproject.toml").read_text())
     assert status == 200 and json.loads(data) == {"version": pyproject["project"]["version"]}
-    client = openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0)
-    assert client.models.retrieve("tiny").id == "tiny"
+    assert openai_client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("gpt-9")
+        openai_client.models.retrieve("gpt-9")
