@@ -143,6 +143,11 @@ def apply_launcher_place(args: argparse.Namespace, environ) -> bool:
     args.metrics_port = place.port(args.metrics_port)
     if not args.worker:  # a remote worker owns the device
         args.device = place.device(args.device or default_device())
+    from services import nats_auth
+
+    own = environ.get(nats_auth.password_env(args.replica))
+    if own:  # a pod holding every rank's NATS password (deploy/kubernetes-multihost.yaml): this rank's own user
+        environ[nats_auth.USER_ENV], environ[nats_auth.PASSWORD_ENV] = args.replica, own
     return True
 
 
@@ -292,7 +297,8 @@ async def run(args: argparse.Namespace) -> int:
     return 1 if launched and server.engine.group_failure is not None else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The engine process's flags."""
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.engine", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--served-model-name", default=None)
@@ -342,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         help="tcp://host:port where the group's ranks meet (rank 0 listens there), needed with --dp > 1; or env:// "
         "for a rank started by torchrun on any host (its rank, --dp, device and port offset from the launcher)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from services.engine.memory_plan import NotEnoughMemory
 

@@ -1,8 +1,11 @@
 """`deploy/kubernetes.yaml`: the stack as Kubernetes objects, generated from the same service list and container
 placement as `deploy/compose.yaml` (services/entrypoints/compose.py), so the two cannot drift.
 
-    python -m services.entrypoints.kubernetes            # rewrites deploy/kubernetes.yaml
-    python -m services.entrypoints.kubernetes --check    # exit 1 if it is not what the service list gives
+    python -m services.entrypoints.kubernetes            # rewrites deploy/kubernetes.yaml and kubernetes-multihost.yaml
+    python -m services.entrypoints.kubernetes --check    # exit 1 if they are not what the service list gives
+
+`deploy/kubernetes-multihost.yaml` (services/entrypoints/kubernetes_group.py) is the same stack with its engine group
+spread over hosts as a LeaderWorkerSet.
 
 Each stack service becomes a Deployment of one pod running the same argv as under `shinkai up` (restart policy
 ``Always``: the kubelet restarts a crashed container, with its own backoff) and a Service of the same name, by
@@ -43,7 +46,7 @@ NATS_CONFIG_MAP = "shinkai-nats-config"
 PART_OF = {"app.kubernetes.io/part-of": "shinkai"}  # on every object and pod of the stack
 
 
-def _labels(name: str) -> dict[str, str]:
+def labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, **PART_OF}
 
 
@@ -61,7 +64,7 @@ def _ports(service: Service) -> dict[str, int]:
     return ports
 
 
-def _env(service: Service, users: list[str]) -> list[dict[str, Any]]:
+def container_env(service: Service, users: list[str]) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
     if service.name != "nats":
         env += [
@@ -79,7 +82,7 @@ def _env(service: Service, users: list[str]) -> list[dict[str, Any]]:
     return env
 
 
-def _probes(service: Service) -> dict[str, Any]:
+def probes(service: Service) -> dict[str, Any]:
     """Alive: the main port accepts connections (a service that is up but NOT_SERVING, as an engine whose worker
     is gone or a gateway with no engine, is waiting for another, not broken: restarting it would not help).
     Ready: grpc.health.v1 SERVING, or for the gateway ``GET /ready``."""
@@ -106,9 +109,9 @@ def _deployment(service: Service, users: list[str]) -> dict[str, Any]:
         "name": service.name,
         "image": NATS_IMAGE if service.name == "nats" else IMAGE,
         "args": service.argv,  # after the image's entrypoint, as compose's `command`
-        "env": _env(service, users),
+        "env": container_env(service, users),
         "ports": [{"name": n, "containerPort": p} for n, p in _ports(service).items()],
-        **_probes(service),
+        **probes(service),
     }
     pod: dict[str, Any] = {
         "restartPolicy": "Always",
@@ -121,12 +124,12 @@ def _deployment(service: Service, users: list[str]) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": service.name, "labels": _labels(service.name)},
+        "metadata": {"name": service.name, "labels": labels(service.name)},
         "spec": {
             "replicas": 1,
             "strategy": {"type": "Recreate"},  # one pod per service: the old one goes before the new one binds
             "selector": {"matchLabels": {"app.kubernetes.io/name": service.name}},
-            "template": {"metadata": {"labels": _labels(service.name)}, "spec": pod},
+            "template": {"metadata": {"labels": labels(service.name)}, "spec": pod},
         },
     }
 
@@ -135,7 +138,7 @@ def _service(service: Service) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": service.name, "labels": _labels(service.name)},
+        "metadata": {"name": service.name, "labels": labels(service.name)},
         "spec": {
             "selector": {"app.kubernetes.io/name": service.name},
             "ports": [{"name": n, "port": p, "targetPort": n} for n, p in _ports(service).items()],
@@ -195,17 +198,19 @@ def render(config: StackConfig = CONFIG) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.kubernetes", description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if deploy/kubernetes.yaml is out of date")
+    p.add_argument("--check", action="store_true", help="exit 1 if a generated file is out of date")
     args = p.parse_args(argv)
-    text = render()
-    if args.check:
-        stale = not PATH.exists() or PATH.read_text() != text
-        if stale:
-            print(f"{PATH} is out of date: run python -m services.entrypoints.kubernetes", file=sys.stderr)
-        return 1 if stale else 0
-    PATH.write_text(text)
-    print(f"wrote {PATH}")
-    return 0
+    from services.entrypoints import kubernetes_group  # the multi-host group's file (it builds on this module)
+
+    stale = False
+    for path, text in ((PATH, render()), (kubernetes_group.PATH, kubernetes_group.render())):
+        if not args.check:
+            path.write_text(text)
+            print(f"wrote {path}")
+        elif not path.exists() or path.read_text() != text:
+            print(f"{path} is out of date: run python -m services.entrypoints.kubernetes", file=sys.stderr)
+            stale = True
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -52,4 +52,3 @@ def from_launcher(environ: Mapping[str, str]) -> RankPlace:
     if not 0 <= rank < world or not 0 <= local <= rank:
         raise ValueError(f"RANK={rank}, LOCAL_RANK={local} do not fit a group of WORLD_SIZE={world}")
     return RankPlace(rank, world, local, "env://")
-
