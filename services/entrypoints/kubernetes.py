@@ -35,6 +35,7 @@ from services.entrypoints.compose import (
     secret_sources,
     stack_services,
     to_yaml,
+    write_secrets,
 )
 from services.entrypoints.stack import Service, StackConfig
 from services.gateway.auth import KEY_ENV
@@ -199,8 +200,24 @@ def render(config: StackConfig = CONFIG) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.kubernetes", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 if a generated file is out of date")
+    p.add_argument(
+        "--multihost-secrets",
+        type=Path,
+        default=None,
+        help="write fresh secrets for deploy/kubernetes-multihost.yaml (every rank's NATS password) to this .env "
+        "file (mode 0600) only",
+    )
     args = p.parse_args(argv)
     from services.entrypoints import kubernetes_group  # the multi-host group's file (it builds on this module)
+
+    if args.multihost_secrets is not None:
+        try:
+            write_secrets(args.multihost_secrets, kubernetes_group.GROUP_CONFIG)
+        except FileExistsError:
+            print(f"{args.multihost_secrets} exists: its secrets may be in use; remove it first", file=sys.stderr)
+            return 1
+        print(f"wrote {args.multihost_secrets} (mode 0600)")
+        return 0
 
     stale = False
     for path, text in ((PATH, render()), (kubernetes_group.PATH, kubernetes_group.render())):

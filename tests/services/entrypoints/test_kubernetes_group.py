@@ -162,6 +162,29 @@ def test_every_other_service_is_the_one_host_manifests_and_every_address_is_a_se
                 assert host in kinds["Service"], (s.name, host)
 
 
+def test_the_multihost_secrets_file_has_every_key_the_manifest_references(tmp_path):
+    path = tmp_path / ".env"
+    assert kubernetes.main(["--multihost-secrets", str(path)]) == 0
+    assert kubernetes.main(["--multihost-secrets", str(path)]) == 1  # kept: its secrets may be in use
+    provided = {line.split("=", 1)[0] for line in path.read_text().splitlines()}
+    refs: set[str] = set()
+
+    def walk(value):
+        if isinstance(value, dict):
+            ref = value.get("secretKeyRef")
+            if ref is not None and not ref.get("optional"):
+                refs.add(ref["key"])
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(objects())
+    assert {nats_auth.password_env(f"engine-{r}") for r in range(GROUP_CONFIG.data_parallel_size)} <= refs
+    assert refs <= provided
+
+
 @pytest.mark.parametrize(
     ("config", "per_host", "message"),
     [
