@@ -4,13 +4,14 @@ a LeaderWorkerSet (sigs.k8s.io/lws), generated from the same service list as `de
     python -m services.entrypoints.kubernetes            # rewrites both files
     python -m services.entrypoints.kubernetes --check    # exit 1 if either is not what the service list gives
 
-Everything but the group is what `services/entrypoints/kubernetes.py` makes of the service list (a Deployment and
-a Service each). The group's ranks ``engine-0 … engine-(N−1)`` become one LeaderWorkerSet ``engine`` of N / P pods,
-P GPUs each: the leader (worker index 0) holds ranks 0 … P−1, worker k ranks kP … kP+P−1. Every pod runs torchrun
-with one engine process per GPU (`services/engine/parallel/rank_place.py`), its node rank and the master from the
-variables LWS gives each pod (``LWS_WORKER_INDEX``, ``LWS_GROUP_SIZE``, ``LWS_LEADER_ADDRESS``); the ranks meet at
-torchrun's store on the leader. Each rank runs the stack's own command for it less the flags that place it (its
-rank, the group's size, the rendezvous), which the launcher gives; local rank l serves on the pod's ports plus l.
+Everything but the group is what `services/entrypoints/kubernetes_objects.py` makes of the service list (a
+Deployment and a Service each). The group's ranks ``engine-0 … engine-(N−1)`` become one LeaderWorkerSet
+``engine`` of N / P pods, P GPUs each: the leader (worker index 0) holds ranks 0 … P−1, worker k ranks
+kP … kP+P−1. Every pod runs torchrun with one engine process per GPU (`services/engine/parallel/rank_place.py`),
+its node rank and the master from the variables LWS gives each pod (``LWS_WORKER_INDEX``, ``LWS_GROUP_SIZE``,
+``LWS_LEADER_ADDRESS``); the ranks meet at torchrun's store on the leader. Each rank runs the stack's own command
+for it less the flags that place it (its rank, the group's size, the rendezvous), which the launcher gives; local
+rank l serves on the pod's ports plus l.
 
 A Service ``engine-R`` per rank selects rank R's pod and maps the stack's ports to that rank's, so the gateway's
 and planner's commands reach the ranks by the same names as under compose. LWS recreates the whole group when
@@ -26,7 +27,7 @@ from typing import Any
 
 from services import nats_auth, service_auth
 from services.entrypoints.compose import DEPLOY, IMAGE, PORTS, stack_services, to_yaml
-from services.entrypoints.kubernetes import SECRET, labels, manifests, probes
+from services.entrypoints.kubernetes_objects import SECRET, labels, manifests, probes
 from services.entrypoints.stack import Service, StackConfig
 
 # The configuration the multi-host manifest describes: 16 ranks over 2 hosts of 8 GPUs (EP16), v41-s1 at full
