@@ -136,6 +136,16 @@ def apply_launcher_place(args: argparse.Namespace, environ) -> bool:
     from services.engine.parallel.rank_place import from_launcher
 
     place = from_launcher(environ)
+    given = [
+        f"{flag} {value} (the launcher's {name}={actual})"
+        for flag, value, unset, name, actual in (
+            ("--dp", args.data_parallel_size, 1, "WORLD_SIZE", place.world_size),
+            ("--dp-rank", args.dp_rank, 0, "RANK", place.rank),
+        )
+        if value not in (unset, actual)
+    ]
+    if given:
+        raise ValueError(f"with --dp-rendezvous env:// the launcher places the rank; drop {', '.join(given)}")
     args.data_parallel_size, args.dp_rank, args.rank = place.world_size, place.rank, place.rank
     if args.replica == DEFAULT_REPLICA:
         args.replica = f"engine-{place.rank}"

@@ -116,5 +116,7 @@ def test_a_launchers_rank_takes_its_place_from_the_environment():
     assert (args.grpc_port, args.metrics_port, args.device) == (50101, 9101, "cuda:1")
     plain = argparse.Namespace(dp_rendezvous="tcp://127.0.0.1:1", grpc_port=7)
     assert not apply_launcher_place(plain, env) and plain.grpc_port == 7
+    with pytest.raises(ValueError, match=r"drop --dp 8 \(the launcher's WORLD_SIZE=4\)"):
+        apply_launcher_place(argparse.Namespace(**{**vars(args), "data_parallel_size": 8, "dp_rank": 0}), env)
     with pytest.raises(ValueError, match="LOCAL_RANK unset"):
         apply_launcher_place(argparse.Namespace(**{**vars(args), "dp_rendezvous": "env://"}), {**env, "LOCAL_RANK": ""})
