@@ -98,12 +98,13 @@ def two_hosts(tmp_path_factory):
         (start_host(n, master, free_port("127.0.0.1"), token, tmp / f"host{n}.log"), tmp / f"host{n}.log")
         for n in range(2)
     ]
+    ready: list[dict] = []
     try:
         ready = wait_ready(hosts)
         yield hosts, ready, token
     finally:
-        for (proc, _), r in zip(hosts, locals().get("ready") or [{}] * 2):
-            kill_host(proc, r.get("pid", proc.pid))
+        for i, (proc, _) in enumerate(hosts):
+            kill_host(proc, ready[i]["pid"] if ready else proc.pid)
             proc.wait(10)
 
 
