@@ -78,7 +78,9 @@ def start_rank(
     if not 0 <= rank < world:
         raise ValueError(f"--dp-rank {rank} is outside a group of {world} ranks")
     if not rendezvous.startswith(("tcp://", "env://")):
-        raise ValueError(f"a served group meets at a tcp://host:port or env:// rendezvous, not {rendezvous!r}")
+        raise ValueError(
+            f"a served group meets at a tcp://host:port rendezvous (or env://, a launcher's), not {rendezvous!r}"
+        )
     if worker is not None:
         source = load_model(model, config.model_seed, load_format=config.load_format, weights=False)
         # The engines' group: its vote group is the one this process uses (its exchange and moves groups,
