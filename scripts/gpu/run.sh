@@ -35,6 +35,7 @@ serve-fits        v41-s1 at full depth through shinkai up with --engram-on-host 
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
+hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny)
 invariance        the batch-invariance test with == on v41-s1 at full depth (INVARIANCE_PROMPTS, default 64: the batch, then each prompt alone), then where graphs and eager part on tiny
 compare           decode and prefill step medians (150 steps, v41-s1 at 8 layers) of a baseline tree carried in BASE_TREE (default base/) and this tree, alternated twice
 compare-profile   bench step --profile at batch 1 (CONTEXTS, default 32768) for BASE_TREE and this tree, their kernel tables side by side
@@ -381,6 +382,16 @@ suite_parallel() {
     run ep 170 python3 scripts/gpu/ep_check.py; tail -12 "$dir/ep.log"
     run ep-drafts 170 python3 scripts/gpu/ep_check.py --num-speculative-tokens 3; tail -12 "$dir/ep-drafts.log"
     run eplb-live 170 python3 scripts/gpu/eplb_live.py; tail -8 "$dir/eplb-live.log"
+}
+
+suite_hosts() {
+    begin hosts 400
+    local gpus; gpus=$(nvidia-smi -L | wc -l)
+    if [ "$gpus" -lt 2 ]; then note "hosts: needs 2 GPUs (nvidia-h100-x2), found $gpus"; return; fi
+    local model=${HOSTS_MODEL:-tiny}
+    local extra=(); [ "$model" = tiny ] || extra=(--load-format dummy)
+    run two-hosts 380 python3 scripts/gpu/hosts_check.py --model "$model" --log-dir "$dir" "${extra[@]}"
+    tail -12 "$dir/two-hosts.log"
 }
 
 suite_invariance() {

@@ -21,10 +21,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 
 log = logging.getLogger("shinkai.engine.process")
+DEFAULT_REPLICA = "engine-0"
 
 
 class EngineEndpoint:
@@ -112,19 +114,62 @@ async def watch_worker(remote, source, api, reporter, interval_s: float = 0.1, s
             await reporter.lifecycle("unhealthy" if lost else "up")
 
 
-async def watch_group(service, api, reporter, interval_s: float = 0.1) -> None:
+async def watch_group(service, api, reporter, interval_s: float = 0.1, on_lost=None) -> None:
     """NOT_SERVING and "unhealthy" on NATS, for good, once this rank's data-parallel group is lost (runs until
-    it is, or until cancelled)."""
+    it is, or until cancelled); then ``on_lost()`` if given."""
     while service.group_failure is None:
         await asyncio.sleep(interval_s)
     log.error("data-parallel group lost: not serving: %s", service.group_failure)
     await api.set_problem(f"this engine's data-parallel group is lost: {service.group_failure}")
     if reporter is not None:
         await reporter.lifecycle("unhealthy")
+    if on_lost is not None:
+        on_lost()
+
+
+def apply_launcher_place(args: argparse.Namespace, environ) -> bool:
+    """With ``--dp-rendezvous env://`` (a rank started by torchrun, on any host of its group): the rank, the
+    group's size, the device and the ports from the launcher's environment, in ``args``; True then. Each of
+    a host's ranks takes ``--grpc-port`` (and ``--metrics-port``) plus its local rank, so one set of flags
+    serves every process of the host."""
+    if args.dp_rendezvous != "env://":
+        return False
+    from services.engine.device import default_device
+    from services.engine.parallel.rank_place import from_launcher
+
+    place = from_launcher(environ)
+    given = [
+        f"{flag} {value} (the launcher's {name}={actual})"
+        for flag, value, unset, name, actual in (
+            ("--dp", args.data_parallel_size, 1, "WORLD_SIZE", place.world_size),
+            ("--dp-rank", args.dp_rank, 0, "RANK", place.rank),
+        )
+        if value not in (unset, actual)
+    ]
+    if given:
+        raise ValueError(f"with --dp-rendezvous env:// the launcher places the rank; drop {', '.join(given)}")
+    args.data_parallel_size, args.dp_rank, args.rank = place.world_size, place.rank, place.rank
+    if args.replica == DEFAULT_REPLICA:
+        args.replica = f"engine-{place.rank}"
+    args.grpc_port = place.port(args.grpc_port)
+    args.metrics_port = place.port(args.metrics_port)
+    if not args.worker:  # a remote worker owns the device
+        args.device = place.device(args.device or default_device())
+    from services import nats_auth
+
+    own = environ.get(nats_auth.password_env(args.replica))
+    if own:  # a pod holding every rank's NATS password (deploy/kubernetes-multihost.yaml): this rank's own user
+        environ[nats_auth.USER_ENV], environ[nats_auth.PASSWORD_ENV] = args.replica, own
+    return True
 
 
 async def run(args: argparse.Namespace) -> int:
     from observability import tracing
+
+    # A launcher's rank (torchrun, docs/parallelism.md "More than one host") leaves once its group is lost, so
+    # its launcher stops the host's other ranks and the whole group can be started again (Kubernetes restarts a
+    # LeaderWorkerSet's group); a rank of `shinkai up` stays NOT_SERVING until `shinkai down`.
+    launched = apply_launcher_place(args, os.environ)
 
     tracing.setup("shinkai-engine")
     from services.engine.llm import LLM
@@ -236,6 +281,8 @@ async def run(args: argparse.Namespace) -> int:
                 "event": "ready",
                 "service": "engine",
                 "replica": args.replica,
+                "pid": os.getpid(),
+                "dp_rank": args.dp_rank if args.data_parallel_size > 1 else None,
                 "grpc": address,
                 "grpc_port": server.api.grpc_port,
                 "metrics_port": metrics_port,
@@ -248,7 +295,9 @@ async def run(args: argparse.Namespace) -> int:
     )
     watch = None
     if args.data_parallel_size > 1:  # a rank's lost worker fails its next step, which loses the group for good
-        watch = asyncio.create_task(watch_group(server.engine, server.api, reporter))
+        watch = asyncio.create_task(
+            watch_group(server.engine, server.api, reporter, on_lost=stop.set if launched else None)
+        )
     elif args.worker:
         watch = asyncio.create_task(watch_worker(remote, server.llm.source, server.api, reporter))
     await stop.wait()
@@ -266,14 +315,19 @@ async def run(args: argparse.Namespace) -> int:
         json.dumps({"event": "stopped", "service": "engine", "pools": dataclasses.asdict(server.engine.stats())}),
         flush=True,
     )
-    return 0
+    return 1 if launched and server.engine.group_failure is not None else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The engine process's flags."""
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.engine", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--replica", default="engine-0", help="this engine instance's name in loads, reports, metrics")
+    p.add_argument(
+        "--replica",
+        default=DEFAULT_REPLICA,
+        help="this engine instance's name in loads, reports, metrics (with --dp-rendezvous env://: engine-<rank>)",
+    )
     p.add_argument("--rank", type=int, default=0, help="this engine's rank in expert-load reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
@@ -312,9 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dp-rendezvous",
         default=None,
-        help="tcp://host:port where the group's ranks meet (rank 0 listens there); needed with --dp > 1",
+        help="tcp://host:port where the group's ranks meet (rank 0 listens there), needed with --dp > 1; or env:// "
+        "for a rank started by torchrun on any host (its rank, --dp, device and port offset from the launcher)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from services.engine.memory_plan import NotEnoughMemory
 

@@ -46,8 +46,9 @@ class RankSpec:
 
     config: EngineConfig  # the engine's knobs; data_parallel_size is the group's size
     load: Callable[[str], ModelSource]  # device → the model (each rank loads its own copy)
-    init_method: str  # the group's rendezvous, "file://…" or "tcp://host:port"
-    device: str  # "cpu", or "cuda" (rank r runs on cuda:r)
+    init_method: str  # the group's rendezvous, "file://…", "tcp://host:port" or "env://" (a launcher's)
+    device: str  # "cpu"; "cuda" (rank r runs on cuda:r, every rank on this host); or "cuda:N" (one served rank
+    # of a group that may span hosts, on its own GPU)
     num_threads: int | None = None  # torch CPU threads per rank; None = OMP_NUM_THREADS, else the cores over the ranks
 
     def rank_device(self, rank: int) -> str:
@@ -114,7 +115,12 @@ def build_rank(rank: int, spec: RankSpec, groups: RankGroups | None = None) -> R
     whose MoE is not sharded, runs on this rank alone."""
     world = spec.config.data_parallel_size
     device = spec.rank_device(rank)
-    if device.startswith("cuda"):
+    if spec.device.startswith("cuda:"):
+        index = int(spec.device.split(":")[1])
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} asked for {spec.device}; {torch.cuda.device_count()} GPUs are visible")
+        torch.cuda.set_device(device)
+    elif device.startswith("cuda"):
         if torch.cuda.device_count() < world:
             raise ValueError(
                 f"{world} ranks need {world} GPUs (NCCL puts one rank on a GPU); "

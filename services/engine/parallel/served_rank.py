@@ -63,7 +63,8 @@ def rank_config(engine_args: dict[str, object], remote: bool) -> EngineConfig:
 def start_rank(
     model: str, rank: int, rendezvous: str, engine_args: dict[str, object], worker: RemoteWorker | None = None
 ) -> RankLLM:
-    """Joins the group at ``rendezvous`` ("tcp://host:port", rank 0 listens there) as ``rank`` and builds
+    """Joins the group at ``rendezvous`` ("tcp://host:port", rank 0 listens there; or "env://", a launcher's
+    store, services/engine/parallel/rank_place.py) as ``rank`` and builds
     this rank's engine; returns once every rank of the group has joined.
 
     ``worker``: this rank's worker process (``python -m services.entrypoints.worker --dp N --dp-rank R``), which holds
@@ -76,15 +77,20 @@ def start_rank(
         raise ValueError(f"a served rank belongs to a group of at least 2 ranks, not {world}")
     if not 0 <= rank < world:
         raise ValueError(f"--dp-rank {rank} is outside a group of {world} ranks")
-    if not rendezvous.startswith("tcp://"):
-        raise ValueError(f"a served group meets at a tcp://host:port rendezvous, not {rendezvous!r}")
+    if not rendezvous.startswith(("tcp://", "env://")):
+        raise ValueError(
+            f"a served group meets at a tcp://host:port rendezvous (or env://, a launcher's), not {rendezvous!r}"
+        )
     if worker is not None:
         source = load_model(model, config.model_seed, load_format=config.load_format, weights=False)
         # The engines' group: its vote group is the one this process uses (its exchange and moves groups,
         # gloo on the host, stay idle: the workers exchange among themselves).
         groups = init_rank_groups(rank, world, rendezvous, "cpu", config.rank_timeout_s)
         return RankLLM(group_engine(worker, config, source.config, HostVote(groups.vote)), config, source)
-    device = "cuda" if str(config.device or "cpu").startswith("cuda") else "cpu"
+    device = str(config.device or "cpu")
+    if rendezvous.startswith("tcp://"):  # a group on one host: rank r on cuda:r
+        device = "cuda" if device.startswith("cuda") else "cpu"
+    # else a launcher's rank, on any host: its own GPU, cuda:<local rank> (services/engine/parallel/rank_place.py)
     load = partial(load_model, model, config.model_seed, load_format=config.load_format)
     built = build_rank(rank, RankSpec(config, load, rendezvous, device))
     return RankLLM(built.engine, built.engine.config, built.source, built)

@@ -92,3 +92,31 @@ def test_the_gateway_tenant_reaches_the_engine_service():
 
     asyncio.run(run())
     assert tenants == ["k1"]
+
+
+def test_a_launchers_rank_takes_its_place_from_the_environment():
+    import argparse
+
+    from services.entrypoints.engine import DEFAULT_REPLICA, apply_launcher_place
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"}
+    args = argparse.Namespace(
+        dp_rendezvous="env://",
+        replica=DEFAULT_REPLICA,
+        grpc_port=50100,
+        metrics_port=9100,
+        worker=None,
+        device="cuda",
+        data_parallel_size=1,
+        dp_rank=0,
+        rank=0,
+    )
+    assert apply_launcher_place(args, env)
+    assert (args.data_parallel_size, args.dp_rank, args.rank, args.replica) == (4, 3, 3, "engine-3")
+    assert (args.grpc_port, args.metrics_port, args.device) == (50101, 9101, "cuda:1")
+    plain = argparse.Namespace(dp_rendezvous="tcp://127.0.0.1:1", grpc_port=7)
+    assert not apply_launcher_place(plain, env) and plain.grpc_port == 7
+    with pytest.raises(ValueError, match=r"drop --dp 8 \(the launcher's WORLD_SIZE=4\)"):
+        apply_launcher_place(argparse.Namespace(**{**vars(args), "data_parallel_size": 8, "dp_rank": 0}), env)
+    with pytest.raises(ValueError, match="LOCAL_RANK unset"):
+        apply_launcher_place(argparse.Namespace(**{**vars(args), "dp_rendezvous": "env://"}), {**env, "LOCAL_RANK": ""})
