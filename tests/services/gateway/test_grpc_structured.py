@@ -43,5 +43,5 @@ def test_a_bad_constraint_is_invalid_argument(served, kind, spec, named):
 def test_the_remote_engine_carries_the_constraint():
     constraint = Constraint("json_schema", '{"type": "object"}', strict=False)
     sampling = _sampling(SamplingParams(max_tokens=4, constraint=constraint))
-    assert grpc_api._constraint(sampling) == constraint
-    assert grpc_api._constraint(_sampling(SamplingParams(max_tokens=4))) is None
+    assert grpc_api._constraint(sampling, None) == constraint
+    assert grpc_api._constraint(_sampling(SamplingParams(max_tokens=4)), None) is None
