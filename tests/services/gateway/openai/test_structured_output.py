@@ -125,7 +125,7 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param, named):
 
 def test_a_compile_over_the_limit_is_a_400_and_leaves_nothing_queued(client, served, monkeypatch):
     engine = served.server.engine.engine
-    monkeypatch.setattr(engine.grammar_gate, "timeout_s", 0.0)
+    monkeypatch.setattr(engine.structured.gate, "timeout_s", 0.0)
     props = {f"slow{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 40}}}$"} for i in range(12)}
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(

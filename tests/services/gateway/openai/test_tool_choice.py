@@ -29,7 +29,7 @@ WEATHER = _tool(
     },
     ["city"],
 )
-ADD = _tool("add", {"a": {"type": "number", "minimum": -100, "maximum": 100}, "b": {"type": "integer"}})
+ADD = _tool("add", {"a": {"type": "integer", "minimum": -100, "maximum": 100}, "b": {"type": "boolean"}})
 TAGS = _tool(
     "set_tags",
     {
