@@ -1,5 +1,6 @@
 """What a request's output must match (a JSON schema, any JSON object, a regex, one of some strings, an EBNF
-grammar, or an xgrammar structural tag such as the tool-call grammar), checked and turned into an xgrammar ``Grammar`` before anything is queued.
+grammar, or an xgrammar structural tag such as the tool-call grammar), checked and turned into an xgrammar
+``Grammar`` before anything is queued.
 
 ``Constraint.grammar()`` parses: that is fast and raises ``ValueError`` naming the problem (an invalid schema,
 regex or grammar, or a schema keyword xgrammar cannot enforce). Compiling the grammar against the vocabulary

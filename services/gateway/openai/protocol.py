@@ -19,6 +19,7 @@ from typing import Any
 
 from services.engine.request_checks import check_priority
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.constraint import Constraint
 from services.gateway import errors
 from services.gateway.frontend import MAX_ID_BYTES, GenerateArgs
 from services.gateway.openai import fields
@@ -312,7 +313,15 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         raise errors.invalid("top_logprobs needs logprobs: true", "top_logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     args.params = _sampling(
-        body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size, None, options.conversation, options.constraint
+        body,
+        key,
+        num_logprobs,
+        "top_logprobs",
+        max_model_len,
+        vocab_size,
+        None,
+        options.conversation,
+        options.constraint,
     )
     stream, include_usage = _stream_options(body)
     prompt_logprobs = _prompt_logprobs(body, stream)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jsonschema
@@ -58,10 +59,11 @@ def test_chat_tool_choice_over_grpc_gives_valid_calls(served, choice, names):
     """tool_choice "required" or a function's name: the chat's answer is tool calls whose arguments validate,
     whole and streamed (the stream's pieces add up to the same calls)."""
     tools = [WEATHER, ADD]
-    with ShinkaiClient(served.grpc_target, timeout=240) as client:
+    with ShinkaiClient(served.grpc_target, timeout=240) as client, ThreadPoolExecutor(2) as pool:
         kwargs = dict(messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=1500, seed=21)
-        whole = client.generate(**kwargs)
-        deltas = list(client.generate_stream(**kwargs))
+        whole = pool.submit(client.generate, **kwargs)
+        deltas = pool.submit(lambda: list(client.generate_stream(**kwargs)))
+        whole, deltas = whole.result(), deltas.result()
     assert whole.finish_reason == deltas[-1].finish_reason == "tool_calls"
     assert whole.tool_calls and (choice == "required" or len(whole.tool_calls) == 1)
     for call in whole.tool_calls:

@@ -14,7 +14,14 @@ from services.engine import SamplingParams
 from services.engine.structured.constraint import Constraint
 from services.engine.structured.grammars import GrammarCompiler
 from services.engine.structured.token_masks import fill_rows
-from tests.services.worker.spec.test_speculator import NEXTN, PROMPTS, generate, known_drafts, source  # noqa: F401
+from tests.services.worker.spec.test_speculator import (  # noqa: F401
+    NEXTN,
+    PROMPTS,
+    generate,
+    known_drafts,
+    line,
+    source,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +41,7 @@ def _seeded() -> list[SamplingParams]:
     ]
 
 
-def _check_valid(source, outs) -> None:
+def _check_valid(source, outs) -> None:  # noqa: F811
     vocab = {i: t for t, i in source.tokenizer.get_vocab().items()}
     for out in outs:
         assert out.finish_reason == "stop", (out.finish_reason, out.error)
@@ -49,13 +56,27 @@ def greedy_off(source):  # noqa: F811
     return outs
 
 
+@pytest.mark.parametrize("schedule", ["fixed", "varlen", "async"])
 @pytest.mark.parametrize("mode", ["rejection", "deterministic"])
-def test_greedy_constrained_tokens_with_drafts_equal_those_without(source, greedy_off, mode):  # noqa: F811
+def test_greedy_constrained_tokens_with_drafts_equal_those_without(source, greedy_off, mode, schedule):  # noqa: F811
+    """Fixed drafts, varlen verification (some requests verify fewer), and async scheduling with varlen."""
     reference = [o.token_ids for o in greedy_off]
-    outs, spec = generate(source, _greedy(), nextn=NEXTN, spec_sampling=mode, rewrite=known_drafts(reference))
+    rows: list[int] = []
+    outs, spec = generate(
+        source,
+        _greedy(),
+        nextn=NEXTN,
+        spec_sampling=mode,
+        rewrite=known_drafts(reference),
+        curve=line(1.0, 0.02) if schedule != "fixed" else None,
+        decode_rows=rows if schedule != "async" else None,
+        async_scheduling=schedule == "async",
+    )
     assert [o.token_ids for o in outs] == reference
     assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
     assert 0 < spec.num_drafts_accepted < spec.num_drafts_verified  # drafts passed and failed under the mask
+    if schedule == "varlen":
+        assert len(set(rows)) > 1 and max(rows) > 1, rows
     _check_valid(source, outs)
 
 
