@@ -210,7 +210,7 @@ suite_speculative() {
     begin speculative 450
     run tests 300 "${gpu_tests[@]}" tests/services/worker/spec/test_draft_proposal.py tests/services/worker/spec/test_static_draft_proposal.py \
         tests/services/worker/spec/test_speculator.py tests/services/worker/spec/test_static_verify.py \
-        tests/services/worker/spec/test_verify_half.py
+        tests/services/worker/spec/test_verify_half.py tests/services/engine/structured/test_token_masks.py
     show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
     run proposal 90 python3 -m services.bench.speculative.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \
         --static-proposal --json "$dir/draft-proposal.json"

@@ -116,3 +116,25 @@ def test_draft_rows_are_masked_after_the_drafts_before_them(source):  # noqa: F8
     fresh = grammars.bitmask(1)
     matcher.fill_next_token_bitmask(fresh, 0)
     assert allowed(fresh, 0) == {"the"}  # rolled back
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("mode", ["rejection", "deterministic"])
+def test_constrained_speculation_on_the_gpu_gives_valid_output(source, backend, mode):  # noqa: F811
+    """On CUDA (the torch model, or the kernel backend with its graphs and static verify): constrained requests
+    with drafts, greedy and seeded, stop and match the grammar, and the pools come back whole."""
+    from services.engine import LLM
+    from services.engine.model_source import load_model
+
+    gpu = load_model(source.name, device="cuda")
+    args = dict(device="cuda", max_model_len=96, block_size=8, max_num_seqs=8, num_blocks=64)
+    if backend == "torch":
+        args.update(kernel_backend=None, cuda_graphs=False, async_scheduling=False)
+    llm = LLM(source=gpu, **args, num_speculative_tokens=NEXTN, spec_sampling=mode)
+    _check_valid(source, llm.generate(PROMPTS, _greedy()))
+    _check_valid(source, llm.generate(PROMPTS, _seeded()))
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks
+    assert llm.engine.worker.speculator.num_drafts_verified > 0
