@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future
 
 import pytest
 
@@ -70,7 +71,9 @@ def test_a_dead_end_ends_the_request_with_an_error(llm):
 
 
 def test_a_compile_over_the_limit_ends_the_request_with_an_error(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine.structured.gate, "timeout_s", 0.0)
+    """A compile still running at the limit (one that never finishes: the limit's check, not the machine's speed)."""
+    monkeypatch.setattr(llm.engine.structured.gate, "timeout_s", 0.05)
+    monkeypatch.setattr(llm.engine.structured.grammars, "compile", lambda constraint: Future())
     constraint = Constraint("json_schema", _slow_schema("t"))
     (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=4, constraint=constraint))
     assert out.finish_reason == FinishReason.ERROR and "to compile" in out.error
