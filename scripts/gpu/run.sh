@@ -26,7 +26,7 @@ step-compare      bench step's eager / torch.compile / engine comparison (the 8-
 moe-configs       the MoE grouped GEMM's launch configs swept and written to kernels/configs/ (copied to the suite's folder), then decode (MOE_AB_BATCHES) and 1K prefill with the table off, then on
 deepgemm          DeepGEMM built from the carried third_party/deepgemm-src, bench kernels --only deepgemm_moe against the Triton grouped GEMM and cuBLASLt (DEEPGEMM_ARGS, DEEPGEMM_CASES), then its gpu tests
 deepgemm-step     DeepGEMM built, then bench step's prefill (DEEPGEMM_SIZES) and the v41-width FP8 KL test with SHINKAI_MOE_GEMM=deepgemm
-speculative       the gpu tests of speculation (draft proposal, static proposal and verify, verify half, speculator: sync-debug mode, graph replay == eager), then the proposal's launches and host reads
+speculative       the gpu tests of speculation (draft proposal, static proposal and verify, verify half, speculator: sync-debug mode, graph replay == eager; constrained speculation), then the proposal's launches and host reads
 speculative-bench bench speculative, fp8 kernels and CUDA graphs, 5 drafts, forced acceptances, fixed and varlen, against speculation off (SPEC_MODEL tiny or v41-s1-dspark, SPEC_BATCHES, SPEC_ACCEPT, SPEC_MODES, SPEC_PROFILE, SPEC_ASYNC)
 serve             v41-s1 at full depth (--load-format dummy), one build: served over HTTP to the openai client and the load generator at concurrency 1, 16, 64, then offline LLM.generate (greedy ==) and bench step's decode (device-prep.sh --stack)
 serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, the disk's read rate, loaded by shinkai up from a cold page cache, the openai client, then LLM.generate (greedy ==) (device-prep.sh --stack)
@@ -211,7 +211,7 @@ suite_speculative() {
     begin speculative 450
     run tests 300 "${gpu_tests[@]}" tests/services/worker/spec/test_draft_proposal.py tests/services/worker/spec/test_static_draft_proposal.py \
         tests/services/worker/spec/test_speculator.py tests/services/worker/spec/test_static_verify.py \
-        tests/services/worker/spec/test_verify_half.py
+        tests/services/worker/spec/test_verify_half.py tests/services/engine/structured/test_token_masks.py
     show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
     run proposal 90 python3 -m services.bench.speculative.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \
         --static-proposal --json "$dir/draft-proposal.json"

@@ -17,9 +17,8 @@ from services.engine.request_checks import check_priority, choice_id, validate_r
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
-from services.engine.structured.grammar_gate import GrammarGate
-from services.engine.structured.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
-from services.engine.structured.token_masks import advance, fill_token_bitmask
+from services.engine.structured.grammars import GrammarCompiler
+from services.engine.structured.structured_output import StructuredOutput
 from services.worker.sampling.sampler import SamplingRow
 from services.worker.worker import Worker, WorkerOutput
 
@@ -94,9 +93,8 @@ class Engine:
         # Async scheduling: the step planned and executed but not yet updated, with its worker output.
         self._in_flight: tuple[StepPlan, WorkerOutput] | None = None
         self._seeds = random.SystemRandom()
-        self.grammars = grammars
-        # Constrained requests waiting for their grammar's compile (the readiness gate's grammar side).
-        self.grammar_gate = GrammarGate(grammars.timeout_s if grammars is not None else COMPILE_TIMEOUT_S)
+        # Structured output: constraints checked, the grammar gate, the step's token bitmask, the matchers' advance.
+        self.structured = StructuredOutput(grammars)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -110,29 +108,7 @@ class Engine:
                 "presence_penalty, frequency_penalty, repetition_penalty, min_p and prompt_logprobs need the "
                 "in-process worker: the remote worker's protocol does not carry them yet"
             )
-        if params.constraint is not None:
-            self._check_constraint(params)
-
-    def _check_constraint(self, params: SamplingParams) -> None:
-        """ValueError for structured output this engine cannot serve, or a constraint that does not parse."""
-        if self.grammars is None:
-            raise ValueError(
-                "structured output is not served by this engine: it has no grammar compiler (data-parallel ranks, "
-                "and engines built without the model's tokenizer, have none yet)"
-            )
-        if not isinstance(self.worker, Worker):
-            raise ValueError(
-                "structured output needs the in-process worker: the remote worker's protocol does not carry the "
-                "token mask yet"
-            )
-        if self.config.num_speculative_tokens:
-            raise ValueError(
-                "structured output cannot be combined with speculative decoding yet (num_speculative_tokens > 0)"
-            )
-        if params.forced_token_ids:
-            raise ValueError("structured output cannot be combined with forced_token_ids")
-        assert params.constraint is not None
-        self.grammars.compile(params.constraint)  # parses here (ValueError), compiles off the step thread
+        self.structured.check(params, isinstance(self.worker, Worker))
 
     def add_request(
         self,
@@ -177,7 +153,7 @@ class Engine:
             max_tokens=2,
             eos_token_id=self.eos_token_id,
             ignore_eos=True,
-            schedulable=self._gate(prefix, params, ready),
+            schedulable=self.structured.hold(prefix, params, ready),
             constrained=params.constraint is not None,
             priority=priority,
             tenant=tenant,
@@ -206,20 +182,12 @@ class Engine:
             eos_token_id=self.eos_token_id,
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
-            schedulable=self._gate(request_id, params, ready),
+            schedulable=self.structured.hold(request_id, params, ready),
             constrained=params.constraint is not None,
             priority=priority,
             tenant=tenant,
         )
         self.requests[request_id] = self._choice(group or request_id, prompt, params, seed, group, index)
-
-    def _gate(self, request_id: str, params: SamplingParams, ready: bool) -> bool:
-        """Whether the request is schedulable now: a constrained one waits for its grammar (and its images)."""
-        if params.constraint is None:
-            return ready
-        assert self.grammars is not None  # validated
-        self.grammar_gate.hold(request_id, self.grammars.compile(params.constraint), images_pending=not ready)
-        return False
 
     def _choice(
         self, user_id: str, prompt: list[int], params: SamplingParams, seed: int, group: str | None, index: int
@@ -263,8 +231,7 @@ class Engine:
             )
             choice = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
             if params.constraint is not None:  # each choice its own matcher; the prefix waited for the compile
-                assert self.grammars is not None
-                choice.matcher = self.grammars.matcher(self.grammars.compile(params.constraint).result())
+                choice.matcher = self.structured.matcher(params.constraint)
             choice.output.prompt_logprobs = req.output.prompt_logprobs  # the prefix computed them
             choice.output.prompt_top_logprobs = req.output.prompt_top_logprobs
             choice.output.prompt_ranks = req.output.prompt_ranks
@@ -284,9 +251,7 @@ class Engine:
         if set_images is None:  # a worker that takes no images (in-process and worker.v1 workers both do)
             raise ValueError(f"{type(self.worker).__name__} takes no image embeddings")
         set_images(request_id, req.output.prompt_token_ids, rows)
-        if request_id in self.grammar_gate:  # schedulable once its grammar is ready too
-            self.grammar_gate.images_arrived(request_id)
-        else:
+        if not self.structured.images_arrived(request_id):  # else schedulable once its grammar is ready too
             self.scheduler.set_schedulable(request_id)
 
     def is_live(self, request_id: str) -> bool:
@@ -331,11 +296,10 @@ class Engine:
             return self._step_async()
         refused = self._admit_grammars()
         plan = self.scheduler.schedule()
-        if plan.num_rows == 0 and self.grammar_gate:
-            self.grammar_gate.wait(0.01)  # nothing runs but compiles: no spinning on empty steps
+        self.structured.wait_idle(plan)
         start = time.perf_counter()
         extra = prompt_rows(plan, self.requests)
-        mask = fill_token_bitmask(plan, self.requests, self.grammars)
+        mask = self.structured.token_bitmask(plan, self.requests)
         if mask is not None:
             extra["token_bitmask"] = mask
         try:
@@ -350,28 +314,11 @@ class Engine:
         self.last_plan = plan
         return refused + self._apply(plan, executed, updates)
 
-    def _has_matchers(self) -> bool:
-        """Some live request walks a grammar matcher (async scheduling then reads each step back first)."""
-        return self.grammars is not None and any(r.matcher is not None for r in self.requests.values())
-
     def _admit_grammars(self) -> list[RequestOutput]:
         """Constrained requests whose grammar compiled become schedulable (with their matcher); those whose
         compile failed or timed out end with an error naming it."""
-        if not self.grammar_gate:
-            return []
-        assert self.grammars is not None
-        result = self.grammar_gate.poll()
-        for request_id, compiled, images_ready in result.ready:
-            req = self.requests[request_id]
-            if not req.is_prefix:  # a prefix's choices get theirs at the fork
-                req.matcher = self.grammars.matcher(compiled)
-            if images_ready:
-                self.scheduler.set_schedulable(request_id)
         outputs = []
-        for request_id, why in result.refused:
-            req = self.requests[request_id]
-            if req.params.constraint is not None:
-                self.grammars.forget(req.params.constraint)
+        for request_id, why in self.structured.admit(self.requests, self.scheduler):
             log.warning("request %s: %s", request_id, why)
             self.scheduler.abort(request_id)
             out = self._finish(request_id, FinishReason.ERROR, None)
@@ -396,7 +343,7 @@ class Engine:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
             return self._update(*previous)
         drained = self._admit_grammars()
-        if previous is not None and self._has_matchers():
+        if previous is not None and self.structured.has_matchers(self.requests):
             # Structured output: the next step's mask needs the step in flight's tokens in its matchers, so that
             # step is read back (and updated) before the next one is planned; the overlap waits for a device mask.
             self._in_flight = None
@@ -405,10 +352,10 @@ class Engine:
         # A rank of a data-parallel group plans even then: its empty plan is a placeholder step, so the rank
         # joins the step's votes and exchanges like every other rank, and the step in flight is updated after it.
         plan = self.scheduler.schedule()
-        if plan.num_rows == 0 and previous is None and self.grammar_gate:
-            self.grammar_gate.wait(0.01)  # nothing runs but compiles: no spinning on empty steps
+        if previous is None:
+            self.structured.wait_idle(plan)
         extra = prompt_rows(plan, self.requests)
-        mask = fill_token_bitmask(plan, self.requests, self.grammars)
+        mask = self.structured.token_bitmask(plan, self.requests)
         if mask is not None:
             extra["token_bitmask"] = mask
         try:
@@ -517,7 +464,7 @@ class Engine:
                 continue
             rows = sampled_logprobs.get(update.request_id, [])
             out = req.output
-            if req.matcher is not None and not advance(req.matcher, update.token_ids):
+            if not self.structured.advance(req, update.token_ids):
                 dead.append(update.request_id)
             for k, token in enumerate(update.token_ids):
                 out.token_ids.append(token)
@@ -552,7 +499,7 @@ class Engine:
 
     def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         req = self.requests.pop(request_id)
-        self.grammar_gate.drop(request_id)
+        self.structured.drop(request_id)
         if req.is_prefix:  # aborted before its fork: choice 0 stands for the request
             self.worker.release(request_id)
             assert req.group is not None

@@ -122,14 +122,14 @@ class LocalEngine:
         """Waits for a queued constrained request's grammar (it holds nothing meanwhile, behind the readiness
         gate, and other requests run); a compile that fails or runs past the engine's limit aborts the request
         and raises ValueError (a 400), so no stream is ever returned for it."""
-        engine = self.service.engine
-        grammars = getattr(engine, "grammars", None)
-        if grammars is None:  # the engine refused the constraint when it was queued
-            return
+        structured = self.service.engine.structured
         assert params.constraint is not None
-        limit = engine.grammar_gate.timeout_s
+        compiling = structured.compiled(params.constraint)
+        if compiling is None:  # the engine refused the constraint when it was queued
+            return
+        limit = structured.timeout_s
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammars.compile(params.constraint))), limit)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiling)), limit)
         except TimeoutError:
             stream.close()
             raise ValueError(f"the grammar took over {limit:g} s to compile") from None

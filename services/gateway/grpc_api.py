@@ -156,7 +156,7 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
             min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
             min_p=s.min_p if s.HasField("min_p") else 0.0,
             prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-            constraint=_constraint(s),
+            constraint=_constraint(s, options),
         )
     except ValueError as err:
         raise errors.invalid(str(err)) from err
@@ -169,10 +169,17 @@ def _tops(out, tops: list[list[tuple[int, float]]]) -> None:
         out.add(entries=[pb.TopLogprob(token_id=i, logprob=finite_logprob(v)) for i, v in top])
 
 
-def _constraint(sampling: pb.SamplingParams) -> Constraint | None:
-    """``sampling.constraint`` parsed (so a bad one is INVALID_ARGUMENT naming it before anything is queued)."""
+def _constraint(sampling: pb.SamplingParams, options: ChatOptions | None) -> Constraint | None:
+    """``sampling.constraint`` parsed (so a bad one is INVALID_ARGUMENT naming it before anything is queued), or a
+    chat's tool-call grammar (tool_choice "required" or a function's name)."""
+    tool_calls = options.constraint if options is not None else None
     if not sampling.HasField("constraint"):
-        return None
+        return tool_calls
+    if tool_calls is not None:
+        raise errors.invalid(
+            "sampling.constraint cannot be combined with chat.tool_choice 'required' or a function's name",
+            "sampling.constraint",
+        )
     c = sampling.constraint
     try:
         constraint = Constraint(c.kind, c.spec, strict=c.strict)

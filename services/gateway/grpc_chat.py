@@ -73,8 +73,10 @@ def chat_request(chat: pb.ChatMessages, contents: list[Any]) -> ChatOptions:
         body["thinking"] = {"type": "enabled" if chat.thinking else "disabled"}
     if chat.tools:
         body["tools"] = [_tool(i, t) for i, t in enumerate(chat.tools)]
-    if chat.tool_choice:
+    if chat.tool_choice in ("auto", "none", "required"):
         body["tool_choice"] = chat.tool_choice
+    elif chat.tool_choice:  # a function's name: that function is called
+        body["tool_choice"] = {"type": "function", "function": {"name": chat.tool_choice}}
     if chat.reasoning_effort:
         body["reasoning_effort"] = chat.reasoning_effort
     try:

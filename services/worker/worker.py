@@ -133,8 +133,6 @@ class Worker:
         num_sample_rows = plan.num_sample_rows.tolist()
         request_ids = list(plan.request_ids)
         if self.speculator is not None and plan.num_rows and not plan.is_placeholder:
-            if token_bitmask is not None:
-                raise ValueError("structured output cannot be combined with speculative decoding yet")
             if out.taps is None:
                 raise ValueError("speculative decoding needs a runner that returns the draft's taps (with_taps=True)")
             cache = getattr(self.runner, "cache", None)
@@ -147,7 +145,7 @@ class Worker:
             if pending is not None and pending.num_rejected is not None:  # async: the seqlen fix-up's host side
                 positions, rows = shifted(plan, rows, pending_shifts(plan, pending))
             sampled, result = self.speculator.step(
-                plan, rows, out.logits, out.taps, self.spec_sampler, cache, positions
+                plan, rows, out.logits, out.taps, self.spec_sampler, cache, positions, token_bitmask
             )
             return WorkerOutput(
                 result,

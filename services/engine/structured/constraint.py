@@ -1,5 +1,6 @@
-"""What a request's output must match (a JSON schema, any JSON object, a regex, one of some strings, or an EBNF
-grammar), checked and turned into an xgrammar ``Grammar`` before anything is queued.
+"""What a request's output must match (a JSON schema, any JSON object, a regex, one of some strings, an EBNF
+grammar, or an xgrammar structural tag such as the tool-call grammar), checked and turned into an xgrammar
+``Grammar`` before anything is queued.
 
 ``Constraint.grammar()`` parses: that is fast and raises ``ValueError`` naming the problem (an invalid schema,
 regex or grammar, or a schema keyword xgrammar cannot enforce). Compiling the grammar against the vocabulary
@@ -12,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 MAX_WHITESPACE = 2
 """JSON output allows whitespace between tokens, at most this many characters in a row (xgrammar's
@@ -44,7 +45,8 @@ class Constraint:
     # One of KINDS.
     kind: str
     # json_schema: the schema as JSON text; regex: the pattern; grammar: EBNF (root rule ``root``); choice: a
-    # JSON array of the allowed strings; json_object: "".
+    # JSON array of the allowed strings; structural_tag: an xgrammar structural tag as JSON (the tool-call grammar,
+    # services/engine/structured/tool_calls.py); json_object: "".
     spec: str = ""
     # json_schema: no properties beyond those named (OpenAI's ``strict``, xgrammar's ``strict_mode``).
     strict: bool = True
@@ -76,6 +78,8 @@ class Constraint:
                 return xgr.Grammar.from_regex(self.spec)
             if self.kind == "grammar":
                 return xgr.Grammar.from_ebnf(self.spec)
+            if self.kind == "structural_tag":
+                return xgr.Grammar.from_structural_tag(self.spec)
             return xgr.Grammar.from_ebnf(choice_ebnf(self.spec))
         except RuntimeError as e:
             raise ValueError(f"{self.kind}: {_XGRAMMAR_PREFIX.sub('', str(e).strip())}") from None

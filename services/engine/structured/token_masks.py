@@ -1,8 +1,12 @@
 """Per step, the token bitmask of the planned sampled rows (services/worker/sampling/token_bitmask.py has the
 layout), filled from each constrained request's matcher; and the matcher's advance once the step's tokens are read.
 
-Without speculative decoding a request samples at most one row a step, so a matcher's state is exactly the one
-its next row needs: it advances by the token read back before the next step's mask is filled.
+A request's matcher is at the state its next token needs: it advances by the tokens read back before the next
+step's mask is filled. With speculative decoding a decode request samples 1 + k rows, the last of its inputs and
+its k drafts: row j's mask is the grammar's after the first j drafts, so the matcher accepts them one by one,
+filling each row, and rolls them back (the tokens the verification emits are fed at the read-back). Rows after a
+draft the grammar refuses stay all-allowed: that draft has probability 0 under its row's mask, so it is rejected
+and nothing after it is emitted.
 """
 
 from __future__ import annotations
@@ -17,27 +21,45 @@ from services.engine.structured.grammars import GrammarCompiler
 
 
 def fill_token_bitmask(
-    plan: StepPlan, requests: Mapping[str, LiveRequest], grammars: GrammarCompiler | None
+    plan: StepPlan, requests: Mapping[str, LiveRequest], grammars: GrammarCompiler
 ) -> torch.Tensor | None:
     """int32 [sampled rows, ceil(V / 32)] on the host, all bits set for unconstrained rows; None when no planned
     row is constrained (the sampler then skips the mask)."""
-    if grammars is None:
-        return None
     counts = plan.num_sample_rows.tolist()
     request_ids = plan.request_ids
-    constrained = [(i, requests[request_ids[i]].matcher) for i, n in enumerate(counts) if n]
-    if not any(m is not None for _, m in constrained):
+    if not any(n and requests[request_ids[i]].matcher is not None for i, n in enumerate(counts)):
         return None
     mask = grammars.bitmask(sum(counts))
+    inputs = None  # the plan's input ids and each request's rows, read only for a step with drafts
     row = 0
     for i, n in enumerate(counts):
         matcher = requests[request_ids[i]].matcher if n else None
+        drafts: list[int] = []
+        if matcher is not None and n > 1:
+            if inputs is None:
+                inputs = (plan.input_ids.tolist(), plan.query_start.tolist(), plan.seqlens_q.tolist())
+            end = inputs[1][i] + inputs[2][i]  # the drafts are the request's last n - 1 inputs
+            drafts = inputs[0][end - n + 1 : end]
         if matcher is not None:
-            if n != 1:
-                raise ValueError("a constrained request samples one row a step (speculative decoding is refused)")
-            matcher.fill_next_token_bitmask(mask, row)
+            fill_rows(matcher, mask, row, drafts)
         row += n
     return mask
+
+
+def fill_rows(matcher, mask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
+    """Rows ``row`` … ``row + len(drafts)`` of one request: each from the matcher after the drafts before it; the
+    matcher ends where it began."""
+    matcher.fill_next_token_bitmask(mask, row)
+    accepted = 0
+    for j, draft in enumerate(drafts, 1):
+        if matcher.is_terminated() or not matcher.accept_token(int(draft)):
+            break  # this draft is rejected: the rows after it are never emitted (left all-allowed)
+        accepted += 1
+        if matcher.is_terminated():  # a stop token: the request ends there
+            break
+        matcher.fill_next_token_bitmask(mask, row + j)
+    if accepted:
+        matcher.rollback(accepted)
 
 
 def advance(matcher, token_ids: Sequence[int]) -> bool:

@@ -6,9 +6,12 @@
   (`REASONING_EFFORTS`); the recipe maps them onto the model's effort levels.
 - The ``developer`` role is OpenAI's name for instructions that take the place of system messages: it is
   rendered as a system message.
-- ``tool_choice`` ``none`` and ``auto`` are served. ``required`` and a named function need constrained
-  decoding to be enforced, and DeepSeek's front end refuses them in thinking mode: they get a 400 naming
-  the missing feature (after a named function is checked against ``tools``).
+- ``tool_choice``: ``none`` and ``auto`` as the recipe renders them. ``required`` and a named function are
+  enforced by the tool-call grammar (services/engine/structured/tool_calls.py): one or more calls of the given
+  tools, or exactly one of the named function. DeepSeek's front end serves these choices without thinking (its
+  prompt then ends with the calls block's opening): that is the default here. Thinking switched on explicitly
+  is served too: the prompt is rendered as for ``auto`` (with only the named function's schema, as the recipe
+  lists it for a named choice), and the grammar lets the reasoning run to ``</think>``, then forces the calls.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.engine.structured.constraint import Constraint
+from services.engine.structured.tool_calls import ToolCallGrammar
 from services.gateway import errors
-from services.gateway.openai.fields import STRUCTURED_OUTPUT
 
 # OpenAI's `ReasoningEffort` values (openai.types.shared.reasoning_effort of the pinned client).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -32,6 +36,8 @@ class ChatOptions:
     conversation: dict[str, Any]  # the body deepseek-recipe renders: messages, tools, tool_choice, thinking...
     include_reasoning: bool  # vLLM's include_reasoning: the reasoning is returned (as reasoning_content)
     parallel_tool_calls: bool  # more than one tool call may be returned; False keeps the first
+    # tool_choice "required" or a named function: the tool-call grammar the output must follow; None otherwise.
+    constraint: Constraint | None = None
 
 
 def _thinking(body: dict[str, Any]) -> dict[str, str] | None:
@@ -67,14 +73,15 @@ def _messages(messages: Any) -> list[Any]:
     return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
 
 
-def _check_tool_choice(body: dict[str, Any]) -> None:
+def _forced_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools a call must be made from: all of them for "required", the named one for a function; None for
+    "none" and "auto". A 400 naming tool_choice for anything else."""
     choice = body.get("tool_choice")
     if choice is None or choice in ("none", "auto"):
-        return
+        return None
     tools = body.get("tools") or []
-    names = {
-        t.get("function", {}).get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
-    }
+    if not isinstance(tools, list):
+        raise errors.invalid("tools must be a list", "tools")
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -83,16 +90,37 @@ def _check_tool_choice(body: dict[str, Any]) -> None:
                 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
                 "tool_choice",
             )
-        if name not in names:
+        named = [t for t in tools if isinstance(t, dict) and (t.get("function") or {}).get("name") == name]
+        if not named:
             raise errors.invalid(f"tool_choice names the function {name[:64]!r}, which is not in tools", "tool_choice")
-        raise errors.invalid(f"tool_choice naming a function needs {STRUCTURED_OUTPUT}; use 'auto'", "tool_choice")
+        return named[:1]
     if choice == "required":
-        if not names:
+        if not tools:
             raise errors.invalid("tool_choice 'required' needs tools", "tool_choice")
-        raise errors.invalid(f"tool_choice 'required' needs {STRUCTURED_OUTPUT}; use 'auto'", "tool_choice")
+        return tools
     raise errors.invalid(
         f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r:.64}", "tool_choice"
     )
+
+
+def _tool_call_constraint(
+    body: dict[str, Any], conversation: dict[str, Any], forced: list[dict[str, Any]], parallel: bool
+) -> Constraint:
+    """The tool-call grammar of a "required" or named tool_choice; in thinking mode the conversation is rendered
+    as for "auto" (the recipe refuses these choices with thinking), with only the forced tools."""
+    thinking = conversation.get("thinking", {}).get("type") == "enabled"
+    if not thinking:
+        conversation["thinking"] = {"type": "disabled"}
+    else:
+        conversation["tool_choice"] = "auto"
+        conversation["tools"] = forced
+    grammar = ToolCallGrammar(forced, named=isinstance(body["tool_choice"], dict), thinking=thinking, parallel=parallel)
+    try:
+        constraint = grammar.constraint()
+        constraint.grammar()  # parsed here, so a bad schema is a 400 before anything is queued
+        return constraint
+    except ValueError as err:
+        raise errors.invalid(str(err), "tools") from err
 
 
 def chat_options(body: dict[str, Any]) -> ChatOptions:
@@ -102,7 +130,7 @@ def chat_options(body: dict[str, Any]) -> ChatOptions:
         raise errors.invalid(
             f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r:.64}", "reasoning_effort"
         )
-    _check_tool_choice(body)
+    forced = _forced_tools(body)
     conversation: dict[str, Any] = {"messages": _messages(body.get("messages"))}
     for key in ("tools", "tool_choice", "reasoning_effort"):
         if body.get(key) is not None:
@@ -115,4 +143,7 @@ def chat_options(body: dict[str, Any]) -> ChatOptions:
     for name, value in (("include_reasoning", include), ("parallel_tool_calls", parallel)):
         if value is not None and not isinstance(value, bool):
             raise errors.invalid(f"{name} must be a boolean", name)
-    return ChatOptions(conversation, include is not False, parallel is not False)
+    constraint = None
+    if forced is not None:
+        constraint = _tool_call_constraint(body, conversation, forced, parallel is not False)
+    return ChatOptions(conversation, include is not False, parallel is not False, constraint)

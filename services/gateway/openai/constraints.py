@@ -24,9 +24,12 @@ BACKENDS = ("xgrammar", "auto")
 """guided_decoding_backend values served (vLLM's names): xgrammar is the one backend."""
 
 
-def constraint_of(body: dict[str, Any], conversation: dict[str, Any] | None = None) -> Constraint | None:
+def constraint_of(
+    body: dict[str, Any], conversation: dict[str, Any] | None = None, tool_calls: Constraint | None = None
+) -> Constraint | None:
     """The body's constraint (None: unconstrained); a 400 naming the field for a malformed one. ``conversation``
-    (chat): the body deepseek-recipe renders, whose ``thinking`` is switched off here when a constraint is set."""
+    (chat): the body deepseek-recipe renders, whose ``thinking`` is switched off here when a constraint is set.
+    ``tool_calls``: the tool-call grammar of a "required" or named tool_choice (`ChatOptions.constraint`)."""
     guided = [name for name in GUIDED if body.get(name) is not None]
     response_format = body.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):
@@ -38,6 +41,8 @@ def constraint_of(body: dict[str, Any], conversation: dict[str, Any] | None = No
             "response_format",
         )
     asked = guided + (["response_format"] if kind != "text" else [])
+    if tool_calls is not None and asked:
+        raise errors.invalid(f"{asked[0]} cannot be combined with tool_choice 'required' or a named function", asked[0])
     if len(asked) > 1:
         raise errors.invalid(f"one structured-output field at a time; got {', '.join(asked)}", asked[1])
     backend = body.get("guided_decoding_backend")
@@ -47,7 +52,7 @@ def constraint_of(body: dict[str, Any], conversation: dict[str, Any] | None = No
             "guided_decoding_backend",
         )
     if not asked:
-        return None
+        return tool_calls
     name = asked[0]
     if conversation is not None:
         _without_thinking(conversation, name)

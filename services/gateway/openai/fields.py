@@ -16,8 +16,6 @@ from typing import Any
 
 from services.gateway import errors
 
-STRUCTURED_OUTPUT = "a tool-call grammar (structured output for tool calls) is not served yet"
-
 # Fields both endpoints serve (parsed in protocol.py / sampling_fields.py).
 _SERVED_COMMON = {
     "model",

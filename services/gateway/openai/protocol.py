@@ -19,6 +19,7 @@ from typing import Any
 
 from services.engine.request_checks import check_priority
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.constraint import Constraint
 from services.gateway import errors
 from services.gateway.frontend import MAX_ID_BYTES, GenerateArgs
 from services.gateway.openai import fields
@@ -173,6 +174,7 @@ def _sampling(
     vocab_size: int | None,
     default_max_tokens: int | None,
     conversation: dict[str, Any] | None = None,
+    tool_calls: Constraint | None = None,
 ) -> SamplingParams:
     max_tokens = _field(body, max_tokens_key, (int,), None, "a positive integer")
     if max_tokens is not None and not 1 <= max_tokens <= max_model_len:
@@ -183,7 +185,7 @@ def _sampling(
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise errors.invalid(f"{logprobs_key} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", logprobs_key)
     n = _choices(body)
-    constraint = constraint_of(body, conversation)
+    constraint = constraint_of(body, conversation, tool_calls)
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
     top_k = _field(body, "top_k", (int,), -1, "an integer")
@@ -311,7 +313,15 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         raise errors.invalid("top_logprobs needs logprobs: true", "top_logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     args.params = _sampling(
-        body, key, num_logprobs, "top_logprobs", max_model_len, vocab_size, None, options.conversation
+        body,
+        key,
+        num_logprobs,
+        "top_logprobs",
+        max_model_len,
+        vocab_size,
+        None,
+        options.conversation,
+        options.constraint,
     )
     stream, include_usage = _stream_options(body)
     prompt_logprobs = _prompt_logprobs(body, stream)

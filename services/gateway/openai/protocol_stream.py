@@ -16,6 +16,8 @@ import deepseek_recipe
 
 from services.engine.finish_reason import FinishReason
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.constraint import Constraint
+from services.engine.structured.recipe_constraint import recipe_constraint
 from services.gateway import errors
 from services.gateway.frontend import GenerateArgs
 from services.tokenizer.chat import PROTOCOLS, RECIPE_MODEL, bounded
@@ -66,6 +68,7 @@ class ProtocolStream:
                 temperature=1.0 if options.temperature is None else options.temperature,
                 top_p=1.0 if options.top_p is None else options.top_p,
                 seed=options.seed,
+                constraint=self._constraint(),
             )
         except ValueError as err:
             raise errors.invalid(str(err)) from err
@@ -77,6 +80,18 @@ class ProtocolStream:
         args.stop = tuple(self.conversion.parsing_options.stop_sequences)
         args.include_stop_str_in_output = True
         return args
+
+    def _constraint(self) -> Constraint | None:
+        """The recipe's output constraint (the body's text format or forced tool choice), parsed here so a bad one
+        is a 400 before anything is queued."""
+        output = self.conversion.inference_options.output_constraint
+        if output is None:
+            return None
+        thinking = self.conversion.parsing_options.thinking_initial_stage is not None
+        constraint = recipe_constraint(str(output.kind), output.schema, thinking)
+        if constraint is not None:
+            constraint.grammar()
+        return constraint
 
     def ready(self, num_prompt_tokens: int) -> list[tuple[str | None, str]]:
         usage = deepseek_recipe.PromptUsage(prompt_tokens=num_prompt_tokens)

@@ -166,10 +166,14 @@ class Speculator:
         sampler: Sampler,
         cache: CacheEngine,
         positions: Sequence[int] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> tuple[SamplerOutput, StepResult]:
         """rows/logits: the plan's sampled rows (``plan.sample_rows`` order); taps [plan rows, T·D]; ``cache``:
         the runner's, built with the draft's rings; ``positions``: the rows' positions after async scheduling's
-        fix-up (default: the plan's)."""
+        fix-up (default: the plan's); ``token_bitmask``: the structured-output mask, one row per sampled row (each
+        draft row's from its grammar state after the drafts before it), applied to the target's processed
+        distributions, so every emitted token obeys it (a draft the grammar refuses has probability 0 there and
+        is rejected)."""
         if cache.layout.draft_stages != len(self.model.draft.stages):
             raise ValueError(
                 f"the cache holds {cache.layout.draft_stages} draft rings but the draft has "
@@ -184,6 +188,7 @@ class Speculator:
                 sampler,
                 cache,
                 list(positions) if positions is not None else plan.positions.tolist(),
+                token_bitmask,
             )
 
     def _step(
@@ -195,6 +200,7 @@ class Speculator:
         sampler: Sampler,
         cache: CacheEngine,
         positions: list[int],
+        token_bitmask: torch.Tensor | None,
     ) -> tuple[SamplerOutput, StepResult]:
         timings, since = self.timings, time.perf_counter()
         timings.num_steps += 1
@@ -236,15 +242,17 @@ class Speculator:
         # The verify half in one static verify (a graph) where the step's requests fit one (not a prefill step's
         # last prompt chunk longer than the static verify's entries); it processes the logits itself where its
         # key covers the rows (device_sampling.SamplingKey), else they are processed here first.
+        # A masked step's distributions are processed here (the static verify's own processing takes no mask).
+        key_rows = rows if token_bitmask is None else None
         key = (
-            VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode, rows, num_top > 0)
+            VerifyKey.of(sampling, self.nextn, cache.layout.draft_window, self.verify_mode, key_rows, num_top > 0)
             if self.verify_graphs is not None and sampling
             else None
         )
         since = timings.add("other", since)
         processed = None
         if key is None or key.sampling is None:
-            processed = sampler.process(logits, rows, rank_all=num_top > 0)
+            processed = sampler.process(logits, rows, rank_all=num_top > 0, token_bitmask=token_bitmask)
             since = timings.add("sample", since)
         if key is not None:
             verdict, sampled = self._static_verify(key, sampling, rows, processed, logits, taps, cache, num_top, forced)

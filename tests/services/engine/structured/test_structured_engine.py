@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_a_compiling_grammar_does_not_delay_a_plain_request(llm):
     while engine.has_unfinished():
         for out in engine.step():
             if out.token_ids and out.request_id not in first:
-                first[out.request_id] = "slow" in engine.grammar_gate
+                first[out.request_id] = "slow" in engine.structured.gate
     assert first["plain"] is True  # the plain request got its first token while the grammar still compiled
     assert "slow" in first and _whole(llm)
 
@@ -70,7 +71,9 @@ def test_a_dead_end_ends_the_request_with_an_error(llm):
 
 
 def test_a_compile_over_the_limit_ends_the_request_with_an_error(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine.grammar_gate, "timeout_s", 0.0)
+    """A compile still running at the limit (one that never finishes: the limit's check, not the machine's speed)."""
+    monkeypatch.setattr(llm.engine.structured.gate, "timeout_s", 0.05)
+    monkeypatch.setattr(llm.engine.structured.grammars, "compile", lambda constraint: Future())
     constraint = Constraint("json_schema", _slow_schema("t"))
     (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=4, constraint=constraint))
     assert out.finish_reason == FinishReason.ERROR and "to compile" in out.error
@@ -84,7 +87,7 @@ def test_aborting_a_request_behind_the_gate_frees_it(llm):
     )
     out = engine.abort("gone")
     assert out is not None and out.finish_reason == FinishReason.ABORT
-    assert "gone" not in engine.grammar_gate and not engine.has_unfinished() and _whole(llm)
+    assert "gone" not in engine.structured.gate and not engine.has_unfinished() and _whole(llm)
 
 
 def test_async_scheduling_gives_the_synchronous_outputs(llm):
@@ -127,17 +130,10 @@ def test_preemption_stops_a_constrained_request_even_in_recompute_mode():
     assert _whole(small)
 
 
-@pytest.mark.parametrize(
-    "change,named",
-    [
-        ({"num_speculative_tokens": 1}, "speculative decoding"),
-    ],
-)
-def test_what_structured_output_cannot_be_combined_with_is_refused(llm, monkeypatch, change, named):
-    monkeypatch.setattr(llm.engine, "config", llm.engine.config.replace(**change))
-    with pytest.raises(ValueError, match=named):
-        llm.engine.validate([0, 5], SamplingParams(constraint=Constraint("regex", "a")))
-    llm.engine.validate([0, 5], SamplingParams())  # unconstrained requests are not affected
+def test_structured_output_with_forced_tokens_is_refused(llm):
+    with pytest.raises(ValueError, match="forced_token_ids"):
+        llm.engine.validate([0, 5], SamplingParams(constraint=Constraint("regex", "a"), forced_token_ids=(5,)))
+    llm.engine.validate([0, 5], SamplingParams(forced_token_ids=(5,)))  # unconstrained requests are not affected
 
 
 def test_forced_tokens_and_bad_constraints_are_refused_before_queueing(llm):

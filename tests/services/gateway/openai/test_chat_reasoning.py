@@ -142,17 +142,17 @@ def test_tool_choice_none_leaves_the_tools_out(openai_client, served):
 
 
 @pytest.mark.parametrize(
-    "choice,match",
+    "choice,tools,match",
     [
-        ({"type": "function", "function": {"name": "get_time"}}, "not in tools"),
-        ({"type": "function", "function": {"name": "get_weather"}}, "structured output"),
-        ("required", "structured output"),
+        ({"type": "function", "function": {"name": "get_time"}}, [WEATHER], "not in tools"),
+        ("required", [], "needs tools"),
+        ("sometimes", [WEATHER], "tool_choice must be"),
     ],
 )
-def test_tool_choice_refusals_name_why(openai_client, choice, match):
+def test_tool_choice_refusals_name_why(openai_client, choice, tools, match):
     with pytest.raises(openai.BadRequestError, match=match) as err:
         openai_client.chat.completions.create(
-            model="tiny", messages=USER, tools=[WEATHER], tool_choice=choice, max_tokens=1
+            model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=1
         )
     assert err.value.body["param"] == "tool_choice"
 

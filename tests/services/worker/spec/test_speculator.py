@@ -80,10 +80,10 @@ def generate(
     if decode_rows is not None:
         execute = worker.execute
 
-        def recording(plan, rows, previous=None):
+        def recording(plan, rows, previous=None, **extra):
             if not plan.is_prefill:
                 decode_rows.extend(plan.seqlens_q.tolist())
-            return execute(plan, rows, previous)
+            return execute(plan, rows, previous, **extra)
 
         worker.execute = recording
     llm = LLM(source=source, worker=worker, **llm_args)
