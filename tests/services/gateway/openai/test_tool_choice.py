@@ -1,4 +1,4 @@
-"""tool_choice "required" and a named function through the `openai` openai_client: the random tiny model's output is held
+"""tool_choice "required" and a named function through the `openai` client: the random tiny model's output is held
 to the DSML tool-call grammar, so every answer is tool calls whose arguments validate against their tool's schema,
 with and without thinking, plain and streamed; without the constraint the same model writes no call."""
 
