@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 class KvEvents:
     """The blocks that entered or left the engine's prefix cache since the previous ``Engine.take_kv_events()``.
 
-    Hashes are ``block_hash.block_hashes`` values (unsigned 64-bit). A hash can appear in both lists when a
-    block was stored and evicted (or evicted and stored again) between two calls; apply ``cleared`` first,
-    then ``removed``, then ``stored`` only if the caller wants the net state of a short window, or replay them
-    in that order: the engine reports a block stored at most once while it stays cached.
+    Hashes are ``block_hash.block_hashes`` values (unsigned 64-bit). The lists are net of the window: a block
+    stored and evicted again between two calls appears in neither; one evicted and stored again appears in
+    both. Apply ``cleared`` first, then ``removed``, then ``stored``, and the receiver's view equals the cache.
     """
 
     stored: list[int] = field(default_factory=list)  # hashes of blocks that entered the cache, oldest first

@@ -1,0 +1,256 @@
+//! State snapshots: copies of a request's state slot taken right after it computed exactly `boundary`
+//! positions, so another request whose tokens start with the same `boundary` tokens resumes there
+//! (docs/architecture.md, "Prefix caching").
+//!
+//! A snapshot is named by its chain (the hashes of the full blocks before the boundary, the last one
+//! naming them all) and its tail (the tokens after the last full block, shorter than a block), whose
+//! compressed entries live in the snapshot's own tail block. Snapshots live in a pool of their own,
+//! evicted least recently used when it is full; a snapshot is dropped with any block of its chain.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::block_manager::BlockManager;
+
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Hashes of the full blocks before the boundary.
+    pub chain: Vec<u64>,
+    /// Tokens after the last full block, up to the boundary (shorter than a block).
+    pub tail: Vec<u32>,
+    /// The block holding the tail's entries (a reference the snapshot holds); None without a tail.
+    pub tail_block: Option<u32>,
+    /// The first step whose plan may restore it (its copy runs before that step's forward).
+    pub ready_step: u64,
+}
+
+impl Snapshot {
+    pub fn boundary(&self, block_size: u32) -> u32 {
+        self.chain.len() as u32 * block_size + self.tail.len() as u32
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Snapshots {
+    pool: BlockManager,
+    /// Indexed by snapshot id (the pool's ids).
+    slab: Vec<Option<Snapshot>>,
+    /// Snapshots by the last hash of their chain.
+    by_last: HashMap<u64, Vec<u32>>,
+    /// Snapshots by every hash of their chain (dropped with any of those blocks).
+    dependents: HashMap<u64, Vec<u32>>,
+    lru: BTreeMap<u64, u32>,
+    last_use: Vec<u64>,
+    next_tick: u64,
+    /// Worker state-slot id of snapshot 1 (snapshots follow the request slots in the worker's pool).
+    first_worker_slot: u32,
+}
+
+impl Snapshots {
+    pub fn new(num_snapshots: u32, first_worker_slot: u32) -> Self {
+        Snapshots {
+            pool: BlockManager::new("state snapshot", num_snapshots + 1),
+            slab: vec![None; num_snapshots as usize + 1],
+            by_last: HashMap::new(),
+            dependents: HashMap::new(),
+            lru: BTreeMap::new(),
+            last_use: vec![0; num_snapshots as usize + 1],
+            next_tick: 0,
+            first_worker_slot,
+        }
+    }
+
+    pub fn pool(&self) -> &BlockManager {
+        &self.pool
+    }
+
+    pub fn num_held(&self) -> u32 {
+        self.pool.num_held()
+    }
+
+    /// The worker's state slot of snapshot `id`.
+    pub fn worker_slot(&self, id: u32) -> u32 {
+        self.first_worker_slot + id - 1
+    }
+
+    pub fn get(&self, id: u32) -> &Snapshot {
+        self.slab[id as usize].as_ref().expect("a live snapshot")
+    }
+
+    /// The tail blocks the snapshots hold.
+    pub fn tail_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.slab.iter().flatten().filter_map(|s| s.tail_block)
+    }
+
+    /// The deepest snapshot usable at step `step` by a request with full-block hashes `hashes` (of which
+    /// the first `num_cached` are cached) and tokens `tokens`, resuming at most at `max_boundary` and
+    /// where `tail_ok(start, end)` allows a tail over positions `start..end`: (id, boundary).
+    pub fn find(
+        &self,
+        hashes: &[u64],
+        num_cached: usize,
+        tokens: &[u32],
+        max_boundary: u32,
+        block_size: u32,
+        step: u64,
+        tail_ok: impl Fn(u32, u32) -> bool,
+    ) -> Option<(u32, u32)> {
+        for depth in (1..=num_cached.min(hashes.len())).rev() {
+            let start = depth as u32 * block_size;
+            let best = self
+                .by_last
+                .get(&hashes[depth - 1])
+                .into_iter()
+                .flatten()
+                .map(|&id| (id, self.get(id)))
+                .filter(|(_, s)| s.chain.len() == depth && s.ready_step <= step)
+                .map(|(id, s)| (id, start + s.tail.len() as u32, &s.tail))
+                .filter(|&(_, end, tail)| {
+                    end <= max_boundary
+                        && tokens.get(start as usize..end as usize) == Some(tail.as_slice())
+                        && (tail.is_empty() || tail_ok(start, end))
+                })
+                .max_by_key(|&(id, end, _)| (end, id));
+            if let Some((id, end, _)) = best {
+                return Some((id, end));
+            }
+        }
+        None
+    }
+
+    /// A snapshot with this chain and tail, if one exists (ready or not).
+    pub fn find_exact(&self, chain: &[u64], tail: &[u32]) -> Option<u32> {
+        let last = chain.last()?;
+        self.by_last.get(last)?.iter().copied().find(|&id| {
+            let s = self.get(id);
+            s.chain.len() == chain.len() && s.tail == tail
+        })
+    }
+
+    /// Marks a snapshot used now (LRU).
+    pub fn touch(&mut self, id: u32) {
+        self.unlist_lru(id);
+        let tick = self.next_tick;
+        self.next_tick += 1;
+        self.last_use[id as usize] = tick;
+        self.lru.insert(tick, id);
+    }
+
+    fn unlist_lru(&mut self, id: u32) {
+        let tick = self.last_use[id as usize];
+        if self.lru.get(&tick) == Some(&id) {
+            self.lru.remove(&tick);
+        }
+    }
+
+    /// Stores a snapshot (its chain non-empty), evicting the least recently used one when the pool is
+    /// full: (its id, the tail blocks of evicted snapshots, for the caller to free). None (nothing
+    /// stored, the tail block not taken) when the pool has no room at all.
+    pub fn insert(&mut self, snapshot: Snapshot) -> Option<(u32, Vec<u32>)> {
+        let mut freed = Vec::new();
+        if self.pool.num_free() == 0 {
+            let (_, victim) = self.lru.first_key_value()?;
+            freed.extend(self.remove(*victim));
+        }
+        let id = self.pool.allocate()?;
+        let last = *snapshot.chain.last().expect("a snapshot follows at least one full block");
+        self.by_last.entry(last).or_default().push(id);
+        for &hash in &snapshot.chain {
+            self.dependents.entry(hash).or_default().push(id);
+        }
+        self.slab[id as usize] = Some(snapshot);
+        self.touch(id);
+        Some((id, freed))
+    }
+
+    /// Drops a snapshot; its tail block, for the caller to free.
+    pub fn remove(&mut self, id: u32) -> Option<u32> {
+        let snapshot = self.slab[id as usize].take().expect("a live snapshot");
+        self.unlist_lru(id);
+        self.pool.free(id).expect("a held snapshot");
+        let last = *snapshot.chain.last().expect("a snapshot has a chain");
+        unlist(&mut self.by_last, last, id);
+        for &hash in &snapshot.chain {
+            unlist(&mut self.dependents, hash, id);
+        }
+        snapshot.tail_block
+    }
+
+    /// Drops every snapshot whose chain holds `hash` (its block left the cache); their tail blocks.
+    pub fn drop_dependents(&mut self, hash: u64) -> Vec<u32> {
+        let ids = self.dependents.get(&hash).cloned().unwrap_or_default();
+        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// Drops every snapshot; their tail blocks.
+    pub fn clear(&mut self) -> Vec<u32> {
+        let ids: Vec<u32> = (0..self.slab.len() as u32).filter(|&id| self.slab[id as usize].is_some()).collect();
+        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// The pool is conserved and every snapshot is listed under its chain.
+    pub fn check(&self) -> Result<(), String> {
+        let num_live = self.slab.iter().flatten().count() as u32;
+        if num_live != self.pool.num_held() || self.lru.len() as u32 != num_live {
+            return Err(format!(
+                "{num_live} snapshots but {} snapshot slots held, {} in the LRU order",
+                self.pool.num_held(),
+                self.lru.len()
+            ));
+        }
+        for (id, s) in self.slab.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s))) {
+            if self.pool.ref_count(id) != 1 || !self.by_last.get(s.chain.last().unwrap()).is_some_and(|v| v.contains(&id)) {
+                return Err(format!("snapshot {id} is not held once or not listed under its chain"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unlist(map: &mut HashMap<u64, Vec<u32>>, key: u64, id: u32) {
+    if let Some(ids) = map.get_mut(&key) {
+        ids.retain(|&x| x != id);
+        if ids.is_empty() {
+            map.remove(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(chain: &[u64], tail: &[u32], tail_block: Option<u32>) -> Snapshot {
+        Snapshot { chain: chain.to_vec(), tail: tail.to_vec(), tail_block, ready_step: 0 }
+    }
+
+    #[test]
+    fn the_deepest_matching_snapshot_wins() {
+        let mut s = Snapshots::new(4, 9);
+        let (a, _) = s.insert(snap(&[1], &[], None)).unwrap();
+        let (b, _) = s.insert(snap(&[1, 2], &[5, 6], Some(3))).unwrap();
+        s.insert(snap(&[1, 2], &[5, 7], Some(4))).unwrap();
+        let tokens = [0, 0, 0, 0, 5, 6, 8];
+        assert_eq!(s.find(&[1, 2], 2, &tokens, 6, 2, 0, |_, _| true), Some((b, 6)));
+        assert_eq!(s.find(&[1, 2], 2, &tokens, 5, 2, 0, |_, _| true), Some((a, 2)));
+        assert_eq!(s.find(&[1, 2], 1, &tokens, 6, 2, 0, |_, _| true), Some((a, 2)));
+        assert_eq!(s.find(&[1, 2], 2, &tokens, 6, 2, 0, |_, _| false), Some((a, 2)));
+        assert_eq!(s.worker_slot(a), 9);
+        assert_eq!(s.drop_dependents(2), vec![3, 4]);
+        assert!(s.check().is_ok());
+        assert_eq!(s.num_held(), 1);
+    }
+
+    #[test]
+    fn a_full_pool_evicts_the_least_recently_used() {
+        let mut s = Snapshots::new(2, 5);
+        let (a, _) = s.insert(snap(&[1], &[], Some(7))).unwrap();
+        let (b, _) = s.insert(snap(&[2], &[], Some(8))).unwrap();
+        s.touch(a);
+        let (c, freed) = s.insert(snap(&[3], &[], None)).unwrap();
+        assert_eq!((c, freed), (b, vec![8]));
+        assert_eq!(s.find_exact(&[1], &[]), Some(a));
+        assert_eq!(s.find_exact(&[2], &[]), None);
+        assert_eq!(s.clear(), vec![7]);
+        assert!(s.check().is_ok());
+    }
+}
