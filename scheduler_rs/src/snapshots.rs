@@ -84,6 +84,7 @@ impl Snapshots {
     /// The deepest snapshot usable at step `step` by a request with full-block hashes `hashes` (of which
     /// the first `num_cached` are cached) and tokens `tokens`, resuming at most at `max_boundary` and
     /// where `tail_ok(start, end)` allows a tail over positions `start..end`: (id, boundary).
+    #[allow(clippy::too_many_arguments)]
     pub fn find(
         &self,
         hashes: &[u64],
