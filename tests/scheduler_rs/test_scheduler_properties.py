@@ -1,9 +1,10 @@
 """Random add / schedule / update / abort / fork sequences on small pools, so preemption and chunked
-prefill happen often, in separate and in mixed steps, with random priorities and tenants. After every step:
+prefill happen often, in separate and in mixed steps, with random priorities and tenants, and with prefix caching (prompts sharing prefixes, blocks evicted under
+pressure, snapshots dropped with them, the cache dropped now and then). After every step:
 pool conservation and reference counts, the waiting queue in its order (tenant share, priority, arrival),
 and every live request in its tenant's account (check_invariants); every plan within the token budget (a
 mixed one: decode rows first); at the end: every added request has exactly one final output and every
-block is back."""
+block is back once the prefix cache is dropped."""
 
 from collections import Counter
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, Scheduling, StepResult
+from services.engine.prefix.block_hash import block_hashes
 
 EOS = 1
 VOCAB = 16
@@ -24,8 +26,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_inflight=st.sampled_from([1, 2]),
         num_blocks=st.integers(4, 10),
         mixed=st.booleans(),
+        prefix=st.booleans(),
     )
-    def setup(self, nextn, recompute, max_inflight, num_blocks, mixed):
+    def setup(self, nextn, recompute, max_inflight, num_blocks, mixed, prefix):
         mode = PreemptionMode.RECOMPUTE if recompute else PreemptionMode.STOP
         # Mixed steps hold every decode row (3 requests × (1 + nextn)) and chunk prompts in what is left.
         self.config = SchedulerConfig(
@@ -40,6 +43,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             vocab_size=VOCAB,
             compress_ratios=[2, 1],
             scheduling=Scheduling.MIXED if mixed else Scheduling.SEPARATE,
+            enable_prefix_caching=prefix,
+            num_state_snapshots=2,
         )
         self.scheduler = Scheduler(self.config)
         self.max_inflight = max_inflight
@@ -47,6 +52,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.added = []
         self.finals = Counter()
         self.next_id = 0
+        self.hashes: dict[str, list[int]] = {}  # per request: the hashes given to the scheduler
+
+    def _hash_new_blocks(self):
+        """The engine's part: the hashes of blocks that requests' outputs filled."""
+        for request_id, known in self.hashes.items():
+            state = self.scheduler.request(request_id)
+            if state is None:
+                continue
+            parent = known[-1] if known else None
+            new = block_hashes(state.token_ids, 4, model="m", parent=parent, first_block=len(known))
+            if new:
+                self.scheduler.add_block_hashes(request_id, new)
+                known.extend(new)
 
     def _record(self, outputs):
         for output in outputs:
@@ -59,14 +77,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         schedulable=st.sampled_from([True, True, False]),
         priority=st.sampled_from([0, 0, -1, 2]),
         tenant=st.sampled_from(["", "a", "b"]),
+        fork_at=st.sampled_from([14, 14, 9, 5, 0]),
     )
-    def add(self, prompt_len, max_tokens, schedulable, priority, tenant):
+    def add(self, prompt_len, max_tokens, schedulable, priority, tenant, fork_at):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         try:
+            prompt = [2 + i % 10 if i < fork_at else 12 + i % 3 for i in range(prompt_len)]  # shared prefixes
             self.scheduler.add_request(
                 request_id,
-                [2 + i % 10 for i in range(prompt_len)],
+                prompt,
                 max_tokens=max_tokens,
                 eos_token_id=EOS,
                 schedulable=schedulable,
@@ -77,6 +97,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert "blocks but the pool has" in str(err)
             return
         self.added.append(request_id)
+        self.hashes[request_id] = block_hashes(prompt, 4, model="m")
+        self.scheduler.set_block_hashes(request_id, self.hashes[request_id])
 
     @rule(data=st.data())
     def make_schedulable(self, data):
@@ -127,6 +149,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         drafts = [self.config.nextn] * plan.num_requests if self.config.nextn else None
         draft_ids = [3] * (self.config.nextn * plan.num_requests) if self.config.nextn else None
         self._record(self.scheduler.update(plan, StepResult(num_tokens, tokens, drafts, draft_ids, errors)))
+        self._hash_new_blocks()
+        if self.scheduler.stats().num_state_snapshots:
+            event("snapshot held")
+        if self.scheduler.stats().prefix_cache_hits:
+            event("prefix cache hit")
+
+    @rule(data=st.data())
+    def clear_prefix_cache(self, data):
+        if data.draw(st.integers(0, 9)) == 0:  # rarely, so hits happen
+            self.scheduler.clear_prefix_cache()
 
     @rule(data=st.data())
     def abort(self, data):
@@ -153,6 +185,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert "not enough free" in str(err)
             return
         self.added.append(child)
+        self.hashes[child] = list(self.hashes[parent])
 
     @invariant()
     def pools_are_conserved(self):
@@ -172,6 +205,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             plan = self.inflight.pop(0)
             result = StepResult([0] * plan.num_requests, [], errors=list(range(plan.num_requests)))
             self._record(self.scheduler.update(plan, result))
+        self.scheduler.check_invariants()
+        self.scheduler.clear_prefix_cache()
         self.scheduler.check_invariants()
         assert self.finals == Counter(self.added)
         stats = self.scheduler.stats()
