@@ -81,6 +81,17 @@ impl Snapshots {
         self.slab.iter().flatten().filter_map(|s| s.tail_block)
     }
 
+    /// Snapshots holding a tail block: blocks that dropping them gives back.
+    pub fn num_tail_blocks(&self) -> u32 {
+        self.slab.iter().flatten().filter(|s| s.tail_block.is_some()).count() as u32
+    }
+
+    /// Drops the least recently used snapshot that holds a tail block; that block, for the caller to free.
+    pub fn evict_tail_block(&mut self) -> Option<u32> {
+        let id = self.lru.values().copied().find(|&id| self.get(id).tail_block.is_some())?;
+        self.remove(id)
+    }
+
     /// The deepest snapshot usable at step `step` by a request with full-block hashes `hashes` (of which
     /// the first `num_cached` are cached) and tokens `tokens`, resuming at most at `max_boundary` and
     /// where `tail_ok(start, end)` allows a tail over positions `start..end`: (id, boundary).

@@ -119,6 +119,13 @@ class EngineConfig:
     # Varlen's step-cost curve as ((rows, milliseconds), ...) pairs; None = measured from the engine's own
     # decode steps (services/engine/step_cost.py).
     spec_step_cost_ms: tuple[tuple[int, float], ...] | None = None
+    # Prefix caching (docs/architecture.md, "Prefix caching"): full blocks stay cached by content hash, and
+    # state snapshots let a request resume after a cached prefix; the same bits as without it in the
+    # batch-invariant mode.
+    enable_prefix_caching: bool = True
+    # State snapshots prefix caching keeps (each the bytes of a state slot, plus at most one block); None =
+    # 2 · max_num_seqs with prefix caching, 0 without.
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -171,6 +178,8 @@ class EngineConfig:
             )
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         if self.num_redundant_experts < 0:
@@ -203,6 +212,15 @@ class EngineConfig:
     def resolved_num_state_slots(self) -> int:
         return self.num_state_slots if self.num_state_slots is not None else self.max_num_seqs + 1
 
+    def resolved_num_state_snapshots(self) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return self.num_state_snapshots if self.num_state_snapshots is not None else 2 * self.max_num_seqs
+
+    def num_worker_state_slots(self) -> int:
+        """State slots the worker holds: the request slots (null slot included), then the snapshots."""
+        return self.resolved_num_state_slots() + self.resolved_num_state_snapshots()
+
     def replace(self, **changes: object) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
@@ -211,7 +229,7 @@ class EngineConfig:
         return WorkerConfig(
             block_size=self.block_size,
             num_blocks=self.resolved_num_blocks(),
-            num_state_slots=self.resolved_num_state_slots(),
+            num_state_slots=self.num_worker_state_slots(),
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             kernel_backend=self.kernel_backend,

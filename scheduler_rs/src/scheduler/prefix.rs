@@ -56,9 +56,9 @@ impl Scheduler {
         self.ids.get(request_id).copied().ok_or_else(|| SchedulerError::UnknownRequest(request_id.to_string()))
     }
 
-    /// Free blocks plus cached blocks no request holds (evicted on demand).
+    /// Free blocks, plus cached blocks no request holds and snapshots' tail blocks (both evicted on demand).
     pub(crate) fn num_available_blocks(&self) -> u32 {
-        self.blocks.num_free() + self.cache.num_evictable()
+        self.blocks.num_free() + self.cache.num_evictable() + self.snapshots.num_tail_blocks()
     }
 
     /// The fraction of blocks not available, in [0, 1].
@@ -76,15 +76,21 @@ impl Scheduler {
         self.cache.released(block, &self.blocks);
     }
 
-    /// Allocates `n` blocks, evicting cached blocks (least recently released first) while too few are
-    /// free; None (nothing allocated) when even eviction leaves too few.
+    /// Allocates `n` blocks, evicting while too few are free: cached blocks (least recently released
+    /// first, with the snapshots that need them), then snapshots holding tail blocks (least recently used
+    /// first). None (nothing allocated) when even eviction leaves too few. A restore planned in this step
+    /// from an evicted snapshot is safe: its copies run before the step's forward writes the block.
     pub(super) fn take_blocks(&mut self, n: u32) -> Option<Vec<u32>> {
         if n > self.num_available_blocks() {
             return None;
         }
         while self.blocks.num_free() < n {
-            let hash = self.cache.evict_one(&mut self.blocks).expect("counted evictable blocks");
-            for block in self.snapshots.drop_dependents(hash) {
+            if let Some(hash) = self.cache.evict_one(&mut self.blocks) {
+                for block in self.snapshots.drop_dependents(hash) {
+                    self.free_block(block);
+                }
+            } else {
+                let block = self.snapshots.evict_tail_block().expect("counted tail blocks");
                 self.free_block(block);
             }
         }
@@ -116,22 +122,28 @@ impl Scheduler {
             req.block_hashes[..depth].iter().map(|&h| self.cache.get(h).expect("a hit's blocks are cached")).collect();
         let num_fresh = Request::blocks_for(len, block_size) - depth as u32;
         let num_shared_evictable = shared.iter().filter(|&&b| self.blocks.ref_count(b) == 1).count() as u32;
-        if num_fresh + num_shared_evictable > self.num_available_blocks() || self.slots.num_free() == 0 {
+        // The hit's snapshot (its tail block, its worker slot) stays: it is touched first, so it is the last
+        // that eviction would pick, and its own tail block is not counted as available.
+        let restore = hit.map(|(id, _)| (self.snapshots.get(id).tail_block, self.snapshots.worker_slot(id)));
+        let own_tail = restore.is_some_and(|(tail, _)| tail.is_some()) as u32;
+        if num_fresh + num_shared_evictable + own_tail > self.num_available_blocks() || self.slots.num_free() == 0 {
             return false;
         }
         let divergence = num_cached as u32 * block_size;
         let snapshot_at = (caching && divergence > boundary && divergence < len).then_some(divergence);
+        if let Some((id, _)) = hit {
+            self.snapshots.touch(id);
+        }
         for &block in &shared {
             self.cache.acquire(block, &mut self.blocks);
         }
         let fresh = self.take_blocks(num_fresh).expect("checked available blocks");
         let slot = self.slots.allocate().expect("checked free slots");
-        if let Some((id, _)) = hit {
-            if let Some(tail_block) = self.snapshots.get(id).tail_block {
+        if let Some((tail_block, worker_slot)) = restore {
+            if let Some(tail_block) = tail_block {
                 self.pending_block_copies.push((tail_block, fresh[0]));
             }
-            self.pending_state_copies.push((self.snapshots.worker_slot(id), slot));
-            self.snapshots.touch(id);
+            self.pending_state_copies.push((worker_slot, slot));
         }
         if lookup {
             self.prefix_cache_queries += len as u64;

@@ -1,0 +1,109 @@
+"""Prefix caching is exact (the batch-invariant mode, CPU): a multi-turn conversation resending its history and
+an agent loop sharing a long system prompt give the same bits (tokens, logprobs: Python ``==``) with the cache on
+as off, and the prefill tokens the engine computes are exactly what the snapshot policy says:
+
+- turn k ≥ 2 resumes after turn k − 1's answer (the finish snapshot, after its computed positions): it computes
+  its new tokens plus the answer's last token, whose KV the previous turn never wrote;
+- request 2 of the agent loop finds the system prompt's blocks cached but no snapshot there: it computes all,
+  cutting a chunk at the last cached block (where prompts diverged) and snapshotting there; from request 3 on
+  only the suffix is computed, plus the system prompt's tokens after its last full block (less than a block).
+
+The model: the oracle-draft tiny config (vocabulary 256, a DSpark draft), as the speculative tests use.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
+
+NEXTN = DRAFT_CASES[0].cfg.dspark_block_size
+BLOCK = 16
+ENGINE = dict(device="cpu", batch_invariant=True, max_model_len=2400, block_size=BLOCK, max_num_seqs=4)
+ANSWER = 6  # output tokens per turn
+
+pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def source(draft_source):
+    return draft_source
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+def _answer(out) -> tuple:
+    return out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
+
+
+def _params(k: int, seeded: bool) -> SamplingParams:
+    if seeded:
+        return SamplingParams(max_tokens=ANSWER, temperature=1.0, top_p=0.9, logprobs=3, seed=70 + k, ignore_eos=True)
+    return SamplingParams(max_tokens=ANSWER, temperature=0.0, logprobs=2, ignore_eos=True)
+
+
+def conversation(source, seeded: bool, **engine_args) -> tuple[list[tuple], list[int], list[int]]:
+    """Five turns, each resending the history: (answers, prefill tokens computed per turn, cached tokens)."""
+    llm = LLM(source=source, **{**ENGINE, **engine_args})
+    history: list[int] = [0]
+    answers, computed, cached = [], [], []
+    for turn in range(5):
+        history = history + _tokens(turn, 37 + 11 * turn)  # the user's turn
+        before = llm.engine.scheduler.stats().num_prefill_tokens
+        out = llm.generate(history, _params(turn, seeded))[0]
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
+        cached.append(out.num_cached_tokens)
+        answers.append(_answer(out))
+        history = history + out.token_ids
+    return answers, computed, cached
+
+
+def agents(source, seeded: bool, system_len: int = 2009, **engine_args) -> tuple[list[tuple], list[int]]:
+    """Four requests sharing a system prompt, each with its own 40-token suffix: (answers, computed tokens)."""
+    llm = LLM(source=source, **{**ENGINE, **engine_args})
+    system = [0, *_tokens(100, system_len - 1)]
+    answers, computed = [], []
+    for k in range(4):
+        before = llm.engine.scheduler.stats().num_prefill_tokens
+        out = llm.generate(system + _tokens(200 + k, 40), _params(k, seeded))[0]
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
+        answers.append(_answer(out))
+    return answers, computed
+
+
+def _turn_lengths() -> list[int]:
+    lengths, total = [], 1
+    for turn in range(5):
+        total += 37 + 11 * turn
+        lengths.append(total)
+        total += ANSWER
+    return lengths
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_conversation_gives_the_same_bits_and_computes_only_new_tokens(source, seeded):
+    off, computed_off, _ = conversation(source, seeded, enable_prefix_caching=False)
+    on, computed_on, cached = conversation(source, seeded)
+    assert on == off
+    prompts = _turn_lengths()
+    assert computed_off == prompts
+    # Turn k resumes after turn k − 1's computed positions: its prompt minus (new tokens + the answer's last token).
+    new = [37 + 11 * turn for turn in range(5)]
+    assert computed_on == [prompts[0]] + [n + 1 for n in new[1:]]
+    assert cached == [0] + [prompts[k] - new[k] - 1 for k in range(1, 5)]
+
+
+@pytest.mark.parametrize("seeded", [True])
+def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source, seeded):
+    off, computed_off = agents(source, seeded, enable_prefix_caching=False)
+    on, computed_on = agents(source, seeded, max_num_batched_tokens=512)
+    assert on == off
+    assert computed_off == [2049] * 4
+    # The system prompt's last full block ends at 2,000: from the third request on, its last 9 tokens and the
+    # 40-token suffix (within one block of the suffix).
+    assert computed_on == [2049, 2049, 49, 49]
