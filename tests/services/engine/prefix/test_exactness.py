@@ -47,12 +47,14 @@ def _params(k: int, seeded: bool) -> SamplingParams:
     return SamplingParams(max_tokens=ANSWER, temperature=0.0, logprobs=2, ignore_eos=True)
 
 
-def conversation(source, seeded: bool, **engine_args) -> tuple[list[tuple], list[int], list[int]]:
-    """Five turns, each resending the history: (answers, prefill tokens computed per turn, cached tokens)."""
+def conversation(
+    source, seeded: bool, num_turns: int = 5, **engine_args
+) -> tuple[list[tuple], list[int], list[int]]:
+    """Turns each resending the history: (answers, prefill tokens computed per turn, cached tokens per turn)."""
     llm = LLM(source=source, **{**ENGINE, **engine_args})
     history: list[int] = [0]
     answers, computed, cached = [], [], []
-    for turn in range(5):
+    for turn in range(num_turns):
         history = history + _tokens(turn, 37 + 11 * turn)  # the user's turn
         before = llm.engine.scheduler.stats().num_prefill_tokens
         out = llm.generate(history, _params(turn, seeded))[0]
@@ -63,12 +65,12 @@ def conversation(source, seeded: bool, **engine_args) -> tuple[list[tuple], list
     return answers, computed, cached
 
 
-def agents(source, seeded: bool, system_len: int = 2009, **engine_args) -> tuple[list[tuple], list[int]]:
-    """Four requests sharing a system prompt, each with its own 40-token suffix: (answers, computed tokens)."""
+def agents(source, seeded: bool, system_len: int, **engine_args) -> tuple[list[tuple], list[int]]:
+    """Three requests sharing a system prompt, each with its own 40-token suffix: (answers, computed tokens)."""
     llm = LLM(source=source, **{**ENGINE, **engine_args})
     system = [0, *_tokens(100, system_len - 1)]
     answers, computed = [], []
-    for k in range(4):
+    for k in range(3):
         before = llm.engine.scheduler.stats().num_prefill_tokens
         out = llm.generate(system + _tokens(200 + k, 40), _params(k, seeded))[0]
         computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
@@ -98,12 +100,41 @@ def test_a_conversation_gives_the_same_bits_and_computes_only_new_tokens(source,
     assert cached == [0] + [prompts[k] - new[k] - 1 for k in range(1, 5)]
 
 
-@pytest.mark.parametrize("seeded", [True])
-def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source, seeded):
-    off, computed_off = agents(source, seeded, enable_prefix_caching=False)
-    on, computed_on = agents(source, seeded, max_num_batched_tokens=512)
+@pytest.mark.slow
+def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
+    """A 2,009-token system prompt (its last full block ends at 2,000): from the third request on, its last 9
+    tokens and the 40-token suffix are computed (within one block of the suffix)."""
+    off, computed_off = agents(source, True, 2009, enable_prefix_caching=False, max_num_batched_tokens=512)
+    on, computed_on = agents(source, True, 2009, max_num_batched_tokens=512)
     assert on == off
-    assert computed_off == [2049] * 4
-    # The system prompt's last full block ends at 2,000: from the third request on, its last 9 tokens and the
-    # 40-token suffix (within one block of the suffix).
-    assert computed_on == [2049, 2049, 49, 49]
+    assert computed_off == [2049] * 3
+    assert computed_on == [2049, 2049, 49]
+
+
+SPEC_CASES = [("rejection", False, False), ("deterministic", True, False), ("deterministic", True, True)]
+
+
+@pytest.mark.parametrize("spec_sampling, seeded, async_scheduling", SPEC_CASES)
+def test_speculative_decoding_gives_the_same_bits(source, spec_sampling, seeded, async_scheduling):
+    """Greedy in both acceptance modes and seeded in the deterministic one, synchronous and async: the draft's
+    rings are in the snapshot. With drafts and async scheduling a finished request's next step is already in
+    flight when it ends and has written the draft's ring past its end, so there is no finish snapshot: the next
+    turn resumes at the previous prompt's end and recomputes the answer too."""
+    spec = dict(num_speculative_tokens=NEXTN, spec_sampling=spec_sampling, async_scheduling=async_scheduling)
+    off, _, _ = conversation(source, seeded, 3, enable_prefix_caching=False, **spec)
+    on, computed, cached = conversation(source, seeded, 3, **spec)
+    assert on == off
+    prompts = _turn_lengths()[:3]
+    assert computed == [p - c for p, c in zip(prompts, cached)]
+    # Synchronous: turn k resumes after turn k − 1's computed positions: the answer but its last token, or all of
+    # it where that token was a verified draft (its row computed it). Async: at turn k − 1's prompt end.
+    ends = [prompts[k - 1] + ANSWER for k in range(1, 3)]
+    assert cached[0] == 0
+    if async_scheduling:
+        assert cached[1:] == prompts[:2]
+    else:
+        assert all(e - 1 <= c <= e for c, e in zip(cached[1:], ends)), (cached, ends)
+    off, _ = agents(source, seeded, 201, enable_prefix_caching=False, **spec)
+    on, computed = agents(source, seeded, 201, **spec)
+    assert on == off
+    assert computed == [241, 241, 49]
