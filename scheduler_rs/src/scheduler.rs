@@ -437,9 +437,12 @@ impl Scheduler {
     pub fn schedule(&mut self, collective: &mut dyn Collective) -> StepPlan {
         let step_id = self.next_step_id;
         self.next_step_id += 1;
-        // Snapshot saves planned with the previous step go first: a restore planned now reads after them.
-        self.pending_block_copies.append(&mut self.next_plan_block_copies);
-        self.pending_state_copies.append(&mut self.next_plan_state_copies);
+        // Snapshot saves planned with the previous step come first (they are older than the copies queued
+        // since): a restore planned now reads after them, and a slot reused since is written in order.
+        self.next_plan_block_copies.append(&mut self.pending_block_copies);
+        self.next_plan_state_copies.append(&mut self.pending_state_copies);
+        std::mem::swap(&mut self.pending_block_copies, &mut self.next_plan_block_copies);
+        std::mem::swap(&mut self.pending_state_copies, &mut self.next_plan_state_copies);
         let (kind, chosen, outputs) = if self.config.mixed() {
             self.schedule_mixed()
         } else {

@@ -23,6 +23,14 @@ pub struct Snapshot {
     pub ready_step: u64,
 }
 
+/// What a dropped snapshot gives back: its tail block (for the caller to free) and its worker slot (whose
+/// save copy, if not yet run, the caller cancels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dropped {
+    pub tail_block: Option<u32>,
+    pub worker_slot: u32,
+}
+
 impl Snapshot {
     pub fn boundary(&self, block_size: u32) -> u32 {
         self.chain.len() as u32 * block_size + self.tail.len() as u32
@@ -87,9 +95,9 @@ impl Snapshots {
     }
 
     /// Drops the least recently used snapshot that holds a tail block; that block, for the caller to free.
-    pub fn evict_tail_block(&mut self) -> Option<u32> {
+    pub fn evict_tail_block(&mut self) -> Option<Dropped> {
         let id = self.lru.values().copied().find(|&id| self.get(id).tail_block.is_some())?;
-        self.remove(id)
+        Some(self.remove(id))
     }
 
     /// The deepest snapshot usable at step `step` by a request with full-block hashes `hashes` (of which
@@ -155,13 +163,13 @@ impl Snapshots {
     }
 
     /// Stores a snapshot (its chain non-empty), evicting the least recently used one when the pool is
-    /// full: (its id, the tail blocks of evicted snapshots, for the caller to free). None (nothing
-    /// stored, the tail block not taken) when the pool has no room at all.
-    pub fn insert(&mut self, snapshot: Snapshot) -> Option<(u32, Vec<u32>)> {
-        let mut freed = Vec::new();
+    /// full: (its id, the evicted snapshot). None (nothing stored, the tail block not taken) when the pool
+    /// has no room at all.
+    pub fn insert(&mut self, snapshot: Snapshot) -> Option<(u32, Option<Dropped>)> {
+        let mut freed = None;
         if self.pool.num_free() == 0 {
-            let (_, victim) = self.lru.first_key_value()?;
-            freed.extend(self.remove(*victim));
+            let (_, &victim) = self.lru.first_key_value()?;
+            freed = Some(self.remove(victim));
         }
         let id = self.pool.allocate()?;
         let last = *snapshot.chain.last().expect("a snapshot follows at least one full block");
@@ -174,8 +182,8 @@ impl Snapshots {
         Some((id, freed))
     }
 
-    /// Drops a snapshot; its tail block, for the caller to free.
-    pub fn remove(&mut self, id: u32) -> Option<u32> {
+    /// Drops a snapshot.
+    pub fn remove(&mut self, id: u32) -> Dropped {
         let snapshot = self.slab[id as usize].take().expect("a live snapshot");
         self.unlist_lru(id);
         self.pool.free(id).expect("a held snapshot");
@@ -184,19 +192,19 @@ impl Snapshots {
         for &hash in &snapshot.chain {
             unlist(&mut self.dependents, hash, id);
         }
-        snapshot.tail_block
+        Dropped { tail_block: snapshot.tail_block, worker_slot: self.worker_slot(id) }
     }
 
-    /// Drops every snapshot whose chain holds `hash` (its block left the cache); their tail blocks.
-    pub fn drop_dependents(&mut self, hash: u64) -> Vec<u32> {
+    /// Drops every snapshot whose chain holds `hash` (its block left the cache).
+    pub fn drop_dependents(&mut self, hash: u64) -> Vec<Dropped> {
         let ids = self.dependents.get(&hash).cloned().unwrap_or_default();
-        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+        ids.into_iter().map(|id| self.remove(id)).collect()
     }
 
-    /// Drops every snapshot; their tail blocks.
-    pub fn clear(&mut self) -> Vec<u32> {
+    /// Drops every snapshot.
+    pub fn clear(&mut self) -> Vec<Dropped> {
         let ids: Vec<u32> = (0..self.slab.len() as u32).filter(|&id| self.slab[id as usize].is_some()).collect();
-        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+        ids.into_iter().map(|id| self.remove(id)).collect()
     }
 
     /// The pool is conserved and every snapshot is listed under its chain.
@@ -247,7 +255,8 @@ mod tests {
         assert_eq!(s.find(&[1, 2], 1, &tokens, 6, 2, 0, |_, _| true), Some((a, 2)));
         assert_eq!(s.find(&[1, 2], 2, &tokens, 6, 2, 0, |_, _| false), Some((a, 2)));
         assert_eq!(s.worker_slot(a), 9);
-        assert_eq!(s.drop_dependents(2), vec![3, 4]);
+        let tails: Vec<Option<u32>> = s.drop_dependents(2).iter().map(|d| d.tail_block).collect();
+        assert_eq!(tails, vec![Some(3), Some(4)]);
         assert!(s.check().is_ok());
         assert_eq!(s.num_held(), 1);
     }
@@ -259,10 +268,10 @@ mod tests {
         let (b, _) = s.insert(snap(&[2], &[], Some(8))).unwrap();
         s.touch(a);
         let (c, freed) = s.insert(snap(&[3], &[], None)).unwrap();
-        assert_eq!((c, freed), (b, vec![8]));
+        assert_eq!((c, freed), (b, Some(Dropped { tail_block: Some(8), worker_slot: 6 })));
         assert_eq!(s.find_exact(&[1], &[]), Some(a));
         assert_eq!(s.find_exact(&[2], &[]), None);
-        assert_eq!(s.clear(), vec![7]);
+        assert_eq!(s.clear(), vec![Dropped { tail_block: Some(7), worker_slot: 5 }, Dropped { tail_block: None, worker_slot: 6 }]);
         assert!(s.check().is_ok());
     }
 }

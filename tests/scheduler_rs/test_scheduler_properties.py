@@ -4,7 +4,10 @@ pressure, snapshots dropped with them, the cache dropped now and then). After ev
 pool conservation and reference counts, the waiting queue in its order (tenant share, priority, arrival),
 and every live request in its tenant's account (check_invariants); every plan within the token budget (a
 mixed one: decode rows first); at the end: every added request has exactly one final output and every
-block is back once the prefix cache is dropped."""
+block is back once the prefix cache is dropped. Synchronous steps without drafts also run on a symbolic worker
+(each block position and state slot holds the tokens that wrote it; plan copies move them): every row's
+request finds, in its blocks and state slot, exactly its own tokens before the row (so a cache hit restores the
+right state, and no copy or reuse clobbers a block or slot still needed)."""
 
 from collections import Counter
 
@@ -53,6 +56,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finals = Counter()
         self.next_id = 0
         self.hashes: dict[str, list[int]] = {}  # per request: the hashes given to the scheduler
+        # The symbolic worker (synchronous steps without drafts): per block, the token each position holds;
+        # per state slot (snapshots included), the tokens it has seen.
+        self.symbolic = max_inflight == 1 and nextn == 0
+        self.blocks = [[None] * 4 for _ in range(num_blocks)]
+        self.slots: list[list[int]] = [[] for _ in range(4 + 2)]
+
+    def _execute(self, plan):
+        """Runs ``plan`` on the symbolic worker: copies first, then each request's rows, after checking that its
+        blocks and slot hold its tokens before its first row."""
+        for src, dst in plan.block_copies:
+            self.blocks[dst] = list(self.blocks[src])
+        for src, dst in plan.state_copies:
+            self.slots[dst] = list(self.slots[src])
+        width = plan.block_table_width
+        tables, starts = plan.block_tables.tolist(), plan.query_start.tolist()
+        inputs, positions, slots = plan.input_ids.tolist(), plan.positions.tolist(), plan.state_slots.tolist()
+        for i, request_id in enumerate(plan.request_ids):
+            table = tables[i * width : (i + 1) * width]
+            tokens = self.scheduler.request(request_id).token_ids
+            first = positions[starts[i]]
+            slot = self.slots[slots[i]]
+            assert slot[:first] == tokens[:first] and len(slot) >= first, (request_id, "state slot", first)
+            held = [self.blocks[table[q // 4]][q % 4] for q in range(first)]
+            assert held == tokens[:first], (request_id, "blocks", first)
+            self.slots[slots[i]] = slot[:first] + inputs[starts[i] : starts[i + 1]]
+            for row in range(starts[i], starts[i + 1]):
+                self.blocks[table[positions[row] // 4]][positions[row] % 4] = inputs[row]
 
     def _hash_new_blocks(self):
         """The engine's part: the hashes of blocks that requests' outputs filled."""
@@ -120,6 +150,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if plan.kind == "mixed":
             event("mixed step")
         assert plan.num_rows <= self.config.max_num_batched_tokens or plan.kind == "decode"
+        if self.symbolic and not plan.is_placeholder:
+            self._execute(plan)
         expected = {"decode": (plan.num_requests,), "prefill": (0,), "mixed": range(1, plan.num_requests)}
         assert num_decode in expected[plan.kind]
         if self.scheduler.stats().num_deferred_blocks:

@@ -7,7 +7,7 @@ use super::Scheduler;
 use crate::errors::SchedulerError;
 use crate::prefix_cache::KvEvents;
 use crate::request::Request;
-use crate::snapshots::Snapshot;
+use crate::snapshots::{Dropped, Snapshot};
 
 impl Scheduler {
     /// Gives a waiting request its full-block hashes (`block_hash.py`), its image spans (first position,
@@ -46,10 +46,24 @@ impl Scheduler {
 
     /// Drops every snapshot and the cache's hold on every cached block (requests keep their blocks).
     pub fn clear_prefix_cache(&mut self) {
-        for block in self.snapshots.clear() {
-            self.free_block(block);
+        for dropped in self.snapshots.clear() {
+            self.release_snapshot(dropped);
         }
         self.cache.clear(&mut self.blocks);
+    }
+
+    /// Gives back what a dropped snapshot held. Its save copies not yet run are cancelled first: its tail
+    /// block may go to a request at once, whose writes a later copy into it would clobber. (A restore
+    /// already planned from it reads before the step's forward, so before any new holder writes.)
+    fn release_snapshot(&mut self, dropped: Dropped) {
+        let slot = dropped.worker_slot;
+        self.pending_state_copies.retain(|&(_, dst)| dst != slot);
+        self.next_plan_state_copies.retain(|&(_, dst)| dst != slot);
+        if let Some(block) = dropped.tail_block {
+            self.pending_block_copies.retain(|&(_, dst)| dst != block);
+            self.next_plan_block_copies.retain(|&(_, dst)| dst != block);
+            self.free_block(block);
+        }
     }
 
     fn handle(&self, request_id: &str) -> Result<usize, SchedulerError> {
@@ -86,12 +100,12 @@ impl Scheduler {
         }
         while self.blocks.num_free() < n {
             if let Some(hash) = self.cache.evict_one(&mut self.blocks) {
-                for block in self.snapshots.drop_dependents(hash) {
-                    self.free_block(block);
+                for dropped in self.snapshots.drop_dependents(hash) {
+                    self.release_snapshot(dropped);
                 }
             } else {
-                let block = self.snapshots.evict_tail_block().expect("counted tail blocks");
-                self.free_block(block);
+                let dropped = self.snapshots.evict_tail_block().expect("counted tail blocks");
+                self.release_snapshot(dropped);
             }
         }
         self.blocks.allocate_many(n)
@@ -255,8 +269,8 @@ impl Scheduler {
         let ready_step = self.next_step_id;
         match self.snapshots.insert(Snapshot { chain, tail, tail_block, ready_step }) {
             Some((id, evicted)) => {
-                for block in evicted {
-                    self.free_block(block);
+                if let Some(dropped) = evicted {
+                    self.release_snapshot(dropped);
                 }
                 let copy = (slot, self.snapshots.worker_slot(id));
                 if at_finish {
