@@ -465,6 +465,7 @@ impl Scheduler {
         plan.outputs = outputs;
         plan.block_copies = std::mem::take(&mut self.pending_block_copies);
         plan.state_copies = std::mem::take(&mut self.pending_state_copies);
+        self.snapshots.unpin_all();
         self.shares.start_step();
         self.num_prefill_tokens += chosen.iter().filter(|s| s.prompt).map(|s| s.num_rows as u64).sum::<u64>();
         for s in &chosen {

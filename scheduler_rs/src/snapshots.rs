@@ -7,7 +7,7 @@
 //! compressed entries live in the snapshot's own tail block. Snapshots live in a pool of their own,
 //! evicted least recently used when it is full; a snapshot is dropped with any block of its chain.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::block_manager::BlockManager;
 
@@ -48,6 +48,9 @@ pub struct Snapshots {
     dependents: HashMap<u64, Vec<u32>>,
     lru: BTreeMap<u64, u32>,
     last_use: Vec<u64>,
+    /// Snapshots a restore of the step being planned reads: never dropped until that plan is out (their
+    /// save copy may run in the same plan, just before the restore).
+    pinned: HashSet<u32>,
     next_tick: u64,
     /// Worker state-slot id of snapshot 1 (snapshots follow the request slots in the worker's pool).
     first_worker_slot: u32,
@@ -62,6 +65,7 @@ impl Snapshots {
             dependents: HashMap::new(),
             lru: BTreeMap::new(),
             last_use: vec![0; num_snapshots as usize + 1],
+            pinned: HashSet::new(),
             next_tick: 0,
             first_worker_slot,
         }
@@ -89,14 +93,30 @@ impl Snapshots {
         self.slab.iter().flatten().filter_map(|s| s.tail_block)
     }
 
-    /// Snapshots holding a tail block: blocks that dropping them gives back.
-    pub fn num_tail_blocks(&self) -> u32 {
-        self.slab.iter().flatten().filter(|s| s.tail_block.is_some()).count() as u32
+    /// Whether dropping `id` gives a block back: unpinned, with a tail block no one else holds (a finished
+    /// request's partial block may still wait for its in-flight step).
+    fn frees_a_block(&self, id: u32, blocks: &BlockManager) -> bool {
+        !self.pinned.contains(&id) && self.get(id).tail_block.is_some_and(|b| blocks.ref_count(b) == 1)
     }
 
-    /// Drops the least recently used snapshot that holds a tail block; that block, for the caller to free.
-    pub fn evict_tail_block(&mut self) -> Option<Dropped> {
-        let id = self.lru.values().copied().find(|&id| self.get(id).tail_block.is_some())?;
+    /// Blocks that dropping snapshots gives back.
+    pub fn num_tail_blocks(&self, blocks: &BlockManager) -> u32 {
+        self.lru.values().filter(|&&id| self.frees_a_block(id, blocks)).count() as u32
+    }
+
+    /// Keeps `id` until `unpin_all` (a restore in the step being planned reads it).
+    pub fn pin(&mut self, id: u32) {
+        self.pinned.insert(id);
+    }
+
+    /// The step's plan is out: its restores are in it.
+    pub fn unpin_all(&mut self) {
+        self.pinned.clear();
+    }
+
+    /// Drops the least recently used snapshot whose dropping gives a block back.
+    pub fn evict_tail_block(&mut self, blocks: &BlockManager) -> Option<Dropped> {
+        let id = self.lru.values().copied().find(|&id| self.frees_a_block(id, blocks))?;
         Some(self.remove(id))
     }
 
@@ -168,7 +188,7 @@ impl Snapshots {
     pub fn insert(&mut self, snapshot: Snapshot) -> Option<(u32, Option<Dropped>)> {
         let mut freed = None;
         if self.pool.num_free() == 0 {
-            let (_, &victim) = self.lru.first_key_value()?;
+            let victim = self.lru.values().copied().find(|id| !self.pinned.contains(id))?;
             freed = Some(self.remove(victim));
         }
         let id = self.pool.allocate()?;
@@ -182,8 +202,9 @@ impl Snapshots {
         Some((id, freed))
     }
 
-    /// Drops a snapshot.
+    /// Drops a snapshot (never a pinned one: the cache keeps a hit's chain, eviction skips pins).
     pub fn remove(&mut self, id: u32) -> Dropped {
+        debug_assert!(!self.pinned.contains(&id), "a pinned snapshot is dropped");
         let snapshot = self.slab[id as usize].take().expect("a live snapshot");
         self.unlist_lru(id);
         self.pool.free(id).expect("a held snapshot");
@@ -201,8 +222,9 @@ impl Snapshots {
         ids.into_iter().map(|id| self.remove(id)).collect()
     }
 
-    /// Drops every snapshot.
+    /// Drops every snapshot (between steps: nothing is pinned).
     pub fn clear(&mut self) -> Vec<Dropped> {
+        self.pinned.clear();
         let ids: Vec<u32> = (0..self.slab.len() as u32).filter(|&id| self.slab[id as usize].is_some()).collect();
         ids.into_iter().map(|id| self.remove(id)).collect()
     }

@@ -63,8 +63,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.slots: list[list[int]] = [[] for _ in range(4 + 2)]
 
     def _execute(self, plan):
-        """Runs ``plan`` on the symbolic worker: copies first, then each request's rows, after checking that its
-        blocks and slot hold its tokens before its first row."""
+        """Runs ``plan`` on the symbolic worker: copies first (a placeholder plan's too, as the runner does), then
+        each request's rows, after checking that its blocks and slot hold its tokens before its first row."""
         for src, dst in plan.block_copies:
             self.blocks[dst] = list(self.blocks[src])
         for src, dst in plan.state_copies:
@@ -150,8 +150,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if plan.kind == "mixed":
             event("mixed step")
         assert plan.num_rows <= self.config.max_num_batched_tokens or plan.kind == "decode"
-        if self.symbolic and not plan.is_placeholder:
-            self._execute(plan)
+        if self.symbolic:
+            self._execute(plan)  # a placeholder plan's copies run too
         expected = {"decode": (plan.num_requests,), "prefill": (0,), "mixed": range(1, plan.num_requests)}
         assert num_decode in expected[plan.kind]
         if self.scheduler.stats().num_deferred_blocks:

@@ -72,7 +72,7 @@ impl Scheduler {
 
     /// Free blocks, plus cached blocks no request holds and snapshots' tail blocks (both evicted on demand).
     pub(crate) fn num_available_blocks(&self) -> u32 {
-        self.blocks.num_free() + self.cache.num_evictable() + self.snapshots.num_tail_blocks()
+        self.blocks.num_free() + self.cache.num_evictable() + self.snapshots.num_tail_blocks(&self.blocks)
     }
 
     /// The fraction of blocks not available, in [0, 1].
@@ -104,7 +104,7 @@ impl Scheduler {
                     self.release_snapshot(dropped);
                 }
             } else {
-                let dropped = self.snapshots.evict_tail_block().expect("counted tail blocks");
+                let dropped = self.snapshots.evict_tail_block(&self.blocks).expect("counted tail blocks");
                 self.release_snapshot(dropped);
             }
         }
@@ -136,10 +136,10 @@ impl Scheduler {
             req.block_hashes[..depth].iter().map(|&h| self.cache.get(h).expect("a hit's blocks are cached")).collect();
         let num_fresh = Request::blocks_for(len, block_size) - depth as u32;
         let num_shared_evictable = shared.iter().filter(|&&b| self.blocks.ref_count(b) == 1).count() as u32;
-        // The hit's snapshot (its tail block, its worker slot) stays: it is touched first, so it is the last
-        // that eviction would pick, and its own tail block is not counted as available.
+        // The hit's snapshot (its tail block, its worker slot) stays: it is pinned until the plan is out, and
+        // its own tail block is not counted as available.
         let restore = hit.map(|(id, _)| (self.snapshots.get(id).tail_block, self.snapshots.worker_slot(id)));
-        let own_tail = restore.is_some_and(|(tail, _)| tail.is_some()) as u32;
+        let own_tail = restore.is_some_and(|(tail, _)| tail.is_some_and(|b| self.blocks.ref_count(b) == 1)) as u32;
         if num_fresh + num_shared_evictable + own_tail > self.num_available_blocks() || self.slots.num_free() == 0 {
             return false;
         }
@@ -147,6 +147,7 @@ impl Scheduler {
         let snapshot_at = (caching && divergence > boundary && divergence < len).then_some(divergence);
         if let Some((id, _)) = hit {
             self.snapshots.touch(id);
+            self.snapshots.pin(id);
         }
         for &block in &shared {
             self.cache.acquire(block, &mut self.blocks);
