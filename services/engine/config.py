@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -286,7 +287,8 @@ def speculative_args(args) -> dict[str, object]:
 
 
 def add_step_arguments(parser) -> None:
-    """``--max-num-batched-tokens`` and ``--scheduling``, the same on generate, serve, up and the engine."""
+    """``--max-num-batched-tokens``, ``--scheduling`` and prefix caching's flags, the same on generate, serve, up
+    and the engine."""
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -301,17 +303,39 @@ def add_step_arguments(parser) -> None:
         help="mixed: decode rows and prompt chunks in one step, so a new prompt never stalls the running "
         "streams; separate: prompt-or-decode steps, as DeepInfer (default: mixed)",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep full blocks cached by content hash and state snapshots, so a request resumes after a cached "
+        "prefix with the same tokens as without (default: on)",
+    )
+    parser.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="state snapshots prefix caching keeps, each a state slot's bytes (default 2 × --max-num-seqs)",
+    )
 
 
 def step_args(args) -> dict[str, object]:
     """The engine arguments the flags of ``add_step_arguments`` set (those given)."""
-    given = (("max_num_batched_tokens", args.max_num_batched_tokens), ("scheduling", args.scheduling))
+    given = (
+        ("max_num_batched_tokens", args.max_num_batched_tokens),
+        ("scheduling", args.scheduling),
+        ("enable_prefix_caching", args.enable_prefix_caching),
+        ("num_state_snapshots", args.num_state_snapshots),
+    )
     return {k: v for k, v in given if v is not None}
 
 
 def step_argv(args: dict[str, object]) -> list[str]:
     """The command-line flags of ``step_args``' result, for a child process (``shinkai up``'s engines)."""
-    return [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
+    flags = []
+    for k, v in args.items():
+        name = k.replace("_", "-")
+        flags.append((f"--{name}" if v else f"--no-{name}") if isinstance(v, bool) else f"--{name}={v}")
+    return flags
 
 
 def add_parallel_arguments(parser) -> None:
