@@ -139,9 +139,10 @@ pub struct Request {
     pub num_cached_blocks: u32,
     /// Positions the last admission took from the prefix cache (not computed).
     pub num_cached_tokens: u32,
-    /// A boundary where this request's prefill stops a chunk and snapshots its state: the end of the
-    /// cached blocks where they are deeper than any snapshot (the agent case's divergence point).
-    pub snapshot_at: Option<u32>,
+    /// Boundaries (ascending) where this request's prefill ends a chunk and snapshots its state: the end
+    /// of the cached blocks where they are deeper than any snapshot (where prompts were seen to diverge),
+    /// and the prompt's last full block (where a re-rendered chat history diverges from this prompt).
+    pub snapshot_at: Vec<u32>,
 }
 
 impl Request {
@@ -176,7 +177,7 @@ impl Request {
             prefix_lookup: true,
             num_cached_blocks: 0,
             num_cached_tokens: 0,
-            snapshot_at: None,
+            snapshot_at: Vec::new(),
         }
     }
 

@@ -168,7 +168,7 @@ impl Scheduler {
                 req.status = Status::Waiting;
                 req.num_preemptions += 1;
                 req.num_cached_blocks = 0;
-                req.snapshot_at = None;
+                req.snapshot_at.clear();
                 req.incarnation = incarnation;
                 req.last_step_id = None;
                 recomputed.push(handle);

@@ -49,7 +49,7 @@ impl Scheduler {
         self.next_arrival += 1;
         child.block_table.truncate(num_full);
         child.num_cached_blocks = child.num_cached_blocks.min(num_full as u32);
-        child.snapshot_at = None;
+        child.snapshot_at.clear();
         for &block in &child.block_table {
             self.blocks.incref(block).expect("parent holds its blocks");
         }

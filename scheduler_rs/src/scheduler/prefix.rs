@@ -1,7 +1,8 @@
 //! Prefix caching in the scheduler (docs/architecture.md, "Prefix caching"): admission resumes a request
 //! after the deepest snapshot whose blocks are all cached; computed full blocks enter the cache; state
-//! snapshots are taken at the end of each prompt, at the end of each finished request, and where a
-//! request's cached blocks run deeper than any snapshot (the point where prompts were seen to diverge).
+//! snapshots are taken at the end of each prompt and at its last full block, at the end of each finished
+//! request, and where a request's cached blocks run deeper than any snapshot (the point where prompts were
+//! seen to diverge).
 
 use super::Scheduler;
 use crate::errors::SchedulerError;
@@ -144,7 +145,10 @@ impl Scheduler {
             return false;
         }
         let divergence = num_cached as u32 * block_size;
-        let snapshot_at = (caching && divergence > boundary && divergence < len).then_some(divergence);
+        let last_full_block = (len - 1) / block_size * block_size;
+        let mut snapshot_at: Vec<u32> =
+            [divergence, last_full_block].into_iter().filter(|&b| caching && b > boundary && b < len).collect();
+        snapshot_at.dedup();
         if let Some((id, _)) = hit {
             self.snapshots.touch(id);
             self.snapshots.pin(id);
@@ -176,24 +180,23 @@ impl Scheduler {
     }
 
     /// The rows of a prompt chunk starting at the request's next position, at most `limit`: cut at its
-    /// `snapshot_at`, so that boundary ends a step.
+    /// next `snapshot_at`, so that boundary ends a step.
     pub(super) fn chunk_rows(&self, handle: usize, limit: u32) -> u32 {
         let req = self.req(handle);
-        match req.snapshot_at {
-            Some(at) if at > req.next_position() => limit.min(at - req.next_position()),
-            _ => limit,
+        let next = req.next_position();
+        match req.snapshot_at.iter().find(|&&at| at > next) {
+            Some(&at) => limit.min(at - next),
+            None => limit,
         }
     }
 
-    /// A prompt chunk ending at `end` was scheduled: at the request's `snapshot_at` or at the end of its
-    /// prompt (`is_last`), its state is snapshotted by the next plan, before that step's forward.
+    /// A prompt chunk ending at `end` was scheduled: at one of the request's `snapshot_at` or at the end of
+    /// its prompt (`is_last`), its state is snapshotted by the next plan, before that step's forward.
     pub(super) fn after_chunk(&mut self, handle: usize, end: u32, is_last: bool) {
         let req = self.req_mut(handle);
-        let at_divergence = req.snapshot_at == Some(end);
-        if at_divergence {
-            req.snapshot_at = None;
-        }
-        if at_divergence || is_last {
+        let at_boundary = req.snapshot_at.contains(&end);
+        req.snapshot_at.retain(|&at| at > end);
+        if at_boundary || is_last {
             self.save(handle, end, false);
         }
     }

@@ -98,8 +98,9 @@ fn a_prompt_end_with_a_tail_restores_its_partial_block() {
     let prompt: Vec<u32> = (1..=10).collect();
     add(&mut s, "a", prompt.clone(), 1);
     run(&mut s);
-    // "a" ended at once: its finish snapshot equals its prompt-end one (10 positions, tail of 2).
-    assert_eq!(s.stats().num_state_snapshots, 1);
+    // "a" ended at once: its finish snapshot equals its prompt-end one (10 positions, tail of 2); its prompt's
+    // last full block (8) has one too.
+    assert_eq!(s.stats().num_state_snapshots, 2);
     let mut longer = prompt;
     longer.extend([30, 31, 32]);
     add(&mut s, "b", longer, 1);
@@ -109,6 +110,21 @@ fn a_prompt_end_with_a_tail_restores_its_partial_block() {
     let copies = &plans[0].block_copies;
     assert_eq!(copies.len(), 2);
     assert_eq!(copies[0].1, copies[1].0);
+}
+
+#[test]
+fn a_prompt_is_cut_and_snapshotted_at_its_last_full_block() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    let prompt: Vec<u32> = (1..=10).collect();
+    add(&mut s, "a", prompt.clone(), 1);
+    let plans = run(&mut s);
+    assert_eq!(plans[0].seqlens_q, vec![8]);
+    assert_eq!(plans[1].seqlens_q, vec![2]);
+    // A prompt that shares a's first 9 tokens (a chat history re-rendered differently at its end) resumes at 8.
+    let mut other = prompt[..9].to_vec();
+    other.extend([40, 41]);
+    add(&mut s, "b", other, 1);
+    assert_eq!(prompt_rows(&run(&mut s)), 3);
 }
 
 #[test]

@@ -47,9 +47,7 @@ def _params(k: int, seeded: bool) -> SamplingParams:
     return SamplingParams(max_tokens=ANSWER, temperature=0.0, logprobs=2, ignore_eos=True)
 
 
-def conversation(
-    source, seeded: bool, num_turns: int = 5, **engine_args
-) -> tuple[list[tuple], list[int], list[int]]:
+def conversation(source, seeded: bool, num_turns: int = 5, **engine_args) -> tuple[list[tuple], list[int], list[int]]:
     """Turns each resending the history: (answers, prefill tokens computed per turn, cached tokens per turn)."""
     llm = LLM(source=source, **{**ENGINE, **engine_args})
     history: list[int] = [0]
