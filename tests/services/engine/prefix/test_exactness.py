@@ -136,3 +136,30 @@ def test_speculative_decoding_gives_the_same_bits(source, spec_sampling, seeded,
     on, computed = agents(source, seeded, 201, **spec)
     assert on == off
     assert computed == [241, 241, 49]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("nextn", [0, NEXTN], ids=["plain", "drafts"])
+def test_gpu_kernel_path_with_cuda_graphs_gives_the_same_bits(source, nextn):
+    """The FP8 kernel backend with the CUDA defaults (CUDA graphs for decode steps, async scheduling),
+    batch-invariant: a conversation and an agent loop give the same bits with the cache on as off, seeded without
+    drafts, greedy and seeded (deterministic) with them; the computed prefill tokens follow the policy."""
+    from services.engine.model_source import load_model
+
+    cuda = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, num_blocks=512)
+    if nextn:
+        cuda.update(num_speculative_tokens=nextn, spec_sampling="deterministic")
+    model = load_model(source.name, device="cuda")
+    for seeded in [True] if not nextn else [False, True]:
+        off, _, _ = conversation(model, seeded, 3, enable_prefix_caching=False, **cuda)
+        on, computed, cached = conversation(model, seeded, 3, **cuda)
+        assert on == off
+        prompts = _turn_lengths()[:3]
+        assert computed == [p - c for p, c in zip(prompts, cached)]
+        # Async: turn k resumes after turn k − 1's answer but its last token (or, with drafts, at its prompt's end).
+        assert cached[1:] == (prompts[:2] if nextn else [p + ANSWER - 1 for p in prompts[:2]])
+        off, _ = agents(model, seeded, 501, enable_prefix_caching=False, **cuda)
+        on, computed = agents(model, seeded, 501, **cuda)
+        assert on == off
+        assert computed == [541, 541, 45]
