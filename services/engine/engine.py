@@ -241,7 +241,11 @@ class Engine:
         A request that asks for prompt logprobs computes every position, so it never resumes from the cache."""
         if self.hashes is None or not ready:
             return
-        spans = image_spans(prompt, self.image_token_id, rows) if rows is not None and self.image_token_id is not None else ()
+        spans = (
+            image_spans(prompt, self.image_token_id, rows)
+            if rows is not None and self.image_token_id is not None
+            else ()
+        )
         self.hashes.admit(request_id, prompt, params.cache_salt, spans, lookup=params.prompt_logprobs is None)
 
     def _gate(self, request_id: str, params: SamplingParams, ready: bool) -> bool:

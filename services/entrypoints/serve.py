@@ -102,7 +102,7 @@ def _config(args: argparse.Namespace):
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags each rank process of `serve --dp N` gets (services/entrypoints/engine.py)."""
-    from services.engine.config import step_argv, step_args
+    from services.engine.config import step_args, step_argv
     from services.engine.device import device_args, device_argv
 
     argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args)), *step_argv(step_args(args))]

@@ -1,13 +1,13 @@
 """Random add / schedule / update / abort / fork sequences on small pools, so preemption and chunked
-prefill happen often, in separate and in mixed steps, with random priorities and tenants, and with prefix caching (prompts sharing prefixes, blocks evicted under
-pressure, snapshots dropped with them, the cache dropped now and then). After every step:
-pool conservation and reference counts, the waiting queue in its order (tenant share, priority, arrival),
-and every live request in its tenant's account (check_invariants); every plan within the token budget (a
-mixed one: decode rows first); at the end: every added request has exactly one final output and every
-block is back once the prefix cache is dropped. Synchronous steps without drafts also run on a symbolic worker
-(each block position and state slot holds the tokens that wrote it; plan copies move them): every row's
-request finds, in its blocks and state slot, exactly its own tokens before the row (so a cache hit restores the
-right state, and no copy or reuse clobbers a block or slot still needed)."""
+prefill happen often, in separate and in mixed steps, with random priorities and tenants, and with prefix
+caching (prompts sharing prefixes, blocks evicted under pressure, snapshots dropped with them, the cache
+dropped now and then). After every step: pool conservation and reference counts, the waiting queue in its
+order (tenant share, priority, arrival), and every live request in its tenant's account (check_invariants);
+every plan within the token budget (a mixed one: decode rows first); at the end: every added request has
+exactly one final output and every block is back once the prefix cache is dropped. Synchronous steps without
+drafts also run on a symbolic worker (each block position and state slot holds the tokens that wrote it; plan
+copies move them): every row's request finds, in its blocks and state slot, exactly its own tokens before the
+row (so a cache hit restores the right state, and no copy or reuse clobbers a block or slot still needed)."""
 
 from collections import Counter
 
