@@ -409,12 +409,14 @@ class Scheduler:
     def set_block_hashes(
         self,
         request_id: str,
+        root: int,
         block_hashes: Sequence[int],
         image_spans: Sequence[tuple[int, int]] = ...,
         lookup: bool = True,
     ) -> None:
-        """Prefix caching: a waiting request's full-block hashes (``block_hash.block_hashes``), its image spans
-        (first position, positions) and whether it may resume from the cache; before its prefill starts."""
+        """Prefix caching: a waiting request's hash chain root (``block_hash.root_hash``) and full-block hashes
+        (``block_hash.block_hashes``), its image spans (first position, positions) and whether it may resume from
+        the cache; before its prefill starts."""
     def add_block_hashes(self, request_id: str, block_hashes: Sequence[int]) -> None:
         """The hashes of the blocks a request's output filled since the last call."""
     def take_kv_events(self) -> tuple[list[int], list[int], bool]:

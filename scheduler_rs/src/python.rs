@@ -946,17 +946,18 @@ impl Scheduler {
         self.inner.has_unfinished()
     }
 
-    /// Prefix caching: a waiting request's full-block hashes, image spans (start, positions) and whether
-    /// it may resume from the cache; before its prefill starts.
-    #[pyo3(signature = (request_id, block_hashes, image_spans=Vec::new(), lookup=true))]
+    /// Prefix caching: a waiting request's hash chain root and full-block hashes, image spans (start,
+    /// positions) and whether it may resume from the cache; before its prefill starts.
+    #[pyo3(signature = (request_id, root, block_hashes, image_spans=Vec::new(), lookup=true))]
     fn set_block_hashes(
         &mut self,
         request_id: &str,
+        root: u64,
         block_hashes: Vec<u64>,
         image_spans: Vec<(u32, u32)>,
         lookup: bool,
     ) -> PyResult<()> {
-        Ok(self.inner.set_block_hashes(request_id, block_hashes, image_spans, lookup)?)
+        Ok(self.inner.set_block_hashes(request_id, root, block_hashes, image_spans, lookup)?)
     }
 
     /// The hashes of the blocks a request's output filled since the last call.

@@ -131,6 +131,9 @@ pub struct Request {
     /// Prefix caching: the hashes of the request's full blocks known so far (its prompt's at admission,
     /// then each block its output fills); empty when the engine gave none (the request shares nothing).
     pub block_hashes: Vec<u64>,
+    /// The root of the request's hash chain (`block_hash.root_hash`: the model and salt); None when the engine
+    /// gave none (the request shares nothing).
+    pub prefix_root: Option<u64>,
     /// Image spans (first position, positions) of the prompt: a snapshot's tail never covers one.
     pub image_spans: Vec<(u32, u32)>,
     /// May resume from the prefix cache (false: every position is computed, e.g. for prompt logprobs).
@@ -173,6 +176,7 @@ impl Request {
             num_preemptions: 0,
             incarnation: 0,
             block_hashes: Vec::new(),
+            prefix_root: None,
             image_spans: Vec::new(),
             prefix_lookup: true,
             num_cached_blocks: 0,

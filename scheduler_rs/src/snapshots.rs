@@ -2,8 +2,8 @@
 //! positions, so another request whose tokens start with the same `boundary` tokens resumes there
 //! (docs/architecture.md, "Prefix caching").
 //!
-//! A snapshot is named by its chain (the hashes of the full blocks before the boundary, the last one
-//! naming them all) and its tail (the tokens after the last full block, shorter than a block), whose
+//! A snapshot is named by its key (the last hash of its chain of full blocks before the boundary, which
+//! names them all, or the chain's root, the model and salt, for a boundary inside the first block) and its tail (the tokens after the last full block, shorter than a block), whose
 //! compressed entries live in the snapshot's own tail block. Snapshots live in a pool of their own,
 //! evicted least recently used when it is full; a snapshot is dropped with any block of its chain.
 
@@ -13,6 +13,8 @@ use crate::block_manager::BlockManager;
 
 #[derive(Debug, Clone)]
 pub struct Snapshot {
+    /// The last hash of `chain`, or the chain's root (`block_hash.root_hash`) when `chain` is empty.
+    pub key: u64,
     /// Hashes of the full blocks before the boundary.
     pub chain: Vec<u64>,
     /// Tokens after the last full block, up to the boundary (shorter than a block).
@@ -120,12 +122,13 @@ impl Snapshots {
         Some(self.remove(id))
     }
 
-    /// The deepest snapshot usable at step `step` by a request with full-block hashes `hashes` (of which
-    /// the first `num_cached` are cached) and tokens `tokens`, resuming at most at `max_boundary` and
-    /// where `tail_ok(start, end)` allows a tail over positions `start..end`: (id, boundary).
+    /// The deepest snapshot usable at step `step` by a request with chain root `root`, full-block hashes
+    /// `hashes` (of which the first `num_cached` are cached) and tokens `tokens`, resuming at most at
+    /// `max_boundary` and where `tail_ok(start, end)` allows a tail over positions `start..end`: (id, boundary).
     #[allow(clippy::too_many_arguments)]
     pub fn find(
         &self,
+        root: u64,
         hashes: &[u64],
         num_cached: usize,
         tokens: &[u32],
@@ -134,18 +137,20 @@ impl Snapshots {
         step: u64,
         tail_ok: impl Fn(u32, u32) -> bool,
     ) -> Option<(u32, u32)> {
-        for depth in (1..=num_cached.min(hashes.len())).rev() {
+        for depth in (0..=num_cached.min(hashes.len())).rev() {
             let start = depth as u32 * block_size;
+            let key = if depth == 0 { root } else { hashes[depth - 1] };
             let best = self
                 .by_last
-                .get(&hashes[depth - 1])
+                .get(&key)
                 .into_iter()
                 .flatten()
                 .map(|&id| (id, self.get(id)))
                 .filter(|(_, s)| s.chain.len() == depth && s.ready_step <= step)
                 .map(|(id, s)| (id, start + s.tail.len() as u32, &s.tail))
                 .filter(|&(_, end, tail)| {
-                    end <= max_boundary
+                    end > 0
+                        && end <= max_boundary
                         && tokens.get(start as usize..end as usize) == Some(tail.as_slice())
                         && (tail.is_empty() || tail_ok(start, end))
                 })
@@ -158,11 +163,10 @@ impl Snapshots {
     }
 
     /// A snapshot with this chain and tail, if one exists (ready or not).
-    pub fn find_exact(&self, chain: &[u64], tail: &[u32]) -> Option<u32> {
-        let last = chain.last()?;
-        self.by_last.get(last)?.iter().copied().find(|&id| {
+    pub fn find_exact(&self, key: u64, depth: usize, tail: &[u32]) -> Option<u32> {
+        self.by_last.get(&key)?.iter().copied().find(|&id| {
             let s = self.get(id);
-            s.chain.len() == chain.len() && s.tail == tail
+            s.chain.len() == depth && s.tail == tail
         })
     }
 
@@ -192,8 +196,7 @@ impl Snapshots {
             freed = Some(self.remove(victim));
         }
         let id = self.pool.allocate()?;
-        let last = *snapshot.chain.last().expect("a snapshot follows at least one full block");
-        self.by_last.entry(last).or_default().push(id);
+        self.by_last.entry(snapshot.key).or_default().push(id);
         for &hash in &snapshot.chain {
             self.dependents.entry(hash).or_default().push(id);
         }
@@ -208,8 +211,7 @@ impl Snapshots {
         let snapshot = self.slab[id as usize].take().expect("a live snapshot");
         self.unlist_lru(id);
         self.pool.free(id).expect("a held snapshot");
-        let last = *snapshot.chain.last().expect("a snapshot has a chain");
-        unlist(&mut self.by_last, last, id);
+        unlist(&mut self.by_last, snapshot.key, id);
         for &hash in &snapshot.chain {
             unlist(&mut self.dependents, hash, id);
         }
@@ -240,7 +242,7 @@ impl Snapshots {
             ));
         }
         for (id, s) in self.slab.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s))) {
-            if self.pool.ref_count(id) != 1 || !self.by_last.get(s.chain.last().unwrap()).is_some_and(|v| v.contains(&id)) {
+            if self.pool.ref_count(id) != 1 || !self.by_last.get(&s.key).is_some_and(|v| v.contains(&id)) {
                 return Err(format!("snapshot {id} is not held once or not listed under its chain"));
             }
         }
@@ -262,8 +264,11 @@ mod tests {
     use super::*;
 
     fn snap(chain: &[u64], tail: &[u32], tail_block: Option<u32>) -> Snapshot {
-        Snapshot { chain: chain.to_vec(), tail: tail.to_vec(), tail_block, ready_step: 0 }
+        let key = chain.last().copied().unwrap_or(ROOT);
+        Snapshot { key, chain: chain.to_vec(), tail: tail.to_vec(), tail_block, ready_step: 0 }
     }
+
+    const ROOT: u64 = 99;
 
     #[test]
     fn the_deepest_matching_snapshot_wins() {
@@ -272,15 +277,19 @@ mod tests {
         let (b, _) = s.insert(snap(&[1, 2], &[5, 6], Some(3))).unwrap();
         s.insert(snap(&[1, 2], &[5, 7], Some(4))).unwrap();
         let tokens = [0, 0, 0, 0, 5, 6, 8];
-        assert_eq!(s.find(&[1, 2], 2, &tokens, 6, 2, 0, |_, _| true), Some((b, 6)));
-        assert_eq!(s.find(&[1, 2], 2, &tokens, 5, 2, 0, |_, _| true), Some((a, 2)));
-        assert_eq!(s.find(&[1, 2], 1, &tokens, 6, 2, 0, |_, _| true), Some((a, 2)));
-        assert_eq!(s.find(&[1, 2], 2, &tokens, 6, 2, 0, |_, _| false), Some((a, 2)));
+        assert_eq!(s.find(ROOT, &[1, 2], 2, &tokens, 6, 2, 0, |_, _| true), Some((b, 6)));
+        assert_eq!(s.find(ROOT, &[1, 2], 2, &tokens, 5, 2, 0, |_, _| true), Some((a, 2)));
+        assert_eq!(s.find(ROOT, &[1, 2], 1, &tokens, 6, 2, 0, |_, _| true), Some((a, 2)));
+        assert_eq!(s.find(ROOT, &[1, 2], 2, &tokens, 6, 2, 0, |_, _| false), Some((a, 2)));
         assert_eq!(s.worker_slot(a), 9);
         let tails: Vec<Option<u32>> = s.drop_dependents(2).iter().map(|d| d.tail_block).collect();
         assert_eq!(tails, vec![Some(3), Some(4)]);
         assert!(s.check().is_ok());
         assert_eq!(s.num_held(), 1);
+        // A boundary inside the first block: keyed by the root.
+        let (c, _) = s.insert(snap(&[], &[0, 0, 0], None)).unwrap();
+        assert_eq!(s.find(ROOT, &[7], 0, &tokens, 6, 2, 0, |_, _| true), Some((c, 3)));
+        assert_eq!(s.find(ROOT + 1, &[7], 0, &tokens, 6, 2, 0, |_, _| true), None);
     }
 
     #[test]
@@ -291,8 +300,8 @@ mod tests {
         s.touch(a);
         let (c, freed) = s.insert(snap(&[3], &[], None)).unwrap();
         assert_eq!((c, freed), (b, Some(Dropped { tail_block: Some(8), worker_slot: 6 })));
-        assert_eq!(s.find_exact(&[1], &[]), Some(a));
-        assert_eq!(s.find_exact(&[2], &[]), None);
+        assert_eq!(s.find_exact(1, 1, &[]), Some(a));
+        assert_eq!(s.find_exact(2, 1, &[]), None);
         assert_eq!(s.clear(), vec![Dropped { tail_block: Some(7), worker_slot: 5 }, Dropped { tail_block: None, worker_slot: 6 }]);
         assert!(s.check().is_ok());
     }

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, Scheduling, StepResult
-from services.engine.prefix.block_hash import block_hashes
+from services.engine.prefix.block_hash import block_hashes, root_hash
 
 EOS = 1
 VOCAB = 16
@@ -128,7 +128,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.added.append(request_id)
         self.hashes[request_id] = block_hashes(prompt, 4, model="m")
-        self.scheduler.set_block_hashes(request_id, self.hashes[request_id])
+        self.scheduler.set_block_hashes(request_id, root_hash("m"), self.hashes[request_id])
 
     @rule(data=st.data())
     def make_schedulable(self, data):

@@ -11,11 +11,13 @@ use crate::request::Request;
 use crate::snapshots::{Dropped, Snapshot};
 
 impl Scheduler {
-    /// Gives a waiting request its full-block hashes (`block_hash.py`), its image spans (first position,
-    /// positions) and whether it may resume from the cache (`lookup`); before its prefill starts.
+    /// Gives a waiting request its hash chain's root and its full-block hashes (`block_hash.py`), its image
+    /// spans (first position, positions) and whether it may resume from the cache (`lookup`); before its
+    /// prefill starts.
     pub fn set_block_hashes(
         &mut self,
         request_id: &str,
+        root: u64,
         block_hashes: Vec<u64>,
         image_spans: Vec<(u32, u32)>,
         lookup: bool,
@@ -27,6 +29,7 @@ impl Scheduler {
                 "request {request_id}: block hashes are set before its prefill starts"
             )));
         }
+        req.prefix_root = Some(root);
         req.block_hashes = block_hashes;
         req.image_spans = image_spans;
         req.prefix_lookup = lookup;
@@ -121,11 +124,12 @@ impl Scheduler {
         let step = self.next_step_id - 1;
         let req = self.req(handle);
         let len = req.len();
-        let caching = self.config.enable_prefix_caching && !req.block_hashes.is_empty();
+        let caching = self.config.enable_prefix_caching && req.prefix_root.is_some();
         let lookup = caching && req.prefix_lookup;
         let num_cached = if caching { self.cache.num_cached(&req.block_hashes) } else { 0 };
         let hit = if lookup {
-            self.snapshots.find(&req.block_hashes, num_cached, &req.tokens, len - 1, block_size, step, |s, e| {
+            let root = req.prefix_root.expect("caching");
+            self.snapshots.find(root, &req.block_hashes, num_cached, &req.tokens, len - 1, block_size, step, |s, e| {
                 !req.overlaps_image(s, e)
             })
         } else {
@@ -244,7 +248,8 @@ impl Scheduler {
         let req = self.req(handle);
         let depth = (boundary / block_size) as usize;
         let Some(slot) = req.state_slot else { return };
-        if depth == 0 || depth > req.block_hashes.len() || boundary > req.len() {
+        let Some(root) = req.prefix_root else { return };
+        if boundary == 0 || depth > req.block_hashes.len() || boundary > req.len() {
             return;
         }
         let tail_start = depth as u32 * block_size;
@@ -253,7 +258,8 @@ impl Scheduler {
         }
         let chain = req.block_hashes[..depth].to_vec();
         let tail = req.tokens[tail_start as usize..boundary as usize].to_vec();
-        if let Some(id) = self.snapshots.find_exact(&chain, &tail) {
+        let key = chain.last().copied().unwrap_or(root);
+        if let Some(id) = self.snapshots.find_exact(key, depth, &tail) {
             self.snapshots.touch(id);
             return;
         }
@@ -271,7 +277,7 @@ impl Scheduler {
             }
         };
         let ready_step = self.next_step_id;
-        match self.snapshots.insert(Snapshot { chain, tail, tail_block, ready_step }) {
+        match self.snapshots.insert(Snapshot { key, chain, tail, tail_block, ready_step }) {
             Some((id, evicted)) => {
                 if let Some(dropped) = evicted {
                     self.release_snapshot(dropped);

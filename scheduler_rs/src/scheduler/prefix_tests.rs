@@ -33,7 +33,7 @@ fn hashes(tokens: &[u32]) -> Vec<u64> {
 fn add(s: &mut Scheduler, id: &str, prompt: Vec<u32>, max_tokens: u32) {
     let h = hashes(&prompt);
     s.add_request(id.into(), prompt, StopRules::new(max_tokens), true, false, 0, String::new()).unwrap();
-    s.set_block_hashes(id, h, Vec::new(), true).unwrap();
+    s.set_block_hashes(id, 0, h, Vec::new(), true).unwrap();
 }
 
 /// One step; every sampled row yields `7`; then the engine's part: hashes of newly filled blocks.

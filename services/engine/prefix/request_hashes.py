@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler_rs import Scheduler
-from services.engine.prefix.block_hash import ImageSpan, block_hashes
+from services.engine.prefix.block_hash import ImageSpan, block_hashes, root_hash
 
 
 @dataclass
@@ -65,7 +65,7 @@ class RequestHashes:
         chain.hashes = block_hashes(prompt, self.block_size, model=self.model, salt=salt, images=images)
         self._chains[request_id] = chain
         spans = [(s.start, s.num_tokens) for s in images]
-        self.scheduler.set_block_hashes(request_id, chain.hashes, spans, lookup)
+        self.scheduler.set_block_hashes(request_id, root_hash(self.model, salt), chain.hashes, spans, lookup)
 
     def grow(self, request_id: str, tokens: Sequence[int]) -> None:
         """``tokens``: the request's prompt and output so far; hashes the blocks they newly fill."""
