@@ -125,7 +125,8 @@ class EngineConfig:
     # batch-invariant mode.
     enable_prefix_caching: bool = True
     # State snapshots prefix caching keeps (each the bytes of a state slot, plus at most one block); None =
-    # 2 · max_num_seqs with prefix caching, 0 without.
+    # 4 · max_num_seqs with prefix caching (a request saves up to three while it prefills and one when it ends),
+    # 0 without.
     num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
@@ -216,7 +217,7 @@ class EngineConfig:
     def resolved_num_state_snapshots(self) -> int:
         if not self.enable_prefix_caching:
             return 0
-        return self.num_state_snapshots if self.num_state_snapshots is not None else 2 * self.max_num_seqs
+        return self.num_state_snapshots if self.num_state_snapshots is not None else 4 * self.max_num_seqs
 
     def num_worker_state_slots(self) -> int:
         """State slots the worker holds: the request slots (null slot included), then the snapshots."""
@@ -314,7 +315,7 @@ def add_step_arguments(parser) -> None:
         "--num-state-snapshots",
         type=int,
         default=None,
-        help="state snapshots prefix caching keeps, each a state slot's bytes (default 2 × --max-num-seqs)",
+        help="state snapshots prefix caching keeps, each a state slot's bytes (default 4 × --max-num-seqs)",
     )
 
 

@@ -83,8 +83,9 @@ impl Scheduler {
             chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32, prompt: true });
             if is_last {
                 finished_prefill.insert(handle);
-            } else if self.config.engine_type == EngineType::Normal {
-                // A cut prompt ends a NORMAL step (it used the budget up); it keeps its place.
+            } else if self.config.engine_type == EngineType::Normal && budget == 0 {
+                // A prompt cut by the budget ends a NORMAL step; it keeps its place. (One cut at a snapshot
+                // boundary leaves budget for the prompts behind it.)
                 break;
             }
         }
