@@ -193,7 +193,9 @@ class Engine:
             priority=priority,
             tenant=tenant,
         )
-        self._hash(prefix, prompt[:-1], params, ready)
+        # No block hashes: the group does not use the prefix cache. (Its prefix must be forked with no step in
+        # flight; a snapshot cut at its last full block would put its last row in a mixed step, which async
+        # scheduling keeps in flight.)
         self.requests[prefix] = LiveRequest(
             RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
         )
@@ -296,8 +298,6 @@ class Engine:
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=list(params.stop_token_ids),
             )
-            if self.hashes is not None:
-                self.hashes.fork(prefix, member)
             choice = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
             if params.constraint is not None:  # each choice its own matcher; the prefix waited for the compile
                 assert self.grammars is not None
@@ -309,8 +309,6 @@ class Engine:
             members.append(member)
         self.scheduler.abort(prefix)
         self.worker.release(prefix)
-        if self.hashes is not None:
-            self.hashes.drop(prefix)
         self.groups[user_id] = members
 
     def provide_images(self, request_id: str, rows) -> None:
