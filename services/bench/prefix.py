@@ -141,8 +141,9 @@ def main(args: argparse.Namespace) -> int:
         if name in results["on"]:
             off, on = results["off"][name], results["on"][name]
             print(
-                f"{name}: prefill tokens computed {off['prefill_tokens_computed']} off, {on['prefill_tokens_computed']} "
-                f"on (of {on['prompt_tokens']} prompt tokens); output tok/s {off['output_tokens_per_s']} off, "
+                f"{name}: prefill tokens computed {off['prefill_tokens_computed']} off, "
+                f"{on['prefill_tokens_computed']} on (of {on['prompt_tokens']} prompt tokens); "
+                f"output tok/s {off['output_tokens_per_s']} off, "
                 f"{on['output_tokens_per_s']} on"
             )
     if args.json_path:
