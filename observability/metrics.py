@@ -67,6 +67,11 @@ VLLM_ITL = "vllm:inter_token_latency_seconds"
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
+# The prefix cache, in prompt tokens (vLLM's counters): looked up at admission, and of those found cached.
+PREFIX_CACHE_QUERIES = "shinkai_engine_prefix_cache_queries"
+PREFIX_CACHE_HITS = "shinkai_engine_prefix_cache_hits"
+VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 
 # Tokenizer, worker and EPLB planner processes.
 TOKENIZER_CALLS = "shinkai_tokenizer_calls"
@@ -162,6 +167,29 @@ def _stat(stats: Callable[[], Any], key: str) -> Callable[[], float]:
     return lambda: float(getattr(stats(), key))
 
 
+class _PrefixCacheCounters:
+    """The engine's prefix-cache token counts (cumulative in its scheduler) as counters, read at scrape time,
+    under the shinkai_ names and vLLM's (label model_name)."""
+
+    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        s = self.stats()
+        for key, own, vllm, help_text in (
+            ("prefix_cache_queries", PREFIX_CACHE_QUERIES, VLLM_PREFIX_CACHE_QUERIES, "prompt tokens looked up"),
+            ("prefix_cache_hits", PREFIX_CACHE_HITS, VLLM_PREFIX_CACHE_HITS, "prompt tokens found in the prefix cache"),
+        ):
+            value = float(getattr(s, key))
+            yield CounterMetricFamily(own, help_text, value=value)
+            family = CounterMetricFamily(vllm, help_text + " (vLLM name)", labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class EngineMetrics:
     """One engine replica: request phases, steps, preemptions, aborts, and its pools read at scrape time.
 
@@ -208,6 +236,7 @@ class EngineMetrics:
         prom.Gauge(VLLM_KV_USAGE, "KV cache usage, the fuller pool (vLLM name)", list(model), registry=r).labels(
             **model
         ).set_function(lambda: max(blocks(), slots()))
+        r.register(_PrefixCacheCounters(stats, model_name))
         info = {k: str(v) for k, v in cache_config.items()}
         prom.Gauge(VLLM_CACHE_CONFIG, "cache configuration (vLLM name)", list(info), registry=r).labels(**info).set(1)
 

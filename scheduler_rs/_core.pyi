@@ -94,6 +94,8 @@ class SchedulerConfig:
         vocab_size: int | None = None,
         draft_pad_token_id: int = 0,
         spec_varlen: bool = False,
+        enable_prefix_caching: bool = False,
+        num_state_snapshots: int = 0,
     ) -> SchedulerConfig: ...
     @property
     def engine_type(self) -> EngineType: ...
@@ -135,6 +137,11 @@ class SchedulerConfig:
         drafts' confidences and the step-cost curve (``Scheduler.set_step_cost``); off: ``nextn`` drafts."""
     @property
     def draft_pad_token_id(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def num_state_snapshots(self) -> int:
+        """State snapshots (prefix caching): worker state slots ``num_state_slots …`` after the request slots."""
     @property
     def ring_size(self) -> int:
         """Window ring positions: window + max(6, nextn + 1)."""
@@ -276,6 +283,9 @@ class RequestUpdate:
     @property
     def num_output_tokens(self) -> int: ...
     @property
+    def num_cached_tokens(self) -> int:
+        """Positions the request's latest admission took from the prefix cache instead of computing them."""
+    @property
     def finished(self) -> bool: ...
 
 @final
@@ -308,6 +318,8 @@ class RequestState:
     def priority(self) -> int: ...
     @property
     def tenant(self) -> str: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
 
 @final
 class SchedulerStats:
@@ -329,6 +341,20 @@ class SchedulerStats:
     def num_steps_in_flight(self) -> int: ...
     @property
     def num_deferred_blocks(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache; those no request holds count in ``num_free_blocks``."""
+    @property
+    def num_state_snapshots(self) -> int: ...
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since the start."""
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens resumed from the cache instead of computed."""
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt-chunk rows planned since the start."""
 
 @final
 class Scheduler:
@@ -380,6 +406,23 @@ class Scheduler:
     def stats(self) -> SchedulerStats: ...
     def wants_prefill(self) -> bool: ...
     def has_unfinished(self) -> bool: ...
+    def set_block_hashes(
+        self,
+        request_id: str,
+        root: int,
+        block_hashes: Sequence[int],
+        image_spans: Sequence[tuple[int, int]] = ...,
+        lookup: bool = True,
+    ) -> None:
+        """Prefix caching: a waiting request's hash chain root (``block_hash.root_hash``) and full-block hashes
+        (``block_hash.block_hashes``), its image spans (first position, positions) and whether it may resume from
+        the cache; before its prefill starts."""
+    def add_block_hashes(self, request_id: str, block_hashes: Sequence[int]) -> None:
+        """The hashes of the blocks a request's output filled since the last call."""
+    def take_kv_events(self) -> tuple[list[int], list[int], bool]:
+        """(stored, removed, cleared): the blocks that entered and left the prefix cache since the last call."""
+    def clear_prefix_cache(self) -> None:
+        """Drops every snapshot and the cache's hold on every cached block."""
     def block_ref_count(self, block_id: int) -> int: ...
     def check_invariants(self) -> None:
         """Raises AssertionError naming the first broken pool or queue invariant."""

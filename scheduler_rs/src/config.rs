@@ -70,6 +70,12 @@ pub struct SchedulerConfig {
     pub vocab_size: Option<u32>,
     /// Input token of a draft row before the draft model has proposed anything.
     pub draft_pad_token_id: u32,
+    /// Prefix caching: full blocks stay cached by content hash after their requests end, and state
+    /// snapshots let a request resume after a cached prefix (`prefix_cache`, `snapshots`).
+    pub enable_prefix_caching: bool,
+    /// State snapshots (prefix caching): extra state slots the worker holds after the request slots,
+    /// worker ids `num_state_slots ..num_state_slots + num_state_snapshots`.
+    pub num_state_snapshots: u32,
 }
 
 /// Rollback room in the window ring: DeepInfer clamps the backtracking allowance to at least 6.
@@ -122,6 +128,8 @@ impl SchedulerConfig {
             cuda_graph_interval: 8,
             vocab_size: None,
             draft_pad_token_id: 0,
+            enable_prefix_caching: false,
+            num_state_snapshots: 0,
         }
     }
 

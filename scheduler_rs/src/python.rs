@@ -272,7 +272,8 @@ impl SchedulerConfig {
     #[pyo3(signature = (*, block_size, num_blocks, num_state_slots, max_num_seqs, max_num_batched_tokens,
         max_model_len, num_ranks=1, engine_type=EngineType::Normal, nextn=0, window_size=128, compress_ratios=vec![2, 1], preemption_mode=PreemptionMode::Stop,
         scheduling=Scheduling::Separate, prefill_attempt_interval=None, prefill_any_attempt_interval=None, prefill_max_cache_usage=0.9,
-        cuda_graph_interval=8, vocab_size=None, draft_pad_token_id=0, spec_varlen=false))]
+        cuda_graph_interval=8, vocab_size=None, draft_pad_token_id=0, spec_varlen=false, enable_prefix_caching=false,
+        num_state_snapshots=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_size: u32,
@@ -295,6 +296,8 @@ impl SchedulerConfig {
         vocab_size: Option<u32>,
         draft_pad_token_id: u32,
         spec_varlen: bool,
+        enable_prefix_caching: bool,
+        num_state_snapshots: u32,
     ) -> PyResult<Self> {
         let limits = Limits {
             block_size,
@@ -318,6 +321,8 @@ impl SchedulerConfig {
         c.vocab_size = vocab_size;
         c.draft_pad_token_id = draft_pad_token_id;
         c.spec_varlen = spec_varlen;
+        c.enable_prefix_caching = enable_prefix_caching;
+        c.num_state_snapshots = num_state_snapshots;
         c.validate().map_err(SchedulerError::InvalidConfig)?;
         Ok(SchedulerConfig { inner: c })
     }
@@ -397,6 +402,14 @@ impl SchedulerConfig {
     #[getter]
     fn draft_pad_token_id(&self) -> u32 {
         self.inner.draft_pad_token_id
+    }
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.enable_prefix_caching
+    }
+    #[getter]
+    fn num_state_snapshots(&self) -> u32 {
+        self.inner.num_state_snapshots
     }
     #[getter]
     fn ring_size(&self) -> u32 {
@@ -680,6 +693,7 @@ pub struct RequestUpdate {
     stop_token_id: Option<u32>,
     num_prompt_tokens: u32,
     num_output_tokens: u32,
+    num_cached_tokens: u32,
 }
 
 impl From<CoreUpdate> for RequestUpdate {
@@ -691,6 +705,7 @@ impl From<CoreUpdate> for RequestUpdate {
             stop_token_id: o.stop_token_id,
             num_prompt_tokens: o.num_prompt_tokens,
             num_output_tokens: o.num_output_tokens,
+            num_cached_tokens: o.num_cached_tokens,
         }
     }
 }
@@ -722,6 +737,11 @@ pub struct SchedulerStats {
     decode_step: u64,
     num_steps_in_flight: u64,
     num_deferred_blocks: u32,
+    num_cached_blocks: u32,
+    num_state_snapshots: u32,
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
+    num_prefill_tokens: u64,
 }
 
 impl From<CoreStats> for SchedulerStats {
@@ -736,6 +756,11 @@ impl From<CoreStats> for SchedulerStats {
             decode_step: s.decode_step,
             num_steps_in_flight: s.num_steps_in_flight,
             num_deferred_blocks: s.num_deferred_blocks,
+            num_cached_blocks: s.num_cached_blocks,
+            num_state_snapshots: s.num_state_snapshots,
+            prefix_cache_queries: s.prefix_cache_queries,
+            prefix_cache_hits: s.prefix_cache_hits,
+            num_prefill_tokens: s.num_prefill_tokens,
         }
     }
 }
@@ -757,6 +782,7 @@ pub struct RequestState {
     num_preemptions: u32,
     priority: i32,
     tenant: String,
+    num_cached_tokens: u32,
 }
 
 impl From<&Request> for RequestState {
@@ -779,6 +805,7 @@ impl From<&Request> for RequestState {
             num_preemptions: r.num_preemptions,
             priority: r.priority,
             tenant: r.tenant.clone(),
+            num_cached_tokens: r.num_cached_tokens,
         }
     }
 }
@@ -917,6 +944,36 @@ impl Scheduler {
 
     fn has_unfinished(&self) -> bool {
         self.inner.has_unfinished()
+    }
+
+    /// Prefix caching: a waiting request's hash chain root and full-block hashes, image spans (start,
+    /// positions) and whether it may resume from the cache; before its prefill starts.
+    #[pyo3(signature = (request_id, root, block_hashes, image_spans=Vec::new(), lookup=true))]
+    fn set_block_hashes(
+        &mut self,
+        request_id: &str,
+        root: u64,
+        block_hashes: Vec<u64>,
+        image_spans: Vec<(u32, u32)>,
+        lookup: bool,
+    ) -> PyResult<()> {
+        Ok(self.inner.set_block_hashes(request_id, root, block_hashes, image_spans, lookup)?)
+    }
+
+    /// The hashes of the blocks a request's output filled since the last call.
+    fn add_block_hashes(&mut self, request_id: &str, block_hashes: Vec<u64>) -> PyResult<()> {
+        Ok(self.inner.add_block_hashes(request_id, &block_hashes)?)
+    }
+
+    /// (stored, removed, cleared): the blocks that entered and left the prefix cache since the last call.
+    fn take_kv_events(&mut self) -> (Vec<u64>, Vec<u64>, bool) {
+        let e = self.inner.take_kv_events();
+        (e.stored, e.removed, e.cleared)
+    }
+
+    /// Drops every snapshot and the cache's hold on every cached block.
+    fn clear_prefix_cache(&mut self) {
+        self.inner.clear_prefix_cache();
     }
 
     fn block_ref_count(&self, block_id: u32) -> u32 {

@@ -128,6 +128,24 @@ pub struct Request {
     pub num_preemptions: u32,
     /// Unique per admission or recompute; a step's results apply only to the incarnation it planned.
     pub incarnation: u64,
+    /// Prefix caching: the hashes of the request's full blocks known so far (its prompt's at admission,
+    /// then each block its output fills); empty when the engine gave none (the request shares nothing).
+    pub block_hashes: Vec<u64>,
+    /// The root of the request's hash chain (`block_hash.root_hash`: the model and salt); None when the engine
+    /// gave none (the request shares nothing).
+    pub prefix_root: Option<u64>,
+    /// Image spans (first position, positions) of the prompt: a snapshot's tail never covers one.
+    pub image_spans: Vec<(u32, u32)>,
+    /// May resume from the prefix cache (false: every position is computed, e.g. for prompt logprobs).
+    pub prefix_lookup: bool,
+    /// Blocks `0..num_cached_blocks` of the block table have been offered to the prefix cache.
+    pub num_cached_blocks: u32,
+    /// Positions the last admission took from the prefix cache (not computed).
+    pub num_cached_tokens: u32,
+    /// Boundaries (ascending) where this request's prefill ends a chunk and snapshots its state: the end
+    /// of the cached blocks where they are deeper than any snapshot (where prompts were seen to diverge),
+    /// and the prompt's last full block (where a re-rendered chat history diverges from this prompt).
+    pub snapshot_at: Vec<u32>,
 }
 
 impl Request {
@@ -157,6 +175,13 @@ impl Request {
             tenant_slot: 0,
             num_preemptions: 0,
             incarnation: 0,
+            block_hashes: Vec::new(),
+            prefix_root: None,
+            image_spans: Vec::new(),
+            prefix_lookup: true,
+            num_cached_blocks: 0,
+            num_cached_tokens: 0,
+            snapshot_at: Vec::new(),
         }
     }
 
@@ -199,6 +224,11 @@ impl Request {
         self.drafts_fresh = false;
         self.num_unverified_proposals = 0;
         self.num_proposals_to_skip = 0;
+    }
+
+    /// Whether positions `start..end` overlap an image span.
+    pub fn overlaps_image(&self, start: u32, end: u32) -> bool {
+        self.image_spans.iter().any(|&(s, n)| s < end && s + n > start)
     }
 
     /// Blocks needed to hold positions `0..num_positions`.

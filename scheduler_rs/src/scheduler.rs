@@ -15,8 +15,10 @@ use std::collections::{HashMap, VecDeque};
 use crate::block_manager::BlockManager;
 use crate::config::{EngineType, SchedulerConfig};
 use crate::plan_builder::PlanBuilder;
+use crate::prefix_cache::PrefixCache;
 use crate::queue_order::{insertion_point, QueueOrder, TenantShares};
 use crate::request::{FinishReason, Request, StopRules};
+use crate::snapshots::Snapshots;
 use crate::step::{RequestUpdate, StepKind, StepPlan};
 use crate::varlen::MtpVarlen;
 
@@ -26,11 +28,14 @@ mod decode;
 mod fork;
 mod mixed;
 mod prefill;
+mod prefix;
 mod update;
 #[cfg(test)]
 mod fairness_tests;
 #[cfg(test)]
 mod mixed_tests;
+#[cfg(test)]
+mod prefix_tests;
 #[cfg(test)]
 mod tests;
 
@@ -70,6 +75,16 @@ pub struct SchedulerStats {
     pub num_steps_in_flight: u64,
     /// Blocks waiting for an in-flight step before they return to the free list.
     pub num_deferred_blocks: u32,
+    /// Blocks in the prefix cache (held by requests or not); those no request holds count as free.
+    pub num_cached_blocks: u32,
+    /// State snapshots held.
+    pub num_state_snapshots: u32,
+    /// Prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`), since the start.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (resumed from a snapshot instead of computed).
+    pub prefix_cache_hits: u64,
+    /// Prompt-chunk rows planned since the start (prompt and recomputed tokens that were computed).
+    pub num_prefill_tokens: u64,
 }
 
 /// Resources released when the step `release_after` is updated.
@@ -117,11 +132,23 @@ pub struct Scheduler {
     varlen: Option<MtpVarlen>,
     /// The curve is measured, not a guess (`set_step_cost`).
     step_cost_measured: bool,
+    /// Prefix caching's blocks (`prefix_cache`) and state snapshots (`snapshots`).
+    cache: PrefixCache,
+    snapshots: Snapshots,
+    /// Snapshot copies planned while scheduling a step that computes their boundary: they go into the
+    /// next plan, before that step's forward, so they copy the state right after the boundary's step.
+    next_plan_block_copies: Vec<(u32, u32)>,
+    next_plan_state_copies: Vec<(u32, u32)>,
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
+    num_prefill_tokens: u64,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerError> {
         config.validate().map_err(SchedulerError::InvalidConfig)?;
+        let num_snapshots = if config.enable_prefix_caching { config.num_state_snapshots } else { 0 };
+        let snapshots = Snapshots::new(num_snapshots, config.num_state_slots);
         Ok(Scheduler {
             blocks: BlockManager::new("block", config.num_blocks),
             slots: BlockManager::new("state slot", config.num_state_slots),
@@ -143,6 +170,13 @@ impl Scheduler {
             shares: TenantShares::default(),
             varlen: None,
             step_cost_measured: false,
+            cache: PrefixCache::default(),
+            snapshots,
+            next_plan_block_copies: Vec::new(),
+            next_plan_state_copies: Vec::new(),
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            num_prefill_tokens: 0,
         })
     }
 
@@ -179,7 +213,7 @@ impl Scheduler {
 
     pub fn stats(&self) -> SchedulerStats {
         SchedulerStats {
-            num_free_blocks: self.blocks.num_free(),
+            num_free_blocks: self.num_available_blocks(),
             num_total_blocks: self.blocks.num_total(),
             num_free_state_slots: self.slots.num_free(),
             num_total_state_slots: self.slots.num_total(),
@@ -188,6 +222,11 @@ impl Scheduler {
             decode_step: self.decode_step,
             num_steps_in_flight: self.next_step_id - self.num_steps_updated,
             num_deferred_blocks: self.deferred.iter().map(|d| d.blocks.len() as u32).sum(),
+            num_cached_blocks: self.cache.num_blocks(),
+            num_state_snapshots: self.snapshots.num_held(),
+            prefix_cache_queries: self.prefix_cache_queries,
+            prefix_cache_hits: self.prefix_cache_hits,
+            num_prefill_tokens: self.num_prefill_tokens,
         }
     }
 
@@ -342,7 +381,7 @@ impl Scheduler {
             }
             None => {
                 for block in blocks {
-                    self.blocks.free(block).expect("a held block");
+                    self.free_block(block);
                 }
                 if let Some(slot) = state_slot {
                     self.slots.free(slot).expect("a held state slot");
@@ -367,6 +406,7 @@ impl Scheduler {
             stop_token_id,
             num_prompt_tokens: req.num_prompt_tokens,
             num_output_tokens: req.tokens.len() as u32 - req.num_prompt_tokens,
+            num_cached_tokens: req.num_cached_tokens,
         };
         (output, num_deferred)
     }
@@ -389,7 +429,7 @@ impl Scheduler {
     /// would otherwise wait forever behind empty decode steps).
     pub fn wants_prefill(&self) -> bool {
         self.waiting.iter().find(|&&h| self.req(h).schedulable).is_some_and(|&h| {
-            !self.req(h).block_table.is_empty() || self.blocks.usage() <= self.config.prefill_max_cache_usage
+            !self.req(h).block_table.is_empty() || self.block_usage() <= self.config.prefill_max_cache_usage
         })
     }
 
@@ -397,6 +437,12 @@ impl Scheduler {
     pub fn schedule(&mut self, collective: &mut dyn Collective) -> StepPlan {
         let step_id = self.next_step_id;
         self.next_step_id += 1;
+        // Snapshot saves planned with the previous step come first (they are older than the copies queued
+        // since): a restore planned now reads after them, and a slot reused since is written in order.
+        self.next_plan_block_copies.append(&mut self.pending_block_copies);
+        self.next_plan_state_copies.append(&mut self.pending_state_copies);
+        std::mem::swap(&mut self.pending_block_copies, &mut self.next_plan_block_copies);
+        std::mem::swap(&mut self.pending_state_copies, &mut self.next_plan_state_copies);
         let (kind, chosen, outputs) = if self.config.mixed() {
             self.schedule_mixed()
         } else {
@@ -419,7 +465,9 @@ impl Scheduler {
         plan.outputs = outputs;
         plan.block_copies = std::mem::take(&mut self.pending_block_copies);
         plan.state_copies = std::mem::take(&mut self.pending_state_copies);
+        self.snapshots.unpin_all();
         self.shares.start_step();
+        self.num_prefill_tokens += chosen.iter().filter(|s| s.prompt).map(|s| s.num_rows as u64).sum::<u64>();
         for s in &chosen {
             let req = self.slab[s.handle].as_mut().expect("live handle");
             req.num_inflight_tokens += s.num_rows;
@@ -472,12 +520,18 @@ impl Scheduler {
 
     /// Pool conservation and reference counts; an error names the first broken invariant.
     pub fn check_invariants(&self) -> Result<(), String> {
+        let cache_blocks: Vec<u32> = self.cache.blocks().chain(self.snapshots.tail_blocks()).collect();
         crate::invariants::check_pools(
             &self.blocks,
             &self.slots,
             self.slab.iter().flatten().map(|r| (r.block_table.as_slice(), r.state_slot)),
-            self.deferred.iter().map(|d| (d.blocks.as_slice(), d.state_slot)),
+            self.deferred
+                .iter()
+                .map(|d| (d.blocks.as_slice(), d.state_slot))
+                .chain(std::iter::once((cache_blocks.as_slice(), None))),
         )?;
+        self.cache.check(&self.blocks)?;
+        self.snapshots.check()?;
         let num_live = self.slab.iter().flatten().count();
         if num_live != self.shares.num_live() as usize {
             return Err(format!("{num_live} live requests but {} in the tenants' accounts", self.shares.num_live()));

@@ -131,6 +131,8 @@ pub struct RequestUpdate {
     pub num_prompt_tokens: u32,
     /// Output tokens so far, including `token_ids`.
     pub num_output_tokens: u32,
+    /// Positions the request's latest admission took from the prefix cache instead of computing them.
+    pub num_cached_tokens: u32,
 }
 
 /// CUDA graph sizes: powers of two up to `interval`, then multiples of it up to `max_rows`; the

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -119,6 +120,14 @@ class EngineConfig:
     # Varlen's step-cost curve as ((rows, milliseconds), ...) pairs; None = measured from the engine's own
     # decode steps (services/engine/step_cost.py).
     spec_step_cost_ms: tuple[tuple[int, float], ...] | None = None
+    # Prefix caching (docs/architecture.md, "Prefix caching"): full blocks stay cached by content hash, and
+    # state snapshots let a request resume after a cached prefix; the same bits as without it in the
+    # batch-invariant mode.
+    enable_prefix_caching: bool = True
+    # State snapshots prefix caching keeps (each the bytes of a state slot, plus at most one block); None =
+    # 4 · max_num_seqs with prefix caching (a request saves up to three while it prefills and one when it ends),
+    # 0 without.
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -171,6 +180,8 @@ class EngineConfig:
             )
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         if self.num_redundant_experts < 0:
@@ -203,6 +214,15 @@ class EngineConfig:
     def resolved_num_state_slots(self) -> int:
         return self.num_state_slots if self.num_state_slots is not None else self.max_num_seqs + 1
 
+    def resolved_num_state_snapshots(self) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return self.num_state_snapshots if self.num_state_snapshots is not None else 4 * self.max_num_seqs
+
+    def num_worker_state_slots(self) -> int:
+        """State slots the worker holds: the request slots (null slot included), then the snapshots."""
+        return self.resolved_num_state_slots() + self.resolved_num_state_snapshots()
+
     def replace(self, **changes: object) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
@@ -211,7 +231,7 @@ class EngineConfig:
         return WorkerConfig(
             block_size=self.block_size,
             num_blocks=self.resolved_num_blocks(),
-            num_state_slots=self.resolved_num_state_slots(),
+            num_state_slots=self.num_worker_state_slots(),
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             kernel_backend=self.kernel_backend,
@@ -268,7 +288,8 @@ def speculative_args(args) -> dict[str, object]:
 
 
 def add_step_arguments(parser) -> None:
-    """``--max-num-batched-tokens`` and ``--scheduling``, the same on generate, serve, up and the engine."""
+    """``--max-num-batched-tokens``, ``--scheduling`` and prefix caching's flags, the same on generate, serve, up
+    and the engine."""
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -283,17 +304,39 @@ def add_step_arguments(parser) -> None:
         help="mixed: decode rows and prompt chunks in one step, so a new prompt never stalls the running "
         "streams; separate: prompt-or-decode steps, as DeepInfer (default: mixed)",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep full blocks cached by content hash and state snapshots, so a request resumes after a cached "
+        "prefix with the same tokens as without (default: on)",
+    )
+    parser.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="state snapshots prefix caching keeps, each a state slot's bytes (default 4 × --max-num-seqs)",
+    )
 
 
 def step_args(args) -> dict[str, object]:
     """The engine arguments the flags of ``add_step_arguments`` set (those given)."""
-    given = (("max_num_batched_tokens", args.max_num_batched_tokens), ("scheduling", args.scheduling))
+    given = (
+        ("max_num_batched_tokens", args.max_num_batched_tokens),
+        ("scheduling", args.scheduling),
+        ("enable_prefix_caching", args.enable_prefix_caching),
+        ("num_state_snapshots", args.num_state_snapshots),
+    )
     return {k: v for k, v in given if v is not None}
 
 
 def step_argv(args: dict[str, object]) -> list[str]:
     """The command-line flags of ``step_args``' result, for a child process (``shinkai up``'s engines)."""
-    return [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
+    flags = []
+    for k, v in args.items():
+        name = k.replace("_", "-")
+        flags.append((f"--{name}" if v else f"--no-{name}") if isinstance(v, bool) else f"--{name}={v}")
+    return flags
 
 
 def add_parallel_arguments(parser) -> None:

@@ -12,6 +12,8 @@ from services.engine.config import EngineConfig
 from services.engine.finish_reason import FinishReason
 from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
+from services.engine.prefix.kv_events import KvEvents
+from services.engine.prefix.request_hashes import RequestHashes, image_spans
 from services.engine.prompt_logprob_rows import add_prompt_logprobs, prompt_rows
 from services.engine.request_checks import check_priority, choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
@@ -37,10 +39,14 @@ class Engine:
         window_size: int,
         vote: Callable[[bool, str], bool] | None = None,
         grammars: GrammarCompiler | None = None,
+        image_token_id: int | None = None,
+        model: str = "",
     ) -> None:
         """``vote``: the data-parallel group's all-reduce of one bool ("all" or "any"), needed when
         ``config.data_parallel_size`` > 1 (services/engine/parallel/vote.py). ``grammars``: structured output's
-        compiler over the model's vocabulary; None refuses constrained requests."""
+        compiler over the model's vocabulary; None refuses constrained requests. ``image_token_id``: the model's
+        image placeholder (None: no vision tower). ``model``: the name at the root of the prefix cache's block
+        hashes (``block_hash.py``): the served name, so a gateway's router hashes prompts as this engine does."""
         if (vote is None) != (config.data_parallel_size == 1):
             raise ValueError(
                 "an engine of a data-parallel group needs its group's vote, and only such an engine "
@@ -73,9 +79,14 @@ class Engine:
                 nextn=config.num_speculative_tokens,
                 spec_varlen=config.spec_varlen,
                 num_ranks=config.data_parallel_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                num_state_snapshots=config.resolved_num_state_snapshots(),
             ),
             vote,
         )
+        self.image_token_id = image_token_id
+        # Prefix caching: each live request's block hash chain, given to the scheduler (None: caching off).
+        self.hashes = RequestHashes(self.scheduler, config.block_size, model) if config.enable_prefix_caching else None
         # Varlen verification's step-cost curve: given, or measured from decode steps (None otherwise).
         self.step_cost: StepCostMeter | None = None
         self._last_read: float | None = None  # async: when the last decode step's result was read back
@@ -158,6 +169,9 @@ class Engine:
             priority=priority,
             tenant=tenant,
         )
+        # No block hashes: the group does not use the prefix cache. (Its prefix must be forked with no step in
+        # flight; a snapshot cut at its last full block would put its last row in a mixed step, which async
+        # scheduling keeps in flight.)
         self.requests[prefix] = LiveRequest(
             RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
         )
@@ -187,7 +201,30 @@ class Engine:
             priority=priority,
             tenant=tenant,
         )
+        self._hash(request_id, prompt, params, ready)
         self.requests[request_id] = self._choice(group or request_id, prompt, params, seed, group, index)
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        """Whether this engine caches prefixes (its block size: ``config.block_size``)."""
+        return self.hashes is not None
+
+    def take_kv_events(self) -> KvEvents:
+        """The blocks that entered and left the prefix cache since the last call (block_hash.py's hashes)."""
+        stored, removed, cleared = self.scheduler.take_kv_events()
+        return KvEvents(stored, removed, cleared)
+
+    def _hash(self, request_id: str, prompt: list[int], params: SamplingParams, ready: bool, rows=None) -> None:
+        """Gives the scheduler the request's block hashes: now, or (images pending) when its images arrive.
+        A request that asks for prompt logprobs computes every position, so it never resumes from the cache."""
+        if self.hashes is None or not ready:
+            return
+        spans = (
+            image_spans(prompt, self.image_token_id, rows)
+            if rows is not None and self.image_token_id is not None
+            else ()
+        )
+        self.hashes.admit(request_id, prompt, params.cache_salt, spans, lookup=params.prompt_logprobs is None)
 
     def _choice(
         self, user_id: str, prompt: list[int], params: SamplingParams, seed: int, group: str | None, index: int
@@ -251,6 +288,7 @@ class Engine:
         if set_images is None:  # a worker that takes no images (in-process and worker.v1 workers both do)
             raise ValueError(f"{type(self.worker).__name__} takes no image embeddings")
         set_images(request_id, req.output.prompt_token_ids, rows)
+        self._hash(request_id, req.output.prompt_token_ids, req.params, True, rows)
         if not self.structured.images_arrived(request_id):  # else schedulable once its grammar is ready too
             self.scheduler.set_schedulable(request_id)
 
@@ -286,6 +324,8 @@ class Engine:
             num_waiting=s.num_waiting,
             num_running=s.num_running,
             decode_step=s.decode_step,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
 
     # ---- the step loop ----------------------------------------------------------------------
@@ -477,6 +517,9 @@ class Engine:
                         n = req.params.logprobs or 0
                         out.top_logprobs.append(list(zip(top[0][r][:n], top[1][r][:n])))
             changed[update.request_id] = out
+            out.num_cached_tokens = update.num_cached_tokens
+            if self.hashes is not None and update.finish_reason is None:
+                self.hashes.grow(update.request_id, out.prompt_token_ids + out.token_ids)
             if update.finish_reason is not None:
                 changed[update.request_id] = self._finish(
                     update.request_id, FinishReason.of(update.finish_reason), update.stop_token_id
@@ -500,6 +543,8 @@ class Engine:
     def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         req = self.requests.pop(request_id)
         self.structured.drop(request_id)
+        if self.hashes is not None:
+            self.hashes.drop(request_id)
         if req.is_prefix:  # aborted before its fork: choice 0 stands for the request
             self.worker.release(request_id)
             assert req.group is not None

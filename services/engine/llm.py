@@ -121,6 +121,8 @@ class LLM:
             compress_ratios=kv_ratios or [1],
             window_size=cfg.sliding_window,
             grammars=GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
+            image_token_id=cfg.vision.image_token_id if cfg.vision is not None else None,
+            model=model,
         )
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call

@@ -104,7 +104,7 @@ def estimate(cfg: ModelConfig, config: EngineConfig) -> MemoryEstimate:
     moe = stacked * moe_tokens * (_padded(cfg.hidden_size) + _padded(cfg.moe_intermediate_size)) * 2
     activations = moe + chunk * cfg.hidden_size * 4 * ACTIVATION_ROW_FLOATS
     num_blocks = -(-config.max_model_len // config.block_size) + 1
-    pools = num_blocks * block_bytes + config.resolved_num_state_slots() * slot_bytes
+    pools = num_blocks * block_bytes + config.num_worker_state_slots() * slot_bytes
     reserve = CONTEXT_BYTES + (GRAPH_RESERVE_BYTES if config.cuda_graphs else 0)
     on_host = config.engram_on_host
     return MemoryEstimate(

@@ -33,6 +33,9 @@ class RequestOutput:
     index: int = 0
     # With finish reason "error" where the engine knows why (a grammar that failed to compile, ...); else None.
     error: str | None = None
+    # Prompt tokens taken from the prefix cache instead of computed (the latest admission's; OpenAI's
+    # usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

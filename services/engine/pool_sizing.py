@@ -79,11 +79,16 @@ def size_pools(
     device = torch.device(config.device or "cuda")
     cfg = source.config
     block_bytes, slot_bytes = cache_bytes(cfg, config.block_size, config.num_speculative_tokens)
-    num_slots = config.resolved_num_state_slots()
+    num_slots = config.num_worker_state_slots()
     prompt_len = min(config.max_num_batched_tokens, config.max_model_len - 1)
     probe_blocks = -(-(prompt_len + 1) // config.block_size) + 1
     probe = config.replace(
-        num_blocks=probe_blocks, num_state_slots=2, max_num_seqs=1, cuda_graphs=False, async_scheduling=False
+        num_blocks=probe_blocks,
+        num_state_slots=2,
+        max_num_seqs=1,
+        cuda_graphs=False,
+        async_scheduling=False,
+        enable_prefix_caching=False,
     )
     model_bytes = sum(  # on the device only: Engram tables kept on the host are not its
         t.numel() * t.element_size()

@@ -64,6 +64,10 @@ class SamplingParams:
     # Structured output: what the text must match (a JSON schema, a regex, an EBNF grammar, ...), enforced by a
     # token mask in the sampler (services/engine/structured/); None is unconstrained.
     constraint: Constraint | None = None
+    # Prefix caching's salt (vLLM's cache_salt): a request shares cached blocks only with requests of the same
+    # salt (block_hash.py's root), so tenants that must not observe each other's prompts by timing use their own;
+    # None shares with every unsalted request.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or self.max_tokens < 1):
@@ -98,6 +102,8 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError("cache_salt must be a non-empty string when given")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -46,6 +46,8 @@ class ServedEngine:
         """``image_encoder``: where image requests are encoded (the multimodal service); None: the model's own
         tower in this process, when it has one and the worker is in-process."""
         self.llm = llm
+        if llm.engine.hashes is not None:
+            llm.engine.hashes.model = served_model_name  # the gateway's router hashes prompts under this name
         self.service = EngineService(llm.engine, replica=replica, max_queued=max_queued)
         self.metrics = RequestMetrics()  # the endpoint's registry: request metrics, then the engine's
         cfg = llm.source.config

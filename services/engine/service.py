@@ -84,6 +84,8 @@ class Delta:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Alongside prompt_logprobs: per such token, its rank (vLLM's: how many tokens have a logprob >= its).
     prompt_ranks: list[int] | None = None
+    # Prompt tokens taken from the prefix cache instead of computed (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 class RequestStream:
@@ -440,6 +442,7 @@ class EngineService:
             prompt_logprobs=list(out.prompt_logprobs or ()) if with_prompt else None,
             prompt_top_logprobs=list(out.prompt_top_logprobs or ()) if with_prompt else None,
             prompt_ranks=list(out.prompt_ranks or ()) if with_prompt else None,
+            num_cached_tokens=out.num_cached_tokens,
         )
         if delta.token_ids:
             self.observer.tokens(stream.times)

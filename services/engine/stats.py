@@ -18,3 +18,5 @@ class EngineStats:
     num_running: int  # requests with blocks, being stepped
     decode_step: int  # decode steps since the latest prompt step (the scheduler's vote counter)
     num_queued: int = 0  # accepted by the service, not yet handed to the scheduler (0 below a service)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the engine started
+    prefix_cache_hits: int = 0  # of those, tokens taken from the cache instead of computed

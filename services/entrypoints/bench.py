@@ -52,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--json", dest="json_path", help="write the figures as JSON here")
     gen.set_defaults(func=_run_generate)
+    prefix = targets.add_parser(
+        "prefix", help="TTFT, prefill tokens computed and output tok/s of multi-turn and agent loads, cache on vs off"
+    )
+    from services.bench import prefix as prefix_bench
+
+    prefix_bench.add_arguments(prefix)
+    prefix.set_defaults(func=_run_prefix)
     spec = targets.add_parser("speculative", help="tokens/s with DSpark drafts at forced acceptance rates vs off")
     from services.bench.speculative import run as speculative
 
@@ -69,6 +76,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from services.bench import generate
 
     return generate.main(args)
+
+
+def _run_prefix(args: argparse.Namespace) -> int:
+    from services.bench import prefix
+
+    return prefix.main(args)
 
 
 def _run_speculative(args: argparse.Namespace) -> int:

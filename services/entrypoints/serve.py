@@ -102,9 +102,10 @@ def _config(args: argparse.Namespace):
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags each rank process of `serve --dp N` gets (services/entrypoints/engine.py)."""
+    from services.engine.config import step_args, step_argv
     from services.engine.device import device_args, device_argv
 
-    argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args))]
+    argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args)), *step_argv(step_args(args))]
     if args.num_speculative_tokens:  # each rank verifies its own requests' drafts (docs/parallelism.md)
         argv += ["--num-speculative-tokens", str(args.num_speculative_tokens), "--spec-sampling", args.spec_sampling]
     argv += ["--spec-varlen"] if args.spec_varlen else []  # without drafts: the rank's config refuses it by name

@@ -33,7 +33,8 @@ class StackConfig:
     num_speculative_tokens: int = 0  # DSpark drafts per request and step (EngineConfig.num_speculative_tokens)
     spec_sampling: str = "rejection"  # EngineConfig.spec_sampling
     spec_varlen: bool = False  # EngineConfig.spec_varlen
-    # EngineConfig step fields passed to each engine as flags: max_num_batched_tokens, scheduling (step_args).
+    # EngineConfig step fields passed to each engine as flags: max_num_batched_tokens, scheduling, prefix caching
+    # (step_args).
     step_args: tuple[tuple[str, object], ...] = ()
     drain_timeout_s: float | None = None  # engines' and gateway's grace period on SIGTERM; None: their default
     allow_private_image_urls: bool = False  # the gateway fetches image URLs resolving to private addresses too

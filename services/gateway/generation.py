@@ -85,6 +85,7 @@ class Generation:
         self.ticket = ticket
         self._last: float | None = None  # time of the latest token-bearing delta
         self.finish_reason: FinishReason | None = None
+        self.num_cached_tokens = 0  # prompt tokens the engine took from its prefix cache (the final delta's)
 
     def __aiter__(self) -> Generation:
         return self
@@ -138,6 +139,7 @@ class Generation:
         assert delta.finish_reason is not None
         self.detokenizer.close()
         self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
         if self.ticket is not None:
             self.ticket.done()
         self.metrics.generation_tokens.inc(delta.num_output_tokens)
@@ -151,7 +153,11 @@ class Generation:
         tracing.end(self.detokenize_span)
         tracing.end(
             self.span,
-            {"request.finish_reason": str(reason), "request.output_tokens": num_output_tokens},
+            {
+                "request.finish_reason": str(reason),
+                "request.output_tokens": num_output_tokens,
+                "request.cached_tokens": self.num_cached_tokens,
+            },
             error=reason if reason == FinishReason.ERROR else None,
         )
         self.span = self.detokenize_span = None

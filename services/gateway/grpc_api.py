@@ -156,6 +156,7 @@ def _args(request: pb.GenerateRequest) -> tuple[GenerateArgs, ChatOptions | None
             min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
             min_p=s.min_p if s.HasField("min_p") else 0.0,
             prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+            cache_salt=s.cache_salt if s.HasField("cache_salt") else None,
             constraint=_constraint(s, options),
         )
     except ValueError as err:
@@ -266,7 +267,11 @@ class ShinkaiApi:
                     final = pb.Final(
                         finish_reason=FINISH_REASONS[d.finish_reason],
                         text=piece.text,
-                        usage=pb.Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=d.num_output_tokens),
+                        usage=pb.Usage(
+                            prompt_tokens=first.num_prompt_tokens,
+                            completion_tokens=d.num_output_tokens,
+                            cached_tokens=d.num_cached_tokens,
+                        ),
                         index=i,
                         more_choices=num_open > 0,
                     )

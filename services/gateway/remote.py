@@ -74,6 +74,8 @@ def _sampling(params: SamplingParams) -> pb.SamplingParams:
         s.min_p = params.min_p
     if params.prompt_logprobs is not None:
         s.prompt_logprobs = params.prompt_logprobs
+    if params.cache_salt is not None:
+        s.cache_salt = params.cache_salt
     for token_id, value in params.logit_bias:
         s.logit_bias[token_id] = value
     for token_id in params.banned_token_ids:
@@ -145,6 +147,7 @@ class RemoteStream:
                 stop_token_id=f.stop_token_id if f.HasField("stop_token_id") else None,
                 index=f.index,
                 last=not f.more_choices,
+                num_cached_tokens=f.usage.cached_tokens,
             )
         c = response.chunk
         self._num_output_tokens = c.num_output_tokens

@@ -35,15 +35,15 @@ impl Scheduler {
             let req = self.req(handle);
             let needed = Request::blocks_for(req.next_position() + rows[&handle], block_size);
             let extra = needed.saturating_sub(req.block_table.len() as u32);
-            while extra > self.blocks.num_free() + num_coming && next < end {
+            while extra > self.num_available_blocks() + num_coming && next < end {
                 end -= 1;
                 num_coming += self.preempt(order[end], &mut outputs, &mut recomputed);
             }
             if next == end {
                 break; // the row's own request was the last victim
             }
-            if extra <= self.blocks.num_free() {
-                let blocks = self.blocks.allocate_many(extra).expect("checked free blocks");
+            if extra <= self.num_available_blocks() {
+                let blocks = self.take_blocks(extra).expect("checked available blocks");
                 self.req_mut(handle).block_table.extend(blocks);
                 served.insert(handle);
             } else {
@@ -167,6 +167,8 @@ impl Scheduler {
                 req.clear_drafts();
                 req.status = Status::Waiting;
                 req.num_preemptions += 1;
+                req.num_cached_blocks = 0;
+                req.snapshot_at.clear();
                 req.incarnation = incarnation;
                 req.last_step_id = None;
                 recomputed.push(handle);

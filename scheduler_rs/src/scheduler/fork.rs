@@ -32,7 +32,7 @@ impl Scheduler {
         let has_partial = !parent.num_computed_tokens.is_multiple_of(block_size);
         let num_needed = Request::blocks_for(parent.len(), block_size) as usize;
         let num_new = num_needed - num_full;
-        if self.blocks.num_free() < num_new as u32 || self.slots.num_free() == 0 {
+        if self.num_available_blocks() < num_new as u32 || self.slots.num_free() == 0 {
             return Err(SchedulerError::InvalidState(format!(
                 "not enough free blocks or state slots to fork {parent_id}"
             )));
@@ -48,10 +48,12 @@ impl Scheduler {
         child.arrival = self.next_arrival;
         self.next_arrival += 1;
         child.block_table.truncate(num_full);
+        child.num_cached_blocks = child.num_cached_blocks.min(num_full as u32);
+        child.snapshot_at.clear();
         for &block in &child.block_table {
             self.blocks.incref(block).expect("parent holds its blocks");
         }
-        let fresh = self.blocks.allocate_many(num_new as u32).expect("checked free blocks");
+        let fresh = self.take_blocks(num_new as u32).expect("checked available blocks");
         if let Some(source) = partial_source {
             self.pending_block_copies.push((source, fresh[0]));
         }

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 
 use super::{Collective, Scheduled, Scheduler, VoteOp};
 use crate::config::EngineType;
-use crate::request::{Request, Status};
+use crate::request::Status;
 
 impl Scheduler {
     /// NORMAL engines: ALL points every `prefill_attempt_interval` decode steps, ANY points every
@@ -65,28 +65,27 @@ impl Scheduler {
             }
             if req.block_table.is_empty() {
                 // A new prompt reserves all its blocks and its state slot on its first chunk, so
-                // it never stalls halfway for lack of blocks.
-                let needed = Request::blocks_for(req.len(), self.config.block_size);
-                let gated = self.config.mixed() && self.blocks.usage() > self.config.prefill_max_cache_usage;
-                admit_new &= !gated && needed <= self.blocks.num_free() && self.slots.num_free() > 0;
+                // it never stalls halfway for lack of blocks; with a prefix-cache hit it starts after
+                // the hit.
+                let gated = self.config.mixed() && self.block_usage() > self.config.prefill_max_cache_usage;
+                admit_new = admit_new && !gated && self.admit(handle);
                 if !admit_new {
                     continue;
                 }
-                let blocks = self.blocks.allocate_many(needed).expect("checked free blocks");
-                let slot = self.slots.allocate();
-                let req = self.req_mut(handle);
-                req.block_table = blocks;
-                req.state_slot = slot;
             }
-            let chunk = remaining.min(budget);
+            let remaining = self.req(handle).num_uncomputed_prompt_tokens();
+            let chunk = self.chunk_rows(handle, remaining.min(budget));
             budget -= chunk;
             num_seqs += 1;
             let is_last = chunk == remaining;
+            let end = self.req(handle).next_position() + chunk;
+            self.after_chunk(handle, end, is_last);
             chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32, prompt: true });
             if is_last {
                 finished_prefill.insert(handle);
-            } else if self.config.engine_type == EngineType::Normal {
-                // A cut prompt ends a NORMAL step (it used the budget up); it keeps its place.
+            } else if self.config.engine_type == EngineType::Normal && budget == 0 {
+                // A prompt cut by the budget ends a NORMAL step; it keeps its place. (One cut at a snapshot
+                // boundary leaves budget for the prompts behind it.)
                 break;
             }
         }

@@ -74,10 +74,15 @@ impl Scheduler {
                 end = Some((FinishReason::Error, None));
             }
             let (num_prompt_tokens, num_output_tokens) = (req.num_prompt_tokens, req.num_output_tokens());
+            let num_cached_tokens = req.num_cached_tokens;
             let request_id = req.request_id.clone();
+            self.register_blocks(handle);
             match end {
                 Some((reason, stop_token_id)) => {
                     finished.insert(handle);
+                    if matches!(reason, FinishReason::Stop | FinishReason::Length) {
+                        self.save_at_finish(handle, plan.step_id);
+                    }
                     let (mut output, _) = self.remove(handle, reason, stop_token_id);
                     output.token_ids = new_tokens;
                     outputs.push(output);
@@ -94,6 +99,7 @@ impl Scheduler {
                             stop_token_id: None,
                             num_prompt_tokens,
                             num_output_tokens,
+                            num_cached_tokens,
                         });
                     }
                 }

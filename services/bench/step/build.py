@@ -87,7 +87,8 @@ def builder(
     def build(**engine_args: Any) -> LLM:
         from services.worker.runners.model_runner import ModelRunner
 
-        config_args = {"block_size": 128, "expert_format": expert_format, **engine_args}
+        # Step benchmarks time cold steps: no prefix cache (its snapshot cuts would split the profiled prompt).
+        config_args = {"block_size": 128, "expert_format": expert_format, "enable_prefix_caching": False, **engine_args}
         from services.engine.config import EngineConfig
 
         config = EngineConfig(**config_args).worker_config()

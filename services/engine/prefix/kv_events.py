@@ -1,18 +1,19 @@
-"""What entered and left an engine's prefix cache since it was last asked: the payload of a KV-event message
-(`subjects.KV_EVENTS`), taken by `Engine.take_kv_events` and published by
-`services/engine/reporting/kv_events_publisher.py`."""
+"""The prefix cache's block events: what entered and left one engine's cache, for the gateway's router."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class KvEvents:
-    # Hashes of the full blocks that entered the cache since the last take and are in it now
-    # (services/engine/prefix/block_hash.py): a block stored and evicted again in between is in neither list.
-    stored: list[int]
-    # Hashes of the blocks that left it since the last take; one also in ``stored`` left, then came back: held.
-    removed: list[int]
-    # The whole cache was dropped since the last take, before ``removed`` and ``stored``: everything earlier is gone.
-    cleared: bool
+    """The blocks that entered or left the engine's prefix cache since the previous ``Engine.take_kv_events()``.
+
+    Hashes are ``block_hash.block_hashes`` values (unsigned 64-bit). The lists are net of the window: a block
+    stored and evicted again between two calls appears in neither; one evicted and stored again appears in
+    both. Apply ``cleared`` first, then ``removed``, then ``stored``, and the receiver's view equals the cache.
+    """
+
+    stored: list[int] = field(default_factory=list)  # hashes of blocks that entered the cache, oldest first
+    removed: list[int] = field(default_factory=list)  # hashes of blocks evicted from the cache, oldest first
+    cleared: bool = False  # the whole cache was dropped (every earlier stored hash is gone) before these events

@@ -53,6 +53,7 @@ _SERVED_COMMON = {
     "return_tokens_as_token_ids",
     "prompt_cache_key",
     "skip_special_tokens",
+    "cache_salt",
 }
 SERVED = {
     "completions": _SERVED_COMMON | {"prompt", "echo"},
@@ -118,7 +119,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_none, "structural tags are not served; use response_format or guided_*"),
     "guided_whitespace_pattern": (_none, "the whitespace of JSON output is xgrammar's bounded default"),
     "logits_processors": (_none, "custom logits processors are not served"),
-    "cache_salt": (_none, "prefix-cache salting is not served"),
     "kv_transfer_params": (_none, "disaggregated KV transfer is not served"),
     "vllm_xargs": (_empty, "vllm_xargs extensions are not served"),
     "prompt_embeds": (_none, "prompt embeddings are not taken; send text or token ids"),

@@ -135,12 +135,14 @@ class Formatter:
             self.num_reasoning_tokens += len(token_ids)
 
     def usage(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
-        """OpenAI's usage; a chat's has completion_tokens_details.reasoning_tokens."""
+        """OpenAI's usage, with prompt_tokens_details.cached_tokens (the prefix cache's hit); a chat's has
+        completion_tokens_details.reasoning_tokens."""
         n = self.generation.num_prompt_tokens
         usage: dict[str, Any] = {
             "prompt_tokens": n,
             "completion_tokens": num_output_tokens,
             "total_tokens": n + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.generation.num_cached_tokens},
         }
         if self.chat:
             usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}

@@ -56,6 +56,11 @@ _USAGE = {
             "properties": {"reasoning_tokens": {"type": "integer", "minimum": 0}},
             "description": "chat: the output tokens before </think>",
         },
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+            "description": "prompt tokens taken from the prefix cache instead of computed",
+        },
     },
 }
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "preempted", "error", "tool_calls", None]}

@@ -190,6 +190,7 @@ def _sampling(
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
     top_k = _field(body, "top_k", (int,), -1, "an integer")
     seed = _field(body, "seed", (int,), None, "an integer")
+    cache_salt = _field(body, "cache_salt", (str,), None, "a string")  # vLLM's: the prefix cache's salt
     stop_token_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
     for token_id in stop_token_ids:
         if not _INT64[0] <= token_id <= _INT64[1]:
@@ -203,6 +204,7 @@ def _sampling(
             top_p=float(top_p),
             top_k=top_k,
             seed=seed,
+            cache_salt=cache_salt,
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"),
             logprobs=num_logprobs,

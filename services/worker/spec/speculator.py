@@ -217,8 +217,12 @@ class Speculator:
         start = 0
         for i, request_id in enumerate(request_ids):
             n, mine = num_sample_rows[i], plan_rows[i]
-            if mine and positions[mine[0]] == 0:  # a prompt from its start (again, after a recompute)
+            first = positions[mine[0]] if mine else None
+            if first is not None and i >= plan.num_decode_requests and self.next_positions.get(request_id) != first:
+                # A prompt from its start (again, after a recompute), or resumed after a cached prefix: the
+                # scheduler copied a snapshot into its state slot, whose draft rings hold the context before it.
                 self.release(request_id)
+                self.next_positions[request_id] = first
             if n == 0:  # a prompt chunk that is not the last: its features only
                 self._append(cache, request_id, state_slots[i], taps[_rows(mine)], positions[mine[0]])
                 continue

@@ -65,7 +65,7 @@ def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
     assert config.worker_config() == WorkerConfig(
         block_size=16,
         num_blocks=config.resolved_num_blocks(),
-        num_state_slots=4,
+        num_state_slots=4 + 12,  # the request slots, then prefix caching's 4 · max_num_seqs snapshots
         max_model_len=96,
         max_num_seqs=3,
         kernel_backend="fp8",
@@ -164,3 +164,12 @@ def test_max_model_len_defaults_to_what_the_model_and_the_pools_allow(caplog):
     assert "max_model_len 32: the model supports 1048576 positions" in caplog.text
     with pytest.raises(ValueError, match="longer than the model's"):
         LLM(model="tiny", max_model_len=(1 << 20) + 1)
+
+
+def test_state_snapshots_follow_prefix_caching():
+    assert EngineConfig(max_num_seqs=3).resolved_num_state_snapshots() == 12
+    assert EngineConfig(max_num_seqs=3, num_state_snapshots=1).num_worker_state_slots() == 4 + 1
+    off = EngineConfig(max_num_seqs=3, num_state_snapshots=5, enable_prefix_caching=False)
+    assert off.resolved_num_state_snapshots() == 0 and off.num_worker_state_slots() == 4
+    with pytest.raises(ValueError, match="num_state_snapshots"):
+        EngineConfig(num_state_snapshots=-1)

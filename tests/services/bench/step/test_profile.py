@@ -68,7 +68,14 @@ def test_profile_prefill_on_cpu_times_the_one_prefill_step():
     from services.bench.step.profile import profile_prefill
     from services.engine import LLM
 
-    llm = LLM(model="tiny", max_num_seqs=1, max_model_len=64, block_size=16, max_num_batched_tokens=40)
+    llm = LLM(
+        model="tiny",
+        max_num_seqs=1,
+        max_model_len=64,
+        block_size=16,
+        max_num_batched_tokens=40,
+        enable_prefix_caching=False,
+    )  # a cold prompt step: no snapshot cut
     out = profile_prefill(
         llm.engine, llm.engine.worker.runner.cache.blocks.device, tokens=40, vocab_size=llm.source.config.vocab_size
     )

@@ -72,9 +72,10 @@ def test_kernel_backend_static_step_interpreted():
     config = EngineConfig(
         block_size=BLOCK,
         num_blocks=torch_runner.cache.blocks.shape[0],
-        num_state_slots=torch_runner.cache.slots.shape[0],
+        num_state_slots=torch_runner.cache.slots.shape[0],  # the torch runner's whole slot pool, snapshots included
         max_num_seqs=8,
         max_model_len=MAX_LEN,
+        enable_prefix_caching=False,
     ).worker_config()
     with interpreter():
         eager = ModelRunner(model, config, backend="kernels", kernels=kernels)

@@ -446,9 +446,10 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     config = EngineConfig(
         block_size=BLOCK,
         num_blocks=torch_runner.cache.blocks.shape[0],
-        num_state_slots=torch_runner.cache.slots.shape[0],
+        num_state_slots=torch_runner.cache.slots.shape[0],  # the torch runner's whole slot pool, snapshots included
         max_num_seqs=8,
         max_model_len=MAX_LEN,
+        enable_prefix_caching=False,
     ).worker_config()
     combine_experts = kernels.moe_grouped_gemm.moe_experts
 

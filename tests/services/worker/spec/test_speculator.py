@@ -59,7 +59,7 @@ def generate(
     **engine_args,
 ):
     """(outputs, speculator or None). ``curve``: varlen on, with this step-cost curve (rows → ms);
-    ``decode_rows``: a list that gets every decode step's rows per request (``plan.seqlens_q``);
+    ``decode_rows``: a list that gets every decode request's rows per step (``plan.seqlens_q``);
     ``static_proposal``: the draft proposes through the static proposal (what a CUDA graph captures), eagerly."""
     if not nextn:
         return LLM(source=source, **ENGINE, **engine_args).generate(prompts, params), None
@@ -81,8 +81,8 @@ def generate(
         execute = worker.execute
 
         def recording(plan, rows, previous=None, **extra):
-            if not plan.is_prefill:
-                decode_rows.extend(plan.seqlens_q.tolist())
+            if not plan.is_prefill:  # the decode requests' rows (a mixed step's prompt chunks follow them)
+                decode_rows.extend(plan.seqlens_q.tolist()[: plan.num_decode_requests])
             return execute(plan, rows, previous, **extra)
 
         worker.execute = recording
@@ -527,10 +527,9 @@ def test_verify_steps_run_the_static_graph_step(source, greedy_off, varlen, asyn
     execute = worker.execute
 
     def recording(plan, sample_rows, previous=None):
-        if plan.is_prefill:
+        if plan.kind != "decode":  # prefill and mixed steps run eagerly (a prompt cut at a snapshot boundary)
             num_prefill.append(plan)
-        else:
-            rows.extend(plan.seqlens_q.tolist())
+        rows.extend(plan.seqlens_q.tolist()[: plan.num_decode_requests])
         return execute(plan, sample_rows, previous)
 
     worker.execute = recording
@@ -539,7 +538,7 @@ def test_verify_steps_run_the_static_graph_step(source, greedy_off, varlen, asyn
     assert [o.logprobs for o in outs] == [o.logprobs for o in greedy_off]
     assert 0 < speculator.num_drafts_accepted < speculator.num_drafts_verified
     assert max(rows) > 1 and (not varlen or len(set(rows)) > 2)
-    assert runner.num_replays == 0 and runner.num_eager == len(num_prefill)  # only the prefill steps ran eagerly
+    assert runner.num_replays == 0 and runner.num_eager == len(num_prefill)  # only steps with prompt rows ran eagerly
     print(
         f"\n{'varlen' if varlen else 'fixed'}{' async' if async_scheduling else ''}: accepted "
         f"{speculator.num_drafts_accepted} of {speculator.num_drafts_verified}; rows per request {sorted(set(rows))}"

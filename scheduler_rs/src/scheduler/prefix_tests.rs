@@ -1,0 +1,159 @@
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+
+use super::*;
+use crate::config::TEST_LIMITS;
+use crate::step::StepResult;
+
+fn config(num_blocks: u32) -> SchedulerConfig {
+    let mut config = SchedulerConfig::new(1, TEST_LIMITS);
+    config.block_size = 4;
+    config.num_blocks = num_blocks;
+    config.num_state_slots = 8;
+    config.compress_ratios = vec![1];
+    config.enable_prefix_caching = true;
+    config.num_state_snapshots = 4;
+    config
+}
+
+/// A stand-in for `block_hash.py`'s chain: full blocks of 4 tokens.
+fn hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut prev = 0u64;
+    tokens
+        .chunks_exact(4)
+        .map(|block| {
+            let mut h = DefaultHasher::new();
+            (prev, block).hash(&mut h);
+            prev = h.finish();
+            prev
+        })
+        .collect()
+}
+
+fn add(s: &mut Scheduler, id: &str, prompt: Vec<u32>, max_tokens: u32) {
+    let h = hashes(&prompt);
+    s.add_request(id.into(), prompt, StopRules::new(max_tokens), true, false, 0, String::new()).unwrap();
+    s.set_block_hashes(id, 0, h, Vec::new(), true).unwrap();
+}
+
+/// One step; every sampled row yields `7`; then the engine's part: hashes of newly filled blocks.
+fn step(s: &mut Scheduler) -> StepPlan {
+    let plan = s.schedule(&mut SingleRank);
+    let mut result = StepResult::default();
+    for i in 0..plan.num_requests() {
+        let n = plan.num_sample_rows[i] as u32;
+        result.num_tokens.push(n);
+        result.token_ids.extend(std::iter::repeat_n(7, n as usize));
+    }
+    s.update(&plan, &result).unwrap();
+    let ids: Vec<String> = s.ids.keys().cloned().collect();
+    for id in ids {
+        let req = s.request(&id).unwrap();
+        let all = hashes(&req.tokens);
+        let new = all[req.block_hashes.len()..].to_vec();
+        s.add_block_hashes(&id, &new).unwrap();
+    }
+    s.check_invariants().unwrap();
+    plan
+}
+
+fn run(s: &mut Scheduler) -> Vec<StepPlan> {
+    let mut plans = Vec::new();
+    while s.has_unfinished() {
+        plans.push(step(s));
+    }
+    plans
+}
+
+fn prompt_rows(plans: &[StepPlan]) -> u32 {
+    plans.iter().flat_map(|p| (p.num_decode_requests as usize..p.num_requests()).map(|i| p.seqlens_q[i] as u32)).sum()
+}
+
+#[test]
+fn a_second_turn_resumes_after_the_first_answer() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    let turn1: Vec<u32> = (1..=10).collect();
+    add(&mut s, "t1", turn1.clone(), 3);
+    assert_eq!(prompt_rows(&run(&mut s)), 10);
+    // The answer's last token has no KV: the finish snapshot is after 12 positions (3 full blocks).
+    let mut turn2 = turn1;
+    turn2.extend([7, 7, 7, 20, 21, 22, 23]);
+    add(&mut s, "t2", turn2, 2);
+    let plans = run(&mut s);
+    assert_eq!(prompt_rows(&plans), 17 - 12);
+    // The first step copies the first turn's finish snapshot out (planned when it ended), then into t2.
+    let copies = &plans[0].state_copies;
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0].1, copies[1].0);
+    assert!(copies[1].0 >= 8, "snapshot slots follow the 8 request slots");
+    assert_eq!((s.stats().prefix_cache_queries, s.stats().prefix_cache_hits), (27, 12));
+    s.clear_prefix_cache();
+    assert_eq!(s.block_manager().num_free(), 63);
+    assert_eq!(s.stats().num_state_snapshots, 0);
+}
+
+#[test]
+fn a_prompt_end_with_a_tail_restores_its_partial_block() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    let prompt: Vec<u32> = (1..=10).collect();
+    add(&mut s, "a", prompt.clone(), 1);
+    run(&mut s);
+    // "a" ended at once: its finish snapshot equals its prompt-end one (10 positions, tail of 2); its prompt's
+    // last full block (8) has one too.
+    assert_eq!(s.stats().num_state_snapshots, 2);
+    let mut longer = prompt;
+    longer.extend([30, 31, 32]);
+    add(&mut s, "b", longer, 1);
+    let plans = run(&mut s);
+    assert_eq!(prompt_rows(&plans), 3);
+    // The prompt-end save's copy of the partial block (planned with a's step), then its restore into b.
+    let copies = &plans[0].block_copies;
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0].1, copies[1].0);
+}
+
+#[test]
+fn a_prompt_is_cut_and_snapshotted_at_its_last_full_block() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    let prompt: Vec<u32> = (1..=10).collect();
+    add(&mut s, "a", prompt.clone(), 1);
+    let plans = run(&mut s);
+    assert_eq!(plans[0].seqlens_q, vec![8]);
+    assert_eq!(plans[1].seqlens_q, vec![2]);
+    // A prompt that shares a's first 9 tokens (a chat history re-rendered differently at its end) resumes at 8.
+    let mut other = prompt[..9].to_vec();
+    other.extend([40, 41]);
+    add(&mut s, "b", other, 1);
+    assert_eq!(prompt_rows(&run(&mut s)), 3);
+}
+
+#[test]
+fn agents_compute_only_the_suffix_from_the_third_request() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    let system: Vec<u32> = (1..=16).collect();
+    let mut computed = Vec::new();
+    for k in 0..4u32 {
+        let mut prompt = system.clone();
+        prompt.extend([100 + k, 200 + k, 300, 301, 302, 303]);
+        add(&mut s, &format!("r{k}"), prompt, 2);
+        computed.push(prompt_rows(&run(&mut s)));
+    }
+    // The second request finds the system prompt's blocks cached but no snapshot: it cuts a chunk
+    // there and snapshots; later ones resume at that divergence point.
+    assert_eq!(computed, vec![22, 22, 6, 6]);
+}
+
+#[test]
+fn eviction_under_pressure_drops_snapshots_and_keeps_pools_whole() {
+    let mut s = Scheduler::new(config(12)).unwrap();
+    for k in 0..6u32 {
+        let prompt: Vec<u32> = (0..14).map(|t| t + 100 * k).collect();
+        add(&mut s, &format!("r{k}"), prompt, 3);
+        run(&mut s);
+        assert_eq!(s.stats().num_free_blocks, 11, "cached blocks and snapshots' tail blocks count as free");
+    }
+    assert!(s.stats().num_cached_blocks <= 11);
+    s.clear_prefix_cache();
+    assert_eq!((s.block_manager().num_free(), s.stats().num_state_snapshots), (11, 0));
+    assert!(s.take_kv_events().cleared);
+}

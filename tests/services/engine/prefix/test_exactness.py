@@ -1,0 +1,165 @@
+"""Prefix caching is exact (the batch-invariant mode, CPU): a multi-turn conversation resending its history and
+an agent loop sharing a long system prompt give the same bits (tokens, logprobs: Python ``==``) with the cache on
+as off, and the prefill tokens the engine computes are exactly what the snapshot policy says:
+
+- turn k ≥ 2 resumes after turn k − 1's answer (the finish snapshot, after its computed positions): it computes
+  its new tokens plus the answer's last token, whose KV the previous turn never wrote;
+- request 2 of the agent loop finds the system prompt's blocks cached but no snapshot there: it computes all,
+  cutting a chunk at the last cached block (where prompts diverged) and snapshotting there; from request 3 on
+  only the suffix is computed, plus the system prompt's tokens after its last full block (less than a block).
+
+The model: the oracle-draft tiny config (vocabulary 256, a DSpark draft), as the speculative tests use.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from tests.model.deepseek_v41.oracle_configs import DRAFT_CASES
+
+NEXTN = DRAFT_CASES[0].cfg.dspark_block_size
+BLOCK = 16
+ENGINE = dict(device="cpu", batch_invariant=True, max_model_len=2400, block_size=BLOCK, max_num_seqs=4)
+ANSWER = 6  # output tokens per turn
+
+pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def source(draft_source):
+    return draft_source
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+def _answer(out) -> tuple:
+    return out.token_ids, out.logprobs, out.top_logprobs, out.finish_reason
+
+
+def _params(k: int, seeded: bool) -> SamplingParams:
+    if seeded:
+        return SamplingParams(max_tokens=ANSWER, temperature=1.0, top_p=0.9, logprobs=3, seed=70 + k, ignore_eos=True)
+    return SamplingParams(max_tokens=ANSWER, temperature=0.0, logprobs=2, ignore_eos=True)
+
+
+def conversation(source, seeded: bool, num_turns: int = 5, **engine_args) -> tuple[list[tuple], list[int], list[int]]:
+    """Turns each resending the history: (answers, prefill tokens computed per turn, cached tokens per turn)."""
+    llm = LLM(source=source, **{**ENGINE, **engine_args})
+    history: list[int] = [0]
+    answers, computed, cached = [], [], []
+    for turn in range(num_turns):
+        history = history + _tokens(turn, 37 + 11 * turn)  # the user's turn
+        before = llm.engine.scheduler.stats().num_prefill_tokens
+        out = llm.generate(history, _params(turn, seeded))[0]
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
+        cached.append(out.num_cached_tokens)
+        answers.append(_answer(out))
+        history = history + out.token_ids
+    return answers, computed, cached
+
+
+def agents(source, seeded: bool, system_len: int, **engine_args) -> tuple[list[tuple], list[int]]:
+    """Three requests sharing a system prompt, each with its own 40-token suffix: (answers, computed tokens)."""
+    llm = LLM(source=source, **{**ENGINE, **engine_args})
+    system = [0, *_tokens(100, system_len - 1)]
+    answers, computed = [], []
+    for k in range(3):
+        before = llm.engine.scheduler.stats().num_prefill_tokens
+        out = llm.generate(system + _tokens(200 + k, 40), _params(k, seeded))[0]
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
+        answers.append(_answer(out))
+    return answers, computed
+
+
+def _turn_lengths() -> list[int]:
+    lengths, total = [], 1
+    for turn in range(5):
+        total += 37 + 11 * turn
+        lengths.append(total)
+        total += ANSWER
+    return lengths
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_conversation_gives_the_same_bits_and_computes_only_new_tokens(source, seeded):
+    off, computed_off, _ = conversation(source, seeded, enable_prefix_caching=False)
+    on, computed_on, cached = conversation(source, seeded)
+    assert on == off
+    prompts = _turn_lengths()
+    assert computed_off == prompts
+    # Turn k resumes after turn k − 1's computed positions: its prompt minus (new tokens + the answer's last token).
+    new = [37 + 11 * turn for turn in range(5)]
+    assert computed_on == [prompts[0]] + [n + 1 for n in new[1:]]
+    assert cached == [0] + [prompts[k] - new[k] - 1 for k in range(1, 5)]
+
+
+@pytest.mark.slow
+def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
+    """A 2,009-token system prompt (its last full block ends at 2,000): from the third request on, its last 9
+    tokens and the 40-token suffix are computed (within one block of the suffix)."""
+    off, computed_off = agents(source, True, 2009, enable_prefix_caching=False, max_num_batched_tokens=512)
+    on, computed_on = agents(source, True, 2009, max_num_batched_tokens=512)
+    assert on == off
+    assert computed_off == [2049] * 3
+    assert computed_on == [2049, 2049, 49]
+
+
+SPEC_CASES = [("rejection", False, False), ("deterministic", True, False), ("deterministic", True, True)]
+
+
+@pytest.mark.parametrize("spec_sampling, seeded, async_scheduling", SPEC_CASES)
+def test_speculative_decoding_gives_the_same_bits(source, spec_sampling, seeded, async_scheduling):
+    """Greedy in both acceptance modes and seeded in the deterministic one, synchronous and async: the draft's
+    rings are in the snapshot. With drafts and async scheduling a finished request's next step is already in
+    flight when it ends and has written the draft's ring past its end, so there is no finish snapshot: the next
+    turn resumes at the previous prompt's end and recomputes the answer too."""
+    spec = dict(num_speculative_tokens=NEXTN, spec_sampling=spec_sampling, async_scheduling=async_scheduling)
+    off, _, _ = conversation(source, seeded, 3, enable_prefix_caching=False, **spec)
+    on, computed, cached = conversation(source, seeded, 3, **spec)
+    assert on == off
+    prompts = _turn_lengths()[:3]
+    assert computed == [p - c for p, c in zip(prompts, cached)]
+    # Synchronous: turn k resumes after turn k − 1's computed positions: the answer but its last token, or all of
+    # it where that token was a verified draft (its row computed it). Async: at turn k − 1's prompt end.
+    ends = [prompts[k - 1] + ANSWER for k in range(1, 3)]
+    assert cached[0] == 0
+    if async_scheduling:
+        assert cached[1:] == prompts[:2]
+    else:
+        assert all(e - 1 <= c <= e for c, e in zip(cached[1:], ends)), (cached, ends)
+    off, _ = agents(source, seeded, 201, enable_prefix_caching=False, **spec)
+    on, computed = agents(source, seeded, 201, **spec)
+    assert on == off
+    assert computed == [241, 241, 49]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("nextn", [0, NEXTN], ids=["plain", "drafts"])
+def test_gpu_kernel_path_with_cuda_graphs_gives_the_same_bits(source, nextn):
+    """The FP8 kernel backend with the CUDA defaults (CUDA graphs for decode steps, async scheduling),
+    batch-invariant: a conversation and an agent loop give the same bits with the cache on as off, seeded without
+    drafts, greedy and seeded (deterministic) with them; the computed prefill tokens follow the policy."""
+    from services.engine.model_source import load_model
+
+    cuda = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, num_blocks=512)
+    if nextn:
+        cuda.update(num_speculative_tokens=nextn, spec_sampling="deterministic")
+    model = load_model(source.name, device="cuda")
+    for seeded in [True] if not nextn else [False, True]:
+        off, _, _ = conversation(model, seeded, 3, enable_prefix_caching=False, **cuda)
+        on, computed, cached = conversation(model, seeded, 3, **cuda)
+        assert on == off
+        prompts = _turn_lengths()[:3]
+        assert computed == [p - c for p, c in zip(prompts, cached)]
+        # Async: turn k resumes after turn k − 1's answer but its last token (or, with drafts, at its prompt's end).
+        assert cached[1:] == (prompts[:2] if nextn else [p + ANSWER - 1 for p in prompts[:2]])
+        off, _ = agents(model, seeded, 501, enable_prefix_caching=False, **cuda)
+        on, computed = agents(model, seeded, 501, **cuda)
+        assert on == off
+        assert computed == [541, 541, 45]
