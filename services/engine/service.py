@@ -35,6 +35,7 @@ from observability import tracing
 from services.engine.engine import Engine
 from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
+from services.engine.prefix.kv_events import KvEvents
 from services.engine.reporting.observer import EngineObserver, RequestTimes
 from services.engine.request_checks import check_priority
 from services.engine.sampling_params import SamplingParams
@@ -182,6 +183,7 @@ class EngineService:
         # The engine's stats as of the end of the step thread's latest iteration: readers on the event loop
         # never wait for a step (the reference is swapped whole, so a read is never torn).
         self._snapshot = engine.stats()
+        self._kv_events = KvEvents()  # the prefix cache's changes since the last take_kv_events (under _lock)
         self._stop = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
@@ -284,6 +286,12 @@ class EngineService:
         """The engine's pool and queue counts after the latest step (never waits for one)."""
         return dataclasses.replace(self._snapshot, num_queued=self._commands.qsize())
 
+    def take_kv_events(self) -> KvEvents:
+        """The prefix cache's net changes since the last call, as of the latest step (any thread; never waits)."""
+        with self._lock:
+            events, self._kv_events = self._kv_events, KvEvents()
+        return events
+
     # ---- the step thread --------------------------------------------------------------------
 
     def _send(self, command: _Add | _Images | _Abort) -> None:
@@ -299,12 +307,12 @@ class EngineService:
             busy = self.engine.has_unfinished()
             if busy:
                 self._step()
-            self._snapshot = self.engine.stats()
+            self._publish()
             if not busy:
                 self._wait()
         while self.engine.has_unfinished():  # shutdown: nothing may stay in the pools
             self._step()
-        self._snapshot = self.engine.stats()
+        self._publish()
 
     def _wait(self) -> None:
         self._wake.wait(self._idle_wait_s)
@@ -328,7 +336,12 @@ class EngineService:
         ).run()
 
     def _publish(self) -> None:
+        """After a step: the counts `stats` gives, and the prefix cache's changes `take_kv_events` gives."""
         self._snapshot = self.engine.stats()
+        if self.engine.prefix_cache_enabled:
+            events = self.engine.take_kv_events()
+            with self._lock:
+                self._kv_events = self._kv_events.then(events)
 
     def _stopping(self) -> bool:
         return self._stop.is_set() and self._commands.empty()

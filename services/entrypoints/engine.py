@@ -262,8 +262,10 @@ async def run(args: argparse.Namespace) -> int:
     if publisher is not None and reporter is not None:
         publisher.nc = reporter.nc  # expert-load reports start with the next step
     kv_events = None
-    take = getattr(server.llm.engine, "take_kv_events", None)  # an engine with a prefix cache
-    if reporter is not None and take is not None:  # its cached blocks, for the gateways' cache-aware routing
+    # An engine with a prefix cache: its cached blocks, for the gateways' cache-aware routing (taken from the
+    # service, which the step thread keeps up to date: only that thread touches the engine).
+    take = server.engine.take_kv_events if server.llm.engine.prefix_cache_enabled else None
+    if reporter is not None and take is not None:
         from services.engine.reporting.kv_events_publisher import KvEventsPublisher
 
         kv_events = KvEventsPublisher(reporter.nc, args.replica, take, interval_s=reporter.interval_s)

@@ -17,3 +17,15 @@ class KvEvents:
     stored: list[int] = field(default_factory=list)  # hashes of blocks that entered the cache, oldest first
     removed: list[int] = field(default_factory=list)  # hashes of blocks evicted from the cache, oldest first
     cleared: bool = False  # the whole cache was dropped (every earlier stored hash is gone) before these events
+
+    def then(self, later: KvEvents) -> KvEvents:
+        """These events followed by ``later``'s, as one net change (what a subscriber applying both would hold)."""
+        if later.cleared:
+            return KvEvents(list(later.stored), list(later.removed), True)
+        gone = set(later.removed)
+        came = set(self.stored)
+        return KvEvents(
+            [h for h in self.stored if h not in gone] + later.stored,
+            self.removed + [h for h in later.removed if h not in came],
+            self.cleared,
+        )
