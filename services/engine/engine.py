@@ -85,6 +85,7 @@ class Engine:
             vote,
         )
         self.image_token_id = image_token_id
+        self._num_worker_losses = getattr(self.worker, "num_losses", 0)  # the worker's losses the cache has seen
         # Prefix caching: each live request's block hash chain, given to the scheduler (None: caching off).
         self.hashes = RequestHashes(self.scheduler, config.block_size, model) if config.enable_prefix_caching else None
         # Varlen verification's step-cost curve: given, or measured from decode steps (None otherwise).
@@ -332,6 +333,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule, execute, update. Returns the requests that gained tokens or ended."""
+        self._forget_lost_worker_state()
         if self.config.async_scheduling:
             return self._step_async()
         refused = self._admit_grammars()
@@ -445,9 +447,20 @@ class Engine:
 
     def _fail(self, plan: StepPlan) -> None:
         """Closes a step the worker never finished: every planned request ends with "error" in the scheduler,
-        and the blocks whose release waited for this step come back (without this update they never would)."""
+        and the blocks whose release waited for this step come back (without this update they never would).
+        The prefix cache is dropped: a snapshot planned with the step may never have been saved."""
         n = plan.num_requests
         self.scheduler.update(plan, StepResult([0] * n, [], errors=list(range(n))))
+        if self.hashes is not None:
+            self.scheduler.clear_prefix_cache()
+
+    def _forget_lost_worker_state(self) -> None:
+        """Drops the prefix cache once the worker has lost its pools (a worker process restarted), so no request
+        resumes from memory that is gone."""
+        num_losses = getattr(self.worker, "num_losses", 0)  # test doubles of a worker may not count
+        if num_losses != self._num_worker_losses and self.hashes is not None:
+            self.scheduler.clear_prefix_cache()
+        self._num_worker_losses = num_losses
 
     def _sampling_rows(
         self, plan: StepPlan, in_flight: tuple[StepPlan, WorkerOutput] | None = None

@@ -88,6 +88,8 @@ class WorkerOutput:
 
 
 class Worker:
+    num_losses = 0  # in this process the pools are never lost (`RemoteWorker.num_losses`: a worker process's)
+
     def __init__(self, runner: Runner, sampler: Sampler | None = None, speculator: Speculator | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler
         module for a ``backend == "kernels"`` runner (services/worker/sampling/kernel_sampler.py), else ``Sampler``.

@@ -71,6 +71,12 @@ class RemoteWorker:
     def alive(self) -> bool:
         return self.heartbeat.alive
 
+    @property
+    def num_losses(self) -> int:
+        """Heartbeat checks the worker has failed, ever: a worker process that was restarted failed some (its
+        pools came back empty), so what the engine cached in the old one's memory is gone."""
+        return self.heartbeat.num_missed
+
     def answering_for(self) -> float:
         """Seconds the worker has answered its heartbeat without a miss (``WorkerHeartbeat.answering_for``)."""
         return self.heartbeat.answering_for()

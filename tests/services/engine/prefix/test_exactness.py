@@ -163,3 +163,28 @@ def test_gpu_kernel_path_with_cuda_graphs_gives_the_same_bits(source, nextn):
         on, computed = agents(model, seeded, 501, **cuda)
         assert on == off
         assert computed == [541, 541, 45]
+
+
+@pytest.mark.parametrize("how", ["a failed step", "a worker that lost its pools"])
+def test_nothing_resumes_from_a_worker_memory_that_may_be_gone(source, how):
+    """A failed step (its planned snapshot may never have been saved) and a worker process restarted between
+    steps (its pools came back empty) both drop the cache: the same prompt again computes every token."""
+    llm = LLM(source=source, **ENGINE)
+    prompt = [0, *_tokens(9, 60)]
+    assert llm.generate(prompt, _params(0, False))[0].num_cached_tokens == 0
+    if how == "a failed step":
+        execute = llm.engine.worker.execute
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("the worker failed the step")
+
+        llm.engine.worker.execute = failing
+        with pytest.raises(RuntimeError):
+            llm.generate([1, *_tokens(10, 20)], _params(0, False))
+        llm.engine.worker.execute = execute
+        llm.engine.abort(next(iter(llm.engine.requests)))  # the request the failed step left behind
+    else:
+        llm.engine.worker.num_losses = 1  # as RemoteWorker counts a restarted worker's failed checks
+    again = llm.generate(prompt, _params(0, False))[0]
+    assert again.num_cached_tokens == 0
+    assert llm.generate(prompt, _params(0, False))[0].num_cached_tokens > 0  # cached again from then on
