@@ -27,8 +27,15 @@ from services.eplb.planner import Planner, PlannerConfig
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 37)), [17, 18], [40, 41, 42, 43, 44], [50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4)
+# No prefix cache: the replay of recorded prompts must route every prompt token again, as the recording did.
 ENGINE = dict(
-    batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16, device="cpu"
+    batch_invariant=True,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=64,
+    block_size=16,
+    device="cpu",
+    enable_prefix_caching=False,
 )
 LAYERS = TINY.num_hidden_layers
 # No redundant copies (so the moe_lb prediction is exact, below): 8 slots, 4 a rank. Start-up: rank 0 holds
