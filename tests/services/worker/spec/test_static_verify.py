@@ -46,8 +46,8 @@ class Compare:
         self.processed = self.rows = None
         process, write_context = Sampler.process, speculator_module.write_context
 
-        def recording_process(sampler, logits, rows, rank_all=False):
-            self.rows, self.processed = list(rows), process(sampler, logits, rows, rank_all=rank_all)
+        def recording_process(sampler, logits, rows, rank_all=False, **masks):  # masks: a constraint's token bitmask
+            self.rows, self.processed = list(rows), process(sampler, logits, rows, rank_all=rank_all, **masks)
             self.rank_all = rank_all
             return self.processed
 
