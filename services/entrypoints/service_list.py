@@ -34,6 +34,21 @@ def _model_config(model: str):
     return load_config(Path(model))
 
 
+def _rank_argv(config: StackConfig, rank: int, rendezvous: str) -> list[str]:
+    """Rank ``rank``'s place in the stack's data-parallel group (engines' or remote workers'), meeting at
+    ``rendezvous`` (host:port of rank 0)."""
+    return [
+        "--dp",
+        str(config.data_parallel_size),
+        "--num-redundant-experts",
+        str(config.num_redundant_experts),
+        "--dp-rank",
+        str(rank),
+        "--dp-rendezvous",
+        f"tcp://{rendezvous}",
+    ]
+
+
 def services(config: StackConfig, placement: Placement | None = None) -> list[Service]:
     """Every service of the stack, in start order. ``placement`` says where each one listens and is reached
     (default: `LocalPlacement.for_config`; `services/entrypoints/compose.py` passes its container placement)."""
@@ -137,20 +152,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         engines.append(f"{name}={at.reach(name, 'grpc')}")
         # Each rank is an engine endpoint of its own (the gateway routes over them by load); rank 0 hosts the
         # group's rendezvous (services/engine/parallel/served_rank.py).
-        group = (
-            [
-                "--dp",
-                str(config.data_parallel_size),
-                "--num-redundant-experts",
-                str(config.num_redundant_experts),
-                "--dp-rank",
-                str(i),
-                "--dp-rendezvous",
-                f"tcp://{at.reach('engine-0', 'rendezvous')}",
-            ]
-            if ranks
-            else []
-        )
+        group = _rank_argv(config, i, at.reach("engine-0", "rendezvous")) if ranks else []
         argv = [
             *py,
             "services.entrypoints.engine",
@@ -181,20 +183,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         if cfg.vision is not None:  # encoded here; a remote worker takes the rows by SetImages
             argv += ["--multimodal", at.reach("multimodal", "grpc")]
         if config.remote_workers:
-            worker_group = (
-                [
-                    "--dp",
-                    str(config.data_parallel_size),
-                    "--num-redundant-experts",
-                    str(config.num_redundant_experts),
-                    "--dp-rank",
-                    str(i),
-                    "--dp-rendezvous",
-                    f"tcp://{at.reach('worker-0', 'rendezvous')}",
-                ]
-                if ranks
-                else []
-            )
+            worker_group = _rank_argv(config, i, at.reach("worker-0", "rendezvous")) if ranks else []
             service = Service(
                 worker,
                 [
