@@ -33,6 +33,10 @@ serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, 
 experts           the MXFP4 experts' gpu tests (the kernel's, checkpoint greedy tokens against the CPU; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
 serve-fits        v41-s1 at full depth through shinkai up with --engram-on-host and FP4 experts: ready, the memory lines, served over HTTP; then with --expert-format fp8: it fits or gets the clear error (device-prep.sh --stack)
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
+prefix            prefix caching: the exactness gpu test (kernel path, CUDA graphs, cache on == off), then bench prefix on v41-s1 cut
+                  to NUM_LAYERS (default 8, --load-format dummy): multi-turn and agent loads, cache off then on (PREFIX_ARGS)
+fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, --max-num-batched-tokens 256): a light key's TTFT
+                  alone and beside one and two keys sending 3,900-token prompts, then a key over its limit (FAIR_S per phase)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
 hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny)
@@ -309,11 +313,7 @@ suite_serve_up() {  # the serve suite through `shinkai up` (two full-depth build
     grep -v "it/s\]" "$dir/offline.log" | tail -20
 }
 
-suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
-    serve_begin mixed 570
-    run exact 100 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
-    show exact "passed|failed|^FAILED|^E  " 12
-    local model=/tmp/v41-s1-l${NUM_LAYERS:-8} scheduling c p n rate
+v41_part() {  # v41_part DIR LAYERS: v41-s1's config cut to its first LAYERS layers, and the tokenizer
     python3 -c "
 import json, sys
 from pathlib import Path
@@ -324,7 +324,34 @@ from model.deepseek_v41.tokenizer import write_tokenizer_files
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 write_tokenizer_files(out, None)  # --load-format dummy reads only the config and the tokenizer
 (out / 'config.json').write_text(json.dumps(to_hf_dict(first_layers(preset('v41-s1'), int(sys.argv[2])))))
-" "$model" "${NUM_LAYERS:-8}"
+" "$1" "$2"
+}
+
+suite_prefix() {  # the cache's bits on the kernel path, then its reuse and TTFT, off against on
+    begin prefix 420
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$dir/gpu.txt"
+    run exact 150 "${gpu_tests[@]}" tests/services/engine/prefix/test_exactness.py
+    show exact "passed|failed|^FAILED|^E  " 12
+    local model=/tmp/v41-s1-l${NUM_LAYERS:-8}
+    v41_part "$model" "${NUM_LAYERS:-8}"
+    # shellcheck disable=SC2086 # a list of arguments
+    run bench "$(( $(left) - 5 ))" python3 -m services.entrypoints.cli bench prefix --model "$model" --load-format dummy \
+        ${PREFIX_ARGS:---conversations 16} --json "$dir/prefix.json"
+    grep -v "it/s\]" "$dir/bench.log" | tail -30
+}
+
+suite_fairness() {  # another key's TTFT beside long prompts, on the GPU's step times
+    begin fairness 200
+    run fair "$(( $(left) - 5 ))" python3 scripts/diagnostics/fairness.py --seconds "${FAIR_S:-15}" --json "$dir/fairness.json"
+    tail -20 "$dir/fair.log"
+}
+
+suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
+    serve_begin mixed 570
+    run exact 100 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
+    show exact "passed|failed|^FAILED|^E  " 12
+    local model=/tmp/v41-s1-l${NUM_LAYERS:-8} scheduling c p n rate
+    v41_part "$model" "${NUM_LAYERS:-8}"
     for scheduling in separate mixed; do
         serve_ready --model "$model" --load-format dummy --max-num-seqs 64 --max-model-len 4608 \
             --gpu-memory-utilization 0.9 --scheduling "$scheduling" ${MIXED_BUDGET:+--max-num-batched-tokens $MIXED_BUDGET} \
