@@ -37,6 +37,8 @@ mod mixed_tests;
 #[cfg(test)]
 mod prefix_tests;
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

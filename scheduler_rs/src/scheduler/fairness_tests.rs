@@ -1,32 +1,16 @@
 //! Fairness across tenants: the queue's first field is the tenant's share (`queue_order`).
 
+use super::test_support::{config as support_config, step};
 use super::*;
-use crate::config::{PreemptionMode, Scheduling, TEST_LIMITS};
-use crate::step::StepResult;
+use crate::config::{PreemptionMode, Scheduling};
 
 fn config(num_blocks: u32, budget: u32) -> SchedulerConfig {
-    let mut config = SchedulerConfig::new(1, TEST_LIMITS);
-    config.block_size = 4;
-    config.num_blocks = num_blocks;
+    let mut config = support_config(4, num_blocks);
     config.num_state_slots = 16;
     config.max_num_seqs = 8;
     config.max_num_batched_tokens = budget;
-    config.compress_ratios = vec![1];
     config.scheduling = Scheduling::Mixed;
     config
-}
-
-fn step(s: &mut Scheduler) -> StepPlan {
-    let plan = s.schedule(&mut SingleRank);
-    let mut result = StepResult::default();
-    for i in 0..plan.num_requests() {
-        let n = if plan.is_prompt_chunk(i) { plan.num_sample_rows[i] as u32 } else { 1 };
-        result.num_tokens.push(n);
-        result.token_ids.extend(std::iter::repeat_n(7, n as usize));
-    }
-    s.update(&plan, &result).unwrap();
-    s.check_invariants().unwrap();
-    plan
 }
 
 fn add(s: &mut Scheduler, id: &str, len: usize, max_tokens: u32, tenant: &str) {

@@ -1,39 +1,15 @@
 //! Mixed steps (decode rows, then prompt chunks in the budget left) and the queue's one order.
 
+use super::test_support::{config as support_config, result_for, step};
 use super::*;
-use crate::config::{PreemptionMode, Scheduling, TEST_LIMITS};
-use crate::step::StepResult;
+use crate::config::{PreemptionMode, Scheduling};
 
 fn config(block_size: u32, num_blocks: u32, budget: u32) -> SchedulerConfig {
-    let mut config = SchedulerConfig::new(1, TEST_LIMITS);
-    config.block_size = block_size;
-    config.num_blocks = num_blocks;
-    config.num_state_slots = 8;
+    let mut config = support_config(block_size, num_blocks);
     config.max_num_seqs = 4;
     config.max_num_batched_tokens = budget;
-    config.compress_ratios = vec![1];
     config.scheduling = Scheduling::Mixed;
     config
-}
-
-/// One token per sampled row of a prompt chunk, one per decode request: `100 + seqlen_k`.
-fn result_for(plan: &StepPlan) -> StepResult {
-    let mut result = StepResult::default();
-    for i in 0..plan.num_requests() {
-        let n = if plan.is_prompt_chunk(i) { plan.num_sample_rows[i] as u32 } else { 1 };
-        result.num_tokens.push(n);
-        if n == 1 {
-            result.token_ids.push(100 + plan.seqlens_k[i] as u32);
-        }
-    }
-    result
-}
-
-fn step(s: &mut Scheduler) -> StepPlan {
-    let plan = s.schedule(&mut SingleRank);
-    s.update(&plan, &result_for(&plan)).unwrap();
-    s.check_invariants().unwrap();
-    plan
 }
 
 fn add(s: &mut Scheduler, id: &str, len: usize, max_tokens: u32, priority: i32) {

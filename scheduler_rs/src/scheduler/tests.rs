@@ -1,37 +1,9 @@
 use std::collections::HashSet;
 
+use super::test_support::{config, result_for, step_with_updates as step};
 use super::*;
 use crate::config::TEST_LIMITS;
 use crate::step::StepResult;
-
-fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
-    let mut config = SchedulerConfig::new(1, TEST_LIMITS);
-    config.block_size = block_size;
-    config.num_blocks = num_blocks;
-    config.num_state_slots = 8;
-    config.compress_ratios = vec![1];
-    config
-}
-
-/// One token per sampled row: `100 + position`.
-fn result_for(plan: &StepPlan) -> StepResult {
-    let mut result = StepResult::default();
-    for i in 0..plan.num_requests() {
-        let n = if plan.is_prompt_chunk(i) { plan.num_sample_rows[i] as u32 } else { 1 };
-        result.num_tokens.push(n);
-        if n == 1 {
-            result.token_ids.push(100 + plan.seqlens_k[i] as u32);
-        }
-    }
-    result
-}
-
-fn step(s: &mut Scheduler) -> (StepPlan, Vec<RequestUpdate>) {
-    let plan = s.schedule(&mut SingleRank);
-    let outputs = s.update(&plan, &result_for(&plan)).unwrap();
-    s.check_invariants().unwrap();
-    (plan, outputs)
-}
 
 #[test]
 fn kitchen_cut_prompt_ends_the_step() {
