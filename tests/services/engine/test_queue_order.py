@@ -11,9 +11,10 @@ from services.gateway.grpc_api import _args
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
 
-def test_generate_serves_prompts_by_priority_then_arrival(draft_source):
-    # One request at a time (max_num_seqs 1): the order in which they run is the queue's.
-    llm = LLM(source=draft_source, device="cpu", max_model_len=64, block_size=8, max_num_seqs=1)
+def one_at_a_time(source) -> tuple[LLM, list[str]]:
+    """An engine that runs one request at a time (max_num_seqs 1), so the order in which requests first reach
+    the worker (the list, filled as they do) is the queue's."""
+    llm = LLM(source=source, device="cpu", max_model_len=64, block_size=8, max_num_seqs=1)
     order: list[str] = []
     execute = llm.engine.worker.execute
 
@@ -22,6 +23,11 @@ def test_generate_serves_prompts_by_priority_then_arrival(draft_source):
         return execute(plan, rows, previous)
 
     llm.engine.worker.execute = recording
+    return llm, order
+
+
+def test_generate_serves_prompts_by_priority_then_arrival(draft_source):
+    llm, order = one_at_a_time(draft_source)
     prompts = [[0, 3 + k, 4 + k] for k in range(4)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=2), priority=[2, 0, -1, 0])
     assert [o.request_id for o in outs] == ["0", "1", "2", "3"]
@@ -49,15 +55,7 @@ def test_the_queue_goes_first_by_the_tenant_served_least(draft_source):
     had no service when the first tenant's first prompt has), not last; with one tenant it runs last."""
 
     def order_of(light_tenant: str) -> list[str]:
-        llm = LLM(source=draft_source, device="cpu", max_model_len=64, block_size=8, max_num_seqs=1)
-        order: list[str] = []
-        execute = llm.engine.worker.execute
-
-        def recording(plan, rows, previous=None):
-            order.extend(r for r in plan.request_ids if r not in order)
-            return execute(plan, rows, previous)
-
-        llm.engine.worker.execute = recording
+        llm, order = one_at_a_time(draft_source)
         params = SamplingParams(max_tokens=2)
         for k in range(3):
             llm.engine.add_request(f"heavy{k}", [0, 3 + k, 4 + k], params, tenant="heavy")
