@@ -241,3 +241,12 @@ def local_layout(
         "active": torch.sort((counts == 0).to(torch.int32), stable=True).indices.to(torch.int32),
         "num_active": (counts > 0).sum().to(torch.int32).view(1),
     }
+
+
+def shard_kernel_experts(model: nn.Module, parallel: ExpertParallel) -> None:
+    """Makes every layer's ``KernelMoE`` (the model already converted) expert-parallel in place; the DSpark
+    draft's MoE stays whole on each rank."""
+    for block in model.layers:  # type: ignore[union-attr]
+        if not isinstance(block.ffn, KernelMoE):
+            raise ValueError(f"layer {block.layer}'s ffn is {type(block.ffn).__name__}, not the kernel backend's MoE")
+        block.ffn = ExpertParallelKernelMoE(block.ffn, block.layer, parallel)

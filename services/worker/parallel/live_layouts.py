@@ -123,6 +123,8 @@ class LiveLayouts:
 
     def _refusal(self, update: LayoutUpdate) -> str | None:
         """Why ``update`` cannot apply to this group's layers, or None."""
+        if update.layouts and not all(isinstance(m, ExpertParallelMoE) for m in self.moes):
+            return "live EPLB moves the torch MoE's experts; the kernel backend's expert-parallel layer has none yet"
         for layer, layout in update.layouts.items():
             if not 0 <= layer < len(self.moes):
                 return f"layer {layer} is outside this model's {len(self.moes)} MoE layers"
@@ -202,7 +204,10 @@ class LiveLayouts:
 
     def _in_force(self) -> list[tuple[Layout, Weights]]:
         return [
-            (self.parallel.slots[i].layout, (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data))
+            (
+                self.parallel.slots[i].layout,
+                (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data) if isinstance(m, ExpertParallelMoE) else (),
+            )
             for i, m in enumerate(self.moes)
         ]
 
