@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from model.batch_invariant import batch_invariant
 from model.deepseek_v41.init import first_layers, random_checkpoint
 from model.deepseek_v41.loader import assign_weights
 from model.deepseek_v41.model import DeepseekV41
@@ -36,8 +37,10 @@ def three_layer_tiny(device: str) -> ModelSource:
 
 @contextlib.contextmanager
 def moe_kernels() -> Iterator[KernelSet]:
-    """The kernel set above, with the interpreter on for the block."""
-    with interpreter():
+    """The kernel set above, with the interpreter on for the block, and the CPU's batch-invariant torch maths
+    (model/batch_invariant.py) for the parts that stay torch: a kernel set's batch-invariant mode
+    (kernels/invariance.py) covers only its kernels."""
+    with interpreter(), batch_invariant():
         yield KernelSet(
             *(load_interpreted(name) for name in ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm")),
             load_interpreted("decode_attention"),
