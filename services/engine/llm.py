@@ -161,7 +161,14 @@ class LLM:
         self.tokenizer = self.source.tokenizer
         self._ids = itertools.count()
         self._chat = None
-        load = partial(load_model, model, self.config.model_seed, load_format=self.config.load_format)
+        load = partial(
+            load_model,
+            model,
+            self.config.model_seed,
+            load_format=self.config.load_format,
+            precision=self.config.kernel_backend,  # on CUDA the kernel form, as one process loads it
+            expert_format=self.config.expert_format,
+        )
         self.ranks = Ranks(RankSpec(self.config, load, "", device, kernels=kernels))
 
     def close(self) -> None:

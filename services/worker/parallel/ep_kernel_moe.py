@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import invariance
@@ -108,7 +107,7 @@ class ExpertParallelKernelMoE(nn.Module):
         physical = slots.physical(experts)  # [T·k]
         world, capacity = buffers.world_size, buffers.capacity
         dest = torch.where(picked, torch.div(physical, slots.slots_per_rank, rounding_mode="floor"), world)
-        one_hot = F.one_hot(dest, world + 1)  # [T·k, W + 1]
+        one_hot = (dest[:, None] == torch.arange(world + 1, device=x.device)).long()  # [T·k, W + 1]
         place = (torch.cumsum(one_hot, 0) - one_hot).gather(1, dest[:, None])[:, 0]  # rank among the picks to dest
         index = torch.where(picked, dest * capacity + place, world * capacity)  # the dump for dead picks
         buffers.send_counts.copy_(one_hot[:, :world].sum(0)[:, None])
@@ -250,3 +249,13 @@ def shard_kernel_experts(model: nn.Module, parallel: ExpertParallel) -> None:
         if not isinstance(block.ffn, KernelMoE):
             raise ValueError(f"layer {block.layer}'s ffn is {type(block.ffn).__name__}, not the kernel backend's MoE")
         block.ffn = ExpertParallelKernelMoE(block.ffn, block.layer, parallel)
+
+
+def unshard_kernel_experts(model: nn.Module) -> None:
+    """Undoes ``shard_kernel_experts`` on a layer sharded over one rank (whose stacks hold every expert in order):
+    the model's ``KernelMoE`` layers back, for an engine without expert parallelism on the same model (benchmarks)."""
+    for block in model.layers:  # type: ignore[union-attr]
+        if isinstance(block.ffn, ExpertParallelKernelMoE):
+            if block.ffn.parallel.slots[block.layer].layout.num_gpus != 1:
+                raise ValueError("only a layer sharded over one rank holds every expert")
+            block.ffn = block.ffn.moe
