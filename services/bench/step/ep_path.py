@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
                 )
                 seconds[path] += t.seconds
                 if parallel is not None:
-                    unshard_kernel_experts(
+                    unshard_kernel_experts(llm.source.model)
                         llm.engine.worker.runner.runner.model if graphs else llm.engine.worker.runner.model
                     )
                 del llm

@@ -103,7 +103,9 @@ class ExpertParallel:
         return buffers
 
     def take_slot_counts(self) -> torch.Tensor:
-        counts, self.slot_counts = self.slot_counts, torch.zeros_like(self.slot_counts)
+        """The counts since the last take, zeroed in place (a captured graph keeps adding to this tensor)."""
+        counts = self.slot_counts.clone()
+        self.slot_counts.zero_()
         return counts
 
 
