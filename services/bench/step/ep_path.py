@@ -74,8 +74,6 @@ def main(args: argparse.Namespace) -> int:
                 seconds[path] += t.seconds
                 if parallel is not None:
                     unshard_kernel_experts(llm.source.model)
-                        llm.engine.worker.runner.runner.model if graphs else llm.engine.worker.runner.model
-                    )
                 del llm
         without, with_ep = statistics.median(seconds["without"]), statistics.median(seconds["with"])
         row = {
