@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from services.eplb.layout import Layout
+from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
 from services.worker.parallel.expert_moves import moved_weights
 from services.worker.parallel.expert_slots import ExpertSlots
@@ -123,7 +124,7 @@ class LiveLayouts:
 
     def _refusal(self, update: LayoutUpdate) -> str | None:
         """Why ``update`` cannot apply to this group's layers, or None."""
-        if update.layouts and not all(isinstance(m, ExpertParallelMoE) for m in self.moes):
+        if update.layouts and any(isinstance(m, ExpertParallelKernelMoE) for m in self.moes):
             return "live EPLB moves the torch MoE's experts; the kernel backend's expert-parallel layer has none yet"
         for layer, layout in update.layouts.items():
             if not 0 <= layer < len(self.moes):
@@ -206,7 +207,7 @@ class LiveLayouts:
         return [
             (
                 self.parallel.slots[i].layout,
-                (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data) if isinstance(m, ExpertParallelMoE) else (),
+                () if isinstance(m, ExpertParallelKernelMoE) else (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data),
             )
             for i, m in enumerate(self.moes)
         ]
