@@ -387,10 +387,11 @@ suite_parallel() {
 }
 
 suite_ep_one_gpu() {
-    begin ep-one-gpu 230
-    run tests 110 "${gpu_tests[@]}" tests/services/worker/parallel/test_ep_kernel_moe.py \
-        tests/services/worker/runners/test_ep_decode_graphs.py
-    show tests "^FAILED|^ERROR|^E  .*Error|passed|failed" 15
+    begin ep-one-gpu 235
+    run layer 80 "${gpu_tests[@]}" tests/services/worker/parallel/test_ep_kernel_moe.py
+    show layer "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
+    run engine 80 "${gpu_tests[@]}" tests/services/worker/runners/test_ep_decode_graphs.py
+    show engine "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
     run ep-path "$(( $(left) - 5 ))" "${bench_step[@]}" --dp 1 --ep-path --layers "${EP_LAYERS:-8}" \
         --batches "${EP_BATCHES:-1,64}" --json "$dir/ep-path.json"
     show ep-path "^model|^decode|Error" 12

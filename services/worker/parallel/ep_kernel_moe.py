@@ -111,7 +111,7 @@ class ExpertParallelKernelMoE(nn.Module):
         place = (torch.cumsum(one_hot, 0) - one_hot).gather(1, dest[:, None])[:, 0]  # rank among the picks to dest
         index = torch.where(picked, dest * capacity + place, world * capacity)  # the dump for dead picks
         buffers.send_counts.copy_(one_hot[:, :world].sum(0)[:, None])
-        buffers.send_rows[index] = x.repeat_interleave(k, 0)
+        buffers.send_rows[index] = x[:, None].expand(-1, k, -1).reshape(-1, x.shape[-1])  # pick t·k + j: row t
         meta = torch.stack((physical % slots.slots_per_rank, torch.zeros_like(physical)), 1).to(torch.int32)
         meta[:, 1] = weights.reshape(-1).float().contiguous().view(torch.int32)
         buffers.send_meta[index] = meta
