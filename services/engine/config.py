@@ -188,13 +188,11 @@ class EngineConfig:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
-        if self.data_parallel_size > 1 and self.kernel_backend is not None:
-            if self.kernel_backend != "fp8" or self.expert_format != "fp8":
-                raise ValueError(
-                    "data_parallel_size > 1 on the kernel backend runs FP8 experts (docs/parallelism.md): pass "
-                    f"kernel_backend 'fp8' and expert_format 'fp8', not {self.kernel_backend!r} and "
-                    f"{self.expert_format!r}"
-                )
+        if self.data_parallel_size > 1 and self.kernel_backend not in (None, "fp8"):
+            raise ValueError(
+                "data_parallel_size > 1 on the kernel backend runs its FP8 form (docs/parallelism.md): pass "
+                f"kernel_backend 'fp8', not {self.kernel_backend!r}"
+            )
 
     def resolved_num_blocks(self) -> int:
         """The null block, plus room for max_num_seqs full-length requests admitted one after another

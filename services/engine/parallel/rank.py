@@ -22,6 +22,7 @@ import torch
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.model import DeepseekV41
 from services.engine.config import EngineConfig
+from services.engine.device import CUDA_DEFAULTS
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource
 from services.engine.outputs import RequestOutput
@@ -77,13 +78,13 @@ class RankEngine:
 
 def rank_engine_args(engine_args: dict[str, object], device: str) -> dict[str, object]:
     """``engine_args`` with a rank's defaults where not given, as one process on ``device`` has them
-    (services/engine/device.py) but for the experts' format: on CUDA the FP8 kernel backend with FP8 experts
-    (the expert-parallel kernel layer's), CUDA graphs for decode (off with ``enforce_eager`` or drafts) and async
-    scheduling (off with drafts); on the CPU the torch MoE, eager, synchronous."""
+    (services/engine/device.py): on CUDA the FP8 kernel backend with MXFP4 experts (the expert-parallel kernel
+    layer), CUDA graphs for decode (off with ``enforce_eager`` or drafts) and async scheduling (off with drafts);
+    on the CPU the torch MoE, eager, synchronous."""
     speculative = bool(engine_args.get("num_speculative_tokens"))
     if not str(device).startswith("cuda"):
         return {"kernel_backend": None, "cuda_graphs": False, "async_scheduling": False, **engine_args}
-    out = {"kernel_backend": "fp8", "expert_format": "fp8", "async_scheduling": not speculative, **engine_args}
+    out = {**CUDA_DEFAULTS, "async_scheduling": not speculative, **engine_args}
     out.setdefault(
         "cuda_graphs", out["kernel_backend"] is not None and not out.get("enforce_eager", False) and not speculative
     )

@@ -8,7 +8,8 @@ Per pass of at most ``pass_tokens`` tokens (one for a decode step), each rank:
 2. packs each live pick's row, slot and weight into its peer's block of the send buffers (a pick's place in
    its block is its rank among the picks to that peer, in pick order: a cumulative sum on the device), the
    dead ones into the dump row, and exchanges counts, rows and meta (``PeerExchange.all_to_all``);
-3. runs one masked grouped-GEMM pair (``kernels.moe_grouped_gemm``, gate/up + SwiGLU · route weight, then down)
+3. runs one masked grouped-GEMM pair (``kernels.moe_grouped_gemm``, gate/up + SwiGLU · route weight, then down;
+   MXFP4 routed experts: ``kernels.moe_fp4``'s, the shared expert FP8 beside them, as ``Fp4Experts``)
    over its S local slots and the shared expert, stacked as expert S, on the rows it received (rows past a
    block's count go to a sink that the layout drops) and its own tokens (the shared expert, weight 1);
 4. returns each received row's bf16 output to its sender in the block it came in, and sums every token's
@@ -55,19 +56,22 @@ class ExpertParallelKernelMoE(nn.Module):
 
     def __init__(self, moe: KernelMoE, layer: int, parallel: ExpertParallel) -> None:
         super().__init__()
-        if moe.precision != "fp8" or moe.fp4 is not None:
+        if moe.precision != "fp8":
             raise ValueError(
-                "expert parallelism on the kernel backend runs FP8 experts (kernel_backend 'fp8', expert_format "
-                f"'fp8'); this layer is precision {moe.precision!r}"
-                + (" with MXFP4 experts" if moe.fp4 is not None else "")
+                "expert parallelism on the kernel backend runs its FP8 form (kernel_backend 'fp8'); this layer is "
+                f"precision {moe.precision!r}"
             )
         self.moe = moe
         self.layer = layer
         self.parallel = parallel
         slots = parallel.slots[layer]
-        keep = torch.tensor([*slots.local_experts, moe.num_experts], dtype=torch.long, device=moe.w13.device)
-        for name in ("w13", "w13_scale", "w2", "w2_scale"):  # [S + 1, ...]: this rank's slots, then the shared
-            setattr(moe, name, getattr(moe, name).index_select(0, keep).contiguous())
+        local = torch.tensor(slots.local_experts, dtype=torch.long)
+        if moe.fp4 is not None:  # MXFP4 routed stacks [S, ...], the shared expert FP8 beside them
+            moe.fp4.keep(local)
+        else:
+            keep = torch.cat((local, torch.tensor([moe.num_experts]))).to(moe.w13.device)
+            for name in ("w13", "w13_scale", "w2", "w2_scale"):  # [S + 1, ...]: this rank's slots, then the shared
+                setattr(moe, name, getattr(moe, name).index_select(0, keep).contiguous())
         self.num_local = slots.slots_per_rank
 
     def forward(
@@ -134,7 +138,23 @@ class ExpertParallelKernelMoE(nn.Module):
         layout = local_layout(
             choice, weight, torch.cat((valid, routed.live)), self.num_local + 1, world * self.parallel.pass_tokens
         )
-        a = pad_last(torch.cat((buffers.recv_rows, routed.x)), moe.w13.shape[-1]).contiguous()
+        rows = torch.cat((buffers.recv_rows, routed.x))  # [W·C + T, D]
+        if moe.fp4 is None:
+            y = self._fp8_experts(rows, layout)
+        else:  # its routed launch takes num_active − 1 experts: right only while the shared one has rows, which
+            # a rank whose own rows are all dead (a placeholder step) lacks while its peers' rows arrive
+            routed_active = (layout["counts"][:-1] > 0).sum().to(torch.int32).view(1)
+            y = moe.fp4.stacked(rows, dict(layout, num_active=routed_active + 1))
+        y = y.view(-1, y.shape[-1])[:, : moe.hidden]  # [(S + 1)·cap, D]
+        slot_of = layout["slot_of"][:, 0]
+        buffers.send_back.copy_(y[slot_of[:received]])
+        self.parallel.slot_counts[self.layer] += layout["counts"][: self.num_local].long()
+        return y[slot_of[received:]]
+
+    def _fp8_experts(self, rows: torch.Tensor, layout: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The FP8 stacks' down products of every (stacked expert, slot) of ``layout``: bf16 [S + 1, cap, D']."""
+        moe = self.moe
+        a = pad_last(rows, moe.w13.shape[-1]).contiguous()
         gemm, quant = moe.kernels.moe_grouped_gemm, moe.kernels.quant_fp8
         block_m = invariance.BLOCK_M if invariance.active() else gemm.default_block_m(a.shape[0] / (self.num_local + 1))
         if a.shape[0] > quant.IN_GEMM_MAX_ROWS:
@@ -149,12 +169,7 @@ class ExpertParallelKernelMoE(nn.Module):
             out_dtype=torch.float8_e4m3fn,
             block_m=block_m,
         )
-        y = gemm.moe_grouped_gemm(h, moe.w2, moe.w2_scale, layout, gather=False, block_m=block_m)
-        y = y.view(-1, y.shape[-1])[:, : moe.hidden]  # [(S + 1)·cap, D]
-        slot_of = layout["slot_of"]
-        buffers.send_back.copy_(y[slot_of[:received]])
-        self.parallel.slot_counts[self.layer] += layout["counts"][: self.num_local].long()
-        return y[slot_of[received:]]
+        return gemm.moe_grouped_gemm(h, moe.w2, moe.w2_scale, layout, gather=False, block_m=block_m)
 
     def combine(self, routed: _Pass, shared: torch.Tensor) -> torch.Tensor:
         """fp32 [T, D]: the shared expert's output, then the returned picks in top-k order (``kernels.moe_combine``)."""
@@ -212,8 +227,9 @@ def ep_layer(
 def local_layout(
     choice: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, num_experts: int, capacity: int
 ) -> dict[str, torch.Tensor]:
-    """One choice per row → the masked layout (``reference.route_metadata``'s keys, k = 1) over ``num_experts``
-    with ``capacity`` slots each; rows outside ``valid`` take no slot (``slot_of`` 0). Device ops only."""
+    """One choice per row → the masked layout (``reference.route_metadata``'s keys, k = 1: ``slot_of`` [N, 1]) over
+    ``num_experts`` with ``capacity`` slots each; rows outside ``valid`` take no slot (``slot_of`` 0). Device ops
+    only."""
     num_rows = choice.shape[0]
     device = choice.device
     key = torch.where(valid, choice, num_experts)  # the sink: past every expert
@@ -236,7 +252,7 @@ def local_layout(
         "counts": counts.to(torch.int32),
         "row_ids": row_ids[:dump].view(num_experts, capacity),
         "route_w": route_w[:dump].view(num_experts, capacity),
-        "slot_of": slot_of,
+        "slot_of": slot_of[:, None],
         "active": torch.sort((counts == 0).to(torch.int32), stable=True).indices.to(torch.int32),
         "num_active": (counts > 0).sum().to(torch.int32).view(1),
     }

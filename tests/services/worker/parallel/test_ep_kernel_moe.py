@@ -46,29 +46,33 @@ def _kernels(device: str):
         from tests.kernels.interpret import interpreter, load_interpreted
 
         names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
-        return KernelSet(*(load_interpreted(n) for n in names), interpreted=True), interpreter
+        fp4 = load_interpreted("moe_fp4")
+        return KernelSet(*(load_interpreted(n) for n in names), moe_fp4=fp4, interpreted=True), interpreter
     return KernelSet.compiled(), contextlib.nullcontext
 
 
-def _ranks(moe: MoE, kernels: KernelSet, world: int, redundant: int, pass_tokens: int, exchange) -> list:
+def _ranks(
+    moe: MoE, kernels: KernelSet, world: int, redundant: int, pass_tokens: int, exchange, expert_format: str = "fp8"
+) -> list:
     layers = []
     for rank in range(world):
         slots = ExpertSlots.startup(CFG.n_routed_experts, world, redundant, rank, moe.w1.device)
         parallel = ExpertParallel(None, [slots], peer=exchange, pass_tokens=pass_tokens)  # type: ignore[arg-type]
-        layers.append(ExpertParallelKernelMoE(KernelMoE(moe, "fp8", kernels), 0, parallel))
+        layers.append(ExpertParallelKernelMoE(KernelMoE(moe, "fp8", kernels, expert_format), 0, parallel))
     return layers
 
 
 @pytest.mark.parametrize(
-    ("world", "redundant", "passes"),
-    [(2, 0, 1), (4, 2, 2)],  # 4 ranks: 10 slots (copies of experts 0 and 1), rounded to 3 a rank; two passes
+    ("world", "redundant", "passes", "expert_format"),
+    # 4 ranks: 10 slots (copies of experts 0 and 1), rounded to 3 a rank; two passes. MXFP4 routed experts.
+    [(2, 0, 1, "fp8"), (4, 2, 2, "fp8"), (2, 1, 1, "fp4")],
 )
-def test_virtual_ranks_equal_the_unsharded_layer(world, redundant, passes):
+def test_virtual_ranks_equal_the_unsharded_layer(world, redundant, passes, expert_format):
     moe = _moe("cpu")
     kernels, context = _kernels("cpu")
     tokens = 5  # per rank; rank 0 has a dead row; the last rank is in a placeholder step
     pass_tokens = -(-tokens // passes)
-    layers = _ranks(moe, kernels, world, redundant, pass_tokens, VirtualPeerExchange(world))
+    layers = _ranks(moe, kernels, world, redundant, pass_tokens, VirtualPeerExchange(world), expert_format)
     x = torch.randn(world, tokens, CFG.hidden_size)
     lives: list = [None] * world
     lives[0] = torch.tensor([True, False, True, True, True])
@@ -78,7 +82,7 @@ def test_virtual_ranks_equal_the_unsharded_layer(world, redundant, passes):
     layers[-1].parallel.routes_nothing = True
     with torch.no_grad(), context(), invariance.fixed_configs():
         ref_counts = torch.zeros(CFG.n_routed_experts, dtype=torch.long)
-        ref = KernelMoE(moe, "fp8", kernels)(x[:-1].reshape(1, -1, CFG.hidden_size), ref_counts)[0]
+        ref = KernelMoE(moe, "fp8", kernels, expert_format)(x[:-1].reshape(1, -1, CFG.hidden_size), ref_counts)[0]
         outs = ep_layer(layers, [x[r][None] for r in range(world)], counts, lives, [None] * world)
     ref = ref.view(world - 1, tokens, -1)
     for rank in range(world - 1):
@@ -110,7 +114,7 @@ def test_local_layout_is_the_route_metadata_of_the_valid_rows():
         n = int(want["counts"][e])
         assert torch.equal(idx[want["row_ids"][e, :n].long()], got["row_ids"][e, :n].long())
         assert torch.equal(got["route_w"][e, :n], want["route_w"][e, :n])
-    assert torch.equal(got["slot_of"][idx], want["slot_of"][:, 0]) and not got["slot_of"][~valid].any()
+    assert torch.equal(got["slot_of"][idx], want["slot_of"]) and not got["slot_of"][~valid].any()
 
 
 def test_peer_exchanges_refuse_mismatched_tensors():
@@ -128,7 +132,9 @@ def test_peer_exchanges_refuse_mismatched_tensors():
 # ---------------------------------------------------------------- GPU: captured in CUDA graphs
 
 
-def _graph_against_unsharded(layers: list, moe: MoE, kernels: KernelSet, tokens: int, dtype: torch.dtype) -> None:
+def _graph_against_unsharded(
+    layers: list, moe: MoE, kernels: KernelSet, tokens: int, dtype: torch.dtype, expert_format: str = "fp8"
+) -> None:
     """Captures ``ep_layer`` over ``layers`` (their exchange: virtual copies or NCCL) on static inputs, then replays
     it on three draws of tokens and live masks, each against ``KernelMoE`` on the same tokens with ``==``."""
     world = len(layers)
@@ -152,7 +158,7 @@ def _graph_against_unsharded(layers: list, moe: MoE, kernels: KernelSet, tokens:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = run()
-        unsharded = KernelMoE(moe, "fp8", kernels)
+        unsharded = KernelMoE(moe, "fp8", kernels, expert_format)
         gen = torch.Generator(device=device).manual_seed(3)
         for draw in range(3):
             x.copy_(torch.randn(x.shape, generator=gen, device=device).to(dtype))
@@ -171,13 +177,13 @@ def _graph_against_unsharded(layers: list, moe: MoE, kernels: KernelSet, tokens:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_virtual_ranks_captured_in_a_graph_equal_the_unsharded_layer(world):
+@pytest.mark.parametrize(("world", "expert_format"), [(2, "fp8"), (4, "fp8"), (2, "fp4")])
+def test_virtual_ranks_captured_in_a_graph_equal_the_unsharded_layer(world, expert_format):
     moe = _moe("cuda")
     kernels, _ = _kernels("cuda")
     tokens = 8
-    layers = _ranks(moe, kernels, world, 2, tokens, VirtualPeerExchange(world))
-    _graph_against_unsharded(layers, moe, kernels, tokens, torch.bfloat16)
+    layers = _ranks(moe, kernels, world, 2, tokens, VirtualPeerExchange(world), expert_format)
+    _graph_against_unsharded(layers, moe, kernels, tokens, torch.bfloat16, expert_format)
 
 
 @gpu
