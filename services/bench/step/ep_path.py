@@ -5,8 +5,9 @@ The expert-parallel path at world size 1 (services/worker/parallel/ep_kernel_moe
 group runs per MoE layer: the picks packed into fixed-capacity buffers, four ``all_to_all_single`` calls over a
 one-rank NCCL group (counts, rows, meta, outputs back: copies to itself), the grouped GEMMs over the rank's
 slots plus the shared expert, and the combine; in the decode graphs with everything else. Without it the layer is
-``KernelMoE``. Each batch size is built and timed twice per path, alternated (without, with, without, with), and
-the pooled step times' medians are compared: the expert-parallel path's cost on one GPU, before any wire.
+``KernelMoE``. The experts are ``--expert-format``'s (the last one named; MXFP4 by default). Each batch size is
+built and timed twice per path, alternated (without, with, without, with), and the pooled step times' medians are
+compared: the expert-parallel path's cost on one GPU, before any wire.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--batches: expected comma-separated integers, got {args.batches!r}") from None
     steps = 20
     graphs = not args.no_graphs
-    build, cfg, full_layers = builder(model, device, "kernels", args.layers, graphs, "fp8")
+    expert_format = args.expert_format.split(",")[-1]
+    build, cfg, full_layers = builder(model, device, "kernels", args.layers, graphs, expert_format)
     print(
-        f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), FP8 experts, CUDA graphs {graphs}, "
-        f"context {CONTEXT}, {torch.cuda.get_device_name()}"
+        f"model {model} ({cfg.num_hidden_layers} of {full_layers} layers), experts {expert_format}, "
+        f"CUDA graphs {graphs}, context {CONTEXT}, {torch.cuda.get_device_name()}"
     )
     rows: list[dict[str, Any]] = []
     for batch in batches:
@@ -92,7 +94,13 @@ def main(args: argparse.Namespace) -> int:
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(
-                {"model": model, "layers": cfg.num_hidden_layers, "device": torch.cuda.get_device_name(), "rows": rows},
+                {
+                    "model": model,
+                    "layers": cfg.num_hidden_layers,
+                    "expert_format": expert_format,
+                    "device": torch.cuda.get_device_name(),
+                    "rows": rows,
+                },
                 indent=1,
             )
         )
