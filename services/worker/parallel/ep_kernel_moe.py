@@ -51,8 +51,9 @@ class _Pass:
 
 
 class ExpertParallelKernelMoE(nn.Module):
-    """Replaces one layer's ``KernelMoE`` as the block's ``ffn``: its router and weights, its FP8 stacks cut to
-    this rank's slots (slot order) with the shared expert last."""
+    """Replaces one layer's ``KernelMoE`` as the block's ``ffn``: its router and weights, its expert stacks cut
+    to this rank's slots (slot order) with the shared expert last (FP8 stacks ``[S + 1, …]``; MXFP4 routed stacks
+    ``[S, …]`` with the FP8 shared expert beside them)."""
 
     def __init__(self, moe: KernelMoE, layer: int, parallel: ExpertParallel) -> None:
         super().__init__()
