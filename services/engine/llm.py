@@ -141,7 +141,7 @@ class LLM:
         kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None,
     ) -> None:
         """One process per rank, each with its engine and its share of the experts; this process keeps only
-        the config and tokenizer. A rank's defaults are one process's on its device, with FP8 experts
+        the config and tokenizer. A rank's defaults are one process's on its device
         (`rank_engine_args`, docs/parallelism.md)."""
         from functools import partial
 
