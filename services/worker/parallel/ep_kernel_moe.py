@@ -5,9 +5,10 @@ Per pass of at most ``pass_tokens`` tokens (one for a decode step), each rank:
 
 1. routes its tokens with the kernel router (``KernelMoE``'s: the same choices and weights), adds the live
    picks to the layer's logical ``counts``, maps each pick to one physical slot (``ExpertSlots.physical``);
-2. packs each live pick's row, slot and weight into its peer's block of the send buffers (a pick's place in
+2. packs each live pick's row, slot and weight into its peer's block of the send buffer (a pick's place in
    its block is its rank among the picks to that peer, in pick order: a cumulative sum on the device), the
-   dead ones into the dump row, and exchanges counts, rows and meta (``PeerExchange.all_to_all``);
+   dead ones into the dump block, with each block's count, and exchanges the blocks in one all-to-all
+   (``PeerExchange.all_to_all``; services/worker/parallel/peer_buffers.py has the byte layout);
 3. runs one masked grouped-GEMM pair (``kernels.moe_grouped_gemm``, gate/up + SwiGLU · route weight, then down;
    MXFP4 routed experts: ``kernels.moe_fp4``'s, the shared expert FP8 beside them, as ``Fp4Experts``)
    over its S local slots and the shared expert, stacked as expert S, on the rows it received (rows past a
@@ -114,13 +115,14 @@ class ExpertParallelKernelMoE(nn.Module):
         dest = torch.where(picked, torch.div(physical, slots.slots_per_rank, rounding_mode="floor"), world)
         one_hot = (dest[:, None] == torch.arange(world + 1, device=x.device)).long()  # [T·k, W + 1]
         place = (torch.cumsum(one_hot, 0) - one_hot).gather(1, dest[:, None])[:, 0]  # rank among the picks to dest
-        index = torch.where(picked, dest * capacity + place, world * capacity)  # the dump for dead picks
-        buffers.send_counts.copy_(one_hot[:, :world].sum(0)[:, None])
-        buffers.send_rows[index] = x[:, None].expand(-1, k, -1).reshape(-1, x.shape[-1])  # pick t·k + j: row t
+        place = torch.where(picked, place, 0)  # dead picks: row 0 of the dump block (dest W)
+        buffers.counts(buffers.send)[:world].copy_(one_hot[:, :world].sum(0)[:, None])
+        rows_of_picks = x[:, None].expand(-1, k, -1).reshape(-1, x.shape[-1])  # pick t·k + j: row t
+        buffers.rows(buffers.send)[dest, place] = rows_of_picks.to(buffers.dtype)
         meta = torch.stack((physical % slots.slots_per_rank, torch.zeros_like(physical)), 1).to(torch.int32)
         meta[:, 1] = weights.reshape(-1).float().contiguous().view(torch.int32)
-        buffers.send_meta[index] = meta
-        picks = torch.where(picked, index, 0).view(num_tokens, k)
+        buffers.meta(buffers.send)[dest, place] = meta
+        picks = torch.where(picked, dest * capacity + place, 0).view(num_tokens, k)
         return _Pass(x, rows, any_dead, picks)
 
     def run_experts(self, routed: _Pass) -> torch.Tensor:
@@ -131,15 +133,14 @@ class ExpertParallelKernelMoE(nn.Module):
         received = world * capacity
         device = routed.x.device
         num_tokens = routed.x.shape[0]
-        valid = (torch.arange(capacity, device=device)[None, :] < buffers.recv_counts).reshape(-1)  # [W·C]
-        choice = torch.cat((buffers.recv_meta[:, 0].long(), torch.full((num_tokens,), self.num_local, device=device)))
-        weight = torch.cat(
-            (buffers.recv_meta[:, 1].contiguous().view(torch.float32), torch.ones(num_tokens, device=device))
-        )
+        valid = (torch.arange(capacity, device=device)[None, :] < buffers.counts(buffers.recv)).reshape(-1)  # [W·C]
+        meta = buffers.meta(buffers.recv).reshape(received, 2)  # (slot, weight bits) of each received row
+        choice = torch.cat((meta[:, 0].long(), torch.full((num_tokens,), self.num_local, device=device)))
+        weight = torch.cat((meta[:, 1].contiguous().view(torch.float32), torch.ones(num_tokens, device=device)))
         layout = local_layout(
             choice, weight, torch.cat((valid, routed.live)), self.num_local + 1, world * self.parallel.pass_tokens
         )
-        rows = torch.cat((buffers.recv_rows, routed.x))  # [W·C + T, D]
+        rows = torch.cat((buffers.rows(buffers.recv).reshape(received, -1), routed.x))  # [W·C + T, D]
         if moe.fp4 is None:
             y = self._fp8_experts(rows, layout)
         else:  # its routed launch takes num_active − 1 experts: right only while the shared one has rows, which
@@ -215,8 +216,8 @@ def ep_layer(
             for m, x, c, v, g in zip(moes, flat, counts, lives, images, strict=True)
         ]
         buffers = [m.parallel.buffers_for(m.moe.hidden, r.x.dtype, m.moe.top_k) for m, r in zip(moes, routed)]
-        for pair in zip(*(b.dispatched() for b in buffers), strict=True):
-            exchange.all_to_all([send for send, _ in pair], [recv for _, recv in pair])
+        sent = [b.dispatched() for b in buffers]  # rows, meta and counts in one byte buffer per peer
+        exchange.all_to_all([send for send, _ in sent], [recv for _, recv in sent])
         shared = [m.run_experts(r) for m, r in zip(moes, routed, strict=True)]
         back = [b.returned() for b in buffers]
         exchange.all_to_all([send for send, _ in back], [recv for _, recv in back])

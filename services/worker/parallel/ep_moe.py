@@ -94,7 +94,7 @@ class ExpertParallel:
         """The kernel layer's send and receive buffers (every layer's, in turn), made on first use (an eager
         step or a capture's warm-up, never inside a capture) for rows of ``hidden`` × ``dtype``."""
         buffers = self._buffers
-        if buffers is None or buffers.send_rows.dtype != dtype or buffers.send_rows.shape[1] != hidden:
+        if buffers is None or buffers.dtype != dtype or buffers.hidden != hidden:
             if self.peer is None:
                 raise ValueError("the kernel backend's expert-parallel layer needs a PeerExchange")
             device = self.slot_counts.device
