@@ -4,10 +4,10 @@ engine without it, on one model.
 The expert-parallel path at world size 1 (services/worker/parallel/ep_kernel_moe.py) is everything a rank of a
 group runs per MoE layer: the picks packed into fixed-capacity buffers, two ``all_to_all_single`` calls over a
 one-rank NCCL group (the packed rows, meta and counts; the outputs back: copies to itself), the grouped GEMMs
-over the rank's slots plus the shared expert, and the combine; in the decode graphs with everything else. Without it the layer is
-``KernelMoE``. The experts are ``--expert-format``'s (the last one named; MXFP4 by default). Each batch size is
-built and timed twice per path, alternated (without, with, without, with), and the pooled step times' medians are
-compared: the expert-parallel path's cost on one GPU, before any wire.
+over the rank's slots plus the shared expert, and the combine; in the decode graphs with everything else.
+Without it the layer is ``KernelMoE``. The experts are ``--expert-format``'s (the last one named; MXFP4 by
+default). Each batch size is built and timed twice per path, alternated (without, with, without, with), and the
+pooled step times' medians are compared: the expert-parallel path's cost on one GPU, before any wire.
 """
 
 from __future__ import annotations
