@@ -1,14 +1,17 @@
 """Expert parallelism on two GPUs (NCCL exchange): LLM(data_parallel_size=2, device="cuda") against one
-process on the torch backend, the same prompts, greedy. Prints each prompt's tokens from both and the
-largest logprob difference over their common prefix, then `bench`-style step times of both.
+process, the same prompts, greedy. Prints each prompt's tokens from both and the largest logprob difference over
+their common prefix, then step times of both.
 
-The torch backend on a GPU has no batch-invariant mode, so the two may differ in the last bits (a row's
-matmuls run in other batches); the figures say by how much. The ranks run with async scheduling (a rank's
-CUDA default) unless ``--no-async-scheduling``; ``--num-speculative-tokens N`` runs both sides with N DSpark
-drafts (greedy: the tokens should not change). Needs at least two CUDA devices:
+``--backend kernels`` (the default, a rank's CUDA default): every rank on the FP8 kernel backend with FP8 experts,
+the expert-parallel kernel layer exchanging through fixed-capacity buffers inside the decode graphs
+(services/worker/parallel/ep_kernel_moe.py), against one process on the same backend, both in the batch-invariant
+mode: the tokens and logprobs should be equal (``==``). ``--backend torch``: the torch MoE on both sides, which has
+no batch-invariant mode on a GPU, so the two may differ in the last bits; the figures say by how much. The ranks
+run with async scheduling (a rank's CUDA default) unless ``--no-async-scheduling``; ``--num-speculative-tokens N``
+runs both sides with N DSpark drafts (greedy: the tokens should not change). Needs at least two CUDA devices:
 
     python scripts/gpu/ep_check.py
-    python scripts/gpu/ep_check.py --no-async-scheduling
+    python scripts/gpu/ep_check.py --backend torch
     python scripts/gpu/ep_check.py --num-speculative-tokens 3
 """
 
@@ -25,7 +28,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--backend", choices=("kernels", "torch"), default="kernels")
     args = p.parse_args()
+    kernels = args.backend == "kernels"
+    backend = (
+        dict(kernel_backend="fp8", expert_format="fp8", batch_invariant=True)
+        if kernels
+        else dict(kernel_backend=None, cuda_graphs=False)
+    )
     if torch.cuda.device_count() < 2:
         print(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
         return 2
@@ -42,7 +52,9 @@ def main() -> int:
         num_speculative_tokens=args.num_speculative_tokens,
     )
     start = time.perf_counter()
-    ranks = LLM("tiny", data_parallel_size=2, device="cuda", async_scheduling=args.async_scheduling, **engine)
+    ranks = LLM(
+        "tiny", data_parallel_size=2, device="cuda", async_scheduling=args.async_scheduling, **backend, **engine
+    )
     print(
         f"2 ranks up in {time.perf_counter() - start:.1f} s (async scheduling {args.async_scheduling}, "
         f"{args.num_speculative_tokens} drafts)"
@@ -54,7 +66,7 @@ def main() -> int:
         print(f"dp 2: {time.perf_counter() - start:.2f} s for {len(prompts)} × {params.max_tokens} tokens")
     finally:
         ranks.close()
-    one_llm = LLM("tiny", device="cuda", kernel_backend=None, async_scheduling=False, cuda_graphs=False, **engine)
+    one_llm = LLM("tiny", device="cuda", async_scheduling=False, **backend, **engine)
     start = time.perf_counter()
     one = one_llm.generate(prompts, params)
     print(f"dp 1: {time.perf_counter() - start:.2f} s")
@@ -64,7 +76,8 @@ def main() -> int:
         diff = max((abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])), default=0.0)
         same += a.token_ids == b.token_ids
         print(f"prompt {a.request_id}: {n}/{len(a.token_ids)} tokens agree, max |Δ logprob| {diff:.3g} over them")
-    print(f"{same}/{len(prompts)} prompts give the same tokens")
+    equal = sum(a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(two, one))
+    print(f"{same}/{len(prompts)} prompts give the same tokens, {equal} the same logprobs too ({args.backend})")
     return 0
 
 

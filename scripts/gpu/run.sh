@@ -38,7 +38,8 @@ prefix            prefix caching: the exactness gpu test (kernel path, CUDA grap
 fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, --max-num-batched-tokens 256): a light key's TTFT
                   alone and beside one and two keys sending 3,900-token prompts, then a key over its limit (FAIR_S per phase)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
-parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
+parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process, kernel ranks in graphs (batch-invariant: tokens and logprobs ==), the torch MoE, 3 drafts; then live EPLB's layout switch at one boundary
+ep-one-gpu        one GPU: the expert-parallel kernel layer's gpu tests (virtual ranks and NCCL at world size 1 captured in graphs), bench step --dp 1 --ep-path on v41-s1 with MXFP4 experts (EP_LAYERS, default 8; EP_BATCHES, default 64), then the EP path in the engine's decode graphs
 hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny)
 invariance        the batch-invariance test with == on v41-s1 at full depth (INVARIANCE_PROMPTS, default 64: the batch, then each prompt alone), then where graphs and eager part on tiny
 compare           decode and prefill step medians (150 steps, v41-s1 at 8 layers) of a baseline tree carried in BASE_TREE (default base/) and this tree, alternated twice
@@ -407,8 +408,20 @@ suite_parallel() {
     local gpus; gpus=$(nvidia-smi -L | wc -l)
     if [ "$gpus" -lt 2 ]; then note "parallel: needs 2 GPUs (nvidia-h100-x2), found $gpus"; return; fi
     run ep 170 python3 scripts/gpu/ep_check.py; tail -12 "$dir/ep.log"
+    run ep-torch 120 python3 scripts/gpu/ep_check.py --backend torch; tail -12 "$dir/ep-torch.log"
     run ep-drafts 170 python3 scripts/gpu/ep_check.py --num-speculative-tokens 3; tail -12 "$dir/ep-drafts.log"
     run eplb-live 170 python3 scripts/gpu/eplb_live.py; tail -8 "$dir/eplb-live.log"
+}
+
+suite_ep_one_gpu() {
+    begin ep-one-gpu 235
+    run layer 70 "${gpu_tests[@]}" tests/services/worker/parallel/test_ep_kernel_moe.py
+    show layer "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
+    run ep-path 95 env PYTHONUNBUFFERED=1 "${bench_step[@]}" --dp 1 --ep-path --layers "${EP_LAYERS:-8}" --batches "${EP_BATCHES:-64}" \
+        --json "$dir/ep-path.json"
+    show ep-path "^model|^decode|Error" 12
+    run engine "$(( $(left) - 5 ))" "${gpu_tests[@]}" tests/services/worker/runners/test_ep_decode_graphs.py
+    show engine "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
 }
 
 suite_hosts() {

@@ -188,17 +188,11 @@ class EngineConfig:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
-        if self.data_parallel_size > 1:
-            unsupported = [
-                name
-                for name, on in (("kernel_backend", self.kernel_backend is not None), ("cuda_graphs", self.cuda_graphs))
-                if on
-            ]
-            if unsupported:
-                raise ValueError(
-                    f"data_parallel_size > 1 runs the torch MoE so far "
-                    f"(docs/parallelism.md): turn off {', '.join(unsupported)}"
-                )
+        if self.data_parallel_size > 1 and self.kernel_backend not in (None, "fp8"):
+            raise ValueError(
+                "data_parallel_size > 1 on the kernel backend runs its FP8 form (docs/parallelism.md): pass "
+                f"kernel_backend 'fp8', not {self.kernel_backend!r}"
+            )
 
     def resolved_num_blocks(self) -> int:
         """The null block, plus room for max_num_seqs full-length requests admitted one after another

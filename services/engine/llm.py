@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.structured.grammars import GrammarCompiler
 from services.worker.build import build_worker
+from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.worker import Runner, Worker
 
 Prompt = str | Sequence[int]
@@ -31,20 +32,26 @@ class LLM:
         runner: Runner | None = None,
         worker: Worker | None = None,
         source: ModelSource | None = None,
+        kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None = None,
         **engine_args: object,
     ) -> None:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
-        is loaded."""
+        is loaded. ``kernels``: the kernel backend's kernel set as a context (a module-level callable → a
+        context manager yielding the ``KernelSet``; None: the compiled set) that this process (one engine, until
+        ``close``) or each rank process runs inside: interpreted copies run the kernel backend on a CPU
+        (tests/kernels/interpret.py)."""
         self.ranks = None  # the data-parallel group's driver (services/engine/parallel/ranks.py), with dp > 1
+        self._kernel_context = contextlib.ExitStack()
         if int(engine_args.get("data_parallel_size", 1)) > 1:  # type: ignore[call-overload]
             if source is not None or runner is not None or worker is not None:
                 raise ValueError(
                     "data_parallel_size > 1 starts its own rank processes, each loading the model: "
                     "pass model=, not source=, runner= or worker="
                 )
-            self._start_ranks(model, engine_args)
+            self._start_ranks(model, engine_args, kernels)
             return
+        kernel_set = None if kernels is None else self._kernel_context.enter_context(kernels())
         builds_model = source is None and runner is None and worker is None
         if builds_model:  # the device and, on CUDA, the fast path's defaults (services/engine/device.py)
             from services.engine.device import device_engine_args
@@ -112,7 +119,7 @@ class LLM:
                 "worker's protocol does not carry drafts yet"
             )
         if worker is None:
-            worker = build_worker(self.source.model, self.config.worker_config(), runner=runner)
+            worker = build_worker(self.source.model, self.config.worker_config(), runner=runner, kernels=kernel_set)
         self.engine = Engine(
             worker,
             self.config,
@@ -127,10 +134,15 @@ class LLM:
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
 
-    def _start_ranks(self, model: str, engine_args: dict[str, object]) -> None:
+    def _start_ranks(
+        self,
+        model: str,
+        engine_args: dict[str, object],
+        kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None,
+    ) -> None:
         """One process per rank, each with its engine and its share of the experts; this process keeps only
-        the config and tokenizer. The ranks run the torch MoE (no kernel backend, no CUDA graphs); async
-        scheduling defaults as for one process (`rank_engine_args`, docs/parallelism.md)."""
+        the config and tokenizer. A rank's defaults are one process's on its device
+        (`rank_engine_args`, docs/parallelism.md)."""
         from functools import partial
 
         from services.engine.device import resolve_device
@@ -149,13 +161,21 @@ class LLM:
         self.tokenizer = self.source.tokenizer
         self._ids = itertools.count()
         self._chat = None
-        load = partial(load_model, model, self.config.model_seed, load_format=self.config.load_format)
-        self.ranks = Ranks(RankSpec(self.config, load, "", device))
+        load = partial(
+            load_model,
+            model,
+            self.config.model_seed,
+            load_format=self.config.load_format,
+            precision=self.config.kernel_backend,  # on CUDA the kernel form, as one process loads it
+            expert_format=self.config.expert_format,
+        )
+        self.ranks = Ranks(RankSpec(self.config, load, "", device, kernels=kernels))
 
     def close(self) -> None:
-        """Stops the rank processes of a data-parallel LLM (nothing to stop otherwise)."""
+        """Stops the rank processes of a data-parallel LLM, and leaves the ``kernels`` context of one engine."""
         if self.ranks is not None:
             self.ranks.close()
+        self._kernel_context.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         groups = init_rank_groups(
             args.dp_rank, args.data_parallel_size, args.dp_rendezvous, str(config.device), config.rank_timeout_s
         )
-        parallel = shard_over_group(source.model, groups, args.num_redundant_experts, str(config.device))
+        parallel = shard_over_group(
+            source.model, groups, args.num_redundant_experts, str(config.device), config.worker_config()
+        )
     worker = build_worker(source.model, config.worker_config(), expert_parallel=parallel)
     if str(config.device).startswith("cuda"):  # the engine's pool rule must fit the memory this worker may hold
         total = torch.cuda.get_device_properties(config.device).total_memory

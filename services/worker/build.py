@@ -17,14 +17,21 @@ from __future__ import annotations
 
 from model.deepseek_v41.model import DeepseekV41
 from services.worker.config import WorkerConfig
+from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.spec.forced_acceptance import ForcedAcceptance
 from services.worker.spec.speculator import Speculator
 from services.worker.worker import Runner, Worker
 
 
-def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: ExpertParallel | None = None) -> Runner:
-    """The runner ``build_worker`` uses when none is given (see the module docstring)."""
+def build_runner(
+    model: DeepseekV41,
+    config: WorkerConfig,
+    expert_parallel: ExpertParallel | None = None,
+    kernels: KernelSet | None = None,
+) -> Runner:
+    """The runner ``build_worker`` uses when none is given (see the module docstring); ``kernels``: the kernel
+    backend's set (None: the compiled one; interpreted copies run it on a CPU, tests/kernels/interpret.py)."""
     nextn = config.num_speculative_tokens
     try:
         from services.worker.runners.model_runner import ModelRunner
@@ -41,9 +48,9 @@ def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: Expe
                 f"cuda_graphs=True needs the model on a CUDA device, but it is on {device}: load it "
                 "onto the GPU and pass it as LLM(source=...), or leave cuda_graphs off"
             )
-        if expert_parallel is not None:
-            raise ValueError("cuda_graphs does not run with expert parallelism: a rank runs the torch MoE eagerly")
-    cached = ModelRunner(model, config, nextn=nextn, with_taps=nextn > 0, expert_parallel=expert_parallel)
+    cached = ModelRunner(
+        model, config, nextn=nextn, with_taps=nextn > 0, expert_parallel=expert_parallel, kernels=kernels
+    )
     if not config.cuda_graphs:
         return cached
     from scheduler_rs import graph_sizes
@@ -63,6 +70,7 @@ def build_worker(
     *,
     runner: Runner | None = None,
     expert_parallel: ExpertParallel | None = None,
+    kernels: KernelSet | None = None,
     forced_acceptance: ForcedAcceptance | None = None,
     static_proposal: bool | None = None,
     greedy_only: bool = False,
@@ -70,7 +78,7 @@ def build_worker(
     """A worker on ``model``: ``runner`` (default: ``build_runner``'s) and, with drafts, a speculator.
     ``forced_acceptance`` and ``static_proposal`` are the speculator's (the benchmark's switches);
     ``greedy_only`` captures only the all-greedy draft buckets."""
-    runner = runner if runner is not None else build_runner(model, config, expert_parallel)
+    runner = runner if runner is not None else build_runner(model, config, expert_parallel, kernels)
     if not config.num_speculative_tokens:
         return Worker(runner)
     # The draft's batch-invariant maths is the CPU torch mode (model/batch_invariant.py); on a GPU the draft runs

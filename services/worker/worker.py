@@ -92,7 +92,8 @@ class Worker:
 
     def __init__(self, runner: Runner, sampler: Sampler | None = None, speculator: Speculator | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler
-        module for a ``backend == "kernels"`` runner (services/worker/sampling/kernel_sampler.py), else ``Sampler``.
+        module for a ``backend == "kernels"`` runner whose set has one (services/worker/sampling/kernel_sampler.py),
+        else ``Sampler`` (a set's None parts stay torch, services/worker/kernel_model/fp8_linear.py).
         ``speculator`` (speculative decoding) verifies and proposes drafts; its runner must return taps."""
         self.runner = runner
         self.speculator = speculator
@@ -100,9 +101,8 @@ class Worker:
             from services.worker.sampling.kernel_sampler import KernelSampler
 
             kernels = runner.kernels  # type: ignore[attr-defined]
-            if kernels.sampler is None:
-                raise ValueError("a kernel-backend runner needs a sampler kernel in its KernelSet (or pass sampler=)")
-            sampler = KernelSampler(kernels.sampler)  # type: ignore[assignment]
+            if kernels.sampler is not None:
+                sampler = KernelSampler(kernels.sampler)  # type: ignore[assignment]
         self.sampler = sampler or Sampler()
         # The speculator verifies on the torch Sampler's processed distributions (``Sampler.process``), which the
         # fused sampling kernel does not expose: on the kernel backend it gets its own torch Sampler.

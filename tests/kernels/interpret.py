@@ -44,6 +44,8 @@ import triton.runtime.interpreter as triton_interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from services.worker.kernel_model.fp8_linear import KernelSet
+
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
 _TWINS: dict[object, InterpretedFunction] = {}
 """Interpreted twins of Triton's stdlib jit helpers, keyed by the helper's Python function."""
@@ -155,3 +157,11 @@ def load_interpreted(name: str) -> ModuleType:
                 sys.modules[key] = previous
     sys.modules[alias] = module
     return module
+
+
+@contextlib.contextmanager
+def interpreted_kernel_set() -> Iterator[KernelSet]:
+    """Every kernel the kernel backend calls, interpreted, with the interpreter on for the block: the
+    ``kernels`` context of ``LLM`` and of a rank (``RankSpec.kernels``), the kernel backend on a CPU."""
+    with interpreter():
+        yield KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)

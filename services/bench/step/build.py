@@ -84,7 +84,8 @@ def builder(
     else:
         source = load_source(model, cfg, device, backend)
 
-    def build(**engine_args: Any) -> LLM:
+    def build(expert_parallel: Any = None, **engine_args: Any) -> LLM:
+        """``expert_parallel``: the runner's ``ExpertParallel`` (services/bench/step/ep_path.py), None: without."""
         from services.worker.runners.model_runner import ModelRunner
 
         # Step benchmarks time cold steps: no prefix cache (its snapshot cuts would split the profiled prompt).
@@ -92,7 +93,7 @@ def builder(
         from services.engine.config import EngineConfig
 
         config = EngineConfig(**config_args).worker_config()
-        runner: Any = ModelRunner(source.model, config, **_runner_args(backend))
+        runner: Any = ModelRunner(source.model, config, expert_parallel=expert_parallel, **_runner_args(backend))
         if graphs:
             from services.worker.runners.decode_step_graphs import DecodeStepGraphs
 

@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--baseline", help="JSON of an earlier run: report the ratio of decode times against it")
     parser.add_argument(
+        "--ep-path",
+        action="store_true",
+        help="with --dp 1 on a GPU: decode with the expert-parallel kernel layer at world size 1 (NCCL to itself, "
+        "fixed-capacity buffers, the exchange in the graphs) against the engine without it, alternated "
+        "(services/bench/step/ep_path.py)",
+    )
+    parser.add_argument(
         "--dp",
         type=int,
         default=1,
@@ -346,6 +353,10 @@ def main(args: argparse.Namespace) -> int:
         from services.bench.step.parallel import main as parallel_main
 
         return parallel_main(args)
+    if args.ep_path:
+        from services.bench.step.ep_path import main as ep_path_main
+
+        return ep_path_main(args)
     import torch
 
     from services.bench.step.build import builder

@@ -9,6 +9,7 @@ in the same order: the scheduler's votes at vote points, then four exchanges per
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
@@ -21,6 +22,7 @@ import torch
 from model.deepseek_v41.config import ModelConfig
 from model.deepseek_v41.model import DeepseekV41
 from services.engine.config import EngineConfig
+from services.engine.device import CUDA_DEFAULTS
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource
 from services.engine.outputs import RequestOutput
@@ -28,6 +30,7 @@ from services.engine.parallel.vote import HostVote
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout
 from services.worker.build import build_worker
+from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_moves import apply_layouts
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups
@@ -50,6 +53,10 @@ class RankSpec:
     device: str  # "cpu"; "cuda" (rank r runs on cuda:r, every rank on this host); or "cuda:N" (one served rank
     # of a group that may span hosts, on its own GPU)
     num_threads: int | None = None  # torch CPU threads per rank; None = OMP_NUM_THREADS, else the cores over the ranks
+    # The kernel backend's kernel set as a context the rank process runs inside (a module-level callable →
+    # a context manager yielding the ``KernelSet``); None: the compiled set. Interpreted copies run the kernel
+    # backend's ranks on a CPU (tests/kernels/interpret.py).
+    kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None = None
 
     def rank_device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else self.device
@@ -70,16 +77,18 @@ class RankEngine:
 
 
 def rank_engine_args(engine_args: dict[str, object], device: str) -> dict[str, object]:
-    """``engine_args`` with a rank's defaults where not given: the torch MoE (no kernel backend and no CUDA
-    graphs: expert parallelism shards the torch MoE), and async scheduling as one process on ``device`` has
-    it (services/engine/device.py: on for CUDA without drafts, off on the CPU)."""
+    """``engine_args`` with a rank's defaults where not given, as one process on ``device`` has them
+    (services/engine/device.py): on CUDA the FP8 kernel backend with MXFP4 experts (the expert-parallel kernel
+    layer), CUDA graphs for decode (off with ``enforce_eager`` or drafts) and async scheduling (off with drafts);
+    on the CPU the torch MoE, eager, synchronous."""
     speculative = bool(engine_args.get("num_speculative_tokens"))
-    return {
-        "kernel_backend": None,
-        "cuda_graphs": False,
-        "async_scheduling": str(device).startswith("cuda") and not speculative,
-        **engine_args,
-    }
+    if not str(device).startswith("cuda"):
+        return {"kernel_backend": None, "cuda_graphs": False, "async_scheduling": False, **engine_args}
+    out = {**CUDA_DEFAULTS, "async_scheduling": not speculative, **engine_args}
+    out.setdefault(
+        "cuda_graphs", out["kernel_backend"] is not None and not out.get("enforce_eager", False) and not speculative
+    )
+    return out
 
 
 def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
@@ -108,11 +117,14 @@ def settle_live_layouts(rank: RankEngine, timeout_s: float) -> int:
         time.sleep(SETTLE_POLL_S)
 
 
-def build_rank(rank: int, spec: RankSpec, groups: RankGroups | None = None) -> RankEngine:
+def build_rank(
+    rank: int, spec: RankSpec, groups: RankGroups | None = None, kernels: KernelSet | None = None
+) -> RankEngine:
     """Joins the group (unless ``groups``, already joined, is given) and builds this rank's engine; every
-    rank of the group calls it. With speculative decoding the worker verifies and proposes drafts: the
-    verified rows are rows of the step like any other (they cross the exchange), and the DSpark draft,
-    whose MoE is not sharded, runs on this rank alone."""
+    rank of the group calls it. ``kernels``: the kernel backend's set (None: the compiled one). With
+    speculative decoding the worker verifies and proposes drafts: the verified rows are rows of the step like
+    any other (they cross the exchange), and the DSpark draft, whose MoE is not sharded, runs on this rank
+    alone."""
     world = spec.config.data_parallel_size
     device = spec.rank_device(rank)
     if spec.device.startswith("cuda:"):
@@ -135,10 +147,10 @@ def build_rank(rank: int, spec: RankSpec, groups: RankGroups | None = None) -> R
     model, cfg = source.model, source.config
     if model is None:
         raise ValueError("a rank needs the model's weights")
-    parallel = shard_over_group(model, groups, spec.config.num_redundant_experts, device)
     config = spec.config.replace(device=device)
+    parallel = shard_over_group(model, groups, spec.config.num_redundant_experts, device, config.worker_config())
     # The draft (with drafts) as for one process: its batch-invariant mode on the CPU only (services/worker/build.py).
-    worker = build_worker(model, config.worker_config(), expert_parallel=parallel)
+    worker = build_worker(model, config.worker_config(), expert_parallel=parallel, kernels=kernels)
     vote = HostVote(groups.vote)
     engine = group_engine(worker, config, cfg, vote)
     vote.live = LiveLayouts([block.ffn for block in model.layers], parallel, groups.moves)
@@ -204,29 +216,36 @@ def rank_main(rank: int, spec: RankSpec, commands, results) -> None:
     lockstep (benchmarks). Any failure is reported as ("error", rank, text) and ends the process with code 1."""
     parent = os.getppid()
     try:
-        built = build_rank(rank, spec)
-        results.put(("ready", rank, None))
-        while True:
-            try:
-                command = commands.get(timeout=PARENT_POLL_S)
-            except queue.Empty:
-                if os.getppid() != parent:  # the driver is gone (even killed): no rank outlives it
-                    break
-                continue
-            if command is None:
-                built.live.close()
-                break
-            kind, payload = command
-            if kind == "generate":
-                results.put(("done", rank, run_to_completion(built, *payload)))
-            elif kind == "call":
-                fn, args = payload
-                results.put(("done", rank, fn(built, *args)))
-            else:
-                raise ValueError(f"unknown rank command {kind!r}")
+        with contextlib.ExitStack() as stack:
+            kernels = None if spec.kernels is None else stack.enter_context(spec.kernels())
+            serve_rank(build_rank(rank, spec, kernels=kernels), parent, commands, results)
     except BaseException:  # noqa: BLE001 - reported to the driver, which stops the group
         results.put(("error", rank, traceback.format_exc()))
         results.close()
         results.join_thread()
         os._exit(1)
     close_rank_groups()
+
+
+def serve_rank(built: RankEngine, parent: int, commands, results) -> None:
+    """``rank_main``'s command loop over a built rank."""
+    rank = built.rank
+    results.put(("ready", rank, None))
+    while True:
+        try:
+            command = commands.get(timeout=PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the driver is gone (even killed): no rank outlives it
+                break
+            continue
+        if command is None:
+            built.live.close()
+            break
+        kind, payload = command
+        if kind == "generate":
+            results.put(("done", rank, run_to_completion(built, *payload)))
+        elif kind == "call":
+            fn, args = payload
+            results.put(("done", rank, fn(built, *args)))
+        else:
+            raise ValueError(f"unknown rank command {kind!r}")

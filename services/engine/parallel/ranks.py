@@ -10,6 +10,7 @@ process is stopped, so none is left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import tempfile
 import time
@@ -45,13 +46,7 @@ class Ranks:
         self.world_size = spec_without_rendezvous.config.data_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="shinkai-ranks-")
         rendezvous = Path(self._dir.name) / "rendezvous"
-        spec = RankSpec(
-            spec_without_rendezvous.config,
-            spec_without_rendezvous.load,
-            f"file://{rendezvous}",
-            spec_without_rendezvous.device,
-            spec_without_rendezvous.num_threads,
-        )
+        spec = dataclasses.replace(spec_without_rendezvous, init_method=f"file://{rendezvous}")
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(self.world_size)]

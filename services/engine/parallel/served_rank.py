@@ -91,6 +91,13 @@ def start_rank(
     if rendezvous.startswith("tcp://"):  # a group on one host: rank r on cuda:r
         device = "cuda" if device.startswith("cuda") else "cpu"
     # else a launcher's rank, on any host: its own GPU, cuda:<local rank> (services/engine/parallel/rank_place.py)
-    load = partial(load_model, model, config.model_seed, load_format=config.load_format)
+    load = partial(
+        load_model,
+        model,
+        config.model_seed,
+        load_format=config.load_format,
+        precision=config.kernel_backend,  # on CUDA the kernel form, as one process loads it
+        expert_format=config.expert_format,
+    )
     built = build_rank(rank, RankSpec(config, load, rendezvous, device))
     return RankLLM(built.engine, built.engine.config, built.source, built)

@@ -101,6 +101,19 @@ class Fp4Experts(nn.Module):
     ) -> torch.Tensor:
         """x [T, D] → fp32 [T, width]: every stacked expert of ``meta`` (``KernelMoE``'s layout, the shared
         expert last), summed by the combine; rows outside ``live`` [T] (None: all) come out +0.0."""
+        y = self.stacked(x, meta)
+        return self.kernels.moe_grouped_gemm.moe_combine(y, meta["slot_of"], True, live=live, width=width)
+
+    def keep(self, experts: torch.Tensor) -> None:
+        """Keeps only the routed ``experts`` (ids, in the new stack's order; the shared expert stays): an
+        expert-parallel rank's slots (services/worker/parallel/ep_kernel_moe.py)."""
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            setattr(self, name, getattr(self, name).index_select(0, experts.to(self.w13.device)).contiguous())
+        self.num_experts = int(experts.numel())
+
+    def stacked(self, x: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [T, D] → the down products of every (stacked expert, slot) of ``meta``: bf16 [E+1, cap, D'] (slots
+        past an expert's count unwritten), what the combine sums."""
         gemm, fp4 = self.kernels.moe_grouped_gemm, self.kernels.moe_fp4
         xp = pad_last(x, self.padded_hidden).contiguous()  # [T, D']
         routed, shared = split_shared(meta)
@@ -124,4 +137,4 @@ class Fp4Experts(nn.Module):
             out_dtype=torch.float8_e4m3fn,
         )
         gemm.moe_grouped_gemm(h_shared, self.shared_w2, self.shared_w2_scale, shared, gather=False, out=y[-1:])
-        return gemm.moe_combine(y, meta["slot_of"], True, live=live, width=width)
+        return y

@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,15 +30,37 @@ from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.moe import MoE, clamped_swiglu
 from services.worker.parallel.exchange import Exchange
 from services.worker.parallel.expert_slots import ExpertSlots
+from services.worker.parallel.peer_buffers import PeerBuffers
+from services.worker.parallel.peer_exchange import PeerExchange
 
 
 class ExpertParallel:
-    """The runner's handle on expert parallelism: the exchange, slots per layer, slot counts."""
+    """The runner's handle on expert parallelism: the exchange, slots per layer, slot counts; for the kernel
+    backend's layer (services/worker/parallel/ep_kernel_moe.py) also its fixed-shape exchange, its buffers and
+    the step's number of passes."""
 
-    def __init__(self, exchange: Exchange, slots: list[ExpertSlots]) -> None:
+    def __init__(
+        self,
+        exchange: Exchange,
+        slots: list[ExpertSlots],
+        *,
+        peer: PeerExchange | None = None,
+        host: dist.ProcessGroup | None = None,
+        pass_tokens: int = 1,
+    ) -> None:
         self.exchange = exchange
         self.slots = slots  # one per layer
         self.routes_nothing = False  # True during a placeholder step
+        # The kernel layer's all-to-all of fixed-shape blocks (None: the torch layer's ``exchange`` only).
+        self.peer = peer
+        # The host (gloo) group on which the ranks agree on each step's passes (None: one rank, or virtual ranks).
+        self.host = host
+        # Tokens per pass of the kernel layer: the buffers hold pass_tokens × top-k rows per peer.
+        self.pass_tokens = pass_tokens
+        # Passes every rank runs in the current step (agree_passes; 1 outside an agreed step).
+        self.passes = 1
+        self._agreed = False
+        self._buffers: PeerBuffers | None = None
         # [layers, slots per rank] int64 on the slots' device (no sync per layer): pairs received per local
         # physical slot, since the last take.
         self.slot_counts = torch.zeros(
@@ -53,8 +76,36 @@ class ExpertParallel:
         finally:
             self.routes_nothing = False
 
+    def agree_passes(self, num_tokens: int) -> int:
+        """Once per step, before it runs, on every rank: the group's most passes of ``pass_tokens`` any rank's
+        step needs (a host all-reduce on ``host``), which every rank then runs; later calls in the same step
+        return it. ``end_step`` clears it."""
+        if not self._agreed:
+            need = torch.tensor([max(1, -(-num_tokens // self.pass_tokens))], dtype=torch.long)
+            if self.host is not None:
+                dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.host)
+            self.passes, self._agreed = int(need.item()), True
+        return self.passes
+
+    def end_step(self) -> None:
+        self.passes, self._agreed = 1, False
+
+    def buffers_for(self, hidden: int, dtype: torch.dtype, top_k: int) -> PeerBuffers:
+        """The kernel layer's send and receive buffers (every layer's, in turn), made on first use (an eager
+        step or a capture's warm-up, never inside a capture) for rows of ``hidden`` × ``dtype``."""
+        buffers = self._buffers
+        if buffers is None or buffers.dtype != dtype or buffers.hidden != hidden:
+            if self.peer is None:
+                raise ValueError("the kernel backend's expert-parallel layer needs a PeerExchange")
+            device = self.slot_counts.device
+            buffers = PeerBuffers.allocate(self.peer.world_size, self.pass_tokens * top_k, hidden, dtype, device)
+            self._buffers = buffers
+        return buffers
+
     def take_slot_counts(self) -> torch.Tensor:
-        counts, self.slot_counts = self.slot_counts, torch.zeros_like(self.slot_counts)
+        """The counts since the last take, zeroed in place (a captured graph keeps adding to this tensor)."""
+        counts = self.slot_counts.clone()
+        self.slot_counts.zero_()
         return counts
 
 

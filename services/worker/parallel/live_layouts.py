@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from services.eplb.layout import Layout
+from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
 from services.worker.parallel.expert_moves import moved_weights
 from services.worker.parallel.expert_slots import ExpertSlots
@@ -123,6 +124,8 @@ class LiveLayouts:
 
     def _refusal(self, update: LayoutUpdate) -> str | None:
         """Why ``update`` cannot apply to this group's layers, or None."""
+        if update.layouts and any(isinstance(m, ExpertParallelKernelMoE) for m in self.moes):
+            return "live EPLB moves the torch MoE's experts; the kernel backend's expert-parallel layer has none yet"
         for layer, layout in update.layouts.items():
             if not 0 <= layer < len(self.moes):
                 return f"layer {layer} is outside this model's {len(self.moes)} MoE layers"
@@ -202,7 +205,10 @@ class LiveLayouts:
 
     def _in_force(self) -> list[tuple[Layout, Weights]]:
         return [
-            (self.parallel.slots[i].layout, (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data))
+            (
+                self.parallel.slots[i].layout,
+                () if isinstance(m, ExpertParallelKernelMoE) else (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data),
+            )
             for i, m in enumerate(self.moes)
         ]
 

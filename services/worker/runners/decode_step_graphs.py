@@ -17,6 +17,13 @@ Every other plan (prefill chunks, a prefill step mixing decode rows, a placehold
 wrapped ModelRunner's eager path. That is the design, not a fallback: those steps are long enough that
 launches do not dominate (or, for a placeholder, do nothing here), and their row counts and shapes vary
 too much to capture.
+
+With expert parallelism on the kernel backend (a data-parallel rank, services/worker/parallel/ep_kernel_moe.py)
+every step first agrees on the group's passes (``ExpertParallel.agree_passes``, a host all-reduce): a decode
+step replays its graph when the group's step is one pass (every rank's exchange then has the graph's fixed
+shapes, whether a peer replays or runs eagerly), else runs eagerly with the group's passes. A placeholder step
+(a rank with no work in a lockstep step) replays the smallest graph with every row a placeholder: its rows route
+to no expert and it still makes every exchange of the step.
 """
 
 from __future__ import annotations
@@ -139,6 +146,39 @@ class DecodeStepGraphs:
     @torch.no_grad()
     def execute(self, plan: StepPlan, all_rows: bool = False, *, pending: PendingInputs | None = None) -> RunnerOutput:
         """``ModelRunner.execute``'s result: logits of the plan's rows only (the padding trimmed)."""
+        parallel = self.runner.expert_parallel
+        if parallel is None:
+            return self._execute(plan, all_rows, pending)
+        try:
+            passes = parallel.agree_passes(0 if plan.is_placeholder else plan.num_rows)
+            if plan.is_placeholder or plan.num_rows == 0:
+                return self._placeholder(plan)
+            if passes > 1:
+                self.num_eager += 1
+                return self.runner.execute(plan, all_rows, pending=pending)
+            return self._execute(plan, all_rows, pending)
+        finally:
+            parallel.end_step()
+
+    def _placeholder(self, plan: StepPlan) -> RunnerOutput:
+        """A rank's placeholder step: the smallest static step, every row a placeholder (module docstring)."""
+        self.runner.cache.copy(plan.block_copies, plan.state_copies)
+        size = min(self._graphs) if self._graphs else min(self._steps, default=1)
+        step = self.step(size)
+        step.fill_placeholders()
+        if self.use_graphs:
+            if size not in self._graphs:
+                self._capture(size)
+            self._graphs[size].replay()
+            _, counts, _ = self._outputs[size]
+            self.num_replays += 1
+        else:
+            with self.runner.invariant():
+                _, counts, _ = step.run()
+        vocab = self.runner.cfg.vocab_size
+        return RunnerOutput(torch.empty(0, vocab, device=counts.device), counts.clone(), 0)
+
+    def _execute(self, plan: StepPlan, all_rows: bool, pending: PendingInputs | None) -> RunnerOutput:
         if not StaticDecodeStep.fits(plan):
             self.num_eager += 1
             return self.runner.execute(plan, all_rows, pending=pending)

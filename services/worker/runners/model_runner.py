@@ -37,6 +37,7 @@ from services.worker.batch.step_batch import PendingInputs, StepBatch, check_rin
 from services.worker.config import WorkerConfig
 from services.worker.kernel_model.backend import BACKENDS, KernelSet, check_device, convert_model
 from services.worker.kernel_model.head import head_logits
+from services.worker.parallel.ep_kernel_moe import shard_kernel_experts
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.placeholder import placeholder_batch
 from services.worker.runners.reference_runner import RunnerOutput
@@ -76,6 +77,8 @@ class ModelRunner:
             self.kernels = kernels or KernelSet.compiled()
             check_device(device, self.kernels)
             self.conversion = convert_model(model, self.precision, self.kernels, config.expert_format)
+            if expert_parallel is not None:  # the torch layers are sharded by the caller, the kernel ones here
+                shard_kernel_experts(model, expert_parallel)
         # The Engram tables in host shared memory, a step's rows staged to the device (engram_on_host).
         self.engram_host = EngramHost.of_model(model) if config.engram_on_host else None
         self.cache = CacheEngine(
@@ -113,8 +116,12 @@ class ModelRunner:
         """Logits [num sampled rows, vocab] fp32 in ``sample_rows`` order (every row, in row order,
         with ``all_rows``, for tests), expert counts [layers, experts], rows computed. A plan with
         pending inputs (async scheduling) needs ``pending``, the previous step's sampled tokens."""
-        with torch.no_grad(), self.invariant():
-            return self._execute(plan, all_rows, pending)
+        try:
+            with torch.no_grad(), self.invariant():
+                return self._execute(plan, all_rows, pending)
+        finally:
+            if self.expert_parallel is not None:
+                self.expert_parallel.end_step()
 
     def invariant(self) -> contextlib.AbstractContextManager[None]:
         """The batch-invariant mode's context for this runner's steps (nothing when it is off): the CPU
@@ -129,6 +136,8 @@ class ModelRunner:
         self.cache.copy(plan.block_copies, plan.state_copies)
         device = model.embed.weight.device
         counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.long, device=device)
+        if self.expert_parallel is not None:  # every rank runs the group's most passes of the kernel MoE
+            self.expert_parallel.agree_passes(0 if plan.is_placeholder else plan.num_rows)
         if plan.is_placeholder or plan.num_rows == 0:
             if self.expert_parallel is None:
                 return RunnerOutput(torch.empty(0, cfg.vocab_size, device=device), counts, 0)

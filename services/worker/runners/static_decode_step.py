@@ -32,6 +32,7 @@ from services.worker.batch.static_batch import StaticBatch
 from services.worker.batch.step_batch import PendingInputs
 from services.worker.kernel_model.head import head_logits
 from services.worker.kernel_model.moe import KernelMoE
+from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.state.cache_engine import CacheEngine
 from services.worker.state.engram_host import EngramHost, local_rows
 from services.worker.state.engram_rows import static_engram_rows
@@ -147,10 +148,10 @@ class StaticDecodeStep:
     @contextlib.contextmanager
     def _live_rows(self, ffn: torch.nn.Module, counts: torch.Tensor) -> Iterator[None]:
         """``Block.run`` calls ``ffn(x, None)``, x [1, G, D]: these hooks route the live rows only and
-        count them into ``counts`` [E]. ``KernelMoE`` takes the row mask; the torch MoE runs on the
-        live prefix and its output is padded back with zeros (shapes vary: never captured)."""
+        count them into ``counts`` [E]. ``KernelMoE`` (and its expert-parallel form) takes the row mask; the
+        torch MoE runs on the live prefix and its output is padded back with zeros (shapes vary: never captured)."""
         r = self.rows
-        if isinstance(ffn, KernelMoE):
+        if isinstance(ffn, (KernelMoE, ExpertParallelKernelMoE)):  # graph-safe: the mask is a device tensor
             hooks = [
                 ffn.register_forward_pre_hook(
                     lambda _m, args, _kw: ((args[0], counts), {"live": r.live}), with_kwargs=True

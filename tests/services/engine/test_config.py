@@ -141,8 +141,10 @@ def test_data_parallel_flags_and_what_ranks_do_not_run_yet():
     assert parser.parse_args(["--data-parallel-size", "2"]).data_parallel_size == 2
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
         EngineConfig(data_parallel_size=0)
-    with pytest.raises(ValueError, match="turn off kernel_backend, cuda_graphs"):
-        EngineConfig(data_parallel_size=2, kernel_backend="fp8", cuda_graphs=True)
+    # The kernel backend and graphs run with ranks (tests/services/engine/parallel/test_kernel_ranks.py), its FP8 form.
+    EngineConfig(data_parallel_size=2, kernel_backend="fp8", cuda_graphs=True)
+    with pytest.raises(ValueError, match="runs its FP8 form"):
+        EngineConfig(data_parallel_size=2, kernel_backend="fp32")
     # Async scheduling and speculative decoding run with ranks (tests/services/engine/parallel/test_rank.py).
     EngineConfig(data_parallel_size=2, async_scheduling=True, num_speculative_tokens=2, spec_varlen=True)
     with pytest.raises(ValueError, match="rank_timeout_s"):

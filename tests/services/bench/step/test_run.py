@@ -68,3 +68,10 @@ def test_sizes_from_the_command_line_replace_the_modes(tmp_path, one_torch_threa
 def test_bad_sizes_are_refused_with_a_message(bad, capsys):
     with pytest.raises(SystemExit, match="comma-separated integers|must be positive"):
         main(["bench", "step", "--no-compare", "--no-async", *bad])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is the CPU's")
+def test_the_ep_path_comparison_needs_a_gpu():
+    """`bench step --dp 1 --ep-path` (services/bench/step/ep_path.py) runs on a GPU; on the CPU it says so."""
+    with pytest.raises(SystemExit, match="--ep-path runs on a GPU"):
+        main(["bench", "step", "--dp", "1", "--ep-path"])

@@ -1,0 +1,75 @@
+"""One rank's fixed-capacity buffers for the kernel backend's expert exchange (DeepEP's low-latency layout).
+
+Per peer the rank keeps ``capacity`` rows, ``capacity = pass_tokens × top_k``: a token's k picks may all go to
+one peer, and a pass holds at most ``pass_tokens`` tokens (``max_num_seqs × (1 + drafts)``, the largest decode
+step, so a decode step is one pass). The dispatch is one all-to-all of one byte buffer: block p is what goes to
+(or came from) rank p, and each block holds, at fixed offsets (C = capacity, D = hidden size, s = the rows'
+element size; R and the block size B rounded up to multiples of 8 and 16 bytes):
+
+- bytes [0, C·D·s)        the rows, the model's dtype, [C, D], filled from the start;
+- bytes [R, R + 8·C)      each row's int32 pair: its slot on the receiver and its route weight's fp32 bits;
+- bytes [R + 8·C, +8)     the count of rows sent (int64): the receiver reads rows 0 … count − 1.
+
+The send buffer has one block more than there are ranks, the dump, where pairs that go nowhere (dead rows, a
+placeholder step) are written; it is never sent. ``back`` [W·C, D] bf16 (a second all-to-all) carries the
+experts' outputs to the senders in the blocks they came in. Unused rows keep old bytes: nothing reads past a
+block's count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class PeerBuffers:
+    world_size: int  # W, ranks exchanging
+    capacity: int  # C, rows per peer and pass
+    hidden: int  # D, the rows' width
+    dtype: torch.dtype  # the rows' dtype (the model's activations)
+    send: torch.Tensor  # [W + 1, B] uint8: a block per peer, then the dump
+    recv: torch.Tensor  # [W, B] uint8: a block from each peer
+    send_back: torch.Tensor  # [W·C, D] bf16 outputs of the rows this rank received
+    recv_back: torch.Tensor  # [W·C, D] bf16 outputs of the rows this rank sent
+
+    @staticmethod
+    def allocate(world_size: int, capacity: int, hidden: int, dtype: torch.dtype, device) -> "PeerBuffers":
+        rows = _round_up(capacity * hidden * dtype.itemsize, 8)
+        block = _round_up(rows + 8 * capacity + 8, 16)
+        send = torch.zeros(world_size + 1, block, dtype=torch.uint8, device=device)
+        back = torch.zeros(world_size * capacity, hidden, dtype=torch.bfloat16, device=device)
+        return PeerBuffers(world_size, capacity, hidden, dtype, send, send[:world_size].clone(), back, back.clone())
+
+    @property
+    def _meta_offset(self) -> int:
+        return _round_up(self.capacity * self.hidden * self.dtype.itemsize, 8)
+
+    def rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The rows of ``blocks`` ([n, B] uint8, ``send`` or ``recv``): a [n, C, D] view in the rows' dtype."""
+        size = self.capacity * self.hidden * self.dtype.itemsize
+        return blocks[:, :size].view(self.dtype).unflatten(-1, (self.capacity, self.hidden))
+
+    def meta(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The (slot, weight bits) pairs of ``blocks``: a [n, C, 2] int32 view."""
+        start = self._meta_offset
+        return blocks[:, start : start + 8 * self.capacity].view(torch.int32).unflatten(-1, (self.capacity, 2))
+
+    def counts(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The row counts of ``blocks``: a [n, 1] int64 view."""
+        start = self._meta_offset + 8 * self.capacity
+        return blocks[:, start : start + 8].view(torch.int64)
+
+    def dispatched(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, receive) of the dispatch: [W, B] each."""
+        return self.send[: self.world_size], self.recv
+
+    def returned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, receive) views of the combine's return trip: [W, C, D] each."""
+        shape = (self.world_size, self.capacity, self.hidden)
+        return self.send_back.view(shape), self.recv_back.view(shape)

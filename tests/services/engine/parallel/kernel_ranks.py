@@ -1,0 +1,49 @@
+"""Shared by the kernel-backend rank tests: a three-layer tiny model (a sliding-window layer, the Engram layer
+and a compressed one; no draft) and the kernel set they run, the MoE's kernels interpreted.
+
+Both are module-level so that spawned rank processes can import them (``RankSpec.load`` and ``.kernels``).
+The kernel set interprets what the expert-parallel layer calls (the router, the FP8 activation quantisation,
+the grouped GEMM and the combine) and the RMSNorm decode and prefill attention the step needs; the other parts
+(mHC, compressor, indexer, sampler) stay torch, which the interpreter would take minutes
+to run (mHC alone took half of a step's 50 s at tiny's eight layers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from model.batch_invariant import batch_invariant
+from model.deepseek_v41.init import first_layers, random_checkpoint
+from model.deepseek_v41.loader import assign_weights
+from model.deepseek_v41.model import DeepseekV41
+from model.deepseek_v41.presets import preset
+from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
+from services.engine.model_source import ModelSource
+from services.worker.kernel_model.fp8_linear import KernelSet
+from tests.kernels.interpret import interpreter, load_interpreted
+
+NUM_LAYERS = 3
+
+
+def three_layer_tiny(device: str) -> ModelSource:
+    cfg = first_layers(preset("tiny"), NUM_LAYERS)
+    tokenizer = load_v41_tokenizer()
+    token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
+    net = DeepseekV41(cfg, token_map, num_compressed)
+    assign_weights(net, random_checkpoint(cfg, 0))
+    return ModelSource("tiny-3", cfg, net.eval().to(device), tokenizer, None)
+
+
+@contextlib.contextmanager
+def moe_kernels() -> Iterator[KernelSet]:
+    """The kernel set above, with the interpreter on for the block, and the CPU's batch-invariant torch maths
+    (model/batch_invariant.py) for the parts that stay torch: a kernel set's batch-invariant mode
+    (kernels/invariance.py) covers only its kernels."""
+    with interpreter(), batch_invariant():
+        yield KernelSet(
+            *(load_interpreted(name) for name in ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm")),
+            load_interpreted("decode_attention"),
+            prefill_attention=load_interpreted("prefill_attention"),
+            interpreted=True,
+        )

@@ -1,0 +1,131 @@
+"""Two ranks on the kernel backend (CPU, gloo; the MoE's kernels interpreted: tests/services/engine/parallel/
+kernel_ranks.py): each rank converts its model, shards every ``KernelMoE`` to its slots and exchanges through the
+fixed-capacity buffers (services/worker/parallel/ep_kernel_moe.py).
+
+In the batch-invariant mode a greedy and a seeded request spread over the two ranks give one process's tokens
+and logprobs with ``==``, while the ranks run placeholder steps (rank 1's request ends first) and prefill steps
+of several passes (two tokens a pass: ``max_num_seqs`` 2), agreed on the host group. A rank SIGKILLed
+mid-generate ends the call with an error naming it, and no rank process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from services.engine.config import EngineConfig
+from services.engine.llm import LLM
+from services.engine.parallel.rank import RankSpec, rank_engine_args
+from services.engine.parallel.ranks import Ranks
+from services.engine.sampling_params import SamplingParams
+from tests.services.engine.parallel.kernel_ranks import moe_kernels, three_layer_tiny
+
+ENGINE = dict(
+    kernel_backend="fp8",
+    expert_format="fp8",
+    batch_invariant=True,
+    max_num_seqs=2,
+    max_num_batched_tokens=16,
+    max_model_len=32,
+    block_size=16,
+    num_blocks=8,
+    device="cpu",
+)
+# spread_by_load puts the first on rank 0 and the second on rank 1 (load 7 each: ties go to the lower rank's
+# peer once it holds one); rank 1's request is one token shorter, so rank 1 steps on with a placeholder step.
+REQUESTS = [
+    ("greedy", [1, 5, 9, 13], SamplingParams(temperature=0.0, max_tokens=3)),
+    ("seeded", [1, 7, 7, 2, 3], SamplingParams(temperature=0.8, seed=3, max_tokens=2)),
+]
+
+
+def instrument(rank) -> None:
+    """On a rank: records each step's plan kind and the passes the group agreed."""
+    parallel, runner = rank.parallel, rank.engine.worker.runner
+    rank.steps = []
+    agree, execute = parallel.agree_passes, runner.execute
+
+    def agreed(num_tokens: int) -> int:
+        passes = agree(num_tokens)
+        if rank.steps and rank.steps[-1][1] is None:
+            rank.steps[-1] = (rank.steps[-1][0], passes)
+        return passes
+
+    def executing(plan, *args, **kwargs):
+        rank.steps.append((plan.is_placeholder, None))
+        return execute(plan, *args, **kwargs)
+
+    parallel.agree_passes, runner.execute = agreed, executing
+
+
+def recorded(rank) -> list:
+    return rank.steps
+
+
+@pytest.fixture(scope="module")
+def one_process(one_torch_thread):
+    llm = LLM(source=three_layer_tiny("cpu"), kernels=moe_kernels, **ENGINE)
+    try:
+        outs = llm.generate([r[1] for r in REQUESTS], [r[2] for r in REQUESTS])  # in prompt order
+        return {r[0]: o for r, o in zip(REQUESTS, outs, strict=True)}
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    config = EngineConfig(data_parallel_size=2, **ENGINE)
+    ranks = Ranks(RankSpec(config, three_layer_tiny, "", "cpu", 1, kernels=moe_kernels))
+    yield ranks
+    ranks.close()
+
+
+def test_the_config_takes_kernels_and_graphs_with_ranks():
+    EngineConfig(data_parallel_size=2, kernel_backend="fp8", cuda_graphs=True, device="cpu")  # no refusal
+    EngineConfig(data_parallel_size=2, kernel_backend="fp8", expert_format="fp4")
+    with pytest.raises(ValueError, match="runs its FP8 form"):
+        EngineConfig(data_parallel_size=2, kernel_backend="fp32")
+    cuda = rank_engine_args({}, "cuda")  # a rank's defaults on a GPU: one process's fast path
+    assert (cuda["kernel_backend"], cuda["expert_format"], cuda["cuda_graphs"]) == ("fp8", "fp4", True)
+    assert rank_engine_args({"enforce_eager": True}, "cuda")["cuda_graphs"] is False
+    assert rank_engine_args({"num_speculative_tokens": 2}, "cuda")["cuda_graphs"] is False
+    assert rank_engine_args({}, "cpu")["kernel_backend"] is None
+
+
+def test_two_kernel_ranks_equal_one_process(two_ranks, one_process):
+    two_ranks.call(instrument)
+    outs = {o.request_id: o for o in two_ranks.generate(REQUESTS)}
+    for request_id, want in one_process.items():
+        got = outs[request_id]
+        assert got.token_ids == want.token_ids, request_id
+        assert got.logprobs == want.logprobs, request_id
+    steps = two_ranks.call(recorded)
+    assert len(steps[0]) == len(steps[1])  # lockstep
+    assert any(placeholder for placeholder, _ in steps[1]), "rank 1 never ran a placeholder step"
+    assert max(passes for _, passes in steps[0]) == 3  # the prefill: 5 tokens (rank 1's) in passes of 2
+    assert [p for _, p in steps[0]] == [p for _, p in steps[1]]  # every step's passes agreed
+
+
+def test_a_killed_kernel_rank_is_an_error_and_leaves_no_process(two_ranks):
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            two_ranks.generate([(f"long-{i}", r[1], SamplingParams(max_tokens=20)) for i, r in enumerate(REQUESTS)])
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(2.0)  # inside the run: 20 interpreted steps take far longer
+    os.kill(two_ranks.pids[1], signal.SIGKILL)
+    thread.join(timeout=90)
+    assert not thread.is_alive(), "generate hung after a rank was killed"
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "rank 1 exited with code -9" in str(errors[0])
+    for p in two_ranks.processes:
+        assert not p.is_alive()
