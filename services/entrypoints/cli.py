@@ -53,6 +53,9 @@ def _register_unavailable(subparsers: argparse._SubParsersAction, command: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services import cache_dirs
+
+    cache_dirs.setup()  # before any command compiles; `up`'s services inherit the variables
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -36,6 +36,9 @@ DESCRIPTION = "The worker as its own process: worker.v1.Worker over gRPC around 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services import cache_dirs
+
+    cache_dirs.setup()  # the compile caches, unless the environment names them (services/cache_dirs.py)
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.worker", description=DESCRIPTION)
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engine's too)")
