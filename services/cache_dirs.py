@@ -106,10 +106,10 @@ def _refuse_clearing(path: Path, environ: Mapping[str, str]) -> str | None:
 def clear(cache: Cache, environ: Mapping[str, str] = os.environ) -> Usage:
     """Empties ``cache``'s directory (the directory stays); returns what it held. A process compiling meanwhile
     finds its entries gone and compiles them again."""
-    before = usage(cache, environ)
-    why = _refuse_clearing(before.path, environ)
+    why = _refuse_clearing(directory(cache, environ), environ)
     if why is not None:
         raise ValueError(f"not clearing the {cache.name} cache: {why}")
+    before = usage(cache, environ)
     if before.path.is_dir():
         for entry in before.path.iterdir():
             if entry.is_dir() and not entry.is_symlink():
