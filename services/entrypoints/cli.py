@@ -19,6 +19,7 @@ COMMAND_MODULES = {
     "eplb": "services.entrypoints.eplb_cli",
     "serve": "services.entrypoints.serve",
     "up": "services.entrypoints.up",  # registers `up`, `down` and `status`
+    "cache": "services.entrypoints.cache",
 }
 
 
