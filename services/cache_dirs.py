@@ -6,12 +6,13 @@ services.bench.step.run`) before anything compiles. For each cache it sets the l
 ``<root>/<cache>`` (the root: model/cache_root.py, ``~/.cache/shinkai`` by default) unless the variable is set
 already: a directory the user chose is never overridden.
 
-| cache | variable | what it holds | its key |
-|---|---|---|---|
-| triton | ``TRITON_CACHE_DIR`` | each compiled kernel variant (TTIR … PTX, cubin, metadata) | Triton's own hash of the source, Triton's version, the target (arch, ptxas), the options and the variables that change code |
-| inductor | ``TORCHINDUCTOR_CACHE_DIR`` | ``torch.compile``'s graphs and kernels (the step benchmark's comparison) | inductor's hashes, which include torch's version and the device |
-| deepgemm | ``DG_JIT_CACHE_DIR`` | DeepGEMM's JIT-compiled cubins | DeepGEMM's hash of the kernel's name, the compiler's version, its flags (the arch) and the code with its headers |
-| tokenizer | (none) | the patched V4.1 ``tokenizer.json`` | the source's content hash |
+- ``triton`` (``TRITON_CACHE_DIR``): each compiled kernel variant (TTIR … PTX, cubin, metadata), keyed by Triton's
+  hash of the source, Triton's version, the target (arch, ptxas), the options and the variables that change code.
+- ``inductor`` (``TORCHINDUCTOR_CACHE_DIR``): ``torch.compile``'s graphs and kernels (the step benchmark's
+  comparison), keyed by inductor's hashes, which include torch's version and the device.
+- ``deepgemm`` (``DG_JIT_CACHE_DIR``): DeepGEMM's JIT-compiled cubins, keyed by DeepGEMM's hash of the kernel's
+  name, the compiler's version, its flags (the arch) and the code with its headers.
+- ``tokenizer`` (no variable): the patched V4.1 ``tokenizer.json``, keyed by the source's content hash.
 
 Every library keys its entries by versions and device itself, so one directory serves any mix of them without a
 collision, and each writes an entry whole before it can be read: Triton writes every file into a private temporary

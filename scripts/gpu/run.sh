@@ -33,6 +33,7 @@ serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, 
 experts           the MXFP4 experts' gpu tests (the kernel's, checkpoint greedy tokens against the CPU; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
 serve-fits        v41-s1 at full depth through shinkai up with --engram-on-host and FP4 experts: ready, the memory lines, served over HTTP; then with --expert-format fp8: it fits or gets the clear error (device-prep.sh --stack)
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
+coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
 hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny)
@@ -307,6 +308,66 @@ suite_serve_up() {  # the serve suite through `shinkai up` (two full-depth build
     run offline 300 python3 scripts/gpu/serve_check.py offline --model v41-s1 --load-format dummy \
         --greedy "$dir/http-dummy.json" --num-requests 64 --batches 1,16,64 --out "$dir/offline-dummy.json"
     grep -v "it/s\]" "$dir/offline.log" | tail -20
+}
+
+coldstart_start() {  # coldstart_start NAME: one `shinkai up` on the suite's cache root; its ready event and capture times
+    local name=$1 t0=$SECONDS
+    echo "{\"what\": \"cache_before\", \"start\": \"$name\", \"triton_entries\": $(find "$SHINKAI_CACHE_DIR/triton" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l)}" \
+        | tee -a "$dir/results.jsonl"
+    run "up-$name" 420 python3 -m services.entrypoints.cli up --run-dir "$run_dir" --http-port "$port" --grpc-port 0 \
+        --timeout 400 --model "$model" --load-format dummy --max-num-seqs "${COLDSTART_SEQS:-64}" --max-model-len 4096 \
+        --gpu-memory-utilization 0.9
+    local rc=$?
+    grep -v "it/s\]" "$dir/up-$name.log" | tail -25
+    echo "{\"what\": \"time_to_ready_s\", \"start\": \"$name\", \"rc\": $rc, \"seconds\": $(( SECONDS - t0 ))}" \
+        | tee -a "$dir/results.jsonl"
+    grep -h '"event": "ready"' "$run_dir"/logs/engine-0.log | sed "s/^{/{\"start\": \"$name\", /" | tee -a "$dir/results.jsonl"
+    grep -h -E "capture seconds per graph size|startup \{|loaded .* GB/s|pools:|Error" "$run_dir"/logs/engine-0.log \
+        | sed "s/^/$name: /" | tee -a "$dir/engine-lines.log"
+    return $rc
+}
+
+coldstart_ttft() {  # coldstart_ttft LABEL: TTFT at concurrency 1 then 16 (the prompt lengths differ between the two)
+    local c n p
+    for c in 1 16; do
+        n=$(( c == 1 ? 8 : 48 )); p=$(( c == 1 ? 300 : 700 ))
+        run "ttft-$1-c$c" 90 python3 -m services.client.loadgen --url "http://127.0.0.1:$port/v1" --model "$model" \
+            --num-requests $n --concurrency $c --max-tokens 32 --prompt-tokens $p
+        sed "s/^{/{\"server\": \"$1\", /" "$dir/ttft-$1-c$c.log" | grep '^{' | tee -a "$dir/results.jsonl"
+    done
+}
+
+suite_coldstart() {  # cold and warm starts on one cache root, TTFT on a fresh server then after a warm-up
+    serve_begin coldstart 570
+    model=/tmp/v41-s1-l${COLDSTART_LAYERS:-14}
+    python3 -c "
+import json, sys
+from pathlib import Path
+from model.deepseek_v41.config import to_hf_dict
+from model.deepseek_v41.init import first_layers
+from model.deepseek_v41.presets import preset
+from model.deepseek_v41.tokenizer import write_tokenizer_files
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+write_tokenizer_files(out, None)  # --load-format dummy reads only the config and the tokenizer
+(out / 'config.json').write_text(json.dumps(to_hf_dict(first_layers(preset('v41-s1'), int(sys.argv[2])))))
+" "$model" "${COLDSTART_LAYERS:-14}"
+    # The suite's own cache root, empty for the cold start; the libraries' variables unset so `up` puts every
+    # compile cache under it (services/cache_dirs.py).
+    export SHINKAI_CACHE_DIR=/tmp/shinkai-coldstart-cache
+    unset TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR DG_JIT_CACHE_DIR
+    local runs=${COLDSTART_RUNS:-cold warm}
+    case " $runs " in *" cold "*) rm -rf "$SHINKAI_CACHE_DIR";; esac
+    mkdir -p "$SHINKAI_CACHE_DIR"
+    local name
+    for name in $runs; do
+        coldstart_start "$name" || { serve_stop; continue; }
+        if [ "$name" = cold ] && [ "${COLDSTART_TTFT:-1}" != 0 ]; then  # fresh, then the same after that warm-up
+            coldstart_ttft fresh
+            coldstart_ttft warmed
+        fi
+        serve_stop
+    done
+    python3 -m services.entrypoints.cli cache show | tee -a "$dir/cache.txt"
 }
 
 suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up

@@ -51,10 +51,8 @@ def _clear(args: argparse.Namespace) -> int:
     if not args.yes:
         if not sys.stdin.isatty():
             raise UsageError("clearing needs confirmation: pass --yes")
-        if input(f"empty {'these' if len(chosen) > 1 else 'this'} {len(chosen)} cache(s)? [y/N] ").strip().lower() not in (
-            "y",
-            "yes",
-        ):
+        answer = input(f"empty {len(chosen)} cache(s)? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
             print("nothing cleared")
             return 1
     for c in chosen:

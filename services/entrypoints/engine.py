@@ -173,6 +173,7 @@ async def run(args: argparse.Namespace) -> int:
 
     tracing.setup("shinkai-engine")
     from services.engine.llm import LLM
+    from services.worker import startup
     from services.engine.reporting.reporter import LoadReporter
 
     engine_args = {
@@ -291,6 +292,9 @@ async def run(args: argparse.Namespace) -> int:
                 "runner": runner,
                 "scheduling": server.llm.config.scheduling,
                 "max_num_batched_tokens": server.llm.config.max_num_batched_tokens,
+                # seconds in each startup phase (services/worker/startup.py) and from the first to ready
+                "startup_s": startup.PROGRESS.durations(),
+                "ready_s": round(startup.PROGRESS.state().started_s, 2),
             }
         ),
         flush=True,

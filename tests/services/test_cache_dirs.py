@@ -67,12 +67,14 @@ def test_clear_refuses_a_directory_that_is_no_cache(tmp_path):
     triton = next(c for c in cache_dirs.CACHES if c.name == "triton")
     for wrong in (str(tmp_path), str(Path.home()), "/"):
         with pytest.raises(ValueError, match="not clearing the triton cache"):
-            cache_dirs.clear(triton, {"HOME": str(Path.home()), "SHINKAI_CACHE_DIR": str(tmp_path), "TRITON_CACHE_DIR": wrong})
+            env = {"HOME": str(Path.home()), "SHINKAI_CACHE_DIR": str(tmp_path), "TRITON_CACHE_DIR": wrong}
+            cache_dirs.clear(triton, env)
 
 
 def _writer(env: dict[str, str], go: Path, blocks: str, rounds: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.services.cache_writer", "--go", str(go), "--blocks", blocks, "--rounds", str(rounds)],
+        [sys.executable, "-m", "tests.services.cache_writer", "--go", str(go), "--blocks", blocks]
+        + ["--rounds", str(rounds)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
