@@ -173,8 +173,8 @@ async def run(args: argparse.Namespace) -> int:
 
     tracing.setup("shinkai-engine")
     from services.engine.llm import LLM
-    from services.worker import startup
     from services.engine.reporting.reporter import LoadReporter
+    from services.worker import startup
 
     engine_args = {
         k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v is not None
@@ -193,30 +193,45 @@ async def run(args: argparse.Namespace) -> int:
 
     engine_args.update(speculative_args(args))
     engine_args.update(step_args(args))
-    llm = None
     from services.engine.config import parallel_args
 
-    if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
-        from services.engine.parallel.served_rank import start_rank
+    remote = None
 
-        remote = None
-        if args.worker:  # the rank's worker process: it joined the workers' group for the exchange
+    def build_llm() -> LLM:  # off the event loop, while the startup server answers probes
+        nonlocal remote
+        if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
+            from services.engine.parallel.served_rank import start_rank
+
+            if args.worker:  # the rank's worker process: it joined the workers' group for the exchange
+                from services.engine.remote.remote_worker import RemoteWorker
+
+                remote = RemoteWorker(args.worker)
+            llm = start_rank(
+                args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)}, remote
+            )
+            if remote is not None:
+                remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
+            return llm
+        if args.worker:
             from services.engine.remote.remote_worker import RemoteWorker
 
             remote = RemoteWorker(args.worker)
-        llm = start_rank(
-            args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)}, remote
-        )
-        if remote is not None:
+            llm = LLM(model=args.model, worker=remote, **engine_args)
             remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
-    elif args.worker:
-        from services.engine.remote.remote_worker import RemoteWorker
+            return llm
+        return LLM(model=args.model, **engine_args)
 
-        remote = RemoteWorker(args.worker)
-        llm = LLM(model=args.model, worker=remote, **engine_args)
-        remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
-    else:
-        llm = LLM(model=args.model, **engine_args)
+    # Until the engine is built its port answers NOT_SERVING with the startup phase (services/worker/startup.py),
+    # then the endpoint takes the same port over.
+    from services.gateway.startup_server import StartupServer
+
+    starting = StartupServer(startup.PROGRESS, args.host, args.grpc_port)
+    await starting.start()
+    try:
+        llm = await asyncio.to_thread(build_llm)
+    finally:
+        await starting.stop()
+    args.grpc_port = starting.grpc_port
     image_encoder = None
     if args.multimodal:
         from services.engine.images.encoder import MultimodalClient

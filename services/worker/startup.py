@@ -25,6 +25,7 @@ outer one: the durations add up to the time spent, each second counted once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -36,6 +37,10 @@ log = logging.getLogger("shinkai.startup")
 
 PHASES = ("loading", "profiling", "compiling", "capturing")
 
+METADATA_KEY = "shinkai-startup"
+"""The trailing metadata of a starting process's grpc.health Check: its ``StartupState`` as JSON
+(``to_json``; services/gateway/startup_server.py)."""
+
 
 @dataclass(frozen=True)
 class StartupState:
@@ -46,13 +51,27 @@ class StartupState:
     phase_s: float  # seconds since the phase began
     started_s: float  # seconds since the first phase began (0 before it)
 
-    def describe(self) -> str:
-        """One line: ``capturing 3/11 (64 rows) 12 s``; ``starting`` before any phase."""
+    def describe(self, bar_width: int = 0) -> str:
+        """One line: ``capturing 3/11 (64 rows) 12 s``, with a ``[###-------]`` bar of ``bar_width`` where the
+        phase counts its steps; ``starting`` before any phase."""
         if self.phase is None:
             return "starting"
-        count = f" {self.done}/{self.total}" if self.total is not None else ""
+        count = ""
+        if self.total is not None:
+            filled = bar_width * self.done // max(self.total, 1)
+            bar = f" [{'#' * filled}{'-' * (bar_width - filled)}]" if bar_width else ""
+            count = f"{bar} {self.done}/{self.total}"
         detail = f" ({self.detail})" if self.detail else ""
         return f"{self.phase}{count}{detail} {self.phase_s:.0f} s"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {**dataclasses.asdict(self), "phase_s": round(self.phase_s, 1), "started_s": round(self.started_s, 1)}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> StartupState:
+        return cls(**json.loads(text))
 
 
 class PhaseStep:
