@@ -49,9 +49,17 @@ class _StartingHealth(health.aio.HealthServicer):
 
 
 class StartupServer:
-    def __init__(self, progress: StartupProgress, host: str, grpc_port: int, http_port: int | None = None) -> None:
+    def __init__(
+        self,
+        progress: StartupProgress,
+        host: str,
+        grpc_port: int,
+        http_port: int | None = None,
+        tls: tuple[str, str] | None = None,
+    ) -> None:
         self.progress = progress  # whose state every probe reads
         self.host = host  # bind address of both listeners
+        self.tls = tls  # (certificate file, key file), both PEM, as the real server's; None: plaintext
         self.grpc_port = grpc_port  # bound port once started (asked: 0 for any free one)
         self.http_port = http_port  # None: no HTTP; bound port once started
         self._grpc: grpc.aio.Server | None = None
@@ -64,7 +72,12 @@ class StartupServer:
         for name in ("", SERVICE):
             await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self.grpc_port}")
+        address = f"{self.host}:{self.grpc_port}"
+        if self.tls is not None:
+            cert, key = (open(path, "rb").read() for path in self.tls)
+            self.grpc_port = self._grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(address)
         await self._grpc.start()
         if self.http_port is not None:
             await self._start_http(self.http_port)
@@ -88,7 +101,8 @@ class StartupServer:
 
         methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
         app = Starlette(routes=[Route("/{path:path}", starting, methods=methods)])
-        self._uvicorn = EmbeddedUvicorn(uvicorn.Config(app, log_level="warning", access_log=False))
+        tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls is not None else {}
+        self._uvicorn = EmbeddedUvicorn(uvicorn.Config(app, log_level="warning", access_log=False, **tls))
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
             if self._http_task.done():

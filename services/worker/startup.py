@@ -53,9 +53,9 @@ class StartupState:
 
     def describe(self, bar_width: int = 0) -> str:
         """One line: ``capturing 3/11 (64 rows) 12 s``, with a ``[###-------]`` bar of ``bar_width`` where the
-        phase counts its steps; ``starting`` before any phase."""
+        phase counts its steps; ``starting`` before the first phase, ``between phases`` after one."""
         if self.phase is None:
-            return "starting"
+            return "starting" if self.started_s == 0 else "between phases"
         count = ""
         if self.total is not None:
             filled = bar_width * self.done // max(self.total, 1)
