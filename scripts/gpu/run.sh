@@ -368,6 +368,7 @@ write_tokenizer_files(out, None)  # --load-format dummy reads only the config an
         serve_stop
     done
     python3 -m services.entrypoints.cli cache show | tee -a "$dir/cache.txt"
+    unset SHINKAI_CACHE_DIR  # later suites keep the default root
 }
 
 suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
