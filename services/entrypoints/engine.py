@@ -24,7 +24,9 @@ import logging
 import os
 import signal
 import sys
+import time
 
+PROCESS_START = time.monotonic()  # this module is the process's first import: its start, for the ready event
 log = logging.getLogger("shinkai.engine.process")
 DEFAULT_REPLICA = "engine-0"
 
@@ -310,6 +312,7 @@ async def run(args: argparse.Namespace) -> int:
                 # seconds in each startup phase (services/worker/startup.py) and from the first to ready
                 "startup_s": startup.PROGRESS.durations(),
                 "ready_s": round(startup.PROGRESS.state().started_s, 2),
+                "process_s": round(time.monotonic() - PROCESS_START, 2),  # from the process's start to ready
             }
         ),
         flush=True,
