@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 
 import grpc
 import uvicorn
@@ -116,3 +117,25 @@ class StartupServer:
             await self._http_task
         if self._grpc is not None:
             await self._grpc.stop(None)
+
+
+class StartupServerThread:
+    """The startup server for a process without an event loop (the worker process): on a thread of its own."""
+
+    def __init__(self, progress: StartupProgress, host: str, grpc_port: int) -> None:
+        self.server = StartupServer(progress, host, grpc_port)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="startup-health", daemon=True)
+
+    def start(self) -> int:
+        """Serves; returns the bound gRPC port."""
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
+        return self.server.grpc_port
+
+    def stop(self) -> None:
+        """Closes the listener (its port is free when this returns) and ends the thread."""
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 from services.entrypoints.probe import health_state
-from services.gateway.startup_server import StartupServer
+from services.gateway.startup_server import StartupServer, StartupServerThread
 from services.worker.startup import StartupProgress
 
 
@@ -49,3 +49,16 @@ def test_probes_see_not_serving_with_the_phase_and_the_ports_are_free_afterwards
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+def test_the_thread_form_serves_a_process_without_an_event_loop():
+    progress = StartupProgress()
+    server = StartupServerThread(progress, "127.0.0.1", 0)
+    port = server.start()
+    try:
+        with progress.phase("loading"):
+            serving, state = health_state("127.0.0.1", f"grpc:{port}")
+    finally:
+        server.stop()
+    assert not serving and state.phase == "loading"
+    assert health_state("127.0.0.1", f"grpc:{port}") == (False, None)  # nothing listens any more
