@@ -76,7 +76,8 @@ def probes(service: Service) -> dict[str, Any]:
     port = PORTS["client"] if service.name == "nats" else PORTS["grpc"]
     alive = {"tcpSocket": {"port": port}, "periodSeconds": 5, "timeoutSeconds": 3}
     probes: dict[str, Any] = {
-        "startupProbe": {**alive, "failureThreshold": 120},  # up to 10 minutes to load a model and bind
+        # up to 10 minutes to bind (an engine binds before it loads: NOT_SERVING with its phase until built)
+        "startupProbe": {**alive, "failureThreshold": 120},
         "livenessProbe": {**alive, "failureThreshold": 6},
         "readinessProbe": alive,
     }
