@@ -3,7 +3,7 @@ API (/health, grpc.health's trailing metadata, `shinkai up`'s progress line, the
 
 | phase | where it happens | counted steps |
 |---|---|---|
-| ``loading`` | the weights onto the device (``LLM``: ``load_model``) | none |
+| ``loading`` | the weights onto the device (``LLM``: ``load_model``) | parts placed (kernel form) |
 | ``profiling`` | the profiled step that sizes the pools (services/engine/pool_sizing.py) | none |
 | ``compiling`` | the warm-up compiles of every kernel variant, before the graphs (the warm-up pass) | variants |
 | ``capturing`` | the CUDA graphs of every decode size and speculative bucket (services/worker/build.py) | graphs |
