@@ -33,7 +33,7 @@ serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, 
 experts           the MXFP4 experts' gpu tests (the kernel's, checkpoint greedy tokens against the CPU; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
 serve-fits        v41-s1 at full depth through shinkai up with --engram-on-host and FP4 experts: ready, the memory lines, served over HTTP; then with --expert-format fp8: it fits or gets the clear error (device-prep.sh --stack)
 serve-up          the serve suite's figures through shinkai up (two full-depth builds) (device-prep.sh --stack)
-coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs) (device-prep.sh --stack)
+coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process (greedy tokens, logprob differences; also with 3 drafts), then live EPLB's layout switch at one boundary
 hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny)
@@ -367,6 +367,10 @@ write_tokenizer_files(out, None)  # --load-format dummy reads only the config an
         fi
         serve_stop
     done
+    if [ "${COLDSTART_ORDER:-1}" != 0 ] && enough 150; then  # capture order and pool sharing, on the warm cache
+        run order 240 python3 scripts/diagnostics/capture_order.py --model "$model" --max-num-seqs "${COLDSTART_SEQS:-64}"
+        grep '^{' "$dir/order.log" | tee -a "$dir/results.jsonl"
+    fi
     python3 -m services.entrypoints.cli cache show | tee -a "$dir/cache.txt"
     unset SHINKAI_CACHE_DIR  # later suites keep the default root
 }
