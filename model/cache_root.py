@@ -12,9 +12,10 @@ ENV = "SHINKAI_CACHE_DIR"
 
 
 def cache_root(environ: Mapping[str, str] = os.environ) -> Path:
-    """The root (not created here); an empty variable counts as unset, as the XDG rules say."""
+    """The root (not created here), absolute: a process started elsewhere (`shinkai up`'s services run from the
+    repository) finds the same directory. An empty variable counts as unset, as the XDG rules say."""
     if environ.get(ENV):
-        return Path(environ[ENV]).expanduser()
+        return Path(environ[ENV]).expanduser().absolute()
     if environ.get("XDG_CACHE_HOME"):
-        return Path(environ["XDG_CACHE_HOME"]).expanduser() / "shinkai"
+        return Path(environ["XDG_CACHE_HOME"]).expanduser().absolute() / "shinkai"
     return Path.home() / ".cache" / "shinkai"

@@ -33,6 +33,13 @@ def test_every_cache_goes_under_the_root_unless_its_variable_is_set(tmp_path):
     assert again == env  # a second setup (a child process of `up`) changes nothing
 
 
+def test_a_relative_root_is_made_absolute_for_the_processes_started_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = _environ(SHINKAI_CACHE_DIR="rel")
+    cache_dirs.setup(env)
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "rel" / "triton")
+
+
 def test_the_root_follows_xdg_then_home():
     assert cache_dirs.setup(_environ(XDG_CACHE_HOME="/xdg"))["triton"] == Path("/xdg/shinkai/triton")
     home = cache_dirs.setup(_environ(XDG_CACHE_HOME=""))["triton"]
