@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from services import cache_dirs
 
@@ -127,3 +128,30 @@ def test_two_processes_fill_one_cache_at_once_and_a_third_finds_every_entry_whol
                 assert b".version" in data and b".entry" in data
     third = _result(_writer(env, go, blocks, rounds=1))
     assert (third["hits"], third["misses"]) == (8, 0)  # a restart compiles nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_second_engine_start_on_the_same_cache_compiles_nothing(tmp_path):
+    """The served way (kernel backend, CUDA graphs) on `tiny`: a first start on an empty cache compiles, a second
+    start in a new process with the same root and the same requests finds every kernel there."""
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def start() -> dict:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.services.cache_writer", "--engine", "tiny"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    cold, warm = start(), start()
+    print(f"cold: {cold['misses']} compiles, {cold['hits']} hits; warm: {warm['misses']} compiles, {warm['hits']} hits")
+    assert cold["misses"] > 0
+    assert warm["misses"] == 0, f"compiled again: {warm['missed']}"
