@@ -98,12 +98,11 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
                 serving, starting = health_state(config.host, service.health)
                 if serving:
                     break
-                if starting is not None:
-                    shown.show(starting)
+                if starting is not None and shown.show(starting):  # a starting engine that moves on gets
+                    deadline = max(deadline, time.monotonic() + timeout_s)  # timeout_s from its latest step
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    why = (
-                        f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
-                    )
+                    late = "no startup progress" if shown.progressed else "not healthy"
+                    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"{late} in {timeout_s} s"
                     down(config.run_dir, log=lambda *_: None)
                     raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
                 time.sleep(0.1)
@@ -165,15 +164,20 @@ class StartupLines:
         self.name = name
         self.log = log
         self.every_s = every_s
+        self.progressed = False  # its phase or step count has changed at least once
         self._last: tuple | None = None
         self._at = 0.0
 
-    def show(self, state: StartupState) -> None:
+    def show(self, state: StartupState) -> bool:
+        """Prints a line where due; True when the phase or its count of steps changed since the last state."""
         key = (state.phase, state.done)
-        if key == self._last and time.monotonic() - self._at < self.every_s:
-            return
+        moved = key != self._last
+        if not moved and time.monotonic() - self._at < self.every_s:
+            return False
+        self.progressed |= moved
         self._last, self._at = key, time.monotonic()
         self.log(f"{self.name:<10} {state.describe(bar_width=20)}  ({state.started_s:.0f} s since start)")
+        return moved
 
 
 def _batches(items: list, group_of=lambda service: service.group) -> list[list]:
