@@ -65,16 +65,21 @@ def build_runner(model: DeepseekV41, config: WorkerConfig, expert_parallel: Expe
 
 
 def capture_each(runner, sizes: list[int]) -> dict[int, float]:
-    """``runner.capture`` one size at a time, largest first (``DecodeStepGraphs.capture``'s order: every graph
-    shares one memory pool, which the largest sizes first), each timed and reported as a step of the
-    "capturing" phase; returns the seconds each size took (logged as one JSON line too). A size's time is mostly
-    the Triton compiles of its kernel variants on the warm-up runs, which a warm compile cache skips."""
+    """``runner.capture`` one size at a time, largest first (``DecodeStepGraphs.capture``'s order: the graphs share
+    one memory pool, which the largest sizes first, so the smaller ones reuse its memory), each timed to the
+    device's completion and reported as a step of the "capturing" phase; returns the seconds each size took
+    (logged as one JSON line too). A size's time is mostly the Triton compiles of its kernel variants on the
+    warm-up runs, which a warm compile cache skips."""
+    import torch
+
     seconds: dict[int, float] = {}
     ordered = sorted(sizes, reverse=True)
     with startup.phase("capturing", total=len(ordered)) as step:
         for size in ordered:
             t0 = time.perf_counter()
             runner.capture([size])
+            if torch.cuda.is_initialized():  # the warm-up runs' work, queued on a side stream, counted here
+                torch.cuda.synchronize()
             seconds[size] = round(time.perf_counter() - t0, 3)
             step.advance(f"{size} rows")
     log.info("capture seconds per graph size %s", json.dumps({"capture_s": seconds}))
