@@ -366,6 +366,9 @@ write_tokenizer_files(out, None)  # --load-format dummy reads only the config an
             coldstart_ttft warmed
         fi
         serve_stop
+        # Its Triton compiles per phase and after ready (what the requests waited on), from its stopped event.
+        grep -h '"event": "stopped"' "$dir/engine.log" | tail -1 | sed "s/^{/{\"start\": \"$name\", /" \
+            | tee -a "$dir/results.jsonl"
     done
     if [ "${COLDSTART_ORDER:-1}" != 0 ] && enough 150; then  # capture order and pool sharing, on the warm cache
         run order 240 python3 scripts/diagnostics/capture_order.py --model "$model" --max-num-seqs "${COLDSTART_SEQS:-64}"

@@ -176,8 +176,9 @@ async def run(args: argparse.Namespace) -> int:
     tracing.setup("shinkai-engine")
     from services.engine.llm import LLM
     from services.engine.reporting.reporter import LoadReporter
-    from services.worker import startup
+    from services.worker import compile_stats, startup
 
+    compile_stats.install()
     engine_args = {
         k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v is not None
     }
@@ -313,10 +314,12 @@ async def run(args: argparse.Namespace) -> int:
                 "startup_s": startup.PROGRESS.durations(),
                 "ready_s": round(startup.PROGRESS.state().started_s, 2),
                 "process_s": round(time.monotonic() - PROCESS_START, 2),  # from the process's start to ready
+                "compiles": compile_stats.STATS.summary(),  # Triton's, per phase (services/worker/compile_stats.py)
             }
         ),
         flush=True,
     )
+    startup.PROGRESS.ready()
     watch = None
     if args.data_parallel_size > 1:  # a rank's lost worker fails its next step, which loses the group for good
         watch = asyncio.create_task(
@@ -336,7 +339,14 @@ async def run(args: argparse.Namespace) -> int:
     if reporter is not None:
         await reporter.stop()
     print(
-        json.dumps({"event": "stopped", "service": "engine", "pools": dataclasses.asdict(server.engine.stats())}),
+        json.dumps(
+            {
+                "event": "stopped",
+                "service": "engine",
+                "pools": dataclasses.asdict(server.engine.stats()),
+                "compiles": compile_stats.STATS.summary(),  # "after_ready": what requests waited on
+            }
+        ),
         flush=True,
     )
     return 1 if launched and server.engine.group_failure is not None else 0

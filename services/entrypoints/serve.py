@@ -162,8 +162,9 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return await _serve_ranks(args)
     from services.gateway.startup_server import StartupServer
-    from services.worker import startup
+    from services.worker import compile_stats, startup
 
+    compile_stats.install()
     config = _config(args)
     # Until the engine is built, its ports answer /health and grpc.health with the startup phase
     # (services/worker/startup.py); then the server takes the same ports over.
@@ -189,14 +190,17 @@ async def _serve(args: argparse.Namespace) -> int:
                 # seconds in each startup phase (services/worker/startup.py) and from the first to ready
                 "startup_s": startup.PROGRESS.durations(),
                 "ready_s": round(startup.PROGRESS.state().started_s, 2),
+                "compiles": compile_stats.STATS.summary(),  # Triton's, per phase (services/worker/compile_stats.py)
             }
         ),
         flush=True,
     )
+    startup.PROGRESS.ready()
     await stop.wait()
     print(json.dumps({"event": "draining"}), flush=True)
     await server.stop()
-    print(json.dumps({"event": "stopped", "pools": dataclasses.asdict(server.engine.stats())}), flush=True)
+    stopped = {"pools": dataclasses.asdict(server.engine.stats()), "compiles": compile_stats.STATS.summary()}
+    print(json.dumps({"event": "stopped", **stopped}), flush=True)
     return 0
 
 

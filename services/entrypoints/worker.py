@@ -27,7 +27,7 @@ from services.engine.device import add_device_arguments, device_args, device_eng
 from services.engine.model_source import load_model
 from services.grpc_errors import NoInternalText
 from services.proto.worker.v1 import worker_pb2_grpc
-from services.worker import startup
+from services.worker import compile_stats, startup
 from services.worker.build import build_worker
 from services.worker.parallel.groups import init_rank_groups
 from services.worker.parallel.rank_experts import shard_over_group
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from services import cache_dirs
 
     cache_dirs.setup()  # the compile caches, unless the environment names them (services/cache_dirs.py)
+    compile_stats.install()
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.worker", description=DESCRIPTION)
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engine's too)")
@@ -174,6 +175,7 @@ def _serve(args: argparse.Namespace, source, hashes, parallel, worker, address: 
     server.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    startup.PROGRESS.ready()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -192,6 +194,7 @@ def _serve(args: argparse.Namespace, source, hashes, parallel, worker, address: 
                 "metrics_port": metrics_port,
                 "runner": type(worker.runner).__name__,
                 "startup_s": startup.PROGRESS.durations(),  # seconds in each startup phase
+                "compiles": compile_stats.STATS.summary(),  # Triton's, per phase (services/worker/compile_stats.py)
                 **group,
             }
         ),
@@ -201,7 +204,8 @@ def _serve(args: argparse.Namespace, source, hashes, parallel, worker, address: 
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=5.0).wait()
-    print(json.dumps({"event": "stopped", "service": "worker"}), flush=True)
+    stopped = {"service": "worker", "compiles": compile_stats.STATS.summary()}  # "after_ready": steps waited on
+    print(json.dumps({"event": "stopped", **stopped}), flush=True)
     return 0
 
 

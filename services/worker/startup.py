@@ -106,6 +106,11 @@ class StartupProgress:
         self._stack: list[_Frame] = []
         self._seconds: dict[str, float] = {}
         self._first: float | None = None
+        self.is_ready = False  # set once by the process when it serves (``ready()``)
+
+    def ready(self) -> None:
+        """The process serves from now on: what happens later (a compile) is no longer part of its start."""
+        self.is_ready = True
 
     @contextlib.contextmanager
     def phase(self, name: str, total: int | None = None) -> Iterator[PhaseStep]:
