@@ -375,6 +375,7 @@ write_tokenizer_files(out, None)  # --load-format dummy reads only the config an
         grep '^{' "$dir/order.log" | tee -a "$dir/results.jsonl"
     fi
     python3 -m services.entrypoints.cli cache show | tee -a "$dir/cache.txt"
+    python3 scripts/gpu/coldstart_table.py "$dir/results.jsonl" | tee "$dir/table.txt"
     unset SHINKAI_CACHE_DIR  # later suites keep the default root
 }
 
