@@ -40,6 +40,22 @@ def max_tokens_set(request, monkeypatch):
         pytest.fail(f"requests {offenders[:5]} leave max_tokens unset (the rest of the context): set it")
 
 
+@pytest.fixture(autouse=True)
+def compile_cache_variables(monkeypatch):
+    """The compile caches' variables as the session found them after each test: a test that runs `shinkai …` in
+    this process sets them (services/cache_dirs.py), and that must not move later tests' caches."""
+    from services.cache_dirs import CACHES
+
+    for cache in CACHES:
+        if cache.env is None:
+            continue
+        original = os.environ.get(cache.env)
+        monkeypatch.setenv(cache.env, original or "")  # records the original: restored after the test
+        if original is None:
+            monkeypatch.delenv(cache.env)
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """The session's thread count for a module (1 by default: torch with 2 threads beside a busy process

@@ -4,8 +4,8 @@ The vocabulary is DeepSeek V4's ``tokenizer.json`` as bundled by the ``deepseek-
 (129,280 ids: a 128,000-entry byte-level BPE plus added tokens), with the one V4.1 change applied
 to the JSON before building: added token 128799 ``<｜place▁holder▁no▁799｜>`` becomes
 ``<｜System｜>``. ``deepseek-recipe`` needs a file path, so the patched JSON is written once to a
-content-addressed cache: ``$SHINKAI_CACHE/tokenizer/<sha256[:16] of the source>/tokenizer.json``
-(``$SHINKAI_CACHE`` defaults to ``~/.cache/shinkai``), atomically (temp file + ``os.replace``).
+content-addressed cache: ``<cache root>/tokenizer/<sha256[:16] of the source>/tokenizer.json`` (the root:
+model/cache_root.py, ``~/.cache/shinkai`` by default), atomically (temp file + ``os.replace``).
 
 The Engram map reproduces the released normalisation exactly as NeMo 0.7.0's
 ``deepseek_v41/engram.py::_compressed_token_map`` does (nemo is not imported here): for every id,
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
+
+from model.cache_root import cache_root
 
 V41_SYSTEM_TOKEN_ID = 128799
 V41_SYSTEM_TOKEN = "<｜System｜>"
@@ -65,11 +67,6 @@ def patch_v41_tokenizer_json(document: dict) -> dict:
         raise ValueError(f"added token {V41_SYSTEM_TOKEN_ID} is {entries[0]['content']!r}, not the V4 placeholder")
     entries[0]["content"] = V41_SYSTEM_TOKEN
     return document
-
-
-def cache_root() -> Path:
-    """``$SHINKAI_CACHE`` or ``~/.cache/shinkai``."""
-    return Path(os.environ.get("SHINKAI_CACHE") or Path.home() / ".cache" / "shinkai")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -37,6 +37,7 @@ prefix            prefix caching: the exactness gpu test (kernel path, CUDA grap
                   to NUM_LAYERS (default 8, --load-format dummy): multi-turn and agent loads, cache off then on (PREFIX_ARGS)
 fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, --max-num-batched-tokens 256): a light key's TTFT
                   alone and beside one and two keys sending 3,900-token prompts, then a key over its limit (FAIR_S per phase)
+coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process, kernel ranks in graphs (batch-invariant: tokens and logprobs ==), the torch MoE, 3 drafts; then live EPLB's layout switch at one boundary
 ep-one-gpu        one GPU: the expert-parallel kernel layer's gpu tests (virtual ranks and NCCL at world size 1 captured in graphs), bench step --dp 1 --ep-path on v41-s1 with MXFP4 experts (EP_LAYERS, default 8; EP_BATCHES, default 64), then the EP path in the engine's decode graphs
@@ -312,6 +313,65 @@ suite_serve_up() {  # the serve suite through `shinkai up` (two full-depth build
     run offline 300 python3 scripts/gpu/serve_check.py offline --model v41-s1 --load-format dummy \
         --greedy "$dir/http-dummy.json" --num-requests 64 --batches 1,16,64 --out "$dir/offline-dummy.json"
     grep -v "it/s\]" "$dir/offline.log" | tail -20
+}
+
+coldstart_start() {  # coldstart_start NAME: one `shinkai up` on the suite's cache root; its ready event and capture times
+    local name=$1 t0=$SECONDS
+    echo "{\"what\": \"cache_before\", \"start\": \"$name\", \"triton_entries\": $(find "$SHINKAI_CACHE_DIR/triton" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l)}" \
+        | tee -a "$dir/results.jsonl"
+    run "up-$name" 420 python3 -m services.entrypoints.cli up --run-dir "$run_dir" --http-port "$port" --grpc-port 0 \
+        --timeout 400 --model "$model" --load-format dummy --max-num-seqs "${COLDSTART_SEQS:-64}" --max-model-len 4096 \
+        --gpu-memory-utilization 0.9
+    local rc=$?
+    grep -v "it/s\]" "$dir/up-$name.log" | tail -25
+    echo "{\"what\": \"time_to_ready_s\", \"start\": \"$name\", \"rc\": $rc, \"seconds\": $(( SECONDS - t0 ))}" \
+        | tee -a "$dir/results.jsonl"
+    grep -h '"event": "ready"' "$run_dir"/logs/engine-0.log | sed "s/^{/{\"start\": \"$name\", /" | tee -a "$dir/results.jsonl"
+    grep -h -E "capture seconds per graph size|startup \{|loaded .* GB/s|pools:|Error" "$run_dir"/logs/engine-0.log \
+        | sed "s/^/$name: /" | tee -a "$dir/engine-lines.log"
+    return $rc
+}
+
+coldstart_ttft() {  # coldstart_ttft LABEL: TTFT at concurrency 1 then 16 (the prompt lengths differ between the two)
+    local c n p
+    for c in 1 16; do
+        n=$(( c == 1 ? 8 : 48 )); p=$(( c == 1 ? 300 : 700 ))
+        run "ttft-$1-c$c" 90 python3 -m services.client.loadgen --url "http://127.0.0.1:$port/v1" --model "$model" \
+            --num-requests $n --concurrency $c --max-tokens 32 --prompt-tokens $p
+        sed "s/^{/{\"server\": \"$1\", /" "$dir/ttft-$1-c$c.log" | grep '^{' | tee -a "$dir/results.jsonl"
+    done
+}
+
+suite_coldstart() {  # cold and warm starts on one cache root, TTFT on a fresh server then after a warm-up
+    serve_begin coldstart 570
+    model=/tmp/v41-s1-l${COLDSTART_LAYERS:-14}
+    v41_part "$model" "${COLDSTART_LAYERS:-14}"
+    # The suite's own cache root, empty for the cold start; the libraries' variables unset so `up` puts every
+    # compile cache under it (services/cache_dirs.py).
+    export SHINKAI_CACHE_DIR=/tmp/shinkai-coldstart-cache
+    unset TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR DG_JIT_CACHE_DIR
+    local runs=${COLDSTART_RUNS:-cold warm}
+    case " $runs " in *" cold "*) rm -rf "$SHINKAI_CACHE_DIR";; esac
+    mkdir -p "$SHINKAI_CACHE_DIR"
+    local name
+    for name in $runs; do
+        coldstart_start "$name" || { serve_stop; continue; }
+        if [ "$name" = cold ] && [ "${COLDSTART_TTFT:-1}" != 0 ]; then  # fresh, then the same after that warm-up
+            coldstart_ttft fresh
+            coldstart_ttft warmed
+        fi
+        serve_stop
+        # Its Triton compiles per phase and after ready (what the requests waited on), from its stopped event.
+        grep -h '"event": "stopped"' "$dir/engine.log" | tail -1 | sed "s/^{/{\"start\": \"$name\", /" \
+            | tee -a "$dir/results.jsonl"
+    done
+    if [ "${COLDSTART_ORDER:-1}" != 0 ] && enough 150; then  # capture order and pool sharing, on the warm cache
+        run order 240 python3 scripts/diagnostics/capture_order.py --model "$model" --max-num-seqs "${COLDSTART_SEQS:-64}"
+        grep '^{' "$dir/order.log" | tee -a "$dir/results.jsonl"
+    fi
+    python3 -m services.entrypoints.cli cache show | tee -a "$dir/cache.txt"
+    python3 scripts/gpu/coldstart_table.py "$dir/results.jsonl" | tee "$dir/table.txt"
+    unset SHINKAI_CACHE_DIR  # later suites keep the default root
 }
 
 v41_part() {  # v41_part DIR LAYERS: v41-s1's config cut to its first LAYERS layers, and the tokenizer

@@ -17,6 +17,7 @@ from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.structured.grammars import GrammarCompiler
+from services.worker import startup
 from services.worker.build import build_worker
 from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.worker import Runner, Worker
@@ -65,7 +66,7 @@ class LLM:
         if source is None:
             # With a remote worker the weights are its own: this process loads config and tokenizer only
             # (and so never touches the device).
-            with reported_oom(memory, self.config, "loading the model"):
+            with reported_oom(memory, self.config, "loading the model"), startup.phase("loading"):
                 source = load_model(
                     model,
                     seed=self.config.model_seed,
@@ -93,7 +94,7 @@ class LLM:
         if sized:
             from services.engine.pool_sizing import size_pools
 
-            with reported_oom(memory, self.config, "profiling a step to size the pools"):
+            with reported_oom(memory, self.config, "profiling a step to size the pools"), startup.phase("profiling"):
                 self.config, self.pool_plan = size_pools(
                     self.source,
                     self.config,

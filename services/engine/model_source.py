@@ -130,17 +130,20 @@ def _random_kernel_source(
 ) -> ModelSource:
     import torch
 
-    from services.worker.kernel_model.gpu_model import build_random_kernel_model
+    from services.worker import startup
+    from services.worker.kernel_model.gpu_model import build_random_kernel_model, num_parts
 
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
-    net = build_random_kernel_model(
-        cfg,
-        seed,
-        device,
-        precision,
-        None if token_map is None else torch.as_tensor(token_map),
-        num_compressed,
-        expert_format=expert_format,
-        engram_on_host=engram_on_host,
-    )
+    with startup.phase("loading", total=num_parts(cfg)) as step:  # each part drawn counts
+        net = build_random_kernel_model(
+            cfg,
+            seed,
+            device,
+            precision,
+            None if token_map is None else torch.as_tensor(token_map),
+            num_compressed,
+            expert_format=expert_format,
+            engram_on_host=engram_on_host,
+            on_part=lambda prefix, _: step.advance(prefix.rstrip(".")),
+        )
     return ModelSource(name, cfg, net, tokenizer, identity)

@@ -19,6 +19,7 @@ COMMAND_MODULES = {
     "eplb": "services.entrypoints.eplb_cli",
     "serve": "services.entrypoints.serve",
     "up": "services.entrypoints.up",  # registers `up`, `down` and `status`
+    "cache": "services.entrypoints.cache",
 }
 
 
@@ -53,6 +54,9 @@ def _register_unavailable(subparsers: argparse._SubParsersAction, command: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services import cache_dirs
+
+    cache_dirs.setup()  # before any command compiles; `up`'s services inherit the variables
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

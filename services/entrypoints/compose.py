@@ -152,6 +152,10 @@ def write_secrets(path: Path, config: StackConfig = CONFIG) -> Path:
     return path
 
 
+COMPILE_CACHE_VOLUME = "compile-cache"  # the named volume of the engines' and workers' compile caches
+COMPILE_CACHE_MOUNT = "/var/cache/shinkai"  # where it is mounted; their SHINKAI_CACHE_DIR
+
+
 def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
     stack = stack_services(config)
     users = {u.name: u for u in nats_users(config)}
@@ -195,6 +199,10 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
             }
             if s.group is not None:  # ranks meet across containers: gloo on the network, not loopback
                 service["environment"]["GLOO_SOCKET_IFNAME"] = "eth0"
+            if s.name.startswith(("engine-", "worker-")):  # they compile kernels: one cache volume, kept across
+                # restarts and shared by every engine and worker (safe: docs/operations.md, "Compile caches")
+                service["environment"]["SHINKAI_CACHE_DIR"] = COMPILE_CACHE_MOUNT
+                service["volumes"] = [*service["volumes"], f"{COMPILE_CACHE_VOLUME}:{COMPILE_CACHE_MOUNT}"]
             if s.name == "gateway":
                 service["ports"] = [f"{PORTS['http']}:{PORTS['http']}", f"{PORTS['grpc']}:{PORTS['grpc']}"]
                 service["networks"] = ["internal", "public"]
@@ -234,7 +242,7 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
     for service in out.values():
         if service.get("healthcheck") is None:
             service.pop("healthcheck", None)
-    return {"name": "shinkai", "services": out, "networks": NETWORKS}
+    return {"name": "shinkai", "services": out, "networks": NETWORKS, "volumes": {COMPILE_CACHE_VOLUME: {}}}
 
 
 def gpu_override(config: StackConfig = CONFIG, gpu_config: StackConfig = GPU_CONFIG) -> dict[str, Any]:

@@ -24,7 +24,9 @@ import logging
 import os
 import signal
 import sys
+import time
 
+PROCESS_START = time.monotonic()  # this module is the process's first import: its start, for the ready event
 log = logging.getLogger("shinkai.engine.process")
 DEFAULT_REPLICA = "engine-0"
 
@@ -174,7 +176,9 @@ async def run(args: argparse.Namespace) -> int:
     tracing.setup("shinkai-engine")
     from services.engine.llm import LLM
     from services.engine.reporting.reporter import LoadReporter
+    from services.worker import compile_stats, startup
 
+    compile_stats.install()
     engine_args = {
         k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v is not None
     }
@@ -192,30 +196,45 @@ async def run(args: argparse.Namespace) -> int:
 
     engine_args.update(speculative_args(args))
     engine_args.update(step_args(args))
-    llm = None
     from services.engine.config import parallel_args
 
-    if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
-        from services.engine.parallel.served_rank import start_rank
+    remote = None
 
-        remote = None
-        if args.worker:  # the rank's worker process: it joined the workers' group for the exchange
+    def build_llm() -> LLM:  # off the event loop, while the startup server answers probes
+        nonlocal remote
+        if parallel_args(args):  # one rank of a data-parallel group (services/engine/parallel/served_rank.py)
+            from services.engine.parallel.served_rank import start_rank
+
+            if args.worker:  # the rank's worker process: it joined the workers' group for the exchange
+                from services.engine.remote.remote_worker import RemoteWorker
+
+                remote = RemoteWorker(args.worker)
+            llm = start_rank(
+                args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)}, remote
+            )
+            if remote is not None:
+                remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
+            return llm
+        if args.worker:
             from services.engine.remote.remote_worker import RemoteWorker
 
             remote = RemoteWorker(args.worker)
-        llm = start_rank(
-            args.model, args.dp_rank, args.dp_rendezvous or "", {**engine_args, **parallel_args(args)}, remote
-        )
-        if remote is not None:
+            llm = LLM(model=args.model, worker=remote, **engine_args)
             remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
-    elif args.worker:
-        from services.engine.remote.remote_worker import RemoteWorker
+            return llm
+        return LLM(model=args.model, **engine_args)
 
-        remote = RemoteWorker(args.worker)
-        llm = LLM(model=args.model, worker=remote, **engine_args)
-        remote.check_model(llm.source)  # refuses a worker serving another model; starts its heartbeat
-    else:
-        llm = LLM(model=args.model, **engine_args)
+    # Until the engine is built its port answers NOT_SERVING with the startup phase (services/worker/startup.py),
+    # then the endpoint takes the same port over.
+    from services.gateway.startup_server import StartupServer
+
+    starting = StartupServer(startup.PROGRESS, args.host, args.grpc_port)
+    await starting.start()
+    try:
+        llm = await asyncio.to_thread(build_llm)
+    finally:
+        await starting.stop()
+    args.grpc_port = starting.grpc_port
     image_encoder = None
     if args.multimodal:
         from services.engine.images.encoder import MultimodalClient
@@ -291,10 +310,16 @@ async def run(args: argparse.Namespace) -> int:
                 "runner": runner,
                 "scheduling": server.llm.config.scheduling,
                 "max_num_batched_tokens": server.llm.config.max_num_batched_tokens,
+                # seconds in each startup phase (services/worker/startup.py) and from the first to ready
+                "startup_s": startup.PROGRESS.durations(),
+                "ready_s": round(startup.PROGRESS.state().started_s, 2),
+                "process_s": round(time.monotonic() - PROCESS_START, 2),  # from the process's start to ready
+                "compiles": compile_stats.STATS.summary(),  # Triton's, per phase (services/worker/compile_stats.py)
             }
         ),
         flush=True,
     )
+    startup.PROGRESS.ready()
     watch = None
     if args.data_parallel_size > 1:  # a rank's lost worker fails its next step, which loses the group for good
         watch = asyncio.create_task(
@@ -314,7 +339,14 @@ async def run(args: argparse.Namespace) -> int:
     if reporter is not None:
         await reporter.stop()
     print(
-        json.dumps({"event": "stopped", "service": "engine", "pools": dataclasses.asdict(server.engine.stats())}),
+        json.dumps(
+            {
+                "event": "stopped",
+                "service": "engine",
+                "pools": dataclasses.asdict(server.engine.stats()),
+                "compiles": compile_stats.STATS.summary(),  # "after_ready": what requests waited on
+            }
+        ),
         flush=True,
     )
     return 1 if launched and server.engine.group_failure is not None else 0
@@ -375,6 +407,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services import cache_dirs
+
+    cache_dirs.setup()  # the compile caches, unless the environment names them (services/cache_dirs.py)
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from services.engine.memory_plan import NotEnoughMemory

@@ -15,6 +15,7 @@ from typing import Any
 
 from services import nats_auth
 from services.entrypoints.compose import (
+    COMPILE_CACHE_MOUNT,
     CONFIG,
     IMAGE,
     NATS_CONFIG,
@@ -76,7 +77,8 @@ def probes(service: Service) -> dict[str, Any]:
     port = PORTS["client"] if service.name == "nats" else PORTS["grpc"]
     alive = {"tcpSocket": {"port": port}, "periodSeconds": 5, "timeoutSeconds": 3}
     probes: dict[str, Any] = {
-        "startupProbe": {**alive, "failureThreshold": 120},  # up to 10 minutes to load a model and bind
+        # up to 10 minutes to bind (an engine binds before it loads: NOT_SERVING with its phase until built)
+        "startupProbe": {**alive, "failureThreshold": 120},
         "livenessProbe": {**alive, "failureThreshold": 6},
         "readinessProbe": alive,
     }
@@ -108,6 +110,11 @@ def _deployment(service: Service, users: list[str]) -> dict[str, Any]:
     if service.name == "nats":
         container["volumeMounts"] = [{"name": "config", "mountPath": str(Path(NATS_CONFIG).parent), "readOnly": True}]
         pod["volumes"] = [{"name": "config", "configMap": {"name": NATS_CONFIG_MAP}}]
+    if service.name.startswith(("engine-", "worker-")):  # they compile kernels: a restarted container starts warm
+        # (the pod's emptyDir outlives its containers; a new pod starts cold)
+        container["env"].append({"name": "SHINKAI_CACHE_DIR", "value": COMPILE_CACHE_MOUNT})
+        container["volumeMounts"] = [{"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT}]
+        pod["volumes"] = [{"name": "compile-cache", "emptyDir": {}}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

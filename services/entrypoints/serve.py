@@ -161,7 +161,20 @@ async def _serve(args: argparse.Namespace) -> int:
     tracing.setup("shinkai")
     if args.data_parallel_size > 1:
         return await _serve_ranks(args)
-    server = Server(_config(args))
+    from services.gateway.startup_server import StartupServer
+    from services.worker import compile_stats, startup
+
+    compile_stats.install()
+    config = _config(args)
+    # Until the engine is built, its ports answer /health and grpc.health with the startup phase
+    # (services/worker/startup.py); then the server takes the same ports over.
+    starting = StartupServer(startup.PROGRESS, config.host, config.grpc_port, config.http_port, config.tls)
+    await starting.start()
+    try:
+        config = dataclasses.replace(config, http_port=starting.http_port, grpc_port=starting.grpc_port)
+        server = await asyncio.to_thread(Server, config)
+    finally:
+        await starting.stop()
     stop = _stop_on_signals()
     await server.start()
     # One machine-readable line, then the URLs for people; `shinkai up` and tests read the first.
@@ -174,14 +187,20 @@ async def _serve(args: argparse.Namespace) -> int:
                 "runner": type(server.llm.engine.worker.runner).__name__,
                 "scheduling": server.llm.config.scheduling,
                 "max_num_batched_tokens": server.llm.config.max_num_batched_tokens,
+                # seconds in each startup phase (services/worker/startup.py) and from the first to ready
+                "startup_s": startup.PROGRESS.durations(),
+                "ready_s": round(startup.PROGRESS.state().started_s, 2),
+                "compiles": compile_stats.STATS.summary(),  # Triton's, per phase (services/worker/compile_stats.py)
             }
         ),
         flush=True,
     )
+    startup.PROGRESS.ready()
     await stop.wait()
     print(json.dumps({"event": "draining"}), flush=True)
     await server.stop()
-    print(json.dumps({"event": "stopped", "pools": dataclasses.asdict(server.engine.stats())}), flush=True)
+    stopped = {"pools": dataclasses.asdict(server.engine.stats()), "compiles": compile_stats.STATS.summary()}
+    print(json.dumps({"event": "stopped", **stopped}), flush=True)
     return 0
 
 

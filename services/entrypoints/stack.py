@@ -23,11 +23,12 @@ from pathlib import Path
 from services import nats_auth
 from services.entrypoints.credentials import NATS, StackCredentials, without_secrets
 from services.entrypoints.invocation import shinkai_command
-from services.entrypoints.probe import alive_as, healthy
+from services.entrypoints.probe import alive_as, health_state
 from services.entrypoints.service_list import services
 from services.entrypoints.stack_config import StackConfig
 from services.gateway.auth import KEY_ENV
 from services.ports import free_port
+from services.worker.startup import StartupState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,11 +93,16 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
             started.append((service, proc, log_path))
         deadline = time.monotonic() + timeout_s
         for service, proc, log_path in started:
-            while not healthy(config.host, service.health):
+            shown = StartupLines(service.name, log)
+            while True:
+                serving, starting = health_state(config.host, service.health)
+                if serving:
+                    break
+                if starting is not None and shown.show(starting):  # a starting engine that moves on gets
+                    deadline = max(deadline, time.monotonic() + timeout_s)  # timeout_s from its latest step
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    why = (
-                        f"exited with {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s} s"
-                    )
+                    late = "no startup progress" if shown.progressed else "not healthy"
+                    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"{late} in {timeout_s} s"
                     down(config.run_dir, log=lambda *_: None)
                     raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
                 time.sleep(0.1)
@@ -148,6 +154,30 @@ def _start_supervisor(config: StackConfig, env: dict[str, str], secrets: dict, t
             why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not running in {timeout_s} s"
             raise RuntimeError(f"the supervisor {why}; see {log_path}{_last_error(log_path)}")
         time.sleep(0.05)
+
+
+class StartupLines:
+    """`up`'s progress lines for one starting engine: a line when its phase or its count of steps changes, and every
+    ``every_s`` seconds within a long phase ("engine-0   capturing [####------] 4/11 (8 rows) 52 s")."""
+
+    def __init__(self, name: str, log, every_s: float = 15.0) -> None:
+        self.name = name
+        self.log = log
+        self.every_s = every_s
+        self.progressed = False  # its phase or step count has changed at least once
+        self._last: tuple | None = None
+        self._at = 0.0
+
+    def show(self, state: StartupState) -> bool:
+        """Prints a line where due; True when the phase or its count of steps changed since the last state."""
+        key = (state.phase, state.done)
+        moved = key != self._last
+        if not moved and time.monotonic() - self._at < self.every_s:
+            return False
+        self.progressed |= moved
+        self._last, self._at = key, time.monotonic()
+        self.log(f"{self.name:<10} {state.describe(bar_width=20)}  ({state.started_s:.0f} s since start)")
+        return moved
 
 
 def _batches(items: list, group_of=lambda service: service.group) -> list[list]:

@@ -60,7 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_http_timeout_arguments(up)
     add_admission_arguments(up)
     up.add_argument("--run-dir", type=Path, default=_DEFAULTS.run_dir, help="logs and PIDs (default: %(default)s)")
-    up.add_argument("--timeout", type=float, default=180.0, help="seconds each service gets to become healthy")
+    up.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds each service gets to become healthy; a starting engine or worker gets them again from each "
+        "startup step it reports (a phase begun, a part loaded, a graph captured)",
+    )
     up.add_argument(
         "--api-key",
         default=None,

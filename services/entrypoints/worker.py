@@ -27,6 +27,7 @@ from services.engine.device import add_device_arguments, device_args, device_eng
 from services.engine.model_source import load_model
 from services.grpc_errors import NoInternalText
 from services.proto.worker.v1 import worker_pb2_grpc
+from services.worker import compile_stats, startup
 from services.worker.build import build_worker
 from services.worker.parallel.groups import init_rank_groups
 from services.worker.parallel.rank_experts import shard_over_group
@@ -36,6 +37,10 @@ DESCRIPTION = "The worker as its own process: worker.v1.Worker over gRPC around 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services import cache_dirs
+
+    cache_dirs.setup()  # the compile caches, unless the environment names them (services/cache_dirs.py)
+    compile_stats.install()
     p = argparse.ArgumentParser(prog="python -m services.entrypoints.worker", description=DESCRIPTION)
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name")
     p.add_argument("--model-seed", type=int, default=0, help="a preset's weight seed (the engine's too)")
@@ -102,15 +107,31 @@ def main(argv: list[str] | None = None) -> int:
         except NotEnoughMemory as e:
             print(f"shinkai worker: {e}", file=sys.stderr)
             return 2
-    source = load_model(
-        args.model,
-        seed=args.model_seed,
-        device=config.device or "cpu",
-        load_format=config.load_format,
-        precision=config.kernel_backend,
-        expert_format=config.expert_format,
-        engram_on_host=config.engram_on_host,
-    )
+    # Until the worker is built its port answers NOT_SERVING with the startup phase (services/worker/startup.py).
+    from services.gateway.startup_server import StartupServerThread
+
+    host, asked_port = args.grpc_addr.rsplit(":", 1)
+    starting = StartupServerThread(startup.PROGRESS, host, int(asked_port))
+    bound_port = starting.start()
+    try:
+        with startup.phase("loading"):
+            source = load_model(
+                args.model,
+                seed=args.model_seed,
+                device=config.device or "cpu",
+                load_format=config.load_format,
+                precision=config.kernel_backend,
+                expert_format=config.expert_format,
+                engram_on_host=config.engram_on_host,
+            )
+        hashes, parallel, worker = _build(args, config, source, ranks)
+    finally:
+        starting.stop()
+    return _serve(args, source, hashes, parallel, worker, f"{host}:{bound_port}")
+
+
+def _build(args: argparse.Namespace, config: EngineConfig, source, ranks: bool) -> tuple:
+    """(the model's hashes, this rank's expert parallelism or None, the worker) on ``source``."""
     hashes = model_hashes(source)  # the whole model's, before any sharding: what the engine compares
     parallel = None
     if ranks:  # this rank's experts only, exchanging tokens with the group's other workers
@@ -129,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"GiB, over --gpu-memory-utilization {config.gpu_memory_utilization} of "
                 f"{total / 2**30:.1f} GiB: lower --max-num-seqs or --max-model-len"
             )
+    return hashes, parallel, worker
+
+
+def _serve(args: argparse.Namespace, source, hashes, parallel, worker, address: str) -> int:
+    """Serves worker.v1 and grpc.health on ``address`` (the port the startup server held) until SIGTERM."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
         options=[
@@ -147,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port = http.server_port
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(args.grpc_addr)
+    port = server.add_insecure_port(address)
     server.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    startup.PROGRESS.ready()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -168,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 "grpc_port": port,
                 "metrics_port": metrics_port,
                 "runner": type(worker.runner).__name__,
+                "startup_s": startup.PROGRESS.durations(),  # seconds in each startup phase
+                "compiles": compile_stats.STATS.summary(),  # Triton's, per phase (services/worker/compile_stats.py)
                 **group,
             }
         ),
@@ -177,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=5.0).wait()
-    print(json.dumps({"event": "stopped", "service": "worker"}), flush=True)
+    stopped = {"service": "worker", "compiles": compile_stats.STATS.summary()}  # "after_ready": steps waited on
+    print(json.dumps({"event": "stopped", **stopped}), flush=True)
     return 0
 
 

@@ -26,7 +26,7 @@ from services.gateway.openai.http import build_app
 from services.grpc_errors import AioNoInternalText
 
 
-class _Uvicorn(uvicorn.Server):
+class EmbeddedUvicorn(uvicorn.Server):
     """uvicorn that leaves SIGTERM/SIGINT to the embedding process, which drains in its own order (uvicorn's
     own handler would close HTTP streams at once)."""
 
@@ -65,7 +65,7 @@ class ApiServer:
         self.http_port: int | None = None  # bound ports, once started
         self.grpc_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
-        self._uvicorn: _Uvicorn | None = None
+        self._uvicorn: EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task | None = None
 
     async def _set_health(self, serving: bool) -> None:
@@ -104,7 +104,7 @@ class ApiServer:
         self.http_port = sock.getsockname()[1]
         app = build_app(self.frontend, is_ready=self.serving, health_problem=self.health_problem, keys=self.keys)
         tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls is not None else {}
-        self._uvicorn = _Uvicorn(
+        self._uvicorn = EmbeddedUvicorn(
             uvicorn.Config(
                 app,
                 http=protocol_with(self.http_timeouts),

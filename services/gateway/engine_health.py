@@ -7,6 +7,9 @@ Invariants:
   here and accepting by its lifecycle events; otherwise ``on_change`` is told why (/health 503 names it).
 - A NOT_SERVING answer or a refused connection counts at once; a check that merely ran out of time counts
   only after ``max_slow`` in a row, so a busy service on a loaded machine does not flap.
+- With no engine serving, the problem names each engine that is still starting and its phase (the startup state in
+  its Check's trailing metadata, services/worker/startup.py): "no engine is reachable and serving (engine-0:
+  capturing 3/11 (32 rows) 40 s)".
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.router import EngineRouter
+from services.worker.startup import METADATA_KEY, StartupState
 
 log = logging.getLogger("shinkai.gateway.health")
 
@@ -47,10 +51,16 @@ class EngineHealth:
             self._stubs[TOKENIZER] = health_pb2_grpc.HealthStub(tokenizer_channel)
         self._slow = dict.fromkeys(self._stubs, 0)
         self.healthy = dict.fromkeys(self._stubs, True)
+        self.starting: dict[str, StartupState] = {}  # engines still starting, as their last answer said
 
     async def _check(self, name: str) -> bool:
+        self.starting.pop(name, None)
         try:
-            reply = await self._stubs[name].Check(health_pb2.HealthCheckRequest(service=""), timeout=self.interval_s)
+            call = self._stubs[name].Check(health_pb2.HealthCheckRequest(service=""), timeout=self.interval_s)
+            reply = await call
+            for key, value in await call.trailing_metadata() or ():
+                if key == METADATA_KEY:
+                    self.starting[name] = StartupState.from_json(value)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._slow[name] += 1
@@ -75,6 +85,8 @@ class EngineHealth:
                 state.accepting = True  # lifecycle "up" lost while NATS was away cannot shut it out for good
         serving = any(s.healthy and s.accepting for s in self.router.states.values())
         problem = NO_TOKENIZER if not self.healthy.get(TOKENIZER, True) else None if serving else NO_ENGINE
+        if problem == NO_ENGINE and self.starting:
+            problem += f" ({', '.join(f'{n}: {s.describe()}' for n, s in sorted(self.starting.items()))})"
         if problem != self.problem:
             self.problem = problem
             await self.on_change(problem)

@@ -15,13 +15,20 @@ graphs of every bucket are captured here too, so no live step captures.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+
 from model.deepseek_v41.model import DeepseekV41
+from services.worker import startup
 from services.worker.config import WorkerConfig
 from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.spec.forced_acceptance import ForcedAcceptance
 from services.worker.spec.speculator import Speculator
 from services.worker.worker import Runner, Worker
+
+log = logging.getLogger("shinkai.worker.build")
 
 
 def build_runner(
@@ -60,8 +67,30 @@ def build_runner(
     # Every size the scheduler can ask for, now: a capture inside a live step (seconds at v41 width) would
     # stall the requests in it. The sizes are the scheduler's own rule, which counts rows (max_num_seqs ×
     # (1 + nextn) at most: verify steps replay graphs too).
-    runner.capture(graph_sizes(config.max_num_seqs * (1 + nextn)))
+    capture_each(runner, graph_sizes(config.max_num_seqs * (1 + nextn)))
     return runner
+
+
+def capture_each(runner, sizes: list[int]) -> dict[int, float]:
+    """``runner.capture`` one size at a time, largest first (``DecodeStepGraphs.capture``'s order: the graphs share
+    one memory pool, which the largest sizes first, so the smaller ones reuse its memory), each timed to the
+    device's completion and reported as a step of the "capturing" phase; returns the seconds each size took
+    (logged as one JSON line too). A size's time is mostly the Triton compiles of its kernel variants on the
+    warm-up runs, which a warm compile cache skips."""
+    import torch
+
+    seconds: dict[int, float] = {}
+    ordered = sorted(sizes, reverse=True)
+    with startup.phase("capturing", total=len(ordered)) as step:
+        for size in ordered:
+            t0 = time.perf_counter()
+            runner.capture([size])
+            if torch.cuda.is_initialized():  # the warm-up runs' work, queued on a side stream, counted here
+                torch.cuda.synchronize()
+            seconds[size] = round(time.perf_counter() - t0, 3)
+            step.advance(f"{size} rows")
+    log.info("capture seconds per graph size %s", json.dumps({"capture_s": seconds}))
+    return seconds
 
 
 def build_worker(
@@ -94,5 +123,6 @@ def build_worker(
         static_proposal=static_proposal,
     )
     if config.cuda_graphs or static_proposal:  # every bucket's draft and verify graphs now
-        speculator.capture_graphs(runner.cache, config.max_num_seqs, greedy_only=greedy_only)  # type: ignore[attr-defined]
+        with startup.phase("capturing"):
+            speculator.capture_graphs(runner.cache, config.max_num_seqs, greedy_only=greedy_only)  # type: ignore[attr-defined]
     return Worker(runner, speculator=speculator)

@@ -44,10 +44,12 @@ def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stack")
     config = StackConfig(num_engines=2, http_port=0, grpc_port=0, run_dir=run_dir, max_num_seqs=8, batch_invariant=True)
     os.environ[ENCODE_DELAY_ENV] = str(ENCODE_DELAY_S)  # read by the multimodal process only
+    lines: list[str] = []
     try:
-        state = up(config, timeout_s=120, log=lambda *_: None)
+        state = up(config, timeout_s=120, log=lines.append)
     finally:
         del os.environ[ENCODE_DELAY_ENV]
+    state["up_lines"] = lines
     by_name = {s["name"]: s for s in state["services"]}
     gateway_ready = json.loads(open(by_name["gateway"]["log"]).readline())
     try:
@@ -69,6 +71,15 @@ def test_services_are_separate_processes(stack):
         assert os.path.exists(f"/proc/{pid}")
     assert "nats-server" in by_name["nats"]["argv"][0]
     assert by_name["eplb"]["argv"][2] == "services.entrypoints.eplb"
+
+
+def test_up_printed_each_engines_startup_phases_until_it_was_healthy(stack):
+    lines = stack[0]["up_lines"]
+    for engine in ("engine-0", "engine-1"):
+        mine = [line for line in lines if line.startswith(f"{engine} ")]
+        healthy = next(i for i, line in enumerate(mine) if " healthy" in line)
+        assert healthy == len(mine) - 1
+        assert any(line.split()[1] == "loading" for line in mine[:healthy]), mine  # the phase the probe saw
 
 
 def test_engines_and_tokenizer_export_prometheus_metrics(stack):

@@ -474,6 +474,9 @@ def _versus_fp8(rows: list[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
+    from services import cache_dirs
+
+    cache_dirs.setup()  # as under `shinkai bench step` (services/cache_dirs.py)
     _parser = argparse.ArgumentParser(prog="shinkai bench step")
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

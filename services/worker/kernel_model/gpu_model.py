@@ -109,6 +109,17 @@ def build_random_kernel_model(
     )
 
 
+def num_parts(cfg: ModelConfig) -> int:
+    """The parts ``build_kernel_model`` places, one ``on_part`` call each: embedding, final norm and head, every
+    layer, the draft ("mtp.") and the vision tower's prefixes."""
+    return (
+        3
+        + cfg.num_hidden_layers
+        + (1 if cfg.num_nextn_predict_layers else 0)
+        + (len(VISION_PREFIXES) if cfg.vision is not None else 0)
+    )
+
+
 def build_kernel_model(
     cfg: ModelConfig,
     fetch: Callable[[str], dict[str, torch.Tensor]],

@@ -34,6 +34,7 @@ from model.deepseek_v41.checkpoint import stored_table
 from model.deepseek_v41.config import ModelConfig, load_config
 from model.deepseek_v41.safetensors_io import CheckpointError, checkpoint_files
 from model.deepseek_v41.tokenizer import engram_token_map, load_tokenizer
+from services.worker import startup
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,8 @@ def load_kernel_model(
     """(model, tokenizer, report): the checkpoint directory ``path`` loaded into the kernel backend's
     form on ``device`` (``convert=False``: placed but not converted, for tests); routed experts in
     ``expert_format``; with ``engram_on_host`` the Engram tables are read straight to the host."""
-    from services.worker.kernel_model.gpu_model import VISION_PREFIXES, build_kernel_model, is_engram_table
+    from services.worker.kernel_model.gpu_model import build_kernel_model, is_engram_table
+    from services.worker.kernel_model.gpu_model import num_parts as count_parts
 
     path = Path(path)
     device = torch.device(device)
@@ -198,19 +200,15 @@ def load_kernel_model(
     reader = CheckpointReader(path, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    num_parts = (
-        3
-        + cfg.num_hidden_layers
-        + (1 if cfg.num_nextn_predict_layers else 0)  # + the draft, "mtp."
-        + (len(VISION_PREFIXES) if cfg.vision is not None else 0)
-    )
+    num_parts = count_parts(cfg)
     inexact = [0]
 
     def placed(prefix: str, conversion) -> None:
         bar.update(1)
+        step.advance(prefix.rstrip("."))  # the startup phase's count (services/worker/startup.py)
         inexact[0] += getattr(conversion, "inexact", 0)
 
-    with _progress(num_parts, f"load {path.name}") as bar:
+    with _progress(num_parts, f"load {path.name}") as bar, startup.phase("loading", total=num_parts) as step:
         model = build_kernel_model(
             cfg,
             lambda prefix: reader.read(prefix, device, is_engram_table if engram_on_host else None),

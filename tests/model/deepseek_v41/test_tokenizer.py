@@ -13,7 +13,7 @@ from model.deepseek_v41 import tokenizer as T
 def cache_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("shinkai-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHINKAI_CACHE", str(path))
+        mp.setenv("SHINKAI_CACHE_DIR", str(path))
         yield path
 
 

@@ -83,3 +83,27 @@ def test_a_data_parallel_group_is_one_batch_of_rank_engines_meeting_at_one_rende
         engine_main(["--dp", "2", "--worker", "127.0.0.1:1", "--dp-rendezvous", "nowhere"])
     with pytest.raises(SystemExit, match="needs --dp-rendezvous tcp://host:port"):  # before the model is loaded
         worker_main(["--dp", "2", "--dp-rendezvous", "nowhere"])
+
+
+def test_up_prints_a_starting_engines_line_when_its_phase_or_count_changes():
+    from services.entrypoints.stack import StartupLines
+    from services.worker.startup import StartupState
+
+    lines: list[str] = []
+    shown = StartupLines("engine-0", lines.append, every_s=3600)
+    moved = [
+        shown.show(state)  # True: a step, which gives the engine `--timeout` again
+        for state in (
+            StartupState("loading", 0, None, None, 1.0, 1.0),
+            StartupState("loading", 0, None, None, 2.0, 2.0),  # the same phase a probe later: no line
+            StartupState("capturing", 0, 4, None, 0.0, 30.0),
+            StartupState("capturing", 1, 4, "16 rows", 2.0, 32.0),
+            StartupState("capturing", 1, 4, "16 rows", 3.0, 33.0),
+        )
+    ]
+    assert moved == [True, False, True, True, False]
+    assert lines == [
+        "engine-0   loading 1 s  (1 s since start)",
+        f"engine-0   capturing [{'-' * 20}] 0/4 0 s  (30 s since start)",
+        f"engine-0   capturing [{'#' * 5}{'-' * 15}] 1/4 (16 rows) 2 s  (32 s since start)",
+    ]

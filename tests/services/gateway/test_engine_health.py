@@ -60,3 +60,28 @@ def test_the_poll_follows_engines_and_tokenizer():
         await st.stop(None)
 
     asyncio.run(run())
+
+
+def test_with_no_engine_serving_the_problem_names_the_starting_engines_phase():
+    from services.gateway.startup_server import StartupServer
+    from services.worker.startup import StartupProgress
+
+    async def run():
+        progress = StartupProgress()
+        starting = StartupServer(progress, "127.0.0.1", 0)
+        await starting.start()
+        router = EngineRouter([RemoteEngine("engine-0", f"127.0.0.1:{starting.grpc_port}")])
+
+        async def on_change(problem):
+            pass
+
+        poll = EngineHealth(router, on_change)
+        with progress.phase("capturing", total=11) as step:
+            step.advance("64 rows")
+            problem = await poll.poll()
+        await router.close()
+        await starting.stop()
+        return problem
+
+    problem = asyncio.run(run())
+    assert problem.startswith(f"{NO_ENGINE} (engine-0: capturing 1/11 (64 rows) ")

@@ -36,3 +36,19 @@ def test_cuda_graphs_need_the_model_on_cuda(source):  # noqa: F811
     config = EngineConfig(**{**ENGINE, "kernel_backend": "fp8", "cuda_graphs": True, "async_scheduling": False})
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         build_worker(source.model, config.worker_config())
+
+
+def test_capture_each_takes_the_sizes_largest_first_one_step_each():
+    from services.worker import startup
+    from services.worker.build import capture_each
+
+    seen: list[tuple[list[int], startup.StartupState]] = []
+
+    class Runner:
+        def capture(self, sizes: list[int]) -> None:
+            seen.append((sizes, startup.PROGRESS.state()))
+
+    seconds = capture_each(Runner(), [1, 16, 4, 8, 2])
+    assert [sizes for sizes, _ in seen] == [[16], [8], [4], [2], [1]]
+    assert [(s.phase, s.done, s.total) for _, s in seen] == [("capturing", i, 5) for i in range(5)]
+    assert list(seconds) == [16, 8, 4, 2, 1] and all(t >= 0 for t in seconds.values())
