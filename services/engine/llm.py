@@ -17,6 +17,7 @@ from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.structured.grammars import GrammarCompiler
+from services.engine.step_worker import StepWorker
 from services.worker.build import build_worker
 from services.worker.worker import Runner, Worker
 
@@ -29,7 +30,7 @@ class LLM:
         self,
         model: str = "tiny",
         runner: Runner | None = None,
-        worker: Worker | None = None,
+        worker: StepWorker | None = None,
         source: ModelSource | None = None,
         **engine_args: object,
     ) -> None:

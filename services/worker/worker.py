@@ -88,7 +88,7 @@ class WorkerOutput:
 
 
 class Worker:
-    num_losses = 0  # in this process the pools are never lost (`RemoteWorker.num_losses`: a worker process's)
+    num_losses = 0  # in this process the pools are never lost (StepWorker.num_losses; RemoteWorker counts a process's)
 
     def __init__(self, runner: Runner, sampler: Sampler | None = None, speculator: Speculator | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler

@@ -93,6 +93,11 @@ class ExpertLoadPublisher:
     def release(self, request_id: str) -> None:
         self.worker.release(request_id)
 
+    @property
+    def num_losses(self) -> int:
+        """The wrapped worker's (``StepWorker.num_losses``): a restarted worker process still drops the cache."""
+        return self.worker.num_losses
+
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: Any) -> None:
         """The wrapped worker's (Engine.provide_images): image embeddings pass through untouched."""
         self.worker.set_images(request_id, prompt_token_ids, rows)

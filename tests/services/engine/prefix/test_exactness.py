@@ -13,6 +13,8 @@ The model: the oracle-draft tiny config (vocabulary 256, a DSpark draft), as the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -107,6 +109,50 @@ def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
     assert on == off
     assert computed_off == [2049] * 3
     assert computed_on == [2049, 2049, 49]
+
+
+def choice_groups(source, seeded: bool, **engine_args) -> tuple[list[list[tuple]], list[int], list[int]]:
+    """Three n = 3 requests sharing a 71-token system prompt, each with its own 5-token suffix, while a long
+    request decodes beside them (so their prompts run in mixed steps, which async scheduling keeps in flight):
+    (each group's answers by index, prefill tokens computed per group, each group's cached tokens)."""
+    llm = LLM(source=source, **{**ENGINE, "max_num_seqs": 8, **engine_args})
+    engine = llm.engine
+    system = [0, *_tokens(300, 70)]
+    engine.add_request("beside", _tokens(301, 20), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    answers, computed, cached = [], [], []
+    for k in range(3):
+        params = dataclasses.replace(_params(k, seeded), n=3)
+        before = engine.scheduler.stats().num_prefill_tokens
+        engine.add_request(f"g{k}", system + _tokens(310 + k, 5), params)
+        finals = {}
+        while engine.is_live(f"g{k}"):
+            for out in engine.step():
+                if out.request_id == f"g{k}" and out.finish_reason is not None:
+                    finals[out.index] = out
+        computed.append(engine.scheduler.stats().num_prefill_tokens - before)
+        answers.append([_answer(finals[i]) for i in range(3)])
+        cached.append({finals[i].num_cached_tokens for i in range(3)})
+    engine.abort("beside")
+    return answers, computed, cached
+
+
+@pytest.mark.parametrize("seeded, async_scheduling", [(False, False), (True, False), (True, True)])
+def test_n_choices_share_the_cached_prefix_with_the_same_bits(source, seeded, async_scheduling):
+    """n > 1: the group's prefix (the prompt but its last token) resumes from the cache and the choices fork from
+    it. Group 1 computes its 75-token prefix and each choice the prompt's last token; groups 2 and 3 find the
+    system prompt's four full blocks and the snapshot group 1 left at its prefix's last full block (64), so they
+    compute 11 + 3. Async scheduling reads back the step that samples a prefix's row at once (the fork needs no
+    step of it in flight), with the long request decoding in the same mixed steps."""
+    off, computed_off, _ = choice_groups(source, seeded, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    on, computed_on, cached = choice_groups(source, seeded, async_scheduling=async_scheduling)
+    assert on == off
+    if seeded:
+        assert all(len({tuple(a[0]) for a in group}) > 1 for group in on)  # the choices draw their own streams
+    assert computed_off == [75 + 3] * 3
+    assert computed_on == [75 + 3, 11 + 3, 11 + 3]
+    assert cached == [{0}, {64}, {64}]
 
 
 SPEC_CASES = [("rejection", False, False), ("deterministic", True, False), ("deterministic", True, True)]

@@ -13,6 +13,8 @@ from services.eplb.messages import decode_load
 
 
 class FakeWorker:
+    num_losses = 0
+
     def __init__(self):
         self.calls = []
 
@@ -89,3 +91,11 @@ def test_an_async_step_counts_are_not_read_after_the_next_is_queued(monkeypatch)
         publisher.execute("plan", [], first)
     assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
     assert reads == []
+
+
+def test_the_publisher_passes_the_wrapped_workers_losses_through(monkeypatch):
+    """The engine drops its prefix cache when its worker's loss count moves: a wrapped remote worker's must show."""
+    publisher, _ = _publisher(monkeypatch)
+    assert publisher.num_losses == 0
+    publisher.worker.num_losses = 2
+    assert publisher.num_losses == 2
