@@ -19,8 +19,8 @@ from services.engine.prompt_logprob_rows import add_prompt_logprobs, prompt_rows
 from services.engine.request_checks import check_priority, choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
-from services.engine.step_worker import StepWorker
 from services.engine.step_cost import StepCostMeter
+from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
 from services.engine.structured.structured_output import StructuredOutput
 from services.worker.sampling.sampler import SamplingRow

@@ -16,10 +16,10 @@ from services.engine.outputs import RequestOutput
 from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
-from services.engine.structured.grammars import GrammarCompiler
 from services.engine.step_worker import StepWorker
+from services.engine.structured.grammars import GrammarCompiler
 from services.worker.build import build_worker
-from services.worker.worker import Runner, Worker
+from services.worker.worker import Runner
 
 Prompt = str | Sequence[int]
 log = logging.getLogger("shinkai.engine")
