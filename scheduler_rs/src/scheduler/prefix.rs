@@ -1,8 +1,8 @@
 //! Prefix caching in the scheduler (docs/architecture.md, "Prefix caching"): admission resumes a request
 //! after the deepest snapshot whose blocks are all cached; computed full blocks enter the cache; state
-//! snapshots are taken at the end of each prompt and at its last full block, at the end of each finished
-//! request, and where a request's cached blocks run deeper than any snapshot (the point where prompts were
-//! seen to diverge).
+//! snapshots are taken at the end of each prompt, at its last full block (always for resent prompts, for
+//! others only where the chunk cut costs no step), at the end of each finished request, and where a
+//! request's cached blocks run deeper than any snapshot (the point where prompts were seen to diverge).
 
 use super::Scheduler;
 use crate::errors::SchedulerError;
@@ -150,9 +150,16 @@ impl Scheduler {
         }
         let divergence = num_cached as u32 * block_size;
         let last_full_block = (len - 1) / block_size * block_size;
+        // A prompt that shares cached blocks or a snapshot with earlier ones is resent traffic (a conversation's
+        // later turn, an agent loop's call, a system prompt shared by chats): its own successor will most likely
+        // resend it, so its last full block is worth a step. Any other prompt snapshots there only where that
+        // costs no step (`snapshot_if_free`).
+        let resent = num_cached > 0 || hit.is_some();
+        let wanted = |b: u32| caching && b > boundary && b < len;
         let mut snapshot_at: Vec<u32> =
-            [divergence, last_full_block].into_iter().filter(|&b| caching && b > boundary && b < len).collect();
+            [Some(divergence), resent.then_some(last_full_block)].into_iter().flatten().filter(|&b| wanted(b)).collect();
         snapshot_at.dedup();
+        let snapshot_if_free = (!resent && wanted(last_full_block)).then_some(last_full_block);
         if let Some((id, _)) = hit {
             self.snapshots.touch(id);
             self.snapshots.pin(id);
@@ -180,17 +187,23 @@ impl Scheduler {
         req.num_cached_blocks = depth as u32;
         req.num_cached_tokens = boundary;
         req.snapshot_at = snapshot_at;
+        req.snapshot_if_free = snapshot_if_free;
         true
     }
 
     /// The rows of a prompt chunk starting at the request's next position, at most `limit`: cut at its
-    /// next `snapshot_at`, so that boundary ends a step.
+    /// next `snapshot_at`, so that boundary ends a step; cut at its `snapshot_if_free` only when the prompt
+    /// needs another step anyway (the chunk, uncut, would not reach its end), so the cut adds no step.
     pub(super) fn chunk_rows(&self, handle: usize, limit: u32) -> u32 {
         let req = self.req(handle);
         let next = req.next_position();
-        match req.snapshot_at.iter().find(|&&at| at > next) {
+        let rows = match req.snapshot_at.iter().find(|&&at| at > next) {
             Some(&at) => limit.min(at - next),
             None => limit,
+        };
+        match req.snapshot_if_free {
+            Some(at) if at > next && at - next < rows && rows < req.num_uncomputed_prompt_tokens() => at - next,
+            _ => rows,
         }
     }
 
@@ -198,8 +211,9 @@ impl Scheduler {
     /// its prompt (`is_last`), its state is snapshotted by the next plan, before that step's forward.
     pub(super) fn after_chunk(&mut self, handle: usize, end: u32, is_last: bool) {
         let req = self.req_mut(handle);
-        let at_boundary = req.snapshot_at.contains(&end);
+        let at_boundary = req.snapshot_at.contains(&end) || req.snapshot_if_free == Some(end);
         req.snapshot_at.retain(|&at| at > end);
+        req.snapshot_if_free = req.snapshot_if_free.filter(|&at| at > end);
         if at_boundary || is_last {
             self.save(handle, end, false);
         }
