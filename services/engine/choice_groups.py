@@ -23,6 +23,10 @@ from services.engine.structured.structured_output import StructuredOutput
 
 # (user request id, prompt, params, seed, group, index) → a choice's LiveRequest (the engine's bookkeeping).
 MakeChoice = Callable[[str, list[int], SamplingParams, int, str, int], LiveRequest]
+# (engine id, prompt, params, seed, priority, tenant, group, index): queues a choice as a request of its own.
+AddChoice = Callable[[str, list[int], SamplingParams, int, int, str, str, int], None]
+
+_NO_ROOM = "not enough free blocks or state slots"  # the scheduler's fork refusal when its pools are short
 
 
 class ChoiceGroups:
@@ -38,6 +42,7 @@ class ChoiceGroups:
         structured: StructuredOutput,
         hashes: RequestHashes | None,
         make_choice: MakeChoice,
+        add_choice: AddChoice,
         release: Callable[[str], None],
     ) -> None:
         self.scheduler = scheduler
@@ -47,8 +52,10 @@ class ChoiceGroups:
         self.structured = structured
         self.hashes = hashes  # the prefix cache's hash chains (None: caching off)
         self.make_choice = make_choice
+        self.add_choice = add_choice
         self.release = release  # gives a request's worker state back (the engine's current worker)
         self.members: dict[str, list[str]] = {}
+        self._queued_as: dict[str, tuple[int, str]] = {}  # per group with a prefix: its (priority, tenant)
 
     def add_prefix(
         self,
@@ -77,6 +84,7 @@ class ChoiceGroups:
             RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
         )
         self.members[request_id] = [prefix]
+        self._queued_as[request_id] = (priority, tenant)
         return prefix
 
     def samples_a_prefix(self, plan: StepPlan) -> bool:
@@ -89,36 +97,53 @@ class ChoiceGroups:
 
     def fork(self, prefix: str) -> None:
         """The prefix has computed the prompt but its last token (and taken that token as its output): its
-        choices fork from it, each with its own seed stream, and the prefix ends (its blocks stay held by them)."""
+        choices fork from it, each with its own seed stream, and the prefix ends (its blocks stay held by them).
+        A choice the pools have no room to fork (a state slot, its partial block) is queued as a request of its
+        own instead, with the full prompt: it waits for room like any request (resuming from the prefix's
+        snapshot where the prefix cache holds it) and gives the same tokens."""
         req = self.requests.pop(prefix)
         user_id, params, prompt = req.group, req.params, req.output.prompt_token_ids
         assert user_id is not None
+        priority, tenant = self._queued_as.pop(user_id)
         members = []
         for i in range(params.n):
             member = choice_id(user_id, i)
             # The fork counts the prompt's last token as an output already: one more than the choice's own.
             own = params.resolved_max_tokens(len(prompt), self.config.max_model_len)
-            self.scheduler.fork(
-                prefix,
-                member,
-                max_tokens=own + 1,
-                eos_token_id=self.eos_token_id,
-                ignore_eos=params.ignore_eos,
-                stop_token_ids=list(params.stop_token_ids),
-            )
+            try:
+                self.scheduler.fork(
+                    prefix,
+                    member,
+                    max_tokens=own + 1,
+                    eos_token_id=self.eos_token_id,
+                    ignore_eos=params.ignore_eos,
+                    stop_token_ids=list(params.stop_token_ids),
+                )
+            except RuntimeError as err:
+                if _NO_ROOM not in str(err):
+                    raise
+                seed = params.choice_seed(req.seed, i)
+                self.add_choice(member, list(prompt), params, seed, priority, tenant, user_id, i)
+                self._copy_prompt_logprobs(req, self.requests[member])
+                members.append(member)
+                continue
             if self.hashes is not None:
                 self.hashes.fork(prefix, member)
             choice = self.make_choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
             if params.constraint is not None:  # each choice its own matcher; the prefix waited for the compile
                 choice.matcher = self.structured.matcher(params.constraint)
-            choice.output.prompt_logprobs = req.output.prompt_logprobs  # the prefix computed them
-            choice.output.prompt_top_logprobs = req.output.prompt_top_logprobs
-            choice.output.prompt_ranks = req.output.prompt_ranks
+            self._copy_prompt_logprobs(req, choice)
             self.requests[member] = choice
             members.append(member)
         self.scheduler.abort(prefix)
         self._forget_prefix(prefix)
         self.members[user_id] = members
+
+    @staticmethod
+    def _copy_prompt_logprobs(prefix: LiveRequest, choice: LiveRequest) -> None:
+        choice.output.prompt_logprobs = prefix.output.prompt_logprobs  # the prefix computed them
+        choice.output.prompt_top_logprobs = prefix.output.prompt_top_logprobs
+        choice.output.prompt_ranks = prefix.output.prompt_ranks
 
     def end_prefix(self, prefix: str, reason: FinishReason) -> list[RequestOutput]:
         """A prefix that ended before its fork: each of its n choices ends, empty, for the same reason."""
@@ -126,6 +151,7 @@ class ChoiceGroups:
         self._forget_prefix(prefix)
         assert req.group is not None
         del self.members[req.group]
+        self._queued_as.pop(req.group, None)
         prompt = req.output.prompt_token_ids
         return [RequestOutput(req.group, prompt, finish_reason=reason, index=i) for i in range(req.params.n)]
 
@@ -136,6 +162,7 @@ class ChoiceGroups:
         if req.is_prefix:
             self._forget_prefix(request_id)
             del self.members[req.group]
+            self._queued_as.pop(req.group, None)
             return RequestOutput(req.group, req.output.prompt_token_ids, finish_reason=reason, index=0)
         members = self.members[req.group]
         members.remove(request_id)

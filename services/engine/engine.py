@@ -116,6 +116,9 @@ class Engine:
             self.structured,
             self.hashes,
             self._choice,
+            lambda member, prompt, params, seed, priority, tenant, group, index: self._add(
+                member, prompt, params, seed, True, priority, tenant, group, index
+            ),
             lambda request_id: self.worker.release(request_id),
         )
         self.groups = self.choices.members  # per user request id, its choices' engine ids (or its prefix's)

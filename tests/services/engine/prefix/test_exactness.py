@@ -100,6 +100,42 @@ def test_a_conversation_gives_the_same_bits_and_computes_only_new_tokens(source,
     assert cached == [0] + [prompts[k] - new[k] - 1 for k in range(1, 5)]
 
 
+OPENING = [1, 2]  # the assistant turn's opening: in each prompt, left out when the history is re-rendered
+
+
+def rerendered_chat(source, **engine_args) -> tuple[list[tuple], list[int], list[int]]:
+    """A chat whose history re-renders differently: each prompt ends with the assistant's opening, which the next
+    turn's history leaves out before the answer (as chat formats that drop it do): (answers, prompt lengths,
+    prefill tokens computed per turn)."""
+    llm = LLM(source=source, **{**ENGINE, **engine_args})
+    history: list[int] = [0]
+    answers, lengths, computed = [], [], []
+    for turn in range(4):
+        history = history + _tokens(400 + turn, 37 + 11 * turn)
+        prompt = history + OPENING
+        before = llm.engine.scheduler.stats().num_prefill_tokens
+        out = llm.generate(prompt, _params(turn, False))[0]
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
+        answers.append(_answer(out))
+        lengths.append(len(prompt))
+        history = history + out.token_ids
+    return answers, lengths, computed
+
+
+def test_a_rerendered_chat_resumes_at_the_previous_prompts_last_full_block(source):
+    """No turn's prompt is a prefix of the next (the opening differs), so no finish or prompt-end snapshot serves.
+    Turn 1 shares nothing with earlier prompts: it is not cut at its last full block (that would cost a step), so
+    turn 2 computes all of its prompt, cutting where it diverged from turn 1 and at its own last full block (it
+    is resent traffic). From turn 3 on a turn resumes at the previous prompt's last full block."""
+    off, lengths, computed_off = rerendered_chat(source, enable_prefix_caching=False)
+    on, _, computed_on = rerendered_chat(source)
+    assert on == off
+    assert computed_off == lengths
+    last_full_block = [(n - 1) // BLOCK * BLOCK for n in lengths]
+    assert all(b <= n - len(OPENING) for b, n in zip(last_full_block, lengths))  # before each turn's opening
+    assert computed_on == lengths[:2] + [lengths[k] - last_full_block[k - 1] for k in (2, 3)]
+
+
 @pytest.mark.slow
 def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
     """A 2,009-token system prompt (its last full block ends at 2,000): from the third request on, its last 9
@@ -141,18 +177,19 @@ def choice_groups(source, seeded: bool, **engine_args) -> tuple[list[list[tuple]
 @pytest.mark.parametrize("seeded, async_scheduling", [(False, False), (True, False), (True, True)])
 def test_n_choices_share_the_cached_prefix_with_the_same_bits(source, seeded, async_scheduling):
     """n > 1: the group's prefix (the prompt but its last token) resumes from the cache and the choices fork from
-    it. Group 1 computes its 75-token prefix and each choice the prompt's last token; groups 2 and 3 find the
-    system prompt's four full blocks and the snapshot group 1 left at its prefix's last full block (64), so they
-    compute 11 + 3. Async scheduling reads back the step that samples a prefix's row at once (the fork needs no
-    step of it in flight), with the long request decoding in the same mixed steps."""
+    it. Group 1 computes its 75-token prefix and each choice the prompt's last token; group 2 finds the system
+    prompt's four full blocks cached but no snapshot there (group 1 shared nothing, so it was not cut at its last
+    full block): it computes all, cutting where they diverged (64); group 3 resumes there and computes 11 + 3.
+    Async scheduling reads back the step that samples a prefix's row at once (the fork needs no step of it in
+    flight), with the long request decoding in the same mixed steps."""
     off, computed_off, _ = choice_groups(source, seeded, enable_prefix_caching=False, async_scheduling=async_scheduling)
     on, computed_on, cached = choice_groups(source, seeded, async_scheduling=async_scheduling)
     assert on == off
     if seeded:
         assert all(len({tuple(a[0]) for a in group}) > 1 for group in on)  # the choices draw their own streams
     assert computed_off == [75 + 3] * 3
-    assert computed_on == [75 + 3, 11 + 3, 11 + 3]
-    assert cached == [{0}, {64}, {64}]
+    assert computed_on == [75 + 3, 75 + 3, 11 + 3]
+    assert cached == [{0}, {0}, {64}]
 
 
 SPEC_CASES = [("rejection", False, False), ("deterministic", True, False), ("deterministic", True, True)]
@@ -233,4 +270,5 @@ def test_nothing_resumes_from_a_worker_memory_that_may_be_gone(source, how):
         llm.engine.worker.num_losses = 1  # as RemoteWorker counts a restarted worker's failed checks
     again = llm.generate(prompt, _params(0, False))[0]
     assert again.num_cached_tokens == 0
-    assert llm.generate(prompt, _params(0, False))[0].num_cached_tokens > 0  # cached again from then on
+    longer = prompt + _tokens(11, 5)  # cached again from then on: it resumes at the prompt's end
+    assert llm.generate(longer, _params(0, False))[0].num_cached_tokens == len(prompt)
