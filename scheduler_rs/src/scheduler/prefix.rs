@@ -150,11 +150,15 @@ impl Scheduler {
         }
         let divergence = num_cached as u32 * block_size;
         let last_full_block = (len - 1) / block_size * block_size;
-        // A prompt that shares cached blocks or a snapshot with earlier ones is resent traffic (a conversation's
-        // later turn, an agent loop's call, a system prompt shared by chats): its own successor will most likely
-        // resend it, so its last full block is worth a step. Any other prompt snapshots there only where that
-        // costs no step (`snapshot_if_free`).
-        let resent = num_cached > 0 || hit.is_some();
+        // A prompt that shares its first block with cached blocks or another live prompt, or resumes from a
+        // snapshot, is resent traffic (a conversation's later turn, agents or chats sharing a system prompt):
+        // its own successor will most likely resend it, so its last full block is worth a step; unless it
+        // resumed at an earlier prompt's or request's end, extending that sequence token for token, so that its
+        // own end will serve its successor too. Any other prompt snapshots there only where that costs no step
+        // (`snapshot_if_free`).
+        let seen = num_cached > 0 || hit.is_some() || (caching && self.shares_first_block(handle));
+        let extends = hit.is_some_and(|(id, _)| self.snapshots.get(id).at_end);
+        let resent = seen && !extends;
         let wanted = |b: u32| caching && b > boundary && b < len;
         let mut snapshot_at: Vec<u32> =
             [Some(divergence), resent.then_some(last_full_block)].into_iter().flatten().filter(|&b| wanted(b)).collect();
@@ -191,6 +195,15 @@ impl Scheduler {
         true
     }
 
+    /// Whether another live request's prompt has the same first full block (same hash, so same root).
+    fn shares_first_block(&self, handle: usize) -> bool {
+        let Some(&first) = self.req(handle).block_hashes.first() else { return false };
+        self.slab
+            .iter()
+            .enumerate()
+            .any(|(h, r)| h != handle && r.as_ref().is_some_and(|r| r.block_hashes.first() == Some(&first)))
+    }
+
     /// The rows of a prompt chunk starting at the request's next position, at most `limit`: cut at its
     /// next `snapshot_at`, so that boundary ends a step; cut at its `snapshot_if_free` only when the prompt
     /// needs another step anyway (the chunk, uncut, would not reach its end), so the cut adds no step.
@@ -215,7 +228,7 @@ impl Scheduler {
         req.snapshot_at.retain(|&at| at > end);
         req.snapshot_if_free = req.snapshot_if_free.filter(|&at| at > end);
         if at_boundary || is_last {
-            self.save(handle, end, false);
+            self.save(handle, end, false, is_last);
         }
     }
 
@@ -247,14 +260,15 @@ impl Scheduler {
         if self.config.nextn > 0 && req.last_step_id != Some(step_id) {
             return;
         }
-        self.save(handle, req.num_computed_tokens, true);
+        self.save(handle, req.num_computed_tokens, true, true);
     }
 
     /// Snapshots the request's state after `boundary` computed positions. `at_finish`: the request
     /// ends now, so its slot is copied by the next plan (after any step of it in flight, whose writes
     /// land beyond the boundary or outside the windows read from it) and its partial block passes to
     /// the snapshot; otherwise the request goes on and the next plan copies the partial block too.
-    fn save(&mut self, handle: usize, boundary: u32, at_finish: bool) {
+    /// `at_end`: the boundary is the prompt's end or the request's (`Snapshot::at_end`).
+    fn save(&mut self, handle: usize, boundary: u32, at_finish: bool, at_end: bool) {
         if !self.config.enable_prefix_caching || self.config.num_state_snapshots == 0 {
             return;
         }
@@ -275,6 +289,9 @@ impl Scheduler {
         let key = chain.last().copied().unwrap_or(root);
         if let Some(id) = self.snapshots.find_exact(key, depth, &tail) {
             self.snapshots.touch(id);
+            if at_end {
+                self.snapshots.mark_at_end(id);
+            }
             return;
         }
         let partial = (!tail.is_empty()).then(|| req.block_table[depth]);
@@ -291,7 +308,7 @@ impl Scheduler {
             }
         };
         let ready_step = self.next_step_id;
-        match self.snapshots.insert(Snapshot { key, chain, tail, tail_block, ready_step }) {
+        match self.snapshots.insert(Snapshot { key, chain, tail, tail_block, ready_step, at_end }) {
             Some((id, evicted)) => {
                 if let Some(dropped) = evicted {
                     self.release_snapshot(dropped);

@@ -137,6 +137,28 @@ fn a_resent_prompt_is_cut_and_snapshotted_at_its_last_full_block() {
 }
 
 #[test]
+fn prompts_sharing_a_first_block_are_cut_unless_they_extend_an_earlier_end() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    // Two fresh prompts queued together with the same first block: each shares it with the other (agents
+    // sharing a system prompt), so both are cut at their last full block (8) in the first step.
+    let system: Vec<u32> = (1..=4).collect();
+    let (mut a, mut b) = (system.clone(), system.clone());
+    a.extend([10, 11, 12, 13, 14, 15]);
+    b.extend([20, 21, 22, 23, 24, 25]);
+    add(&mut s, "a", a.clone(), 1);
+    add(&mut s, "b", b, 1);
+    let plans = run(&mut s);
+    assert_eq!(plans[0].seqlens_q, vec![8, 8]);
+    // A next turn extending a's whole sequence resumes at a's finish snapshot (10 positions: its one output
+    // has no KV) and is not cut at its last full block (12): its own end serves the turn after it.
+    let mut turn2 = a;
+    turn2.extend([7, 30, 31, 32, 33]);
+    add(&mut s, "t2", turn2, 1);
+    let plans = run(&mut s);
+    assert_eq!(plans[0].seqlens_q, vec![5]);
+}
+
+#[test]
 fn a_fresh_prompt_is_cut_at_its_last_full_block_only_where_that_costs_no_step() {
     let mut config = config(64);
     config.max_num_batched_tokens = 10;
