@@ -248,6 +248,23 @@ def test_gpu_kernel_path_with_cuda_graphs_gives_the_same_bits(source, nextn):
         assert computed == [541, 541, 45]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_n_choices_share_the_cached_prefix_with_the_same_bits(source):
+    """n > 1 on the FP8 kernel backend with CUDA graphs and async scheduling, batch-invariant: the groups beside a
+    decoding request give the same bits with the cache on as off, and compute what the CPU test says."""
+    from services.engine.model_source import load_model
+
+    cuda = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, num_blocks=512)
+    model = load_model(source.name, device="cuda")
+    off, computed_off, _ = choice_groups(model, True, enable_prefix_caching=False, **cuda)
+    on, computed_on, cached = choice_groups(model, True, **cuda)
+    assert on == off
+    assert computed_off == [75 + 3] * 3
+    assert computed_on == [75 + 3, 75 + 3, 11 + 3]
+    assert cached == [{0}, {0}, {64}]
+
+
 @pytest.mark.parametrize("how", ["a failed step", "a worker that lost its pools"])
 def test_nothing_resumes_from_a_worker_memory_that_may_be_gone(source, how):
     """A failed step (its planned snapshot may never have been saved) and a worker process restarted between
