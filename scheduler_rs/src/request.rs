@@ -144,8 +144,8 @@ pub struct Request {
     pub num_cached_tokens: u32,
     /// Boundaries (ascending) where this request's prefill ends a chunk and snapshots its state: the end
     /// of the cached blocks where they are deeper than any snapshot (where prompts were seen to diverge),
-    /// and, for a resent prompt (one that shares cached blocks or a snapshot), its last full block (where a
-    /// re-rendered chat history diverges from this prompt).
+    /// and, for a resent prompt (`Scheduler::admit` says which), its last full block (where a re-rendered
+    /// chat history diverges from this prompt).
     pub snapshot_at: Vec<u32>,
     /// Any other prompt's last full block: its chunk is cut and snapshotted there only when the prompt needs
     /// another step anyway, so the snapshot costs no step (None: none, or passed).
