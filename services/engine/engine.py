@@ -24,7 +24,7 @@ from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
 from services.engine.structured.structured_output import StructuredOutput
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.worker import Worker, WorkerOutput
+from services.worker.worker import WorkerOutput
 
 log = logging.getLogger("shinkai.engine")
 
@@ -54,7 +54,7 @@ class Engine:
                 "an engine of a data-parallel group needs its group's vote, and only such an engine "
                 f"takes one (data_parallel_size {config.data_parallel_size})"
             )
-        if config.async_scheduling and not isinstance(worker, Worker):
+        if config.async_scheduling and not worker.in_process:
             raise ValueError(
                 "async scheduling needs the in-process Worker: the remote worker's protocol does not "
                 "carry the previous step's sampled tokens yet"
@@ -128,14 +128,12 @@ class Engine:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong; nothing is queued."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config)
-        if (params.has_penalties or params.min_p or params.prompt_logprobs is not None) and not isinstance(
-            self.worker, Worker
-        ):
+        if (params.has_penalties or params.min_p or params.prompt_logprobs is not None) and not self.worker.in_process:
             raise ValueError(
                 "presence_penalty, frequency_penalty, repetition_penalty, min_p and prompt_logprobs need the "
                 "in-process worker: the remote worker's protocol does not carry them yet"
             )
-        self.structured.check(params, isinstance(self.worker, Worker))
+        self.structured.check(params, self.worker.in_process)
 
     def add_request(
         self,

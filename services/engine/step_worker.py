@@ -10,6 +10,13 @@ from services.worker.worker import WorkerOutput
 
 class StepWorker(Protocol):
     @property
+    def in_process(self) -> bool:
+        """The worker runs in this process: its ``execute`` takes the step in flight (async scheduling), the
+        prompt-logprob rows and the token mask, and its sampler keeps the penalties' token counts. False for a
+        worker process, whose protocol does not carry them yet."""
+        ...
+
+    @property
     def num_losses(self) -> int:
         """How often the worker has lost its pools (a worker process restarted): 0 for the in-process worker. The
         engine drops its prefix cache when the count moves, so nothing resumes from memory that is gone."""

@@ -30,6 +30,8 @@ class FlakyWorker:
     def release(self, request_id):
         self.inner.release(request_id)
 
+    in_process = False  # its execute takes the plan and rows only
+
     @property
     def num_losses(self):
         return self.inner.num_losses

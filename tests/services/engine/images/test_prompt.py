@@ -78,7 +78,7 @@ def test_a_served_engine_whose_worker_takes_no_embeddings_refuses_images_up_fron
     from services.engine.served_engine import ServedEngine
 
     class _RemoteLike:
-        num_losses = 0
+        in_process, num_losses = False, 0
 
         def execute(self, *args):
             raise AssertionError("never stepped")
@@ -99,7 +99,7 @@ def test_a_served_engine_with_a_remote_worker_and_no_encoder_refuses_images_up_f
     from services.engine.served_engine import ServedEngine
 
     class _Remote:
-        num_losses = 0
+        in_process, num_losses = False, 0
 
         def execute(self, *args):
             raise AssertionError("never stepped")

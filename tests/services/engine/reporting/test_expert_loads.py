@@ -13,7 +13,7 @@ from services.eplb.messages import decode_load
 
 
 class FakeWorker:
-    num_losses = 0
+    in_process, num_losses = True, 0
 
     def __init__(self):
         self.calls = []
@@ -99,3 +99,22 @@ def test_the_publisher_passes_the_wrapped_workers_losses_through(monkeypatch):
     assert publisher.num_losses == 0
     publisher.worker.num_losses = 2
     assert publisher.num_losses == 2
+
+
+def test_an_engine_behind_the_publisher_serves_what_its_in_process_worker_serves():
+    """An engine process with NATS wraps its in-process worker in the publisher: penalties, prompt logprobs and
+    async scheduling's step in flight still reach the worker, with the same tokens as without the wrapper."""
+    from services.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_num_seqs=2, async_scheduling=True, batch_invariant=True)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, presence_penalty=1.5, prompt_logprobs=1)
+    prompt = list(range(5, 30))
+
+    def run():
+        out = llm.generate(prompt, params)[0]
+        return out.token_ids, out.logprobs, out.prompt_logprobs
+
+    plain = run()
+    llm.engine.worker = ExpertLoadPublisher(llm.engine.worker, None, asyncio.new_event_loop(), rank=0)
+    assert llm.engine.worker.in_process
+    assert run() == plain
