@@ -174,16 +174,21 @@ def choice_groups(source, seeded: bool, **engine_args) -> tuple[list[list[tuple]
     return answers, computed, cached
 
 
-@pytest.mark.parametrize("seeded, async_scheduling", [(False, False), (True, False), (True, True)])
-def test_n_choices_share_the_cached_prefix_with_the_same_bits(source, seeded, async_scheduling):
+@pytest.mark.parametrize(
+    "seeded, async_scheduling, nextn", [(False, False, 0), (True, False, 0), (True, True, 0), (True, True, NEXTN)]
+)
+def test_n_choices_share_the_cached_prefix_with_the_same_bits(source, seeded, async_scheduling, nextn):
     """n > 1: the group's prefix (the prompt but its last token) resumes from the cache and the choices fork from
     it. Group 1 computes its 75-token prefix and each choice the prompt's last token; group 2 finds the system
     prompt's four full blocks cached but no snapshot there (group 1 shared nothing, so it was not cut at its last
     full block): it computes all, cutting where they diverged (64); group 3 resumes there and computes 11 + 3.
     Async scheduling reads back the step that samples a prefix's row at once (the fork needs no step of it in
-    flight), with the long request decoding in the same mixed steps."""
-    off, computed_off, _ = choice_groups(source, seeded, enable_prefix_caching=False, async_scheduling=async_scheduling)
-    on, computed_on, cached = choice_groups(source, seeded, async_scheduling=async_scheduling)
+    flight), with the long request decoding in the same mixed steps; also with drafts (seeded, deterministic)."""
+    args = dict(async_scheduling=async_scheduling)
+    if nextn:
+        args.update(num_speculative_tokens=nextn, spec_sampling="deterministic")
+    off, computed_off, _ = choice_groups(source, seeded, enable_prefix_caching=False, **args)
+    on, computed_on, cached = choice_groups(source, seeded, **args)
     assert on == off
     if seeded:
         assert all(len({tuple(a[0]) for a in group}) > 1 for group in on)  # the choices draw their own streams
