@@ -144,8 +144,12 @@ pub struct Request {
     pub num_cached_tokens: u32,
     /// Boundaries (ascending) where this request's prefill ends a chunk and snapshots its state: the end
     /// of the cached blocks where they are deeper than any snapshot (where prompts were seen to diverge),
-    /// and the prompt's last full block (where a re-rendered chat history diverges from this prompt).
+    /// and, for a resent prompt (`Scheduler::admit` says which), its last full block (where a re-rendered
+    /// chat history diverges from this prompt).
     pub snapshot_at: Vec<u32>,
+    /// Any other prompt's last full block: its chunk is cut and snapshotted there only when the prompt needs
+    /// another step anyway, so the snapshot costs no step (None: none, or passed).
+    pub snapshot_if_free: Option<u32>,
 }
 
 impl Request {
@@ -182,6 +186,7 @@ impl Request {
             num_cached_blocks: 0,
             num_cached_tokens: 0,
             snapshot_at: Vec::new(),
+            snapshot_if_free: None,
         }
     }
 

@@ -23,6 +23,9 @@ pub struct Snapshot {
     pub tail_block: Option<u32>,
     /// The first step whose plan may restore it (its copy runs before that step's forward).
     pub ready_step: u64,
+    /// Taken at a prompt's end or a finished request's: a later prompt resuming here extends an earlier
+    /// sequence token for token (false: at a chunk cut, where prompts diverged or may).
+    pub at_end: bool,
 }
 
 /// What a dropped snapshot gives back: its tail block (for the caller to free) and its worker slot (whose
@@ -88,6 +91,11 @@ impl Snapshots {
 
     pub fn get(&self, id: u32) -> &Snapshot {
         self.slab[id as usize].as_ref().expect("a live snapshot")
+    }
+
+    /// A save at a prompt's end or a finished request's found this snapshot already there.
+    pub fn mark_at_end(&mut self, id: u32) {
+        self.slab[id as usize].as_mut().expect("a live snapshot").at_end = true;
     }
 
     /// The tail blocks the snapshots hold.
@@ -265,7 +273,7 @@ mod tests {
 
     fn snap(chain: &[u64], tail: &[u32], tail_block: Option<u32>) -> Snapshot {
         let key = chain.last().copied().unwrap_or(ROOT);
-        Snapshot { key, chain: chain.to_vec(), tail: tail.to_vec(), tail_block, ready_step: 0 }
+        Snapshot { key, chain: chain.to_vec(), tail: tail.to_vec(), tail_block, ready_step: 0, at_end: true }
     }
 
     const ROOT: u64 = 99;

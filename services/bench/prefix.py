@@ -6,8 +6,10 @@
 - agent: ``requests`` requests sharing a ``shared_tokens`` prefix, each with its own ``suffix_tokens``, queued in
   waves of ``wave`` (a loop's calls arrive over time; the engine learns the shared prefix from the first ones).
 
-Per turn (or wave): TTFT p50 and p99 (queued → first token), the prefill tokens the engine computed (prompt-chunk
-rows planned), and the prompt tokens; per run: output tokens per second over the whole run. The on and off runs
+Per turn (or wave): TTFT p50 and p99 (queued → first token), the engine steps from queued to each request's first
+token (mean and max: the snapshot policy's chunk cuts show here on any device), the steps the round took, the
+prefill tokens the engine computed (prompt-chunk rows planned), and the prompt tokens; per run: output tokens per
+second over the whole run and the steps summed. The on and off runs
 use one engine each, built in turn with the device's defaults (on CUDA: the kernel backend, CUDA graphs, async
 scheduling).
 """
@@ -59,20 +61,29 @@ def _round(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[l
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     first: dict[str, float] = {}
+    first_step: dict[str, int] = {}
     outputs: dict[str, list[int]] = {}
+    num_steps = 0
     while engine.has_unfinished():
-        for out in engine.step():
+        outs = engine.step()
+        num_steps += 1
+        for out in outs:
             now = time.perf_counter()
             if out.token_ids and out.request_id not in first:
                 first[out.request_id] = now - queued
+                first_step[out.request_id] = num_steps
             if out.finished:
                 outputs[out.request_id] = list(out.token_ids)
     ttft = torch.tensor([first[i] for i in ids])
+    ttft_steps = torch.tensor([float(first_step[i]) for i in ids])
     return {
         "prompt_tokens": sum(len(p) for p in prompts),
         "prefill_tokens_computed": engine.scheduler.stats().num_prefill_tokens - before,
         "ttft_p50_s": round(float(ttft.quantile(0.5)), 4),
         "ttft_p99_s": round(float(ttft.quantile(0.99)), 4),
+        "ttft_steps_mean": round(float(ttft_steps.mean()), 2),
+        "ttft_steps_max": int(ttft_steps.max()),
+        "steps": num_steps,
         "output_tokens": sum(len(o) for o in outputs.values()),
         "wall_s": round(time.perf_counter() - queued, 4),
     }, [outputs[i] for i in ids]
@@ -102,6 +113,7 @@ def _summary(rounds: list[dict]) -> dict:
     return {
         "prompt_tokens": sum(r["prompt_tokens"] for r in rounds),
         "prefill_tokens_computed": sum(r["prefill_tokens_computed"] for r in rounds),
+        "steps": sum(r["steps"] for r in rounds),
         "output_tokens_per_s": round(sum(r["output_tokens"] for r in rounds) / wall, 1) if wall else None,
     }
 
@@ -143,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"{name}: prefill tokens computed {off['prefill_tokens_computed']} off, "
                 f"{on['prefill_tokens_computed']} on (of {on['prompt_tokens']} prompt tokens); "
+                f"steps {off['steps']} off, {on['steps']} on; "
                 f"output tok/s {off['output_tokens_per_s']} off, "
                 f"{on['output_tokens_per_s']} on"
             )

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from scheduler_rs import PreemptionMode, Scheduler, SchedulerConfig, Scheduling, StepPlan, StepResult
+from services.engine.choice_groups import ChoiceGroups
 from services.engine.config import EngineConfig
 from services.engine.finish_reason import FinishReason
 from services.engine.live_request import LiveRequest
@@ -19,10 +20,11 @@ from services.engine.request_checks import check_priority, choice_id, validate_r
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_cost import StepCostMeter
+from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
 from services.engine.structured.structured_output import StructuredOutput
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.worker import Worker, WorkerOutput
+from services.worker.worker import WorkerOutput
 
 log = logging.getLogger("shinkai.engine")
 
@@ -30,7 +32,7 @@ log = logging.getLogger("shinkai.engine")
 class Engine:
     def __init__(
         self,
-        worker: Worker,
+        worker: StepWorker,
         config: EngineConfig,
         *,
         vocab_size: int,
@@ -52,7 +54,7 @@ class Engine:
                 "an engine of a data-parallel group needs its group's vote, and only such an engine "
                 f"takes one (data_parallel_size {config.data_parallel_size})"
             )
-        if config.async_scheduling and not isinstance(worker, Worker):
+        if config.async_scheduling and not worker.in_process:
             raise ValueError(
                 "async scheduling needs the in-process Worker: the remote worker's protocol does not "
                 "carry the previous step's sampled tokens yet"
@@ -85,7 +87,7 @@ class Engine:
             vote,
         )
         self.image_token_id = image_token_id
-        self._num_worker_losses = getattr(self.worker, "num_losses", 0)  # the worker's losses the cache has seen
+        self._num_worker_losses = worker.num_losses  # the worker's losses the prefix cache has seen
         # Prefix caching: each live request's block hash chain, given to the scheduler (None: caching off).
         self.hashes = RequestHashes(self.scheduler, config.block_size, model) if config.enable_prefix_caching else None
         # Varlen verification's step-cost curve: given, or measured from decode steps (None otherwise).
@@ -97,8 +99,6 @@ class Engine:
             self.step_cost = StepCostMeter(self.scheduler.config.graph_sizes)
             self.scheduler.set_step_cost(self.step_cost.curve(), measured=self.step_cost.measured())
         self.requests: dict[str, LiveRequest] = {}
-        # n > 1: per user request id, the engine's ids of its choices (or of its prefix, until the fork).
-        self.groups: dict[str, list[str]] = {}
         self._free_histories: list[int] = []  # token-count slots given back, reused first
         self._num_histories = 0
         self.last_plan: StepPlan | None = None  # the latest step's plan, for metrics and traces
@@ -107,20 +107,33 @@ class Engine:
         self._seeds = random.SystemRandom()
         # Structured output: constraints checked, the grammar gate, the step's token bitmask, the matchers' advance.
         self.structured = StructuredOutput(grammars)
+        # n > 1: the prefixes and choices of each request (choice_groups.py).
+        self.choices = ChoiceGroups(
+            self.scheduler,
+            self.requests,
+            config,
+            eos_token_id,
+            self.structured,
+            self.hashes,
+            self._choice,
+            lambda member, prompt, params, seed, priority, tenant, group, index: self._add(
+                member, prompt, params, seed, True, priority, tenant, group, index
+            ),
+            lambda request_id: self.worker.release(request_id),
+        )
+        self.groups = self.choices.members  # per user request id, its choices' engine ids (or its prefix's)
 
     # ---- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong; nothing is queued."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config)
-        if (params.has_penalties or params.min_p or params.prompt_logprobs is not None) and not isinstance(
-            self.worker, Worker
-        ):
+        if (params.has_penalties or params.min_p or params.prompt_logprobs is not None) and not self.worker.in_process:
             raise ValueError(
                 "presence_penalty, frequency_penalty, repetition_penalty, min_p and prompt_logprobs need the "
                 "in-process worker: the remote worker's protocol does not carry them yet"
             )
-        self.structured.check(params, isinstance(self.worker, Worker))
+        self.structured.check(params, self.worker.in_process)
 
     def add_request(
         self,
@@ -158,25 +171,8 @@ class Engine:
             for i, member in enumerate(self.groups[request_id]):
                 self._add(member, prompt, params, params.choice_seed(seed, i), ready, priority, tenant, request_id, i)
             return
-        prefix = choice_id(request_id, None)
-        self.scheduler.add_request(
-            prefix,
-            prompt[:-1],
-            max_tokens=2,
-            eos_token_id=self.eos_token_id,
-            ignore_eos=True,
-            schedulable=self.structured.hold(prefix, params, ready),
-            constrained=params.constraint is not None,
-            priority=priority,
-            tenant=tenant,
-        )
-        # No block hashes: the group does not use the prefix cache. (Its prefix must be forked with no step in
-        # flight; a snapshot cut at its last full block would put its last row in a mixed step, which async
-        # scheduling keeps in flight.)
-        self.requests[prefix] = LiveRequest(
-            RequestOutput(request_id, prompt), params, seed, (), group=request_id, is_prefix=True
-        )
-        self.groups[request_id] = [prefix]
+        prefix = self.choices.add_prefix(request_id, prompt, params, seed, ready, priority, tenant)
+        self._hash(prefix, prompt[:-1], params, ready)
 
     def _add(
         self,
@@ -247,37 +243,6 @@ class Engine:
             tuple(prompt) if history is not None else None,
             group,
         )
-
-    def _fork_choices(self, prefix: str) -> None:
-        """The prefix has computed the prompt but its last token (and taken that token as its output): its
-        choices fork from it, each with its own seed stream, and the prefix ends (its blocks stay held by them)."""
-        req = self.requests.pop(prefix)
-        user_id, params, prompt = req.group, req.params, req.output.prompt_token_ids
-        assert user_id is not None
-        members = []
-        for i in range(params.n):
-            member = choice_id(user_id, i)
-            # The fork counts the prompt's last token as an output already: one more than the choice's own.
-            own = params.resolved_max_tokens(len(prompt), self.config.max_model_len)
-            self.scheduler.fork(
-                prefix,
-                member,
-                max_tokens=own + 1,
-                eos_token_id=self.eos_token_id,
-                ignore_eos=params.ignore_eos,
-                stop_token_ids=list(params.stop_token_ids),
-            )
-            choice = self._choice(user_id, prompt, params, params.choice_seed(req.seed, i), user_id, i)
-            if params.constraint is not None:  # each choice its own matcher; the prefix waited for the compile
-                choice.matcher = self.structured.matcher(params.constraint)
-            choice.output.prompt_logprobs = req.output.prompt_logprobs  # the prefix computed them
-            choice.output.prompt_top_logprobs = req.output.prompt_top_logprobs
-            choice.output.prompt_ranks = req.output.prompt_ranks
-            self.requests[member] = choice
-            members.append(member)
-        self.scheduler.abort(prefix)
-        self.worker.release(prefix)
-        self.groups[user_id] = members
 
     def provide_images(self, request_id: str, rows) -> None:
         """A waiting request's image embeddings [P, D] (its P placeholders, in prompt order) have arrived:
@@ -379,7 +344,8 @@ class Engine:
         Decode and mixed steps stay in flight (a mixed step's next prompt chunk is prompt tokens, known without
         it; a prompt whose last chunk is in flight decodes next from the token that chunk samples). A prefill
         step (or one with no rows) is updated right after it runs (drained): with no decode row to keep busy,
-        its prompts' first tokens come out at once."""
+        its prompts' first tokens come out at once. So is a step that samples an n > 1 group's prefix: its fork needs
+        no step of it in flight."""
         previous = self._in_flight
         if previous is not None and not self.scheduler.has_unfinished() and self.vote is None:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
@@ -415,7 +381,7 @@ class Engine:
             raise
         self._in_flight = None
         outputs = _merge(drained, self._update(*previous) if previous is not None else [])
-        if plan.kind == "prefill" or plan.num_rows == 0:
+        if plan.kind == "prefill" or plan.num_rows == 0 or self.choices.samples_a_prefix(plan):
             outputs = _merge(outputs, self._update(plan, executed))
         else:
             self._in_flight = (plan, executed)
@@ -457,7 +423,7 @@ class Engine:
     def _forget_lost_worker_state(self) -> None:
         """Drops the prefix cache once the worker has lost its pools (a worker process restarted), so no request
         resumes from memory that is gone."""
-        num_losses = getattr(self.worker, "num_losses", 0)  # test doubles of a worker may not count
+        num_losses = self.worker.num_losses
         if num_losses != self._num_worker_losses and self.hashes is not None:
             self.scheduler.clear_prefix_cache()
         self._num_worker_losses = num_losses
@@ -487,7 +453,7 @@ class Engine:
             reason = FinishReason.of(final.finish_reason)
             req = self.requests.get(final.request_id)
             if req is not None and req.is_prefix:
-                for out in self._end_prefix(final.request_id, reason):
+                for out in self.choices.end_prefix(final.request_id, reason):
                     changed[f"{out.request_id}\x00{out.index}"] = out
             else:
                 changed[final.request_id] = self._finish(final.request_id, reason, None)
@@ -510,9 +476,9 @@ class Engine:
                 continue
             if req.is_prefix:
                 if update.finish_reason is None and update.token_ids:
-                    self._fork_choices(update.request_id)
+                    self.choices.fork(update.request_id)
                 elif update.finish_reason is not None:  # ended before its fork (preempted, an error)
-                    for out in self._end_prefix(update.request_id, FinishReason.of(update.finish_reason)):
+                    for out in self.choices.end_prefix(update.request_id, FinishReason.of(update.finish_reason)):
                         changed[f"{out.request_id}\x00{out.index}"] = out
                 continue
             rows = sampled_logprobs.get(update.request_id, [])
@@ -544,34 +510,21 @@ class Engine:
                 changed[request_id].error = "the grammar rejected the sampled token"
         return list(changed.values())
 
-    def _end_prefix(self, prefix: str, reason: FinishReason) -> list[RequestOutput]:
-        """A prefix that ended before its fork: each of its n choices ends, empty, for the same reason."""
-        req = self.requests.pop(prefix)
-        self.worker.release(prefix)
-        assert req.group is not None
-        del self.groups[req.group]
-        prompt = req.output.prompt_token_ids
-        return [RequestOutput(req.group, prompt, finish_reason=reason, index=i) for i in range(req.params.n)]
-
     def _finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         req = self.requests.pop(request_id)
         self.structured.drop(request_id)
         if self.hashes is not None:
             self.hashes.drop(request_id)
         if req.is_prefix:  # aborted before its fork: choice 0 stands for the request
-            self.worker.release(request_id)
-            assert req.group is not None
-            del self.groups[req.group]
-            return RequestOutput(req.group, req.output.prompt_token_ids, finish_reason=reason, index=0)
+            prefix_output = self.choices.finish(request_id, req, reason)
+            assert prefix_output is not None
+            return prefix_output
         req.output.finish_reason = reason
         req.output.stop_token_id = stop_token_id
         if req.history is not None:
             self._free_histories.append(req.history)
         if req.group is not None:
-            members = self.groups[req.group]
-            members.remove(request_id)
-            if not members:
-                del self.groups[req.group]
+            self.choices.finish(request_id, req, reason)
         self.worker.release(request_id)
         return req.output
 

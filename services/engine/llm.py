@@ -16,11 +16,12 @@ from services.engine.outputs import RequestOutput
 from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
+from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
 from services.worker import startup
 from services.worker.build import build_worker
 from services.worker.kernel_model.fp8_linear import KernelSet
-from services.worker.worker import Runner, Worker
+from services.worker.worker import Runner
 
 Prompt = str | Sequence[int]
 log = logging.getLogger("shinkai.engine")
@@ -31,7 +32,7 @@ class LLM:
         self,
         model: str = "tiny",
         runner: Runner | None = None,
-        worker: Worker | None = None,
+        worker: StepWorker | None = None,
         source: ModelSource | None = None,
         kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None = None,
         **engine_args: object,

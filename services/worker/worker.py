@@ -88,7 +88,8 @@ class WorkerOutput:
 
 
 class Worker:
-    num_losses = 0  # in this process the pools are never lost (`RemoteWorker.num_losses`: a worker process's)
+    in_process = True  # takes the async and host extras (services/engine/step_worker.py, StepWorker.in_process)
+    num_losses = 0  # in this process the pools are never lost (StepWorker.num_losses; RemoteWorker counts a process's)
 
     def __init__(self, runner: Runner, sampler: Sampler | None = None, speculator: Speculator | None = None) -> None:
         """``sampler`` defaults to the runner's backend's: ``KernelSampler`` on its kernel set's sampler

@@ -169,6 +169,7 @@ impl Scheduler {
                 req.num_preemptions += 1;
                 req.num_cached_blocks = 0;
                 req.snapshot_at.clear();
+                req.snapshot_if_free = None;
                 req.incarnation = incarnation;
                 req.last_step_id = None;
                 recomputed.push(handle);

@@ -50,6 +50,7 @@ impl Scheduler {
         child.block_table.truncate(num_full);
         child.num_cached_blocks = child.num_cached_blocks.min(num_full as u32);
         child.snapshot_at.clear();
+        child.snapshot_if_free = None;
         for &block in &child.block_table {
             self.blocks.incref(block).expect("parent holds its blocks");
         }

@@ -1,8 +1,8 @@
 //! Prefix caching in the scheduler (docs/architecture.md, "Prefix caching"): admission resumes a request
 //! after the deepest snapshot whose blocks are all cached; computed full blocks enter the cache; state
-//! snapshots are taken at the end of each prompt and at its last full block, at the end of each finished
-//! request, and where a request's cached blocks run deeper than any snapshot (the point where prompts were
-//! seen to diverge).
+//! snapshots are taken at the end of each prompt, at its last full block (always for resent prompts, for
+//! others only where the chunk cut costs no step), at the end of each finished request, and where a
+//! request's cached blocks run deeper than any snapshot (the point where prompts were seen to diverge).
 
 use super::Scheduler;
 use crate::errors::SchedulerError;
@@ -150,9 +150,20 @@ impl Scheduler {
         }
         let divergence = num_cached as u32 * block_size;
         let last_full_block = (len - 1) / block_size * block_size;
+        // A prompt that shares its first block with cached blocks or another live prompt, or resumes from a
+        // snapshot, is resent traffic (a conversation's later turn, agents or chats sharing a system prompt):
+        // its own successor will most likely resend it, so its last full block is worth a step; unless it
+        // resumed at an earlier prompt's or request's end, extending that sequence token for token, so that its
+        // own end will serve its successor too. Any other prompt snapshots there only where that costs no step
+        // (`snapshot_if_free`).
+        let seen = num_cached > 0 || hit.is_some() || (caching && self.shares_first_block(handle));
+        let extends = hit.is_some_and(|(id, _)| self.snapshots.get(id).at_end);
+        let resent = seen && !extends;
+        let wanted = |b: u32| caching && b > boundary && b < len;
         let mut snapshot_at: Vec<u32> =
-            [divergence, last_full_block].into_iter().filter(|&b| caching && b > boundary && b < len).collect();
+            [Some(divergence), resent.then_some(last_full_block)].into_iter().flatten().filter(|&b| wanted(b)).collect();
         snapshot_at.dedup();
+        let snapshot_if_free = (!resent && wanted(last_full_block)).then_some(last_full_block);
         if let Some((id, _)) = hit {
             self.snapshots.touch(id);
             self.snapshots.pin(id);
@@ -180,17 +191,32 @@ impl Scheduler {
         req.num_cached_blocks = depth as u32;
         req.num_cached_tokens = boundary;
         req.snapshot_at = snapshot_at;
+        req.snapshot_if_free = snapshot_if_free;
         true
     }
 
+    /// Whether another live request's prompt has the same first full block (same hash, so same root).
+    fn shares_first_block(&self, handle: usize) -> bool {
+        let Some(&first) = self.req(handle).block_hashes.first() else { return false };
+        self.slab
+            .iter()
+            .enumerate()
+            .any(|(h, r)| h != handle && r.as_ref().is_some_and(|r| r.block_hashes.first() == Some(&first)))
+    }
+
     /// The rows of a prompt chunk starting at the request's next position, at most `limit`: cut at its
-    /// next `snapshot_at`, so that boundary ends a step.
+    /// next `snapshot_at`, so that boundary ends a step; cut at its `snapshot_if_free` only when the prompt
+    /// needs another step anyway (the chunk, uncut, would not reach its end), so the cut adds no step.
     pub(super) fn chunk_rows(&self, handle: usize, limit: u32) -> u32 {
         let req = self.req(handle);
         let next = req.next_position();
-        match req.snapshot_at.iter().find(|&&at| at > next) {
+        let rows = match req.snapshot_at.iter().find(|&&at| at > next) {
             Some(&at) => limit.min(at - next),
             None => limit,
+        };
+        match req.snapshot_if_free {
+            Some(at) if at > next && at - next < rows && rows < req.num_uncomputed_prompt_tokens() => at - next,
+            _ => rows,
         }
     }
 
@@ -198,10 +224,11 @@ impl Scheduler {
     /// its prompt (`is_last`), its state is snapshotted by the next plan, before that step's forward.
     pub(super) fn after_chunk(&mut self, handle: usize, end: u32, is_last: bool) {
         let req = self.req_mut(handle);
-        let at_boundary = req.snapshot_at.contains(&end);
+        let at_boundary = req.snapshot_at.contains(&end) || req.snapshot_if_free == Some(end);
         req.snapshot_at.retain(|&at| at > end);
+        req.snapshot_if_free = req.snapshot_if_free.filter(|&at| at > end);
         if at_boundary || is_last {
-            self.save(handle, end, false);
+            self.save(handle, end, false, is_last);
         }
     }
 
@@ -233,14 +260,15 @@ impl Scheduler {
         if self.config.nextn > 0 && req.last_step_id != Some(step_id) {
             return;
         }
-        self.save(handle, req.num_computed_tokens, true);
+        self.save(handle, req.num_computed_tokens, true, true);
     }
 
     /// Snapshots the request's state after `boundary` computed positions. `at_finish`: the request
     /// ends now, so its slot is copied by the next plan (after any step of it in flight, whose writes
     /// land beyond the boundary or outside the windows read from it) and its partial block passes to
     /// the snapshot; otherwise the request goes on and the next plan copies the partial block too.
-    fn save(&mut self, handle: usize, boundary: u32, at_finish: bool) {
+    /// `at_end`: the boundary is the prompt's end or the request's (`Snapshot::at_end`).
+    fn save(&mut self, handle: usize, boundary: u32, at_finish: bool, at_end: bool) {
         if !self.config.enable_prefix_caching || self.config.num_state_snapshots == 0 {
             return;
         }
@@ -261,6 +289,9 @@ impl Scheduler {
         let key = chain.last().copied().unwrap_or(root);
         if let Some(id) = self.snapshots.find_exact(key, depth, &tail) {
             self.snapshots.touch(id);
+            if at_end {
+                self.snapshots.mark_at_end(id);
+            }
             return;
         }
         let partial = (!tail.is_empty()).then(|| req.block_table[depth]);
@@ -277,7 +308,7 @@ impl Scheduler {
             }
         };
         let ready_step = self.next_step_id;
-        match self.snapshots.insert(Snapshot { key, chain, tail, tail_block, ready_step }) {
+        match self.snapshots.insert(Snapshot { key, chain, tail, tail_block, ready_step, at_end }) {
             Some((id, evicted)) => {
                 if let Some(dropped) = evicted {
                     self.release_snapshot(dropped);

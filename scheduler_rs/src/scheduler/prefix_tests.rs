@@ -98,9 +98,9 @@ fn a_prompt_end_with_a_tail_restores_its_partial_block() {
     let prompt: Vec<u32> = (1..=10).collect();
     add(&mut s, "a", prompt.clone(), 1);
     run(&mut s);
-    // "a" ended at once: its finish snapshot equals its prompt-end one (10 positions, tail of 2); its prompt's
-    // last full block (8) has one too.
-    assert_eq!(s.stats().num_state_snapshots, 2);
+    // "a" ended at once: its finish snapshot equals its prompt-end one (10 positions, tail of 2). (Its prompt's
+    // last full block has none: a fresh prompt in one chunk is not cut there.)
+    assert_eq!(s.stats().num_state_snapshots, 1);
     let mut longer = prompt;
     longer.extend([30, 31, 32]);
     add(&mut s, "b", longer, 1);
@@ -113,18 +113,69 @@ fn a_prompt_end_with_a_tail_restores_its_partial_block() {
 }
 
 #[test]
-fn a_prompt_is_cut_and_snapshotted_at_its_last_full_block() {
+fn a_resent_prompt_is_cut_and_snapshotted_at_its_last_full_block() {
     let mut s = Scheduler::new(config(64)).unwrap();
-    let prompt: Vec<u32> = (1..=10).collect();
+    let system: Vec<u32> = (1..=4).collect();
+    let mut prompt = system.clone();
+    prompt.extend(5..=10);
     add(&mut s, "a", prompt.clone(), 1);
     let plans = run(&mut s);
+    // A fresh prompt in one chunk is not cut: its first token comes one step after it is queued.
+    assert_eq!(plans[0].seqlens_q, vec![10]);
+    let mut resent = prompt.clone();
+    resent[9] = 11;
+    add(&mut s, "b", resent.clone(), 1);
+    let plans = run(&mut s);
+    // b shares a's cached blocks (it is resent traffic): cut at its last full block (8), snapshotted there.
     assert_eq!(plans[0].seqlens_q, vec![8]);
     assert_eq!(plans[1].seqlens_q, vec![2]);
-    // A prompt that shares a's first 9 tokens (a chat history re-rendered differently at its end) resumes at 8.
-    let mut other = prompt[..9].to_vec();
+    // A prompt that shares b's first 9 tokens (a chat history re-rendered differently at its end) resumes at 8.
+    let mut other = resent[..9].to_vec();
     other.extend([40, 41]);
-    add(&mut s, "b", other, 1);
+    add(&mut s, "c", other, 1);
     assert_eq!(prompt_rows(&run(&mut s)), 3);
+}
+
+#[test]
+fn prompts_sharing_a_first_block_are_cut_unless_they_extend_an_earlier_end() {
+    let mut s = Scheduler::new(config(64)).unwrap();
+    // Two fresh prompts queued together with the same first block: each shares it with the other (agents
+    // sharing a system prompt), so both are cut at their last full block (8) in the first step.
+    let system: Vec<u32> = (1..=4).collect();
+    let (mut a, mut b) = (system.clone(), system.clone());
+    a.extend([10, 11, 12, 13, 14, 15]);
+    b.extend([20, 21, 22, 23, 24, 25]);
+    add(&mut s, "a", a.clone(), 1);
+    add(&mut s, "b", b, 1);
+    let plans = run(&mut s);
+    assert_eq!(plans[0].seqlens_q, vec![8, 8]);
+    // A next turn extending a's whole sequence resumes at a's finish snapshot (10 positions: its one output
+    // has no KV) and is not cut at its last full block (12): its own end serves the turn after it.
+    let mut turn2 = a;
+    turn2.extend([7, 30, 31, 32, 33]);
+    add(&mut s, "t2", turn2, 1);
+    let plans = run(&mut s);
+    assert_eq!(plans[0].seqlens_q, vec![5]);
+}
+
+#[test]
+fn a_fresh_prompt_is_cut_at_its_last_full_block_only_where_that_costs_no_step() {
+    let mut config = config(64);
+    config.max_num_batched_tokens = 10;
+    let mut s = Scheduler::new(config).unwrap();
+    let chunks = |plans: &[StepPlan]| plans.iter().map(|p| p.seqlens_q[0]).collect::<Vec<_>>();
+    // 8 tokens fit one step: not cut at 4 (that would add a step); snapshotted at its end only.
+    add(&mut s, "a", (1..=8).collect(), 1);
+    assert_eq!(chunks(&run(&mut s)), vec![8]);
+    assert_eq!(s.stats().num_state_snapshots, 1);
+    // 11 tokens take two steps either way: the first chunk is cut at the last full block (8), not at 10.
+    add(&mut s, "b", (101..=111).collect(), 1);
+    assert_eq!(chunks(&run(&mut s)), vec![8, 3]);
+    assert_eq!(s.stats().num_state_snapshots, 3);
+    // 14 tokens: the last full block (12) is past the first chunk, and the second reaches the end: no cut.
+    add(&mut s, "c", (201..=214).collect(), 1);
+    assert_eq!(chunks(&run(&mut s)), vec![10, 4]);
+    assert_eq!(s.stats().num_state_snapshots, 4);
 }
 
 #[test]

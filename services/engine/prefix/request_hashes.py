@@ -84,5 +84,12 @@ class RequestHashes:
         chain.hashes.extend(new)
         self.scheduler.add_block_hashes(request_id, new)
 
+    def fork(self, parent: str, child: str) -> None:
+        """A forked child (an n > 1 choice) starts with its parent's chain; the scheduler copied the hashes with
+        the request."""
+        chain = self._chains.get(parent)
+        if chain is not None:
+            self._chains[child] = _Chain(chain.salt, chain.images, list(chain.hashes))
+
     def drop(self, request_id: str) -> None:
         self._chains.pop(request_id, None)

@@ -39,6 +39,8 @@ class ModelMismatch(RuntimeError):
 
 
 class RemoteWorker:
+    in_process = False  # worker.v1 carries plans and sampling rows only (StepWorker.in_process)
+
     def __init__(
         self, address: str, *, timeout_s: float = 600.0, heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 3.0
     ) -> None:

@@ -48,12 +48,14 @@ class ExpertLoadPublisher:
         self._held: tuple[int, HostCopy] | None = None
         self.report = report  # step → that step's report, taken after it (a rank); None: the runner's counts
 
-    def execute(self, plan: Any, rows: Sequence[SamplingRow], *previous: WorkerOutput | None) -> WorkerOutput:
+    def execute(
+        self, plan: Any, rows: Sequence[SamplingRow], *previous: WorkerOutput | None, **extra: Any
+    ) -> WorkerOutput:
         """The wrapped worker's step. An async engine passes ``previous`` (the step in flight, or None): then
         this step's counts are held and published at the next call, after that step is queued, so reading
         them back never makes the host wait on the device (the engine reads that step then anyway); the
         counts of an async busy period's last step go out with the next step."""
-        out = self.worker.execute(plan, rows, *previous)
+        out = self.worker.execute(plan, rows, *previous, **extra)
         if self.report is not None:  # a data-parallel rank: synchronous, its step is over
             report = self.report(self.num_steps)
             self.num_steps += 1
@@ -92,6 +94,16 @@ class ExpertLoadPublisher:
 
     def release(self, request_id: str) -> None:
         self.worker.release(request_id)
+
+    @property
+    def in_process(self) -> bool:
+        """The wrapped worker's: an in-process worker still takes the async and host extras (passed through)."""
+        return self.worker.in_process
+
+    @property
+    def num_losses(self) -> int:
+        """The wrapped worker's (``StepWorker.num_losses``): a restarted worker process still drops the cache."""
+        return self.worker.num_losses
 
     def set_images(self, request_id: str, prompt_token_ids: list[int], rows: Any) -> None:
         """The wrapped worker's (Engine.provide_images): image embeddings pass through untouched."""

@@ -8,7 +8,7 @@ import pytest
 from services.engine import device as device_mod
 from services.engine.config import EngineConfig
 from services.engine.device import add_device_arguments, device_args, device_argv, device_engine_args, resolve_device
-from services.engine.pool_sizing import PoolPlan, plan_blocks
+from services.engine.pool_sizing import SNAPSHOT_SHARE, PoolPlan, plan_blocks, plan_snapshots
 
 
 def test_default_is_cpu_without_cuda_and_cuda_is_refused_there(monkeypatch):
@@ -105,3 +105,14 @@ def test_pool_plan_gives_the_blocks_that_fit():
     plan = PoolPlan(blocks, 17, 2**20, 2**20, 70 * gib, 80 * gib, 100 * gib, 128)
     assert plan.max_tokens == (blocks - 1) * 128
     assert f"longest context that fits: {4096} tokens" in plan.describe(4096)
+
+
+def test_the_default_snapshot_count_is_capped_by_bytes():
+    """4 · max_num_seqs snapshots, unless their bytes pass SNAPSHOT_SHARE of what the pools get: at v41-s1
+    (2,916,132-byte slots) with 9 GiB for the pools, 64 sequences keep their 256 and 256 sequences get 331, not
+    1,024 (which would take 2.8 GiB of blocks)."""
+    gib, slot = 2**30, 2_916_132
+    assert SNAPSHOT_SHARE == 0.1
+    assert plan_snapshots(9 * gib, slot, 4 * 64) == 256
+    assert plan_snapshots(9 * gib, slot, 4 * 256) == int(0.1 * 9 * gib) // slot == 331
+    assert plan_snapshots(-gib, slot, 64) == 0  # nothing left: the caller refuses the blocks anyway

@@ -30,6 +30,12 @@ class FlakyWorker:
     def release(self, request_id):
         self.inner.release(request_id)
 
+    in_process = False  # its execute takes the plan and rows only
+
+    @property
+    def num_losses(self):
+        return self.inner.num_losses
+
 
 def test_a_failed_step_ends_every_request_with_error_and_leaks_nothing():
     llm = LLM("tiny")

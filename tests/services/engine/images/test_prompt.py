@@ -78,6 +78,8 @@ def test_a_served_engine_whose_worker_takes_no_embeddings_refuses_images_up_fron
     from services.engine.served_engine import ServedEngine
 
     class _RemoteLike:
+        in_process, num_losses = False, 0
+
         def execute(self, *args):
             raise AssertionError("never stepped")
 
@@ -97,6 +99,8 @@ def test_a_served_engine_with_a_remote_worker_and_no_encoder_refuses_images_up_f
     from services.engine.served_engine import ServedEngine
 
     class _Remote:
+        in_process, num_losses = False, 0
+
         def execute(self, *args):
             raise AssertionError("never stepped")
 

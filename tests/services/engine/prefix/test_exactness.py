@@ -13,6 +13,8 @@ The model: the oracle-draft tiny config (vocabulary 256, a DSpark draft), as the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -98,6 +100,42 @@ def test_a_conversation_gives_the_same_bits_and_computes_only_new_tokens(source,
     assert cached == [0] + [prompts[k] - new[k] - 1 for k in range(1, 5)]
 
 
+OPENING = [1, 2]  # the assistant turn's opening: in each prompt, left out when the history is re-rendered
+
+
+def rerendered_chat(source, **engine_args) -> tuple[list[tuple], list[int], list[int]]:
+    """A chat whose history re-renders differently: each prompt ends with the assistant's opening, which the next
+    turn's history leaves out before the answer (as chat formats that drop it do): (answers, prompt lengths,
+    prefill tokens computed per turn)."""
+    llm = LLM(source=source, **{**ENGINE, **engine_args})
+    history: list[int] = [0]
+    answers, lengths, computed = [], [], []
+    for turn in range(4):
+        history = history + _tokens(400 + turn, 37 + 11 * turn)
+        prompt = history + OPENING
+        before = llm.engine.scheduler.stats().num_prefill_tokens
+        out = llm.generate(prompt, _params(turn, False))[0]
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens - before)
+        answers.append(_answer(out))
+        lengths.append(len(prompt))
+        history = history + out.token_ids
+    return answers, lengths, computed
+
+
+def test_a_rerendered_chat_resumes_at_the_previous_prompts_last_full_block(source):
+    """No turn's prompt is a prefix of the next (the opening differs), so no finish or prompt-end snapshot serves.
+    Turn 1 shares nothing with earlier prompts: it is not cut at its last full block (that would cost a step), so
+    turn 2 computes all of its prompt, cutting where it diverged from turn 1 and at its own last full block (it
+    is resent traffic). From turn 3 on a turn resumes at the previous prompt's last full block."""
+    off, lengths, computed_off = rerendered_chat(source, enable_prefix_caching=False)
+    on, _, computed_on = rerendered_chat(source)
+    assert on == off
+    assert computed_off == lengths
+    last_full_block = [(n - 1) // BLOCK * BLOCK for n in lengths]
+    assert all(b <= n - len(OPENING) for b, n in zip(last_full_block, lengths))  # before each turn's opening
+    assert computed_on == lengths[:2] + [lengths[k] - last_full_block[k - 1] for k in (2, 3)]
+
+
 @pytest.mark.slow
 def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
     """A 2,009-token system prompt (its last full block ends at 2,000): from the third request on, its last 9
@@ -107,6 +145,56 @@ def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
     assert on == off
     assert computed_off == [2049] * 3
     assert computed_on == [2049, 2049, 49]
+
+
+def choice_groups(source, seeded: bool, **engine_args) -> tuple[list[list[tuple]], list[int], list[int]]:
+    """Three n = 3 requests sharing a 71-token system prompt, each with its own 5-token suffix, while a long
+    request decodes beside them (so their prompts run in mixed steps, which async scheduling keeps in flight):
+    (each group's answers by index, prefill tokens computed per group, each group's cached tokens)."""
+    llm = LLM(source=source, **{**ENGINE, "max_num_seqs": 8, **engine_args})
+    engine = llm.engine
+    system = [0, *_tokens(300, 70)]
+    engine.add_request("beside", _tokens(301, 20), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    answers, computed, cached = [], [], []
+    for k in range(3):
+        params = dataclasses.replace(_params(k, seeded), n=3)
+        before = engine.scheduler.stats().num_prefill_tokens
+        engine.add_request(f"g{k}", system + _tokens(310 + k, 5), params)
+        finals = {}
+        while engine.is_live(f"g{k}"):
+            for out in engine.step():
+                if out.request_id == f"g{k}" and out.finish_reason is not None:
+                    finals[out.index] = out
+        computed.append(engine.scheduler.stats().num_prefill_tokens - before)
+        answers.append([_answer(finals[i]) for i in range(3)])
+        cached.append({finals[i].num_cached_tokens for i in range(3)})
+    engine.abort("beside")
+    return answers, computed, cached
+
+
+@pytest.mark.parametrize(
+    "seeded, async_scheduling, nextn", [(False, False, 0), (True, False, 0), (True, True, 0), (True, True, NEXTN)]
+)
+def test_n_choices_share_the_cached_prefix_with_the_same_bits(source, seeded, async_scheduling, nextn):
+    """n > 1: the group's prefix (the prompt but its last token) resumes from the cache and the choices fork from
+    it. Group 1 computes its 75-token prefix and each choice the prompt's last token; group 2 finds the system
+    prompt's four full blocks cached but no snapshot there (group 1 shared nothing, so it was not cut at its last
+    full block): it computes all, cutting where they diverged (64); group 3 resumes there and computes 11 + 3.
+    Async scheduling reads back the step that samples a prefix's row at once (the fork needs no step of it in
+    flight), with the long request decoding in the same mixed steps; also with drafts (seeded, deterministic)."""
+    args = dict(async_scheduling=async_scheduling)
+    if nextn:
+        args.update(num_speculative_tokens=nextn, spec_sampling="deterministic")
+    off, computed_off, _ = choice_groups(source, seeded, enable_prefix_caching=False, **args)
+    on, computed_on, cached = choice_groups(source, seeded, **args)
+    assert on == off
+    if seeded:
+        assert all(len({tuple(a[0]) for a in group}) > 1 for group in on)  # the choices draw their own streams
+    assert computed_off == [75 + 3] * 3
+    assert computed_on == [75 + 3, 75 + 3, 11 + 3]
+    assert cached == [{0}, {0}, {64}]
 
 
 SPEC_CASES = [("rejection", False, False), ("deterministic", True, False), ("deterministic", True, True)]
@@ -165,6 +253,23 @@ def test_gpu_kernel_path_with_cuda_graphs_gives_the_same_bits(source, nextn):
         assert computed == [541, 541, 45]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_n_choices_share_the_cached_prefix_with_the_same_bits(source):
+    """n > 1 on the FP8 kernel backend with CUDA graphs and async scheduling, batch-invariant: the groups beside a
+    decoding request give the same bits with the cache on as off, and compute what the CPU test says."""
+    from services.engine.model_source import load_model
+
+    cuda = dict(device="cuda", kernel_backend="fp8", cuda_graphs=True, async_scheduling=True, num_blocks=512)
+    model = load_model(source.name, device="cuda")
+    off, computed_off, _ = choice_groups(model, True, enable_prefix_caching=False, **cuda)
+    on, computed_on, cached = choice_groups(model, True, **cuda)
+    assert on == off
+    assert computed_off == [75 + 3] * 3
+    assert computed_on == [75 + 3, 75 + 3, 11 + 3]
+    assert cached == [{0}, {0}, {64}]
+
+
 @pytest.mark.parametrize("how", ["a failed step", "a worker that lost its pools"])
 def test_nothing_resumes_from_a_worker_memory_that_may_be_gone(source, how):
     """A failed step (its planned snapshot may never have been saved) and a worker process restarted between
@@ -187,4 +292,5 @@ def test_nothing_resumes_from_a_worker_memory_that_may_be_gone(source, how):
         llm.engine.worker.num_losses = 1  # as RemoteWorker counts a restarted worker's failed checks
     again = llm.generate(prompt, _params(0, False))[0]
     assert again.num_cached_tokens == 0
-    assert llm.generate(prompt, _params(0, False))[0].num_cached_tokens > 0  # cached again from then on
+    longer = prompt + _tokens(11, 5)  # cached again from then on: it resumes at the prompt's end
+    assert llm.generate(longer, _params(0, False))[0].num_cached_tokens == len(prompt)

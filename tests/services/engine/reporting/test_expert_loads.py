@@ -13,6 +13,8 @@ from services.eplb.messages import decode_load
 
 
 class FakeWorker:
+    in_process, num_losses = True, 0
+
     def __init__(self):
         self.calls = []
 
@@ -89,3 +91,30 @@ def test_an_async_step_counts_are_not_read_after_the_next_is_queued(monkeypatch)
         publisher.execute("plan", [], first)
     assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
     assert reads == []
+
+
+def test_the_publisher_passes_the_wrapped_workers_losses_through(monkeypatch):
+    """The engine drops its prefix cache when its worker's loss count moves: a wrapped remote worker's must show."""
+    publisher, _ = _publisher(monkeypatch)
+    assert publisher.num_losses == 0
+    publisher.worker.num_losses = 2
+    assert publisher.num_losses == 2
+
+
+def test_an_engine_behind_the_publisher_serves_what_its_in_process_worker_serves():
+    """An engine process with NATS wraps its in-process worker in the publisher: penalties, prompt logprobs and
+    async scheduling's step in flight still reach the worker, with the same tokens as without the wrapper."""
+    from services.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_num_seqs=2, async_scheduling=True, batch_invariant=True)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, presence_penalty=1.5, prompt_logprobs=1)
+    prompt = list(range(5, 30))
+
+    def run():
+        out = llm.generate(prompt, params)[0]
+        return out.token_ids, out.logprobs, out.prompt_logprobs
+
+    plain = run()
+    llm.engine.worker = ExpertLoadPublisher(llm.engine.worker, None, asyncio.new_event_loop(), rank=0)
+    assert llm.engine.worker.in_process
+    assert run() == plain
