@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -115,9 +115,11 @@ def compare(
     prompt_len: int,
     steps: int,
     only: dict[str, list[int]] | None = None,
+    on_round: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Per mode (async off/on), batch and kind: the pooled timed steps of ``rounds`` rounds, kinds alternated within
-    each round and modes between rounds. ``only``: kinds run at these batches only (others at every batch)."""
+    each round and modes between rounds. ``only``: kinds run at these batches only (others at every batch).
+    ``on_round``: called with the rows so far after each round (a run cut short keeps what it measured)."""
     pooled: dict[tuple[bool, int, str], RoundTimes] = {}
     for r in range(rounds):
         for on in modes if r % 2 == 0 else list(reversed(modes)):
@@ -131,6 +133,13 @@ def compare(
                     into.steps_s += t.steps_s
                     into.fill_s += t.fill_s
                     into.num_errors += t.num_errors
+        if on_round is not None:
+            on_round(summary(pooled))
+    return summary(pooled)
+
+
+def summary(pooled: dict[tuple[bool, int, str], RoundTimes]) -> list[dict]:
+    """One row per (async, batch, kind): step and mask-fill figures, and the ratio to the unconstrained row."""
     rows = []
     for (on, batch, name), t in sorted(pooled.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         rows.append(

@@ -106,7 +106,17 @@ def main(args: argparse.Namespace) -> int:
             if name in only and batch not in only[name]:
                 continue
             decode_steps.decode_round(llm, batch, constraint, args.prompt_len, 1, seed=0)
-    rows = decode_steps.compare(llm, batches, kinds, modes, args.rounds, args.prompt_len, args.steps, only)
+    result: dict = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "func"}, "decode": []}
+
+    def save(rows: list[dict]) -> None:
+        result["decode"] = rows
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(result, indent=2))
+
+    rows = decode_steps.compare(
+        llm, batches, kinds, modes, args.rounds, args.prompt_len, args.steps, only, on_round=save
+    )
+    save(rows)
     for r in rows:
         print(
             f"decode {'async' if r['async'] else 'sync '} batch {r['batch']:>3} {r['kind']:>13}: "
@@ -114,7 +124,6 @@ def main(args: argparse.Namespace) -> int:
             f"{r['vs_unconstrained']}× unconstrained; mask fill {r['fill_ms_median']} ms/step; "
             f"{r['errors']} error finishes"
         )
-    result: dict = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "func"}, "decode": rows}
     grammars = llm.engine.structured.grammars
     result["mask_fill"] = {
         name: grammar_costs.fill_times(grammars, kinds[name], args.walks, args.walk_tokens, seed=7)
@@ -126,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
             f"mask fill {name}: median {f['median_ms']} ms, p99 {f['p99_ms']} ms, max {f['max_ms']} ms "
             f"({f['n']} fills, walks of {f['mean_walk_tokens']} tokens)"
         )
+    save(rows)
     if not args.no_compiles:
         c = grammar_costs.compile_times(
             llm.tokenizer,
