@@ -17,6 +17,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import subprocess
@@ -93,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         "cuda_graphs": graphs,
         "torch_threads": torch.get_num_threads(),
         "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
     print(f"model {model} ({cfg.num_hidden_layers} layers), backend {backend}, CUDA graphs {graphs}")
     kinds = {"unconstrained": None, "typical": workload.typical()}
@@ -106,7 +108,9 @@ def main(args: argparse.Namespace) -> int:
             if name in only and batch not in only[name]:
                 continue
             decode_steps.decode_round(llm, batch, constraint, args.prompt_len, 1, seed=0)
-    result: dict = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "func"}, "decode": []}
+    run = {"date": machine["date"], "commit": machine["commit"], "device": machine["device"]}
+    given = {k: v for k, v in vars(args).items() if k != "func"}
+    result: dict = {"run": run, "machine": machine, "args": given, "decode": []}
 
     def save(rows: list[dict]) -> None:
         result["decode"] = rows
