@@ -144,9 +144,9 @@ def test_the_gpu_kernel_sampler_matches_the_cpu_sampler_under_a_mask(dtype):
     """The compiled kernel at V = 129,280 on CUDA (the mask applied in its pass 0) against the CPU sampler under the
     same mask: same tokens, top ids and error rows (the nothing-allowed rows); logprobs within the GPU tolerance."""
     logits, rows, mask = _masked_problem(64, 129280, 5)
-    logits = logits.to(dtype)
-    ref = Sampler()(logits, rows, token_bitmask=mask)
-    got = KernelSampler()(logits.cuda(), rows, token_bitmask=mask.cuda())
+    logits, mask = logits.to(device="cuda", dtype=dtype), mask.cuda()
+    ref = Sampler()(logits, rows, token_bitmask=mask)  # the torch sampler on the same device (the kernels' GPU test)
+    got = KernelSampler()(logits, rows, token_bitmask=mask)
     _check(ref, got, tol=2e-5)
     assert ref.errors[4::5].all()
 
@@ -168,4 +168,4 @@ def test_the_mask_is_an_input_of_the_sampler_kernel_in_a_cuda_graph():
     new = _masks(16, logits.shape[1], 10)
     mask.copy_(new.cuda())
     graph.replay()
-    _check(Sampler()(logits, rows, token_bitmask=new), got, tol=2e-5)
+    _check(Sampler()(gpu_logits, rows, token_bitmask=new.cuda()), got, tol=2e-5)
