@@ -82,6 +82,26 @@ def test_constrained_async_gives_the_synchronous_bits_in_the_batch_invariant_mod
     assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
 
 
+def test_constrained_choices_under_async_give_the_synchronous_bits(bi):
+    """n > 1: the prefix forks into choices (each its own matcher) while the next step is launched; every choice is
+    the synchronous engine's, beside a plain request."""
+    params = [
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, logprobs=1, constraint=Constraint("regex", REGEX)),
+        SamplingParams(max_tokens=20, seed=1),
+    ]
+    prompts = ["Hello there friend", "x"]
+    _use(bi, False)
+    sync = bi.generate(prompts, params)
+    _use(bi, True)
+    try:
+        asynchronous = bi.generate(prompts, params)
+    finally:
+        _use(bi, False)
+    assert len(sync) == 4 and [o.index for o in sync[:3]] == [0, 1, 2]
+    assert [(o.token_ids, o.logprobs) for o in asynchronous] == [(o.token_ids, o.logprobs) for o in sync]
+    assert all(o.finish_reason == FinishReason.STOP and re.fullmatch(REGEX, o.text) for o in asynchronous[:3])
+
+
 def test_a_constrained_step_is_launched_before_the_step_in_flight_is_read_and_sampled_after(bi):
     """The order of the worker's calls: step N+1's forward is launched before step N's tokens are read (the
     overlap), and N+1 samples only after that read (its mask needs N's tokens in the matchers)."""
