@@ -36,18 +36,21 @@ def fill_token_bitmask(
         return None
     mask = grammars.bitmask(sum(counts))
     inputs = None  # the plan's input ids and each request's rows, read only for a step with drafts
+    single: tuple[list, list[int]] = ([], [])  # the matchers of one row each (no drafts), and their rows
     row = 0
     for i, n in enumerate(counts):
         matcher = matchers[i]
-        drafts: list[int] = []
-        if matcher is not None and n > 1:
+        if matcher is not None and n == 1:
+            single[0].append(matcher)
+            single[1].append(row)
+        elif matcher is not None:
             if inputs is None:
                 inputs = (plan.input_ids.tolist(), plan.query_start.tolist(), plan.seqlens_q.tolist())
             end = inputs[1][i] + inputs[2][i]  # the drafts are the request's last n - 1 inputs
-            drafts = inputs[0][end - n + 1 : end]
-        if matcher is not None:
-            fill_rows(matcher, mask, row, drafts)
+            fill_rows(matcher, mask, row, inputs[0][end - n + 1 : end])
         row += n
+    if single[0]:
+        grammars.fill(single[0], mask, single[1])  # in parallel
     return mask
 
 

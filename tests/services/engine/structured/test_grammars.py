@@ -70,3 +70,25 @@ def test_a_tool_call_grammar_writes_its_markup_tokens_and_no_other_added_token(s
     call = '</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="w">\n<｜DSML｜ parameter name="city" string="true">Pa'
     raw = _allowed_after(setup, grammar, call)
     assert len(raw) > 100_000 and not raw & others
+
+
+def test_the_parallel_fill_gives_each_matchers_own_mask(setup):
+    """``GrammarCompiler.fill`` (xgrammar's batch matcher, several threads) writes each matcher's row as its own
+    ``fill_next_token_bitmask`` does, rows in any order and the others untouched."""
+    tok, grammars, _ = setup
+    texts = ['{"s": "a', '{"s"', "{", '{"s": "ab"}']
+    compiled = grammars.compile(Constraint("json_schema", json.dumps(TEXT_SCHEMA))).result()
+    matchers = []
+    for text in texts:
+        matcher = grammars.matcher(compiled)
+        for t in tok.encode(text, add_special_tokens=False).ids:
+            assert matcher.accept_token(t)
+        matchers.append(matcher)
+    rows = [4, 0, 2, 5]
+    mask = grammars.bitmask(6)
+    grammars.fill(matchers, mask, rows)
+    for matcher, row in zip(matchers, rows):
+        alone = grammars.bitmask(1)
+        matcher.fill_next_token_bitmask(alone, 0)
+        assert bool((mask[row] == alone[0]).all()), row
+    assert bool((mask[[1, 3]] == -1).all())
