@@ -158,4 +158,6 @@ def summary(pooled: dict[tuple[bool, int, str], RoundTimes]) -> list[dict]:
     for r in rows:
         b = base.get((r["async"], r["batch"]))
         r["vs_unconstrained"] = round(r["step_ms_median"] / b, 4) if b and r["step_ms_median"] else None
+        # With async scheduling: the bubble the constraint leaves (its step time over the unconstrained one's).
+        r["extra_ms"] = round(r["step_ms_median"] - b, 4) if b and r["step_ms_median"] else None
     return rows
