@@ -448,11 +448,11 @@ class Engine:
             self._fail(plan)
             raise
         self._in_flight = None
-        outputs = self._update(*previous) if previous is not None else []
         try:
+            outputs = self._update(*previous) if previous is not None else []
             executed = self.worker.sample(launched, self.structured.token_bitmask(plan, self.requests))
         except BaseException:
-            self._fail(plan)
+            self._fail(plan)  # launched but never sampled: its blocks come back
             raise
         return outputs, executed
 

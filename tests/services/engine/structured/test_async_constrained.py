@@ -181,3 +181,49 @@ def test_on_cuda_constrained_async_decode_steps_never_synchronise_the_stream():
         torch.cuda.set_sync_debug_mode("default")
     assert [done[f"c{i}"].token_ids for i in range(4)] == [o.token_ids for o in sync]
     assert all(re.fullmatch("[a-z]{60,72}", llm.tokenizer.decode(o.token_ids)) for o in sync)
+
+
+def test_a_failed_constrained_async_step_ends_every_request_with_error_and_leaks_nothing():
+    """The step's sampling fails after the step in flight was read (a launched step never sampled): every live
+    request ends with one final "error" delta, the pools come back whole, and the engine serves again."""
+    import asyncio
+
+    from services.engine.remote.remote_worker import WorkerLost
+    from services.engine.service import EngineService
+
+    llm = LLM("tiny", max_num_seqs=8, async_scheduling=True)
+    worker = llm.engine.worker
+    sample, broken = worker.sample, []
+
+    def flaky(step, token_bitmask=None):
+        if broken and step.plan.num_requests:
+            raise WorkerLost("the worker failed the step's sampling")
+        return sample(step, token_bitmask)
+
+    worker.sample = flaky
+    service = EngineService(llm.engine)
+    service.start()
+    long = SamplingParams(max_tokens=200, constraint=Constraint("regex", "[a-z]{150,190}"))
+
+    async def run():
+        streams = [service.submit(f"r{i}", f"r{i}", llm.encode(f"Hello {i}"), long) for i in range(4)]
+        for s in streams:  # all running: each has produced a token
+            assert (await s.__anext__()).finish_reason is None
+        broken.append(True)
+        finals = []
+        for s in streams:
+            deltas = [d async for d in s]
+            finals.append(deltas[-1].finish_reason)
+        broken.clear()
+        again = [d async for d in service.submit("after", "after", llm.encode("Hi"), SamplingParams(max_tokens=3))]
+        return finals, again[-1].finish_reason
+
+    try:
+        finals, after = asyncio.run(run())
+    finally:
+        service.stop()
+        del worker.sample
+    assert finals == ["error"] * 4 and after == "length"
+    stats = llm.engine.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots, stats
+    llm.engine.scheduler.check_invariants()
