@@ -28,6 +28,7 @@ deepgemm          DeepGEMM built from the carried third_party/deepgemm-src, benc
 deepgemm-step     DeepGEMM built, then bench step's prefill (DEEPGEMM_SIZES) and the v41-width FP8 KL test with SHINKAI_MOE_GEMM=deepgemm
 speculative       the gpu tests of speculation (draft proposal, static proposal and verify, verify half, speculator: sync-debug mode, graph replay == eager; constrained speculation), then the proposal's launches and host reads
 speculative-bench bench speculative, fp8 kernels and CUDA graphs, 5 drafts, forced acceptances, fixed and varlen, against speculation off (SPEC_MODEL tiny or v41-s1-dspark, SPEC_BATCHES, SPEC_ACCEPT, SPEC_MODES, SPEC_PROFILE, SPEC_ASYNC)
+structured        the constrained gpu tests (speculation with token masks, the sampler kernel under a mask and in a graph, constrained async), then bench structured on v41-s1 cut to SO_LAYERS (default 8): decode batches 1/16/64 constrained vs unconstrained, sync and async (SO_ARGS, default --rounds 2 --steps 24 --walks 4)
 serve             v41-s1 at full depth (--load-format dummy), one build: served over HTTP to the openai client and the load generator at concurrency 1, 16, 64, then offline LLM.generate (greedy ==) and bench step's decode (device-prep.sh --stack)
 serve-checkpoint  a v41-s1 part (NUM_LAYERS, default 14) written by model init, the disk's read rate, loaded by shinkai up from a cold page cache, the openai client, then LLM.generate (greedy ==) (device-prep.sh --stack)
 experts           the MXFP4 experts' gpu tests (the kernel's, checkpoint greedy tokens against the CPU; with EXPERTS_KL=1 the FP4 KL criterion too), then bench step's decode at batches 1/16/64/256 with FP8 experts and FP4 experts on v41-s1 (EXPERTS_LAYERS, default 20) against each path's floor
@@ -238,6 +239,18 @@ suite_speculative_bench() {
             ${SPEC_ASYNC:+--async-scheduling} --json "$dir/speculative-b$batch.json"
         show "b$batch" "batch|Error|error|profile|^      " 60
     done
+}
+
+suite_structured() {
+    begin structured 235
+    # The sampler kernel's first (cheap), then constrained async, then constrained speculation (four engines).
+    run tests 100 "${gpu_tests[@]}" tests/services/worker/sampling/test_token_bitmask.py \
+        tests/services/engine/structured/test_async_constrained.py tests/services/engine/structured/test_token_masks.py
+    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
+    # shellcheck disable=SC2086 # a list of arguments
+    run bench "$(( $(left) - 5 ))" python3 -m services.bench.structured.run --layers "${SO_LAYERS:-8}" \
+        ${SO_ARGS:---rounds 2 --steps 24 --walks 4} --json "$dir/structured.json"
+    show bench "^model|^decode|^mask|^compile|target|met|Error|Traceback" 40
 }
 
 # The serve suites' parts (`shinkai up` through its module, so the device needs no console script).

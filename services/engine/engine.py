@@ -351,9 +351,10 @@ class Engine:
             self._in_flight = None  # nothing to plan: the step in flight is the last (its rows may be dead)
             return self._update(*previous)
         drained = self._admit_grammars()
-        if previous is not None and self.structured.has_matchers(self.requests):
-            # Structured output: the next step's mask needs the step in flight's tokens in its matchers, so that
-            # step is read back (and updated) before the next one is planned; the overlap waits for a device mask.
+        masked = self.structured.has_matchers(self.requests)
+        if previous is not None and masked and self.config.num_speculative_tokens:
+            # Structured output with drafts: the mask's rows follow the plan's drafts, which are stand-ins while
+            # the step in flight is not read, so that step is read back (and updated) before the next is planned.
             self._in_flight = None
             drained = _merge(drained, self._update(*previous))
             previous = None
@@ -362,16 +363,49 @@ class Engine:
         plan = self.scheduler.schedule()
         if previous is None:
             self.structured.wait_idle(plan)
-        extra = prompt_rows(plan, self.requests)
-        mask = self.structured.token_bitmask(plan, self.requests)
-        if mask is not None:
-            extra["token_bitmask"] = mask
+        if masked and not self.config.num_speculative_tokens:
+            outputs, executed = self._launch_masked(plan, previous)
+            outputs = _merge(drained, outputs)
+        else:
+            extra = prompt_rows(plan, self.requests)
+            mask = self.structured.token_bitmask(plan, self.requests)
+            if mask is not None:
+                extra["token_bitmask"] = mask
+            try:
+                executed = self.worker.execute(
+                    plan,
+                    self._sampling_rows(plan, previous),
+                    previous[1] if previous is not None else None,
+                    **extra,
+                )
+            except BaseException:
+                if previous is not None:
+                    self._in_flight = None
+                    self._update(*previous)
+                self._fail(plan)
+                raise
+            self._in_flight = None
+            outputs = _merge(drained, self._update(*previous) if previous is not None else [])
+        if plan.kind == "prefill" or plan.num_rows == 0 or self.choices.samples_a_prefix(plan):
+            outputs = _merge(outputs, self._update(plan, executed))
+        else:
+            self._in_flight = (plan, executed)
+        return outputs
+
+    def _launch_masked(
+        self, plan: StepPlan, previous: tuple[StepPlan, WorkerOutput] | None
+    ) -> tuple[list[RequestOutput], WorkerOutput]:
+        """Async scheduling with structured output: the mask is a sampler input only. The step's forward is queued
+        first (its inputs wait for the step in flight on the device, as any async step's); then the step in flight
+        is read and updated, its tokens advancing the matchers, while the device runs the forward; then this step's
+        mask is filled from them and its sampling queued behind the forward (the mask's upload is stream-ordered
+        before the sampler). Returns the step in flight's outputs and this step's worker output."""
         try:
-            executed = self.worker.execute(
+            launched = self.worker.launch(
                 plan,
                 self._sampling_rows(plan, previous),
                 previous[1] if previous is not None else None,
-                **extra,
+                **prompt_rows(plan, self.requests),
             )
         except BaseException:
             if previous is not None:
@@ -380,12 +414,13 @@ class Engine:
             self._fail(plan)
             raise
         self._in_flight = None
-        outputs = _merge(drained, self._update(*previous) if previous is not None else [])
-        if plan.kind == "prefill" or plan.num_rows == 0 or self.choices.samples_a_prefix(plan):
-            outputs = _merge(outputs, self._update(plan, executed))
-        else:
-            self._in_flight = (plan, executed)
-        return outputs
+        try:
+            outputs = self._update(*previous) if previous is not None else []
+            executed = self.worker.sample(launched, self.structured.token_bitmask(plan, self.requests))
+        except BaseException:
+            self._fail(plan)  # launched but never sampled: its blocks come back
+            raise
+        return outputs, executed
 
     def _update(self, plan: StepPlan, executed: WorkerOutput) -> list[RequestOutput]:
         result = executed.result  # read back: the step is over

@@ -64,6 +64,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     speculative.add_arguments(spec)
     spec.set_defaults(func=_run_speculative)
+    from services.bench.structured import run as structured  # stdlib-only at import, like kernels
+
+    so = targets.add_parser(
+        "structured", help="decode steps constrained by a JSON schema vs unconstrained; grammar compiles, mask fills"
+    )
+    structured.add_arguments(so)
+    so.set_defaults(func=_run_structured)
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
@@ -88,6 +95,12 @@ def _run_speculative(args: argparse.Namespace) -> int:
     from services.bench.speculative import run as speculative
 
     return speculative.main(args)
+
+
+def _run_structured(args: argparse.Namespace) -> int:
+    from services.bench.structured import run as structured
+
+    return structured.main(args)
 
 
 def _run_accuracy(args: argparse.Namespace) -> int:

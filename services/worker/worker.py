@@ -87,6 +87,18 @@ class WorkerOutput:
         return PendingInputs(self.request_ids, tokens)
 
 
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step whose forward ``Worker.launch`` queued, waiting for ``Worker.sample``."""
+
+    plan: StepPlan
+    rows: list[SamplingRow]  # one per sampled row, in ``plan.sample_rows`` order
+    out: RunnerOutput  # the runner's logits of the sampled rows (and taps), on the device
+    pending: PendingInputs | None  # the previous step's tokens that filled this plan's pending inputs
+    every_row: torch.Tensor | None  # every row's logits, when prompt rows' logprobs were asked for
+    prompt_rows: PromptRows | None  # those prompt rows
+
+
 class Worker:
     in_process = True  # takes the async and host extras (services/engine/step_worker.py, StepWorker.in_process)
     num_losses = 0  # in this process the pools are never lost (StepWorker.num_losses; RemoteWorker counts a process's)
@@ -123,9 +135,22 @@ class Worker:
         scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs.
         ``prompt_rows``: prompt rows whose logprobs the step returns (``WorkerOutput.prompt_logprobs``).
         ``token_bitmask``: the structured-output mask, one row per ``rows`` entry (sampling/token_bitmask.py);
-        None when no row is constrained."""
+        None when no row is constrained. The same as ``sample(launch(...), token_bitmask)``."""
+        return self.sample(self.launch(plan, rows, previous, prompt_rows), token_bitmask)
+
+    def launch(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SamplingRow],
+        previous: WorkerOutput | None = None,
+        prompt_rows: PromptRows | None = None,
+    ) -> LaunchedStep:
+        """The step's forward, queued (on a GPU; run, on the CPU), without its sampling: ``sample`` finishes it.
+        Between the two the host may read the step before it and fill this one's token bitmask (async scheduling
+        with structured output: the mask needs the previous step's tokens, the forward does not)."""
         pending = previous.pending_inputs() if previous is not None and any(plan.inputs_pending.tolist()) else None
         kwargs: dict = {"pending": pending} if pending is not None else {}
+        every_row = None
         if prompt_rows is not None:  # every row's logits, the sampled rows picked out below
             out = self.runner.execute(plan, True, **kwargs)  # type: ignore[call-arg]
             every_row = out.logits
@@ -133,6 +158,12 @@ class Worker:
             out = dataclasses.replace(out, logits=every_row[sample_rows])
         else:
             out = self.runner.execute(plan, **kwargs)
+        return LaunchedStep(plan, list(rows), out, pending, every_row, prompt_rows)
+
+    def sample(self, step: LaunchedStep, token_bitmask: torch.Tensor | None = None) -> WorkerOutput:
+        """Samples a launched step (verifies and proposes drafts, with a speculator): its ``WorkerOutput``."""
+        plan, rows, out, pending = step.plan, step.rows, step.out, step.pending
+        every_row, prompt_rows = step.every_row, step.prompt_rows
         num_sample_rows = plan.num_sample_rows.tolist()
         request_ids = list(plan.request_ids)
         if self.speculator is not None and plan.num_rows and not plan.is_placeholder:

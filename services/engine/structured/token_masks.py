@@ -24,26 +24,41 @@ def fill_token_bitmask(
     plan: StepPlan, requests: Mapping[str, LiveRequest], grammars: GrammarCompiler
 ) -> torch.Tensor | None:
     """int32 [sampled rows, ceil(V / 32)] on the host, all bits set for unconstrained rows; None when no planned
-    row is constrained (the sampler then skips the mask)."""
+    row is constrained (the sampler then skips the mask).
+
+    Under async scheduling the step in flight is read before this step samples, so a planned request may have
+    ended meanwhile (its grammar's end, a dead end, its length): its rows stay all-allowed, as they are never
+    emitted."""
     counts = plan.num_sample_rows.tolist()
     request_ids = plan.request_ids
-    if not any(n and requests[request_ids[i]].matcher is not None for i, n in enumerate(counts)):
+    matchers = [_live_matcher(requests.get(request_ids[i])) if n else None for i, n in enumerate(counts)]
+    if all(m is None for m in matchers):
         return None
     mask = grammars.bitmask(sum(counts))
     inputs = None  # the plan's input ids and each request's rows, read only for a step with drafts
+    single: tuple[list, list[int]] = ([], [])  # the matchers of one row each (no drafts), and their rows
     row = 0
     for i, n in enumerate(counts):
-        matcher = requests[request_ids[i]].matcher if n else None
-        drafts: list[int] = []
-        if matcher is not None and n > 1:
+        matcher = matchers[i]
+        if matcher is not None and n == 1:
+            single[0].append(matcher)
+            single[1].append(row)
+        elif matcher is not None:
             if inputs is None:
                 inputs = (plan.input_ids.tolist(), plan.query_start.tolist(), plan.seqlens_q.tolist())
             end = inputs[1][i] + inputs[2][i]  # the drafts are the request's last n - 1 inputs
-            drafts = inputs[0][end - n + 1 : end]
-        if matcher is not None:
-            fill_rows(matcher, mask, row, drafts)
+            fill_rows(matcher, mask, row, inputs[0][end - n + 1 : end])
         row += n
+    if single[0]:
+        grammars.fill(single[0], mask, single[1])  # in parallel
     return mask
+
+
+def _live_matcher(req: LiveRequest | None):
+    """A planned request's matcher, None where it has none, has ended, or its grammar has ended."""
+    if req is None or req.matcher is None or req.matcher.is_terminated():
+        return None
+    return req.matcher
 
 
 def fill_rows(matcher, mask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:

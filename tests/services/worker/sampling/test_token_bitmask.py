@@ -91,3 +91,81 @@ def test_interpreted_kernel_sampler_makes_a_row_with_nothing_allowed_an_error_ro
     with interpreter():
         out = kernel(torch.randn(2, VOCAB), _rows(2), token_bitmask=_bitmask([[], None]))
     assert out.errors.tolist() == [True, False]
+
+
+def _packed(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 words [n, ceil(V / 32)] from a bool [n, V] (bit t of word w: token 32w + t)."""
+    n, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    bits = torch.zeros(n, words * 32, dtype=torch.int64, device=allowed.device)
+    bits[:, :vocab] = allowed.long()
+    packed = (bits.view(n, words, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _masks(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows allowing about half the vocabulary, a few tokens, one token, everything, and nothing, in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    kinds = []
+    for i in range(num_rows):
+        row = torch.rand(vocab, generator=gen) < [0.5, 2e-3, 0.0, 1.0, 0.0][i % 5]
+        if i % 5 == 2:  # exactly one allowed token
+            row[int(torch.randint(0, vocab, (1,), generator=gen))] = True
+        kinds.append(row)
+    return _packed(torch.stack(kinds))
+
+
+def _masked_problem(num_rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, list[SamplingRow], torch.Tensor]:
+    """Logits with a few confident tokens per row (kernels' test recipe), its mixed sampling rows (greedy, top-k,
+    top-p, bans, logprobs), and ``_masks``."""
+    from tests.kernels.test_sampler import _mixed_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2
+    hot = torch.randint(0, vocab, (num_rows, 8), generator=gen)
+    logits.scatter_(1, hot, torch.rand(num_rows, 8, generator=gen) * 12 + 4)
+    return logits, _mixed_rows(vocab, num_rows, gen), _masks(num_rows, vocab, seed)
+
+
+def test_interpreted_kernel_sampler_matches_the_cpu_sampler_under_mixed_masks():
+    """The GPU test's problem at a small vocabulary, interpreted: the same tokens, top ids and error rows."""
+    logits, rows, mask = _masked_problem(10, 2048, 3)
+    ref = Sampler()(logits, rows, token_bitmask=mask)
+    with interpreter():
+        got = KernelSampler(load_interpreted("sampler"))(logits, rows, token_bitmask=mask)
+    _check(ref, got)
+    assert ref.errors[4::5].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_kernel_sampler_matches_the_cpu_sampler_under_a_mask(dtype):
+    """The compiled kernel at V = 129,280 on CUDA (the mask applied in its pass 0) against the CPU sampler under the
+    same mask: same tokens, top ids and error rows (the nothing-allowed rows); logprobs within the GPU tolerance."""
+    logits, rows, mask = _masked_problem(64, 129280, 5)
+    logits, mask = logits.to(device="cuda", dtype=dtype), mask.cuda()
+    ref = Sampler()(logits, rows, token_bitmask=mask)  # the torch sampler on the same device (the kernels' GPU test)
+    got = KernelSampler()(logits, rows, token_bitmask=mask)
+    _check(ref, got, tol=2e-5)
+    assert ref.errors[4::5].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_mask_is_an_input_of_the_sampler_kernel_in_a_cuda_graph():
+    """A captured sample replays with the mask tensor's new contents (written in place, as a step's upload does)."""
+    from kernels.sampler import sample, sampling_tensors
+
+    logits, rows, first = _masked_problem(16, 129280, 9)
+    params = sampling_tensors(rows, "cuda")
+    gpu_logits, mask = logits.cuda(), first.cuda()
+    width = max(r.num_logprobs for r in rows)
+    sample(gpu_logits, params, num_logprobs=width, token_bitmask=mask)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = sample(gpu_logits, params, num_logprobs=width, token_bitmask=mask)
+    new = _masks(16, logits.shape[1], 10)
+    mask.copy_(new.cuda())
+    graph.replay()
+    _check(Sampler()(gpu_logits, rows, token_bitmask=new.cuda()), got, tol=2e-5)
