@@ -50,7 +50,7 @@ from kernels.device import num_sms
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sel_stride_r",))
 def _decode_attention_kernel(
     q_ptr,
     ring_ptr,

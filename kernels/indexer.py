@@ -132,7 +132,17 @@ def _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N: tl.const
     tl.store(blocks_ptr + blocks_row + bid, bm, mask=bid < num_blocks)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=(
+        "width",
+        "num_tiles",
+        "num_blocks",
+        "tables_stride_r",
+        "cand_stride_r",
+        "scores_stride_r",
+        "blocks_stride_r",
+    )
+)
 def _score_kernel(
     q_ptr,
     w_ptr,
@@ -459,8 +469,9 @@ def indexer_scores(
     cand = candidates.view(torch.uint8) if candidates is not None and candidates.dtype == torch.bool else candidates
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    if splits is None:  # about four programs per SM, at most one tile each
+    if splits is None:  # about four programs per SM, at most one tile each; a power of two (SPLITS is a constexpr)
         splits = max(1, min(num_tiles, triton.cdiv(4 * num_sms(q.device, off_gpu=8), max(num_rows, 1))))
+        splits = 1 << (splits.bit_length() - 1)
     if num_rows == 0 or width == 0:
         return scores, blocks
     _score_kernel[(num_rows, splits)](
@@ -519,6 +530,7 @@ def indexer_select(
     candidate_source: bool = False,
     candidate_block_size: int = 8,
     candidate_topk_blocks: int = 2048,
+    select_width: int | None = None,
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One index layer's decode selection: (entries int32 [R, min(index_topk, width)] ascending, −1
@@ -527,6 +539,7 @@ def indexer_select(
     The candidate source picks its blocks from its own (unmasked) scores and returns them; a layer
     given ``candidates`` scores only inside them and passes them on (``Attention.restrict_to_candidates``).
     Arguments as ``indexer_scores``; ``options`` go to it (block_n, splits, num_warps, dot_fp32, w_scale).
+    ``select_width``: the entries' columns (``select_topk``'s ``out_width``; default min(index_topk, width)).
     """
     if candidate_source and candidates is not None:
         raise ValueError("the candidate source picks candidates; it does not take them")
@@ -545,7 +558,7 @@ def indexer_select(
     )
     if blocks is not None:
         candidates = select_topk(blocks, candidate_topk_blocks, as_mask=True)
-    return select_topk(scores, index_topk), candidates
+    return select_topk(scores, index_topk, out_width=select_width), candidates
 
 
 def candidate_entries(

@@ -46,7 +46,7 @@ from kernels.reference import GROUP
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("capacity", "m_split", "out_stride_e"))
 def _moe_gemm_kernel(
     a_ptr,
     a_scale_ptr,

@@ -147,7 +147,7 @@ def _summed_splits(
     return logits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _router_kernel(
     x_ptr,
     gate_ptr,
@@ -293,7 +293,7 @@ def _router_kernel(
                 tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _router_finish_kernel(
     part_ptr,
     bias_ptr,

@@ -17,6 +17,7 @@ from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.structured.grammars import GrammarCompiler
+from services.engine.warmup import Progress, warm_up
 from services.worker.build import build_worker
 from services.worker.worker import Runner, Worker
 
@@ -31,11 +32,12 @@ class LLM:
         runner: Runner | None = None,
         worker: Worker | None = None,
         source: ModelSource | None = None,
+        progress: Progress | None = None,
         **engine_args: object,
     ) -> None:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
         ``source`` is a model already loaded (benchmarks build many engines on one model), else ``model``
-        is loaded."""
+        is loaded. ``progress(phase, done, total)``: the warm-up's (``warmup``; services/engine/warmup.py)."""
         self.ranks = None  # the data-parallel group's driver (services/engine/parallel/ranks.py), with dp > 1
         if int(engine_args.get("data_parallel_size", 1)) > 1:  # type: ignore[call-overload]
             if source is not None or runner is not None or worker is not None:
@@ -90,7 +92,10 @@ class LLM:
                 self.config, self.pool_plan = size_pools(
                     self.source,
                     self.config,
-                    lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
+                    lambda probe: LLM(
+                        source=self.source,
+                        **{**{f: getattr(probe, f) for f in probe.__dataclass_fields__}, "warmup": False},
+                    ),
                     fit_max_model_len=fit_len,
                 )
         if fit_len:
@@ -126,6 +131,8 @@ class LLM:
         )
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
+        if self.config.warmup:
+            warm_up(self.engine, progress)
 
     def _start_ranks(self, model: str, engine_args: dict[str, object]) -> None:
         """One process per rank, each with its engine and its share of the experts; this process keeps only

@@ -1,0 +1,155 @@
+"""The warm-up before ready (services/engine/warmup.py): its plan, and on the kernel engine interpreted on the CPU,
+no kernel specialisation after it that it did not already launch.
+
+Under Triton's interpreter nothing compiles, so the test counts specialisation keys (tests/kernels/spec_keys.py:
+Triton's own binder over each launch's arguments): the keys a GPU would compile. After ``warm_up`` it sends
+prompts of many lengths, some together (mixed steps with decode rows), some resuming from the prefix cache at
+other offsets, with greedy and sampled requests, and finds no key the warm-up had not launched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.warmup import PHASE, plan_warmup, token_buckets, warm_up
+from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.runners.model_runner import ModelRunner
+from tests.kernels.interpret import interpreter, load_interpreted
+from tests.kernels.spec_keys import SpecKeys
+
+ENGINE = dict(device="cpu", block_size=8, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=16)
+
+
+def test_token_buckets_and_plan():
+    assert token_buckets(16) == [1, 2, 4, 8, 16] and token_buckets(24) == [1, 2, 4, 8, 16, 24]
+    plan = plan_warmup(budget=16, max_model_len=48, block_size=8, prefix_caching=True)
+    lengths = [r.prompt_length for r in plan]
+    assert lengths[:5] == [1, 2, 4, 8, 16]
+    beside, long = plan[5], plan[6]
+    assert beside.beside_long and long.prompt_length == 46  # the whole context, less two output tokens
+    assert beside.max_tokens >= -(-46 // 16)  # decodes through every chunk of the long prompt
+    hits = [r for r in plan if r.prefix_of is not None]
+    assert [r.prefix_of for r in hits] == [9, 33] and all(r.prompt_length <= 46 for r in hits)
+    assert plan[-1].sampled
+    assert not any(r.prefix_of for r in plan_warmup(16, 48, 8, prefix_caching=False))
+    assert plan_warmup(16, 48, 8, True, max_context=20)[6].prompt_length == 20
+
+
+@pytest.fixture(scope="module")
+def oracle_source(tmp_path_factory):
+    """The oracle tiny config (every attention kind: window-only, ratio 2 and 1, index and candidate sources,
+    Engram) as a loaded checkpoint."""
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+    from services.engine.model_source import load_model
+    from tests.model.deepseek_v41.oracle_configs import CASES, finish
+    from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+
+    case = CASES[0]
+    tok = toy_tokenizer(case.cfg.vocab_size)
+    cfg = finish(case.cfg, engram_token_map(tok)[1])
+    path = write_random_checkpoint(tmp_path_factory.mktemp("oracle") / "ckpt", cfg, case.seed, tok)
+    return lambda: load_model(str(path))
+
+
+def kernel_llm(source, **engine_args) -> LLM:
+    """An LLM on the FP8 kernel backend, every kernel interpreted (sampler included)."""
+    config = EngineConfig(**{**ENGINE, **engine_args})
+    kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+    runner = ModelRunner(source.model, config.worker_config(), backend="kernels", precision="fp8", kernels=kernels)
+    return LLM(source=source, runner=runner, **{**ENGINE, **engine_args})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_no_new_kernel_variant_after_the_warm_up(oracle_source):
+    llm = kernel_llm(oracle_source())
+    calls = []
+    keys = SpecKeys()
+    with interpreter(), keys:
+        steps = warm_up(llm.engine, lambda *a: calls.append(a))
+        warmed = keys.snapshot()
+        num_warm = sum(len(k) for k in warmed.values())
+        assert calls[0] == (PHASE, 0, calls[-1][2]) and calls[-1][1] == calls[-1][2] and steps > 0
+        assert not llm.engine.has_unfinished()
+        gen = torch.Generator().manual_seed(5)
+        vocab = range(3, 250)
+
+        def prompt(n):
+            return [vocab[int(i)] for i in torch.randint(0, len(vocab), (n,), generator=gen)]
+
+        shared = prompt(40)
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.8, seed=3, logprobs=1, ignore_eos=True)
+        # Lengths off every bucket, together (mixed steps: chunks beside decode rows, budgets cut mid-prompt) ...
+        llm.generate([prompt(n) for n in (3, 13, 29, 44)], [greedy, sampled, greedy, greedy])
+        # ... and resuming from the prefix cache after 1, 2 and 4 blocks, with a few tokens more each.
+        llm.generate([shared], greedy)
+        llm.generate([shared[:cut] + prompt(extra) for cut, extra in ((9, 5), (17, 2), (33, 11))], greedy)
+        assert llm.engine.stats().prefix_cache_hits > 0
+    print(f"\n{num_warm} kernel variants after {steps} warm-up steps; {keys.num_launches} launches in all")
+    assert keys.new_since(warmed) == {}
+
+
+# ---------------------------------------------------------------- CUDA: compiles counted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_compile_after_the_warm_up_on_the_gpu():
+    """The tiny model on the CUDA defaults (FP8 kernels, decode graphs, async scheduling, the warm-up): Triton's
+    cache-miss hook (called before every compile of a variant the process has not loaded) counts the compiles
+    of the build (graph capture and warm-up), then of prompts of many lengths alone and together, prefix-cache
+    hits at several offsets and sampled requests with logprobs: none after the warm-up."""
+    import time
+
+    import triton
+
+    compiles: list[str] = []
+
+    def missed(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        compiles.append(f"{fn.name}: {repr}")
+        return None  # compile as usual
+
+    progress: list[tuple[str, int, int]] = []
+    triton.knobs.runtime.jit_cache_hook = missed
+    try:
+        start = time.perf_counter()
+        llm = LLM(
+            model="tiny",
+            device="cuda",
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=2048,
+            progress=lambda *a: progress.append(a),
+        )
+        built_s, built = time.perf_counter() - start, len(compiles)
+        assert llm.config.warmup and llm.config.cuda_graphs and progress[-1][1] == progress[-1][2] > 0
+        gen = torch.Generator().manual_seed(9)
+        vocab = llm.source.config.vocab_size
+
+        def prompt(n):
+            return torch.randint(3, min(vocab, 30000), (n,), generator=gen).tolist()
+
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(
+            max_tokens=4, temperature=0.7, top_p=0.9, top_k=40, logprobs=3, seed=1, ignore_eos=True
+        )
+        lengths = (1, 3, 7, 17, 31, 33, 100, 129, 200, 255, 256, 257, 300, 511, 777, 1023, 1500, 2000)
+        for n in lengths:
+            llm.generate([prompt(n)], greedy)
+        llm.generate([prompt(n) for n in lengths[::2]], [greedy, sampled] * (len(lengths[::2]) // 2 + 1))
+        shared = prompt(1200)
+        llm.generate([shared], greedy)
+        cuts = (17, 100, 513, 1100)
+        llm.generate([shared[:cut] + prompt(13 + cut % 50) for cut in cuts], sampled)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    after = compiles[built:]
+    print(f"\nbuild {built_s:.1f} s: {built} compiles (graph capture and warm-up); after it: {len(after)}")
+    for line in after:
+        print("  new:", line[:300])
+    assert after == []
