@@ -64,16 +64,17 @@ def plan_warmup(
 ) -> list[WarmupRequest]:
     """The warm-up's requests, in order (module docstring)."""
     room = max_model_len - 2  # a prompt leaves room for two output tokens
-    requests = [WarmupRequest(min(n, room), 2) for n in token_buckets(budget) if n <= room]
+    # One output token: the prefill step alone (decode steps come with the request beside the long prompt).
+    requests = [WarmupRequest(min(n, room), 1) for n in token_buckets(budget) if n <= room]
     long = min(room, max_context or room)
     chunks = -(-long // budget)
     requests.append(WarmupRequest(min(3, room), min(chunks + 4, max_model_len - 3), beside_long=True))
-    requests.append(WarmupRequest(long, 2))
+    requests.append(WarmupRequest(long, 1))
     if prefix_caching and long > 2 * block_size:
         # Resume after one cached block, and after most of them: two offsets, a chunk's worth of new tokens each.
         for cached in (block_size + 1, (long // block_size - 1) * block_size + 1):
-            requests.append(WarmupRequest(min(room, cached + min(budget, room - cached)), 2, prefix_of=cached))
-    requests.append(WarmupRequest(min(5, room), 4, sampled=True))
+            requests.append(WarmupRequest(min(room, cached + min(budget, room - cached)), 1, prefix_of=cached))
+    requests.append(WarmupRequest(min(5, room), 3, sampled=True))
     return requests
 
 
