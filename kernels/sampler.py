@@ -38,6 +38,7 @@ Graph-safe: every per-row parameter is a tensor; no host synchronisation. Refere
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
 DRAW_GROUP = 8  # chunks per partial sum of the two-level scans (the draw, the tie cuts)
 MAX_TOP_LOGPROBS = 64  # the top-n ranking compares n × n pairs in registers
+TOP_BUCKETS = (4, 20, MAX_TOP_LOGPROBS)
+"""Top-n widths the kernel ranks (NUM_TOP is a constexpr): a batch's width rounded up to the first that holds it
+(20 is the API's most; the first w ranks are the same at any wider n)."""
 
 
 @triton.jit
@@ -461,6 +465,7 @@ def sample(
     num_warps: int | None = None,
     counts: tuple[torch.Tensor, torch.Tensor] | None = None,
     token_bitmask: torch.Tensor | None = None,
+    launch: bool = True,
 ) -> SamplerOutput:
     """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.
 
@@ -470,7 +475,9 @@ def sample(
     (services/worker/sampling/token_counts.py), read in place; needed when a row has penalties.
     ``token_bitmask``: structured output's int32 [R, >= ceil(V / 32)] on the logits' device
     (services/worker/sampling/token_bitmask.py), applied in pass 0 after the bans (which it then runs). Graph-safe:
-    outputs are allocated here, never read back on the host.
+    outputs are allocated here, never read back on the host. ``launch=False`` compiles this call's variant of the
+    kernel without running it (``JITFunction.warmup``; in parallel under Triton's ``AsyncCompileMode``) and
+    returns the outputs unwritten.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [R, V] with a contiguous last dim, got {tuple(logits.shape)}")
@@ -479,7 +486,7 @@ def sample(
     if width > MAX_TOP_LOGPROBS:
         raise ValueError(f"the kernel ranks at most {MAX_TOP_LOGPROBS} top logprobs in registers, asked {width}")
     device = logits.device
-    ranked = min(triton.next_power_of_2(width), num_tokens) if width else 0
+    ranked = min(next(b for b in TOP_BUCKETS if b >= width), num_tokens) if width else 0
     out = SamplerOutput(
         token_ids=torch.empty(num_rows, dtype=torch.int64, device=device),
         logprobs=torch.empty(num_rows, dtype=torch.float32, device=device),
@@ -516,7 +523,8 @@ def sample(
         scratch = torch.empty(num_rows, num_tokens, dtype=torch.float32, device=device)
     else:  # pass 0 is compiled out: any tensors stand in
         output_counts = prompt_seen = scratch = out.logprobs
-    _sampler_kernel[(num_rows,)](
+    kernel = _sampler_kernel[(num_rows,)] if launch else functools.partial(_sampler_kernel.warmup, grid=(num_rows,))
+    kernel(
         logits,
         logits.stride(0),
         num_tokens,

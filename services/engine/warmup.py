@@ -13,12 +13,13 @@ one value per power of two of it), so a handful of steps covers it:
   and decode steps) at every power of two of the context, the compressed layers' widths with it;
 - **prefix-cache hits**: with prefix caching, two requests that resume from the long prompt's cached blocks at
   different offsets; the cache is cleared afterwards and its events dropped, so no warm-up block is announced;
-- **sampling**: the greedy requests above, and one seeded request with temperature, top-p, top-k, min-p,
-  penalties and logprobs (the sampler kernel's other branches).
+- **sampling**: first the sampler kernel's variants, compiled without a launch and in parallel threads
+  (``KernelSampler.compile_variants``: the rows' parameters, not the step's shape, pick them); then the greedy
+  requests above, and one seeded request with temperature, top-p, top-k, min-p, penalties and logprobs.
 
 With speculative decoding every decode step above verifies drafts. ``progress(phase, done, total)`` is called with
-the phase ``"compiling"`` after each warm-up request ends (``done`` of ``total``), so a readiness report can show
-it; the caller decides when the engine counts as ready (after ``warm_up`` returns).
+the phase ``"compiling"`` after the sampler's variants and after each warm-up request ends (``done`` of ``total``),
+so a readiness report can show it; the caller decides when the engine counts as ready (after ``warm_up`` returns).
 """
 
 from __future__ import annotations
@@ -115,8 +116,19 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     rng = random.Random(0)
     long_prompt = [rng.choice(vocabulary) for _ in range(max(r.prompt_length for r in plan))]
     start, steps, done = time.perf_counter(), 0, 0
+    total = len(plan) + 1
     if progress is not None:
-        progress(PHASE, 0, len(plan))
+        progress(PHASE, 0, total)
+    # The sampler kernel's variants first, compiled at once in threads (their rows' parameters, not the step's
+    # shape, pick them: the requests below reach only a few).
+    sampler = getattr(engine.worker, "sampler", None)
+    compile_variants = getattr(sampler, "compile_variants", None)
+    num_sampler_variants = (
+        0 if compile_variants is None else compile_variants(engine.vocab_size, config.device or "cpu")
+    )
+    done += 1
+    if progress is not None:
+        progress(PHASE, done, total)
 
     def step_until(finished: Callable[[], bool]) -> None:
         nonlocal steps, done
@@ -125,7 +137,7 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
                 if out.finished:
                     done += 1
                     if progress is not None:
-                        progress(PHASE, done, len(plan))
+                        progress(PHASE, done, total)
             steps += 1
 
     for i, request in enumerate(plan):
@@ -151,5 +163,11 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     if engine.hashes is not None:
         engine.scheduler.clear_prefix_cache()
         engine.take_kv_events()  # nothing of the warm-up reaches a router
-    log.info("warm-up: %d requests, %d steps in %.1f s", len(plan), steps, time.perf_counter() - start)
+    log.info(
+        "warm-up: %d sampler variants, %d requests, %d steps in %.1f s",
+        num_sampler_variants,
+        len(plan),
+        steps,
+        time.perf_counter() - start,
+    )
     return steps
