@@ -129,7 +129,7 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
         compiles.append(f"{fn.name}: {repr}")
         return None  # compile as usual
 
-    progress: list[tuple[str, int, int]] = []
+    progress: list[tuple] = []  # (time, compiles so far, phase, done, total)
     triton.knobs.runtime.jit_cache_hook = missed
     try:
         start = time.perf_counter()
@@ -139,10 +139,10 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
             max_num_seqs=4,
             max_num_batched_tokens=128,
             max_model_len=1024,
-            progress=lambda *a: progress.append(a),
+            progress=lambda *a: progress.append((time.perf_counter(), len(compiles), *a)),
         )
         built_s, built = time.perf_counter() - start, len(compiles)
-        assert llm.config.warmup and llm.config.cuda_graphs and progress[-1][1] == progress[-1][2] > 0
+        assert llm.config.warmup and llm.config.cuda_graphs and progress[-1][3] == progress[-1][4] > 0
         gen = torch.Generator().manual_seed(9)
         vocab = llm.source.config.vocab_size
 
@@ -156,7 +156,8 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
         lengths = (1, 3, 7, 17, 31, 33, 100, 127, 128, 129, 200, 300, 511, 777, 1000)
         for n in lengths:
             llm.generate([prompt(n)], greedy)
-        llm.generate([prompt(n) for n in lengths[::2]], [greedy, sampled] * (len(lengths[::2]) // 2 + 1))
+        together = [prompt(n) for n in lengths[::2]]  # mixed steps: chunks beside decode rows
+        llm.generate(together, [(greedy, sampled)[i % 2] for i in range(len(together))])
         shared = prompt(900)
         llm.generate([shared], greedy)
         cuts = (17, 100, 513, 850)
@@ -164,7 +165,12 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     after = compiles[built:]
-    print(f"\nbuild {built_s:.1f} s: {built} compiles (graph capture and warm-up); after it: {len(after)}")
+    (t0, c0, *_), (t1, c1, *_), (t2, c2, *_) = progress[0], progress[1], progress[-1]
+    print(
+        f"\nbuild {built_s:.1f} s, {built} compiles: load and graph capture {t0 - start:.1f} s ({c0} compiles), "
+        f"sampler variants {t1 - t0:.1f} s ({c1 - c0}), warm-up requests {t2 - t1:.1f} s ({c2 - c1}); "
+        f"after the warm-up: {len(after)} compiles"
+    )
     for line in after:
         print("  new:", line[:300])
     assert after == []
