@@ -6,11 +6,12 @@ properties of its integer and pointer arguments. The kernels keep that set small
 integers are ``do_not_specialize``; the constexprs that follow a step's token count T or its context width W take
 one value per power of two of it), so a handful of steps covers it:
 
-- **token buckets**: one prompt of every power of two up to the step budget (and the budget itself), each alone: a
-  prefill step of that many rows, then a decode step (the decode graphs were captured at build);
-- **context widths**: one long prompt (``max_context`` tokens, default the whole ``max_model_len``) prefilled in
-  budget-sized chunks while a short request decodes beside it: mixed steps (or, scheduled ``separate``, prefill
-  and decode steps) at every power of two of the context, the compressed layers' widths with it;
+- **token buckets**: one prompt of every power of two up to the step budget (and the budget itself), each alone
+  with one output token: a prefill step of that many rows (the decode graphs were captured at build);
+- **context widths**: one long prompt (``max_context`` tokens, default ``max_model_len`` up to ``MAX_CONTEXT``)
+  prefilled in budget-sized chunks while a short request decodes beside it: mixed steps (or, scheduled
+  ``separate``, prefill and decode steps) at every power of two of the context, the compressed layers' widths
+  with it;
 - **prefix-cache hits**: with prefix caching, two requests that resume from the long prompt's cached blocks at
   different offsets; the cache is cleared afterwards and its events dropped, so no warm-up block is announced;
 - **sampling**: first the sampler kernel's variants, compiled without a launch and in parallel threads
@@ -36,6 +37,9 @@ from services.engine.sampling_params import SamplingParams
 log = logging.getLogger("shinkai.engine")
 
 PHASE = "compiling"
+MAX_CONTEXT = 65_536
+"""The long prompt's length at most (about 7 s of prefill at v41-s1's full depth): contexts past it compile their
+selection buckets (one per power of two) on first use."""
 Progress = Callable[[str, int, int], None]
 """(phase, done, total): the readiness report's hook."""
 
@@ -67,7 +71,7 @@ def plan_warmup(
     room = max_model_len - 2  # a prompt leaves room for two output tokens
     # One output token: the prefill step alone (decode steps come with the request beside the long prompt).
     requests = [WarmupRequest(min(n, room), 1) for n in token_buckets(budget) if n <= room]
-    long = min(room, max_context or room)
+    long = min(room, max_context or MAX_CONTEXT)
     chunks = -(-long // budget)
     requests.append(WarmupRequest(min(3, room), min(chunks + 4, max_model_len - 3), beside_long=True))
     requests.append(WarmupRequest(long, 1))
