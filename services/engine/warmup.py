@@ -8,6 +8,8 @@ one value per power of two of it), so a handful of steps covers it:
 
 - **token buckets**: one prompt of every power of two up to the step budget (and the budget itself), each alone
   with one output token: a prefill step of that many rows (the decode graphs were captured at build);
+- **decode rows**: for every power of two of rows up to ``max_num_seqs``, that many short requests at once: a
+  decode step of that many rows (a graph replay where the sizes were captured, an eager step otherwise);
 - **context widths**: one long prompt (``max_context`` tokens, default ``max_model_len`` up to ``MAX_CONTEXT``)
   prefilled in budget-sized chunks while a short request decodes beside it: mixed steps (or, scheduled
   ``separate``, prefill and decode steps) at every power of two of the context, the compressed layers' widths
@@ -53,6 +55,7 @@ class WarmupRequest:
     prefix_of: int | None = None  # resumes from the first this-many tokens of the long prompt (prefix cache), or None
     sampled: bool = False  # seeded sampling with every processing option on, else greedy
     beside_long: bool = False  # decodes while the long prompt prefills (added just before it)
+    copies: int = 1  # added at once, different prompts: decode steps of this many rows
 
 
 def token_buckets(budget: int) -> list[int]:
@@ -65,12 +68,19 @@ def token_buckets(budget: int) -> list[int]:
 
 
 def plan_warmup(
-    budget: int, max_model_len: int, block_size: int, prefix_caching: bool, max_context: int | None = None
+    budget: int,
+    max_model_len: int,
+    block_size: int,
+    prefix_caching: bool,
+    max_num_seqs: int = 1,
+    max_context: int | None = None,
 ) -> list[WarmupRequest]:
     """The warm-up's requests, in order (module docstring)."""
     room = max_model_len - 2  # a prompt leaves room for two output tokens
     # One output token: the prefill step alone (decode steps come with the request beside the long prompt).
     requests = [WarmupRequest(min(n, room), 1) for n in token_buckets(budget) if n <= room]
+    # Decode steps of every power of two of rows (graph replays where graphs are captured, eager steps otherwise).
+    requests += [WarmupRequest(min(2, room), 2, copies=n) for n in token_buckets(max_num_seqs)]
     long = min(room, max_context or MAX_CONTEXT)
     chunks = -(-long // budget)
     requests.append(WarmupRequest(min(3, room), min(chunks + 4, max_model_len - 3), beside_long=True))
@@ -112,6 +122,7 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
         config.max_model_len,
         config.block_size,
         engine.prefix_cache_enabled,
+        config.max_num_seqs,
         max_context,
     )
     # Ordinary tokens: not the end token, not an image placeholder, not below 3 (the special ids of the presets).
@@ -120,7 +131,7 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     rng = random.Random(0)
     long_prompt = [rng.choice(vocabulary) for _ in range(max(r.prompt_length for r in plan))]
     start, steps, done = time.perf_counter(), 0, 0
-    total = len(plan) + 1
+    total = sum(r.copies for r in plan) + 1
     if progress is not None:
         progress(PHASE, 0, total)
     # The sampler kernel's variants first, compiled at once in threads (their rows' parameters, not the step's
@@ -145,21 +156,22 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
             steps += 1
 
     for i, request in enumerate(plan):
-        if request.prefix_of is not None:
-            fresh = [rng.choice(vocabulary) for _ in range(request.prompt_length - request.prefix_of)]
-            prompt = long_prompt[: request.prefix_of] + fresh
-        elif request.prompt_length == len(long_prompt):
-            prompt = long_prompt
-        else:
-            prompt = [rng.choice(vocabulary) for _ in range(request.prompt_length)]
         params = _params(request)
-        try:
-            engine.validate(prompt, params)
-        except ValueError as e:  # e.g. penalties on a remote worker: that variant is never served either
-            log.info("warm-up: skipped a request the engine refuses (%s)", e)
-            done += 1
-            continue
-        engine.add_request(f"warmup-{i}", prompt, params)
+        for copy in range(request.copies):
+            if request.prefix_of is not None:
+                fresh = [rng.choice(vocabulary) for _ in range(request.prompt_length - request.prefix_of)]
+                prompt = long_prompt[: request.prefix_of] + fresh
+            elif request.prompt_length == len(long_prompt):
+                prompt = long_prompt
+            else:
+                prompt = [rng.choice(vocabulary) for _ in range(request.prompt_length)]
+            try:
+                engine.validate(prompt, params)
+            except ValueError as e:  # e.g. penalties on a remote worker: that variant is never served either
+                log.info("warm-up: skipped a request the engine refuses (%s)", e)
+                done += 1
+                continue
+            engine.add_request(f"warmup-{i}-{copy}", prompt, params)
         if request.beside_long:
             step_until(lambda: not engine.scheduler.stats().num_waiting)  # its prefill: it decodes from now on
         else:
@@ -170,7 +182,7 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     log.info(
         "warm-up: %d sampler variants, %d requests, %d steps in %.1f s",
         num_sampler_variants,
-        len(plan),
+        total - 1,
         steps,
         time.perf_counter() - start,
     )

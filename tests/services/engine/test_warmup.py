@@ -25,17 +25,17 @@ ENGINE = dict(device="cpu", block_size=4, max_model_len=32, max_num_seqs=4, max_
 
 def test_token_buckets_and_plan():
     assert token_buckets(16) == [1, 2, 4, 8, 16] and token_buckets(24) == [1, 2, 4, 8, 16, 24]
-    plan = plan_warmup(budget=16, max_model_len=48, block_size=8, prefix_caching=True)
-    lengths = [r.prompt_length for r in plan]
-    assert lengths[:5] == [1, 2, 4, 8, 16]
-    beside, long = plan[5], plan[6]
+    plan = plan_warmup(budget=16, max_model_len=48, block_size=8, prefix_caching=True, max_num_seqs=3)
+    assert [(r.prompt_length, r.max_tokens) for r in plan[:5]] == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
+    assert [r.copies for r in plan[5:8]] == [1, 2, 3] and all(r.max_tokens == 2 for r in plan[5:8])
+    beside, long = plan[8], plan[9]
     assert beside.beside_long and long.prompt_length == 46  # the whole context, less two output tokens
     assert beside.max_tokens >= -(-46 // 16)  # decodes through every chunk of the long prompt
     hits = [r for r in plan if r.prefix_of is not None]
     assert [r.prefix_of for r in hits] == [9, 33] and all(r.prompt_length <= 46 for r in hits)
     assert plan[-1].sampled
     assert not any(r.prefix_of for r in plan_warmup(16, 48, 8, prefix_caching=False))
-    assert plan_warmup(16, 48, 8, True, max_context=20)[6].prompt_length == 20
+    assert plan_warmup(16, 48, 8, True, max_context=20)[7].prompt_length == 20  # one decode group (1 row)
 
 
 SMALL = dict(
