@@ -9,6 +9,8 @@ other offsets, with greedy and sampled requests, and finds no key the warm-up ha
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -106,6 +108,7 @@ def test_no_new_kernel_variant_after_the_warm_up(small_source):
         llm.generate([shared[:cut] + prompt(extra) for cut, extra in ((5, 3), (17, 6))], greedy)
         assert llm.engine.stats().prefix_cache_hits > 0
     print(f"\n{num_warm} kernel variants after {steps} warm-up steps; {keys.num_launches} launches in all")
+    print("  per kernel:", {name.split(".")[-1]: len(k) for name, k in sorted(warmed.items())})
     assert keys.new_since(warmed) == {}
 
 
@@ -171,6 +174,8 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
         f"sampler variants {t1 - t0:.1f} s ({c1 - c0}), warm-up requests {t2 - t1:.1f} s ({c2 - c1}); "
         f"after the warm-up: {len(after)} compiles"
     )
+    by_kernel = collections.Counter(line.split(":")[0] for line in compiles[:built])
+    print("  compiled in the build, per kernel:", dict(sorted(by_kernel.items())))
     for line in after:
         print("  new:", line[:300])
     assert after == []
