@@ -187,7 +187,7 @@ def _copy_rows(dst, src_v, src_g, dst_gate_offset, ok, HD: tl.constexpr, CHUNK_C
         tl.store(dst[:, None] + dst_gate_offset + c + cols, g, mask=ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_entries", "num_rows", "num_row_programs"))
 def _compress_kernel(
     proj_ptr,
     values_ptr,

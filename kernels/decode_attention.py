@@ -50,7 +50,7 @@ from kernels.device import num_sms
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sel_stride_r",))
 def _decode_attention_kernel(
     q_ptr,
     ring_ptr,
@@ -367,7 +367,10 @@ def sparse_decode_attention(
         splits = 1 if splits is None else splits
         block_n = invariance.ATTENTION_BLOCK_N if block_n is None else block_n
     if splits is None:
-        splits = _default_splits(window, topk, block_n or 32, num_rows * head_blocks, num_sms(q.device, off_gpu=8))
+        # From the rows' power of two: SPLITS and BLOCKS_PER_SPLIT are constexprs, so eager steps of any row count
+        # take the few variants of the power-of-two sizes (the graph sizes up to 32 rows are those already).
+        programs = triton.next_power_of_2(num_rows) * head_blocks
+        splits = _default_splits(window, topk, block_n or 32, programs, num_sms(q.device, off_gpu=8))
     # 64-key blocks when a program takes a whole row; 32 when split (the entries-only kernel's
     # pipelined loop spills at 64: 384 bytes, sm_90a ptxas)
     explicit_block_n = block_n is not None  # tests pick small blocks on purpose (interpreted)

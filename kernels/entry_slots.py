@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_entries", "entries_stride", "tables_stride", "out_stride"))
 def _entry_slots_kernel(
     entries_ptr,
     tables_ptr,

@@ -34,7 +34,7 @@ MAX_TOKENS = 16
 # 70 registers and 4, 5, 8, 10 use 130, without spills.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _splitk_kernel(
     a_ptr,
     a_scale_ptr,
@@ -99,7 +99,7 @@ def _splitk_kernel(
             tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("size",))
 def _sum_splits_kernel(part_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """out [T·N] = Σ_s part[s] in split order, cast to out's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -7,7 +7,7 @@ Two kernels, one query row per request (rows of one batch share nothing, so no k
 1. ``_score_kernel``: score[r, j] = Σ_h relu(q[r,h]·k[j]) · w[r,h] for j < visible[r], −∞ after,
    reading the FP4 index keys straight from the paged pool (entry j at block_tables[r, j // epb],
    offset j % epb: 64 bytes of packed e2m1 + 4 e8m0 scales). Programs take tiles of BLOCK_N entries
-   of one row, interleaved (tile split, split + SPLITS, …) so rows shorter than the caller's width
+   of one row, interleaved (tile split, split + num_splits, …) so rows shorter than the caller's width
    balance; tiles past the visible entries only write −∞. Per 32-channel scale group g the keys'
    e2m1 codes become e4m3 bytes by a bit shuffle (code · 2^-6, exact), then f16 (compiled: PTX on
    4-byte loads, two cvt.f16x2.e4m3x2 per 4 bytes; the interpreter: Triton ops on int32 words), and one
@@ -132,7 +132,18 @@ def _block_max(sc, t, vis, blocks_ptr, blocks_row, num_blocks, BLOCK_N: tl.const
     tl.store(blocks_ptr + blocks_row + bid, bm, mask=bid < num_blocks)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=(
+        "width",
+        "num_tiles",
+        "num_blocks",
+        "tables_stride_r",
+        "cand_stride_r",
+        "scores_stride_r",
+        "blocks_stride_r",
+        "num_splits",
+    )
+)
 def _score_kernel(
     q_ptr,
     w_ptr,
@@ -161,7 +172,7 @@ def _score_kernel(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    num_splits,
     CB: tl.constexpr,
     USE_CAND: tl.constexpr,
     BLOCK_MAX: tl.constexpr,
@@ -209,11 +220,11 @@ def _score_kernel(
     vis_tiles = tl.cdiv(vis, BLOCK_N)
     scores_row = row * scores_stride_r
     blocks_row = row * blocks_stride_r
-    # Tiles split, split + SPLITS, … below vis_tiles are scored, the rest of this program's only get −∞.
+    # Tiles split, split + num_splits, … below vis_tiles are scored, the rest of this program's only get −∞.
     # Compiled: for loops (Triton software-pipelines them); the interpreter needs Python ints for
     # range bounds, so it walks the same tiles with while loops.
     if FOR_LOOPS:
-        for t in range(split, vis_tiles, SPLITS):
+        for t in range(split, vis_tiles, num_splits):
             _score_tile(
                 t,
                 n,
@@ -254,8 +265,8 @@ def _score_kernel(
                 dot_ty,
                 precision,
             )
-        rest = split + SPLITS * tl.cdiv(tl.maximum(vis_tiles - split, 0), SPLITS)  # first tile past them
-        for t in range(rest, num_tiles, SPLITS):
+        rest = split + num_splits * tl.cdiv(tl.maximum(vis_tiles - split, 0), num_splits)  # first tile past them
+        for t in range(rest, num_tiles, num_splits):
             _hidden_tile(
                 t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N, CB, BLOCK_MAX
             )
@@ -302,12 +313,12 @@ def _score_kernel(
                 dot_ty,
                 precision,
             )
-            t += SPLITS
+            t += num_splits
         while t < num_tiles:
             _hidden_tile(
                 t, n, vis, width, num_blocks, scores_ptr, scores_row, blocks_ptr, blocks_row, BLOCK_N, CB, BLOCK_MAX
             )
-            t += SPLITS
+            t += num_splits
 
 
 @triton.jit
@@ -459,8 +470,9 @@ def indexer_scores(
     cand = candidates.view(torch.uint8) if candidates is not None and candidates.dtype == torch.bool else candidates
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    if splits is None:  # about four programs per SM, at most one tile each
+    if splits is None:  # about four programs per SM, at most one tile each; a power of two (fewer grid shapes)
         splits = max(1, min(num_tiles, triton.cdiv(4 * num_sms(q.device, off_gpu=8), max(num_rows, 1))))
+        splits = 1 << (splits.bit_length() - 1)
     if num_rows == 0 or width == 0:
         return scores, blocks
     _score_kernel[(num_rows, splits)](
@@ -491,7 +503,7 @@ def indexer_scores(
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         D=dim,
         BLOCK_N=block_n,
-        SPLITS=splits,
+        num_splits=splits,
         CB=cb,
         USE_CAND=cand is not None,
         BLOCK_MAX=block_max,
@@ -519,6 +531,7 @@ def indexer_select(
     candidate_source: bool = False,
     candidate_block_size: int = 8,
     candidate_topk_blocks: int = 2048,
+    select_width: int | None = None,
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One index layer's decode selection: (entries int32 [R, min(index_topk, width)] ascending, −1
@@ -527,6 +540,7 @@ def indexer_select(
     The candidate source picks its blocks from its own (unmasked) scores and returns them; a layer
     given ``candidates`` scores only inside them and passes them on (``Attention.restrict_to_candidates``).
     Arguments as ``indexer_scores``; ``options`` go to it (block_n, splits, num_warps, dot_fp32, w_scale).
+    ``select_width``: the entries' columns (``select_topk``'s ``out_width``; default min(index_topk, width)).
     """
     if candidate_source and candidates is not None:
         raise ValueError("the candidate source picks candidates; it does not take them")
@@ -545,7 +559,7 @@ def indexer_select(
     )
     if blocks is not None:
         candidates = select_topk(blocks, candidate_topk_blocks, as_mask=True)
-    return select_topk(scores, index_topk), candidates
+    return select_topk(scores, index_topk, out_width=select_width), candidates
 
 
 def candidate_entries(

@@ -65,7 +65,7 @@ def _scales(amax, MIN_AMAX: tl.constexpr):
     return scale, inv_scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_blocks",))
 def _fake_quant_kernel(
     x_ptr,
     y_ptr,

@@ -27,7 +27,7 @@ def _order_key(s):
     return tl.where((bits & sign) != 0, bits ^ tl.full([], 0xFFFFFFFF, tl.uint32), bits | sign)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("width", "out_width", "scores_stride_r", "out_stride_r"))
 def _select_kernel(
     scores_ptr,
     out_ptr,
@@ -102,13 +102,22 @@ def _select_kernel(
 
 
 def select_topk(
-    scores: torch.Tensor, k: int, *, as_mask: bool = False, atomic: bool = True, num_warps: int | None = None
+    scores: torch.Tensor,
+    k: int,
+    *,
+    as_mask: bool = False,
+    atomic: bool = True,
+    num_warps: int | None = None,
+    out_width: int | None = None,
 ) -> torch.Tensor:
-    """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, min(k, W)]
-    ascending with −1 padding (``select_entries``), or with ``as_mask`` a uint8 [R, W] mask.
-    ``atomic``: compact through atomic slots + a sort of the k indices (default) instead of prefix sums."""
+    """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, out_width] ascending
+    with −1 padding (``select_entries``; ``out_width`` default min(k, W), at most k), or with ``as_mask`` a
+    uint8 [R, W] mask. ``atomic``: compact through atomic slots + a sort of the k indices (default) instead of
+    prefix sums."""
     num_rows, width = scores.shape
-    out_width = min(k, width)
+    out_width = min(k, width) if out_width is None else out_width
+    if not as_mask and not min(k, width) <= out_width <= k:
+        raise ValueError(f"out_width {out_width} must lie in [min(k, W), k] = [{min(k, width)}, {k}]")
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     if as_mask:
@@ -116,7 +125,7 @@ def select_topk(
     else:
         out = torch.empty(num_rows, out_width, dtype=torch.int32, device=scores.device)
     if num_rows == 0 or width == 0:
-        return out
+        return out if as_mask else out.fill_(-1)
     block_w = triton.next_power_of_2(width)
     if block_w > 65536:
         raise ValueError(f"select_topk holds a row in registers: width {width} > 65536")

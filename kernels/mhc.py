@@ -122,7 +122,7 @@ def _mix_epilogue(
     tl.store(comb_ptr + t * (N * N) + (r - 2) * N + k, c, mask=t_ok & is_comb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _mix_kernel(
     h_ptr,
     y_ptr,
@@ -329,7 +329,7 @@ def _finish(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _mix_finish_kernel(
     part_ptr,
     sq_ptr,
@@ -389,8 +389,9 @@ def _mix_config(num_tokens: int, dim: int, block_t: int | None, split: int | Non
     num_tiles = triton.cdiv(dim, block_d)
     if split is None and fixed:
         split = min(num_tiles, invariance.MIX_SPLITS)
-    if split is None:  # a power of two: TILES and SPLIT are constexprs, so few compiled variants over all T
-        split = min(num_tiles, triton.next_power_of_2(triton.cdiv(2 * NUM_SMS_H200, triton.cdiv(num_tokens, block_t))))
+    if split is None:  # a power of two from T's power-of-two bucket: TILES and SPLIT are constexprs
+        tiles_t = triton.cdiv(triton.next_power_of_2(num_tokens), block_t)
+        split = min(num_tiles, triton.next_power_of_2(triton.cdiv(2 * NUM_SMS_H200, tiles_t)))
     per = triton.cdiv(num_tiles, split)
     return block_t, block_d, per, triton.cdiv(num_tiles, per)
 

@@ -23,7 +23,7 @@ def _expand_stream(y, h3, post_ptr, comb_ptr, t, t_ok, k, N: tl.constexpr, out_t
     return (post * y + tl.sum(comb[:, :, None] * h3, axis=1)).to(out_ty).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _collapse_kernel(
     h_ptr,
     pre_ptr,
@@ -47,7 +47,7 @@ def _collapse_kernel(
     tl.store(x_ptr + t1[:, None] * dim + d1[None, :], x.to(x_ptr.dtype.element_ty), mask=x_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _expand_kernel(
     y_ptr,
     h_ptr,

@@ -41,7 +41,7 @@ SCALE_BYTES = 1 + 4 / GROUP
 """Bytes per channel of a quantised row: the e4m3 value and its share of the fp32 scale."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows", "num_picks", "capacity"))
 def _contiguous_kernel(
     src_ptr,
     src_scale_ptr,

@@ -61,7 +61,7 @@ def _dequant(packed, scale_bytes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return lo.to(tl.float32, bitcast=True) * s, hi.to(tl.float32, bitcast=True) * s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("capacity", "out_stride_e"))
 def _moe_fp4_kernel(
     a_ptr,
     row_ids_ptr,

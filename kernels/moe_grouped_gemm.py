@@ -46,7 +46,7 @@ from kernels.reference import GROUP
 BLOCK_K = GROUP  # one weight scale and one activation scale per K step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("capacity", "m_split", "out_stride_e"))
 def _moe_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -262,7 +262,8 @@ def moe_grouped_gemm(
         key = moe_configs.shape_key(
             num_experts, n_w, k, swiglu=swiglu_limit is not None, a_fp8=a_fp8, out_dtype=out_dtype
         )
-        measured = moe_configs.lookup(a_values.device, key, meta["slot_of"].shape[0])
+        # T's power of two: the configs a step can take are the table's rows nearest those (docs/kernel-notes.md)
+        measured = moe_configs.lookup(a_values.device, key, triton.next_power_of_2(meta["slot_of"].shape[0]))
         num_warps, num_stages, programs_per_sm = (measured.get(f) for f in moe_configs.FIELDS)
     num_warps = default_num_warps(block_n, block_m, swiglu_limit is not None) if num_warps is None else num_warps
     num_stages = DEFAULT_NUM_STAGES if num_stages is None else num_stages

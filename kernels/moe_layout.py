@@ -108,7 +108,7 @@ def _layout(
         tl.store(expert_counts_ptr + cols, old + carry.to(tl.int64), mask=routed)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _layout_kernel(
     experts_ptr,
     weights_ptr,

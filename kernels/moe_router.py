@@ -147,7 +147,7 @@ def _summed_splits(
     return logits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _router_kernel(
     x_ptr,
     gate_ptr,
@@ -293,7 +293,7 @@ def _router_kernel(
                 tl.store(ticket_ptr + tl.program_id(0), 0)  # 0 again for the next launch or graph replay
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _router_finish_kernel(
     part_ptr,
     bias_ptr,
@@ -442,8 +442,8 @@ def _launch(
     num_t_tiles, num_d_tiles = triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_d)
     if split is None and invariance.active():
         split = invariance.ROUTER_SPLITS  # a function of nothing in the batch (kernels/invariance.py)
-    if split is None:
-        split = default_split(num_t_tiles, num_d_tiles, num_sms(x.device, off_gpu=8))
+    if split is None:  # from the token tiles' power of two: SPLIT and TILES are constexprs, few values over all T
+        split = default_split(triton.next_power_of_2(num_t_tiles), num_d_tiles, num_sms(x.device, off_gpu=8))
     split = max(1, min(split, num_d_tiles))
     tiles = triton.cdiv(num_d_tiles, split)  # the last split may run past D: masked
     part = torch.empty(split if split > 1 else 0, num_tokens, block_e, dtype=torch.float32, device=x.device)

@@ -51,7 +51,7 @@ PROGRAMS_PER_SM = {False: 3, True: 2}
 (3 programs of 128 threads in 64K), the SwiGLU GEMM 255 (2), as the one pass does (146 and 255)."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("capacity", "part_split_stride"))
 def _moe_splitk_kernel(
     a_ptr,
     a_scale_ptr,

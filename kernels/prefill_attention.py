@@ -128,7 +128,7 @@ def _staged_window_blocks(
     return m, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sel_stride_r",))
 def _prefill_attention_kernel(
     q_ptr,
     kcode_ptr,

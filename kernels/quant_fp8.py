@@ -70,7 +70,7 @@ def _quantize_rows(a):
     return _round_to_e4m3_grid(a * inv_scale[:, None]).to(tl.float8e4nv), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))
 def _quantize_act_kernel(
     x_ptr, q_ptr, s_ptr, num_rows, x_row_stride, GROUPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -107,7 +107,7 @@ def _outputs(num_rows: int, channels: int, device: torch.device) -> tuple[torch.
     return q, s, (triton.cdiv(num_rows, ROWS), channels // GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))
 def _swiglu_quant_kernel(
     gu_ptr,
     w_ptr,

@@ -28,7 +28,7 @@ def _rotate(a, b, c, d):
     return a * c - b * d, a * d + b * c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))
 def _rmsnorm_kernel(
     x_ptr,
     w_ptr,

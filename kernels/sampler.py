@@ -37,6 +37,8 @@ Graph-safe: every per-row parameter is a tensor; no host synchronisation. Refere
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +68,9 @@ PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
 DRAW_GROUP = 8  # chunks per partial sum of the two-level scans (the draw, the tie cuts)
 MAX_TOP_LOGPROBS = 64  # the top-n ranking compares n × n pairs in registers
+TOP_BUCKETS = (4, 20, MAX_TOP_LOGPROBS)
+"""Top-n widths the kernel ranks (NUM_TOP is a constexpr): a batch's width rounded up to the first that holds it
+(20 is the API's most; the first w ranks are the same at any wider n)."""
 
 
 @triton.jit
@@ -98,7 +103,7 @@ def _div64(y, r, LIBDEVICE: tl.constexpr):
         return y / r  # the interpreter's numpy division
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("case",))
 def _sampler_kernel(
     logits_ptr,
     row_stride,
@@ -409,7 +414,8 @@ def sampling_tensors(
     num_rows = len(rows)
     ban_lists = [r.banned_token_ids for r in rows]
     longest = max(map(len, ban_lists), default=0)
-    width = longest if num_bans is None else num_bans
+    # Padded to a power of two by default: NUM_BANS is a constexpr, so the kernel's variants stay few.
+    width = (triton.next_power_of_2(longest) if longest else 0) if num_bans is None else num_bans
     if longest > width:
         i = next(i for i, b in enumerate(ban_lists) if len(b) > width)
         raise ValueError(f"row {i} bans {len(ban_lists[i])} tokens, more than num_bans={width}")
@@ -459,15 +465,19 @@ def sample(
     num_warps: int | None = None,
     counts: tuple[torch.Tensor, torch.Tensor] | None = None,
     token_bitmask: torch.Tensor | None = None,
+    launch: bool = True,
 ) -> SamplerOutput:
     """logits [R, V] fp32/bf16 (last dim contiguous) → the CPU sampler's ``SamplerOutput``.
 
     ``num_logprobs`` is the batch's top-n width (the CPU sampler's w = min(max num_logprobs, V)); every
-    row gets that many ranks. ``counts``: the penalties' (output int32 [S, V], prompt bool [S, V]) token counts
+    row gets that many ranks (the kernel ranks w rounded up to a power of two, a constexpr: the first w of
+    them are the same). ``counts``: the penalties' (output int32 [S, V], prompt bool [S, V]) token counts
     (services/worker/sampling/token_counts.py), read in place; needed when a row has penalties.
     ``token_bitmask``: structured output's int32 [R, >= ceil(V / 32)] on the logits' device
     (services/worker/sampling/token_bitmask.py), applied in pass 0 after the bans (which it then runs). Graph-safe:
-    outputs are allocated here, never read back on the host.
+    outputs are allocated here, never read back on the host. ``launch=False`` compiles this call's variant of the
+    kernel without running it (``JITFunction.warmup``; in parallel under Triton's ``AsyncCompileMode``) and
+    returns the outputs unwritten.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [R, V] with a contiguous last dim, got {tuple(logits.shape)}")
@@ -476,15 +486,16 @@ def sample(
     if width > MAX_TOP_LOGPROBS:
         raise ValueError(f"the kernel ranks at most {MAX_TOP_LOGPROBS} top logprobs in registers, asked {width}")
     device = logits.device
+    ranked = min(next(b for b in TOP_BUCKETS if b >= width), num_tokens) if width else 0
     out = SamplerOutput(
         token_ids=torch.empty(num_rows, dtype=torch.int64, device=device),
         logprobs=torch.empty(num_rows, dtype=torch.float32, device=device),
-        top_token_ids=torch.empty(num_rows, width, dtype=torch.int64, device=device),
-        top_logprobs=torch.empty(num_rows, width, dtype=torch.float32, device=device),
+        top_token_ids=torch.empty(num_rows, ranked, dtype=torch.int64, device=device),
+        top_logprobs=torch.empty(num_rows, ranked, dtype=torch.float32, device=device),
         errors=torch.empty(num_rows, dtype=torch.bool, device=device),
     )
     if num_rows == 0:
-        return out
+        return _first_ranks(out, width)
     block = block or min(1024, triton.next_power_of_2(num_tokens))
     num_chunks = triton.cdiv(num_tokens, block)
     num_warps = num_warps or (8 if block >= 1024 else 4)
@@ -512,7 +523,8 @@ def sample(
         scratch = torch.empty(num_rows, num_tokens, dtype=torch.float32, device=device)
     else:  # pass 0 is compiled out: any tensors stand in
         output_counts = prompt_seen = scratch = out.logprobs
-    _sampler_kernel[(num_rows,)](
+    kernel = _sampler_kernel[(num_rows,)] if launch else functools.partial(_sampler_kernel.warmup, grid=(num_rows,))
+    kernel(
         logits,
         logits.stride(0),
         num_tokens,
@@ -545,11 +557,19 @@ def sample(
         SEL_BLOCK=min(block, 32 * num_warps),
         GROUP=DRAW_GROUP,
         GROUPS_POW2=triton.next_power_of_2(triton.cdiv(num_chunks, DRAW_GROUP)),
-        NUM_TOP=width,
-        TOP_POW2=triton.next_power_of_2(max(width, 1)),
+        NUM_TOP=ranked,
+        TOP_POW2=triton.next_power_of_2(max(ranked, 1)),
         PROCESS=process,
         HAS_MASK=token_bitmask is not None,
         LIBDEVICE=logits.is_cuda,
         num_warps=num_warps,
     )
-    return out
+    return _first_ranks(out, width)
+
+
+def _first_ranks(out: SamplerOutput, width: int) -> SamplerOutput:
+    """``out`` with its top-n columns cut to the first ``width`` (dense, as ``SamplerOutput`` has them)."""
+    if out.top_token_ids.shape[1] == width:
+        return out
+    top_ids, top_lp = out.top_token_ids[:, :width].contiguous(), out.top_logprobs[:, :width].contiguous()
+    return dataclasses.replace(out, top_token_ids=top_ids, top_logprobs=top_lp)

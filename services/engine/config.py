@@ -128,6 +128,10 @@ class EngineConfig:
     # 4 · max_num_seqs with prefix caching (a request saves up to three while it prefills and one when it ends),
     # 0 without.
     num_state_snapshots: int | None = None
+    # Before the LLM is built, synthetic requests run every kernel variant a step can take, so no live step waits on
+    # a Triton compile (services/engine/warmup.py). The CUDA default with the kernel backend
+    # (services/engine/device.py).
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -57,6 +57,7 @@ def device_engine_args(engine_args: dict[str, object]) -> dict[str, object]:
             out["cuda_graphs"] = (
                 out["kernel_backend"] is not None and not out.get("enforce_eager", False) and not speculative
             )
+        out.setdefault("warmup", out["kernel_backend"] is not None)  # where Triton compiles: before ready
     return out
 
 

@@ -18,6 +18,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
+from services.engine.warmup import Progress, warm_up
 from services.worker import startup
 from services.worker.build import build_worker
 from services.worker.kernel_model.fp8_linear import KernelSet
@@ -35,6 +36,7 @@ class LLM:
         worker: StepWorker | None = None,
         source: ModelSource | None = None,
         kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None = None,
+        progress: Progress | None = None,
         **engine_args: object,
     ) -> None:
         """``worker`` replaces the in-process worker (e.g. a `RemoteWorker`); ``runner`` only its runner;
@@ -42,7 +44,8 @@ class LLM:
         is loaded. ``kernels``: the kernel backend's kernel set as a context (a module-level callable → a
         context manager yielding the ``KernelSet``; None: the compiled set) that this process (one engine, until
         ``close``) or each rank process runs inside: interpreted copies run the kernel backend on a CPU
-        (tests/kernels/interpret.py)."""
+        (tests/kernels/interpret.py). ``progress(phase, done, total)``: the warm-up's (``warmup``;
+        services/engine/warmup.py), beside the process's startup report (services/worker/startup.py)."""
         self.ranks = None  # the data-parallel group's driver (services/engine/parallel/ranks.py), with dp > 1
         self._kernel_context = contextlib.ExitStack()
         if int(engine_args.get("data_parallel_size", 1)) > 1:  # type: ignore[call-overload]
@@ -99,7 +102,10 @@ class LLM:
                 self.config, self.pool_plan = size_pools(
                     self.source,
                     self.config,
-                    lambda probe: LLM(source=self.source, **{f: getattr(probe, f) for f in probe.__dataclass_fields__}),
+                    lambda probe: LLM(
+                        source=self.source,
+                        **{**{f: getattr(probe, f) for f in probe.__dataclass_fields__}, "warmup": False},
+                    ),
                     fit_max_model_len=fit_len,
                 )
         if fit_len:
@@ -135,6 +141,15 @@ class LLM:
         )
         self._ids = itertools.count()
         self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
+        if self.config.warmup:
+            with startup.phase("compiling") as step:
+
+                def report(phase: str, done: int, total: int) -> None:
+                    step.count(done, total)
+                    if progress is not None:
+                        progress(phase, done, total)
+
+                warm_up(self.engine, report)
 
     def _start_ranks(
         self,

@@ -5,8 +5,8 @@ API (/health, grpc.health's trailing metadata, `shinkai up`'s progress line, the
 |---|---|---|
 | ``loading`` | the weights onto the device (``LLM``: ``load_model``) | parts placed (kernel form) |
 | ``profiling`` | the profiled step that sizes the pools (services/engine/pool_sizing.py) | none |
-| ``compiling`` | the warm-up compiles of every kernel variant, before the graphs (the warm-up pass) | variants |
 | ``capturing`` | the CUDA graphs of every decode size and speculative bucket (services/worker/build.py) | graphs |
+| ``compiling`` | the warm-up: synthetic requests through every step shape (services/engine/warmup.py) | requests |
 
 Code that does a phase's work reports into the process's one ``PROGRESS``, from any thread::
 
@@ -17,8 +17,10 @@ Code that does a phase's work reports into the process's one ``PROGRESS``, from 
             compile(variant)
             step.advance(str(variant))   # done += 1; the detail names what just finished
 
+or sets the count outright with ``step.count(done, total)`` where it counts its own steps (the warm-up).
+
 Readers take ``PROGRESS.state()`` (plain data) whenever they answer a probe; ``PROGRESS.durations()`` gives the
-seconds each phase took. A phase entered inside another (the pool profile's throwaway engine compiling) pauses the
+seconds each phase took. A phase entered inside another (a throwaway engine's inside the pool profile) pauses the
 outer one: the durations add up to the time spent, each second counted once.
 """
 
@@ -85,6 +87,12 @@ class PhaseStep:
         with self._progress.lock:
             self._frame.done += 1
             self._frame.detail = detail
+
+    def count(self, done: int, total: int | None) -> None:
+        """Sets the steps done and the total outright, for a caller that counts its own (the warm-up)."""
+        with self._progress.lock:
+            self._frame.done = done
+            self._frame.total = total
 
 
 @dataclass

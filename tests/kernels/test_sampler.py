@@ -120,7 +120,7 @@ def test_sampling_tensors_hold_each_rows_parameters():
     assert got.position.tolist() == [r.position for r in rows]
     assert got.banned.tolist() == [list(r.banned_token_ids) + [-1] * (5 - len(r.banned_token_ids)) for r in rows]
     assert got.forced.tolist() == [-1 if r.forced_token_id is None else r.forced_token_id for r in rows]
-    assert sampling_tensors(rows).banned.shape == (len(rows), 3)
+    assert sampling_tensors(rows).banned.shape == (len(rows), 4)  # the longest list (3), to a power of two
     assert sampling_tensors(rows[2:4]).banned.shape == (2, 0)
     with pytest.raises(ValueError, match="row 1 bans 3 tokens, more than num_bans=2"):
         sampling_tensors(rows, num_bans=2)

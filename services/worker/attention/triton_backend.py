@@ -159,6 +159,9 @@ class TritonAttention:
             candidate_source=attn.is_candidate_source,
             candidate_block_size=attn.candidate_block_size,
             candidate_topk_blocks=attn.candidate_topk_blocks,
+            # [R, min(k, W rounded up to a power of two)], −1 padded: the attention kernels' TOPK constexpr then
+            # takes one value per power of two of the context, not one per width (docs/performance.md).
+            select_width=min(attn.index_topk, 1 << (self.width - 1).bit_length()) if self.width else 0,
             dot_fp32=self.kernels.interpreted,
             w_scale=w_scale,
         )

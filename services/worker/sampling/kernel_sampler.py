@@ -6,11 +6,18 @@ parameters are checked as the CPU sampler checks them (a banned id outside the v
 
 What the kernel cannot serve is refused, never routed elsewhere: more than ``MAX_TOP_LOGPROBS`` (64)
 top logprobs in one batch raises ``ValueError`` (the engine's API allows at most 20).
+
+``compile_variants`` compiles the kernel's variants a step's rows can ask for (top-n width bucket, ban-list length,
+the processing pass with min-p alone, with penalties' token counts, with a structured-output mask) without running
+them, in parallel threads: the warm-up before ready (services/engine/warmup.py).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 import torch
@@ -66,3 +73,46 @@ class KernelSampler:
                 raise ValueError(f"the token bitmask has {token_bitmask.shape[0]} rows for {len(rows)} logits rows")
             mask = upload(token_bitmask.to(torch.int32).contiguous(), logits.device)
         return self.kernel.sample(logits, params, width, counts=tables, token_bitmask=mask)
+
+    def compile_variants(
+        self, vocab_size: int, device: torch.device | str, num_bans: Sequence[int] = (0, 1), workers: int | None = None
+    ) -> int:
+        """Compiles, without a launch, each variant of the kernel that rows with up to 20 logprobs and ban lists of
+        ``num_bans`` ids take (every processing form: none, min-p alone, penalties, a token mask); ``workers``
+        threads (default: the CPUs) compile at once under Triton's ``AsyncCompileMode``. Returns the variants.
+        Longer ban lists compile on first use, one variant per power of two of the list."""
+        from triton.runtime._async_compile import AsyncCompileMode
+
+        logits = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+        tables = (
+            torch.zeros(1, vocab_size, dtype=torch.int32, device=device),
+            torch.zeros(1, vocab_size, dtype=torch.bool, device=device).view(torch.uint8),
+        )
+        mask = torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+        forms = [  # (min_p, history, counts, mask)
+            (0.0, None, None, None),
+            (0.05, None, None, None),
+            (0.0, 0, tables, None),
+            (0.0, None, None, mask),
+            (0.0, 0, tables, mask),
+        ]
+        widths = [w for w in (0, *self.kernel.TOP_BUCKETS) if w <= 20]
+        variants = list(itertools.product(num_bans, widths, forms))
+        executor = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1)
+        with executor, AsyncCompileMode(executor):
+            for bans, width, (min_p, history, counts, token_mask) in variants:
+                row = SamplingRow(
+                    temperature=1.0,
+                    top_k=-1,
+                    top_p=1.0,
+                    seed=0,
+                    position=0,
+                    forced_top_k=None,
+                    banned_token_ids=tuple(range(bans)),
+                    num_logprobs=width,
+                    min_p=min_p,
+                    history=history,
+                )
+                params = self.kernel.sampling_tensors([row], device)
+                self.kernel.sample(logits, params, width, counts=counts, token_bitmask=token_mask, launch=False)
+        return len(variants)

@@ -41,6 +41,7 @@ def test_cuda_defaults_are_the_fast_path_each_with_an_off_switch(monkeypatch):
         "async_scheduling": True,
         "expert_format": "fp4",
         "cuda_graphs": True,
+        "warmup": True,
     }
     assert device_engine_args({"expert_format": "fp8"})["expert_format"] == "fp8"  # the off switch
     eager = EngineConfig(**device_engine_args({"enforce_eager": True}))
@@ -49,6 +50,7 @@ def test_cuda_defaults_are_the_fast_path_each_with_an_off_switch(monkeypatch):
     assert sync["async_scheduling"] is False and sync["device"] == "cuda:1"
     torch_model = device_engine_args({"kernel_backend": None})
     assert torch_model["kernel_backend"] is None and torch_model["cuda_graphs"] is False
+    assert torch_model["warmup"] is False and device_engine_args({"warmup": False})["warmup"] is False  # no compiles
     # Speculative decoding runs eagerly and synchronously: the kernel backend stays, graphs and async do not.
     spec = device_engine_args({"num_speculative_tokens": 3})
     assert (spec["kernel_backend"], spec["async_scheduling"], spec["cuda_graphs"]) == ("fp8", False, False)

@@ -1,0 +1,183 @@
+"""The warm-up before ready (services/engine/warmup.py): its plan, and on the kernel engine interpreted on the CPU,
+no kernel specialisation after it that it did not already launch.
+
+Under Triton's interpreter nothing compiles, so the test counts specialisation keys (tests/kernels/spec_keys.py:
+Triton's own binder over each launch's arguments): the keys a GPU would compile. After ``warm_up`` it sends
+prompts of many lengths, some together (mixed steps with decode rows), some resuming from the prefix cache at
+other offsets, with greedy and sampled requests, and finds no key the warm-up had not launched.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.warmup import PHASE, plan_warmup, token_buckets, warm_up
+from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.runners.model_runner import ModelRunner
+from tests.kernels.interpret import interpreter, load_interpreted
+from tests.kernels.spec_keys import SpecKeys
+
+ENGINE = dict(device="cpu", block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8)
+
+
+def test_token_buckets_and_plan():
+    assert token_buckets(16) == [1, 2, 4, 8, 16] and token_buckets(24) == [1, 2, 4, 8, 16, 24]
+    plan = plan_warmup(budget=16, max_model_len=48, block_size=8, prefix_caching=True, max_num_seqs=3)
+    assert [(r.prompt_length, r.max_tokens) for r in plan[:5]] == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
+    assert [r.copies for r in plan[5:8]] == [1, 2, 3] and all(r.max_tokens == 2 for r in plan[5:8])
+    beside, long = plan[8], plan[9]
+    assert beside.beside_long and long.prompt_length == 46  # the whole context, less two output tokens
+    assert beside.max_tokens >= -(-46 // 16)  # decodes through every chunk of the long prompt
+    hits = [r for r in plan if r.prefix_of is not None]
+    assert [r.prefix_of for r in hits] == [9, 33] and all(r.prompt_length <= 46 for r in hits)
+    assert plan[-1].sampled
+    assert not any(r.prefix_of for r in plan_warmup(16, 48, 8, prefix_caching=False))
+    assert plan_warmup(16, 48, 8, True, max_context=20)[7].prompt_length == 20  # one decode group (1 row)
+
+
+SMALL = dict(
+    num_hidden_layers=5,
+    compress_ratios=(0, 2, 1, 1, 1, 0),
+    kv_source_layer_ids=(1, 2),
+    index_source_layer_ids=(1, 2, 4),
+    candidate_source_layer_id=2,
+    engram_layer_ids=(1,),
+    engram_num_embeddings=(1,),
+    hc_sinkhorn_iters=2,
+)
+"""The oracle config cut to one layer of each kind: window-only, a ratio-2 KV and index source (Engram), a ratio-1
+KV, index and candidate source, a ratio-1 layer reusing its selection, a ratio-1 index source within the
+candidates; two Sinkhorn iterations (a constexpr; the interpreter's time is mostly mHC's finishing kernel)."""
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory):
+    """``SMALL`` as a checkpoint: a loader of fresh copies (the kernel backend converts a model in place)."""
+    import dataclasses
+
+    from model.deepseek_v41.init import write_random_checkpoint
+    from model.deepseek_v41.tokenizer import engram_token_map
+    from services.engine.model_source import load_model
+    from tests.model.deepseek_v41.oracle_configs import ORACLE, finish
+    from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
+
+    tok = toy_tokenizer(ORACLE.vocab_size)
+    cfg = finish(dataclasses.replace(ORACLE, **SMALL), engram_token_map(tok)[1])
+    path = write_random_checkpoint(tmp_path_factory.mktemp("small") / "ckpt", cfg, 8, tok)
+    return lambda: load_model(str(path))
+
+
+def kernel_llm(source, **engine_args) -> LLM:
+    """An LLM on the FP8 kernel backend, every kernel interpreted (sampler included)."""
+    config = EngineConfig(**{**ENGINE, **engine_args})
+    kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+    runner = ModelRunner(source.model, config.worker_config(), backend="kernels", precision="fp8", kernels=kernels)
+    return LLM(source=source, runner=runner, **{**ENGINE, **engine_args})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_no_new_kernel_variant_after_the_warm_up(small_source):
+    llm = kernel_llm(small_source())
+    calls = []
+    keys = SpecKeys()
+    with interpreter(), keys:
+        steps = warm_up(llm.engine, lambda *a: calls.append(a))
+        warmed = keys.snapshot()
+        num_warm = sum(len(k) for k in warmed.values())
+        assert calls[0] == (PHASE, 0, calls[-1][2]) and calls[-1][1] == calls[-1][2] and steps > 0
+        assert not llm.engine.has_unfinished()
+        gen = torch.Generator().manual_seed(5)
+        vocab = range(3, 250)
+
+        def prompt(n):
+            return [vocab[int(i)] for i in torch.randint(0, len(vocab), (n,), generator=gen)]
+
+        shared = prompt(24)
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.8, seed=3, logprobs=1, ignore_eos=True)
+        # Lengths off every bucket, together (mixed steps: chunks beside decode rows, budgets cut mid-prompt) ...
+        llm.generate([prompt(n) for n in (3, 11, 27)], [greedy, sampled, greedy])
+        # ... and resuming from the prefix cache after 1 and 4 blocks, with a few tokens more each.
+        llm.generate([shared], greedy)
+        llm.generate([shared[:cut] + prompt(extra) for cut, extra in ((5, 3), (17, 6))], greedy)
+        assert llm.engine.stats().prefix_cache_hits > 0
+    print(f"\n{num_warm} kernel variants after {steps} warm-up steps; {keys.num_launches} launches in all")
+    print("  per kernel:", {name.split(".")[-1]: len(k) for name, k in sorted(warmed.items())})
+    assert keys.new_since(warmed) == {}
+
+
+# ---------------------------------------------------------------- CUDA: compiles counted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_compile_after_the_warm_up_on_the_gpu():
+    """The tiny model on the CUDA defaults (FP8 kernels, decode graphs, async scheduling, the warm-up): Triton's
+    cache-miss hook (called before every compile of a variant the process has not loaded) counts the compiles
+    of the build (graph capture and warm-up), then of prompts of many lengths alone and together, prefix-cache
+    hits at several offsets and sampled requests with logprobs: none after the warm-up."""
+    import time
+
+    import triton
+
+    compiles: list[str] = []
+
+    def missed(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        compiles.append(f"{fn.name}: {repr}")
+        return None  # compile as usual
+
+    progress: list[tuple] = []  # (time, compiles so far, phase, done, total)
+    triton.knobs.runtime.jit_cache_hook = missed
+    try:
+        start = time.perf_counter()
+        llm = LLM(
+            model="tiny",
+            device="cuda",
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+            max_model_len=1024,
+            block_size=16,
+            num_blocks=320,  # not sized from the GPU's memory: other test files may share the GPU
+            progress=lambda *a: progress.append((time.perf_counter(), len(compiles), *a)),
+        )
+        built_s, built = time.perf_counter() - start, len(compiles)
+        assert llm.config.warmup and llm.config.cuda_graphs and progress[-1][3] == progress[-1][4] > 0
+        gen = torch.Generator().manual_seed(9)
+        vocab = llm.source.config.vocab_size
+
+        def prompt(n):
+            return torch.randint(3, min(vocab, 30000), (n,), generator=gen).tolist()
+
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(
+            max_tokens=4, temperature=0.7, top_p=0.9, top_k=40, logprobs=3, seed=1, ignore_eos=True
+        )
+        lengths = (1, 3, 7, 17, 31, 33, 100, 127, 128, 129, 200, 300, 511, 777, 1000)
+        for n in lengths:
+            llm.generate([prompt(n)], greedy)
+        together = [prompt(n) for n in lengths[::2]]  # mixed steps: chunks beside decode rows
+        llm.generate(together, [(greedy, sampled)[i % 2] for i in range(len(together))])
+        shared = prompt(900)
+        llm.generate([shared], greedy)
+        cuts = (17, 100, 513, 850)
+        llm.generate([shared[:cut] + prompt(13 + cut % 50) for cut in cuts], sampled)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    after = compiles[built:]
+    (t0, c0, *_), (t1, c1, *_), (t2, c2, *_) = progress[0], progress[1], progress[-1]
+    print(
+        f"\nbuild {built_s:.1f} s, {built} compiles: load and graph capture {t0 - start:.1f} s ({c0} compiles), "
+        f"sampler variants {t1 - t0:.1f} s ({c1 - c0}), warm-up requests {t2 - t1:.1f} s ({c2 - c1}); "
+        f"after the warm-up: {len(after)} compiles"
+    )
+    by_kernel = collections.Counter(line.split(":")[0] for line in compiles[:built])
+    print("  compiled in the build, per kernel:", dict(sorted(by_kernel.items())))
+    for line in after:
+        print("  new:", line[:300])
+    assert after == []
