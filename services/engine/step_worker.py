@@ -26,6 +26,15 @@ class StepWorker(Protocol):
         """Runs one step's plan with its sampling rows (the in-process worker takes the async and host extras)."""
         ...
 
+    def launch(self, plan: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+        """The step's forward alone (async scheduling with structured output, so in-process workers only: a worker
+        process is never asked): ``sample`` takes the step it returns and the token mask, filled meanwhile."""
+        ...
+
+    def sample(self, step: Any, token_bitmask: Any = None) -> WorkerOutput:
+        """Samples a launched step (``launch``): the same output as ``execute``."""
+        ...
+
     def release(self, request_id: str) -> None:
         """Gives back what the worker holds for the request (its slot's tokens, images, drafts)."""
         ...

@@ -1,11 +1,11 @@
 """An engine's expert-load reports to the EPLB planner (`subjects.EXPERT_LOAD`, `services/eplb/messages.py`).
 
-`ExpertLoadPublisher` wraps the engine's worker (composition: the same ``execute``/``release``) and, after
-every step whose runner counted tokens per expert, publishes that step's ``[layers, experts]`` counts from
-the event loop's thread. A single engine applies no plans, so the layout is the start-up one: physical slot
-= logical expert, ``plan_version`` 0. A data-parallel rank passes ``report`` instead: its receiving side's
-counts per physical slot with the plan version in force (services/engine/parallel/live_plans.py), taken
-after each (synchronous) step. Steps are numbered per engine from 0; publishing is best effort.
+`ExpertLoadPublisher` wraps the engine's worker (composition: the same ``execute``, ``launch``/``sample`` and
+``release``) and, after every step whose runner counted tokens per expert, publishes that step's ``[layers,
+experts]`` counts from the event loop's thread. A single engine applies no plans, so the layout is the start-up
+one: physical slot = logical expert, ``plan_version`` 0. A data-parallel rank passes ``report`` instead: its
+receiving side's counts per physical slot with the plan version in force (services/engine/parallel/live_plans.py),
+taken after each (synchronous) step. Steps are numbered per engine from 0; publishing is best effort.
 """
 
 from __future__ import annotations
@@ -55,7 +55,19 @@ class ExpertLoadPublisher:
         this step's counts are held and published at the next call, after that step is queued, so reading
         them back never makes the host wait on the device (the engine reads that step then anyway); the
         counts of an async busy period's last step go out with the next step."""
-        out = self.worker.execute(plan, rows, *previous, **extra)
+        return self._counted(self.worker.execute(plan, rows, *previous, **extra), held=bool(previous))
+
+    def launch(self, plan: Any, rows: Sequence[SamplingRow], *previous: WorkerOutput | None, **extra: Any) -> Any:
+        """The wrapped worker's forward alone (an async engine with structured output); ``sample`` finishes the
+        step, and its counts are taken there."""
+        return self.worker.launch(plan, rows, *previous, **extra)
+
+    def sample(self, step: Any, token_bitmask: Any = None) -> WorkerOutput:
+        """The wrapped worker's sampling of a launched step; its counts are held as an async step's."""
+        return self._counted(self.worker.sample(step, token_bitmask), held=True)
+
+    def _counted(self, out: WorkerOutput, held: bool) -> WorkerOutput:
+        """Publishes (or, ``held``, holds until the next step is queued) the step's expert counts."""
         if self.report is not None:  # a data-parallel rank: synchronous, its step is over
             report = self.report(self.num_steps)
             self.num_steps += 1
@@ -65,7 +77,7 @@ class ExpertLoadPublisher:
         if out.expert_counts is not None:
             self._held = (self.num_steps, HostCopy([out.expert_counts]))
         self.num_steps += 1
-        if not previous:  # a synchronous engine: this step has been read back already
+        if not held:  # a synchronous engine: this step has been read back already
             self._publish_held()
         return out
 

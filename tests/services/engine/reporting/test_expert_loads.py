@@ -19,9 +19,14 @@ class FakeWorker:
         self.calls = []
 
     def execute(self, plan, rows, *previous):
+        return self.sample(self.launch(plan, rows, *previous))
+
+    def launch(self, plan, rows, *previous):
         self.calls.append(previous)
-        step = len(self.calls)
-        return type("Out", (), {"expert_counts": torch.full((2, 3), step)})()
+        return len(self.calls)
+
+    def sample(self, step, token_bitmask=None):
+        return type("Out", (), {"expert_counts": torch.full((2, 3), step), "mask": token_bitmask})()
 
 
 def _publisher(monkeypatch):
@@ -51,6 +56,17 @@ def test_an_async_engine_step_is_published_after_the_next_is_queued(monkeypatch)
     publisher.execute("plan", [], first)
     assert publisher.worker.calls[1] == (first,)
     assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1) and sent[0].rank == 1
+
+
+def test_a_launched_step_is_sampled_with_its_mask_and_published_as_an_async_step(monkeypatch):
+    """An async engine with structured output launches, then samples with the mask: both reach the wrapped worker,
+    and the step's counts go out after the next step is queued."""
+    publisher, sent = _publisher(monkeypatch)
+    first = publisher.sample(publisher.launch("plan", [], None), token_bitmask="mask")
+    assert first.mask == "mask" and publisher.worker.calls == [(None,)] and sent == []
+    publisher.sample(publisher.launch("plan", [], first))
+    assert publisher.worker.calls[1] == (first,)
+    assert [r.step for r in sent] == [0] and np.all(sent[0].counts == 1)
 
 
 def test_a_rank_publishes_its_own_report_of_each_step(monkeypatch):
