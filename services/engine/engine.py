@@ -379,10 +379,7 @@ class Engine:
                     **extra,
                 )
             except BaseException:
-                if previous is not None:
-                    self._in_flight = None
-                    self._update(*previous)
-                self._fail(plan)
+                self._abandon(plan, previous)
                 raise
             self._in_flight = None
             outputs = _merge(drained, self._update(*previous) if previous is not None else [])
@@ -391,6 +388,13 @@ class Engine:
         else:
             self._in_flight = (plan, executed)
         return outputs
+
+    def _abandon(self, plan: StepPlan, previous: tuple[StepPlan, WorkerOutput] | None) -> None:
+        """A step that never launched: the step in flight is updated (it ran) and this one is failed."""
+        if previous is not None:
+            self._in_flight = None
+            self._update(*previous)
+        self._fail(plan)
 
     def _launch_masked(
         self, plan: StepPlan, previous: tuple[StepPlan, WorkerOutput] | None
@@ -408,10 +412,7 @@ class Engine:
                 **prompt_rows(plan, self.requests),
             )
         except BaseException:
-            if previous is not None:
-                self._in_flight = None
-                self._update(*previous)
-            self._fail(plan)
+            self._abandon(plan, previous)
             raise
         self._in_flight = None
         try:
