@@ -170,6 +170,13 @@ class ChoiceGroups:
             del self.members[req.group]
         return None
 
+    def clear(self) -> list[str]:
+        """Forgets every group (their members have left the live requests); returns their user request ids."""
+        user_ids = list(self.members)
+        self.members.clear()
+        self._queued_as.clear()
+        return user_ids
+
     def _forget_prefix(self, prefix: str) -> None:
         self.release(prefix)
         if self.hashes is not None:

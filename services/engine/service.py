@@ -134,7 +134,7 @@ class RequestStream:
     def close(self) -> None:
         """Aborts the request unless its final delta was already queued. Idempotent."""
         if not self.finished:
-            self.service._send(_Abort([self.request_id]))
+            self.service.abort_request(self.request_id)
 
 
 @dataclass
@@ -282,6 +282,10 @@ class EngineService:
             self._send(_Abort(ids))
         return bool(ids)
 
+    def abort_request(self, request_id: str) -> None:
+        """Aborts one live request by its request id (its stream closed before its final delta); idempotent."""
+        self._send(_Abort([request_id]))
+
     def stats(self) -> EngineStats:
         """The engine's pool and queue counts after the latest step (never waits for one)."""
         return dataclasses.replace(self._snapshot, num_queued=self._commands.qsize())
@@ -352,14 +356,8 @@ class EngineService:
 
     def _end_all(self, why: str) -> None:
         """Ends every request the engine holds with "error" and gives back its blocks and state slot."""
-        for request_id in list(self.engine.requests):
-            self.engine.scheduler.abort(request_id)
-            self.engine.requests.pop(request_id, None)
-            self.engine.worker.release(request_id)
+        for request_id in self.engine.end_all():  # n > 1: the streams are the requests', not their choices'
             self._deliver_final(request_id, FinishReason.ERROR, None, why)
-        for request_id in list(self.engine.groups):  # n > 1: the streams are the requests', not their choices'
-            self._deliver_final(request_id, FinishReason.ERROR, None, why)
-        self.engine.groups.clear()
 
     def _apply_commands(self) -> None:
         while True:

@@ -58,7 +58,7 @@ def skip_prefill(engine: Engine, token_id: int = 3) -> int:
         if not plan.is_prefill:
             # A decode plan was made but not run: close it as failed would end the requests, so run
             # it for real instead — the caller's first timed step is the one after this.
-            engine.worker.execute(plan, engine._sampling_rows(plan))
+            engine.worker.execute(plan, engine.inputs.rows(plan))
             sched.update(
                 plan,
                 StepResult(list(plan.num_sample_rows.tolist()), [token_id] * int(sum(plan.num_sample_rows.tolist()))),

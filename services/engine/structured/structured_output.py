@@ -111,7 +111,7 @@ class StructuredOutput:
 
     def has_matchers(self, requests: Mapping[str, LiveRequest]) -> bool:
         """Some live request walks a grammar matcher (async scheduling then samples each step only after the step in
-        flight is read: ``Engine._launch_masked``)."""
+        flight is read: ``AsyncSteps``, async_steps.py)."""
         return self.grammars is not None and any(r.matcher is not None for r in requests.values())
 
     def token_bitmask(self, plan: StepPlan, requests: Mapping[str, LiveRequest]) -> torch.Tensor | None:

@@ -149,7 +149,7 @@ def test_runner_still_refuses_pending_inputs_without_the_previous_tokens(llm):
     engine = llm.engine
     engine.add_request("r1", _prompt(2, 8), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     first = engine.scheduler.schedule()  # the prefill
-    engine.scheduler.update(first, engine.worker.execute(first, engine._sampling_rows(first)).result)
+    engine.scheduler.update(first, engine.worker.execute(first, engine.inputs.rows(first)).result)
     n = engine.scheduler.schedule()
     n1 = engine.scheduler.schedule()
     assert n1.inputs_pending.tolist() == [1]
@@ -170,7 +170,7 @@ def test_pending_inputs_are_matched_by_request_id_not_batch_position(llm):
     for request_id, n in (("x", 5), ("y", 9)):
         engine.add_request(request_id, _prompt(n, n), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     first = engine.scheduler.schedule()
-    engine.scheduler.update(first, engine.worker.execute(first, engine._sampling_rows(first)).result)
+    engine.scheduler.update(first, engine.worker.execute(first, engine.inputs.rows(first)).result)
     n = engine.scheduler.schedule()
     n1 = engine.scheduler.schedule()
     assert n1.inputs_pending.tolist() == [1, 1]

@@ -349,19 +349,20 @@ def test_an_async_decode_step_is_queued_without_a_host_sync():
         outputs.append(engine.requests[f"r{i}"].output)
     for _ in range(6):  # prefill, then decode steps (the graph of their size captured)
         engine.step()
-    assert engine._in_flight is not None and not engine._in_flight[0].is_prefill
+    steps = engine.async_steps
+    assert steps.in_flight is not None and not steps.in_flight[0].is_prefill
     plan = engine.scheduler.schedule()
     assert not plan.is_prefill and plan.num_rows == 3 and any(plan.inputs_pending.tolist())
-    previous = engine._in_flight
-    rows = engine._sampling_rows(plan, previous)
+    previous = steps.in_flight
+    rows = engine.inputs.rows(plan, previous)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         executed = engine.worker.execute(plan, rows, previous[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    engine._in_flight = (plan, executed)
-    engine._update(*previous)
+    steps.in_flight = (plan, executed)
+    steps.update(*previous)
     while engine.has_unfinished():
         engine.step()
     assert [len(o.token_ids) for o in outputs] == [16] * 3
