@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.engine import choice_id
+from services.engine.request_checks import choice_id
 
 pytestmark = pytest.mark.usefixtures("pools_checked_after_every_step")  # conftest.py
 

@@ -5,6 +5,7 @@ CUDA a constrained decode step never synchronises the stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -48,6 +49,41 @@ def _use(llm: LLM, async_scheduling: bool) -> None:
     llm.engine.config = llm.engine.config.replace(async_scheduling=async_scheduling)
 
 
+@contextlib.contextmanager
+def _async(llm: LLM):
+    """Async scheduling within the block; synchronous again after it, also when it raises."""
+    _use(llm, True)
+    try:
+        yield
+    finally:
+        _use(llm, False)
+
+
+def _sync_then_async(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[list, list]:
+    """The same requests' outputs from the synchronous engine, then from the async one (left synchronous)."""
+    _use(llm, False)
+    sync = llm.generate(prompts, params)
+    with _async(llm):
+        return sync, llm.generate(prompts, params)
+
+
+@contextlib.contextmanager
+def _patched(obj, **methods):
+    """Instance attributes over ``obj``'s methods within the block, deleted after it (the class's methods again)."""
+    for name, method in methods.items():
+        setattr(obj, name, method)
+    try:
+        yield
+    finally:
+        for name in methods:
+            delattr(obj, name)
+
+
+def _assert_pools_whole(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots, stats
+
+
 def _valid(params: SamplingParams, text: str) -> bool:
     c = params.constraint
     if c is None:
@@ -66,20 +102,13 @@ def bi():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_constrained_async_gives_the_synchronous_bits_in_the_batch_invariant_mode(bi, temperature):
     params = _params(temperature)
-    _use(bi, False)
-    sync = bi.generate(PROMPTS, params)
-    _use(bi, True)
-    try:
-        asynchronous = bi.generate(PROMPTS, params)
-    finally:
-        _use(bi, False)
+    sync, asynchronous = _sync_then_async(bi, PROMPTS, params)
     for s, a, p in zip(sync, asynchronous, params):
         assert (a.token_ids, a.logprobs, a.top_logprobs) == (s.token_ids, s.logprobs, s.top_logprobs)
         assert a.finish_reason == s.finish_reason
         if p.constraint is not None:
             assert a.finish_reason == FinishReason.STOP and _valid(p, a.text), (a.finish_reason, a.text)
-    stats = bi.stats()
-    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots
+    _assert_pools_whole(bi)
 
 
 def test_constrained_choices_under_async_give_the_synchronous_bits(bi):
@@ -89,14 +118,7 @@ def test_constrained_choices_under_async_give_the_synchronous_bits(bi):
         SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, logprobs=1, constraint=Constraint("regex", REGEX)),
         SamplingParams(max_tokens=20, seed=1),
     ]
-    prompts = ["Hello there friend", "x"]
-    _use(bi, False)
-    sync = bi.generate(prompts, params)
-    _use(bi, True)
-    try:
-        asynchronous = bi.generate(prompts, params)
-    finally:
-        _use(bi, False)
+    sync, asynchronous = _sync_then_async(bi, ["Hello there friend", "x"], params)
     assert len(sync) == 4 and [o.index for o in sync[:3]] == [0, 1, 2]
     assert [(o.token_ids, o.logprobs) for o in asynchronous] == [(o.token_ids, o.logprobs) for o in sync]
     assert all(o.finish_reason == FinishReason.STOP and re.fullmatch(REGEX, o.text) for o in asynchronous[:3])
@@ -130,13 +152,8 @@ def test_a_constrained_step_is_launched_before_the_step_in_flight_is_read_and_sa
             out._read = traced
         return out
 
-    engine.worker.launch, engine.worker.sample = launching, sampling
-    _use(bi, True)
-    try:
+    with _patched(engine.worker, launch=launching, sample=sampling), _async(bi):
         outs = bi.generate(PROMPTS[:2], _params(1.0)[:2])
-    finally:
-        del engine.worker.launch, engine.worker.sample
-        _use(bi, False)
     assert all(o.finish_reason == FinishReason.STOP for o in outs)
     at = {e: i for i, e in enumerate(events)}
     overlapped = 0
@@ -200,9 +217,7 @@ def test_a_failed_constrained_async_step_ends_every_request_with_error_and_leaks
             raise WorkerLost("the worker failed the step's sampling")
         return sample(step, token_bitmask)
 
-    worker.sample = flaky
     service = EngineService(llm.engine)
-    service.start()
     long = SamplingParams(max_tokens=200, constraint=Constraint("regex", "[a-z]{150,190}"))
 
     async def run():
@@ -218,12 +233,12 @@ def test_a_failed_constrained_async_step_ends_every_request_with_error_and_leaks
         again = [d async for d in service.submit("after", "after", llm.encode("Hi"), SamplingParams(max_tokens=3))]
         return finals, again[-1].finish_reason
 
-    try:
-        finals, after = asyncio.run(run())
-    finally:
-        service.stop()
-        del worker.sample
+    with _patched(worker, sample=flaky):
+        service.start()
+        try:
+            finals, after = asyncio.run(run())
+        finally:
+            service.stop()
     assert finals == ["error"] * 4 and after == "length"
-    stats = llm.engine.stats()
-    assert stats.free_blocks == stats.total_blocks and stats.free_state_slots == stats.total_state_slots, stats
+    _assert_pools_whole(llm)
     llm.engine.scheduler.check_invariants()
