@@ -32,109 +32,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from observability import tracing
+from services.engine.delta import Delta as Delta  # re-exported: the APIs read a stream's deltas by this name
 from services.engine.engine import Engine
 from services.engine.finish_reason import FinishReason
-from services.engine.outputs import RequestOutput
 from services.engine.prefix.kv_events import KvEvents
-from services.engine.reporting.observer import EngineObserver, RequestTimes
+from services.engine.reporting.observer import EngineObserver
 from services.engine.request_checks import check_priority
+from services.engine.request_stream import RequestStream
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
+from services.engine.stream_table import QueueFull as QueueFull  # re-exported: what the APIs answer with 429
+from services.engine.stream_table import StreamTable
 
 log = logging.getLogger("shinkai.engine")
 
 DEFAULT_MAX_QUEUED = 1024
 
 
-class QueueFull(Exception):
-    """More requests are unfinished than the service accepts; retry after `retry_after_s`."""
-
-    def __init__(self, num_unfinished: int, retry_after_s: int = 1) -> None:
-        super().__init__(f"the engine queue is full ({num_unfinished} requests unfinished); retry later")
-        self.retry_after_s = retry_after_s
-
-
 class ShuttingDown(Exception):
     """The service is draining and takes no new requests."""
-
-
-@dataclass
-class Delta:
-    """What one request gained in one step."""
-
-    # Tokens new since the previous delta.
-    token_ids: list[int]
-    # Logprob of each new token under the processed distribution (empty when the worker sampled none).
-    logprobs: list[float]
-    # Top-n (token id, logprob) pairs per new token, when the request asked for logprobs.
-    top_logprobs: list[list[tuple[int, float]]] | None
-    # Output tokens so far, these included.
-    num_output_tokens: int
-    # Set on the request's last delta only.
-    finish_reason: FinishReason | None = None
-    # The end or stop token that ended the request, if one did.
-    stop_token_id: int | None = None
-    # Which of the request's n choices gained (0 to n - 1); each choice's last delta has its finish_reason.
-    index: int = 0
-    # Set on the request's very last delta (its last unfinished choice's final one).
-    last: bool = False
-    # On a choice's first delta, when the request asked for prompt_logprobs: per prompt token after the first,
-    # its logprob under the raw model (RequestOutput.prompt_logprobs); None otherwise.
-    prompt_logprobs: list[float] | None = None
-    # Alongside prompt_logprobs: per such token, the top-n (token id, logprob) pairs at its position.
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # Alongside prompt_logprobs: per such token, its rank (vLLM's: how many tokens have a logprob >= its).
-    prompt_ranks: list[int] | None = None
-    # Prompt tokens taken from the prefix cache instead of computed (usage.prompt_tokens_details.cached_tokens).
-    num_cached_tokens: int = 0
-
-
-class RequestStream:
-    """One request's deltas, ending with the final one. ``close()`` before the end aborts the request."""
-
-    def __init__(
-        self,
-        service: EngineService,
-        request_id: str,
-        client_request_id: str,
-        loop: asyncio.AbstractEventLoop,
-        times: RequestTimes,
-        num_prompt_tokens: int = 0,
-        num_choices: int = 1,
-    ) -> None:
-        self.service = service
-        self.times = times  # phase boundaries, written by the step thread only
-        self.request_id = request_id  # unique among the live requests; the scheduler's id for it
-        self.client_request_id = client_request_id  # the client's id; may repeat across live requests
-        self.num_prompt_tokens = num_prompt_tokens  # the prompt as queued (each image's span expanded)
-        self.loop = loop
-        self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
-        # Output tokens already delivered as deltas (written by the step thread under the service lock): in all,
-        # and per choice.
-        self.num_sent = 0
-        self.num_sent_by_choice = [0] * num_choices
-        # Whether each choice's prompt logprobs were delivered (they ride on its first delta with them).
-        self.prompt_logprobs_sent = [False] * num_choices
-        self.num_unfinished_choices = num_choices
-        # The final delta was queued; no abort is needed any more.
-        self.finished = False
-        # The final delta was read.
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self._done:
-            raise StopAsyncIteration
-        delta = await self.deltas.get()
-        self._done = delta.last
-        return delta
-
-    def close(self) -> None:
-        """Aborts the request unless its final delta was already queued. Idempotent."""
-        if not self.finished:
-            self.service.abort_request(self.request_id)
 
 
 @dataclass
@@ -177,13 +93,12 @@ class EngineService:
         self._idle_wait_s = idle_wait_s
         self._commands: queue.Queue[_Add | _Images | _Abort] = queue.Queue()
         self._wake = threading.Event()
-        # request id -> stream; written under _lock by both threads.
-        self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()
+        self._streams = StreamTable(self.observer, self.abort_request)  # the live requests' streams
+        self._kv_lock = threading.Lock()  # guards _kv_events (read on any thread, written by the step thread)
         # The engine's stats as of the end of the step thread's latest iteration: readers on the event loop
         # never wait for a step (the reference is swapped whole, so a read is never torn).
         self._snapshot = engine.stats()
-        self._kv_events = KvEvents()  # the prefix cache's changes since the last take_kv_events (under _lock)
+        self._kv_events = KvEvents()  # the prefix cache's changes since the last take_kv_events (under _kv_lock)
         self._stop = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
@@ -210,9 +125,7 @@ class EngineService:
     def stop(self) -> None:
         """Aborts whatever is left and joins the step thread."""
         self._accepting = False
-        with self._lock:
-            ids = list(self._streams)
-        self._send(_Abort(ids))
+        self._send(_Abort(self._streams.request_ids()))
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -221,8 +134,7 @@ class EngineService:
     # ---- requests ---------------------------------------------------------------------------
 
     def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return self._streams.num_live()
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong. Reads only the engine's fixed configuration."""
@@ -247,21 +159,7 @@ class EngineService:
             raise ShuttingDown(f"this engine's data-parallel group is lost: {self.group_failure}")
         if not self._accepting:
             raise ShuttingDown("the engine is shutting down")
-        with self._lock:
-            if len(self._streams) >= self.max_queued:
-                raise QueueFull(len(self._streams))
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            stream = RequestStream(
-                self,
-                request_id,
-                client_request_id,
-                asyncio.get_running_loop(),
-                self.observer.submitted(),
-                len(prompt_token_ids),
-                params.n,
-            )
-            self._streams[request_id] = stream
+        stream = self._streams.open(request_id, client_request_id, len(prompt_token_ids), params.n, self.max_queued)
         self._send(_Add(request_id, list(prompt_token_ids), params, ready, priority, tenant))
         return stream
 
@@ -272,12 +170,7 @@ class EngineService:
 
     def abort(self, client_request_id: str) -> bool:
         """Aborts every live request with this client id; False when there is none (idempotent)."""
-        with self._lock:
-            ids = [
-                request_id
-                for request_id, s in self._streams.items()
-                if s.client_request_id == client_request_id and not s.finished
-            ]
+        ids = self._streams.request_ids(client_request_id)
         if ids:
             self._send(_Abort(ids))
         return bool(ids)
@@ -292,7 +185,7 @@ class EngineService:
 
     def take_kv_events(self) -> KvEvents:
         """The prefix cache's net changes since the last call, as of the latest step (any thread; never waits)."""
-        with self._lock:
+        with self._kv_lock:
             events, self._kv_events = self._kv_events, KvEvents()
         return events
 
@@ -344,7 +237,7 @@ class EngineService:
         self._snapshot = self.engine.stats()
         if self.engine.prefix_cache_enabled:
             events = self.engine.take_kv_events()
-            with self._lock:
+            with self._kv_lock:
                 self._kv_events = self._kv_events.then(events)
 
     def _stopping(self) -> bool:
@@ -357,7 +250,7 @@ class EngineService:
     def _end_all(self, why: str) -> None:
         """Ends every request the engine holds with "error" and gives back its blocks and state slot."""
         for request_id in self.engine.end_all():  # n > 1: the streams are the requests', not their choices'
-            self._deliver_final(request_id, FinishReason.ERROR, None, why)
+            self._streams.deliver_final(request_id, FinishReason.ERROR, None, why)
 
     def _apply_commands(self) -> None:
         while True:
@@ -377,7 +270,7 @@ class EngineService:
                     )
                 except Exception as err:  # validated already; a failure here is a bug, not bad input
                     log.exception("add_request %s failed", command.request_id)
-                    self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
+                    self._streams.deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
             elif isinstance(command, _Images):
                 if not self.engine.is_live(command.request_id):
                     continue  # aborted while its images were encoded
@@ -387,18 +280,14 @@ class EngineService:
                     log.exception("provide_images %s failed", command.request_id)
                     out = self.engine.abort(command.request_id)
                     if out is not None:
-                        self._deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
+                        self._streams.deliver_final(command.request_id, FinishReason.ERROR, None, str(err))
             else:
                 for request_id in command.request_ids:
                     out = self.engine.abort(request_id)
                     if out is not None:
-                        self._deliver(out)
+                        self._streams.deliver(out)
                         # n > 1: the other choices ended with it; one final delta closes the stream.
-                        self._deliver_final(request_id, out.finish_reason or FinishReason.ABORT, None, None)
-
-    def _times(self, request_id: str) -> RequestTimes | None:
-        stream = self._streams.get(request_id)  # one dict read: atomic; times are step-thread state
-        return stream.times if stream is not None else None
+                        self._streams.deliver_final(request_id, out.finish_reason or FinishReason.ABORT, None, None)
 
     def _step(self) -> None:
         span = self.observer.step_started()
@@ -415,68 +304,6 @@ class EngineService:
             self._end_all("")
             return
         self.num_steps += 1
-        self.observer.step_finished(self.engine.last_plan, started, span, self._times)
+        self.observer.step_finished(self.engine.last_plan, started, span, self._streams.times)
         for out in outputs:
-            self._deliver(out)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        with self._lock:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                return
-            start = stream.num_sent_by_choice[out.index]
-            stream.num_sent_by_choice[out.index] = len(out.token_ids)
-            with_prompt = (  # complete: every prompt position's (a request aborted mid-prefill has fewer)
-                out.prompt_logprobs is not None
-                and len(out.prompt_logprobs) == len(out.prompt_token_ids) - 1
-                and not stream.prompt_logprobs_sent[out.index]
-            )
-            if with_prompt:
-                stream.prompt_logprobs_sent[out.index] = True
-            stream.num_sent = sum(stream.num_sent_by_choice)
-            last = False
-            if out.finished:
-                stream.num_unfinished_choices -= 1
-                last = stream.num_unfinished_choices == 0
-            if last:
-                stream.finished = True
-                del self._streams[out.request_id]
-        delta = Delta(
-            token_ids=out.token_ids[start:],
-            logprobs=out.logprobs[start:],
-            top_logprobs=out.top_logprobs[start:] if out.top_logprobs is not None else None,
-            num_output_tokens=len(out.token_ids),
-            finish_reason=out.finish_reason,
-            stop_token_id=out.stop_token_id,
-            index=out.index,
-            last=last,
-            prompt_logprobs=list(out.prompt_logprobs or ()) if with_prompt else None,
-            prompt_top_logprobs=list(out.prompt_top_logprobs or ()) if with_prompt else None,
-            prompt_ranks=list(out.prompt_ranks or ()) if with_prompt else None,
-            num_cached_tokens=out.num_cached_tokens,
-        )
-        if delta.token_ids:
-            self.observer.tokens(stream.times)
-        if last:
-            self.observer.finished(stream.times, out.finish_reason or FinishReason.ERROR, stream.num_sent)
-        self._post(stream, delta)
-
-    def _deliver_final(self, request_id: str, reason: FinishReason, stop_token_id: int | None, why: str | None) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        stream.finished = True
-        self.observer.finished(stream.times, reason, stream.num_sent)
-        if why:
-            log.error("request %s ended with %s: %s", request_id, reason, why)
-        self._post(
-            stream, Delta([], [], None, stream.num_sent, finish_reason=reason, stop_token_id=stop_token_id, last=True)
-        )
-
-    @staticmethod
-    def _post(stream: RequestStream, delta: Delta) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, delta)
-        except RuntimeError:  # the reader's event loop is closed: nobody is listening any more
-            pass
+            self._streams.deliver(out)
