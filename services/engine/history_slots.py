@@ -16,3 +16,8 @@ class HistorySlots:
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
+
+    @property
+    def num_held(self) -> int:
+        """Slots handed out and not given back."""
+        return self._num_slots - len(self._free)

@@ -95,12 +95,17 @@ class RequestEnds:
 
     def end_all(self) -> list[str]:
         """Ends every live request at once with no output of its own (a failed step, a lost data-parallel group):
-        each leaves the scheduler and gives back its worker state. Returns the ids whose callers are owed a final
-        output: every live request's, then every n > 1 request's."""
+        each leaves the scheduler and gives back what it held (as ``finish`` does). Returns the ids whose callers are
+        owed a final output: every live request's, then every n > 1 request's."""
         ended = []
         for request_id in list(self.requests):
             self.parts.scheduler.abort(request_id)
-            self.requests.pop(request_id, None)
+            req = self.requests.pop(request_id)
+            self.structured.drop(request_id)
+            if self.hashes is not None:
+                self.hashes.drop(request_id)
+            if req.history is not None and not req.is_prefix:
+                self.histories.give_back(req.history)
             self.parts.worker.release(request_id)
             ended.append(request_id)
         ended += self.choices.clear()

@@ -93,3 +93,7 @@ class RequestHashes:
 
     def drop(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
+
+    def __len__(self) -> int:
+        """The live requests holding a chain."""
+        return len(self._chains)

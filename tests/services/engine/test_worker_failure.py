@@ -69,3 +69,30 @@ def test_a_failed_step_ends_every_request_with_error_and_leaks_nothing():
     assert stats.free_blocks == stats.total_blocks, stats
     assert stats.free_state_slots == stats.total_state_slots, stats
     llm.engine.scheduler.check_invariants()
+
+
+def test_ending_every_request_at_once_gives_back_what_each_held():
+    """``Engine.end_all`` (a failed step's stream ends, a lost data-parallel group) gives back, beside the blocks,
+    each request's hash chain, grammar-gate entry and penalty slot, as a request's own finish does."""
+    from services.engine.structured.constraint import Constraint
+
+    llm = LLM("tiny", max_num_seqs=4)
+    engine = llm.engine
+    penalised = SamplingParams(max_tokens=50, ignore_eos=True, presence_penalty=0.5)
+    constrained = SamplingParams(max_tokens=50, constraint=Constraint("regex", "[a-z]{40}"))
+    engine.add_request("pen", llm.encode("Hello there"), penalised)
+    engine.add_request("json", llm.encode("Say a word"), constrained)
+    engine.add_request("waits", llm.encode("Queued"), penalised)
+    for _ in range(3):
+        engine.step()
+    assert engine.hashes is not None and len(engine.hashes) == 3
+    assert engine.ends.histories.num_held == 2
+    ended = engine.end_all()
+    assert sorted(ended) == ["json", "pen", "waits"]
+    assert len(engine.hashes) == 0
+    assert engine.ends.histories.num_held == 0
+    assert not engine.structured.gate
+    assert not engine.has_unfinished()
+    stats = engine.stats()
+    assert stats.free_state_slots == stats.total_state_slots, stats
+    engine.scheduler.check_invariants()
