@@ -192,11 +192,11 @@ async def run(args: argparse.Namespace) -> int:
     if args.worker:  # a remote worker owns the device and the weights; only their identity matters here
         given = {k: v for k, v in given.items() if k == "load_format"}
     engine_args.update(given)
-    from services.engine.config import speculative_args, step_args
+    from services.engine.config_flags import speculative_args, step_args
 
     engine_args.update(speculative_args(args))
     engine_args.update(step_args(args))
-    from services.engine.config import parallel_args
+    from services.engine.config_flags import parallel_args
 
     remote = None
 
@@ -389,7 +389,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: any; default: none)")
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
+    from services.engine.config_flags import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)

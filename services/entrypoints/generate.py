@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
+    from services.engine.config_flags import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
 
     add_device_arguments(p)
@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
         from services.engine.device import device_args
 
         sizing = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
-        from services.engine.config import parallel_args, speculative_args, step_args
+        from services.engine.config_flags import parallel_args, speculative_args, step_args
 
         llm = LLM(
             model=args.model,

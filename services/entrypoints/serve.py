@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="fetch image URLs that resolve to private, loopback or link-local addresses (default: refused)",
     )
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
+    from services.engine.config_flags import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
     from services.gateway.admission import add_admission_arguments
     from services.gateway.http_protocol import add_http_timeout_arguments
@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace):
     from services.engine.device import device_args
 
     engine_args.update(device_args(args))
-    from services.engine.config import speculative_args, step_args
+    from services.engine.config_flags import speculative_args, step_args
 
     engine_args.update(speculative_args(args))
     engine_args.update(step_args(args))
@@ -102,7 +102,7 @@ def _config(args: argparse.Namespace):
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags each rank process of `serve --dp N` gets (services/entrypoints/engine.py)."""
-    from services.engine.config import step_args, step_argv
+    from services.engine.config_flags import step_args, step_argv
     from services.engine.device import device_args, device_argv
 
     argv = ["--drain-timeout", str(args.drain_timeout), *device_argv(device_args(args)), *step_argv(step_args(args))]

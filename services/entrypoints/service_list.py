@@ -134,7 +134,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
         else []
     )  # the engine's (in-process worker)
     spec += ["--spec-varlen"] if config.num_speculative_tokens and config.spec_varlen else []
-    from services.engine.config import step_argv
+    from services.engine.config_flags import step_argv
 
     spec += step_argv(dict(config.step_args))  # the engine's: its scheduler plans the steps
     from services.engine.device import device_argv

@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(docs/parallelism.md)"
         ),
     )
-    from services.engine.config import add_parallel_arguments, add_speculative_arguments, add_step_arguments
+    from services.engine.config_flags import add_parallel_arguments, add_speculative_arguments, add_step_arguments
 
     add_speculative_arguments(up)
 
@@ -109,7 +109,7 @@ def _up(args: argparse.Namespace) -> int:
             "--num-speculative-tokens needs in-process workers: a remote worker's protocol does not "
             "carry drafts yet; drop --remote-workers"
         )
-    from services.engine.config import step_args
+    from services.engine.config_flags import step_args
     from services.engine.device import device_args
     from services.gateway.admission import admission_limits
     from services.gateway.http_protocol import http_timeouts

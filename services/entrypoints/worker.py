@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from observability import tracing
 from services import service_auth
-from services.engine.config import EngineConfig, add_parallel_arguments
+from services.engine.config import EngineConfig
+from services.engine.config_flags import add_parallel_arguments
 from services.engine.device import add_device_arguments, device_args, device_engine_args
 from services.engine.model_source import load_model
 from services.grpc_errors import NoInternalText

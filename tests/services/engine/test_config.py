@@ -75,7 +75,7 @@ def test_the_worker_gets_the_same_resolved_sizes_as_the_scheduler():
 def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands():
     import argparse
 
-    from services.engine.config import add_speculative_arguments, speculative_args
+    from services.engine.config_flags import add_speculative_arguments, speculative_args
 
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0"):
         EngineConfig(num_speculative_tokens=-1)
@@ -108,7 +108,7 @@ def test_speculative_decoding_arguments_are_checked_and_shared_by_the_commands()
 def test_step_flags_and_a_budget_that_cannot_hold_the_decode_rows():
     import argparse
 
-    from services.engine.config import add_step_arguments, step_args, step_argv
+    from services.engine.config_flags import add_step_arguments, step_args, step_argv
 
     assert EngineConfig().scheduling == "mixed"
     with pytest.raises(ValueError, match="scheduling must be 'mixed' or 'separate'"):
@@ -129,7 +129,7 @@ def test_step_flags_and_a_budget_that_cannot_hold_the_decode_rows():
 def test_data_parallel_flags_and_what_ranks_do_not_run_yet():
     import argparse
 
-    from services.engine.config import add_parallel_arguments, parallel_args
+    from services.engine.config_flags import add_parallel_arguments, parallel_args
 
     parser = argparse.ArgumentParser()
     add_parallel_arguments(parser)
