@@ -19,6 +19,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 SUITES="
 tests             every gpu-marked test file, file by file (JOBS at once, FILE_TIMEOUT each; TESTS: files or folders), and the sync-debug async decode tests
+                  (tests/services/gateway's need device-prep.sh --stack: its conftest serves the openai client)
 kernels           bench kernels (KERNELS_ARGS, default --quick) against each kernel's roofline, then the compiled MoE GEMM's and decode attention's registers, spills and instructions (diagnostics/*_inspect.py)
 step              bench step --quick --profile on v41-s1 (launches and the kernel table per step; STEP_ARGS, STEP_BASELINE), then the offline batch-256 run's GPU-busy share
 step-sizes        bench step at the full sizes: decode batches 1-256 at 4K and 32K, prefill 1K-32K, profiled (STEP_BASELINE)
@@ -38,6 +39,7 @@ prefix            prefix caching: the exactness gpu test (kernel path, CUDA grap
                   to NUM_LAYERS (default 8, --load-format dummy): multi-turn and agent loads, cache off then on (PREFIX_ARGS)
 fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, --max-num-batched-tokens 256): a light key's TTFT
                   alone and beside one and two keys sending 3,900-token prompts, then a key over its limit (FAIR_S per phase)
+                  (device-prep.sh --stack: the in-process server is the gateway's)
 coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process, kernel ranks in graphs (batch-invariant: tokens and logprobs ==), the torch MoE, 3 drafts; then live EPLB's layout switch at one boundary
