@@ -124,7 +124,7 @@ suite_tests() {
     rm -rf "$dir/files"
     if [ -z "${TESTS:-}" ]; then  # CUDA tests outside the gpu mark: async decode steps under sync-debug mode
         run sync 120 python3 -m pytest -q -p no:cacheprovider tests/services/engine/test_async.py -k "cuda or synchronise"
-        show sync "^E  .*(Error|synchron)|^FAILED|passed|failed|services/.*py:[0-9]+" 8
+        show sync "^E  .*(Error|synchron)|^FAILED|passed|failed|skipped|^SKIPPED|no tests ran|services/.*py:[0-9]+" 8
     fi
 }
 
@@ -221,7 +221,7 @@ suite_speculative() {
     run tests 300 "${gpu_tests[@]}" tests/services/worker/spec/test_draft_proposal.py tests/services/worker/spec/test_static_draft_proposal.py \
         tests/services/worker/spec/test_speculator.py tests/services/worker/spec/test_static_verify.py \
         tests/services/worker/spec/test_verify_half.py tests/services/engine/structured/test_token_masks.py
-    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
+    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed|skipped|^SKIPPED|no tests ran" 15
     run proposal 90 python3 -m services.bench.speculative.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \
         --static-proposal --json "$dir/draft-proposal.json"
     tail -12 "$dir/proposal.log"
@@ -248,7 +248,7 @@ suite_structured() {
     # The sampler kernel's first (cheap), then constrained async, then constrained speculation (four engines).
     run tests 100 "${gpu_tests[@]}" tests/services/worker/sampling/test_token_bitmask.py \
         tests/services/engine/structured/test_async_constrained.py tests/services/engine/structured/test_token_masks.py
-    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
+    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed|skipped|^SKIPPED|no tests ran" 15
     # shellcheck disable=SC2086 # a list of arguments
     run bench "$(( $(left) - 5 ))" python3 -m services.bench.structured.run --layers "${SO_LAYERS:-8}" \
         ${SO_ARGS:---rounds 2 --steps 24 --walks 4} --json "$dir/structured.json"
@@ -407,7 +407,7 @@ suite_prefix() {  # the cache's bits on the kernel path, then its reuse and TTFT
     begin prefix 420
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$dir/gpu.txt"
     run exact 150 "${gpu_tests[@]}" tests/services/engine/prefix/test_exactness.py
-    show exact "passed|failed|^FAILED|^E  " 12
+    show exact "passed|failed|skipped|^SKIPPED|no tests ran|^FAILED|^E  " 12
     local model=/tmp/v41-s1-l${NUM_LAYERS:-8}
     v41_part "$model" "${NUM_LAYERS:-8}"
     # shellcheck disable=SC2086 # a list of arguments
@@ -425,7 +425,7 @@ suite_fairness() {  # another key's TTFT beside long prompts, on the GPU's step 
 suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
     serve_begin mixed 570
     run exact 100 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
-    show exact "passed|failed|^FAILED|^E  " 12
+    show exact "passed|failed|skipped|^SKIPPED|no tests ran|^FAILED|^E  " 12
     local model=/tmp/v41-s1-l${NUM_LAYERS:-8} scheduling c p n rate
     v41_part "$model" "${NUM_LAYERS:-8}"
     for scheduling in separate mixed; do
@@ -491,12 +491,12 @@ suite_parallel() {
 suite_ep_one_gpu() {
     begin ep-one-gpu 235
     run layer 70 "${gpu_tests[@]}" tests/services/worker/parallel/test_ep_kernel_moe.py
-    show layer "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
+    show layer "^FAILED|^ERROR|^E  .*Error|passed|failed|skipped|^SKIPPED|no tests ran" 12
     run ep-path 95 env PYTHONUNBUFFERED=1 "${bench_step[@]}" --dp 1 --ep-path --layers "${EP_LAYERS:-8}" --batches "${EP_BATCHES:-64}" \
         --json "$dir/ep-path.json"
     show ep-path "^model|^decode|Error" 12
     run engine "$(( $(left) - 5 ))" "${gpu_tests[@]}" tests/services/worker/runners/test_ep_decode_graphs.py
-    show engine "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
+    show engine "^FAILED|^ERROR|^E  .*Error|passed|failed|skipped|^SKIPPED|no tests ran" 12
 }
 
 suite_hosts() {
