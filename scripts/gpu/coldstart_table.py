@@ -12,14 +12,18 @@ import sys
 
 def main(path: str) -> int:
     rows = [json.loads(line) for line in open(path) if line.startswith("{")]
-    walls = {r["start"]: r["seconds"] for r in rows if r.get("what") == "time_to_ready_s"}
+    ups = {r["start"]: r for r in rows if r.get("what") == "time_to_ready_s"}
     ready = {r["start"]: r for r in rows if r.get("event") == "ready"}
     stopped = {r["start"]: r for r in rows if r.get("event") == "stopped"}
     print(
         "start | up wall s | engine process s | loading | profiling (compiling in it) | compiling | capturing "
         "(compiling in it) | compiled after ready"
     )
-    for start, event in ready.items():
+    for start in dict.fromkeys([*ups, *ready]):  # every start, in order; one that never got ready says so
+        event, up = ready.get(start), ups.get(start, {})
+        if event is None:
+            print(f"{start} | {up.get('seconds', '?')} | no ready event (up's exit code {up.get('rc', '?')})")
+            continue
         phases, compiles = event.get("startup_s", {}), event.get("compiles", {})
 
         def cell(phase: str) -> str:
@@ -29,7 +33,7 @@ def main(path: str) -> int:
 
         after = stopped.get(start, {}).get("compiles", {}).get("after_ready", {})
         print(
-            f"{start} | {walls.get(start, '?')} | {event.get('process_s', '?')} | {cell('loading')} | "
+            f"{start} | {up.get('seconds', '?')} | {event.get('process_s', '?')} | {cell('loading')} | "
             f"{cell('profiling')} | {cell('compiling')} | {cell('capturing')} | "
             f"{after.get('num_compiled', 0)} ({after.get('compile_s', 0):.1f} s)"
         )

@@ -19,6 +19,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 SUITES="
 tests             every gpu-marked test file, file by file (JOBS at once, FILE_TIMEOUT each; TESTS: files or folders), and the sync-debug async decode tests
+                  (tests/services/gateway's need device-prep.sh --stack: its conftest serves the openai client)
 kernels           bench kernels (KERNELS_ARGS, default --quick) against each kernel's roofline, then the compiled MoE GEMM's and decode attention's registers, spills and instructions (diagnostics/*_inspect.py)
 step              bench step --quick --profile on v41-s1 (launches and the kernel table per step; STEP_ARGS, STEP_BASELINE), then the offline batch-256 run's GPU-busy share
 step-sizes        bench step at the full sizes: decode batches 1-256 at 4K and 32K, prefill 1K-32K, profiled (STEP_BASELINE)
@@ -38,11 +39,12 @@ prefix            prefix caching: the exactness gpu test (kernel path, CUDA grap
                   to NUM_LAYERS (default 8, --load-format dummy): multi-turn and agent loads, cache off then on (PREFIX_ARGS)
 fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, --max-num-batched-tokens 256): a light key's TTFT
                   alone and beside one and two keys sending 3,900-token prompts, then a key over its limit (FAIR_S per phase)
+                  (device-prep.sh --stack: the in-process server is the gateway's)
 coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process, kernel ranks in graphs (batch-invariant: tokens and logprobs ==), the torch MoE, 3 drafts; then live EPLB's layout switch at one boundary
 ep-one-gpu        one GPU: the expert-parallel kernel layer's gpu tests (virtual ranks and NCCL at world size 1 captured in graphs), bench step --dp 1 --ep-path on v41-s1 with MXFP4 experts (EP_LAYERS, default 8; EP_BATCHES, default 64), then the EP path in the engine's decode graphs
-hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny)
+hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny) (device-prep.sh --stack: the ranks speak gRPC)
 invariance        the batch-invariance test with == on v41-s1 at full depth (INVARIANCE_PROMPTS, default 64: the batch, then each prompt alone), then where graphs and eager part on tiny
 compare           decode and prefill step medians (150 steps, v41-s1 at 8 layers) of a baseline tree carried in BASE_TREE (default base/) and this tree, alternated twice
 compare-profile   bench step --profile at batch 1 (CONTEXTS, default 32768) for BASE_TREE and this tree, their kernel tables side by side
@@ -122,7 +124,7 @@ suite_tests() {
     rm -rf "$dir/files"
     if [ -z "${TESTS:-}" ]; then  # CUDA tests outside the gpu mark: async decode steps under sync-debug mode
         run sync 120 python3 -m pytest -q -p no:cacheprovider tests/services/engine/test_async.py -k "cuda or synchronise"
-        show sync "^E  .*(Error|synchron)|^FAILED|passed|failed|services/.*py:[0-9]+" 8
+        show sync "^E  .*(Error|synchron)|^FAILED|passed|failed|skipped|^SKIPPED|no tests ran|services/.*py:[0-9]+" 8
     fi
 }
 
@@ -219,7 +221,7 @@ suite_speculative() {
     run tests 300 "${gpu_tests[@]}" tests/services/worker/spec/test_draft_proposal.py tests/services/worker/spec/test_static_draft_proposal.py \
         tests/services/worker/spec/test_speculator.py tests/services/worker/spec/test_static_verify.py \
         tests/services/worker/spec/test_verify_half.py tests/services/engine/structured/test_token_masks.py
-    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
+    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed|skipped|^SKIPPED|no tests ran" 15
     run proposal 90 python3 -m services.bench.speculative.draft_proposal --device cuda --kernel-backend fp8 --cuda-graphs --batch 1 \
         --static-proposal --json "$dir/draft-proposal.json"
     tail -12 "$dir/proposal.log"
@@ -243,10 +245,12 @@ suite_speculative_bench() {
 
 suite_structured() {
     begin structured 235
-    # The sampler kernel's first (cheap), then constrained async, then constrained speculation (four engines).
+    # The sampler kernel's first (cheap), then constrained speculation (four engines of 64 blocks), then constrained
+    # async last: its engine sizes its pools from gpu_memory_utilization, and in one pytest process that memory
+    # stays held until a collection frees the engine's reference cycles.
     run tests 100 "${gpu_tests[@]}" tests/services/worker/sampling/test_token_bitmask.py \
-        tests/services/engine/structured/test_async_constrained.py tests/services/engine/structured/test_token_masks.py
-    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed" 15
+        tests/services/engine/structured/test_token_masks.py tests/services/engine/structured/test_async_constrained.py
+    show tests "^FAILED|^ERROR|^E  .*(Error|synchron)|passed|failed|skipped|^SKIPPED|no tests ran" 15
     # shellcheck disable=SC2086 # a list of arguments
     run bench "$(( $(left) - 5 ))" python3 -m services.bench.structured.run --layers "${SO_LAYERS:-8}" \
         ${SO_ARGS:---rounds 2 --steps 24 --walks 4} --json "$dir/structured.json"
@@ -405,7 +409,7 @@ suite_prefix() {  # the cache's bits on the kernel path, then its reuse and TTFT
     begin prefix 420
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$dir/gpu.txt"
     run exact 150 "${gpu_tests[@]}" tests/services/engine/prefix/test_exactness.py
-    show exact "passed|failed|^FAILED|^E  " 12
+    show exact "passed|failed|skipped|^SKIPPED|no tests ran|^FAILED|^E  " 12
     local model=/tmp/v41-s1-l${NUM_LAYERS:-8}
     v41_part "$model" "${NUM_LAYERS:-8}"
     # shellcheck disable=SC2086 # a list of arguments
@@ -423,7 +427,7 @@ suite_fairness() {  # another key's TTFT beside long prompts, on the GPU's step 
 suite_mixed() {  # mixed and separate steps: the kernel path's bits, then one load per mode through shinkai up
     serve_begin mixed 570
     run exact 100 "${gpu_tests[@]}" tests/services/engine/test_mixed_steps.py
-    show exact "passed|failed|^FAILED|^E  " 12
+    show exact "passed|failed|skipped|^SKIPPED|no tests ran|^FAILED|^E  " 12
     local model=/tmp/v41-s1-l${NUM_LAYERS:-8} scheduling c p n rate
     v41_part "$model" "${NUM_LAYERS:-8}"
     for scheduling in separate mixed; do
@@ -489,12 +493,12 @@ suite_parallel() {
 suite_ep_one_gpu() {
     begin ep-one-gpu 235
     run layer 70 "${gpu_tests[@]}" tests/services/worker/parallel/test_ep_kernel_moe.py
-    show layer "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
+    show layer "^FAILED|^ERROR|^E  .*Error|passed|failed|skipped|^SKIPPED|no tests ran" 12
     run ep-path 95 env PYTHONUNBUFFERED=1 "${bench_step[@]}" --dp 1 --ep-path --layers "${EP_LAYERS:-8}" --batches "${EP_BATCHES:-64}" \
         --json "$dir/ep-path.json"
     show ep-path "^model|^decode|Error" 12
     run engine "$(( $(left) - 5 ))" "${gpu_tests[@]}" tests/services/worker/runners/test_ep_decode_graphs.py
-    show engine "^FAILED|^ERROR|^E  .*Error|passed|failed" 12
+    show engine "^FAILED|^ERROR|^E  .*Error|passed|failed|skipped|^SKIPPED|no tests ran" 12
 }
 
 suite_hosts() {

@@ -145,6 +145,7 @@ def main(args: argparse.Namespace) -> int:
             waves = agent(llm, args, vocab)
             run["agent"] = {"waves": waves, **_summary(waves)}
         results["on" if caching else "off"] = run
+        _save(args, results)  # after each run: a run cut short by a time limit keeps the one before
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -159,6 +160,9 @@ def main(args: argparse.Namespace) -> int:
                 f"output tok/s {off['output_tokens_per_s']} off, "
                 f"{on['output_tokens_per_s']} on"
             )
+    return 0
+
+
+def _save(args: argparse.Namespace, results: dict[str, dict]) -> None:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"args": vars(args) | {"func": None}, **results}, indent=2))
-    return 0

@@ -26,13 +26,15 @@ SMALL_ENGRAM_VOCAB = 40_000
 
 
 def subset_config(cfg: ModelConfig, layers: Sequence[int], engram_vocab: int | None = None) -> ModelConfig:
-    """The config of a model made of ``layers`` (ascending ids of ``cfg``), renumbered 0…n−1."""
+    """The config of a model made of ``layers`` (ascending ids of ``cfg``), renumbered 0…n−1. A DSpark draft stays
+    (its target layers renumbered) where the subset keeps every layer it taps; otherwise the subset has none."""
     from model.deepseek_v41.engram import engram_primes
 
     layers = list(layers)
     if layers != sorted(set(layers)) or not 0 <= layers[0] or layers[-1] >= cfg.num_hidden_layers:
         raise ValueError(f"layers {layers} must be distinct ascending ids below {cfg.num_hidden_layers}")
     new = {old: i for i, old in enumerate(layers)}
+    draft = bool(cfg.num_nextn_predict_layers) and all(t in new for t in cfg.dspark_target_layer_ids)
     extra = cfg.compress_ratios[cfg.num_hidden_layers :]  # entries past the backbone (nextn layers)
     engram_ids = [new[layer] for layer in cfg.engram_layer_ids if layer in new]
     out = dataclasses.replace(
@@ -45,6 +47,10 @@ def subset_config(cfg: ModelConfig, layers: Sequence[int], engram_vocab: int | N
         if cfg.candidate_source_layer_id is not None
         else None,
         engram_layer_ids=tuple(engram_ids),
+        num_nextn_predict_layers=cfg.num_nextn_predict_layers if draft else 0,
+        dspark_target_layer_ids=tuple(new[t] for t in cfg.dspark_target_layer_ids)
+        if draft
+        else cfg.dspark_target_layer_ids,
         engram_num_embeddings=tuple(
             n for layer, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if layer in new
         ),

@@ -13,6 +13,7 @@ pooled step times' medians are compared: the expert-parallel path's cost on one 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -77,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
                 if parallel is not None:
                     unshard_kernel_experts(llm.source.model)
                 del llm
+                gc.collect()  # the engine's cycles (pools, graphs) go now, not inside the next build's timed steps
+                torch.cuda.empty_cache()
         without, with_ep = statistics.median(seconds["without"]), statistics.median(seconds["with"])
         row = {
             "section": "ep path decode",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from model.deepseek_v41.presets import V41_S1
+from model.deepseek_v41.presets import V41_S1, preset
 from services.bench.step.build import KINDS_OF_V41, subset_config
 from services.entrypoints.cli import main
 
@@ -34,6 +34,14 @@ def test_subset_keeps_every_kind_of_v41_layer():
     assert cfg.engram_layer_ids == (1, 4) and max(cfg.engram_num_embeddings) < 1_100_000
     with pytest.raises(ValueError):
         subset_config(V41_S1, [3, 2])
+
+
+def test_a_subset_keeps_the_draft_only_with_every_layer_it_taps():
+    tiny = preset("tiny")  # a DSpark draft tapping layers 5, 6 and 7
+    kept = subset_config(tiny, [0, 5, 6, 7])
+    assert kept.num_nextn_predict_layers == tiny.num_nextn_predict_layers and kept.dspark_target_layer_ids == (1, 2, 3)
+    cut = subset_config(tiny, range(4))  # bench step --model tiny --layers 4 (the draft's layers gone)
+    assert cut.num_hidden_layers == 4 and cut.num_nextn_predict_layers == 0
 
 
 def test_sizes_from_the_command_line_replace_the_modes(tmp_path, one_torch_thread):
