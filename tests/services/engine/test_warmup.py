@@ -57,7 +57,12 @@ candidates; two Sinkhorn iterations (a constexpr; the interpreter's time is most
 
 @pytest.fixture(scope="module")
 def small_source(tmp_path_factory):
-    """``SMALL`` as a checkpoint: a loader of fresh copies (the kernel backend converts a model in place)."""
+    return _checkpoint(tmp_path_factory, SMALL)
+
+
+def _checkpoint(tmp_path_factory, fields: dict):
+    """The oracle config with ``fields`` as a checkpoint: a loader of fresh copies (the kernel backend converts a
+    model in place)."""
     import dataclasses
 
     from model.deepseek_v41.init import write_random_checkpoint
@@ -67,8 +72,8 @@ def small_source(tmp_path_factory):
     from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 
     tok = toy_tokenizer(ORACLE.vocab_size)
-    cfg = finish(dataclasses.replace(ORACLE, **SMALL), engram_token_map(tok)[1])
-    path = write_random_checkpoint(tmp_path_factory.mktemp("small") / "ckpt", cfg, 8, tok)
+    cfg = finish(dataclasses.replace(ORACLE, **fields), engram_token_map(tok)[1])
+    path = write_random_checkpoint(tmp_path_factory.mktemp("model") / "ckpt", cfg, 8, tok)
     return lambda: load_model(str(path))
 
 
@@ -109,6 +114,85 @@ def test_no_new_kernel_variant_after_the_warm_up(small_source):
         assert llm.engine.stats().prefix_cache_hits > 0
     print(f"\n{num_warm} kernel variants after {steps} warm-up steps; {keys.num_launches} launches in all")
     print("  per kernel:", {name.split(".")[-1]: len(k) for name, k in sorted(warmed.items())})
+    assert keys.new_since(warmed) == {}
+
+
+SPEC = dict(
+    num_hidden_layers=1,
+    compress_ratios=(0, 0),
+    kv_source_layer_ids=(),
+    index_source_layer_ids=(),
+    candidate_source_layer_id=None,
+    engram_layer_ids=(),
+    engram_num_embeddings=(),
+    hc_sinkhorn_iters=2,
+    num_nextn_predict_layers=1,
+    dspark_target_layer_ids=(0,),
+    dspark_block_size=3,
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=4,
+    dspark_num_experts_per_tok=2,
+)
+"""The cheapest target under a DSpark draft: one window-only layer tapped by one draft stage (its own window
+attention, MoE and mHC sites, blocks of 3). The compressed layers' variants are ``SMALL``'s test's: a verify
+step's rows reach them as a prompt chunk of as many rows does."""
+SPEC_ENGINE = dict(ENGINE, max_num_seqs=2, num_speculative_tokens=2)  # decode rows 2 × (1 + 2) within the budget 8
+
+
+@pytest.fixture(scope="module")
+def spec_source(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, SPEC)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_no_new_kernel_variant_in_speculative_steps_after_the_warm_up(spec_source, varlen):
+    """With drafts every decode step verifies them (1 + k rows a request, or varlen's choice per request, the
+    step-cost curve measured from the engine's own steps) and the draft proposes the next block: after the
+    warm-up, requests of other lengths together (verify rows beside prompt chunks) and resuming from the prefix
+    cache launch no key the warm-up had not."""
+    from services.worker.build import build_worker
+
+    args = dict(SPEC_ENGINE, spec_varlen=varlen)
+    source = spec_source()
+    config = EngineConfig(**{**ENGINE, **args})
+    kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+    nextn = config.num_speculative_tokens
+    runner = ModelRunner(
+        source.model,
+        config.worker_config(),
+        backend="kernels",
+        precision="fp8",
+        kernels=kernels,
+        nextn=nextn,
+        with_taps=True,
+    )
+    llm = LLM(source=source, worker=build_worker(source.model, config.worker_config(), runner=runner), **args)
+    speculator = llm.engine.worker.speculator
+    keys = SpecKeys()
+    with interpreter(), keys:
+        steps = warm_up(llm.engine)
+        warmed = keys.snapshot()
+        verified = speculator.num_drafts_verified
+        assert verified > 0  # the warm-up's decode steps verified drafts
+        gen = torch.Generator().manual_seed(7)
+
+        def prompt(n):
+            return torch.randint(3, 250, (n,), generator=gen).tolist()
+
+        greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, logprobs=1, ignore_eos=True)
+        llm.generate([prompt(n) for n in (3, 13, 19)], [greedy, sampled, greedy])
+        shared = prompt(21)
+        llm.generate([shared], greedy)
+        llm.generate([shared[:9] + prompt(2)], sampled)
+        assert llm.engine.stats().prefix_cache_hits > 0 and speculator.num_drafts_verified > verified
+    num_warm = sum(len(k) for k in warmed.values())
+    print(
+        f"\n{num_warm} kernel variants after {steps} warm-up steps; {keys.num_launches} launches in all; "
+        f"{speculator.num_drafts_verified} drafts verified"
+    )
     assert keys.new_since(warmed) == {}
 
 
