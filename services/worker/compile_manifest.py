@@ -179,6 +179,11 @@ class CompileManifest:
         )
 
 
+def recording() -> CompileManifest | None:
+    """The manifest this process records into, or None."""
+    return _RECORDING.get("manifest")
+
+
 def stop_recording() -> None:
     """Ends ``record``: Triton's hook is the one set before it again (where nothing replaced ``record``'s since)."""
     from triton import knobs

@@ -2,6 +2,7 @@
 as an engine does (tests/services/worker/test_compile_manifest.py starts several on one cache root).
 
     python -m tests.services.worker.manifest_writer --blocks 64,128 [--go FILE] [--precompile]
+    python -m tests.services.worker.manifest_writer --engine tiny     # an engine on CUDA, a few requests
 
 Triton's active driver is replaced by one that targets sm_90 without a device (``Sm90Driver``): ``JITFunction``'s
 own paths (``warmup``, ``preload``, the compile hooks, its in-process table) run as on a GPU, and Triton's code
@@ -9,7 +10,10 @@ generator and bundled ptxas build real cubins; nothing is launched. With ``--pre
 compiled at once (``CompileManifest.precompile``); then the process waits for FILE (so writers start together), records,
 and compiles ``kernels.rmsnorm``'s kernel at each ``BLOCK_C`` through ``JITFunction.warmup``, the path a launch takes.
 It prints one JSON line: the precompile's counts, how many of the launches' variants compiled (Triton's cache-miss
-hook: called only for a variant the kernel's table lacks), and Triton's file-cache hits and misses."""
+hook: called only for a variant the kernel's table lacks), and Triton's file-cache hits and misses. With ``--engine``
+it starts an engine the served way on CUDA (its warm-up precompiles the manifest and records) and prints the
+manifest's entries and how many variants compiled for a launch and ahead of any (preloaded from the manifest, or the
+sampler's variants)."""
 
 from __future__ import annotations
 
@@ -58,11 +62,15 @@ def sm90_driver():
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--blocks", required=True)
+    p.add_argument("--blocks")
+    p.add_argument("--engine", default=None, help="a model to serve on CUDA instead")
     p.add_argument("--go", type=Path)
     p.add_argument("--precompile", action="store_true")
     args = p.parse_args()
     cache_dirs.setup()
+    if args.engine is not None:
+        _serve_a_few(args.engine)
+        return
 
     import torch
     import triton
@@ -102,6 +110,28 @@ def main() -> None:
     if precompiled is not None:
         out["precompiled"] = dataclasses.asdict(precompiled)
     print(json.dumps(out), flush=True)
+
+
+def _serve_a_few(model: str) -> None:
+    """An engine as `shinkai up` starts one on a GPU (kernel backend, CUDA graphs, the warm-up), then prompts of a
+    few lengths."""
+    from triton import knobs
+
+    from services.engine import LLM, SamplingParams
+    from services.worker import compile_manifest
+
+    compiled = {"launch": 0, "ahead": 0}  # compiles a launch needed; compiles without a launch (preload, warmup)
+
+    def missed(*, is_manual_warmup: bool, **_: object) -> None:
+        compiled["ahead" if is_manual_warmup else "launch"] += 1
+
+    knobs.runtime.jit_cache_hook = missed
+    llm = LLM(model=model, device="cuda", max_num_seqs=4, max_model_len=256, num_blocks=64)
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((3, 17, 40, 90))]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    manifest = compile_manifest.recording()
+    assert manifest is not None, "the engine's warm-up records into its compile manifest"
+    print(json.dumps({"entries": len(manifest.entries()), **compiled}), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from services import cache_dirs
 from services.worker.compile_manifest import CompileManifest, manifest_key, stop_recording
 
@@ -104,3 +107,18 @@ def test_the_key_follows_what_picks_the_variants_and_the_versions():
     assert a == manifest_key({"max_num_seqs": 4, "model": {"hidden_size": 64}}, "cpu")  # order does not matter
     assert a != manifest_key({"model": {"hidden_size": 64}, "max_num_seqs": 8}, "cpu")
     assert a != manifest_key({"model": {"hidden_size": 64}, "max_num_seqs": 4}, "cuda:1")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_second_start_precompiles_what_the_first_compiled_and_no_launch_compiles(tmp_path):
+    """`tiny` the served way (kernel backend, CUDA graphs, the warm-up) in a fresh process twice on one empty cache
+    root: the first records every variant it compiles; the second compiles the manifest at once before its pools,
+    graphs and warm-up, and none of its launches (build, warm-up, requests) waits on a compile."""
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
+    first = _result(_writer(env, "", "--engine", "tiny"))
+    second = _result(_writer(env, "", "--engine", "tiny"))
+    print(f"\nfirst start: {first}; second start: {second}")
+    assert 0 < first["entries"] <= first["launch"] + first["ahead"] and first["launch"] > 0
+    assert second["launch"] == 0 and second["ahead"] >= first["entries"]
