@@ -121,9 +121,12 @@ def _serve_a_few(model: str) -> None:
     from services.worker import compile_manifest
 
     compiled = {"launch": 0, "ahead": 0}  # compiles a launch needed; compiles without a launch (preload, warmup)
+    launched: list[str] = []  # the kernels of the former
 
-    def missed(*, is_manual_warmup: bool, **_: object) -> None:
+    def missed(*, is_manual_warmup: bool, repr: str, **_: object) -> None:
         compiled["ahead" if is_manual_warmup else "launch"] += 1
+        if not is_manual_warmup:
+            launched.append(repr[:160])
 
     knobs.runtime.jit_cache_hook = missed
     llm = LLM(model=model, device="cuda", max_num_seqs=4, max_model_len=256, num_blocks=64)
@@ -131,7 +134,7 @@ def _serve_a_few(model: str) -> None:
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     manifest = compile_manifest.recording()
     assert manifest is not None, "the engine's warm-up records into its compile manifest"
-    print(json.dumps({"entries": len(manifest.entries()), **compiled}), flush=True)
+    print(json.dumps({"entries": len(manifest.entries()), **compiled, "launched": launched[:20]}), flush=True)
 
 
 if __name__ == "__main__":
