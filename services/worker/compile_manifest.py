@@ -13,10 +13,11 @@ start can compile the same set in parallel before any step runs:
   of them is the same bytes.
 - **Precompiling.** ``precompile()`` reads every entry, finds its kernel by module and qualified name, and calls
   Triton's ``JITFunction.preload`` under Triton's ``AsyncCompileMode`` over a thread pool of ``workers`` (default:
-  the CPUs): each variant is compiled in a worker thread, or read from Triton's file cache where it holds it, and
-  lands in the kernel's in-process table under the launch's key, so the launch that needs it finds it without a
-  compile. An entry whose kernel is gone, whose parameters changed or whose compile fails is skipped and counted
-  (``Precompiled.num_stale``); the start goes on, and that launch compiles as it would have.
+  the CPUs the process may use): each variant is compiled in a worker thread (ptxas, most of a compile's time, is a
+  subprocess, outside the GIL), or read from Triton's file cache where it holds it, and lands in the kernel's
+  in-process table under the launch's key, so the launch that needs it finds it without a compile. An entry whose
+  kernel is gone, whose parameters changed or whose compile fails is skipped and counted (``Precompiled.num_stale``);
+  the start goes on, and that launch compiles as it would have.
 
 A manifest is one directory, ``<root>/variants/<key>`` (services/cache_dirs.py), per ``key``: a hash of what
 picks the variants (the caller's description: the model's config and the engine's step shape) and of what makes a
@@ -152,7 +153,7 @@ class CompileManifest:
         entries = self.entries()
         num_unresolved = 0
         submitted: list[concurrent.futures.Future] = []
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1)
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers or _num_cpus())
         with executor, AsyncCompileMode(executor, ignore_errors=True) as mode:
             for entry in entries:
                 fn = _kernel(entry)
@@ -192,6 +193,11 @@ def stop_recording() -> None:
         if knobs.runtime.jit_post_compile_hook is _RECORDING["hook"]:
             knobs.runtime.jit_post_compile_hook = _RECORDING["previous"]
         _RECORDING.clear()
+
+
+def _num_cpus() -> int:
+    """The CPUs this process may run on (a container's or ``taskset``'s set, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _kernel(entry: Mapping[str, str]):
