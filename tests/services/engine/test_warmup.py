@@ -217,8 +217,10 @@ def test_no_new_kernel_variant_in_speculative_steps_after_the_warm_up(spec_sourc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_compile_after_the_warm_up_on_the_gpu():
-    """The tiny model on the CUDA defaults (FP8 kernels, decode graphs, async scheduling, the warm-up): Triton's
+@pytest.mark.parametrize("nextn", [0, 3], ids=["plain", "drafts"])
+def test_no_compile_after_the_warm_up_on_the_gpu(nextn):
+    """The tiny model on the CUDA defaults (FP8 kernels, decode graphs, async scheduling, the warm-up; with drafts
+    the defaults' eager synchronous steps, each decode step verifying 3 drafts of tiny's DSpark draft): Triton's
     cache-miss hook (called before every compile of a variant the process has not loaded) counts the compiles
     of the build (graph capture and warm-up), then of prompts of many lengths alone and together, prefix-cache
     hits at several offsets and sampled requests with logprobs: none after the warm-up."""
@@ -245,9 +247,11 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
             block_size=16,
             num_blocks=320,  # not sized from the GPU's memory: other test files may share the GPU
             progress=lambda *a: progress.append((time.perf_counter(), len(compiles), *a)),
+            **({"num_speculative_tokens": nextn} if nextn else {}),
         )
         built_s, built = time.perf_counter() - start, len(compiles)
-        assert llm.config.warmup and llm.config.cuda_graphs and progress[-1][3] == progress[-1][4] > 0
+        assert llm.config.warmup and llm.config.cuda_graphs == (nextn == 0)
+        assert progress[-1][3] == progress[-1][4] > 0
         gen = torch.Generator().manual_seed(9)
         vocab = llm.source.config.vocab_size
 
@@ -272,7 +276,7 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
     after = compiles[built:]
     (t0, c0, *_), (t1, c1, *_), (t2, c2, *_) = progress[0], progress[1], progress[-1]
     print(
-        f"\nbuild {built_s:.1f} s, {built} compiles: load and graph capture {t0 - start:.1f} s ({c0} compiles), "
+        f"\nbuild {built_s:.1f} s, {built} compiles: load, precompile, capture {t0 - start:.1f} s ({c0}), "
         f"sampler variants {t1 - t0:.1f} s ({c1 - c0}), warm-up requests {t2 - t1:.1f} s ({c2 - c1}); "
         f"after the warm-up: {len(after)} compiles"
     )
