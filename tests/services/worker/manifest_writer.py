@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -129,12 +130,23 @@ def _serve_a_few(model: str) -> None:
             launched.append(repr[:160])
 
     knobs.runtime.jit_cache_hook = missed
+    precompiled: list[str] = []  # the engine's "precompiled N kernel variants of M recorded in S s" line
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("precompiled"):
+                precompiled.append(record.getMessage())
+
+    engine_log = logging.getLogger("shinkai.engine")
+    engine_log.setLevel(logging.INFO)
+    engine_log.addHandler(Kept())
     llm = LLM(model=model, device="cuda", max_num_seqs=4, max_model_len=256, num_blocks=64)
     prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((3, 17, 40, 90))]
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     manifest = compile_manifest.recording()
     assert manifest is not None, "the engine's warm-up records into its compile manifest"
-    print(json.dumps({"entries": len(manifest.entries()), **compiled, "launched": launched[:20]}), flush=True)
+    out = {"entries": len(manifest.entries()), **compiled, "precompiled": precompiled, "launched": launched[:20]}
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
