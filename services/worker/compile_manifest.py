@@ -137,7 +137,10 @@ class CompileManifest:
         found = []
         for path in sorted(self.directory.glob("*.json")):
             try:
-                found.append(json.loads(path.read_text()))
+                entry = json.loads(path.read_text())
+                if not isinstance(entry, dict):
+                    raise ValueError("not an entry")
+                found.append(entry)
             except (OSError, ValueError) as e:
                 log.warning("compile manifest: skipped %s (%s)", path.name, e)
         return found
@@ -156,9 +159,9 @@ class CompileManifest:
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers or _num_cpus())
         with executor, AsyncCompileMode(executor, ignore_errors=True) as mode:
             for entry in entries:
-                fn = _kernel(entry)
                 before = len(mode.raw_futures)
                 try:
+                    fn = _kernel(entry)
                     if fn is None:
                         raise LookupError("its kernel is gone or its parameters changed")
                     fn.preload(entry["specialization_data"])

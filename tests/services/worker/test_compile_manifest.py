@@ -68,6 +68,7 @@ def test_stale_entries_are_skipped_and_counted(tmp_path):
     manifest.add("kernels.rmsnorm", "_gone_kernel", data, "k3")  # kernel renamed
     (tmp_path / "m" / "tmp.123").write_text("{")  # a writer's work in progress: not an entry
     (tmp_path / "m" / "broken.json").write_text("{")  # unreadable: skipped with a warning
+    (tmp_path / "m" / "list.json").write_text("[1]")  # not an entry: skipped too
     assert len(manifest.entries()) == 3
     done = manifest.precompile(workers=1)
     assert (done.num_entries, done.num_preloaded, done.num_stale) == (3, 0, 3)
