@@ -103,7 +103,7 @@ class CompileManifest:
             try:
                 fn, job = kwargs["fn"], kwargs["compile"]  # Triton's JitFunctionInfo; the compile's arguments
                 _RECORDING["manifest"].add(fn.module, fn.name, job["specialization_data"], job["key"])
-            except Exception as e:  # never the compile's failure: a full or read-only disk costs the next start's
+            except Exception as e:  # never fails the compile: a full disk costs only the next start's precompile
                 log.warning("compile manifest: could not record a variant (%s)", e)
             return previous(**kwargs) if previous is not None else None
 
