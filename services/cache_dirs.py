@@ -13,6 +13,9 @@ already: a directory the user chose is never overridden.
 - ``deepgemm`` (``DG_JIT_CACHE_DIR``): DeepGEMM's JIT-compiled cubins, keyed by DeepGEMM's hash of the kernel's
   name, the compiler's version, its flags (the arch) and the code with its headers.
 - ``tokenizer`` (no variable): the patched V4.1 ``tokenizer.json``, keyed by the source's content hash.
+- ``variants`` (no variable): compile manifests, the kernel variants an engine compiled, which the next start with
+  the same key compiles at once in a thread pool (services/worker/compile_manifest.py); an entry is one manifest,
+  keyed by the model's config, the engine's step shape, the device and Triton's and torch's versions.
 
 Every library keys its entries by versions and device itself, so one directory serves any mix of them without a
 collision, and each writes an entry whole before it can be read: Triton writes every file into a private temporary
@@ -45,6 +48,7 @@ CACHES = (
     Cache("inductor", "TORCHINDUCTOR_CACHE_DIR", "inductor", ""),
     Cache("deepgemm", "DG_JIT_CACHE_DIR", "deepgemm", "cache"),
     Cache("tokenizer", None, "tokenizer", ""),
+    Cache("variants", None, "variants", ""),
 )
 
 

@@ -18,7 +18,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
-from services.engine.warmup import Progress, warm_up
+from services.engine.warmup import Progress, compile_manifest, precompile_variants, warm_up
 from services.worker import startup
 from services.worker.build import build_worker
 from services.worker.kernel_model.fp8_linear import KernelSet
@@ -86,6 +86,8 @@ class LLM:
 
                 log_device_bytes(source.model)
         self.source = source
+        if self.config.warmup and worker is None:  # an earlier start's variants, compiled at once before any launch
+            precompile_variants(compile_manifest(self.config, source.config))
         model_max = source.config.max_position_embeddings
         if self.config.max_model_len > model_max:
             raise ValueError(

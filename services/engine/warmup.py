@@ -17,24 +17,41 @@ one value per power of two of it), so a handful of steps covers it:
 - **prefix-cache hits**: with prefix caching, two requests that resume from the long prompt's cached blocks at
   different offsets; the cache is cleared afterwards and its events dropped, so no warm-up block is announced;
 - **sampling**: first the sampler kernel's variants, compiled without a launch and in parallel threads
-  (``KernelSampler.compile_variants``: the rows' parameters, not the step's shape, pick them); then the greedy
-  requests above, and one seeded request with temperature, top-p, top-k, min-p, penalties and logprobs.
+  (``KernelSampler.compile_variants``: the rows' parameters, not the step's shape, pick them; not with drafts,
+  whose steps never run the kernel); then the greedy requests above, and one seeded request with temperature,
+  top-p, top-k, min-p, penalties and logprobs.
 
-With speculative decoding every decode step above verifies drafts. ``progress(phase, done, total)`` is called with
-the phase ``"compiling"`` after the sampler's variants and after each warm-up request ends (``done`` of ``total``),
-so a readiness report can show it; the caller decides when the engine counts as ready (after ``warm_up`` returns).
+With speculative decoding every decode step above verifies drafts (1 + k rows a request, or varlen's choice per
+request) and the draft proposes a block for each request: a verify step's rows run the prompt path, whose variants
+follow the rows' power of two, which the token buckets cover (every power of two up to the budget, and the budget
+holds ``max_num_seqs × (1 + k)``); the draft's call for B requests has B · block rows, and as the power of two of
+B · m for B between 2ʲ and 2ʲ⁺¹ is that of 2ʲ · m or twice it, the decode groups' counts cover every B. The CPU
+test with drafts (fixed and varlen) finds no key the warm-up missed.
+``progress(phase, done, total)`` is called with the phase ``"compiling"`` after the sampler's variants and after
+each warm-up request ends (``done`` of ``total``), so a readiness report can show it; the caller decides when the
+engine counts as ready (after ``warm_up`` returns).
+
+Before any of that, before the pools are profiled and the graphs captured, ``precompile_variants`` compiles every
+variant an earlier start of the same engine compiled, at once in a thread pool (its compile manifest:
+services/worker/compile_manifest.py), and records this start's compiles for the next one: the profiling step, the
+captures and the steps above then find those variants compiled. On a first start (no manifest) they compile one at a
+time as they are launched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
+from services.worker import startup
+from services.worker.compile_manifest import CompileManifest, manifest_key
 
 log = logging.getLogger("shinkai.engine")
 
@@ -44,6 +61,49 @@ MAX_CONTEXT = 65_536
 selection buckets (one per power of two) on first use."""
 Progress = Callable[[str, int, int], None]
 """(phase, done, total): the readiness report's hook."""
+
+
+VARIANT_FIELDS = (
+    "kernel_backend",
+    "expert_format",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "scheduling",
+    "num_speculative_tokens",
+    "spec_varlen",
+    "spec_sampling",
+    "cuda_graphs",
+    "async_scheduling",
+    "batch_invariant",
+    "enable_prefix_caching",
+)
+"""The engine fields that pick kernel variants, in the compile manifest's key with the model's config. Left out:
+pool sizes and ``max_model_len`` (sized from the device's free memory, they vary between starts; the variants of a
+longer context than the last start's compile on first use or in the warm-up, and are recorded then)."""
+
+
+def compile_manifest(config: EngineConfig, model_config: object) -> CompileManifest:
+    """This engine's compile manifest under the cache root: keyed by the model's config (a dataclass), the
+    ``VARIANT_FIELDS``, the device and the versions (``manifest_key``)."""
+    picks = {"model": dataclasses.asdict(model_config), **{f: getattr(config, f) for f in VARIANT_FIELDS}}  # type: ignore[call-overload]
+    return CompileManifest.under_root(manifest_key(picks, config.device or "cpu"))
+
+
+def precompile_variants(manifest: CompileManifest) -> None:
+    """Compiles ``manifest``'s variants at once (reported as the ``"compiling"`` phase), then records every compile of
+    this process into it."""
+    with startup.phase(PHASE) as step:
+        done = manifest.precompile(progress=step.count)
+    log.info(
+        "precompiled %d kernel variants of %d recorded in %.1f s (%d stale) from %s",
+        done.num_preloaded,
+        done.num_entries,
+        done.seconds,
+        done.num_stale,
+        manifest.directory,
+    )
+    manifest.record()
 
 
 @dataclass(frozen=True)
@@ -135,9 +195,11 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     if progress is not None:
         progress(PHASE, 0, total)
     # The sampler kernel's variants first, compiled at once in threads (their rows' parameters, not the step's
-    # shape, pick them: the requests below reach only a few).
+    # shape, pick them: the requests below reach only a few). With drafts the speculator processes every step's
+    # logits in torch and the kernel never runs.
     sampler = getattr(engine.worker, "sampler", None)
-    compile_variants = getattr(sampler, "compile_variants", None)
+    speculating = getattr(engine.worker, "speculator", None) is not None
+    compile_variants = None if speculating else getattr(sampler, "compile_variants", None)
     num_sampler_variants = (
         0 if compile_variants is None else compile_variants(engine.vocab_size, config.device or "cpu")
     )

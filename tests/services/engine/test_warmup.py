@@ -4,12 +4,15 @@ no kernel specialisation after it that it did not already launch.
 Under Triton's interpreter nothing compiles, so the test counts specialisation keys (tests/kernels/spec_keys.py:
 Triton's own binder over each launch's arguments): the keys a GPU would compile. After ``warm_up`` it sends
 prompts of many lengths, some together (mixed steps with decode rows), some resuming from the prefix cache at
-other offsets, with greedy and sampled requests, and finds no key the warm-up had not launched.
+other offsets, with greedy and sampled requests, and finds no key the warm-up had not launched; with drafts (fixed
+and varlen verification) the same for verify steps and the draft's proposals. The compile manifest's key (what an
+earlier start's variants are found by) follows the fields that pick variants and no other.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -40,6 +43,21 @@ def test_token_buckets_and_plan():
     assert plan_warmup(16, 48, 8, True, max_context=20)[7].prompt_length == 20  # one decode group (1 row)
 
 
+def test_the_compile_manifest_is_keyed_by_what_picks_the_variants(monkeypatch, tmp_path):
+    from services.engine.warmup import compile_manifest
+    from tests.model.deepseek_v41.oracle_configs import ORACLE
+
+    monkeypatch.setenv("SHINKAI_CACHE_DIR", str(tmp_path))
+    config = EngineConfig(**ENGINE)
+    manifest = compile_manifest(config, ORACLE)
+    assert manifest.directory.parent == tmp_path / "variants"
+    # Pool sizes and max_model_len vary between starts on one device (sized from its free memory): one manifest.
+    assert compile_manifest(config.replace(num_blocks=99, max_model_len=64), ORACLE).directory == manifest.directory
+    for other in (config.replace(max_num_seqs=2), config.replace(kernel_backend="fp8")):
+        assert compile_manifest(other, ORACLE).directory != manifest.directory
+    assert compile_manifest(config, dataclasses.replace(ORACLE, hidden_size=128)).directory != manifest.directory
+
+
 SMALL = dict(
     num_hidden_layers=5,
     compress_ratios=(0, 2, 1, 1, 1, 0),
@@ -57,9 +75,12 @@ candidates; two Sinkhorn iterations (a constexpr; the interpreter's time is most
 
 @pytest.fixture(scope="module")
 def small_source(tmp_path_factory):
-    """``SMALL`` as a checkpoint: a loader of fresh copies (the kernel backend converts a model in place)."""
-    import dataclasses
+    return _checkpoint(tmp_path_factory, SMALL)
 
+
+def _checkpoint(tmp_path_factory, fields: dict):
+    """The oracle config with ``fields`` as a checkpoint: a loader of fresh copies (the kernel backend converts a
+    model in place)."""
     from model.deepseek_v41.init import write_random_checkpoint
     from model.deepseek_v41.tokenizer import engram_token_map
     from services.engine.model_source import load_model
@@ -67,8 +88,8 @@ def small_source(tmp_path_factory):
     from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 
     tok = toy_tokenizer(ORACLE.vocab_size)
-    cfg = finish(dataclasses.replace(ORACLE, **SMALL), engram_token_map(tok)[1])
-    path = write_random_checkpoint(tmp_path_factory.mktemp("small") / "ckpt", cfg, 8, tok)
+    cfg = finish(dataclasses.replace(ORACLE, **fields), engram_token_map(tok)[1])
+    path = write_random_checkpoint(tmp_path_factory.mktemp("model") / "ckpt", cfg, 8, tok)
     return lambda: load_model(str(path))
 
 
@@ -112,13 +133,94 @@ def test_no_new_kernel_variant_after_the_warm_up(small_source):
     assert keys.new_since(warmed) == {}
 
 
+SPEC = dict(
+    num_hidden_layers=1,
+    compress_ratios=(0, 0),
+    kv_source_layer_ids=(),
+    index_source_layer_ids=(),
+    candidate_source_layer_id=None,
+    engram_layer_ids=(),
+    engram_num_embeddings=(),
+    hc_sinkhorn_iters=2,
+    num_nextn_predict_layers=1,
+    dspark_target_layer_ids=(0,),
+    dspark_block_size=3,
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=4,
+    dspark_num_experts_per_tok=2,
+)
+"""The cheapest target under a DSpark draft: one window-only layer tapped by one draft stage (its own window
+attention, MoE and mHC sites, blocks of 3). The compressed layers' variants are ``SMALL``'s test's: a verify
+step's rows reach them as a prompt chunk of as many rows does."""
+SPEC_ENGINE = dict(ENGINE, max_num_seqs=2, num_speculative_tokens=2)  # decode rows 2 × (1 + 2) within the budget 8
+
+
+@pytest.fixture(scope="module")
+def spec_source(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, SPEC)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_no_new_kernel_variant_in_speculative_steps_after_the_warm_up(spec_source, varlen):
+    """With drafts every decode step verifies them (1 + k rows a request, or varlen's choice per request, the
+    step-cost curve measured from the engine's own steps) and the draft proposes the next block: after the
+    warm-up, requests of other lengths together (verify rows beside prompt chunks) and resuming from the prefix
+    cache launch no key the warm-up had not."""
+    from services.worker.build import build_worker
+
+    args = dict(SPEC_ENGINE, spec_varlen=varlen)
+    source = spec_source()
+    config = EngineConfig(**{**ENGINE, **args})
+    kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
+    nextn = config.num_speculative_tokens
+    runner = ModelRunner(
+        source.model,
+        config.worker_config(),
+        backend="kernels",
+        precision="fp8",
+        kernels=kernels,
+        nextn=nextn,
+        with_taps=True,
+    )
+    llm = LLM(source=source, worker=build_worker(source.model, config.worker_config(), runner=runner), **args)
+    speculator = llm.engine.worker.speculator
+    keys = SpecKeys()
+    with interpreter(), keys:
+        steps = warm_up(llm.engine)
+        warmed = keys.snapshot()
+        verified = speculator.num_drafts_verified
+        assert verified > 0  # the warm-up's decode steps verified drafts
+        gen = torch.Generator().manual_seed(7)
+
+        def prompt(n):
+            return torch.randint(3, 250, (n,), generator=gen).tolist()
+
+        greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, logprobs=1, ignore_eos=True)
+        llm.generate([prompt(n) for n in (3, 13, 19)], [greedy, sampled, greedy])
+        shared = prompt(21)
+        llm.generate([shared], greedy)
+        llm.generate([shared[:9] + prompt(2)], sampled)
+        assert llm.engine.stats().prefix_cache_hits > 0 and speculator.num_drafts_verified > verified
+    num_warm = sum(len(k) for k in warmed.values())
+    print(
+        f"\n{num_warm} kernel variants after {steps} warm-up steps; {keys.num_launches} launches in all; "
+        f"{speculator.num_drafts_verified} drafts verified"
+    )
+    assert keys.new_since(warmed) == {}
+
+
 # ---------------------------------------------------------------- CUDA: compiles counted
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_compile_after_the_warm_up_on_the_gpu():
-    """The tiny model on the CUDA defaults (FP8 kernels, decode graphs, async scheduling, the warm-up): Triton's
+@pytest.mark.parametrize("nextn", [0, 3], ids=["plain", "drafts"])
+def test_no_compile_after_the_warm_up_on_the_gpu(nextn):
+    """The tiny model on the CUDA defaults (FP8 kernels, decode graphs, async scheduling, the warm-up; with drafts
+    the defaults' eager synchronous steps, each decode step verifying 3 drafts of tiny's DSpark draft): Triton's
     cache-miss hook (called before every compile of a variant the process has not loaded) counts the compiles
     of the build (graph capture and warm-up), then of prompts of many lengths alone and together, prefix-cache
     hits at several offsets and sampled requests with logprobs: none after the warm-up."""
@@ -145,9 +247,11 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
             block_size=16,
             num_blocks=320,  # not sized from the GPU's memory: other test files may share the GPU
             progress=lambda *a: progress.append((time.perf_counter(), len(compiles), *a)),
+            **({"num_speculative_tokens": nextn} if nextn else {}),
         )
         built_s, built = time.perf_counter() - start, len(compiles)
-        assert llm.config.warmup and llm.config.cuda_graphs and progress[-1][3] == progress[-1][4] > 0
+        assert llm.config.warmup and llm.config.cuda_graphs == (nextn == 0)
+        assert progress[-1][3] == progress[-1][4] > 0
         gen = torch.Generator().manual_seed(9)
         vocab = llm.source.config.vocab_size
 
@@ -172,7 +276,7 @@ def test_no_compile_after_the_warm_up_on_the_gpu():
     after = compiles[built:]
     (t0, c0, *_), (t1, c1, *_), (t2, c2, *_) = progress[0], progress[1], progress[-1]
     print(
-        f"\nbuild {built_s:.1f} s, {built} compiles: load and graph capture {t0 - start:.1f} s ({c0} compiles), "
+        f"\nbuild {built_s:.1f} s, {built} compiles: load, precompile, capture {t0 - start:.1f} s ({c0}), "
         f"sampler variants {t1 - t0:.1f} s ({c1 - c0}), warm-up requests {t2 - t1:.1f} s ({c2 - c1}); "
         f"after the warm-up: {len(after)} compiles"
     )

@@ -1,0 +1,153 @@
+"""A process that compiles variants of a project kernel for sm_90 on this CPU, recording them in a compile manifest
+as an engine does (tests/services/worker/test_compile_manifest.py starts several on one cache root).
+
+    python -m tests.services.worker.manifest_writer --blocks 64,128 [--go FILE] [--precompile]
+    python -m tests.services.worker.manifest_writer --engine tiny     # an engine on CUDA, a few requests
+
+Triton's active driver is replaced by one that targets sm_90 without a device (``Sm90Driver``): ``JITFunction``'s
+own paths (``warmup``, ``preload``, the compile hooks, its in-process table) run as on a GPU, and Triton's code
+generator and bundled ptxas build real cubins; nothing is launched. With ``--precompile`` the manifest is first
+compiled at once (``CompileManifest.precompile``); then the process waits for FILE (so writers start together), records,
+and compiles ``kernels.rmsnorm``'s kernel at each ``BLOCK_C`` through ``JITFunction.warmup``, the path a launch takes.
+It prints one JSON line: the precompile's counts, how many of the launches' variants compiled (Triton's cache-miss
+hook: called only for a variant the kernel's table lacks), and Triton's file-cache hits and misses. With ``--engine``
+it starts an engine the served way on CUDA (its warm-up precompiles the manifest and records) and prints the
+manifest's entries and how many variants compiled for a launch and ahead of any (preloaded from the manifest, or the
+sampler's variants)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from services import cache_dirs
+
+KEY = "test"
+
+
+def sm90_driver():
+    """A Triton driver for sm_90 with no device behind it (compiles only)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class Sm90Driver(DriverBase):
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            return ty
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise NotImplementedError("nothing runs on this driver")
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+    return Sm90Driver()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--blocks")
+    p.add_argument("--engine", default=None, help="a model to serve on CUDA instead")
+    p.add_argument("--go", type=Path)
+    p.add_argument("--precompile", action="store_true")
+    args = p.parse_args()
+    cache_dirs.setup()
+    if args.engine is not None:
+        _serve_a_few(args.engine)
+        return
+
+    import torch
+    import triton
+    from triton import knobs
+
+    from kernels import rmsnorm
+    from services.worker.compile_manifest import CompileManifest
+
+    triton.runtime.driver.set_active(sm90_driver())
+    counts = {"hits": 0, "misses": 0}
+
+    def listener(*, cache_hit: bool, **_: object) -> None:
+        counts["hits" if cache_hit else "misses"] += 1
+
+    knobs.compilation.listener = listener
+    manifest = CompileManifest.under_root(KEY)
+    precompiled = manifest.precompile() if args.precompile else None
+    compiled: list[str] = []
+
+    def missed(*, repr: str, **_: object) -> None:
+        compiled.append(repr)  # returns None: compile as usual
+
+    knobs.runtime.jit_cache_hook = missed
+    manifest.record()
+    if args.go is not None:
+        deadline = time.monotonic() + 60
+        while not args.go.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.ones(256)
+    for block in (int(b) for b in args.blocks.split(",")):
+        # kernels/rmsnorm.py's plain launch: 3 rows of 200 channels, normalised only.
+        rmsnorm._rmsnorm_kernel.warmup(
+            x, w, x, x, x, 3, 200, 256, 256, 1e-6, 0, 0, 0, 0, 0,
+            ROWS=1, BLOCK_C=block, ROPE_PAIRS=0, BLOCK_P=1, BLOCK_H=1, grid=(1,),
+        )  # fmt: skip
+    out = {"compiled": len(compiled), **counts}
+    if precompiled is not None:
+        out["precompiled"] = dataclasses.asdict(precompiled)
+    print(json.dumps(out), flush=True)
+
+
+def _serve_a_few(model: str) -> None:
+    """An engine as `shinkai up` starts one on a GPU (kernel backend, CUDA graphs, the warm-up), then prompts of a
+    few lengths."""
+    from triton import knobs
+
+    from services.engine import LLM, SamplingParams
+    from services.worker import compile_manifest
+
+    compiled = {"launch": 0, "ahead": 0}  # compiles a launch needed; compiles without a launch (preload, warmup)
+    launched: list[str] = []  # the kernels of the former
+
+    def missed(*, is_manual_warmup: bool, repr: str, **_: object) -> None:
+        compiled["ahead" if is_manual_warmup else "launch"] += 1
+        if not is_manual_warmup:
+            launched.append(repr[:160])
+
+    knobs.runtime.jit_cache_hook = missed
+    precompiled: list[str] = []  # the engine's "precompiled N kernel variants of M recorded in S s" line
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("precompiled"):
+                precompiled.append(record.getMessage())
+
+    engine_log = logging.getLogger("shinkai.engine")
+    engine_log.setLevel(logging.INFO)
+    engine_log.addHandler(Kept())
+    llm = LLM(model=model, device="cuda", max_num_seqs=4, max_model_len=256, num_blocks=64)
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((3, 17, 40, 90))]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    manifest = compile_manifest.recording()
+    assert manifest is not None, "the engine's warm-up records into its compile manifest"
+    out = {"entries": len(manifest.entries()), **compiled, "precompiled": precompiled, "launched": launched[:20]}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
