@@ -111,6 +111,7 @@ def size_pools(
         for t in [*source.model.parameters(), *source.model.buffers()]
         if t is not None and t.device.type == device.type
     )
+    gc.collect()  # an engine dropped earlier in this process holds its pools until a collection
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

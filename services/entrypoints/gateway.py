@@ -31,7 +31,7 @@ async def run(args: argparse.Namespace) -> int:
     from services.gateway.auth import Keys, tls_files
     from services.gateway.engine_health import EngineHealth
     from services.gateway.frontend import Frontend
-    from services.gateway.http_protocol import http_timeouts
+    from services.gateway.http_timeouts import http_timeouts
     from services.gateway.image_fetcher import ImageFetcher
     from services.gateway.prompt_blocks import PromptBlocks
     from services.gateway.remote import RemoteEngine, RemoteTokenizer
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     from services.gateway.admission import add_admission_arguments
-    from services.gateway.http_protocol import add_http_timeout_arguments
+    from services.gateway.http_timeouts import add_http_timeout_arguments
 
     add_http_timeout_arguments(p)
     add_admission_arguments(p)

@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from services.engine.config_flags import add_parallel_arguments, add_speculative_arguments, add_step_arguments
     from services.engine.device import add_device_arguments
     from services.gateway.admission import add_admission_arguments
-    from services.gateway.http_protocol import add_http_timeout_arguments
+    from services.gateway.http_timeouts import add_http_timeout_arguments
 
     add_http_timeout_arguments(p)
     add_admission_arguments(p)
@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _config(args: argparse.Namespace):
     from services.gateway.admission import admission_limits
     from services.gateway.auth import Keys, tls_files
-    from services.gateway.http_protocol import http_timeouts
+    from services.gateway.http_timeouts import http_timeouts
     from services.gateway.server import ServeConfig
 
     engine_args = {

@@ -11,7 +11,7 @@ from pathlib import Path
 from services.entrypoints.placement import LocalPlacement, Placement
 from services.entrypoints.stack_config import StackConfig
 from services.gateway.admission import admission_argv
-from services.gateway.http_protocol import http_timeout_argv
+from services.gateway.http_timeouts import http_timeout_argv
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.gateway.admission import AdmissionLimits
-from services.gateway.http_protocol import HttpTimeouts
+from services.gateway.http_timeouts import HttpTimeouts
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_step_arguments(up)
     add_parallel_arguments(up)
     from services.gateway.admission import add_admission_arguments
-    from services.gateway.http_protocol import add_http_timeout_arguments
+    from services.gateway.http_timeouts import add_http_timeout_arguments
 
     add_http_timeout_arguments(up)
     add_admission_arguments(up)
@@ -112,7 +112,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.engine.config_flags import step_args
     from services.engine.device import device_args
     from services.gateway.admission import admission_limits
-    from services.gateway.http_protocol import http_timeouts
+    from services.gateway.http_timeouts import http_timeouts
 
     config = StackConfig(
         model=args.model,

@@ -21,7 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.gateway.auth import Keys
 from services.gateway.frontend import Frontend
 from services.gateway.grpc_api import SERVICE, ShinkaiApi
-from services.gateway.http_protocol import HttpTimeouts, protocol_with
+from services.gateway.http_protocol import protocol_with
+from services.gateway.http_timeouts import HttpTimeouts
 from services.gateway.openai.http import build_app
 from services.grpc_errors import AioNoInternalText
 

@@ -18,7 +18,7 @@ from services.gateway.api_server import ApiServer
 from services.gateway.auth import Keys
 from services.gateway.backends import LocalEngine, LocalTokenizer
 from services.gateway.frontend import Frontend
-from services.gateway.http_protocol import HttpTimeouts
+from services.gateway.http_timeouts import HttpTimeouts
 from services.gateway.image_fetcher import ImageFetcher
 
 

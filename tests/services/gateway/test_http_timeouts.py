@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from services.gateway.http_protocol import HttpTimeouts
+from services.gateway.http_timeouts import HttpTimeouts
 from tests.services.gateway.support import gateway_argv, own_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -132,7 +132,7 @@ def test_up_gives_the_gateway_process_its_timeouts():
     import argparse
 
     from services.entrypoints.stack_config import StackConfig
-    from services.gateway.http_protocol import add_http_timeout_arguments, http_timeouts
+    from services.gateway.http_timeouts import add_http_timeout_arguments, http_timeouts
 
     timeouts = HttpTimeouts(header_s=3.0, body_s=7.0)
     gateway = gateway_argv(StackConfig(model="tiny", http_timeouts=timeouts))
@@ -146,7 +146,7 @@ def test_up_gives_the_gateway_process_its_timeouts():
 def test_a_timeout_that_is_not_positive_is_refused_by_the_flag_parser(capsys):
     import argparse
 
-    from services.gateway.http_protocol import add_http_timeout_arguments
+    from services.gateway.http_timeouts import add_http_timeout_arguments
 
     parser = argparse.ArgumentParser()
     add_http_timeout_arguments(parser)
