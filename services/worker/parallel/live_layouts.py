@@ -13,8 +13,10 @@ An update (``LayoutUpdate``) is a version and new layouts for some layers. Its l
    a peer has not received.
 3. **staged**: its moves are done (on a GPU, the mover's stream is synchronised first).
 4. **in force**, at the first step boundary at which every rank has staged it (the vote's MIN of staged
-   versions): the layers' weights and slot maps are swapped (no copy), and the next step routes by them
-   on every rank. ``switches`` logs (version, boundary) for each.
+   versions): the layers take the staged weights (``put_expert_weights``: the torch MoE swaps its
+   parameters; the kernel layer copies the changed slots into its stacks in place, on the step's stream,
+   so graphs captured on them stay valid), the slot maps are rewritten in place (``ExpertSlots.assign``),
+   and the next step routes by them on every rank. ``switches`` logs (version, boundary) for each.
 
 The boundary is the work-left vote before each step (``HostVote.any_rank``, which carries the received and
 staged versions in the same all-reduce), so agreeing costs no extra collective and every rank sees the same
@@ -35,17 +37,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from services.eplb.layout import Layout
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
-from services.worker.parallel.expert_moves import moved_weights
-from services.worker.parallel.expert_slots import ExpertSlots
+from services.worker.parallel.expert_moves import changed_slots, moved_weights
 
 log = logging.getLogger("shinkai.worker.live_layouts")
 
-Weights = tuple[torch.Tensor, ...]  # one layer's (w1, w3, w2) on this rank, slot order
+Weights = tuple[torch.Tensor, ...]  # one layer's slot tensors on this rank (its ``expert_weights``), slot order
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,10 @@ class BoundaryVote:
 
 class LiveLayouts:
     def __init__(
-        self, moes: list[ExpertParallelMoE], parallel: ExpertParallel, group: torch.distributed.ProcessGroup
+        self,
+        moes: list[ExpertParallelMoE | ExpertParallelKernelMoE],
+        parallel: ExpertParallel,
+        group: torch.distributed.ProcessGroup,
     ) -> None:
         self.moes = moes  # every layer's expert-parallel MoE, by layer
         self.parallel = parallel
@@ -86,8 +89,10 @@ class LiveLayouts:
         self._staged = 0  # written by the mover thread
         self._done: dict[int, list[tuple[int, Layout, Weights]]] = {}  # version → staged (layer, layout, weights)
         # The newest layout and weights of each layer, staged or in force: what the next move starts from
-        # (read and written by the mover thread only, after construction).
+        # (under ``_lock``: the mover sets staged ones, a switch hands back the layer's own once they are in force).
         self._latest = self._in_force()
+        # On a GPU, the step stream's event after the latest switch's copies: the mover reads the stacks after it.
+        self._written: torch.cuda.Event | None = None
         self._work: queue.Queue[LayoutUpdate | None] = queue.Queue()
         self._thread = threading.Thread(target=self._move, name=f"eplb-moves-{self.rank}", daemon=True)
         self._thread.start()
@@ -124,8 +129,6 @@ class LiveLayouts:
 
     def _refusal(self, update: LayoutUpdate) -> str | None:
         """Why ``update`` cannot apply to this group's layers, or None."""
-        if update.layouts and any(isinstance(m, ExpertParallelKernelMoE) for m in self.moes):
-            return "live EPLB moves the torch MoE's experts; the kernel backend's expert-parallel layer has none yet"
         for layer, layout in update.layouts.items():
             if not 0 <= layer < len(self.moes):
                 return f"layer {layer} is outside this model's {len(self.moes)} MoE layers"
@@ -162,6 +165,10 @@ class LiveLayouts:
             staged = self._done.pop(version)
             for layer, layout, weights in staged:
                 self._put_in_force(layer, layout, weights)
+            if staged and self.parallel.slot_counts.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+                self._written = event
             with self._lock:
                 self._updates.pop(version, None)
             self.version = version
@@ -180,13 +187,14 @@ class LiveLayouts:
         return switched
 
     def _put_in_force(self, layer: int, layout: Layout, weights: Weights) -> None:
-        moe = self.moes[layer].moe
-        for name, w in zip(("w1", "w3", "w2"), weights):
-            if w.is_cuda:  # made on the mover's stream, read on this one: freed only after this one's use
-                w.record_stream(torch.cuda.current_stream(w.device))
-            setattr(moe, name, nn.Parameter(w, requires_grad=False))
-        self.parallel.slots[layer] = ExpertSlots(layout, self.rank, self.parallel.slots[layer].table.device)
+        ffn, slots = self.moes[layer], self.parallel.slots[layer]
+        ffn.put_expert_weights(weights, changed_slots(slots.layout, layout, self.rank))
+        slots.assign(layout)
         self.parallel.slot_counts[layer].zero_()
+        with self._lock:  # the next move starts from the layer's own tensors (no staged copy kept alive) unless
+            # the mover has staged a later version of this layer already
+            if self._latest[layer][1] is weights:
+                self._latest[layer] = (layout, ffn.expert_weights())
 
     @property
     def settled(self) -> bool:
@@ -201,16 +209,11 @@ class LiveLayouts:
                 f"EPLB versions {self.version + 1}..{self._received} are on their way; a layout "
                 "cannot be applied beside them"
             )
-        self._latest = self._in_force()  # the mover is idle: everything it started is in force
+        with self._lock:
+            self._latest = self._in_force()  # the mover is idle: everything it started is in force
 
     def _in_force(self) -> list[tuple[Layout, Weights]]:
-        return [
-            (
-                self.parallel.slots[i].layout,
-                () if isinstance(m, ExpertParallelKernelMoE) else (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data),
-            )
-            for i, m in enumerate(self.moes)
-        ]
+        return [(self.parallel.slots[i].layout, m.expert_weights()) for i, m in enumerate(self.moes)]
 
     def close(self) -> None:
         self._work.put(None)
@@ -230,12 +233,17 @@ class LiveLayouts:
             try:
                 staged = []
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    written = self._written
+                    if stream is not None and written is not None:  # a switch's copies into the stacks
+                        stream.wait_event(written)
                     for layer in sorted(update.layouts):
-                        old, weights = self._latest[layer]
+                        with self._lock:
+                            old, weights = self._latest[layer]
                         new_weights, received = moved_weights(
                             old, self.rank, weights, update.layouts[layer], self.group
                         )
-                        self._latest[layer] = (update.layouts[layer], new_weights)
+                        with self._lock:
+                            self._latest[layer] = (update.layouts[layer], new_weights)
                         staged.append((layer, update.layouts[layer], new_weights))
                         self.num_received_from_peers += received
                 if stream is not None:
