@@ -4,8 +4,10 @@ fixed-capacity buffers (services/worker/parallel/ep_kernel_moe.py).
 
 In the batch-invariant mode a greedy and a seeded request spread over the two ranks give one process's tokens
 and logprobs with ``==``, while the ranks run placeholder steps (rank 1's request ends first) and prefill steps
-of several passes (two tokens a pass: ``max_num_seqs`` 2), agreed on the host group. A rank SIGKILLed
-mid-generate ends the call with an error naming it, and no rank process is left.
+of several passes (two tokens a pass: ``max_num_seqs`` 2), agreed on the host group. With a live EPLB layout
+received before the first step, whose moves (FP8 codes and scales copied into the stacks in place) take effect
+between the prefill and the decode steps on both ranks at one boundary, the tokens and logprobs are one process's
+still. A rank SIGKILLed mid-generate ends the call with an error naming it, and no rank process is left.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from services.engine.llm import LLM
 from services.engine.parallel.rank import RankSpec, rank_engine_args
 from services.engine.parallel.ranks import Ranks
 from services.engine.sampling_params import SamplingParams
-from tests.services.engine.parallel.kernel_ranks import moe_kernels, three_layer_tiny
+from services.eplb.layout import Layout
+from tests.services.engine.parallel.kernel_ranks import NUM_LAYERS, moe_kernels, three_layer_tiny
 
 ENGINE = dict(
     kernel_backend="fp8",
@@ -64,6 +67,16 @@ def instrument(rank) -> None:
 
 def recorded(rank) -> list:
     return rank.steps
+
+
+# Start-up: rank 0 holds experts 0-3, rank 1 experts 4-7; MOVED trades 1 and 2 for 5 and 7, in new slot orders.
+MOVED = Layout((7, 0, 3, 5, 6, 1, 2, 4), num_gpus=2, num_logical=8)
+
+
+def layouts_in_force(rank) -> tuple[int, list[tuple[int, int]], int, list[Layout]]:
+    """On a rank: the version in force, its (version, boundary) switches, boundaries seen and every layer's layout."""
+    live = rank.live
+    return live.version, list(live.switches), live.num_boundaries, [s.layout for s in rank.parallel.slots]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +121,24 @@ def test_two_kernel_ranks_equal_one_process(two_ranks, one_process):
     assert any(placeholder for placeholder, _ in steps[1]), "rank 1 never ran a placeholder step"
     assert max(passes for _, passes in steps[0]) == 3  # the prefill: 5 tokens (rank 1's) in passes of 2
     assert [p for _, p in steps[0]] == [p for _, p in steps[1]]  # every step's passes agreed
+
+
+def test_a_live_move_mid_run_keeps_one_process_bits(two_ranks, one_process):
+    _, _, first, _ = two_ranks.call(layouts_in_force)[0]
+    version = two_ranks.submit_layouts({layer: MOVED for layer in range(NUM_LAYERS)}, at_step=0)
+    outs = {o.request_id: o for o in two_ranks.generate([(f"{i}-moved", p, s) for i, p, s in REQUESTS])}
+    for request_id, want in one_process.items():
+        got = outs[f"{request_id}-moved"]
+        assert got.token_ids == want.token_ids, request_id
+        assert got.logprobs == want.logprobs, request_id
+    (v0, log0, _, layouts0), (v1, log1, _, layouts1) = two_ranks.call(layouts_in_force)
+    assert v0 == v1 == version and log0 == log1  # one boundary on both ranks
+    assert layouts0 == layouts1 == [MOVED] * NUM_LAYERS
+    (boundary,) = [b for v, b in log0 if v == version]
+    num_steps = max(len(o.token_ids) for o in outs.values())  # the prefill, then one decode step a token
+    # Boundary `first` starts the moves (the layout arrived before it); the switch came after the prefill and
+    # with a decode step left to run on the moved experts.
+    assert 0 < boundary - first < num_steps, (boundary - first, num_steps)
 
 
 def test_a_killed_kernel_rank_is_an_error_and_leaves_no_process(two_ranks):
