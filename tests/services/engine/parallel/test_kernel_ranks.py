@@ -7,7 +7,9 @@ and logprobs with ``==``, while the ranks run placeholder steps (rank 1's reques
 of several passes (two tokens a pass: ``max_num_seqs`` 2), agreed on the host group. With a live EPLB layout
 received before the first step, whose moves (FP8 codes and scales copied into the stacks in place) take effect
 between the prefill and the decode steps on both ranks at one boundary, the tokens and logprobs are one process's
-still. A rank SIGKILLed mid-generate ends the call with an error naming it, and no rank process is left.
+still. With DSpark drafts (a one-stage draft on the same backbone; drafts rewritten so that some are accepted and
+some rejected) the ranks' tokens and logprobs are one process's with drafts, and the greedy tokens those without.
+A rank SIGKILLed mid-generate ends the call with an error naming it, and no rank process is left.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
-from services.engine.parallel.rank import RankSpec, rank_engine_args
-from services.engine.parallel.ranks import Ranks
+from services.engine.parallel.rank import RankSpec, build_rank, rank_engine_args, run_to_completion
+from services.engine.parallel.ranks import Ranks, spread_by_load
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout
-from tests.services.engine.parallel.kernel_ranks import NUM_LAYERS, moe_kernels, three_layer_tiny
+from tests.services.engine.parallel.kernel_ranks import (
+    NUM_LAYERS,
+    moe_kernels,
+    three_layer_tiny,
+    three_layer_tiny_with_draft,
+)
 
 ENGINE = dict(
     kernel_backend="fp8",
@@ -44,6 +51,41 @@ REQUESTS = [
     ("greedy", [1, 5, 9, 13], SamplingParams(temperature=0.0, max_tokens=3)),
     ("seeded", [1, 7, 7, 2, 3], SamplingParams(temperature=0.8, seed=3, max_tokens=2)),
 ]
+
+
+DRAFTS = 2
+
+
+def known_drafts(continuations: dict[str, tuple[int, list[int]]]):
+    """Drafts = the request's continuation without drafts (request id → (prompt length, its tokens)), every second
+    one wrong: random draft weights accept almost nothing, so acceptance, partial acceptance and rejection all
+    happen."""
+
+    def rewrite(request_id: str, anchor: int, drafts: list[int]) -> list[int]:
+        prompt_len, out = continuations[request_id]
+        first = anchor + 1 - prompt_len  # output index of the token at anchor + 1
+        proposal = []
+        for j, d in enumerate(drafts):
+            token = out[first + j] if 0 <= first + j < len(out) else d
+            proposal.append((token + 1) % 100 if (anchor + j) % 2 == 0 else token)
+        return proposal
+
+    return rewrite
+
+
+def drafted_generate(rank, requests, continuations) -> tuple[list, int, int]:
+    """On a rank: a second engine, with drafts, built on the rank's groups and kernel set; its share of
+    ``requests`` run to completion: (outputs, drafts verified, drafts accepted)."""
+    config = EngineConfig(data_parallel_size=rank.groups.world_size, num_speculative_tokens=DRAFTS, **ENGINE)
+    spec = RankSpec(config, three_layer_tiny_with_draft, "", "cpu", 1)
+    built = build_rank(rank.rank, spec, rank.groups, kernels=rank.engine.worker.runner.kernels)
+    try:
+        speculator = built.engine.worker.speculator
+        speculator.rewrite_drafts = known_drafts(continuations)
+        outputs = run_to_completion(built, spread_by_load(requests, rank.groups.world_size)[rank.rank])
+        return outputs, speculator.num_drafts_verified, speculator.num_drafts_accepted
+    finally:
+        built.live.close()
 
 
 def instrument(rank) -> None:
@@ -85,6 +127,24 @@ def one_process(one_torch_thread):
     try:
         outs = llm.generate([r[1] for r in REQUESTS], [r[2] for r in REQUESTS])  # in prompt order
         return {r[0]: o for r, o in zip(REQUESTS, outs, strict=True)}
+    finally:
+        llm.close()
+
+
+def _continuations(one_process) -> dict[str, tuple[int, list[int]]]:
+    """By the drafted runs' request ids (prompt order): each prompt's length and its tokens without drafts."""
+    return {str(i): (len(ids), one_process[name].token_ids) for i, (name, ids, _) in enumerate(REQUESTS)}
+
+
+@pytest.fixture(scope="module")
+def one_process_drafted(one_process):
+    """One process with drafts: outputs in prompt order (request ids "0", "1"), drafts verified and accepted."""
+    llm = LLM(source=three_layer_tiny_with_draft("cpu"), kernels=moe_kernels, num_speculative_tokens=DRAFTS, **ENGINE)
+    try:
+        speculator = llm.engine.worker.speculator
+        speculator.rewrite_drafts = known_drafts(_continuations(one_process))
+        outs = llm.generate([r[1] for r in REQUESTS], [r[2] for r in REQUESTS])
+        return outs, speculator.num_drafts_verified, speculator.num_drafts_accepted
     finally:
         llm.close()
 
@@ -139,6 +199,19 @@ def test_a_live_move_mid_run_keeps_one_process_bits(two_ranks, one_process):
     # Boundary `first` starts the moves (the layout arrived before it); the switch came after the prefill and
     # with a decode step left to run on the moved experts.
     assert 0 < boundary - first < num_steps, (boundary - first, num_steps)
+
+
+def test_drafts_on_two_kernel_ranks_equal_one_process(two_ranks, one_process, one_process_drafted):
+    want, verified, accepted = one_process_drafted
+    assert 0 < accepted < verified  # drafts both accepted and rejected
+    requests = [(str(i), ids, params) for i, (_, ids, params) in enumerate(REQUESTS)]
+    parts = two_ranks.call(drafted_generate, requests, _continuations(one_process))
+    got = {o.request_id: o for outs, _, _ in parts for o in outs}
+    for i, (name, _, _) in enumerate(REQUESTS):
+        assert got[str(i)].token_ids == want[i].token_ids, name
+        assert got[str(i)].logprobs == want[i].logprobs, name
+    assert want[0].token_ids == one_process["greedy"].token_ids  # greedy: drafts change no token
+    assert sum(v for _, v, _ in parts) == verified and sum(a for _, _, a in parts) == accepted
 
 
 def test_a_killed_kernel_rank_is_an_error_and_leaves_no_process(two_ranks):
