@@ -44,6 +44,7 @@ from kernels import invariance
 from services.worker.kernel_model.fp8_linear import pad_last
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.parallel.expert_slots import staged
 
 
 @dataclass
@@ -93,7 +94,7 @@ class ExpertParallelKernelMoE(nn.Module):
         if not changed:
             return
         mine = self.expert_weights()
-        index = torch.tensor(changed, dtype=torch.long, device=mine[0].device)
+        index = staged(torch.tensor(changed, dtype=torch.long), mine[0].device).to(mine[0].device, non_blocking=True)
         for dst, src in zip(mine, weights, strict=True):
             if dst.shape != src.shape or dst.dtype != src.dtype:
                 raise ValueError(

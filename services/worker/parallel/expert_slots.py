@@ -40,8 +40,8 @@ class ExpertSlots:
                 f"cannot replace one of {here.num_slots} over {here.num_gpus} and {here.num_logical}"
             )
         table, copies = _maps(layout, self.table.shape[1], "cpu")
-        self.table.copy_(table)
-        self.copies.copy_(copies)
+        self.table.copy_(staged(table, self.table.device), non_blocking=True)
+        self.copies.copy_(staged(copies, self.table.device), non_blocking=True)
         self.layout = layout
 
     @staticmethod
@@ -68,3 +68,9 @@ def _maps(layout: Layout, width: int, device: torch.device | str) -> tuple[torch
     log2phy = layout.log2phy()
     table = torch.tensor([s + [s[0]] * (width - len(s)) for s in log2phy], dtype=torch.long, device=device)
     return table, torch.tensor([len(s) for s in log2phy], dtype=torch.long, device=device)
+
+
+def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor ready for a ``non_blocking`` copy to ``device``: pinned for a GPU, so the copy is queued on
+    the current stream behind the step in flight rather than waiting for it."""
+    return t.pin_memory() if device.type == "cuda" else t

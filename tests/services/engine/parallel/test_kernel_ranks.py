@@ -7,8 +7,9 @@ and logprobs with ``==``, while the ranks run placeholder steps (rank 1's reques
 of several passes (two tokens a pass: ``max_num_seqs`` 2), agreed on the host group. With a live EPLB layout
 received before the first step, whose moves (FP8 codes and scales copied into the stacks in place) take effect
 between the prefill and the decode steps on both ranks at one boundary, the tokens and logprobs are one process's
-still. With DSpark drafts (a one-stage draft on the same backbone; drafts rewritten so that some are accepted and
-some rejected) the ranks' tokens and logprobs are one process's with drafts, and the greedy tokens those without.
+still; a layout applied between calls (``apply_expert_layouts``) moves the kernel stacks too. With DSpark drafts
+(a one-stage draft on the same backbone; drafts rewritten so that some are accepted and some rejected) the ranks'
+tokens and logprobs are one process's with drafts, and the greedy tokens those without.
 A rank SIGKILLed mid-generate ends the call with an error naming it, and no rank process is left.
 """
 
@@ -23,10 +24,16 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
-from services.engine.parallel.rank import RankSpec, build_rank, rank_engine_args, run_to_completion
+from services.engine.parallel.rank import (
+    RankSpec,
+    apply_expert_layouts,
+    build_rank,
+    rank_engine_args,
+    run_to_completion,
+)
 from services.engine.parallel.ranks import Ranks, spread_by_load
 from services.engine.sampling_params import SamplingParams
-from services.eplb.layout import Layout
+from services.eplb.layout import Layout, startup_layout
 from tests.services.engine.parallel.kernel_ranks import (
     NUM_LAYERS,
     moe_kernels,
@@ -199,6 +206,10 @@ def test_a_live_move_mid_run_keeps_one_process_bits(two_ranks, one_process):
     # Boundary `first` starts the moves (the layout arrived before it); the switch came after the prefill and
     # with a decode step left to run on the moved experts.
     assert 0 < boundary - first < num_steps, (boundary - first, num_steps)
+    # Back to the start-up layout between calls (synchronously): each rank takes two experts a layer from its peer.
+    start = startup_layout(8, 2, 0)
+    assert two_ranks.call(apply_expert_layouts, [start] * NUM_LAYERS) == [2 * NUM_LAYERS] * 2
+    assert [layouts for *_, layouts in two_ranks.call(layouts_in_force)] == [[start] * NUM_LAYERS] * 2
 
 
 def test_drafts_on_two_kernel_ranks_equal_one_process(two_ranks, one_process, one_process_drafted):
