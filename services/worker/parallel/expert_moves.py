@@ -23,6 +23,7 @@ from services.eplb.layout import Layout
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
 from services.worker.parallel.exchange import all_to_all_rows
+from services.worker.parallel.expert_slots import ExpertSlots
 
 
 def move_plan(old: Layout, new: Layout) -> list[list[int]]:
@@ -41,8 +42,11 @@ def move_plan(old: Layout, new: Layout) -> list[list[int]]:
 
 
 def changed_slots(old: Layout, new: Layout, rank: int) -> list[int]:
-    """Rank ``rank``'s slots whose expert differs between ``old`` and ``new`` (the only ones a move writes)."""
+    """Rank ``rank``'s new slots whose expert differs from its old one (the only ones a move writes); every new
+    slot when the number of slots changes."""
     s = new.slots_per_gpu
+    if old.slots_per_gpu != s:
+        return list(range(s))
     mine = slice(rank * s, (rank + 1) * s)
     return [k for k, (a, b) in enumerate(zip(old.phy2log[mine], new.phy2log[mine], strict=True)) if a != b]
 
@@ -51,20 +55,36 @@ def apply_layouts(
     model: DeepseekV41, parallel: ExpertParallel, layouts: list[Layout], group: torch.distributed.ProcessGroup
 ) -> int:
     """Moves this rank's expert weights to ``layouts`` (one per layer) and switches the gate to them.
-    Returns the number of experts this rank received from peers."""
+    Returns the number of experts this rank received from peers. The torch MoE takes layouts of any number of
+    slots; the kernel layer only its own number (its stacks keep their shape and addresses: CUDA graphs read
+    them), refused before anything moves."""
     if len(layouts) != len(parallel.slots):
         raise ValueError(f"{len(layouts)} layouts for {len(parallel.slots)} layers")
-    received = 0
-    for layer, new in enumerate(layouts):
-        ffn = model.layers[layer].ffn
+    ffns = [model.layers[layer].ffn for layer in range(len(layouts))]
+    for layer, (ffn, new) in enumerate(zip(ffns, layouts)):
         if not isinstance(ffn, ExpertParallelMoE | ExpertParallelKernelMoE):
             raise ValueError(f"layer {layer} is not expert-parallel")
+        here = parallel.slots[layer].layout
+        if isinstance(ffn, ExpertParallelKernelMoE) and new.num_slots != here.num_slots:
+            raise ValueError(
+                f"layer {layer}'s layout has {new.num_slots} expert slots; the kernel layer keeps its "
+                f"{here.num_slots} (CUDA graphs read its stacks)"
+            )
+    received = 0
+    for layer, (ffn, new) in enumerate(zip(ffns, layouts)):
         slots = parallel.slots[layer]
         weights, num_received = moved_weights(slots.layout, slots.rank, ffn.expert_weights(), new, group)
         ffn.put_expert_weights(weights, changed_slots(slots.layout, new, slots.rank))
-        slots.assign(new)
+        if new.num_slots == slots.layout.num_slots:
+            slots.assign(new)
+        else:  # the torch MoE only: its slot map and counts take the new number of slots
+            parallel.slots[layer] = ExpertSlots(new, slots.rank, slots.table.device)
         received += num_received
-    parallel.slot_counts.zero_()  # they counted the old layouts' slots
+    per_rank = parallel.slots[0].slots_per_rank
+    if parallel.slot_counts.shape[1:] == (per_rank,):
+        parallel.slot_counts.zero_()  # they counted the old layouts' slots
+    else:
+        parallel.slot_counts = torch.zeros(len(layouts), per_rank, dtype=torch.long, device=parallel.slot_counts.device)
     return received
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel
-from services.worker.parallel.expert_moves import changed_slots, move_plan
+from services.worker.parallel.expert_moves import apply_layouts, changed_slots, move_plan
 from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.live_layouts import BoundaryVote, LayoutUpdate, LiveLayouts
 from tests.ranks_harness import run_ranks
@@ -72,6 +73,16 @@ def _kernels() -> KernelSet:
 def _stacks(moe: KernelMoE) -> dict[str, torch.Tensor]:
     holder = moe if moe.fp4 is None else moe.fp4
     return {n: getattr(holder, n) for n in STACKS}
+
+
+def test_a_kernel_layer_refuses_another_number_of_slots_before_anything_moves():
+    slots = ExpertSlots.startup(CFG.n_routed_experts, 2, 0, 0)
+    parallel = ExpertParallel(None, [slots])  # type: ignore[arg-type]
+    layer = ExpertParallelKernelMoE(KernelMoE(_moe(), "fp8", _kernels(), "fp8"), 0, parallel)
+    model = SimpleNamespace(layers=[SimpleNamespace(ffn=layer)])
+    with pytest.raises(ValueError, match="layer 0's layout has 10 expert slots; the kernel layer keeps its 8"):
+        apply_layouts(model, parallel, [MOVES[0]], group=None)  # type: ignore[arg-type]
+    assert slots.layout == startup_layout(8, 2, 0)
 
 
 def _move_rank(rank: int, world_size: int, init_method: str) -> dict:
