@@ -82,6 +82,8 @@ class ExpertParallelKernelMoE(nn.Module):
                 setattr(moe, name, getattr(moe, name).index_select(0, keep).contiguous())
         self.num_local = slots.slots_per_rank
 
+    moves_in_place = True  # a move hands it only the changed slots, copied into its stacks (``put_expert_weights``)
+
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """This rank's routed slots, slot order, as views of the stacks (the shared expert left out): FP8 (w13,
         w13_scale, w2, w2_scale) ``[S, …]`` e4m3 and fp32; MXFP4 the same names' uint8 codes and e8m0 bytes."""
@@ -89,18 +91,19 @@ class ExpertParallelKernelMoE(nn.Module):
         return tuple(getattr(stacks, n)[: self.num_local] for n in ("w13", "w13_scale", "w2", "w2_scale"))
 
     def put_expert_weights(self, weights: tuple[torch.Tensor, ...], changed: list[int]) -> None:
-        """Copies a move's ``weights`` (``expert_weights``' form, the new layout's slot order) into the stacks in
-        place, only the ``changed`` slots: the stacks keep their addresses (module docstring)."""
+        """Copies a move's ``weights`` (``expert_weights``' form, the ``changed`` slots only, in that order) into
+        those slots of the stacks in place: the stacks keep their addresses (module docstring)."""
         if not changed:
             return
         mine = self.expert_weights()
         index = staged(torch.tensor(changed, dtype=torch.long), mine[0].device).to(mine[0].device, non_blocking=True)
         for dst, src in zip(mine, weights, strict=True):
-            if dst.shape != src.shape or dst.dtype != src.dtype:
+            if src.shape != (len(changed), *dst.shape[1:]) or dst.dtype != src.dtype:
                 raise ValueError(
-                    f"moved experts {src.dtype} {list(src.shape)} for a stack of {dst.dtype} {list(dst.shape)}"
+                    f"moved experts {src.dtype} {list(src.shape)} for {len(changed)} slots of a stack of "
+                    f"{dst.dtype} {list(dst.shape)}"
                 )
-            dst.view(torch.uint8).index_copy_(0, index, src.view(torch.uint8).index_select(0, index))
+            dst.view(torch.uint8).index_copy_(0, index, src.view(torch.uint8))
             if src.is_cuda:  # made on the mover's stream, read on this one: freed only after this one's use
                 src.record_stream(torch.cuda.current_stream(src.device))
 

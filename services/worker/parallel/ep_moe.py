@@ -123,6 +123,8 @@ class ExpertParallelMoE(nn.Module):
             full = getattr(moe, name)
             setattr(moe, name, nn.Parameter(full.data[local.to(full.device)].clone(), requires_grad=False))
 
+    moves_in_place = False  # a move hands it every slot's new tensors, which it takes as its own
+
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """This rank's slots' (w1 [S, I, D], w3 [S, I, D], w2 [S, D, I]), slot order: what EPLB moves
         (services/worker/parallel/expert_moves.py)."""

@@ -73,8 +73,10 @@ def apply_layouts(
     received = 0
     for layer, (ffn, new) in enumerate(zip(ffns, layouts)):
         slots = parallel.slots[layer]
-        weights, num_received = moved_weights(slots.layout, slots.rank, ffn.expert_weights(), new, group)
-        ffn.put_expert_weights(weights, changed_slots(slots.layout, new, slots.rank))
+        changed = changed_slots(slots.layout, new, slots.rank)
+        only = changed if ffn.moves_in_place else None
+        weights, num_received = moved_weights(slots.layout, slots.rank, ffn.expert_weights(), new, group, only)
+        ffn.put_expert_weights(weights, changed)
         if new.num_slots == slots.layout.num_slots:
             slots.assign(new)
         else:  # the torch MoE only: its slot map and counts take the new number of slots
@@ -89,11 +91,17 @@ def apply_layouts(
 
 
 def moved_weights(
-    old: Layout, me: int, weights: tuple[torch.Tensor, ...], new: Layout, group: torch.distributed.ProcessGroup
+    old: Layout,
+    me: int,
+    weights: tuple[torch.Tensor, ...],
+    new: Layout,
+    group: torch.distributed.ProcessGroup,
+    only: list[int] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], int]:
     """Rank ``me``'s expert weights under ``new``: ``weights`` = this rank's slots' tensors, each [S, ...] in
     ``old``'s slot order (any dtypes: they travel as bytes, bit for bit) → new tensors in ``new``'s slot order
-    (``weights`` untouched), and the number of experts received from peers. Collective on ``group``: every
+    (``weights`` untouched), and the number of experts received from peers. ``only``: just these new slots'
+    tensors, in this order (``changed_slots``: every peer copy lands in one). Collective on ``group``: every
     rank calls it with the same ``old`` and ``new``."""
     plan = move_plan(old, new)
     local = list(old.phy2log[me * old.slots_per_gpu : (me + 1) * old.slots_per_gpu])
@@ -117,11 +125,14 @@ def moved_weights(
     # Received rows come by source rank, each source's in slot order.
     order = sorted((plan[me][k], k) for k in range(s) if plan[me][k] != me)
     incoming = {k: got[i] for i, (_, k) in enumerate(order)}
-    mine = [new.phy2log[me * s + k] for k in range(s)]
-    rows = [incoming[k] if k in incoming else row(e) for k, e in enumerate(mine)]
+    wanted = list(range(s)) if only is None else only
+    rows = [incoming[k] if k in incoming else row(new.phy2log[me * s + k]) for k in wanted]
     out = []
     for i in range(len(weights)):
         start = sum(sizes[:i])
-        stacked = torch.stack([r[start : start + sizes[i]] for r in rows])  # [S, bytes]
+        if rows:
+            stacked = torch.stack([r[start : start + sizes[i]] for r in rows])  # [len(wanted), bytes]
+        else:
+            stacked = weights[i].new_empty((0, sizes[i]), dtype=torch.uint8)
         out.append(stacked.view(weights[i].dtype).reshape(len(rows), *shapes[i]))
     return tuple(out), len(incoming)

@@ -8,7 +8,10 @@ An update (``LayoutUpdate``) is a version and new layouts for some layers. Its l
    with a log line and nothing else arrives after a gap.
 2. **started**, at a step boundary, once every rank has received it (the boundary vote's MIN of received
    versions): the rank's mover thread copies the weights its new slots need from peers over the moves
-   group (``moved_weights``) into spare tensors, while steps go on with the old layout. Every rank starts
+   group (``moved_weights``) into spare tensors, while steps go on with the old layout. A layer that moves
+   in place (``moves_in_place``: the kernel layer) stages only its changed slots, and its move starts from
+   the stacks in force, so the mover first waits until the layer's previous move is in force (every rank
+   waits for the same agreed switch, so the movers' collectives still line up). Every rank starts
    the same versions in the same order, so the movers' collectives line up, and none waits on a version
    a peer has not received.
 3. **staged**: its moves are done (on a GPU, the mover's stream is synchronised first).
@@ -44,6 +47,9 @@ from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
 from services.worker.parallel.expert_moves import changed_slots, moved_weights
 
 log = logging.getLogger("shinkai.worker.live_layouts")
+
+# Seconds between a mover's checks that the previous move of a layer that moves in place is in force.
+WAIT_POLL_S = 0.002
 
 Weights = tuple[torch.Tensor, ...]  # one layer's slot tensors on this rank (its ``expert_weights``), slot order
 
@@ -87,12 +93,18 @@ class LiveLayouts:
         self._gap = False  # a version was skipped: nothing more is received
         self._started = 0
         self._staged = 0  # written by the mover thread
-        self._done: dict[int, list[tuple[int, Layout, Weights]]] = {}  # version → staged (layer, layout, weights)
-        # The newest layout and weights of each layer, staged or in force: what the next move starts from
-        # (under ``_lock``: the mover sets staged ones, a switch hands back the layer's own once they are in force).
+        # version → staged (layer, layout, weights, changed slots): a layer that moves in place stages only
+        # the changed slots' tensors, the others every slot's
+        self._done: dict[int, list[tuple[int, Layout, Weights, list[int]]]] = {}
+        # The newest layout and weights of each layer, staged or in force: what the next move of a layer that
+        # swaps its tensors starts from (read and written by the mover thread only, after construction).
         self._latest = self._in_force()
+        # Layer → the newest version the mover staged for it (mover thread only): a layer that moves in place
+        # starts its next move once that version is in force.
+        self._staged_for: dict[int, int] = {}
         # On a GPU, the step stream's event after the latest switch's copies: the mover reads the stacks after it.
         self._written: torch.cuda.Event | None = None
+        self._closed = threading.Event()
         self._work: queue.Queue[LayoutUpdate | None] = queue.Queue()
         self._thread = threading.Thread(target=self._move, name=f"eplb-moves-{self.rank}", daemon=True)
         self._thread.start()
@@ -163,9 +175,9 @@ class LiveLayouts:
         for version in range(self.version + 1, agreed.staged + 1):
             start = time.perf_counter()
             staged = self._done.pop(version)
-            for layer, layout, weights in staged:
-                self._put_in_force(layer, layout, weights)
-            if staged and self.parallel.slot_counts.is_cuda:
+            for layer, layout, weights, changed in staged:
+                self._put_in_force(layer, layout, weights, changed)
+            if staged and self.parallel.slot_counts.is_cuda:  # before ``version``: the mover waits on both
                 event = torch.cuda.Event()
                 event.record()
                 self._written = event
@@ -177,7 +189,7 @@ class LiveLayouts:
                 "EPLB version %d in force from boundary %d: layers %s moved, switched in %.3f ms",
                 version,
                 boundary,
-                [layer for layer, _, _ in staged],
+                [layer for layer, *_ in staged],
                 1e3 * (time.perf_counter() - start),
             )
             switched.append(version)
@@ -186,15 +198,10 @@ class LiveLayouts:
             self._started = version
         return switched
 
-    def _put_in_force(self, layer: int, layout: Layout, weights: Weights) -> None:
-        ffn, slots = self.moes[layer], self.parallel.slots[layer]
-        ffn.put_expert_weights(weights, changed_slots(slots.layout, layout, self.rank))
-        slots.assign(layout)
+    def _put_in_force(self, layer: int, layout: Layout, weights: Weights, changed: list[int]) -> None:
+        self.moes[layer].put_expert_weights(weights, changed)
+        self.parallel.slots[layer].assign(layout)
         self.parallel.slot_counts[layer].zero_()
-        with self._lock:  # the next move starts from the layer's own tensors (no staged copy kept alive) unless
-            # the mover has staged a later version of this layer already
-            if self._latest[layer][1] is weights:
-                self._latest[layer] = (layout, ffn.expert_weights())
 
     @property
     def settled(self) -> bool:
@@ -209,13 +216,13 @@ class LiveLayouts:
                 f"EPLB versions {self.version + 1}..{self._received} are on their way; a layout "
                 "cannot be applied beside them"
             )
-        with self._lock:
-            self._latest = self._in_force()  # the mover is idle: everything it started is in force
+        self._latest = self._in_force()  # the mover is idle: everything it started is in force
 
     def _in_force(self) -> list[tuple[Layout, Weights]]:
         return [(self.parallel.slots[i].layout, m.expert_weights()) for i, m in enumerate(self.moes)]
 
     def close(self) -> None:
+        self._closed.set()
         self._work.put(None)
 
     # ---- the mover thread -------------------------------------------------------------------
@@ -233,18 +240,24 @@ class LiveLayouts:
             try:
                 staged = []
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    written = self._written
-                    if stream is not None and written is not None:  # a switch's copies into the stacks
-                        stream.wait_event(written)
                     for layer in sorted(update.layouts):
-                        with self._lock:
-                            old, weights = self._latest[layer]
-                        new_weights, received = moved_weights(
-                            old, self.rank, weights, update.layouts[layer], self.group
-                        )
-                        with self._lock:
-                            self._latest[layer] = (update.layouts[layer], new_weights)
-                        staged.append((layer, update.layouts[layer], new_weights))
+                        new = update.layouts[layer]
+                        if self.moes[layer].moves_in_place:
+                            if not self._wait_in_force(self._staged_for.get(layer, 0)):
+                                return  # closed
+                            old, weights = self.parallel.slots[layer].layout, self.moes[layer].expert_weights()
+                            changed: list[int] | None = changed_slots(old, new, self.rank)
+                            written = self._written
+                            if stream is not None and written is not None:  # a switch's copies into the stacks
+                                stream.wait_event(written)
+                        else:
+                            (old, weights), changed = self._latest[layer], None
+                        new_weights, received = moved_weights(old, self.rank, weights, new, self.group, changed)
+                        if changed is None:
+                            self._latest[layer] = (new, new_weights)
+                            changed = changed_slots(old, new, self.rank)
+                        self._staged_for[layer] = update.version
+                        staged.append((layer, new, new_weights, changed))
                         self.num_received_from_peers += received
                 if stream is not None:
                     stream.synchronize()  # the compute stream may read them from the switch on
@@ -254,3 +267,11 @@ class LiveLayouts:
                 log.exception("EPLB moves of version %d failed; this group applies no later plan", update.version)
                 self.error = f"{type(err).__name__}: {err}"
                 return
+
+    def _wait_in_force(self, version: int) -> bool:
+        """Waits until ``version`` is in force (the step thread switches it at an agreed boundary); False if
+        this object was closed first."""
+        while self.version < version:
+            if self._closed.wait(WAIT_POLL_S):
+                return False
+        return True

@@ -116,9 +116,13 @@ def _move(layers: list, full: KernelMoE, new: Layout) -> None:
     stacks = full if full.fp4 is None else full.fp4
     for rank, layer in enumerate(layers):
         slots = layer.parallel.slots[0]
-        mine = torch.tensor(new.phy2log[rank * slots.slots_per_rank : (rank + 1) * slots.slots_per_rank])
-        weights = tuple(getattr(stacks, n)[mine.to(stacks.w13.device)] for n in ("w13", "w13_scale", "w2", "w2_scale"))
-        layer.put_expert_weights(weights, changed_slots(slots.layout, new, rank))
+        changed = changed_slots(slots.layout, new, rank)
+        experts = torch.tensor(
+            [new.phy2log[rank * slots.slots_per_rank + k] for k in changed], device=stacks.w13.device
+        )
+        layer.put_expert_weights(
+            tuple(getattr(stacks, n)[experts] for n in ("w13", "w13_scale", "w2", "w2_scale")), changed
+        )
         slots.assign(new)
 
 

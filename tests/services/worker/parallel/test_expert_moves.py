@@ -86,8 +86,9 @@ def test_a_kernel_layer_refuses_another_number_of_slots_before_anything_moves():
 
 
 def _move_rank(rank: int, world_size: int, init_method: str) -> dict:
-    """On a rank: each expert format's stacks built, sharded to the start-up slots, then moved live by ``MOVES`` in
-    turn; returns the stacks' bytes, whether every address stayed, the slot maps and the experts received."""
+    """On a rank: each expert format's stacks built, sharded to the start-up slots, then moved live by ``MOVES``,
+    both started at one boundary (the second waits for the first to be in force); returns the stacks' bytes,
+    whether every address stayed, the slot maps and the experts received."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     group = dist.new_group(backend="gloo")
@@ -104,12 +105,15 @@ def _move_rank(rank: int, world_size: int, init_method: str) -> dict:
             try:
                 for version, layout in enumerate(MOVES, start=1):
                     assert live.receive(LayoutUpdate(version, {0: layout}))
-                    live.at_boundary(BoundaryVote(received=version, staged=version - 1))  # starts the moves
+                live.at_boundary(BoundaryVote(received=2, staged=0))  # starts both moves
+                for version in (1, 2):
                     deadline = time.monotonic() + 30
                     while live.local().staged < version and live.error is None and time.monotonic() < deadline:
                         time.sleep(0.01)
+                    if version == 1:  # the second move starts from the stacks with the first in force: it waits
+                        time.sleep(0.2)
                     assert live.error is None and live.local().staged == version
-                    assert live.at_boundary(BoundaryVote(received=version, staged=version)) == [version]
+                    assert live.at_boundary(BoundaryVote(received=2, staged=version)) == [version]
             finally:
                 live.close()
             out[expert_format] = {

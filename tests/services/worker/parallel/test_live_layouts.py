@@ -23,7 +23,7 @@ def _live() -> LiveLayouts:
     slots = [ExpertSlots.startup(8, 2, 0, 0) for _ in range(2)]  # 2 layers, 8 slots, this is rank 0
     parallel = ExpertParallel(SimpleNamespace(world_size=2), slots)  # type: ignore[arg-type]
     weights = (torch.zeros(4, 2, 3), torch.zeros(4, 2, 3), torch.zeros(4, 3, 2))
-    moes = [SimpleNamespace(expert_weights=lambda: weights) for _ in range(2)]
+    moes = [SimpleNamespace(expert_weights=lambda: weights, moves_in_place=False) for _ in range(2)]
     return LiveLayouts(moes, parallel, group=None)  # type: ignore[arg-type]
 
 
