@@ -59,5 +59,6 @@ def moe_kernels() -> Iterator[KernelSet]:
             *(load_interpreted(name) for name in ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm")),
             load_interpreted("decode_attention"),
             prefill_attention=load_interpreted("prefill_attention"),
+            moe_fp4=load_interpreted("moe_fp4"),  # MXFP4 experts for engines with expert_format "fp4"
             interpreted=True,
         )

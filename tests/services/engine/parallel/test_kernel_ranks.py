@@ -7,9 +7,10 @@ and logprobs with ``==``, while the ranks run placeholder steps (rank 1's reques
 of several passes (two tokens a pass: ``max_num_seqs`` 2), agreed on the host group. With a live EPLB layout
 received before the first step, whose moves (FP8 codes and scales copied into the stacks in place) take effect
 between the prefill and the decode steps on both ranks at one boundary, the tokens and logprobs are one process's
-still; a layout applied between calls (``apply_expert_layouts``) moves the kernel stacks too. With DSpark drafts
-(a one-stage draft on the same backbone; drafts rewritten so that some are accepted and some rejected) the ranks'
-tokens and logprobs are one process's with drafts, and the greedy tokens those without.
+still; a layout applied between calls (``apply_expert_layouts``) moves the kernel stacks too. With MXFP4 experts
+and DSpark drafts (a one-stage draft on the same backbone; drafts rewritten so that some are accepted and some
+rejected) and a live move of the MXFP4 stacks switched after the prefill, the ranks' tokens and logprobs are one
+process's with drafts and without the move.
 A rank SIGKILLed mid-generate ends the call with an error naming it, and no rank process is left.
 """
 
@@ -34,6 +35,7 @@ from services.engine.parallel.rank import (
 from services.engine.parallel.ranks import Ranks, spread_by_load
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout, startup_layout
+from services.worker.parallel.live_layouts import LayoutUpdate
 from tests.services.engine.parallel.kernel_ranks import (
     NUM_LAYERS,
     moe_kernels,
@@ -61,6 +63,7 @@ REQUESTS = [
 
 
 DRAFTS = 2
+DRAFTED = dict(ENGINE, expert_format="fp4", num_speculative_tokens=DRAFTS)  # MXFP4 routed experts
 
 
 def known_drafts(continuations: dict[str, tuple[int, list[int]]]):
@@ -80,17 +83,28 @@ def known_drafts(continuations: dict[str, tuple[int, list[int]]]):
     return rewrite
 
 
-def drafted_generate(rank, requests, continuations) -> tuple[list, int, int]:
-    """On a rank: a second engine, with drafts, built on the rank's groups and kernel set; its share of
-    ``requests`` run to completion: (outputs, drafts verified, drafts accepted)."""
-    config = EngineConfig(data_parallel_size=rank.groups.world_size, num_speculative_tokens=DRAFTS, **ENGINE)
+def drafted_generate(rank, requests, continuations) -> tuple[list, int, int, list[tuple[int, int]], int]:
+    """On a rank: a second engine, MXFP4 experts and drafts, built on the rank's groups and kernel set; its share
+    of ``requests`` run to completion with MOVED received before the first step: (outputs, drafts verified,
+    drafts accepted, the (version, boundary) switches, boundaries: one before each step and the last)."""
+    config = EngineConfig(data_parallel_size=rank.groups.world_size, **DRAFTED)
     spec = RankSpec(config, three_layer_tiny_with_draft, "", "cpu", 1)
     built = build_rank(rank.rank, spec, rank.groups, kernels=rank.engine.worker.runner.kernels)
     try:
+        assert all(block.ffn.moe.fp4 is not None for block in built.model.layers)
         speculator = built.engine.worker.speculator
         speculator.rewrite_drafts = known_drafts(continuations)
-        outputs = run_to_completion(built, spread_by_load(requests, rank.groups.world_size)[rank.rank])
-        return outputs, speculator.num_drafts_verified, speculator.num_drafts_accepted
+        move = LayoutUpdate(1, {layer: MOVED for layer in range(NUM_LAYERS)})
+        share = spread_by_load(requests, rank.groups.world_size)[rank.rank]
+        outputs = run_to_completion(built, share, updates_at={0: [move]})
+        live = built.live
+        return (
+            outputs,
+            speculator.num_drafts_verified,
+            speculator.num_drafts_accepted,
+            live.switches,
+            live.num_boundaries,
+        )
     finally:
         built.live.close()
 
@@ -145,8 +159,9 @@ def _continuations(one_process) -> dict[str, tuple[int, list[int]]]:
 
 @pytest.fixture(scope="module")
 def one_process_drafted(one_process):
-    """One process with drafts: outputs in prompt order (request ids "0", "1"), drafts verified and accepted."""
-    llm = LLM(source=three_layer_tiny_with_draft("cpu"), kernels=moe_kernels, num_speculative_tokens=DRAFTS, **ENGINE)
+    """One process with MXFP4 experts and drafts: outputs in prompt order (request ids "0", "1"), drafts verified
+    and accepted."""
+    llm = LLM(source=three_layer_tiny_with_draft("cpu"), kernels=moe_kernels, **DRAFTED)
     try:
         speculator = llm.engine.worker.speculator
         speculator.rewrite_drafts = known_drafts(_continuations(one_process))
@@ -212,17 +227,20 @@ def test_a_live_move_mid_run_keeps_one_process_bits(two_ranks, one_process):
     assert [layouts for *_, layouts in two_ranks.call(layouts_in_force)] == [[start] * NUM_LAYERS] * 2
 
 
-def test_drafts_on_two_kernel_ranks_equal_one_process(two_ranks, one_process, one_process_drafted):
+def test_drafts_and_a_live_fp4_move_on_two_kernel_ranks_equal_one_process(two_ranks, one_process, one_process_drafted):
     want, verified, accepted = one_process_drafted
     assert 0 < accepted < verified  # drafts both accepted and rejected
     requests = [(str(i), ids, params) for i, (_, ids, params) in enumerate(REQUESTS)]
     parts = two_ranks.call(drafted_generate, requests, _continuations(one_process))
-    got = {o.request_id: o for outs, _, _ in parts for o in outs}
+    got = {o.request_id: o for outs, *_ in parts for o in outs}
     for i, (name, _, _) in enumerate(REQUESTS):
         assert got[str(i)].token_ids == want[i].token_ids, name
         assert got[str(i)].logprobs == want[i].logprobs, name
-    assert want[0].token_ids == one_process["greedy"].token_ids  # greedy: drafts change no token
-    assert sum(v for _, v, _ in parts) == verified and sum(a for _, _, a in parts) == accepted
+    assert sum(p[1] for p in parts) == verified and sum(p[2] for p in parts) == accepted
+    (switches, *_), others = [p[3] for p in parts], [p[3] for p in parts[1:]]
+    assert all(o == switches for o in others) and [v for v, _ in switches] == [1]  # one boundary on both
+    num_steps = parts[0][4] - 1  # the last boundary found no work
+    assert 0 < switches[0][1] < num_steps, (switches, num_steps)  # after the prefill, a step left on the moved stacks
 
 
 def test_a_killed_kernel_rank_is_an_error_and_leaves_no_process(two_ranks):
