@@ -3,9 +3,10 @@ and a compressed one; no draft), the same with a one-stage DSpark draft tapping 
 weights are the draft-less model's: the draft's tensors come last in the init order), and the kernel set they
 run, the MoE's kernels interpreted.
 
-Both are module-level so that spawned rank processes can import them (``RankSpec.load`` and ``.kernels``).
+They are module-level so that spawned rank processes can import them (``RankSpec.load`` and ``.kernels``).
 The kernel set interprets what the expert-parallel layer calls (the router, the FP8 activation quantisation,
-the grouped GEMM and the combine) and the RMSNorm decode and prefill attention the step needs; the other parts
+the grouped GEMM and the combine, the MXFP4 grouped GEMM for engines with ``expert_format`` "fp4") and the
+RMSNorm, decode and prefill attention the step needs; the other parts
 (mHC, compressor, indexer, sampler) stay torch, which the interpreter would take minutes
 to run (mHC alone took half of a step's 50 s at tiny's eight layers).
 """
