@@ -26,6 +26,11 @@ graph captures (NCCL, or the virtual ranks' copies).
 both drive the same phases in the same order. A placeholder step (``ExpertParallel.routes_nothing``) routes
 nothing and still makes every exchange. Eager steps longer than a pass run several; the group agrees on the
 step's number of passes first (``ExpertParallel.agree_passes``).
+
+Live EPLB (services/worker/parallel/live_layouts.py) writes moved experts into the same stacks in place
+(``put_expert_weights``: the changed slots' codes and scales, FP8 or MXFP4) and the new slot map into
+``ExpertSlots``' tensors in place: every buffer a captured graph reads keeps its address, so graphs replay the
+new layout without a recapture.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kernels import invariance
 from services.worker.kernel_model.fp8_linear import pad_last
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.parallel.expert_slots import staged
 
 
 @dataclass
@@ -75,6 +81,31 @@ class ExpertParallelKernelMoE(nn.Module):
             for name in ("w13", "w13_scale", "w2", "w2_scale"):  # [S + 1, ...]: this rank's slots, then the shared
                 setattr(moe, name, getattr(moe, name).index_select(0, keep).contiguous())
         self.num_local = slots.slots_per_rank
+
+    moves_in_place = True  # a move hands it only the changed slots, copied into its stacks (``put_expert_weights``)
+
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's routed slots, slot order, as views of the stacks (the shared expert left out): FP8 (w13,
+        w13_scale, w2, w2_scale) ``[S, …]`` e4m3 and fp32; MXFP4 the same names' uint8 codes and e8m0 bytes."""
+        stacks = self.moe if self.moe.fp4 is None else self.moe.fp4
+        return tuple(getattr(stacks, n)[: self.num_local] for n in ("w13", "w13_scale", "w2", "w2_scale"))
+
+    def put_expert_weights(self, weights: tuple[torch.Tensor, ...], changed: list[int]) -> None:
+        """Copies a move's ``weights`` (``expert_weights``' form, the ``changed`` slots only, in that order) into
+        those slots of the stacks in place: the stacks keep their addresses (module docstring)."""
+        if not changed:
+            return
+        mine = self.expert_weights()
+        index = staged(torch.tensor(changed, dtype=torch.long), mine[0].device).to(mine[0].device, non_blocking=True)
+        for dst, src in zip(mine, weights, strict=True):
+            if src.shape != (len(changed), *dst.shape[1:]) or dst.dtype != src.dtype:
+                raise ValueError(
+                    f"moved experts {src.dtype} {list(src.shape)} for {len(changed)} slots of a stack of "
+                    f"{dst.dtype} {list(dst.shape)}"
+                )
+            dst.view(torch.uint8).index_copy_(0, index, src.view(torch.uint8))
+            if src.is_cuda:  # made on the mover's stream, read on this one: freed only after this one's use
+                src.record_stream(torch.cuda.current_stream(src.device))
 
     def forward(
         self,

@@ -123,6 +123,21 @@ class ExpertParallelMoE(nn.Module):
             full = getattr(moe, name)
             setattr(moe, name, nn.Parameter(full.data[local.to(full.device)].clone(), requires_grad=False))
 
+    moves_in_place = False  # a move hands it every slot's new tensors, which it takes as its own
+
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's slots' (w1 [S, I, D], w3 [S, I, D], w2 [S, D, I]), slot order: what EPLB moves
+        (services/worker/parallel/expert_moves.py)."""
+        return self.moe.w1.data, self.moe.w3.data, self.moe.w2.data
+
+    def put_expert_weights(self, weights: tuple[torch.Tensor, ...], changed: list[int]) -> None:
+        """Takes a move's ``weights`` (``expert_weights``' form, the new layout's slot order) as the layer's own
+        (a swap: no copy, so ``changed`` is not needed)."""
+        for name, w in zip(("w1", "w3", "w2"), weights, strict=True):
+            if w.is_cuda:  # made on the mover's stream, read on this one: freed only after this one's use
+                w.record_stream(torch.cuda.current_stream(w.device))
+            setattr(self.moe, name, nn.Parameter(w, requires_grad=False))
+
     def forward(
         self, x: torch.Tensor, counts: torch.Tensor | None = None, image: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -8,6 +8,10 @@ order, then ``num_redundant`` copies of experts 0, 1, 2, … rounded up so the s
 The gate maps each (token, top-k pick) pair to one copy of its expert: copy ``pair mod copies``, where
 ``pair = t · k + j`` is the pair's place in the step. Copies hold the same bytes and every expert
 computes each row alone in the batch-invariant mode, so which copy serves a pair never changes a result.
+
+The slot map's tensors (``table``, ``copies``) are made once, at a width every layout of the same shape fits
+(an expert has at most ``num_slots − num_logical + 1`` copies), and a new layout is written into them in place
+(``assign``): a CUDA graph captured on them routes by the new layout at its next replay.
 """
 
 from __future__ import annotations
@@ -24,11 +28,21 @@ class ExpertSlots:
         self.layout = layout
         self.rank = rank
         self.slots_per_rank = layout.slots_per_gpu
-        log2phy = layout.log2phy()
-        width = max(len(s) for s in log2phy)
         # [E, width] the physical slots of each logical expert, padded with its first; [E] copies.
-        self.table = torch.tensor([s + [s[0]] * (width - len(s)) for s in log2phy], dtype=torch.long, device=device)
-        self.copies = torch.tensor([len(s) for s in log2phy], dtype=torch.long, device=device)
+        self.table, self.copies = _maps(layout, layout.num_slots - layout.num_logical + 1, device)
+
+    def assign(self, layout: Layout) -> None:
+        """Writes ``layout`` (the same ranks, slots and experts) into this map's tensors in place."""
+        here = self.layout
+        if (layout.num_gpus, layout.num_slots, layout.num_logical) != (here.num_gpus, here.num_slots, here.num_logical):
+            raise ValueError(
+                f"a layout of {layout.num_slots} slots over {layout.num_gpus} ranks and {layout.num_logical} experts "
+                f"cannot replace one of {here.num_slots} over {here.num_gpus} and {here.num_logical}"
+            )
+        table, copies = _maps(layout, self.table.shape[1], "cpu")
+        self.table.copy_(staged(table, self.table.device), non_blocking=True)
+        self.copies.copy_(staged(copies, self.table.device), non_blocking=True)
+        self.layout = layout
 
     @staticmethod
     def startup(
@@ -47,3 +61,16 @@ class ExpertSlots:
         flat = experts.reshape(-1)
         pair = torch.arange(flat.numel(), device=flat.device)
         return self.table[flat, pair % self.copies[flat]]
+
+
+def _maps(layout: Layout, width: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout``'s [E, width] slot table (each expert's slots, padded with its first) and [E] copies."""
+    log2phy = layout.log2phy()
+    table = torch.tensor([s + [s[0]] * (width - len(s)) for s in log2phy], dtype=torch.long, device=device)
+    return table, torch.tensor([len(s) for s in log2phy], dtype=torch.long, device=device)
+
+
+def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor ready for a ``non_blocking`` copy to ``device``: pinned for a GPU, so the copy is queued on
+    the current stream behind the step in flight rather than waiting for it."""
+    return t.pin_memory() if device.type == "cuda" else t

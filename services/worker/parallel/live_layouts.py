@@ -8,13 +8,18 @@ An update (``LayoutUpdate``) is a version and new layouts for some layers. Its l
    with a log line and nothing else arrives after a gap.
 2. **started**, at a step boundary, once every rank has received it (the boundary vote's MIN of received
    versions): the rank's mover thread copies the weights its new slots need from peers over the moves
-   group (``moved_weights``) into spare tensors, while steps go on with the old layout. Every rank starts
+   group (``moved_weights``) into spare tensors, while steps go on with the old layout. A layer that moves
+   in place (``moves_in_place``: the kernel layer) stages only its changed slots, and its move starts from
+   the stacks in force, so the mover first waits until the layer's previous move is in force (every rank
+   waits for the same agreed switch, so the movers' collectives still line up). Every rank starts
    the same versions in the same order, so the movers' collectives line up, and none waits on a version
    a peer has not received.
 3. **staged**: its moves are done (on a GPU, the mover's stream is synchronised first).
 4. **in force**, at the first step boundary at which every rank has staged it (the vote's MIN of staged
-   versions): the layers' weights and slot maps are swapped (no copy), and the next step routes by them
-   on every rank. ``switches`` logs (version, boundary) for each.
+   versions): the layers take the staged weights (``put_expert_weights``: the torch MoE swaps its
+   parameters; the kernel layer copies the changed slots into its stacks in place, on the step's stream,
+   so graphs captured on them stay valid), the slot maps are rewritten in place (``ExpertSlots.assign``),
+   and the next step routes by them on every rank. ``switches`` logs (version, boundary) for each.
 
 The boundary is the work-left vote before each step (``HostVote.any_rank``, which carries the received and
 staged versions in the same all-reduce), so agreeing costs no extra collective and every rank sees the same
@@ -35,17 +40,18 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from services.eplb.layout import Layout
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel, ExpertParallelMoE
-from services.worker.parallel.expert_moves import moved_weights
-from services.worker.parallel.expert_slots import ExpertSlots
+from services.worker.parallel.expert_moves import changed_slots, moved_weights
 
 log = logging.getLogger("shinkai.worker.live_layouts")
 
-Weights = tuple[torch.Tensor, ...]  # one layer's (w1, w3, w2) on this rank, slot order
+# Seconds between a mover's checks that the previous move of a layer that moves in place is in force.
+WAIT_POLL_S = 0.002
+
+Weights = tuple[torch.Tensor, ...]  # one layer's slot tensors on this rank (its ``expert_weights``), slot order
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,10 @@ class BoundaryVote:
 
 class LiveLayouts:
     def __init__(
-        self, moes: list[ExpertParallelMoE], parallel: ExpertParallel, group: torch.distributed.ProcessGroup
+        self,
+        moes: list[ExpertParallelMoE | ExpertParallelKernelMoE],
+        parallel: ExpertParallel,
+        group: torch.distributed.ProcessGroup,
     ) -> None:
         self.moes = moes  # every layer's expert-parallel MoE, by layer
         self.parallel = parallel
@@ -84,10 +93,18 @@ class LiveLayouts:
         self._gap = False  # a version was skipped: nothing more is received
         self._started = 0
         self._staged = 0  # written by the mover thread
-        self._done: dict[int, list[tuple[int, Layout, Weights]]] = {}  # version → staged (layer, layout, weights)
-        # The newest layout and weights of each layer, staged or in force: what the next move starts from
-        # (read and written by the mover thread only, after construction).
+        # version → staged (layer, layout, weights, changed slots): a layer that moves in place stages only
+        # the changed slots' tensors, the others every slot's
+        self._done: dict[int, list[tuple[int, Layout, Weights, list[int]]]] = {}
+        # The newest layout and weights of each layer, staged or in force: what the next move of a layer that
+        # swaps its tensors starts from (read and written by the mover thread only, after construction).
         self._latest = self._in_force()
+        # Layer → the newest version the mover staged for it (mover thread only): a layer that moves in place
+        # starts its next move once that version is in force.
+        self._staged_for: dict[int, int] = {}
+        # On a GPU, the step stream's event after the latest switch's copies: the mover reads the stacks after it.
+        self._written: torch.cuda.Event | None = None
+        self._closed = threading.Event()
         self._work: queue.Queue[LayoutUpdate | None] = queue.Queue()
         self._thread = threading.Thread(target=self._move, name=f"eplb-moves-{self.rank}", daemon=True)
         self._thread.start()
@@ -124,8 +141,6 @@ class LiveLayouts:
 
     def _refusal(self, update: LayoutUpdate) -> str | None:
         """Why ``update`` cannot apply to this group's layers, or None."""
-        if update.layouts and any(isinstance(m, ExpertParallelKernelMoE) for m in self.moes):
-            return "live EPLB moves the torch MoE's experts; the kernel backend's expert-parallel layer has none yet"
         for layer, layout in update.layouts.items():
             if not 0 <= layer < len(self.moes):
                 return f"layer {layer} is outside this model's {len(self.moes)} MoE layers"
@@ -160,8 +175,12 @@ class LiveLayouts:
         for version in range(self.version + 1, agreed.staged + 1):
             start = time.perf_counter()
             staged = self._done.pop(version)
-            for layer, layout, weights in staged:
-                self._put_in_force(layer, layout, weights)
+            for layer, layout, weights, changed in staged:
+                self._put_in_force(layer, layout, weights, changed)
+            if staged and self.parallel.slot_counts.is_cuda:  # before ``version``: the mover waits on both
+                event = torch.cuda.Event()
+                event.record()
+                self._written = event
             with self._lock:
                 self._updates.pop(version, None)
             self.version = version
@@ -170,7 +189,7 @@ class LiveLayouts:
                 "EPLB version %d in force from boundary %d: layers %s moved, switched in %.3f ms",
                 version,
                 boundary,
-                [layer for layer, _, _ in staged],
+                [layer for layer, *_ in staged],
                 1e3 * (time.perf_counter() - start),
             )
             switched.append(version)
@@ -179,13 +198,9 @@ class LiveLayouts:
             self._started = version
         return switched
 
-    def _put_in_force(self, layer: int, layout: Layout, weights: Weights) -> None:
-        moe = self.moes[layer].moe
-        for name, w in zip(("w1", "w3", "w2"), weights):
-            if w.is_cuda:  # made on the mover's stream, read on this one: freed only after this one's use
-                w.record_stream(torch.cuda.current_stream(w.device))
-            setattr(moe, name, nn.Parameter(w, requires_grad=False))
-        self.parallel.slots[layer] = ExpertSlots(layout, self.rank, self.parallel.slots[layer].table.device)
+    def _put_in_force(self, layer: int, layout: Layout, weights: Weights, changed: list[int]) -> None:
+        self.moes[layer].put_expert_weights(weights, changed)
+        self.parallel.slots[layer].assign(layout)
         self.parallel.slot_counts[layer].zero_()
 
     @property
@@ -204,15 +219,10 @@ class LiveLayouts:
         self._latest = self._in_force()  # the mover is idle: everything it started is in force
 
     def _in_force(self) -> list[tuple[Layout, Weights]]:
-        return [
-            (
-                self.parallel.slots[i].layout,
-                () if isinstance(m, ExpertParallelKernelMoE) else (m.moe.w1.data, m.moe.w3.data, m.moe.w2.data),
-            )
-            for i, m in enumerate(self.moes)
-        ]
+        return [(self.parallel.slots[i].layout, m.expert_weights()) for i, m in enumerate(self.moes)]
 
     def close(self) -> None:
+        self._closed.set()
         self._work.put(None)
 
     # ---- the mover thread -------------------------------------------------------------------
@@ -231,12 +241,23 @@ class LiveLayouts:
                 staged = []
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for layer in sorted(update.layouts):
-                        old, weights = self._latest[layer]
-                        new_weights, received = moved_weights(
-                            old, self.rank, weights, update.layouts[layer], self.group
-                        )
-                        self._latest[layer] = (update.layouts[layer], new_weights)
-                        staged.append((layer, update.layouts[layer], new_weights))
+                        new = update.layouts[layer]
+                        if self.moes[layer].moves_in_place:
+                            if not self._wait_in_force(self._staged_for.get(layer, 0)):
+                                return  # closed
+                            old, weights = self.parallel.slots[layer].layout, self.moes[layer].expert_weights()
+                            changed: list[int] | None = changed_slots(old, new, self.rank)
+                            written = self._written
+                            if stream is not None and written is not None:  # a switch's copies into the stacks
+                                stream.wait_event(written)
+                        else:
+                            (old, weights), changed = self._latest[layer], None
+                        new_weights, received = moved_weights(old, self.rank, weights, new, self.group, changed)
+                        if changed is None:
+                            self._latest[layer] = (new, new_weights)
+                            changed = changed_slots(old, new, self.rank)
+                        self._staged_for[layer] = update.version
+                        staged.append((layer, new, new_weights, changed))
                         self.num_received_from_peers += received
                 if stream is not None:
                     stream.synchronize()  # the compute stream may read them from the switch on
@@ -246,3 +267,11 @@ class LiveLayouts:
                 log.exception("EPLB moves of version %d failed; this group applies no later plan", update.version)
                 self.error = f"{type(err).__name__}: {err}"
                 return
+
+    def _wait_in_force(self, version: int) -> bool:
+        """Waits until ``version`` is in force (the step thread switches it at an agreed boundary); False if
+        this object was closed first."""
+        while self.version < version:
+            if self._closed.wait(WAIT_POLL_S):
+                return False
+        return True

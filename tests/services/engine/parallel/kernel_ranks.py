@@ -1,9 +1,12 @@
 """Shared by the kernel-backend rank tests: a three-layer tiny model (a sliding-window layer, the Engram layer
-and a compressed one; no draft) and the kernel set they run, the MoE's kernels interpreted.
+and a compressed one; no draft), the same with a one-stage DSpark draft tapping all three layers (its backbone
+weights are the draft-less model's: the draft's tensors come last in the init order), and the kernel set they
+run, the MoE's kernels interpreted.
 
-Both are module-level so that spawned rank processes can import them (``RankSpec.load`` and ``.kernels``).
+They are module-level so that spawned rank processes can import them (``RankSpec.load`` and ``.kernels``).
 The kernel set interprets what the expert-parallel layer calls (the router, the FP8 activation quantisation,
-the grouped GEMM and the combine) and the RMSNorm decode and prefill attention the step needs; the other parts
+the grouped GEMM and the combine, the MXFP4 grouped GEMM for engines with ``expert_format`` "fp4") and the
+RMSNorm, decode and prefill attention the step needs; the other parts
 (mHC, compressor, indexer, sampler) stay torch, which the interpreter would take minutes
 to run (mHC alone took half of a step's 50 s at tiny's eight layers).
 """
@@ -11,6 +14,7 @@ to run (mHC alone took half of a step's 50 s at tiny's eight layers).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 from model.batch_invariant import batch_invariant
@@ -27,12 +31,23 @@ NUM_LAYERS = 3
 
 
 def three_layer_tiny(device: str) -> ModelSource:
+    return _source(first_layers(preset("tiny"), NUM_LAYERS), device)
+
+
+def three_layer_tiny_with_draft(device: str) -> ModelSource:
+    """``three_layer_tiny`` with one DSpark stage tapping its three layers (tiny's own draft taps layers 5-7, so it
+    needs all eight layers and three stages, minutes a run under the interpreter)."""
     cfg = first_layers(preset("tiny"), NUM_LAYERS)
+    return _source(dataclasses.replace(cfg, num_nextn_predict_layers=1, dspark_target_layer_ids=(0, 1, 2)), device)
+
+
+def _source(cfg, device: str) -> ModelSource:
     tokenizer = load_v41_tokenizer()
     token_map, num_compressed = engram_token_map(tokenizer) if cfg.engram_layer_ids else (None, None)
     net = DeepseekV41(cfg, token_map, num_compressed)
     assign_weights(net, random_checkpoint(cfg, 0))
-    return ModelSource("tiny-3", cfg, net.eval().to(device), tokenizer, None)
+    name = "tiny-3-draft" if cfg.num_nextn_predict_layers else "tiny-3"
+    return ModelSource(name, cfg, net.eval().to(device), tokenizer, None)
 
 
 @contextlib.contextmanager
@@ -45,5 +60,6 @@ def moe_kernels() -> Iterator[KernelSet]:
             *(load_interpreted(name) for name in ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm")),
             load_interpreted("decode_attention"),
             prefill_attention=load_interpreted("prefill_attention"),
+            moe_fp4=load_interpreted("moe_fp4"),  # MXFP4 experts for engines with expert_format "fp4"
             interpreted=True,
         )

@@ -5,6 +5,11 @@ CPU (the kernels interpreted): N virtual ranks in one process, whose exchange is
 fixed-capacity buffers, with expert copies, dead rows, a rank in a placeholder step and steps of several passes.
 GPU (``gpu``-marked, compiled kernels): the same virtual ranks captured in one CUDA graph and replayed on new
 tokens; and one rank over NCCL at world size 1 (the real ``all_to_all_single``) captured and replayed.
+
+After an EPLB move (each rank's stacks given its new experts' FP8 or MXFP4 codes and scales through
+``put_expert_weights``, its slot map rewritten in place) the layer still gives ``KernelMoE``'s outputs, and the
+rows arrive at the new layout's slots: on the CPU eagerly, on the GPU by replaying the graph captured before the
+move (no recapture).
 """
 
 from __future__ import annotations
@@ -19,15 +24,20 @@ from kernels import invariance
 from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.presets import TINY
+from services.eplb.layout import Layout
 from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE, ep_layer, local_layout
 from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.parallel.expert_moves import changed_slots
 from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.peer_exchange import GroupPeerExchange, VirtualPeerExchange
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CFG = dataclasses.replace(TINY, swiglu_limit=10.0)  # hidden 64, 8 routed experts, top-2
+# 2 ranks, 10 slots (start-up: experts 0-7, copies of 0 and 1): a move trading experts both ways, reordering
+# own slots and changing which experts have copies.
+MOVED = Layout((7, 0, 3, 3, 5, 6, 1, 2, 4, 0), num_gpus=2, num_logical=8)
 
 
 def _moe(device: str) -> MoE:
@@ -100,6 +110,53 @@ def test_virtual_ranks_equal_the_unsharded_layer(world, redundant, passes, exper
     assert sum(int(layer.parallel.take_slot_counts().sum()) for layer in layers) == int(sum(counts).sum())
 
 
+def _move(layers: list, full: KernelMoE, new: Layout) -> None:
+    """Each virtual rank's layer to ``new``: its new experts' stacks (from the unsharded layer's) written in, as
+    ``LiveLayouts`` puts a move's weights in force, and its slot map rewritten."""
+    stacks = full if full.fp4 is None else full.fp4
+    for rank, layer in enumerate(layers):
+        slots = layer.parallel.slots[0]
+        changed = changed_slots(slots.layout, new, rank)
+        experts = torch.tensor(
+            [new.phy2log[rank * slots.slots_per_rank + k] for k in changed], device=stacks.w13.device
+        )
+        layer.put_expert_weights(
+            tuple(getattr(stacks, n)[experts] for n in ("w13", "w13_scale", "w2", "w2_scale")), changed
+        )
+        slots.assign(new)
+
+
+def _arrivals_by_expert(layers: list) -> torch.Tensor:
+    """Rows that arrived at every rank's slots since the last take, summed by the expert each slot holds now."""
+    got = torch.zeros(CFG.n_routed_experts, dtype=torch.long)
+    for layer in layers:
+        slots = layer.parallel.slots[0]
+        got.index_add_(0, torch.tensor(slots.local_experts), layer.parallel.take_slot_counts()[0].cpu())
+    return got
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", "fp4"])
+def test_virtual_ranks_after_a_move_equal_the_unsharded_layer(expert_format):
+    moe = _moe("cpu")
+    kernels, context = _kernels("cpu")
+    tokens = 4
+    layers = _ranks(moe, kernels, 2, 2, tokens, VirtualPeerExchange(2), expert_format)
+    full = KernelMoE(moe, "fp8", kernels, expert_format)
+    addresses = [t.data_ptr() for layer in layers for t in layer.expert_weights()]
+    x = torch.randn(2, tokens, CFG.hidden_size)
+    with torch.no_grad(), context(), invariance.fixed_configs():
+        ref_counts = torch.zeros(CFG.n_routed_experts, dtype=torch.long)
+        ref = full(x.reshape(1, -1, CFG.hidden_size), ref_counts)[0].view(2, tokens, -1)
+        ep_layer(layers, [x[r][None] for r in range(2)], [None, None], [None, None], [None, None])
+        _arrivals_by_expert(layers)
+        _move(layers, full, MOVED)
+        outs = ep_layer(layers, [x[r][None] for r in range(2)], [None, None], [None, None], [None, None])
+    for rank in range(2):
+        assert torch.equal(outs[rank][0], ref[rank]), f"rank {rank}"
+    assert torch.equal(_arrivals_by_expert(layers), ref_counts)  # read by the new layout: rows went to its slots
+    assert [t.data_ptr() for layer in layers for t in layer.expert_weights()] == addresses
+
+
 def test_local_layout_is_the_route_metadata_of_the_valid_rows():
     gen = torch.Generator().manual_seed(1)
     choice = torch.randint(0, 4, (12,), generator=gen)
@@ -133,10 +190,17 @@ def test_peer_exchanges_refuse_mismatched_tensors():
 
 
 def _graph_against_unsharded(
-    layers: list, moe: MoE, kernels: KernelSet, tokens: int, dtype: torch.dtype, expert_format: str = "fp8"
+    layers: list,
+    moe: MoE,
+    kernels: KernelSet,
+    tokens: int,
+    dtype: torch.dtype,
+    expert_format: str = "fp8",
+    moved: Layout | None = None,
 ) -> None:
     """Captures ``ep_layer`` over ``layers`` (their exchange: virtual copies or NCCL) on static inputs, then replays
-    it on three draws of tokens and live masks, each against ``KernelMoE`` on the same tokens with ``==``."""
+    it on three draws of tokens and live masks, each against ``KernelMoE`` on the same tokens with ``==``. With
+    ``moved``, the layers move to it after the first draw, and the rows of the later ones arrive at its slots."""
     world = len(layers)
     device = moe.w1.device
     x = torch.zeros(world, tokens, CFG.hidden_size, dtype=dtype, device=device)
@@ -165,6 +229,9 @@ def _graph_against_unsharded(
             live.fill_(True)
             if draw:
                 live[0, draw] = False  # a dead row on rank 0
+            if moved is not None and draw == 1:
+                _move(layers, unsharded, moved)  # into the captured buffers: the graph is replayed as it is
+            _arrivals_by_expert(layers)
             graph.replay()
             ref_counts = torch.zeros(CFG.n_routed_experts, dtype=torch.long, device=device)
             ref = unsharded(x.reshape(1, -1, CFG.hidden_size), ref_counts, live.reshape(1, -1))[0].view(
@@ -173,6 +240,7 @@ def _graph_against_unsharded(
             for r in range(world):
                 assert torch.equal(outs[r][0], ref[r]), f"draw {draw}, rank {r}"
             assert torch.equal(counts.sum(0), ref_counts)
+            assert torch.equal(_arrivals_by_expert(layers), ref_counts.cpu())
 
 
 @gpu
@@ -184,6 +252,17 @@ def test_virtual_ranks_captured_in_a_graph_equal_the_unsharded_layer(world, expe
     tokens = 8
     layers = _ranks(moe, kernels, world, 2, tokens, VirtualPeerExchange(world), expert_format)
     _graph_against_unsharded(layers, moe, kernels, tokens, torch.bfloat16, expert_format)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_format", ["fp8", "fp4"])
+def test_a_move_into_the_captured_buffers_replays_without_a_recapture(expert_format):
+    moe = _moe("cuda")
+    kernels, _ = _kernels("cuda")
+    tokens = 8
+    layers = _ranks(moe, kernels, 2, 2, tokens, VirtualPeerExchange(2), expert_format)
+    _graph_against_unsharded(layers, moe, kernels, tokens, torch.bfloat16, expert_format, moved=MOVED)
 
 
 @gpu

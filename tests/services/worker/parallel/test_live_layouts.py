@@ -22,10 +22,8 @@ MOVED = Layout((7, 0, 3, 5, 6, 1, 2, 4), num_gpus=2, num_logical=8)
 def _live() -> LiveLayouts:
     slots = [ExpertSlots.startup(8, 2, 0, 0) for _ in range(2)]  # 2 layers, 8 slots, this is rank 0
     parallel = ExpertParallel(SimpleNamespace(world_size=2), slots)  # type: ignore[arg-type]
-    moes = [
-        SimpleNamespace(moe=SimpleNamespace(w1=torch.zeros(4, 2, 3), w3=torch.zeros(4, 2, 3), w2=torch.zeros(4, 3, 2)))
-        for _ in range(2)
-    ]
+    weights = (torch.zeros(4, 2, 3), torch.zeros(4, 2, 3), torch.zeros(4, 3, 2))
+    moes = [SimpleNamespace(expert_weights=lambda: weights, moves_in_place=False) for _ in range(2)]
     return LiveLayouts(moes, parallel, group=None)  # type: ignore[arg-type]
 
 
