@@ -35,18 +35,21 @@ from __future__ import annotations
 import contextlib
 import math
 import string
+import threading
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_depth = 0  # how many batch_invariant() contexts are open (the mode itself is popped inside its handler)
+# How many batch_invariant() contexts this thread has open. Per thread, as torch keeps its function modes:
+# a thread that never entered the mode runs the plain maths, and must not pad as if it were inside it.
+_open = threading.local()
 
 
 def active() -> bool:
-    """True inside ``batch_invariant()``."""
-    return _depth > 0
+    """True inside ``batch_invariant()`` on this thread."""
+    return getattr(_open, "depth", 0) > 0
 
 
 # Elements of one broadcast product [rows, N, K] in ``rowwise_linear`` (16 MB of fp32): bounds its memory.
@@ -219,13 +222,12 @@ class _Mode(TorchFunctionMode):
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True) -> Iterator[None]:
     """Runs the block with batch-invariant products (module docstring); a no-op when not ``enabled``."""
-    global _depth
     if not enabled:
         yield
         return
-    _depth += 1
+    _open.depth = getattr(_open, "depth", 0) + 1
     try:
         with _Mode():
             yield
     finally:
-        _depth -= 1
+        _open.depth -= 1

@@ -1,6 +1,8 @@
 """model/batch_invariant.py: inside the mode, a row's product is the same bits alone as in any batch, at
 any place in it; the rerouted ops still compute what they stand for."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,18 @@ def test_the_mode_is_scoped():
     assert not active()
     with batch_invariant(enabled=False):
         assert not active()
+
+
+def test_the_mode_is_per_thread_as_torch_keeps_it():
+    """Another thread, running while one is inside the mode, sees neither the mode's maths nor ``active()``."""
+    seen: list[bool] = []
+    with batch_invariant():
+        worker = threading.Thread(target=lambda: seen.append(active()))
+        worker.start()
+        worker.join()
+        assert active()
+    assert seen == [False]
+    assert not active()
 
 
 def test_einsum_with_three_operands_is_refused_not_silently_variant():
