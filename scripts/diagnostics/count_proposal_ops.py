@@ -42,7 +42,7 @@ def main() -> int:
     from services.worker.spec.draft_proposal import HostInputs
     from services.worker.spec.static_draft_proposal import ProposalKey, StaticDraftProposal
     from services.worker.state.cache_engine import CacheEngine, ring_size
-    from tests.kernels.interpret import interpreter, load_interpreted
+    from kernels.interpret import interpreter, load_interpreted
 
     torch.set_num_threads(1)
     counter = OpCounter()

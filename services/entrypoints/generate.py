@@ -29,12 +29,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(docs/parallelism.md)"
         ),
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt (its logprobs as exact floats: runs compare them with ==)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="requests a step holds at most; with --dp N it also sizes every rank's expert exchange blocks, so a "
+        "small value keeps --kernels interpreted runs quick (default: the engine's)",
+    )
     from services.engine.config_flags import add_parallel_arguments, add_speculative_arguments, add_step_arguments
-    from services.engine.device import add_device_arguments
+    from services.engine.device import add_device_arguments, add_kernel_arguments
 
     add_device_arguments(p)
+    add_kernel_arguments(p)
     add_speculative_arguments(p)
     add_step_arguments(p)
     add_parallel_arguments(p)
@@ -49,21 +61,19 @@ def _run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
         )
-        from services.engine.device import device_args
-
-        sizing = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
         from services.engine.config_flags import parallel_args, speculative_args, step_args
+        from services.engine.device import device_args, kernel_args
 
-        llm = LLM(
-            model=args.model,
-            **sizing,
+        engine_args = {
+            **{k: v for k, v in (("max_model_len", args.max_model_len), ("max_num_seqs", args.max_num_seqs)) if v is not None},
             **device_args(args),
             **speculative_args(args),
             **step_args(args),
             **parallel_args(args),
-            batch_invariant=args.batch_invariant,
-            engram_on_host=args.engram_on_host,
-        )
+            "batch_invariant": args.batch_invariant,
+            "engram_on_host": args.engram_on_host,
+        }
+        llm = LLM(model=args.model, **{**engine_args, **kernel_args(args.kernels, engine_args)})
         try:
             outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
         finally:
@@ -79,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
                         "text": out.text,
                         "token_ids": out.token_ids,
                         "finish_reason": out.finish_reason,
-                        "logprobs": [round(x, 6) for x in out.logprobs],
+                        "logprobs": out.logprobs,
                     }
                 )
             )

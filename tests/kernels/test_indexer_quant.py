@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.deepseek_v41.quant import fake_quant_indexer
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 
 def _queries(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, floor: bool = True) -> torch.Tensor:

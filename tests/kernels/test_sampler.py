@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.worker.sampling.sampler import Sampler, SamplingRow
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

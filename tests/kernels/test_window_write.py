@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.deepseek_v41.quant import quantize_fp8_cache
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 NUM_SLOTS, RING = 4, 7
 

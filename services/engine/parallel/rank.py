@@ -55,7 +55,7 @@ class RankSpec:
     num_threads: int | None = None  # torch CPU threads per rank; None = OMP_NUM_THREADS, else the cores over the ranks
     # The kernel backend's kernel set as a context the rank process runs inside (a module-level callable →
     # a context manager yielding the ``KernelSet``); None: the compiled set. Interpreted copies run the kernel
-    # backend's ranks on a CPU (tests/kernels/interpret.py).
+    # backend's ranks on a CPU (kernels/interpret.py).
     kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None = None
 
     def rank_device(self, rank: int) -> str:

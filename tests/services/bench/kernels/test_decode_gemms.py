@@ -10,7 +10,7 @@ import torch
 
 from services.bench import harness as timing
 from services.bench.kernels import decode_gemms as gemms
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 
 def test_every_row_at_toy_sizes_and_the_variants_agree_bit_for_bit(monkeypatch):

@@ -25,7 +25,7 @@ from model.deepseek_v41.presets import preset
 from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
 from services.engine.model_source import ModelSource
 from services.worker.kernel_model.fp8_linear import KernelSet
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 NUM_LAYERS = 3
 

@@ -47,7 +47,7 @@ from services.worker.sampling.kernel_sampler import KernelSampler
 from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.worker import Worker
 from tests import tolerances as tol
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_model_runner import BLOCK, MAX_TOKENS, Case, case, replay
 

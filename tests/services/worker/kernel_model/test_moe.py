@@ -34,7 +34,7 @@ from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.runners.model_runner import ModelRunner
 from tests import tolerances
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.model.deepseek_v41.oracle_configs import VISION_CASES, finish
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 from tests.scheduler_rs.fake_worker import run_step
