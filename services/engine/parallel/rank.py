@@ -100,6 +100,12 @@ def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
     return received
 
 
+def eplb_switches(rank: RankEngine) -> tuple[list[tuple[int, int]], int]:
+    """On every rank at once (``Ranks.call``): the (version, boundary) of each live EPLB switch so far and the
+    boundaries seen (the same on every rank)."""
+    return list(rank.live.switches), rank.live.num_boundaries
+
+
 def settle_live_layouts(rank: RankEngine, timeout_s: float) -> int:
     """Between calls, on every rank at once (``Ranks.call``): idle boundary votes until every version the
     group has received is in force; returns the version in force. Every rank leaves at the same vote (the

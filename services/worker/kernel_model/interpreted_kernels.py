@@ -35,4 +35,3 @@ def step_kernels(batch_invariant: bool = False) -> Iterator[KernelSet]:
             moe_fp4=load_interpreted("moe_fp4"),
             interpreted=True,
         )
-

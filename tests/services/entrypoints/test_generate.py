@@ -1,9 +1,11 @@
 """``shinkai generate`` as a process, on the kernel backend with interpreted kernels (``--kernels interpreted``):
 ``--dp 2`` (two rank processes, gloo, the fixed-capacity expert exchange, the MoE's kernels interpreted) prints
-the tokens and logprobs of ``--dp 1`` with ``==`` in the batch-invariant mode, greedy, and seeded with DSpark
-drafts verified on MXFP4 experts. The model is a checkpoint of tiny's first three layers (a sliding-window, the
-Engram and a compressed layer) with a one-stage draft tapping them, written in the released formats; each run
-loads it as a user's checkpoint. ``--kernels interpreted`` is refused with a clear error on a CUDA device.
+the tokens and logprobs of ``--dp 1`` with ``==`` in the batch-invariant mode, greedy (FP8 experts), and seeded with
+DSpark drafts verified on MXFP4 experts, while a live EPLB layout (``--eplb-layout``) moves every layer's experts
+between the ranks and takes effect mid-run (after the prefill, with decode steps left). The model is a checkpoint
+of tiny's first three layers (a sliding-window, the Engram and a compressed layer) with a one-stage draft tapping
+them, written in the released formats; each run loads it as a user's checkpoint. ``--kernels interpreted`` on a
+CUDA device and bad ``--eplb-layout`` files are refused with clear errors before any rank starts.
 
 The draft's weights are random, so it proposes tokens the target rarely accepts: the runs check that the
 verified rows cross the exchange with one process's bits, not acceptance (tests/services/engine/parallel/
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +31,10 @@ from services.entrypoints.cli import main
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = ("The deep sea is", "Hello")  # one a rank with --dp 2 (requests spread by load)
 COMMON = ("--kernels", "interpreted", "--batch-invariant", "--max-num-seqs", "2", "--max-tokens", "3", "--json")
-GREEDY = ("--temperature", "0")
-SEEDED_DRAFTS = ("--temperature", "0.8", "--seed", "3", "--num-speculative-tokens", "2", "--expert-format", "fp4")
+FLAGS = {
+    "greedy": ("--temperature", "0"),
+    "seeded-drafts": ("--temperature", "0.8", "--seed", "3", "--num-speculative-tokens", "2", "--expert-format", "fp4"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,28 +45,54 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_sharded_checkpoint(tmp_path_factory.mktemp("tiny-3-dspark"), cfg, seed=0)
 
 
-def generate_both(checkpoint: Path, flags: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
-    """``shinkai generate … --dp 1`` and ``--dp 2``, run at once as two processes: each one's JSON lines."""
+# Start-up: rank 0 holds experts 0-3, rank 1 experts 4-7; MOVED trades 1 and 2 for 5 and 7, in new slot orders.
+MOVED = {"phy2log": [7, 0, 3, 5, 6, 1, 2, 4], "num_gpus": 2}
+SWITCHED = re.compile(r"EPLB layout version 1 in force from step (\d+) of (\d+)")
+
+
+@pytest.fixture(scope="module")
+def layout_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eplb") / "moved.json"
+    path.write_text(json.dumps(MOVED))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, layout_file) -> dict[tuple[str, str], tuple[list[dict], str]]:
+    """(flags' name, dp) → the JSON lines and stderr of ``shinkai generate … --dp 1`` and of ``--dp 2`` with the
+    live move, greedy and seeded with drafts: four processes started at once (each spends most of its start-up
+    importing and loading)."""
     argv = [sys.executable, "-m", "services.entrypoints.cli", "generate", "--model", str(checkpoint)]
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
-    argv += [*COMMON, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks and one process share this machine's cores
-    runs = [
-        subprocess.Popen([*argv, "--dp", dp], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the runs' processes share this machine's cores
+    MOVE = ("--eplb-layout", str(layout_file))
+    started = {
+        (name, dp): subprocess.Popen(
+            [*argv, *COMMON, *flags, *(MOVE if dp == "2" else ()), "--dp", dp],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, flags in FLAGS.items()
         for dp in ("1", "2")
-    ]
-    outputs = []
-    for run in runs:
-        out, err = run.communicate(timeout=240)
-        assert run.returncode == 0, err.decode()[-3000:]
-        outputs.append([json.loads(line) for line in out.decode().splitlines() if line.startswith("{")])
-    return outputs[0], outputs[1]
+    }
+    outputs = {}
+    for key, run in started.items():
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, (key, err.decode()[-3000:])
+        lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+        outputs[key] = lines, err.decode()
+    return outputs
 
 
-@pytest.mark.parametrize("flags", [GREEDY, SEEDED_DRAFTS], ids=["greedy", "seeded-drafts"])
-def test_generate_dp2_with_interpreted_kernels_equals_dp1(checkpoint, flags):
-    one, two = generate_both(checkpoint, flags)
+@pytest.mark.parametrize("name", FLAGS)
+def test_generate_dp2_with_interpreted_kernels_equals_dp1(runs, name):
+    (one, _), (two, log) = runs[name, "1"], runs[name, "2"]
+    (switch,) = SWITCHED.findall(log)
+    step, num_steps = map(int, switch)
+    assert 0 < step < num_steps, switch  # after the prefill, with decode steps left on the moved experts
     assert [o["prompt"] for o in one] == [o["prompt"] for o in two] == list(PROMPTS)
     for a, b in zip(one, two, strict=True):
         assert len(a["token_ids"]) == 3 and a["finish_reason"] == "length"
@@ -75,3 +106,21 @@ def test_interpreted_kernels_are_refused_on_cuda(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "--kernels interpreted runs Triton's interpreter on the CPU, but --device is 'cuda'" in err
+
+
+@pytest.mark.parametrize(
+    "layout, flags, message",
+    [
+        (MOVED, ("--dp", "1"), "--eplb-layout moves experts between ranks: it needs --dp 2 or more"),
+        ({**MOVED, "num_gpus": 4}, ("--dp", "2"), "a layout of 8 experts in 8 slots over 4 ranks; this group has 8"),
+        ({"phy2log": [0, 1]}, ("--dp", "2"), "a layout needs 'phy2log' and 'num_gpus'"),
+        (MOVED, ("--dp", "2", "--eplb-layout-at-step", "-1"), "--eplb-layout-at-step must be ≥ 0"),
+    ],
+    ids=["one-process", "other-ranks", "not-a-layout", "negative-step"],
+)
+def test_bad_eplb_layouts_are_refused_before_ranks_start(tmp_path, capsys, layout, flags, message):
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(layout))
+    code = main(["generate", "--model", "tiny", "--prompt", "x", "--eplb-layout", str(path), *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
