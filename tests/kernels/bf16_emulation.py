@@ -140,10 +140,10 @@ def kernel_table() -> list[dict]:
     problem: a fresh prompt, chunks reaching into the ring, one longer than ring − window, a one-row
     request) and decode (test_decode_attention.py's, whole rows and 3 splits). Relative L2 errors."""
     from kernels import reference
+    from kernels.interpret import interpreter, load_interpreted
     from model.deepseek_v41.quant import quantize_fp8_cache
     from model.deepseek_v41.rope import rope_frequencies
     from services.worker.state.cache_engine import CacheEngine, ring_size
-    from kernels.interpret import interpreter, load_interpreted
     from tests.kernels.test_decode_attention import _fill_cache
     from tests.kernels.test_prefill_attention import _args, _chunk_problem
     from tests.model.deepseek_v41.oracle_configs import CASES
@@ -233,8 +233,8 @@ def emulated_kernels():
     """The FP8 test's floor KernelSet (torch references) with prefill and decode attention replaced by
     the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
     ``bf16_interpreter()``."""
-    from services.worker.kernel_model.fp8_linear import KernelSet
     from kernels.interpret import load_interpreted
+    from services.worker.kernel_model.fp8_linear import KernelSet
 
     return with_attention(
         KernelSet.references(), False, load_interpreted("prefill_attention"), load_interpreted("decode_attention")

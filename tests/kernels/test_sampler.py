@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from services.worker.sampling.sampler import Sampler, SamplingRow
 from kernels.interpret import interpreter, load_interpreted
+from services.worker.sampling.sampler import Sampler, SamplingRow
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

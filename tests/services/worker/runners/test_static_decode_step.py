@@ -437,8 +437,8 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     import model.deepseek_v41.rope as rope
     import services.worker.attention.graph_backend as graph
     import services.worker.kernel_model.fp8_linear as fp8_linear
-    from services.worker.kernel_model.fp8_linear import KernelSet
     from kernels.interpret import interpreter, load_interpreted
+    from services.worker.kernel_model.fp8_linear import KernelSet
 
     plan, torch_runner = _decode_plan("oracle")
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
