@@ -87,11 +87,11 @@ def main() -> int:
 
     import torch
 
+    from kernels.interpret import interpreter, load_interpreted
     from scheduler_rs import Scheduler, SchedulerConfig
     from services.engine.config import EngineConfig
     from services.worker.kernel_model.fp8_linear import KernelSet
     from services.worker.runners.model_runner import ModelRunner
-    from tests.kernels.interpret import interpreter, load_interpreted
     from tests.services.worker.runners.test_model_runner import BLOCK, case
 
     torch.set_num_threads(1)

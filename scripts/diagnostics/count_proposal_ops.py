@@ -35,6 +35,7 @@ def main() -> int:
 
     import torch
 
+    from kernels.interpret import interpreter, load_interpreted
     from services.engine.model_source import load_model
     from services.worker.kernel_model.backend import convert_model
     from services.worker.kernel_model.fp8_linear import KernelSet
@@ -42,7 +43,6 @@ def main() -> int:
     from services.worker.spec.draft_proposal import HostInputs
     from services.worker.spec.static_draft_proposal import ProposalKey, StaticDraftProposal
     from services.worker.state.cache_engine import CacheEngine, ring_size
-    from tests.kernels.interpret import interpreter, load_interpreted
 
     torch.set_num_threads(1)
     counter = OpCounter()

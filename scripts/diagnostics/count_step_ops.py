@@ -111,12 +111,12 @@ def main() -> int:
 
     import torch
 
+    from kernels.interpret import interpreter, load_interpreted
     from model.batch_invariant import batch_invariant
     from services.engine.config import EngineConfig
     from services.worker.kernel_model.fp8_linear import KernelSet
     from services.worker.runners.decode_step_graphs import DecodeStepGraphs
     from services.worker.runners.model_runner import ModelRunner
-    from tests.kernels.interpret import interpreter, load_interpreted
     from tests.services.worker.runners.test_model_runner import case
     from tests.services.worker.runners.test_static_decode_step import BLOCK, MAX_LEN, _decode_plan
 

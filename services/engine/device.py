@@ -5,6 +5,10 @@
 MXFP4, CUDA graphs for decode and async scheduling, each with an off switch (``kernel_backend=None``,
 ``expert_format="fp8"``, ``enforce_eager=True``, ``async_scheduling=False``). A default applies only where
 the caller did not set that field.
+
+``--kernels interpreted`` runs the kernel backend on the CPU with its Triton kernels under Triton's interpreter
+(services/worker/kernel_model/interpreted_kernels.py): the GPU's code path, the expert-parallel exchange of
+``--dp N`` included, on a machine without one, for debugging and CI (seconds a step for a few-layer model).
 """
 
 from __future__ import annotations
@@ -128,3 +132,43 @@ def device_argv(values: dict[str, object]) -> list[str]:
         else:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv
+
+
+def add_kernel_arguments(parser) -> None:
+    """``--kernels``, on the commands that honour it (generate)."""
+    parser.add_argument(
+        "--kernels",
+        choices=("interpreted",),
+        default=None,
+        help="interpreted: the kernel backend on the CPU, its MoE, norm and attention kernels run by Triton's "
+        "interpreter (debugging and CI without a GPU; slow: a few-layer checkpoint, `shinkai model init --preset "
+        "tiny --num-layers 3`, takes seconds a step). Default: compiled kernels on CUDA, the torch model on the CPU",
+    )
+
+
+def kernel_args(kernels: str | None, engine_args: dict[str, object]) -> dict[str, object]:
+    """The ``LLM`` arguments ``--kernels`` gives beside ``engine_args`` (the other EngineConfig fields, checked
+    against it): for "interpreted", the CPU device, the FP8 kernel backend (unless given) and the interpreted
+    kernel set as ``kernels`` (a module-level callable, so it reaches spawned rank processes), its torch parts in
+    the CPU batch-invariant maths with ``batch_invariant``. None: nothing."""
+    if kernels is None:
+        return {}
+    if kernels != "interpreted":
+        raise ValueError(f"--kernels takes 'interpreted', got {kernels!r}")
+    device = engine_args.get("device")
+    if device is not None and device != "cpu":
+        raise ValueError(
+            f"--kernels interpreted runs Triton's interpreter on the CPU, but --device is {device!r}: on a GPU "
+            "the kernels run compiled (leave --kernels out), or pass --device cpu"
+        )
+    if engine_args.get("kernel_backend", "fp8") is None:
+        raise ValueError("--kernels interpreted runs the kernel backend; it cannot go with kernel_backend None")
+    from functools import partial
+
+    from services.worker.kernel_model.interpreted_kernels import step_kernels
+
+    return {
+        "device": "cpu",
+        "kernel_backend": engine_args.get("kernel_backend", "fp8"),
+        "kernels": partial(step_kernels, batch_invariant=bool(engine_args.get("batch_invariant"))),
+    }

@@ -38,7 +38,7 @@ def build_runner(
     kernels: KernelSet | None = None,
 ) -> Runner:
     """The runner ``build_worker`` uses when none is given (see the module docstring); ``kernels``: the kernel
-    backend's set (None: the compiled one; interpreted copies run it on a CPU, tests/kernels/interpret.py)."""
+    backend's set (None: the compiled one; interpreted copies run it on a CPU, kernels/interpret.py)."""
     nextn = config.num_speculative_tokens
     try:
         from services.worker.runners.model_runner import ModelRunner

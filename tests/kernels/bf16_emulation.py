@@ -140,10 +140,10 @@ def kernel_table() -> list[dict]:
     problem: a fresh prompt, chunks reaching into the ring, one longer than ring − window, a one-row
     request) and decode (test_decode_attention.py's, whole rows and 3 splits). Relative L2 errors."""
     from kernels import reference
+    from kernels.interpret import interpreter, load_interpreted
     from model.deepseek_v41.quant import quantize_fp8_cache
     from model.deepseek_v41.rope import rope_frequencies
     from services.worker.state.cache_engine import CacheEngine, ring_size
-    from tests.kernels.interpret import interpreter, load_interpreted
     from tests.kernels.test_decode_attention import _fill_cache
     from tests.kernels.test_prefill_attention import _args, _chunk_problem
     from tests.model.deepseek_v41.oracle_configs import CASES
@@ -233,8 +233,8 @@ def emulated_kernels():
     """The FP8 test's floor KernelSet (torch references) with prefill and decode attention replaced by
     the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
     ``bf16_interpreter()``."""
+    from kernels.interpret import load_interpreted
     from services.worker.kernel_model.fp8_linear import KernelSet
-    from tests.kernels.interpret import load_interpreted
 
     return with_attention(
         KernelSet.references(), False, load_interpreted("prefill_attention"), load_interpreted("decode_attention")
@@ -246,7 +246,7 @@ def every_step_kernel():
     (fp32 dots for fp32 models, as compiled), indexer on its f16-dot path (the GPU's: TritonAttention passes
     dot_fp32 only for interpreted sets; its PTX dequantisation needs 4-byte aligned keys, and the tiny
     models' 17-byte index keys take the byte path on the GPU too) and mHC. GEMMs, norms, router: torch."""
-    from tests.kernels.interpret import load_interpreted
+    from kernels.interpret import load_interpreted
 
     indexer = load_interpreted("indexer")
     return dataclasses.replace(
@@ -284,7 +284,7 @@ def engine_kl(make, names: tuple[str, ...], device: str = "cpu", precision: str 
 
 @contextlib.contextmanager
 def _emulating():
-    from tests.kernels.interpret import interpreter
+    from kernels.interpret import interpreter
 
     with interpreter(), bf16_interpreter():
         yield

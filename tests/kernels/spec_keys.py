@@ -4,7 +4,7 @@ A compiled kernel's cache key (``triton/runtime/jit.py``: ``JITFunction.run`` â†
 â†’ ``compute_cache_key``) is the list of each argument's specialisation plus the launch options: a constexpr's
 value; a tensor's element type and whether its address is 16-byte aligned ("D"); an int's type (i32/i64) and
 whether it is divisible by 16 ("D") or equal to 1 (then a constexpr 1); bools and floats by type only; for an
-argument in ``do_not_specialize`` its type only. Under Triton's interpreter (``tests/kernels/interpret.py``)
+argument in ``do_not_specialize`` its type only. Under Triton's interpreter (``kernels/interpret.py``)
 nothing is compiled, so counting compiles there proves nothing; ``SpecKeys`` instead computes that key for every
 launch with Triton's own binder (``create_function_from_signature`` over the kernel's ``KernelParam``s and
 ``native_specialize_impl``), so a CPU test sees exactly the variants a GPU would compile.

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.compressor import Compressor
 from model.deepseek_v41.indexer import Indexer
 from model.deepseek_v41.presets import TINY
@@ -27,7 +28,6 @@ from services.worker.attention.backend import StepRounding
 from services.worker.attention.torch_backend import TorchAttention
 from services.worker.batch.step_batch import StepBatch
 from services.worker.state.cache_engine import CacheEngine, ring_size
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.model.deepseek_v41.quant_boundary import fp4_boundary_distance
 
 BLOCK_SIZE = 16

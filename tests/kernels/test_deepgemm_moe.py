@@ -13,8 +13,8 @@ import torch
 
 from kernels import deepgemm_moe, reference
 from kernels.fp8_weights import quantize_weight_block128
+from kernels.interpret import interpreter, load_interpreted
 from kernels.reference import quantize_act, route_metadata
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP8_LINEAR_REL
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.attention import sink_attention
 from model.deepseek_v41.quant import fake_quant_fp8_e4m3
 from model.deepseek_v41.rope import apply_rope, rope_turns
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP32_REORDER_REL
 
 # (blocks N, slots S, heads H, head_dim, rope pairs P, window W): tiny's draft (hd 64, P 8, W 8, bs 5);

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_CAST_REL, U_FP32
 
 EPS = 1e-6

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 
 def _case(num_rows: int, k: int, width: int, epb: int, entry_dtype: torch.dtype, gen: torch.Generator):

@@ -8,8 +8,8 @@ import torch
 
 from kernels import reference
 from kernels.fp8_weights import quantize_weight_block128
+from kernels.interpret import interpreter, load_interpreted
 from services.worker.kernel_model.fp8_linear import one_expert_meta
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP32_REORDER_REL
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.indexer import select_entries
 from model.deepseek_v41.quant import INDEXER_BLOCK, fake_quant_indexer, quantize_fp4_cache
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP32_REORDER_REL
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.quant import fake_quant_indexer
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 def _queries(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, floor: bool = True) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""tests/kernels/interpret.py: an interpreted kernel leaves ``triton.language`` as it found it, so a kernel
+"""kernels/interpret.py: an interpreted kernel leaves ``triton.language`` as it found it, so a kernel
 compiled afterwards in the same process goes through Triton's code generator, not the interpreter's builtins."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 
 @triton.jit

@@ -65,7 +65,7 @@ def test_interpreted_fp8_engine_gives_equal_logits_alone_and_in_a_chunked_batch(
     together at a 10-token budget (chunks [6, 4], [1, 9], [7], then decode: a one-row chunk among
     prefill rows, decode rows in mixed steps) against r1 alone at a budget that takes its prompt
     whole. Each of r1's (position)'s logits must be ``==``."""
-    from tests.kernels.interpret import interpreter
+    from kernels.interpret import interpreter
     from tests.services.worker.kernel_model.test_backend import Case, drive, interpreted, small_case
 
     small, kernels = small_case(), interpreted()

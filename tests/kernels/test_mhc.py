@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41 import mhc as ref
 from model.deepseek_v41.presets import TINY, V41_S1
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_CAST_REL, FP32_REORDER_REL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

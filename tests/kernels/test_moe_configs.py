@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import invariance, moe_configs
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 ENTRY = {"num_warps": 8, "num_stages": 5, "programs_per_sm": 1}
 

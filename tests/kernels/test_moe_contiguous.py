@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernels import deepgemm_moe
+from kernels.interpret import interpreter, load_interpreted
 from kernels.reference import GROUP, route_metadata
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 def _meta(counts: list[int], num_tokens: int, top_k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:

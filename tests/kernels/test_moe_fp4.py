@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.moe import clamped_swiglu
 from model.deepseek_v41.quant import dequantize_mxfp4
 from services.worker.kernel_model.fp4_experts import encode_mxfp4
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP32_REORDER_REL
 
 

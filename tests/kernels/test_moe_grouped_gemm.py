@@ -10,7 +10,7 @@ import torch
 
 from kernels import reference
 from kernels.fp8_weights import convert_mxfp4_expert, quantize_weight_block128, stack_gate_up
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_TRUNC_REL, FP32_REORDER_REL
 
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.worker.kernel_model.moe import KernelMoE
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 def _choices(num_tokens: int, num_experts: int, top_k: int, seed: int, device: str = "cpu"):

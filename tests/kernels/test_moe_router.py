@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP32_REORDER_REL
 
 

@@ -20,7 +20,7 @@ import torch
 
 from kernels import invariance, reference
 from kernels.fp8_weights import quantize_weight_block128
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import FP8_LINEAR_REL, FP32_REORDER_REL
 
 LIMIT = 1.0  # the tiny preset's SwiGLU clamp: some pre-activations clamp at these scales

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.presets import TINY
 from model.deepseek_v41.quant import quantize_fp8_cache
 from model.deepseek_v41.rope import rope_frequencies
 from services.worker.state.cache_engine import CacheEngine, ring_size
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_CAST_REL, BF16_EMULATION_REL, BF16_PATH_REL, FP32_REORDER_REL
 
 BLOCK_SIZE = 16

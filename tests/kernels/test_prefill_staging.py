@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.quant import dequantize_fp8_cache, quantize_fp8_cache
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.kernels.test_prefill_attention import CHUNKS, MORE_CHUNKS, _staged_window, _tiny
 
 

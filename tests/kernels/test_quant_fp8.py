@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 
 E4M3_STEP = 2.0**-3
 """e4m3's relative spacing (3 mantissa bits) for normal values; subnormals are multiples of 2^-9 of the scale."""

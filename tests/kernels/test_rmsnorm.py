@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.tolerances import BF16_CAST_REL, FP32_REORDER_REL
 
 

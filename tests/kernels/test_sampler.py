@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.worker.sampling.sampler import Sampler, SamplingRow
-from tests.kernels.interpret import interpreter, load_interpreted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

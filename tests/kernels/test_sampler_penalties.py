@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.sampling.token_counts import TokenCounts
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.kernels.test_sampler import _check
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

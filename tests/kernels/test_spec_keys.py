@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.kernels.interpret import interpreter, load_interpreted
+from kernels.interpret import interpreter, load_interpreted
 from tests.kernels.spec_keys import SpecKeys
 
 NAME = "kernels.rmsnorm._rmsnorm_kernel"

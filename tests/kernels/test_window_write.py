@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.quant import quantize_fp8_cache
-from tests.kernels.interpret import interpreter, load_interpreted
 
 NUM_SLOTS, RING = 4, 7
 

@@ -55,7 +55,7 @@ class RankSpec:
     num_threads: int | None = None  # torch CPU threads per rank; None = OMP_NUM_THREADS, else the cores over the ranks
     # The kernel backend's kernel set as a context the rank process runs inside (a module-level callable →
     # a context manager yielding the ``KernelSet``); None: the compiled set. Interpreted copies run the kernel
-    # backend's ranks on a CPU (tests/kernels/interpret.py).
+    # backend's ranks on a CPU (kernels/interpret.py).
     kernels: Callable[[], contextlib.AbstractContextManager[KernelSet]] | None = None
 
     def rank_device(self, rank: int) -> str:
@@ -98,6 +98,12 @@ def apply_expert_layouts(rank: RankEngine, layouts: list[Layout]) -> int:
     received = apply_layouts(rank.model, rank.parallel, layouts, rank.groups.moves)
     rank.live.resync()
     return received
+
+
+def eplb_switches(rank: RankEngine) -> tuple[list[tuple[int, int]], int]:
+    """On every rank at once (``Ranks.call``): the (version, boundary) of each live EPLB switch so far and the
+    boundaries seen (the same on every rank)."""
+    return list(rank.live.switches), rank.live.num_boundaries
 
 
 def settle_live_layouts(rank: RankEngine, timeout_s: float) -> int:

@@ -59,7 +59,7 @@ def step_kernels(kernels: object | None) -> SimpleNamespace:
     def module(name: str) -> ModuleType:
         found = getattr(kernels, name, None)
         if found is None and interpreted:
-            raise ValueError(f"the interpreted kernel set has no {name}: load it too (tests/kernels/interpret.py)")
+            raise ValueError(f"the interpreted kernel set has no {name}: load it too (kernels/interpret.py)")
         return found if found is not None else importlib.import_module(f"kernels.{name}")
 
     return SimpleNamespace(

@@ -82,7 +82,7 @@ def check_device(device: torch.device, kernels: KernelSet) -> None:
     if device.type != "cuda" and not kernels.interpreted:
         raise ValueError(
             f"backend='kernels' needs a CUDA device (its Triton kernels are compiled for the GPU), "
-            f"got {device}; on CPU pass interpreted kernels (tests/kernels/interpret.py) explicitly"
+            f"got {device}; on CPU pass interpreted kernels (kernels/interpret.py) explicitly"
         )
 
 

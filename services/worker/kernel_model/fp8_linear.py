@@ -1,7 +1,7 @@
 """Kernel-backed linear layers and the set of kernel modules the worker's kernel backend calls.
 
 ``KernelSet`` names the ``kernels.*`` modules a converted model calls: the compiled ones on a GPU, or
-interpreted copies (tests/kernels/interpret.py) for CPU tests, which then run inside ``interpreter()``.
+interpreted copies (kernels/interpret.py) for CPU tests, which then run inside ``interpreter()``.
 
 FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 block
 (``kernels.fp8_weights.quantize_weight_block128``), the activations are quantised per token and per

@@ -118,3 +118,25 @@ def test_the_default_snapshot_count_is_capped_by_bytes():
     assert plan_snapshots(9 * gib, slot, 4 * 64) == 256
     assert plan_snapshots(9 * gib, slot, 4 * 256) == int(0.1 * 9 * gib) // slot == 331
     assert plan_snapshots(-gib, slot, 64) == 0  # nothing left: the caller refuses the blocks anyway
+
+
+def test_interpreted_kernels_give_the_cpu_kernel_backend_and_are_refused_elsewhere():
+    """``--kernels interpreted``: the CPU, the FP8 kernel backend unless another is given, and the interpreted step
+    set as a picklable module-level context (it crosses the spawn to rank processes), batch-invariant as asked."""
+    import pickle
+
+    from services.engine.device import kernel_args
+    from services.worker.kernel_model.interpreted_kernels import step_kernels
+
+    assert kernel_args(None, {"device": "cuda"}) == {}
+    args = kernel_args("interpreted", {"batch_invariant": True})
+    assert (args["device"], args["kernel_backend"]) == ("cpu", "fp8")
+    kernels = pickle.loads(pickle.dumps(args["kernels"]))
+    assert (kernels.func, kernels.keywords) == (step_kernels, {"batch_invariant": True})
+    assert kernel_args("interpreted", {"device": "cpu", "kernel_backend": "fp32"})["kernel_backend"] == "fp32"
+    with pytest.raises(ValueError, match="runs Triton's interpreter on the CPU, but --device is 'cuda:1'"):
+        kernel_args("interpreted", {"device": "cuda:1"})
+    with pytest.raises(ValueError, match="cannot go with kernel_backend None"):
+        kernel_args("interpreted", {"kernel_backend": None})
+    with pytest.raises(ValueError, match="--kernels takes 'interpreted'"):
+        kernel_args("compiled", {})

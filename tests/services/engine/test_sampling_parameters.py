@@ -250,8 +250,8 @@ def test_prompt_logprobs_equal_the_full_forwards_log_softmax(llm, n):
 def test_the_interpreted_kernel_sampler_gives_the_engine_the_cpu_samplers_tokens(llm):
     """The engine on the fused sampler kernel (interpreted on the CPU) with every parameter on: the CPU sampler's
     tokens, and logprobs within the kernel's fp32-softmax tolerance (tests/kernels/test_sampler.py's _check)."""
+    from kernels.interpret import interpreter, load_interpreted
     from services.worker.sampling.kernel_sampler import KernelSampler
-    from tests.kernels.interpret import interpreter, load_interpreted
 
     kernel = KernelSampler(load_interpreted("sampler"))
 

@@ -17,12 +17,12 @@ import dataclasses
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.warmup import PHASE, plan_warmup, token_buckets, warm_up
 from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.runners.model_runner import ModelRunner
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.kernels.spec_keys import SpecKeys
 
 ENGINE = dict(device="cpu", block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8)

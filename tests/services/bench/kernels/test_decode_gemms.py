@@ -8,9 +8,9 @@ import sys
 
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.bench import harness as timing
 from services.bench.kernels import decode_gemms as gemms
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 def test_every_row_at_toy_sizes_and_the_variants_agree_bit_for_bit(monkeypatch):

@@ -11,11 +11,11 @@ import torch
 
 import kernels
 from kernels import deepgemm_moe
+from kernels.interpret import interpreter, load_interpreted
 from services.bench import harness as timing
 from services.bench.kernels import decode_gemms, prefill_moe
 from services.bench.kernels import deepgemm_moe as deep_bench
 from services.worker.kernel_model import block_scaled_gemm
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.kernels.test_deepgemm_moe import fake_deep_gemm
 from tests.services.worker.kernel_model.test_moe import _emulated_matmul
 

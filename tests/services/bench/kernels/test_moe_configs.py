@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels import moe_configs
+from kernels.interpret import interpreter, load_interpreted
 from services.bench.kernels import decode_gemms
 from services.bench.kernels import moe_configs as bench
-from tests.kernels.interpret import interpreter, load_interpreted
 
 FAST = {"num_warps": 8, "num_stages": 4, "programs_per_sm": 1}  # 10% faster than the defaults
 NEAR = {"num_warps": 4, "num_stages": 5, "programs_per_sm": 1}  # 1% faster: under MIN_GAIN

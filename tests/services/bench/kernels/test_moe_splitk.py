@@ -9,10 +9,10 @@ import sys
 
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.bench import harness as timing
 from services.bench.kernels import decode_gemms
 from services.bench.kernels import moe_splitk as bench
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 def test_every_row_at_toy_sizes_with_its_checks_passing(monkeypatch):

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.bench import harness as timing
 from services.bench.kernels import prefill_attention as bench
 from tests.kernels.bf16_emulation import bf16_interpreter
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 def test_window_staging_rows_and_layer_sums(monkeypatch, capsys):

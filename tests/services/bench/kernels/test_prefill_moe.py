@@ -8,11 +8,11 @@ import sys
 
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.moe import clamped_swiglu
 from services.bench import harness as timing
 from services.bench.kernels import decode_gemms, prefill_moe
 from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.services.worker.kernel_model.test_moe import _emulated_matmul
 from tests.tolerances import BF16_TRUNC_REL, FP8_LINEAR_REL
 

@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.bench import harness as timing
 from services.bench.kernels import decode_attention as kernels_decode_attention
 from services.bench.kernels import run as bench
-from tests.kernels.interpret import interpreter, load_interpreted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")

@@ -1,31 +1,23 @@
 """Shared by the kernel-backend rank tests: a three-layer tiny model (a sliding-window layer, the Engram layer
 and a compressed one; no draft), the same with a one-stage DSpark draft tapping all three layers (its backbone
 weights are the draft-less model's: the draft's tensors come last in the init order), and the kernel set they
-run, the MoE's kernels interpreted.
+run, the MoE's kernels interpreted (``--kernels interpreted``'s).
 
 They are module-level so that spawned rank processes can import them (``RankSpec.load`` and ``.kernels``).
-The kernel set interprets what the expert-parallel layer calls (the router, the FP8 activation quantisation,
-the grouped GEMM and the combine, the MXFP4 grouped GEMM for engines with ``expert_format`` "fp4") and the
-RMSNorm, decode and prefill attention the step needs; the other parts
-(mHC, compressor, indexer, sampler) stay torch, which the interpreter would take minutes
-to run (mHC alone took half of a step's 50 s at tiny's eight layers).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
+from functools import partial
 
-from model.batch_invariant import batch_invariant
 from model.deepseek_v41.init import first_layers, random_checkpoint
 from model.deepseek_v41.loader import assign_weights
 from model.deepseek_v41.model import DeepseekV41
 from model.deepseek_v41.presets import preset
 from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
 from services.engine.model_source import ModelSource
-from services.worker.kernel_model.fp8_linear import KernelSet
-from tests.kernels.interpret import interpreter, load_interpreted
+from services.worker.kernel_model.interpreted_kernels import step_kernels
 
 NUM_LAYERS = 3
 
@@ -50,16 +42,6 @@ def _source(cfg, device: str) -> ModelSource:
     return ModelSource(name, cfg, net.eval().to(device), tokenizer, None)
 
 
-@contextlib.contextmanager
-def moe_kernels() -> Iterator[KernelSet]:
-    """The kernel set above, with the interpreter on for the block, and the CPU's batch-invariant torch maths
-    (model/batch_invariant.py) for the parts that stay torch: a kernel set's batch-invariant mode
-    (kernels/invariance.py) covers only its kernels."""
-    with interpreter(), batch_invariant():
-        yield KernelSet(
-            *(load_interpreted(name) for name in ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm")),
-            load_interpreted("decode_attention"),
-            prefill_attention=load_interpreted("prefill_attention"),
-            moe_fp4=load_interpreted("moe_fp4"),  # MXFP4 experts for engines with expert_format "fp4"
-            interpreted=True,
-        )
+moe_kernels = partial(step_kernels, batch_invariant=True)
+"""The kernel set of ``--kernels interpreted`` (services/worker/kernel_model/interpreted_kernels.py) with the CPU's
+batch-invariant torch maths for the parts that stay torch."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kernels import reference
+from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.engram import Engram
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
@@ -47,7 +48,6 @@ from services.worker.sampling.kernel_sampler import KernelSampler
 from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.worker import Worker
 from tests import tolerances as tol
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.scheduler_rs.fake_worker import run_step
 from tests.services.worker.runners.test_model_runner import BLOCK, MAX_TOKENS, Case, case, replay
 

@@ -56,8 +56,8 @@ def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_gr
     values and scales."""
     from dataclasses import replace
 
+    from kernels.interpret import interpreter, load_interpreted
     from services.worker.kernel_model.fp8_linear import GroupedKernelLinear, KernelSet
-    from tests.kernels.interpret import interpreter, load_interpreted
 
     calls = []
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kernels import invariance
+from kernels.interpret import interpreter, load_interpreted
 from kernels.reference import GROUP, dequantize_weight_block128
 from model.batch_invariant import batch_invariant
 from model.deepseek_v41.init import random_checkpoint
@@ -34,7 +35,6 @@ from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.runners.model_runner import ModelRunner
 from tests import tolerances
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.model.deepseek_v41.oracle_configs import VISION_CASES, finish
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 from tests.scheduler_rs.fake_worker import run_step

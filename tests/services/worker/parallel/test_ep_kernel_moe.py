@@ -53,7 +53,7 @@ def _moe(device: str) -> MoE:
 def _kernels(device: str):
     """(kernel set, the context its calls run in): interpreted copies on the CPU, compiled on CUDA."""
     if device == "cpu":
-        from tests.kernels.interpret import interpreter, load_interpreted
+        from kernels.interpret import interpreter, load_interpreted
 
         names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
         fp4 = load_interpreted("moe_fp4")

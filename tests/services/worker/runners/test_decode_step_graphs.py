@@ -61,8 +61,8 @@ def test_kernel_backend_static_step_interpreted():
     """The static step on the kernel backend (every kernel interpreted on CPU, FP8): one decode plan of
     5 rows padded to 8, from the same pools as the eager kernel-backend ModelRunner: KernelMoE routes
     the 3 placeholder rows nowhere (counts equal), logits and pools agree."""
+    from kernels.interpret import interpreter, load_interpreted
     from services.worker.kernel_model.fp8_linear import KernelSet
-    from tests.kernels.interpret import interpreter, load_interpreted
     from tests.services.worker.runners.test_static_decode_step import BLOCK, MAX_LEN, _decode_plan
 
     plan, torch_runner = _decode_plan("nocand")

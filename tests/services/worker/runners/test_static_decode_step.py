@@ -343,7 +343,7 @@ def test_plans_it_does_not_fit_run_eagerly():
 def step_kernels_interpreted():
     from types import SimpleNamespace
 
-    from tests.kernels.interpret import load_interpreted
+    from kernels.interpret import load_interpreted
 
     return SimpleNamespace(
         **{
@@ -359,7 +359,7 @@ def test_triton_path_interpreted_equals_reference(name):
     """The "triton" path's glue on CPU: compressor, indexer and attention kernels interpreted, one
     decode plan padded 5 → 8 (ratio-2 groups closing for some rows), from the same pools as the
     "reference" path: same logits (fp32 noise), counts, selections and pools but bin flips."""
-    from tests.kernels.interpret import interpreter
+    from kernels.interpret import interpreter
 
     plan, runner = _decode_plan(name)
     cache = runner.cache
@@ -437,8 +437,8 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     import model.deepseek_v41.rope as rope
     import services.worker.attention.graph_backend as graph
     import services.worker.kernel_model.fp8_linear as fp8_linear
+    from kernels.interpret import interpreter, load_interpreted
     from services.worker.kernel_model.fp8_linear import KernelSet
-    from tests.kernels.interpret import interpreter, load_interpreted
 
     plan, torch_runner = _decode_plan("oracle")
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)

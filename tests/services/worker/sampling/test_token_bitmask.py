@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
+from kernels.interpret import interpreter, load_interpreted
 from services.worker.sampling.kernel_sampler import KernelSampler
 from services.worker.sampling.sampler import Sampler, SamplingRow
 from services.worker.sampling.token_bitmask import allowed_tokens
-from tests.kernels.interpret import interpreter, load_interpreted
 from tests.kernels.test_sampler import _check
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

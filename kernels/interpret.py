@@ -1,4 +1,6 @@
-"""Run our Triton kernels on CPU tensors under Triton's interpreter, without leaking the setting.
+"""Run our Triton kernels on CPU tensors under Triton's interpreter, without leaking the setting: the kernel
+backend on a machine without a GPU (``--kernels interpreted``, services/worker/kernel_model/interpreted_kernels.py)
+and the kernels' CPU tests.
 
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a kernel and again while an interpreted
 kernel runs, so it cannot simply be exported for the whole test session: kernels that other test
@@ -44,9 +46,7 @@ import triton.runtime.interpreter as triton_interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from services.worker.kernel_model.fp8_linear import KernelSet
-
-KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = pathlib.Path(__file__).resolve().parent
 _TWINS: dict[object, InterpretedFunction] = {}
 """Interpreted twins of Triton's stdlib jit helpers, keyed by the helper's Python function."""
 
@@ -157,11 +157,3 @@ def load_interpreted(name: str) -> ModuleType:
                 sys.modules[key] = previous
     sys.modules[alias] = module
     return module
-
-
-@contextlib.contextmanager
-def interpreted_kernel_set() -> Iterator[KernelSet]:
-    """Every kernel the kernel backend calls, interpreted, with the interpreter on for the block: the
-    ``kernels`` context of ``LLM`` and of a rank (``RankSpec.kernels``), the kernel backend on a CPU."""
-    with interpreter():
-        yield KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)
