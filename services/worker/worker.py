@@ -35,7 +35,8 @@ class WorkerOutput:
     on first access, not when the step is queued: with async scheduling the engine queues step N+1
     before it reads step N, so the device runs N+1 while the host updates N and plans N+2. Every host
     read of the step's samples goes through ``host`` (services/worker/host_copy.py), whose copies are
-    queued when the step is, so reading step N never waits for step N+1."""
+    queued when the step is, so reading step N never waits for step N+1. ``on_read_back`` lets a caller see
+    when that read-back happens (a trace, a test of the overlap)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class WorkerOutput:
     ) -> None:
         self._result = result if isinstance(result, StepResult) else None
         self._read = None if isinstance(result, StepResult) else result
+        self._read_observer: Callable[[], None] | None = None  # ``on_read_back``'s observer
         # Aligned with `plan.sample_rows`, on the runner's device; None when nothing was sampled.
         self.sampled = sampled
         # ``sampled``'s host copy (``sampled_copy``), queued with the step: given, or made here.
@@ -72,8 +74,19 @@ class WorkerOutput:
     def result(self) -> StepResult:
         if self._result is None:
             assert self._read is not None
+            if self._read_observer is not None:
+                self._read_observer()
             self._result, self._read = self._read(), None
         return self._result
+
+    def on_read_back(self, observer: Callable[[], None]) -> bool:
+        """Has ``observer`` called once, just before ``result`` is read back from the device (its first access),
+        replacing any observer set before. Returns False, and never calls it, when there is nothing to read back:
+        the result was given on the host, or has been read already."""
+        if self._read is None:
+            return False
+        self._read_observer = observer
+        return True
 
     def sampled_on_host(self) -> SamplerOutput | None:
         """``sampled`` on the host (waits for this step's copies, not for any step queued after it)."""

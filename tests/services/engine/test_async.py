@@ -200,15 +200,8 @@ def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
     def recording(plan, rows, previous=None):
         out = execute(plan, rows, previous)
         events.append(("executed", plan.step_id))
-        read = out._read
-        if read is not None:
-
-            def traced(step_id=plan.step_id, read=read):
-                events.append(("read", step_id))
-                return read()
-
-            out._read = traced
         assert isinstance(out, WorkerOutput)
+        out.on_read_back(lambda step_id=plan.step_id: events.append(("read", step_id)))
         return out
 
     engine.worker.execute = recording
