@@ -22,7 +22,7 @@ from services.engine.request_ends import RequestEnds
 from services.engine.step_clock import StepClock
 from services.engine.step_inputs import StepInputs
 from services.engine.step_outputs import StepOutputs
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class AsyncSteps:

@@ -9,7 +9,7 @@ from scheduler_rs import StepPlan
 from services.engine.engine_parts import EngineParts
 from services.engine.prompt_logprob_rows import prompt_rows
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class StepInputs:

@@ -11,7 +11,7 @@ from services.engine.finish_reason import FinishReason
 from services.engine.outputs import RequestOutput
 from services.engine.prompt_logprob_rows import add_prompt_logprobs
 from services.engine.request_ends import RequestEnds
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class StepOutputs:
