@@ -17,14 +17,12 @@ from collections.abc import Callable
 from scheduler_rs import StepPlan
 from services.engine.choice_groups import ChoiceGroups
 from services.engine.engine_parts import EngineParts
-from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
 from services.engine.request_ends import RequestEnds
 from services.engine.step_clock import StepClock
 from services.engine.step_inputs import StepInputs
 from services.engine.step_outputs import StepOutputs
-from services.engine.structured.structured_output import StructuredOutput
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class AsyncSteps:
@@ -32,8 +30,6 @@ class AsyncSteps:
         self,
         parts: EngineParts,
         vote: Callable[[bool, str], bool] | None,
-        requests: dict[str, LiveRequest],
-        structured: StructuredOutput,
         choices: ChoiceGroups,
         inputs: StepInputs,
         outputs: StepOutputs,
@@ -42,8 +38,8 @@ class AsyncSteps:
     ) -> None:
         self.parts = parts
         self.vote = vote  # the data-parallel group's vote; None for one process
-        self.requests = requests  # the engine's live requests (the same dict)
-        self.structured = structured
+        self.requests = parts.requests  # the engine's live requests (the same dict)
+        self.structured = parts.structured
         self.choices = choices
         self.inputs = inputs
         self.outputs = outputs

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler_rs import Scheduler, StepPlan
-from services.engine.config import EngineConfig
+from scheduler_rs import StepPlan
+from services.engine.engine_parts import EngineParts
 from services.engine.finish_reason import FinishReason
 from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
-from services.engine.prefix.request_hashes import RequestHashes
 from services.engine.request_checks import choice_id
 from services.engine.sampling_params import SamplingParams
-from services.engine.structured.structured_output import StructuredOutput
 
 # (user request id, prompt, params, seed, group, index) → a choice's LiveRequest (the engine's bookkeeping).
 MakeChoice = Callable[[str, list[int], SamplingParams, int, str, int], LiveRequest]
@@ -35,25 +33,18 @@ class ChoiceGroups:
 
     def __init__(
         self,
-        scheduler: Scheduler,
-        requests: dict[str, LiveRequest],
-        config: EngineConfig,
+        parts: EngineParts,
         eos_token_id: int,
-        structured: StructuredOutput,
-        hashes: RequestHashes | None,
         make_choice: MakeChoice,
         add_choice: AddChoice,
-        release: Callable[[str], None],
     ) -> None:
-        self.scheduler = scheduler
-        self.requests = requests  # the engine's live requests (the same dict)
-        self.config = config
+        self.parts = parts
+        self.requests = parts.requests  # the engine's live requests (the same dict)
         self.eos_token_id = eos_token_id
-        self.structured = structured
-        self.hashes = hashes  # the prefix cache's hash chains (None: caching off)
+        self.structured = parts.structured
+        self.hashes = parts.hashes  # the prefix cache's hash chains (None: caching off)
         self.make_choice = make_choice
         self.add_choice = add_choice
-        self.release = release  # gives a request's worker state back (the engine's current worker)
         self.members: dict[str, list[str]] = {}
         self._queued_as: dict[str, tuple[int, str]] = {}  # per group with a prefix: its (priority, tenant)
 
@@ -69,7 +60,7 @@ class ChoiceGroups:
     ) -> str:
         """Queues the group's prefix (``prompt`` but its last token); returns its engine id. The caller hashes it."""
         prefix = choice_id(request_id, None)
-        self.scheduler.add_request(
+        self.parts.scheduler.add_request(
             prefix,
             prompt[:-1],
             max_tokens=2,
@@ -109,9 +100,9 @@ class ChoiceGroups:
         for i in range(params.n):
             member = choice_id(user_id, i)
             # The fork counts the prompt's last token as an output already: one more than the choice's own.
-            own = params.resolved_max_tokens(len(prompt), self.config.max_model_len)
+            own = params.resolved_max_tokens(len(prompt), self.parts.config.max_model_len)
             try:
-                self.scheduler.fork(
+                self.parts.scheduler.fork(
                     prefix,
                     member,
                     max_tokens=own + 1,
@@ -135,7 +126,7 @@ class ChoiceGroups:
             self._copy_prompt_logprobs(req, choice)
             self.requests[member] = choice
             members.append(member)
-        self.scheduler.abort(prefix)
+        self.parts.scheduler.abort(prefix)
         self._forget_prefix(prefix)
         self.members[user_id] = members
 
@@ -178,6 +169,6 @@ class ChoiceGroups:
         return user_ids
 
     def _forget_prefix(self, prefix: str) -> None:
-        self.release(prefix)
+        self.parts.worker.release(prefix)
         if self.hashes is not None:
             self.hashes.drop(prefix)

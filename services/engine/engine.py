@@ -4,7 +4,8 @@ The engine composes its parts, each its own module: ``RequestAdmission`` (reques
 worker takes with a plan), ``StepOutputs`` (a step's update folded into the outputs), ``RequestEnds`` (finishes,
 aborts, failed steps), ``AsyncSteps`` (the step loop under async scheduling) and ``StepClock`` (varlen's measured
 step costs). They share the scheduler, the worker and the configuration through ``EngineParts``, so setting one of
-them on the engine reaches every part."""
+them on the engine reaches every part, and the per-engine state (live requests, structured output, hash chains,
+history slots) with them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from services.engine.async_steps import AsyncSteps
 from services.engine.config import EngineConfig
 from services.engine.engine_parts import EngineParts
 from services.engine.history_slots import HistorySlots
-from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
 from services.engine.prefix.kv_events import KvEvents
 from services.engine.prefix.request_hashes import RequestHashes
@@ -67,42 +67,31 @@ class Engine:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.image_token_id = image_token_id
-        self.parts = EngineParts(_scheduler(config, window_size, compress_ratios, vocab_size, vote), worker, config)
+        scheduler = _scheduler(config, window_size, compress_ratios, vocab_size, vote)
+        self.parts = EngineParts(
+            scheduler,
+            worker,
+            config,
+            requests={},
+            structured=StructuredOutput(grammars),
+            hashes=RequestHashes(scheduler, config.block_size, model) if config.enable_prefix_caching else None,
+            histories=HistorySlots(),
+        )
+        self.requests = self.parts.requests  # the live requests (engine_parts.py says what each of these holds)
+        self.structured = self.parts.structured
+        self.hashes = self.parts.hashes
         self._num_worker_losses = worker.num_losses  # the worker's losses the prefix cache has seen
-        # Prefix caching: each live request's block hash chain, given to the scheduler (None: caching off).
-        self.hashes = RequestHashes(self.scheduler, config.block_size, model) if config.enable_prefix_caching else None
         # Varlen verification's step-cost curve: given, or measured from decode steps.
         self.clock = StepClock(self.parts)
-        self.requests: dict[str, LiveRequest] = {}
-        # Structured output: constraints checked, the grammar gate, the step's token bitmask, the matchers' advance.
-        self.structured = StructuredOutput(grammars)
-        histories = HistorySlots()
         self.admission = RequestAdmission(
-            self.parts,
-            self.requests,
-            self.structured,
-            self.hashes,
-            histories,
-            vocab_size=vocab_size,
-            eos_token_id=eos_token_id,
-            image_token_id=image_token_id,
+            self.parts, vocab_size=vocab_size, eos_token_id=eos_token_id, image_token_id=image_token_id
         )
         self.choices = self.admission.choices  # n > 1: the prefixes and choices of each request
         self.groups = self.choices.members  # per user request id, its choices' engine ids (or its prefix's)
-        self.ends = RequestEnds(self.parts, self.requests, self.structured, self.hashes, self.choices, histories)
-        self.inputs = StepInputs(self.parts, self.requests, self.structured)
-        self.outputs = StepOutputs(self.parts, self.requests, self.structured, self.hashes, self.choices, self.ends)
-        self.async_steps = AsyncSteps(
-            self.parts,
-            vote,
-            self.requests,
-            self.structured,
-            self.choices,
-            self.inputs,
-            self.outputs,
-            self.ends,
-            self.clock,
-        )
+        self.ends = RequestEnds(self.parts, self.choices)
+        self.inputs = StepInputs(self.parts)
+        self.outputs = StepOutputs(self.parts, self.choices, self.ends)
+        self.async_steps = AsyncSteps(self.parts, vote, self.choices, self.inputs, self.outputs, self.ends, self.clock)
 
     # ---- the shared parts -------------------------------------------------------------------
 

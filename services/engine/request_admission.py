@@ -9,50 +9,39 @@ from collections.abc import Sequence
 
 from services.engine.choice_groups import ChoiceGroups
 from services.engine.engine_parts import EngineParts
-from services.engine.history_slots import HistorySlots
 from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
-from services.engine.prefix.request_hashes import RequestHashes, image_spans
+from services.engine.prefix.request_hashes import image_spans
 from services.engine.request_checks import check_priority, choice_id, validate_request
 from services.engine.sampling_params import SamplingParams
-from services.engine.structured.structured_output import StructuredOutput
 
 
 class RequestAdmission:
     def __init__(
         self,
         parts: EngineParts,
-        requests: dict[str, LiveRequest],
-        structured: StructuredOutput,
-        hashes: RequestHashes | None,
-        histories: HistorySlots,
         *,
         vocab_size: int,
         eos_token_id: int,
         image_token_id: int | None,
     ) -> None:
         self.parts = parts
-        self.requests = requests  # the engine's live requests (the same dict)
-        self.structured = structured
-        self.hashes = hashes  # the prefix cache's hash chains (None: caching off)
-        self.histories = histories
+        self.requests = parts.requests  # the engine's live requests (the same dict)
+        self.structured = parts.structured
+        self.hashes = parts.hashes  # the prefix cache's hash chains (None: caching off)
+        self.histories = parts.histories
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.image_token_id = image_token_id  # the model's image placeholder (None: no vision tower)
         self._seeds = random.SystemRandom()  # a seedless request's seed
         # n > 1: the prefixes and choices of each request.
         self.choices = ChoiceGroups(
-            parts.scheduler,
-            requests,
-            parts.config,
+            parts,
             eos_token_id,
-            structured,
-            hashes,
             self._live,
             lambda member, prompt, params, seed, priority, tenant, group, index: self._queue(
                 member, prompt, params, seed, True, priority, tenant, group, index
             ),
-            lambda request_id: parts.worker.release(request_id),
         )
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:

@@ -10,11 +10,7 @@ from scheduler_rs import StepPlan, StepResult
 from services.engine.choice_groups import ChoiceGroups
 from services.engine.engine_parts import EngineParts
 from services.engine.finish_reason import FinishReason
-from services.engine.history_slots import HistorySlots
-from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
-from services.engine.prefix.request_hashes import RequestHashes
-from services.engine.structured.structured_output import StructuredOutput
 
 log = logging.getLogger("shinkai.engine")
 
@@ -23,18 +19,14 @@ class RequestEnds:
     def __init__(
         self,
         parts: EngineParts,
-        requests: dict[str, LiveRequest],
-        structured: StructuredOutput,
-        hashes: RequestHashes | None,
         choices: ChoiceGroups,
-        histories: HistorySlots,
     ) -> None:
         self.parts = parts
-        self.requests = requests  # the engine's live requests (the same dict)
-        self.structured = structured
-        self.hashes = hashes  # the prefix cache's hash chains (None: caching off)
+        self.requests = parts.requests  # the engine's live requests (the same dict)
+        self.structured = parts.structured
+        self.hashes = parts.hashes  # the prefix cache's hash chains (None: caching off)
         self.choices = choices
-        self.histories = histories
+        self.histories = parts.histories
 
     def finish(self, request_id: str, reason: FinishReason, stop_token_id: int | None) -> RequestOutput:
         """The request has left the scheduler: its final output (a prefix's: choice 0's, standing for the request)."""

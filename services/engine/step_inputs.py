@@ -7,18 +7,16 @@ from typing import Any
 
 from scheduler_rs import StepPlan
 from services.engine.engine_parts import EngineParts
-from services.engine.live_request import LiveRequest
 from services.engine.prompt_logprob_rows import prompt_rows
-from services.engine.structured.structured_output import StructuredOutput
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class StepInputs:
-    def __init__(self, parts: EngineParts, requests: dict[str, LiveRequest], structured: StructuredOutput) -> None:
+    def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
-        self.requests = requests  # the engine's live requests (the same dict)
-        self.structured = structured
+        self.requests = parts.requests  # the engine's live requests (the same dict)
+        self.structured = parts.structured
 
     def rows(self, plan: StepPlan, in_flight: tuple[StepPlan, WorkerOutput] | None = None) -> list[SamplingRow]:
         """The plan's sampling rows, request by request in plan order. ``in_flight``: the step planned before this

@@ -8,29 +8,23 @@ from scheduler_rs import StepPlan
 from services.engine.choice_groups import ChoiceGroups
 from services.engine.engine_parts import EngineParts
 from services.engine.finish_reason import FinishReason
-from services.engine.live_request import LiveRequest
 from services.engine.outputs import RequestOutput
-from services.engine.prefix.request_hashes import RequestHashes
 from services.engine.prompt_logprob_rows import add_prompt_logprobs
 from services.engine.request_ends import RequestEnds
-from services.engine.structured.structured_output import StructuredOutput
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class StepOutputs:
     def __init__(
         self,
         parts: EngineParts,
-        requests: dict[str, LiveRequest],
-        structured: StructuredOutput,
-        hashes: RequestHashes | None,
         choices: ChoiceGroups,
         ends: RequestEnds,
     ) -> None:
         self.parts = parts
-        self.requests = requests  # the engine's live requests (the same dict)
-        self.structured = structured
-        self.hashes = hashes  # the prefix cache's hash chains (None: caching off)
+        self.requests = parts.requests  # the engine's live requests (the same dict)
+        self.structured = parts.structured
+        self.hashes = parts.hashes  # the prefix cache's hash chains (None: caching off)
         self.choices = choices
         self.ends = ends
         self.last_plan: StepPlan | None = None  # the latest step's plan whose update was applied (metrics, traces)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 
 class StepWorker(Protocol):

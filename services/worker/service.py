@@ -30,7 +30,7 @@ from observability import tracing
 from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 SERVICE = "worker.v1.Worker"
 MAX_MESSAGE_BYTES = 256 * 2**20

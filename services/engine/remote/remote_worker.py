@@ -25,7 +25,7 @@ from services.proto.worker.v1 import worker_pb2 as pb
 from services.proto.worker.v1 import worker_pb2_grpc
 from services.worker.sampling.sampler import SamplingRow
 from services.worker.service import MAX_MESSAGE_BYTES, decode_output, encode_plan, model_hashes, tensor_to_array
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 log = logging.getLogger("shinkai.engine.remote_worker")
 

@@ -20,7 +20,7 @@ from services import subjects
 from services.eplb.messages import LoadReport
 from services.worker.host_copy import HostCopy
 from services.worker.sampling.sampler import SamplingRow
-from services.worker.worker import WorkerOutput
+from services.worker.worker_output import WorkerOutput
 
 log = logging.getLogger("shinkai.engine.expert_loads")
 

@@ -249,10 +249,7 @@ class EngramHost:
         for engram, host in zip(engrams, self.segment.tensors):
             shell = engram.embed.shell[0] if isinstance(engram.embed, HostEngramTable) else engram.embed
             for name in host:  # drop the device copy: the segment holds the table now
-                if name in shell._parameters:
-                    shell._parameters[name] = None
-                else:
-                    shell._buffers[name] = None
+                setattr(shell, name, None)  # nn.Module keeps the name registered, as a None parameter or buffer
             table = HostEngramTable(shell, host, device)
             table.segment = self.segment
             engram.embed = table

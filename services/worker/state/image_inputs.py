@@ -31,6 +31,10 @@ class ImageInputs:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def __len__(self) -> int:
+        """The number of requests whose embeddings are held (each released with its request)."""
+        return len(self._requests)
+
     def put(self, request_id: str, prompt_token_ids: list[int], rows: torch.Tensor) -> None:
         """Stores ``rows`` [P, D] for the P placeholders of ``prompt_token_ids``; ValueError if P differs."""
         positions = torch.tensor(

@@ -191,7 +191,7 @@ def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
     """The overlap async scheduling exists for: in the engine's order of calls, step N's tokens are read
     back (``WorkerOutput.result``, the one device → host copy of a step) after step N+1 has been executed
     (queued, on a GPU), never before. Recorded through the worker's own outputs."""
-    from services.worker.worker import WorkerOutput
+    from services.worker.worker_output import WorkerOutput
 
     engine = _use(llm, True)
     events: list[tuple[str, int]] = []
@@ -200,15 +200,8 @@ def test_a_step_is_read_back_only_after_the_next_is_queued(llm):
     def recording(plan, rows, previous=None):
         out = execute(plan, rows, previous)
         events.append(("executed", plan.step_id))
-        read = out._read
-        if read is not None:
-
-            def traced(step_id=plan.step_id, read=read):
-                events.append(("read", step_id))
-                return read()
-
-            out._read = traced
         assert isinstance(out, WorkerOutput)
+        out.on_read_back(lambda step_id=plan.step_id: events.append(("read", step_id)))
         return out
 
     engine.worker.execute = recording

@@ -64,7 +64,7 @@ def test_chat_with_an_image_follows_the_full_forward_exactly(llm):
         logits = model(torch.tensor([prompt + out.token_ids[:-1]]), image_rows=rows)[0, len(prompt) - 1 :]
     assert out.token_ids == logits.argmax(-1).tolist()
     _pools_whole(llm)
-    assert not llm.engine.worker.runner.images._requests  # released with the request
+    assert len(llm.engine.worker.runner.images) == 0  # released with the request
 
 
 def test_the_image_moves_the_answer_and_text_only_chat_equals_generate(llm):

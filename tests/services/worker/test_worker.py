@@ -1,10 +1,9 @@
-"""The worker's step output: the deferred read-back and the per-request last tokens (async inputs)."""
+"""The worker's per-request last tokens (async scheduling's next-step inputs)."""
 
 import torch
 
 from kernels.sampler_output import SamplerOutput
-from scheduler_rs import StepResult
-from services.worker.worker import WorkerOutput, last_tokens
+from services.worker.worker import last_tokens
 
 
 def _sampled(tokens, errors):
@@ -23,17 +22,3 @@ def test_last_tokens_take_each_requests_last_row_and_mark_failures():
     sampled = _sampled([11, 12, 13, 14], [False, True, False, False])
     assert last_tokens(sampled, [1, 0, 2, 1]).tolist() == [11, -1, -1, 14]
     assert last_tokens(_sampled([], []), [0, 0]).tolist() == [-1, -1]
-
-
-def test_result_is_read_once_and_only_when_asked():
-    calls = []
-
-    def read():
-        calls.append(1)
-        return StepResult([1], [5])
-
-    out = WorkerOutput(read, None, None, 1)
-    assert calls == []
-    assert out.result.token_ids == [5] and out.result.token_ids == [5] and calls == [1]
-    eager = WorkerOutput(StepResult([0], []), None, None, 0)
-    assert eager.result.num_tokens == [0]

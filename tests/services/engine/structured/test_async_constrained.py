@@ -141,15 +141,8 @@ def test_a_constrained_step_is_launched_before_the_step_in_flight_is_read_and_sa
     def sampling(step, token_bitmask=None):
         events.append(("sample", step.plan.step_id))
         out = sample(step, token_bitmask)
-        read = out._read  # the read-back the engine's update triggers, traced
-
-        if read is not None:
-
-            def traced(step_id=step.plan.step_id, read=read):
-                events.append(("read", step_id))
-                return read()
-
-            out._read = traced
+        # The read-back the engine's update triggers, traced.
+        out.on_read_back(lambda step_id=step.plan.step_id: events.append(("read", step_id)))
         return out
 
     with _patched(engine.worker, launch=launching, sample=sampling), _async(bi):
