@@ -2,8 +2,11 @@
 
 A completion's text is the generation's; a chat's goes through deepseek-recipe's parser (`ChatStream`):
 reasoning, answer and tool calls apart. Logprobs are the engine's, the token strings the tokenizer's (or
-``token_id:N`` with vLLM's ``return_tokens_as_token_ids``); a chat chunk carries the logprobs of the tokens
-since the previous chunk it sent. `choice_pieces` merges the choices of an ``n > 1`` request as they come.
+``token_id:N`` with vLLM's ``return_tokens_as_token_ids``), a chat token's ``bytes`` its string's UTF-8 (as
+vLLM's), a completion token's ``text_offset`` where it starts in the choice's text (`text_offsets`). A chat chunk
+carries the logprobs of the tokens since the previous chunk that carried output, on the chunk whose text they
+complete (never on the role chunk before any text). `choice_pieces` merges the choices of an ``n > 1`` request as
+they come.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Formatter:
         self.index = generation.index  # the choice's index in every body and chunk
         self.first = True  # no chunk of this choice was sent yet
         self.num_output_tokens = 0  # this choice's output tokens so far
+        self._num_chars = 0  # characters of this completion choice's text streamed so far (its text_offsets)
         # A chat with thinking on (its prompt ends with <think>) reasons until </think>: the output tokens
         # before it are usage's reasoning_tokens (the marker itself is not counted).
         self._reasoning = self.chat and generation.prompt_token_ids[-1:] == [THINK_START_ID]
@@ -65,7 +69,9 @@ class Formatter:
             return f"token_id:{token_id}"
         return self._strings.get(token_id, "")
 
-    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+    def logprobs(self, pieces: list[Piece], start: int = 0) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the pieces' tokens; ``start``: a completion's characters before the pieces' text
+        (the echoed prompt's included), where their text_offsets begin."""
         if self.request.num_logprobs is None:
             return None
         ids = [t for p in pieces for t in p.delta.token_ids]
@@ -81,18 +87,28 @@ class Formatter:
                     {
                         "token": self._token(t),
                         "logprob": lp,
-                        "bytes": None,
-                        "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top],
+                        "bytes": list(self._token(t).encode()),
+                        "top_logprobs": [
+                            {"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
+                            for i, v in top
+                        ],
                     }
                     for t, lp, top in zip(ids, lps, tops)
                 ]
             }
         tokens: list[str] = [self._token(t) for t in ids]
+        offsets: list[int] = []
+        at = start
+        for p in pieces:  # each piece's first token is placed exactly: its text starts where the text was
+            offsets += text_offsets(p.text, [self._token(t) for t in p.delta.token_ids], at)
+            at += len(p.text)
         token_logprobs: list[float | None] = list(lps)
         top_dicts: list[dict[str, float] | None] = [{self._token(i): v for i, v in top} for top in tops]
         prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
         if self.request.echo and prompt is not None:  # OpenAI's echo: the prompt's tokens lead, the first unscored
-            tokens = [self._token(t) for t in self.generation.prompt_token_ids] + tokens
+            prompt_tokens = [self._token(t) for t in self.generation.prompt_token_ids]
+            offsets = text_offsets(self.generation_prompt(), prompt_tokens, 0) + offsets
+            tokens = prompt_tokens + tokens
             token_logprobs = [None, *(finite_logprob(x) for x in prompt.prompt_logprobs or [])] + token_logprobs
             top_dicts = [
                 None,
@@ -101,7 +117,7 @@ class Formatter:
                     for top in prompt.prompt_top_logprobs or []
                 ),
             ] + top_dicts
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": []}
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": offsets}
 
     def prompt_logprobs(self, pieces: list[Piece]) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
@@ -153,9 +169,10 @@ class Formatter:
         for p in pieces:
             self.count_reasoning(p.delta.token_ids)
         final = pieces[-1].delta
+        echoed = self.generation_prompt() if self.request.echo else ""
         choice: dict[str, Any] = {
             "index": self.index,
-            "logprobs": self.logprobs(pieces),
+            "logprobs": self.logprobs(pieces, len(echoed)),
             "finish_reason": final.finish_reason,
         }
         if self.chat_stream is not None:
@@ -166,7 +183,7 @@ class Formatter:
             if recipe_reason == "tool_calls" and final.finish_reason == FinishReason.STOP:
                 choice["finish_reason"] = "tool_calls"
         else:
-            choice["text"] = (self.generation_prompt() if self.request.echo else "") + text
+            choice["text"] = echoed + text
         body = {
             "id": self.id,
             "object": self.object,
@@ -199,13 +216,14 @@ class Formatter:
         self.num_output_tokens = piece.delta.num_output_tokens
         self.count_reasoning(piece.delta.token_ids)
         if self.chat_stream is None:
-            text = (self.generation_prompt() if first and self.request.echo else "") + piece.text
+            echoed = self.generation_prompt() if first and self.request.echo else ""
             choice = {
                 "index": self.index,
-                "text": text,
-                "logprobs": self.logprobs([piece]),
+                "text": echoed + piece.text,
+                "logprobs": self.logprobs([piece], self._num_chars + len(echoed)),
                 "finish_reason": piece.delta.finish_reason,
             }
+            self._num_chars += len(echoed) + len(piece.text)
             return [dict(self._envelope(), choices=[choice])]
         if self.request.num_logprobs is not None:
             self._pending.append(piece)
@@ -216,13 +234,36 @@ class Formatter:
             chunk["object"] = f"{self.object}.chunk"
             for choice in chunk["choices"]:
                 choice["index"] = self.index
-                if self._pending:
-                    choice["logprobs"] = self.logprobs(self._pending)
-                    self._pending = []
+        carrier = next((c for c in reversed(chunks) if any(map(_carries_output, c["choices"]))), None)
+        if carrier is not None and self._pending:  # the tokens' text (or the end) is in this chunk
+            carrier["choices"][0]["logprobs"] = self.logprobs(self._pending)
+            self._pending = []
         return chunks
 
     def pending_pieces(self) -> list[Piece]:
         return self._pending
+
+
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a chat chunk's choice has text, tool calls or the finish reason (the role chunk has none)."""
+    delta = choice.get("delta", {})
+    return bool(
+        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls") or choice.get("finish_reason")
+    )
+
+
+def text_offsets(text: str, strings: list[str], start: int) -> list[int]:
+    """Each token's character offset (from ``start``) in ``text``, the text of these tokens: where its string
+    begins, taken in order. A token whose string is not at its place (a special token the text leaves out, or
+    part of a UTF-8 character its string shows as U+FFFD) sits there with no width, and the next token whose
+    string is found within a few characters places the rest again."""
+    offsets, at = [], 0
+    for string in strings:
+        found = text.find(string, at, at + len(string) + 4) if string else -1
+        offsets.append(start + (at if found < 0 else found))
+        if found >= 0:
+            at = found + len(string)
+    return offsets
 
 
 async def choice_pieces(fmts: list[Formatter]) -> AsyncIterator[tuple[Formatter, Piece]]:
