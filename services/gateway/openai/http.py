@@ -110,7 +110,7 @@ def build_app(
         id_header = {"X-Request-Id": generations[0].client_request_id}
         if parsed.stream:
             return StreamingResponse(
-                _stream(fmts, parsed.include_usage),
+                _stream(fmts, parsed.include_usage, parsed.continuous_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **id_header},
             )
@@ -143,11 +143,13 @@ def build_app(
             )
         return given
 
-    async def _stream(fmts: list[Formatter], include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(fmts: list[Formatter], include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         try:
             async for fmt, piece in choice_pieces(fmts):
                 await fmt.resolve([*fmt.pending_pieces(), piece])
                 for chunk in fmt.chunks(piece):
+                    if continuous_usage:  # vLLM's continuous_usage_stats: the choice's usage so far
+                        chunk["usage"] = fmt.usage(fmt.num_output_tokens, fmt.num_reasoning_tokens)
                     yield _sse(chunk)
             if include_usage:
                 yield _sse(

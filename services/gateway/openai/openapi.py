@@ -124,12 +124,23 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
             "type": ["object", "null"],
             "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
             "propertyNames": {"pattern": "^[0-9]{1,6}$"},
-            "additionalProperties": {"enum": [-100, 0]},
-            "description": f"token id (< {vocab}) -> -100 (a ban) or 0; other biases: not yet",
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": f"token id (< {vocab}) -> -100 (a ban) or a number added to its logit",
         },
         "response_format": {"type": ["object", "null"], "properties": {"type": {"const": "text"}}},
         "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": ["boolean", "null"]}}},
+        "stream_options": {
+            "type": ["object", "null"],
+            "description": "only with stream: true",
+            "properties": {
+                "include_usage": {"type": ["boolean", "null"]},
+                "continuous_usage_stats": {
+                    "type": ["boolean", "null"],
+                    "description": "vLLM's: with include_usage, every chunk carries the usage so far",
+                },
+                "include_obfuscation": {"type": ["boolean", "null"], "description": "accepted; no padding is sent"},
+            },
+        },
         "user": {"type": ["string", "null"]},
     }
 

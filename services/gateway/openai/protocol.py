@@ -26,6 +26,7 @@ from services.gateway.openai import fields
 from services.gateway.openai.chat_options import ChatOptions, chat_options
 from services.gateway.openai.constraints import constraint_of
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES, parse_body
+from services.gateway.openai.stream_options import stream_options
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIRequest", "parse_body", "parse_chat", "parse_completion"]
@@ -63,6 +64,8 @@ class OpenAIRequest:
     # logprobs has the engine compute them too, without this field in the answer.
     prompt_logprobs: int | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far
+    continuous_usage: bool = False
 
 
 def _warn_unknown(body: dict[str, Any], endpoint: str) -> None:
@@ -217,12 +220,6 @@ def _sampling(
         raise errors.invalid(str(err), str(err).split(" ", 1)[0].split("=", 1)[0]) from err
 
 
-def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _field(body, "stream", (bool,), False, "a boolean")
-    options = _field(body, "stream_options", (dict,), {}, "an object")
-    return stream, bool(options.get("include_usage", False))
-
-
 def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     """vLLM's prompt_logprobs (0 to 20 top entries per prompt position), refused with streaming as vLLM does."""
     num = _field(body, "prompt_logprobs", (int,), None, "an integer")
@@ -283,20 +280,21 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
     args.params = _sampling(
         body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, COMPLETION_MAX_TOKENS
     )
-    stream, include_usage = _stream_options(body)
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    streaming = stream_options(body)
+    prompt_logprobs = _prompt_logprobs(body, streaming.stream)
     engine_prompt_logprobs = prompt_logprobs
     if echo and num_logprobs is not None:  # OpenAI's echo with logprobs: the prompt tokens' logprobs lead
         engine_prompt_logprobs = max(prompt_logprobs or 0, num_logprobs)
     args.params = dataclasses.replace(args.params, prompt_logprobs=engine_prompt_logprobs)
     return OpenAIRequest(
         args,
-        stream,
-        include_usage,
+        streaming.stream,
+        streaming.include_usage,
         num_logprobs,
         echo=echo,
         tokens_as_ids=tokens_as_ids,
         prompt_logprobs=prompt_logprobs,
+        continuous_usage=streaming.continuous_usage,
     )
 
 
@@ -325,15 +323,16 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         options.conversation,
         options.constraint,
     )
-    stream, include_usage = _stream_options(body)
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    streaming = stream_options(body)
+    prompt_logprobs = _prompt_logprobs(body, streaming.stream)
     args.params = dataclasses.replace(args.params, prompt_logprobs=prompt_logprobs)
     return OpenAIRequest(
         args,
-        stream,
-        include_usage,
+        streaming.stream,
+        streaming.include_usage,
         num_logprobs,
         chat=options,
         tokens_as_ids=tokens_as_ids,
         prompt_logprobs=prompt_logprobs,
+        continuous_usage=streaming.continuous_usage,
     )
