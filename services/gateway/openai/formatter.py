@@ -11,6 +11,7 @@ they come.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -164,7 +165,16 @@ class Formatter:
             usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
         return usage
 
+    def _shown(self, piece: Piece) -> Piece:
+        """The piece as the answer shows it: with vLLM's echo of max_tokens 0, without what was generated."""
+        if not self.request.echo_only:
+            return piece
+        delta = piece.delta
+        hidden = dataclasses.replace(delta, token_ids=[], logprobs=[], top_logprobs=None, num_output_tokens=0)
+        return Piece(hidden, "")
+
     def body(self, pieces: list[Piece]) -> dict[str, Any]:
+        pieces = [self._shown(p) for p in pieces]
         text = "".join(p.text for p in pieces)
         for p in pieces:
             self.count_reasoning(p.delta.token_ids)
@@ -197,7 +207,7 @@ class Formatter:
         return body
 
     def generation_prompt(self) -> str:
-        return self.request.args.prompt_text or ""
+        return self.request.echo_text or ""
 
     def _envelope(self) -> dict[str, Any]:
         return {
@@ -213,6 +223,7 @@ class Formatter:
     def chunks(self, piece: Piece) -> list[dict[str, Any]]:
         """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
         first, self.first = self.first, False
+        piece = self._shown(piece)
         self.num_output_tokens = piece.delta.num_output_tokens
         self.count_reasoning(piece.delta.token_ids)
         if self.chat_stream is None:

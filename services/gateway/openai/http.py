@@ -104,6 +104,8 @@ def build_app(
         parsed.args.owner = owner
         parsed.args.client_address = request.client.host if request.client else None
         parsed.args.client_request_id = _client_request_id(request) or parsed.args.client_request_id
+        if parsed.echo and parsed.echo_text is None:  # a token-id prompt's echo: its text, as generated text is
+            parsed.echo_text = await _decoded(parsed.args.prompt_token_ids or [], parsed.args.skip_special_tokens)
         generations = await frontend.start_choices(parsed.args)
         fmts = [Formatter(frontend, parsed, generation, chat) for generation in generations]
         # As vLLM: the caller's id, else the request's.
@@ -131,6 +133,13 @@ def build_app(
             sum(b["usage"]["completion_tokens"] for b in bodies), sum(fmt.num_reasoning_tokens for fmt in fmts)
         )
         return JSONResponse(body, headers=id_header)
+
+    async def _decoded(token_ids: list[int], skip_special_tokens: bool) -> str:
+        detokenizer = frontend.tokenizer.detokenizer(skip_special_tokens)
+        try:
+            return await detokenizer.push(token_ids) + await detokenizer.finish()
+        finally:
+            detokenizer.close()
 
     def _client_request_id(request: Request) -> str | None:
         """The caller's own id for the request (the X-Request-Id header, which Abort then takes), or None."""

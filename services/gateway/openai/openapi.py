@@ -168,7 +168,10 @@ def _completion_request(info: ModelInfo) -> dict[str, Any]:
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
             "echo": {
                 "type": ["boolean", "null"],
-                "description": "true: the text starts with a text prompt (with logprobs: its tokens' logprobs too)",
+                "description": (
+                    "true: the text starts with the prompt (with logprobs: its tokens' logprobs too); with "
+                    "max_tokens 0 (vLLM's), the answer is the prompt alone"
+                ),
             },
             "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not served"},
         },

@@ -60,6 +60,10 @@ class OpenAIRequest:
     num_logprobs: int | None  # top-n logprobs to return per token; None: no logprobs
     chat: ChatOptions | None = None  # a chat's conversation options; None for a completion
     echo: bool = False  # a completion's text starts with its prompt (with logprobs: its tokens' logprobs too)
+    # The prompt text echo puts first: a text prompt's own; a token-id prompt's decoded (by the HTTP route).
+    echo_text: str | None = None
+    # vLLM's echo with max_tokens 0: the answer is the prompt alone (one token is generated and left out).
+    echo_only: bool = False
     # vLLM's prompt_logprobs as the client asked (top-n per prompt position); None: not asked for. Echo with
     # logprobs has the engine compute them too, without this field in the answer.
     prompt_logprobs: int | None = None
@@ -275,8 +279,9 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
     tokens_as_ids = _common(body, args, "completions")
     num_logprobs = _field(body, "logprobs", (int,), None, "an integer")
     echo = _field(body, "echo", (bool,), False, "a boolean")
-    if echo and args.prompt_text is None:
-        raise errors.invalid("echo is served for a text prompt (not for token ids)", "echo")
+    echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if echo_only:  # vLLM's scoring form: nothing generated is returned, so one token is enough
+        body = dict(body, max_tokens=1)
     args.params = _sampling(
         body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, COMPLETION_MAX_TOKENS
     )
@@ -292,6 +297,8 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         streaming.include_usage,
         num_logprobs,
         echo=echo,
+        echo_text=args.prompt_text if echo else None,
+        echo_only=echo_only,
         tokens_as_ids=tokens_as_ids,
         prompt_logprobs=prompt_logprobs,
         continuous_usage=streaming.continuous_usage,
