@@ -26,7 +26,9 @@ from services.gateway.openai.protocol import OpenAIRequest
 class Formatter:
     """Builds completions or chat bodies and chunks for one choice of a request."""
 
-    def __init__(self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool) -> None:
+    def __init__(
+        self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool, first_index: int = 0
+    ) -> None:
         self.frontend = frontend
         self.request = request
         self.generation = generation
@@ -41,7 +43,8 @@ class Formatter:
             else None
         )
         self._pending: list[Piece] = []  # pieces whose logprobs no chat chunk has carried yet
-        self.index = generation.index  # the choice's index in every body and chunk
+        # The choice's index in every body and chunk: first_index (the choices of a batch's earlier prompts) + its own.
+        self.index = first_index + generation.index
         self.first = True  # no chunk of this choice was sent yet
         self.num_output_tokens = 0  # this choice's output tokens so far
         self._num_chars = 0  # characters of this completion choice's text streamed so far (its text_offsets)
@@ -217,8 +220,8 @@ class Formatter:
             "model": self.frontend.served_model,
         }
 
-    def usage_chunk(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
-        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens, num_reasoning_tokens))
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._envelope(), choices=[], usage=usage)
 
     def chunks(self, piece: Piece) -> list[dict[str, Any]]:
         """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
@@ -253,6 +256,18 @@ class Formatter:
 
     def pending_pieces(self) -> list[Piece]:
         return self._pending
+
+
+def request_usage(fmts: list[Formatter], num_output_tokens: int, num_reasoning_tokens: int) -> dict[str, Any]:
+    """A whole request's usage: its output tokens, and each prompt's tokens (and cached tokens) counted once, however
+    many choices share it (a completions batch has several prompts)."""
+    usage = fmts[0].usage(num_output_tokens, num_reasoning_tokens)
+    prompts = {id(fmt.request): fmt.generation for fmt in fmts}  # one generation per prompt
+    num_prompt_tokens = sum(g.num_prompt_tokens for g in prompts.values())
+    usage["prompt_tokens"] = num_prompt_tokens
+    usage["total_tokens"] = num_prompt_tokens + num_output_tokens
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(g.num_cached_tokens for g in prompts.values())}
+    return usage
 
 
 def _carries_output(choice: dict[str, Any]) -> bool:

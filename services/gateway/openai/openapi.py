@@ -17,6 +17,7 @@ from services.engine.model_info import ModelInfo
 from services.gateway.openai.chat_options import REASONING_EFFORTS
 from services.gateway.openai.openapi_protocols import protocol_paths
 from services.gateway.openai.openapi_tokenize import tokenize_paths
+from services.gateway.openai.prompt_batch import MAX_PROMPTS
 from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -156,7 +157,13 @@ def _completion_request(info: ModelInfo) -> dict[str, Any]:
         "anyOf": [
             {"type": "string"},
             token_ids,
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}},
+            {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_PROMPTS,
+                "items": {"anyOf": [{"type": "string"}, token_ids]},
+                "description": "a batch: each prompt's choices in turn",
+            },
         ]
     }
     return {

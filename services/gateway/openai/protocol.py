@@ -262,7 +262,7 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         raise errors.invalid("model is required", "model")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+        prompt = prompt[0]  # a batch of one (the HTTP route splits a larger batch: prompt_batch.py)
     args = GenerateArgs(model=model, endpoint="completions")
     if isinstance(prompt, str):
         args.prompt_text = prompt
@@ -270,10 +270,6 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         if not prompt:
             raise errors.invalid("the prompt is empty", "prompt")
         args.prompt_token_ids = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise errors.invalid(
-            f"a batch of {len(prompt)} prompts is not supported; send one prompt per request", "prompt"
-        )
     else:
         raise errors.invalid("prompt must be a string or a list of token ids", "prompt")
     tokens_as_ids = _common(body, args, "completions")
