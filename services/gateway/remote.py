@@ -280,7 +280,10 @@ class RemoteTokenizer:
         return RenderedChat(list(reply.token_ids), reply.prompt, list(reply.image_urls))
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [(await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=[t]))).text for t in token_ids]
+        """Each id's own string, in one call (a logprobs request's tokens and top-n alternatives)."""
+        if not token_ids:
+            return []
+        return list((await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=token_ids, each=True))).texts)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> _RemoteDetokenizer:
         return _RemoteDetokenizer(self.stub, skip_special_tokens)

@@ -110,9 +110,12 @@ class TokenizerApi:
         request = await self._parse(pb.DecodeRequest, raw, context)
         self.calls.labels(method="Decode").inc()
         await self._check_ids(request.token_ids, context)
-        return pb.DecodeResponse(
-            text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
-        )
+        skip = request.skip_special_tokens
+        if request.each:  # every id alone, in one call (logprobs' token strings)
+            return pb.DecodeResponse(
+                texts=[self.tokenizer.decode([t], skip_special_tokens=skip) for t in request.token_ids]
+            )
+        return pb.DecodeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
 
     async def detokenize(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext

@@ -97,3 +97,31 @@ def test_detokenize_keeps_special_tokens_when_asked(address):
             await tokenizer.close()
 
     assert asyncio.run(run(False)) == "<｜begin▁of▁sentence｜>Hello" and asyncio.run(run(True)) == "Hello"
+
+
+def test_token_strings_are_each_ids_own_string_in_one_call(address):
+    """Logprobs' token strings (a request's tokens and their top-n) come back in one Decode call, each id alone, as
+    the tokenizer decodes it with special tokens kept."""
+    from model.deepseek_v41.tokenizer import load_v41_tokenizer
+
+    ids = [0, 19923, 2058, 1, 128821, 300, 99999]
+    calls = []
+
+    async def run():
+        tokenizer = RemoteTokenizer(address)
+        decode = tokenizer.stub.Decode
+
+        async def counted(request, **kwargs):
+            calls.append(len(request.token_ids))
+            return await decode(request, **kwargs)
+
+        tokenizer.stub.Decode = counted
+        try:
+            return await tokenizer.token_strings(ids), await tokenizer.token_strings([])
+        finally:
+            await tokenizer.close()
+
+    strings, none = asyncio.run(run())
+    local = load_v41_tokenizer()
+    assert strings == [local.decode([t], skip_special_tokens=False) for t in ids] and none == []
+    assert calls == [len(ids)]
