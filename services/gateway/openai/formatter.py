@@ -188,6 +188,11 @@ class Formatter:
             "logprobs": self.logprobs(pieces, len(echoed)),
             "finish_reason": final.finish_reason,
         }
+        token_ids = [t for p in pieces for t in p.delta.token_ids]
+        if self.request.return_token_ids:  # vLLM's: the choice's ids (a completion's choice also the prompt's)
+            choice["token_ids"] = token_ids
+            if self.chat_stream is None:
+                choice["prompt_token_ids"] = self.generation.prompt_token_ids
         if self.chat_stream is not None:
             self.chat_stream.push(text, final.num_output_tokens)
             self.chat_stream.finish(final.finish_reason or FinishReason.STOP)
@@ -205,6 +210,8 @@ class Formatter:
             "choices": [choice],
             "usage": self.usage(final.num_output_tokens, self.num_reasoning_tokens),
         }
+        if self.request.return_token_ids and self.chat_stream is not None:  # vLLM's place: a chat's body
+            body["prompt_token_ids"] = self.generation.prompt_token_ids
         if self.request.prompt_logprobs is not None:  # vLLM's places: a completion's choice, a chat's body
             (choice if self.chat_stream is None else body)["prompt_logprobs"] = self.prompt_logprobs(pieces)
         return body
@@ -237,9 +244,13 @@ class Formatter:
                 "logprobs": self.logprobs([piece], self._num_chars + len(echoed)),
                 "finish_reason": piece.delta.finish_reason,
             }
+            if self.request.return_token_ids:  # vLLM's: each chunk its new ids, the first the prompt's too
+                choice["token_ids"] = list(piece.delta.token_ids)
+                if first:
+                    choice["prompt_token_ids"] = self.generation.prompt_token_ids
             self._num_chars += len(echoed) + len(piece.text)
             return [dict(self._envelope(), choices=[choice])]
-        if self.request.num_logprobs is not None:
+        if self.request.num_logprobs is not None or self.request.return_token_ids:
             self._pending.append(piece)
         chunks = self.chat_stream.push(piece.text, len(piece.delta.token_ids))
         if piece.delta.finish_reason is not None:
@@ -250,8 +261,13 @@ class Formatter:
                 choice["index"] = self.index
         carrier = next((c for c in reversed(chunks) if any(map(_carries_output, c["choices"]))), None)
         if carrier is not None and self._pending:  # the tokens' text (or the end) is in this chunk
-            carrier["choices"][0]["logprobs"] = self.logprobs(self._pending)
+            if self.request.num_logprobs is not None:
+                carrier["choices"][0]["logprobs"] = self.logprobs(self._pending)
+            if self.request.return_token_ids:
+                carrier["choices"][0]["token_ids"] = [t for p in self._pending for t in p.delta.token_ids]
             self._pending = []
+        if first and chunks and self.request.return_token_ids:  # vLLM's: the first chunk carries the prompt's
+            chunks[0]["prompt_token_ids"] = self.generation.prompt_token_ids
         return chunks
 
     def pending_pieces(self) -> list[Piece]:

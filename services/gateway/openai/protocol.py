@@ -68,6 +68,8 @@ class OpenAIRequest:
     # logprobs has the engine compute them too, without this field in the answer.
     prompt_logprobs: int | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    # vLLM's return_token_ids: choices carry their token_ids, the answer (streamed: its first chunk) the prompt's
+    return_token_ids: bool = False
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far
     continuous_usage: bool = False
 
@@ -234,8 +236,8 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     return num
 
 
-def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
-    """The fields both endpoints read beyond sampling; returns return_tokens_as_token_ids."""
+def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> tuple[bool, bool]:
+    """The fields both endpoints read beyond sampling; returns return_tokens_as_token_ids and return_token_ids."""
     fields.refuse_unserved(body, endpoint)
     args.stop = _stop(body)
     args.include_stop_str_in_output = _field(body, "include_stop_str_in_output", (bool,), False, "a boolean")
@@ -252,7 +254,10 @@ def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
         check_priority(args.priority)
     except ValueError as err:
         raise errors.invalid(str(err), "priority") from err
-    return _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean")
+    return (
+        _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean"),
+        _field(body, "return_token_ids", (bool,), False, "a boolean"),
+    )
 
 
 def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
@@ -272,7 +277,7 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         args.prompt_token_ids = prompt
     else:
         raise errors.invalid("prompt must be a string or a list of token ids", "prompt")
-    tokens_as_ids = _common(body, args, "completions")
+    tokens_as_ids, return_token_ids = _common(body, args, "completions")
     num_logprobs = _field(body, "logprobs", (int,), None, "an integer")
     echo = _field(body, "echo", (bool,), False, "a boolean")
     echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
@@ -296,6 +301,7 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         echo_text=args.prompt_text if echo else None,
         echo_only=echo_only,
         tokens_as_ids=tokens_as_ids,
+        return_token_ids=return_token_ids,
         prompt_logprobs=prompt_logprobs,
         continuous_usage=streaming.continuous_usage,
     )
@@ -308,7 +314,7 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         raise errors.invalid("model is required", "model")
     options = chat_options(body)
     args = GenerateArgs(model=model, endpoint="chat", chat_body=options.conversation)
-    tokens_as_ids = _common(body, args, "chat")
+    tokens_as_ids, return_token_ids = _common(body, args, "chat")
     num_logprobs = None
     if _field(body, "logprobs", (bool,), False, "a boolean"):
         num_logprobs = _field(body, "top_logprobs", (int,), 0, "an integer")
@@ -336,6 +342,7 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         num_logprobs,
         chat=options,
         tokens_as_ids=tokens_as_ids,
+        return_token_ids=return_token_ids,
         prompt_logprobs=prompt_logprobs,
         continuous_usage=streaming.continuous_usage,
     )

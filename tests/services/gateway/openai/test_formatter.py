@@ -5,6 +5,7 @@ on the chunk that carries those tokens' text (never on the role chunk)."""
 import pytest
 
 from services.gateway.openai.formatter import text_offsets
+from tests.services.gateway.forcing import token_ids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,3 +69,32 @@ def test_chat_logprobs_carry_bytes_and_ride_with_their_text(openai_client, force
         if choice.finish_reason is None:  # plain text with no markers: each chunk's text is its tokens'
             assert choice.delta.content == "".join(e.token for e in choice.logprobs.content)
     assert content == TEXT
+
+
+def test_return_token_ids_plain_and_streamed(openai_client, forced):
+    """vLLM's return_token_ids: a completion choice carries its prompt's and its own ids; a chat body its prompt's
+    and each choice its own; streamed, every chunk its new ids and the first chunk the prompt's."""
+    extra = {"return_token_ids": True}
+    with forced.forcing(TEXT) as ids:
+        plain = openai_client.completions.create(model="tiny", prompt="Sea:", max_tokens=20, extra_body=extra)
+        chunks = list(
+            openai_client.completions.create(model="tiny", prompt="Sea:", max_tokens=20, stream=True, extra_body=extra)
+        )
+        chat = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=20, extra_body=extra)
+        chat_chunks = list(
+            openai_client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=20, stream=True, extra_body=extra
+            )
+        )
+    prompt_ids = [0, *token_ids("Sea:")]  # BOS, then the text
+    choice = plain.choices[0].model_extra
+    assert choice["token_ids"] == ids and choice["prompt_token_ids"] == prompt_ids
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c.choices[0].model_extra for c in chunks[1:])
+    assert chat.choices[0].model_extra["token_ids"] == ids
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    streamed = [t for c in chat_chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []]
+    assert streamed == ids
+    assert chat_chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c.model_extra for c in chat_chunks[1:])
