@@ -2,11 +2,11 @@
 
 A completion's text is the generation's; a chat's goes through deepseek-recipe's parser (`ChatStream`):
 reasoning, answer and tool calls apart. Logprobs are the engine's, the token strings the tokenizer's (or
-``token_id:N`` with vLLM's ``return_tokens_as_token_ids``), a chat token's ``bytes`` its string's UTF-8 (as
-vLLM's), a completion token's ``text_offset`` where it starts in the choice's text (`text_offsets`). A chat chunk
-carries the logprobs of the tokens since the previous chunk that carried output, on the chunk whose text they
-complete (never on the role chunk before any text). `choice_pieces` merges the choices of an ``n > 1`` request as
-they come.
+``token_id:N`` with vLLM's ``return_tokens_as_token_ids``), a chat token's ``bytes`` its own bytes (the pieces of a
+character split over tokens join; vLLM gives their U+FFFD string's), a completion token's ``text_offset`` where it
+starts in the choice's text (`text_offsets`). A chat chunk carries the logprobs of the tokens since the previous
+chunk that carried output, on the chunk whose text they complete (never on the role chunk before any text).
+`choice_pieces` merges the choices of an ``n > 1`` request as they come.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Formatter:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}"  # as vLLM: the request's id inside
         self.object = "chat.completion" if chat else "text_completion"
         self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
+        self._bytes: dict[int, bytes] = {}  # token id -> its own bytes, for chat logprobs
         # A chat's reasoning / answer / tool-call parser (deepseek-recipe); None for a completion.
         self.chat_stream = (
             ChatStream(request.chat, self.id, frontend.served_model, generation.created)
@@ -66,12 +67,18 @@ class Formatter:
                 ids |= {i for top in p.delta.prompt_top_logprobs or [] for i, _ in top}
         missing = sorted(ids - self._strings.keys())
         if missing and not self.request.tokens_as_ids:
-            self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
+            strings, token_bytes = await self.frontend.tokenizer.token_texts(missing)
+            self._strings.update(zip(missing, strings))
+            self._bytes.update(zip(missing, token_bytes))
 
     def _token(self, token_id: int) -> str:
         if self.request.tokens_as_ids:
             return f"token_id:{token_id}"
         return self._strings.get(token_id, "")
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (a piece of a UTF-8 character included); its shown string's with token_id:N."""
+        return list(self._bytes.get(token_id, self._token(token_id).encode()))
 
     def logprobs(self, pieces: list[Piece], start: int = 0) -> dict[str, Any] | None:
         """OpenAI's logprobs of the pieces' tokens; ``start``: a completion's characters before the pieces' text
@@ -91,10 +98,9 @@ class Formatter:
                     {
                         "token": self._token(t),
                         "logprob": lp,
-                        "bytes": list(self._token(t).encode()),
+                        "bytes": self._token_bytes(t),
                         "top_logprobs": [
-                            {"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
-                            for i, v in top
+                            {"token": self._token(i), "logprob": v, "bytes": self._token_bytes(i)} for i, v in top
                         ],
                     }
                     for t, lp, top in zip(ids, lps, tops)

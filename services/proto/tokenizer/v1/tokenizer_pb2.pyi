@@ -53,12 +53,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("text", "texts")
+    __slots__ = ("text", "texts", "token_bytes")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     text: str
     texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, text: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "finish", "keep_special_tokens")

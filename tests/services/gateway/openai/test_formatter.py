@@ -65,7 +65,8 @@ def test_chat_logprobs_carry_bytes_and_ride_with_their_text(openai_client, force
             continue
         for entry in choice.logprobs.content:
             assert entry.bytes == list(entry.token.encode())
-            assert all(top.bytes == list(top.token.encode()) for top in entry.top_logprobs)
+            # a whole-character token's bytes are its string's UTF-8 (a piece of one shows U+FFFD: next test)
+            assert all("\ufffd" in top.token or top.bytes == list(top.token.encode()) for top in entry.top_logprobs)
         if choice.finish_reason is None:  # plain text with no markers: each chunk's text is its tokens'
             assert choice.delta.content == "".join(e.token for e in choice.logprobs.content)
     assert content == TEXT
@@ -98,3 +99,16 @@ def test_return_token_ids_plain_and_streamed(openai_client, forced):
     assert streamed == ids
     assert chat_chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
     assert all("prompt_token_ids" not in c.model_extra for c in chat_chunks[1:])
+
+
+def test_chat_logprob_bytes_join_a_character_split_over_tokens(openai_client, forced):
+    """Each token's own bytes (OpenAI's meaning): where the pieces of 🐙 decode only to U+FFFD each, their bytes
+    still join into the character."""
+    text = "Octopus 🐙 deep"
+    with forced.forcing(text):
+        reply = openai_client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=20, logprobs=True, reasoning_effort="none"
+        )
+    entries = reply.choices[0].logprobs.content[:-1]  # the last is the end token
+    assert any(e.token == "\ufffd" for e in entries)  # the character is split over tokens
+    assert b"".join(bytes(e.bytes) for e in entries) == text.encode()
