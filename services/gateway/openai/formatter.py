@@ -43,7 +43,7 @@ class Formatter:
             if request.chat is not None
             else None
         )
-        self._pending: list[Piece] = []  # pieces whose logprobs no chat chunk has carried yet
+        self._pending: list[Piece] = []  # pieces whose logprobs / token_ids no chat chunk has carried yet
         # The choice's index in every body and chunk: first_index (the choices of a batch's earlier prompts) + its own.
         self.index = first_index + generation.index
         self.first = True  # no chunk of this choice was sent yet
@@ -284,7 +284,9 @@ def request_usage(fmts: list[Formatter], num_output_tokens: int, num_reasoning_t
     """A whole request's usage: its output tokens, and each prompt's tokens (and cached tokens) counted once, however
     many choices share it (a completions batch has several prompts)."""
     usage = fmts[0].usage(num_output_tokens, num_reasoning_tokens)
-    prompts = {id(fmt.request): fmt.generation for fmt in fmts}  # one generation per prompt
+    prompts: dict[int, Generation] = {}  # one generation per prompt: its first choice's
+    for fmt in fmts:
+        prompts.setdefault(id(fmt.request), fmt.generation)
     num_prompt_tokens = sum(g.num_prompt_tokens for g in prompts.values())
     usage["prompt_tokens"] = num_prompt_tokens
     usage["total_tokens"] = num_prompt_tokens + num_output_tokens
