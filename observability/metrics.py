@@ -67,6 +67,7 @@ VLLM_ITL = "vllm:inter_token_latency_seconds"
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
+VLLM_REQUEST_SUCCESS = "vllm:request_success"  # labels model_name, finished_reason: requests ended, as vLLM's
 # The prefix cache, in prompt tokens (vLLM's counters): looked up at admission, and of those found cached.
 PREFIX_CACHE_QUERIES = "shinkai_engine_prefix_cache_queries"
 PREFIX_CACHE_HITS = "shinkai_engine_prefix_cache_hits"
@@ -145,9 +146,20 @@ class RequestMetrics:
         self.generation_tokens = counter(
             GENERATION_TOKENS, VLLM_GENERATION_TOKENS, "output tokens of finished requests"
         )
+        self.request_success = prom.Counter(
+            VLLM_REQUEST_SUCCESS,
+            "requests ended, by finish reason (vLLM name)",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self.ttft = histogram(TTFT, VLLM_TTFT, "arrival to first output token")
         self.itl = histogram(ITL, VLLM_ITL, "time between output tokens")
         self.e2e = histogram(E2E, VLLM_E2E, "arrival to final output")
+
+    def count_finished(self, reason: str) -> None:
+        """One request ended with this finish reason: shinkai_requests_finished and vllm:request_success."""
+        self.finished.labels(reason=reason).inc()
+        self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def exposition(self) -> bytes:
         """The text format of everything on the registry (engine metrics included when they share it)."""

@@ -24,6 +24,7 @@ from services.engine.stats import EngineStats
 from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer, RenderedChat
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.token_bytes import TokenBytes
 
 
 class DeltaStream(Protocol):
@@ -73,7 +74,8 @@ class TokenizerBackend(Protocol):
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...  # False: special tokens kept
 
-    async def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
+    # Each id's string (special tokens kept) and its own bytes (services/tokenizer/token_bytes.py).
+    async def token_texts(self, token_ids: Sequence[int]) -> tuple[list[str], list[bytes]]: ...
 
 
 class LocalEngine:
@@ -182,6 +184,7 @@ class LocalTokenizer:
         self.detokenize = detokenize  # False: streams carry no text
         # Encoding off the event loop that serves HTTP, gRPC and health (services/tokenizer/budget.py).
         self.pool = EncodePool(llm.tokenizer)
+        self._token_bytes: TokenBytes | None = None  # each token's own bytes, built on the first call for them
 
     async def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         ids = await self.pool.encode(text, max_tokens)
@@ -208,8 +211,11 @@ class LocalTokenizer:
             raise ChatError(str(err)) from err
         return rendered
 
-    async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    async def token_texts(self, token_ids: Sequence[int]) -> tuple[list[str], list[bytes]]:
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.llm.tokenizer)
+        strings = [self.llm.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        return strings, self._token_bytes(token_ids)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         if not self.detokenize:

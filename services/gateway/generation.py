@@ -145,7 +145,7 @@ class Generation:
         self.metrics.generation_tokens.inc(delta.num_output_tokens)
         if self.index == 0:  # a request's counts and latency once, by its first choice
             self.metrics.e2e.observe(now - self._start)
-            self.metrics.finished.labels(reason=delta.finish_reason).inc()
+            self.metrics.count_finished(delta.finish_reason)
             self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self._end_spans(delta.finish_reason, delta.num_output_tokens)
 
@@ -169,7 +169,7 @@ class Generation:
             if self.ticket is not None:
                 self.ticket.done()
             if self.index == 0:
-                self.metrics.finished.labels(reason=FinishReason.ABORT).inc()
+                self.metrics.count_finished(FinishReason.ABORT)
             self.detokenizer.close()
             self._end_spans(FinishReason.ABORT, 0)
         self.stream.close()

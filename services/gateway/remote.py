@@ -279,8 +279,12 @@ class RemoteTokenizer:
         reply = await self._call(self.stub.RenderChat, request, ChatError)
         return RenderedChat(list(reply.token_ids), reply.prompt, list(reply.image_urls))
 
-    async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [(await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=[t]))).text for t in token_ids]
+    async def token_texts(self, token_ids: Sequence[int]) -> tuple[list[str], list[bytes]]:
+        """Each id's own string and bytes, in one call (a logprobs request's tokens and top-n alternatives)."""
+        if not token_ids:
+            return [], []
+        reply = await self._call(self.stub.Decode, tpb.DecodeRequest(token_ids=token_ids, each=True))
+        return list(reply.texts), list(reply.token_bytes)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> _RemoteDetokenizer:
         return _RemoteDetokenizer(self.stub, skip_special_tokens)

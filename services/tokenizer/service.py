@@ -23,6 +23,7 @@ from services.proto.tokenizer.v1 import tokenizer_pb2 as pb
 from services.tokenizer.budget import EncodePool, chat_content_bytes, check_bytes, check_tokens
 from services.tokenizer.chat import ChatError, ChatRenderer
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.token_bytes import TokenBytes
 
 SERVICE = "tokenizer.v1.Tokenizer"
 
@@ -47,6 +48,7 @@ class TokenizerApi:
             names.TOKENIZER_CALLS, "tokenizer calls by method", ["method"], registry=self.registry
         )
         self.tokenizer = tokenizer
+        self._token_bytes: TokenBytes | None = None  # each token's own bytes, built on the first call for them
         self.bos_token_id = bos_token_id
         self.vocab_size = tokenizer.get_vocab_size()
         self.chat = ChatRenderer(v41_tokenizer_path()) if self.vocab_size == V41_VOCAB_SIZE else None
@@ -110,9 +112,15 @@ class TokenizerApi:
         request = await self._parse(pb.DecodeRequest, raw, context)
         self.calls.labels(method="Decode").inc()
         await self._check_ids(request.token_ids, context)
-        return pb.DecodeResponse(
-            text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
-        )
+        skip = request.skip_special_tokens
+        if request.each:  # every id alone, in one call (logprobs' token strings and bytes)
+            if self._token_bytes is None:
+                self._token_bytes = TokenBytes(self.tokenizer)
+            return pb.DecodeResponse(
+                texts=[self.tokenizer.decode([t], skip_special_tokens=skip) for t in request.token_ids],
+                token_bytes=self._token_bytes(request.token_ids),
+            )
+        return pb.DecodeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
 
     async def detokenize(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext

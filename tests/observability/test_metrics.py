@@ -66,6 +66,8 @@ def test_counts_match_the_requests_sent(served):
     # One inter-token latency per output token after the first, as vLLM counts them.
     assert grew(names.ITL + "_count") == NUM_REQUESTS * (MAX_TOKENS - 1)
     assert grew(names.REQUESTS_FINISHED + "_total", reason="length") == NUM_REQUESTS
+    success = names.VLLM_REQUEST_SUCCESS + "_total"  # vLLM's counter, which its dashboards read
+    assert grew(success, model_name="tiny", finished_reason="length") == NUM_REQUESTS
     assert grew(names.REQUESTS_STARTED + "_total", endpoint="completions") == NUM_REQUESTS
     assert grew(names.GENERATION_TOKENS + "_total") == NUM_REQUESTS * MAX_TOKENS
     assert grew(names.PROMPT_TOKENS + "_total") == prompt_tokens

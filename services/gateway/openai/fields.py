@@ -3,7 +3,8 @@
 The field lists are OpenAI's request types of the pinned `openai` client (``CompletionCreateParamsBase`` of
 ``openai.types.chat.completion_create_params`` and of ``openai.types.completion_create_params``) and vLLM's
 ``ChatCompletionRequest`` / ``CompletionRequest`` (vllm/entrypoints/openai/protocol.py at vLLM commit
-0052bed36509c7a5a2d8e48265334e40cf2f5a0e, the v0.10 series). tests/services/gateway/openai/test_fields.py
+0052bed36509c7a5a2d8e48265334e40cf2f5a0e, the v0.10 series), with ``structured_outputs``, the field later vLLM
+replaced guided_* with, and ``return_token_ids`` (vLLM v0.10.2 on). tests/services/gateway/openai/test_fields.py
 walks both, so a field a new client adds fails until it is placed here. A refused field is refused only when
 set to something other than its no-op value (``None`` always is one); fields outside both schemas are
 ignored with a logged warning, as vLLM does.
@@ -45,12 +46,14 @@ _SERVED_COMMON = {
     "guided_choice",
     "guided_grammar",
     "guided_decoding_backend",
+    "structured_outputs",
     "user",
     "safety_identifier",
     "priority",
     "request_id",
     "prompt_logprobs",
     "return_tokens_as_token_ids",
+    "return_token_ids",
     "prompt_cache_key",
     "skip_special_tokens",
     "cache_salt",

@@ -2,12 +2,16 @@
 
 A completion's text is the generation's; a chat's goes through deepseek-recipe's parser (`ChatStream`):
 reasoning, answer and tool calls apart. Logprobs are the engine's, the token strings the tokenizer's (or
-``token_id:N`` with vLLM's ``return_tokens_as_token_ids``); a chat chunk carries the logprobs of the tokens
-since the previous chunk it sent. `choice_pieces` merges the choices of an ``n > 1`` request as they come.
+``token_id:N`` with vLLM's ``return_tokens_as_token_ids``), a chat token's ``bytes`` its own bytes (the pieces of a
+character split over tokens join; vLLM gives their U+FFFD string's), a completion token's ``text_offset`` where it
+starts in the choice's text (`text_offsets`). A chat chunk carries the logprobs of the tokens since the previous
+chunk that carried output, on the chunk whose text they complete (never on the role chunk before any text).
+`choice_pieces` merges the choices of an ``n > 1`` request as they come.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,7 +26,9 @@ from services.gateway.openai.protocol import OpenAIRequest
 class Formatter:
     """Builds completions or chat bodies and chunks for one choice of a request."""
 
-    def __init__(self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool) -> None:
+    def __init__(
+        self, frontend: Frontend, request: OpenAIRequest, generation: Generation, chat: bool, first_index: int = 0
+    ) -> None:
         self.frontend = frontend
         self.request = request
         self.generation = generation
@@ -30,16 +36,19 @@ class Formatter:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}"  # as vLLM: the request's id inside
         self.object = "chat.completion" if chat else "text_completion"
         self._strings: dict[int, str] = {}  # token id -> its own string, for logprobs
+        self._bytes: dict[int, bytes] = {}  # token id -> its own bytes, for chat logprobs
         # A chat's reasoning / answer / tool-call parser (deepseek-recipe); None for a completion.
         self.chat_stream = (
             ChatStream(request.chat, self.id, frontend.served_model, generation.created)
             if request.chat is not None
             else None
         )
-        self._pending: list[Piece] = []  # pieces whose logprobs no chat chunk has carried yet
-        self.index = generation.index  # the choice's index in every body and chunk
+        self._pending: list[Piece] = []  # pieces whose logprobs / token_ids no chat chunk has carried yet
+        # The choice's index in every body and chunk: first_index (the choices of a batch's earlier prompts) + its own.
+        self.index = first_index + generation.index
         self.first = True  # no chunk of this choice was sent yet
         self.num_output_tokens = 0  # this choice's output tokens so far
+        self._num_chars = 0  # characters of this completion choice's text streamed so far (its text_offsets)
         # A chat with thinking on (its prompt ends with <think>) reasons until </think>: the output tokens
         # before it are usage's reasoning_tokens (the marker itself is not counted).
         self._reasoning = self.chat and generation.prompt_token_ids[-1:] == [THINK_START_ID]
@@ -58,14 +67,22 @@ class Formatter:
                 ids |= {i for top in p.delta.prompt_top_logprobs or [] for i, _ in top}
         missing = sorted(ids - self._strings.keys())
         if missing and not self.request.tokens_as_ids:
-            self._strings.update(zip(missing, await self.frontend.tokenizer.token_strings(missing)))
+            strings, token_bytes = await self.frontend.tokenizer.token_texts(missing)
+            self._strings.update(zip(missing, strings))
+            self._bytes.update(zip(missing, token_bytes))
 
     def _token(self, token_id: int) -> str:
         if self.request.tokens_as_ids:
             return f"token_id:{token_id}"
         return self._strings.get(token_id, "")
 
-    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (a piece of a UTF-8 character included); its shown string's with token_id:N."""
+        return list(self._bytes.get(token_id, self._token(token_id).encode()))
+
+    def logprobs(self, pieces: list[Piece], start: int = 0) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the pieces' tokens; ``start``: a completion's characters before the pieces' text
+        (the echoed prompt's included), where their text_offsets begin."""
         if self.request.num_logprobs is None:
             return None
         ids = [t for p in pieces for t in p.delta.token_ids]
@@ -81,18 +98,27 @@ class Formatter:
                     {
                         "token": self._token(t),
                         "logprob": lp,
-                        "bytes": None,
-                        "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": None} for i, v in top],
+                        "bytes": self._token_bytes(t),
+                        "top_logprobs": [
+                            {"token": self._token(i), "logprob": v, "bytes": self._token_bytes(i)} for i, v in top
+                        ],
                     }
                     for t, lp, top in zip(ids, lps, tops)
                 ]
             }
         tokens: list[str] = [self._token(t) for t in ids]
+        offsets: list[int] = []
+        at = start
+        for p in pieces:  # each piece's first token is placed exactly: its text starts where the text was
+            offsets += text_offsets(p.text, [self._token(t) for t in p.delta.token_ids], at)
+            at += len(p.text)
         token_logprobs: list[float | None] = list(lps)
         top_dicts: list[dict[str, float] | None] = [{self._token(i): v for i, v in top} for top in tops]
         prompt = next((p.delta for p in pieces if p.delta.prompt_logprobs is not None), None)
         if self.request.echo and prompt is not None:  # OpenAI's echo: the prompt's tokens lead, the first unscored
-            tokens = [self._token(t) for t in self.generation.prompt_token_ids] + tokens
+            prompt_tokens = [self._token(t) for t in self.generation.prompt_token_ids]
+            offsets = text_offsets(self.generation_prompt(), prompt_tokens, 0) + offsets
+            tokens = prompt_tokens + tokens
             token_logprobs = [None, *(finite_logprob(x) for x in prompt.prompt_logprobs or [])] + token_logprobs
             top_dicts = [
                 None,
@@ -101,7 +127,7 @@ class Formatter:
                     for top in prompt.prompt_top_logprobs or []
                 ),
             ] + top_dicts
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": []}
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": offsets}
 
     def prompt_logprobs(self, pieces: list[Piece]) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
@@ -148,16 +174,31 @@ class Formatter:
             usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
         return usage
 
+    def _shown(self, piece: Piece) -> Piece:
+        """The piece as the answer shows it: with vLLM's echo of max_tokens 0, without what was generated."""
+        if not self.request.echo_only:
+            return piece
+        delta = piece.delta
+        hidden = dataclasses.replace(delta, token_ids=[], logprobs=[], top_logprobs=None, num_output_tokens=0)
+        return Piece(hidden, "")
+
     def body(self, pieces: list[Piece]) -> dict[str, Any]:
+        pieces = [self._shown(p) for p in pieces]
         text = "".join(p.text for p in pieces)
         for p in pieces:
             self.count_reasoning(p.delta.token_ids)
         final = pieces[-1].delta
+        echoed = self.generation_prompt() if self.request.echo else ""
         choice: dict[str, Any] = {
             "index": self.index,
-            "logprobs": self.logprobs(pieces),
+            "logprobs": self.logprobs(pieces, len(echoed)),
             "finish_reason": final.finish_reason,
         }
+        token_ids = [t for p in pieces for t in p.delta.token_ids]
+        if self.request.return_token_ids:  # vLLM's: the choice's ids (a completion's choice also the prompt's)
+            choice["token_ids"] = token_ids
+            if self.chat_stream is None:
+                choice["prompt_token_ids"] = self.generation.prompt_token_ids
         if self.chat_stream is not None:
             self.chat_stream.push(text, final.num_output_tokens)
             self.chat_stream.finish(final.finish_reason or FinishReason.STOP)
@@ -166,7 +207,7 @@ class Formatter:
             if recipe_reason == "tool_calls" and final.finish_reason == FinishReason.STOP:
                 choice["finish_reason"] = "tool_calls"
         else:
-            choice["text"] = (self.generation_prompt() if self.request.echo else "") + text
+            choice["text"] = echoed + text
         body = {
             "id": self.id,
             "object": self.object,
@@ -175,12 +216,14 @@ class Formatter:
             "choices": [choice],
             "usage": self.usage(final.num_output_tokens, self.num_reasoning_tokens),
         }
+        if self.request.return_token_ids and self.chat_stream is not None:  # vLLM's place: a chat's body
+            body["prompt_token_ids"] = self.generation.prompt_token_ids
         if self.request.prompt_logprobs is not None:  # vLLM's places: a completion's choice, a chat's body
             (choice if self.chat_stream is None else body)["prompt_logprobs"] = self.prompt_logprobs(pieces)
         return body
 
     def generation_prompt(self) -> str:
-        return self.request.args.prompt_text or ""
+        return self.request.echo_text or ""
 
     def _envelope(self) -> dict[str, Any]:
         return {
@@ -190,24 +233,30 @@ class Formatter:
             "model": self.frontend.served_model,
         }
 
-    def usage_chunk(self, num_output_tokens: int, num_reasoning_tokens: int = 0) -> dict[str, Any]:
-        return dict(self._envelope(), choices=[], usage=self.usage(num_output_tokens, num_reasoning_tokens))
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._envelope(), choices=[], usage=usage)
 
     def chunks(self, piece: Piece) -> list[dict[str, Any]]:
         """The SSE chunks of one piece: a completion's one, or as many as the chat parser completes."""
         first, self.first = self.first, False
+        piece = self._shown(piece)
         self.num_output_tokens = piece.delta.num_output_tokens
         self.count_reasoning(piece.delta.token_ids)
         if self.chat_stream is None:
-            text = (self.generation_prompt() if first and self.request.echo else "") + piece.text
+            echoed = self.generation_prompt() if first and self.request.echo else ""
             choice = {
                 "index": self.index,
-                "text": text,
-                "logprobs": self.logprobs([piece]),
+                "text": echoed + piece.text,
+                "logprobs": self.logprobs([piece], self._num_chars + len(echoed)),
                 "finish_reason": piece.delta.finish_reason,
             }
+            if self.request.return_token_ids:  # vLLM's: each chunk its new ids, the first the prompt's too
+                choice["token_ids"] = list(piece.delta.token_ids)
+                if first:
+                    choice["prompt_token_ids"] = self.generation.prompt_token_ids
+            self._num_chars += len(echoed) + len(piece.text)
             return [dict(self._envelope(), choices=[choice])]
-        if self.request.num_logprobs is not None:
+        if self.request.num_logprobs is not None or self.request.return_token_ids:
             self._pending.append(piece)
         chunks = self.chat_stream.push(piece.text, len(piece.delta.token_ids))
         if piece.delta.finish_reason is not None:
@@ -216,13 +265,55 @@ class Formatter:
             chunk["object"] = f"{self.object}.chunk"
             for choice in chunk["choices"]:
                 choice["index"] = self.index
-                if self._pending:
-                    choice["logprobs"] = self.logprobs(self._pending)
-                    self._pending = []
+        carrier = next((c for c in reversed(chunks) if any(map(_carries_output, c["choices"]))), None)
+        if carrier is not None and self._pending:  # the tokens' text (or the end) is in this chunk
+            if self.request.num_logprobs is not None:
+                carrier["choices"][0]["logprobs"] = self.logprobs(self._pending)
+            if self.request.return_token_ids:
+                carrier["choices"][0]["token_ids"] = [t for p in self._pending for t in p.delta.token_ids]
+            self._pending = []
+        if first and chunks and self.request.return_token_ids:  # vLLM's: the first chunk carries the prompt's
+            chunks[0]["prompt_token_ids"] = self.generation.prompt_token_ids
         return chunks
 
     def pending_pieces(self) -> list[Piece]:
         return self._pending
+
+
+def request_usage(fmts: list[Formatter], num_output_tokens: int, num_reasoning_tokens: int) -> dict[str, Any]:
+    """A whole request's usage: its output tokens, and each prompt's tokens (and cached tokens) counted once, however
+    many choices share it (a completions batch has several prompts)."""
+    usage = fmts[0].usage(num_output_tokens, num_reasoning_tokens)
+    prompts: dict[int, Generation] = {}  # one generation per prompt: its first choice's
+    for fmt in fmts:
+        prompts.setdefault(id(fmt.request), fmt.generation)
+    num_prompt_tokens = sum(g.num_prompt_tokens for g in prompts.values())
+    usage["prompt_tokens"] = num_prompt_tokens
+    usage["total_tokens"] = num_prompt_tokens + num_output_tokens
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(g.num_cached_tokens for g in prompts.values())}
+    return usage
+
+
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a chat chunk's choice has text, tool calls or the finish reason (the role chunk has none)."""
+    delta = choice.get("delta", {})
+    return bool(
+        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls") or choice.get("finish_reason")
+    )
+
+
+def text_offsets(text: str, strings: list[str], start: int) -> list[int]:
+    """Each token's character offset (from ``start``) in ``text``, the text of these tokens: where its string
+    begins, taken in order. A token whose string is not at its place (a special token the text leaves out, or
+    part of a UTF-8 character its string shows as U+FFFD) sits there with no width, and the next token whose
+    string is found within a few characters places the rest again."""
+    offsets, at = [], 0
+    for string in strings:
+        found = text.find(string, at, at + len(string) + 4) if string else -1
+        offsets.append(start + (at if found < 0 else found))
+        if found >= 0:
+            at = found + len(string)
+    return offsets
 
 
 async def choice_pieces(fmts: list[Formatter]) -> AsyncIterator[tuple[Formatter, Piece]]:

@@ -25,11 +25,13 @@ from services.gateway import errors
 from services.gateway.auth import Keys
 from services.gateway.errors import ApiError
 from services.gateway.frontend import MAX_ID_BYTES, Frontend
+from services.gateway.generation import Generation
 from services.gateway.openai import protocol_routes, tokenize
 from services.gateway.openai.disconnect import collect_while_connected
-from services.gateway.openai.formatter import Formatter, choice_pieces
+from services.gateway.openai.formatter import Formatter, choice_pieces, request_usage
 from services.gateway.openai.json_body import read_json
 from services.gateway.openai.openapi import openapi_schema
+from services.gateway.openai.prompt_batch import split_prompts
 from services.gateway.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     parse_chat,
@@ -99,18 +101,36 @@ def build_app(
         body = await read_json(request, max_body_bytes)
         info = frontend.info
         parse = parse_chat if chat else parse_completion
-        parsed = parse(body, info.max_model_len, info.vocab_size)
-        parsed.args.trace_parent = tracing.extract(request.headers.items())  # a caller's W3C traceparent
-        parsed.args.owner = owner
-        parsed.args.client_address = request.client.host if request.client else None
-        parsed.args.client_request_id = _client_request_id(request) or parsed.args.client_request_id
-        generations = await frontend.start_choices(parsed.args)
-        fmts = [Formatter(frontend, parsed, generation, chat) for generation in generations]
+        requests = [
+            parse(one, info.max_model_len, info.vocab_size) for one in ([body] if chat else split_prompts(body))
+        ]
+        parsed = requests[0]
+        client_request_id = _client_request_id(request)
+        generations: list[Generation] = []
+        fmts: list[Formatter] = []
+        try:
+            for parsed_one in requests:  # a completions batch: each prompt its own request, choices in order
+                parsed_one.args.trace_parent = tracing.extract(request.headers.items())  # a caller's traceparent
+                parsed_one.args.owner = owner
+                parsed_one.args.client_address = request.client.host if request.client else None
+                parsed_one.args.client_request_id = client_request_id or parsed_one.args.client_request_id
+                if parsed_one.echo and parsed_one.echo_text is None:  # a token-id prompt's echo: its decoded text
+                    args = parsed_one.args
+                    parsed_one.echo_text = await _decoded(args.prompt_token_ids or [], args.skip_special_tokens)
+                started = await frontend.start_choices(parsed_one.args)
+                fmts += [Formatter(frontend, parsed_one, g, chat, first_index=len(generations)) for g in started]
+                generations += started
+        except BaseException:
+            for generation in generations:
+                generation.close()  # a later prompt was refused: the ones queued before it are aborted
+            raise
+        for fmt in fmts:  # a batch's answer is one response: the first prompt's request names it
+            fmt.id = fmts[0].id
         # As vLLM: the caller's id, else the request's.
         id_header = {"X-Request-Id": generations[0].client_request_id}
         if parsed.stream:
             return StreamingResponse(
-                _stream(fmts, parsed.include_usage),
+                _stream(fmts, parsed.include_usage, parsed.continuous_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **id_header},
             )
@@ -127,10 +147,17 @@ def build_app(
             bodies.append(fmt.body(pieces))
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
-        body["usage"] = fmts[0].usage(
-            sum(b["usage"]["completion_tokens"] for b in bodies), sum(fmt.num_reasoning_tokens for fmt in fmts)
+        body["usage"] = request_usage(
+            fmts, sum(b["usage"]["completion_tokens"] for b in bodies), sum(fmt.num_reasoning_tokens for fmt in fmts)
         )
         return JSONResponse(body, headers=id_header)
+
+    async def _decoded(token_ids: list[int], skip_special_tokens: bool) -> str:
+        detokenizer = frontend.tokenizer.detokenizer(skip_special_tokens)
+        try:
+            return await detokenizer.push(token_ids) + await detokenizer.finish()
+        finally:
+            detokenizer.close()
 
     def _client_request_id(request: Request) -> str | None:
         """The caller's own id for the request (the X-Request-Id header, which Abort then takes), or None."""
@@ -143,16 +170,22 @@ def build_app(
             )
         return given
 
-    async def _stream(fmts: list[Formatter], include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(fmts: list[Formatter], include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         try:
             async for fmt, piece in choice_pieces(fmts):
                 await fmt.resolve([*fmt.pending_pieces(), piece])
                 for chunk in fmt.chunks(piece):
+                    if continuous_usage:  # vLLM's continuous_usage_stats: the choice's usage so far
+                        chunk["usage"] = fmt.usage(fmt.num_output_tokens, fmt.num_reasoning_tokens)
                     yield _sse(chunk)
             if include_usage:
                 yield _sse(
                     fmts[0].usage_chunk(
-                        sum(fmt.num_output_tokens for fmt in fmts), sum(fmt.num_reasoning_tokens for fmt in fmts)
+                        request_usage(
+                            fmts,
+                            sum(fmt.num_output_tokens for fmt in fmts),
+                            sum(fmt.num_reasoning_tokens for fmt in fmts),
+                        )
                     )
                 )
             yield _sse("[DONE]")

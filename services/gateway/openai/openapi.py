@@ -17,6 +17,7 @@ from services.engine.model_info import ModelInfo
 from services.gateway.openai.chat_options import REASONING_EFFORTS
 from services.gateway.openai.openapi_protocols import protocol_paths
 from services.gateway.openai.openapi_tokenize import tokenize_paths
+from services.gateway.openai.prompt_batch import MAX_PROMPTS
 from services.gateway.openai.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -124,12 +125,23 @@ def _sampling(info: ModelInfo) -> dict[str, Any]:
             "type": ["object", "null"],
             "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
             "propertyNames": {"pattern": "^[0-9]{1,6}$"},
-            "additionalProperties": {"enum": [-100, 0]},
-            "description": f"token id (< {vocab}) -> -100 (a ban) or 0; other biases: not yet",
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": f"token id (< {vocab}) -> -100 (a ban) or a number added to its logit",
         },
         "response_format": {"type": ["object", "null"], "properties": {"type": {"const": "text"}}},
         "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": ["boolean", "null"]}}},
+        "stream_options": {
+            "type": ["object", "null"],
+            "description": "only with stream: true",
+            "properties": {
+                "include_usage": {"type": ["boolean", "null"]},
+                "continuous_usage_stats": {
+                    "type": ["boolean", "null"],
+                    "description": "vLLM's: with include_usage, every chunk carries the usage so far",
+                },
+                "include_obfuscation": {"type": ["boolean", "null"], "description": "accepted; no padding is sent"},
+            },
+        },
         "user": {"type": ["string", "null"]},
     }
 
@@ -145,7 +157,13 @@ def _completion_request(info: ModelInfo) -> dict[str, Any]:
         "anyOf": [
             {"type": "string"},
             token_ids,
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, token_ids]}},
+            {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_PROMPTS,
+                "items": {"anyOf": [{"type": "string"}, token_ids]},
+                "description": "a batch: each prompt's choices in turn",
+            },
         ]
     }
     return {
@@ -157,7 +175,10 @@ def _completion_request(info: ModelInfo) -> dict[str, Any]:
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
             "echo": {
                 "type": ["boolean", "null"],
-                "description": "true: the text starts with a text prompt (with logprobs: its tokens' logprobs too)",
+                "description": (
+                    "true: the text starts with the prompt (with logprobs: its tokens' logprobs too); with "
+                    "max_tokens 0 (vLLM's), the answer is the prompt alone"
+                ),
             },
             "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not served"},
         },

@@ -26,6 +26,7 @@ from services.gateway.openai import fields
 from services.gateway.openai.chat_options import ChatOptions, chat_options
 from services.gateway.openai.constraints import constraint_of
 from services.gateway.openai.json_body import DEFAULT_MAX_BODY_BYTES, parse_body
+from services.gateway.openai.stream_options import stream_options
 from services.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIRequest", "parse_body", "parse_chat", "parse_completion"]
@@ -59,10 +60,18 @@ class OpenAIRequest:
     num_logprobs: int | None  # top-n logprobs to return per token; None: no logprobs
     chat: ChatOptions | None = None  # a chat's conversation options; None for a completion
     echo: bool = False  # a completion's text starts with its prompt (with logprobs: its tokens' logprobs too)
+    # The prompt text echo puts first: a text prompt's own; a token-id prompt's decoded (by the HTTP route).
+    echo_text: str | None = None
+    # vLLM's echo with max_tokens 0: the answer is the prompt alone (one token is generated and left out).
+    echo_only: bool = False
     # vLLM's prompt_logprobs as the client asked (top-n per prompt position); None: not asked for. Echo with
     # logprobs has the engine compute them too, without this field in the answer.
     prompt_logprobs: int | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    # vLLM's return_token_ids: choices carry their token_ids, the answer (streamed: its first chunk) the prompt's
+    return_token_ids: bool = False
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far
+    continuous_usage: bool = False
 
 
 def _warn_unknown(body: dict[str, Any], endpoint: str) -> None:
@@ -217,12 +226,6 @@ def _sampling(
         raise errors.invalid(str(err), str(err).split(" ", 1)[0].split("=", 1)[0]) from err
 
 
-def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _field(body, "stream", (bool,), False, "a boolean")
-    options = _field(body, "stream_options", (dict,), {}, "an object")
-    return stream, bool(options.get("include_usage", False))
-
-
 def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     """vLLM's prompt_logprobs (0 to 20 top entries per prompt position), refused with streaming as vLLM does."""
     num = _field(body, "prompt_logprobs", (int,), None, "an integer")
@@ -233,8 +236,8 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     return num
 
 
-def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
-    """The fields both endpoints read beyond sampling; returns return_tokens_as_token_ids."""
+def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> tuple[bool, bool]:
+    """The fields both endpoints read beyond sampling; returns return_tokens_as_token_ids and return_token_ids."""
     fields.refuse_unserved(body, endpoint)
     args.stop = _stop(body)
     args.include_stop_str_in_output = _field(body, "include_stop_str_in_output", (bool,), False, "a boolean")
@@ -251,7 +254,10 @@ def _common(body: dict[str, Any], args: GenerateArgs, endpoint: str) -> bool:
         check_priority(args.priority)
     except ValueError as err:
         raise errors.invalid(str(err), "priority") from err
-    return _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean")
+    return (
+        _field(body, "return_tokens_as_token_ids", (bool,), False, "a boolean"),
+        _field(body, "return_token_ids", (bool,), False, "a boolean"),
+    )
 
 
 def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int | None = None) -> OpenAIRequest:
@@ -261,7 +267,7 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         raise errors.invalid("model is required", "model")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+        prompt = prompt[0]  # a batch of one (the HTTP route splits a larger batch: prompt_batch.py)
     args = GenerateArgs(model=model, endpoint="completions")
     if isinstance(prompt, str):
         args.prompt_text = prompt
@@ -269,34 +275,35 @@ def parse_completion(body: dict[str, Any], max_model_len: int, vocab_size: int |
         if not prompt:
             raise errors.invalid("the prompt is empty", "prompt")
         args.prompt_token_ids = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise errors.invalid(
-            f"a batch of {len(prompt)} prompts is not supported; send one prompt per request", "prompt"
-        )
     else:
         raise errors.invalid("prompt must be a string or a list of token ids", "prompt")
-    tokens_as_ids = _common(body, args, "completions")
+    tokens_as_ids, return_token_ids = _common(body, args, "completions")
     num_logprobs = _field(body, "logprobs", (int,), None, "an integer")
     echo = _field(body, "echo", (bool,), False, "a boolean")
-    if echo and args.prompt_text is None:
-        raise errors.invalid("echo is served for a text prompt (not for token ids)", "echo")
+    echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if echo_only:  # vLLM's scoring form: nothing generated is returned, so one token is enough
+        body = dict(body, max_tokens=1)
     args.params = _sampling(
         body, "max_tokens", num_logprobs, "logprobs", max_model_len, vocab_size, COMPLETION_MAX_TOKENS
     )
-    stream, include_usage = _stream_options(body)
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    streaming = stream_options(body)
+    prompt_logprobs = _prompt_logprobs(body, streaming.stream)
     engine_prompt_logprobs = prompt_logprobs
     if echo and num_logprobs is not None:  # OpenAI's echo with logprobs: the prompt tokens' logprobs lead
         engine_prompt_logprobs = max(prompt_logprobs or 0, num_logprobs)
     args.params = dataclasses.replace(args.params, prompt_logprobs=engine_prompt_logprobs)
     return OpenAIRequest(
         args,
-        stream,
-        include_usage,
+        streaming.stream,
+        streaming.include_usage,
         num_logprobs,
         echo=echo,
+        echo_text=args.prompt_text if echo else None,
+        echo_only=echo_only,
         tokens_as_ids=tokens_as_ids,
+        return_token_ids=return_token_ids,
         prompt_logprobs=prompt_logprobs,
+        continuous_usage=streaming.continuous_usage,
     )
 
 
@@ -307,7 +314,7 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         raise errors.invalid("model is required", "model")
     options = chat_options(body)
     args = GenerateArgs(model=model, endpoint="chat", chat_body=options.conversation)
-    tokens_as_ids = _common(body, args, "chat")
+    tokens_as_ids, return_token_ids = _common(body, args, "chat")
     num_logprobs = None
     if _field(body, "logprobs", (bool,), False, "a boolean"):
         num_logprobs = _field(body, "top_logprobs", (int,), 0, "an integer")
@@ -325,15 +332,17 @@ def parse_chat(body: dict[str, Any], max_model_len: int, vocab_size: int | None 
         options.conversation,
         options.constraint,
     )
-    stream, include_usage = _stream_options(body)
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    streaming = stream_options(body)
+    prompt_logprobs = _prompt_logprobs(body, streaming.stream)
     args.params = dataclasses.replace(args.params, prompt_logprobs=prompt_logprobs)
     return OpenAIRequest(
         args,
-        stream,
-        include_usage,
+        streaming.stream,
+        streaming.include_usage,
         num_logprobs,
         chat=options,
         tokens_as_ids=tokens_as_ids,
+        return_token_ids=return_token_ids,
         prompt_logprobs=prompt_logprobs,
+        continuous_usage=streaming.continuous_usage,
     )

@@ -94,7 +94,9 @@ def add_routes(app: FastAPI, frontend: Frontend, keys: Keys, max_body_bytes: int
         body = await read_json(request, max_body_bytes)
         with tracing.span("tokenize", tracing.extract(request.headers.items())):
             ids = await _tokenize(frontend, body)
-            strings = await frontend.tokenizer.token_strings(ids) if _flag(body, "return_token_strs", False) else None
+            strings = (
+                (await frontend.tokenizer.token_texts(ids))[0] if _flag(body, "return_token_strs", False) else None
+            )
         return {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids, "token_strs": strings}
 
     @app.post("/detokenize")

@@ -150,7 +150,7 @@ UNSUPPORTED = [
         "response_format",
     ),
     ({"best_of": 2}, "best_of"),
-    ({"echo": True, "logprobs": 1, "prompt": [0, 19923]}, "echo"),  # echo of a token-id prompt
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ({"suffix": "tail"}, "suffix"),
     ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, "guided_json"),
     ({"guided_regex": "[a-"}, "guided_regex"),

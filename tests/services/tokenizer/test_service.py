@@ -97,3 +97,35 @@ def test_detokenize_keeps_special_tokens_when_asked(address):
             await tokenizer.close()
 
     assert asyncio.run(run(False)) == "<｜begin▁of▁sentence｜>Hello" and asyncio.run(run(True)) == "Hello"
+
+
+def test_token_texts_are_each_ids_own_string_and_bytes_in_one_call(address):
+    """Logprobs' token strings and bytes (a request's tokens and their top-n) come back in one Decode call, each id
+    alone: its string as the tokenizer decodes it with special tokens kept, its bytes its own, so the pieces of a
+    character split over tokens (each string only U+FFFD) join into the character."""
+    from model.deepseek_v41.tokenizer import load_v41_tokenizer
+
+    local = load_v41_tokenizer()
+    octopus = local.encode(" 🐙", add_special_tokens=False).ids  # one character, several tokens
+    ids = [0, 19923, 2058, 1, 128821, *octopus]
+    calls = []
+
+    async def run():
+        tokenizer = RemoteTokenizer(address)
+        decode = tokenizer.stub.Decode
+
+        async def counted(request, **kwargs):
+            calls.append(len(request.token_ids))
+            return await decode(request, **kwargs)
+
+        tokenizer.stub.Decode = counted
+        try:
+            return await tokenizer.token_texts(ids), await tokenizer.token_texts([])
+        finally:
+            await tokenizer.close()
+
+    (strings, token_bytes), none = asyncio.run(run())
+    assert strings == [local.decode([t], skip_special_tokens=False) for t in ids] and none == ([], [])
+    assert calls == [len(ids)]
+    assert len(octopus) > 1 and b"".join(token_bytes[5:]).decode() == " 🐙"
+    assert token_bytes[:5] == [s.encode() for s in strings[:5]]  # whole characters: their strings' UTF-8

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+services/proto/tokenizer/v1/tokenizer.proto\x12\x0ctokenizer.v1\"V\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_max_tokens\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x11RenderChatRequest\x12\x11\n\tbody_json\x18\x01 \x01(\t\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08protocol\x18\x03 \x01(\tB\r\n\x0b_max_tokens\"K\n\x12RenderChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nimage_urls\x18\x03 \x03(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"S\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06\x66inish\x18\x02 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xbb\x02\n\tTokenizer\x12\x43\n\x06\x45ncode\x12\x1b.tokenizer.v1.EncodeRequest\x1a\x1c.tokenizer.v1.EncodeResponse\x12O\n\nRenderChat\x12\x1f.tokenizer.v1.RenderChatRequest\x1a .tokenizer.v1.RenderChatResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.tokenizer.v1.DecodeRequest\x1a\x1c.tokenizer.v1.DecodeResponse\x12S\n\nDetokenize\x12\x1f.tokenizer.v1.DetokenizeRequest\x1a .tokenizer.v1.DetokenizeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+services/proto/tokenizer/v1/tokenizer.proto\x12\x0ctokenizer.v1\"V\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_max_tokens\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x11RenderChatRequest\x12\x11\n\tbody_json\x18\x01 \x01(\t\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08protocol\x18\x03 \x01(\tB\r\n\x0b_max_tokens\"K\n\x12RenderChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nimage_urls\x18\x03 \x03(\t\"M\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x0c\n\x04\x65\x61\x63h\x18\x03 \x01(\x08\"B\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x03(\x0c\"S\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06\x66inish\x18\x02 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xbb\x02\n\tTokenizer\x12\x43\n\x06\x45ncode\x12\x1b.tokenizer.v1.EncodeRequest\x1a\x1c.tokenizer.v1.EncodeResponse\x12O\n\nRenderChat\x12\x1f.tokenizer.v1.RenderChatRequest\x1a .tokenizer.v1.RenderChatResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.tokenizer.v1.DecodeRequest\x1a\x1c.tokenizer.v1.DecodeResponse\x12S\n\nDetokenize\x12\x1f.tokenizer.v1.DetokenizeRequest\x1a .tokenizer.v1.DetokenizeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENDERCHATRESPONSE']._serialized_start=284
   _globals['_RENDERCHATRESPONSE']._serialized_end=359
   _globals['_DECODEREQUEST']._serialized_start=361
-  _globals['_DECODEREQUEST']._serialized_end=424
-  _globals['_DECODERESPONSE']._serialized_start=426
-  _globals['_DECODERESPONSE']._serialized_end=456
-  _globals['_DETOKENIZEREQUEST']._serialized_start=458
-  _globals['_DETOKENIZEREQUEST']._serialized_end=541
-  _globals['_DETOKENIZERESPONSE']._serialized_start=543
-  _globals['_DETOKENIZERESPONSE']._serialized_end=577
-  _globals['_TOKENIZER']._serialized_start=580
-  _globals['_TOKENIZER']._serialized_end=895
+  _globals['_DECODEREQUEST']._serialized_end=438
+  _globals['_DECODERESPONSE']._serialized_start=440
+  _globals['_DECODERESPONSE']._serialized_end=506
+  _globals['_DETOKENIZEREQUEST']._serialized_start=508
+  _globals['_DETOKENIZEREQUEST']._serialized_end=591
+  _globals['_DETOKENIZERESPONSE']._serialized_start=593
+  _globals['_DETOKENIZERESPONSE']._serialized_end=627
+  _globals['_TOKENIZER']._serialized_start=630
+  _globals['_TOKENIZER']._serialized_end=945
 # @@protoc_insertion_point(module_scope)

@@ -43,18 +43,24 @@ class RenderChatResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., image_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("token_ids", "skip_special_tokens")
+    __slots__ = ("token_ids", "skip_special_tokens", "each")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_special_tokens: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    each: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("text",)
+    __slots__ = ("text", "texts", "token_bytes")
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, text: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "finish", "keep_special_tokens")

@@ -2,7 +2,8 @@
 refused with a 400 naming it; none is ignored.
 
 vLLM's fields are those of ``ChatCompletionRequest`` and ``CompletionRequest`` in
-vllm/entrypoints/openai/protocol.py at vLLM commit 0052bed36509c7a5a2d8e48265334e40cf2f5a0e (the v0.10 series).
+vllm/entrypoints/openai/protocol.py at vLLM commit 0052bed36509c7a5a2d8e48265334e40cf2f5a0e (the v0.10 series),
+with ``structured_outputs``, which later vLLM (v0.11 on) serves in place of guided_*, and ``return_token_ids``.
 """
 
 import json
@@ -25,14 +26,14 @@ spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_tok
 add_generation_prompt continue_final_message add_special_tokens documents chat_template chat_template_kwargs
 mm_processor_kwargs guided_json guided_regex guided_choice guided_grammar structural_tag guided_decoding_backend
 guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids cache_salt
-kv_transfer_params vllm_xargs""".split()
+kv_transfer_params vllm_xargs structured_outputs return_token_ids""".split()
 VLLM_COMPLETION = """model prompt prompt_embeds best_of echo frequency_penalty logit_bias logprobs max_tokens n
 presence_penalty seed stop stream stream_options suffix temperature top_p user use_beam_search top_k min_p
 repetition_penalty length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
 spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids prompt_logprobs add_special_tokens
 response_format guided_json guided_regex guided_choice guided_grammar guided_decoding_backend
 guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids cache_salt
-kv_transfer_params vllm_xargs""".split()
+kv_transfer_params vllm_xargs structured_outputs return_token_ids""".split()
 
 
 def openai_fields(module) -> set[str]:
@@ -81,6 +82,7 @@ SAMPLES = {
     "priority": 1,
     "request_id": "field-walk",
     "return_tokens_as_token_ids": True,
+    "return_token_ids": True,
     "user": "u",
     "safety_identifier": "s",
     "prompt_cache_key": "k",
@@ -125,6 +127,7 @@ SAMPLES = {
     "guided_grammar": "root ::= 'a'",
     "structural_tag": "{}",
     "guided_decoding_backend": "xgrammar",
+    "structured_outputs": {"choice": ["a", "b"]},
     "guided_whitespace_pattern": " ",
     "logits_processors": ["x.y"],
     "cache_salt": "salt",

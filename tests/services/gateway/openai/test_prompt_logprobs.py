@@ -113,10 +113,49 @@ def test_completion_echo_with_logprobs_leads_with_the_prompts_tokens(openai_clie
         ({"prompt": PROMPT, "prompt_logprobs": 2, "stream": True}, "not available when stream"),
         ({"prompt": PROMPT, "prompt_logprobs": 21}, "between 0 and 20"),
         ({"prompt": PROMPT, "prompt_logprobs": "3"}, "must be an integer"),
-        ({"prompt": [0, 19923], "echo": True, "logprobs": 1}, "echo is served for a text prompt"),
     ],
 )
 def test_bad_prompt_logprobs_are_400s_naming_the_field(openai_client, body, match):
     with pytest.raises(openai.BadRequestError, match=match) as caught:
         openai_client.completions.create(model="tiny", max_tokens=1, **{"prompt": body.pop("prompt")}, extra_body=body)
-    assert caught.value.body["param"] in ("prompt_logprobs", "echo")
+    assert caught.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_of_a_token_id_prompt_gives_its_text(openai_client, served):
+    """lm-eval's local-completions sends token ids with echo and logprobs: the text and the logprobs lead with the
+    prompt's, as for the same prompt sent as text."""
+    ids = tokenize(served, {"prompt": PROMPT})
+    kwargs = dict(model="tiny", max_tokens=2, seed=4, echo=True, logprobs=1)
+    by_ids = openai_client.completions.create(prompt=ids, **kwargs).choices[0]
+    by_text = openai_client.completions.create(prompt=PROMPT, **kwargs).choices[0]
+    assert by_ids.text == by_text.text and by_ids.text.startswith(PROMPT)
+    assert by_ids.logprobs.tokens == by_text.logprobs.tokens
+    assert by_ids.logprobs.token_logprobs == by_text.logprobs.token_logprobs
+    assert by_ids.logprobs.text_offset == by_text.logprobs.text_offset
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(openai_client, served, reference_llm, stream):
+    """vLLM's scoring request: echo, logprobs and max_tokens 0 answer the prompt's text and logprobs, nothing
+    generated, usage.completion_tokens 0."""
+    ids = tokenize(served, {"prompt": PROMPT})
+    full = full_log_softmax(reference_llm, ids)
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    if stream:
+        chunks = list(openai_client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        token_logprobs = [x for c in chunks if c.choices for x in c.choices[0].logprobs.token_logprobs]
+    else:
+        reply = openai_client.completions.create(**kwargs)
+        usage, text, token_logprobs = reply.usage, reply.choices[0].text, reply.choices[0].logprobs.token_logprobs
+    assert text == PROMPT
+    assert token_logprobs == [None, *(float(full[p - 1, ids[p]]) for p in range(1, len(ids)))]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 0)
+    wait_whole(served)
+
+
+def test_max_tokens_0_without_echo_is_still_a_400(openai_client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens"

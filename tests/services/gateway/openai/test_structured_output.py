@@ -1,5 +1,6 @@
 """Structured output over HTTP with the `openai` client: ``response_format`` (json_schema with strict, json_object)
-on chat, vLLM's guided_* on completions; outputs validate; bad constraints are 400s naming the field."""
+on chat, vLLM's guided_* and structured_outputs on completions and chat; outputs validate; bad constraints are 400s
+naming the field."""
 
 from __future__ import annotations
 
@@ -85,13 +86,50 @@ def test_chat_json_object_gives_an_object(openai_client):
             lambda t: re.fullmatch(r"\([0-9](\+[0-9]){0,2}\)", t),
         ),
         ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        ({"structured_outputs": {"regex": r"\d{3}-[a-z]{2,4}"}}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2,4}", t)),
+        ({"structured_outputs": {"choice": ["left", "right", "up"]}}, lambda t: t in ("left", "right", "up")),
+        (
+            {"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
+            lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None,
+        ),
     ],
-    ids=["regex", "choice", "grammar", "json"],
+    ids=["regex", "choice", "grammar", "json", "so-regex", "so-choice", "so-json"],
 )
 def test_completions_guided_fields(openai_client, extra, check):
     reply = openai_client.completions.create(model="tiny", prompt="Say:", max_tokens=96, seed=4, extra_body=extra)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and check(choice.text), choice
+
+
+def test_structured_outputs_json_object_gives_an_object(openai_client):
+    reply = openai_client.completions.create(
+        model="tiny", prompt="Say:", max_tokens=8, seed=4, extra_body={"structured_outputs": {"json_object": True}}
+    )
+    assert reply.choices[0].text.startswith("{"), reply  # free JSON runs past 8 tokens; it is an object's start
+
+
+def test_chat_structured_outputs_runs_without_thinking(openai_client):
+    """vLLM's structured_outputs on chat: the answer is the constrained content, with no reasoning before it."""
+    reply = openai_client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=96,
+        seed=5,
+        extra_body={"structured_outputs": {"choice": ["rain", "sun"]}},
+    )
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "stop" and message.content in ("rain", "sun"), reply
+    assert not getattr(message, "reasoning_content", None)
+
+
+def test_structured_outputs_disable_additional_properties_makes_the_schema_strict():
+    from services.gateway.openai.constraints import constraint_of
+
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert not constraint_of({"structured_outputs": {"json": loose}}).strict  # vLLM's default: extra keys allowed
+    strict = constraint_of({"structured_outputs": {"json": loose, "disable_additional_properties": True}})
+    assert strict.kind == "json_schema" and strict.strict
+    assert constraint_of({"structured_outputs": {"json_object": False, "disable_fallback": False}}) is None
 
 
 @pytest.mark.parametrize(
@@ -116,6 +154,19 @@ def test_completions_guided_fields(openai_client, extra, check):
         ({"guided_grammar": "root ::= b"}, "guided_grammar", "grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured-output field"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "one structured-output"),
+        ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "structured_outputs.choice", "one structured"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "structural tags"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "whitespace"),
+        (
+            {"structured_outputs": {"disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+            "white",
+        ),
+        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "boolean"),
+        ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn", "not a structured_outputs field"),
+        ({"structured_outputs": ["json"]}, "structured_outputs", "an object"),
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(openai_client, extra, param, named):
