@@ -11,7 +11,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text offline with the engine")
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset name (default: tiny)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
-    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 16)")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per prompt (default 16)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)

@@ -124,3 +124,12 @@ def test_bad_eplb_layouts_are_refused_before_ranks_start(tmp_path, capsys, layou
     code = main(["generate", "--model", "tiny", "--prompt", "x", "--eplb-layout", str(path), *flags])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_max_tokens_defaults_to_16_as_its_help_says(capsys):
+    """Without ``--max-tokens`` a prompt gets 16 tokens (the help's default), not the rest of the context."""
+    code = main(["generate", "--model", "tiny", "--prompt", "The deep sea is", "--device", "cpu", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) <= 16
+    assert out["finish_reason"] == "stop" or len(out["token_ids"]) == 16
