@@ -96,6 +96,8 @@ class ChatStream:
                 del delta["tool_calls"]
 
     def _filter_message(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("content") == "" and (message.get("reasoning_content") or message.get("tool_calls")):
+            message["content"] = None  # OpenAI's and vLLM's: no answer text besides the reasoning or calls
         if not self.options.include_reasoning:
             message.pop("reasoning_content", None)
         if not self.options.parallel_tool_calls and message.get("tool_calls"):

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.engine.delta import Delta
 from services.engine.finish_reason import FinishReason
 from services.gateway.choices import merged_pieces
 from services.gateway.frontend import Frontend, finite_logprob
@@ -151,7 +152,12 @@ class Formatter:
     def _prompt_entry(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": self._token(token_id)}
 
-    def count_reasoning(self, token_ids: list[int]) -> None:
+    def count_reasoning(self, delta: Delta) -> None:
+        """Adds the delta's reasoning tokens: those before </think>; when the reasoning never ends, all but the
+        end or stop token that ended the request (neither is reasoning)."""
+        token_ids = delta.token_ids
+        if delta.stop_token_id is not None and token_ids[-1:] == [delta.stop_token_id]:
+            token_ids = token_ids[:-1]
         for position, token_id in enumerate(token_ids if self._reasoning else ()):
             if token_id == THINK_END_ID:
                 self._reasoning = False
@@ -186,7 +192,7 @@ class Formatter:
         pieces = [self._shown(p) for p in pieces]
         text = "".join(p.text for p in pieces)
         for p in pieces:
-            self.count_reasoning(p.delta.token_ids)
+            self.count_reasoning(p.delta)
         final = pieces[-1].delta
         echoed = self.generation_prompt() if self.request.echo else ""
         choice: dict[str, Any] = {
@@ -241,7 +247,7 @@ class Formatter:
         first, self.first = self.first, False
         piece = self._shown(piece)
         self.num_output_tokens = piece.delta.num_output_tokens
-        self.count_reasoning(piece.delta.token_ids)
+        self.count_reasoning(piece.delta)
         if self.chat_stream is None:
             echoed = self.generation_prompt() if first and self.request.echo else ""
             choice = {

@@ -235,4 +235,36 @@ def test_usage_counts_the_reasoning_tokens(openai_client, forced, served):
     with forced.forcing("no end of thought", end=False):
         cut = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
     assert cut.usage.completion_tokens_details.reasoning_tokens == 3  # all of it was reasoning
+    with forced.forcing("no end of thought") as ids:  # the end token ends the output inside the reasoning
+        ended = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40)
+        streamed = list(
+            openai_client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=40, stream=True, stream_options={"include_usage": True}
+            )
+        )
+    assert ended.usage.completion_tokens == len(ids)  # the end token is an output token, not a reasoning one
+    assert ended.usage.completion_tokens_details.reasoning_tokens == len(ids) - 1
+    assert streamed[-1].usage.completion_tokens_details.reasoning_tokens == len(ids) - 1
     wait_whole(served)
+
+
+def test_only_reasoning_leaves_content_null(openai_client, forced):
+    """An answer that never left its reasoning has content null (OpenAI's and vLLM's), plain and streamed (no
+    content delta), and with include_reasoning false; a tool call without text before it likewise."""
+    with forced.forcing("Still thinking"):
+        plain = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40)
+        chunks = list(openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, stream=True))
+        hidden = openai_client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=40, extra_body={"include_reasoning": False}
+        )
+    message = plain.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Still thinking", None)
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == "Still thinking"
+    assert hidden.choices[0].message.content is None
+    with forced.forcing("Look it up.</think>" + dsml(("get_weather", {"city": "Paris"}))):
+        call = openai_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=120)
+    assert call.choices[0].message.tool_calls and call.choices[0].message.content is None
+    with forced.forcing("Done.</think>"):  # reasoning, then no answer text: null too
+        empty = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40)
+    assert empty.choices[0].message.content is None
