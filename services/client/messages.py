@@ -47,6 +47,9 @@ class TextDelta:
     # On a choice's first delta, with prompt_logprobs set: per prompt token after the first, its logprob
     # under the raw model; None otherwise.
     prompt_logprobs: list[float] | None = None
+    logprobs: list[float] = field(default_factory=list)  # per new token, its logprob (processed distribution)
+    # With logprobs set: per new token, the top (token id, logprob) pairs, best first; empty otherwise.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +72,10 @@ class Completion:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_ranks: list[int] | None = None  # per such token, how many tokens have a logprob >= its own
+    logprobs: list[float] = field(default_factory=list)  # per output token, its logprob (processed distribution)
+    # With logprobs set: per output token, the top (token id, logprob) pairs, best first; empty otherwise.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens taken from the engine's prefix cache instead of computed
 
 
 def generate_request(
@@ -215,7 +222,13 @@ def to_delta(response: pb.GenerateResponse) -> TextDelta:
         _tool_calls(c.chat),
         c.index,
         list(c.prompt_logprobs) if c.prompt_logprobs else None,
+        list(c.logprobs),
+        _tops(c.top_logprobs),
     )
+
+
+def _tops(tops: Sequence[pb.TokenTopLogprobs]) -> list[list[tuple[int, float]]]:
+    return [[(e.token_id, e.logprob) for e in t.entries] for t in tops]
 
 
 def _accumulate(completion: Completion, delta: pb.ChatDelta) -> None:
@@ -244,15 +257,16 @@ def add_to(completions: list[Completion], response: pb.GenerateResponse, client_
         completion.finish_reason = _finish_reason(f)
         completion.prompt_tokens = f.usage.prompt_tokens
         completion.completion_tokens = f.usage.completion_tokens
+        completion.cached_tokens = f.usage.cached_tokens
         _accumulate(completion, f.chat)
     else:
         c = response.chunk
         completion.text += c.text
         completion.token_ids.extend(c.token_ids)
+        completion.logprobs.extend(c.logprobs)
+        completion.top_logprobs.extend(_tops(c.top_logprobs))
         if c.prompt_logprobs and completion.prompt_logprobs is None:
             completion.prompt_logprobs = list(c.prompt_logprobs)
             completion.prompt_ranks = list(c.prompt_ranks)
-            completion.prompt_top_logprobs = [
-                [(e.token_id, e.logprob) for e in t.entries] for t in c.prompt_top_logprobs
-            ]
+            completion.prompt_top_logprobs = _tops(c.prompt_top_logprobs)
         _accumulate(completion, c.chat)

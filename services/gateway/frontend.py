@@ -195,7 +195,13 @@ class Frontend:
         them over the tokens the context leaves after max_tokens (one token when max_tokens is unset: the
         rest of the context): from their bytes before encoding, else after (images counted as their one
         placeholder here; the engine checks the expanded prompt)."""
-        budget = self.info.max_model_len - (args.params.max_tokens or 1)
+        max_tokens = args.params.max_tokens
+        if max_tokens is not None and max_tokens > self.info.max_model_len:
+            raise errors.invalid(
+                f"max_tokens must be between 1 and the context of {self.info.max_model_len} tokens, got {max_tokens}",
+                "max_tokens",
+            )
+        budget = self.info.max_model_len - (max_tokens or 1)
         param = "messages" if args.chat_body is not None else "prompt"
         try:
             if args.chat_body is not None:

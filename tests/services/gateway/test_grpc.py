@@ -4,6 +4,7 @@ import asyncio
 import threading
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -23,6 +24,21 @@ def test_stream_text_equals_llm_generate(grpc_client, reference_llm):
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
     done = grpc_client.generate([0, 19923], max_tokens=2, temperature=0)
     assert done.completion_tokens == 2 and done.prompt_tokens == 2 and done.finish_reason == "length"
+
+
+def test_the_client_returns_the_logprobs_it_asked_for(grpc_client, reference_llm):
+    """logprobs through the Python client: each token's logprob and top-n, streamed and whole, equal to
+    LLM.generate's (float32 over the wire); the usage's cached tokens reach the Completion."""
+    params = SamplingParams(max_tokens=4, seed=12, logprobs=3)
+    expected = reference_llm.generate("Hello there", params)[0]
+    done = grpc_client.generate("Hello there", max_tokens=4, seed=12, logprobs=3)
+    deltas = list(grpc_client.generate_stream("Hello there", max_tokens=4, seed=12, logprobs=3))
+    f32 = [float(np.float32(v)) for v in expected.logprobs]
+    tops = [[(i, float(np.float32(v))) for i, v in top] for top in expected.top_logprobs]
+    assert done.logprobs == [v for d in deltas for v in d.logprobs] == f32 and len(f32) == 4
+    assert done.top_logprobs == [t for d in deltas for t in d.top_logprobs] == tops
+    assert all(len(top) == 3 for top in tops)
+    assert grpc_client.generate("Hello there", max_tokens=1).cached_tokens > 0  # the same prompt again
 
 
 def test_chat_through_grpc_matches_http_rendering(grpc_client, served, reference_llm):

@@ -50,6 +50,16 @@ def test_every_field_has_a_cap_named_in_the_refusal(served, build, field):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(f"{field} is "), err.details()
 
 
+@pytest.mark.parametrize("prompt", ["Hi", [0, 5], [{"role": "user", "content": "Hi"}]])
+def test_max_tokens_over_the_context_is_refused_by_name(served, prompt):
+    """A max_tokens past the context names max_tokens (not a prompt over a negative budget), for every prompt."""
+    chat = isinstance(prompt[0], dict)
+    request = generate_request(None if chat else prompt, messages=prompt if chat else None, max_tokens=1 << 62)
+    err = refusal(served.grpc_target, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == f"max_tokens must be between 1 and the context of 4096 tokens, got {1 << 62}"
+
+
 def test_abort_client_request_id_is_capped(served):
     with grpc.insecure_channel(served.grpc_target) as ch:
         abort = ch.unary_unary("/shinkai.v1.Shinkai/Abort", request_serializer=pb.AbortRequest.SerializeToString)
