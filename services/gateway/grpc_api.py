@@ -182,6 +182,11 @@ def _constraint(sampling: pb.SamplingParams, options: ChatOptions | None) -> Con
             "sampling.constraint",
         )
     c = sampling.constraint
+    if c.kind == "json_object" and c.spec:
+        raise errors.invalid(
+            "sampling.constraint: json_object takes no spec (a schema goes with kind json_schema)",
+            "sampling.constraint",
+        )
     try:
         constraint = Constraint(c.kind, c.spec, strict=c.strict)
         constraint.grammar()

@@ -40,7 +40,18 @@ def test_a_constraint_over_grpc_is_enforced(served):
     assert final.finish_reason == pb.FINISH_REASON_STOP and re.fullmatch(REGEX, text), text
 
 
-@pytest.mark.parametrize("kind,spec,named", [("regex", "[a-", "regex"), ("xml", "", "constraint kind")])
+@pytest.mark.parametrize(
+    "kind,spec,named",
+    [
+        ("regex", "[a-", "regex"),
+        ("xml", "", "constraint kind"),
+        ("json_object", '{"type": "object"}', "json_object takes no spec"),
+        ("json_schema", "{not json", "json_schema: not JSON"),
+        ("json_schema", '{"type": 5}', "json_schema: invalid schema"),
+        ("choice", "[]", "choice"),
+        ("grammar", "root ::= (", "grammar"),
+    ],
+)
 def test_a_bad_constraint_is_invalid_argument(served, kind, spec, named):
     err = refusal(served.grpc_target, _request(kind, spec))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
