@@ -67,9 +67,21 @@ def _thinking(body: dict[str, Any]) -> dict[str, str] | None:
     return {"type": "enabled" if switches[0] else "disabled"} if switches else None
 
 
+# The roles a message may have (OpenAI's; developer is rendered as system).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _messages(messages: Any) -> list[Any]:
     if not isinstance(messages, list) or not messages:
         raise errors.invalid("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise errors.invalid(f"messages[{i}] must be an object with a role", f"messages[{i}]")
+        if m.get("role") not in ROLES:
+            raise errors.invalid(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m.get('role')!r:.64}",
+                f"messages[{i}].role",
+            )
     return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
 
 

@@ -62,7 +62,18 @@ HTTP_ROWS = [
         400,
         "supported format",
     ),
-    ("chat with a bad role", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "robot"),
+    (
+        "chat with a bad role",
+        {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role must be one of system, developer, user, assistant, tool; got 'robot'",
+    ),
+    (
+        "chat with a message that is not an object",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}, "hi"]},
+        400,
+        "messages[1] must be an object",
+    ),
     (
         "max_tokens of 5001 digits",
         b'{"model": "tiny", "prompt": "Hi", "max_tokens": ' + DIGITS_5001 + b"}",
@@ -129,7 +140,7 @@ GRPC_ROWS = [
     ("prompt + max_tokens over context", dict(max_tokens=4096), grpc.StatusCode.INVALID_ARGUMENT, "context"),
     ("max_tokens 0", dict(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     ("max_tokens negative", dict(max_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    ("max_tokens absurd", dict(max_tokens=10**15), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    ("max_tokens absurd", dict(max_tokens=10**15), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be between"),
     ("temperature negative", dict(temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     ("temperature NaN", dict(temperature=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     ("temperature Infinity", dict(temperature=math.inf), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
@@ -138,6 +149,12 @@ GRPC_ROWS = [
     ("seed too large", dict(seed=2**63), grpc.StatusCode.INVALID_ARGUMENT, "seed"),
     ("unknown model", dict(model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
     ("chat without messages", dict(prompt=None, messages=[]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+    (
+        "chat with a bad role",
+        dict(prompt=None, messages=[{"role": "latest_reminder", "content": "x"}]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages[0].role must be one of system, developer, user, assistant, tool; got 'latest_reminder'",
+    ),
     (
         "chat with a decompression bomb",
         dict(prompt=None, messages=chat_with_image(BOMB)["messages"]),
