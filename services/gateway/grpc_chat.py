@@ -7,11 +7,12 @@ deepseek-recipe parser (`ChatStream`); each piece's chunks are merged into one `
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from services.gateway import errors
+from services.gateway.errors import ApiError
 from services.gateway.openai.chat_options import ChatOptions, chat_options
+from services.gateway.openai.json_body import MAX_DEPTH, check_tree, parse_json
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 
 
@@ -59,10 +60,16 @@ def _tool(i: int, tool: pb.Tool) -> dict[str, Any]:
     if tool.description:
         function["description"] = tool.description
     if tool.parameters_json:
+        field = f"chat.tools[{i}].parameters_json"
         try:
-            function["parameters"] = json.loads(tool.parameters_json)
+            function["parameters"] = parse_json(tool.parameters_json)
+            check_tree(function["parameters"])  # HTTP's limits on a body: depth, finite numbers
         except ValueError as err:
-            raise errors.invalid(f"chat.tools[{i}].parameters_json is not JSON: {err}", "chat.tools") from err
+            raise errors.invalid(f"{field} is not JSON: {err}", "chat.tools") from err
+        except RecursionError as err:
+            raise errors.invalid(f"{field} is nested deeper than {MAX_DEPTH} levels", "chat.tools") from err
+        except ApiError as err:
+            raise errors.invalid(f"{field}: {err.message}", "chat.tools") from err
     return {"type": "function", "function": function}
 
 

@@ -84,6 +84,12 @@ def check_tree(body: Any, max_depth: int = MAX_DEPTH) -> None:
             stack.extend((v, (*path, k), depth + 1) for k, v in items)
 
 
+def parse_json(text: str) -> Any:
+    """JSON text parsed as `check_tree` expects (NaN / Infinity and over-long integers left as markers it
+    refuses); ValueError when it is not JSON, RecursionError when nested too deeply for the parser."""
+    return json.loads(text, parse_constant=_NonFinite, parse_int=_parse_int, parse_float=_parse_float)
+
+
 def parse_body(raw: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     if len(raw) > max_bytes:
         raise ApiError(
@@ -94,7 +100,7 @@ def parse_body(raw: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_depth: i
     except UnicodeDecodeError as err:
         raise errors.invalid(f"the body is not valid UTF-8: byte {err.start} cannot be decoded") from err
     try:
-        body = json.loads(text, parse_constant=_NonFinite, parse_int=_parse_int, parse_float=_parse_float)
+        body = parse_json(text)
     except json.JSONDecodeError as err:
         raise errors.invalid(f"the body is not valid JSON: {err}") from err
     except RecursionError as err:

@@ -2,10 +2,13 @@
 
 import json
 
+import grpc
 import pytest
 
 from services.client import InvalidArgument
+from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from tests.services.gateway.openai.test_chat_reasoning import USER, WEATHER, dsml
+from tests.services.gateway.support import refusal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,3 +66,22 @@ def test_bad_chat_options_name_the_field(grpc_client):
         grpc_client.generate(messages=USER, max_tokens=1, reasoning_effort="ultra")
     with pytest.raises(InvalidArgument, match="at most 4"):
         grpc_client.generate("x", max_tokens=1, stop=["a", "b", "c", "d", "e"])
+
+
+@pytest.mark.parametrize(
+    "parameters_json,message",
+    [
+        ("[" * 5000 + "]" * 5000, "chat.tools[0].parameters_json is nested deeper than 64 levels"),
+        ('{"a":' * 70 + "1" + "}" * 70, "chat.tools[0].parameters_json: the body is nested deeper than 64 levels"),
+        ('{"type": "object", "default": NaN}', "chat.tools[0].parameters_json: default must be a finite number"),
+        ("{bad", "chat.tools[0].parameters_json is not JSON"),
+    ],
+)
+def test_a_tool_schema_past_the_json_limits_names_its_field(served, parameters_json, message):
+    """A tool's parameters_json is held to the HTTP body's JSON limits: INVALID_ARGUMENT naming it, never
+    INTERNAL (a schema nested past the parser's recursion limit was one)."""
+    chat = pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="x")], tools=[pb.Tool(name="f", parameters_json=parameters_json)]
+    )
+    err = refusal(served.grpc_target, pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=1)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(message), err.details()
