@@ -54,7 +54,14 @@ class EngineBackend(Protocol):
     async def loads(self) -> dict[str, EngineStats]: ...  # replica -> its counts
 
 
+class DetokenizerLost(Exception):
+    """The detokenizer cannot answer any more (its service went away mid-stream): the request ends with finish
+    reason error, its engine request aborted."""
+
+
 class Detokenizer(Protocol):
+    """push and finish raise DetokenizerLost when the text can no longer be made."""
+
     async def push(self, token_ids: Sequence[int]) -> str: ...
 
     async def finish(self) -> str: ...

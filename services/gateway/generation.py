@@ -19,7 +19,7 @@ from observability.metrics import RequestMetrics
 from services.engine.finish_reason import FinishReason
 from services.engine.service import Delta
 from services.gateway.admission import Ticket
-from services.gateway.backends import DeltaStream, Detokenizer
+from services.gateway.backends import DeltaStream, Detokenizer, DetokenizerLost
 from services.gateway.stop_strings import StopStrings
 
 
@@ -105,12 +105,16 @@ class Generation:
                 for _ in delta.token_ids:  # vLLM's count: one inter-token latency per token after the first
                     self.metrics.itl.observe(gap)
             self._last = now
-        if self.stop is None:
-            text = await self.detokenizer.push(delta.token_ids)
-            if delta.finish_reason is not None:
-                text += await self.detokenizer.finish()
-        else:
-            delta, text = await self._stop_strings(delta)
+        try:
+            if self.stop is None:
+                text = await self.detokenizer.push(delta.token_ids)
+                if delta.finish_reason is not None:
+                    text += await self.detokenizer.finish()
+            else:
+                delta, text = await self._stop_strings(delta)
+        except DetokenizerLost:  # no more text can be made: the request ends here, its blocks come back
+            self.stream.close()
+            delta, text = dataclasses.replace(delta, finish_reason=FinishReason.ERROR, stop_token_id=None), ""
         if delta.finish_reason is not None:
             self._finish(delta, now)
         return Piece(delta, text)

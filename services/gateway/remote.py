@@ -20,6 +20,7 @@ from services.engine.images.prompt import ImageEncoderUnavailable
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import Delta, QueueFull, ShuttingDown
 from services.engine.stats import EngineStats
+from services.gateway.backends import DetokenizerLost
 from services.gateway.errors import ERROR_CODE_KEY
 from services.proto.shinkai.v1 import shinkai_pb2 as pb
 from services.proto.shinkai.v1 import shinkai_pb2_grpc
@@ -236,16 +237,28 @@ class _RemoteDetokenizer:
     async def push(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
             return ""
-        await self.call.write(
+        return await self._exchange(
             tpb.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=self.keep_special_tokens)
         )
-        return (await self.call.read()).text
 
     async def finish(self) -> str:
-        await self.call.write(tpb.DetokenizeRequest(finish=True, keep_special_tokens=self.keep_special_tokens))
-        text = (await self.call.read()).text
-        await self.call.done_writing()
+        text = await self._exchange(tpb.DetokenizeRequest(finish=True, keep_special_tokens=self.keep_special_tokens))
+        try:
+            await self.call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the text is whole; the service went away after answering
         return text
+
+    async def _exchange(self, request: tpb.DetokenizeRequest) -> str:
+        """One request written and its answer read; DetokenizerLost when the stream broke (the service died)."""
+        try:
+            await self.call.write(request)
+            response = await self.call.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+            raise DetokenizerLost(f"the tokenizer service's Detokenize stream broke: {err}") from None
+        if response is grpc.aio.EOF:
+            raise DetokenizerLost("the tokenizer service's Detokenize stream ended")
+        return response.text
 
     def close(self) -> None:
         self.call.cancel()
