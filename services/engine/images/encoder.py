@@ -8,6 +8,8 @@ included, means the service cannot answer now (`ImageEncoderUnavailable`, a 503)
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import numpy as np
 import torch
@@ -19,6 +21,8 @@ from services.multimodal.preprocess import ImageInputError
 from services.multimodal.service import GRPC_OPTIONS, MultimodalApi
 from services.proto.multimodal.v1 import multimodal_pb2 as pb
 from services.proto.multimodal.v1 import multimodal_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ENCODE_TIMEOUT_S = 120.0  # one image's Encode, queueing behind the service's other batches included
 
@@ -38,15 +42,15 @@ class MultimodalClient:
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ImageInputError(err.details() or "the multimodal service refused the image") from None
+            # The client hears the status alone; the transport's text (addresses, resolver errors) goes to the log.
+            log.warning("multimodal service at %s: %s (%s)", self.address, err.code().name, err.details())
             raise ImageEncoderUnavailable(
-                f"the multimodal service at {self.address} cannot encode images now: "
-                f"{err.code().name} ({err.details()})"
+                f"the multimodal service cannot encode images now ({err.code().name}); try again shortly"
             ) from None
         num_tokens, hidden = reply.plan.num_tokens, reply.hidden_size
         if len(reply.embeddings) != 4 * num_tokens * hidden:
             raise ImageEncoderUnavailable(
-                f"the multimodal service at {self.address} sent {len(reply.embeddings)} "
-                f"bytes for a [{num_tokens}, {hidden}] fp32 span"
+                f"the multimodal service sent {len(reply.embeddings)} bytes for a [{num_tokens}, {hidden}] fp32 span"
             )
         rows = np.frombuffer(reply.embeddings, dtype="<f4").reshape(num_tokens, hidden)
         return torch.from_numpy(rows.astype(np.float32))  # a copy: the reply's buffer is read-only
