@@ -44,7 +44,7 @@ def test_token_buckets_and_plan():
 
 
 def test_the_compile_manifest_is_keyed_by_what_picks_the_variants(monkeypatch, tmp_path):
-    from services.engine.warmup import compile_manifest
+    from services.engine.precompile import compile_manifest
     from tests.model.deepseek_v41.oracle_configs import ORACLE
 
     monkeypatch.setenv("SHINKAI_CACHE_DIR", str(tmp_path))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services import cache_dirs
-from services.worker.compile_manifest import CompileManifest, manifest_key, stop_recording
+from services.worker.compile_manifest import CompileManifest, stop_recording
+from services.worker.manifest_key import manifest_key
 
 ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = [c.env for c in cache_dirs.CACHES if c.env is not None]
