@@ -1,6 +1,8 @@
 """services/worker/compile_manifest.py: variants compiled for sm_90 on this CPU are recorded by two processes at
-once into one manifest, each entry whole; a third process compiles the manifest at once and its launches of those
-variants then compile nothing. Stale entries are skipped and counted; the key follows what it hashes."""
+once into one manifest, each entry whole; a third process compiles the manifest at once on threads of its own beside a
+stand-in for the weight load (the load waits for it to begin; the compiles end before the load does), and its
+launches of those variants then compile nothing. Stale entries are skipped and counted; the key follows what it
+hashes."""
 
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ def test_two_processes_record_at_once_and_a_third_precompiles_every_variant(tmp_
     third = _result(_writer(env, "256,512,1024", "--precompile"))
     assert third["precompiled"]["num_entries"] == third["precompiled"]["num_preloaded"] == 3
     assert third["precompiled"]["num_stale"] == 0
+    # Beside the load: reported beside it, its variants read on its own threads while the load was still under way.
+    during = third["during_load"]
+    assert during["phase"] == "loading" and [b["phase"] for b in during["beside"]] == ["compiling"]
+    assert third["by_phase"] == {"compiling": {"num_compiled": 0, "num_cached": 3, "compile_s": 0.0}}
     # The manifest's variants came from Triton's cache, and the launches found them in the kernel's table.
     assert (third["hits"], third["misses"], third["compiled"]) == (3, 0, 0)
 
