@@ -55,6 +55,8 @@ log = logging.getLogger("shinkai.worker.compile_manifest")
 
 VARIANTS = next(c for c in CACHES if c.name == "variants")
 """The manifests' cache (services/cache_dirs.py: ``<root>/variants``; `shinkai cache` shows and clears it)."""
+ATTEMPTS = 5
+"""Tries to write an entry whose directory a prune removes meanwhile, before giving it up (the hook logs it)."""
 _RECORDING: dict = {}
 """While the process records: the manifest, Triton's hook set before, and the one ``record`` set."""
 
@@ -144,21 +146,23 @@ class CompileManifest:
         path = self.directory / f"{name}.json"
         if path.exists():
             return path
-        self._make_directory()
-        entry = {"module": module, "qualname": qualname, "specialization_data": specialization_data}
-        try:
-            fd, tmp = tempfile.mkstemp(prefix="tmp.", dir=self.directory)
-        except FileNotFoundError:  # pruned meanwhile (`shinkai cache prune`): made again
+        entry = json.dumps({"module": module, "qualname": qualname, "specialization_data": specialization_data})
+        for attempt in range(ATTEMPTS):  # the directory pruned meanwhile (`shinkai cache prune`): made again
             self._make_directory()
-            fd, tmp = tempfile.mkstemp(prefix="tmp.", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(entry, f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+            try:
+                fd, tmp = tempfile.mkstemp(prefix="tmp.", dir=self.directory)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(entry)
+                    os.replace(tmp, path)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+                return path
+            except OSError:  # its directory gone (or, made by another writer, gone again); a full disk
+                if attempt == ATTEMPTS - 1:
+                    raise
+        raise AssertionError
 
     # ---------------------------------------------------------------- reading and precompiling
 
