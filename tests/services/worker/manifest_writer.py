@@ -13,9 +13,9 @@ the process waits for FILE (so writers start together), records, and compiles ``
 counts, the state the load read and the compiles by phase, how many of the launches' variants compiled (Triton's
 cache-miss hook: called only for a variant the kernel's table lacks), and Triton's file-cache hits and misses. With
 ``--engine``
-it starts an engine the served way on CUDA (its warm-up precompiles the manifest and records) and prints the
-manifest's entries and how many variants compiled for a launch and ahead of any (preloaded from the manifest, or the
-sampler's variants)."""
+it starts an engine the served way on CUDA (it precompiles the manifest beside the load and records) and prints the
+manifest's entries, how many variants compiled for a launch and ahead of any (preloaded from the manifest, or the
+sampler's variants), the phases' seconds, the compiles by phase, and the phases a probe saw at once."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def _serve_a_few(model: str) -> None:
     from triton import knobs
 
     from services.engine import LLM, SamplingParams
-    from services.worker import compile_manifest
+    from services.worker import compile_manifest, compile_stats, startup
 
     compiled = {"launch": 0, "ahead": 0}  # compiles a launch needed; compiles without a launch (preload, warmup)
     launched: list[str] = []  # the kernels of the former
@@ -180,12 +180,32 @@ def _serve_a_few(model: str) -> None:
     engine_log = logging.getLogger("shinkai.engine")
     engine_log.setLevel(logging.INFO)
     engine_log.addHandler(Kept())
+    compile_stats.install()
+    states: set[tuple] = set()  # (phase, phases beside it) as a probe saw them every 2 ms
+    starting = threading.Event()
+
+    def probe() -> None:
+        while not starting.wait(0.002):
+            state = startup.PROGRESS.state()
+            states.add((state.phase, tuple(b.phase for b in state.beside)))
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
     llm = LLM(model=model, device="cuda", max_num_seqs=4, max_model_len=256, num_blocks=64)
+    starting.set()
     prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((3, 17, 40, 90))]
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     manifest = compile_manifest.recording()
     assert manifest is not None, "the engine's warm-up records into its compile manifest"
-    out = {"entries": len(manifest.entries()), **compiled, "precompiled": precompiled, "launched": launched[:20]}
+    out = {
+        "entries": len(manifest.entries()),
+        **compiled,
+        "precompiled": precompiled,
+        "durations": startup.PROGRESS.durations(),
+        "by_phase": compile_stats.STATS.summary(),
+        "seen": sorted([phase or "", *beside] for phase, beside in states),
+        "launched": launched[:20],
+    }
     print(json.dumps(out), flush=True)
 
 
