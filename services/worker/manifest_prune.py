@@ -60,7 +60,8 @@ def prune(
     environ: Mapping[str, str] = os.environ,
 ) -> list[Removed]:
     """Removes what the module docstring lists from ``root`` (default: the variants cache's directory) and returns it,
-    in the order of their names. ``current``: the versions to keep (default: this process's); ``now``: the clock's time."""
+    in the order of their names. ``current``: the versions to keep (default: this process's); ``now``: the clock's
+    time."""
     root = Path(root) if root is not None else directory(VARIANTS, environ)
     current = dict(current) if current is not None else versions()
     now = time.time() if now is None else now
