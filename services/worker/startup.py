@@ -6,7 +6,7 @@ API (/health, grpc.health's trailing metadata, `shinkai up`'s progress line, the
 | ``loading`` | the weights onto the device (``LLM``: ``load_model``) | parts placed (kernel form) |
 | ``profiling`` | the profiled step that sizes the pools (services/engine/pool_sizing.py) | none |
 | ``capturing`` | the CUDA graphs of every decode size and speculative bucket (services/worker/build.py) | graphs |
-| ``compiling`` | the manifest's variants beside ``loading`` (engine/precompile.py), the warm-up (engine/warmup.py) | yes |
+| ``compiling`` | variants beside ``loading`` (services/engine/precompile.py); the warm-up (engine/warmup.py) | yes |
 
 Code that does a phase's work reports into the process's one ``PROGRESS``, from any thread::
 
