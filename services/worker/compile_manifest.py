@@ -17,7 +17,9 @@ start can compile the same set in parallel before any step runs:
   subprocess, outside the GIL), or read from Triton's file cache where it holds it, and lands in the kernel's
   in-process table under the launch's key, so the launch that needs it finds it without a compile. An entry whose
   kernel is gone, whose parameters changed or whose compile fails is skipped and counted (``Precompiled.num_stale``);
-  the start goes on, and that launch compiles as it would have.
+  the start goes on, and that launch compiles as it would have. Its parts can run apart: ``resolve()`` (the imports
+  and Triton's per-device tables) on the thread that launches kernels, the compiles on another, which a ``stop``
+  event ends early (services/engine/precompile.py runs them beside the weight load).
 
 A manifest is one directory, ``<root>/variants/<key>`` (services/cache_dirs.py), per ``key``: a hash of what
 picks the variants (the caller's description: the model's config and the engine's step shape) and of what makes a
@@ -67,7 +69,7 @@ class Precompiled:
 
     num_entries: int  # entries in the manifest
     num_preloaded: int  # variants compiled or read from Triton's cache, now in their kernel's in-process table
-    num_stale: int  # entries skipped: kernel gone, parameters changed, or the compile failed
+    num_stale: int  # entries skipped: kernel gone, parameters changed, the compile failed (or was cancelled by stop)
     seconds: float  # wall time of the whole pass
 
 
@@ -192,8 +194,8 @@ class CompileManifest:
         for entry in entries:
             fn = kernel_of(entry)
             if fn is None:
-                log.info("compile manifest: skipped %s.%s (its kernel is gone or its parameters changed)",
-                         entry.get("module"), entry.get("qualname"))  # fmt: skip
+                name = f"{entry.get('module')}.{entry.get('qualname')}"
+                log.info("compile manifest: skipped %s (its kernel is gone or its parameters changed)", name)
                 continue
             try:
                 fn.device_caches[driver.active.get_current_device()]  # Triton's per-device table, made here
