@@ -87,10 +87,16 @@ class Preload:
         self.result: Precompiled | None = None  # once joined, where it ran to its end
         self.started = threading.Event()  # set once its phase is entered (the beside phase is reported)
         self._stop = threading.Event()
+        self._index: int | None = None  # the CUDA device's index (``start``); None off CUDA
         self._thread: threading.Thread | None = None
 
     def start(self) -> Preload:
         try:
+            if self.device.startswith("cuda"):  # "cuda" alone: the caller's current device, as the engine's own
+                import torch
+
+                index = torch.device(self.device).index
+                self._index = torch.cuda.current_device() if index is None else index
             self.manifest.record()
             with self._on_device():
                 resolved = self.manifest.resolve()
@@ -123,17 +129,17 @@ class Preload:
 
     def _set_device(self) -> None:
         """The engine's CUDA device as the calling thread's current one (Triton compiles for the current device)."""
-        if self.device.startswith("cuda"):
+        if self._index is not None:
             import torch
 
-            torch.cuda.set_device(torch.device(self.device))
+            torch.cuda.set_device(self._index)
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """``_set_device`` for the block only (the caller's thread)."""
-        if self.device.startswith("cuda"):
+        if self._index is not None:
             import torch
 
-            return torch.cuda.device(torch.device(self.device))
+            return torch.cuda.device(self._index)
         return contextlib.nullcontext()
 
     def join(self) -> Precompiled | None:

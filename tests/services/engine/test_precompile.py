@@ -5,6 +5,7 @@ that pick variants and no other. Real compiles beside a load: tests/services/wor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -127,3 +128,20 @@ def wait_for(condition, timeout_s: float = TIMEOUT_S) -> bool:
         return True
     finally:
         deadline.cancel()
+
+
+def test_the_compiling_threads_run_on_the_engine_device(monkeypatch, tmp_path):
+    """Triton compiles for the thread's current CUDA device: the precompile's thread takes the engine's (``cuda:N``'s
+    N, or for ``cuda`` the starting thread's current one), without changing the starting thread's."""
+    import torch
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append((threading.current_thread().name, i)))
+    monkeypatch.setattr(torch.cuda, "device", lambda i: calls.append(("scoped", i)) or contextlib.nullcontext())
+    for device, index in (("cuda", 3), ("cuda:1", 1)):
+        calls.clear()
+        preload = Preload(CompileManifest(tmp_path / "none"), device).start()
+        assert preload.join() is not None
+        assert calls == [("scoped", index), ("precompile", index)]
+    stop_recording()
