@@ -85,7 +85,7 @@ class Preload:
         self.device = device  # the engine's device: the compiling threads' current one
         self.workers = workers  # compiling threads; None: one per CPU the process may use
         self.result: Precompiled | None = None  # once joined, where it ran to its end
-        self.started = threading.Event()  # set once its phase is entered (the beside phase is reported)
+        self.started = threading.Event()  # set once its phase is entered (reported beside), or once it stopped short
         self._stop = threading.Event()
         self._index: int | None = None  # the CUDA device's index (``start``); None off CUDA
         self._thread: threading.Thread | None = None
