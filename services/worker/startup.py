@@ -93,8 +93,13 @@ class StartupState:
     @classmethod
     def from_json(cls, text: str) -> StartupState:
         data = json.loads(text)
-        beside = tuple(BesideState(**b) for b in data.pop("beside", ()))  # absent from a process without it
-        return cls(**data, beside=beside)
+        beside = tuple(BesideState(**_known(BesideState, b)) for b in data.pop("beside", ()))  # absent from older ones
+        return cls(**_known(cls, data), beside=beside)
+
+
+def _known(kind: type, data: dict) -> dict:
+    """``data``'s keys that are fields of ``kind``: a newer process's state, read here, may carry more."""
+    return {k: v for k, v in data.items() if k in kind.__dataclass_fields__}  # type: ignore[attr-defined]
 
 
 def _count(done: int, total: int | None, bar_width: int) -> str:

@@ -102,7 +102,12 @@ def test_threads_marked_for_a_phase_beside_work_for_it_until_it_ends():
     assert seen == {"pool": "compiling", "loader": "loading"}
 
 
-def test_a_state_without_beside_still_reads():
-    """A process of an earlier release answers without the field."""
+def test_a_state_of_another_release_still_reads():
+    """A process of an earlier release answers without ``beside``; a later one may add fields."""
+    later = '{"phase": "loading", "done": 1, "total": 2, "detail": null, "phase_s": 1.0, "started_s": 2.0, "eta_s": 3, '
+    later += '"beside": [{"phase": "compiling", "done": 0, "total": null, "phase_s": 0.5, "rate": 1}]}'
+    assert StartupState.from_json(later) == StartupState(
+        "loading", 1, 2, None, 1.0, 2.0, (BesideState("compiling", 0, None, 0.5),)
+    )
     assert StartupState.from_json('{"phase": "loading", "done": 1, "total": 2, "detail": null, "phase_s": 1.0, '
                                   '"started_s": 2.0}').beside == ()  # fmt: skip
