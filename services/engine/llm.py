@@ -13,12 +13,13 @@ from services.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, default_
 from services.engine.engine import Engine
 from services.engine.model_source import ModelSource, load_model
 from services.engine.outputs import RequestOutput
+from services.engine.precompile import preloaded
 from services.engine.request_checks import check_priority, validate_request
 from services.engine.sampling_params import SamplingParams
 from services.engine.stats import EngineStats
 from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
-from services.engine.warmup import Progress, compile_manifest, precompile_variants, warm_up
+from services.engine.warmup import Progress, warm_up
 from services.worker import startup
 from services.worker.build import build_worker
 from services.worker.kernel_model.fp8_linear import KernelSet
@@ -67,27 +68,26 @@ class LLM:
         on_cuda = builds_model and str(self.config.device).startswith("cuda")
         # The device's memory planned before any byte is loaded (services/engine/memory_plan.py).
         memory = plan_memory(model, self.config) if on_cuda and self.config.kernel_backend is not None else None
-        if source is None:
-            # With a remote worker the weights are its own: this process loads config and tokenizer only
-            # (and so never touches the device).
-            with reported_oom(memory, self.config, "loading the model"), startup.phase("loading"):
-                source = load_model(
-                    model,
-                    seed=self.config.model_seed,
-                    device=self.config.device or "cpu",
-                    load_format=self.config.load_format,
-                    precision=self.config.kernel_backend,
-                    weights=worker is None,
-                    expert_format=self.config.expert_format,
-                    engram_on_host=self.config.engram_on_host,
-                )
-            if on_cuda:
-                from services.engine.memory_plan import log_device_bytes
+        # An earlier start's variants compile beside the load, done before any launch (services/engine/precompile.py).
+        with preloaded(self.config, model, source, enabled=self.config.warmup and worker is None):
+            if source is None:
+                # With a remote worker the weights are its own: only config and tokenizer load here (no device).
+                with reported_oom(memory, self.config, "loading the model"), startup.phase("loading"):
+                    source = load_model(
+                        model,
+                        seed=self.config.model_seed,
+                        device=self.config.device or "cpu",
+                        load_format=self.config.load_format,
+                        precision=self.config.kernel_backend,
+                        weights=worker is None,
+                        expert_format=self.config.expert_format,
+                        engram_on_host=self.config.engram_on_host,
+                    )
+                if on_cuda:
+                    from services.engine.memory_plan import log_device_bytes
 
-                log_device_bytes(source.model)
+                    log_device_bytes(source.model)
         self.source = source
-        if self.config.warmup and worker is None:  # an earlier start's variants, compiled at once before any launch
-            precompile_variants(compile_manifest(self.config, source.config))
         model_max = source.config.max_position_embeddings
         if self.config.max_model_len > model_max:
             raise ValueError(

@@ -31,27 +31,22 @@ test with drafts (fixed and varlen) finds no key the warm-up missed.
 each warm-up request ends (``done`` of ``total``), so a readiness report can show it; the caller decides when the
 engine counts as ready (after ``warm_up`` returns).
 
-Before any of that, before the pools are profiled and the graphs captured, ``precompile_variants`` compiles every
-variant an earlier start of the same engine compiled, at once in a thread pool (its compile manifest:
-services/worker/compile_manifest.py), and records this start's compiles for the next one: the profiling step, the
-captures and the steps above then find those variants compiled. On a first start (no manifest) they compile one at a
-time as they are launched.
+Before any of that, while the weights load, the variants an earlier start of the same engine compiled are compiled
+at once in a thread pool from its compile manifest (services/engine/precompile.py), and this start's compiles are
+recorded for the next one: the profiling step, the captures and the steps above then find those variants compiled.
+On a first start (no manifest) they compile one at a time as they are launched.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
-from services.worker import startup
-from services.worker.compile_manifest import CompileManifest, manifest_key
 
 log = logging.getLogger("shinkai.engine")
 
@@ -61,49 +56,6 @@ MAX_CONTEXT = 65_536
 selection buckets (one per power of two) on first use."""
 Progress = Callable[[str, int, int], None]
 """(phase, done, total): the readiness report's hook."""
-
-
-VARIANT_FIELDS = (
-    "kernel_backend",
-    "expert_format",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "scheduling",
-    "num_speculative_tokens",
-    "spec_varlen",
-    "spec_sampling",
-    "cuda_graphs",
-    "async_scheduling",
-    "batch_invariant",
-    "enable_prefix_caching",
-)
-"""The engine fields that pick kernel variants, in the compile manifest's key with the model's config. Left out:
-pool sizes and ``max_model_len`` (sized from the device's free memory, they vary between starts; the variants of a
-longer context than the last start's compile on first use or in the warm-up, and are recorded then)."""
-
-
-def compile_manifest(config: EngineConfig, model_config: object) -> CompileManifest:
-    """This engine's compile manifest under the cache root: keyed by the model's config (a dataclass), the
-    ``VARIANT_FIELDS``, the device and the versions (``manifest_key``)."""
-    picks = {"model": dataclasses.asdict(model_config), **{f: getattr(config, f) for f in VARIANT_FIELDS}}  # type: ignore[call-overload]
-    return CompileManifest.under_root(manifest_key(picks, config.device or "cpu"))
-
-
-def precompile_variants(manifest: CompileManifest) -> None:
-    """Compiles ``manifest``'s variants at once (reported as the ``"compiling"`` phase), then records every compile of
-    this process into it."""
-    with startup.phase(PHASE) as step:
-        done = manifest.precompile(progress=step.count)
-    log.info(
-        "precompiled %d kernel variants of %d recorded in %.1f s (%d stale) from %s",
-        done.num_preloaded,
-        done.num_entries,
-        done.seconds,
-        done.num_stale,
-        manifest.directory,
-    )
-    manifest.record()
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """`shinkai cache`: the compile caches (services/cache_dirs.py), their directories, sizes and entries; `shinkai cache
-clear` empties them."""
+clear` empties them; `shinkai cache prune` removes the compile manifests no start can load any more, and optionally
+those unused for some days (services/worker/manifest_prune.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         clear.add_argument(f"--{c.name}", action="store_true", help=f"the {c.name} cache")
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_clear)
+    prune = commands.add_parser(
+        "prune",
+        help="remove the compile manifests (variants) of other Triton or torch versions, their entries whose kernel "
+        "is gone or changed, writers' leftovers, and with --older-than those unused for that many days",
+    )
+    prune.add_argument("--older-than", type=float, default=None, metavar="DAYS", help="also manifests unused this long")
+    prune.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
+    prune.set_defaults(func=_prune)
 
 
 def _size(num_bytes: int) -> str:
@@ -61,4 +70,24 @@ def _clear(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise UsageError(str(err)) from err
         print(f"cleared {cleared.name}: {cleared.num_entries} entries, {_size(cleared.num_bytes)}")
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    import os
+
+    from services.cache_dirs import directory
+    from services.entrypoints.cli import UsageError
+    from services.worker.compile_manifest import VARIANTS
+    from services.worker.manifest_prune import prune
+
+    if args.older_than is not None and args.older_than < 0:
+        raise UsageError(f"--older-than is a number of days, at least 0; got {args.older_than}")
+    older_than_s = None if args.older_than is None else args.older_than * 86400
+    root = directory(VARIANTS)
+    removed = prune(root, older_than_s=older_than_s, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for r in removed:
+        print(f"{verb} {os.path.relpath(r.path, root)}  {_size(r.num_bytes)}  ({r.why})")
+    print(f"{verb} {len(removed)} item(s), {_size(sum(r.num_bytes for r in removed))} from {root}")
     return 0

@@ -17,14 +17,19 @@ start can compile the same set in parallel before any step runs:
   subprocess, outside the GIL), or read from Triton's file cache where it holds it, and lands in the kernel's
   in-process table under the launch's key, so the launch that needs it finds it without a compile. An entry whose
   kernel is gone, whose parameters changed or whose compile fails is skipped and counted (``Precompiled.num_stale``);
-  the start goes on, and that launch compiles as it would have.
+  the start goes on, and that launch compiles as it would have. Its parts can run apart: ``resolve()`` (the imports
+  and Triton's per-device tables) on the thread that launches kernels, the compiles on another, which a ``stop``
+  event ends early (services/engine/precompile.py runs them beside the weight load).
 
 A manifest is one directory, ``<root>/variants/<key>`` (services/cache_dirs.py), per ``key``: a hash of what
 picks the variants (the caller's description: the model's config and the engine's step shape) and of what makes a
-compiled variant valid (the device's name and compute capability, Triton's and torch's versions). The kernels'
-source is not in the key: after an upgrade that edits a kernel, its variants miss Triton's cache and the manifest
-compiles them again in parallel. A variant no longer launched stays in the manifest and costs a compile per start
-until ``shinkai cache clear --variants`` (or a new key) drops it.
+compiled variant valid (the device's name and compute capability, Triton's and torch's versions). Its file ``key``
+holds that description as JSON (``describe_key``), so ``shinkai cache prune`` can tell a manifest of other versions
+without recomputing it (services/worker/manifest_prune.py); the directory appears whole with it (built under a
+temporary name, then renamed into place), and ``precompile`` touches it, so its files' newest time is its last use.
+The kernels' source is not in the key: after an upgrade that edits a kernel, its variants miss Triton's cache and
+the manifest compiles them again in parallel. A variant no longer launched stays in the manifest and costs a compile
+per start until ``shinkai cache prune`` (its kernel gone or changed) or ``shinkai cache clear --variants`` drops it.
 
 What a manifest cannot do: the first start on an empty cache root has none, so its variants compile one at a time
 as the build and the warm-up launch them.
@@ -38,17 +43,22 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.cache_dirs import CACHES, directory
+from services.worker.manifest_key import KEY_FILE, describe_key, key_of
 
 log = logging.getLogger("shinkai.worker.compile_manifest")
 
 VARIANTS = next(c for c in CACHES if c.name == "variants")
 """The manifests' cache (services/cache_dirs.py: ``<root>/variants``; `shinkai cache` shows and clears it)."""
+ATTEMPTS = 5
+"""Tries to write an entry whose directory a prune removes meanwhile, before giving it up (the hook logs it)."""
 _RECORDING: dict = {}
 """While the process records: the manifest, Triton's hook set before, and the one ``record`` set."""
 
@@ -59,33 +69,55 @@ class Precompiled:
 
     num_entries: int  # entries in the manifest
     num_preloaded: int  # variants compiled or read from Triton's cache, now in their kernel's in-process table
-    num_stale: int  # entries skipped: kernel gone, parameters changed, or the compile failed
+    num_stale: int  # entries skipped: kernel gone, parameters changed, the compile failed (or was cancelled by stop)
     seconds: float  # wall time of the whole pass
 
 
-def manifest_key(description: Mapping[str, object], device: str) -> str:
-    """The manifest's key: a hash of ``description`` (what picks the variants; JSON-able, any value else by ``str``)
-    with the device's name and capability (on CUDA) and Triton's and torch's versions."""
-    import torch
-    import triton
-
-    validity: dict[str, object] = {"triton": triton.__version__, "torch": torch.__version__, "device": device}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        index = torch.device(device).index or 0
-        validity["device_name"] = torch.cuda.get_device_name(index)
-        validity["capability"] = list(torch.cuda.get_device_capability(index))
-    text = json.dumps({"picks": description, "valid": validity}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
 class CompileManifest:
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
+    def __init__(self, directory: Path, described: str | None = None) -> None:
+        self.directory = Path(directory)  # its entries, one file each
+        self.described = described  # its key file's text (``describe_key``); None: it writes none
 
     @staticmethod
     def under_root(key: str, environ: Mapping[str, str] = os.environ) -> CompileManifest:
-        """The manifest of ``key`` (``manifest_key``) under the cache root."""
+        """The manifest of ``key`` under the cache root (no key file: a test's)."""
         return CompileManifest(directory(VARIANTS, environ) / key)
+
+    @staticmethod
+    def described_under_root(
+        description: Mapping[str, object], device: str, environ: Mapping[str, str] = os.environ
+    ) -> CompileManifest:
+        """The manifest of ``description`` on ``device`` (``manifest_key``) under the cache root, with its key file."""
+        described = describe_key(description, device)
+        return CompileManifest(directory(VARIANTS, environ) / key_of(described), described)
+
+    def touch(self) -> None:
+        """Marks the manifest used now (its key file's time, else its directory's), where it exists."""
+        for path in (self.directory / KEY_FILE, self.directory):
+            try:
+                os.utime(path)
+                return
+            except OSError:
+                continue
+
+    def _make_directory(self) -> None:
+        """The directory, appearing whole with its key file: built under a temporary name beside it, then renamed
+        into place (where another process got there first, theirs stays)."""
+        if self.directory.is_dir():
+            return
+        if self.described is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix="tmp.", dir=self.directory.parent))
+        try:
+            (building / KEY_FILE).write_text(self.described)
+            os.rename(building, self.directory)
+        except OSError:
+            if not self.directory.is_dir():
+                raise
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
 
     # ---------------------------------------------------------------- recording
 
@@ -116,17 +148,23 @@ class CompileManifest:
         path = self.directory / f"{name}.json"
         if path.exists():
             return path
-        self.directory.mkdir(parents=True, exist_ok=True)
-        entry = {"module": module, "qualname": qualname, "specialization_data": specialization_data}
-        fd, tmp = tempfile.mkstemp(prefix="tmp.", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(entry, f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        entry = json.dumps({"module": module, "qualname": qualname, "specialization_data": specialization_data})
+        for attempt in range(ATTEMPTS):  # the directory pruned meanwhile (`shinkai cache prune`): made again
+            self._make_directory()
+            try:
+                fd, tmp = tempfile.mkstemp(prefix="tmp.", dir=self.directory)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(entry)
+                    os.replace(tmp, path)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+                return path
+            except OSError:  # its directory gone (or, made by another writer, gone again); a full disk
+                if attempt == ATTEMPTS - 1:
+                    raise
+        raise AssertionError
 
     # ---------------------------------------------------------------- reading and precompiling
 
@@ -145,42 +183,87 @@ class CompileManifest:
                 log.warning("compile manifest: skipped %s (%s)", path.name, e)
         return found
 
-    def precompile(self, workers: int | None = None, progress: Callable[[int, int], None] | None = None) -> Precompiled:
+    def resolve(self) -> Resolved:
+        """Every entry's kernel, found by module and name (importing its module), with its per-device table made:
+        the part of ``precompile`` to run on the thread that launches kernels, before the compiles go to others
+        (imports and the tables are not made concurrently with that thread's own)."""
+        from triton.runtime import driver
+
+        entries = self.entries()
+        found = []
+        for entry in entries:
+            fn = kernel_of(entry)
+            if fn is None:
+                name = f"{entry.get('module')}.{entry.get('qualname')}"
+                log.info("compile manifest: skipped %s (its kernel is gone or its parameters changed)", name)
+                continue
+            try:
+                fn.device_caches[driver.active.get_current_device()]  # Triton's per-device table, made here
+            except Exception as e:  # no driver: nothing can compile
+                log.warning("compile manifest: no device to compile for (%s)", e)
+                return Resolved(len(entries), [])
+            found.append((fn, entry["specialization_data"]))
+        return Resolved(len(entries), found)
+
+    def precompile(
+        self,
+        workers: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        resolved: Resolved | None = None,
+        thread_setup: Callable[[], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> Precompiled:
         """Compiles every entry's variant at once in ``workers`` threads (module docstring); ``progress(done,
-        total)`` after each one ends. Call it before the launches that need them (graph capture, warm-up)."""
+        total)`` after each one ends. Call it before the launches that need them (graph capture, warm-up).
+        ``resolved``: ``resolve()``'s, done earlier on the launching thread (else done here); ``thread_setup``: run
+        first on each worker thread; ``stop`` set: no further compile starts (those under way end)."""
         import time
 
         from triton.runtime._async_compile import AsyncCompileMode
 
         start = time.perf_counter()
-        entries = self.entries()
-        num_unresolved = 0
+        self.touch()
+        resolved = resolved if resolved is not None else self.resolve()
+        num_unresolved = resolved.num_entries - len(resolved.kernels)
         submitted: list[concurrent.futures.Future] = []
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers or _num_cpus())
+        executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers or _num_cpus(), thread_name_prefix="precompile", initializer=thread_setup
+        )
+        num_failed = 0
         with executor, AsyncCompileMode(executor, ignore_errors=True) as mode:
-            for entry in entries:
+            for fn, data in resolved.kernels:
+                if stop is not None and stop.is_set():
+                    break
                 before = len(mode.raw_futures)
                 try:
-                    fn = _kernel(entry)
-                    if fn is None:
-                        raise LookupError("its kernel is gone or its parameters changed")
-                    fn.preload(entry["specialization_data"])
-                except Exception as e:  # an entry of another Triton's options, a renamed kernel …
+                    fn.preload(data)
+                except Exception as e:  # an entry of another Triton's options …
                     num_unresolved += 1
-                    log.info("compile manifest: skipped %s.%s (%s)", entry.get("module"), entry.get("qualname"), e)
+                    log.info("compile manifest: skipped a variant of %s (%s)", fn, e)
                     continue
                 # One future per compile (none where an earlier entry's compile was the same source and options).
                 submitted += mode.raw_futures[before:]
-            num_failed = 0
+            if stop is not None and stop.is_set():
+                executor.shutdown(wait=False, cancel_futures=True)
             for done, future in enumerate(concurrent.futures.as_completed(submitted), 1):
-                if future.exception() is not None:
+                if future.cancelled() or future.exception() is not None:
                     num_failed += 1
-                    log.warning("compile manifest: a variant failed to compile (%s)", future.exception())
+                    if not future.cancelled():
+                        log.warning("compile manifest: a variant failed to compile (%s)", future.exception())
                 if progress is not None:
                     progress(done, len(submitted))
+        num_preloaded = len(submitted) - num_failed
         return Precompiled(
-            len(entries), len(submitted) - num_failed, num_unresolved + num_failed, time.perf_counter() - start
+            resolved.num_entries, num_preloaded, num_unresolved + num_failed, time.perf_counter() - start
         )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A manifest's entries with their kernels found (``CompileManifest.resolve``)."""
+
+    num_entries: int  # entries in the manifest
+    kernels: list  # (the kernel's JITFunction, the entry's specialization_data) of each entry whose kernel was found
 
 
 def recording() -> CompileManifest | None:
@@ -203,7 +286,7 @@ def _num_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _kernel(entry: Mapping[str, str]):
+def kernel_of(entry: Mapping[str, str]):
     """The entry's ``JITFunction`` (through an autotuner's or heuristics' ``fn``), or None where the module, the name
     or the parameters no longer match."""
     from triton.runtime.jit import JITFunction

@@ -5,7 +5,9 @@ and whether a request after ready waited on one (the engine's ``ready`` and ``st
 ``install()`` (once per process, before anything compiles; idempotent) sets Triton's compilation listener, keeping
 any listener already set (a test's) and calling it too. Triton calls it once per kernel variant a process first
 launches: ``cache_hit`` says whether the variant came from the compile cache (services/cache_dirs.py) or was
-compiled (``times``: the compiler's stages, in microseconds).
+compiled (``times``: the compiler's stages, in microseconds). A compile counts under the phase its thread works for
+(``StartupProgress.working_phase``): a thread marked for a phase beside the others (the compile manifest's pool)
+under that one.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class CompileStats:
 
     def record(self, cache_hit: bool, micros: int) -> None:
         """One variant: read from the cache, or compiled in ``micros`` microseconds."""
-        state = self.progress.state()
-        key = AFTER_READY if self.progress.is_ready else state.phase or OUTSIDE
+        # The phase of the compiling thread: a precompile's pool beside ``loading`` counts under its own phase.
+        key = AFTER_READY if self.progress.is_ready else self.progress.working_phase() or OUTSIDE
         with self._lock:
             tally = self._tallies.setdefault(key, CompileTally())
             if cache_hit:

@@ -5,8 +5,7 @@ Under Triton's interpreter nothing compiles, so the test counts specialisation k
 Triton's own binder over each launch's arguments): the keys a GPU would compile. After ``warm_up`` it sends
 prompts of many lengths, some together (mixed steps with decode rows), some resuming from the prefix cache at
 other offsets, with greedy and sampled requests, and finds no key the warm-up had not launched; with drafts (fixed
-and varlen verification) the same for verify steps and the draft's proposals. The compile manifest's key (what an
-earlier start's variants are found by) follows the fields that pick variants and no other.
+and varlen verification) the same for verify steps and the draft's proposals.
 """
 
 from __future__ import annotations
@@ -41,21 +40,6 @@ def test_token_buckets_and_plan():
     assert plan[-1].sampled
     assert not any(r.prefix_of for r in plan_warmup(16, 48, 8, prefix_caching=False))
     assert plan_warmup(16, 48, 8, True, max_context=20)[7].prompt_length == 20  # one decode group (1 row)
-
-
-def test_the_compile_manifest_is_keyed_by_what_picks_the_variants(monkeypatch, tmp_path):
-    from services.engine.warmup import compile_manifest
-    from tests.model.deepseek_v41.oracle_configs import ORACLE
-
-    monkeypatch.setenv("SHINKAI_CACHE_DIR", str(tmp_path))
-    config = EngineConfig(**ENGINE)
-    manifest = compile_manifest(config, ORACLE)
-    assert manifest.directory.parent == tmp_path / "variants"
-    # Pool sizes and max_model_len vary between starts on one device (sized from its free memory): one manifest.
-    assert compile_manifest(config.replace(num_blocks=99, max_model_len=64), ORACLE).directory == manifest.directory
-    for other in (config.replace(max_num_seqs=2), config.replace(kernel_backend="fp8")):
-        assert compile_manifest(other, ORACLE).directory != manifest.directory
-    assert compile_manifest(config, dataclasses.replace(ORACLE, hidden_size=128)).directory != manifest.directory
 
 
 SMALL = dict(

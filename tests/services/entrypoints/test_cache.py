@@ -1,8 +1,9 @@
-"""`shinkai cache` and `shinkai cache clear` on a private cache root."""
+"""`shinkai cache`, `shinkai cache clear` and `shinkai cache prune` on a private cache root."""
 
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -47,3 +48,27 @@ def test_clear_needs_confirmation_and_empties_only_what_is_named(root, capsys, m
     assert (root / "tokenizer" / "abc").exists()
     assert main(["cache", "clear", "-y"]) == 0  # every cache
     assert not any((root / "tokenizer").iterdir())
+
+
+def test_prune_lists_and_removes_only_the_manifests_no_start_can_load(root, capsys):
+    from services.worker.compile_manifest import CompileManifest
+    from services.worker.manifest_key import KEY_FILE, describe_key
+
+    current = CompileManifest.described_under_root({"model": "a"}, "cpu")
+    current.add("kernels.rmsnorm", "_rmsnorm_kernel", "{}", "k")  # its parameters differ: a stale entry
+    other = root / "variants" / "other"
+    other.mkdir()
+    old = json.loads(describe_key({"model": "b"}, "cpu"))
+    (other / KEY_FILE).write_text(json.dumps({**old, "valid": {**old["valid"], "torch": "2.0.0"}}))
+    assert main(["cache", "prune", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would remove other " in out and "(built for triton" in out and "torch 2.0.0)" in out
+    assert f"would remove {current.directory.name}/" in out and "would remove 2 item(s)" in out
+    assert other.exists() and len(current.entries()) == 1
+    assert main(["cache", "prune"]) == 0
+    assert "removed 2 item(s)" in capsys.readouterr().out
+    assert not other.exists() and current.entries() == [] and (current.directory / KEY_FILE).exists()
+    assert main(["cache", "prune", "--older-than", "-1"]) == 2
+    assert "--older-than is a number of days" in capsys.readouterr().err
+    assert main(["cache", "prune", "--older-than", "0"]) == 0  # every manifest is older than 0 days
+    assert "removed 1 item(s)" in capsys.readouterr().out and not current.directory.exists()

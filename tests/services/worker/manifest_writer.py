@@ -7,13 +7,15 @@ as an engine does (tests/services/worker/test_compile_manifest.py starts several
 Triton's active driver is replaced by one that targets sm_90 without a device (``Sm90Driver``): ``JITFunction``'s
 own paths (``warmup``, ``preload``, the compile hooks, its in-process table) run as on a GPU, and Triton's code
 generator and bundled ptxas build real cubins; nothing is launched. With ``--precompile`` the manifest is first
-compiled at once (``CompileManifest.precompile``); then the process waits for FILE (so writers start together), records,
-and compiles ``kernels.rmsnorm``'s kernel at each ``BLOCK_C`` through ``JITFunction.warmup``, the path a launch takes.
-It prints one JSON line: the precompile's counts, how many of the launches' variants compiled (Triton's cache-miss
-hook: called only for a variant the kernel's table lacks), and Triton's file-cache hits and misses. With ``--engine``
-it starts an engine the served way on CUDA (its warm-up precompiles the manifest and records) and prints the
-manifest's entries and how many variants compiled for a launch and ahead of any (preloaded from the manifest, or the
-sampler's variants)."""
+compiled at once as ``LLM`` does it, on threads of its own beside a stand-in for the weight load (``Preload``); then
+the process waits for FILE (so writers start together), records, and compiles ``kernels.rmsnorm``'s kernel at each
+``BLOCK_C`` through ``JITFunction.warmup``, the path a launch takes. It prints one JSON line: the precompile's
+counts, the state the load read and the compiles by phase, how many of the launches' variants compiled (Triton's
+cache-miss hook: called only for a variant the kernel's table lacks), and Triton's file-cache hits and misses. With
+``--engine``
+it starts an engine the served way on CUDA (it precompiles the manifest beside the load and records) and prints the
+manifest's entries, how many variants compiled for a launch and ahead of any (preloaded from the manifest, or the
+sampler's variants), the phases' seconds, the compiles by phase, and the phases a probe saw at once."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -88,7 +91,7 @@ def main() -> None:
 
     knobs.compilation.listener = listener
     manifest = CompileManifest.under_root(KEY)
-    precompiled = manifest.precompile() if args.precompile else None
+    precompiled = _precompile_beside_a_load(manifest) if args.precompile else None
     compiled: list[str] = []
 
     def missed(*, repr: str, **_: object) -> None:
@@ -109,8 +112,45 @@ def main() -> None:
         )  # fmt: skip
     out = {"compiled": len(compiled), **counts}
     if precompiled is not None:
-        out["precompiled"] = dataclasses.asdict(precompiled)
+        out.update(precompiled)
     print(json.dumps(out), flush=True)
+
+
+def _precompile_beside_a_load(manifest, timeout_s: float = 60.0) -> dict:
+    """The manifest's precompile as ``LLM`` starts it (services/engine/precompile.py), beside a ``loading`` phase that
+    stands for the weight load: the load waits until the precompile's phase has begun and reads the state; only then
+    do the compiles begin, and the load ends only after they have. Returns the precompile's counts, the state the
+    load read, and the compiles by the phase they were counted under (services/worker/compile_stats.py)."""
+    from services.engine.precompile import Preload
+    from services.worker import compile_manifest, startup
+    from services.worker.compile_stats import STATS
+
+    STATS.install()
+    seen = threading.Event()  # the load has read the state
+    original = compile_manifest.CompileManifest.precompile
+
+    def after_the_load_looked(self, *args, **kwargs):
+        if not seen.wait(timeout_s):
+            raise TimeoutError("the load never began")
+        return original(self, *args, **kwargs)
+
+    compile_manifest.CompileManifest.precompile = after_the_load_looked  # type: ignore[method-assign]
+    preload = Preload(manifest, "cpu").start()
+    with startup.phase("loading"):
+        if not preload.started.wait(timeout_s):
+            raise TimeoutError("the precompile never began beside the load")
+        during = startup.PROGRESS.state()
+        seen.set()
+        deadline = time.monotonic() + timeout_s
+        while preload.result is None and time.monotonic() < deadline:  # the compiles end within the load
+            time.sleep(0.01)
+    done = preload.join()
+    assert done is not None, "the precompile did not run to its end"
+    return {
+        "precompiled": dataclasses.asdict(done),
+        "during_load": json.loads(during.to_json()),
+        "by_phase": STATS.summary(),
+    }
 
 
 def _serve_a_few(model: str) -> None:
@@ -119,7 +159,7 @@ def _serve_a_few(model: str) -> None:
     from triton import knobs
 
     from services.engine import LLM, SamplingParams
-    from services.worker import compile_manifest
+    from services.worker import compile_manifest, compile_stats, startup
 
     compiled = {"launch": 0, "ahead": 0}  # compiles a launch needed; compiles without a launch (preload, warmup)
     launched: list[str] = []  # the kernels of the former
@@ -140,12 +180,32 @@ def _serve_a_few(model: str) -> None:
     engine_log = logging.getLogger("shinkai.engine")
     engine_log.setLevel(logging.INFO)
     engine_log.addHandler(Kept())
+    compile_stats.install()
+    states: set[tuple] = set()  # (phase, phases beside it) as a probe saw them every 2 ms
+    starting = threading.Event()
+
+    def probe() -> None:
+        while not starting.wait(0.002):
+            state = startup.PROGRESS.state()
+            states.add((state.phase, tuple(b.phase for b in state.beside)))
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
     llm = LLM(model=model, device="cuda", max_num_seqs=4, max_model_len=256, num_blocks=64)
+    starting.set()
     prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((3, 17, 40, 90))]
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     manifest = compile_manifest.recording()
     assert manifest is not None, "the engine's warm-up records into its compile manifest"
-    out = {"entries": len(manifest.entries()), **compiled, "precompiled": precompiled, "launched": launched[:20]}
+    out = {
+        "entries": len(manifest.entries()),
+        **compiled,
+        "precompiled": precompiled,
+        "durations": startup.PROGRESS.durations(),
+        "by_phase": compile_stats.STATS.summary(),
+        "seen": sorted([phase or "", *beside] for phase, beside in states),
+        "launched": launched[:20],
+    }
     print(json.dumps(out), flush=True)
 
 

@@ -1,6 +1,8 @@
 """services/worker/compile_manifest.py: variants compiled for sm_90 on this CPU are recorded by two processes at
-once into one manifest, each entry whole; a third process compiles the manifest at once and its launches of those
-variants then compile nothing. Stale entries are skipped and counted; the key follows what it hashes."""
+once into one manifest, each entry whole; a third process compiles the manifest at once on threads of its own beside a
+stand-in for the weight load (the load waits for it to begin; the compiles end before the load does), and its
+launches of those variants then compile nothing. Stale entries are skipped and counted; the key follows what it
+hashes."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from services import cache_dirs
-from services.worker.compile_manifest import CompileManifest, manifest_key, stop_recording
+from services.worker.compile_manifest import CompileManifest, stop_recording
+from services.worker.manifest_key import manifest_key
 
 ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = [c.env for c in cache_dirs.CACHES if c.env is not None]
@@ -56,6 +59,10 @@ def test_two_processes_record_at_once_and_a_third_precompiles_every_variant(tmp_
     third = _result(_writer(env, "256,512,1024", "--precompile"))
     assert third["precompiled"]["num_entries"] == third["precompiled"]["num_preloaded"] == 3
     assert third["precompiled"]["num_stale"] == 0
+    # Beside the load: reported beside it, its variants read on its own threads while the load was still under way.
+    during = third["during_load"]
+    assert during["phase"] == "loading" and [b["phase"] for b in during["beside"]] == ["compiling"]
+    assert third["by_phase"] == {"compiling": {"num_compiled": 0, "num_cached": 3, "compile_s": 0.0}}
     # The manifest's variants came from Triton's cache, and the launches found them in the kernel's table.
     assert (third["hits"], third["misses"], third["compiled"]) == (3, 0, 0)
 
@@ -114,8 +121,10 @@ def test_the_key_follows_what_picks_the_variants_and_the_versions():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_a_second_start_precompiles_what_the_first_compiled_and_no_launch_compiles(tmp_path):
     """`tiny` the served way (kernel backend, CUDA graphs, the warm-up) in a fresh process twice on one empty cache
-    root: the first records every variant it compiles; the second compiles the manifest at once before its pools,
-    graphs and warm-up, and none of its launches (build, warm-up, requests) waits on a compile."""
+    root: the first records every variant it compiles; the second compiles the manifest at once beside its weight
+    load (a probe sees both phases at once; the compiles count under ``compiling``, none compiled: Triton's cache is
+    warm), before its pools, graphs and warm-up, and none of its launches (build, warm-up, requests) waits on a
+    compile."""
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
     first = _result(_writer(env, "", "--engine", "tiny"))
@@ -125,3 +134,7 @@ def test_gpu_a_second_start_precompiles_what_the_first_compiled_and_no_launch_co
         print(f"\n{name} start: {start}; compiled for a launch: {launched}")
     assert 0 < first["entries"] <= first["launch"] + first["ahead"] and first["launch"] > 0
     assert second["launch"] == 0 and second["ahead"] >= first["entries"]
+    # The second start's precompile ran beside its load, and its reads of Triton's cache count under compiling.
+    assert ["compiling", "loading"] in second["seen"]
+    assert second["by_phase"]["compiling"]["num_cached"] >= first["entries"]
+    assert all(tally["num_compiled"] == 0 for tally in second["by_phase"].values())

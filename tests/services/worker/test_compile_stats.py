@@ -3,6 +3,8 @@ under the startup phase they happen in, and after ready; a listener set before i
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import triton
 import triton.language as tl
 from triton import knobs
@@ -43,3 +45,19 @@ def test_compiles_are_counted_by_phase_and_after_ready(tmp_path, monkeypatch):
     assert summary["capturing"]["compile_s"] > 0
     assert (summary[AFTER_READY]["num_compiled"], summary[AFTER_READY]["num_cached"]) == (1, 0)
     assert seen == [False, True, False]
+
+
+def test_a_compile_on_a_thread_marked_for_a_phase_beside_counts_under_that_phase(tmp_path, monkeypatch):
+    """A compile manifest's pool compiling beside ``loading`` (services/engine/precompile.py)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    progress = StartupProgress()
+    stats = CompileStats(progress)
+    stats.install()
+    with progress.phase("loading"):
+        with progress.beside("compiling") as step:
+            with concurrent.futures.ThreadPoolExecutor(2, initializer=step.mark_thread) as pool:
+                list(pool.map(_compile, (16, 128)))
+        _compile(256)  # the loading thread's own
+    summary = stats.summary()
+    assert (summary["compiling"]["num_compiled"], summary["loading"]["num_compiled"]) == (2, 1)

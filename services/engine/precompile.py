@@ -1,0 +1,189 @@
+"""The compile manifest's variants (services/worker/compile_manifest.py) compiled beside the weight load: what an
+earlier start of the same engine compiled, ready before the first launch of the pool profile, the graph captures
+and the warm-up.
+
+The manifest needs only what picks the variants (the model's config, the engine's ``VARIANT_FIELDS``, the device),
+all known before a byte of the weights is read, so ``LLM`` starts the precompile first and loads the weights while
+it runs (``preloaded``):
+
+- **start**, on the calling thread: the manifest's key, the recording of this start's compiles into it (the load's
+  own included), and each entry's kernel found (imports, Triton's per-device tables: never concurrently with the
+  loading thread's own). Then a thread of its own compiles the variants on a pool of one thread per CPU, reported
+  as the ``compiling`` phase *beside* ``loading`` (services/worker/startup.py, "A phase beside the others": the
+  probes show ``loading 12/40 9 s; beside: compiling 30/130 9 s``, and its compiles are counted under
+  ``compiling``).
+- **join**, before anything launches a step (the pool profile): waits for it; while the load is done and the compiles
+  are not, the probes report ``compiling`` with its count.
+- **never fails the start**: an entry whose kernel is gone, whose parameters changed or whose compile fails is
+  skipped and counted (``num_stale``), and anything else that goes wrong in the precompile is logged and leaves
+  the variants to compile when launched. Where the load fails, the compiles not yet begun are cancelled.
+
+The weights' reads and copies and the compiler's ptxas subprocesses release the GIL; Triton's own passes run in
+the pool's threads and the load's Python in the caller's, so the two share the interpreter for those parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+
+from services.engine.config import EngineConfig
+from services.engine.model_source import ModelSource
+from services.worker import startup
+from services.worker.compile_manifest import CompileManifest, Precompiled
+
+log = logging.getLogger("shinkai.engine")
+
+PHASE = "compiling"
+
+VARIANT_FIELDS = (
+    "kernel_backend",
+    "expert_format",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "scheduling",
+    "num_speculative_tokens",
+    "spec_varlen",
+    "spec_sampling",
+    "cuda_graphs",
+    "async_scheduling",
+    "batch_invariant",
+    "enable_prefix_caching",
+)
+"""The engine fields that pick kernel variants, in the compile manifest's key with the model's config. Left out:
+pool sizes and ``max_model_len`` (sized from the device's free memory, they vary between starts; the variants of a
+longer context than the last start's compile on first use or in the warm-up, and are recorded then)."""
+
+
+def compile_manifest(config: EngineConfig, model_cfg: object) -> CompileManifest:
+    """This engine's compile manifest under the cache root: keyed by the model's config (a dataclass), the
+    ``VARIANT_FIELDS``, the device and the versions (services/worker/manifest_key.py), its key file written."""
+    picks = {"model": dataclasses.asdict(model_cfg), **{f: getattr(config, f) for f in VARIANT_FIELDS}}  # type: ignore[call-overload]
+    return CompileManifest.described_under_root(picks, config.device or "cpu")
+
+
+def model_config(model: str):
+    """``model``'s config (a preset name or a checkpoint directory) without its weights or tokenizer."""
+    from pathlib import Path
+
+    from model.deepseek_v41.config import load_config
+    from model.deepseek_v41.presets import PRESETS, preset
+
+    return preset(model) if model in PRESETS else load_config(Path(model))
+
+
+class Preload:
+    """One start's precompile on a thread of its own (module docstring): ``start()``, then ``join()`` or
+    ``cancel()``."""
+
+    def __init__(self, manifest: CompileManifest, device: str, workers: int | None = None) -> None:
+        self.manifest = manifest  # whose entries it compiles, and where this start's compiles are recorded
+        self.device = device  # the engine's device: the compiling threads' current one
+        self.workers = workers  # compiling threads; None: one per CPU the process may use
+        self.result: Precompiled | None = None  # once joined, where it ran to its end
+        self.started = threading.Event()  # set once its phase is entered (reported beside), or once it stopped short
+        self._stop = threading.Event()
+        self._index: int | None = None  # the CUDA device's index (``start``); None off CUDA
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Preload:
+        try:
+            if self.device.startswith("cuda"):  # "cuda" alone: the caller's current device, as the engine's own
+                import torch
+
+                index = torch.device(self.device).index
+                self._index = torch.cuda.current_device() if index is None else index
+            self.manifest.record()
+            with self._on_device():
+                resolved = self.manifest.resolve()
+        except Exception as e:  # never fails the start: the variants compile when launched
+            log.warning("precompile: not started (%s)", e)
+            return self
+        self._thread = threading.Thread(target=self._run, args=(resolved,), name="precompile", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, resolved) -> None:
+        try:
+            self._set_device()
+            with startup.beside(PHASE) as step:
+                self.started.set()
+                self.result = self.manifest.precompile(
+                    self.workers, step.count, resolved, thread_setup=self._thread_setup(step), stop=self._stop
+                )
+        except Exception as e:  # never fails the start: the variants compile when launched
+            log.warning("precompile: stopped (%s)", e)
+        finally:
+            self.started.set()
+
+    def _thread_setup(self, step: startup.PhaseStep):
+        def setup() -> None:
+            step.mark_thread()  # their compiles count under this phase (services/worker/compile_stats.py)
+            self._set_device()
+
+        return setup
+
+    def _set_device(self) -> None:
+        """The engine's CUDA device as the calling thread's current one (Triton compiles for the current device)."""
+        if self._index is not None:
+            import torch
+
+            torch.cuda.set_device(self._index)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """``_set_device`` for the block only (the caller's thread)."""
+        if self._index is not None:
+            import torch
+
+            return torch.cuda.device(self._index)
+        return contextlib.nullcontext()
+
+    def join(self) -> Precompiled | None:
+        """Waits for the compiles to end; logs and returns what they did (None: it never ran to its end)."""
+        if self._thread is not None:
+            self._thread.join()
+        done = self.result
+        if done is not None:
+            log.info(
+                "precompiled %d kernel variants of %d recorded in %.1f s (%d stale) from %s",
+                done.num_preloaded,
+                done.num_entries,
+                done.seconds,
+                done.num_stale,
+                self.manifest.directory,
+            )
+        return done
+
+    def cancel(self) -> None:
+        """No further compile starts; the thread ends after those under way (it is not waited for)."""
+        self._stop.set()
+
+
+@contextlib.contextmanager
+def preloaded(
+    config: EngineConfig, model: str, source: ModelSource | None = None, enabled: bool = True
+) -> Iterator[Preload | None]:
+    """The precompile of ``config``'s engine of ``model`` (``source``: the model, where loaded already) running while
+    the block runs (the weight load), and joined when it ends; cancelled where the block raises. Yields None where
+    not ``enabled`` or where it could not start (logged; the start goes on)."""
+    if not enabled:
+        yield None
+        return
+    try:
+        cfg = source.config if source is not None else model_config(model)
+        preload: Preload | None = Preload(compile_manifest(config, cfg), config.device or "cpu").start()
+    except Exception as e:  # an unreadable config fails the load itself, with its own message
+        log.warning("precompile: not started (%s)", e)
+        preload = None
+    try:
+        yield preload
+    except BaseException:
+        if preload is not None:
+            preload.cancel()
+        raise
+    if preload is not None:
+        preload.join()
