@@ -45,7 +45,7 @@ class LLM:
         is loaded. ``kernels``: the kernel backend's kernel set as a context (a module-level callable → a
         context manager yielding the ``KernelSet``; None: the compiled set) that this process (one engine, until
         ``close``) or each rank process runs inside: interpreted copies run the kernel backend on a CPU
-        (tests/kernels/interpret.py). ``progress(phase, done, total)``: the warm-up's (``warmup``;
+        (kernels/interpret.py). ``progress(phase, done, total)``: the warm-up's (``warmup``;
         services/engine/warmup.py), beside the process's startup report (services/worker/startup.py)."""
         self.ranks = None  # the data-parallel group's driver (services/engine/parallel/ranks.py), with dp > 1
         self._kernel_context = contextlib.ExitStack()
