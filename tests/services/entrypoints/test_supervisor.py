@@ -128,6 +128,9 @@ def test_a_killed_engine_ends_its_streams_with_error_and_is_back_within_30_s(sta
     wait_for(lambda: not serving(gateway), 10, "the gateway to report NOT_SERVING")
     wait_for(lambda: served(gateway), BACK_WITHIN_S, "a request served through the restarted engine")
     back_s = time.monotonic() - killed
+    # The supervisor records the engine healthy on its next round over the services, which can come after the
+    # gateway's own health poll has routed a request to it.
+    wait_for(lambda: recorded(run_dir, "engine-0")["state"] == "running", BACK_WITHIN_S, "the supervisor to record it")
     entry = recorded(run_dir, "engine-0")
     assert entry["pid"] != killed_pid and entry["restarts"] == 1 and entry["state"] == "running", entry
     assert all(served(gateway) for _ in range(3))
