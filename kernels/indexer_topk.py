@@ -101,6 +101,9 @@ def _select_kernel(
         tl.store(out_row + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= kk) & (i < out_width))
 
 
+ROW_MAX = 65536  # the widest row one program of _select_kernel holds (a power of two)
+
+
 def select_topk(
     scores: torch.Tensor,
     k: int,
@@ -109,15 +112,19 @@ def select_topk(
     atomic: bool = True,
     num_warps: int | None = None,
     out_width: int | None = None,
+    row_max: int = ROW_MAX,
 ) -> torch.Tensor:
     """The k best finite columns of fp32 scores [R, W] (ties → lower index): int32 [R, out_width] ascending
     with −1 padding (``select_entries``; ``out_width`` default min(k, W), at most k), or with ``as_mask`` a
     uint8 [R, W] mask. ``atomic``: compact through atomic slots + a sort of the k indices (default) instead of
-    prefix sums."""
+    prefix sums. A row wider than ``row_max`` (what one program holds in registers) is cut into pieces of
+    ``row_max`` columns, each piece's k best kept, then the k best of those (``_select_wide``)."""
     num_rows, width = scores.shape
     out_width = min(k, width) if out_width is None else out_width
     if not as_mask and not min(k, width) <= out_width <= k:
         raise ValueError(f"out_width {out_width} must lie in [min(k, W), k] = [{min(k, width)}, {k}]")
+    if width > row_max:
+        return _select_wide(scores, k, as_mask, atomic, out_width, row_max)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     if as_mask:
@@ -127,8 +134,6 @@ def select_topk(
     if num_rows == 0 or width == 0:
         return out if as_mask else out.fill_(-1)
     block_w = triton.next_power_of_2(width)
-    if block_w > 65536:
-        raise ValueError(f"select_topk holds a row in registers: width {width} > 65536")
     if num_warps is None:  # ≤ 64 keys per thread (32K: 109 registers, no spills)
         num_warps = min(16, max(4, block_w // 2048))
     counts = torch.zeros(num_rows if atomic and not as_mask else 1, dtype=torch.int32, device=scores.device)
@@ -150,3 +155,35 @@ def select_topk(
         num_warps=num_warps,
     )
     return out
+
+
+def _select_wide(
+    scores: torch.Tensor, k: int, as_mask: bool, atomic: bool, out_width: int, row_max: int
+) -> torch.Tensor:
+    """``select_topk`` of rows wider than ``row_max``, exactly: each piece of ``row_max`` columns keeps its
+    k best (ties → lower index, as the whole row would), and the k best of the pieces' picks,
+    laid out piece by piece in ascending column order, are the row's k best with the same tie order. Shapes
+    depend only on [R, W] and k (no host sync: graph-capturable)."""
+    num_rows, width = scores.shape
+    if 2 * k > row_max:  # then the pieces' picks are fewer than the row's columns, and the recursion ends
+        raise ValueError(f"select_topk of a row wider than {row_max} columns needs k ≤ {row_max // 2}, got {k}")
+    num_pieces = -(-width // row_max)
+    padded = scores.float().contiguous()
+    if num_pieces * row_max != width:
+        padded = torch.nn.functional.pad(padded, (0, num_pieces * row_max - width), value=-torch.inf)
+    kept = k
+    local = select_topk(padded.view(num_rows * num_pieces, row_max), kept, atomic=atomic, out_width=kept)
+    offsets = torch.arange(num_pieces, device=scores.device, dtype=torch.int32).mul_(row_max).view(1, -1, 1)
+    columns = torch.where(
+        local.view(num_rows, num_pieces, kept) >= 0, local.view(num_rows, num_pieces, kept) + offsets, -1
+    )
+    columns = columns.view(num_rows, num_pieces * kept)  # ascending where ≥ 0
+    picked_scores = torch.where(columns >= 0, padded.gather(1, columns.clamp(min=0).long()), -torch.inf)
+    stage_width = min(k, num_pieces * kept) if as_mask else out_width
+    picks = select_topk(picked_scores, k, atomic=atomic, out_width=stage_width, row_max=row_max)
+    chosen = torch.where(picks >= 0, columns.gather(1, picks.clamp(min=0).long()), -1)  # [R, out_width] ascending
+    if not as_mask:
+        return chosen
+    mask = torch.zeros(num_rows, width + 1, dtype=torch.uint8, device=scores.device)  # column W: the −1 padding
+    mask.scatter_(1, torch.where(chosen >= 0, chosen, width).long(), 1)
+    return mask[:, :width].contiguous()

@@ -332,7 +332,7 @@ def plan_memory(model: str, config: EngineConfig):
 
     from services.engine import memory_plan
 
-    cfg = load_model(model, weights=False).config
+    cfg = load_model(model, seed=config.model_seed, load_format=config.load_format, weights=False).config
     total = torch.cuda.mem_get_info(torch.device(config.device or "cuda"))[1]
     plan = memory_plan.estimate(cfg, config)
     memory_plan.log.info("memory plan for %s: %s; device total %.1f GiB", model, plan.describe(), total / 2**30)

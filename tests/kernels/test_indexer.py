@@ -235,6 +235,29 @@ def test_select_topk_interpreted_exhaustive_ties(atomic):
     assert torch.equal(mask.bool(), ref_mask)
 
 
+@pytest.mark.parametrize("width", [64, 100])
+def test_select_topk_interpreted_rows_wider_than_one_program(width):
+    """Rows wider than ``row_max`` (here 32, 65,536 on the GPU) cut into pieces: the same picks as one pass,
+    ties across pieces to the lower index, −∞ and short rows padded with −1, the mask form too."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randint(-4, 5, (4, width), generator=gen).float()  # many ties, across pieces
+    scores[1, :] = -torch.inf
+    scores[1, [2, 40, 63]] = torch.tensor([0.5, 1.0, 0.5])
+    scores[2, 5::3] = -torch.inf
+    mod = load_interpreted("indexer")
+    with interpreter():
+        sel = mod.select_topk(scores, 10, row_max=32)
+        sel_wide = mod.select_topk(scores, 10, out_width=10, row_max=32, atomic=False)
+        mask = mod.select_topk(scores, 10, as_mask=True, row_max=32)
+        whole = mod.select_topk(scores, 10)
+    ref = select_entries(scores, 10)
+    assert torch.equal(sel.long(), ref) and torch.equal(sel_wide.long(), ref) and torch.equal(whole, sel)
+    assert torch.equal(sel[1, :3], torch.tensor([2, 40, 63], dtype=torch.int32)) and torch.all(sel[1, 3:] == -1)
+    ref_mask = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, ref.clamp_min(0), True)
+    ref_mask[1] = scores[1].isfinite()
+    assert torch.equal(mask.bool(), ref_mask)
+
+
 # ---------------------------------------------------------------- GPU, Flash shapes
 
 
@@ -305,6 +328,32 @@ def test_gpu_flash_other_configs(options):
     sel, _ = indexer_select(*_args(p), index_topk=512, **options)
     _check_selection(sel, ref_sel, scores, ref_scores)
     assert torch.equal(select_topk(scores, 512, atomic=False), sel)  # the prefix-sum compaction
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_select_topk_of_rows_wider_than_one_program():
+    """A row of 2^19 + 3 columns (an engine's decode width at a 1M-token max_model_len): pieces of 65,536,
+    the same picks as the reference's sort, in the mask form too, and replayed from a CUDA graph."""
+    from kernels.indexer import select_topk
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    scores = torch.randn(8, (1 << 19) + 3, generator=gen, device="cuda")
+    scores[:, ::7] = -torch.inf
+    scores[3, :] = -torch.inf
+    scores[3, [5, 300_000, (1 << 19) + 2]] = 1.0
+    ref = select_entries(scores.cpu(), 512).cuda()
+    assert torch.equal(select_topk(scores, 512).long(), ref)
+    ref_mask = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, ref.clamp_min(0), True)
+    ref_mask[3] = scores[3].isfinite()
+    assert torch.equal(select_topk(scores, 512, as_mask=True).bool(), ref_mask)
+    select_topk(scores, 512)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select_topk(scores, 512)
+    scores.copy_(scores.flip(1))
+    graph.replay()
+    assert torch.equal(out.long(), select_entries(scores.cpu(), 512).cuda())
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ def compare(model: str, device, layers: int | None, sizes: dict[str, Any]) -> li
     import torch
 
     from services.bench.step.build import KINDS_OF_V41, full_depth, load_source, model_config
-    from services.bench.step.timing import time_decode
+    from services.bench.step.timing import decode_model_len, time_decode
     from services.engine import LLM
     from services.engine.config import EngineConfig
     from services.worker.runners.model_runner import ModelRunner
@@ -54,7 +54,11 @@ def compare(model: str, device, layers: int | None, sizes: dict[str, Any]) -> li
     scale = full_depth(model) / cfg.num_hidden_layers
 
     def run(label: str, batch: int, **runner_args: Any) -> dict[str, Any]:
-        args = {"block_size": 128, "max_num_seqs": batch, "max_model_len": context + sizes["steps"] + 16}
+        args = {
+            "block_size": 128,
+            "max_num_seqs": batch,
+            "max_model_len": decode_model_len(batch, context, sizes["steps"]),
+        }
         config = EngineConfig(**args).worker_config()
         runner = ModelRunner(source.model, config, **runner_args)
         cache = runner.cache

@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from services.bench.step.build import builder, runner_cache
-    from services.bench.step.timing import time_decode
+    from services.bench.step.timing import decode_model_len, time_decode
     from services.worker.parallel.ep_kernel_moe import unshard_kernel_experts
 
     if not torch.cuda.is_available():
@@ -70,7 +70,9 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(ROUNDS):
             for path in ("without", "with"):
                 parallel = one_rank_parallel(cfg, batch, device) if path == "with" else None
-                llm = build(max_num_seqs=batch, max_model_len=CONTEXT + steps + 16, expert_parallel=parallel)
+                llm = build(
+                    max_num_seqs=batch, max_model_len=decode_model_len(batch, CONTEXT, steps), expert_parallel=parallel
+                )
                 t = time_decode(
                     llm.engine, runner_cache(llm), batch=batch, context=CONTEXT, steps=steps, vocab_size=cfg.vocab_size
                 )

@@ -8,14 +8,16 @@ from typing import Any
 
 def batch_invariant_section(build, cfg, sizes) -> list[dict[str, Any]]:
     from services.bench.step.build import runner_cache
-    from services.bench.step.timing import time_decode, time_prompt_step
+    from services.bench.step.timing import decode_model_len, time_decode, time_prompt_step
 
     context = sizes["contexts"][0]
     rows = []
     for batch in sizes["batches"]:
         ms = {}
         for flag in (False, True):
-            llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16, batch_invariant=flag)
+            llm = build(
+                max_num_seqs=batch, max_model_len=decode_model_len(batch, context, sizes["steps"]), batch_invariant=flag
+            )
             t = time_decode(
                 llm.engine,
                 runner_cache(llm),

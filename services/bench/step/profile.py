@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.bench.step.timing import _sync, fill_pools, skip_prefill
+from services.bench.step.timing import _sync, fill_pools, skip_prefill, skipped_tokens
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from services.worker.state.cache_engine import CacheEngine
@@ -104,7 +104,8 @@ def profile_decode(
     """Profiles ``steps`` decode steps after one warm-up; returns wall ms per step, device-busy ms per
     step and the kernel table. The requests are aborted afterwards (pools whole again)."""
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    max_tokens = steps + 4 + skipped_tokens(batch, context, engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"profile-{i}", torch.randint(3, vocab_size, (context,), generator=gen).tolist(), params)
     skip_prefill(engine)

@@ -130,14 +130,14 @@ def _decode_section(build, cfg, sizes, ceil, full_layers: int, expert_format: st
     them and picks the floor's expert bytes."""
     from services.bench.step.build import runner_cache
     from services.bench.step.floors import step_cost
-    from services.bench.step.timing import StepTimes, fit_line, time_decode
+    from services.bench.step.timing import StepTimes, decode_model_len, fit_line, time_decode
 
     rows = []
     for context in sizes["contexts"]:
         measured = []
         for batch in sizes["batches"]:
             try:  # one size failing (e.g. memory at 256 × 32K) keeps the others' rows
-                llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
+                llm = build(max_num_seqs=batch, max_model_len=decode_model_len(batch, context, sizes["steps"]))
 
                 def timed(penalties: bool, llm=llm) -> StepTimes:
                     return time_decode(
@@ -260,11 +260,12 @@ def _host_section(sizes) -> list[dict[str, Any]]:
 def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
     from services.bench.step.build import runner_cache
     from services.bench.step.profile import profile_decode, profile_prefill
+    from services.bench.step.timing import decode_model_len
 
     rows = []
     context = sizes["contexts"][0]
     for batch in sorted({min(sizes["batches"]), max(sizes["batches"])}):
-        llm = build(max_num_seqs=batch, max_model_len=context + sizes["steps"] + 16)
+        llm = build(max_num_seqs=batch, max_model_len=decode_model_len(batch, context, sizes["steps"]))
         p = profile_decode(
             llm.engine, runner_cache(llm), batch=batch, context=context, steps=sizes["steps"], vocab_size=cfg.vocab_size
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler_rs import StepResult
+from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from services.worker.state.cache_engine import CacheEngine
@@ -48,14 +49,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def skipped_tokens(batch: int, context: int, budget: int = EngineConfig.max_num_batched_tokens) -> int:
+    """The most stand-in tokens ``skip_prefill`` can give one request: one per plan that holds prompt chunks
+    (at most one per full budget of the batch's prompts, plus one per prompt for its last partial chunk)."""
+    return batch + -(-batch * context // budget)
+
+
+def decode_model_len(batch: int, context: int, steps: int, budget: int = EngineConfig.max_num_batched_tokens) -> int:
+    """The ``max_model_len`` an engine needs for ``time_decode``: the prompt, the stand-in tokens of the
+    skipped prompt steps, the timed steps and a margin."""
+    return context + skipped_tokens(batch, context, budget) + steps + 16
+
+
 def skip_prefill(engine: Engine, token_id: int = 3) -> int:
-    """Answers every prefill plan with a stand-in token per finished prompt; stops at the first plan
-    with decode rows (it stays unscheduled: nothing is lost). Returns the prefill plans skipped."""
+    """Answers every plan holding prompt chunks (prefill, or mixed with the decode rows of prompts already
+    skipped) with a stand-in token per sampled row; runs the first plain decode plan for real and stops there.
+    Returns the plans skipped."""
     skipped = 0
     sched = engine.scheduler
     while True:
         plan = sched.schedule()
-        if not plan.is_prefill:
+        if plan.kind == "decode":
             # A decode plan was made but not run: close it as failed would end the requests, so run
             # it for real instead — the caller's first timed step is the one after this.
             engine.worker.execute(plan, engine.inputs.rows(plan))
@@ -106,7 +120,9 @@ def time_decode(
     extra: dict = {}
     if penalties:
         extra = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05, min_tokens=steps)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True, **extra)
+    budget = engine.config.max_num_batched_tokens
+    max_tokens = steps + 4 + skipped_tokens(batch, context, budget)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
     for i in range(batch):
         engine.add_request(
             f"bench-{context}-{batch}-{i}", torch.randint(3, vocab_size, (context,), generator=gen).tolist(), params

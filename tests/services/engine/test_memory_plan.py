@@ -66,3 +66,22 @@ def test_the_llm_refuses_before_loading_with_a_fake_device(monkeypatch):
     config = _config(engram_on_host=True)
     with pytest.raises(NotEnoughMemory, match=r"24\.0 GiB × gpu_memory_utilization"):
         llm_module.plan_memory("v41-s1", config)
+
+
+def test_a_dummy_load_plans_from_a_directory_of_config_and_tokenizer_only(monkeypatch, tmp_path):
+    """``load_format="dummy"`` reads only a directory's config and tokenizer, the memory plan included: a
+    directory without weight files plans (and here refuses on a fake 24 GiB device) instead of failing on the
+    missing safetensors."""
+    import json
+
+    import torch
+
+    from model.deepseek_v41.config import to_hf_dict
+    from model.deepseek_v41.tokenizer import write_tokenizer_files
+    from services.engine import llm as llm_module
+
+    write_tokenizer_files(tmp_path, None)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_dict(preset("v41-s1"))))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (24 * GiB, 24 * GiB))
+    with pytest.raises(NotEnoughMemory, match=r"24\.0 GiB × gpu_memory_utilization"):
+        llm_module.plan_memory(str(tmp_path), _config(engram_on_host=True, load_format="dummy"))

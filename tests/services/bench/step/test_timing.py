@@ -42,6 +42,19 @@ def test_skip_prefill_reaches_decode_without_running_prompts(llm):
     assert _pools_whole(llm.engine)
 
 
+def test_decode_is_timed_when_the_prompts_need_mixed_steps(one_torch_thread):
+    """A token budget below the batch's prompts: the scheduler mixes chunks with the decode rows of prompts
+    already done, and those mixed plans are skipped too, never timed."""
+    from services.engine import LLM
+
+    llm = LLM(model="tiny", max_num_seqs=4, max_model_len=256, block_size=16, max_num_batched_tokens=64)
+    cache = llm.engine.worker.runner.cache
+    times = time_decode(llm.engine, cache, batch=4, context=40, steps=2, vocab_size=llm.source.config.vocab_size)
+    assert len(times.seconds) == 2
+    assert llm.engine.last_plan.kind == "decode" and llm.engine.last_plan.num_rows == 4
+    assert _pools_whole(llm.engine), llm.engine.stats()
+
+
 def test_fit_line_recovers_a_line():
     a, b = fit_line([1, 16, 64, 256], [0.004 + 0.00002 * r for r in (1, 16, 64, 256)])
     assert a == pytest.approx(0.004) and b == pytest.approx(0.00002)
