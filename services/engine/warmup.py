@@ -155,18 +155,21 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     num_sampler_variants = (
         0 if compile_variants is None else compile_variants(engine.vocab_size, config.device or "cpu")
     )
-    done += 1
-    if progress is not None:
-        progress(PHASE, done, total)
+
+    def one_done() -> None:  # the sampler's variants, or a request ended or refused
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(PHASE, done, total)
+
+    one_done()
 
     def step_until(finished: Callable[[], bool]) -> None:
-        nonlocal steps, done
+        nonlocal steps
         while not finished():
             for out in engine.step():
                 if out.finished:
-                    done += 1
-                    if progress is not None:
-                        progress(PHASE, done, total)
+                    one_done()
             steps += 1
 
     for i, request in enumerate(plan):
@@ -183,7 +186,7 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
                 engine.validate(prompt, params)
             except ValueError as e:  # e.g. penalties on a remote worker: that variant is never served either
                 log.info("warm-up: skipped a request the engine refuses (%s)", e)
-                done += 1
+                one_done()
                 continue
             engine.add_request(f"warmup-{i}-{copy}", prompt, params)
         if request.beside_long:

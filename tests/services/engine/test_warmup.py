@@ -196,6 +196,28 @@ def test_no_new_kernel_variant_in_speculative_steps_after_the_warm_up(spec_sourc
     assert keys.new_since(warmed) == {}
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_progress_ends_at_its_total_when_drafts_refuse_a_request():
+    """With drafts the engine refuses the warm-up's request with penalties: it is skipped, and still counted in
+    the progress reports, so the last report is ``total`` of ``total`` (a readiness bar that reaches its end)."""
+    progress: list[tuple] = []
+    llm = LLM(
+        model="tiny",
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=16,
+        num_blocks=64,
+        warmup=True,
+        num_speculative_tokens=3,
+        progress=lambda *a: progress.append(a),
+    )
+    assert llm.config.warmup
+    phase, done, total = progress[-1]
+    assert phase == "compiling" and done == total > 0
+    assert [d for _, d, _ in progress] == sorted(d for _, d, _ in progress)
+
+
 # ---------------------------------------------------------------- CUDA: compiles counted
 
 
