@@ -6,7 +6,8 @@ across clients").
     python scripts/diagnostics/fairness.py --url http://127.0.0.1:8000 --keys heavy-1,heavy-2,light,flood
 
 Without ``--url`` it starts an in-process `shinkai serve` of the tiny model at ``--max-num-batched-tokens``
-(default 256) with four API keys and ``--max-requests-per-tenant`` (default 8); with ``--url`` it drives a
+(default 256) and ``--max-model-len`` (default 8,192: the engine's start, its warm-up included, scales with it) with
+four API keys and ``--max-requests-per-tenant`` (default 8); with ``--url`` it drives a
 running server (`shinkai up ... --api-key heavy-1,heavy-2,light,flood`), whose limit is given by the same flag.
 Long prompts and small ones are token ids (no tokenizer cost); every request streams over HTTP, and a TTFT is
 the time to the first streamed token. Prints one line per phase and the ratio of each p99 to the baseline's.
@@ -140,7 +141,7 @@ def in_process_server(args: argparse.Namespace, keys: list[str]):
         grpc_port=0,
         drain_timeout_s=10,
         api_keys=tuple(keys),
-        engine_args={"max_num_batched_tokens": args.max_num_batched_tokens},
+        engine_args={"max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len},
         admission=AdmissionLimits(max_requests=args.max_requests_per_tenant),
     )
     server = Server(config)
@@ -168,6 +169,7 @@ def main() -> int:
     p.add_argument("--url", help="a running server's HTTP URL; default: an in-process tiny server")
     p.add_argument("--keys", default="heavy-1,heavy-2,light,flood", help="four API keys: two heavy, light, flood")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=8192, help="the in-process server's (above the prompts)")
     p.add_argument("--max-requests-per-tenant", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=3900, help="the heavy keys' prompt length")
     p.add_argument("--seconds", type=float, default=20.0, help="each phase's measured time")
@@ -179,10 +181,15 @@ def main() -> int:
     stop = None
     url = args.url
     if url is None:
+        started = time.monotonic()
         url, stop = in_process_server(args, keys)
+        print(f"in-process server ready in {time.monotonic() - started:.1f} s", flush=True)
     try:
         stream_ttft(url, keys[2], [3, 4, 5], 2)  # warm-up
-        phases = [Phase(url, keys, n, args).run() for n in (0, 1, 2)]
+        phases = []
+        for n in (0, 1, 2):
+            phases.append(Phase(url, keys, n, args).run())
+            print(f"phase with {n} heavy keys measured: {phases[-1]['num_small']} small requests", flush=True)
         limit = over_limit(url, keys[3], args.max_requests_per_tenant, 512)
     finally:
         if stop is not None:

@@ -419,7 +419,7 @@ suite_prefix() {  # the cache's bits on the kernel path, then its reuse and TTFT
 }
 
 suite_fairness() {  # another key's TTFT beside long prompts, on the GPU's step times
-    begin fairness 200
+    begin fairness 300
     run fair "$(( $(left) - 5 ))" python3 scripts/diagnostics/fairness.py --seconds "${FAIR_S:-15}" --json "$dir/fairness.json"
     tail -20 "$dir/fair.log"
 }
