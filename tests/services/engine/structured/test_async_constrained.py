@@ -158,6 +158,34 @@ def test_a_constrained_step_is_launched_before_the_step_in_flight_is_read_and_sa
     assert overlapped >= 5, events
 
 
+def test_a_synchronous_constrained_step_fills_its_mask_after_launching_its_forward(bi):
+    """Without async scheduling too, the mask is a sampler input only: each step's forward is launched, then its
+    mask filled (on a GPU, while the forward runs), then it is sampled."""
+    engine = bi.engine
+    events: list[tuple[str, int]] = []
+    launch, sample, fill = engine.worker.launch, engine.worker.sample, engine.structured.token_bitmask
+
+    def launching(plan, *args, **kwargs):
+        events.append(("launch", plan.step_id))
+        return launch(plan, *args, **kwargs)
+
+    def sampling(step, token_bitmask=None):
+        events.append(("sample", step.plan.step_id))
+        return sample(step, token_bitmask)
+
+    def filling(plan, requests):
+        events.append(("fill", plan.step_id))
+        return fill(plan, requests)
+
+    _use(bi, False)
+    with _patched(engine.worker, launch=launching, sample=sampling), _patched(engine.structured, token_bitmask=filling):
+        outs = bi.generate(PROMPTS[:2], _params(1.0)[:2])
+    assert all(o.finish_reason == FinishReason.STOP for o in outs)
+    step_ids = [step_id for kind, step_id in events if kind == "launch"]
+    assert len(step_ids) >= 5 and events == [(kind, i) for i in step_ids for kind in ("launch", "fill", "sample")]
+    _assert_pools_whole(bi)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_constrained_async_decode_steps_never_synchronise_the_stream():
