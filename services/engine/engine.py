@@ -31,7 +31,6 @@ from services.engine.step_outputs import StepOutputs
 from services.engine.step_worker import StepWorker
 from services.engine.structured.grammars import GrammarCompiler
 from services.engine.structured.structured_output import StructuredOutput
-from services.worker.worker_output import WorkerOutput
 
 
 class Engine:
@@ -214,8 +213,9 @@ class Engine:
         plan = self.scheduler.schedule()
         self.structured.wait_idle(plan)
         start = time.perf_counter()
+        extra = self.inputs.extras(plan)
         try:
-            executed = self._execute(plan)
+            executed = self.worker.execute(plan, self.inputs.rows(plan), **extra)
             result = executed.result  # read back: the step is over
         except BaseException:
             self.ends.fail(plan)
@@ -223,16 +223,6 @@ class Engine:
         self.clock.took(plan, start)
         updates = self.scheduler.update(plan, result)
         return refused + self.outputs.apply(plan, executed, updates)
-
-    def _execute(self, plan: StepPlan) -> WorkerOutput:
-        """The planned step on the worker. In process, its forward is queued before the structured-output mask is
-        filled (the mask is a sampler input only, so on a GPU the fill overlaps the forward), then it is sampled:
-        the worker's ``execute`` with the mask, in that order. A worker process takes the step in one call."""
-        rows = self.inputs.rows(plan)
-        if not self.worker.in_process:
-            return self.worker.execute(plan, rows, **self.inputs.extras(plan))
-        launched = self.worker.launch(plan, rows, None, **self.inputs.prompt_rows(plan))
-        return self.worker.sample(launched, self.structured.token_bitmask(plan, self.requests))
 
     def _forget_lost_worker_state(self) -> None:
         """Drops the prefix cache once the worker has lost its pools (a worker process restarted), so no request

@@ -3,6 +3,7 @@ extras (the prompt rows whose logprobs were asked for, structured output's token
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from scheduler_rs import StepPlan
@@ -40,10 +41,10 @@ class StepInputs:
         return prompt_rows(plan, self.requests)
 
     def extras(self, plan: StepPlan) -> dict[str, Any]:
-        """Every keyword extra of ``Worker.execute``: ``prompt_rows`` and the ``token_bitmask``, each when it has
-        rows."""
+        """Every keyword extra of ``Worker.execute``: ``prompt_rows`` when it has rows, and the ``token_bitmask`` while
+        a live request walks a grammar, as the function that fills it: the worker calls it once the step's forward
+        is launched, so on a GPU the fill overlaps the forward (the mask is a sampler input only)."""
         extra = self.prompt_rows(plan)
-        mask = self.structured.token_bitmask(plan, self.requests)
-        if mask is not None:
-            extra["token_bitmask"] = mask
+        if self.structured.has_matchers(self.requests):
+            extra["token_bitmask"] = functools.partial(self.structured.token_bitmask, plan, self.requests)
         return extra

@@ -162,18 +162,22 @@ class StartupProgress:
         """The process serves from now on: what happens later (a compile) is no longer part of its start."""
         self.is_ready = True
 
-    @contextlib.contextmanager
-    def phase(self, name: str, total: int | None = None) -> Iterator[PhaseStep]:
+    def _begin(self, name: str, total: int | None) -> _Frame:
+        """A frame of phase ``name`` begun now (the caller holds the lock); the first one marks the start."""
         if name not in PHASES:
             raise ValueError(f"unknown startup phase {name!r}: one of {', '.join(PHASES)}")
         now = self._clock()
+        if self._first is None:
+            self._first = now
+        return _Frame(name, total, now, now)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, total: int | None = None) -> Iterator[PhaseStep]:
         with self.lock:
-            if self._first is None:
-                self._first = now
+            frame = self._begin(name, total)
             if self._stack:  # the outer phase pauses
                 outer = self._stack[-1]
-                self._seconds[outer.phase] = self._seconds.get(outer.phase, 0.0) + now - outer.resumed
-            frame = _Frame(name, total, now, now)
+                self._seconds[outer.phase] = self._seconds.get(outer.phase, 0.0) + frame.begun - outer.resumed
             self._stack.append(frame)
         log.info("startup %s", json.dumps({"phase": name, "total": total}))
         try:
@@ -192,13 +196,8 @@ class StartupProgress:
     def beside(self, name: str, total: int | None = None) -> Iterator[PhaseStep]:
         """A phase on the calling thread beside the process's others (module docstring); the calling thread is
         marked as working for it until it ends."""
-        if name not in PHASES:
-            raise ValueError(f"unknown startup phase {name!r}: one of {', '.join(PHASES)}")
-        now = self._clock()
         with self.lock:
-            if self._first is None:
-                self._first = now
-            frame = _Frame(name, total, now, now)
+            frame = self._begin(name, total)
             self._beside.append(frame)
         log.info("startup %s", json.dumps({"phase": name, "total": total, "beside": True}))
         step = PhaseStep(self, frame)

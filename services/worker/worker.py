@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -73,14 +73,16 @@ class Worker:
         rows: Sequence[SamplingRow],
         previous: WorkerOutput | None = None,
         prompt_rows: PromptRows | None = None,
-        token_bitmask: torch.Tensor | None = None,
+        token_bitmask: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
     ) -> WorkerOutput:
         """``rows`` has one entry per sampled row, in ``plan.sample_rows`` order. ``previous`` (async
         scheduling) is the step before this one, whose sampled tokens fill this plan's pending inputs.
         ``prompt_rows``: prompt rows whose logprobs the step returns (``WorkerOutput.prompt_logprobs``).
-        ``token_bitmask``: the structured-output mask, one row per ``rows`` entry (sampling/token_bitmask.py);
-        None when no row is constrained. The same as ``sample(launch(...), token_bitmask)``."""
-        return self.sample(self.launch(plan, rows, previous, prompt_rows), token_bitmask)
+        ``token_bitmask``: the structured-output mask, one row per ``rows`` entry (sampling/token_bitmask.py), None
+        when no row is constrained, or the function that fills it (called once the forward is launched, so on a GPU
+        the fill overlaps it). The same as ``sample(launch(...), token_bitmask)``."""
+        launched = self.launch(plan, rows, previous, prompt_rows)
+        return self.sample(launched, token_bitmask() if callable(token_bitmask) else token_bitmask)
 
     def launch(
         self,

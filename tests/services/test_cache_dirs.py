@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services import cache_dirs
+from tests.services.writer_process import json_result
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIABLES = [c.env for c in cache_dirs.CACHES if c.env is not None]
@@ -91,12 +92,6 @@ def _writer(env: dict[str, str], go: Path, blocks: str, rounds: int) -> subproce
     )
 
 
-def _result(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_two_processes_fill_one_cache_at_once_and_a_third_finds_every_entry_whole(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
@@ -104,7 +99,7 @@ def test_two_processes_fill_one_cache_at_once_and_a_third_finds_every_entry_whol
     go = tmp_path / "go"
     writers = [_writer(env, go, blocks, rounds=2) for _ in range(2)]
     go.touch()
-    first, second = (_result(w) for w in writers)
+    first, second = (json_result(w) for w in writers)
     triton = tmp_path / "cache" / "triton"
     assert first["triton"] == second["triton"] == str(triton)
     for r in (first, second):  # each process's second round read the first round's entries back
@@ -126,7 +121,7 @@ def test_two_processes_fill_one_cache_at_once_and_a_third_finds_every_entry_whol
                 assert data[:4] == b"\x7fELF"
             elif path.suffix == ".ptx":
                 assert b".version" in data and b".entry" in data
-    third = _result(_writer(env, go, blocks, rounds=1))
+    third = json_result(_writer(env, go, blocks, rounds=1))
     assert (third["hits"], third["misses"]) == (8, 0)  # a restart compiles nothing
 
 

@@ -18,6 +18,7 @@ import torch
 from services import cache_dirs
 from services.worker.compile_manifest import CompileManifest, stop_recording
 from services.worker.manifest_key import manifest_key
+from tests.services.writer_process import json_result
 
 ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = [c.env for c in cache_dirs.CACHES if c.env is not None]
@@ -34,19 +35,13 @@ def _writer(env: dict[str, str], blocks: str, *extra: str) -> subprocess.Popen:
     )
 
 
-def _result(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_two_processes_record_at_once_and_a_third_precompiles_every_variant(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
     go = tmp_path / "go"
     writers = [_writer(env, blocks, "--go", str(go)) for blocks in ("256,512", "512,1024")]
     go.touch()
-    first, second = (_result(w) for w in writers)
+    first, second = (json_result(w) for w in writers)
     assert first["compiled"] == second["compiled"] == 2  # 512 by both at once
     directory = tmp_path / "cache" / "variants" / "test"
     files = sorted(directory.iterdir())
@@ -56,7 +51,7 @@ def test_two_processes_record_at_once_and_a_third_precompiles_every_variant(tmp_
         data = json.loads(entry["specialization_data"])
         assert (entry["module"], entry["qualname"]) == ("kernels.rmsnorm", "_rmsnorm_kernel")
         assert data["signature"]["num_rows"] == "i32"  # do_not_specialize: its type only, never a value
-    third = _result(_writer(env, "256,512,1024", "--precompile"))
+    third = json_result(_writer(env, "256,512,1024", "--precompile"))
     assert third["precompiled"]["num_entries"] == third["precompiled"]["num_preloaded"] == 3
     assert third["precompiled"]["num_stale"] == 0
     # Beside the load: reported beside it, its variants read on its own threads while the load was still under way.
@@ -127,8 +122,8 @@ def test_gpu_a_second_start_precompiles_what_the_first_compiled_and_no_launch_co
     compile."""
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
-    first = _result(_writer(env, "", "--engine", "tiny"))
-    second = _result(_writer(env, "", "--engine", "tiny"))
+    first = json_result(_writer(env, "", "--engine", "tiny"))
+    second = json_result(_writer(env, "", "--engine", "tiny"))
     for name, start in (("first", first), ("second", second)):
         launched = start.pop("launched")
         print(f"\n{name} start: {start}; compiled for a launch: {launched}")
