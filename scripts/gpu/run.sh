@@ -244,7 +244,7 @@ suite_speculative_bench() {
 }
 
 suite_structured() {
-    begin structured 235
+    begin structured 420
     # The sampler kernel's first (cheap), then constrained speculation (four engines of 64 blocks), then constrained
     # async last: its engine sizes its pools from gpu_memory_utilization, and in one pytest process that memory
     # stays held until a collection frees the engine's reference cycles.
