@@ -123,10 +123,11 @@ class CompileManifest:
 
     def record(self) -> None:
         """From now on, every variant this process compiles is written here (module docstring), until
-        ``stop_recording``. Replaces the manifest an earlier ``record`` set; a hook set before keeps being called."""
+        ``stop_recording``. Replaces the manifest an earlier ``record`` set; a hook set before keeps being called,
+        also one set over an earlier ``record``'s hook (recording then chains onto it)."""
         from triton import knobs
 
-        if _RECORDING:
+        if _RECORDING and knobs.runtime.jit_post_compile_hook is _RECORDING["hook"]:
             _RECORDING["manifest"] = self
             return
         previous = knobs.runtime.jit_post_compile_hook

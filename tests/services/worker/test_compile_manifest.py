@@ -105,6 +105,27 @@ def test_record_writes_each_compile_and_chains_the_hook_set_before(tmp_path):
         knobs.runtime.jit_post_compile_hook = None
 
 
+def test_record_again_after_another_hook_replaced_the_recording_one(tmp_path):
+    """A hook set over a recording manifest's (a profiler, a test) does not stop the next ``record``: it records on
+    top of that hook, which keeps being called."""
+    from triton import knobs
+
+    class Info:
+        module, name = "kernels.rmsnorm", "_rmsnorm_kernel"
+
+    seen = []
+    try:
+        CompileManifest(tmp_path / "first").record()
+        knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["key"])
+        manifest = CompileManifest(tmp_path / "second")
+        manifest.record()
+        knobs.runtime.jit_post_compile_hook(key="k", fn=Info, compile={"key": "k", "specialization_data": "{}"})
+        assert seen == ["k"] and len(manifest.entries()) == 1
+    finally:
+        stop_recording()
+        knobs.runtime.jit_post_compile_hook = None
+
+
 def test_the_key_follows_what_picks_the_variants_and_the_versions():
     a = manifest_key({"model": {"hidden_size": 64}, "max_num_seqs": 4}, "cpu")
     assert a == manifest_key({"max_num_seqs": 4, "model": {"hidden_size": 64}}, "cpu")  # order does not matter
