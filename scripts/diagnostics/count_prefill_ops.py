@@ -90,7 +90,7 @@ def main() -> int:
     from kernels.interpret import interpreter, load_interpreted
     from scheduler_rs import Scheduler, SchedulerConfig
     from services.engine.config import EngineConfig
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
     from services.worker.runners.model_runner import ModelRunner
     from tests.services.worker.runners.test_model_runner import BLOCK, case
 

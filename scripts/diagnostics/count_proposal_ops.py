@@ -38,7 +38,7 @@ def main() -> int:
     from kernels.interpret import interpreter, load_interpreted
     from services.engine.model_source import load_model
     from services.worker.kernel_model.backend import convert_model
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
     from services.worker.sampling.sampler import SamplingRow
     from services.worker.spec.draft_proposal import HostInputs
     from services.worker.spec.static_draft_proposal import ProposalKey, StaticDraftProposal

@@ -284,7 +284,7 @@ def measure(
 
     if "fp32" in precisions and precisions[-1] != "fp32":
         raise ValueError("fp32 converts the model in place: it must be the last precision")
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     config = engine_config(workload).worker_config()
     prompts = make_prompts(model.cfg.vocab_size, workload)

@@ -22,7 +22,7 @@ from services.engine.structured.grammars import GrammarCompiler
 from services.engine.warmup import Progress, warm_up
 from services.worker import startup
 from services.worker.build import build_worker
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.worker import Runner
 
 Prompt = str | Sequence[int]

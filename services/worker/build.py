@@ -22,7 +22,7 @@ import time
 from model.deepseek_v41.model import DeepseekV41
 from services.worker import startup
 from services.worker.config import WorkerConfig
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.spec.forced_acceptance import ForcedAcceptance
 from services.worker.spec.speculator import Speculator

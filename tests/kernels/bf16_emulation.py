@@ -234,7 +234,7 @@ def emulated_kernels():
     the interpreted kernels on their bf16-dot path. Calls must run inside ``interpreter()`` and
     ``bf16_interpreter()``."""
     from kernels.interpret import load_interpreted
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     return with_attention(
         KernelSet.references(), False, load_interpreted("prefill_attention"), load_interpreted("decode_attention")
@@ -291,7 +291,7 @@ def _emulating():
 
 
 def engine_table(names: tuple[str, ...], full: bool) -> None:
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     sets = [
         ("floor (torch references)", KernelSet.references),
@@ -308,7 +308,7 @@ def bisect(names: tuple[str, ...], device: str) -> None:
     stage whose removal brings the KL back to ~0.08 holds the defect. ``device`` "cpu": the same
     plumbing on ``every_step_kernel`` (interpreted, bf16 attention emulated; slow)."""
     from kernels import reference
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     torch.backends.cuda.matmul.allow_tf32 = False
     base = KernelSet.compiled if device != "cpu" else every_step_kernel

@@ -76,7 +76,8 @@ def bench_wo_a(num_tokens: int, ceil: dict[str, float], gen: torch.Generator) ->
 
     from services.bench.step.build import model_config
     from services.worker.kernel_model import block_scaled_gemm
-    from services.worker.kernel_model.fp8_linear import GroupedKernelLinear, KernelSet
+    from services.worker.kernel_model.fp8_linear import GroupedKernelLinear
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     cfg = model_config("v41-s1", None)
     groups, rank = cfg.o_groups, cfg.o_lora_rank

@@ -30,7 +30,7 @@ from services.engine.parallel.vote import HostVote
 from services.engine.sampling_params import SamplingParams
 from services.eplb.layout import Layout
 from services.worker.build import build_worker
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_moves import apply_layouts
 from services.worker.parallel.groups import RankGroups, close_rank_groups, init_rank_groups

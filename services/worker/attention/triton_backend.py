@@ -33,7 +33,7 @@ from model.deepseek_v41.rope import apply_rope_
 from services.worker.attention.backend import StepRounding
 from services.worker.attention.torch_backend import TorchAttention
 from services.worker.batch.step_batch import StepBatch
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.state.cache_engine import CacheEngine
 
 

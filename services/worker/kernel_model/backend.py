@@ -51,8 +51,9 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.kernel_model.draft_attention import KernelDraftAttention
 from services.worker.kernel_model.engram import KernelEngram
-from services.worker.kernel_model.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear, KernelSet
+from services.worker.kernel_model.fp8_linear import PRECISIONS, GroupedKernelLinear, KernelLinear
 from services.worker.kernel_model.head import KernelHead, exact_in_bf16
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_model.row_tiled import RowTiledEngram, RowTiledLinear
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.attention import Attention
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 
 
 class KernelDraftAttention(nn.Module):

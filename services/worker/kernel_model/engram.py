@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from model.deepseek_v41.engram import Engram
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 
 
 class KernelEngram(nn.Module):

@@ -1,7 +1,4 @@
-"""Kernel-backed linear layers and the set of kernel modules the worker's kernel backend calls.
-
-``KernelSet`` names the ``kernels.*`` modules a converted model calls: the compiled ones on a GPU, or
-interpreted copies (kernels/interpret.py) for CPU tests, which then run inside ``interpreter()``.
+"""Kernel-backed linear layers (the kernel modules they call: ``KernelSet``, kernel_set.py).
 
 FP8 linear: the weight is e4m3 with one fp32 power-of-two scale per 128×128 block
 (``kernels.fp8_weights.quantize_weight_block128``), the activations are quantised per token and per
@@ -24,10 +21,6 @@ no fp32-weight mode): the same module structure, for numerics tests against the 
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from types import ModuleType, SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +30,7 @@ from kernels.fp8_weights import quantize_weight_block128
 from kernels.quant_fp8 import IN_GEMM_MAX_ROWS
 from kernels.reference import GROUP, dequantize_weight_block128
 from services.worker.kernel_model import block_scaled_gemm
+from services.worker.kernel_model.kernel_set import KernelSet
 
 PRECISIONS = ("fp8", "fp32")
 
@@ -50,93 +44,6 @@ def linear_block_m(num_tokens: int) -> int:
     if invariance.active():
         return invariance.BLOCK_M
     return 16 if num_tokens <= 256 else 32
-
-
-@dataclass(frozen=True)
-class KernelSet:
-    """The kernel modules a converted model calls. ``interpreted``: CPU copies under Triton's
-    interpreter (no bf16 ``tl.dot`` there, so attention uses its fp32-dot option)."""
-
-    rmsnorm: ModuleType
-    quant_fp8: ModuleType
-    moe_router: ModuleType
-    moe_grouped_gemm: ModuleType
-    decode_attention: ModuleType
-    # The step's other kernels (services/worker/attention/triton_backend.py, kernel_sampler.py). None: that
-    # part stays torch (the FP8 test's torch-reference set); ``compiled()`` and the interpreted sets have them all.
-    compressor: ModuleType | None = None
-    indexer: ModuleType | None = None
-    prefill_attention: ModuleType | None = None
-    mhc: ModuleType | None = None
-    sampler: ModuleType | None = None
-    window_write: ModuleType | None = None  # the window-K FP8 write (else CacheEngine.write_window's torch form)
-    indexer_quant: ModuleType | None = None  # the indexer query's FP4 rounding (else quant.fake_quant_indexer)
-    entry_slots: ModuleType | None = None  # selected entries → pool slots (else reference.entry_slots)
-    engram_gate: ModuleType | None = None  # Engram's gate and residual add (else RowTiledEngram's torch form)
-    draft_attention: ModuleType | None = None  # the DSpark draft's block attention (else its torch form)
-    moe_contiguous: ModuleType | None = None  # DeepGEMM's contiguous layout (else deepgemm_moe's torch form)
-    moe_fp4: ModuleType | None = None  # the MXFP4 experts' grouped GEMM (else routed experts are converted to FP8)
-    interpreted: bool = False
-
-    NAMES = (
-        "rmsnorm",
-        "quant_fp8",
-        "moe_router",
-        "moe_grouped_gemm",
-        "decode_attention",
-        "compressor",
-        "indexer",
-        "prefill_attention",
-        "mhc",
-        "sampler",
-        "window_write",
-        "indexer_quant",
-        "entry_slots",
-        "engram_gate",
-        "draft_attention",
-        "moe_contiguous",
-        "moe_fp4",
-    )
-
-    @staticmethod
-    def compiled() -> KernelSet:
-        return KernelSet(*(importlib.import_module(f"kernels.{name}") for name in KernelSet.NAMES))
-
-    @staticmethod
-    def references() -> KernelSet:
-        """The kernels' torch references (kernels/reference.py) in this shape, on any device: the FP8
-        path's formats and wiring without a Triton kernel, i.e. its format noise floor. Compressor,
-        indexer and mHC are left out: TritonAttention then compresses and selects with TorchAttention
-        (the model's functions). ``interpreted`` (fp32 dot options) is moot for the references."""
-        from kernels import reference
-
-        def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
-            return reference.moe_grouped_gemm(
-                a,
-                w,
-                w_scale,
-                meta["counts"],
-                row_ids=meta["row_ids"] if gather else None,
-                route_w=meta["route_w"],
-                swiglu_limit=swiglu_limit,
-                out_dtype=out_dtype,
-            )
-
-        def attention(*args, dot_fp32=False, **_):
-            return reference.sparse_decode_attention(*args)
-
-        def prefill(*args, dot_fp32=False, **_):
-            return reference.sparse_prefill_attention(*args)
-
-        return KernelSet(
-            SimpleNamespace(rmsnorm=reference.rmsnorm),
-            SimpleNamespace(quantize_act=reference.quantize_act),
-            SimpleNamespace(moe_router=reference.moe_router),
-            SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
-            SimpleNamespace(sparse_decode_attention=attention),
-            prefill_attention=SimpleNamespace(sparse_prefill_attention=prefill),
-            interpreted=True,
-        )
 
 
 def round_up(n: int, multiple: int = GROUP) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from kernels.interpret import interpreter, load_interpreted
 from model.batch_invariant import batch_invariant as torch_batch_invariant
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 
 STEP_KERNELS = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
 """``step_kernels``' positional kernels, in ``KernelSet``'s order; ``prefill_attention`` and ``moe_fp4`` beside them."""

@@ -40,7 +40,8 @@ from model.deepseek_v41.moe import MoE, clamped_swiglu
 from model.deepseek_v41.norm import RMSNorm
 from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 from services.worker.kernel_model.fp4_experts import EXPERT_FORMATS, Fp4Experts
-from services.worker.kernel_model.fp8_linear import PRECISIONS, KernelSet, pad_last, pad_matrix, quantize_each, round_up
+from services.worker.kernel_model.fp8_linear import PRECISIONS, pad_last, pad_matrix, quantize_each, round_up
+from services.worker.kernel_model.kernel_set import KernelSet
 
 
 class KernelRMSNorm(nn.Module):

@@ -35,8 +35,9 @@ from services.worker.attention.torch_backend import TorchAttention
 from services.worker.attention.triton_backend import TritonAttention
 from services.worker.batch.step_batch import PendingInputs, StepBatch, check_ring_slots
 from services.worker.config import WorkerConfig
-from services.worker.kernel_model.backend import BACKENDS, KernelSet, check_device, convert_model
+from services.worker.kernel_model.backend import BACKENDS, check_device, convert_model
 from services.worker.kernel_model.head import head_logits
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.parallel.ep_kernel_moe import shard_kernel_experts
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.placeholder import placeholder_batch

@@ -20,7 +20,7 @@ from kernels.interpret import interpreter, load_interpreted
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.warmup import PHASE, plan_warmup, token_buckets, warm_up
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.runners.model_runner import ModelRunner
 from tests.kernels.spec_keys import SpecKeys
 

@@ -50,7 +50,8 @@ from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.tokenizer import engram_token_map
 from services.bench.accuracy import MARGIN, row_stats, scale_branches
 from services.worker.kernel_model.backend import convert_model
-from services.worker.kernel_model.fp8_linear import GroupedKernelLinear, KernelSet
+from services.worker.kernel_model.fp8_linear import GroupedKernelLinear
+from services.worker.kernel_model.kernel_set import KernelSet
 from tests.model.deepseek_v41.oracle_configs import CASES, finish
 from tests.model.deepseek_v41.oracle_harness import toy_tokenizer
 

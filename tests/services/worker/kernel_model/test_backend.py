@@ -33,7 +33,6 @@ from services.worker.kernel_model.fp8_linear import (
     META_CACHE_MAX_TOKENS,
     GroupedKernelLinear,
     KernelLinear,
-    KernelSet,
     group_rows_meta,
     linear_block_m,
     one_expert_meta,
@@ -41,6 +40,7 @@ from services.worker.kernel_model.fp8_linear import (
     quantize_padded,
 )
 from services.worker.kernel_model.head import KernelHead
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE, KernelRMSNorm
 from services.worker.kernel_model.row_tiled import RowTiledEngram, RowTiledLinear
 from services.worker.runners.model_runner import ModelRunner

@@ -57,7 +57,8 @@ def test_grouped_wo_a_takes_one_block_scaled_gemm_a_group_and_agrees_with_the_gr
     from dataclasses import replace
 
     from kernels.interpret import interpreter, load_interpreted
-    from services.worker.kernel_model.fp8_linear import GroupedKernelLinear, KernelSet
+    from services.worker.kernel_model.fp8_linear import GroupedKernelLinear
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     calls = []
 
@@ -143,7 +144,8 @@ def test_gpu_block_scaled_gemm_agrees_with_the_exact_product_as_the_triton_gemm_
 @pytest.mark.gpu
 @HOPPER
 def test_gpu_kernel_linear_takes_it_from_linear_min_tokens_rows_and_agrees_below(monkeypatch):
-    from services.worker.kernel_model.fp8_linear import KernelLinear, KernelSet
+    from services.worker.kernel_model.fp8_linear import KernelLinear
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     dev = torch.device("cuda")
     # Probed here, so the probes' own products are not counted below.
@@ -170,7 +172,8 @@ def test_gpu_kernel_linear_takes_it_from_linear_min_tokens_rows_and_agrees_below
 def test_gpu_grouped_wo_a_takes_it_one_gemm_a_group_and_agrees_with_the_grouped_gemm(monkeypatch, num_tokens):
     """v41's wo_a (8 groups of 4,096 → 1,024): from ``GROUPED_MIN_TOKENS`` tokens one block-scaled GEMM a group, the
     result the Triton grouped GEMM's (``GROUPED_MIN_TOKENS`` raised) up to two bf16 roundings."""
-    from services.worker.kernel_model.fp8_linear import GroupedKernelLinear, KernelSet
+    from services.worker.kernel_model.fp8_linear import GroupedKernelLinear
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     dev = torch.device("cuda")
     assert block_scaled_gemm.available(dev)

@@ -15,7 +15,8 @@ from kernels.interpret import interpreter, load_interpreted
 from model.deepseek_v41.engram import Engram
 from services.worker.kernel_model.backend import convert_model
 from services.worker.kernel_model.engram import KernelEngram
-from services.worker.kernel_model.fp8_linear import KernelLinear, KernelSet
+from services.worker.kernel_model.fp8_linear import KernelLinear
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.row_tiled import RowTiledEngram
 from tests.kernels.test_engram_gate import _bound, _reference
 from tests.services.worker.runners.test_model_runner import case

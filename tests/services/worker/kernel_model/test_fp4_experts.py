@@ -11,7 +11,7 @@ import torch
 
 from kernels.interpret import interpreter, load_interpreted
 from model.batch_invariant import batch_invariant
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from tests.services.worker.kernel_model.test_moe import check_live_mask
 from tests.services.worker.runners.test_model_runner import case

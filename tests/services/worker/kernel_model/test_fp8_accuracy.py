@@ -39,7 +39,8 @@ from services.bench.accuracy import (
 )
 from services.bench.step.build import load_source, model_config
 from services.worker.kernel_model.backend import convert_model
-from services.worker.kernel_model.fp8_linear import KernelLinear, KernelSet
+from services.worker.kernel_model.fp8_linear import KernelLinear
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.runners.model_runner import ModelRunner
 from tests.services.worker.kernel_model import test_backend as backend_tests

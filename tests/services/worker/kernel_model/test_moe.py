@@ -31,7 +31,7 @@ from scheduler_rs import Scheduler, SchedulerConfig
 from services.engine.config import EngineConfig
 from services.worker.kernel_model import block_scaled_experts, block_scaled_gemm
 from services.worker.kernel_model import moe as kernel_moe
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.runners.model_runner import ModelRunner
 from tests import tolerances

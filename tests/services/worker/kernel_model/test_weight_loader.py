@@ -17,8 +17,8 @@ from model.deepseek_v41.safetensors_io import INDEX_FILE, CheckpointError, read_
 from model.deepseek_v41.tokenizer import engram_token_map, load_v41_tokenizer
 from services.entrypoints.cli import main
 from services.worker.kernel_model import weight_loader
-from services.worker.kernel_model.fp8_linear import KernelSet
 from services.worker.kernel_model.gpu_model import _draw, build_kernel_model
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.weight_loader import CheckpointReader, check_checkpoint, load_kernel_model
 
 SEED = 7

@@ -25,7 +25,7 @@ from kernels.reference import route_metadata
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.presets import TINY
 from services.eplb.layout import Layout
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE, ep_layer, local_layout
 from services.worker.parallel.ep_moe import ExpertParallel

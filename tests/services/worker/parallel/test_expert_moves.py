@@ -19,7 +19,7 @@ import torch.distributed as dist
 from model.deepseek_v41.moe import MoE
 from model.deepseek_v41.presets import TINY
 from services.eplb.layout import Layout, startup_layout
-from services.worker.kernel_model.fp8_linear import KernelSet
+from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE
 from services.worker.parallel.ep_moe import ExpertParallel

@@ -62,7 +62,7 @@ def test_kernel_backend_static_step_interpreted():
     5 rows padded to 8, from the same pools as the eager kernel-backend ModelRunner: KernelMoE routes
     the 3 placeholder rows nowhere (counts equal), logits and pools agree."""
     from kernels.interpret import interpreter, load_interpreted
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
     from tests.services.worker.runners.test_static_decode_step import BLOCK, MAX_LEN, _decode_plan
 
     plan, torch_runner = _decode_plan("nocand")

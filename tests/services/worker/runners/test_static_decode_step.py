@@ -438,7 +438,7 @@ def test_glue_folded_into_kernels_changes_no_bit(monkeypatch):
     import services.worker.attention.graph_backend as graph
     import services.worker.kernel_model.fp8_linear as fp8_linear
     from kernels.interpret import interpreter, load_interpreted
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
 
     plan, torch_runner = _decode_plan("oracle")
     kernels = KernelSet(*(load_interpreted(name) for name in KernelSet.NAMES), interpreted=True)

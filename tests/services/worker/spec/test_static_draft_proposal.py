@@ -141,7 +141,7 @@ def test_on_cuda_the_graph_replay_equals_the_static_proposal_run_eagerly(mode, c
     the refilled buffers, not what the capture saw). The second fill and replay run under CUDA's sync debug
     mode "error" (the first captures, which synchronises)."""
     from services.worker.kernel_model.backend import convert_model
-    from services.worker.kernel_model.fp8_linear import KernelSet
+    from services.worker.kernel_model.kernel_set import KernelSet
     from services.worker.kernel_model.moe import KernelMoE
 
     torch.manual_seed(0)
