@@ -168,19 +168,15 @@ def _select_wide(
     if 2 * k > row_max:  # then the pieces' picks are fewer than the row's columns, and the recursion ends
         raise ValueError(f"select_topk of a row wider than {row_max} columns needs k ≤ {row_max // 2}, got {k}")
     num_pieces = -(-width // row_max)
-    padded = scores.float().contiguous()
+    padded = scores.contiguous()
     if num_pieces * row_max != width:
         padded = torch.nn.functional.pad(padded, (0, num_pieces * row_max - width), value=-torch.inf)
-    kept = k
-    local = select_topk(padded.view(num_rows * num_pieces, row_max), kept, atomic=atomic, out_width=kept)
+    local = select_topk(padded.view(num_rows * num_pieces, row_max), k, atomic=atomic, out_width=k)
+    local = local.view(num_rows, num_pieces, k)
     offsets = torch.arange(num_pieces, device=scores.device, dtype=torch.int32).mul_(row_max).view(1, -1, 1)
-    columns = torch.where(
-        local.view(num_rows, num_pieces, kept) >= 0, local.view(num_rows, num_pieces, kept) + offsets, -1
-    )
-    columns = columns.view(num_rows, num_pieces * kept)  # ascending where ≥ 0
+    columns = torch.where(local >= 0, local + offsets, -1).view(num_rows, num_pieces * k)  # ascending where ≥ 0
     picked_scores = torch.where(columns >= 0, padded.gather(1, columns.clamp(min=0).long()), -torch.inf)
-    stage_width = min(k, num_pieces * kept) if as_mask else out_width
-    picks = select_topk(picked_scores, k, atomic=atomic, out_width=stage_width, row_max=row_max)
+    picks = select_topk(picked_scores, k, atomic=atomic, out_width=k if as_mask else out_width, row_max=row_max)
     chosen = torch.where(picks >= 0, columns.gather(1, picks.clamp(min=0).long()), -1)  # [R, out_width] ascending
     if not as_mask:
         return chosen

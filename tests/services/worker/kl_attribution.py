@@ -174,24 +174,11 @@ def _act_sites(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_kernels() -> KernelSet:
     """``KernelSet.references()`` (the FP8 floor) without the attention slots, with
     ``quantize_act`` looked up at call time so ACT switches it."""
-
-    def grouped_gemm(a, w, w_scale, meta, *, gather, swiglu_limit=None, out_dtype=torch.bfloat16, **_):
-        return reference.moe_grouped_gemm(
-            a,
-            w,
-            w_scale,
-            meta["counts"],
-            row_ids=meta["row_ids"] if gather else None,
-            route_w=meta["route_w"],
-            swiglu_limit=swiglu_limit,
-            out_dtype=out_dtype,
-        )
-
     return KernelSet(
         SimpleNamespace(rmsnorm=reference.rmsnorm),
         SimpleNamespace(quantize_act=lambda x: reference.quantize_act(x)),
         SimpleNamespace(moe_router=lambda *a: _record("route", reference.moe_router(*a))),
-        SimpleNamespace(moe_grouped_gemm=grouped_gemm, moe_experts=reference.moe_experts),
+        KernelSet.references().moe_grouped_gemm,
         SimpleNamespace(),
         interpreted=True,
     )
