@@ -29,6 +29,7 @@ mod fork;
 mod mixed;
 mod prefill;
 mod prefix;
+mod shared_prefill;
 mod update;
 #[cfg(test)]
 mod fairness_tests;

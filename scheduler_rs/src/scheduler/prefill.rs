@@ -48,6 +48,7 @@ impl Scheduler {
         let mut num_seqs = self.running.len() as u32;
         let mut chosen = Vec::new();
         let mut finished_prefill = HashSet::new();
+        let mut pending = self.pending_snapshots();
         for i in 0..self.waiting.len() {
             let handle = self.waiting[i];
             let req = self.req(handle);
@@ -64,6 +65,11 @@ impl Scheduler {
                 continue;
             }
             if req.block_table.is_empty() {
+                // A prompt sharing a prefix that another's prefill is about to snapshot waits for it, keeping
+                // its place (shared_prefill.rs).
+                if self.awaits_snapshot(handle, &pending) {
+                    continue;
+                }
                 // A new prompt reserves all its blocks and its state slot on its first chunk, so
                 // it never stalls halfway for lack of blocks; with a prefix-cache hit it starts after
                 // the hit.
@@ -79,6 +85,7 @@ impl Scheduler {
             num_seqs += 1;
             let is_last = chunk == remaining;
             let end = self.req(handle).next_position() + chunk;
+            pending.extend(self.req(handle).snapshot_at.iter().map(|&at| (handle, at)));
             self.after_chunk(handle, end, is_last);
             chosen.push(Scheduled { handle, num_rows: chunk, num_sample_rows: is_last as u32, prompt: true });
             if is_last {

@@ -121,20 +121,12 @@ impl Scheduler {
     /// starts at the snapshot's boundary.
     pub(super) fn admit(&mut self, handle: usize) -> bool {
         let block_size = self.config.block_size;
-        let step = self.next_step_id - 1;
+        let (num_cached, hit) = self.resume_point(handle);
+        let sibling = self.sibling_divergence(handle);
         let req = self.req(handle);
         let len = req.len();
         let caching = self.config.enable_prefix_caching && req.prefix_root.is_some();
         let lookup = caching && req.prefix_lookup;
-        let num_cached = if caching { self.cache.num_cached(&req.block_hashes) } else { 0 };
-        let hit = if lookup {
-            let root = req.prefix_root.expect("caching");
-            self.snapshots.find(root, &req.block_hashes, num_cached, &req.tokens, len - 1, block_size, step, |s, e| {
-                !req.overlaps_image(s, e)
-            })
-        } else {
-            None
-        };
         let boundary = hit.map_or(0, |(_, b)| b);
         let depth = (boundary / block_size) as usize;
         let shared: Vec<u32> =
@@ -160,8 +152,12 @@ impl Scheduler {
         let extends = hit.is_some_and(|(id, _)| self.snapshots.get(id).at_end);
         let resent = seen && !extends;
         let wanted = |b: u32| caching && b > boundary && b < len;
-        let mut snapshot_at: Vec<u32> =
-            [Some(divergence), resent.then_some(last_full_block)].into_iter().flatten().filter(|&b| wanted(b)).collect();
+        let mut snapshot_at: Vec<u32> = [Some(divergence), Some(sibling), resent.then_some(last_full_block)]
+            .into_iter()
+            .flatten()
+            .filter(|&b| wanted(b))
+            .collect();
+        snapshot_at.sort_unstable();
         snapshot_at.dedup();
         let snapshot_if_free = (!resent && wanted(last_full_block)).then_some(last_full_block);
         if let Some((id, _)) = hit {
@@ -193,6 +189,29 @@ impl Scheduler {
         req.snapshot_at = snapshot_at;
         req.snapshot_if_free = snapshot_if_free;
         true
+    }
+
+    /// The request's cached full blocks (0 without prefix caching) and the deepest snapshot it may resume
+    /// from now, (id, boundary) (`Snapshots::find`; None where it may not look up).
+    fn resume_point(&self, handle: usize) -> (usize, Option<(u32, u32)>) {
+        let req = self.req(handle);
+        let Some(root) = req.prefix_root.filter(|_| self.config.enable_prefix_caching) else { return (0, None) };
+        let num_cached = self.cache.num_cached(&req.block_hashes);
+        if !req.prefix_lookup {
+            return (num_cached, None);
+        }
+        let step = self.next_step_id - 1;
+        let block_size = self.config.block_size;
+        let hashes = &req.block_hashes;
+        let hit = self.snapshots.find(root, hashes, num_cached, &req.tokens, req.len() - 1, block_size, step, |s, e| {
+            !req.overlaps_image(s, e)
+        });
+        (num_cached, hit)
+    }
+
+    /// Where the request would resume if admitted now: its snapshot hit's boundary, or 0.
+    pub(super) fn resume_boundary(&self, handle: usize) -> u32 {
+        self.resume_point(handle).1.map_or(0, |(_, boundary)| boundary)
     }
 
     /// Whether another live request's prompt has the same first full block (same hash, so same root).

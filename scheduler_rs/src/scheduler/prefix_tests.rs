@@ -137,10 +137,11 @@ fn a_resent_prompt_is_cut_and_snapshotted_at_its_last_full_block() {
 }
 
 #[test]
-fn prompts_sharing_a_first_block_are_cut_unless_they_extend_an_earlier_end() {
+fn prompts_sharing_a_first_block_compute_it_once_and_are_cut_unless_they_extend_an_earlier_end() {
     let mut s = Scheduler::new(config(64)).unwrap();
-    // Two fresh prompts queued together with the same first block: each shares it with the other (agents
-    // sharing a system prompt), so both are cut at their last full block (8) in the first step.
+    // Two fresh prompts queued together with the same first block (agents sharing a system prompt): the first
+    // cuts a chunk where they diverge (4) and snapshots there while the second waits; then the second resumes
+    // there. Each is resent traffic, cut at its last full block (8).
     let system: Vec<u32> = (1..=4).collect();
     let (mut a, mut b) = (system.clone(), system.clone());
     a.extend([10, 11, 12, 13, 14, 15]);
@@ -148,7 +149,9 @@ fn prompts_sharing_a_first_block_are_cut_unless_they_extend_an_earlier_end() {
     add(&mut s, "a", a.clone(), 1);
     add(&mut s, "b", b, 1);
     let plans = run(&mut s);
-    assert_eq!(plans[0].seqlens_q, vec![8, 8]);
+    let rows: Vec<Vec<i32>> = plans.iter().map(|p| p.seqlens_q.clone()).collect();
+    assert_eq!(rows[..3], [vec![4], vec![4, 4], vec![2, 2]]);
+    assert_eq!(prompt_rows(&plans), 10 + 6);
     // A next turn extending a's whole sequence resumes at a's finish snapshot (10 positions: its one output
     // has no KV) and is not cut at its last full block (12): its own end serves the turn after it.
     let mut turn2 = a;
@@ -192,6 +195,46 @@ fn agents_compute_only_the_suffix_from_the_third_request() {
     // The second request finds the system prompt's blocks cached but no snapshot: it cuts a chunk
     // there and snapshots; later ones resume at that divergence point.
     assert_eq!(computed, vec![22, 22, 6, 6]);
+}
+
+#[test]
+fn agents_queued_together_compute_the_system_prompt_once() {
+    let mut config = config(64);
+    config.max_num_batched_tokens = 8;
+    let mut s = Scheduler::new(config).unwrap();
+    let system: Vec<u32> = (1..=16).collect();
+    for k in 0..4u32 {
+        let mut prompt = system.clone();
+        prompt.extend([100 + k, 200 + k, 300, 301, 302, 303]);
+        add(&mut s, &format!("r{k}"), prompt, 2);
+    }
+    let plans = run(&mut s);
+    // r0 computes the system prompt in two chunks of the budget and snapshots at its end (16), where the others
+    // diverge from it; they wait for that snapshot, then compute their suffixes only.
+    assert_eq!(plans[0].seqlens_q, vec![8]);
+    assert_eq!(plans[1].seqlens_q, vec![8]);
+    assert_eq!(prompt_rows(&plans), 22 + 3 * 6);
+    assert_eq!(s.stats().prefix_cache_hits, 3 * 16);
+    s.clear_prefix_cache();
+    assert_eq!((s.block_manager().num_free(), s.stats().num_state_snapshots), (63, 0));
+}
+
+#[test]
+fn a_prompt_waiting_for_a_shared_prefix_goes_on_when_its_computer_is_aborted() {
+    let mut config = config(64);
+    config.max_num_batched_tokens = 8;
+    let mut s = Scheduler::new(config).unwrap();
+    let system: Vec<u32> = (1..=16).collect();
+    let (mut a, mut b) = (system.clone(), system.clone());
+    a.extend([10, 11]);
+    b.extend([20, 21]);
+    add(&mut s, "a", a, 2);
+    add(&mut s, "b", b, 2);
+    assert_eq!(step(&mut s).seqlens_q, vec![8]);
+    s.abort("a").unwrap();
+    // No request will snapshot b's prefix any more: b starts at once, from the beginning.
+    assert_eq!(step(&mut s).seqlens_q, vec![8]);
+    assert_eq!(prompt_rows(&run(&mut s)), 10);
 }
 
 #[test]
