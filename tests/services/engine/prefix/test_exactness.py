@@ -147,6 +147,23 @@ def test_an_agent_loop_computes_only_the_suffix_from_the_third_request(source):
     assert computed_on == [2049, 2049, 49]
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_agents_queued_together_compute_the_system_prompt_once(source, seeded):
+    """Four prompts sharing a 160-token system prompt (10 full blocks), each with its own 40-token suffix, queued in
+    one call: the first computes the system prompt and snapshots where the others diverge from it (160) while they
+    wait; then each computes only its suffix (scheduler_rs/src/scheduler/shared_prefill.rs)."""
+    system = [0, *_tokens(300, 159)]
+    prompts = [system + _tokens(310 + k, 40) for k in range(4)]
+    params = [_params(k, seeded) for k in range(4)]
+    answers, computed = [], []
+    for caching in (False, True):
+        llm = LLM(source=source, **ENGINE, enable_prefix_caching=caching)
+        answers.append([_answer(out) for out in llm.generate(prompts, params)])
+        computed.append(llm.engine.scheduler.stats().num_prefill_tokens)
+    assert answers[1] == answers[0]
+    assert computed == [4 * 200, 160 + 4 * 40]
+
+
 def choice_groups(source, seeded: bool, **engine_args) -> tuple[list[list[tuple]], list[int], list[int]]:
     """Three n = 3 requests sharing a 71-token system prompt, each with its own 5-token suffix, while a long
     request decodes beside them (so their prompts run in mixed steps, which async scheduling keeps in flight):
