@@ -98,7 +98,9 @@ class ExpertParallel:
             if self.peer is None:
                 raise ValueError("the kernel backend's expert-parallel layer needs a PeerExchange")
             device = self.slot_counts.device
-            buffers = PeerBuffers.allocate(self.peer.world_size, self.pass_tokens * top_k, hidden, dtype, device)
+            buffers = PeerBuffers.allocate(
+                self.peer.world_size, self.pass_tokens * top_k, hidden, dtype, device, own_rows=self.pass_tokens
+            )
             self._buffers = buffers
         return buffers
 

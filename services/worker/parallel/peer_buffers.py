@@ -12,8 +12,10 @@ element size; R and the block size B rounded up to multiples of 8 and 16 bytes):
 
 The send buffer has one block more than there are ranks, the dump, where pairs that go nowhere (dead rows, a
 placeholder step) are written; it is never sent. ``back`` [W·C, D] bf16 (a second all-to-all) carries the
-experts' outputs to the senders in the blocks they came in. Unused rows keep old bytes: nothing reads past a
-block's count.
+experts' outputs to the senders in the blocks they came in. The receiving side of that return trip is the head
+of ``combined`` [W·C + P, D] bf16, whose last P rows (P = ``pass_tokens``) take the rank's own tokens' shared
+expert outputs: the combine reads every output a token sums from that one tensor. Unused rows keep old bytes:
+nothing reads past a block's count.
 """
 
 from __future__ import annotations
@@ -36,15 +38,24 @@ class PeerBuffers:
     send: torch.Tensor  # [W + 1, B] uint8: a block per peer, then the dump
     recv: torch.Tensor  # [W, B] uint8: a block from each peer
     send_back: torch.Tensor  # [W·C, D] bf16 outputs of the rows this rank received
-    recv_back: torch.Tensor  # [W·C, D] bf16 outputs of the rows this rank sent
+    combined: torch.Tensor  # [W·C + P, D] bf16: recv_back, then the P own tokens' shared expert outputs
+
+    @property
+    def recv_back(self) -> torch.Tensor:
+        """[W·C, D] bf16 outputs of the rows this rank sent: the head of ``combined``."""
+        return self.combined[: self.world_size * self.capacity]
 
     @staticmethod
-    def allocate(world_size: int, capacity: int, hidden: int, dtype: torch.dtype, device) -> "PeerBuffers":
+    def allocate(
+        world_size: int, capacity: int, hidden: int, dtype: torch.dtype, device, own_rows: int = 0
+    ) -> "PeerBuffers":
+        """Buffers for ``capacity`` rows per peer and pass, and ``own_rows`` own tokens per pass (P)."""
         rows = _round_up(capacity * hidden * dtype.itemsize, 8)
         block = _round_up(rows + 8 * capacity + 8, 16)
         send = torch.zeros(world_size + 1, block, dtype=torch.uint8, device=device)
         back = torch.zeros(world_size * capacity, hidden, dtype=torch.bfloat16, device=device)
-        return PeerBuffers(world_size, capacity, hidden, dtype, send, send[:world_size].clone(), back, back.clone())
+        combined = torch.zeros(world_size * capacity + own_rows, hidden, dtype=torch.bfloat16, device=device)
+        return PeerBuffers(world_size, capacity, hidden, dtype, send, send[:world_size].clone(), back, combined)
 
     @property
     def _meta_offset(self) -> int:
