@@ -17,7 +17,8 @@ first chunk's program also writes the picks' (slot, weight bits), the returned p
 
 Receive (``received_layout``): one program walking tiles of rows in order, as kernels/moe_layout.py does: in a
 tile the membership matrix m [BLOCK_R, E_PAD] (row r takes stacked expert e) gives each row's slot as the
-exclusive cumulative sum of m down the tile plus the counts carried from earlier tiles.
+exclusive cumulative sum of m down the tile plus the counts carried from earlier tiles. Row ids name each row
+where the GEMM gathers it (received rows in place in the receive buffer, own tokens from ``own_base``).
 """
 
 from __future__ import annotations
@@ -222,6 +223,8 @@ def _received_kernel(
     received_stride,
     capacity,
     world,
+    block_rows,
+    own_base,
     NUM_SLOTS: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -263,7 +266,7 @@ def _received_kernel(
         before = tl.cumsum(m, axis=0) - m + carry[None, :]
         place = tl.sum(m * before, axis=1)  # [BR]
         flat = choice * capacity + place
-        tl.store(row_ids_ptr + flat, r, mask=valid)
+        tl.store(row_ids_ptr + flat, tl.where(is_received, peer * block_rows + c, own_base + own), mask=valid)
         tl.store(route_w_ptr + flat, weight, mask=valid)
         tl.store(slot_of_ptr + r, tl.where(valid, flat, 0).to(tl.int64), mask=r < num_rows)
         carry += tl.sum(m, axis=0)
@@ -292,6 +295,8 @@ def received_layout(
     num_tokens: int,
     num_slots: int,
     capacity: int,
+    block_rows: int,
+    own_base: int,
     slot_counts: torch.Tensor | None = None,
     shared_active: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -330,6 +335,8 @@ def received_layout(
         received.stride(0),
         capacity,
         world,
+        block_rows,
+        own_base,
         NUM_SLOTS=num_slots,
         E_PAD=e_pad,
         BLOCK_R=max(1, min(128, 8192 // e_pad)),

@@ -101,9 +101,10 @@ def test_received_layout_equals_the_torch_received_layout(world, rows_per_peer, 
     elif live == "none":
         mask = torch.zeros(num_tokens, dtype=torch.bool)
     capacity = world * num_tokens + world * rows_per_peer  # room for every row in one slot's expert
-    for counted, shared_active in ((False, False), (True, True)):
+    for counted, shared_active in ((False, False), (True, True)):  # own rows after the blocks; then apart
         got_counts, want_counts = (torch.full((num_slots,), 2, dtype=torch.long) for _ in "ab")
-        args = (meta, received, mask, num_tokens, num_slots, capacity)
+        own_base = 0 if shared_active else world * buffers.block_rows
+        args = (meta, received, mask, num_tokens, num_slots, capacity, buffers.block_rows, own_base)
         with interpreter():
             got = kernel.received_layout(*args, got_counts if counted else None, shared_active)
         want = exchange_layout.received_layout(*args, want_counts if counted else None, shared_active)
@@ -173,6 +174,8 @@ def test_both_kernels_compile_for_sm90_on_this_cpu(private_triton_cache):
         received_stride="i64",
         capacity="i32",
         world="i32",
+        block_rows="i32",
+        own_base="i32",
     )
     const = dict(
         NUM_SLOTS=48, E_PAD=64, BLOCK_R=128, BLOCK_FILL=1024, LIVE=True, COUNT=True, SHARED_ACTIVE=True

@@ -14,7 +14,9 @@ Per pass of at most ``pass_tokens`` tokens (one for a decode step), each rank:
    arrivals added to ``slot_counts``);
 3. runs one masked grouped-GEMM pair (``kernels.moe_grouped_gemm``, gate/up + SwiGLU · route weight, then down;
    MXFP4 routed experts: ``kernels.moe_fp4``'s, the shared expert FP8 beside them, as ``Fp4Experts``) over
-   those rows (received, then its own: the shared expert, weight 1);
+   those rows (received, then its own: the shared expert, weight 1); the received rows are gathered where they
+   arrived (``PeerBuffers.gathered_rows``), and with MXFP4 experts the shared expert reads the own tokens
+   where they are, so only the FP8 stack's single launch needs them copied after the received blocks;
 4. returns each received row's bf16 output to its sender in the block it came in (a second all-to-all into the
    head of ``combined``, whose tail holds its own tokens' shared outputs), and sums every token's outputs with
    ``kernels.moe_combine`` in fp32, the shared expert first, then the picks in top-k order.
@@ -172,6 +174,10 @@ class ExpertParallelKernelMoE(nn.Module):
         received = world * capacity
         num_tokens = routed.x.shape[0]
         recv = buffers.recv
+        gathered = buffers.gathered_rows(recv)  # [W·block_rows, D]: the received rows in place
+        # MXFP4: the routed experts gather the received rows in place and the shared expert its own tokens; FP8: one
+        # launch over every stacked expert, on the received blocks followed by the own tokens.
+        own_base = 0 if moe.fp4 is not None else gathered.shape[0]
         layout = self._layouts().received_layout(
             buffers.meta(recv),
             buffers.counts(recv),
@@ -179,13 +185,17 @@ class ExpertParallelKernelMoE(nn.Module):
             num_tokens,
             self.num_local,
             world * self.parallel.pass_tokens,
+            buffers.block_rows,
+            own_base,
             self.parallel.slot_counts[self.layer],
             # MXFP4: the routed launch takes num_active − 1 experts, right only while the shared one counts, which
             # a rank whose own rows are all dead (a placeholder step) lacks while its peers' rows arrive
             shared_active=moe.fp4 is not None,
         )
-        rows = torch.cat((buffers.rows(recv).reshape(received, -1), routed.x))  # [W·C + T, D]
-        y = self._fp8_experts(rows, layout) if moe.fp4 is None else moe.fp4.stacked(rows, layout)
+        if moe.fp4 is None:
+            y = self._fp8_experts(torch.cat((gathered, routed.x)), layout)
+        else:
+            y = moe.fp4.stacked(gathered, layout, shared_x=routed.x)
         y = y.view(-1, y.shape[-1])[:, : moe.hidden]  # [(S + 1)·cap, D]
         slot_of = layout["slot_of"][:, 0]
         torch.index_select(y, 0, slot_of[:received], out=buffers.send_back)

@@ -7,7 +7,7 @@
   outputs come back in (for the combine).
 - ``received_layout``: the rows a rank received and its own tokens → the masked grouped-GEMM layout
   (``reference.route_metadata``'s keys, one choice per row) over its S local slots and the shared expert,
-  stacked as expert S.
+  stacked as expert S, its row ids naming the received rows in place in the receive buffer.
 
 Device ops only, shapes fixed by the buffers and the pass: a CUDA graph captures them.
 """
@@ -69,15 +69,19 @@ def received_layout(
     num_tokens: int,
     num_slots: int,
     capacity: int,
+    block_rows: int,
+    own_base: int,
     slot_counts: torch.Tensor | None = None,
     shared_active: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The layout over ``num_slots`` + 1 stacked experts (the shared one last) with ``capacity`` slots each, of
     the rows ``[W·C + T]``: first the received ones (``meta`` int32 [W, C, 2]: slot and route weight bits;
     ``received`` int64 [W, 1]: rows 0 … count − 1 of each block are valid), then the rank's ``num_tokens`` own
-    tokens, each picking the shared expert with weight 1 (``live`` bool [T], None: every one). ``slot_counts``
-    int64 [S], when given, gains each local slot's rows. ``shared_active``: ``num_active`` counts the shared
-    expert even without rows (the MXFP4 path's routed launch takes ``num_active`` − 1)."""
+    tokens, each picking the shared expert with weight 1 (``live`` bool [T], None: every one). ``slot_of`` [W·C +
+    T, 1] follows that order; ``row_ids`` name the rows where the GEMM gathers them: received row c of block p is
+    p·``block_rows`` + c (``PeerBuffers.gathered_rows``), own token t is ``own_base`` + t. ``slot_counts`` int64
+    [S], when given, gains each local slot's rows. ``shared_active``: ``num_active`` counts the shared expert even
+    without rows (the MXFP4 path's routed launch takes ``num_active`` − 1)."""
     world, rows_per_peer = meta.shape[:2]
     device = meta.device
     valid = (torch.arange(rows_per_peer, device=device)[None, :] < received).reshape(-1)  # [W·C]
@@ -86,6 +90,9 @@ def received_layout(
     weight = torch.cat((pairs[:, 1].contiguous().view(torch.float32), torch.ones(num_tokens, device=device)))
     own = torch.ones(num_tokens, dtype=torch.bool, device=device) if live is None else live
     layout = local_layout(choice, weight, torch.cat((valid, own)), num_slots + 1, capacity)
+    gathered = torch.arange(rows_per_peer, device=device)[None, :] + block_rows * torch.arange(world, device=device)[:, None]
+    ids = torch.cat((gathered.reshape(-1), own_base + torch.arange(num_tokens, device=device))).to(torch.int32)
+    layout["row_ids"] = ids[layout["row_ids"].long()]  # unused slots: row 0 → 0, as before
     if slot_counts is not None:
         slot_counts += layout["counts"][:num_slots].long()
     if shared_active:
