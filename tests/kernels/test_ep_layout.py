@@ -14,14 +14,14 @@ from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.peer_buffers import PeerBuffers
 
 
-def _picks(num_tokens: int, num_experts: int, top_k: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    experts = torch.rand(num_tokens, num_experts, generator=gen).argsort(-1)[:, :top_k].to(torch.int32)
-    return experts, torch.rand(num_tokens, top_k, generator=gen)
+def _picks(num_tokens: int, num_experts: int, top_k: int, seed: int, device: str = "cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    experts = torch.rand(num_tokens, num_experts, generator=gen, device=device).argsort(-1)[:, :top_k]
+    return experts.to(torch.int32), torch.rand(num_tokens, top_k, generator=gen, device=device)
 
 
 def _send(impl, buffers: PeerBuffers, x, experts, weights, live, slots: ExpertSlots, counted: bool):
-    counts = torch.full((slots.table.shape[0],), 5, dtype=torch.long) if counted else None
+    counts = torch.full((slots.table.shape[0],), 5, dtype=torch.long, device=x.device) if counted else None
     send = buffers.send
     picks = impl.send_layout(
         x,
@@ -72,11 +72,13 @@ def test_send_layout_equals_the_torch_send_layout(num_tokens, world, redundant, 
         assert torch.equal(got_buffers.send[:world], want_buffers.send[:world])
 
 
-def _received(world: int, rows_per_peer: int, hidden: int, num_slots: int, seed: int) -> PeerBuffers:
+def _received(
+    world: int, rows_per_peer: int, hidden: int, num_slots: int, seed: int, device: str = "cpu"
+) -> PeerBuffers:
     """A receive buffer as an exchange leaves it: each block's count, its rows' slots and weight bits, and
     arbitrary bytes past the count."""
     gen = torch.Generator().manual_seed(seed)
-    buffers = PeerBuffers.allocate(world, rows_per_peer, hidden, torch.bfloat16, "cpu")
+    buffers = PeerBuffers.allocate(world, rows_per_peer, hidden, torch.bfloat16, device)
     recv = buffers.recv
     recv.copy_(torch.randint(0, 256, recv.shape, generator=gen, dtype=torch.uint8))
     buffers.counts(recv).copy_(torch.randint(0, rows_per_peer + 1, (world, 1), generator=gen))
@@ -112,6 +114,36 @@ def test_received_layout_equals_the_torch_received_layout(world, rows_per_peer, 
         for name in want:
             assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
         assert torch.equal(got_counts, want_counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+@pytest.mark.parametrize("world", [1, 4])
+def test_gpu_layouts_equal_the_torch_layouts_at_v41_shapes(num_tokens, world):
+    """v41-s1's decode layer (48 experts top-6, hidden 5120) on ``world`` ranks with 4 redundant slots."""
+    from kernels import ep_layout
+
+    num_experts, top_k, hidden = 48, 6, 5120
+    slots = ExpertSlots(startup_layout(num_experts, world, 4), 0, "cuda")
+    experts, weights = _picks(num_tokens, num_experts, top_k, seed=num_tokens, device="cuda")
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    for live in (None, torch.rand(num_tokens, device="cuda") < 0.5):
+        buffers = [PeerBuffers.allocate(world, num_tokens * top_k, hidden, x.dtype, "cuda") for _ in "ab"]
+        got, got_counts = _send(ep_layout, buffers[0], x, experts, weights, live, slots, True)
+        want, want_counts = _send(exchange_layout, buffers[1], x, experts, weights, live, slots, True)
+        assert torch.equal(got, want) and torch.equal(got_counts, want_counts)
+        assert torch.equal(buffers[0].send[:world], buffers[1].send[:world])
+        recv = _received(world, num_tokens * top_k, hidden, slots.slots_per_rank, seed=world, device="cuda")
+        args = (recv.meta(recv.recv), recv.counts(recv.recv), live, num_tokens, slots.slots_per_rank)
+        for own_base, shared_active in ((0, True), (world * recv.block_rows, False)):
+            rest = (world * num_tokens * top_k + num_tokens, recv.block_rows, own_base)  # random slots: room for all
+            counts = [torch.zeros(slots.slots_per_rank, dtype=torch.long, device="cuda") for _ in "ab"]
+            got = ep_layout.received_layout(*args, *rest, counts[0], shared_active)
+            want = exchange_layout.received_layout(*args, *rest, counts[1], shared_active)
+            for name in want:
+                assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+            assert torch.equal(counts[0], counts[1])
 
 
 def _compile_tool():
@@ -177,8 +209,6 @@ def test_both_kernels_compile_for_sm90_on_this_cpu(private_triton_cache):
         block_rows="i32",
         own_base="i32",
     )
-    const = dict(
-        NUM_SLOTS=48, E_PAD=64, BLOCK_R=128, BLOCK_FILL=1024, LIVE=True, COUNT=True, SHARED_ACTIVE=True
-    )
+    const = dict(NUM_SLOTS=48, E_PAD=64, BLOCK_R=128, BLOCK_FILL=1024, LIVE=True, COUNT=True, SHARED_ACTIVE=True)
     _, report = tool.compile_sm90(m._received_kernel, received, const, divisible=())
     assert "registers" in report

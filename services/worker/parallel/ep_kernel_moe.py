@@ -268,9 +268,7 @@ def ep_layer(
         exchange.all_to_all([send for send, _ in back], [recv for _, recv in back])
         for i, (m, r) in enumerate(zip(moes, routed, strict=True)):
             outs[i].append(m.combine(r))
-    return [
-        (torch.cat(o) if len(o) > 1 else o[0]).to(x.dtype).reshape(x.shape) for o, x in zip(outs, xs, strict=True)
-    ]
+    return [(torch.cat(o) if len(o) > 1 else o[0]).to(x.dtype).reshape(x.shape) for o, x in zip(outs, xs, strict=True)]
 
 
 def shard_kernel_experts(model: nn.Module, parallel: ExpertParallel) -> None:

@@ -90,7 +90,9 @@ def received_layout(
     weight = torch.cat((pairs[:, 1].contiguous().view(torch.float32), torch.ones(num_tokens, device=device)))
     own = torch.ones(num_tokens, dtype=torch.bool, device=device) if live is None else live
     layout = local_layout(choice, weight, torch.cat((valid, own)), num_slots + 1, capacity)
-    gathered = torch.arange(rows_per_peer, device=device)[None, :] + block_rows * torch.arange(world, device=device)[:, None]
+    gathered = (
+        torch.arange(rows_per_peer, device=device)[None, :] + block_rows * torch.arange(world, device=device)[:, None]
+    )
     ids = torch.cat((gathered.reshape(-1), own_base + torch.arange(num_tokens, device=device))).to(torch.int32)
     layout["row_ids"] = ids[layout["row_ids"].long()]  # unused slots: row 0 → 0, as before
     if slot_counts is not None:

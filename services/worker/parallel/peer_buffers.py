@@ -25,9 +25,8 @@ nothing reads past a block's count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 

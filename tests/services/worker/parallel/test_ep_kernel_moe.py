@@ -28,8 +28,8 @@ from services.eplb.layout import Layout
 from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE, ep_layer
-from services.worker.parallel.exchange_layout import local_layout
 from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.parallel.exchange_layout import local_layout
 from services.worker.parallel.expert_moves import changed_slots
 from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.peer_exchange import GroupPeerExchange, VirtualPeerExchange
@@ -60,7 +60,9 @@ def _kernels(device: str, layouts: str = "kernels"):
         names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
         fp4 = load_interpreted("moe_fp4")
         ep = load_interpreted("ep_layout") if layouts == "kernels" else None
-        return KernelSet(*(load_interpreted(n) for n in names), moe_fp4=fp4, ep_layout=ep, interpreted=True), interpreter
+        return KernelSet(
+            *(load_interpreted(n) for n in names), moe_fp4=fp4, ep_layout=ep, interpreted=True
+        ), interpreter
     kernels = KernelSet.compiled()
     return (kernels if layouts == "kernels" else dataclasses.replace(kernels, ep_layout=None)), contextlib.nullcontext
 
