@@ -48,7 +48,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import invariance
 from services.worker.kernel_model.fp8_linear import pad_last
 from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel import exchange_layout
@@ -192,10 +191,14 @@ class ExpertParallelKernelMoE(nn.Module):
             # a rank whose own rows are all dead (a placeholder step) lacks while its peers' rows arrive
             shared_active=moe.fp4 is not None,
         )
+        # The grouped GEMMs take their tiles and tuned configs from the shape of a layout's slot_of, read as
+        # [tokens, picks per token] (KernelMoE's); the own tokens' picks [T, k + 1] show them this rank's step as
+        # KernelMoE would see it (the same choices at world size 1), and they read no slot_of values.
+        gemm_layout = dict(layout, slot_of=routed.picks)
         if moe.fp4 is None:
-            y = self._fp8_experts(torch.cat((gathered, routed.x)), layout)
+            y = self._fp8_experts(torch.cat((gathered, routed.x)), gemm_layout)
         else:
-            y = moe.fp4.stacked(gathered, layout, shared_x=routed.x)
+            y = moe.fp4.stacked(gathered, gemm_layout, shared_x=routed.x)
         y = y.view(-1, y.shape[-1])[:, : moe.hidden]  # [(S + 1)·cap, D]
         slot_of = layout["slot_of"][:, 0]
         torch.index_select(y, 0, slot_of[:received], out=buffers.send_back)
@@ -206,7 +209,6 @@ class ExpertParallelKernelMoE(nn.Module):
         moe = self.moe
         a = pad_last(rows, moe.w13.shape[-1]).contiguous()
         gemm, quant = moe.kernels.moe_grouped_gemm, moe.kernels.quant_fp8
-        block_m = invariance.BLOCK_M if invariance.active() else gemm.default_block_m(a.shape[0] / (self.num_local + 1))
         if a.shape[0] > quant.IN_GEMM_MAX_ROWS:
             a = quant.quantize_act(a)
         h = gemm.moe_grouped_gemm(
@@ -217,9 +219,8 @@ class ExpertParallelKernelMoE(nn.Module):
             gather=True,
             swiglu_limit=moe.limit,
             out_dtype=torch.float8_e4m3fn,
-            block_m=block_m,
-        )
-        return gemm.moe_grouped_gemm(h, moe.w2, moe.w2_scale, layout, gather=False, block_m=block_m)
+        )  # tiles and configs from the layout (``invariance.BLOCK_M`` in the batch-invariant mode)
+        return gemm.moe_grouped_gemm(h, moe.w2, moe.w2_scale, layout, gather=False)
 
     def combine(self, routed: _Pass) -> torch.Tensor:
         """fp32 [T, D]: the shared expert's output, then the returned picks in top-k order (``kernels.moe_combine``
