@@ -11,7 +11,8 @@ pooled step times' medians are compared: the expert-parallel path's cost on one 
 
 With ``--profile``, each path's last build also profiles its decode steps (``profile.profile_decode``, every
 kernel kept): both kernel tables are printed, then the kernels whose launches per step differ between the two
-(``profile.kernel_diff``: what the expert-parallel path adds or drops), all of it in the JSON's ``profile`` rows.
+(``profile.kernel_diff``: what the expert-parallel path adds or drops) and those of equal launches whose time
+differs most (the same kernel on other shapes or configs), all of it in the JSON's ``profile`` rows.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from typing import Any
 CONTEXT = 1024
 ROUNDS = 2
 TOP = 20  # kernels printed per table
+TOP_SAME = 8  # kernels of equal launches printed by their time difference
+
+
+def _print_diff(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(
+            f"  {r['extra_us']:+10.1f} µs  ×{r['launches_without']:6.1f} → ×{r['launches_with']:6.1f}  "
+            f"{r['kernel'][:80]}"
+        )
 
 
 def profile_report(batch: int, without: dict[str, Any], with_ep: dict[str, Any]) -> dict[str, Any]:
@@ -46,11 +56,10 @@ def profile_report(batch: int, without: dict[str, Any], with_ep: dict[str, Any])
         f"profile decode batch {batch}: the EP path launches {extra:+.0f} kernels per step, "
         f"{with_ep['kernel_ms'] - without['kernel_ms']:+.3f} ms in kernels; kernels whose launches differ:"
     )
-    for r in diff:
-        print(
-            f"  {r['extra_us']:+10.1f} µs  ×{r['launches_without']:6.1f} → ×{r['launches_with']:6.1f}  "
-            f"{r['kernel'][:80]}"
-        )
+    _print_diff([r for r in diff if r["extra_launches"]])
+    same = sorted((r for r in diff if not r["extra_launches"]), key=lambda r: -abs(r["extra_us"]))
+    print(f"profile decode batch {batch}: the largest time differences at equal launches:")
+    _print_diff(same[:TOP_SAME])
     return {"section": "profile", "batch": batch, "context": CONTEXT, "without": without, "with": with_ep, "diff": diff}
 
 

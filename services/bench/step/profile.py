@@ -35,26 +35,25 @@ def kernel_table(events, num_steps: int, top: int | None = 20) -> list[dict[str,
 
 def kernel_diff(without: list[dict[str, Any]], with_: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Two kernel tables (``kernel_table``'s rows, every kernel: ``top=None``) of the same steps built two ways →
-    the kernels whose launches per step differ, with both sides' launches and µs per step and the difference,
-    most added time first. A kernel absent from one side counts 0 there."""
+    every kernel of either, with both sides' launches and µs per step and the differences, most added time
+    first. A kernel absent from one side counts 0 there."""
     a = {r["kernel"]: r for r in without}
     b = {r["kernel"]: r for r in with_}
     rows = []
     for name in a.keys() | b.keys():
         n0, n1 = (t[name]["launches_per_step"] if name in t else 0.0 for t in (a, b))
         us0, us1 = (t[name]["us_per_step"] if name in t else 0.0 for t in (a, b))
-        if n0 != n1:
-            rows.append(
-                {
-                    "kernel": name,
-                    "launches_without": n0,
-                    "launches_with": n1,
-                    "us_without": us0,
-                    "us_with": us1,
-                    "extra_launches": n1 - n0,
-                    "extra_us": us1 - us0,
-                }
-            )
+        rows.append(
+            {
+                "kernel": name,
+                "launches_without": n0,
+                "launches_with": n1,
+                "us_without": us0,
+                "us_with": us1,
+                "extra_launches": n1 - n0,
+                "extra_us": us1 - us0,
+            }
+        )
     rows.sort(key=lambda r: (-r["extra_us"], r["kernel"]))
     return rows
 

@@ -84,15 +84,15 @@ def test_profile_prefill_on_cpu_times_the_one_prefill_step():
     assert s.free_blocks == s.total_blocks and not llm.engine.has_unfinished()
 
 
-def test_kernel_diff_keeps_the_kernels_whose_launches_differ():
+def test_kernel_diff_pairs_every_kernel_of_both_tables():
     without = kernel_table([_event("gemm", 10.0), _event("attn", 50.0), _event("gone", 4.0)], num_steps=1, top=None)
     with_ = kernel_table(
-        [_event("gemm", 10.0), _event("attn", 20.0), _event("attn", 35.0), _event("sort", 3.0), _event("sort", 3.0)],
+        [_event("gemm", 12.0), _event("attn", 20.0), _event("attn", 35.0), _event("sort", 3.0), _event("sort", 3.0)],
         num_steps=1,
         top=None,
     )
     rows = kernel_diff(without, with_)
-    assert [r["kernel"] for r in rows] == ["sort", "attn", "gone"]  # most added time first; gemm's count is the same
+    assert [r["kernel"] for r in rows] == ["sort", "attn", "gemm", "gone"]  # most added time first
     assert rows[0] == {
         "kernel": "sort",
         "launches_without": 0.0,
@@ -103,5 +103,6 @@ def test_kernel_diff_keeps_the_kernels_whose_launches_differ():
         "extra_us": 6.0,
     }
     assert rows[1]["extra_launches"] == 1.0 and rows[1]["extra_us"] == 5.0
-    assert rows[2]["launches_with"] == 0.0 and rows[2]["extra_us"] == -4.0
-    assert kernel_diff(with_, with_) == []
+    assert rows[2]["extra_launches"] == 0.0 and rows[2]["extra_us"] == 2.0  # same launches, slower
+    assert rows[3]["launches_with"] == 0.0 and rows[3]["extra_us"] == -4.0
+    assert all(r["extra_launches"] == 0 and r["extra_us"] == 0 for r in kernel_diff(with_, with_))
