@@ -3,10 +3,10 @@ peers' blocks of the send buffer, rows copied) and the receive side (the receive
 tokens laid out for the grouped GEMM over its local slots and the shared expert).
 
 Semantics are ``send_layout`` and ``received_layout`` of services/worker/parallel/exchange_layout.py, the torch
-version (about 30 and 25 small launches a layer: sorts, one-hot cumulative sums, scatters, cats), with the same
-bytes in everything a reader reads: the blocks sent to peers up to their counts, the returned picks, the
-layout, the counts. Dead picks write nothing (the torch version puts them in the dump block, which is never
-sent nor read).
+version (the layer's send side and received layout were 34 and 36 small torch launches a layer, counted by
+scripts/diagnostics/count_ep_ops.py: sorts, one-hot cumulative sums, scatters, cats), with the same bytes in
+everything a reader reads: the blocks sent to peers up to their counts, the returned picks, the layout, the
+counts. Dead picks write nothing (the torch version puts them in the dump block, which is never sent nor read).
 
 Send (``send_layout``): a grid of (token tile, column chunk) programs. Each program walks the tiles before its
 own and counts their live picks per destination rank (integer work, so every program gets the same counts),
