@@ -112,11 +112,17 @@ class Fp4Experts(nn.Module):
         self.num_experts = int(experts.numel())
 
     def stacked(
-        self, x: torch.Tensor, meta: dict[str, torch.Tensor], shared_x: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        meta: dict[str, torch.Tensor],
+        shared_x: torch.Tensor | None = None,
+        shared_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, D] → the down products of every (stacked expert, slot) of ``meta``: bf16 [E+1, cap, D'] (slots
-        past an expert's count unwritten), what the combine sums. ``shared_x`` [T', D] (None: x): the rows the
-        shared expert's row ids name, apart from the routed experts' (the expert-parallel layer's own tokens)."""
+        past an expert's count unwritten), what the combine sums. The expert-parallel layer's own tokens apart
+        from the rows it received: ``shared_x`` [T', D] (None: x), the rows the shared expert's row ids name;
+        ``shared_out`` bf16 [1, cap, D'] with dense channels (None: the stack's last expert), where its down
+        products go (the stack's last expert is then left unwritten)."""
         gemm, fp4 = self.kernels.moe_grouped_gemm, self.kernels.moe_fp4
         xp = pad_last(x, self.padded_hidden).contiguous()  # [T, D']
         shared_xp = xp if shared_x is None else pad_last(shared_x, self.padded_hidden).contiguous()
@@ -140,5 +146,6 @@ class Fp4Experts(nn.Module):
             swiglu_limit=self.limit,
             out_dtype=torch.float8_e4m3fn,
         )
-        gemm.moe_grouped_gemm(h_shared, self.shared_w2, self.shared_w2_scale, shared, gather=False, out=y[-1:])
+        out = y[-1:] if shared_out is None else shared_out
+        gemm.moe_grouped_gemm(h_shared, self.shared_w2, self.shared_w2_scale, shared, gather=False, out=out)
         return y

@@ -53,6 +53,7 @@ from services.worker.kernel_model.moe import KernelMoE
 from services.worker.parallel import exchange_layout
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_slots import staged
+from services.worker.parallel.peer_buffers import PeerBuffers
 
 
 @dataclass
@@ -135,7 +136,7 @@ class ExpertParallelKernelMoE(nn.Module):
         """Routes x [T, D] and packs its live picks into the send buffers (``send_layout``)."""
         moe, parallel = self.moe, self.parallel
         num_tokens, k = x.shape[0], moe.top_k
-        buffers, slots = parallel.buffers_for(moe.hidden, x.dtype, k), parallel.slots[self.layer]
+        buffers, slots = self.exchange_buffers(x.dtype), parallel.slots[self.layer]
         x = x.contiguous()
         vl = {} if image is None else {"bias_vl": moe.bias_vl, "image": image}
         weights, experts = moe.kernels.moe_router.moe_router(
@@ -165,44 +166,54 @@ class ExpertParallelKernelMoE(nn.Module):
         """The send and received layouts: the kernel set's (kernels/ep_layout.py), else their torch form."""
         return getattr(self.moe.kernels, "ep_layout", None) or exchange_layout
 
+    def exchange_buffers(self, dtype: torch.dtype) -> PeerBuffers:
+        """The group's buffers for this layer's rows (``dtype``) and its down products' width (D', padded)."""
+        moe = self.moe
+        width = moe.fp4.padded_hidden if moe.fp4 is not None else moe.w2.shape[1]
+        return self.parallel.buffers_for(moe.hidden, dtype, moe.top_k, width)
+
     def run_experts(self, routed: _Pass) -> None:
         """The local slots on the received rows (outputs to ``send_back``) and the shared expert on this rank's
         own tokens (outputs to the tail of ``combined``)."""
-        moe, buffers = self.moe, self.parallel.buffers_for(self.moe.hidden, routed.x.dtype, self.moe.top_k)
+        moe, buffers = self.moe, self.exchange_buffers(routed.x.dtype)
         world, capacity = buffers.world_size, buffers.capacity
         received = world * capacity
         num_tokens = routed.x.shape[0]
         recv = buffers.recv
         gathered = buffers.gathered_rows(recv)  # [W·block_rows, D]: the received rows in place
-        # MXFP4: the routed experts gather the received rows in place and the shared expert its own tokens; FP8: one
-        # launch over every stacked expert, on the received blocks followed by the own tokens.
-        own_base = 0 if moe.fp4 is not None else gathered.shape[0]
+        fp4 = moe.fp4 is not None
+        # MXFP4: the routed experts gather the received rows in place, and the shared expert reads the own tokens
+        # where they are and writes each one's output to its row of ``combined`` (own token t at slot t: every own
+        # row takes its slot, the dead ones' outputs never summed); FP8: one launch over every stacked expert, on
+        # the received blocks followed by the own tokens, the shared outputs copied after.
         layout = self._layouts().received_layout(
             buffers.meta(recv),
             buffers.counts(recv),
-            routed.live,
+            None if fp4 else routed.live,
             num_tokens,
             self.num_local,
             world * self.parallel.pass_tokens,
             buffers.block_rows,
-            own_base,
+            0 if fp4 else gathered.shape[0],
             self.parallel.slot_counts[self.layer],
             # MXFP4: the routed launch takes num_active − 1 experts, right only while the shared one counts, which
-            # a rank whose own rows are all dead (a placeholder step) lacks while its peers' rows arrive
-            shared_active=moe.fp4 is not None,
+            # an empty pass lacks while its peers' rows arrive
+            shared_active=fp4,
         )
         # The grouped GEMMs take their tiles and tuned configs from the shape of a layout's slot_of, read as
         # [tokens, picks per token] (KernelMoE's); the own tokens' picks [T, k + 1] show them this rank's step as
         # KernelMoE would see it (the same choices at world size 1), and they read no slot_of values.
         gemm_layout = dict(layout, slot_of=routed.picks)
-        if moe.fp4 is None:
-            y = self._fp8_experts(torch.cat((gathered, routed.x)), gemm_layout)
-        else:
-            y = moe.fp4.stacked(gathered, gemm_layout, shared_x=routed.x)
-        y = y.view(-1, y.shape[-1])[:, : moe.hidden]  # [(S + 1)·cap, D]
         slot_of = layout["slot_of"][:, 0]
+        if fp4:
+            shared_out = buffers.combined[received:][None]  # [1, W·pass_tokens, D']: the layout's capacity
+            y = moe.fp4.stacked(gathered, gemm_layout, shared_x=routed.x, shared_out=shared_out)
+        else:
+            y = self._fp8_experts(torch.cat((gathered, routed.x)), gemm_layout)
+        y = y.view(-1, y.shape[-1])  # [(S + 1)·cap, D']
         torch.index_select(y, 0, slot_of[:received], out=buffers.send_back)
-        torch.index_select(y, 0, slot_of[received:], out=buffers.combined[received : received + num_tokens])
+        if not fp4:
+            torch.index_select(y, 0, slot_of[received:], out=buffers.combined[received : received + num_tokens])
 
     def _fp8_experts(self, rows: torch.Tensor, layout: dict[str, torch.Tensor]) -> torch.Tensor:
         """The FP8 stacks' down products of every (stacked expert, slot) of ``layout``: bf16 [S + 1, cap, D']."""
@@ -225,7 +236,7 @@ class ExpertParallelKernelMoE(nn.Module):
     def combine(self, routed: _Pass) -> torch.Tensor:
         """fp32 [T, D]: the shared expert's output, then the returned picks in top-k order (``kernels.moe_combine``
         over ``combined``: the returned rows, then the own tokens')."""
-        buffers = self.parallel.buffers_for(self.moe.hidden, routed.x.dtype, self.moe.top_k)
+        buffers = self.exchange_buffers(routed.x.dtype)
         return self.moe.kernels.moe_grouped_gemm.moe_combine(
             buffers.combined[None], routed.picks, True, live=routed.live, width=self.moe.hidden
         )
@@ -260,7 +271,7 @@ def ep_layer(
             )
             for m, x, c, v, g in zip(moes, flat, counts, lives, images, strict=True)
         ]
-        buffers = [m.parallel.buffers_for(m.moe.hidden, r.x.dtype, m.moe.top_k) for m, r in zip(moes, routed)]
+        buffers = [m.exchange_buffers(r.x.dtype) for m, r in zip(moes, routed, strict=True)]
         sent = [b.dispatched() for b in buffers]  # rows, meta and counts in one byte buffer per peer
         exchange.all_to_all([send for send, _ in sent], [recv for _, recv in sent])
         for m, r in zip(moes, routed, strict=True):

@@ -16,11 +16,12 @@ Since B is a whole number of rows (``block_rows``), the receive buffer is also o
 from it in place, with no copy (the rows after each block's C hold its pairs and count, and are never gathered).
 
 The send buffer has one block more than there are ranks, the dump, where pairs that go nowhere (dead rows, a
-placeholder step) are written; it is never sent. ``back`` [W·C, D] bf16 (a second all-to-all) carries the
-experts' outputs to the senders in the blocks they came in. The receiving side of that return trip is the head
-of ``combined`` [W·C + P, D] bf16, whose last P rows (P = ``pass_tokens``) take the rank's own tokens' shared
-expert outputs: the combine reads every output a token sums from that one tensor. Unused rows keep old bytes:
-nothing reads past a block's count.
+placeholder step) are written; it is never sent. ``back`` [W·C, D'] bf16 (a second all-to-all) carries the
+experts' outputs (D' = ``out_width``, the down products' width: the hidden size padded to the GEMM's multiple
+of 128) to the senders in the blocks they came in. The receiving side of that return trip is the head of
+``combined`` [W·C + O, D'] bf16, whose last O rows (``own_rows``) take the rank's own tokens' shared expert
+outputs: the combine reads every output a token sums from that one tensor. Unused rows keep old bytes: nothing
+reads past a block's count.
 """
 
 from __future__ import annotations
@@ -43,24 +44,37 @@ class PeerBuffers:
     dtype: torch.dtype  # the rows' dtype (the model's activations)
     send: torch.Tensor  # [W + 1, B] uint8: a block per peer, then the dump
     recv: torch.Tensor  # [W, B] uint8: a block from each peer
-    send_back: torch.Tensor  # [W·C, D] bf16 outputs of the rows this rank received
-    combined: torch.Tensor  # [W·C + P, D] bf16: recv_back, then the P own tokens' shared expert outputs
+    send_back: torch.Tensor  # [W·C, D'] bf16 outputs of the rows this rank received
+    combined: torch.Tensor  # [W·C + O, D'] bf16: recv_back, then the O own rows' shared expert outputs
+
+    @property
+    def out_width(self) -> int:
+        """D', the returned outputs' width."""
+        return self.send_back.shape[1]
 
     @property
     def recv_back(self) -> torch.Tensor:
-        """[W·C, D] bf16 outputs of the rows this rank sent: the head of ``combined``."""
+        """[W·C, D'] bf16 outputs of the rows this rank sent: the head of ``combined``."""
         return self.combined[: self.world_size * self.capacity]
 
     @staticmethod
     def allocate(
-        world_size: int, capacity: int, hidden: int, dtype: torch.dtype, device, own_rows: int = 0
+        world_size: int,
+        capacity: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device,
+        own_rows: int = 0,
+        out_width: int | None = None,
     ) -> "PeerBuffers":
-        """Buffers for ``capacity`` rows per peer and pass, and ``own_rows`` own tokens per pass (P)."""
+        """Buffers for ``capacity`` rows per peer and pass, ``own_rows`` own outputs after the returned ones, and
+        outputs ``out_width`` wide (None: ``hidden``)."""
         rows = _round_up(capacity * hidden * dtype.itemsize, 8)
         block = _round_up(rows + 8 * capacity + 8, math.lcm(16, hidden * dtype.itemsize))
+        width = hidden if out_width is None else out_width
         send = torch.zeros(world_size + 1, block, dtype=torch.uint8, device=device)
-        back = torch.zeros(world_size * capacity, hidden, dtype=torch.bfloat16, device=device)
-        combined = torch.zeros(world_size * capacity + own_rows, hidden, dtype=torch.bfloat16, device=device)
+        back = torch.zeros(world_size * capacity, width, dtype=torch.bfloat16, device=device)
+        combined = torch.zeros(world_size * capacity + own_rows, width, dtype=torch.bfloat16, device=device)
         return PeerBuffers(world_size, capacity, hidden, dtype, send, send[:world_size].clone(), back, combined)
 
     @property
@@ -96,6 +110,6 @@ class PeerBuffers:
         return self.send[: self.world_size], self.recv
 
     def returned(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(send, receive) views of the combine's return trip: [W, C, D] each."""
-        shape = (self.world_size, self.capacity, self.hidden)
+        """(send, receive) views of the combine's return trip: [W, C, D'] each."""
+        shape = (self.world_size, self.capacity, self.out_width)
         return self.send_back.view(shape), self.recv_back.view(shape)
