@@ -157,9 +157,11 @@ def _compile_tool():
     return tool
 
 
-def test_both_kernels_compile_for_sm90_on_this_cpu(private_triton_cache):
+@pytest.mark.parametrize("flags", [True, False], ids=["masked-counted", "plain"])
+def test_both_kernels_compile_for_sm90_on_this_cpu(flags, private_triton_cache):
     """The interpreter runs code the compiler rejects: Triton builds sm_90a code here, no device needed
-    (scripts/dev/compile_sm90.py), at v41-s1's decode shapes (top-6, 48 experts, hidden 5120)."""
+    (scripts/dev/compile_sm90.py), at v41-s1's decode shapes (top-6, 48 experts, hidden 5120), with the live mask
+    and the counts (and the shared expert counted active) or without."""
     from kernels import ep_layout as m
 
     tool = _compile_tool()
@@ -186,7 +188,7 @@ def test_both_kernels_compile_for_sm90_on_this_cpu(private_triton_cache):
         capacity="i32",
         world="i32",
     )
-    const = dict(TOP_K=6, K_PAD=8, W_PAD=2, BLOCK_T=m.SEND_BLOCK_T, BLOCK_D=128, CHUNK_D=512, LIVE=True, COUNT=True)
+    const = dict(TOP_K=6, K_PAD=8, W_PAD=2, BLOCK_T=m.SEND_BLOCK_T, BLOCK_D=128, CHUNK_D=512, LIVE=flags, COUNT=flags)
     _, report = tool.compile_sm90(m._send_kernel, send, const, divisible=())
     assert "registers" in report
     received = dict(
@@ -209,6 +211,6 @@ def test_both_kernels_compile_for_sm90_on_this_cpu(private_triton_cache):
         block_rows="i32",
         own_base="i32",
     )
-    const = dict(NUM_SLOTS=48, E_PAD=64, BLOCK_R=128, BLOCK_FILL=1024, LIVE=True, COUNT=True, SHARED_ACTIVE=True)
+    const = dict(NUM_SLOTS=48, E_PAD=64, BLOCK_R=128, BLOCK_FILL=1024, LIVE=flags, COUNT=flags, SHARED_ACTIVE=flags)
     _, report = tool.compile_sm90(m._received_kernel, received, const, divisible=())
     assert "registers" in report
