@@ -8,12 +8,12 @@ scripts/diagnostics/count_ep_ops.py: sorts, one-hot cumulative sums, scatters, c
 everything a reader reads: the blocks sent to peers up to their counts, the returned picks, the layout, the
 counts. Dead picks write nothing (the torch version puts them in the dump block, which is never sent nor read).
 
-Send (``send_layout``): a grid of (token tile, column chunk) programs. Each program walks the tiles before its
-own and counts their live picks per destination rank (integer work, so every program gets the same counts),
-then gives its tile's picks their places: the exclusive cumulative sum, in pick order t·k + j, of the picks'
-one-hot destinations, plus the earlier tiles' counts. It copies its column chunk of each live pick's row; the
-first chunk's program also writes the picks' (slot, weight bits), the returned picks and the expert counts
-(integer atomics: order-free), and the last tile's the per-peer counts.
+Send (``send_layout``): a grid of (token tile, column chunk) programs. Each program walks the tokens before its tile
+(in wider steps) and counts their live picks per destination rank (integer work, so every program gets the same
+counts), then gives its tile's picks their places: the exclusive cumulative sum, in pick order t·k + j, of the
+picks' one-hot destinations, plus the earlier tiles' counts. It copies its column chunk of each live pick's row; the
+first chunk's program also writes the picks' (slot, weight bits), the returned picks and the expert counts (integer
+atomics: order-free), and the last tile's the per-peer counts.
 
 Receive (``received_layout``): one program walking tiles of rows in order, as kernels/moe_layout.py does: in a
 tile the membership matrix m [BLOCK_R, E_PAD] (row r takes stacked expert e) gives each row's slot as the
@@ -80,6 +80,7 @@ def _send_kernel(
     K_PAD: tl.constexpr,
     W_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    SCAN_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHUNK_D: tl.constexpr,
     LIVE: tl.constexpr,
@@ -89,16 +90,17 @@ def _send_kernel(
     j = tl.arange(0, K_PAD)
     ranks = tl.arange(0, W_PAD)
     carry = tl.zeros([W_PAD], tl.int32)
+    start = tile * BLOCK_T
     t0 = 0
-    while t0 < tile * BLOCK_T:  # the earlier tiles' live picks per destination
-        t = t0 + tl.arange(0, BLOCK_T)
+    while t0 < start:  # the earlier tokens' live picks per destination, SCAN_T tokens at a time
+        t = t0 + tl.arange(0, SCAN_T)
         _, dest, _, ok = _destinations(
-            experts_ptr, live_ptr, table_ptr, copies_ptr, t, j, num_tokens, table_width, slots_per_rank, TOP_K, LIVE
+            experts_ptr, live_ptr, table_ptr, copies_ptr, t, j, start, table_width, slots_per_rank, TOP_K, LIVE
         )
         hit = ((dest[:, :, None] == ranks[None, None, :]) & ok[:, :, None]).to(tl.int32)  # [BT, K_PAD, W_PAD]
         carry += tl.sum(tl.sum(hit, axis=1), axis=0)
-        t0 += BLOCK_T
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        t0 += SCAN_T
+    t = start + tl.arange(0, BLOCK_T)
     e, dest, slot, ok = _destinations(
         experts_ptr, live_ptr, table_ptr, copies_ptr, t, j, num_tokens, table_width, slots_per_rank, TOP_K, LIVE
     )
@@ -139,7 +141,11 @@ def _send_kernel(
 
 
 SEND_BLOCK_T = 8
-"""Tokens per program of the send side: each program re-walks the tiles before its own (small integer work)."""
+"""Tokens per program of the send side: each program recounts the tokens before its own (small integer work)."""
+SEND_SCAN_T = 128
+SEND_SCAN_ELEMENTS = 8192
+"""The recount walks up to SEND_SCAN_T tokens a step ([SCAN_T, K_PAD, W_PAD] ≤ SEND_SCAN_ELEMENTS): a decode step's
+few hundred tokens in one or two steps, each a chain of dependent loads (expert, its copies, its slot)."""
 SEND_CHUNK_D = 512
 """Columns of the rows each send program copies (a second grid dimension, so the copy spreads over the GPU)."""
 
@@ -169,6 +175,7 @@ def send_layout(
     if num_tokens == 0:
         return picks
     chunk_d = min(SEND_CHUNK_D, triton.next_power_of_2(hidden))
+    k_pad, w_pad = triton.next_power_of_2(top_k), triton.next_power_of_2(world + 1)
     grid = (triton.cdiv(num_tokens, SEND_BLOCK_T), triton.cdiv(hidden, chunk_d))
     _send_kernel[grid](
         x,
@@ -193,9 +200,10 @@ def send_layout(
         capacity,
         world,
         TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
-        W_PAD=triton.next_power_of_2(world + 1),
+        K_PAD=k_pad,
+        W_PAD=w_pad,
         BLOCK_T=SEND_BLOCK_T,
+        SCAN_T=max(SEND_BLOCK_T, min(SEND_SCAN_T, SEND_SCAN_ELEMENTS // (k_pad * w_pad))),
         BLOCK_D=min(128, chunk_d),
         CHUNK_D=chunk_d,
         LIVE=live is not None,

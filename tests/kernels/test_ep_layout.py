@@ -47,6 +47,7 @@ def _send(impl, buffers: PeerBuffers, x, experts, weights, live, slots: ExpertSl
         (19, 3, 1, 6, None, 1100),  # three tiles of tokens, three chunks of columns
         (19, 4, 4, 6, "some", 40),
         (4, 2, 0, 2, "none", 40),  # a placeholder step: nothing goes anywhere
+        (300, 2, 1, 2, "some", 16),  # the last tiles recount the earlier tokens in three steps of 128
     ],
 )
 def test_send_layout_equals_the_torch_send_layout(num_tokens, world, redundant, top_k, live, hidden):
@@ -188,7 +189,9 @@ def test_both_kernels_compile_for_sm90_on_this_cpu(flags, private_triton_cache):
         capacity="i32",
         world="i32",
     )
-    const = dict(TOP_K=6, K_PAD=8, W_PAD=2, BLOCK_T=m.SEND_BLOCK_T, BLOCK_D=128, CHUNK_D=512, LIVE=flags, COUNT=flags)
+    const = dict(
+        TOP_K=6, K_PAD=8, W_PAD=2, BLOCK_T=m.SEND_BLOCK_T, SCAN_T=128, BLOCK_D=128, CHUNK_D=512, LIVE=flags, COUNT=flags
+    )
     _, report = tool.compile_sm90(m._send_kernel, send, const, divisible=())
     assert "registers" in report
     received = dict(
