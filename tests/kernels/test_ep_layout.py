@@ -91,8 +91,15 @@ def _received(
 
 @pytest.mark.parametrize(
     ("world", "rows_per_peer", "num_tokens", "num_slots", "live"),
-    # (2, 72, 20, 48): 164 rows, two tiles of 128 at 64 padded experts.
-    [(1, 4, 2, 8, None), (2, 10, 5, 5, "some"), (3, 24, 12, 17, None), (2, 72, 20, 48, "some"), (2, 6, 3, 4, "none")],
+    # (2, 72, 20, 48): 164 rows, one tile of 256 at 64 padded experts; (2, 150, 20, 48): 320 rows, two tiles.
+    [
+        (1, 4, 2, 8, None),
+        (2, 10, 5, 5, "some"),
+        (3, 24, 12, 17, None),
+        (2, 72, 20, 48, "some"),
+        (2, 150, 20, 48, "some"),
+        (2, 6, 3, 4, "none"),
+    ],
 )
 def test_received_layout_equals_the_torch_received_layout(world, rows_per_peer, num_tokens, num_slots, live):
     kernel = load_interpreted("ep_layout")
@@ -214,6 +221,6 @@ def test_both_kernels_compile_for_sm90_on_this_cpu(flags, private_triton_cache):
         block_rows="i32",
         own_base="i32",
     )
-    const = dict(NUM_SLOTS=48, E_PAD=64, BLOCK_R=128, BLOCK_FILL=1024, LIVE=flags, COUNT=flags, SHARED_ACTIVE=flags)
-    _, report = tool.compile_sm90(m._received_kernel, received, const, divisible=())
+    const = dict(NUM_SLOTS=48, E_PAD=64, BLOCK_R=256, BLOCK_FILL=1024, LIVE=flags, COUNT=flags, SHARED_ACTIVE=flags)
+    _, report = tool.compile_sm90(m._received_kernel, received, const, num_warps=8, divisible=())
     assert "registers" in report
