@@ -43,7 +43,7 @@ fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, -
 coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: cold warm, cold or warm; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process, kernel ranks in graphs (batch-invariant: tokens and logprobs ==), the torch MoE, 3 drafts; then live EPLB's layout switch at one boundary
-ep-one-gpu        one GPU: the expert-parallel kernel layer's gpu tests (virtual ranks and NCCL at world size 1 captured in graphs), bench step --dp 1 --ep-path on v41-s1 with MXFP4 experts (EP_LAYERS, default 8; EP_BATCHES, default 64), then the EP path in the engine's decode graphs
+ep-one-gpu        one GPU: the expert-parallel kernel layer's gpu tests (its layouts' kernels at v41-s1's shapes; virtual ranks and NCCL at world size 1 captured in graphs), bench step --dp 1 --ep-path on v41-s1 with MXFP4 experts (EP_LAYERS, default 8; EP_BATCHES, default 64; EP_PROFILE=1 adds --profile), then the EP path in the engine's decode graphs
 hosts             two hosts simulated on one machine of 2+ GPUs (nvidia-h100-x2 or more): torchrun --nnodes 2, half of the GPUs each (CUDA_VISIBLE_DEVICES), one engine per GPU over NCCL; greedy tokens against one process, then a host killed mid-stream (scripts/gpu/hosts_check.py; HOSTS_MODEL, default tiny) (device-prep.sh --stack: the ranks speak gRPC)
 invariance        the batch-invariance test with == on v41-s1 at full depth (INVARIANCE_PROMPTS, default 64: the batch, then each prompt alone), then where graphs and eager part on tiny
 compare           decode and prefill step medians (150 steps, v41-s1 at 8 layers) of a baseline tree carried in BASE_TREE (default base/) and this tree, alternated twice
@@ -491,12 +491,12 @@ suite_parallel() {
 }
 
 suite_ep_one_gpu() {
-    begin ep-one-gpu 235
-    run layer 70 "${gpu_tests[@]}" tests/services/worker/parallel/test_ep_kernel_moe.py
+    begin ep-one-gpu 240
+    run layer 80 "${gpu_tests[@]}" tests/kernels/test_ep_layout.py tests/services/worker/parallel/test_ep_kernel_moe.py
     show layer "^FAILED|^ERROR|^E  .*Error|passed|failed|skipped|^SKIPPED|no tests ran" 12
     run ep-path 95 env PYTHONUNBUFFERED=1 "${bench_step[@]}" --dp 1 --ep-path --layers "${EP_LAYERS:-8}" --batches "${EP_BATCHES:-64}" \
-        --json "$dir/ep-path.json"
-    show ep-path "^model|^decode|Error" 12
+        ${EP_PROFILE:+--profile} --json "$dir/ep-path.json"
+    show ep-path "^model|^decode|^profile|Error" 12
     run engine "$(( $(left) - 5 ))" "${gpu_tests[@]}" tests/services/worker/runners/test_ep_decode_graphs.py
     show engine "^FAILED|^ERROR|^E  .*Error|passed|failed|skipped|^SKIPPED|no tests ran" 12
 }

@@ -8,6 +8,11 @@ over the rank's slots plus the shared expert, and the combine; in the decode gra
 Without it the layer is ``KernelMoE``. The experts are ``--expert-format``'s (the last one named; MXFP4 by
 default). Each batch size is built and timed twice per path, alternated (without, with, without, with), and the
 pooled step times' medians are compared: the expert-parallel path's cost on one GPU, before any wire.
+
+With ``--profile``, each path's last build also profiles its decode steps (``profile.profile_decode``, every
+kernel kept): both kernel tables are printed, then the kernels whose launches per step differ between the two
+(``profile.kernel_diff``: what the expert-parallel path adds or drops) and those of equal launches whose time
+differs most (the same kernel on other shapes or configs), all of it in the JSON's ``profile`` rows.
 """
 
 from __future__ import annotations
@@ -22,6 +27,40 @@ from typing import Any
 
 CONTEXT = 1024
 ROUNDS = 2
+TOP = 20  # kernels printed per table
+TOP_SAME = 8  # kernels of equal launches printed by their time difference
+
+
+def _print_diff(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(
+            f"  {r['extra_us']:+10.1f} µs  ×{r['launches_without']:6.1f} → ×{r['launches_with']:6.1f}  "
+            f"{r['kernel'][:80]}"
+        )
+
+
+def profile_report(batch: int, without: dict[str, Any], with_ep: dict[str, Any]) -> dict[str, Any]:
+    """Two ``profile_decode`` results at ``batch`` (every kernel kept), without and with the expert-parallel path
+    → printed side by side with their difference (``kernel_diff``), and the JSON row holding all three."""
+    from services.bench.step.profile import kernel_diff, launches_line, print_kernels
+
+    diff = kernel_diff(without["kernels"], with_ep["kernels"])
+    for name, p in (("without", without), ("with the EP path", with_ep)):
+        print(
+            f"profile decode batch {batch} {name}: {p['wall_ms']:.3f} ms per step (profiled), device busy "
+            f"{p['busy_ms']:.3f} ms; {launches_line(p)}"
+        )
+        print_kernels(p["kernels"][:TOP])
+    extra = sum(r["extra_launches"] for r in diff)
+    print(
+        f"profile decode batch {batch}: the EP path launches {extra:+.0f} kernels per step, "
+        f"{with_ep['kernel_ms'] - without['kernel_ms']:+.3f} ms in kernels; kernels whose launches differ:"
+    )
+    _print_diff([r for r in diff if r["extra_launches"]])
+    same = sorted((r for r in diff if not r["extra_launches"]), key=lambda r: -abs(r["extra_us"]))
+    print(f"profile decode batch {batch}: the largest time differences at equal launches:")
+    _print_diff(same[:TOP_SAME])
+    return {"section": "profile", "batch": batch, "context": CONTEXT, "without": without, "with": with_ep, "diff": diff}
 
 
 def one_rank_parallel(cfg, max_num_seqs: int, device):
@@ -45,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from services.bench.step.build import builder, runner_cache
+    from services.bench.step.profile import profile_decode
     from services.bench.step.timing import decode_model_len, time_decode
     from services.worker.parallel.ep_kernel_moe import unshard_kernel_experts
 
@@ -67,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for batch in batches:
         seconds: dict[str, list[float]] = {"without": [], "with": []}
-        for _ in range(ROUNDS):
+        profiles: dict[str, dict[str, Any]] = {}
+        for round_ in range(ROUNDS):
             for path in ("without", "with"):
                 parallel = one_rank_parallel(cfg, batch, device) if path == "with" else None
                 llm = build(
@@ -77,6 +118,16 @@ def main(args: argparse.Namespace) -> int:
                     llm.engine, runner_cache(llm), batch=batch, context=CONTEXT, steps=steps, vocab_size=cfg.vocab_size
                 )
                 seconds[path] += t.seconds
+                if args.profile and round_ == ROUNDS - 1:  # after the timed steps, on the same build
+                    profiles[path] = profile_decode(
+                        llm.engine,
+                        runner_cache(llm),
+                        batch=batch,
+                        context=CONTEXT,
+                        steps=steps,
+                        vocab_size=cfg.vocab_size,
+                        top=None,
+                    )
                 if parallel is not None:
                     unshard_kernel_experts(llm.source.model)
                 del llm
@@ -96,6 +147,8 @@ def main(args: argparse.Namespace) -> int:
             f"decode batch {batch:>4}: without {row['ms_without']:8.3f} ms, with the EP path {row['ms_with']:8.3f} ms "
             f"({100 * row['slowdown']:+.1f}%; median of {len(seconds['with'])} steps each, {ROUNDS} builds alternated)"
         )
+        if profiles:
+            rows.append(profile_report(batch, profiles["without"], profiles["with"]))
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(

@@ -17,8 +17,8 @@ from services.engine.sampling_params import SamplingParams
 from services.worker.state.cache_engine import CacheEngine
 
 
-def kernel_table(events, num_steps: int, top: int = 20) -> list[dict[str, Any]]:
-    """Device events (``torch.profiler`` ``events()``) → the ``top`` kernels by time per step."""
+def kernel_table(events, num_steps: int, top: int | None = 20) -> list[dict[str, Any]]:
+    """Device events (``torch.profiler`` ``events()``) → the ``top`` kernels by time per step (None: every one)."""
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for e in events:
@@ -30,7 +30,32 @@ def kernel_table(events, num_steps: int, top: int = 20) -> list[dict[str, Any]]:
         for name, us in total.items()
     ]
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top]
+    return rows if top is None else rows[:top]
+
+
+def kernel_diff(without: list[dict[str, Any]], with_: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two kernel tables (``kernel_table``'s rows, every kernel: ``top=None``) of the same steps built two ways →
+    every kernel of either, with both sides' launches and µs per step and the differences, most added time
+    first. A kernel absent from one side counts 0 there."""
+    a = {r["kernel"]: r for r in without}
+    b = {r["kernel"]: r for r in with_}
+    rows = []
+    for name in a.keys() | b.keys():
+        n0, n1 = (t[name]["launches_per_step"] if name in t else 0.0 for t in (a, b))
+        us0, us1 = (t[name]["us_per_step"] if name in t else 0.0 for t in (a, b))
+        rows.append(
+            {
+                "kernel": name,
+                "launches_without": n0,
+                "launches_with": n1,
+                "us_without": us0,
+                "us_with": us1,
+                "extra_launches": n1 - n0,
+                "extra_us": us1 - us0,
+            }
+        )
+    rows.sort(key=lambda r: (-r["extra_us"], r["kernel"]))
+    return rows
 
 
 COPY_PREFIXES = ("Memcpy", "Memset")
@@ -58,6 +83,20 @@ def launch_totals(events, num_steps: int) -> dict[str, float]:
     }
 
 
+def launches_line(p: dict[str, Any]) -> str:
+    """A profile's launch totals (``launch_totals``' keys) in one line."""
+    return (
+        f"{p['launches_per_step']:.0f} kernel launches per step, {p['kernel_ms']:.2f} ms in kernels, "
+        f"{p['copies_per_step']:.0f} copies/fills {p['copy_ms']:.2f} ms"
+    )
+
+
+def print_kernels(kernels: list[dict[str, Any]]) -> None:
+    """A kernel table (``kernel_table``'s rows), one line each: µs and launches per step, the name."""
+    for k in kernels:
+        print(f"  {k['us_per_step']:10.1f} µs  ×{k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
+
+
 def device_trace(device: torch.device):
     """A profiler of the device's kernels (device activity only: host tracing would inflate the wall
     time); on the CPU, of the host ops, so the code path runs in CPU tests."""
@@ -66,14 +105,14 @@ def device_trace(device: torch.device):
     return profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU])
 
 
-def profile_summary(prof, wall: float, num_steps: int) -> dict[str, Any]:
+def profile_summary(prof, wall: float, num_steps: int, top: int | None = 20) -> dict[str, Any]:
     events = prof.events()
     busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
     return {
         "wall_ms": wall * 1e3 / num_steps,
         "busy_ms": busy_us * 1e-3 / num_steps,
         **launch_totals(events, num_steps),
-        "kernels": kernel_table(events, num_steps),
+        "kernels": kernel_table(events, num_steps, top),
     }
 
 
@@ -99,10 +138,19 @@ def profile_prefill(engine: Engine, device: torch.device, *, tokens: int, vocab_
 
 
 def profile_decode(
-    engine: Engine, cache: CacheEngine, *, batch: int, context: int, steps: int, vocab_size: int, seed: int = 0
+    engine: Engine,
+    cache: CacheEngine,
+    *,
+    batch: int,
+    context: int,
+    steps: int,
+    vocab_size: int,
+    seed: int = 0,
+    top: int | None = 20,
 ) -> dict[str, Any]:
     """Profiles ``steps`` decode steps after one warm-up; returns wall ms per step, device-busy ms per
-    step and the kernel table. The requests are aborted afterwards (pools whole again)."""
+    step and the kernel table (its ``top`` rows; None: every kernel). The requests are aborted afterwards
+    (pools whole again)."""
     gen = torch.Generator().manual_seed(seed)
     max_tokens = steps + 4 + skipped_tokens(batch, context, engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -123,4 +171,4 @@ def profile_decode(
         engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
-    return {"batch": batch, "context": context, **profile_summary(prof, wall, steps)}
+    return {"batch": batch, "context": context, **profile_summary(prof, wall, steps, top)}

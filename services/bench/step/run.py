@@ -259,7 +259,7 @@ def _host_section(sizes) -> list[dict[str, Any]]:
 
 def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
     from services.bench.step.build import runner_cache
-    from services.bench.step.profile import profile_decode, profile_prefill
+    from services.bench.step.profile import launches_line, print_kernels, profile_decode, profile_prefill
     from services.bench.step.timing import decode_model_len
 
     rows = []
@@ -272,9 +272,9 @@ def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
         rows.append({"section": "profile", **p})
         print(
             f"profile ctx {context} batch {batch}: {p['wall_ms']:.2f} ms per step (profiled), device busy "
-            f"{p['busy_ms']:.2f} ms; {_launches(p)}"
+            f"{p['busy_ms']:.2f} ms; {launches_line(p)}"
         )
-        _print_kernels(p["kernels"])
+        print_kernels(p["kernels"])
         del llm
     tokens = max(sizes["prefill"])
     llm = build(max_num_seqs=1, max_model_len=tokens + 8, max_num_batched_tokens=tokens)
@@ -282,22 +282,10 @@ def _profile_section(build, cfg, sizes) -> list[dict[str, Any]]:
     rows.append({"section": "profile", "batch": 1, "context": tokens, "prefill_tokens": tokens, **p})
     print(
         f"profile prefill {tokens} tokens: {p['wall_ms']:.2f} ms (profiled), device busy {p['busy_ms']:.2f} ms; "
-        f"{_launches(p)}"
+        f"{launches_line(p)}"
     )
-    _print_kernels(p["kernels"])
+    print_kernels(p["kernels"])
     return rows
-
-
-def _launches(p: dict[str, Any]) -> str:
-    return (
-        f"{p['launches_per_step']:.0f} kernel launches per step, {p['kernel_ms']:.2f} ms in kernels, "
-        f"{p['copies_per_step']:.0f} copies/fills {p['copy_ms']:.2f} ms"
-    )
-
-
-def _print_kernels(kernels: list[dict[str, Any]]) -> None:
-    for k in kernels:
-        print(f"  {k['us_per_step']:10.1f} µs  ×{k['launches_per_step']:6.1f}  {k['kernel'][:90]}")
 
 
 def _result(args, device, model, cfg, backend, ceil, rows) -> dict[str, Any]:

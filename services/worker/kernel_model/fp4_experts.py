@@ -111,11 +111,21 @@ class Fp4Experts(nn.Module):
             setattr(self, name, getattr(self, name).index_select(0, experts.to(self.w13.device)).contiguous())
         self.num_experts = int(experts.numel())
 
-    def stacked(self, x: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    def stacked(
+        self,
+        x: torch.Tensor,
+        meta: dict[str, torch.Tensor],
+        shared_x: torch.Tensor | None = None,
+        shared_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [T, D] → the down products of every (stacked expert, slot) of ``meta``: bf16 [E+1, cap, D'] (slots
-        past an expert's count unwritten), what the combine sums."""
+        past an expert's count unwritten), what the combine sums. The expert-parallel layer's own tokens apart
+        from the rows it received: ``shared_x`` [T', D] (None: x), the rows the shared expert's row ids name;
+        ``shared_out`` bf16 [1, cap, D'] with dense channels (None: the stack's last expert), where its down
+        products go (the stack's last expert is then left unwritten)."""
         gemm, fp4 = self.kernels.moe_grouped_gemm, self.kernels.moe_fp4
         xp = pad_last(x, self.padded_hidden).contiguous()  # [T, D']
+        shared_xp = xp if shared_x is None else pad_last(shared_x, self.padded_hidden).contiguous()
         routed, shared = split_shared(meta)
         capacity = meta["row_ids"].shape[1]
         interpreted = self.kernels.interpreted
@@ -126,7 +136,7 @@ class Fp4Experts(nn.Module):
         y = torch.empty(self.num_experts + 1, capacity, self.padded_hidden, dtype=torch.bfloat16, device=x.device)
         fp4.moe_grouped_gemm_fp4(h, self.w2, self.w2_scale, routed, gather=False, out=y[:-1], dot_fp32=interpreted)
         # The shared expert: one expert, every live row, FP8 (as moe_grouped_gemm.moe_experts' shared launches).
-        a = self.kernels.quant_fp8.quantize_act(xp) if xp.shape[0] > IN_GEMM_MAX_ROWS else xp
+        a = self.kernels.quant_fp8.quantize_act(shared_xp) if shared_xp.shape[0] > IN_GEMM_MAX_ROWS else shared_xp
         h_shared = gemm.moe_grouped_gemm(
             a,
             self.shared_w13,
@@ -136,5 +146,6 @@ class Fp4Experts(nn.Module):
             swiglu_limit=self.limit,
             out_dtype=torch.float8_e4m3fn,
         )
-        gemm.moe_grouped_gemm(h_shared, self.shared_w2, self.shared_w2_scale, shared, gather=False, out=y[-1:])
+        out = y[-1:] if shared_out is None else shared_out
+        gemm.moe_grouped_gemm(h_shared, self.shared_w2, self.shared_w2_scale, shared, gather=False, out=out)
         return y

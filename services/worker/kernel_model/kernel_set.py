@@ -38,6 +38,7 @@ class KernelSet:
     draft_attention: ModuleType | None = None  # the DSpark draft's block attention (else its torch form)
     moe_contiguous: ModuleType | None = None  # DeepGEMM's contiguous layout (else deepgemm_moe's torch form)
     moe_fp4: ModuleType | None = None  # the MXFP4 experts' grouped GEMM (else routed experts are converted to FP8)
+    ep_layout: ModuleType | None = None  # the expert-parallel layer's layouts (else exchange_layout.py's torch form)
     interpreted: bool = False
 
     NAMES = (
@@ -58,6 +59,7 @@ class KernelSet:
         "draft_attention",
         "moe_contiguous",
         "moe_fp4",
+        "ep_layout",
     )
 
     @staticmethod

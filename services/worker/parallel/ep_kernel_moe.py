@@ -3,18 +3,26 @@ exchanged through fixed-capacity buffers, so a CUDA graph can capture a whole la
 
 Per pass of at most ``pass_tokens`` tokens (one for a decode step), each rank:
 
-1. routes its tokens with the kernel router (``KernelMoE``'s: the same choices and weights), adds the live
-   picks to the layer's logical ``counts``, maps each pick to one physical slot (``ExpertSlots.physical``);
-2. packs each live pick's row, slot and weight into its peer's block of the send buffer (a pick's place in
-   its block is its rank among the picks to that peer, in pick order: a cumulative sum on the device), the
-   dead ones into the dump block, with each block's count, and exchanges the blocks in one all-to-all
-   (``PeerExchange.all_to_all``; services/worker/parallel/peer_buffers.py has the byte layout);
+1. routes its tokens with the kernel router (``KernelMoE``'s: the same choices and weights); then one launch
+   (``send_layout``, kernels/ep_layout.py) adds the live picks to the layer's logical ``counts``, maps each pick
+   to one physical slot (``ExpertSlots``' table), and packs each live pick's row, slot and weight into its peer's
+   block of the send buffer (a pick's place in its block is its rank among the picks to that peer, in pick
+   order), with each block's count; the blocks go out in one all-to-all (``PeerExchange.all_to_all``;
+   services/worker/parallel/peer_buffers.py has the byte layout);
+2. lays out what it received and its own tokens for the grouped GEMM in one launch (``received_layout``: its S
+   local slots and the shared expert stacked as expert S, the rows past a block's count dropped, each slot's
+   arrivals added to ``slot_counts``);
 3. runs one masked grouped-GEMM pair (``kernels.moe_grouped_gemm``, gate/up + SwiGLU · route weight, then down;
-   MXFP4 routed experts: ``kernels.moe_fp4``'s, the shared expert FP8 beside them, as ``Fp4Experts``)
-   over its S local slots and the shared expert, stacked as expert S, on the rows it received (rows past a
-   block's count go to a sink that the layout drops) and its own tokens (the shared expert, weight 1);
-4. returns each received row's bf16 output to its sender in the block it came in, and sums every token's
-   outputs with ``kernels.moe_combine`` in fp32, the shared expert first, then the picks in top-k order.
+   MXFP4 routed experts: ``kernels.moe_fp4``'s, the shared expert FP8 beside them, as ``Fp4Experts``) over
+   those rows (received, then its own: the shared expert, weight 1); the received rows are gathered where they
+   arrived (``PeerBuffers.gathered_rows``), and with MXFP4 experts the shared expert reads the own tokens
+   where they are, so only the FP8 stack's single launch needs them copied after the received blocks;
+4. returns each received row's bf16 output to its sender in the block it came in (a second all-to-all into the
+   head of ``combined``, whose tail holds its own tokens' shared outputs), and sums every token's outputs with
+   ``kernels.moe_combine`` in fp32, the shared expert first, then the picks in top-k order.
+
+Without ``ep_layout`` in the kernel set (the torch references' set) both layouts run as torch ops
+(services/worker/parallel/exchange_layout.py, the kernels' specification: the same bytes).
 
 Each (row, expert) output is the grouped GEMM's for that row and expert alone (in the batch-invariant mode its
 tiles and K order are fixed), and the sum runs in ``KernelMoE``'s order, so a token's output has
@@ -40,11 +48,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import invariance
 from services.worker.kernel_model.fp8_linear import pad_last
 from services.worker.kernel_model.moe import KernelMoE
+from services.worker.parallel import exchange_layout
 from services.worker.parallel.ep_moe import ExpertParallel
 from services.worker.parallel.expert_slots import staged
+from services.worker.parallel.peer_buffers import PeerBuffers
 
 
 @dataclass
@@ -52,9 +61,9 @@ class _Pass:
     """One rank's tokens of one pass, between the phases."""
 
     x: torch.Tensor  # [T, D] the tokens
-    live: torch.Tensor  # [T] bool: rows that route (live, and not a placeholder step)
-    any_dead: bool  # whether ``live`` may be false anywhere (a mask was given, or a placeholder step)
-    picks: torch.Tensor  # [T, k] int64: each pick's row in the returned blocks (p·C + place; 0 when dead)
+    live: torch.Tensor | None  # [T] bool: rows that route (live, and not a placeholder step); None: every row
+    picks: torch.Tensor  # [T, k + 1] int64: each pick's row in the combine's rows (p·C + place; 0 when dead),
+    # then the token's own row (W·C + t), where its shared expert's output goes
 
 
 class ExpertParallelKernelMoE(nn.Module):
@@ -124,72 +133,93 @@ class ExpertParallelKernelMoE(nn.Module):
         live: torch.Tensor | None,
         image: torch.Tensor | None,
     ) -> _Pass:
-        """Routes x [T, D] and packs its live picks into the send buffers."""
+        """Routes x [T, D] and packs its live picks into the send buffers (``send_layout``)."""
         moe, parallel = self.moe, self.parallel
         num_tokens, k = x.shape[0], moe.top_k
-        buffers, slots = parallel.buffers_for(moe.hidden, x.dtype, k), parallel.slots[self.layer]
+        buffers, slots = self.exchange_buffers(x.dtype), parallel.slots[self.layer]
         x = x.contiguous()
         vl = {} if image is None else {"bias_vl": moe.bias_vl, "image": image}
         weights, experts = moe.kernels.moe_router.moe_router(
             x, moe.gate_weight, moe.gate_bias, k, moe.route_scale, **vl
         )  # [T, k] each
-        experts = experts.long()
-        rows = torch.ones(num_tokens, dtype=torch.bool, device=x.device) if live is None else live.to(torch.bool)
         if parallel.routes_nothing:
-            rows = torch.zeros_like(rows)
-        any_dead = live is not None or parallel.routes_nothing
-        picked = rows[:, None].expand(-1, k).reshape(-1)  # [T·k]
-        if counts is not None:
-            counts.scatter_add_(0, experts.reshape(-1), picked.to(counts.dtype))
-        physical = slots.physical(experts)  # [T·k]
-        world, capacity = buffers.world_size, buffers.capacity
-        dest = torch.where(picked, torch.div(physical, slots.slots_per_rank, rounding_mode="floor"), world)
-        one_hot = (dest[:, None] == torch.arange(world + 1, device=x.device)).long()  # [T·k, W + 1]
-        place = (torch.cumsum(one_hot, 0) - one_hot).gather(1, dest[:, None])[:, 0]  # rank among the picks to dest
-        place = torch.where(picked, place, 0)  # dead picks: row 0 of the dump block (dest W)
-        buffers.counts(buffers.send)[:world].copy_(one_hot[:, :world].sum(0)[:, None])
-        rows_of_picks = x[:, None].expand(-1, k, -1).reshape(-1, x.shape[-1])  # pick t·k + j: row t
-        buffers.rows(buffers.send)[dest, place] = rows_of_picks.to(buffers.dtype)
-        meta = torch.stack((physical % slots.slots_per_rank, torch.zeros_like(physical)), 1).to(torch.int32)
-        meta[:, 1] = weights.reshape(-1).float().contiguous().view(torch.int32)
-        buffers.meta(buffers.send)[dest, place] = meta
-        picks = torch.where(picked, dest * capacity + place, 0).view(num_tokens, k)
-        return _Pass(x, rows, any_dead, picks)
+            live = torch.zeros(num_tokens, dtype=torch.bool, device=x.device)
+        elif live is not None:
+            live = live.to(torch.bool)
+        send = buffers.send
+        picks = self._layouts().send_layout(
+            x,
+            experts,
+            weights,
+            live,
+            slots.table,
+            slots.copies,
+            slots.slots_per_rank,
+            buffers.rows(send),
+            buffers.meta(send),
+            buffers.counts(send),
+            counts,
+        )
+        return _Pass(x, live, picks)
 
-    def run_experts(self, routed: _Pass) -> torch.Tensor:
+    def _layouts(self):
+        """The send and received layouts: the kernel set's (kernels/ep_layout.py), else their torch form."""
+        return getattr(self.moe.kernels, "ep_layout", None) or exchange_layout
+
+    def exchange_buffers(self, dtype: torch.dtype) -> PeerBuffers:
+        """The group's buffers for this layer's rows (``dtype``) and its down products' width (D', padded)."""
+        moe = self.moe
+        width = moe.fp4.padded_hidden if moe.fp4 is not None else moe.w2.shape[1]
+        return self.parallel.buffers_for(moe.hidden, dtype, moe.top_k, width)
+
+    def run_experts(self, routed: _Pass) -> None:
         """The local slots on the received rows (outputs to ``send_back``) and the shared expert on this rank's
-        own tokens: returns the shared expert's bf16 outputs [T, D]."""
-        moe, buffers = self.moe, self.parallel.buffers_for(self.moe.hidden, routed.x.dtype, self.moe.top_k)
+        own tokens (outputs to the tail of ``combined``)."""
+        moe, buffers = self.moe, self.exchange_buffers(routed.x.dtype)
         world, capacity = buffers.world_size, buffers.capacity
         received = world * capacity
-        device = routed.x.device
         num_tokens = routed.x.shape[0]
-        valid = (torch.arange(capacity, device=device)[None, :] < buffers.counts(buffers.recv)).reshape(-1)  # [W·C]
-        meta = buffers.meta(buffers.recv).reshape(received, 2)  # (slot, weight bits) of each received row
-        choice = torch.cat((meta[:, 0].long(), torch.full((num_tokens,), self.num_local, device=device)))
-        weight = torch.cat((meta[:, 1].contiguous().view(torch.float32), torch.ones(num_tokens, device=device)))
-        layout = local_layout(
-            choice, weight, torch.cat((valid, routed.live)), self.num_local + 1, world * self.parallel.pass_tokens
+        recv = buffers.recv
+        gathered = buffers.gathered_rows(recv)  # [W·block_rows, D]: the received rows in place
+        fp4 = moe.fp4 is not None
+        # MXFP4: the routed experts gather the received rows in place, and the shared expert reads the own tokens
+        # where they are and writes each one's output to its row of ``combined`` (own token t at slot t: every own
+        # row takes its slot, the dead ones' outputs never summed); FP8: one launch over every stacked expert, on
+        # the received blocks followed by the own tokens, the shared outputs copied after.
+        layout = self._layouts().received_layout(
+            buffers.meta(recv),
+            buffers.counts(recv),
+            None if fp4 else routed.live,
+            num_tokens,
+            self.num_local,
+            world * self.parallel.pass_tokens,
+            buffers.block_rows,
+            0 if fp4 else gathered.shape[0],
+            self.parallel.slot_counts[self.layer],
+            # MXFP4: the routed launch takes num_active − 1 experts, right only while the shared one counts, which
+            # an empty pass lacks while its peers' rows arrive
+            shared_active=fp4,
         )
-        rows = torch.cat((buffers.rows(buffers.recv).reshape(received, -1), routed.x))  # [W·C + T, D]
-        if moe.fp4 is None:
-            y = self._fp8_experts(rows, layout)
-        else:  # its routed launch takes num_active − 1 experts: right only while the shared one has rows, which
-            # a rank whose own rows are all dead (a placeholder step) lacks while its peers' rows arrive
-            routed_active = (layout["counts"][:-1] > 0).sum().to(torch.int32).view(1)
-            y = moe.fp4.stacked(rows, dict(layout, num_active=routed_active + 1))
-        y = y.view(-1, y.shape[-1])[:, : moe.hidden]  # [(S + 1)·cap, D]
+        # The grouped GEMMs take their tiles and tuned configs from the shape of a layout's slot_of, read as
+        # [tokens, picks per token] (KernelMoE's); the own tokens' picks [T, k + 1] show them this rank's step as
+        # KernelMoE would see it (the same choices at world size 1), and they read no slot_of values.
+        gemm_layout = dict(layout, slot_of=routed.picks)
         slot_of = layout["slot_of"][:, 0]
-        buffers.send_back.copy_(y[slot_of[:received]])
-        self.parallel.slot_counts[self.layer] += layout["counts"][: self.num_local].long()
-        return y[slot_of[received:]]
+        if fp4:
+            shared_out = buffers.combined[received:][None]  # [1, W·pass_tokens, D']: the layout's capacity
+            y = moe.fp4.stacked(gathered, gemm_layout, shared_x=routed.x, shared_out=shared_out)
+        else:
+            y = self._fp8_experts(torch.cat((gathered, routed.x)), gemm_layout)
+        y = y.view(-1, y.shape[-1])  # [(S + 1)·cap, D']
+        torch.index_select(y, 0, slot_of[:received], out=buffers.send_back)
+        if not fp4:
+            torch.index_select(y, 0, slot_of[received:], out=buffers.combined[received : received + num_tokens])
 
     def _fp8_experts(self, rows: torch.Tensor, layout: dict[str, torch.Tensor]) -> torch.Tensor:
         """The FP8 stacks' down products of every (stacked expert, slot) of ``layout``: bf16 [S + 1, cap, D']."""
         moe = self.moe
         a = pad_last(rows, moe.w13.shape[-1]).contiguous()
         gemm, quant = moe.kernels.moe_grouped_gemm, moe.kernels.quant_fp8
-        block_m = invariance.BLOCK_M if invariance.active() else gemm.default_block_m(a.shape[0] / (self.num_local + 1))
         if a.shape[0] > quant.IN_GEMM_MAX_ROWS:
             a = quant.quantize_act(a)
         h = gemm.moe_grouped_gemm(
@@ -200,20 +230,15 @@ class ExpertParallelKernelMoE(nn.Module):
             gather=True,
             swiglu_limit=moe.limit,
             out_dtype=torch.float8_e4m3fn,
-            block_m=block_m,
-        )
-        return gemm.moe_grouped_gemm(h, moe.w2, moe.w2_scale, layout, gather=False, block_m=block_m)
+        )  # tiles and configs from the layout (``invariance.BLOCK_M`` in the batch-invariant mode)
+        return gemm.moe_grouped_gemm(h, moe.w2, moe.w2_scale, layout, gather=False)
 
-    def combine(self, routed: _Pass, shared: torch.Tensor) -> torch.Tensor:
-        """fp32 [T, D]: the shared expert's output, then the returned picks in top-k order (``kernels.moe_combine``)."""
-        buffers = self.parallel.buffers_for(self.moe.hidden, routed.x.dtype, self.moe.top_k)
-        received = buffers.world_size * buffers.capacity
-        num_tokens = routed.x.shape[0]
-        stacked = torch.cat((buffers.recv_back, shared))  # [W·C + T, D]
-        own = received + torch.arange(num_tokens, device=routed.x.device)
-        slot_of = torch.cat((routed.picks, own[:, None]), 1)  # [T, k + 1], the shared expert last
+    def combine(self, routed: _Pass) -> torch.Tensor:
+        """fp32 [T, D]: the shared expert's output, then the returned picks in top-k order (``kernels.moe_combine``
+        over ``combined``: the returned rows, then the own tokens')."""
+        buffers = self.exchange_buffers(routed.x.dtype)
         return self.moe.kernels.moe_grouped_gemm.moe_combine(
-            stacked[None], slot_of, True, live=routed.live if routed.any_dead else None, width=self.moe.hidden
+            buffers.combined[None], routed.picks, True, live=routed.live, width=self.moe.hidden
         )
 
 
@@ -246,49 +271,16 @@ def ep_layer(
             )
             for m, x, c, v, g in zip(moes, flat, counts, lives, images, strict=True)
         ]
-        buffers = [m.parallel.buffers_for(m.moe.hidden, r.x.dtype, m.moe.top_k) for m, r in zip(moes, routed)]
+        buffers = [m.exchange_buffers(r.x.dtype) for m, r in zip(moes, routed, strict=True)]
         sent = [b.dispatched() for b in buffers]  # rows, meta and counts in one byte buffer per peer
         exchange.all_to_all([send for send, _ in sent], [recv for _, recv in sent])
-        shared = [m.run_experts(r) for m, r in zip(moes, routed, strict=True)]
+        for m, r in zip(moes, routed, strict=True):
+            m.run_experts(r)
         back = [b.returned() for b in buffers]
         exchange.all_to_all([send for send, _ in back], [recv for _, recv in back])
-        for i, (m, r, s) in enumerate(zip(moes, routed, shared, strict=True)):
-            outs[i].append(m.combine(r, s))
-    return [torch.cat(o).to(x.dtype).reshape(x.shape) for o, x in zip(outs, xs, strict=True)]
-
-
-def local_layout(
-    choice: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, num_experts: int, capacity: int
-) -> dict[str, torch.Tensor]:
-    """One choice per row → the masked layout (``reference.route_metadata``'s keys, k = 1: ``slot_of`` [N, 1]) over
-    ``num_experts`` with ``capacity`` slots each; rows outside ``valid`` take no slot (``slot_of`` 0). Device ops
-    only."""
-    num_rows = choice.shape[0]
-    device = choice.device
-    key = torch.where(valid, choice, num_experts)  # the sink: past every expert
-    order = torch.sort(key, stable=True).indices  # rows grouped by expert, row order kept
-    sorted_key = key[order]
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(counts, 0) - counts
-    place = torch.arange(num_rows, device=device) - starts[sorted_key]
-    dump = num_experts * capacity
-    flat = torch.where(sorted_key < num_experts, sorted_key * capacity + place, dump)
-    row_ids = torch.zeros(dump + 1, dtype=torch.int32, device=device)
-    row_ids[flat] = order.to(torch.int32)
-    route_w = torch.zeros(dump + 1, dtype=torch.float32, device=device)
-    route_w[flat] = weight.float()[order]
-    slot_of = torch.zeros(num_rows, dtype=torch.long, device=device)
-    slot_of[order] = torch.where(flat == dump, 0, flat)
-    counts = counts[:num_experts]
-    return {
-        "counts": counts.to(torch.int32),
-        "row_ids": row_ids[:dump].view(num_experts, capacity),
-        "route_w": route_w[:dump].view(num_experts, capacity),
-        "slot_of": slot_of[:, None],
-        "active": torch.sort((counts == 0).to(torch.int32), stable=True).indices.to(torch.int32),
-        "num_active": (counts > 0).sum().to(torch.int32).view(1),
-    }
+        for i, (m, r) in enumerate(zip(moes, routed, strict=True)):
+            outs[i].append(m.combine(r))
+    return [(torch.cat(o) if len(o) > 1 else o[0]).to(x.dtype).reshape(x.shape) for o, x in zip(outs, xs, strict=True)]
 
 
 def shard_kernel_experts(model: nn.Module, parallel: ExpertParallel) -> None:

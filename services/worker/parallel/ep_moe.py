@@ -90,15 +90,21 @@ class ExpertParallel:
     def end_step(self) -> None:
         self.passes, self._agreed = 1, False
 
-    def buffers_for(self, hidden: int, dtype: torch.dtype, top_k: int) -> PeerBuffers:
+    def buffers_for(self, hidden: int, dtype: torch.dtype, top_k: int, out_width: int | None = None) -> PeerBuffers:
         """The kernel layer's send and receive buffers (every layer's, in turn), made on first use (an eager
-        step or a capture's warm-up, never inside a capture) for rows of ``hidden`` × ``dtype``."""
+        step or a capture's warm-up, never inside a capture) for rows of ``hidden`` × ``dtype`` and outputs
+        ``out_width`` wide (None: ``hidden``); room after the returned outputs for a pass's own rows on every
+        slot of a stacked expert (``W · pass_tokens``: the shared expert's outputs written in place)."""
         buffers = self._buffers
-        if buffers is None or buffers.dtype != dtype or buffers.hidden != hidden:
+        width = hidden if out_width is None else out_width
+        if buffers is None or buffers.dtype != dtype or buffers.hidden != hidden or buffers.out_width != width:
             if self.peer is None:
                 raise ValueError("the kernel backend's expert-parallel layer needs a PeerExchange")
             device = self.slot_counts.device
-            buffers = PeerBuffers.allocate(self.peer.world_size, self.pass_tokens * top_k, hidden, dtype, device)
+            world = self.peer.world_size
+            buffers = PeerBuffers.allocate(
+                world, self.pass_tokens * top_k, hidden, dtype, device, world * self.pass_tokens, width
+            )
             self._buffers = buffers
         return buffers
 

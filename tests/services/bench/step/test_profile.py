@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.bench.step.profile import kernel_table, launch_totals, profile_decode
+from services.bench.step.profile import kernel_diff, kernel_table, launch_totals, profile_decode
 
 
 def _event(name, us, device="CUDA"):
@@ -82,3 +82,27 @@ def test_profile_prefill_on_cpu_times_the_one_prefill_step():
     assert out["tokens"] == 40 and out["wall_ms"] > 0 and out["kernels"] == []
     s = llm.engine.stats()
     assert s.free_blocks == s.total_blocks and not llm.engine.has_unfinished()
+
+
+def test_kernel_diff_pairs_every_kernel_of_both_tables():
+    without = kernel_table([_event("gemm", 10.0), _event("attn", 50.0), _event("gone", 4.0)], num_steps=1, top=None)
+    with_ = kernel_table(
+        [_event("gemm", 12.0), _event("attn", 20.0), _event("attn", 35.0), _event("sort", 3.0), _event("sort", 3.0)],
+        num_steps=1,
+        top=None,
+    )
+    rows = kernel_diff(without, with_)
+    assert [r["kernel"] for r in rows] == ["sort", "attn", "gemm", "gone"]  # most added time first
+    assert rows[0] == {
+        "kernel": "sort",
+        "launches_without": 0.0,
+        "launches_with": 2.0,
+        "us_without": 0.0,
+        "us_with": 6.0,
+        "extra_launches": 2.0,
+        "extra_us": 6.0,
+    }
+    assert rows[1]["extra_launches"] == 1.0 and rows[1]["extra_us"] == 5.0
+    assert rows[2]["extra_launches"] == 0.0 and rows[2]["extra_us"] == 2.0  # same launches, slower
+    assert rows[3]["launches_with"] == 0.0 and rows[3]["extra_us"] == -4.0
+    assert all(r["extra_launches"] == 0 and r["extra_us"] == 0 for r in kernel_diff(with_, with_))

@@ -27,8 +27,9 @@ from model.deepseek_v41.presets import TINY
 from services.eplb.layout import Layout
 from services.worker.kernel_model.kernel_set import KernelSet
 from services.worker.kernel_model.moe import KernelMoE
-from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE, ep_layer, local_layout
+from services.worker.parallel.ep_kernel_moe import ExpertParallelKernelMoE, ep_layer
 from services.worker.parallel.ep_moe import ExpertParallel
+from services.worker.parallel.exchange_layout import local_layout
 from services.worker.parallel.expert_moves import changed_slots
 from services.worker.parallel.expert_slots import ExpertSlots
 from services.worker.parallel.peer_exchange import GroupPeerExchange, VirtualPeerExchange
@@ -50,15 +51,20 @@ def _moe(device: str) -> MoE:
     return moe.to(device)
 
 
-def _kernels(device: str):
-    """(kernel set, the context its calls run in): interpreted copies on the CPU, compiled on CUDA."""
+def _kernels(device: str, layouts: str = "kernels"):
+    """(kernel set, the context its calls run in): interpreted copies on the CPU, compiled on CUDA. ``layouts``
+    "torch": the set without ``ep_layout``, so the layer's layouts run as torch ops (exchange_layout.py)."""
     if device == "cpu":
         from kernels.interpret import interpreter, load_interpreted
 
         names = ("rmsnorm", "quant_fp8", "moe_router", "moe_grouped_gemm", "decode_attention")
         fp4 = load_interpreted("moe_fp4")
-        return KernelSet(*(load_interpreted(n) for n in names), moe_fp4=fp4, interpreted=True), interpreter
-    return KernelSet.compiled(), contextlib.nullcontext
+        ep = load_interpreted("ep_layout") if layouts == "kernels" else None
+        return KernelSet(
+            *(load_interpreted(n) for n in names), moe_fp4=fp4, ep_layout=ep, interpreted=True
+        ), interpreter
+    kernels = KernelSet.compiled()
+    return (kernels if layouts == "kernels" else dataclasses.replace(kernels, ep_layout=None)), contextlib.nullcontext
 
 
 def _ranks(
@@ -73,13 +79,20 @@ def _ranks(
 
 
 @pytest.mark.parametrize(
-    ("world", "redundant", "passes", "expert_format"),
-    # 4 ranks: 10 slots (copies of experts 0 and 1), rounded to 3 a rank; two passes. MXFP4 routed experts.
-    [(2, 0, 1, "fp8"), (4, 2, 2, "fp8"), (2, 1, 1, "fp4")],
+    ("world", "redundant", "passes", "expert_format", "layouts"),
+    # 4 ranks: 10 slots (copies of experts 0 and 1), rounded to 3 a rank; two passes. MXFP4 routed experts. The
+    # layouts as torch ops (the kernel set without ep_layout) once per expert format.
+    [
+        (2, 0, 1, "fp8", "kernels"),
+        (4, 2, 2, "fp8", "kernels"),
+        (2, 1, 1, "fp4", "kernels"),
+        (4, 2, 2, "fp8", "torch"),
+        (2, 1, 1, "fp4", "torch"),
+    ],
 )
-def test_virtual_ranks_equal_the_unsharded_layer(world, redundant, passes, expert_format):
+def test_virtual_ranks_equal_the_unsharded_layer(world, redundant, passes, expert_format, layouts):
     moe = _moe("cpu")
-    kernels, context = _kernels("cpu")
+    kernels, context = _kernels("cpu", layouts)
     tokens = 5  # per rank; rank 0 has a dead row; the last rank is in a placeholder step
     pass_tokens = -(-tokens // passes)
     layers = _ranks(moe, kernels, world, redundant, pass_tokens, VirtualPeerExchange(world), expert_format)
