@@ -122,7 +122,6 @@ impl Scheduler {
     pub(super) fn admit(&mut self, handle: usize) -> bool {
         let block_size = self.config.block_size;
         let (num_cached, hit) = self.resume_point(handle);
-        let sibling = self.sibling_divergence(handle);
         let req = self.req(handle);
         let len = req.len();
         let caching = self.config.enable_prefix_caching && req.prefix_root.is_some();
@@ -141,6 +140,7 @@ impl Scheduler {
             return false;
         }
         let divergence = num_cached as u32 * block_size;
+        let sibling = self.sibling_divergence(handle);
         let last_full_block = (len - 1) / block_size * block_size;
         // A prompt that shares its first block with cached blocks or another live prompt, or resumes from a
         // snapshot, is resent traffic (a conversation's later turn, agents or chats sharing a system prompt):
