@@ -69,7 +69,7 @@ class LLM:
         # The device's memory planned before any byte is loaded (services/engine/memory_plan.py).
         memory = plan_memory(model, self.config) if on_cuda and self.config.kernel_backend is not None else None
         # An earlier start's variants compile beside the load, done before any launch (services/engine/precompile.py).
-        with preloaded(self.config, model, source, enabled=self.config.warmup and worker is None):
+        with preloaded(self.config, model, source, enabled=self.config.warmup and worker is None) as preload:
             if source is None:
                 # With a remote worker the weights are its own: only config and tokenizer load here (no device).
                 with reported_oom(memory, self.config, "loading the model"), startup.phase("loading"):
@@ -87,71 +87,83 @@ class LLM:
                     from services.engine.memory_plan import log_device_bytes
 
                     log_device_bytes(source.model)
-        self.source = source
-        model_max = source.config.max_position_embeddings
-        if self.config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {self.config.max_model_len} is longer than the model's {model_max} positions"
-            )
-        fit_len = "max_model_len" not in engine_args  # the default: the model's, within what the pools hold
-        if fit_len:
-            self.config = self.config.replace(max_model_len=model_max)
-        sized = builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None
-        if sized:
-            from services.engine.pool_sizing import size_pools
-
-            with reported_oom(memory, self.config, "profiling a step to size the pools"), startup.phase("profiling"):
-                self.config, self.pool_plan = size_pools(
-                    self.source,
-                    self.config,
-                    lambda probe: LLM(
-                        source=self.source,
-                        **{**{f: getattr(probe, f) for f in probe.__dataclass_fields__}, "warmup": False},
-                    ),
-                    fit_max_model_len=fit_len,
+        try:  # the precompile's processes end with the start, whatever ends it
+            self.source = source
+            model_max = source.config.max_position_embeddings
+            if self.config.max_model_len > model_max:
+                raise ValueError(
+                    f"max_model_len {self.config.max_model_len} is longer than the model's {model_max} positions"
                 )
-        if fit_len:
-            self.config = self.config.replace(max_model_len=default_max_model_len(self.config, model_max))
-            log.info(
-                "max_model_len %d: the model supports %d positions; %s",
-                self.config.max_model_len,
-                model_max,
-                f"the pools hold {(self.config.num_blocks - 1) * self.config.block_size} tokens for one request"
-                if self.config.num_blocks is not None
-                else f"pools sized from it on {self.config.device or 'cpu'} (at most {DEFAULT_MAX_MODEL_LEN} there)",
-            )
-        cfg = self.source.config
-        self.tokenizer = self.source.tokenizer
-        kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
-        if worker is not None and self.config.num_speculative_tokens and getattr(worker, "speculator", None) is None:
-            raise ValueError(
-                "num_speculative_tokens needs the in-process worker with a speculator: a remote "
-                "worker's protocol does not carry drafts yet"
-            )
-        if worker is None:
-            worker = build_worker(self.source.model, self.config.worker_config(), runner=runner, kernels=kernel_set)
-        self.engine = Engine(
-            worker,
-            self.config,
-            vocab_size=cfg.vocab_size,
-            eos_token_id=cfg.eos_token_id,
-            compress_ratios=kv_ratios or [1],
-            window_size=cfg.sliding_window,
-            grammars=GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
-            image_token_id=cfg.vision.image_token_id if cfg.vision is not None else None,
-            model=model,
-        )
-        self._ids = itertools.count()
-        self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
-        if self.config.warmup:
-            with startup.phase("compiling") as step:
+            fit_len = "max_model_len" not in engine_args  # the default: the model's, within what the pools hold
+            if fit_len:
+                self.config = self.config.replace(max_model_len=model_max)
+            sized = builds_model and str(self.config.device).startswith("cuda") and self.config.num_blocks is None
+            if sized:
+                from services.engine.pool_sizing import size_pools
 
-                def report(phase: str, done: int, total: int) -> None:
-                    step.count(done, total)
-                    if progress is not None:
-                        progress(phase, done, total)
+                with (
+                    reported_oom(memory, self.config, "profiling a step to size the pools"),
+                    startup.phase("profiling"),
+                ):
+                    self.config, self.pool_plan = size_pools(
+                        self.source,
+                        self.config,
+                        lambda probe: LLM(
+                            source=self.source,
+                            **{**{f: getattr(probe, f) for f in probe.__dataclass_fields__}, "warmup": False},
+                        ),
+                        fit_max_model_len=fit_len,
+                    )
+            if fit_len:
+                self.config = self.config.replace(max_model_len=default_max_model_len(self.config, model_max))
+                log.info(
+                    "max_model_len %d: the model supports %d positions; %s",
+                    self.config.max_model_len,
+                    model_max,
+                    f"the pools hold {(self.config.num_blocks - 1) * self.config.block_size} tokens for one request"
+                    if self.config.num_blocks is not None
+                    else f"pools sized from it on {self.config.device or 'cpu'} "
+                    f"(at most {DEFAULT_MAX_MODEL_LEN} there)",
+                )
+            cfg = self.source.config
+            self.tokenizer = self.source.tokenizer
+            kv_ratios = sorted({cfg.ratio(layer) for layer in cfg.kv_source_layer_ids}, reverse=True)
+            if (
+                worker is not None
+                and self.config.num_speculative_tokens
+                and getattr(worker, "speculator", None) is None
+            ):
+                raise ValueError(
+                    "num_speculative_tokens needs the in-process worker with a speculator: a remote "
+                    "worker's protocol does not carry drafts yet"
+                )
+            if worker is None:
+                worker = build_worker(self.source.model, self.config.worker_config(), runner=runner, kernels=kernel_set)
+            self.engine = Engine(
+                worker,
+                self.config,
+                vocab_size=cfg.vocab_size,
+                eos_token_id=cfg.eos_token_id,
+                compress_ratios=kv_ratios or [1],
+                window_size=cfg.sliding_window,
+                grammars=GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
+                image_token_id=cfg.vision.image_token_id if cfg.vision is not None else None,
+                model=model,
+            )
+            self._ids = itertools.count()
+            self._chat = None  # the chat renderer (services/tokenizer/chat.py), made on the first chat call
+            if self.config.warmup:
+                with startup.phase("compiling") as step:
 
-                warm_up(self.engine, report)
+                    def report(phase: str, done: int, total: int) -> None:
+                        step.count(done, total)
+                        if progress is not None:
+                            progress(phase, done, total)
+
+                    warm_up(self.engine, report, compiled_ahead=None if preload is None else preload.wait_sampler)
+        finally:
+            if preload is not None:
+                preload.close()
 
     def _start_ranks(
         self,

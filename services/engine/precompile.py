@@ -33,7 +33,8 @@ from collections.abc import Iterator
 from services.engine.config import EngineConfig
 from services.engine.model_source import ModelSource
 from services.worker import startup
-from services.worker.compile_manifest import CompileManifest, Precompiled
+from services.worker.compile_manifest import CompileManifest, Precompiled, Resolved
+from services.worker.compile_pool import Ahead, CompilePool, current_target, entry_of, listed, num_processes_for
 
 log = logging.getLogger("shinkai.engine")
 
@@ -80,11 +81,17 @@ class Preload:
     """One start's precompile on a thread of its own (module docstring): ``start()``, then ``join()`` or
     ``cancel()``."""
 
-    def __init__(self, manifest: CompileManifest, device: str, workers: int | None = None) -> None:
+    def __init__(
+        self, manifest: CompileManifest, device: str, workers: int | None = None, sampler_vocab: int | None = None
+    ) -> None:
         self.manifest = manifest  # whose entries it compiles, and where this start's compiles are recorded
         self.device = device  # the engine's device: the compiling threads' current one
         self.workers = workers  # compiling threads; None: one per CPU the process may use
+        self.sampler_vocab = sampler_vocab  # the sampler kernel's vocabulary, where its variants compile ahead too
         self.result: Precompiled | None = None  # once joined, where it ran to its end
+        self.pool: CompilePool | None = None  # on CUDA: the processes compiling ahead (services/worker/compile_pool.py)
+        self.manifest_ahead = Ahead()  # the manifest's entries in the pool, awaited before the threads preload them
+        self.sampler_ahead = Ahead()  # the sampler's variants in the pool, awaited by the warm-up (``wait_sampler``)
         self.started = threading.Event()  # set once its phase is entered (reported beside), or once it stopped short
         self._stop = threading.Event()
         self._index: int | None = None  # the CUDA device's index (``start``); None off CUDA
@@ -100,6 +107,12 @@ class Preload:
             self.manifest.record()
             with self._on_device():
                 resolved = self.manifest.resolve()
+                try:
+                    self._compile_ahead(resolved)
+                except Exception as e:  # the threads compile the manifest alone; the sampler's at the warm-up
+                    log.warning("precompile: no processes compiling ahead (%s)", e)
+                    self.close()
+                    self.manifest_ahead = self.sampler_ahead = Ahead()
         except Exception as e:  # never fails the start: the variants compile when launched
             log.warning("precompile: not started (%s)", e)
             return self
@@ -112,6 +125,7 @@ class Preload:
             self._set_device()
             with startup.beside(PHASE) as step:
                 self.started.set()
+                self.manifest_ahead.wait(step.count, self._stop)  # then the threads read them from Triton's cache
                 self.result = self.manifest.precompile(
                     self.workers, step.count, resolved, thread_setup=self._thread_setup(step), stop=self._stop
                 )
@@ -119,6 +133,51 @@ class Preload:
             log.warning("precompile: stopped (%s)", e)
         finally:
             self.started.set()
+
+    def _compile_ahead(self, resolved: Resolved) -> None:
+        """On CUDA, the manifest's entries and then the sampler's variants (``sampler_vocab``, listed without a
+        compile) go to a pool of processes (services/worker/compile_pool.py), started here."""
+        if self._index is None:
+            return
+        manifest_entries = [entry_of(fn.fn.__module__, fn.fn.__qualname__, data) for fn, data in resolved.kernels]
+        known = {entry["specialization_data"] for entry in manifest_entries}
+        sampler_entries: list[dict[str, str]] = []
+        if self.sampler_vocab is not None:
+            from services.worker.sampling.kernel_sampler import KernelSampler
+
+            with listed() as sampler_entries:
+                KernelSampler().compile_variants(self.sampler_vocab, self.device, workers=1)
+            sampler_entries = [e for e in sampler_entries if e["specialization_data"] not in known]
+        num_entries = len(manifest_entries) + len(sampler_entries)
+        if num_entries == 0:
+            return
+        self.pool = CompilePool(current_target(), num_processes_for(num_entries))
+        self.manifest_ahead = self.pool.submit(manifest_entries)
+        self.sampler_ahead = self.pool.submit(sampler_entries)
+        log.info(
+            "precompile: %d variants of the manifest and %d of the sampler compiling in %d processes",
+            len(manifest_entries),
+            len(sampler_entries),
+            self.pool.num_processes,
+        )
+
+    def wait_sampler(self) -> None:
+        """Waits for the sampler's variants compiled ahead (so the warm-up reads them from Triton's cache rather than
+        compile them again), then lets the pool's processes end."""
+        self.sampler_ahead.wait(stop=self._stop)
+        if self.sampler_ahead.futures:
+            log.info(
+                "precompile: the sampler's %d variants compiled ahead (%.1f s of compiles, %d failed)",
+                len(self.sampler_ahead.futures),
+                self.sampler_ahead.seconds,
+                self.sampler_ahead.num_failed,
+            )
+        self.close()
+
+    def close(self) -> None:
+        """The pool's compiles not begun are cancelled; its processes end after those under way."""
+        if self.pool is not None:
+            self.pool.close()
 
     def _thread_setup(self, step: startup.PhaseStep):
         def setup() -> None:
@@ -161,6 +220,7 @@ class Preload:
     def cancel(self) -> None:
         """No further compile starts; the thread ends after those under way (it is not waited for)."""
         self._stop.set()
+        self.close()
 
 
 @contextlib.contextmanager
@@ -175,7 +235,14 @@ def preloaded(
         return
     try:
         cfg = source.config if source is not None else model_config(model)
-        preload: Preload | None = Preload(compile_manifest(config, cfg), config.device or "cpu").start()
+        # The sampler kernel's variants ahead too, where its kernel samples (services/worker/worker.py; not with
+        # drafts: the speculator samples in torch).
+        sampler_vocab = (
+            cfg.vocab_size if config.kernel_backend is not None and not config.num_speculative_tokens else None
+        )
+        preload: Preload | None = Preload(
+            compile_manifest(config, cfg), config.device or "cpu", sampler_vocab=sampler_vocab
+        ).start()
     except Exception as e:  # an unreadable config fails the load itself, with its own message
         log.warning("precompile: not started (%s)", e)
         preload = None

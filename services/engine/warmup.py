@@ -123,7 +123,12 @@ def _params(request: WarmupRequest) -> SamplingParams:
     )
 
 
-def warm_up(engine: Engine, progress: Progress | None = None, max_context: int | None = None) -> int:
+def warm_up(
+    engine: Engine,
+    progress: Progress | None = None,
+    max_context: int | None = None,
+    compiled_ahead: Callable[[], object] | None = None,
+) -> int:
     """Runs ``plan_warmup``'s requests through ``engine`` until all have ended; returns the steps it took. The
     engine must be idle (no request); it is idle again afterwards, its prefix cache empty."""
     if engine.has_unfinished():
@@ -152,6 +157,8 @@ def warm_up(engine: Engine, progress: Progress | None = None, max_context: int |
     sampler = getattr(engine.worker, "sampler", None)
     speculating = getattr(engine.worker, "speculator", None) is not None
     compile_variants = None if speculating else getattr(sampler, "compile_variants", None)
+    if compiled_ahead is not None:  # the sampler's variants compiled in other processes: read from Triton's cache
+        compiled_ahead()
     num_sampler_variants = (
         0 if compile_variants is None else compile_variants(engine.vocab_size, config.device or "cpu")
     )

@@ -31,7 +31,7 @@ def start(monkeypatch, tmp_path):
     progress = StartupProgress()
     monkeypatch.setattr(startup, "PROGRESS", progress)
     events: list[str] = []
-    monkeypatch.setattr(llm_module, "warm_up", lambda engine, report: events.append("warm-up"))
+    monkeypatch.setattr(llm_module, "warm_up", lambda engine, report, **_: events.append("warm-up"))
     yield progress, events
     stop_recording()
 

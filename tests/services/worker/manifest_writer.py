@@ -30,38 +30,14 @@ from pathlib import Path
 from services import cache_dirs
 
 KEY = "test"
+SM90 = ("cuda", 90, 32)
 
 
 def sm90_driver():
     """A Triton driver for sm_90 with no device behind it (compiles only)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
+    from services.worker.compile_pool import target_driver
 
-    class Sm90Driver(DriverBase):
-        @classmethod
-        def is_active(cls) -> bool:
-            return True
-
-        def map_python_to_cpp_type(self, ty: str) -> str:
-            return ty
-
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self) -> torch.device:
-            return torch.device("cpu")
-
-        def get_benchmarker(self):
-            raise NotImplementedError("nothing runs on this driver")
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def get_current_stream(self, device: int | None = None) -> int:
-            return 0
-
-    return Sm90Driver()
+    return target_driver(SM90)
 
 
 def main() -> None:
@@ -70,17 +46,19 @@ def main() -> None:
     p.add_argument("--engine", default=None, help="a model to serve on CUDA instead")
     p.add_argument("--go", type=Path)
     p.add_argument("--precompile", action="store_true")
+    p.add_argument("--pool", help="blocks whose variants a compile pool compiles, read back here (_through_a_pool)")
     args = p.parse_args()
     cache_dirs.setup()
     if args.engine is not None:
         _serve_a_few(args.engine)
         return
+    if args.pool is not None:
+        _through_a_pool([int(b) for b in args.pool.split(",")])
+        return
 
-    import torch
     import triton
     from triton import knobs
 
-    from kernels import rmsnorm
     from services.worker.compile_manifest import CompileManifest
 
     triton.runtime.driver.set_active(sm90_driver())
@@ -103,16 +81,54 @@ def main() -> None:
         deadline = time.monotonic() + 60
         while not args.go.exists() and time.monotonic() < deadline:
             time.sleep(0.005)
-    x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.ones(256)
     for block in (int(b) for b in args.blocks.split(",")):
-        # kernels/rmsnorm.py's plain launch: 3 rows of 200 channels, normalised only.
-        rmsnorm._rmsnorm_kernel.warmup(
-            x, w, x, x, x, 3, 200, 256, 256, 1e-6, 0, 0, 0, 0, 0,
-            ROWS=1, BLOCK_C=block, ROPE_PAIRS=0, BLOCK_P=1, BLOCK_H=1, grid=(1,),
-        )  # fmt: skip
+        _warm_up_norm(block)
     out = {"compiled": len(compiled), **counts}
     if precompiled is not None:
         out.update(precompiled)
+    print(json.dumps(out), flush=True)
+
+
+def _warm_up_norm(block: int) -> None:
+    """kernels/rmsnorm.py's plain launch (3 rows of 200 channels, normalised only) at ``BLOCK_C`` ``block``, compiled
+    without a launch (``JITFunction.warmup``)."""
+    import torch
+
+    from kernels import rmsnorm
+
+    x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.ones(256)
+    rmsnorm._rmsnorm_kernel.warmup(
+        x, w, x, x, x, 3, 200, 256, 256, 1e-6, 0, 0, 0, 0, 0,
+        ROWS=1, BLOCK_C=block, ROPE_PAIRS=0, BLOCK_P=1, BLOCK_H=1, grid=(1,),
+    )  # fmt: skip
+
+
+def _through_a_pool(blocks: list[int]) -> None:
+    """The variants of ``_warm_up_norm`` at ``blocks`` listed (``compile_pool.listed``: nothing compiles), compiled in
+    a ``CompilePool`` for sm_90, then compiled here the way a launch would: prints the entries listed, the compiles
+    that failed in the pool, this process's compiles while listing, and Triton's file-cache hits and misses after."""
+    import triton
+    from triton import knobs
+
+    from services.worker.compile_pool import CompilePool, listed
+
+    triton.runtime.driver.set_active(sm90_driver())
+    counts = {"hits": 0, "misses": 0}
+
+    def listener(*, cache_hit: bool, **_: object) -> None:
+        counts["hits" if cache_hit else "misses"] += 1
+
+    knobs.compilation.listener = listener
+    with listed() as entries:
+        for block in blocks:
+            _warm_up_norm(block)
+    while_listing = dict(counts)
+    pool = CompilePool(SM90, 2)
+    ahead = pool.submit(entries).wait()
+    pool.close()
+    for block in blocks:
+        _warm_up_norm(block)
+    out = {"listed": len(entries), "failed": ahead.num_failed, "while_listing": while_listing, **counts}
     print(json.dumps(out), flush=True)
 
 
@@ -170,11 +186,11 @@ def _serve_a_few(model: str) -> None:
             launched.append(repr[:160])
 
     knobs.runtime.jit_cache_hook = missed
-    precompiled: list[str] = []  # the engine's "precompiled N kernel variants of M recorded in S s" line
+    precompiled: list[str] = []  # the engine's "precompiled N kernel variants …" and "precompile: …" lines
 
     class Kept(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("precompiled"):
+            if record.getMessage().startswith("precompile"):  # its counts, and those of the compile pool
                 precompiled.append(record.getMessage())
 
     engine_log = logging.getLogger("shinkai.engine")
