@@ -344,7 +344,7 @@ coldstart_start() {  # coldstart_start NAME: one `shinkai up` on the suite's cac
     echo "{\"what\": \"time_to_ready_s\", \"start\": \"$name\", \"rc\": $rc, \"seconds\": $(( SECONDS - t0 ))}" \
         | tee -a "$dir/results.jsonl"
     grep -h '"event": "ready"' "$run_dir"/logs/engine-0.log | sed "s/^{/{\"start\": \"$name\", /" | tee -a "$dir/results.jsonl"
-    grep -h -E "capture seconds per graph size|startup \{|loaded .* GB/s|pools:|Error" "$run_dir"/logs/engine-0.log \
+    grep -h -E "capture seconds per graph size|startup \{|loaded .* GB/s|pools:|Error|precompile" "$run_dir"/logs/engine-0.log \
         | sed "s/^/$name: /" | tee -a "$dir/engine-lines.log"
     return $rc
 }
