@@ -8,10 +8,15 @@ it runs (``preloaded``):
 
 - **start**, on the calling thread: the manifest's key, the recording of this start's compiles into it (the load's
   own included), and each entry's kernel found (imports, Triton's per-device tables: never concurrently with the
-  loading thread's own). Then a thread of its own compiles the variants on a pool of one thread per CPU, reported
-  as the ``compiling`` phase *beside* ``loading`` (services/worker/startup.py, "A phase beside the others": the
+  loading thread's own). On CUDA the entries, and the sampler kernel's variants (listed without a compile: its
+  rows' parameters pick them, so they are known before any step), go to a pool of spawned processes
+  (services/worker/compile_pool.py) that compile them into Triton's file cache with no GIL between them. Then a
+  thread of its own waits for the manifest's and preloads them on a pool of one thread per CPU (file-cache reads
+  where the processes compiled them), reported as the ``compiling`` phase *beside* ``loading`` (services/worker/startup.py, "A phase beside the others": the
   probes show ``loading 12/40 9 s; beside: compiling 30/130 9 s``, and its compiles are counted under
   ``compiling``).
+- **wait_sampler**, at the warm-up: waits for the sampler's variants, then lets the processes end (``close``: also at
+  the end of the start, whatever ends it).
 - **join**, before anything launches a step (the pool profile): waits for it; while the load is done and the compiles
   are not, the probes report ``compiling`` with its count.
 - **never fails the start**: an entry whose kernel is gone, whose parameters changed or whose compile fails is

@@ -1,5 +1,6 @@
-"""The kernel variants a process compiled, kept under the cache root so the next start compiles them all at once,
-in a thread pool, before its graph capture and warm-up.
+"""The kernel variants a process compiled, kept under the cache root so the next start compiles them all at once
+before its graph capture and warm-up (on CUDA in processes first, services/worker/compile_pool.py, then read back
+here on threads).
 
 Triton compiles a variant (a kernel's specialisation key: docs/kernel-notes.md, "Variants") the first time a launch
 needs it, on the launching thread, one after another. A manifest names every variant a process compiled, so a later
