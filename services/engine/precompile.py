@@ -12,9 +12,9 @@ it runs (``preloaded``):
   rows' parameters pick them, so they are known before any step), go to a pool of spawned processes
   (services/worker/compile_pool.py) that compile them into Triton's file cache with no GIL between them. Then a
   thread of its own waits for the manifest's and preloads them on a pool of one thread per CPU (file-cache reads
-  where the processes compiled them), reported as the ``compiling`` phase *beside* ``loading`` (services/worker/startup.py, "A phase beside the others": the
-  probes show ``loading 12/40 9 s; beside: compiling 30/130 9 s``, and its compiles are counted under
-  ``compiling``).
+  where the processes compiled them), reported as the ``compiling`` phase *beside* ``loading``
+  (services/worker/startup.py, "A phase beside the others": the probes show ``loading 12/40 9 s; beside:
+  compiling 30/130 9 s``, and its compiles are counted under ``compiling``).
 - **wait_sampler**, at the warm-up: waits for the sampler's variants, then lets the processes end (``close``: also at
   the end of the start, whatever ends it).
 - **join**, before anything launches a step (the pool profile): waits for it; while the load is done and the compiles
