@@ -1,6 +1,7 @@
 """`shinkai cache`: the compile caches (services/cache_dirs.py), their directories, sizes and entries; `shinkai cache
 clear` empties them; `shinkai cache prune` removes the compile manifests no start can load any more, and optionally
-those unused for some days (services/worker/manifest_prune.py)."""
+those unused for some days (services/worker/manifest_prune.py); `shinkai cache compile` compiles the manifests'
+variants into Triton's cache without a GPU (services/worker/manifest_compile.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prune.add_argument("--older-than", type=float, default=None, metavar="DAYS", help="also manifests unused this long")
     prune.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
     prune.set_defaults(func=_prune)
+    compile_ = commands.add_parser(
+        "compile",
+        help="compile every compile manifest's variants into Triton's cache for the GPU its key names, on this "
+        "machine's CPUs (no GPU needed): a node or an image given the manifests then starts warm",
+    )
+    compile_.add_argument("--processes", type=int, default=None, help="compiling processes (default: the CPUs but one)")
+    compile_.set_defaults(func=_compile)
 
 
 def _size(num_bytes: int) -> str:
@@ -91,3 +99,29 @@ def _prune(args: argparse.Namespace) -> int:
         print(f"{verb} {os.path.relpath(r.path, root)}  {_size(r.num_bytes)}  ({r.why})")
     print(f"{verb} {len(removed)} item(s), {_size(sum(r.num_bytes for r in removed))} from {root}")
     return 0
+
+
+def _compile(args: argparse.Namespace) -> int:
+    import os
+
+    from services import cache_dirs
+    from services.entrypoints.cli import UsageError
+    from services.worker.compile_manifest import VARIANTS
+    from services.worker.manifest_compile import compile_manifests
+
+    if args.processes is not None and args.processes < 1:
+        raise UsageError(f"--processes is at least 1; got {args.processes}")
+    cache_dirs.setup()  # Triton's cache directory under the root, as an engine sets it
+    root = cache_dirs.directory(VARIANTS)
+    results = compile_manifests(root, args.processes)
+    for r in results:
+        name = os.path.relpath(r.path, root)
+        if r.skipped is not None:
+            print(f"skipped {name}: {r.skipped}")
+        else:
+            print(
+                f"compiled {name} for {r.target[0]} sm_{r.target[1]}: {r.num_entries - r.num_failed} of "  # type: ignore[index]
+                f"{r.num_entries} variants ({r.num_failed} failed), {r.seconds:.1f} s of compiles"
+            )
+    print(f"{len(results)} manifest(s) under {root}; Triton's cache: {os.environ['TRITON_CACHE_DIR']}")
+    return 1 if any(r.num_failed for r in results) else 0
