@@ -10,7 +10,7 @@ subprocess: on threads of one process the engine's variants reached about 3.4× 
   entries of code that compiles without launching (``JITFunction.warmup``: the sampler's variants), without
   compiling them.
 - **The processes** are spawned (the engine's process holds a CUDA context and threads, which a fork would copy),
-  see no GPU (``CUDA_VISIBLE_DEVICES`` empty: no context of theirs counts against the pool profile's free memory)
+  run at a lower CPU priority than the engine (``NICENESS``), see no GPU (``CUDA_VISIBLE_DEVICES`` empty: no context of theirs counts against the pool profile's free memory)
   and compile for the engine's GPU through ``TargetDriver``, a Triton driver that names the engine's target (its
   backend, architecture and warp size) and has no device behind it. They inherit the engine's environment, so
   Triton's cache directory and every variable in its cache key are the engine's (services/cache_dirs.py).
@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("shinkai.worker.compile_pool")
 
+NICENESS = 10
+"""Added to the pool processes' nice value (Linux: 0 → 10), so the engine's own threads run first."""
 Target = tuple[str, int, int]
 """Triton's ``GPUTarget`` as plain data: (backend, arch, warp_size), e.g. ("cuda", 90, 32) for an H100."""
 
@@ -167,8 +169,11 @@ def num_processes_for(num_entries: int) -> int:
 
 
 def _process_start(target: Target) -> None:
-    """A pool process: no GPU of its own, Triton compiling for the engine's target."""
+    """A pool process: no GPU of its own, Triton compiling for the engine's target, at a lower CPU priority than the
+    engine's (its load and its step thread, which compiles what nobody listed, are the start's critical path)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
     logging.getLogger().setLevel(logging.WARNING)
     from triton.runtime import driver
 
