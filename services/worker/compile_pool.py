@@ -10,9 +10,10 @@ subprocess: on threads of one process the engine's variants reached about 3.4× 
   entries of code that compiles without launching (``JITFunction.warmup``: the sampler's variants), without
   compiling them.
 - **The processes** are spawned (the engine's process holds a CUDA context and threads, which a fork would copy),
-  run at a lower CPU priority than the engine (``NICENESS``), see no GPU (``CUDA_VISIBLE_DEVICES`` empty: no context of theirs counts against the pool profile's free memory)
-  and compile for the engine's GPU through ``TargetDriver``, a Triton driver that names the engine's target (its
-  backend, architecture and warp size) and has no device behind it. They inherit the engine's environment, so
+  run at a lower CPU priority than the engine (``NICENESS``), see no GPU (``CUDA_VISIBLE_DEVICES`` empty: no
+  context of theirs counts against the pool profile's free memory) and compile for the engine's GPU through
+  ``TargetDriver``, a Triton driver that names the engine's target (its backend, architecture and warp size) and
+  has no device behind it. They inherit the engine's environment, so
   Triton's cache directory and every variable in its cache key are the engine's (services/cache_dirs.py).
 - **What the engine does after**: Triton writes a compiled variant into its file cache whole (a group of files
   under a temporary name, then renamed into place), keyed by the source, the target, the options and the
