@@ -171,10 +171,12 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
                 "restart": "on-failure",
             }
         else:
-            # Each service waits for the ones it needs (`Service.after`) to be healthy, as `shinkai up` does; the
-            # rest start beside it.
+            # Each service waits for the ones it needs (`Service.after`) to be healthy, as `shinkai up` does, and for
+            # those it would wait for by itself (`waits_for`: a container's healthcheck gives up sooner than `up`);
+            # the rest start beside it.
             depends = {
-                name: {"condition": "service_started" if name == "nats" else "service_healthy"} for name in s.after
+                name: {"condition": "service_started" if name == "nats" else "service_healthy"}
+                for name in (*s.after, *s.waits_for)
             }
             service: dict[str, Any] = {
                 "image": IMAGE,

@@ -23,9 +23,12 @@ class Service:
     health: str  # "grpc:<port>" (grpc.health.v1 SERVING) or "tcp:<port>" (accepts connections)
     url: str | None = None  # what `up` prints for people, if anything
     group: str | None = None  # services started and stopped together (a data-parallel group's ranks); None: alone
-    # The services that must be healthy before this one starts (what it connects to while it starts or becomes
-    # healthy); every other service starts at once beside it.
+    # The services that must be healthy before this one starts (what it connects to while it starts); every other
+    # service starts at once beside it.
     after: tuple[str, ...] = ()
+    # Services this one waits for by itself once started: it becomes healthy only after them, so `up` counts its
+    # --timeout from when they are healthy (its own start overlaps theirs).
+    waits_for: tuple[str, ...] = ()
 
 
 def _model_config(model: str):
@@ -255,8 +258,9 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
             gateway,
             f"grpc:{at.port('gateway', 'grpc')}",
             f"http://{at.reach('gateway', 'http')}/v1 and grpc {at.reach('gateway', 'grpc')}",
-            # It asks an engine for the model at start and is healthy only with the tokenizer and an engine.
-            after=("nats", "tokenizer", *(spec.split("=", 1)[0] for spec in engines)),
+            after=("nats",),  # it subscribes to the engines' reports at start
+            # It waits for an engine to read the model from, and is healthy only with the tokenizer and an engine.
+            waits_for=("tokenizer", *(spec.split("=", 1)[0] for spec in engines)),
         )
     )
     return stack

@@ -2,7 +2,8 @@
 
 `up` starts each service of the one list (`services()`, services/entrypoints/service_list.py) as its own
 process (its own session, its log in ``<run_dir>/logs/<name>.log``) as soon as the services it needs
-(``Service.after``) are healthy, so services that need nothing of each other load side by side; it probes each
+(``Service.after``) are healthy, so services that need nothing of each other load side by side (one that waits
+for others by itself, ``Service.waits_for``, gets its ``timeout_s`` from when they are healthy); it probes each
 starting one every ``POLL_S`` until all are healthy (a line per service: its seconds from its start and from
 `up`'s), records every PID in ``<run_dir>/stack.json`` in start order, and last starts the supervisor
 (services/entrypoints/supervisor.py), which restarts a crashed service and from then on keeps stack.json. Each
@@ -116,6 +117,8 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
                 continue
             if progress is not None and s.shown.show(progress):  # a starting engine that moves on gets
                 s.deadline = max(s.deadline, time.monotonic() + timeout_s)  # timeout_s from its latest step
+            if not set(s.service.waits_for) <= healthy:  # its clock starts once what it waits for is healthy
+                s.deadline = time.monotonic() + timeout_s
             if s.proc.poll() is not None or time.monotonic() > s.deadline:
                 late = "no startup progress" if s.shown.progressed else "not healthy"
                 why = f"exited with {s.proc.returncode}" if s.proc.poll() is not None else f"{late} in {timeout_s} s"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +30,22 @@ log = logging.getLogger("shinkai.gateway.health")
 NO_ENGINE = "no engine is reachable and serving"
 NO_TOKENIZER = "the tokenizer is not reachable and serving"
 TOKENIZER = "(tokenizer)"  # its key among the engines' names (parenthesised: never an engine's name)
+
+
+async def first_serving(engines: Sequence[Any], interval_s: float = 0.05) -> Any:
+    """The first of ``engines`` (each with a gRPC ``channel``) whose grpc.health.v1 answers SERVING, asking each
+    every ``interval_s`` for as long as it takes: a gateway started beside its engines waits here for one to have
+    loaded before it reads the model from it."""
+    stubs = [health_pb2_grpc.HealthStub(engine.channel) for engine in engines]
+    while True:
+        for engine, stub in zip(engines, stubs):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=max(interval_s, 1.0))
+            except grpc.aio.AioRpcError:
+                continue  # not listening yet, or busy starting
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return engine
+        await asyncio.sleep(interval_s)
 
 
 class EngineHealth:

@@ -96,9 +96,10 @@ def test_services_and_commands_are_the_stacks(model):
     assert {"otel-collector", "jaeger", "prometheus", "grafana"} <= set(services)
     for s in stack:
         assert services[s.name]["command"] == s.argv, s.name
-    # Start order: each stack service waits for what it needs, as `shinkai up` does; the rest start beside it.
+    # Start order: each stack service waits for what it needs and what it would wait for by itself (`up` starts
+    # those beside it); the rest start beside it.
     for s in stack[1:]:
-        assert set(services[s.name].get("depends_on", {})) - {"otel-collector"} == set(s.after), s.name
+        assert set(services[s.name].get("depends_on", {})) - {"otel-collector"} == {*s.after, *s.waits_for}, s.name
     assert {"nats", "tokenizer", "engine-0"} <= set(services["gateway"]["depends_on"])
     assert "depends_on" not in services["tokenizer"]
     # Every address a command names is a compose service (containers reach each other by service name).
