@@ -67,6 +67,7 @@ class EngineHealth:
             self._stubs[TOKENIZER] = health_pb2_grpc.HealthStub(tokenizer_channel)
         self._slow = dict.fromkeys(self._stubs, 0)
         self.healthy = dict.fromkeys(self._stubs, True)
+        self.num_polls = 0  # rounds done; the first (at the gateway's start) finds what is still starting: not logged
         self.starting: dict[str, StartupState] = {}  # engines still starting, as their last answer said
 
     async def _check(self, name: str) -> bool:
@@ -90,7 +91,7 @@ class EngineHealth:
         names = list(self._stubs)
         results = await asyncio.gather(*(self._check(n) for n in names))
         for name, ok in zip(names, results):
-            if self.healthy[name] != ok:
+            if self.healthy[name] != ok and self.num_polls:
                 log.warning("%s is %s", name, "healthy again" if ok else "not serving")
             self.healthy[name] = ok
             state = self.router.states.get(name)
@@ -99,6 +100,7 @@ class EngineHealth:
             state.healthy = ok
             if ok:  # SERVING means taking requests (engines close intake before announcing "draining"), so a
                 state.accepting = True  # lifecycle "up" lost while NATS was away cannot shut it out for good
+        self.num_polls += 1
         serving = any(s.healthy and s.accepting for s in self.router.states.values())
         problem = NO_TOKENIZER if not self.healthy.get(TOKENIZER, True) else None if serving else NO_ENGINE
         if problem == NO_ENGINE and self.starting:
