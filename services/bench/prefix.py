@@ -22,8 +22,10 @@ import itertools
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _IDS = itertools.count()
 
@@ -46,11 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tokens(g: torch.Generator, vocab: int, n: int) -> list[int]:
+    import torch  # here, not at import: `shinkai`'s parser imports this module for its flags
+
     return torch.randint(3, vocab - 1, (n,), generator=g).tolist()
 
 
 def _round(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
     """Queues ``prompts`` together and steps until all end: (figures, each request's output tokens)."""
+    import torch
+
     from services.engine import SamplingParams
 
     engine = llm.engine
@@ -90,6 +96,8 @@ def _round(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[l
 
 
 def multi_turn(llm, args: argparse.Namespace, vocab: int) -> list[dict]:
+    import torch
+
     g = torch.Generator().manual_seed(1)
     histories = [[] for _ in range(args.conversations)]
     turns = []
@@ -102,6 +110,8 @@ def multi_turn(llm, args: argparse.Namespace, vocab: int) -> list[dict]:
 
 
 def agent(llm, args: argparse.Namespace, vocab: int) -> list[dict]:
+    import torch
+
     g = torch.Generator().manual_seed(2)
     shared = _tokens(g, vocab, args.shared_tokens)
     prompts = [shared + _tokens(g, vocab, args.suffix_tokens) for _ in range(args.requests)]
@@ -119,6 +129,8 @@ def _summary(rounds: list[dict]) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
     from services.engine import LLM
 
     needed = max(

@@ -160,8 +160,6 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
     stack = stack_services(config)
     users = {u.name: u for u in nats_users(config)}
     out: dict[str, Any] = {}
-    started: list[str] = []
-    groups = {s.name: s.group for s in stack}
     for s in stack:
         if s.name == "nats":
             out["nats"] = {
@@ -173,12 +171,12 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
                 "restart": "on-failure",
             }
         else:
-            # Every service after nats waits for all before it to be healthy, as `shinkai up` does, except the
-            # other members of its group (a data-parallel group's ranks wait for each other at the rendezvous).
+            # Each service waits for the ones it needs (`Service.after`) to be healthy, as `shinkai up` does, and for
+            # those it would wait for by itself (`waits_for`: a container's healthcheck gives up sooner than `up`);
+            # the rest start beside it.
             depends = {
                 name: {"condition": "service_started" if name == "nats" else "service_healthy"}
-                for name in started
-                if s.group is None or groups.get(name) != s.group
+                for name in (*s.after, *s.waits_for)
             }
             service: dict[str, Any] = {
                 "image": IMAGE,
@@ -192,7 +190,7 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
                 },
                 "networks": ["internal"],
                 "volumes": ["./models:/models:ro"],
-                "depends_on": depends,
+                **({"depends_on": depends} if depends else {}),
                 "healthcheck": _healthcheck(s),
                 "stop_grace_period": "40s",  # the services' own drain timeout is 30 s; then SIGKILL
                 "restart": "on-failure",  # compose restarts a crashed service (no backoff limit of ours)
@@ -206,9 +204,8 @@ def compose(config: StackConfig = CONFIG) -> dict[str, Any]:
             if s.name == "gateway":
                 service["ports"] = [f"{PORTS['http']}:{PORTS['http']}", f"{PORTS['grpc']}:{PORTS['grpc']}"]
                 service["networks"] = ["internal", "public"]
-                service["depends_on"]["otel-collector"] = {"condition": "service_started"}
+                service.setdefault("depends_on", {})["otel-collector"] = {"condition": "service_started"}
             out[s.name] = service
-        started.append(s.name)
     out["otel-collector"] = {
         "image": "otel/opentelemetry-collector-contrib:0.114.0",
         "command": ["--config=/etc/otelcol/config.yaml"],

@@ -5,8 +5,10 @@ engines publish them, the blocks their prefix caches hold (services/gateway/rout
     python -m services.entrypoints.gateway --tokenizer 127.0.0.1:P --engine engine-0=127.0.0.1:Q [--engine ...] \\
         --nats-url nats://127.0.0.1:R --http-port 8000 --grpc-port 50051
 
-It prints one JSON ready line. Health (grpc.health.v1, /health) is NOT_SERVING / 503 while no engine is
-reachable and serving (`services/gateway/engine_health.py`); ``GET /ready`` runs a real one-token generation.
+It starts beside its engines: it loads what a first request would (the structured outputs' grammar compiler), then
+waits for one engine to serve and reads the model from it, binds its ports and prints one JSON ready line. Health
+(grpc.health.v1, /health) is NOT_SERVING / 503 while no engine is reachable and serving
+(`services/gateway/engine_health.py`); ``GET /ready`` runs a real one-token generation.
 SIGTERM: NOT_SERVING and 503 for new requests, live streams get ``--drain-timeout`` seconds to finish, then
 every stream still live is ended with a final "abort" message, and the process exits 0.
 """
@@ -49,7 +51,11 @@ async def run(args: argparse.Namespace) -> int:
     )
     if args.nats_url:
         await router.subscribe(args.nats_url)
-    remote_info = await engines[0].model_info()
+    from services.engine.structured.constraint import warm
+    from services.gateway.engine_health import first_serving
+
+    await asyncio.to_thread(warm)  # a first structured request's imports, paid here (beside the engines' load)
+    remote_info = await (await first_serving(engines)).model_info()  # `up` starts this process beside its engines
     info = ModelInfo(
         model=remote_info.model,
         vocab_size=remote_info.vocab_size,

@@ -1,6 +1,8 @@
 """The one list of Shinkai's services: `services(config)` is the only place that says which processes make the
-stack, in start order, with their command lines and health ports. `shinkai up` (services/entrypoints/stack.py)
-starts them as local processes; services/entrypoints/compose.py and kubernetes.py render them as containers.
+stack, in start order, with their command lines, health ports and what each needs healthy before it starts
+(``after``). `shinkai up` (services/entrypoints/stack.py) starts them as local processes, each as soon as those
+are healthy, so services that need nothing of each other load side by side; services/entrypoints/compose.py and
+kubernetes.py render them as containers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ class Service:
     health: str  # "grpc:<port>" (grpc.health.v1 SERVING) or "tcp:<port>" (accepts connections)
     url: str | None = None  # what `up` prints for people, if anything
     group: str | None = None  # services started and stopped together (a data-parallel group's ranks); None: alone
+    # The services that must be healthy before this one starts (what it connects to while it starts); every other
+    # service starts at once beside it.
+    after: tuple[str, ...] = ()
+    # Services this one waits for by itself once started: it becomes healthy only after them, so `up` counts its
+    # --timeout from when they are healthy (its own start overlaps theirs).
+    waits_for: tuple[str, ...] = ()
 
 
 def _model_config(model: str):
@@ -121,6 +129,7 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
                 str(num_engines),
             ],
             f"grpc:{at.port('eplb', 'grpc')}",
+            after=("nats",),  # it subscribes at start
         ),  # its --metrics-port binds every interface: left off
     ]
     engines = []
@@ -214,6 +223,9 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
             f"grpc:{at.port(name, 'grpc')}",
             f"metrics http://{at.reach(name, 'metrics')}/metrics",
             "ranks" if ranks else None,
+            # NATS for its reports; its own worker process, which it drives from the start. The multimodal
+            # service is reached per request (an engine serves text without it).
+            after=("nats", *([worker] if config.remote_workers else [])),
         )
         if ranks:
             group_engines.append(engine)
@@ -246,6 +258,9 @@ def services(config: StackConfig, placement: Placement | None = None) -> list[Se
             gateway,
             f"grpc:{at.port('gateway', 'grpc')}",
             f"http://{at.reach('gateway', 'http')}/v1 and grpc {at.reach('gateway', 'grpc')}",
+            after=("nats",),  # it subscribes to the engines' reports at start
+            # It waits for an engine to read the model from, and is healthy only with the tokenizer and an engine.
+            waits_for=("tokenizer", *(spec.split("=", 1)[0] for spec in engines)),
         )
     )
     return stack

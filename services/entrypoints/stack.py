@@ -1,8 +1,11 @@
 """The local launcher behind `shinkai up` / `shinkai down`.
 
 `up` starts each service of the one list (`services()`, services/entrypoints/service_list.py) as its own
-process (its own session, its log in ``<run_dir>/logs/<name>.log``), waits until it is healthy before starting
-the next, records every PID in ``<run_dir>/stack.json``, and last starts the supervisor
+process (its own session, its log in ``<run_dir>/logs/<name>.log``) as soon as the services it needs
+(``Service.after``) are healthy, so services that need nothing of each other load side by side (one that waits
+for others by itself, ``Service.waits_for``, gets its ``timeout_s`` from when they are healthy); it probes each
+starting one every ``POLL_S`` until all are healthy (a line per service: its seconds from its start and from
+`up`'s), records every PID in ``<run_dir>/stack.json`` in start order, and last starts the supervisor
 (services/entrypoints/supervisor.py), which restarts a crashed service and from then on keeps stack.json. Each
 process gets only its own secrets in its environment (services/entrypoints/credentials.py). `down` stops the
 supervisor, then sends SIGTERM in reverse order (each service drains), waits, and only then SIGKILLs what is
@@ -17,20 +20,21 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from services import nats_auth
 from services.entrypoints.credentials import NATS, StackCredentials, without_secrets
 from services.entrypoints.invocation import shinkai_command
 from services.entrypoints.probe import alive_as, health_state
-from services.entrypoints.service_list import services
+from services.entrypoints.service_list import Service, services
 from services.entrypoints.stack_config import StackConfig
 from services.gateway.auth import KEY_ENV
 from services.ports import free_port
 from services.worker.startup import StartupState
 
 ROOT = Path(__file__).resolve().parents[2]
+POLL_S = 0.05  # between two rounds of health probes of the services still starting
 
 
 def _state_path(run_dir: Path) -> Path:
@@ -72,41 +76,56 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
     env = without_secrets(os.environ)  # each process adds its own secrets only
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     nats_config = nats_auth.write_config(config.run_dir / "nats.conf", credentials.nats_users)
-    for batch in _batches(stack):  # a group's members start together: they wait for each other
-        started = []
-        for service in batch:
-            if service.name == NATS:
-                service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
-            log_path = logs / f"{service.name}.log"
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(
-                    service.argv,
-                    cwd=ROOT,
-                    env={**env, **credentials.env_for(service.name)},
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            state["services"].append({**asdict(service), "pid": proc.pid, "log": str(log_path)})
-            write_state(config.run_dir, state)
-            started.append((service, proc, log_path))
-        deadline = time.monotonic() + timeout_s
-        for service, proc, log_path in started:
-            shown = StartupLines(service.name, log)
-            while True:
-                serving, starting = health_state(config.host, service.health)
-                if serving:
-                    break
-                if starting is not None and shown.show(starting):  # a starting engine that moves on gets
-                    deadline = max(deadline, time.monotonic() + timeout_s)  # timeout_s from its latest step
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    late = "no startup progress" if shown.progressed else "not healthy"
-                    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"{late} in {timeout_s} s"
-                    down(config.run_dir, log=lambda *_: None)
-                    raise RuntimeError(f"{service.name} {why}; see {log_path}{_last_error(log_path)}")
-                time.sleep(0.1)
-            log(f"{service.name:<10} pid {proc.pid:<7} healthy" + (f"  {service.url}" if service.url else ""))
+
+    def start(service: Service) -> _Starting:
+        if service.name == NATS:
+            service = replace(service, argv=[*service.argv, "-c", str(nats_config)])
+        log_path = logs / f"{service.name}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                service.argv,
+                cwd=ROOT,
+                env={**env, **credentials.env_for(service.name)},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        state["services"].append({**asdict(service), "pid": proc.pid, "log": str(log_path)})
+        write_state(config.run_dir, state)
+        return _Starting(service, proc, log_path, StartupLines(service.name, log), time.monotonic() + timeout_s)
+
+    waiting = _batches(stack)  # a group's members start together: they wait for each other
+    starting: list[_Starting] = []
+    healthy: set[str] = set()
+    began = time.monotonic()
+    while waiting or starting:
+        for batch in [b for b in waiting if all(set(s.after) <= healthy for s in b)]:  # in list order
+            waiting.remove(batch)
+            starting += [start(service) for service in batch]
+        if not starting:  # what is left waits for services that are not in the list
+            down(config.run_dir, log=lambda *_: None)
+            raise RuntimeError(f"{', '.join(s.name for b in waiting for s in b)} wait for services not in the stack")
+        for s in list(starting):
+            serving, progress = health_state(config.host, s.service.health)
+            if serving:
+                starting.remove(s)
+                healthy.add(s.service.name)
+                took = f"in {time.monotonic() - s.started_at:.1f} s, at {time.monotonic() - began:.1f} s"
+                url = f"  {s.service.url}" if s.service.url else ""
+                log(f"{s.service.name:<10} pid {s.proc.pid:<7} healthy {took}{url}")
+                continue
+            if progress is not None and s.shown.show(progress):  # a starting engine that moves on gets
+                s.deadline = max(s.deadline, time.monotonic() + timeout_s)  # timeout_s from its latest step
+            if not set(s.service.waits_for) <= healthy:  # its clock starts once what it waits for is healthy
+                s.deadline = time.monotonic() + timeout_s
+            if s.proc.poll() is not None or time.monotonic() > s.deadline:
+                late = "no startup progress" if s.shown.progressed else "not healthy"
+                why = f"exited with {s.proc.returncode}" if s.proc.poll() is not None else f"{late} in {timeout_s} s"
+                down(config.run_dir, log=lambda *_: None)
+                raise RuntimeError(f"{s.service.name} {why}; see {s.log_path}{_last_error(s.log_path)}")
+        if starting:
+            time.sleep(POLL_S)
     if config.supervise:
         secrets = {s.name: credentials.env_for(s.name) for s in stack}  # on its stdin: never in its environment
         state = _start_supervisor(config, env, secrets, timeout_s)
@@ -154,6 +173,18 @@ def _start_supervisor(config: StackConfig, env: dict[str, str], secrets: dict, t
             why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not running in {timeout_s} s"
             raise RuntimeError(f"the supervisor {why}; see {log_path}{_last_error(log_path)}")
         time.sleep(0.05)
+
+
+@dataclass
+class _Starting:
+    """A started service that is not healthy yet."""
+
+    service: Service
+    proc: subprocess.Popen
+    log_path: Path
+    shown: StartupLines
+    deadline: float  # monotonic; moved on by a starting engine's progress
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class StartupLines:

@@ -26,6 +26,7 @@ async def serve(model: str, grpc_addr: str, metrics_port: int | None = None) -> 
     tokenizer, bos = load_vocabulary(model)
     server = grpc.aio.server(interceptors=[*service_auth.server_interceptors(), AioNoInternalText()])
     api = TokenizerApi(tokenizer, bos)
+    await api.warm()  # before serving: the first call finds it done
     server.add_generic_rpc_handlers((api.handler(),))
     return await serve_until_signalled(
         server,

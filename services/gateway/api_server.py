@@ -14,6 +14,7 @@ import contextlib
 import socket
 from collections.abc import Iterator, Sequence
 
+import anyio
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -120,6 +121,9 @@ class ApiServer:
             if self._http_task.done():
                 self._http_task.result()  # raises what uvicorn raised
             await asyncio.sleep(0.01)
+        # Starlette streams a response in an anyio task group, and anyio imports its asyncio backend on first use
+        # (~20 ms on a CPU core): done here, before health says SERVING, so the first stream does not wait for it.
+        await anyio.sleep(0)
 
     def serving(self) -> bool:
         return self.ready and self.problem is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +30,22 @@ log = logging.getLogger("shinkai.gateway.health")
 NO_ENGINE = "no engine is reachable and serving"
 NO_TOKENIZER = "the tokenizer is not reachable and serving"
 TOKENIZER = "(tokenizer)"  # its key among the engines' names (parenthesised: never an engine's name)
+
+
+async def first_serving(engines: Sequence[Any], interval_s: float = 0.05) -> Any:
+    """The first of ``engines`` (each with a gRPC ``channel``) whose grpc.health.v1 answers SERVING, asking each
+    every ``interval_s`` for as long as it takes: a gateway started beside its engines waits here for one to have
+    loaded before it reads the model from it."""
+    stubs = [health_pb2_grpc.HealthStub(engine.channel) for engine in engines]
+    while True:
+        for engine, stub in zip(engines, stubs):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=max(interval_s, 1.0))
+            except grpc.aio.AioRpcError:
+                continue  # not listening yet, or busy starting
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return engine
+        await asyncio.sleep(interval_s)
 
 
 class EngineHealth:
@@ -51,6 +67,7 @@ class EngineHealth:
             self._stubs[TOKENIZER] = health_pb2_grpc.HealthStub(tokenizer_channel)
         self._slow = dict.fromkeys(self._stubs, 0)
         self.healthy = dict.fromkeys(self._stubs, True)
+        self.num_polls = 0  # rounds done; the first (at the gateway's start) finds what is still starting: not logged
         self.starting: dict[str, StartupState] = {}  # engines still starting, as their last answer said
 
     async def _check(self, name: str) -> bool:
@@ -74,7 +91,7 @@ class EngineHealth:
         names = list(self._stubs)
         results = await asyncio.gather(*(self._check(n) for n in names))
         for name, ok in zip(names, results):
-            if self.healthy[name] != ok:
+            if self.healthy[name] != ok and self.num_polls:
                 log.warning("%s is %s", name, "healthy again" if ok else "not serving")
             self.healthy[name] = ok
             state = self.router.states.get(name)
@@ -83,6 +100,7 @@ class EngineHealth:
             state.healthy = ok
             if ok:  # SERVING means taking requests (engines close intake before announcing "draining"), so a
                 state.accepting = True  # lifecycle "up" lost while NATS was away cannot shut it out for good
+        self.num_polls += 1
         serving = any(s.healthy and s.accepting for s in self.router.states.values())
         problem = NO_TOKENIZER if not self.healthy.get(TOKENIZER, True) else None if serving else NO_ENGINE
         if problem == NO_ENGINE and self.starting:

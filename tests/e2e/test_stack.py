@@ -51,7 +51,8 @@ def stack(tmp_path_factory):
         del os.environ[ENCODE_DELAY_ENV]
     state["up_lines"] = lines
     by_name = {s["name"]: s for s in state["services"]}
-    gateway_ready = json.loads(open(by_name["gateway"]["log"]).readline())
+    with open(by_name["gateway"]["log"]) as log:  # its ready event (gRPC's own lines may come before it)
+        gateway_ready = next(json.loads(line) for line in log if line.startswith('{"event": "ready"'))
     try:
         yield state, by_name, gateway_ready
     finally:

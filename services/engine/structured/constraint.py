@@ -85,6 +85,12 @@ class Constraint:
             raise ValueError(f"{self.kind}: {_XGRAMMAR_PREFIX.sub('', str(e).strip())}") from None
 
 
+def warm() -> None:
+    """Compiles a trivial schema: what a process's first constraint pays once (xgrammar's import, which loads torch,
+    jsonschema's, and their first use: about 1-2 s on a CPU core), for a server to pay before it serves."""
+    Constraint("json_schema", '{"type": "object"}').grammar()
+
+
 def choice_ebnf(spec: str) -> str:
     """``root ::= "a" | "b" ...`` for a JSON array of strings."""
     choices = json.loads(spec)

@@ -1,5 +1,9 @@
 """The load generator: token-id prompts fixed per request index, of the asked length, in the vocabulary,
-and distinct from the first token on (no shared prefixes for the prefix cache to exploit); seeded Poisson arrivals."""
+and distinct from the first token on (no shared prefixes for the prefix cache to exploit); seeded Poisson arrivals;
+the client's first-request imports done before the clock starts."""
+
+import subprocess
+import sys
 
 import pytest
 
@@ -23,3 +27,24 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
     assert arrival_times(3, None) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="request-rate"):
         arrival_times(3, 0.0)
+
+
+_LOAD = """
+import asyncio, sys
+import openai
+from services.client.loadgen import load_client
+
+lazy = ("openai.resources.completions", "anyio._backends._asyncio")
+assert not any(m in sys.modules for m in lazy)
+asyncio.run(load_client(openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused", max_retries=0)))
+print(all(m in sys.modules for m in lazy))
+"""
+
+
+def test_the_client_loads_what_its_first_request_would_before_any_is_timed():
+    """In a fresh interpreter (this one may hold them already); nothing is sent (nothing listens at port 9)."""
+    from services.entrypoints.stack import ROOT
+
+    done = subprocess.run([sys.executable, "-c", _LOAD], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

@@ -107,3 +107,105 @@ def test_up_prints_a_starting_engines_line_when_its_phase_or_count_changes():
         f"engine-0   capturing [{'-' * 20}] 0/4 0 s  (30 s since start)",
         f"engine-0   capturing [{'#' * 5}{'-' * 15}] 1/4 (16 rows) 2 s  (32 s since start)",
     ]
+
+
+# A stand-in service: records when it started, then (once the port it waits for, if any, accepts) after ``delay``
+# seconds accepts TCP on its port (its health).
+_FAKE = """
+import socket, sys, time
+name, port, delay, run_dir = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+open(f"{run_dir}/{name}.started", "w").write(repr(time.monotonic()))
+while len(sys.argv) > 5:
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[5])), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.02)
+time.sleep(delay)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen()
+open(f"{run_dir}/{name}.healthy", "w").write(repr(time.monotonic()))
+time.sleep(60)
+"""
+
+
+def test_up_starts_each_service_once_what_it_needs_is_healthy_and_the_rest_at_once(tmp_path, monkeypatch):
+    import sys
+
+    from services.entrypoints import stack as stack_module
+    from services.entrypoints.service_list import Service
+    from services.entrypoints.stack import down, up
+    from services.entrypoints.stack_config import StackConfig
+    from services.ports import free_port
+
+    def fake(name: str, delay: float, after: tuple[str, ...] = (), waits: Service | None = None) -> Service:
+        port = free_port("127.0.0.1")
+        argv = [sys.executable, "-c", _FAKE, name, str(port), str(delay), str(tmp_path)]
+        argv += [waits.health.split(":")[1]] if waits is not None else []
+        return Service(name, argv, f"tcp:{port}", after=after, waits_for=(waits.name,) if waits else ())
+
+    # "slow" needs nothing and takes longest; "first" needs nothing; "second" needs "first"; "last" needs both;
+    # "waiter" starts at once but waits for "slow" by itself, longer than --timeout from its own start.
+    slow = fake("slow", 1.2)
+    fakes = [
+        slow,
+        fake("first", 0.3),
+        fake("second", 0.0, after=("first",)),
+        fake("last", 0.0, after=("slow", "second")),
+        fake("waiter", 1.0, waits=slow),
+    ]
+    monkeypatch.setattr(stack_module, "services", lambda config: fakes)
+    lines: list[str] = []
+    try:
+        state = up(StackConfig(run_dir=tmp_path, supervise=False), timeout_s=1.8, log=lines.append)
+    finally:
+        down(tmp_path, log=lambda *_: None)
+    started = {f.name: float((tmp_path / f"{f.name}.started").read_text()) for f in fakes}
+    healthy = {f.name: float((tmp_path / f"{f.name}.healthy").read_text()) for f in fakes}
+    assert started["first"] < healthy["slow"] and started["slow"] < healthy["first"]  # side by side
+    assert started["second"] > healthy["first"] and started["second"] < healthy["slow"]  # not behind "slow"
+    assert started["last"] > max(healthy["slow"], healthy["second"])
+    assert started["waiter"] < healthy["first"] and healthy["waiter"] > healthy["slow"]  # its clock: from "slow" on
+    # stack.json lists them in start order (`down` stops them in reverse); one line per service as it gets healthy.
+    assert [s["name"] for s in state["services"]] == ["slow", "first", "waiter", "second", "last"]
+    assert [line.split()[0] for line in lines] == ["first", "second", "slow", "last", "waiter"]
+    assert all(" healthy in " in line for line in lines)
+
+
+def test_up_refuses_a_service_that_waits_for_one_not_in_the_stack(tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+
+    from services.entrypoints import stack as stack_module
+    from services.entrypoints.service_list import Service
+    from services.entrypoints.stack import up
+    from services.entrypoints.stack_config import StackConfig
+
+    orphan = Service("orphan", [sys.executable, "-c", "pass"], "tcp:1", after=("nowhere",))
+    monkeypatch.setattr(stack_module, "services", lambda config: [orphan])
+    with pytest.raises(RuntimeError, match="orphan wait for services not in the stack"):
+        up(StackConfig(run_dir=tmp_path, supervise=False), timeout_s=5, log=lambda *_: None)
+
+
+def test_every_service_waits_only_for_services_of_the_stack_and_the_gateway_for_its_engines():
+    from services.entrypoints.service_list import services
+    from services.entrypoints.stack_config import StackConfig
+
+    for config in (
+        StackConfig(model="tiny"),
+        StackConfig(model="tiny", num_engines=2, remote_workers=True),
+        StackConfig(model="tiny", data_parallel_size=2, remote_workers=True, batch_invariant=True),
+    ):
+        stack = {s.name: s for s in services(config)}
+        assert all(set(s.after) <= set(stack) - {s.name} for s in stack.values())
+        engines = {name for name in stack if name.startswith("engine-")}
+        # The gateway starts beside the engines and waits for them (and the tokenizer) by itself.
+        assert stack["gateway"].after == ("nats",) and {"tokenizer", *engines} == set(stack["gateway"].waits_for)
+        assert all(set(s.waits_for) <= set(stack) - {s.name} for s in stack.values())
+        assert stack["tokenizer"].after == () and stack.get("multimodal", stack["tokenizer"]).after == ()
+        for name in engines:
+            worker = name.replace("engine", "worker")
+            assert set(stack[name].after) == {"nats", *([worker] if worker in stack else [])}

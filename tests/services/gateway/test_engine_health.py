@@ -85,3 +85,24 @@ def test_with_no_engine_serving_the_problem_names_the_starting_engines_phase():
 
     problem = asyncio.run(run())
     assert problem.startswith(f"{NO_ENGINE} (engine-0: capturing 1/11 (64 rows) ")
+
+
+def test_a_gateway_started_beside_its_engines_reads_the_first_one_that_serves():
+    """`first_serving` waits through a port nobody listens on yet and an engine still starting (NOT_SERVING), and
+    returns the engine that serves first."""
+    from services.gateway.engine_health import first_serving
+    from services.ports import free_port
+
+    async def run():
+        server, servicer, address = await health_server()
+        await servicer.set("", NOT_SERVING)
+        absent = RemoteEngine("engine-0", f"127.0.0.1:{free_port('127.0.0.1')}")
+        starting = RemoteEngine("engine-1", address)
+        waiting = asyncio.create_task(first_serving([absent, starting], interval_s=0.02))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await servicer.set("", SERVING)
+        assert await asyncio.wait_for(waiting, 5) is starting
+        await server.stop(None)
+
+    asyncio.run(run())

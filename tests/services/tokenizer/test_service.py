@@ -129,3 +129,25 @@ def test_token_texts_are_each_ids_own_string_and_bytes_in_one_call(address):
     assert calls == [len(ids)]
     assert len(octopus) > 1 and b"".join(token_bytes[5:]).decode() == " 🐙"
     assert token_bytes[:5] == [s.encode() for s in strings[:5]]  # whole characters: their strings' UTF-8
+
+
+def test_the_tokenizer_process_does_its_one_time_work_before_it_serves(monkeypatch):
+    """The pool's threads, the first encode and chat rendering and the tokens' bytes are made before SERVING."""
+    from services.entrypoints import tokenizer as entrypoint
+    from services.tokenizer.service import TokenizerApi
+
+    seen: list[str] = []
+    warm = TokenizerApi.warm
+
+    async def warm_and_note(api):
+        await warm(api)
+        seen.append("warm")
+
+    async def serve(server, **kwargs):  # where the real one binds the port and says SERVING
+        seen.append("serving")
+        return 0
+
+    monkeypatch.setattr(TokenizerApi, "warm", warm_and_note)
+    monkeypatch.setattr(entrypoint, "serve_until_signalled", serve)
+    assert asyncio.run(entrypoint.serve("tiny", "127.0.0.1:0")) == 0
+    assert seen == ["warm", "serving"]

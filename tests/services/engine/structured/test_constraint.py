@@ -57,3 +57,21 @@ def test_a_property_named_like_a_keyword_is_not_a_keyword():
 def test_unknown_kinds_are_refused():
     with pytest.raises(ValueError, match="constraint kind"):
         Constraint("xml", "")
+
+
+def test_warm_loads_the_grammar_compiler_a_first_constraint_would():
+    """In a fresh interpreter (this one holds xgrammar already): after `warm`, a grammar imports nothing."""
+    import subprocess
+    import sys
+
+    from services.entrypoints.stack import ROOT
+
+    script = (
+        "import sys; from services.engine.structured.constraint import Constraint, warm; "
+        "assert 'xgrammar' not in sys.modules; warm(); before = set(sys.modules); "
+        'Constraint(\'json_schema\', \'{"properties": {"a": {"type": "integer"}}}\').grammar(); '
+        "print(sorted(set(sys.modules) - before))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
