@@ -40,7 +40,7 @@ prefix            prefix caching: the exactness gpu test (kernel path, CUDA grap
 fairness          scripts/diagnostics/fairness.py in-process on the GPU (tiny, --max-num-batched-tokens 256): a light key's TTFT
                   alone and beside one and two keys sending 3,900-token prompts, then a key over its limit (FAIR_S per phase)
                   (device-prep.sh --stack: the in-process server is the gateway's)
-coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up (COLDSTART_RUNS: any of cold, warm and seeded in order, default cold warm; seeded: Triton's cache emptied, the compile manifests kept; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
+coldstart         time to ready through shinkai up, v41-s1 cut to COLDSTART_LAYERS (default 14, --load-format dummy, --max-num-seqs COLDSTART_SEQS, default 64: the 11 decode graphs): cold (an empty cache root) then warm (a second start on it), each broken into load / profile / compile / capture, with the seconds of each graph size; on the cold server TTFT p50/p99 at concurrency 1 and 16 fresh, then again after that warm-up on prompts it has not seen (COLDSTART_RUNS: any of cold, warm and seeded in order, default cold warm; seeded: Triton's cache emptied, the compile manifests kept; COLDSTART_TTFT=0 skips the TTFT runs); then, where 150 s are left, the decode graphs captured again largest or smallest first, into one pool or one each (scripts/diagnostics/capture_order.py; COLDSTART_ORDER=0 skips it) (device-prep.sh --stack)
 mixed             mixed against separate steps: the mixed-steps test on the kernel path (gpu-marked), then v41-s1 cut to NUM_LAYERS (default 8, --load-format dummy) through shinkai up, separate then mixed (MIXED_BUDGET: --max-num-batched-tokens), the load generator with Poisson arrivals at concurrency 16 and 64, 512- and 4,096-token prompts, 256 tokens out
 parallel          two GPUs (nvidia-h100-x2): expert parallelism over NCCL against one process, kernel ranks in graphs (batch-invariant: tokens and logprobs ==), the torch MoE, 3 drafts; then live EPLB's layout switch at one boundary
 ep-one-gpu        one GPU: the expert-parallel kernel layer's gpu tests (its layouts' kernels at v41-s1's shapes; virtual ranks and NCCL at world size 1 captured in graphs), bench step --dp 1 --ep-path on v41-s1 with MXFP4 experts (EP_LAYERS, default 8; EP_BATCHES, default 64; EP_PROFILE=1 adds --profile), then the EP path in the engine's decode graphs
@@ -349,12 +349,13 @@ coldstart_start() {  # coldstart_start NAME: one `shinkai up` on the suite's cac
     return $rc
 }
 
-coldstart_ttft() {  # coldstart_ttft LABEL: TTFT at concurrency 1 then 16 (the prompt lengths differ between the two)
+coldstart_ttft() {  # coldstart_ttft LABEL FIRST: TTFT at concurrency 1 then 16 (the prompt lengths differ between the
+    # two), the requests numbered from FIRST (the warmed run's prompts unseen: no prefix-cache hit in either run)
     local c n p
     for c in 1 16; do
         n=$(( c == 1 ? 8 : 48 )); p=$(( c == 1 ? 300 : 700 ))
         run "ttft-$1-c$c" 90 python3 -m services.client.loadgen --url "http://127.0.0.1:$port/v1" --model "$model" \
-            --num-requests $n --concurrency $c --max-tokens 32 --prompt-tokens $p
+            --num-requests $n --concurrency $c --max-tokens 32 --prompt-tokens $p --first-request "$2"
         sed "s/^{/{\"server\": \"$1\", /" "$dir/ttft-$1-c$c.log" | grep '^{' | tee -a "$dir/results.jsonl"
     done
 }
@@ -376,8 +377,8 @@ suite_coldstart() {  # cold and warm starts on one cache root, TTFT on a fresh s
         [ "$name" = seeded ] && python3 -m services.entrypoints.cli cache clear --triton --yes
         coldstart_start "$name" || { serve_stop; continue; }
         if [ "$name" = cold ] && [ "${COLDSTART_TTFT:-1}" != 0 ]; then  # fresh, then the same after that warm-up
-            coldstart_ttft fresh
-            coldstart_ttft warmed
+            coldstart_ttft fresh 0
+            coldstart_ttft warmed 1000
         fi
         serve_stop
         # Its Triton compiles per phase and after ready (what the requests waited on), from its stopped event.

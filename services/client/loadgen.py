@@ -109,9 +109,12 @@ async def run(
     prompt_tokens: int | None = None,
     request_rate: float | None = None,
     seed: int = 0,
+    first_request: int = 0,
 ) -> dict:
-    """``prompt_tokens`` None: a short text prompt per request; else ``prompt_ids(i, prompt_tokens)``.
-    ``request_rate``: Poisson arrivals at that many requests per second (``arrival_times``); None: all at once."""
+    """``prompt_tokens`` None: a short text prompt per request; else ``prompt_ids(i, prompt_tokens)``, with the
+    requests numbered from ``first_request`` (a later run from another number sends prompts the server has not seen,
+    so none resumes from its prefix cache). ``request_rate``: Poisson arrivals at that many requests per second
+    (``arrival_times``); None: all at once."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
@@ -122,8 +125,9 @@ async def run(
     async def gated(i: int) -> Sample:
         await asyncio.sleep(arrivals[i] - (time.perf_counter() - start))
         async with gate:
+            n = first_request + i
             prompt = (
-                f"Request {i}: tell me about the deep sea." if prompt_tokens is None else prompt_ids(i, prompt_tokens)
+                f"Request {n}: tell me about the deep sea." if prompt_tokens is None else prompt_ids(n, prompt_tokens)
             )
             return await one(client, model, prompt, max_tokens)
 
@@ -175,7 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         help="Poisson arrivals at this many requests per second (default: all at once)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument(
+        "--first-request",
+        type=int,
+        default=0,
+        help="number the requests (and so their prompts) from this one: another run's prompts, unseen by the server",
+    )
     args = p.parse_args(argv)
+    if args.first_request < 0:
+        p.error(f"--first-request is at least 0; got {args.first_request}")
     result = run(
         args.url,
         args.model,
@@ -185,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt_tokens,
         args.request_rate,
         args.seed,
+        args.first_request,
     )
     print(json.dumps(asyncio.run(result)))
     return 0

@@ -48,3 +48,27 @@ def test_the_client_loads_what_its_first_request_would_before_any_is_timed():
     done = subprocess.run([sys.executable, "-c", _LOAD], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def test_a_run_numbers_its_requests_from_first_request(monkeypatch):
+    """A second run from another number sends prompts the first did not (none resumes from the prefix cache)."""
+    import asyncio
+
+    from services.client import loadgen
+
+    sent: list = []
+
+    async def one(client, model, prompt, max_tokens):
+        sent.append(prompt)
+        return loadgen.Sample(ok=True, ttft_s=0.01, num_tokens=max_tokens)
+
+    async def loaded(client):
+        return None
+
+    monkeypatch.setattr(loadgen, "one", one)
+    monkeypatch.setattr(loadgen, "load_client", loaded)
+    out = asyncio.run(loadgen.run("http://127.0.0.1:9/v1", "m", 3, 3, 4, prompt_tokens=16, first_request=1000))
+    assert out["ok"] == 3 and sorted(sent) == sorted(prompt_ids(i, 16) for i in (1000, 1001, 1002))
+    sent.clear()
+    asyncio.run(loadgen.run("http://127.0.0.1:9/v1", "m", 2, 1, 4))
+    assert sent == ["Request 0: tell me about the deep sea.", "Request 1: tell me about the deep sea."]
