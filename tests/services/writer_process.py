@@ -5,6 +5,22 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_process(env: dict[str, str], module: str, *argv: str) -> subprocess.Popen:
+    """``python -m module argv…`` from the repository root with ``env``, its output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def json_result(proc: subprocess.Popen, timeout_s: float = 240) -> dict:

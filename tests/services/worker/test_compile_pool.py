@@ -5,30 +5,18 @@ miss); an entry whose kernel is gone fails in the pool and is counted, not raise
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 from services import cache_dirs
 from services.worker.compile_pool import CompilePool, entry_of, num_processes_for
-from tests.services.writer_process import json_result
+from tests.services.writer_process import json_result, module_process
 
-ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = [c.env for c in cache_dirs.CACHES if c.env is not None]
 
 
 def test_variants_compiled_in_the_pool_are_cache_hits_for_the_process_that_listed_them(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     env["SHINKAI_CACHE_DIR"] = str(tmp_path / "cache")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.services.worker.manifest_writer", "--pool", "64,128,256"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out = json_result(process)
+    out = json_result(module_process(env, "tests.services.worker.manifest_writer", "--pool", "64,128,256"))
     # Listing compiled nothing (no file-cache lookup at all); the pool compiled each variant; the launches' compiles
     # then read all three from Triton's file cache.
     assert out == {"listed": 3, "failed": 0, "while_listing": {"hits": 0, "misses": 0}, "hits": 3, "misses": 0}

@@ -8,16 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 from services import cache_dirs
 from services.worker.manifest_compile import target_of
 from services.worker.manifest_key import KEY_FILE, versions
-from tests.services.writer_process import json_result
+from tests.services.writer_process import json_result, module_process
 
-ROOT = Path(__file__).resolve().parents[3]
 VARIABLES = [c.env for c in cache_dirs.CACHES if c.env is not None]
 
 
@@ -28,16 +24,10 @@ def _key(device: str, capability: list[int] | None = None, **other: str) -> str:
     return json.dumps({"picks": {}, "valid": valid})
 
 
-def _run(env: dict[str, str], *argv: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
 def test_a_seeded_root_compiled_without_a_gpu_gives_file_cache_hits(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     env["SHINKAI_CACHE_DIR"] = str(tmp_path)
-    first = json_result(_run(env, "tests.services.worker.manifest_writer", "--blocks", "64,128"))
+    first = json_result(module_process(env, "tests.services.worker.manifest_writer", "--blocks", "64,128"))
     assert first["misses"] == 2  # recorded into variants/test
     variants = tmp_path / "variants"
     (variants / "test" / KEY_FILE).write_text(_key("cuda:0", [9, 0]))
@@ -47,7 +37,7 @@ def test_a_seeded_root_compiled_without_a_gpu_gives_file_cache_hits(tmp_path):
     (variants / "cpu" / KEY_FILE).write_text(_key("cpu"))
     shutil.rmtree(tmp_path / "triton")  # the binaries gone, the manifests kept
 
-    compiled = _run(env, "services.entrypoints.cli", "cache", "compile", "--processes", "2")
+    compiled = module_process(env, "services.entrypoints.cli", "cache", "compile", "--processes", "2")
     out, err = compiled.communicate(timeout=300)
     assert compiled.returncode == 0, err
     lines = out.splitlines()
@@ -55,7 +45,7 @@ def test_a_seeded_root_compiled_without_a_gpu_gives_file_cache_hits(tmp_path):
     assert "skipped old: other versions (triton 0.0.1)" in lines
     assert "skipped cpu: not a CUDA device's" in lines
 
-    second = json_result(_run(env, "tests.services.worker.manifest_writer", "--blocks", "64,128"))
+    second = json_result(module_process(env, "tests.services.worker.manifest_writer", "--blocks", "64,128"))
     assert second["hits"] == 2 and second["misses"] == 0
 
 
