@@ -13,6 +13,7 @@ import pytest
 from services.engine import LLM, SamplingParams
 from services.entrypoints.cli import main
 from services.entrypoints.probe import alive_as
+from tests.service_logs import ready_event
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,7 +51,7 @@ def test_a_checkpoint_directory_serves_the_offline_tokens(tmp_path, capsys):
         engine = next(s for s in state["services"] if s["name"] == "engine-0")
         assert engine["argv"][engine["argv"].index("--model") + 1] == str(ckpt)
         assert engine["argv"][engine["argv"].index("--device") + 1] == "cpu"
-        ready = json.loads(open(gateway["log"]).readline())
+        ready = ready_event(gateway["log"])
         client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=60)
         llm = LLM(model=str(ckpt), device="cpu", batch_invariant=True)
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -28,6 +28,7 @@ from services.entrypoints.stack import down, up
 from services.entrypoints.stack_config import StackConfig
 from services.multimodal.service import ENCODE_DELAY_ENV
 from tests.openai_streams import concurrent_completion_streams
+from tests.service_logs import ready_event
 from tests.services.gateway.test_images import ask, data_url, encoded
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,8 +52,7 @@ def stack(tmp_path_factory):
         del os.environ[ENCODE_DELAY_ENV]
     state["up_lines"] = lines
     by_name = {s["name"]: s for s in state["services"]}
-    with open(by_name["gateway"]["log"]) as log:  # its ready event (gRPC's own lines may come before it)
-        gateway_ready = next(json.loads(line) for line in log if line.startswith('{"event": "ready"'))
+    gateway_ready = ready_event(by_name["gateway"]["log"])
     try:
         yield state, by_name, gateway_ready
     finally:

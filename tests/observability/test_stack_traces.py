@@ -14,6 +14,7 @@ import pytest
 from services.entrypoints.stack import down, up
 from services.entrypoints.stack_config import StackConfig
 from tests.observability.otlp import otlp_receiver, render
+from tests.service_logs import ready_event
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,17 +39,6 @@ def _value(text: str, sample: str) -> float:
     return float(m.group(1))
 
 
-def _ready_line(log: str) -> dict:
-    """The gateway's JSON ready line (health can turn SERVING a moment before it is printed)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        for line in open(log):
-            if line.startswith("{") and json.loads(line).get("event") == "ready":
-                return json.loads(line)
-        time.sleep(0.05)
-    raise AssertionError(f"no ready line in {log}")
-
-
 @pytest.fixture(scope="module")
 def traced_stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("traced-stack")
@@ -62,7 +52,7 @@ def traced_stack(tmp_path_factory):
         state = up(config, timeout_s=120, log=lambda *_: None)
         try:
             by_name = {s["name"]: s for s in state["services"]}
-            ready = _ready_line(by_name["gateway"]["log"])
+            ready = ready_event(by_name["gateway"]["log"])
             yield receiver, by_name, ready
         finally:
             down(run_dir, timeout_s=30, log=lambda *_: None)

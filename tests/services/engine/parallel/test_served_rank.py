@@ -7,7 +7,6 @@ replies through HTTP equal one process's in tests/services/gateway/test_rank_ser
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -28,6 +27,7 @@ from services.eplb.layout import Layout, startup_layout
 from services.eplb.messages import PlanMessage
 from services.subjects import EXPERT_PLAN
 from tests.ranks_harness import alive
+from tests.service_logs import ready_event
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,7 +61,7 @@ def group(tmp_path_factory):
     )
     state = up(config, timeout_s=180, log=lambda *_: None)
     by_name = {s["name"]: s for s in state["services"]}
-    ready = json.loads(open(by_name["gateway"]["log"]).readline())
+    ready = ready_event(by_name["gateway"]["log"])
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
     try:
         yield state, by_name, ready, client
@@ -229,15 +229,15 @@ def test_remote_workers_give_one_process_tokens_and_a_killed_worker_ends_the_gro
         by_name = {s["name"]: s for s in state["services"]}
         held = []
         for r in range(2):  # the engines drive their workers: no weights, no runner of their own
-            ready_line = json.loads(open(by_name[f"engine-{r}"]["log"]).readline())
+            ready_line = ready_event(by_name[f"engine-{r}"]["log"])
             assert ready_line["runner"].startswith("remote worker")
-            worker_line = json.loads(open(by_name[f"worker-{r}"]["log"]).readline())
+            worker_line = ready_event(by_name[f"worker-{r}"]["log"])
             assert worker_line["dp_rank"] == r
             held.append(worker_line["experts"])
         # Each worker holds half of tiny's 8 routed experts (no redundancy): the others are its peer's, so
         # every token whose picks include them crosses the workers' exchange.
         assert sorted(held[0] + held[1]) == list(range(8)) and len(held[0]) == len(held[1]) == 4
-        ready = json.loads(open(by_name["gateway"]["log"]).readline())
+        ready = ready_event(by_name["gateway"]["log"])
         client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
         prompts = ["The deep sea is", "Hello"]
         replies: dict[str, object] = {}
