@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -54,6 +55,16 @@ def _recorded(state: dict) -> list[dict]:
     return [*state["services"], *([state["supervisor"]] if state.get("supervisor") else [])]
 
 
+def stack_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment every service starts with: the caller's less its secrets (each process adds its own), the
+    project on PYTHONPATH, and gRPC's core logging errors only unless ``GRPC_VERBOSITY`` says otherwise (its info
+    lines, a peer's GOAWAY say, would sit among a service's own lines in its log)."""
+    env = without_secrets(environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    env.setdefault("GRPC_VERBOSITY", "ERROR")
+    return env
+
+
 def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | None = None) -> dict:
     """Starts the stack; returns the state written to stack.json, plus the stack's secrets that a caller may
     need (``service_env``: each service's secret variables; ``nats_observer``: ``nats.connect`` arguments of
@@ -73,8 +84,7 @@ def up(config: StackConfig, timeout_s: float = 120.0, log=print, api_key: str | 
     credentials = StackCredentials(
         [s.name for s in stack if s.name.startswith("engine-")], api_key or os.environ.get(KEY_ENV) or None
     )
-    env = without_secrets(os.environ)  # each process adds its own secrets only
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = stack_environment(os.environ)
     nats_config = nats_auth.write_config(config.run_dir / "nats.conf", credentials.nats_users)
 
     def start(service: Service) -> _Starting:

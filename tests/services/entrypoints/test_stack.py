@@ -209,3 +209,14 @@ def test_every_service_waits_only_for_services_of_the_stack_and_the_gateway_for_
         for name in engines:
             worker = name.replace("engine", "worker")
             assert set(stack[name].after) == {"nats", *([worker] if worker in stack else [])}
+
+
+def test_services_start_without_secrets_and_with_grpc_core_logging_errors_unless_told():
+    from services.entrypoints.stack import stack_environment
+    from services.service_auth import TOKEN_ENV
+
+    env = stack_environment({"PATH": "/bin", TOKEN_ENV: "secret"})
+    assert env["PATH"] == "/bin" and TOKEN_ENV not in env
+    # gRPC's core writes its info lines (a peer's GOAWAY) into the service's log unless told otherwise.
+    assert env["GRPC_VERBOSITY"] == "ERROR"
+    assert stack_environment({"GRPC_VERBOSITY": "INFO"})["GRPC_VERBOSITY"] == "INFO"
