@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.client import AsyncShinkaiClient, ShinkaiClient, Unavailable
 from services.entrypoints.stack import ROOT, StackConfig, down, free_port, up
 from tests.nats_server import wait_for
+from tests.service_logs import ready_event
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,18 +52,7 @@ class Stack:
         self.run_dir = run_dir
         self.state = state
         self.by_name = {s["name"]: s for s in state["services"]}
-        ready = wait_for(
-            lambda: next(
-                (
-                    json.loads(line)
-                    for line in open(self.by_name["gateway"]["log"])
-                    if line.startswith('{"event": "ready"')
-                ),
-                None,
-            ),
-            10,
-            "the gateway's ready line",
-        )
+        ready = ready_event(self.by_name["gateway"]["log"], timeout_s=10)
         self.http, self.grpc = ready["http"], ready["grpc"]
         self.engine = f"127.0.0.1:{self.by_name['engine-0']['health'].split(':')[1]}"
         self.credential = state["service_env"]["engine-0"]["SHINKAI_SERVICE_TOKEN"]  # to call the engine itself
